@@ -1,0 +1,383 @@
+"""Tests for wdscache.urls: brace expansion, URL list parsing, diff and format."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from wdscache.errors import ConfigError, UrlListError
+from wdscache.urls import (
+    UrlList,
+    diff_urls,
+    expand_braces,
+    format_url_list,
+    parse_url_list,
+    read_url_list,
+)
+
+
+def write_list(tmp_path: Path, text: str | bytes, name: str = "urls.txt") -> Path:
+    path = tmp_path / name
+    if isinstance(text, str):
+        text = text.encode("utf-8")
+    path.write_bytes(text)
+    return path
+
+
+# --------------------------------------------------------------------------- braces
+
+
+@pytest.mark.parametrize(
+    ("pattern", "expected"),
+    [
+        ("s-{000..003}.tar", ["s-000.tar", "s-001.tar", "s-002.tar", "s-003.tar"]),
+        ("{0..10}", [str(i) for i in range(11)]),
+        ("{00..10}", [f"{i:02d}" for i in range(11)]),
+        ("{8..011}", ["008", "009", "010", "011"]),
+        ("{3..1}", ["3", "2", "1"]),
+        ("{10..08}", ["10", "09", "08"]),
+        ("{5..5}", ["5"]),
+        ("{train,val}.tar", ["train.tar", "val.tar"]),
+        ("x{a,,b}", ["xa", "x", "xb"]),
+        ("{a,b}{1,2}", ["a1", "a2", "b1", "b2"]),
+        ("{a,b}-{0..2}", ["a-0", "a-1", "a-2", "b-0", "b-1", "b-2"]),
+        ("{a,b{1..2}}c", ["ac", "b1c", "b2c"]),
+        ("{x{a,b},y}", ["xa", "xb", "y"]),
+        (r"a\{1,2\}", ["a{1,2}"]),
+        (r"\{{a,b}\}", ["{a}", "{b}"]),
+        (r"p\}q", ["p}q"]),
+        ("a,b", ["a,b"]),
+        (r"a\b{1,2}", [r"a\b1", r"a\b2"]),
+    ],
+)
+def test_expand_braces(pattern: str, expected: list[str]) -> None:
+    assert expand_braces(pattern) == expected
+
+
+def test_expand_braces_keeps_duplicates() -> None:
+    assert expand_braces("{a,a}") == ["a", "a"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "fragment"),
+    [
+        ("{a,b", "unclosed '{' at offset 0"),
+        ("x{a,{b,c}", "unclosed '{' at offset 1"),
+        ("a}", "unmatched '}' at offset 1"),
+        ("{a,b}}", "unmatched"),
+        ("{}", "empty braces"),
+        ("{1..}", "empty range bound"),
+        ("{..5}", "empty range bound"),
+        ("{a..c}", "non-negative integers"),
+        ("{-1..3}", "non-negative integers"),
+        ("{1...3}", "non-negative integers"),
+        ("{abc}", "single item"),
+        ("{" * 200 + "a,b" + "}" * 200, "nested more than"),
+    ],
+)
+def test_expand_braces_errors(pattern: str, fragment: str) -> None:
+    with pytest.raises(ValueError) as info:
+        expand_braces(pattern)
+    assert fragment in str(info.value)
+
+
+def test_huge_expansion_refused_before_building() -> None:
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        expand_braces("http://h/{0..999999999}.tar")
+    assert time.perf_counter() - start < 0.5
+    assert "1000000000" in str(info.value)
+    assert "10000000" in str(info.value)
+
+
+def test_expansion_limit_counts_the_product() -> None:
+    assert len(expand_braces("{0..9}{0..9}", limit=100)) == 100
+    assert len(expand_braces("{0..9}{0..9}{a,b{c,d}}", limit=300)) == 300
+    with pytest.raises(ValueError, match="101 entries.*limit of 100"):
+        expand_braces("{0..100}", limit=100)
+    # Nested counts multiply inside a group and add across alternatives.
+    with pytest.raises(ValueError, match="would expand to 1000000000000 entries"):
+        expand_braces("{{0..999999},{0..999999}}{0..499999}")
+
+
+def test_expand_braces_million_is_fast() -> None:
+    start = time.perf_counter()
+    urls = expand_braces("http://h/shard-{000000..999999}.tar")
+    assert time.perf_counter() - start < 5
+    assert len(urls) == 1_000_000
+    assert urls[0] == "http://h/shard-000000.tar"
+    assert urls[-1] == "http://h/shard-999999.tar"
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_comments_and_blank_lines() -> None:
+    text = "# header\n\n   \n  # indented comment\nhttp://h/a.tar\n\t\nhttps://h/b.tar\n"
+    assert parse_url_list(text).urls == ("http://h/a.tar", "https://h/b.tar")
+
+
+def test_trailing_comments_and_hash_inside_url() -> None:
+    text = (
+        "http://h/a.tar  # train\n"
+        "http://h/b.tar\t#val\n"
+        "http://h/c.tar#frag\n"
+        "  http://h/d.tar   \r\n"
+        "http://h/e.tar # two words # more\n"
+    )
+    assert parse_url_list(text).urls == (
+        "http://h/a.tar",
+        "http://h/b.tar",
+        "http://h/c.tar#frag",
+        "http://h/d.tar",
+        "http://h/e.tar",
+    )
+
+
+def test_internal_whitespace_is_an_error() -> None:
+    with pytest.raises(UrlListError) as info:
+        parse_url_list("http://h/a.tar\n\nhttp://h/b.tar http://h/c.tar\n")
+    err = info.value
+    assert (err.path, err.lineno, err.line) == ("<urls>", 3, "http://h/b.tar http://h/c.tar")
+    assert "<urls>:3" in str(err) and "one URL" in str(err)
+
+
+def test_braces_expand_in_order_with_line_errors() -> None:
+    text = "http://h/{train,val}-{0..1}.tar\nhttp://h/x.tar\n"
+    assert parse_url_list(text).urls == (
+        "http://h/train-0.tar",
+        "http://h/train-1.tar",
+        "http://h/val-0.tar",
+        "http://h/val-1.tar",
+        "http://h/x.tar",
+    )
+
+
+def test_brace_error_names_file_and_line(tmp_path: Path) -> None:
+    path = write_list(tmp_path, "# shards\nhttp://h/a.tar\nhttp://h/b-{000..009.tar\n")
+    with pytest.raises(UrlListError) as info:
+        read_url_list(path)
+    assert "urls.txt:3" in str(info.value)
+    assert "unclosed" in info.value.reason
+    assert info.value.lineno == 3
+
+
+def test_unknown_scheme_names_scheme_and_line(tmp_path: Path) -> None:
+    path = write_list(tmp_path, "http://h/a.tar\n\ns3://bucket/b.tar\n")
+    with pytest.raises(UrlListError) as info:
+        read_url_list(path)
+    message = str(info.value)
+    assert "urls.txt:3" in message
+    assert "unknown scheme 's3'" in message
+    assert "http://" in message and "file://" in message
+
+
+@pytest.mark.parametrize("url", ["ftp://h/a.tar", "gs://b/a.tar", "S3://b/a.tar"])
+def test_other_schemes_rejected(url: str) -> None:
+    with pytest.raises(UrlListError, match="unknown scheme"):
+        parse_url_list(url)
+
+
+@pytest.mark.parametrize("url", ["http://", "https:///path", "http://?q", "http://:80/a"])
+def test_http_needs_a_host(url: str) -> None:
+    with pytest.raises(UrlListError, match="needs a host"):
+        parse_url_list(url)
+
+
+def test_scheme_case_is_normalized() -> None:
+    assert parse_url_list("HTTP://h/a.tar\nHttps://h/b.tar").urls == (
+        "http://h/a.tar",
+        "https://h/b.tar",
+    )
+
+
+def test_pipe_refused_by_default() -> None:
+    with pytest.raises(UrlListError) as info:
+        parse_url_list("http://h/a.tar\npipe:curl -s http://h/b.tar\n")
+    assert info.value.lineno == 2
+    assert "start the agent with --allow-pipe" in str(info.value)
+    with pytest.raises(UrlListError, match="--allow-pipe"):
+        parse_url_list("pipe:cat")
+
+
+def test_pipe_allowed_keeps_command_and_expands_braces() -> None:
+    text = "pipe:curl -s http://h/s-{0..1}.tar  # fetch via curl\nPIPE:cat /x.tar\n"
+    assert parse_url_list(text, allow_pipe=True).urls == (
+        "pipe:curl -s http://h/s-0.tar",
+        "pipe:curl -s http://h/s-1.tar",
+        "pipe:cat /x.tar",
+    )
+    with pytest.raises(UrlListError, match="needs a shell command"):
+        parse_url_list("pipe:", allow_pipe=True)
+
+
+def test_relative_paths_resolve_against_list_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "lists"
+    folder.mkdir()
+    path = write_list(folder, "shards/a.tar\n./b.tar\n../c.tar\n/abs/d.tar\n")
+    urls = read_url_list(path).urls
+    base = os.path.abspath(folder)
+    assert urls == (
+        f"file://{base}/shards/a.tar",
+        f"file://{base}/b.tar",
+        f"file://{os.path.dirname(base)}/c.tar",
+        "file:///abs/d.tar",
+    )
+
+
+def test_relative_paths_without_base_use_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert parse_url_list("a.tar").urls == (f"file://{os.getcwd()}/a.tar",)
+    assert parse_url_list("a.tar", base_dir="/data").urls == ("file:///data/a.tar",)
+
+
+def test_file_urls_are_normalized() -> None:
+    text = "file:///data/./x/../a.tar\nfile://localhost/data/b.tar\nfile:////data//c.tar\n"
+    assert parse_url_list(text).urls == (
+        "file:///data/a.tar",
+        "file:///data/b.tar",
+        "file:///data/c.tar",
+    )
+    with pytest.raises(UrlListError, match="file:///absolute/path"):
+        parse_url_list("file://server/share/a.tar")
+    with pytest.raises(UrlListError, match="needs a path"):
+        parse_url_list("file://")
+
+
+def test_colon_without_slashes_is_a_path() -> None:
+    assert parse_url_list("data/a:b.tar\nabc:def.tar", base_dir="/d").urls == (
+        "file:///d/data/a:b.tar",
+        "file:///d/abc:def.tar",
+    )
+
+
+def test_non_utf8_line_is_named(tmp_path: Path) -> None:
+    path = write_list(tmp_path, b"http://h/a.tar\nhttp://h/b.tar\nhttp://h/\xff.tar\nhttp://h/d\n")
+    with pytest.raises(UrlListError) as info:
+        read_url_list(path)
+    assert "urls.txt:3" in str(info.value)
+    assert "UTF-8" in str(info.value)
+    assert info.value.line == "http://h/\ufffd.tar"
+
+
+def test_utf8_bom_is_ignored(tmp_path: Path) -> None:
+    path = write_list(tmp_path, b"\xef\xbb\xbfhttp://h/a.tar\n")
+    assert read_url_list(path).urls == ("http://h/a.tar",)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.txt"
+    with pytest.raises(ConfigError) as info:
+        read_url_list(missing)
+    assert not isinstance(info.value, UrlListError)
+    assert str(missing) in str(info.value)
+
+
+def test_directory_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read URL list"):
+        read_url_list(tmp_path)
+
+
+def test_read_sets_path_and_parse_does_not(tmp_path: Path) -> None:
+    path = write_list(tmp_path, "http://h/a.tar\n")
+    assert read_url_list(str(path)).path == str(path)
+    assert parse_url_list("http://h/a.tar").path is None
+    assert parse_url_list("http://h/a.tar", path="conf/urls.txt").path == "conf/urls.txt"
+
+
+def test_duplicates_dropped_and_counted() -> None:
+    text = "http://h/a.tar\nhttp://h/{a,b}.tar\nhttp://h/a.tar\n/d/x.tar\nfile:///d/./x.tar\n"
+    result = parse_url_list(text)
+    assert result.urls == ("http://h/a.tar", "http://h/b.tar", "file:///d/x.tar")
+    assert result.duplicates == 3
+
+
+def test_limit_names_the_crossing_line() -> None:
+    text = "http://h/a.tar\nhttp://h/b.tar\nhttp://h/c.tar\n"
+    assert len(parse_url_list(text, limit=3)) == 3
+    with pytest.raises(UrlListError) as info:
+        parse_url_list(text, limit=2)
+    assert info.value.lineno == 3 and "limit of 2" in str(info.value)
+    start = time.perf_counter()
+    with pytest.raises(UrlListError) as info:
+        parse_url_list("http://h/a.tar\nhttp://h/{0..999999999}.tar\n")
+    assert time.perf_counter() - start < 0.5
+    assert info.value.lineno == 2 and "limit of 10000000" in str(info.value)
+
+
+def test_url_list_protocol() -> None:
+    result = parse_url_list("http://h/a.tar\nhttp://h/b.tar\n")
+    assert len(result) == 2
+    assert list(result) == ["http://h/a.tar", "http://h/b.tar"]
+    assert result.index("http://h/b.tar") == 1
+    assert "http://h/a.tar" in result and "http://h/z.tar" not in result
+    with pytest.raises(ValueError, match="not in the URL list"):
+        result.index("http://h/z.tar")
+    assert result == UrlList(None, ("http://h/a.tar", "http://h/b.tar"))
+    assert hash(result) == hash(UrlList(None, ("http://h/a.tar", "http://h/b.tar")))
+
+
+def test_parse_million_line_file_is_fast(tmp_path: Path) -> None:
+    lines = (f"http://data.example.com/train/shard-{i:07d}.tar\n" for i in range(1_000_000))
+    path = write_list(tmp_path, "".join(lines))
+    start = time.perf_counter()
+    result = read_url_list(path)
+    assert time.perf_counter() - start < 5
+    assert len(result) == 1_000_000 and result.duplicates == 0
+
+
+def test_parse_million_entry_brace_line_is_fast() -> None:
+    start = time.perf_counter()
+    result = parse_url_list("http://h/shard-{000000..999999}.tar")
+    assert time.perf_counter() - start < 5
+    assert len(result) == 1_000_000
+
+
+# --------------------------------------------------------------------------- diff/format
+
+
+def test_diff_urls_preserves_order() -> None:
+    old = UrlList(None, ("http://h/a", "http://h/b", "http://h/c", "http://h/d"))
+    new = UrlList(None, ("http://h/e", "http://h/c", "http://h/a", "http://h/f"))
+    assert diff_urls(old, new) == (["http://h/e", "http://h/f"], ["http://h/b", "http://h/d"])
+    assert diff_urls(old, old) == ([], [])
+
+
+def test_format_url_list_escapes_braces() -> None:
+    urls = ("http://h/a{1,2}.tar", "http://h/b}.tar", "http://h/c\\{.tar", "file:///d/x.tar")
+    text = format_url_list(urls)
+    assert text.count("\n") == 4
+    assert parse_url_list(text).urls == urls
+    assert format_url_list([]) == ""
+
+
+_URL_CHARS = st.text(
+    alphabet="abcXYZ019-._~%!$&'()*+,;=:@/?#{}\\",
+    min_size=0,
+    max_size=30,
+)
+_HTTP_URLS = st.builds(
+    lambda scheme, host, rest: f"{scheme}://{host}/{rest}",
+    st.sampled_from(["http", "https"]),
+    st.from_regex(r"[a-z0-9]([a-z0-9.-]{0,20}[a-z0-9])?(:[0-9]{1,5})?", fullmatch=True),
+    _URL_CHARS,
+)
+
+
+@given(st.lists(_HTTP_URLS, unique=True, max_size=20))
+def test_format_parse_round_trip(urls: list[str]) -> None:
+    result = parse_url_list(format_url_list(urls))
+    assert result.urls == tuple(urls)
+    assert result.duplicates == 0
+
+
+@given(st.text().filter(lambda s: "{" not in s and "}" not in s))
+def test_expand_without_braces_is_identity(pattern: str) -> None:
+    assert expand_braces(pattern) == [pattern]

@@ -1,0 +1,655 @@
+"""The agent: one per machine and cache directory; downloads ahead of demand and serves readers.
+
+Structure: the main thread owns all state (index, budget, pins, readers, plan)
+and runs :meth:`Agent.step` until asked to stop. Download threads only move
+bytes: they take a :class:`~wdscache.fetch.Download`, ask the main thread for
+budget through :meth:`Agent._reserve`, and report back through an event queue.
+Signal handlers (installed by the CLI) only call :meth:`Agent.stop`.
+
+Guarantees:
+
+- A clean stop (first SIGTERM/SIGINT) abandons in-flight downloads, removes
+  their partial files and leaves the index consistent; the cache is kept.
+- A crash or SIGKILL loses no complete shard: the next agent adopts or
+  re-checks every record (:meth:`ShardCache.recover`) and downloads nothing
+  that is already cached.
+- Nothing outside the union of readers' windows (plus shards asked for) is
+  downloaded; a shard is never downloaded by two threads at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from .cache import ShardCache
+from .config import AgentConfig, format_size, parse_size
+from .errors import ConfigError, FetchError, ProtocolError
+from .fetch import Cancelled, Download, Fetcher
+from .index import ShardState
+from .layout import CacheLayout
+from .lock import AgentLock
+from .plan import Reader, wanted
+from .protocol import field as get_field
+from .protocol import pack, unpack
+from .urls import UrlList, diff_urls, read_url_list
+
+log = logging.getLogger(__name__)
+
+TICK = 0.05  # seconds the main loop waits for a message before doing its other work
+RATE_WINDOW = 10.0  # seconds over which download_rate is averaged
+FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is retried
+STARTUP_READER = "(start-up plan)"
+MAX_MESSAGE = 1 << 20
+
+
+@dataclass
+class _Grant:
+    """A download thread's request for budget, answered by the main thread."""
+
+    download: Download
+    total: int
+    event: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    withdrawn: bool = False
+    error: Exception | None = None
+
+
+@dataclass
+class _Waiter:
+    """A client waiting for a shard to be cached."""
+
+    ident: bytes
+    rid: Any
+    reader: str
+
+
+class Agent:
+    """Run with :meth:`run` (blocks until :meth:`stop`), or drive :meth:`start`/:meth:`step`/:meth:`shutdown`."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.layout = CacheLayout.of(config.cache_dir)
+        self.endpoint = config.endpoint or self.layout.default_endpoint()
+        self._stop = threading.Event()
+        self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
+        self._urls_changed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._grants: list[_Grant] = []
+        self._active: dict[str, Download] = {}
+        self._waiters: dict[str, list[_Waiter]] = {}
+        self._demanded: dict[str, float] = {}  # url -> when first asked for
+        self._failed_at: dict[str, float] = {}
+        self.readers: dict[str, Reader] = {}
+        self._downloaded_done = 0
+        self._rate_samples: deque[tuple[float, int]] = deque()
+        self._started = time.time()
+        self._last_flush = time.monotonic()
+        self._lock = AgentLock(self.layout.lock_path)
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._observer: Any = None
+        self.cache: ShardCache | None = None
+        self.urls = UrlList(None, ())
+        self._startup = Reader(STARTUP_READER, 0)
+        self.fetcher = Fetcher(
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.read_timeout,
+            retries=config.retries,
+            backoff=config.backoff,
+            backoff_max=config.backoff_max,
+        )
+
+    # -- life cycle ---------------------------------------------------------
+
+    def run(self) -> None:
+        """Start, serve until :meth:`stop`, shut down cleanly."""
+        self.start()
+        try:
+            while not self._stop.is_set():
+                self.step()
+        finally:
+            self.shutdown()
+
+    def stop(self) -> None:
+        """Ask the loop to finish (safe from a signal handler: it only sets a flag)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        """Check everything that can be wrong before taking the cache directory."""
+        cfg = self.config
+        # The list is read first: a bad line stops us before anything on disk changes.
+        self.urls = _read_list(cfg)
+        _prepare_dir(self.layout.root)
+        os.umask(0o077)  # every file and socket we create is private to this user
+        self._lock.acquire()
+        try:
+            self._open_cache()
+            self._bind()
+        except BaseException:
+            self._close_cache()
+            self._lock.release()
+            raise
+        self._write_state()
+        self._start_threads()
+        self._watch()
+        log.info(
+            "agent %d serving %s on %s: %d shards listed, %s cached of %s budget",
+            os.getpid(), self.layout.root, self.endpoint, len(self.urls),
+            format_size(self.cache.used), format_size(self.cache.limit),
+        )
+
+    def _open_cache(self) -> None:
+        cfg = self.config
+        st = os.statvfs(self.layout.root)
+        fs_total = st.f_blocks * st.f_frsize
+        limit = parse_size(cfg.cache_size, total=fs_total, what="--cache-size")
+        min_free = parse_size(cfg.min_free, total=fs_total, what="--min-free")
+        self.cache = ShardCache(self.layout, limit=limit, min_free=min_free)
+        self._startup = self._startup_reader()
+        first = [self.urls.urls[i] for i in self._startup.window(cfg.prefetch)]
+        done = self.cache.recover(keep_partial=first)
+        if any(done.values()):
+            log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in done.items() if v))
+        self._check_budget(first)
+        self.cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
+
+    def _check_budget(self, first: list[str]) -> None:
+        """Refuse a budget that cannot hold a reader's window of the largest shards we know of."""
+        assert self.cache is not None
+        sizes = [s for s in (self._probe_size(u) for u in first) if s]
+        if not sizes:
+            return
+        need_shards = min(self.config.prefetch + 1, len(self.urls))
+        need = need_shards * max(sizes)
+        if need > self.cache.limit:
+            raise ConfigError(
+                f"--cache-size {format_size(self.cache.limit)} is too small for --prefetch "
+                f"{self.config.prefetch}: shards here are up to {format_size(max(sizes))} and a reader "
+                f"needs {need_shards} of them on disk (the one it reads and {need_shards - 1} ahead); "
+                f"the smallest budget that works is {need} bytes ({format_size(need)}), "
+                f"or lower --prefetch"
+            )
+
+    def _probe_size(self, url: str) -> int:
+        assert self.cache is not None
+        rec = self.cache.index.get(url)
+        if rec is not None and rec.size:
+            return rec.size
+        return self.fetcher.size_of(url)
+
+    def _startup_reader(self) -> Reader:
+        return Reader(STARTUP_READER, len(self.urls), seed=self.config.seed, shuffle=self.config.shuffle)
+
+    def _bind(self) -> None:
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # a peer sending more is disconnected
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        if self.endpoint.startswith("ipc://"):
+            path = Path(self.endpoint[len("ipc://"):])
+            # We hold the lock, so a socket file left here is a dead agent's.
+            path.unlink(missing_ok=True)
+            sock.bind(self.endpoint)
+            path.chmod(0o600)
+        else:
+            sock.bind(self.endpoint)
+        self._sock = sock
+
+    def _write_state(self) -> None:
+        state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
+        _write_atomic(self.layout.state_path, json.dumps(state).encode())
+
+    def _start_threads(self) -> None:
+        for i in range(self.config.download_workers):
+            t = threading.Thread(target=self._download_thread, name=f"download-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _watch(self) -> None:
+        changed = self._urls_changed
+        target = os.path.abspath(self.config.urls)
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                paths = {event.src_path, getattr(event, "dest_path", "")}
+                if target in {os.fsdecode(p) for p in paths if p}:
+                    changed.set()
+
+        self._observer = Observer()
+        self._observer.schedule(Handler(), os.path.dirname(target), recursive=False)
+        self._observer.daemon = True
+        self._observer.start()
+
+    def shutdown(self) -> None:
+        """Abandon downloads, remove their partial files, close the index, free the lock."""
+        log.info("stopping: abandoning %d download(s)", len(self._active))
+        if self._observer is not None:
+            self._observer.stop()
+        for d in self._active.values():
+            d.cancel.set()
+        for _ in self._threads:
+            self._tasks.put(None)
+        deadline = time.monotonic() + 5.0
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self.cache is not None:
+            for d in list(self._active.values()):
+                self.cache.abandon(d)
+        self._active.clear()
+        if self._observer is not None:
+            self._observer.join(2.0)
+        if self._sock is not None:
+            self._sock.close(0)
+            if self.endpoint.startswith("ipc://"):
+                Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._close_cache()
+        self.layout.state_path.unlink(missing_ok=True)
+        self._lock.release()
+        log.info("stopped")
+
+    def _close_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+
+    # -- the loop -----------------------------------------------------------
+
+    def step(self) -> None:
+        """One turn of the main loop: messages, download events, the list, the plan."""
+        self._serve(TICK)
+        self._drain_events()
+        if self._urls_changed.is_set():
+            self._reload_urls()
+        self._expire_readers()
+        self._schedule()
+        self._periodic()
+
+    def _drain_events(self) -> None:
+        assert self.cache is not None
+        while True:
+            try:
+                kind, d, value = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "reserve":
+                self._grants.append(value)
+                continue
+            self._active.pop(d.url, None)
+            if kind == "done":
+                self.cache.finish(d, value.size, value.etag)
+                self.cache.index.incr("bytes_downloaded", value.size)
+                self.cache.index.incr("downloads")
+                self._downloaded_done += d.written
+                self._failed_at.pop(d.url, None)
+                log.info("cached %s (%s)", d.url, format_size(value.size))
+                self._answer_waiters(d.url)
+            elif kind == "failed":
+                self._downloaded_done += d.written
+                self.cache.fail(d, value.reason)
+                self._failed_at[d.url] = time.monotonic()
+                log.error("failed %s: %s", d.url, value.reason)
+                self._answer_waiters(d.url, error=value.reason)
+            elif kind == "cancelled":
+                self._downloaded_done += d.written
+                self.cache.abandon(d)
+
+    def _schedule(self) -> None:
+        """Start downloads for the most urgent wanted shards; cancel those no longer wanted."""
+        assert self.cache is not None
+        want = self._wanted_urls()
+        want_set = set(want)
+        for url, d in list(self._active.items()):
+            if url not in want_set and not d.cancel.is_set():
+                log.info("no longer wanted, abandoning %s", url)
+                d.cancel.set()
+        for url in want:
+            if len(self._active) >= self.config.download_workers:
+                break
+            if url in self._active or self.cache.is_cached(url):
+                continue
+            rec = self.cache.index.get(url)
+            if rec is not None and rec.state is ShardState.FAILED:
+                continue
+            self._start_download(url)
+        self._answer_grants(want)
+        self.cache.keep_margin(want)
+
+    def _wanted_urls(self) -> list[str]:
+        """Shards asked for (oldest first), then the union of readers' windows by urgency."""
+        readers = list(self.readers.values()) or [self._startup]
+        urls = self.urls.urls
+        planned = [urls[i] for i in wanted(readers, self.config.prefetch) if i < len(urls)]
+        demanded = sorted(self._demanded, key=self._demanded.__getitem__)
+        return demanded + [u for u in planned if u not in self._demanded]
+
+    def _start_download(self, url: str) -> None:
+        assert self.cache is not None
+        rec = self.cache.index.get(url)
+        d = Download(
+            url,
+            partial=self.layout.partial_path(url),
+            final=self.layout.shard_path(url),
+            reserve=self._reserve,
+            etag=rec.etag if rec else None,
+            demanded=url in self._demanded,
+        )
+        self.cache.begin(d)
+        self._active[url] = d
+        self._tasks.put(d)
+        log.debug("downloading %s", url)
+
+    def _answer_grants(self, want: list[str]) -> None:
+        assert self.cache is not None
+        rank = {u: i for i, u in enumerate(want)}
+        self._grants.sort(key=lambda g: (not g.download.demanded, rank.get(g.download.url, len(rank))))
+        pending = []
+        for g in self._grants:
+            with g.lock:
+                if g.withdrawn:
+                    continue
+                try:
+                    granted = self.cache.try_reserve(g.download, g.total, wanted=want)
+                except OverflowError as exc:
+                    g.error = FetchError(g.download.url, str(exc), permanent=True)
+                    granted = True
+                if granted:
+                    g.event.set()
+                else:
+                    pending.append(g)
+        self._grants = pending
+
+    def _reserve(self, d: Download, total: int, timeout: float | None) -> bool:
+        """Called in a download thread: block until the main thread grants ``total`` bytes."""
+        g = _Grant(d, total)
+        self._events.put(("reserve", d, g))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not g.event.wait(0.05):
+            if d.cancel.is_set() or (deadline is not None and time.monotonic() > deadline):
+                with g.lock:
+                    if not g.event.is_set():
+                        g.withdrawn = True
+                        if d.cancel.is_set():
+                            raise Cancelled(d.url)
+                        return False
+                break
+        if g.error is not None:
+            raise g.error
+        return True
+
+    def _download_thread(self) -> None:
+        while True:
+            d = self._tasks.get()
+            if d is None:
+                break
+            try:
+                if d.cancel.is_set():
+                    raise Cancelled(d.url)
+                result: Any = self.fetcher.fetch(d)
+                kind = "done"
+            except Cancelled:
+                kind, result = "cancelled", None
+            except FetchError as exc:
+                kind, result = "failed", exc
+            except Exception as exc:  # a bug must not kill the thread and hang the agent
+                log.exception("unexpected error downloading %s", d.url)
+                kind, result = "failed", FetchError(d.url, f"internal error: {exc!r}")
+            self._events.put((kind, d, result))
+        self.fetcher.close_thread()
+
+    def _reload_urls(self) -> None:
+        self._urls_changed.clear()
+        time.sleep(0.1)  # editors write in several steps; read once they are done
+        try:
+            new = _read_list(self.config)
+        except ConfigError as exc:
+            log.error("keeping the current URL list: %s", exc)
+            return
+        added, removed = diff_urls(self.urls, new)
+        if not added and not removed and new.urls == self.urls.urls:
+            return
+        log.info("URL list changed: %d added, %d removed (%d shards now)", len(added), len(removed), len(new))
+        for url in added[:5]:
+            log.info("  + %s", url)
+        for url in removed[:5]:
+            log.info("  - %s", url)
+        assert self.cache is not None
+        for url in added:
+            self.cache.forget_failure(url)
+        self.urls = new
+        gone = set(removed)
+        for url in list(self._demanded):
+            if url in gone:
+                self._demanded.pop(url)
+                self._answer_waiters(url, error="removed from the agent's URL list")
+        # Positions refer to the old list; readers restart their windows on the new one.
+        self.readers = {
+            name: Reader(name, len(new), seed=r.seed, shuffle=r.shuffle, epoch=r.epoch)
+            for name, r in self.readers.items()
+        }
+        self._startup = self._startup_reader()
+
+    def _expire_readers(self) -> None:
+        now = time.monotonic()
+        for name, r in list(self.readers.items()):
+            if now - r.last_seen > self.config.reader_timeout:
+                log.warning("reader %s silent for %.0fs: releasing its shards", name, now - r.last_seen)
+                self._drop_reader(name)
+
+    def _drop_reader(self, name: str) -> None:
+        r = self.readers.pop(name, None)
+        if r is None or self.cache is None:
+            return
+        for i, count in r.pins.items():
+            for _ in range(count):
+                self.cache.unpin(self.urls.urls[i])
+
+    def _periodic(self) -> None:
+        now = time.monotonic()
+        total = self._downloaded_done + sum(d.written for d in self._active.values())
+        self._rate_samples.append((now, total))
+        while self._rate_samples and now - self._rate_samples[0][0] > RATE_WINDOW:
+            self._rate_samples.popleft()
+        if now - self._last_flush > 30.0 and self.cache is not None:
+            self.cache.index.flush_reads()
+            self._last_flush = now
+
+    # -- the control socket ---------------------------------------------------
+
+    def _serve(self, timeout: float) -> None:
+        assert self._sock is not None
+        if not self._sock.poll(int(timeout * 1000)):
+            return
+        for _ in range(1000):  # bounded, so a flood cannot starve the rest of the loop
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident, body = frames[0], frames[1:]
+            rid = None
+            try:
+                header, _ = unpack(body)
+                rid = header.get("id")
+                self._handle(ident, header)
+            except ProtocolError as exc:
+                self._reply(ident, rid, ok=False, error=str(exc))
+
+    def _reply(self, ident: bytes, rid: Any, **body: Any) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([ident, *pack({"op": "reply", "id": rid, **body})], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropping a reply to a client that does not read")
+
+    def _handle(self, ident: bytes, header: dict[str, Any]) -> None:
+        op, rid = header["op"], header.get("id")
+        if op == "stats":
+            self._reply(ident, rid, ok=True, stats=self.stats())
+            return
+        name = get_field(header, "reader", str)
+        reader = self.readers.get(name)
+        if reader is not None:
+            reader.last_seen = time.monotonic()
+        if op == "open":
+            self._open(ident, rid, name, get_field(header, "url", str))
+        elif op == "release":
+            self._release(name, get_field(header, "url", str))
+            self._reply(ident, rid, ok=True)
+        elif op == "ping":
+            self._reply(ident, rid, ok=True)
+        elif op == "bye":
+            self._drop_reader(name)
+            self._reply(ident, rid, ok=True)
+        else:
+            raise ProtocolError(f"unknown op {op!r}")
+
+    def _open(self, ident: bytes, rid: Any, name: str, url: str) -> None:
+        assert self.cache is not None
+        if url not in self.urls:
+            self._reply(ident, rid, ok=False, error=f"{url} is not in the agent's URL list ({self.config.urls})")
+            return
+        reader = self.readers.get(name)
+        if reader is None:
+            # A plain client reads in list order; its window is the shards after this one.
+            reader = self.readers[name] = Reader(name, len(self.urls), shuffle=False)
+        reader.advance_to(self.urls.index(url))
+        rec = self.cache.index.get(url)
+        if rec is not None and rec.state is ShardState.CACHED:
+            self.cache.index.incr("hits")
+            self._grant_open(ident, rid, name, url)
+            return
+        self.cache.index.incr("misses")
+        if rec is not None and rec.state is ShardState.FAILED:
+            failed_at = self._failed_at.get(url, 0.0)
+            if time.monotonic() - failed_at < FAILED_RETRY_AFTER:
+                self._reply(ident, rid, ok=False, error=rec.error or "download failed")
+                return
+            self.cache.forget_failure(url)
+        self._demanded.setdefault(url, time.monotonic())
+        d = self._active.get(url)
+        if d is not None:
+            d.demanded = True
+        self._waiters.setdefault(url, []).append(_Waiter(ident, rid, name))
+
+    def _grant_open(self, ident: bytes, rid: Any, name: str, url: str) -> None:
+        assert self.cache is not None
+        reader = self.readers.get(name)
+        if reader is None:
+            self._reply(ident, rid, ok=False, error="reader expired while waiting")
+            return
+        i = self.urls.index(url)
+        reader.pins[i] = reader.pins.get(i, 0) + 1
+        self.cache.pin(url)
+        self._reply(ident, rid, ok=True, path=str(self.cache.path(url)), size=self.cache.index.get(url).size)
+
+    def _answer_waiters(self, url: str, error: str | None = None) -> None:
+        self._demanded.pop(url, None)
+        for w in self._waiters.pop(url, []):
+            if error is None:
+                self._grant_open(w.ident, w.rid, w.reader, url)
+            else:
+                self._reply(w.ident, w.rid, ok=False, error=error)
+
+    def _release(self, name: str, url: str) -> None:
+        assert self.cache is not None
+        reader = self.readers.get(name)
+        if reader is None or url not in self.urls:
+            return
+        i = self.urls.index(url)
+        if reader.pins.get(i, 0) > 0:
+            reader.pins[i] -= 1
+            if not reader.pins[i]:
+                del reader.pins[i]
+            self.cache.unpin(url)
+
+    # -- statistics -----------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The live statistics object (see :mod:`wdscache.stats` for its fields)."""
+        from .stats import build
+
+        assert self.cache is not None
+        idx = self.cache.index
+        counts = dict(idx.summary.counts)
+        counts["downloading"] = len(self._active)
+        want = self._wanted_urls()
+        counts["queued"] = sum(1 for u in want if u not in self._active and not self.cache.is_cached(u)
+                               and (idx.get(u) is None or idx.get(u).state is not ShardState.FAILED))
+        rate = 0.0
+        if len(self._rate_samples) >= 2:
+            (t0, b0), (t1, b1) = self._rate_samples[0], self._rate_samples[-1]
+            rate = (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+        return build(
+            cache_dir=str(self.layout.root),
+            summary={"counts": counts, "bytes_used": idx.summary.bytes_used, "failed": idx.summary.failed},
+            counters=idx.counters(),
+            bytes_limit=self.cache.limit,
+            download_rate=rate,
+            agent={
+                "pid": os.getpid(),
+                "uptime_s": round(time.time() - self._started, 1),
+                "endpoint": self.endpoint,
+                "consumers": len(self.readers),
+                "bytes_reserved": self.cache.reserved,
+                "urls": len(self.urls),
+            },
+        )
+
+
+def _read_list(cfg: AgentConfig) -> UrlList:
+    urls = read_url_list(cfg.urls, allow_pipe=cfg.allow_pipe)
+    if not len(urls):
+        raise ConfigError(f"URL list {cfg.urls} holds no URL")
+    if urls.duplicates:
+        log.warning("%s: ignored %d duplicate URL(s)", cfg.urls, urls.duplicates)
+    return urls
+
+
+def _prepare_dir(root: Path) -> None:
+    """Create the cache directory private (0700), or check that an existing one is ours."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = root.stat()
+    if st.st_uid != os.getuid():
+        raise ConfigError(
+            f"cache directory {root} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+            "use a directory of your own"
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"cache directory {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+            f"run 'chmod 700 {root}' or use another directory"
+        )
+    if st.st_mode & 0o077:
+        root.chmod(0o700)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -1,0 +1,273 @@
+"""The shard cache: index, budget, pins and eviction. Owned by the agent's main loop.
+
+Guarantees (the agent's main thread is the only caller; nothing here is thread-safe):
+
+- Budget: bytes of cached shards plus bytes reserved for downloads in flight never
+  exceed ``limit``; a download reserves its full size before writing, and waits
+  (is not granted) while the budget cannot hold it. Partial files are counted
+  through their reservation. The index database itself is not counted.
+- Free-space margin: a reservation is granted only if the file system keeps
+  ``min_free`` bytes free after every in-flight download completes.
+- Never evicted: a pinned shard (being read). Eviction prefers the least recently
+  *read* shard outside every reader's window; a demanded download may also take
+  window shards, farthest-ahead first, but never pinned ones.
+- Index before files: a shard is marked EVICTING in the index before its file is
+  deleted, and DOWNLOADING before its partial file exists; :meth:`recover`
+  finishes or undoes both after a crash, and forgets records whose files are gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .config import format_size
+from .fetch import Download
+from .index import Index, ShardRecord, ShardState
+from .layout import CacheLayout
+from .tario import tar_problem
+
+log = logging.getLogger(__name__)
+
+
+class ShardCache:
+    def __init__(self, layout: CacheLayout, *, limit: int, min_free: int) -> None:
+        self.layout = layout
+        self.limit, self.min_free = limit, min_free
+        for folder in (layout.shards_dir, layout.partial_dir):
+            folder.mkdir(mode=0o700, exist_ok=True)
+        self.index = Index(layout.index_dir)
+        self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
+        self.pins: dict[str, int] = {}  # url -> number of open reads
+
+    # -- queries ----------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        return self.index.summary.bytes_used
+
+    @property
+    def reserved(self) -> int:
+        return sum(d.reserved for d in self.inflight.values())
+
+    def is_cached(self, url: str) -> bool:
+        rec = self.index.get(url)
+        return rec is not None and rec.state is ShardState.CACHED
+
+    def path(self, url: str) -> Path:
+        return self.layout.shard_path(url)
+
+    def fs_free(self) -> int:
+        st = os.statvfs(self.layout.root)
+        return st.f_bavail * st.f_frsize
+
+    # -- start-up ---------------------------------------------------------
+
+    def recover(self, keep_partial: Iterable[str] = ()) -> dict[str, int]:
+        """Make index and disk agree after any kind of stop; returns what was done.
+
+        Complete shards are kept; records whose file is gone are forgotten; a shard
+        renamed into place just before a crash is adopted; partial files are kept
+        for resuming only for ``keep_partial`` URLs; half-done evictions are finished.
+        """
+        keep = set(keep_partial)
+        done = {"kept": 0, "forgotten": 0, "adopted": 0, "partials_removed": 0, "evictions_finished": 0}
+        for rec in self.index:
+            path = self.layout.shard_path(rec.url)
+            if rec.state is ShardState.CACHED:
+                if _size_or_none(path) == rec.size:
+                    done["kept"] += 1
+                else:
+                    log.warning("forgetting %s: its cache file is missing or has the wrong size", rec.url)
+                    _unlink(path)
+                    self.index.delete(rec.url)
+                    done["forgotten"] += 1
+            elif rec.state is ShardState.EVICTING:
+                _unlink(path)
+                self.index.delete(rec.url)
+                done["evictions_finished"] += 1
+            elif rec.state is ShardState.DOWNLOADING:
+                size = _size_or_none(path)
+                if size is not None and (rec.size in (0, size)) and _head_ok(path):
+                    # Renamed into place, then killed before the index said so.
+                    self._set_cached(rec.url, size, rec.etag)
+                    done["adopted"] += 1
+                else:
+                    if rec.url not in keep:
+                        self.index.delete(rec.url)
+                    _unlink(path)
+            elif rec.state is ShardState.FAILED:
+                # Failures are retried by a new agent: the server or the list may have changed.
+                self.index.delete(rec.url)
+        # Partial files: resume those we were told to keep, remove every other one.
+        for entry in os.scandir(self.layout.partial_dir):
+            url = self._partial_owner(entry.name, keep)
+            if url is None:
+                os.unlink(entry.path)
+                done["partials_removed"] += 1
+        return done
+
+    def _partial_owner(self, name: str, keep: set[str]) -> str | None:
+        for url in keep:
+            if self.layout.partial_path(url).name == name:
+                rec = self.index.get(url)
+                if rec is not None and rec.state is ShardState.DOWNLOADING:
+                    return url
+        return None
+
+    # -- downloads --------------------------------------------------------
+
+    def begin(self, d: Download) -> None:
+        """Record that ``d`` starts (index first, then the partial file may be created)."""
+        old = self.index.get(d.url)
+        self.index.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.etag))
+        self.inflight[d.url] = d
+
+    def finish(self, d: Download, size: int, etag: str | None) -> None:
+        """``d`` was published under shards/: it is cached now."""
+        self.inflight.pop(d.url, None)
+        self._set_cached(d.url, size, etag)
+
+    def fail(self, d: Download, error: str) -> None:
+        self.inflight.pop(d.url, None)
+        _unlink(d.partial)
+        self.index.put(ShardRecord(d.url, ShardState.FAILED, error=error))
+
+    def abandon(self, d: Download, *, keep_partial: bool = False) -> None:
+        """``d`` stopped unfinished; its shard goes back to not cached."""
+        self.inflight.pop(d.url, None)
+        if keep_partial:
+            return  # the DOWNLOADING record stays, so a restart can resume it
+        _unlink(d.partial)
+        self.index.delete(d.url)
+
+    def forget_failure(self, url: str) -> None:
+        rec = self.index.get(url)
+        if rec is not None and rec.state is ShardState.FAILED:
+            self.index.delete(url)
+
+    def _set_cached(self, url: str, size: int, etag: str | None) -> None:
+        old = self.index.get(url)
+        self.index.put(
+            ShardRecord(
+                url,
+                ShardState.CACHED,
+                size=size,
+                etag=etag,
+                cached_at=time.time(),
+                last_read=old.last_read if old else 0.0,
+                reads=old.reads if old else 0,
+            )
+        )
+
+    # -- budget -----------------------------------------------------------
+
+    def try_reserve(self, d: Download, total: int, *, wanted: Sequence[str]) -> bool:
+        """Reserve ``total`` bytes for ``d`` if the budget can hold them, evicting if needed.
+
+        ``wanted`` lists the shards in readers' windows, most urgent first; they are
+        evicted only for a demanded download, and from the far end.
+        """
+        extra = total - d.reserved
+        if extra <= 0:
+            return True
+        if total > self.limit:
+            raise OverflowError(
+                f"shard of {format_size(total)} is larger than the whole cache "
+                f"(--cache-size {format_size(self.limit)})"
+            )
+        need = self.used + self.reserved + extra - self.limit
+        margin_need = self.min_free + self._unwritten() + extra - self.fs_free()
+        shortfall = max(need, margin_need)
+        if shortfall > 0 and not self.evict(shortfall, wanted=wanted, allow_window=d.demanded, spare=d.url):
+            return False
+        d.reserved = total
+        return True
+
+    def _unwritten(self) -> int:
+        return sum(max(0, d.reserved - d.written) for d in self.inflight.values())
+
+    def evict(self, nbytes: int, *, wanted: Sequence[str], allow_window: bool, spare: str | None = None) -> bool:
+        """Free ``nbytes`` of cached shards if possible (all or nothing); True on success."""
+        window = set(wanted)
+        candidates = [
+            r
+            for r in self.index.records.values()
+            if r.state is ShardState.CACHED and not self.pins.get(r.url) and r.url != spare
+        ]
+        outside = sorted((r for r in candidates if r.url not in window), key=lambda r: r.last_read)
+        chosen: list[ShardRecord] = []
+        freed = 0
+        for rec in outside:
+            if freed >= nbytes:
+                break
+            chosen.append(rec)
+            freed += rec.size
+        if freed < nbytes and allow_window:
+            rank = {u: i for i, u in enumerate(wanted)}
+            inside = sorted((r for r in candidates if r.url in window), key=lambda r: -rank[r.url])
+            for rec in inside:
+                if freed >= nbytes:
+                    break
+                chosen.append(rec)
+                freed += rec.size
+        if freed < nbytes:
+            return False
+        for rec in chosen:
+            self.remove(rec.url)
+        return True
+
+    def remove(self, url: str) -> None:
+        """Evict one shard: mark it EVICTING, delete the file, drop the record."""
+        rec = self.index.get(url)
+        if rec is None:
+            return
+        log.debug("evicting %s (%s, last read %s)", url, format_size(rec.size), rec.last_read or "never")
+        self.index.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
+        _unlink(self.layout.shard_path(url))
+        self.index.delete(url)
+
+    def keep_margin(self, wanted: Sequence[str]) -> None:
+        """Evict (outside windows only) if something else ate into the free-space margin."""
+        short = self.min_free + self._unwritten() - self.fs_free()
+        if short > 0:
+            self.evict(short, wanted=wanted, allow_window=False)
+
+    # -- reads ------------------------------------------------------------
+
+    def pin(self, url: str) -> None:
+        self.pins[url] = self.pins.get(url, 0) + 1
+        self.index.touch(url, time.time())
+
+    def unpin(self, url: str) -> None:
+        n = self.pins.get(url, 0) - 1
+        if n > 0:
+            self.pins[url] = n
+        else:
+            self.pins.pop(url, None)
+
+    def close(self) -> None:
+        self.index.flush_reads()
+        self.index.close()
+
+
+def _size_or_none(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _head_ok(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return tar_problem(f.read(64 << 10)) is None

@@ -1,0 +1,108 @@
+"""The ``wdscache`` command. The only module that reads options or the environment.
+
+Exit status: 0 done; 1 a runtime error (another agent runs, no cache there);
+2 bad options or input (a bad URL list line, a budget that cannot work).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from .config import AgentConfig
+from .errors import ConfigError, WdsCacheError
+
+
+def _fail(exc: WdsCacheError) -> None:
+    click.echo(f"wdscache: error: {exc}", err=True)
+    sys.exit(2 if isinstance(exc, ConfigError) else 1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.version_option(package_name="wdscache")
+def main() -> None:
+    """Keep WebDataset shards on local disk ahead of demand and stream them to training jobs."""
+
+
+@main.command()
+@click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
+              type=click.Path(file_okay=False, path_type=Path), help="Cache directory (created 0700).")
+@click.option("--urls", envvar="WDSCACHE_URLS", required=True, show_envvar=True,
+              type=click.Path(dir_okay=False, path_type=Path),
+              help="URL list: one URL or brace pattern per line; watched for changes.")
+@click.option("--cache-size", envvar="WDSCACHE_CACHE_SIZE", default="80%", show_envvar=True,
+              help="Budget: bytes, 500G, or a percentage of the file system.")
+@click.option("--min-free", envvar="WDSCACHE_MIN_FREE", default="1G", show_envvar=True,
+              help="Free space always left on the file system.")
+@click.option("--prefetch", envvar="WDSCACHE_PREFETCH", default=8, type=int, show_envvar=True,
+              help="Shards kept ready ahead of each reader.")
+@click.option("--download-workers", envvar="WDSCACHE_DOWNLOAD_WORKERS", default=4, type=int,
+              show_envvar=True, help="Parallel downloads.")
+@click.option("--workers", envvar="WDSCACHE_WORKERS", default=min(os.cpu_count() or 1, 8), type=int,
+              show_envvar=True, help="Sample worker processes.")
+@click.option("--endpoint", envvar="WDSCACHE_ENDPOINT", default=None, show_envvar=True,
+              help="ZeroMQ endpoint [default: a private IPC socket in the cache directory].")
+@click.option("--allow-remote", envvar="WDSCACHE_ALLOW_REMOTE", is_flag=True, show_envvar=True,
+              help="Allow a TCP endpoint reachable from other machines.")
+@click.option("--seed", envvar="WDSCACHE_SEED", default=0, type=int, show_envvar=True,
+              help="Seed of the shard order of the initial prefetch.")
+@click.option("--shuffle/--no-shuffle", envvar="WDSCACHE_SHUFFLE", default=True, show_envvar=True,
+              help="Prefetch in seeded shuffle order (as readers will read) or in list order.")
+@click.option("--retries", envvar="WDSCACHE_RETRIES", default=8, type=int, show_envvar=True,
+              help="Retries of a failing download before it is marked failed.")
+@click.option("--read-timeout", envvar="WDSCACHE_READ_TIMEOUT", default=60.0, type=float,
+              show_envvar=True, help="Seconds without data before a download is retried.")
+@click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
+              help="Log every download and eviction.")
+def agent(verbose: bool, **options: object) -> None:
+    """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once)."""
+    from .agent import Agent
+
+    _setup_logging(verbose)
+    try:
+        agent = Agent(AgentConfig(**options))  # type: ignore[arg-type]
+    except WdsCacheError as exc:
+        _fail(exc)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if agent.stopping:
+            os._exit(128 + signum)  # the second signal: no more cleanup
+        agent.stop()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.run()
+    except WdsCacheError as exc:
+        _fail(exc)
+
+
+@main.command()
+@click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
+              type=click.Path(file_okay=False, path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def stats(cache_dir: Path, as_json: bool) -> None:
+    """Show the cache and, when an agent runs, what it is doing."""
+    from .stats import collect, format_stats
+
+    try:
+        s = collect(cache_dir)
+    except WdsCacheError as exc:
+        click.echo(f"wdscache: error: {exc}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(s, indent=2) if as_json else format_stats(s))
+
+
+def _setup_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("wdscache")
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)

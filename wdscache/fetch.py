@@ -1,0 +1,335 @@
+"""Fetching one shard into the cache: HTTP(S) or local files, with retries and resume.
+
+A download writes ``partial/<name>`` and, only when the shard is complete, has the
+size it announced and starts like a tar (or gzip'd tar), fsyncs it and renames it
+to ``shards/<xx>/<name>``. So a file under ``shards/`` is always a whole, checked
+shard, whatever happens to the process or the connection meanwhile.
+
+One :class:`Fetcher` serves all download threads; each thread gets its own
+``requests.Session`` (connections are reused within a thread, never shared).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import errno
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+from urllib.parse import unquote, urlsplit
+
+import requests
+
+from .errors import FetchError
+from .tario import tar_problem
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+HEAD_BYTES = 64 << 10
+# Reservations for bodies of unknown length grow in steps of this size.
+GROW = 16 << 20
+# How long a download may hold an open connection while waiting for cache space.
+HOLD_CONNECTION = 5.0
+PERMANENT_STATUS = {400, 401, 403, 404, 405, 410, 451}
+RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+
+
+class Cancelled(Exception):
+    """The download was abandoned (shutdown, or the shard left every window)."""
+
+
+@dataclass
+class Download:
+    """One shard being fetched. The agent owns it; a download thread works on it.
+
+    ``reserve(d, total, timeout)`` is provided by the agent: it blocks until the
+    budget holds ``total`` bytes for this download (True), the timeout passes
+    (False) or the download is cancelled (raises :class:`Cancelled`).
+    """
+
+    url: str
+    partial: Path
+    final: Path
+    reserve: Callable[["Download", int, float | None], bool]
+    etag: str | None = None
+    expected_size: int = 0
+    cancel: threading.Event = field(default_factory=threading.Event)
+    written: int = 0
+    reserved: int = 0
+    demanded: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class Fetched:
+    size: int
+    etag: str | None
+
+
+class _Retry(Exception):
+    """Try again after ``delay`` (None: backoff); ``counts`` False for retries that are no failure."""
+
+    def __init__(self, reason: str, delay: float | None = None, *, counts: bool = True) -> None:
+        super().__init__(reason)
+        self.reason, self.delay, self.counts = reason, delay, counts
+
+
+class Fetcher:
+    """Downloads shards; safe to call from several threads at once."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        retries: int = 8,
+        backoff: float = 0.5,
+        backoff_max: float = 30.0,
+    ) -> None:
+        self.timeout = (connect_timeout, read_timeout)
+        self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
+        self._local = threading.local()
+
+    def _session(self) -> requests.Session:
+        # Created lazily in the thread that uses it: sessions are not shared.
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+            session.headers["User-Agent"] = "wdscache"
+        return session
+
+    def close_thread(self) -> None:
+        """Close the calling thread's session (call before the thread ends)."""
+        session = getattr(self._local, "session", None)
+        if session is not None:
+            session.close()
+            self._local.session = None
+
+    def size_of(self, url: str) -> int:
+        """The size of ``url`` from a HEAD request or stat; 0 when it cannot be known quickly."""
+        parts = urlsplit(url)
+        try:
+            if parts.scheme == "file":
+                return os.stat(unquote(parts.path)).st_size
+            if parts.scheme in ("http", "https"):
+                r = self._session().head(url, timeout=self.timeout, allow_redirects=True)
+                length = r.headers.get("Content-Length", "")
+                return int(length) if r.ok and length.isdigit() else 0
+        except (OSError, requests.RequestException):
+            pass
+        return 0
+
+    def fetch(self, d: Download) -> Fetched:
+        """Fetch ``d.url`` into ``d.final``. Raises FetchError or Cancelled.
+
+        On any exception the partial file is left for the caller to remove or resume.
+        """
+        scheme = urlsplit(d.url).scheme
+        d.partial.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if scheme in ("http", "https"):
+            size, etag = self._fetch_http(d)
+        elif scheme == "file":
+            size, etag = self._fetch_file(d)
+        else:
+            raise FetchError(d.url, f"cannot fetch scheme {scheme!r}", permanent=True)
+        if d.cancel.is_set():
+            raise Cancelled(d.url)
+        self._publish(d)
+        return Fetched(size, etag)
+
+    # -- HTTP -------------------------------------------------------------
+
+    def _fetch_http(self, d: Download) -> tuple[int, str | None]:
+        failures = 0
+        while True:
+            if d.cancel.is_set():
+                raise Cancelled(d.url)
+            before = d.written = _size_of(d.partial)
+            try:
+                total = self._http_attempt(d)
+                return total, d.etag
+            except _Retry as exc:
+                if not exc.counts:
+                    continue
+                reason, delay = exc.reason, exc.delay
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as exc:
+                reason, delay = f"{type(exc).__name__}: {_short(exc)}", None
+            if _size_of(d.partial) > before:
+                failures = 0  # progress was made: only consecutive failures count
+            failures += 1
+            if failures > self.retries:
+                raise FetchError(d.url, f"gave up after {self.retries} retries: {reason}")
+            if delay is None:
+                cap = min(self.backoff_max, self.backoff * 2 ** (failures - 1))
+                delay = random.uniform(cap / 2, cap)
+            log.info("retrying %s in %.1fs (%s)", d.url, delay, reason)
+            if d.cancel.wait(delay):
+                raise Cancelled(d.url)
+
+    def _http_attempt(self, d: Download) -> int:
+        offset = d.written
+        headers = {"Accept-Encoding": "identity"}
+        if offset:
+            headers["Range"] = f"bytes={offset}-"
+            if d.etag:
+                headers["If-Range"] = d.etag
+        with self._session().get(d.url, headers=headers, stream=True, timeout=self.timeout) as r:
+            status = r.status_code
+            if status in PERMANENT_STATUS:
+                raise FetchError(d.url, f"HTTP {status} {r.reason}", status=status, permanent=True)
+            if status in RETRY_STATUS:
+                raise _Retry(f"HTTP {status} {r.reason}", _retry_after(r.headers.get("Retry-After")))
+            if status == 416 and offset:
+                _truncate(d.partial)  # our partial is not a prefix of this object
+                raise _Retry("HTTP 416 on resume; starting over", 0.0)
+            if status == 206 and offset:
+                start, total = _content_range(r.headers.get("Content-Range", ""))
+                if start != offset:
+                    _truncate(d.partial)
+                    raise _Retry("server resumed at the wrong offset; starting over", 0.0)
+            elif status == 200:
+                if offset:
+                    log.info("%s: server ignored the Range request; downloading from the start", d.url)
+                    _truncate(d.partial)
+                    offset = d.written = 0
+                length = r.headers.get("Content-Length")
+                total = int(length) if length and length.isdigit() else None
+            else:
+                raise FetchError(d.url, f"unexpected HTTP {status} {r.reason}", status=status, permanent=True)
+            d.etag = r.headers.get("ETag") or d.etag
+            if total is not None:
+                d.expected_size = total
+                if not d.reserve(d, total, HOLD_CONNECTION):
+                    # Waiting for space could take long: don't hold the connection meanwhile.
+                    r.close()
+                    d.reserve(d, total, None)
+                    raise _Retry("waited for cache space", 0.0, counts=False)
+            self._write_body(d, r.iter_content(CHUNK), total, check_head=offset == 0)
+            if total is not None and d.written != total:
+                raise _Retry(f"got {d.written} of {total} bytes")
+            return d.written
+
+    # -- local files ------------------------------------------------------
+
+    def _fetch_file(self, d: Download) -> tuple[int, str | None]:
+        src = Path(unquote(urlsplit(d.url).path))
+        try:
+            with open(src, "rb") as f:
+                st = os.fstat(f.fileno())
+                total = st.st_size
+                d.expected_size = total
+                offset = _size_of(d.partial)
+                if offset > total:
+                    _truncate(d.partial)
+                    offset = 0
+                d.written = offset
+                d.reserve(d, total, None)
+                f.seek(offset)
+                self._write_body(d, iter(lambda: f.read(CHUNK), b""), total, check_head=offset == 0)
+        except FileNotFoundError:
+            raise FetchError(d.url, f"no such file: {src}", permanent=True) from None
+        except PermissionError:
+            raise FetchError(d.url, f"permission denied: {src}", permanent=True) from None
+        if d.written != total:
+            raise FetchError(d.url, f"file changed while copying ({d.written} of {total} bytes)")
+        return total, f"{st.st_size}-{st.st_mtime_ns}"
+
+    # -- common -----------------------------------------------------------
+
+    def _write_body(self, d: Download, chunks, total: int | None, *, check_head: bool) -> None:
+        fd = os.open(d.partial, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            for chunk in chunks:
+                if d.cancel.is_set():
+                    raise Cancelled(d.url)
+                if not chunk:
+                    continue
+                if total is not None and d.written + len(chunk) > total:
+                    raise FetchError(d.url, f"server sent more than its Content-Length ({total})")
+                if total is None and d.written + len(chunk) > d.reserved:
+                    d.reserve(d, d.written + len(chunk) + GROW, None)
+                if check_head and d.written < HEAD_BYTES <= d.written + len(chunk):
+                    self._check_head(d, fd, chunk)
+                _write_all(d, fd, chunk)
+            if check_head and d.written < HEAD_BYTES:
+                self._check_head(d, fd, b"")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _check_head(d: Download, fd: int, pending: bytes) -> None:
+        # Checked as soon as 64 KiB arrive, so a wrong body is refused early, not after 1 GB.
+        head = os.pread(fd, HEAD_BYTES, 0) + pending
+        problem = tar_problem(head[:HEAD_BYTES])
+        if problem:
+            raise FetchError(d.url, problem, permanent=True)
+
+    @staticmethod
+    def _publish(d: Download) -> None:
+        d.final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.replace(d.partial, d.final)
+        dir_fd = os.open(d.final.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power cut
+        finally:
+            os.close(dir_fd)
+
+
+def _write_all(d: Download, fd: int, chunk: bytes) -> None:
+    view = memoryview(chunk)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise FetchError(d.url, f"cannot write the cache: {os.strerror(exc.errno)}") from exc
+            raise
+        view = view[n:]
+        d.written += n
+
+
+def _size_of(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "wb"):
+        pass
+
+
+def _content_range(value: str) -> tuple[int, int | None]:
+    # "bytes 100-199/1000" -> (100, 1000)
+    try:
+        unit, rest = value.split(" ", 1)
+        span, total = rest.split("/", 1)
+        return int(span.split("-", 1)[0]), None if total == "*" else int(total)
+    except ValueError:
+        return -1, None
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), 600.0)
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return min(max(0.0, when - time.time()), 600.0)
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) < 200 else text[:197] + "..."

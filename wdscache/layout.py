@@ -1,0 +1,102 @@
+"""Where things live inside a cache directory.
+
+::
+
+    CACHE_DIR/                  0700, owned by the user running the agent
+      index/                    the diskcache index (SQLite); the only record of what is cached
+      shards/ab/<hash>-<name>   complete shards; a file here is always a whole, checked shard
+      partial/<hash>-<name>     downloads in progress; never read by anyone
+      agent.lock                flock held by the running agent; holds its pid
+      agent.json                the running agent's pid, start time and endpoint
+      agent.sock                the agent's private IPC socket (moved to /tmp when the path is too long)
+
+A shard's file name is derived from its whole URL (a hash plus a readable tail),
+so two ``shard-000000.tar`` in different folders never collide, and the name of
+any URL's file is known without looking at the disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# sun_path holds 108 bytes on Linux (104 on macOS); keep a margin for "ipc://".
+_MAX_SOCKET_PATH = 100
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def shard_name(url: str) -> str:
+    """The cache file name of ``url``: unique per URL, readable, filesystem-safe."""
+    digest = hashlib.sha256(url.encode("utf-8", "surrogateescape")).hexdigest()
+    tail = _UNSAFE.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-60:]
+    return f"{digest[:32]}-{tail}" if tail else digest[:32]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Paths of one cache directory."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, cache_dir: str | os.PathLike[str]) -> "CacheLayout":
+        return cls(Path(os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))))
+
+    @property
+    def index_dir(self) -> Path:
+        return self.root / "index"
+
+    @property
+    def shards_dir(self) -> Path:
+        return self.root / "shards"
+
+    @property
+    def partial_dir(self) -> Path:
+        return self.root / "partial"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / "agent.lock"
+
+    @property
+    def state_path(self) -> Path:
+        return self.root / "agent.json"
+
+    def shard_path(self, url: str) -> Path:
+        name = shard_name(url)
+        return self.shards_dir / name[:2] / name
+
+    def partial_path(self, url: str) -> Path:
+        return self.partial_dir / shard_name(url)
+
+    def is_cache(self) -> bool:
+        """True when this directory holds a wdscache index."""
+        return (self.index_dir / "cache.db").is_file()
+
+    def default_endpoint(self) -> str:
+        """The agent's private IPC endpoint, derived from the cache directory alone.
+
+        Unix socket paths are short (108 bytes); a deep cache directory gets a
+        socket in a private per-user folder under /tmp instead,
+        named by a hash of the cache path so that agent and consumers agree.
+        """
+        path = self.root / "agent.sock"
+        if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
+            return f"ipc://{path}"
+        digest = hashlib.sha256(os.fsencode(self.root)).hexdigest()[:24]
+        return f"ipc://{short_socket_dir()}/{digest}.sock"
+
+
+def short_socket_dir() -> Path:
+    """A per-user 0700 folder for sockets whose natural path is too long."""
+    # A fixed base, not $TMPDIR: agent and consumers may run with different
+    # environments (a Slurm step sets its own TMPDIR) and must find the same path.
+    folder = Path("/tmp") / f"wdscache-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    st = folder.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{folder} must be owned by uid {os.getuid()} with mode 0700")
+    return folder

@@ -1,0 +1,98 @@
+"""Prefetch planning: the order in which shards will be read, and what to keep ready.
+
+A *reader* walks a sequence of shards (a job's epochs, in their seeded order).
+Its *window* is the next ``prefetch`` shards of that sequence from its current
+position, running on into the next epoch. The agent downloads exactly the union
+of all windows (demanded shards first), and never evicts a shard inside one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def epoch_rng(seed: int, epoch: int, purpose: str) -> random.Random:
+    """A random generator that depends only on its arguments (stable across Python versions)."""
+    digest = hashlib.sha256(f"wdscache:{purpose}:{seed}:{epoch}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:16], "big"))
+
+
+def shard_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The order in which an epoch reads ``n`` shards: seeded per epoch, or as listed."""
+    order = list(range(n))
+    if shuffle:
+        epoch_rng(seed, epoch, "shards").shuffle(order)
+    return order
+
+
+@dataclass
+class Reader:
+    """Something that reads shards in a known order: a job, a client, or the start-up plan.
+
+    ``position`` counts shards from the start of ``epoch``; ``pins`` are the shards
+    it reads right now and that therefore cannot be evicted.
+    """
+
+    name: str
+    n_shards: int
+    seed: int = 0
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+    pins: dict[int, int] = field(default_factory=dict)  # shard index -> open count
+    last_seen: float = field(default_factory=time.monotonic)
+    _orders: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def order(self, epoch: int) -> list[int]:
+        order = self._orders.get(epoch)
+        if order is None:
+            # Keep the current and next epoch only: orders of a big list are large.
+            self._orders = {e: o for e, o in self._orders.items() if e >= self.epoch}
+            order = self._orders[epoch] = shard_order(
+                self.n_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle
+            )
+        return order
+
+    def window(self, prefetch: int) -> list[int]:
+        """The next ``prefetch`` shards to read, current one first, across the epoch end."""
+        if self.n_shards == 0:
+            return []
+        out: list[int] = []
+        epoch, pos = self.epoch, self.position
+        while len(out) < min(prefetch, self.n_shards):
+            order = self.order(epoch)
+            take = order[pos : pos + prefetch - len(out)]
+            out.extend(take)
+            epoch, pos = epoch + 1, 0
+        return out
+
+    def advance_to(self, shard: int) -> None:
+        """Move the position to ``shard`` (the reader opened it): this epoch, or the next."""
+        for epoch in (self.epoch, self.epoch + 1):
+            order = self.order(epoch)
+            start = self.position if epoch == self.epoch else 0
+            try:
+                pos = order.index(shard, start) if epoch == self.epoch else order.index(shard)
+            except ValueError:
+                continue
+            self.epoch, self.position = epoch, pos
+            return
+        # Not ahead of us: the reader jumped back (a new epoch from the start, a resume).
+        self.position = self.order(self.epoch).index(shard)
+
+
+def wanted(readers: Sequence[Reader], prefetch: int) -> list[int]:
+    """Shards to have on disk, by priority: each reader's next shard, then the one after, ..."""
+    windows = [r.window(prefetch) for r in readers]
+    seen: set[int] = set()
+    out: list[int] = []
+    for rank in range(prefetch):
+        for w in windows:
+            if rank < len(w) and w[rank] not in seen:
+                seen.add(w[rank])
+                out.append(w[rank])
+    return out

@@ -1,0 +1,58 @@
+"""The wire protocol between the agent and its clients (ZeroMQ multipart messages).
+
+A message is ``[header, payload...]``: the header is a UTF-8 JSON object with an
+``op`` string; payload frames are raw bytes whose meaning the header gives.
+Nothing received is ever unpickled or evaluated, so no peer can make the agent
+or a consumer run code; a malformed message is a :class:`ProtocolError` for
+that message only.
+
+Requests carry an ``id`` chosen by the client; the reply repeats it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from .errors import ProtocolError
+
+MAX_HEADER = 1 << 20
+
+
+def pack(header: dict[str, Any], *payloads: bytes | memoryview) -> list[bytes | memoryview]:
+    """Frames for ``header`` and ``payloads``."""
+    return [json.dumps(header, separators=(",", ":")).encode(), *payloads]
+
+
+def unpack(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Header and payload frames of a received message; raises ProtocolError if malformed."""
+    if not frames:
+        raise ProtocolError("empty message")
+    raw = frames[0]
+    raw = raw.bytes if hasattr(raw, "bytes") else raw
+    if len(raw) > MAX_HEADER:
+        raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER}")
+    try:
+        header = json.loads(bytes(raw).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"header is not UTF-8 JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("op"), str):
+        raise ProtocolError("header must be a JSON object with an 'op' string")
+    return header, list(frames[1:])
+
+
+def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    """``header[name]`` checked to be of ``kind``; ProtocolError otherwise."""
+    if name not in header:
+        if default is ...:
+            raise ProtocolError(f"{header.get('op')!r} message lacks {name!r}")
+        return default
+    value = header[name]
+    # bool is an int in Python; a flag sent where a count is expected is still wrong.
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
+        raise ProtocolError(f"{header.get('op')!r} message: {name!r} has the wrong type")
+    return value
+
+
+def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)

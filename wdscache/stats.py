@@ -1,0 +1,125 @@
+"""``wdscache stats``: what the cache holds and what the agent is doing.
+
+The object (also ``wdscache stats --json``)::
+
+    cache_dir         the cache directory
+    bytes_used        bytes of complete cached shards
+    bytes_limit       the budget (of the running agent, else of the last one)
+    shards            counts by state: cached, downloading, queued, failed
+    failed            [{url, error}] (at most 100 listed)
+    hits, misses      shard opens that found the shard cached / had to wait for it
+    bytes_downloaded  bytes fetched over the cache's life
+    download_rate     bytes/s over the last 10 s (0 when no agent runs)
+    agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers, ...}
+
+With an agent running it answers live over the agent's socket; otherwise it
+reads the index summary, which costs the same on 10 or 100,000 shards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from .client import AgentConnection
+from .config import format_size
+from .errors import AgentUnavailableError, NoCacheError, ProtocolError
+from .index import read_summary
+from .layout import CacheLayout
+
+STATES = ("cached", "downloading", "queued", "failed")
+
+
+def build(
+    *,
+    cache_dir: str,
+    summary: dict[str, Any],
+    counters: dict[str, int],
+    bytes_limit: int | None,
+    download_rate: float = 0.0,
+    agent: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The stats object from an index summary and counters (shared by agent and reader)."""
+    counts = summary.get("counts", {})
+    return {
+        "cache_dir": cache_dir,
+        "bytes_used": summary.get("bytes_used", 0),
+        "bytes_limit": bytes_limit,
+        "shards": {s: int(counts.get(s, 0)) for s in STATES},
+        "failed": [{"url": u, "error": e} for u, e in summary.get("failed", {}).items()],
+        "hits": counters.get("hits", 0),
+        "misses": counters.get("misses", 0),
+        "bytes_downloaded": counters.get("bytes_downloaded", 0),
+        "download_rate": round(download_rate, 1),
+        "agent": agent,
+    }
+
+
+def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 1.0) -> dict[str, Any]:
+    """Live stats from the running agent, else from the index; NoCacheError if there is no cache."""
+    layout = CacheLayout.of(cache_dir)
+    if not layout.is_cache():
+        raise NoCacheError(str(layout.root))
+    live = _ask_agent(layout, timeout)
+    if live is not None:
+        return live
+    summary, counters, meta = read_summary(layout.index_dir)
+    # Without an agent nothing is in flight, whatever the last one recorded.
+    counts = dict(summary.get("counts", {}))
+    counts["downloading"] = counts["queued"] = 0
+    summary["counts"] = counts
+    return build(
+        cache_dir=str(layout.root), summary=summary, counters=counters, bytes_limit=meta.get("bytes_limit")
+    )
+
+
+def _ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
+    try:
+        state = json.loads(layout.state_path.read_text())
+        pid, endpoint = int(state["pid"]), str(state["endpoint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # a killed agent's leftover state file
+    except PermissionError:
+        pass
+    conn = AgentConnection(endpoint, timeout=timeout)
+    try:
+        reply = conn.request({"op": "stats"})
+        return reply["stats"] if reply.get("ok") else None
+    except (AgentUnavailableError, ProtocolError, KeyError):
+        return None
+    finally:
+        conn.close()
+
+
+def format_stats(s: dict[str, Any]) -> str:
+    """A human-readable summary of a stats object."""
+    limit = s.get("bytes_limit")
+    used = s["bytes_used"]
+    pct = f" ({100 * used / limit:.0f}%)" if limit else ""
+    shards = s["shards"]
+    lookups = s["hits"] + s["misses"]
+    hit_rate = f"{100 * s['hits'] / lookups:.0f}%" if lookups else "-"
+    lines = [
+        f"cache      {s['cache_dir']}",
+        f"used       {format_size(used)} of {format_size(limit) if limit else '?'}{pct}",
+        "shards     " + ", ".join(f"{shards[k]} {k}" for k in STATES),
+        f"hits       {s['hits']} hits, {s['misses']} misses (hit rate {hit_rate})",
+        f"downloaded {format_size(s['bytes_downloaded'])} in all, now {format_size(s['download_rate'])}/s",
+    ]
+    agent = s.get("agent")
+    if agent:
+        lines.append(
+            f"agent      pid {agent['pid']}, up {agent['uptime_s']:.0f}s, "
+            f"{agent.get('consumers', 0)} consumer(s), endpoint {agent.get('endpoint', '?')}"
+        )
+    else:
+        lines.append("agent      not running")
+    if s["failed"]:
+        lines.append(f"failed     {shards['failed']} shard(s):")
+        lines.extend(f"  {f['url']}: {f['error']}" for f in s["failed"][:20])
+    return "\n".join(lines)
