@@ -38,7 +38,7 @@ from watchdog.observers import Observer
 from .cache import ShardCache
 from .config import AgentConfig, format_size, parse_size
 from .errors import ConfigError, FetchError, ProtocolError
-from .fetch import Cancelled, Download, Fetcher
+from .fetch import Cancelled, DiskFull, Download, Fetcher
 from .index import ShardState
 from .layout import CacheLayout
 from .lock import AgentLock
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 TICK = 0.05  # seconds the main loop waits for a message before doing its other work
 RATE_WINDOW = 10.0  # seconds over which download_rate is averaged
 FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is retried
+DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long
 STARTUP_READER = "(start-up plan)"
 MAX_MESSAGE = 1 << 20
 
@@ -88,12 +89,14 @@ class Agent:
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._urls_changed = threading.Event()
+        self._urls_signature: tuple[int, ...] | None = None
         self._threads: list[threading.Thread] = []
         self._grants: list[_Grant] = []
         self._active: dict[str, Download] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._demanded: dict[str, float] = {}  # url -> when first asked for
         self._failed_at: dict[str, float] = {}
+        self._paused_until = 0.0
         self.readers: dict[str, Reader] = {}
         self._downloaded_done = 0
         self._rate_samples: deque[tuple[float, int]] = deque()
@@ -137,6 +140,7 @@ class Agent:
         """Check everything that can be wrong before taking the cache directory."""
         cfg = self.config
         # The list is read first: a bad line stops us before anything on disk changes.
+        self._urls_signature = _stat_signature(cfg.urls)
         self.urls = _read_list(cfg)
         _prepare_dir(self.layout.root)
         os.umask(0o077)  # every file and socket we create is private to this user
@@ -227,16 +231,16 @@ class Agent:
 
     def _watch(self) -> None:
         changed = self._urls_changed
-        target = os.path.abspath(self.config.urls)
 
         class Handler(FileSystemEventHandler):
+            # Any event in the list's folder counts: Kubernetes updates a mounted
+            # ConfigMap by swapping a "..data" symlink, never touching the file's name.
+            # _reload_urls compares the file's stat, so unrelated events cost one stat().
             def on_any_event(self, event: FileSystemEvent) -> None:
-                paths = {event.src_path, getattr(event, "dest_path", "")}
-                if target in {os.fsdecode(p) for p in paths if p}:
-                    changed.set()
+                changed.set()
 
         self._observer = Observer()
-        self._observer.schedule(Handler(), os.path.dirname(target), recursive=False)
+        self._observer.schedule(Handler(), os.path.dirname(os.path.abspath(self.config.urls)), recursive=False)
         self._observer.daemon = True
         self._observer.start()
 
@@ -256,6 +260,7 @@ class Agent:
             for d in list(self._active.values()):
                 self.cache.abandon(d)
         self._active.clear()
+        self.fetcher.close_thread()
         if self._observer is not None:
             self._observer.join(2.0)
         if self._sock is not None:
@@ -305,6 +310,13 @@ class Agent:
                 self._failed_at.pop(d.url, None)
                 log.info("cached %s (%s)", d.url, format_size(value.size))
                 self._answer_waiters(d.url)
+            elif kind == "failed" and isinstance(value, DiskFull):
+                # Not the shard's fault: drop the partial, make room, try again shortly.
+                self._downloaded_done += d.written
+                self.cache.abandon(d)
+                self._paused_until = time.monotonic() + DISK_FULL_PAUSE
+                log.warning("%s; abandoned %s, will retry after making room", value.reason, d.url)
+                self.cache.evict(d.written + self.cache.min_free, wanted=self._wanted_urls(), allow_window=False)
             elif kind == "failed":
                 self._downloaded_done += d.written
                 self.cache.fail(d, value.reason)
@@ -325,7 +337,7 @@ class Agent:
                 log.info("no longer wanted, abandoning %s", url)
                 d.cancel.set()
         for url in want:
-            if len(self._active) >= self.config.download_workers:
+            if len(self._active) >= self.config.download_workers or time.monotonic() < self._paused_until:
                 break
             if url in self._active or self.cache.is_cached(url):
                 continue
@@ -420,7 +432,11 @@ class Agent:
 
     def _reload_urls(self) -> None:
         self._urls_changed.clear()
+        signature = _stat_signature(self.config.urls)
+        if signature == self._urls_signature:
+            return
         time.sleep(0.1)  # editors write in several steps; read once they are done
+        self._urls_signature = _stat_signature(self.config.urls)
         try:
             new = _read_list(self.config)
         except ConfigError as exc:
@@ -624,6 +640,14 @@ def _read_list(cfg: AgentConfig) -> UrlList:
     if urls.duplicates:
         log.warning("%s: ignored %d duplicate URL(s)", cfg.urls, urls.duplicates)
     return urls
+
+
+def _stat_signature(path: Path) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)  # follows symlinks, so a swapped ConfigMap link shows
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _prepare_dir(root: Path) -> None:

@@ -72,6 +72,10 @@ class Fetched:
     etag: str | None
 
 
+class DiskFull(FetchError):
+    """The cache's file system refused a write (ENOSPC, quota, file size limit)."""
+
+
 class _Retry(Exception):
     """Try again after ``delay`` (None: backoff); ``counts`` False for retries that are no failure."""
 
@@ -289,7 +293,7 @@ def _write_all(d: Download, fd: int, chunk: bytes) -> None:
             n = os.write(fd, view)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise FetchError(d.url, f"cannot write the cache: {os.strerror(exc.errno)}") from exc
+                raise DiskFull(d.url, f"cannot write the cache: {os.strerror(exc.errno)}") from exc
             raise
         view = view[n:]
         d.written += n
