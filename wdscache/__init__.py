@@ -5,6 +5,7 @@ other names may change.
 """
 
 from .client import ShardClient
+from .loader import CachedMultiLoader
 from .config import AgentConfig
 from .errors import (
     AgentRunningError,
@@ -24,6 +25,7 @@ __all__ = [
     "AgentConfig",
     "AgentRunningError",
     "AgentUnavailableError",
+    "CachedMultiLoader",
     "ConfigError",
     "FetchError",
     "NoCacheError",

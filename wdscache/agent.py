@@ -43,9 +43,10 @@ from .index import ShardState
 from .layout import CacheLayout
 from .lock import AgentLock
 from .plan import Reader, wanted
+from .pool import WorkerPool
 from .protocol import field as get_field
 from .protocol import pack, unpack
-from .urls import UrlList, diff_urls, read_url_list
+from .urls import UrlList, diff_urls, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +96,15 @@ class Agent:
         self._active: dict[str, Download] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._demanded: dict[str, float] = {}  # url -> when first asked for
+        self._extra_urls: set[str] = set()  # URLs of consumers' own lists
+        self._corrupt: dict[str, str] = {}  # url -> why it could not be read
         self._failed_at: dict[str, float] = {}
         self._paused_until = 0.0
         self.readers: dict[str, Reader] = {}
+        self.jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size", "urls": UrlList | None}
+        self.consumers: dict[str, dict[str, Any]] = {}  # reader name -> its last report
+        self.worker_stats: dict[int, dict[str, Any]] = {}
+        self.pool: WorkerPool | None = None
         self._downloaded_done = 0
         self._rate_samples: deque[tuple[float, int]] = deque()
         self._started = time.time()
@@ -152,6 +159,8 @@ class Agent:
             self._close_cache()
             self._lock.release()
             raise
+        self.pool = WorkerPool(n=self.config.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root))
+        self.pool.start()
         self._write_state()
         self._start_threads()
         self._watch()
@@ -247,6 +256,8 @@ class Agent:
     def shutdown(self) -> None:
         """Abandon downloads, remove their partial files, close the index, free the lock."""
         log.info("stopping: abandoning %d download(s)", len(self._active))
+        if self.pool is not None:
+            self.pool.stop()
         if self._observer is not None:
             self._observer.stop()
         for d in self._active.values():
@@ -288,6 +299,8 @@ class Agent:
         if self._urls_changed.is_set():
             self._reload_urls()
         self._expire_readers()
+        if self.pool is not None:
+            self.pool.check()
         self._schedule()
         self._periodic()
 
@@ -350,9 +363,14 @@ class Agent:
 
     def _wanted_urls(self) -> list[str]:
         """Shards asked for (oldest first), then the union of readers' windows by urgency."""
-        readers = list(self.readers.values()) or [self._startup]
-        urls = self.urls.urls
-        planned = [urls[i] for i in wanted(readers, self.config.prefetch) if i < len(urls)]
+        prefetch, urls = self.config.prefetch, self.urls.urls
+        windows = []
+        for r in list(self.readers.values()) or [self._startup]:
+            if r.ahead is not None:
+                windows.append(r.ahead[:prefetch])
+            else:
+                windows.append([urls[i] for i in r.window(prefetch) if i < len(urls)])
+        planned = wanted(windows, prefetch)
         demanded = sorted(self._demanded, key=self._demanded.__getitem__)
         return demanded + [u for u in planned if u not in self._demanded]
 
@@ -477,9 +495,10 @@ class Agent:
         r = self.readers.pop(name, None)
         if r is None or self.cache is None:
             return
-        for i, count in r.pins.items():
+        for url, count in r.pins.items():
             for _ in range(count):
-                self.cache.unpin(self.urls.urls[i])
+                self.cache.unpin(url)
+        self.consumers.pop(name, None)
 
     def _periodic(self) -> None:
         now = time.monotonic()
@@ -523,15 +542,42 @@ class Agent:
         if op == "stats":
             self._reply(ident, rid, ok=True, stats=self.stats())
             return
+        if op == "worker":
+            self.worker_stats[get_field(header, "index", int)] = header
+            return
+        if op == "counted":
+            assert self.cache is not None
+            self.cache.index.set_count(get_field(header, "url", str), get_field(header, "samples", int))
+            return
+        if op == "corrupt":
+            assert self.cache is not None
+            url, error = get_field(header, "url", str), get_field(header, "error", str)
+            log.error("corrupt shard reported by a consumer: %s: %s", url, error[:500])
+            self.cache.index.incr("corrupt")
+            self._corrupt[url] = error[:500]
+            self._reply(ident, rid, ok=True)
+            return
+        if op == "counts":
+            assert self.cache is not None
+            counts = self.cache.index.counts
+            self._reply(ident, rid, ok=True, counts=[counts.get(u) for u in get_field(header, "urls", list)])
+            return
         name = get_field(header, "reader", str)
         reader = self.readers.get(name)
         if reader is not None:
             reader.last_seen = time.monotonic()
-        if op == "open":
-            self._open(ident, rid, name, get_field(header, "url", str))
+        if op == "hello":
+            self._hello(ident, rid, name, header)
+        elif op == "open":
+            ahead = get_field(header, "ahead", list, None)
+            self._open(ident, rid, name, get_field(header, "url", str), ahead)
         elif op == "release":
             self._release(name, get_field(header, "url", str))
             self._reply(ident, rid, ok=True)
+        elif op == "report":
+            if reader is not None:
+                self.consumers[name] = {**header, "seen": time.time()}
+            self._reply(ident, rid, ok=reader is not None, error="unknown reader; say hello first")
         elif op == "ping":
             self._reply(ident, rid, ok=True)
         elif op == "bye":
@@ -540,16 +586,67 @@ class Agent:
         else:
             raise ProtocolError(f"unknown op {op!r}")
 
-    def _open(self, ident: bytes, rid: Any, name: str, url: str) -> None:
+    def _hello(self, ident: bytes, rid: Any, name: str, header: dict[str, Any]) -> None:
+        """A consumer joins a job: check it agrees with the job's other ranks, take up its list."""
+        job = get_field(header, "job", str)
+        world = get_field(header, "world_size", int)
+        rank = get_field(header, "rank", int)
+        if not 0 <= rank < world:
+            self._reply(ident, rid, ok=False, error=f"rank {rank} is not in [0, {world})")
+            return
+        urls = get_field(header, "urls", list, None)
+        if urls is not None:
+            try:
+                own = self._job_list(urls)
+            except ConfigError as exc:
+                self._reply(ident, rid, ok=False, error=str(exc))
+                return
+        else:
+            own = None
+        known = self.jobs.get(job)
+        if known is not None and known["world_size"] != world and self._job_ranks(job):
+            self._reply(ident, rid, ok=False, error=(
+                f"job {job!r} runs with world_size {known['world_size']}, but rank {rank} says {world}; "
+                "give each launch its own job name"))
+            return
+        self.jobs[job] = {"world_size": world}
+        self.readers[name] = Reader(name, ahead=[])
+        self.consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
+        listed = own if own is not None else self.urls
+        self._reply(
+            ident, rid, ok=True,
+            workers=self.pool.endpoints if self.pool else [],
+            prefetch=self.config.prefetch,
+            urls=None if own is not None else list(listed.urls),
+        )
+
+    def _job_ranks(self, job: str) -> list[int]:
+        return [c["rank"] for n, c in self.consumers.items() if c.get("job") == job and n in self.readers]
+
+    def _job_list(self, urls: list[Any]) -> UrlList:
+        """A consumer's own URL list, held to what this endpoint may fetch for others."""
+        # Over a TCP endpoint a peer may be another machine: it must not make us read local files.
+        schemes = ("http://", "https://") if not self.endpoint.startswith("ipc://") else ("http://", "https://", "file://")
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
+                raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
+        parsed = parse_url_list("\n".join(u.replace("{", "\\{").replace("}", "\\}") for u in urls))
+        self._extra_urls.update(parsed.urls)
+        return parsed
+
+    def _open(self, ident: bytes, rid: Any, name: str, url: str, ahead: list[Any] | None = None) -> None:
         assert self.cache is not None
-        if url not in self.urls:
+        if url not in self.urls and url not in self._extra_urls:
             self._reply(ident, rid, ok=False, error=f"{url} is not in the agent's URL list ({self.config.urls})")
             return
         reader = self.readers.get(name)
         if reader is None:
             # A plain client reads in list order; its window is the shards after this one.
             reader = self.readers[name] = Reader(name, len(self.urls), shuffle=False)
-        reader.advance_to(self.urls.index(url))
+        if ahead is not None:
+            reader.ahead = [u for u in ahead if isinstance(u, str) and (u in self.urls or u in self._extra_urls)]
+        elif reader.ahead is None:
+            reader.advance_to(self.urls.index(url))
         rec = self.cache.index.get(url)
         if rec is not None and rec.state is ShardState.CACHED:
             self.cache.index.incr("hits")
@@ -574,10 +671,10 @@ class Agent:
         if reader is None:
             self._reply(ident, rid, ok=False, error="reader expired while waiting")
             return
-        i = self.urls.index(url)
-        reader.pins[i] = reader.pins.get(i, 0) + 1
+        reader.pins[url] = reader.pins.get(url, 0) + 1
         self.cache.pin(url)
-        self._reply(ident, rid, ok=True, path=str(self.cache.path(url)), size=self.cache.index.get(url).size)
+        self._reply(ident, rid, ok=True, path=str(self.cache.path(url)), size=self.cache.index.get(url).size,
+                    samples=self.cache.index.counts.get(url))
 
     def _answer_waiters(self, url: str, error: str | None = None) -> None:
         self._demanded.pop(url, None)
@@ -590,14 +687,12 @@ class Agent:
     def _release(self, name: str, url: str) -> None:
         assert self.cache is not None
         reader = self.readers.get(name)
-        if reader is None or url not in self.urls:
+        if reader is None or reader.pins.get(url, 0) <= 0:
             return
-        i = self.urls.index(url)
-        if reader.pins.get(i, 0) > 0:
-            reader.pins[i] -= 1
-            if not reader.pins[i]:
-                del reader.pins[i]
-            self.cache.unpin(url)
+        reader.pins[url] -= 1
+        if not reader.pins[url]:
+            del reader.pins[url]
+        self.cache.unpin(url)
 
     # -- statistics -----------------------------------------------------------
 
@@ -626,11 +721,24 @@ class Agent:
                 "pid": os.getpid(),
                 "uptime_s": round(time.time() - self._started, 1),
                 "endpoint": self.endpoint,
-                "consumers": len(self.readers),
+                "consumers": len(self.consumers),
                 "bytes_reserved": self.cache.reserved,
                 "urls": len(self.urls),
+                "workers": [self.worker_stats.get(i, {"index": i}) for i in range(self.config.workers)],
+                "worker_restarts": self.pool.restarts if self.pool else 0,
+                "corrupt": [{"url": u, "error": e} for u, e in list(self._corrupt.items())[:100]],
             },
+            jobs=_jobs_view(self.consumers),
         )
+
+
+def _jobs_view(consumers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Consumer reports grouped as {job: {rank: {...}}} for stats."""
+    keep = ("samples", "bytes", "rate", "wait_s", "epoch", "position", "seen")
+    jobs: dict[str, dict[str, Any]] = {}
+    for c in consumers.values():
+        jobs.setdefault(str(c.get("job")), {})[str(c.get("rank"))] = {k: c[k] for k in keep if k in c}
+    return jobs
 
 
 def _read_list(cfg: AgentConfig) -> UrlList:

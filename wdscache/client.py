@@ -75,6 +75,31 @@ class AgentConnection:
                 return reply
             # A late reply to an earlier request that timed out: skip it.
 
+    def request_patiently(self, header: dict[str, Any], *, liveness: float) -> dict[str, Any]:
+        """Like :meth:`request`, for requests that may take long (a shard being downloaded).
+
+        Waits as long as the agent keeps answering a ping within ``liveness`` seconds;
+        raises AgentUnavailableError once it does not.
+        """
+        sock = self._socket()
+        rid = next(self._ids)
+        sock.send_multipart(pack({**header, "id": rid}))
+        ping_id, ping_sent = None, time.monotonic()
+        while True:
+            if sock.poll(int(liveness * 1000 / 4) + 1):
+                reply, _ = unpack(sock.recv_multipart())
+                if reply.get("id") == rid:
+                    return reply
+                if reply.get("id") == ping_id:
+                    ping_id = None
+                continue
+            now = time.monotonic()
+            if ping_id is not None and now - ping_sent > liveness:
+                raise AgentUnavailableError(self.endpoint, liveness, self.hint)
+            if ping_id is None and now - ping_sent > liveness / 2:
+                ping_id, ping_sent = next(self._ids), now
+                sock.send_multipart(pack({"op": "ping", "reader": str(header.get("reader", "")), "id": ping_id}))
+
     def close(self) -> None:
         if self._sock is not None and self._pid == os.getpid():
             self._sock.close(0)

@@ -30,7 +30,7 @@ from .tario import tar_problem
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20
+CHUNK = 64 << 10  # small reads: bytes received before a connection breaks are kept
 HEAD_BYTES = 64 << 10
 # Reservations for bodies of unknown length grow in steps of this size.
 GROW = 16 << 20

@@ -29,6 +29,7 @@ MAX_FAILED_LISTED = 100
 _SHARD = "shard:"
 _SUMMARY = "summary"
 _META = "meta"
+_COUNT = "count:"
 COUNTERS = ("hits", "misses", "bytes_downloaded", "downloads", "corrupt")
 
 
@@ -128,6 +129,8 @@ class Index:
         self.records: dict[str, ShardRecord] = {}
         self.summary = Summary()
         self._unsaved_reads: set[str] = set()
+        # Samples per shard, kept after eviction: resuming or len() must not need a download.
+        self.counts: dict[str, int] = {}
         if load:
             self._load()
 
@@ -138,6 +141,10 @@ class Index:
                 if isinstance(text, str):
                     rec = ShardRecord.from_json(text)
                     self.records[rec.url] = rec
+            elif isinstance(key, str) and key.startswith(_COUNT):
+                value = self._db.get(key)
+                if isinstance(value, int):
+                    self.counts[key[len(_COUNT):]] = value
         # Rebuilt from the records rather than trusted: cheap at start, and self-healing.
         self.summary = Summary()
         for rec in self.records.values():
@@ -196,6 +203,11 @@ class Index:
                 if rec is not None:
                     self._db.set(_SHARD + url, rec.to_json())
         self._unsaved_reads.clear()
+
+    def set_count(self, url: str, samples: int) -> None:
+        if self.counts.get(url) != samples:
+            self.counts[url] = samples
+            self._db.set(_COUNT + url, samples)
 
     def set_meta(self, meta: dict) -> None:
         """Settings of the last agent (its budget), shown by stats when no agent runs."""

@@ -12,7 +12,9 @@ import hashlib
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def epoch_rng(seed: int, epoch: int, purpose: str) -> random.Random:
@@ -31,20 +33,24 @@ def shard_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
 
 @dataclass
 class Reader:
-    """Something that reads shards in a known order: a job, a client, or the start-up plan.
+    """Something that reads shards in a known order: a consumer, a client, or the start-up plan.
 
-    ``position`` counts shards from the start of ``epoch``; ``pins`` are the shards
-    it reads right now and that therefore cannot be evicted.
+    Either the reader tells its next shards (``ahead``: a consumer computes its
+    own epoch order), or the agent derives them from ``position`` in the seeded
+    order of ``epoch`` over the agent's list. ``pins`` are the shards it reads
+    right now, which therefore cannot be evicted.
     """
 
     name: str
-    n_shards: int
+    n_shards: int = 0
     seed: int = 0
     shuffle: bool = True
     epoch: int = 0
     position: int = 0
-    pins: dict[int, int] = field(default_factory=dict)  # shard index -> open count
+    pins: dict[str, int] = field(default_factory=dict)  # url -> open count
     last_seen: float = field(default_factory=time.monotonic)
+    # Set by readers that know their own order (consumers): the URLs they read next.
+    ahead: list[str] | None = None
     _orders: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     def order(self, epoch: int) -> list[int]:
@@ -85,11 +91,10 @@ class Reader:
         self.position = self.order(self.epoch).index(shard)
 
 
-def wanted(readers: Sequence[Reader], prefetch: int) -> list[int]:
+def wanted(windows: Sequence[Sequence[T]], prefetch: int) -> list[T]:
     """Shards to have on disk, by priority: each reader's next shard, then the one after, ..."""
-    windows = [r.window(prefetch) for r in readers]
-    seen: set[int] = set()
-    out: list[int] = []
+    seen: set[T] = set()
+    out: list[T] = []
     for rank in range(prefetch):
         for w in windows:
             if rank < len(w) and w[rank] not in seen:

@@ -39,6 +39,7 @@ def build(
     bytes_limit: int | None,
     download_rate: float = 0.0,
     agent: dict[str, Any] | None = None,
+    jobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The stats object from an index summary and counters (shared by agent and reader)."""
     counts = summary.get("counts", {})
@@ -53,6 +54,7 @@ def build(
         "bytes_downloaded": counters.get("bytes_downloaded", 0),
         "download_rate": round(download_rate, 1),
         "agent": agent,
+        "jobs": jobs or {},
     }
 
 

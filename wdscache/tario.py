@@ -1,29 +1,115 @@
-"""Tar reading: recognising tar shards (and, for streaming, reading their samples)."""
+"""Tar reading: recognising tar shards and reading their WebDataset samples.
+
+Samples are found the way WebDataset 1.0.2 finds them (``tar_file_iterator``
+over Python's :mod:`tarfile`, then ``group_by_keys``), so that a training job
+sees the same keys and fields whether it reads through wdscache or not:
+
+- Only regular files count (types ``0``, NUL and ``7``); directories, links,
+  devices and fifos are skipped, never followed.  GNU sparse files are refused.
+- Names are read as tarfile reads them: ustar ``prefix/name``, GNU long names,
+  PAX ``path`` records (global ones too), decoded as UTF-8 with
+  ``surrogateescape`` (tarfile's default on a UTF-8 file system), so a
+  non-UTF-8 name gives the same ``str`` key as in WebDataset.
+- Members named like ``__meta__`` are skipped (:func:`is_meta_name`), as are
+  names without an extension (:func:`split_name` gives None).
+- The key is the name up to the first dot of its basename, the extension the
+  rest, lower-cased (WebDataset's default ``lcase=True``).
+- Consecutive members with the same key form one sample; an extension repeated
+  within a sample is an error, as in WebDataset.
+
+Where WebDataset would quietly stop reading (tarfile treats a bad header after
+the first one as the end of the archive), :func:`scan` raises
+:class:`~wdscache.errors.ShardError` instead: a cached shard that is damaged
+should be noticed, not silently shortened.
+"""
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
 import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ShardError
 
 BLOCK = 512
 GZIP_MAGIC = b"\x1f\x8b"
+
+Buffer = bytes | bytearray | memoryview | mmap.mmap
+Sample = dict[str, Any]  # "__key__" and "__url__" -> str, extension -> payload
+
+# name, size, chksum, typeflag and prefix of a ustar header; the rest is unused.
+_HEADER = struct.Struct("100s24x12s12x8sc188x155s")
+_ZERO_BLOCK = bytes(BLOCK)
+_NO_CHECKSUM = bytes(8)
+_OCTAL_DIGITS = b"01234567"
+_HIGH_BYTES = bytes(range(128, 256))
+_MAX_SIZE_DIGITS = 20  # beyond any real size; keeps int() away from huge inputs
+
+_REGULAR = frozenset((b"0", b"\0", b"7"))
+# Types tarfile knows to carry no data: their size field is not skipped.
+# Any other unknown type is skipped by its size, as tarfile does.
+_DATALESS = frozenset((b"1", b"2", b"3", b"4", b"5", b"6"))
+_LONG_NAME, _LONG_LINK, _PAX, _PAX_SOLARIS, _PAX_GLOBAL = b"L", b"K", b"x", b"X", b"g"
+_SPARSE = b"S"
+# A member with one of these extensions would overwrite the sample's metadata;
+# WebDataset reports it as a duplicate.
+_RESERVED_EXTS = frozenset(("__key__", "__url__"))
+
+_GZIP_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A regular file in a tar: its name and where its payload lies in the tar stream."""
+
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampleSpan:
+    """Where one sample's fields lie: ``(extension, offset, size)`` in archive order."""
+
+    key: str
+    fields: tuple[tuple[str, int, int], ...]
+
+
+def _byte_sum(block: bytes) -> int:
+    # Adler-32's low half is (1 + sum of bytes) mod 65521; over 256 bytes the
+    # sum stays below the modulus, so two C-level calls give the exact sum of a
+    # block about five times faster than sum().
+    return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+
+
+def _checksum_matches(block: bytes, stored: int) -> bool:
+    """True when ``stored`` is the header checksum of ``block``, unsigned or signed."""
+    # The checksum field itself counts as eight spaces.
+    unsigned = _byte_sum(block) - sum(block[148:156]) + 8 * 32
+    if stored == unsigned:
+        return True
+    # Some old writers summed signed bytes; tar readers accept either.
+    rest = block[:148] + block[156:]
+    return stored == unsigned - 256 * (len(rest) - len(rest.translate(None, _HIGH_BYTES)))
 
 
 def header_ok(block: bytes) -> bool:
     """True when ``block`` is a tar header whose checksum matches (or the zero end block)."""
     if len(block) < BLOCK:
         return False
-    block = block[:BLOCK]
-    if block.count(0) == BLOCK:
+    block = bytes(block[:BLOCK])
+    if block == _ZERO_BLOCK:
         return True
     field = block[148:156].replace(b"\0", b" ").strip()
     try:
         stored = int(field, 8)
     except ValueError:
         return False
-    unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
-    # Some old writers summed signed bytes; accept either, as tar readers do.
-    signed = sum(b - 256 if b > 127 else b for b in block[:148] + b" " * 8 + block[156:])
-    return stored in (unsigned, signed)
+    return _checksum_matches(block, stored)
 
 
 def tar_problem(head: bytes) -> str | None:
@@ -40,11 +126,358 @@ def tar_problem(head: bytes) -> str | None:
         if len(inner) < BLOCK:
             return "gzip stream too short to hold a tar header"
         return None if header_ok(inner) else "gzip'd data is not a tar archive"
+    # Sniffed first: an error page is usually shorter than a tar header.
+    sniff = head[:64].lstrip().lower()
+    if sniff.startswith((b"<!doctype html", b"<html", b"<?xml")):
+        return "got an HTML/XML page, not a tar archive"
     if len(head) < BLOCK:
         return f"too short for a tar archive ({len(head)} bytes)"
     if header_ok(head):
         return None
-    sniff = head[:64].lstrip().lower()
-    if sniff.startswith((b"<!doctype html", b"<html", b"<?xml")):
-        return "got an HTML/XML page, not a tar archive"
     return "not a tar archive (bad header checksum)"
+
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """WebDataset's ``(key, extension)`` of a member name, or None when it has no extension.
+
+    The extension starts at the first dot of the basename.  Matches
+    ``webdataset.tariterators.base_plus_ext`` exactly, corner cases included:
+    ``a/.b`` gives key ``a/`` (the key may run back over a slash when the
+    basename starts with a dot), and a directory part holding a newline counts
+    as if the key started at the name's beginning.
+    """
+    slash = name.rfind("/")
+    dot = name.find(".", slash + 1)
+    if dot <= 0:
+        return None
+    # The key must end in a dot-free run of at least one character that starts
+    # at the name's beginning or just after a slash; WebDataset's pattern can
+    # only start that run after a slash when no newline comes before it.
+    newline = name.find("\n")
+    limit = dot - 1 if newline < 0 else min(dot - 1, newline)
+    start = name.rfind("/", 0, limit) + 1
+    if name.find(".", start, dot) >= 0:
+        return None
+    return name[:dot], name[dot + 1 :]
+
+
+def is_meta_name(name: str) -> bool:
+    """True for names WebDataset skips as metadata: a first component ``__like_this__``.
+
+    That is ``__x__`` alone or as the leading folder (``__x__/y.json``), or a
+    slash-free name that merely starts and ends with ``__`` (``___`` too).
+    ``__x__.json`` is *not* skipped: it is the sample ``__x__``.
+    """
+    first, slash, _ = name.partition("/")
+    if not first.startswith("__"):
+        return False
+    if slash:
+        return len(first) >= 4 and first.endswith("__")
+    # The pattern's "$" also matches before a final newline.
+    return first.endswith("__") or (len(first) >= 5 and first.endswith("__\n"))
+
+
+def _text(raw: bytes) -> str:
+    """A NUL-terminated name field as tarfile decodes it on a UTF-8 file system."""
+    return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def _octal(field: bytes) -> int | None:
+    """An octal number field (NUL-terminated, blank-padded), or None if malformed."""
+    digits = field.split(b"\0", 1)[0].strip()
+    if digits.translate(None, _OCTAL_DIGITS):
+        return None
+    return int(digits, 8) if digits else 0
+
+
+def _size_field(field: bytes) -> int | None:
+    """The size field: octal, or GNU base-256 (first byte 0x80); None if malformed or negative."""
+    if field[0] == 0x80:
+        return int.from_bytes(field[1:], "big")
+    if field[0] & 0x80:  # 0xff marks a negative base-256 number; the rest is garbage
+        return None
+    return _octal(field)
+
+
+def _padded(size: int) -> int:
+    return -(-size // BLOCK) * BLOCK
+
+
+def _pax_records(data: bytes, *, is_global: bool, url: str, offset: int) -> dict[str, Any]:
+    """The ``path`` and ``size`` records of a PAX header's data; other keywords are ignored."""
+    found: dict[str, Any] = {}
+    pos, end = 0, len(data)
+    while pos < end and data[pos] != 0:  # some writers pad the records with NULs
+        space = data.find(b" ", pos, pos + _MAX_SIZE_DIGITS + 1)
+        length = data[pos:space] if space > pos else b""
+        stop = pos + int(length) if length.isdigit() else pos
+        equals = data.find(b"=", space + 1, stop - 1) if pos < stop <= end else -1
+        if equals <= space + 1 or data[stop - 1] != 0x0A:
+            raise ShardError(url, "malformed PAX header record", offset=offset)
+        keyword = data[space + 1 : equals]
+        value = data[equals + 1 : stop - 1]
+        if keyword.startswith(b"GNU.sparse."):
+            raise ShardError(url, "GNU sparse members are not supported", offset=offset)
+        if keyword == b"path":
+            found["path"] = value.decode("utf-8", "surrogateescape")
+        elif keyword == b"size":
+            if is_global:
+                raise ShardError(url, "a global PAX header may not set a size", offset=offset)
+            if not value.isdigit() or len(value) > _MAX_SIZE_DIGITS:
+                raise ShardError(url, f"bad PAX size {value[:40]!r}", offset=offset)
+            found["size"] = int(value)
+        pos = stop
+    return found
+
+
+def _walk(buf: Buffer, url: str) -> Iterator[tuple[str, int, int]]:
+    """``(name, payload offset, size)`` of each regular file, in archive order.
+
+    Follows tarfile's reading of extension headers: a chain of them applies to
+    the next real header, and where two set the same thing the first one in the
+    archive wins.
+    """
+    end = len(buf)
+    if end == 0:
+        raise ShardError(url, "empty file, not a tar archive", offset=0)
+    pos = 0
+    global_pax: dict[str, Any] = {}
+    # Extension headers waiting for their member, and where the chain began.
+    pending: list[tuple[bytes, Any]] = []
+    chain_at = 0
+    while pos < end:
+        block = bytes(buf[pos : pos + BLOCK])
+        if len(block) < BLOCK:
+            if block.count(0) == len(block):
+                break  # zero padding cut short: the archive had ended anyway
+            raise ShardError(url, "truncated: archive ends inside a header", offset=pos)
+        raw_name, raw_size, raw_sum, kind, raw_prefix = _HEADER.unpack_from(block)
+        if raw_sum == _NO_CHECKSUM and block == _ZERO_BLOCK:
+            break  # end-of-archive marker; tarfile stops at the first zero block too
+        stored = _octal(raw_sum)
+        if stored is None or not _checksum_matches(block, stored):
+            raise ShardError(url, "bad tar header checksum", offset=pos)
+        size = _size_field(raw_size)
+        if size is None:
+            raise ShardError(url, f"bad size field {raw_size!r}", offset=pos)
+        data = pos + BLOCK
+
+        if kind in (_LONG_NAME, _LONG_LINK, _PAX, _PAX_SOLARIS, _PAX_GLOBAL):
+            stop = data + _padded(size)
+            if stop > end:
+                raise ShardError(url, "truncated: extended header runs past the end", offset=pos)
+            if not pending:
+                chain_at = pos
+            payload = bytes(buf[data : data + size])
+            if kind == _LONG_NAME:
+                pending.append((kind, _text(payload)))
+            elif kind == _LONG_LINK:
+                pending.append((kind, None))  # link targets are of no use here
+            elif kind == _PAX_GLOBAL:
+                global_pax.update(_pax_records(payload, is_global=True, url=url, offset=pos))
+                pending.append((kind, None))  # tarfile wants a member after it too
+            else:
+                local = _pax_records(payload, is_global=False, url=url, offset=pos)
+                pending.append((_PAX, {**global_pax, **local}))
+            pos = stop
+            continue
+
+        if kind == _SPARSE:
+            raise ShardError(url, "GNU sparse members are not supported", offset=pos)
+        name = _text(raw_name)
+        if kind == b"\0" and name.endswith("/"):
+            kind = b"5"  # the old V7 way of writing a directory
+        if raw_prefix[0]:
+            name = _text(raw_prefix) + "/" + name
+        if "path" in global_pax:
+            name = global_pax["path"].rstrip("/")
+        # Innermost first, so the outermost extension header has the last word.
+        for ext_kind, value in reversed(pending):
+            if ext_kind == _LONG_NAME:
+                name = value
+            elif ext_kind == _PAX:
+                if "path" in value:
+                    name = value["path"].rstrip("/")
+                size = value.get("size", size)
+        pending.clear()
+
+        if kind in _DATALESS:
+            pos = data
+            continue
+        stop = data + _padded(size)
+        if stop > end:
+            raise ShardError(
+                url, f"truncated: member {name!r} ({size} bytes) runs past the end", offset=pos
+            )
+        if kind in _REGULAR:
+            yield name, data, size
+        pos = stop
+    if pending:
+        raise ShardError(url, "extended header without a member after it", offset=chain_at)
+
+
+def members(buf: Buffer, *, url: str) -> list[Member]:
+    """Every regular file in the uncompressed tar ``buf``, in archive order (no grouping)."""
+    return [Member(name, offset, size) for name, offset, size in _walk(buf, url)]
+
+
+def scan(buf: Buffer, *, url: str) -> list[SampleSpan]:
+    """The samples of the uncompressed tar ``buf``, grouped by WebDataset's rules.
+
+    Reads headers only: payloads are located, never copied, and nothing is
+    allocated from a declared size.  ``buf`` is any bytes-like object with byte
+    items (an mmap of a shard, or decompressed bytes); ``url`` names the shard
+    in errors.  Raises :class:`ShardError` for a damaged or unreadable shard.
+    """
+    spans: list[SampleSpan] = []
+    key: str | None = None
+    fields: list[tuple[str, int, int]] = []
+    seen: set[str] = set()
+    for name, offset, size in _walk(buf, url):
+        if is_meta_name(name):
+            continue
+        split = split_name(name)
+        if split is None:
+            continue
+        member_key, ext = split[0], split[1].lower()
+        if member_key != key:
+            if key is not None:
+                spans.append(SampleSpan(key, tuple(fields)))
+            key, fields, seen = member_key, [], set()
+        if ext in seen or ext in _RESERVED_EXTS:
+            raise ShardError(
+                url, f"member {name!r}: extension {ext!r} repeated in sample {key!r}",
+                offset=offset - BLOCK,
+            )
+        seen.add(ext)
+        fields.append((ext, offset, size))
+    if key is not None:
+        spans.append(SampleSpan(key, tuple(fields)))
+    return spans
+
+
+def _gunzip(packed: Buffer, url: str) -> bytearray:
+    """All members of a gzip file, decompressed and joined; trailing zero padding is allowed."""
+    out = bytearray()
+    pos, end = 0, len(packed)
+    inflater = None
+    while pos < end:
+        if inflater is None:
+            if packed[pos : pos + 2] != GZIP_MAGIC:
+                if not bytes(packed[pos:]).strip(b"\0"):
+                    break
+                raise ShardError(url, "data after the gzip stream is not gzip", offset=pos)
+            inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        # Fed in chunks so that what follows a member is never copied whole
+        # (files made of many members would otherwise cost quadratic time).
+        chunk = packed[pos : pos + _GZIP_CHUNK]
+        try:
+            out += inflater.decompress(chunk)
+        except zlib.error as exc:
+            raise ShardError(
+                url, f"corrupt gzip data ({exc}); the offset is in the .gz file", offset=pos
+            ) from None
+        if inflater.eof:
+            pos += len(chunk) - len(inflater.unused_data)
+            inflater = None
+        else:
+            pos += len(chunk)
+    if inflater is not None:
+        raise ShardError(url, "truncated gzip stream", offset=end)
+    return out
+
+
+class ShardView:
+    """A shard's uncompressed tar in memory, and its samples.
+
+    A plain tar is mapped read-only; a gzip'd one is decompressed in full.
+    Payloads are memoryviews into that memory unless ``copy=True`` asks for
+    ``bytes``: use them before :meth:`close`.  Closing never invalidates a view
+    still alive (the mapping then lasts until the last one is freed), but it is
+    the only point where the file's memory is given back promptly.
+    """
+
+    def __init__(self, data: bytearray | mmap.mmap, *, url: str) -> None:
+        self.url = url
+        self._data: bytearray | mmap.mmap | None = data
+        # Read-only even over a bytearray: payloads must not be able to alter the shard.
+        self._view: memoryview | None = memoryview(data).toreadonly()
+        self._samples: list[SampleSpan] | None = None
+
+    def __enter__(self) -> ShardView:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has been called."""
+        return self._view is None
+
+    @property
+    def data(self) -> memoryview:
+        """The whole uncompressed tar, read-only: the offsets of :attr:`samples` index into it."""
+        if self._view is None:
+            raise ValueError("shard view is closed")
+        return self._view
+
+    @property
+    def samples(self) -> list[SampleSpan]:
+        """Where each sample lies; the shard is scanned on first use only."""
+        if self._samples is None:
+            if self._data is None:
+                raise ValueError("shard view is closed")
+            self._samples = scan(self._data, url=self.url)
+        return self._samples
+
+    def sample(self, i: int, *, copy: bool = False) -> Sample:
+        """Sample ``i``: ``{"__key__", "__url__", ext: payload, ...}``."""
+        return self._build(self.samples[i], copy)
+
+    def iter_samples(self, *, copy: bool = False) -> Iterator[Sample]:
+        """Every sample in archive order (see :meth:`sample`)."""
+        for span in self.samples:
+            yield self._build(span, copy)
+
+    def close(self) -> None:
+        """Give back the shard's memory; idempotent."""
+        view, self._view = self._view, None
+        if view is None:
+            return
+        try:
+            view.release()
+            if isinstance(self._data, mmap.mmap):
+                self._data.close()
+        except BufferError:
+            pass  # buffers handed out are still alive: the memory stays until they go
+        self._data = None
+
+    def _build(self, span: SampleSpan, copy: bool) -> Sample:
+        view = self.data
+        sample: Sample = {"__key__": span.key, "__url__": self.url}
+        for ext, offset, size in span.fields:
+            payload = view[offset : offset + size]
+            sample[ext] = payload.tobytes() if copy else payload
+        return sample
+
+
+def open_shard(path: str | os.PathLike[str], *, url: str) -> ShardView:
+    """Open a cached shard for reading; gzip is recognised by its magic bytes, not its name."""
+    with open(path, "rb") as f:
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file cannot be mapped
+            raise ShardError(url, "empty file, not a tar archive", offset=0) from None
+    if mapped[:2] != GZIP_MAGIC:
+        return ShardView(mapped, url=url)
+    try:
+        return ShardView(_gunzip(mapped, url), url=url)
+    finally:
+        mapped.close()
+
+
+def iter_samples(path: str | os.PathLike[str], *, url: str) -> Iterator[Sample]:
+    """Every sample of the shard at ``path``, with ``bytes`` payloads (copies)."""
+    with open_shard(path, url=url) as shard:
+        yield from shard.iter_samples(copy=True)

@@ -1,0 +1,62 @@
+"""A training process stand-in: iterate a CachedMultiLoader and record what it got.
+
+    python tests/consumer.py --cache-dir DIR --out FILE [--rank R --world-size W --job J ...]
+
+Writes one JSON line per sample: {"key", "url", "fields": {ext: sha256}} and, at
+the end (or after --stop-after samples), a line {"state": loader.state_dict()}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+from wdscache import CachedMultiLoader
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache-dir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--urls", default=None)
+    ap.add_argument("--job", default="job")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epoch", type=int, default=0)
+    ap.add_argument("--shuffle-buffer", type=int, default=100)
+    ap.add_argument("--no-shuffle", action="store_true")
+    ap.add_argument("--drop-last", action="store_true")
+    ap.add_argument("--stop-after", type=int, default=None)
+    ap.add_argument("--resume", default=None, help="a JSON state dict to load")
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each sample")
+    ap.add_argument("--timeout", type=float, default=30.0)
+    args = ap.parse_args()
+    loader = CachedMultiLoader(
+        args.urls, cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
+        seed=args.seed, shuffle=not args.no_shuffle, shuffle_buffer=args.shuffle_buffer,
+        drop_last=args.drop_last, timeout=args.timeout,
+    )
+    if args.resume:
+        loader.load_state_dict(json.loads(args.resume))
+    else:
+        loader.set_epoch(args.epoch)
+    n = 0
+    with open(args.out, "w") as out:
+        for sample in loader:
+            fields = {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+            out.write(json.dumps({"key": sample["__key__"], "url": sample["__url__"], "fields": fields}) + "\n")
+            n += 1
+            if args.sleep:
+                time.sleep(args.sleep)
+            if args.stop_after is not None and n >= args.stop_after:
+                break
+        out.write(json.dumps({"state": loader.state_dict()}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,712 @@
+"""Integration tests of the agent: real server, real shards, real agent processes.
+
+Each test starts ``wdscache agent`` through the installed console script against
+a :class:`ShardServer` on 127.0.0.1 and checks what a user relies on: which
+URLs end up cached, that cached files equal the sources byte for byte, the
+budget, exit codes and messages.  Fixtures live in conftest.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import AgentProc, Dataset, tail, wait_for
+from wdscache import FetchError, ShardClient
+from wdscache.index import _SHARD, Index, ShardRecord, ShardState
+from wdscache.layout import CacheLayout, shard_name
+
+try:
+    from shards import find_gnu_tar, make_dataset, write_url_list
+except ImportError:  # tests/ became a package
+    from tests.shards import find_gnu_tar, make_dataset, write_url_list
+
+SHARD_100K = {"samples": 20, "payload": 2500}  # 112,640-byte shards
+SHARD_200K = {"samples": 20, "payload": 7500}  # 215,040-byte shards
+SHARD_300K = {"samples": 30, "payload": 7500}  # 317,440-byte shards
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def cached_files(cache_dir: Path) -> dict[str, Path]:
+    """Files under CACHE/shards, by file name."""
+    root = CacheLayout.of(cache_dir).shards_dir
+    if not root.exists():
+        return {}
+    return {p.name: p for p in root.rglob("*") if p.is_file()}
+
+
+def partial_files(cache_dir: Path) -> list[Path]:
+    root = CacheLayout.of(cache_dir).partial_dir
+    return sorted(root.iterdir()) if root.exists() else []
+
+
+def cached_urls(cache_dir: Path, ds: Dataset) -> set[str]:
+    """The URLs of ``ds`` whose file is in CACHE/shards."""
+    names = set(cached_files(cache_dir))
+    return {u for u in ds.urls if shard_name(u) in names}
+
+
+def assert_cached_identical(cache_dir: Path, ds: Dataset, urls: list[str], agent: AgentProc | None = None) -> None:
+    layout = CacheLayout.of(cache_dir)
+    for url in urls:
+        path = layout.shard_path(url)
+        where = f"\n{agent.stderr_tail()}" if agent else ""
+        assert path.is_file(), f"{url} is not cached at {path}{where}"
+        assert path.read_bytes() == ds.source_of(url).read_bytes(), f"cached {url} differs from its source{where}"
+
+
+def names_of(ds: Dataset) -> list[str]:
+    return [p.name for p in ds.paths]
+
+
+def new_requests(server, since: int, method: str | None = "GET") -> list:
+    return [r for r in server.requests[since:] if method is None or r.method == method]
+
+
+# -- prefetch ---------------------------------------------------------------------------
+
+
+def test_prefetch_before_any_reader_caches_exactly_the_first_window(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(8)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--no-shuffle", "--cache-size", "10M")
+
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 15, "the first 3 shards were never all cached")
+    time.sleep(1.0)  # time to (wrongly) go on beyond the window
+    s = agent.stats()
+    assert s["shards"] == {"cached": 3, "downloading": 0, "queued": 0, "failed": 0}, agent.stderr_tail()
+    assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths[:3])
+    beyond = {name: shard_server.count(name, method=None) for name in names_of(ds)[3:]}
+    assert beyond == {name: 0 for name in beyond}, f"shards beyond the window were requested\n{agent.stderr_tail()}"
+    for name in names_of(ds)[:3]:
+        assert shard_server.count(name) == 1, f"{name} fetched {shard_server.count(name)} times"
+    assert cached_urls(cache, ds) == set(ds.urls[:3])
+    assert_cached_identical(cache, ds, ds.urls[:3], agent)
+    assert partial_files(cache) == []
+
+
+# -- the budget -------------------------------------------------------------------------
+
+READER_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from wdscache import ShardClient
+
+    cache_dir, plan_file = sys.argv[1], sys.argv[2]
+    plan = json.load(open(plan_file))
+    bad, read = [], 0
+    with ShardClient(cache_dir, timeout=30) as client:
+        for url, source in plan:
+            path = client.open(url)
+            with open(path, "rb") as f, open(source, "rb") as g:
+                if f.read() != g.read():
+                    bad.append(url)
+            read += 1
+            client.release(url)
+    print(json.dumps({"read": read, "bad": bad}))
+    """
+)
+
+
+class DiskSampler(threading.Thread):
+    """Samples the bytes of all files under CACHE/shards and CACHE/partial every ~20 ms.
+
+    A directory walk is not atomic: a file deleted (evicted) after it was counted
+    and a partial created after that would both be counted.  So each sample lists
+    and stats every file, then stats them all again, and counts only the files
+    (by inode, which a rename from partial/ to shards/ keeps) present both times:
+    all of those existed together at the end of the first pass, with at least the
+    first-pass size (files only grow), so the sum is a lower bound of the real
+    usage at that moment and never a false alarm.
+    """
+
+    def __init__(self, cache_dir: Path, interval: float = 0.02) -> None:
+        super().__init__(daemon=True)
+        layout = CacheLayout.of(cache_dir)
+        self.dirs = [layout.shards_dir, layout.partial_dir]
+        self.interval = interval
+        self.done = threading.Event()
+        self.max_bytes = 0
+        self.max_files: list[tuple[str, int]] = []
+        self.samples = 0
+
+    def _scan(self) -> dict[int, tuple[str, int]]:
+        seen: dict[int, tuple[str, int]] = {}
+        for top in self.dirs:
+            for folder, _dirs, files in os.walk(top):
+                for name in files:
+                    try:
+                        st = os.stat(os.path.join(folder, name))
+                    except FileNotFoundError:
+                        continue
+                    seen[st.st_ino] = (os.path.join(folder, name), st.st_size)
+        return seen
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            first = self._scan()
+            second = self._scan()
+            both = {ino: first[ino] for ino in first.keys() & second.keys()}
+            total = sum(min(size, second[ino][1]) for ino, (_p, size) in both.items())
+            self.samples += 1
+            if total > self.max_bytes:
+                self.max_bytes = total
+                self.max_files = sorted(both.values())
+            self.done.wait(self.interval)
+
+
+def test_budget_never_exceeded_while_three_budgets_of_shards_stream_through(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(24, **SHARD_100K)
+    shard_size = max(p.stat().st_size for p in ds.paths)
+    total = sum(p.stat().st_size for p in ds.paths)
+    budget = total // 3
+    assert budget >= 3 * shard_size  # (prefetch + 1) shards fit
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--no-shuffle", "--cache-size", str(budget),
+                        "--download-workers", "4")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps([[u, str(p)] for u, p in zip(ds.urls, ds.paths)]))
+    script = tmp_path / "reader.py"
+    script.write_text(READER_SCRIPT)
+
+    sampler = DiskSampler(cache)
+    sampler.start()
+    try:
+        reader = subprocess.run([sys.executable, str(script), str(cache), str(plan)],
+                                capture_output=True, text=True, timeout=45, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the reader did not finish in 45 s: {tail(str(exc.stderr))}\n{agent.stderr_tail()}")
+    finally:
+        sampler.done.set()
+        sampler.join(5)
+    assert reader.returncode == 0, f"reader failed:\n{tail(reader.stderr)}\n{agent.stderr_tail()}"
+    result = json.loads(reader.stdout)
+    assert result == {"read": 24, "bad": []}
+    print(f"max on disk {sampler.max_bytes} of budget {budget} in {sampler.samples} samples")
+    assert sampler.samples > 10, "the sampler hardly ran"
+    assert sampler.max_bytes <= budget, (
+        f"cache held {sampler.max_bytes} bytes on disk, budget {budget}: {sampler.max_files}\n{agent.stderr_tail()}"
+    )
+    s = agent.stats()
+    assert s["bytes_used"] <= budget
+    assert s["bytes_limit"] == budget
+    assert s["hits"] + s["misses"] == 24
+    assert s["shards"]["failed"] == 0
+    # It really streamed: more was downloaded than the budget holds.
+    assert s["bytes_downloaded"] >= total, s
+
+
+# -- restarts and locks ------------------------------------------------------------------
+
+
+def test_restart_downloads_nothing_already_cached(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(5)
+    cache = tmp_path / "cache"
+    args = ("--prefetch", "8", "--no-shuffle", "--cache-size", "10M")
+    first = start_agent(cache, ds.list_file, *args)
+    first.wait_stats(lambda s: s["shards"]["cached"] == 5, 15, "not all 5 shards were cached")
+    assert first.stop() == 0, f"SIGTERM did not give exit 0\n{first.stderr_tail()}"
+
+    before = len(shard_server.requests)
+    second = start_agent(cache, ds.list_file, *args)
+    time.sleep(1.0)
+    assert new_requests(shard_server, before) == [], f"the restarted agent downloaded again\n{second.stderr_tail()}"
+    s = second.stats()
+    assert s["shards"]["cached"] == 5 and s["shards"]["downloading"] == 0, s
+    hits, misses = s["hits"], s["misses"]
+    with ShardClient(cache, timeout=10) as client:
+        for url in ds.urls:
+            path = client.open(url)
+            assert path.read_bytes() == ds.source_of(url).read_bytes()
+            client.release(url)
+        s = client.stats()
+    assert (s["hits"] - hits, s["misses"] - misses) == (5, 0)
+    assert new_requests(shard_server, before) == []
+
+
+def test_second_agent_on_same_cache_dir_is_refused_naming_the_running_pid(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2)
+    cache = tmp_path / "cache"
+    first = start_agent(cache, ds.list_file, "--cache-size", "10M")
+    second = start_agent(cache, ds.list_file, "--cache-size", "10M", wait=False)
+    try:
+        rc = second.proc.wait(20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the second agent kept running\n{second.stderr_tail()}")
+    err = second.stderr_text()
+    assert rc == 1, err
+    assert f"pid {first.pid}" in err, err
+    assert "already running" in err, err
+    assert first.running()
+    s = first.stats()
+    assert s["agent"]["pid"] == first.pid
+
+
+def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(6, **SHARD_100K)
+    cache = tmp_path / "cache"
+    shard_server.rate = 300_000  # about 0.4 s per shard: some done, one in flight when killed
+    args = ("--prefetch", "6", "--no-shuffle", "--cache-size", "10M", "--download-workers", "1")
+    first = start_agent(cache, ds.list_file, *args)
+    wait_for(lambda: len(cached_urls(cache, ds)) >= 2, 15,
+             lambda: f"2 shards never reached shards/\n{first.stderr_tail()}")
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    done = cached_urls(cache, ds)
+    layout = CacheLayout.of(cache)
+    assert layout.lock_path.exists() and layout.state_path.exists(), "nothing stale left to test"
+    assert json.loads(layout.state_path.read_text())["pid"] == first.pid
+
+    s = first.stats()  # a dead agent's state file must not make stats hang or lie
+    assert s["agent"] is None, s
+
+    shard_server.rate = None
+    before = len(shard_server.requests)
+    second = start_agent(cache, ds.list_file, *args)
+    s = second.wait_stats(lambda s: s["shards"]["cached"] == 6, 15, "the new agent did not cache all 6 shards")
+    assert s["agent"]["pid"] == second.pid
+    again = {r.path for r in new_requests(shard_server, before)}
+    assert not again & {ds.source_of(u).name for u in done}, (
+        f"complete shards {sorted(again)} were downloaded again after the crash\n{second.stderr_tail()}"
+    )
+    assert_cached_identical(cache, ds, ds.urls, second)
+    assert cached_urls(cache, ds) == set(ds.urls)
+    assert len(cached_files(cache)) == 6
+    assert partial_files(cache) == []
+    assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths)
+
+
+# -- configuration errors ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad_line, lineno, words",
+    [
+        ("s3://bucket/x.tar", 3, ["s3"]),
+        ("http://127.0.0.1:9/shard-{000..003.tar", 2, ["unclosed", "{"]),
+    ],
+    ids=["unsupported-scheme", "malformed-brace"],
+)
+def test_bad_url_list_line_is_refused_with_its_line_number(shard_server, dataset, run_cli, tmp_path, bad_line, lineno, words):
+    ds = dataset(1)
+    lines = [ds.urls[0], "# a comment", ds.urls[0]]
+    lines[lineno - 1] = bad_line
+    ds.list_file.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--cache-size", "10M", timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert f"urls.txt:{lineno}" in r.stderr, r.stderr
+    for word in words:
+        assert word in r.stderr, r.stderr
+    assert not cache.exists(), f"the cache dir was created: {list(cache.rglob('*'))}"
+    assert shard_server.requests == []
+
+
+def test_budget_too_small_for_the_prefetch_window_is_refused(shard_server, dataset, run_cli, start_agent, tmp_path):
+    ds = dataset(6, **SHARD_100K)
+    shard_size = max(p.stat().st_size for p in ds.paths)
+    cache = tmp_path / "cache"
+    r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--prefetch", "4", "--no-shuffle",
+                "--cache-size", "200K", "--min-free", "1M", timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert "smallest budget" in r.stderr, r.stderr
+    m = re.search(r"smallest budget that works is (\d+) bytes", r.stderr)
+    assert m, r.stderr
+    need = int(m.group(1))
+    assert need >= 5 * shard_size, r.stderr
+    assert cached_files(cache) == {}
+
+    # The budget it names does work.
+    agent = start_agent(cache, ds.list_file, "--prefetch", "4", "--no-shuffle", "--cache-size", str(need))
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 15, f"a budget of {need} did not hold 4 shards")
+    assert s["bytes_limit"] == need
+    assert cached_urls(cache, ds) == set(ds.urls[:4])
+
+
+# -- download failures ----------------------------------------------------------------
+
+
+def test_404_shard_fails_while_the_rest_are_cached(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(4)
+    missing = shard_server.url("missing-000099.tar")
+    urls = ds.urls[:2] + [missing] + ds.urls[2:]
+    write_url_list(ds.list_file, urls)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "8", "--no-shuffle", "--cache-size", "10M")
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4 and s["shards"]["failed"] == 1, 15,
+                         "expected 4 cached and 1 failed")
+    assert [f["url"] for f in s["failed"]] == [missing]
+    assert shard_server.count("missing-000099.tar") == 1, "a 404 was retried"
+    assert "404" in s["failed"][0]["error"], s["failed"]
+    assert s["shards"]["downloading"] == 0 and s["shards"]["queued"] == 0, s
+    assert_cached_identical(cache, ds, ds.urls, agent)
+    # A reader asking for it gets the error at once, not a hang.
+    with ShardClient(cache, timeout=10) as client:
+        with pytest.raises(FetchError, match="404"):
+            client.open(missing)
+    assert agent.running()
+    assert agent.stats()["agent"]["pid"] == agent.pid
+
+
+LONG_HTML = (b"<!DOCTYPE html>\n<html><head><title>502 Bad Gateway</title></head><body>"
+             + b"<p>The upstream object store did not answer in time.</p>" * 40 + b"</body></html>\n")
+
+
+@pytest.mark.parametrize("body", [None, LONG_HTML], ids=["short-page", "2K-page"])
+def test_html_error_page_with_status_200_never_enters_the_cache(shard_server, dataset, start_agent, tmp_path, body):
+    ds = dataset(2)
+    if body is None:
+        shard_server.fail(ds.paths[1].name, "html")  # the server's default 148-byte page
+    else:
+        shard_server.fail(ds.paths[1].name, "html", body=body)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--no-shuffle", "--cache-size", "10M")
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1, 15,
+                         "expected 1 cached and 1 failed")
+    assert [f["url"] for f in s["failed"]] == [ds.urls[1]]
+    assert "HTML" in s["failed"][0]["error"], s["failed"]
+    assert cached_urls(cache, ds) == {ds.urls[0]}
+    assert_cached_identical(cache, ds, ds.urls[:1], agent)
+    assert partial_files(cache) == []
+
+
+@pytest.mark.parametrize(
+    "shape, cut_at",
+    [(SHARD_300K, 150_000), ({"samples": 100, "payload": 25_000}, 1_600_000)],
+    ids=["300K-shard-cut-at-150K", "2.7M-shard-cut-at-1.6M"],
+)
+def test_cut_connection_resumes_with_a_range_request(shard_server, dataset, start_agent, tmp_path, shape, cut_at):
+    ds = dataset(1, **shape)
+    name, size = ds.paths[0].name, ds.paths[0].stat().st_size
+    assert cut_at < size
+    shard_server.fail(name, "cut", after=cut_at)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the cut shard was never cached")
+    assert_cached_identical(cache, ds, ds.urls, agent)
+    ranges = shard_server.ranges(name)
+    gets = [r for r in shard_server.requests if r.path == name and r.method == "GET"]
+    assert ranges[0] is None and gets[0].fault == "cut", ranges
+    starts = [int(m.group(1)) for r in ranges[1:] if r and (m := re.fullmatch(r"bytes=(\d+)-", r))]
+    assert any(0 < s <= cut_at for s in starts), (
+        f"no resume with Range after {cut_at} bytes were received; GET ranges: {ranges}\n{agent.stderr_tail()}"
+    )
+    sent = sum(r.bytes_sent for r in gets)
+    assert sent < size + cut_at, f"{sent} bytes sent for a {size}-byte shard cut at {cut_at}"
+    assert agent.stats()["shards"]["failed"] == 0
+
+
+def test_no_partial_shard_is_ever_visible_under_shards(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(6, **SHARD_200K)
+    sources = {shard_name(u): ds.source_of(u).read_bytes() for u in ds.urls}
+    shard_server.rate = 200_000  # ~1 s per shard, three at once
+    cache = tmp_path / "cache"
+    layout = CacheLayout.of(cache)
+    problems: list[str] = []
+    partial_seen: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for path in list(layout.shards_dir.rglob("*")) if layout.shards_dir.exists() else []:
+                try:
+                    data = path.read_bytes()
+                except (FileNotFoundError, IsADirectoryError):
+                    continue
+                expected = sources.get(path.name)
+                if expected is None:
+                    problems.append(f"unknown file {path}")
+                elif data != expected:
+                    problems.append(f"{path.name}: {len(data)} bytes visible, source has {len(expected)}")
+            if layout.partial_dir.exists():
+                for p in layout.partial_dir.iterdir():
+                    try:
+                        partial_seen.append(p.stat().st_size)
+                    except FileNotFoundError:
+                        pass
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        agent = start_agent(cache, ds.list_file, "--prefetch", "6", "--cache-size", "10M",
+                            "--download-workers", "3")
+        agent.wait_stats(lambda s: s["shards"]["cached"] == 6, 25, "not all 6 shards were cached")
+    finally:
+        stop.set()
+        watcher.join(5)
+    assert problems == [], problems[:10]
+    assert partial_seen, "the watcher never saw a download in progress"
+    assert_cached_identical(cache, ds, ds.urls, agent)
+    assert partial_files(cache) == []
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_retry_after_is_honoured_and_the_download_succeeds(shard_server, dataset, start_agent, tmp_path, status):
+    ds = dataset(3)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", "10M",
+                        "--download-workers", "1")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 15, "shard 0 was never cached")
+    name = ds.paths[2].name
+    shard_server.fail(name, "status", status=status, retry_after=1)
+    with ShardClient(cache, timeout=20) as client:
+        t0 = time.monotonic()
+        path = client.open(ds.urls[2])
+        waited = time.monotonic() - t0
+        assert path.read_bytes() == ds.paths[2].read_bytes()
+        client.release(ds.urls[2])
+    gets = [r for r in shard_server.requests if r.path == name and r.method == "GET"]
+    assert [r.status for r in gets] == [status, 200], gets
+    assert 1.0 <= waited < 10.0, f"the retry came after {waited:.2f}s, Retry-After said 1 s\n{agent.stderr_tail()}"
+    assert f"HTTP {status}" in agent.stderr_text() and "retrying" in agent.stderr_text(), agent.stderr_tail()
+    s = agent.stats()
+    assert s["shards"]["failed"] == 0
+    assert shard_server.count(ds.paths[1].name) == 0  # never in any window
+
+
+# -- stopping ---------------------------------------------------------------------------
+
+
+def test_sigterm_during_a_download_exits_0_and_leaves_no_partial(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2, **SHARD_300K)
+    shard_server.rate = 50_000  # ~6 s per shard: certainly in flight when stopped
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M", "--download-workers", "2")
+    # In flight: the partial file exists and the server is sending its body.
+    wait_for(lambda: partial_files(cache) and any(r.bytes_sent > 0 for r in shard_server.requests if r.method == "GET"),
+             15, lambda: f"no download got under way\n{agent.stderr_tail()}")
+    assert agent.stats()["shards"]["downloading"] >= 1
+    t0 = time.monotonic()
+    rc = agent.stop(signal.SIGTERM, timeout=15)
+    took = time.monotonic() - t0
+    print(f"SIGTERM to exit: {took:.2f}s")
+    assert rc == 0, f"exit {rc} after SIGTERM\n{agent.stderr_tail()}"
+    assert took < 8.0, f"SIGTERM took {took:.1f}s to stop the agent\n{agent.stderr_tail()}"
+    assert partial_files(cache) == [], "partial files left after a clean stop"
+    s = agent.stats()
+    assert s["agent"] is None
+    assert s["shards"]["downloading"] == 0 and s["shards"]["queued"] == 0
+    files = cached_files(cache)
+    assert s["shards"]["cached"] == len(files), (s, files)
+    assert s["bytes_used"] == sum(p.stat().st_size for p in files.values())
+    assert_cached_identical(cache, ds, sorted(cached_urls(cache, ds)))
+
+
+def test_second_sigterm_exits_at_once_and_the_next_agent_cleans_up(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2, **SHARD_300K)
+    shard_server.rate = 50_000  # ~6 s per shard
+    cache = tmp_path / "cache"
+    args = ("--prefetch", "2", "--cache-size", "10M", "--download-workers", "2")
+    first = start_agent(cache, ds.list_file, *args)
+    wait_for(lambda: partial_files(cache) and any(r.bytes_sent > 0 for r in shard_server.requests if r.method == "GET"),
+             15, lambda: f"no download got under way\n{first.stderr_tail()}")
+    first.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    rc = first.stop(signal.SIGTERM, timeout=10)
+    took = time.monotonic() - t0
+    assert rc == 128 + signal.SIGTERM, f"exit {rc}\n{first.stderr_tail()}"
+    assert took < 2.0, f"the second SIGTERM took {took:.1f}s"
+
+    shard_server.rate = None
+    second = start_agent(cache, ds.list_file, *args)
+    s = second.wait_stats(lambda s: s["shards"]["cached"] == 2, 15, "the next agent did not cache both shards")
+    assert_cached_identical(cache, ds, ds.urls, second)
+    assert partial_files(cache) == []
+    assert len(cached_files(cache)) == 2
+    assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths)
+
+
+# -- privacy ----------------------------------------------------------------------------
+
+
+def test_cache_is_private_and_a_world_writable_cache_dir_is_refused(shard_server, dataset, start_agent, run_cli, tmp_path):
+    ds = dataset(3)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o755)  # readable by others, but not writable: made private, not refused
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 15, "not all 3 shards were cached")
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    wrong = []
+    for path in [cache, *cache.rglob("*")]:
+        st = path.lstat()
+        mode = stat.S_IMODE(st.st_mode)
+        want = 0o700 if stat.S_ISDIR(st.st_mode) else 0o600
+        if mode != want:
+            wrong.append(f"{path.relative_to(cache)}: {mode:o}")
+    assert wrong == [], f"not private: {wrong}"
+    endpoint = s["agent"]["endpoint"]
+    assert endpoint.startswith("ipc://"), endpoint
+    sock = Path(endpoint[len("ipc://"):])
+    st = sock.stat()
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600, f"{sock}: {stat.S_IMODE(st.st_mode):o}"
+
+    shared = tmp_path / "shared-cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    r = run_cli("agent", "--cache-dir", shared, "--urls", ds.list_file, "--cache-size", "10M", timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert "chmod 700" in r.stderr, r.stderr
+    assert list(shared.iterdir()) == []
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o777
+
+
+# -- stats ------------------------------------------------------------------------------
+
+
+def test_stats_without_a_cache_exits_1_and_without_an_agent_shows_agent_null(shard_server, dataset, start_agent, run_cli, tmp_path):
+    for where in (tmp_path / "nothing-here", tmp_path / "lists"):
+        r = run_cli("stats", "--cache-dir", where, "--json", timeout=20)
+        assert r.returncode == 1, (where, r.stdout, r.stderr)
+        assert "holds no wdscache cache" in r.stderr and str(where) in r.stderr, r.stderr
+        assert r.stdout == ""
+
+    ds = dataset(2)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 15, "not all shards cached")
+    assert agent.stop() == 0, agent.stderr_tail()
+    r = run_cli("stats", "--cache-dir", cache, "--json", timeout=20)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["agent"] is None
+    assert s["shards"] == {"cached": 2, "downloading": 0, "queued": 0, "failed": 0}
+    assert s["bytes_limit"] == 10 << 20
+    assert s["download_rate"] == 0
+    r = run_cli("stats", "--cache-dir", cache, timeout=20)
+    assert r.returncode == 0, r.stderr
+    assert "not running" in r.stdout, r.stdout
+    assert "2 cached" in r.stdout, r.stdout
+
+
+def test_stats_on_a_100000_shard_index_answers_fast(run_cli, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    layout = CacheLayout.of(cache)
+    n = 100_000
+    index = Index(layout.index_dir)
+    try:
+        # One transaction: records written as the index stores them, summary kept by Summary.
+        with index._db.transact():
+            for i in range(n):
+                rec = ShardRecord(f"http://127.0.0.1:9/big/shard-{i:06d}.tar", ShardState.CACHED,
+                                  size=1000 + i % 7, cached_at=1.0)
+                index._db.set(_SHARD + rec.url, rec.to_json())
+                index.summary.apply(None, rec)
+                index.records[rec.url] = rec
+            index.put(rec)  # persists the summary like any change does
+        index.set_meta({"bytes_limit": 1 << 30})
+    finally:
+        index.close()
+    t0 = time.monotonic()
+    r = run_cli("stats", "--cache-dir", cache, "--json", timeout=30)
+    took = time.monotonic() - t0
+    print(f"wdscache stats --json on {n} shards: {took:.2f}s")
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)
+    assert s["shards"]["cached"] == n
+    assert s["bytes_used"] == sum(1000 + i % 7 for i in range(n))
+    assert s["agent"] is None
+    assert took < 3.0, f"wdscache stats took {took:.2f}s on {n} shards"
+
+
+# -- the URL list -----------------------------------------------------------------------
+
+
+def test_url_file_is_watched_and_added_shards_are_cached(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(5)
+    write_url_list(ds.list_file, ds.urls[:3])
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "10", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 15, "the first 3 shards were not cached")
+    assert shard_server.count(ds.paths[3].name) == 0
+    with open(ds.list_file, "a") as f:
+        f.write(f"{ds.urls[3]}\n{ds.urls[4]}\n")
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 5, 15, "appended shards were not cached")
+    assert s["agent"]["pid"] == agent.pid and s["agent"]["urls"] == 5
+    assert cached_urls(cache, ds) == set(ds.urls)
+    assert_cached_identical(cache, ds, ds.urls, agent)
+    log = agent.stderr_text()
+    assert "URL list changed: 2 added, 0 removed" in log, agent.stderr_tail()
+    assert ds.urls[3] in log and ds.urls[4] in log
+
+    # Editors and config tools replace the file by a rename; that is a change too.
+    extra = make_dataset(shard_server.root, 1, 10, payload=2000, prefix="late")[0]
+    late = shard_server.url(extra.name)
+    tmp = ds.list_file.with_name(".urls.txt.tmp")
+    write_url_list(tmp, [*ds.urls, late])
+    os.replace(tmp, ds.list_file)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 6, 15, "a shard added by a rename was not cached")
+    assert CacheLayout.of(cache).shard_path(late).read_bytes() == extra.read_bytes()
+    assert "URL list changed: 1 added, 0 removed" in agent.stderr_text(), agent.stderr_tail()
+
+
+def test_gnu_tar_shards_are_cached_byte_identical(shard_server, dataset, start_agent, tmp_path):
+    if find_gnu_tar() is None:
+        pytest.skip("GNU tar is not installed")
+    ds = dataset(3, tool="gnutar", prefix="gnu", **SHARD_100K)
+    with open(ds.paths[0], "rb") as f:
+        assert f.read(512)[257:265] == b"ustar  \0"  # really the GNU header dialect
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 15, "GNU tar shards were not cached")
+    assert_cached_identical(cache, ds, ds.urls, agent)
+    with ShardClient(cache, timeout=10) as client:
+        for url in ds.urls:
+            path = client.open(url)
+            with tarfile.open(path) as tf:
+                assert len(tf.getmembers()) == 60
+            client.release(url)
+
+
+def test_local_paths_and_file_urls_resolve_against_the_list_folder(start_agent, tmp_path):
+    lists = tmp_path / "lists"
+    paths = make_dataset(lists / "data", 4, 10, payload=2000)
+    write_url_list(lists / "urls.txt", [
+        "data/shard-000000.tar",
+        "./data/../data/shard-000001.tar",
+        str(paths[2]),
+        "file://" + str(paths[3]),
+    ])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    urls = ["file://" + os.path.normpath(p) for p in paths]
+    ds = Dataset(urls, paths, lists / "urls.txt")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "4", "--cache-size", "10M", cwd=elsewhere)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 15, "local shards were not cached")
+    assert cached_urls(cache, ds) == set(urls)
+    assert_cached_identical(cache, ds, urls, agent)
+    with ShardClient(cache, timeout=10) as client:
+        path = client.open(urls[0])
+        assert path.read_bytes() == paths[0].read_bytes()
+        client.release(urls[0])
+
+
+def test_a_refused_pipe_line_names_an_option_the_agent_has(dataset, run_cli, tmp_path):
+    ds = dataset(1)
+    ds.list_file.write_text(f"{ds.urls[0]}\npipe:curl -s http://127.0.0.1:9/x.tar\n")
+    r = run_cli("agent", "--cache-dir", tmp_path / "cache", "--urls", ds.list_file, "--cache-size", "10M", timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert "urls.txt:2" in r.stderr and "pipe:" in r.stderr, r.stderr
+    advised = re.findall(r"--[a-z][a-z-]+", r.stderr)
+    assert advised, r.stderr
+    help_text = run_cli("agent", "--help", timeout=20).stdout
+    missing = [opt for opt in advised if opt not in help_text]
+    assert missing == [], f"the message advises {missing}, which 'wdscache agent' does not accept: {r.stderr}"

@@ -1,0 +1,198 @@
+"""Streaming samples from the agent to real consumer processes (issue 3).
+
+Every consumer is a real process running tests/consumer.py against a real agent
+started through the CLI; samples are compared with webdataset's own reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import webdataset as wds
+
+from conftest import stop_process, wait_for
+
+CONSUMER = Path(__file__).with_name("consumer.py")
+DEADLINE = 90.0
+
+
+def reference(paths: list[Path], urls: list[str]) -> dict[tuple[str, str], dict[str, str]]:
+    """(url, key) -> {ext: sha256} as webdataset's reader yields them."""
+    out = {}
+    for path, url in zip(paths, urls):
+        for sample in wds.WebDataset(str(path), shardshuffle=False):
+            fields = {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+            out[(url, sample["__key__"])] = fields
+    return out
+
+
+class Consumer:
+    def __init__(self, tmp: Path, cache_dir: Path, name: str, *args: str) -> None:
+        self.out = tmp / f"{name}.jsonl"
+        self.log = tmp / f"{name}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(CONSUMER), "--cache-dir", str(cache_dir), "--out", str(self.out), *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+
+    def wait(self, timeout: float = DEADLINE) -> list[dict[str, Any]]:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop_process(self.proc, signal.SIGKILL, 5)
+            pytest.fail(f"consumer did not finish in {timeout}s\n{self.log.read_text()[-3000:]}", pytrace=False)
+        assert rc == 0, f"consumer exited {rc}\n{self.log.read_text()[-3000:]}"
+        return [json.loads(line) for line in self.out.read_text().splitlines()]
+
+    def kill(self) -> None:
+        stop_process(self.proc, signal.SIGKILL, 5)
+
+
+@pytest.fixture
+def consumers(tmp_path: Path):
+    started: list[Consumer] = []
+
+    def start(cache_dir: Path, name: str, *args: str) -> Consumer:
+        c = Consumer(tmp_path, cache_dir, name, *args)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        if c.proc.poll() is None:
+            c.kill()
+
+
+def samples_of(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [line for line in lines if "key" in line]
+
+
+def state_of(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    return lines[-1]["state"]
+
+
+def test_ranks_of_two_jobs_get_exact_shares_byte_identical_to_webdataset(tmp_path, dataset, start_agent, consumers):
+    data = dataset(6, samples=7, payload=3000)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "6")
+    ranks = [consumers(cache, f"a{r}", "--job", "a", "--rank", str(r), "--world-size", "3") for r in range(3)]
+    other = consumers(cache, "b0", "--job", "b", "--seed", "5")
+    results = [samples_of(c.wait()) for c in ranks]
+    single = samples_of(other.wait())
+    ref = reference(data.paths, data.urls)
+    total = len(ref)  # 42 samples: 14 per rank, no padding
+
+    assert [len(r) for r in results] == [total // 3] * 3
+    got = Counter((s["url"], s["key"]) for r in results for s in r)
+    assert set(got) == set(ref) and all(n == 1 for n in got.values())
+    for r in results:
+        for s in r:
+            assert s["fields"] == ref[(s["url"], s["key"])]
+    assert sorted((s["url"], s["key"]) for s in single) == sorted(ref)
+    for s in single:
+        assert s["fields"] == ref[(s["url"], s["key"])]
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_equal_counts_per_rank_with_padding_or_drop_last(tmp_path, dataset, start_agent, consumers, drop_last):
+    data = dataset(5, samples=5, payload=500)  # 25 samples over 4 ranks
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "5")
+    extra = ["--drop-last"] if drop_last else []
+    runs = [consumers(cache, f"r{r}", "--rank", str(r), "--world-size", "4", *extra) for r in range(4)]
+    results = [samples_of(c.wait()) for c in runs]
+    counts = [len(r) for r in results]
+    keys = Counter((s["url"], s["key"]) for r in results for s in r)
+    if drop_last:
+        assert counts == [6] * 4
+        assert len(keys) == 24 and all(n == 1 for n in keys.values())
+    else:
+        assert counts == [7] * 4
+        assert len(keys) == 25  # every sample once ...
+        assert sum(keys.values()) == 28  # ... plus W-1 = 3 wrapped repeats
+        assert sum(n - 1 for n in keys.values()) == 3
+
+
+def test_sequence_does_not_depend_on_agent_workers(tmp_path, dataset, start_agent, consumers):
+    data = dataset(4, samples=9, payload=800)
+    seqs = []
+    for workers in ("1", "3"):
+        cache = tmp_path / f"cache{workers}"
+        agent = start_agent(cache, data.list_file, "--workers", workers, "--prefetch", "4")
+        runs = [consumers(cache, f"w{workers}r{r}", "--rank", str(r), "--world-size", "2", "--seed", "3")
+                for r in range(2)]
+        seqs.append([[(s["url"], s["key"]) for s in samples_of(c.wait())] for c in runs])
+        agent.stop()
+    assert seqs[0] == seqs[1]
+    assert seqs[0][0] != seqs[0][1]
+
+
+@pytest.mark.parametrize("world_after", [3, 1])
+def test_resume_mid_epoch_on_same_or_other_world_size(tmp_path, dataset, start_agent, consumers, world_after):
+    data = dataset(6, samples=6, payload=600)  # 36 samples
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "6")
+    first = [consumers(cache, f"p{r}", "--rank", str(r), "--world-size", "3", "--stop-after", "5")
+             for r in range(3)]
+    before = [c.wait() for c in first]
+    state = state_of(before[0])
+    assert state["position"] == 15 and state["epoch"] == 0
+    assert all(state_of(b) == state for b in before)
+    second = [consumers(cache, f"q{r}", "--job", "resumed", "--rank", str(r), "--world-size", str(world_after),
+                        "--resume", json.dumps(state)) for r in range(world_after)]
+    after = [samples_of(c.wait()) for c in second]
+    delivered = Counter((s["url"], s["key"]) for b in before for s in samples_of(b))
+    delivered.update((s["url"], s["key"]) for a in after for s in a)
+    assert len(delivered) == 36 and all(n == 1 for n in delivered.values())
+    assert len({len(a) for a in after}) == 1  # equal counts
+
+
+def test_killed_consumer_does_not_disturb_other_job(tmp_path, dataset, start_agent, consumers):
+    data = dataset(6, samples=8, payload=2000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "6")
+    victim = consumers(cache, "victim", "--job", "v", "--sleep", "0.2")
+    wait_for(lambda: victim.out.exists() and victim.out.read_text().count("\n") >= 2, 30,
+             "victim consumer never started reading")
+    victim.kill()
+    survivor = consumers(cache, "survivor", "--job", "s")
+    got = samples_of(survivor.wait())
+    assert len(got) == 48
+    assert agent.running()
+
+
+def test_absent_agent_is_a_clear_error_not_a_hang(tmp_path):
+    cache = tmp_path / "nothing"
+    cache.mkdir()
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(CONSUMER), "--cache-dir", str(cache), "--out", str(tmp_path / "o"), "--timeout", "2"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "no wdscache agent answered" in proc.stderr
+    assert "wdscache agent --cache-dir" in proc.stderr
+    assert time.monotonic() - t0 < 30
+
+
+def test_webdataset_decoder_on_delivered_samples(tmp_path, dataset, start_agent):
+    from wdscache import CachedMultiLoader
+
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "2")
+    loader = CachedMultiLoader(cache_dir=cache, job="dec", rank=0, world_size=1, timeout=20)
+    decoded = [wds.autodecode.Decoder([])(s) for s in loader]
+    assert len(decoded) == 8
+    assert all(isinstance(s["cls"], int) and isinstance(s["json"], (dict, list)) for s in decoded)

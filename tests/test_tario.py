@@ -1,0 +1,737 @@
+"""Tests for wdscache.tario: tar headers, WebDataset grouping, shard views.
+
+WebDataset 1.0.2 is the reference: whatever it yields from a shard, wdscache
+must yield too (keys, order, extensions, payload bytes).  Python's tarfile is
+the reference for which members an archive holds.  Damaged archives must
+raise ShardError and nothing else.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import pickle
+import tarfile
+import tempfile
+import time
+import tracemalloc
+import uuid
+import warnings
+from collections.abc import Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import webdataset
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
+
+from wdscache.errors import ShardError
+from wdscache.tario import (
+    BLOCK,
+    Member,
+    SampleSpan,
+    header_ok,
+    is_meta_name,
+    iter_samples,
+    members,
+    open_shard,
+    scan,
+    split_name,
+    tar_problem,
+)
+
+try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
+    from shards import find_gnu_tar, make_shard, synth_samples
+except ImportError:  # tests/ became a package
+    from tests.shards import find_gnu_tar, make_shard, synth_samples
+
+TESTDATA = Path(__file__).resolve().parents[2] / "shared/testdata/webdataset"
+REAL_SHARDS = ["compressed.tar", "mpdata.tar", "sample.tgz", "tendata.tar", "testgz.tar"]
+FORMATS = {"gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT, "ustar": tarfile.USTAR_FORMAT}
+END = bytes(2 * BLOCK)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def fields_of(sample: dict[str, Any]) -> dict[str, Any]:
+    """Key and fields of a sample, payloads as bytes; the reader's own metadata dropped."""
+    return {
+        k: (v if k == "__key__" else bytes(v))
+        for k, v in sample.items()
+        if k not in ("__url__", "__local_path__")
+    }
+
+
+def wds_read(path: Path) -> list[dict[str, Any]]:
+    """What ``webdataset.WebDataset`` yields from one local shard."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dataset = webdataset.WebDataset(str(path), shardshuffle=False, empty_check=False)
+        return [fields_of(s) for s in dataset]
+
+
+def wds_read_bytes(data: bytes) -> list[dict[str, Any]]:
+    """WebDataset's expander and grouper (its reading pipeline) over an in-memory tar."""
+    files = tar_file_expander([{"url": "mem", "stream": io.BytesIO(data)}])
+    return [fields_of(s) for s in group_by_keys(files)]
+
+
+def ours_read(path: Path) -> list[dict[str, Any]]:
+    return [fields_of(s) for s in iter_samples(path, url=str(path))]
+
+
+def ours_read_bytes(data: bytes) -> list[dict[str, Any]]:
+    return [
+        {"__key__": span.key, **{ext: data[o : o + n] for ext, o, n in span.fields}}
+        for span in scan(data, url="mem")
+    ]
+
+
+def regular(name: str, data: bytes = b"") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    return info, data
+
+
+def special(name: str, kind: bytes, linkname: str = "") -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mtime = kind, linkname, 0
+    return info, None
+
+
+def tar_bytes(
+    entries: Iterable[tuple[tarfile.TarInfo, bytes | None]],
+    fmt: int = tarfile.PAX_FORMAT,
+    **options: Any,
+) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(
+        fileobj=out, mode="w", format=fmt, encoding="utf-8", errors="surrogateescape", **options
+    ) as tf:
+        for info, data in entries:
+            tf.addfile(info, io.BytesIO(data) if data is not None else None)
+    return out.getvalue()
+
+
+def tarfile_regulars(data: bytes) -> list[tuple[str, bytes]]:
+    """Names and payloads of the regular files tarfile finds (stream mode, as WebDataset)."""
+    found = []
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r|*") as tf:
+        for info in tf:
+            if info.isreg():
+                found.append((info.name, tf.extractfile(info).read()))
+    return found
+
+
+def ours_members(data: bytes) -> list[tuple[str, bytes]]:
+    return [(m.name, data[m.offset : m.offset + m.size]) for m in members(data, url="mem")]
+
+
+def with_checksum(block: bytes | bytearray) -> bytes:
+    block = bytearray(block)
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def with_signed_checksum(block: bytes) -> bytes:
+    """``block`` with its checksum summed over signed bytes, as some old tars wrote it."""
+    block = bytearray(block)
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(b - 256 if b > 127 else b for b in block)
+    return bytes(block)
+
+
+def raw_header(
+    name: bytes, size: int | bytes, kind: bytes = b"0", *, prefix: bytes = b""
+) -> bytes:
+    """One ustar header block; ``size`` is a number or the raw 12-byte field."""
+    block = bytearray(BLOCK)
+    block[0 : len(name)] = name
+    block[100:108] = b"0000644\0"
+    block[124:136] = size if isinstance(size, bytes) else b"%011o\0" % size
+    block[136:148] = b"00000000000\0"
+    block[156:157] = kind
+    block[257:265] = b"ustar\x0000"
+    block[345 : 345 + len(prefix)] = prefix
+    return with_checksum(block)
+
+
+def padded(data: bytes) -> bytes:
+    return data + bytes(-len(data) % BLOCK)
+
+
+def pax_data(**records: str) -> bytes:
+    out = b""
+    for key, value in records.items():
+        body = f" {key}={value}\n".encode()
+        length = len(body) + 1
+        while len(str(length)) + len(body) != length:
+            length += 1
+        out += str(length).encode() + body
+    return out
+
+
+def ext_member(kind: bytes, data: bytes) -> bytes:
+    """An extension header (``L``, ``K``, ``x``, ``g``) with its data."""
+    return raw_header(b"././@ext", len(data), kind) + padded(data)
+
+
+def member(name: bytes, data: bytes, kind: bytes = b"0", **kw: bytes) -> bytes:
+    return raw_header(name, len(data), kind, **kw) + padded(data)
+
+
+# --------------------------------------------------------------------------- real shards
+
+
+@pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")
+@pytest.mark.parametrize("name", REAL_SHARDS)
+def test_real_shards_read_like_webdataset(name: str) -> None:
+    path = TESTDATA / name
+    expected = wds_read(path)
+    assert expected
+    assert ours_read(path) == expected
+
+
+# --------------------------------------------------------------------------- generated shards
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["tar", "gz"])
+@pytest.mark.parametrize("tool", ["tarfile", "gnutar"])
+def test_generated_shards_read_like_webdataset(tmp_path: Path, tool: str, packed: bool) -> None:
+    if tool == "gnutar" and find_gnu_tar() is None:
+        pytest.skip("GNU tar is not installed")
+    samples = synth_samples(3, 25, payload=3000)
+    path = make_shard(tmp_path / "shard.tar", samples, tool=tool, gzip=packed)
+    got = ours_read(path)
+    assert got == wds_read(path)
+    assert got == [fields_of(s) for s in samples]
+
+
+# --------------------------------------------------------------------------- names
+
+
+def edge_entries() -> list[tuple[tarfile.TarInfo, bytes | None]]:
+    return [
+        special("top", tarfile.DIRTYPE),
+        regular("a/b.seg.png", b"seg"),
+        regular("a/b.cls", b"1"),
+        regular("a/b", b"no extension: skipped, sample goes on"),
+        regular("a/b.Upper.JPG", b"upper"),
+        special("a/b.link", tarfile.SYMTYPE, "b.cls"),
+        special("a/b.hard", tarfile.LNKTYPE, "a/b.cls"),
+        regular("k1.TXT", b"k1"),
+        regular("__meta__", b"skipped"),
+        regular("___", b"skipped"),
+        regular("__meta__/k1.json", b"skipped"),
+        regular("k1.json", b"{}"),
+        regular("__x__.json", b"a sample called __x__"),
+        regular("dir/__y__.json", b"a sample called dir/__y__"),
+        regular("dir/.hidden", b"key 'dir/', extension 'hidden'"),
+        regular("dir/trailing.", b"empty extension"),
+        regular("dir/sub/k2.json", b"k2"),
+        regular("d" * 120 + "/k3.txt", b"long folder"),
+        regular("../k4.txt", b"up"),
+        regular("/abs/k5.txt", b"absolute"),
+        special("fifo.txt", tarfile.FIFOTYPE),
+        special("chr.txt", tarfile.CHRTYPE),
+    ]
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
+def test_member_names_like_webdataset(tmp_path: Path, fmt: int) -> None:
+    path = tmp_path / "edge.tar"
+    path.write_bytes(tar_bytes(edge_entries(), fmt))
+    got = ours_read(path)
+    assert got == wds_read(path)
+    by_key = {s["__key__"]: s for s in got}
+    # The rules, spelled out: first dot of the basename, lower-cased extensions,
+    # no-extension names and __meta__ names skipped, links and dirs skipped.
+    assert set(by_key["a/b"]) == {"__key__", "seg.png", "cls", "upper.jpg"}
+    assert set(by_key["k1"]) == {"__key__", "txt", "json"}
+    assert by_key["__x__"]["json"] == b"a sample called __x__"
+    assert by_key["dir/"]["hidden"] == b"key 'dir/', extension 'hidden'"
+    assert by_key["dir/trailing"][""] == b"empty extension"
+    assert by_key["d" * 120 + "/k3"]["txt"] == b"long folder"
+    assert [s["__key__"] for s in got] == [
+        "a/b", "k1", "__x__", "dir/__y__", "dir/", "dir/trailing", "dir/sub/k2",
+        "d" * 120 + "/k3", "../k4", "/abs/k5",
+    ]
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["gnu", "pax"])
+def test_long_names(tmp_path: Path, fmt: int) -> None:
+    folder, base = "f" * 200, "b" * 150
+    entries = [regular(f"{folder}/{base}.txt", b"x"), regular(f"{folder}/{base}.JSON", b"{}")]
+    entries.append(special(f"{folder}/{base}.lnk", tarfile.SYMTYPE, "t" * 300))
+    path = tmp_path / "long.tar"
+    data = tar_bytes(entries, fmt)
+    path.write_bytes(data)
+    assert ours_read(path) == wds_read(path) == [
+        {"__key__": f"{folder}/{base}", "txt": b"x", "json": b"{}"}
+    ]
+    assert ours_members(data) == tarfile_regulars(data)
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
+def test_non_utf8_names_match_webdataset(tmp_path: Path, fmt: int) -> None:
+    # Latin-1 bytes in a name: tarfile (and so WebDataset) decodes them with
+    # surrogateescape, giving lone surrogates in the key.
+    name = os.fsdecode(b"caf\xe9/\xff\xfe.txt")
+    path = tmp_path / "latin1.tar"
+    entries = [regular(name, b"bytes"), regular("ok/\u00e9t\u00e9.txt", b"utf8")]
+    path.write_bytes(tar_bytes(entries, fmt))
+    got = ours_read(path)
+    assert got == wds_read(path)
+    assert [s["__key__"] for s in got] == ["caf\udce9/\udcff\udcfe", "ok/\u00e9t\u00e9"]
+
+
+def test_dangerous_names_are_only_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    target = Path("/tmp") / f"wdscache-tario-{uuid.uuid4().hex}"
+    names = ["../../escape.txt", f"{target}/abs.txt", str(target) + ".txt", "./here.txt"]
+    entries = [regular(n, n.encode()) for n in names]
+    entries += [
+        special("evil.lnk", tarfile.SYMTYPE, "/etc/passwd"),
+        special("up.lnk", tarfile.LNKTYPE, "../x"),
+    ]
+    path = tmp_path / "evil.tar"
+    path.write_bytes(tar_bytes(entries))
+    got = ours_read(path)
+    assert got == wds_read(path)
+    assert [s["__key__"] for s in got] == ["../../escape", f"{target}/abs", str(target), "./here"]
+    assert list(workdir.iterdir()) == []
+    assert not target.exists() and not Path(str(target) + ".txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cwd", "evil.tar"]
+
+
+def test_samples_only_group_consecutive_members(tmp_path: Path) -> None:
+    path = tmp_path / "split.tar"
+    entries = [regular("a.txt", b"1"), regular("b.txt", b"2"), regular("a.jpg", b"3")]
+    path.write_bytes(tar_bytes(entries))
+    got = ours_read(path)
+    assert got == wds_read(path)
+    assert [s["__key__"] for s in got] == ["a", "b", "a"]
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ["k.txt", "k.txt"],
+        ["k.txt", "k.TXT"],
+        ["d/k.a.b", "d/k.A.B"],
+        ["k.cls", "k.__key__"],
+        ["k.__url__"],
+    ],
+)
+def test_repeated_extension_is_a_shard_error(tmp_path: Path, names: list[str]) -> None:
+    path = tmp_path / "dup.tar"
+    data = tar_bytes([regular(n, b"x") for n in names])
+    path.write_bytes(data)
+    with pytest.raises(ValueError):  # WebDataset rejects the shard too
+        wds_read(path)
+    with pytest.raises(ShardError) as info:
+        ours_read(path)
+    assert info.value.url == str(path)
+    assert info.value.offset == (len(names) - 1) * 2 * BLOCK  # the repeated member's header
+    assert "repeated" in info.value.reason
+
+
+# --------------------------------------------------------------------------- header dialects
+
+
+def test_header_dialects_match_tarfile() -> None:
+    signed = with_signed_checksum(raw_header(b"\xe9t\xe9.txt", 3))
+    archive = b"".join(
+        [
+            member(b"name.txt", b"ustar prefix", prefix=b"some/folder"),
+            member(b"v7dir/", b"", kind=b"\0"),  # old-style directory: skipped
+            raw_header(b"dir", 1024, b"5"),  # a size on a directory: no data follows
+            member(b"plain.txt", b"NUL type", kind=b"\0"),
+            member(b"contig.txt", b"contiguous", kind=b"7"),
+            member(b"volume", b"unknown type, data skipped", kind=b"V"),
+            raw_header(b"big.txt", b"\x80" + (5).to_bytes(11, "big")) + padded(b"base2"),
+            ext_member(b"K", b"l" * 200) + member(b"lnk", b"", kind=b"2"),
+            ext_member(b"L", b"long/" * 30 + b"name.txt\0junk") + member(b"short", b"gnu long"),
+            ext_member(b"x", pax_data(path="pax/path.txt/", size="5")),
+            member(b"short", b"pax size+path"),
+            # In a chain of extension headers the outermost one wins, as in tarfile.
+            ext_member(b"L", b"outer-l.txt") + ext_member(b"x", pax_data(path="inner.txt")),
+            member(b"s", b"1"),
+            ext_member(b"x", pax_data(path="outer-x.txt")) + ext_member(b"L", b"inner.txt"),
+            member(b"s", b"2"),
+            signed + padded(b"sgn"),
+            ext_member(b"g", pax_data(comment="global", path="global.txt")),
+            member(b"renamed-by-global", b"g"),
+            END,
+        ]
+    )
+    expected = tarfile_regulars(archive)
+    assert len(expected) == 10
+    assert ours_members(archive) == expected
+    assert ours_read_bytes(archive) == wds_read_bytes(archive)
+
+
+def test_global_pax_header_from_tarfile(tmp_path: Path) -> None:
+    path = tmp_path / "global.tar"
+    path.write_bytes(tar_bytes([regular("k.txt", b"1")], pax_headers={"comment": "made by a test"}))
+    assert ours_read(path) == wds_read(path) == [{"__key__": "k", "txt": b"1"}]
+
+
+def test_member_and_span_records() -> None:
+    entries = [regular("k.txt", b"abc"), regular("k.cls", b"7"), special("d", tarfile.DIRTYPE)]
+    data = tar_bytes(entries)
+    assert members(data, url="u") == [Member("k.txt", 512, 3), Member("k.cls", 1536, 1)]
+    assert scan(memoryview(data), url="u") == [SampleSpan("k", (("txt", 512, 3), ("cls", 1536, 1)))]
+
+
+@pytest.mark.parametrize(
+    "archive",
+    [
+        raw_header(b"sparse.txt", 10, b"S") + padded(b"x" * 10) + END,
+        ext_member(b"x", pax_data(**{"GNU.sparse.major": "1", "GNU.sparse.minor": "0"}))
+        + member(b"s.txt", b"x")
+        + END,
+    ],
+    ids=["gnu-sparse", "pax-sparse"],
+)
+def test_sparse_members_are_refused(archive: bytes) -> None:
+    with pytest.raises(ShardError, match="sparse"):
+        scan(archive, url="u")
+
+
+@pytest.mark.parametrize(
+    "archive",
+    [
+        ext_member(b"x", b"5 path=x\n"),  # wrong record length
+        ext_member(b"x", b"garbage"),
+        ext_member(b"x", pax_data(size="-3")),
+        ext_member(b"g", pax_data(size="3")),
+    ],
+    ids=["bad-length", "garbage", "negative-size", "global-size"],
+)
+def test_bad_pax_headers(archive: bytes) -> None:
+    with pytest.raises(ShardError) as info:
+        scan(archive + member(b"k.txt", b"abc") + END, url="u")
+    assert info.value.offset == 0
+
+
+@pytest.mark.parametrize("kind", [b"L", b"x", b"g"])
+def test_extension_header_without_member(kind: bytes) -> None:
+    archive = member(b"k.txt", b"1") + ext_member(kind, pax_data(path="x"))
+    for tail in (END, b""):
+        with pytest.raises(ShardError, match="without a member") as info:
+            scan(archive + tail, url="u")
+        assert info.value.offset == 2 * BLOCK
+
+
+# --------------------------------------------------------------------------- damage
+
+
+def two_members() -> bytes:
+    entries = [regular("a.txt", b"a" * 700), regular("b.txt", b"b" * 10)]
+    return tar_bytes(entries, tarfile.GNU_FORMAT)
+
+
+def test_empty_archives() -> None:
+    assert scan(END, url="u") == []
+    assert scan(bytes(BLOCK), url="u") == []
+    with pytest.raises(ShardError, match="empty"):
+        scan(b"", url="u")
+
+
+@pytest.mark.parametrize(
+    ("cut", "offset"),
+    [(512 + 300, 0), (512 + 1024 - 1, 0), (1536 + 100, 1536), (1536 + 512 + 5, 1536)],
+    ids=["in-data", "in-padding", "in-header", "in-last-data"],
+)
+def test_truncated_archive(cut: int, offset: int) -> None:
+    with pytest.raises(ShardError, match="truncated") as info:
+        scan(two_members()[:cut], url="u")
+    assert info.value.offset == offset
+
+
+def test_archive_cut_between_members_reads_what_is_there() -> None:
+    # Indistinguishable from an archive without an end marker; tarfile reads it too.
+    data = two_members()[:1536]
+    assert ours_members(data) == tarfile_regulars(data) == [("a.txt", b"a" * 700)]
+
+
+@pytest.mark.parametrize(("position", "offset"), [(3, 0), (1536 + 3, 1536), (1536 + 150, 1536)])
+def test_corrupt_header_checksum(position: int, offset: int) -> None:
+    data = bytearray(two_members())
+    data[position] ^= 0x40
+    with pytest.raises(ShardError, match="checksum") as info:
+        scan(bytes(data), url="u")
+    assert info.value.offset == offset
+
+
+def test_not_a_tar() -> None:
+    with pytest.raises(ShardError, match="checksum") as info:
+        scan(b"<!doctype html><p>Not found</p>" + bytes(1000), url="u")
+    assert info.value.offset == 0
+
+
+@pytest.mark.parametrize(
+    "size_field",
+    [b"\x80" + (1 << 40).to_bytes(11, "big"), b"77777777777\0", b"\xff" * 12, b"12x45\0      "],
+    ids=["terabyte", "8GB-octal", "negative", "not-octal"],
+)
+def test_absurd_sizes_fail_fast_without_allocating(size_field: bytes) -> None:
+    archive = raw_header(b"huge.bin", size_field) + padded(b"tiny") + END
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(ShardError) as info:
+            scan(archive, url="u")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 1
+    assert peak < 1 << 20
+    assert info.value.offset == 0
+
+
+@pytest.mark.parametrize("kind", [b"L", b"x"])
+def test_huge_extension_header_fails_fast(kind: bytes) -> None:
+    archive = raw_header(b"././@ext", b"\x80" + (1 << 40).to_bytes(11, "big"), kind) + END
+    with pytest.raises(ShardError, match="truncated"):
+        scan(archive, url="u")
+
+
+# --------------------------------------------------------------------------- recognising shards
+
+
+def test_header_ok_and_tar_problem() -> None:
+    data = two_members()
+    assert header_ok(data[:BLOCK]) and header_ok(bytes(BLOCK))
+    assert not header_ok(data[:100])
+    assert not header_ok(b"x" + data[1:BLOCK])
+    assert header_ok(with_signed_checksum(raw_header(b"\xff\xfe.txt", 0)))
+    assert tar_problem(data) is None
+    assert tar_problem(gzip.compress(data)) is None
+    assert tar_problem(b"<html><body>oops</body></html>" + bytes(600)) == (
+        "got an HTML/XML page, not a tar archive"
+    )
+
+
+# --------------------------------------------------------------------------- shard views
+
+
+def test_shard_view_payloads_and_lifetime(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "s.tar", synth_samples(0, 5))
+    with open_shard(path, url="http://x/s.tar") as shard:
+        assert [span.key for span in shard.samples] == [f"s00000_{i:05d}" for i in range(5)]
+        first = shard.sample(0)
+        assert first["__key__"] == "s00000_00000" and first["__url__"] == "http://x/s.tar"
+        assert isinstance(first["jpg"], memoryview) and first["jpg"].readonly
+        copied = shard.sample(0, copy=True)
+        assert isinstance(copied["jpg"], bytes) and copied["jpg"] == first["jpg"]
+        assert [fields_of(s) for s in shard.iter_samples()] == wds_read(path)
+        ext, offset, size = shard.samples[0].fields[1]
+        assert shard.data[offset : offset + size] == first[ext]
+        kept = first["jpg"]
+    # A payload still alive after close stays readable (the mapping outlives it).
+    assert shard.closed and kept.tobytes() == copied["jpg"]
+    shard.close()
+    with pytest.raises(ValueError, match="closed"):
+        shard.sample(0)
+    with pytest.raises(ValueError, match="closed"):
+        shard.data
+    del first, kept
+
+
+def test_shard_view_close_with_exported_buffer(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "s.tar", synth_samples(0, 2))
+    shard = open_shard(path, url="u")
+    exported = pickle.PickleBuffer(shard.data)  # holds a buffer of the view itself
+    shard.close()
+    assert shard.closed and bytes(exported.raw()[:5]) == path.read_bytes()[:5]
+    exported.release()
+
+
+def test_shard_view_closes_mapping_when_no_payload_is_alive(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "s.tar", synth_samples(0, 2))
+    shard = open_shard(path, url="u")
+    assert len(list(shard.iter_samples(copy=True))) == 2
+    mapping = shard._data
+    shard.close()
+    assert mapping.closed
+
+
+def test_scan_is_lazy(tmp_path: Path) -> None:
+    path = tmp_path / "bad.tar"
+    path.write_bytes(b"x" * 2048)
+    with open_shard(path, url="u") as shard:
+        with pytest.raises(ShardError, match="checksum"):
+            shard.samples
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.tar"
+    path.write_bytes(b"")
+    with pytest.raises(ShardError, match="empty"):
+        open_shard(path, url="u")
+
+
+def test_gzip_is_detected_by_magic_not_name(tmp_path: Path) -> None:
+    data = tar_bytes([regular("k.txt", b"hello"), regular("k.cls", b"1")])
+    (tmp_path / "packed.tar").write_bytes(gzip.compress(data))
+    (tmp_path / "plain.tgz").write_bytes(data)
+    expected = [{"__key__": "k", "txt": b"hello", "cls": b"1"}]
+    assert ours_read(tmp_path / "packed.tar") == ours_read(tmp_path / "plain.tgz") == expected
+    with open_shard(tmp_path / "packed.tar", url="u") as shard:
+        payload = shard.sample(0)["txt"]
+        assert payload.readonly and payload == b"hello"
+        del payload
+
+
+def test_concatenated_gzip_members(tmp_path: Path) -> None:
+    data = tar_bytes([regular(f"k{i}.bin", os.urandom(5000)) for i in range(6)])
+    parts = [data[:1000], data[1000:20000], data[20000:]]
+    path = tmp_path / "multi.tar.gz"
+    path.write_bytes(b"".join(gzip.compress(p) for p in parts) + bytes(300))  # zero padding too
+    assert ours_read(path) == wds_read_bytes(data)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda z: z[: len(z) // 2],
+        lambda z: z[:30] + bytes(b ^ 0x55 for b in z[30:60]) + z[60:],
+        lambda z: z + b"trailing garbage",
+        lambda z: z + b"\x1f\x8bnot really gzip",
+    ],
+    ids=["truncated", "corrupt", "trailing-garbage", "bad-second-member"],
+)
+def test_damaged_gzip(tmp_path: Path, damage: Any) -> None:
+    data = tar_bytes([regular(f"k{i}.bin", os.urandom(3000)) for i in range(4)])
+    path = tmp_path / "bad.tgz"
+    path.write_bytes(damage(gzip.compress(data)))
+    with pytest.raises(ShardError):
+        ours_read(path)
+
+
+# --------------------------------------------------------------------------- properties
+
+SAFE = "abcxyzABC019_-"
+segment = st.text(SAFE, min_size=1, max_size=40)
+safe_name = st.builds(
+    lambda folders, base, ext: "/".join([*folders, base]) + (f".{ext}" if ext else ""),
+    st.lists(segment, max_size=4),
+    segment,
+    st.one_of(st.none(), st.text(SAFE + ".", min_size=1, max_size=8)),
+)
+entry = st.one_of(
+    st.tuples(safe_name, st.integers(0, 3000)),
+    st.tuples(safe_name, st.sampled_from([tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE])),
+)
+
+
+def build_archive(entries: list[tuple[str, int | bytes]], fmt: int) -> bytes:
+    built = []
+    for i, (name, what) in enumerate(entries):
+        if isinstance(what, int):
+            built.append(regular(name, bytes([i % 251]) * what))
+        else:
+            built.append(special(name, what, linkname="target"))
+    try:
+        return tar_bytes(built, fmt)
+    except ValueError:  # a name ustar cannot store
+        reject()
+
+
+@settings(max_examples=150, deadline=timedelta(seconds=2))
+@given(entries=st.lists(entry, max_size=12), fmt=st.sampled_from(list(FORMATS.values())))
+def test_random_archives_match_tarfile_and_webdataset(entries: list, fmt: int) -> None:
+    data = build_archive(entries, fmt)
+    assert ours_members(data) == tarfile_regulars(data)
+    try:
+        expected = wds_read_bytes(data)
+    except ValueError:  # a repeated extension
+        with pytest.raises(ShardError):
+            scan(data, url="mem")
+        return
+    assert ours_read_bytes(data) == expected
+
+
+@settings(max_examples=300, deadline=timedelta(seconds=2))
+@given(
+    names=st.lists(st.text("aB_./\n\u00e9", min_size=1, max_size=12), min_size=1, max_size=4)
+)
+def test_odd_names_group_like_webdataset(names: list[str]) -> None:
+    data = tar_bytes([regular(n, n.encode()) for n in names])
+    try:
+        expected = wds_read_bytes(data)
+    except ValueError:
+        with pytest.raises(ShardError):
+            scan(data, url="mem")
+        return
+    assert ours_read_bytes(data) == expected
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text("ab_./\n", max_size=16))
+def test_split_name_is_webdatasets(name: str) -> None:
+    key, ext = base_plus_ext(name)
+    assert split_name(name) == (None if key is None else (key, ext))
+
+
+@pytest.mark.parametrize(
+    ("name", "skipped"),
+    [
+        ("__meta__", True), ("___", True), ("__", True), ("__a__/b.json", True),
+        ("____\n", True), ("__meta__.json", False), ("d/__meta__", False),
+        ("___/x.json", False), ("_a__", False), ("___\n", False),
+    ],
+)
+def test_is_meta_name_matches_webdataset(name: str, skipped: bool) -> None:
+    assert is_meta_name(name) is skipped
+    stream = io.BytesIO(tar_bytes([regular(name)]))
+    files = list(tar_file_expander([{"url": "m", "stream": stream}]))
+    assert (files == [{}]) is skipped  # only the end-of-shard marker is left
+
+
+@st.composite
+def damaged_archives(draw: st.DrawFn) -> bytes:
+    entries = draw(st.lists(st.tuples(safe_name, st.integers(0, 1500)), min_size=1, max_size=4))
+    data = bytearray(build_archive(entries, draw(st.sampled_from(list(FORMATS.values())))))
+    for _ in range(draw(st.integers(0, 6))):
+        data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+    if draw(st.booleans()):
+        data = data[: draw(st.integers(0, len(data)))]
+    return bytes(data)
+
+
+@settings(
+    max_examples=400, deadline=timedelta(seconds=1), suppress_health_check=[HealthCheck.too_slow]
+)
+@given(damaged_archives())
+def test_damaged_archives_raise_only_shard_errors(data: bytes) -> None:
+    for read in (lambda: members(data, url="mem"), lambda: scan(data, url="mem")):
+        try:
+            read()
+        except ShardError:
+            pass
+
+
+@settings(max_examples=100, deadline=timedelta(seconds=2))
+@given(damaged=damaged_archives(), position=st.integers(0, 10_000), value=st.integers(0, 255))
+def test_damaged_gzip_raises_only_shard_errors(damaged: bytes, position: int, value: int) -> None:
+    packed = bytearray(gzip.compress(damaged))
+    packed[position % len(packed)] = value
+    # Hypothesis tests cannot use the function-scoped tmp_path fixture.
+    with tempfile.TemporaryDirectory(prefix="wdscache-tario-") as tmp:
+        path = Path(tmp, "shard.tgz")
+        path.write_bytes(packed)
+        try:
+            list(iter_samples(path, url="mem"))
+        except ShardError:
+            pass

@@ -1,0 +1,5 @@
+"""``python -m wdscache`` is the ``wdscache`` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,585 @@
+"""``CachedMultiLoader``: the training-side iterator over samples served by the agent.
+
+Each rank computes its epoch's global sequence itself (:mod:`wdscache.sequence`)
+from the URL list, the seeds and the per-shard sample counts, and reads its
+positions ``r, r+W, ...`` from the agent's workers. Ranks never wait for each
+other, so no rank can hang on another; they agree because the sequence is a
+pure function of inputs they share.
+
+Guarantees (for the ranks of one job with the same settings):
+
+- every epoch delivers each sample exactly once, plus at most ``W-1`` padding
+  repeats (or none, with ``drop_last``), and every rank the same number;
+- the same inputs give the same per-rank sequences whatever the number of agent
+  workers, the timing or the machine load;
+- ``state_dict()`` of any rank resumes the job, with any world size, at exactly
+  the samples not yet delivered;
+- memory is bounded: at most ``inflight`` requests of ``request_size`` samples are
+  outstanding; a consumer that stops reading stops asking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import zmq
+
+from .client import AgentConnection, resolve_endpoint, start_hint
+from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
+from .protocol import pack, unpack
+from .sequence import EpochSpec, SampleId, global_sequence, rank_length
+from .urls import format_url_list, parse_url_list, read_url_list
+
+log = logging.getLogger(__name__)
+
+REPORT_EVERY = 1.0
+STATE_VERSION = 1
+
+
+def _env_defaults() -> dict[str, Any]:
+    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID)."""
+    env = os.environ
+    return {
+        "rank": int(env.get("RANK", 0)),
+        "world_size": int(env.get("WORLD_SIZE", 1)),
+        "job": env.get("TORCHELASTIC_RUN_ID") or "default",
+        "cache_dir": env.get("WDSCACHE_CACHE_DIR"),
+        "endpoint": env.get("WDSCACHE_ENDPOINT"),
+    }
+
+
+def default_collate(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """A batch as a dict of lists, one list per field."""
+    out: dict[str, list[Any]] = {}
+    for sample in samples:
+        for k, v in sample.items():
+            out.setdefault(k, []).append(v)
+    return out
+
+
+class CachedMultiLoader:
+    """Iterate samples of a WebDataset through the local wdscache agent.
+
+    ``urls``: None streams the agent's own list; a list file or a list of URLs
+    asks the agent to take that list up for this job. Each ``iter()`` is one
+    epoch; the next one follows unless :meth:`set_epoch` says otherwise.
+    """
+
+    def __init__(
+        self,
+        urls: str | os.PathLike[str] | Sequence[str] | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        endpoint: str | None = None,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+        batch_size: int | None = None,
+        collate: Callable[[list[dict[str, Any]]], Any] | None = None,
+        map: Callable[[dict[str, Any]], Any] | None = None,  # noqa: A002 (the documented name)
+        workers: int = 0,
+        drop_last: bool = False,
+        timeout: float = 60.0,
+        on_error: str = "raise",
+        request_size: int = 32,
+        inflight: int | None = None,
+    ) -> None:
+        env = _env_defaults()
+        self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
+        self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
+        self.job = job or env["job"]
+        self.rank = env["rank"] if rank is None else rank
+        self.world_size = env["world_size"] if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        if on_error not in ("raise", "skip"):
+            raise ValueError("on_error must be 'raise' or 'skip'")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
+        self.batch_size, self.collate = batch_size, collate or default_collate
+        self.map_fn, self.workers = map, workers
+        self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
+        self.request_size, self.inflight = request_size, inflight
+        self.urls = _normalize_urls(urls)
+        self._epoch = 0
+        self._start = 0  # global position to start the next epoch from
+        self._current: _Stream | None = None
+        self._resumed_from: dict[str, Any] | None = None
+
+    # -- epochs and checkpoints ---------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch``, from its start."""
+        self._epoch, self._start = epoch, 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The job's position: any one rank's dict resumes every rank, with any world size."""
+        if self._current is not None and not self._current.complete:
+            epoch, position = self._current.spec.epoch, self._current.position
+        else:
+            epoch, position = self._epoch, self._start
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "position": position,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "drop_last": self.drop_last,
+            "urls": self._list_id(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at ``state`` (from :meth:`state_dict` of any rank of the stopped job)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
+        for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
+            if state[name] != getattr(self, name):
+                raise ValueError(
+                    f"checkpoint has {name}={state[name]!r} but this loader {name}={getattr(self, name)!r}; "
+                    "the sequence would differ, so resuming would repeat or skip samples"
+                )
+        self._epoch, self._start = int(state["epoch"]), int(state["position"])
+        self._resumed_from = state
+
+    def _list_id(self) -> str | None:
+        if self.urls is None:
+            return None
+        return hashlib.sha256("\n".join(self.urls).encode()).hexdigest()[:16]
+
+    # -- iteration ----------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, start = self._epoch, self._start
+        self._epoch, self._start = epoch + 1, 0
+        stream = _Stream(self, epoch, start)
+        self._current = stream
+        if self._resumed_from is not None and self._resumed_from.get("urls") not in (None, stream.list_id):
+            stream.close()
+            raise ValueError("the checkpoint was taken on another URL list; resuming would mix datasets")
+        self._resumed_from = None
+        items: Iterator[Any] = stream.samples()
+        if self.map_fn is not None:
+            items = _mapped(items, self.map_fn, self.workers)
+        if self.batch_size is None:
+            return _delivered(stream, ((1, item) for item in items))
+        return _delivered(stream, _batched(items, self.batch_size, self.collate))
+
+    def __len__(self) -> int:
+        """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
+        conn = AgentConnection(self.endpoint, timeout=self.timeout, hint=start_hint(self.cache_dir))
+        try:
+            urls = self.urls
+            if urls is None:
+                name = f"len-{uuid.uuid4().hex[:8]}"
+                hello = conn.request({"op": "hello", "reader": name, "job": f"{self.job}/len",
+                                      "rank": 0, "world_size": 1})
+                urls = hello.get("urls") or []
+                conn.request({"op": "bye", "reader": name})
+            counts = conn.request({"op": "counts", "urls": list(urls)}).get("counts", [])
+        finally:
+            conn.close()
+        if not urls or any(c is None for c in counts):
+            raise TypeError("length unknown until every shard has been read once")
+        per_rank = rank_length(sum(counts), self.world_size, self.drop_last) - self._start // self.world_size
+        per_rank = max(0, per_rank)
+        if self.batch_size is None:
+            return per_rank
+        return -(-per_rank // self.batch_size)
+
+
+def _normalize_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> tuple[str, ...] | None:
+    if urls is None:
+        return None
+    if isinstance(urls, (str, os.PathLike)):
+        return read_url_list(urls).urls
+    return parse_url_list(format_url_list(urls), base_dir=os.getcwd()).urls
+
+
+class _Stream:
+    """One epoch of one rank: the agent session, the worker sockets, and the sample pipeline."""
+
+    def __init__(self, loader: CachedMultiLoader, epoch: int, start: int) -> None:
+        self.loader = loader
+        self.finished = False  # resources released
+        self.complete = False  # every sample of the rank's share was delivered
+        self.name = f"{loader.job}/{loader.rank}/{uuid.uuid4().hex[:8]}"
+        self.conn = AgentConnection(loader.endpoint, timeout=loader.timeout, hint=start_hint(loader.cache_dir))
+        request: dict[str, Any] = {"op": "hello", "reader": self.name, "job": loader.job, "rank": loader.rank,
+                                   "world_size": loader.world_size}
+        if loader.urls is not None:
+            request["urls"] = list(loader.urls)
+        hello = self.conn.request(request)
+        if not hello.get("ok"):
+            self.conn.close()
+            raise WdsCacheError(f"the agent at {loader.endpoint} refused this consumer: {hello.get('error')}")
+        self.urls: Sequence[str] = loader.urls if loader.urls is not None else tuple(hello["urls"])
+        self.list_id = hashlib.sha256("\n".join(self.urls).encode()).hexdigest()[:16]
+        self.prefetch = int(hello.get("prefetch", 8))
+        self.spec = EpochSpec(len(self.urls), loader.seed, epoch, loader.shuffle, loader.shuffle_buffer)
+        self.start = start - start % loader.world_size
+        self.delivered = 0  # samples handed to the user (not merely received: map/batch look ahead)
+        self.order = self.spec.order()
+        self.next_order = EpochSpec(len(self.urls), loader.seed, epoch + 1, loader.shuffle).order()
+        self.order_pos = {shard: i for i, shard in enumerate(self.order)}
+        self.counts: dict[int, int] = {}
+        self.opened: dict[int, int] = {}  # shard -> count of outstanding reads (pinned while present)
+        self.remaining: dict[int, int] = {}  # shard -> ids not yet emitted by the global sequence
+        self.skipped: set[int] = set()
+        self.ctx = zmq.Context()
+        self.workers = [self._connect(ep) for ep in hello["workers"]]
+        if not self.workers:
+            raise WdsCacheError(f"the agent at {loader.endpoint} has no workers")
+        self.poller = zmq.Poller()
+        for w in self.workers:
+            self.poller.register(w, zmq.POLLIN)
+        self.rr = itertools.count()
+        self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0}
+        self._stop_reports = threading.Event()
+        self._reporter = threading.Thread(target=self._report_loop, name="wdscache-report", daemon=True)
+        self._reporter.start()
+
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    # -- shards ---------------------------------------------------------------
+
+    def _known_counts(self, shards: Iterable[int]) -> None:
+        want = [s for s in shards if s not in self.counts]
+        if want:
+            reply = self.conn.request({"op": "counts", "urls": [self.urls[s] for s in want]})
+            for s, c in zip(want, reply.get("counts", [])):
+                if isinstance(c, int):
+                    self.counts[s] = c
+
+    def count(self, shard: int) -> int:
+        """Samples in ``shard``: from the agent's index, or by opening and scanning it."""
+        if shard not in self.counts:
+            pos = self.order_pos[shard]
+            self._known_counts(self.order[pos : pos + 256])
+        if shard not in self.counts:
+            self._open(shard)
+        if shard not in self.counts:
+            self.counts[shard] = self._scan(shard)
+        self.remaining[shard] = self.counts[shard]
+        return self.counts[shard]
+
+    def _ahead(self, shard: int) -> list[str]:
+        pos = self.order_pos[shard]
+        nxt = self.order[pos + 1 : pos + 1 + self.prefetch]
+        nxt += self.next_order[: self.prefetch - len(nxt)]
+        return [self.urls[s] for s in nxt]
+
+    def _open(self, shard: int) -> None:
+        """Pin ``shard`` in the agent (waiting for its download); moves our prefetch window."""
+        if shard in self.opened or shard in self.skipped:
+            return
+        url = self.urls[shard]
+        reply = self.conn.request_patiently(
+            {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard)},
+            liveness=self.loader.timeout,
+        )
+        if not reply.get("ok"):
+            self._failed(shard, FetchError(url, str(reply.get("error"))))
+            return
+        self.opened[shard] = 0
+        if isinstance(reply.get("samples"), int):
+            self.counts.setdefault(shard, reply["samples"])
+
+    def _release(self, shard: int) -> None:
+        if shard in self.opened and self.opened[shard] == 0 and self.remaining.get(shard, 1) == 0:
+            del self.opened[shard]
+            self.conn.request({"op": "release", "reader": self.name, "url": self.urls[shard]})
+
+    def _scan(self, shard: int) -> int:
+        if shard in self.skipped:
+            return 0
+        url = self.urls[shard]
+        reply = self._worker_call({"op": "scan", "url": url}, self.workers[shard % len(self.workers)])
+        if reply.get("ok"):
+            return int(reply["count"])
+        if reply.get("kind") == "missing":
+            raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
+        self._failed(shard, ShardError(url, str(reply.get("error"))))
+        return 0
+
+    def _failed(self, shard: int, exc: WdsCacheError) -> None:
+        url = self.urls[shard]
+        try:
+            self.conn.request({"op": "corrupt", "url": url, "error": str(exc)}, timeout=5.0)
+        except AgentUnavailableError:
+            pass
+        if self.loader.on_error == "raise":
+            raise exc
+        log.warning("skipping %s: %s", url, exc)
+        self.skipped.add(shard)
+        self.counts[shard] = 0
+
+    def _worker_call(self, header: dict[str, Any], sock: zmq.Socket) -> dict[str, Any]:
+        rid = uuid.uuid4().hex
+        sock.send_multipart(pack({**header, "id": rid}))
+        deadline = time.monotonic() + self.loader.timeout
+        while time.monotonic() < deadline:
+            if sock.poll(100):
+                reply, _ = unpack(sock.recv_multipart())
+                if reply.get("id") == rid:
+                    return reply
+        raise AgentUnavailableError(self.loader.endpoint, self.loader.timeout, "its worker did not answer")
+
+    @property
+    def position(self) -> int:
+        """The job's global position: the samples this rank delivered, times the world size."""
+        return self.start + self.delivered * self.loader.world_size
+
+    # -- the rank's share -------------------------------------------------------
+
+    def _global(self) -> Iterator[SampleId]:
+        for sid in global_sequence(self.spec, self.count):
+            self.remaining[sid[0]] -= 1
+            yield sid
+
+    def _owned(self) -> Iterator[tuple[int, SampleId]]:
+        """(global position, id) of this rank's samples from ``start``, padded or cut at the end."""
+        W, r = self.loader.world_size, self.loader.rank
+        first: list[SampleId] = []
+        row: list[SampleId] = []
+        pos = 0
+        for sid in self._global():
+            if len(first) < W:
+                first.append(sid)
+            row.append(sid)
+            if len(row) == W:
+                # Rows before the resume position cost counts only, never payloads.
+                if pos >= self.start:
+                    yield pos + r, row[r]
+                pos += W
+                row = []
+        if row and not self.loader.drop_last and pos >= self.start:
+            # Pad the last row by wrapping around to the start of the sequence.
+            fill = row + [first[i % len(first)] for i in range(W - len(row))]
+            yield pos + r, fill[r]
+
+    def samples(self) -> Iterator[dict[str, Any]]:
+        try:
+            yield from self._pipeline()
+        finally:
+            self.close()
+
+    def mark_complete(self) -> None:
+        self.complete = True
+
+    def _pipeline(self) -> Iterator[dict[str, Any]]:
+        n = self.loader.request_size
+        limit = self.loader.inflight or max(4, 2 * len(self.workers))
+        owned = self._owned()
+        pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int]] = {}  # seq -> (items, sent, rid, worker)
+        done: dict[int, list[dict[str, Any]]] = {}
+        rids: dict[str, int] = {}
+        seq_next = seq_yield = 0
+        exhausted = False
+        while True:
+            t0 = time.perf_counter()
+            while not exhausted and len(pending) + len(done) < limit:
+                batch = list(itertools.islice(owned, n))
+                if not batch:
+                    exhausted = True
+                    break
+                for _, (shard, _) in batch:
+                    self._open(shard)
+                batch = [(p, sid) for p, sid in batch if sid[0] not in self.skipped]
+                for _, (shard, _) in batch:
+                    self.opened[shard] = self.opened.get(shard, 0) + 1
+                self._send(seq_next, batch, pending, rids)
+                seq_next += 1
+            if seq_yield == seq_next and exhausted:
+                break
+            while seq_yield not in done:
+                self._receive(pending, done, rids)
+            out = done.pop(seq_yield)
+            seq_yield += 1
+            self.stats["wait_s"] += time.perf_counter() - t0
+            for sample in out:
+                self.stats["samples"] += 1
+                yield sample
+
+    def _send(self, seq: int, items: list[tuple[int, SampleId]], pending: dict, rids: dict) -> None:
+        urls: list[str] = []
+        index: dict[int, int] = {}
+        wire = []
+        for _, (shard, j) in items:
+            if shard not in index:
+                index[shard] = len(urls)
+                urls.append(self.urls[shard])
+            wire.append([index[shard], j])
+        w = next(self.rr) % len(self.workers)
+        rid = uuid.uuid4().hex
+        rids[rid] = seq
+        pending[seq] = (items, time.monotonic(), rid, w)
+        if items:
+            self.workers[w].send_multipart(pack({"op": "read", "id": rid, "urls": urls, "items": wire}))
+
+    def _receive(self, pending: dict, done: dict, rids: dict) -> None:
+        # An empty request (all its shards skipped) completes at once.
+        for seq, (items, _, _, _) in list(pending.items()):
+            if not items:
+                del pending[seq]
+                done[seq] = []
+        if not pending:
+            return
+        events = dict(self.poller.poll(100))
+        for sock in self.workers:
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._accept(frames, pending, done, rids)
+        now = time.monotonic()
+        for seq, (items, sent, rid, w) in list(pending.items()):
+            if now - sent > min(self.loader.timeout, 10.0):
+                # The worker may have died with our request: ask another (or its replacement).
+                log.info("request to worker %d timed out; resending", w)
+                del rids[rid]
+                del pending[seq]
+                self._send(seq, items, pending, rids)
+
+    def _accept(self, frames: list[Any], pending: dict, done: dict, rids: dict) -> None:
+        header, payload = unpack(frames)
+        seq = rids.pop(str(header.get("id")), None)
+        if seq is None or seq not in pending:
+            return  # a late answer to a request we already sent again
+        items = pending.pop(seq)[0]
+        if not header.get("ok"):
+            self._read_failed(seq, items, header, pending, rids)
+            return
+        keys, exts = header.get("keys"), header.get("exts")
+        if not isinstance(keys, list) or not isinstance(exts, list) or len(keys) != len(items):
+            raise ProtocolError("worker reply does not match the request")
+        samples = []
+        k = 0
+        for (_, (shard, _)), key, names in zip(items, keys, exts):
+            sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[shard]}
+            for ext in names:
+                data = payload[k].bytes
+                sample[ext] = data
+                self.stats["bytes"] += len(data)
+                k += 1
+            samples.append(sample)
+        if k != len(payload):
+            raise ProtocolError("worker reply has extra frames")
+        done[seq] = samples
+        for shard in {sid[0] for _, sid in items}:
+            self.opened[shard] -= 1
+            self._release(shard)
+
+    def _read_failed(self, seq: int, items: list, header: dict[str, Any], pending: dict, rids: dict) -> None:
+        kind, error = header.get("kind"), str(header.get("error"))
+        if kind == "missing":
+            # Evicted behind our back (say, the agent restarted and lost our pins): open again.
+            for shard in {sid[0] for _, sid in items}:
+                self.opened.pop(shard, None)
+                self._open(shard)
+                self.opened[shard] = self.opened.get(shard, 0) + 1
+            self._send(seq, items, pending, rids)
+            return
+        url = str(header.get("url") or self.urls[items[0][1][0]])
+        exc = ShardError(url, error)
+        if self.loader.on_error == "raise":
+            raise exc
+        log.warning("skipping %d samples: %s", len(items), exc)
+        pending[seq] = ([], time.monotonic(), "", 0)
+
+    # -- reports and cleanup -----------------------------------------------------
+
+    def _report_loop(self) -> None:
+        # Its own socket: ZeroMQ sockets belong to one thread.
+        conn = AgentConnection(self.loader.endpoint, timeout=5.0)
+        last = (time.monotonic(), 0)
+        try:
+            while not self._stop_reports.wait(REPORT_EVERY):
+                now, n = time.monotonic(), self.stats["samples"]
+                rate = (n - last[1]) / (now - last[0])
+                last = (now, n)
+                try:
+                    conn.request({"op": "report", "reader": self.name, "job": self.loader.job,
+                                  "rank": self.loader.rank, "epoch": self.spec.epoch, "position": self.position,
+                                  "samples": n, "bytes": self.stats["bytes"], "rate": round(rate, 1),
+                                  "wait_s": round(self.stats["wait_s"], 3)})
+                except AgentUnavailableError:
+                    continue
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self._stop_reports.set()
+        self._reporter.join(REPORT_EVERY + 6.0)
+        try:
+            self.conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
+        except AgentUnavailableError:
+            pass
+        self.conn.close()
+        for w in self.workers:
+            w.close(0)
+        self.ctx.term()
+
+
+def _delivered(stream: _Stream, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:
+    """Yield items, counting the samples in each once the user has it (for state_dict)."""
+    for n, item in items:
+        stream.delivered += n
+        yield item
+    stream.mark_complete()
+
+
+def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield size, collate(batch)
+            batch = []
+    if batch:
+        yield len(batch), collate(batch)
+
+
+def _mapped(items: Iterator[Any], fn: Callable[[Any], Any], workers: int) -> Iterator[Any]:
+    """``fn`` over ``items`` in ``workers`` processes (or inline), order kept, a bounded number ahead."""
+    if workers <= 0:
+        for item in items:
+            yield fn(item)
+        return
+    import multiprocessing
+
+    pool = multiprocessing.get_context("fork").Pool(workers)
+    try:
+        ahead: deque[Any] = deque()
+        for item in items:
+            ahead.append(pool.apply_async(fn, (item,)))
+            if len(ahead) >= 4 * workers:
+                yield ahead.popleft().get(timeout=600)
+        while ahead:
+            yield ahead.popleft().get(timeout=600)
+    finally:
+        pool.terminate()
+        pool.join()

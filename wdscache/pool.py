@@ -1,0 +1,265 @@
+"""The agent's sample workers: processes that read cached shards and send samples to consumers.
+
+This module is the one place that decides what runs as a process: each worker
+is a ``spawn``ed process (it inherits no sockets, locks or threads from the
+agent) that binds its own socket, so samples go from the worker straight to the
+consumer, one hop. Consumers learn the worker endpoints from the agent.
+
+A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
+
+    {"op": "read", "id": n, "urls": [u, ...], "items": [[k, j], ...]}
+        -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...]}
+           followed by one frame per (sample, extension), in order
+    {"op": "scan", "id": n, "url": u}  -> {"op": "scanned", "id": n, "ok": true, "count": c}
+
+It resolves a URL to its cache file itself (the name derives from the URL, so a
+request cannot name a file outside the cache), and only reads files under
+``shards/``, which are complete by construction. Errors come back as
+``{"ok": false, "kind": "missing" | "corrupt", "error": ...}``.
+
+Workers never outlive the agent: they ask the kernel for SIGKILL when their
+parent dies (Linux), and also exit when their parent's pid changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from .errors import ProtocolError, ShardError
+from .layout import CacheLayout
+from .protocol import field, pack, unpack
+
+log = logging.getLogger(__name__)
+
+OPEN_SHARDS = 32  # shard views a worker keeps open (mmaps cost address space, not memory)
+REPORT_EVERY = 1.0
+MAX_ITEMS = 4096
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    index: int
+    endpoint: str
+    cache_dir: str
+    control: str  # the agent's endpoint, for reports
+    parent: int
+
+
+def worker_endpoints(agent_endpoint: str, n: int) -> list[str]:
+    """Where workers bind, derived from the agent's endpoint (next to its socket, or next ports)."""
+    if agent_endpoint.startswith("ipc://"):
+        base = agent_endpoint[: -len(".sock")] if agent_endpoint.endswith(".sock") else agent_endpoint
+        return [f"{base}-w{i}.sock" for i in range(n)]
+    host, port = agent_endpoint.rsplit(":", 1)
+    return [f"{host}:{int(port) + 1 + i}" for i in range(n)]
+
+
+class WorkerPool:
+    """Starts, watches and stops the worker processes."""
+
+    def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str) -> None:
+        self.endpoints = worker_endpoints(agent_endpoint, n)
+        self._specs = [
+            WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid()) for i, ep in enumerate(self.endpoints)
+        ]
+        self._ctx = multiprocessing.get_context("spawn")
+        self._procs: list[Any] = [None] * n
+        self.restarts = 0
+
+    def start(self) -> None:
+        for i in range(len(self._specs)):
+            self._start(i)
+
+    def _start(self, i: int) -> None:
+        p = self._ctx.Process(target=worker_main, args=(self._specs[i],), name=f"wdscache-worker-{i}", daemon=True)
+        p.start()
+        self._procs[i] = p
+
+    def check(self) -> None:
+        """Replace any worker that died (its consumers retry their requests)."""
+        for i, p in enumerate(self._procs):
+            if p is not None and not p.is_alive():
+                log.error("worker %d (pid %s) died with exit code %s; starting a new one", i, p.pid, p.exitcode)
+                p.join(0)
+                self.restarts += 1
+                self._start(i)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p is not None]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        for p in self._procs:
+            if p is not None and p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + timeout
+        for p in self._procs:
+            if p is not None:
+                p.join(max(0.0, deadline - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join(1.0)
+        for ep in self.endpoints:
+            if ep.startswith("ipc://"):
+                Path(ep[len("ipc://"):]).unlink(missing_ok=True)
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the getppid() check in the loop still ends us
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        from .tario import open_shard
+
+        self._open_shard = open_shard
+        self.spec = spec
+        self.layout = CacheLayout.of(spec.cache_dir)
+        self.stop = False
+        self.views: OrderedDict[str, tuple[int, Any]] = OrderedDict()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        if spec.endpoint.startswith("ipc://"):
+            Path(spec.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        self.sock.bind(spec.endpoint)
+        if spec.endpoint.startswith("ipc://"):
+            os.chmod(spec.endpoint[len("ipc://"):], 0o600)
+        self.report = self.ctx.socket(zmq.DEALER)
+        self.report.setsockopt(zmq.LINGER, 0)
+        self.report.setsockopt(zmq.SNDHWM, 100)
+        self.report.connect(spec.control)
+        self.busy = 0.0
+        self.requests = self.samples = self.bytes = 0
+        self._last_report = time.monotonic()
+
+    def step(self) -> None:
+        if self.sock.poll(100):
+            for _ in range(64):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                t0 = time.perf_counter()
+                self._handle(frames[0], frames[1:])
+                self.busy += time.perf_counter() - t0
+        now = time.monotonic()
+        if now - self._last_report >= REPORT_EVERY:
+            self._last_report = now
+            self._send_report({"op": "worker", "index": self.spec.index, "busy_s": round(self.busy, 3),
+                               "requests": self.requests, "samples": self.samples, "bytes": self.bytes})
+            if os.getppid() != self.spec.parent:
+                self.stop = True
+
+    def _send_report(self, header: dict[str, Any]) -> None:
+        try:
+            self.report.send_multipart(pack(header), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # reports are advisory; never block serving on them
+
+    def _handle(self, ident: bytes, body: list[bytes]) -> None:
+        rid = None
+        try:
+            header, _ = unpack(body)
+            rid = header.get("id")
+            op = header["op"]
+            if op == "read":
+                self._read(ident, header)
+            elif op == "scan":
+                url = field(header, "url", str)
+                count = len(self._view(url).samples)
+                self._send_report({"op": "counted", "url": url, "samples": count})
+                self._reply(ident, {"op": "scanned", "id": rid, "ok": True, "count": count})
+            else:
+                raise ProtocolError(f"unknown op {op!r}")
+        except FileNotFoundError as exc:
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "missing", "error": str(exc)})
+        except ShardError as exc:
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "corrupt", "error": str(exc),
+                                "url": exc.url})
+        except ProtocolError as exc:
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol", "error": str(exc)})
+
+    def _read(self, ident: bytes, header: dict[str, Any]) -> None:
+        urls = field(header, "urls", list)
+        items = field(header, "items", list)
+        if len(items) > MAX_ITEMS or not all(isinstance(u, str) for u in urls):
+            raise ProtocolError("bad read request")
+        keys: list[str] = []
+        exts: list[list[str]] = []
+        frames: list[Any] = []
+        for item in items:
+            if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
+                raise ProtocolError("read items must be [url index, sample index] pairs")
+            k, j = item
+            if not 0 <= k < len(urls):
+                raise ProtocolError("read item names no URL")
+            view = self._view(urls[k])
+            if not 0 <= j < len(view.samples):
+                raise ProtocolError(f"{urls[k]} has no sample {j}")
+            span = view.samples[j]
+            keys.append(span.key)
+            exts.append([ext for ext, _, _ in span.fields])
+            for _, off, size in span.fields:
+                frames.append(view.data[off : off + size])
+                self.bytes += size
+        self.requests += 1
+        self.samples += len(items)
+        self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts},
+                    frames)
+
+    def _view(self, url: str) -> Any:
+        path = self.layout.shard_path(url)
+        ino = os.stat(path).st_ino  # FileNotFoundError: evicted or never cached
+        cached = self.views.get(url)
+        if cached is not None and cached[0] == ino:
+            self.views.move_to_end(url)
+            return cached[1]
+        view = self._open_shard(path, url=url)
+        self.views[url] = (ino, view)
+        while len(self.views) > OPEN_SHARDS:
+            # Dropped, not closed: frames still queued in ZeroMQ may point into its mmap.
+            self.views.popitem(last=False)
+        return view
+
+    def _reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] = ()) -> None:
+        try:
+            self.sock.send_multipart([ident, *pack(header), *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("worker %d: dropped a reply to a consumer that does not read", self.spec.index)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.report.close(0)
+        self.ctx.term()
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
+    _die_with_parent(spec.parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
+    worker = _Worker(spec)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop", True))
+    try:
+        while not worker.stop:
+            worker.step()
+    finally:
+        worker.close()

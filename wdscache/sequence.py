@@ -1,0 +1,76 @@
+"""The epoch's global sample sequence: a pure function of the list, the counts and the seeds.
+
+Shards are read in :func:`~wdscache.plan.shard_order`; their samples pass
+through a seeded shuffle buffer; the output is the epoch's global sequence of
+``(shard, sample)`` ids. Nothing here depends on the number of ranks, agent
+workers or on timing, which is what makes every rank's share exact and a
+checkpoint valid across world sizes.
+
+Rank ``r`` of ``W`` takes global positions ``r, r + W, r + 2W, ...``. With
+``drop_last`` the sequence is cut to a multiple of ``W``; otherwise it is padded
+by wrapping around to its start, so every rank gets the same count.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from .plan import epoch_rng, shard_order
+
+SampleId = tuple[int, int]  # (shard index in the list, sample index in the shard)
+
+
+@dataclass(frozen=True)
+class EpochSpec:
+    """Everything the sequence of one epoch depends on (besides the per-shard counts)."""
+
+    n_shards: int
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = True
+    shuffle_buffer: int = 1000
+
+    def order(self) -> list[int]:
+        return shard_order(self.n_shards, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+
+
+def global_sequence(spec: EpochSpec, count: Callable[[int], int]) -> Iterator[SampleId]:
+    """Yield the epoch's sample ids in order; ``count(shard)`` is called as shards are reached.
+
+    The shuffle buffer holds at most ``shuffle_buffer`` ids; once full, each new
+    id goes in and a seeded random one comes out; at the end the rest come out
+    in seeded random order.
+    """
+    order = spec.order()
+    size = spec.shuffle_buffer if spec.shuffle else 0
+    if size <= 1:
+        for shard in order:
+            for j in range(count(shard)):
+                yield (shard, j)
+        return
+    rng = epoch_rng(spec.seed, spec.epoch, "samples")
+    buf: list[SampleId] = []
+    for shard in order:
+        for j in range(count(shard)):
+            buf.append((shard, j))
+            if len(buf) >= size:
+                k = rng.randrange(len(buf))
+                buf[k], buf[-1] = buf[-1], buf[k]
+                yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+def rank_length(total: int, world_size: int, drop_last: bool) -> int:
+    """Samples each rank receives in an epoch of ``total`` samples."""
+    return total // world_size if drop_last else math.ceil(total / world_size)
+
+
+def rank_positions(start: int, rank: int, world_size: int) -> Iterator[int]:
+    """Global positions of ``rank`` from global position ``start`` (a multiple of world_size)."""
+    pos = start + rank
+    while True:
+        yield pos
+        pos += world_size
