@@ -51,6 +51,8 @@ def main() -> None:
               help="ZeroMQ endpoint [default: a private IPC socket in the cache directory].")
 @click.option("--allow-remote", envvar="WDSCACHE_ALLOW_REMOTE", is_flag=True, show_envvar=True,
               help="Allow a TCP endpoint reachable from other machines.")
+@click.option("--allow-pipe", envvar="WDSCACHE_ALLOW_PIPE", is_flag=True, show_envvar=True,
+              help="Allow pipe:COMMAND lines in the URL list (they run a shell command).")
 @click.option("--seed", envvar="WDSCACHE_SEED", default=0, type=int, show_envvar=True,
               help="Seed of the shard order of the initial prefetch.")
 @click.option("--shuffle/--no-shuffle", envvar="WDSCACHE_SHUFFLE", default=True, show_envvar=True,

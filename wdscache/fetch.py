@@ -16,6 +16,8 @@ import errno
 import logging
 import os
 import random
+import subprocess
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -140,6 +142,8 @@ class Fetcher:
             size, etag = self._fetch_http(d)
         elif scheme == "file":
             size, etag = self._fetch_file(d)
+        elif d.url.startswith("pipe:"):
+            size, etag = self._fetch_pipe(d)
         else:
             raise FetchError(d.url, f"cannot fetch scheme {scheme!r}", permanent=True)
         if d.cancel.is_set():
@@ -243,6 +247,28 @@ class Fetcher:
         if d.written != total:
             raise FetchError(d.url, f"file changed while copying ({d.written} of {total} bytes)")
         return total, f"{st.st_size}-{st.st_mtime_ns}"
+
+    # -- pipe: sources (only listed when the agent runs with --allow-pipe) --
+
+    def _fetch_pipe(self, d: Download) -> tuple[int, str | None]:
+        _truncate(d.partial)  # a command's output cannot be resumed
+        d.written = 0
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen(d.url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stderr=err,
+                                    stdin=subprocess.DEVNULL)
+            assert proc.stdout is not None
+            try:
+                self._write_body(d, iter(lambda: proc.stdout.read(CHUNK), b""), None, check_head=True)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.stdout.close()
+                rc = proc.wait(10)
+            if rc != 0:
+                err.seek(0)
+                msg = err.read()[-500:].decode(errors="replace").strip()
+                raise FetchError(d.url, f"command exited with status {rc}: {msg}")
+        return d.written, None
 
     # -- common -----------------------------------------------------------
 
