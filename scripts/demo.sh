@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on a built-in example: serve a synthetic dataset on loopback,
-# start an agent, and watch it fill its cache ahead of demand.
+# start an agent, watch it fill its cache ahead of demand, then stream one
+# epoch to two consumer processes of one job and show `wdscache stats`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${WDSCACHE_VENV:-.venv}
@@ -13,6 +14,7 @@ WDS="$VENV/bin/wdscache"
 
 DEMO=$(mktemp -d /tmp/wdscache-demo.XXXXXX)
 pids=()
+consumers=()
 cleanup() {
     for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
     for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
@@ -23,24 +25,35 @@ trap cleanup EXIT
 echo "== making 16 shards of ~2 MB in $DEMO/data"
 "$PY" scripts/demo_data.py make "$DEMO/data" --shards 16 --samples 64 --payload 30000
 
-echo "== serving them on 127.0.0.1 at 8 MB/s per connection"
-"$PY" scripts/demo_data.py serve "$DEMO/data" --port-file "$DEMO/port" --rate 8e6 &
+echo "== serving them on 127.0.0.1 at 4 MB/s per connection"
+"$PY" scripts/demo_data.py serve "$DEMO/data" --port-file "$DEMO/port" --rate 4e6 &
 pids+=($!)
 for _ in $(seq 100); do [ -s "$DEMO/port" ] && break; sleep 0.1; done
 PORT=$(cat "$DEMO/port")
 echo "http://127.0.0.1:$PORT/shard-{000000..000015}.tar" > "$DEMO/urls.txt"
 echo "   urls.txt: $(cat "$DEMO/urls.txt")"
 
-echo "== starting the agent: budget 24M, prefetch 6"
-"$WDS" agent --cache-dir "$DEMO/cache" --urls "$DEMO/urls.txt" --cache-size 24M --prefetch 6 \
+echo "== starting the agent: budget 40M, prefetch 6"
+"$WDS" agent --cache-dir "$DEMO/cache" --urls "$DEMO/urls.txt" --cache-size 40M --prefetch 6 \
     2> "$DEMO/agent.log" &
 pids+=($!)
 for _ in $(seq 100); do "$WDS" stats --cache-dir "$DEMO/cache" --json 2>/dev/null | grep -q '"pid"' && break; sleep 0.1; done
 
-for i in 1 2 3; do
-    sleep 1
-    echo "== wdscache stats after ${i}s"
-    "$WDS" stats --cache-dir "$DEMO/cache"
+sleep 1
+echo "== wdscache stats after 1s: the first shards are cached before anyone reads"
+"$WDS" stats --cache-dir "$DEMO/cache"
+
+echo "== one epoch to two consumer processes of one job (ranks 0 and 1 of 2)"
+for rank in 0 1; do
+    RANK=$rank WORLD_SIZE=2 TORCHELASTIC_RUN_ID=demo WDSCACHE_CACHE_DIR="$DEMO/cache" \
+        "$PY" scripts/train_example.py --epochs 1 --batch-size 16 &
+    consumers+=($!)
 done
-echo "== agent log"
-cat "$DEMO/agent.log"
+sleep 1.5
+echo "== wdscache stats while the job runs"
+"$WDS" stats --cache-dir "$DEMO/cache"
+for pid in "${consumers[@]}"; do wait "$pid"; done
+echo "== wdscache stats after the epoch "
+"$WDS" stats --cache-dir "$DEMO/cache"
+echo "== agent log (last lines)"
+tail -n 8 "$DEMO/agent.log"

@@ -196,3 +196,17 @@ def test_webdataset_decoder_on_delivered_samples(tmp_path, dataset, start_agent)
     decoded = [wds.autodecode.Decoder([])(s) for s in loader]
     assert len(decoded) == 8
     assert all(isinstance(s["cls"], int) and isinstance(s["json"], (dict, list)) for s in decoded)
+
+
+def test_loader_without_agent_starts_a_private_one_and_stops_it(tmp_path, dataset):
+    from wdscache import CachedMultiLoader, collect_stats
+
+    data = dataset(3, samples=4, payload=500)
+    cache = tmp_path / "cache"
+    with CachedMultiLoader(data.urls, cache_dir=cache, job="nb", rank=0, world_size=1, timeout=30) as loader:
+        keys = sorted((s["__url__"], s["__key__"]) for s in loader)
+        agent_pid = loader._private_agent.proc.pid
+        assert collect_stats(cache)["agent"]["pid"] == agent_pid
+    assert keys == sorted(reference(data.paths, data.urls))
+    wait_for(lambda: collect_stats(cache)["agent"] is None, 15, "the private agent kept running after close()")
+    assert collect_stats(cache)["shards"]["cached"] == 3  # the cache stays for the next run

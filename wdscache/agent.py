@@ -543,7 +543,8 @@ class Agent:
             self._reply(ident, rid, ok=True, stats=self.stats())
             return
         if op == "worker":
-            self.worker_stats[get_field(header, "index", int)] = header
+            i = get_field(header, "index", int)
+            self.worker_stats[i] = _with_fraction(self.worker_stats.get(i), header, "busy_s", "busy")
             return
         if op == "counted":
             assert self.cache is not None
@@ -570,13 +571,14 @@ class Agent:
             self._hello(ident, rid, name, header)
         elif op == "open":
             ahead = get_field(header, "ahead", list, None)
-            self._open(ident, rid, name, get_field(header, "url", str), ahead)
+            wait = get_field(header, "wait", bool, True)
+            self._open(ident, rid, name, get_field(header, "url", str), ahead, wait)
         elif op == "release":
             self._release(name, get_field(header, "url", str))
             self._reply(ident, rid, ok=True)
         elif op == "report":
             if reader is not None:
-                self.consumers[name] = {**header, "seen": time.time()}
+                self.consumers[name] = _with_fraction(self.consumers.get(name), header, "wait_s", "waiting")
             self._reply(ident, rid, ok=reader is not None, error="unknown reader; say hello first")
         elif op == "ping":
             self._reply(ident, rid, ok=True)
@@ -634,7 +636,9 @@ class Agent:
         self._extra_urls.update(parsed.urls)
         return parsed
 
-    def _open(self, ident: bytes, rid: Any, name: str, url: str, ahead: list[Any] | None = None) -> None:
+    def _open(
+        self, ident: bytes, rid: Any, name: str, url: str, ahead: list[Any] | None = None, wait: bool = True
+    ) -> None:
         assert self.cache is not None
         if url not in self.urls and url not in self._extra_urls:
             self._reply(ident, rid, ok=False, error=f"{url} is not in the agent's URL list ({self.config.urls})")
@@ -663,7 +667,10 @@ class Agent:
         d = self._active.get(url)
         if d is not None:
             d.demanded = True
-        self._waiters.setdefault(url, []).append(_Waiter(ident, rid, name))
+        if wait:
+            self._waiters.setdefault(url, []).append(_Waiter(ident, rid, name))
+        else:
+            self._reply(ident, rid, ok=False, cached=False, error="not cached yet")
 
     def _grant_open(self, ident: bytes, rid: Any, name: str, url: str) -> None:
         assert self.cache is not None
@@ -724,21 +731,50 @@ class Agent:
                 "consumers": len(self.consumers),
                 "bytes_reserved": self.cache.reserved,
                 "urls": len(self.urls),
-                "workers": [self.worker_stats.get(i, {"index": i}) for i in range(self.config.workers)],
+                "workers": [_public(self.worker_stats.get(i, {"index": i})) for i in range(self.config.workers)],
                 "worker_restarts": self.pool.restarts if self.pool else 0,
                 "corrupt": [{"url": u, "error": e} for u, e in list(self._corrupt.items())[:100]],
             },
-            jobs=_jobs_view(self.consumers),
+            jobs=_jobs_view(self.consumers, self._starved_by()),
         )
 
+    def _starved_by(self) -> str:
+        """What a waiting consumer is waiting for: downloads, the workers, or (else) its own reads."""
+        if self._demanded:
+            return "downloads"
+        busy = [w.get("busy", 0.0) for w in self.worker_stats.values()]
+        if busy and sum(busy) / len(busy) > 0.8:
+            return "workers"
+        return "latency"
 
-def _jobs_view(consumers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Consumer reports grouped as {job: {rank: {...}}} for stats."""
-    keep = ("samples", "bytes", "rate", "wait_s", "epoch", "position", "seen")
+
+STARVED = 0.2  # a consumer waiting more than this fraction of its time is starved
+
+
+def _with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: str, name: str) -> dict[str, Any]:
+    """``report`` plus ``name``: the fraction of time since ``prev`` spent in ``total`` (seconds)."""
+    now = time.monotonic()
+    out = {**report, "seen": time.time(), "_mono": now}
+    if prev is not None and "_mono" in prev and isinstance(report.get(total), (int, float)):
+        dt = now - prev["_mono"]
+        done = report[total] - prev.get(total, 0.0)
+        out[name] = round(min(1.0, max(0.0, done / dt)), 3) if dt > 0 else 0.0
+    return out
+
+
+def _jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str) -> dict[str, dict[str, Any]]:
+    """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null)."""
+    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen")
     jobs: dict[str, dict[str, Any]] = {}
     for c in consumers.values():
-        jobs.setdefault(str(c.get("job")), {})[str(c.get("rank"))] = {k: c[k] for k in keep if k in c}
+        view = {k: c[k] for k in keep if k in c}
+        view["starved"] = starved_by if c.get("waiting", 0.0) > STARVED else None
+        jobs.setdefault(str(c.get("job")), {})[str(c.get("rank"))] = view
     return jobs
+
+
+def _public(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in report.items() if not k.startswith("_") and k not in ("op", "id")}
 
 
 def _read_list(cfg: AgentConfig) -> UrlList:

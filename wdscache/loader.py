@@ -37,6 +37,7 @@ from .client import AgentConnection, resolve_endpoint, start_hint
 from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
 from .protocol import pack, unpack
 from .sequence import EpochSpec, SampleId, global_sequence, rank_length
+from .private import PrivateAgent, agent_answers
 from .urls import format_url_list, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,8 @@ class CachedMultiLoader:
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
         self.request_size, self.inflight = request_size, inflight
         self.urls = _normalize_urls(urls)
+        self._private_agent: PrivateAgent | None = None
+        self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._epoch = 0
         self._start = 0  # global position to start the next epoch from
         self._current: _Stream | None = None
@@ -162,7 +165,28 @@ class CachedMultiLoader:
 
     # -- iteration ----------------------------------------------------------
 
+    def close(self) -> None:
+        """Stop the private agent, if this loader started one (the cache stays)."""
+        if self._private_agent is not None:
+            self._private_agent.stop()
+            self._private_agent = None
+
+    def __enter__(self) -> "CachedMultiLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ensure_agent(self) -> None:
+        """With a list and a cache directory but no agent there, start a private one (a notebook)."""
+        if self._private_agent is not None or self.urls is None or self.cache_dir is None:
+            return
+        if not self._own_endpoint or agent_answers(self.cache_dir):
+            return
+        self._private_agent = PrivateAgent(self.cache_dir, self.urls, timeout=self.timeout)
+
     def __iter__(self) -> Iterator[Any]:
+        self._ensure_agent()
         epoch, start = self._epoch, self._start
         self._epoch, self._start = epoch + 1, 0
         stream = _Stream(self, epoch, start)
@@ -236,7 +260,9 @@ class _Stream:
         self.next_order = EpochSpec(len(self.urls), loader.seed, epoch + 1, loader.shuffle).order()
         self.order_pos = {shard: i for i, shard in enumerate(self.order)}
         self.counts: dict[int, int] = {}
-        self.opened: dict[int, int] = {}  # shard -> count of outstanding reads (pinned while present)
+        # Pinned shards -> number of our outstanding reads. A consumer that must wait for a
+        # download first lets go of every pin (see _open), so pins never deadlock the budget.
+        self.opened: dict[int, int] = {}
         self.remaining: dict[int, int] = {}  # shard -> ids not yet emitted by the global sequence
         self.skipped: set[int] = set()
         self.ctx = zmq.Context()
@@ -247,6 +273,10 @@ class _Stream:
         for w in self.workers:
             self.poller.register(w, zmq.POLLIN)
         self.rr = itertools.count()
+        self.pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int]] = {}  # seq -> (items, sent, rid, worker)
+        self.done: dict[int, list[dict[str, Any]]] = {}
+        self.rids: dict[str, int] = {}
+        self.calls: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0}
         self._stop_reports = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, name="wdscache-report", daemon=True)
@@ -287,14 +317,19 @@ class _Stream:
         return [self.urls[s] for s in nxt]
 
     def _open(self, shard: int) -> None:
-        """Pin ``shard`` in the agent (waiting for its download); moves our prefetch window."""
+        """Pin ``shard`` in the agent, waiting for its download if need be; moves our window."""
         if shard in self.opened or shard in self.skipped:
             return
         url = self.urls[shard]
-        reply = self.conn.request_patiently(
-            {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard)},
-            liveness=self.loader.timeout,
-        )
+        request = {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard), "wait": False}
+        reply = self.conn.request(request)
+        if not reply.get("ok") and reply.get("cached") is False:
+            # We must wait: hold no pins meanwhile, or consumers could fill the budget with
+            # pins while each waits for space for the next shard.
+            self._drain()
+            for held in list(self.opened):
+                self._release(held, force=True)
+            reply = self.conn.request_patiently({**request, "wait": True}, liveness=self.loader.timeout)
         if not reply.get("ok"):
             self._failed(shard, FetchError(url, str(reply.get("error"))))
             return
@@ -302,8 +337,9 @@ class _Stream:
         if isinstance(reply.get("samples"), int):
             self.counts.setdefault(shard, reply["samples"])
 
-    def _release(self, shard: int) -> None:
-        if shard in self.opened and self.opened[shard] == 0 and self.remaining.get(shard, 1) == 0:
+    def _release(self, shard: int, *, force: bool = False) -> None:
+        """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no more."""
+        if self.opened.get(shard) == 0 and (force or self.remaining.get(shard, 1) == 0):
             del self.opened[shard]
             self.conn.request({"op": "release", "reader": self.name, "url": self.urls[shard]})
 
@@ -311,7 +347,7 @@ class _Stream:
         if shard in self.skipped:
             return 0
         url = self.urls[shard]
-        reply = self._worker_call({"op": "scan", "url": url}, self.workers[shard % len(self.workers)])
+        reply = self._worker_call({"op": "scan", "url": url}, shard % len(self.workers))
         if reply.get("ok"):
             return int(reply["count"])
         if reply.get("kind") == "missing":
@@ -331,21 +367,18 @@ class _Stream:
         self.skipped.add(shard)
         self.counts[shard] = 0
 
-    def _worker_call(self, header: dict[str, Any], sock: zmq.Socket) -> dict[str, Any]:
+    def _worker_call(self, header: dict[str, Any], worker: int) -> dict[str, Any]:
+        """One request to a worker; replies to our reads that arrive meanwhile are kept."""
         rid = uuid.uuid4().hex
-        sock.send_multipart(pack({**header, "id": rid}))
+        self.calls[rid] = None
+        self.workers[worker].send_multipart(pack({**header, "id": rid}))
         deadline = time.monotonic() + self.loader.timeout
-        while time.monotonic() < deadline:
-            if sock.poll(100):
-                reply, _ = unpack(sock.recv_multipart())
-                if reply.get("id") == rid:
-                    return reply
-        raise AgentUnavailableError(self.loader.endpoint, self.loader.timeout, "its worker did not answer")
-
-    @property
-    def position(self) -> int:
-        """The job's global position: the samples this rank delivered, times the world size."""
-        return self.start + self.delivered * self.loader.world_size
+        while self.calls[rid] is None:
+            if time.monotonic() > deadline:
+                del self.calls[rid]
+                raise AgentUnavailableError(self.loader.endpoint, self.loader.timeout, "its worker did not answer")
+            self._receive()
+        return self.calls.pop(rid)
 
     # -- the rank's share -------------------------------------------------------
 
@@ -388,37 +421,44 @@ class _Stream:
         n = self.loader.request_size
         limit = self.loader.inflight or max(4, 2 * len(self.workers))
         owned = self._owned()
-        pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int]] = {}  # seq -> (items, sent, rid, worker)
-        done: dict[int, list[dict[str, Any]]] = {}
-        rids: dict[str, int] = {}
         seq_next = seq_yield = 0
         exhausted = False
         while True:
             t0 = time.perf_counter()
-            while not exhausted and len(pending) + len(done) < limit:
+            while not exhausted and len(self.pending) + len(self.done) < limit:
                 batch = list(itertools.islice(owned, n))
                 if not batch:
                     exhausted = True
                     break
-                for _, (shard, _) in batch:
-                    self._open(shard)
-                batch = [(p, sid) for p, sid in batch if sid[0] not in self.skipped]
-                for _, (shard, _) in batch:
-                    self.opened[shard] = self.opened.get(shard, 0) + 1
-                self._send(seq_next, batch, pending, rids)
+                self._send(seq_next, batch)
                 seq_next += 1
             if seq_yield == seq_next and exhausted:
                 break
-            while seq_yield not in done:
-                self._receive(pending, done, rids)
-            out = done.pop(seq_yield)
+            while seq_yield not in self.done:
+                self._receive()
+            out = self.done.pop(seq_yield)
             seq_yield += 1
             self.stats["wait_s"] += time.perf_counter() - t0
             for sample in out:
                 self.stats["samples"] += 1
                 yield sample
 
-    def _send(self, seq: int, items: list[tuple[int, SampleId]], pending: dict, rids: dict) -> None:
+    def _send(self, seq: int, items: list[tuple[int, SampleId]]) -> None:
+        """Pin the shards of ``items`` and ask a worker for them (all pinned at once: see _open)."""
+        while True:
+            for _, (shard, _) in items:
+                self._open(shard)
+            items = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
+            if all(sid[0] in self.opened for _, sid in items):
+                break  # an open that waited released the others: pin again
+        for _, (shard, _) in items:
+            self.opened[shard] += 1
+        self._dispatch(seq, items)
+
+    def _dispatch(self, seq: int, items: list[tuple[int, SampleId]]) -> None:
+        if not items:
+            self.done[seq] = []
+            return
         urls: list[str] = []
         index: dict[int, int] = {}
         wire = []
@@ -429,19 +469,16 @@ class _Stream:
             wire.append([index[shard], j])
         w = next(self.rr) % len(self.workers)
         rid = uuid.uuid4().hex
-        rids[rid] = seq
-        pending[seq] = (items, time.monotonic(), rid, w)
-        if items:
-            self.workers[w].send_multipart(pack({"op": "read", "id": rid, "urls": urls, "items": wire}))
+        self.rids[rid] = seq
+        self.pending[seq] = (items, time.monotonic(), rid, w)
+        self.workers[w].send_multipart(pack({"op": "read", "id": rid, "urls": urls, "items": wire}))
 
-    def _receive(self, pending: dict, done: dict, rids: dict) -> None:
-        # An empty request (all its shards skipped) completes at once.
-        for seq, (items, _, _, _) in list(pending.items()):
-            if not items:
-                del pending[seq]
-                done[seq] = []
-        if not pending:
-            return
+    def _drain(self) -> None:
+        """Wait for every outstanding read (their samples stay in ``done``)."""
+        while self.pending:
+            self._receive()
+
+    def _receive(self) -> None:
         events = dict(self.poller.poll(100))
         for sock in self.workers:
             if sock not in events:
@@ -451,25 +488,35 @@ class _Stream:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._accept(frames, pending, done, rids)
+                self._accept(frames)
         now = time.monotonic()
-        for seq, (items, sent, rid, w) in list(pending.items()):
+        for seq, (items, sent, rid, w) in list(self.pending.items()):
             if now - sent > min(self.loader.timeout, 10.0):
                 # The worker may have died with our request: ask another (or its replacement).
                 log.info("request to worker %d timed out; resending", w)
-                del rids[rid]
-                del pending[seq]
-                self._send(seq, items, pending, rids)
+                del self.rids[rid]
+                del self.pending[seq]
+                self._dispatch(seq, items)
 
-    def _accept(self, frames: list[Any], pending: dict, done: dict, rids: dict) -> None:
+    def _accept(self, frames: list[Any]) -> None:
         header, payload = unpack(frames)
-        seq = rids.pop(str(header.get("id")), None)
-        if seq is None or seq not in pending:
-            return  # a late answer to a request we already sent again
-        items = pending.pop(seq)[0]
-        if not header.get("ok"):
-            self._read_failed(seq, items, header, pending, rids)
+        if header.get("id") in self.calls:
+            self.calls[header["id"]] = header
             return
+        seq = self.rids.pop(str(header.get("id")), None)
+        if seq is None or seq not in self.pending:
+            return  # a late answer to a request we already sent again
+        items = self.pending.pop(seq)[0]
+        for shard in {sid[0] for _, sid in items}:
+            self.opened[shard] -= 1
+        if not header.get("ok"):
+            self._read_failed(seq, items, header)
+        else:
+            self.done[seq] = self._samples(header, payload, items)
+        for shard in {sid[0] for _, sid in items}:
+            self._release(shard)
+
+    def _samples(self, header: dict[str, Any], payload: list[Any], items: list) -> list[dict[str, Any]]:
         keys, exts = header.get("keys"), header.get("exts")
         if not isinstance(keys, list) or not isinstance(exts, list) or len(keys) != len(items):
             raise ProtocolError("worker reply does not match the request")
@@ -485,27 +532,23 @@ class _Stream:
             samples.append(sample)
         if k != len(payload):
             raise ProtocolError("worker reply has extra frames")
-        done[seq] = samples
-        for shard in {sid[0] for _, sid in items}:
-            self.opened[shard] -= 1
-            self._release(shard)
+        return samples
 
-    def _read_failed(self, seq: int, items: list, header: dict[str, Any], pending: dict, rids: dict) -> None:
+    def _read_failed(self, seq: int, items: list, header: dict[str, Any]) -> None:
         kind, error = header.get("kind"), str(header.get("error"))
         if kind == "missing":
-            # Evicted behind our back (say, the agent restarted and lost our pins): open again.
+            # Evicted behind our back (the agent restarted and lost our pins, say): open again.
             for shard in {sid[0] for _, sid in items}:
-                self.opened.pop(shard, None)
-                self._open(shard)
-                self.opened[shard] = self.opened.get(shard, 0) + 1
-            self._send(seq, items, pending, rids)
+                if self.opened.get(shard) == 0:
+                    del self.opened[shard]
+            self._send(seq, items)
             return
         url = str(header.get("url") or self.urls[items[0][1][0]])
         exc = ShardError(url, error)
         if self.loader.on_error == "raise":
             raise exc
         log.warning("skipping %d samples: %s", len(items), exc)
-        pending[seq] = ([], time.monotonic(), "", 0)
+        self.done[seq] = []
 
     # -- reports and cleanup -----------------------------------------------------
 

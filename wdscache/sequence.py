@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 from .plan import epoch_rng, shard_order
 
 SampleId = tuple[int, int]  # (shard index in the list, sample index in the shard)
+INITIAL = 100  # ids in the shuffle buffer before it gives out the first
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,11 @@ class EpochSpec:
 def global_sequence(spec: EpochSpec, count: Callable[[int], int]) -> Iterator[SampleId]:
     """Yield the epoch's sample ids in order; ``count(shard)`` is called as shards are reached.
 
-    The shuffle buffer holds at most ``shuffle_buffer`` ids; once full, each new
-    id goes in and a seeded random one comes out; at the end the rest come out
-    in seeded random order.
+    The shuffle buffer holds at most ``shuffle_buffer`` ids. It starts giving out
+    ids once it holds ``INITIAL`` of them (so the first sample does not wait for
+    a full buffer), then grows by one id for every two that arrive; once full,
+    each new id goes in and a seeded random one comes out. At the end the rest
+    come out in seeded random order.
     """
     order = spec.order()
     size = spec.shuffle_buffer if spec.shuffle else 0
@@ -51,11 +54,14 @@ def global_sequence(spec: EpochSpec, count: Callable[[int], int]) -> Iterator[Sa
                 yield (shard, j)
         return
     rng = epoch_rng(spec.seed, spec.epoch, "samples")
+    initial = min(size, INITIAL)
     buf: list[SampleId] = []
+    arrived = 0
     for shard in order:
         for j in range(count(shard)):
             buf.append((shard, j))
-            if len(buf) >= size:
+            arrived += 1
+            if len(buf) >= size or (len(buf) >= initial and arrived % 2 == 0):
                 k = rng.randrange(len(buf))
                 buf[k], buf[-1] = buf[-1], buf[k]
                 yield buf.pop()

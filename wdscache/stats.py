@@ -10,7 +10,11 @@ The object (also ``wdscache stats --json``)::
     hits, misses      shard opens that found the shard cached / had to wait for it
     bytes_downloaded  bytes fetched over the cache's life
     download_rate     bytes/s over the last 10 s (0 when no agent runs)
-    agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers, ...}
+    agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers,
+                      workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes}],
+                      worker_restarts, corrupt: [{url, error}]}
+    jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
+                      epoch, position, starved: null | "downloads" | "workers" | "latency"}}}
 
 With an agent running it answers live over the agent's socket; otherwise it
 reads the index summary, which costs the same on 10 or 100,000 shards.
@@ -63,7 +67,7 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 0.5) -> dict[
     layout = CacheLayout.of(cache_dir)
     if not layout.is_cache():
         raise NoCacheError(str(layout.root))
-    live = _ask_agent(layout, timeout)
+    live = ask_agent(layout, timeout)
     if live is not None:
         return live
     summary, counters, meta = read_summary(layout.index_dir)
@@ -76,7 +80,7 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 0.5) -> dict[
     )
 
 
-def _ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
+def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
     try:
         state = json.loads(layout.state_path.read_text())
         endpoint = str(state["endpoint"])
@@ -118,6 +122,19 @@ def format_stats(s: dict[str, Any]) -> str:
         )
     else:
         lines.append("agent      not running")
+    if agent and agent.get("workers"):
+        busy = [w.get("busy") for w in agent["workers"] if w.get("busy") is not None]
+        load = f"{100 * sum(busy) / len(busy):.0f}% busy" if busy else "starting"
+        lines.append(f"workers    {len(agent['workers'])} ({load}), {agent.get('worker_restarts', 0)} restart(s)")
+    for job, ranks in sorted(s.get("jobs", {}).items()):
+        lines.append(f"job {job}:")
+        for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+            starved = f"STARVED by {r['starved']}" if r.get("starved") else "not starved"
+            lines.append(
+                f"  rank {rank}: {r.get('samples', 0)} samples, {format_size(r.get('bytes', 0))}, "
+                f"{r.get('rate', 0):.0f} samples/s, waited {r.get('wait_s', 0):.1f}s "
+                f"({100 * r.get('waiting', 0):.0f}% now), {starved}"
+            )
     if s["failed"]:
         lines.append(f"failed     {shards['failed']} shard(s):")
         lines.extend(f"  {f['url']}: {f['error']}" for f in s["failed"][:20])

@@ -1,0 +1,1028 @@
+#!/usr/bin/env python3
+"""Benchmark wdscache against webdataset on the same synthetic shards, in one run.
+
+    python scripts/bench.py [--quick] [--profiles images,tiny] [--reps 3] [--out bench-results/latest.json]
+
+What it does:
+
+- Makes deterministic WebDataset shards (tests/shards.py) in two profiles:
+  ``images`` (~110 KB ``.jpg`` + ``.cls`` + a small ``.json`` per sample, ~64 MB
+  shards, 1 GB by default) and ``tiny`` (~1 KB per sample, ~16 MB shards,
+  256 MB by default). Sizes are on-disk tar bytes; MB and GB are 10^6 and 10^9
+  bytes everywhere.
+- Serves them from tests/server.py's ShardServer on 127.0.0.1, in a process of
+  its own, with a per-connection cap (``--rate-mb``, default 25 MB/s) and a
+  fixed time to first byte (``--ttfb-ms``, default 30 ms), standing in for an
+  object store. The server's CPU is not counted: it is the remote side.
+- Runs every system in its own subprocess (scripts/bench_consumer.py) with a
+  deadline, alternating systems within each repetition (the order rotates
+  from one repetition to the next), and reports medians with min-max:
+
+  ======================  ================================================================
+  wds local               ``wds.WebDataset(paths)`` in-process, shards on local disk
+  wds MultiLoader         ``webdataset.multi.MultiLoader`` with as many workers as the agent,
+                          its worker wrapped so that it terminates its ZeroMQ context (which
+                          flushes) before exiting; run once unwrapped, with a deadline, to
+                          show whether the stock one hangs or loses samples
+  wds HTTP                ``wds.WebDataset(http urls)`` streaming from the capped server (curl)
+  wds cache_dir           ``wds.WebDataset(http urls, cache_dir=fresh dir)``: epoch 1 cold, 2 warm
+  wdscache                a fresh ``wdscache agent`` on a fresh cache dir (its list: the same
+                          http urls) and one consumer iterating ``CachedMultiLoader(shuffle=False)``
+                          twice: epoch 1 cold, epoch 2 warm; then 8 consumers (two jobs of four
+                          ranks) read one more epoch each from the warm cache
+  cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
+  pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
+                          of the profile's field sizes, ``copy=False`` (a machine limit)
+  ======================  ================================================================
+
+  Shuffling is off on every side (the webdataset baselines do not shuffle, so
+  wdscache runs ``shuffle=False`` and its agent ``--no-shuffle``, which makes the
+  agent's start-up prefetch follow the order the consumer reads). Every consumer
+  does the same work per sample: count it and sum the lengths of its payloads.
+- Figures: samples/s and payload MB/s delivered to the consumer; wall time of
+  epoch 1 (cold) and epoch 2 (warm) for systems with a cache; time to first
+  sample (from building the loader; for wdscache also from launching the
+  agent); CPU seconds per GB delivered, summed over every process involved
+  (consumer and its children such as MultiLoader workers and curl, measured
+  with getrusage in the consumer per epoch; the agent, its worker processes and
+  multiprocessing's resource tracker from /proc/PID/stat); peak RSS of the
+  consumer (VmHWM, reset at each epoch start through /proc/self/clear_refs, and
+  its growth over the epoch) and of the agent (sum of VmHWM over the agent's
+  process tree, plus the sampled peak of its anonymous memory: VmHWM counts the
+  pages of shards the workers mmap, which are page cache, not private memory).
+- Scale checks: parsing and planning a 1,000,000-entry URL list, and
+  ``wdscache stats --json`` on a 100,000-shard index.
+- Prints progress on stderr; at the end prints the markdown tables on stdout
+  (headed by a line naming the machine) and writes every raw number as JSON to
+  ``--out``. Targets are reported as PASS/FAIL, never asserted.
+
+Nothing here touches the network beyond 127.0.0.1. Data lives under ``--work``
+(default /tmp/wdscache-bench): shards are reused when present, caches are
+deleted after each run, and the shards too unless ``--keep-data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+CONSUMER = REPO / "scripts" / "bench_consumer.py"
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "tests"))
+
+from bench_consumer import process_tree, status_kb, tree_cpu  # noqa: E402
+
+MB, GB = 1e6, 1e9
+BLOCK = 512
+AGENT_WORKERS = 2
+DOWNLOAD_WORKERS = 4
+PREFETCH = 8
+CONSUMER_TIMEOUT = 60.0  # CachedMultiLoader(timeout=...)
+T0 = time.monotonic()
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    payload: int  # bytes of the .jpg field (+/- 10 %)
+    shard_bytes: float
+    default_bytes: float
+    quick_bytes: float
+
+    def per_sample_on_disk(self) -> int:
+        # Three members (cls, jpg, json), each a 512-byte header plus data padded to 512.
+        def padded(n: int) -> int:
+            return -(-n // BLOCK) * BLOCK
+
+        return 3 * BLOCK + padded(self.payload) + padded(3) + padded(60)
+
+
+PROFILES = {
+    "images": Profile("images", 110_000, 64 * MB, 1 * GB, 192 * MB),
+    "tiny": Profile("tiny", 1_000, 16 * MB, 256 * MB, 48 * MB),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_bytes(text: str) -> float:
+    """``1G``, ``256M``, ``192MB``, ``5e8`` -> bytes (decimal units)."""
+    t = text.strip().upper().removesuffix("B")
+    for unit, mult in (("K", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12)):
+        if t.endswith(unit):
+            return float(t[:-1]) * mult
+    return float(t)
+
+
+def wdscache_exe() -> str:
+    exe = Path(sys.executable).with_name("wdscache")
+    if exe.is_file() and os.access(exe, os.X_OK):
+        return str(exe)
+    found = shutil.which("wdscache")
+    if found is None:
+        raise SystemExit(f"no wdscache console script next to {sys.executable} or on PATH")
+    return found
+
+
+# -- child processes ---------------------------------------------------------------------------
+
+
+class Child:
+    """A subprocess in a session of its own, its stdout lines collected, reaped with os.wait4."""
+
+    def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.cmd = cmd
+        self.log_path = log_path
+        with open(log_path, "ab") as err:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env=env)
+        self.pid = self.proc.pid
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.timed_out = False
+        self.rusage: Any = None
+        self.returncode: int | None = None
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.append(raw.decode(errors="replace"))
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.pid, signal.SIGKILL)  # the session we created for this child
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait(self, deadline: float) -> "Child":
+        """Reap within ``deadline`` seconds, else SIGKILL its process group and report a timeout."""
+        def expire() -> None:
+            self.timed_out = True
+            self._kill_group()
+
+        timer = threading.Timer(deadline, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            _, status, self.rusage = os.wait4(self.pid, 0)
+        finally:
+            timer.cancel()
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self.proc.returncode = self.returncode  # Popen must not wait for it again
+        self._kill_group()  # leftovers (a stuck MultiLoader worker) die with the run
+        self._reader.join(5)
+        return self
+
+    def messages(self) -> list[dict[str, Any]]:
+        out = []
+        for line in self.lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def report(self) -> dict[str, Any] | None:
+        for m in reversed(self.messages()):
+            if "report" in m:
+                return m["report"]
+        return None
+
+    def last_progress(self) -> dict[str, Any] | None:
+        for m in reversed(self.messages()):
+            if "progress" in m:
+                return m["progress"]
+        return None
+
+    def total_cpu(self) -> float | None:
+        if self.rusage is None:
+            return None
+        return self.rusage.ru_utime + self.rusage.ru_stime
+
+    def stderr_tail(self, n: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+def resends(child: Child) -> int:
+    """How many worker requests a CachedMultiLoader consumer had to resend after its 10 s timeout."""
+    try:
+        return child.log_path.read_text(errors="replace").count("timed out; resending")
+    except OSError:
+        return 0
+
+
+# -- the bench -----------------------------------------------------------------------------------
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work = Path(args.work).resolve()
+        self.runs_dir = self.work / "runs"
+        self.logs = self.work / "logs"
+        self.py = sys.executable
+        self.rate = args.rate_mb * MB
+        self.ttfb = args.ttfb_ms / 1000.0
+        self.server: Child | None = None
+        self.port = 0
+        self.agents: list[Agent] = []
+        self.datasets: dict[str, dict[str, Any]] = {}
+        self.runs: list[dict[str, Any]] = []
+        self.scale: dict[str, Any] = {}
+        self._seq = 0
+
+    # -- data and server -------------------------------------------------------------------------
+
+    def make_data(self, prof: Profile, total: float) -> dict[str, Any]:
+        from shards import make_dataset
+
+        spp = max(1, round(prof.shard_bytes / prof.per_sample_on_disk()))
+        n = max(1, round(total / prof.shard_bytes))
+        name = f"{prof.name}-p{prof.payload}-s{spp}-n{n}"
+        root = self.work / "data" / name
+        marker = root / ".complete"
+        if not marker.exists():
+            log(f"making {n} {prof.name} shards of {spp} samples in {root}")
+            shutil.rmtree(root, ignore_errors=True)
+            make_dataset(root, n, spp, payload=prof.payload, prefix=prof.name)
+            marker.write_text("ok\n")
+        else:
+            log(f"reusing {n} {prof.name} shards in {root}")
+        paths = sorted(root.glob(f"{prof.name}-*.tar"))
+        disk = sum(p.stat().st_size for p in paths)
+        local = self.work / f"urls-{prof.name}-local.txt"
+        local.write_text("".join(f"{p}\n" for p in paths))
+        http = self.work / "lists" / prof.name / "urls.txt"  # a folder per list: the agent watches it
+        http.parent.mkdir(parents=True, exist_ok=True)
+        http.write_text("".join(f"http://127.0.0.1:{self.port}/{name}/{p.name}\n" for p in paths))
+        return {"profile": prof.name, "dir": str(root), "shards": n, "samples_per_shard": spp,
+                "samples": n * spp, "disk_bytes": disk, "payload": prof.payload,
+                "paths": [str(p) for p in paths], "local_list": str(local), "http_list": str(http)}
+
+    def start_server(self) -> None:
+        port_file = self.work / "server.port"
+        port_file.unlink(missing_ok=True)
+        (self.work / "data").mkdir(parents=True, exist_ok=True)
+        self.counters = self.work / "server.counters"
+        self.counters.unlink(missing_ok=True)
+        self.server = Child([self.py, str(CONSUMER), "serve", str(self.work / "data"), "--port-file", str(port_file),
+                             "--rate", str(self.rate), "--ttfb", str(self.ttfb), "--counters", str(self.counters)],
+                            self.logs / "server.log")
+        deadline = time.monotonic() + 20
+        while not port_file.exists():
+            if self.server.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the shard server did not start:\n{self.server.stderr_tail()}")
+            time.sleep(0.05)
+        self.port = int(port_file.read_text())
+        log(f"shard server on 127.0.0.1:{self.port}: {self.args.rate_mb:g} MB/s per connection, "
+            f"{self.args.ttfb_ms:g} ms to first byte")
+
+    def fetched(self) -> dict[str, int]:
+        """The server's running totals: GET and HEAD requests, body bytes sent."""
+        time.sleep(0.25)  # the server writes them every 0.1 s
+        try:
+            return json.loads(self.counters.read_text())
+        except (OSError, ValueError):
+            return {"gets": 0, "heads": 0, "bytes": 0}
+
+    def fetch_note(self, before: dict[str, int], ds: dict[str, Any]) -> dict[str, Any]:
+        after = self.fetched()
+        return {k: after.get(k, 0) - before.get(k, 0) for k in ("gets", "heads", "bytes")} | {
+            "x_dataset": (after.get("bytes", 0) - before.get("bytes", 0)) / ds["disk_bytes"]}
+
+    def stop_server(self) -> None:
+        if self.server is not None and self.server.returncode is None:
+            try:
+                os.kill(self.server.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            self.server.wait(10)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def consumer(self, mode: str, *extra: str, tag: str) -> Child:
+        self._seq += 1
+        log_path = self.logs / f"{self._seq:03d}-{tag}.log"
+        return Child([self.py, str(CONSUMER), mode, *extra], log_path)
+
+    def fresh_dir(self, tag: str) -> Path:
+        d = self.runs_dir / f"{tag}-{self._seq}-{os.getpid()}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True, mode=0o700)
+        return d
+
+    def local_deadline(self, ds: dict[str, Any]) -> float:
+        return 60 + ds["disk_bytes"] / (20 * MB)
+
+    def http_deadline(self, ds: dict[str, Any], epochs: int = 1) -> float:
+        return 60 + epochs * 3 * ds["disk_bytes"] / self.rate
+
+    @staticmethod
+    def epoch_row(e: dict[str, Any], extra_cpu: float = 0.0) -> dict[str, Any]:
+        """Table metrics of one consumer epoch."""
+        gbytes = e["bytes"] / GB
+        cpu = (e["cpu_s"] or 0.0) + extra_cpu
+        return {
+            "samples": e["samples"], "bytes": e["bytes"], "wall_s": e["elapsed"],
+            "samples_s": e["samples"] / e["elapsed"], "mb_s": e["bytes"] / MB / e["elapsed"],
+            "ttfs_ms": 1000 * e["ttfs"] if e["ttfs"] is not None else None,
+            "cpu_s": cpu, "cpu_s_per_gb": cpu / gbytes if gbytes else None,
+            "consumer_hwm_mb": e["hwm_kb"] / 1024, "consumer_growth_mb": e["rss_growth_kb"] / 1024,
+        }
+
+    def finish_run(self, profile: str, rep: int, system: str, child: Child | None, rows: dict[str, Any],
+                   status: str = "ok", **extra: Any) -> dict[str, Any]:
+        run = {"profile": profile, "rep": rep, "system": system, "status": status, "rows": rows, **extra}
+        if child is not None:
+            run["process_cpu_s"] = child.total_cpu()
+            run["returncode"] = child.returncode
+        self.runs.append(run)
+        for label, r in rows.items():
+            log(f"  {label}: {r['samples_s']:,.0f} samples/s, {r['mb_s']:,.1f} MB/s, {r['wall_s']:.2f} s"
+                + (f", first sample {r['ttfs_ms']:.0f} ms" if r.get("ttfs_ms") is not None else "")
+                + (f", {r['cpu_s_per_gb']:.2f} CPU s/GB" if r.get("cpu_s_per_gb") is not None else ""))
+        if status != "ok":
+            log(f"  {system}: {status}")
+        if extra.get("fetched"):
+            f = extra["fetched"]
+            log(f"  fetched from the server: {f['bytes'] / MB:,.0f} MB ({f['x_dataset']:.2f}x the dataset) "
+                f"in {f['gets']} GETs and {f['heads']} HEADs")
+        if extra.get("resends"):
+            log(f"  the consumer resent {extra['resends']} worker request(s) after its 10 s timeout")
+        return run
+
+    def check(self, child: Child, ds: dict[str, Any], epochs: int, copies: int = 1) -> tuple[str, dict | None]:
+        """(status, report): "ok", "hang (...)", "error (...)", "short (...)"."""
+        rep = child.report()
+        want = ds["samples"] * copies
+        if child.timed_out:
+            prog = child.last_progress() or {}
+            return (f"hang: killed at its deadline after {prog.get('samples', 0)} of {want} samples"
+                    f" (epoch {prog.get('epoch', 0) + 1})", rep)
+        if child.returncode != 0 or rep is None:
+            return f"error: exit {child.returncode}: {child.stderr_tail(5)}", rep
+        got = [e["samples"] for e in rep["epochs"]]
+        if any(g != want for g in got) or len(got) != epochs:
+            return f"short: {got} samples per epoch, expected {want}", rep
+        return "ok", rep
+
+    # -- systems -------------------------------------------------------------------------------------
+
+    def run_cat(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        import resource
+
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t = time.perf_counter()
+        proc = subprocess.run(["cat", *ds["paths"]], stdout=subprocess.DEVNULL, timeout=self.local_deadline(ds),
+                              check=True)
+        wall = time.perf_counter() - t
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        del proc
+        e = {"samples": ds["samples"], "bytes": ds["disk_bytes"], "elapsed": wall, "ttfs": None,
+             "cpu_s": cpu, "hwm_kb": after.ru_maxrss, "rss_growth_kb": 0}
+        row = self.epoch_row(e)
+        row["consumer_hwm_mb"] = row["consumer_growth_mb"] = None
+        self.finish_run(prof, rep, "cat", None, {"cat shards > /dev/null (page cache; MB are tar bytes)": row})
+
+    def run_zmq(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        sizes = f"{ds['payload']},3,60"
+        c = self.consumer("zmq", "--samples", str(ds["samples"]), "--sizes", sizes, "--sock-dir", str(self.work),
+                          tag=f"{prof}-zmq").wait(self.local_deadline(ds))
+        status, rep_ = self.check(c, ds, 1)
+        rows = {}
+        if rep_ is not None and status == "ok":
+            e = dict(rep_["epochs"][0])
+            # Throughput of the channel: from the first message on (the sender's start-up is not the channel's).
+            e["elapsed"] = e["elapsed"] - e["ttfs"]
+            row = self.epoch_row(e)
+            row["ttfs_ms"] = None
+            rows["pyzmq IPC PUSH/PULL, multipart, copy=False"] = row
+        self.finish_run(prof, rep, "zmq", c, rows, status)
+
+    def run_wds_local(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        c = self.consumer("wds", "--urls-file", ds["local_list"],
+                          tag=f"{prof}-wds-local").wait(self.local_deadline(ds))
+        status, r = self.check(c, ds, 1)
+        rows = {"wds local, in-process": self.epoch_row(r["epochs"][0])} if status == "ok" else {}
+        self.finish_run(prof, rep, "wds-local", c, rows, status)
+
+    def run_multi(self, prof: str, rep: int, ds: dict[str, Any], flush: bool = True,
+                  deadline: float | None = None) -> dict[str, Any]:
+        args = ["--urls-file", ds["local_list"], "--workers", str(AGENT_WORKERS), "--sock-dir", str(self.work)]
+        if flush:
+            args.append("--flush")
+        name = "wds-multi" if flush else "wds-multi-stock"
+        c = self.consumer("multi", *args, tag=f"{prof}-{name}").wait(deadline or self.local_deadline(ds))
+        status, r = self.check(c, ds, 1)
+        rows = {}
+        if status == "ok":
+            row = self.epoch_row(r["epochs"][0])
+            row["helper_hwm_mb"] = r["children_maxrss_kb"] / 1024  # the largest worker (ru_maxrss of children)
+            label = (f"wds MultiLoader, {AGENT_WORKERS} workers (worker flushes ZeroMQ on exit)" if flush
+                     else f"wds MultiLoader, {AGENT_WORKERS} workers, stock 1.0.2")
+            rows[label] = row
+        return self.finish_run(prof, rep, name, c, rows, status)
+
+    def run_multi_stock(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        """The unwrapped MultiLoader: its deadline is 3x the wrapped one's time (or a size-based guess) + 15 s."""
+        walls = [row["wall_s"] for r in self.runs if r["profile"] == prof and r["system"] == "wds-multi"
+                 for row in r["rows"].values()]
+        guess = statistics.median(walls) if walls else ds["disk_bytes"] / (50 * MB)
+        deadline = 3 * guess + 15
+        log(f"  deadline {deadline:.0f} s")
+        self.run_multi(prof, rep, ds, flush=False, deadline=deadline)
+
+    def run_wds_http(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        before = self.fetched()
+        c = self.consumer("wds", "--urls-file", ds["http_list"],
+                          tag=f"{prof}-wds-http").wait(self.http_deadline(ds))
+        status, r = self.check(c, ds, 1)
+        rows = {"wds HTTP streaming (no cache)": self.epoch_row(r["epochs"][0])} if status == "ok" else {}
+        self.finish_run(prof, rep, "wds-http", c, rows, status, fetched=self.fetch_note(before, ds))
+
+    def run_wds_cachedir(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        cache = self.fresh_dir(f"{prof}-wdscachedir")
+        before = self.fetched()
+        try:
+            c = self.consumer("wds", "--urls-file", ds["http_list"], "--cache-dir", str(cache), "--epochs", "2",
+                              tag=f"{prof}-wds-cachedir").wait(self.http_deadline(ds) + 60)
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+        status, r = self.check(c, ds, 2)
+        rows = {}
+        if status == "ok":
+            rows["wds cache_dir, epoch 1 (cold)"] = self.epoch_row(r["epochs"][0])
+            rows["wds cache_dir, epoch 2 (warm)"] = self.epoch_row(r["epochs"][1])
+        self.finish_run(prof, rep, "wds-cachedir", c, rows, status, fetched=self.fetch_note(before, ds))
+
+    def run_wdscache(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        cache = self.fresh_dir(f"{prof}-wdscache")
+        budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
+        agent = Agent(self, cache, Path(ds["http_list"]), budget, tag=f"{prof}-agent")
+        self.agents.append(agent)
+        rows: dict[str, Any] = {}
+        status = "ok"
+        extra: dict[str, Any] = {}
+        before = self.fetched()
+        try:
+            agent.start()
+            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "single", "--epochs", "2",
+                              "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT), "--log",
+                              tag=f"{prof}-wdscache")
+            c.wait(self.http_deadline(ds) + 120)
+            status, r = self.check(c, ds, 2)
+            extra["fetched"] = self.fetch_note(before, ds)
+            extra["resends"] = resends(c)
+            if r is not None and len(r["epochs"]) == 2:
+                cold, warm = r["epochs"]
+                row = self.epoch_row(cold, cold["agent_cpu_s"] or 0.0)
+                row["ttfs_from_agent_launch_ms"] = 1000 * (cold["t_first"] - agent.t_launch) if cold["t_first"] else None
+                row["agent_ready_s"] = agent.ready_s
+                rows["wdscache, epoch 1 (cold)"] = row
+                rows["wdscache, epoch 2 (warm)"] = self.epoch_row(warm, warm["agent_cpu_s"] or 0.0)
+            if status == "ok" and not self.args.no_multi_consumer:
+                rows.update(self.run_wdscache_many(prof, ds, agent, cache))
+            hwm, anon = agent.memory()
+            for row in rows.values():
+                row["helper_hwm_mb"], row["helper_anon_mb"] = hwm, anon
+            extra["agent_stats"] = agent.stats()
+        finally:
+            agent.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+        self.finish_run(prof, rep, "wdscache", None, rows, status, **extra)
+
+    def run_wdscache_many(self, prof: str, ds: dict[str, Any], agent: "Agent", cache: Path) -> dict[str, Any]:
+        """Two jobs of four ranks each, all from the warm cache at once; aggregate MB/s."""
+        start_at = time.time() + 1.5  # all eight import first, then start together
+        cpu0 = agent.cpu()
+        kids = []
+        for job in ("jobA", "jobB"):
+            for rank in range(4):
+                kids.append(self.consumer("wdscache", "--cache-dir", str(cache), "--job", job, "--rank", str(rank),
+                                          "--world-size", "4", "--epochs", "1", "--start-at", str(start_at),
+                                          "--timeout", str(CONSUMER_TIMEOUT), "--log",
+                                          tag=f"{prof}-wdscache-{job}-{rank}"))
+        deadline = self.local_deadline(ds) * 2 + 60
+        for k in kids:
+            k.wait(deadline)
+        agent_cpu = agent.cpu() - cpu0
+        reports = [k.report() for k in kids]
+        bad = [k for k, r in zip(kids, reports) if k.timed_out or k.returncode != 0 or r is None]
+        if bad:
+            log(f"  8 consumers: {len(bad)} failed: {bad[0].stderr_tail(5)}")
+            return {}
+        epochs = [r["epochs"][0] for r in reports]
+        samples = sum(e["samples"] for e in epochs)
+        nbytes = sum(e["bytes"] for e in epochs)
+        wall = max(e["t_end"] for e in epochs) - min(e["t_start"] for e in epochs)
+        cpu = sum(e["cpu_s"] for e in epochs) + agent_cpu
+        many_resends = sum(resends(k) for k in kids)
+        if many_resends:
+            log(f"  8 consumers: {many_resends} worker request(s) timed out and were resent")
+        expected = 2 * (ds["samples"] + (-ds["samples"]) % 4)  # each job: the dataset, padded to 4 ranks
+        if samples != expected:
+            log(f"  8 consumers delivered {samples} samples, expected {expected}")
+        return {"wdscache, 8 consumers (2 jobs x 4 ranks), warm, aggregate": {
+            "samples": samples, "bytes": nbytes, "wall_s": wall, "samples_s": samples / wall,
+            "mb_s": nbytes / MB / wall, "ttfs_ms": 1000 * max(e["ttfs"] for e in epochs),
+            "cpu_s": cpu, "cpu_s_per_gb": cpu / (nbytes / GB),
+            "consumer_hwm_mb": max(e["hwm_kb"] for e in epochs) / 1024,
+            "consumer_growth_mb": max(e["rss_growth_kb"] for e in epochs) / 1024,
+            "complete": samples == expected, "resends": many_resends,
+        }}
+
+    # -- scale checks ---------------------------------------------------------------------------------
+
+    def run_scale(self) -> None:
+        log("scale: parse and plan a 1,000,000-entry URL list")
+        c = self.consumer("urls", "--n", "1000000", "--dir", str(self.work), tag="urls").wait(300)
+        self.scale["url_list_1m"] = c.report() or {"error": c.stderr_tail(5), "timed_out": c.timed_out}
+        log(f"  {self.scale['url_list_1m']}")
+        log("scale: wdscache stats --json on a 100,000-shard index")
+        cache = self.fresh_dir("stats100k")
+        try:
+            w = self.consumer("stats-index", "--cache-dir", str(cache), "--n", "100000",
+                              tag="stats-index").wait(300)
+            if w.returncode != 0:
+                self.scale["stats_100k"] = {"error": w.stderr_tail(5)}
+                return
+            walls = []
+            for _ in range(3):
+                t = time.perf_counter()
+                p = subprocess.run([wdscache_exe(), "stats", "--cache-dir", str(cache), "--json"],
+                                   capture_output=True, text=True, timeout=60)
+                walls.append(time.perf_counter() - t)
+                if p.returncode != 0:
+                    self.scale["stats_100k"] = {"error": p.stderr[-500:]}
+                    return
+            shards = json.loads(p.stdout)["shards"]["cached"]
+            t = time.perf_counter()
+            subprocess.run([self.py, "-c", "import wdscache.cli"], check=True, timeout=60)
+            import_s = time.perf_counter() - t
+            self.scale["stats_100k"] = {"seconds": statistics.median(walls), "runs": walls, "shards": shards,
+                                        "python_import_wdscache_cli_s": import_s}
+            log(f"  {self.scale['stats_100k']}")
+        finally:
+            shutil.rmtree(cache, ignore_errors=True)
+
+    # -- the whole run --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        a = self.args
+        for d in (self.work, self.runs_dir, self.logs):
+            d.mkdir(parents=True, exist_ok=True)
+        self.start_server()
+        profiles = [p.strip() for p in a.profiles.split(",") if p.strip()]
+        for name in profiles:
+            prof = PROFILES[name]
+            size = parse_bytes(getattr(a, f"size_{name}")) if getattr(a, f"size_{name}") else (
+                prof.quick_bytes if a.quick else prof.default_bytes)
+            ds = self.make_data(prof, size)
+            self.datasets[name] = ds
+            subprocess.run(["cat", *ds["paths"]], stdout=subprocess.DEVNULL, check=True)  # into the page cache
+            log(f"{name}: {ds['shards']} shards, {ds['samples']} samples, {ds['disk_bytes'] / MB:.0f} MB on disk")
+            systems: list[tuple[str, Callable[[str, int, dict[str, Any]], Any]]] = [
+                ("wds-local", self.run_wds_local), ("wds-multi", self.run_multi), ("wdscache", self.run_wdscache),
+                ("wds-http", self.run_wds_http), ("wds-multi-stock", self.run_multi_stock),
+                ("wds-cachedir", self.run_wds_cachedir), ("cat", self.run_cat), ("zmq", self.run_zmq),
+            ]
+            skip = {s.strip() for s in a.skip.split(",") if s.strip()}
+            systems = [s for s in systems if s[0] not in skip]
+            for rep in range(a.reps):
+                k = rep % len(systems)
+                for sname, fn in systems[k:] + systems[:k]:
+                    log(f"{name} rep {rep + 1}/{a.reps}: {sname}")
+                    try:
+                        fn(name, rep, ds)
+                    except Exception as exc:  # one system failing must not lose the others' numbers
+                        log(f"  {sname} failed: {exc!r}")
+                        self.runs.append({"profile": name, "rep": rep, "system": sname,
+                                          "status": f"error: {exc!r}", "rows": {}})
+        if not a.no_scale:
+            self.run_scale()
+
+    def cleanup(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+        self.stop_server()
+        shutil.rmtree(self.runs_dir, ignore_errors=True)
+        if not self.args.keep_data:
+            shutil.rmtree(self.work / "data", ignore_errors=True)
+            for f in self.work.glob("urls-*.txt"):
+                f.unlink()
+
+
+class Agent:
+    """A ``wdscache agent`` subprocess, its readiness, CPU and memory."""
+
+    def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str) -> None:
+        self.bench, self.cache, self.urls, self.budget, self.tag = bench, cache, urls, budget, tag
+        self.child: Child | None = None
+        self.pid = 0
+        self.t_launch = 0.0
+        self.ready_s = 0.0
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
+        self.peak_rss_kb = self.peak_anon_kb = 0
+        self.last_hwm_kb = 0
+        self._stats: dict[str, Any] | None = None
+
+    def start(self) -> None:
+        b = self.bench
+        b._seq += 1
+        cmd = [wdscache_exe(), "agent", "--cache-dir", str(self.cache), "--urls", str(self.urls),
+               "--cache-size", str(self.budget), "--prefetch", str(PREFETCH),
+               "--download-workers", str(DOWNLOAD_WORKERS), "--workers", str(AGENT_WORKERS),
+               "--min-free", "1M", "--no-shuffle"]
+        self.t_launch = time.time()
+        self.child = Child(cmd, b.logs / f"{b._seq:03d}-{self.tag}.log")
+        self.pid = self.child.pid
+        self._wait_ready()
+        self.ready_s = time.time() - self.t_launch
+        self._sampler = threading.Thread(target=self._sample, daemon=True)
+        self._sampler.start()
+
+    def _wait_ready(self) -> None:
+        # What `wdscache stats --cache-dir D --json` runs, in-process: polling the CLI would add
+        # its interpreter start-up to every poll.
+        from wdscache.errors import WdsCacheError
+        from wdscache.stats import collect
+
+        deadline = time.monotonic() + 30
+        while True:
+            assert self.child is not None
+            if self.child.proc.poll() is not None:
+                raise RuntimeError(f"the agent exited: {self.child.stderr_tail()}")
+            try:
+                if collect(self.cache, timeout=0.5).get("agent"):
+                    return
+            except WdsCacheError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the agent did not answer stats within 30 s: {self.child.stderr_tail()}")
+            time.sleep(0.02)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.2):
+            rss = anon = hwm = 0
+            for p in process_tree(self.pid):
+                s = status_kb(p, "VmRSS", "RssAnon", "VmHWM")
+                rss, anon, hwm = rss + s["VmRSS"], anon + s["RssAnon"], hwm + s["VmHWM"]
+            self.peak_rss_kb = max(self.peak_rss_kb, rss)
+            self.peak_anon_kb = max(self.peak_anon_kb, anon)
+            self.last_hwm_kb = max(self.last_hwm_kb, hwm)
+
+    def cpu(self) -> float:
+        return tree_cpu(self.pid)
+
+    def memory(self) -> tuple[float, float]:
+        """(sum of VmHWM over the agent's processes, sampled peak of their summed RssAnon), in MB."""
+        hwm = sum(status_kb(p, "VmHWM")["VmHWM"] for p in process_tree(self.pid))
+        self.last_hwm_kb = max(self.last_hwm_kb, hwm)
+        return self.last_hwm_kb / 1024, self.peak_anon_kb / 1024
+
+    def stats(self) -> dict[str, Any] | None:
+        from wdscache.stats import collect
+
+        try:
+            s = collect(self.cache, timeout=2.0)
+        except Exception:
+            return None
+        return {k: s.get(k) for k in ("bytes_used", "shards", "hits", "misses", "bytes_downloaded")}
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.child is None or self.child.returncode is not None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        self.child.wait(15)
+
+
+# -- summary and tables ----------------------------------------------------------------------------
+
+METRICS = ("samples_s", "mb_s", "wall_s", "ttfs_ms", "ttfs_from_agent_launch_ms", "cpu_s_per_gb",
+           "consumer_hwm_mb", "consumer_growth_mb", "helper_hwm_mb", "helper_anon_mb", "agent_ready_s")
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """profile -> row label -> metric -> {median, min, max, n}; plus statuses per system."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        prof = out.setdefault(run["profile"], {})
+        for label, row in run["rows"].items():
+            entry = prof.setdefault(label, {"_system": run["system"], "_values": {}})
+            for m in METRICS:
+                v = row.get(m)
+                if isinstance(v, (int, float)):
+                    entry["_values"].setdefault(m, []).append(float(v))
+    for prof in out.values():
+        for entry in prof.values():
+            entry["metrics"] = {m: {"median": statistics.median(vs), "min": min(vs), "max": max(vs), "n": len(vs)}
+                                for m, vs in entry.pop("_values").items()}
+    return out
+
+
+def med(summary: dict, profile: str, label: str, metric: str) -> float | None:
+    try:
+        return summary[profile][label]["metrics"][metric]["median"]
+    except KeyError:
+        return None
+
+
+def fmt(x: float | None, digits: int = 0) -> str:
+    if x is None:
+        return "-"
+    if abs(x) >= 100 and digits <= 1:
+        return f"{x:,.0f}"
+    return f"{x:,.{digits}f}"
+
+
+def cell(entry: dict[str, Any], metric: str, digits: int = 0) -> str:
+    m = entry["metrics"].get(metric)
+    if m is None:
+        return "-"
+    s = fmt(m["median"], digits)
+    if m["n"] > 1 and fmt(m["min"], digits) != fmt(m["max"], digits):
+        s += f" ({fmt(m['min'], digits)}–{fmt(m['max'], digits)})"
+    return s
+
+
+ROW_ORDER = [
+    "wds local, in-process",
+    f"wds MultiLoader, {AGENT_WORKERS} workers (worker flushes ZeroMQ on exit)",
+    f"wds MultiLoader, {AGENT_WORKERS} workers, stock 1.0.2",
+    "wds HTTP streaming (no cache)",
+    "wds cache_dir, epoch 1 (cold)",
+    "wds cache_dir, epoch 2 (warm)",
+    "wdscache, epoch 1 (cold)",
+    "wdscache, epoch 2 (warm)",
+    "wdscache, 8 consumers (2 jobs x 4 ranks), warm, aggregate",
+    "cat shards > /dev/null (page cache; MB are tar bytes)",
+    "pyzmq IPC PUSH/PULL, multipart, copy=False",
+]
+
+
+def tables(bench: Bench, summary: dict, targets: list[dict[str, Any]]) -> str:
+    a = bench.args
+    out = []
+    for prof, ds in bench.datasets.items():
+        rows = summary.get(prof, {})
+        warm = med(summary, prof, "wdscache, epoch 2 (warm)", "mb_s")
+        out.append(f"**{prof}**: {ds['shards']} shards x {ds['samples_per_shard']} samples "
+                   f"({ds['samples']:,} samples, {ds['disk_bytes'] / MB:,.0f} MB of tar, ~{ds['payload']:,} B "
+                   f".jpg per sample), {a.reps} repetition(s); median (min–max). Cold runs fetch over HTTP "
+                   f"from 127.0.0.1 capped at {a.rate_mb:g} MB/s per connection with {a.ttfb_ms:g} ms to first "
+                   f"byte; wdscache: agent with {DOWNLOAD_WORKERS} download workers, {AGENT_WORKERS} workers, "
+                   f"prefetch {PREFETCH}.\n")
+        out.append("| system | samples/s | MB/s | wdscache warm ÷ this | epoch wall s | first sample ms "
+                   "| CPU s/GB | consumer RSS peak MB (growth) | agent/worker RSS MB | status |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        labels = [l for l in ROW_ORDER if l in rows] + [l for l in rows if l not in ROW_ORDER]
+        for label in labels:
+            e = rows[label]
+            mb = med(summary, prof, label, "mb_s")
+            ratio = f"{warm / mb:.2f}x" if warm and mb else "-"
+            ttfs = cell(e, "ttfs_ms")
+            if "ttfs_from_agent_launch_ms" in e["metrics"]:
+                ttfs += f"; {cell(e, 'ttfs_from_agent_launch_ms')} from agent launch"
+            cons = cell(e, "consumer_hwm_mb")
+            if "consumer_growth_mb" in e["metrics"] and cons != "-":
+                cons += f" (+{cell(e, 'consumer_growth_mb')})"
+            helper = "-"
+            if "helper_anon_mb" in e["metrics"]:
+                helper = f"{cell(e, 'helper_hwm_mb')} VmHWM, {cell(e, 'helper_anon_mb')} anon"
+            elif "helper_hwm_mb" in e["metrics"]:
+                helper = f"{cell(e, 'helper_hwm_mb')} (largest worker)"
+            out.append(f"| {label} | {cell(e, 'samples_s')} | {cell(e, 'mb_s', 1)} | {ratio} | "
+                       f"{cell(e, 'wall_s', 2)} | {ttfs} | {cell(e, 'cpu_s_per_gb', 2)} | {cons} | {helper} | "
+                       f"{status_cell(bench, prof, e['_system'], label)} |")
+        # Systems without a single complete run (a hang every time) still get their line.
+        shown = {e["_system"] for e in rows.values()}
+        for system in dict.fromkeys(r["system"] for r in bench.runs if r["profile"] == prof):
+            if system not in shown:
+                out.append(f"| {system} | - | - | - | - | - | - | - | - | {status_cell(bench, prof, system, '')} |")
+        out.append("")
+    out.append("Targets (reported, not asserted):\n")
+    out.append("| # | target | measured | PASS/FAIL |")
+    out.append("|---|---|---|---|")
+    for t in targets:
+        verdict = "n/a" if t["pass"] is None else ("PASS" if t["pass"] else "FAIL")
+        out.append(f"| {t['id']} | {t['target']} | {t['measured']} | {verdict} |")
+    out.append("")
+    return "\n".join(out)
+
+
+def status_cell(bench: Bench, prof: str, system: str, label: str) -> str:
+    """Outcomes of a system's runs (``ok x3``, ``hang: ... x1``), plus what cold rows fetched and resent."""
+    runs = [r for r in bench.runs if r["profile"] == prof and r["system"] == system]
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    parts = [f"{'**' + st + '**' if st != 'ok' else st} x{n}" for st, n in counts.items()]
+    cold = "epoch 1" in label or "streaming" in label
+    fetched = [r["fetched"]["x_dataset"] for r in runs if r.get("fetched")]
+    if cold and fetched:
+        parts.append(f"fetched {statistics.median(fetched):.2f}x the dataset")
+    if "epoch 1" in label and system == "wdscache":
+        stalls = [r.get("resends", 0) for r in runs]
+        if any(stalls):
+            parts.append(f"**{statistics.median(stalls):g} worker request(s) resent after 10 s** (median per run)")
+    if "8 consumers" in label:
+        many = [row.get("resends", 0) for r in runs for l, row in r["rows"].items() if "8 consumers" in l]
+        if any(many):
+            parts.append(f"**{sum(many)} request(s) resent**")
+    return "; ".join(parts)
+
+
+def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
+    targets: list[dict[str, Any]] = []
+
+    def add(tid: str, target: str, value: float | None, limit: float | None, ok: Callable[[float, float], bool],
+            measured: str) -> None:
+        passed = None if value is None or limit is None else bool(ok(value, limit))
+        targets.append({"id": tid, "target": target, "value": value, "limit": limit, "pass": passed,
+                        "measured": measured if passed is not None else "not measured"})
+
+    def ratio(x: float | None, y: float | None) -> float | None:
+        return x / y if x is not None and y else None
+
+    W = "wdscache, epoch 2 (warm)"
+    C = "wdscache, epoch 1 (cold)"
+    ML = f"wds MultiLoader, {AGENT_WORKERS} workers (worker flushes ZeroMQ on exit)"
+    ge = lambda v, l: v >= l  # noqa: E731
+    le = lambda v, l: v <= l  # noqa: E731
+    s = summary
+    w_img = med(s, "images", W, "mb_s")
+    for name, other, need in (("MultiLoader", ML, 2.0), ("wds in-process", "wds local, in-process", 1.0),
+                              ("raw pyzmq IPC", "pyzmq IPC PUSH/PULL, multipart, copy=False", 0.6)):
+        r = ratio(w_img, med(s, "images", other, "mb_s"))
+        add("1", f"warm images, 1 consumer: wdscache MB/s ≥ {need:g}x {name}", r, need, ge,
+            f"{r:.2f}x ({fmt(w_img, 1)} vs {fmt(med(s, 'images', other, 'mb_s'), 1)} MB/s)" if r else "")
+    r = ratio(med(s, "tiny", W, "samples_s"), med(s, "tiny", ML, "samples_s"))
+    add("2", "warm tiny: wdscache samples/s ≥ 2x MultiLoader", r, 2.0, ge,
+        f"{r:.2f}x ({fmt(med(s, 'tiny', W, 'samples_s'))} vs {fmt(med(s, 'tiny', ML, 'samples_s'))} samples/s)"
+        if r else "")
+    for prof, ds in bench.datasets.items():
+        cold, warm = med(s, prof, C, "wall_s"), med(s, prof, W, "wall_s")
+        links = min(DOWNLOAD_WORKERS, ds["shards"])
+        net = ds["disk_bytes"] / (bench.rate * links)
+        bound = max(net, warm) if warm is not None else None
+        r = ratio(cold, bound)
+        add("3", f"{prof} cold: epoch 1 ≤ 1.25x max(network bound, warm epoch)", r, 1.25, le,
+            f"{r:.2f}x ({fmt(cold, 2)} s; network bound {net:.2f} s = {ds['disk_bytes'] / MB:.0f} MB / "
+            f"({bench.args.rate_mb:g} MB/s x {links}), warm {fmt(warm, 2)} s)" if r else "")
+        http = med(s, prof, "wds HTTP streaming (no cache)", "wall_s")
+        r = ratio(http, cold)
+        add("3", f"{prof} cold: epoch 1 ≥ 3x faster than wds HTTP streaming", r, 3.0, ge,
+            f"{r:.2f}x ({fmt(http, 2)} s vs {fmt(cold, 2)} s)" if r else "")
+        r = ratio(http, warm)
+        add("3", f"{prof}: epoch 2 ≥ 5x faster than wds HTTP streaming", r, 5.0, ge,
+            f"{r:.2f}x ({fmt(http, 2)} s vs {fmt(warm, 2)} s)" if r else "")
+        t_w = med(s, prof, C, "ttfs_ms")
+        t_h = med(s, prof, "wds HTTP streaming (no cache)", "ttfs_ms")
+        t_c = med(s, prof, "wds cache_dir, epoch 1 (cold)", "ttfs_ms")
+        t_launch = med(s, prof, C, "ttfs_from_agent_launch_ms")
+        add("4", f"{prof} cold first sample: wdscache ≤ wds HTTP streaming + 50 ms", t_w,
+            t_h + 50 if t_h is not None else None, le,
+            f"{fmt(t_w)} ms vs {fmt(t_h)} + 50 ms (from agent launch: {fmt(t_launch)} ms)")
+        r = ratio(t_c, t_w)
+        add("4", f"{prof} cold first sample: wdscache ≥ 10x sooner than wds cache_dir", r, 10.0, ge,
+            f"{r:.2f}x ({fmt(t_w)} ms vs {fmt(t_c)} ms)" if r else "")
+    cw, cm = med(s, "images", W, "cpu_s_per_gb"), med(s, "images", ML, "cpu_s_per_gb")
+    r = ratio(cw, cm)
+    add("5", "warm images: CPU s/GB ≤ 0.5x MultiLoader (all processes)", r, 0.5, le,
+        f"{r:.2f}x ({fmt(cw, 2)} vs {fmt(cm, 2)} CPU s/GB)" if r else "")
+    hwm = [m["max"] for p in s.values() for l, e in p.items() if l.startswith("wdscache")
+           for k, m in e["metrics"].items() if k == "helper_hwm_mb"]
+    anon = [m["max"] for p in s.values() for l, e in p.items() if l.startswith("wdscache")
+            for k, m in e["metrics"].items() if k == "helper_anon_mb"]
+    add("6", "agent RSS ≤ 250 MB: sum of VmHWM over agent + workers (counts mmapped shard pages)",
+        max(hwm) if hwm else None, 250, le, f"{max(hwm):.0f} MB (worst run)" if hwm else "")
+    add("6", "agent RSS ≤ 250 MB: peak of summed RssAnon (private memory only)",
+        max(anon) if anon else None, 250, le, f"{max(anon):.0f} MB (worst run)" if anon else "")
+    growth = [m["max"] for p in s.values() for l, e in p.items() if l in (W, C)
+              for k, m in e["metrics"].items() if k == "consumer_growth_mb"]
+    add("6", "consumer RSS growth ≤ 64 MB over an epoch", max(growth) if growth else None, 64, le,
+        f"{max(growth):.1f} MB (worst epoch)" if growth else "")
+    for prof in bench.datasets:
+        agg = med(s, prof, "wdscache, 8 consumers (2 jobs x 4 ranks), warm, aggregate", "mb_s")
+        single = med(s, prof, W, "mb_s")
+        r = ratio(agg, single)
+        add("7", f"{prof}: 8 consumers (2 jobs x 4 ranks) aggregate MB/s ≥ 0.8x one consumer", r, 0.8, ge,
+            f"{r:.2f}x ({fmt(agg, 1)} vs {fmt(single, 1)} MB/s)" if r else "")
+    u = bench.scale.get("url_list_1m", {})
+    add("8", "1,000,000-entry URL list parsed and planned < 5 s", u.get("seconds"), 5.0, lambda v, l: v < l,
+        f"{u['seconds']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in u.get("parts", {}).items()) + ")"
+        if "seconds" in u else "")
+    st = bench.scale.get("stats_100k", {})
+    add("8", "`wdscache stats --json` on a 100,000-shard index < 1 s (wall, with interpreter start-up)",
+        st.get("seconds"), 1.0, lambda v, l: v < l,
+        f"{st['seconds']:.2f} s (import of wdscache.cli alone: {st['python_import_wdscache_cli_s']:.2f} s)"
+        if "seconds" in st else "")
+    return targets
+
+
+def machine() -> dict[str, Any]:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for mod in ("webdataset", "zmq"):
+        try:
+            versions[mod] = __import__(mod).__version__
+        except Exception:
+            versions[mod] = None
+    try:
+        total_mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        total_mem = None
+    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cpu": model,
+            "python": platform.python_version(), "kernel": platform.release(), "mem_bytes": total_mem,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), **versions}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="192 MB images, 48 MB tiny, 1 repetition")
+    ap.add_argument("--profiles", default="images,tiny", help="comma-separated: images, tiny")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; 1 with --quick)")
+    ap.add_argument("--size-images", default=None, help="tar bytes of the images profile (default 1G)")
+    ap.add_argument("--size-tiny", default=None, help="tar bytes of the tiny profile (default 256M)")
+    ap.add_argument("--rate-mb", type=float, default=25.0, help="server cap per connection, MB/s")
+    ap.add_argument("--ttfb-ms", type=float, default=30.0, help="server time to first byte, ms")
+    ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
+                                               "wds-cachedir,cat,zmq")
+    ap.add_argument("--no-scale", action="store_true", help="skip the 1M-URL and 100k-shard checks")
+    ap.add_argument("--no-multi-consumer", action="store_true", help="skip the 8-consumer run")
+    ap.add_argument("--work", default="/tmp/wdscache-bench", help="shards, caches and logs")
+    ap.add_argument("--keep-data", action="store_true", help="keep the shards for the next run")
+    ap.add_argument("--out", default="bench-results/latest.json", help="JSON results")
+    a = ap.parse_args()
+    if a.reps is None:
+        a.reps = 1 if a.quick else 3
+    for p in a.profiles.split(","):
+        if p.strip() and p.strip() not in PROFILES:
+            ap.error(f"unknown profile {p!r}; choose from {', '.join(PROFILES)}")
+    info = machine()
+    bench = Bench(a)
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    t_start = time.monotonic()
+    try:
+        bench.run()
+    except KeyboardInterrupt:
+        log("interrupted; cleaning up and reporting what was measured")
+    finally:
+        bench.cleanup()
+    summary = summarise(bench.runs)
+    targets = evaluate(bench, summary)
+    header = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {((info['mem_bytes'] or 0) / GB):.0f} GB RAM, "
+              f"Python {info['python']}, Linux {info['kernel']}, webdataset {info['webdataset']}, "
+              f"pyzmq {info['zmq']}; {info['date']}; `scripts/bench.py "
+              f"{' '.join(sys.argv[1:])}`; total {time.monotonic() - t_start:.0f} s.")
+    text = header + "\n\n" + tables(bench, summary, targets)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for ds in bench.datasets.values():
+        ds.pop("paths", None)
+    out.write_text(json.dumps({"machine": info, "args": vars(a), "datasets": bench.datasets, "runs": bench.runs,
+                               "summary": summary, "targets": targets, "scale": bench.scale,
+                               "seconds": time.monotonic() - t_start}, indent=1, default=str))
+    log(f"wrote {out}")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

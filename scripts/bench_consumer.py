@@ -1,0 +1,443 @@
+"""The subprocess side of scripts/bench.py: each system under test runs here, in a process of its own.
+
+    python scripts/bench_consumer.py MODE [options]
+
+Modes (every one but ``serve`` and ``stats-index`` prints progress lines and a
+final ``{"report": ...}`` line, as JSON, on stdout):
+
+    serve ROOT --port-file F [--rate B/s] [--ttfb S]   the loopback object store (tests/server.py)
+    wds --urls-file F [--cache-dir D] [--epochs N]     webdataset in-process (local paths or http URLs)
+    multi --urls-file F --workers N [--flush]          webdataset.multi.MultiLoader over local paths
+    wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent
+    zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
+    urls --n N --dir D                                  parse and plan an N-entry URL list
+    stats-index --cache-dir D --n N                     write an N-shard index, as tests/test_agent.py does
+
+Every consumer does the same work per sample: count it and sum the lengths of
+its payload fields (every key not starting with ``__``). Per epoch it reports
+samples, payload bytes, time to first sample, wall time, CPU seconds of this
+process and of its reaped children, and its resident memory (VmRSS at the start
+of the epoch, VmHWM during it: the peak is reset through /proc/self/clear_refs
+at the start of each epoch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+HERE = Path(__file__).resolve().parent
+TICK = os.sysconf("SC_CLK_TCK")
+PROGRESS_EVERY = 1.0
+
+
+# -- /proc helpers (shared with bench.py) ----------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    # comm may hold spaces and parentheses: split after the last ')'.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def children_map() -> dict[int, list[int]]:
+    """ppid -> [pid] for every process (this kernel has no /proc/PID/task/TID/children)."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        fields = _stat_fields(int(name))
+        if fields is not None:
+            out.setdefault(int(fields[1]), []).append(int(name))
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its live descendants."""
+    kids = children_map()
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def tree_cpu(pid: int | None) -> float:
+    """CPU seconds (user+system) of ``pid``, its live descendants and the children they reaped."""
+    if not pid:
+        return 0.0
+    total = 0
+    for p in process_tree(pid):
+        fields = _stat_fields(p)
+        if fields is not None:
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / TICK
+
+
+def status_kb(pid: int | str, *names: str) -> dict[str, int]:
+    """Fields of /proc/PID/status in kB (0 when missing)."""
+    out = {n: 0 for n in names}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in out:
+                    out[key] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def reset_hwm() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def self_cpu() -> float:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+# -- measuring one epoch ------------------------------------------------------------------------
+
+
+_emit_lock = threading.Lock()
+
+
+def emit(obj: dict[str, Any]) -> None:
+    with _emit_lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+
+def run_epoch(epoch: int, make: Callable[[], Iterable[dict[str, Any]]], agent_pid: int | None = None) -> dict[str, Any]:
+    """Iterate one epoch from ``make()``, touching every payload; the measurements as a dict."""
+    reset_hwm()
+    rss0 = status_kb("self", "VmRSS")["VmRSS"]
+    cpu0, agent0 = self_cpu(), tree_cpu(agent_pid)
+    t_start = time.time()
+    p0 = time.perf_counter()
+    n = nbytes = 0
+    ttfs = t_first = None
+    done = threading.Event()
+
+    def progress() -> None:
+        # From a thread, so that a consumer stuck in a receive still says how far it got.
+        while not done.wait(PROGRESS_EVERY):
+            emit({"progress": {"epoch": epoch, "samples": n, "bytes": nbytes, "elapsed": time.perf_counter() - p0}})
+
+    # Started at the first sample: loaders that fork (MultiLoader) have forked by then, so no
+    # child inherits the stdout lock in the middle of a write.
+    reporter = threading.Thread(target=progress, daemon=True)
+    for sample in make():
+        if ttfs is None:
+            ttfs, t_first = time.perf_counter() - p0, time.time()
+            reporter.start()
+        n += 1
+        for k, v in sample.items():
+            if not k.startswith("__"):
+                nbytes += len(v)
+    elapsed = time.perf_counter() - p0
+    t_end = time.time()
+    done.set()
+    if reporter.is_alive():
+        reporter.join()
+    cpu, agent_cpu = self_cpu() - cpu0, tree_cpu(agent_pid) - agent0
+    mem = status_kb("self", "VmRSS", "VmHWM")
+    report = {
+        "epoch": epoch, "samples": n, "bytes": nbytes, "ttfs": ttfs, "elapsed": elapsed,
+        "t_start": t_start, "t_first": t_first, "t_end": t_end,
+        "cpu_s": cpu, "agent_cpu_s": agent_cpu if agent_pid else None,
+        "rss_start_kb": rss0, "hwm_kb": mem["VmHWM"], "rss_end_kb": mem["VmRSS"],
+        "rss_growth_kb": max(mem["VmHWM"] - rss0, 0),
+    }
+    emit({"progress": {"epoch": epoch, "samples": n, "bytes": nbytes, "elapsed": elapsed, "done": True}})
+    return report
+
+
+def final(epochs: list[dict[str, Any]], **extra: Any) -> None:
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    emit({"report": {"epochs": epochs, "hwm_kb": status_kb("self", "VmHWM")["VmHWM"],
+                     "children_maxrss_kb": kids.ru_maxrss, **extra}})
+
+
+def read_urls(path: str) -> list[str]:
+    return [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# -- the systems ---------------------------------------------------------------------------------
+
+
+def mode_wds(args: argparse.Namespace) -> None:
+    import webdataset as wds
+
+    urls = read_urls(args.urls_file)
+    holder: dict[str, Any] = {}
+
+    def make() -> Iterable[dict[str, Any]]:
+        # Built inside the first epoch's clock: constructing the pipeline is part of the first sample.
+        if "ds" not in holder:
+            kw: dict[str, Any] = {"shardshuffle": False}
+            if args.cache_dir:
+                kw["cache_dir"] = args.cache_dir
+            holder["ds"] = wds.WebDataset(urls, **kw)
+        return holder["ds"]
+
+    final([run_epoch(e, make) for e in range(args.epochs)])
+
+
+def _flushing_reader(original: Callable[..., None]) -> Callable[..., None]:
+    """webdataset.multi.reader, then terminate the worker's ZeroMQ context.
+
+    The worker exits through os._exit right after its target returns, so messages
+    still queued in ZeroMQ (the last samples, the EOF marker) can be lost and the
+    loader then waits forever. Context.term() blocks until they are sent.
+    """
+
+    def reader(*a: Any, **kw: Any) -> None:
+        import zmq
+
+        try:
+            original(*a, **kw)
+        finally:
+            zmq.Context.instance().term()
+
+    return reader
+
+
+def mode_multi(args: argparse.Namespace) -> None:
+    import webdataset as wds
+    import webdataset.multi as multi
+
+    if args.flush:
+        multi.reader = _flushing_reader(multi.reader)  # looked up by MultiLoader.__iter__ at call time
+    urls = read_urls(args.urls_file)
+    prefix = os.path.join(args.sock_dir or "/tmp", f"_bench-multi-{os.getpid()}-")
+    holder: dict[str, Any] = {}
+
+    def make() -> Iterable[dict[str, Any]]:
+        if "ml" not in holder:
+            holder["ml"] = multi.MultiLoader(wds.WebDataset(urls, shardshuffle=False), workers=args.workers,
+                                             prefix=prefix)
+        return holder["ml"]
+
+    final([run_epoch(e, make) for e in range(args.epochs)])
+
+
+def mode_wdscache(args: argparse.Namespace) -> None:
+    if args.start_at:
+        # Several ranks start together: wait for the shared start time.
+        time.sleep(max(0.0, args.start_at - time.time()))
+    from wdscache import CachedMultiLoader
+
+    if args.log:
+        import logging
+
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    holder: dict[str, Any] = {}
+
+    def make() -> Iterable[dict[str, Any]]:
+        if "loader" not in holder:
+            holder["loader"] = CachedMultiLoader(
+                cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
+                shuffle=False, timeout=args.timeout,
+            )
+        return holder["loader"]
+
+    final([run_epoch(e, make, agent_pid=args.agent_pid) for e in range(args.epochs)])
+
+
+def mode_zmq(args: argparse.Namespace) -> None:
+    """One message per sample, frames sized like the profile's fields, PUSH -> PULL over IPC."""
+    import zmq
+
+    sizes = [int(s) for s in args.sizes.split(",")]
+    endpoint = f"ipc://{args.sock_dir or '/tmp'}/_bench-zmq-{os.getpid()}.sock"
+    pid = os.fork()  # before any ZeroMQ context exists in this process
+    if pid == 0:
+        code = 1
+        try:
+            ctx = zmq.Context()
+            push = ctx.socket(zmq.PUSH)
+            push.connect(endpoint)
+            frames = [os.urandom(s) for s in sizes]
+            for _ in range(args.samples):
+                push.send_multipart(frames, copy=False)
+            push.send(b"")
+            push.close()
+            ctx.term()  # flushes
+            code = 0
+        finally:
+            os._exit(code)
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(endpoint)
+
+    def make() -> Iterable[dict[str, Any]]:
+        while True:
+            frames = pull.recv_multipart(copy=False)
+            if len(frames) == 1 and len(frames[0]) == 0:
+                return
+            yield {str(i): f for i, f in enumerate(frames)}  # len(Frame) is its size: no copy
+
+    epoch = run_epoch(0, make)
+    os.waitpid(pid, 0)
+    pull.close(0)
+    ctx.term()
+    Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+    epoch["cpu_s"] = self_cpu()  # the whole process and its sender: nothing else ran here
+    final([epoch])
+
+
+def mode_urls(args: argparse.Namespace) -> None:
+    """Parse an N-entry URL list and plan an epoch the way the agent and a loader do."""
+    from wdscache.plan import Reader, shard_order
+    from wdscache.sequence import EpochSpec, global_sequence
+    from wdscache.urls import read_url_list
+
+    path = Path(args.dir) / f"urls-{args.n}.txt"
+    if not path.exists():
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            for i in range(args.n):
+                f.write(f"http://data.example/train/part-{i // 10000:03d}/shard-{i:07d}.tar\n")
+        os.replace(tmp, path)
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    urls = read_url_list(path)
+    times["parse"] = time.perf_counter() - t
+    t = time.perf_counter()
+    assert urls.urls[-1] in urls  # membership builds the position map the agent uses
+    times["positions"] = time.perf_counter() - t
+    t = time.perf_counter()
+    n = len(urls)
+    order = shard_order(n, seed=0, epoch=0, shuffle=True)
+    nxt = shard_order(n, seed=0, epoch=1, shuffle=True)
+    pos = {s: i for i, s in enumerate(order)}  # CachedMultiLoader keeps this map
+    times["shard_order"] = time.perf_counter() - t
+    t = time.perf_counter()
+    window = Reader("bench", n, seed=0, shuffle=True).window(8)
+    seq = global_sequence(EpochSpec(n, 0, 0, True, 1000), lambda s: 100)
+    first = [next(seq) for _ in range(10_000)]
+    times["first_10k_samples"] = time.perf_counter() - t
+    total = sum(times.values())
+    assert len(order) == len(nxt) == len(pos) == n and window and first
+    emit({"report": {"n": n, "seconds": total, "parts": times}})
+
+
+def mode_stats_index(args: argparse.Namespace) -> None:
+    """Write an N-record index in one transaction, as tests/test_agent.py does for its stats test."""
+    from wdscache.index import _SHARD, Index, ShardRecord, ShardState
+    from wdscache.layout import CacheLayout
+
+    cache = Path(args.cache_dir)
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+    index = Index(CacheLayout.of(cache).index_dir)
+    try:
+        rec = None
+        with index._db.transact():
+            for i in range(args.n):
+                rec = ShardRecord(f"http://127.0.0.1:9/big/shard-{i:06d}.tar", ShardState.CACHED,
+                                  size=1000 + i % 7, cached_at=1.0)
+                index._db.set(_SHARD + rec.url, rec.to_json())
+                index.summary.apply(None, rec)
+                index.records[rec.url] = rec
+            if rec is not None:
+                index.put(rec)  # persists the summary like any change does
+        index.set_meta({"bytes_limit": 1 << 30})
+    finally:
+        index.close()
+
+
+def mode_serve(args: argparse.Namespace) -> None:
+    import signal
+
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from server import ShardServer
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    def write(path: Path, text: str) -> None:
+        tmp = Path(str(path) + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+    with ShardServer(args.root, rate=args.rate or None, ttfb=args.ttfb) as server:
+        write(Path(args.port_file), str(server.port))
+        while not stop.wait(0.1):
+            if args.counters:
+                # What clients fetched so far, for the bench to compare with the dataset size.
+                reqs = server.requests
+                write(Path(args.counters), json.dumps({
+                    "gets": sum(1 for r in reqs if r.method == "GET"),
+                    "heads": sum(1 for r in reqs if r.method == "HEAD"),
+                    "bytes": sum(r.bytes_sent for r in reqs if r.method == "GET"),
+                }))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("serve")
+    p.add_argument("root")
+    p.add_argument("--port-file", required=True)
+    p.add_argument("--rate", type=float, default=0.0)
+    p.add_argument("--ttfb", type=float, default=0.0)
+    p.add_argument("--counters", help="file the request counters are written to, every 0.1 s")
+    p = sub.add_parser("wds")
+    p.add_argument("--urls-file", required=True)
+    p.add_argument("--cache-dir")
+    p.add_argument("--epochs", type=int, default=1)
+    p = sub.add_parser("multi")
+    p.add_argument("--urls-file", required=True)
+    p.add_argument("--workers", type=int, required=True)
+    p.add_argument("--flush", action="store_true")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--sock-dir")
+    p = sub.add_parser("wdscache")
+    p.add_argument("--cache-dir", required=True)
+    p.add_argument("--job", default="bench")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--agent-pid", type=int)
+    p.add_argument("--start-at", type=float, default=0.0)
+    p.add_argument("--log", action="store_true", help="wdscache's log on stderr")
+    p = sub.add_parser("zmq")
+    p.add_argument("--samples", type=int, required=True)
+    p.add_argument("--sizes", required=True)
+    p.add_argument("--sock-dir")
+    p = sub.add_parser("urls")
+    p.add_argument("--n", type=int, default=1_000_000)
+    p.add_argument("--dir", required=True)
+    p = sub.add_parser("stats-index")
+    p.add_argument("--cache-dir", required=True)
+    p.add_argument("--n", type=int, default=100_000)
+    args = ap.parse_args()
+    {
+        "serve": mode_serve, "wds": mode_wds, "multi": mode_multi, "wdscache": mode_wdscache,
+        "zmq": mode_zmq, "urls": mode_urls, "stats-index": mode_stats_index,
+    }[args.mode](args)
+
+
+if __name__ == "__main__":
+    main()
