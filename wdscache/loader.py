@@ -380,6 +380,11 @@ class _Stream:
             self._receive()
         return self.calls.pop(rid)
 
+    @property
+    def position(self) -> int:
+        """The job's global position: the samples this rank delivered, times the world size."""
+        return self.start + self.delivered * self.loader.world_size
+
     # -- the rank's share -------------------------------------------------------
 
     def _global(self) -> Iterator[SampleId]:
