@@ -180,6 +180,8 @@ class Agent:
         self._startup = self._startup_reader()
         first = [self.urls.urls[i] for i in self._startup.window(cfg.prefetch)]
         done = self.cache.recover(keep_partial=first)
+        if self.cache.rebuilt:
+            done["adopted"] += self.cache.adopt(self.urls.urls)
         if any(done.values()):
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in done.items() if v))
         self._check_budget(first)
@@ -649,9 +651,14 @@ class Agent:
             reader = self.readers[name] = Reader(name, len(self.urls), shuffle=False)
         if ahead is not None:
             reader.ahead = [u for u in ahead if isinstance(u, str) and (u in self.urls or u in self._extra_urls)]
-        elif reader.ahead is None:
+        elif reader.ahead is None and url in self.urls:
             reader.advance_to(self.urls.index(url))
         rec = self.cache.index.get(url)
+        if rec is not None and rec.state is ShardState.CACHED and not self.cache.path(url).exists():
+            # Deleted behind our back: forget it and download it again, never serve a missing file.
+            log.warning("cache file of %s vanished; downloading it again", url)
+            self.cache.remove(url)
+            rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             self.cache.index.incr("hits")
             self._grant_open(ident, rid, name, url)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -39,7 +40,7 @@ class ShardCache:
         self.limit, self.min_free = limit, min_free
         for folder in (layout.shards_dir, layout.partial_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
-        self.index = Index(layout.index_dir)
+        self.index, self.rebuilt = _open_index(layout)
         self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
         self.pins: dict[str, int] = {}  # url -> number of open reads
 
@@ -109,6 +110,19 @@ class ShardCache:
                 os.unlink(entry.path)
                 done["partials_removed"] += 1
         return done
+
+    def adopt(self, urls: Iterable[str]) -> int:
+        """Take complete shard files of ``urls`` that the index does not know (a rebuilt index)."""
+        adopted = 0
+        for url in urls:
+            if url in self.index.records:
+                continue
+            path = self.layout.shard_path(url)
+            size = _size_or_none(path)
+            if size is not None and _head_ok(path):
+                self._set_cached(url, size, None)
+                adopted += 1
+        return adopted
 
     def _partial_owner(self, name: str, keep: set[str]) -> str | None:
         for url in keep:
@@ -252,6 +266,25 @@ class ShardCache:
     def close(self) -> None:
         self.index.flush_reads()
         self.index.close()
+
+
+def _open_index(layout: CacheLayout) -> tuple[Index, bool]:
+    """Open the index; a corrupt one is moved aside and started afresh.
+
+    Nothing is lost for good: a fresh index adopts complete shard files again as
+    the agent's list names them (:meth:`ShardCache.adopt`), since their names
+    derive from their URLs.
+    """
+    try:
+        index = Index(layout.index_dir)
+    except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:
+        aside = layout.root / f"index.corrupt-{int(time.time())}"
+        log.error("the index is unreadable (%s); moved it to %s and starting a new one", exc, aside)
+        os.replace(layout.index_dir, aside)
+        return Index(layout.index_dir), True
+    # An empty index beside shard files: it was deleted; rebuild it from the files.
+    lost = not len(index) and any(True for _ in os.scandir(layout.shards_dir))
+    return index, lost
 
 
 def _size_or_none(path: Path) -> int | None:

@@ -61,6 +61,8 @@ def main() -> None:
               help="Retries of a failing download before it is marked failed.")
 @click.option("--read-timeout", envvar="WDSCACHE_READ_TIMEOUT", default=60.0, type=float,
               show_envvar=True, help="Seconds without data before a download is retried.")
+@click.option("--reader-timeout", envvar="WDSCACHE_READER_TIMEOUT", default=60.0, type=float,
+              show_envvar=True, help="Seconds of silence after which a consumer's pins are released.")
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
               help="Log every download and eviction.")
 def agent(verbose: bool, **options: object) -> None:

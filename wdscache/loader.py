@@ -497,7 +497,9 @@ class _Stream:
         now = time.monotonic()
         for seq, (items, sent, rid, w) in list(self.pending.items()):
             if now - sent > min(self.loader.timeout, 10.0):
-                # The worker may have died with our request: ask another (or its replacement).
+                # The worker may have died with our request: ask another (or its replacement),
+                # unless the agent itself is gone (then this raises a clear error, no hang).
+                self.conn.request({"op": "ping", "reader": self.name})
                 log.info("request to worker %d timed out; resending", w)
                 del self.rids[rid]
                 del self.pending[seq]
