@@ -352,15 +352,16 @@ class _Stream:
             return int(reply["count"])
         if reply.get("kind") == "missing":
             raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
-        self._failed(shard, ShardError(url, str(reply.get("error"))))
+        self._failed(shard, _shard_error(url, reply))
         return 0
 
     def _failed(self, shard: int, exc: WdsCacheError) -> None:
         url = self.urls[shard]
-        try:
-            self.conn.request({"op": "corrupt", "url": url, "error": str(exc)}, timeout=5.0)
-        except AgentUnavailableError:
-            pass
+        if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
+            try:
+                self.conn.request({"op": "corrupt", "url": url, "error": str(exc)}, timeout=5.0)
+            except AgentUnavailableError:
+                pass
         if self.loader.on_error == "raise":
             raise exc
         log.warning("skipping %s: %s", url, exc)
@@ -446,6 +447,7 @@ class _Stream:
             self.stats["wait_s"] += time.perf_counter() - t0
             for sample in out:
                 self.stats["samples"] += 1
+                self.stats["bytes"] += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
                 yield sample
 
     def _send(self, seq: int, items: list[tuple[int, SampleId]]) -> None:
@@ -532,9 +534,7 @@ class _Stream:
         for (_, (shard, _)), key, names in zip(items, keys, exts):
             sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[shard]}
             for ext in names:
-                data = payload[k].bytes
-                sample[ext] = data
-                self.stats["bytes"] += len(data)
+                sample[ext] = payload[k].bytes
                 k += 1
             samples.append(sample)
         if k != len(payload):
@@ -542,16 +542,14 @@ class _Stream:
         return samples
 
     def _read_failed(self, seq: int, items: list, header: dict[str, Any]) -> None:
-        kind, error = header.get("kind"), str(header.get("error"))
-        if kind == "missing":
+        if header.get("kind") == "missing":
             # Evicted behind our back (the agent restarted and lost our pins, say): open again.
             for shard in {sid[0] for _, sid in items}:
                 if self.opened.get(shard) == 0:
                     del self.opened[shard]
             self._send(seq, items)
             return
-        url = str(header.get("url") or self.urls[items[0][1][0]])
-        exc = ShardError(url, error)
+        exc = _shard_error(str(header.get("url") or self.urls[items[0][1][0]]), header)
         if self.loader.on_error == "raise":
             raise exc
         log.warning("skipping %d samples: %s", len(items), exc)
@@ -592,6 +590,12 @@ class _Stream:
         for w in self.workers:
             w.close(0)
         self.ctx.term()
+
+
+def _shard_error(url: str, reply: dict[str, Any]) -> ShardError:
+    offset = reply.get("offset")
+    return ShardError(url, str(reply.get("reason") or reply.get("error")),
+                      offset=offset if isinstance(offset, int) else None)
 
 
 def _delivered(stream: _Stream, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:

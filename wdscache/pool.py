@@ -194,7 +194,7 @@ class _Worker:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "missing", "error": str(exc)})
         except ShardError as exc:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "corrupt", "error": str(exc),
-                                "url": exc.url})
+                                "reason": exc.reason, "offset": exc.offset, "url": exc.url})
         except ProtocolError as exc:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol", "error": str(exc)})
 

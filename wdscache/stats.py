@@ -9,6 +9,7 @@ The object (also ``wdscache stats --json``)::
     failed            [{url, error}] (at most 100 listed)
     hits, misses      shard opens that found the shard cached / had to wait for it
     bytes_downloaded  bytes fetched over the cache's life
+    corrupt           shards found unreadable by consumers (their URLs: agent.corrupt)
     download_rate     bytes/s over the last 10 s (0 when no agent runs)
     agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers,
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes}],
@@ -56,6 +57,7 @@ def build(
         "hits": counters.get("hits", 0),
         "misses": counters.get("misses", 0),
         "bytes_downloaded": counters.get("bytes_downloaded", 0),
+        "corrupt": counters.get("corrupt", 0),
         "download_rate": round(download_rate, 1),
         "agent": agent,
         "jobs": jobs or {},

@@ -1,0 +1,602 @@
+"""More streaming integration tests (issue 3): endpoints, back-pressure, loader options, errors, stats.
+
+Real agents (through the CLI), a real HTTP shard server, real consumer processes
+or in-process ``CachedMultiLoader``s; nothing is mocked. Every wait has a
+deadline and a message; every process started here is stopped and reaped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import run_wdscache, stop_process, wait_for
+from shards import make_shard, synth_samples, write_url_list
+from test_stream import reference
+from wdscache import CachedMultiLoader, FetchError, ShardError, WdsCacheError
+from wdscache.layout import CacheLayout
+
+LOADER_TIMEOUT = 20.0
+PROC_DEADLINE = 60.0
+
+# A consumer process that reads ``pause_after`` samples, says so in ``marker``,
+# then waits (not reading) until the test creates ``go``, then reads the rest.
+SLOW_CONSUMER = r'''
+import hashlib, json, logging, sys, time
+from pathlib import Path
+from wdscache import CachedMultiLoader
+
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+cfg = json.loads(sys.argv[1])
+out, marker, go = Path(cfg.pop("out")), Path(cfg.pop("marker")), Path(cfg.pop("go"))
+pause_after = cfg.pop("pause_after")
+loader = CachedMultiLoader(**cfg)
+n = 0
+with open(out, "w") as f:
+    for sample in loader:
+        fields = {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+        nbytes = sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+        f.write(json.dumps({"key": sample["__key__"], "url": sample["__url__"], "fields": fields,
+                            "nbytes": nbytes}) + "\n")
+        f.flush()
+        n += 1
+        if n == pause_after:
+            marker.write_text(str(n))
+            deadline = time.monotonic() + 120
+            while not go.exists():
+                if time.monotonic() > deadline:
+                    sys.exit("never told to go on")
+                time.sleep(0.02)
+    f.write(json.dumps({"done": n}) + "\n")
+'''
+
+
+# -- helpers -----------------------------------------------------------------------
+
+
+def fields_of(sample: dict[str, Any]) -> dict[str, str]:
+    return {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+
+
+def delivered(samples: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, str]]:
+    """(url, key) -> fields of in-process loader samples; fails on a duplicate."""
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    for s in samples:
+        uk = (s["__url__"], s["__key__"])
+        assert uk not in out, f"sample {uk} delivered twice"
+        out[uk] = fields_of(s)
+    return out
+
+
+def lines_delivered(lines: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, str]]:
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    for line in lines:
+        if "key" in line:
+            uk = (line["url"], line["key"])
+            assert uk not in out, f"sample {uk} delivered twice"
+            out[uk] = line["fields"]
+    return out
+
+
+def loader(cache: Path | None, job: str, **kw: Any) -> CachedMultiLoader:
+    kw.setdefault("rank", 0)
+    kw.setdefault("world_size", 1)
+    kw.setdefault("timeout", LOADER_TIMEOUT)
+    return CachedMultiLoader(kw.pop("urls", None), cache_dir=cache, job=job, **kw)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state is [0], ppid [1], starttime [19])."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            f = _stat_fields(int(d))
+            if f is not None and int(f[1]) == pid:
+                out.append(int(d))
+    return sorted(out)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def worker_pids(agent_pid: int) -> list[int]:
+    """The agent's sample workers: its ``spawn``ed multiprocessing children."""
+    return [p for p in children_of(agent_pid) if "spawn_main" in cmdline(p)]
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def alive(pid: int, starttime: str) -> bool:
+    """True while the very process (same start time) exists and is not a zombie."""
+    f = _stat_fields(pid)
+    return f is not None and f[19] == starttime and f[0] != "Z"
+
+
+def free_port_range(n: int) -> int:
+    """A port P with P..P+n-1 all free on 127.0.0.1 right now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    pytest.fail(f"found no {n} consecutive free ports on 127.0.0.1", pytrace=False)
+
+
+def corrupt_later_member(path: Path, member_index: int) -> int:
+    """Flip a byte in the name of member ``member_index``'s header (its checksum no longer matches)."""
+    import tarfile
+
+    with tarfile.open(path) as tf:
+        infos = tf.getmembers()
+    offset = infos[member_index].offset
+    assert offset >= 512 * 4, "corrupt a member well after the head the download checks"
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    return offset
+
+
+class SlowConsumer:
+    def __init__(self, tmp: Path, script: Path, name: str, cfg: dict[str, Any]) -> None:
+        self.name = name
+        self.out, self.log = tmp / f"{name}.jsonl", tmp / f"{name}.log"
+        self.marker, self.go = tmp / f"{name}.paused", tmp / f"{name}.go"
+        cfg = {**cfg, "out": str(self.out), "marker": str(self.marker), "go": str(self.go)}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log_tail(self) -> str:
+        return f"--- consumer {self.name} log ---\n{self.log.read_text(errors='replace')[-3000:]}"
+
+    def wait_paused(self, timeout: float = 30.0) -> None:
+        def paused() -> bool:
+            if self.proc.poll() is not None:
+                pytest.fail(f"consumer {self.name} exited {self.proc.returncode} before pausing\n"
+                            f"{self.log_tail()}", pytrace=False)
+            return self.marker.exists()
+
+        wait_for(paused, timeout, lambda: f"consumer {self.name} never paused\n{self.log_tail()}")
+
+    def resume(self) -> None:
+        self.go.write_text("go")
+
+    def finish(self, timeout: float = PROC_DEADLINE) -> list[dict[str, Any]]:
+        self.resume()
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop_process(self.proc, signal.SIGKILL, 5)
+            pytest.fail(f"consumer {self.name} did not finish in {timeout}s\n{self.log_tail()}", pytrace=False)
+        assert rc == 0, f"consumer {self.name} exited {rc}\n{self.log_tail()}"
+        lines = [json.loads(line) for line in self.out.read_text().splitlines()]
+        assert lines and "done" in lines[-1], f"consumer {self.name} output has no end line"
+        return lines
+
+
+@pytest.fixture
+def slow_consumer(tmp_path: Path):
+    script = tmp_path / "slow_consumer.py"
+    script.write_text(SLOW_CONSUMER)
+    started: list[SlowConsumer] = []
+
+    def start(name: str, **cfg: Any) -> SlowConsumer:
+        c = SlowConsumer(tmp_path, script, name, cfg)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        if c.proc.poll() is None:
+            stop_process(c.proc, signal.SIGKILL, 5)
+
+
+def _tag(sample: dict[str, Any]) -> tuple[str, str, str, int]:
+    """The map function of the map test: module level, so the fork pool can call it."""
+    return sample["__key__"], sample["__url__"], hashlib.sha256(sample["jpg"]).hexdigest(), os.getpid()
+
+
+def _keys_collate(batch: list[dict[str, Any]]) -> tuple[str, ...]:
+    return tuple(s["__key__"] for s in batch)
+
+
+def wait_cached(agent, n: int, timeout: float = 30.0) -> dict[str, Any]:
+    return agent.wait_stats(lambda s: s["shards"]["cached"] == n, timeout, f"{n} shards cached")
+
+
+# -- 1. a cache directory too deep for a Unix socket path ---------------------------------
+
+
+def test_long_cache_dir_gets_private_socket_under_tmp(tmp_path, dataset, start_agent):
+    data = dataset(3, samples=4, payload=500)
+    cache = tmp_path / ("d" * 40) / ("e" * 40) / "cache"
+    assert len(os.fsencode(cache / "agent.sock")) > 108
+    agent = start_agent(cache, data.list_file, "--prefetch", "3", "--workers", "2")
+
+    endpoint = CacheLayout.of(cache).default_endpoint()
+    folder = Path(f"/tmp/wdscache-{os.getuid()}")
+    assert endpoint.startswith(f"ipc://{folder}/") and endpoint.endswith(".sock"), endpoint
+    assert agent.stats()["agent"]["endpoint"] == endpoint
+    assert not (cache / "agent.sock").exists()
+    sock = Path(endpoint[len("ipc://"):])
+    st = sock.stat()
+    assert stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid()
+    assert stat.S_IMODE(st.st_mode) == 0o600, f"agent socket {sock} has mode {stat.S_IMODE(st.st_mode):o}"
+    for i in range(2):
+        wsock = Path(f"{str(sock)[:-len('.sock')]}-w{i}.sock")
+        wst = wsock.stat()
+        assert stat.S_ISSOCK(wst.st_mode) and stat.S_IMODE(wst.st_mode) == 0o600, \
+            f"worker socket {wsock} has mode {stat.S_IMODE(wst.st_mode):o}"
+    fst = folder.stat()
+    assert fst.st_uid == os.getuid() and stat.S_IMODE(fst.st_mode) == 0o700, \
+        f"{folder} has mode {stat.S_IMODE(fst.st_mode):o}"
+
+    got = delivered(list(loader(cache, "long")))
+    assert got == reference(data.paths, data.urls)
+    assert len(got) == 12
+
+
+# -- 2. TCP endpoints ------------------------------------------------------------------------
+
+
+def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_path, dataset, start_agent):
+    data = dataset(3, samples=5, payload=700)
+    port = free_port_range(3)  # the agent on PORT, its 2 workers on PORT+1, PORT+2
+    endpoint = f"tcp://127.0.0.1:{port}"
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3", "--endpoint", endpoint)
+    assert agent.stats()["agent"]["endpoint"] == endpoint
+
+    got = delivered(list(loader(None, "tcp", endpoint=endpoint)))
+    assert got == reference(data.paths, data.urls)
+    assert len(got) == 15
+    # Over TCP a peer may be another machine: it must not make the agent read local files.
+    with pytest.raises(WdsCacheError) as info:
+        iter(loader(None, "tcp-file", endpoint=endpoint, urls=[f"file://{data.paths[0]}"]))
+    assert f"file://{data.paths[0]}" in str(info.value) and "http://" in str(info.value), str(info.value)
+
+    remote_cache = tmp_path / "remote-cache"
+    r = run_wdscache("agent", "--cache-dir", remote_cache, "--urls", data.list_file, "--min-free", "1M",
+                     "--endpoint", f"tcp://0.0.0.0:{port + 10}")
+    assert r.returncode == 2, f"exit {r.returncode}; stderr: {r.stderr}"
+    assert "--allow-remote" in r.stderr and f"tcp://0.0.0.0:{port + 10}" in r.stderr, r.stderr
+    assert not remote_cache.exists(), "a refused agent must not create its cache directory"
+    assert agent.running()
+
+
+# -- 3. back-pressure and bounded memory ----------------------------------------------------------
+
+
+def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, start_agent, slow_consumer):
+    data = dataset(8, samples=20, payload=50_000)  # 160 samples, ~8 MB
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "8")
+    wait_cached(agent, 8)
+    request_size, inflight, pause_after = 4, 2, 6
+    c = slow_consumer("slow", cache_dir=str(cache), job="slow", rank=0, world_size=1, timeout=LOADER_TIMEOUT,
+                      request_size=request_size, inflight=inflight, pause_after=pause_after)
+    c.wait_paused()
+    workers = worker_pids(agent.pid)
+    assert len(workers) == 2, f"agent children: {[(p, cmdline(p)) for p in children_of(agent.pid)]}"
+    watched = {"agent": agent.pid, "consumer": c.pid, **{f"worker{i}": p for i, p in enumerate(workers)}}
+
+    def served(s: dict[str, Any]) -> int:
+        return sum(w.get("samples", 0) for w in s["agent"]["workers"])
+
+    time.sleep(1.5)  # a worker report period and more: the counts below are settled
+    before = agent.stats()
+    rss: dict[str, list[int]] = {name: [] for name in watched}
+    for _ in range(7):  # ~3 s
+        for name, pid in watched.items():
+            rss[name].append(rss_kib(pid))
+        time.sleep(0.5)
+    after = agent.stats()
+
+    assert c.proc.poll() is None, f"consumer exited while paused\n{c.log_tail()}"
+    assert served(before) == served(after), f"workers served samples to a paused consumer: {before} -> {after}"
+    bound = pause_after + inflight * request_size
+    assert pause_after <= served(after) <= bound, (
+        f"workers served {served(after)} samples to a consumer that read {pause_after} "
+        f"(at most {inflight} requests of {request_size} may be outstanding: bound {bound}); "
+        f"workers: {after['agent']['workers']}\n{c.log_tail()}")
+    for name, values in rss.items():
+        growth = max(values) - values[0]
+        assert growth < 30 * 1024, f"{name} RSS grew by {growth} KiB while the consumer slept: {values}"
+
+    got = lines_delivered(c.finish())
+    assert got == reference(data.paths, data.urls)
+    assert len(got) == 160
+
+
+# -- 4. map, batches, collate, len -----------------------------------------------------------------
+
+
+def test_map_batch_collate_and_len(tmp_path, dataset, start_agent):
+    data = dataset(3, samples=5, payload=300)  # 15 samples
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "3", "--workers", "2")
+    fresh = loader(cache, "lenjob", rank=1, world_size=2, seed=7)
+    with pytest.raises(TypeError, match="length unknown"):
+        len(fresh)
+
+    plain = list(loader(cache, "plain", rank=1, world_size=2, seed=7))
+    assert len(plain) == 8  # ceil(15 / 2)
+    assert len(fresh) == 8
+    assert len(loader(cache, "lenjob", rank=1, world_size=2, seed=7, batch_size=3)) == 3
+    assert len(loader(cache, "lenjob", rank=0, world_size=2, seed=7, drop_last=True)) == 7
+
+    mapped = list(loader(cache, "mapped", rank=1, world_size=2, seed=7, map=_tag, workers=2))
+    assert [m[:3] for m in mapped] == [_tag(s)[:3] for s in plain]
+    pids = {m[3] for m in mapped}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2, f"map ran in {pids} (test is {os.getpid()})"
+
+    whole = list(loader(cache, "whole", seed=7))
+    batches = list(loader(cache, "batched", seed=7, batch_size=4))
+    assert [len(b["__key__"]) for b in batches] == [4, 4, 4, 3]
+    for b in batches:
+        assert set(b) == {"__key__", "__url__", "cls", "jpg", "json"}
+        assert {len(v) for v in b.values()} == {len(b["__key__"])}
+    flat = [{k: b[k][i] for k in b} for b in batches for i in range(len(b["__key__"]))]
+    assert flat == whole
+    b_loader = loader(cache, "batched", seed=7, batch_size=4)
+    assert len(b_loader) == 4
+
+    keyed = list(loader(cache, "collated", seed=7, batch_size=4, collate=_keys_collate))
+    assert keyed == [tuple(s["__key__"] for s in whole[i:i + 4]) for i in range(0, 15, 4)]
+
+
+# -- 5. on_error ---------------------------------------------------------------------------------------
+
+
+def test_corrupt_shard_raises_or_is_skipped_and_shows_in_stats(tmp_path, dataset, start_agent, shard_server):
+    data = dataset(3, samples=6, payload=400)
+    bad_path = make_shard(shard_server.root / "corrupt-000000.tar", synth_samples(90, 6, payload=400))
+    offset = corrupt_later_member(bad_path, 8)
+    bad_url = shard_server.url(bad_path.name)
+    urls = [*data.urls, bad_url]
+    list_file = write_url_list(tmp_path / "lists2" / "urls.txt", urls)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, list_file, "--prefetch", "4")
+    wait_cached(agent, 4)  # the download's head check passes: the damage is further in
+
+    got = delivered(list(loader(cache, "skipper", on_error="skip")))
+    assert got == reference(data.paths, data.urls)
+    assert len(got) == 18
+    s = agent.stats()
+    assert [c["url"] for c in s["agent"]["corrupt"]] == [bad_url], s["agent"]["corrupt"]
+    assert "checksum" in s["agent"]["corrupt"][0]["error"] and bad_url in s["agent"]["corrupt"][0]["error"]
+    assert s["hits"] == 4 and s["misses"] == 0, (s["hits"], s["misses"])  # each shard opened once
+    assert s["shards"]["cached"] == 4 and s["failed"] == []
+
+    with pytest.raises(ShardError) as info:
+        list(loader(cache, "raiser"))
+    assert info.value.url == bad_url and bad_url in str(info.value), str(info.value)
+    assert "checksum" in str(info.value) and str(offset) in str(info.value), str(info.value)
+    s = agent.stats()
+    assert [c["url"] for c in s["agent"]["corrupt"]] == [bad_url], s["agent"]["corrupt"]
+    assert s["shards"]["cached"] == 4 and s["failed"] == []
+
+
+def test_missing_shard_raises_fetch_error_or_is_skipped(tmp_path, dataset, start_agent, shard_server):
+    data = dataset(2, samples=6, payload=400)
+    missing_url = shard_server.url("missing-000000.tar")
+    list_file = write_url_list(tmp_path / "lists2" / "urls.txt", [*data.urls, missing_url])
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, list_file, "--prefetch", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 1, 30,
+                     "2 shards cached and the missing one failed")
+
+    got = delivered(list(loader(cache, "skipper", on_error="skip")))
+    assert got == reference(data.paths, data.urls)
+    assert len(got) == 12
+
+    with pytest.raises(FetchError) as info:
+        list(loader(cache, "raiser"))
+    assert info.value.url == missing_url and missing_url in str(info.value), str(info.value)
+    assert "404" in str(info.value), str(info.value)
+
+    s = agent.stats()
+    assert s["failed"] == [{"url": missing_url, "error": s["failed"][0]["error"]}] and "404" in s["failed"][0]["error"]
+    # A shard that could not be downloaded is a failed shard, not a corrupt one.
+    assert s["agent"]["corrupt"] == [], f"a 404 shard is listed as corrupt: {s['agent']['corrupt']}"
+
+
+# -- 6. stats while a job runs ----------------------------------------------------------------------
+
+
+def _paused_job(tmp_path, dataset, start_agent, slow_consumer, job: str):
+    data = dataset(4, samples=10, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "4")
+    c = slow_consumer(job, cache_dir=str(cache), job=job, rank=0, world_size=1, timeout=LOADER_TIMEOUT,
+                      request_size=4, inflight=2, pause_after=7)
+    c.wait_paused()
+    return data, cache, agent, c
+
+
+def test_stats_json_shows_job_ranks_and_worker_busy_time(tmp_path, dataset, start_agent, slow_consumer):
+    data, cache, agent, c = _paused_job(tmp_path, dataset, start_agent, slow_consumer, "stats-job")
+
+    def settled(s: dict[str, Any]) -> bool:
+        r = s.get("jobs", {}).get("stats-job", {}).get("0", {})
+        return (r.get("samples") == 7 and r.get("rate") == 0
+                and all("busy_s" in w for w in s["agent"]["workers"]))
+
+    s = agent.wait_stats(settled, 15, "stats-job rank 0 reported 7 samples at rate 0 and workers busy_s")
+    assert list(s["jobs"]) == ["stats-job"] and list(s["jobs"]["stats-job"]) == ["0"]
+    r = s["jobs"]["stats-job"]["0"]
+    for name in ("samples", "bytes", "rate", "wait_s"):
+        assert isinstance(r[name], (int, float)) and r[name] >= 0, (name, r)
+    assert r["epoch"] == 0 and r["position"] == 7
+    workers = s["agent"]["workers"]
+    assert [w["index"] for w in workers] == [0, 1]
+    assert all(isinstance(w["busy_s"], (int, float)) and w["busy_s"] >= 0 for w in workers), workers
+    assert sum(w["samples"] for w in workers) >= 7
+    assert s["agent"]["consumers"] == 1
+
+    lines = [json.loads(line) for line in c.out.read_text().splitlines()]
+    assert len(lines) == 7
+    # bytes counts the same samples as samples: those delivered to the rank.
+    assert r["bytes"] == sum(line["nbytes"] for line in lines), (r, [line["nbytes"] for line in lines])
+
+    got = lines_delivered(c.finish())
+    assert got == reference(data.paths, data.urls)
+    agent.wait_stats(lambda s: s["jobs"] == {} and s["agent"]["consumers"] == 0, 10,
+                     "the finished job gone from stats")
+
+
+def test_stats_human_readable_names_running_job(tmp_path, dataset, start_agent, slow_consumer):
+    data, cache, agent, c = _paused_job(tmp_path, dataset, start_agent, slow_consumer, "human-job")
+    agent.wait_stats(lambda s: s.get("jobs", {}).get("human-job", {}).get("0", {}).get("samples") == 7, 15,
+                     "human-job rank 0 reported")
+    r = run_wdscache("stats", "--cache-dir", cache)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    at = [i for i, line in enumerate(lines) if "human-job" in line]
+    assert at, f"`wdscache stats` does not mention the running job:\n{r.stdout}"
+    # The rank on the job's line, or on the indented lines of the job's block just below it.
+    block = [lines[at[0]]]
+    for line in lines[at[0] + 1:]:
+        if not line.startswith((" ", "\t")):
+            break
+        block.append(line)
+    assert any(re.search(r"\brank\s*0\b|human-job/0\b|human-job\[0\]", line) for line in block), \
+        f"no line of the job's block names its rank 0:\n{r.stdout}"
+    assert len(lines_delivered(c.finish())) == 40
+
+
+# -- 7. job consistency -------------------------------------------------------------------------------
+
+
+def test_second_consumer_with_other_world_size_is_refused(tmp_path, dataset, start_agent, slow_consumer):
+    data = dataset(4, samples=5, payload=500)  # 20 samples
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "4")
+    first = slow_consumer("first", cache_dir=str(cache), job="shared-job", rank=0, world_size=2,
+                          timeout=LOADER_TIMEOUT, pause_after=2)
+    first.wait_paused()
+    with pytest.raises(WdsCacheError) as info:
+        iter(loader(cache, "shared-job", rank=0, world_size=5))
+    msg = str(info.value)
+    assert "shared-job" in msg and "world_size 2" in msg and re.search(r"\b5\b", msg), msg
+
+    assert len(lines_delivered(first.finish())) == 10
+    # Once the job's ranks left, the name may be used again with another world size.
+    assert len(list(loader(cache, "shared-job", rank=0, world_size=5))) == 4
+
+
+# -- 8. a consumer's own URL list ---------------------------------------------------------------------
+
+
+def test_consumer_own_url_lists(tmp_path, dataset, start_agent):
+    data = dataset(4, samples=4, payload=400)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "4")
+
+    subset = [data.urls[1], data.urls[3]]
+    got = delivered(list(loader(cache, "subset", urls=subset)))
+    assert got == reference([data.paths[1], data.paths[3]], subset)
+    assert len(got) == 8
+
+    local = make_shard(tmp_path / "local" / "local-000000.tar", synth_samples(50, 5, payload=400))
+    file_url = f"file://{local}"
+    mixed = loader(cache, "mixed", urls=[file_url, data.urls[2]])
+    assert len(mixed.urls) == 2
+    got = delivered(list(mixed))
+    assert got == reference([local, data.paths[2]], list(mixed.urls))
+    assert len(got) == 9
+    assert {url for url, _ in got} == set(mixed.urls)
+
+    list_path = write_url_list(tmp_path / "own" / "list.txt", [data.urls[0], file_url])
+    from_file = loader(cache, "listfile", urls=str(list_path))
+    assert len(from_file.urls) == 2
+    got = delivered(list(from_file))
+    assert got == reference([data.paths[0], local], list(from_file.urls))
+    assert len(got) == 9
+
+
+# -- 9. epochs ----------------------------------------------------------------------------------------------
+
+
+def test_epochs_reshuffle_and_set_epoch_repeats(tmp_path, dataset, start_agent):
+    data = dataset(3, samples=6, payload=300)  # 18 samples
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "3")
+    ld = loader(cache, "epochs", seed=3)
+    e0 = [(s["__url__"], s["__key__"]) for s in ld]
+    e1 = [(s["__url__"], s["__key__"]) for s in ld]
+    assert len(e0) == len(e1) == 18 and len(set(e0)) == 18
+    assert set(e0) == set(e1) == set(reference(data.paths, data.urls))
+    assert e0 != e1
+    ld.set_epoch(0)
+    assert [(s["__url__"], s["__key__"]) for s in ld] == e0
+    assert [(s["__url__"], s["__key__"]) for s in ld] == e1  # and on to epoch 1 again
+
+
+# -- 10. workers die with the agent ----------------------------------------------------------------------
+
+
+def test_workers_do_not_outlive_a_killed_agent(tmp_path, dataset, start_agent):
+    data = dataset(2, samples=3, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--workers", "3")
+    workers = wait_for(lambda: (lambda w: w if len(w) == 3 else None)(worker_pids(agent.pid)), 10,
+                       lambda: f"agent children: {[(p, cmdline(p)) for p in children_of(agent.pid)]}")
+    children = {p: _stat_fields(p) for p in children_of(agent.pid)}
+    starts = {p: f[19] for p, f in children.items() if f is not None}
+    assert set(workers) <= set(starts)
+    agent.proc.send_signal(signal.SIGKILL)
+    agent.proc.wait(10)
+    try:
+        wait_for(lambda: not any(alive(p, t) for p, t in starts.items()), 10,
+                 lambda: "still alive after the agent was SIGKILLed: "
+                         f"{[(p, cmdline(p)) for p, t in starts.items() if alive(p, t)]}")
+    finally:
+        for p, t in starts.items():  # leave nothing behind if the test failed
+            if alive(p, t):
+                os.kill(p, signal.SIGKILL)
