@@ -22,17 +22,25 @@ What it does:
   wds local               ``wds.WebDataset(paths)`` in-process, shards on local disk
   wds MultiLoader         ``webdataset.multi.MultiLoader`` with as many workers as the agent,
                           its worker wrapped so that it terminates its ZeroMQ context (which
-                          flushes) before exiting; run once unwrapped, with a deadline, to
-                          show whether the stock one hangs or loses samples
+                          flushes) before exiting. The stock one (1.0.2) runs too, in every
+                          repetition, with a deadline of 2x the wrapped one's time + 10 s: its
+                          workers exit through os._exit with messages still queued, so the last
+                          samples and the end-of-stream marker can be lost and it waits forever;
+                          such a run is reported as a hang, with how many samples arrived
   wds HTTP                ``wds.WebDataset(http urls)`` streaming from the capped server (curl)
   wds cache_dir           ``wds.WebDataset(http urls, cache_dir=fresh dir)``: epoch 1 cold, 2 warm
   wdscache                a fresh ``wdscache agent`` on a fresh cache dir (its list: the same
-                          http urls) and one consumer iterating ``CachedMultiLoader(shuffle=False)``
-                          twice: epoch 1 cold, epoch 2 warm; then 8 consumers (two jobs of four
-                          ranks) read one more epoch each from the warm cache
+                          http urls; ``--prefetch 8 --download-workers 4 --workers 2``), ready
+                          once what ``wdscache stats --json`` reports (wdscache.stats.collect,
+                          polled in-process every 20 ms) has an agent; then one consumer
+                          iterating ``CachedMultiLoader(shuffle=False)`` twice: epoch 1 cold,
+                          epoch 2 warm; then 8 consumers (two jobs of four ranks) read one more
+                          epoch each from the warm cache, all at once
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
-                          of the profile's field sizes, ``copy=False`` (a machine limit)
+                          of the profile's field sizes, ``copy=False``, timed from the first
+                          message (a machine limit: nothing is copied out of the frames, while
+                          the loaders hand out ``bytes``)
   ======================  ================================================================
 
   Shuffling is off on every side (the webdataset baselines do not shuffle, so
@@ -50,8 +58,15 @@ What it does:
   its growth over the epoch) and of the agent (sum of VmHWM over the agent's
   process tree, plus the sampled peak of its anonymous memory: VmHWM counts the
   pages of shards the workers mmap, which are page cache, not private memory).
-- Scale checks: parsing and planning a 1,000,000-entry URL list, and
-  ``wdscache stats --json`` on a 100,000-shard index.
+- Scale checks: parsing and planning a 1,000,000-entry URL list with the
+  library (read_url_list, the position map, shard_order for two epochs, a
+  window and the first 10,000 ids of global_sequence); ``wdscache stats --json``
+  on a 100,000-shard index (wall time of the command); and end to end, an agent
+  on a 1,000,000-entry list and a consumer's first sample.
+- Every cold run also records what the server sent (``fetched`` in the JSON, as
+  a multiple of the dataset): more than 1x means downloads were abandoned and
+  started again. Consumer logs are kept under ``--work``/logs; a consumer that
+  had to resend a worker request after its 10 s timeout is flagged.
 - Prints progress on stderr; at the end prints the markdown tables on stdout
   (headed by a line naming the machine) and writes every raw number as JSON to
   ``--out``. Targets are reported as PASS/FAIL, never asserted.
@@ -146,6 +161,8 @@ def wdscache_exe() -> str:
 class Child:
     """A subprocess in a session of its own, its stdout lines collected, reaped with os.wait4."""
 
+    live: list["Child"] = []  # not yet reaped: killed by cleanup() if the bench is interrupted
+
     def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.cmd = cmd
         self.log_path = log_path
@@ -153,6 +170,7 @@ class Child:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env=env)
         self.pid = self.proc.pid
+        Child.live.append(self)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -186,6 +204,8 @@ class Child:
             timer.cancel()
         self.returncode = os.waitstatus_to_exitcode(status)
         self.proc.returncode = self.returncode  # Popen must not wait for it again
+        if self in Child.live:
+            Child.live.remove(self)
         self._kill_group()  # leftovers (a stuck MultiLoader worker) die with the run
         self._reader.join(5)
         return self
@@ -358,7 +378,7 @@ class Bench:
             run["returncode"] = child.returncode
         self.runs.append(run)
         for label, r in rows.items():
-            log(f"  {label}: {r['samples_s']:,.0f} samples/s, {r['mb_s']:,.1f} MB/s, {r['wall_s']:.2f} s"
+            log(f"  {label}: {fmt(r['samples_s'])} samples/s, {r['mb_s']:,.1f} MB/s, {r['wall_s']:.2f} s"
                 + (f", first sample {r['ttfs_ms']:.0f} ms" if r.get("ttfs_ms") is not None else "")
                 + (f", {r['cpu_s_per_gb']:.2f} CPU s/GB" if r.get("cpu_s_per_gb") is not None else ""))
         if status != "ok":
@@ -403,6 +423,7 @@ class Bench:
              "cpu_s": cpu, "hwm_kb": after.ru_maxrss, "rss_growth_kb": 0}
         row = self.epoch_row(e)
         row["consumer_hwm_mb"] = row["consumer_growth_mb"] = None
+        row["samples_s"] = None  # cat knows no samples
         self.finish_run(prof, rep, "cat", None, {"cat shards > /dev/null (page cache; MB are tar bytes)": row})
 
     def run_zmq(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
@@ -445,11 +466,11 @@ class Bench:
         return self.finish_run(prof, rep, name, c, rows, status)
 
     def run_multi_stock(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
-        """The unwrapped MultiLoader: its deadline is 3x the wrapped one's time (or a size-based guess) + 15 s."""
+        """The unwrapped MultiLoader: its deadline is 2x the wrapped one's time (or a size-based guess) + 10 s."""
         walls = [row["wall_s"] for r in self.runs if r["profile"] == prof and r["system"] == "wds-multi"
                  for row in r["rows"].values()]
-        guess = statistics.median(walls) if walls else ds["disk_bytes"] / (50 * MB)
-        deadline = 3 * guess + 15
+        guess = max(walls) if walls else ds["disk_bytes"] / (20 * MB)
+        deadline = 2 * guess + 10
         log(f"  deadline {deadline:.0f} s")
         self.run_multi(prof, rep, ds, flush=False, deadline=deadline)
 
@@ -557,8 +578,14 @@ class Bench:
     def run_scale(self) -> None:
         log("scale: parse and plan a 1,000,000-entry URL list")
         c = self.consumer("urls", "--n", "1000000", "--dir", str(self.work), tag="urls").wait(300)
-        self.scale["url_list_1m"] = c.report() or {"error": c.stderr_tail(5), "timed_out": c.timed_out}
+        self.scale["url_list_1m"] = c.report() or {"error": c.stderr_tail(5) or f"exit status {c.returncode}",
+                                                   "timed_out": c.timed_out}
         log(f"  {self.scale['url_list_1m']}")
+        self.run_stats_100k()
+        if self.datasets:
+            self.run_big_list(next(iter(self.datasets.values())))
+
+    def run_stats_100k(self) -> None:
         log("scale: wdscache stats --json on a 100,000-shard index")
         cache = self.fresh_dir("stats100k")
         try:
@@ -586,12 +613,57 @@ class Bench:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
+    def run_big_list(self, ds: dict[str, Any]) -> None:
+        """End to end with a 1,000,000-entry list: agent start-up, and a consumer's first sample.
+
+        The list starts with the profile's real shards; the rest name shards the server does not
+        have (never read: the consumer stops at its first sample, in list order).
+        """
+        log("scale: agent and consumer on a 1,000,000-entry list (first entries real)")
+        real = Path(ds["http_list"]).read_text().splitlines()
+        lst = self.work / "lists" / "big" / "urls.txt"
+        lst.parent.mkdir(parents=True, exist_ok=True)
+        base = real[0].rsplit("/", 1)[0]
+        with open(lst, "w") as f:
+            f.write("\n".join(real) + "\n")
+            f.write(f"{base}/missing-{{{len(real):07d}..{999_999:07d}}}.tar\n")
+        cache = self.fresh_dir("biglist")
+        size = max(os.path.getsize(p) for p in ds["paths"])
+        agent = Agent(self, cache, lst, int((PREFETCH + 2) * size * 1.5), tag="biglist-agent")
+        self.agents.append(agent)
+        try:
+            agent.start()
+            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "big", "--max-samples", "1",
+                              "--timeout", str(CONSUMER_TIMEOUT), "--log", tag="biglist-consumer").wait(180)
+            r = c.report()
+            if r is None or c.returncode != 0:
+                last = c.stderr_tail(1).strip() or f"exit {c.returncode}"
+                self.scale["big_list_1m"] = {"error": ("timed out: " if c.timed_out else "") + last,
+                                             "agent_ready_s": agent.ready_s, "stderr_tail": c.stderr_tail(15)}
+            else:
+                e = r["epochs"][0]
+                self.scale["big_list_1m"] = {
+                    "agent_ready_s": agent.ready_s, "first_sample_s": e["ttfs"],
+                    "first_sample_from_agent_launch_s": e["t_first"] - agent.t_launch,
+                    "consumer_cpu_s": e["cpu_s"], "consumer_hwm_mb": e["hwm_kb"] / 1024,
+                    "agent_hwm_mb": agent.memory()[0], "agent_anon_mb": agent.memory()[1],
+                }
+            log(f"  {self.scale['big_list_1m'].get('error') or self.scale['big_list_1m']}")
+        except Exception as exc:
+            self.scale["big_list_1m"] = {"error": repr(exc)}
+            log(f"  failed: {exc!r}")
+        finally:
+            agent.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+
     # -- the whole run --------------------------------------------------------------------------------
 
     def run(self) -> None:
         a = self.args
+        shutil.rmtree(self.logs, ignore_errors=True)  # this run's logs only
         for d in (self.work, self.runs_dir, self.logs):
             d.mkdir(parents=True, exist_ok=True)
+        log(f"logs of every process: {self.logs}")
         self.start_server()
         profiles = [p.strip() for p in a.profiles.split(",") if p.strip()]
         for name in profiles:
@@ -609,7 +681,7 @@ class Bench:
             ]
             skip = {s.strip() for s in a.skip.split(",") if s.strip()}
             systems = [s for s in systems if s[0] not in skip]
-            for rep in range(a.reps):
+            for rep in range(a.reps if systems else 0):
                 k = rep % len(systems)
                 for sname, fn in systems[k:] + systems[:k]:
                     log(f"{name} rep {rep + 1}/{a.reps}: {sname}")
@@ -626,7 +698,14 @@ class Bench:
         for agent in self.agents:
             agent.stop()
         self.stop_server()
+        for child in list(Child.live):  # consumers still running after an interrupt
+            child._kill_group()
+            child.wait(10)
         shutil.rmtree(self.runs_dir, ignore_errors=True)
+        shutil.rmtree(self.work / "lists", ignore_errors=True)
+        for pattern in ("_bench-*", "server.*"):  # sockets MultiLoader leaves behind, server files
+            for f in self.work.glob(pattern):
+                f.unlink(missing_ok=True)
         if not self.args.keep_data:
             shutil.rmtree(self.work / "data", ignore_errors=True)
             for f in self.work.glob("urls-*.txt"):
@@ -786,6 +865,18 @@ ROW_ORDER = [
 ]
 
 
+SYSTEM_LABELS = {
+    "wds-local": "wds local, in-process",
+    "wds-multi": f"wds MultiLoader, {AGENT_WORKERS} workers (worker flushes ZeroMQ on exit)",
+    "wds-multi-stock": f"wds MultiLoader, {AGENT_WORKERS} workers, stock 1.0.2",
+    "wds-http": "wds HTTP streaming (no cache)",
+    "wds-cachedir": "wds cache_dir",
+    "wdscache": "wdscache",
+    "cat": "cat shards > /dev/null",
+    "zmq": "pyzmq IPC PUSH/PULL",
+}
+
+
 def tables(bench: Bench, summary: dict, targets: list[dict[str, Any]]) -> str:
     a = bench.args
     out = []
@@ -824,8 +915,18 @@ def tables(bench: Bench, summary: dict, targets: list[dict[str, Any]]) -> str:
         shown = {e["_system"] for e in rows.values()}
         for system in dict.fromkeys(r["system"] for r in bench.runs if r["profile"] == prof):
             if system not in shown:
-                out.append(f"| {system} | - | - | - | - | - | - | - | - | {status_cell(bench, prof, system, '')} |")
+                out.append(f"| {SYSTEM_LABELS.get(system, system)} | - | - | - | - | - | - | - | - | {status_cell(bench, prof, system, '')} |")
         out.append("")
+    big = bench.scale.get("big_list_1m")
+    if big and "first_sample_s" in big:
+        out.append(f"A 1,000,000-entry list end to end (its first entries real shards, capped server): the agent "
+                   f"answers stats {big['agent_ready_s']:.1f} s after launch; a consumer then gets its first "
+                   f"sample {big['first_sample_s']:.1f} s after building its loader ({big['consumer_cpu_s']:.1f} CPU s, "
+                   f"{big['consumer_hwm_mb']:.0f} MB peak RSS; agent {big['agent_anon_mb']:.0f} MB anon).\n")
+    elif big:
+        ready = f" (the agent itself answered stats {big['agent_ready_s']:.1f} s after launch)" \
+            if big.get("agent_ready_s") else ""
+        out.append(f"A 1,000,000-entry list end to end: **the consumer failed**: `{big.get('error')}`{ready}\n")
     out.append("Targets (reported, not asserted):\n")
     out.append("| # | target | measured | PASS/FAIL |")
     out.append("|---|---|---|---|")
@@ -946,6 +1047,13 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
     return targets
 
 
+def loadavg() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def machine() -> dict[str, Any]:
     model = "unknown CPU"
     try:
@@ -993,6 +1101,9 @@ def main() -> int:
         if p.strip() and p.strip() not in PROFILES:
             ap.error(f"unknown profile {p!r}; choose from {', '.join(PROFILES)}")
     info = machine()
+    load0 = loadavg()
+    if load0 > 0.5:
+        log(f"warning: load average {load0:.2f} before starting: other work on this machine skews the figures")
     bench = Bench(a)
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -1005,12 +1116,15 @@ def main() -> int:
         log("interrupted; cleaning up and reporting what was measured")
     finally:
         bench.cleanup()
+    info["loadavg_start"], info["loadavg_end"] = load0, loadavg()
     summary = summarise(bench.runs)
     targets = evaluate(bench, summary)
     header = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {((info['mem_bytes'] or 0) / GB):.0f} GB RAM, "
               f"Python {info['python']}, Linux {info['kernel']}, webdataset {info['webdataset']}, "
               f"pyzmq {info['zmq']}; {info['date']}; `scripts/bench.py "
-              f"{' '.join(sys.argv[1:])}`; total {time.monotonic() - t_start:.0f} s.")
+              f"{' '.join(sys.argv[1:])}`; total {time.monotonic() - t_start:.0f} s; 1-min load average "
+              f"{info['loadavg_start']:.2f} before, {info['loadavg_end']:.2f} after"
+              + (" (**the machine was busy before the run: figures are skewed**)" if load0 > 0.5 else "") + ".")
     text = header + "\n\n" + tables(bench, summary, targets)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -126,8 +126,9 @@ def emit(obj: dict[str, Any]) -> None:
         sys.stdout.flush()
 
 
-def run_epoch(epoch: int, make: Callable[[], Iterable[dict[str, Any]]], agent_pid: int | None = None) -> dict[str, Any]:
-    """Iterate one epoch from ``make()``, touching every payload; the measurements as a dict."""
+def run_epoch(epoch: int, make: Callable[[], Iterable[dict[str, Any]]], agent_pid: int | None = None,
+              limit: int = 0) -> dict[str, Any]:
+    """Iterate one epoch from ``make()`` (or its first ``limit`` samples), touching every payload."""
     reset_hwm()
     rss0 = status_kb("self", "VmRSS")["VmRSS"]
     cpu0, agent0 = self_cpu(), tree_cpu(agent_pid)
@@ -153,6 +154,8 @@ def run_epoch(epoch: int, make: Callable[[], Iterable[dict[str, Any]]], agent_pi
         for k, v in sample.items():
             if not k.startswith("__"):
                 nbytes += len(v)
+        if n == limit:
+            break
     elapsed = time.perf_counter() - p0
     t_end = time.time()
     done.set()
@@ -261,7 +264,7 @@ def mode_wdscache(args: argparse.Namespace) -> None:
             )
         return holder["loader"]
 
-    final([run_epoch(e, make, agent_pid=args.agent_pid) for e in range(args.epochs)])
+    final([run_epoch(e, make, agent_pid=args.agent_pid, limit=args.max_samples) for e in range(args.epochs)])
 
 
 def mode_zmq(args: argparse.Namespace) -> None:
@@ -270,6 +273,7 @@ def mode_zmq(args: argparse.Namespace) -> None:
 
     sizes = [int(s) for s in args.sizes.split(",")]
     endpoint = f"ipc://{args.sock_dir or '/tmp'}/_bench-zmq-{os.getpid()}.sock"
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     pid = os.fork()  # before any ZeroMQ context exists in this process
     if pid == 0:
         code = 1
@@ -302,7 +306,9 @@ def mode_zmq(args: argparse.Namespace) -> None:
     pull.close(0)
     ctx.term()
     Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
-    epoch["cpu_s"] = self_cpu()  # the whole process and its sender: nothing else ran here
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # The receiver's CPU during the epoch plus all of the sender's (reaped only now).
+    epoch["cpu_s"] += (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
     final([epoch])
 
 
@@ -422,6 +428,7 @@ def main() -> None:
     p.add_argument("--agent-pid", type=int)
     p.add_argument("--start-at", type=float, default=0.0)
     p.add_argument("--log", action="store_true", help="wdscache's log on stderr")
+    p.add_argument("--max-samples", type=int, default=0, help="stop each epoch after this many samples")
     p = sub.add_parser("zmq")
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)

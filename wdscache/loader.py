@@ -276,6 +276,8 @@ class _Stream:
         self.pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int]] = {}  # seq -> (items, sent, rid, worker)
         self.done: dict[int, list[dict[str, Any]]] = {}
         self.rids: dict[str, int] = {}
+        self.batch: list[tuple[int, SampleId]] = []  # items of the next request, their shards pinned
+        self.seq_next = 0
         self.calls: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0}
         self._stop_reports = threading.Event()
@@ -325,7 +327,9 @@ class _Stream:
         reply = self.conn.request(request)
         if not reply.get("ok") and reply.get("cached") is False:
             # We must wait: hold no pins meanwhile, or consumers could fill the budget with
-            # pins while each waits for space for the next shard.
+            # pins while each waits for space for the next shard. What is batched so far
+            # goes out first (its shards are pinned), and we wait for its answers.
+            self._flush()
             self._drain()
             for held in list(self.opened):
                 self._release(held, force=True)
@@ -424,22 +428,23 @@ class _Stream:
         self.complete = True
 
     def _pipeline(self) -> Iterator[dict[str, Any]]:
-        n = self.loader.request_size
         limit = self.loader.inflight or max(4, 2 * len(self.workers))
         owned = self._owned()
-        seq_next = seq_yield = 0
+        seq_yield = 0
         exhausted = False
         while True:
             t0 = time.perf_counter()
             while not exhausted and len(self.pending) + len(self.done) < limit:
-                batch = list(itertools.islice(owned, n))
-                if not batch:
+                item = next(owned, None)
+                if item is None:
                     exhausted = True
+                    self._flush()
                     break
-                self._send(seq_next, batch)
-                seq_next += 1
-            if seq_yield == seq_next and exhausted:
+                self._add(item)
+            if seq_yield == self.seq_next and exhausted:
                 break
+            if seq_yield == self.seq_next:
+                self._flush()  # the pipeline is full of our own unsent batch
             while seq_yield not in self.done:
                 self._receive()
             out = self.done.pop(seq_yield)
@@ -450,17 +455,26 @@ class _Stream:
                 self.stats["bytes"] += sum(len(v) for k, v in sample.items() if not k.startswith("__"))
                 yield sample
 
-    def _send(self, seq: int, items: list[tuple[int, SampleId]]) -> None:
-        """Pin the shards of ``items`` and ask a worker for them (all pinned at once: see _open)."""
-        while True:
-            for _, (shard, _) in items:
-                self._open(shard)
-            items = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
-            if all(sid[0] in self.opened for _, sid in items):
-                break  # an open that waited released the others: pin again
-        for _, (shard, _) in items:
-            self.opened[shard] += 1
-        self._dispatch(seq, items)
+    def _add(self, item: tuple[int, SampleId]) -> None:
+        """Batch ``item``, its shard pinned; a batch only ever holds pinned shards.
+
+        A request thus never needs more shards at once than are already pinned, so
+        consumers competing for a small budget always make progress.
+        """
+        shard = item[1][0]
+        self._open(shard)  # may flush the batch and wait, holding no pins meanwhile
+        if shard in self.skipped:
+            return
+        self.opened[shard] += 1
+        self.batch.append(item)
+        if len(self.batch) >= self.loader.request_size:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.batch:
+            batch, self.batch = self.batch, []
+            self._dispatch(self.seq_next, batch)
+            self.seq_next += 1
 
     def _dispatch(self, seq: int, items: list[tuple[int, SampleId]]) -> None:
         if not items:
@@ -516,7 +530,7 @@ class _Stream:
         if seq is None or seq not in self.pending:
             return  # a late answer to a request we already sent again
         items = self.pending.pop(seq)[0]
-        for shard in {sid[0] for _, sid in items}:
+        for _, (shard, _) in items:  # one count per item, as _add counted them
             self.opened[shard] -= 1
         if not header.get("ok"):
             self._read_failed(seq, items, header)
@@ -543,11 +557,19 @@ class _Stream:
 
     def _read_failed(self, seq: int, items: list, header: dict[str, Any]) -> None:
         if header.get("kind") == "missing":
-            # Evicted behind our back (the agent restarted and lost our pins, say): open again.
+            # Evicted behind our back (the agent restarted and lost our pins, say): pin again.
             for shard in {sid[0] for _, sid in items}:
                 if self.opened.get(shard) == 0:
                     del self.opened[shard]
-            self._send(seq, items)
+            while True:
+                for _, (shard, _) in items:
+                    self._open(shard)
+                items = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
+                if all(sid[0] in self.opened for _, sid in items):
+                    break  # an open that had to wait let go of the others
+            for _, (shard, _) in items:
+                self.opened[shard] += 1
+            self._dispatch(seq, items)
             return
         exc = _shard_error(str(header.get("url") or self.urls[items[0][1][0]]), header)
         if self.loader.on_error == "raise":

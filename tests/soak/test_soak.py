@@ -1,0 +1,112 @@
+"""Soak: several jobs for several epochs through faults, agent kills and a worker kill.
+
+Run by scripts/soak.sh (kept out of the default suite). Bounded to a few minutes.
+Prints its figures: samples checked, faults injected, restarts survived, peak memory.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from conftest import wait_for  # noqa: E402
+from test_stream import Consumer, reference, samples_of  # noqa: E402
+
+SEED = int(os.environ.get("WDSCACHE_SOAK_SEED", "1234"))
+EPOCHS = int(os.environ.get("WDSCACHE_SOAK_EPOCHS", "4"))
+JOBS, RANKS = 3, 2
+FAULTS_PER_EPOCH = 6
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def inject(server, names: list[str], rng: random.Random) -> int:
+    kinds = ["503", "cut", "short", "stall"]
+    for _ in range(FAULTS_PER_EPOCH):
+        name, kind = rng.choice(names), rng.choice(kinds)
+        if kind == "503":
+            server.fail(name, "status", status=503, retry_after=0)
+        elif kind == "stall":
+            server.fail(name, "stall", seconds=2.0, after=rng.randrange(1, 20000))
+        else:
+            server.fail(name, kind, after=rng.randrange(1, 20000))
+    return FAULTS_PER_EPOCH
+
+
+def test_soak(tmp_path, shard_server, dataset, start_agent):
+    rng = random.Random(SEED)
+    data = dataset(12, samples=20, payload=5000)
+    names = [p.name for p in data.paths]
+    shard_size = max(p.stat().st_size for p in data.paths)
+    ref = reference(data.paths, data.urls)
+    cache = tmp_path / "cache"
+    args = ("--workers", "2", "--prefetch", "3", "--read-timeout", "1", "--reader-timeout", "5",
+            "--cache-size", str(8 * shard_size))
+    agent = start_agent(cache, data.list_file, *args)
+    figures = Counter()
+    memory: list[float] = []
+    for epoch in range(EPOCHS):
+        figures["faults injected"] += inject(shard_server, names, rng)
+        runs = {
+            (job, rank): Consumer(tmp_path, cache, f"e{epoch}j{job}r{rank}", "--job", f"job{job}",
+                                  "--rank", str(rank), "--world-size", str(RANKS), "--epoch", str(epoch),
+                                  "--seed", str(job), "--timeout", "60")
+            for job in range(JOBS) for rank in range(RANKS)
+        }
+        if epoch == 2:
+            # Kill one worker mid-epoch: its requests go to its replacement.
+            wait_for(lambda: any(r.out.exists() and r.out.stat().st_size > 0 for r in runs.values()), 60,
+                     "no consumer started reading")
+            os.kill(children(agent.pid)[0], signal.SIGKILL)
+            figures["workers killed"] += 1
+        results = {k: samples_of(r.wait(timeout=240)) for k, r in runs.items()}
+        for job in range(JOBS):
+            per_rank = [results[(job, r)] for r in range(RANKS)]
+            assert len({len(p) for p in per_rank}) == 1, f"epoch {epoch} job {job}: unequal counts"
+            got = Counter((s["url"], s["key"]) for p in per_rank for s in p)
+            assert set(got) == set(ref), f"epoch {epoch} job {job}: wrong sample set"
+            assert sum(got.values()) - len(ref) < RANKS, f"epoch {epoch} job {job}: too many repeats"
+            for p in per_rank:
+                for s in p:
+                    assert s["fields"] == ref[(s["url"], s["key"])], f"payload differs: {s['url']} {s['key']}"
+                    figures["samples checked"] += 1
+        memory.append(rss_mb([agent.pid, *children(agent.pid)]))
+        if epoch in (0, 1):
+            # SIGKILL the agent between epochs and start a new one on the same cache.
+            agent.stop(signal.SIGKILL)
+            agent = start_agent(cache, data.list_file, *args)
+            figures["agent restarts survived"] += 1
+    figures["peak agent memory (MB)"] = round(max(memory))
+    print("\nsoak figures:", dict(figures), "agent RSS per epoch (MB):", [round(m, 1) for m in memory])
+    # Flat: no growth across epochs beyond noise (the first epochs after a restart set the level).
+    assert memory[-1] - min(memory) < 30, f"agent memory grew: {memory}"
