@@ -210,3 +210,25 @@ def test_loader_without_agent_starts_a_private_one_and_stops_it(tmp_path, datase
     assert keys == sorted(reference(data.paths, data.urls))
     wait_for(lambda: collect_stats(cache)["agent"] is None, 15, "the private agent kept running after close()")
     assert collect_stats(cache)["shards"]["cached"] == 3  # the cache stays for the next run
+
+
+def test_lists_too_big_for_one_message_travel_in_pages(tmp_path, dataset, start_agent):
+    from wdscache.client import AgentConnection
+    from wdscache.loader import CachedMultiLoader
+    from wdscache.urls import read_url_list
+
+    data = dataset(2, samples=2, payload=100)
+    many = [f"http://127.0.0.1:9/never-{i:06d}.tar" for i in range(40_000)]  # 1.5 MB: over one message
+    big = tmp_path / "lists" / "big.txt"
+    big.write_text("\n".join(data.urls + many) + "\n")
+    cache = tmp_path / "cache"
+    start_agent(cache, big, "--no-shuffle", "--prefetch", "2")
+    for urls in (None, data.urls + many[::-1]):  # the agent's list, and a consumer's own
+        loader = CachedMultiLoader(urls, cache_dir=cache, job="big", rank=0, world_size=1, timeout=20)
+        conn = AgentConnection(loader.endpoint, timeout=20)
+        try:
+            hello, got = loader._session(conn, "pages")
+        finally:
+            conn.close()
+        assert hello["ok"]
+        assert list(got) == (list(read_url_list(big).urls) if urls is None else data.urls + many[::-1])

@@ -46,7 +46,7 @@ from .plan import Reader, wanted
 from .pool import WorkerPool
 from .protocol import field as get_field
 from .protocol import pack, unpack
-from .urls import UrlList, diff_urls, parse_url_list, read_url_list
+from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,9 @@ FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is r
 DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long
 STARTUP_READER = "(start-up plan)"
 MAX_MESSAGE = 1 << 20
+URL_PAGE = 5000  # URLs per list page: a page stays far below MAX_MESSAGE
+MAX_JOB_LISTS = 16
+MAX_JOB_URLS = 10_000_000
 
 
 @dataclass
@@ -97,6 +100,9 @@ class Agent:
         self._waiters: dict[str, list[_Waiter]] = {}
         self._demanded: dict[str, float] = {}  # url -> when first asked for
         self._extra_urls: set[str] = set()  # URLs of consumers' own lists
+        self._lists: dict[str, UrlList] = {}  # list_id -> a consumer's own list
+        self._uploads: dict[str, list[Any]] = {}  # reader -> pages of its list received so far
+        self._list_id = ""
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read
         self._failed_at: dict[str, float] = {}
         self._paused_until = 0.0
@@ -149,6 +155,7 @@ class Agent:
         # The list is read first: a bad line stops us before anything on disk changes.
         self._urls_signature = _stat_signature(cfg.urls)
         self.urls = _read_list(cfg)
+        self._list_id = list_id(self.urls.urls)
         _prepare_dir(self.layout.root)
         os.umask(0o077)  # every file and socket we create is private to this user
         self._lock.acquire()
@@ -367,11 +374,14 @@ class Agent:
         """Shards asked for (oldest first), then the union of readers' windows by urgency."""
         prefetch, urls = self.config.prefetch, self.urls.urls
         windows = []
-        for r in list(self.readers.values()) or [self._startup]:
+        for r in self.readers.values():
             if r.ahead is not None:
                 windows.append(r.ahead[:prefetch])
             else:
                 windows.append([urls[i] for i in r.window(prefetch) if i < len(urls)])
+        if not any(windows):
+            # Nobody reads yet (or consumers only said hello): keep the start-up plan.
+            windows = [[urls[i] for i in self._startup.window(prefetch) if i < len(urls)]]
         planned = wanted(windows, prefetch)
         demanded = sorted(self._demanded, key=self._demanded.__getitem__)
         return demanded + [u for u in planned if u not in self._demanded]
@@ -474,6 +484,7 @@ class Agent:
         for url in added:
             self.cache.forget_failure(url)
         self.urls = new
+        self._list_id = list_id(new.urls)
         gone = set(removed)
         for url in list(self._demanded):
             if url in gone:
@@ -571,6 +582,13 @@ class Agent:
             reader.last_seen = time.monotonic()
         if op == "hello":
             self._hello(ident, rid, name, header)
+        elif op == "put_urls":
+            error = self._put_urls(name, header)
+            self._reply(ident, rid, ok=error is None, error=error)
+        elif op == "get_urls":
+            offset = get_field(header, "offset", int)
+            limit = min(get_field(header, "limit", int), URL_PAGE)
+            self._reply(ident, rid, ok=True, list_id=self._list_id, urls=list(self.urls.urls[offset : offset + limit]))
         elif op == "open":
             ahead = get_field(header, "ahead", list, None)
             wait = get_field(header, "wait", bool, True)
@@ -591,22 +609,30 @@ class Agent:
             raise ProtocolError(f"unknown op {op!r}")
 
     def _hello(self, ident: bytes, rid: Any, name: str, header: dict[str, Any]) -> None:
-        """A consumer joins a job: check it agrees with the job's other ranks, take up its list."""
+        """A consumer joins a job: check it agrees with the job's other ranks, take up its list.
+
+        Lists travel in pages (``put_urls`` / ``get_urls``), never in one message, and
+        are known by ``list_id`` (a hash), so a list is sent once, not every epoch.
+        """
         job = get_field(header, "job", str)
         world = get_field(header, "world_size", int)
         rank = get_field(header, "rank", int)
         if not 0 <= rank < world:
             self._reply(ident, rid, ok=False, error=f"rank {rank} is not in [0, {world})")
             return
-        urls = get_field(header, "urls", list, None)
-        if urls is not None:
+        list_id = get_field(header, "list_id", str, None)
+        if list_id is not None and list_id not in self._lists:
+            uploaded = self._uploads.pop(name, None)
+            if uploaded is None:
+                self._reply(ident, rid, ok=False, need_urls=True, error="send the list first (put_urls)")
+                return
             try:
-                own = self._job_list(urls)
+                self._lists[list_id] = self._job_list(uploaded)
             except ConfigError as exc:
                 self._reply(ident, rid, ok=False, error=str(exc))
                 return
-        else:
-            own = None
+            while len(self._lists) > MAX_JOB_LISTS:
+                self._lists.pop(next(iter(self._lists)))
         known = self.jobs.get(job)
         if known is not None and known["world_size"] != world and self._job_ranks(job):
             self._reply(ident, rid, ok=False, error=(
@@ -614,15 +640,29 @@ class Agent:
                 "give each launch its own job name"))
             return
         self.jobs[job] = {"world_size": world}
+        # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
         self.readers[name] = Reader(name, ahead=[])
         self.consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
-        listed = own if own is not None else self.urls
         self._reply(
             ident, rid, ok=True,
             workers=self.pool.endpoints if self.pool else [],
             prefetch=self.config.prefetch,
-            urls=None if own is not None else list(listed.urls),
+            list_id=self._list_id, n_urls=len(self.urls),
         )
+
+    def _put_urls(self, name: str, header: dict[str, Any]) -> str | None:
+        """A page of a consumer's own list; returns an error or None."""
+        offset = get_field(header, "offset", int)
+        page = get_field(header, "urls", list)
+        got = self._uploads.setdefault(name, [])
+        if offset != len(got):
+            self._uploads.pop(name, None)
+            return f"list page at {offset} does not follow the {len(got)} URLs received"
+        if len(got) + len(page) > MAX_JOB_URLS:
+            self._uploads.pop(name, None)
+            return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
+        got.extend(page)
+        return None
 
     def _job_ranks(self, job: str) -> list[int]:
         return [c["rank"] for n, c in self.consumers.items() if c.get("job") == job and n in self.readers]

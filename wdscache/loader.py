@@ -20,7 +20,6 @@ Guarantees (for the ranks of one job with the same settings):
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -38,11 +37,12 @@ from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError
 from .protocol import pack, unpack
 from .sequence import EpochSpec, SampleId, global_sequence, rank_length
 from .private import PrivateAgent, agent_answers
-from .urls import format_url_list, parse_url_list, read_url_list
+from .urls import format_url_list, list_id, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
 
 REPORT_EVERY = 1.0
+URL_PAGE = 5000  # URLs per message when a list is sent or fetched
 STATE_VERSION = 1
 
 
@@ -73,6 +73,11 @@ class CachedMultiLoader:
     ``urls``: None streams the agent's own list; a list file or a list of URLs
     asks the agent to take that list up for this job. Each ``iter()`` is one
     epoch; the next one follows unless :meth:`set_epoch` says otherwise.
+
+    Beyond webdataset's options: ``request_size`` samples per request to a worker,
+    ``inflight`` requests outstanding (the memory bound), ``zero_copy`` to get
+    payloads as read-only memoryviews instead of bytes (faster; not for
+    webdataset's decoders), ``on_error`` ("raise" or "skip").
     """
 
     def __init__(
@@ -96,6 +101,7 @@ class CachedMultiLoader:
         on_error: str = "raise",
         request_size: int = 32,
         inflight: int | None = None,
+        zero_copy: bool = False,
     ) -> None:
         env = _env_defaults()
         self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
@@ -113,8 +119,10 @@ class CachedMultiLoader:
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
-        self.request_size, self.inflight = request_size, inflight
+        self.request_size, self.inflight, self.zero_copy = request_size, inflight, zero_copy
         self.urls = _normalize_urls(urls)
+        self._own_list_id = list_id(self.urls) if self.urls is not None else None
+        self._agent_lists: dict[str, tuple[str, ...]] = {}
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._epoch = 0
@@ -142,7 +150,7 @@ class CachedMultiLoader:
             "shuffle": self.shuffle,
             "shuffle_buffer": self.shuffle_buffer,
             "drop_last": self.drop_last,
-            "urls": self._list_id(),
+            "urls": self._current.list_id if self._current is not None else self._own_list_id,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -158,10 +166,37 @@ class CachedMultiLoader:
         self._epoch, self._start = int(state["epoch"]), int(state["position"])
         self._resumed_from = state
 
-    def _list_id(self) -> str | None:
-        if self.urls is None:
-            return None
-        return hashlib.sha256("\n".join(self.urls).encode()).hexdigest()[:16]
+    def _session(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], Sequence[str]]:
+        """Say hello to the agent as reader ``name``; returns the reply and the URL list in use.
+
+        Lists go in pages and are cached by their id, so each is sent once per loader.
+        """
+        request: dict[str, Any] = {"op": "hello", "reader": name, "job": self.job, "rank": self.rank,
+                                   "world_size": self.world_size}
+        if self.urls is not None:
+            request["list_id"] = self._own_list_id
+        hello = conn.request(request)
+        if hello.get("need_urls") and self.urls is not None:
+            for offset in range(0, len(self.urls), URL_PAGE):
+                page = conn.request({"op": "put_urls", "reader": name, "offset": offset,
+                                     "urls": list(self.urls[offset : offset + URL_PAGE])})
+                if not page.get("ok"):
+                    raise WdsCacheError(f"the agent at {self.endpoint} refused the URL list: {page.get('error')}")
+            hello = conn.request(request)
+        if not hello.get("ok"):
+            raise WdsCacheError(f"the agent at {self.endpoint} refused this consumer: {hello.get('error')}")
+        if self.urls is not None:
+            return hello, self.urls
+        key = str(hello.get("list_id"))
+        if key not in self._agent_lists:
+            urls: list[str] = []
+            while len(urls) < int(hello.get("n_urls", 0)):
+                page = conn.request({"op": "get_urls", "reader": name, "offset": len(urls), "limit": URL_PAGE})
+                if page.get("list_id") != key or not page.get("urls"):
+                    raise WdsCacheError("the agent's URL list changed while it was being read; try again")
+                urls.extend(page["urls"])
+            self._agent_lists = {key: tuple(urls)}  # the latest list only
+        return hello, self._agent_lists[key]
 
     # -- iteration ----------------------------------------------------------
 
@@ -205,15 +240,14 @@ class CachedMultiLoader:
     def __len__(self) -> int:
         """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
         conn = AgentConnection(self.endpoint, timeout=self.timeout, hint=start_hint(self.cache_dir))
+        name = f"len-{uuid.uuid4().hex[:8]}"
         try:
-            urls = self.urls
-            if urls is None:
-                name = f"len-{uuid.uuid4().hex[:8]}"
-                hello = conn.request({"op": "hello", "reader": name, "job": f"{self.job}/len",
-                                      "rank": 0, "world_size": 1})
-                urls = hello.get("urls") or []
-                conn.request({"op": "bye", "reader": name})
-            counts = conn.request({"op": "counts", "urls": list(urls)}).get("counts", [])
+            _, urls = self._session(conn, name)
+            conn.request({"op": "bye", "reader": name})
+            counts: list[Any] = []
+            for offset in range(0, len(urls), URL_PAGE):
+                page = list(urls[offset : offset + URL_PAGE])
+                counts.extend(conn.request({"op": "counts", "urls": page}).get("counts", []))
         finally:
             conn.close()
         if not urls or any(c is None for c in counts):
@@ -242,16 +276,12 @@ class _Stream:
         self.complete = False  # every sample of the rank's share was delivered
         self.name = f"{loader.job}/{loader.rank}/{uuid.uuid4().hex[:8]}"
         self.conn = AgentConnection(loader.endpoint, timeout=loader.timeout, hint=start_hint(loader.cache_dir))
-        request: dict[str, Any] = {"op": "hello", "reader": self.name, "job": loader.job, "rank": loader.rank,
-                                   "world_size": loader.world_size}
-        if loader.urls is not None:
-            request["urls"] = list(loader.urls)
-        hello = self.conn.request(request)
-        if not hello.get("ok"):
+        try:
+            hello, self.urls = loader._session(self.conn, self.name)
+        except BaseException:
             self.conn.close()
-            raise WdsCacheError(f"the agent at {loader.endpoint} refused this consumer: {hello.get('error')}")
-        self.urls: Sequence[str] = loader.urls if loader.urls is not None else tuple(hello["urls"])
-        self.list_id = hashlib.sha256("\n".join(self.urls).encode()).hexdigest()[:16]
+            raise
+        self.list_id = str(hello.get("list_id")) if loader.urls is None else loader._own_list_id
         self.prefetch = int(hello.get("prefetch", 8))
         self.spec = EpochSpec(len(self.urls), loader.seed, epoch, loader.shuffle, loader.shuffle_buffer)
         self.start = start - start % loader.world_size
@@ -545,10 +575,13 @@ class _Stream:
             raise ProtocolError("worker reply does not match the request")
         samples = []
         k = 0
+        zero_copy = self.loader.zero_copy
         for (_, (shard, _)), key, names in zip(items, keys, exts):
             sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[shard]}
             for ext in names:
-                sample[ext] = payload[k].bytes
+                # bytes by default (webdataset's decoders want bytes); zero_copy gives
+                # read-only memoryviews into the received message instead.
+                sample[ext] = payload[k].buffer if zero_copy else payload[k].bytes
                 k += 1
             samples.append(sample)
         if k != len(payload):

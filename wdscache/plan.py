@@ -8,6 +8,7 @@ of all windows (demanded shards first), and never evicts a shard inside one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 import time
@@ -23,12 +24,16 @@ def epoch_rng(seed: int, epoch: int, purpose: str) -> random.Random:
     return random.Random(int.from_bytes(digest[:16], "big"))
 
 
-def shard_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> list[int]:
-    """The order in which an epoch reads ``n`` shards: seeded per epoch, or as listed."""
+@functools.lru_cache(maxsize=8)
+def shard_order(n: int, *, seed: int, epoch: int, shuffle: bool) -> tuple[int, ...]:
+    """The order in which an epoch reads ``n`` shards: seeded per epoch, or as listed.
+
+    Cached (several parts of a consumer ask for the same epoch), hence a tuple.
+    """
     order = list(range(n))
     if shuffle:
         epoch_rng(seed, epoch, "shards").shuffle(order)
-    return order
+    return tuple(order)
 
 
 @dataclass
@@ -51,17 +56,8 @@ class Reader:
     last_seen: float = field(default_factory=time.monotonic)
     # Set by readers that know their own order (consumers): the URLs they read next.
     ahead: list[str] | None = None
-    _orders: dict[int, list[int]] = field(default_factory=dict, repr=False)
-
-    def order(self, epoch: int) -> list[int]:
-        order = self._orders.get(epoch)
-        if order is None:
-            # Keep the current and next epoch only: orders of a big list are large.
-            self._orders = {e: o for e, o in self._orders.items() if e >= self.epoch}
-            order = self._orders[epoch] = shard_order(
-                self.n_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle
-            )
-        return order
+    def order(self, epoch: int) -> tuple[int, ...]:
+        return shard_order(self.n_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
 
     def window(self, prefetch: int) -> list[int]:
         """The next ``prefetch`` shards to read, current one first, across the epoch end."""

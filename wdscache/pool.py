@@ -206,13 +206,14 @@ class _Worker:
         keys: list[str] = []
         exts: list[list[str]] = []
         frames: list[Any] = []
+        views = [self._view(url) for url in urls]  # once per shard, not per sample
         for item in items:
             if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
                 raise ProtocolError("read items must be [url index, sample index] pairs")
             k, j = item
             if not 0 <= k < len(urls):
                 raise ProtocolError("read item names no URL")
-            view = self._view(urls[k])
+            view = views[k]
             if not 0 <= j < len(view.samples):
                 raise ProtocolError(f"{urls[k]} has no sample {j}")
             span = view.samples[j]

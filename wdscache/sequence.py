@@ -33,7 +33,7 @@ class EpochSpec:
     shuffle: bool = True
     shuffle_buffer: int = 1000
 
-    def order(self) -> list[int]:
+    def order(self) -> tuple[int, ...]:
         return shard_order(self.n_shards, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
 
 

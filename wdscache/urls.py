@@ -8,6 +8,7 @@ Blank lines and ``#`` comments are ignored; entries are expanded, normalized
 from __future__ import annotations
 
 import codecs
+import hashlib
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -23,6 +24,7 @@ __all__ = [
     "diff_urls",
     "expand_braces",
     "format_url_list",
+    "list_id",
     "parse_url_list",
     "read_url_list",
 ]
@@ -373,6 +375,15 @@ def read_url_list(
         raise UrlListError(name, lineno, line, reason) from None
     base_dir = os.path.dirname(os.path.abspath(name))
     return parse_url_list(text, path=name, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit)
+
+
+def list_id(urls: Iterable[str]) -> str:
+    """A short fingerprint of a list: the same URLs in the same order give the same id."""
+    h = hashlib.sha256()
+    for url in urls:
+        h.update(url.encode("utf-8", "surrogateescape"))
+        h.update(b"\n")
+    return h.hexdigest()[:16]
 
 
 def diff_urls(old: UrlList, new: UrlList) -> tuple[list[str], list[str]]:
