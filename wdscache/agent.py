@@ -104,6 +104,8 @@ class Agent:
         self._uploads: dict[str, list[Any]] = {}  # reader -> pages of its list received so far
         self._list_id = ""
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read
+        self._changed: dict[str, str] = {}  # url -> how it changed on the server
+        self._verified: set[str] = set()  # cached shards known current (downloaded or checked this run)
         self._failed_at: dict[str, float] = {}
         self._paused_until = 0.0
         self.readers: dict[str, Reader] = {}
@@ -216,7 +218,8 @@ class Agent:
         rec = self.cache.index.get(url)
         if rec is not None and rec.size:
             return rec.size
-        return self.fetcher.size_of(url)
+        described = self.fetcher.describe(url)
+        return described.size if described else 0
 
     def _startup_reader(self) -> Reader:
         return Reader(STARTUP_READER, len(self.urls), seed=self.config.seed, shuffle=self.config.shuffle)
@@ -324,7 +327,10 @@ class Agent:
                 self._grants.append(value)
                 continue
             self._active.pop(d.url, None)
-            if kind == "done":
+            if kind == "verified":
+                self._verified_event(d.url, value)
+            elif kind == "done":
+                self._verified.add(d.url)
                 self.cache.finish(d, value.size, value.etag)
                 self.cache.index.incr("bytes_downloaded", value.size)
                 self.cache.index.incr("downloads")
@@ -348,6 +354,38 @@ class Agent:
             elif kind == "cancelled":
                 self._downloaded_done += d.written
                 self.cache.abandon(d)
+
+    def _verified_event(self, url: str, now: Any) -> None:
+        """A cached shard from an earlier run was compared with its source."""
+        assert self.cache is not None
+        rec = self.cache.index.get(url)
+        if rec is None or rec.state is not ShardState.CACHED:
+            return
+        changed = None
+        if now is None:
+            log.info("could not revalidate %s; serving the cached copy", url)
+        elif now.size != rec.size:
+            changed = f"size changed on the server ({rec.size} -> {now.size} bytes)"
+        elif rec.etag and now.etag and rec.etag != now.etag:
+            changed = f"changed on the server (ETag {rec.etag} -> {now.etag})"
+        if changed is None:
+            self._verified.add(url)
+            self._answer_waiters(url)
+            return
+        log.error("%s %s; downloading it again", url, changed)
+        self._changed[url] = changed
+        self.cache.index.incr("changed")
+        self.cache.remove(url)
+        self.cache.index.drop_count(url)
+        self._demanded.setdefault(url, time.monotonic())  # its waiters get the new copy
+
+    def _revalidate(self, url: str) -> None:
+        if url in self._active:
+            return
+        d = Download(url, partial=self.layout.partial_path(url), final=self.layout.shard_path(url),
+                     reserve=self._reserve, verify=True)
+        self._active[url] = d
+        self._tasks.put(d)
 
     def _schedule(self) -> None:
         """Start downloads for the most urgent wanted shards; cancel those no longer wanted."""
@@ -446,10 +484,12 @@ class Agent:
             if d is None:
                 break
             try:
-                if d.cancel.is_set():
+                if d.verify:
+                    kind, result = "verified", self.fetcher.describe(d.url)
+                elif d.cancel.is_set():
                     raise Cancelled(d.url)
-                result: Any = self.fetcher.fetch(d)
-                kind = "done"
+                else:
+                    kind, result = "done", self.fetcher.fetch(d)
             except Cancelled:
                 kind, result = "cancelled", None
             except FetchError as exc:
@@ -701,7 +741,15 @@ class Agent:
             rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             self.cache.index.incr("hits")
-            self._grant_open(ident, rid, name, url)
+            if url in self._verified or not self.config.revalidate:
+                self._grant_open(ident, rid, name, url)
+                return
+            # Cached by an earlier run: check it is still what the source holds first.
+            self._revalidate(url)
+            if wait:
+                self._waiters.setdefault(url, []).append(_Waiter(ident, rid, name))
+            else:
+                self._reply(ident, rid, ok=False, cached=False, error="revalidating")
             return
         self.cache.index.incr("misses")
         if rec is not None and rec.state is ShardState.FAILED:
@@ -781,6 +829,7 @@ class Agent:
                 "workers": [_public(self.worker_stats.get(i, {"index": i})) for i in range(self.config.workers)],
                 "worker_restarts": self.pool.restarts if self.pool else 0,
                 "corrupt": [{"url": u, "error": e} for u, e in list(self._corrupt.items())[:100]],
+                "changed": [{"url": u, "error": e} for u, e in list(self._changed.items())[:100]],
             },
             jobs=_jobs_view(self.consumers, self._starved_by()),
         )

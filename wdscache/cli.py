@@ -61,6 +61,8 @@ def main() -> None:
               help="Retries of a failing download before it is marked failed.")
 @click.option("--read-timeout", envvar="WDSCACHE_READ_TIMEOUT", default=60.0, type=float,
               show_envvar=True, help="Seconds without data before a download is retried.")
+@click.option("--revalidate/--no-revalidate", envvar="WDSCACHE_REVALIDATE", default=True, show_envvar=True,
+              help="Check a shard cached by an earlier run against its source (HEAD) before serving it.")
 @click.option("--reader-timeout", envvar="WDSCACHE_READER_TIMEOUT", default=60.0, type=float,
               show_envvar=True, help="Seconds of silence after which a consumer's pins are released.")
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,

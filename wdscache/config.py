@@ -68,6 +68,7 @@ class AgentConfig:
     backoff: float = 0.5
     backoff_max: float = 30.0
     reader_timeout: float = 60.0
+    revalidate: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "download_workers", "workers"):

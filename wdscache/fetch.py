@@ -65,6 +65,7 @@ class Download:
     written: int = 0
     reserved: int = 0
     demanded: bool = False
+    verify: bool = False  # only ask the source whether the cached copy is still current
     started: float = field(default_factory=time.monotonic)
 
 
@@ -117,19 +118,24 @@ class Fetcher:
             session.close()
             self._local.session = None
 
-    def size_of(self, url: str) -> int:
-        """The size of ``url`` from a HEAD request or stat; 0 when it cannot be known quickly."""
+    def describe(self, url: str) -> Fetched | None:
+        """Size and version tag of ``url`` now (HEAD or stat); None when it cannot be known.
+
+        The tag is what :meth:`fetch` records: the ETag, or size and mtime for a file.
+        """
         parts = urlsplit(url)
         try:
             if parts.scheme == "file":
-                return os.stat(unquote(parts.path)).st_size
+                st = os.stat(unquote(parts.path))
+                return Fetched(st.st_size, f"{st.st_size}-{st.st_mtime_ns}")
             if parts.scheme in ("http", "https"):
                 r = self._session().head(url, timeout=self.timeout, allow_redirects=True)
                 length = r.headers.get("Content-Length", "")
-                return int(length) if r.ok and length.isdigit() else 0
+                if r.ok and length.isdigit():
+                    return Fetched(int(length), r.headers.get("ETag"))
         except (OSError, requests.RequestException):
             pass
-        return 0
+        return None
 
     def fetch(self, d: Download) -> Fetched:
         """Fetch ``d.url`` into ``d.final``. Raises FetchError or Cancelled.

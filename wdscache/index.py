@@ -30,7 +30,7 @@ _SHARD = "shard:"
 _SUMMARY = "summary"
 _META = "meta"
 _COUNT = "count:"
-COUNTERS = ("hits", "misses", "bytes_downloaded", "downloads", "corrupt")
+COUNTERS = ("hits", "misses", "bytes_downloaded", "downloads", "corrupt", "changed")
 
 
 class ShardState(str, enum.Enum):
@@ -208,6 +208,10 @@ class Index:
         if self.counts.get(url) != samples:
             self.counts[url] = samples
             self._db.set(_COUNT + url, samples)
+
+    def drop_count(self, url: str) -> None:
+        if self.counts.pop(url, None) is not None:
+            self._db.delete(_COUNT + url)
 
     def set_meta(self, meta: dict) -> None:
         """Settings of the last agent (its budget), shown by stats when no agent runs."""

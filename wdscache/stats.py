@@ -10,6 +10,7 @@ The object (also ``wdscache stats --json``)::
     hits, misses      shard opens that found the shard cached / had to wait for it
     bytes_downloaded  bytes fetched over the cache's life
     corrupt           shards found unreadable by consumers (their URLs: agent.corrupt)
+    changed           cached shards found changed on the server and fetched again (agent.changed)
     download_rate     bytes/s over the last 10 s (0 when no agent runs)
     agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers,
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes}],
@@ -58,6 +59,7 @@ def build(
         "misses": counters.get("misses", 0),
         "bytes_downloaded": counters.get("bytes_downloaded", 0),
         "corrupt": counters.get("corrupt", 0),
+        "changed": counters.get("changed", 0),
         "download_rate": round(download_rate, 1),
         "agent": agent,
         "jobs": jobs or {},
