@@ -39,7 +39,8 @@ from .cache import ShardCache
 from .config import AgentConfig, format_size, parse_size
 from .errors import ConfigError, FetchError, ProtocolError
 from .fetch import Cancelled, DiskFull, Download, Fetcher
-from .index import ShardState
+from .cache import INDEX_HEADROOM
+from .index import IndexWriteError, ShardState
 from .layout import CacheLayout
 from .lock import AgentLock
 from .plan import Reader, wanted
@@ -139,7 +140,10 @@ class Agent:
         self.start()
         try:
             while not self._stop.is_set():
-                self.step()
+                try:
+                    self.step()
+                except IndexWriteError as exc:
+                    self._index_full(exc)
         finally:
             self.shutdown()
 
@@ -316,44 +320,58 @@ class Agent:
         self._schedule()
         self._periodic()
 
-    def _drain_events(self) -> None:
+    def _index_full(self, exc: IndexWriteError) -> None:
+        """The index could not be written: pause downloads and free disk space without it."""
         assert self.cache is not None
+        if time.monotonic() >= self._paused_until:
+            log.error("%s; pausing downloads and freeing space", exc)
+        self._paused_until = time.monotonic() + DISK_FULL_PAUSE
+        self.cache.free_files(INDEX_HEADROOM, self._wanted_urls())
+
+    def _drain_events(self) -> None:
         while True:
             try:
-                kind, d, value = self._events.get_nowait()
+                event = self._events.get_nowait()
             except queue.Empty:
                 return
-            if kind == "reserve":
-                self._grants.append(value)
-                continue
-            self._active.pop(d.url, None)
-            if kind == "verified":
-                self._verified_event(d.url, value)
-            elif kind == "done":
-                self._verified.add(d.url)
-                self.cache.finish(d, value.size, value.etag)
-                self.cache.index.incr("bytes_downloaded", value.size)
-                self.cache.index.incr("downloads")
-                self._downloaded_done += d.written
-                self._failed_at.pop(d.url, None)
-                log.info("cached %s (%s)", d.url, format_size(value.size))
-                self._answer_waiters(d.url)
-            elif kind == "failed" and isinstance(value, DiskFull):
-                # Not the shard's fault: drop the partial, make room, try again shortly.
-                self._downloaded_done += d.written
-                self.cache.abandon(d)
-                self._paused_until = time.monotonic() + DISK_FULL_PAUSE
-                log.warning("%s; abandoned %s, will retry after making room", value.reason, d.url)
-                self.cache.evict(d.written + self.cache.min_free, wanted=self._wanted_urls(), allow_window=False)
-            elif kind == "failed":
-                self._downloaded_done += d.written
-                self.cache.fail(d, value.reason)
-                self._failed_at[d.url] = time.monotonic()
-                log.error("failed %s: %s", d.url, value.reason)
-                self._answer_waiters(d.url, error=value.reason)
-            elif kind == "cancelled":
-                self._downloaded_done += d.written
-                self.cache.abandon(d)
+            try:
+                self._event(*event)
+            except IndexWriteError:
+                self._events.put(event)  # handled again once there is room
+                raise
+
+    def _event(self, kind: str, d: Download, value: Any) -> None:
+        """One report from a download thread."""
+        assert self.cache is not None
+        if kind == "reserve":
+            self._grants.append(value)
+            return
+        if kind == "verified":
+            self._verified_event(d.url, value)
+        elif kind == "done":
+            self._verified.add(d.url)
+            self.cache.finish(d, value.size, value.etag)
+            self.cache.index.incr("bytes_downloaded", value.size)
+            self.cache.index.incr("downloads")
+            self._failed_at.pop(d.url, None)
+            log.info("cached %s (%s)", d.url, format_size(value.size))
+            self._answer_waiters(d.url)
+        elif kind == "failed" and isinstance(value, DiskFull):
+            # Not the shard's fault: drop the partial, make room, try again shortly.
+            self.cache.abandon(d)
+            self._paused_until = time.monotonic() + DISK_FULL_PAUSE
+            log.warning("%s; abandoned %s, will retry after making room", value.reason, d.url)
+            self.cache.evict(d.written + self.cache.margin, wanted=self._wanted_urls(), allow_window=False)
+        elif kind == "failed":
+            self.cache.fail(d, value.reason)
+            self._failed_at[d.url] = time.monotonic()
+            log.error("failed %s: %s", d.url, value.reason)
+            self._answer_waiters(d.url, error=value.reason)
+        elif kind == "cancelled":
+            self.cache.abandon(d)
+        # Last, so that a failed index write (handled again later) leaves the download active.
+        self._active.pop(d.url, None)
+        self._downloaded_done += d.written
 
     def _verified_event(self, url: str, now: Any) -> None:
         """A cached shard from an earlier run was compared with its source."""

@@ -7,7 +7,8 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   (is not granted) while the budget cannot hold it. Partial files are counted
   through their reservation. The index database itself is not counted.
 - Free-space margin: a reservation is granted only if the file system keeps
-  ``min_free`` bytes free after every in-flight download completes.
+  ``min_free`` bytes (plus 1 MiB for the index) free after every in-flight
+  download completes.
 - Never evicted: a pinned shard (being read). Eviction prefers the least recently
   *read* shard outside every reader's window; a demanded download may also take
   window shards, farthest-ahead first, but never pinned ones.
@@ -27,11 +28,13 @@ from typing import Iterable, Sequence
 
 from .config import format_size
 from .fetch import Download
-from .index import Index, ShardRecord, ShardState
+from .index import Index, IndexWriteError, ShardRecord, ShardState
 from .layout import CacheLayout
 from .tario import tar_problem
 
 log = logging.getLogger(__name__)
+
+INDEX_HEADROOM = 1 << 20  # the index shares the file system; a full disk must not stop it
 
 
 class ShardCache:
@@ -45,6 +48,11 @@ class ShardCache:
         self.pins: dict[str, int] = {}  # url -> number of open reads
 
     # -- queries ----------------------------------------------------------
+
+    @property
+    def margin(self) -> int:
+        """Free space kept on the file system: --min-free, plus room for the index to grow."""
+        return self.min_free + INDEX_HEADROOM
 
     @property
     def used(self) -> int:
@@ -142,8 +150,8 @@ class ShardCache:
 
     def finish(self, d: Download, size: int, etag: str | None) -> None:
         """``d`` was published under shards/: it is cached now."""
-        self.inflight.pop(d.url, None)
         self._set_cached(d.url, size, etag)
+        self.inflight.pop(d.url, None)
 
     def fail(self, d: Download, error: str) -> None:
         self.inflight.pop(d.url, None)
@@ -194,7 +202,7 @@ class ShardCache:
                 f"(--cache-size {format_size(self.limit)})"
             )
         need = self.used + self.reserved + extra - self.limit
-        margin_need = self.min_free + self._unwritten() + extra - self.fs_free()
+        margin_need = self.margin + self._unwritten() + extra - self.fs_free()
         shortfall = max(need, margin_need)
         if shortfall > 0 and not self.evict(shortfall, wanted=wanted, allow_window=d.demanded, spare=d.url):
             return False
@@ -244,9 +252,29 @@ class ShardCache:
         _unlink(self.layout.shard_path(url))
         self.index.delete(url)
 
+    def free_files(self, nbytes: int, wanted: Sequence[str]) -> int:
+        """Delete files of evictable shards even if the index cannot be written (it is full).
+
+        The one place files go before the index: a record left behind points at a
+        missing file, which every open checks (and :meth:`recover` forgets).
+        """
+        window = set(wanted)
+        freed = 0
+        for rec in sorted(self.index.records.values(), key=lambda r: r.last_read):
+            if freed >= nbytes:
+                break
+            if rec.state is ShardState.CACHED and rec.url not in window and not self.pins.get(rec.url):
+                _unlink(self.layout.shard_path(rec.url))
+                freed += rec.size
+                try:
+                    self.index.delete(rec.url)
+                except IndexWriteError:
+                    pass
+        return freed
+
     def keep_margin(self, wanted: Sequence[str]) -> None:
         """Evict (outside windows only) if something else ate into the free-space margin."""
-        short = self.min_free + self._unwritten() - self.fs_free()
+        short = self.margin + self._unwritten() - self.fs_free()
         if short > 0:
             self.evict(short, wanted=wanted, allow_window=False)
 

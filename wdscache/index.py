@@ -15,7 +15,9 @@ Guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import sqlite3
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +26,8 @@ from typing import Iterator
 
 import diskcache
 
+from .errors import WdsCacheError
+
 # Failed shards listed in the summary; the rest are counted, not listed.
 MAX_FAILED_LISTED = 100
 _SHARD = "shard:"
@@ -31,6 +35,10 @@ _SUMMARY = "summary"
 _META = "meta"
 _COUNT = "count:"
 COUNTERS = ("hits", "misses", "bytes_downloaded", "downloads", "corrupt", "changed")
+
+
+class IndexWriteError(WdsCacheError):
+    """The index could not be written (its file system is full, say); nothing changed."""
 
 
 class ShardState(str, enum.Enum):
@@ -163,23 +171,43 @@ class Index:
         return len(self.records)
 
     def put(self, rec: ShardRecord) -> None:
-        """Write ``rec`` (replacing any record of its URL) and the summary, atomically."""
+        """Write ``rec`` (replacing any record of its URL) and the summary, atomically.
+
+        Memory changes only once the transaction committed: on IndexWriteError
+        (a full disk, say) the index is as it was, in memory and on disk.
+        """
         old = self.records.get(rec.url)
-        self.summary.apply(old, rec)
-        with self._db.transact():
+        summary = self._summary_after(old, rec)
+        with self._writing():
             self._db.set(_SHARD + rec.url, rec.to_json())
-            self._db.set(_SUMMARY, json.dumps(asdict(self.summary)))
+            self._db.set(_SUMMARY, json.dumps(asdict(summary)))
+        self.summary = summary
         self.records[rec.url] = rec
         self._unsaved_reads.discard(rec.url)
 
     def delete(self, url: str) -> None:
-        old = self.records.pop(url, None)
+        old = self.records.get(url)
         if old is None:
             return
-        self.summary.apply(old, None)
-        with self._db.transact():
+        summary = self._summary_after(old, None)
+        with self._writing():
             self._db.delete(_SHARD + url)
-            self._db.set(_SUMMARY, json.dumps(asdict(self.summary)))
+            self._db.set(_SUMMARY, json.dumps(asdict(summary)))
+        self.summary = summary
+        del self.records[url]
+
+    def _summary_after(self, old: ShardRecord | None, new: ShardRecord | None) -> Summary:
+        summary = Summary(dict(self.summary.counts), self.summary.bytes_used, dict(self.summary.failed))
+        summary.apply(old, new)
+        return summary
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            with self._db.transact():
+                yield
+        except sqlite3.OperationalError as exc:
+            raise IndexWriteError(f"cannot write the index: {exc}") from exc
 
     def touch(self, url: str, now: float) -> None:
         """Record a read in memory; persisted with the next write of that record.
@@ -197,7 +225,7 @@ class Index:
         """Persist the read times recorded since the last flush."""
         if not self._unsaved_reads:
             return
-        with self._db.transact():
+        with self._writing():
             for url in self._unsaved_reads:
                 rec = self.records.get(url)
                 if rec is not None:
@@ -206,19 +234,24 @@ class Index:
 
     def set_count(self, url: str, samples: int) -> None:
         if self.counts.get(url) != samples:
+            with self._writing():
+                self._db.set(_COUNT + url, samples)
             self.counts[url] = samples
-            self._db.set(_COUNT + url, samples)
 
     def drop_count(self, url: str) -> None:
-        if self.counts.pop(url, None) is not None:
-            self._db.delete(_COUNT + url)
+        if url in self.counts:
+            with self._writing():
+                self._db.delete(_COUNT + url)
+            del self.counts[url]
 
     def set_meta(self, meta: dict) -> None:
         """Settings of the last agent (its budget), shown by stats when no agent runs."""
-        self._db.set(_META, json.dumps(meta))
+        with self._writing():
+            self._db.set(_META, json.dumps(meta))
 
     def incr(self, counter: str, delta: int = 1) -> None:
-        self._db.incr(counter, delta, default=0)
+        with self._writing():
+            self._db.incr(counter, delta, default=0)
 
     def counters(self) -> dict[str, int]:
         return {name: int(self._db.get(name, 0)) for name in COUNTERS}
