@@ -46,7 +46,7 @@ from .lock import AgentLock
 from .plan import Reader, wanted
 from .pool import WorkerPool
 from .protocol import field as get_field
-from .protocol import pack, unpack
+from .protocol import numbers, pack, strings, unpack
 from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is r
 DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long
 STARTUP_READER = "(start-up plan)"
 MAX_MESSAGE = 1 << 20
+REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
+WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes")
 URL_PAGE = 5000  # URLs per list page: a page stays far below MAX_MESSAGE
 MAX_JOB_LISTS = 16
 MAX_JOB_URLS = 10_000_000
@@ -600,6 +602,11 @@ class Agent:
                 self._handle(ident, header)
             except ProtocolError as exc:
                 self._reply(ident, rid, ok=False, error=str(exc))
+            except IndexWriteError:
+                raise
+            except Exception as exc:  # one bad message must never take the agent down
+                log.exception("error handling a message")
+                self._reply(ident, rid, ok=False, error=f"internal error: {type(exc).__name__}")
 
     def _reply(self, ident: bytes, rid: Any, **body: Any) -> None:
         assert self._sock is not None
@@ -615,7 +622,9 @@ class Agent:
             return
         if op == "worker":
             i = get_field(header, "index", int)
-            self.worker_stats[i] = _with_fraction(self.worker_stats.get(i), header, "busy_s", "busy")
+            if 0 <= i < self.config.workers:
+                report = {"index": i, **numbers(header, WORKER_FIELDS)}
+                self.worker_stats[i] = _with_fraction(self.worker_stats.get(i), report, "busy_s", "busy")
             return
         if op == "counted":
             assert self.cache is not None
@@ -632,7 +641,7 @@ class Agent:
         if op == "counts":
             assert self.cache is not None
             counts = self.cache.index.counts
-            self._reply(ident, rid, ok=True, counts=[counts.get(u) for u in get_field(header, "urls", list)])
+            self._reply(ident, rid, ok=True, counts=[counts.get(u) for u in strings(header, "urls")])
             return
         name = get_field(header, "reader", str)
         reader = self.readers.get(name)
@@ -656,7 +665,9 @@ class Agent:
             self._reply(ident, rid, ok=True)
         elif op == "report":
             if reader is not None:
-                self.consumers[name] = _with_fraction(self.consumers.get(name), header, "wait_s", "waiting")
+                known = self.consumers.get(name, {})
+                report = {"job": known.get("job"), "rank": known.get("rank"), **numbers(header, REPORT_FIELDS)}
+                self.consumers[name] = _with_fraction(known, report, "wait_s", "waiting")
             self._reply(ident, rid, ok=reader is not None, error="unknown reader; say hello first")
         elif op == "ping":
             self._reply(ident, rid, ok=True)
@@ -711,7 +722,7 @@ class Agent:
     def _put_urls(self, name: str, header: dict[str, Any]) -> str | None:
         """A page of a consumer's own list; returns an error or None."""
         offset = get_field(header, "offset", int)
-        page = get_field(header, "urls", list)
+        page = strings(header, "urls")
         got = self._uploads.setdefault(name, [])
         if offset != len(got):
             self._uploads.pop(name, None)

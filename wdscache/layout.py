@@ -30,7 +30,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 def shard_name(url: str) -> str:
     """The cache file name of ``url``: unique per URL, readable, filesystem-safe."""
-    digest = hashlib.sha256(url.encode("utf-8", "surrogateescape")).hexdigest()
+    # surrogatepass: any str (even a lone surrogate from a hostile peer) has a name.
+    digest = hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()
     tail = _UNSAFE.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-60:]
     return f"{digest[:32]}-{tail}" if tail else digest[:32]
 

@@ -197,6 +197,10 @@ class _Worker:
                                 "reason": exc.reason, "offset": exc.offset, "url": exc.url})
         except ProtocolError as exc:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol", "error": str(exc)})
+        except Exception as exc:  # one bad request must never take the worker down
+            log.exception("worker %d: error serving a request", self.spec.index)
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol",
+                                "error": f"internal error: {type(exc).__name__}"})
 
     def _read(self, ident: bytes, header: dict[str, Any]) -> None:
         urls = field(header, "urls", list)

@@ -34,8 +34,8 @@ def unpack(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER}")
     try:
         header = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ProtocolError(f"header is not UTF-8 JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ProtocolError(f"header is not UTF-8 JSON: {type(exc).__name__}") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise ProtocolError("header must be a JSON object with an 'op' string")
     return header, list(frames[1:])
@@ -52,6 +52,23 @@ def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], defa
     if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
         raise ProtocolError(f"{header.get('op')!r} message: {name!r} has the wrong type")
     return value
+
+
+def strings(header: dict[str, Any], name: str) -> list[str]:
+    """``header[name]`` checked to be a list of strings."""
+    value = field(header, name, list)
+    if not all(isinstance(v, str) for v in value):
+        raise ProtocolError(f"{header.get('op')!r} message: {name!r} must hold strings only")
+    return value
+
+
+def numbers(header: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
+    """The fields of ``names`` that ``header`` has, each checked to be a number."""
+    out = {}
+    for name in names:
+        if name in header:
+            out[name] = field(header, name, (int, float))
+    return out
 
 
 def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
