@@ -4,13 +4,7 @@
 # epoch to two consumer processes of one job and show `wdscache stats`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${WDSCACHE_VENV:-.venv}
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
-PY="$VENV/bin/python"
-WDS="$VENV/bin/wdscache"
+. scripts/venv.sh
 
 DEMO=$(mktemp -d /tmp/wdscache-demo.XXXXXX)
 pids=()

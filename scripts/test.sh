@@ -4,9 +4,5 @@
 # works on a clean clone. Soak tests (tests/soak/) are left to scripts/soak.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${WDSCACHE_VENV:-.venv}
-if [ ! -x "$VENV/bin/python" ]; then
-    python3 -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test]"
-exec "$VENV/bin/python" -m pytest --ignore=tests/soak "$@"
+. scripts/venv.sh
+exec "$PY" -m pytest --ignore=tests/soak "$@"

@@ -57,6 +57,7 @@ FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is r
 DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long
 STARTUP_READER = "(start-up plan)"
 MAX_MESSAGE = 1 << 20
+FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes")
 URL_PAGE = 5000  # URLs per list page: a page stays far below MAX_MESSAGE
@@ -579,9 +580,9 @@ class Agent:
         self._rate_samples.append((now, total))
         while self._rate_samples and now - self._rate_samples[0][0] > RATE_WINDOW:
             self._rate_samples.popleft()
-        if now - self._last_flush > 30.0 and self.cache is not None:
-            self.cache.index.flush_reads()
+        if now - self._last_flush > FLUSH_EVERY and self.cache is not None:
             self._last_flush = now
+            self.cache.index.flush()
 
     # -- the control socket ---------------------------------------------------
 
@@ -602,8 +603,9 @@ class Agent:
                 self._handle(ident, header)
             except ProtocolError as exc:
                 self._reply(ident, rid, ok=False, error=str(exc))
-            except IndexWriteError:
-                raise
+            except IndexWriteError as exc:
+                self._reply(ident, rid, ok=False, error=f"{exc}; try again shortly")
+                self._index_full(exc)
             except Exception as exc:  # one bad message must never take the agent down
                 log.exception("error handling a message")
                 self._reply(ident, rid, ok=False, error=f"internal error: {type(exc).__name__}")

@@ -292,7 +292,10 @@ class ShardCache:
             self.pins.pop(url, None)
 
     def close(self) -> None:
-        self.index.flush_reads()
+        try:
+            self.index.flush()
+        except IndexWriteError as exc:
+            log.warning("last counters and read times not saved: %s", exc)
         self.index.close()
 
 

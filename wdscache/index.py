@@ -137,6 +137,7 @@ class Index:
         self.records: dict[str, ShardRecord] = {}
         self.summary = Summary()
         self._unsaved_reads: set[str] = set()
+        self._unsaved_counts: dict[str, int] = {}
         # Samples per shard, kept after eviction: resuming or len() must not need a download.
         self.counts: dict[str, int] = {}
         if load:
@@ -221,17 +222,6 @@ class Index:
             rec.reads += 1
             self._unsaved_reads.add(url)
 
-    def flush_reads(self) -> None:
-        """Persist the read times recorded since the last flush."""
-        if not self._unsaved_reads:
-            return
-        with self._writing():
-            for url in self._unsaved_reads:
-                rec = self.records.get(url)
-                if rec is not None:
-                    self._db.set(_SHARD + url, rec.to_json())
-        self._unsaved_reads.clear()
-
     def set_count(self, url: str, samples: int) -> None:
         if self.counts.get(url) != samples:
             with self._writing():
@@ -250,11 +240,24 @@ class Index:
             self._db.set(_META, json.dumps(meta))
 
     def incr(self, counter: str, delta: int = 1) -> None:
-        with self._writing():
-            self._db.incr(counter, delta, default=0)
+        """Count in memory; :meth:`flush` persists. Counters are advisory, so a full disk or
+        a crash may lose the last few seconds of them, and an open never waits on SQLite."""
+        self._unsaved_counts[counter] = self._unsaved_counts.get(counter, 0) + delta
 
     def counters(self) -> dict[str, int]:
-        return {name: int(self._db.get(name, 0)) for name in COUNTERS}
+        return {name: int(self._db.get(name, 0)) + self._unsaved_counts.get(name, 0) for name in COUNTERS}
+
+    def flush(self) -> None:
+        """Persist counters and read times recorded in memory (IndexWriteError keeps them pending)."""
+        with self._writing():
+            for name, delta in self._unsaved_counts.items():
+                self._db.incr(name, delta, default=0)
+            for url in self._unsaved_reads:
+                rec = self.records.get(url)
+                if rec is not None:
+                    self._db.set(_SHARD + url, rec.to_json())
+        self._unsaved_counts.clear()
+        self._unsaved_reads.clear()
 
 
 def read_summary(directory: Path) -> tuple[dict, dict[str, int], dict]:
