@@ -20,7 +20,7 @@ from conftest import wait_for  # noqa: E402
 from test_stream import Consumer, reference, samples_of  # noqa: E402
 
 SEED = int(os.environ.get("WDSCACHE_SOAK_SEED", "1234"))
-EPOCHS = int(os.environ.get("WDSCACHE_SOAK_EPOCHS", "4"))
+EPOCHS = int(os.environ.get("WDSCACHE_SOAK_EPOCHS", "10"))
 JOBS, RANKS = 3, 2
 FAULTS_PER_EPOCH = 6
 
