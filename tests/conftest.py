@@ -306,3 +306,21 @@ def agent(start_agent: Callable[..., AgentProc]) -> Callable[..., AgentProc]:
 def run_cli() -> Callable[..., subprocess.CompletedProcess[str]]:
     """``run_cli(*args, timeout=30, env=None) -> CompletedProcess`` of the ``wdscache`` command."""
     return run_wdscache
+
+
+@pytest.fixture
+def consumers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """Factory ``consumers(cache_dir, name, *consumer_args) -> streaming.Consumer``; all killed at teardown."""
+    from streaming import Consumer
+
+    started: list[Consumer] = []
+
+    def start(cache_dir: Path, name: str, *args: str) -> Consumer:
+        c = Consumer(tmp_path, cache_dir, name, *args)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        if c.proc.poll() is None:
+            c.kill()

@@ -30,8 +30,9 @@ import pytest
 import zmq
 
 from conftest import AgentProc, stop_process, wait_for
+from procs import alive, children_of, cmdline, worker_pids
 from shards import make_shard, synth_samples, write_url_list
-from test_stream import Consumer, consumers, reference, samples_of, state_of  # noqa: F401 (fixture)
+from streaming import Consumer, reference, samples_of, state_of
 from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardError, WdsCacheError
 from wdscache import errors as wds_errors
 from wdscache.layout import CacheLayout, shard_name
@@ -107,42 +108,9 @@ def assert_epoch_exact(lines: list[dict[str, Any]], ref: dict) -> None:
     assert not dups and not missing, f"{len(dups)} duplicated, {len(missing)} missing: {dups[:3]} {missing[:3]}"
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name: state [0], ppid [1], starttime [19]."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()
 
 
-def children_of(pid: int) -> dict[int, str]:
-    """pid -> start time of every live process whose parent is ``pid``."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            f = _stat_fields(int(d))
-            if f is not None and int(f[1]) == pid and f[0] != "Z":
-                out[int(d)] = f[19]
-    return out
 
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def worker_pids(agent_pid: int) -> list[int]:
-    """The agent's sample workers: its ``spawn``ed multiprocessing children."""
-    return sorted(p for p in children_of(agent_pid) if "spawn_main" in cmdline(p))
-
-
-def alive(pid: int, starttime: str) -> bool:
-    """True while the very process (same start time) exists and is not a zombie."""
-    f = _stat_fields(pid)
-    return f is not None and f[19] == starttime and f[0] != "Z"
 
 
 def consumer_log(c: Consumer) -> str:

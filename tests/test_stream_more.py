@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from conftest import run_wdscache, stop_process, wait_for
+from procs import alive, children_of, cmdline, rss_kib, worker_pids
 from shards import make_shard, synth_samples, write_url_list
-from test_stream import reference
+from streaming import reference
 from wdscache import CachedMultiLoader, FetchError, ShardError, WdsCacheError
 from wdscache.layout import CacheLayout
 
@@ -99,48 +100,10 @@ def loader(cache: Path | None, job: str, **kw: Any) -> CachedMultiLoader:
     return CachedMultiLoader(kw.pop("urls", None), cache_dir=cache, job=job, **kw)
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat after the command name (state is [0], ppid [1], starttime [19])."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()
 
 
-def children_of(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            f = _stat_fields(int(d))
-            if f is not None and int(f[1]) == pid:
-                out.append(int(d))
-    return sorted(out)
 
 
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def worker_pids(agent_pid: int) -> list[int]:
-    """The agent's sample workers: its ``spawn``ed multiprocessing children."""
-    return [p for p in children_of(agent_pid) if "spawn_main" in cmdline(p)]
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no VmRSS for pid {pid}")
-
-
-def alive(pid: int, starttime: str) -> bool:
-    """True while the very process (same start time) exists and is not a zombie."""
-    f = _stat_fields(pid)
-    return f is not None and f[19] == starttime and f[0] != "Z"
 
 
 def free_port_range(n: int) -> int:
@@ -587,8 +550,7 @@ def test_workers_do_not_outlive_a_killed_agent(tmp_path, dataset, start_agent):
     agent = start_agent(cache, data.list_file, "--prefetch", "2", "--workers", "3")
     workers = wait_for(lambda: (lambda w: w if len(w) == 3 else None)(worker_pids(agent.pid)), 10,
                        lambda: f"agent children: {[(p, cmdline(p)) for p in children_of(agent.pid)]}")
-    children = {p: _stat_fields(p) for p in children_of(agent.pid)}
-    starts = {p: f[19] for p, f in children.items() if f is not None}
+    starts = children_of(agent.pid)  # pid -> start time
     assert set(workers) <= set(starts)
     agent.proc.send_signal(signal.SIGKILL)
     agent.proc.wait(10)

@@ -27,7 +27,6 @@ import threading
 import time
 import uuid
 from collections import deque
-from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zmq

@@ -10,14 +10,14 @@ import os
 import random
 import signal
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import wait_for  # noqa: E402
-from test_stream import Consumer, reference, samples_of  # noqa: E402
+from procs import children_of, rss_kib, worker_pids  # noqa: E402
+from streaming import Consumer, reference, samples_of  # noqa: E402
 
 SEED = int(os.environ.get("WDSCACHE_SOAK_SEED", "1234"))
 EPOCHS = int(os.environ.get("WDSCACHE_SOAK_EPOCHS", "10"))
@@ -25,29 +25,8 @@ JOBS, RANKS = 3, 2
 FAULTS_PER_EPOCH = 6
 
 
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def rss_mb(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
+    return sum(rss_kib(p) for p in pids) / 1024
 
 
 def inject(server, names: list[str], rng: random.Random) -> int:
@@ -87,7 +66,7 @@ def test_soak(tmp_path, shard_server, dataset, start_agent):
             # Kill one worker mid-epoch: its requests go to its replacement.
             wait_for(lambda: any(r.out.exists() and r.out.stat().st_size > 0 for r in runs.values()), 60,
                      "no consumer started reading")
-            os.kill(children(agent.pid)[0], signal.SIGKILL)
+            os.kill(worker_pids(agent.pid)[0], signal.SIGKILL)
             figures["workers killed"] += 1
         results = {k: samples_of(r.wait(timeout=240)) for k, r in runs.items()}
         for job in range(JOBS):
@@ -100,7 +79,7 @@ def test_soak(tmp_path, shard_server, dataset, start_agent):
                 for s in p:
                     assert s["fields"] == ref[(s["url"], s["key"])], f"payload differs: {s['url']} {s['key']}"
                     figures["samples checked"] += 1
-        memory.append(rss_mb([agent.pid, *children(agent.pid)]))
+        memory.append(rss_mb([agent.pid, *children_of(agent.pid)]))
         if epoch in (0, 1):
             # SIGKILL the agent between epochs and start a new one on the same cache.
             agent.stop(signal.SIGKILL)

@@ -1,0 +1,55 @@
+"""Looking at processes through /proc, for tests that kill agents, workers and consumers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: state [0], ppid [1], starttime [19]."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """pid -> start time of every live (not zombie) process whose parent is ``pid``."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            f = stat_fields(int(d))
+            if f is not None and int(f[1]) == pid and f[0] != "Z":
+                out[int(d)] = f[19]
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def worker_pids(agent_pid: int) -> list[int]:
+    """The agent's sample workers: its ``spawn``ed multiprocessing children."""
+    return sorted(p for p in children_of(agent_pid) if "spawn_main" in cmdline(p))
+
+
+def alive(pid: int, starttime: str) -> bool:
+    """True while the very process (same start time) exists and is not a zombie."""
+    f = stat_fields(pid)
+    return f is not None and f[19] == starttime and f[0] != "Z"
+
+
+def rss_kib(pid: int) -> int:
+    """Resident memory of ``pid`` (0 once it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0

@@ -1,0 +1,60 @@
+"""Consumers as real processes (tests/consumer.py), and the reference samples they are checked against."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import webdataset as wds
+
+from conftest import stop_process
+
+CONSUMER = Path(__file__).with_name("consumer.py")
+DEADLINE = 90.0
+
+
+def reference(paths: list[Path], urls: list[str]) -> dict[tuple[str, str], dict[str, str]]:
+    """(url, key) -> {ext: sha256} as webdataset's reader yields them."""
+    out = {}
+    for path, url in zip(paths, urls):
+        for sample in wds.WebDataset(str(path), shardshuffle=False):
+            fields = {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+            out[(url, sample["__key__"])] = fields
+    return out
+
+
+class Consumer:
+    def __init__(self, tmp: Path, cache_dir: Path, name: str, *args: str) -> None:
+        self.out = tmp / f"{name}.jsonl"
+        self.log = tmp / f"{name}.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(CONSUMER), "--cache-dir", str(cache_dir), "--out", str(self.out), *args],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+
+    def wait(self, timeout: float = DEADLINE) -> list[dict[str, Any]]:
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            stop_process(self.proc, signal.SIGKILL, 5)
+            pytest.fail(f"consumer did not finish in {timeout}s\n{self.log.read_text()[-3000:]}", pytrace=False)
+        assert rc == 0, f"consumer exited {rc}\n{self.log.read_text()[-3000:]}"
+        return [json.loads(line) for line in self.out.read_text().splitlines()]
+
+    def kill(self) -> None:
+        stop_process(self.proc, signal.SIGKILL, 5)
+
+
+def samples_of(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [line for line in lines if "key" in line]
+
+
+def state_of(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    return lines[-1]["state"]
