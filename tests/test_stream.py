@@ -75,23 +75,30 @@ def test_sequence_does_not_depend_on_agent_workers(tmp_path, dataset, start_agen
     assert seqs[0][0] != seqs[0][1]
 
 
-@pytest.mark.parametrize("world_after", [3, 1])
-def test_resume_mid_epoch_on_same_or_other_world_size(tmp_path, dataset, start_agent, consumers, world_after):
+@pytest.mark.parametrize("world_before,world_after", [(3, 3), (3, 1), (2, 3)])
+def test_resume_mid_epoch_on_same_or_other_world_size(tmp_path, dataset, start_agent, consumers,
+                                                      world_before, world_after):
     data = dataset(6, samples=6, payload=600)  # 36 samples
     cache = tmp_path / "cache"
     start_agent(cache, data.list_file, "--prefetch", "6")
-    first = [consumers(cache, f"p{r}", "--rank", str(r), "--world-size", "3", "--stop-after", "5")
-             for r in range(3)]
+    first = [consumers(cache, f"p{r}", "--rank", str(r), "--world-size", str(world_before), "--stop-after", "5")
+             for r in range(world_before)]
     before = [c.wait() for c in first]
     state = state_of(before[0])
-    assert state["position"] == 15 and state["epoch"] == 0
+    assert state["position"] == 5 * world_before and state["epoch"] == 0
     assert all(state_of(b) == state for b in before)
     second = [consumers(cache, f"q{r}", "--job", "resumed", "--rank", str(r), "--world-size", str(world_after),
                         "--resume", json.dumps(state)) for r in range(world_after)]
     after = [samples_of(c.wait()) for c in second]
     delivered = Counter((s["url"], s["key"]) for b in before for s in samples_of(b))
-    delivered.update((s["url"], s["key"]) for a in after for s in a)
-    assert len(delivered) == 36 and all(n == 1 for n in delivered.values())
+    assert all(n == 1 for n in delivered.values())
+    resumed = Counter((s["url"], s["key"]) for a in after for s in a)
+    assert set(resumed) | set(delivered) == set(reference(data.paths, data.urls))  # nothing is missed
+    remaining = 36 - state["position"]
+    padding = -remaining % world_after  # wrapped repeats that even out the last row
+    assert sum(resumed.values()) == remaining + padding
+    repeats = sum(resumed.values()) - len(set(resumed) - set(delivered))
+    assert repeats == padding  # every remaining sample once; only the padding repeats
     assert len({len(a) for a in after}) == 1  # equal counts
 
 

@@ -46,7 +46,7 @@ from .lock import AgentLock
 from .plan import Reader, wanted
 from .pool import WorkerPool
 from .protocol import field as get_field
-from .protocol import numbers, pack, strings, unpack
+from .protocol import numbers, pack, pages, strings, unpack
 from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,6 @@ MAX_MESSAGE = 1 << 20
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes")
-URL_PAGE = 5000  # URLs per list page: a page stays far below MAX_MESSAGE
 MAX_JOB_LISTS = 16
 MAX_JOB_URLS = 10_000_000
 
@@ -287,6 +286,10 @@ class Agent:
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
         if self.cache is not None:
+            try:
+                self._drain_events()  # a download that completed meanwhile is recorded, not orphaned
+            except IndexWriteError as exc:
+                log.warning("could not record the last downloads: %s", exc)
             for d in list(self._active.values()):
                 self.cache.abandon(d)
         self._active.clear()
@@ -349,6 +352,9 @@ class Agent:
         if kind == "reserve":
             self._grants.append(value)
             return
+        if kind == "validator":
+            self.cache.set_validator(d.url, value)
+            return
         if kind == "verified":
             self._verified_event(d.url, value)
         elif kind == "done":
@@ -379,8 +385,10 @@ class Agent:
     def _verified_event(self, url: str, now: Any) -> None:
         """A cached shard from an earlier run was compared with its source."""
         assert self.cache is not None
+        self.cache.unpin(url)
         rec = self.cache.index.get(url)
         if rec is None or rec.state is not ShardState.CACHED:
+            self._demanded.setdefault(url, time.monotonic())  # gone meanwhile: its waiters need it
             return
         changed = None
         if now is None:
@@ -401,8 +409,10 @@ class Agent:
         self._demanded.setdefault(url, time.monotonic())  # its waiters get the new copy
 
     def _revalidate(self, url: str) -> None:
+        assert self.cache is not None
         if url in self._active:
             return
+        self.cache.pin(url)  # not evicted while we ask; unpinned when the answer comes
         d = Download(url, partial=self.layout.partial_path(url), final=self.layout.shard_path(url),
                      reserve=self._reserve, verify=True)
         self._active[url] = d
@@ -455,6 +465,7 @@ class Agent:
             reserve=self._reserve,
             etag=rec.etag if rec else None,
             demanded=url in self._demanded,
+            on_validator=lambda d: self._events.put(("validator", d, d.etag)),
         )
         self.cache.begin(d)
         self._active[url] = d
@@ -551,11 +562,11 @@ class Agent:
             if url in gone:
                 self._demanded.pop(url)
                 self._answer_waiters(url, error="removed from the agent's URL list")
-        # Positions refer to the old list; readers restart their windows on the new one.
-        self.readers = {
-            name: Reader(name, len(new), seed=r.seed, shuffle=r.shuffle, epoch=r.epoch)
-            for name, r in self.readers.items()
-        }
+        # Positions in the agent's list refer to the old list: those readers start over on
+        # the new one. Readers keep their pins and their own windows.
+        for r in self.readers.values():
+            if r.ahead is None:
+                r.n_shards, r.position = len(new), 0
         self._startup = self._startup_reader()
 
     def _expire_readers(self) -> None:
@@ -630,7 +641,10 @@ class Agent:
             return
         if op == "counted":
             assert self.cache is not None
-            self.cache.index.set_count(get_field(header, "url", str), get_field(header, "samples", int))
+            url, samples = get_field(header, "url", str), get_field(header, "samples", int)
+            # Only for shards cached here (a worker just scanned it); anything else is noise.
+            if samples >= 0 and self.cache.is_cached(url):
+                self.cache.index.set_count(url, samples)
             return
         if op == "corrupt":
             assert self.cache is not None
@@ -656,8 +670,8 @@ class Agent:
             self._reply(ident, rid, ok=error is None, error=error)
         elif op == "get_urls":
             offset = get_field(header, "offset", int)
-            limit = min(get_field(header, "limit", int), URL_PAGE)
-            self._reply(ident, rid, ok=True, list_id=self._list_id, urls=list(self.urls.urls[offset : offset + limit]))
+            page = next(pages(self.urls.urls, max(0, offset)), (offset, []))[1]
+            self._reply(ident, rid, ok=True, list_id=self._list_id, urls=page)
         elif op == "open":
             ahead = get_field(header, "ahead", list, None)
             wait = get_field(header, "wait", bool, True)
@@ -712,6 +726,7 @@ class Agent:
             return
         self.jobs[job] = {"world_size": world}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
+        self._drop_reader(name)
         self.readers[name] = Reader(name, ahead=[])
         self.consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
         self._reply(

@@ -19,6 +19,7 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -147,6 +148,12 @@ class ShardCache:
         old = self.index.get(d.url)
         self.index.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.etag))
         self.inflight[d.url] = d
+
+    def set_validator(self, url: str, etag: str | None) -> None:
+        """Record the version a download is fetching, so that a restart resumes it only if unchanged."""
+        rec = self.index.get(url)
+        if rec is not None and rec.state is ShardState.DOWNLOADING and rec.etag != etag:
+            self.index.put(dataclasses.replace(rec, etag=etag))
 
     def finish(self, d: Download, size: int, etag: str | None) -> None:
         """``d`` was published under shards/: it is cached now."""

@@ -127,7 +127,12 @@ class ShardClient:
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
         """Wait until ``url`` is cached and pin it; returns the shard's local path."""
-        reply = self._conn.request({"op": "open", "reader": self.name, "url": url}, timeout=timeout)
+        header = {"op": "open", "reader": self.name, "url": url}
+        if timeout is None:
+            # A download may take long; the agent's answers to pings show it is alive (and keep us).
+            reply = self._conn.request_patiently(header, liveness=min(self._conn.timeout, 30.0))
+        else:
+            reply = self._conn.request(header, timeout=timeout)
         if not reply.get("ok"):
             raise FetchError(url, str(reply.get("error", "unknown error")), permanent=True)
         return Path(reply["path"])

@@ -66,6 +66,7 @@ class Download:
     reserved: int = 0
     demanded: bool = False
     verify: bool = False  # only ask the source whether the cached copy is still current
+    on_validator: Callable[["Download"], None] = lambda d: None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -154,6 +155,11 @@ class Fetcher:
             raise FetchError(d.url, f"cannot fetch scheme {scheme!r}", permanent=True)
         if d.cancel.is_set():
             raise Cancelled(d.url)
+        with open(d.partial, "rb") as f:
+            # Again on the whole file: a resumed download skipped the check on its first bytes.
+            problem = tar_problem(f.read(HEAD_BYTES))
+        if problem:
+            raise FetchError(d.url, problem, permanent=True)
         self._publish(d)
         return Fetched(size, etag)
 
@@ -188,11 +194,15 @@ class Fetcher:
 
     def _http_attempt(self, d: Download) -> int:
         offset = d.written
+        if offset and not d.etag:
+            # Without an ETag we cannot tell whether the object changed since these bytes came:
+            # splicing two versions would publish a wrong shard, so start over.
+            _truncate(d.partial)
+            offset = d.written = 0
         headers = {"Accept-Encoding": "identity"}
         if offset:
             headers["Range"] = f"bytes={offset}-"
-            if d.etag:
-                headers["If-Range"] = d.etag
+            headers["If-Range"] = d.etag
         with self._session().get(d.url, headers=headers, stream=True, timeout=self.timeout) as r:
             status = r.status_code
             if status in PERMANENT_STATUS:
@@ -216,7 +226,10 @@ class Fetcher:
                 total = int(length) if length and length.isdigit() else None
             else:
                 raise FetchError(d.url, f"unexpected HTTP {status} {r.reason}", status=status, permanent=True)
-            d.etag = r.headers.get("ETag") or d.etag
+            etag = r.headers.get("ETag")
+            if etag and etag != d.etag:
+                d.etag = etag
+                d.on_validator(d)  # recorded in the index, so a restart can resume safely
             if total is not None:
                 d.expected_size = total
                 if not d.reserve(d, total, HOLD_CONNECTION):
@@ -239,9 +252,13 @@ class Fetcher:
                 total = st.st_size
                 d.expected_size = total
                 offset = _size_of(d.partial)
-                if offset > total:
-                    _truncate(d.partial)
+                tag = f"{st.st_size}-{st.st_mtime_ns}"
+                if offset > total or (offset and d.etag != tag):
+                    _truncate(d.partial)  # the file changed since the partial copy was made
                     offset = 0
+                if d.etag != tag:
+                    d.etag = tag
+                    d.on_validator(d)
                 d.written = offset
                 d.reserve(d, total, None)
                 f.seek(offset)

@@ -33,7 +33,7 @@ import zmq
 
 from .client import AgentConnection, resolve_endpoint, start_hint
 from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
-from .protocol import pack, unpack
+from .protocol import pack, pages, unpack
 from .sequence import EpochSpec, SampleId, global_sequence, rank_length
 from .private import PrivateAgent, agent_answers
 from .urls import format_url_list, list_id, parse_url_list, read_url_list
@@ -41,7 +41,7 @@ from .urls import format_url_list, list_id, parse_url_list, read_url_list
 log = logging.getLogger(__name__)
 
 REPORT_EVERY = 1.0
-URL_PAGE = 5000  # URLs per message when a list is sent or fetched
+MAX_RESENDS = 3  # a request no worker answers this often fails instead of retrying forever
 STATE_VERSION = 1
 
 
@@ -176,9 +176,8 @@ class CachedMultiLoader:
             request["list_id"] = self._own_list_id
         hello = conn.request(request)
         if hello.get("need_urls") and self.urls is not None:
-            for offset in range(0, len(self.urls), URL_PAGE):
-                page = conn.request({"op": "put_urls", "reader": name, "offset": offset,
-                                     "urls": list(self.urls[offset : offset + URL_PAGE])})
+            for offset, chunk in pages(self.urls):
+                page = conn.request({"op": "put_urls", "reader": name, "offset": offset, "urls": chunk})
                 if not page.get("ok"):
                     raise WdsCacheError(f"the agent at {self.endpoint} refused the URL list: {page.get('error')}")
             hello = conn.request(request)
@@ -190,7 +189,7 @@ class CachedMultiLoader:
         if key not in self._agent_lists:
             urls: list[str] = []
             while len(urls) < int(hello.get("n_urls", 0)):
-                page = conn.request({"op": "get_urls", "reader": name, "offset": len(urls), "limit": URL_PAGE})
+                page = conn.request({"op": "get_urls", "reader": name, "offset": len(urls)})
                 if page.get("list_id") != key or not page.get("urls"):
                     raise WdsCacheError("the agent's URL list changed while it was being read; try again")
                 urls.extend(page["urls"])
@@ -244,15 +243,13 @@ class CachedMultiLoader:
             _, urls = self._session(conn, name)
             conn.request({"op": "bye", "reader": name})
             counts: list[Any] = []
-            for offset in range(0, len(urls), URL_PAGE):
-                page = list(urls[offset : offset + URL_PAGE])
-                counts.extend(conn.request({"op": "counts", "urls": page}).get("counts", []))
+            for _, chunk in pages(urls):
+                counts.extend(conn.request({"op": "counts", "urls": chunk}).get("counts", []))
         finally:
             conn.close()
         if not urls or any(c is None for c in counts):
             raise TypeError("length unknown until every shard has been read once")
-        per_rank = rank_length(sum(counts), self.world_size, self.drop_last) - self._start // self.world_size
-        per_rank = max(0, per_rank)
+        per_rank = rank_length(max(0, sum(counts) - self._start), self.world_size, self.drop_last)
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)
@@ -283,7 +280,7 @@ class _Stream:
         self.list_id = str(hello.get("list_id")) if loader.urls is None else loader._own_list_id
         self.prefetch = int(hello.get("prefetch", 8))
         self.spec = EpochSpec(len(self.urls), loader.seed, epoch, loader.shuffle, loader.shuffle_buffer)
-        self.start = start - start % loader.world_size
+        self.start = start  # any position: a checkpoint from another world size need not divide
         self.delivered = 0  # samples handed to the user (not merely received: map/batch look ahead)
         self.order = self.spec.order()
         self.next_order = EpochSpec(len(self.urls), loader.seed, epoch + 1, loader.shuffle).order()
@@ -305,6 +302,7 @@ class _Stream:
         self.pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int]] = {}  # seq -> (items, sent, rid, worker)
         self.done: dict[int, list[dict[str, Any]]] = {}
         self.rids: dict[str, int] = {}
+        self.resends: dict[int, int] = {}
         self.batch: list[tuple[int, SampleId]] = []  # items of the next request, their shards pinned
         self.seq_next = 0
         self.calls: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
@@ -424,28 +422,30 @@ class _Stream:
     def _global(self) -> Iterator[SampleId]:
         for sid in global_sequence(self.spec, self.count):
             self.remaining[sid[0]] -= 1
+            if not self.remaining[sid[0]]:
+                self._release(sid[0])  # no rank needs it any more (ours may still read it: see _release)
             yield sid
 
     def _owned(self) -> Iterator[tuple[int, SampleId]]:
         """(global position, id) of this rank's samples from ``start``, padded or cut at the end."""
         W, r = self.loader.world_size, self.loader.rank
         first: list[SampleId] = []
-        row: list[SampleId] = []
+        row: list[SampleId] = []  # positions start + kW ... start + kW + W - 1
         pos = 0
         for sid in self._global():
             if len(first) < W:
                 first.append(sid)
-            row.append(sid)
-            if len(row) == W:
-                # Rows before the resume position cost counts only, never payloads.
-                if pos >= self.start:
-                    yield pos + r, row[r]
-                pos += W
-                row = []
-        if row and not self.loader.drop_last and pos >= self.start:
+            # Positions before the resume position cost counts only, never payloads.
+            if pos >= self.start:
+                row.append(sid)
+                if len(row) == W:
+                    yield pos - W + 1 + r, row[r]
+                    row = []
+            pos += 1
+        if row and not self.loader.drop_last:
             # Pad the last row by wrapping around to the start of the sequence.
             fill = row + [first[i % len(first)] for i in range(W - len(row))]
-            yield pos + r, fill[r]
+            yield pos - len(row) + r, fill[r]
 
     def samples(self) -> Iterator[dict[str, Any]]:
         try:
@@ -545,6 +545,10 @@ class _Stream:
                 # The worker may have died with our request: ask another (or its replacement),
                 # unless the agent itself is gone (then this raises a clear error, no hang).
                 self.conn.request({"op": "ping", "reader": self.name})
+                self.resends[seq] = self.resends.get(seq, 0) + 1
+                if self.resends[seq] > MAX_RESENDS:
+                    url = self.urls[items[0][1][0]]
+                    raise ShardError(url, f"no worker answered {MAX_RESENDS + 1} times; a worker may die reading it")
                 log.info("request to worker %d timed out; resending", w)
                 del self.rids[rid]
                 del self.pending[seq]

@@ -12,11 +12,24 @@ Requests carry an ``id`` chosen by the client; the reply repeats it.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from .errors import ProtocolError
 
 MAX_HEADER = 1 << 20
+PAGE_BYTES = 256 << 10  # a page of URLs stays well inside MAX_HEADER, however long the URLs
+
+
+def pages(urls: Sequence[str], start: int = 0) -> Iterator[tuple[int, list[str]]]:
+    """``(offset, urls)`` pages of at most PAGE_BYTES of URL text each (at least one URL)."""
+    i = start
+    while i < len(urls):
+        size, j = 0, i
+        while j < len(urls) and (j == i or size + len(urls[j]) + 8 <= PAGE_BYTES):
+            size += len(urls[j]) + 8
+            j += 1
+        yield i, list(urls[i:j])
+        i = j
 
 
 def pack(header: dict[str, Any], *payloads: bytes | memoryview) -> list[bytes | memoryview]:
@@ -33,12 +46,16 @@ def unpack(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
     if len(raw) > MAX_HEADER:
         raise ProtocolError(f"header of {len(raw)} bytes exceeds {MAX_HEADER}")
     try:
-        header = json.loads(bytes(raw).decode("utf-8"))
+        header = json.loads(bytes(raw).decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise ProtocolError(f"header is not UTF-8 JSON: {type(exc).__name__}") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise ProtocolError("header must be a JSON object with an 'op' string")
     return header, list(frames[1:])
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
