@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import queue
-import stat
 import threading
 import time
 from collections import deque
@@ -41,11 +40,12 @@ from .errors import ConfigError, FetchError, ProtocolError
 from .fetch import Cancelled, DiskFull, Download, Fetcher
 from .cache import INDEX_HEADROOM
 from .index import IndexWriteError, ShardState
-from .layout import CacheLayout
+from .layout import CacheLayout, write_private
 from .lock import AgentLock
 from .plan import Reader, wanted
 from .pool import WorkerPool
 from .protocol import field as get_field
+from .stats import build, jobs_view, public, with_fraction
 from .protocol import numbers, pack, pages, strings, unpack
 from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
@@ -164,7 +164,7 @@ class Agent:
         self._urls_signature = _stat_signature(cfg.urls)
         self.urls = _read_list(cfg)
         self._list_id = list_id(self.urls.urls)
-        _prepare_dir(self.layout.root)
+        self.layout.prepare()
         os.umask(0o077)  # every file and socket we create is private to this user
         self._lock.acquire()
         try:
@@ -199,6 +199,9 @@ class Agent:
             done["adopted"] += self.cache.adopt(self.urls.urls)
         if any(done.values()):
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in done.items() if v))
+        if self.cache.used > self.cache.limit:
+            # Restarted with a smaller --cache-size: shrink to it before anything else.
+            self.cache.evict(self.cache.used - self.cache.limit, wanted=first, allow_window=True)
         self._check_budget(first)
         self.cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
 
@@ -248,7 +251,7 @@ class Agent:
 
     def _write_state(self) -> None:
         state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
-        _write_atomic(self.layout.state_path, json.dumps(state).encode())
+        write_private(self.layout.state_path, json.dumps(state).encode())
 
     def _start_threads(self) -> None:
         for i in range(self.config.download_workers):
@@ -428,16 +431,35 @@ class Agent:
                 log.info("no longer wanted, abandoning %s", url)
                 d.cancel.set()
         for url in want:
-            if len(self._active) >= self.config.download_workers or time.monotonic() < self._paused_until:
+            if time.monotonic() < self._paused_until:
                 break
             if url in self._active or self.cache.is_cached(url):
                 continue
             rec = self.cache.index.get(url)
             if rec is not None and rec.state is ShardState.FAILED:
                 continue
+            if len(self._active) >= self.config.download_workers:
+                if url in self._demanded:
+                    self._preempt()
+                break
             self._start_download(url)
         self._answer_grants(want)
         self.cache.keep_margin(want)
+
+    def _preempt(self) -> None:
+        """Free a slot for a shard someone waits for: cancel a prefetch still waiting for budget.
+
+        Such a prefetch holds a slot but may not evict window shards; the demanded
+        download may, so without this both could wait for ever.
+        """
+        waiting = {g.download.url for g in self._grants}
+        if any(d.cancel.is_set() for d in self._active.values()):
+            return  # a slot is being freed already
+        for d in self._active.values():
+            if not d.demanded and not d.verify and d.url in waiting:
+                log.info("pausing the prefetch of %s for a shard a reader waits for", d.url)
+                d.cancel.set()
+                return
 
     def _wanted_urls(self) -> list[str]:
         """Shards asked for (oldest first), then the union of readers' windows by urgency."""
@@ -637,7 +659,7 @@ class Agent:
             i = get_field(header, "index", int)
             if 0 <= i < self.config.workers:
                 report = {"index": i, **numbers(header, WORKER_FIELDS)}
-                self.worker_stats[i] = _with_fraction(self.worker_stats.get(i), report, "busy_s", "busy")
+                self.worker_stats[i] = with_fraction(self.worker_stats.get(i), report, "busy_s", "busy")
             return
         if op == "counted":
             assert self.cache is not None
@@ -683,7 +705,7 @@ class Agent:
             if reader is not None:
                 known = self.consumers.get(name, {})
                 report = {"job": known.get("job"), "rank": known.get("rank"), **numbers(header, REPORT_FIELDS)}
-                self.consumers[name] = _with_fraction(known, report, "wait_s", "waiting")
+                self.consumers[name] = with_fraction(known, report, "wait_s", "waiting")
             self._reply(ident, rid, ok=reader is not None, error="unknown reader; say hello first")
         elif op == "ping":
             self._reply(ident, rid, ok=True)
@@ -846,8 +868,6 @@ class Agent:
 
     def stats(self) -> dict[str, Any]:
         """The live statistics object (see :mod:`wdscache.stats` for its fields)."""
-        from .stats import build
-
         assert self.cache is not None
         idx = self.cache.index
         counts = dict(idx.summary.counts)
@@ -872,12 +892,12 @@ class Agent:
                 "consumers": len(self.consumers),
                 "bytes_reserved": self.cache.reserved,
                 "urls": len(self.urls),
-                "workers": [_public(self.worker_stats.get(i, {"index": i})) for i in range(self.config.workers)],
+                "workers": [public(self.worker_stats.get(i, {"index": i})) for i in range(self.config.workers)],
                 "worker_restarts": self.pool.restarts if self.pool else 0,
                 "corrupt": [{"url": u, "error": e} for u, e in list(self._corrupt.items())[:100]],
                 "changed": [{"url": u, "error": e} for u, e in list(self._changed.items())[:100]],
             },
-            jobs=_jobs_view(self.consumers, self._starved_by()),
+            jobs=jobs_view(self.consumers, self._starved_by()),
         )
 
     def _starved_by(self) -> str:
@@ -888,35 +908,6 @@ class Agent:
         if busy and sum(busy) / len(busy) > 0.8:
             return "workers"
         return "latency"
-
-
-STARVED = 0.2  # a consumer waiting more than this fraction of its time is starved
-
-
-def _with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: str, name: str) -> dict[str, Any]:
-    """``report`` plus ``name``: the fraction of time since ``prev`` spent in ``total`` (seconds)."""
-    now = time.monotonic()
-    out = {**report, "seen": time.time(), "_mono": now}
-    if prev is not None and "_mono" in prev and isinstance(report.get(total), (int, float)):
-        dt = now - prev["_mono"]
-        done = report[total] - prev.get(total, 0.0)
-        out[name] = round(min(1.0, max(0.0, done / dt)), 3) if dt > 0 else 0.0
-    return out
-
-
-def _jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str) -> dict[str, dict[str, Any]]:
-    """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null)."""
-    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen")
-    jobs: dict[str, dict[str, Any]] = {}
-    for c in consumers.values():
-        view = {k: c[k] for k in keep if k in c}
-        view["starved"] = starved_by if c.get("waiting", 0.0) > STARVED else None
-        jobs.setdefault(str(c.get("job")), {})[str(c.get("rank"))] = view
-    return jobs
-
-
-def _public(report: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in report.items() if not k.startswith("_") and k not in ("op", "id")}
 
 
 def _read_list(cfg: AgentConfig) -> UrlList:
@@ -934,32 +925,3 @@ def _stat_signature(path: Path) -> tuple[int, ...] | None:
     except OSError:
         return None
     return (st.st_ino, st.st_size, st.st_mtime_ns)
-
-
-def _prepare_dir(root: Path) -> None:
-    """Create the cache directory private (0700), or check that an existing one is ours."""
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = root.stat()
-    if st.st_uid != os.getuid():
-        raise ConfigError(
-            f"cache directory {root} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
-            "use a directory of your own"
-        )
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ConfigError(
-            f"cache directory {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
-            f"run 'chmod 700 {root}' or use another directory"
-        )
-    if st.st_mode & 0o077:
-        root.chmod(0o700)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)

@@ -26,6 +26,7 @@ from typing import Callable
 from urllib.parse import unquote, urlsplit
 
 import requests
+import urllib3
 
 from .errors import FetchError
 from .tario import tar_problem
@@ -178,7 +179,8 @@ class Fetcher:
                 if not exc.counts:
                     continue
                 reason, delay = exc.reason, exc.delay
-            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as exc:
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                    urllib3.exceptions.HTTPError, OSError) as exc:
                 reason, delay = f"{type(exc).__name__}: {_short(exc)}", None
             if _size_of(d.partial) > before:
                 failures = 0  # progress was made: only consecutive failures count
@@ -237,7 +239,8 @@ class Fetcher:
                     r.close()
                     d.reserve(d, total, None)
                     raise _Retry("waited for cache space", 0.0, counts=False)
-            self._write_body(d, r.iter_content(CHUNK), total, check_head=offset == 0)
+            # The bytes as stored: a server's Content-Encoding is not ours to undo.
+            self._write_body(d, r.raw.stream(CHUNK, decode_content=False), total, check_head=offset == 0)
             if total is not None and d.written != total:
                 raise _Retry(f"got {d.written} of {total} bytes")
             return d.written

@@ -20,8 +20,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+from .errors import ConfigError
 
 # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin for "ipc://".
 _MAX_SOCKET_PATH = 100
@@ -73,6 +76,30 @@ class CacheLayout:
     def partial_path(self, url: str) -> Path:
         return self.partial_dir / shard_name(url)
 
+    def prepare(self) -> None:
+        """Create the cache directory private (0700), or check that an existing one is ours.
+
+        Refused: a directory owned by another user, or writable by group or others
+        (someone else could plant files or links in it).
+        """
+        root = self.root
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(root)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"cache directory {root} is not a directory (a link?); use a real directory")
+        if st.st_uid != os.getuid():
+            raise ConfigError(
+                f"cache directory {root} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+                "use a directory of your own"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                f"cache directory {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"run 'chmod 700 {root}' or use another directory"
+            )
+        if st.st_mode & 0o077:
+            root.chmod(0o700)
+
     def is_cache(self) -> bool:
         """True when this directory holds a wdscache index."""
         return (self.index_dir / "cache.db").is_file()
@@ -89,6 +116,23 @@ class CacheLayout:
             return f"ipc://{path}"
         digest = hashlib.sha256(os.fsencode(self.root)).hexdigest()[:24]
         return f"ipc://{short_socket_dir()}/{digest}.sock"
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Publish ``data`` at ``path`` atomically (temp file, fsync, rename), mode 0600.
+
+    The temp file is created exclusively and links are not followed, so a link
+    planted at its name cannot redirect the write.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def short_socket_dir() -> Path:

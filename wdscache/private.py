@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .errors import WdsCacheError
-from .layout import CacheLayout
+from .layout import CacheLayout, write_private
 from .stats import ask_agent
 from .urls import format_url_list
 
@@ -33,14 +33,17 @@ def agent_answers(cache_dir: str | os.PathLike[str], timeout: float = 1.0) -> bo
 class PrivateAgent:
     def __init__(self, cache_dir: str | os.PathLike[str], urls: Sequence[str], *, timeout: float) -> None:
         layout = CacheLayout.of(cache_dir)
-        layout.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        layout.prepare()  # ours and private before anything is written into it
         self.list_file = layout.root / "private-urls.txt"
-        self.list_file.write_text(format_url_list(urls))
+        write_private(self.list_file, format_url_list(urls).encode())
         self.log_file = layout.root / "private-agent.log"
         cmd = [sys.executable, "-m", "wdscache", "agent", "--cache-dir", str(layout.root),
                "--urls", str(self.list_file), "--workers", str(min(os.cpu_count() or 1, 4))]
-        with open(self.log_file, "ab") as log_fd:
+        log_fd = os.open(self.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        try:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd)
+        finally:
+            os.close(log_fd)
         atexit.register(self.stop)
         log.info("started a private wdscache agent (pid %d) on %s", self.proc.pid, layout.root)
         deadline = time.monotonic() + timeout

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 from .client import AgentConnection
@@ -101,6 +102,36 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
         return None
     finally:
         conn.close()
+
+
+STARVED = 0.2  # a consumer waiting more than this fraction of its time is starved
+
+
+def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: str, name: str) -> dict[str, Any]:
+    """``report`` plus ``name``: the fraction of time since ``prev`` spent in ``total`` (seconds)."""
+    now = time.monotonic()
+    out = {**report, "seen": time.time(), "_mono": now}
+    if prev is not None and "_mono" in prev and isinstance(report.get(total), (int, float)):
+        dt = now - prev["_mono"]
+        done = report[total] - prev.get(total, 0.0)
+        out[name] = round(min(1.0, max(0.0, done / dt)), 3) if dt > 0 else 0.0
+    return out
+
+
+def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str) -> dict[str, dict[str, Any]]:
+    """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null)."""
+    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen")
+    jobs: dict[str, dict[str, Any]] = {}
+    for c in consumers.values():
+        view = {k: c[k] for k in keep if k in c}
+        view["starved"] = starved_by if c.get("waiting", 0.0) > STARVED else None
+        jobs.setdefault(str(c.get("job")), {})[str(c.get("rank"))] = view
+    return jobs
+
+
+def public(report: dict[str, Any]) -> dict[str, Any]:
+    """A report without its bookkeeping fields."""
+    return {k: v for k, v in report.items() if not k.startswith("_") and k not in ("op", "id")}
 
 
 def format_stats(s: dict[str, Any]) -> str:
