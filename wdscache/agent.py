@@ -61,6 +61,7 @@ FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the in
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes")
 MAX_JOB_LISTS = 16
+MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 MAX_JOB_URLS = 10_000_000
 
 
@@ -102,7 +103,6 @@ class Agent:
         self._active: dict[str, Download] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._demanded: dict[str, float] = {}  # url -> when first asked for
-        self._extra_urls: set[str] = set()  # URLs of consumers' own lists
         self._lists: dict[str, UrlList] = {}  # list_id -> a consumer's own list
         self._uploads: dict[str, list[Any]] = {}  # reader -> pages of its list received so far
         self._list_id = ""
@@ -362,6 +362,7 @@ class Agent:
             self._verified_event(d.url, value)
         elif kind == "done":
             self._verified.add(d.url)
+            self.cache.index.drop_count(d.url)  # its content may differ from the copy counted before
             self.cache.finish(d, value.size, value.etag)
             self.cache.index.incr("bytes_downloaded", value.size)
             self.cache.index.incr("downloads")
@@ -406,6 +407,8 @@ class Agent:
             return
         log.error("%s %s; downloading it again", url, changed)
         self._changed[url] = changed
+        while len(self._changed) > MAX_LISTED:
+            self._changed.pop(next(iter(self._changed)))
         self.cache.index.incr("changed")
         self.cache.remove(url)
         self.cache.index.drop_count(url)
@@ -599,6 +602,7 @@ class Agent:
                 self._drop_reader(name)
 
     def _drop_reader(self, name: str) -> None:
+        self._uploads.pop(name, None)
         r = self.readers.pop(name, None)
         if r is None or self.cache is None:
             return
@@ -674,6 +678,8 @@ class Agent:
             log.error("corrupt shard reported by a consumer: %s: %s", url, error[:500])
             self.cache.index.incr("corrupt")
             self._corrupt[url] = error[:500]
+            while len(self._corrupt) > MAX_LISTED:
+                self._corrupt.pop(next(iter(self._corrupt)))
             self._reply(ident, rid, ok=True)
             return
         if op == "counts":
@@ -727,17 +733,21 @@ class Agent:
         if not 0 <= rank < world:
             self._reply(ident, rid, ok=False, error=f"rank {rank} is not in [0, {world})")
             return
-        list_id = get_field(header, "list_id", str, None)
-        if list_id is not None and list_id not in self._lists:
-            uploaded = self._uploads.pop(name, None)
+        claimed = get_field(header, "list_id", str, None)
+        uploaded = self._uploads.pop(name, None)
+        if claimed is not None and claimed not in self._lists:
             if uploaded is None:
                 self._reply(ident, rid, ok=False, need_urls=True, error="send the list first (put_urls)")
                 return
             try:
-                self._lists[list_id] = self._job_list(uploaded)
+                parsed = self._job_list(uploaded)
             except ConfigError as exc:
                 self._reply(ident, rid, ok=False, error=str(exc))
                 return
+            if list_id(parsed.urls) != claimed:
+                self._reply(ident, rid, ok=False, error="the list sent does not match its list_id")
+                return
+            self._lists[claimed] = parsed
             while len(self._lists) > MAX_JOB_LISTS:
                 self._lists.pop(next(iter(self._lists)))
         known = self.jobs.get(job)
@@ -762,6 +772,8 @@ class Agent:
         """A page of a consumer's own list; returns an error or None."""
         offset = get_field(header, "offset", int)
         page = strings(header, "urls")
+        if name not in self._uploads and len(self._uploads) >= MAX_JOB_LISTS:
+            return "too many lists being uploaded at once; try again"
         got = self._uploads.setdefault(name, [])
         if offset != len(got):
             self._uploads.pop(name, None)
@@ -771,6 +783,10 @@ class Agent:
             return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
         got.extend(page)
         return None
+
+    def _known(self, url: str) -> bool:
+        """In the agent's list or in a list a consumer gave (only those are ever fetched)."""
+        return url in self.urls or any(url in listed for listed in self._lists.values())
 
     def _job_ranks(self, job: str) -> list[int]:
         return [c["rank"] for n, c in self.consumers.items() if c.get("job") == job and n in self.readers]
@@ -783,14 +799,13 @@ class Agent:
             if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
                 raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
         parsed = parse_url_list("\n".join(u.replace("{", "\\{").replace("}", "\\}") for u in urls))
-        self._extra_urls.update(parsed.urls)
         return parsed
 
     def _open(
         self, ident: bytes, rid: Any, name: str, url: str, ahead: list[Any] | None = None, wait: bool = True
     ) -> None:
         assert self.cache is not None
-        if url not in self.urls and url not in self._extra_urls:
+        if not self._known(url):
             self._reply(ident, rid, ok=False, error=f"{url} is not in the agent's URL list ({self.config.urls})")
             return
         reader = self.readers.get(name)
@@ -798,7 +813,7 @@ class Agent:
             # A plain client reads in list order; its window is the shards after this one.
             reader = self.readers[name] = Reader(name, len(self.urls), shuffle=False)
         if ahead is not None:
-            reader.ahead = [u for u in ahead if isinstance(u, str) and (u in self.urls or u in self._extra_urls)]
+            reader.ahead = [u for u in ahead[: self.config.prefetch] if isinstance(u, str) and self._known(u)]
         elif reader.ahead is None and url in self.urls:
             reader.advance_to(self.urls.index(url))
         rec = self.cache.index.get(url)
@@ -894,8 +909,8 @@ class Agent:
                 "urls": len(self.urls),
                 "workers": [public(self.worker_stats.get(i, {"index": i})) for i in range(self.config.workers)],
                 "worker_restarts": self.pool.restarts if self.pool else 0,
-                "corrupt": [{"url": u, "error": e} for u, e in list(self._corrupt.items())[:100]],
-                "changed": [{"url": u, "error": e} for u, e in list(self._changed.items())[:100]],
+                "corrupt": [{"url": u, "error": e} for u, e in self._corrupt.items()],
+                "changed": [{"url": u, "error": e} for u, e in self._changed.items()],
             },
             jobs=jobs_view(self.consumers, self._starved_by()),
         )
