@@ -61,14 +61,12 @@ class Download:
     final: Path
     reserve: Callable[["Download", int, float | None], bool]
     etag: str | None = None
-    expected_size: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
     written: int = 0
     reserved: int = 0
     demanded: bool = False
     verify: bool = False  # only ask the source whether the cached copy is still current
     on_validator: Callable[["Download"], None] = lambda d: None
-    started: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -233,7 +231,6 @@ class Fetcher:
                 d.etag = etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
             if total is not None:
-                d.expected_size = total
                 if not d.reserve(d, total, HOLD_CONNECTION):
                     # Waiting for space could take long: don't hold the connection meanwhile.
                     r.close()
@@ -253,7 +250,6 @@ class Fetcher:
             with open(src, "rb") as f:
                 st = os.fstat(f.fileno())
                 total = st.st_size
-                d.expected_size = total
                 offset = _size_of(d.partial)
                 tag = f"{st.st_size}-{st.st_mtime_ns}"
                 if offset > total or (offset and d.etag != tag):

@@ -122,7 +122,7 @@ class Index:
     never need that copy.
     """
 
-    def __init__(self, directory: Path, *, load: bool = True) -> None:
+    def __init__(self, directory: Path) -> None:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._db = diskcache.Cache(
             str(directory),
@@ -140,8 +140,7 @@ class Index:
         self._unsaved_counts: dict[str, int] = {}
         # Samples per shard, kept after eviction: resuming or len() must not need a download.
         self.counts: dict[str, int] = {}
-        if load:
-            self._load()
+        self._load()
 
     def _load(self) -> None:
         for key in self._db.iterkeys():

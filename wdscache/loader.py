@@ -453,9 +453,6 @@ class _Stream:
         finally:
             self.close()
 
-    def mark_complete(self) -> None:
-        self.complete = True
-
     def _pipeline(self) -> Iterator[dict[str, Any]]:
         limit = self.loader.inflight or max(4, 2 * len(self.workers))
         owned = self._owned()
@@ -661,7 +658,7 @@ def _delivered(stream: _Stream, items: Iterator[tuple[int, Any]]) -> Iterator[An
     for n, item in items:
         stream.delivered += n
         yield item
-    stream.mark_complete()
+    stream.complete = True
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

@@ -95,9 +95,6 @@ class WorkerPool:
                 self.restarts += 1
                 self._start(i)
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p is not None]
-
     def stop(self, timeout: float = 5.0) -> None:
         for p in self._procs:
             if p is not None and p.is_alive():

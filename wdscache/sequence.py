@@ -72,11 +72,3 @@ def global_sequence(spec: EpochSpec, count: Callable[[int], int]) -> Iterator[Sa
 def rank_length(total: int, world_size: int, drop_last: bool) -> int:
     """Samples each rank receives in an epoch of ``total`` samples."""
     return total // world_size if drop_last else math.ceil(total / world_size)
-
-
-def rank_positions(start: int, rank: int, world_size: int) -> Iterator[int]:
-    """Global positions of ``rank`` from global position ``start`` (a multiple of world_size)."""
-    pos = start + rank
-    while True:
-        yield pos
-        pos += world_size
