@@ -1,11 +1,14 @@
-"""A shard cached by an earlier agent is checked against its source before it is served."""
+"""Cached copies stay true to their source: revalidated after a restart, fetched again when damaged."""
 
 from __future__ import annotations
 
 
+import pytest
 from shards import make_shard, synth_samples
 
-from wdscache import ShardClient
+from wdscache import CachedMultiLoader, ShardClient, ShardError
+from wdscache.layout import CacheLayout
+from wdscache.tario import members
 
 
 def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_server, dataset, start_agent):
@@ -28,3 +31,25 @@ def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_ser
     assert shard_server.count(data.paths[0].name) == 0  # unchanged: checked by HEAD, not fetched
     assert shard_server.count(data.paths[1].name) == 1
     assert "changed on the server" in agent.stderr_text()
+
+
+def test_a_damaged_cached_copy_is_fetched_again_after_a_consumer_reports_it(tmp_path, dataset, start_agent):
+    data = dataset(2, samples=6, payload=2000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "shards never cached")
+    copy = CacheLayout.of(cache).shard_path(data.urls[1])
+    raw = bytearray(copy.read_bytes())
+    header = members(bytes(raw), url="x")[6].offset - 512
+    raw[header + 5] ^= 0xFF  # a later member's header: the copy still starts like a tar
+    copy.write_bytes(bytes(raw))
+
+    def epoch(job: str) -> list:
+        loader = CachedMultiLoader(cache_dir=cache, job=job, rank=0, world_size=1, shuffle=False, timeout=20)
+        return list(loader)
+
+    with pytest.raises(ShardError) as info:
+        epoch("first")
+    assert data.urls[1] in str(info.value)
+    assert len(epoch("second")) == 12  # the agent fetched a good copy
+    assert "downloading " + data.urls[1] + " again" in agent.stderr_text()

@@ -108,6 +108,7 @@ class Agent:
         self._list_id = ""
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read
         self._changed: dict[str, str] = {}  # url -> how it changed on the server
+        self._refetched: set[str] = set()  # corrupt shards already downloaded once more
         self._verified: set[str] = set()  # cached shards known current (downloaded or checked this run)
         self._failed_at: dict[str, float] = {}
         self._paused_until = 0.0
@@ -821,6 +822,13 @@ class Agent:
             # Deleted behind our back: forget it and download it again, never serve a missing file.
             log.warning("cache file of %s vanished; downloading it again", url)
             self.cache.remove(url)
+            rec = None
+        elif rec is not None and url in self._corrupt and url not in self._refetched and not self.cache.pins.get(url):
+            # A consumer could not read it: fetch it once more (a bad copy is repaired; a bad source is not).
+            log.warning("downloading %s again: %s", url, self._corrupt[url])
+            self._refetched.add(url)
+            self.cache.remove(url)
+            self.cache.index.drop_count(url)
             rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             self.cache.index.incr("hits")
