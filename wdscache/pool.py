@@ -42,7 +42,7 @@ from .protocol import field, pack, unpack
 
 log = logging.getLogger(__name__)
 
-OPEN_SHARDS = 32  # shard views a worker keeps open (mmaps cost address space, not memory)
+OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RSS until dropped
 REPORT_EVERY = 1.0
 MAX_ITEMS = 4096
 
