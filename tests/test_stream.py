@@ -176,3 +176,16 @@ def test_lists_too_big_for_one_message_travel_in_pages(tmp_path, dataset, start_
             conn.close()
         assert hello["ok"]
         assert list(got) == (list(read_url_list(big).urls) if urls is None else data.urls + many[::-1])
+
+
+def test_elastic_restart_with_another_world_size_is_accepted_once_old_ranks_are_gone(
+        tmp_path, dataset, start_agent, consumers):
+    data = dataset(3, samples=10, payload=500)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "3")  # --reader-timeout stays 60 s
+    old = consumers(cache, "old", "--job", "elastic", "--world-size", "2", "--sleep", "0.5")
+    wait_for(lambda: agent.stats()["jobs"].get("elastic"), 30, "the first launch never reported")
+    old.kill()
+    time.sleep(6)  # past the liveness window (5 s), far before the reader timeout
+    new = consumers(cache, "new", "--job", "elastic", "--world-size", "1")
+    assert len(samples_of(new.wait())) == 30

@@ -61,7 +61,8 @@ FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the in
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes")
 MAX_JOB_LISTS = 16
-MAX_LISTED = 100  # corrupt or changed shards remembered for stats
+MAX_LISTED = 100
+LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape  # corrupt or changed shards remembered for stats
 MAX_JOB_URLS = 10_000_000
 
 
@@ -790,7 +791,11 @@ class Agent:
         return url in self.urls or any(url in listed for listed in self._lists.values())
 
     def _job_ranks(self, job: str) -> list[int]:
-        return [c["rank"] for n, c in self.consumers.items() if c.get("job") == job and n in self.readers]
+        """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
+        --reader-timeout, and must not block an elastic restart with another world size)."""
+        now = time.time()
+        return [c["rank"] for n, c in self.consumers.items()
+                if c.get("job") == job and n in self.readers and now - c.get("seen", 0.0) < LIVE_WITHIN]
 
     def _job_list(self, urls: list[Any]) -> UrlList:
         """A consumer's own URL list, held to what this endpoint may fetch for others."""
