@@ -114,7 +114,7 @@ class Agent:
         self._failed_at: dict[str, float] = {}
         self._paused_until = 0.0
         self.readers: dict[str, Reader] = {}
-        self.jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size", "urls": UrlList | None}
+        self.jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         self.consumers: dict[str, dict[str, Any]] = {}  # reader name -> its last report
         self.worker_stats: dict[int, dict[str, Any]] = {}
         self.pool: WorkerPool | None = None

@@ -31,7 +31,7 @@ from .config import format_size
 from .fetch import Download
 from .index import Index, IndexWriteError, ShardRecord, ShardState
 from .layout import CacheLayout
-from .tario import tar_problem
+from .tario import file_problem
 
 log = logging.getLogger(__name__)
 
@@ -340,5 +340,4 @@ def _unlink(path: Path) -> None:
 
 
 def _head_ok(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return tar_problem(f.read(64 << 10)) is None
+    return file_problem(path) is None

@@ -29,12 +29,11 @@ import requests
 import urllib3
 
 from .errors import FetchError
-from .tario import tar_problem
+from .tario import HEAD_BYTES, file_problem, tar_problem
 
 log = logging.getLogger(__name__)
 
 CHUNK = 64 << 10  # small reads: bytes received before a connection breaks are kept
-HEAD_BYTES = 64 << 10
 # Reservations for bodies of unknown length grow in steps of this size.
 GROW = 16 << 20
 # How long a download may hold an open connection while waiting for cache space.
@@ -154,9 +153,8 @@ class Fetcher:
             raise FetchError(d.url, f"cannot fetch scheme {scheme!r}", permanent=True)
         if d.cancel.is_set():
             raise Cancelled(d.url)
-        with open(d.partial, "rb") as f:
-            # Again on the whole file: a resumed download skipped the check on its first bytes.
-            problem = tar_problem(f.read(HEAD_BYTES))
+        # Again on the whole file: a resumed download skipped the check on its first bytes.
+        problem = file_problem(d.partial)
         if problem:
             raise FetchError(d.url, problem, permanent=True)
         self._publish(d)

@@ -3,7 +3,8 @@
 A *reader* walks a sequence of shards (a job's epochs, in their seeded order).
 Its *window* is the next ``prefetch`` shards of that sequence from its current
 position, running on into the next epoch. The agent downloads exactly the union
-of all windows (demanded shards first), and never evicts a shard inside one.
+of all windows (demanded shards first); only a shard a reader is waiting for
+may evict a shard inside a window (the farthest ahead first).
 """
 
 from __future__ import annotations

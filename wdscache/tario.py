@@ -37,6 +37,7 @@ from .errors import ShardError
 
 BLOCK = 512
 GZIP_MAGIC = b"\x1f\x8b"
+HEAD_BYTES = 64 << 10  # what the tar checks read of a file's start
 
 Buffer = bytes | bytearray | memoryview | mmap.mmap
 Sample = dict[str, Any]  # "__key__" and "__url__" -> str, extension -> payload
@@ -135,6 +136,12 @@ def tar_problem(head: bytes) -> str | None:
     if header_ok(head):
         return None
     return "not a tar archive (bad header checksum)"
+
+
+def file_problem(path: str | os.PathLike[str]) -> str | None:
+    """:func:`tar_problem` of the file at ``path`` (its first 64 KiB)."""
+    with open(path, "rb") as f:
+        return tar_problem(f.read(HEAD_BYTES))
 
 
 def split_name(name: str) -> tuple[str, str] | None:
