@@ -340,7 +340,7 @@ def mode_urls(args: argparse.Namespace) -> None:
     times["shard_order"] = time.perf_counter() - t
     t = time.perf_counter()
     window = Reader("bench", n, seed=0, shuffle=True).window(8)
-    seq = global_sequence(EpochSpec(n, 0, 0, True, 1000), lambda s: 100)
+    seq = global_sequence(EpochSpec(n, 0, 0, True, 1000), lambda s: range(100))
     first = [next(seq) for _ in range(10_000)]
     times["first_10k_samples"] = time.perf_counter() - t
     total = sum(times.values())

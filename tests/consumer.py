@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import sys
+import logging; logging.basicConfig(level=logging.WARNING)
 import time
 
 from wdscache import CachedMultiLoader

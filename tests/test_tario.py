@@ -32,7 +32,9 @@ from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expan
 from wdscache.errors import ShardError
 from wdscache.tario import (
     BLOCK,
+    GrowingShard,
     Member,
+    NotYet,
     SampleSpan,
     header_ok,
     is_meta_name,
@@ -735,3 +737,106 @@ def test_damaged_gzip_raises_only_shard_errors(damaged: bytes, position: int, va
             list(iter_samples(path, url="mem"))
         except ShardError:
             pass
+
+
+# --------------------------------------------------------------------------- shards still downloading
+
+
+def grow(path: Path, data: bytes, cuts: Iterable[int]) -> Iterable[int]:
+    """Append ``data`` to ``path`` in pieces ending at ``cuts``; yields each size reached."""
+    done = 0
+    for cut in [*cuts, len(data)]:
+        with open(path, "ab") as f:
+            f.write(data[done:cut])
+        done = cut
+        yield done
+
+
+def assert_growing_matches(path: Path, data: bytes, cuts: Iterable[int]) -> None:
+    """At every size, the growing view holds exactly the complete samples of the whole shard."""
+    full = scan(data, url="u")
+    path.write_bytes(b"")
+    view = GrowingShard(path, url="u")
+    try:
+        for size in grow(path, data, cuts):
+            view.refresh()
+            n = len(view.samples)
+            assert view.samples == full[:n]
+            assert n == len(full) - 1 or size < len(data)  # the last one waits for the finished file
+            for i in range(n):
+                span, payloads = view.read(i)
+                assert [bytes(p) for p in payloads] == [data[o : o + k] for _, o, k in span.fields]
+        assert len(view.samples) == len(full) - 1
+    finally:
+        view.close()
+
+
+@pytest.mark.parametrize("tool", ["tarfile", "gnutar"])
+def test_growing_shard_holds_the_complete_samples_at_every_size(tmp_path: Path, tool: str) -> None:
+    if tool == "gnutar" and find_gnu_tar() is None:
+        pytest.skip("GNU tar not installed")
+    data = make_shard(tmp_path / "src.tar", synth_samples(0, 25, payload=1500), tool=tool).read_bytes()
+    # Cuts at every 97 bytes: inside headers, payloads and padding.
+    assert_growing_matches(tmp_path / "growing.tar", data, range(97, len(data), 97))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.integers(min_value=1, max_value=60_000), max_size=12))
+def test_growing_shard_with_long_names_and_pax_records(tmp_path: Path, cuts: list[int]) -> None:
+    entries = []
+    for i in range(12):
+        key = f"dir/{'deep/' * (30 if i % 3 == 0 else 0)}sample{i:03d}"
+        for ext in ("jpg", "cls"):
+            entries.append(regular(f"{key}.{ext}", bytes([i]) * (500 * i + 3)))
+    data = tar_bytes(entries, pax_headers={"comment": "a global header"})
+    assert_growing_matches(tmp_path / f"g-{uuid.uuid4().hex}.tar", data, sorted(set(c % len(data) for c in cuts)))
+
+
+def test_growing_shard_follows_a_download_that_starts_over(tmp_path: Path) -> None:
+    data = make_shard(tmp_path / "src.tar", synth_samples(0, 10, payload=1000)).read_bytes()
+    path = tmp_path / "growing.tar"
+    path.write_bytes(data[: len(data) // 2])
+    view = GrowingShard(path, url="u")
+    view.refresh()
+    known = len(view.samples)
+    assert known > 2
+    # Truncated and written again: what is not there any more is "not yet", never other bytes.
+    path.write_bytes(data[:1000])
+    with pytest.raises(NotYet):
+        view.read(known - 1)
+    view.refresh()
+    assert len(view.samples) < known
+    # A new file in its place (a new download): followed, from its start.
+    os.unlink(path)
+    path.write_bytes(data[: len(data) - 100])
+    view.refresh()
+    assert view.samples == scan(data, url="u")[: len(view.samples)] and len(view.samples) >= known
+    # Published (renamed away): what was found stays readable, no more comes.
+    os.rename(path, tmp_path / "final.tar")
+    span, payloads = view.read(0)
+    assert bytes(payloads[0]) == data[span.fields[0][1] : span.fields[0][1] + span.fields[0][2]]
+    with pytest.raises(FileNotFoundError):
+        view.refresh()
+    view.close()
+
+
+def test_growing_gzip_shard_shows_no_samples_until_finished(tmp_path: Path) -> None:
+    data = gzip.compress(make_shard(tmp_path / "src.tar", synth_samples(0, 10)).read_bytes())
+    path = tmp_path / "growing.tar.gz"
+    path.write_bytes(data[:-10])
+    view = GrowingShard(path, url="u")
+    view.refresh()
+    assert view.samples == []
+    view.close()
+
+
+def test_growing_shard_reports_damage(tmp_path: Path) -> None:
+    data = bytearray(make_shard(tmp_path / "src.tar", synth_samples(0, 10, payload=1000)).read_bytes())
+    second = members(bytes(data), url="u")[3].offset - BLOCK  # the header of sample 1's first member
+    data[second + 10] ^= 0xFF
+    path = tmp_path / "growing.tar"
+    path.write_bytes(bytes(data[: second + 3 * BLOCK]))
+    view = GrowingShard(path, url="u")
+    with pytest.raises(ShardError, match="checksum"):
+        view.refresh()
+    view.close()

@@ -55,6 +55,7 @@ TICK = 0.05  # seconds the main loop waits for a message before doing its other 
 RATE_WINDOW = 10.0  # seconds over which download_rate is averaged
 FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is retried
 DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long
+WORKER_START_TIMEOUT = 30.0
 STARTUP_READER = "(start-up plan)"
 MAX_MESSAGE = 1 << 20
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
@@ -80,11 +81,12 @@ class _Grant:
 
 @dataclass
 class _Waiter:
-    """A client waiting for a shard to be cached."""
+    """A client waiting for a shard to be cached (or, with ``stream``, to be readable as it downloads)."""
 
     ident: bytes
     rid: Any
     reader: str
+    stream: bool = False
 
 
 class Agent:
@@ -169,17 +171,23 @@ class Agent:
         self.layout.prepare()
         os.umask(0o077)  # every file and socket we create is private to this user
         self._lock.acquire()
+        # Worker processes take a while to start: they do so while the cache is opened.
+        self.pool = WorkerPool(n=self.config.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root))
+        self.pool.start()
         try:
             self._open_cache()
             self._bind()
         except BaseException:
+            self.pool.stop()
+            self.pool = None
             self._close_cache()
             self._lock.release()
             raise
-        self.pool = WorkerPool(n=self.config.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root))
-        self.pool.start()
-        self._write_state()
         self._start_threads()
+        # Ready means ready to serve samples: a consumer's first request should not wait for a process start.
+        if not self.pool.wait_ready(WORKER_START_TIMEOUT):
+            log.warning("sample workers not up after %.0f s; serving anyway", WORKER_START_TIMEOUT)
+        self._write_state()
         self._watch()
         log.info(
             "agent %d serving %s on %s: %d shards listed, %s cached of %s budget",
@@ -515,6 +523,8 @@ class Agent:
                     granted = True
                 if granted:
                     g.event.set()
+                    if self._streamable(g.download.url):
+                        self._answer_streamers(g.download.url)
                 else:
                     pending.append(g)
         self._grants = pending
@@ -705,7 +715,10 @@ class Agent:
         elif op == "open":
             ahead = get_field(header, "ahead", list, None)
             wait = get_field(header, "wait", bool, True)
-            self._open(ident, rid, name, get_field(header, "url", str), ahead, wait)
+            stream = get_field(header, "stream", bool, False)
+            self._open(ident, rid, name, get_field(header, "url", str), ahead, wait, stream)
+        elif op == "status":
+            self._reply(ident, rid, ok=True, **self._status(get_field(header, "url", str)))
         elif op == "release":
             self._release(name, get_field(header, "url", str))
             self._reply(ident, rid, ok=True)
@@ -808,8 +821,18 @@ class Agent:
         return parsed
 
     def _open(
-        self, ident: bytes, rid: Any, name: str, url: str, ahead: list[Any] | None = None, wait: bool = True
+        self, ident: bytes, rid: Any, name: str, url: str, ahead: list[Any] | None = None, wait: bool = True,
+        stream: bool = False,
     ) -> None:
+        """Pin ``url`` for reader ``name`` once it is cached (``wait``), or answer that it is not.
+
+        With ``stream``, a shard not cached yet is pinned as soon as its download
+        holds its whole budget (the reply says ``partial``): the reader then reads
+        its complete samples from the workers while it downloads, and the pin holds
+        the shard once it is published. Not before: a reader that holds pins while
+        it waits for a download that waits for budget could deadlock the cache, so
+        until then the answer is "not cached" (or, with ``wait``, comes later).
+        """
         assert self.cache is not None
         if not self._known(url):
             self._reply(ident, rid, ok=False, error=f"{url} is not in the agent's URL list ({self.config.urls})")
@@ -858,21 +881,55 @@ class Agent:
         d = self._active.get(url)
         if d is not None:
             d.demanded = True
-        if wait:
-            self._waiters.setdefault(url, []).append(_Waiter(ident, rid, name))
+        if stream and self._streamable(url):
+            self._grant_open(ident, rid, name, url, partial=True)
+        elif wait:
+            self._waiters.setdefault(url, []).append(_Waiter(ident, rid, name, stream))
         else:
             self._reply(ident, rid, ok=False, cached=False, error="not cached yet")
 
-    def _grant_open(self, ident: bytes, rid: Any, name: str, url: str) -> None:
+    def _grant_open(self, ident: bytes, rid: Any, name: str, url: str, *, partial: bool = False) -> None:
         assert self.cache is not None
         reader = self.readers.get(name)
         if reader is None:
             self._reply(ident, rid, ok=False, error="reader expired while waiting")
             return
         reader.pins[url] = reader.pins.get(url, 0) + 1
-        self.cache.pin(url)
+        self.cache.pin(url)  # a shard still downloading stays pinned once published
+        if partial:
+            self._reply(ident, rid, ok=True, partial=True)
+            return
         self._reply(ident, rid, ok=True, path=str(self.cache.path(url)), size=self.cache.index.get(url).size,
                     samples=self.cache.index.counts.get(url))
+
+    def _status(self, url: str) -> dict[str, Any]:
+        """Where ``url`` stands: cached; downloading (with its budget); queued (for a download
+        slot or budget); failed (with the error); or unknown (nobody asked for it)."""
+        assert self.cache is not None
+        rec = self.cache.index.get(url)
+        if rec is not None and rec.state is ShardState.CACHED:
+            return {"state": "cached"}
+        if self._streamable(url):
+            return {"state": "downloading"}
+        if rec is not None and rec.state is ShardState.FAILED:
+            return {"state": "failed", "error": rec.error or "download failed"}
+        return {"state": "queued" if url in self._active or url in self._demanded else "unknown"}
+
+    def _streamable(self, url: str) -> bool:
+        """True when ``url`` is downloading with its whole size reserved: it will finish whatever is pinned."""
+        d = self._active.get(url)
+        return d is not None and not d.verify and d.total is not None and d.reserved >= d.total
+
+    def _answer_streamers(self, url: str) -> None:
+        """The download of ``url`` got its budget: readers waiting to stream it may start."""
+        waiting = self._waiters.get(url, [])
+        for w in [w for w in waiting if w.stream]:
+            self._grant_open(w.ident, w.rid, w.reader, url, partial=True)
+        rest = [w for w in waiting if not w.stream]
+        if rest:
+            self._waiters[url] = rest
+        else:
+            self._waiters.pop(url, None)
 
     def _answer_waiters(self, url: str, error: str | None = None) -> None:
         self._demanded.pop(url, None)

@@ -61,6 +61,7 @@ class Download:
     reserve: Callable[["Download", int, float | None], bool]
     etag: str | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
+    total: int | None = None  # the shard's size, once the source has said it
     written: int = 0
     reserved: int = 0
     demanded: bool = False
@@ -229,6 +230,7 @@ class Fetcher:
                 d.etag = etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
             if total is not None:
+                d.total = total
                 if not d.reserve(d, total, HOLD_CONNECTION):
                     # Waiting for space could take long: don't hold the connection meanwhile.
                     r.close()
@@ -257,6 +259,7 @@ class Fetcher:
                     d.etag = tag
                     d.on_validator(d)
                 d.written = offset
+                d.total = total
                 d.reserve(d, total, None)
                 f.seek(offset)
                 self._write_body(d, iter(lambda: f.read(CHUNK), b""), total, check_head=offset == 0)

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zmq
@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 
 REPORT_EVERY = 1.0
 MAX_RESENDS = 3  # a request no worker answers this often fails instead of retrying forever
+STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
+STATUS_EVERY = 1.0  # seconds between asking the agent how a download we stream from is going
+PENDING_RETRY = 0.05  # seconds before asking again for samples a restarted download does not hold yet
+_END = object()
 STATE_VERSION = 1
 
 
@@ -289,7 +293,10 @@ class _Stream:
         # Pinned shards -> number of our outstanding reads. A consumer that must wait for a
         # download first lets go of every pin (see _open), so pins never deadlock the budget.
         self.opened: dict[int, int] = {}
-        self.remaining: dict[int, int] = {}  # shard -> ids not yet emitted by the global sequence
+        self.partial: set[int] = set()  # pinned while downloading: read as the download goes
+        # shard -> ids not yet emitted by the global sequence (its count minus those emitted;
+        # negative while a shard streams and its count is not known yet)
+        self.remaining: dict[int, int] = {}
         self.skipped: set[int] = set()
         self.ctx = zmq.Context()
         self.workers = [self._connect(ep) for ep in hello["workers"]]
@@ -300,6 +307,13 @@ class _Stream:
             self.poller.register(w, zmq.POLLIN)
         self.rr = itertools.count()
         self.pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int]] = {}  # seq -> (items, sent, rid, worker)
+        # Reads to send again: seq -> (items, when). Their shards are downloading and do not
+        # hold those samples yet (the download started over), or were pinned again (see _recover).
+        self.delayed: dict[int, tuple[list[tuple[int, SampleId]], float]] = {}
+        self.unanswered_since: dict[int, float] = {}  # seq -> first "pending" answer
+        self.reopen: dict[int, list[tuple[int, SampleId]]] = {}  # reads whose shard the worker did not find
+        self.waits = 0  # opens that had to wait, letting go of our other pins
+        self.last_status = 0.0
         self.done: dict[int, list[dict[str, Any]]] = {}
         self.rids: dict[str, int] = {}
         self.resends: dict[int, int] = {}
@@ -327,17 +341,63 @@ class _Stream:
                 if isinstance(c, int):
                     self.counts[s] = c
 
-    def count(self, shard: int) -> int:
-        """Samples in ``shard``: from the agent's index, or by opening and scanning it."""
+    def shard_samples(self, shard: int) -> Iterator[int | None]:
+        """Sample indices of ``shard`` for the sequence: all at once when its count is known
+        (from the agent's index, or by scanning it), else as its download brings them."""
         if shard not in self.counts:
             pos = self.order_pos[shard]
             self._known_counts(self.order[pos : pos + 256])
         if shard not in self.counts:
-            self._open(shard)
+            self._open(shard, stream=True)
+        if shard in self.partial:
+            yield from self._stream(shard)
+            return
         if shard not in self.counts:
             self.counts[shard] = self._scan(shard)
-        self.remaining[shard] = self.counts[shard]
-        return self.counts[shard]
+        self._counted(shard, self.counts[shard])
+        yield from range(self.counts[shard])
+
+    def _counted(self, shard: int, count: int) -> None:
+        """``shard``'s count is final: once the sequence has emitted that many, we can let it go."""
+        self.remaining[shard] = self.remaining.get(shard, 0) + count
+        if not self.remaining[shard]:
+            self._release(shard)
+
+    def _stream(self, shard: int) -> Iterator[int | None]:
+        """Indices of a shard still downloading, as the worker finds complete samples in it.
+
+        Yields None while no more have arrived. The count is final once the worker
+        finds the published file; a failed download ends the shard (``on_error``).
+        """
+        url, worker = self.urls[shard], shard % len(self.workers)
+        known, asked = 0, time.monotonic()
+        while True:
+            reply = self._worker_call({"op": "scan", "url": url, "partial": True}, worker)
+            if not reply.get("ok"):
+                error: WdsCacheError = _shard_error(url, reply)
+                break
+            count = int(reply["count"])
+            yield from range(known, count)
+            known = max(known, count)
+            if reply.get("final"):
+                self.partial.discard(shard)
+                self.counts[shard] = known
+                self._counted(shard, known)
+                return
+            if time.monotonic() - asked > STATUS_EVERY:
+                asked = time.monotonic()
+                status = self.conn.request({"op": "status", "reader": self.name, "url": url})
+                if status.get("state") == "failed":
+                    error = FetchError(url, str(status.get("error")))
+                    break
+                if status.get("state") in ("queued", "unknown"):
+                    # The download lost its budget or was forgotten (the agent restarted):
+                    # pin it again, waiting without other pins until it holds its budget again.
+                    self._open(shard, again=True, stream=True)
+            yield None
+        self.partial.discard(shard)
+        self._failed(shard, error)  # raises, or skips the rest of the shard
+        self._counted(shard, known)
 
     def _ahead(self, shard: int) -> list[str]:
         pos = self.order_pos[shard]
@@ -345,27 +405,49 @@ class _Stream:
         nxt += self.next_order[: self.prefetch - len(nxt)]
         return [self.urls[s] for s in nxt]
 
-    def _open(self, shard: int) -> None:
-        """Pin ``shard`` in the agent, waiting for its download if need be; moves our window."""
-        if shard in self.opened or shard in self.skipped:
+    def _open(self, shard: int, *, again: bool = False, stream: bool = False) -> None:
+        """Pin ``shard`` in the agent, waiting for its download if need be; moves our window.
+
+        With ``stream`` (the sequence reaching a shard), a shard not cached yet is pinned
+        as soon as its download holds its budget (``partial``) and read as it arrives.
+        ``again``: the agent lost the shard (restarted, or its file
+        went): give back the pin we think we hold and take a new one.
+        """
+        if shard in self.skipped or (shard in self.opened and not again):
             return
         url = self.urls[shard]
-        request = {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard), "wait": False}
+        if shard in self.opened:
+            self.conn.request({"op": "release", "reader": self.name, "url": url})
+        request = {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard), "wait": False,
+                   "stream": stream}
         reply = self.conn.request(request)
         if not reply.get("ok") and reply.get("cached") is False:
-            # We must wait: hold no pins meanwhile, or consumers could fill the budget with
-            # pins while each waits for space for the next shard. What is batched so far
-            # goes out first (its shards are pinned), and we wait for its answers.
+            # We wait, for the download or for its budget: hold no other pins meanwhile, or
+            # consumers could fill the budget with pins while each waits for space for the next
+            # shard. What is batched so far goes out first (its shards are pinned), and we wait
+            # for its answers; reads put off (see _recover) give their pins back too. (Once a
+            # download holds its budget, pins cannot hold it up.)
             self._flush()
             self._drain()
+            for seq, (items, _) in list(self.delayed.items()):
+                del self.delayed[seq]
+                for _, (held, _) in items:
+                    self.opened[held] -= 1
+                self.reopen[seq] = items
             for held in list(self.opened):
-                self._release(held, force=True)
-            reply = self.conn.request_patiently({**request, "wait": True}, liveness=self.loader.timeout)
+                if held != shard:
+                    self._release(held, force=True)
+            self.waits += 1
+            request["wait"] = True
+            reply = self.conn.request_patiently(request, liveness=self.loader.timeout)
         if not reply.get("ok"):
             self._failed(shard, FetchError(url, str(reply.get("error"))))
             return
-        self.opened[shard] = 0
-        if isinstance(reply.get("samples"), int):
+        self.opened.setdefault(shard, 0)
+        if reply.get("partial"):
+            if shard not in self.counts:
+                self.partial.add(shard)
+        elif isinstance(reply.get("samples"), int):
             self.counts.setdefault(shard, reply["samples"])
 
     def _release(self, shard: int, *, force: bool = False) -> None:
@@ -400,17 +482,24 @@ class _Stream:
         self.counts[shard] = 0
 
     def _worker_call(self, header: dict[str, Any], worker: int) -> dict[str, Any]:
-        """One request to a worker; replies to our reads that arrive meanwhile are kept."""
-        rid = uuid.uuid4().hex
-        self.calls[rid] = None
-        self.workers[worker].send_multipart(pack({**header, "id": rid}))
+        """One request to a worker; replies to our reads that arrive meanwhile are kept.
+
+        Asked again every few seconds (a restarted worker lost it) while the agent answers.
+        """
         deadline = time.monotonic() + self.loader.timeout
-        while self.calls[rid] is None:
+        while True:
+            rid = uuid.uuid4().hex
+            self.calls[rid] = None
+            self.workers[worker].send_multipart(pack({**header, "id": rid}))
+            again = time.monotonic() + min(5.0, self.loader.timeout)
+            while self.calls[rid] is None and time.monotonic() < again:
+                self._receive()
+            reply = self.calls.pop(rid)
+            if reply is not None:
+                return reply
             if time.monotonic() > deadline:
-                del self.calls[rid]
                 raise AgentUnavailableError(self.loader.endpoint, self.loader.timeout, "its worker did not answer")
-            self._receive()
-        return self.calls.pop(rid)
+            self.conn.request({"op": "ping", "reader": self.name})  # raises if the agent is gone
 
     @property
     def position(self) -> int:
@@ -419,20 +508,25 @@ class _Stream:
 
     # -- the rank's share -------------------------------------------------------
 
-    def _global(self) -> Iterator[SampleId]:
-        for sid in global_sequence(self.spec, self.count):
-            self.remaining[sid[0]] -= 1
-            if not self.remaining[sid[0]]:
-                self._release(sid[0])  # no rank needs it any more (ours may still read it: see _release)
+    def _global(self) -> Iterator[SampleId | None]:
+        for sid in global_sequence(self.spec, self.shard_samples):
+            if sid is not None:
+                self.remaining[sid[0]] = self.remaining.get(sid[0], 0) - 1
+                if not self.remaining[sid[0]]:
+                    self._release(sid[0])  # no rank needs it any more (ours may still read it: see _release)
             yield sid
 
-    def _owned(self) -> Iterator[tuple[int, SampleId]]:
-        """(global position, id) of this rank's samples from ``start``, padded or cut at the end."""
+    def _owned(self) -> Iterator[tuple[int, SampleId] | None]:
+        """(global position, id) of this rank's samples from ``start``, padded or cut at the end;
+        None while a downloading shard has no more samples yet."""
         W, r = self.loader.world_size, self.loader.rank
         first: list[SampleId] = []
         row: list[SampleId] = []  # positions start + kW ... start + kW + W - 1
         pos = 0
         for sid in self._global():
+            if sid is None:
+                yield None
+                continue
             if len(first) < W:
                 first.append(sid)
             # Positions before the resume position cost counts only, never payloads.
@@ -460,19 +554,28 @@ class _Stream:
         exhausted = False
         while True:
             t0 = time.perf_counter()
-            while not exhausted and len(self.pending) + len(self.done) < limit:
-                item = next(owned, None)
-                if item is None:
+            stalled = False
+            if self.reopen or self.delayed:
+                self._recover()
+            while not exhausted and len(self.pending) + len(self.delayed) + len(self.done) < limit:
+                item = next(owned, _END)
+                if item is _END:
                     exhausted = True
+                    self._flush()
+                    break
+                if item is None:
+                    # A shard still downloading has no more samples yet: send what we have
+                    # (the first sample goes out as soon as it is complete) and look again soon.
+                    stalled = True
                     self._flush()
                     break
                 self._add(item)
             if seq_yield == self.seq_next and exhausted:
                 break
-            if seq_yield == self.seq_next:
-                self._flush()  # the pipeline is full of our own unsent batch
-            while seq_yield not in self.done:
-                self._receive()
+            if seq_yield not in self.done:
+                self._receive(STREAM_POLL if stalled else 0.1)
+                self.stats["wait_s"] += time.perf_counter() - t0
+                continue
             out = self.done.pop(seq_yield)
             seq_yield += 1
             self.stats["wait_s"] += time.perf_counter() - t0
@@ -518,15 +621,61 @@ class _Stream:
         rid = uuid.uuid4().hex
         self.rids[rid] = seq
         self.pending[seq] = (items, time.monotonic(), rid, w)
+        self.delayed.pop(seq, None)
         self.workers[w].send_multipart(pack({"op": "read", "id": rid, "urls": urls, "items": wire}))
 
     def _drain(self) -> None:
-        """Wait for every outstanding read (their samples stay in ``done``)."""
+        """Wait for every outstanding read (their samples stay in ``done``).
+
+        Reads put aside for :meth:`_recover` are not waited for: that needs the agent,
+        and this is called while talking to it.
+        """
         while self.pending:
             self._receive()
 
-    def _receive(self) -> None:
-        events = dict(self.poller.poll(100))
+    def _recover(self) -> None:
+        """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
+        while self.reopen:
+            seq, items = self.reopen.popitem()
+            per_shard = Counter(sid[0] for _, sid in items)
+            again = set(per_shard)
+            while True:
+                waits = self.waits
+                for shard in per_shard:
+                    self._open(shard, again=shard in again)  # waits until cached; may raise (on_error="raise")
+                    again.discard(shard)
+                if self.waits == waits:
+                    break  # all pinned at once (an open that had to wait let go of the others)
+            items = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
+            for shard, n in per_shard.items():
+                if shard not in self.skipped:
+                    self.opened[shard] += n
+            self._dispatch(seq, items)
+        now = time.monotonic()
+        stuck = [seq for seq in self.delayed if now - self.unanswered_since.get(seq, now) > STATUS_EVERY]
+        if not stuck or now - self.last_status < STATUS_EVERY:
+            return
+        # Reads waiting this long on a download: is it still going?
+        self.last_status = now
+        for seq in stuck:
+            if seq not in self.delayed:
+                continue  # an open that had to wait put it back for reopening
+            items, when = self.delayed[seq]
+            for shard in {sid[0] for _, sid in items}:
+                status = self.conn.request({"op": "status", "reader": self.name, "url": self.urls[shard]})
+                if status.get("state") == "failed":
+                    self._failed(shard, FetchError(self.urls[shard], str(status.get("error"))))
+                elif status.get("state") in ("queued", "unknown"):
+                    self._open(shard, again=True)
+            kept = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
+            for _, (shard, _) in items:
+                if shard in self.skipped and self.opened.get(shard, 0) > 0:
+                    self.opened[shard] -= 1
+            self.delayed[seq] = (kept, when)
+
+    def _receive(self, timeout: float = 0.1) -> None:
+        """Take in worker replies (waiting up to ``timeout`` for one); resend lost requests."""
+        events = dict(self.poller.poll(int(timeout * 1000)))
         for sock in self.workers:
             if sock not in events:
                 continue
@@ -537,6 +686,9 @@ class _Stream:
                     break
                 self._accept(frames)
         now = time.monotonic()
+        for seq, (items, when) in list(self.delayed.items()):
+            if now >= when:
+                self._dispatch(seq, items)
         for seq, (items, sent, rid, w) in list(self.pending.items()):
             if now - sent > min(self.loader.timeout, 10.0):
                 # The worker may have died with our request: ask another (or its replacement),
@@ -565,6 +717,7 @@ class _Stream:
         if not header.get("ok"):
             self._read_failed(seq, items, header)
         else:
+            self.unanswered_since.pop(seq, None)
             self.done[seq] = self._samples(header, payload, items)
         for shard in {sid[0] for _, sid in items}:
             self._release(shard)
@@ -590,19 +743,17 @@ class _Stream:
 
     def _read_failed(self, seq: int, items: list, header: dict[str, Any]) -> None:
         if header.get("kind") == "missing":
-            # Evicted behind our back (the agent restarted and lost our pins, say): pin again.
-            for shard in {sid[0] for _, sid in items}:
-                if self.opened.get(shard) == 0:
-                    del self.opened[shard]
-            while True:
-                for _, (shard, _) in items:
-                    self._open(shard)
-                items = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
-                if all(sid[0] in self.opened for _, sid in items):
-                    break  # an open that had to wait let go of the others
+            # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
+            # which needs the agent, so not here (we may be inside a request to it): see _recover.
+            self.reopen[seq] = items
+            return
+        if header.get("kind") == "pending":
+            # Read from a download that started over and has not got this far again yet.
+            now = time.monotonic()
+            self.unanswered_since.setdefault(seq, now)
             for _, (shard, _) in items:
                 self.opened[shard] += 1
-            self._dispatch(seq, items)
+            self.delayed[seq] = (items, now + PENDING_RETRY)
             return
         exc = _shard_error(str(header.get("url") or self.urls[items[0][1][0]]), header)
         if self.loader.on_error == "raise":

@@ -10,12 +10,18 @@ A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
     {"op": "read", "id": n, "urls": [u, ...], "items": [[k, j], ...]}
         -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...]}
            followed by one frame per (sample, extension), in order
-    {"op": "scan", "id": n, "url": u}  -> {"op": "scanned", "id": n, "ok": true, "count": c}
+    {"op": "scan", "id": n, "url": u, "partial": bool}
+        -> {"op": "scanned", "id": n, "ok": true, "count": c, "final": bool}
 
 It resolves a URL to its cache file itself (the name derives from the URL, so a
-request cannot name a file outside the cache), and only reads files under
-``shards/``, which are complete by construction. Errors come back as
-``{"ok": false, "kind": "missing" | "corrupt", "error": ...}``.
+request cannot name a file outside the cache). A file under ``shards/`` is
+complete by construction; while there is none, a shard being downloaded is read
+from its partial file (:class:`~wdscache.tario.GrowingShard`), only its complete
+samples and never beyond the bytes written, so a reader need not wait for the
+whole shard. ``scan`` with ``partial`` then answers the samples complete so far
+with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
+"corrupt" | "pending", "error": ...}``; "pending" means the sample is not in the
+partial file now (its download started over): ask again shortly.
 
 Workers never outlive the agent: they ask the kernel for SIGKILL when their
 parent dies (Linux), and also exit when their parent's pid changes.
@@ -39,6 +45,7 @@ import zmq
 from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .protocol import field, pack, unpack
+from .tario import GrowingShard, NotYet, open_shard
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,7 @@ class WorkerPool:
         ]
         self._ctx = multiprocessing.get_context("spawn")
         self._procs: list[Any] = [None] * n
+        self._ready: list[Any] = [None] * n  # set by each worker once its socket is bound
         self.restarts = 0
 
     def start(self) -> None:
@@ -82,9 +90,16 @@ class WorkerPool:
             self._start(i)
 
     def _start(self, i: int) -> None:
-        p = self._ctx.Process(target=worker_main, args=(self._specs[i],), name=f"wdscache-worker-{i}", daemon=True)
+        self._ready[i] = self._ctx.Event()
+        p = self._ctx.Process(target=worker_main, args=(self._specs[i], self._ready[i]), name=f"wdscache-worker-{i}",
+                              daemon=True)
         p.start()
         self._procs[i] = p
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until every worker has bound its socket (a process takes a while to start)."""
+        deadline = time.monotonic() + timeout
+        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self._ready)
 
     def check(self) -> None:
         """Replace any worker that died (its consumers retry their requests)."""
@@ -123,13 +138,11 @@ def _die_with_parent(parent: int) -> None:
 
 class _Worker:
     def __init__(self, spec: WorkerSpec) -> None:
-        from .tario import open_shard
-
-        self._open_shard = open_shard
         self.spec = spec
         self.layout = CacheLayout.of(spec.cache_dir)
         self.stop = False
         self.views: OrderedDict[str, tuple[int, Any]] = OrderedDict()
+        self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -181,14 +194,13 @@ class _Worker:
             if op == "read":
                 self._read(ident, header)
             elif op == "scan":
-                url = field(header, "url", str)
-                count = len(self._view(url).samples)
-                self._send_report({"op": "counted", "url": url, "samples": count})
-                self._reply(ident, {"op": "scanned", "id": rid, "ok": True, "count": count})
+                self._scan(ident, rid, field(header, "url", str), field(header, "partial", bool, False))
             else:
                 raise ProtocolError(f"unknown op {op!r}")
         except FileNotFoundError as exc:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "missing", "error": str(exc)})
+        except NotYet as exc:
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "pending", "error": str(exc)})
         except ShardError as exc:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "corrupt", "error": str(exc),
                                 "reason": exc.reason, "offset": exc.offset, "url": exc.url})
@@ -199,6 +211,19 @@ class _Worker:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol",
                                 "error": f"internal error: {type(exc).__name__}"})
 
+    def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
+        try:
+            count, final = len(self._view(url).samples), True
+            self._send_report({"op": "counted", "url": url, "samples": count})
+        except FileNotFoundError:
+            if not partial:
+                raise
+            try:
+                count, final = len(self._growing(url, refresh=True).samples), False
+            except FileNotFoundError:
+                count, final = 0, False  # not started yet, just published, or failed: ask again
+        self._reply(ident, {"op": "scanned", "id": rid, "ok": True, "count": count, "final": final})
+
     def _read(self, ident: bytes, header: dict[str, Any]) -> None:
         urls = field(header, "urls", list)
         items = field(header, "items", list)
@@ -207,7 +232,7 @@ class _Worker:
         keys: list[str] = []
         exts: list[list[str]] = []
         frames: list[Any] = []
-        views = [self._view(url) for url in urls]  # once per shard, not per sample
+        views = [self._readable(url) for url in urls]  # once per shard, not per sample
         for item in items:
             if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
                 raise ProtocolError("read items must be [url index, sample index] pairs")
@@ -215,32 +240,63 @@ class _Worker:
             if not 0 <= k < len(urls):
                 raise ProtocolError("read item names no URL")
             view = views[k]
-            if not 0 <= j < len(view.samples):
-                raise ProtocolError(f"{urls[k]} has no sample {j}")
-            span = view.samples[j]
+            if isinstance(view, GrowingShard):
+                if j >= len(view.samples):
+                    view.refresh()
+                if not 0 <= j < len(view.samples):
+                    raise NotYet(f"{urls[k]} has no complete sample {j} yet")
+                span, payloads = view.read(j)
+                frames.extend(payloads)
+            else:
+                if not 0 <= j < len(view.samples):
+                    raise ProtocolError(f"{urls[k]} has no sample {j}")
+                span = view.samples[j]
+                frames.extend(view.data[off : off + size] for _, off, size in span.fields)
             keys.append(span.key)
             exts.append([ext for ext, _, _ in span.fields])
-            for _, off, size in span.fields:
-                frames.append(view.data[off : off + size])
-                self.bytes += size
+            self.bytes += sum(size for _, _, size in span.fields)
         self.requests += 1
         self.samples += len(items)
         self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts},
                     frames)
 
     def _view(self, url: str) -> Any:
+        """The cached shard's view; FileNotFoundError while it is not (or no longer) cached."""
         path = self.layout.shard_path(url)
         ino = os.stat(path).st_ino  # FileNotFoundError: evicted or never cached
         cached = self.views.get(url)
         if cached is not None and cached[0] == ino:
             self.views.move_to_end(url)
             return cached[1]
-        view = self._open_shard(path, url=url)
+        view = open_shard(path, url=url)
         self.views[url] = (ino, view)
         while len(self.views) > OPEN_SHARDS:
             # Dropped, not closed: frames still queued in ZeroMQ may point into its mmap.
             self.views.popitem(last=False)
+        growing = self.growing.pop(url, None)
+        if growing is not None:
+            growing.close()  # its payloads went out as copies
         return view
+
+    def _growing(self, url: str, *, refresh: bool) -> GrowingShard:
+        """The shard's download so far; FileNotFoundError when none is under way."""
+        view = self.growing.get(url)
+        if view is None:
+            view = self.growing[url] = GrowingShard(self.layout.partial_path(url), url=url)
+            refresh = True
+            while len(self.growing) > OPEN_SHARDS:
+                self.growing.popitem(last=False)[1].close()
+        self.growing.move_to_end(url)
+        if refresh:
+            view.refresh()
+        return view
+
+    def _readable(self, url: str) -> Any:
+        """The cached shard, or else its download so far."""
+        try:
+            return self._view(url)
+        except FileNotFoundError:
+            return self._growing(url, refresh=False)
 
     def _reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] = ()) -> None:
         try:
@@ -254,11 +310,12 @@ class _Worker:
         self.ctx.term()
 
 
-def worker_main(spec: WorkerSpec) -> None:
+def worker_main(spec: WorkerSpec, ready: Any) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
     worker = _Worker(spec)
+    ready.set()
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop", True))
     try:
         while not worker.stop:

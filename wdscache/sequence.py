@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from .plan import epoch_rng, shard_order
 
@@ -37,8 +37,13 @@ class EpochSpec:
         return shard_order(self.n_shards, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
 
 
-def global_sequence(spec: EpochSpec, count: Callable[[int], int]) -> Iterator[SampleId]:
-    """Yield the epoch's sample ids in order; ``count(shard)`` is called as shards are reached.
+def global_sequence(spec: EpochSpec, samples: Callable[[int], Iterable[int | None]]) -> Iterator[SampleId | None]:
+    """Yield the epoch's sample ids in order; ``samples(shard)`` gives a shard's sample
+    indices ``0, 1, ...`` when the sequence reaches it.
+
+    ``samples`` may yield None, meaning "no more yet" (a shard still downloading):
+    the None is passed on, so that the caller can do other work and ask again. It
+    never changes the sequence, only when its ids come out.
 
     The shuffle buffer holds at most ``shuffle_buffer`` ids. It starts giving out
     ids once it holds ``INITIAL`` of them (so the first sample does not wait for
@@ -50,15 +55,18 @@ def global_sequence(spec: EpochSpec, count: Callable[[int], int]) -> Iterator[Sa
     size = spec.shuffle_buffer if spec.shuffle else 0
     if size <= 1:
         for shard in order:
-            for j in range(count(shard)):
-                yield (shard, j)
+            for j in samples(shard):
+                yield None if j is None else (shard, j)
         return
     rng = epoch_rng(spec.seed, spec.epoch, "samples")
     initial = min(size, INITIAL)
     buf: list[SampleId] = []
     arrived = 0
     for shard in order:
-        for j in range(count(shard)):
+        for j in samples(shard):
+            if j is None:
+                yield None
+                continue
             buf.append((shard, j))
             arrived += 1
             if len(buf) >= size or (len(buf) >= initial and arrived % 2 == 0):

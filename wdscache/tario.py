@@ -237,25 +237,35 @@ def _pax_records(data: bytes, *, is_global: bool, url: str, offset: int) -> dict
     return found
 
 
-def _walk(buf: Buffer, url: str) -> Iterator[tuple[str, int, int]]:
-    """``(name, payload offset, size)`` of each regular file, in archive order.
+def _walk(
+    buf: Buffer, url: str, *, prefix: bool = False, global_pax: dict[str, Any] | None = None
+) -> Iterator[tuple[str, int, int, int]]:
+    """``(name, payload offset, size, header offset)`` of each regular file, in archive order.
 
-    Follows tarfile's reading of extension headers: a chain of them applies to
-    the next real header, and where two set the same thing the first one in the
-    archive wins.
+    The header offset is where the member's headers begin, extension headers
+    included: a walk started there reads the member again.  Follows tarfile's
+    reading of extension headers: a chain of them applies to the next real
+    header, and where two set the same thing the first one in the archive wins.
+
+    With ``prefix``, ``buf`` is the start of a tar still being written: the walk
+    stops quietly where the data runs out instead of calling it truncated.
+    ``global_pax`` carries global PAX records into a walk resumed mid-archive
+    (and is updated by the walk).
     """
     end = len(buf)
     if end == 0:
+        if prefix:
+            return
         raise ShardError(url, "empty file, not a tar archive", offset=0)
     pos = 0
-    global_pax: dict[str, Any] = {}
+    global_pax = {} if global_pax is None else global_pax
     # Extension headers waiting for their member, and where the chain began.
     pending: list[tuple[bytes, Any]] = []
-    chain_at = 0
+    chain_at = -1
     while pos < end:
         block = bytes(buf[pos : pos + BLOCK])
         if len(block) < BLOCK:
-            if block.count(0) == len(block):
+            if prefix or block.count(0) == len(block):
                 break  # zero padding cut short: the archive had ended anyway
             raise ShardError(url, "truncated: archive ends inside a header", offset=pos)
         raw_name, raw_size, raw_sum, kind, raw_prefix = _HEADER.unpack_from(block)
@@ -272,8 +282,10 @@ def _walk(buf: Buffer, url: str) -> Iterator[tuple[str, int, int]]:
         if kind in (_LONG_NAME, _LONG_LINK, _PAX, _PAX_SOLARIS, _PAX_GLOBAL):
             stop = data + _padded(size)
             if stop > end:
+                if prefix:
+                    return
                 raise ShardError(url, "truncated: extended header runs past the end", offset=pos)
-            if not pending:
+            if chain_at < 0:
                 chain_at = pos
             payload = bytes(buf[data : data + size])
             if kind == _LONG_NAME:
@@ -307,25 +319,28 @@ def _walk(buf: Buffer, url: str) -> Iterator[tuple[str, int, int]]:
                     name = value["path"].rstrip("/")
                 size = value.get("size", size)
         pending.clear()
+        at, chain_at = (chain_at if chain_at >= 0 else pos), -1
 
         if kind in _DATALESS:
             pos = data
             continue
         stop = data + _padded(size)
         if stop > end:
+            if prefix:
+                return
             raise ShardError(
                 url, f"truncated: member {name!r} ({size} bytes) runs past the end", offset=pos
             )
         if kind in _REGULAR:
-            yield name, data, size
+            yield name, data, size, at
         pos = stop
-    if pending:
+    if pending and not prefix:
         raise ShardError(url, "extended header without a member after it", offset=chain_at)
 
 
 def members(buf: Buffer, *, url: str) -> list[Member]:
     """Every regular file in the uncompressed tar ``buf``, in archive order (no grouping)."""
-    return [Member(name, offset, size) for name, offset, size in _walk(buf, url)]
+    return [Member(name, offset, size) for name, offset, size, _ in _walk(buf, url)]
 
 
 def scan(buf: Buffer, *, url: str) -> list[SampleSpan]:
@@ -336,11 +351,16 @@ def scan(buf: Buffer, *, url: str) -> list[SampleSpan]:
     items (an mmap of a shard, or decompressed bytes); ``url`` names the shard
     in errors.  Raises :class:`ShardError` for a damaged or unreadable shard.
     """
-    spans: list[SampleSpan] = []
+    return [span for span, _ in _group(_walk(buf, url), url)]
+
+
+def _group(walk: Iterator[tuple[str, int, int, int]], url: str, base: int = 0) -> Iterator[tuple[SampleSpan, int]]:
+    """Samples of a walk, each with the header offset of its first member; offsets shifted by ``base``."""
     key: str | None = None
     fields: list[tuple[str, int, int]] = []
     seen: set[str] = set()
-    for name, offset, size in _walk(buf, url):
+    first_at = 0
+    for name, offset, size, at in walk:
         if is_meta_name(name):
             continue
         split = split_name(name)
@@ -349,18 +369,97 @@ def scan(buf: Buffer, *, url: str) -> list[SampleSpan]:
         member_key, ext = split[0], split[1].lower()
         if member_key != key:
             if key is not None:
-                spans.append(SampleSpan(key, tuple(fields)))
-            key, fields, seen = member_key, [], set()
+                yield SampleSpan(key, tuple(fields)), first_at
+            key, fields, seen, first_at = member_key, [], set(), base + at
         if ext in seen or ext in _RESERVED_EXTS:
             raise ShardError(
                 url, f"member {name!r}: extension {ext!r} repeated in sample {key!r}",
-                offset=offset - BLOCK,
+                offset=base + offset - BLOCK,
             )
         seen.add(ext)
-        fields.append((ext, offset, size))
+        fields.append((ext, base + offset, size))
     if key is not None:
-        spans.append(SampleSpan(key, tuple(fields)))
-    return spans
+        yield SampleSpan(key, tuple(fields)), first_at
+
+
+class NotYet(Exception):
+    """A growing shard does not hold the sample asked for (its download started over)."""
+
+
+class GrowingShard:
+    """The complete samples so far of a plain tar that is still being downloaded.
+
+    A sample is complete once a member of the next sample has arrived, so the
+    last one is known only from the finished file (read that with
+    :func:`open_shard`).  Each :meth:`refresh` walks only the headers that
+    arrived since the last complete sample.  Payloads are read with ``pread``,
+    never mapped: the download may truncate the file to start over, which would
+    fault a mapping; here it only gives a short read (:class:`NotYet`).  A
+    gzip'd shard shows no samples until it is complete.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, url: str) -> None:
+        self.url, self.path = url, os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY)  # FileNotFoundError: no download under way
+        self._reset()
+
+    def _reset(self) -> None:
+        self.samples: list[SampleSpan] = []
+        self._resume = 0  # header offset of the first sample not known complete
+        self._pax: dict[str, Any] = {}  # global PAX records in force at _resume
+        self._from_start = False  # global PAX headers seen: walk from the start every time
+        self._size = 0
+        self._gzip: bool | None = None
+
+    def refresh(self) -> None:
+        """Take in what the download has written since the last call.
+
+        FileNotFoundError when the file is gone (published, or the download ended):
+        the samples already found stay readable, but no more will come here.
+        """
+        if os.stat(self.path).st_ino != os.fstat(self._fd).st_ino:
+            # A new download of the shard started in a new file: follow it.
+            fd = os.open(self.path, os.O_RDONLY)
+            os.close(self._fd)
+            self._fd = fd
+            self._reset()
+        size = os.fstat(self._fd).st_size
+        if size < self._size:
+            self._reset()  # truncated: the download started over
+        self._size = size
+        if self._gzip is None and size >= 2:
+            self._gzip = os.pread(self._fd, 2, 0) == GZIP_MAGIC
+        if self._gzip is not False:
+            return
+        start = 0 if self._from_start else self._resume
+        if size - start < 2 * BLOCK:
+            return
+        pax = dict(self._pax)
+        buf = os.pread(self._fd, size - start, start)
+        groups = list(_group(_walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start))
+        done = [span for span, _ in groups[:-1]]
+        if self._from_start or pax != self._pax:
+            # Where exactly a global header took effect is not tracked: rescan from the start.
+            self._from_start, self.samples = True, done
+        elif groups:
+            self.samples.extend(done)
+            self._resume = groups[-1][1]
+
+    def read(self, i: int) -> tuple[SampleSpan, list[memoryview]]:
+        """Sample ``i`` (complete by :meth:`refresh`) and its payloads, read in one call."""
+        span = self.samples[i]
+        first = span.fields[0][1]
+        last = max(offset + size for _, offset, size in span.fields)
+        data = os.pread(self._fd, last - first, first)
+        if len(data) < last - first:
+            raise NotYet(f"{self.url}: sample {i} is not in the file any more (its download started over)")
+        view = memoryview(data)
+        return span, [view[offset - first : offset - first + size] for _, offset, size in span.fields]
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _gunzip(packed: Buffer, url: str) -> bytearray:

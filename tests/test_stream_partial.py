@@ -1,0 +1,90 @@
+"""Reading a shard while it downloads (issue 4): the first sample does not wait for the whole shard.
+
+A real agent (started through the CLI) downloads from the rate-capped loopback
+server; the loader reads in this process over real sockets. "Before the
+download finished" is observed on disk, never timed: the shard is not under
+``shards/`` yet when the first sample arrives, and the file that is published
+later is the source, byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from conftest import wait_for
+from streaming import reference
+from wdscache import CachedMultiLoader, FetchError
+from wdscache.layout import CacheLayout
+
+RATE = 120_000  # bytes/s per connection: a ~600 KB shard takes about 5 s
+
+
+def fields_of(sample: dict) -> dict[str, str]:
+    return {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+
+
+def test_first_sample_arrives_before_its_shard_is_downloaded_and_the_epoch_is_exact(
+        tmp_path, shard_server, dataset, start_agent):
+    data = dataset(2, samples=30, payload=20_000)
+    ref = reference(data.paths, data.urls)
+    shard_server.rate = RATE
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "2", "--download-workers", "1")
+    layout = CacheLayout.of(cache)
+    first_url = data.urls[0]
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
+        it = iter(loader)
+        first = next(it)
+        # Served from the download in progress, which is not in the cache yet.
+        assert first["__url__"] == first_url
+        assert not layout.shard_path(first_url).exists()
+        assert layout.partial_path(first_url).exists()
+        got = [first, *it]
+    assert [(s["__url__"], s["__key__"]) for s in got] == list(ref)
+    for s in got:
+        assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
+    # What was published is the whole source file; nothing partial is left behind.
+    for url, path in zip(data.urls, data.paths):
+        wait_for(lambda: layout.shard_path(url).exists(), 30, f"{url} published")
+        assert layout.shard_path(url).read_bytes() == path.read_bytes()
+    assert not any(layout.partial_dir.iterdir())
+
+
+def test_a_download_that_starts_over_while_read_still_gives_exact_samples(
+        tmp_path, shard_server, dataset, start_agent):
+    data = dataset(1, samples=30, payload=20_000)
+    ref = reference(data.paths, data.urls)
+    shard_server.rate = RATE
+    # No Range support: the broken connection makes the download start again from byte 0,
+    # truncating the file that the workers are reading.
+    shard_server.accept_ranges = False
+    shard_server.fail(data.paths[0].name, "cut", after=300_000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "1")
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
+        got = list(loader)
+    assert [(s["__url__"], s["__key__"]) for s in got] == list(ref)
+    for s in got:
+        assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
+    assert "retrying" in agent.stderr_text()
+
+
+def test_a_download_that_fails_while_read_raises_a_clear_error(tmp_path, shard_server, dataset, start_agent):
+    data = dataset(1, samples=30, payload=20_000)
+    shard_server.rate = RATE
+    shard_server.fail(data.paths[0].name, "cut", after=200_000)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "1", "--retries", "0")
+    delivered = []
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
+        with pytest.raises(FetchError) as info:
+            for sample in loader:
+                delivered.append(sample)
+    assert data.urls[0] in str(info.value)
+    assert "gave up" in str(info.value)
+    # What came before the failure was right.
+    ref = reference(data.paths, data.urls)
+    for s in delivered:
+        assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
