@@ -562,3 +562,17 @@ def test_workers_do_not_outlive_a_killed_agent(tmp_path, dataset, start_agent):
         for p, t in starts.items():  # leave nothing behind if the test failed
             if alive(p, t):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_zero_copy_gives_read_only_views_of_the_same_bytes(tmp_path, dataset, start_agent):
+    data = dataset(2, samples=6, payload=3000)
+    ref = reference(data.paths, data.urls)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "2")
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, zero_copy=True, timeout=30) as loader:
+        got = list(loader)
+    assert [(s["__url__"], s["__key__"]) for s in got] == list(ref)
+    for s in got:
+        payloads = {k: v for k, v in s.items() if not k.startswith("__")}
+        assert all(isinstance(v, memoryview) and v.readonly for v in payloads.values())
+        assert {k: hashlib.sha256(v).hexdigest() for k, v in payloads.items()} == ref[(s["__url__"], s["__key__"])]

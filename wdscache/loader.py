@@ -80,7 +80,8 @@ class CachedMultiLoader:
     Beyond webdataset's options: ``request_size`` samples per request to a worker,
     ``inflight`` requests outstanding (the memory bound), ``zero_copy`` to get
     payloads as read-only memoryviews instead of bytes (faster; not for
-    webdataset's decoders), ``on_error`` ("raise" or "skip").
+    webdataset's decoders; a view keeps the whole message it came in alive, up to
+    ``request_size`` samples), ``on_error`` ("raise" or "skip").
     """
 
     def __init__(
@@ -723,22 +724,28 @@ class _Stream:
             self._release(shard)
 
     def _samples(self, header: dict[str, Any], payload: list[Any], items: list) -> list[dict[str, Any]]:
-        keys, exts = header.get("keys"), header.get("exts")
-        if not isinstance(keys, list) or not isinstance(exts, list) or len(keys) != len(items):
+        keys, exts, spans = header.get("keys"), header.get("exts"), header.get("spans")
+        if not (isinstance(keys, list) and isinstance(exts, list) and isinstance(spans, list)
+                and len(keys) == len(exts) == len(spans) == len(items)):
             raise ProtocolError("worker reply does not match the request")
+        frames = [memoryview(f.buffer).toreadonly() for f in payload]
         samples = []
-        k = 0
         zero_copy = self.loader.zero_copy
-        for (_, (shard, _)), key, names in zip(items, keys, exts):
+        for (_, (shard, _)), key, names, span in zip(items, keys, exts, spans):
+            if not (isinstance(span, list) and len(span) == 1 + 2 * len(names)
+                    and all(type(x) is int and x >= 0 for x in span) and span[0] < len(frames)):
+                raise ProtocolError("worker reply has a bad span")
+            frame = frames[span[0]]
             sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[shard]}
-            for ext in names:
+            for i, ext in enumerate(names):
+                offset, size = span[1 + 2 * i], span[2 + 2 * i]
+                if offset + size > len(frame):
+                    raise ProtocolError("worker reply has a span past its frame")
                 # bytes by default (webdataset's decoders want bytes); zero_copy gives
                 # read-only memoryviews into the received message instead.
-                sample[ext] = payload[k].buffer if zero_copy else payload[k].bytes
-                k += 1
+                value = frame[offset : offset + size]
+                sample[ext] = value if zero_copy else value.tobytes()
             samples.append(sample)
-        if k != len(payload):
-            raise ProtocolError("worker reply has extra frames")
         return samples
 
     def _read_failed(self, seq: int, items: list, header: dict[str, Any]) -> None:

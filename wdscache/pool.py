@@ -8,8 +8,11 @@ consumer, one hop. Consumers learn the worker endpoints from the agent.
 A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
 
     {"op": "read", "id": n, "urls": [u, ...], "items": [[k, j], ...]}
-        -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...]}
-           followed by one frame per (sample, extension), in order
+        -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...],
+            "spans": [[frame, offset, size, offset, size, ...], ...]}
+           followed by frames of raw shard bytes: each sample's fields lie in frame
+           ``frame`` at the given offsets, one (offset, size) per extension; samples
+           adjacent in their shard share a frame
     {"op": "scan", "id": n, "url": u, "partial": bool}
         -> {"op": "scanned", "id": n, "ok": true, "count": c, "final": bool}
 
@@ -52,6 +55,7 @@ log = logging.getLogger(__name__)
 OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RSS until dropped
 REPORT_EVERY = 1.0
 MAX_ITEMS = 4096
+MERGE_GAP = 4096  # samples this close in a shard go in one frame (the tar headers between them too)
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,11 @@ class _Worker:
         self.stop = False
         self.views: OrderedDict[str, tuple[int, Any]] = OrderedDict()
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
+        # (view, start, end) of mapped bytes sent in this step and the one before: dropped from
+        # our RSS a step later (when ZeroMQ has most likely sent them, so they are not faulted
+        # back in), else a worker would keep every shard it served resident, up to OPEN_SHARDS.
+        self.served: list[tuple[Any, int, int]] = []
+        self.served_before: list[tuple[Any, int, int]] = []
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -162,6 +171,7 @@ class _Worker:
         self._last_report = time.monotonic()
 
     def step(self) -> None:
+        self._drop_served()
         if self.sock.poll(100):
             for _ in range(64):
                 try:
@@ -178,6 +188,11 @@ class _Worker:
                                "requests": self.requests, "samples": self.samples, "bytes": self.bytes})
             if os.getppid() != self.spec.parent:
                 self.stop = True
+
+    def _drop_served(self) -> None:
+        for view, start, end in self.served_before:
+            view.drop_pages(start, end)
+        self.served_before, self.served = self.served, []
 
     def _send_report(self, header: dict[str, Any]) -> None:
         try:
@@ -231,7 +246,11 @@ class _Worker:
             raise ProtocolError("bad read request")
         keys: list[str] = []
         exts: list[list[str]] = []
-        frames: list[Any] = []
+        spans: list[list[int]] = []
+        # Runs of bytes sent as one frame each: (a mapped ShardView or a bytes block, start, end).
+        # Samples next to each other in a shard share a run, so a request read in archive
+        # order costs one frame, not one per field.
+        runs: list[tuple[Any, int, int]] = []
         views = [self._readable(url) for url in urls]  # once per shard, not per sample
         for item in items:
             if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
@@ -245,20 +264,33 @@ class _Worker:
                     view.refresh()
                 if not 0 <= j < len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
-                span, payloads = view.read(j)
-                frames.extend(payloads)
+                span, block, first = view.read(j)
+                runs.append((block, first, first + len(block)))
             else:
                 if not 0 <= j < len(view.samples):
                     raise ProtocolError(f"{urls[k]} has no sample {j}")
                 span = view.samples[j]
-                frames.extend(view.data[off : off + size] for _, off, size in span.fields)
+                first, end = span.fields[0][1], span.fields[-1][1] + span.fields[-1][2]
+                if runs and runs[-1][0] is view and 0 <= first - runs[-1][2] <= MERGE_GAP:
+                    runs[-1] = (view, runs[-1][1], end)
+                else:
+                    runs.append((view, first, end))
+            base = runs[-1][1]
+            spans.append([len(runs) - 1, *(x for _, off, size in span.fields for x in (off - base, size))])
             keys.append(span.key)
             exts.append([ext for ext, _, _ in span.fields])
             self.bytes += sum(size for _, _, size in span.fields)
+        frames = []
+        for source, start, end in runs:
+            if isinstance(source, bytes):
+                frames.append(source)
+            else:
+                frames.append(source.data[start:end])
+                self.served.append((source, start, end))
         self.requests += 1
         self.samples += len(items)
-        self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts},
-                    frames)
+        self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts,
+                            "spans": spans}, frames)
 
     def _view(self, url: str) -> Any:
         """The cached shard's view; FileNotFoundError while it is not (or no longer) cached."""
@@ -269,6 +301,7 @@ class _Worker:
             self.views.move_to_end(url)
             return cached[1]
         view = open_shard(path, url=url)
+        view.drop_pages(0, len(view.data) if view.samples else 0)  # the scan touched every header page
         self.views[url] = (ino, view)
         while len(self.views) > OPEN_SHARDS:
             # Dropped, not closed: frames still queued in ZeroMQ may point into its mmap.

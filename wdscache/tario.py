@@ -445,16 +445,16 @@ class GrowingShard:
             self.samples.extend(done)
             self._resume = groups[-1][1]
 
-    def read(self, i: int) -> tuple[SampleSpan, list[memoryview]]:
-        """Sample ``i`` (complete by :meth:`refresh`) and its payloads, read in one call."""
+    def read(self, i: int) -> tuple[SampleSpan, bytes, int]:
+        """Sample ``i`` (complete by :meth:`refresh`): its span, and the bytes from its first
+        field's start to its last field's end, read in one call, with the offset they start at."""
         span = self.samples[i]
         first = span.fields[0][1]
-        last = max(offset + size for _, offset, size in span.fields)
+        last = span.fields[-1][1] + span.fields[-1][2]
         data = os.pread(self._fd, last - first, first)
         if len(data) < last - first:
             raise NotYet(f"{self.url}: sample {i} is not in the file any more (its download started over)")
-        view = memoryview(data)
-        return span, [view[offset - first : offset - first + size] for _, offset, size in span.fields]
+        return span, data, first
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -545,6 +545,16 @@ class ShardView:
         """Every sample in archive order (see :meth:`sample`)."""
         for span in self.samples:
             yield self._build(span, copy)
+
+    def drop_pages(self, start: int, end: int) -> None:
+        """Done with bytes ``[start, end)`` for now: a mapped shard's pages there leave the RSS.
+
+        Safe while payloads there are still in use: the mapping is shared and
+        read-only, so a page touched again is read back from the page cache.
+        """
+        if isinstance(self._data, mmap.mmap) and end > start:
+            first = start - start % mmap.PAGESIZE
+            self._data.madvise(mmap.MADV_DONTNEED, first, min(end, len(self._data)) - first)
 
     def close(self) -> None:
         """Give back the shard's memory; idempotent."""
