@@ -568,9 +568,12 @@ def test_shard_view_closes_mapping_when_no_payload_is_alive(tmp_path: Path) -> N
     assert mapping.closed
 
 
-def test_scan_is_lazy(tmp_path: Path) -> None:
+def test_damage_is_found_when_a_plain_tar_is_opened_and_a_gzipd_one_when_read(tmp_path: Path) -> None:
     path = tmp_path / "bad.tar"
     path.write_bytes(b"x" * 2048)
+    with pytest.raises(ShardError, match="checksum"):
+        open_shard(path, url="u")
+    path.write_bytes(gzip.compress(b"x" * 2048))
     with open_shard(path, url="u") as shard:
         with pytest.raises(ShardError, match="checksum"):
             shard.samples

@@ -4,7 +4,10 @@ Each rank computes its epoch's global sequence itself (:mod:`wdscache.sequence`)
 from the URL list, the seeds and the per-shard sample counts, and reads its
 positions ``r, r+W, ...`` from the agent's workers. Ranks never wait for each
 other, so no rank can hang on another; they agree because the sequence is a
-pure function of inputs they share.
+pure function of inputs they share. A shard still downloading enters the
+sequence sample by sample as its download brings them (the workers read its
+complete samples from the partial file), so a cold start does not wait for
+whole shards; only when its ids come out depends on timing, never which.
 
 Guarantees (for the ranks of one job with the same settings):
 

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RSS until dropped
 REPORT_EVERY = 1.0
 MAX_ITEMS = 4096
+DROP_EVERY = 0.02  # seconds between drops of served shard pages from a worker's RSS
 MERGE_GAP = 4096  # samples this close in a shard go in one frame (the tar headers between them too)
 
 
@@ -147,11 +148,11 @@ class _Worker:
         self.stop = False
         self.views: OrderedDict[str, tuple[int, Any]] = OrderedDict()
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
-        # (view, start, end) of mapped bytes sent in this step and the one before: dropped from
-        # our RSS a step later (when ZeroMQ has most likely sent them, so they are not faulted
-        # back in), else a worker would keep every shard it served resident, up to OPEN_SHARDS.
-        self.served: list[tuple[Any, int, int]] = []
-        self.served_before: list[tuple[Any, int, int]] = []
+        # Mapped shards served from since the last drop. Their pages leave our RSS every
+        # DROP_EVERY seconds, else a worker would keep every shard it served resident, up to
+        # OPEN_SHARDS of them. (ZeroMQ faults back in what it is still sending: no harm.)
+        self.served: set[Any] = set()
+        self._last_drop = time.monotonic()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -190,9 +191,11 @@ class _Worker:
                 self.stop = True
 
     def _drop_served(self) -> None:
-        for view, start, end in self.served_before:
-            view.drop_pages(start, end)
-        self.served_before, self.served = self.served, []
+        if self.served and time.monotonic() - self._last_drop >= DROP_EVERY:
+            self._last_drop = time.monotonic()
+            for view in self.served:
+                view.drop_pages(0, len(view.data))
+            self.served.clear()
 
     def _send_report(self, header: dict[str, Any]) -> None:
         try:
@@ -286,7 +289,8 @@ class _Worker:
                 frames.append(source)
             else:
                 frames.append(source.data[start:end])
-                self.served.append((source, start, end))
+                self.served.add(source)
+        self._drop_served()
         self.requests += 1
         self.samples += len(items)
         self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts,
@@ -301,7 +305,6 @@ class _Worker:
             self.views.move_to_end(url)
             return cached[1]
         view = open_shard(path, url=url)
-        view.drop_pages(0, len(view.data) if view.samples else 0)  # the scan touched every header page
         self.views[url] = (ino, view)
         while len(self.views) > OPEN_SHARDS:
             # Dropped, not closed: frames still queued in ZeroMQ may point into its mmap.

@@ -382,6 +382,20 @@ def _group(walk: Iterator[tuple[str, int, int, int]], url: str, base: int = 0) -
         yield SampleSpan(key, tuple(fields)), first_at
 
 
+class _FileSpan:
+    """Bytes ``[start, end)`` of an open file as a sliceable buffer, one ``pread`` per slice."""
+
+    def __init__(self, fd: int, start: int, end: int) -> None:
+        self.fd, self.start, self.end = fd, start, end
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+    def __getitem__(self, part: slice) -> bytes:
+        first, stop, _ = part.indices(len(self))
+        return os.pread(self.fd, max(0, stop - first), self.start + first)
+
+
 class NotYet(Exception):
     """A growing shard does not hold the sample asked for (its download started over)."""
 
@@ -435,7 +449,7 @@ class GrowingShard:
         if size - start < 2 * BLOCK:
             return
         pax = dict(self._pax)
-        buf = os.pread(self._fd, size - start, start)
+        buf = _FileSpan(self._fd, start, size)  # headers are read one by one: payloads never are
         groups = list(_group(_walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start))
         done = [span for span, _ in groups[:-1]]
         if self._from_start or pax != self._pax:
@@ -503,12 +517,12 @@ class ShardView:
     the only point where the file's memory is given back promptly.
     """
 
-    def __init__(self, data: bytearray | mmap.mmap, *, url: str) -> None:
+    def __init__(self, data: bytearray | mmap.mmap, *, url: str, samples: list[SampleSpan] | None = None) -> None:
         self.url = url
         self._data: bytearray | mmap.mmap | None = data
         # Read-only even over a bytearray: payloads must not be able to alter the shard.
         self._view: memoryview | None = memoryview(data).toreadonly()
-        self._samples: list[SampleSpan] | None = None
+        self._samples = samples
 
     def __enter__(self) -> ShardView:
         return self
@@ -530,7 +544,7 @@ class ShardView:
 
     @property
     def samples(self) -> list[SampleSpan]:
-        """Where each sample lies; the shard is scanned on first use only."""
+        """Where each sample lies (a plain tar is scanned when opened, a gzip'd one on first use)."""
         if self._samples is None:
             if self._data is None:
                 raise ValueError("shard view is closed")
@@ -585,8 +599,15 @@ def open_shard(path: str | os.PathLike[str], *, url: str) -> ShardView:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file cannot be mapped
             raise ShardError(url, "empty file, not a tar archive", offset=0) from None
-    if mapped[:2] != GZIP_MAGIC:
-        return ShardView(mapped, url=url)
+        if mapped[:2] != GZIP_MAGIC:
+            # Scanned with pread, not through the mapping: faulting in every header page
+            # would bring most of the file into our RSS (the kernel maps pages around each fault).
+            try:
+                samples = [span for span, _ in _group(_walk(_FileSpan(f.fileno(), 0, len(mapped)), url), url)]
+            except BaseException:
+                mapped.close()
+                raise
+            return ShardView(mapped, url=url, samples=samples)
     try:
         return ShardView(_gunzip(mapped, url), url=url)
     finally:
