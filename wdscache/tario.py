@@ -61,6 +61,7 @@ _SPARSE = b"S"
 _RESERVED_EXTS = frozenset(("__key__", "__url__"))
 
 _GZIP_CHUNK = 1 << 22
+_READ_AHEAD = 8 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -383,17 +384,25 @@ def _group(walk: Iterator[tuple[str, int, int, int]], url: str, base: int = 0) -
 
 
 class _FileSpan:
-    """Bytes ``[start, end)`` of an open file as a sliceable buffer, one ``pread`` per slice."""
+    """Bytes ``[start, end)`` of an open file as a sliceable buffer, read with ``pread``.
+
+    Reads go in blocks of at least ``_READ_AHEAD`` bytes, so walking the headers
+    of small members costs one call per block, not one per header.
+    """
 
     def __init__(self, fd: int, start: int, end: int) -> None:
         self.fd, self.start, self.end = fd, start, end
+        self._at, self._block = 0, b""
 
     def __len__(self) -> int:
         return self.end - self.start
 
     def __getitem__(self, part: slice) -> bytes:
         first, stop, _ = part.indices(len(self))
-        return os.pread(self.fd, max(0, stop - first), self.start + first)
+        if not (self._at <= first and stop <= self._at + len(self._block)):
+            size = max(stop - first, min(_READ_AHEAD, len(self) - first))
+            self._at, self._block = first, os.pread(self.fd, max(0, size), self.start + first)
+        return self._block[first - self._at : stop - self._at]
 
 
 class NotYet(Exception):
