@@ -760,11 +760,14 @@ def assert_growing_matches(path: Path, data: bytes, cuts: Iterable[int]) -> None
     full = scan(data, url="u")
     path.write_bytes(b"")
     view = GrowingShard(path, url="u")
+    known = 0
     try:
         for size in grow(path, data, cuts):
             view.refresh()
             n = len(view.samples)
             assert view.samples == full[:n]
+            assert n >= known  # a sample once known stays known (consumers have taken it)
+            known = n
             assert n == len(full) - 1 or size < len(data)  # the last one waits for the finished file
             for i in range(n):
                 span, block, first = view.read(i)
@@ -793,6 +796,18 @@ def test_growing_shard_with_long_names_and_pax_records(tmp_path: Path, cuts: lis
             entries.append(regular(f"{key}.{ext}", bytes([i]) * (500 * i + 3)))
     data = tar_bytes(entries, pax_headers={"comment": "a global header"})
     assert_growing_matches(tmp_path / f"g-{uuid.uuid4().hex}.tar", data, sorted(set(c % len(data) for c in cuts)))
+
+
+def test_growing_shard_with_a_global_pax_header_mid_archive(tmp_path: Path) -> None:
+    def samples(first: int, n: int) -> bytes:
+        return b"".join(member(f"s{i:03d}.{ext}".encode(), bytes([i]) * (700 + i)) for i in range(first, first + n)
+                        for ext in ("cls", "jpg"))
+
+    # A global path renames every member after it (tarfile's reading): here the last one.
+    # Walks resumed after the header must not shift the view's sample indices.
+    data = samples(0, 6) + ext_member(b"g", pax_data(path="late/g.bin")) + member(b"s006.cls", b"6") + END
+    assert [span.key for span in scan(data, url="u")][5:] == ["s005", "late/g"]
+    assert_growing_matches(tmp_path / "mid.tar", data, range(700, len(data), 700))
 
 
 def test_growing_shard_follows_a_download_that_starts_over(tmp_path: Path) -> None:

@@ -356,6 +356,9 @@ def _size_of(path: Path) -> int:
 
 
 def _truncate(path: Path) -> None:
+    """Start ``path`` over, empty, as a new file: a worker reading the old one by its
+    descriptor keeps the old bytes and never sees new bytes at offsets it already knows."""
+    path.unlink(missing_ok=True)
     with open(path, "wb"):
         pass
 

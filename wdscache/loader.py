@@ -12,7 +12,9 @@ whole shards; only when its ids come out depends on timing, never which.
 Guarantees (for the ranks of one job with the same settings):
 
 - every epoch delivers each sample exactly once, plus at most ``W-1`` padding
-  repeats (or none, with ``drop_last``), and every rank the same number;
+  repeats (or none, with ``drop_last``), and every rank the same number
+  (``on_error="skip"`` can break this: what a failed shard gave before it failed
+  depends on timing);
 - the same inputs give the same per-rank sequences whatever the number of agent
   workers, the timing or the machine load;
 - ``state_dict()`` of any rank resumes the job, with any world size, at exactly
@@ -295,7 +297,8 @@ class _Stream:
         self.order_pos = {shard: i for i, shard in enumerate(self.order)}
         self.counts: dict[int, int] = {}
         # Pinned shards -> number of our outstanding reads. A consumer that must wait for a
-        # download first lets go of every pin (see _open), so pins never deadlock the budget.
+        # download first lets go of every other pin it is not reading (see _open), so pins
+        # never deadlock the budget.
         self.opened: dict[int, int] = {}
         self.partial: set[int] = set()  # pinned while downloading: read as the download goes
         # shard -> ids not yet emitted by the global sequence (its count minus those emitted;
@@ -394,9 +397,10 @@ class _Stream:
                 if status.get("state") == "failed":
                     error = FetchError(url, str(status.get("error")))
                     break
-                if status.get("state") in ("queued", "unknown"):
-                    # The download lost its budget or was forgotten (the agent restarted):
-                    # pin it again, waiting without other pins until it holds its budget again.
+                if status.get("state") in ("queued", "unknown", "cached"):
+                    # The download lost its budget or was forgotten (the agent restarted), or
+                    # it is cached but the worker cannot see it (its file went): pin it again,
+                    # waiting without other pins until it downloads with its budget again.
                     self._open(shard, again=True, stream=True)
             yield None
         self.partial.discard(shard)
@@ -432,12 +436,12 @@ class _Stream:
             # for its answers; reads put off (see _recover) give their pins back too. (Once a
             # download holds its budget, pins cannot hold it up.)
             self._flush()
-            self._drain()
             for seq, (items, _) in list(self.delayed.items()):
                 del self.delayed[seq]
                 for _, (held, _) in items:
                     self.opened[held] -= 1
                 self.reopen[seq] = items
+            self._drain()
             for held in list(self.opened):
                 if held != shard:
                     self._release(held, force=True)
@@ -664,17 +668,21 @@ class _Stream:
         for seq in stuck:
             if seq not in self.delayed:
                 continue  # an open that had to wait put it back for reopening
-            items, when = self.delayed[seq]
+            items = self.delayed[seq][0]
             for shard in {sid[0] for _, sid in items}:
                 status = self.conn.request({"op": "status", "reader": self.name, "url": self.urls[shard]})
                 if status.get("state") == "failed":
                     self._failed(shard, FetchError(self.urls[shard], str(status.get("error"))))
                 elif status.get("state") in ("queued", "unknown"):
                     self._open(shard, again=True)
+            if seq not in self.delayed:
+                continue  # as above: the open waited, and the read goes to _recover again
+            items, when = self.delayed[seq]
             kept = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
             for _, (shard, _) in items:
                 if shard in self.skipped and self.opened.get(shard, 0) > 0:
                     self.opened[shard] -= 1
+                    self._release(shard, force=True)
             self.delayed[seq] = (kept, when)
 
     def _receive(self, timeout: float = 0.1) -> None:

@@ -23,8 +23,8 @@ from its partial file (:class:`~wdscache.tario.GrowingShard`), only its complete
 samples and never beyond the bytes written, so a reader need not wait for the
 whole shard. ``scan`` with ``partial`` then answers the samples complete so far
 with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
-"corrupt" | "pending", "error": ...}``; "pending" means the sample is not in the
-partial file now (its download started over): ask again shortly.
+"corrupt" | "pending" | "protocol", "error": ...}``; "pending" means the sample is
+not in the partial file now (its download started over): ask again shortly.
 
 Workers never outlive the agent: they ask the kernel for SIGKILL when their
 parent dies (Linux), and also exit when their parent's pid changes.
@@ -56,7 +56,10 @@ OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RS
 REPORT_EVERY = 1.0
 MAX_ITEMS = 4096
 DROP_EVERY = 0.02  # seconds between drops of served shard pages from a worker's RSS
-MERGE_GAP = 4096  # samples this close in a shard go in one frame (the tar headers between them too)
+# Samples this close in a shard go in one frame, the tar headers between them too: enough
+# for the headers between consecutive samples, too little to carry another rank's samples
+# along unless they are tiny.
+MERGE_GAP = 2048
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,16 @@ class WorkerPool:
         self._procs[i] = p
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until every worker has bound its socket (a process takes a while to start)."""
+        """Wait until every worker has bound its socket (a process takes a while to start);
+        False at the timeout, or at once if a worker died meanwhile (:meth:`check` replaces it)."""
         deadline = time.monotonic() + timeout
-        return all(e.wait(max(0.0, deadline - time.monotonic())) for e in self._ready)
+        while time.monotonic() < deadline:
+            if all(e.is_set() for e in self._ready):
+                return True
+            if any(p is not None and not p.is_alive() for p in self._procs):
+                return False
+            time.sleep(0.01)
+        return False
 
     def check(self) -> None:
         """Replace any worker that died (its consumers retry their requests)."""
@@ -191,11 +201,15 @@ class _Worker:
                 self.stop = True
 
     def _drop_served(self) -> None:
-        if self.served and time.monotonic() - self._last_drop >= DROP_EVERY:
-            self._last_drop = time.monotonic()
-            for view in self.served:
-                view.drop_pages(0, len(view.data))
-            self.served.clear()
+        if time.monotonic() - self._last_drop < DROP_EVERY:
+            return
+        self._last_drop = time.monotonic()
+        for view in self.served:
+            view.drop_pages(0, len(view.data))
+        self.served.clear()
+        for url, growing in list(self.growing.items()):
+            if not growing.current():  # published or abandoned: give its descriptor back
+                self.growing.pop(url).close()
 
     def _send_report(self, header: dict[str, Any]) -> None:
         try:
@@ -315,8 +329,16 @@ class _Worker:
         return view
 
     def _growing(self, url: str, *, refresh: bool) -> GrowingShard:
-        """The shard's download so far; FileNotFoundError when none is under way."""
+        """The shard's download so far; FileNotFoundError when none is under way.
+
+        A view whose file was replaced (a new download), published or removed is not
+        used again: it could hold another version's bytes, and its descriptor would
+        keep a deleted file's disk space.
+        """
         view = self.growing.get(url)
+        if view is not None and not view.current():
+            self.growing.pop(url).close()
+            view = None
         if view is None:
             view = self.growing[url] = GrowingShard(self.layout.partial_path(url), url=url)
             refresh = True

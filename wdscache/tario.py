@@ -250,8 +250,7 @@ def _walk(
 
     With ``prefix``, ``buf`` is the start of a tar still being written: the walk
     stops quietly where the data runs out instead of calling it truncated.
-    ``global_pax`` carries global PAX records into a walk resumed mid-archive
-    (and is updated by the walk).
+    ``global_pax``, if given, receives the global PAX records the walk meets.
     """
     end = len(buf)
     if end == 0:
@@ -429,10 +428,16 @@ class GrowingShard:
     def _reset(self) -> None:
         self.samples: list[SampleSpan] = []
         self._resume = 0  # header offset of the first sample not known complete
-        self._pax: dict[str, Any] = {}  # global PAX records in force at _resume
         self._from_start = False  # global PAX headers seen: walk from the start every time
         self._size = 0
         self._gzip: bool | None = None
+
+    def current(self) -> bool:
+        """True while the download's file is still the one we read (not replaced, published or gone)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            return False
 
     def refresh(self) -> None:
         """Take in what the download has written since the last call.
@@ -457,13 +462,18 @@ class GrowingShard:
         start = 0 if self._from_start else self._resume
         if size - start < 2 * BLOCK:
             return
-        pax = dict(self._pax)
-        buf = _FileSpan(self._fd, start, size)  # headers are read one by one: payloads never are
+        pax: dict[str, Any] = {}
+        buf = _FileSpan(self._fd, start, size)  # headers are read in blocks: payloads are skipped
         groups = list(_group(_walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start))
         done = [span for span, _ in groups[:-1]]
-        if self._from_start or pax != self._pax:
-            # Where exactly a global header took effect is not tracked: rescan from the start.
-            self._from_start, self.samples = True, done
+        if pax or self._from_start:
+            # A global PAX header: where exactly it took effect is not tracked, so from now
+            # on every look walks from the start (rare in WebDataset shards).
+            self._from_start = True
+            if start > 0:
+                self.refresh()  # this walk began after it: its indices would be shifted
+                return
+            self.samples = done
         elif groups:
             self.samples.extend(done)
             self._resume = groups[-1][1]
