@@ -858,3 +858,43 @@ def test_growing_shard_reports_damage(tmp_path: Path) -> None:
     with pytest.raises(ShardError, match="checksum"):
         view.refresh()
     view.close()
+
+
+def test_a_published_download_keeps_the_samples_its_growing_view_found(tmp_path: Path) -> None:
+    data = make_shard(tmp_path / "src.tar", synth_samples(0, 12, payload=1000)).read_bytes()
+    full = scan(data, url="u")
+    partial, final = tmp_path / "partial.tar", tmp_path / "final.tar"
+    partial.write_bytes(data[: len(data) // 2])
+    view = GrowingShard(partial, url="u")
+    view.refresh()
+    assert 0 < len(view.samples) < len(full)
+    with open(partial, "ab") as f:
+        f.write(data[len(data) // 2 :])
+    os.rename(partial, final)  # publishing keeps the inode
+    with open(final, "rb") as f:
+        assert view.complete(f.fileno(), "u") == full  # the first half is not walked again
+    with open_shard(final, url="u", known=view) as shard:
+        assert shard.samples == full
+    # Another file under that name (not what the view read): found from scratch.
+    os.unlink(final)
+    final.write_bytes(data)
+    with open(final, "rb") as f:
+        assert view.complete(f.fileno(), "u") is None
+    with open_shard(final, url="u", known=view) as shard:
+        assert shard.samples == full
+    view.close()
+
+
+def test_damage_after_a_growing_view_is_reported_at_its_file_offset(tmp_path: Path) -> None:
+    data = bytearray(make_shard(tmp_path / "src.tar", synth_samples(0, 12, payload=1000)).read_bytes())
+    late = members(bytes(data), url="u")[30].offset - BLOCK  # a header well after the first half
+    path = tmp_path / "shard.tar"
+    path.write_bytes(bytes(data[: len(data) // 3]))
+    view = GrowingShard(path, url="u")
+    view.refresh()
+    data[late + 10] ^= 0xFF
+    path.write_bytes(bytes(data))  # same inode: written in place, as a download appends
+    with pytest.raises(ShardError, match="checksum") as info:
+        open_shard(path, url="u", known=view)
+    assert info.value.offset == late
+    view.close()

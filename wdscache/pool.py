@@ -318,14 +318,16 @@ class _Worker:
         if cached is not None and cached[0] == ino:
             self.views.move_to_end(url)
             return cached[1]
-        view = open_shard(path, url=url)
+        growing = self.growing.pop(url, None)
+        try:
+            view = open_shard(path, url=url, known=growing)  # what its download showed is not walked again
+        finally:
+            if growing is not None:
+                growing.close()  # its payloads went out as copies
         self.views[url] = (ino, view)
         while len(self.views) > OPEN_SHARDS:
             # Dropped, not closed: frames still queued in ZeroMQ may point into its mmap.
             self.views.popitem(last=False)
-        growing = self.growing.pop(url, None)
-        if growing is not None:
-            growing.close()  # its payloads went out as copies
         return view
 
     def _growing(self, url: str, *, refresh: bool) -> GrowingShard:

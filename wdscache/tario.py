@@ -478,6 +478,20 @@ class GrowingShard:
             self.samples.extend(done)
             self._resume = groups[-1][1]
 
+    def complete(self, fd: int, url: str) -> list[SampleSpan] | None:
+        """All samples of the finished file open as ``fd``, if it is the file we have been
+        reading (a published download keeps its inode): those found so far, plus a walk
+        of the rest. None if it is another file, or if we kept no usable place to resume."""
+        if self._gzip is not False or self._from_start or os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
+            return None
+        size = os.fstat(fd).st_size
+        try:
+            rest = [span for span, _ in _group(_walk(_FileSpan(fd, self._resume, size), url), url,
+                                               base=self._resume)]
+        except ShardError as exc:  # its offset counted from where this walk began
+            raise ShardError(url, exc.reason, offset=None if exc.offset is None else exc.offset + self._resume)
+        return self.samples + rest
+
     def read(self, i: int) -> tuple[SampleSpan, bytes, int]:
         """Sample ``i`` (complete by :meth:`refresh`): its span, and the bytes from its first
         field's start to its last field's end, read in one call, with the offset they start at."""
@@ -611,8 +625,11 @@ class ShardView:
         return sample
 
 
-def open_shard(path: str | os.PathLike[str], *, url: str) -> ShardView:
-    """Open a cached shard for reading; gzip is recognised by its magic bytes, not its name."""
+def open_shard(path: str | os.PathLike[str], *, url: str, known: GrowingShard | None = None) -> ShardView:
+    """Open a cached shard for reading; gzip is recognised by its magic bytes, not its name.
+
+    ``known``: the view of this shard's download, whose samples need not be found again.
+    """
     with open(path, "rb") as f:
         try:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -622,7 +639,9 @@ def open_shard(path: str | os.PathLike[str], *, url: str) -> ShardView:
             # Scanned with pread, not through the mapping: faulting in every header page
             # would bring most of the file into our RSS (the kernel maps pages around each fault).
             try:
-                samples = [span for span, _ in _group(_walk(_FileSpan(f.fileno(), 0, len(mapped)), url), url)]
+                samples = known.complete(f.fileno(), url) if known is not None else None
+                if samples is None:
+                    samples = [span for span, _ in _group(_walk(_FileSpan(f.fileno(), 0, len(mapped)), url), url)]
             except BaseException:
                 mapped.close()
                 raise
