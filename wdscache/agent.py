@@ -62,8 +62,8 @@ FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the in
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes")
 MAX_JOB_LISTS = 16
-MAX_LISTED = 100
-LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape  # corrupt or changed shards remembered for stats
+MAX_LISTED = 100  # corrupt or changed shards remembered for stats
+LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
 MAX_JOB_URLS = 10_000_000
 
 
