@@ -35,6 +35,7 @@ from wdscache.tario import (
     GrowingShard,
     Member,
     NotYet,
+    SampleIndex,
     SampleSpan,
     header_ok,
     is_meta_name,
@@ -898,3 +899,69 @@ def test_damage_after_a_growing_view_is_reported_at_its_file_offset(tmp_path: Pa
         open_shard(path, url="u", known=view)
     assert info.value.offset == late
     view.close()
+
+
+# --------------------------------------------------------------------------- the sample index
+
+
+def test_a_shard_opened_again_comes_from_the_index_for_the_same_file_only(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "s.tar", synth_samples(0, 20, payload=300))
+    full = scan(path.read_bytes(), url="u")
+    index = SampleIndex(1000)
+    with open_shard(path, url="u", index=index) as shard:
+        assert shard.samples == full
+    assert (len(index), index.samples) == (1, 20)
+    # Damage the file in place but keep its identity (inode, size, mtime): a reopen that
+    # walked the headers would fail, so an answer shows the walk was skipped.
+    st = path.stat()
+    damaged = bytearray(path.read_bytes())
+    damaged[10] ^= 0xFF
+    with open(path, "r+b") as f:
+        f.write(damaged)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with open_shard(path, url="u", index=index) as shard:
+        assert shard.samples == full
+    with pytest.raises(ShardError, match="checksum"):
+        open_shard(path, url="u")  # without the index, the damage shows
+    # Another file at the path (a new download) is walked: damage found, nothing stale served.
+    os.unlink(path)
+    path.write_bytes(bytes(damaged))
+    with pytest.raises(ShardError, match="checksum"):
+        open_shard(path, url="u", index=index)
+    # The same bytes under a new URL: a new entry, not the other URL's.
+    copy = make_shard(tmp_path / "t.tar", synth_samples(1, 5, payload=300))
+    with open_shard(copy, url="v", index=index) as shard:
+        assert [s.key for s in shard.samples] == [f"s00001_{i:05d}" for i in range(5)]
+
+
+@settings(max_examples=60, deadline=timedelta(seconds=2))
+@given(entries=st.lists(entry, max_size=12), fmt=st.sampled_from(list(FORMATS.values())))
+def test_the_index_gives_back_exactly_the_samples_it_was_given(entries: list, fmt: int) -> None:
+    data = build_archive(entries, fmt)
+    try:
+        samples = scan(data, url="u")
+    except ShardError:
+        reject()
+    index = SampleIndex(1000)
+    index.put("u", (1,), samples)
+    assert index.get("u", (1,)) == samples
+    assert index.get("u", (2,)) is None
+
+
+def test_the_index_keeps_the_most_recently_used_shards_within_its_bound() -> None:
+    def spans(n: int, tag: str) -> list[SampleSpan]:
+        return [SampleSpan(f"{tag}{i}", (("cls", 512 + 1024 * i, 1), ("jpg", 1024 + 1024 * i, 7))) for i in range(n)]
+
+    index = SampleIndex(10)
+    for url in "abc":
+        index.put(url, (0,), spans(4, url))
+    assert index.get("a", (0,)) is None  # 12 > 10: the oldest went
+    assert index.get("b", (0,)) == spans(4, "b")  # used: now the newest
+    index.put("d", (0,), spans(4, "d"))
+    assert index.get("c", (0,)) is None and index.get("b", (0,)) is not None
+    assert index.samples <= 10
+    index.put("big", (0,), spans(11, "x"))  # more than the bound: not kept, nothing pushed out
+    assert index.get("big", (0,)) is None and index.get("d", (0,)) is not None
+    index.put("b", (1,), spans(2, "b"))  # a new file for a URL replaces its entry
+    assert index.get("b", (0,)) is None and index.get("b", (1,)) == spans(2, "b")
+    assert index.samples == 6

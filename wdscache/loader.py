@@ -38,6 +38,7 @@ import zmq
 
 from .client import AgentConnection, resolve_endpoint, start_hint
 from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
+from .malloc import tune_malloc
 from .protocol import pack, pages, unpack
 from .sequence import EpochSpec, SampleId, global_sequence, rank_length
 from .private import PrivateAgent, agent_answers
@@ -86,7 +87,9 @@ class CachedMultiLoader:
     ``inflight`` requests outstanding (the memory bound), ``zero_copy`` to get
     payloads as read-only memoryviews instead of bytes (faster; not for
     webdataset's decoders; a view keeps the whole message it came in alive, up to
-    ``request_size`` samples), ``on_error`` ("raise" or "skip").
+    ``request_size`` samples), ``on_error`` ("raise" or "skip"), ``tune_malloc``
+    to keep glibc from returning received message memory to the kernel after each
+    message (process-wide; see :mod:`wdscache.malloc`).
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class CachedMultiLoader:
         request_size: int = 32,
         inflight: int | None = None,
         zero_copy: bool = False,
+        tune_malloc: bool = True,
     ) -> None:
         env = _env_defaults()
         self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
@@ -129,6 +133,7 @@ class CachedMultiLoader:
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
         self.request_size, self.inflight, self.zero_copy = request_size, inflight, zero_copy
+        self.tune_malloc = tune_malloc
         self.urls = _normalize_urls(urls)
         self._own_list_id = list_id(self.urls) if self.urls is not None else None
         self._agent_lists: dict[str, tuple[str, ...]] = {}
@@ -230,6 +235,8 @@ class CachedMultiLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._ensure_agent()
+        if self.tune_malloc:
+            tune_malloc()
         epoch, start = self._epoch, self._start
         self._epoch, self._start = epoch + 1, 0
         stream = _Stream(self, epoch, start)

@@ -29,6 +29,8 @@ import mmap
 import os
 import struct
 import zlib
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -509,6 +511,94 @@ class GrowingShard:
             self._fd = -1
 
 
+class _Packed:
+    """One shard's samples in about a tenth of the memory of their :class:`SampleSpan` list:
+    the keys joined in one string, each sample's extensions as an index into the shard's
+    distinct extension tuples, and every (offset, size) in one flat array."""
+
+    __slots__ = ("keys", "key_ends", "layouts", "layout_of", "numbers", "count")
+
+    def __init__(self, samples: list[SampleSpan]) -> None:
+        layouts: dict[tuple[str, ...], int] = {}
+        self.keys = "".join(span.key for span in samples)
+        self.key_ends = array("q")
+        self.layout_of = array("l")
+        self.numbers = array("q")
+        end = 0
+        for span in samples:
+            end += len(span.key)
+            self.key_ends.append(end)
+            exts = tuple(ext for ext, _, _ in span.fields)
+            self.layout_of.append(layouts.setdefault(exts, len(layouts)))
+            for _, offset, size in span.fields:
+                self.numbers.append(offset)
+                self.numbers.append(size)
+        self.layouts = list(layouts)
+        self.count = len(samples)
+
+    def unpack(self) -> list[SampleSpan]:
+        samples = []
+        start = at = 0
+        keys, numbers, layouts = self.keys, self.numbers, self.layouts
+        for end, layout in zip(self.key_ends, self.layout_of):
+            exts = layouts[layout]
+            fields = tuple((ext, numbers[at + 2 * i], numbers[at + 2 * i + 1]) for i, ext in enumerate(exts))
+            samples.append(SampleSpan(keys[start:end], fields))
+            start, at = end, at + 2 * len(exts)
+        return samples
+
+
+class SampleIndex:
+    """Where the samples lie in shards opened before, so that opening one again is not a
+    walk over all its tar headers (for a shard of 1 KB samples, the bulk of serving it).
+
+    Entries are keyed by URL and by the identity of the file (device, inode, size,
+    modification time): a shard downloaded again is a new file and is walked again,
+    never served with another version's offsets.  Holds at most ``max_samples``
+    samples, about 70 bytes each; the least recently used shards go first.  Belongs
+    to one process (nothing here is shared or locked).
+    """
+
+    def __init__(self, max_samples: int) -> None:
+        self.max_samples = max_samples
+        self._entries: OrderedDict[str, tuple[tuple[int, ...], _Packed]] = OrderedDict()
+        self._held = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def samples(self) -> int:
+        """How many samples the index holds, over all its shards."""
+        return self._held
+
+    def get(self, url: str, identity: tuple[int, ...]) -> list[SampleSpan] | None:
+        """The samples of ``url`` if they were found in the file with this identity."""
+        entry = self._entries.get(url)
+        if entry is None or entry[0] != identity:
+            return None
+        self._entries.move_to_end(url)
+        return entry[1].unpack()
+
+    def put(self, url: str, identity: tuple[int, ...], samples: list[SampleSpan]) -> None:
+        """Remember ``samples`` as those of ``url`` in the file with this identity."""
+        old = self._entries.pop(url, None)
+        if old is not None:
+            self._held -= old[1].count
+        if len(samples) > self.max_samples:
+            return
+        self._entries[url] = (identity, _Packed(samples))
+        self._held += len(samples)
+        while self._held > self.max_samples:
+            self._held -= self._entries.popitem(last=False)[1][1].count
+
+
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one file from another at the same path: a new download is a new inode
+    (an inode number can be reused after a delete, so size and mtime count too)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 def _gunzip(packed: Buffer, url: str) -> bytearray:
     """All members of a gzip file, decompressed and joined; trailing zero padding is allowed."""
     out = bytearray()
@@ -625,12 +715,19 @@ class ShardView:
         return sample
 
 
-def open_shard(path: str | os.PathLike[str], *, url: str, known: GrowingShard | None = None) -> ShardView:
+def open_shard(
+    path: str | os.PathLike[str], *, url: str, known: GrowingShard | None = None, index: SampleIndex | None = None
+) -> ShardView:
     """Open a cached shard for reading; gzip is recognised by its magic bytes, not its name.
 
     ``known``: the view of this shard's download, whose samples need not be found again.
+    ``index``: where the samples of shards opened before are kept; the file opened here
+    is looked up by its identity (not by its path, which a new download may take meanwhile).
     """
     with open(path, "rb") as f:
+        identity = file_identity(os.fstat(f.fileno()))
+        samples = index.get(url, identity) if index is not None else None
+        indexed = samples is not None
         try:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file cannot be mapped
@@ -639,17 +736,22 @@ def open_shard(path: str | os.PathLike[str], *, url: str, known: GrowingShard | 
             # Scanned with pread, not through the mapping: faulting in every header page
             # would bring most of the file into our RSS (the kernel maps pages around each fault).
             try:
-                samples = known.complete(f.fileno(), url) if known is not None else None
+                if samples is None and known is not None:
+                    samples = known.complete(f.fileno(), url)
                 if samples is None:
                     samples = [span for span, _ in _group(_walk(_FileSpan(f.fileno(), 0, len(mapped)), url), url)]
             except BaseException:
                 mapped.close()
                 raise
-            return ShardView(mapped, url=url, samples=samples)
-    try:
-        return ShardView(_gunzip(mapped, url), url=url)
-    finally:
-        mapped.close()
+            view = ShardView(mapped, url=url, samples=samples)
+        else:
+            try:
+                view = ShardView(_gunzip(mapped, url), url=url, samples=samples)
+            finally:
+                mapped.close()
+    if index is not None and not indexed:
+        index.put(url, identity, view.samples)
+    return view
 
 
 def iter_samples(path: str | os.PathLike[str], *, url: str) -> Iterator[Sample]:
