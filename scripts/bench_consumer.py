@@ -244,10 +244,11 @@ def mode_multi(args: argparse.Namespace) -> None:
 
 
 def mode_wdscache(args: argparse.Namespace) -> None:
-    if args.start_at:
-        # Several ranks start together: wait for the shared start time.
-        time.sleep(max(0.0, args.start_at - time.time()))
     from wdscache import CachedMultiLoader
+
+    if args.start_at:
+        # Several ranks start together, once all have imported: wait for the shared start time.
+        time.sleep(max(0.0, args.start_at - time.time()))
 
     if args.log:
         import logging

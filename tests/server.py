@@ -234,9 +234,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._copy(owner, f, length, record)
 
     def _copy(self, owner: ShardServer, f: BinaryIO, n: int, record: Request) -> None:
-        """Send ``n`` bytes from ``f``, paced to ``owner.rate`` when set."""
-        deadline = time.monotonic()
+        """Send ``n`` bytes from ``f``, paced to ``owner.rate`` when set.
+
+        Paced from the start of the body (or from the last change of the rate): the
+        bytes sent never exceed rate x time, and a slice that went out late (a busy
+        machine) is made up for, so a connection gets its cap, not less.
+        """
         remaining = n
+        paced_rate, paced_from, paced_sent = None, 0.0, 0
         while remaining > 0:
             rate = owner.rate
             # Small slices at low rates keep pacing smooth instead of bursty.
@@ -245,9 +250,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not data:
                 raise _Abort  # file shrank under us; Content-Length is now a lie
             if rate:
+                if rate != paced_rate:
+                    paced_rate, paced_from, paced_sent = rate, time.monotonic(), 0
                 # Sleep *before* sending so no prefix of the body ever beats the cap.
-                deadline = max(deadline, time.monotonic()) + len(data) / rate
-                owner._sleep(deadline - time.monotonic())
+                paced_sent += len(data)
+                owner._sleep(paced_from + paced_sent / rate - time.monotonic())
             self.wfile.write(data)
             remaining -= len(data)
             record.bytes_sent += len(data)

@@ -183,7 +183,7 @@ def test_budget_never_exceeded_while_three_budgets_of_shards_stream_through(shar
     script = tmp_path / "reader.py"
     script.write_text(READER_SCRIPT)
 
-    sampler = DiskSampler(cache)
+    sampler = DiskSampler(cache, interval=0.002)  # the whole run takes about a second
     sampler.start()
     try:
         reader = subprocess.run([sys.executable, str(script), str(cache), str(plan)],

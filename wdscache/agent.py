@@ -60,7 +60,8 @@ STARTUP_READER = "(start-up plan)"
 MAX_MESSAGE = 1 << 20
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
-WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes")
+INDEX_HINTS = 64  # shards lately published that a new worker is told to index
+WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed")
 MAX_JOB_LISTS = 16
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
@@ -98,11 +99,18 @@ class Agent:
         self.endpoint = config.endpoint or self.layout.default_endpoint()
         self._stop = threading.Event()
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
+        # Download threads post events (_post) and wake the main loop through this pipe, so a
+        # finished download's slot or a budget request is handled at once, not at the next TICK.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._urls_changed = threading.Event()
         self._urls_signature: tuple[int, ...] | None = None
         self._threads: list[threading.Thread] = []
         self._grants: list[_Grant] = []
+        self._worker_idents: dict[int, bytes] = {}  # worker index -> its report socket, for hints
+        self._published: deque[str] = deque(maxlen=INDEX_HINTS)  # shards lately published, for workers
         self._active: dict[str, Download] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._demanded: dict[str, float] = {}  # url -> when first asked for
@@ -258,6 +266,9 @@ class Agent:
         else:
             sock.bind(self.endpoint)
         self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
 
     def _write_state(self) -> None:
         state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
@@ -315,6 +326,9 @@ class Agent:
                 Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
         if self._ctx is not None:
             self._ctx.term()
+        if not any(t.is_alive() for t in self._threads):  # else one could still write to it
+            os.close(self._wake_r)
+            os.close(self._wake_w)
         self._close_cache()
         self.layout.state_path.unlink(missing_ok=True)
         self._lock.release()
@@ -379,6 +393,9 @@ class Agent:
             self._failed_at.pop(d.url, None)
             log.info("cached %s (%s)", d.url, format_size(value.size))
             self._answer_waiters(d.url)
+            self._published.append(d.url)
+            for ident in self._worker_idents.values():
+                self._hint(ident, {"op": "index", "url": d.url})
         elif kind == "failed" and isinstance(value, DiskFull):
             # Not the shard's fault: drop the partial, make room, try again shortly.
             self.cache.abandon(d)
@@ -395,6 +412,14 @@ class Agent:
         # Last, so that a failed index write (handled again later) leaves the download active.
         self._active.pop(d.url, None)
         self._downloaded_done += d.written
+
+    def _hint(self, ident: bytes, header: dict[str, Any]) -> None:
+        """A hint to a worker (it acts on it when idle); one that cannot be reached misses it."""
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart([ident, *pack(header)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     def _verified_event(self, url: str, now: Any) -> None:
         """A cached shard from an earlier run was compared with its source."""
@@ -500,7 +525,7 @@ class Agent:
             reserve=self._reserve,
             etag=rec.etag if rec else None,
             demanded=url in self._demanded,
-            on_validator=lambda d: self._events.put(("validator", d, d.etag)),
+            on_validator=lambda d: self._post(("validator", d, d.etag)),
         )
         self.cache.begin(d)
         self._active[url] = d
@@ -532,7 +557,7 @@ class Agent:
     def _reserve(self, d: Download, total: int, timeout: float | None) -> bool:
         """Called in a download thread: block until the main thread grants ``total`` bytes."""
         g = _Grant(d, total)
-        self._events.put(("reserve", d, g))
+        self._post(("reserve", d, g))
         deadline = None if timeout is None else time.monotonic() + timeout
         while not g.event.wait(0.05):
             if d.cancel.is_set() or (deadline is not None and time.monotonic() > deadline):
@@ -566,8 +591,16 @@ class Agent:
             except Exception as exc:  # a bug must not kill the thread and hang the agent
                 log.exception("unexpected error downloading %s", d.url)
                 kind, result = "failed", FetchError(d.url, f"internal error: {exc!r}")
-            self._events.put((kind, d, result))
+            self._post((kind, d, result))
         self.fetcher.close_thread()
+
+    def _post(self, event: tuple[str, Any, Any]) -> None:
+        """From a download thread: hand ``event`` to the main loop and wake it."""
+        self._events.put(event)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full: the main loop is awake already
 
     def _reload_urls(self) -> None:
         self._urls_changed.clear()
@@ -637,7 +670,14 @@ class Agent:
 
     def _serve(self, timeout: float) -> None:
         assert self._sock is not None
-        if not self._sock.poll(int(timeout * 1000)):
+        ready = dict(self._poller.poll(int(timeout * 1000)))
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass  # drained: the events themselves are in the queue
+        if self._sock not in ready:
             return
         for _ in range(1000):  # bounded, so a flood cannot starve the rest of the loop
             try:
@@ -674,6 +714,10 @@ class Agent:
         if op == "worker":
             i = get_field(header, "index", int)
             if 0 <= i < self.config.workers:
+                if self._worker_idents.get(i) != ident:  # a new worker (or restarted: a new socket)
+                    self._worker_idents[i] = ident
+                    for url in self._published:  # it missed these hints
+                        self._hint(ident, {"op": "index", "url": url})
                 report = {"index": i, **numbers(header, WORKER_FIELDS)}
                 self.worker_stats[i] = with_fraction(self.worker_stats.get(i), report, "busy_s", "busy")
             return

@@ -38,7 +38,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ import zmq
 from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .protocol import field, pack, unpack
-from .tario import GrowingShard, NotYet, SampleIndex, file_identity, open_shard
+from .tario import GZIP_MAGIC, GrowingShard, NotYet, SampleIndex, file_identity, open_shard
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,11 @@ OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RS
 # each): each epoch would otherwise walk every tar header again, half a worker's time on
 # warm 110 KB samples.
 INDEX_SAMPLES = 250_000
+INDEX_AHEAD = 64  # published shards a worker may have still to walk ahead of their reads
 REPORT_EVERY = 1.0
 MAX_ITEMS = 4096
-DROP_EVERY = 0.02  # seconds between drops of served shard pages from a worker's RSS
+DROP_EVERY = 0.005  # seconds between drops of served shard pages from a worker's RSS
+SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still holds open
 # Samples this close in a shard go in one frame, the tar headers between them too: enough
 # for the headers between consecutive samples, too little to carry another rank's samples
 # along unless they are tiny.
@@ -163,11 +165,12 @@ class _Worker:
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
         self.index = SampleIndex(INDEX_SAMPLES)
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
-        # Mapped shards served from since the last drop. Their pages leave our RSS every
-        # DROP_EVERY seconds, else a worker would keep every shard it served resident, up to
-        # OPEN_SHARDS of them. (ZeroMQ faults back in what it is still sending: no harm.)
-        self.served: set[Any] = set()
-        self._last_drop = time.monotonic()
+        # Mapped shards served from lately, each with the drops still due to it. Their pages
+        # leave our RSS every DROP_EVERY seconds, else a worker would keep every shard it
+        # served resident, up to OPEN_SHARDS of them. ZeroMQ faults back in what it is still
+        # sending (no harm), hence one more drop after the last send.
+        self.served: dict[Any, int] = {}
+        self._last_drop = self._last_sweep = time.monotonic()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -182,13 +185,25 @@ class _Worker:
         self.report.setsockopt(zmq.LINGER, 0)
         self.report.setsockopt(zmq.SNDHWM, 100)
         self.report.connect(spec.control)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.report, zmq.POLLIN)
+        # Shards the agent just published: walked while no request waits, so that the first
+        # read of a shard downloaded ahead does not wait for a walk of its headers.
+        self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
         self.busy = 0.0
         self.requests = self.samples = self.bytes = 0
-        self._last_report = time.monotonic()
+        self._last_report = 0.0  # report at once: the agent learns where to send its hints
 
     def step(self) -> None:
         self._drop_served()
-        if self.sock.poll(100):
+        # While served pages are mapped, wake up to drop them even if no request comes:
+        # ZeroMQ goes on sending (and faulting in) queued frames after we stop handling.
+        idle = DROP_EVERY * 1000 if self.served or self.to_index else 100
+        ready = dict(self.poller.poll(idle))
+        if self.report in ready:
+            self._take_hints()
+        if self.sock in ready:
             for _ in range(64):
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -197,11 +212,14 @@ class _Worker:
                 t0 = time.perf_counter()
                 self._handle(frames[0], frames[1:])
                 self.busy += time.perf_counter() - t0
+        elif self.to_index:
+            self._index_ahead()
         now = time.monotonic()
         if now - self._last_report >= REPORT_EVERY:
             self._last_report = now
             self._send_report({"op": "worker", "index": self.spec.index, "busy_s": round(self.busy, 3),
-                               "requests": self.requests, "samples": self.samples, "bytes": self.bytes})
+                               "requests": self.requests, "samples": self.samples, "bytes": self.bytes,
+                               "indexed": len(self.index)})
             if os.getppid() != self.spec.parent:
                 self.stop = True
 
@@ -209,12 +227,60 @@ class _Worker:
         if time.monotonic() - self._last_drop < DROP_EVERY:
             return
         self._last_drop = time.monotonic()
-        for view in self.served:
+        for view, due in list(self.served.items()):
             view.drop_pages(0, len(view.data))
-        self.served.clear()
+            if due > 1:
+                self.served[view] = due - 1
+            else:
+                del self.served[view]
+        if self._last_drop - self._last_sweep >= SWEEP_EVERY:
+            self._last_sweep = self._last_drop
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Let go of files evicted or replaced: an open descriptor or mapping would keep a
+        deleted shard's disk space in use, and the agent counts on getting it back."""
         for url, growing in list(self.growing.items()):
             if not growing.current():  # published or abandoned: give its descriptor back
                 self.growing.pop(url).close()
+        for url, (identity, _) in list(self.views.items()):
+            try:
+                gone = file_identity(os.stat(self.layout.shard_path(url))) != identity
+            except FileNotFoundError:
+                gone = True
+            if gone:
+                # Dropped, not closed: frames still queued in ZeroMQ may point into its mapping,
+                # which goes once they are sent.
+                view = self.views.pop(url)[1]
+                self.served.pop(view, None)
+
+    def _take_hints(self) -> None:
+        while True:
+            try:
+                header, _ = unpack(self.report.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except ProtocolError:
+                continue  # only the agent talks on this socket; a bad hint is not worth more
+            url = header.get("url")
+            if header.get("op") == "index" and isinstance(url, str):
+                self.to_index.append(url)
+
+    def _index_ahead(self) -> None:
+        """Open the next shard the agent just published, so that its samples are known
+        before it is read (a walk of its headers, unless a view of its download did most)."""
+        url = self.to_index.popleft()
+        t0 = time.perf_counter()
+        try:
+            if url not in self.views:
+                with open(self.layout.shard_path(url), "rb") as f:
+                    if f.read(2) == GZIP_MAGIC:
+                        return  # decompressed whole on open: not before a read needs it
+                self._view(url)
+        except (OSError, ShardError):
+            pass  # evicted meanwhile, or damaged: a read will say so to whoever asks
+        finally:
+            self.busy += time.perf_counter() - t0
 
     def _send_report(self, header: dict[str, Any]) -> None:
         try:
@@ -308,7 +374,7 @@ class _Worker:
                 frames.append(source)
             else:
                 frames.append(source.data[start:end])
-                self.served.add(source)
+                self.served[source] = 2
         self._drop_served()
         self.requests += 1
         self.samples += len(items)
