@@ -52,8 +52,8 @@ What it does:
   sample (from building the loader; for wdscache also from launching the
   agent); CPU seconds per GB delivered, summed over every process involved
   (consumer and its children such as MultiLoader workers and curl, measured
-  with getrusage in the consumer per epoch; the agent, its worker processes and
-  multiprocessing's resource tracker from /proc/PID/stat); peak RSS of the
+  with getrusage in the consumer per epoch; the agent and its worker processes
+  from /proc/PID/stat); peak RSS of the
   consumer (VmHWM, reset at each epoch start through /proc/self/clear_refs, and
   its growth over the epoch) and of the agent (sum of VmHWM over the agent's
   process tree, plus the sampled peak of its anonymous memory: VmHWM counts the

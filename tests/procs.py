@@ -34,8 +34,8 @@ def cmdline(pid: int) -> str:
 
 
 def worker_pids(agent_pid: int) -> list[int]:
-    """The agent's sample workers: its ``spawn``ed multiprocessing children."""
-    return sorted(p for p in children_of(agent_pid) if "spawn_main" in cmdline(p))
+    """The agent's sample workers (``python -m wdscache.pool`` children)."""
+    return sorted(p for p in children_of(agent_pid) if "wdscache.pool" in cmdline(p))
 
 
 def alive(pid: int, starttime: str) -> bool:

@@ -1,9 +1,9 @@
 """The agent's sample workers: processes that read cached shards and send samples to consumers.
 
 This module is the one place that decides what runs as a process: each worker
-is a ``spawn``ed process (it inherits no sockets, locks or threads from the
-agent) that binds its own socket, so samples go from the worker straight to the
-consumer, one hop. Consumers learn the worker endpoints from the agent.
+is a fresh interpreter (``python -m wdscache.pool``: it inherits no sockets,
+locks or threads from the agent) that binds its own socket, so samples go from
+the worker straight to the consumer, one hop. Consumers learn the worker endpoints from the agent.
 
 A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
 
@@ -33,13 +33,16 @@ parent dies (Linux), and also exit when their parent's pid changes.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
-import multiprocessing
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -87,16 +90,22 @@ def worker_endpoints(agent_endpoint: str, n: int) -> list[str]:
 
 
 class WorkerPool:
-    """Starts, watches and stops the worker processes."""
+    """Starts, watches and stops the worker processes.
+
+    A worker is ``python -m wdscache.pool SPEC FD``, not a multiprocessing child: it
+    imports only what serving needs (not the agent's command line, as ``spawn``
+    would, nor multiprocessing's resource tracker process), which keeps the memory
+    of each worker near Python's own. It writes a byte to descriptor ``FD`` once its
+    socket is bound.
+    """
 
     def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str) -> None:
         self.endpoints = worker_endpoints(agent_endpoint, n)
         self._specs = [
             WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid()) for i, ep in enumerate(self.endpoints)
         ]
-        self._ctx = multiprocessing.get_context("spawn")
-        self._procs: list[Any] = [None] * n
-        self._ready: list[Any] = [None] * n  # set by each worker once its socket is bound
+        self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
+        self._ready: list[int | None] = [None] * n  # the read end of each worker's ready pipe, until it says so
         self.restarts = 0
 
     def start(self) -> None:
@@ -104,44 +113,67 @@ class WorkerPool:
             self._start(i)
 
     def _start(self, i: int) -> None:
-        self._ready[i] = self._ctx.Event()
-        p = self._ctx.Process(target=worker_main, args=(self._specs[i], self._ready[i]), name=f"wdscache-worker-{i}",
-                              daemon=True)
-        p.start()
-        self._procs[i] = p
+        r, w = os.pipe()
+        try:
+            # This very copy of the package, wherever the agent found it.
+            here = str(Path(__file__).resolve().parents[1])
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+            self._procs[i] = subprocess.Popen(
+                [sys.executable, "-m", "wdscache.pool", json.dumps(asdict(self._specs[i])), str(w)],
+                pass_fds=(w,), stdin=subprocess.DEVNULL, env=env,
+            )
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        self._close_ready(i)
+        self._ready[i] = r
+
+    def _close_ready(self, i: int) -> None:
+        fd, self._ready[i] = self._ready[i], None
+        if fd is not None:
+            os.close(fd)
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until every worker has bound its socket (a process takes a while to start);
         False at the timeout, or at once if a worker died meanwhile (:meth:`check` replaces it)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if all(e.is_set() for e in self._ready):
+        while True:
+            waiting = {fd: i for i, fd in enumerate(self._ready) if fd is not None}
+            if not waiting:
                 return True
-            if any(p is not None and not p.is_alive() for p in self._procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
                 return False
-            time.sleep(0.01)
-        return False
+            readable, _, _ = select.select(list(waiting), [], [], left)
+            for fd in readable:
+                if not os.read(fd, 1):
+                    return False  # it exited before saying it was ready
+                self._close_ready(waiting[fd])
 
     def check(self) -> None:
         """Replace any worker that died (its consumers retry their requests)."""
         for i, p in enumerate(self._procs):
-            if p is not None and not p.is_alive():
-                log.error("worker %d (pid %s) died with exit code %s; starting a new one", i, p.pid, p.exitcode)
-                p.join(0)
+            if p is not None and p.poll() is not None:
+                log.error("worker %d (pid %s) died with exit code %s; starting a new one", i, p.pid, p.returncode)
                 self.restarts += 1
                 self._start(i)
 
     def stop(self, timeout: float = 5.0) -> None:
         for p in self._procs:
-            if p is not None and p.is_alive():
+            if p is not None and p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + timeout
         for p in self._procs:
             if p is not None:
-                p.join(max(0.0, deadline - time.monotonic()))
-                if p.is_alive():
+                try:
+                    p.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
                     p.kill()
-                    p.join(1.0)
+                    p.wait(1.0)
+        for i in range(len(self._ready)):
+            self._close_ready(i)
         for ep in self.endpoints:
             if ep.startswith("ipc://"):
                 Path(ep[len("ipc://"):]).unlink(missing_ok=True)
@@ -442,15 +474,20 @@ class _Worker:
         self.ctx.term()
 
 
-def worker_main(spec: WorkerSpec, ready: Any) -> None:
+def worker_main(spec: WorkerSpec, ready_fd: int) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
     worker = _Worker(spec)
-    ready.set()
+    os.write(ready_fd, b"r")
+    os.close(ready_fd)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop", True))
     try:
         while not worker.stop:
             worker.step()
     finally:
         worker.close()
+
+
+if __name__ == "__main__":
+    worker_main(WorkerSpec(**json.loads(sys.argv[1])), int(sys.argv[2]))
