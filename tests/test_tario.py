@@ -923,15 +923,17 @@ def test_a_shard_opened_again_comes_from_the_index_for_the_same_file_only(tmp_pa
         assert shard.samples == full
     with pytest.raises(ShardError, match="checksum"):
         open_shard(path, url="u")  # without the index, the damage shows
+    # The same file under another URL: an entry of its own, found by a walk (damage and all).
+    with pytest.raises(ShardError, match="checksum"):
+        open_shard(path, url="v", index=index)
+    assert len(index) == 1
     # Another file at the path (a new download) is walked: damage found, nothing stale served.
+    # (Its inode number may be the old one's again: its mtime tells it apart.)
     os.unlink(path)
     path.write_bytes(bytes(damaged))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     with pytest.raises(ShardError, match="checksum"):
         open_shard(path, url="u", index=index)
-    # The same bytes under a new URL: a new entry, not the other URL's.
-    copy = make_shard(tmp_path / "t.tar", synth_samples(1, 5, payload=300))
-    with open_shard(copy, url="v", index=index) as shard:
-        assert [s.key for s in shard.samples] == [f"s00001_{i:05d}" for i in range(5)]
 
 
 @settings(max_examples=60, deadline=timedelta(seconds=2))

@@ -99,11 +99,10 @@ class Agent:
         self.endpoint = config.endpoint or self.layout.default_endpoint()
         self._stop = threading.Event()
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
-        # Download threads post events (_post) and wake the main loop through this pipe, so a
-        # finished download's slot or a budget request is handled at once, not at the next TICK.
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        # Download threads post events (_post) and wake the main loop through a pipe (made in
+        # _bind), so a finished download's slot or a budget request is handled at once, not
+        # at the next TICK.
+        self._wake_r = self._wake_w = -1
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._urls_changed = threading.Event()
         self._urls_signature: tuple[int, ...] | None = None
@@ -188,6 +187,7 @@ class Agent:
         except BaseException:
             self.pool.stop()
             self.pool = None
+            self._close_wake()
             self._close_cache()
             self._lock.release()
             raise
@@ -266,9 +266,20 @@ class Agent:
         else:
             sock.bind(self.endpoint)
         self._sock = sock
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+
+    def _close_wake(self) -> None:
+        """Close the wake-up pipe, unless a download thread still runs (it could write to a
+        descriptor number reused meanwhile)."""
+        if self._wake_r >= 0 and not any(t.is_alive() for t in self._threads):
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
 
     def _write_state(self) -> None:
         state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
@@ -326,9 +337,7 @@ class Agent:
                 Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
         if self._ctx is not None:
             self._ctx.term()
-        if not any(t.is_alive() for t in self._threads):  # else one could still write to it
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+        self._close_wake()
         self._close_cache()
         self.layout.state_path.unlink(missing_ok=True)
         self._lock.release()
@@ -393,6 +402,8 @@ class Agent:
             self._failed_at.pop(d.url, None)
             log.info("cached %s (%s)", d.url, format_size(value.size))
             self._answer_waiters(d.url)
+            if d.url in self._published:
+                self._published.remove(d.url)  # downloaded again: once is enough
             self._published.append(d.url)
             for ident in self._worker_idents.values():
                 self._hint(ident, {"op": "index", "url": d.url})

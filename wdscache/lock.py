@@ -3,8 +3,9 @@
 The lock is an ``flock`` on ``agent.lock``. The kernel drops it when the holding
 process dies, however it dies, so a lock left by a killed agent never blocks the
 next one. The file also holds the pid, to name the running agent in errors.
-Worker processes are started with ``spawn`` and never inherit the descriptor,
-so a lingering worker cannot keep the lock either.
+Worker processes are fresh interpreters that inherit no descriptor of the
+agent's but their standard streams and ready pipe, never the lock's, so a
+lingering worker cannot keep the lock either.
 """
 
 from __future__ import annotations

@@ -10,11 +10,13 @@ page faults per GB). Raising the two thresholds below makes freed message memory
 stay in the process for the next one: no page faults, and the consumer's CPU per
 GB fell by a third.
 
-The cost is that up to :data:`TRIM_THRESHOLD` of freed memory at the top of a
-heap stays in the process instead of going back to the kernel, and that blocks
-below :data:`MMAP_THRESHOLD` come from the heap. The settings are process-wide,
-so :class:`~wdscache.CachedMultiLoader` applies them only with ``tune_malloc=True``
-(the default), once, and only where the C library is glibc.
+The cost: blocks below :data:`MMAP_THRESHOLD` come from the heaps, and freed
+memory goes back to the kernel only when more than :data:`TRIM_THRESHOLD` of it
+lies free at the top of a heap (per allocator arena); freed blocks in the middle
+of a heap stay in the process for reuse, as for any heap allocation. Fixing the
+thresholds also turns off glibc's own adjustment of them. The settings are
+process-wide, so :class:`~wdscache.CachedMultiLoader` applies them only with
+``tune_malloc=True`` (the default), once, and only where the C library is glibc.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def tune_malloc() -> bool:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # glibc only: other C libraries' mallopt means something else
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except Exception:  # not glibc, or no C library to load this way (Windows)
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int

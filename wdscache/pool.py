@@ -1,8 +1,8 @@
 """The agent's sample workers: processes that read cached shards and send samples to consumers.
 
 This module is the one place that decides what runs as a process: each worker
-is a fresh interpreter (``python -m wdscache.pool``: it inherits no sockets,
-locks or threads from the agent) that binds its own socket, so samples go from
+is a fresh interpreter (:class:`WorkerPool`: it inherits no sockets, locks or
+threads from the agent) that binds its own socket, so samples go from
 the worker straight to the consumer, one hop. Consumers learn the worker endpoints from the agent.
 
 A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
@@ -71,6 +71,11 @@ SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still hol
 MERGE_GAP = 2048
 
 
+# What a worker process runs: the agent's sys.path first, then this module.
+_BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); import wdscache.pool as p; p.main(sys.argv[1:])"
+RESTART_BACKOFF_MAX = 5.0  # seconds
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     index: int
@@ -92,11 +97,11 @@ def worker_endpoints(agent_endpoint: str, n: int) -> list[str]:
 class WorkerPool:
     """Starts, watches and stops the worker processes.
 
-    A worker is ``python -m wdscache.pool SPEC FD``, not a multiprocessing child: it
-    imports only what serving needs (not the agent's command line, as ``spawn``
-    would, nor multiprocessing's resource tracker process), which keeps the memory
-    of each worker near Python's own. It writes a byte to descriptor ``FD`` once its
-    socket is bound.
+    A worker is a fresh interpreter running :func:`main` with the agent's
+    ``sys.path``, not a multiprocessing child: it imports the package and what
+    serving needs, not the agent's command line as ``spawn`` would, and needs no
+    resource tracker process, which keeps each worker's memory near Python's own.
+    It writes a byte to its ready pipe once its socket is bound.
     """
 
     def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str) -> None:
@@ -106,6 +111,8 @@ class WorkerPool:
         ]
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self._ready: list[int | None] = [None] * n  # the read end of each worker's ready pipe, until it says so
+        self._started = [0.0] * n
+        self._backoff = [0.0] * n  # a worker that dies at once (say, it cannot import) is not restarted in a loop
         self.restarts = 0
 
     def start(self) -> None:
@@ -115,12 +122,11 @@ class WorkerPool:
     def _start(self, i: int) -> None:
         r, w = os.pipe()
         try:
-            # This very copy of the package, wherever the agent found it.
-            here = str(Path(__file__).resolve().parents[1])
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+            # The agent's sys.path, as multiprocessing's spawn would hand it on: the worker
+            # imports this very copy of the package, not one its working directory holds.
             self._procs[i] = subprocess.Popen(
-                [sys.executable, "-m", "wdscache.pool", json.dumps(asdict(self._specs[i])), str(w)],
-                pass_fds=(w,), stdin=subprocess.DEVNULL, env=env,
+                [sys.executable, "-c", _BOOT, json.dumps(sys.path), json.dumps(asdict(self._specs[i])), str(w)],
+                pass_fds=(w,), stdin=subprocess.DEVNULL,
             )
         except BaseException:
             os.close(r)
@@ -129,6 +135,7 @@ class WorkerPool:
             os.close(w)
         self._close_ready(i)
         self._ready[i] = r
+        self._started[i] = time.monotonic()
 
     def _close_ready(self, i: int) -> None:
         fd, self._ready[i] = self._ready[i], None
@@ -154,9 +161,20 @@ class WorkerPool:
 
     def check(self) -> None:
         """Replace any worker that died (its consumers retry their requests)."""
+        now = time.monotonic()
         for i, p in enumerate(self._procs):
-            if p is not None and p.poll() is not None:
+            if p is None or p.poll() is None:
+                continue
+            if self._backoff[i] == 0.0 or now - self._started[i] > RESTART_BACKOFF_MAX:
                 log.error("worker %d (pid %s) died with exit code %s; starting a new one", i, p.pid, p.returncode)
+                # Lived long: restart at once. Died young: wait longer each time.
+                young = now - self._started[i] < RESTART_BACKOFF_MAX
+                self._backoff[i] = min(2 * self._backoff[i] or 0.1, RESTART_BACKOFF_MAX) if young else 0.0
+                self.restarts += 1
+                self._start(i)
+            elif now - self._started[i] >= self._backoff[i]:
+                log.error("worker %d exited again (code %s) soon after starting; retrying", i, p.returncode)
+                self._backoff[i] = min(2 * self._backoff[i], RESTART_BACKOFF_MAX)
                 self.restarts += 1
                 self._start(i)
 
@@ -171,7 +189,10 @@ class WorkerPool:
                     p.wait(max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     p.kill()
-                    p.wait(1.0)
+                    try:
+                        p.wait(1.0)
+                    except subprocess.TimeoutExpired:  # stuck in the kernel (a hung mount, say)
+                        log.error("worker pid %d did not exit after SIGKILL", p.pid)
         for i in range(len(self._ready)):
             self._close_ready(i)
         for ep in self.endpoints:
@@ -231,8 +252,15 @@ class _Worker:
         self._drop_served()
         # While served pages are mapped, wake up to drop them even if no request comes:
         # ZeroMQ goes on sending (and faulting in) queued frames after we stop handling.
-        idle = DROP_EVERY * 1000 if self.served or self.to_index else 100
-        ready = dict(self.poller.poll(idle))
+        if self.to_index:
+            idle = 0.0  # shards to index: only a look for requests first
+        elif self.served:
+            idle = DROP_EVERY
+        elif self.views or self.growing:
+            idle = SWEEP_EVERY  # files held open: look for evicted ones on time
+        else:
+            idle = 0.1
+        ready = dict(self.poller.poll(idle * 1000))
         if self.report in ready:
             self._take_hints()
         if self.sock in ready:
@@ -278,9 +306,10 @@ class _Worker:
         for url, (identity, _) in list(self.views.items()):
             try:
                 gone = file_identity(os.stat(self.layout.shard_path(url))) != identity
-            except FileNotFoundError:
+            except OSError:
                 gone = True
             if gone:
+                self.index.discard(url)
                 # Dropped, not closed: frames still queued in ZeroMQ may point into its mapping,
                 # which goes once they are sent.
                 view = self.views.pop(url)[1]
@@ -299,19 +328,27 @@ class _Worker:
                 self.to_index.append(url)
 
     def _index_ahead(self) -> None:
-        """Open the next shard the agent just published, so that its samples are known
-        before it is read (a walk of its headers, unless a view of its download did most)."""
+        """Walk the next shard the agent just published, so that its samples are known
+        before it is read (only the rest, if a view of its download walked the start).
+        Only the index keeps it: the views open for reads stay as they are."""
         url = self.to_index.popleft()
+        if url in self.views:
+            return  # open already
         t0 = time.perf_counter()
+        growing = self.growing.pop(url, None)
         try:
-            if url not in self.views:
-                with open(self.layout.shard_path(url), "rb") as f:
-                    if f.read(2) == GZIP_MAGIC:
-                        return  # decompressed whole on open: not before a read needs it
-                self._view(url)
+            path = self.layout.shard_path(url)
+            with open(path, "rb") as f:
+                if f.read(2) == GZIP_MAGIC:
+                    return  # decompressed whole on open: not before a read needs it
+            open_shard(path, url=url, known=growing, index=self.index).close()
         except (OSError, ShardError):
             pass  # evicted meanwhile, or damaged: a read will say so to whoever asks
+        except Exception:  # speculative work must never take the worker down
+            log.exception("worker %d: error indexing %s ahead", self.spec.index, url)
         finally:
+            if growing is not None:
+                growing.close()
             self.busy += time.perf_counter() - t0
 
     def _send_report(self, header: dict[str, Any]) -> None:
@@ -489,5 +526,6 @@ def worker_main(spec: WorkerSpec, ready_fd: int) -> None:
         worker.close()
 
 
-if __name__ == "__main__":
-    worker_main(WorkerSpec(**json.loads(sys.argv[1])), int(sys.argv[2]))
+def main(argv: list[str]) -> None:
+    """``python -c _BOOT SYS_PATH SPEC READY_FD``: how :class:`WorkerPool` starts a worker."""
+    worker_main(WorkerSpec(**json.loads(argv[1])), int(argv[2]))

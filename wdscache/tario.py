@@ -580,11 +580,15 @@ class SampleIndex:
         self._entries.move_to_end(url)
         return entry[1].unpack()
 
-    def put(self, url: str, identity: tuple[int, ...], samples: list[SampleSpan]) -> None:
-        """Remember ``samples`` as those of ``url`` in the file with this identity."""
+    def discard(self, url: str) -> None:
+        """Forget ``url`` (its file is gone: the entry would only push live ones out)."""
         old = self._entries.pop(url, None)
         if old is not None:
             self._held -= old[1].count
+
+    def put(self, url: str, identity: tuple[int, ...], samples: list[SampleSpan]) -> None:
+        """Remember ``samples`` as those of ``url`` in the file with this identity."""
+        self.discard(url)
         if len(samples) > self.max_samples:
             return
         self._entries[url] = (identity, _Packed(samples))
