@@ -35,6 +35,7 @@ from wdscache.tario import (
     GrowingShard,
     Member,
     NotYet,
+    PackedSamples,
     SampleIndex,
     SampleSpan,
     header_ok,
@@ -967,3 +968,14 @@ def test_the_index_keeps_the_most_recently_used_shards_within_its_bound() -> Non
     index.put("b", (1,), spans(2, "b"))  # a new file for a URL replaces its entry
     assert index.get("b", (0,)) is None and index.get("b", (1,)) == spans(2, "b")
     assert index.samples == 6
+
+
+def test_packed_samples_read_like_the_list_they_pack() -> None:
+    spans = [SampleSpan(f"k{i}", (("cls", 512 + 2048 * i, 1), ("jpg", 1536 + 2048 * i, 9))) for i in range(5)]
+    spans.append(SampleSpan("odd", (("txt", 20_000, 3),)))  # another set of extensions
+    packed = PackedSamples(spans)
+    assert len(packed) == 6 and list(packed) == spans and packed == spans
+    assert packed[0] == spans[0] and packed[-1] == spans[-1] and packed[1:4] == spans[1:4]
+    with pytest.raises(IndexError):
+        packed[6]
+    assert packed != spans[:5] and PackedSamples([]) == []

@@ -56,7 +56,7 @@ from .tario import GZIP_MAGIC, GrowingShard, NotYet, SampleIndex, file_identity,
 log = logging.getLogger(__name__)
 
 OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RSS until dropped
-# Samples whose place a worker remembers after their shard's view is closed (about 70 bytes
+# Samples whose place a worker remembers after their shard's view is closed (about 100 bytes
 # each): each epoch would otherwise walk every tar header again, half a worker's time on
 # warm 110 KB samples.
 INDEX_SAMPLES = 250_000

@@ -31,9 +31,9 @@ import struct
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from .errors import ShardError
 
@@ -511,18 +511,21 @@ class GrowingShard:
             self._fd = -1
 
 
-class _Packed:
-    """One shard's samples in about a tenth of the memory of their :class:`SampleSpan` list:
+class PackedSamples(Sequence[SampleSpan]):
+    """A shard's samples in about a tenth of the memory of their :class:`SampleSpan` list:
     the keys joined in one string, each sample's extensions as an index into the shard's
-    distinct extension tuples, and every (offset, size) in one flat array."""
+    distinct extension tuples, and every (offset, size) in one flat array. A read-only
+    sequence: each :class:`SampleSpan` is built when asked for, so opening a shard does
+    not rebuild them all."""
 
-    __slots__ = ("keys", "key_ends", "layouts", "layout_of", "numbers", "count")
+    __slots__ = ("keys", "key_ends", "layouts", "layout_of", "starts", "numbers")
 
-    def __init__(self, samples: list[SampleSpan]) -> None:
+    def __init__(self, samples: Sequence[SampleSpan]) -> None:
         layouts: dict[tuple[str, ...], int] = {}
         self.keys = "".join(span.key for span in samples)
         self.key_ends = array("q")
-        self.layout_of = array("l")
+        self.layout_of = array("i")
+        self.starts = array("q")  # where each sample's numbers begin
         self.numbers = array("q")
         end = 0
         for span in samples:
@@ -530,22 +533,39 @@ class _Packed:
             self.key_ends.append(end)
             exts = tuple(ext for ext, _, _ in span.fields)
             self.layout_of.append(layouts.setdefault(exts, len(layouts)))
+            self.starts.append(len(self.numbers))
             for _, offset, size in span.fields:
                 self.numbers.append(offset)
                 self.numbers.append(size)
         self.layouts = list(layouts)
-        self.count = len(samples)
 
-    def unpack(self) -> list[SampleSpan]:
-        samples = []
-        start = at = 0
-        keys, numbers, layouts = self.keys, self.numbers, self.layouts
-        for end, layout in zip(self.key_ends, self.layout_of):
-            exts = layouts[layout]
-            fields = tuple((ext, numbers[at + 2 * i], numbers[at + 2 * i + 1]) for i, ext in enumerate(exts))
-            samples.append(SampleSpan(keys[start:end], fields))
-            start, at = end, at + 2 * len(exts)
-        return samples
+    def __len__(self) -> int:
+        return len(self.key_ends)
+
+    @overload
+    def __getitem__(self, i: int) -> SampleSpan: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[SampleSpan]: ...
+    def __getitem__(self, i: int | slice) -> SampleSpan | list[SampleSpan]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("sample index out of range")
+        exts = self.layouts[self.layout_of[i]]
+        at, numbers = self.starts[i], self.numbers
+        return SampleSpan(
+            self.keys[self.key_ends[i - 1] if i else 0 : self.key_ends[i]],
+            tuple(zip(exts, numbers[at : at + 2 * len(exts) : 2], numbers[at + 1 : at + 2 * len(exts) : 2])),
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # compared by content, like a list
 
 
 class SampleIndex:
@@ -555,13 +575,13 @@ class SampleIndex:
     Entries are keyed by URL and by the identity of the file (device, inode, size,
     modification time): a shard downloaded again is a new file and is walked again,
     never served with another version's offsets.  Holds at most ``max_samples``
-    samples, about 70 bytes each; the least recently used shards go first.  Belongs
+    samples, about 100 bytes each; the least recently used shards go first.  Belongs
     to one process (nothing here is shared or locked).
     """
 
     def __init__(self, max_samples: int) -> None:
         self.max_samples = max_samples
-        self._entries: OrderedDict[str, tuple[tuple[int, ...], _Packed]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[tuple[int, ...], PackedSamples]] = OrderedDict()
         self._held = 0
 
     def __len__(self) -> int:
@@ -572,29 +592,32 @@ class SampleIndex:
         """How many samples the index holds, over all its shards."""
         return self._held
 
-    def get(self, url: str, identity: tuple[int, ...]) -> list[SampleSpan] | None:
+    def get(self, url: str, identity: tuple[int, ...]) -> PackedSamples | None:
         """The samples of ``url`` if they were found in the file with this identity."""
         entry = self._entries.get(url)
         if entry is None or entry[0] != identity:
             return None
         self._entries.move_to_end(url)
-        return entry[1].unpack()
+        return entry[1]
 
     def discard(self, url: str) -> None:
         """Forget ``url`` (its file is gone: the entry would only push live ones out)."""
         old = self._entries.pop(url, None)
         if old is not None:
-            self._held -= old[1].count
+            self._held -= len(old[1])
 
-    def put(self, url: str, identity: tuple[int, ...], samples: list[SampleSpan]) -> None:
-        """Remember ``samples`` as those of ``url`` in the file with this identity."""
+    def put(self, url: str, identity: tuple[int, ...], samples: Sequence[SampleSpan]) -> PackedSamples | None:
+        """Remember ``samples`` as those of ``url`` in the file with this identity; returns
+        them packed, or None if they are more than the index may hold."""
         self.discard(url)
         if len(samples) > self.max_samples:
-            return
-        self._entries[url] = (identity, _Packed(samples))
-        self._held += len(samples)
+            return None
+        packed = samples if isinstance(samples, PackedSamples) else PackedSamples(samples)
+        self._entries[url] = (identity, packed)
+        self._held += len(packed)
         while self._held > self.max_samples:
-            self._held -= self._entries.popitem(last=False)[1][1].count
+            self._held -= len(self._entries.popitem(last=False)[1][1])
+        return packed
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
@@ -644,7 +667,7 @@ class ShardView:
     the only point where the file's memory is given back promptly.
     """
 
-    def __init__(self, data: bytearray | mmap.mmap, *, url: str, samples: list[SampleSpan] | None = None) -> None:
+    def __init__(self, data: bytearray | mmap.mmap, *, url: str, samples: Sequence[SampleSpan] | None = None) -> None:
         self.url = url
         self._data: bytearray | mmap.mmap | None = data
         # Read-only even over a bytearray: payloads must not be able to alter the shard.
@@ -670,7 +693,7 @@ class ShardView:
         return self._view
 
     @property
-    def samples(self) -> list[SampleSpan]:
+    def samples(self) -> Sequence[SampleSpan]:
         """Where each sample lies (a plain tar is scanned when opened, a gzip'd one on first use)."""
         if self._samples is None:
             if self._data is None:
@@ -754,7 +777,9 @@ def open_shard(
             finally:
                 mapped.close()
     if index is not None and not indexed:
-        index.put(url, identity, view.samples)
+        packed = index.put(url, identity, view.samples)
+        if packed is not None:
+            view._samples = packed  # the view keeps the compact copy, not the list
     return view
 
 
