@@ -2,8 +2,9 @@
 
 This module is the one place that decides what runs as a process: each worker
 is a fresh interpreter (:class:`WorkerPool`: it inherits no sockets, locks or
-threads from the agent) that binds its own socket, so samples go from
-the worker straight to the consumer, one hop. Consumers learn the worker endpoints from the agent.
+threads from the agent) that binds its own socket, so samples go from the
+worker straight to the consumer, one hop. Consumers learn the worker endpoints
+from the agent.
 
 A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
 
@@ -250,8 +251,9 @@ class _Worker:
 
     def step(self) -> None:
         self._drop_served()
-        # While served pages are mapped, wake up to drop them even if no request comes:
-        # ZeroMQ goes on sending (and faulting in) queued frames after we stop handling.
+        # How long to wait for a request depends on the work due without one: shards to
+        # index; served pages to drop (ZeroMQ goes on sending, and faulting in, queued
+        # frames after we stop handling); open files to sweep.
         if self.to_index:
             idle = 0.0  # shards to index: only a look for requests first
         elif self.served:
