@@ -7,7 +7,10 @@ loader reads over real sockets; the workers are looked at through /proc.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from conftest import wait_for
@@ -56,3 +59,13 @@ def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start
     assert len(workers) == 2
     wait_for(lambda: not any(deleted_files_held(p, cache) for p in workers), 10,
              lambda: f"workers still hold evicted shards: {[deleted_files_held(p, cache) for p in workers]}")
+
+
+def test_a_worker_imports_only_what_serving_needs() -> None:
+    # The package's names resolve on first use, so a worker process does not carry the
+    # loader, the agent or the command line (memory the agent's budget counts).
+    code = "import json, sys, wdscache.pool; print(json.dumps([m for m in sys.modules if m.startswith('wdscache')]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout)
+    assert not {"wdscache.loader", "wdscache.agent", "wdscache.cli", "wdscache.stats"} & set(loaded), loaded

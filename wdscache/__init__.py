@@ -4,22 +4,62 @@ The public surface is what ``__all__`` lists; modules are importable but their
 other names may change.
 """
 
-from .client import ShardClient
-from .loader import CachedMultiLoader
-from .config import AgentConfig
-from .errors import (
-    AgentRunningError,
-    AgentUnavailableError,
-    ConfigError,
-    FetchError,
-    NoCacheError,
-    ProtocolError,
-    ShardError,
-    UrlListError,
-    WdsCacheError,
-)
-from .stats import collect as collect_stats
-from .urls import UrlList, read_url_list
+from typing import TYPE_CHECKING, Any
+
+# Names resolve on first use (PEP 562): a process that needs one module of the package
+# (a sample worker, say) does not pay for importing all of them.
+_WHERE = {
+    "ShardClient": "client",
+    "CachedMultiLoader": "loader",
+    "AgentConfig": "config",
+    "AgentRunningError": "errors",
+    "AgentUnavailableError": "errors",
+    "ConfigError": "errors",
+    "FetchError": "errors",
+    "NoCacheError": "errors",
+    "ProtocolError": "errors",
+    "ShardError": "errors",
+    "UrlListError": "errors",
+    "WdsCacheError": "errors",
+    "UrlList": "urls",
+    "read_url_list": "urls",
+}
+
+if TYPE_CHECKING:
+    from .client import ShardClient
+    from .config import AgentConfig
+    from .errors import (
+        AgentRunningError,
+        AgentUnavailableError,
+        ConfigError,
+        FetchError,
+        NoCacheError,
+        ProtocolError,
+        ShardError,
+        UrlListError,
+        WdsCacheError,
+    )
+    from .loader import CachedMultiLoader
+    from .stats import collect as collect_stats
+    from .urls import UrlList, read_url_list
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "collect_stats":
+        value = importlib.import_module(".stats", __name__).collect
+    elif name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AgentConfig",
