@@ -694,7 +694,8 @@ class ShardView:
 
     @property
     def samples(self) -> Sequence[SampleSpan]:
-        """Where each sample lies (a plain tar is scanned when opened, a gzip'd one on first use)."""
+        """Where each sample lies (a plain tar is scanned when opened; a gzip'd one on first
+        use, or when opened if an index is to remember it)."""
         if self._samples is None:
             if self._data is None:
                 raise ValueError("shard view is closed")
@@ -753,34 +754,32 @@ def open_shard(
     """
     with open(path, "rb") as f:
         identity = file_identity(os.fstat(f.fileno()))
-        samples = index.get(url, identity) if index is not None else None
+        samples: Sequence[SampleSpan] | None = index.get(url, identity) if index is not None else None
         indexed = samples is not None
         try:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file cannot be mapped
             raise ShardError(url, "empty file, not a tar archive", offset=0) from None
-        if mapped[:2] != GZIP_MAGIC:
-            # Scanned with pread, not through the mapping: faulting in every header page
-            # would bring most of the file into our RSS (the kernel maps pages around each fault).
-            try:
+        data: bytearray | mmap.mmap = mapped
+        try:
+            if mapped[:2] != GZIP_MAGIC:
+                # Scanned with pread, not through the mapping: faulting in every header page
+                # would bring most of the file into our RSS (the kernel maps pages around each fault).
                 if samples is None and known is not None:
                     samples = known.complete(f.fileno(), url)
                 if samples is None:
                     samples = [span for span, _ in _group(_walk(_FileSpan(f.fileno(), 0, len(mapped)), url), url)]
-            except BaseException:
+            else:
+                data = _gunzip(mapped, url)
                 mapped.close()
-                raise
-            view = ShardView(mapped, url=url, samples=samples)
-        else:
-            try:
-                view = ShardView(_gunzip(mapped, url), url=url, samples=samples)
-            finally:
-                mapped.close()
-    if index is not None and not indexed:
-        packed = index.put(url, identity, view.samples)
-        if packed is not None:
-            view._samples = packed  # the view keeps the compact copy, not the list
-    return view
+                if samples is None and index is not None:
+                    samples = scan(data, url=url)  # found now, to be remembered
+        except BaseException:
+            mapped.close()
+            raise
+    if index is not None and not indexed and samples is not None:
+        samples = index.put(url, identity, samples) or samples  # kept packed, unless too many
+    return ShardView(data, url=url, samples=samples)
 
 
 def iter_samples(path: str | os.PathLike[str], *, url: str) -> Iterator[Sample]:
