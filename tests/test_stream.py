@@ -85,7 +85,9 @@ def test_resume_mid_epoch_on_same_or_other_world_size(tmp_path, dataset, start_a
              for r in range(world_before)]
     before = [c.wait() for c in first]
     state = state_of(before[0])
-    assert state["position"] == 5 * world_before and state["epoch"] == 0
+    # 5 of each rank's first block of 8: a prefix of 5, plus 5 positions of each other block
+    assert state["epoch"] == 0 and state["position"] == 5
+    assert state["done"] == [[8 * r, 8 * r + 5] for r in range(1, world_before)]
     assert all(state_of(b) == state for b in before)
     second = [consumers(cache, f"q{r}", "--job", "resumed", "--rank", str(r), "--world-size", str(world_after),
                         "--resume", json.dumps(state)) for r in range(world_after)]
@@ -94,7 +96,7 @@ def test_resume_mid_epoch_on_same_or_other_world_size(tmp_path, dataset, start_a
     assert all(n == 1 for n in delivered.values())
     resumed = Counter((s["url"], s["key"]) for a in after for s in a)
     assert set(resumed) | set(delivered) == set(reference(data.paths, data.urls))  # nothing is missed
-    remaining = 36 - state["position"]
+    remaining = 36 - 5 * world_before
     padding = -remaining % world_after  # wrapped repeats that even out the last row
     assert sum(resumed.values()) == remaining + padding
     repeats = sum(resumed.values()) - len(set(resumed) - set(delivered))

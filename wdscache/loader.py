@@ -2,7 +2,8 @@
 
 Each rank computes its epoch's global sequence itself (:mod:`wdscache.sequence`)
 from the URL list, the seeds and the per-shard sample counts, and reads its
-positions ``r, r+W, ...`` from the agent's workers. Ranks never wait for each
+share of the positions (blocks of neighbouring positions, see
+:class:`~wdscache.sequence.RankShare`) from the agent's workers. Ranks never wait for each
 other, so no rank can hang on another; they agree because the sequence is a
 pure function of inputs they share. A shard still downloading enters the
 sequence sample by sample as its download brings them (the workers read its
@@ -40,7 +41,7 @@ from .client import AgentConnection, resolve_endpoint, start_hint
 from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
 from .malloc import tune_malloc
 from .protocol import pack, pages, unpack
-from .sequence import EpochSpec, SampleId, global_sequence, rank_length
+from .sequence import EpochSpec, RankShare, Resume, SampleId, global_sequence, rank_length
 from .private import PrivateAgent, agent_answers
 from .urls import format_url_list, list_id, parse_url_list, read_url_list
 
@@ -52,7 +53,7 @@ STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while
 STATUS_EVERY = 1.0  # seconds between asking the agent how a download we stream from is going
 PENDING_RETRY = 0.05  # seconds before asking again for samples a restarted download does not hold yet
 _END = object()
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
 
 
 def _env_defaults() -> dict[str, Any]:
@@ -140,7 +141,7 @@ class CachedMultiLoader:
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._epoch = 0
-        self._start = 0  # global position to start the next epoch from
+        self._start = Resume()  # what the next epoch has delivered already (a checkpoint's)
         self._current: _Stream | None = None
         self._resumed_from: dict[str, Any] | None = None
 
@@ -148,18 +149,19 @@ class CachedMultiLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start."""
-        self._epoch, self._start = epoch, 0
+        self._epoch, self._start = epoch, Resume()
 
     def state_dict(self) -> dict[str, Any]:
         """The job's position: any one rank's dict resumes every rank, with any world size."""
         if self._current is not None and not self._current.complete:
-            epoch, position = self._current.spec.epoch, self._current.position
+            epoch, at = self._current.spec.epoch, self._current.resume()
         else:
-            epoch, position = self._epoch, self._start
+            epoch, at = self._epoch, self._start
         return {
             "version": STATE_VERSION,
             "epoch": epoch,
-            "position": position,
+            "position": at.position,  # every position before it was delivered...
+            "done": [list(run) for run in at.done],  # ...and these runs after it
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": self.shuffle_buffer,
@@ -169,7 +171,7 @@ class CachedMultiLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state`` (from :meth:`state_dict` of any rank of the stopped job)."""
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
         for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
             if state[name] != getattr(self, name):
@@ -177,7 +179,13 @@ class CachedMultiLoader:
                     f"checkpoint has {name}={state[name]!r} but this loader {name}={getattr(self, name)!r}; "
                     "the sequence would differ, so resuming would repeat or skip samples"
                 )
-        self._epoch, self._start = int(state["epoch"]), int(state["position"])
+        try:
+            start = Resume.of(int(state["position"]), state.get("done", ()))
+        except (TypeError, ValueError):
+            raise ValueError("checkpoint 'done' must be a list of [start, end] position pairs") from None
+        if start.position < 0 or int(state["epoch"]) < 0:
+            raise ValueError("checkpoint has a negative epoch or position")
+        self._epoch, self._start = int(state["epoch"]), start
         self._resumed_from = state
 
     def _session(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], Sequence[str]]:
@@ -238,7 +246,7 @@ class CachedMultiLoader:
         if self.tune_malloc:
             tune_malloc()
         epoch, start = self._epoch, self._start
-        self._epoch, self._start = epoch + 1, 0
+        self._epoch, self._start = epoch + 1, Resume()
         stream = _Stream(self, epoch, start)
         self._current = stream
         if self._resumed_from is not None and self._resumed_from.get("urls") not in (None, stream.list_id):
@@ -266,7 +274,7 @@ class CachedMultiLoader:
             conn.close()
         if not urls or any(c is None for c in counts):
             raise TypeError("length unknown until every shard has been read once")
-        per_rank = rank_length(max(0, sum(counts) - self._start), self.world_size, self.drop_last)
+        per_rank = rank_length(max(0, sum(counts) - self._start.delivered()), self.world_size, self.drop_last)
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)
@@ -283,7 +291,7 @@ def _normalize_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> tupl
 class _Stream:
     """One epoch of one rank: the agent session, the worker sockets, and the sample pipeline."""
 
-    def __init__(self, loader: CachedMultiLoader, epoch: int, start: int) -> None:
+    def __init__(self, loader: CachedMultiLoader, epoch: int, start: Resume) -> None:
         self.loader = loader
         self.finished = False  # resources released
         self.complete = False  # every sample of the rank's share was delivered
@@ -297,7 +305,8 @@ class _Stream:
         self.list_id = str(hello.get("list_id")) if loader.urls is None else loader._own_list_id
         self.prefetch = int(hello.get("prefetch", 8))
         self.spec = EpochSpec(len(self.urls), loader.seed, epoch, loader.shuffle, loader.shuffle_buffer)
-        self.start = start  # any position: a checkpoint from another world size need not divide
+        # A checkpoint's positions, from any world size: the rest are dealt to this job's ranks.
+        self.share = RankShare(loader.world_size, loader.rank, resume=start, drop_last=loader.drop_last)
         self.delivered = 0  # samples handed to the user (not merely received: map/batch look ahead)
         self.order = self.spec.order()
         self.next_order = EpochSpec(len(self.urls), loader.seed, epoch + 1, loader.shuffle).order()
@@ -516,10 +525,9 @@ class _Stream:
                 raise AgentUnavailableError(self.loader.endpoint, self.loader.timeout, "its worker did not answer")
             self.conn.request({"op": "ping", "reader": self.name})  # raises if the agent is gone
 
-    @property
-    def position(self) -> int:
-        """The job's global position: the samples this rank delivered, times the world size."""
-        return self.start + self.delivered * self.loader.world_size
+    def resume(self) -> Resume:
+        """Where the job stands, if every rank delivered as many samples as this one."""
+        return self.share.resume_after(self.delivered)
 
     # -- the rank's share -------------------------------------------------------
 
@@ -532,29 +540,10 @@ class _Stream:
             yield sid
 
     def _owned(self) -> Iterator[tuple[int, SampleId] | None]:
-        """(global position, id) of this rank's samples from ``start``, padded or cut at the end;
-        None while a downloading shard has no more samples yet."""
-        W, r = self.loader.world_size, self.loader.rank
-        first: list[SampleId] = []
-        row: list[SampleId] = []  # positions start + kW ... start + kW + W - 1
-        pos = 0
-        for sid in self._global():
-            if sid is None:
-                yield None
-                continue
-            if len(first) < W:
-                first.append(sid)
-            # Positions before the resume position cost counts only, never payloads.
-            if pos >= self.start:
-                row.append(sid)
-                if len(row) == W:
-                    yield pos - W + 1 + r, row[r]
-                    row = []
-            pos += 1
-        if row and not self.loader.drop_last:
-            # Pad the last row by wrapping around to the start of the sequence.
-            fill = row + [first[i % len(first)] for i in range(W - len(row))]
-            yield pos - len(row) + r, fill[r]
+        """(position, id) of this rank's samples not delivered before, padded or cut at the end
+        (see :class:`~wdscache.sequence.RankShare`); None while a downloading shard has no
+        more samples yet. Positions delivered before cost counts only, never payloads."""
+        return self.share.pairs(self._global())
 
     def samples(self) -> Iterator[dict[str, Any]]:
         try:
@@ -752,25 +741,32 @@ class _Stream:
         frames = [memoryview(f.buffer).toreadonly() for f in payload]
         samples = []
         sizes = []
-        zero_copy = self.loader.zero_copy
-        for (_, (shard, _)), key, names, span in zip(items, keys, exts, spans):
-            if not (isinstance(span, list) and len(span) == 1 + 2 * len(names)
-                    and all(type(x) is int and x >= 0 for x in span) and span[0] < len(frames)):
-                raise ProtocolError("worker reply has a bad span")
-            frame = frames[span[0]]
-            nbytes = 0
-            sample: dict[str, Any] = {"__key__": key, "__url__": self.urls[shard]}
-            for i, ext in enumerate(names):
-                offset, size = span[1 + 2 * i], span[2 + 2 * i]
-                if offset + size > len(frame):
-                    raise ProtocolError("worker reply has a span past its frame")
-                # bytes by default (webdataset's decoders want bytes); zero_copy gives
-                # read-only memoryviews into the received message instead.
-                value = frame[offset : offset + size]
-                sample[ext] = value if zero_copy else value.tobytes()
-                nbytes += size
-            samples.append(sample)
-            sizes.append(nbytes)
+        zero_copy, urls = self.loader.zero_copy, self.urls
+        try:
+            for (_, (shard, _)), key, names, span in zip(items, keys, exts, spans):
+                # Checked enough that no reply can make us read outside its frames; a
+                # non-number anywhere fails the slicing (TypeError) and so the reply.
+                if len(span) != 1 + 2 * len(names) or min(span) < 0:
+                    raise ProtocolError("worker reply has a bad span")
+                frame = frames[span[0]]
+                limit = len(frame)
+                sample: dict[str, Any] = {"__key__": key, "__url__": urls[shard]}
+                nbytes = 0
+                i = 1
+                for ext in names:
+                    offset, size = span[i], span[i + 1]
+                    i += 2
+                    if offset + size > limit:
+                        raise ProtocolError("worker reply has a span past its frame")
+                    # bytes by default (webdataset's decoders want bytes); zero_copy gives
+                    # read-only memoryviews into the received message instead.
+                    value = frame[offset : offset + size]
+                    sample[ext] = value if zero_copy else value.tobytes()
+                    nbytes += size
+                samples.append(sample)
+                sizes.append(nbytes)
+        except (TypeError, IndexError):
+            raise ProtocolError("worker reply has a bad span") from None
         return samples, sizes
 
     def _read_failed(self, seq: int, items: list, header: dict[str, Any]) -> None:
@@ -806,8 +802,8 @@ class _Stream:
                 last = (now, n)
                 try:
                     conn.request({"op": "report", "reader": self.name, "job": self.loader.job,
-                                  "rank": self.loader.rank, "epoch": self.spec.epoch, "position": self.position,
-                                  "samples": n, "bytes": self.stats["bytes"], "rate": round(rate, 1),
+                                  "rank": self.loader.rank, "epoch": self.spec.epoch,
+                                  "position": self.resume().position, "samples": n, "bytes": self.stats["bytes"], "rate": round(rate, 1),
                                   "wait_s": round(self.stats["wait_s"], 3)})
                 except AgentUnavailableError:
                     continue

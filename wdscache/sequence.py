@@ -6,21 +6,40 @@ through a seeded shuffle buffer; the output is the epoch's global sequence of
 workers or on timing, which is what makes every rank's share exact and a
 checkpoint valid across world sizes.
 
-Rank ``r`` of ``W`` takes global positions ``r, r + W, r + 2W, ...``. With
-``drop_last`` the sequence is cut to a multiple of ``W``; otherwise it is padded
-by wrapping around to its start, so every rank gets the same count.
+Ranks take positions in blocks (:class:`RankShare`): the sequence is cut into
+rows of ``W * BLOCK`` positions and rank ``r`` of ``W`` takes the ``r``-th block
+of ``BLOCK`` consecutive positions of each row. Unshuffled, a rank thus reads
+runs of neighbouring samples, which a worker sends as one frame rather than
+one frame per sample. What is left after the last full row is dealt out one
+position at a time (rank ``r`` takes ``r, r + W, ...``): with ``drop_last`` it
+is cut to a multiple of ``W``; otherwise it is padded by wrapping around to the
+start of the sequence. Every rank gets the same count.
+
+A rank learns that a row is full only once all its positions have come out
+of the sequence, so with ``W > 1`` a rank's first sample of a row waits for
+``W * BLOCK`` ids (no wait on a warm cache, where the counts are known).
+
+Where a job stopped is a :class:`Resume`: all positions before ``position``,
+plus the runs in ``done``. A block can be part-delivered when a checkpoint is
+taken, so ``done`` holds the rest of that row's delivered positions. Resuming
+deals the positions not delivered, in order, to the new ranks the same way;
+any world size can resume any checkpoint.
 """
 
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 from .plan import epoch_rng, shard_order
 
 SampleId = tuple[int, int]  # (shard index in the list, sample index in the shard)
 INITIAL = 100  # ids in the shuffle buffer before it gives out the first
+# Positions a rank takes at a time. Part of what a job's ranks agree on: changing it
+# changes every rank's share (a checkpoint stays valid: it names positions, not blocks).
+BLOCK = 8
 
 
 @dataclass(frozen=True)
@@ -80,3 +99,128 @@ def global_sequence(spec: EpochSpec, samples: Callable[[int], Iterable[int | Non
 def rank_length(total: int, world_size: int, drop_last: bool) -> int:
     """Samples each rank receives in an epoch of ``total`` samples."""
     return total // world_size if drop_last else math.ceil(total / world_size)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Positions of an epoch already delivered: all before ``position``, and the half-open
+    runs in ``done`` (sorted, disjoint, each after ``position`` and not touching it)."""
+
+    position: int = 0
+    done: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, position: int, runs: Iterable[Sequence[int]] = ()) -> "Resume":
+        """The normal form of "before ``position``, and ``runs``" (runs may overlap or touch)."""
+        merged: list[list[int]] = []
+        for a, b in sorted((int(a), int(b)) for a, b in runs):
+            if b <= a or b <= position:
+                continue
+            a = max(a, position)
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        if merged and merged[0][0] == position:
+            position = merged.pop(0)[1]
+        return cls(position, tuple((a, b) for a, b in merged))
+
+    def delivered(self) -> int:
+        return self.position + sum(b - a for a, b in self.done)
+
+    def skips(self, pos: int) -> bool:
+        """True if position ``pos`` was delivered."""
+        if pos < self.position:
+            return True
+        i = bisect_right(self.done, (pos, float("inf"))) - 1
+        return i >= 0 and self.done[i][0] <= pos < self.done[i][1]
+
+    def real(self, v: int) -> int:
+        """The position of the ``v``-th position (from 0) not delivered."""
+        pos = self.position + v
+        for a, b in self.done:
+            if a > pos:
+                break
+            pos += b - a
+        return pos
+
+
+class RankShare:
+    """One rank's positions of an epoch: ``(position, id)`` pairs from the epoch's ids.
+
+    ``positions`` are the positions not in ``resume``, renumbered from 0; padding
+    repeats have positions past the end. :meth:`resume_after` gives the job's
+    :class:`Resume` once every rank has delivered ``n`` of its pairs.
+    """
+
+    def __init__(self, world_size: int, rank: int, *, resume: Resume = Resume(), drop_last: bool = False,
+                 block: int = BLOCK) -> None:
+        self.world_size, self.rank, self.resume = world_size, rank, resume
+        self.drop_last, self.block = drop_last, block
+        self.full_rows = 0  # rows dealt out in blocks
+        self.tail: int | None = None  # positions left after the full rows, once the ids ended
+
+    def pairs(self, ids: Iterable[SampleId | None]) -> Iterator[tuple[int, SampleId] | None]:
+        """This rank's pairs; a None from ``ids`` (no more yet) is passed on."""
+        W, r, B = self.world_size, self.rank, self.block
+        resume = self.resume
+        first: list[SampleId] = []  # the epoch's first ids, for padding
+        row: list[SampleId] = []  # the current row: positions full_rows * W * B onwards
+        pos = v = 0  # position in the epoch; in the share's numbering
+        for sid in ids:
+            if sid is None:
+                yield None
+                continue
+            if len(first) < W:
+                first.append(sid)
+            pos += 1
+            if pos <= resume.position or (resume.done and resume.skips(pos - 1)):
+                continue
+            if W == 1:  # everything is ours, in order: no row to wait for
+                yield v, sid
+                v += 1
+                continue
+            row.append(sid)
+            if len(row) == W * B:
+                base = self.full_rows * W * B
+                self.full_rows += 1
+                for j in range(r * B, r * B + B):
+                    yield base + j, row[j]
+                row = []
+        self.tail = len(row)
+        base = self.full_rows * W * B
+        cut = len(row) - len(row) % W
+        for j in range(r, cut, W):
+            yield base + j, row[j]
+        if len(row) > cut and not self.drop_last:
+            fill = row[cut:] + [first[i % len(first)] for i in range(W - (len(row) - cut))]
+            yield base + cut + r, fill[r]
+
+    def resume_after(self, n: int) -> Resume:
+        """The job's :class:`Resume` once each rank delivered its first ``n`` pairs.
+
+        Needs those pairs to have been produced by :meth:`pairs` (they have been, if
+        this rank delivered them).
+        """
+        W, B = self.world_size, self.block
+        if W == 1:
+            return self._extend(n, ())  # positions in order, no padding
+        if n <= self.full_rows * B:
+            if n == 0:
+                return self.resume
+            k = (n - 1) // B
+            o = n - k * B
+            if o == B:
+                return self._extend((k + 1) * W * B, ())
+            base = k * W * B
+            return self._extend(base, [(base + q * B, base + q * B + o) for q in range(W)])
+        tail = self.tail if self.tail is not None else 0
+        done = self.full_rows * W * B + min(tail, (n - self.full_rows * B) * W)
+        return self._extend(done, ())
+
+    def _extend(self, prefix: int, runs: Iterable[tuple[int, int]]) -> Resume:
+        """``resume`` plus positions ``[0, prefix)`` and ``runs`` of this share's numbering."""
+        real = self.resume.real
+        delivered = [(0, real(prefix - 1) + 1)] if prefix > 0 else []
+        delivered += [(real(v), real(v) + 1) for a, b in runs for v in range(a, b)]
+        return Resume.of(self.resume.position, list(self.resume.done) + delivered)

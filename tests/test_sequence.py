@@ -1,0 +1,142 @@
+"""How an epoch's positions are dealt to ranks, and how a checkpoint resumes them.
+
+Pure functions, so checked here over many shapes: every rank the same count,
+every sample exactly once (plus the padding), through any chain of checkpoints
+taken at any point and resumed with any world size.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from datetime import timedelta
+from typing import Iterable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wdscache import CachedMultiLoader
+from wdscache.sequence import BLOCK, RankShare, Resume, SampleId, rank_length
+
+
+def ids(n: int) -> list[SampleId]:
+    return [(0, i) for i in range(n)]
+
+
+def deal(total: int, world: int, resume: Resume, drop_last: bool, block: int,
+         stop: int | None = None) -> tuple[list[RankShare], list[list[SampleId]]]:
+    """Every rank's share, each cut after ``stop`` samples if given."""
+    shares = [RankShare(world, r, resume=resume, drop_last=drop_last, block=block) for r in range(world)]
+    got: list[list[SampleId]] = []
+    for share in shares:
+        mine: list[SampleId] = []
+        if stop != 0:
+            for _, sid in share.pairs(ids(total)):
+                mine.append(sid)
+                if len(mine) == stop:
+                    break
+        got.append(mine)
+    return shares, got
+
+
+def test_each_rank_takes_blocks_of_neighbouring_positions_then_one_at_a_time() -> None:
+    share = RankShare(4, 1)
+    positions = [pos for pos, _ in share.pairs(ids(100))]
+    # rows of 4 * 8: rank 1 takes the second block of each; the 4 left over are dealt singly
+    assert positions == [*range(8, 16), *range(40, 48), *range(72, 80), 97]
+    assert BLOCK == 8
+
+
+def test_last_row_is_padded_from_the_start_or_cut() -> None:
+    padded = [sid for _, sid in RankShare(4, 3, block=2).pairs(ids(10))]
+    # 8 positions in one row of blocks; 2 left for ranks 0 and 1; ranks 2 and 3 wrap around
+    assert padded == [(0, 6), (0, 7), (0, 1)]
+    cut = [sid for _, sid in RankShare(4, 3, drop_last=True, block=2).pairs(ids(10))]
+    assert cut == [(0, 6), (0, 7)]
+
+
+def stalling(n: int) -> Iterable[SampleId | None]:
+    """The ids of a shard still downloading: each one after a "no more yet"."""
+    for sid in ids(n):
+        yield None
+        yield sid
+
+
+def test_one_rank_gets_each_sample_as_it_arrives() -> None:
+    out = list(RankShare(1, 0).pairs(stalling(3)))
+    assert out == [None, (0, (0, 0)), None, (1, (0, 1)), None, (2, (0, 2))]
+
+
+def test_with_more_ranks_a_block_waits_for_its_row() -> None:
+    out = list(RankShare(2, 0, block=2).pairs(stalling(4)))
+    assert out == [None, None, None, None, (0, (0, 0)), (1, (0, 1))]
+
+
+def test_checkpoint_inside_blocks_names_the_delivered_positions() -> None:
+    shares, got = deal(40, 3, Resume(), False, 8, stop=5)
+    at = shares[0].resume_after(5)
+    assert at == Resume(5, ((8, 13), (16, 21)))
+    assert all(s.resume_after(5) == at for s in shares)  # any rank's checkpoint is the job's
+    assert {sid for mine in got for sid in mine} == {(0, p) for p in range(40) if at.skips(p)}
+    assert [at.real(v) for v in range(5)] == [5, 6, 7, 13, 14]
+
+
+def test_resume_normal_form() -> None:
+    assert Resume.of(3, [[5, 7], [3, 4], [6, 9], [12, 12]]) == Resume(4, ((5, 9),))
+    assert Resume.of(0, [[0, 2], [2, 5]]) == Resume(5, ())
+    assert Resume.of(10, [[2, 4]]) == Resume(10, ())
+    assert Resume(5, ((8, 13),)).delivered() == 10
+
+
+@settings(max_examples=400, deadline=timedelta(seconds=2))
+@given(
+    total=st.integers(0, 120),
+    block=st.integers(1, 6),
+    drop_last=st.booleans(),
+    hops=st.lists(st.tuples(st.integers(1, 7), st.floats(0, 1), st.integers(0, 6)), max_size=3),
+    last_world=st.integers(1, 7),
+)
+def test_any_chain_of_checkpoints_delivers_each_sample_once_with_equal_counts(
+        total: int, block: int, drop_last: bool, hops: list[tuple[int, float, int]], last_world: int) -> None:
+    resume = Resume()
+    delivered: Counter[SampleId] = Counter()
+    for world, fraction, who in hops:
+        per_rank = rank_length(total - resume.delivered(), world, drop_last)
+        stop = int(fraction * per_rank)
+        shares, got = deal(total, world, resume, drop_last, block, stop)
+        assert [len(mine) for mine in got] == [stop] * world
+        for mine in got:
+            delivered.update(mine)
+        resume = shares[who % world].resume_after(stop)
+        assert all(s.resume_after(stop) == resume for s in shares)  # any rank's checkpoint is the job's
+        if stop < per_rank:  # no padding yet: what was delivered is exactly what resume names
+            assert set(delivered) == {(0, p) for p in range(total) if resume.skips(p)}
+            assert sum(delivered.values()) == resume.delivered()
+        state = json.loads(json.dumps({"position": resume.position, "done": [list(r) for r in resume.done]}))
+        assert Resume.of(state["position"], state["done"]) == resume  # it travels as JSON
+    shares, got = deal(total, last_world, resume, drop_last, block)
+    assert [len(mine) for mine in got] == [rank_length(total - resume.delivered(), last_world, drop_last)] * last_world
+    for mine in got:
+        delivered.update(mine)
+    runs = [world for world, _, _ in hops] + [last_world]
+    if drop_last:
+        assert max(delivered.values(), default=1) == 1
+    else:
+        assert set(delivered) == set(ids(total))
+        # only a run that reached its end pads, by fewer than its world size
+        assert sum(delivered.values()) - total <= sum(w - 1 for w in runs)
+
+
+def test_loader_reads_a_version_1_checkpoint_and_refuses_a_malformed_one(tmp_path) -> None:
+    loader = CachedMultiLoader(["http://127.0.0.1:9/a.tar"], cache_dir=tmp_path, shuffle=False)
+    loader.load_state_dict({"version": 1, "epoch": 2, "position": 7, "seed": 0, "shuffle": False,
+                            "shuffle_buffer": 1000, "drop_last": False, "urls": None})
+    state = loader.state_dict()
+    assert (state["version"], state["epoch"], state["position"], state["done"]) == (2, 2, 7, [])
+    loader.load_state_dict({**state, "done": [[9, 12]]})
+    assert loader.state_dict()["done"] == [[9, 12]]
+    with pytest.raises(ValueError, match="'done'"):
+        loader.load_state_dict({**state, "done": [[1, "x"]]})
+    with pytest.raises(ValueError, match="negative"):
+        loader.load_state_dict({**state, "position": -1})
