@@ -7,6 +7,7 @@ taken at any point and resumed with any world size.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from datetime import timedelta
@@ -25,18 +26,15 @@ def ids(n: int) -> list[SampleId]:
 
 
 def deal(total: int, world: int, resume: Resume, drop_last: bool, block: int,
-         stop: int | None = None) -> tuple[list[RankShare], list[list[SampleId]]]:
-    """Every rank's share, each cut after ``stop`` samples if given."""
+         stop: int | None = None, ahead: int = 0) -> tuple[list[RankShare], list[list[SampleId]]]:
+    """Every rank's share, each cut after ``stop`` samples if given; rank r has read
+    ``r * ahead`` pairs past those (as a loader's requests run ahead of its user)."""
     shares = [RankShare(world, r, resume=resume, drop_last=drop_last, block=block) for r in range(world)]
     got: list[list[SampleId]] = []
-    for share in shares:
-        mine: list[SampleId] = []
-        if stop != 0:
-            for _, sid in share.pairs(ids(total)):
-                mine.append(sid)
-                if len(mine) == stop:
-                    break
-        got.append(mine)
+    for r, share in enumerate(shares):
+        pairs = [sid for _, sid in itertools.islice(share.pairs(ids(total)), None if stop is None
+                                                    else stop + r * ahead)]
+        got.append(pairs[:stop])
     return shares, got
 
 
@@ -96,15 +94,17 @@ def test_resume_normal_form() -> None:
     drop_last=st.booleans(),
     hops=st.lists(st.tuples(st.integers(1, 7), st.floats(0, 1), st.integers(0, 6)), max_size=3),
     last_world=st.integers(1, 7),
+    ahead=st.sampled_from([0, 1, 9]),
 )
 def test_any_chain_of_checkpoints_delivers_each_sample_once_with_equal_counts(
-        total: int, block: int, drop_last: bool, hops: list[tuple[int, float, int]], last_world: int) -> None:
+        total: int, block: int, drop_last: bool, hops: list[tuple[int, float, int]], last_world: int,
+        ahead: int) -> None:
     resume = Resume()
     delivered: Counter[SampleId] = Counter()
     for world, fraction, who in hops:
         per_rank = rank_length(total - resume.delivered(), world, drop_last)
         stop = int(fraction * per_rank)
-        shares, got = deal(total, world, resume, drop_last, block, stop)
+        shares, got = deal(total, world, resume, drop_last, block, stop, ahead)
         assert [len(mine) for mine in got] == [stop] * world
         for mine in got:
             delivered.update(mine)
@@ -115,17 +115,16 @@ def test_any_chain_of_checkpoints_delivers_each_sample_once_with_equal_counts(
             assert sum(delivered.values()) == resume.delivered()
         state = json.loads(json.dumps({"position": resume.position, "done": [list(r) for r in resume.done]}))
         assert Resume.of(state["position"], state["done"]) == resume  # it travels as JSON
+    before = sum(delivered.values())
     shares, got = deal(total, last_world, resume, drop_last, block)
     assert [len(mine) for mine in got] == [rank_length(total - resume.delivered(), last_world, drop_last)] * last_world
     for mine in got:
         delivered.update(mine)
-    runs = [world for world, _, _ in hops] + [last_world]
     if drop_last:
         assert max(delivered.values(), default=1) == 1
-    else:
+    elif resume.delivered() < total:  # the last run finishes the epoch: it alone pads, by less than W
         assert set(delivered) == set(ids(total))
-        # only a run that reached its end pads, by fewer than its world size
-        assert sum(delivered.values()) - total <= sum(w - 1 for w in runs)
+        assert 0 <= sum(delivered.values()) - before - (total - resume.delivered()) < last_world
 
 
 def test_loader_reads_a_version_1_checkpoint_and_refuses_a_malformed_one(tmp_path) -> None:
@@ -136,7 +135,28 @@ def test_loader_reads_a_version_1_checkpoint_and_refuses_a_malformed_one(tmp_pat
     assert (state["version"], state["epoch"], state["position"], state["done"]) == (2, 2, 7, [])
     loader.load_state_dict({**state, "done": [[9, 12]]})
     assert loader.state_dict()["done"] == [[9, 12]]
-    with pytest.raises(ValueError, match="'done'"):
-        loader.load_state_dict({**state, "done": [[1, "x"]]})
-    with pytest.raises(ValueError, match="negative"):
-        loader.load_state_dict({**state, "position": -1})
+    for done in ([[1, "x"]], [[-5, 3]], [[4, 4]], [[1.5, 3]], [[True, 3]], [[1, 2, 3]], {"a": 1}):
+        with pytest.raises(ValueError, match="'done'"):
+            loader.load_state_dict({**state, "done": done})
+    for bad in ({"position": -1}, {"position": "7"}, {"epoch": None}):
+        with pytest.raises(ValueError, match="'epoch' and 'position'"):
+            loader.load_state_dict({**state, **bad})
+    # a version 1 checkpoint has no runs: any "done" in it is not ours to read
+    loader.load_state_dict({**state, "version": 1, "done": [[9, 12]]})
+    assert loader.state_dict()["done"] == []
+
+
+def test_resume_counts_only_positions_in_the_epoch() -> None:
+    assert Resume.of(5, [[8, 20]]).delivered(10) == 7
+    with pytest.raises(ValueError, match="Resume.of"):
+        Resume(5, ((3, 8),))
+
+
+def test_settled_ids_are_those_no_longer_waiting_in_a_row() -> None:
+    share = RankShare(2, 1, block=2)
+    pairs = share.pairs(ids(6))
+    assert next(pairs) == (2, (0, 2))  # the row of ids 0..3 is full: our block is 2, 3
+    assert share.settled == 0  # our block is being handed out
+    assert next(pairs) == (3, (0, 3))
+    assert list(pairs) == [(5, (0, 5))]
+    assert share.settled == 6

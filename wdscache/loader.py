@@ -179,13 +179,16 @@ class CachedMultiLoader:
                     f"checkpoint has {name}={state[name]!r} but this loader {name}={getattr(self, name)!r}; "
                     "the sequence would differ, so resuming would repeat or skip samples"
                 )
-        try:
-            start = Resume.of(int(state["position"]), state.get("done", ()))
-        except (TypeError, ValueError):
-            raise ValueError("checkpoint 'done' must be a list of [start, end] position pairs") from None
-        if start.position < 0 or int(state["epoch"]) < 0:
-            raise ValueError("checkpoint has a negative epoch or position")
-        self._epoch, self._start = int(state["epoch"]), start
+        epoch, position = state.get("epoch"), state.get("position")
+        if not (_natural(epoch) and _natural(position)):
+            raise ValueError(f"checkpoint needs whole numbers >= 0 for 'epoch' and 'position', not {epoch!r}, "
+                             f"{position!r}")
+        done = state.get("done", []) if state["version"] > 1 else []
+        if not (isinstance(done, list) and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run))
+                                               and run[0] < run[1] for run in done)):
+            raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; "
+                             f"got {done!r}")
+        self._epoch, self._start = epoch, Resume.of(position, done)
         self._resumed_from = state
 
     def _session(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], Sequence[str]]:
@@ -274,10 +277,15 @@ class CachedMultiLoader:
             conn.close()
         if not urls or any(c is None for c in counts):
             raise TypeError("length unknown until every shard has been read once")
-        per_rank = rank_length(max(0, sum(counts) - self._start.delivered()), self.world_size, self.drop_last)
+        total = sum(counts)
+        per_rank = rank_length(total - self._start.delivered(total), self.world_size, self.drop_last)
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)
+
+
+def _natural(x: Any) -> bool:
+    return type(x) is int and x >= 0
 
 
 def _normalize_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -320,6 +328,8 @@ class _Stream:
         # shard -> ids not yet emitted by the global sequence (its count minus those emitted;
         # negative while a shard streams and its count is not known yet)
         self.remaining: dict[int, int] = {}
+        self.seen = 0  # ids the sequence gave out
+        self.unneeded: deque[tuple[int, int]] = deque()  # (seen, shard): its last id, to release once dealt
         self.skipped: set[int] = set()
         self.ctx = zmq.Context()
         self.workers = [self._connect(ep) for ep in hello["workers"]]
@@ -384,7 +394,7 @@ class _Stream:
         """``shard``'s count is final: once the sequence has emitted that many, we can let it go."""
         self.remaining[shard] = self.remaining.get(shard, 0) + count
         if not self.remaining[shard]:
-            self._release(shard)
+            self.unneeded.append((self.seen, shard))  # its ids are all out: once dealt, let go
 
     def _stream(self, shard: int) -> Iterator[int | None]:
         """Indices of a shard still downloading, as the worker finds complete samples in it.
@@ -529,21 +539,36 @@ class _Stream:
         """Where the job stands, if every rank delivered as many samples as this one."""
         return self.share.resume_after(self.delivered)
 
+    @property
+    def progress(self) -> int:
+        """Samples the job delivered this epoch, if every rank delivered as many as this one
+        (for stats: cheap, and counts padding)."""
+        return self.share.resume.delivered() + self.delivered * self.loader.world_size
+
     # -- the rank's share -------------------------------------------------------
 
     def _global(self) -> Iterator[SampleId | None]:
         for sid in global_sequence(self.spec, self.shard_samples):
+            self._release_settled()
             if sid is not None:
+                self.seen += 1
                 self.remaining[sid[0]] = self.remaining.get(sid[0], 0) - 1
                 if not self.remaining[sid[0]]:
-                    self._release(sid[0])  # no rank needs it any more (ours may still read it: see _release)
+                    # No rank needs it once the share has dealt this id: until then ours may
+                    # wait in a row (and after that, our reads of it hold it: see _release).
+                    self.unneeded.append((self.seen, sid[0]))
             yield sid
+
+    def _release_settled(self) -> None:
+        while self.unneeded and self.unneeded[0][0] <= self.share.settled:
+            self._release(self.unneeded.popleft()[1])
 
     def _owned(self) -> Iterator[tuple[int, SampleId] | None]:
         """(position, id) of this rank's samples not delivered before, padded or cut at the end
         (see :class:`~wdscache.sequence.RankShare`); None while a downloading shard has no
         more samples yet. Positions delivered before cost counts only, never payloads."""
-        return self.share.pairs(self._global())
+        yield from self.share.pairs(self._global())
+        self._release_settled()
 
     def samples(self) -> Iterator[dict[str, Any]]:
         try:
@@ -803,7 +828,7 @@ class _Stream:
                 try:
                     conn.request({"op": "report", "reader": self.name, "job": self.loader.job,
                                   "rank": self.loader.rank, "epoch": self.spec.epoch,
-                                  "position": self.resume().position, "samples": n, "bytes": self.stats["bytes"], "rate": round(rate, 1),
+                                  "position": self.progress, "samples": n, "bytes": self.stats["bytes"], "rate": round(rate, 1),
                                   "wait_s": round(self.stats["wait_s"], 3)})
                 except AgentUnavailableError:
                     continue

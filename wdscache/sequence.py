@@ -21,9 +21,11 @@ of the sequence, so with ``W > 1`` a rank's first sample of a row waits for
 
 Where a job stopped is a :class:`Resume`: all positions before ``position``,
 plus the runs in ``done``. A block can be part-delivered when a checkpoint is
-taken, so ``done`` holds the rest of that row's delivered positions. Resuming
-deals the positions not delivered, in order, to the new ranks the same way;
-any world size can resume any checkpoint.
+taken, so ``done`` holds the delivered part of each rank's block of that row
+(and such runs of earlier checkpoints that are still ahead of ``position``:
+at most one per rank of each). Resuming deals the positions not delivered,
+in order, to the new ranks the same way; any world size can resume any
+checkpoint.
 """
 
 from __future__ import annotations
@@ -109,6 +111,13 @@ class Resume:
     position: int = 0
     done: tuple[tuple[int, int], ...] = ()
 
+    def __post_init__(self) -> None:
+        last = self.position
+        for a, b in self.done:
+            if not last < a < b:
+                raise ValueError(f"not a normal Resume: {self}; build it with Resume.of")
+            last = b
+
     @classmethod
     def of(cls, position: int, runs: Iterable[Sequence[int]] = ()) -> "Resume":
         """The normal form of "before ``position``, and ``runs``" (runs may overlap or touch)."""
@@ -125,8 +134,11 @@ class Resume:
             position = merged.pop(0)[1]
         return cls(position, tuple((a, b) for a, b in merged))
 
-    def delivered(self) -> int:
-        return self.position + sum(b - a for a, b in self.done)
+    def delivered(self, total: int | None = None) -> int:
+        """How many positions were delivered (of the first ``total``, if given)."""
+        if total is None:
+            return self.position + sum(b - a for a, b in self.done)
+        return min(self.position, total) + sum(max(0, min(b, total) - a) for a, b in self.done)
 
     def skips(self, pos: int) -> bool:
         """True if position ``pos`` was delivered."""
@@ -146,11 +158,12 @@ class Resume:
 
 
 class RankShare:
-    """One rank's positions of an epoch: ``(position, id)`` pairs from the epoch's ids.
+    """One rank's share of an epoch: ``(position, id)`` pairs from the epoch's ids.
 
-    ``positions`` are the positions not in ``resume``, renumbered from 0; padding
-    repeats have positions past the end. :meth:`resume_after` gives the job's
-    :class:`Resume` once every rank has delivered ``n`` of its pairs.
+    A pair's position counts only the positions not in ``resume``, from 0 (padding
+    repeats come after the last). :meth:`resume_after` gives the job's
+    :class:`Resume` once every rank has delivered ``n`` of its pairs. One
+    :meth:`pairs` iteration per instance: it records how the rows were dealt.
     """
 
     def __init__(self, world_size: int, rank: int, *, resume: Resume = Resume(), drop_last: bool = False,
@@ -159,6 +172,9 @@ class RankShare:
         self.drop_last, self.block = drop_last, block
         self.full_rows = 0  # rows dealt out in blocks
         self.tail: int | None = None  # positions left after the full rows, once the ids ended
+        # Ids of the sequence (from its start) that no longer wait in a row: every one of
+        # them dealt, and this rank's handed out. What comes later may still be ours.
+        self.settled = 0
 
     def pairs(self, ids: Iterable[SampleId | None]) -> Iterator[tuple[int, SampleId] | None]:
         """This rank's pairs; a None from ``ids`` (no more yet) is passed on."""
@@ -175,10 +191,13 @@ class RankShare:
                 first.append(sid)
             pos += 1
             if pos <= resume.position or (resume.done and resume.skips(pos - 1)):
+                if not row:
+                    self.settled = pos
                 continue
             if W == 1:  # everything is ours, in order: no row to wait for
                 yield v, sid
                 v += 1
+                self.settled = pos
                 continue
             row.append(sid)
             if len(row) == W * B:
@@ -187,6 +206,7 @@ class RankShare:
                 for j in range(r * B, r * B + B):
                     yield base + j, row[j]
                 row = []
+                self.settled = pos
         self.tail = len(row)
         base = self.full_rows * W * B
         cut = len(row) - len(row) % W
@@ -195,6 +215,7 @@ class RankShare:
         if len(row) > cut and not self.drop_last:
             fill = row[cut:] + [first[i % len(first)] for i in range(W - (len(row) - cut))]
             yield base + cut + r, fill[r]
+        self.settled = pos
 
     def resume_after(self, n: int) -> Resume:
         """The job's :class:`Resume` once each rank delivered its first ``n`` pairs.
@@ -214,13 +235,15 @@ class RankShare:
                 return self._extend((k + 1) * W * B, ())
             base = k * W * B
             return self._extend(base, [(base + q * B, base + q * B + o) for q in range(W)])
-        tail = self.tail if self.tail is not None else 0
-        done = self.full_rows * W * B + min(tail, (n - self.full_rows * B) * W)
+        assert self.tail is not None, "more pairs delivered than dealt"
+        done = self.full_rows * W * B + min(self.tail, (n - self.full_rows * B) * W)
         return self._extend(done, ())
 
     def _extend(self, prefix: int, runs: Iterable[tuple[int, int]]) -> Resume:
         """``resume`` plus positions ``[0, prefix)`` and ``runs`` of this share's numbering."""
         real = self.resume.real
+        # A run maps to the positions from its first to its last: any between them were
+        # delivered before (they are why the numbering skips them).
         delivered = [(0, real(prefix - 1) + 1)] if prefix > 0 else []
-        delivered += [(real(v), real(v) + 1) for a, b in runs for v in range(a, b)]
+        delivered += [(real(a), real(b - 1) + 1) for a, b in runs]
         return Resume.of(self.resume.position, list(self.resume.done) + delivered)

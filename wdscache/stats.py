@@ -16,7 +16,8 @@ The object (also ``wdscache stats --json``)::
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes, indexed (shards)}],
                       worker_restarts, corrupt: [{url, error}]}
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
-                      epoch, position, starved: null | "downloads" | "workers" | "latency"}}}
+                      epoch, position (samples of the epoch the job delivered, counted from
+                      this rank's), starved: null | "downloads" | "workers" | "latency"}}}
 
 With an agent running it answers live over the agent's socket; otherwise it
 reads the index summary, which costs the same on 10 or 100,000 shards.
