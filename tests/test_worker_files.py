@@ -7,6 +7,7 @@ loader reads over real sockets; the workers are looked at through /proc.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from conftest import wait_for
 from procs import worker_pids
+from streaming import reference
 from wdscache import CachedMultiLoader
 
 
@@ -69,3 +71,71 @@ def test_a_worker_imports_only_what_serving_needs() -> None:
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout)
     assert not {"wdscache.loader", "wdscache.agent", "wdscache.cli", "wdscache.stats"} & set(loaded), loaded
+
+
+def read_from_worker(cache: Path, url: str, items: list[int]) -> tuple[dict, list[bytes]]:
+    """One read request straight to a worker (as the loader sends it), and its reply."""
+    import zmq
+
+    from wdscache.client import AgentConnection, resolve_endpoint
+    from wdscache.protocol import pack, unpack
+
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        hello = conn.request({"op": "hello", "reader": "raw", "job": "raw", "rank": 0, "world_size": 1})
+        sock.connect(hello["workers"][0])
+        sock.send_multipart(pack({"op": "read", "id": "r1", "urls": [url], "items": [[0, j] for j in items]}))
+        assert sock.poll(10_000), "the worker did not answer a read within 10 s"
+        header, frames = unpack(sock.recv_multipart())
+        return header, frames
+    finally:
+        sock.close()
+        ctx.term()
+        conn.close()
+
+
+def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(tmp_path, shard_server, dataset,
+                                                                            start_agent):
+    small = dataset(1, samples=12, payload=3000, prefix="small")
+    large = dataset(1, samples=6, payload=300_000, prefix="large", list_name="large.txt")
+    cache = tmp_path / "cache"
+    both = tmp_path / "lists" / "both.txt"
+    both.write_text("\n".join(small.urls + large.urls) + "\n")
+    agent = start_agent(cache, both, "--no-shuffle", "--prefetch", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    cases = [
+        (small, [0, 3, 6, 9], 1),  # four short runs: copied together
+        (large, [0, 2, 4], 3),  # long runs: each zero-copy in a frame of its own
+        (large, [1, 2, 3], 1),  # adjacent: one long run
+    ]
+    for data, items, n_frames in cases:
+        ref = list(reference(data.paths, data.urls).items())
+        header, frames = read_from_worker(cache, data.urls[0], items)
+        assert header["ok"] and len(frames) == n_frames, (items, header.get("spans"), len(frames))
+        for j, key, exts, span in zip(items, header["keys"], header["exts"], header["spans"]):
+            (_, want_key), want = ref[j]
+            frame = frames[span[0]]
+            got = {ext: hashlib.sha256(frame[off:off + size]).hexdigest()
+                   for ext, off, size in zip(exts, span[1::2], span[2::2])}
+            assert (key, got) == (want_key, want)
+
+
+def test_reply_frames_copy_short_runs_up_to_a_cap() -> None:
+    from wdscache import pool
+
+    class Holder:
+        served: dict = {}
+
+    runs = [(bytes([i]) * size, 0, size) for i, size in enumerate([10, pool.GATHER_BELOW, 20, 30])]
+    spans = [[0, 0, 10], [1, 5, 100], [2, 0, 20], [3, 1, 29]]
+    frames = pool._Worker._frames(Holder(), runs, spans)
+    assert [len(f) for f in frames] == [60, pool.GATHER_BELOW]  # the short ones copied together, first
+    assert spans == [[0, 0, 10], [1, 5, 100], [0, 10, 20], [0, 31, 29]]
+    many = [(b"x" * (pool.GATHER_BELOW - 1), 0, pool.GATHER_BELOW - 1)] * 40
+    frames = pool._Worker._frames(Holder(), many, [[i, 0, 1] for i in range(40)])
+    copied = pool.GATHER_MAX // (pool.GATHER_BELOW - 1)
+    assert len(frames[0]) == copied * (pool.GATHER_BELOW - 1) <= pool.GATHER_MAX
+    assert len(frames) == 1 + 40 - copied

@@ -12,8 +12,11 @@ A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
         -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...],
             "spans": [[frame, offset, size, offset, size, ...], ...]}
            followed by frames of raw shard bytes: each sample's fields lie in frame
-           ``frame`` at the given offsets, one (offset, size) per extension; samples
-           adjacent in their shard share a frame
+           ``frame`` at the given offsets, one (offset, size) per extension. Samples
+           adjacent in their shard share a run of bytes. A run of GATHER_BELOW bytes or
+           more is a frame of its own, sent zero-copy from the mapped shard; the shorter
+           ones are copied together into one frame (the first), so that a scattered
+           read, as a shuffled epoch makes, costs one frame rather than one per sample
     {"op": "scan", "id": n, "url": u, "partial": bool}
         -> {"op": "scanned", "id": n, "ok": true, "count": c, "final": bool}
 
@@ -51,6 +54,7 @@ import zmq
 
 from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
+from .malloc import tune_malloc
 from .protocol import field, pack, unpack
 from .tario import GZIP_MAGIC, GrowingShard, NotYet, SampleIndex, file_identity, open_shard
 
@@ -66,10 +70,17 @@ REPORT_EVERY = 1.0
 MAX_ITEMS = 4096
 DROP_EVERY = 0.005  # seconds between drops of served shard pages from a worker's RSS
 SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still holds open
-# Samples this close in a shard go in one frame, the tar headers between them too: enough
+# Samples this close in a shard go in one run, the tar headers between them too: enough
 # for the headers between consecutive samples, too little to carry another rank's samples
 # along unless they are tiny.
 MERGE_GAP = 2048
+# Runs shorter than this are copied into one frame per reply, at most GATHER_MAX bytes of
+# them (the rest go zero-copy). Each zero-copy frame costs pyzmq a message to its garbage
+# collector thread and a dict operation under the GIL when it is sent: one frame per
+# sample of a shuffled read made that half a worker's time. Copying a run this short
+# costs less; a longer run goes zero-copy.
+GATHER_BELOW = 256 << 10
+GATHER_MAX = 8 << 20
 
 
 # What a worker process runs: the agent's sys.path first, then this module.
@@ -439,18 +450,42 @@ class _Worker:
             keys.append(span.key)
             exts.append([ext for ext, _, _ in span.fields])
             self.bytes += sum(size for _, _, size in span.fields)
-        frames = []
-        for source, start, end in runs:
-            if isinstance(source, bytes):
-                frames.append(source)
-            else:
-                frames.append(source.data[start:end])
-                self.served[source] = 2
+        frames = self._frames(runs, spans)
         self._drop_served()
         self.requests += 1
         self.samples += len(items)
         self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts,
                             "spans": spans}, frames)
+
+    def _frames(self, runs: list[tuple[Any, int, int]], spans: list[list[int]]) -> list[Any]:
+        """The reply's frames for ``runs``: short runs copied together into the first, the
+        others zero-copy. ``spans`` (``[run, offset in run, size, ...]``) are made to name
+        frames and offsets in them."""
+        frames: list[Any] = []
+        short: list[Any] = []
+        copied = 0
+        where: list[tuple[int, int]] = []  # run -> (frame, or -1 for the copied one; offset there)
+        for source, start, end in runs:
+            if isinstance(source, bytes):
+                piece = source
+            else:
+                piece = source.data[start:end]
+                self.served[source] = 2  # its pages are mapped in now, copied or sent: drop them later
+            if len(piece) < GATHER_BELOW and copied + len(piece) <= GATHER_MAX:
+                where.append((-1, copied))
+                short.append(piece)
+                copied += len(piece)
+            else:
+                where.append((len(frames), 0))
+                frames.append(piece)
+        if short:
+            frames.insert(0, b"".join(short))
+            where = [(frame + 1, base) for frame, base in where]
+        for span in spans:
+            span[0], base = where[span[0]]
+            for i in range(1, len(span), 2):
+                span[i] += base
+        return frames
 
     def _view(self, url: str) -> Any:
         """The cached shard's view; FileNotFoundError while it is not (or no longer) cached."""
@@ -516,6 +551,9 @@ class _Worker:
 def worker_main(spec: WorkerSpec, ready_fd: int) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
+    # Replies copied together come and go at megabytes each: without this glibc would hand
+    # the memory back and fault it in again for each one.
+    tune_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
     worker = _Worker(spec)
     os.write(ready_fd, b"r")
