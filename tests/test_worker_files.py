@@ -73,7 +73,7 @@ def test_a_worker_imports_only_what_serving_needs() -> None:
     assert not {"wdscache.loader", "wdscache.agent", "wdscache.cli", "wdscache.stats"} & set(loaded), loaded
 
 
-def read_from_worker(cache: Path, url: str, items: list[int]) -> tuple[dict, list[bytes]]:
+def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]]) -> tuple[dict, list[bytes]]:
     """One read request straight to a worker (as the loader sends it), and its reply."""
     import zmq
 
@@ -86,56 +86,77 @@ def read_from_worker(cache: Path, url: str, items: list[int]) -> tuple[dict, lis
     sock.setsockopt(zmq.LINGER, 0)
     try:
         hello = conn.request({"op": "hello", "reader": "raw", "job": "raw", "rank": 0, "world_size": 1})
+        assert hello.get("ok"), hello
         sock.connect(hello["workers"][0])
-        sock.send_multipart(pack({"op": "read", "id": "r1", "urls": [url], "items": [[0, j] for j in items]}))
+        sock.send_multipart(pack({"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}))
         assert sock.poll(10_000), "the worker did not answer a read within 10 s"
-        header, frames = unpack(sock.recv_multipart())
-        return header, frames
+        return unpack(sock.recv_multipart())
     finally:
         sock.close()
         ctx.term()
-        conn.close()
+        try:
+            conn.request({"op": "bye", "reader": "raw"})
+        finally:
+            conn.close()
 
 
 def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(tmp_path, shard_server, dataset,
                                                                             start_agent):
+    from wdscache.pool import GATHER_BELOW
+
     small = dataset(1, samples=12, payload=3000, prefix="small")
-    large = dataset(1, samples=6, payload=300_000, prefix="large", list_name="large.txt")
+    # payloads vary by up to 10% around the size asked for: each sample is a long run
+    large = dataset(1, samples=6, payload=int(GATHER_BELOW * 1.25), prefix="large", list_name="large.txt")
     cache = tmp_path / "cache"
     both = tmp_path / "lists" / "both.txt"
     both.write_text("\n".join(small.urls + large.urls) + "\n")
     agent = start_agent(cache, both, "--no-shuffle", "--prefetch", "2")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    ref = [list(reference(d.paths, d.urls).items()) for d in (small, large)]
+    urls = [small.urls[0], large.urls[0]]
     cases = [
-        (small, [0, 3, 6, 9], 1),  # four short runs: copied together
-        (large, [0, 2, 4], 3),  # long runs: each zero-copy in a frame of its own
-        (large, [1, 2, 3], 1),  # adjacent: one long run
+        ([(0, 0), (0, 3), (0, 6), (0, 9)], 1),  # four short runs: copied together
+        ([(1, 0), (1, 2), (1, 4)], 3),  # long runs: each zero-copy in a frame of its own
+        ([(1, 1), (1, 2), (1, 3)], 1),  # adjacent: one long run
+        ([(1, 0), (0, 1), (1, 2), (0, 5), (0, 8)], 3),  # both: the copied frame first, then the long ones
+        ([(0, 4), (0, 5)], 1),  # adjacent short ones: one run, sent as it is
     ]
-    for data, items, n_frames in cases:
-        ref = list(reference(data.paths, data.urls).items())
-        header, frames = read_from_worker(cache, data.urls[0], items)
+    for items, n_frames in cases:
+        header, frames = read_from_worker(cache, urls, items)
         assert header["ok"] and len(frames) == n_frames, (items, header.get("spans"), len(frames))
-        for j, key, exts, span in zip(items, header["keys"], header["exts"], header["spans"]):
-            (_, want_key), want = ref[j]
+        for (k, j), key, exts, span in zip(items, header["keys"], header["exts"], header["spans"]):
+            (_, want_key), want = ref[k][j]
             frame = frames[span[0]]
             got = {ext: hashlib.sha256(frame[off:off + size]).hexdigest()
                    for ext, off, size in zip(exts, span[1::2], span[2::2])}
-            assert (key, got) == (want_key, want)
+            assert (key, got) == (want_key, want), (items, k, j)
 
 
-def test_reply_frames_copy_short_runs_up_to_a_cap() -> None:
+def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     from wdscache import pool
 
     class Holder:
-        served: dict = {}
+        def __init__(self) -> None:
+            self.served: dict = {}
 
+    def frames_of(runs: list, spans: list, room: int = pool.GATHER_MAX) -> list[bytes]:
+        return [bytes(f) for f in pool._Worker._frames(Holder(), runs, spans, room)]
+
+    short = pool.GATHER_BELOW - 1
     runs = [(bytes([i]) * size, 0, size) for i, size in enumerate([10, pool.GATHER_BELOW, 20, 30])]
     spans = [[0, 0, 10], [1, 5, 100], [2, 0, 20], [3, 1, 29]]
-    frames = pool._Worker._frames(Holder(), runs, spans)
+    frames = frames_of(runs, spans)
     assert [len(f) for f in frames] == [60, pool.GATHER_BELOW]  # the short ones copied together, first
     assert spans == [[0, 0, 10], [1, 5, 100], [0, 10, 20], [0, 31, 29]]
-    many = [(b"x" * (pool.GATHER_BELOW - 1), 0, pool.GATHER_BELOW - 1)] * 40
-    frames = pool._Worker._frames(Holder(), many, [[i, 0, 1] for i in range(40)])
-    copied = pool.GATHER_MAX // (pool.GATHER_BELOW - 1)
-    assert len(frames[0]) == copied * (pool.GATHER_BELOW - 1) <= pool.GATHER_MAX
-    assert len(frames) == 1 + 40 - copied
+    # past the room (GATHER_MAX, or what the worker's budget leaves), runs go as they are
+    many = [(bytes([i]) * short, 0, short) for i in range(40)]
+    spans = [[i, 3, 1] for i in range(40)]
+    frames = frames_of(many, spans)
+    copied = pool.GATHER_MAX // short
+    assert len(frames[0]) == copied * short and len(frames) == 1 + 40 - copied
+    assert all(frames[f][off] == i for i, (f, off, _) in enumerate(spans))
+    spans = [[i, 3, 1] for i in range(3)]
+    assert len(frames_of(many[:3], spans, room=0)) == 3
+    # one short run alone gains nothing from a copy
+    spans = [[0, 0, 5]]
+    assert frames_of(runs[:1], spans) == [runs[0][0]] and spans == [[0, 0, 5]]

@@ -18,7 +18,7 @@ thresholds also turns off glibc's own adjustment of them. The settings are
 process-wide, so :class:`~wdscache.CachedMultiLoader` applies them only with
 ``tune_malloc=True`` (the default), once, and only where the C library is glibc.
 The agent's workers apply them too (they own their process): a reply whose short
-runs are copied together is a buffer of up to a few MB, made and freed per reply.
+runs are copied together is a buffer of up to 8 MiB, made and freed per reply.
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
            followed by frames of raw shard bytes: each sample's fields lie in frame
            ``frame`` at the given offsets, one (offset, size) per extension. Samples
            adjacent in their shard share a run of bytes. A run of GATHER_BELOW bytes or
-           more is a frame of its own, sent zero-copy from the mapped shard; the shorter
-           ones are copied together into one frame (the first), so that a scattered
-           read, as a shuffled epoch makes, costs one frame rather than one per sample
+           more is a frame of its own (zero-copy from the mapped shard); the shorter
+           ones are copied together into one frame (the first) while the worker's copy
+           budget lasts, so that a scattered read, as a shuffled epoch makes, costs one
+           frame rather than one per sample
     {"op": "scan", "id": n, "url": u, "partial": bool}
         -> {"op": "scanned", "id": n, "ok": true, "count": c, "final": bool}
 
@@ -75,12 +76,16 @@ SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still hol
 # along unless they are tiny.
 MERGE_GAP = 2048
 # Runs shorter than this are copied into one frame per reply, at most GATHER_MAX bytes of
-# them (the rest go zero-copy). Each zero-copy frame costs pyzmq a message to its garbage
-# collector thread and a dict operation under the GIL when it is sent: one frame per
-# sample of a shuffled read made that half a worker's time. Copying a run this short
-# costs less; a longer run goes zero-copy.
+# them; the rest go zero-copy. pyzmq copies a frame under 64 KiB itself, but releases each
+# larger zero-copy frame through its garbage-collector thread (an inproc message and a
+# dict operation under the GIL): with one frame per 110 KB sample of a shuffled read that
+# was half a worker's time. Copying a run this short costs less; a longer one goes zero-copy.
 GATHER_BELOW = 256 << 10
 GATHER_MAX = 8 << 20
+# Copied bytes a worker may have handed to ZeroMQ and not yet seen sent. Copies are private
+# memory (a mapped shard's pages are the kernel's to reclaim): past this, runs go zero-copy,
+# so neither slow consumers nor a peer that never reads can make a worker's memory grow.
+GATHER_BUDGET = 32 << 20
 
 
 # What a worker process runs: the agent's sys.path first, then this module.
@@ -235,6 +240,7 @@ class _Worker:
         # served resident, up to OPEN_SHARDS of them. ZeroMQ faults back in what it is still
         # sending (no harm), hence one more drop after the last send.
         self.served: dict[Any, int] = {}
+        self.copies: list[tuple[zmq.MessageTracker, int]] = []  # replies' copied frames not yet sent
         self._last_drop = self._last_sweep = time.monotonic()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -417,9 +423,9 @@ class _Worker:
         keys: list[str] = []
         exts: list[list[str]] = []
         spans: list[list[int]] = []
-        # Runs of bytes sent as one frame each: (a mapped ShardView or a bytes block, start, end).
-        # Samples next to each other in a shard share a run, so a request read in archive
-        # order costs one frame, not one per field.
+        # Runs of bytes: (a mapped ShardView or a bytes block, start, end). Samples next to
+        # each other in a shard share a run, so a request read in archive order costs one
+        # run, not one per field; _frames makes the runs into frames.
         runs: list[tuple[Any, int, int]] = []
         views = [self._readable(url) for url in urls]  # once per shard, not per sample
         for item in items:
@@ -450,36 +456,45 @@ class _Worker:
             keys.append(span.key)
             exts.append([ext for ext, _, _ in span.fields])
             self.bytes += sum(size for _, _, size in span.fields)
-        frames = self._frames(runs, spans)
+        self.copies = [(tracker, n) for tracker, n in self.copies if not tracker.done]
+        room = GATHER_BUDGET - sum(n for _, n in self.copies)
+        frames = self._frames(runs, spans, min(GATHER_MAX, room))
+        if frames and isinstance(frames[0], zmq.Frame):
+            self.copies.append((frames[0].tracker, len(frames[0])))
         self._drop_served()
         self.requests += 1
         self.samples += len(items)
         self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts,
                             "spans": spans}, frames)
 
-    def _frames(self, runs: list[tuple[Any, int, int]], spans: list[list[int]]) -> list[Any]:
-        """The reply's frames for ``runs``: short runs copied together into the first, the
-        others zero-copy. ``spans`` (``[run, offset in run, size, ...]``) are made to name
-        frames and offsets in them."""
+    def _frames(self, runs: list[tuple[Any, int, int]], spans: list[list[int]], room: int) -> list[Any]:
+        """The reply's frames for ``runs``: short runs (two or more) copied together, up to
+        ``room`` bytes, into the first (a tracked :class:`zmq.Frame`), the others as they
+        are (zero-copy, unless pyzmq copies a small one itself). ``spans``
+        (``[run, offset in run, size, ...]``) are made to name frames and offsets in them."""
         frames: list[Any] = []
         short: list[Any] = []
         copied = 0
         where: list[tuple[int, int]] = []  # run -> (frame, or -1 for the copied one; offset there)
         for source, start, end in runs:
             if isinstance(source, bytes):
-                piece = source
+                piece = source  # a block of a shard still downloading: already a copy
             else:
                 piece = source.data[start:end]
                 self.served[source] = 2  # its pages are mapped in now, copied or sent: drop them later
-            if len(piece) < GATHER_BELOW and copied + len(piece) <= GATHER_MAX:
+            if len(piece) < GATHER_BELOW and copied + len(piece) <= room:
                 where.append((-1, copied))
                 short.append(piece)
                 copied += len(piece)
             else:
                 where.append((len(frames), 0))
                 frames.append(piece)
-        if short:
-            frames.insert(0, b"".join(short))
+        if len(short) == 1:  # nothing to save by copying: it goes as it is
+            where = [(len(frames), 0) if frame < 0 else (frame, base) for frame, base in where]
+            frames.append(short[0])
+        elif short:
+            # Tracked: the copy counts against the budget until ZeroMQ has sent it.
+            frames.insert(0, zmq.Frame(b"".join(short), track=True))
             where = [(frame + 1, base) for frame, base in where]
         for span in spans:
             span[0], base = where[span[0]]
@@ -551,8 +566,9 @@ class _Worker:
 def worker_main(spec: WorkerSpec, ready_fd: int) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
-    # Replies copied together come and go at megabytes each: without this glibc would hand
-    # the memory back and fault it in again for each one.
+    # Copied replies come and go at up to GATHER_MAX each. glibc's own thresholds adapt to
+    # that size but still trim the heap, and fault it in again, as they come and go: shuffled
+    # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.
     tune_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
     worker = _Worker(spec)
