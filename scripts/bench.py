@@ -34,8 +34,11 @@ What it does:
                           once what ``wdscache stats --json`` reports (wdscache.stats.collect,
                           polled in-process every 20 ms) has an agent; then one consumer
                           iterating ``CachedMultiLoader(shuffle=False)`` twice: epoch 1 cold,
-                          epoch 2 warm; then 8 consumers (two jobs of four ranks) read one more
-                          epoch each from the warm cache, all at once
+                          epoch 2 warm; then a third, warm, epoch with ``shuffle=True``
+                          (for information: what training reads by default, each sample
+                          somewhere else in the shards); then 8 consumers (two jobs of four
+                          ranks) read one more unshuffled epoch each from the warm cache, all
+                          at once
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
                           of the profile's field sizes, ``copy=False``, timed from the first
@@ -43,10 +46,11 @@ What it does:
                           the loaders hand out ``bytes``)
   ======================  ================================================================
 
-  Shuffling is off on every side (the webdataset baselines do not shuffle, so
-  wdscache runs ``shuffle=False`` and its agent ``--no-shuffle``, which makes the
-  agent's start-up prefetch follow the order the consumer reads). Every consumer
-  does the same work per sample: count it and sum the lengths of its payloads.
+  Shuffling is off on every side but wdscache's epoch 3 (the webdataset
+  baselines do not shuffle, so wdscache runs ``shuffle=False`` and its agent
+  ``--no-shuffle``, which makes the agent's start-up prefetch follow the order
+  the consumer reads). Every consumer does the same work per sample: count it
+  and sum the lengths of its payloads.
 - Figures: samples/s and payload MB/s delivered to the consumer; wall time of
   epoch 1 (cold) and epoch 2 (warm) for systems with a cache; time to first
   sample (from building the loader; for wdscache also from launching the
@@ -509,19 +513,21 @@ class Bench:
         try:
             agent.start()
             c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "single", "--epochs", "2",
+                              "--shuffled-epochs", "1",
                               "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT), "--log",
                               tag=f"{prof}-wdscache")
             c.wait(self.http_deadline(ds) + 120)
-            status, r = self.check(c, ds, 2)
+            status, r = self.check(c, ds, 3)
             extra["fetched"] = self.fetch_note(before, ds)
             extra["resends"] = resends(c)
-            if r is not None and len(r["epochs"]) == 2:
-                cold, warm = r["epochs"]
+            if r is not None and len(r["epochs"]) == 3:
+                cold, warm, shuffled = r["epochs"]
                 row = self.epoch_row(cold, cold["agent_cpu_s"] or 0.0)
                 row["ttfs_from_agent_launch_ms"] = 1000 * (cold["t_first"] - agent.t_launch) if cold["t_first"] else None
                 row["agent_ready_s"] = agent.ready_s
                 rows["wdscache, epoch 1 (cold)"] = row
                 rows["wdscache, epoch 2 (warm)"] = self.epoch_row(warm, warm["agent_cpu_s"] or 0.0)
+                rows[SHUFFLED] = self.epoch_row(shuffled, shuffled["agent_cpu_s"] or 0.0)
             if status == "ok" and not self.args.no_multi_consumer:
                 rows.update(self.run_wdscache_many(prof, ds, agent, cache))
             hwm, anon = agent.memory()
@@ -850,6 +856,7 @@ def cell(entry: dict[str, Any], metric: str, digits: int = 0) -> str:
     return s
 
 
+SHUFFLED = "wdscache, epoch 3 (warm, shuffled)"
 ROW_ORDER = [
     "wds local, in-process",
     f"wds MultiLoader, {AGENT_WORKERS} workers (worker flushes ZeroMQ on exit)",
@@ -859,6 +866,7 @@ ROW_ORDER = [
     "wds cache_dir, epoch 2 (warm)",
     "wdscache, epoch 1 (cold)",
     "wdscache, epoch 2 (warm)",
+    "wdscache, epoch 3 (warm, shuffled)",
     "wdscache, 8 consumers (2 jobs x 4 ranks), warm, aggregate",
     "cat shards > /dev/null (page cache; MB are tar bytes)",
     "pyzmq IPC PUSH/PULL, multipart, copy=False",

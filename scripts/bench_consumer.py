@@ -257,15 +257,18 @@ def mode_wdscache(args: argparse.Namespace) -> None:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     holder: dict[str, Any] = {}
 
-    def make() -> Iterable[dict[str, Any]]:
-        if "loader" not in holder:
-            holder["loader"] = CachedMultiLoader(
-                cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
-                shuffle=False, timeout=args.timeout,
-            )
-        return holder["loader"]
+    def loader(shuffle: bool) -> Callable[[], Iterable[dict[str, Any]]]:
+        def make() -> Iterable[dict[str, Any]]:
+            if shuffle not in holder:
+                holder[shuffle] = CachedMultiLoader(
+                    cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
+                    shuffle=shuffle, timeout=args.timeout,
+                )
+            return holder[shuffle]
+        return make
 
-    final([run_epoch(e, make, agent_pid=args.agent_pid, limit=args.max_samples) for e in range(args.epochs)])
+    final([run_epoch(e, loader(e >= args.epochs), agent_pid=args.agent_pid, limit=args.max_samples)
+           for e in range(args.epochs + args.shuffled_epochs)])
 
 
 def mode_zmq(args: argparse.Namespace) -> None:
@@ -430,6 +433,8 @@ def main() -> None:
     p.add_argument("--start-at", type=float, default=0.0)
     p.add_argument("--log", action="store_true", help="wdscache's log on stderr")
     p.add_argument("--max-samples", type=int, default=0, help="stop each epoch after this many samples")
+    p.add_argument("--shuffled-epochs", type=int, default=0,
+                   help="after --epochs, this many more with a shuffling loader (its own job)")
     p = sub.add_parser("zmq")
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)
