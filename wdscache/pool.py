@@ -78,8 +78,8 @@ MERGE_GAP = 2048
 # Runs shorter than this are copied into one frame per reply, at most GATHER_MAX bytes of
 # them; the rest go zero-copy. pyzmq copies a frame under 64 KiB itself, but releases each
 # larger zero-copy frame through its garbage-collector thread (an inproc message and a
-# dict operation under the GIL): with one frame per 110 KB sample of a shuffled read that
-# was half a worker's time. Copying a run this short costs less; a longer one goes zero-copy.
+# dict operation under the GIL): with one frame per 110 KB sample of a shuffled read, a
+# worker's CPU per GB doubled. Copying a run this short costs less; a longer one goes zero-copy.
 GATHER_BELOW = 256 << 10
 GATHER_MAX = 8 << 20
 # Copied bytes a worker may have handed to ZeroMQ and not yet seen sent. Copies are private
