@@ -828,8 +828,8 @@ class _Stream:
                 try:
                     conn.request({"op": "report", "reader": self.name, "job": self.loader.job,
                                   "rank": self.loader.rank, "epoch": self.spec.epoch,
-                                  "position": self.progress, "samples": n, "bytes": self.stats["bytes"], "rate": round(rate, 1),
-                                  "wait_s": round(self.stats["wait_s"], 3)})
+                                  "position": self.progress, "samples": n, "bytes": self.stats["bytes"],
+                                  "rate": round(rate, 1), "wait_s": round(self.stats["wait_s"], 3)})
                 except AgentUnavailableError:
                     continue
         finally:
