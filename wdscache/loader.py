@@ -549,7 +549,8 @@ class _Stream:
 
     def _global(self) -> Iterator[SampleId | None]:
         for sid in global_sequence(self.spec, self.shard_samples):
-            self._release_settled()
+            if self.unneeded and self.unneeded[0][0] <= self.share.settled:  # per id: look before calling
+                self._release_settled()
             if sid is not None:
                 self.seen += 1
                 self.remaining[sid[0]] = self.remaining.get(sid[0], 0) - 1
