@@ -779,6 +779,8 @@ _DEEP = b"[" * 100_000  # 100 KB, well under the 1 MiB limit; json.loads raises 
     pytest.param([_DEEP, _STATS], id="deeply-nested-json"),
     # the 'counts' lookup hashed each element: TypeError, unhashable type 'list'
     pytest.param([_j({"op": "counts", "id": 1, "urls": [[1]]}), _STATS], id="counts-of-a-list"),
+    pytest.param([_j({"op": "set_counts", "id": 1, "urls": ["u"], "samples": [[1]]}), _STATS],
+                 id="set-counts-of-a-list"),
     # a report's fields were kept unchecked; the next stats compared 'x' > 0.2 in _jobs_view
     pytest.param([_HELLO, _j({"op": "report", "id": 2, "reader": "r", "waiting": "x"}), _STATS],
                  id="report-with-text-waiting"),

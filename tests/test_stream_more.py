@@ -353,6 +353,30 @@ def test_map_batch_collate_and_len(tmp_path, dataset, start_agent):
     assert keyed == [tuple(s["__key__"] for s in whole[i:i + 4]) for i in range(0, 15, 4)]
 
 
+def test_counts_a_consumer_found_are_the_agents_before_its_bye(tmp_path, dataset, start_agent):
+    """len() right after an epoch must not depend on a worker's advisory report having arrived:
+    the loader tells the agent what its workers counted, and the agent keeps it for cached shards."""
+    from wdscache.client import AgentConnection, resolve_endpoint
+
+    data = dataset(2, samples=5, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "2")
+    wait_cached(agent, 2)
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    try:
+        other = data.urls[0] + ".not-in-the-cache"
+        assert conn.request({"op": "counts", "urls": [data.urls[0], other]})["counts"] == [None, None]
+        told = conn.request({"op": "set_counts", "urls": [data.urls[0], other], "samples": [5, 9]})
+        assert told["ok"] is True, told
+        assert conn.request({"op": "counts", "urls": [data.urls[0], other]})["counts"] == [5, None]
+        bad = conn.request({"op": "set_counts", "urls": [data.urls[1]], "samples": [-1]})
+        assert bad["ok"] is False and "set_counts" in bad["error"], bad
+        assert conn.request({"op": "counts", "urls": [data.urls[1]]})["counts"] == [None]
+    finally:
+        conn.close()
+    assert agent.running(), agent.stderr_tail()
+
+
 # -- 5. on_error ---------------------------------------------------------------------------------------
 
 

@@ -749,6 +749,16 @@ class Agent:
                 self._corrupt.pop(next(iter(self._corrupt)))
             self._reply(ident, rid, ok=True)
             return
+        if op == "set_counts":  # a consumer's scans, so that its len() is right once it said bye
+            assert self.cache is not None
+            urls, samples = strings(header, "urls"), get_field(header, "samples", list)
+            if len(samples) != len(urls) or not all(type(n) is int and n >= 0 for n in samples):
+                raise ProtocolError("'set_counts' message: 'samples' must be one count per URL")
+            for url, n in zip(urls, samples):
+                if self.cache.is_cached(url):  # as for a worker's report: only what is cached here
+                    self.cache.index.set_count(url, n)
+            self._reply(ident, rid, ok=True)
+            return
         if op == "counts":
             assert self.cache is not None
             counts = self.cache.index.counts

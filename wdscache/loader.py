@@ -320,6 +320,9 @@ class _Stream:
         self.next_order = EpochSpec(len(self.urls), loader.seed, epoch + 1, loader.shuffle).order()
         self.order_pos = {shard: i for i, shard in enumerate(self.order)}
         self.counts: dict[int, int] = {}
+        # Counts our workers found (url -> samples), told to the agent before we say bye, so
+        # len() knows them once the epoch ends; the workers' own reports may still be on the way.
+        self.learned: dict[str, int] = {}
         # Pinned shards -> number of our outstanding reads. A consumer that must wait for a
         # download first lets go of every other pin it is not reading (see _open), so pins
         # never deadlock the budget.
@@ -414,7 +417,7 @@ class _Stream:
             known = max(known, count)
             if reply.get("final"):
                 self.partial.discard(shard)
-                self.counts[shard] = known
+                self.counts[shard] = self.learned[url] = known
                 self._counted(shard, known)
                 return
             if time.monotonic() - asked > STATUS_EVERY:
@@ -496,7 +499,8 @@ class _Stream:
         url = self.urls[shard]
         reply = self._worker_call({"op": "scan", "url": url}, shard % len(self.workers))
         if reply.get("ok"):
-            return int(reply["count"])
+            self.learned[url] = int(reply["count"])
+            return self.learned[url]
         if reply.get("kind") == "missing":
             raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
         self._failed(shard, _shard_error(url, reply))
@@ -843,6 +847,9 @@ class _Stream:
         self._stop_reports.set()
         self._reporter.join(REPORT_EVERY + 6.0)
         try:
+            for _, chunk in pages(list(self.learned)):
+                self.conn.request({"op": "set_counts", "reader": self.name, "urls": chunk,
+                                   "samples": [self.learned[u] for u in chunk]}, timeout=2.0)
             self.conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
         except AgentUnavailableError:
             pass
