@@ -827,3 +827,26 @@ def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, sta
     assert r is not None and restarts == 0 and worker_pids(agent.pid) == workers, (
         f"no reply, worker restarts {restarts}\n{agent.stderr_tail()}")
     assert r["ok"] is False and r["kind"] in ("protocol", "missing"), r  # refused, or simply not cached
+
+
+def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(shard_server, dataset, start_agent, raw_peers,
+                                                                    tmp_path):
+    """Workers take a walked table from the agent without walking the shard again: one that
+    any peer could have sent would make them serve the wrong bytes."""
+    from wdscache.tario import PackedSamples, SampleSpan
+
+    ds = dataset(2, samples=5, payload=500)
+    cache = tmp_path / "cache"
+    shard_server.ttfb = 1.0  # the workers are up before any shard is published
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--workers", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and all(w.get("indexed") == 2 for w in s["agent"]["workers"]),
+                     20, "both workers indexing the 2 shards")
+    layouts, frames = PackedSamples([SampleSpan("forged", (("jpg", 0, 512),))]).parts()
+    peer = raw_peers(json.loads((cache / "agent.json").read_text())["endpoint"])
+    for secret in ({}, {"secret": "0" * 32}, {"secret": 7}):
+        header = {"op": "walked", "id": 1, "url": ds.urls[0], "identity": [0, 0, 0, 0], "layouts": layouts, **secret}
+        r = peer.ask(_j(header), *frames)
+        assert r["ok"] is False and "own workers" in r["error"], r
+    workers = agent.stats()["agent"]["workers"]
+    assert sum(w["adopted"] for w in workers) == sum(w["walked"] for w in workers) == 2, workers
+    assert agent.running(), agent.stderr_tail()

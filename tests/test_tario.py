@@ -18,6 +18,7 @@ import time
 import tracemalloc
 import uuid
 import warnings
+from array import array
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -979,3 +980,27 @@ def test_packed_samples_read_like_the_list_they_pack() -> None:
     with pytest.raises(IndexError):
         packed[6]
     assert packed != spans[:5] and PackedSamples([]) == []
+
+
+def test_packed_samples_travel_as_parts_and_bad_parts_are_refused() -> None:
+    spans = [SampleSpan(f"k\udcff{i}", (("cls", 512 + 2048 * i, 1), ("jpg", 1536 + 2048 * i, 9))) for i in range(5)]
+    spans.append(SampleSpan("odd", (("txt", 20_000, 3),)))
+    layouts, frames = PackedSamples(spans).parts()
+    assert PackedSamples.from_parts(layouts, frames, 20_003) == spans  # a key that is no valid UTF-8, too
+    assert PackedSamples.from_parts(*PackedSamples([]).parts(), 0) == []
+
+    def refused(layouts: Any, frames: list[bytes], size: int = 20_003) -> str:
+        with pytest.raises(ValueError) as info:
+            PackedSamples.from_parts(layouts, frames, size)
+        return str(info.value)
+
+    assert "outside the file" in refused(layouts, frames, 20_002)  # the last payload ends past it
+    keys, ends, kinds, starts, numbers = frames
+    assert "different lengths" in refused(layouts, [keys, ends, kinds, starts[8:], numbers])
+    assert "out of order" in refused(layouts, [keys + b"x", ends, kinds, starts, numbers])
+    assert "do not match" in refused(layouts[:1], frames)  # a sample names a layout not sent
+    assert "do not match" in refused([["cls", "jpg", "x"], ["txt"]], frames)  # more numbers than sent
+    negative = array("q", [-1]).tobytes() + numbers[8:]
+    assert "outside the file" in refused(layouts, [keys, ends, kinds, starts, negative])
+    assert refused(layouts, [keys, ends, kinds, starts, numbers[:-1]])  # not whole numbers
+    assert "layouts" in refused([["cls", 1]], frames) and "5 frames" in refused(layouts, frames[:4])

@@ -41,10 +41,24 @@ def deleted_files_held(pid: int, under: Path) -> list[str]:
 
 def test_workers_index_published_shards_before_anyone_reads_them(tmp_path, shard_server, dataset, start_agent):
     data = dataset(4, samples=20, payload=2000)
+    shard_server.ttfb = 1.0  # the workers are up before any shard is published
     agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "4", "--workers", "2")
     # Each worker reports how many shards it has indexed, every second.
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 4 and all(
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4 and all(
         w.get("indexed") == 4 for w in s["agent"]["workers"]), 20, "both workers indexing the 4 shards")
+    # Each shard was walked by one worker; the other took its table, passed on by the agent.
+    workers = s["agent"]["workers"]
+    assert sum(w["walked"] for w in workers) == 4 and sum(w["adopted"] for w in workers) == 4, workers
+    assert all(w["walked"] >= 1 for w in workers), workers  # the walks are shared out
+    # Both serve every shard from the tables they hold, byte for byte, without a walk more.
+    with CachedMultiLoader(cache_dir=agent.cache_dir, shuffle=False, timeout=30, request_size=3) as loader:
+        got = {(x["__url__"], x["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in x.items()
+                                              if not k.startswith("__")} for x in loader}
+    assert len(got) == 80 and got == reference(data.paths, data.urls)
+    after = agent.wait_stats(lambda s: all(w.get("requests", 0) > 0 for w in s["agent"]["workers"]), 10,
+                             "both workers serving reads")["agent"]["workers"]
+    assert sum(w["walked"] for w in after) == 4, after
+    assert "not taken" not in agent.stderr_text(), agent.stderr_tail()
 
 
 def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start_agent):

@@ -19,6 +19,8 @@ Guarantees:
 
 from __future__ import annotations
 
+import hmac
+import itertools
 import json
 import logging
 import os
@@ -61,7 +63,7 @@ MAX_MESSAGE = 1 << 20
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 INDEX_HINTS = 64  # shards lately published that a new worker is told to index
-WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed")
+WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
 MAX_JOB_LISTS = 16
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
@@ -110,6 +112,7 @@ class Agent:
         self._grants: list[_Grant] = []
         self._worker_idents: dict[int, bytes] = {}  # worker index -> its report socket, for hints
         self._published: deque[str] = deque(maxlen=INDEX_HINTS)  # shards lately published, for workers
+        self._walker = itertools.count()  # which worker walks the next shard published
         self._active: dict[str, Download] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._demanded: dict[str, float] = {}  # url -> when first asked for
@@ -405,8 +408,10 @@ class Agent:
             if d.url in self._published:
                 self._published.remove(d.url)  # downloaded again: once is enough
             self._published.append(d.url)
-            for ident in self._worker_idents.values():
-                self._hint(ident, {"op": "index", "url": d.url})
+            # One worker walks it ahead and reports the table, which the others get (_pass_on).
+            idents = list(self._worker_idents.values())
+            if idents:
+                self._hint(idents[next(self._walker) % len(idents)], {"op": "index", "url": d.url})
         elif kind == "failed" and isinstance(value, DiskFull):
             # Not the shard's fault: drop the partial, make room, try again shortly.
             self.cache.abandon(d)
@@ -431,6 +436,20 @@ class Agent:
             self._sock.send_multipart([ident, *pack(header)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+    def _pass_on(self, sender: bytes, header: dict[str, Any], frames: list[Any]) -> None:
+        """A worker's table of a shard it walked, to the other workers; ignored unless it
+        carries our workers' secret (a report from anyone else could misdirect their reads)."""
+        secret = header.pop("secret", None)
+        if self.pool is None or not isinstance(secret, str) or not hmac.compare_digest(secret, self.pool.secret):
+            raise ProtocolError("'walked' is for the agent's own workers")
+        message = pack(header, *frames)
+        for ident in self._worker_idents.values():
+            if ident != sender:
+                try:
+                    self._sock.send_multipart([ident, *message], zmq.NOBLOCK)  # type: ignore[union-attr]
+                except zmq.ZMQError:
+                    pass  # that worker walks the shard itself
 
     def _verified_event(self, url: str, now: Any) -> None:
         """A cached shard from an earlier run was compared with its source."""
@@ -698,9 +717,12 @@ class Agent:
             ident, body = frames[0], frames[1:]
             rid = None
             try:
-                header, _ = unpack(body)
+                header, payload = unpack(body)
                 rid = header.get("id")
-                self._handle(ident, header)
+                if header["op"] == "walked":
+                    self._pass_on(ident, header, payload)
+                else:
+                    self._handle(ident, header)
             except ProtocolError as exc:
                 self._reply(ident, rid, ok=False, error=str(exc))
             except IndexWriteError as exc:
@@ -727,7 +749,7 @@ class Agent:
             if 0 <= i < self.config.workers:
                 if self._worker_idents.get(i) != ident:  # a new worker (or restarted: a new socket)
                     self._worker_idents[i] = ident
-                    for url in self._published:  # it missed these hints
+                    for url in self._published:  # it missed these hints (and the tables of them)
                         self._hint(ident, {"op": "index", "url": url})
                 report = {"index": i, **numbers(header, WORKER_FIELDS)}
                 self.worker_stats[i] = with_fraction(self.worker_stats.get(i), report, "busy_s", "busy")

@@ -31,6 +31,13 @@ with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
 "corrupt" | "pending" | "protocol", "error": ...}``; "pending" means the sample is
 not in the partial file now (its download started over): ask again shortly.
 
+A worker that walked a published shard's headers reports the table it found to the
+agent, which passes it on to the other workers: each shard is walked once, not once
+per worker (the agent asks one worker to walk it ahead). The report carries a secret
+the agent gave its workers on their stdin, so no other peer can hand a worker a table;
+the one receiving it checks it against the file it has (same identity, every payload
+inside it).
+
 Workers never outlive the agent: they ask the kernel for SIGKILL when their
 parent dies (Linux), and also exit when their parent's pid changes.
 """
@@ -41,6 +48,7 @@ import ctypes
 import json
 import logging
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -57,7 +65,7 @@ from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .malloc import tune_malloc
 from .protocol import field, pack, unpack
-from .tario import GZIP_MAGIC, GrowingShard, NotYet, SampleIndex, file_identity, open_shard
+from .tario import GZIP_MAGIC, GrowingShard, NotYet, PackedSamples, SampleIndex, file_identity, open_shard
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +94,9 @@ GATHER_MAX = 8 << 20
 # memory (a mapped shard's pages are the kernel's to reclaim): past this, runs go zero-copy,
 # so neither slow consumers nor a peer that never reads can make a worker's memory grow.
 GATHER_BUDGET = 32 << 20
+# A walked table larger than this is not passed on (the agent takes messages up to 1 MiB):
+# about 7,000 samples of three fields; each worker walks a bigger shard itself.
+SHARE_MAX = 768 << 10
 
 
 # What a worker process runs: the agent's sys.path first, then this module.
@@ -131,6 +142,8 @@ class WorkerPool:
         self._started = [0.0] * n
         self._backoff = [0.0] * n  # a worker that dies at once (say, it cannot import) is not restarted in a loop
         self.restarts = 0
+        # Proves a report comes from one of our workers (see the module's docstring).
+        self.secret = secrets.token_hex(16)
 
     def start(self) -> None:
         for i in range(len(self._specs)):
@@ -143,8 +156,12 @@ class WorkerPool:
             # imports this very copy of the package, not one its working directory holds.
             self._procs[i] = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, json.dumps(sys.path), json.dumps(asdict(self._specs[i])), str(w)],
-                pass_fds=(w,), stdin=subprocess.DEVNULL,
+                pass_fds=(w,), stdin=subprocess.PIPE,
             )
+            stdin = self._procs[i].stdin  # type: ignore[union-attr]
+            assert stdin is not None
+            with stdin:  # not argv: any local user may read a command line
+                stdin.write(self.secret.encode() + b"\n")
         except BaseException:
             os.close(r)
             raise
@@ -228,8 +245,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 class _Worker:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, secret: str) -> None:
         self.spec = spec
+        self.secret = secret
         self.layout = CacheLayout.of(spec.cache_dir)
         self.stop = False
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
@@ -264,6 +282,7 @@ class _Worker:
         self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
         self.busy = 0.0
         self.requests = self.samples = self.bytes = 0
+        self.walked = self.adopted = 0  # shards walked here; tables taken from another worker
         self._last_report = 0.0  # report at once: the agent learns where to send its hints
 
     def step(self) -> None:
@@ -298,7 +317,7 @@ class _Worker:
             self._last_report = now
             self._send_report({"op": "worker", "index": self.spec.index, "busy_s": round(self.busy, 3),
                                "requests": self.requests, "samples": self.samples, "bytes": self.bytes,
-                               "indexed": len(self.index)})
+                               "indexed": len(self.index), "walked": self.walked, "adopted": self.adopted})
             if os.getppid() != self.spec.parent:
                 self.stop = True
 
@@ -337,7 +356,7 @@ class _Worker:
     def _take_hints(self) -> None:
         while True:
             try:
-                header, _ = unpack(self.report.recv_multipart(zmq.NOBLOCK))
+                header, payload = unpack(self.report.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
             except ProtocolError:
@@ -345,6 +364,45 @@ class _Worker:
             url = header.get("url")
             if header.get("op") == "index" and isinstance(url, str):
                 self.to_index.append(url)
+            elif header.get("op") == "walked" and isinstance(url, str):
+                self._adopt(url, header, payload)
+
+    def _adopt(self, url: str, header: dict[str, Any], frames: list[bytes]) -> None:
+        """Take the table another worker walked, if it is of the file we see now."""
+        try:
+            identity = file_identity(os.stat(self.layout.shard_path(url)))
+            if header.get("identity") != list(identity) or self.index.get(url, identity) is not None:
+                return  # replaced or gone since, or walked here too
+            samples = PackedSamples.from_parts(header.get("layouts"), frames, identity[2])
+        except OSError:
+            return  # evicted meanwhile
+        except ValueError as exc:  # a bug of ours: the walk is done here when first needed
+            log.warning("worker %d: a table passed on for %s was not taken: %s", self.spec.index, url, exc)
+            return
+        self.index.put(url, identity, samples)
+        self.adopted += 1
+        if url in self.to_index:
+            self.to_index.remove(url)
+
+    def _open(self, path: Path, url: str, growing: GrowingShard | None) -> Any:
+        """Open the shard at ``path``; a table walked here (not in the index before) is
+        reported, for the agent to pass on to the other workers."""
+        identity = file_identity(os.stat(path))
+        known = self.index.get(url, identity) is not None
+        view = open_shard(path, url=url, known=growing, index=self.index)
+        samples = None if known else self.index.get(url, identity)
+        # A gzip'd shard's table is of the decompressed tar: of no use without that.
+        if isinstance(samples, PackedSamples) and len(view.data) == identity[2]:
+            self.walked += 1
+            layouts, frames = samples.parts()
+            header = {"op": "walked", "secret": self.secret, "url": url, "identity": list(identity),
+                      "layouts": layouts}
+            if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
+                try:
+                    self.report.send_multipart(pack(header, *frames), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the others walk it themselves
+        return view
 
     def _index_ahead(self) -> None:
         """Walk the next shard the agent just published, so that its samples are known
@@ -360,7 +418,7 @@ class _Worker:
             with open(path, "rb") as f:
                 if f.read(2) == GZIP_MAGIC:
                     return  # decompressed whole on open: not before a read needs it
-            open_shard(path, url=url, known=growing, index=self.index).close()
+            self._open(path, url, growing).close()
         except (OSError, ShardError):
             pass  # evicted meanwhile, or damaged: a read will say so to whoever asks
         except Exception:  # speculative work must never take the worker down
@@ -513,7 +571,7 @@ class _Worker:
         growing = self.growing.pop(url, None)
         try:
             # Neither what its download showed nor a shard opened before is walked again.
-            view = open_shard(path, url=url, known=growing, index=self.index)
+            view = self._open(path, url, growing)
         finally:
             if growing is not None:
                 growing.close()  # its payloads went out as copies
@@ -563,7 +621,7 @@ class _Worker:
         self.ctx.term()
 
 
-def worker_main(spec: WorkerSpec, ready_fd: int) -> None:
+def worker_main(spec: WorkerSpec, ready_fd: int, secret: str) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
     # Copied replies come and go at up to GATHER_MAX each. glibc's own thresholds adapt to
@@ -571,7 +629,7 @@ def worker_main(spec: WorkerSpec, ready_fd: int) -> None:
     # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.
     tune_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
-    worker = _Worker(spec)
+    worker = _Worker(spec, secret)
     os.write(ready_fd, b"r")
     os.close(ready_fd)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop", True))
@@ -583,5 +641,5 @@ def worker_main(spec: WorkerSpec, ready_fd: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -c _BOOT SYS_PATH SPEC READY_FD``: how :class:`WorkerPool` starts a worker."""
-    worker_main(WorkerSpec(**json.loads(argv[1])), int(argv[2]))
+    """``python -c _BOOT SYS_PATH SPEC READY_FD``, the secret on stdin: how :class:`WorkerPool` starts a worker."""
+    worker_main(WorkerSpec(**json.loads(argv[1])), int(argv[2]), sys.stdin.readline().strip())

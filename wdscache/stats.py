@@ -13,7 +13,9 @@ The object (also ``wdscache stats --json``)::
     changed           cached shards found changed on the server and fetched again (agent.changed)
     download_rate     bytes/s over the last 10 s (0 when no agent runs)
     agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers,
-                      workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes, indexed (shards)}],
+                      workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
+                      indexed (shards), walked / adopted (shards whose table the worker walked
+                      itself / took from another worker)}],
                       worker_restarts, corrupt: [{url, error}]}
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
                       epoch, position (samples of the epoch the job delivered, counted from

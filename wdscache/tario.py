@@ -26,6 +26,7 @@ should be noticed, not silently shortened.
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 import struct
 import zlib
@@ -538,6 +539,45 @@ class PackedSamples(Sequence[SampleSpan]):
                 self.numbers.append(offset)
                 self.numbers.append(size)
         self.layouts = list(layouts)
+
+    def parts(self) -> tuple[list[list[str]], list[bytes]]:
+        """The packed form as JSON-able layouts and raw frames, for another process of the agent."""
+        frames = [self.keys.encode("utf-8", "surrogatepass"), self.key_ends.tobytes(),
+                  self.layout_of.tobytes(), self.starts.tobytes(), self.numbers.tobytes()]
+        return [list(exts) for exts in self.layouts], frames
+
+    @classmethod
+    def from_parts(cls, layouts: Any, frames: Sequence[bytes], file_size: int) -> PackedSamples:
+        """Samples rebuilt from :meth:`parts`. ValueError unless they are consistent and every
+        payload lies inside a file of ``file_size`` bytes: a bad table must not make anyone
+        read outside the shard."""
+        if not (isinstance(layouts, list) and all(isinstance(exts, list) and all(isinstance(e, str) for e in exts)
+                                                  for exts in layouts)):
+            raise ValueError("layouts must be lists of extensions")
+        if len(frames) != 5:
+            raise ValueError(f"expected 5 frames, got {len(frames)}")
+        self = cls.__new__(cls)
+        self.keys = bytes(frames[0]).decode("utf-8", "surrogatepass")
+        self.layouts = [tuple(exts) for exts in layouts]
+        self.key_ends, self.layout_of, self.starts, self.numbers = array("q"), array("i"), array("q"), array("q")
+        for arr, raw in zip((self.key_ends, self.layout_of, self.starts, self.numbers), frames[1:]):
+            arr.frombytes(bytes(raw))  # ValueError unless a whole number of items
+        n = len(self.key_ends)
+        if len(self.layout_of) != n or len(self.starts) != n:
+            raise ValueError("tables of different lengths")
+        if n and (self.key_ends[0] < 0 or self.key_ends[-1] != len(self.keys)
+                  or any(a > b for a, b in zip(self.key_ends, self.key_ends[1:]))):
+            raise ValueError("key ends out of order")
+        at = 0
+        for start, layout in zip(self.starts, self.layout_of):
+            if start != at or not 0 <= layout < len(self.layouts):
+                raise ValueError("sample tables do not match")
+            at += 2 * len(self.layouts[layout])
+        numbers = self.numbers
+        if at != len(numbers) or (numbers and (min(numbers) < 0 or max(map(operator.add, numbers[::2],
+                                                                            numbers[1::2])) > file_size)):
+            raise ValueError("payloads outside the file")
+        return self
 
     def __len__(self) -> int:
         return len(self.key_ends)
