@@ -44,11 +44,11 @@ def alive(pid: int, starttime: str) -> bool:
     return f is not None and f[19] == starttime and f[0] != "Z"
 
 
-def rss_kib(pid: int) -> int:
-    """Resident memory of ``pid`` (0 once it is gone)."""
+def rss_kib(pid: int, kind: str = "VmRSS") -> int:
+    """Resident memory of ``pid`` (0 once it is gone): all of it, or ``RssFile``, ``RssAnon``."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{kind}:"):
                 return int(line.split()[1])
     except OSError:
         pass

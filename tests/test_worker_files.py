@@ -174,3 +174,54 @@ def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     # one short run alone gains nothing from a copy
     spans = [[0, 0, 5]]
     assert frames_of(runs[:1], spans) == [runs[0][0]] and spans == [[0, 0, 5]]
+
+
+def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, shard_server, dataset, start_agent):
+    """A worker sends zero-copy from its mapped shards, and ZeroMQ faults those pages into
+    its memory as it sends: with a consumer that takes its replies late (a busy machine),
+    long after the request. They must leave the worker's memory once sent."""
+    import time
+
+    import zmq
+
+    from procs import rss_kib
+    from wdscache.client import AgentConnection, resolve_endpoint
+    from wdscache.protocol import pack, unpack
+
+    data = dataset(2, samples=12, payload=400_000)  # samples too large to copy: runs are frames of their own
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle", "--workers", "1", "--prefetch", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["agent"]["workers"][0].get("indexed") == 2, 20,
+                     "the worker indexing both shards")
+    worker = worker_pids(agent.pid)[0]
+    before = rss_kib(worker, "RssFile")
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)  # it takes in little until we read: the worker's sends wait
+    sock.setsockopt(zmq.RCVBUF, 64 << 10)
+    try:
+        hello = conn.request({"op": "hello", "reader": "late", "job": "late", "rank": 0, "world_size": 1})
+        sock.connect(hello["workers"][0])
+        for k in range(2):  # each shard in two reads of 6 samples: 4 replies of 2.4 MB
+            for first in (0, 6):
+                sock.send_multipart(pack({"op": "read", "id": f"{k}-{first}", "urls": [data.urls[k]],
+                                          "items": [[0, j] for j in range(first, first + 6)]}))
+        time.sleep(0.5)  # long after the requests: most of the replies not sent yet
+        got = 0
+        for _ in range(4):
+            assert sock.poll(10_000), "no reply from the worker within 10 s"
+            header, frames = unpack(sock.recv_multipart())
+            assert header["ok"] and len(header["keys"]) == 6, header
+            got += sum(len(f) for f in frames)
+        assert got >= 4 * 6 * 400_000 * 0.9
+    finally:
+        sock.close()
+        ctx.term()
+        try:
+            conn.request({"op": "bye", "reader": "late"})
+        finally:
+            conn.close()
+    wait_for(lambda: rss_kib(worker, "RssFile") - before < 2 * 1024, 5,
+             lambda: f"the worker kept {rss_kib(worker, 'RssFile') - before} KiB of shard pages it had sent")

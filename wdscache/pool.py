@@ -253,11 +253,13 @@ class _Worker:
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
         self.index = SampleIndex(INDEX_SAMPLES)
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
-        # Mapped shards served from lately, each with the drops still due to it. Their pages
-        # leave our RSS every DROP_EVERY seconds, else a worker would keep every shard it
-        # served resident, up to OPEN_SHARDS of them. ZeroMQ faults back in what it is still
-        # sending (no harm), hence one more drop after the last send.
-        self.served: dict[Any, int] = {}
+        # Mapped shards served from lately, each with its frames ZeroMQ may still be sending
+        # ((tracker, start, end) in the shard). Their pages must leave our RSS, else a worker
+        # would keep every shard it served resident, up to OPEN_SHARDS of them. ZeroMQ's I/O
+        # thread faults in what it sends, with many consumers up to 100 ms after we hand it
+        # over: so a frame's pages are dropped once it has gone (not before: they would only
+        # be faulted in again), and the whole shard once none of its frames is left.
+        self.served: dict[Any, list[tuple[zmq.MessageTracker, int, int]]] = {}
         self.copies: list[tuple[zmq.MessageTracker, int]] = []  # replies' copied frames not yet sent
         self._last_drop = self._last_sweep = time.monotonic()
         self.ctx = zmq.Context()
@@ -325,11 +327,17 @@ class _Worker:
         if time.monotonic() - self._last_drop < DROP_EVERY:
             return
         self._last_drop = time.monotonic()
-        for view, due in list(self.served.items()):
-            view.drop_pages(0, len(view.data))
-            if due > 1:
-                self.served[view] = due - 1
-            else:
+        for view, frames in list(self.served.items()):
+            sending = []
+            for frame in frames:
+                if frame[0].done:
+                    view.drop_pages(frame[1], frame[2])
+                else:
+                    sending.append(frame)
+            if sending:
+                self.served[view] = sending
+            else:  # what we copied from it, too
+                view.drop_pages(0, len(view.data))
                 del self.served[view]
         if self._last_drop - self._last_sweep >= SWEEP_EVERY:
             self._last_sweep = self._last_drop
@@ -525,6 +533,15 @@ class _Worker:
         self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts,
                             "spans": spans}, frames)
 
+    def _zero_copy(self, view: Any, start: int, piece: memoryview) -> Any:
+        """``piece`` (at ``start`` in ``view``) as a frame sent from the mapping, tracked until
+        it has gone (see ``served``)."""
+        if len(piece) < zmq.COPY_THRESHOLD:
+            return piece  # pyzmq copies it as we send: nothing to track
+        frame = zmq.Frame(piece, copy=False, track=True)
+        self.served[view].append((frame.tracker, start, start + len(piece)))
+        return frame
+
     def _frames(self, runs: list[tuple[Any, int, int]], spans: list[list[int]], room: int) -> list[Any]:
         """The reply's frames for ``runs``: short runs (two or more) copied together, up to
         ``room`` bytes, into the first (a tracked :class:`zmq.Frame`), the others as they
@@ -535,24 +552,24 @@ class _Worker:
         copied = 0
         where: list[tuple[int, int]] = []  # run -> (frame, or -1 for the copied one; offset there)
         for source, start, end in runs:
-            if isinstance(source, bytes):
-                piece = source  # a block of a shard still downloading: already a copy
-            else:
-                piece = source.data[start:end]
-                self.served[source] = 2  # its pages are mapped in now, copied or sent: drop them later
+            mapped = not isinstance(source, bytes)  # else a block of a download: already a copy
+            piece = source.data[start:end] if mapped else source
+            if mapped:
+                self.served.setdefault(source, [])  # its pages are mapped in as we copy or send
             if len(piece) < GATHER_BELOW and copied + len(piece) <= room:
                 where.append((-1, copied))
-                short.append(piece)
+                short.append((source if mapped else None, start, piece))
                 copied += len(piece)
             else:
                 where.append((len(frames), 0))
-                frames.append(piece)
+                frames.append(self._zero_copy(source, start, piece) if mapped else piece)
         if len(short) == 1:  # nothing to save by copying: it goes as it is
             where = [(len(frames), 0) if frame < 0 else (frame, base) for frame, base in where]
-            frames.append(short[0])
+            source, start, piece = short[0]
+            frames.append(piece if source is None else self._zero_copy(source, start, piece))
         elif short:
             # Tracked: the copy counts against the budget until ZeroMQ has sent it.
-            frames.insert(0, zmq.Frame(b"".join(short), track=True))
+            frames.insert(0, zmq.Frame(b"".join(piece for _, _, piece in short), track=True))
             where = [(frame + 1, base) for frame, base in where]
         for span in spans:
             span[0], base = where[span[0]]
