@@ -779,8 +779,6 @@ _DEEP = b"[" * 100_000  # 100 KB, well under the 1 MiB limit; json.loads raises 
     pytest.param([_DEEP, _STATS], id="deeply-nested-json"),
     # the 'counts' lookup hashed each element: TypeError, unhashable type 'list'
     pytest.param([_j({"op": "counts", "id": 1, "urls": [[1]]}), _STATS], id="counts-of-a-list"),
-    pytest.param([_j({"op": "set_counts", "id": 1, "urls": ["u"], "samples": [[1]]}), _STATS],
-                 id="set-counts-of-a-list"),
     # a report's fields were kept unchecked; the next stats compared 'x' > 0.2 in _jobs_view
     pytest.param([_HELLO, _j({"op": "report", "id": 2, "reader": "r", "waiting": "x"}), _STATS],
                  id="report-with-text-waiting"),
@@ -843,10 +841,18 @@ def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(shard_server
                      20, "both workers indexing the 2 shards")
     layouts, frames = PackedSamples([SampleSpan("forged", (("jpg", 0, 512),))]).parts()
     peer = raw_peers(json.loads((cache / "agent.json").read_text())["endpoint"])
-    for secret in ({}, {"secret": "0" * 32}, {"secret": 7}):
+    for secret in ({}, {"secret": "0" * 32}, {"secret": 7}, {"secret": "\u00e9" * 32}):
         header = {"op": "walked", "id": 1, "url": ds.urls[0], "identity": [0, 0, 0, 0], "layouts": layouts, **secret}
         r = peer.ask(_j(header), *frames)
         assert r["ok"] is False and "own workers" in r["error"], r
+        # Nor may anyone else tell a shard's count, or take a worker's place (and its hints).
+        for report in ({"op": "counted", "id": 2, "url": ds.urls[1], "samples": 1},
+                       {"op": "worker", "id": 3, "index": 0}):
+            r = peer.ask(_j({**report, **secret}))
+            assert r["ok"] is False and "own workers" in r["error"], r
     workers = agent.stats()["agent"]["workers"]
     assert sum(w["adopted"] for w in workers) == sum(w["walked"] for w in workers) == 2, workers
+    assert peer.ask(_j({"op": "counts", "id": 4, "urls": ds.urls}))["counts"] == [None, None]  # never read
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
+        assert len(list(loader)) == 10  # served from the workers' own tables
     assert agent.running(), agent.stderr_tail()

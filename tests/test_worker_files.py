@@ -188,7 +188,7 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
     from wdscache.client import AgentConnection, resolve_endpoint
     from wdscache.protocol import pack, unpack
 
-    data = dataset(2, samples=12, payload=400_000)  # samples too large to copy: runs are frames of their own
+    data = dataset(2, samples=12, payload=400_000)  # too large to copy: each reply is one zero-copy run
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--no-shuffle", "--workers", "1", "--prefetch", "2")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["agent"]["workers"][0].get("indexed") == 2, 20,

@@ -64,6 +64,7 @@ FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the in
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 INDEX_HINTS = 64  # shards lately published that a new worker is told to index
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
+WORKER_OPS = ("worker", "counted")  # reports only our workers may send (and "walked", with frames)
 MAX_JOB_LISTS = 16
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
@@ -437,12 +438,17 @@ class Agent:
         except zmq.ZMQError:
             pass
 
-    def _pass_on(self, sender: bytes, header: dict[str, Any], frames: list[Any]) -> None:
-        """A worker's table of a shard it walked, to the other workers; ignored unless it
-        carries our workers' secret (a report from anyone else could misdirect their reads)."""
+    def _check_worker(self, header: dict[str, Any]) -> None:
+        """Refuse a worker's report unless it carries our workers' secret: from anyone else, a
+        table or a count could misdirect reads, a registration could take a worker's hints."""
         secret = header.pop("secret", None)
-        if self.pool is None or not isinstance(secret, str) or not hmac.compare_digest(secret, self.pool.secret):
-            raise ProtocolError("'walked' is for the agent's own workers")
+        if (self.pool is None or not isinstance(secret, str) or not secret.isascii()
+                or not hmac.compare_digest(secret, self.pool.secret)):
+            raise ProtocolError(f"{header['op']!r} is for the agent's own workers")
+
+    def _pass_on(self, sender: bytes, header: dict[str, Any], frames: list[Any]) -> None:
+        """A worker's table of a shard it walked, to the other workers."""
+        self._check_worker(header)
         message = pack(header, *frames)
         for ident in self._worker_idents.values():
             if ident != sender:
@@ -744,6 +750,8 @@ class Agent:
         if op == "stats":
             self._reply(ident, rid, ok=True, stats=self.stats())
             return
+        if op in WORKER_OPS:
+            self._check_worker(header)
         if op == "worker":
             i = get_field(header, "index", int)
             if 0 <= i < self.config.workers:
@@ -769,16 +777,6 @@ class Agent:
             self._corrupt[url] = error[:500]
             while len(self._corrupt) > MAX_LISTED:
                 self._corrupt.pop(next(iter(self._corrupt)))
-            self._reply(ident, rid, ok=True)
-            return
-        if op == "set_counts":  # a consumer's scans, so that its len() is right once it said bye
-            assert self.cache is not None
-            urls, samples = strings(header, "urls"), get_field(header, "samples", list)
-            if len(samples) != len(urls) or not all(type(n) is int and n >= 0 for n in samples):
-                raise ProtocolError("'set_counts' message: 'samples' must be one count per URL")
-            for url, n in zip(urls, samples):
-                if self.cache.is_cached(url):  # as for a worker's report: only what is cached here
-                    self.cache.index.set_count(url, n)
             self._reply(ident, rid, ok=True)
             return
         if op == "counts":

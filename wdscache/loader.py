@@ -320,9 +320,10 @@ class _Stream:
         self.next_order = EpochSpec(len(self.urls), loader.seed, epoch + 1, loader.shuffle).order()
         self.order_pos = {shard: i for i, shard in enumerate(self.order)}
         self.counts: dict[int, int] = {}
-        # Counts our workers found (url -> samples), told to the agent before we say bye, so
-        # len() knows them once the epoch ends; the workers' own reports may still be on the way.
-        self.learned: dict[str, int] = {}
+        # Shards whose counts our workers found lately (url -> when): they report them to the
+        # agent, and we wait for those reports before we say bye, so that len() knows them
+        # once the epoch ends.
+        self.learned: dict[str, float] = {}
         # Pinned shards -> number of our outstanding reads. A consumer that must wait for a
         # download first lets go of every other pin it is not reading (see _open), so pins
         # never deadlock the budget.
@@ -417,7 +418,8 @@ class _Stream:
             known = max(known, count)
             if reply.get("final"):
                 self.partial.discard(shard)
-                self.counts[shard] = self.learned[url] = known
+                self.counts[shard] = known
+                self.learned[url] = time.monotonic()
                 self._counted(shard, known)
                 return
             if time.monotonic() - asked > STATUS_EVERY:
@@ -499,8 +501,8 @@ class _Stream:
         url = self.urls[shard]
         reply = self._worker_call({"op": "scan", "url": url}, shard % len(self.workers))
         if reply.get("ok"):
-            self.learned[url] = int(reply["count"])
-            return self.learned[url]
+            self.learned[url] = time.monotonic()
+            return int(reply["count"])
         if reply.get("kind") == "missing":
             raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
         self._failed(shard, _shard_error(url, reply))
@@ -840,6 +842,22 @@ class _Stream:
         finally:
             conn.close()
 
+    def _await_counts(self, within: float = 1.0) -> None:
+        """Wait (a little) until the agent holds the counts our workers found: their reports
+        go by another socket than their replies to us, so they may arrive after our bye."""
+        now = time.monotonic()
+        deadline = now + within
+        # Reports sent longer ago have arrived (or were dropped: they are advisory).
+        missing = [url for url, when in self.learned.items() if now - when < within]
+        while missing:
+            counts: list[Any] = []
+            for _, chunk in pages(missing):
+                counts.extend(self.conn.request({"op": "counts", "urls": chunk}, timeout=2.0).get("counts", []))
+            missing = [url for url, count in zip(missing, counts) if count is None]
+            if missing and time.monotonic() > deadline:
+                return  # a report was dropped (they are advisory): len() learns it next epoch
+            time.sleep(0.01 if missing else 0)
+
     def close(self) -> None:
         if self.finished:
             return
@@ -847,9 +865,10 @@ class _Stream:
         self._stop_reports.set()
         self._reporter.join(REPORT_EVERY + 6.0)
         try:
-            for _, chunk in pages(list(self.learned)):
-                self.conn.request({"op": "set_counts", "reader": self.name, "urls": chunk,
-                                   "samples": [self.learned[u] for u in chunk]}, timeout=2.0)
+            self._await_counts()
+        except AgentUnavailableError:
+            pass
+        try:
             self.conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
         except AgentUnavailableError:
             pass

@@ -160,8 +160,11 @@ class WorkerPool:
             )
             stdin = self._procs[i].stdin  # type: ignore[union-attr]
             assert stdin is not None
-            with stdin:  # not argv: any local user may read a command line
-                stdin.write(self.secret.encode() + b"\n")
+            try:
+                with stdin:  # not argv: any local user may read a command line
+                    stdin.write(self.secret.encode() + b"\n")
+            except OSError:
+                pass  # it died at once: check() starts another
         except BaseException:
             os.close(r)
             raise
@@ -253,13 +256,14 @@ class _Worker:
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
         self.index = SampleIndex(INDEX_SAMPLES)
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
-        # Mapped shards served from lately, each with its frames ZeroMQ may still be sending
-        # ((tracker, start, end) in the shard). Their pages must leave our RSS, else a worker
-        # would keep every shard it served resident, up to OPEN_SHARDS of them. ZeroMQ's I/O
-        # thread faults in what it sends, with many consumers up to 100 ms after we hand it
-        # over: so a frame's pages are dropped once it has gone (not before: they would only
-        # be faulted in again), and the whole shard once none of its frames is left.
-        self.served: dict[Any, list[tuple[zmq.MessageTracker, int, int]]] = {}
+        # Mapped shards served from lately, each with the ranges of it we copied (tracker None)
+        # or that ZeroMQ may still be sending ((tracker, start, end)). Their pages must leave
+        # our RSS, else a worker would keep every shard it served resident, up to OPEN_SHARDS
+        # of them. ZeroMQ's I/O thread faults in what it sends, with many consumers up to
+        # 100 ms after we hand it over: so a frame's pages are dropped once it has gone (not
+        # before: they would only be faulted in again), a copied range at the next drop, and
+        # the whole shard once none of its frames is left.
+        self.served: dict[Any, list[tuple[zmq.MessageTracker | None, int, int]]] = {}
         self.copies: list[tuple[zmq.MessageTracker, int]] = []  # replies' copied frames not yet sent
         self._last_drop = self._last_sweep = time.monotonic()
         self.ctx = zmq.Context()
@@ -328,17 +332,15 @@ class _Worker:
             return
         self._last_drop = time.monotonic()
         for view, frames in list(self.served.items()):
-            sending = []
-            for frame in frames:
-                if frame[0].done:
-                    view.drop_pages(frame[1], frame[2])
-                else:
-                    sending.append(frame)
-            if sending:
-                self.served[view] = sending
-            else:  # what we copied from it, too
+            sending = [frame for frame in frames if frame[0] is not None and not frame[0].done]
+            if not sending:  # one call for all of it (a shuffled read copies many scattered runs)
                 view.drop_pages(0, len(view.data))
                 del self.served[view]
+                continue
+            for frame in frames:
+                if frame not in sending:
+                    view.drop_pages(frame[1], frame[2])
+            self.served[view] = sending
         if self._last_drop - self._last_sweep >= SWEEP_EVERY:
             self._last_sweep = self._last_drop
             self._sweep()
@@ -406,7 +408,7 @@ class _Worker:
             header = {"op": "walked", "secret": self.secret, "url": url, "identity": list(identity),
                       "layouts": layouts}
             if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
-                try:
+                try:  # not _send_report: frames too
                     self.report.send_multipart(pack(header, *frames), zmq.NOBLOCK)
                 except zmq.Again:
                     pass  # the others walk it themselves
@@ -438,7 +440,7 @@ class _Worker:
 
     def _send_report(self, header: dict[str, Any]) -> None:
         try:
-            self.report.send_multipart(pack(header), zmq.NOBLOCK)
+            self.report.send_multipart(pack({**header, "secret": self.secret}), zmq.NOBLOCK)
         except zmq.Again:
             pass  # reports are advisory; never block serving on them
 
@@ -527,17 +529,18 @@ class _Worker:
         frames = self._frames(runs, spans, min(GATHER_MAX, room))
         if frames and isinstance(frames[0], zmq.Frame):
             self.copies.append((frames[0].tracker, len(frames[0])))
-        self._drop_served()
         self.requests += 1
         self.samples += len(items)
         self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts,
                             "spans": spans}, frames)
+        self._drop_served()  # after the send, in which pyzmq copies (so maps in) the small frames
 
     def _zero_copy(self, view: Any, start: int, piece: memoryview) -> Any:
         """``piece`` (at ``start`` in ``view``) as a frame sent from the mapping, tracked until
         it has gone (see ``served``)."""
         if len(piece) < zmq.COPY_THRESHOLD:
-            return piece  # pyzmq copies it as we send: nothing to track
+            self.served[view].append((None, start, start + len(piece)))  # pyzmq copies it as we send
+            return piece
         frame = zmq.Frame(piece, copy=False, track=True)
         self.served[view].append((frame.tracker, start, start + len(piece)))
         return frame
@@ -570,6 +573,9 @@ class _Worker:
         elif short:
             # Tracked: the copy counts against the budget until ZeroMQ has sent it.
             frames.insert(0, zmq.Frame(b"".join(piece for _, _, piece in short), track=True))
+            for source, start, piece in short:
+                if source is not None:  # copied from the mapping: its pages can go at the next drop
+                    self.served[source].append((None, start, start + len(piece)))
             where = [(frame + 1, base) for frame, base in where]
         for span in spans:
             span[0], base = where[span[0]]
