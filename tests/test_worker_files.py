@@ -12,7 +12,9 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 from conftest import wait_for
 from procs import worker_pids
@@ -87,31 +89,42 @@ def test_a_worker_imports_only_what_serving_needs() -> None:
     assert not {"wdscache.loader", "wdscache.agent", "wdscache.cli", "wdscache.stats"} & set(loaded), loaded
 
 
-def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]]) -> tuple[dict, list[bytes]]:
-    """One read request straight to a worker (as the loader sends it), and its reply."""
+@contextmanager
+def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
+    """A DEALER socket connected to the agent's first worker, as a consumer named ``reader``
+    would have one (``options``: socket options by name); closed, and the reader gone, after."""
     import zmq
 
     from wdscache.client import AgentConnection, resolve_endpoint
-    from wdscache.protocol import pack, unpack
 
     conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
     try:
-        hello = conn.request({"op": "hello", "reader": "raw", "job": "raw", "rank": 0, "world_size": 1})
+        hello = conn.request({"op": "hello", "reader": reader, "job": reader, "rank": 0, "world_size": 1})
         assert hello.get("ok"), hello
         sock.connect(hello["workers"][0])
-        sock.send_multipart(pack({"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}))
-        assert sock.poll(10_000), "the worker did not answer a read within 10 s"
-        return unpack(sock.recv_multipart())
+        yield sock
     finally:
         sock.close()
         ctx.term()
         try:
-            conn.request({"op": "bye", "reader": "raw"})
+            conn.request({"op": "bye", "reader": reader})
         finally:
             conn.close()
+
+
+def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]]) -> tuple[dict, list[bytes]]:
+    """One read request straight to a worker (as the loader sends it), and its reply."""
+    from wdscache.protocol import pack, unpack
+
+    with worker_socket(cache, "raw") as sock:
+        sock.send_multipart(pack({"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}))
+        assert sock.poll(10_000), "the worker did not answer a read within 10 s"
+        return unpack(sock.recv_multipart())
 
 
 def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(tmp_path, shard_server, dataset,
@@ -182,10 +195,7 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
     long after the request. They must leave the worker's memory once sent."""
     import time
 
-    import zmq
-
     from procs import rss_kib
-    from wdscache.client import AgentConnection, resolve_endpoint
     from wdscache.protocol import pack, unpack
 
     data = dataset(2, samples=12, payload=400_000)  # too large to copy: each reply is one zero-copy run
@@ -195,15 +205,8 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
                      "the worker indexing both shards")
     worker = worker_pids(agent.pid)[0]
     before = rss_kib(worker, "RssFile")
-    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 1)  # it takes in little until we read: the worker's sends wait
-    sock.setsockopt(zmq.RCVBUF, 64 << 10)
-    try:
-        hello = conn.request({"op": "hello", "reader": "late", "job": "late", "rank": 0, "world_size": 1})
-        sock.connect(hello["workers"][0])
+    # It takes in little until we read: the worker's sends wait.
+    with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as sock:
         for k in range(2):  # each shard in two reads of 6 samples: 4 replies of 2.4 MB
             for first in (0, 6):
                 sock.send_multipart(pack({"op": "read", "id": f"{k}-{first}", "urls": [data.urls[k]],
@@ -216,12 +219,5 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
             assert header["ok"] and len(header["keys"]) == 6, header
             got += sum(len(f) for f in frames)
         assert got >= 4 * 6 * 400_000 * 0.9
-    finally:
-        sock.close()
-        ctx.term()
-        try:
-            conn.request({"op": "bye", "reader": "late"})
-        finally:
-            conn.close()
     wait_for(lambda: rss_kib(worker, "RssFile") - before < 2 * 1024, 5,
              lambda: f"the worker kept {rss_kib(worker, 'RssFile') - before} KiB of shard pages it had sent")
