@@ -854,9 +854,9 @@ class _Stream:
             for _, chunk in pages(missing):
                 counts.extend(self.conn.request({"op": "counts", "urls": chunk}, timeout=2.0).get("counts", []))
             missing = [url for url, count in zip(missing, counts) if count is None]
-            if missing and time.monotonic() > deadline:
-                return  # a report was dropped (they are advisory): len() learns it next epoch
-            time.sleep(0.01 if missing else 0)
+            if not missing or time.monotonic() > deadline:
+                return  # past the deadline a report was dropped (they are advisory): len() learns it later
+            time.sleep(0.01)
 
     def close(self) -> None:
         if self.finished:

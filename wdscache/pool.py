@@ -332,14 +332,15 @@ class _Worker:
             return
         self._last_drop = time.monotonic()
         for view, frames in list(self.served.items()):
-            sending = [frame for frame in frames if frame[0] is not None and not frame[0].done]
+            gone, sending = [], []
+            for frame in frames:
+                (sending if frame[0] is not None and not frame[0].done else gone).append(frame)
             if not sending:  # one call for all of it (a shuffled read copies many scattered runs)
                 view.drop_pages(0, len(view.data))
                 del self.served[view]
                 continue
-            for frame in frames:
-                if frame not in sending:
-                    view.drop_pages(frame[1], frame[2])
+            for _, start, end in gone:
+                view.drop_pages(start, end)
             self.served[view] = sending
         if self._last_drop - self._last_sweep >= SWEEP_EVERY:
             self._last_sweep = self._last_drop

@@ -551,8 +551,8 @@ class PackedSamples(Sequence[SampleSpan]):
         """Samples rebuilt from :meth:`parts`. ValueError unless they are consistent and every
         payload lies inside a file of ``file_size`` bytes: a bad table must not make anyone
         read outside the shard."""
-        if not (isinstance(layouts, list) and all(isinstance(exts, list) and exts and all(isinstance(e, str) for e in exts)
-                                                  for exts in layouts)):
+        if not (isinstance(layouts, list)
+                and all(isinstance(exts, list) and exts and all(isinstance(e, str) for e in exts) for exts in layouts)):
             raise ValueError("layouts must be non-empty lists of extensions")
         if len(frames) != 5:
             raise ValueError(f"expected 5 frames, got {len(frames)}")
