@@ -259,8 +259,8 @@ class _Worker:
         # Mapped shards served from lately, each with the ranges of it we copied (tracker None)
         # or that ZeroMQ may still be sending ((tracker, start, end)). Their pages must leave
         # our RSS, else a worker would keep every shard it served resident, up to OPEN_SHARDS
-        # of them. ZeroMQ's I/O thread faults in what it sends, with many consumers up to
-        # 100 ms after we hand it over: so a frame's pages are dropped once it has gone (not
+        # of them. ZeroMQ's I/O thread faults in what it sends, with many consumers tens of
+        # ms after we hand it over: so a frame's pages are dropped once it has gone (not
         # before: they would only be faulted in again), a copied range at the next drop, and
         # the whole shard once none of its frames is left.
         self.served: dict[Any, list[tuple[zmq.MessageTracker | None, int, int]]] = {}
