@@ -376,9 +376,13 @@ def test_worker_sigkilled_mid_epoch_is_replaced_and_the_epoch_completes(shard_se
                      "the consumer never got going")
     assert c.proc.poll() is None, f"the epoch ended before the kill\n{consumer_log(c)}"
     victim = workers[0]
+    killed_at = time.time()
     os.kill(victim, signal.SIGKILL)
     s = agent.wait_stats(lambda s: s["agent"]["worker_restarts"] >= 1, 15, "no replacement worker started")
     assert s["agent"]["worker_restarts"] == 1
+    # The replacement got the workers' secret too: the agent takes its reports.
+    agent.wait_stats(lambda s: any(w["index"] == 0 and w.get("seen", 0) > killed_at + 0.5
+                                   for w in s["agent"]["workers"]), 15, "no report from the replacement worker")
     lines = c.wait(PROC_DEADLINE)
     assert_epoch_exact(lines, reference(ds.paths, ds.urls))
     assert len(samples_of(lines)) == 360
