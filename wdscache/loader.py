@@ -270,9 +270,7 @@ class CachedMultiLoader:
         try:
             _, urls = self._session(conn, name)
             conn.request({"op": "bye", "reader": name})
-            counts: list[Any] = []
-            for _, chunk in pages(urls):
-                counts.extend(conn.request({"op": "counts", "urls": chunk}).get("counts", []))
+            counts = _agent_counts(conn, urls)
         finally:
             conn.close()
         if not urls or any(c is None for c in counts):
@@ -282,6 +280,14 @@ class CachedMultiLoader:
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)
+
+
+def _agent_counts(conn: AgentConnection, urls: Sequence[str], timeout: float | None = None) -> list[Any]:
+    """The agent's sample count of each of ``urls`` (None: never counted), asked in pages."""
+    counts: list[Any] = []
+    for _, chunk in pages(urls):
+        counts.extend(conn.request({"op": "counts", "urls": chunk}, timeout=timeout).get("counts", []))
+    return counts
 
 
 def _natural(x: Any) -> bool:
@@ -850,9 +856,7 @@ class _Stream:
         # Reports sent longer ago have arrived (or were dropped: they are advisory).
         missing = [url for url, when in self.learned.items() if now - when < within]
         while missing:
-            counts: list[Any] = []
-            for _, chunk in pages(missing):
-                counts.extend(self.conn.request({"op": "counts", "urls": chunk}, timeout=2.0).get("counts", []))
+            counts = _agent_counts(self.conn, missing, timeout=2.0)
             missing = [url for url, count in zip(missing, counts) if count is None]
             if not missing or time.monotonic() > deadline:
                 return  # past the deadline a report was dropped (they are advisory): len() learns it later
