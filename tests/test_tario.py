@@ -44,6 +44,7 @@ from wdscache.tario import (
     iter_samples,
     members,
     open_shard,
+    placed,
     scan,
     split_name,
     tar_problem,
@@ -980,6 +981,10 @@ def test_packed_samples_read_like_the_list_they_pack() -> None:
     with pytest.raises(IndexError):
         packed[6]
     assert packed != spans[:5] and PackedSamples([]) == []
+    # What a worker puts on the wire, straight from the tables, is what the spans say.
+    assert [placed(packed, i) for i in range(6)] == [placed(spans, i) for i in range(6)]
+    assert placed(packed, 1) == ("k1", ("cls", "jpg"), [2560, 1, 3584, 9])
+    assert placed(packed, 5) == ("odd", ("txt",), [20_000, 3])
 
 
 def test_packed_samples_travel_as_parts_and_bad_parts_are_refused() -> None:

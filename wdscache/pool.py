@@ -65,7 +65,7 @@ from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .malloc import tune_malloc
 from .protocol import field, pack, unpack
-from .tario import GZIP_MAGIC, GrowingShard, NotYet, PackedSamples, SampleIndex, file_identity, open_shard
+from .tario import GZIP_MAGIC, GrowingShard, NotYet, PackedSamples, SampleIndex, file_identity, open_shard, placed
 
 log = logging.getLogger(__name__)
 
@@ -490,15 +490,16 @@ class _Worker:
         if len(items) > MAX_ITEMS or not all(isinstance(u, str) for u in urls):
             raise ProtocolError("bad read request")
         keys: list[str] = []
-        exts: list[list[str]] = []
+        exts: list[tuple[str, ...]] = []
         spans: list[list[int]] = []
         # Runs of bytes: (a mapped ShardView or a bytes block, start, end). Samples next to
         # each other in a shard share a run, so a request read in archive order costs one
         # run, not one per field; _frames makes the runs into frames.
         runs: list[tuple[Any, int, int]] = []
         views = [self._readable(url) for url in urls]  # once per shard, not per sample
-        for item in items:
-            if not (isinstance(item, list) and len(item) == 2 and all(type(x) is int for x in item)):
+        nbytes = 0
+        for item in items:  # per sample: kept to a few C-level calls (see PackedSamples.placed)
+            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and type(item[1]) is int):
                 raise ProtocolError("read items must be [url index, sample index] pairs")
             k, j = item
             if not 0 <= k < len(urls):
@@ -510,21 +511,25 @@ class _Worker:
                 if not 0 <= j < len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
+                key, names, place = placed((span,), 0)
                 runs.append((block, first, first + len(block)))
             else:
                 if not 0 <= j < len(view.samples):
                     raise ProtocolError(f"{urls[k]} has no sample {j}")
-                span = view.samples[j]
-                first, end = span.fields[0][1], span.fields[-1][1] + span.fields[-1][2]
+                key, names, place = placed(view.samples, j)
+                first, end = place[0], place[-2] + place[-1]
                 if runs and runs[-1][0] is view and 0 <= first - runs[-1][2] <= MERGE_GAP:
                     runs[-1] = (view, runs[-1][1], end)
                 else:
                     runs.append((view, first, end))
             base = runs[-1][1]
-            spans.append([len(runs) - 1, *(x for _, off, size in span.fields for x in (off - base, size))])
-            keys.append(span.key)
-            exts.append([ext for ext, _, _ in span.fields])
-            self.bytes += sum(size for _, _, size in span.fields)
+            place[0::2] = [offset - base for offset in place[0::2]]
+            place.insert(0, len(runs) - 1)
+            spans.append(place)
+            keys.append(key)
+            exts.append(names)
+            nbytes += sum(place[2::2])
+        self.bytes += nbytes
         self.copies = [(tracker, n) for tracker, n in self.copies if not tracker.done]
         room = GATHER_BUDGET - sum(n for _, n in self.copies)
         frames = self._frames(runs, spans, min(GATHER_MAX, room))

@@ -600,12 +600,29 @@ class PackedSamples(Sequence[SampleSpan]):
             tuple(zip(exts, numbers[at : at + 2 * len(exts) : 2], numbers[at + 1 : at + 2 * len(exts) : 2])),
         )
 
+    def placed(self, i: int) -> tuple[str, tuple[str, ...], list[int]]:
+        """Sample ``i`` (``0 <= i < len(self)``) as :func:`placed` gives it, read straight
+        from the tables: a worker serving a read needs no :class:`SampleSpan`."""
+        exts = self.layouts[self.layout_of[i]]
+        at = self.starts[i]
+        return self.keys[self.key_ends[i - 1] if i else 0 : self.key_ends[i]], exts, \
+            self.numbers[at : at + 2 * len(exts)].tolist()
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
             return NotImplemented
         return len(self) == len(other) and all(a == b for a, b in zip(self, other))
 
     __hash__ = None  # type: ignore[assignment]  # compared by content, like a list
+
+
+def placed(samples: Sequence[SampleSpan], i: int) -> tuple[str, tuple[str, ...], list[int]]:
+    """Sample ``i`` of ``samples``: its key, its extensions and ``[offset, size, ...]`` of
+    its fields, in archive order."""
+    if isinstance(samples, PackedSamples):
+        return samples.placed(i)
+    span = samples[i]
+    return span.key, tuple(ext for ext, _, _ in span.fields), [x for _, off, size in span.fields for x in (off, size)]
 
 
 class SampleIndex:
