@@ -558,6 +558,45 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, sh
              lambda: f"partial files left: {partial_files(cache)}")
 
 
+def test_a_download_is_written_back_as_it_arrives_and_a_late_disk_full_names_the_shard(shard_server, tmp_path, monkeypatch):
+    # Some file systems take the space at write-back, not at write: a sync can be the call
+    # that fails. It must say "disk full" for that shard (the agent then makes room or
+    # waits), not "internal error". The failing sync is injected: a file system that
+    # defers allocation and fills up cannot be made for a test.
+    from wdscache.fetch import SYNC_EVERY, DiskFull, Download, Fetcher
+
+    src = make_shard(shard_server.root / "big.tar", synth_samples(0, 10, payload=1 << 20, seed=3))
+    url = shard_server.url("big.tar")
+    synced: list[int] = []
+    real_fdatasync = os.fdatasync
+
+    def counting(fd: int) -> None:
+        synced.append(os.fstat(fd).st_size)
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+
+    def download(name: str) -> Download:
+        return Download(url, partial=tmp_path / f"{name}.partial", final=tmp_path / name,
+                        reserve=lambda d, total, timeout: True)
+
+    d = download("ok.tar")
+    Fetcher().fetch(d)
+    assert d.final.read_bytes() == src.read_bytes()
+    # Written back every SYNC_EVERY bytes on the way: the fsync at the end has only the rest.
+    assert len(synced) == src.stat().st_size // SYNC_EVERY and all(n >= SYNC_EVERY for n in synced), synced
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fdatasync", full)
+    d = download("full.tar")
+    with pytest.raises(DiskFull) as info:
+        Fetcher(retries=0).fetch(d)
+    assert url in str(info.value) and "No space left" in str(info.value)
+    assert not d.final.exists()  # nothing published
+
+
 # -- 6. files and index damaged behind the agent's back -----------------------------------------
 
 
