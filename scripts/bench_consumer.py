@@ -10,6 +10,7 @@ final ``{"report": ...}`` line, as JSON, on stdout):
     multi --urls-file F --workers N [--flush]          webdataset.multi.MultiLoader over local paths
     wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
+    zmq-many --samples N --sizes A,B,C --receivers R   raw pyzmq, 2 senders to R receivers copying to bytes
     urls --n N --dir D                                  parse and plan an N-entry URL list
     stats-index --cache-dir D --n N                     write an N-shard index, as tests/test_agent.py does
 
@@ -316,6 +317,114 @@ def mode_zmq(args: argparse.Namespace) -> None:
     final([epoch])
 
 
+def mode_zmq_many(args: argparse.Namespace) -> None:
+    """The machine's limit for many consumers: ``--senders`` processes send ``--samples``
+    samples (frames sized like the profile's fields, copy=False; ``--per-message`` samples
+    to a message, as a worker's reply holds a request's) over IPC, each to every one of
+    ``--receivers`` processes, which copy each frame into ``bytes`` as the loader does.
+    No wdscache code at all: what the 8-consumer row costs the machine itself."""
+    n, senders = args.receivers, args.senders
+    sizes = [int(x) for x in args.sizes.split(",")]
+    base = f"{args.sock_dir or '/tmp'}/_bench-zmqm-{os.getpid()}"
+    # share[i][j]: messages sender i sends to receiver j (every receiver gets its share of the total)
+    k = args.per_message
+    messages, rest = divmod(args.samples, k)  # the rest: one short message, sender 0 to receiver 0
+    per = [messages // n + (j < messages % n) for j in range(n)]
+    share = [[per[j] // senders + (i < per[j] % senders) for j in range(n)] for i in range(senders)]
+    start_at = time.time() + 1.0  # all bound and connected by then
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    pids, pipes = [], []
+    for j in range(n):  # forked before this process has any ZeroMQ context
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(rfd)
+            code = 1
+            try:
+                import zmq
+
+                ctx = zmq.Context()
+                pull = ctx.socket(zmq.PULL)
+                pull.bind(f"ipc://{base}-{j}.sock")
+                nbytes = count = ends = 0
+                t_first = None
+                cpu0 = time.process_time()
+                while ends < senders:
+                    if not pull.poll(120_000):
+                        raise TimeoutError("no message for 120 s")
+                    frames = pull.recv_multipart(copy=False)
+                    if len(frames) == 1 and len(frames[0]) == 0:
+                        ends += 1
+                        continue
+                    if t_first is None:
+                        t_first = time.time()
+                    count += len(frames) // len(sizes)
+                    nbytes += sum(len(f.buffer.tobytes()) for f in frames)
+                os.write(wfd, json.dumps({"samples": count, "bytes": nbytes, "t_first": t_first,
+                                          "t_end": time.time(), "cpu_s": time.process_time() - cpu0}).encode())
+                pull.close(0)
+                ctx.term()
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(wfd)
+        pids.append(pid)
+        pipes.append(rfd)
+    for i in range(senders):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                import zmq
+
+                ctx = zmq.Context()
+                pushes = []
+                for j in range(n):
+                    sock = ctx.socket(zmq.PUSH)
+                    sock.connect(f"ipc://{base}-{j}.sock")
+                    pushes.append(sock)
+                frames = [os.urandom(x) for x in sizes] * k
+                time.sleep(max(0.0, start_at - time.time()))
+                left = list(share[i])
+                while any(left):  # round robin over the receivers, as workers serve consumers
+                    for j, sock in enumerate(pushes):
+                        if left[j]:
+                            sock.send_multipart(frames, copy=False)
+                            left[j] -= 1
+                if i == 0 and rest:
+                    pushes[0].send_multipart(frames[: rest * len(sizes)], copy=False)
+                for sock in pushes:
+                    sock.send(b"")
+                    sock.close()
+                ctx.term()  # flushes
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    reports = []
+    for fd in pipes:
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read()
+        reports.append(json.loads(raw) if raw else None)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    for j in range(n):
+        Path(f"{base}-{j}.sock").unlink(missing_ok=True)
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if any(r is None for r in reports):
+        raise SystemExit(f"{sum(r is None for r in reports)} receiver(s) failed")
+    t0 = min(r["t_first"] for r in reports)
+    epoch = {
+        "epoch": 0, "samples": sum(r["samples"] for r in reports), "bytes": sum(r["bytes"] for r in reports),
+        "ttfs": None, "elapsed": max(r["t_end"] for r in reports) - t0,
+        # every process's CPU: the senders' and the receivers' (reaped above)
+        "cpu_s": (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime),
+        "receiver_cpu_s": sum(r["cpu_s"] for r in reports),
+        "hwm_kb": 0, "rss_growth_kb": 0,
+    }
+    final([epoch])
+
+
 def mode_urls(args: argparse.Namespace) -> None:
     """Parse an N-entry URL list and plan an epoch the way the agent and a loader do."""
     from wdscache.plan import Reader, shard_order
@@ -439,6 +548,13 @@ def main() -> None:
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)
     p.add_argument("--sock-dir")
+    p = sub.add_parser("zmq-many")
+    p.add_argument("--samples", type=int, required=True)
+    p.add_argument("--sizes", required=True)
+    p.add_argument("--receivers", type=int, required=True)
+    p.add_argument("--senders", type=int, default=2)
+    p.add_argument("--per-message", type=int, default=1)
+    p.add_argument("--sock-dir")
     p = sub.add_parser("urls")
     p.add_argument("--n", type=int, default=1_000_000)
     p.add_argument("--dir", required=True)
@@ -448,7 +564,7 @@ def main() -> None:
     args = ap.parse_args()
     {
         "serve": mode_serve, "wds": mode_wds, "multi": mode_multi, "wdscache": mode_wdscache,
-        "zmq": mode_zmq, "urls": mode_urls, "stats-index": mode_stats_index,
+        "zmq": mode_zmq, "zmq-many": mode_zmq_many, "urls": mode_urls, "stats-index": mode_stats_index,
     }[args.mode](args)
 
 
