@@ -558,12 +558,12 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, sh
              lambda: f"partial files left: {partial_files(cache)}")
 
 
-def test_a_download_is_written_back_as_it_arrives_and_a_late_disk_full_names_the_shard(shard_server, tmp_path, monkeypatch):
+def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_never_resumed(shard_server, tmp_path, monkeypatch):
     # Some file systems take the space at write-back, not at write: a sync can be the call
     # that fails. It must say "disk full" for that shard (the agent then makes room or
     # waits), not "internal error". The failing sync is injected: a file system that
     # defers allocation and fills up cannot be made for a test.
-    from wdscache.fetch import SYNC_EVERY, DiskFull, Download, Fetcher
+    from wdscache.fetch import SYNC_EVERY, DiskFull, Download, FetchError, Fetcher
 
     src = make_shard(shard_server.root / "big.tar", synth_samples(0, 10, payload=1 << 20, seed=3))
     url = shard_server.url("big.tar")
@@ -595,6 +595,19 @@ def test_a_download_is_written_back_as_it_arrives_and_a_late_disk_full_names_the
         Fetcher(retries=0).fetch(d)
     assert url in str(info.value) and "No space left" in str(info.value)
     assert not d.final.exists()  # nothing published
+    # ... nor resumed from: what was written before a failed write-back may be lost.
+    assert d.partial.stat().st_size == 0
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fdatasync", real_fdatasync)
+    monkeypatch.setattr(os, "fsync", failing)  # the sync that ends the download, this time
+    d = download("eio.tar")
+    with pytest.raises(FetchError) as info:
+        Fetcher(retries=1, backoff=0.01).fetch(d)
+    assert "gave up after 1 retries" in str(info.value) and "Input/output error" in str(info.value)
+    assert not d.final.exists() and d.partial.stat().st_size == 0
 
 
 # -- 6. files and index damaged behind the agent's back -----------------------------------------

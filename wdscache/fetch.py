@@ -316,7 +316,7 @@ class Fetcher:
                     self._check_head(d, fd, chunk)
                 _write_all(d, fd, chunk)
                 if d.written - synced >= SYNC_EVERY:
-                    _sync(d, fd, os.fdatasync)
+                    _sync(d, fd, getattr(os, "fdatasync", os.fsync))  # no fdatasync on macOS
                     synced = d.written
             if check_head and d.written < HEAD_BYTES:
                 self._check_head(d, fd, b"")
@@ -357,10 +357,13 @@ def _write_all(d: Download, fd: int, chunk: bytes) -> None:
 
 
 def _sync(d: Download, fd: int, sync: Callable[[int], None]) -> None:
+    """Write the partial file back to disk. A failed write-back may have lost pages already
+    written, and a later sync would not say so: the partial file is never resumed from."""
     try:
         sync(fd)
-    except OSError as exc:  # space is taken at write-back, not at write, on some file systems
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    except OSError as exc:
+        _truncate(d.partial)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # some file systems take the space only now
             raise DiskFull(d.url, f"cannot write the cache: {os.strerror(exc.errno)}") from exc
         raise
 
