@@ -128,7 +128,11 @@ def page_cached(paths: list[Path]) -> float | None:
     mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
     total = held = 0
     for path in paths:
-        with open(path, "rb") as f:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            continue  # evicted meanwhile
+        with f:
             size = os.fstat(f.fileno()).st_size
             if not size:
                 continue
@@ -137,16 +141,18 @@ def page_cached(paths: list[Path]) -> float | None:
             m = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
             try:
                 buf = (ctypes.c_char * size).from_buffer(m)
-                pages = -(-size // mmap.PAGESIZE)
-                vec = (ctypes.c_ubyte * pages)()
-                failed = mincore(ctypes.addressof(buf), size, vec) != 0
-                del buf
+                try:
+                    pages = -(-size // mmap.PAGESIZE)
+                    vec = (ctypes.c_ubyte * pages)()
+                    failed = mincore(ctypes.addressof(buf), size, vec) != 0
+                finally:
+                    del buf  # else closing the mapping raises BufferError
             finally:
                 m.close()
             if failed:
                 return None
             total += pages
-            held += pages - bytes(vec).count(0)
+            held += sum(b & 1 for b in bytes(vec))  # the other bits are reserved
     return held / total if total else None
 
 MB, GB = 1e6, 1e9
@@ -494,8 +500,10 @@ class Bench:
                 many.wait(self.local_deadline(ds))
                 many_status, many_rep = self.check(many, ds, 1)
                 if many_rep is not None and many_status == "ok":
-                    row = self.epoch_row(many_rep["epochs"][0])
+                    e = many_rep["epochs"][0]
+                    row = self.epoch_row(e)
                     row["ttfs_ms"] = row["consumer_hwm_mb"] = row["consumer_growth_mb"] = None
+                    row["receiver_cpu_s_per_gb"] = e["receiver_cpu_s"] / (e["bytes"] / GB)  # in the JSON only
                     rows[label] = row
                 elif status == "ok":
                     status = many_status

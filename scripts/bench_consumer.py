@@ -381,6 +381,9 @@ def mode_zmq_many(args: argparse.Namespace) -> None:
                 pushes = []
                 for j in range(n):
                     sock = ctx.socket(zmq.PUSH)
+                    # A receiver that died must not hold a sender (and so this run) for ever.
+                    sock.setsockopt(zmq.SNDTIMEO, 120_000)
+                    sock.setsockopt(zmq.LINGER, 120_000)
                     sock.connect(f"ipc://{base}-{j}.sock")
                     pushes.append(sock)
                 frames = [os.urandom(x) for x in sizes] * k
@@ -402,17 +405,19 @@ def mode_zmq_many(args: argparse.Namespace) -> None:
                 os._exit(code)
         pids.append(pid)
     reports = []
-    for fd in pipes:
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read()
-        reports.append(json.loads(raw) if raw else None)
-    for pid in pids:
-        os.waitpid(pid, 0)
-    for j in range(n):
-        Path(f"{base}-{j}.sock").unlink(missing_ok=True)
+    try:
+        for fd in pipes:
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read()
+            reports.append(json.loads(raw) if raw else None)
+    finally:
+        for pid in pids:
+            os.waitpid(pid, 0)
+        for j in range(n):
+            Path(f"{base}-{j}.sock").unlink(missing_ok=True)
     kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if any(r is None for r in reports):
-        raise SystemExit(f"{sum(r is None for r in reports)} receiver(s) failed")
+    if any(r is None or r["t_first"] is None for r in reports):
+        raise SystemExit(f"{sum(r is None for r in reports)} receiver(s) failed, or got no message")
     t0 = min(r["t_first"] for r in reports)
     epoch = {
         "epoch": 0, "samples": sum(r["samples"] for r in reports), "bytes": sum(r["bytes"] for r in reports),
