@@ -939,8 +939,8 @@ ROW_ORDER = [
     "pyzmq IPC PUSH/PULL, multipart, copy=False",
 ]
 REQUEST_SIZE = 32  # CachedMultiLoader's default: samples a worker's reply holds
-RAW_ONE = "pyzmq IPC, 2 senders -> 1 receiver, 32 samples a message, copied to bytes"
-RAW_EIGHT = "pyzmq IPC, 2 senders -> 8 receivers, 32 samples a message, copied to bytes, aggregate"
+RAW_ONE = f"pyzmq IPC, 2 senders -> 1 receiver, {REQUEST_SIZE} samples a message, copied to bytes"
+RAW_EIGHT = f"pyzmq IPC, 2 senders -> 8 receivers, {REQUEST_SIZE} samples a message, copied to bytes, aggregate"
 ROW_ORDER += [RAW_ONE, RAW_EIGHT]
 
 
