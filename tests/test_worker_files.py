@@ -117,12 +117,16 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
             conn.close()
 
 
-def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]]) -> tuple[dict, list[bytes]]:
+def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]],
+                     direct: bool = False) -> tuple[dict, list[bytes]]:
     """One read request straight to a worker (as the loader sends it), and its reply."""
     from wdscache.protocol import pack, unpack
 
+    request = {"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}
+    if direct:
+        request["direct"] = True
     with worker_socket(cache, "raw") as sock:
-        sock.send_multipart(pack({"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}))
+        sock.send_multipart(pack(request))
         assert sock.poll(10_000), "the worker did not answer a read within 10 s"
         return unpack(sock.recv_multipart())
 
@@ -167,7 +171,9 @@ def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
             self.served: dict = {}
 
     def frames_of(runs: list, spans: list, room: int = pool.GATHER_MAX) -> list[bytes]:
-        return [bytes(f) for f in pool._Worker._frames(Holder(), runs, spans, room)]
+        frames, ranges = pool._Worker._frames(Holder(), runs, spans, room, {})
+        assert ranges == []
+        return [bytes(f) for f in frames]
 
     short = pool.GATHER_BELOW - 1
     runs = [(bytes([i]) * size, 0, size) for i, size in enumerate([10, pool.GATHER_BELOW, 20, 30])]
@@ -187,6 +193,14 @@ def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     # one short run alone gains nothing from a copy
     spans = [[0, 0, 5]]
     assert frames_of(runs[:1], spans) == [runs[0][0]] and spans == [[0, 0, 5]]
+    # runs of a file the consumer reads itself are named, never touched, and numbered after the frames
+    mapped = object()
+    files = {mapped: [3, 1, 2, 3, 4]}
+    runs = [(mapped, 100, 200), (b"a" * 10, 0, 10), (b"b" * 20, 0, 20)]
+    spans = [[0, 7, 9], [1, 0, 10], [2, 0, 20]]
+    frames, ranges = pool._Worker._frames(Holder(), runs, spans, pool.GATHER_MAX, files)
+    assert [bytes(f) for f in frames] == [b"a" * 10 + b"b" * 20] and ranges == [[3, 100, 100, 1, 2, 3, 4]]
+    assert spans == [[1, 7, 9], [0, 0, 10], [0, 10, 20]]
 
 
 def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, shard_server, dataset, start_agent):

@@ -866,6 +866,7 @@ class Agent:
             workers=self.pool.endpoints if self.pool else [],
             prefetch=self.config.prefetch,
             list_id=self._list_id, n_urls=len(self.urls),
+            cache_dir=str(self.layout.root),  # for direct reads (wdscache.direct)
         )
 
     def _put_urls(self, name: str, header: dict[str, Any]) -> str | None:

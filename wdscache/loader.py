@@ -26,6 +26,7 @@ Guarantees (for the ranks of one job with the same settings):
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -38,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import zmq
 
 from .client import AgentConnection, resolve_endpoint, start_hint
+from .direct import CacheFiles, StaleFile
 from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
 from .malloc import tune_malloc
 from .protocol import pack, pages, unpack
@@ -88,7 +90,11 @@ class CachedMultiLoader:
     ``inflight`` requests outstanding (the memory bound), ``zero_copy`` to get
     payloads as read-only memoryviews instead of bytes (faster; not for
     webdataset's decoders; a view keeps the whole message it came in alive, up to
-    ``request_size`` samples), ``on_error`` ("raise" or "skip"), ``tune_malloc``
+    ``request_size`` samples), ``direct_reads`` to copy payloads straight from the
+    agent's cache files when this process may read them (one copy per byte instead
+    of three; see :mod:`wdscache.direct`; False has the workers send every byte, as
+    they do anyway for a shard still downloading, for a gzip'd one, and with
+    ``zero_copy``), ``on_error`` ("raise" or "skip"), ``tune_malloc``
     to keep glibc from returning received message memory to the kernel after each
     message (process-wide; see :mod:`wdscache.malloc`).
     """
@@ -115,6 +121,7 @@ class CachedMultiLoader:
         request_size: int = 32,
         inflight: int | None = None,
         zero_copy: bool = False,
+        direct_reads: bool = True,
         tune_malloc: bool = True,
     ) -> None:
         env = _env_defaults()
@@ -134,7 +141,7 @@ class CachedMultiLoader:
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
         self.request_size, self.inflight, self.zero_copy = request_size, inflight, zero_copy
-        self.tune_malloc = tune_malloc
+        self.direct_reads, self.tune_malloc = direct_reads, tune_malloc
         self.urls = _normalize_urls(urls)
         self._own_list_id = list_id(self.urls) if self.urls is not None else None
         self._agent_lists: dict[str, tuple[str, ...]] = {}
@@ -342,6 +349,11 @@ class _Stream:
         self.unneeded: deque[tuple[int, int]] = deque()  # (seen, shard): its last id, to release once dealt
         self.skipped: set[int] = set()
         self.ctx = zmq.Context()
+        # Payloads read from the cache files here (the agent says where they are), if the agent
+        # is on this machine, unless a read of them fails: then the workers send them (_accept).
+        direct = (loader.direct_reads and not loader.zero_copy and _same_machine(loader.endpoint)
+                  and isinstance(hello.get("cache_dir"), str))
+        self.files = CacheFiles(hello["cache_dir"]) if direct else None
         self.workers = [self._connect(ep) for ep in hello["workers"]]
         if not self.workers:
             raise WdsCacheError(f"the agent at {loader.endpoint} has no workers")
@@ -359,6 +371,7 @@ class _Stream:
         self.last_status = 0.0
         self.done: dict[int, tuple[list[dict[str, Any]], list[int]]] = {}  # seq -> (samples, their payload bytes)
         self.rids: dict[str, int] = {}
+        self.next_rid = itertools.count()  # request ids: unique within this stream (its own sockets)
         self.resends: dict[int, int] = {}
         self.batch: list[tuple[int, SampleId]] = []  # items of the next request, their shards pinned
         self.seq_next = 0
@@ -463,6 +476,8 @@ class _Stream:
         url = self.urls[shard]
         if shard in self.opened:
             self.conn.request({"op": "release", "reader": self.name, "url": url})
+            if self.files is not None:
+                self.files.close(url)  # its file may be replaced before we read it again
         request = {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard), "wait": False,
                    "stream": stream}
         reply = self.conn.request(request)
@@ -499,6 +514,8 @@ class _Stream:
         """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no more."""
         if self.opened.get(shard) == 0 and (force or self.remaining.get(shard, 1) == 0):
             del self.opened[shard]
+            if self.files is not None:
+                self.files.close(self.urls[shard])  # before the agent may evict it: its space comes back
             self.conn.request({"op": "release", "reader": self.name, "url": self.urls[shard]})
 
     def _scan(self, shard: int) -> int:
@@ -534,7 +551,7 @@ class _Stream:
         """
         deadline = time.monotonic() + self.loader.timeout
         while True:
-            rid = uuid.uuid4().hex
+            rid = f"c{next(self.next_rid)}"
             self.calls[rid] = None
             self.workers[worker].send_multipart(pack({**header, "id": rid}))
             again = time.monotonic() + min(5.0, self.loader.timeout)
@@ -660,11 +677,14 @@ class _Stream:
                 urls.append(self.urls[shard])
             wire.append([index[shard], j])
         w = next(self.rr) % len(self.workers)
-        rid = uuid.uuid4().hex
+        rid = f"r{next(self.next_rid)}"
         self.rids[rid] = seq
         self.pending[seq] = (items, time.monotonic(), rid, w)
         self.delayed.pop(seq, None)
-        self.workers[w].send_multipart(pack({"op": "read", "id": rid, "urls": urls, "items": wire}))
+        request = {"op": "read", "id": rid, "urls": urls, "items": wire}
+        if self.files is not None:
+            request["direct"] = True
+        self.workers[w].send_multipart(pack(request))
 
     def _drain(self) -> None:
         """Wait for every outstanding read (their samples stay in ``done``).
@@ -764,7 +784,20 @@ class _Stream:
             self._read_failed(seq, items, header)
         else:
             self.unanswered_since.pop(seq, None)
-            self.done[seq] = self._samples(header, payload, items)
+            try:
+                self.done[seq] = self._samples(header, payload, items)
+            except OSError as exc:  # a cache file we may not read, or one replaced since (StaleFile)
+                files, self.files = self.files, None
+                if files is not None:
+                    log.warning("reading cache files directly failed (%s); the workers send the bytes instead", exc)
+                    files.close()
+                self.resends[seq] = self.resends.get(seq, 0) + 1
+                if self.resends[seq] > MAX_RESENDS:  # only a worker naming ranges unasked gets here
+                    raise ProtocolError("worker replies name file ranges this consumer did not ask for") from None
+                for _, (shard, _) in items:
+                    self.opened[shard] += 1  # still pinned: asked again, without direct reads
+                self._dispatch(seq, items)
+                return
         for shard in {sid[0] for _, sid in items}:
             self._release(shard)
 
@@ -777,6 +810,9 @@ class _Stream:
                 and len(keys) == len(exts) == len(spans) == len(items)):
             raise ProtocolError("worker reply does not match the request")
         frames = [memoryview(f.buffer).toreadonly() for f in payload]
+        ranges = header.get("files")
+        if ranges is not None:
+            frames += self._file_ranges(ranges, items)
         samples = []
         sizes = []
         zero_copy, urls = self.loader.zero_copy, self.urls
@@ -805,7 +841,26 @@ class _Stream:
                 sizes.append(nbytes)
         except (TypeError, IndexError):
             raise ProtocolError("worker reply has a bad span") from None
+        finally:
+            if ranges is not None and self.files is not None:
+                self.files.drop_read()
         return samples, sizes
+
+    def _file_ranges(self, ranges: Any, items: list) -> list[memoryview]:
+        """The byte ranges of cache files a reply names (``files``, see :mod:`wdscache.pool`)."""
+        if self.files is None:  # a read sent before direct reads failed: asked again without
+            raise StaleFile(errno.ESTALE, "direct reads are off for this epoch")
+        if not isinstance(ranges, list):
+            raise ProtocolError("worker reply has a bad file range")
+        urls = [self.urls[shard] for shard in dict.fromkeys(sid[0] for _, sid in items)]  # as _dispatch
+        views = []
+        for entry in ranges:
+            if not (isinstance(entry, list) and len(entry) == 7 and all(type(x) is int and x >= 0 for x in entry)
+                    and entry[0] < len(urls)):
+                raise ProtocolError("worker reply has a bad file range")
+            k, start, size, *identity = entry
+            views.append(self.files.range(urls[k], identity, start, size))
+        return views
 
     def _read_failed(self, seq: int, items: list, header: dict[str, Any]) -> None:
         if header.get("kind") == "missing":
@@ -877,9 +932,19 @@ class _Stream:
         except AgentUnavailableError:
             pass
         self.conn.close()
+        if self.files is not None:
+            self.files.close()
         for w in self.workers:
             w.close(0)
         self.ctx.term()
+
+
+def _same_machine(endpoint: str) -> bool:
+    """True for an IPC endpoint or TCP on loopback: the agent's files are ours to read."""
+    if endpoint.startswith("ipc://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def _shard_error(url: str, reply: dict[str, Any]) -> ShardError:

@@ -8,16 +8,24 @@ from the agent.
 
 A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
 
-    {"op": "read", "id": n, "urls": [u, ...], "items": [[k, j], ...]}
+    {"op": "read", "id": n, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
         -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...],
-            "spans": [[frame, offset, size, offset, size, ...], ...]}
+            "spans": [[frame, offset, size, offset, size, ...], ...],
+            "files": [[k, offset, size, dev, inode, file size, mtime_ns], ...]}
            followed by frames of raw shard bytes: each sample's fields lie in frame
            ``frame`` at the given offsets, one (offset, size) per extension. Samples
            adjacent in their shard share a run of bytes. A run of GATHER_BELOW bytes or
            more is a frame of its own (zero-copy from the mapped shard); the shorter
            ones are copied together into one frame (the first) while the worker's copy
            budget lasts, so that a scattered read, as a shuffled epoch makes, costs one
-           frame rather than one per sample
+           frame rather than one per sample.
+           With ``direct`` (a consumer on this machine that can read the cache files),
+           the runs of a published, uncompressed shard are not sent at all: ``files`` (absent when empty) names each as a byte range of the
+           cache file of ``urls[k]``, with the identity of the file the worker read
+           (:func:`~wdscache.tario.file_identity`), and frame numbers past the last frame
+           sent name them, in order. The consumer copies those payloads from the page
+           cache itself (:mod:`wdscache.direct`): one copy per byte, where a frame costs
+           three (into the socket, out of it, into ``bytes``)
     {"op": "scan", "id": n, "url": u, "partial": bool}
         -> {"op": "scanned", "id": n, "ok": true, "count": c, "final": bool}
 
@@ -65,7 +73,8 @@ from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .malloc import tune_malloc
 from .protocol import field, pack, unpack
-from .tario import GZIP_MAGIC, GrowingShard, NotYet, PackedSamples, SampleIndex, file_identity, open_shard, placed
+from .tario import (GZIP_MAGIC, GrowingShard, NotYet, PackedSamples, SampleIndex, ShardView, file_identity, open_shard,
+                    placed)
 
 log = logging.getLogger(__name__)
 
@@ -487,6 +496,7 @@ class _Worker:
     def _read(self, ident: bytes, header: dict[str, Any]) -> None:
         urls = field(header, "urls", list)
         items = field(header, "items", list)
+        direct = field(header, "direct", bool, False)
         if len(items) > MAX_ITEMS or not all(isinstance(u, str) for u in urls):
             raise ProtocolError("bad read request")
         keys: list[str] = []
@@ -496,7 +506,13 @@ class _Worker:
         # each other in a shard share a run, so a request read in archive order costs one
         # run, not one per field; _frames makes the runs into frames.
         runs: list[tuple[Any, int, int]] = []
-        views = [self._readable(url) for url in urls]  # once per shard, not per sample
+        views = []
+        files: dict[Any, list[int]] = {}  # published plain shards the consumer reads: [url index, *identity]
+        for k, url in enumerate(urls):  # once per shard, not per sample
+            view = self._readable(url)
+            views.append(view)
+            if direct and isinstance(view, ShardView) and view.mapped:
+                files[view] = [k, *self.views[url][0]]  # now: a later open may push it out of self.views
         nbytes = 0
         for item in items:  # per sample: kept to a few C-level calls (see PackedSamples.placed)
             if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and type(item[1]) is int):
@@ -532,13 +548,15 @@ class _Worker:
         self.bytes += nbytes
         self.copies = [(tracker, n) for tracker, n in self.copies if not tracker.done]
         room = GATHER_BUDGET - sum(n for _, n in self.copies)
-        frames = self._frames(runs, spans, min(GATHER_MAX, room))
+        frames, ranges = self._frames(runs, spans, min(GATHER_MAX, room), files)
         if frames and isinstance(frames[0], zmq.Frame):
             self.copies.append((frames[0].tracker, len(frames[0])))
         self.requests += 1
         self.samples += len(items)
-        self._reply(ident, {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts,
-                            "spans": spans}, frames)
+        reply = {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts, "spans": spans}
+        if ranges:
+            reply["files"] = ranges
+        self._reply(ident, reply, frames)
         self._drop_served()  # after the send, in which pyzmq copies (so maps in) the small frames
 
     def _zero_copy(self, view: Any, start: int, piece: memoryview) -> Any:
@@ -551,29 +569,40 @@ class _Worker:
         self.served[view].append((frame.tracker, start, start + len(piece)))
         return frame
 
-    def _frames(self, runs: list[tuple[Any, int, int]], spans: list[list[int]], room: int) -> list[Any]:
-        """The reply's frames for ``runs``: short runs (two or more) copied together, up to
-        ``room`` bytes, into the first (a tracked :class:`zmq.Frame`), the others as they
-        are (zero-copy, unless pyzmq copies a small one itself). ``spans``
-        (``[run, offset in run, size, ...]``) are made to name frames and offsets in them."""
+    def _frames(
+        self, runs: list[tuple[Any, int, int]], spans: list[list[int]], room: int, files: dict[Any, list[int]]
+    ) -> tuple[list[Any], list[list[int]]]:
+        """The reply's frames and file ranges for ``runs``.
+
+        Runs of ``files`` (views the consumer reads itself) become file ranges; short runs (two or more) are copied together, up to ``room``
+        bytes, into the first frame (a tracked :class:`zmq.Frame`); the others go as they
+        are (zero-copy, unless pyzmq copies a small one itself). ``spans`` (``[run, offset
+        in run, size, ...]``) are made to name frames (file ranges after them) and offsets.
+        """
         frames: list[Any] = []
+        ranges: list[list[int]] = []
         short: list[Any] = []
         copied = 0
-        where: list[tuple[int, int]] = []  # run -> (frame, or -1 for the copied one; offset there)
+        where: list[tuple[str, int]] = []  # run -> ("frame", number), ("file", number) or ("short", offset)
         for source, start, end in runs:
             mapped = not isinstance(source, bytes)  # else a block of a download: already a copy
+            ref = files.get(source) if mapped and files else None
+            if ref is not None:
+                where.append(("file", len(ranges)))
+                ranges.append([ref[0], start, end - start, *ref[1:]])  # never touched here
+                continue
             piece = source.data[start:end] if mapped else source
             if mapped:
                 self.served.setdefault(source, [])  # its pages are mapped in as we copy or send
             if len(piece) < GATHER_BELOW and copied + len(piece) <= room:
-                where.append((-1, copied))
+                where.append(("short", copied))
                 short.append((source if mapped else None, start, piece))
                 copied += len(piece)
             else:
-                where.append((len(frames), 0))
+                where.append(("frame", len(frames)))
                 frames.append(self._zero_copy(source, start, piece) if mapped else piece)
         if len(short) == 1:  # nothing to save by copying: it goes as it is
-            where = [(len(frames), 0) if frame < 0 else (frame, base) for frame, base in where]
+            where = [("frame", len(frames)) if kind == "short" else (kind, n) for kind, n in where]
             source, start, piece = short[0]
             frames.append(piece if source is None else self._zero_copy(source, start, piece))
         elif short:
@@ -582,12 +611,14 @@ class _Worker:
             for source, start, piece in short:
                 if source is not None:  # copied from the mapping: its pages can go at the next drop
                     self.served[source].append((None, start, start + len(piece)))
-            where = [(frame + 1, base) for frame, base in where]
+        first = {"frame": int(len(short) > 1), "file": len(frames)}
         for span in spans:
-            span[0], base = where[span[0]]
-            for i in range(1, len(span), 2):
-                span[i] += base
-        return frames
+            kind, n = where[span[0]]
+            span[0], base = (0, n) if kind == "short" else (first[kind] + n, 0)
+            if base:
+                for i in range(1, len(span), 2):
+                    span[i] += base
+        return frames, ranges
 
     def _view(self, url: str) -> Any:
         """The cached shard's view; FileNotFoundError while it is not (or no longer) cached."""

@@ -750,6 +750,11 @@ class ShardView:
         return self._view
 
     @property
+    def mapped(self) -> bool:
+        """True when :attr:`data` is the file itself, mapped (not a gzip'd shard decompressed)."""
+        return isinstance(self._data, mmap.mmap)
+
+    @property
     def samples(self) -> Sequence[SampleSpan]:
         """Where each sample lies (a plain tar is scanned when opened; a gzip'd one on first
         use, or when opened if an index is to remember it)."""
@@ -837,6 +842,14 @@ def open_shard(
     if index is not None and not indexed and samples is not None:
         samples = index.put(url, identity, samples) or samples  # kept packed, unless too many
     return ShardView(data, url=url, samples=samples)
+
+
+def map_file(path: str | os.PathLike[str], *, url: str) -> tuple[tuple[int, ...], ShardView]:
+    """The file at ``path`` mapped read-only as it is (not scanned, not decompressed), and
+    the identity of the file opened; ValueError if it is empty."""
+    with open(path, "rb") as f:
+        identity = file_identity(os.fstat(f.fileno()))
+        return identity, ShardView(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), url=url, samples=())
 
 
 def iter_samples(path: str | os.PathLike[str], *, url: str) -> Iterator[Sample]:

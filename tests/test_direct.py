@@ -1,0 +1,166 @@
+"""Direct reads: consumers copy payloads from the agent's cache files themselves.
+
+Real agents (started through the CLI) download from the loopback server; the loader
+runs in this process, so its mappings can be looked at in /proc/self/maps. What is
+checked: the same bytes as webdataset's reader with direct reads on and off, on
+shards others made; the worker names file ranges only to a consumer that asks; a file
+replaced since the worker read it is refused; a consumer that cannot read the cache
+falls back to the workers' bytes; no mapping outlives its pin or stays in the RSS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from shards import write_url_list
+from streaming import reference
+from test_tario import REAL_SHARDS, TESTDATA
+from test_worker_files import read_from_worker
+from wdscache import CachedMultiLoader
+from wdscache.direct import CacheFiles, StaleFile
+from wdscache.errors import ProtocolError
+from wdscache.layout import CacheLayout
+from wdscache.tario import file_identity
+
+
+def digests(samples: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
+    return {(s["__url__"], s["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in s.items()
+                                           if not k.startswith("__")} for s in samples}
+
+
+def shard_maps(cache: Path) -> list[tuple[str, int]]:
+    """(path, resident KiB) of every mapping of a cache file in this process."""
+    out, path = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's first line
+            path = fields[5] if len(fields) > 5 and fields[5].startswith(str(cache / "shards")) else None
+        elif path is not None and fields[0] == "Rss:":
+            out.append((path, int(fields[1])))
+    return out
+
+
+@pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")
+def test_real_shards_stream_like_webdataset_with_direct_reads_on_and_off(tmp_path, shard_server, start_agent):
+    for name in REAL_SHARDS:
+        shutil.copy(TESTDATA / name, shard_server.root / name)
+    paths = [shard_server.root / name for name in REAL_SHARDS]
+    urls = [shard_server.url(name) for name in REAL_SHARDS]
+    cache = tmp_path / "cache"
+    start_agent(cache, write_url_list(tmp_path / "lists" / "real.txt", urls), "--workers", "2")
+    ref = reference(paths, urls)
+    for direct in (True, False):
+        with CachedMultiLoader(cache_dir=cache, shuffle=False, direct_reads=direct, timeout=30) as loader:
+            got = list(loader)
+        assert [(s["__url__"], s["__key__"]) for s in got] == list(ref), direct
+        assert digests(got) == ref, direct
+        assert all(isinstance(v, bytes) for s in got for k, v in s.items() if not k.startswith("__"))
+
+
+def test_a_worker_names_file_ranges_only_to_a_consumer_that_asks(tmp_path, dataset, start_agent):
+    data = dataset(2, samples=6, payload=30_000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    ref = list(reference(data.paths, data.urls).values())
+    items = [(0, 1), (0, 2), (0, 3), (1, 0)]  # a run of three samples, and one sample of the other shard
+    paths = [CacheLayout.of(cache).shard_path(u) for u in data.urls]
+    identity = [list(file_identity(os.stat(p))) for p in paths]
+
+    plain, frames = read_from_worker(cache, data.urls, items)
+    assert "files" not in plain and sum(map(len, frames)) >= 4 * 30_000 * 0.9  # every byte sent
+
+    header, frames = read_from_worker(cache, data.urls, items, direct=True)
+    assert header["ok"] and frames == []  # not a payload byte sent
+    assert [(k, ident) for k, _, _, *ident in header["files"]] == [(0, identity[0]), (1, identity[1])]
+    assert [span[0] for span in header["spans"]] == [0, 0, 0, 1]
+    runs = []
+    for k, start, size, *_ in header["files"]:
+        with open(paths[k], "rb") as f:
+            f.seek(start)
+            runs.append(f.read(size))
+    for (shard, j), span in zip(items, header["spans"]):
+        got = [hashlib.sha256(runs[span[0]][off:off + n]).hexdigest() for off, n in zip(span[1::2], span[2::2])]
+        assert got == list(ref[6 * shard + j].values()), (shard, j)
+
+
+def test_a_cache_file_replaced_or_gone_is_refused(tmp_path):
+    cache = tmp_path / "cache"
+    url = "http://example.invalid/a.tar"
+    path = CacheLayout.of(cache).shard_path(url)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"first" * 1000)
+    identity = file_identity(os.stat(path))
+    files = CacheFiles(str(cache))
+    assert bytes(files.range(url, identity, 5, 10)) == b"firstfirst"
+    with pytest.raises(ProtocolError, match="past the end"):
+        files.range(url, identity, 4990, 11)
+    # A new download is a new file, published by rename: its bytes are never taken for the old one's.
+    new = path.with_name("new")
+    new.write_bytes(b"other" * 1000)
+    os.replace(new, path)
+    files.close()
+    with pytest.raises(StaleFile, match="replaced"):
+        files.range(url, identity, 0, 5)
+    path.unlink()
+    with pytest.raises(StaleFile, match="no longer"):
+        files.range(url, identity, 0, 5)
+    files.close()
+
+
+def test_a_consumer_that_cannot_read_the_cache_gets_the_bytes_from_the_workers(tmp_path, dataset, start_agent,
+                                                                               monkeypatch, caplog):
+    # Injected: tests run as root, whom no file mode stops.
+    import wdscache.direct
+
+    def denied(path, **_):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    data = dataset(3, samples=8, payload=20_000)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
+    monkeypatch.setattr(wdscache.direct, "map_file", denied)
+    with caplog.at_level(logging.WARNING, logger="wdscache.loader"):
+        with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
+            got = list(loader)
+    assert digests(got) == reference(data.paths, data.urls)
+    assert len(got) == 24
+    warnings = [r.getMessage() for r in caplog.records if "directly failed" in r.getMessage()]
+    assert len(warnings) == 1 and "Permission denied" in warnings[0], warnings
+
+
+def test_a_consumer_maps_cache_files_only_while_pinned_and_keeps_few_pages_resident(tmp_path, dataset,
+                                                                                      start_agent):
+    from wdscache.direct import DROP_AFTER, FAULT_AROUND
+
+    data = dataset(3, samples=40, payload=300_000)  # shards of 12 MB, read 1.2 MB a reply
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
+    seen: list[list[tuple[str, int]]] = []
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=4) as loader:
+        for i, _ in enumerate(loader):
+            if i % 4 == 0:
+                seen.append(shard_maps(cache))
+        assert shard_maps(cache) == []  # the epoch is over: every pin and mapping let go
+    assert any(seen), "no cache file was ever mapped: direct reads were not used"
+    assert max(len(m) for m in seen) <= 2, seen  # the shard read, and the next one at a boundary
+    # Pages read leave our RSS every DROP_AFTER bytes; they stay in the page cache.
+    bound = (DROP_AFTER + 4 * 330_000 + 2 * FAULT_AROUND) // 1024
+    resident = [kib for m in seen for _, kib in m]
+    assert max(resident) <= bound < 12_000, (max(resident), bound)
+
+
+@pytest.mark.parametrize("endpoint, local", [
+    ("ipc:///tmp/wdscache/agent.sock", True), ("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True),
+    ("tcp://[::1]:5555", True), ("tcp://10.0.0.5:5555", False), ("tcp://node7:5555", False),
+])
+def test_only_a_consumer_on_the_agents_machine_reads_its_files(endpoint, local):
+    from wdscache.loader import _same_machine
+
+    assert _same_machine(endpoint) is local
