@@ -8,7 +8,7 @@ final ``{"report": ...}`` line, as JSON, on stdout):
     serve ROOT --port-file F [--rate B/s] [--ttfb S]   the loopback object store (tests/server.py)
     wds --urls-file F [--cache-dir D] [--epochs N]     webdataset in-process (local paths or http URLs)
     multi --urls-file F --workers N [--flush]          webdataset.multi.MultiLoader over local paths
-    wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent
+    wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent [--no-direct]
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
     zmq-many --samples N --sizes A,B,C --receivers R   raw pyzmq, 2 senders to R receivers copying to bytes
     urls --n N --dir D                                  parse and plan an N-entry URL list
@@ -247,15 +247,27 @@ def mode_multi(args: argparse.Namespace) -> None:
 def mode_wdscache(args: argparse.Namespace) -> None:
     from wdscache import CachedMultiLoader
 
-    if args.start_at:
-        # Several ranks start together, once all have imported: wait for the shared start time.
-        time.sleep(max(0.0, args.start_at - time.time()))
-
     if args.log:
         import logging
 
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.warmup:
+        # A process in its first epoch pays for every page of heap it grows, and on a VM the
+        # first touch of memory the host took back costs far more than zeroing it (see the
+        # README). The single consumer's warm epoch follows its cold one in the same process;
+        # ranks started for one epoch read a few requests first, as a job of its own, to match.
+        warm = iter(CachedMultiLoader(cache_dir=args.cache_dir, job=f"{args.job}-warmup", rank=args.rank,
+                                      world_size=args.world_size, shuffle=False, timeout=args.timeout,
+                                      direct_reads=not args.no_direct))
+        try:
+            for _, _ in zip(range(args.warmup), warm):
+                pass
+        finally:
+            warm.close()  # type: ignore[attr-defined]
+    if args.start_at:
+        # Several ranks start together, once all have imported: wait for the shared start time.
+        time.sleep(max(0.0, args.start_at - time.time()))
     holder: dict[str, Any] = {}
 
     def loader(shuffle: bool) -> Callable[[], Iterable[dict[str, Any]]]:
@@ -263,7 +275,7 @@ def mode_wdscache(args: argparse.Namespace) -> None:
             if shuffle not in holder:
                 holder[shuffle] = CachedMultiLoader(
                     cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
-                    shuffle=shuffle, timeout=args.timeout,
+                    shuffle=shuffle, timeout=args.timeout, direct_reads=not args.no_direct,
                 )
             return holder[shuffle]
         return make
@@ -549,6 +561,8 @@ def main() -> None:
     p.add_argument("--max-samples", type=int, default=0, help="stop each epoch after this many samples")
     p.add_argument("--shuffled-epochs", type=int, default=0,
                    help="after --epochs, this many more with a shuffling loader (its own job)")
+    p.add_argument("--no-direct", action="store_true", help="direct_reads=False: the workers send every byte")
+    p.add_argument("--warmup", type=int, default=0, help="samples to read first, before --start-at, as a job of its own")
     p = sub.add_parser("zmq")
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)
