@@ -970,7 +970,7 @@ ROW_ORDER = [
     "cat shards > /dev/null (page cache; MB are tar bytes)",
     "pyzmq IPC PUSH/PULL, multipart, copy=False",
 ]
-REQUEST_SIZE = 32  # CachedMultiLoader's default: samples a worker's reply holds
+REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
 # Samples each of the eight consumers reads before the measured epoch (twice the default
 # inflight x request_size), so that it is measured warm, as the single consumer's epoch 2 is.
 WARMUP_SAMPLES = 256

@@ -164,3 +164,22 @@ def test_only_a_consumer_on_the_agents_machine_reads_its_files(endpoint, local):
     from wdscache.loader import _same_machine
 
     assert _same_machine(endpoint) is local
+
+
+def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_known(tmp_path, dataset,
+                                                                                 start_agent):
+    from wdscache.loader import REQUEST_BYTES
+
+    big = dataset(1, samples=60, payload=300_000, prefix="big")
+    small = dataset(1, samples=300, payload=500, prefix="small", list_name="small.txt")
+    cache = tmp_path / "cache"
+    both = write_url_list(tmp_path / "lists" / "both.txt", big.urls + small.urls)
+    start_agent(cache, both, "--prefetch", "2")
+    # payloads vary by up to 10% around the size asked for
+    for urls, request_size, want in ((big.urls, 128, (REQUEST_BYTES // 330_000, REQUEST_BYTES // 270_000)),
+                                     (small.urls, 128, (128, 128)), (small.urls, 50, (50, 50))):
+        with CachedMultiLoader(urls, cache_dir=cache, shuffle=False, timeout=30, request_size=request_size) as loader:
+            got = list(loader)
+            limit = loader._current.request_limit  # what the next request would ask for
+        assert len(got) in (60, 300)
+        assert want[0] <= limit <= want[1], (urls, limit)

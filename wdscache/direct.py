@@ -35,8 +35,9 @@ from .tario import ShardView, map_file
 
 
 FAULT_AROUND = 64 << 10  # Linux's default fault_around_bytes
-# Bytes read from a file between drops of its pages from our RSS: a drop per reply was 5% of
-# a consumer's CPU on 1 KB samples (the call, and faulting the next reply's pages in anew).
+# Bytes mapped in from a file between drops of its pages from our RSS (each read counts
+# FAULT_AROUND more, what a fault may map beyond it): a drop per reply was 5% of a consumer's
+# CPU on 1 KB samples (the call, and faulting the next reply's pages in anew).
 DROP_AFTER = 4 << 20
 
 
@@ -50,7 +51,7 @@ class CacheFiles:
     def __init__(self, cache_dir: str) -> None:
         self.layout = CacheLayout.of(cache_dir)
         self.views: dict[str, tuple[tuple[int, ...], ShardView]] = {}  # url -> (identity, mapping)
-        self.read: dict[str, list[int]] = {}  # url -> [start, end, bytes] read since its last drop
+        self.read: dict[str, list[int]] = {}  # url -> [start, end, bytes mapped in at most] since its last drop
 
     def range(self, url: str, identity: Sequence[int], start: int, size: int) -> memoryview:
         """Bytes ``[start, start + size)`` of ``url``'s cache file, if it is the file of ``identity``.
@@ -66,11 +67,9 @@ class CacheFiles:
         view = known[1]
         if start + size > len(view.data):
             raise ProtocolError(f"worker reply names bytes past the end of {url}'s cache file")
-        read = self.read.get(url)
-        if read is None:
-            self.read[url] = [start, start + size, size]
-        else:
-            read[0], read[1], read[2] = min(read[0], start), max(read[1], start + size), read[2] + size
+        read = self.read.setdefault(url, [start, start, 0])
+        read[0], read[1] = min(read[0], start), max(read[1], start + size)
+        read[2] += size + FAULT_AROUND  # what its faults may map in: scattered reads map more than they read
         return view.data[start : start + size]
 
     def _map(self, url: str, identity: tuple[int, ...]) -> ShardView:

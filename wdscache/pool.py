@@ -92,6 +92,10 @@ SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still hol
 # for the headers between consecutive samples, too little to carry another rank's samples
 # along unless they are tiny.
 MERGE_GAP = 2048
+# For a consumer that reads the file itself a run is only a range: the bytes between its
+# samples cost it nothing, so ranges this close are merged (a rank of four, reading blocks of
+# 8 samples of 1 KB, then gets one range per shard and reply instead of one per block).
+DIRECT_GAP = 1 << 20
 # Runs shorter than this are copied into one frame per reply, at most GATHER_MAX bytes of
 # them; the rest go zero-copy. pyzmq copies a frame under 64 KiB itself, but releases each
 # larger zero-copy frame through its garbage-collector thread (an inproc message and a
@@ -534,7 +538,8 @@ class _Worker:
                     raise ProtocolError(f"{urls[k]} has no sample {j}")
                 key, names, place = placed(view.samples, j)
                 first, end = place[0], place[-2] + place[-1]
-                if runs and runs[-1][0] is view and 0 <= first - runs[-1][2] <= MERGE_GAP:
+                gap = DIRECT_GAP if view in files else MERGE_GAP
+                if runs and runs[-1][0] is view and 0 <= first - runs[-1][2] <= gap:
                     runs[-1] = (view, runs[-1][1], end)
                 else:
                     runs.append((view, first, end))
