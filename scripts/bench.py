@@ -971,8 +971,8 @@ ROW_ORDER = [
     "pyzmq IPC PUSH/PULL, multipart, copy=False",
 ]
 REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
-# Samples each of the eight consumers reads before the measured epoch (twice the default
-# inflight x request_size), so that it is measured warm, as the single consumer's epoch 2 is.
+# Samples each of the eight consumers reads before the measured epoch (twice what its first
+# four requests ask for), so that it is measured warm, as the single consumer's epoch 2 is.
 WARMUP_SAMPLES = 256
 RAW_ONE = f"pyzmq IPC, 2 senders -> 1 receiver, {REQUEST_SIZE} samples a message, copied to bytes"
 RAW_EIGHT = f"pyzmq IPC, 2 senders -> 8 receivers, {REQUEST_SIZE} samples a message, copied to bytes, aggregate"

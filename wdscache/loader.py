@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import zmq
 
 from .client import AgentConnection, resolve_endpoint, start_hint
-from .direct import CacheFiles, StaleFile
+from .direct import CacheFiles, FileRange, StaleFile
 from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
 from .malloc import tune_malloc
 from .protocol import pack, pages, unpack
@@ -370,7 +370,8 @@ class _Stream:
         for w in self.workers:
             self.poller.register(w, zmq.POLLIN)
         self.rr = itertools.count()
-        self.pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int]] = {}  # seq -> (items, sent, rid, worker)
+        # seq -> (items, sent, rid, worker, whether it asked for direct reads)
+        self.pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int, bool]] = {}
         # Reads to send again: seq -> (items, when). Their shards are downloading and do not
         # hold those samples yet (the download started over), or were pinned again (see _recover).
         self.delayed: dict[int, tuple[list[tuple[int, SampleId]], float]] = {}
@@ -384,7 +385,7 @@ class _Stream:
         self.resends: dict[int, int] = {}
         self.batch: list[tuple[int, SampleId]] = []  # items of the next request, their shards pinned
         self.request_limit = min(loader.request_size, FIRST_REQUEST)  # samples per request, see _sized
-        self.received = [0, 0]  # payload bytes and samples of the replies so far
+        self.per_sample = 0.0  # payload bytes per sample of the latest replies, see _sized
         self.seq_next = 0
         self.calls: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0}
@@ -486,9 +487,9 @@ class _Stream:
             return
         url = self.urls[shard]
         if shard in self.opened:
-            self.conn.request({"op": "release", "reader": self.name, "url": url})
             if self.files is not None:
                 self.files.close(url)  # its file may be replaced before we read it again
+            self.conn.request({"op": "release", "reader": self.name, "url": url})
         request = {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard), "wait": False,
                    "stream": stream}
         reply = self.conn.request(request)
@@ -679,7 +680,8 @@ class _Stream:
             self._dispatch(self.seq_next, batch)
             self.seq_next += 1
 
-    def _dispatch(self, seq: int, items: list[tuple[int, SampleId]]) -> None:
+    def _dispatch(self, seq: int, items: list[tuple[int, SampleId]], direct: bool = True) -> None:
+        """Send the read of ``items`` (with direct reads if on and ``direct``)."""
         if not items:
             self.done[seq] = ([], [])
             return
@@ -694,10 +696,11 @@ class _Stream:
         w = next(self.rr) % len(self.workers)
         rid = f"r{next(self.next_rid)}"
         self.rids[rid] = seq
-        self.pending[seq] = (items, time.monotonic(), rid, w)
+        direct = direct and self.files is not None
+        self.pending[seq] = (items, time.monotonic(), rid, w, direct)
         self.delayed.pop(seq, None)
         request = {"op": "read", "id": rid, "urls": urls, "items": wire}
-        if self.files is not None:
+        if direct:
             request["direct"] = True
         self.workers[w].send_multipart(pack(request))
 
@@ -770,7 +773,7 @@ class _Stream:
         for seq, (items, when) in list(self.delayed.items()):
             if now >= when:
                 self._dispatch(seq, items)
-        for seq, (items, sent, rid, w) in list(self.pending.items()):
+        for seq, (items, sent, rid, w, _) in list(self.pending.items()):
             if now - sent > min(self.loader.timeout, 10.0):
                 # The worker may have died with our request: ask another (or its replacement),
                 # unless the agent itself is gone (then this raises a clear error, no hang).
@@ -792,7 +795,7 @@ class _Stream:
         seq = self.rids.pop(str(header.get("id")), None)
         if seq is None or seq not in self.pending:
             return  # a late answer to a request we already sent again
-        items = self.pending.pop(seq)[0]
+        items, _, _, _, direct = self.pending.pop(seq)
         for _, (shard, _) in items:  # one count per item, as _add counted them
             self.opened[shard] -= 1
         if not header.get("ok"):
@@ -800,43 +803,43 @@ class _Stream:
         else:
             self.unanswered_since.pop(seq, None)
             try:
-                self.done[seq] = self._samples(header, payload, items)
+                self.done[seq] = self._samples(header, payload, items, direct)
                 self._sized(self.done[seq][1])
-            except OSError as exc:  # a cache file we may not read, or one replaced since (StaleFile)
-                files, self.files = self.files, None
-                if files is not None:
-                    log.warning("reading cache files directly failed (%s); the workers send the bytes instead", exc)
-                    files.close()
-                self.resends[seq] = self.resends.get(seq, 0) + 1
-                if self.resends[seq] > MAX_RESENDS:  # only a worker naming ranges unasked gets here
-                    raise ProtocolError("worker replies name file ranges this consumer did not ask for") from None
+            except OSError as exc:  # from a direct read only
+                if not isinstance(exc, StaleFile) and self.files is not None:
+                    # Not one file replaced meanwhile (that costs this read only): we cannot read
+                    # the cache files, so the workers send the bytes for the rest of the epoch.
+                    log.warning("cannot read the cache files directly (%s); the workers send the bytes instead",
+                                str(exc))  # the message, not the exception: it holds the open files' frames
+                    self.files.close()
+                    self.files = None
                 for _, (shard, _) in items:
-                    self.opened[shard] += 1  # still pinned: asked again, without direct reads
-                self._dispatch(seq, items)
+                    self.opened[shard] += 1  # still pinned: asked again, its bytes sent this time
+                self._dispatch(seq, items, direct=False)
                 return
         for shard in {sid[0] for _, sid in items}:
             self._release(shard)
 
     def _sized(self, sizes: list[int]) -> None:
-        """Size the next requests by the payload per sample so far (about REQUEST_BYTES each)."""
-        self.received[0] += sum(sizes)
-        self.received[1] += len(sizes)
-        if self.received[1]:
-            per_sample = max(1, self.received[0] // self.received[1])
-            self.request_limit = max(1, min(self.loader.request_size, REQUEST_BYTES // per_sample))
+        """Size the next requests by the payload per sample of the latest replies (about
+        REQUEST_BYTES each): larger samples count at once, smaller ones as the estimate decays."""
+        if sizes:
+            self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
+            self.request_limit = max(1, min(self.loader.request_size, int(REQUEST_BYTES // self.per_sample)))
 
     def _samples(
-        self, header: dict[str, Any], payload: list[Any], items: list
+        self, header: dict[str, Any], payload: list[Any], items: list, direct: bool
     ) -> tuple[list[dict[str, Any]], list[int]]:
         """The samples of a worker's reply, and the payload bytes of each."""
         keys, exts, spans = header.get("keys"), header.get("exts"), header.get("spans")
         if not (isinstance(keys, list) and isinstance(exts, list) and isinstance(spans, list)
                 and len(keys) == len(exts) == len(spans) == len(items)):
             raise ProtocolError("worker reply does not match the request")
-        frames = [memoryview(f.buffer).toreadonly() for f in payload]
-        ranges = header.get("files")
-        if ranges is not None:
-            frames += self._file_ranges(ranges, items)
+        frames: list[Any] = [memoryview(f.buffer).toreadonly() for f in payload]
+        if "files" in header:
+            if not direct:
+                raise ProtocolError("worker reply names file ranges this consumer did not ask for")
+            frames += self._file_ranges(header["files"], items)
         samples = []
         sizes = []
         zero_copy, urls = self.loader.zero_copy, self.urls
@@ -848,6 +851,7 @@ class _Stream:
                     raise ProtocolError("worker reply has a bad span")
                 frame = frames[span[0]]
                 limit = len(frame)
+                from_file = type(frame) is FileRange
                 sample: dict[str, Any] = {"__key__": key, "__url__": urls[shard]}
                 nbytes = 0
                 i = 1
@@ -856,23 +860,23 @@ class _Stream:
                     i += 2
                     if offset + size > limit:
                         raise ProtocolError("worker reply has a span past its frame")
-                    # bytes by default (webdataset's decoders want bytes); zero_copy gives
-                    # read-only memoryviews into the received message instead.
-                    value = frame[offset : offset + size]
-                    sample[ext] = value if zero_copy else value.tobytes()
+                    if from_file:
+                        sample[ext] = frame.read(offset, size)
+                    else:
+                        # bytes by default (webdataset's decoders want bytes); zero_copy gives
+                        # read-only memoryviews into the received message instead.
+                        value = frame[offset : offset + size]
+                        sample[ext] = value if zero_copy else value.tobytes()
                     nbytes += size
                 samples.append(sample)
                 sizes.append(nbytes)
         except (TypeError, IndexError):
             raise ProtocolError("worker reply has a bad span") from None
-        finally:
-            if ranges is not None and self.files is not None:
-                self.files.drop_read()
         return samples, sizes
 
-    def _file_ranges(self, ranges: Any, items: list) -> list[memoryview]:
+    def _file_ranges(self, ranges: Any, items: list) -> list[FileRange]:
         """The byte ranges of cache files a reply names (``files``, see :mod:`wdscache.pool`)."""
-        if self.files is None:  # a read sent before direct reads failed: asked again without
+        if self.files is None:  # a read sent before direct reads were turned off: asked again
             raise StaleFile(errno.ESTALE, "direct reads are off for this epoch")
         if not isinstance(ranges, list):
             raise ProtocolError("worker reply has a bad file range")
@@ -945,6 +949,8 @@ class _Stream:
         if self.finished:
             return
         self.finished = True
+        if self.files is not None:
+            self.files.close()  # before bye lets go of our pins
         self._stop_reports.set()
         self._reporter.join(REPORT_EVERY + 6.0)
         try:
@@ -956,8 +962,6 @@ class _Stream:
         except AgentUnavailableError:
             pass
         self.conn.close()
-        if self.files is not None:
-            self.files.close()
         for w in self.workers:
             w.close(0)
         self.ctx.term()

@@ -14,7 +14,8 @@ A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
             "files": [[k, offset, size, dev, inode, file size, mtime_ns], ...]}
            followed by frames of raw shard bytes: each sample's fields lie in frame
            ``frame`` at the given offsets, one (offset, size) per extension. Samples
-           adjacent in their shard share a run of bytes. A run of GATHER_BELOW bytes or
+           adjacent in their shard share a run of bytes (within MERGE_GAP; within
+           DIRECT_GAP for a file range, whose gaps the consumer never reads). A run of GATHER_BELOW bytes or
            more is a frame of its own (zero-copy from the mapped shard); the shorter
            ones are copied together into one frame (the first) while the worker's copy
            budget lasts, so that a scattered read, as a shuffled epoch makes, costs one

@@ -844,14 +844,6 @@ def open_shard(
     return ShardView(data, url=url, samples=samples)
 
 
-def map_file(path: str | os.PathLike[str], *, url: str) -> tuple[tuple[int, ...], ShardView]:
-    """The file at ``path`` mapped read-only as it is (not scanned, not decompressed), and
-    the identity of the file opened; ValueError if it is empty."""
-    with open(path, "rb") as f:
-        identity = file_identity(os.fstat(f.fileno()))
-        return identity, ShardView(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), url=url, samples=())
-
-
 def iter_samples(path: str | os.PathLike[str], *, url: str) -> Iterator[Sample]:
     """Every sample of the shard at ``path``, with ``bytes`` payloads (copies)."""
     with open_shard(path, url=url) as shard:
