@@ -36,9 +36,13 @@ What it does:
                           iterating ``CachedMultiLoader(shuffle=False)`` twice: epoch 1 cold,
                           epoch 2 warm; then a third, warm, epoch with ``shuffle=True``
                           (for information: what training reads by default, each sample
-                          somewhere else in the shards); then 8 consumers (two jobs of four
-                          ranks) read one more unshuffled epoch each from the warm cache, all
-                          at once
+                          somewhere else in the shards); then one warm epoch streamed
+                          (``direct_reads=False``: every byte sent by a worker); then 8
+                          consumers (two jobs of four ranks) read one more unshuffled epoch
+                          each from the warm cache, all at once, each after reading 256
+                          samples as a job of its own (warm, as the single consumer's epoch
+                          2 is: on a VM the first touch of fresh memory costs far more than
+                          zeroing it); then the same 8 streamed
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
                           of the profile's field sizes, ``copy=False``, timed from the first
