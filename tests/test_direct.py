@@ -50,17 +50,29 @@ def cache_files_held(cache: Path) -> tuple[list[str], list[str]]:
 
 
 @pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")
-def test_real_shards_stream_like_webdataset_with_direct_reads_on_and_off(tmp_path, shard_server, start_agent):
+def test_real_shards_stream_like_webdataset_with_direct_reads_on_and_off(tmp_path, shard_server, start_agent,
+                                                                        monkeypatch):
     for name in REAL_SHARDS:
         shutil.copy(TESTDATA / name, shard_server.root / name)
     paths = [shard_server.root / name for name in REAL_SHARDS]
     urls = [shard_server.url(name) for name in REAL_SHARDS]
     cache = tmp_path / "cache"
-    start_agent(cache, write_url_list(tmp_path / "lists" / "real.txt", urls), "--workers", "2")
+    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "real.txt", urls), "--workers", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == len(urls), 20, "every shard cached")
     ref = reference(paths, urls)
+    real_range, ranges = CacheFiles.range, []
+
+    def counted(self, url, *args):  # a spy: the real method, counted
+        ranges.append(url)
+        return real_range(self, url, *args)
+
+    monkeypatch.setattr(CacheFiles, "range", counted)
     for direct in (True, False):
+        ranges.clear()
         with CachedMultiLoader(cache_dir=cache, shuffle=False, direct_reads=direct, timeout=30) as loader:
             got = list(loader)
+        # read from the files: every plain shard with direct reads, none without (sample.tgz is streamed)
+        assert set(ranges) == ({u for u in urls if not u.endswith(".tgz")} if direct else set()), direct
         assert [(s["__url__"], s["__key__"]) for s in got] == list(ref), direct
         assert digests(got) == ref, direct
         assert all(isinstance(v, bytes) for s in got for k, v in s.items() if not k.startswith("__"))
@@ -108,9 +120,13 @@ def test_a_cache_file_replaced_or_gone_is_refused(tmp_path):
     new = path.with_name("new")
     new.write_bytes(b"other" * 1000)
     os.replace(new, path)
-    files.close()
+    # the descriptor held is of the file the worker read: still the right bytes
+    assert files.range(url, identity, 0, 5).read(0, 5) == b"first"
+    # the worker names the new file: the old descriptor goes, the new file is read
+    assert files.range(url, file_identity(os.stat(path)), 0, 5).read(0, 5) == b"other"
     with pytest.raises(StaleFile, match="replaced"):
-        files.range(url, identity, 0, 5)
+        files.range(url, identity, 0, 5)  # the old one, again: gone from the path
+    assert files.fds == {}
     path.unlink()
     with pytest.raises(StaleFile, match="no longer"):
         files.range(url, identity, 0, 5)
@@ -131,12 +147,15 @@ def test_a_consumer_that_cannot_read_the_cache_gets_the_bytes_from_the_workers(t
 
     data = dataset(3, samples=8, payload=20_000)
     cache = tmp_path / "cache"
-    start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
+    agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "every shard cached")  # else some are streamed
     monkeypatch.setattr(wdscache.direct.os, "open", denied)
     with caplog.at_level(logging.WARNING, logger="wdscache.loader"):
-        with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
+        # requests of 4: several in flight when direct reads are turned off, each sent again
+        with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=4) as loader:
             got = list(loader)
-    assert digests(got) == reference(data.paths, data.urls)
+            again = list(loader)  # the next epoch does not try again
+    assert digests(got) == digests(again) == reference(data.paths, data.urls)
     assert len(got) == 24
     warnings = [r.getMessage() for r in caplog.records if "cannot read the cache files" in r.getMessage()]
     assert len(warnings) == 1 and "Permission denied" in warnings[0], warnings
@@ -150,7 +169,8 @@ def test_a_file_replaced_under_one_read_costs_that_read_only(tmp_path, dataset, 
 
     data = dataset(3, samples=8, payload=20_000)
     cache = tmp_path / "cache"
-    start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
+    agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "every shard cached")  # else some are streamed
     real_read, calls = FileRange.read, []
 
     def once_stale(self, offset, size):
@@ -173,12 +193,16 @@ def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them
                                                                                  start_agent):
     data = dataset(3, samples=40, payload=30_000)
     cache = tmp_path / "cache"
-    start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
+    agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "every shard cached")
+    layout = CacheLayout.of(cache)
     seen: list[tuple[list[str], list[str]]] = []
     with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=4) as loader:
         for i, _ in enumerate(loader):
             if i % 4 == 0:
                 seen.append(cache_files_held(cache))
+                pinned = {str(layout.shard_path(data.urls[shard])) for shard in loader._current.opened}
+                assert set(seen[-1][0]) <= pinned, (seen[-1][0], pinned)  # open only while pinned
         assert cache_files_held(cache) == ([], [])  # the epoch is over: every pin and file let go
     assert any(fds for fds, _ in seen), "no cache file was ever open: direct reads were not used"
     assert max(len(fds) for fds, _ in seen) <= 2, seen  # the shard read, and the next one at a boundary
@@ -212,3 +236,44 @@ def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_know
             limit = loader._current.request_limit  # what the next request would ask for
         assert len(got) in (60, 300)
         assert want[0] <= limit <= want[1], (urls, limit)
+
+
+def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale(tmp_path):
+    from types import SimpleNamespace
+
+    from wdscache.loader import _Stream
+
+    cache = tmp_path / "cache"
+    url = "http://example.invalid/a.tar"
+    path = CacheLayout.of(cache).shard_path(url)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(bytes(range(100)) * 100)
+    ident = list(file_identity(os.stat(path)))
+    stream = SimpleNamespace(files=CacheFiles(str(cache)), urls=[url])  # what _file_ranges uses
+    items = [(0, (0, 0))]
+    [whole] = _Stream._file_ranges(stream, [[0, 0, 10_000, *ident]], items)
+    assert whole.read(10, 3) == bytes([10, 11, 12])
+    other = ident[:3] + [ident[3] + 1]
+    for bad in ([[True, 0, 10, *ident]], [[0, -1, 10, *ident]], [[1, 0, 10, *ident]], [[0, 0, 10, *ident[:3]]],
+                [[0, 0, 10_001, *ident]], ["0,0,10"], {"k": 0}, [[0, 0, 10, *ident], [0, 10, 10, *other]]):
+        with pytest.raises(ProtocolError):
+            _Stream._file_ranges(stream, bad, items)
+    os.truncate(path, 5_000)  # behind the agent's back: a short read, never bytes of another offset
+    with pytest.raises(StaleFile, match="short read"):
+        whole.read(4_990, 20)
+    stream.files.close()
+
+
+def test_an_agent_whose_cache_directory_we_do_not_see_is_streamed_from(tmp_path):
+    from wdscache.loader import _same_directory
+
+    root = tmp_path / "cache"
+    root.mkdir()
+    st = os.stat(root)
+    assert _same_directory({"cache_dir": str(root), "cache_root": [st.st_dev, st.st_ino]})
+    # another container's directory at a path we also have, one we lack, or a hello without it
+    assert not _same_directory({"cache_dir": str(root), "cache_root": [st.st_dev, st.st_ino + 1]})
+    assert not _same_directory({"cache_dir": str(tmp_path / "absent"), "cache_root": [st.st_dev, st.st_ino]})
+    assert not _same_directory({"cache_dir": "cache", "cache_root": [st.st_dev, st.st_ino]})
+    assert not _same_directory({"cache_dir": str(root) + "\0x", "cache_root": [st.st_dev, st.st_ino]})
+    assert not _same_directory({"cache_dir": str(root)})

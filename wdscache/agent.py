@@ -99,6 +99,7 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.layout = CacheLayout.of(config.cache_dir)
+        self._root_id: list[int] = []  # (device, inode) of the cache directory, once it exists
         self.endpoint = config.endpoint or self.layout.default_endpoint()
         self._stop = threading.Event()
         self._events: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
@@ -180,6 +181,8 @@ class Agent:
         self.urls = _read_list(cfg)
         self._list_id = list_id(self.urls.urls)
         self.layout.prepare()
+        root = os.stat(self.layout.root)
+        self._root_id = [root.st_dev, root.st_ino]
         os.umask(0o077)  # every file and socket we create is private to this user
         self._lock.acquire()
         # Worker processes take a while to start: they do so while the cache is opened.
@@ -866,7 +869,7 @@ class Agent:
             workers=self.pool.endpoints if self.pool else [],
             prefetch=self.config.prefetch,
             list_id=self._list_id, n_urls=len(self.urls),
-            cache_dir=str(self.layout.root),  # for direct reads (wdscache.direct)
+            cache_dir=str(self.layout.root), cache_root=self._root_id,  # for direct reads (wdscache.direct)
         )
 
     def _put_urls(self, name: str, header: dict[str, Any]) -> str | None:

@@ -9,7 +9,7 @@ cache, where streaming costs three (into the socket, out of it, into ``bytes``).
 Why no wrong byte can come out of it:
 
 - a file under ``shards/`` is published whole, by rename, and never written again
-  (:mod:`wdscache.cache`), so the bytes at an offset never change;
+  (:mod:`wdscache.fetch`), so the bytes at an offset never change;
 - the file opened must have the identity the worker read (device, inode, size,
   mtime): a file replaced since (evicted and downloaded again) is refused with
   :class:`StaleFile`, and the loader then asks for those bytes over the socket;

@@ -61,6 +61,7 @@ PENDING_RETRY = 0.05  # seconds before asking again for samples a restarted down
 REQUEST_BYTES = 4 << 20
 FIRST_REQUEST = 32  # samples a request asks for before that
 _END = object()
+MAX_STALE = 8  # direct reads in a row finding a file replaced: past this we do not see the agent's files
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
 
 
@@ -160,6 +161,7 @@ class CachedMultiLoader:
         self._start = Resume()  # what the next epoch has delivered already (a checkpoint's)
         self._current: _Stream | None = None
         self._resumed_from: dict[str, Any] | None = None
+        self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
 
     # -- epochs and checkpoints ---------------------------------------------
 
@@ -358,11 +360,12 @@ class _Stream:
         self.unneeded: deque[tuple[int, int]] = deque()  # (seen, shard): its last id, to release once dealt
         self.skipped: set[int] = set()
         self.ctx = zmq.Context()
-        # Payloads read from the cache files here (the agent says where they are), if the agent
-        # is on this machine, unless a read of them fails: then the workers send them (_accept).
-        direct = (loader.direct_reads and not loader.zero_copy and _same_machine(loader.endpoint)
-                  and isinstance(hello.get("cache_dir"), str))
+        # Payloads read from the cache files here (the agent says where they are), if we see
+        # its very cache directory, unless a read of them fails: then the workers send them.
+        direct = (loader.direct_reads and not loader.zero_copy and loader._direct_off is None
+                  and _same_machine(loader.endpoint) and _same_directory(hello))
         self.files = CacheFiles(hello["cache_dir"]) if direct else None
+        self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
         self.workers = [self._connect(ep) for ep in hello["workers"]]
         if not self.workers:
             raise WdsCacheError(f"the agent at {loader.endpoint} has no workers")
@@ -506,6 +509,8 @@ class _Stream:
                     self.opened[held] -= 1
                 self.reopen[seq] = items
             self._drain()
+            if self.files is not None:
+                self.files.close(url)  # a reply drained may have opened it: we hold no pin while we wait
             for held in list(self.opened):
                 if held != shard:
                     self._release(held, force=True)
@@ -545,6 +550,8 @@ class _Stream:
 
     def _failed(self, shard: int, exc: WdsCacheError) -> None:
         url = self.urls[shard]
+        if self.files is not None:
+            self.files.close(url)
         if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
             try:
                 self.conn.request({"op": "corrupt", "url": url, "error": str(exc)}, timeout=5.0)
@@ -805,12 +812,15 @@ class _Stream:
             try:
                 self.done[seq] = self._samples(header, payload, items, direct)
                 self._sized(self.done[seq][1])
+                self.stale = 0 if direct else self.stale
             except OSError as exc:  # from a direct read only
-                if not isinstance(exc, StaleFile) and self.files is not None:
+                self.stale += isinstance(exc, StaleFile)
+                if self.files is not None and (not isinstance(exc, StaleFile) or self.stale >= MAX_STALE):
                     # Not one file replaced meanwhile (that costs this read only): we cannot read
-                    # the cache files, so the workers send the bytes for the rest of the epoch.
+                    # the cache files, so the workers send the bytes from now on.
+                    self.loader._direct_off = str(exc)  # the message, not the exception: it holds frames
                     log.warning("cannot read the cache files directly (%s); the workers send the bytes instead",
-                                str(exc))  # the message, not the exception: it holds the open files' frames
+                                self.loader._direct_off)
                     self.files.close()
                     self.files = None
                 for _, (shard, _) in items:
@@ -882,11 +892,15 @@ class _Stream:
             raise ProtocolError("worker reply has a bad file range")
         urls = [self.urls[shard] for shard in dict.fromkeys(sid[0] for _, sid in items)]  # as _dispatch
         views = []
+        named: dict[int, list[int]] = {}
         for entry in ranges:
-            if not (isinstance(entry, list) and len(entry) == 7 and all(type(x) is int and x >= 0 for x in entry)
-                    and entry[0] < len(urls)):
+            # identity: device, inode, size, mtime (which may be before 1970)
+            if not (isinstance(entry, list) and len(entry) == 7 and all(type(x) is int for x in entry)
+                    and 0 <= entry[0] < len(urls) and min(entry[1:4]) >= 0):
                 raise ProtocolError("worker reply has a bad file range")
             k, start, size, *identity = entry
+            if named.setdefault(k, identity) != identity:
+                raise ProtocolError("worker reply names two files for one shard")
             views.append(self.files.range(urls[k], identity, start, size))
         return views
 
@@ -965,6 +979,19 @@ class _Stream:
         for w in self.workers:
             w.close(0)
         self.ctx.term()
+
+
+def _same_directory(hello: dict[str, Any]) -> bool:
+    """True when the agent's cache directory, as it names it, is the one we see at that path
+    (not so for an agent in another container, whose socket or port was shared with us)."""
+    path, root = hello.get("cache_dir"), hello.get("cache_root")
+    if not (isinstance(path, str) and os.path.isabs(path) and "\0" not in path and isinstance(root, list)):
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return [st.st_dev, st.st_ino] == root
 
 
 def _same_machine(endpoint: str) -> bool:

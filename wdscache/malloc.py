@@ -1,7 +1,7 @@
 """Keeping the C allocator from handing received sample memory back to the kernel.
 
-Each reply from a worker is a message of up to ``request_size`` samples (a few MB
-of images), which libzmq receives into memory it ``malloc``s, and the loader
+Each streamed reply from a worker is a message of up to ``request_size`` samples
+(a few MB of images), which libzmq receives into memory it ``malloc``s, and the loader
 copies each payload out into a ``bytes``. glibc serves such sizes from fresh
 ``mmap``s or trims them off the heap as soon as they are freed, so the next
 message faults every page in again: measured on 110 KB images, a consumer spent

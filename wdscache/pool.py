@@ -517,7 +517,7 @@ class _Worker:
             view = self._readable(url)
             views.append(view)
             if direct and isinstance(view, ShardView) and view.mapped:
-                files[view] = [k, *self.views[url][0]]  # now: a later open may push it out of self.views
+                files[view] = [k, *view.identity]
         nbytes = 0
         for item in items:  # per sample: kept to a few C-level calls (see PackedSamples.placed)
             if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and type(item[1]) is int):
@@ -641,7 +641,8 @@ class _Worker:
         finally:
             if growing is not None:
                 growing.close()  # its payloads went out as copies
-        self.views[url] = (identity, view)
+        # The identity of the file opened, not of the path a moment before: a reply names it.
+        self.views[url] = (view.identity, view)
         while len(self.views) > OPEN_SHARDS:
             # Dropped, not closed: frames still queued in ZeroMQ may point into its mmap.
             self.views.popitem(last=False)

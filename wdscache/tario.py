@@ -724,8 +724,10 @@ class ShardView:
     the only point where the file's memory is given back promptly.
     """
 
-    def __init__(self, data: bytearray | mmap.mmap, *, url: str, samples: Sequence[SampleSpan] | None = None) -> None:
+    def __init__(self, data: bytearray | mmap.mmap, *, url: str, samples: Sequence[SampleSpan] | None = None,
+                 identity: tuple[int, ...] = ()) -> None:
         self.url = url
+        self.identity = identity  # of the file opened (file_identity), when opened from one
         self._data: bytearray | mmap.mmap | None = data
         # Read-only even over a bytearray: payloads must not be able to alter the shard.
         self._view: memoryview | None = memoryview(data).toreadonly()
@@ -841,7 +843,7 @@ def open_shard(
             raise
     if index is not None and not indexed and samples is not None:
         samples = index.put(url, identity, samples) or samples  # kept packed, unless too many
-    return ShardView(data, url=url, samples=samples)
+    return ShardView(data, url=url, samples=samples, identity=identity)
 
 
 def iter_samples(path: str | os.PathLike[str], *, url: str) -> Iterator[Sample]:
