@@ -209,16 +209,6 @@ def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them
     assert not any(maps for _, maps in seen), seen  # read, never mapped: a damaged disk cannot SIGBUS us
 
 
-@pytest.mark.parametrize("endpoint, local", [
-    ("ipc:///tmp/wdscache/agent.sock", True), ("tcp://127.0.0.1:5555", True), ("tcp://localhost:5555", True),
-    ("tcp://[::1]:5555", True), ("tcp://10.0.0.5:5555", False), ("tcp://node7:5555", False),
-])
-def test_only_a_consumer_on_the_agents_machine_reads_its_files(endpoint, local):
-    from wdscache.loader import _same_machine
-
-    assert _same_machine(endpoint) is local
-
-
 def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_known(tmp_path, dataset,
                                                                                  start_agent):
     from wdscache.loader import REQUEST_BYTES

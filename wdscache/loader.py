@@ -363,7 +363,7 @@ class _Stream:
         # Payloads read from the cache files here (the agent says where they are), if we see
         # its very cache directory, unless a read of them fails: then the workers send them.
         direct = (loader.direct_reads and not loader.zero_copy and loader._direct_off is None
-                  and _same_machine(loader.endpoint) and _same_directory(hello))
+                  and _same_directory(hello))
         self.files = CacheFiles(hello["cache_dir"]) if direct else None
         self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
         self.workers = [self._connect(ep) for ep in hello["workers"]]
@@ -812,7 +812,8 @@ class _Stream:
             try:
                 self.done[seq] = self._samples(header, payload, items, direct)
                 self._sized(self.done[seq][1])
-                self.stale = 0 if direct else self.stale
+                if direct:
+                    self.stale = 0
             except OSError as exc:  # from a direct read only
                 self.stale += isinstance(exc, StaleFile)
                 if self.files is not None and (not isinstance(exc, StaleFile) or self.stale >= MAX_STALE):
@@ -887,7 +888,7 @@ class _Stream:
     def _file_ranges(self, ranges: Any, items: list) -> list[FileRange]:
         """The byte ranges of cache files a reply names (``files``, see :mod:`wdscache.pool`)."""
         if self.files is None:  # a read sent before direct reads were turned off: asked again
-            raise StaleFile(errno.ESTALE, "direct reads are off for this epoch")
+            raise StaleFile(errno.ESTALE, "direct reads are off")
         if not isinstance(ranges, list):
             raise ProtocolError("worker reply has a bad file range")
         urls = [self.urls[shard] for shard in dict.fromkeys(sid[0] for _, sid in items)]  # as _dispatch
@@ -983,7 +984,8 @@ class _Stream:
 
 def _same_directory(hello: dict[str, Any]) -> bool:
     """True when the agent's cache directory, as it names it, is the one we see at that path
-    (not so for an agent in another container, whose socket or port was shared with us)."""
+    (same device and inode): not so for an agent on another machine, or in another container
+    whose socket or port was shared with us."""
     path, root = hello.get("cache_dir"), hello.get("cache_root")
     if not (isinstance(path, str) and os.path.isabs(path) and "\0" not in path and isinstance(root, list)):
         return False
@@ -992,14 +994,6 @@ def _same_directory(hello: dict[str, Any]) -> bool:
     except OSError:
         return False
     return [st.st_dev, st.st_ino] == root
-
-
-def _same_machine(endpoint: str) -> bool:
-    """True for an IPC endpoint or TCP on loopback: the agent's files are ours to read."""
-    if endpoint.startswith("ipc://"):
-        return True
-    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1")
 
 
 def _shard_error(url: str, reply: dict[str, Any]) -> ShardError:

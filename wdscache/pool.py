@@ -15,14 +15,15 @@ A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
            followed by frames of raw shard bytes: each sample's fields lie in frame
            ``frame`` at the given offsets, one (offset, size) per extension. Samples
            adjacent in their shard share a run of bytes (within MERGE_GAP; within
-           DIRECT_GAP for a file range, whose gaps the consumer never reads). A run of GATHER_BELOW bytes or
-           more is a frame of its own (zero-copy from the mapped shard); the shorter
-           ones are copied together into one frame (the first) while the worker's copy
-           budget lasts, so that a scattered read, as a shuffled epoch makes, costs one
-           frame rather than one per sample.
-           With ``direct`` (a consumer on this machine that can read the cache files),
-           the runs of a published, uncompressed shard are not sent at all: ``files`` (absent when empty) names each as a byte range of the
-           cache file of ``urls[k]``, with the identity of the file the worker read
+           DIRECT_GAP for a file range, whose gaps the consumer never reads). A run
+           of GATHER_BELOW bytes or more is a frame of its own (zero-copy from the
+           mapped shard); the shorter ones are copied together into one frame (the
+           first) while the worker's copy budget lasts, so that a scattered read, as a
+           shuffled epoch makes, costs one frame rather than one per sample.
+           With ``direct`` (a consumer that sees the agent's cache directory), the runs
+           of a published, uncompressed shard are not sent at all: ``files`` (absent
+           when empty) names each as a byte range of the cache file of ``urls[k]``,
+           with the identity of the file the worker opened
            (:func:`~wdscache.tario.file_identity`), and frame numbers past the last frame
            sent name them, in order. The consumer copies those payloads from the page
            cache itself (:mod:`wdscache.direct`): one copy per byte, where a frame costs
@@ -580,9 +581,10 @@ class _Worker:
     ) -> tuple[list[Any], list[list[int]]]:
         """The reply's frames and file ranges for ``runs``.
 
-        Runs of ``files`` (views the consumer reads itself) become file ranges; short runs (two or more) are copied together, up to ``room``
-        bytes, into the first frame (a tracked :class:`zmq.Frame`); the others go as they
-        are (zero-copy, unless pyzmq copies a small one itself). ``spans`` (``[run, offset
+        Runs of ``files`` (views the consumer reads itself) become file ranges; short runs
+        (two or more) are copied together, up to ``room`` bytes, into the first frame (a
+        tracked :class:`zmq.Frame`); the others go as they are (zero-copy, unless pyzmq
+        copies a small one itself). ``spans`` (``[run, offset
         in run, size, ...]``) are made to name frames (file ranges after them) and offsets.
         """
         frames: list[Any] = []
