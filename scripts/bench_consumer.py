@@ -252,14 +252,16 @@ def mode_wdscache(args: argparse.Namespace) -> None:
 
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    def build(job: str, shuffle: bool) -> CachedMultiLoader:
+        return CachedMultiLoader(cache_dir=args.cache_dir, job=job, rank=args.rank, world_size=args.world_size,
+                                 shuffle=shuffle, timeout=args.timeout, direct_reads=not args.no_direct)
+
     if args.warmup:
         # A process in its first epoch pays for every page of heap it grows, and on a VM the
         # first touch of memory the host took back costs far more than zeroing it (see the
         # README). The single consumer's warm epoch follows its cold one in the same process;
         # ranks started for one epoch read a few requests first, as a job of its own, to match.
-        warm = iter(CachedMultiLoader(cache_dir=args.cache_dir, job=f"{args.job}-warmup", rank=args.rank,
-                                      world_size=args.world_size, shuffle=False, timeout=args.timeout,
-                                      direct_reads=not args.no_direct))
+        warm = iter(build(f"{args.job}-warmup", False))
         try:
             for _, _ in zip(range(args.warmup), warm):
                 pass
@@ -273,10 +275,7 @@ def mode_wdscache(args: argparse.Namespace) -> None:
     def loader(shuffle: bool) -> Callable[[], Iterable[dict[str, Any]]]:
         def make() -> Iterable[dict[str, Any]]:
             if shuffle not in holder:
-                holder[shuffle] = CachedMultiLoader(
-                    cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
-                    shuffle=shuffle, timeout=args.timeout, direct_reads=not args.no_direct,
-                )
+                holder[shuffle] = build(args.job, shuffle)
             return holder[shuffle]
         return make
 

@@ -53,3 +53,22 @@ def rss_kib(pid: int, kind: str = "VmRSS") -> int:
     except OSError:
         pass
     return 0
+
+
+def files_held(pid: int | str, under: Path) -> tuple[list[str], list[str]]:
+    """Files under ``under`` that process ``pid`` (or "self") holds open, and those it maps
+    (a deleted one's path ends with " (deleted)"); none once the process is gone."""
+    fds: list[str] = []
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile (as is the one listdir itself used)
+            if target.startswith(str(under)):
+                fds.append(target)
+        maps = [line.split(None, 5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                if str(under) in line]
+    except FileNotFoundError:
+        return [], []
+    return fds, maps

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import files_held
 from shards import write_url_list
 from streaming import reference
 from test_tario import REAL_SHARDS, TESTDATA
@@ -36,17 +37,7 @@ def digests(samples: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
 
 def cache_files_held(cache: Path) -> tuple[list[str], list[str]]:
     """Cache files this process holds open, and those it maps."""
-    shards = str(cache / "shards")
-    fds = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # the descriptor listdir itself used
-        if target.startswith(shards):
-            fds.append(target)
-    maps = [line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if shards in line]
-    return fds, maps
+    return files_held("self", cache / "shards")
 
 
 @pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -17,28 +16,15 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from conftest import wait_for
-from procs import worker_pids
+from procs import files_held, worker_pids
 from streaming import reference
 from wdscache import CachedMultiLoader
 
 
 def deleted_files_held(pid: int, under: Path) -> list[str]:
     """Files under ``under`` that process ``pid`` holds open or mapped after they were deleted."""
-    held = []
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(str(under)) and target.endswith(" (deleted)"):
-                held.append(target)
-        for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-            if str(under) in line and line.endswith(" (deleted)"):
-                held.append(line.split(None, 5)[-1])
-    except FileNotFoundError:
-        pass  # the worker is gone: it holds nothing
-    return held
+    fds, maps = files_held(pid, under)
+    return [path for path in fds + maps if path.endswith(" (deleted)")]
 
 
 def test_workers_index_published_shards_before_anyone_reads_them(tmp_path, shard_server, dataset, start_agent):

@@ -781,7 +781,7 @@ class ShardView:
         Safe while payloads there are still in use: the mapping is shared and
         read-only, so a page touched again is read back from the page cache.
         """
-        if isinstance(self._data, mmap.mmap) and end > start:
+        if self.mapped and end > start:
             first = start - start % mmap.PAGESIZE
             self._data.madvise(mmap.MADV_DONTNEED, first, min(end, len(self._data)) - first)
 
