@@ -610,6 +610,30 @@ class Bench:
             shutil.rmtree(cache, ignore_errors=True)
         self.finish_run(prof, rep, "wdscache", None, rows, status, **extra)
 
+    def run_wdscache_other_order(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        """A cold first sample from an agent started with every default (its start-up plan in
+        seeded shuffle order, prefetching at once) and a consumer reading in list order: its first
+        shard is one nobody prefetched, which must not wait for a download slot behind them."""
+        cache = self.fresh_dir(f"{prof}-wdscache-other")
+        agent = Agent(self, cache, Path(ds["http_list"]), 0, tag=f"{prof}-agent-defaults", defaults=True)
+        self.agents.append(agent)
+        rows: dict[str, Any] = {}
+        try:
+            agent.start()
+            time.sleep(0.5)  # its prefetches under way, as when a job starts after its agent
+            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "other", "--max-samples", "1",
+                              "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT), "--log",
+                              tag=f"{prof}-wdscache-other").wait(self.http_deadline(ds))
+            r = c.report()
+            status = "ok" if c.returncode == 0 and r is not None and r["epochs"][0]["samples"] == 1 else \
+                f"error: exit {c.returncode}: {c.stderr_tail(5)}"
+            if status == "ok":
+                rows[OTHER_ORDER] = self.epoch_row(r["epochs"][0])
+        finally:
+            agent.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+        self.finish_run(prof, rep, "wdscache-other-order", None, rows, status)
+
     def run_wdscache_streamed(self, prof: str, ds: dict[str, Any], agent: "Agent", cache: Path) -> dict[str, Any]:
         """One warm epoch with ``direct_reads=False``: the workers send every byte over ZeroMQ."""
         c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "streamed", "--no-direct",
@@ -782,6 +806,7 @@ class Bench:
                 ("wds-local", self.run_wds_local), ("wds-multi", self.run_multi), ("wdscache", self.run_wdscache),
                 ("wds-http", self.run_wds_http), ("wds-multi-stock", self.run_multi_stock),
                 ("wds-cachedir", self.run_wds_cachedir), ("cat", self.run_cat), ("zmq", self.run_zmq),
+                ("wdscache-other-order", self.run_wdscache_other_order),
             ]
             skip = {s.strip() for s in a.skip.split(",") if s.strip()}
             systems = [s for s in systems if s[0] not in skip]
@@ -819,8 +844,9 @@ class Bench:
 class Agent:
     """A ``wdscache agent`` subprocess, its readiness, CPU and memory."""
 
-    def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str) -> None:
+    def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str, *, defaults: bool = False) -> None:
         self.bench, self.cache, self.urls, self.budget, self.tag = bench, cache, urls, budget, tag
+        self.defaults = defaults  # every option at its default (the start-up plan in seeded shuffle order)
         self.child: Child | None = None
         self.pid = 0
         self.t_launch = 0.0
@@ -834,10 +860,11 @@ class Agent:
     def start(self) -> None:
         b = self.bench
         b._seq += 1
-        cmd = [wdscache_exe(), "agent", "--cache-dir", str(self.cache), "--urls", str(self.urls),
-               "--cache-size", str(self.budget), "--prefetch", str(PREFETCH),
-               "--download-workers", str(DOWNLOAD_WORKERS), "--workers", str(AGENT_WORKERS),
-               "--min-free", "1M", "--no-shuffle"]
+        cmd = [wdscache_exe(), "agent", "--cache-dir", str(self.cache), "--urls", str(self.urls)]
+        if not self.defaults:
+            cmd += ["--cache-size", str(self.budget), "--prefetch", str(PREFETCH),
+                    "--download-workers", str(DOWNLOAD_WORKERS), "--workers", str(AGENT_WORKERS),
+                    "--min-free", "1M", "--no-shuffle"]
         self.t_launch = time.time()
         self.child = Child(cmd, b.logs / f"{b._seq:03d}-{self.tag}.log")
         self.pid = self.child.pid
@@ -974,6 +1001,7 @@ ROW_ORDER = [
     "cat shards > /dev/null (page cache; MB are tar bytes)",
     "pyzmq IPC PUSH/PULL, multipart, copy=False",
 ]
+OTHER_ORDER = "wdscache, agent with default options, loader in list order: first sample (cold)"
 REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
 # Samples each of the eight consumers reads before the measured epoch (twice what its first
 # four requests ask for), so that it is measured warm, as the single consumer's epoch 2 is.
@@ -1133,6 +1161,10 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         r = ratio(t_c, t_w)
         add("4", f"{prof} cold first sample: wdscache ≥ 10x sooner than wds cache_dir", r, 10.0, ge,
             f"{r:.2f}x ({fmt(t_w)} ms vs {fmt(t_c)} ms)" if r else "")
+        t_o = med(s, prof, OTHER_ORDER, "ttfs_ms")
+        add("4", f"{prof} cold first sample, agent with default options, loader in another order: "
+            "≤ wds HTTP streaming + 50 ms", t_o, t_h + 50 if t_h is not None else None, le,
+            f"{fmt(t_o)} ms vs {fmt(t_h)} + 50 ms")
     cw, cm = med(s, "images", W, "cpu_s_per_gb"), med(s, "images", ML, "cpu_s_per_gb")
     r = ratio(cw, cm)
     add("5", "warm images: CPU s/GB ≤ 0.5x MultiLoader (all processes)", r, 0.5, le,

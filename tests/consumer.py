@@ -35,13 +35,14 @@ def main() -> int:
     ap.add_argument("--resume", default=None, help="a JSON state dict to load")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each sample")
     ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--on-error", default="raise", choices=("raise", "skip"))
     args = ap.parse_args()
     # The loader's warnings (retries, skipped shards) land in the log a failing test shows.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loader = CachedMultiLoader(
         args.urls, cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
         seed=args.seed, shuffle=not args.no_shuffle, shuffle_buffer=args.shuffle_buffer,
-        drop_last=args.drop_last, timeout=args.timeout,
+        drop_last=args.drop_last, timeout=args.timeout, on_error=args.on_error,
     )
     if args.resume:
         loader.load_state_dict(json.loads(args.resume))

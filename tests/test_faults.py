@@ -707,12 +707,14 @@ def test_corrupt_shard_raises_shard_error_naming_it_and_shows_in_stats(shard_ser
         list(in_process_loader(cache, "raiser"))
     assert info.value.url == bad_url and bad_url in str(info.value), str(info.value)
     assert words in str(info.value), str(info.value)
-    s = agent.stats()
+    # Damaged at its source: fetched once more, found damaged again, failed with the reason.
+    s = agent.wait_stats(lambda s: s["failed"], 10, "the damaged shard was not failed")
     corrupt = s["agent"]["corrupt"]
     assert [c["url"] for c in corrupt] == [bad_url], corrupt
     assert words in corrupt[0]["error"] and bad_url in corrupt[0]["error"], corrupt
-    assert s["corrupt"] == 1, s
-    assert s["shards"]["cached"] == 3 and s["failed"] == []
+    assert s["corrupt"] == 2, s  # the first copy and the one fetched again
+    assert [f["url"] for f in s["failed"]] == [bad_url] and words in s["failed"][0]["error"], s["failed"]
+    assert s["shards"]["cached"] == 2
     assert agent.running()
 
 

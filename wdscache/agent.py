@@ -48,6 +48,7 @@ from .plan import Reader, wanted
 from .pool import WorkerPool
 from .protocol import field as get_field
 from .stats import build, jobs_view, public, with_fraction
+from .tario import file_identity
 from .protocol import numbers, pack, pages, strings, unpack
 from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
@@ -64,7 +65,7 @@ FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the in
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 INDEX_HINTS = 64  # shards lately published that a new worker is told to index
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
-WORKER_OPS = ("worker", "counted")  # reports only our workers may send (and "walked", with frames)
+WORKER_OPS = ("worker", "counted", "damaged")  # reports only our workers may send (and "walked", with frames)
 MAX_JOB_LISTS = 16
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
@@ -123,7 +124,8 @@ class Agent:
         self._list_id = ""
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read
         self._changed: dict[str, str] = {}  # url -> how it changed on the server
-        self._refetched: set[str] = set()  # corrupt shards already downloaded once more
+        self._suspect: set[str] = set()  # cached shards a read found damaged: fetched again at the next open
+        self._refetched: set[str] = set()  # damaged shards already downloaded once more
         self._verified: set[str] = set()  # cached shards known current (downloaded or checked this run)
         self._failed_at: dict[str, float] = {}
         self._paused_until = 0.0
@@ -293,7 +295,9 @@ class Agent:
         write_private(self.layout.state_path, json.dumps(state).encode())
 
     def _start_threads(self) -> None:
-        for i in range(self.config.download_workers):
+        # Twice --download-workers: prefetches use at most half, so a shard a reader waits for
+        # starts at once instead of queueing behind prefetches nobody asked for (_schedule).
+        for i in range(2 * self.config.download_workers):
             t = threading.Thread(target=self._download_thread, name=f"download-{i}", daemon=True)
             t.start()
             self._threads.append(t)
@@ -460,6 +464,43 @@ class Agent:
                 except zmq.ZMQError:
                     pass  # that worker walks the shard itself
 
+    def _damaged(self, url: str, error: str, identity: list[Any] | None, who: str) -> None:
+        """A read found ``url``'s cached copy damaged: it is downloaded once more when no reader
+        holds it, and failed (with the reason) if that new copy is damaged too.
+
+        ``identity`` names the file a worker read; a consumer cannot say which copy it read
+        (None), so its report only ever asks for the one new download. A report about a copy
+        replaced since changes nothing.
+        """
+        assert self.cache is not None
+        rec = self.cache.index.get(url)
+        if rec is None or rec.state is not ShardState.CACHED:
+            return
+        if identity is not None:
+            try:
+                if list(file_identity(os.stat(self.cache.path(url)))) != identity:
+                    return
+            except OSError:
+                return
+        elif url in self._refetched:
+            return
+        if url in self._suspect:
+            return  # this copy was reported already
+        log.error("damaged shard reported by %s: %s: %s", who, url, error[:500])
+        self.cache.index.incr("corrupt")
+        self._corrupt[url] = error[:500]
+        while len(self._corrupt) > MAX_LISTED:
+            self._corrupt.pop(next(iter(self._corrupt)))
+        if url not in self._refetched:
+            self._suspect.add(url)
+            return
+        reason = f"damaged again after it was downloaded once more: {error[:400]}"
+        log.error("failed %s: %s", url, reason)
+        self._suspect.discard(url)
+        self.cache.fail_cached(url, reason)
+        self._failed_at[url] = time.monotonic()
+        self._answer_waiters(url, error=reason)
+
     def _verified_event(self, url: str, now: Any) -> None:
         """A cached shard from an earlier run was compared with its source."""
         assert self.cache is not None
@@ -499,7 +540,11 @@ class Agent:
         self._tasks.put(d)
 
     def _schedule(self) -> None:
-        """Start downloads for the most urgent wanted shards; cancel those no longer wanted."""
+        """Start downloads for the most urgent wanted shards; cancel those no longer wanted.
+
+        Prefetches take at most --download-workers connections; a shard a reader waits
+        for may take as many again, so it never queues behind prefetches.
+        """
         assert self.cache is not None
         want = self._wanted_urls()
         want_set = set(want)
@@ -515,7 +560,9 @@ class Agent:
             rec = self.cache.index.get(url)
             if rec is not None and rec.state is ShardState.FAILED:
                 continue
-            if len(self._active) >= self.config.download_workers:
+            # Demanded shards come first in ``want``; they may use the extra connections.
+            slots = self.config.download_workers * (2 if url in self._demanded else 1)
+            if len(self._active) >= slots:
                 if url in self._demanded:
                     self._preempt()
                 break
@@ -735,7 +782,7 @@ class Agent:
             except ProtocolError as exc:
                 self._reply(ident, rid, ok=False, error=str(exc))
             except IndexWriteError as exc:
-                self._reply(ident, rid, ok=False, error=f"{exc}; try again shortly")
+                self._reply(ident, rid, ok=False, retry=True, error=f"{exc}; try again shortly")
                 self._index_full(exc)
             except Exception as exc:  # one bad message must never take the agent down
                 log.exception("error handling a message")
@@ -772,14 +819,13 @@ class Agent:
             if samples >= 0 and self.cache.is_cached(url):
                 self.cache.index.set_count(url, samples)
             return
-        if op == "corrupt":
-            assert self.cache is not None
+        if op == "damaged":  # from one of our workers (checked above), naming the copy it read
             url, error = get_field(header, "url", str), get_field(header, "error", str)
-            log.error("corrupt shard reported by a consumer: %s: %s", url, error[:500])
-            self.cache.index.incr("corrupt")
-            self._corrupt[url] = error[:500]
-            while len(self._corrupt) > MAX_LISTED:
-                self._corrupt.pop(next(iter(self._corrupt)))
+            self._damaged(url, error, get_field(header, "identity", list), "a worker")
+            return
+        if op == "corrupt":
+            url, error = get_field(header, "url", str), get_field(header, "error", str)
+            self._damaged(url, error, None, "a consumer")
             self._reply(ident, rid, ok=True)
             return
         if op == "counts":
@@ -940,12 +986,15 @@ class Agent:
             log.warning("cache file of %s vanished; downloading it again", url)
             self.cache.remove(url)
             rec = None
-        elif rec is not None and url in self._corrupt and url not in self._refetched and not self.cache.pins.get(url):
-            # A consumer could not read it: fetch it once more (a bad copy is repaired; a bad source is not).
-            log.warning("downloading %s again: %s", url, self._corrupt[url])
+        elif rec is not None and url in self._suspect and not self.cache.pins.get(url):
+            # A read found it damaged: fetch it once more (a bad copy is repaired; a bad source
+            # is failed once its new copy is found damaged too, see _damaged).
+            # Its sample count stays: it was found in a copy of this very version, and the ranks
+            # of a job that ask for it meanwhile must all get the same answer.
+            log.warning("downloading %s again: %s", url, self._corrupt.get(url, "found damaged"))
+            self._suspect.discard(url)
             self._refetched.add(url)
             self.cache.remove(url)
-            self.cache.index.drop_count(url)
             rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             self.cache.index.incr("hits")
@@ -963,7 +1012,7 @@ class Agent:
         if rec is not None and rec.state is ShardState.FAILED:
             failed_at = self._failed_at.get(url, 0.0)
             if time.monotonic() - failed_at < FAILED_RETRY_AFTER:
-                self._reply(ident, rid, ok=False, error=rec.error or "download failed")
+                self._reply(ident, rid, ok=False, error=rec.error or "download failed", damaged=url in self._refetched)
                 return
             self.cache.forget_failure(url)
         self._demanded.setdefault(url, time.monotonic())
@@ -998,11 +1047,15 @@ class Agent:
         rec = self.cache.index.get(url)
         if rec is not None and rec.state is ShardState.CACHED:
             return {"state": "cached"}
+        d = self._active.get(url)
+        # Bytes written so far: a waiting consumer counts their growth as progress.
+        progress = {"written": d.written, "total": d.total} if d is not None and not d.verify else {}
         if self._streamable(url):
-            return {"state": "downloading"}
+            return {"state": "downloading", **progress}
         if rec is not None and rec.state is ShardState.FAILED:
-            return {"state": "failed", "error": rec.error or "download failed"}
-        return {"state": "queued" if url in self._active or url in self._demanded else "unknown"}
+            # "damaged": its copies were found damaged (the shard is bad, not its download).
+            return {"state": "failed", "error": rec.error or "download failed", "damaged": url in self._refetched}
+        return {"state": "queued" if url in self._active or url in self._demanded else "unknown", **progress}
 
     def _streamable(self, url: str) -> bool:
         """True when ``url`` is downloading with its whole size reserved: it will finish whatever is pinned."""

@@ -165,6 +165,12 @@ class ShardCache:
         _unlink(d.partial)
         self.index.put(ShardRecord(d.url, ShardState.FAILED, error=error))
 
+    def fail_cached(self, url: str, error: str) -> None:
+        """A cached shard is unusable (its copy is damaged, as is its source's): FAILED first,
+        then its file goes (a reader holding it open keeps what it has)."""
+        self.index.put(ShardRecord(url, ShardState.FAILED, error=error))
+        _unlink(self.layout.shard_path(url))
+
     def abandon(self, d: Download, *, keep_partial: bool = False) -> None:
         """``d`` stopped unfinished; its shard goes back to not cached."""
         self.inflight.pop(d.url, None)

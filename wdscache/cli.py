@@ -44,7 +44,7 @@ def main() -> None:
 @click.option("--prefetch", envvar="WDSCACHE_PREFETCH", default=8, type=int, show_envvar=True,
               help="Shards kept ready ahead of each reader.")
 @click.option("--download-workers", envvar="WDSCACHE_DOWNLOAD_WORKERS", default=4, type=int,
-              show_envvar=True, help="Parallel downloads.")
+              show_envvar=True, help="Parallel prefetches; shards a reader waits for may use as many again.")
 @click.option("--workers", envvar="WDSCACHE_WORKERS", default=min(os.cpu_count() or 1, 8), type=int,
               show_envvar=True, help="Sample worker processes.")
 @click.option("--endpoint", envvar="WDSCACHE_ENDPOINT", default=None, show_envvar=True,

@@ -16,13 +16,15 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
 from .errors import AgentUnavailableError, FetchError, ProtocolError
 from .layout import CacheLayout
 from .protocol import pack, unpack
+
+RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
 
 
 def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> str:
@@ -61,44 +63,66 @@ class AgentConnection:
         return self._sock
 
     def request(self, header: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
-        """Send ``header`` and return the reply's header; raises if none comes in time."""
+        """Send ``header`` and return the reply's header; raises if none comes in time.
+
+        A reply marked ``retry`` (the agent could not write its index for a moment) is
+        asked again until the timeout; the last such reply is returned then.
+        """
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while True:
+            reply = self._exchange(header, deadline, wait)
+            left = deadline - time.monotonic()
+            if not reply.get("retry") or left <= 0:
+                return reply
+            time.sleep(min(RETRY_PAUSE, left))
+
+    def _exchange(self, header: dict[str, Any], deadline: float, wait: float) -> dict[str, Any]:
         sock = self._socket()
         rid = next(self._ids)
         sock.send_multipart(pack({**header, "id": rid}))
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
-                raise AgentUnavailableError(self.endpoint, self.timeout if timeout is None else timeout, self.hint)
+                raise AgentUnavailableError(self.endpoint, wait, self.hint)
             reply, _ = unpack(sock.recv_multipart())
             if reply.get("id") == rid:
                 return reply
             # A late reply to an earlier request that timed out: skip it.
 
-    def request_patiently(self, header: dict[str, Any], *, liveness: float) -> dict[str, Any]:
+    def request_patiently(
+        self, header: dict[str, Any], *, liveness: float, probe: dict[str, Any] | None = None,
+        on_probe: Callable[[dict[str, Any]], None] | None = None, every: float | None = None,
+    ) -> dict[str, Any]:
         """Like :meth:`request`, for requests that may take long (a shard being downloaded).
 
-        Waits as long as the agent keeps answering a ping within ``liveness`` seconds;
-        raises AgentUnavailableError once it does not.
+        Every ``every`` seconds (default ``liveness / 2``) it sends ``probe`` (default a
+        ping) and hands the answer to ``on_probe``, which may raise to give up (a consumer
+        that sees no progress, say). Raises AgentUnavailableError once a probe goes
+        unanswered for ``liveness`` seconds.
         """
         sock = self._socket()
         rid = next(self._ids)
         sock.send_multipart(pack({**header, "id": rid}))
-        ping_id, ping_sent = None, time.monotonic()
+        probe = probe or {"op": "ping", "reader": str(header.get("reader", ""))}
+        every = liveness / 2 if every is None else every
+        probe_id, probe_sent = None, time.monotonic()
         while True:
-            if sock.poll(int(liveness * 1000 / 4) + 1):
+            if sock.poll(int(min(every, liveness) * 1000 / 4) + 1):
                 reply, _ = unpack(sock.recv_multipart())
                 if reply.get("id") == rid:
                     return reply
-                if reply.get("id") == ping_id:
-                    ping_id = None
+                if reply.get("id") == probe_id:
+                    probe_id = None
+                    if on_probe is not None:
+                        on_probe(reply)
                 continue
             now = time.monotonic()
-            if ping_id is not None and now - ping_sent > liveness:
+            if probe_id is not None and now - probe_sent > liveness:
                 raise AgentUnavailableError(self.endpoint, liveness, self.hint)
-            if ping_id is None and now - ping_sent > liveness / 2:
-                ping_id, ping_sent = next(self._ids), now
-                sock.send_multipart(pack({"op": "ping", "reader": str(header.get("reader", "")), "id": ping_id}))
+            if probe_id is None and now - probe_sent > every:
+                probe_id, probe_sent = next(self._ids), now
+                sock.send_multipart(pack({**probe, "id": probe_id}))
 
     def close(self) -> None:
         if self._sock is not None and self._pid == os.getpid():

@@ -54,6 +54,7 @@ class ShardState(str, enum.Enum):
         DOWNLOADING -> FAILED    permanent error (404, not a tar) or retries exhausted
         FAILED -> QUEUED         asked for again after the list changed or a retry delay
         CACHED -> EVICTING       chosen for eviction; the file is deleted next
+        CACHED -> FAILED         its copy was found damaged after being downloaded once more
         EVICTING -> (none)       file gone, record deleted
 
     QUEUED lives only in the agent's memory; the others are persisted.

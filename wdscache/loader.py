@@ -13,9 +13,15 @@ whole shards; only when its ids come out depends on timing, never which.
 Guarantees (for the ranks of one job with the same settings):
 
 - every epoch delivers each sample exactly once, plus at most ``W-1`` padding
-  repeats (or none, with ``drop_last``), and every rank the same number
-  (``on_error="skip"`` can break this: what a failed shard gave before it failed
-  depends on timing);
+  repeats (or none, with ``drop_last``), and every rank the same number. With
+  ``on_error="skip"`` a sample that cannot be read (its shard failed or is
+  damaged) is replaced by a repeat of one the rank did read, so the counts stay
+  equal; every sample of every healthy shard is still delivered. A shard whose
+  download fails while it is streamed ends where it failed, which can differ
+  between ranks (only then can their counts differ);
+- no wait lasts longer than ``timeout`` seconds without progress (a sample, or
+  bytes arriving for a shard waited for): then the error names the reason the
+  agent gives (a failed download, no room in the cache, no answer);
 - the same inputs give the same per-rank sequences whatever the number of agent
   workers, the timing or the machine load;
 - ``state_dict()`` of any rank resumes the job, with any world size, at exactly
@@ -35,6 +41,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import zmq
@@ -51,6 +58,7 @@ from .urls import format_url_list, list_id, parse_url_list, read_url_list
 log = logging.getLogger(__name__)
 
 REPORT_EVERY = 1.0
+REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped
 MAX_RESENDS = 3  # a request no worker answers this often fails instead of retrying forever
 STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
 STATUS_EVERY = 1.0  # seconds between asking the agent how a download we stream from is going
@@ -63,6 +71,22 @@ FIRST_REQUEST = 32  # samples a request asks for before that
 _END = object()
 MAX_STALE = 8  # direct reads in a row finding a file replaced: past this we do not see the agent's files
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
+
+
+@dataclass
+class _Read:
+    """A read sent to a worker. ``sent`` indexes the items asked for; the others are holes
+    (their shard was skipped), filled with repeats when the samples are handed out."""
+
+    items: list[tuple[int, SampleId]]
+    sent: list[int]
+    at: float
+    rid: str
+    worker: int
+    direct: bool
+
+    def sent_items(self) -> list[tuple[int, SampleId]]:
+        return [self.items[i] for i in self.sent]
 
 
 def _env_defaults() -> dict[str, Any]:
@@ -373,8 +397,7 @@ class _Stream:
         for w in self.workers:
             self.poller.register(w, zmq.POLLIN)
         self.rr = itertools.count()
-        # seq -> (items, sent, rid, worker, whether it asked for direct reads)
-        self.pending: dict[int, tuple[list[tuple[int, SampleId]], float, str, int, bool]] = {}
+        self.pending: dict[int, _Read] = {}  # reads sent, by sequence number
         # Reads to send again: seq -> (items, when). Their shards are downloading and do not
         # hold those samples yet (the download started over), or were pinned again (see _recover).
         self.delayed: dict[int, tuple[list[tuple[int, SampleId]], float]] = {}
@@ -391,7 +414,15 @@ class _Stream:
         self.per_sample = 0.0  # payload bytes per sample of the latest replies, see _sized
         self.seq_next = 0
         self.calls: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
-        self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0}
+        self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}
+        # The last moment something moved (a sample came, a download we wait for grew, the
+        # user handed control back): no wait may outlast it by more than the timeout.
+        self.progress_at = time.monotonic()
+        self.written: dict[int, int] = {}  # bytes the agent said a download we wait for holds
+        self.retried: set[int] = set()  # shards found damaged: the agent fetches them once more
+        self.renewed: set[int] = set()  # of those, opened again since: damaged now, they fail
+        self.to_report: dict[int, str] = {}  # of those, damage not yet told to the agent
+        self.broken = False  # the epoch ended in an error: close quickly
         self._stop_reports = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, name="wdscache-report", daemon=True)
         self._reporter.start()
@@ -448,6 +479,8 @@ class _Stream:
                 error: WdsCacheError = _shard_error(url, reply)
                 break
             count = int(reply["count"])
+            if count > known:
+                self.progress_at = time.monotonic()
             yield from range(known, count)
             known = max(known, count)
             if reply.get("final"):
@@ -458,10 +491,15 @@ class _Stream:
                 return
             if time.monotonic() - asked > STATUS_EVERY:
                 asked = time.monotonic()
-                status = self.conn.request({"op": "status", "reader": self.name, "url": url})
+                status = self.conn.request({"op": "status", "reader": self.name, "url": url}, timeout=self._left())
                 if status.get("state") == "failed":
-                    error = FetchError(url, str(status.get("error")))
+                    error = self._failure(shard, status)
                     break
+                written = status.get("written")
+                if isinstance(written, int) and written > self.written.get(shard, -1):
+                    self.written[shard] = written
+                    self.progress_at = time.monotonic()
+                self._check_stall(lambda: (shard, status))
                 if status.get("state") in ("queued", "unknown", "cached"):
                     # The download lost its budget or was forgotten (the agent restarted), or
                     # it is cached but the worker cannot see it (its file went): pin it again,
@@ -516,9 +554,12 @@ class _Stream:
                     self._release(held, force=True)
             self.waits += 1
             request["wait"] = True
-            reply = self.conn.request_patiently(request, liveness=self.loader.timeout)
+            probe = {"op": "status", "reader": self.name, "url": url}
+            reply = self.conn.request_patiently(
+                request, liveness=self.loader.timeout, probe=probe, every=min(STATUS_EVERY, self.loader.timeout / 4),
+                on_probe=lambda status: self._waited(shard, status))
         if not reply.get("ok"):
-            self._failed(shard, FetchError(url, str(reply.get("error"))))
+            self._failed(shard, self._failure(shard, reply))
             return
         self.opened.setdefault(shard, 0)
         if reply.get("partial"):
@@ -526,6 +567,47 @@ class _Stream:
                 self.partial.add(shard)
         elif isinstance(reply.get("samples"), int):
             self.counts.setdefault(shard, reply["samples"])
+
+    # -- progress and stalls ------------------------------------------------------
+
+    def _waited(self, shard: int, status: dict[str, Any]) -> None:
+        """What the agent says of a shard we wait for: bytes arriving are progress, and no
+        progress for ``timeout`` seconds ends the wait (a failed download ends it with the
+        agent's answer to the open itself)."""
+        written = status.get("written")
+        if isinstance(written, int) and written > self.written.get(shard, -1):
+            self.written[shard] = written
+            self.progress_at = time.monotonic()
+        self._check_stall(lambda: (shard, status))
+
+    def _check_stall(self, waited: Callable[[], tuple[int, dict[str, Any] | None]] | None = None) -> None:
+        """Raise if nothing moved for ``timeout`` seconds; ``waited`` gives the shard waited
+        for and what the agent said of it (asked here if it says nothing)."""
+        timeout = self.loader.timeout
+        if time.monotonic() - self.progress_at <= timeout:
+            return
+        shard, status = waited() if waited is not None else (self._waiting_on(), None)
+        if shard is None:
+            # Nothing of ours is downloading: our reads went unanswered. Is the agent there?
+            self.conn.request({"op": "ping", "reader": self.name}, timeout=min(2.0, timeout))
+            raise AgentUnavailableError(self.loader.endpoint, timeout, "its workers did not answer")
+        url = self.urls[shard]
+        if status is None:
+            status = self.conn.request({"op": "status", "reader": self.name, "url": url},
+                                       timeout=min(2.0, timeout))
+        raise FetchError(url, f"no progress for {timeout:g}s: {_why(status)}")
+
+    def _waiting_on(self) -> int | None:
+        """A shard whose download this stream waits for, if any."""
+        for shard in self.partial:
+            return shard
+        for entry in self.delayed.values():
+            return entry[0][0][1][0]
+        return None
+
+    def _left(self) -> float:
+        """Seconds until the wait in progress counts as a stall (at least a little)."""
+        return max(0.1, self.progress_at + self.loader.timeout - time.monotonic())
 
     def _release(self, shard: int, *, force: bool = False) -> None:
         """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no more."""
@@ -539,49 +621,75 @@ class _Stream:
         if shard in self.skipped:
             return 0
         url = self.urls[shard]
-        reply = self._worker_call({"op": "scan", "url": url}, shard % len(self.workers))
-        if reply.get("ok"):
-            self.learned[url] = time.monotonic()
-            return int(reply["count"])
-        if reply.get("kind") == "missing":
-            raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
-        self._failed(shard, _shard_error(url, reply))
-        return 0
+        while True:
+            reply = self._worker_call({"op": "scan", "url": url}, shard % len(self.workers))
+            if reply.get("ok"):
+                self.learned[url] = time.monotonic()
+                return int(reply["count"])
+            if reply.get("kind") == "missing":
+                raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
+            exc = _shard_error(url, reply)
+            if reply.get("kind") != "corrupt" or shard in self.renewed:
+                self._failed(shard, exc)
+                return 0
+            # A damaged copy: the agent fetches it once more; damaged again, the shard fails.
+            self.retried.add(shard)
+            log.warning("%s; reading it again from a new copy", exc)
+            self._report_damage(shard, str(exc))
+            self._open(shard, again=True)
+            self.renewed.add(shard)
+            if shard in self.skipped:
+                return 0
 
     def _failed(self, shard: int, exc: WdsCacheError) -> None:
+        """``shard`` cannot be read: raise ``exc``, or (``on_error="skip"``) skip the shard: its
+        samples not yet read become holes, filled with repeats (see :meth:`_pipeline`)."""
         url = self.urls[shard]
         if self.files is not None:
             self.files.close(url)
         if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
-            try:
-                self.conn.request({"op": "corrupt", "url": url, "error": str(exc)}, timeout=5.0)
-            except AgentUnavailableError:
-                pass
+            self._report_damage(shard, str(exc))
         if self.loader.on_error == "raise":
             raise exc
         log.warning("skipping %s: %s", url, exc)
         self.skipped.add(shard)
         self.counts[shard] = 0
+        if self.opened.pop(shard, None) is not None:  # reads of it still out keep their holes
+            self.conn.request({"op": "release", "reader": self.name, "url": url}, timeout=self._left())
+
+    def _failure(self, shard: int, reply: dict[str, Any]) -> WdsCacheError:
+        """The error of a shard the agent failed: a ShardError once its copies were found
+        damaged (the shard itself is bad), else a FetchError (its download failed)."""
+        error = str(reply.get("error") or "download failed")
+        if reply.get("damaged") is True or shard in self.retried:
+            return ShardError(self.urls[shard], error)
+        return FetchError(self.urls[shard], error)
+
+    def _report_damage(self, shard: int, error: str) -> None:
+        try:
+            self.conn.request({"op": "corrupt", "url": self.urls[shard], "error": error},
+                              timeout=min(5.0, self.loader.timeout))
+        except AgentUnavailableError:
+            pass
 
     def _worker_call(self, header: dict[str, Any], worker: int) -> dict[str, Any]:
         """One request to a worker; replies to our reads that arrive meanwhile are kept.
 
         Asked again every few seconds (a restarted worker lost it) while the agent answers.
         """
-        deadline = time.monotonic() + self.loader.timeout
         while True:
             rid = f"c{next(self.next_rid)}"
             self.calls[rid] = None
             self.workers[worker].send_multipart(pack({**header, "id": rid}))
-            again = time.monotonic() + min(5.0, self.loader.timeout)
+            again = time.monotonic() + min(5.0, self.loader.timeout / 2)
             while self.calls[rid] is None and time.monotonic() < again:
                 self._receive()
             reply = self.calls.pop(rid)
             if reply is not None:
                 return reply
-            if time.monotonic() > deadline:
+            self.conn.request({"op": "ping", "reader": self.name}, timeout=self._left())  # raises if the agent is gone
+            if time.monotonic() - self.progress_at > self.loader.timeout:
                 raise AgentUnavailableError(self.loader.endpoint, self.loader.timeout, "its worker did not answer")
-            self.conn.request({"op": "ping", "reader": self.name})  # raises if the agent is gone
 
     def resume(self) -> Resume:
         """Where the job stands, if every rank delivered as many samples as this one."""
@@ -626,14 +734,22 @@ class _Stream:
     def samples(self) -> Iterator[dict[str, Any]]:
         try:
             yield from self._pipeline()
+        except WdsCacheError:
+            self.broken = True  # the agent may be gone: do not wait for it again on the way out
+            raise
         finally:
             self.close()
 
     def _pipeline(self) -> Iterator[dict[str, Any]]:
+        """The rank's samples in order. A hole (a sample of a shard skipped with
+        ``on_error="skip"``) is filled with a repeat of the sample before it (of the first
+        one read, for holes before it), so every rank keeps its count."""
         limit = self.loader.inflight or max(4, 2 * len(self.workers))
         owned = self._owned()
         seq_yield = 0
         exhausted = False
+        last: dict[str, Any] | None = None  # the latest sample read, to repeat in a hole
+        owed = 0  # holes before the first sample read
         while True:
             t0 = time.perf_counter()
             stalled = False
@@ -657,14 +773,27 @@ class _Stream:
             if seq_yield not in self.done:
                 self._receive(STREAM_POLL if stalled else 0.1)
                 self.stats["wait_s"] += time.perf_counter() - t0
+                self._check_stall()
                 continue
             out, sizes = self.done.pop(seq_yield)
             seq_yield += 1
             self.stats["wait_s"] += time.perf_counter() - t0
             for sample, nbytes in zip(out, sizes):  # sizes from the reply: no pass over each sample
+                if sample is None:
+                    self.stats["repeated"] += 1
+                    if last is None:
+                        owed += 1
+                        continue
+                    sample = dict(last)
                 self.stats["samples"] += 1
                 self.stats["bytes"] += nbytes
                 yield sample
+                last = sample
+                for _ in range(owed):
+                    self.stats["samples"] += 1
+                    yield dict(last)
+                owed = 0
+            self.progress_at = time.monotonic()  # the user's time between samples is no stall
 
     def _add(self, item: tuple[int, SampleId]) -> None:
         """Batch ``item``, its shard pinned; a batch only ever holds pinned shards.
@@ -674,10 +803,9 @@ class _Stream:
         """
         shard = item[1][0]
         self._open(shard)  # may flush the batch and wait, holding no pins meanwhile
-        if shard in self.skipped:
-            return
-        self.opened[shard] += 1
-        self.batch.append(item)
+        if shard not in self.skipped:
+            self.opened[shard] += 1
+        self.batch.append(item)  # a skipped shard's item is a hole, filled with a repeat
         if len(self.batch) >= self.request_limit:
             self._flush()
 
@@ -689,13 +817,16 @@ class _Stream:
 
     def _dispatch(self, seq: int, items: list[tuple[int, SampleId]], direct: bool = True) -> None:
         """Send the read of ``items`` (with direct reads if on and ``direct``)."""
-        if not items:
-            self.done[seq] = ([], [])
+        self.delayed.pop(seq, None)
+        sent = [i for i, (_, (shard, _)) in enumerate(items) if shard not in self.skipped]
+        if not sent:
+            self.done[seq] = ([None] * len(items), [0] * len(items))
             return
         urls: list[str] = []
         index: dict[int, int] = {}
         wire = []
-        for _, (shard, j) in items:
+        for i in sent:
+            shard, j = items[i][1]
             if shard not in index:
                 index[shard] = len(urls)
                 urls.append(self.urls[shard])
@@ -704,8 +835,7 @@ class _Stream:
         rid = f"r{next(self.next_rid)}"
         self.rids[rid] = seq
         direct = direct and self.files is not None
-        self.pending[seq] = (items, time.monotonic(), rid, w, direct)
-        self.delayed.pop(seq, None)
+        self.pending[seq] = _Read(items, sent, time.monotonic(), rid, w, direct)
         request = {"op": "read", "id": rid, "urls": urls, "items": wire}
         if direct:
             request["direct"] = True
@@ -722,9 +852,13 @@ class _Stream:
 
     def _recover(self) -> None:
         """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
+        while self.to_report:
+            # Told before the shard is opened again, so that the agent fetches a new copy.
+            shard, error = self.to_report.popitem()
+            self._report_damage(shard, error)
         while self.reopen:
             seq, items = self.reopen.popitem()
-            per_shard = Counter(sid[0] for _, sid in items)
+            per_shard = Counter(sid[0] for _, sid in items if sid[0] not in self.skipped)
             again = set(per_shard)
             while True:
                 waits = self.waits
@@ -733,10 +867,11 @@ class _Stream:
                     again.discard(shard)
                 if self.waits == waits:
                     break  # all pinned at once (an open that had to wait let go of the others)
-            items = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
             for shard, n in per_shard.items():
                 if shard not in self.skipped:
                     self.opened[shard] += n
+                if shard in self.retried:
+                    self.renewed.add(shard)  # opened since it was found damaged: a new copy
             self._dispatch(seq, items)
         now = time.monotonic()
         stuck = [seq for seq in self.delayed if now - self.unanswered_since.get(seq, now) > STATUS_EVERY]
@@ -748,21 +883,16 @@ class _Stream:
             if seq not in self.delayed:
                 continue  # an open that had to wait put it back for reopening
             items = self.delayed[seq][0]
-            for shard in {sid[0] for _, sid in items}:
-                status = self.conn.request({"op": "status", "reader": self.name, "url": self.urls[shard]})
+            # A shard that fails here is let go by _failed; its items become holes.
+            for shard in {sid[0] for _, sid in items if sid[0] not in self.skipped}:
+                status = self.conn.request({"op": "status", "reader": self.name, "url": self.urls[shard]},
+                                           timeout=self._left())
                 if status.get("state") == "failed":
-                    self._failed(shard, FetchError(self.urls[shard], str(status.get("error"))))
+                    self._failed(shard, self._failure(shard, status))
                 elif status.get("state") in ("queued", "unknown"):
                     self._open(shard, again=True)
-            if seq not in self.delayed:
-                continue  # as above: the open waited, and the read goes to _recover again
-            items, when = self.delayed[seq]
-            kept = [(p, sid) for p, sid in items if sid[0] not in self.skipped]
-            for _, (shard, _) in items:
-                if shard in self.skipped and self.opened.get(shard, 0) > 0:
-                    self.opened[shard] -= 1
-                    self._release(shard, force=True)
-            self.delayed[seq] = (kept, when)
+                else:
+                    self._waited(shard, status)
 
     def _receive(self, timeout: float = 0.1) -> None:
         """Take in worker replies (waiting up to ``timeout`` for one); resend lost requests."""
@@ -780,19 +910,20 @@ class _Stream:
         for seq, (items, when) in list(self.delayed.items()):
             if now >= when:
                 self._dispatch(seq, items)
-        for seq, (items, sent, rid, w, _) in list(self.pending.items()):
-            if now - sent > min(self.loader.timeout, 10.0):
+        for seq, read in list(self.pending.items()):
+            if now - read.at > min(self.loader.timeout / 2, 10.0):
                 # The worker may have died with our request: ask another (or its replacement),
-                # unless the agent itself is gone (then this raises a clear error, no hang).
-                self.conn.request({"op": "ping", "reader": self.name})
+                # unless the agent itself is gone (then this raises a clear error within the
+                # timeout, no hang).
+                self.conn.request({"op": "ping", "reader": self.name}, timeout=self._left())
                 self.resends[seq] = self.resends.get(seq, 0) + 1
                 if self.resends[seq] > MAX_RESENDS:
-                    url = self.urls[items[0][1][0]]
+                    url = self.urls[read.items[read.sent[0]][1][0]]
                     raise ShardError(url, f"no worker answered {MAX_RESENDS + 1} times; a worker may die reading it")
-                log.info("request to worker %d timed out; resending", w)
-                del self.rids[rid]
+                log.info("request to worker %d timed out; resending", read.worker)
+                del self.rids[read.rid]
                 del self.pending[seq]
-                self._dispatch(seq, items)
+                self._dispatch(seq, read.items)
 
     def _accept(self, frames: list[Any]) -> None:
         header, payload = unpack(frames)
@@ -802,16 +933,24 @@ class _Stream:
         seq = self.rids.pop(str(header.get("id")), None)
         if seq is None or seq not in self.pending:
             return  # a late answer to a request we already sent again
-        items, _, _, _, direct = self.pending.pop(seq)
+        read = self.pending.pop(seq)
+        items, direct = read.sent_items(), read.direct
         for _, (shard, _) in items:  # one count per item, as _add counted them
-            self.opened[shard] -= 1
+            if shard in self.opened:  # (a shard that failed meanwhile is let go already)
+                self.opened[shard] -= 1
         if not header.get("ok"):
-            self._read_failed(seq, items, header)
+            self._read_failed(seq, read, header)
         else:
             self.unanswered_since.pop(seq, None)
             try:
-                self.done[seq] = self._samples(header, payload, items, direct)
-                self._sized(self.done[seq][1])
+                samples, sizes = self._samples(header, payload, items, direct)
+                self.progress_at = time.monotonic()
+                self._sized(sizes)
+                if len(items) < len(read.items):  # holes where a skipped shard's items were
+                    it = iter(zip(samples, sizes))
+                    got = [next(it) if i in read.sent else (None, 0) for i in range(len(read.items))]
+                    samples, sizes = [s for s, _ in got], [n for _, n in got]
+                self.done[seq] = (samples, sizes)
                 if direct:
                     self.stale = 0
             except OSError as exc:  # from a direct read only
@@ -825,8 +964,9 @@ class _Stream:
                     self.files.close()
                     self.files = None
                 for _, (shard, _) in items:
-                    self.opened[shard] += 1  # still pinned: asked again, its bytes sent this time
-                self._dispatch(seq, items, direct=False)
+                    if shard in self.opened:
+                        self.opened[shard] += 1  # still pinned: asked again, its bytes sent this time
+                self._dispatch(seq, read.items, direct=False)
                 return
         for shard in {sid[0] for _, sid in items}:
             self._release(shard)
@@ -905,31 +1045,53 @@ class _Stream:
             views.append(self.files.range(urls[k], identity, start, size))
         return views
 
-    def _read_failed(self, seq: int, items: list, header: dict[str, Any]) -> None:
-        if header.get("kind") == "missing":
+    def _read_failed(self, seq: int, read: _Read, header: dict[str, Any]) -> None:
+        items, kind = read.items, header.get("kind")
+        if kind == "missing":
             # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
             # which needs the agent, so not here (we may be inside a request to it): see _recover.
             self.reopen[seq] = items
             return
-        if header.get("kind") == "pending":
+        if kind == "pending":
             # Read from a download that started over and has not got this far again yet.
             now = time.monotonic()
             self.unanswered_since.setdefault(seq, now)
-            for _, (shard, _) in items:
-                self.opened[shard] += 1
+            for _, (shard, _) in read.sent_items():
+                if shard in self.opened:
+                    self.opened[shard] += 1
             self.delayed[seq] = (items, now + PENDING_RETRY)
             return
-        exc = _shard_error(str(header.get("url") or self.urls[items[0][1][0]]), header)
-        if self.loader.on_error == "raise":
-            raise exc
-        log.warning("skipping %d samples: %s", len(items), exc)
-        self.done[seq] = ([], [])
+        read_shards = {self.urls[sid[0]]: sid[0] for _, sid in read.sent_items()}
+        shard = read_shards.get(str(header.get("url")))
+        if shard is None:  # not one shard's fault (a bad request, a worker's bug): the whole read
+            exc = _shard_error(self.urls[read.sent_items()[0][1][0]], header)
+            if self.loader.on_error == "raise":
+                raise exc
+            log.warning("skipping %d samples: %s", len(items), exc)
+            self.done[seq] = ([None] * len(items), [0] * len(items))
+            return
+        exc = _shard_error(self.urls[shard], header)
+        if kind == "corrupt" and shard not in self.renewed:
+            # A damaged copy: the agent fetches it once more (told in _recover, before we open
+            # it again) and the read goes again; the new copy damaged too, the shard fails below.
+            # (A read sent before we opened the new copy still meets the old one.)
+            if shard not in self.retried:
+                self.retried.add(shard)
+                self.to_report[shard] = str(exc)
+                log.warning("%s; reading it again from a new copy", exc)
+            self.reopen[seq] = items
+            return
+        self._failed(shard, exc)  # raises with on_error="raise"
+        for _, (other, _) in read.sent_items():
+            if other in self.opened:
+                self.opened[other] += 1
+        self._dispatch(seq, items)  # the other shards' samples again; this one's are holes
 
     # -- reports and cleanup -----------------------------------------------------
 
     def _report_loop(self) -> None:
         # Its own socket: ZeroMQ sockets belong to one thread.
-        conn = AgentConnection(self.loader.endpoint, timeout=5.0)
+        conn = AgentConnection(self.loader.endpoint, timeout=REPORT_TIMEOUT)
         last = (time.monotonic(), 0)
         try:
             while not self._stop_reports.wait(REPORT_EVERY):
@@ -967,13 +1129,11 @@ class _Stream:
         if self.files is not None:
             self.files.close()  # before bye lets go of our pins
         self._stop_reports.set()
-        self._reporter.join(REPORT_EVERY + 6.0)
+        self._reporter.join(REPORT_EVERY + REPORT_TIMEOUT + 1.0)
         try:
-            self._await_counts()
-        except AgentUnavailableError:
-            pass
-        try:
-            self.conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
+            if not self.broken:
+                self._await_counts()
+            self.conn.request({"op": "bye", "reader": self.name}, timeout=0.5 if self.broken else 2.0)
         except AgentUnavailableError:
             pass
         self.conn.close()
@@ -994,6 +1154,24 @@ def _same_directory(hello: dict[str, Any]) -> bool:
     except OSError:
         return False
     return [st.st_dev, st.st_ino] == root
+
+
+def _why(status: dict[str, Any]) -> str:
+    """Why a shard is not there yet, from the agent's status of it."""
+    state = status.get("state")
+    if state == "failed":
+        return f"its download failed: {status.get('error')}"
+    if status.get("reason"):
+        return str(status["reason"])
+    written, total = status.get("written"), status.get("total")
+    if isinstance(written, int):
+        of = f" of {total}" if isinstance(total, int) else ""
+        return f"its download has {written}{of} bytes and gets no more"
+    if state == "queued":
+        return "its download waits for a connection"
+    if state == "cached":
+        return "it is cached, but the agent's workers did not answer"
+    return f"the agent has no download of it ({state})"
 
 
 def _shard_error(url: str, reply: dict[str, Any]) -> ShardError:

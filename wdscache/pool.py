@@ -41,6 +41,10 @@ with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
 "corrupt" | "pending" | "protocol", "error": ...}``; "pending" means the sample is
 not in the partial file now (its download started over): ask again shortly.
 
+A worker that finds a published shard damaged (a bad tar header) reports it to the agent
+with the identity of the file it read, and the agent downloads that copy once more, or
+fails the shard if the copy it downloaded again is damaged too.
+
 A worker that walked a published shard's headers reports the table it found to the
 agent, which passes it on to the other workers: each shard is walked once, not once
 per worker (the agent asks one worker to walk it ahead). The report carries a secret
@@ -415,7 +419,14 @@ class _Worker:
         reported, for the agent to pass on to the other workers."""
         identity = file_identity(os.stat(path))
         known = self.index.get(url, identity) is not None
-        view = open_shard(path, url=url, known=growing, index=self.index)
+        try:
+            view = open_shard(path, url=url, known=growing, index=self.index)
+        except ShardError as exc:
+            # A published file is whole and was checked, so it was damaged on disk (or its
+            # source is bad): the agent fetches it once more, or fails it. The identity says
+            # which copy we read, so a report about a copy replaced since changes nothing.
+            self._send_report({"op": "damaged", "url": url, "identity": list(identity), "error": str(exc)})
+            raise
         samples = None if known else self.index.get(url, identity)
         # A gzip'd shard's table is of the decompressed tar: of no use without that.
         if isinstance(samples, PackedSamples) and len(view.data) == identity[2]:

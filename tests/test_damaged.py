@@ -1,0 +1,128 @@
+"""Damaged shards: a damaged cached copy is found by reads, fetched once more, then failed;
+``on_error="skip"`` skips only the damaged shard, and the ranks keep equal counts."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from streaming import reference, samples_of
+from wdscache import CachedMultiLoader, ShardError
+from wdscache.layout import CacheLayout
+
+
+def clobber_header(path: Path, member: int = 3, *, keep_mtime: bool = False) -> None:
+    """Overwrite the tar header of member ``member`` (well past the head the download
+    checks) with junk of the same size: the file keeps its size, a reader meets a bad header.
+    ``keep_mtime`` keeps its modification time too, so a server's ETag stays the same:
+    damage at a source that no validator sees."""
+    st = path.stat()
+    with tarfile.open(path) as tf:
+        offset = tf.getmembers()[member].offset
+    data = bytearray(path.read_bytes())
+    data[offset : offset + 512] = bytes((i * 7 + 3) % 251 for i in range(512))
+    path.write_bytes(bytes(data))
+    if keep_mtime:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def loader(cache: Path, **kw) -> CachedMultiLoader:
+    kw.setdefault("timeout", 20)
+    return CachedMultiLoader(cache_dir=cache, job=kw.pop("job", "j"), rank=kw.pop("rank", 0),
+                             world_size=kw.pop("world_size", 1), shuffle_buffer=50, **kw)
+
+
+def gets(server, name: str) -> int:
+    return sum(1 for r in server.requests if r.method == "GET" and r.path == name)
+
+
+@pytest.mark.parametrize("when", ["second-epoch", "after-restart"])
+def test_a_copy_damaged_on_disk_is_found_by_a_read_fetched_again_and_the_epoch_completes(
+        shard_server, dataset, start_agent, tmp_path, when):
+    ds = dataset(4, samples=20, payload=3000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "4", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, "the 4 shards were not cached")
+    ref = reference(ds.paths, ds.urls)
+    if when == "second-epoch":
+        first = list(loader(cache))  # every shard read once: the agent knows their counts
+        assert len(first) == len(ref)
+    victim = ds.urls[1]
+    clobber_header(CacheLayout.of(cache).shard_path(victim))  # the source stays healthy
+    if when == "after-restart":
+        agent.stop()
+        agent = start_agent(cache, ds.list_file, "--prefetch", "4", "--cache-size", "10M")
+        assert agent.stats()["shards"]["cached"] == 4  # same size: recovery keeps it
+
+    got = list(loader(cache, seed=3))
+    assert sorted((s["__url__"], s["__key__"]) for s in got) == sorted(ref)
+    for s in got:
+        fields = {k: v for k, v in s.items() if not k.startswith("__")}
+        assert {k: hashlib.sha256(v).hexdigest() for k, v in fields.items()} == ref[(s["__url__"], s["__key__"])]
+    s = agent.stats()
+    assert s["corrupt"] >= 1 and victim in [c["url"] for c in s["agent"]["corrupt"]], s
+    assert gets(shard_server, ds.paths[1].name) == 2  # fetched once more, the others once
+    assert all(gets(shard_server, p.name) == 1 for i, p in enumerate(ds.paths) if i != 1)
+    assert s["failed"] == [] and s["shards"]["cached"] == 4
+
+
+def test_a_shard_damaged_at_its_source_fails_after_one_more_download_with_the_reason(
+        shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(3, samples=20, payload=3000)
+    clobber_header(ds.paths[2], keep_mtime=True)  # damaged at the source, past the head the download checks
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "the 3 shards were not cached")
+    with pytest.raises(ShardError) as info:
+        list(loader(cache))
+    assert info.value.url == ds.urls[2], info.value
+    assert "bad tar header" in str(info.value), info.value
+    s = agent.wait_stats(lambda s: s["failed"], 10, "the damaged shard was not failed")
+    assert [f["url"] for f in s["failed"]] == [ds.urls[2]], s["failed"]
+    assert "damaged again" in s["failed"][0]["error"] and "bad tar header" in s["failed"][0]["error"], s["failed"]
+    assert gets(shard_server, ds.paths[2].name) == 2  # once more, then no retry storm
+
+
+@pytest.mark.parametrize("counts", ["known", "unknown"])
+def test_skip_delivers_every_sample_of_every_healthy_shard_and_the_ranks_keep_equal_counts(
+        shard_server, dataset, start_agent, consumers, tmp_path, counts):
+    ds = dataset(8, samples=25, payload=1500)
+    bad = ds.urls[5]
+    if counts == "unknown":
+        clobber_header(ds.paths[5], keep_mtime=True)  # damaged at the source: no copy of it was ever read
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "8", "--cache-size", "20M", "--workers", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 8, 20, "the 8 shards were not cached")
+    ref = reference(ds.paths, ds.urls)
+    if counts == "known":
+        assert len(list(loader(cache))) == 200  # one healthy epoch: the agent knows every count
+        clobber_header(ds.paths[5], keep_mtime=True)  # then the source and the cached copy go bad alike
+        clobber_header(CacheLayout.of(cache).shard_path(bad))
+
+    ranks = [consumers(cache, f"r{r}", "--job", "skip", "--rank", str(r), "--world-size", "2",
+                       "--shuffle-buffer", "100", "--on-error", "skip") for r in range(2)]
+    results = [samples_of(c.wait()) for c in ranks]
+    got = Counter((s["url"], s["key"]) for r in results for s in r)
+    healthy = {k for k in ref if k[0] != bad}
+    assert healthy <= set(got), sorted(healthy - set(got))[:5]
+    assert not [k for k in got if k[0] == bad]
+    if counts == "known":
+        # The sequence holds the bad shard's 25 positions: each rank fills those it cannot
+        # read with repeats, so both keep the count of a healthy epoch.
+        assert [len(r) for r in results] == [100, 100]
+        assert sum(got.values()) - len(healthy) == 25
+    else:
+        # Never counted, the shard adds no position: 175 samples, 88 per rank (one padding repeat).
+        assert [len(r) for r in results] == [88, 88]
+        assert sum(got.values()) - len(healthy) == 1
+    for r in results:
+        for s in r:
+            assert s["fields"] == ref[(s["url"], s["key"])]
+    s = agent.wait_stats(lambda s: s["failed"], 10, "the damaged shard was not failed")
+    assert [f["url"] for f in s["failed"]] == [bad], s["failed"]

@@ -1,0 +1,131 @@
+"""Every wait of a consumer is bounded by its ``timeout`` without progress, and ends with
+the reason the agent gives; a shard a consumer waits for never queues behind prefetches."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import zmq
+
+from conftest import wait_for
+from streaming import reference
+from wdscache import AgentUnavailableError, CachedMultiLoader, FetchError, ShardClient
+from wdscache.client import AgentConnection
+from wdscache.plan import shard_order
+from wdscache.protocol import pack, unpack
+
+
+def test_a_download_that_stops_moving_ends_the_wait_after_timeout_naming_the_shard(
+        shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(1, samples=40, payload=20_000)  # about 800 KB
+    shard_server.fail(ds.paths[0].name, "stall", after=300_000, seconds=120)  # stuck, connection open
+    cache = tmp_path / "cache"
+    start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M", wait=True)
+    # Unshuffled, so that samples come out as they arrive (a shuffle buffer waits for 100).
+    loader = CachedMultiLoader(cache_dir=cache, job="j", rank=0, world_size=1, timeout=3, shuffle=False)
+    got = []
+    t0 = time.monotonic()
+    with pytest.raises(FetchError) as info:
+        for sample in loader:
+            got.append(sample["__key__"])
+    took = time.monotonic() - t0
+    assert info.value.url == ds.urls[0]
+    assert "no progress for 3s" in str(info.value) and "bytes" in str(info.value), info.value
+    assert took < 3 + 6, f"the wait lasted {took:.1f}s with timeout=3"  # a bound on a hang, not a speed
+    assert 0 < len(got) < 40  # what had arrived was delivered first
+
+
+def test_a_killed_agent_ends_a_consumer_within_its_timeout(shard_server, dataset, start_agent, consumers, tmp_path):
+    ds = dataset(4, samples=50, payload=2000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "4")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, "the 4 shards were not cached")
+    c = consumers(cache, "slow", "--timeout", "4", "--sleep", "0.05")
+    wait_for(lambda: c.out.exists() and len(c.out.read_text().splitlines()) >= 5, 20, "the consumer got no samples")
+    agent.stop(signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        rc = c.proc.wait(4 + 5)  # the timeout, and a margin for the interpreter to exit
+    except Exception:
+        pytest.fail(f"the consumer still waited {time.monotonic() - t0:.0f}s after its agent died, "
+                    f"with timeout=4\n{c.log.read_text()[-2000:]}", pytrace=False)
+    assert rc != 0
+    assert "no wdscache agent answered" in c.log.read_text(), c.log.read_text()[-2000:]
+
+
+def test_a_consumer_that_waits_for_cache_space_gives_up_after_timeout_saying_so(
+        shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(3, samples=10, payload=40_000)  # ~400 KB each
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "900K")
+    with ShardClient(cache, timeout=20, name="holder") as holder:
+        for url in ds.urls[:2]:  # two pinned shards fill the budget: the third cannot come in
+            holder.open(url)
+        loader = CachedMultiLoader(ds.urls[2:], cache_dir=cache, job="j", rank=0, world_size=1, timeout=3)
+        t0 = time.monotonic()
+        with pytest.raises(FetchError) as info:
+            list(loader)
+        took = time.monotonic() - t0
+    assert info.value.url == ds.urls[2]
+    assert "no progress for 3s" in str(info.value) and "space" in str(info.value), info.value
+    assert took < 3 + 6, f"the wait lasted {took:.1f}s with timeout=3"
+    assert agent.running()
+
+
+def test_a_reply_the_agent_marks_retry_is_asked_again_within_the_timeout(tmp_path):
+    """The agent answers "retry" when its index could not be written for a moment (a full
+    disk): the client asks again, and a later answer counts. (A peer that answers so on
+    purpose stands in for the full disk, which the index's own tests make for real.)"""
+    endpoint = f"ipc://{tmp_path}/retry.sock"
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.bind(endpoint)
+    answers = iter([{"ok": False, "retry": True, "error": "cannot write the index: disk full; try again shortly"}] * 3
+                   + [{"ok": True, "pong": 1}])
+    asked = []
+
+    def serve() -> None:
+        while len(asked) < 4 and server.poll(5000):
+            ident, *frames = server.recv_multipart()
+            header, _ = unpack(frames)
+            asked.append(header["op"])
+            server.send_multipart([ident, *pack({"op": "reply", "id": header["id"], **next(answers)})])
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    conn = AgentConnection(endpoint, timeout=5)
+    try:
+        assert conn.request({"op": "ping"}) == {"op": "reply", "id": 4, "ok": True, "pong": 1}
+    finally:
+        conn.close()
+        t.join(5)
+        server.close(0)
+        ctx.term()
+    assert asked == ["ping"] * 4
+
+
+def test_the_first_sample_of_another_order_does_not_wait_behind_prefetches(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(8, samples=20, payload=50_000)  # ~1 MB each
+    shard_server.rate = 500_000  # 2 s a shard per connection
+    cache = tmp_path / "cache"
+    # Defaults: 4 download workers, prefetch 8, the start-up plan in seeded shuffle order.
+    start_agent(cache, ds.list_file, "--cache-size", "100M")
+    prefetched = {ds.paths[i].name for i in shard_order(8, seed=0, epoch=0, shuffle=True)[:4]}
+    wait_for(lambda: {r.path for r in shard_server.requests if r.method == "GET"} >= prefetched, 10,
+             "the agent did not start its first four prefetches")
+    first = ds.paths[0].name  # an unshuffled reader reads shard 0 first
+    assert first not in prefetched, "pick a dataset whose first shard is not prefetched first"
+    loader = CachedMultiLoader(cache_dir=cache, job="other", rank=0, world_size=1, shuffle=False, timeout=30)
+    it = iter(loader)
+    sample = next(it)
+    requests = shard_server.requests
+    assert sample["__url__"] == ds.urls[0]
+    sizes = {p.name: p.stat().st_size for p in ds.paths}
+    done = [r.path for r in requests if r.method == "GET" and r.path in prefetched and r.bytes_sent >= sizes[r.path]]
+    assert not done, f"the first sample came only after prefetches {done} were complete"
+    assert any(r.path == first and r.method == "GET" for r in requests)
+    del it
+    loader.close()
