@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 
@@ -36,20 +37,23 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each sample")
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--on-error", default="raise", choices=("raise", "skip"))
+    ap.add_argument("--request-size", type=int, default=128)
+    ap.add_argument("--linger-until", default=None,
+                    help="after the epoch, wait (up to --timeout) for this file to exist before exiting")
     args = ap.parse_args()
     # The loader's warnings (retries, skipped shards) land in the log a failing test shows.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loader = CachedMultiLoader(
         args.urls, cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
         seed=args.seed, shuffle=not args.no_shuffle, shuffle_buffer=args.shuffle_buffer,
-        drop_last=args.drop_last, timeout=args.timeout, on_error=args.on_error,
+        drop_last=args.drop_last, timeout=args.timeout, on_error=args.on_error, request_size=args.request_size,
     )
     if args.resume:
         loader.load_state_dict(json.loads(args.resume))
     else:
         loader.set_epoch(args.epoch)
     n = 0
-    with open(args.out, "w") as out:
+    with open(args.out, "w", buffering=1) as out:  # line by line: a test can watch the progress
         for sample in loader:
             fields = {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
             out.write(json.dumps({"key": sample["__key__"], "url": sample["__url__"], "fields": fields}) + "\n")
@@ -59,6 +63,12 @@ def main() -> int:
             if args.stop_after is not None and n >= args.stop_after:
                 break
         out.write(json.dumps({"state": loader.state_dict()}) + "\n")
+    if args.linger_until:
+        deadline = time.monotonic() + args.timeout
+        while not os.path.exists(args.linger_until):
+            if time.monotonic() > deadline:
+                return 3
+            time.sleep(0.05)
     return 0
 
 

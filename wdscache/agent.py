@@ -19,6 +19,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import itertools
 import json
@@ -70,6 +71,7 @@ MAX_JOB_LISTS = 16
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
 MAX_JOB_URLS = 10_000_000
+USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
 
 
 @dataclass
@@ -139,6 +141,8 @@ class Agent:
         self._started = time.time()
         self._last_flush = time.monotonic()
         self._lock = AgentLock(self.layout.lock_path)
+        self._users_at = 0.0  # when a private agent looks for its loaders next
+        self._users_fd = -1  # a private agent's exclusive lock on its users file, once no loader is left
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._observer: Any = None
@@ -292,6 +296,8 @@ class Agent:
 
     def _write_state(self) -> None:
         state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
+        if self.config.private_users is not None:
+            state["private_users"] = str(self.config.private_users)  # loaders joining us lock it
         write_private(self.layout.state_path, json.dumps(state).encode())
 
     def _start_threads(self) -> None:
@@ -352,6 +358,9 @@ class Agent:
         self._close_cache()
         self.layout.state_path.unlink(missing_ok=True)
         self._lock.release()
+        if self._users_fd >= 0:  # a loader waiting to use a private agent may now start a new one
+            os.close(self._users_fd)
+            self._users_fd = -1
         log.info("stopped")
 
     def _close_cache(self) -> None:
@@ -372,6 +381,31 @@ class Agent:
             self.pool.check()
         self._schedule()
         self._periodic()
+        self._check_users()
+
+    def _check_users(self) -> None:
+        """A private agent stops once no loader holds a shared lock on its users file (wdscache.private)."""
+        now = time.monotonic()
+        if self.config.private_users is None or self._users_fd >= 0 or now < self._users_at:
+            return
+        self._users_at = now + USERS_EVERY
+        try:
+            fd = os.open(self.config.private_users, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:  # no way to tell whether a loader still uses us: do not run for ever
+            log.warning("cannot open the private agent's users file %s (%s): stopping", self.config.private_users,
+                        exc)
+            self.stop()
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # some loader holds it: we are still in use
+            return
+        # Kept until shutdown is over, so a loader arriving meanwhile waits for us to be gone
+        # and starts a new agent rather than joining one that is going away.
+        self._users_fd = fd
+        log.info("no loader uses this private agent any more: stopping")
+        self.stop()
 
     def _index_full(self, exc: IndexWriteError) -> None:
         """The index could not be written: pause downloads and free disk space without it."""

@@ -67,6 +67,8 @@ def main() -> None:
               show_envvar=True, help="Seconds of silence after which a consumer's pins are released.")
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
               help="Log every download and eviction.")
+@click.option("--private-users", hidden=True, default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Run as a loader's private agent: stop once no loader holds a lock on this file.")
 def agent(verbose: bool, **options: object) -> None:
     """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once)."""
     from .agent import Agent

@@ -69,6 +69,8 @@ class AgentConfig:
     backoff_max: float = 30.0
     reader_timeout: float = 60.0
     revalidate: bool = True
+    # A private agent's users file (see wdscache.private): it stops once no loader holds a lock on it.
+    private_users: Path | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "download_workers", "workers"):

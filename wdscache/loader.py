@@ -52,7 +52,7 @@ from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError
 from .malloc import tune_malloc
 from .protocol import pack, pages, unpack
 from .sequence import EpochSpec, RankShare, Resume, SampleId, global_sequence, rank_length
-from .private import PrivateAgent, agent_answers
+from .private import PrivateAgent
 from .urls import format_url_list, list_id, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
@@ -267,9 +267,10 @@ class CachedMultiLoader:
     # -- iteration ----------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the private agent, if this loader started one (the cache stays)."""
+        """Stop using the private agent, if this loader used one: it stops once no loader does
+        (the cache stays). Also done when the loader is garbage, and at interpreter exit."""
         if self._private_agent is not None:
-            self._private_agent.stop()
+            self._private_agent.release()
             self._private_agent = None
 
     def __enter__(self) -> "CachedMultiLoader":
@@ -279,12 +280,13 @@ class CachedMultiLoader:
         self.close()
 
     def _ensure_agent(self) -> None:
-        """With a list and a cache directory but no agent there, start a private one (a notebook)."""
+        """With a list and a cache directory but no real agent there, use a private one (a notebook):
+        join the one another loader started, or start it (see :mod:`wdscache.private`)."""
         if self._private_agent is not None or self.urls is None or self.cache_dir is None:
             return
-        if not self._own_endpoint or agent_answers(self.cache_dir):
+        if not self._own_endpoint:
             return
-        self._private_agent = PrivateAgent(self.cache_dir, self.urls, timeout=self.timeout)
+        self._private_agent = PrivateAgent.use(self.cache_dir, self.urls, timeout=self.timeout)
 
     def __iter__(self) -> Iterator[Any]:
         self._ensure_agent()

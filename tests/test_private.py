@@ -1,0 +1,162 @@
+"""Private agents (issue 13, item 10): one lives while any loader uses it, and stops once none does.
+
+Loaders are real consumer processes (tests/consumer.py) given a URL list and a
+cache directory with no agent running, so the first one starts a private agent
+through the CLI; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from procs import cmdline, stat_fields
+from streaming import reference, samples_of
+
+STOP_WITHIN = 15.0  # seconds a private agent gets to stop once its last loader is gone
+
+
+def _state(cache: Path) -> dict | None:
+    try:
+        return json.loads((cache / "agent.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _running(pid: int) -> bool:
+    f = stat_fields(pid)
+    return f is not None and f[0] != "Z"
+
+
+def _lines(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.startswith('{"key"'))
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.fixture
+def private_agents() -> Iterator[list[int]]:
+    """Pids of private agents a test saw; any still running at teardown is stopped (they are no children of ours)."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        if _running(pid) and "wdscache" in cmdline(pid):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while _running(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _agent_up(cache: Path, pids: list[int], log: Path) -> int:
+    state = wait_for(lambda: _state(cache), 30, lambda: f"no private agent came up\n{log.read_text()[-3000:]}")
+    pids.append(state["pid"])
+    return state["pid"]
+
+
+def _gone(cache: Path, pid: int) -> bool:
+    return not _running(pid) and not (cache / "agent.json").exists()
+
+
+def _agent_log(cache: Path) -> str:
+    try:
+        return (cache / "private-agent.log").read_text()[-3000:]
+    except FileNotFoundError:
+        return "(no agent log)"
+
+
+def test_private_agent_lives_while_a_second_loader_uses_it(tmp_path, dataset, consumers, private_agents):
+    data = dataset(8, samples=10, payload=500)
+    ref = reference(data.paths, data.urls)
+    cache = tmp_path / "cache"
+    go = tmp_path / "go"
+    first = consumers(cache, "first", "--urls", str(data.list_file), "--job", "a", "--linger-until", str(go))
+    pid = _agent_up(cache, private_agents, first.log)
+    # Small requests, slowly read: the second loader needs the agent for most of its epoch.
+    second = consumers(cache, "second", "--urls", str(data.list_file), "--job", "b", "--seed", "3",
+                       "--request-size", "2", "--sleep", "0.1")
+    wait_for(lambda: _lines(second.out) >= 1, 30,
+             lambda: f"the second loader never got a sample\n{second.log.read_text()[-3000:]}")
+    go.touch()  # the first loader exits now, its epoch done, while the second is mid-epoch
+    assert sorted((s["url"], s["key"]) for s in samples_of(first.wait())) == sorted(ref)
+    assert _lines(second.out) < len(ref), "the second loader was not mid-epoch when the first one exited"
+
+    got = samples_of(second.wait())
+    assert sorted((s["url"], s["key"]) for s in got) == sorted(ref)
+    assert all(s["fields"] == ref[(s["url"], s["key"])] for s in got)
+    assert _agent_log(cache).count(" serving ") == 1  # both used the first one's agent
+    wait_for(lambda: _gone(cache, pid), STOP_WITHIN,
+             lambda: f"the private agent {pid} outlived its last loader\n{_agent_log(cache)}")
+
+
+def test_private_agent_of_a_killed_loader_stops_by_itself(tmp_path, dataset, consumers, private_agents):
+    data = dataset(4, samples=10, payload=500)
+    cache = tmp_path / "cache"
+    sole = consumers(cache, "sole", "--urls", str(data.list_file), "--request-size", "2", "--sleep", "0.2")
+    pid = _agent_up(cache, private_agents, sole.log)
+    wait_for(lambda: _lines(sole.out) >= 1, 30, lambda: f"the loader never got a sample\n{sole.log.read_text()}")
+    sole.kill()  # SIGKILL: no close(), no atexit
+    wait_for(lambda: _gone(cache, pid), STOP_WITHIN,
+             lambda: f"the private agent {pid} of a killed loader kept running\n{_agent_log(cache)}")
+
+
+def test_two_loaders_starting_at_once_share_one_private_agent(tmp_path, dataset, consumers, private_agents):
+    data = dataset(4, samples=10, payload=500)
+    ref = sorted(reference(data.paths, data.urls))
+    cache = tmp_path / "cache"
+    both = [consumers(cache, f"c{i}", "--urls", str(data.list_file), "--job", f"j{i}") for i in range(2)]
+    pid = _agent_up(cache, private_agents, both[0].log)
+    for c in both:
+        assert sorted((s["url"], s["key"]) for s in samples_of(c.wait())) == ref
+    wait_for(lambda: _gone(cache, pid), STOP_WITHIN,
+             lambda: f"the private agent {pid} outlived its loaders\n{_agent_log(cache)}")
+    log = _agent_log(cache)
+    assert log.count(" serving ") == 1 and "wdscache: error" not in log, log  # one agent started, none refused
+
+
+def test_loader_arriving_while_the_private_agent_stops_starts_a_new_one(tmp_path, dataset, private_agents):
+    from wdscache import CachedMultiLoader
+
+    data = dataset(3, samples=4, payload=500)
+    ref = sorted(reference(data.paths, data.urls))
+    cache = tmp_path / "cache"
+    with CachedMultiLoader(data.urls, cache_dir=cache, job="a", rank=0, world_size=1, timeout=30) as loader:
+        assert sorted((s["__url__"], s["__key__"]) for s in loader) == ref
+        old = _state(cache)["pid"]
+    private_agents.append(old)
+    # The agent has found no loader left and is shutting down: a loader coming now must not join it.
+    wait_for(lambda: "no loader uses this private agent" in _agent_log(cache), STOP_WITHIN,
+             lambda: f"the private agent never noticed its loader had gone\n{_agent_log(cache)}", interval=0.01)
+    with CachedMultiLoader(data.urls, cache_dir=cache, job="b", rank=0, world_size=1, timeout=30) as loader:
+        assert sorted((s["__url__"], s["__key__"]) for s in loader) == ref
+        new = _state(cache)["pid"]
+        private_agents.append(new)
+    assert new != old
+    wait_for(lambda: _gone(cache, new), STOP_WITHIN, lambda: f"the new private agent outlived its loader\n"
+             f"{_agent_log(cache)}")
+
+
+def test_a_loader_dropped_without_close_lets_its_private_agent_stop(tmp_path, dataset, private_agents):
+    import gc
+
+    from wdscache import CachedMultiLoader
+
+    data = dataset(2, samples=4, payload=500)
+    cache = tmp_path / "cache"
+    loader = CachedMultiLoader(data.urls, cache_dir=cache, job="g", rank=0, world_size=1, timeout=30)
+    assert len(list(loader)) == 8
+    pid = _state(cache)["pid"]
+    private_agents.append(pid)
+    del loader
+    gc.collect()  # garbage, never closed: its lock goes with it
+    wait_for(lambda: _gone(cache, pid), STOP_WITHIN,
+             lambda: f"the private agent of a dropped loader kept running\n{_agent_log(cache)}")
