@@ -98,9 +98,11 @@ def test_gzip_shards_stream_cold_byte_equal_to_webdataset_and_are_cached_as_plai
     # against webdataset's reader of the tar it packs.
     ref = reference([plain if p.name.startswith("multi") else p for p in paths], urls)
     cache = tmp_path / "cache"
+    shard_server.rate = 2e6  # bytes/s: the consumer reaches shards still downloading, and streams them
     agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", urls), "--prefetch", "1",
                         "--workers", "2")
     lines = samples_of(consumers(cache, "cold", "--no-shuffle").wait(DEADLINE))  # started at once: a cold cache
+    shard_server.rate = None
     got = {(line["url"], line["key"]): line["fields"] for line in lines}
     assert len(got) == len(lines) == len(ref)
     assert got == ref

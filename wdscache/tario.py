@@ -427,7 +427,7 @@ class GrowingShard:
     arrived since the last complete sample.  Payloads are read with ``pread``,
     never mapped: the download may truncate the file to start over, which would
     fault a mapping; here it only gives a short read (:class:`NotYet`).  A
-    gzip'd shard shows no samples until it is complete.
+    gzip'd download shows no samples: it is read once decompressed and published.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, url: str) -> None:
