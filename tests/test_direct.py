@@ -62,8 +62,8 @@ def test_real_shards_stream_like_webdataset_with_direct_reads_on_and_off(tmp_pat
         ranges.clear()
         with CachedMultiLoader(cache_dir=cache, shuffle=False, direct_reads=direct, timeout=30) as loader:
             got = list(loader)
-        # read from the files: every plain shard with direct reads, none without (sample.tgz is streamed)
-        assert set(ranges) == ({u for u in urls if not u.endswith(".tgz")} if direct else set()), direct
+        # read from the files: every shard with direct reads (sample.tgz is cached as its tar), none without
+        assert set(ranges) == (set(urls) if direct else set()), direct
         assert [(s["__url__"], s["__key__"]) for s in got] == list(ref), direct
         assert digests(got) == ref, direct
         assert all(isinstance(v, bytes) for s in got for k, v in s.items() if not k.startswith("__"))

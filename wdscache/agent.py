@@ -441,7 +441,7 @@ class Agent:
         elif kind == "done":
             self._verified.add(d.url)
             self.cache.index.drop_count(d.url)  # its content may differ from the copy counted before
-            self.cache.finish(d, value.size, value.etag)
+            self.cache.finish(d, value.size, value.etag, stored=value.stored)
             self.cache.index.incr("bytes_downloaded", value.size)
             self.cache.index.incr("downloads")
             self._failed_at.pop(d.url, None)
@@ -546,8 +546,8 @@ class Agent:
         changed = None
         if now is None:
             log.info("could not revalidate %s; serving the cached copy", url)
-        elif now.size != rec.size:
-            changed = f"size changed on the server ({rec.size} -> {now.size} bytes)"
+        elif now.size != (rec.source_size or rec.size):
+            changed = f"size changed on the server ({rec.source_size or rec.size} -> {now.size} bytes)"
         elif rec.etag and now.etag and rec.etag != now.etag:
             changed = f"changed on the server (ETag {rec.etag} -> {now.etag})"
         if changed is None:

@@ -15,6 +15,8 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
 - Index before files: a shard is marked EVICTING in the index before its file is
   deleted, and DOWNLOADING before its partial file exists; :meth:`recover`
   finishes or undoes both after a crash, and forgets records whose files are gone.
+- A cached file is a plain tar (a gzip'd shard is cached decompressed, and counted at
+  that size): a gzip'd file found under ``shards/`` is forgotten and fetched again.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .config import format_size
 from .fetch import Download
 from .index import Index, IndexWriteError, ShardRecord, ShardState
 from .layout import CacheLayout
-from .tario import file_problem
+from .tario import GZIP_MAGIC, file_problem
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +90,13 @@ class ShardCache:
         for rec in self.index:
             path = self.layout.shard_path(rec.url)
             if rec.state is ShardState.CACHED:
-                if _size_or_none(path) == rec.size:
+                size = _size_or_none(path)
+                if size == rec.size and not _gzipped(path):
                     done["kept"] += 1
                 else:
-                    log.warning("forgetting %s: its cache file is missing or has the wrong size", rec.url)
+                    log.warning("forgetting %s: its cache file is %s", rec.url,
+                                "gzip'd (shards are cached decompressed)" if size == rec.size
+                                else "missing or has the wrong size")
                     _unlink(path)
                     self.index.delete(rec.url)
                     done["forgotten"] += 1
@@ -155,9 +160,11 @@ class ShardCache:
         if rec is not None and rec.state is ShardState.DOWNLOADING and rec.etag != etag:
             self.index.put(dataclasses.replace(rec, etag=etag))
 
-    def finish(self, d: Download, size: int, etag: str | None) -> None:
-        """``d`` was published under shards/: it is cached now."""
-        self._set_cached(d.url, size, etag)
+    def finish(self, d: Download, size: int, etag: str | None, *, stored: int | None = None) -> None:
+        """``d`` was published under shards/: it is cached now (``size`` at the source,
+        ``stored`` in the cache when not the same)."""
+        self._set_cached(d.url, size if stored is None else stored, etag,
+                         source_size=None if stored is None else size)
         self.inflight.pop(d.url, None)
 
     def fail(self, d: Download, error: str) -> None:
@@ -184,7 +191,7 @@ class ShardCache:
         if rec is not None and rec.state is ShardState.FAILED:
             self.index.delete(url)
 
-    def _set_cached(self, url: str, size: int, etag: str | None) -> None:
+    def _set_cached(self, url: str, size: int, etag: str | None, *, source_size: int | None = None) -> None:
         old = self.index.get(url)
         self.index.put(
             ShardRecord(
@@ -192,6 +199,7 @@ class ShardCache:
                 ShardState.CACHED,
                 size=size,
                 etag=etag,
+                source_size=source_size,
                 cached_at=time.time(),
                 last_read=old.last_read if old else 0.0,
                 reads=old.reads if old else 0,
@@ -223,7 +231,7 @@ class ShardCache:
         return True
 
     def _unwritten(self) -> int:
-        return sum(max(0, d.reserved - d.written) for d in self.inflight.values())
+        return sum(max(0, d.reserved - d.written - d.expanded) for d in self.inflight.values())
 
     def evict(self, nbytes: int, *, wanted: Sequence[str], allow_window: bool, spare: str | None = None) -> bool:
         """Free ``nbytes`` of cached shards if possible (all or nothing); True on success."""
@@ -345,5 +353,14 @@ def _unlink(path: Path) -> None:
         pass
 
 
+def _gzipped(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == GZIP_MAGIC
+    except FileNotFoundError:
+        return False
+
+
 def _head_ok(path: Path) -> bool:
-    return file_problem(path) is None
+    """True when ``path`` starts like a plain tar (a cached shard is never gzip'd)."""
+    return file_problem(path) is None and not _gzipped(path)

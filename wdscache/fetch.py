@@ -5,6 +5,14 @@ size it announced and starts like a tar (or gzip'd tar), fsyncs it and renames i
 to ``shards/<xx>/<name>``. So a file under ``shards/`` is always a whole, checked
 shard, whatever happens to the process or the connection meanwhile.
 
+A gzip'd shard (known by its magic bytes, not its name) is cached as the plain tar
+inside it: once downloaded, it is decompressed in a stream, a few MB at a time,
+into ``partial/<name>~tar``, within the download's budget (grown as the tar grows),
+checked, fsynced and renamed into place, and the compressed file is removed. So
+workers map every cached shard, and no process holds a whole decompressed shard
+in memory. One that expands beyond what the budget can hold, or whose gzip data is
+damaged, fails for good and leaves nothing behind.
+
 One :class:`Fetcher` serves all download threads; each thread gets its own
 ``requests.Session`` (connections are reused within a thread, never shared).
 """
@@ -28,8 +36,9 @@ from urllib.parse import unquote, urlsplit
 import requests
 import urllib3
 
-from .errors import FetchError
-from .tario import HEAD_BYTES, file_problem, tar_problem
+from .config import format_size
+from .errors import FetchError, ShardError
+from .tario import GZIP_MAGIC, HEAD_BYTES, file_problem, gunzip, tar_problem
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +77,7 @@ class Download:
     cancel: threading.Event = field(default_factory=threading.Event)
     total: int | None = None  # the shard's size, once the source has said it
     written: int = 0
+    expanded: int = 0  # bytes of a gzip'd shard's tar written so far (beside its ``written``)
     reserved: int = 0
     demanded: bool = False
     verify: bool = False  # only ask the source whether the cached copy is still current
@@ -76,8 +86,9 @@ class Download:
 
 @dataclass(frozen=True)
 class Fetched:
-    size: int
+    size: int  # at the source
     etag: str | None
+    stored: int | None = None  # in the cache, when not ``size``: a gzip'd shard is cached decompressed
 
 
 class DiskFull(FetchError):
@@ -163,6 +174,10 @@ class Fetcher:
         problem = file_problem(d.partial)
         if problem:
             raise FetchError(d.url, problem, permanent=True)
+        with open(d.partial, "rb") as f:
+            packed = f.read(2) == GZIP_MAGIC
+        if packed:
+            return Fetched(size, etag, stored=self._publish_gunzipped(d))
         self._publish(d)
         return Fetched(size, etag)
 
@@ -333,10 +348,63 @@ class Fetcher:
         if problem:
             raise FetchError(d.url, problem, permanent=True)
 
+    def _publish_gunzipped(self, d: Download) -> int:
+        """Publish the tar inside ``d``'s complete, gzip'd partial file as the shard; its size.
+
+        The download's reservation covers the compressed file and the tar while both
+        exist. Raises FetchError (permanent) for damaged gzip data, a tar that is not
+        one, or a tar beyond what may be reserved; the tar's file is removed then.
+        """
+        tar = d.partial.with_name(d.partial.name + "~tar")  # "~" is in no partial file's name
+        packed, d.expanded = d.written, 0
+        try:
+            with open(d.partial, "rb") as src:
+                fd = os.open(tar, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    synced = 0
+                    for piece in gunzip(src.read, url=d.url):
+                        if d.cancel.is_set():
+                            raise Cancelled(d.url)
+                        if packed + d.expanded + len(piece) > d.reserved:
+                            self._grow_for_tar(d, packed, len(piece))
+                        _write_tar(d, fd, piece)
+                        if d.expanded - synced >= SYNC_EVERY:
+                            _sync_tar(d, fd, getattr(os, "fdatasync", os.fsync))
+                            synced = d.expanded
+                    problem = file_problem(tar)
+                    if problem:
+                        raise FetchError(d.url, f"gzip'd data is no tar: {problem}", permanent=True)
+                    _sync_tar(d, fd, os.fsync)
+                finally:
+                    os.close(fd)
+            self._publish(d, tar)
+        except ShardError as exc:
+            raise FetchError(d.url, f"{exc.reason} (at byte {exc.offset} of the gzip'd file)", permanent=True) from None
+        finally:
+            tar.unlink(missing_ok=True)  # gone already once published
+        d.partial.unlink()  # after the rename: a crash in between leaves a published shard
+        return d.expanded
+
     @staticmethod
-    def _publish(d: Download) -> None:
+    def _grow_for_tar(d: Download, packed: int, piece: int) -> None:
+        """Reserve room for ``piece`` more bytes of ``d``'s tar (beside the compressed file)."""
+        need = packed + d.expanded + piece
+        try:
+            d.reserve(d, need + GROW, None)
+        except FetchError:
+            try:
+                d.reserve(d, need, None)  # the last steps may fit where a whole GROW does not
+            except FetchError as exc:
+                raise FetchError(
+                    d.url, f"gzip'd shard expands beyond the cache's budget: {format_size(d.expanded + piece)} "
+                    f"decompressed so far (from {format_size(packed)}); {exc.reason}", permanent=True,
+                ) from None
+
+    @staticmethod
+    def _publish(d: Download, path: Path | None = None) -> None:
+        """Rename ``path`` (the partial file by default) into place as the shard's file."""
         d.final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.replace(d.partial, d.final)
+        os.replace(path or d.partial, d.final)
         dir_fd = os.open(d.final.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)  # the rename itself survives a power cut
@@ -355,6 +423,28 @@ def _write_all(d: Download, fd: int, chunk: bytes) -> None:
             raise
         view = view[n:]
         d.written += n
+
+
+def _write_tar(d: Download, fd: int, piece: bytes) -> None:
+    view = memoryview(piece)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except OSError as exc:
+            if exc.errno in DISK_FULL_ERRNOS:
+                raise _disk_full(d, exc) from exc
+            raise
+        view = view[n:]
+        d.expanded += n
+
+
+def _sync_tar(d: Download, fd: int, sync: Callable[[int], None]) -> None:
+    try:
+        sync(fd)
+    except OSError as exc:
+        if exc.errno in DISK_FULL_ERRNOS:
+            raise _disk_full(d, exc) from exc
+        raise
 
 
 def _disk_full(d: Download, exc: OSError) -> DiskFull:

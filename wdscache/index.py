@@ -75,6 +75,9 @@ class ShardRecord:
     state: ShardState
     size: int = 0  # bytes on disk when CACHED; expected size (0 = unknown) otherwise
     etag: str | None = None
+    # The source's size when not ``size``: a gzip'd shard is cached decompressed. What a
+    # restart compares with the source, with ``etag`` (the source's validator).
+    source_size: int | None = None
     cached_at: float = 0.0
     last_read: float = 0.0
     reads: int = 0

@@ -6,6 +6,7 @@
       index/                    the diskcache index (SQLite); the only record of what is cached
       shards/ab/<hash>-<name>   complete shards; a file here is always a whole, checked shard
       partial/<hash>-<name>     downloads in progress; never read by anyone
+      partial/<hash>-<name>~tar a gzip'd download's tar, being decompressed
       agent.lock                flock held by the running agent; holds its pid
       agent.json                the running agent's pid, start time and endpoint
       agent.sock                the agent's private IPC socket (moved to /tmp when the path is too long)

@@ -127,7 +127,7 @@ class CachedMultiLoader:
     ``request_size`` samples), ``direct_reads`` to copy payloads straight from the
     agent's cache files when this process may read them (one copy per byte instead
     of three; see :mod:`wdscache.direct`; False has the workers send every byte, as
-    they do anyway for a shard still downloading, for a gzip'd one, and with
+    they do anyway for a shard still downloading and with
     ``zero_copy``), ``on_error`` ("raise" or "skip"), ``tune_malloc``
     to keep glibc from returning received message memory to the kernel after each
     message (process-wide; see :mod:`wdscache.malloc`).

@@ -79,7 +79,7 @@ from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .malloc import tune_malloc
 from .protocol import field, pack, unpack
-from .tario import (GZIP_MAGIC, GrowingShard, NotYet, PackedSamples, SampleIndex, ShardView, file_identity, open_shard,
+from .tario import (GrowingShard, NotYet, PackedSamples, SampleIndex, ShardView, file_identity, open_shard,
                     placed)
 
 log = logging.getLogger(__name__)
@@ -428,8 +428,7 @@ class _Worker:
             self._send_report({"op": "damaged", "url": url, "identity": list(identity), "error": str(exc)})
             raise
         samples = None if known else self.index.get(url, identity)
-        # A gzip'd shard's table is of the decompressed tar: of no use without that.
-        if isinstance(samples, PackedSamples) and len(view.data) == identity[2]:
+        if isinstance(samples, PackedSamples):
             self.walked += 1
             layouts, frames = samples.parts()
             header = {"op": "walked", "secret": self.secret, "url": url, "identity": list(identity),
@@ -451,11 +450,7 @@ class _Worker:
         t0 = time.perf_counter()
         growing = self.growing.pop(url, None)
         try:
-            path = self.layout.shard_path(url)
-            with open(path, "rb") as f:
-                if f.read(2) == GZIP_MAGIC:
-                    return  # decompressed whole on open: not before a read needs it
-            self._open(path, url, growing).close()
+            self._open(self.layout.shard_path(url), url, growing).close()
         except (OSError, ShardError):
             pass  # evicted meanwhile, or damaged: a read will say so to whoever asks
         except Exception:  # speculative work must never take the worker down
@@ -528,7 +523,7 @@ class _Worker:
         for k, url in enumerate(urls):  # once per shard, not per sample
             view = self._readable(url)
             views.append(view)
-            if direct and isinstance(view, ShardView) and view.mapped:
+            if direct and isinstance(view, ShardView):
                 files[view] = [k, *view.identity]
         nbytes = 0
         for item in items:  # per sample: kept to a few C-level calls (see PackedSamples.placed)

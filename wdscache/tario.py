@@ -21,6 +21,10 @@ Where WebDataset would quietly stop reading (tarfile treats a bad header after
 the first one as the end of the archive), :func:`scan` raises
 :class:`~wdscache.errors.ShardError` instead: a cached shard that is damaged
 should be noticed, not silently shortened.
+
+A gzip'd shard is cached as the tar inside it (decompressed by :func:`gunzip` in
+bounded pieces, when its download completes: see :mod:`wdscache.fetch`), so a
+cached shard is always a plain tar, mapped by :func:`open_shard`.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import struct
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -63,7 +67,10 @@ _SPARSE = b"S"
 # WebDataset reports it as a duplicate.
 _RESERVED_EXTS = frozenset(("__key__", "__url__"))
 
-_GZIP_CHUNK = 1 << 22
+# Compressed bytes read, and decompressed bytes made, per step of gunzip: small input
+# pieces keep the copies of zlib's unconsumed input cheap when the data expands a lot.
+_GZIP_IN = 256 << 10
+GZIP_OUT = 4 << 20
 _READ_AHEAD = 8 << 10
 
 
@@ -420,7 +427,7 @@ class GrowingShard:
     arrived since the last complete sample.  Payloads are read with ``pread``,
     never mapped: the download may truncate the file to start over, which would
     fault a mapping; here it only gives a short read (:class:`NotYet`).  A
-    gzip'd shard shows no samples until it is complete.
+    gzip'd download shows no samples: it is read once decompressed and published.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, url: str) -> None:
@@ -683,53 +690,58 @@ def file_identity(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _gunzip(packed: Buffer, url: str) -> bytearray:
-    """All members of a gzip file, decompressed and joined; trailing zero padding is allowed."""
-    out = bytearray()
-    pos, end = 0, len(packed)
+def gunzip(read: Callable[[int], bytes], *, url: str) -> Iterator[bytes]:
+    """The tar inside a gzip file read with ``read(n)``, in pieces of at most ``GZIP_OUT``
+    bytes, so that memory stays bounded however far the data expands. All members are
+    joined; trailing zero padding is allowed. Corrupt or truncated data: ShardError
+    (offsets in the .gz file)."""
     inflater = None
-    while pos < end:
+    pending, pos, full = b"", 0, False
+    while True:
         if inflater is None:
-            if packed[pos : pos + 2] != GZIP_MAGIC:
-                if not bytes(packed[pos:]).strip(b"\0"):
-                    break
-                raise ShardError(url, "data after the gzip stream is not gzip", offset=pos)
+            if len(pending) < 2:
+                pending += read(_GZIP_IN)
+            if not pending:
+                return
+            if pending[:2] != GZIP_MAGIC:
+                while pending:
+                    if pending.strip(b"\0"):
+                        raise ShardError(url, "data after the gzip stream is not gzip", offset=pos)
+                    pos += len(pending)
+                    pending = read(_GZIP_IN)
+                return
             inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        # Fed in chunks so that what follows a member is never copied whole
-        # (files made of many members would otherwise cost quadratic time).
-        chunk = packed[pos : pos + _GZIP_CHUNK]
+        elif not pending and not full:  # a full piece may leave output inside zlib: ask again first
+            pending = read(_GZIP_IN)
+            if not pending:
+                raise ShardError(url, "truncated gzip stream", offset=pos)
         try:
-            out += inflater.decompress(chunk)
+            out = inflater.decompress(pending, GZIP_OUT)
         except zlib.error as exc:
-            raise ShardError(
-                url, f"corrupt gzip data ({exc}); the offset is in the .gz file", offset=pos
-            ) from None
+            raise ShardError(url, f"corrupt gzip data ({exc}); the offset is in the .gz file", offset=pos) from None
+        rest = inflater.unused_data if inflater.eof else inflater.unconsumed_tail
+        pos += len(pending) - len(rest)
+        pending, full = rest, len(out) >= GZIP_OUT
         if inflater.eof:
-            pos += len(chunk) - len(inflater.unused_data)
-            inflater = None
-        else:
-            pos += len(chunk)
-    if inflater is not None:
-        raise ShardError(url, "truncated gzip stream", offset=end)
-    return out
+            inflater, full = None, False
+        if out:
+            yield out
 
 
 class ShardView:
-    """A shard's uncompressed tar in memory, and its samples.
+    """A cached shard's tar, mapped read-only, and its samples.
 
-    A plain tar is mapped read-only; a gzip'd one is decompressed in full.
     Payloads are memoryviews into that memory unless ``copy=True`` asks for
     ``bytes``: use them before :meth:`close`.  Closing never invalidates a view
     still alive (the mapping then lasts until the last one is freed), but it is
     the only point where the file's memory is given back promptly.
     """
 
-    def __init__(self, data: bytearray | mmap.mmap, *, url: str, samples: Sequence[SampleSpan] | None = None,
+    def __init__(self, data: mmap.mmap, *, url: str, samples: Sequence[SampleSpan],
                  identity: tuple[int, ...] = ()) -> None:
         self.url = url
         self.identity = identity  # of the file opened (file_identity), when opened from one
-        self._data: bytearray | mmap.mmap | None = data
-        # Read-only even over a bytearray: payloads must not be able to alter the shard.
+        self._data: mmap.mmap | None = data
         self._view: memoryview | None = memoryview(data).toreadonly()
         self._samples = samples
 
@@ -752,18 +764,8 @@ class ShardView:
         return self._view
 
     @property
-    def mapped(self) -> bool:
-        """True when :attr:`data` is the file itself, mapped (not a gzip'd shard decompressed)."""
-        return isinstance(self._data, mmap.mmap)
-
-    @property
     def samples(self) -> Sequence[SampleSpan]:
-        """Where each sample lies (a plain tar is scanned when opened; a gzip'd one on first
-        use, or when opened if an index is to remember it)."""
-        if self._samples is None:
-            if self._data is None:
-                raise ValueError("shard view is closed")
-            self._samples = scan(self._data, url=self.url)
+        """Where each sample lies (found when the shard was opened)."""
         return self._samples
 
     def sample(self, i: int, *, copy: bool = False) -> Sample:
@@ -776,12 +778,12 @@ class ShardView:
             yield self._build(span, copy)
 
     def drop_pages(self, start: int, end: int) -> None:
-        """Done with bytes ``[start, end)`` for now: a mapped shard's pages there leave the RSS.
+        """Done with bytes ``[start, end)`` for now: the shard's pages there leave the RSS.
 
         Safe while payloads there are still in use: the mapping is shared and
         read-only, so a page touched again is read back from the page cache.
         """
-        if self.mapped and end > start:
+        if self._data is not None and end > start:
             first = start - start % mmap.PAGESIZE
             self._data.madvise(mmap.MADV_DONTNEED, first, min(end, len(self._data)) - first)
 
@@ -792,8 +794,7 @@ class ShardView:
             return
         try:
             view.release()
-            if isinstance(self._data, mmap.mmap):
-                self._data.close()
+            self._data.close()
         except BufferError:
             pass  # buffers handed out are still alive: the memory stays until they go
         self._data = None
@@ -810,7 +811,8 @@ class ShardView:
 def open_shard(
     path: str | os.PathLike[str], *, url: str, known: GrowingShard | None = None, index: SampleIndex | None = None
 ) -> ShardView:
-    """Open a cached shard for reading; gzip is recognised by its magic bytes, not its name.
+    """Open a cached shard, a plain tar, for reading (the agent caches a gzip'd shard
+    decompressed: see :mod:`wdscache.fetch`; a gzip'd file here is a ShardError).
 
     ``known``: the view of this shard's download, whose samples need not be found again.
     ``index``: where the samples of shards opened before are kept; the file opened here
@@ -824,26 +826,21 @@ def open_shard(
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except ValueError:  # an empty file cannot be mapped
             raise ShardError(url, "empty file, not a tar archive", offset=0) from None
-        data: bytearray | mmap.mmap = mapped
         try:
-            if mapped[:2] != GZIP_MAGIC:
-                # Scanned with pread, not through the mapping: faulting in every header page
-                # would bring most of the file into our RSS (the kernel maps pages around each fault).
-                if samples is None and known is not None:
-                    samples = known.complete(f.fileno(), url)
-                if samples is None:
-                    samples = [span for span, _ in _group(_walk(_FileSpan(f.fileno(), 0, len(mapped)), url), url)]
-            else:
-                data = _gunzip(mapped, url)
-                mapped.close()
-                if samples is None and index is not None:
-                    samples = scan(data, url=url)  # found now, to be remembered
+            if os.pread(f.fileno(), 2, 0) == GZIP_MAGIC:
+                raise ShardError(url, "gzip'd data in the cache (shards are cached decompressed)", offset=0)
+            # Scanned with pread, not through the mapping: faulting in every header page
+            # would bring most of the file into our RSS (the kernel maps pages around each fault).
+            if samples is None and known is not None:
+                samples = known.complete(f.fileno(), url)
+            if samples is None:
+                samples = [span for span, _ in _group(_walk(_FileSpan(f.fileno(), 0, len(mapped)), url), url)]
         except BaseException:
             mapped.close()
             raise
-    if index is not None and not indexed and samples is not None:
+    if index is not None and not indexed:
         samples = index.put(url, identity, samples) or samples  # kept packed, unless too many
-    return ShardView(data, url=url, samples=samples, identity=identity)
+    return ShardView(mapped, url=url, samples=samples, identity=identity)
 
 
 def iter_samples(path: str | os.PathLike[str], *, url: str) -> Iterator[Sample]:
