@@ -6,12 +6,14 @@ a real HTTP server; samples are compared with webdataset's own reader.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from collections import Counter
 
 import pytest
 
-from conftest import wait_for
+from conftest import stop_process, wait_for
 from shards import write_url_list
 from streaming import reference, samples_of
 
@@ -63,6 +65,38 @@ def test_sigkilled_consumer_is_dropped_at_once_and_its_job_restarts_with_another
     new = consumers(cache, "new", "--job", "E", "--world-size", "1")
     got = samples_of(new.wait())
     assert sorted((s["url"], s["key"]) for s in got) == sorted(reference(data.paths, data.urls))
+
+
+def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, dataset, start_agent):
+    from wdscache.client import AgentConnection
+    from wdscache.protocol import process_identity
+
+    data = dataset(2, samples=5, payload=200)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "1", "--reader-timeout", "8")
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10)
+    try:
+        for job, proc, shift in (("seen", procs[0], 0), ("reused", procs[1], 1)):
+            claimed = process_identity(proc.pid)
+            claimed[1] += shift  # another start time: the pid names another process now
+            hello = conn.request({"op": "hello", "reader": job, "job": job, "rank": 0, "world_size": 1,
+                                  "process": claimed})
+            assert hello["ok"], hello
+            assert conn.request({"op": "open", "reader": job, "url": data.urls[0]})["ok"]
+        agent.wait_stats(lambda s: set(s["jobs"]) == {"seen", "reused"} and s["agent"]["pinned"] == 1, 5,
+                         "both readers in stats, the shard pinned")
+        for proc in procs:
+            stop_process(proc)
+        agent.wait_stats(lambda s: set(s["jobs"]) == {"reused"}, 3, "the reader of the very process was not dropped")
+        # The other claimed a process the agent could not confirm: only its silence ends it.
+        agent.wait_stats(lambda s: not s["jobs"] and s["agent"]["pinned"] == 0, 15,
+                         "the silent reader was not timed out")
+    finally:
+        conn.close()
+        for proc in procs:
+            stop_process(proc, timeout=5)
+    assert "reader reused silent for" in agent.stderr_text(), agent.stderr_tail()
 
 
 def test_a_jobs_own_list_is_freed_once_the_job_has_left(tmp_path, dataset, start_agent, consumers):
