@@ -111,17 +111,25 @@ def test_a_jobs_own_list_is_freed_once_the_job_has_left(tmp_path, dataset, start
 
 
 def test_an_html_page_read_while_it_downloads_is_reported_as_html(tmp_path, dataset, start_agent, shard_server):
+    """The fetcher refuses a body whose first 64 KiB are not a tar before it is published,
+    but a shorter HTML page (a 200 "sign in" page) is in the partial file from its write to
+    that check, and a consumer streaming the shard reads it then. The test holds the
+    download open (a stalled body) with the page where the download writes, so that the
+    moment lasts."""
     from wdscache import CachedMultiLoader
-    from wdscache.errors import WdsCacheError
+    from wdscache.errors import ShardError
+    from wdscache.layout import CacheLayout
 
     data = dataset(1, samples=10, payload=500)
-    page = b"<!DOCTYPE html>\n<html><body>" + b"<p>Sign in to continue.</p>\n" * 2000 + b"</body></html>\n"
-    shard_server.fail(data.paths[0].name, "html", body=page, times=20)
-    shard_server.rate = 8192  # the page arrives over seconds: the consumer reads it as it downloads
+    shard_server.fail(data.paths[0].name, "stall", seconds=60, then="close")
     cache = tmp_path / "cache"
-    start_agent(cache, data.list_file, "--retries", "1")
-    loader = CachedMultiLoader(cache_dir=cache, job="html", timeout=30, on_error="raise")
-    with pytest.raises(WdsCacheError) as info:
+    start_agent(cache, data.list_file, "--prefetch", "1")
+    partial = CacheLayout.of(cache).partial_path(data.urls[0])
+    wait_for(partial.exists, 20, "the download never started writing")
+    page = b"<!DOCTYPE html>\n<html><body>" + b"<p>Sign in to continue.</p>\n" * 200 + b"</body></html>\n"
+    with open(partial, "r+b") as f:
+        f.write(page)
+    loader = CachedMultiLoader(cache_dir=cache, job="html", timeout=20, on_error="raise")
+    with pytest.raises(ShardError) as info:
         list(loader)
-    print("MSG", repr(str(info.value)))
-    assert "HTML" in str(info.value), str(info.value)
+    assert "HTML" in str(info.value) and data.urls[0] in str(info.value), str(info.value)
