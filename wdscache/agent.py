@@ -943,8 +943,8 @@ class Agent:
         """Watch the process a consumer named in hello, if we see that very process, so that
         its reader is dropped the moment it ends. Else (another machine or container, no
         pidfd) the reader goes after ``--reader-timeout`` of silence."""
-        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int and claimed[0] > 0
-                and len(self._watched) < MAX_WATCHED):
+        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int
+                and 0 < claimed[0] < 1 << 31 and len(self._watched) < MAX_WATCHED):
             return
         try:
             fd = os.pidfd_open(claimed[0])
