@@ -15,6 +15,10 @@ Guarantees:
   that is already cached.
 - Nothing outside the union of readers' windows (plus shards asked for) is
   downloaded; a shard is never downloaded by two threads at once.
+- A reader reads the list it said hello on to its end, whatever edits of the
+  list file happen meanwhile (:meth:`Agent._known`).
+- A reader whose process the agent sees (:meth:`Agent._watch_process`) is dropped,
+  its pins released, as soon as that process ends.
 """
 
 from __future__ import annotations
