@@ -15,6 +15,10 @@ Guarantees:
   that is already cached.
 - Nothing outside the union of readers' windows (plus shards asked for) is
   downloaded; a shard is never downloaded by two threads at once.
+- A reader reads the list it said hello on to its end, whatever edits of the
+  list file happen meanwhile (:meth:`Agent._known`).
+- A reader whose process the agent sees (:meth:`Agent._watch_process`) is dropped,
+  its pins released, as soon as that process ends.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import logging
 import os
 import queue
+import select
 import threading
 import time
 from collections import deque
@@ -49,8 +54,8 @@ from .plan import Reader, wanted
 from .pool import WorkerPool
 from .protocol import field as get_field
 from .stats import build, jobs_view, public, with_fraction
+from .protocol import numbers, pack, pages, process_identity, strings, unpack
 from .tario import file_identity
-from .protocol import numbers, pack, pages, strings, unpack
 from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
@@ -68,6 +73,8 @@ INDEX_HINTS = 64  # shards lately published that a new worker is told to index
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
 WORKER_OPS = ("worker", "counted", "damaged")  # reports only our workers may send (and "walked", with frames)
 MAX_JOB_LISTS = 16
+LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
+MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
 MAX_JOB_URLS = 10_000_000
@@ -121,7 +128,12 @@ class Agent:
         self._active: dict[str, Download] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._demanded: dict[str, float] = {}  # url -> when first asked for
-        self._lists: dict[str, UrlList] = {}  # list_id -> a consumer's own list
+        # list_id -> a list readers read besides the agent's current one: a consumer's own, or
+        # an earlier agent list that readers started their epoch on (kept while read, see _free_lists)
+        self._lists: dict[str, UrlList] = {}
+        self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
+        self._watched: dict[int, str] = {}  # pidfd -> the reader whose process it is
+        self._deaths = select.poll()  # the watched pidfds: readable once their process ended
         self._uploads: dict[str, list[Any]] = {}  # reader -> pages of its list received so far
         self._list_id = ""
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read
@@ -348,6 +360,8 @@ class Agent:
         self.fetcher.close_thread()
         if self._observer is not None:
             self._observer.join(2.0)
+        for fd in list(self._watched):
+            self._unwatch(fd)
         if self._sock is not None:
             self._sock.close(0)
             if self.endpoint.startswith("ipc://"):
@@ -745,11 +759,15 @@ class Agent:
         assert self.cache is not None
         for url in added:
             self.cache.forget_failure(url)
+        if any(r.list_id == self._list_id for r in self.readers.values()):
+            # Epochs under way finish on the list they started with; the next ones take the new one.
+            self._lists.setdefault(self._list_id, self.urls)
         self.urls = new
         self._list_id = list_id(new.urls)
         gone = set(removed)
         for url in list(self._demanded):
-            if url in gone:
+            if url in gone and not any(r.list_id is not None and url in self._list(r.list_id)
+                                       for r in self.readers.values()):
                 self._demanded.pop(url)
                 self._answer_waiters(url, error="removed from the agent's URL list")
         # Positions in the agent's list refer to the old list: those readers start over on
@@ -760,15 +778,21 @@ class Agent:
         self._startup = self._startup_reader()
 
     def _expire_readers(self) -> None:
+        for fd, _ in self._deaths.poll(0) if self._watched else ():
+            log.info("reader %s: its process ended; releasing its shards", self._watched[fd])
+            self._drop_reader(self._watched[fd])
         now = time.monotonic()
         for name, r in list(self.readers.items()):
             if now - r.last_seen > self.config.reader_timeout:
                 log.warning("reader %s silent for %.0fs: releasing its shards", name, now - r.last_seen)
                 self._drop_reader(name)
+        self._free_lists()
 
     def _drop_reader(self, name: str) -> None:
         self._uploads.pop(name, None)
         r = self.readers.pop(name, None)
+        if r is not None and r.pidfd >= 0:
+            self._unwatch(r.pidfd)
         if r is None or self.cache is None:
             return
         for url, count in r.pins.items():
@@ -878,8 +902,10 @@ class Agent:
             self._reply(ident, rid, ok=error is None, error=error)
         elif op == "get_urls":
             offset = get_field(header, "offset", int)
-            page = next(pages(self.urls.urls, max(0, offset)), (offset, []))[1]
-            self._reply(ident, rid, ok=True, list_id=self._list_id, urls=page)
+            # The list the reader said hello on, even if the file changed since.
+            listed = reader.list_id if reader is not None and reader.list_id is not None else self._list_id
+            page = next(pages(self._list(listed).urls, max(0, offset)), (offset, []))[1]
+            self._reply(ident, rid, ok=True, list_id=listed, urls=page)
         elif op == "open":
             ahead = get_field(header, "ahead", list, None)
             wait = get_field(header, "wait", bool, True)
@@ -930,9 +956,13 @@ class Agent:
             if list_id(parsed.urls) != claimed:
                 self._reply(ident, rid, ok=False, error="the list sent does not match its list_id")
                 return
+            if len(self._lists) >= MAX_JOB_LISTS:
+                self._free_lists(grace=0.0)  # lists nobody reads make room first
+            if len(self._lists) >= MAX_JOB_LISTS:
+                self._reply(ident, rid, ok=False, error=(
+                    f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends"))
+                return
             self._lists[claimed] = parsed
-            while len(self._lists) > MAX_JOB_LISTS:
-                self._lists.pop(next(iter(self._lists)))
         known = self.jobs.get(job)
         if known is not None and known["world_size"] != world and self._job_ranks(job):
             self._reply(ident, rid, ok=False, error=(
@@ -942,8 +972,10 @@ class Agent:
         self.jobs[job] = {"world_size": world}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
         self._drop_reader(name)
-        self.readers[name] = Reader(name, ahead=[])
+        # It reads the list it named, or the agent's list as it is now until its epoch ends.
+        self.readers[name] = Reader(name, ahead=[], list_id=claimed if claimed is not None else self._list_id)
         self.consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
+        self._watch_process(name, header.get("process"))
         self._reply(
             ident, rid, ok=True,
             workers=self.pool.endpoints if self.pool else [],
@@ -968,9 +1000,54 @@ class Agent:
         got.extend(page)
         return None
 
-    def _known(self, url: str) -> bool:
-        """In the agent's list or in a list a consumer gave (only those are ever fetched)."""
+    def _list(self, key: str | None) -> UrlList:
+        """The list ``key`` names: one kept in ``_lists``, else the agent's current list."""
+        return self._lists.get(key, self.urls) if key is not None else self.urls
+
+    def _known(self, url: str, reader: Reader | None) -> bool:
+        """In the list ``reader`` reads; for a plain client (no hello), in the agent's list or in
+        a list some reader reads. Only listed shards are ever fetched."""
+        if reader is not None and reader.list_id is not None:
+            return url in self._list(reader.list_id)
         return url in self.urls or any(url in listed for listed in self._lists.values())
+
+    def _free_lists(self, grace: float = LIST_GRACE) -> None:
+        """Forget the lists no reader has read for ``grace`` seconds (a million URLs is
+        about 140 MB); a consumer that comes back sends its list again (``need_urls``)."""
+        now = time.monotonic()
+        read = {r.list_id for r in self.readers.values()}
+        for key in list(self._lists):
+            if key in read:
+                self._unread_since.pop(key, None)
+            elif now - self._unread_since.setdefault(key, now) >= grace:
+                del self._lists[key]
+                self._unread_since.pop(key)
+
+    def _watch_process(self, name: str, claimed: Any) -> None:
+        """Watch the process a consumer named in hello, if we see that very process, so that
+        its reader is dropped the moment it ends. Else (another machine or container, no
+        pidfd) the reader goes after ``--reader-timeout`` of silence."""
+        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int
+                and 0 < claimed[0] < 1 << 31 and len(self._watched) < MAX_WATCHED):
+            return
+        try:
+            fd = os.pidfd_open(claimed[0])
+        except (AttributeError, OSError):
+            return
+        # Compared once the pidfd is open: if the identity matches, it is that process's pidfd.
+        if process_identity(claimed[0]) != claimed:
+            os.close(fd)
+            return
+        self.readers[name].pidfd = fd
+        self._watched[fd] = name
+        self._deaths.register(fd, select.POLLIN)
+        self._poller.register(fd, zmq.POLLIN)  # wakes the main loop when it ends
+
+    def _unwatch(self, fd: int) -> None:
+        del self._watched[fd]
+        self._deaths.unregister(fd)
+        self._poller.unregister(fd)
+        os.close(fd)
 
     def _job_ranks(self, job: str) -> list[int]:
         """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
@@ -1003,15 +1080,15 @@ class Agent:
         until then the answer is "not cached" (or, with ``wait``, comes later).
         """
         assert self.cache is not None
-        if not self._known(url):
+        reader = self.readers.get(name)
+        if not self._known(url, reader):
             self._reply(ident, rid, ok=False, error=f"{url} is not in the agent's URL list ({self.config.urls})")
             return
-        reader = self.readers.get(name)
         if reader is None:
             # A plain client reads in list order; its window is the shards after this one.
             reader = self.readers[name] = Reader(name, len(self.urls), shuffle=False)
         if ahead is not None:
-            reader.ahead = [u for u in ahead[: self.config.prefetch] if isinstance(u, str) and self._known(u)]
+            reader.ahead = [u for u in ahead[: self.config.prefetch] if isinstance(u, str) and self._known(u, reader)]
         elif reader.ahead is None and url in self.urls:
             reader.advance_to(self.urls.index(url))
         rec = self.cache.index.get(url)
@@ -1153,6 +1230,8 @@ class Agent:
                 "consumers": len(self.consumers),
                 "bytes_reserved": self.cache.reserved,
                 "urls": len(self.urls),
+                "job_lists": len(self._lists),
+                "pinned": sum(1 for n in self.cache.pins.values() if n > 0),
                 "workers": [public(self.worker_stats.get(i, {"index": i})) for i in range(self.config.workers)],
                 "worker_restarts": self.pool.restarts if self.pool else 0,
                 "corrupt": [{"url": u, "error": e} for u, e in self._corrupt.items()],

@@ -50,7 +50,7 @@ from .client import AgentConnection, resolve_endpoint, start_hint
 from .direct import CacheFiles, FileRange, StaleFile
 from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
 from .malloc import tune_malloc
-from .protocol import pack, pages, unpack
+from .protocol import pack, pages, process_identity, unpack
 from .sequence import EpochSpec, RankShare, Resume, SampleId, global_sequence, rank_length
 from .private import PrivateAgent
 from .urls import format_url_list, list_id, parse_url_list, read_url_list
@@ -238,8 +238,9 @@ class CachedMultiLoader:
 
         Lists go in pages and are cached by their id, so each is sent once per loader.
         """
+        # The process, so that an agent on this machine notices at once when it ends (a SIGKILL).
         request: dict[str, Any] = {"op": "hello", "reader": name, "job": self.job, "rank": self.rank,
-                                   "world_size": self.world_size}
+                                   "world_size": self.world_size, "process": process_identity()}
         if self.urls is not None:
             request["list_id"] = self._own_list_id
         hello = conn.request(request)

@@ -57,6 +57,8 @@ class Reader:
     last_seen: float = field(default_factory=time.monotonic)
     # Set by readers that know their own order (consumers): the URLs they read next.
     ahead: list[str] | None = None
+    list_id: str | None = None  # the list a consumer reads (said in hello); None: the agent's current one
+    pidfd: int = -1  # the consumer's process, watched to notice at once that it ended (-1: not watched)
     def order(self, epoch: int) -> tuple[int, ...]:
         return shard_order(self.n_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
 

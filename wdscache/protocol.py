@@ -12,6 +12,8 @@ Requests carry an ``id`` chosen by the client; the reply repeats it.
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .errors import ProtocolError
@@ -33,6 +35,24 @@ def pages(urls: Sequence[str], start: int = 0) -> Iterator[tuple[int, list[str]]
             j += 1
         yield i, list(urls[i:j])
         i = j
+
+
+def process_identity(pid: int | None = None) -> list[Any] | None:
+    """``[pid, start time, boot id, pid namespace]`` of process ``pid`` (default: this one) as
+    this process sees them; None where /proc does not tell (not Linux, no such process).
+
+    A consumer names its process in hello with it; the agent watches that process only if
+    it sees the same identity: another machine has another boot id, another container
+    another pid namespace, and a pid reused since another start time.
+    """
+    pid = os.getpid() if pid is None else pid
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return [pid, int(stat[stat.rindex(")") + 2:].split()[19]), boot, namespace]
 
 
 def pack(header: dict[str, Any], *payloads: bytes | memoryview) -> list[bytes | memoryview]:

@@ -16,7 +16,8 @@ The object (also ``wdscache stats --json``)::
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
                       indexed (shards), walked / adopted (shards whose table the worker walked
                       itself / took from another worker)}],
-                      worker_restarts, corrupt: [{url, error}]}
+                      worker_restarts, corrupt: [{url, error}], urls (its list's length),
+                      pinned (shards being read), job_lists (URL lists held besides its own)}
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
                       epoch, position (samples of the epoch the job delivered, counted from
                       this rank's), starved: null | "downloads" | "workers" | "latency"}}}

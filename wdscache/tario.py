@@ -474,7 +474,13 @@ class GrowingShard:
             return
         pax: dict[str, Any] = {}
         buf = _FileSpan(self._fd, start, size)  # headers are read in blocks: payloads are skipped
-        groups = list(_group(_walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start))
+        try:
+            groups = list(_group(_walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start))
+        except ShardError as exc:
+            problem = tar_problem(os.pread(self._fd, HEAD_BYTES, 0)) if start == 0 and exc.offset == 0 else None
+            if problem:  # say what came instead of a tar (an HTML page served with status 200, say)
+                raise ShardError(self.url, problem, offset=0) from None
+            raise
         done = [span for span, _ in groups[:-1]]
         if pax or self._from_start:
             # A global PAX header: where exactly it took effect is not tracked, so from now
