@@ -7,12 +7,18 @@ stops talking to the agent are dropped after the agent's reader timeout.
 
 A client's socket belongs to the process that created it: after a fork the
 child opens its own.
+
+A client talks only to an agent that proves it holds the token of the cache
+directory (see :mod:`wdscache.protocol`), and sends its key to no other: a
+cache directory of another user, or an agent that cannot prove itself, is a
+:class:`~wdscache.errors.ConfigError` or :class:`~wdscache.errors.NotTrustedError`.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -20,9 +26,9 @@ from typing import Any
 
 import zmq
 
-from .errors import AgentUnavailableError, FetchError, ProtocolError
+from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError
 from .layout import CacheLayout
-from .protocol import pack, unpack
+from .protocol import client_key, pack, proof, same_secret, unpack
 
 
 def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> str:
@@ -40,10 +46,18 @@ def start_hint(cache_dir: str | os.PathLike[str] | None) -> str:
 
 
 class AgentConnection:
-    """Request/reply over a DEALER socket; every wait is bounded by ``timeout``."""
+    """Request/reply over a DEALER socket; every wait is bounded by ``timeout``.
 
-    def __init__(self, endpoint: str, *, timeout: float = 30.0, hint: str = "") -> None:
+    The token comes from ``cache_dir`` (refused if another user owns it), or is
+    given (a consumer that cannot see the cache directory). Before the first
+    request the agent must prove it holds it; every request then carries the key.
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = 30.0, hint: str = "",
+                 cache_dir: str | os.PathLike[str] | None = None, token: str | None = None) -> None:
         self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
+        self._cache_dir, self._token = cache_dir, token
+        self.key: str | None = None  # the key of the agent run we proved, for our requests to its workers
         self._ids = itertools.count(1)
         self._pid = -1
         self._ctx: zmq.Context | None = None
@@ -51,6 +65,12 @@ class AgentConnection:
 
     def _socket(self) -> zmq.Socket:
         if self._pid != os.getpid():
+            if self._cache_dir is not None:  # before connecting: never to another user's agent
+                layout = CacheLayout.of(self._cache_dir)
+                layout.check_owner()
+                if self._token is None:
+                    self._token = layout.read_token()
+            self.key = None
             # Created in the process that uses it; a forked child must not touch its parent's.
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
@@ -62,9 +82,16 @@ class AgentConnection:
 
     def request(self, header: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
         """Send ``header`` and return the reply's header; raises if none comes in time."""
-        sock = self._socket()
-        rid = next(self._ids)
-        sock.send_multipart(pack({**header, "id": rid}))
+        for again in (False, True):
+            sock = self._proved(timeout)
+            rid = next(self._ids)
+            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+            reply = self._reply(sock, rid, timeout)
+            if not self._refused(reply, again):
+                return reply
+        raise AssertionError("unreachable")
+
+    def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None) -> dict[str, Any]:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             left = deadline - time.monotonic()
@@ -75,15 +102,49 @@ class AgentConnection:
                 return reply
             # A late reply to an earlier request that timed out: skip it.
 
+    def _proved(self, timeout: float | None) -> zmq.Socket:
+        """The socket, once the agent behind it has proved it holds the token (asked once per run)."""
+        sock = self._socket()
+        if self.key is None and self._token is not None:
+            nonce, rid = secrets.token_hex(16), next(self._ids)
+            sock.send_multipart(pack({"op": "auth", "id": rid, "nonce": nonce}))  # no key: not proved yet
+            reply = self._reply(sock, rid, timeout)
+            run = reply.get("run")
+            if not (isinstance(run, str) and same_secret(reply.get("proof"), proof(self._token, nonce, run))):
+                raise NotTrustedError(
+                    f"the agent at {self.endpoint} cannot prove it holds the token of "
+                    f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
+                    "another user's process may listen there; check the endpoint and who runs the agent on it"
+                )
+            self.key = client_key(self._token, run)
+        return sock
+
+    def _refused(self, reply: dict[str, Any], again: bool) -> bool:
+        """True when the agent refused our key as that of its previous run (ask it to prove itself
+        again); raises when we hold no token, or it refuses a key it has just accepted."""
+        if not reply.get("need_token"):
+            return False
+        if again or self._token is None:
+            raise NotTrustedError(f"the agent at {self.endpoint} refused this client: {reply.get('error')}")
+        self.key = None  # a new agent on the endpoint: a new run, so a new key
+        return True
+
     def request_patiently(self, header: dict[str, Any], *, liveness: float) -> dict[str, Any]:
         """Like :meth:`request`, for requests that may take long (a shard being downloaded).
 
         Waits as long as the agent keeps answering a ping within ``liveness`` seconds;
         raises AgentUnavailableError once it does not.
         """
-        sock = self._socket()
-        rid = next(self._ids)
-        sock.send_multipart(pack({**header, "id": rid}))
+        for again in (False, True):
+            sock = self._proved(liveness)
+            rid = next(self._ids)
+            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+            reply = self._wait_patiently(sock, rid, header, liveness)
+            if not self._refused(reply, again):
+                return reply
+        raise AssertionError("unreachable")
+
+    def _wait_patiently(self, sock: zmq.Socket, rid: int, header: dict[str, Any], liveness: float) -> dict[str, Any]:
         ping_id, ping_sent = None, time.monotonic()
         while True:
             if sock.poll(int(liveness * 1000 / 4) + 1):
@@ -98,7 +159,8 @@ class AgentConnection:
                 raise AgentUnavailableError(self.endpoint, liveness, self.hint)
             if ping_id is None and now - ping_sent > liveness / 2:
                 ping_id, ping_sent = next(self._ids), now
-                sock.send_multipart(pack({"op": "ping", "reader": str(header.get("reader", "")), "id": ping_id}))
+                sock.send_multipart(pack({"op": "ping", "reader": str(header.get("reader", "")), "id": ping_id,
+                                          "key": self.key}))
 
     def close(self) -> None:
         if self._sock is not None and self._pid == os.getpid():
@@ -119,10 +181,13 @@ class ShardClient:
         endpoint: str | None = None,
         timeout: float = 300.0,
         name: str | None = None,
+        token: str | None = None,
     ) -> None:
         self.name = name or f"client-{uuid.uuid4().hex[:12]}"
+        # token: the agent's (CACHE_DIR/token), for a client that cannot read cache_dir.
         self._conn = AgentConnection(
-            resolve_endpoint(cache_dir, endpoint), timeout=timeout, hint=start_hint(cache_dir)
+            resolve_endpoint(cache_dir, endpoint), timeout=timeout, hint=start_hint(cache_dir),
+            cache_dir=cache_dir, token=token,
         )
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
@@ -149,7 +214,7 @@ class ShardClient:
         """Say goodbye (the agent drops this client's pins) and close the socket."""
         try:
             self._conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
-        except AgentUnavailableError:
+        except (AgentUnavailableError, NotTrustedError):
             pass
         finally:
             self._conn.close()

@@ -97,7 +97,8 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
         return None
     # No pid check: from another container the agent's pid means nothing; the socket decides.
-    conn = AgentConnection(endpoint, timeout=timeout)
+    # An agent that cannot prove it holds the directory's token is not ours: NotTrustedError.
+    conn = AgentConnection(endpoint, timeout=timeout, cache_dir=layout.root)
     try:
         reply = conn.request({"op": "stats"})
         return reply["stats"] if reply.get("ok") else None
