@@ -767,15 +767,17 @@ def _j(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
 
-def client_key(cache: Path) -> str:
-    """The key this agent run's clients send (a client holding the token gets it, as any does):
-    without it a message is refused before anything else looks at it (tests/test_trust.py)."""
+def client_key(cache: Path, worker: int | None = None) -> str:
+    """The key this agent run's clients send to it (or to ``worker``), as a client holding the
+    token gets it: without it a message is refused before anything else looks at it
+    (tests/test_trust.py)."""
     endpoint = json.loads((cache / "agent.json").read_text())["endpoint"]
     conn = AgentConnection(endpoint, timeout=10, cache_dir=cache)
     try:
         conn.request({"op": "ping"})
-        assert conn.key is not None
-        return conn.key
+        key = conn.key if worker is None else conn.worker_key(worker)
+        assert key is not None
+        return key
     finally:
         conn.close()
 
@@ -819,6 +821,7 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard
     assert r["ok"] is True and r["stats"]["agent"]["pid"] == agent.pid, r
 
     # A worker's socket.
+    wkey = client_key(cache, worker=0)
     w0 = worker_endpoints(endpoint, 2)[0]
     assert w0.endswith("-w0.sock"), w0
     wpeer = raw_peers(w0)
@@ -826,19 +829,19 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard
     assert r["ok"] is False and r["kind"] == "protocol" and "not UTF-8 JSON" in r["error"], r
     r = wpeer.ask(b"[1, 2, 3]")
     assert r["ok"] is False and r["kind"] == "protocol", r
-    r = wpeer.ask(_j({"op": "frobnicate", "id": 7, "key": key}))
+    r = wpeer.ask(_j({"op": "frobnicate", "id": 7, "key": wkey}))
     assert r == {"op": "error", "id": 7, "ok": False, "kind": "protocol", "error": "unknown op 'frobnicate'"}, r
     r = wpeer.ask(pickle.dumps({"op": "read", "id": 9, "urls": ds.urls[:1], "items": [[0, 0]]}))
     assert r["ok"] is False and r["kind"] == "protocol", r
-    r = wpeer.ask(_j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10 ** 6]], "key": key}))
+    r = wpeer.ask(_j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10 ** 6]], "key": wkey}))
     assert r["ok"] is False and r["kind"] == "protocol" and "no sample" in r["error"], r
     r = wpeer.ask(_j({"op": "read", "id": 12, "urls": ["http://elsewhere/../../etc/passwd"], "items": [[0, 0]],
-                      "key": key}))
+                      "key": wkey}))
     assert r["ok"] is False and r["kind"] == "missing", r
     wpeer.send(b"{" + b" " * (2 << 20) + b"}")
     assert wpeer.reply(1.5) is None, "a 2 MiB message was answered by a worker"
     wfresh = raw_peers(w0)
-    r = wfresh.ask(_j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]], "key": key}))
+    r = wfresh.ask(_j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]], "key": wkey}))
     assert r["ok"] is True and r["keys"] == ["s00000_00000"], r
 
     # Service goes on: same processes, a full epoch.
@@ -905,7 +908,7 @@ def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, sta
     workers = wait_for(lambda: worker_pids(agent.pid), 10, "no worker process found")
     endpoint = json.loads((cache / "agent.json").read_text())["endpoint"]
     peer = raw_peers(worker_endpoints(endpoint, 1)[0])
-    peer.send(_keyed(frame, client_key(cache)))
+    peer.send(_keyed(frame, client_key(cache, worker=0)))
     r = peer.reply(3)
     restarts = agent.stats()["agent"]["worker_restarts"]
     assert r is not None and restarts == 0 and worker_pids(agent.pid) == workers, (

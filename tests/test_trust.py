@@ -36,7 +36,7 @@ from conftest import wait_for
 from streaming import reference, samples_of
 import wdscache.agent  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
 from wdscache import cli
-from wdscache.client import ShardClient
+from wdscache.client import AgentConnection, ShardClient
 from wdscache.errors import ConfigError, NotTrustedError, WdsCacheError
 from wdscache.layout import CacheLayout
 from wdscache.loader import CachedMultiLoader
@@ -216,6 +216,7 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
     monkeypatch.setenv("WDSCACHE_ENDPOINT", endpoint)  # the owner's consumer finds the agent, and its token
     owner = consumers(cache, "owner", "--no-shuffle", "--job", "owner")
     got = as_user(other_user, lambda: attack(endpoint, workers, ds.urls, evil, cache))
+    read = {"op": "read", "id": 1, "urls": ds.urls[:1], "items": [[0, 0]]}
     lines = owner.wait()
 
     assert got["uid"] == other_user.pw_uid
@@ -246,6 +247,20 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
     assert "Traceback" not in agent.stderr_text(), agent.stderr_tail()
     token = (cache / "token")
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == os.getuid()
+
+    # Each key opens one door: a process that took a dead worker's port learns nothing else.
+    conn = AgentConnection(endpoint, timeout=10, cache_dir=cache)
+    try:
+        conn.request({"op": "ping"})
+        agent_key, w0, w1 = conn.key, conn.worker_key(0), conn.worker_key(1)
+    finally:
+        conn.close()
+    assert len({agent_key, w0, w1}) == 3
+    assert ask(workers[0], {**read, "key": w0})["keys"] == ["s00000_00000"]
+    for where, key in ((workers[1], w0), (workers[0], agent_key), (workers[0], w1)):
+        assert refused(ask(where, {**read, "key": key})), (where, key)
+    assert refused(ask(endpoint, {"op": "stats", "id": 1, "key": w0}))
+    assert ask(endpoint, {"op": "stats", "id": 1, "key": agent_key})["ok"] is True
 
 
 def fake_agent(endpoint: str, seconds: float) -> list[dict[str, Any]]:

@@ -94,7 +94,7 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
         hello = conn.request({"op": "hello", "reader": reader, "job": reader, "rank": 0, "world_size": 1})
         assert hello.get("ok"), hello
         sock.connect(hello["workers"][0])
-        yield sock, conn.key
+        yield sock, conn.worker_key(0)
     finally:
         sock.close()
         ctx.term()

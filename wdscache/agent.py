@@ -203,7 +203,7 @@ class Agent:
         self._key = client_key(self._token, self._run)
         # Worker processes take a while to start: they do so while the cache is opened.
         self.pool = WorkerPool(n=self.config.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root),
-                               key=self._key)
+                               token=self._token, run=self._run)
         self.pool.start()
         try:
             self._open_cache()

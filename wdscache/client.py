@@ -28,7 +28,7 @@ import zmq
 
 from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError
 from .layout import CacheLayout
-from .protocol import client_key, pack, proof, same_secret, unpack
+from .protocol import client_key, pack, proof, same_secret, unpack, worker_key
 
 
 def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> str:
@@ -57,7 +57,8 @@ class AgentConnection:
                  cache_dir: str | os.PathLike[str] | None = None, token: str | None = None) -> None:
         self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
         self._cache_dir, self._token = cache_dir, token
-        self.key: str | None = None  # the key of the agent run we proved, for our requests to its workers
+        self.key: str | None = None  # our requests' key, once the agent proved it holds the token
+        self._run = ""
         self._ids = itertools.count(1)
         self._pid = -1
         self._ctx: zmq.Context | None = None
@@ -116,8 +117,14 @@ class AgentConnection:
                     f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
                     "another user's process may listen there; check the endpoint and who runs the agent on it"
                 )
-            self.key = client_key(self._token, run)
+            self.key, self._run = client_key(self._token, run), run
         return sock
+
+    def worker_key(self, index: int) -> str | None:
+        """The key of requests to worker ``index`` of the agent run proved last (None before)."""
+        if self.key is None or self._token is None:
+            return None
+        return worker_key(self._token, self._run, index)
 
     def _refused(self, reply: dict[str, Any], again: bool) -> bool:
         """True when the agent refused our key as that of its previous run (ask it to prove itself

@@ -342,7 +342,6 @@ class _Stream:
         except BaseException:
             self.conn.close()
             raise
-        self.key = self.conn.key  # every request to the workers carries it (they refuse any without)
         self.list_id = str(hello.get("list_id")) if loader.urls is None else loader._own_list_id
         self.prefetch = int(hello.get("prefetch", 8))
         self.spec = EpochSpec(len(self.urls), loader.seed, epoch, loader.shuffle, loader.shuffle_buffer)
@@ -376,6 +375,8 @@ class _Stream:
         self.files = CacheFiles(hello["cache_dir"]) if direct else None
         self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
         self.workers = [self._connect(ep) for ep in hello["workers"]]
+        # Every request to a worker carries its key (it refuses any without).
+        self.keys = [self.conn.worker_key(i) for i in range(len(self.workers))]
         if not self.workers:
             raise WdsCacheError(f"the agent at {loader.endpoint} has no workers")
         self.poller = zmq.Poller()
@@ -581,7 +582,7 @@ class _Stream:
         while True:
             rid = f"c{next(self.next_rid)}"
             self.calls[rid] = None
-            self.workers[worker].send_multipart(pack({**header, "id": rid, "key": self.key}))
+            self.workers[worker].send_multipart(pack({**header, "id": rid, "key": self.keys[worker]}))
             again = time.monotonic() + min(5.0, self.loader.timeout)
             while self.calls[rid] is None and time.monotonic() < again:
                 self._receive()
@@ -715,7 +716,7 @@ class _Stream:
         direct = direct and self.files is not None
         self.pending[seq] = (items, time.monotonic(), rid, w, direct)
         self.delayed.pop(seq, None)
-        request = {"op": "read", "id": rid, "key": self.key, "urls": urls, "items": wire}
+        request = {"op": "read", "id": rid, "key": self.keys[w], "urls": urls, "items": wire}
         if direct:
             request["direct"] = True
         self.workers[w].send_multipart(pack(request))

@@ -7,9 +7,9 @@ worker straight to the consumer, one hop. Consumers learn the worker endpoints
 from the agent.
 
 A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`), each
-only with the key of the agent's run (``"key"``, which only holders of the cache
-directory's token can make; the agent gives it to its workers on their stdin): a
-request without it gets ``{"ok": false, "kind": "refused", "error": ...}`` and no
+only with its key for the agent's run (``"key"``: :func:`~wdscache.protocol.worker_key`,
+which only holders of the cache directory's token can make; the agent gives it to
+the worker on its stdin): a request without it gets ``{"ok": false, "kind": "refused", "error": ...}`` and no
 file is opened for it::
 
     {"op": "read", "id": n, "key": k, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
@@ -78,7 +78,7 @@ import zmq
 from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .malloc import tune_malloc
-from .protocol import field, pack, same_secret, unpack
+from .protocol import client_key, field, pack, same_secret, unpack, worker_key
 from .tario import (GZIP_MAGIC, GrowingShard, NotYet, PackedSamples, SampleIndex, ShardView, file_identity, open_shard,
                     placed)
 
@@ -153,7 +153,7 @@ class WorkerPool:
     It writes a byte to its ready pipe once its socket is bound.
     """
 
-    def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str, key: str) -> None:
+    def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str, token: str, run: str) -> None:
         self.endpoints = worker_endpoints(agent_endpoint, n)
         self._specs = [
             WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid()) for i, ep in enumerate(self.endpoints)
@@ -165,7 +165,10 @@ class WorkerPool:
         self.restarts = 0
         # Proves a report comes from one of our workers (see the module's docstring).
         self.secret = secrets.token_hex(16)
-        self.key = key  # what a consumer's request must carry (see the module's docstring)
+        # The key of the workers' reports (the agent's door), and what a consumer's request to
+        # worker i must carry (see the module's docstring).
+        self.key = client_key(token, run)
+        self._keys = [worker_key(token, run, i) for i in range(n)]
 
     def start(self) -> None:
         for i in range(len(self._specs)):
@@ -184,7 +187,7 @@ class WorkerPool:
             assert stdin is not None
             try:
                 with stdin:  # not argv: any local user may read a command line
-                    stdin.write(f"{self.secret}\n{self.key}\n".encode())
+                    stdin.write(f"{self.secret}\n{self.key}\n{self._keys[i]}\n".encode())
             except OSError:
                 pass  # it died at once: check() starts another
         except BaseException:
@@ -270,10 +273,11 @@ def _die_with_parent(parent: int) -> None:
 
 
 class _Worker:
-    def __init__(self, spec: WorkerSpec, secret: str, key: str) -> None:
+    def __init__(self, spec: WorkerSpec, secret: str, key: str, serve_key: str) -> None:
         self.spec = spec
         self.secret = secret
-        self.key = key
+        self.key = key  # for our reports to the agent
+        self.serve_key = serve_key  # what a consumer's request to us carries
         self.layout = CacheLayout.of(spec.cache_dir)
         self.stop = False
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
@@ -474,7 +478,7 @@ class _Worker:
             header, _ = unpack(body)
             rid = header.get("id")
             op = header["op"]
-            if not same_secret(header.get("key"), self.key):
+            if not same_secret(header.get("key"), self.serve_key):
                 self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "refused", "error": REFUSED})
             elif op == "read":
                 self._read(ident, header)
@@ -700,7 +704,7 @@ class _Worker:
         self.ctx.term()
 
 
-def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str) -> None:
+def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_key: str) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
     # Copied replies come and go at up to GATHER_MAX each. glibc's own thresholds adapt to
@@ -708,7 +712,7 @@ def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str) -> None:
     # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.
     tune_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
-    worker = _Worker(spec, secret, key)
+    worker = _Worker(spec, secret, key, serve_key)
     os.write(ready_fd, b"r")
     os.close(ready_fd)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop", True))
@@ -720,7 +724,7 @@ def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -c _BOOT SYS_PATH SPEC READY_FD``, the secret and the key on stdin: how :class:`WorkerPool`
+    """``python -c _BOOT SYS_PATH SPEC READY_FD``, the secret and the keys on stdin: how :class:`WorkerPool`
     starts a worker."""
-    secret, key = sys.stdin.readline().strip(), sys.stdin.readline().strip()
-    worker_main(WorkerSpec(**json.loads(argv[1])), int(argv[2]), secret, key)
+    secret, key, serve_key = (sys.stdin.readline().strip() for _ in range(3))
+    worker_main(WorkerSpec(**json.loads(argv[1])), int(argv[2]), secret, key, serve_key)

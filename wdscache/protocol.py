@@ -14,9 +14,11 @@ Who may talk: the agent keeps a token in its cache directory (``CACHE_DIR/token`
 the agent only if the reply's ``proof`` is :func:`proof` of the token, N and the
 agent's ``run`` (a random string per agent process): another user's process
 listening on that endpoint cannot answer it, and learns nothing from the
-client. Every other message, to the agent and to its workers, then carries
-``key``: :func:`client_key` of the token and ``run``. A key seen by someone else
-is of no use once that agent process has gone.
+client. Every other message then carries ``key``: to the agent
+:func:`client_key` of the token and ``run``, to worker ``i`` :func:`worker_key`
+(so a process that took a dead worker's port learns no key the agent or
+another worker takes). A key seen by someone else is of no use once that agent
+process has gone.
 """
 
 from __future__ import annotations
@@ -114,6 +116,11 @@ def proof(token: str, nonce: str, run: str) -> str:
 def client_key(token: str, run: str) -> str:
     """The ``key`` every message to the agent run ``run`` and to its workers carries."""
     return hmac.new(token.encode(), f"wdscache client {run}".encode(), hashlib.sha256).hexdigest()
+
+
+def worker_key(token: str, run: str, index: int) -> str:
+    """The ``key`` every request to worker ``index`` of the agent run ``run`` carries."""
+    return hmac.new(token.encode(), f"wdscache worker {index} {run}".encode(), hashlib.sha256).hexdigest()
 
 
 def same_secret(value: Any, secret: str) -> bool:
