@@ -67,10 +67,7 @@ class AgentConnection:
     def _socket(self) -> zmq.Socket:
         if self._pid != os.getpid():
             if self._cache_dir is not None:  # before connecting: never to another user's agent
-                layout = CacheLayout.of(self._cache_dir)
-                layout.check_owner()
-                if self._token is None:
-                    self._token = layout.read_token()
+                CacheLayout.of(self._cache_dir).check_owner()
             self.key = None
             # Created in the process that uses it; a forked child must not touch its parent's.
             self._ctx = zmq.Context()
@@ -106,7 +103,14 @@ class AgentConnection:
     def _proved(self, timeout: float | None) -> zmq.Socket:
         """The socket, once the agent behind it has proved it holds the token (asked once per run)."""
         sock = self._socket()
-        if self.key is None and self._token is not None:
+        if self.key is None:
+            if self._token is None and self._cache_dir is not None:
+                self._token = CacheLayout.of(self._cache_dir).read_token()  # made by the agent at its start
+            if self._token is None:  # we would take anyone's answers, and the agent refuses us anyway
+                raise NotTrustedError(
+                    f"no token for the agent at {self.endpoint}: give the cache directory (its token file is "
+                    "read there, by its owner) or, where it cannot be seen, WDSCACHE_TOKEN (ShardClient: token=)"
+                )
             nonce, rid = secrets.token_hex(16), next(self._ids)
             sock.send_multipart(pack({"op": "auth", "id": rid, "nonce": nonce}))  # no key: not proved yet
             reply = self._reply(sock, rid, timeout)
@@ -128,10 +132,10 @@ class AgentConnection:
 
     def _refused(self, reply: dict[str, Any], again: bool) -> bool:
         """True when the agent refused our key as that of its previous run (ask it to prove itself
-        again); raises when we hold no token, or it refuses a key it has just accepted."""
+        again); raises when it refuses a key it has just accepted."""
         if not reply.get("need_token"):
             return False
-        if again or self._token is None:
+        if again:
             raise NotTrustedError(f"the agent at {self.endpoint} refused this client: {reply.get('error')}")
         self.key = None  # a new agent on the endpoint: a new run, so a new key
         return True

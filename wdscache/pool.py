@@ -9,8 +9,8 @@ from the agent.
 A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`), each
 only with its key for the agent's run (``"key"``: :func:`~wdscache.protocol.worker_key`,
 which only holders of the cache directory's token can make; the agent gives it to
-the worker on its stdin): a request without it gets ``{"ok": false, "kind": "refused", "error": ...}`` and no
-file is opened for it::
+the worker on its stdin). A request without it gets ``{"ok": false, "kind":
+"refused", "error": ...}`` and nothing else: no file is opened for it::
 
     {"op": "read", "id": n, "key": k, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
         -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...],
@@ -433,8 +433,8 @@ class _Worker:
         if isinstance(samples, PackedSamples) and len(view.data) == identity[2]:
             self.walked += 1
             layouts, frames = samples.parts()
-            header = {"op": "walked", "secret": self.secret, "key": self.key, "url": url, "identity": list(identity),
-                      "layouts": layouts}
+            header = {"op": "walked", "secret": self.secret, "key": self.key, "url": url,
+                      "identity": list(identity), "layouts": layouts}
             if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
                 try:  # not _send_report: frames too
                     self.report.send_multipart(pack(header, *frames), zmq.NOBLOCK)

@@ -114,7 +114,7 @@ def proof(token: str, nonce: str, run: str) -> str:
 
 
 def client_key(token: str, run: str) -> str:
-    """The ``key`` every message to the agent run ``run`` and to its workers carries."""
+    """The ``key`` every message to the agent of run ``run`` carries (a client's, or a worker's report)."""
     return hmac.new(token.encode(), f"wdscache client {run}".encode(), hashlib.sha256).hexdigest()
 
 

@@ -96,6 +96,8 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
         return None
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
         return None
+    if not layout.token_path.exists():
+        return None  # left by an agent that made no token: none of ours runs
     # No pid check: from another container the agent's pid means nothing; the socket decides.
     # An agent that cannot prove it holds the directory's token is not ours: NotTrustedError.
     conn = AgentConnection(endpoint, timeout=timeout, cache_dir=layout.root)
