@@ -105,7 +105,7 @@ class AgentConnection:
         sock = self._socket()
         if self.key is None:
             if self._token is None and self._cache_dir is not None:
-                self._token = CacheLayout.of(self._cache_dir).read_token()  # made by the agent at its start
+                self._token = self._wait_token(self.timeout if timeout is None else timeout)
             if self._token is None:  # we would take anyone's answers, and the agent refuses us anyway
                 raise NotTrustedError(
                     f"no token for the agent at {self.endpoint}: give the cache directory (its token file is "
@@ -123,6 +123,17 @@ class AgentConnection:
                 )
             self.key, self._run = client_key(self._token, run), run
         return sock
+
+    def _wait_token(self, timeout: float) -> str:
+        """The cache directory's token; an agent makes it as it starts, so without one, no agent runs."""
+        assert self._cache_dir is not None
+        layout = CacheLayout.of(self._cache_dir)
+        deadline = time.monotonic() + timeout
+        while (token := layout.read_token()) is None:
+            if time.monotonic() >= deadline:
+                raise AgentUnavailableError(self.endpoint, timeout, self.hint)
+            time.sleep(0.05)
+        return token
 
     def worker_key(self, index: int) -> str | None:
         """The key of requests to worker ``index`` of the agent run proved last (None before)."""
