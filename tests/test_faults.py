@@ -803,6 +803,9 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard
 
     # The agent's control socket.
     peer = raw_peers(endpoint)
+    for anon in ({"op": "stats", "id": 5}, {"op": "stats", "id": 5, "key": 7}, {"op": "stats", "id": 5, "key": "é"}):
+        r = peer.ask(_j(anon))  # the same user, but no key: refused on IPC as on TCP (tests/test_trust.py)
+        assert r["ok"] is False and r["need_token"] is True and "token" in r["error"] and "stats" not in r, r
     r = peer.ask(b"\x00\xffgarbage\x80")
     assert r["ok"] is False and "not UTF-8 JSON" in r["error"], r
     r = peer.ask(b"[1, 2, 3]")
@@ -825,6 +828,8 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard
     w0 = worker_endpoints(endpoint, 2)[0]
     assert w0.endswith("-w0.sock"), w0
     wpeer = raw_peers(w0)
+    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "items": [[0, 0]], "key": key}))
+    assert r["ok"] is False and r["kind"] == "refused" and "keys" not in r, r  # the agent's key is not a worker's
     r = wpeer.ask(b"\x00\xffgarbage\x80")
     assert r["ok"] is False and r["kind"] == "protocol" and "not UTF-8 JSON" in r["error"], r
     r = wpeer.ask(b"[1, 2, 3]")
