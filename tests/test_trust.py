@@ -35,7 +35,7 @@ import zmq
 from conftest import wait_for
 from streaming import reference, samples_of
 import wdscache.agent  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
-from wdscache import ConfigError, NotTrustedError, WdsCacheError, cli
+from wdscache import NotTrustedError, WdsCacheError, cli
 from wdscache.client import AgentConnection, ShardClient
 from wdscache.layout import CacheLayout
 from wdscache.loader import CachedMultiLoader
