@@ -32,6 +32,7 @@ from procs import alive, children_of, cmdline, worker_pids
 from shards import make_shard, synth_samples, write_url_list
 from streaming import Consumer, reference, samples_of, state_of
 from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardError, WdsCacheError
+from wdscache.client import AgentConnection
 from wdscache import errors as wds_errors
 from wdscache.layout import CacheLayout, shard_name
 from wdscache.pool import worker_endpoints
@@ -757,6 +758,30 @@ def _j(obj: Any) -> bytes:
     return json.dumps(obj).encode()
 
 
+def client_key(cache: Path, worker: int | None = None) -> str:
+    """The key this agent run's clients send to it (or to ``worker``), as a client holding the
+    token gets it: without it a message is refused before anything else looks at it
+    (tests/test_trust.py)."""
+    endpoint = json.loads((cache / "agent.json").read_text())["endpoint"]
+    conn = AgentConnection(endpoint, timeout=10, cache_dir=cache)
+    try:
+        conn.request({"op": "ping"})
+        key = conn.key if worker is None else conn.worker_key(worker)
+        assert key is not None
+        return key
+    finally:
+        conn.close()
+
+
+def _keyed(frame: bytes, key: str) -> bytes:
+    """``frame`` with the key added, if it is a JSON object."""
+    try:
+        obj = json.loads(frame)
+    except (ValueError, RecursionError):
+        return frame
+    return _j({**obj, "key": key}) if isinstance(obj, dict) else frame
+
+
 def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard_server, dataset, start_agent, raw_peers, tmp_path):
     ds = dataset(3, samples=5, payload=500)
     cache = tmp_path / "cache"
@@ -765,16 +790,20 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard
     endpoint = json.loads((cache / "agent.json").read_text())["endpoint"]
     workers_before = worker_pids(agent.pid)
     assert len(workers_before) == 2
+    key = client_key(cache)
 
     # The agent's control socket.
     peer = raw_peers(endpoint)
+    for anon in ({"op": "stats", "id": 5}, {"op": "stats", "id": 5, "key": 7}, {"op": "stats", "id": 5, "key": "é"}):
+        r = peer.ask(_j(anon))  # the same user, but no key: refused on IPC as on TCP (tests/test_trust.py)
+        assert r["ok"] is False and r["need_token"] is True and "token" in r["error"] and "stats" not in r, r
     r = peer.ask(b"\x00\xffgarbage\x80")
     assert r["ok"] is False and "not UTF-8 JSON" in r["error"], r
     r = peer.ask(b"[1, 2, 3]")
     assert r["ok"] is False and "JSON object" in r["error"], r
-    r = peer.ask(_j({"op": "frobnicate", "reader": "x", "id": 7}))
+    r = peer.ask(_j({"op": "frobnicate", "reader": "x", "id": 7, "key": key}))
     assert r == {"op": "reply", "id": 7, "ok": False, "error": "unknown op 'frobnicate'"}, r
-    r = peer.ask(_j({"op": "frobnicate", "id": 8}))
+    r = peer.ask(_j({"op": "frobnicate", "id": 8, "key": key}))
     assert r["ok"] is False and r["id"] == 8 and "frobnicate" in r["error"], r
     for proto in (0, pickle.HIGHEST_PROTOCOL):
         r = peer.ask(pickle.dumps({"op": "stats", "id": 9}, protocol=proto))
@@ -782,29 +811,33 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard
     peer.send(b"{" + b" " * (2 << 20) + b"}")  # over the 1 MiB limit: the peer is dropped
     assert peer.reply(1.5) is None, "a 2 MiB message was answered"
     fresh = raw_peers(endpoint)
-    r = fresh.ask(_j({"op": "stats", "id": 10}))
+    r = fresh.ask(_j({"op": "stats", "id": 10, "key": key}))
     assert r["ok"] is True and r["stats"]["agent"]["pid"] == agent.pid, r
 
     # A worker's socket.
+    wkey = client_key(cache, worker=0)
     w0 = worker_endpoints(endpoint, 2)[0]
     assert w0.endswith("-w0.sock"), w0
     wpeer = raw_peers(w0)
+    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "items": [[0, 0]], "key": key}))
+    assert r["ok"] is False and r["kind"] == "refused" and "keys" not in r, r  # the agent's key is not a worker's
     r = wpeer.ask(b"\x00\xffgarbage\x80")
     assert r["ok"] is False and r["kind"] == "protocol" and "not UTF-8 JSON" in r["error"], r
     r = wpeer.ask(b"[1, 2, 3]")
     assert r["ok"] is False and r["kind"] == "protocol", r
-    r = wpeer.ask(_j({"op": "frobnicate", "id": 7}))
+    r = wpeer.ask(_j({"op": "frobnicate", "id": 7, "key": wkey}))
     assert r == {"op": "error", "id": 7, "ok": False, "kind": "protocol", "error": "unknown op 'frobnicate'"}, r
     r = wpeer.ask(pickle.dumps({"op": "read", "id": 9, "urls": ds.urls[:1], "items": [[0, 0]]}))
     assert r["ok"] is False and r["kind"] == "protocol", r
-    r = wpeer.ask(_j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10 ** 6]]}))
+    r = wpeer.ask(_j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10 ** 6]], "key": wkey}))
     assert r["ok"] is False and r["kind"] == "protocol" and "no sample" in r["error"], r
-    r = wpeer.ask(_j({"op": "read", "id": 12, "urls": ["http://elsewhere/../../etc/passwd"], "items": [[0, 0]]}))
+    r = wpeer.ask(_j({"op": "read", "id": 12, "urls": ["http://elsewhere/../../etc/passwd"], "items": [[0, 0]],
+                      "key": wkey}))
     assert r["ok"] is False and r["kind"] == "missing", r
     wpeer.send(b"{" + b" " * (2 << 20) + b"}")
     assert wpeer.reply(1.5) is None, "a 2 MiB message was answered by a worker"
     wfresh = raw_peers(w0)
-    r = wfresh.ask(_j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]]}))
+    r = wfresh.ask(_j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]], "key": wkey}))
     assert r["ok"] is True and r["keys"] == ["s00000_00000"], r
 
     # Service goes on: same processes, a full epoch.
@@ -841,8 +874,9 @@ def test_one_malformed_message_does_not_kill_the_agent(shard_server, dataset, st
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
     peer = raw_peers(json.loads((cache / "agent.json").read_text())["endpoint"])
+    key = client_key(cache)
     for frame in frames:
-        peer.send(frame)
+        peer.send(_keyed(frame, key))
 
     def stats_reply() -> dict[str, Any] | None:
         if not agent.running():
@@ -870,7 +904,7 @@ def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, sta
     workers = wait_for(lambda: worker_pids(agent.pid), 10, "no worker process found")
     endpoint = json.loads((cache / "agent.json").read_text())["endpoint"]
     peer = raw_peers(worker_endpoints(endpoint, 1)[0])
-    peer.send(frame)
+    peer.send(_keyed(frame, client_key(cache, worker=0)))
     r = peer.reply(3)
     restarts = agent.stats()["agent"]["worker_restarts"]
     assert r is not None and restarts == 0 and worker_pids(agent.pid) == workers, (
@@ -892,18 +926,20 @@ def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(shard_server
                      20, "both workers indexing the 2 shards")
     layouts, frames = PackedSamples([SampleSpan("forged", (("jpg", 0, 512),))]).parts()
     peer = raw_peers(json.loads((cache / "agent.json").read_text())["endpoint"])
+    key = client_key(cache)  # a client's key, which gets its messages past the door, but no worker's secret
     for secret in ({}, {"secret": "0" * 32}, {"secret": 7}, {"secret": "\u00e9" * 32}):
-        header = {"op": "walked", "id": 1, "url": ds.urls[0], "identity": [0, 0, 0, 0], "layouts": layouts, **secret}
+        header = {"op": "walked", "id": 1, "url": ds.urls[0], "identity": [0, 0, 0, 0], "layouts": layouts,
+                  "key": key, **secret}
         r = peer.ask(_j(header), *frames)
         assert r["ok"] is False and "own workers" in r["error"], r
         # Nor may anyone else tell a shard's count, or take a worker's place (and its hints).
         for report in ({"op": "counted", "id": 2, "url": ds.urls[1], "samples": 1},
                        {"op": "worker", "id": 3, "index": 0}):
-            r = peer.ask(_j({**report, **secret}))
+            r = peer.ask(_j({**report, "key": key, **secret}))
             assert r["ok"] is False and "own workers" in r["error"], r
     workers = agent.stats()["agent"]["workers"]
     assert sum(w["adopted"] for w in workers) == sum(w["walked"] for w in workers) == 2, workers
-    assert peer.ask(_j({"op": "counts", "id": 4, "urls": ds.urls}))["counts"] == [None, None]  # never read
+    assert peer.ask(_j({"op": "counts", "id": 4, "urls": ds.urls, "key": key}))["counts"] == [None, None]  # never read
     with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
         assert len(list(loader)) == 10  # served from the workers' own tables
     assert agent.running(), agent.stderr_tail()

@@ -171,7 +171,7 @@ def test_lists_too_big_for_one_message_travel_in_pages(tmp_path, dataset, start_
     start_agent(cache, big, "--no-shuffle", "--prefetch", "2")
     for urls in (None, data.urls + many[::-1]):  # the agent's list, and a consumer's own
         loader = CachedMultiLoader(urls, cache_dir=cache, job="big", rank=0, world_size=1, timeout=20)
-        conn = AgentConnection(loader.endpoint, timeout=20)
+        conn = AgentConnection(loader.endpoint, timeout=20, cache_dir=cache)
         try:
             hello, got = loader._session(conn, "pages")
         finally:

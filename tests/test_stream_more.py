@@ -247,7 +247,8 @@ def test_long_cache_dir_gets_private_socket_under_tmp(tmp_path, dataset, start_a
 # -- 2. TCP endpoints ------------------------------------------------------------------------
 
 
-def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_path, dataset, start_agent):
+def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_path, dataset, start_agent,
+                                                                          monkeypatch):
     data = dataset(3, samples=5, payload=700)
     port = free_port_range(3)  # the agent on PORT, its 2 workers on PORT+1, PORT+2
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -255,6 +256,10 @@ def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_pa
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3", "--endpoint", endpoint)
     assert agent.stats()["agent"]["endpoint"] == endpoint
 
+    # A consumer that does not see the cache directory (another machine) holds its token all the same.
+    with pytest.raises(WdsCacheError, match="WDSCACHE_TOKEN"):
+        iter(loader(None, "no-token", endpoint=endpoint))
+    monkeypatch.setenv("WDSCACHE_TOKEN", (cache / "token").read_text())
     got = delivered(list(loader(None, "tcp", endpoint=endpoint)))
     assert got == reference(data.paths, data.urls)
     assert len(got) == 15
@@ -362,7 +367,7 @@ def test_counts_a_consumer_found_are_the_agents_when_its_epoch_ends(tmp_path, da
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--prefetch", "3", "--workers", "2")
     wait_cached(agent, 3)
-    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
     try:
         assert conn.request({"op": "counts", "urls": data.urls})["counts"] == [None] * 3
         with loader(cache, "count", seed=7) as whole:

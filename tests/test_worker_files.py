@@ -78,12 +78,13 @@ def test_a_worker_imports_only_what_serving_needs() -> None:
 @contextmanager
 def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
     """A DEALER socket connected to the agent's first worker, as a consumer named ``reader``
-    would have one (``options``: socket options by name); closed, and the reader gone, after."""
+    would have one (``options``: socket options by name), and the key its requests carry;
+    closed, and the reader gone, after."""
     import zmq
 
     from wdscache.client import AgentConnection, resolve_endpoint
 
-    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -93,7 +94,7 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
         hello = conn.request({"op": "hello", "reader": reader, "job": reader, "rank": 0, "world_size": 1})
         assert hello.get("ok"), hello
         sock.connect(hello["workers"][0])
-        yield sock
+        yield sock, conn.worker_key(0)
     finally:
         sock.close()
         ctx.term()
@@ -111,8 +112,8 @@ def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]],
     request = {"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}
     if direct:
         request["direct"] = True
-    with worker_socket(cache, "raw") as sock:
-        sock.send_multipart(pack(request))
+    with worker_socket(cache, "raw") as (sock, key):
+        sock.send_multipart(pack({**request, "key": key}))
         assert sock.poll(10_000), "the worker did not answer a read within 10 s"
         return unpack(sock.recv_multipart())
 
@@ -206,10 +207,10 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
     worker = worker_pids(agent.pid)[0]
     before = rss_kib(worker, "RssFile")
     # It takes in little until we read: the worker's sends wait.
-    with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as sock:
+    with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as (sock, key):
         for k in range(2):  # each shard in two reads of 6 samples: 4 replies of 2.4 MB
             for first in (0, 6):
-                sock.send_multipart(pack({"op": "read", "id": f"{k}-{first}", "urls": [data.urls[k]],
+                sock.send_multipart(pack({"op": "read", "id": f"{k}-{first}", "key": key, "urls": [data.urls[k]],
                                           "items": [[0, j] for j in range(first, first + 6)]}))
         time.sleep(0.5)  # long after the requests: most of the replies not sent yet
         got = 0

@@ -19,6 +19,10 @@ Guarantees:
   list file happen meanwhile (:meth:`Agent._known`).
 - A reader whose process the agent sees (:meth:`Agent._watch_process`) is dropped,
   its pins released, as soon as that process ends.
+- Only holders of the cache directory's token (``CACHE_DIR/token``, 0600: its
+  owner) are served, on every endpoint, IPC or TCP: a message without this run's
+  key (see :mod:`wdscache.protocol`) changes nothing and gets an error saying what
+  to do; the only op taken without it, ``auth``, answers a proof and nothing else.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import select
 import threading
 import time
@@ -54,7 +59,7 @@ from .plan import Reader, wanted
 from .pool import WorkerPool
 from .protocol import field as get_field
 from .stats import build, jobs_view, public, with_fraction
-from .protocol import numbers, pack, pages, process_identity, strings, unpack
+from .protocol import client_key, numbers, pack, pages, process_identity, proof, same_secret, strings, unpack
 from .tario import file_identity
 from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
@@ -79,6 +84,9 @@ MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
 MAX_JOB_URLS = 10_000_000
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
+REFUSED = ("refused: this agent serves only clients that hold the token in its cache directory "
+           "(CACHE_DIR/token, readable by the directory's owner only); run as that user and give the loader "
+           "cache_dir, or set WDSCACHE_TOKEN to the token (a consumer that cannot see the cache directory)")
 
 
 @dataclass
@@ -155,6 +163,8 @@ class Agent:
         self._lock = AgentLock(self.layout.lock_path)
         self._users_at = 0.0  # when a private agent looks for its loaders next
         self._users_fd = -1  # a private agent's exclusive lock on its users file, once no loader is left
+        self._token = self._key = ""  # the cache directory's token, and this run's key (set in start)
+        self._run = secrets.token_hex(16)  # names this agent process: a key seen by others dies with it
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._observer: Any = None
@@ -203,8 +213,15 @@ class Agent:
         self._root_id = [root.st_dev, root.st_ino]
         os.umask(0o077)  # every file and socket we create is private to this user
         self._lock.acquire()
+        try:
+            self._token = self.layout.ensure_token()
+        except BaseException:
+            self._lock.release()
+            raise
+        self._key = client_key(self._token, self._run)
         # Worker processes take a while to start: they do so while the cache is opened.
-        self.pool = WorkerPool(n=self.config.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root))
+        self.pool = WorkerPool(n=self.config.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root),
+                               token=self._token, run=self._run)
         self.pool.start()
         try:
             self._open_cache()
@@ -833,6 +850,8 @@ class Agent:
             try:
                 header, payload = unpack(body)
                 rid = header.get("id")
+                if not self._admitted(ident, rid, header):
+                    continue
                 if header["op"] == "walked":
                     self._pass_on(ident, header, payload)
                 else:
@@ -845,6 +864,24 @@ class Agent:
             except Exception as exc:  # one bad message must never take the agent down
                 log.exception("error handling a message")
                 self._reply(ident, rid, ok=False, error=f"internal error: {type(exc).__name__}")
+
+    def _admitted(self, ident: bytes, rid: Any, header: dict[str, Any]) -> bool:
+        """The one door, before any op runs: True for a message with this run's key.
+
+        ``auth`` (a client asking us to prove we hold the token) is answered here and
+        runs nothing; anything else without the key gets REFUSED.
+        """
+        if header["op"] == "auth":
+            nonce = header.get("nonce")
+            if isinstance(nonce, str) and nonce.isascii() and 16 <= len(nonce) <= 256:
+                self._reply(ident, rid, ok=True, run=self._run, proof=proof(self._token, nonce, self._run))
+            else:
+                self._reply(ident, rid, ok=False, error="'auth' needs a 'nonce' of 16 to 256 ASCII characters")
+            return False
+        if same_secret(header.pop("key", None), self._key):  # popped: never passed on to workers
+            return True
+        self._reply(ident, rid, ok=False, need_token=True, error=REFUSED)
+        return False
 
     def _reply(self, ident: bytes, rid: Any, **body: Any) -> None:
         assert self._sock is not None

@@ -7,12 +7,18 @@ stops talking to the agent are dropped after the agent's reader timeout.
 
 A client's socket belongs to the process that created it: after a fork the
 child opens its own.
+
+A client talks only to an agent that proves it holds the token of the cache
+directory (see :mod:`wdscache.protocol`), and sends its key to no other: a
+cache directory of another user, or an agent that cannot prove itself, is a
+:class:`~wdscache.errors.ConfigError` or :class:`~wdscache.errors.NotTrustedError`.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import secrets
 import time
 import uuid
 from pathlib import Path
@@ -20,9 +26,9 @@ from typing import Any, Callable
 
 import zmq
 
-from .errors import AgentUnavailableError, FetchError, ProtocolError
+from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError
 from .layout import CacheLayout
-from .protocol import pack, unpack
+from .protocol import client_key, pack, proof, same_secret, unpack, worker_key
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
 
@@ -42,10 +48,19 @@ def start_hint(cache_dir: str | os.PathLike[str] | None) -> str:
 
 
 class AgentConnection:
-    """Request/reply over a DEALER socket; every wait is bounded by ``timeout``."""
+    """Request/reply over a DEALER socket; every wait is bounded by ``timeout``.
 
-    def __init__(self, endpoint: str, *, timeout: float = 30.0, hint: str = "") -> None:
+    The token comes from ``cache_dir`` (refused if another user owns it), or is
+    given (a consumer that cannot see the cache directory). Before the first
+    request the agent must prove it holds it; every request then carries the key.
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = 30.0, hint: str = "",
+                 cache_dir: str | os.PathLike[str] | None = None, token: str | None = None) -> None:
         self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
+        self._cache_dir, self._token = cache_dir, token
+        self.key: str | None = None  # our requests' key, once the agent proved it holds the token
+        self._run = ""
         self._ids = itertools.count(1)
         self._pid = -1
         self._ctx: zmq.Context | None = None
@@ -53,6 +68,9 @@ class AgentConnection:
 
     def _socket(self) -> zmq.Socket:
         if self._pid != os.getpid():
+            if self._cache_dir is not None:  # before connecting: never to another user's agent
+                CacheLayout.of(self._cache_dir).check_owner()
+            self.key = None
             # Created in the process that uses it; a forked child must not touch its parent's.
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.DEALER)
@@ -71,16 +89,25 @@ class AgentConnection:
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         while True:
-            reply = self._exchange(header, deadline, wait)
+            reply = self._exchange(header, deadline)
             left = deadline - time.monotonic()
             if not reply.get("retry") or left <= 0:
                 return reply
             time.sleep(min(RETRY_PAUSE, left))
 
-    def _exchange(self, header: dict[str, Any], deadline: float, wait: float) -> dict[str, Any]:
-        sock = self._socket()
-        rid = next(self._ids)
-        sock.send_multipart(pack({**header, "id": rid}))
+    def _exchange(self, header: dict[str, Any], deadline: float) -> dict[str, Any]:
+        for again in (False, True):
+            sock = self._proved(max(0.0, deadline - time.monotonic()))
+            rid = next(self._ids)
+            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+            reply = self._reply(sock, rid, max(0.0, deadline - time.monotonic()))
+            if not self._refused(reply, again):
+                return reply
+        raise AssertionError("unreachable")
+
+    def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None) -> dict[str, Any]:
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not sock.poll(int(left * 1000) + 1):
@@ -89,6 +116,57 @@ class AgentConnection:
             if reply.get("id") == rid:
                 return reply
             # A late reply to an earlier request that timed out: skip it.
+
+    def _proved(self, timeout: float | None) -> zmq.Socket:
+        """The socket, once the agent behind it has proved it holds the token (asked once per run)."""
+        sock = self._socket()
+        if self.key is None:
+            if self._token is None and self._cache_dir is not None:
+                self._token = self._wait_token(self.timeout if timeout is None else timeout)
+            if self._token is None:  # we would take anyone's answers, and the agent refuses us anyway
+                raise NotTrustedError(
+                    f"no token for the agent at {self.endpoint}: give the cache directory (its token file is "
+                    "read there, by its owner) or, where it cannot be seen, WDSCACHE_TOKEN (ShardClient: token=)"
+                )
+            nonce, rid = secrets.token_hex(16), next(self._ids)
+            sock.send_multipart(pack({"op": "auth", "id": rid, "nonce": nonce}))  # no key: not proved yet
+            reply = self._reply(sock, rid, timeout)
+            run = reply.get("run")
+            if not (isinstance(run, str) and same_secret(reply.get("proof"), proof(self._token, nonce, run))):
+                raise NotTrustedError(
+                    f"the agent at {self.endpoint} cannot prove it holds the token of "
+                    f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
+                    "another user's process may listen there; check the endpoint and who runs the agent on it"
+                )
+            self.key, self._run = client_key(self._token, run), run
+        return sock
+
+    def _wait_token(self, timeout: float) -> str:
+        """The cache directory's token; an agent makes it as it starts, so without one, no agent runs."""
+        assert self._cache_dir is not None
+        layout = CacheLayout.of(self._cache_dir)
+        deadline = time.monotonic() + timeout
+        while (token := layout.read_token()) is None:
+            if time.monotonic() >= deadline:
+                raise AgentUnavailableError(self.endpoint, timeout, self.hint)
+            time.sleep(0.05)
+        return token
+
+    def worker_key(self, index: int) -> str | None:
+        """The key of requests to worker ``index`` of the agent run proved last (None before)."""
+        if self.key is None or self._token is None:
+            return None
+        return worker_key(self._token, self._run, index)
+
+    def _refused(self, reply: dict[str, Any], again: bool) -> bool:
+        """True when the agent refused our key as that of its previous run (ask it to prove itself
+        again); raises when it refuses a key it has just accepted."""
+        if not reply.get("need_token"):
+            return False
+        if again:
+            raise NotTrustedError(f"the agent at {self.endpoint} refused this client: {reply.get('error')}")
+        self.key = None  # a new agent on the endpoint: a new run, so a new key
+        return True
 
     def request_patiently(
         self, header: dict[str, Any], *, liveness: float, probe: dict[str, Any] | None = None,
@@ -101,9 +179,19 @@ class AgentConnection:
         that sees no progress, say). Raises AgentUnavailableError once a probe goes
         unanswered for ``liveness`` seconds.
         """
-        sock = self._socket()
-        rid = next(self._ids)
-        sock.send_multipart(pack({**header, "id": rid}))
+        for again in (False, True):
+            sock = self._proved(liveness)
+            rid = next(self._ids)
+            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+            reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
+            if not self._refused(reply, again):
+                return reply
+        raise AssertionError("unreachable")
+
+    def _wait_patiently(
+        self, sock: zmq.Socket, rid: int, header: dict[str, Any], liveness: float, probe: dict[str, Any] | None,
+        on_probe: Callable[[dict[str, Any]], None] | None, every: float | None,
+    ) -> dict[str, Any]:
         probe = probe or {"op": "ping", "reader": str(header.get("reader", ""))}
         every = liveness / 2 if every is None else every
         probe_id, probe_sent = None, time.monotonic()
@@ -122,7 +210,7 @@ class AgentConnection:
                 raise AgentUnavailableError(self.endpoint, liveness, self.hint)
             if probe_id is None and now - probe_sent > every:
                 probe_id, probe_sent = next(self._ids), now
-                sock.send_multipart(pack({**probe, "id": probe_id}))
+                sock.send_multipart(pack({**probe, "id": probe_id, "key": self.key}))
 
     def close(self) -> None:
         if self._sock is not None and self._pid == os.getpid():
@@ -143,10 +231,13 @@ class ShardClient:
         endpoint: str | None = None,
         timeout: float = 300.0,
         name: str | None = None,
+        token: str | None = None,
     ) -> None:
         self.name = name or f"client-{uuid.uuid4().hex[:12]}"
+        # token: the agent's (CACHE_DIR/token), for a client that cannot read cache_dir.
         self._conn = AgentConnection(
-            resolve_endpoint(cache_dir, endpoint), timeout=timeout, hint=start_hint(cache_dir)
+            resolve_endpoint(cache_dir, endpoint), timeout=timeout, hint=start_hint(cache_dir),
+            cache_dir=cache_dir, token=token,
         )
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
@@ -173,7 +264,7 @@ class ShardClient:
         """Say goodbye (the agent drops this client's pins) and close the socket."""
         try:
             self._conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
-        except AgentUnavailableError:
+        except (AgentUnavailableError, NotTrustedError):
             pass
         finally:
             self._conn.close()

@@ -78,6 +78,10 @@ class ProtocolError(WdsCacheError):
     """A peer sent a message that does not follow the wire protocol."""
 
 
+class NotTrustedError(WdsCacheError):
+    """A peer does not hold the cache directory's token: it may be another user's process."""
+
+
 class NoCacheError(WdsCacheError):
     """A directory holds no wdscache cache."""
 

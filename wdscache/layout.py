@@ -9,6 +9,8 @@
       partial/<hash>-<name>~tar a gzip'd download's tar, being decompressed
       agent.lock                flock held by the running agent; holds its pid
       agent.json                the running agent's pid, start time and endpoint
+      token                     0600: the secret a client must hold to talk to the agent and its
+                                workers (see wdscache.protocol); made once, kept across restarts
       agent.sock                the agent's private IPC socket (moved to /tmp when the path is too long)
 
 A shard's file name is derived from its whole URL (a hash plus a readable tail),
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +73,10 @@ class CacheLayout:
     def state_path(self) -> Path:
         return self.root / "agent.json"
 
+    @property
+    def token_path(self) -> Path:
+        return self.root / "token"
+
     def shard_path(self, url: str) -> Path:
         name = shard_name(url)
         return self.shards_dir / name[:2] / name
@@ -100,6 +107,42 @@ class CacheLayout:
             )
         if st.st_mode & 0o077:
             root.chmod(0o700)
+
+    def ensure_token(self) -> str:
+        """The agent's token, made (atomically, 0600) if there is none yet; call with the lock held."""
+        token = self.read_token()
+        if token is None:
+            token = secrets.token_hex(32)
+            write_private(self.token_path, token.encode())
+        return token
+
+    def check_owner(self) -> None:
+        """Refuse a cache directory of another user (a client must not trust its agent or files)."""
+        try:
+            owner = os.stat(self.root).st_uid
+        except FileNotFoundError:
+            return  # not made yet (a private agent will make it ours)
+        if owner != os.getuid():
+            raise ConfigError(
+                f"cache directory {self.root} belongs to uid {owner}, not to you (uid {os.getuid()}); "
+                "read only a cache of your own user (its agent's samples and files are that user's)"
+            )
+
+    def read_token(self) -> str | None:
+        """The token in this cache directory, or None when there is none (no agent started yet)."""
+        self.check_owner()
+        try:
+            fd = os.open(self.token_path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ConfigError(f"cannot read the agent's token {self.token_path}: {exc.strerror}; "
+                              "run as the user who owns the cache directory") from None
+        try:
+            token = os.read(fd, 256).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+        return token or None
 
     def is_cache(self) -> bool:
         """True when this directory holds a wdscache index."""
@@ -141,8 +184,16 @@ def short_socket_dir() -> Path:
     # A fixed base, not $TMPDIR: agent and consumers may run with different
     # environments (a Slurm step sets its own TMPDIR) and must find the same path.
     folder = Path("/tmp") / f"wdscache-{os.getuid()}"
-    folder.mkdir(mode=0o700, exist_ok=True)
-    st = folder.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"{folder} must be owned by uid {os.getuid()} with mode 0700")
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError as exc:
+        raise ConfigError(f"cannot make the socket folder {folder}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        # Someone else made it: their sockets, or a link, could stand in for the agent's.
+        raise ConfigError(
+            f"the socket folder {folder} is not yours alone (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}; it must be a directory of uid {os.getuid()}, mode 700); "
+            f"remove it if nobody uses it, or use a shorter --cache-dir path (or --endpoint)"
+        )
     return folder

@@ -48,7 +48,7 @@ import zmq
 
 from .client import AgentConnection, resolve_endpoint, start_hint
 from .direct import CacheFiles, FileRange, StaleFile
-from .errors import AgentUnavailableError, FetchError, ProtocolError, ShardError, WdsCacheError
+from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError, ShardError, WdsCacheError
 from .malloc import tune_malloc
 from .protocol import pack, pages, process_identity, unpack
 from .sequence import EpochSpec, RankShare, Resume, SampleId, global_sequence, rank_length
@@ -98,6 +98,8 @@ def _env_defaults() -> dict[str, Any]:
         "job": env.get("TORCHELASTIC_RUN_ID") or "default",
         "cache_dir": env.get("WDSCACHE_CACHE_DIR"),
         "endpoint": env.get("WDSCACHE_ENDPOINT"),
+        # The agent's token (CACHE_DIR/token), for a consumer that cannot read the cache directory.
+        "token": env.get("WDSCACHE_TOKEN") or None,
     }
 
 
@@ -181,6 +183,7 @@ class CachedMultiLoader:
         self._agent_lists: dict[str, tuple[str, ...]] = {}
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
+        self._token = env["token"]
         self._epoch = 0
         self._start = Resume()  # what the next epoch has delivered already (a checkpoint's)
         self._current: _Stream | None = None
@@ -308,9 +311,14 @@ class CachedMultiLoader:
             return _delivered(stream, ((1, item) for item in items))
         return _delivered(stream, _batched(items, self.batch_size, self.collate))
 
+    def _connection(self, timeout: float) -> AgentConnection:
+        """A connection to the agent, which must prove it holds our cache directory's token."""
+        return AgentConnection(self.endpoint, timeout=timeout, hint=start_hint(self.cache_dir),
+                               cache_dir=self.cache_dir, token=self._token)
+
     def __len__(self) -> int:
         """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
-        conn = AgentConnection(self.endpoint, timeout=self.timeout, hint=start_hint(self.cache_dir))
+        conn = self._connection(self.timeout)
         name = f"len-{uuid.uuid4().hex[:8]}"
         try:
             _, urls = self._session(conn, name)
@@ -355,7 +363,7 @@ class _Stream:
         self.finished = False  # resources released
         self.complete = False  # every sample of the rank's share was delivered
         self.name = f"{loader.job}/{loader.rank}/{uuid.uuid4().hex[:8]}"
-        self.conn = AgentConnection(loader.endpoint, timeout=loader.timeout, hint=start_hint(loader.cache_dir))
+        self.conn = loader._connection(loader.timeout)
         try:
             hello, self.urls = loader._session(self.conn, self.name)
         except BaseException:
@@ -394,6 +402,8 @@ class _Stream:
         self.files = CacheFiles(hello["cache_dir"]) if direct else None
         self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
         self.workers = [self._connect(ep) for ep in hello["workers"]]
+        # Every request to a worker carries its key (it refuses any without).
+        self.keys = [self.conn.worker_key(i) for i in range(len(self.workers))]
         if not self.workers:
             raise WdsCacheError(f"the agent at {loader.endpoint} has no workers")
         self.poller = zmq.Poller()
@@ -683,7 +693,7 @@ class _Stream:
         while True:
             rid = f"c{next(self.next_rid)}"
             self.calls[rid] = None
-            self.workers[worker].send_multipart(pack({**header, "id": rid}))
+            self.workers[worker].send_multipart(pack({**header, "id": rid, "key": self.keys[worker]}))
             again = time.monotonic() + min(5.0, self.loader.timeout / 2)
             while self.calls[rid] is None and time.monotonic() < again:
                 self._receive()
@@ -839,7 +849,7 @@ class _Stream:
         self.rids[rid] = seq
         direct = direct and self.files is not None
         self.pending[seq] = _Read(items, sent, time.monotonic(), rid, w, direct)
-        request = {"op": "read", "id": rid, "urls": urls, "items": wire}
+        request = {"op": "read", "id": rid, "key": self.keys[w], "urls": urls, "items": wire}
         if direct:
             request["direct"] = True
         self.workers[w].send_multipart(pack(request))
@@ -1050,6 +1060,9 @@ class _Stream:
 
     def _read_failed(self, seq: int, read: _Read, header: dict[str, Any]) -> None:
         items, kind = read.items, header.get("kind")
+        if kind == "refused":  # not a shard's fault: never skipped
+            raise NotTrustedError(f"a worker of the agent at {self.loader.endpoint} refused this consumer "
+                                  f"(if the agent restarted meanwhile, start the epoch again): {header.get('error')}")
         if kind == "missing":
             # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
             # which needs the agent, so not here (we may be inside a request to it): see _recover.
@@ -1094,7 +1107,7 @@ class _Stream:
 
     def _report_loop(self) -> None:
         # Its own socket: ZeroMQ sockets belong to one thread.
-        conn = AgentConnection(self.loader.endpoint, timeout=REPORT_TIMEOUT)
+        conn = self.loader._connection(REPORT_TIMEOUT)
         last = (time.monotonic(), 0)
         try:
             while not self._stop_reports.wait(REPORT_EVERY):

@@ -6,9 +6,13 @@ threads from the agent) that binds its own socket, so samples go from the
 worker straight to the consumer, one hop. Consumers learn the worker endpoints
 from the agent.
 
-A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
+A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`), each
+only with its key for the agent's run (``"key"``: :func:`~wdscache.protocol.worker_key`,
+which only holders of the cache directory's token can make; the agent gives it to
+the worker on its stdin). A request without it gets ``{"ok": false, "kind":
+"refused", "error": ...}`` and nothing else: no file is opened for it::
 
-    {"op": "read", "id": n, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
+    {"op": "read", "id": n, "key": k, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
         -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...],
             "spans": [[frame, offset, size, offset, size, ...], ...],
             "files": [[k, offset, size, dev, inode, file size, mtime_ns], ...]}
@@ -28,7 +32,7 @@ A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`)::
            sent name them, in order. The consumer copies those payloads from the page
            cache itself (:mod:`wdscache.direct`): one copy per byte, where a frame costs
            three (into the socket, out of it, into ``bytes``)
-    {"op": "scan", "id": n, "url": u, "partial": bool}
+    {"op": "scan", "id": n, "key": k, "url": u, "partial": bool}
         -> {"op": "scanned", "id": n, "ok": true, "count": c, "final": bool}
 
 It resolves a URL to its cache file itself (the name derives from the URL, so a
@@ -78,7 +82,7 @@ import zmq
 from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .malloc import tune_malloc
-from .protocol import field, pack, unpack
+from .protocol import client_key, field, pack, same_secret, unpack, worker_key
 from .tario import (GrowingShard, NotYet, PackedSamples, SampleIndex, ShardView, file_identity, open_shard,
                     placed)
 
@@ -121,6 +125,8 @@ SHARE_MAX = 768 << 10
 # What a worker process runs: the agent's sys.path first, then this module.
 _BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); import wdscache.pool as p; p.main(sys.argv[1:])"
 RESTART_BACKOFF_MAX = 5.0  # seconds
+REFUSED = ("refused: this worker serves only consumers that hold the agent's token "
+           "(CACHE_DIR/token, readable by the cache directory's owner only); use CachedMultiLoader as that user")
 
 
 @dataclass(frozen=True)
@@ -151,7 +157,7 @@ class WorkerPool:
     It writes a byte to its ready pipe once its socket is bound.
     """
 
-    def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str) -> None:
+    def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str, token: str, run: str) -> None:
         self.endpoints = worker_endpoints(agent_endpoint, n)
         self._specs = [
             WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid()) for i, ep in enumerate(self.endpoints)
@@ -163,6 +169,10 @@ class WorkerPool:
         self.restarts = 0
         # Proves a report comes from one of our workers (see the module's docstring).
         self.secret = secrets.token_hex(16)
+        # The key of the workers' reports (the agent's door), and what a consumer's request to
+        # worker i must carry (see the module's docstring).
+        self.key = client_key(token, run)
+        self._keys = [worker_key(token, run, i) for i in range(n)]
 
     def start(self) -> None:
         for i in range(len(self._specs)):
@@ -181,7 +191,7 @@ class WorkerPool:
             assert stdin is not None
             try:
                 with stdin:  # not argv: any local user may read a command line
-                    stdin.write(self.secret.encode() + b"\n")
+                    stdin.write(f"{self.secret}\n{self.key}\n{self._keys[i]}\n".encode())
             except OSError:
                 pass  # it died at once: check() starts another
         except BaseException:
@@ -267,9 +277,11 @@ def _die_with_parent(parent: int) -> None:
 
 
 class _Worker:
-    def __init__(self, spec: WorkerSpec, secret: str) -> None:
+    def __init__(self, spec: WorkerSpec, secret: str, key: str, serve_key: str) -> None:
         self.spec = spec
         self.secret = secret
+        self.key = key  # for our reports to the agent
+        self.serve_key = serve_key  # what a consumer's request to us carries
         self.layout = CacheLayout.of(spec.cache_dir)
         self.stop = False
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
@@ -431,8 +443,8 @@ class _Worker:
         if isinstance(samples, PackedSamples):
             self.walked += 1
             layouts, frames = samples.parts()
-            header = {"op": "walked", "secret": self.secret, "url": url, "identity": list(identity),
-                      "layouts": layouts}
+            header = {"op": "walked", "secret": self.secret, "key": self.key, "url": url,
+                      "identity": list(identity), "layouts": layouts}
             if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
                 try:  # not _send_report: frames too
                     self.report.send_multipart(pack(header, *frames), zmq.NOBLOCK)
@@ -462,7 +474,7 @@ class _Worker:
 
     def _send_report(self, header: dict[str, Any]) -> None:
         try:
-            self.report.send_multipart(pack({**header, "secret": self.secret}), zmq.NOBLOCK)
+            self.report.send_multipart(pack({**header, "secret": self.secret, "key": self.key}), zmq.NOBLOCK)
         except zmq.Again:
             pass  # reports are advisory; never block serving on them
 
@@ -472,7 +484,9 @@ class _Worker:
             header, _ = unpack(body)
             rid = header.get("id")
             op = header["op"]
-            if op == "read":
+            if not same_secret(header.get("key"), self.serve_key):
+                self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "refused", "error": REFUSED})
+            elif op == "read":
                 self._read(ident, header)
             elif op == "scan":
                 self._scan(ident, rid, field(header, "url", str), field(header, "partial", bool, False))
@@ -696,7 +710,7 @@ class _Worker:
         self.ctx.term()
 
 
-def worker_main(spec: WorkerSpec, ready_fd: int, secret: str) -> None:
+def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_key: str) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
     # Copied replies come and go at up to GATHER_MAX each. glibc's own thresholds adapt to
@@ -704,7 +718,7 @@ def worker_main(spec: WorkerSpec, ready_fd: int, secret: str) -> None:
     # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.
     tune_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
-    worker = _Worker(spec, secret)
+    worker = _Worker(spec, secret, key, serve_key)
     os.write(ready_fd, b"r")
     os.close(ready_fd)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop", True))
@@ -716,5 +730,7 @@ def worker_main(spec: WorkerSpec, ready_fd: int, secret: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """``python -c _BOOT SYS_PATH SPEC READY_FD``, the secret on stdin: how :class:`WorkerPool` starts a worker."""
-    worker_main(WorkerSpec(**json.loads(argv[1])), int(argv[2]), sys.stdin.readline().strip())
+    """``python -c _BOOT SYS_PATH SPEC READY_FD``, the secret and the keys on stdin: how :class:`WorkerPool`
+    starts a worker."""
+    secret, key, serve_key = (sys.stdin.readline().strip() for _ in range(3))
+    worker_main(WorkerSpec(**json.loads(argv[1])), int(argv[2]), secret, key, serve_key)

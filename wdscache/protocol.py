@@ -7,10 +7,24 @@ or a consumer run code; a malformed message is a :class:`ProtocolError` for
 that message only.
 
 Requests carry an ``id`` chosen by the client; the reply repeats it.
+
+Who may talk: the agent keeps a token in its cache directory (``CACHE_DIR/token``,
+0600), so only the directory's owner can read it. A client first sends
+``{"op": "auth", "nonce": N}`` (the one message taken without a key) and accepts
+the agent only if the reply's ``proof`` is :func:`proof` of the token, N and the
+agent's ``run`` (a random string per agent process): another user's process
+listening on that endpoint cannot answer it, and learns nothing from the
+client. Every other message then carries ``key``: to the agent
+:func:`client_key` of the token and ``run``, to worker ``i`` :func:`worker_key`
+(so a process that took a dead worker's port learns no key the agent or
+another worker takes). A key seen by someone else is of no use once that agent
+process has gone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 from pathlib import Path
@@ -112,6 +126,26 @@ def numbers(header: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
         if name in header:
             out[name] = field(header, name, (int, float))
     return out
+
+
+def proof(token: str, nonce: str, run: str) -> str:
+    """What the agent answers to a client's ``auth`` nonce: only a holder of the token can."""
+    return hmac.new(token.encode(), f"wdscache agent {nonce} {run}".encode(), hashlib.sha256).hexdigest()
+
+
+def client_key(token: str, run: str) -> str:
+    """The ``key`` every message to the agent of run ``run`` carries (a client's, or a worker's report)."""
+    return hmac.new(token.encode(), f"wdscache client {run}".encode(), hashlib.sha256).hexdigest()
+
+
+def worker_key(token: str, run: str, index: int) -> str:
+    """The ``key`` every request to worker ``index`` of the agent run ``run`` carries."""
+    return hmac.new(token.encode(), f"wdscache worker {index} {run}".encode(), hashlib.sha256).hexdigest()
+
+
+def same_secret(value: Any, secret: str) -> bool:
+    """True when ``value`` is the string ``secret`` (compared in constant time)."""
+    return isinstance(value, str) and value.isascii() and hmac.compare_digest(value, secret)
 
 
 def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:

@@ -97,8 +97,11 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
         return None
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
         return None
+    if not layout.token_path.exists():
+        return None  # left by an agent that made no token: none of ours runs
     # No pid check: from another container the agent's pid means nothing; the socket decides.
-    conn = AgentConnection(endpoint, timeout=timeout)
+    # An agent that cannot prove it holds the directory's token is not ours: NotTrustedError.
+    conn = AgentConnection(endpoint, timeout=timeout, cache_dir=layout.root)
     try:
         reply = conn.request({"op": "stats"})
         return reply["stats"] if reply.get("ok") else None

@@ -1,0 +1,405 @@
+"""Other local users stay out, on every endpoint: tried as a real second user.
+
+The test creates a user with ``useradd`` and drops to it in a forked child, after
+the imports (``os.setgroups``/``os.setgid``/``os.setuid``), so the child needs no
+Python of its own: it attacks with raw ZeroMQ sockets and plain file opens, and
+reports what it got to the parent through a pipe, as JSON. The agent runs as the
+owner (root here) on ``tcp://127.0.0.1:PORT``, its workers on the next ports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import json
+import os
+import pwd
+import random
+import secrets
+import select
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import zmq
+
+from conftest import wait_for
+from streaming import reference, samples_of
+import wdscache.agent  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
+from wdscache import NotTrustedError, WdsCacheError, cli
+from wdscache.client import AgentConnection, ShardClient
+from wdscache.layout import CacheLayout
+from wdscache.loader import CachedMultiLoader
+from wdscache.pool import worker_endpoints
+from wdscache.urls import list_id
+
+CHILD_DEADLINE = 60.0
+
+
+@pytest.fixture
+def other_user():
+    """A fresh local user (removed at teardown): not root, not the owner, no groups of ours."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to create a second user")
+    if shutil.which("useradd") is None or shutil.which("userdel") is None:
+        pytest.skip("useradd/userdel are missing")
+    name = f"wdst{secrets.token_hex(3)}"
+    r = subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, f"useradd failed: {r.stderr}"
+    try:
+        yield pwd.getpwnam(name)
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def open_base():
+    """A folder every user may enter (tmp_path's parents are root's own, 0700): the cache
+    directory inside it is then protected by its own mode, not by its parents'."""
+    base = Path(tempfile.mkdtemp(prefix="wdscache-trust-", dir="/tmp"))
+    base.chmod(0o755)
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def as_user(pw: pwd.struct_passwd, fn: Callable[[], Any], timeout: float = CHILD_DEADLINE) -> Any:
+    """Run ``fn`` in a forked child as user ``pw``; its JSON result (or its traceback, re-raised here)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only modules imported already, no pytest machinery
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+            out = {"result": fn()}
+        except BaseException:
+            out = {"error": traceback.format_exc()}
+        data = json.dumps(out).encode()
+        while data:
+            data = data[os.write(w, data):]
+        os._exit(0)
+    os.close(w)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"the child as {pw.pw_name} did not finish within {timeout:g}s", pytrace=False)
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    out = json.loads(b"".join(chunks) or b"{}")
+    if "result" not in out:
+        pytest.fail(f"the child as {pw.pw_name} failed:\n{out.get('error', '(no output)')}", pytrace=False)
+    return out["result"]
+
+
+def free_ports(n: int) -> int:
+    """A port P with P..P+n-1 all free on 127.0.0.1 right now."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for i in range(n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def ask(endpoint: str, header: dict[str, Any], timeout: float = 3.0) -> dict[str, Any] | None:
+    """One raw request (a fresh DEALER socket); the reply's header, or None if none came."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([json.dumps(header).encode()])
+        if not sock.poll(int(timeout * 1000)):
+            return None
+        return json.loads(sock.recv_multipart()[0])
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+def _errno_of(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except OSError as exc:
+        return type(exc).__name__
+    return "allowed"
+
+
+def attack(agent_ep: str, worker_eps: list[str], urls: list[str], evil: str, cache: Path) -> dict[str, Any]:
+    """Everything another local user tries; runs in the child as that user."""
+    out: dict[str, Any] = {"uid": os.getuid()}
+    guess = "0" * 64
+    read = {"op": "read", "id": 1, "urls": urls[:1], "items": [[0, 0]]}
+    out["read"] = [ask(ep, read) for ep in worker_eps] + [ask(ep, {**read, "key": guess}) for ep in worker_eps]
+    out["scan"] = [ask(ep, {"op": "scan", "id": 2, "url": urls[0]}) for ep in worker_eps]
+    out["stats"] = ask(agent_ep, {"op": "stats", "id": 3})
+    # Anyone may ask the agent to prove itself; what it answers is no key.
+    proved = ask(agent_ep, {"op": "auth", "id": 4, "nonce": "ab" * 16}) or {}
+    out["auth"] = proved
+    keys = [None, guess, proved.get("proof"), proved.get("run")]
+    hello = {"op": "hello", "job": "thief", "rank": 0, "world_size": 1}
+    out["hello"] = [ask(agent_ep, {**hello, "id": 5, "reader": "thief", **({"key": k} if k else {})}) for k in keys]
+    # Pin every shard, under many names, so the owner's consumer would find no room.
+    out["open"] = [ask(agent_ep, {"op": "open", "id": 6, "reader": f"thief-{i}", "url": u, "wait": False,
+                                  **({"key": k} if k else {})})
+                   for i, (u, k) in enumerate(itertools.product(urls, keys))]
+    # A list of the attacker's URLs, for the agent to fetch: sent, taken up for a job, opened.
+    out["evil"] = []
+    for i, k in enumerate(keys):
+        with_key = {"key": k} if k else {}
+        reader = f"evil-{i}"
+        out["evil"] += [
+            ask(agent_ep, {"op": "put_urls", "id": 7, "reader": reader, "offset": 0, "urls": [evil], **with_key}),
+            ask(agent_ep, {**hello, "id": 8, "reader": reader, "list_id": list_id([evil]), **with_key}),
+            ask(agent_ep, {"op": "open", "id": 9, "reader": reader, "url": evil, "wait": False, **with_key}),
+        ]
+    layout = CacheLayout.of(cache)
+    out["files"] = {
+        "listdir": _errno_of(lambda: os.listdir(cache)),
+        "token": _errno_of(lambda: open(cache / "token", "rb").close()),
+        "shard": _errno_of(lambda: open(layout.shard_path(urls[0]), "rb").close()),
+        "index": _errno_of(lambda: open(layout.index_dir / "cache.db", "rb").close()),
+    }
+    try:
+        loader = CachedMultiLoader(cache_dir=cache, endpoint=agent_ep, rank=0, world_size=1, timeout=5)
+        out["loader"] = f"got {len(list(itertools.islice(iter(loader), 10)))} samples"
+    except WdsCacheError as exc:
+        out["loader"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def refused(reply: dict[str, Any] | None) -> bool:
+    return reply is None or (reply.get("ok") is False and not reply.get("keys") and "stats" not in reply)
+
+
+def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
+        other_user, open_base, shard_server, dataset, start_agent, consumers, monkeypatch):
+    ds = dataset(4, samples=25, payload=1000)
+    cache = open_base / "cache"
+    port = free_ports(3)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "2", "--prefetch", "4",
+                        "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, "4 shards cached")
+    workers = worker_endpoints(endpoint, 2)
+    assert workers == [f"tcp://127.0.0.1:{port + 1}", f"tcp://127.0.0.1:{port + 2}"]
+    evil = shard_server.url("evil-000.tar")
+
+    monkeypatch.setenv("WDSCACHE_ENDPOINT", endpoint)  # the owner's consumer finds the agent, and its token
+    owner = consumers(cache, "owner", "--no-shuffle", "--job", "owner")
+    got = as_user(other_user, lambda: attack(endpoint, workers, ds.urls, evil, cache))
+    lines = owner.wait()
+
+    assert got["uid"] == other_user.pw_uid
+    assert all(map(refused, got["read"])), got["read"]
+    assert all(map(refused, got["scan"])), got["scan"]
+    assert refused(got["stats"]), got["stats"]
+    assert all(map(refused, got["hello"])), got["hello"]
+    assert all(map(refused, got["open"])), got["open"]
+    assert all(map(refused, got["evil"])), got["evil"]
+    # Each refusal says what to do.
+    assert "token" in got["read"][0]["error"] and "token" in got["open"][0]["error"], (got["read"][0], got["open"][0])
+    assert got["files"] == {"listdir": "PermissionError", "token": "PermissionError", "shard": "PermissionError",
+                            "index": "PermissionError"}, got["files"]
+    assert got["loader"].startswith("ConfigError") and str(cache) in got["loader"] \
+        and f"uid {os.getuid()}" in got["loader"], got["loader"]
+
+    # The owner's consumer got every sample, byte for byte, while that went on.
+    ref = reference(ds.paths, ds.urls)
+    mine = {(s["url"], s["key"]): s["fields"] for s in samples_of(lines)}
+    assert len(samples_of(lines)) == len(ref) == 100 and mine == ref
+    # The agent knows no job of the other user's, and fetched nothing it asked for.
+    s = agent.stats()
+    assert not {"thief", "evil"} & set(s["jobs"]), s["jobs"]
+    # Every ask was answered, so a download one had started would have reached the server by now
+    # (on the code before the token, the evil URL was requested within milliseconds).
+    time.sleep(1.0)
+    assert shard_server.count("evil-000.tar", method=None) == 0, shard_server.requests
+    assert agent.running(), agent.stderr_tail()
+    assert "Traceback" not in agent.stderr_text(), agent.stderr_tail()
+    token = (cache / "token")
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == os.getuid()
+
+    # Each key opens one door: a process that took a dead worker's port learns nothing else.
+    conn = AgentConnection(endpoint, timeout=10, cache_dir=cache)
+    try:
+        conn.request({"op": "ping"})
+        agent_key, w0, w1 = conn.key, conn.worker_key(0), conn.worker_key(1)
+    finally:
+        conn.close()
+    read = {"op": "read", "id": 1, "urls": ds.urls[:1], "items": [[0, 0]]}
+    assert len({agent_key, w0, w1}) == 3
+    assert ask(workers[0], {**read, "key": w0})["keys"] == ["s00000_00000"]
+    for where, key in ((workers[1], w0), (workers[0], agent_key), (workers[0], w1)):
+        assert refused(ask(where, {**read, "key": key})), (where, key)
+    assert refused(ask(endpoint, {"op": "stats", "id": 1, "key": w0}))
+    assert ask(endpoint, {"op": "stats", "id": 1, "key": agent_key})["ok"] is True
+
+
+def fake_agent(endpoint: str, seconds: float) -> list[dict[str, Any]]:
+    """Another user's process on a port a loader is told to use: answers everything; returns what it got."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    got: list[dict[str, Any]] = []
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            if not sock.poll(100):
+                continue
+            ident, raw, *_ = sock.recv_multipart()
+            header = json.loads(raw)
+            if header.get("op") == "quit":
+                break
+            got.append(header)
+            reply = {"op": "reply", "id": header.get("id"), "ok": True, "proof": "00" * 32, "run": "ab" * 16,
+                     "path": "/etc/hostname", "size": 1, "workers": [], "list_id": "x", "n_urls": 0}
+            sock.send_multipart([ident, json.dumps(reply).encode()])
+    finally:
+        sock.close(0)
+        ctx.term()
+    return got
+
+
+def test_a_loader_never_talks_to_another_users_agent(other_user, open_base, tmp_path, dataset, start_agent):
+    ds = dataset(1, samples=3, payload=100)
+    cache = open_base / "cache"
+    start_agent(cache, ds.list_file)
+    fake = f"tcp://127.0.0.1:{free_ports(1)}"
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            os.setgroups([])
+            os.setgid(other_user.pw_gid)
+            os.setuid(other_user.pw_uid)
+            out = {"result": fake_agent(fake, 30.0)}
+        except BaseException:
+            out = {"error": traceback.format_exc()}
+        data = json.dumps(out).encode()
+        while data:
+            data = data[os.write(w, data):]
+        os._exit(0)
+    os.close(w)
+    try:
+        host, port = fake[len("tcp://"):].rsplit(":", 1)
+
+        def bound() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex((host, int(port))) == 0
+
+        wait_for(bound, 10, f"the fake agent never bound {fake}")
+        with pytest.raises(NotTrustedError) as info:
+            with ShardClient(cache, endpoint=fake, timeout=5) as client:
+                client.open(ds.urls[0], timeout=5)
+        assert fake in str(info.value), str(info.value)
+        with pytest.raises(NotTrustedError) as info:
+            iter(CachedMultiLoader(cache_dir=cache, endpoint=fake, rank=0, world_size=1, timeout=5))
+        assert fake in str(info.value), str(info.value)
+        assert ask(fake, {"op": "quit"}, timeout=0.2) is None
+        if not select.select([r], [], [], 20)[0]:
+            pytest.fail("the fake agent did not report", pytrace=False)
+        chunks = []
+        while chunk := os.read(r, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(r)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
+    out = json.loads(b"".join(chunks))
+    assert "result" in out, out.get("error")
+    seen = out["result"]
+    token = (cache / "token").read_text().strip()
+    # It was asked to prove itself, and learnt nothing it could use against the real agent.
+    assert seen and all(h["op"] == "auth" for h in seen), seen
+    assert token not in json.dumps(seen) and not any("key" in h for h in seen), seen
+
+
+def test_a_socket_folder_under_tmp_that_is_not_ours_is_a_clear_error(other_user, open_base, dataset):
+    """``wdscache agent`` runs as the other user, in the child (the test's interpreter may lie
+    in root's home, which that user cannot enter): its socket belongs under /tmp, in a folder
+    someone else made."""
+    ds = dataset(1, samples=1, payload=100)
+    folder = Path(f"/tmp/wdscache-{other_user.pw_uid}")
+    home = open_base / "home"
+    home.mkdir()
+    os.chown(home, other_user.pw_uid, other_user.pw_gid)
+    deep = home / ("d" * 60) / ("e" * 60) / "cache"  # its socket path is too long: it goes under /tmp
+    urls = open_base / "urls.txt"
+    shutil.copy(ds.list_file, urls)
+    urls.chmod(0o644)
+    try:
+        for owner, mode in ((0, 0o700), (other_user.pw_uid, 0o777)):
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            os.chown(folder, owner, -1)
+            folder.chmod(mode)
+            got = as_user(other_user, lambda: _run_cli(["agent", "--cache-dir", str(deep), "--urls", str(urls),
+                                                         "--min-free", "1M", "--workers", "1"]))
+            assert got["code"] == 2, got
+            assert "Traceback" not in got["stderr"] and got["stderr"].startswith("wdscache: error: "), got
+            assert str(folder) in got["stderr"], got
+            # A loader gets the same error, as a WdsCacheError.
+            got = as_user(other_user, lambda: _endpoint_error(deep))
+            assert got.startswith("ConfigError") and str(folder) in got, got
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_cli(args: list[str]) -> dict[str, Any]:
+    """``wdscache ARGS`` in this process: its exit code and stderr (a traceback if it raised)."""
+    err = io.StringIO()
+    code: Any = None
+    with contextlib.redirect_stderr(err):
+        try:
+            cli.main(args, prog_name="wdscache")
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException:
+            err.write(traceback.format_exc())
+    return {"code": code, "stderr": err.getvalue()}
+
+
+def _endpoint_error(cache: Path) -> str:
+    try:
+        return "no error: " + CacheLayout.of(cache).default_endpoint()
+    except WdsCacheError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
