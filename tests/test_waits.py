@@ -15,7 +15,7 @@ from streaming import reference
 from wdscache import AgentUnavailableError, CachedMultiLoader, FetchError, ShardClient
 from wdscache.client import AgentConnection
 from wdscache.plan import shard_order
-from wdscache.protocol import pack, unpack
+from wdscache.protocol import client_key, pack, proof, unpack
 
 
 def test_a_download_that_stops_moving_ends_the_wait_after_timeout_naming_the_shard(
@@ -85,20 +85,27 @@ def test_a_reply_the_agent_marks_retry_is_asked_again_within_the_timeout(tmp_pat
     server.bind(endpoint)
     answers = iter([{"ok": False, "retry": True, "error": "cannot write the index: disk full; try again shortly"}] * 3
                    + [{"ok": True, "pong": 1}])
+    token, run = "t" * 32, "r" * 32
     asked = []
 
     def serve() -> None:
         while len(asked) < 4 and server.poll(5000):
             ident, *frames = server.recv_multipart()
             header, _ = unpack(frames)
-            asked.append(header["op"])
-            server.send_multipart([ident, *pack({"op": "reply", "id": header["id"], **next(answers)})])
+            if header["op"] == "auth":  # the agent proves it holds the token first
+                body = {"run": run, "proof": proof(token, header["nonce"], run)}
+            else:
+                assert header["key"] == client_key(token, run)
+                asked.append(header["op"])
+                body = next(answers)
+            server.send_multipart([ident, *pack({"op": "reply", "id": header["id"], **body})])
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    conn = AgentConnection(endpoint, timeout=5)
+    conn = AgentConnection(endpoint, timeout=5, token=token)
     try:
-        assert conn.request({"op": "ping"}) == {"op": "reply", "id": 4, "ok": True, "pong": 1}
+        reply = conn.request({"op": "ping"})
+        assert reply["ok"] is True and reply["pong"] == 1, reply
     finally:
         conn.close()
         t.join(5)
