@@ -215,7 +215,9 @@ class CachedMultiLoader:
         Lists go in pages and are cached by their id, so each is sent once per loader.
         """
         request: dict[str, Any] = {"op": "hello", "reader": name, "job": self.job, "rank": self.rank,
-                                   "world_size": self.world_size}
+                                   "world_size": self.world_size,
+                                   # the agent warns when pins on the shards it spans outgrow the budget
+                                   "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0}
         if self.urls is not None:
             request["list_id"] = self._own_list_id
         hello = conn.request(request)
