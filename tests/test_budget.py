@@ -9,7 +9,6 @@ another program filling the disk, consumer processes (tests/consumer.py) and a
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import subprocess
@@ -19,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
-from shards import write_url_list
 from streaming import reference, samples_of
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.client import AgentConnection, resolve_endpoint
@@ -71,11 +69,12 @@ def gets(server, names: set[str]) -> int:
 
 
 def logged_wait(agent, url: str, timeout: float = 20) -> list[str]:
-    """The agent's log lines saying why ``url`` waits for space, once there is one."""
+    """The agent's log lines saying why ``url`` waits for space, once there is one (``timeout`` 0: now)."""
     def lines() -> list[str]:
         return [line for line in agent.stderr_text().splitlines() if f"{url} waits for space" in line]
-    return wait_for(lines, timeout, lambda: f"no log line says why {url} waits\n{agent.stderr_tail()}") if timeout \
-        else lines()
+    if not timeout:
+        return lines()
+    return wait_for(lines, timeout, lambda: f"no log line says why {url} waits\n{agent.stderr_tail()}")
 
 
 # -- 1. a disk that cannot hold the window -----------------------------------------------
