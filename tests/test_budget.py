@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_for
+from shards import make_shard, synth_samples
 from streaming import reference, samples_of
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.client import AgentConnection, resolve_endpoint
+from wdscache.layout import CacheLayout
 
 SHARD_130K = {"samples": 12, "payload": 8000}  # 133,120-byte shards
 SHARD_1M = {"samples": 10, "payload": 100_000}  # ~1.0-1.06 MB shards
@@ -198,8 +200,17 @@ def test_readers_needing_more_than_the_budget_are_warned_once_with_the_budget_th
     need = int(m.group(1))
     assert need == 4 * max(sizes), warnings
 
-    # The budget it names stops the thrash: each shard is fetched once.
+    # Restarted, the agent knows the counts (kept on disk): the consumer's hello is enough to warn.
     agent.stop()
+    again = start_agent(cache, ds.list_file, "--cache-size", "420K", "--prefetch", "2")
+    c = consumers(cache, "hello", "--timeout", "60")
+    wait_for(lambda: THRASH_WARNING in again.stderr_text(), 30, lambda: f"no warning at hello\n{again.stderr_tail()}")
+    [warning] = [line for line in again.stderr_text().splitlines() if THRASH_WARNING in line]
+    assert f"a budget of {need} bytes" in warning and "was just downloaded again" not in warning, warning
+    c.kill()
+    again.stop()
+
+    # The budget it names stops the thrash: each shard is fetched once.
     shard_server.reset_log()
     cache2 = tmp_path / "cache2"
     agent2 = start_agent(cache2, ds.list_file, "--cache-size", str(need), "--prefetch", "2")
@@ -235,3 +246,30 @@ def test_len_is_known_after_one_epoch_under_a_budget_that_evicts(shard_server, d
     assert n == 4 * SHARD_130K["samples"]
     assert agent.stats()["redownloads"] > 0  # shards were evicted and fetched again
     assert len(loader) == n
+
+
+def test_a_count_is_dropped_when_the_copy_downloaded_again_differs(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(3, **SHARD_130K)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "300K", "--prefetch", "1", "--no-shuffle")
+    loader = CachedMultiLoader(cache_dir=cache, job="c", rank=0, world_size=1, timeout=60, shuffle=False)
+    assert sum(1 for _ in loader) == 3 * SHARD_130K["samples"]
+    assert len(loader) == 3 * SHARD_130K["samples"]
+    s = agent.wait_stats(lambda s: s["shards"]["downloading"] == s["shards"]["queued"] == 0, 20, "downloads went on")
+    assert s["shards"]["cached"] <= 2, s  # the budget holds two: one at least was evicted
+    layout = CacheLayout.of(cache)
+    gone = next(u for u in ds.urls if not layout.shard_path(u).exists())
+    make_shard(ds.source_of(gone), synth_samples(9, 5, payload=8000))  # changed on the server meanwhile
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    try:
+        assert conn.request({"op": "counts", "urls": [gone]})["counts"] == [SHARD_130K["samples"]]
+        with ShardClient(cache, timeout=20, name="reader") as client:
+            assert client.open(gone).read_bytes() == ds.source_of(gone).read_bytes()
+            client.release(gone)
+        # Counted from the old copy: not this one's count any more.
+        assert conn.request({"op": "counts", "urls": [gone]})["counts"] == [None]
+    finally:
+        conn.close()
+    assert agent.stats()["redownloads"] >= 1
+    with pytest.raises(TypeError):
+        len(loader)
