@@ -249,8 +249,8 @@ class Agent:
         assert cache is not None
         room = fs_total - cache.margin  # the most the file system can ever give to shards
         usable = min(cache.limit, room)
-        where = (f"the file system of {self.layout.root} holds {format_size(fs_total)}, of which --min-free "
-                 f"{format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for the index) stays free; "
+        where = (f"the file system of {self.layout.root} is {format_size(fs_total)} in all, --min-free "
+                 f"{format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for the index) must stay free, "
                  f"--cache-size {format_size(cache.limit)}")
         if usable <= 0:
             raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
@@ -269,7 +269,7 @@ class Agent:
             )
         if need > room:
             raise ConfigError(
-                f"the file system cannot hold the window: {where}, so at most {format_size(room)} can hold "
+                f"the file system cannot hold the window: {where}; so at most {format_size(room)} can hold "
                 f"shards; {window}, {format_size(need)}; lower --min-free or --prefetch, or use a file system "
                 f"of at least {format_size(need + cache.margin)}"
             )
