@@ -495,7 +495,7 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, sh
     layout = CacheLayout.of(cache)
     watcher = watchers(cache, {shard_name(u): p for u, p in zip(ds.urls, ds.paths)})
     shard_server.rate = 600_000  # ~1.7 s per shard: time to fill the disk under a download
-    agent = start_agent(cache, ds.list_file, "--cache-size", "100M", "--min-free", "0", "--prefetch", "8",
+    agent = start_agent(cache, ds.list_file, "--cache-size", "100M", "--min-free", "0", "--prefetch", "3",
                         "--no-shuffle", "--download-workers", "4")
     agent.wait_stats(lambda s: s["shards"]["cached"] >= 1, 20, "no shard was cached")
     held = sorted(cached_urls(cache, ds.urls), key=ds.urls.index)[0]

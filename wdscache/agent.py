@@ -81,6 +81,7 @@ MAX_JOB_LISTS = 16
 LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
+SPACE_LOG_AFTER = 5.0  # a download waiting for space this long is logged (short waits are routine)
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
 MAX_JOB_URLS = 10_000_000
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
@@ -151,6 +152,12 @@ class Agent:
         self._verified: set[str] = set()  # cached shards known current (downloaded or checked this run)
         self._failed_at: dict[str, float] = {}
         self._paused_until = 0.0
+        self._space_waits: dict[str, str] = {}  # url -> why its download waits for space (for stats, status)
+        self._space_said: dict[str, tuple[float, str | None]] = {}  # url -> (waiting since, kind logged)
+        self._had: set[str] = set()  # shards this cache held during this run (cached at start or downloaded)
+        self._early_counts: dict[str, int] = {}  # url -> samples a worker counted before "done" came
+        self._buffers: dict[str, int] = {}  # reader -> the shuffle buffer it said hello with (samples)
+        self._thrash_warned = 0  # the budget named by the last warning that readers need more
         self.readers: dict[str, Reader] = {}
         self.jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         self.consumers: dict[str, dict[str, Any]] = {}  # reader name -> its last report
@@ -262,25 +269,51 @@ class Agent:
         if self.cache.used > self.cache.limit:
             # Restarted with a smaller --cache-size: shrink to it before anything else.
             self.cache.evict(self.cache.used - self.cache.limit, wanted=first, allow_window=True)
-        self._check_budget(first)
+        self._check_budget(first, fs_total)
+        self._had.update(r.url for r in self.cache.index if r.state is ShardState.CACHED)
         self.cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
 
-    def _check_budget(self, first: list[str]) -> None:
-        """Refuse a budget that cannot hold a reader's window of the largest shards we know of."""
-        assert self.cache is not None
+    def _check_budget(self, first: list[str], fs_total: int) -> None:
+        """Refuse a budget that can never hold a reader's window of the largest shards we know of.
+
+        What can ever be used is the smaller of --cache-size and the file system's size
+        less --min-free and the index's headroom. Free space taken by other files may
+        come back, so too little of it now is a warning, not a refusal.
+        """
+        cache = self.cache
+        assert cache is not None
+        room = fs_total - cache.margin  # the most the file system can ever give to shards
+        usable = min(cache.limit, room)
+        where = (f"the file system of {self.layout.root} is {format_size(fs_total)} in all, --min-free "
+                 f"{format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for the index) must stay free, "
+                 f"--cache-size {format_size(cache.limit)}")
+        if usable <= 0:
+            raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
         sizes = [s for s in (self._probe_size(u) for u in first) if s]
         if not sizes:
             return
         need_shards = min(self.config.prefetch + 1, len(self.urls))
         need = need_shards * max(sizes)
-        if need > self.cache.limit:
+        window = (f"shards here are up to {format_size(max(sizes))} and a reader needs {need_shards} of them "
+                  f"on disk (the one it reads and {need_shards - 1} ahead)")
+        if need > cache.limit:
             raise ConfigError(
-                f"--cache-size {format_size(self.cache.limit)} is too small for --prefetch "
-                f"{self.config.prefetch}: shards here are up to {format_size(max(sizes))} and a reader "
-                f"needs {need_shards} of them on disk (the one it reads and {need_shards - 1} ahead); "
-                f"the smallest budget that works is {need} bytes ({format_size(need)}), "
-                f"or lower --prefetch"
+                f"--cache-size {format_size(cache.limit)} is too small for --prefetch "
+                f"{self.config.prefetch}: {window}; the smallest budget that works is {need} bytes "
+                f"({format_size(need)}), or lower --prefetch ({where})"
             )
+        if need > room:
+            raise ConfigError(
+                f"the file system cannot hold the window: {where}; so at most {format_size(room)} can hold "
+                f"shards; {window}, {format_size(need)}; lower --min-free or --prefetch, or use a file system "
+                f"of at least {format_size(need + cache.margin)}"
+            )
+        free = cache.fs_free() + cache.used - cache.margin  # our own shards can be evicted
+        if need > free:
+            log.warning("only %s of the file system can hold shards now (%s free, --min-free %s): %s, %s; "
+                        "downloads wait for space until other files make room",
+                        format_size(max(0, free)), format_size(cache.fs_free()), format_size(cache.min_free),
+                        window, format_size(need))
 
     def _probe_size(self, url: str) -> int:
         assert self.cache is not None
@@ -471,10 +504,20 @@ class Agent:
             self._verified_event(d.url, value)
         elif kind == "done":
             self._verified.add(d.url)
-            self.cache.index.drop_count(d.url)  # its content may differ from the copy counted before
+            again = d.url in self._had or d.url in self.cache.index.counts
+            stored = value.size if value.stored is None else value.stored  # what "counted" records too
+            self.cache.index.keep_count(d.url, stored, value.etag)  # if the content is what was counted
             self.cache.finish(d, value.size, value.etag, stored=value.stored)
+            early = self._early_counts.pop(d.url, None)
+            if early is not None:
+                self.cache.index.set_count(d.url, early, stored, value.etag)
             self.cache.index.incr("bytes_downloaded", value.size)
             self.cache.index.incr("downloads")
+            self._had.add(d.url)
+            if again:
+                self.cache.index.incr("redownloads")
+                self.cache.index.incr("bytes_redownloaded", value.size)
+                self._check_readers(again=d.url)
             self._failed_at.pop(d.url, None)
             log.info("cached %s (%s)", d.url, format_size(value.size))
             self._answer_waiters(d.url)
@@ -501,6 +544,55 @@ class Agent:
         # Last, so that a failed index write (handled again later) leaves the download active.
         self._active.pop(d.url, None)
         self._downloaded_done += d.written
+
+    def _check_readers(self, again: str | None = None) -> None:
+        """Warn when the readers need more bytes at once than the budget holds (see :meth:`_readers_need`).
+
+        Called at each hello and each re-download (``again``); warns once, and again only
+        for a larger need.
+        """
+        assert self.cache is not None
+        need, why = self._readers_need()
+        st = os.statvfs(self.layout.root)
+        usable = min(self.cache.limit, st.f_blocks * st.f_frsize - self.cache.margin)
+        if need <= usable or need <= self._thrash_warned:
+            return
+        self._thrash_warned = need
+        seen = f" ({again} was just downloaded again)" if again else ""
+        log.warning(
+            "readers need more than the budget holds: %s; %s of it can be used (--cache-size %s), so shards they "
+            "still need are evicted and downloaded again%s; a budget of %d bytes (%s) stops it, or lower "
+            "shuffle_buffer or --prefetch", why, format_size(usable), format_size(self.cache.limit), seen,
+            need, format_size(need))
+
+    def _readers_need(self) -> tuple[int, str]:
+        """Bytes the readers hold at once, and how: a consumer pins every shard whose samples are
+        still in its shuffle buffer (its hello says how many samples that holds, the index how
+        many a shard has), the shard it opens, and its window of --prefetch shards ahead."""
+        assert self.cache is not None
+        idx, prefetch = self.cache.index, self.config.prefetch
+        self._buffers = {n: b for n, b in self._buffers.items() if n in self.readers}
+        counts = [c for c in itertools.islice(idx.counts.values(), 10_000) if c > 0]
+        sizes = [r.size for r in itertools.islice(idx.records.values(), 10_000)
+                 if r.state is ShardState.CACHED and r.size]
+        if not counts or not sizes:
+            return 0, "nothing known yet"
+        per_shard = max(1, sum(counts) // len(counts))
+        n_shards = max([len(self.urls), *(len(listed) for listed in self._lists.values())])
+        spans: dict[str, tuple[int, int]] = {}  # job (or reader) -> (shuffle buffer, shards it holds)
+        for name, r in self.readers.items():
+            if name == STARTUP_READER:
+                continue
+            job = str(self.consumers.get(name, {}).get("job", name))
+            buffer = self._buffers.get(name, 0)
+            held = max(-(-buffer // per_shard) + 1, len(r.pins))  # a buffer may end in a shard begun
+            spans[job] = max(spans.get(job, (0, 0)), (buffer, min(n_shards, held + prefetch)))
+        shards = min(n_shards, sum(h for _, h in spans.values()))
+        need = shards * max(sizes)
+        jobs = ", ".join(f"job {j!r} (shuffle_buffer {b}) holds up to {h}" for j, (b, h) in sorted(spans.items()))
+        return need, (f"{jobs} shard(s) at once (the shards its shuffle buffer spans at about {per_shard} samples "
+                      f"a shard, the one it opens and --prefetch {prefetch} ahead), of up to "
+                      f"{format_size(max(sizes))} each: {format_size(need)}")
 
     def _hint(self, ident: bytes, header: dict[str, Any]) -> None:
         """A hint to a worker (it acts on it when idle); one that cannot be reached misses it."""
@@ -688,6 +780,7 @@ class Agent:
         rank = {u: i for i, u in enumerate(want)}
         self._grants.sort(key=lambda g: (not g.download.demanded, rank.get(g.download.url, len(rank))))
         pending = []
+        waits: dict[str, str] = {}
         for g in self._grants:
             with g.lock:
                 if g.withdrawn:
@@ -703,7 +796,22 @@ class Agent:
                         self._answer_streamers(g.download.url)
                 else:
                     pending.append(g)
+                    if self.cache.refusal is not None:
+                        self._waits_for_space(g.download.url, *self.cache.refusal, waits)
         self._grants = pending
+        self._space_waits = waits  # granted or ended downloads wait no more
+        self._space_said = {u: said for u, said in self._space_said.items() if u in waits}
+
+    def _waits_for_space(self, url: str, kind: str, reason: str, waits: dict[str, str]) -> None:
+        """Note why ``url`` waits for space. Logged once it has waited SPACE_LOG_AFTER, and again
+        only when what runs short changes (the budget, or the file system's free space)."""
+        waits[url] = f"waiting for space: {reason}"
+        now = time.monotonic()
+        since, said = self._space_said.get(url, (now, None))
+        if said != kind and now - since >= SPACE_LOG_AFTER:
+            log.warning("%s waits for space: %s", url, reason)
+            said = kind
+        self._space_said[url] = (since, said)
 
     def _reserve(self, d: Download, total: int, timeout: float | None) -> bool:
         """Called in a download thread: block until the main thread grants ``total`` bytes."""
@@ -910,9 +1018,15 @@ class Agent:
         if op == "counted":
             assert self.cache is not None
             url, samples = get_field(header, "url", str), get_field(header, "samples", int)
-            # Only for shards cached here (a worker just scanned it); anything else is noise.
-            if samples >= 0 and self.cache.is_cached(url):
-                self.cache.index.set_count(url, samples)
+            # Only for shards cached here (a worker just scanned it), whose copy we know; anything else is noise.
+            rec = self.cache.index.get(url)
+            if samples < 0 or rec is None:
+                return
+            if rec.state is ShardState.CACHED:
+                self.cache.index.set_count(url, samples, rec.size, rec.etag)
+            elif url in self._active and self.cache.path(url).exists():
+                # Published a moment ago (a worker saw the file): its "done" event, still queued, records it.
+                self._early_counts[url] = samples
             return
         if op == "damaged":  # from one of our workers (checked above), naming the copy it read
             url, error = get_field(header, "url", str), get_field(header, "error", str)
@@ -934,6 +1048,9 @@ class Agent:
             reader.last_seen = time.monotonic()
         if op == "hello":
             self._hello(ident, rid, name, header)
+            if name in self.readers:
+                self._buffers[name] = max(0, get_field(header, "shuffle_buffer", int, 0))
+                self._check_readers()
         elif op == "put_urls":
             error = self._put_urls(name, header)
             self._reply(ident, rid, ok=error is None, error=error)
@@ -1203,6 +1320,8 @@ class Agent:
         if rec is not None and rec.state is ShardState.FAILED:
             # "damaged": its copies were found damaged (the shard is bad, not its download).
             return {"state": "failed", "error": rec.error or "download failed", "damaged": url in self._refetched}
+        if url in self._space_waits:
+            return {"state": "queued", "reason": self._space_waits[url], **progress}
         return {"state": "queued" if url in self._active or url in self._demanded else "unknown", **progress}
 
     def _streamable(self, url: str) -> bool:
@@ -1273,6 +1392,7 @@ class Agent:
                 "worker_restarts": self.pool.restarts if self.pool else 0,
                 "corrupt": [{"url": u, "error": e} for u, e in self._corrupt.items()],
                 "changed": [{"url": u, "error": e} for u, e in self._changed.items()],
+                "waiting_for_space": [{"url": u, "reason": r} for u, r in self._space_waits.items()],
             },
             jobs=jobs_view(self.consumers, self._starved_by()),
         )

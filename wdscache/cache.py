@@ -49,6 +49,8 @@ class ShardCache:
         self.index, self.rebuilt = _open_index(layout)
         self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
         self.pins: dict[str, int] = {}  # url -> number of open reads
+        # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
+        self.refusal: tuple[str, str] | None = None
 
     # -- queries ----------------------------------------------------------
 
@@ -212,7 +214,8 @@ class ShardCache:
         """Reserve ``total`` bytes for ``d`` if the budget can hold them, evicting if needed.
 
         ``wanted`` lists the shards in readers' windows, most urgent first; they are
-        evicted only for a demanded download, and from the far end.
+        evicted only for a demanded download, and from the far end. When refused,
+        :attr:`refusal` says why (the budget, or the file system's free space).
         """
         extra = total - d.reserved
         if extra <= 0:
@@ -223,12 +226,44 @@ class ShardCache:
                 f"(--cache-size {format_size(self.limit)})"
             )
         need = self.used + self.reserved + extra - self.limit
-        margin_need = self.margin + self._unwritten() + extra - self.fs_free()
+        free = self.fs_free()
+        margin_need = self.margin + self._unwritten() + extra - free
         shortfall = max(need, margin_need)
         if shortfall > 0 and not self.evict(shortfall, wanted=wanted, allow_window=d.demanded, spare=d.url):
+            self.refusal = self._why_refused(d, extra, need >= margin_need, free, wanted)
             return False
         d.reserved = total
         return True
+
+    def _why_refused(
+        self, d: Download, extra: int, budget: bool, free: int, wanted: Sequence[str],
+    ) -> tuple[str, str]:
+        """(kind, sentence): why ``extra`` more bytes for ``d`` cannot be had by evicting."""
+        window = set(wanted)
+        pinned = in_window = evictable = 0
+        for r in self.index.records.values():
+            if r.state is not ShardState.CACHED or r.url == d.url:
+                continue
+            if self.pins.get(r.url):
+                pinned += 1
+            elif r.url in window and not d.demanded:
+                in_window += 1
+            else:
+                evictable += r.size
+        held = f"{pinned} other shard(s) pinned by readers"
+        if not d.demanded:
+            held += f", {in_window} in a reader's window"
+        held += f", {format_size(evictable)} evictable"
+        if budget:
+            return "budget", (
+                f"the budget (--cache-size {format_size(self.limit)}) holds {format_size(self.used)} cached and "
+                f"{format_size(self.reserved)} reserved, and {format_size(extra)} more cannot be freed ({held})"
+            )
+        return "min-free", (
+            f"the file system keeps --min-free {format_size(self.min_free)} (+{format_size(INDEX_HEADROOM)} for "
+            f"the index) free and has {format_size(free)} free ({format_size(self._unwritten())} of it promised "
+            f"to downloads in flight); {format_size(extra)} more cannot be freed ({held})"
+        )
 
     def _unwritten(self) -> int:
         return sum(max(0, d.reserved - d.written - d.expanded) for d in self.inflight.values())

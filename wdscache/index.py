@@ -34,7 +34,8 @@ _SHARD = "shard:"
 _SUMMARY = "summary"
 _META = "meta"
 _COUNT = "count:"
-COUNTERS = ("hits", "misses", "bytes_downloaded", "downloads", "corrupt", "changed")
+COUNTERS = ("hits", "misses", "bytes_downloaded", "downloads", "redownloads", "bytes_redownloaded", "corrupt",
+            "changed")
 
 
 class IndexWriteError(WdsCacheError):
@@ -144,6 +145,9 @@ class Index:
         self._unsaved_counts: dict[str, int] = {}
         # Samples per shard, kept after eviction: resuming or len() must not need a download.
         self.counts: dict[str, int] = {}
+        # The copy each count was taken from (size, ETag): a copy downloaded again keeps the
+        # count only if it is the same (see keep_count).
+        self.counted_from: dict[str, tuple[int, str | None]] = {}
         self._load()
 
     def _load(self) -> None:
@@ -155,8 +159,12 @@ class Index:
                     self.records[rec.url] = rec
             elif isinstance(key, str) and key.startswith(_COUNT):
                 value = self._db.get(key)
-                if isinstance(value, int):
-                    self.counts[key[len(_COUNT):]] = value
+                url = key[len(_COUNT):]
+                if isinstance(value, int):  # written before counts named their copy
+                    self.counts[url] = value
+                elif isinstance(value, str):
+                    samples, size, etag = json.loads(value)
+                    self.counts[url], self.counted_from[url] = int(samples), (int(size), etag)
         # Rebuilt from the records rather than trusted: cheap at start, and self-healing.
         self.summary = Summary()
         for rec in self.records.values():
@@ -225,17 +233,26 @@ class Index:
             rec.reads += 1
             self._unsaved_reads.add(url)
 
-    def set_count(self, url: str, samples: int) -> None:
-        if self.counts.get(url) != samples:
+    def set_count(self, url: str, samples: int, size: int, etag: str | None) -> None:
+        """``url`` holds ``samples`` samples in its copy of ``size`` bytes and ``etag``."""
+        if self.counts.get(url) != samples or self.counted_from.get(url) != (size, etag):
             with self._writing():
-                self._db.set(_COUNT + url, samples)
-            self.counts[url] = samples
+                self._db.set(_COUNT + url, json.dumps([samples, size, etag]))
+            self.counts[url], self.counted_from[url] = samples, (size, etag)
+
+    def keep_count(self, url: str, size: int, etag: str | None) -> None:
+        """A new copy of ``url`` arrived: keep its count only if it was taken from the same
+        content (same size, and the same ETag when both copies have one)."""
+        was = self.counted_from.get(url)
+        if was is None or was[0] != size or (was[1] and etag and was[1] != etag):
+            self.drop_count(url)
 
     def drop_count(self, url: str) -> None:
         if url in self.counts:
             with self._writing():
                 self._db.delete(_COUNT + url)
             del self.counts[url]
+            self.counted_from.pop(url, None)
 
     def set_meta(self, meta: dict) -> None:
         """Settings of the last agent (its budget), shown by stats when no agent runs."""

@@ -243,7 +243,9 @@ class CachedMultiLoader:
         """
         # The process, so that an agent on this machine notices at once when it ends (a SIGKILL).
         request: dict[str, Any] = {"op": "hello", "reader": name, "job": self.job, "rank": self.rank,
-                                   "world_size": self.world_size, "process": process_identity()}
+                                   "world_size": self.world_size, "process": process_identity(),
+                                   # the agent warns when pins on the shards it spans outgrow the budget
+                                   "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0}
         if self.urls is not None:
             request["list_id"] = self._own_list_id
         hello = conn.request(request)

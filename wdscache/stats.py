@@ -8,7 +8,10 @@ The object (also ``wdscache stats --json``)::
     shards            counts by state: cached, downloading, queued, failed
     failed            [{url, error}] (at most 100 listed)
     hits, misses      shard opens that found the shard cached / had to wait for it
-    bytes_downloaded  bytes fetched over the cache's life
+    bytes_downloaded  bytes fetched over the cache's life, in ``downloads`` completed downloads
+    redownloads       of those, downloads of a shard this cache held before (evicted, changed or
+                      damaged), with their bytes in bytes_redownloaded: many in one epoch mean
+                      the budget is too small for what the readers hold (the agent warns)
     corrupt           shards found unreadable by consumers (their URLs: agent.corrupt)
     changed           cached shards found changed on the server and fetched again (agent.changed)
     download_rate     bytes/s over the last 10 s (0 when no agent runs)
@@ -17,7 +20,8 @@ The object (also ``wdscache stats --json``)::
                       indexed (shards), walked / adopted (shards whose table the worker walked
                       itself / took from another worker)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
-                      pinned (shards being read), job_lists (URL lists held besides its own)}
+                      pinned (shards being read), job_lists (URL lists held besides its own),
+                      waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up)}
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
                       epoch, position (samples of the epoch the job delivered, counted from
                       this rank's), starved: null | "downloads" | "workers" | "latency"}}}
@@ -63,6 +67,9 @@ def build(
         "hits": counters.get("hits", 0),
         "misses": counters.get("misses", 0),
         "bytes_downloaded": counters.get("bytes_downloaded", 0),
+        "downloads": counters.get("downloads", 0),
+        "redownloads": counters.get("redownloads", 0),
+        "bytes_redownloaded": counters.get("bytes_redownloaded", 0),
         "corrupt": counters.get("corrupt", 0),
         "changed": counters.get("changed", 0),
         "download_rate": round(download_rate, 1),
@@ -154,7 +161,9 @@ def format_stats(s: dict[str, Any]) -> str:
         f"used       {format_size(used)} of {format_size(limit) if limit else '?'}{pct}",
         "shards     " + ", ".join(f"{shards[k]} {k}" for k in STATES),
         f"hits       {s['hits']} hits, {s['misses']} misses (hit rate {hit_rate})",
-        f"downloaded {format_size(s['bytes_downloaded'])} in all, now {format_size(s['download_rate'])}/s",
+        f"downloaded {format_size(s['bytes_downloaded'])} in all ({s.get('downloads', 0)} shards, "
+        f"{s.get('redownloads', 0)} re-download(s) of {format_size(s.get('bytes_redownloaded', 0))}), "
+        f"now {format_size(s['download_rate'])}/s",
     ]
     agent = s.get("agent")
     if agent:
@@ -177,6 +186,8 @@ def format_stats(s: dict[str, Any]) -> str:
                 f"{r.get('rate', 0):.0f} samples/s, waited {r.get('wait_s', 0):.1f}s "
                 f"({100 * r.get('waiting', 0):.0f}% now), {starved}"
             )
+    for w in (agent or {}).get("waiting_for_space", [])[:20]:
+        lines.append(f"waiting    {w['url']}: {w['reason']}")
     if s["failed"]:
         lines.append(f"failed     {shards['failed']} shard(s):")
         lines.extend(f"  {f['url']}: {f['error']}" for f in s["failed"][:20])

@@ -1,0 +1,275 @@
+"""Budgets and disks too small for the readers (issue 13, items 1 and 5).
+
+Real parts only: agents started through the ``wdscache`` console script, a
+:class:`ShardServer` on 127.0.0.1, tmpfs mounts of the size each case needs,
+another program filling the disk, consumer processes (tests/consumer.py) and a
+:class:`CachedMultiLoader` in the test process for ``len()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import wait_for
+from shards import make_shard, synth_samples
+from streaming import reference, samples_of
+from wdscache import CachedMultiLoader, ShardClient
+from wdscache.client import AgentConnection, resolve_endpoint
+from wdscache.layout import CacheLayout
+
+SHARD_130K = {"samples": 12, "payload": 8000}  # 133,120-byte shards
+SHARD_1M = {"samples": 10, "payload": 100_000}  # ~1.0-1.06 MB shards
+THRASH_WARNING = "readers need more than the budget holds"
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Factory ``tmpfs("40m") -> Path``: a tmpfs of that size (mode 0700); all unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"fs{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+                           capture_output=True, text=True, timeout=20)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=20).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
+
+
+def fill(path: Path) -> int:
+    """Write ``path`` until the file system refuses (ENOSPC); returns the bytes written."""
+    n = 0
+    chunk = b"\xa5" * 4096
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        while True:
+            try:
+                n += os.write(fd, chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                return n
+    finally:
+        os.close(fd)
+
+
+def gets(server, names: set[str]) -> int:
+    return sum(1 for r in server.requests if r.method == "GET" and r.path in names)
+
+
+def logged_wait(agent, url: str, timeout: float = 20) -> list[str]:
+    """The agent's log lines saying why ``url`` waits for space, once there is one (``timeout`` 0: now)."""
+    def lines() -> list[str]:
+        return [line for line in agent.stderr_text().splitlines() if f"{url} waits for space" in line]
+    if not timeout:
+        return lines()
+    return wait_for(lines, timeout, lambda: f"no log line says why {url} waits\n{agent.stderr_tail()}")
+
+
+# -- 1. a disk that cannot hold the window -----------------------------------------------
+
+
+@pytest.mark.parametrize("fs_size, cache_size, extra, shape, named", [
+    # The default --min-free 1G is more than the whole file system.
+    ("40m", "30M", [], SHARD_130K, ["40.0M", "--min-free 1.0G", "--cache-size 30.0M"]),
+    ("64m", "256M", [], SHARD_130K, ["64.0M", "--min-free 1.0G", "--cache-size 256.0M"]),
+    # Room for 4 MB of shards, a window of 9 shards of 1 MB.
+    ("6m", "100M", ["--min-free", "1M", "--prefetch", "8"], SHARD_1M,
+     ["6.0M", "--min-free 1.0M", "--cache-size 100.0M"]),
+])
+def test_a_file_system_that_cannot_hold_the_window_is_refused_at_start(
+        tmpfs, shard_server, dataset, run_cli, fs_size, cache_size, extra, shape, named):
+    ds = dataset(10, **shape)
+    cache = tmpfs(fs_size) / "cache"
+    r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--cache-size", cache_size,
+                "--workers", "1", *extra, timeout=30)
+    assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
+    assert "wdscache: error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for word in named:
+        assert word in r.stderr, f"{word!r} not named: {r.stderr}"
+    assert not any(r.method == "GET" for r in shard_server.requests), shard_server.requests
+
+
+def test_a_download_waiting_for_free_space_says_why_in_stats_status_and_one_log_line(
+        tmpfs, shard_server, dataset, start_agent, run_cli):
+    fs = tmpfs("6m")
+    ds = dataset(3, **SHARD_1M)
+    cache = fs / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "100M", "--min-free", "1M", "--prefetch", "1",
+                        "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the first shard was not cached")
+    assert fill(fs / "filler") > 0  # another program takes every free byte
+    want = ds.urls[2]
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    try:
+        reply = conn.request({"op": "open", "reader": "r", "url": want, "wait": False})
+        assert reply.get("cached") is False, reply
+        s = agent.wait_stats(lambda s: s["agent"]["waiting_for_space"], 20, "no download waits for space")
+        [wait] = s["agent"]["waiting_for_space"]
+        assert wait["url"] == want, wait
+        assert wait["reason"].startswith("waiting for space: the file system keeps --min-free 1.0M"), wait
+        assert re.search(r"has \d+(\.\d)?[KM]? free", wait["reason"]), wait
+        status = conn.request({"op": "status", "reader": "r", "url": want})
+        assert status["state"] == "queued" and status["reason"] == wait["reason"], status
+        text = run_cli("stats", "--cache-dir", cache).stdout
+        assert f"waiting    {want}: waiting for space: the file system keeps --min-free" in text, text
+        log_lines = logged_wait(agent, want)
+        for _ in range(10):  # many ticks later, still logged once
+            agent.stats()
+        assert logged_wait(agent, want) == log_lines, agent.stderr_tail()
+        assert "--min-free 1.0M" in log_lines[0], log_lines
+
+        (fs / "filler").unlink()  # room again: the download goes on, the reason goes
+        wait_for(lambda: conn.request({"op": "status", "reader": "r", "url": want})["state"] == "cached", 20,
+                 lambda: f"the download did not go on once there was room\n{agent.stderr_tail()}")
+        assert agent.stats()["agent"]["waiting_for_space"] == []
+    finally:
+        conn.close()
+
+
+def test_a_download_waiting_for_budget_held_by_pins_says_why(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(3, **SHARD_130K)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "300K", "--prefetch", "1", "--no-shuffle")
+    want = ds.urls[2]
+    with ShardClient(cache, timeout=20, name="pinner") as pinner:
+        pinner.open(ds.urls[0])
+        pinner.open(ds.urls[1])  # the budget holds these two, pinned
+        conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+        try:
+            assert conn.request({"op": "open", "reader": "r", "url": want, "wait": False}).get("cached") is False
+            s = agent.wait_stats(lambda s: s["agent"]["waiting_for_space"], 20, "no download waits for space")
+            [wait] = s["agent"]["waiting_for_space"]
+            assert wait["url"] == want, wait
+            assert wait["reason"].startswith("waiting for space: the budget (--cache-size 300.0K) holds "), wait
+            assert "2 other shard(s) pinned by readers" in wait["reason"], wait
+            assert conn.request({"op": "status", "reader": "r", "url": want})["reason"] == wait["reason"]
+            [line] = logged_wait(agent, want)
+            assert "--cache-size 300.0K" in line, line
+            pinner.release(ds.urls[0])
+            agent.wait_stats(lambda s: not s["agent"]["waiting_for_space"] and s["shards"]["cached"] == 2, 20,
+                             "a released pin did not make room")
+        finally:
+            conn.close()
+    assert len(logged_wait(agent, want, timeout=0)) == 1, agent.stderr_tail()
+
+
+# -- 5. no silent thrash ----------------------------------------------------------------------
+
+
+def _epoch(agent, consumers, cache: Path, name: str, ref: dict) -> None:
+    lines = consumers(cache, name, "--timeout", "60").wait()
+    got = sorted((s["url"], s["key"]) for s in samples_of(lines))
+    assert got == sorted(ref), f"{len(got)} samples, {len(ref)} expected\n{agent.stderr_tail()}"
+
+
+def test_readers_needing_more_than_the_budget_are_warned_once_with_the_budget_that_stops_the_thrash(
+        shard_server, dataset, start_agent, consumers, tmp_path):
+    ds = dataset(4, **SHARD_130K)
+    names = {p.name for p in ds.paths}
+    ref = reference(ds.paths, ds.urls)
+    # Accepted at start (3 shards of the window fit) but the consumer's shuffle buffer of 100
+    # samples spans every shard, and it pins each while its samples are in the buffer.
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "420K", "--prefetch", "2")
+    _epoch(agent, consumers, cache, "thrash", ref)
+    s = agent.stats()
+    # Every completed download past the first of each shard is a re-download (a GET may also be
+    # one abandoned on the way).
+    assert s["redownloads"] == s["downloads"] - 4 > 0, s
+    assert s["downloads"] <= gets(shard_server, names), (shard_server.requests, s)
+    sizes = {p.stat().st_size for p in ds.paths}
+    assert min(sizes) * s["redownloads"] <= s["bytes_redownloaded"] <= max(sizes) * s["redownloads"], s
+    warnings = [line for line in agent.stderr_text().splitlines() if THRASH_WARNING in line]
+    assert len(warnings) == 1, warnings or agent.stderr_tail()
+    m = re.search(r"a budget of (\d+) bytes", warnings[0])
+    assert m and "shuffle_buffer 100" in warnings[0], warnings
+    need = int(m.group(1))
+    assert need == 4 * max(sizes), warnings
+
+    # Restarted, the agent knows the counts (kept on disk): the consumer's hello is enough to warn.
+    agent.stop()
+    again = start_agent(cache, ds.list_file, "--cache-size", "420K", "--prefetch", "2")
+    c = consumers(cache, "hello", "--timeout", "60")
+    wait_for(lambda: THRASH_WARNING in again.stderr_text(), 30, lambda: f"no warning at hello\n{again.stderr_tail()}")
+    [warning] = [line for line in again.stderr_text().splitlines() if THRASH_WARNING in line]
+    assert f"a budget of {need} bytes" in warning and "was just downloaded again" not in warning, warning
+    c.kill()
+    again.stop()
+
+    # The budget it names stops the thrash: each shard is fetched once.
+    shard_server.reset_log()
+    cache2 = tmp_path / "cache2"
+    agent2 = start_agent(cache2, ds.list_file, "--cache-size", str(need), "--prefetch", "2")
+    _epoch(agent2, consumers, cache2, "fits", ref)
+    s2 = agent2.stats()
+    assert gets(shard_server, names) == 4 and s2["downloads"] == 4 and s2["redownloads"] == 0, \
+        (shard_server.requests, s2)
+    assert THRASH_WARNING not in agent2.stderr_text(), agent2.stderr_tail()
+
+
+def test_redownloads_count_a_shard_evicted_and_fetched_again(shard_server, dataset, start_agent, run_cli, tmp_path):
+    ds = dataset(3, **SHARD_130K)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "300K", "--prefetch", "1", "--no-shuffle")
+    with ShardClient(cache, timeout=20, name="reader") as client:
+        for url in [*ds.urls, ds.urls[0]]:  # the third evicts the first, read again at the end
+            assert client.open(url).read_bytes() == ds.source_of(url).read_bytes()
+            client.release(url)
+    s = agent.stats()
+    assert gets(shard_server, {ds.paths[0].name}) == 2, shard_server.requests
+    assert s["downloads"] == 4 and s["redownloads"] == 1, s
+    assert s["bytes_redownloaded"] == ds.paths[0].stat().st_size, s
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert f"(4 shards, 1 re-download(s) of {ds.paths[0].stat().st_size / 1024:.1f}K)" in text, text
+
+
+def test_len_is_known_after_one_epoch_under_a_budget_that_evicts(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(4, **SHARD_130K)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "420K", "--prefetch", "2")
+    loader = CachedMultiLoader(cache_dir=cache, job="len", rank=0, world_size=1, timeout=60, shuffle_buffer=100)
+    n = sum(1 for _ in loader)
+    assert n == 4 * SHARD_130K["samples"]
+    assert agent.stats()["redownloads"] > 0  # shards were evicted and fetched again
+    assert len(loader) == n
+
+
+def test_a_count_is_dropped_when_the_copy_downloaded_again_differs(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(3, **SHARD_130K)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "300K", "--prefetch", "1", "--no-shuffle")
+    loader = CachedMultiLoader(cache_dir=cache, job="c", rank=0, world_size=1, timeout=60, shuffle=False)
+    assert sum(1 for _ in loader) == 3 * SHARD_130K["samples"]
+    assert len(loader) == 3 * SHARD_130K["samples"]
+    s = agent.wait_stats(lambda s: s["shards"]["downloading"] == s["shards"]["queued"] == 0, 20, "downloads went on")
+    assert s["shards"]["cached"] <= 2, s  # the budget holds two: one at least was evicted
+    layout = CacheLayout.of(cache)
+    gone = next(u for u in ds.urls if not layout.shard_path(u).exists())
+    make_shard(ds.source_of(gone), synth_samples(9, 5, payload=8000))  # changed on the server meanwhile
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    try:
+        assert conn.request({"op": "counts", "urls": [gone]})["counts"] == [SHARD_130K["samples"]]
+        with ShardClient(cache, timeout=20, name="reader") as client:
+            assert client.open(gone).read_bytes() == ds.source_of(gone).read_bytes()
+            client.release(gone)
+        # Counted from the old copy: not this one's count any more.
+        assert conn.request({"op": "counts", "urls": [gone]})["counts"] == [None]
+    finally:
+        conn.close()
+    assert agent.stats()["redownloads"] >= 1
+    with pytest.raises(TypeError):
+        len(loader)
