@@ -2,10 +2,17 @@
 
 Guarantees (the agent's main thread is the only caller; nothing here is thread-safe):
 
-- Budget: bytes of cached shards plus bytes reserved for downloads in flight never
-  exceed ``limit``; a download reserves its full size before writing, and waits
-  (is not granted) while the budget cannot hold it. Partial files are counted
-  through their reservation. The index database itself is not counted.
+- Budget: bytes of cached shards plus bytes reserved for downloads in flight plus
+  bytes of kept partial files never exceed ``limit``; a download reserves its full
+  size before writing, and waits (is not granted) while the budget cannot hold it.
+  A partial file in flight is counted through its reservation; one kept for a
+  resume (:meth:`abandon` with ``keep_partial``, or found at start) by its size,
+  and kept partials are the first thing removed when a reservation needs space.
+  A reservation of unknown size (``pipe:``) grows in steps no larger than the
+  budget can spare. The index database itself is not counted.
+- Kept partials: only with a validator (ETag, Last-Modified or file mtime) in their
+  DOWNLOADING record; removed when space is needed, when their shard leaves the
+  list (:meth:`drop_partial`), or at the next start if not resumable.
 - Free-space margin: a reservation is granted only if the file system keeps
   ``min_free`` bytes (plus 1 MiB for the index) free after every in-flight
   download completes.
@@ -25,7 +32,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 from .config import format_size
 from .fetch import Download
@@ -47,6 +54,7 @@ class ShardCache:
         self.index, self.rebuilt = _open_index(layout)
         self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
         self.pins: dict[str, int] = {}  # url -> number of open reads
+        self.kept: dict[str, int] = {}  # url -> bytes of its partial file kept for a resume, not in flight
 
     # -- queries ----------------------------------------------------------
 
@@ -76,14 +84,16 @@ class ShardCache:
 
     # -- start-up ---------------------------------------------------------
 
-    def recover(self, keep_partial: Iterable[str] = ()) -> dict[str, int]:
+    def recover(self, keep_partial: Container[str] = ()) -> dict[str, int]:
         """Make index and disk agree after any kind of stop; returns what was done.
 
         Complete shards are kept; records whose file is gone are forgotten; a shard
         renamed into place just before a crash is adopted; partial files are kept
-        for resuming only for ``keep_partial`` URLs; half-done evictions are finished.
+        for resuming only for ``keep_partial`` URLs whose record has a validator
+        (they count against the budget from now on); half-done evictions are finished.
         """
-        keep = set(keep_partial)
+        keep = keep_partial
+        resumable: dict[str, str] = {}  # partial file name -> url
         done = {"kept": 0, "forgotten": 0, "adopted": 0, "partials_removed": 0, "evictions_finished": 0}
         for rec in self.index:
             path = self.layout.shard_path(rec.url)
@@ -106,18 +116,24 @@ class ShardCache:
                     self._set_cached(rec.url, size, rec.etag)
                     done["adopted"] += 1
                 else:
-                    if rec.url not in keep:
-                        self.index.delete(rec.url)
                     _unlink(path)
+                    partial = self.layout.partial_path(rec.url)
+                    if rec.url in keep and rec.etag and _size_or_none(partial):
+                        resumable[partial.name] = rec.url
+                    else:
+                        self.index.delete(rec.url)
             elif rec.state is ShardState.FAILED:
                 # Failures are retried by a new agent: the server or the list may have changed.
                 self.index.delete(rec.url)
         # Partial files: resume those we were told to keep, remove every other one.
         for entry in os.scandir(self.layout.partial_dir):
-            url = self._partial_owner(entry.name, keep)
+            url = resumable.get(entry.name)
             if url is None:
                 os.unlink(entry.path)
                 done["partials_removed"] += 1
+            else:
+                self.kept[url] = entry.stat().st_size
+        done["partials_kept"] = len(self.kept)
         return done
 
     def adopt(self, urls: Iterable[str]) -> int:
@@ -133,20 +149,13 @@ class ShardCache:
                 adopted += 1
         return adopted
 
-    def _partial_owner(self, name: str, keep: set[str]) -> str | None:
-        for url in keep:
-            if self.layout.partial_path(url).name == name:
-                rec = self.index.get(url)
-                if rec is not None and rec.state is ShardState.DOWNLOADING:
-                    return url
-        return None
-
     # -- downloads --------------------------------------------------------
 
     def begin(self, d: Download) -> None:
         """Record that ``d`` starts (index first, then the partial file may be created)."""
         old = self.index.get(d.url)
         self.index.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.etag))
+        self.kept.pop(d.url, None)  # counted through the reservation from now on
         self.inflight[d.url] = d
 
     def set_validator(self, url: str, etag: str | None) -> None:
@@ -162,16 +171,43 @@ class ShardCache:
 
     def fail(self, d: Download, error: str) -> None:
         self.inflight.pop(d.url, None)
+        self.kept.pop(d.url, None)
         _unlink(d.partial)
         self.index.put(ShardRecord(d.url, ShardState.FAILED, error=error))
 
     def abandon(self, d: Download, *, keep_partial: bool = False) -> None:
-        """``d`` stopped unfinished; its shard goes back to not cached."""
+        """``d`` stopped unfinished; its shard goes back to not cached.
+
+        With ``keep_partial`` and a validator, its partial file stays for a Range resume
+        (the DOWNLOADING record keeps the validator) and counts against the budget.
+        """
         self.inflight.pop(d.url, None)
-        if keep_partial:
-            return  # the DOWNLOADING record stays, so a restart can resume it
-        _unlink(d.partial)
-        self.index.delete(d.url)
+        size = _size_or_none(d.partial)
+        if keep_partial and d.etag and size:
+            self.set_validator(d.url, d.etag)
+            self.kept[d.url] = size
+            return
+        self.drop_partial(d.url)
+
+    def drop_partial(self, url: str) -> None:
+        """Remove the partial file kept for ``url`` (and its record), if any."""
+        self.kept.pop(url, None)
+        _unlink(self.layout.partial_path(url))
+        rec = self.index.get(url)
+        if rec is not None and rec.state is ShardState.DOWNLOADING:
+            self.index.delete(url)
+
+    def _drop_kept(self, nbytes: int, spare: str | None = None) -> int:
+        """Remove kept partials (oldest first) until ``nbytes`` are freed; returns bytes freed."""
+        freed = 0
+        for url in list(self.kept):
+            if freed >= nbytes:
+                break
+            if url != spare:
+                freed += self.kept[url]
+                log.info("removing the partial download of %s to make room", url)
+                self.drop_partial(url)
+        return freed
 
     def forget_failure(self, url: str) -> None:
         rec = self.index.get(url)
@@ -200,6 +236,16 @@ class ShardCache:
         ``wanted`` lists the shards in readers' windows, most urgent first; they are
         evicted only for a demanded download, and from the far end.
         """
+        if d.total is None and d.needed:
+            # Unknown size: ``total`` is a wish; grant what the budget can spare, at least ``needed``.
+            if d.needed > self.limit:
+                raise OverflowError(
+                    f"the shard reached {format_size(d.needed)} ({d.needed} bytes) and is still growing, "
+                    f"more than the whole cache (--cache-size {format_size(self.limit)})"
+                )
+            spare = min(self.limit - self.used - self.reserved - self.kept_bytes,
+                        self.fs_free() - self.margin - self._unwritten())
+            total = max(d.needed, min(total, d.reserved + spare))
         extra = total - d.reserved
         if extra <= 0:
             return True
@@ -208,13 +254,23 @@ class ShardCache:
                 f"shard of {format_size(total)} is larger than the whole cache "
                 f"(--cache-size {format_size(self.limit)})"
             )
-        need = self.used + self.reserved + extra - self.limit
-        margin_need = self.margin + self._unwritten() + extra - self.fs_free()
-        shortfall = max(need, margin_need)
+        shortfall = self._shortfall(extra)
+        if shortfall > 0 and self._drop_kept(shortfall, spare=d.url):
+            shortfall = self._shortfall(extra)
         if shortfall > 0 and not self.evict(shortfall, wanted=wanted, allow_window=d.demanded, spare=d.url):
             return False
         d.reserved = total
         return True
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(self.kept.values())
+
+    def _shortfall(self, extra: int) -> int:
+        """Bytes to free before ``extra`` more may be reserved (budget and free-space margin)."""
+        need = self.used + self.reserved + self.kept_bytes + extra - self.limit
+        margin_need = self.margin + self._unwritten() + extra - self.fs_free()
+        return max(need, margin_need)
 
     def _unwritten(self) -> int:
         return sum(max(0, d.reserved - d.written) for d in self.inflight.values())
@@ -282,6 +338,8 @@ class ShardCache:
     def keep_margin(self, wanted: Sequence[str]) -> None:
         """Evict (outside windows only) if something else ate into the free-space margin."""
         short = self.margin + self._unwritten() - self.fs_free()
+        if short > 0:
+            short -= self._drop_kept(short)
         if short > 0:
             self.evict(short, wanted=wanted, allow_window=False)
 
