@@ -154,3 +154,43 @@ def test_retry_after_on_a_size_probe_holds_the_next_request(tmp_path, shard_serv
     log = [r for r in shard_server.requests if r.path == name]
     assert [(r.method, r.status) for r in log][:2] == [("HEAD", 503), ("GET", 200)], log
     assert log[1].at - log[0].at >= 2.0, log
+
+
+def test_a_kept_partial_counts_against_the_budget_and_is_removed_first_for_space(
+    tmp_path, shard_server, dataset, start_agent
+):
+    data = dataset(3, samples=8, payload=150_000)  # ~1.2 MB each
+    shard_server.rate = 400_000
+    cache = tmp_path / "cache"
+    args = ("--prefetch", "1", "--download-workers", "1", "--no-shuffle", "--cache-size", "2700K")
+    agent = start_agent(cache, data.list_file, *args)
+    wait_for(lambda: partial_bytes(cache) > 200_000, 20, lambda: f"no download under way\n{agent.stderr_tail()}")
+    assert agent.stop() == 0
+    kept = partial_bytes(cache)
+    assert kept > 0
+    # Shard 0 moves to the end of the list: nobody wants it now, its partial stays counted.
+    data.list_file.write_text("\n".join([data.urls[1], data.urls[2], data.urls[0]]) + "\n")
+    shard_server.rate = None
+    agent = start_agent(cache, data.list_file, *args)
+    with ShardClient(cache, timeout=30) as client:
+        assert client.open(data.urls[1]).read_bytes() == data.paths[1].read_bytes()
+        assert partial_bytes(cache) == kept  # 1.2 MB cached + the partial fit the budget
+        # Shard 2 does not fit beside shard 1 (pinned) and the partial: the partial goes, nothing else.
+        assert client.open(data.urls[2]).read_bytes() == data.paths[2].read_bytes()
+        stats = client.stats()
+    assert partial_bytes(cache) == 0
+    assert f"removing the partial download of {data.urls[0]} to make room" in agent.stderr_text()
+    assert stats["shards"]["cached"] == 2
+
+
+def test_the_partial_of_a_shard_removed_from_the_list_is_removed(tmp_path, shard_server, dataset, start_agent):
+    data = dataset(2, samples=8, payload=150_000)
+    shard_server.rate = 150_000  # ~8 s a shard: still downloading when it has been out of the list 3 s
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
+    wait_for(lambda: partial_bytes(cache) > 100_000, 20, lambda: f"no download under way\n{agent.stderr_tail()}")
+    data.list_file.write_text(data.urls[1] + "\n")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 30, "shard 1 never cached")
+    wait_for(lambda: partial_bytes(cache) == 0, 10,
+             lambda: f"the partial of the delisted shard stayed\n{agent.stderr_tail()}")
+    assert f"no longer wanted, abandoning {data.urls[0]}" in agent.stderr_text()

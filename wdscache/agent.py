@@ -346,7 +346,7 @@ class Agent:
                 log.warning("could not record the last downloads: %s", exc)
             for d in list(self._active.values()):
                 if not d.verify:  # a revalidation holds a cached shard, not a partial one
-                    self.cache.abandon(d, keep_partial=True)
+                    self.cache.abandon(d, keep_partial=self._known(d.url))
         self._active.clear()
         self.fetcher.close_thread()
         if self._observer is not None:
@@ -441,7 +441,7 @@ class Agent:
             log.error("failed %s: %s", d.url, value.reason)
             self._answer_waiters(d.url, error=value.reason)
         elif kind == "cancelled":
-            self.cache.abandon(d, keep_partial=True)  # resumed from it when wanted again
+            self.cache.abandon(d, keep_partial=self._known(d.url))  # resumed from it when wanted again
         # Last, so that a failed index write (handled again later) leaves the download active.
         self._active.pop(d.url, None)
         self._downloaded_done += d.written
@@ -706,11 +706,11 @@ class Agent:
         assert self.cache is not None
         for url in added:
             self.cache.forget_failure(url)
-        for url in removed:
-            if url in self.cache.kept:
-                self.cache.drop_partial(url)  # a partial of a shard no longer listed is garbage
         self.urls = new
         self._list_id = list_id(new.urls)
+        for url in removed:
+            if url in self.cache.kept and not self._known(url):
+                self.cache.drop_partial(url)  # a partial of a shard no longer listed is garbage
         gone = set(removed)
         for url in list(self._demanded):
             if url in gone:
