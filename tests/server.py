@@ -59,7 +59,8 @@ class Request:
     ``path`` is the file name relative to the root (URL-decoded, as accepted by
     :meth:`ShardServer.url`), or the raw request path if it was rejected.
     ``bytes_sent`` counts body bytes and grows while the body is being sent.
-    ``fault`` names the injected fault kind, if one was applied.
+    ``fault`` names the injected fault kind, if one was applied; ``at`` is when
+    the request was handled (``time.monotonic()``), ``if_range`` its If-Range header.
     """
 
     method: str
@@ -68,6 +69,8 @@ class Request:
     status: int
     bytes_sent: int = 0
     fault: str | None = None
+    at: float = 0.0
+    if_range: str | None = None
 
 
 @dataclass(frozen=True)
@@ -176,16 +179,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         with f:
             st = os.fstat(f.fileno())
             size = st.st_size
-            headers = {
-                "Content-Type": _content_type(name),
-                "ETag": f'"{size:x}-{st.st_mtime_ns:x}"',
-                "Last-Modified": email.utils.formatdate(st.st_mtime, usegmt=True),
-            }
+            etag = f'"{size:x}-{st.st_mtime_ns:x}"'
+            last_modified = email.utils.formatdate(st.st_mtime, usegmt=True)
+            headers = {"Content-Type": _content_type(name), "Last-Modified": last_modified}
+            if owner.etags:
+                headers["ETag"] = etag
+            # If-Range names the version the client holds bytes of: any other gets the whole body.
+            if_range = self.headers.get("If-Range")
+            stale = if_range is not None and if_range not in ((etag if owner.etags else None), last_modified)
             ranges_ok = owner.accept_ranges and kind != "no_range"
             if ranges_ok:
                 headers["Accept-Ranges"] = "bytes"
             start, length, status = 0, size, 200
-            if ranges_ok and range_header is not None:
+            if ranges_ok and range_header is not None and not stale:
                 parsed = _parse_range(range_header, size)
                 if parsed == "unsatisfiable":
                     headers["Content-Range"] = f"bytes */{size}"
@@ -271,7 +277,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     ) -> Request:
         """Wait out ttfb, log the request, and send status line and headers."""
         owner._sleep(owner.ttfb)
-        record = Request(method, name, range_header, status, 0, fault)
+        record = Request(method, name, range_header, status, 0, fault, time.monotonic(),
+                         self.headers.get("If-Range"))
         owner._log(record)
         self.send_response(status)
         for key, value in headers.items():
@@ -362,8 +369,9 @@ class ShardServer:
     """Serve files under ``root`` over HTTP on 127.0.0.1, with fault injection.
 
     ``rate`` caps bandwidth per connection (bytes/s), ``ttfb`` delays response
-    headers (seconds), ``accept_ranges=False`` makes the server ignore Range.
-    All three may be changed while the server runs.  Use as a context manager,
+    headers (seconds), ``accept_ranges=False`` makes the server ignore Range,
+    ``etags=False`` sends no ETag (Last-Modified only, as plain file servers do).
+    All four may be changed while the server runs.  Use as a context manager,
     or call :meth:`start` and :meth:`stop`.  After a stop, :meth:`start` binds
     the same port again, which lets tests simulate an outage.
     """
@@ -375,11 +383,13 @@ class ShardServer:
         rate: float | None = None,
         ttfb: float = 0.0,
         accept_ranges: bool = True,
+        etags: bool = True,
     ) -> None:
         self.root = Path(root).resolve()
         self.rate = rate
         self.ttfb = ttfb
         self.accept_ranges = accept_ranges
+        self.etags = etags
         self._lock = threading.Lock()
         self._faults: dict[str, collections.deque[_Fault]] = {}
         self._requests: list[Request] = []

@@ -8,13 +8,20 @@ Signal handlers (installed by the CLI) only call :meth:`Agent.stop`.
 
 Guarantees:
 
-- A clean stop (first SIGTERM/SIGINT) abandons in-flight downloads, removes
-  their partial files and leaves the index consistent; the cache is kept.
+- A clean stop (first SIGTERM/SIGINT) abandons in-flight downloads and leaves
+  the index consistent; the cache is kept, and so are the partial files of
+  downloads whose server gave a validator (ETag or Last-Modified): the next
+  agent resumes them with a Range request. Other partial files are removed.
 - A crash or SIGKILL loses no complete shard: the next agent adopts or
   re-checks every record (:meth:`ShardCache.recover`) and downloads nothing
   that is already cached.
 - Nothing outside the union of readers' windows (plus shards asked for) is
-  downloaded; a shard is never downloaded by two threads at once.
+  started; a shard is never downloaded by two threads at once.
+- Bytes cross the network once: a download is cancelled only after its shard
+  has been out of every window for ``CANCEL_AFTER`` seconds (never while a
+  reader that just said hello has no window yet and the start-up plan holds
+  it), or when a shard a reader waits for needs its slot; a cancelled download
+  with a validator keeps its partial file and resumes from it (Range + If-Range).
 - A reader reads the list it said hello on to its end, whatever edits of the
   list file happen meanwhile (:meth:`Agent._known`).
 - A reader whose process the agent sees (:meth:`Agent._watch_process`) is dropped,
@@ -50,7 +57,7 @@ from watchdog.observers import Observer
 from .cache import ShardCache
 from .config import AgentConfig, format_size, parse_size
 from .errors import ConfigError, FetchError, ProtocolError
-from .fetch import Cancelled, DiskFull, Download, Fetcher
+from .fetch import Cancelled, DiskFull, Download, Fetcher, same_version, validator_kind
 from .cache import INDEX_HEADROOM
 from .index import IndexWriteError, ShardState
 from .layout import CacheLayout, write_private
@@ -88,6 +95,9 @@ USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still 
 REFUSED = ("refused: this agent serves only clients that hold the token in its cache directory "
            "(CACHE_DIR/token, readable by the directory's owner only); run as that user and give the loader "
            "cache_dir, or set WDSCACHE_TOKEN to the token (a consumer that cannot see the cache directory)")
+# A download out of every window this long is cancelled (windows flicker as readers
+# come, go and say hello; each flicker must not cost a download).
+CANCEL_AFTER = 3.0
 
 
 @dataclass
@@ -151,6 +161,7 @@ class Agent:
         self._refetched: set[str] = set()  # damaged shards already downloaded once more
         self._verified: set[str] = set()  # cached shards known current (downloaded or checked this run)
         self._failed_at: dict[str, float] = {}
+        self._unwanted_since: dict[str, float] = {}  # url of a download -> when it left every window
         self._paused_until = 0.0
         self._space_waits: dict[str, str] = {}  # url -> why its download waits for space (for stats, status)
         self._space_said: dict[str, tuple[float, str | None]] = {}  # url -> (waiting since, kind logged)
@@ -261,7 +272,8 @@ class Agent:
         self.cache = ShardCache(self.layout, limit=limit, min_free=min_free)
         self._startup = self._startup_reader()
         first = [self.urls.urls[i] for i in self._startup.window(cfg.prefetch)]
-        done = self.cache.recover(keep_partial=first)
+        # Partials with a validator are resumed whichever shard they are (they count against the budget).
+        done = self.cache.recover(keep_partial=self.urls)
         if self.cache.rebuilt:
             done["adopted"] += self.cache.adopt(self.urls.urls)
         if any(done.values()):
@@ -386,7 +398,7 @@ class Agent:
         self._observer.start()
 
     def shutdown(self) -> None:
-        """Abandon downloads, remove their partial files, close the index, free the lock."""
+        """Abandon downloads (keeping resumable partial files), close the index, free the lock."""
         log.info("stopping: abandoning %d download(s)", len(self._active))
         if self.pool is not None:
             self.pool.stop()
@@ -405,7 +417,8 @@ class Agent:
             except IndexWriteError as exc:
                 log.warning("could not record the last downloads: %s", exc)
             for d in list(self._active.values()):
-                self.cache.abandon(d)
+                if not d.verify:  # a revalidation holds a cached shard, not a partial one
+                    self.cache.abandon(d, keep_partial=self._known(d.url))
         self._active.clear()
         self.fetcher.close_thread()
         if self._observer is not None:
@@ -540,7 +553,7 @@ class Agent:
             log.error("failed %s: %s", d.url, value.reason)
             self._answer_waiters(d.url, error=value.reason)
         elif kind == "cancelled":
-            self.cache.abandon(d)
+            self.cache.abandon(d, keep_partial=self._known(d.url))  # resumed from it when wanted again
         # Last, so that a failed index write (handled again later) leaves the download active.
         self._active.pop(d.url, None)
         self._downloaded_done += d.written
@@ -671,8 +684,8 @@ class Agent:
             log.info("could not revalidate %s; serving the cached copy", url)
         elif now.size != (rec.source_size or rec.size):
             changed = f"size changed on the server ({rec.source_size or rec.size} -> {now.size} bytes)"
-        elif rec.etag and now.etag and rec.etag != now.etag:
-            changed = f"changed on the server (ETag {rec.etag} -> {now.etag})"
+        elif same_version(rec.etag, now.etag) is False:
+            changed = f"changed on the server ({validator_kind(rec.etag)} {rec.etag} -> {now.etag})"
         if changed is None:
             self._verified.add(url)
             self._answer_waiters(url)
@@ -701,13 +714,29 @@ class Agent:
 
         Prefetches take at most --download-workers connections; a shard a reader waits
         for may take as many again, so it never queues behind prefetches.
+
+        The cancel rule: a download is cancelled once its shard has been out of the
+        wanted set for ``CANCEL_AFTER`` seconds in a row, counting the start-up plan as
+        wanted while any reader has said hello but has no window yet (its window may
+        well be that plan); or at once when all slots are busy, a shard a reader waits
+        for has none, and this download is out of the wanted set. A cancelled download
+        keeps its partial file when it has a validator, and resumes from it.
         """
         assert self.cache is not None
         want = self._wanted_urls()
-        want_set = set(want)
+        holding = set(want)
+        if any(r.ahead == [] for r in self.readers.values()):
+            urls = self.urls.urls
+            holding.update(urls[i] for i in self._startup.window(self.config.prefetch) if i < len(urls))
+        now = time.monotonic()
+        self._unwanted_since = {u: t for u, t in self._unwanted_since.items()
+                                if u in self._active and u not in holding}
         for url, d in list(self._active.items()):
-            if url not in want_set and not d.cancel.is_set():
-                log.info("no longer wanted, abandoning %s", url)
+            if url in holding or d.cancel.is_set():
+                continue
+            since = self._unwanted_since.setdefault(url, now)
+            if now - since >= CANCEL_AFTER:
+                log.info("no longer wanted, abandoning %s (out of every window for %.0fs)", url, now - since)
                 d.cancel.set()
         for url in want:
             if time.monotonic() < self._paused_until:
@@ -720,12 +749,24 @@ class Agent:
             # Demanded shards come first in ``want``; they may use the extra connections.
             slots = self.config.download_workers * (2 if url in self._demanded else 1)
             if len(self._active) >= slots:
-                if url in self._demanded:
+                if url in self._demanded and not self._cancel_unwanted():
                     self._preempt()
                 break
             self._start_download(url)
         self._answer_grants(want)
         self.cache.keep_margin(want)
+
+    def _cancel_unwanted(self) -> bool:
+        """Free a slot for a shard someone waits for: cancel a download out of every window
+        (it keeps its partial); True if a slot is being freed."""
+        for url in self._unwanted_since:
+            d = self._active[url]
+            if not d.verify:
+                if not d.cancel.is_set():
+                    log.info("abandoning %s (no longer wanted) for a shard a reader waits for", url)
+                    d.cancel.set()
+                return True
+        return False
 
     def _preempt(self) -> None:
         """Free a slot for a shard someone waits for: cancel a prefetch still waiting for budget.
@@ -889,6 +930,9 @@ class Agent:
             self._lists.setdefault(self._list_id, self.urls)
         self.urls = new
         self._list_id = list_id(new.urls)
+        for url in removed:
+            if url in self.cache.kept and not self._known(url):
+                self.cache.drop_partial(url)  # a partial of a shard no longer listed is garbage
         gone = set(removed)
         for url in list(self._demanded):
             if url in gone and not any(r.list_id is not None and url in self._list(r.list_id)

@@ -2,10 +2,17 @@
 
 Guarantees (the agent's main thread is the only caller; nothing here is thread-safe):
 
-- Budget: bytes of cached shards plus bytes reserved for downloads in flight never
-  exceed ``limit``; a download reserves its full size before writing, and waits
-  (is not granted) while the budget cannot hold it. Partial files are counted
-  through their reservation. The index database itself is not counted.
+- Budget: bytes of cached shards plus bytes reserved for downloads in flight plus
+  bytes of kept partial files never exceed ``limit``; a download reserves its full
+  size before writing, and waits (is not granted) while the budget cannot hold it.
+  A partial file in flight is counted through its reservation; one kept for a
+  resume (:meth:`abandon` with ``keep_partial``, or found at start) by its size,
+  and kept partials are the first thing removed when a reservation needs space.
+  A reservation of unknown size (``pipe:``) grows in steps no larger than the
+  budget can spare. The index database itself is not counted.
+- Kept partials: only with a validator (ETag, Last-Modified or file mtime) in their
+  DOWNLOADING record; removed when space is needed, when their shard leaves the
+  list (:meth:`drop_partial`), or at the next start if not resumable.
 - Free-space margin: a reservation is granted only if the file system keeps
   ``min_free`` bytes (plus 1 MiB for the index) free after every in-flight
   download completes.
@@ -27,7 +34,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Container, Iterable, Sequence
 
 from .config import format_size
 from .fetch import Download
@@ -51,6 +58,7 @@ class ShardCache:
         self.pins: dict[str, int] = {}  # url -> number of open reads
         # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
         self.refusal: tuple[str, str] | None = None
+        self.kept: dict[str, int] = {}  # url -> bytes of its partial file kept for a resume, not in flight
 
     # -- queries ----------------------------------------------------------
 
@@ -80,14 +88,16 @@ class ShardCache:
 
     # -- start-up ---------------------------------------------------------
 
-    def recover(self, keep_partial: Iterable[str] = ()) -> dict[str, int]:
+    def recover(self, keep_partial: Container[str] = ()) -> dict[str, int]:
         """Make index and disk agree after any kind of stop; returns what was done.
 
         Complete shards are kept; records whose file is gone are forgotten; a shard
         renamed into place just before a crash is adopted; partial files are kept
-        for resuming only for ``keep_partial`` URLs; half-done evictions are finished.
+        for resuming only for ``keep_partial`` URLs whose record has a validator
+        (they count against the budget from now on); half-done evictions are finished.
         """
-        keep = set(keep_partial)
+        keep = keep_partial
+        resumable: dict[str, str] = {}  # partial file name -> url
         done = {"kept": 0, "forgotten": 0, "adopted": 0, "partials_removed": 0, "evictions_finished": 0}
         for rec in self.index:
             path = self.layout.shard_path(rec.url)
@@ -113,18 +123,24 @@ class ShardCache:
                     self._set_cached(rec.url, size, rec.etag)
                     done["adopted"] += 1
                 else:
-                    if rec.url not in keep:
-                        self.index.delete(rec.url)
                     _unlink(path)
+                    partial = self.layout.partial_path(rec.url)
+                    if rec.url in keep and rec.etag and _size_or_none(partial):
+                        resumable[partial.name] = rec.url
+                    else:
+                        self.index.delete(rec.url)
             elif rec.state is ShardState.FAILED:
                 # Failures are retried by a new agent: the server or the list may have changed.
                 self.index.delete(rec.url)
         # Partial files: resume those we were told to keep, remove every other one.
         for entry in os.scandir(self.layout.partial_dir):
-            url = self._partial_owner(entry.name, keep)
+            url = resumable.get(entry.name)
             if url is None:
                 os.unlink(entry.path)
                 done["partials_removed"] += 1
+            else:
+                self.kept[url] = entry.stat().st_size
+        done["partials_kept"] = len(self.kept)
         return done
 
     def adopt(self, urls: Iterable[str]) -> int:
@@ -140,20 +156,13 @@ class ShardCache:
                 adopted += 1
         return adopted
 
-    def _partial_owner(self, name: str, keep: set[str]) -> str | None:
-        for url in keep:
-            if self.layout.partial_path(url).name == name:
-                rec = self.index.get(url)
-                if rec is not None and rec.state is ShardState.DOWNLOADING:
-                    return url
-        return None
-
     # -- downloads --------------------------------------------------------
 
     def begin(self, d: Download) -> None:
         """Record that ``d`` starts (index first, then the partial file may be created)."""
         old = self.index.get(d.url)
         self.index.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.etag))
+        self.kept.pop(d.url, None)  # counted through the reservation from now on
         self.inflight[d.url] = d
 
     def set_validator(self, url: str, etag: str | None) -> None:
@@ -171,6 +180,7 @@ class ShardCache:
 
     def fail(self, d: Download, error: str) -> None:
         self.inflight.pop(d.url, None)
+        self.kept.pop(d.url, None)
         _unlink(d.partial)
         self.index.put(ShardRecord(d.url, ShardState.FAILED, error=error))
 
@@ -181,12 +191,38 @@ class ShardCache:
         _unlink(self.layout.shard_path(url))
 
     def abandon(self, d: Download, *, keep_partial: bool = False) -> None:
-        """``d`` stopped unfinished; its shard goes back to not cached."""
+        """``d`` stopped unfinished; its shard goes back to not cached.
+
+        With ``keep_partial`` and a validator, its partial file stays for a Range resume
+        (the DOWNLOADING record keeps the validator) and counts against the budget.
+        """
         self.inflight.pop(d.url, None)
-        if keep_partial:
-            return  # the DOWNLOADING record stays, so a restart can resume it
-        _unlink(d.partial)
-        self.index.delete(d.url)
+        size = _size_or_none(d.partial)
+        if keep_partial and d.etag and size:
+            self.set_validator(d.url, d.etag)
+            self.kept[d.url] = size
+            return
+        self.drop_partial(d.url)
+
+    def drop_partial(self, url: str) -> None:
+        """Remove the partial file kept for ``url`` (and its record), if any."""
+        self.kept.pop(url, None)
+        _unlink(self.layout.partial_path(url))
+        rec = self.index.get(url)
+        if rec is not None and rec.state is ShardState.DOWNLOADING:
+            self.index.delete(url)
+
+    def _drop_kept(self, nbytes: int, spare: str | None = None) -> int:
+        """Remove kept partials (oldest first) until ``nbytes`` are freed; returns bytes freed."""
+        freed = 0
+        for url in list(self.kept):
+            if freed >= nbytes:
+                break
+            if url != spare:
+                freed += self.kept[url]
+                log.info("removing the partial download of %s to make room", url)
+                self.drop_partial(url)
+        return freed
 
     def forget_failure(self, url: str) -> None:
         rec = self.index.get(url)
@@ -217,6 +253,16 @@ class ShardCache:
         evicted only for a demanded download, and from the far end. When refused,
         :attr:`refusal` says why (the budget, or the file system's free space).
         """
+        if d.total is None and d.needed:
+            # Unknown size: ``total`` is a wish; grant what the budget can spare, at least ``needed``.
+            if d.needed > self.limit:
+                raise OverflowError(
+                    f"the shard reached {format_size(d.needed)} ({d.needed} bytes) and is still growing, "
+                    f"more than the whole cache (--cache-size {format_size(self.limit)})"
+                )
+            spare = min(self.limit - self.used - self.reserved - self.kept_bytes,
+                        self.fs_free() - self.margin - self._unwritten())
+            total = max(d.needed, min(total, d.reserved + spare))
         extra = total - d.reserved
         if extra <= 0:
             return True
@@ -225,9 +271,9 @@ class ShardCache:
                 f"shard of {format_size(total)} is larger than the whole cache "
                 f"(--cache-size {format_size(self.limit)})"
             )
-        need = self.used + self.reserved + extra - self.limit
-        free = self.fs_free()
-        margin_need = self.margin + self._unwritten() + extra - free
+        need, margin_need, free = self._shortfall(extra)
+        if max(need, margin_need) > 0 and self._drop_kept(max(need, margin_need), spare=d.url):
+            need, margin_need, free = self._shortfall(extra)
         shortfall = max(need, margin_need)
         if shortfall > 0 and not self.evict(shortfall, wanted=wanted, allow_window=d.demanded, spare=d.url):
             self.refusal = self._why_refused(d, extra, need >= margin_need, free, wanted)
@@ -257,13 +303,25 @@ class ShardCache:
         if budget:
             return "budget", (
                 f"the budget (--cache-size {format_size(self.limit)}) holds {format_size(self.used)} cached and "
-                f"{format_size(self.reserved)} reserved, and {format_size(extra)} more cannot be freed ({held})"
+                f"{format_size(self.reserved + self.kept_bytes)} reserved or kept for resuming, and "
+                f"{format_size(extra)} more cannot be freed ({held})"
             )
         return "min-free", (
             f"the file system keeps --min-free {format_size(self.min_free)} (+{format_size(INDEX_HEADROOM)} for "
             f"the index) free and has {format_size(free)} free ({format_size(self._unwritten())} of it promised "
             f"to downloads in flight); {format_size(extra)} more cannot be freed ({held})"
         )
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(self.kept.values())
+
+    def _shortfall(self, extra: int) -> tuple[int, int, int]:
+        """Bytes to free before ``extra`` more may be reserved: (for the budget, for the
+        free-space margin, the file system's free bytes now)."""
+        need = self.used + self.reserved + self.kept_bytes + extra - self.limit
+        free = self.fs_free()
+        return need, self.margin + self._unwritten() + extra - free, free
 
     def _unwritten(self) -> int:
         return sum(max(0, d.reserved - d.written - d.expanded) for d in self.inflight.values())
@@ -331,6 +389,8 @@ class ShardCache:
     def keep_margin(self, wanted: Sequence[str]) -> None:
         """Evict (outside windows only) if something else ate into the free-space margin."""
         short = self.margin + self._unwritten() - self.fs_free()
+        if short > 0:
+            short -= self._drop_kept(short)
         if short > 0:
             self.evict(short, wanted=wanted, allow_window=False)
 

@@ -15,6 +15,16 @@ damaged, fails for good and leaves nothing behind.
 
 One :class:`Fetcher` serves all download threads; each thread gets its own
 ``requests.Session`` (connections are reused within a thread, never shared).
+
+Validators: a shard's version is its ETag, or, from a server that sends none, its
+Last-Modified date (for ``file:`` URLs, size and mtime). It is what revalidation
+compares and what ``If-Range`` sends on a resume, so a partial file is continued
+only while the object is the one its bytes came from. A server with neither
+cannot be resumed (the download starts over) and a same-size change on it is not
+detected by revalidation.
+
+A 429 or 503 with ``Retry-After`` (on a GET or a HEAD) holds every next request to
+that URL, from any thread, until the time it names.
 """
 
 from __future__ import annotations
@@ -80,6 +90,9 @@ class Download:
     expanded: int = 0  # bytes of a gzip'd shard's tar written so far (beside its ``written``)
     reserved: int = 0
     demanded: bool = False
+    # Unknown size (pipe:): the bytes the next reservation must hold at least; the
+    # budget may grant less than asked, never less than this.
+    needed: int = 0
     verify: bool = False  # only ask the source whether the cached copy is still current
     on_validator: Callable[["Download"], None] = lambda d: None
 
@@ -118,6 +131,8 @@ class Fetcher:
         self.timeout = (connect_timeout, read_timeout)
         self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
         self._local = threading.local()
+        self._not_before: dict[str, float] = {}  # url -> monotonic time a Retry-After holds it until
+        self._not_before_lock = threading.Lock()
 
     def _session(self) -> requests.Session:
         # Created lazily in the thread that uses it: sessions are not shared.
@@ -134,10 +149,31 @@ class Fetcher:
             session.close()
             self._local.session = None
 
+    def _hold(self, url: str, delay: float | None) -> None:
+        """A Retry-After of ``delay`` seconds: no request to ``url`` before then."""
+        if delay:
+            with self._not_before_lock:
+                until = time.monotonic() + delay
+                self._not_before[url] = max(until, self._not_before.get(url, 0.0))
+
+    def _wait_turn(self, url: str, cancel: threading.Event | None = None) -> None:
+        """Wait until a Retry-After that ``url`` gave has passed (raises Cancelled if cancelled)."""
+        with self._not_before_lock:
+            delay = self._not_before.get(url, 0.0) - time.monotonic()
+            if delay <= 0:
+                self._not_before.pop(url, None)
+                return
+        log.info("waiting %.1fs before asking %s again (Retry-After)", delay, url)
+        if cancel is None:
+            time.sleep(delay)
+        elif cancel.wait(delay):
+            raise Cancelled(url)
+
     def describe(self, url: str) -> Fetched | None:
         """Size and version tag of ``url`` now (HEAD or stat); None when it cannot be known.
 
-        The tag is what :meth:`fetch` records: the ETag, or size and mtime for a file.
+        The tag is what :meth:`fetch` records: the ETag or else the Last-Modified date,
+        or size and mtime for a file.
         """
         parts = urlsplit(url)
         try:
@@ -145,10 +181,13 @@ class Fetcher:
                 st = os.stat(unquote(parts.path))
                 return Fetched(st.st_size, f"{st.st_size}-{st.st_mtime_ns}")
             if parts.scheme in ("http", "https"):
+                self._wait_turn(url)
                 r = self._session().head(url, timeout=self.timeout, allow_redirects=True)
+                if r.status_code in RETRY_STATUS:
+                    self._hold(url, _retry_after(r.headers.get("Retry-After")))
                 length = r.headers.get("Content-Length", "")
                 if r.ok and length.isdigit():
-                    return Fetched(int(length), r.headers.get("ETag"))
+                    return Fetched(int(length), validator(r.headers))
         except (OSError, requests.RequestException):
             pass
         return None
@@ -214,20 +253,23 @@ class Fetcher:
     def _http_attempt(self, d: Download) -> int:
         offset = d.written
         if offset and not d.etag:
-            # Without an ETag we cannot tell whether the object changed since these bytes came:
+            # Without a validator we cannot tell whether the object changed since these bytes came:
             # splicing two versions would publish a wrong shard, so start over.
             _truncate(d.partial)
             offset = d.written = 0
         headers = {"Accept-Encoding": "identity"}
         if offset:
             headers["Range"] = f"bytes={offset}-"
-            headers["If-Range"] = d.etag
+            headers["If-Range"] = d.etag  # an ETag or an HTTP date: both are valid here
+        self._wait_turn(d.url, d.cancel)
         with self._session().get(d.url, headers=headers, stream=True, timeout=self.timeout) as r:
             status = r.status_code
             if status in PERMANENT_STATUS:
                 raise FetchError(d.url, f"HTTP {status} {r.reason}", status=status, permanent=True)
             if status in RETRY_STATUS:
-                raise _Retry(f"HTTP {status} {r.reason}", _retry_after(r.headers.get("Retry-After")))
+                delay = _retry_after(r.headers.get("Retry-After"))
+                self._hold(d.url, delay)
+                raise _Retry(f"HTTP {status} {r.reason}", delay)
             if status == 416 and offset:
                 _truncate(d.partial)  # our partial is not a prefix of this object
                 raise _Retry("HTTP 416 on resume; starting over", 0.0)
@@ -245,7 +287,7 @@ class Fetcher:
                 total = int(length) if length and length.isdigit() else None
             else:
                 raise FetchError(d.url, f"unexpected HTTP {status} {r.reason}", status=status, permanent=True)
-            etag = r.headers.get("ETag")
+            etag = validator(r.headers)
             if etag and etag != d.etag:
                 d.etag = etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
@@ -256,8 +298,10 @@ class Fetcher:
                     r.close()
                     d.reserve(d, total, None)
                     raise _Retry("waited for cache space", 0.0, counts=False)
-            # The bytes as stored: a server's Content-Encoding is not ours to undo.
-            self._write_body(d, r.raw.stream(CHUNK, decode_content=False), total, check_head=offset == 0)
+            # The bytes as stored: a server's Content-Encoding is not ours to undo. read1 returns
+            # what has arrived (up to CHUNK), so a cancel leaves few received bytes unwritten.
+            body = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
+            self._write_body(d, body, total, check_head=offset == 0)
             if total is not None and d.written != total:
                 raise _Retry(f"got {d.written} of {total} bytes")
             return d.written
@@ -320,17 +364,19 @@ class Fetcher:
         synced = d.written
         try:
             for chunk in chunks:
-                if d.cancel.is_set():
-                    raise Cancelled(d.url)
                 if not chunk:
                     continue
                 if total is not None and d.written + len(chunk) > total:
                     raise FetchError(d.url, f"server sent more than its Content-Length ({total})")
                 if total is None and d.written + len(chunk) > d.reserved:
-                    d.reserve(d, d.written + len(chunk) + GROW, None)
+                    # Asks for a step ahead; the budget grants what it can spare, at least this chunk.
+                    d.needed = d.written + len(chunk)
+                    d.reserve(d, d.needed + GROW, None)
                 if check_head and d.written < HEAD_BYTES <= d.written + len(chunk):
                     self._check_head(d, fd, chunk)
                 _write_all(d, fd, chunk)
+                if d.cancel.is_set():  # checked after the write: bytes received are kept for a resume
+                    raise Cancelled(d.url)
                 if d.written - synced >= SYNC_EVERY:
                     _sync(d, fd, getattr(os, "fdatasync", os.fsync))  # no fdatasync on macOS
                     synced = d.written
@@ -476,6 +522,34 @@ def _truncate(path: Path) -> None:
     path.unlink(missing_ok=True)
     with open(path, "wb"):
         pass
+
+
+def validator(headers) -> str | None:
+    """The version a response names: its ETag, else its Last-Modified date (None: neither)."""
+    return headers.get("ETag") or headers.get("Last-Modified") or None
+
+
+def same_version(old: str | None, new: str | None) -> bool | None:
+    """Whether two validators name one version; None when they cannot be compared (one is
+    missing, or one is an ETag and the other a date: the server changed what it sends)."""
+    if not old or not new or _is_etag(old) != _is_etag(new):
+        return None
+    return old == new
+
+
+def validator_kind(value: str) -> str:
+    """What a validator is, for messages: "ETag", "Last-Modified", or "size-mtime" (a file)."""
+    if _is_etag(value):
+        return "ETag"
+    try:
+        email.utils.parsedate_to_datetime(value)
+        return "Last-Modified"
+    except (TypeError, ValueError):
+        return "size-mtime"
+
+
+def _is_etag(value: str) -> bool:
+    return value.startswith(('"', "W/"))
 
 
 def _content_range(value: str) -> tuple[int, int | None]:

@@ -52,6 +52,8 @@ class ShardState(str, enum.Enum):
         QUEUED -> DOWNLOADING    a download thread took it
         DOWNLOADING -> CACHED    complete, checked, fsynced and renamed into shards/
         DOWNLOADING -> QUEUED    interrupted (shutdown, disk full): partial removed
+        DOWNLOADING -> DOWNLOADING  interrupted with a validator: the record and its partial
+                                 stay (no thread on it) until resumed or removed for space
         DOWNLOADING -> FAILED    permanent error (404, not a tar) or retries exhausted
         FAILED -> QUEUED         asked for again after the list changed or a retry delay
         CACHED -> EVICTING       chosen for eviction; the file is deleted next
