@@ -113,7 +113,7 @@ def test_a_download_waiting_for_free_space_says_why_in_stats_status_and_one_log_
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the first shard was not cached")
     assert fill(fs / "filler") > 0  # another program takes every free byte
     want = ds.urls[2]
-    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
     try:
         reply = conn.request({"op": "open", "reader": "r", "url": want, "wait": False})
         assert reply.get("cached") is False, reply
@@ -148,7 +148,7 @@ def test_a_download_waiting_for_budget_held_by_pins_says_why(shard_server, datas
     with ShardClient(cache, timeout=20, name="pinner") as pinner:
         pinner.open(ds.urls[0])
         pinner.open(ds.urls[1])  # the budget holds these two, pinned
-        conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+        conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
         try:
             assert conn.request({"op": "open", "reader": "r", "url": want, "wait": False}).get("cached") is False
             s = agent.wait_stats(lambda s: s["agent"]["waiting_for_space"], 20, "no download waits for space")
@@ -260,7 +260,7 @@ def test_a_count_is_dropped_when_the_copy_downloaded_again_differs(shard_server,
     layout = CacheLayout.of(cache)
     gone = next(u for u in ds.urls if not layout.shard_path(u).exists())
     make_shard(ds.source_of(gone), synth_samples(9, 5, payload=8000))  # changed on the server meanwhile
-    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10)
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
     try:
         assert conn.request({"op": "counts", "urls": [gone]})["counts"] == [SHARD_130K["samples"]]
         with ShardClient(cache, timeout=20, name="reader") as client:

@@ -75,7 +75,7 @@ def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, da
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--prefetch", "1", "--reader-timeout", "8")
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
-    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10)
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
     try:
         for job, proc, shift in (("seen", procs[0], 0), ("reused", procs[1], 1)):
             claimed = process_identity(proc.pid)
