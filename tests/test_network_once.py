@@ -84,14 +84,17 @@ def test_consumers_of_several_jobs_starting_together_fetch_each_shard_once(
 
 def test_a_cancelled_download_resumes_from_its_partial(tmp_path, shard_server, dataset, start_agent):
     data = dataset(3, samples=8, payload=150_000)
-    shard_server.rate = 400_000
+    shard_server.rate = 200_000  # ~6 s a shard
     cache = tmp_path / "cache"
-    # One slot, a window of one: the start-up plan downloads shard 0 until a reader wants shard 2.
+    # A window of one: the start-up plan downloads shard 0 until a reader wants shard 2 (on a
+    # connection of its own); shard 0 then leaves every window and is cancelled 3 s later.
     agent = start_agent(cache, data.list_file, "--prefetch", "1", "--download-workers", "1", "--no-shuffle")
     wait_for(lambda: partial_bytes(cache) > 200_000, 20, lambda: f"no download under way\n{agent.stderr_tail()}")
     with ShardClient(cache, timeout=30) as client:
         assert client.open(data.urls[2]).read_bytes() == data.paths[2].read_bytes()
         client.release(data.urls[2])
+        wait_for(lambda: f"abandoning {data.urls[0]}" in agent.stderr_text(), 10,
+                 lambda: f"shard 0's download was not cancelled\n{agent.stderr_tail()}")
         assert client.open(data.urls[0]).read_bytes() == data.paths[0].read_bytes()
         client.release(data.urls[0])
     ranges = shard_server.ranges(data.paths[0].name)

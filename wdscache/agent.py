@@ -840,8 +840,22 @@ class Agent:
                     if self.cache.refusal is not None:
                         self._waits_for_space(g.download.url, *self.cache.refusal, waits)
         self._grants = pending
+        self._break_growth_deadlock(pending)
         self._space_waits = waits  # granted or ended downloads wait no more
         self._space_said = {u: said for u, said in self._space_said.items() if u in waits}
+
+    def _break_growth_deadlock(self, pending: list[_Grant]) -> None:
+        """Downloads that grow their reservation as they go (bodies of unknown size, gzip'd shards
+        being decompressed) hold budget while they ask for more: two of them can each wait for
+        the other's. When every download in flight waits so, the one that wrote least is
+        cancelled (it starts over later), and the others can go on."""
+        growing = [g for g in pending if g.download.reserved > 0 and not g.download.cancel.is_set()]
+        if len(growing) < 2 or len(pending) < len(self._active):
+            return  # some download is still moving: it may free space
+        victim = min(growing, key=lambda g: (g.download.demanded, g.download.written + g.download.expanded))
+        log.info("cancelling %s: it and %d other download(s) each wait for space the others hold",
+                 victim.download.url, len(growing) - 1)
+        victim.download.cancel.set()
 
     def _waits_for_space(self, url: str, kind: str, reason: str, waits: dict[str, str]) -> None:
         """Note why ``url`` waits for space. Logged once it has waited SPACE_LOG_AFTER, and again
@@ -1202,7 +1216,7 @@ class Agent:
         """The list ``key`` names: one kept in ``_lists``, else the agent's current list."""
         return self._lists.get(key, self.urls) if key is not None else self.urls
 
-    def _known(self, url: str, reader: Reader | None) -> bool:
+    def _known(self, url: str, reader: Reader | None = None) -> bool:
         """In the list ``reader`` reads; for a plain client (no hello), in the agent's list or in
         a list some reader reads. Only listed shards are ever fetched."""
         if reader is not None and reader.list_id is not None:
