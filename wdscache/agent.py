@@ -551,7 +551,21 @@ class Agent:
                 break
             self._start_download(url)
         self._answer_grants(want)
+        self._unblock_growth(want)
         self.cache.keep_margin(want)
+
+    def _unblock_growth(self, want: list[str]) -> None:
+        """Downloads of unknown size (``pipe:``) hold part of the budget while they wait for
+        more: two of them waiting could wait for each other for ever. Cancel the least
+        urgent (a prefetch before a demanded one, then the farthest ahead); it runs again later."""
+        waiting = [g.download for g in self._grants if g.download.total is None and not g.withdrawn]
+        if len(waiting) < 2 or any(d.cancel.is_set() for d in waiting):
+            return
+        rank = {u: i for i, u in enumerate(want)}
+        victim = max(waiting, key=lambda d: (not d.demanded, rank.get(d.url, len(rank))))
+        log.info("cancelling %s: it and %d other download(s) of unknown size wait for the same budget",
+                 victim.url, len(waiting) - 1)
+        victim.cancel.set()
 
     def _cancel_unwanted(self) -> bool:
         """Free a slot for a shard someone waits for: cancel a download out of every window
