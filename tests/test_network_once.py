@@ -91,11 +91,11 @@ def test_a_cancelled_download_resumes_from_its_partial(tmp_path, shard_server, d
     agent = start_agent(cache, data.list_file, "--prefetch", "1", "--download-workers", "1", "--no-shuffle")
     wait_for(lambda: partial_bytes(cache) > 200_000, 20, lambda: f"no download under way\n{agent.stderr_tail()}")
     with ShardClient(cache, timeout=30) as client:
-        assert client.open(data.urls[2]).read_bytes() == data.paths[2].read_bytes()
+        assert client.open(data.urls[2], timeout=30).read_bytes() == data.paths[2].read_bytes()
         client.release(data.urls[2])
         wait_for(lambda: f"abandoning {data.urls[0]}" in agent.stderr_text(), 10,
                  lambda: f"shard 0's download was not cancelled\n{agent.stderr_tail()}")
-        assert client.open(data.urls[0]).read_bytes() == data.paths[0].read_bytes()
+        assert client.open(data.urls[0], timeout=30).read_bytes() == data.paths[0].read_bytes()
         client.release(data.urls[0])
     ranges = shard_server.ranges(data.paths[0].name)
     assert len(ranges) == 2 and ranges[0] is None and ranges[1].startswith("bytes="), ranges
@@ -120,7 +120,7 @@ def test_a_server_without_etags_is_revalidated_by_last_modified(tmp_path, shard_
     agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
     with ShardClient(cache, timeout=20) as client:
         for url, p in zip(data.urls, data.paths):
-            assert client.open(url).read_bytes() == p.read_bytes(), url
+            assert client.open(url, timeout=30).read_bytes() == p.read_bytes(), url
             client.release(url)
         stats = client.stats()
     assert [c["url"] for c in stats["agent"]["changed"]] == [data.urls[1]]
@@ -139,10 +139,10 @@ def test_pipe_shards_fit_a_small_budget_and_one_too_large_names_its_size(tmp_pat
     start_agent(cache, urls_file, "--allow-pipe", "--cache-size", "2M", "--prefetch", "2", "--no-shuffle")
     with ShardClient(cache, timeout=30) as client:
         for url, path in zip(lines, data.paths):
-            assert client.open(url).read_bytes() == path.read_bytes(), url
+            assert client.open(url, timeout=30).read_bytes() == path.read_bytes(), url
             client.release(url)
         with pytest.raises(FetchError) as info:
-            client.open(lines[-1])
+            client.open(lines[-1], timeout=30)
     message = str(info.value)
     assert lines[-1] in message and "reached 2." in message and "--cache-size 2.0M" in message, message
 
@@ -176,10 +176,10 @@ def test_a_kept_partial_counts_against_the_budget_and_is_removed_first_for_space
     shard_server.rate = None
     agent = start_agent(cache, data.list_file, *args)
     with ShardClient(cache, timeout=30) as client:
-        assert client.open(data.urls[1]).read_bytes() == data.paths[1].read_bytes()
+        assert client.open(data.urls[1], timeout=30).read_bytes() == data.paths[1].read_bytes()
         assert partial_bytes(cache) == kept  # 1.2 MB cached + the partial fit the budget
         # Shard 2 does not fit beside shard 1 (pinned) and the partial: the partial goes, nothing else.
-        assert client.open(data.urls[2]).read_bytes() == data.paths[2].read_bytes()
+        assert client.open(data.urls[2], timeout=30).read_bytes() == data.paths[2].read_bytes()
         stats = client.stats()
     assert partial_bytes(cache) == 0
     assert f"removing the partial download of {data.urls[0]} to make room" in agent.stderr_text()
@@ -197,3 +197,18 @@ def test_the_partial_of_a_shard_removed_from_the_list_is_removed(tmp_path, shard
     wait_for(lambda: partial_bytes(cache) == 0, 10,
              lambda: f"the partial of the delisted shard stayed\n{agent.stderr_tail()}")
     assert f"no longer wanted, abandoning {data.urls[0]}" in agent.stderr_text()
+
+
+def test_two_pipe_shards_that_do_not_fit_together_do_not_wait_for_each_other(tmp_path, dataset, start_agent):
+    data = dataset(2, samples=8, payload=190_000)  # ~1.5 MB each: one fits a 2M budget, both do not
+    # Half of each, a pause, the rest: both downloads hold part of the budget when they need more.
+    lines = [f"pipe:(head -c 900000 {p}; sleep 0.5; tail -c +900001 {p})" for p in data.paths]
+    urls_file = tmp_path / "lists" / "pipes.txt"
+    urls_file.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, urls_file, "--allow-pipe", "--cache-size", "2M", "--prefetch", "2",
+                        "--download-workers", "2", "--no-shuffle")
+    with ShardClient(cache, timeout=30) as client:
+        for url, path in zip(lines, data.paths):
+            assert client.open(url, timeout=30).read_bytes() == path.read_bytes(), f"{url}\n{agent.stderr_tail()}"
+            client.release(url)

@@ -8,8 +8,8 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   A partial file in flight is counted through its reservation; one kept for a
   resume (:meth:`abandon` with ``keep_partial``, or found at start) by its size,
   and kept partials are the first thing removed when a reservation needs space.
-  A reservation of unknown size (``pipe:``) grows in steps no larger than the
-  budget can spare. The index database itself is not counted.
+  A reservation of unknown size (``pipe:``) grows in steps of at most a quarter
+  of what the budget can spare (at least the bytes at hand). The index database itself is not counted.
 - Kept partials: only with a validator (ETag, Last-Modified or file mtime) in their
   DOWNLOADING record; removed when space is needed, when their shard leaves the
   list (:meth:`drop_partial`), or at the next start if not resumable.
@@ -262,7 +262,8 @@ class ShardCache:
                 )
             spare = min(self.limit - self.used - self.reserved - self.kept_bytes,
                         self.fs_free() - self.margin - self._unwritten())
-            total = max(d.needed, min(total, d.reserved + spare))
+            # A quarter of what is spare at most, so that downloads beside it find room too.
+            total = max(d.needed, min(total, d.reserved + spare // 4))
         extra = total - d.reserved
         if extra <= 0:
             return True
