@@ -324,3 +324,24 @@ def consumers(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     for c in started:
         if c.proc.poll() is None:
             c.kill()
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """Factory ``tmpfs("40m") -> Path``: a tmpfs of that size (mode 0700); all unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"fs{len(mounted)}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+                           capture_output=True, text=True, timeout=20)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=20).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)

@@ -8,16 +8,13 @@ another program filling the disk, consumer processes (tests/consumer.py) and a
 
 from __future__ import annotations
 
-import errno
-import os
 import re
-import subprocess
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import wait_for
+from disks import fill
 from shards import make_shard, synth_samples
 from streaming import reference, samples_of
 from wdscache import CachedMultiLoader, ShardClient
@@ -27,43 +24,6 @@ from wdscache.layout import CacheLayout
 SHARD_130K = {"samples": 12, "payload": 8000}  # 133,120-byte shards
 SHARD_1M = {"samples": 10, "payload": 100_000}  # ~1.0-1.06 MB shards
 THRASH_WARNING = "readers need more than the budget holds"
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
-    """Factory ``tmpfs("40m") -> Path``: a tmpfs of that size (mode 0700); all unmounted at teardown."""
-    mounted: list[Path] = []
-
-    def mount(size: str) -> Path:
-        mnt = tmp_path / f"fs{len(mounted)}"
-        mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
-                           capture_output=True, text=True, timeout=20)
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-        mounted.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in mounted:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=20).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
-
-
-def fill(path: Path) -> int:
-    """Write ``path`` until the file system refuses (ENOSPC); returns the bytes written."""
-    n = 0
-    chunk = b"\xa5" * 4096
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        while True:
-            try:
-                n += os.write(fd, chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-                return n
-    finally:
-        os.close(fd)
 
 
 def gets(server, names: set[str]) -> int:

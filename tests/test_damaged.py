@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
 from streaming import reference, samples_of
 from wdscache import CachedMultiLoader, ShardError
 from wdscache.layout import CacheLayout

@@ -28,6 +28,7 @@ import pytest
 import zmq
 
 from conftest import AgentProc, stop_process, wait_for
+from disks import fill
 from procs import alive, children_of, cmdline, worker_pids
 from shards import make_shard, synth_samples, write_url_list
 from streaming import Consumer, reference, samples_of, state_of
@@ -431,37 +432,9 @@ def test_killed_consumer_expires_and_a_concurrent_job_completes(shard_server, da
 
 
 @pytest.fixture
-def small_fs(tmp_path: Path):
-    """A 6 MB tmpfs (mode 0700) at tmp_path/fs; unmounted at teardown."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True, timeout=20)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True, timeout=20).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
-
-
-def fill(path: Path) -> int:
-    """Write ``path`` until the file system refuses (ENOSPC); returns the bytes written."""
-    n = 0
-    chunk = b"\xa5" * 4096
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        while True:
-            try:
-                n += os.write(fd, chunk)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-                return n
-    finally:
-        os.close(fd)
-
-
+def small_fs(tmpfs):
+    """A 6 MB tmpfs (mode 0700); unmounted at teardown."""
+    return tmpfs("6m")
 
 
 def test_a_disk_filled_by_someone_else_does_not_stop_serving_cached_shards(small_fs, shard_server, dataset, start_agent):

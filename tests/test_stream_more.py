@@ -10,10 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import random
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -24,6 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import run_wdscache, stop_process, wait_for
+from net import free_port_range
 from procs import alive, children_of, cmdline, rss_kib, worker_pids
 from shards import make_shard, synth_samples, write_url_list
 from streaming import reference
@@ -104,26 +103,6 @@ def loader(cache: Path | None, job: str, **kw: Any) -> CachedMultiLoader:
 
 
 
-
-
-def free_port_range(n: int) -> int:
-    """A port P with P..P+n-1 all free on 127.0.0.1 right now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    pytest.fail(f"found no {n} consecutive free ports on 127.0.0.1", pytrace=False)
 
 
 def corrupt_later_member(path: Path, member_index: int) -> int:

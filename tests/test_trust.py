@@ -15,7 +15,6 @@ import itertools
 import json
 import os
 import pwd
-import random
 import secrets
 import select
 import shutil
@@ -33,6 +32,7 @@ import pytest
 import zmq
 
 from conftest import wait_for
+from net import free_port_range
 from streaming import reference, samples_of
 import wdscache.agent  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
 from wdscache import NotTrustedError, WdsCacheError, cli
@@ -112,26 +112,6 @@ def as_user(pw: pwd.struct_passwd, fn: Callable[[], Any], timeout: float = CHILD
     return out["result"]
 
 
-def free_ports(n: int) -> int:
-    """A port P with P..P+n-1 all free on 127.0.0.1 right now."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
-
-
 def ask(endpoint: str, header: dict[str, Any], timeout: float = 3.0) -> dict[str, Any] | None:
     """One raw request (a fresh DEALER socket); the reply's header, or None if none came."""
     ctx = zmq.Context()
@@ -207,7 +187,7 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
         other_user, open_base, shard_server, dataset, start_agent, consumers, monkeypatch):
     ds = dataset(4, samples=25, payload=1000)
     cache = open_base / "cache"
-    port = free_ports(3)
+    port = free_port_range(3)
     endpoint = f"tcp://127.0.0.1:{port}"
     agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "2", "--prefetch", "4",
                         "--cache-size", "10M")
@@ -297,7 +277,7 @@ def test_a_loader_never_talks_to_another_users_agent(other_user, open_base, tmp_
     ds = dataset(1, samples=3, payload=100)
     cache = open_base / "cache"
     start_agent(cache, ds.list_file)
-    fake = f"tcp://127.0.0.1:{free_ports(1)}"
+    fake = f"tcp://127.0.0.1:{free_port_range(1)}"
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:

@@ -11,8 +11,7 @@ import pytest
 import zmq
 
 from conftest import wait_for
-from streaming import reference
-from wdscache import AgentUnavailableError, CachedMultiLoader, FetchError, ShardClient
+from wdscache import CachedMultiLoader, FetchError, ShardClient
 from wdscache.client import AgentConnection
 from wdscache.plan import shard_order
 from wdscache.protocol import client_key, pack, proof, unpack
