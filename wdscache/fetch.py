@@ -374,7 +374,7 @@ class Fetcher:
                     d.reserve(d, d.needed + GROW, None)
                 if check_head and d.written < HEAD_BYTES <= d.written + len(chunk):
                     self._check_head(d, fd, chunk)
-                _write_all(d, fd, chunk)
+                d.written += _write_all(d, fd, chunk)
                 if d.cancel.is_set():  # checked after the write: bytes received are kept for a resume
                     raise Cancelled(d.url)
                 if d.written - synced >= SYNC_EVERY:
@@ -413,7 +413,7 @@ class Fetcher:
                             raise Cancelled(d.url)
                         if packed + d.expanded + len(piece) > d.reserved:
                             self._grow_for_tar(d, packed, len(piece))
-                        _write_tar(d, fd, piece)
+                        d.expanded += _write_all(d, fd, piece)
                         if d.expanded - synced >= SYNC_EVERY:
                             _sync_tar(d, fd, getattr(os, "fdatasync", os.fsync))
                             synced = d.expanded
@@ -458,8 +458,10 @@ class Fetcher:
             os.close(dir_fd)
 
 
-def _write_all(d: Download, fd: int, chunk: bytes) -> None:
-    view = memoryview(chunk)
+def _write_all(d: Download, fd: int, data: bytes) -> int:
+    """Write all of ``data`` at the end of ``fd``; returns its length. A write the file
+    system refuses for space is DiskFull for ``d``."""
+    view = memoryview(data)
     while view:
         try:
             n = os.write(fd, view)
@@ -468,20 +470,7 @@ def _write_all(d: Download, fd: int, chunk: bytes) -> None:
                 raise _disk_full(d, exc) from exc
             raise
         view = view[n:]
-        d.written += n
-
-
-def _write_tar(d: Download, fd: int, piece: bytes) -> None:
-    view = memoryview(piece)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except OSError as exc:
-            if exc.errno in DISK_FULL_ERRNOS:
-                raise _disk_full(d, exc) from exc
-            raise
-        view = view[n:]
-        d.expanded += n
+    return len(data)
 
 
 def _sync_tar(d: Download, fd: int, sync: Callable[[int], None]) -> None:
