@@ -140,7 +140,7 @@ for tool in srun squeue scancel; do
 done
 wdscache_bin=${WDSCACHE_BIN:-wdscache}
 command -v "$wdscache_bin" >/dev/null ||
-    die "$wdscache_bin not found in PATH (pip install wdscache, or set WDSCACHE_BIN)"
+    die "$wdscache_bin not found in PATH (pip install a clone of wdscache or its wheel, or set WDSCACHE_BIN)"
 
 [[ -r $urls ]] || die "URL list $urls is not readable"
 # Absolute path: the agents on other nodes do not share our working directory.
