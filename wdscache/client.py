@@ -177,16 +177,21 @@ class AgentConnection:
         Every ``every`` seconds (default ``liveness / 2``) it sends ``probe`` (default a
         ping) and hands the answer to ``on_probe``, which may raise to give up (a consumer
         that sees no progress, say). Raises AgentUnavailableError once a probe goes
-        unanswered for ``liveness`` seconds.
+        unanswered for ``liveness`` seconds. A reply marked ``retry`` is asked again, for
+        up to ``liveness`` seconds.
         """
-        for again in (False, True):
-            sock = self._proved(liveness)
-            rid = next(self._ids)
-            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
-            reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
-            if not self._refused(reply, again):
+        retry_until = time.monotonic() + liveness  # replies marked "retry" are asked again this long
+        while True:
+            for again in (False, True):
+                sock = self._proved(liveness)
+                rid = next(self._ids)
+                sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+                reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
+                if not self._refused(reply, again):
+                    break
+            if not reply.get("retry") or time.monotonic() >= retry_until:
                 return reply
-        raise AssertionError("unreachable")
+            time.sleep(RETRY_PAUSE)
 
     def _wait_patiently(
         self, sock: zmq.Socket, rid: int, header: dict[str, Any], liveness: float, probe: dict[str, Any] | None,
