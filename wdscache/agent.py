@@ -48,7 +48,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -84,6 +84,10 @@ REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 INDEX_HINTS = 64  # shards lately published that a new worker is told to index
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
 WORKER_OPS = ("worker", "counted", "damaged")  # reports only our workers may send (and "walked", with frames)
+CONTROL_OPS = ("stats", "worker", "counted", "damaged", "corrupt", "counts", "hello", "put_urls", "get_urls",
+               "open", "status", "release", "report", "ping", "bye")
+# Ops of a reader, which name it ("reader"): each one counts as a sign of life.
+READER_OPS = ("hello", "put_urls", "get_urls", "open", "status", "release", "report", "ping", "bye")
 MAX_JOB_LISTS = 16
 LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
@@ -168,6 +172,10 @@ class Agent:
         self._had: set[str] = set()  # shards this cache held during this run (cached at start or downloaded)
         self._early_counts: dict[str, int] = {}  # url -> samples a worker counted before "done" came
         self._buffers: dict[str, int] = {}  # reader -> the shuffle buffer it said hello with (samples)
+        # The control ops (wdscache.protocol.MESSAGES, to the agent; "auth" and "walked" are
+        # taken in _serve): op -> handler(ident, id, header).
+        self._ops: dict[str, Callable[[bytes, Any, dict[str, Any]], None]] = {
+            op: getattr(self, f"_op_{op}") for op in CONTROL_OPS}
         self._thrash_warned = 0  # the budget named by the last warning that readers need more
         self.readers: dict[str, Reader] = {}
         self.jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
@@ -1057,90 +1065,106 @@ class Agent:
             log.warning("dropping a reply to a client that does not read")
 
     def _handle(self, ident: bytes, header: dict[str, Any]) -> None:
-        op, rid = header["op"], header.get("id")
-        if op == "stats":
-            self._reply(ident, rid, ok=True, stats=self.stats())
-            return
+        """One admitted message: its op's handler (see wdscache.protocol.MESSAGES)."""
+        op = header["op"]
+        handler = self._ops.get(op)
+        if handler is None:
+            raise ProtocolError(f"unknown op {op!r}")
         if op in WORKER_OPS:
             self._check_worker(header)
-        if op == "worker":
-            i = get_field(header, "index", int)
-            if 0 <= i < self.config.workers:
-                if self._worker_idents.get(i) != ident:  # a new worker (or restarted: a new socket)
-                    self._worker_idents[i] = ident
-                    for url in self._published:  # it missed these hints (and the tables of them)
-                        self._hint(ident, {"op": "index", "url": url})
-                report = {"index": i, **numbers(header, WORKER_FIELDS)}
-                self.worker_stats[i] = with_fraction(self.worker_stats.get(i), report, "busy_s", "busy")
-            return
-        if op == "counted":
-            assert self.cache is not None
-            url, samples = get_field(header, "url", str), get_field(header, "samples", int)
-            # Only for shards cached here (a worker just scanned it), whose copy we know; anything else is noise.
-            rec = self.cache.index.get(url)
-            if samples < 0 or rec is None:
-                return
-            if rec.state is ShardState.CACHED:
-                self.cache.index.set_count(url, samples, rec.size, rec.etag)
-            elif url in self._active and self.cache.path(url).exists():
-                # Published a moment ago (a worker saw the file): its "done" event, still queued, records it.
-                self._early_counts[url] = samples
-            return
-        if op == "damaged":  # from one of our workers (checked above), naming the copy it read
-            url, error = get_field(header, "url", str), get_field(header, "error", str)
-            self._damaged(url, error, get_field(header, "identity", list), "a worker")
-            return
-        if op == "corrupt":
-            url, error = get_field(header, "url", str), get_field(header, "error", str)
-            self._damaged(url, error, None, "a consumer")
-            self._reply(ident, rid, ok=True)
-            return
-        if op == "counts":
-            assert self.cache is not None
-            counts = self.cache.index.counts
-            self._reply(ident, rid, ok=True, counts=[counts.get(u) for u in strings(header, "urls")])
-            return
-        name = get_field(header, "reader", str)
-        reader = self.readers.get(name)
-        if reader is not None:
-            reader.last_seen = time.monotonic()
-        if op == "hello":
-            self._hello(ident, rid, name, header)
-            if name in self.readers:
-                self._buffers[name] = max(0, get_field(header, "shuffle_buffer", int, 0))
-                self._check_readers()
-        elif op == "put_urls":
-            error = self._put_urls(name, header)
-            self._reply(ident, rid, ok=error is None, error=error)
-        elif op == "get_urls":
-            offset = get_field(header, "offset", int)
-            # The list the reader said hello on, even if the file changed since.
-            listed = reader.list_id if reader is not None and reader.list_id is not None else self._list_id
-            page = next(pages(self._list(listed).urls, max(0, offset)), (offset, []))[1]
-            self._reply(ident, rid, ok=True, list_id=listed, urls=page)
-        elif op == "open":
-            ahead = get_field(header, "ahead", list, None)
-            wait = get_field(header, "wait", bool, True)
-            stream = get_field(header, "stream", bool, False)
-            self._open(ident, rid, name, get_field(header, "url", str), ahead, wait, stream)
-        elif op == "status":
-            self._reply(ident, rid, ok=True, **self._status(get_field(header, "url", str)))
-        elif op == "release":
-            self._release(name, get_field(header, "url", str))
-            self._reply(ident, rid, ok=True)
-        elif op == "report":
+        if op in READER_OPS:
+            reader = self.readers.get(get_field(header, "reader", str))
             if reader is not None:
-                known = self.consumers.get(name, {})
-                report = {"job": known.get("job"), "rank": known.get("rank"), **numbers(header, REPORT_FIELDS)}
-                self.consumers[name] = with_fraction(known, report, "wait_s", "waiting")
-            self._reply(ident, rid, ok=reader is not None, error="unknown reader; say hello first")
-        elif op == "ping":
-            self._reply(ident, rid, ok=True)
-        elif op == "bye":
-            self._drop_reader(name)
-            self._reply(ident, rid, ok=True)
-        else:
-            raise ProtocolError(f"unknown op {op!r}")
+                reader.last_seen = time.monotonic()
+        handler(ident, header.get("id"), header)
+
+    def _op_stats(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self._reply(ident, rid, ok=True, stats=self.stats())
+
+    def _op_worker(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        i = get_field(header, "index", int)
+        if 0 <= i < self.config.workers:
+            if self._worker_idents.get(i) != ident:  # a new worker (or restarted: a new socket)
+                self._worker_idents[i] = ident
+                for url in self._published:  # it missed these hints (and the tables of them)
+                    self._hint(ident, {"op": "index", "url": url})
+            report = {"index": i, **numbers(header, WORKER_FIELDS)}
+            self.worker_stats[i] = with_fraction(self.worker_stats.get(i), report, "busy_s", "busy")
+
+    def _op_counted(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        assert self.cache is not None
+        url, samples = get_field(header, "url", str), get_field(header, "samples", int)
+        # Only for shards cached here (a worker just scanned it), whose copy we know; anything else is noise.
+        rec = self.cache.index.get(url)
+        if samples < 0 or rec is None:
+            return
+        if rec.state is ShardState.CACHED:
+            self.cache.index.set_count(url, samples, rec.size, rec.etag)
+        elif url in self._active and self.cache.path(url).exists():
+            # Published a moment ago (a worker saw the file): its "done" event, still queued, records it.
+            self._early_counts[url] = samples
+
+    def _op_damaged(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        # From one of our workers (checked in _handle), naming the copy it read.
+        url, error = get_field(header, "url", str), get_field(header, "error", str)
+        self._damaged(url, error, get_field(header, "identity", list), "a worker")
+
+    def _op_corrupt(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        url, error = get_field(header, "url", str), get_field(header, "error", str)
+        self._damaged(url, error, None, "a consumer")
+        self._reply(ident, rid, ok=True)
+
+    def _op_counts(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        assert self.cache is not None
+        counts = self.cache.index.counts
+        self._reply(ident, rid, ok=True, counts=[counts.get(u) for u in strings(header, "urls")])
+
+    def _op_hello(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        name = header["reader"]
+        self._hello(ident, rid, name, header)
+        if name in self.readers:
+            self._buffers[name] = max(0, get_field(header, "shuffle_buffer", int, 0))
+            self._check_readers()
+
+    def _op_put_urls(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        error = self._put_urls(header["reader"], header)
+        self._reply(ident, rid, ok=error is None, error=error)
+
+    def _op_get_urls(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        reader = self.readers.get(header["reader"])
+        offset = get_field(header, "offset", int)
+        # The list the reader said hello on, even if the file changed since.
+        listed = reader.list_id if reader is not None and reader.list_id is not None else self._list_id
+        page = next(pages(self._list(listed).urls, max(0, offset)), (offset, []))[1]
+        self._reply(ident, rid, ok=True, list_id=listed, urls=page)
+
+    def _op_open(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        ahead = get_field(header, "ahead", list, None)
+        wait = get_field(header, "wait", bool, True)
+        stream = get_field(header, "stream", bool, False)
+        self._open(ident, rid, header["reader"], get_field(header, "url", str), ahead, wait, stream)
+
+    def _op_status(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self._reply(ident, rid, ok=True, **self._status(get_field(header, "url", str)))
+
+    def _op_release(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self._release(header["reader"], get_field(header, "url", str))
+        self._reply(ident, rid, ok=True)
+
+    def _op_report(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        name = header["reader"]
+        if name in self.readers:
+            known = self.consumers.get(name, {})
+            report = {"job": known.get("job"), "rank": known.get("rank"), **numbers(header, REPORT_FIELDS)}
+            self.consumers[name] = with_fraction(known, report, "wait_s", "waiting")
+        self._reply(ident, rid, ok=name in self.readers, error="unknown reader; say hello first")
+
+    def _op_ping(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self._reply(ident, rid, ok=True)
+
+    def _op_bye(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self._drop_reader(header["reader"])
+        self._reply(ident, rid, ok=True)
 
     def _hello(self, ident: bytes, rid: Any, name: str, header: dict[str, Any]) -> None:
         """A consumer joins a job: check it agrees with the job's other ranks, take up its list.

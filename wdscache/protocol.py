@@ -6,7 +6,8 @@ Nothing received is ever unpickled or evaluated, so no peer can make the agent
 or a consumer run code; a malformed message is a :class:`ProtocolError` for
 that message only.
 
-Requests carry an ``id`` chosen by the client; the reply repeats it.
+Requests carry an ``id`` chosen by the client; the reply repeats it. Every
+message, its fields, who sends it and its reply are in :data:`MESSAGES`.
 
 Who may talk: the agent keeps a token in its cache directory (``CACHE_DIR/token``,
 0600), so only the directory's owner can read it. A client first sends
@@ -27,6 +28,8 @@ import hashlib
 import hmac
 import json
 import os
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -150,3 +153,89 @@ def same_secret(value: Any, secret: str) -> bool:
 
 def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
+
+
+# -- every message, in one table -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message of the protocol: who sends it to whom, its fields, and its reply.
+
+    Field types are JSON's, written as in Python (``str``, ``int``, ``bool``,
+    ``number``, ``list[str]``, ``list``, ``object``); a ``?`` marks a field that
+    may be left out. Every request also carries ``id`` (repeated in its reply) and,
+    but for ``auth``, the ``key`` of its receiver (see the module docstring).
+    ``frames`` says what the payload frames hold, if any.
+    """
+
+    op: str
+    sender: str
+    receiver: str
+    fields: dict[str, str]
+    reply: dict[str, str] = dataclass_field(default_factory=dict)
+    frames: str = ""
+    about: str = ""
+
+
+_ERROR = {"ok": "bool", "error": "str?"}
+
+#: Every message: the code is checked against this table (tests/test_protocol.py).
+MESSAGES: tuple[Message, ...] = (
+    # clients (a consumer, a ShardClient, wdscache stats) to the agent
+    Message("auth", "client", "agent", {"nonce": "str"}, {**_ERROR, "run": "str", "proof": "str"},
+            about="the agent proves it holds the token; the only op taken without a key"),
+    Message("hello", "consumer", "agent",
+            {"reader": "str", "job": "str", "rank": "int", "world_size": "int", "list_id": "str?",
+             "process": "list?", "shuffle_buffer": "int?"},
+            {**_ERROR, "need_urls": "bool?", "workers": "list[str]", "prefetch": "int", "list_id": "str",
+             "n_urls": "int", "cache_dir": "str", "cache_root": "list"},
+            about="a rank joins its job; list_id names its own list (sent first with put_urls if asked)"),
+    Message("put_urls", "consumer", "agent", {"reader": "str", "offset": "int", "urls": "list[str]"}, _ERROR,
+            about="a page of a consumer's own URL list, before its hello"),
+    Message("get_urls", "consumer", "agent", {"reader": "str", "offset": "int"},
+            {**_ERROR, "list_id": "str", "urls": "list[str]"}, about="a page of the list the reader said hello on"),
+    Message("open", "consumer", "agent",
+            {"reader": "str", "url": "str", "ahead": "list[str]?", "wait": "bool?", "stream": "bool?"},
+            {**_ERROR, "cached": "bool?", "partial": "bool?", "path": "str?", "size": "int?", "samples": "int?",
+             "damaged": "bool?"},
+            about="pin a shard (waiting for its download, or as soon as it streams); moves the reader's window"),
+    Message("status", "consumer", "agent", {"reader": "str", "url": "str"},
+            {**_ERROR, "state": "str", "written": "int?", "total": "int?", "reason": "str?", "damaged": "bool?"},
+            about="where a shard stands: cached, downloading, queued (and why), failed, unknown"),
+    Message("release", "consumer", "agent", {"reader": "str", "url": "str"}, _ERROR, about="unpin a shard"),
+    Message("report", "consumer", "agent",
+            {"reader": "str", "job": "str", "rank": "int", "epoch": "int", "position": "int", "samples": "int",
+             "bytes": "int", "rate": "number", "wait_s": "number"}, _ERROR,
+            about="a consumer's progress, every second, for stats"),
+    Message("ping", "consumer", "agent", {"reader": "str"}, _ERROR, about="is the agent there"),
+    Message("bye", "consumer", "agent", {"reader": "str"}, _ERROR, about="a reader leaves: its pins go"),
+    Message("counts", "consumer", "agent", {"urls": "list[str]"}, {**_ERROR, "counts": "list"},
+            about="the sample count of each shard (null: never counted)"),
+    Message("corrupt", "consumer", "agent", {"url": "str", "error": "str"}, _ERROR,
+            about="a consumer found a shard damaged: the agent fetches it once more"),
+    Message("stats", "client", "agent", {}, {**_ERROR, "stats": "object"}, about="the live stats object"),
+    # the agent's workers to the agent (with the workers' secret too)
+    Message("worker", "worker", "agent",
+            {"secret": "str", "index": "int", "busy_s": "number", "requests": "int", "samples": "int",
+             "bytes": "int", "indexed": "int", "walked": "int", "adopted": "int"},
+            about="a worker's counters, every second; the agent sends hints back on its socket"),
+    Message("counted", "worker", "agent", {"secret": "str", "url": "str", "samples": "int"},
+            about="the sample count a worker found in a cached shard"),
+    Message("damaged", "worker", "agent", {"secret": "str", "url": "str", "identity": "list", "error": "str"},
+            about="a worker found the cached file of this identity damaged"),
+    Message("walked", "worker", "agent",
+            {"secret": "str", "url": "str", "identity": "list", "layouts": "list"},
+            frames="the packed sample table (tario.PackedSamples.parts)",
+            about="a table a worker walked, passed on by the agent to the other workers"),
+    # the agent to its workers (hints: no reply)
+    Message("index", "agent", "worker", {"url": "str"}, about="walk this shard, just published, while idle"),
+    # consumers to a worker
+    Message("read", "consumer", "worker", {"urls": "list[str]", "items": "list", "direct": "bool?"},
+            {**_ERROR, "keys": "list[str]", "exts": "list", "spans": "list", "files": "list?", "kind": "str?"},
+            frames="runs of shard bytes the spans point into (none for file ranges: see pool.py)",
+            about="samples by [url index, sample index]; the reply's op is 'samples' (or 'error')"),
+    Message("scan", "consumer", "worker", {"url": "str", "partial": "bool?"},
+            {**_ERROR, "count": "int", "final": "bool", "kind": "str?"},
+            about="a shard's sample count (so far, for a download); the reply's op is 'scanned' (or 'error')"),
+)
