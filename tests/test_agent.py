@@ -23,15 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AgentProc, Dataset, tail, wait_for
+from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
+from tests.helpers.agents import AgentProc, Dataset
+from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
 from wdscache.index import _SHARD, Index, ShardRecord, ShardState
 from wdscache.layout import CacheLayout, shard_name
-
-try:
-    from shards import find_gnu_tar, make_dataset, write_url_list
-except ImportError:  # tests/ became a package
-    from tests.shards import find_gnu_tar, make_dataset, write_url_list
 
 SHARD_100K = {"samples": 20, "payload": 2500}  # 112,640-byte shards
 SHARD_200K = {"samples": 20, "payload": 7500}  # 215,040-byte shards

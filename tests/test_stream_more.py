@@ -21,11 +21,12 @@ from typing import Any
 
 import pytest
 
-from conftest import run_wdscache, stop_process, wait_for
-from net import free_port_range
-from procs import alive, children_of, cmdline, rss_kib, worker_pids
-from shards import make_shard, synth_samples, write_url_list
-from streaming import reference
+from scripts.shard_maker import make_shard, synth_samples, write_url_list
+from tests.helpers.agents import run_wdscache
+from tests.helpers.net import free_port_range
+from tests.helpers.procs import alive, children_of, cmdline, rss_kib, worker_pids
+from tests.helpers.streaming import reference
+from tests.helpers.waits import stop_process, wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardError, WdsCacheError
 from wdscache.layout import CacheLayout
 
