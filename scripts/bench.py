@@ -5,12 +5,12 @@
 
 What it does:
 
-- Makes deterministic WebDataset shards (tests/shards.py) in two profiles:
+- Makes deterministic WebDataset shards (scripts/shard_maker.py) in two profiles:
   ``images`` (~110 KB ``.jpg`` + ``.cls`` + a small ``.json`` per sample, ~64 MB
   shards, 1 GB by default) and ``tiny`` (~1 KB per sample, ~16 MB shards,
   256 MB by default). Sizes are on-disk tar bytes; MB and GB are 10^6 and 10^9
   bytes everywhere.
-- Serves them from tests/server.py's ShardServer on 127.0.0.1, in a process of
+- Serves them from scripts/shard_server.py's ShardServer on 127.0.0.1, in a process of
   its own, with a per-connection cap (``--rate-mb``, default 25 MB/s) and a
   fixed time to first byte (``--ttfb-ms``, default 30 ms), standing in for an
   object store. The server's CPU is not counted: it is the remote side.
@@ -115,7 +115,6 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 CONSUMER = REPO / "scripts" / "bench_consumer.py"
 sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO / "tests"))
 
 from bench_consumer import process_tree, status_kb, tree_cpu  # noqa: E402
 
@@ -332,7 +331,7 @@ class Bench:
     # -- data and server -------------------------------------------------------------------------
 
     def make_data(self, prof: Profile, total: float) -> dict[str, Any]:
-        from shards import make_dataset
+        from shard_maker import make_dataset
 
         spp = max(1, round(prof.shard_bytes / prof.per_sample_on_disk()))
         n = max(1, round(total / prof.shard_bytes))

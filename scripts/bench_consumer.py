@@ -5,7 +5,7 @@
 Modes (every one but ``serve`` and ``stats-index`` prints progress lines and a
 final ``{"report": ...}`` line, as JSON, on stdout):
 
-    serve ROOT --port-file F [--rate B/s] [--ttfb S]   the loopback object store (tests/server.py)
+    serve ROOT --port-file F [--rate B/s] [--ttfb S]   the loopback object store (shard_server.py)
     wds --urls-file F [--cache-dir D] [--epochs N]     webdataset in-process (local paths or http URLs)
     multi --urls-file F --workers N [--flush]          webdataset.multi.MultiLoader over local paths
     wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent [--no-direct]
@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-HERE = Path(__file__).resolve().parent
 TICK = os.sysconf("SC_CLK_TCK")
 PROGRESS_EVERY = 1.0
 
@@ -504,8 +503,7 @@ def mode_stats_index(args: argparse.Namespace) -> None:
 def mode_serve(args: argparse.Namespace) -> None:
     import signal
 
-    sys.path.insert(0, str(HERE.parent / "tests"))
-    from server import ShardServer
+    from shard_server import ShardServer  # a sibling: this folder is first on sys.path
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

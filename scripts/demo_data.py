@@ -3,21 +3,19 @@
     python scripts/demo_data.py make DIR --shards 16 --samples 64 --payload 30000
     python scripts/demo_data.py serve DIR --port-file FILE [--rate BYTES_PER_S]
 
-Reuses the test suite's shard maker and loopback server (tests/shards.py, tests/server.py).
+Uses the shard maker and loopback server the test suite uses too (scripts/shard_maker.py,
+scripts/shard_server.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from server import ShardServer  # noqa: E402
-from shards import make_dataset  # noqa: E402
+from shard_maker import make_dataset  # siblings: this folder is first on sys.path
+from shard_server import ShardServer
 
 
 def main() -> None:

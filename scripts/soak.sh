@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Long-running fault soak (tests/soak/), kept out of scripts/test.sh. A few minutes.
+# Long-running fault soak (tests/soak/), kept out of the default suite (pyproject.toml). A few minutes.
 #   WDSCACHE_SOAK_SEED=N WDSCACHE_SOAK_EPOCHS=E scripts/soak.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

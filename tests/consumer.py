@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each sample")
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--on-error", default="raise", choices=("raise", "skip"))
-    ap.add_argument("--request-size", type=int, default=128)
+    ap.add_argument("--request-size", type=int, default=None, help="the loader's, unless given")
     ap.add_argument("--linger-until", default=None,
                     help="after the epoch, wait (up to --timeout) for this file to exist before exiting")
     args = ap.parse_args()
@@ -46,7 +46,8 @@ def main() -> int:
     loader = CachedMultiLoader(
         args.urls, cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
         seed=args.seed, shuffle=not args.no_shuffle, shuffle_buffer=args.shuffle_buffer,
-        drop_last=args.drop_last, timeout=args.timeout, on_error=args.on_error, request_size=args.request_size,
+        drop_last=args.drop_last, timeout=args.timeout, on_error=args.on_error,
+        **({} if args.request_size is None else {"request_size": args.request_size}),
     )
     if args.resume:
         loader.load_state_dict(json.loads(args.resume))

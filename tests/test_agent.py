@@ -23,15 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AgentProc, Dataset, tail, wait_for
+from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
+from tests.helpers.agents import AgentProc, Dataset
+from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
 from wdscache.index import _SHARD, Index, ShardRecord, ShardState
 from wdscache.layout import CacheLayout, shard_name
-
-try:
-    from shards import find_gnu_tar, make_dataset, write_url_list
-except ImportError:  # tests/ became a package
-    from tests.shards import find_gnu_tar, make_dataset, write_url_list
 
 SHARD_100K = {"samples": 20, "payload": 2500}  # 112,640-byte shards
 SHARD_200K = {"samples": 20, "payload": 7500}  # 215,040-byte shards
@@ -716,3 +713,22 @@ def test_a_refused_pipe_line_names_an_option_the_agent_has(dataset, run_cli, tmp
     help_text = run_cli("agent", "--help", timeout=20).stdout
     missing = [opt for opt in advised if opt not in help_text]
     assert missing == [], f"the message advises {missing}, which 'wdscache agent' does not accept: {r.stderr}"
+
+
+def test_the_agent_defaults_are_stated_once_in_agent_config(run_cli):
+    import dataclasses
+    import inspect
+
+    from wdscache import AgentConfig, cli
+    from wdscache.fetch import Fetcher
+
+    defaults = {f.name: f.default for f in dataclasses.fields(AgentConfig) if f.default is not dataclasses.MISSING}
+    options = {p.name: p.default for p in cli.agent.params if p.name in defaults}
+    # Every option that sets a field has that field's default; the others are not options.
+    assert options == {name: defaults[name] for name in options}
+    assert set(defaults) - set(options) == {"connect_timeout", "backoff", "backoff_max"}
+    fetcher = {name: p.default for name, p in inspect.signature(Fetcher).parameters.items()}
+    assert fetcher == {name: defaults[name] for name in fetcher}
+    # ...and the help shows them as the agent uses them.
+    shown = run_cli("agent", "--help").stdout
+    assert f"[env var: WDSCACHE_PREFETCH; default: {defaults['prefetch']}]" in " ".join(shown.split())

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
-from disks import fill
-from shards import make_shard, synth_samples
-from streaming import reference, samples_of
+from scripts.shard_maker import make_shard, synth_samples
+from tests.helpers.disks import fill
+from tests.helpers.streaming import reference, samples_of
+from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.client import AgentConnection, resolve_endpoint
 from wdscache.layout import CacheLayout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from streaming import reference, samples_of
+from tests.helpers.streaming import reference, samples_of
 from wdscache import CachedMultiLoader, ShardError
 from wdscache.layout import CacheLayout
 

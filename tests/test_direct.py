@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from procs import files_held
-from shards import write_url_list
-from streaming import reference
-from test_tario import REAL_SHARDS, TESTDATA
-from test_worker_files import read_from_worker
+from scripts.shard_maker import write_url_list
+from tests.helpers.procs import files_held
+from tests.helpers.streaming import reference
+from tests.helpers.testdata import REAL_SHARDS, TESTDATA
+from tests.helpers.workers import read_from_worker
 from wdscache import CachedMultiLoader
 from wdscache.direct import CacheFiles, StaleFile
 from wdscache.errors import ProtocolError

@@ -27,11 +27,12 @@ from typing import Any
 import pytest
 import zmq
 
-from conftest import AgentProc, stop_process, wait_for
-from disks import fill
-from procs import alive, children_of, cmdline, worker_pids
-from shards import make_shard, synth_samples, write_url_list
-from streaming import Consumer, reference, samples_of, state_of
+from scripts.shard_maker import make_shard, synth_samples, write_url_list
+from tests.helpers.agents import AgentProc
+from tests.helpers.disks import fill
+from tests.helpers.procs import alive, children_of, cmdline, worker_pids
+from tests.helpers.streaming import Consumer, reference, samples_of, state_of
+from tests.helpers.waits import stop_process, wait_for
 from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardError, WdsCacheError
 from wdscache.client import AgentConnection
 from wdscache import errors as wds_errors

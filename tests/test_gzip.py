@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
-from procs import rss_kib, worker_pids
-from shards import make_shard, synth_samples, write_url_list
-from streaming import reference, samples_of
-from test_tario import TESTDATA
+from scripts.shard_maker import make_shard, synth_samples, write_url_list
+from tests.helpers.procs import rss_kib, worker_pids
+from tests.helpers.streaming import reference, samples_of
+from tests.helpers.testdata import TESTDATA
+from tests.helpers.waits import wait_for
 from wdscache import ShardClient
 from wdscache.index import Index
 from wdscache.layout import CacheLayout

@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 import pytest
-from streaming import reference, samples_of
+from tests.helpers.streaming import reference, samples_of
 
-from conftest import wait_for
+from tests.helpers.waits import wait_for
 from wdscache import ShardClient
 from wdscache.errors import FetchError
 from wdscache.layout import CacheLayout

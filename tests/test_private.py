@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
-from procs import cmdline, stat_fields
-from streaming import reference, samples_of
+from tests.helpers.procs import cmdline, stat_fields
+from tests.helpers.streaming import reference, samples_of
+from tests.helpers.waits import wait_for
 
 STOP_WITHIN = 15.0  # seconds a private agent gets to stop once its last loader is gone
 

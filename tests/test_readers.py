@@ -13,9 +13,9 @@ from collections import Counter
 
 import pytest
 
-from conftest import stop_process, wait_for
-from shards import write_url_list
-from streaming import reference, samples_of
+from scripts.shard_maker import write_url_list
+from tests.helpers.streaming import reference, samples_of
+from tests.helpers.waits import stop_process, wait_for
 
 
 def _replace_list(path, urls) -> None:

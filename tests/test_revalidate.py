@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-from shards import make_shard, synth_samples
+from scripts.shard_maker import make_shard, synth_samples
 
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.layout import CacheLayout

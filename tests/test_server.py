@@ -22,26 +22,15 @@ import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
-    from server import ShardServer
-    from shards import (
-        find_gnu_tar,
-        make_dataset,
-        make_shard,
-        read_samples_reference,
-        synth_samples,
-        write_url_list,
-    )
-except ImportError:  # tests/ became a package
-    from tests.server import ShardServer
-    from tests.shards import (
-        find_gnu_tar,
-        make_dataset,
-        make_shard,
-        read_samples_reference,
-        synth_samples,
-        write_url_list,
-    )
+from scripts.shard_maker import (
+    find_gnu_tar,
+    make_dataset,
+    make_shard,
+    read_samples_reference,
+    synth_samples,
+    write_url_list,
+)
+from scripts.shard_server import ShardServer
 
 TIMEOUT = 5.0  # every network wait in this file is bounded
 SIZE = 256 * 1024

@@ -15,8 +15,8 @@ from collections import Counter
 import pytest
 import webdataset as wds
 
-from conftest import wait_for
-from streaming import CONSUMER, reference, samples_of, state_of
+from tests.helpers.streaming import CONSUMER, reference, samples_of, state_of
+from tests.helpers.waits import wait_for
 
 
 def test_ranks_of_two_jobs_get_exact_shares_byte_identical_to_webdataset(tmp_path, dataset, start_agent, consumers):

@@ -21,11 +21,12 @@ from typing import Any
 
 import pytest
 
-from conftest import run_wdscache, stop_process, wait_for
-from net import free_port_range
-from procs import alive, children_of, cmdline, rss_kib, worker_pids
-from shards import make_shard, synth_samples, write_url_list
-from streaming import reference
+from scripts.shard_maker import make_shard, synth_samples, write_url_list
+from tests.helpers.agents import run_wdscache
+from tests.helpers.net import free_port_range
+from tests.helpers.procs import alive, children_of, cmdline, rss_kib, worker_pids
+from tests.helpers.streaming import reference
+from tests.helpers.waits import stop_process, wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardError, WdsCacheError
 from wdscache.layout import CacheLayout
 
@@ -37,13 +38,15 @@ PROC_DEADLINE = 60.0
 SLOW_CONSUMER = r'''
 import hashlib, json, logging, sys, time
 from pathlib import Path
-from wdscache import CachedMultiLoader
+from wdscache import CachedMultiLoader, Tuning
 
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 cfg = json.loads(sys.argv[1])
 out, marker, go = Path(cfg.pop("out")), Path(cfg.pop("marker")), Path(cfg.pop("go"))
 pause_after = cfg.pop("pause_after")
+if "tuning" in cfg:
+    cfg["tuning"] = Tuning(**cfg["tuning"])
 loader = CachedMultiLoader(**cfg)
 n = 0
 with open(out, "w") as f:
@@ -179,8 +182,16 @@ def slow_consumer(tmp_path: Path):
 
 
 def _tag(sample: dict[str, Any]) -> tuple[str, str, str, int]:
-    """The map function of the map test: module level, so the fork pool can call it."""
+    """The map function of the map test: module level, so the pool's processes can be sent it."""
     return sample["__key__"], sample["__url__"], hashlib.sha256(sample["jpg"]).hexdigest(), os.getpid()
+
+
+_SET_AT_RUN_TIME: str | None = None  # set by a test in its own process only
+
+
+def _run_time_mark(sample: dict[str, Any]) -> tuple[str, str | None]:
+    """What a map worker sees of a global the test process set at run time (a fork would see it)."""
+    return sample["__key__"], _SET_AT_RUN_TIME
 
 
 def _keys_collate(batch: list[dict[str, Any]]) -> tuple[str, ...]:
@@ -259,14 +270,18 @@ def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_pa
 # -- 3. back-pressure and bounded memory ----------------------------------------------------------
 
 
-def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, start_agent, slow_consumer):
+@pytest.mark.parametrize("spelling", ["keywords", "tuning"])
+def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, start_agent, slow_consumer,
+                                                            spelling):
     data = dataset(8, samples=20, payload=50_000)  # 160 samples, ~8 MB
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "8")
     wait_cached(agent, 8)
     request_size, inflight, pause_after = 4, 2, 6
+    # The knobs as keywords of their own (as callers always could) or as one Tuning.
+    knobs = {"request_size": request_size, "inflight": inflight}
     c = slow_consumer("slow", cache_dir=str(cache), job="slow", rank=0, world_size=1, timeout=LOADER_TIMEOUT,
-                      request_size=request_size, inflight=inflight, pause_after=pause_after)
+                      pause_after=pause_after, **(knobs if spelling == "keywords" else {"tuning": knobs}))
     c.wait_paused()
     workers = worker_pids(agent.pid)
     assert len(workers) == 2, f"agent children: {[(p, cmdline(p)) for p in children_of(agent.pid)]}"
@@ -355,6 +370,40 @@ def test_counts_a_consumer_found_are_the_agents_when_its_epoch_ends(tmp_path, da
         assert conn.request({"op": "counts", "urls": data.urls})["counts"] == [5, 5, 5]
     finally:
         conn.close()
+
+
+def test_map_workers_start_fresh_not_as_forks_of_the_training_process(tmp_path, dataset, start_agent):
+    # The training process has ZeroMQ threads (the loader's sockets): a fork copies their locks
+    # in whatever state they are, and a forked worker can hang on one. The pool's processes start
+    # from a clean interpreter instead, so they do not see what this process set at run time.
+    global _SET_AT_RUN_TIME
+    data = dataset(2, samples=3, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "2")
+    _SET_AT_RUN_TIME = "set in the training process"
+    try:
+        seen = list(loader(cache, "fresh", shuffle=False, map=_run_time_mark, workers=2))
+    finally:
+        _SET_AT_RUN_TIME = None
+    assert len(seen) == 6, seen
+    assert [mark for _, mark in seen] == [None] * 6, "the map workers are forks of the training process"
+
+    # Such workers must be sent the function: one that cannot be pickled is refused at once, by name.
+    with pytest.raises(TypeError, match=r"map=<function .*<lambda>.* picklable callable"):
+        loader(cache, "lambda", map=lambda sample: sample, workers=2)
+    assert len(list(loader(cache, "inline", map=lambda sample: sample, workers=0))) == 6  # in this process
+
+
+def test_tuning_knobs_are_one_record_and_keywords_still_work(tmp_path):
+    from wdscache import Tuning
+
+    cache = tmp_path / "cache"
+    assert loader(cache, "t").tuning == Tuning()
+    tuned = loader(cache, "t", tuning=Tuning(request_size=16, direct_reads=False), inflight=3)
+    assert tuned.tuning == Tuning(request_size=16, inflight=3, direct_reads=False)  # a keyword joins tuning
+    assert loader(cache, "t", tuning=Tuning(request_size=16), request_size=8).tuning.request_size == 8
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['request_sise'\].*'request_size'"):
+        loader(cache, "t", request_sise=8)
 
 
 # -- 5. on_error ---------------------------------------------------------------------------------------

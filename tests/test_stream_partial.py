@@ -13,8 +13,8 @@ import hashlib
 
 import pytest
 
-from conftest import wait_for
-from streaming import reference
+from tests.helpers.streaming import reference
+from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, FetchError
 from wdscache.layout import CacheLayout
 

@@ -30,6 +30,8 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
+from scripts.shard_maker import find_gnu_tar, make_shard, synth_samples
+from tests.helpers.testdata import REAL_SHARDS, TESTDATA
 from wdscache.errors import ShardError
 from wdscache.tario import (
     BLOCK,
@@ -53,13 +55,6 @@ from wdscache.tario import (
     tar_problem,
 )
 
-try:  # pytest puts tests/ on sys.path while tests/ has no __init__.py
-    from shards import find_gnu_tar, make_shard, synth_samples
-except ImportError:  # tests/ became a package
-    from tests.shards import find_gnu_tar, make_shard, synth_samples
-
-TESTDATA = Path(__file__).resolve().parents[2] / "shared/testdata/webdataset"
-REAL_SHARDS = ["compressed.tar", "mpdata.tar", "sample.tgz", "tendata.tar", "testgz.tar"]
 FORMATS = {"gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT, "ustar": tarfile.USTAR_FORMAT}
 END = bytes(2 * BLOCK)
 

@@ -31,9 +31,9 @@ from typing import Any, Callable
 import pytest
 import zmq
 
-from conftest import wait_for
-from net import free_port_range
-from streaming import reference, samples_of
+from tests.helpers.net import free_port_range
+from tests.helpers.streaming import reference, samples_of
+from tests.helpers.waits import wait_for
 import wdscache.agent  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
 from wdscache import NotTrustedError, WdsCacheError, cli
 from wdscache.client import AgentConnection, ShardClient

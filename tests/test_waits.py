@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from conftest import wait_for
+from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardClient
 from wdscache.client import AgentConnection
 from wdscache.plan import shard_order

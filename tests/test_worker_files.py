@@ -11,13 +11,12 @@ import hashlib
 import json
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
 
-from conftest import wait_for
-from procs import files_held, worker_pids
-from streaming import reference
+from tests.helpers.procs import files_held, rss_kib, worker_pids
+from tests.helpers.streaming import reference
+from tests.helpers.waits import wait_for
+from tests.helpers.workers import read_from_worker, worker_socket
 from wdscache import CachedMultiLoader
 
 
@@ -73,49 +72,6 @@ def test_a_worker_imports_only_what_serving_needs() -> None:
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout)
     assert not {"wdscache.loader", "wdscache.agent", "wdscache.cli", "wdscache.stats"} & set(loaded), loaded
-
-
-@contextmanager
-def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
-    """A DEALER socket connected to the agent's first worker, as a consumer named ``reader``
-    would have one (``options``: socket options by name), and the key its requests carry;
-    closed, and the reader gone, after."""
-    import zmq
-
-    from wdscache.client import AgentConnection, resolve_endpoint
-
-    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    for name, value in options.items():
-        sock.setsockopt(getattr(zmq, name), value)
-    try:
-        hello = conn.request({"op": "hello", "reader": reader, "job": reader, "rank": 0, "world_size": 1})
-        assert hello.get("ok"), hello
-        sock.connect(hello["workers"][0])
-        yield sock, conn.worker_key(0)
-    finally:
-        sock.close()
-        ctx.term()
-        try:
-            conn.request({"op": "bye", "reader": reader})
-        finally:
-            conn.close()
-
-
-def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]],
-                     direct: bool = False) -> tuple[dict, list[bytes]]:
-    """One read request straight to a worker (as the loader sends it), and its reply."""
-    from wdscache.protocol import pack, unpack
-
-    request = {"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}
-    if direct:
-        request["direct"] = True
-    with worker_socket(cache, "raw") as (sock, key):
-        sock.send_multipart(pack({**request, "key": key}))
-        assert sock.poll(10_000), "the worker did not answer a read within 10 s"
-        return unpack(sock.recv_multipart())
 
 
 def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(tmp_path, shard_server, dataset,
@@ -196,7 +152,6 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
     long after the request. They must leave the worker's memory once sent."""
     import time
 
-    from procs import rss_kib
     from wdscache.protocol import pack, unpack
 
     data = dataset(2, samples=12, payload=400_000)  # too large to copy: each reply is one zero-copy run

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 _WHERE = {
     "ShardClient": "client",
     "CachedMultiLoader": "loader",
+    "Tuning": "loader",
     "AgentConfig": "config",
     "AgentRunningError": "errors",
     "AgentUnavailableError": "errors",
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
         UrlListError,
         WdsCacheError,
     )
-    from .loader import CachedMultiLoader
+    from .loader import CachedMultiLoader, Tuning
     from .stats import collect as collect_stats
     from .urls import UrlList, read_url_list
 
@@ -75,6 +76,7 @@ __all__ = [
     "ProtocolError",
     "ShardClient",
     "ShardError",
+    "Tuning",
     "UrlList",
     "UrlListError",
     "WdsCacheError",

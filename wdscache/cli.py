@@ -1,4 +1,8 @@
-"""The ``wdscache`` command. The only module that reads options or the environment.
+"""The ``wdscache`` command: the only module that parses options (the library never imports click).
+
+Each agent option may come from its ``WDSCACHE_*`` environment variable; its default is
+the :class:`~wdscache.config.AgentConfig` field's (see :mod:`wdscache.config` for where
+else the environment is read).
 
 Exit status: 0 done; 1 a runtime error (another agent runs, no cache there);
 2 bad options or input (a bad URL list line, a budget that cannot work).
@@ -16,7 +20,7 @@ from types import FrameType
 
 import click
 
-from .config import AgentConfig
+from .config import AgentConfig, default
 from .errors import ConfigError, WdsCacheError
 
 
@@ -37,37 +41,39 @@ def main() -> None:
 @click.option("--urls", envvar="WDSCACHE_URLS", required=True, show_envvar=True,
               type=click.Path(dir_okay=False, path_type=Path),
               help="URL list: one URL or brace pattern per line; watched for changes.")
-@click.option("--cache-size", envvar="WDSCACHE_CACHE_SIZE", default="80%", show_envvar=True,
+@click.option("--cache-size", envvar="WDSCACHE_CACHE_SIZE", default=default("cache_size"), show_envvar=True,
               help="Budget: bytes, 500G, or a percentage of the file system.")
-@click.option("--min-free", envvar="WDSCACHE_MIN_FREE", default="1G", show_envvar=True,
+@click.option("--min-free", envvar="WDSCACHE_MIN_FREE", default=default("min_free"), show_envvar=True,
               help="Free space always left on the file system.")
-@click.option("--prefetch", envvar="WDSCACHE_PREFETCH", default=8, type=int, show_envvar=True,
+@click.option("--prefetch", envvar="WDSCACHE_PREFETCH", default=default("prefetch"), type=int, show_envvar=True,
               help="Shards kept ready ahead of each reader.")
-@click.option("--download-workers", envvar="WDSCACHE_DOWNLOAD_WORKERS", default=4, type=int,
-              show_envvar=True, help="Parallel prefetches; shards a reader waits for may use as many again.")
-@click.option("--workers", envvar="WDSCACHE_WORKERS", default=min(os.cpu_count() or 1, 8), type=int,
+@click.option("--download-workers", envvar="WDSCACHE_DOWNLOAD_WORKERS", default=default("download_workers"),
+              type=int, show_envvar=True, help="Parallel prefetches; shards a reader waits for may use as many again.")
+@click.option("--workers", envvar="WDSCACHE_WORKERS", default=default("workers"), type=int,
               show_envvar=True, help="Sample worker processes.")
-@click.option("--endpoint", envvar="WDSCACHE_ENDPOINT", default=None, show_envvar=True,
+@click.option("--endpoint", envvar="WDSCACHE_ENDPOINT", default=default("endpoint"), show_envvar=True,
               help="ZeroMQ endpoint [default: a private IPC socket in the cache directory].")
-@click.option("--allow-remote", envvar="WDSCACHE_ALLOW_REMOTE", is_flag=True, show_envvar=True,
-              help="Allow a TCP endpoint reachable from other machines.")
-@click.option("--allow-pipe", envvar="WDSCACHE_ALLOW_PIPE", is_flag=True, show_envvar=True,
-              help="Allow pipe:COMMAND lines in the URL list (they run a shell command).")
-@click.option("--seed", envvar="WDSCACHE_SEED", default=0, type=int, show_envvar=True,
+@click.option("--allow-remote", envvar="WDSCACHE_ALLOW_REMOTE", is_flag=True, default=default("allow_remote"),
+              show_envvar=True, help="Allow a TCP endpoint reachable from other machines.")
+@click.option("--allow-pipe", envvar="WDSCACHE_ALLOW_PIPE", is_flag=True, default=default("allow_pipe"),
+              show_envvar=True, help="Allow pipe:COMMAND lines in the URL list (they run a shell command).")
+@click.option("--seed", envvar="WDSCACHE_SEED", default=default("seed"), type=int, show_envvar=True,
               help="Seed of the shard order of the initial prefetch.")
-@click.option("--shuffle/--no-shuffle", envvar="WDSCACHE_SHUFFLE", default=True, show_envvar=True,
+@click.option("--shuffle/--no-shuffle", envvar="WDSCACHE_SHUFFLE", default=default("shuffle"), show_envvar=True,
               help="Prefetch in seeded shuffle order (as readers will read) or in list order.")
-@click.option("--retries", envvar="WDSCACHE_RETRIES", default=8, type=int, show_envvar=True,
+@click.option("--retries", envvar="WDSCACHE_RETRIES", default=default("retries"), type=int, show_envvar=True,
               help="Retries of a failing download before it is marked failed.")
-@click.option("--read-timeout", envvar="WDSCACHE_READ_TIMEOUT", default=60.0, type=float,
+@click.option("--read-timeout", envvar="WDSCACHE_READ_TIMEOUT", default=default("read_timeout"), type=float,
               show_envvar=True, help="Seconds without data before a download is retried.")
-@click.option("--revalidate/--no-revalidate", envvar="WDSCACHE_REVALIDATE", default=True, show_envvar=True,
+@click.option("--revalidate/--no-revalidate", envvar="WDSCACHE_REVALIDATE", default=default("revalidate"),
+              show_envvar=True,
               help="Check a shard cached by an earlier run against its source (HEAD) before serving it.")
-@click.option("--reader-timeout", envvar="WDSCACHE_READER_TIMEOUT", default=60.0, type=float,
+@click.option("--reader-timeout", envvar="WDSCACHE_READER_TIMEOUT", default=default("reader_timeout"), type=float,
               show_envvar=True, help="Seconds of silence after which a consumer's pins are released.")
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
               help="Log every download and eviction.")
-@click.option("--private-users", hidden=True, default=None, type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--private-users", hidden=True, default=default("private_users"),
+              type=click.Path(dir_okay=False, path_type=Path),
               help="Run as a loader's private agent: stop once no loader holds a lock on this file.")
 def agent(verbose: bool, **options: object) -> None:
     """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once)."""

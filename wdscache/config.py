@@ -1,15 +1,26 @@
 """The agent's one validated configuration object, and size parsing.
 
-The CLI builds an :class:`AgentConfig` from options and environment variables;
-the library reads nothing from the environment itself.
+:class:`AgentConfig`'s field defaults are the agent's defaults, stated here only:
+the CLI's options (:mod:`wdscache.cli`) and :class:`~wdscache.fetch.Fetcher` take
+theirs from :func:`default`.
+
+Where the environment is read: :mod:`wdscache.cli` (each option's ``WDSCACHE_*``
+variable, through click) builds an :class:`AgentConfig` from options and
+environment; nothing under it (the agent, its workers) reads the environment
+again. On the training side :func:`wdscache.loader._env_defaults` reads what a
+launcher sets (``RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``) and
+``WDSCACHE_CACHE_DIR``, ``WDSCACHE_ENDPOINT``, ``WDSCACHE_TOKEN``, for the
+loader arguments left unset. No other module of the package reads it (the
+libraries used do read their own: requests its proxy and CA variables).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 
@@ -86,6 +97,14 @@ class AgentConfig:
         parse_size(self.min_free, total=1, what="--min-free")
         if self.endpoint is not None:
             check_endpoint(self.endpoint, allow_remote=self.allow_remote)
+
+
+def default(name: str) -> Any:
+    """The default of :class:`AgentConfig`'s field ``name`` (one source for every layer that has one)."""
+    for f in fields(AgentConfig):
+        if f.name == name and f.default is not MISSING:
+            return f.default
+    raise KeyError(f"AgentConfig has no field {name!r} with a default")
 
 
 _LOOPBACK = ("127.", "localhost", "[::1]", "::1")

@@ -33,10 +33,12 @@ Guarantees (for the ranks of one job with the same settings):
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import logging
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -63,9 +65,9 @@ MAX_RESENDS = 3  # a request no worker answers this often fails instead of retry
 STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
 STATUS_EVERY = 1.0  # seconds between asking the agent how a download we stream from is going
 PENDING_RETRY = 0.05  # seconds before asking again for samples a restarted download does not hold yet
-# Payload a request asks for once replies show the sample size: each request costs tens of µs
-# of messaging on both sides (8 consumers of 1 KB samples went 100 -> 140 MB/s from 32 to 128
-# samples a request), while the bytes in flight bound a consumer's memory.
+# Payload a request asks for once replies show the sample size: each request costs messaging
+# on both sides, so small samples go many to a request, while the bytes in flight bound a
+# consumer's memory.
 REQUEST_BYTES = 4 << 20
 FIRST_REQUEST = 32  # samples a request asks for before that
 _END = object()
@@ -87,6 +89,42 @@ class _Read:
 
     def sent_items(self) -> list[tuple[int, SampleId]]:
         return [self.items[i] for i in self.sent]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The loader's performance knobs, in one place: none changes which samples an epoch
+    delivers, their order or a checkpoint (``zero_copy`` changes the payloads' type only).
+    Pass ``CachedMultiLoader(tuning=Tuning(...))``, or a knob by name as a keyword of its own.
+
+    - ``request_size``: samples at most per request to a worker (fewer once replies show the
+      sample size: a request asks for about REQUEST_BYTES of payload, so small samples go many
+      to a request and large ones few).
+    - ``inflight``: requests outstanding at most, the consumer's memory bound (None: twice the
+      agent's workers, at least 4).
+    - ``zero_copy``: payloads as read-only memoryviews instead of ``bytes`` (faster; not for
+      webdataset's decoders; a view keeps the whole message it came in alive, up to
+      ``request_size`` samples). It implies that the workers send every byte.
+    - ``direct_reads``: copy payloads straight from the agent's cache files when this process
+      may read them (one copy per byte instead of three; see :mod:`wdscache.direct`); False has
+      the workers send every byte, as they do anyway for a shard still downloading.
+    - ``tune_malloc``: keep glibc from handing freed sample memory back to the kernel (see
+      :mod:`wdscache.malloc`). It changes the allocator of the whole process; False leaves it be.
+    """
+
+    request_size: int = 128
+    inflight: int | None = None
+    zero_copy: bool = False
+    direct_reads: bool = True
+    # On by default although it is process-wide, because the loader's own cost depends on it:
+    # glibc hands a freed payload or message of ~100 KB+ back to the kernel, so the next one
+    # page-faults fresh pages in, about 100,000 faults per GB of samples. Measured on 110 KB
+    # samples, warm: a consumer's CPU per GB halves with it (direct reads, the default path)
+    # and falls by a third when streamed (wdscache/malloc.py).
+    tune_malloc: bool = True
+
+
+_TUNING_KNOBS = frozenset(f.name for f in dataclasses.fields(Tuning))
 
 
 def _env_defaults() -> dict[str, Any]:
@@ -119,20 +157,16 @@ class CachedMultiLoader:
     asks the agent to take that list up for this job. Each ``iter()`` is one
     epoch; the next one follows unless :meth:`set_epoch` says otherwise.
 
-    Beyond webdataset's options: ``request_size`` samples at most per request to a
-    worker (fewer once replies show the sample size: a request asks for about
-    REQUEST_BYTES of payload, so small samples go many to a request and large
-    ones few),
-    ``inflight`` requests outstanding (the memory bound), ``zero_copy`` to get
-    payloads as read-only memoryviews instead of bytes (faster; not for
-    webdataset's decoders; a view keeps the whole message it came in alive, up to
-    ``request_size`` samples), ``direct_reads`` to copy payloads straight from the
-    agent's cache files when this process may read them (one copy per byte instead
-    of three; see :mod:`wdscache.direct`; False has the workers send every byte, as
-    they do anyway for a shard still downloading and with
-    ``zero_copy``), ``on_error`` ("raise" or "skip"), ``tune_malloc``
-    to keep glibc from returning received message memory to the kernel after each
-    message (process-wide; see :mod:`wdscache.malloc`).
+    Beyond webdataset's options: ``on_error`` ("raise" or "skip"), and ``map=fn`` with
+    ``workers=k`` to run ``fn`` on each sample in ``k`` processes (order kept). Those
+    processes start fresh (multiprocessing's "forkserver", or "spawn" where there is none),
+    not as forks of this process and its ZeroMQ threads, so ``fn`` must be picklable: a
+    function defined at module level (or a ``functools.partial`` of one), as for torch's
+    DataLoader workers under "spawn"; a lambda or a nested function is refused here.
+
+    The performance knobs are one :class:`Tuning` (``tuning=``); each is also accepted as a
+    keyword of its own (``request_size=64`` is ``tuning=Tuning(request_size=64)``), which wins
+    over the same knob of ``tuning``.
     """
 
     def __init__(
@@ -154,12 +188,16 @@ class CachedMultiLoader:
         drop_last: bool = False,
         timeout: float = 60.0,
         on_error: str = "raise",
-        request_size: int = 128,
-        inflight: int | None = None,
-        zero_copy: bool = False,
-        direct_reads: bool = True,
-        tune_malloc: bool = True,
+        tuning: Tuning | None = None,
+        **knobs: Any,
     ) -> None:
+        unknown = sorted(set(knobs) - _TUNING_KNOBS)
+        if unknown:
+            raise TypeError(f"CachedMultiLoader() got unexpected keyword arguments {unknown}; "
+                            f"its tuning knobs are {sorted(_TUNING_KNOBS)}")
+        self.tuning = dataclasses.replace(tuning or Tuning(), **knobs)
+        if map is not None and workers > 0:
+            _check_picklable(map)
         env = _env_defaults()
         self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
@@ -176,8 +214,6 @@ class CachedMultiLoader:
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
-        self.request_size, self.inflight, self.zero_copy = request_size, inflight, zero_copy
-        self.direct_reads, self.tune_malloc = direct_reads, tune_malloc
         self.urls = _normalize_urls(urls)
         self._own_list_id = list_id(self.urls) if self.urls is not None else None
         self._agent_lists: dict[str, tuple[str, ...]] = {}
@@ -296,7 +332,7 @@ class CachedMultiLoader:
 
     def __iter__(self) -> Iterator[Any]:
         self._ensure_agent()
-        if self.tune_malloc:
+        if self.tuning.tune_malloc:
             tune_malloc()
         epoch, start = self._epoch, self._start
         self._epoch, self._start = epoch + 1, Resume()
@@ -399,7 +435,7 @@ class _Stream:
         self.ctx = zmq.Context()
         # Payloads read from the cache files here (the agent says where they are), if we see
         # its very cache directory, unless a read of them fails: then the workers send them.
-        direct = (loader.direct_reads and not loader.zero_copy and loader._direct_off is None
+        direct = (loader.tuning.direct_reads and not loader.tuning.zero_copy and loader._direct_off is None
                   and _same_directory(hello))
         self.files = CacheFiles(hello["cache_dir"]) if direct else None
         self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
@@ -425,7 +461,7 @@ class _Stream:
         self.next_rid = itertools.count()  # request ids: unique within this stream (its own sockets)
         self.resends: dict[int, int] = {}
         self.batch: list[tuple[int, SampleId]] = []  # items of the next request, their shards pinned
-        self.request_limit = min(loader.request_size, FIRST_REQUEST)  # samples per request, see _sized
+        self.request_limit = min(loader.tuning.request_size, FIRST_REQUEST)  # samples per request, see _sized
         self.per_sample = 0.0  # payload bytes per sample of the latest replies, see _sized
         self.seq_next = 0
         self.calls: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
@@ -759,7 +795,7 @@ class _Stream:
         """The rank's samples in order. A hole (a sample of a shard skipped with
         ``on_error="skip"``) is filled with a repeat of the sample before it (of the first
         one read, for holes before it), so every rank keeps its count."""
-        limit = self.loader.inflight or max(4, 2 * len(self.workers))
+        limit = self.loader.tuning.inflight or max(4, 2 * len(self.workers))
         owned = self._owned()
         seq_yield = 0
         exhausted = False
@@ -991,7 +1027,7 @@ class _Stream:
         REQUEST_BYTES each): larger samples count at once, smaller ones as the estimate decays."""
         if sizes:
             self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
-            self.request_limit = max(1, min(self.loader.request_size, int(REQUEST_BYTES // self.per_sample)))
+            self.request_limit = max(1, min(self.loader.tuning.request_size, int(REQUEST_BYTES // self.per_sample)))
 
     def _samples(
         self, header: dict[str, Any], payload: list[Any], items: list, direct: bool
@@ -1008,7 +1044,7 @@ class _Stream:
             frames += self._file_ranges(header["files"], items)
         samples = []
         sizes = []
-        zero_copy, urls = self.loader.zero_copy, self.urls
+        zero_copy, urls = self.loader.tuning.zero_copy, self.urls
         try:
             for (_, (shard, _)), key, names, span in zip(items, keys, exts, spans):
                 # Checked enough that no reply can make us read outside its frames; a
@@ -1217,6 +1253,29 @@ def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any
         yield len(batch), collate(batch)
 
 
+def _check_picklable(fn: Callable[[Any], Any]) -> None:
+    """Refuse, naming ``map=``, a function the pool's fresh processes could not be sent."""
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise TypeError(
+            f"map={fn!r} cannot be sent to the map worker processes ({exc}): with workers > 0, map= "
+            "takes a picklable callable, such as a function defined at module level or a "
+            "functools.partial of one (not a lambda or a nested function); workers=0 runs it in "
+            "this process instead"
+        ) from exc
+
+
+def _start_method() -> str:
+    """How the ``map=`` pool starts its processes: never "fork". The training process runs
+    ZeroMQ's I/O threads (and often threads of its own); a fork copies their locks in whatever
+    state they are, and a child can hang on one that no thread will ever release. "forkserver"
+    forks from a clean single-threaded server process; "spawn" where there is none (Windows)."""
+    import multiprocessing
+
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
 def _mapped(items: Iterator[Any], fn: Callable[[Any], Any], workers: int) -> Iterator[Any]:
     """``fn`` over ``items`` in ``workers`` processes (or inline), order kept, a bounded number ahead."""
     if workers <= 0:
@@ -1225,7 +1284,7 @@ def _mapped(items: Iterator[Any], fn: Callable[[Any], Any], workers: int) -> Ite
         return
     import multiprocessing
 
-    pool = multiprocessing.get_context("fork").Pool(workers)
+    pool = multiprocessing.get_context(_start_method()).Pool(workers)
     try:
         ahead: deque[Any] = deque()
         for item in items:

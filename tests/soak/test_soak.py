@@ -9,15 +9,11 @@ from __future__ import annotations
 import os
 import random
 import signal
-import sys
 from collections import Counter
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from conftest import wait_for  # noqa: E402
-from procs import children_of, rss_kib, worker_pids  # noqa: E402
-from streaming import Consumer, reference, samples_of  # noqa: E402
+from tests.helpers.procs import children_of, rss_kib, worker_pids
+from tests.helpers.streaming import Consumer, reference, samples_of
+from tests.helpers.waits import wait_for
 
 SEED = int(os.environ.get("WDSCACHE_SOAK_SEED", "1234"))
 EPOCHS = int(os.environ.get("WDSCACHE_SOAK_EPOCHS", "10"))

@@ -5,6 +5,10 @@ are offered because real datasets come from both: Python's :mod:`tarfile`
 and GNU ``tar``, whose headers differ in small ways a reader must tolerate.
 :func:`read_samples_reference` is an independent reader that applies
 WebDataset's grouping rules, to compare against what wdscache delivers.
+
+It lives in scripts/ because the benchmark and demo scripts make their data
+with it too: tests import it as ``scripts.shard_maker``, scripts as their
+sibling ``shard_maker``, and nothing here imports from tests/.
 """
 
 from __future__ import annotations

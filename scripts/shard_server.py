@@ -6,7 +6,10 @@ ranges, validators) and can be told to misbehave on purpose: throttle
 bandwidth, delay the first byte, or inject faults into the next requests of a
 given file.  Everything it did is kept in a request log for assertions.
 
-Only the standard library is used, and it binds to 127.0.0.1 only.
+Only the standard library is used, and it binds to 127.0.0.1 only.  It lives in
+scripts/ because the benchmark and demo scripts serve their shards with it too:
+tests import it as ``scripts.shard_server``, scripts as their sibling ``shard_server``,
+and nothing here imports from tests/.
 """
 
 from __future__ import annotations

@@ -1,0 +1,152 @@
+"""Agents and the CLI as real processes (the installed ``wdscache`` console script), and the datasets they cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers.waits import STOP_TIMEOUT, TAIL_LINES, stop_process, tail, wait_for
+
+START_TIMEOUT = 20.0  # seconds an agent gets to answer stats after it was started
+CLI_TIMEOUT = 30.0
+
+
+def wdscache_exe() -> str:
+    """The ``wdscache`` console script of the interpreter running the tests."""
+    exe = Path(sys.executable).with_name("wdscache")
+    if exe.is_file() and os.access(exe, os.X_OK):
+        return str(exe)
+    found = shutil.which("wdscache")
+    if found is None:
+        raise RuntimeError(
+            f"no wdscache console script next to {sys.executable} or on PATH; "
+            "install the package (pip install -e .)"
+        )
+    return found
+
+
+def run_wdscache(*args: str | os.PathLike[str], timeout: float = CLI_TIMEOUT,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the CLI to completion (bounded by ``timeout``) and capture its output."""
+    cmd = [wdscache_exe(), *map(os.fspath, args)]
+    try:
+        return subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env,
+            stdin=subprocess.DEVNULL, check=False,
+        )
+    except subprocess.TimeoutExpired as exc:  # run() has killed and reaped it
+        pytest.fail(
+            f"{' '.join(cmd)} did not finish within {timeout:g}s; stderr tail:\n"
+            f"{tail(_text(exc.stderr))}",
+            pytrace=False,
+        )
+
+
+def _text(data: str | bytes | None) -> str:
+    if data is None:
+        return ""
+    return data.decode(errors="replace") if isinstance(data, bytes) else data
+
+
+@dataclass
+class Dataset:
+    urls: list[str]
+    paths: list[Path]
+    list_file: Path
+
+    def source_of(self, url: str) -> Path:
+        return self.paths[self.urls.index(url)]
+
+    def __iter__(self):  # urls, paths, list_file = dataset(3)
+        return iter((self.urls, self.paths, self.list_file))
+
+
+class AgentProc:
+    """A ``wdscache agent`` process with its stderr in a file."""
+
+    def __init__(self, proc: subprocess.Popen, cache_dir: Path, log_path: Path, args: list[str]) -> None:
+        self.proc = proc
+        self.cache_dir = cache_dir
+        self.log_path = log_path
+        self.args = args
+        self.killed = False  # True when stop() had to SIGKILL after the timeout
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stderr_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stderr_tail(self, lines: int = TAIL_LINES) -> str:
+        return f"--- agent {self.pid} stderr (tail) ---\n{tail(self.stderr_text(), lines)}"
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT) -> int:
+        """Send ``sig``, wait ``timeout`` s (then SIGKILL); the return code."""
+        rc, killed = stop_process(self.proc, sig, timeout)
+        self.killed = self.killed or killed
+        return rc
+
+    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
+        """``wdscache stats --cache-dir DIR --json``, parsed; fails the test if it does not answer."""
+        r = run_wdscache("stats", "--cache-dir", self.cache_dir, "--json", timeout=timeout)
+        if r.returncode != 0:
+            pytest.fail(
+                f"wdscache stats exited {r.returncode}: {r.stderr.strip()}\n{self.stderr_tail()}",
+                pytrace=False,
+            )
+        return json.loads(r.stdout)
+
+    def try_stats(self, timeout: float = 10.0) -> dict[str, Any] | None:
+        r = run_wdscache("stats", "--cache-dir", self.cache_dir, "--json", timeout=timeout)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def wait_up(self, timeout: float = START_TIMEOUT) -> dict[str, Any]:
+        """Wait until the agent answers stats itself; fail at once if it exits."""
+
+        def up() -> dict[str, Any] | None:
+            if not self.running():
+                pytest.fail(
+                    f"agent exited with {self.proc.returncode} before it was up\n{self.stderr_tail()}",
+                    pytrace=False,
+                )
+            s = self.try_stats()
+            return s if s is not None and s.get("agent") and s["agent"].get("pid") == self.pid else None
+
+        return wait_for(up, timeout, lambda: f"agent never answered stats\n{self.stderr_tail()}",
+                        interval=0.1)
+
+    def wait_stats(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        """Poll stats until ``predicate(stats)``; the message names ``what`` and the last stats."""
+        last: list[dict[str, Any] | None] = [None]
+
+        def check() -> dict[str, Any] | None:
+            if not self.running():
+                pytest.fail(
+                    f"agent exited with {self.proc.returncode} while waiting for {what}\n{self.stderr_tail()}",
+                    pytrace=False,
+                )
+            s = last[0] = self.try_stats()
+            return s if s is not None and predicate(s) else None
+
+        return wait_for(
+            check, timeout,
+            lambda: f"{what}; last stats: {json.dumps(last[0])}\n{self.stderr_tail()}",
+            interval=0.1,
+        )

@@ -1,0 +1,56 @@
+"""Bounded waits: every wait in a test has a deadline, and a hang is a failure with a message."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+STOP_TIMEOUT = 10.0  # seconds a process gets to exit after SIGTERM before SIGKILL
+TAIL_LINES = 40
+
+
+def tail(text: str, lines: int = TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout: float,
+    message: str | Callable[[], str],
+    *,
+    interval: float = 0.05,
+) -> Any:
+    """Poll ``predicate`` until it returns something truthy (returned) or fail after ``timeout``.
+
+    ``message`` (or its result, if callable) is the failure message; build it
+    lazily to include state that is only known at the deadline (a log tail).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            text = message() if callable(message) else message
+            pytest.fail(f"timed out after {timeout:g}s: {text}", pytrace=False)
+        time.sleep(interval)
+
+
+def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = STOP_TIMEOUT) -> tuple[int, bool]:
+    """Signal ``proc``, wait up to ``timeout``, then SIGKILL; returns (returncode, killed)."""
+    if proc.poll() is not None:
+        return proc.returncode, False
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.wait(timeout), False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(10), True

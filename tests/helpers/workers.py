@@ -1,0 +1,51 @@
+"""A request sent straight to an agent's worker over ZeroMQ, as the loader sends it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
+    """A DEALER socket connected to the agent's first worker, as a consumer named ``reader``
+    would have one (``options``: socket options by name), and the key its requests carry;
+    closed, and the reader gone, after."""
+    import zmq
+
+    from wdscache.client import AgentConnection, resolve_endpoint
+
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        sock.setsockopt(getattr(zmq, name), value)
+    try:
+        hello = conn.request({"op": "hello", "reader": reader, "job": reader, "rank": 0, "world_size": 1})
+        assert hello.get("ok"), hello
+        sock.connect(hello["workers"][0])
+        yield sock, conn.worker_key(0)
+    finally:
+        sock.close()
+        ctx.term()
+        try:
+            conn.request({"op": "bye", "reader": reader})
+        finally:
+            conn.close()
+
+
+def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]],
+                     direct: bool = False) -> tuple[dict, list[bytes]]:
+    """One read request straight to a worker (as the loader sends it), and its reply."""
+    from wdscache.protocol import pack, unpack
+
+    request = {"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}
+    if direct:
+        request["direct"] = True
+    with worker_socket(cache, "raw") as (sock, key):
+        sock.send_multipart(pack({**request, "key": key}))
+        assert sock.poll(10_000), "the worker did not answer a read within 10 s"
+        return unpack(sock.recv_multipart())
