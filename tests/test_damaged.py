@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.streaming import reference, samples_of
-from wdscache import CachedMultiLoader, ShardError
+from tests.helpers.waits import wait_for
+from wdscache import CachedMultiLoader, ShardClient, ShardError
 from wdscache.layout import CacheLayout
 
 
@@ -125,3 +126,26 @@ def test_skip_delivers_every_sample_of_every_healthy_shard_and_the_ranks_keep_eq
             assert s["fields"] == ref[(s["url"], s["key"])]
     s = agent.wait_stats(lambda s: s["failed"], 10, "the damaged shard was not failed")
     assert [f["url"] for f in s["failed"]] == [bad], s["failed"]
+
+
+def test_a_damaged_copy_another_reader_holds_is_fetched_again_once_it_lets_go(
+        shard_server, dataset, start_agent, consumers, tmp_path):
+    ds = dataset(4, samples=20, payload=3000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "4", "--cache-size", "10M", "--workers", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, "the 4 shards were not cached")
+    assert len(list(loader(cache))) == 80  # the counts are known
+    clobber_header(CacheLayout.of(cache).shard_path(ds.urls[2]))  # the source stays healthy
+    with ShardClient(cache, timeout=20, name="holder") as holder:
+        holder.open(ds.urls[2])  # another reader holds the damaged copy: it cannot go yet
+        c = consumers(cache, "reader", "--job", "j2", "--timeout", "20")
+        wait_for(lambda: "reading it again from a new copy" in c.log.read_text(), 20,
+                 lambda: f"the consumer never found the damage\n{c.log.read_text()[-2000:]}")
+        assert c.proc.poll() is None  # it waits for a good copy, not for an error
+    results = samples_of(c.wait())  # the holder let go: the copy is fetched again, the epoch ends
+    ref = reference(ds.paths, ds.urls)
+    assert sorted((s["url"], s["key"]) for s in results) == sorted(ref)
+    for s in results:
+        assert s["fields"] == ref[(s["url"], s["key"])]
+    s = agent.stats()
+    assert s["failed"] == [] and gets(shard_server, ds.paths[2].name) == 2, s["failed"]

@@ -241,3 +241,52 @@ def test_recovery_forgets_a_gzip_file_in_the_cache_and_fetches_the_shard_again(t
         client.release(url)
     assert shard_server.count(path.name) == 1, agent.stderr_tail()
     assert "gzip" in agent.stderr_text()
+
+
+def test_a_gzip_bomb_from_a_pipe_source_fails_within_the_budget(tmp_path, shard_server, start_agent):
+    """A ``pipe:`` body has no size up front: its tar's growth is held to the budget all the same."""
+    bomb = zero_bomb(shard_server.root / "pbomb-000000.tar.gz", 1, 120 * MiB)
+    line = f"pipe:cat {bomb}"
+    urls_file = tmp_path / "lists" / "pipes.txt"
+    urls_file.parent.mkdir(parents=True, exist_ok=True)
+    urls_file.write_text(line + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, urls_file, "--allow-pipe", "--cache-size", "40M", "--prefetch", "1")
+    peak = [0]
+
+    def failed() -> str | None:
+        peak[0] = max(peak[0], sum(p.stat().st_size for p in (cache / "partial").glob("*")))
+        return failed_urls(agent.stats()).get(line)
+
+    error = wait_for(failed, DEADLINE, "the pipe: bomb never failed")
+    assert "--cache-size 40.0M" in error and "gzip" in error, error
+    assert peak[0] <= 40 * MiB, f"its files reached {peak[0]} bytes under a 40 MiB budget"
+    no_leftovers(cache, line)
+
+
+def test_a_gzip_expansion_that_fits_only_without_a_step_ahead_is_not_held_up(tmp_path, shard_server, start_agent):
+    """The tar is granted what it needs when the budget cannot also hold a step ahead: three
+    pinned shards leave 65 MiB of 128; the compressed file (8 MiB) and its tar (56 MiB) fit,
+    a step ahead beside them would not."""
+    import random
+
+    held = [make_shard(shard_server.root / f"held-{i:06d}.tar", synth_samples(i, 21, payload=MiB - 1536))
+            for i in range(3)]
+    noise = random.Random(0).randbytes(8 * MiB)  # does not compress: the .tar.gz stays 8 MiB
+    big = shard_server.root / "fit-000000.tar.gz"
+    with open(big, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
+        for name, payload in (("a.bin", noise), ("b.bin", bytes(48 * MiB))):
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            gz.write(info.tobuf(tarfile.USTAR_FORMAT) + payload)
+        gz.write(bytes(2 * tarfile.BLOCKSIZE))
+    held_urls, url = [shard_server.url(p.name) for p in held], shard_server.url(big.name)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", [*held_urls, url]),
+                        "--cache-size", "128M", "--prefetch", "3", "--no-shuffle")
+    with ShardClient(cache, timeout=30) as client:
+        for u in held_urls:
+            client.open(u)  # pinned: not evictable while the tar grows
+        path = client.open(url, timeout=30)
+        assert path.stat().st_size == 56 * MiB + 4 * 512  # two headers, two end blocks
+    assert agent.running()

@@ -212,3 +212,24 @@ def test_two_pipe_shards_that_do_not_fit_together_do_not_wait_for_each_other(tmp
         for url, path in zip(lines, data.paths):
             assert client.open(url, timeout=30).read_bytes() == path.read_bytes(), f"{url}\n{agent.stderr_tail()}"
             client.release(url)
+
+
+def test_a_kept_partial_that_is_already_whole_is_published_without_sending_its_body_again(
+        tmp_path, shard_server, dataset):
+    """A download cancelled after its last byte came (while a gzip'd shard was being
+    decompressed, say) keeps a whole partial file: the resume's Range lies past the end,
+    the server answers 416 for that very version, and no byte is fetched again."""
+    from wdscache.fetch import Download, Fetcher
+
+    data = dataset(1, samples=8, payload=20_000)
+    path = data.paths[0]
+    fetcher = Fetcher()
+    etag = fetcher.describe(data.urls[0]).etag
+    partial = tmp_path / "whole.partial"
+    partial.write_bytes(path.read_bytes())
+    d = Download(data.urls[0], partial=partial, final=tmp_path / "shard.tar", etag=etag,
+                 reserve=lambda d, total, timeout: True)
+    fetcher.fetch(d)
+    assert d.final.read_bytes() == path.read_bytes()
+    gets = [r for r in shard_server.requests if r.method == "GET"]
+    assert [(r.status, r.bytes_sent) for r in gets] == [(416, 0)], gets

@@ -102,6 +102,7 @@ REFUSED = ("refused: this agent serves only clients that hold the token in its c
 # A download out of every window this long is cancelled (windows flicker as readers
 # come, go and say hello; each flicker must not cost a download).
 CANCEL_AFTER = 3.0
+GROWTH_GRACE = 1.0  # seconds every download may wait for room the others hold before one is cancelled
 
 
 @dataclass
@@ -162,7 +163,9 @@ class Agent:
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read
         self._changed: dict[str, str] = {}  # url -> how it changed on the server
         self._suspect: set[str] = set()  # cached shards a read found damaged: fetched again at the next open
-        self._refetched: set[str] = set()  # damaged shards already downloaded once more
+        self._refetched: set[str] = set()  # damaged shards downloaded once more, not yet read fine since
+        self._failed_damaged: set[str] = set()  # failed because their copies were damaged, not their downloads
+        self._growth_stuck_since: float | None = None  # since when every download waits for growth room
         self._verified: set[str] = set()  # cached shards known current (downloaded or checked this run)
         self._failed_at: dict[str, float] = {}
         self._unwanted_since: dict[str, float] = {}  # url of a download -> when it left every window
@@ -675,6 +678,7 @@ class Agent:
         reason = f"damaged again after it was downloaded once more: {error[:400]}"
         log.error("failed %s: %s", url, reason)
         self._suspect.discard(url)
+        self._failed_damaged.add(url)
         self.cache.fail_cached(url, reason)
         self._failed_at[url] = time.monotonic()
         self._answer_waiters(url, error=reason)
@@ -859,7 +863,14 @@ class Agent:
         cancelled (it starts over later), and the others can go on."""
         growing = [g for g in pending if g.download.reserved > 0 and not g.download.cancel.is_set()]
         if len(growing) < 2 or len(pending) < len(self._active):
+            self._growth_stuck_since = None
             return  # some download is still moving: it may free space
+        now = time.monotonic()
+        if self._growth_stuck_since is None:
+            self._growth_stuck_since = now
+        if now - self._growth_stuck_since < GROWTH_GRACE:
+            return  # a reader may let go of a pin meanwhile
+        self._growth_stuck_since = None
         victim = min(growing, key=lambda g: (g.download.demanded, g.download.written + g.download.expanded))
         log.info("cancelling %s: it and %d other download(s) each wait for space the others hold",
                  victim.download.url, len(growing) - 1)
@@ -989,6 +1000,7 @@ class Agent:
         for url, count in r.pins.items():
             for _ in range(count):
                 self.cache.unpin(url)
+            self._refetch_if_damaged(url)
         self.consumers.pop(name, None)
 
     def _periodic(self) -> None:
@@ -1100,6 +1112,7 @@ class Agent:
             return
         if rec.state is ShardState.CACHED:
             self.cache.index.set_count(url, samples, rec.size, rec.etag)
+            self._refetched.discard(url)  # its headers read fine: later damage gets one more download
         elif url in self._active and self.cache.path(url).exists():
             # Published a moment ago (a worker saw the file): its "done" event, still queued, records it.
             self._early_counts[url] = samples
@@ -1333,15 +1346,11 @@ class Agent:
             log.warning("cache file of %s vanished; downloading it again", url)
             self.cache.remove(url)
             rec = None
-        elif rec is not None and url in self._suspect and not self.cache.pins.get(url):
-            # A read found it damaged: fetch it once more (a bad copy is repaired; a bad source
-            # is failed once its new copy is found damaged too, see _damaged).
-            # Its sample count stays: it was found in a copy of this very version, and the ranks
-            # of a job that ask for it meanwhile must all get the same answer.
-            log.warning("downloading %s again: %s", url, self._corrupt.get(url, "found damaged"))
-            self._suspect.discard(url)
-            self._refetched.add(url)
-            self.cache.remove(url)
+        elif rec is not None and url in self._suspect:
+            # A read found it damaged: it is fetched once more (a bad copy is repaired; a bad source
+            # is failed once its new copy is found damaged too, see _damaged), now if nobody
+            # holds it, else once they let go; meanwhile it is not cached for this reader.
+            self._refetch_if_damaged(url)
             rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             self.cache.index.incr("hits")
@@ -1359,9 +1368,12 @@ class Agent:
         if rec is not None and rec.state is ShardState.FAILED:
             failed_at = self._failed_at.get(url, 0.0)
             if time.monotonic() - failed_at < FAILED_RETRY_AFTER:
-                self._reply(ident, rid, ok=False, error=rec.error or "download failed", damaged=url in self._refetched)
+                self._reply(ident, rid, ok=False, error=rec.error or "download failed",
+                            damaged=url in self._failed_damaged)
                 return
             self.cache.forget_failure(url)
+            self._failed_damaged.discard(url)
+            self._refetched.discard(url)  # a new try from the start: one more download if damaged again
         self._demanded.setdefault(url, time.monotonic())
         d = self._active.get(url)
         if d is not None:
@@ -1392,24 +1404,29 @@ class Agent:
         slot or budget); failed (with the error); or unknown (nobody asked for it)."""
         assert self.cache is not None
         rec = self.cache.index.get(url)
+        if url in self._suspect:
+            return {"state": "queued", "reason": "its cached copy is damaged: it is downloaded again once the "
+                                                 "readers that hold it let go"}
         if rec is not None and rec.state is ShardState.CACHED:
             return {"state": "cached"}
         d = self._active.get(url)
-        # Bytes written so far: a waiting consumer counts their growth as progress.
-        progress = {"written": d.written, "total": d.total} if d is not None and not d.verify else {}
+        # Bytes written so far (a gzip'd shard's tar too): a waiting consumer counts their growth as progress.
+        progress = {"written": d.written + d.expanded, "total": d.total} if d is not None and not d.verify else {}
+        if url in self._space_waits:  # before "downloading": a stream that waits for space should say why
+            return {"state": "queued", "reason": self._space_waits[url], **progress}
         if self._streamable(url):
             return {"state": "downloading", **progress}
         if rec is not None and rec.state is ShardState.FAILED:
             # "damaged": its copies were found damaged (the shard is bad, not its download).
-            return {"state": "failed", "error": rec.error or "download failed", "damaged": url in self._refetched}
-        if url in self._space_waits:
-            return {"state": "queued", "reason": self._space_waits[url], **progress}
+            return {"state": "failed", "error": rec.error or "download failed", "damaged": url in self._failed_damaged}
         return {"state": "queued" if url in self._active or url in self._demanded else "unknown", **progress}
 
     def _streamable(self, url: str) -> bool:
         """True when ``url`` is downloading with its whole size reserved: it will finish whatever is pinned."""
         d = self._active.get(url)
-        return d is not None and not d.verify and d.total is not None and d.reserved >= d.total
+        # A gzip'd shard is read once decompressed: a stream would hold its pins while the tar
+        # still needs room.
+        return d is not None and not d.verify and not d.gzipped and d.total is not None and d.reserved >= d.total
 
     def _answer_streamers(self, url: str) -> None:
         """The download of ``url`` got its budget: readers waiting to stream it may start."""
@@ -1439,6 +1456,21 @@ class Agent:
         if not reader.pins[url]:
             del reader.pins[url]
         self.cache.unpin(url)
+        self._refetch_if_damaged(url)
+
+    def _refetch_if_damaged(self, url: str) -> None:
+        """A damaged copy nobody holds any more is dropped, and downloaded once more for the
+        readers waiting for it (see :meth:`_damaged`)."""
+        assert self.cache is not None
+        if url not in self._suspect or self.cache.pins.get(url):
+            return
+        log.warning("downloading %s again: %s", url, self._corrupt.get(url, "found damaged"))
+        self._suspect.discard(url)
+        self._refetched.add(url)
+        # Its sample count stays: it was found in a copy of this very version, and the ranks
+        # of a job that ask for it meanwhile must all get the same answer.
+        self.cache.remove(url)
+        self._demanded.setdefault(url, time.monotonic())
 
     # -- statistics -----------------------------------------------------------
 

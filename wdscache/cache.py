@@ -253,8 +253,9 @@ class ShardCache:
         evicted only for a demanded download, and from the far end. When refused,
         :attr:`refusal` says why (the budget, or the file system's free space).
         """
-        if d.total is None and d.needed:
-            # Unknown size: ``total`` is a wish; grant what the budget can spare, at least ``needed``.
+        if d.needed:
+            # A growing reservation (a body of unknown size, a gzip'd shard being decompressed):
+            # ``total`` is a wish; grant what the budget can spare, at least ``needed``.
             if d.needed > self.limit:
                 raise OverflowError(
                     f"the shard reached {format_size(d.needed)} ({d.needed} bytes) and is still growing, "

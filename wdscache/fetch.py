@@ -90,9 +90,10 @@ class Download:
     expanded: int = 0  # bytes of a gzip'd shard's tar written so far (beside its ``written``)
     reserved: int = 0
     demanded: bool = False
-    # Unknown size (pipe:): the bytes the next reservation must hold at least; the
-    # budget may grant less than asked, never less than this.
+    # A growing reservation (unknown size, or a gzip'd shard's tar): the bytes the next
+    # one must hold at least; the budget may grant less than asked, never less than this.
     needed: int = 0
+    gzipped: bool = False  # its body starts like gzip: readers wait for the tar, never stream it
     verify: bool = False  # only ask the source whether the cached copy is still current
     on_validator: Callable[["Download"], None] = lambda d: None
 
@@ -271,6 +272,14 @@ class Fetcher:
                 self._hold(d.url, delay)
                 raise _Retry(f"HTTP {status} {r.reason}", delay)
             if status == 416 and offset:
+                if _unsatisfiable_size(r.headers.get("Content-Range", "")) == offset and d.etag:
+                    # Nothing past our bytes, of the version If-Range named: the partial kept
+                    # was whole already (cancelled after its last byte came). Checked as any.
+                    d.total = offset
+                    if not d.reserve(d, offset, HOLD_CONNECTION):
+                        r.close()
+                        d.reserve(d, offset, None)
+                    return offset
                 _truncate(d.partial)  # our partial is not a prefix of this object
                 raise _Retry("HTTP 416 on resume; starting over", 0.0)
             if status == 206 and offset:
@@ -390,6 +399,7 @@ class Fetcher:
     def _check_head(d: Download, fd: int, pending: bytes) -> None:
         # Checked as soon as 64 KiB arrive, so a wrong body is refused early, not after 1 GB.
         head = os.pread(fd, HEAD_BYTES, 0) + pending
+        d.gzipped = head.startswith(GZIP_MAGIC)
         problem = tar_problem(head[:HEAD_BYTES])
         if problem:
             raise FetchError(d.url, problem, permanent=True)
@@ -434,17 +444,14 @@ class Fetcher:
     @staticmethod
     def _grow_for_tar(d: Download, packed: int, piece: int) -> None:
         """Reserve room for ``piece`` more bytes of ``d``'s tar (beside the compressed file)."""
-        need = packed + d.expanded + piece
+        d.needed = packed + d.expanded + piece  # granted at least this, up to a step ahead
         try:
-            d.reserve(d, need + GROW, None)
-        except FetchError:
-            try:
-                d.reserve(d, need, None)  # the last steps may fit where a whole GROW does not
-            except FetchError as exc:
-                raise FetchError(
-                    d.url, f"gzip'd shard expands beyond the cache's budget: {format_size(d.expanded + piece)} "
-                    f"decompressed so far (from {format_size(packed)}); {exc.reason}", permanent=True,
-                ) from None
+            d.reserve(d, d.needed + GROW, None)
+        except FetchError as exc:
+            raise FetchError(
+                d.url, f"gzip'd shard expands beyond the cache's budget: {format_size(d.expanded + piece)} "
+                f"decompressed so far (from {format_size(packed)}); {exc.reason}", permanent=True,
+            ) from None
 
     @staticmethod
     def _publish(d: Download, path: Path | None = None) -> None:
@@ -539,6 +546,12 @@ def validator_kind(value: str) -> str:
 
 def _is_etag(value: str) -> bool:
     return value.startswith(('"', "W/"))
+
+
+def _unsatisfiable_size(value: str) -> int | None:
+    """The size a 416's ``Content-Range: bytes */SIZE`` gives, if it does."""
+    unit, _, rest = value.strip().partition(" ")
+    return int(rest[2:]) if unit == "bytes" and rest.startswith("*/") and rest[2:].isdigit() else None
 
 
 def _content_range(value: str) -> tuple[int, int | None]:

@@ -595,7 +595,8 @@ class _Stream:
             for seq, (items, _) in list(self.delayed.items()):
                 del self.delayed[seq]
                 for _, (held, _) in items:
-                    self.opened[held] -= 1
+                    if held in self.opened and held not in self.skipped:  # as _read_failed counted them
+                        self.opened[held] -= 1
                 self.reopen[seq] = items
             self._drain()
             if self.files is not None:
@@ -657,8 +658,9 @@ class _Stream:
         return None
 
     def _left(self) -> float:
-        """Seconds until the wait in progress counts as a stall (at least a little)."""
-        return max(0.1, self.progress_at + self.loader.timeout - time.monotonic())
+        """Seconds until the wait in progress counts as a stall; at least one, so that a busy
+        agent's answer near the end still counts."""
+        return max(1.0, self.progress_at + self.loader.timeout - time.monotonic())
 
     def _release(self, shard: int, *, force: bool = False) -> None:
         """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no more."""
@@ -712,7 +714,7 @@ class _Stream:
         """The error of a shard the agent failed: a ShardError once its copies were found
         damaged (the shard itself is bad), else a FetchError (its download failed)."""
         error = str(reply.get("error") or "download failed")
-        if reply.get("damaged") is True or shard in self.retried:
+        if reply.get("damaged") is True:
             return ShardError(self.urls[shard], error)
         return FetchError(self.urls[shard], error)
 
@@ -900,6 +902,7 @@ class _Stream:
         """
         while self.pending:
             self._receive()
+            self._check_stall()
 
     def _recover(self) -> None:
         """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
