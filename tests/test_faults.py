@@ -38,6 +38,7 @@ from wdscache.client import AgentConnection
 from wdscache import errors as wds_errors
 from wdscache.layout import CacheLayout, shard_name
 from wdscache.pool import worker_endpoints
+from wdscache.protocol import reply_proof, request_proof
 from wdscache.tario import tar_problem
 
 SHARD_100K = {"samples": 12, "payload": 8000}  # ~100 KB shards
@@ -756,6 +757,15 @@ def _keyed(frame: bytes, key: str) -> bytes:
     return _j({**obj, "key": key}) if isinstance(obj, dict) else frame
 
 
+def _proved(frame: bytes, key: str) -> bytes:
+    """``frame`` with the proof of its id under a worker's ``key`` added, if it is a JSON object."""
+    try:
+        obj = json.loads(frame)
+    except (ValueError, RecursionError):
+        return frame
+    return _j({**obj, "auth": request_proof(key, obj.get("id"))}) if isinstance(obj, dict) else frame
+
+
 def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard_server, dataset, start_agent, raw_peers, tmp_path):
     ds = dataset(3, samples=5, payload=500)
     cache = tmp_path / "cache"
@@ -793,26 +803,32 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard
     w0 = worker_endpoints(endpoint, 2)[0]
     assert w0.endswith("-w0.sock"), w0
     wpeer = raw_peers(w0)
-    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "items": [[0, 0]], "key": key}))
+    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "items": [[0, 0]], "auth": request_proof(key, 6)}))
     assert r["ok"] is False and r["kind"] == "refused" and "keys" not in r, r  # the agent's key is not a worker's
+    assert r["proof"] == reply_proof(wkey, 6), r  # a refusal is proved too, else a consumer would not believe it
+    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "items": [[0, 0]], "key": wkey}))
+    assert r["ok"] is False and r["kind"] == "refused" and "keys" not in r, r  # the key itself never travels
     r = wpeer.ask(b"\x00\xffgarbage\x80")
     assert r["ok"] is False and r["kind"] == "protocol" and "not UTF-8 JSON" in r["error"], r
     r = wpeer.ask(b"[1, 2, 3]")
     assert r["ok"] is False and r["kind"] == "protocol", r
-    r = wpeer.ask(_j({"op": "frobnicate", "id": 7, "key": wkey}))
-    assert r == {"op": "error", "id": 7, "ok": False, "kind": "protocol", "error": "unknown op 'frobnicate'"}, r
+    r = wpeer.ask(_j({"op": "frobnicate", "id": 7, "auth": request_proof(wkey, 7)}))
+    assert r == {"op": "error", "id": 7, "ok": False, "kind": "protocol", "error": "unknown op 'frobnicate'",
+                 "proof": reply_proof(wkey, 7)}, r
     r = wpeer.ask(pickle.dumps({"op": "read", "id": 9, "urls": ds.urls[:1], "items": [[0, 0]]}))
     assert r["ok"] is False and r["kind"] == "protocol", r
-    r = wpeer.ask(_j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10 ** 6]], "key": wkey}))
+    r = wpeer.ask(_j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10 ** 6]],
+                      "auth": request_proof(wkey, 11)}))
     assert r["ok"] is False and r["kind"] == "protocol" and "no sample" in r["error"], r
     r = wpeer.ask(_j({"op": "read", "id": 12, "urls": ["http://elsewhere/../../etc/passwd"], "items": [[0, 0]],
-                      "key": wkey}))
+                      "auth": request_proof(wkey, 12)}))
     assert r["ok"] is False and r["kind"] == "missing", r
     wpeer.send(b"{" + b" " * (2 << 20) + b"}")
     assert wpeer.reply(1.5) is None, "a 2 MiB message was answered by a worker"
     wfresh = raw_peers(w0)
-    r = wfresh.ask(_j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]], "key": wkey}))
-    assert r["ok"] is True and r["keys"] == ["s00000_00000"], r
+    r = wfresh.ask(_j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]],
+                       "auth": request_proof(wkey, 13)}))
+    assert r["ok"] is True and r["keys"] == ["s00000_00000"] and r["proof"] == reply_proof(wkey, 13), r
 
     # Service goes on: same processes, a full epoch.
     got = {(s["__url__"], s["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in s.items()
@@ -878,7 +894,7 @@ def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, sta
     workers = wait_for(lambda: worker_pids(agent.pid), 10, "no worker process found")
     endpoint = json.loads((cache / "agent.json").read_text())["endpoint"]
     peer = raw_peers(worker_endpoints(endpoint, 1)[0])
-    peer.send(_keyed(frame, client_key(cache, worker=0)))
+    peer.send(_proved(frame, client_key(cache, worker=0)))
     r = peer.reply(3)
     restarts = agent.stats()["agent"]["worker_restarts"]
     assert r is not None and restarts == 0 and worker_pids(agent.pid) == workers, (

@@ -40,6 +40,7 @@ from wdscache.client import AgentConnection, ShardClient
 from wdscache.layout import CacheLayout
 from wdscache.loader import CachedMultiLoader
 from wdscache.pool import worker_endpoints
+from wdscache.protocol import reply_proof, request_proof
 from wdscache.urls import list_id
 
 CHILD_DEADLINE = 60.0
@@ -141,7 +142,8 @@ def attack(agent_ep: str, worker_eps: list[str], urls: list[str], evil: str, cac
     out: dict[str, Any] = {"uid": os.getuid()}
     guess = "0" * 64
     read = {"op": "read", "id": 1, "urls": urls[:1], "items": [[0, 0]]}
-    out["read"] = [ask(ep, read) for ep in worker_eps] + [ask(ep, {**read, "key": guess}) for ep in worker_eps]
+    guesses: list[dict[str, str]] = [{}, {"key": guess}, {"auth": guess}]
+    out["read"] = [ask(ep, {**read, **guessed}) for ep in worker_eps for guessed in guesses]
     out["scan"] = [ask(ep, {"op": "scan", "id": 2, "url": urls[0]}) for ep in worker_eps]
     out["stats"] = ask(agent_ep, {"op": "stats", "id": 3})
     # Anyone may ask the agent to prove itself; what it answers is no key.
@@ -240,9 +242,12 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
         conn.close()
     read = {"op": "read", "id": 1, "urls": ds.urls[:1], "items": [[0, 0]]}
     assert len({agent_key, w0, w1}) == 3
-    assert ask(workers[0], {**read, "key": w0})["keys"] == ["s00000_00000"]
+    answer = ask(workers[0], {**read, "auth": request_proof(w0, 1)})
+    assert answer["keys"] == ["s00000_00000"] and answer["proof"] == reply_proof(w0, 1), answer
     for where, key in ((workers[1], w0), (workers[0], agent_key), (workers[0], w1)):
-        assert refused(ask(where, {**read, "key": key})), (where, key)
+        assert refused(ask(where, {**read, "auth": request_proof(key, 1)})), (where, key)
+    assert refused(ask(workers[0], {**read, "auth": request_proof(w0, 2)}))  # the proof of another id
+    assert refused(ask(workers[0], {**read, "key": w0}))  # the key itself is no proof: it never travels
     assert refused(ask(endpoint, {"op": "stats", "id": 1, "key": w0}))
     assert ask(endpoint, {"op": "stats", "id": 1, "key": agent_key})["ok"] is True
 
@@ -383,3 +388,80 @@ def _endpoint_error(cache: Path) -> str:
         return f"{type(exc).__name__}: {exc}"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+class Impostor:
+    """A process's socket bound on a worker's port before the agent starts (the worker then
+    cannot bind it): answers every read with fake samples and every scan with a count, in a
+    thread of this test; keeps the headers it was sent."""
+
+    FAKE = b"FAKE" * 16
+
+    def __init__(self, endpoint: str) -> None:
+        import threading
+
+        self.endpoint = endpoint
+        self.got: list[dict[str, Any]] = []
+        self.stop = False
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)  # here, before the agent: the test fails at once if it cannot
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop:
+            if not self.sock.poll(50):
+                continue
+            ident, raw, *_ = self.sock.recv_multipart()
+            header = json.loads(raw)
+            self.got.append(header)
+            if header.get("op") == "read":
+                items = header.get("items", [])
+                reply = {"op": "samples", "id": header.get("id"), "ok": True,
+                         "keys": [f"fake_{k}_{j}" for k, j in items], "exts": [["cls"] for _ in items],
+                         "spans": [[0, 0, len(self.FAKE)] for _ in items]}
+                self.sock.send_multipart([ident, json.dumps(reply).encode(), self.FAKE])
+            else:
+                reply = {"op": "scanned", "id": header.get("id"), "ok": True, "count": 5, "final": True}
+                self.sock.send_multipart([ident, json.dumps(reply).encode()])
+
+    def close(self) -> None:
+        self.stop = True
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_a_process_on_a_workers_port_cannot_hand_a_consumer_samples(open_base, dataset, start_agent, caplog):
+    """Whoever binds a worker's port first gets that worker's requests: no key in them, and a
+    consumer drops its replies (they lack the worker's proof), so it never yields a fake sample."""
+    ds = dataset(2, samples=5, payload=100)
+    cache = open_base / "cache"
+    port = free_port_range(2)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    impostor = Impostor(worker_endpoints(endpoint, 1)[0])
+    try:
+        agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "1")
+        agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "2 shards cached")
+        loader = CachedMultiLoader(cache_dir=cache, endpoint=endpoint, rank=0, world_size=1, shuffle=False,
+                                   timeout=4)
+        got: list[dict[str, Any]] = []
+        error: WdsCacheError | None = None
+        with caplog.at_level("WARNING", logger="wdscache.loader"):
+            try:
+                for sample in loader:
+                    got.append(sample)
+            except WdsCacheError as exc:
+                error = exc
+    finally:
+        impostor.close()
+    assert got == [], [s["__key__"] for s in got]
+    assert error is not None and "did not answer" in str(error) and endpoint in str(error), error
+    warned = [r.getMessage() for r in caplog.records if "without the worker's proof" in r.getMessage()]
+    assert len(warned) == 1 and impostor.endpoint in warned[0], warned
+    # It was asked, and learnt nothing it could use: no key, only proofs of its own request ids.
+    token = (cache / "token").read_text().strip()
+    assert impostor.got and all("key" not in h and "auth" in h for h in impostor.got), impostor.got
+    assert token not in json.dumps(impostor.got)

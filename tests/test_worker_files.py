@@ -162,17 +162,18 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
     worker = worker_pids(agent.pid)[0]
     before = rss_kib(worker, "RssFile")
     # It takes in little until we read: the worker's sends wait.
-    with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as (sock, key):
+    with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as (sock, proofs):
         for k in range(2):  # each shard in two reads of 6 samples: 4 replies of 2.4 MB
             for first in (0, 6):
-                sock.send_multipart(pack({"op": "read", "id": f"{k}-{first}", "key": key, "urls": [data.urls[k]],
+                sock.send_multipart(pack({"op": "read", "id": f"{k}-{first}", "auth": proofs.request(f"{k}-{first}"),
+                                          "urls": [data.urls[k]],
                                           "items": [[0, j] for j in range(first, first + 6)]}))
         time.sleep(0.5)  # long after the requests: most of the replies not sent yet
         got = 0
         for _ in range(4):
             assert sock.poll(10_000), "no reply from the worker within 10 s"
             header, frames = unpack(sock.recv_multipart())
-            assert header["ok"] and len(header["keys"]) == 6, header
+            assert header["ok"] and len(header["keys"]) == 6 and header["proof"] == proofs.reply(header["id"]), header
             got += sum(len(f) for f in frames)
         assert got >= 4 * 6 * 400_000 * 0.9
     wait_for(lambda: rss_kib(worker, "RssFile") - before < 2 * 1024, 5,

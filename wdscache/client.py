@@ -153,7 +153,8 @@ class AgentConnection:
         return token
 
     def worker_key(self, index: int) -> str | None:
-        """The key of requests to worker ``index`` of the agent run proved last (None before)."""
+        """The key of worker ``index`` of the agent run proved last (None before): requests and
+        replies carry proofs made with it (:class:`~wdscache.protocol.WorkerProofs`), never the key."""
         if self.key is None or self._token is None:
             return None
         return worker_key(self._token, self._run, index)

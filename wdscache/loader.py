@@ -52,7 +52,7 @@ from .client import AgentConnection, resolve_endpoint, start_hint
 from .direct import CacheFiles, FileRange, StaleFile
 from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError, ShardError, WdsCacheError
 from .malloc import tune_malloc
-from .protocol import pack, pages, process_identity, unpack
+from .protocol import WorkerProofs, pack, pages, process_identity, same_secret, unpack
 from .sequence import EpochSpec, RankShare, Resume, SampleId, global_sequence, rank_length
 from .private import PrivateAgent
 from .urls import format_url_list, list_id, parse_url_list, read_url_list
@@ -440,8 +440,11 @@ class _Stream:
         self.files = CacheFiles(hello["cache_dir"]) if direct else None
         self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
         self.workers = [self._connect(ep) for ep in hello["workers"]]
-        # Every request to a worker carries its key (it refuses any without).
-        self.keys = [self.conn.worker_key(i) for i in range(len(self.workers))]
+        # Every request to a worker carries the proof of its id under that worker's key (it
+        # refuses any without), and every reply of it the proof of its own: see protocol.py.
+        self.endpoints: list[str] = list(hello["workers"])
+        self.proofs = [WorkerProofs(self.conn.worker_key(i) or "") for i in range(len(self.workers))]
+        self.unproved_warned = False
         if not self.workers:
             raise WdsCacheError(f"the agent at {loader.endpoint} has no workers")
         self.poller = zmq.Poller()
@@ -733,7 +736,7 @@ class _Stream:
         while True:
             rid = f"c{next(self.next_rid)}"
             self.calls[rid] = None
-            self.workers[worker].send_multipart(pack({**header, "id": rid, "key": self.keys[worker]}))
+            self.workers[worker].send_multipart(pack({**header, "id": rid, "auth": self.proofs[worker].request(rid)}))
             again = time.monotonic() + min(5.0, self.loader.timeout / 2)
             while self.calls[rid] is None and time.monotonic() < again:
                 self._receive()
@@ -889,7 +892,7 @@ class _Stream:
         self.rids[rid] = seq
         direct = direct and self.files is not None
         self.pending[seq] = _Read(items, sent, time.monotonic(), rid, w, direct)
-        request = {"op": "read", "id": rid, "key": self.keys[w], "urls": urls, "items": wire}
+        request = {"op": "read", "id": rid, "auth": self.proofs[w].request(rid), "urls": urls, "items": wire}
         if direct:
             request["direct"] = True
         self.workers[w].send_multipart(pack(request))
@@ -951,7 +954,7 @@ class _Stream:
     def _receive(self, timeout: float = 0.1) -> None:
         """Take in worker replies (waiting up to ``timeout`` for one); resend lost requests."""
         events = dict(self.poller.poll(int(timeout * 1000)))
-        for sock in self.workers:
+        for w, sock in enumerate(self.workers):
             if sock not in events:
                 continue
             while True:
@@ -959,7 +962,7 @@ class _Stream:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                self._accept(frames)
+                self._accept(frames, w)
         now = time.monotonic()
         for seq, (items, when) in list(self.delayed.items()):
             if now >= when:
@@ -979,8 +982,20 @@ class _Stream:
                 del self.pending[seq]
                 self._dispatch(seq, read.items)
 
-    def _accept(self, frames: list[Any]) -> None:
-        header, payload = unpack(frames)
+    def _accept(self, frames: list[Any], worker: int) -> None:
+        """Take in a reply from the socket of ``worker``: one without that worker's proof is
+        dropped before anything of it is used (as if lost: the request is sent again)."""
+        try:
+            header, payload = unpack(frames)
+            proved = same_secret(header.get("proof"), self.proofs[worker].reply(header.get("id")))
+        except ProtocolError:
+            proved = False
+        if not proved:
+            if not self.unproved_warned:
+                self.unproved_warned = True
+                log.warning("a reply from %s without the worker's proof was dropped: another process may hold "
+                            "that port", self.endpoints[worker])
+            return
         if header.get("id") in self.calls:
             self.calls[header["id"]] = header
             return

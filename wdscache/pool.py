@@ -7,13 +7,16 @@ worker straight to the consumer, one hop. Consumers learn the worker endpoints
 from the agent.
 
 A worker serves two requests (JSON headers, see :mod:`wdscache.protocol`), each
-only with its key for the agent's run (``"key"``: :func:`~wdscache.protocol.worker_key`,
-which only holders of the cache directory's token can make; the agent gives it to
-the worker on its stdin). A request without it gets ``{"ok": false, "kind":
-"refused", "error": ...}`` and nothing else: no file is opened for it::
+only with the proof of its id under the worker's key for the agent's run (``"auth"``:
+:func:`~wdscache.protocol.request_proof` with :func:`~wdscache.protocol.worker_key`,
+which only holders of the cache directory's token can make; the agent gives the key
+to the worker on its stdin). A request without it gets ``{"ok": false, "kind":
+"refused", "error": ...}`` and nothing else: no file is opened for it. Every reply,
+that one too, carries ``"proof"``: :func:`~wdscache.protocol.reply_proof` of its id,
+which the consumer checks before it uses anything of the reply::
 
-    {"op": "read", "id": n, "key": k, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
-        -> {"op": "samples", "id": n, "ok": true, "keys": [...], "exts": [[...], ...],
+    {"op": "read", "id": n, "auth": a, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
+        -> {"op": "samples", "id": n, "proof": p, "ok": true, "keys": [...], "exts": [[...], ...],
             "spans": [[frame, offset, size, offset, size, ...], ...],
             "files": [[k, offset, size, dev, inode, file size, mtime_ns], ...]}
            followed by frames of raw shard bytes: each sample's fields lie in frame
@@ -32,8 +35,8 @@ the worker on its stdin). A request without it gets ``{"ok": false, "kind":
            sent name them, in order. The consumer copies those payloads from the page
            cache itself (:mod:`wdscache.direct`): one copy per byte, where a frame costs
            three (into the socket, out of it, into ``bytes``)
-    {"op": "scan", "id": n, "key": k, "url": u, "partial": bool}
-        -> {"op": "scanned", "id": n, "ok": true, "count": c, "final": bool}
+    {"op": "scan", "id": n, "auth": a, "url": u, "partial": bool}
+        -> {"op": "scanned", "id": n, "proof": p, "ok": true, "count": c, "final": bool}
 
 It resolves a URL to its cache file itself (the name derives from the URL, so a
 request cannot name a file outside the cache). A file under ``shards/`` is
@@ -82,7 +85,7 @@ import zmq
 from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .malloc import tune_malloc
-from .protocol import client_key, field, pack, same_secret, unpack, worker_key
+from .protocol import WorkerProofs, client_key, field, pack, same_secret, unpack, worker_key
 from .tario import (GrowingShard, NotYet, PackedSamples, SampleIndex, ShardView, file_identity, open_shard,
                     placed)
 
@@ -281,7 +284,7 @@ class _Worker:
         self.spec = spec
         self.secret = secret
         self.key = key  # for our reports to the agent
-        self.serve_key = serve_key  # what a consumer's request to us carries
+        self.proofs = WorkerProofs(serve_key)  # what a consumer's request to us, and our reply, carry
         self.layout = CacheLayout.of(spec.cache_dir)
         self.stop = False
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
@@ -484,7 +487,7 @@ class _Worker:
             header, _ = unpack(body)
             rid = header.get("id")
             op = header["op"]
-            if not same_secret(header.get("key"), self.serve_key):
+            if not same_secret(header.get("auth"), self.proofs.request(rid)):
                 self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "refused", "error": REFUSED})
             elif op == "read":
                 self._read(ident, header)
@@ -699,6 +702,7 @@ class _Worker:
             return self._growing(url, refresh=False)
 
     def _reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] = ()) -> None:
+        header["proof"] = self.proofs.reply(header.get("id"))  # every reply, so a consumer can tell ours
         try:
             self.sock.send_multipart([ident, *pack(header), *frames], zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -15,11 +15,24 @@ Who may talk: the agent keeps a token in its cache directory (``CACHE_DIR/token`
 the agent only if the reply's ``proof`` is :func:`proof` of the token, N and the
 agent's ``run`` (a random string per agent process): another user's process
 listening on that endpoint cannot answer it, and learns nothing from the
-client. Every other message then carries ``key``: to the agent
-:func:`client_key` of the token and ``run``, to worker ``i`` :func:`worker_key`
-(so a process that took a dead worker's port learns no key the agent or
-another worker takes). A key seen by someone else is of no use once that agent
+client. Every other message to the agent then carries ``key``, :func:`client_key`
+of the token and ``run``. A key seen by someone else is of no use once that agent
 process has gone.
+
+Workers: a request to worker ``i`` carries no key but ``auth``, the
+:func:`request_proof` of its ``id`` under :func:`worker_key` (token, ``run``,
+``i``), and every reply of the worker (errors and refusals too) carries
+``proof``, the :func:`reply_proof` of that ``id``; a consumer drops a reply
+without it as if it never came. So a process that binds a worker's port (first,
+or while the worker is down) gets requests it can neither answer believably nor
+learn a key from, and costs that worker's availability only. A consumer's request
+ids are unique within its stream, so a recorded reply is no proof for another
+request of that stream. What this does not do: encrypt (anyone who sees the
+traffic reads it); and the proof covers the worker and the request id, not the
+reply's fields or bytes (hashing every payload would cost more than the read), so
+a relay to the real worker, if one could reach it, can pass on genuine replies
+only as far as their proof goes: one that could rewrite traffic in flight
+(not another local user of a loopback endpoint) could alter samples.
 """
 
 from __future__ import annotations
@@ -142,8 +155,42 @@ def client_key(token: str, run: str) -> str:
 
 
 def worker_key(token: str, run: str, index: int) -> str:
-    """The ``key`` every request to worker ``index`` of the agent run ``run`` carries."""
+    """The key of worker ``index`` of the agent run ``run``: it never travels, requests and
+    replies carry proofs made with it (:class:`WorkerProofs`)."""
     return hmac.new(token.encode(), f"wdscache worker {index} {run}".encode(), hashlib.sha256).hexdigest()
+
+
+class WorkerProofs:
+    """The request and reply proofs of one worker key (see the module docstring): the HMAC
+    is keyed once, and copied per message (a consumer sends tens of thousands a second)."""
+
+    __slots__ = ("_mac",)
+
+    def __init__(self, key: str) -> None:
+        self._mac = hmac.new(key.encode(), digestmod=hashlib.sha256)
+
+    def _of(self, text: str) -> str:
+        mac = self._mac.copy()
+        mac.update(text.encode())
+        return mac.hexdigest()
+
+    def request(self, rid: Any) -> str:
+        """The ``auth`` of the request ``rid``."""
+        return self._of(f"req {rid}")
+
+    def reply(self, rid: Any) -> str:
+        """The ``proof`` of the reply to the request ``rid``."""
+        return self._of(f"reply {rid}")
+
+
+def request_proof(key: str, rid: Any) -> str:
+    """The ``auth`` a request of id ``rid`` to the worker of ``key`` carries."""
+    return WorkerProofs(key).request(rid)
+
+
+def reply_proof(key: str, rid: Any) -> str:
+    """The ``proof`` the worker of ``key`` puts on its reply to the request ``rid``."""
+    return WorkerProofs(key).reply(rid)
 
 
 def same_secret(value: Any, secret: str) -> bool:
@@ -165,7 +212,8 @@ class Message:
     Field types are JSON's, written as in Python (``str``, ``int``, ``bool``,
     ``number``, ``list[str]``, ``list``, ``object``); a ``?`` marks a field that
     may be left out. Every request also carries ``id`` (repeated in its reply) and,
-    but for ``auth``, the ``key`` of its receiver (see the module docstring).
+    but for ``auth``, the ``key`` of the agent, or to a worker ``auth`` (its reply
+    then ``proof``; see the module docstring).
     ``frames`` says what the payload frames hold, if any.
     """
 
@@ -232,10 +280,11 @@ MESSAGES: tuple[Message, ...] = (
     Message("index", "agent", "worker", {"url": "str"}, about="walk this shard, just published, while idle"),
     # consumers to a worker
     Message("read", "consumer", "worker", {"urls": "list[str]", "items": "list", "direct": "bool?"},
-            {**_ERROR, "keys": "list[str]", "exts": "list", "spans": "list", "files": "list?", "kind": "str?"},
+            {**_ERROR, "proof": "str", "keys": "list[str]", "exts": "list", "spans": "list", "files": "list?",
+             "kind": "str?"},
             frames="runs of shard bytes the spans point into (none for file ranges: see pool.py)",
             about="samples by [url index, sample index]; the reply's op is 'samples' (or 'error')"),
     Message("scan", "consumer", "worker", {"url": "str", "partial": "bool?"},
-            {**_ERROR, "count": "int", "final": "bool", "kind": "str?"},
+            {**_ERROR, "proof": "str", "count": "int", "final": "bool", "kind": "str?"},
             about="a shard's sample count (so far, for a download); the reply's op is 'scanned' (or 'error')"),
 )

@@ -11,11 +11,13 @@ from typing import Any
 @contextmanager
 def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
     """A DEALER socket connected to the agent's first worker, as a consumer named ``reader``
-    would have one (``options``: socket options by name), and the key its requests carry;
-    closed, and the reader gone, after."""
+    would have one (``options``: socket options by name), and the worker's
+    :class:`~wdscache.protocol.WorkerProofs` (requests carry its ``request``, replies its
+    ``reply``); closed, and the reader gone, after."""
     import zmq
 
     from wdscache.client import AgentConnection, resolve_endpoint
+    from wdscache.protocol import WorkerProofs
 
     conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
     ctx = zmq.Context()
@@ -27,7 +29,7 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
         hello = conn.request({"op": "hello", "reader": reader, "job": reader, "rank": 0, "world_size": 1})
         assert hello.get("ok"), hello
         sock.connect(hello["workers"][0])
-        yield sock, conn.worker_key(0)
+        yield sock, WorkerProofs(conn.worker_key(0))
     finally:
         sock.close()
         ctx.term()
@@ -39,13 +41,16 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
 
 def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]],
                      direct: bool = False) -> tuple[dict, list[bytes]]:
-    """One read request straight to a worker (as the loader sends it), and its reply."""
+    """One read request straight to a worker (as the loader sends it), and its reply (checked
+    to carry the worker's proof)."""
     from wdscache.protocol import pack, unpack
 
     request = {"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}
     if direct:
         request["direct"] = True
-    with worker_socket(cache, "raw") as (sock, key):
-        sock.send_multipart(pack({**request, "key": key}))
+    with worker_socket(cache, "raw") as (sock, proofs):
+        sock.send_multipart(pack({**request, "auth": proofs.request(request["id"])}))
         assert sock.poll(10_000), "the worker did not answer a read within 10 s"
-        return unpack(sock.recv_multipart())
+        header, frames = unpack(sock.recv_multipart())
+        assert header.get("proof") == proofs.reply(request["id"]), header
+        return header, frames
