@@ -75,8 +75,9 @@ def open_base():
         shutil.rmtree(base, ignore_errors=True)
 
 
-def as_user(pw: pwd.struct_passwd, fn: Callable[[], Any], timeout: float = CHILD_DEADLINE) -> Any:
-    """Run ``fn`` in a forked child as user ``pw``; its JSON result (or its traceback, re-raised here)."""
+def fork_as(pw: pwd.struct_passwd, fn: Callable[[], Any]) -> tuple[int, int]:
+    """Start ``fn`` in a forked child as user ``pw`` (after the imports, so the child needs
+    nothing from disk); returns its pid and the pipe its JSON result (or traceback) comes on."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: only modules imported already, no pytest machinery
@@ -93,6 +94,12 @@ def as_user(pw: pwd.struct_passwd, fn: Callable[[], Any], timeout: float = CHILD
             data = data[os.write(w, data):]
         os._exit(0)
     os.close(w)
+    return pid, r
+
+
+def as_user(pw: pwd.struct_passwd, fn: Callable[[], Any], timeout: float = CHILD_DEADLINE) -> Any:
+    """Run ``fn`` in a forked child as user ``pw``; its JSON result (or its traceback, re-raised here)."""
+    pid, r = fork_as(pw, fn)
     chunks, deadline = [], time.monotonic() + timeout
     try:
         while True:
@@ -283,22 +290,7 @@ def test_a_loader_never_talks_to_another_users_agent(other_user, open_base, tmp_
     cache = open_base / "cache"
     start_agent(cache, ds.list_file)
     fake = f"tcp://127.0.0.1:{free_port_range(1)}"
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        try:
-            os.setgroups([])
-            os.setgid(other_user.pw_gid)
-            os.setuid(other_user.pw_uid)
-            out = {"result": fake_agent(fake, 30.0)}
-        except BaseException:
-            out = {"error": traceback.format_exc()}
-        data = json.dumps(out).encode()
-        while data:
-            data = data[os.write(w, data):]
-        os._exit(0)
-    os.close(w)
+    pid, r = fork_as(other_user, lambda: fake_agent(fake, 30.0))
     try:
         host, port = fake[len("tcp://"):].rsplit(":", 1)
 
