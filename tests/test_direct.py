@@ -27,7 +27,7 @@ from wdscache import CachedMultiLoader
 from wdscache.direct import CacheFiles, StaleFile
 from wdscache.errors import ProtocolError
 from wdscache.layout import CacheLayout
-from wdscache.tario import file_identity
+from wdscache.shardview import file_identity
 
 
 def digests(samples: list[dict]) -> dict[tuple[str, str], dict[str, str]]:

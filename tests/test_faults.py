@@ -39,7 +39,7 @@ from wdscache import errors as wds_errors
 from wdscache.layout import CacheLayout, shard_name
 from wdscache.pool import worker_endpoints
 from wdscache.protocol import reply_proof, request_proof
-from wdscache.tario import tar_problem
+from wdscache.tarwalk import tar_problem
 
 SHARD_100K = {"samples": 12, "payload": 8000}  # ~100 KB shards
 SHARD_200K = {"samples": 20, "payload": 7500}  # 215,040-byte shards
@@ -906,7 +906,8 @@ def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(shard_server
                                                                     tmp_path):
     """Workers take a walked table from the agent without walking the shard again: one that
     any peer could have sent would make them serve the wrong bytes."""
-    from wdscache.tario import PackedSamples, SampleSpan
+    from wdscache.samples import SampleSpan
+    from wdscache.sampletable import PackedSamples
 
     ds = dataset(2, samples=5, payload=500)
     cache = tmp_path / "cache"

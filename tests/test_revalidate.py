@@ -7,7 +7,7 @@ from scripts.shard_maker import make_shard, synth_samples
 
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.layout import CacheLayout
-from wdscache.tario import members
+from wdscache.tarwalk import members
 
 
 def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_server, dataset, start_agent):

@@ -1,4 +1,5 @@
-"""Tests for wdscache.tario: tar headers, WebDataset grouping, shard views.
+"""Tests for tar reading: the header walk, WebDataset grouping, sample tables,
+growing shards, gzip and shard views.
 
 WebDataset 1.0.2 is the reference: whatever it yields from a shard, wdscache
 must yield too (keys, order, extensions, payload bytes).  Python's tarfile is
@@ -33,27 +34,12 @@ from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expan
 from scripts.shard_maker import find_gnu_tar, make_shard, synth_samples
 from tests.helpers.testdata import REAL_SHARDS, TESTDATA
 from wdscache.errors import ShardError
-from wdscache.tario import (
-    BLOCK,
-    GZIP_MAGIC,
-    GZIP_OUT,
-    GrowingShard,
-    Member,
-    NotYet,
-    PackedSamples,
-    SampleIndex,
-    SampleSpan,
-    gunzip,
-    header_ok,
-    is_meta_name,
-    iter_samples,
-    members,
-    open_shard,
-    placed,
-    scan,
-    split_name,
-    tar_problem,
-)
+from wdscache.growing import GrowingShard, NotYet
+from wdscache.gunzip import GZIP_OUT, gunzip
+from wdscache.samples import SampleSpan, is_meta_name, scan, split_name
+from wdscache.sampletable import PackedSamples, SampleTables, placed
+from wdscache.shardview import iter_samples, open_shard
+from wdscache.tarwalk import BLOCK, GZIP_MAGIC, Member, header_ok, members, tar_problem
 
 FORMATS = {"gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT, "ustar": tarfile.USTAR_FORMAT}
 END = bytes(2 * BLOCK)
@@ -903,14 +889,14 @@ def test_a_published_download_keeps_the_samples_its_growing_view_found(tmp_path:
     os.rename(partial, final)  # publishing keeps the inode
     with open(final, "rb") as f:
         assert view.complete(f.fileno(), "u") == full  # the first half is not walked again
-    with open_shard(final, url="u", known=view) as shard:
+    with open_shard(final, url="u", growing=view) as shard:
         assert shard.samples == full
     # Another file under that name (not what the view read): found from scratch.
     os.unlink(final)
     final.write_bytes(data)
     with open(final, "rb") as f:
         assert view.complete(f.fileno(), "u") is None
-    with open_shard(final, url="u", known=view) as shard:
+    with open_shard(final, url="u", growing=view) as shard:
         assert shard.samples == full
     view.close()
 
@@ -925,21 +911,21 @@ def test_damage_after_a_growing_view_is_reported_at_its_file_offset(tmp_path: Pa
     data[late + 10] ^= 0xFF
     path.write_bytes(bytes(data))  # same inode: written in place, as a download appends
     with pytest.raises(ShardError, match="checksum") as info:
-        open_shard(path, url="u", known=view)
+        open_shard(path, url="u", growing=view)
     assert info.value.offset == late
     view.close()
 
 
-# --------------------------------------------------------------------------- the sample index
+# --------------------------------------------------------------------------- sample tables
 
 
-def test_a_shard_opened_again_comes_from_the_index_for_the_same_file_only(tmp_path: Path) -> None:
+def test_a_shard_opened_again_comes_from_its_table_for_the_same_file_only(tmp_path: Path) -> None:
     path = make_shard(tmp_path / "s.tar", synth_samples(0, 20, payload=300))
     full = scan(path.read_bytes(), url="u")
-    index = SampleIndex(1000)
-    with open_shard(path, url="u", index=index) as shard:
+    tables = SampleTables(1000)
+    with open_shard(path, url="u", tables=tables) as shard:
         assert shard.samples == full
-    assert (len(index), index.samples) == (1, 20)
+    assert (len(tables), tables.sample_count) == (1, 20)
     # Damage the file in place but keep its identity (inode, size, mtime): a reopen that
     # walked the headers would fail, so an answer shows the walk was skipped.
     st = path.stat()
@@ -948,54 +934,54 @@ def test_a_shard_opened_again_comes_from_the_index_for_the_same_file_only(tmp_pa
     with open(path, "r+b") as f:
         f.write(damaged)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    with open_shard(path, url="u", index=index) as shard:
+    with open_shard(path, url="u", tables=tables) as shard:
         assert shard.samples == full
     with pytest.raises(ShardError, match="checksum"):
-        open_shard(path, url="u")  # without the index, the damage shows
+        open_shard(path, url="u")  # without the tables, the damage shows
     # The same file under another URL: an entry of its own, found by a walk (damage and all).
     with pytest.raises(ShardError, match="checksum"):
-        open_shard(path, url="v", index=index)
-    assert len(index) == 1
+        open_shard(path, url="v", tables=tables)
+    assert len(tables) == 1
     # Another file at the path (a new download) is walked: damage found, nothing stale served.
     # (Its inode number may be the old one's again: its mtime tells it apart.)
     os.unlink(path)
     path.write_bytes(bytes(damaged))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     with pytest.raises(ShardError, match="checksum"):
-        open_shard(path, url="u", index=index)
+        open_shard(path, url="u", tables=tables)
 
 
 @settings(max_examples=60, deadline=timedelta(seconds=2))
 @given(entries=st.lists(entry, max_size=12), fmt=st.sampled_from(list(FORMATS.values())))
-def test_the_index_gives_back_exactly_the_samples_it_was_given(entries: list, fmt: int) -> None:
+def test_the_tables_give_back_exactly_the_samples_they_were_given(entries: list, fmt: int) -> None:
     data = build_archive(entries, fmt)
     try:
         samples = scan(data, url="u")
     except ShardError:
         reject()
-    index = SampleIndex(1000)
-    index.put("u", (1,), samples)
-    assert index.get("u", (1,)) == samples
-    assert index.get("u", (2,)) is None
+    tables = SampleTables(1000)
+    tables.put("u", (1,), samples)
+    assert tables.get("u", (1,)) == samples
+    assert tables.get("u", (2,)) is None
 
 
-def test_the_index_keeps_the_most_recently_used_shards_within_its_bound() -> None:
+def test_the_tables_keep_the_most_recently_used_shards_within_their_bound() -> None:
     def spans(n: int, tag: str) -> list[SampleSpan]:
         return [SampleSpan(f"{tag}{i}", (("cls", 512 + 1024 * i, 1), ("jpg", 1024 + 1024 * i, 7))) for i in range(n)]
 
-    index = SampleIndex(10)
+    tables = SampleTables(10)
     for url in "abc":
-        index.put(url, (0,), spans(4, url))
-    assert index.get("a", (0,)) is None  # 12 > 10: the oldest went
-    assert index.get("b", (0,)) == spans(4, "b")  # used: now the newest
-    index.put("d", (0,), spans(4, "d"))
-    assert index.get("c", (0,)) is None and index.get("b", (0,)) is not None
-    assert index.samples <= 10
-    index.put("big", (0,), spans(11, "x"))  # more than the bound: not kept, nothing pushed out
-    assert index.get("big", (0,)) is None and index.get("d", (0,)) is not None
-    index.put("b", (1,), spans(2, "b"))  # a new file for a URL replaces its entry
-    assert index.get("b", (0,)) is None and index.get("b", (1,)) == spans(2, "b")
-    assert index.samples == 6
+        tables.put(url, (0,), spans(4, url))
+    assert tables.get("a", (0,)) is None  # 12 > 10: the oldest went
+    assert tables.get("b", (0,)) == spans(4, "b")  # used: now the newest
+    tables.put("d", (0,), spans(4, "d"))
+    assert tables.get("c", (0,)) is None and tables.get("b", (0,)) is not None
+    assert tables.sample_count <= 10
+    tables.put("big", (0,), spans(11, "x"))  # more than the bound: not kept, nothing pushed out
+    assert tables.get("big", (0,)) is None and tables.get("d", (0,)) is not None
+    tables.put("b", (1,), spans(2, "b"))  # a new file for a URL replaces its entry
+    assert tables.get("b", (0,)) is None and tables.get("b", (1,)) == spans(2, "b")
+    assert tables.sample_count == 6
 
 
 def test_packed_samples_read_like_the_list_they_pack() -> None:

@@ -67,7 +67,7 @@ from .pool import WorkerPool
 from .protocol import field as get_field
 from .stats import build, jobs_view, public, with_fraction
 from .protocol import client_key, numbers, pack, pages, process_identity, proof, same_secret, strings, unpack
-from .tario import file_identity
+from .shardview import file_identity
 from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)

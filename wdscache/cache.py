@@ -40,7 +40,7 @@ from .config import format_size
 from .fetch import Download
 from .index import Index, IndexWriteError, ShardRecord, ShardState
 from .layout import CacheLayout
-from .tario import GZIP_MAGIC, file_problem
+from .tarwalk import GZIP_MAGIC, file_problem
 
 log = logging.getLogger(__name__)
 

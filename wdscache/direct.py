@@ -33,7 +33,7 @@ from typing import Sequence
 
 from .errors import ProtocolError
 from .layout import CacheLayout
-from .tario import file_identity
+from .shardview import file_identity
 
 
 class StaleFile(OSError):

@@ -48,7 +48,8 @@ import urllib3
 
 from .config import default, format_size
 from .errors import FetchError, ShardError
-from .tario import GZIP_MAGIC, HEAD_BYTES, file_problem, gunzip, tar_problem
+from .gunzip import gunzip
+from .tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
 
 log = logging.getLogger(__name__)
 

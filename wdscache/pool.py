@@ -31,7 +31,7 @@ which the consumer checks before it uses anything of the reply::
            of a published, uncompressed shard are not sent at all: ``files`` (absent
            when empty) names each as a byte range of the cache file of ``urls[k]``,
            with the identity of the file the worker opened
-           (:func:`~wdscache.tario.file_identity`), and frame numbers past the last frame
+           (:func:`~wdscache.shardview.file_identity`), and frame numbers past the last frame
            sent name them, in order. The consumer copies those payloads from the page
            cache itself (:mod:`wdscache.direct`): one copy per byte, where a frame costs
            three (into the socket, out of it, into ``bytes``)
@@ -41,7 +41,7 @@ which the consumer checks before it uses anything of the reply::
 It resolves a URL to its cache file itself (the name derives from the URL, so a
 request cannot name a file outside the cache). A file under ``shards/`` is
 complete by construction; while there is none, a shard being downloaded is read
-from its partial file (:class:`~wdscache.tario.GrowingShard`), only its complete
+from its partial file (:class:`~wdscache.growing.GrowingShard`), only its complete
 samples and never beyond the bytes written, so a reader need not wait for the
 whole shard. ``scan`` with ``partial`` then answers the samples complete so far
 with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
@@ -86,8 +86,9 @@ from .errors import ProtocolError, ShardError
 from .layout import CacheLayout
 from .malloc import tune_malloc
 from .protocol import WorkerProofs, client_key, field, pack, same_secret, unpack, worker_key
-from .tario import (GrowingShard, NotYet, PackedSamples, SampleIndex, ShardView, file_identity, open_shard,
-                    placed)
+from .growing import GrowingShard, NotYet
+from .sampletable import PackedSamples, SampleTables, placed
+from .shardview import ShardView, file_identity, open_shard
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +289,7 @@ class _Worker:
         self.layout = CacheLayout.of(spec.cache_dir)
         self.stop = False
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
-        self.index = SampleIndex(INDEX_SAMPLES)
+        self.index = SampleTables(INDEX_SAMPLES)
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
         # Mapped shards served from lately, each with the ranges of it we copied (tracker None)
         # or that ZeroMQ may still be sending ((tracker, start, end)). Their pages must leave
@@ -435,7 +436,7 @@ class _Worker:
         identity = file_identity(os.stat(path))
         known = self.index.get(url, identity) is not None
         try:
-            view = open_shard(path, url=url, known=growing, index=self.index)
+            view = open_shard(path, url=url, growing=growing, tables=self.index)
         except ShardError as exc:
             # A published file is whole and was checked, so it was damaged on disk (or its
             # source is bad): the agent fetches it once more, or fails it. The identity says

@@ -274,7 +274,7 @@ MESSAGES: tuple[Message, ...] = (
             about="a worker found the cached file of this identity damaged"),
     Message("walked", "worker", "agent",
             {"secret": "str", "url": "str", "identity": "list", "layouts": "list"},
-            frames="the packed sample table (tario.PackedSamples.parts)",
+            frames="the packed sample table (sampletable.PackedSamples.parts)",
             about="a table a worker walked, passed on by the agent to the other workers"),
     # the agent to its workers (hints: no reply)
     Message("index", "agent", "worker", {"url": "str"}, about="walk this shard, just published, while idle"),
