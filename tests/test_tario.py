@@ -39,7 +39,7 @@ from wdscache.gunzip import GZIP_OUT, gunzip
 from wdscache.samples import SampleSpan, is_meta_name, scan, split_name
 from wdscache.sampletable import PackedSamples, SampleTables, placed
 from wdscache.shardview import iter_samples, open_shard
-from wdscache.tarwalk import BLOCK, GZIP_MAGIC, Member, header_ok, members, tar_problem
+from wdscache.tarwalk import BLOCK, GZIP_MAGIC, FileSpan, Member, header_ok, members, tar_problem, walk
 
 FORMATS = {"gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT, "ustar": tarfile.USTAR_FORMAT}
 END = bytes(2 * BLOCK)
@@ -681,6 +681,17 @@ def test_random_archives_match_tarfile_and_webdataset(entries: list, fmt: int) -
             scan(data, url="mem")
         return
     assert ours_read_bytes(data) == expected
+
+
+@settings(max_examples=60, deadline=timedelta(seconds=2))
+@given(entries=st.lists(entry, max_size=12), fmt=st.sampled_from(list(FORMATS.values())),
+       skip=st.integers(0, 3 * BLOCK))
+def test_a_walk_over_part_of_a_file_reads_as_one_over_its_bytes(entries: list, fmt: int, skip: int) -> None:
+    data = build_archive(entries, fmt)
+    with tempfile.TemporaryFile() as f:
+        f.write(b"\xff" * skip + data + b"\xff" * BLOCK)  # bytes either side are not the span's
+        f.flush()
+        assert list(walk(FileSpan(f.fileno(), skip, skip + len(data)), "u")) == list(walk(data, "u"))
 
 
 @settings(max_examples=300, deadline=timedelta(seconds=2))
