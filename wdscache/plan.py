@@ -43,8 +43,7 @@ class Reader:
 
     Either the reader tells its next shards (``ahead``: a consumer computes its
     own epoch order), or the agent derives them from ``position`` in the seeded
-    order of ``epoch`` over the agent's list. ``pins`` are the shards it reads
-    right now, which therefore cannot be evicted.
+    order of ``epoch`` over the agent's list.
     """
 
     name: str
@@ -53,7 +52,6 @@ class Reader:
     shuffle: bool = True
     epoch: int = 0
     position: int = 0
-    pins: dict[str, int] = field(default_factory=dict)  # url -> open count
     last_seen: float = field(default_factory=time.monotonic)
     # Set by readers that know their own order (consumers): the URLs they read next.
     ahead: list[str] | None = None
