@@ -27,8 +27,13 @@ Guarantees (for the ranks of one job with the same settings):
 - ``state_dict()`` of any rank resumes the job, with any world size, at exactly
   the samples not yet delivered;
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
-  (and, once replies show the sample size, of about REQUEST_BYTES of payload)
-  are outstanding; a consumer that stops reading stops asking.
+  (and, once replies show the sample size, of about 4 MiB of payload:
+  :data:`wdscache.stream.REQUEST_BYTES`) are outstanding; a consumer that stops
+  reading stops asking.
+
+The epoch itself (one rank's requests, pins and reordering) is
+:class:`wdscache.stream.EpochStream`; this module keeps the user's side:
+settings, checkpoints, ``map=``, batching.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ class Tuning:
     Pass ``CachedMultiLoader(tuning=Tuning(...))``, or a knob by name as a keyword of its own.
 
     - ``request_size``: samples at most per request to a worker (fewer once replies show the
-      sample size: a request asks for about REQUEST_BYTES of payload, so small samples go many
+      sample size: a request asks for about 4 MiB of payload, so small samples go many
       to a request and large ones few).
     - ``inflight``: requests outstanding at most, the consumer's memory bound (None: twice the
       agent's workers, at least 4).

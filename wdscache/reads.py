@@ -5,24 +5,24 @@ A read is one request to a worker for a run of the rank's samples; its sequence 
 Its whole life is one :class:`Read`, in one :class:`ReadTable` by sequence number. Its
 state changes only through the table's methods, by these transitions:
 
-==========  ==============================================================  ==========
-from        on                                                              to
-==========  ==============================================================  ==========
-(batch)     made from the items batched (:meth:`ReadTable.add`)             NEW
-NEW         sent to a worker                                                SENT
-NEW         every item a hole (its shard skipped): nothing to ask           ANSWERED
-SENT        the reply's samples decoded                                     ANSWERED
-SENT        a failure not of one shard, skipped (``on_error="skip"``)       ANSWERED
-SENT        no reply in time: sent again (``resends`` + 1)                  SENT
-SENT        a direct read failed: sent again, the bytes over the socket     SENT
-SENT        one of its shards failed, skipped: the rest sent again          SENT
-SENT        "pending": the shard's download started over, lacks them yet   DELAYED
-SENT        "missing" (the agent lost our pin), "corrupt" (first time)      REOPEN
-DELAYED     its time to ask again (``retry_at``) came                       SENT
-DELAYED     an open has to wait, holding no pins                            REOPEN
-REOPEN      its shards pinned again                                         SENT
-ANSWERED    its samples handed out (:meth:`ReadTable.hand_out`)             (gone)
-==========  ==============================================================  ==========
+========  ============================================================  ========
+from      on                                                            to
+========  ============================================================  ========
+(batch)   made from the items batched (:meth:`ReadTable.add`)           NEW
+NEW       sent to a worker                                              SENT
+SENT      the reply's samples decoded                                   ANSWERED
+SENT      a failure not of one shard, skipped (``on_error="skip"``)     ANSWERED
+SENT      no reply in time: sent again (``resends`` + 1)                SENT
+SENT      a direct read failed: sent again, the bytes over the socket   SENT
+SENT      one of its shards failed, skipped: the rest sent again        SENT
+SENT      "pending": its shard's download started over, lacks them yet  DELAYED
+SENT      "missing" (the agent lost our pin), "corrupt" (first time)    REOPEN
+DELAYED   its time to ask again (``retry_at``) came                     SENT
+DELAYED   an open has to wait, holding no pins                          REOPEN
+REOPEN    its shards pinned again                                       SENT
+any       to be sent, but every item is a hole (its shard skipped)      ANSWERED
+ANSWERED  its samples handed out (:meth:`ReadTable.hand_out`)           (gone)
+========  ============================================================  ========
 
 Any failure with ``on_error="raise"`` (and a worker refusing the consumer, whatever
 ``on_error``) ends the epoch, whatever the states. Only a SENT read has a request id
@@ -77,8 +77,8 @@ class Read:
 class ReadTable:
     """The stream's reads by sequence number, each in one state (see the module docstring).
 
-    ``by_seq`` is for reading; changes go through the methods, which keep the request-id
-    index and the number of reads in REOPEN and DELAYED.
+    ``by_seq`` is for reading; changes go through the methods, which keep the lookup by
+    request id and the number of reads in REOPEN and DELAYED.
     """
 
     def __init__(self) -> None:

@@ -20,9 +20,7 @@ from typing import Any, Protocol, Sequence
 
 from .direct import StaleFile
 from .errors import ProtocolError
-from .sequence import SampleId
-
-Item = tuple[int, SampleId]  # (position in the rank's share, sample id)
+from .reads import Item
 
 
 class FileSpan(Protocol):

@@ -121,9 +121,8 @@ class EpochStream:
         self.seq_next = 0
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}
         self.broken = False  # the epoch ended in an error: close quickly
-        self._stop_reports = threading.Event()
-        self._reporter = threading.Thread(target=self._report_loop, name="wdscache-report", daemon=True)
-        self._reporter.start()
+        self.reporter = Reporter(session.connect, {"op": "report", "reader": self.name, "job": s.job,
+                                                   "rank": s.rank, "epoch": epoch}, self._figures)
 
     # -- the rank's share -------------------------------------------------------
 
@@ -508,32 +507,19 @@ class EpochStream:
 
     # -- reports and cleanup -----------------------------------------------------
 
-    def _report_loop(self) -> None:
-        # Its own socket: ZeroMQ sockets belong to one thread.
-        conn = self.session.connect(REPORT_TIMEOUT)
-        last = (time.monotonic(), 0)
-        try:
-            while not self._stop_reports.wait(REPORT_EVERY):
-                now, n = time.monotonic(), self.stats["samples"]
-                rate = (n - last[1]) / (now - last[0])
-                last = (now, n)
-                try:
-                    conn.request({"op": "report", "reader": self.name, "job": self.settings.job,
-                                  "rank": self.settings.rank, "epoch": self.spec.epoch,
-                                  "position": self.progress, "samples": n, "bytes": self.stats["bytes"],
-                                  "rate": round(rate, 1), "wait_s": round(self.stats["wait_s"], 3)})
-                except AgentUnavailableError:
-                    continue
-        finally:
-            conn.close()
+    def _figures(self) -> dict[str, Any]:
+        """What a report tells of this stream (read from the reporter's thread: a snapshot of
+        numbers, each read at once)."""
+        stats = self.stats
+        return {"position": self.progress, "samples": stats["samples"], "bytes": stats["bytes"],
+                "wait_s": round(stats["wait_s"], 3)}
 
     def close(self) -> None:
         if self.finished:
             return
         self.finished = True
         self.pins.stop_direct()  # before bye lets go of our pins
-        self._stop_reports.set()
-        self._reporter.join(REPORT_EVERY + REPORT_TIMEOUT + 1.0)
+        self.reporter.stop()
         try:
             if not self.broken:
                 self.shards.await_counts()
@@ -542,6 +528,39 @@ class EpochStream:
             pass
         self.conn.close()
         self.workers.close()
+
+
+class Reporter:
+    """Tells the agent how a stream goes, every REPORT_EVERY seconds, for its stats: ``base``
+    (the report's op and who sends it) with ``figures()`` and the sample rate. From a
+    thread of its own with its own connection (ZeroMQ sockets belong to one thread)."""
+
+    def __init__(self, connect: Callable[[float], AgentConnection], base: dict[str, Any],
+                 figures: Callable[[], dict[str, Any]]) -> None:
+        self.connect, self.base, self.figures = connect, base, figures
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="wdscache-report", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        conn = self.connect(REPORT_TIMEOUT)
+        last = (time.monotonic(), 0)
+        try:
+            while not self._stop.wait(REPORT_EVERY):
+                figures = self.figures()
+                now, n = time.monotonic(), figures["samples"]
+                rate = (n - last[1]) / (now - last[0])
+                last = (now, n)
+                try:
+                    conn.request({**self.base, **figures, "rate": round(rate, 1)})
+                except AgentUnavailableError:
+                    continue
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(REPORT_EVERY + REPORT_TIMEOUT + 1.0)
 
 
 def same_directory(hello: dict[str, Any]) -> bool:
