@@ -141,7 +141,7 @@ def test_a_consumer_that_cannot_read_the_cache_gets_the_bytes_from_the_workers(t
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "every shard cached")  # else some are streamed
     monkeypatch.setattr(wdscache.direct.os, "open", denied)
-    with caplog.at_level(logging.WARNING, logger="wdscache.loader"):
+    with caplog.at_level(logging.WARNING, logger="wdscache.stream"):
         # requests of 4: several in flight when direct reads are turned off, each sent again
         with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=4) as loader:
             got = list(loader)
@@ -171,7 +171,7 @@ def test_a_file_replaced_under_one_read_costs_that_read_only(tmp_path, dataset, 
         return real_read(self, offset, size)
 
     monkeypatch.setattr(FileRange, "read", once_stale)
-    with caplog.at_level(logging.WARNING, logger="wdscache.loader"):
+    with caplog.at_level(logging.WARNING, logger="wdscache.stream"):
         with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=4) as loader:
             got = list(loader)
     assert digests(got) == reference(data.paths, data.urls) and len(got) == 24
@@ -192,7 +192,7 @@ def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them
         for i, _ in enumerate(loader):
             if i % 4 == 0:
                 seen.append(cache_files_held(cache))
-                pinned = {str(layout.shard_path(data.urls[shard])) for shard in loader._current.opened}
+                pinned = {str(layout.shard_path(data.urls[shard])) for shard in loader._current.pins.opened}
                 assert set(seen[-1][0]) <= pinned, (seen[-1][0], pinned)  # open only while pinned
         assert cache_files_held(cache) == ([], [])  # the epoch is over: every pin and file let go
     assert any(fds for fds, _ in seen), "no cache file was ever open: direct reads were not used"
@@ -202,7 +202,7 @@ def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them
 
 def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_known(tmp_path, dataset,
                                                                                  start_agent):
-    from wdscache.loader import REQUEST_BYTES
+    from wdscache.stream import REQUEST_BYTES
 
     big = dataset(1, samples=60, payload=300_000, prefix="big")
     small = dataset(1, samples=300, payload=500, prefix="small", list_name="small.txt")
@@ -220,9 +220,7 @@ def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_know
 
 
 def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale(tmp_path):
-    from types import SimpleNamespace
-
-    from wdscache.loader import _Stream
+    from wdscache.replies import file_ranges
 
     cache = tmp_path / "cache"
     url = "http://example.invalid/a.tar"
@@ -230,31 +228,31 @@ def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale
     path.parent.mkdir(parents=True)
     path.write_bytes(bytes(range(100)) * 100)
     ident = list(file_identity(os.stat(path)))
-    stream = SimpleNamespace(files=CacheFiles(str(cache)), urls=[url])  # what _file_ranges uses
+    files = CacheFiles(str(cache))
     items = [(0, (0, 0))]
-    [whole] = _Stream._file_ranges(stream, [[0, 0, 10_000, *ident]], items)
+    [whole] = file_ranges([[0, 0, 10_000, *ident]], items, [url], files)
     assert whole.read(10, 3) == bytes([10, 11, 12])
     other = ident[:3] + [ident[3] + 1]
     for bad in ([[True, 0, 10, *ident]], [[0, -1, 10, *ident]], [[1, 0, 10, *ident]], [[0, 0, 10, *ident[:3]]],
                 [[0, 0, 10_001, *ident]], ["0,0,10"], {"k": 0}, [[0, 0, 10, *ident], [0, 10, 10, *other]]):
         with pytest.raises(ProtocolError):
-            _Stream._file_ranges(stream, bad, items)
+            file_ranges(bad, items, [url], files)
     os.truncate(path, 5_000)  # behind the agent's back: a short read, never bytes of another offset
     with pytest.raises(StaleFile, match="short read"):
         whole.read(4_990, 20)
-    stream.files.close()
+    files.close()
 
 
 def test_an_agent_whose_cache_directory_we_do_not_see_is_streamed_from(tmp_path):
-    from wdscache.loader import _same_directory
+    from wdscache.stream import same_directory
 
     root = tmp_path / "cache"
     root.mkdir()
     st = os.stat(root)
-    assert _same_directory({"cache_dir": str(root), "cache_root": [st.st_dev, st.st_ino]})
+    assert same_directory({"cache_dir": str(root), "cache_root": [st.st_dev, st.st_ino]})
     # another container's directory at a path we also have, one we lack, or a hello without it
-    assert not _same_directory({"cache_dir": str(root), "cache_root": [st.st_dev, st.st_ino + 1]})
-    assert not _same_directory({"cache_dir": str(tmp_path / "absent"), "cache_root": [st.st_dev, st.st_ino]})
-    assert not _same_directory({"cache_dir": "cache", "cache_root": [st.st_dev, st.st_ino]})
-    assert not _same_directory({"cache_dir": str(root) + "\0x", "cache_root": [st.st_dev, st.st_ino]})
-    assert not _same_directory({"cache_dir": str(root)})
+    assert not same_directory({"cache_dir": str(root), "cache_root": [st.st_dev, st.st_ino + 1]})
+    assert not same_directory({"cache_dir": str(tmp_path / "absent"), "cache_root": [st.st_dev, st.st_ino]})
+    assert not same_directory({"cache_dir": "cache", "cache_root": [st.st_dev, st.st_ino]})
+    assert not same_directory({"cache_dir": str(root) + "\0x", "cache_root": [st.st_dev, st.st_ino]})
+    assert not same_directory({"cache_dir": str(root)})

@@ -441,7 +441,7 @@ def test_a_process_on_a_workers_port_cannot_hand_a_consumer_samples(open_base, d
                                    timeout=4)
         got: list[dict[str, Any]] = []
         error: WdsCacheError | None = None
-        with caplog.at_level("WARNING", logger="wdscache.loader"):
+        with caplog.at_level("WARNING", logger="wdscache.worker_links"):
             try:
                 for sample in loader:
                     got.append(sample)

@@ -62,9 +62,10 @@ def global_sequence(spec: EpochSpec, samples: Callable[[int], Iterable[int | Non
     """Yield the epoch's sample ids in order; ``samples(shard)`` gives a shard's sample
     indices ``0, 1, ...`` when the sequence reaches it.
 
-    ``samples`` may yield None, meaning "no more yet" (a shard still downloading):
-    the None is passed on, so that the caller can do other work and ask again. It
-    never changes the sequence, only when its ids come out.
+    ``samples`` may yield None, meaning "no more yet" (a shard still downloading, or
+    one whose count the caller has still to learn: see :class:`ShardFeed`): the None
+    is passed on, so that the caller can do other work and ask again. It never
+    changes the sequence, only when its ids come out.
 
     The shuffle buffer holds at most ``shuffle_buffer`` ids. It starts giving out
     ids once it holds ``INITIAL`` of them (so the first sample does not wait for
@@ -96,6 +97,45 @@ def global_sequence(spec: EpochSpec, samples: Callable[[int], Iterable[int | Non
                 yield buf.pop()
     rng.shuffle(buf)
     yield from buf
+
+
+class ShardFeed:
+    """Shards' samples as the caller learns them, for :func:`global_sequence`, which then
+    never waits on I/O: ``global_sequence(spec, feed.samples)``.
+
+    When the sequence reaches a shard, or has taken every sample it was given of it, it
+    yields None with ``wanted`` set to that shard. The caller then says what it knows:
+    :meth:`grow` (the shard holds ``count`` samples so far), :meth:`end` (no more than it
+    was given), or nothing yet (the sequence asks again at its next None). What is
+    supplied when never changes the sequence, only when its ids come out.
+    """
+
+    def __init__(self) -> None:
+        self.wanted: int | None = None
+        self._count = 0
+        self._ended = False
+
+    def samples(self, shard: int) -> Iterator[int | None]:
+        """``shard``'s sample indices, as supplied; None whenever the caller has to supply more."""
+        self.wanted, self._count, self._ended = shard, 0, False
+        given = 0
+        while True:
+            if self._count > given:
+                yield from range(given, self._count)
+                given = self._count
+            elif self._ended:
+                self.wanted = None
+                return
+            else:
+                yield None
+
+    def grow(self, count: int) -> None:
+        """The wanted shard holds ``count`` samples (so far)."""
+        self._count = max(self._count, count)
+
+    def end(self) -> None:
+        """The wanted shard holds no samples beyond those supplied."""
+        self._ended = True
 
 
 def rank_length(total: int, world_size: int, drop_last: bool) -> int:

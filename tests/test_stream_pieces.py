@@ -1,0 +1,360 @@
+"""The epoch stream's pieces, each built directly, without sockets or an agent: the read
+records and their transitions, reply decoding, pins, the sequence's feed and the
+progress clock. The agent they talk to is a scripted stand-in for AgentConnection.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from typing import Any
+
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wdscache.direct import StaleFile
+from wdscache.epoch_shards import EpochShards
+from wdscache.errors import AgentUnavailableError, FetchError, ProtocolError, ShardError
+from wdscache.pins import Pins
+from wdscache.progress import ProgressClock
+from wdscache.reads import ReadState, ReadTable
+from wdscache.replies import decode_reply, with_holes
+from wdscache.sequence import EpochSpec, ShardFeed, global_sequence
+
+URLS = [f"http://example.invalid/shard-{i}.tar" for i in range(4)]
+
+
+class ScriptedAgent:
+    """Answers requests from a table of op -> reply (a callable of the request, or a dict);
+    records every request."""
+
+    def __init__(self, **replies: Any) -> None:
+        self.replies = replies
+        self.sent: list[dict[str, Any]] = []
+
+    def request(self, header: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+        self.sent.append(dict(header))
+        reply = self.replies.get(header["op"], {"ok": True})
+        return reply(header) if callable(reply) else reply
+
+    def request_patiently(self, header: dict[str, Any], *, liveness: float, probe: dict[str, Any],
+                          every: float, on_probe: Any) -> dict[str, Any]:
+        on_probe({"state": "downloading", "written": 10})
+        return self.request(header)
+
+    def ops(self) -> list[tuple[str, str | None]]:
+        return [(h["op"], h.get("url")) for h in self.sent]
+
+
+# -- reads ----------------------------------------------------------------------------
+
+
+def items(n: int, shard: int = 0) -> list[tuple[int, tuple[int, int]]]:
+    return [(i, (shard, i)) for i in range(n)]
+
+
+def test_a_read_goes_from_sent_to_answered_and_is_handed_out_once() -> None:
+    table = ReadTable()
+    read = table.add(0, items(3))
+    assert read.state is ReadState.NEW and table.hand_out(0) is None
+    table.send(read, range(3), "r0", worker=1, direct=True, now=5.0)
+    assert (read.state, read.rid, read.worker, read.direct, read.sent_at) == (ReadState.SENT, "r0", 1, True, 5.0)
+    assert table.awaiting() == 1 and table.in_state(ReadState.SENT) == [read]
+    assert table.hand_out(0) is None  # not answered yet
+    assert table.replied("r0") is read and table.replied("r0") is None  # one reply per send
+    assert table.awaiting() == 0
+    table.answer(read, ["a", "b", "c"], [1, 2, 3])
+    assert read.state is ReadState.ANSWERED
+    assert table.hand_out(0) is read and table.hand_out(0) is None and not table.by_seq
+
+
+def test_a_resent_read_ignores_the_reply_to_its_earlier_send() -> None:
+    table = ReadTable()
+    read = table.add(7, items(2))
+    table.send(read, range(2), "r1", 0, False, now=0.0)
+    read.resends += 1
+    table.send(read, range(2), "r2", 1, False, now=1.0)
+    assert table.replied("r1") is None  # a late answer finds no read
+    assert table.awaiting() == 1 and table.replied("r2") is read
+
+
+def test_delayed_and_reopened_reads_are_counted_and_leave_those_states_when_sent() -> None:
+    table = ReadTable()
+    a, b = table.add(0, items(2)), table.add(1, items(2, shard=1))
+    table.send(a, range(2), "r0", 0, False, now=0.0)
+    table.send(b, range(2), "r1", 0, False, now=0.0)
+    table.replied("r0")
+    table.delay(a, until=2.0, now=1.0)
+    table.delay(a, until=3.0, now=2.5)  # asked again, "pending" again: the first answer counts
+    assert (a.state, a.retry_at, a.pending_since, table.delayed) == (ReadState.DELAYED, 3.0, 1.0, 1)
+    table.reopen(a)  # an open had to wait: delayed reads are pinned again first
+    assert (table.delayed, table.reopening) == (0, 1)
+    table.replied("r1")
+    table.reopen(b)
+    assert table.reopening == 2 and table.in_state(ReadState.REOPEN) == [a, b]
+    table.send(a, range(2), "r2", 0, False, now=4.0)
+    assert (a.state, table.reopening, table.awaiting()) == (ReadState.SENT, 1, 1)
+    table.replied("r2")
+    table.answer(a, [None, None], [0, 0])
+    assert a.pending_since is None  # samples came: no longer waiting on its download
+
+
+def test_sent_items_leave_out_the_holes() -> None:
+    table = ReadTable()
+    read = table.add(0, [(0, (0, 0)), (1, (1, 0)), (2, (0, 1))])
+    table.send(read, [0, 2], "r0", 0, False, now=0.0)
+    assert read.sent_items() == [(0, (0, 0)), (2, (0, 1))]
+    samples, sizes = with_holes(["x", "y"], [5, 6], read.sent, len(read.items))
+    assert samples == ["x", None, "y"] and sizes == [5, 0, 6]
+
+
+# -- reply decoding --------------------------------------------------------------------
+
+
+def reply(payloads: list[dict[str, bytes]], **extra: Any) -> tuple[dict[str, Any], list[zmq.Frame]]:
+    """A worker's reply with every sample in one frame, as pool.py sends a run."""
+    blob, spans = b"", []
+    for sample in payloads:
+        span = [0]
+        for data in sample.values():
+            span += [len(blob), len(data)]
+            blob += data
+        spans.append(span)
+    header = {"ok": True, "keys": [f"k{i}" for i in range(len(payloads))],
+              "exts": [list(s) for s in payloads], "spans": spans, **extra}
+    return header, [zmq.Frame(blob)]
+
+
+def test_a_reply_decodes_to_samples_and_their_payload_bytes() -> None:
+    header, frames = reply([{"cls": b"1", "jpg": b"abcd"}, {"cls": b"22", "jpg": b""}])
+    samples, sizes = decode_reply(header, frames, items(2, shard=2), URLS)
+    assert samples == [{"__key__": "k0", "__url__": URLS[2], "cls": b"1", "jpg": b"abcd"},
+                       {"__key__": "k1", "__url__": URLS[2], "cls": b"22", "jpg": b""}]
+    assert sizes == [5, 2] and all(type(v) is bytes for s in samples for k, v in s.items() if k[0] != "_")
+    views, _ = decode_reply(header, frames, items(2), URLS, zero_copy=True)
+    assert type(views[0]["jpg"]) is memoryview and views[0]["jpg"].readonly and bytes(views[0]["jpg"]) == b"abcd"
+
+
+@pytest.mark.parametrize("change", [
+    {"keys": ["k0"]},  # does not match the request
+    {"spans": [[0, 0, 1, 1, 4], [0, 5]]},  # a span for one extension, the sample has two
+    {"spans": [[0, 0, 1, 1, 99], [0, 5, 1, 6, 1]]},  # past its frame
+    {"spans": [[1, 0, 1, 1, 4], [0, 5, 1, 6, 1]]},  # a frame that is not there
+    {"spans": [[0, -1, 1, 1, 4], [0, 5, 1, 6, 1]]},  # negative
+    {"spans": [[0, "0", 1, 1, 4], [0, 5, 1, 6, 1]]},  # not a number
+    {"exts": "cls"},
+    {"files": [[0, 0, 1, 1, 2, 3, 4]]},  # file ranges a read without direct did not ask for
+])
+def test_a_reply_that_does_not_add_up_is_a_protocol_error(change: dict[str, Any]) -> None:
+    header, frames = reply([{"cls": b"1", "jpg": b"abcd"}, {"cls": b"2", "jpg": b"e"}])
+    with pytest.raises(ProtocolError):
+        decode_reply({**header, **change}, frames, items(2), URLS)
+
+
+class Ranges:
+    """A file reader standing in for CacheFiles: every file holds bytes 0, 1, 2, ..."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, tuple[int, ...], int, int]] = []
+
+    def range(self, url: str, identity: Any, start: int, size: int) -> "Ranges.Span":
+        self.asked.append((url, tuple(identity), start, size))
+        return Ranges.Span(start, size)
+
+    class Span:
+        def __init__(self, start: int, size: int) -> None:
+            self.start, self.size = start, size
+
+        def __len__(self) -> int:
+            return self.size
+
+        def read(self, offset: int, size: int) -> bytes:
+            return bytes(range(self.start + offset, self.start + offset + size))
+
+
+def test_a_direct_reply_reads_its_file_ranges_through_the_reader() -> None:
+    ident = [1, 2, 100, 7]
+    # shard 3's sample: frame 1 is the first file range (frame 0 the socket's, empty here)
+    header = {"ok": True, "keys": ["k"], "exts": [["bin"]], "spans": [[1, 2, 3]], "files": [[0, 10, 20, *ident]]}
+    files = Ranges()
+    samples, sizes = decode_reply(header, [zmq.Frame(b"")], items(1, shard=3), URLS, direct=True, files=files)
+    assert samples[0]["bin"] == bytes([12, 13, 14]) and sizes == [3]
+    assert files.asked == [(URLS[3], tuple(ident), 10, 20)]
+    with pytest.raises(ProtocolError):  # past the range's end
+        decode_reply({**header, "spans": [[1, 18, 3]]}, [zmq.Frame(b"")], items(1), URLS, direct=True, files=files)
+    with pytest.raises(StaleFile) as stale:  # direct reads turned off since the read went out
+        decode_reply(header, [zmq.Frame(b"")], items(1), URLS, direct=True, files=None)
+    assert stale.value.errno == errno.ESTALE
+
+
+# -- pins -------------------------------------------------------------------------------
+
+
+def test_a_pin_is_let_go_once_no_read_holds_it_and_the_sequence_needs_it_no_more() -> None:
+    agent = ScriptedAgent(open={"ok": True, "samples": 5})
+    pins = Pins(agent, "me", URLS, timeout=10, files=None)
+    noop = lambda *a: None  # noqa: E731
+    assert pins.open(0, [URLS[1]], before_wait=noop, on_status=noop)["ok"]
+    assert pins.opened == {0: 0} and agent.sent[0]["ahead"] == [URLS[1]] and agent.sent[0]["stream"] is False
+    pins.opened[0] += 1  # a read of it is out
+    pins.counted(0, 5)
+    pins.given = 5
+    for _ in range(5):  # the sequence gives out its ids
+        pins.remaining[0] -= 1
+    pins.release(0)
+    assert 0 in pins.opened  # the read still holds it
+    pins.opened[0] -= 1
+    pins.release(0)
+    assert 0 not in pins.opened and agent.ops()[-1] == ("release", URLS[0])
+
+
+def test_a_shard_is_let_go_once_the_share_dealt_its_last_id() -> None:
+    agent = ScriptedAgent(open={"ok": True})
+    pins = Pins(agent, "me", URLS, timeout=10, files=None)
+    pins.open(1, [], before_wait=lambda: None, on_status=lambda s: None)
+    pins.given = 3
+    pins.counted(1, 0)  # its ids are all out (none) after 3 ids of the epoch
+    pins.release_settled(2)
+    assert 1 in pins.opened
+    pins.release_settled(3)
+    assert 1 not in pins.opened and not pins.unneeded
+
+
+def test_an_open_that_must_wait_first_lets_go_of_every_other_pin() -> None:
+    answers = iter([{"ok": True}, {"ok": True}, {"ok": False, "cached": False}, {"ok": True, "partial": True}])
+    agent = ScriptedAgent(open=lambda header: next(answers))
+    pins = Pins(agent, "me", URLS, timeout=10, files=None)
+    events: list[str] = []
+    statuses: list[dict[str, Any]] = []
+    pins.open(0, [], before_wait=lambda: None, on_status=statuses.append)
+    pins.open(1, [], before_wait=lambda: None, on_status=statuses.append)
+    pins.remaining[1] = 4  # still needed: only a wait lets go of it
+    reply = pins.open(2, [], while_downloading=True, before_wait=lambda: events.append("finish reads"),
+                      on_status=statuses.append)
+    assert reply["partial"] and events == ["finish reads"] and pins.waits == 1
+    assert pins.opened == {2: 0} and statuses == [{"state": "downloading", "written": 10}]
+    assert [op for op in agent.ops() if op[0] == "release"] == [("release", URLS[0]), ("release", URLS[1])]
+    assert agent.sent[-1]["wait"] is True and agent.sent[-1]["stream"] is True
+
+
+def test_an_open_again_gives_back_the_pin_held_and_a_failed_shard_is_dropped() -> None:
+    agent = ScriptedAgent(open={"ok": True})
+    pins = Pins(agent, "me", URLS, timeout=10, files=None)
+    pins.open(3, [], before_wait=lambda: None, on_status=lambda s: None)
+    pins.opened[3] = 2
+    pins.open(3, [], again=True, before_wait=lambda: None, on_status=lambda s: None)
+    assert agent.ops() == [("open", URLS[3]), ("release", URLS[3]), ("open", URLS[3])]
+    assert pins.opened == {3: 2}  # the reads out still count
+    pins.drop(3, timeout=1.0)
+    assert pins.opened == {} and agent.ops()[-1] == ("release", URLS[3])
+    pins.drop(3, timeout=1.0)  # not pinned: nothing to give back
+    assert len(agent.sent) == 4
+
+
+# -- the shards of an epoch -----------------------------------------------------------------
+
+
+def epoch_shards(agent: ScriptedAgent, scans: list[dict[str, Any]], on_error: str = "raise") -> EpochShards:
+    """EpochShards over URLS (in list order) whose worker answers ``scans`` in turn."""
+    pins = Pins(agent, "me", URLS, timeout=10, files=None)
+    clock = ProgressClock(agent, "me", URLS, endpoint="ipc://x", timeout=10)
+    answers = iter(scans)
+    return EpochShards(agent, "me", URLS, spec=EpochSpec(len(URLS), shuffle=False), prefetch=2, on_error=on_error,
+                       timeout=10, pins=pins, clock=clock, workers=2,
+                       call_worker=lambda header, worker: next(answers), hold_nothing=lambda: None)
+
+
+def test_a_shards_count_comes_from_the_agent_the_open_or_a_scan() -> None:
+    agent = ScriptedAgent(counts=lambda h: {"ok": True, "counts": [4 if u == URLS[0] else None for u in h["urls"]]},
+                          open=lambda h: {"ok": True, "samples": 6} if h["url"] == URLS[1] else {"ok": True})
+    shards = epoch_shards(agent, scans=[{"ok": True, "count": 9}])
+    assert list(shards.arrivals(0)) == [4]  # the agent's index knew it: not even opened
+    assert agent.ops() == [("counts", None)] and len(agent.sent[0]["urls"]) == 4  # asked for the shards ahead too
+    assert list(shards.arrivals(1)) == [6] and agent.sent[-1]["ahead"] == [URLS[2], URLS[3]]
+    assert agent.ops()[1:] == [("counts", None), ("open", URLS[1])]
+    assert list(shards.arrivals(2)) == [9] and URLS[2] in shards.learned  # scanned: its count reported
+    assert shards.pins.remaining == {0: 4, 1: 6, 2: 9}
+
+
+def test_a_downloading_shard_enters_as_its_samples_arrive() -> None:
+    agent = ScriptedAgent(counts={"ok": True, "counts": [None] * 4}, open={"ok": True, "partial": True})
+    scans = [{"ok": True, "count": 2}, {"ok": True, "count": 2}, {"ok": True, "count": 5, "final": True}]
+    shards = epoch_shards(agent, scans)
+    assert list(shards.arrivals(0)) == [2, None, None, 5]
+    assert 0 not in shards.pins.partial and shards.sample_counts[0] == 5 and shards.pins.remaining[0] == 5
+
+
+def test_a_failed_shard_raises_or_is_skipped_and_let_go() -> None:
+    agent = ScriptedAgent(counts={"ok": True, "counts": [None] * 4}, open={"ok": True})
+    failed = {"ok": False, "kind": "corrupt", "error": "bad header"}
+    with pytest.raises(ShardError, match="bad header"):
+        list(epoch_shards(agent, [failed, failed]).arrivals(0))  # damaged, and damaged again once renewed
+    shards = epoch_shards(agent, [{"ok": False, "kind": "failed", "error": "gone"}], on_error="skip")
+    assert list(shards.arrivals(3)) == [0]
+    assert shards.skipped == {3} and shards.sample_counts[3] == 0 and 3 not in shards.pins.opened
+    assert agent.ops()[-2:] == [("corrupt", URLS[3]), ("release", URLS[3])]
+
+
+def test_a_damaged_copy_is_read_again_once_from_a_new_copy() -> None:
+    agent = ScriptedAgent()
+    shards = epoch_shards(agent, [])
+    exc = ShardError(URLS[1], "bad member")
+    assert shards.found_damaged(1, exc) and shards.found_damaged(1, exc)  # until it is opened again
+    shards.tell_damage()
+    assert agent.ops() == [("corrupt", URLS[1])]  # told once, before the shard is opened again
+    shards.reopened(1)
+    assert not shards.found_damaged(1, exc)  # the new copy is damaged too: the shard fails
+
+
+# -- the sequence's feed -------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=6), shuffle=st.booleans(),
+       buffer=st.integers(0, 50), chunks=st.lists(st.integers(0, 7), min_size=1, max_size=8).filter(any),
+       seed=st.integers(0, 3))
+def test_the_sequence_fed_in_pieces_is_the_sequence_of_the_counts(counts: list[int], shuffle: bool, buffer: int,
+                                                                  chunks: list[int], seed: int) -> None:
+    spec = EpochSpec(len(counts), seed=seed, shuffle=shuffle, shuffle_buffer=buffer)
+    want = list(global_sequence(spec, lambda s: range(counts[s])))
+    feed = ShardFeed()
+    got, given, turn = [], {}, 0
+    for sid in global_sequence(spec, feed.samples):
+        if sid is not None:
+            got.append(sid)
+            continue
+        shard = feed.wanted
+        assert shard is not None
+        have = given.get(shard, 0)
+        step = chunks[turn % len(chunks)]  # 0: nothing new yet
+        turn += 1
+        if have >= counts[shard] and step:
+            feed.end()
+        elif step:
+            given[shard] = min(counts[shard], have + step)
+            feed.grow(given[shard])
+        assert turn < 10_000
+    assert got == want
+
+
+# -- the progress clock -------------------------------------------------------------------
+
+
+def test_the_clock_raises_only_after_timeout_seconds_without_progress() -> None:
+    agent = ScriptedAgent(status={"ok": True, "state": "downloading", "written": 5})
+    clock = ProgressClock(agent, "me", URLS, endpoint="ipc://x", timeout=30)
+    clock.check_stall(lambda: pytest.fail("asked what we wait for before the timeout"))
+    clock.heard(1, {"written": 5})
+    moved = clock.progress_at
+    clock.heard(1, {"written": 5})  # no more bytes: no progress
+    assert clock.progress_at == moved and 1.0 <= clock.left() <= 30
+    clock.progress_at = time.monotonic() - 31
+    with pytest.raises(FetchError, match="no progress for 30s: its download has 5 bytes and gets no more"):
+        clock.check_stall(lambda: (1, None))  # the agent is asked about it
+    assert agent.ops() == [("status", URLS[1])]
+    with pytest.raises(AgentUnavailableError, match="its workers did not answer"):
+        clock.check_stall(lambda: (None, None))  # nothing downloading: the agent is pinged first
+    assert agent.ops()[-1] == ("ping", None)
+    assert clock.left() == 1.0
