@@ -37,7 +37,7 @@ from .config import AgentConfig
 from .fetch import Fetched, same_version, validator_kind
 from .index import ShardState
 from .protocol import field as get_field
-from .tario import file_identity
+from .shardview import file_identity
 
 log = logging.getLogger(__name__)
 
