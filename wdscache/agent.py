@@ -68,6 +68,7 @@ from .protocol import field as get_field
 from .stats import build, jobs_view, public, with_fraction
 from .protocol import client_key, numbers, pack, pages, process_identity, proof, same_secret, strings, unpack
 from .tario import file_identity
+from .s3 import Listing
 from .urls import UrlList, diff_urls, list_id, parse_url_list, read_url_list
 
 log = logging.getLogger(__name__)
@@ -206,6 +207,7 @@ class Agent:
             retries=config.retries,
             backoff=config.backoff,
             backoff_max=config.backoff_max,
+            s3_endpoint_url=config.s3_endpoint_url,
         )
 
     # -- life cycle ---------------------------------------------------------
@@ -1308,7 +1310,10 @@ class Agent:
     def _job_list(self, urls: list[Any]) -> UrlList:
         """A consumer's own URL list, held to what this endpoint may fetch for others."""
         # Over a TCP endpoint a peer may be another machine: it must not make us read local files.
-        schemes = ("http://", "https://") if not self.endpoint.startswith("ipc://") else ("http://", "https://", "file://")
+        # Nor fetch from S3 with our credentials: s3:// too only for a peer on this machine.
+        schemes: tuple[str, ...] = ("http://", "https://")
+        if self.endpoint.startswith("ipc://"):
+            schemes += ("file://", "s3://")
         for u in urls:
             if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
                 raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
@@ -1522,7 +1527,8 @@ class Agent:
 
 
 def _read_list(cfg: AgentConfig) -> UrlList:
-    urls = read_url_list(cfg.urls, allow_pipe=cfg.allow_pipe)
+    lister = Listing(endpoint_url=cfg.s3_endpoint_url, fetching=True)  # lists s3:// prefixes and globs
+    urls = read_url_list(cfg.urls, allow_pipe=cfg.allow_pipe, lister=lister)
     if not len(urls):
         raise ConfigError(f"URL list {cfg.urls} holds no URL")
     if urls.duplicates:

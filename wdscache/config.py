@@ -80,6 +80,7 @@ class AgentConfig:
     backoff_max: float = 30.0
     reader_timeout: float = 60.0
     revalidate: bool = True
+    s3_endpoint_url: str | None = None  # None: botocore's own (AWS_ENDPOINT_URL, the profile's)
     # A private agent's users file (see wdscache.private): it stops once no loader holds a lock on it.
     private_users: Path | None = None
 
@@ -95,6 +96,8 @@ class AgentConfig:
         # Validate the syntax now; percentages are resolved against the file system at start.
         parse_size(self.cache_size, total=1, what="--cache-size")
         parse_size(self.min_free, total=1, what="--min-free")
+        if self.s3_endpoint_url is not None and not self.s3_endpoint_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--s3-endpoint-url {self.s3_endpoint_url!r}: use http(s)://HOST[:PORT]")
         if self.endpoint is not None:
             check_endpoint(self.endpoint, allow_remote=self.allow_remote)
 

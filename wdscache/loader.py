@@ -53,6 +53,7 @@ from .direct import CacheFiles, FileRange, StaleFile
 from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError, ShardError, WdsCacheError
 from .malloc import tune_malloc
 from .protocol import WorkerProofs, pack, pages, process_identity, same_secret, unpack
+from .s3 import Listing
 from .sequence import EpochSpec, RankShare, Resume, SampleId, global_sequence, rank_length
 from .private import PrivateAgent
 from .urls import format_url_list, list_id, parse_url_list, read_url_list
@@ -391,8 +392,8 @@ def _normalize_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> tupl
     if urls is None:
         return None
     if isinstance(urls, (str, os.PathLike)):
-        return read_url_list(urls).urls
-    return parse_url_list(format_url_list(urls), base_dir=os.getcwd()).urls
+        return read_url_list(urls, lister=Listing()).urls
+    return parse_url_list(format_url_list(urls), base_dir=os.getcwd(), lister=Listing()).urls
 
 
 class _Stream:
