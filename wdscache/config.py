@@ -11,7 +11,8 @@ again. On the training side :func:`wdscache.loader._env_defaults` reads what a
 launcher sets (``RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``) and
 ``WDSCACHE_CACHE_DIR``, ``WDSCACHE_ENDPOINT``, ``WDSCACHE_TOKEN``, for the
 loader arguments left unset. No other module of the package reads it (the
-libraries used do read their own: requests its proxy and CA variables).
+libraries used do read their own: requests its proxy and CA variables, boto3
+its ``AWS_*`` credentials, profile, region and endpoint).
 """
 
 from __future__ import annotations
