@@ -27,7 +27,7 @@ from tests.helpers.s3 import S3Proxy  # noqa: E402
 from tests.helpers.streaming import reference, samples_of  # noqa: E402
 from tests.helpers.waits import wait_for  # noqa: E402
 from wdscache.layout import CacheLayout  # noqa: E402
-from wdscache.s3 import S3Client  # noqa: E402
+from wdscache.s3 import S3Client, glob_regex, is_listing  # noqa: E402
 
 BUCKET = "shards"
 CACHED_IN = 30.0  # seconds a few small shards get to be downloaded
@@ -151,6 +151,14 @@ def test_listing_follows_every_page_in_key_order(store: Store) -> None:
     listed = S3Client(endpoint_url=store.proxy.url, retries=True).list(f"s3://{BUCKET}/p/", page_size=2)
     assert listed == urls
     assert len([r for r in store.proxy.requests if "list-type=2" in r.query]) == 3
+
+
+def test_glob_and_prefix_syntax() -> None:
+    assert [is_listing(u) for u in ("s3://b", "s3://b/", "s3://b/t/", "s3://b/t/a.tar", "s3://b/t/a-?.tar")] == \
+        [True, True, True, False, True]
+    match = glob_regex("t/*/s-[!0]?.tar").fullmatch
+    assert match("t/x/s-1a.tar") and not match("t/x/y/s-1a.tar") and not match("t/x/s-0a.tar")
+    assert glob_regex("t/**.tar").fullmatch("t/x/y/s.tar") and glob_regex("a[.tar").fullmatch("a[.tar")
 
 
 def test_a_list_reload_lists_the_prefix_again(store: Store, tmp_path: Path, start_agent) -> None:
