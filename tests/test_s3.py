@@ -279,6 +279,23 @@ def test_an_object_replaced_mid_download_is_fetched_anew(store: Store, tmp_path:
     assert as_samples(lines) == reference([replacement], urls)
 
 
+def test_an_object_overwritten_between_two_runs_is_fetched_again(store: Store, tmp_path: Path,
+                                                                  start_agent, consumers) -> None:
+    urls, paths = store.put_shards("t/", 2)
+    agent = start_on(start_agent, store, tmp_path, urls)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, CACHED_IN, "the shards were not cached")
+    assert agent.stop() == 0
+    replacement = make_shard(tmp_path / "v2.tar", synth_samples(0, 10, payload=2000, seed=5))
+    store.put("t/" + paths[0].name, replacement)
+    agent = start_on(start_agent, store, tmp_path, urls)
+    lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()  # revalidated before first served
+    assert as_samples(lines) == reference([replacement, paths[1]], urls)
+    s = agent.stats()
+    assert s["changed"] == 1 and s["shards"]["cached"] == 2, s
+    assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()
+    assert len(store.proxy.gets(urls[1][len("s3://"):])) == 1  # the unchanged one: asked by HEAD only
+
+
 # -- set-up errors --------------------------------------------------------------------------
 
 
