@@ -51,8 +51,8 @@ from urllib.parse import unquote, urlsplit
 import requests
 import urllib3
 
-from .config import default, format_size
 from . import s3
+from .config import default, format_size
 from .errors import FetchError, ShardError
 from .tario import GZIP_MAGIC, HEAD_BYTES, file_problem, gunzip, tar_problem
 
