@@ -292,7 +292,7 @@ def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive
 @pytest.mark.parametrize(
     "bad_line, lineno, words",
     [
-        ("s3://bucket/x.tar", 3, ["s3"]),
+        ("gs://bucket/x.tar", 3, ["gs"]),
         ("http://127.0.0.1:9/shard-{000..003.tar", 2, ["unclosed", "{"]),
     ],
     ids=["unsupported-scheme", "malformed-brace"],

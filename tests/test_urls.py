@@ -168,19 +168,58 @@ def test_brace_error_names_file_and_line(tmp_path: Path) -> None:
 
 
 def test_unknown_scheme_names_scheme_and_line(tmp_path: Path) -> None:
-    path = write_list(tmp_path, "http://h/a.tar\n\ns3://bucket/b.tar\n")
+    path = write_list(tmp_path, "http://h/a.tar\n\ngs://bucket/b.tar\n")
     with pytest.raises(UrlListError) as info:
         read_url_list(path)
     message = str(info.value)
     assert "urls.txt:3" in message
-    assert "unknown scheme 's3'" in message
+    assert "unknown scheme 'gs'" in message
     assert "http://" in message and "file://" in message
 
 
-@pytest.mark.parametrize("url", ["ftp://h/a.tar", "gs://b/a.tar", "S3://b/a.tar"])
+@pytest.mark.parametrize("url", ["ftp://h/a.tar", "gs://b/a.tar", "GS://b/a.tar"])
 def test_other_schemes_rejected(url: str) -> None:
     with pytest.raises(UrlListError, match="unknown scheme"):
         parse_url_list(url)
+
+
+def test_s3_objects_stand_for_themselves_and_need_a_bucket() -> None:
+    assert parse_url_list("S3://bkt/a.tar\ns3://bkt/b-{0..1}.tar").urls == (
+        "s3://bkt/a.tar", "s3://bkt/b-0.tar", "s3://bkt/b-1.tar")
+    for url in ("s3://", "s3:///key.tar"):
+        with pytest.raises(UrlListError, match="needs a bucket"):
+            parse_url_list(url)
+
+
+@pytest.mark.parametrize("url", ["s3://bkt", "s3://bkt/", "s3://bkt/train/", "s3://bkt/train/shard-*.tar",
+                                 "s3://bkt/shard-?.tar", "s3://bkt/shard-[01].tar"])
+def test_s3_prefixes_and_globs_need_a_lister(url: str) -> None:
+    with pytest.raises(UrlListError, match="prefix or glob is listed only where"):
+        parse_url_list(url)
+
+
+def test_a_lister_expands_s3_entries_in_place_counted_and_deduplicated() -> None:
+    listed = {"s3://bkt/t/": ["s3://bkt/t/a.tar", "s3://bkt/t/b.tar"]}
+    seen: list[str] = []
+
+    def lister(url: str) -> list[str]:
+        seen.append(url)
+        return listed.get(url, [url])
+
+    text = "http://h/0.tar\ns3://bkt/t/a.tar\ns3://bkt/t/\nhttp://h/1.tar\n"
+    parsed = parse_url_list(text, lister=lister)
+    assert parsed.urls == ("http://h/0.tar", "s3://bkt/t/a.tar", "s3://bkt/t/b.tar", "http://h/1.tar")
+    assert parsed.duplicates == 1 and seen == ["s3://bkt/t/a.tar", "s3://bkt/t/"]
+    with pytest.raises(UrlListError, match="limit of 3") as info:
+        parse_url_list(text, lister=lister, limit=3)
+    assert info.value.lineno == 3
+
+    def refusing(url: str) -> list[str]:
+        raise ValueError("cannot list it: S3 NoSuchBucket")
+
+    with pytest.raises(UrlListError, match="NoSuchBucket") as info:
+        parse_url_list(text, lister=refusing)
+    assert info.value.lineno == 2
 
 
 @pytest.mark.parametrize("url", ["http://", "https:///path", "http://?q", "http://:80/a"])

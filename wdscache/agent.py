@@ -119,6 +119,7 @@ class Agent:
             retries=config.retries,
             backoff=config.backoff,
             backoff_max=config.backoff_max,
+            s3_endpoint_url=config.s3_endpoint_url,
         )
         self._on_event: dict[type, Callable[[Any], None]] = {
             BudgetAsked: lambda e: self.downloads.asked(e.grant),

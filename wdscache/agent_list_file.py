@@ -24,6 +24,7 @@ from watchdog.observers import Observer
 
 from .config import AgentConfig
 from .errors import ConfigError
+from .s3 import Listing
 from .urls import UrlList, read_url_list
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class ListFile:
 
     def __init__(self, config: AgentConfig) -> None:
         self._path, self._allow_pipe = config.urls, config.allow_pipe
+        self._lister = Listing(endpoint_url=config.s3_endpoint_url, fetching=True)  # s3:// prefixes and globs
         self._signature: tuple[int, ...] | None = None
         self._touched = threading.Event()  # set by the watchdog thread
         self._observer: Any = None
@@ -43,7 +45,7 @@ class ListFile:
     def read(self) -> UrlList:
         """Read the list now (raises :class:`ConfigError` for a list that is empty or wrong)."""
         self._signature = _stat_signature(self._path)
-        urls = read_url_list(self._path, allow_pipe=self._allow_pipe)
+        urls = read_url_list(self._path, allow_pipe=self._allow_pipe, lister=self._lister)
         if not len(urls):
             raise ConfigError(f"URL list {self._path} holds no URL")
         if urls.duplicates:

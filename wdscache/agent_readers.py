@@ -312,9 +312,10 @@ class Readers:
 
     def _job_list(self, urls: list[Any]) -> UrlList:
         """A consumer's own URL list, held to what this endpoint may fetch for others."""
-        # Over a TCP endpoint a peer may be another machine: it must not make us read local files.
+        # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
+        # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
         local = self._socket.endpoint.startswith("ipc://")
-        schemes = ("http://", "https://", "file://") if local else ("http://", "https://")
+        schemes = ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
         for u in urls:
             if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
                 raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")

@@ -70,6 +70,9 @@ def main() -> None:
               help="Check a shard cached by an earlier run against its source (HEAD) before serving it.")
 @click.option("--reader-timeout", envvar="WDSCACHE_READER_TIMEOUT", default=default("reader_timeout"), type=float,
               show_envvar=True, help="Seconds of silence after which a consumer's pins are released.")
+@click.option("--s3-endpoint-url", envvar="WDSCACHE_S3_ENDPOINT_URL", default=default("s3_endpoint_url"),
+              show_envvar=True,
+              help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].")
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
               help="Log every download and eviction.")
 @click.option("--private-users", hidden=True, default=default("private_users"),

@@ -11,7 +11,8 @@ again. On the training side :func:`wdscache.loader._env_defaults` reads what a
 launcher sets (``RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``) and
 ``WDSCACHE_CACHE_DIR``, ``WDSCACHE_ENDPOINT``, ``WDSCACHE_TOKEN``, for the
 loader arguments left unset. No other module of the package reads it (the
-libraries used do read their own: requests its proxy and CA variables).
+libraries used do read their own: requests its proxy and CA variables, boto3
+its ``AWS_*`` credentials, profile, region and endpoint).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ class AgentConfig:
     backoff_max: float = 30.0
     reader_timeout: float = 60.0
     revalidate: bool = True
+    s3_endpoint_url: str | None = None  # None: botocore's own (AWS_ENDPOINT_URL, the profile's)
     # A private agent's users file (see wdscache.private): it stops once no loader holds a lock on it.
     private_users: Path | None = None
 
@@ -95,6 +97,8 @@ class AgentConfig:
         # Validate the syntax now; percentages are resolved against the file system at start.
         parse_size(self.cache_size, total=1, what="--cache-size")
         parse_size(self.min_free, total=1, what="--min-free")
+        if self.s3_endpoint_url is not None and not self.s3_endpoint_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--s3-endpoint-url {self.s3_endpoint_url!r}: use http(s)://HOST[:PORT]")
         if self.endpoint is not None:
             check_endpoint(self.endpoint, allow_remote=self.allow_remote)
 

@@ -1,4 +1,4 @@
-"""Fetching one shard into the cache: HTTP(S) or local files, with retries and resume.
+"""Fetching one shard into the cache: HTTP(S), S3 or local files, with retries and resume.
 
 A download writes ``partial/<name>`` and, only when the shard is complete, has the
 size it announced and starts like a tar (or gzip'd tar), fsyncs it and renames it
@@ -14,7 +14,12 @@ in memory. One that expands beyond what the budget can hold, or whose gzip data 
 damaged, fails for good and leaves nothing behind.
 
 One :class:`Fetcher` serves all download threads; each thread gets its own
-``requests.Session`` (connections are reused within a thread, never shared).
+``requests.Session`` (connections are reused within a thread, never shared), and its own
+boto3 session and client for ``s3://`` objects (:mod:`wdscache.s3`), made on first use.
+
+S3 objects take the HTTP path's steps: the same retry loop and backoff, ranged resumes, budget,
+checks and publish. A resume sends ``If-Match`` with the ETag its bytes came with, so an object
+replaced meanwhile (HTTP 412) is fetched anew from byte 0, never spliced.
 
 Validators: a shard's version is its ETag, or, from a server that sends none, its
 Last-Modified date (for ``file:`` URLs, size and mtime). It is what revalidation
@@ -46,6 +51,7 @@ from urllib.parse import unquote, urlsplit
 import requests
 import urllib3
 
+from . import s3
 from .config import default, format_size
 from .errors import FetchError, ShardError
 from .gunzip import gunzip
@@ -129,8 +135,10 @@ class Fetcher:
         retries: int = default("retries"),
         backoff: float = default("backoff"),
         backoff_max: float = default("backoff_max"),
+        s3_endpoint_url: str | None = default("s3_endpoint_url"),
     ) -> None:
         self.timeout = (connect_timeout, read_timeout)
+        self.s3_endpoint_url = s3_endpoint_url
         self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
         self._local = threading.local()
         self._not_before: dict[str, float] = {}  # url -> monotonic time a Retry-After holds it until
@@ -144,12 +152,24 @@ class Fetcher:
             session.headers["User-Agent"] = "wdscache"
         return session
 
+    def _s3(self, url: str) -> s3.S3Client:
+        # Like the requests session: one per thread, made in the thread that uses it.
+        client = getattr(self._local, "s3", None)
+        if client is None:
+            try:
+                client = self._local.s3 = s3.S3Client(
+                    endpoint_url=self.s3_endpoint_url, connect_timeout=self.timeout[0], read_timeout=self.timeout[1])
+            except s3.NoClient as exc:
+                raise FetchError(url, exc.reason, permanent=True) from None
+        return client
+
     def close_thread(self) -> None:
-        """Close the calling thread's session (call before the thread ends)."""
-        session = getattr(self._local, "session", None)
-        if session is not None:
-            session.close()
-            self._local.session = None
+        """Close the calling thread's sessions and clients (call before the thread ends)."""
+        for name in ("session", "s3"):
+            held = getattr(self._local, name, None)
+            if held is not None:
+                held.close()
+                setattr(self._local, name, None)
 
     def _hold(self, url: str, delay: float | None) -> None:
         """A Retry-After of ``delay`` seconds: no request to ``url`` before then."""
@@ -190,7 +210,9 @@ class Fetcher:
                 length = r.headers.get("Content-Length", "")
                 if r.ok and length.isdigit():
                     return Fetched(int(length), validator(r.headers))
-        except (OSError, requests.RequestException):
+            if parts.scheme == "s3":
+                return Fetched(*self._s3(url).head(url))
+        except (OSError, requests.RequestException, FetchError, s3.Transient):
             pass
         return None
 
@@ -202,7 +224,9 @@ class Fetcher:
         scheme = urlsplit(d.url).scheme
         d.partial.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if scheme in ("http", "https"):
-            size, etag = self._fetch_http(d)
+            size, etag = self._fetch_remote(d, self._http_attempt)
+        elif scheme == "s3":
+            size, etag = self._fetch_remote(d, self._s3_attempt)
         elif scheme == "file":
             size, etag = self._fetch_file(d)
         elif d.url.startswith("pipe:"):
@@ -222,16 +246,18 @@ class Fetcher:
         self._publish(d)
         return Fetched(size, etag)
 
-    # -- HTTP -------------------------------------------------------------
+    # -- HTTP and S3 ------------------------------------------------------
 
-    def _fetch_http(self, d: Download) -> tuple[int, str | None]:
+    def _fetch_remote(self, d: Download, attempt: Callable[[Download], int]) -> tuple[int, str | None]:
+        """Run ``attempt`` (one request, resuming from the partial file) until the shard is
+        whole; retries with backoff, counting only consecutive failures without progress."""
         failures = 0
         while True:
             if d.cancel.is_set():
                 raise Cancelled(d.url)
             before = d.written = _size_of(d.partial)
             try:
-                total = self._http_attempt(d)
+                total = attempt(d)
                 return total, d.etag
             except _Retry as exc:
                 if not exc.counts:
@@ -277,9 +303,7 @@ class Fetcher:
                     # Nothing past our bytes, of the version If-Range named: the partial kept
                     # was whole already (cancelled after its last byte came). Checked as any.
                     d.total = offset
-                    if not d.reserve(d, offset, HOLD_CONNECTION):
-                        r.close()
-                        d.reserve(d, offset, None)
+                    _reserve_holding(d, offset, r.close)
                     return offset
                 _truncate(d.partial)  # our partial is not a prefix of this object
                 raise _Retry("HTTP 416 on resume; starting over", 0.0)
@@ -303,10 +327,7 @@ class Fetcher:
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
             if total is not None:
                 d.total = total
-                if not d.reserve(d, total, HOLD_CONNECTION):
-                    # Waiting for space could take long: don't hold the connection meanwhile.
-                    r.close()
-                    d.reserve(d, total, None)
+                if not _reserve_holding(d, total, r.close):
                     raise _Retry("waited for cache space", 0.0, counts=False)
             # The bytes as stored: a server's Content-Encoding is not ours to undo. read1 returns
             # what has arrived (up to CHUNK), so a cancel leaves few received bytes unwritten.
@@ -315,6 +336,58 @@ class Fetcher:
             if total is not None and d.written != total:
                 raise _Retry(f"got {d.written} of {total} bytes")
             return d.written
+
+    def _s3_attempt(self, d: Download) -> int:
+        offset = d.written
+        if offset and not d.etag:
+            _truncate(d.partial)  # as for HTTP: bytes of an unknown version are never continued
+            offset = d.written = 0
+        client = self._s3(d.url)
+        try:
+            body = client.get(d.url, offset=offset, if_match=d.etag if offset else None, chunk=CHUNK)
+        except s3.Changed:
+            _truncate(d.partial)  # the object was replaced since our bytes came
+            raise _Retry("the object changed since the partial copy was made (If-Match: HTTP 412); "
+                         "starting over", 0.0) from None
+        except s3.Unsatisfiable:
+            if offset and self._s3_head(client, d.url) == (offset, d.etag):
+                # The partial kept was whole already (cancelled after its last byte came).
+                d.total = offset
+                d.reserve(d, offset, None)
+                return offset
+            _truncate(d.partial)
+            raise _Retry("HTTP 416 on resume; starting over", 0.0) from None
+        except s3.Transient as exc:
+            raise _Retry(exc.reason) from None
+        try:
+            if offset and not body.ranged:
+                log.info("%s: server ignored the Range request; downloading from the start", d.url)
+                _truncate(d.partial)
+                offset = d.written = 0
+            elif offset and body.start != offset:
+                _truncate(d.partial)
+                raise _Retry("server resumed at the wrong offset; starting over", 0.0)
+            if body.etag and body.etag != d.etag:
+                d.etag = body.etag
+                d.on_validator(d)  # recorded in the index, so a restart can resume safely
+            d.total = body.total
+            if not _reserve_holding(d, body.total, body.close):
+                raise _Retry("waited for cache space", 0.0, counts=False)
+            self._write_body(d, body.chunks, body.total, check_head=offset == 0)
+        except s3.Transient as exc:
+            raise _Retry(exc.reason) from None
+        finally:
+            body.close()
+        if d.written != body.total:
+            raise _Retry(f"got {d.written} of {body.total} bytes")
+        return d.written
+
+    @staticmethod
+    def _s3_head(client: s3.S3Client, url: str) -> tuple[int, str | None] | None:
+        try:
+            return client.head(url)
+        except (FetchError, s3.Transient):
+            return None
 
     # -- local files ------------------------------------------------------
 
@@ -464,6 +537,16 @@ class Fetcher:
             os.fsync(dir_fd)  # the rename itself survives a power cut
         finally:
             os.close(dir_fd)
+
+
+def _reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> bool:
+    """Reserve ``total`` bytes for ``d`` while holding its connection, for a short while; then
+    ``let_go`` of the connection (waiting for space could take long) and wait: False."""
+    if d.reserve(d, total, HOLD_CONNECTION):
+        return True
+    let_go()
+    d.reserve(d, total, None)
+    return False
 
 
 def _write_all(d: Download, fd: int, data: bytes) -> int:

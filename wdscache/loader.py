@@ -50,6 +50,7 @@ from .client import AgentConnection, resolve_endpoint, start_hint
 from .errors import WdsCacheError
 from .malloc import tune_malloc
 from .private import PrivateAgent
+from .s3 import Listing
 from .protocol import pages, process_identity
 from .sequence import Resume, rank_length
 from .epoch_shards import agent_counts
@@ -374,8 +375,8 @@ def _normalize_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> tupl
     if urls is None:
         return None
     if isinstance(urls, (str, os.PathLike)):
-        return read_url_list(urls).urls
-    return parse_url_list(format_url_list(urls), base_dir=os.getcwd()).urls
+        return read_url_list(urls, lister=Listing()).urls
+    return parse_url_list(format_url_list(urls), base_dir=os.getcwd(), lister=Listing()).urls
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

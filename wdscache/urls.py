@@ -3,6 +3,10 @@
 A list holds one URL or brace pattern per line (``http://h/train-{0000..0999}.tar``).
 Blank lines and ``#`` comments are ignored; entries are expanded, normalized
 (plain paths become absolute ``file://`` URLs) and de-duplicated in order.
+
+An ``s3://`` prefix or glob (``s3://b/train/``, ``s3://b/train/shard-*.tar``) stands for the
+objects it lists: parsing does no I/O itself, so a list holding one is read with a ``lister``
+(:class:`wdscache.s3.Listing`) that lists it when the list is read, and without one is refused.
 """
 
 from __future__ import annotations
@@ -11,11 +15,12 @@ import codecs
 import hashlib
 import os
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from wdscache.errors import ConfigError, UrlListError
+from wdscache.s3 import is_listing
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -37,8 +42,12 @@ _PIPE_REFUSED = (
     "pipe: sources run a shell command; start the agent with --allow-pipe to allow them"
 )
 _SUPPORTED = (
-    "supported: http://, https://, file:///path, a plain path, pipe:CMD (with --allow-pipe)"
+    "supported: http://, https://, s3://bucket/key (or a prefix or glob), file:///path, a plain path, "
+    "pipe:CMD (with --allow-pipe)"
 )
+_UNLISTED = "an s3:// prefix or glob is listed only where a list is read: give it in the list itself"
+Lister = Callable[[str], Sequence[str]]
+"""Given an ``s3://`` entry, the URLs it stands for; raises ValueError saying why it cannot."""
 _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 # Capturing split keeps the delimiters; escapes come first so "\{" never opens a group.
 _BRACE_TOKENS = re.compile(r"(\\[{}]|[{},])")
@@ -275,6 +284,10 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
                 if not slash:
                     raise ValueError("a file: URL needs a path, like file:///data/shard.tar")
                 return "file://" + _abs_path("/" + path)
+            if scheme == "s3":
+                if not rest or rest[0] in "/?#":
+                    raise ValueError("an s3:// URL needs a bucket, like s3://bucket/key")
+                return "s3://" + rest
             raise ValueError(f"unknown scheme {scheme!r}; {_SUPPORTED}")
     # Anything else is a local path (a "name:" without "//" included, e.g. "a:b.tar").
     return "file://" + _abs_path(os.path.join(base_dir, url))
@@ -297,12 +310,15 @@ def parse_url_list(
     base_dir: str | None = None,
     allow_pipe: bool = False,
     limit: int = DEFAULT_LIMIT,
+    lister: Lister | None = None,
 ) -> UrlList:
     """Parse the text of a URL list.
 
     Relative paths resolve against ``base_dir`` (default: the current directory).
-    ``limit`` bounds the entries after brace expansion, counted before duplicates
-    are dropped.  Any unusable line raises UrlListError naming ``path`` and the line.
+    ``limit`` bounds the entries after brace and prefix expansion, counted before
+    duplicates are dropped.  Every ``s3://`` entry goes through ``lister``, when given,
+    and becomes the URLs it returns; without one, an ``s3://`` prefix or glob is refused.
+    Any unusable line raises UrlListError naming ``path`` and the line.
     """
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
     urls: list[str] = []
@@ -333,14 +349,27 @@ def parse_url_list(
                 expanded = (entry,)
             for url in expanded:
                 url = _normalize(url, base, allow_pipe)
-                if url in seen:
-                    duplicates += 1
-                else:
-                    seen.add(url)
-                    urls.append(url)
+                objects: Sequence[str] = (url,)
+                if url.startswith("s3://"):
+                    objects = lister(url) if lister is not None else _unlisted(url)
+                    total += len(objects) - 1
+                    if total > limit:
+                        raise ValueError(f"the list would hold {total} URLs, more than the limit of {limit}")
+                for url in objects:
+                    if url in seen:
+                        duplicates += 1
+                    else:
+                        seen.add(url)
+                        urls.append(url)
         except ValueError as exc:
             raise UrlListError(path, lineno, raw.strip(), str(exc)) from None
     return UrlList(None if path == TEXT_SOURCE else path, tuple(urls), duplicates)
+
+
+def _unlisted(url: str) -> tuple[str]:
+    if is_listing(url):
+        raise ValueError(_UNLISTED)
+    return (url,)
 
 
 def read_url_list(
@@ -348,8 +377,10 @@ def read_url_list(
     *,
     allow_pipe: bool = False,
     limit: int = DEFAULT_LIMIT,
+    lister: Lister | None = None,
 ) -> UrlList:
-    """Read and parse a URL list file; relative paths in it resolve against its folder.
+    """Read and parse a URL list file (see :func:`parse_url_list`); relative paths in it
+    resolve against its folder.
 
     Raises ConfigError if the file cannot be read, UrlListError for a bad line
     (including bytes that are not UTF-8).
@@ -374,7 +405,7 @@ def read_url_list(
         reason = f"not valid UTF-8 (bad byte at offset {exc.start}); save the list as UTF-8"
         raise UrlListError(name, lineno, line, reason) from None
     base_dir = os.path.dirname(os.path.abspath(name))
-    return parse_url_list(text, path=name, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit)
+    return parse_url_list(text, path=name, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
 
 
 def list_id(urls: Iterable[str]) -> str:

@@ -1,0 +1,310 @@
+"""s3:// sources against a real S3 API: moto's server on 127.0.0.1 behind a loopback proxy
+(tests/helpers/s3.py) that logs every request and cuts or fails the ones a test names.
+
+Real agents (the CLI) and real consumers; credentials are fake, set in the environment by
+the fixture (never real ones: the shared config and credential files point nowhere).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+
+boto3 = pytest.importorskip("boto3")
+moto_server = pytest.importorskip("moto.server")
+
+from scripts.shard_maker import make_dataset, make_shard, synth_samples, write_url_list  # noqa: E402
+from tests.helpers.agents import AgentProc  # noqa: E402
+from tests.helpers.net import free_port_range  # noqa: E402
+from tests.helpers.s3 import S3Proxy  # noqa: E402
+from tests.helpers.streaming import reference, samples_of  # noqa: E402
+from tests.helpers.waits import wait_for  # noqa: E402
+from wdscache.layout import CacheLayout  # noqa: E402
+from wdscache.s3 import S3Client, glob_regex, is_listing  # noqa: E402
+
+BUCKET = "shards"
+CACHED_IN = 30.0  # seconds a few small shards get to be downloaded
+
+
+@dataclass
+class Store:
+    """The S3 API (moto) and the proxy the agents talk to; ``client`` goes to moto directly."""
+
+    endpoint: str  # moto itself
+    proxy: S3Proxy
+    client: object
+    tmp: Path
+
+    def put(self, key: str, path: Path) -> str:
+        self.client.upload_file(str(path), BUCKET, key)
+        return f"s3://{BUCKET}/{key}"
+
+    def put_shards(self, prefix: str, n: int, *, payload: int = 2000, samples: int = 10,
+                   seed: int = 0, order: list[int] | None = None) -> tuple[list[str], list[Path]]:
+        """Upload ``n`` shards as ``prefix``shard-00000i.tar (in ``order``); their URLs and
+        local copies, by index."""
+        paths = make_dataset(self.tmp / "src" / prefix.strip("/").replace("/", "_"), n, samples,
+                             payload=payload, seed=seed)
+        urls = [f"s3://{BUCKET}/{prefix}{p.name}" for p in paths]
+        for i in order if order is not None else range(n):
+            self.put(f"{prefix}{paths[i].name}", paths[i])
+        return urls, paths
+
+    def etag(self, key: str) -> str:
+        return self.client.head_object(Bucket=BUCKET, Key=key)["ETag"]
+
+
+@pytest.fixture
+def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                 "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "WDSCACHE_S3_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    port = free_port_range(1)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    proxy = S3Proxy(port).start()
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket=BUCKET)
+    try:
+        yield Store(endpoint, proxy, client, tmp_path)
+    finally:
+        proxy.stop()
+        requests.post(f"{endpoint}/moto-api/reset", timeout=10)
+        server.stop()
+
+
+def start_on(start_agent: Callable[..., AgentProc], store: Store, tmp_path: Path, lines: list[str],
+             *extra: str, **kw) -> AgentProc:
+    urls_file = write_url_list(tmp_path / "lists" / "urls.txt", lines)
+    return start_agent(tmp_path / "cache", urls_file, "--s3-endpoint-url", store.proxy.url, *extra, **kw)
+
+
+def cached_bytes(cache_dir: Path, url: str) -> bytes:
+    return CacheLayout(cache_dir).shard_path(url).read_bytes()
+
+
+def as_samples(lines: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
+    return {(s["url"], s["key"]): s["fields"] for s in samples_of(lines)}
+
+
+# -- listing ------------------------------------------------------------------------------
+
+
+def test_an_epoch_from_a_prefix_is_webdatasets_in_key_order(store: Store, tmp_path: Path, start_agent,
+                                                            consumers) -> None:
+    urls, paths = store.put_shards("train/", 4, order=[2, 0, 3, 1])
+    store.put_shards("val/", 1)  # another prefix: not listed
+    store.client.put_object(Bucket=BUCKET, Key="train/README.txt", Body=b"not a shard")
+    agent = start_on(start_agent, store, tmp_path, [f"s3://{BUCKET}/train/"])
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4, CACHED_IN, "the prefix's shards were not cached")
+    assert s["agent"]["urls"] == 4 and s["failed"] == [], s
+    lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
+    assert as_samples(lines) == reference(paths, urls)
+    order = list(dict.fromkeys(s["url"] for s in samples_of(lines)))
+    assert order == sorted(urls) == urls  # key order, whatever the upload order
+    for url, path in zip(urls, paths):
+        assert cached_bytes(tmp_path / "cache", url) == path.read_bytes()
+    # Listed once, with one request; every object fetched by one GET.
+    assert len([r for r in store.proxy.requests if "list-type=2" in r.query]) == 1
+    assert all(len(store.proxy.gets(u[len("s3://"):])) == 1 for u in urls)
+
+
+def test_a_glob_lists_its_matches_for_the_agent_and_a_loader(store: Store, tmp_path: Path, start_agent,
+                                                             consumers, monkeypatch) -> None:
+    urls, paths = store.put_shards("train/", 3)
+    store.put(f"train/sub/{paths[0].name}", paths[0])  # "*" stays within its "/" segment
+    store.put("train/shard-extra.idx", paths[0])
+    # The endpoint from boto3's own variable (no --s3-endpoint-url): the agent and the loader see it.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.proxy.url)
+    glob = f"s3://{BUCKET}/train/shard-*.tar"
+    urls_file = write_url_list(tmp_path / "lists" / "urls.txt", [f"s3://{BUCKET}/train/sub/{paths[0].name}"])
+    agent = start_agent(tmp_path / "cache", urls_file)
+    job_list = write_url_list(tmp_path / "job.txt", [glob])
+    lines = consumers(tmp_path / "cache", "c", "--urls", str(job_list), "--no-shuffle").wait()
+    assert as_samples(lines) == reference(paths, urls)
+    assert list(dict.fromkeys(s["url"] for s in samples_of(lines))) == urls
+    agent.stop()
+    # The agent itself, on the glob.
+    write_url_list(urls_file, [glob])
+    agent = start_agent(tmp_path / "cache2", urls_file)
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 3, CACHED_IN, "the glob's shards were not cached")
+    assert s["agent"]["urls"] == 3
+
+
+def test_listing_follows_every_page_in_key_order(store: Store) -> None:
+    urls, _ = store.put_shards("p/", 5, order=[4, 1, 3, 0, 2], samples=1, payload=10)
+    store.proxy.requests.clear()
+    listed = S3Client(endpoint_url=store.proxy.url, retries=True).list(f"s3://{BUCKET}/p/", page_size=2)
+    assert listed == urls
+    assert len([r for r in store.proxy.requests if "list-type=2" in r.query]) == 3
+
+
+def test_glob_and_prefix_syntax() -> None:
+    assert [is_listing(u) for u in ("s3://b", "s3://b/", "s3://b/t/", "s3://b/t/a.tar", "s3://b/t/a-?.tar")] == \
+        [True, True, True, False, True]
+    match = glob_regex("t/*/s-[!0]?.tar").fullmatch
+    assert match("t/x/s-1a.tar") and not match("t/x/y/s-1a.tar") and not match("t/x/s-0a.tar")
+    assert glob_regex("t/**.tar").fullmatch("t/x/y/s.tar") and glob_regex("a[.tar").fullmatch("a[.tar")
+
+
+def test_a_list_reload_lists_the_prefix_again(store: Store, tmp_path: Path, start_agent) -> None:
+    urls, paths = store.put_shards("train/", 3)
+    agent = start_on(start_agent, store, tmp_path, [f"s3://{BUCKET}/train/"])
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, CACHED_IN, "the prefix's shards were not cached")
+    new = make_shard(tmp_path / "new.tar", synth_samples(7, 5))
+    new_url = store.put("train/shard-000000b.tar", new)  # sorts between 000000 and 000001
+    urls_file = tmp_path / "lists" / "urls.txt"
+    time.sleep(0.01)
+    urls_file.write_text(urls_file.read_text())  # same line, new mtime: a reload
+    agent.wait_stats(lambda s: s["agent"]["urls"] == 4 and s["shards"]["cached"] == 4, CACHED_IN,
+                     "the reload did not list the new object")
+    assert "URL list changed: 1 added, 0 removed" in agent.stderr_text()
+    assert f"+ {new_url}" in agent.stderr_text()
+    assert cached_bytes(tmp_path / "cache", new_url) == new.read_bytes()
+
+
+def test_a_prefix_that_lists_nothing_or_a_missing_bucket_stops_the_agent_with_the_line(
+        store: Store, tmp_path: Path, start_agent) -> None:
+    for line, words in ((f"s3://{BUCKET}/empty/", "stands for no shard"),
+                        ("s3://no-such-bucket/train/", "NoSuchBucket")):
+        agent = start_on(start_agent, store, tmp_path, [line], wait=False)
+        rc = agent.proc.wait(30)
+        text = agent.stderr_text()
+        assert rc == 2 and "urls.txt:1" in text and words in text, text
+
+
+# -- failures ----------------------------------------------------------------------------
+
+
+def test_missing_denied_and_bucketless_objects_fail_with_bucket_key_and_code(
+        store: Store, tmp_path: Path, start_agent, consumers, monkeypatch) -> None:
+    urls, paths = store.put_shards("ok/", 1)
+    store.put("secret/shard.tar", paths[0])
+    # moto enforces identity policies, not bucket policies: a user whose policy denies
+    # GetObject on one key, and requests checked from now on (the setup above was not).
+    iam = boto3.client("iam", endpoint_url=store.endpoint)
+    iam.create_user(UserName="reader")
+    iam.put_user_policy(UserName="reader", PolicyName="p", PolicyDocument=json.dumps({
+        "Version": "2012-10-17", "Statement": [
+            {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+            {"Effect": "Deny", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{BUCKET}/secret/*"},
+        ]}))
+    key = iam.create_access_key(UserName="reader")["AccessKey"]
+    from moto import settings
+
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    bad = {f"s3://{BUCKET}/missing/shard.tar": ("NoSuchKey", "'missing/shard.tar'"),
+           f"s3://{BUCKET}/secret/shard.tar": ("AccessDenied", "'secret/shard.tar'"),
+           "s3://no-such-bucket/shard.tar": ("NoSuchBucket", "'no-such-bucket'")}
+    agent = start_on(start_agent, store, tmp_path, urls + list(bad))
+    s = agent.wait_stats(lambda s: s["shards"]["failed"] == 3 and s["shards"]["cached"] == 1, CACHED_IN,
+                         "the three bad objects were not failed")
+    errors = {f["url"]: f["error"] for f in s["failed"]}
+    for url, (code, where) in bad.items():
+        assert code in errors[url] and where in errors[url], errors
+        if url.startswith(f"s3://{BUCKET}/"):
+            assert f"bucket '{BUCKET}'" in errors[url], errors
+    lines = consumers(tmp_path / "cache", "c", "--no-shuffle", "--on-error", "skip").wait()
+    assert as_samples(lines) == reference(paths, urls)
+    time.sleep(2.0)  # no retry storm: nothing more is asked for them meanwhile
+    for url in bad:
+        assert len(store.proxy.gets(url[len("s3://"):])) == 1, store.proxy.of(url[len("s3://"):])
+        assert len(store.proxy.of(url[len("s3://"):])) <= 2  # and at most the start-up HEAD
+
+
+def test_throttling_is_retried_with_backoff(store: Store, tmp_path: Path, start_agent) -> None:
+    urls, paths = store.put_shards("t/", 1)
+    name = urls[0][len("s3://"):]
+    store.proxy.error(name, status=503, code="SlowDown", times=2)
+    agent = start_on(start_agent, store, tmp_path, urls)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the throttled shard was not cached")
+    gets = store.proxy.gets(name)
+    assert [g.status for g in gets] == [503, 503, 200], gets
+    assert cached_bytes(tmp_path / "cache", urls[0]) == paths[0].read_bytes()
+    assert "SlowDown" in agent.stderr_text()
+
+
+# -- resume --------------------------------------------------------------------------------
+
+
+def test_a_cut_download_resumes_with_a_range_and_if_match(store: Store, tmp_path: Path, start_agent,
+                                                          consumers) -> None:
+    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)  # about 2 MB
+    name, size = urls[0][len("s3://"):], paths[0].stat().st_size
+    store.proxy.cut(name, after=700_000)
+    agent = start_on(start_agent, store, tmp_path, urls)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the cut shard was not cached")
+    first, second = store.proxy.gets(name)
+    assert first.range is None and first.fault == "cut" and first.sent == 700_000
+    offset = int(second.range.removeprefix("bytes=").rstrip("-"))
+    assert 0 < offset <= 700_000 and second.if_match == store.etag("big/" + paths[0].name) and second.status == 206
+    assert second.sent == size - offset  # only the bytes lost in the cut came twice
+    assert cached_bytes(tmp_path / "cache", urls[0]) == paths[0].read_bytes()
+    lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
+    assert as_samples(lines) == reference(paths, urls)
+
+
+def test_an_object_replaced_mid_download_is_fetched_anew(store: Store, tmp_path: Path, start_agent,
+                                                         consumers) -> None:
+    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)
+    name, key = urls[0][len("s3://"):], "big/" + paths[0].name
+    old_etag = store.etag(key)
+    replacement = make_shard(tmp_path / "v2" / paths[0].name, synth_samples(0, 10, payload=200_000, seed=9))
+    store.proxy.cut(name, after=700_000, then=lambda: store.put(key, replacement))
+    agent = start_on(start_agent, store, tmp_path, urls)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the replaced shard was not cached")
+    gets = store.proxy.gets(name)
+    assert gets[1].if_match == old_etag and gets[1].status == 412, gets
+    assert gets[2].range is None and gets[2].status == 200, gets
+    data = cached_bytes(tmp_path / "cache", urls[0])
+    assert data == replacement.read_bytes() and hashlib.sha256(data).digest() != \
+        hashlib.sha256(paths[0].read_bytes()).digest()
+    lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
+    assert as_samples(lines) == reference([replacement], urls)
+
+
+def test_an_object_overwritten_between_two_runs_is_fetched_again(store: Store, tmp_path: Path,
+                                                                  start_agent, consumers) -> None:
+    urls, paths = store.put_shards("t/", 2)
+    agent = start_on(start_agent, store, tmp_path, urls)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, CACHED_IN, "the shards were not cached")
+    assert agent.stop() == 0
+    replacement = make_shard(tmp_path / "v2.tar", synth_samples(0, 10, payload=2000, seed=5))
+    store.put("t/" + paths[0].name, replacement)
+    agent = start_on(start_agent, store, tmp_path, urls)
+    lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()  # revalidated before first served
+    assert as_samples(lines) == reference([replacement, paths[1]], urls)
+    s = agent.stats()
+    assert s["changed"] == 1 and s["shards"]["cached"] == 2, s
+    assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()
+    assert len(store.proxy.gets(urls[1][len("s3://"):])) == 1  # the unchanged one: asked by HEAD only
+
+
+# -- set-up errors --------------------------------------------------------------------------
+
+
+def test_without_boto3_the_agent_names_the_extra(store: Store, tmp_path: Path, start_agent) -> None:
+    hidden = tmp_path / "no-boto3"
+    hidden.mkdir()
+    (hidden / "boto3.py").write_text("raise ImportError('No module named boto3')\n")
+    agent = start_on(start_agent, store, tmp_path, [f"s3://{BUCKET}/a.tar"], wait=False,
+                     env={"PYTHONPATH": str(hidden)})
+    rc = agent.proc.wait(30)
+    assert rc == 2 and "pip install 'wdscache[s3]'" in agent.stderr_text(), agent.stderr_text()
+    wait_for(lambda: not agent.running(), 5, "the agent did not exit")
