@@ -31,7 +31,7 @@ What it does:
   wds cache_dir           ``wds.WebDataset(http urls, cache_dir=fresh dir)``: epoch 1 cold, 2 warm
   wdscache                a fresh ``wdscache agent`` on a fresh cache dir (its list: the same
                           http urls; ``--prefetch 8 --download-workers 4 --workers 2``), ready
-                          once what ``wdscache stats --json`` reports (wdscache.stats.collect,
+                          once what ``wdscache stats --json`` reports (wdscache.shared.stats.collect,
                           polled in-process every 20 ms) has an agent; then one consumer
                           iterating ``CachedMultiLoader(shuffle=False)`` twice: epoch 1 cold,
                           epoch 2 warm; then a third, warm, epoch with ``shuffle=True``
@@ -875,8 +875,8 @@ class Agent:
     def _wait_ready(self) -> None:
         # What `wdscache stats --cache-dir D --json` runs, in-process: polling the CLI would add
         # its interpreter start-up to every poll.
-        from wdscache.errors import WdsCacheError
-        from wdscache.stats import collect
+        from wdscache.shared.errors import WdsCacheError
+        from wdscache.shared.stats import collect
 
         deadline = time.monotonic() + 30
         while True:
@@ -912,7 +912,7 @@ class Agent:
         return self.last_hwm_kb / 1024, self.peak_anon_kb / 1024
 
     def stats(self) -> dict[str, Any] | None:
-        from wdscache.stats import collect
+        from wdscache.shared.stats import collect
 
         try:
             s = collect(self.cache, timeout=2.0)

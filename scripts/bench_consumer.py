@@ -442,9 +442,9 @@ def mode_zmq_many(args: argparse.Namespace) -> None:
 
 def mode_urls(args: argparse.Namespace) -> None:
     """Parse an N-entry URL list and plan an epoch the way the agent and a loader do."""
-    from wdscache.plan import Reader, shard_order
-    from wdscache.sequence import EpochSpec, global_sequence
-    from wdscache.urls import read_url_list
+    from wdscache.shared.plan import Reader, shard_order
+    from wdscache.shared.sequence import EpochSpec, global_sequence
+    from wdscache.shared.urls import read_url_list
 
     path = Path(args.dir) / f"urls-{args.n}.txt"
     if not path.exists():
@@ -478,8 +478,8 @@ def mode_urls(args: argparse.Namespace) -> None:
 
 def mode_stats_index(args: argparse.Namespace) -> None:
     """Write an N-record index in one transaction, as tests/test_agent.py does for its stats test."""
-    from wdscache.index import _SHARD, Index, ShardRecord, ShardState
-    from wdscache.layout import CacheLayout
+    from wdscache.shared.index import _SHARD, Index, ShardRecord, ShardState
+    from wdscache.shared.layout import CacheLayout
 
     cache = Path(args.cache_dir)
     cache.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -27,8 +27,8 @@ from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
 from tests.helpers.agents import AgentProc, Dataset
 from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
-from wdscache.index import _SHARD, Index, ShardRecord, ShardState
-from wdscache.layout import CacheLayout, shard_name
+from wdscache.shared.index import _SHARD, Index, ShardRecord, ShardState
+from wdscache.shared.layout import CacheLayout, shard_name
 
 SHARD_100K = {"samples": 20, "payload": 2500}  # 112,640-byte shards
 SHARD_200K = {"samples": 20, "payload": 7500}  # 215,040-byte shards
@@ -720,7 +720,7 @@ def test_the_agent_defaults_are_stated_once_in_agent_config(run_cli):
     import inspect
 
     from wdscache import AgentConfig, cli
-    from wdscache.fetch import Fetcher
+    from wdscache.agent.fetch import Fetcher
 
     defaults = {f.name: f.default for f in dataclasses.fields(AgentConfig) if f.default is not dataclasses.MISSING}
     options = {p.name: p.default for p in cli.agent.params if p.name in defaults}

@@ -18,8 +18,8 @@ from tests.helpers.disks import fill
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, ShardClient
-from wdscache.client import AgentConnection, resolve_endpoint
-from wdscache.layout import CacheLayout
+from wdscache.shared.client import AgentConnection, resolve_endpoint
+from wdscache.shared.layout import CacheLayout
 
 SHARD_130K = {"samples": 12, "payload": 8000}  # 133,120-byte shards
 SHARD_1M = {"samples": 10, "payload": 100_000}  # ~1.0-1.06 MB shards

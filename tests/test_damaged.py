@@ -14,7 +14,7 @@ import pytest
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, ShardClient, ShardError
-from wdscache.layout import CacheLayout
+from wdscache.shared.layout import CacheLayout
 
 
 def clobber_header(path: Path, member: int = 3, *, keep_mtime: bool = False) -> None:

@@ -24,10 +24,10 @@ from tests.helpers.streaming import reference
 from tests.helpers.testdata import REAL_SHARDS, TESTDATA
 from tests.helpers.workers import read_from_worker
 from wdscache import CachedMultiLoader
-from wdscache.direct import CacheFiles, StaleFile
-from wdscache.errors import ProtocolError
-from wdscache.layout import CacheLayout
-from wdscache.shardview import file_identity
+from wdscache.training.direct import CacheFiles, StaleFile
+from wdscache.shared.errors import ProtocolError
+from wdscache.shared.layout import CacheLayout
+from wdscache.shared.layout import file_identity
 
 
 def digests(samples: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
@@ -127,7 +127,7 @@ def test_a_cache_file_replaced_or_gone_is_refused(tmp_path):
 def test_a_consumer_that_cannot_read_the_cache_gets_the_bytes_from_the_workers(tmp_path, dataset, start_agent,
                                                                                monkeypatch, caplog):
     # Injected: tests run as root, whom no file mode stops.
-    import wdscache.direct
+    import wdscache.training.direct
 
     real_open = os.open
 
@@ -140,8 +140,8 @@ def test_a_consumer_that_cannot_read_the_cache_gets_the_bytes_from_the_workers(t
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "every shard cached")  # else some are streamed
-    monkeypatch.setattr(wdscache.direct.os, "open", denied)
-    with caplog.at_level(logging.WARNING, logger="wdscache.stream"):
+    monkeypatch.setattr(wdscache.training.direct.os, "open", denied)
+    with caplog.at_level(logging.WARNING, logger="wdscache.training.stream"):
         # requests of 4: several in flight when direct reads are turned off, each sent again
         with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=4) as loader:
             got = list(loader)
@@ -156,7 +156,7 @@ def test_a_file_replaced_under_one_read_costs_that_read_only(tmp_path, dataset, 
     # Injected: a file replaced between a worker's read and ours needs an agent restart to happen for real.
     import errno
 
-    from wdscache.direct import FileRange
+    from wdscache.training.direct import FileRange
 
     data = dataset(3, samples=8, payload=20_000)
     cache = tmp_path / "cache"
@@ -171,7 +171,7 @@ def test_a_file_replaced_under_one_read_costs_that_read_only(tmp_path, dataset, 
         return real_read(self, offset, size)
 
     monkeypatch.setattr(FileRange, "read", once_stale)
-    with caplog.at_level(logging.WARNING, logger="wdscache.stream"):
+    with caplog.at_level(logging.WARNING, logger="wdscache.training.stream"):
         with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=4) as loader:
             got = list(loader)
     assert digests(got) == reference(data.paths, data.urls) and len(got) == 24
@@ -202,7 +202,7 @@ def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them
 
 def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_known(tmp_path, dataset,
                                                                                  start_agent):
-    from wdscache.stream import REQUEST_BYTES
+    from wdscache.training.stream import REQUEST_BYTES
 
     big = dataset(1, samples=60, payload=300_000, prefix="big")
     small = dataset(1, samples=300, payload=500, prefix="small", list_name="small.txt")
@@ -220,7 +220,7 @@ def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_know
 
 
 def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale(tmp_path):
-    from wdscache.replies import file_ranges
+    from wdscache.training.replies import file_ranges
 
     cache = tmp_path / "cache"
     url = "http://example.invalid/a.tar"
@@ -244,7 +244,7 @@ def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale
 
 
 def test_an_agent_whose_cache_directory_we_do_not_see_is_streamed_from(tmp_path):
-    from wdscache.stream import same_directory
+    from wdscache.training.stream import same_directory
 
     root = tmp_path / "cache"
     root.mkdir()

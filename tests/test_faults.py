@@ -34,12 +34,12 @@ from tests.helpers.procs import alive, children_of, cmdline, worker_pids
 from tests.helpers.streaming import Consumer, reference, samples_of, state_of
 from tests.helpers.waits import stop_process, wait_for
 from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardError, WdsCacheError
-from wdscache.client import AgentConnection
-from wdscache import errors as wds_errors
-from wdscache.layout import CacheLayout, shard_name
-from wdscache.pool import worker_endpoints
-from wdscache.protocol import reply_proof, request_proof
-from wdscache.tarwalk import tar_problem
+from wdscache.shared.client import AgentConnection
+from wdscache.shared import errors as wds_errors
+from wdscache.shared.layout import CacheLayout, shard_name
+from wdscache.agent.pool import worker_endpoints
+from wdscache.shared.protocol import reply_proof, request_proof
+from wdscache.shared.tarwalk import tar_problem
 
 SHARD_100K = {"samples": 12, "payload": 8000}  # ~100 KB shards
 SHARD_200K = {"samples": 20, "payload": 7500}  # 215,040-byte shards
@@ -294,7 +294,7 @@ def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset
                                                          for p in partial_files(cache))
 
     wait_for(mid_download, 20, lambda: f"never one shard cached and one half-way\n{first.stderr_tail()}")
-    children = wait_for(lambda: (lambda c: c if len([p for p in c if "wdscache.pool" in cmdline(p)]) == 2 else None)(
+    children = wait_for(lambda: (lambda c: c if len([p for p in c if "wdscache.agent.pool" in cmdline(p)]) == 2 else None)(
         children_of(first.pid)), 10, lambda: f"the agent's 2 workers not found: {children_of(first.pid)}")
     first.proc.send_signal(signal.SIGKILL)
     assert first.proc.wait(10) == -signal.SIGKILL
@@ -543,7 +543,7 @@ def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_nev
     # that fails. It must say "disk full" for that shard (the agent then makes room or
     # waits), not "internal error". The failing sync is injected: a file system that
     # defers allocation and fills up cannot be made for a test.
-    from wdscache.fetch import SYNC_EVERY, DiskFull, Download, FetchError, Fetcher
+    from wdscache.agent.fetch import SYNC_EVERY, DiskFull, Download, FetchError, Fetcher
 
     src = make_shard(shard_server.root / "big.tar", synth_samples(0, 10, payload=1 << 20, seed=3))
     url = shard_server.url("big.tar")
@@ -906,8 +906,8 @@ def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(shard_server
                                                                     tmp_path):
     """Workers take a walked table from the agent without walking the shard again: one that
     any peer could have sent would make them serve the wrong bytes."""
-    from wdscache.samples import SampleSpan
-    from wdscache.sampletable import PackedSamples
+    from wdscache.shared.samples import SampleSpan
+    from wdscache.agent.sampletable import PackedSamples
 
     ds = dataset(2, samples=5, payload=500)
     cache = tmp_path / "cache"

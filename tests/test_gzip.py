@@ -28,8 +28,8 @@ from tests.helpers.streaming import reference, samples_of
 from tests.helpers.testdata import TESTDATA
 from tests.helpers.waits import wait_for
 from wdscache import ShardClient
-from wdscache.index import Index
-from wdscache.layout import CacheLayout
+from wdscache.shared.index import Index
+from wdscache.shared.layout import CacheLayout
 
 DEADLINE = 60.0
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""wdscache.malloc: freed message memory stays in the process for the next message.
+"""wdscache.shared.malloc: freed message memory stays in the process for the next message.
 
 Each case runs in a fresh interpreter (the settings are process-wide) and counts
 the page faults of a receive-like pattern: a window of a few MB-sized buffers of
@@ -20,7 +20,7 @@ PATTERN = """
 import resource, sys
 from collections import deque
 if sys.argv[1] == "tuned":
-    from wdscache.malloc import tune_malloc
+    from wdscache.shared.malloc import tune_malloc
     assert tune_malloc() and tune_malloc()  # idempotent
 window = deque(maxlen=8)
 sizes = [(1 << 20) + (i * 337_000) % (3 << 20) for i in range(64)]
@@ -56,12 +56,12 @@ def test_tuned_malloc_reuses_freed_message_memory() -> None:
 
 
 def test_the_loader_tunes_malloc_unless_told_not_to(tmp_path, dataset, start_agent, monkeypatch) -> None:
-    import wdscache.loader
+    import wdscache.training.loader
 
     data = dataset(1, samples=4, payload=100)
     start_agent(tmp_path / "cache", data.list_file)
     calls = []
-    monkeypatch.setattr(wdscache.loader, "tune_malloc", lambda: calls.append(1) or True)
+    monkeypatch.setattr(wdscache.training.loader, "tune_malloc", lambda: calls.append(1) or True)
     for flag in (False, True):
         with CachedMultiLoader(cache_dir=tmp_path / "cache", shuffle=False, timeout=30, tune_malloc=flag) as loader:
             assert len(list(loader)) == 4

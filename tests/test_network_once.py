@@ -11,8 +11,8 @@ from tests.helpers.streaming import reference, samples_of
 
 from tests.helpers.waits import wait_for
 from wdscache import ShardClient
-from wdscache.errors import FetchError
-from wdscache.layout import CacheLayout
+from wdscache.shared.errors import FetchError
+from wdscache.shared.layout import CacheLayout
 
 
 # A cancelled connection loses what the server wrote before it saw the close (what was in
@@ -219,7 +219,7 @@ def test_a_kept_partial_that_is_already_whole_is_published_without_sending_its_b
     """A download cancelled after its last byte came (while a gzip'd shard was being
     decompressed, say) keeps a whole partial file: the resume's Range lies past the end,
     the server answers 416 for that very version, and no byte is fetched again."""
-    from wdscache.fetch import Download, Fetcher
+    from wdscache.agent.fetch import Download, Fetcher
 
     data = dataset(1, samples=8, payload=20_000)
     path = data.paths[0]

@@ -1,4 +1,4 @@
-"""The wire protocol's table (wdscache.protocol.MESSAGES) against the code that speaks it."""
+"""The wire protocol's table (wdscache.shared.protocol.MESSAGES) against the code that speaks it."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import re
 from pathlib import Path
 
 import wdscache
-from wdscache import agent, protocol
+from wdscache.agent import core as agent
+from wdscache.shared import protocol
 
 SOURCE = Path(wdscache.__file__).parent
 REPLY_OPS = {"reply", "samples", "scanned", "error"}  # the op of a reply names its kind, not a request
@@ -24,7 +25,7 @@ def test_every_op_the_agent_handles_is_in_the_table_and_nothing_else():
 def test_every_op_in_the_code_is_in_the_table():
     listed = {m.op for m in protocol.MESSAGES}
     sent = set()
-    for path in SOURCE.glob("*.py"):
+    for path in SOURCE.rglob("*.py"):
         sent |= set(re.findall(r'"op": *"([a-z_]+)"', path.read_text()))
         sent |= set(re.findall(r'op == "([a-z_]+)"', path.read_text()))
     assert sent - REPLY_OPS <= listed, sorted(sent - REPLY_OPS - listed)

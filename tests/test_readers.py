@@ -68,8 +68,8 @@ def test_sigkilled_consumer_is_dropped_at_once_and_its_job_restarts_with_another
 
 
 def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, dataset, start_agent):
-    from wdscache.client import AgentConnection
-    from wdscache.protocol import process_identity
+    from wdscache.shared.client import AgentConnection
+    from wdscache.shared.protocol import process_identity
 
     data = dataset(2, samples=5, payload=200)
     cache = tmp_path / "cache"
@@ -117,8 +117,8 @@ def test_an_html_page_read_while_it_downloads_is_reported_as_html(tmp_path, data
     download open (a stalled body) with the page where the download writes, so that the
     moment lasts."""
     from wdscache import CachedMultiLoader
-    from wdscache.errors import ShardError
-    from wdscache.layout import CacheLayout
+    from wdscache.shared.errors import ShardError
+    from wdscache.shared.layout import CacheLayout
 
     data = dataset(1, samples=10, payload=500)
     shard_server.fail(data.paths[0].name, "stall", seconds=60, then="close")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from scripts.shard_maker import make_shard, synth_samples
 
 from wdscache import CachedMultiLoader, ShardClient
-from wdscache.layout import CacheLayout
-from wdscache.tarwalk import members
+from wdscache.shared.layout import CacheLayout
+from wdscache.shared.tarwalk import members
 
 
 def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_server, dataset, start_agent):

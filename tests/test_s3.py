@@ -26,8 +26,8 @@ from tests.helpers.net import free_port_range  # noqa: E402
 from tests.helpers.s3 import S3Proxy  # noqa: E402
 from tests.helpers.streaming import reference, samples_of  # noqa: E402
 from tests.helpers.waits import wait_for  # noqa: E402
-from wdscache.layout import CacheLayout  # noqa: E402
-from wdscache.s3 import S3Client, glob_regex, is_listing  # noqa: E402
+from wdscache.shared.layout import CacheLayout  # noqa: E402
+from wdscache.shared.s3 import S3Client, glob_regex, is_listing  # noqa: E402
 
 BUCKET = "shards"
 CACHED_IN = 30.0  # seconds a few small shards get to be downloaded

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wdscache import CachedMultiLoader
-from wdscache.sequence import BLOCK, RankShare, Resume, SampleId, rank_length
+from wdscache.shared.sequence import BLOCK, RankShare, Resume, SampleId, rank_length
 
 
 def ids(n: int) -> list[SampleId]:

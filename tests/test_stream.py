@@ -159,9 +159,9 @@ def test_loader_without_agent_starts_a_private_one_and_stops_it(tmp_path, datase
 
 
 def test_lists_too_big_for_one_message_travel_in_pages(tmp_path, dataset, start_agent):
-    from wdscache.client import AgentConnection
-    from wdscache.loader import CachedMultiLoader
-    from wdscache.urls import read_url_list
+    from wdscache.shared.client import AgentConnection
+    from wdscache.training.loader import CachedMultiLoader
+    from wdscache.shared.urls import read_url_list
 
     data = dataset(2, samples=2, payload=100)
     many = [f"http://127.0.0.1:9/never-{i:06d}.tar" for i in range(40_000)]  # 1.5 MB: over one message

@@ -28,7 +28,7 @@ from tests.helpers.procs import alive, children_of, cmdline, rss_kib, worker_pid
 from tests.helpers.streaming import reference
 from tests.helpers.waits import stop_process, wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardError, WdsCacheError
-from wdscache.layout import CacheLayout
+from wdscache.shared.layout import CacheLayout
 
 LOADER_TIMEOUT = 20.0
 PROC_DEADLINE = 60.0
@@ -355,7 +355,7 @@ def test_map_batch_collate_and_len(tmp_path, dataset, start_agent):
 def test_counts_a_consumer_found_are_the_agents_when_its_epoch_ends(tmp_path, dataset, start_agent):
     """len() right after an epoch must not depend on when the workers' reports of the counts
     they found reach the agent: a consumer waits for them before it says goodbye."""
-    from wdscache.client import AgentConnection, resolve_endpoint
+    from wdscache.shared.client import AgentConnection, resolve_endpoint
 
     data = dataset(3, samples=5, payload=300)
     cache = tmp_path / "cache"

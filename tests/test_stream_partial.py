@@ -16,7 +16,7 @@ import pytest
 from tests.helpers.streaming import reference
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, FetchError
-from wdscache.layout import CacheLayout
+from wdscache.shared.layout import CacheLayout
 
 RATE = 120_000  # bytes/s per connection: a ~600 KB shard takes about 5 s
 

@@ -33,13 +33,13 @@ from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expan
 
 from scripts.shard_maker import find_gnu_tar, make_shard, synth_samples
 from tests.helpers.testdata import REAL_SHARDS, TESTDATA
-from wdscache.errors import ShardError
-from wdscache.growing import GrowingShard, NotYet
-from wdscache.gunzip import GZIP_OUT, gunzip
-from wdscache.samples import SampleSpan, is_meta_name, scan, split_name
-from wdscache.sampletable import PackedSamples, SampleTables, placed
-from wdscache.shardview import iter_samples, open_shard
-from wdscache.tarwalk import BLOCK, GZIP_MAGIC, FileSpan, Member, header_ok, members, tar_problem, walk
+from wdscache.shared.errors import ShardError
+from wdscache.agent.growing import GrowingShard, NotYet
+from wdscache.agent.gunzip import GZIP_OUT, gunzip
+from wdscache.shared.samples import SampleSpan, is_meta_name, scan, split_name
+from wdscache.agent.sampletable import PackedSamples, SampleTables, placed
+from wdscache.agent.shardview import iter_samples, open_shard
+from wdscache.shared.tarwalk import BLOCK, GZIP_MAGIC, FileSpan, Member, header_ok, members, tar_problem, walk
 
 FORMATS = {"gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT, "ustar": tarfile.USTAR_FORMAT}
 END = bytes(2 * BLOCK)

@@ -34,14 +34,14 @@ import zmq
 from tests.helpers.net import free_port_range
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
-import wdscache.agent  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
+import wdscache.agent.core  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
 from wdscache import NotTrustedError, WdsCacheError, cli
-from wdscache.client import AgentConnection, ShardClient
-from wdscache.layout import CacheLayout
-from wdscache.loader import CachedMultiLoader
-from wdscache.pool import worker_endpoints
-from wdscache.protocol import reply_proof, request_proof
-from wdscache.urls import list_id
+from wdscache.shared.client import AgentConnection, ShardClient
+from wdscache.shared.layout import CacheLayout
+from wdscache.training.loader import CachedMultiLoader
+from wdscache.agent.pool import worker_endpoints
+from wdscache.shared.protocol import reply_proof, request_proof
+from wdscache.shared.urls import list_id
 
 CHILD_DEADLINE = 60.0
 
@@ -441,7 +441,7 @@ def test_a_process_on_a_workers_port_cannot_hand_a_consumer_samples(open_base, d
                                    timeout=4)
         got: list[dict[str, Any]] = []
         error: WdsCacheError | None = None
-        with caplog.at_level("WARNING", logger="wdscache.worker_links"):
+        with caplog.at_level("WARNING", logger="wdscache.training.worker_links"):
             try:
                 for sample in loader:
                     got.append(sample)

@@ -1,4 +1,4 @@
-"""Tests for wdscache.urls: brace expansion, URL list parsing, diff and format."""
+"""Tests for wdscache.shared.urls: brace expansion, URL list parsing, diff and format."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wdscache.errors import ConfigError, UrlListError
-from wdscache.urls import (
+from wdscache.shared.errors import ConfigError, UrlListError
+from wdscache.shared.urls import (
     UrlList,
     diff_urls,
     expand_braces,

@@ -12,9 +12,9 @@ import zmq
 
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardClient
-from wdscache.client import AgentConnection
-from wdscache.plan import shard_order
-from wdscache.protocol import client_key, pack, proof, unpack
+from wdscache.shared.client import AgentConnection
+from wdscache.shared.plan import shard_order
+from wdscache.shared.protocol import client_key, pack, proof, unpack
 
 
 def test_a_download_that_stops_moving_ends_the_wait_after_timeout_naming_the_shard(

@@ -9,28 +9,28 @@ from typing import TYPE_CHECKING, Any
 # Names resolve on first use (PEP 562): a process that needs one module of the package
 # (a sample worker, say) does not pay for importing all of them.
 _WHERE = {
-    "ShardClient": "client",
-    "CachedMultiLoader": "loader",
-    "Tuning": "loader",
-    "AgentConfig": "config",
-    "AgentRunningError": "errors",
-    "AgentUnavailableError": "errors",
-    "ConfigError": "errors",
-    "FetchError": "errors",
-    "NoCacheError": "errors",
-    "NotTrustedError": "errors",
-    "ProtocolError": "errors",
-    "ShardError": "errors",
-    "UrlListError": "errors",
-    "WdsCacheError": "errors",
-    "UrlList": "urls",
-    "read_url_list": "urls",
+    "ShardClient": "shared.client",
+    "CachedMultiLoader": "training.loader",
+    "Tuning": "training.loader",
+    "AgentConfig": "shared.config",
+    "AgentRunningError": "shared.errors",
+    "AgentUnavailableError": "shared.errors",
+    "ConfigError": "shared.errors",
+    "FetchError": "shared.errors",
+    "NoCacheError": "shared.errors",
+    "NotTrustedError": "shared.errors",
+    "ProtocolError": "shared.errors",
+    "ShardError": "shared.errors",
+    "UrlListError": "shared.errors",
+    "WdsCacheError": "shared.errors",
+    "UrlList": "shared.urls",
+    "read_url_list": "shared.urls",
 }
 
 if TYPE_CHECKING:
-    from .client import ShardClient
-    from .config import AgentConfig
-    from .errors import (
+    from .shared.client import ShardClient
+    from .shared.config import AgentConfig
+    from .shared.errors import (
         AgentRunningError,
         AgentUnavailableError,
         ConfigError,
@@ -42,16 +42,16 @@ if TYPE_CHECKING:
         UrlListError,
         WdsCacheError,
     )
-    from .loader import CachedMultiLoader, Tuning
-    from .stats import collect as collect_stats
-    from .urls import UrlList, read_url_list
+    from .training.loader import CachedMultiLoader, Tuning
+    from .shared.stats import collect as collect_stats
+    from .shared.urls import UrlList, read_url_list
 
 
 def __getattr__(name: str) -> Any:
     import importlib
 
     if name == "collect_stats":
-        value = importlib.import_module(".stats", __name__).collect
+        value = importlib.import_module(".shared.stats", __name__).collect
     elif name in _WHERE:
         value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
     else:

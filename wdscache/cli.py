@@ -1,7 +1,7 @@
 """The ``wdscache`` command: the only module that parses options (the library never imports click).
 
 Each agent option may come from its ``WDSCACHE_*`` environment variable; its default is
-the :class:`~wdscache.config.AgentConfig` field's (see :mod:`wdscache.config` for where
+the :class:`~wdscache.shared.config.AgentConfig` field's (see :mod:`wdscache.shared.config` for where
 else the environment is read).
 
 Exit status: 0 done; 1 a runtime error (another agent runs, no cache there);
@@ -20,8 +20,8 @@ from types import FrameType
 
 import click
 
-from .config import AgentConfig, default
-from .errors import ConfigError, WdsCacheError
+from .shared.config import AgentConfig, default
+from .shared.errors import ConfigError, WdsCacheError
 
 
 def _fail(exc: WdsCacheError) -> None:
@@ -80,7 +80,7 @@ def main() -> None:
               help="Run as a loader's private agent: stop once no loader holds a lock on this file.")
 def agent(verbose: bool, **options: object) -> None:
     """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once)."""
-    from .agent import Agent
+    from .agent.core import Agent
 
     _setup_logging(verbose)
     try:
@@ -107,7 +107,7 @@ def agent(verbose: bool, **options: object) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def stats(cache_dir: Path, as_json: bool) -> None:
     """Show the cache and, when an agent runs, what it is doing."""
-    from .stats import collect, format_stats
+    from .shared.stats import collect, format_stats
 
     try:
         s = collect(cache_dir)

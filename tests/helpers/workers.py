@@ -12,12 +12,12 @@ from typing import Any
 def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
     """A DEALER socket connected to the agent's first worker, as a consumer named ``reader``
     would have one (``options``: socket options by name), and the worker's
-    :class:`~wdscache.protocol.WorkerProofs` (requests carry its ``request``, replies its
+    :class:`~wdscache.shared.protocol.WorkerProofs` (requests carry its ``request``, replies its
     ``reply``); closed, and the reader gone, after."""
     import zmq
 
-    from wdscache.client import AgentConnection, resolve_endpoint
-    from wdscache.protocol import WorkerProofs
+    from wdscache.shared.client import AgentConnection, resolve_endpoint
+    from wdscache.shared.protocol import WorkerProofs
 
     conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
     ctx = zmq.Context()
@@ -43,7 +43,7 @@ def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]],
                      direct: bool = False) -> tuple[dict, list[bytes]]:
     """One read request straight to a worker (as the loader sends it), and its reply (checked
     to carry the worker's proof)."""
-    from wdscache.protocol import pack, unpack
+    from wdscache.shared.protocol import pack, unpack
 
     request = {"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}
     if direct:

@@ -1,0 +1,138 @@
+"""The agent's control socket: one ROUTER socket, its door (the token) and its replies.
+
+Guarantees:
+
+- Only the main loop touches the socket and its poller (ZeroMQ sockets are not
+  thread-safe); download threads wake the loop through a descriptor it polls too.
+- Only holders of the cache directory's token (``CACHE_DIR/token``, 0600: its
+  owner) are served, on every endpoint, IPC or TCP: a message without this run's
+  key (see :mod:`wdscache.shared.protocol`) reaches no handler and gets an error saying
+  what to do; the only op taken without it, ``auth``, answers a proof and runs
+  nothing else. The key is taken out of the header before any handler sees it, so
+  it is never passed on to workers.
+- A peer that sends more than ``MAX_MESSAGE`` bytes is disconnected; one that does
+  not read its replies loses them rather than blocking the agent.
+- An ``ipc://`` socket file is created 0600 and removed on close.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ..shared.errors import ProtocolError
+from ..shared.protocol import client_key, pack, proof, same_secret, unpack
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 1 << 20
+MAX_BATCH = 1000  # messages taken per turn, so a flood cannot starve the rest of the loop
+REFUSED = ("refused: this agent serves only clients that hold the token in its cache directory "
+           "(CACHE_DIR/token, readable by the directory's owner only); run as that user and give the loader "
+           "cache_dir, or set WDSCACHE_TOKEN to the token (a consumer that cannot see the cache directory)")
+
+
+class ControlSocket:
+    """Bound on construction; :meth:`close` unbinds. ``run`` names this agent process."""
+
+    def __init__(self, endpoint: str, *, token: str, run: str) -> None:
+        self.endpoint = endpoint
+        self._token, self._run = token, run
+        self._key = client_key(token, run)
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # a peer sending more is disconnected
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        try:
+            if endpoint.startswith("ipc://"):
+                path = Path(endpoint[len("ipc://"):])
+                # The caller holds the cache directory's lock, so a socket file left here is a dead agent's.
+                path.unlink(missing_ok=True)
+                sock.bind(endpoint)
+                path.chmod(0o600)
+            else:
+                sock.bind(endpoint)
+        except BaseException:
+            sock.close(0)
+            self._ctx.term()
+            raise
+        self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+
+    def watch(self, fd: int) -> None:
+        """Also wake :meth:`poll` when ``fd`` is readable (the events pipe, a consumer's pidfd)."""
+        self._poller.register(fd, zmq.POLLIN)
+
+    def unwatch(self, fd: int) -> None:
+        self._poller.unregister(fd)
+
+    def poll(self, timeout: float) -> set[Any]:
+        """Wait up to ``timeout`` seconds; the descriptors (and this socket) ready."""
+        return {s for s, _ in self._poller.poll(int(timeout * 1000))}
+
+    @property
+    def readable(self) -> zmq.Socket:
+        """What :meth:`poll` returns when messages wait."""
+        return self._sock
+
+    def receive(self) -> Iterator[tuple[bytes, dict[str, Any], list[Any]]]:
+        """The admitted messages waiting now: (sender, header, frames), at most ``MAX_BATCH``.
+
+        A message that cannot be decoded, or comes without this run's key, is
+        answered here and not yielded.
+        """
+        for _ in range(MAX_BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident, body = frames[0], frames[1:]
+            try:
+                header, payload = unpack(body)
+            except ProtocolError as exc:
+                self.reply(ident, None, ok=False, error=str(exc))
+                continue
+            if self._admitted(ident, header):
+                yield ident, header, payload
+
+    def _admitted(self, ident: bytes, header: dict[str, Any]) -> bool:
+        """The one door, before any op runs: True for a message with this run's key."""
+        rid = header.get("id")
+        if header["op"] == "auth":
+            nonce = header.get("nonce")
+            if isinstance(nonce, str) and nonce.isascii() and 16 <= len(nonce) <= 256:
+                self.reply(ident, rid, ok=True, run=self._run, proof=proof(self._token, nonce, self._run))
+            else:
+                self.reply(ident, rid, ok=False, error="'auth' needs a 'nonce' of 16 to 256 ASCII characters")
+            return False
+        if same_secret(header.pop("key", None), self._key):  # popped: never passed on to workers
+            return True
+        self.reply(ident, rid, ok=False, need_token=True, error=REFUSED)
+        return False
+
+    def reply(self, ident: bytes, rid: Any, **body: Any) -> None:
+        """Answer request ``rid`` of ``ident``."""
+        try:
+            self._sock.send_multipart([ident, *pack({"op": "reply", "id": rid, **body})], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropping a reply to a client that does not read")
+
+    def send(self, ident: bytes, message: list[Any]) -> bool:
+        """Send packed ``message`` to ``ident`` if it can go at once; False if not (a hint is lost)."""
+        try:
+            self._sock.send_multipart([ident, *message], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._sock.close(0)
+        if self.endpoint.startswith("ipc://"):
+            Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        self._ctx.term()

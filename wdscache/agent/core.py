@@ -1,0 +1,558 @@
+"""The agent: one per machine and cache directory; downloads ahead of demand and serves readers.
+
+Structure: a small core composed of parts that each own one concept and its state:
+
+- :class:`~wdscache.agent.control.ControlSocket`: the control socket, its door (the token) and replies;
+- :class:`~wdscache.agent.readers.Readers`: hello, jobs, lists, expiry, readers' windows;
+- :class:`~wdscache.agent.opens.Opens`: open, pins, waiters, status, revalidation, damage;
+- :class:`~wdscache.agent.downloads.Downloads`: scheduling, download threads, budget grants;
+- :class:`~wdscache.agent.worker_reports.WorkerReports`: the sample workers' reports and hints;
+- :class:`~wdscache.agent.list_file.ListFile`: the ``--urls`` file, watched.
+
+:meth:`Agent.start` builds them once the cache is open, so while the agent runs
+none is missing; the core routes each control op to its handler (``_ops``) and
+each event of a download thread to what it changes (``_on_event``, by the
+event's type, see :mod:`wdscache.agent.events`), and runs :meth:`Agent.step`.
+
+Threads: the main thread owns all state and runs :meth:`Agent.step` until asked
+to stop. Download threads only move bytes and post events; the watchdog thread
+only sets a flag. Signal handlers (installed by the CLI) only call :meth:`Agent.stop`.
+
+Guarantees:
+
+- A clean stop (first SIGTERM/SIGINT) abandons in-flight downloads and leaves
+  the index consistent; the cache is kept, and so are the partial files of
+  downloads whose server gave a validator (ETag or Last-Modified): the next
+  agent resumes them with a Range request. Other partial files are removed.
+- A crash or SIGKILL loses no complete shard: the next agent adopts or
+  re-checks every record (:meth:`ShardCache.recover`) and downloads nothing
+  that is already cached.
+- Nothing outside the union of readers' windows (plus shards asked for) is
+  started, a shard is never downloaded by two threads at once, and bytes cross
+  the network once (:mod:`wdscache.agent.downloads`).
+- A reader reads the list it said hello on to its end, and one whose process
+  ends is dropped at once, its pins released (:mod:`wdscache.agent.readers`).
+- Only holders of the cache directory's token are served (:mod:`wdscache.agent.control`).
+- A start that fails leaves nothing behind: what it took (lock, workers, cache,
+  socket) is given back in reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .downloads import Downloads
+from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Mailbox, OutOfSpace, Revalidated,
+                           ValidatorFound)
+from .list_file import ListFile
+from .opens import Opens
+from .readers import Readers, startup_reader
+from .control import ControlSocket
+from .worker_reports import WorkerReports
+from .cache import INDEX_HEADROOM, ShardCache
+from ..shared.config import AgentConfig, format_size, parse_size
+from ..shared.errors import ConfigError, ProtocolError
+from .fetch import Fetcher
+from ..shared.index import IndexWriteError, ShardState
+from ..shared.layout import CacheLayout, write_private
+from .lock import AgentLock
+from .pool import WorkerPool
+from ..shared.protocol import field as get_field
+from ..shared.protocol import strings
+from ..shared.stats import build
+from ..shared.urls import UrlList, diff_urls
+
+log = logging.getLogger(__name__)
+
+TICK = 0.05  # seconds the main loop waits for a message before doing its other work
+WORKER_START_TIMEOUT = 30.0
+FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
+USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
+# The control ops (wdscache.shared.protocol.MESSAGES, to the agent; "auth" is answered at the
+# door and "walked" passed on to the workers, before this table).
+CONTROL_OPS = ("stats", "worker", "counted", "damaged", "corrupt", "counts", "hello", "put_urls", "get_urls",
+               "open", "status", "release", "report", "ping", "bye")
+WORKER_OPS = ("worker", "counted", "damaged")  # reports only our workers may send (and "walked", with frames)
+# Ops of a reader, which name it ("reader"): each one counts as a sign of life.
+READER_OPS = ("hello", "put_urls", "get_urls", "open", "status", "release", "report", "ping", "bye")
+
+Handler = Callable[[bytes, Any, dict[str, Any]], None]
+
+
+class Agent:
+    """Run with :meth:`run` (blocks until :meth:`stop`), or drive :meth:`start`/:meth:`step`/:meth:`shutdown`."""
+
+    # Built by start(): step() and shutdown() run only after it succeeded.
+    pool: WorkerPool
+    cache: ShardCache
+    mailbox: Mailbox
+    socket: ControlSocket
+    readers: Readers
+    downloads: Downloads
+    opens: Opens
+    workers: WorkerReports
+    _ops: dict[str, Handler]
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.layout = CacheLayout.of(config.cache_dir)
+        self.endpoint = config.endpoint or self.layout.default_endpoint()
+        self._stop = threading.Event()
+        self._lock = AgentLock(self.layout.lock_path)
+        self._run = secrets.token_hex(16)  # names this agent process: a key seen by others dies with it
+        self._started = time.time()
+        self._last_flush = time.monotonic()
+        self._list_file = ListFile(config)
+        self._private = _PrivateUse(config.private_users)
+        self.fetcher = Fetcher(
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.read_timeout,
+            retries=config.retries,
+            backoff=config.backoff,
+            backoff_max=config.backoff_max,
+            s3_endpoint_url=config.s3_endpoint_url,
+        )
+        self._on_event: dict[type, Callable[[Any], None]] = {
+            BudgetAsked: lambda e: self.downloads.asked(e.grant),
+            ValidatorFound: lambda e: self.cache.set_validator(e.download.url, e.etag),
+            Downloaded: self._downloaded,
+            Revalidated: self._revalidated,
+            DownloadFailed: self._failed,
+            OutOfSpace: self._out_of_space,
+            DownloadCancelled: self._cancelled,
+        }
+
+    # -- life cycle ---------------------------------------------------------
+
+    def run(self) -> None:
+        """Start, serve until :meth:`stop`, shut down cleanly."""
+        self.start()
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.step()
+                except IndexWriteError as exc:
+                    self._index_full(exc)
+        finally:
+            self.shutdown()
+
+    def stop(self) -> None:
+        """Ask the loop to finish (safe from a signal handler: it only sets a flag)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def start(self) -> None:
+        """Check everything that can be wrong before taking the cache directory, then build the parts."""
+        cfg = self.config
+        urls = self._list_file.read()  # first: a bad line stops us before anything on disk changes
+        self.layout.prepare()
+        root = os.stat(self.layout.root)
+        os.umask(0o077)  # every file and socket we create is private to this user
+        with contextlib.ExitStack() as undo:
+            self._lock.acquire()
+            undo.callback(self._lock.release)
+            token = self.layout.ensure_token()
+            # Worker processes take a while to start: they do so while the cache is opened.
+            self.pool = WorkerPool(n=cfg.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root),
+                                   token=token, run=self._run)
+            self.pool.start()
+            undo.callback(self.pool.stop)
+            self.cache = _open_cache(self.layout, cfg, urls, self.fetcher)
+            undo.callback(self.cache.close)
+            self.mailbox = Mailbox()
+            undo.callback(self.mailbox.close)
+            self.socket = ControlSocket(self.endpoint, token=token, run=self._run)
+            undo.pop_all()
+        self._build(urls, cache_root=[root.st_dev, root.st_ino])
+        self.downloads.start_threads()
+        # Ready means ready to serve samples: a consumer's first request should not wait for a process start.
+        if not self.pool.wait_ready(WORKER_START_TIMEOUT):
+            log.warning("sample workers not up after %.0f s; serving anyway", WORKER_START_TIMEOUT)
+        self._write_state()
+        self._list_file.watch()
+        log.info(
+            "agent %d serving %s on %s: %d shards listed, %s cached of %s budget",
+            os.getpid(), self.layout.root, self.endpoint, len(urls),
+            format_size(self.cache.used), format_size(self.cache.limit),
+        )
+
+    def _build(self, urls: UrlList, cache_root: list[int]) -> None:
+        """The parts, on the open cache, the bound socket and the started workers."""
+        cfg = self.config
+        self.readers = Readers(cfg, self.cache, self.socket, urls, workers=self.pool.endpoints,
+                               cache_root=cache_root, gone=self._reader_gone)
+        self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox)
+        self.opens = Opens(cfg, self.cache, self.socket, self.readers, self.downloads)
+        self.workers = WorkerReports(self.pool, self.socket)
+        self.socket.watch(self.mailbox.fileno())
+        handlers: dict[str, Handler] = {
+            "stats": self._op_stats, "counts": self._op_counts, "counted": self._op_counted, "ping": self._op_ping,
+            "hello": self._op_hello, "put_urls": self.readers.op_put_urls, "get_urls": self.readers.op_get_urls,
+            "report": self.readers.op_report, "bye": self.readers.op_bye,
+            "open": self.opens.op_open, "status": self.opens.op_status, "release": self.opens.op_release,
+            "damaged": self.opens.op_damaged, "corrupt": self.opens.op_corrupt,
+            "worker": self.workers.op_worker,
+        }
+        self._ops = {op: handlers[op] for op in CONTROL_OPS}
+
+    def _write_state(self) -> None:
+        state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
+        if self.config.private_users is not None:
+            state["private_users"] = str(self.config.private_users)  # loaders joining us lock it
+        write_private(self.layout.state_path, json.dumps(state).encode())
+
+    def shutdown(self) -> None:
+        """Abandon downloads (keeping resumable partial files), close the index, free the lock."""
+        log.info("stopping: abandoning %d download(s)", self.downloads.count())
+        self.pool.stop()
+        self._list_file.stop()
+        self.downloads.stop()
+        try:
+            self._drain_events()  # a download that completed meanwhile is recorded, not orphaned
+        except IndexWriteError as exc:
+            log.warning("could not record the last downloads: %s", exc)
+        self.downloads.abandon_all(keep_partial=self.readers.known)  # resumed from when wanted again
+        self.fetcher.close_thread()
+        self._list_file.join(2.0)
+        self.readers.close()
+        self.socket.close()
+        if not self.downloads.threads_alive():  # else it could write to a descriptor number reused meanwhile
+            self.mailbox.close()
+        self.cache.close()
+        self.layout.state_path.unlink(missing_ok=True)
+        self._lock.release()
+        self._private.release()  # a loader waiting to use a private agent may now start a new one
+        log.info("stopped")
+
+    # -- the loop -----------------------------------------------------------
+
+    def step(self) -> None:
+        """One turn of the main loop: messages, download events, the list, the plan."""
+        self._serve(TICK)
+        self._drain_events()
+        new = self._list_file.changed()
+        if new is not None:
+            self._take_list(new)
+        self.readers.expire()
+        self.pool.check()
+        self._schedule()
+        self._periodic()
+        if self._private.unused():
+            self.stop()
+
+    def _schedule(self) -> None:
+        demanded = self.opens.demanded()
+        want = self._wanted(demanded)
+        for url in self.downloads.schedule(want, self.readers.holding(want), set(demanded)):
+            self.opens.answer_partial(url)
+
+    def _wanted(self, demanded: list[str] | None = None) -> list[str]:
+        """Shards asked for (oldest first), then the union of readers' windows by urgency."""
+        demanded = self.opens.demanded() if demanded is None else demanded
+        first = set(demanded)
+        return demanded + [u for u in self.readers.planned() if u not in first]
+
+    def _periodic(self) -> None:
+        self.downloads.sample_rate()
+        now = time.monotonic()
+        if now - self._last_flush > FLUSH_EVERY:
+            self._last_flush = now
+            self.cache.index.flush()
+
+    def _index_full(self, exc: IndexWriteError) -> None:
+        """The index could not be written: pause downloads and free disk space without it."""
+        if not self.downloads.paused:
+            log.error("%s; pausing downloads and freeing space", exc)
+        self.downloads.pause()
+        self.cache.free_files(INDEX_HEADROOM, self._wanted())
+
+    def _reader_gone(self, name: str) -> None:
+        self.opens.release_all(name)
+
+    def _take_list(self, new: UrlList) -> None:
+        """The list file changed: readers that started an epoch finish it on their list."""
+        added, removed = diff_urls(self.readers.urls, new)
+        if not added and not removed and new.urls == self.readers.urls.urls:
+            return
+        log.info("URL list changed: %d added, %d removed (%d shards now)", len(added), len(removed), len(new))
+        for url in added[:5]:
+            log.info("  + %s", url)
+        for url in removed[:5]:
+            log.info("  - %s", url)
+        for url in added:
+            self.cache.forget_failure(url)
+        self.readers.replace_list(new)
+        for url in removed:
+            if url in self.cache.kept and not self.readers.known(url):
+                self.cache.drop_partial(url)  # a partial of a shard no longer listed is garbage
+            if not self.readers.read_by_a_consumer(url):
+                self.opens.unlisted(url)
+
+    # -- download events ------------------------------------------------------
+
+    def _drain_events(self) -> None:
+        while (event := self.mailbox.take()) is not None:
+            try:
+                self._on_event[type(event)](event)
+            except IndexWriteError:
+                self.mailbox.put_back(event)  # handled again once there is room
+                raise
+
+    # Each ends with downloads.ended: a failed index write (handled again later) leaves the download active.
+
+    def _downloaded(self, e: Downloaded) -> None:
+        url = e.download.url
+        if self.downloads.record_download(e.download, e.fetched):
+            self.readers.check_need(self.opens.held, again=url)
+        self.opens.downloaded(url)
+        self.workers.published(url)
+        self.downloads.ended(e.download)
+
+    def _revalidated(self, e: Revalidated) -> None:
+        self.opens.revalidated(e.download.url, e.now)
+        self.downloads.ended(e.download)
+
+    def _failed(self, e: DownloadFailed) -> None:
+        self.downloads.record_failure(e.download, e.error)
+        self.opens.failed(e.download.url, e.error.reason)
+        self.downloads.ended(e.download)
+
+    def _out_of_space(self, e: OutOfSpace) -> None:
+        self.downloads.record_out_of_space(e.download, e.error, self._wanted())
+        self.downloads.ended(e.download)
+
+    def _cancelled(self, e: DownloadCancelled) -> None:
+        self.downloads.record_cancel(e.download, keep_partial=self.readers.known(e.download.url))
+        self.downloads.ended(e.download)
+
+    # -- the control socket ---------------------------------------------------
+
+    def _serve(self, timeout: float) -> None:
+        ready = self.socket.poll(timeout)
+        if self.mailbox.fileno() in ready:
+            self.mailbox.clear()  # the events themselves are in the queue
+        if self.socket.readable not in ready:
+            return
+        for ident, header, payload in self.socket.receive():
+            rid = header.get("id")
+            try:
+                if header["op"] == "walked":
+                    self.workers.pass_on(ident, header, payload)
+                else:
+                    self._handle(ident, header)
+            except ProtocolError as exc:
+                self.socket.reply(ident, rid, ok=False, error=str(exc))
+            except IndexWriteError as exc:
+                self.socket.reply(ident, rid, ok=False, retry=True, error=f"{exc}; try again shortly")
+                self._index_full(exc)
+            except Exception as exc:  # one bad message must never take the agent down
+                log.exception("error handling a message")
+                self.socket.reply(ident, rid, ok=False, error=f"internal error: {type(exc).__name__}")
+
+    def _handle(self, ident: bytes, header: dict[str, Any]) -> None:
+        """One admitted message: its op's handler (see wdscache.shared.protocol.MESSAGES)."""
+        op = header["op"]
+        handler = self._ops.get(op)
+        if handler is None:
+            raise ProtocolError(f"unknown op {op!r}")
+        if op in WORKER_OPS:
+            self.workers.check(header)
+        if op in READER_OPS:
+            self.readers.seen(get_field(header, "reader", str))
+        handler(ident, header.get("id"), header)
+
+    def _op_stats(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self.socket.reply(ident, rid, ok=True, stats=self.stats())
+
+    def _op_counts(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        samples = self.cache.index.counts
+        self.socket.reply(ident, rid, ok=True, counts=[samples.get(u) for u in strings(header, "urls")])
+
+    def _op_counted(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        url, samples = get_field(header, "url", str), get_field(header, "samples", int)
+        # Only for shards cached here (a worker just scanned it), whose copy we know; anything else is noise.
+        rec = self.cache.index.get(url)
+        if samples < 0 or rec is None:
+            return
+        if rec.state is ShardState.CACHED:
+            self.cache.index.set_count(url, samples, rec.size, rec.etag)
+            self.opens.read_fine(url)
+        elif url in self.downloads and self.cache.path(url).exists():
+            # Published a moment ago (a worker saw the file): its Downloaded event, still queued, records it.
+            self.downloads.counted_early(url, samples)
+
+    def _op_hello(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self.readers.op_hello(ident, rid, header)
+        if header["reader"] in self.readers:
+            self.readers.check_need(self.opens.held)
+
+    def _op_ping(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self.socket.reply(ident, rid, ok=True)
+
+    # -- statistics -----------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """The live statistics object (see :mod:`wdscache.shared.stats` for its fields)."""
+        cache, index = self.cache, self.cache.index
+        by_state = dict(index.summary.counts)
+        by_state["downloading"] = self.downloads.count()
+        by_state["queued"] = sum(1 for u in self._wanted() if u not in self.downloads and not cache.is_cached(u)
+                                 and (index.get(u) is None or index.get(u).state is not ShardState.FAILED))
+        readers = self.readers.view(self._starved_by())
+        return build(
+            cache_dir=str(self.layout.root),
+            summary={"counts": by_state, "bytes_used": index.summary.bytes_used, "failed": index.summary.failed},
+            counters=index.counters(),
+            bytes_limit=cache.limit,
+            download_rate=self.downloads.rate(),
+            agent={
+                "pid": os.getpid(),
+                "uptime_s": round(time.time() - self._started, 1),
+                "endpoint": self.endpoint,
+                "consumers": readers["consumers"],
+                "bytes_reserved": cache.reserved,
+                "urls": len(self.readers.urls),
+                "job_lists": readers["job_lists"],
+                "pinned": sum(1 for n in cache.pins.values() if n > 0),
+                "workers": self.workers.view(),
+                "worker_restarts": self.pool.restarts,
+                **self.opens.view(),
+                "waiting_for_space": self.downloads.space_waits(),
+            },
+            jobs=readers["jobs"],
+        )
+
+    def _starved_by(self) -> str:
+        """What a waiting consumer is waiting for: downloads, the workers, or (else) its own reads."""
+        if self.opens.demanded():
+            return "downloads"
+        if self.workers.busy() > 0.8:
+            return "workers"
+        return "latency"
+
+
+class _PrivateUse:
+    """A private agent stops once no loader holds a shared lock on its users file (:mod:`wdscache.training.private`)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._path = path  # None: not a private agent
+        self._next = 0.0  # when to look next
+        self._fd = -1  # our exclusive lock on the users file, once no loader is left
+
+    def unused(self) -> bool:
+        """True (once) when no loader uses this private agent any more, or that cannot be told."""
+        now = time.monotonic()
+        if self._path is None or self._fd >= 0 or now < self._next:
+            return False
+        self._next = now + USERS_EVERY
+        try:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:  # no way to tell whether a loader still uses us: do not run for ever
+            log.warning("cannot open the private agent's users file %s (%s): stopping", self._path, exc)
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # some loader holds it: we are still in use
+            return False
+        # Kept until shutdown is over, so a loader arriving meanwhile waits for us to be gone
+        # and starts a new agent rather than joining one that is going away.
+        self._fd = fd
+        log.info("no loader uses this private agent any more: stopping")
+        return True
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+# -- opening the cache at start ------------------------------------------------
+
+
+def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: Fetcher) -> ShardCache:
+    """Open the cache: recover it, shrink it to the budget, check the budget can hold a window."""
+    st = os.statvfs(layout.root)
+    fs_total = st.f_blocks * st.f_frsize
+    limit = parse_size(cfg.cache_size, total=fs_total, what="--cache-size")
+    min_free = parse_size(cfg.min_free, total=fs_total, what="--min-free")
+    cache = ShardCache(layout, limit=limit, min_free=min_free)
+    try:
+        first = [urls.urls[i] for i in startup_reader(len(urls), cfg).window(cfg.prefetch)]
+        # Partials with a validator are resumed whichever shard they are (they count against the budget).
+        recovered = cache.recover(keep_partial=urls)
+        if cache.rebuilt:
+            recovered["adopted"] += cache.adopt(urls.urls)
+        if any(recovered.values()):
+            log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
+        if cache.used > cache.limit:
+            # Restarted with a smaller --cache-size: shrink to it before anything else.
+            cache.evict(cache.used - cache.limit, wanted=first, allow_window=True)
+        _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total)
+        cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
+    except BaseException:
+        cache.close()
+        raise
+    return cache
+
+
+def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: list[str], fetcher: Fetcher,
+                  fs_total: int) -> None:
+    """Refuse a budget that can never hold a reader's window of the largest shards we know of
+    (those of the start-up window ``first``; a reader holds ``need_shards`` at once).
+
+    What can ever be used is the smaller of --cache-size and the file system's size
+    less --min-free and the index's headroom. Free space taken by other files may
+    come back, so too little of it now is a warning, not a refusal.
+    """
+    room = fs_total - cache.margin  # the most the file system can ever give to shards
+    usable = min(cache.limit, room)
+    where = (f"the file system of {cache.layout.root} is {format_size(fs_total)} in all, --min-free "
+             f"{format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for the index) must stay free, "
+             f"--cache-size {format_size(cache.limit)}")
+    if usable <= 0:
+        raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
+    sizes = [s for s in (_probe_size(cache, fetcher, u) for u in first) if s]
+    if not sizes:
+        return
+    need = need_shards * max(sizes)
+    window = (f"shards here are up to {format_size(max(sizes))} and a reader needs {need_shards} of them "
+              f"on disk (the one it reads and {need_shards - 1} ahead)")
+    if need > cache.limit:
+        raise ConfigError(
+            f"--cache-size {format_size(cache.limit)} is too small for --prefetch "
+            f"{prefetch}: {window}; the smallest budget that works is {need} bytes "
+            f"({format_size(need)}), or lower --prefetch ({where})"
+        )
+    if need > room:
+        raise ConfigError(
+            f"the file system cannot hold the window: {where}; so at most {format_size(room)} can hold "
+            f"shards; {window}, {format_size(need)}; lower --min-free or --prefetch, or use a file system "
+            f"of at least {format_size(need + cache.margin)}"
+        )
+    free = cache.fs_free() + cache.used - cache.margin  # our own shards can be evicted
+    if need > free:
+        log.warning("only %s of the file system can hold shards now (%s free, --min-free %s): %s, %s; "
+                    "downloads wait for space until other files make room",
+                    format_size(max(0, free)), format_size(cache.fs_free()), format_size(cache.min_free),
+                    window, format_size(need))
+
+
+def _probe_size(cache: ShardCache, fetcher: Fetcher, url: str) -> int:
+    rec = cache.index.get(url)
+    if rec is not None and rec.size:
+        return rec.size
+    described = fetcher.describe(url)
+    return described.size if described else 0

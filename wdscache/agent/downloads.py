@@ -1,0 +1,413 @@
+"""The agent's downloads: which shards download now, their threads, their budget, their ends.
+
+Guarantees (threads):
+
+- The main loop alone starts, cancels and ends downloads and changes every
+  attribute here. Download threads (``2 * --download-workers`` of them) take a
+  :class:`~wdscache.agent.fetch.Download` from the task queue, move its bytes, ask for
+  budget through :meth:`Downloads.reserve` (which blocks the thread, never the
+  loop), and post what happened to the :class:`~wdscache.agent.events.Mailbox`.
+- A shard is never downloaded by two threads at once: a URL is in ``_active``
+  from the moment its task is queued until the main loop has recorded its end.
+- Nothing outside the wanted shards (demanded ones, then the union of readers'
+  windows) is started. Bytes cross the network once: a download is cancelled
+  only after its shard has been out of every window for ``CANCEL_AFTER``
+  seconds, or when a shard a reader waits for needs its slot; a cancelled
+  download with a validator keeps its partial file and resumes from it.
+- Budget is granted by the main loop in order of urgency (demanded first, then
+  by window rank); a grant is taken or withdrawn, never both (:class:`Grant`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Event, Grant, Mailbox,
+                           OutOfSpace, Revalidated, ValidatorFound)
+from .cache import ShardCache
+from ..shared.config import AgentConfig, format_size
+from ..shared.errors import FetchError
+from .fetch import Cancelled, DiskFull, Download, Fetched, Fetcher
+from ..shared.index import ShardState
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW = 10.0  # seconds over which download_rate is averaged
+DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long
+SPACE_LOG_AFTER = 5.0  # a download waiting for space this long is logged (short waits are routine)
+# A download out of every window this long is cancelled (windows flicker as readers
+# come, go and say hello; each flicker must not cost a download).
+CANCEL_AFTER = 3.0
+GROWTH_GRACE = 1.0  # seconds every download may wait for room the others hold before one is cancelled
+JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
+
+
+class Downloads:
+    """Download tasks and threads, budget grants, preemption and waits for space."""
+
+    def __init__(self, config: AgentConfig, cache: ShardCache, fetcher: Fetcher, mailbox: Mailbox) -> None:
+        self._config, self._cache, self._fetcher, self._mailbox = config, cache, fetcher, mailbox
+        self._layout = cache.layout
+        self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._active: dict[str, Download] = {}  # url -> its download (or revalidation), until its end is recorded
+        self._grants: list[Grant] = []  # budget asked for and not granted yet
+        self._unwanted_since: dict[str, float] = {}  # url of a download -> when it left every window
+        self._paused_until = 0.0
+        self._space_waits: dict[str, str] = {}  # url -> why its download waits for space (for stats, status)
+        self._space_said: dict[str, tuple[float, str | None]] = {}  # url -> (waiting since, kind logged)
+        self._growth_stuck_since: float | None = None  # since when every download waits for growth room
+        # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
+        self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
+        self._early_counts: dict[str, int] = {}  # url -> samples a worker counted before its end was recorded
+        self._finished_bytes = 0  # bytes written by downloads that ended, for the rate
+        self._rate_samples: deque[tuple[float, int]] = deque()
+
+    def start_threads(self) -> None:
+        # Twice --download-workers: prefetches use at most half, so a shard a reader waits for
+        # starts at once instead of queueing behind prefetches nobody asked for (schedule).
+        for i in range(2 * self._config.download_workers):
+            t = threading.Thread(target=self._thread, name=f"download-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    # -- what runs ------------------------------------------------------------
+
+    def __contains__(self, url: object) -> bool:
+        """True while ``url`` downloads (or is revalidated)."""
+        return url in self._active
+
+    def count(self) -> int:
+        """Downloads (and revalidations) running or queued."""
+        return len(self._active)
+
+    def readable_partial(self, url: str) -> bool:
+        """True when ``url`` is downloading with its whole size reserved: it will finish whatever is pinned."""
+        d = self._active.get(url)
+        # A gzip'd shard is read once decompressed: a reader of its partial file would hold
+        # its pins while the tar still needs room.
+        return d is not None and not d.verify and not d.gzipped and d.total is not None and d.reserved >= d.total
+
+    def progress(self, url: str) -> dict[str, Any]:
+        """Bytes written so far and the size, of a download of ``url`` ({} if none)."""
+        d = self._active.get(url)
+        # A gzip'd shard's tar too: a waiting consumer counts their growth as progress.
+        return {"written": d.written + d.expanded, "total": d.total} if d is not None and not d.verify else {}
+
+    def space_wait(self, url: str) -> str | None:
+        """Why the download of ``url`` waits for space, if it does."""
+        return self._space_waits.get(url)
+
+    def space_waits(self) -> list[dict[str, str]]:
+        return [{"url": u, "reason": r} for u, r in self._space_waits.items()]
+
+    def demand(self, url: str) -> None:
+        """A reader waits for ``url``: its download, if one runs, may evict window shards."""
+        d = self._active.get(url)
+        if d is not None:
+            d.demanded = True
+
+    def pause(self) -> None:
+        """Start no download for a while (the disk or the index is full)."""
+        self._paused_until = time.monotonic() + DISK_FULL_PAUSE
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self._paused_until
+
+    def rate(self) -> float:
+        """Bytes a second downloaded over the last ``RATE_WINDOW`` seconds."""
+        if len(self._rate_samples) < 2:
+            return 0.0
+        (t0, b0), (t1, b1) = self._rate_samples[0], self._rate_samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+    def sample_rate(self) -> None:
+        now = time.monotonic()
+        self._rate_samples.append((now, self._finished_bytes + sum(d.written for d in self._active.values())))
+        while self._rate_samples and now - self._rate_samples[0][0] > RATE_WINDOW:
+            self._rate_samples.popleft()
+
+    # -- scheduling -----------------------------------------------------------
+
+    def schedule(self, want: list[str], holding: set[str], demanded: Collection[str]) -> list[str]:
+        """Start downloads for the most urgent of ``want``; cancel those no longer wanted;
+        answer budget requests. Returns the shards that became readable while they download.
+
+        Prefetches take at most --download-workers connections; a shard a reader waits
+        for (``demanded``, first in ``want``) may take as many again, so it never queues
+        behind prefetches.
+
+        The cancel rule: a download is cancelled once its shard has been out of
+        ``holding`` (the wanted shards, and the start-up plan while some reader has
+        said hello but has no window yet) for ``CANCEL_AFTER`` seconds in a row; or at
+        once when all slots are busy, a shard a reader waits for has none, and this
+        download is out of the wanted set.
+        """
+        now = time.monotonic()
+        self._unwanted_since = {u: t for u, t in self._unwanted_since.items()
+                                if u in self._active and u not in holding}
+        for url, d in list(self._active.items()):
+            if url in holding or d.cancel.is_set():
+                continue
+            since = self._unwanted_since.setdefault(url, now)
+            if now - since >= CANCEL_AFTER:
+                log.info("no longer wanted, abandoning %s (out of every window for %.0fs)", url, now - since)
+                d.cancel.set()
+        for url in want:
+            if self.paused:
+                break
+            if url in self._active or self._cache.is_cached(url):
+                continue
+            rec = self._cache.index.get(url)
+            if rec is not None and rec.state is ShardState.FAILED:
+                continue
+            slots = self._config.download_workers * (2 if url in demanded else 1)
+            if len(self._active) >= slots:
+                if url in demanded and not self._cancel_unwanted():
+                    self._preempt()
+                break
+            self._start(url, demanded=url in demanded)
+        readable = self._answer_grants(want)
+        self._cache.keep_margin(want)
+        return readable
+
+    def _start(self, url: str, *, demanded: bool) -> None:
+        rec = self._cache.index.get(url)
+        d = Download(
+            url,
+            partial=self._layout.partial_path(url),
+            final=self._layout.shard_path(url),
+            reserve=self.reserve,
+            etag=rec.etag if rec else None,
+            demanded=demanded,
+            on_validator=lambda d: self._mailbox.post(ValidatorFound(d, d.etag)),
+        )
+        self._cache.begin(d)
+        self._active[url] = d
+        self._tasks.put(d)
+        log.debug("downloading %s", url)
+
+    def revalidate(self, url: str) -> None:
+        """Ask the source whether the cached ``url`` is still current (a :class:`Revalidated` comes back)."""
+        if url in self._active:
+            return
+        self._cache.pin(url)  # not evicted while we ask; unpinned when the answer comes
+        d = Download(url, partial=self._layout.partial_path(url), final=self._layout.shard_path(url),
+                     reserve=self.reserve, verify=True)
+        self._active[url] = d
+        self._tasks.put(d)
+
+    def _cancel_unwanted(self) -> bool:
+        """Free a slot for a shard someone waits for: cancel a download out of every window
+        (it keeps its partial); True if a slot is being freed."""
+        for url in self._unwanted_since:
+            d = self._active[url]
+            if not d.verify:
+                if not d.cancel.is_set():
+                    log.info("abandoning %s (no longer wanted) for a shard a reader waits for", url)
+                    d.cancel.set()
+                return True
+        return False
+
+    def _preempt(self) -> None:
+        """Free a slot for a shard someone waits for: cancel a prefetch still waiting for budget.
+
+        Such a prefetch holds a slot but may not evict window shards; the demanded
+        download may, so without this both could wait for ever.
+        """
+        waiting = {g.download.url for g in self._grants}
+        if any(d.cancel.is_set() for d in self._active.values()):
+            return  # a slot is being freed already
+        for d in self._active.values():
+            if not d.demanded and not d.verify and d.url in waiting:
+                log.info("pausing the prefetch of %s for a shard a reader waits for", d.url)
+                d.cancel.set()
+                return
+
+    # -- budget ---------------------------------------------------------------
+
+    def asked(self, grant: Grant) -> None:
+        """A thread's budget request (answered at the next :meth:`schedule`)."""
+        self._grants.append(grant)
+
+    def _answer_grants(self, want: Sequence[str]) -> list[str]:
+        rank = {u: i for i, u in enumerate(want)}
+        self._grants.sort(key=lambda g: (not g.download.demanded, rank.get(g.download.url, len(rank))))
+        pending, readable = [], []
+        waits: dict[str, str] = {}
+        for g in self._grants:
+            with g.lock:
+                if g.withdrawn:
+                    continue
+                try:
+                    granted = self._cache.try_reserve(g.download, g.total, wanted=want)
+                except OverflowError as exc:
+                    g.error = FetchError(g.download.url, str(exc), permanent=True)
+                    granted = True
+                if granted:
+                    g.event.set()
+                    if self.readable_partial(g.download.url):
+                        readable.append(g.download.url)
+                else:
+                    pending.append(g)
+                    if self._cache.refusal is not None:
+                        self._waits_for_space(g.download.url, *self._cache.refusal, waits)
+        self._grants = pending
+        self._break_growth_deadlock(pending)
+        self._space_waits = waits  # granted or ended downloads wait no more
+        self._space_said = {u: said for u, said in self._space_said.items() if u in waits}
+        return readable
+
+    def _break_growth_deadlock(self, pending: list[Grant]) -> None:
+        """Downloads that grow their reservation as they go (bodies of unknown size, gzip'd shards
+        being decompressed) hold budget while they ask for more: two of them can each wait for
+        the other's. When every download in flight waits so, the one that wrote least is
+        cancelled (it starts over later), and the others can go on."""
+        growing = [g for g in pending if g.download.reserved > 0 and not g.download.cancel.is_set()]
+        if len(growing) < 2 or len(pending) < len(self._active):
+            self._growth_stuck_since = None
+            return  # some download is still moving: it may free space
+        now = time.monotonic()
+        if self._growth_stuck_since is None:
+            self._growth_stuck_since = now
+        if now - self._growth_stuck_since < GROWTH_GRACE:
+            return  # a reader may let go of a pin meanwhile
+        self._growth_stuck_since = None
+        victim = min(growing, key=lambda g: (g.download.demanded, g.download.written + g.download.expanded))
+        log.info("cancelling %s: it and %d other download(s) each wait for space the others hold",
+                 victim.download.url, len(growing) - 1)
+        victim.download.cancel.set()
+
+    def _waits_for_space(self, url: str, kind: str, reason: str, waits: dict[str, str]) -> None:
+        """Note why ``url`` waits for space. Logged once it has waited SPACE_LOG_AFTER, and again
+        only when what runs short changes (the budget, or the file system's free space)."""
+        waits[url] = f"waiting for space: {reason}"
+        now = time.monotonic()
+        since, said = self._space_said.get(url, (now, None))
+        if said != kind and now - since >= SPACE_LOG_AFTER:
+            log.warning("%s waits for space: %s", url, reason)
+            said = kind
+        self._space_said[url] = (since, said)
+
+    # -- ends (main loop, from the events) --------------------------------------
+
+    def record_download(self, d: Download, fetched: Fetched) -> bool:
+        """Record the published shard in the index; True if this run held it before (a re-download)."""
+        index = self._cache.index
+        again = d.url in self._had or d.url in index.counts
+        stored = fetched.size if fetched.stored is None else fetched.stored  # what "counted" records too
+        index.keep_count(d.url, stored, fetched.etag)  # if the content is what was counted
+        self._cache.finish(d, fetched.size, fetched.etag, stored=fetched.stored)
+        early = self._early_counts.pop(d.url, None)
+        if early is not None:
+            index.set_count(d.url, early, stored, fetched.etag)
+        index.incr("bytes_downloaded", fetched.size)
+        index.incr("downloads")
+        self._had.add(d.url)
+        if again:
+            index.incr("redownloads")
+            index.incr("bytes_redownloaded", fetched.size)
+        log.info("cached %s (%s)", d.url, format_size(fetched.size))
+        return again
+
+    def counted_early(self, url: str, samples: int) -> None:
+        """A worker counted ``url``'s samples before its end was recorded: the count is kept for then."""
+        self._early_counts[url] = samples
+
+    def record_out_of_space(self, d: Download, error: DiskFull, want: Sequence[str]) -> None:
+        """The file system refused a write: not the shard's fault. Drop the partial, make room,
+        start nothing for a while; the shard is tried again then."""
+        self._cache.abandon(d)
+        self.pause()
+        log.warning("%s; abandoned %s, will retry after making room", error.reason, d.url)
+        self._cache.evict(d.written + self._cache.margin, wanted=want, allow_window=False)
+
+    def record_failure(self, d: Download, error: FetchError) -> None:
+        self._cache.fail(d, error.reason)
+        log.error("failed %s: %s", d.url, error.reason)
+
+    def record_cancel(self, d: Download, *, keep_partial: bool) -> None:
+        """``d`` was abandoned; with ``keep_partial`` its partial file stays to be resumed when wanted again."""
+        self._cache.abandon(d, keep_partial=keep_partial)
+
+    def ended(self, d: Download) -> None:
+        """Its end is recorded: the slot is free. Called last, so that a failed index write
+        (the event is handled again later) leaves the download active."""
+        self._active.pop(d.url, None)
+        self._finished_bytes += d.written
+
+    # -- download threads ---------------------------------------------------------
+
+    def reserve(self, d: Download, total: int, timeout: float | None) -> bool:
+        """In a download thread: block until the main loop grants ``total`` bytes (True), the
+        timeout passes (False) or ``d`` is cancelled (raises :class:`Cancelled`)."""
+        g = Grant(d, total)
+        self._mailbox.post(BudgetAsked(g))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not g.event.wait(0.05):
+            if d.cancel.is_set() or (deadline is not None and time.monotonic() > deadline):
+                with g.lock:
+                    if not g.event.is_set():
+                        g.withdrawn = True
+                        if d.cancel.is_set():
+                            raise Cancelled(d.url)
+                        return False
+                break
+        if g.error is not None:
+            raise g.error
+        return True
+
+    def _thread(self) -> None:
+        """A download thread: runs tasks until it takes None."""
+        while True:
+            d = self._tasks.get()
+            if d is None:
+                break
+            self._mailbox.post(self._run(d))
+        self._fetcher.close_thread()
+
+    def _run(self, d: Download) -> Event:
+        try:
+            if d.verify:
+                return Revalidated(d, self._fetcher.describe(d.url))
+            if d.cancel.is_set():
+                raise Cancelled(d.url)
+            return Downloaded(d, self._fetcher.fetch(d))
+        except Cancelled:
+            return DownloadCancelled(d)
+        except DiskFull as exc:
+            return OutOfSpace(d, exc)
+        except FetchError as exc:
+            return DownloadFailed(d, exc)
+        except Exception as exc:  # a bug must not kill the thread and hang the agent
+            log.exception("unexpected error downloading %s", d.url)
+            return DownloadFailed(d, FetchError(d.url, f"internal error: {exc!r}"))
+
+    # -- shutdown ---------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Cancel every download and end the threads (each gets up to ``JOIN_TIMEOUT`` in all)."""
+        for d in self._active.values():
+            d.cancel.set()
+        for _ in self._threads:
+            self._tasks.put(None)
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def threads_alive(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def abandon_all(self, keep_partial: Callable[[str], bool]) -> None:
+        """Record the downloads still unfinished as abandoned (``keep_partial(url)``: keep the partial file)."""
+        for d in list(self._active.values()):
+            if not d.verify:  # a revalidation holds a cached shard, not a partial one
+                self._cache.abandon(d, keep_partial=keep_partial(d.url))
+        self._active.clear()

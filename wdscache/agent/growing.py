@@ -1,0 +1,131 @@
+"""A shard still being downloaded: the samples complete so far, read from its partial file.
+
+Lets a worker serve a shard's first samples before its download ends.  The file
+belongs to the download and changes under the reader: it grows, and it may be
+truncated (the download started over), replaced by a new file or renamed away
+(published).  So only complete samples are shown; the file is never mapped (a
+truncation gives a short read, :class:`NotYet`, never a fault); a replaced file
+is followed, its samples never mixed with the old one's; and its headers get
+the same checks as a finished shard's (:mod:`wdscache.shared.tarwalk`).  A
+:class:`GrowingShard` is not locked: it belongs to one thread.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..shared.errors import ShardError
+from ..shared.samples import SampleSpan, group_samples
+from ..shared.tarwalk import BLOCK, GZIP_MAGIC, HEAD_BYTES, FileSpan, tar_problem, walk
+
+
+class NotYet(Exception):
+    """A growing shard does not hold the sample asked for (its download started over)."""
+
+
+class GrowingShard:
+    """The complete samples so far of a plain tar that is still being downloaded.
+
+    A sample is complete once a member of the next sample has arrived, so the
+    last one is known only from the finished file (read that with
+    :func:`~wdscache.agent.shardview.open_shard`).  Each :meth:`refresh` walks only the headers that
+    arrived since the last complete sample.  Payloads are read with ``pread``,
+    never mapped: the download may truncate the file to start over, which would
+    fault a mapping; here it only gives a short read (:class:`NotYet`).  A
+    gzip'd download shows no samples: it is read once decompressed and published.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, url: str) -> None:
+        self.url, self.path = url, os.fspath(path)
+        self._fd = os.open(self.path, os.O_RDONLY)  # FileNotFoundError: no download under way
+        self._reset()
+
+    def _reset(self) -> None:
+        self.samples: list[SampleSpan] = []
+        self._resume = 0  # header offset of the first sample not known complete
+        self._from_start = False  # global PAX headers seen: walk from the start every time
+        self._size = 0
+        self._gzip: bool | None = None
+
+    def current(self) -> bool:
+        """True while the download's file is still the one we read (not replaced, published or gone)."""
+        try:
+            return os.stat(self.path).st_ino == os.fstat(self._fd).st_ino
+        except FileNotFoundError:
+            return False
+
+    def refresh(self) -> None:
+        """Take in what the download has written since the last call.
+
+        FileNotFoundError when the file is gone (published, or the download ended):
+        the samples already found stay readable, but no more will come here.
+        """
+        if os.stat(self.path).st_ino != os.fstat(self._fd).st_ino:
+            # A new download of the shard started in a new file: follow it.
+            fd = os.open(self.path, os.O_RDONLY)
+            os.close(self._fd)
+            self._fd = fd
+            self._reset()
+        size = os.fstat(self._fd).st_size
+        if size < self._size:
+            self._reset()  # truncated: the download started over
+        self._size = size
+        if self._gzip is None and size >= 2:
+            self._gzip = os.pread(self._fd, 2, 0) == GZIP_MAGIC
+        if self._gzip is not False:
+            return
+        start = 0 if self._from_start else self._resume
+        if size - start < 2 * BLOCK:
+            return
+        pax: dict[str, Any] = {}
+        buf = FileSpan(self._fd, start, size)  # headers are read in blocks: payloads are skipped
+        try:
+            groups = list(group_samples(walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start))
+        except ShardError as exc:
+            problem = tar_problem(os.pread(self._fd, HEAD_BYTES, 0)) if start == 0 and exc.offset == 0 else None
+            if problem:  # say what came instead of a tar (an HTML page served with status 200, say)
+                raise ShardError(self.url, problem, offset=0) from None
+            raise
+        complete = [span for span, _ in groups[:-1]]  # the last may not be
+        if pax or self._from_start:
+            # A global PAX header: where exactly it took effect is not tracked, so from now
+            # on every look walks from the start (rare in WebDataset shards).
+            self._from_start = True
+            if start > 0:
+                self.refresh()  # this walk began after it: its indices would be shifted
+                return
+            self.samples = complete
+        elif groups:
+            self.samples.extend(complete)
+            self._resume = groups[-1][1]
+
+    def complete(self, fd: int, url: str) -> list[SampleSpan] | None:
+        """All samples of the finished file open as ``fd``, if it is the file we have been
+        reading (a published download keeps its inode): those found so far, plus a walk
+        of the rest. None if it is another file, or if we kept no usable place to resume."""
+        if self._gzip is not False or self._from_start or os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
+            return None
+        size = os.fstat(fd).st_size
+        try:
+            rest = [span for span, _ in group_samples(walk(FileSpan(fd, self._resume, size), url), url,
+                                               base=self._resume)]
+        except ShardError as exc:  # its offset counted from where this walk began
+            raise ShardError(url, exc.reason, offset=None if exc.offset is None else exc.offset + self._resume)
+        return self.samples + rest
+
+    def read(self, i: int) -> tuple[SampleSpan, bytes, int]:
+        """Sample ``i`` (complete by :meth:`refresh`): its span, and the bytes from its first
+        field's start to its last field's end, read in one call, with the offset they start at."""
+        span = self.samples[i]
+        first = span.fields[0][1]
+        last = span.fields[-1][1] + span.fields[-1][2]
+        data = os.pread(self._fd, last - first, first)
+        if len(data) < last - first:
+            raise NotYet(f"{self.url}: sample {i} is not in the file any more (its download started over)")
+        return span, data, first
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,95 @@
+"""The agent's URL list file (``--urls``): read at start, watched, read again when it changes.
+
+Guarantees:
+
+- A list that cannot be read, or holds no URL, stops the start before anything
+  on disk changes; a bad edit later keeps the current list (and says why).
+- Any event in the file's folder counts as a possible change (Kubernetes updates a
+  mounted ConfigMap by swapping a ``..data`` symlink, never touching the file's
+  name); the file is read again only if its stat (through symlinks) changed.
+- The watchdog thread only sets a flag; the main loop reads the file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from ..shared.config import AgentConfig
+from ..shared.errors import ConfigError
+from ..shared.s3 import Listing
+from ..shared.urls import UrlList, read_url_list
+
+log = logging.getLogger(__name__)
+
+SETTLE = 0.1  # seconds editors get to finish writing a file in several steps
+
+
+class ListFile:
+    """The list file of ``config``; :meth:`watch` starts watching it, :meth:`stop` ends that."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self._path, self._allow_pipe = config.urls, config.allow_pipe
+        self._lister = Listing(endpoint_url=config.s3_endpoint_url, fetching=True)  # s3:// prefixes and globs
+        self._signature: tuple[int, ...] | None = None
+        self._touched = threading.Event()  # set by the watchdog thread
+        self._observer: Any = None
+
+    def read(self) -> UrlList:
+        """Read the list now (raises :class:`ConfigError` for a list that is empty or wrong)."""
+        self._signature = _stat_signature(self._path)
+        urls = read_url_list(self._path, allow_pipe=self._allow_pipe, lister=self._lister)
+        if not len(urls):
+            raise ConfigError(f"URL list {self._path} holds no URL")
+        if urls.duplicates:
+            log.warning("%s: ignored %d duplicate URL(s)", self._path, urls.duplicates)
+        return urls
+
+    def changed(self) -> UrlList | None:
+        """The list as it is now, if the file changed since it was last read; else None."""
+        if not self._touched.is_set():
+            return None
+        self._touched.clear()
+        if _stat_signature(self._path) == self._signature:
+            return None
+        time.sleep(SETTLE)
+        try:
+            return self.read()
+        except ConfigError as exc:
+            log.error("keeping the current URL list: %s", exc)
+            return None
+
+    def watch(self) -> None:
+        touched = self._touched
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                touched.set()
+
+        self._observer = Observer()
+        self._observer.schedule(Handler(), os.path.dirname(os.path.abspath(self._path)), recursive=False)
+        self._observer.daemon = True
+        self._observer.start()
+
+    def stop(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+
+    def join(self, timeout: float) -> None:
+        if self._observer is not None:
+            self._observer.join(timeout)
+
+
+def _stat_signature(path: Path) -> tuple[int, ...] | None:
+    try:
+        st = os.stat(path)  # follows symlinks, so a swapped ConfigMap link shows
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)

@@ -1,0 +1,413 @@
+"""The agent's readers: who reads (hello, jobs, their processes), which lists, and their windows.
+
+A *reader* is a consumer that said hello (it names its job, rank and list) or a
+plain client that only opens shards; each has a window of the shards it reads
+next (:class:`~wdscache.shared.plan.Reader`). This part owns them, the jobs they form,
+the URL lists they read (the agent's own, and consumers' lists kept while read)
+and the consumers' reports; it says which shards the readers want, and warns
+when they need more at once than the budget holds.
+
+Guarantees:
+
+- Main loop only.
+- A reader reads the list it said hello on to its end, whatever edits of the
+  list file happen meanwhile (:meth:`Readers.known`): an agent list that readers
+  started their epoch on is kept while they read it.
+- A reader whose process the agent sees (:meth:`Readers._watch_process`) is
+  dropped as soon as that process ends; any other after ``--reader-timeout`` of
+  silence. Whoever holds things for a reader is told when it goes (``gone``), so
+  its pins go with it.
+- Lists are bounded: at most ``MAX_JOB_LISTS`` kept or being uploaded, each of at
+  most ``MAX_JOB_URLS``; a list nobody reads is freed after ``LIST_GRACE``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import select
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .control import ControlSocket
+from .cache import ShardCache
+from ..shared.config import AgentConfig, format_size
+from ..shared.errors import ConfigError
+from ..shared.index import ShardState
+from ..shared.plan import Reader, wanted
+from ..shared.protocol import field as get_field
+from ..shared.protocol import numbers, pages, process_identity, strings
+from ..shared.stats import jobs_view, with_fraction
+from ..shared.urls import UrlList, list_id, parse_url_list
+
+log = logging.getLogger(__name__)
+
+STARTUP_READER = "(start-up plan)"
+REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
+MAX_JOB_LISTS = 16
+MAX_JOB_URLS = 10_000_000
+LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
+MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
+LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
+
+
+def startup_reader(n_shards: int, config: AgentConfig) -> Reader:
+    """The plan the agent prefetches by before any reader has a window: the list in its seeded order."""
+    return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle)
+
+
+class Readers:
+    """The readers, their jobs and lists, and what they want next."""
+
+    def __init__(
+        self, config: AgentConfig, cache: ShardCache, socket: ControlSocket, urls: UrlList, *,
+        workers: list[str], cache_root: list[int], gone: Callable[[str], None],
+    ) -> None:
+        self._config, self._cache, self._socket = config, cache, socket
+        self._workers, self._cache_root = workers, cache_root  # told in hello (endpoints; for direct reads)
+        self._gone = gone  # told the name of each reader that goes, once it is gone
+        self.urls = urls  # the agent's current list (from its list file)
+        self.list_id = list_id(urls.urls)
+        self._startup = startup_reader(len(urls), config)
+        self._readers: dict[str, Reader] = {}
+        # list_id -> a list readers read besides the agent's current one: a consumer's own, or
+        # an earlier agent list that readers started their epoch on (kept while read, see _free_lists)
+        self._lists: dict[str, UrlList] = {}
+        self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
+        self._uploads: dict[str, list[Any]] = {}  # reader -> pages of its list received so far
+        self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
+        self._consumers: dict[str, dict[str, Any]] = {}  # reader name -> its job, rank and last report
+        self._buffers: dict[str, int] = {}  # reader -> the shuffle buffer it said hello with (samples)
+        self._watched: dict[int, str] = {}  # pidfd -> the reader whose process it is
+        self._deaths = select.poll()  # the watched pidfds: readable once their process ended
+        self._warned_need = 0  # the need named by the last warning that readers need more
+
+    # -- who reads ------------------------------------------------------------
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._readers
+
+    def seen(self, name: str) -> None:
+        """A sign of life from reader ``name`` (any of its ops)."""
+        reader = self._readers.get(name)
+        if reader is not None:
+            reader.last_seen = time.monotonic()
+
+    def known(self, url: str, name: str | None = None) -> bool:
+        """In the list reader ``name`` reads; for a plain client (no hello), in the agent's list or in
+        a list some reader reads. Only listed shards are ever fetched."""
+        reader = self._readers.get(name) if name is not None else None
+        if reader is not None and reader.list_id is not None:
+            return url in self._list(reader.list_id)
+        return url in self.urls or any(url in listed for listed in self._lists.values())
+
+    def opened(self, name: str, url: str, ahead: list[Any] | None) -> None:
+        """Reader ``name`` opens ``url`` (listed for it): its window moves (``ahead``: the shards it
+        says it reads next). A plain client becomes a reader that reads in list order."""
+        reader = self._readers.get(name)
+        if reader is None:
+            # A plain client reads in list order; its window is the shards after this one.
+            reader = self._readers[name] = Reader(name, len(self.urls), shuffle=False)
+        if ahead is not None:
+            reader.ahead = [u for u in ahead[: self._config.prefetch] if isinstance(u, str) and self.known(u, name)]
+        elif reader.ahead is None and url in self.urls:
+            reader.advance_to(self.urls.index(url))
+
+    def planned(self) -> list[str]:
+        """The union of the readers' windows by urgency (the start-up plan while nobody reads)."""
+        prefetch, urls = self._config.prefetch, self.urls.urls
+        windows = []
+        for r in self._readers.values():
+            if r.ahead is not None:
+                windows.append(r.ahead[:prefetch])
+            else:
+                windows.append([urls[i] for i in r.window(prefetch) if i < len(urls)])
+        if not any(windows):
+            # Nobody reads yet (or consumers only said hello): keep the start-up plan.
+            windows = [self._startup_window()]
+        return wanted(windows, prefetch)
+
+    def holding(self, want: list[str]) -> set[str]:
+        """Shards whose downloads are not cancelled: ``want``, and the start-up plan while some reader
+        said hello but has no window yet (its window may well be that plan)."""
+        holding = set(want)
+        if any(r.ahead == [] for r in self._readers.values()):
+            holding.update(self._startup_window())
+        return holding
+
+    def _startup_window(self) -> list[str]:
+        urls = self.urls.urls
+        return [urls[i] for i in self._startup.window(self._config.prefetch) if i < len(urls)]
+
+    # -- ops ------------------------------------------------------------------
+
+    def op_hello(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        """A consumer joins a job: check it agrees with the job's other ranks, take up its list.
+
+        Lists travel in pages (``put_urls`` / ``get_urls``), never in one message, and
+        are known by ``list_id`` (a hash), so a list is sent once, not every epoch.
+        """
+        name = header["reader"]
+        self._hello(ident, rid, name, header)
+        if name in self._readers:
+            self._buffers[name] = max(0, get_field(header, "shuffle_buffer", int, 0))
+
+    def _hello(self, ident: bytes, rid: Any, name: str, header: dict[str, Any]) -> None:
+        reply = self._socket.reply
+        job = get_field(header, "job", str)
+        world = get_field(header, "world_size", int)
+        rank = get_field(header, "rank", int)
+        if not 0 <= rank < world:
+            reply(ident, rid, ok=False, error=f"rank {rank} is not in [0, {world})")
+            return
+        claimed = get_field(header, "list_id", str, None)
+        uploaded = self._uploads.pop(name, None)
+        if claimed is not None and claimed not in self._lists:
+            if uploaded is None:
+                reply(ident, rid, ok=False, need_urls=True, error="send the list first (put_urls)")
+                return
+            try:
+                parsed = self._job_list(uploaded)
+            except ConfigError as exc:
+                reply(ident, rid, ok=False, error=str(exc))
+                return
+            if list_id(parsed.urls) != claimed:
+                reply(ident, rid, ok=False, error="the list sent does not match its list_id")
+                return
+            if len(self._lists) >= MAX_JOB_LISTS:
+                self._free_lists(grace=0.0)  # lists nobody reads make room first
+            if len(self._lists) >= MAX_JOB_LISTS:
+                reply(ident, rid, ok=False, error=(
+                    f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends"))
+                return
+            self._lists[claimed] = parsed
+        known = self._jobs.get(job)
+        if known is not None and known["world_size"] != world and self._job_ranks(job):
+            reply(ident, rid, ok=False, error=(
+                f"job {job!r} runs with world_size {known['world_size']}, but rank {rank} says {world}; "
+                "give each launch its own job name"))
+            return
+        self._jobs[job] = {"world_size": world}
+        # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
+        self.drop(name)
+        # It reads the list it named, or the agent's list as it is now until its epoch ends.
+        self._readers[name] = Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id)
+        self._consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
+        self._watch_process(name, header.get("process"))
+        reply(
+            ident, rid, ok=True,
+            workers=self._workers,
+            prefetch=self._config.prefetch,
+            list_id=self.list_id, n_urls=len(self.urls),
+            cache_dir=str(self._cache.layout.root), cache_root=self._cache_root,  # for direct reads (wdscache.training.direct)
+        )
+
+    def op_put_urls(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        """A page of a consumer's own list, before its hello names it."""
+        error = self._put_urls(header["reader"], header)
+        self._socket.reply(ident, rid, ok=error is None, error=error)
+
+    def _put_urls(self, name: str, header: dict[str, Any]) -> str | None:
+        offset = get_field(header, "offset", int)
+        page = strings(header, "urls")
+        if name not in self._uploads and len(self._uploads) >= MAX_JOB_LISTS:
+            return "too many lists being uploaded at once; try again"
+        got = self._uploads.setdefault(name, [])
+        if offset != len(got):
+            self._uploads.pop(name, None)
+            return f"list page at {offset} does not follow the {len(got)} URLs received"
+        if len(got) + len(page) > MAX_JOB_URLS:
+            self._uploads.pop(name, None)
+            return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
+        got.extend(page)
+        return None
+
+    def op_get_urls(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        """A page of the list the reader said hello on, even if the file changed since."""
+        reader = self._readers.get(header["reader"])
+        offset = get_field(header, "offset", int)
+        listed = reader.list_id if reader is not None and reader.list_id is not None else self.list_id
+        page = next(pages(self._list(listed).urls, max(0, offset)), (offset, []))[1]
+        self._socket.reply(ident, rid, ok=True, list_id=listed, urls=page)
+
+    def op_report(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        """A consumer's progress, for stats."""
+        name = header["reader"]
+        if name in self._readers:
+            known = self._consumers.get(name, {})
+            report = {"job": known.get("job"), "rank": known.get("rank"), **numbers(header, REPORT_FIELDS)}
+            self._consumers[name] = with_fraction(known, report, "wait_s", "waiting")
+        self._socket.reply(ident, rid, ok=name in self._readers, error="unknown reader; say hello first")
+
+    def op_bye(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        self.drop(header["reader"])
+        self._socket.reply(ident, rid, ok=True)
+
+    # -- going ------------------------------------------------------------------
+
+    def drop(self, name: str) -> None:
+        """Reader ``name`` goes (said bye, said hello again, or went silent or away)."""
+        self._uploads.pop(name, None)
+        r = self._readers.pop(name, None)
+        if r is None:
+            return
+        if r.pidfd >= 0:
+            self._unwatch(r.pidfd)
+        self._gone(name)
+        self._consumers.pop(name, None)
+
+    def expire(self) -> None:
+        """Drop readers whose process ended or that went silent; free the lists nobody reads."""
+        for fd, _ in self._deaths.poll(0) if self._watched else ():
+            log.info("reader %s: its process ended; releasing its shards", self._watched[fd])
+            self.drop(self._watched[fd])
+        now = time.monotonic()
+        for name, r in list(self._readers.items()):
+            if now - r.last_seen > self._config.reader_timeout:
+                log.warning("reader %s silent for %.0fs: releasing its shards", name, now - r.last_seen)
+                self.drop(name)
+        self._free_lists()
+
+    def close(self) -> None:
+        """Stop watching processes (at shutdown)."""
+        for fd in list(self._watched):
+            self._unwatch(fd)
+
+    def _watch_process(self, name: str, claimed: Any) -> None:
+        """Watch the process a consumer named in hello, if we see that very process, so that
+        its reader is dropped the moment it ends. Else (another machine or container, no
+        pidfd) the reader goes after ``--reader-timeout`` of silence."""
+        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int
+                and 0 < claimed[0] < 1 << 31 and len(self._watched) < MAX_WATCHED):
+            return
+        try:
+            fd = os.pidfd_open(claimed[0])
+        except (AttributeError, OSError):
+            return
+        # Compared once the pidfd is open: if the identity matches, it is that process's pidfd.
+        if process_identity(claimed[0]) != claimed:
+            os.close(fd)
+            return
+        self._readers[name].pidfd = fd
+        self._watched[fd] = name
+        self._deaths.register(fd, select.POLLIN)
+        self._socket.watch(fd)  # wakes the main loop when it ends
+
+    def _unwatch(self, fd: int) -> None:
+        del self._watched[fd]
+        self._deaths.unregister(fd)
+        self._socket.unwatch(fd)
+        os.close(fd)
+
+    # -- jobs and lists -----------------------------------------------------------
+
+    def _job_ranks(self, job: str) -> list[int]:
+        """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
+        --reader-timeout, and must not block an elastic restart with another world size)."""
+        now = time.time()
+        return [c["rank"] for n, c in self._consumers.items()
+                if c.get("job") == job and n in self._readers and now - c.get("seen", 0.0) < LIVE_WITHIN]
+
+    def _job_list(self, urls: list[Any]) -> UrlList:
+        """A consumer's own URL list, held to what this endpoint may fetch for others."""
+        # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
+        # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
+        local = self._socket.endpoint.startswith("ipc://")
+        schemes = ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
+                raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
+        return parse_url_list("\n".join(u.replace("{", "\\{").replace("}", "\\}") for u in urls))
+
+    def _list(self, key: str | None) -> UrlList:
+        """The list ``key`` names: one kept in ``_lists``, else the agent's current list."""
+        return self._lists.get(key, self.urls) if key is not None else self.urls
+
+    def _free_lists(self, grace: float = LIST_GRACE) -> None:
+        """Forget the lists no reader has read for ``grace`` seconds (a million URLs is
+        about 140 MB); a consumer that comes back sends its list again (``need_urls``)."""
+        now = time.monotonic()
+        read = {r.list_id for r in self._readers.values()}
+        for key in list(self._lists):
+            if key in read:
+                self._unread_since.pop(key, None)
+            elif now - self._unread_since.setdefault(key, now) >= grace:
+                del self._lists[key]
+                self._unread_since.pop(key)
+
+    def replace_list(self, new: UrlList) -> None:
+        """The agent's list file changed to ``new``. Epochs under way finish on the list they
+        started with; the next ones take the new one."""
+        if any(r.list_id == self.list_id for r in self._readers.values()):
+            self._lists.setdefault(self.list_id, self.urls)
+        self.urls = new
+        self.list_id = list_id(new.urls)
+        # Positions in the agent's list refer to the old list: those readers start over on
+        # the new one. Readers keep their pins and their own windows.
+        for r in self._readers.values():
+            if r.ahead is None:
+                r.n_shards, r.position = len(new), 0
+        self._startup = startup_reader(len(new), self._config)
+
+    def read_by_a_consumer(self, url: str) -> bool:
+        """True if a reader that said hello reads a list holding ``url``."""
+        return any(r.list_id is not None and url in self._list(r.list_id) for r in self._readers.values())
+
+    # -- what they need -------------------------------------------------------------
+
+    def check_need(self, held: Callable[[str], int], again: str | None = None) -> None:
+        """Warn when the readers need more bytes at once than the budget holds (see :meth:`need`);
+        ``held(name)``: how many shards reader ``name`` holds open.
+
+        Called at each hello and each re-download (``again``); warns once, and again only
+        for a larger need.
+        """
+        need, why = self.need(held)
+        st = os.statvfs(self._cache.layout.root)
+        usable = min(self._cache.limit, st.f_blocks * st.f_frsize - self._cache.margin)
+        if need <= usable or need <= self._warned_need:
+            return
+        self._warned_need = need
+        seen = f" ({again} was just downloaded again)" if again else ""
+        log.warning(
+            "readers need more than the budget holds: %s; %s of it can be used (--cache-size %s), so shards they "
+            "still need are evicted and downloaded again%s; a budget of %d bytes (%s) stops it, or lower "
+            "shuffle_buffer or --prefetch", why, format_size(usable), format_size(self._cache.limit), seen,
+            need, format_size(need))
+
+    def need(self, held: Callable[[str], int]) -> tuple[int, str]:
+        """Bytes the readers hold at once, and how: a consumer pins every shard whose samples are
+        still in its shuffle buffer (its hello says how many samples that holds, the index how
+        many a shard has), the shard it opens, and its window of --prefetch shards ahead."""
+        index, prefetch = self._cache.index, self._config.prefetch
+        self._buffers = {n: b for n, b in self._buffers.items() if n in self._readers}
+        samples = [c for c in itertools.islice(index.counts.values(), 10_000) if c > 0]
+        sizes = [r.size for r in itertools.islice(index.records.values(), 10_000)
+                 if r.state is ShardState.CACHED and r.size]
+        if not samples or not sizes:
+            return 0, "nothing known yet"
+        per_shard = max(1, sum(samples) // len(samples))
+        n_shards = max([len(self.urls), *(len(listed) for listed in self._lists.values())])
+        spans: dict[str, tuple[int, int]] = {}  # job (or reader) -> (shuffle buffer, shards it holds)
+        for name in self._readers:
+            if name == STARTUP_READER:
+                continue
+            job = str(self._consumers.get(name, {}).get("job", name))
+            buffer = self._buffers.get(name, 0)
+            shards_held = max(-(-buffer // per_shard) + 1, held(name))  # a buffer may end in a shard begun
+            spans[job] = max(spans.get(job, (0, 0)), (buffer, min(n_shards, shards_held + prefetch)))
+        shards = min(n_shards, sum(h for _, h in spans.values()))
+        need = shards * max(sizes)
+        jobs = ", ".join(f"job {j!r} (shuffle_buffer {b}) holds up to {h}" for j, (b, h) in sorted(spans.items()))
+        return need, (f"{jobs} shard(s) at once (the shards its shuffle buffer spans at about {per_shard} samples "
+                      f"a shard, the one it opens and --prefetch {prefetch} ahead), of up to "
+                      f"{format_size(max(sizes))} each: {format_size(need)}")
+
+    # -- for stats --------------------------------------------------------------------
+
+    def view(self, starved_by: str) -> dict[str, Any]:
+        """The consumers, their jobs and the lists kept, for the stats reply."""
+        return {"consumers": len(self._consumers), "job_lists": len(self._lists),
+                "jobs": jobs_view(self._consumers, starved_by)}

@@ -1,0 +1,191 @@
+"""Sample tables: where each sample's fields lie in a shard's file, packed small.
+
+A :class:`PackedSamples` is one shard's table (its keys, extensions and
+``(offset, size)`` of every field) in about a tenth of the memory of a list of
+:class:`~wdscache.shared.samples.SampleSpan`; :class:`SampleTables` keeps the tables of
+shards opened before, so that opening one again is not a walk over its headers.
+
+A table passed from another process of the agent is not trusted:
+:meth:`PackedSamples.from_parts` checks that its parts agree and that every
+payload lies inside the file, so a bad table cannot make anyone read outside the
+shard.  A kept table is tied to the identity of the file it was found in
+(device, inode, size, modification time), never only to a URL or path, so a
+shard downloaded again is never served with another version's offsets.  A
+:class:`PackedSamples` is read-only once built; :class:`SampleTables` is not
+locked: it belongs to one process (a worker's).
+"""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, overload
+
+from ..shared.samples import SampleSpan
+
+
+class PackedSamples(Sequence[SampleSpan]):
+    """A shard's samples in about a tenth of the memory of their :class:`SampleSpan` list:
+    the keys joined in one string, each sample's extensions as an index into the shard's
+    distinct extension tuples, and every (offset, size) in one flat array. A read-only
+    sequence: each :class:`SampleSpan` is built when asked for, so opening a shard does
+    not rebuild them all."""
+
+    __slots__ = ("keys", "key_ends", "layouts", "layout_of", "starts", "numbers")
+
+    def __init__(self, samples: Sequence[SampleSpan]) -> None:
+        layouts: dict[tuple[str, ...], int] = {}
+        self.keys = "".join(span.key for span in samples)
+        self.key_ends = array("q")
+        self.layout_of = array("i")
+        self.starts = array("q")  # where each sample's numbers begin
+        self.numbers = array("q")
+        end = 0
+        for span in samples:
+            end += len(span.key)
+            self.key_ends.append(end)
+            exts = tuple(ext for ext, _, _ in span.fields)
+            self.layout_of.append(layouts.setdefault(exts, len(layouts)))
+            self.starts.append(len(self.numbers))
+            for _, offset, size in span.fields:
+                self.numbers.append(offset)
+                self.numbers.append(size)
+        self.layouts = list(layouts)
+
+    def parts(self) -> tuple[list[list[str]], list[bytes]]:
+        """The packed form as JSON-able layouts and raw frames, for another process of the agent."""
+        frames = [self.keys.encode("utf-8", "surrogatepass"), self.key_ends.tobytes(),
+                  self.layout_of.tobytes(), self.starts.tobytes(), self.numbers.tobytes()]
+        return [list(exts) for exts in self.layouts], frames
+
+    @classmethod
+    def from_parts(cls, layouts: Any, frames: Sequence[bytes], file_size: int) -> PackedSamples:
+        """Samples rebuilt from :meth:`parts`. ValueError unless they are consistent and every
+        payload lies inside a file of ``file_size`` bytes: a bad table must not make anyone
+        read outside the shard."""
+        if not (isinstance(layouts, list)
+                and all(isinstance(exts, list) and exts and all(isinstance(e, str) for e in exts) for exts in layouts)):
+            raise ValueError("layouts must be non-empty lists of extensions")
+        if len(frames) != 5:
+            raise ValueError(f"expected 5 frames, got {len(frames)}")
+        self = cls.__new__(cls)
+        self.keys = bytes(frames[0]).decode("utf-8", "surrogatepass")
+        self.layouts = [tuple(exts) for exts in layouts]
+        self.key_ends, self.layout_of, self.starts, self.numbers = array("q"), array("i"), array("q"), array("q")
+        for arr, raw in zip((self.key_ends, self.layout_of, self.starts, self.numbers), frames[1:]):
+            arr.frombytes(bytes(raw))  # ValueError unless a whole number of items
+        n = len(self.key_ends)
+        if len(self.layout_of) != n or len(self.starts) != n:
+            raise ValueError("tables of different lengths")
+        if n and (self.key_ends[0] < 0 or self.key_ends[-1] != len(self.keys)
+                  or any(a > b for a, b in zip(self.key_ends, self.key_ends[1:]))):
+            raise ValueError("key ends out of order")
+        at = 0
+        for start, layout in zip(self.starts, self.layout_of):
+            if start != at or not 0 <= layout < len(self.layouts):
+                raise ValueError("sample tables do not match")
+            at += 2 * len(self.layouts[layout])
+        numbers = self.numbers
+        if at != len(numbers) or (numbers and (min(numbers) < 0 or max(map(operator.add, numbers[::2],
+                                                                            numbers[1::2])) > file_size)):
+            raise ValueError("payloads outside the file")
+        return self
+
+    def __len__(self) -> int:
+        return len(self.key_ends)
+
+    @overload
+    def __getitem__(self, i: int) -> SampleSpan: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[SampleSpan]: ...
+    def __getitem__(self, i: int | slice) -> SampleSpan | list[SampleSpan]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("sample index out of range")
+        exts = self.layouts[self.layout_of[i]]
+        at, numbers = self.starts[i], self.numbers
+        return SampleSpan(
+            self.keys[self.key_ends[i - 1] if i else 0 : self.key_ends[i]],
+            tuple(zip(exts, numbers[at : at + 2 * len(exts) : 2], numbers[at + 1 : at + 2 * len(exts) : 2])),
+        )
+
+    def placed(self, i: int) -> tuple[str, tuple[str, ...], list[int]]:
+        """Sample ``i`` (``0 <= i < len(self)``) as :func:`placed` gives it, read straight
+        from the tables: a worker serving a read needs no :class:`SampleSpan`."""
+        exts = self.layouts[self.layout_of[i]]
+        at = self.starts[i]
+        return self.keys[self.key_ends[i - 1] if i else 0 : self.key_ends[i]], exts, \
+            self.numbers[at : at + 2 * len(exts)].tolist()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  # compared by content, like a list
+
+
+def placed(samples: Sequence[SampleSpan], i: int) -> tuple[str, tuple[str, ...], list[int]]:
+    """Sample ``i`` of ``samples``: its key, its extensions and ``[offset, size, ...]`` of
+    its fields, in archive order."""
+    if isinstance(samples, PackedSamples):
+        return samples.placed(i)
+    span = samples[i]
+    return span.key, tuple(ext for ext, _, _ in span.fields), [x for _, off, size in span.fields for x in (off, size)]
+
+
+class SampleTables:
+    """The sample tables of shards opened before, so that opening one again is not a
+    walk over all its tar headers (for a shard of 1 KB samples, the bulk of serving it).
+
+    Tables are keyed by URL and by the identity of the file (device, inode, size,
+    modification time): a shard downloaded again is a new file and is walked again,
+    never served with another version's offsets.  Holds at most ``max_samples``
+    samples, about 100 bytes each; the least recently used shards go first.  Belongs
+    to one process (nothing here is shared or locked).
+    """
+
+    def __init__(self, max_samples: int) -> None:
+        self.max_samples = max_samples
+        self._entries: OrderedDict[str, tuple[tuple[int, ...], PackedSamples]] = OrderedDict()
+        self._held = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def sample_count(self) -> int:
+        """How many samples the tables hold, over all their shards."""
+        return self._held
+
+    def get(self, url: str, identity: tuple[int, ...]) -> PackedSamples | None:
+        """The samples of ``url`` if they were found in the file with this identity."""
+        entry = self._entries.get(url)
+        if entry is None or entry[0] != identity:
+            return None
+        self._entries.move_to_end(url)
+        return entry[1]
+
+    def discard(self, url: str) -> None:
+        """Forget ``url`` (its file is gone: the entry would only push live ones out)."""
+        old = self._entries.pop(url, None)
+        if old is not None:
+            self._held -= len(old[1])
+
+    def put(self, url: str, identity: tuple[int, ...], samples: Sequence[SampleSpan]) -> PackedSamples | None:
+        """Remember ``samples`` as those of ``url`` in the file with this identity; returns
+        them packed, or None if they are more than the tables may hold."""
+        self.discard(url)
+        if len(samples) > self.max_samples:
+            return None
+        packed = samples if isinstance(samples, PackedSamples) else PackedSamples(samples)
+        self._entries[url] = (identity, packed)
+        self._held += len(packed)
+        while self._held > self.max_samples:
+            self._held -= len(self._entries.popitem(last=False)[1][1])
+        return packed

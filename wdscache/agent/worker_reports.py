@@ -1,0 +1,92 @@
+"""The agent's side of its sample workers' reports: who they are, what they are told, what they say.
+
+The workers themselves (processes, restarts) are :class:`~wdscache.agent.pool.WorkerPool`'s;
+this part keeps the report socket each worker registered from, tells the workers
+which shards were lately published (``index`` hints: one worker walks a new shard
+and its table is passed on to the others), and keeps their statistics.
+
+Guarantees:
+
+- Main loop only.
+- A report that only our workers may send (``worker``, ``counted``, ``damaged``,
+  ``walked``) is refused unless it carries the pool's secret (:meth:`check`): from
+  anyone else a table or a count could misdirect reads, a registration could take
+  a worker's hints.
+- Hints are best effort: a worker that cannot take one at once misses it and
+  walks the shard itself when asked for it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+from collections import deque
+from typing import Any
+
+from ..shared.errors import ProtocolError
+from .pool import WorkerPool
+from ..shared.protocol import field as get_field
+from ..shared.protocol import numbers, pack
+from ..shared.stats import public, with_fraction
+from .control import ControlSocket
+
+INDEX_HINTS = 64  # shards lately published that a new worker is told to index
+WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
+
+
+class WorkerReports:
+    """The registry of our workers' report sockets, their hints and their statistics."""
+
+    def __init__(self, pool: WorkerPool, socket: ControlSocket) -> None:
+        self._pool, self._socket = pool, socket
+        self._idents: dict[int, bytes] = {}  # worker number -> its report socket, for hints
+        self._published: deque[str] = deque(maxlen=INDEX_HINTS)  # shards lately published
+        self._walker = itertools.count()  # which worker walks the next shard published
+        self._stats: dict[int, dict[str, Any]] = {}  # worker number -> its last report
+
+    def check(self, header: dict[str, Any]) -> None:
+        """Raise :class:`ProtocolError` unless ``header`` carries our workers' secret (taken out of it)."""
+        secret = header.pop("secret", None)
+        if not isinstance(secret, str) or not secret.isascii() or not hmac.compare_digest(secret, self._pool.secret):
+            raise ProtocolError(f"{header['op']!r} is for the agent's own workers")
+
+    def op_worker(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        """A worker's periodic report: registers its socket (a restarted worker has a new one)."""
+        i = get_field(header, "index", int)
+        if not 0 <= i < len(self._pool.endpoints):
+            return
+        if self._idents.get(i) != ident:
+            self._idents[i] = ident
+            for url in self._published:  # it missed these hints (and the tables of them)
+                self._hint(ident, url)
+        report = {"index": i, **numbers(header, WORKER_FIELDS)}
+        self._stats[i] = with_fraction(self._stats.get(i), report, "busy_s", "busy")
+
+    def published(self, url: str) -> None:
+        """``url`` was just published: one worker walks it ahead, and its table goes to the others."""
+        if url in self._published:
+            self._published.remove(url)  # downloaded again: once is enough
+        self._published.append(url)
+        idents = list(self._idents.values())
+        if idents:
+            self._hint(idents[next(self._walker) % len(idents)], url)
+
+    def pass_on(self, sender: bytes, header: dict[str, Any], frames: list[Any]) -> None:
+        """A worker's table of a shard it walked (``walked``), to the other workers."""
+        self.check(header)
+        message = pack(header, *frames)
+        for ident in self._idents.values():
+            if ident != sender:
+                self._socket.send(ident, message)  # one that misses it walks the shard itself
+
+    def _hint(self, ident: bytes, url: str) -> None:
+        self._socket.send(ident, pack({"op": "index", "url": url}))
+
+    def view(self) -> list[dict[str, Any]]:
+        """Each worker's last report, for stats (a worker that never reported: its number only)."""
+        return [public(self._stats.get(i, {"index": i})) for i in range(len(self._pool.endpoints))]
+
+    def busy(self) -> float:
+        """The workers' mean busy fraction (0 before any reported)."""
+        busy = [w.get("busy", 0.0) for w in self._stats.values()]
+        return sum(busy) / len(busy) if busy else 0.0

@@ -1,0 +1,288 @@
+"""A small client for the agent's control socket: stats, and opening cached shards.
+
+``ShardClient.open(url)`` returns the local path of a complete cached shard and
+pins it (the agent will not evict it) until ``release(url)``; the agent moves
+this client's prefetch window to the shards after it. Pins of a client that
+stops talking to the agent are dropped after the agent's reader timeout.
+
+A client's socket belongs to the process that created it: after a fork the
+child opens its own.
+
+A client talks only to an agent that proves it holds the token of the cache
+directory (see :mod:`wdscache.shared.protocol`), and sends its key to no other: a
+cache directory of another user, or an agent that cannot prove itself, is a
+:class:`~wdscache.shared.errors.ConfigError` or :class:`~wdscache.shared.errors.NotTrustedError`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError
+from .layout import CacheLayout
+from .protocol import client_key, pack, proof, same_secret, unpack, worker_key
+
+RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
+
+
+def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> str:
+    """The endpoint to talk to: given, or the private socket of ``cache_dir``."""
+    if endpoint:
+        return endpoint
+    if cache_dir is None:
+        raise ValueError("give cache_dir (or endpoint) to find the agent")
+    return CacheLayout.of(cache_dir).default_endpoint()
+
+
+def start_hint(cache_dir: str | os.PathLike[str] | None) -> str:
+    where = cache_dir if cache_dir is not None else "DIR"
+    return f"start one with 'wdscache agent --cache-dir {where} --urls URLS.txt'"
+
+
+class AgentConnection:
+    """Request/reply over a DEALER socket; every wait is bounded by ``timeout``.
+
+    The token comes from ``cache_dir`` (refused if another user owns it), or is
+    given (a consumer that cannot see the cache directory). Before the first
+    request the agent must prove it holds it; every request then carries the key.
+    """
+
+    def __init__(self, endpoint: str, *, timeout: float = 30.0, hint: str = "",
+                 cache_dir: str | os.PathLike[str] | None = None, token: str | None = None) -> None:
+        self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
+        self._cache_dir, self._token = cache_dir, token
+        self.key: str | None = None  # our requests' key, once the agent proved it holds the token
+        self._run = ""
+        self._ids = itertools.count(1)
+        self._pid = -1
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self._pid != os.getpid():
+            if self._cache_dir is not None:  # before connecting: never to another user's agent
+                CacheLayout.of(self._cache_dir).check_owner()
+            self.key = None
+            # Created in the process that uses it; a forked child must not touch its parent's.
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.endpoint)
+            self._pid = os.getpid()
+        assert self._sock is not None
+        return self._sock
+
+    def request(self, header: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+        """Send ``header`` and return the reply's header; raises if none comes in time.
+
+        A reply marked ``retry`` (the agent could not write its index for a moment) is
+        asked again until the timeout; the last such reply is returned then.
+        """
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while True:
+            reply = self._exchange(header, deadline)
+            left = deadline - time.monotonic()
+            if not reply.get("retry") or left <= 0:
+                return reply
+            time.sleep(min(RETRY_PAUSE, left))
+
+    def _exchange(self, header: dict[str, Any], deadline: float) -> dict[str, Any]:
+        for again in (False, True):
+            sock = self._proved(max(0.0, deadline - time.monotonic()))
+            rid = next(self._ids)
+            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+            reply = self._reply(sock, rid, max(0.0, deadline - time.monotonic()))
+            if not self._refused(reply, again):
+                return reply
+        raise AssertionError("unreachable")
+
+    def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None) -> dict[str, Any]:
+        wait = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+                raise AgentUnavailableError(self.endpoint, wait, self.hint)
+            reply, _ = unpack(sock.recv_multipart())
+            if reply.get("id") == rid:
+                return reply
+            # A late reply to an earlier request that timed out: skip it.
+
+    def _proved(self, timeout: float | None) -> zmq.Socket:
+        """The socket, once the agent behind it has proved it holds the token (asked once per run)."""
+        sock = self._socket()
+        if self.key is None:
+            if self._token is None and self._cache_dir is not None:
+                self._token = self._wait_token(self.timeout if timeout is None else timeout)
+            if self._token is None:  # we would take anyone's answers, and the agent refuses us anyway
+                raise NotTrustedError(
+                    f"no token for the agent at {self.endpoint}: give the cache directory (its token file is "
+                    "read there, by its owner) or, where it cannot be seen, WDSCACHE_TOKEN (ShardClient: token=)"
+                )
+            nonce, rid = secrets.token_hex(16), next(self._ids)
+            sock.send_multipart(pack({"op": "auth", "id": rid, "nonce": nonce}))  # no key: not proved yet
+            reply = self._reply(sock, rid, timeout)
+            run = reply.get("run")
+            if not (isinstance(run, str) and same_secret(reply.get("proof"), proof(self._token, nonce, run))):
+                raise NotTrustedError(
+                    f"the agent at {self.endpoint} cannot prove it holds the token of "
+                    f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
+                    "another user's process may listen there; check the endpoint and who runs the agent on it"
+                )
+            self.key, self._run = client_key(self._token, run), run
+        return sock
+
+    def _wait_token(self, timeout: float) -> str:
+        """The cache directory's token; an agent makes it as it starts, so without one, no agent runs."""
+        assert self._cache_dir is not None
+        layout = CacheLayout.of(self._cache_dir)
+        deadline = time.monotonic() + timeout
+        while (token := layout.read_token()) is None:
+            if time.monotonic() >= deadline:
+                raise AgentUnavailableError(self.endpoint, timeout, self.hint)
+            time.sleep(0.05)
+        return token
+
+    def worker_key(self, index: int) -> str | None:
+        """The key of worker ``index`` of the agent run proved last (None before): requests and
+        replies carry proofs made with it (:class:`~wdscache.shared.protocol.WorkerProofs`), never the key."""
+        if self.key is None or self._token is None:
+            return None
+        return worker_key(self._token, self._run, index)
+
+    def _refused(self, reply: dict[str, Any], again: bool) -> bool:
+        """True when the agent refused our key as that of its previous run (ask it to prove itself
+        again); raises when it refuses a key it has just accepted."""
+        if not reply.get("need_token"):
+            return False
+        if again:
+            raise NotTrustedError(f"the agent at {self.endpoint} refused this client: {reply.get('error')}")
+        self.key = None  # a new agent on the endpoint: a new run, so a new key
+        return True
+
+    def request_patiently(
+        self, header: dict[str, Any], *, liveness: float, probe: dict[str, Any] | None = None,
+        on_probe: Callable[[dict[str, Any]], None] | None = None, every: float | None = None,
+    ) -> dict[str, Any]:
+        """Like :meth:`request`, for requests that may take long (a shard being downloaded).
+
+        Every ``every`` seconds (default ``liveness / 2``) it sends ``probe`` (default a
+        ping) and hands the answer to ``on_probe``, which may raise to give up (a consumer
+        that sees no progress, say). Raises AgentUnavailableError once a probe goes
+        unanswered for ``liveness`` seconds. A reply marked ``retry`` is asked again, for
+        up to ``liveness`` seconds.
+        """
+        retry_until = time.monotonic() + liveness  # replies marked "retry" are asked again this long
+        while True:
+            for again in (False, True):
+                sock = self._proved(liveness)
+                rid = next(self._ids)
+                sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+                reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
+                if not self._refused(reply, again):
+                    break
+            if not reply.get("retry") or time.monotonic() >= retry_until:
+                return reply
+            time.sleep(RETRY_PAUSE)
+
+    def _wait_patiently(
+        self, sock: zmq.Socket, rid: int, header: dict[str, Any], liveness: float, probe: dict[str, Any] | None,
+        on_probe: Callable[[dict[str, Any]], None] | None, every: float | None,
+    ) -> dict[str, Any]:
+        probe = probe or {"op": "ping", "reader": str(header.get("reader", ""))}
+        every = liveness / 2 if every is None else every
+        probe_id, probe_sent = None, time.monotonic()
+        while True:
+            if sock.poll(int(min(every, liveness) * 1000 / 4) + 1):
+                reply, _ = unpack(sock.recv_multipart())
+                if reply.get("id") == rid:
+                    return reply
+                if reply.get("id") == probe_id:
+                    probe_id = None
+                    if on_probe is not None:
+                        on_probe(reply)
+                continue
+            now = time.monotonic()
+            if probe_id is not None and now - probe_sent > liveness:
+                raise AgentUnavailableError(self.endpoint, liveness, self.hint)
+            if probe_id is None and now - probe_sent > every:
+                probe_id, probe_sent = next(self._ids), now
+                sock.send_multipart(pack({**probe, "id": probe_id, "key": self.key}))
+
+    def close(self) -> None:
+        if self._sock is not None and self._pid == os.getpid():
+            self._sock.close(0)
+            assert self._ctx is not None
+            self._ctx.term()
+        self._sock = self._ctx = None
+        self._pid = -1
+
+
+class ShardClient:
+    """Open cached shards by URL through the agent of ``cache_dir`` (or at ``endpoint``)."""
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str] | None = None,
+        *,
+        endpoint: str | None = None,
+        timeout: float = 300.0,
+        name: str | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.name = name or f"client-{uuid.uuid4().hex[:12]}"
+        # token: the agent's (CACHE_DIR/token), for a client that cannot read cache_dir.
+        self._conn = AgentConnection(
+            resolve_endpoint(cache_dir, endpoint), timeout=timeout, hint=start_hint(cache_dir),
+            cache_dir=cache_dir, token=token,
+        )
+
+    def open(self, url: str, *, timeout: float | None = None) -> Path:
+        """Wait until ``url`` is cached and pin it; returns the shard's local path."""
+        header = {"op": "open", "reader": self.name, "url": url}
+        if timeout is None:
+            # A download may take long; the agent's answers to pings show it is alive (and keep us).
+            reply = self._conn.request_patiently(header, liveness=min(self._conn.timeout, 30.0))
+        else:
+            reply = self._conn.request(header, timeout=timeout)
+        if not reply.get("ok"):
+            raise FetchError(url, str(reply.get("error", "unknown error")), permanent=True)
+        return Path(reply["path"])
+
+    def release(self, url: str) -> None:
+        """Unpin ``url``: the agent may evict it again."""
+        self._check(self._conn.request({"op": "release", "reader": self.name, "url": url}))
+
+    def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """The agent's live statistics (the object ``wdscache stats --json`` prints)."""
+        return self._check(self._conn.request({"op": "stats"}, timeout=timeout))["stats"]
+
+    def close(self) -> None:
+        """Say goodbye (the agent drops this client's pins) and close the socket."""
+        try:
+            self._conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
+        except (AgentUnavailableError, NotTrustedError):
+            pass
+        finally:
+            self._conn.close()
+
+    def __enter__(self) -> "ShardClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def _check(reply: dict[str, Any]) -> dict[str, Any]:
+        if not reply.get("ok"):
+            raise ProtocolError(str(reply.get("error", "request refused")))
+        return reply

@@ -1,0 +1,129 @@
+"""The agent's one validated configuration object, and size parsing.
+
+:class:`AgentConfig`'s field defaults are the agent's defaults, stated here only:
+the CLI's options (:mod:`wdscache.cli`) and :class:`~wdscache.agent.fetch.Fetcher` take
+theirs from :func:`default`.
+
+Where the environment is read: :mod:`wdscache.cli` (each option's ``WDSCACHE_*``
+variable, through click) builds an :class:`AgentConfig` from options and
+environment; nothing under it (the agent, its workers) reads the environment
+again. On the training side :func:`wdscache.training.loader._env_defaults` reads what a
+launcher sets (``RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``) and
+``WDSCACHE_CACHE_DIR``, ``WDSCACHE_ENDPOINT``, ``WDSCACHE_TOKEN``, for the
+loader arguments left unset. No other module of the package reads it (the
+libraries used do read their own: requests its proxy and CA variables, boto3
+its ``AWS_*`` credentials, profile, region and endpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import MISSING, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
+_PERCENT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
+
+
+def parse_size(text: str | int, *, total: int | None = None, what: str = "size") -> int:
+    """Bytes from ``1234``, ``500M``, ``1.5G``, ``2TiB`` or, given ``total``, ``80%``.
+
+    Units are binary (``1G`` is 2**30 bytes).
+    """
+    if isinstance(text, int):
+        return text
+    if m := _PERCENT.match(text):
+        if total is None:
+            raise ConfigError(f"{what} {text!r}: a percentage needs a file system to refer to")
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise ConfigError(f"{what} {text!r}: a percentage must be in (0, 100]")
+        return int(total * pct / 100)
+    if m := _SIZE.match(text):
+        return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    raise ConfigError(f"{what} {text!r} is not a size: use bytes, 500M, 20G, 2T or 80%")
+
+
+def format_size(n: float) -> str:
+    """``1536`` -> ``'1.5K'``; the inverse of :func:`parse_size` up to rounding."""
+    for unit in ("", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything an agent needs; built once, validated, never changed."""
+
+    cache_dir: Path
+    urls: Path
+    cache_size: str = "80%"
+    min_free: str = "1G"
+    prefetch: int = 8
+    download_workers: int = 4
+    workers: int = min(os.cpu_count() or 1, 8)
+    endpoint: str | None = None
+    allow_remote: bool = False
+    allow_pipe: bool = False
+    seed: int = 0
+    shuffle: bool = True
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    retries: int = 8
+    backoff: float = 0.5
+    backoff_max: float = 30.0
+    reader_timeout: float = 60.0
+    revalidate: bool = True
+    s3_endpoint_url: str | None = None  # None: botocore's own (AWS_ENDPOINT_URL, the profile's)
+    # A private agent's users file (see wdscache.training.private): it stops once no loader holds a lock on it.
+    private_users: Path | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("prefetch", "download_workers", "workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.retries < 0:
+            raise ConfigError("retries must be >= 0")
+        for name in ("connect_timeout", "read_timeout", "backoff", "backoff_max", "reader_timeout"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        # Validate the syntax now; percentages are resolved against the file system at start.
+        parse_size(self.cache_size, total=1, what="--cache-size")
+        parse_size(self.min_free, total=1, what="--min-free")
+        if self.s3_endpoint_url is not None and not self.s3_endpoint_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--s3-endpoint-url {self.s3_endpoint_url!r}: use http(s)://HOST[:PORT]")
+        if self.endpoint is not None:
+            check_endpoint(self.endpoint, allow_remote=self.allow_remote)
+
+
+def default(name: str) -> Any:
+    """The default of :class:`AgentConfig`'s field ``name`` (one source for every layer that has one)."""
+    for f in fields(AgentConfig):
+        if f.name == name and f.default is not MISSING:
+            return f.default
+    raise KeyError(f"AgentConfig has no field {name!r} with a default")
+
+
+_LOOPBACK = ("127.", "localhost", "[::1]", "::1")
+
+
+def check_endpoint(endpoint: str, *, allow_remote: bool) -> None:
+    """Refuse endpoints we cannot serve safely: only ipc:// and loopback tcp:// by default."""
+    if endpoint.startswith("ipc://"):
+        return
+    if not endpoint.startswith("tcp://"):
+        raise ConfigError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    if not allow_remote and not host.startswith(_LOOPBACK):
+        raise ConfigError(
+            f"endpoint {endpoint!r} is reachable from other machines, and the agent "
+            "trusts every peer that can connect; bind 127.0.0.1, or pass --allow-remote "
+            "if the network is trusted"
+        )

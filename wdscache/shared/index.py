@@ -1,0 +1,295 @@
+"""The cache index: what is cached, in what state, and the counters behind ``wdscache stats``.
+
+Stored in a diskcache (SQLite) under ``CACHE_DIR/index``. Values are JSON
+strings, never pickles. One agent writes it; ``wdscache stats`` reads it.
+
+Guarantees:
+
+- Every change of a shard record and of the summary is one SQLite transaction,
+  so a crash (even SIGKILL) leaves records and summary consistent.
+- A record is written *before* the file it describes changes: ``DOWNLOADING``
+  before a partial file is created, ``EVICTING`` before a shard file is deleted.
+  After a crash the agent finishes or undoes those steps (see :mod:`wdscache.agent.cache`).
+- The summary is O(1) to read, so ``wdscache stats`` answers at once on any cache size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import sqlite3
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import diskcache
+
+from .errors import WdsCacheError
+
+# Failed shards listed in the summary; the rest are counted, not listed.
+MAX_FAILED_LISTED = 100
+_SHARD = "shard:"
+_SUMMARY = "summary"
+_META = "meta"
+_COUNT = "count:"
+COUNTERS = ("hits", "misses", "bytes_downloaded", "downloads", "redownloads", "bytes_redownloaded", "corrupt",
+            "changed")
+
+
+class IndexWriteError(WdsCacheError):
+    """The index could not be written (its file system is full, say); nothing changed."""
+
+
+class ShardState(str, enum.Enum):
+    """Where a shard is in its life. Only CACHED shards are ever read.
+
+    Transitions (anything else is a bug)::
+
+        (none) -> QUEUED         planned: in a reader's window or asked for
+        QUEUED -> (none)         dropped from the plan before it started
+        QUEUED -> DOWNLOADING    a download thread took it
+        DOWNLOADING -> CACHED    complete, checked, fsynced and renamed into shards/
+        DOWNLOADING -> QUEUED    interrupted (shutdown, disk full): partial removed
+        DOWNLOADING -> DOWNLOADING  interrupted with a validator: the record and its partial
+                                 stay (no thread on it) until resumed or removed for space
+        DOWNLOADING -> FAILED    permanent error (404, not a tar) or retries exhausted
+        FAILED -> QUEUED         asked for again after the list changed or a retry delay
+        CACHED -> EVICTING       chosen for eviction; the file is deleted next
+        CACHED -> FAILED         its copy was found damaged after being downloaded once more
+        EVICTING -> (none)       file gone, record deleted
+
+    QUEUED lives only in the agent's memory; the others are persisted.
+    """
+
+    QUEUED = "queued"
+    DOWNLOADING = "downloading"
+    CACHED = "cached"
+    FAILED = "failed"
+    EVICTING = "evicting"
+
+
+@dataclass
+class ShardRecord:
+    """What the index knows about one URL."""
+
+    url: str
+    state: ShardState
+    size: int = 0  # bytes on disk when CACHED; expected size (0 = unknown) otherwise
+    etag: str | None = None
+    # The source's size when not ``size``: a gzip'd shard is cached decompressed. What a
+    # restart compares with the source, with ``etag`` (the source's validator).
+    source_size: int | None = None
+    cached_at: float = 0.0
+    last_read: float = 0.0
+    reads: int = 0
+    error: str | None = None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["state"] = self.state.value
+        return json.dumps(d, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardRecord":
+        d = json.loads(text)
+        d["state"] = ShardState(d["state"])
+        return cls(**d)
+
+
+@dataclass
+class Summary:
+    """Aggregates kept beside the records so that stats never scan the index."""
+
+    counts: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in ShardState})
+    bytes_used: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # url -> error, at most MAX_FAILED_LISTED
+    updated: float = 0.0
+
+    def apply(self, old: ShardRecord | None, new: ShardRecord | None) -> None:
+        for rec, sign in ((old, -1), (new, 1)):
+            if rec is None:
+                continue
+            self.counts[rec.state.value] = self.counts.get(rec.state.value, 0) + sign
+            if rec.state is ShardState.CACHED:
+                self.bytes_used += sign * rec.size
+        if old is not None and old.state is ShardState.FAILED:
+            self.failed.pop(old.url, None)
+        if new is not None and new.state is ShardState.FAILED and len(self.failed) < MAX_FAILED_LISTED:
+            self.failed[new.url] = new.error or "unknown error"
+        self.updated = time.time()
+
+
+class Index:
+    """The persistent map URL -> :class:`ShardRecord`, with its summary and counters.
+
+    The agent holds an in-memory copy of every record (``records``), loaded once
+    at start, and writes through on every change; readers of the index (stats)
+    never need that copy.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._db = diskcache.Cache(
+            str(directory),
+            eviction_policy="none",
+            size_limit=1 << 62,
+            statistics=False,
+            tag_index=False,
+            sqlite_synchronous=1,  # NORMAL: crash-consistent in WAL mode
+        )
+        for f in directory.iterdir():
+            f.chmod(0o600)
+        self.records: dict[str, ShardRecord] = {}
+        self.summary = Summary()
+        self._unsaved_reads: set[str] = set()
+        self._unsaved_counts: dict[str, int] = {}
+        # Samples per shard, kept after eviction: resuming or len() must not need a download.
+        self.counts: dict[str, int] = {}
+        # The copy each count was taken from (size, ETag): a copy downloaded again keeps the
+        # count only if it is the same (see keep_count).
+        self.counted_from: dict[str, tuple[int, str | None]] = {}
+        self._load()
+
+    def _load(self) -> None:
+        for key in self._db.iterkeys():
+            if isinstance(key, str) and key.startswith(_SHARD):
+                text = self._db.get(key)
+                if isinstance(text, str):
+                    rec = ShardRecord.from_json(text)
+                    self.records[rec.url] = rec
+            elif isinstance(key, str) and key.startswith(_COUNT):
+                value = self._db.get(key)
+                url = key[len(_COUNT):]
+                if isinstance(value, int):  # written before counts named their copy
+                    self.counts[url] = value
+                elif isinstance(value, str):
+                    samples, size, etag = json.loads(value)
+                    self.counts[url], self.counted_from[url] = int(samples), (int(size), etag)
+        # Rebuilt from the records rather than trusted: cheap at start, and self-healing.
+        self.summary = Summary()
+        for rec in self.records.values():
+            self.summary.apply(None, rec)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def get(self, url: str) -> ShardRecord | None:
+        return self.records.get(url)
+
+    def __iter__(self) -> Iterator[ShardRecord]:
+        return iter(list(self.records.values()))
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def put(self, rec: ShardRecord) -> None:
+        """Write ``rec`` (replacing any record of its URL) and the summary, atomically.
+
+        Memory changes only once the transaction committed: on IndexWriteError
+        (a full disk, say) the index is as it was, in memory and on disk.
+        """
+        old = self.records.get(rec.url)
+        summary = self._summary_after(old, rec)
+        with self._writing():
+            self._db.set(_SHARD + rec.url, rec.to_json())
+            self._db.set(_SUMMARY, json.dumps(asdict(summary)))
+        self.summary = summary
+        self.records[rec.url] = rec
+        self._unsaved_reads.discard(rec.url)
+
+    def delete(self, url: str) -> None:
+        old = self.records.get(url)
+        if old is None:
+            return
+        summary = self._summary_after(old, None)
+        with self._writing():
+            self._db.delete(_SHARD + url)
+            self._db.set(_SUMMARY, json.dumps(asdict(summary)))
+        self.summary = summary
+        del self.records[url]
+
+    def _summary_after(self, old: ShardRecord | None, new: ShardRecord | None) -> Summary:
+        summary = Summary(dict(self.summary.counts), self.summary.bytes_used, dict(self.summary.failed))
+        summary.apply(old, new)
+        return summary
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            with self._db.transact():
+                yield
+        except sqlite3.OperationalError as exc:
+            raise IndexWriteError(f"cannot write the index: {exc}") from exc
+
+    def touch(self, url: str, now: float) -> None:
+        """Record a read in memory; persisted with the next write of that record.
+
+        Read times only order eviction, so losing the last few in a crash is harmless,
+        and not writing on every read keeps the hot path off SQLite.
+        """
+        rec = self.records.get(url)
+        if rec is not None:
+            rec.last_read = now
+            rec.reads += 1
+            self._unsaved_reads.add(url)
+
+    def set_count(self, url: str, samples: int, size: int, etag: str | None) -> None:
+        """``url`` holds ``samples`` samples in its copy of ``size`` bytes and ``etag``."""
+        if self.counts.get(url) != samples or self.counted_from.get(url) != (size, etag):
+            with self._writing():
+                self._db.set(_COUNT + url, json.dumps([samples, size, etag]))
+            self.counts[url], self.counted_from[url] = samples, (size, etag)
+
+    def keep_count(self, url: str, size: int, etag: str | None) -> None:
+        """A new copy of ``url`` arrived: keep its count only if it was taken from the same
+        content (same size, and the same ETag when both copies have one)."""
+        was = self.counted_from.get(url)
+        if was is None or was[0] != size or (was[1] and etag and was[1] != etag):
+            self.drop_count(url)
+
+    def drop_count(self, url: str) -> None:
+        if url in self.counts:
+            with self._writing():
+                self._db.delete(_COUNT + url)
+            del self.counts[url]
+            self.counted_from.pop(url, None)
+
+    def set_meta(self, meta: dict) -> None:
+        """Settings of the last agent (its budget), shown by stats when no agent runs."""
+        with self._writing():
+            self._db.set(_META, json.dumps(meta))
+
+    def incr(self, counter: str, delta: int = 1) -> None:
+        """Count in memory; :meth:`flush` persists. Counters are advisory, so a full disk or
+        a crash may lose the last few seconds of them, and an open never waits on SQLite."""
+        self._unsaved_counts[counter] = self._unsaved_counts.get(counter, 0) + delta
+
+    def counters(self) -> dict[str, int]:
+        return {name: int(self._db.get(name, 0)) + self._unsaved_counts.get(name, 0) for name in COUNTERS}
+
+    def flush(self) -> None:
+        """Persist counters and read times recorded in memory (IndexWriteError keeps them pending)."""
+        with self._writing():
+            for name, delta in self._unsaved_counts.items():
+                self._db.incr(name, delta, default=0)
+            for url in self._unsaved_reads:
+                rec = self.records.get(url)
+                if rec is not None:
+                    self._db.set(_SHARD + url, rec.to_json())
+        self._unsaved_counts.clear()
+        self._unsaved_reads.clear()
+
+
+def read_summary(directory: Path) -> tuple[dict, dict[str, int], dict]:
+    """The stored summary, counters and meta of an index, without loading its records."""
+    db = diskcache.Cache(str(directory), eviction_policy="none", size_limit=1 << 62)
+    try:
+        text = db.get(_SUMMARY)
+        summary = json.loads(text) if isinstance(text, str) else asdict(Summary())
+        meta = db.get(_META)
+        meta = json.loads(meta) if isinstance(meta, str) else {}
+        return summary, {name: int(db.get(name, 0)) for name in COUNTERS}, meta
+    finally:
+        db.close()

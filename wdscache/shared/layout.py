@@ -1,0 +1,205 @@
+"""Where things live inside a cache directory.
+
+::
+
+    CACHE_DIR/                  0700, owned by the user running the agent
+      index/                    the diskcache index (SQLite); the only record of what is cached
+      shards/ab/<hash>-<name>   complete shards; a file here is always a whole, checked shard
+      partial/<hash>-<name>     downloads in progress; never read by anyone
+      partial/<hash>-<name>~tar a gzip'd download's tar, being decompressed
+      agent.lock                flock held by the running agent; holds its pid
+      agent.json                the running agent's pid, start time and endpoint
+      token                     0600: the secret a client must hold to talk to the agent and its
+                                workers (see wdscache.shared.protocol); made once, kept across restarts
+      agent.sock                the agent's private IPC socket (moved to /tmp when the path is too long)
+
+A shard's file name is derived from its whole URL (a hash plus a readable tail),
+so two ``shard-000000.tar`` in different folders never collide, and the name of
+any URL's file is known without looking at the disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+# sun_path holds 108 bytes on Linux (104 on macOS); keep a margin for "ipc://".
+_MAX_SOCKET_PATH = 100
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def file_identity(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one file from another at the same path: a new download is a new inode
+    (an inode number can be reused after a delete, so size and mtime count too)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def shard_name(url: str) -> str:
+    """The cache file name of ``url``: unique per URL, readable, filesystem-safe."""
+    # surrogatepass: any str (even a lone surrogate from a hostile peer) has a name.
+    digest = hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()
+    tail = _UNSAFE.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-60:]
+    return f"{digest[:32]}-{tail}" if tail else digest[:32]
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Paths of one cache directory."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, cache_dir: str | os.PathLike[str]) -> "CacheLayout":
+        return cls(Path(os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))))
+
+    @property
+    def index_dir(self) -> Path:
+        return self.root / "index"
+
+    @property
+    def shards_dir(self) -> Path:
+        return self.root / "shards"
+
+    @property
+    def partial_dir(self) -> Path:
+        return self.root / "partial"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / "agent.lock"
+
+    @property
+    def state_path(self) -> Path:
+        return self.root / "agent.json"
+
+    @property
+    def token_path(self) -> Path:
+        return self.root / "token"
+
+    def shard_path(self, url: str) -> Path:
+        name = shard_name(url)
+        return self.shards_dir / name[:2] / name
+
+    def partial_path(self, url: str) -> Path:
+        return self.partial_dir / shard_name(url)
+
+    def prepare(self) -> None:
+        """Create the cache directory private (0700), or check that an existing one is ours.
+
+        Refused: a directory owned by another user, or writable by group or others
+        (someone else could plant files or links in it).
+        """
+        root = self.root
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(root)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"cache directory {root} is not a directory (a link?); use a real directory")
+        if st.st_uid != os.getuid():
+            raise ConfigError(
+                f"cache directory {root} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+                "use a directory of your own"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ConfigError(
+                f"cache directory {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"run 'chmod 700 {root}' or use another directory"
+            )
+        if st.st_mode & 0o077:
+            root.chmod(0o700)
+
+    def ensure_token(self) -> str:
+        """The agent's token, made (atomically, 0600) if there is none yet; call with the lock held."""
+        token = self.read_token()
+        if token is None:
+            token = secrets.token_hex(32)
+            write_private(self.token_path, token.encode())
+        return token
+
+    def check_owner(self) -> None:
+        """Refuse a cache directory of another user (a client must not trust its agent or files)."""
+        try:
+            owner = os.stat(self.root).st_uid
+        except FileNotFoundError:
+            return  # not made yet (a private agent will make it ours)
+        if owner != os.getuid():
+            raise ConfigError(
+                f"cache directory {self.root} belongs to uid {owner}, not to you (uid {os.getuid()}); "
+                "read only a cache of your own user (its agent's samples and files are that user's)"
+            )
+
+    def read_token(self) -> str | None:
+        """The token in this cache directory, or None when there is none (no agent started yet)."""
+        self.check_owner()
+        try:
+            fd = os.open(self.token_path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise ConfigError(f"cannot read the agent's token {self.token_path}: {exc.strerror}; "
+                              "run as the user who owns the cache directory") from None
+        try:
+            token = os.read(fd, 256).decode("ascii", "replace").strip()
+        finally:
+            os.close(fd)
+        return token or None
+
+    def is_cache(self) -> bool:
+        """True when this directory holds a wdscache index."""
+        return (self.index_dir / "cache.db").is_file()
+
+    def default_endpoint(self) -> str:
+        """The agent's private IPC endpoint, derived from the cache directory alone.
+
+        Unix socket paths are short (108 bytes); a deep cache directory gets a
+        socket in a private per-user folder under /tmp instead,
+        named by a hash of the cache path so that agent and consumers agree.
+        """
+        path = self.root / "agent.sock"
+        if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
+            return f"ipc://{path}"
+        digest = hashlib.sha256(os.fsencode(self.root)).hexdigest()[:24]
+        return f"ipc://{short_socket_dir()}/{digest}.sock"
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Publish ``data`` at ``path`` atomically (temp file, fsync, rename), mode 0600.
+
+    The temp file is created exclusively and links are not followed, so a link
+    planted at its name cannot redirect the write.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def short_socket_dir() -> Path:
+    """A per-user 0700 folder for sockets whose natural path is too long."""
+    # A fixed base, not $TMPDIR: agent and consumers may run with different
+    # environments (a Slurm step sets its own TMPDIR) and must find the same path.
+    folder = Path("/tmp") / f"wdscache-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(folder)
+    except OSError as exc:
+        raise ConfigError(f"cannot make the socket folder {folder}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        # Someone else made it: their sockets, or a link, could stand in for the agent's.
+        raise ConfigError(
+            f"the socket folder {folder} is not yours alone (owner uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}; it must be a directory of uid {os.getuid()}, mode 700); "
+            f"remove it if nobody uses it, or use a shorter --cache-dir path (or --endpoint)"
+        )
+    return folder

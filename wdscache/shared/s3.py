@@ -1,0 +1,275 @@
+"""S3 sources (``s3://bucket/key``) through boto3: objects for the agent's download threads, and
+the listing of prefixes and globs for whoever reads a URL list (the agent, a loader).
+
+boto3 is an optional extra (``pip install 'wdscache[s3]'``), imported on first use: a process
+whose lists hold no ``s3://`` entry never imports it, and one without it gets an error naming
+the extra.
+
+Where a client's settings come from: the endpoint is the one given (the agent's
+``--s3-endpoint-url``), else what botocore finds itself (``AWS_ENDPOINT_URL_S3``,
+``AWS_ENDPOINT_URL``, the profile's ``endpoint_url``); credentials, profile (``AWS_PROFILE``)
+and region come from boto3's standard chain. This module reads no environment itself.
+
+Threads: boto3 clients may be shared, sessions may not. An :class:`S3Client` makes its own
+session and client, so each download thread makes its own (the fetcher keeps one per thread).
+
+Retries: a download's client makes one attempt per call (botocore's retries are off), so the
+fetcher's own loop, with its backoff and retry count, decides what is tried again: a missing
+or denied object is one request, never a storm. Listing keeps botocore's standard retries.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from .errors import FetchError
+
+EXTRA = "s3:// sources need boto3: pip install 'wdscache[s3]'"
+# What a prefix stands for: the shards under it, by the names webdataset reads as tars.
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+# Throttling and server trouble: tried again with backoff. Any other error code is final.
+TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
+    "RequestTimeout", "InternalError", "ServiceUnavailable",
+})
+TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+_GLOB = re.compile(r"[*?\[]")
+
+
+class Transient(Exception):
+    """A failure worth trying again (throttling, a reset, a timeout): ``reason`` says which."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class NoClient(Exception):
+    """No client can be made (boto3 missing, an unknown profile, a bad endpoint): ``reason``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Changed(Exception):
+    """The object is no longer the version ``If-Match`` named (HTTP 412)."""
+
+
+class Unsatisfiable(Exception):
+    """The range asked for starts at or past the object's end (HTTP 416)."""
+
+
+def split(url: str) -> tuple[str, str]:
+    """``s3://bucket/key`` -> ``("bucket", "key")`` (the key may be empty)."""
+    bucket, _, key = url[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def is_listing(url: str) -> bool:
+    """Whether ``url`` names several objects: a prefix (empty or ending in ``/``) or a glob."""
+    key = split(url)[1]
+    return not key or key.endswith("/") or _GLOB.search(key) is not None
+
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """A key glob as a regex: ``*`` and ``?`` stay within one ``/`` segment, ``**`` crosses
+    them, ``[abc]`` and ``[!abc]`` are character classes (as in a shell)."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            out.append(".*")
+            i += 2
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and (end := pattern.find("]", i + 2)) > 0:
+            body = pattern[i + 1:end]
+            body = "^" + body[1:] if body.startswith("!") else body
+            out.append("[" + body.replace("\\", "\\\\") + "]")
+            i = end + 1
+            continue
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
+def _boto() -> tuple[Any, Any, Any]:
+    """boto3's session module, botocore's Config and exceptions; NoClient naming the extra."""
+    try:
+        import boto3.session
+        import botocore.config
+        import botocore.exceptions
+    except ImportError:
+        raise NoClient(EXTRA) from None
+    return boto3.session, botocore.config.Config, botocore.exceptions
+
+
+class Body:
+    """One GetObject response: ``start`` is the offset of its first byte, ``total`` the object's
+    size, ``chunks`` its bytes (a read error is :class:`Transient`); :meth:`close` lets go of
+    its connection, read or not."""
+
+    def __init__(self, start: int, total: int, etag: str | None, ranged: bool, chunks: Iterator[bytes],
+                 raw: Any) -> None:
+        self.start, self.total, self.etag, self.chunks = start, total, etag, chunks
+        self.ranged = ranged  # the server answered the Range (206), not with the whole object
+        self._raw = raw
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+class S3Client:
+    """A boto3 session and S3 client, for the thread that makes it. Raises NoClient."""
+
+    def __init__(self, *, endpoint_url: str | None = None, connect_timeout: float = 10.0,
+                 read_timeout: float = 60.0, retries: bool = False) -> None:
+        session_mod, config_cls, self._exc = _boto()
+        try:
+            session = session_mod.Session()
+            self._client = session.client("s3", endpoint_url=endpoint_url, config=config_cls(
+                connect_timeout=connect_timeout, read_timeout=read_timeout,
+                retries={"mode": "standard"} if retries else {"total_max_attempts": 1},
+            ))
+        except self._exc.BotoCoreError as exc:  # an unknown profile, a bad endpoint, no region
+            raise NoClient(f"cannot make an S3 client: {exc}") from None
+
+    def close(self) -> None:
+        self._client.close()
+
+    def head(self, url: str) -> tuple[int, str | None]:
+        """The object's size and ETag. Raises FetchError or :class:`Transient`."""
+        bucket, key = split(url)
+        try:
+            r = self._client.head_object(Bucket=bucket, Key=key)
+        except Exception as exc:
+            raise self._problem(url, exc) from None
+        return int(r["ContentLength"]), r.get("ETag")
+
+    def get(self, url: str, *, offset: int = 0, if_match: str | None = None, chunk: int = 64 << 10) -> Body:
+        """GetObject from ``offset`` (a Range past 0), only while its ETag is ``if_match`` if given.
+
+        Raises FetchError (final), :class:`Transient`, :class:`Changed` or :class:`Unsatisfiable`.
+        The caller closes the body.
+        """
+        bucket, key = split(url)
+        args: dict[str, Any] = {"Bucket": bucket, "Key": key}
+        if offset:
+            args["Range"] = f"bytes={offset}-"
+        if if_match:
+            args["IfMatch"] = if_match
+        try:
+            r = self._client.get_object(**args)
+        except Exception as exc:
+            raise self._problem(url, exc) from None
+        ranged = r["ResponseMetadata"]["HTTPStatusCode"] == 206
+        start, total = 0, int(r["ContentLength"])
+        if ranged:
+            start, total = _content_range(r.get("ContentRange", ""))
+        return Body(start, total, r.get("ETag"), ranged, self._chunks(url, r["Body"], chunk), r["Body"])
+
+    def _chunks(self, url: str, body: Any, size: int) -> Iterator[bytes]:
+        try:
+            while chunk := body.read(size):
+                yield chunk
+        except Exception as exc:
+            raise self._problem(url, exc) from None
+
+    def list(self, url: str, *, page_size: int | None = None) -> list[str]:
+        """The ``s3://`` URLs of the shards a prefix or glob names, in key order.
+
+        A prefix stands for the objects under it whose names end like a tar (``.tar``,
+        ``.tar.gz``, ``.tgz``); a glob for the keys it matches. Raises FetchError or
+        :class:`Transient`.
+        """
+        bucket, key = split(url)
+        glob = _GLOB.search(key)
+        prefix = key[:glob.start()] if glob else key
+        matches = glob_regex(key).fullmatch if glob else (lambda k: k.endswith(SHARD_SUFFIXES))
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=prefix, **({"PaginationConfig": {"PageSize": page_size}} if page_size else {}))
+        keys: list[str] = []
+        try:
+            for page in pages:
+                keys.extend(o["Key"] for o in page.get("Contents", ()) if matches(o["Key"]))
+        except Exception as exc:
+            raise self._problem(url, exc) from None
+        return [f"s3://{bucket}/{k}" for k in sorted(keys)]  # sorted: not every store lists in order
+
+    def _problem(self, url: str, exc: BaseException) -> BaseException:
+        """What a botocore exception means for ``url``: FetchError (final), Transient, Changed or
+        Unsatisfiable; any other exception is returned as it is."""
+        e = self._exc
+        bucket, key = split(url)
+        if isinstance(exc, e.ClientError):
+            err = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = str(err.get("Code") or status)
+            if status == 412 or code == "PreconditionFailed":
+                return Changed(url)
+            if status == 416 or code == "InvalidRange":
+                return Unsatisfiable(url)
+            what = f"S3 {code} (HTTP {status}) for bucket {bucket!r}" + (f", key {key!r}" if key else "")
+            message = err.get("Message")
+            if code in TRANSIENT_CODES or status in TRANSIENT_STATUS:
+                return Transient(what)
+            return FetchError(url, f"{what}: {message}" if message else what, status=status, permanent=True)
+        if isinstance(exc, (e.HTTPClientError, e.ConnectionError, e.IncompleteReadError)):
+            return Transient(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, e.NoCredentialsError):
+            return FetchError(url, "no AWS credentials found (environment, AWS_PROFILE, ~/.aws, instance "
+                              "role)", permanent=True)
+        if isinstance(exc, e.BotoCoreError):
+            return FetchError(url, f"{type(exc).__name__}: {exc}", permanent=True)
+        return exc
+
+
+def _content_range(value: str) -> tuple[int, int]:
+    """``bytes 100-199/1000`` -> ``(100, 1000)``; ``(-1, -1)`` when it does not parse."""
+    m = re.fullmatch(r"\s*bytes\s+(\d+)-\d+/(\d+)\s*", value)
+    return (int(m.group(1)), int(m.group(2))) if m else (-1, -1)
+
+
+class Listing:
+    """The ``lister`` a URL list is read with (:func:`wdscache.shared.urls.parse_url_list`): the URLs
+    each ``s3://`` entry stands for. A prefix or glob is listed (ListObjectsV2, every page) by a
+    client made on first need, in the calling thread; a single object stands for itself.
+
+    ``fetching`` (the agent): a single object too needs boto3, so a list the agent cannot
+    fetch is refused when it is read, not shard by shard later.
+    """
+
+    def __init__(self, *, endpoint_url: str | None = None, fetching: bool = False) -> None:
+        self.endpoint_url, self.fetching = endpoint_url, fetching
+        self._client: S3Client | None = None
+
+    def __call__(self, url: str) -> Sequence[str]:
+        """Raises ValueError saying why ``url`` cannot be listed (or, ``fetching``, fetched)."""
+        if not is_listing(url):
+            if self.fetching:
+                self._connect()
+            return (url,)
+        try:
+            urls = self._connect().list(url)
+        except (FetchError, Transient) as exc:
+            raise ValueError(f"cannot list it: {getattr(exc, 'reason', exc)}") from None
+        if not urls:
+            what = "no key matches the glob" if _GLOB.search(split(url)[1]) else \
+                f"no object whose name ends in {'/'.join(SHARD_SUFFIXES)} under the prefix"
+            raise ValueError(f"{what}: it stands for no shard")
+        return urls
+
+    def _connect(self) -> S3Client:
+        if self._client is None:
+            try:
+                self._client = S3Client(endpoint_url=self.endpoint_url, retries=True)
+            except NoClient as exc:
+                raise ValueError(exc.reason) from None
+        return self._client

@@ -1,0 +1,289 @@
+"""The epoch's global sample sequence: a pure function of the list, the counts and the seeds.
+
+Shards are read in :func:`~wdscache.shared.plan.shard_order`; their samples pass
+through a seeded shuffle buffer; the output is the epoch's global sequence of
+``(shard, sample)`` ids. Nothing here depends on the number of ranks, agent
+workers or on timing, which is what makes every rank's share exact and a
+checkpoint valid across world sizes.
+
+Ranks take positions in blocks (:class:`RankShare`): the sequence is cut into
+rows of ``W * BLOCK`` positions and rank ``r`` of ``W`` takes the ``r``-th block
+of ``BLOCK`` consecutive positions of each row. Unshuffled, a rank thus reads
+runs of neighbouring samples, which a worker sends as one frame rather than
+one frame per sample. What is left after the last full row is dealt out one
+position at a time (rank ``r`` takes ``r, r + W, ...``): with ``drop_last`` it
+is cut to a multiple of ``W``; otherwise it is padded by wrapping around to the
+start of the sequence. Every rank gets the same count.
+
+A rank learns that a row is full only once all its positions have come out
+of the sequence, so with ``W > 1`` a rank's first sample of a row waits for
+``W * BLOCK`` ids (no wait on a warm cache, where the counts are known).
+
+Where a job stopped is a :class:`Resume`: all positions before ``position``,
+plus the runs in ``done``. A block can be part-delivered when a checkpoint is
+taken, so ``done`` holds the delivered part of each rank's block of that row
+(and such runs of earlier checkpoints that are still ahead of ``position``:
+at most one per rank of each). Resuming deals the positions not delivered,
+in order, to the new ranks the same way; any world size can resume any
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+from .plan import epoch_rng, shard_order
+
+SampleId = tuple[int, int]  # (shard index in the list, sample index in the shard)
+INITIAL = 100  # ids in the shuffle buffer before it gives out the first
+# Positions a rank takes at a time. Part of what a job's ranks agree on: changing it
+# changes every rank's share (a checkpoint stays valid: it names positions, not blocks).
+BLOCK = 8
+
+
+@dataclass(frozen=True)
+class EpochSpec:
+    """Everything the sequence of one epoch depends on (besides the per-shard counts)."""
+
+    n_shards: int
+    seed: int = 0
+    epoch: int = 0
+    shuffle: bool = True
+    shuffle_buffer: int = 1000
+
+    def order(self) -> tuple[int, ...]:
+        return shard_order(self.n_shards, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+
+
+def global_sequence(spec: EpochSpec, samples: Callable[[int], Iterable[int | None]]) -> Iterator[SampleId | None]:
+    """Yield the epoch's sample ids in order; ``samples(shard)`` gives a shard's sample
+    indices ``0, 1, ...`` when the sequence reaches it.
+
+    ``samples`` may yield None, meaning "no more yet" (a shard still downloading, or
+    one whose count the caller has still to learn: see :class:`ShardFeed`): the None
+    is passed on, so that the caller can do other work and ask again. It never
+    changes the sequence, only when its ids come out.
+
+    The shuffle buffer holds at most ``shuffle_buffer`` ids. It starts giving out
+    ids once it holds ``INITIAL`` of them (so the first sample does not wait for
+    a full buffer), then grows by one id for every two that arrive; once full,
+    each new id goes in and a seeded random one comes out. At the end the rest
+    come out in seeded random order.
+    """
+    order = spec.order()
+    size = spec.shuffle_buffer if spec.shuffle else 0
+    if size <= 1:
+        for shard in order:
+            for j in samples(shard):
+                yield None if j is None else (shard, j)
+        return
+    rng = epoch_rng(spec.seed, spec.epoch, "samples")
+    initial = min(size, INITIAL)
+    buf: list[SampleId] = []
+    arrived = 0
+    for shard in order:
+        for j in samples(shard):
+            if j is None:
+                yield None
+                continue
+            buf.append((shard, j))
+            arrived += 1
+            if len(buf) >= size or (len(buf) >= initial and arrived % 2 == 0):
+                k = rng.randrange(len(buf))
+                buf[k], buf[-1] = buf[-1], buf[k]
+                yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+class ShardFeed:
+    """Shards' samples as the caller learns them, for :func:`global_sequence`, which then
+    never waits on I/O: ``global_sequence(spec, feed.samples)``.
+
+    When the sequence reaches a shard, or has taken every sample it was given of it, it
+    yields None with ``wanted`` set to that shard. The caller then says what it knows:
+    :meth:`grow` (the shard holds ``count`` samples so far), :meth:`end` (no more than it
+    was given), or nothing yet (the sequence asks again at its next None). What is
+    supplied when never changes the sequence, only when its ids come out.
+    """
+
+    def __init__(self) -> None:
+        self.wanted: int | None = None
+        self._count = 0
+        self._ended = False
+
+    def samples(self, shard: int) -> Iterator[int | None]:
+        """``shard``'s sample indices, as supplied; None whenever the caller has to supply more."""
+        self.wanted, self._count, self._ended = shard, 0, False
+        given = 0
+        while True:
+            if self._count > given:
+                yield from range(given, self._count)
+                given = self._count
+            elif self._ended:
+                self.wanted = None
+                return
+            else:
+                yield None
+
+    def grow(self, count: int) -> None:
+        """The wanted shard holds ``count`` samples (so far)."""
+        self._count = max(self._count, count)
+
+    def end(self) -> None:
+        """The wanted shard holds no samples beyond those supplied."""
+        self._ended = True
+
+
+def rank_length(total: int, world_size: int, drop_last: bool) -> int:
+    """Samples each rank receives in an epoch of ``total`` samples."""
+    return total // world_size if drop_last else math.ceil(total / world_size)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Positions of an epoch already delivered: all before ``position``, and the half-open
+    runs in ``done`` (sorted, disjoint, each after ``position`` and not touching it)."""
+
+    position: int = 0
+    done: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        last = self.position
+        for a, b in self.done:
+            if not last < a < b:
+                raise ValueError(f"not a normal Resume: {self}; build it with Resume.of")
+            last = b
+
+    @classmethod
+    def of(cls, position: int, runs: Iterable[Sequence[int]] = ()) -> "Resume":
+        """The normal form of "before ``position``, and ``runs``" (runs may overlap or touch)."""
+        merged: list[list[int]] = []
+        for a, b in sorted((int(a), int(b)) for a, b in runs):
+            if b <= a or b <= position:
+                continue
+            a = max(a, position)
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        if merged and merged[0][0] == position:
+            position = merged.pop(0)[1]
+        return cls(position, tuple((a, b) for a, b in merged))
+
+    def delivered(self, total: int | None = None) -> int:
+        """How many positions were delivered (of the first ``total``, if given)."""
+        if total is None:
+            return self.position + sum(b - a for a, b in self.done)
+        return min(self.position, total) + sum(max(0, min(b, total) - a) for a, b in self.done)
+
+    def skips(self, pos: int) -> bool:
+        """True if position ``pos`` was delivered."""
+        if pos < self.position:
+            return True
+        i = bisect_right(self.done, (pos, float("inf"))) - 1
+        return i >= 0 and self.done[i][0] <= pos < self.done[i][1]
+
+    def real(self, v: int) -> int:
+        """The position of the ``v``-th position (from 0) not delivered."""
+        pos = self.position + v
+        for a, b in self.done:
+            if a > pos:
+                break
+            pos += b - a
+        return pos
+
+
+class RankShare:
+    """One rank's share of an epoch: ``(position, id)`` pairs from the epoch's ids.
+
+    A pair's position counts only the positions not in ``resume``, from 0 (padding
+    repeats come after the last). :meth:`resume_after` gives the job's
+    :class:`Resume` once every rank has delivered ``n`` of its pairs. One
+    :meth:`pairs` iteration per instance: it records how the rows were dealt.
+    """
+
+    def __init__(self, world_size: int, rank: int, *, resume: Resume = Resume(), drop_last: bool = False,
+                 block: int = BLOCK) -> None:
+        self.world_size, self.rank, self.resume = world_size, rank, resume
+        self.drop_last, self.block = drop_last, block
+        self.full_rows = 0  # rows dealt out in blocks
+        self.tail: int | None = None  # positions left after the full rows, once the ids ended
+        # Ids of the sequence (from its start) that no longer wait in a row: every one of
+        # them dealt, and this rank's handed out. What comes later may still be ours.
+        self.settled = 0
+
+    def pairs(self, ids: Iterable[SampleId | None]) -> Iterator[tuple[int, SampleId] | None]:
+        """This rank's pairs; a None from ``ids`` (no more yet) is passed on."""
+        W, r, B = self.world_size, self.rank, self.block
+        resume = self.resume
+        first: list[SampleId] = []  # the epoch's first ids, for padding
+        row: list[SampleId] = []  # the current row: positions full_rows * W * B onwards
+        pos = v = 0  # position in the epoch; in the share's numbering
+        for sid in ids:
+            if sid is None:
+                yield None
+                continue
+            if len(first) < W:
+                first.append(sid)
+            pos += 1
+            if pos <= resume.position or (resume.done and resume.skips(pos - 1)):
+                if not row:
+                    self.settled = pos
+                continue
+            if W == 1:  # everything is ours, in order: no row to wait for
+                yield v, sid
+                v += 1
+                self.settled = pos
+                continue
+            row.append(sid)
+            if len(row) == W * B:
+                base = self.full_rows * W * B
+                self.full_rows += 1
+                for j in range(r * B, r * B + B):
+                    yield base + j, row[j]
+                row = []
+                self.settled = pos
+        self.tail = len(row)
+        base = self.full_rows * W * B
+        cut = len(row) - len(row) % W
+        for j in range(r, cut, W):
+            yield base + j, row[j]
+        if len(row) > cut and not self.drop_last:
+            fill = row[cut:] + [first[i % len(first)] for i in range(W - (len(row) - cut))]
+            yield base + cut + r, fill[r]
+        self.settled = pos
+
+    def resume_after(self, n: int) -> Resume:
+        """The job's :class:`Resume` once each rank delivered its first ``n`` pairs.
+
+        Needs those pairs to have been produced by :meth:`pairs` (they have been, if
+        this rank delivered them).
+        """
+        W, B = self.world_size, self.block
+        if W == 1:
+            return self._extend(n, ())  # positions in order, no padding
+        if n <= self.full_rows * B:
+            if n == 0:
+                return self.resume
+            k = (n - 1) // B
+            o = n - k * B
+            if o == B:
+                return self._extend((k + 1) * W * B, ())
+            base = k * W * B
+            return self._extend(base, [(base + q * B, base + q * B + o) for q in range(W)])
+        assert self.tail is not None, "more pairs delivered than dealt"
+        done = self.full_rows * W * B + min(self.tail, (n - self.full_rows * B) * W)
+        return self._extend(done, ())
+
+    def _extend(self, prefix: int, runs: Iterable[tuple[int, int]]) -> Resume:
+        """``resume`` plus positions ``[0, prefix)`` and ``runs`` of this share's numbering."""
+        real = self.resume.real
+        # A run maps to the positions from its first to its last: any between them were
+        # delivered before (they are why the numbering skips them).
+        delivered = [(0, real(prefix - 1) + 1)] if prefix > 0 else []
+        delivered += [(real(a), real(b - 1) + 1) for a, b in runs]
+        return Resume.of(self.resume.position, list(self.resume.done) + delivered)

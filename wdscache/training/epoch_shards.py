@@ -1,0 +1,273 @@
+"""The shards of one epoch stream, in the training process: what the epoch's sequence
+learns of each, keeping them pinned, and what becomes of one that fails.
+
+The sequence (:mod:`wdscache.shared.sequence`) is pure: when it reaches a shard, the stream asks
+:meth:`EpochShards.arrivals` what the shard holds, and feeds the answers to it. A count
+comes from the agent's index (asked for many shards at once), from the open, or from a
+scan by a worker; a shard still downloading is pinned as soon as its download holds its
+budget and enters the sequence sample by sample as the worker finds them.
+
+A failed shard raises its error, or with ``on_error="skip"`` is skipped: its samples not
+read become holes. A damaged copy is fetched once more: the agent is told, the shard is
+opened again (``renewed``), and only a new copy damaged too fails the shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+from ..shared.client import AgentConnection
+from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
+from .pins import STATUS_EVERY, Pins
+from .progress import ProgressClock
+from ..shared.protocol import pages
+from ..shared.sequence import EpochSpec
+
+log = logging.getLogger(__name__)
+
+COUNTS_AHEAD = 256  # shards whose counts are asked for at once, from the one the sequence reaches
+
+
+class EpochShards:
+    """The shards of ``urls`` as reader ``reader`` reads them in the epoch of ``spec``.
+
+    ``call_worker(header, worker)`` asks a worker and returns its reply; ``hold_nothing()``
+    finishes the stream's reads before an open has to wait (see :meth:`Pins.open`).
+    """
+
+    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, spec: EpochSpec,
+                 prefetch: int, on_error: str, timeout: float, pins: Pins, clock: ProgressClock, workers: int,
+                 call_worker: Callable[[dict[str, Any], int], dict[str, Any]],
+                 hold_nothing: Callable[[], None]) -> None:
+        self.conn, self.reader, self.urls = conn, reader, urls
+        self.on_error, self.timeout, self.prefetch, self.workers = on_error, timeout, prefetch, workers
+        self.pins, self.clock = pins, clock
+        self.call_worker, self.hold_nothing = call_worker, hold_nothing
+        self.order = spec.order()
+        self.next_order = EpochSpec(spec.n_shards, spec.seed, spec.epoch + 1, spec.shuffle).order()
+        self.order_pos = {shard: i for i, shard in enumerate(self.order)}
+        self.sample_counts: dict[int, int] = {}  # shard -> its samples, once known
+        # Shards whose counts our workers found lately (url -> when): they report them to the
+        # agent, and we wait for those reports before we say bye, so that len() knows them
+        # once the epoch ends.
+        self.learned: dict[str, float] = {}
+        self.skipped: set[int] = set()  # failed, skipped (on_error="skip")
+        self.retried: set[int] = set()  # found damaged: the agent fetches them once more
+        self.renewed: set[int] = set()  # of those, opened again since: damaged now, they fail
+        self.to_report: dict[int, str] = {}  # of those, damage not yet told to the agent
+
+    # -- what the sequence is fed -------------------------------------------------
+
+    def arrivals(self, shard: int) -> Iterator[int | None]:
+        """What we learn of ``shard``'s samples when the sequence reaches it: how many it holds
+        (its count, from the agent's index or a scan; or, while it downloads, how many its
+        download brought so far), None while no more arrived. Ends once that is final."""
+        counts = self.sample_counts
+        if shard not in counts:
+            pos = self.order_pos[shard]
+            self._known_counts(self.order[pos : pos + COUNTS_AHEAD])
+        if shard not in counts:
+            self.open(shard, while_downloading=True)
+        if shard in self.pins.partial:
+            yield from self._downloading(shard)
+            return
+        if shard not in counts:
+            counts[shard] = self._scan(shard)
+        self.pins.counted(shard, counts[shard])
+        yield counts[shard]
+
+    def _known_counts(self, shards: Iterable[int]) -> None:
+        want = [s for s in shards if s not in self.sample_counts]
+        if want:
+            reply = self.conn.request({"op": "counts", "urls": [self.urls[s] for s in want]})
+            for s, c in zip(want, reply.get("counts", [])):
+                if isinstance(c, int):
+                    self.sample_counts[s] = c
+
+    def _downloading(self, shard: int) -> Iterator[int | None]:
+        """How many complete samples the worker finds in a shard still downloading.
+
+        None while no more have arrived. The count is final once the worker finds the
+        published file; a failed download ends the shard (``on_error``).
+        """
+        url, worker = self.urls[shard], shard % self.workers
+        known, asked = 0, time.monotonic()
+        while True:
+            reply = self.call_worker({"op": "scan", "url": url, "partial": True}, worker)
+            if not reply.get("ok"):
+                error: WdsCacheError = shard_error(url, reply)
+                break
+            count = int(reply["count"])
+            if count > known:
+                self.clock.progress_at = time.monotonic()
+                known = count
+                yield known
+            if reply.get("final"):
+                self.pins.partial.discard(shard)
+                self.sample_counts[shard] = known
+                self.learned[url] = time.monotonic()
+                self.pins.counted(shard, known)
+                return
+            if time.monotonic() - asked > STATUS_EVERY:
+                asked = time.monotonic()
+                status = self.conn.request({"op": "status", "reader": self.reader, "url": url},
+                                           timeout=self.clock.left())
+                if status.get("state") == "failed":
+                    error = self.failure(shard, status)
+                    break
+                self.clock.heard(shard, status)
+                if status.get("state") in ("queued", "unknown", "cached"):
+                    # The download lost its budget or was forgotten (the agent restarted), or
+                    # it is cached but the worker cannot see it (its file went): pin it again,
+                    # waiting without other pins until it downloads with its budget again.
+                    self.open(shard, again=True, while_downloading=True)
+            yield None
+        self.pins.partial.discard(shard)
+        self.failed(shard, error)  # raises, or skips the rest of the shard
+        self.pins.counted(shard, known)
+
+    def _scan(self, shard: int) -> int:
+        if shard in self.skipped:
+            return 0
+        url = self.urls[shard]
+        while True:
+            reply = self.call_worker({"op": "scan", "url": url}, shard % self.workers)
+            if reply.get("ok"):
+                self.learned[url] = time.monotonic()
+                return int(reply["count"])
+            if reply.get("kind") == "missing":
+                raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
+            exc = shard_error(url, reply)
+            if reply.get("kind") != "corrupt" or shard in self.renewed:
+                self.failed(shard, exc)
+                return 0
+            # A damaged copy: the agent fetches it once more; damaged again, the shard fails.
+            self.retried.add(shard)
+            log.warning("%s; reading it again from a new copy", exc)
+            self.report_damage(shard, str(exc))
+            self.open(shard, again=True)
+            self.renewed.add(shard)
+            if shard in self.skipped:
+                return 0
+
+    # -- pins ---------------------------------------------------------------------
+
+    def _ahead(self, shard: int) -> list[str]:
+        pos = self.order_pos[shard]
+        nxt = self.order[pos + 1 : pos + 1 + self.prefetch]
+        nxt += self.next_order[: self.prefetch - len(nxt)]
+        return [self.urls[s] for s in nxt]
+
+    def open(self, shard: int, *, again: bool = False, while_downloading: bool = False) -> None:
+        """Pin ``shard`` (see :meth:`Pins.open`), our window moving with it; one that fails is
+        raised or skipped (:meth:`failed`)."""
+        if shard in self.skipped or (shard in self.pins.opened and not again):
+            return
+        reply = self.pins.open(shard, self._ahead(shard), again=again, while_downloading=while_downloading,
+                               before_wait=self.hold_nothing, on_status=lambda status: self.clock.heard(shard, status))
+        if not reply.get("ok"):
+            self.failed(shard, self.failure(shard, reply))
+            return
+        if reply.get("partial"):
+            if shard not in self.sample_counts:
+                self.pins.partial.add(shard)
+        elif isinstance(reply.get("samples"), int):
+            self.sample_counts.setdefault(shard, reply["samples"])
+
+    def check_download(self, shard: int) -> None:
+        """Reads wait on ``shard``'s download: is it still going? Failed, it fails here;
+        forgotten (the agent restarted) or without its budget, it is pinned again."""
+        status = self.conn.request({"op": "status", "reader": self.reader, "url": self.urls[shard]},
+                                   timeout=self.clock.left())
+        if status.get("state") == "failed":
+            self.failed(shard, self.failure(shard, status))
+        elif status.get("state") in ("queued", "unknown"):
+            self.open(shard, again=True)
+        else:
+            self.clock.heard(shard, status)
+
+    # -- failures -----------------------------------------------------------------
+
+    def failed(self, shard: int, exc: WdsCacheError) -> None:
+        """``shard`` cannot be read: raise ``exc``, or (``on_error="skip"``) skip the shard: its
+        samples not yet read become holes, filled with repeats by the stream."""
+        self.pins.close_file(shard)
+        if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
+            self.report_damage(shard, str(exc))
+        if self.on_error == "raise":
+            raise exc
+        log.warning("skipping %s: %s", self.urls[shard], exc)
+        self.skipped.add(shard)
+        self.sample_counts[shard] = 0
+        self.pins.drop(shard, timeout=self.clock.left())  # reads of it still out keep their holes
+
+    def failure(self, shard: int, reply: dict[str, Any]) -> WdsCacheError:
+        """The error of a shard the agent failed: a ShardError once its copies were found
+        damaged (the shard itself is bad), else a FetchError (its download failed)."""
+        error = str(reply.get("error") or "download failed")
+        if reply.get("damaged") is True:
+            return ShardError(self.urls[shard], error)
+        return FetchError(self.urls[shard], error)
+
+    def found_damaged(self, shard: int, exc: ShardError) -> bool:
+        """A read found ``shard``'s copy damaged. True: read it again once the shard is opened
+        again (the agent fetches a new copy, told in :meth:`tell_damage`); False: it was
+        opened again since (:meth:`reopened`), so the new copy is damaged too."""
+        if shard in self.renewed:
+            return False
+        # (A read sent before we opened the new copy still meets the old one.)
+        if shard not in self.retried:
+            self.retried.add(shard)
+            self.to_report[shard] = str(exc)
+            log.warning("%s; reading it again from a new copy", exc)
+        return True
+
+    def tell_damage(self) -> None:
+        """Tell the agent of the damage found: before the shard is opened again, so that the
+        agent fetches a new copy."""
+        while self.to_report:
+            shard, error = self.to_report.popitem()
+            self.report_damage(shard, error)
+
+    def reopened(self, shard: int) -> None:
+        """``shard`` was pinned again for reads that go again."""
+        if shard in self.retried:
+            self.renewed.add(shard)  # opened since it was found damaged: a new copy
+
+    def report_damage(self, shard: int, error: str) -> None:
+        try:
+            self.conn.request({"op": "corrupt", "url": self.urls[shard], "error": error},
+                              timeout=min(5.0, self.timeout))
+        except AgentUnavailableError:
+            pass
+
+    def await_counts(self, within: float = 1.0) -> None:
+        """Wait (a little) until the agent holds the counts our workers found: their reports
+        go by another socket than their replies to us, so they may arrive after our bye."""
+        now = time.monotonic()
+        deadline = now + within
+        # Reports sent longer ago have arrived (or were dropped: they are advisory).
+        missing = [url for url, when in self.learned.items() if now - when < within]
+        while missing:
+            counts = agent_counts(self.conn, missing, timeout=2.0)
+            missing = [url for url, count in zip(missing, counts) if count is None]
+            if not missing or time.monotonic() > deadline:
+                return  # past the deadline a report was dropped (they are advisory): len() learns it later
+            time.sleep(0.01)
+
+
+def agent_counts(conn: AgentConnection, urls: Sequence[str], timeout: float | None = None) -> list[Any]:
+    """The agent's sample count of each of ``urls`` (None: never counted), asked in pages."""
+    counts: list[Any] = []
+    for _, chunk in pages(urls):
+        counts.extend(conn.request({"op": "counts", "urls": chunk}, timeout=timeout).get("counts", []))
+    return counts
+
+
+def shard_error(url: str, reply: dict[str, Any]) -> ShardError:
+    """The error a worker's failed answer about ``url`` names."""
+    offset = reply.get("offset")
+    return ShardError(url, str(reply.get("reason") or reply.get("error")),
+                      offset=offset if isinstance(offset, int) else None)

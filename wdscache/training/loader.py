@@ -1,0 +1,435 @@
+"""``CachedMultiLoader``: the training-side iterator over samples served by the agent.
+
+Each rank computes its epoch's global sequence itself (:mod:`wdscache.shared.sequence`)
+from the URL list, the seeds and the per-shard sample counts, and reads its
+share of the positions (blocks of neighbouring positions, see
+:class:`~wdscache.shared.sequence.RankShare`) from the agent's workers. Ranks never wait for each
+other, so no rank can hang on another; they agree because the sequence is a
+pure function of inputs they share. A shard still downloading enters the
+sequence sample by sample as its download brings them (the workers read its
+complete samples from the partial file), so a cold start does not wait for
+whole shards; only when its ids come out depends on timing, never which.
+
+Guarantees (for the ranks of one job with the same settings):
+
+- every epoch delivers each sample exactly once, plus at most ``W-1`` padding
+  repeats (or none, with ``drop_last``), and every rank the same number. With
+  ``on_error="skip"`` a sample that cannot be read (its shard failed or is
+  damaged) is replaced by a repeat of one the rank did read, so the counts stay
+  equal; every sample of every healthy shard is still delivered. A shard whose
+  download fails while it is streamed ends where it failed, which can differ
+  between ranks (only then can their counts differ);
+- no wait lasts longer than ``timeout`` seconds without progress (a sample, or
+  bytes arriving for a shard waited for): then the error names the reason the
+  agent gives (a failed download, no room in the cache, no answer);
+- the same inputs give the same per-rank sequences whatever the number of agent
+  workers, the timing or the machine load;
+- ``state_dict()`` of any rank resumes the job, with any world size, at exactly
+  the samples not yet delivered;
+- memory is bounded: at most ``inflight`` requests of ``request_size`` samples
+  (and, once replies show the sample size, of about 4 MiB of payload:
+  :data:`wdscache.training.stream.REQUEST_BYTES`) are outstanding; a consumer that stops
+  reading stops asking.
+
+The epoch itself (one rank's requests, pins and reordering) is
+:class:`wdscache.training.stream.EpochStream`; this module keeps the user's side:
+settings, checkpoints, ``map=``, batching.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from ..shared.client import AgentConnection, resolve_endpoint, start_hint
+from ..shared.errors import WdsCacheError
+from ..shared.malloc import tune_malloc
+from .private import PrivateAgent
+from ..shared.s3 import Listing
+from ..shared.protocol import pages, process_identity
+from ..shared.sequence import Resume, rank_length
+from .epoch_shards import agent_counts
+from .stream import EpochStream, Session, StreamSettings
+from ..shared.urls import format_url_list, list_id, parse_url_list, read_url_list
+
+STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The loader's performance knobs, in one place: none changes which samples an epoch
+    delivers, their order or a checkpoint (``zero_copy`` changes the payloads' type only).
+    Pass ``CachedMultiLoader(tuning=Tuning(...))``, or a knob by name as a keyword of its own.
+
+    - ``request_size``: samples at most per request to a worker (fewer once replies show the
+      sample size: a request asks for about 4 MiB of payload, so small samples go many
+      to a request and large ones few).
+    - ``inflight``: requests outstanding at most, the consumer's memory bound (None: twice the
+      agent's workers, at least 4).
+    - ``zero_copy``: payloads as read-only memoryviews instead of ``bytes`` (faster; not for
+      webdataset's decoders; a view keeps the whole message it came in alive, up to
+      ``request_size`` samples). It implies that the workers send every byte.
+    - ``direct_reads``: copy payloads straight from the agent's cache files when this process
+      may read them (one copy per byte instead of three; see :mod:`wdscache.training.direct`); False has
+      the workers send every byte, as they do anyway for a shard still downloading.
+    - ``tune_malloc``: keep glibc from handing freed sample memory back to the kernel (see
+      :mod:`wdscache.shared.malloc`). It changes the allocator of the whole process; False leaves it be.
+    """
+
+    request_size: int = 128
+    inflight: int | None = None
+    zero_copy: bool = False
+    direct_reads: bool = True
+    # On by default although it is process-wide, because the loader's own cost depends on it:
+    # glibc hands a freed payload or message of ~100 KB+ back to the kernel, so the next one
+    # page-faults fresh pages in, about 100,000 faults per GB of samples. Measured on 110 KB
+    # samples, warm: a consumer's CPU per GB halves with it (direct reads, the default path)
+    # and falls by a third when streamed (wdscache/shared/malloc.py).
+    tune_malloc: bool = True
+
+
+_TUNING_KNOBS = frozenset(f.name for f in dataclasses.fields(Tuning))
+
+
+def _env_defaults() -> dict[str, Any]:
+    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID)."""
+    env = os.environ
+    return {
+        "rank": int(env.get("RANK", 0)),
+        "world_size": int(env.get("WORLD_SIZE", 1)),
+        "job": env.get("TORCHELASTIC_RUN_ID") or "default",
+        "cache_dir": env.get("WDSCACHE_CACHE_DIR"),
+        "endpoint": env.get("WDSCACHE_ENDPOINT"),
+        # The agent's token (CACHE_DIR/token), for a consumer that cannot read the cache directory.
+        "token": env.get("WDSCACHE_TOKEN") or None,
+    }
+
+
+def default_collate(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """A batch as a dict of lists, one list per field."""
+    out: dict[str, list[Any]] = {}
+    for sample in samples:
+        for k, v in sample.items():
+            out.setdefault(k, []).append(v)
+    return out
+
+
+class CachedMultiLoader:
+    """Iterate samples of a WebDataset through the local wdscache agent.
+
+    ``urls``: None streams the agent's own list; a list file or a list of URLs
+    asks the agent to take that list up for this job. Each ``iter()`` is one
+    epoch; the next one follows unless :meth:`set_epoch` says otherwise.
+
+    Beyond webdataset's options: ``on_error`` ("raise" or "skip"), and ``map=fn`` with
+    ``workers=k`` to run ``fn`` on each sample in ``k`` processes (order kept). Those
+    processes start fresh (multiprocessing's "forkserver", or "spawn" where there is none),
+    not as forks of this process and its ZeroMQ threads, so ``fn`` must be picklable: a
+    function defined at module level (or a ``functools.partial`` of one), as for torch's
+    DataLoader workers under "spawn"; a lambda or a nested function is refused here.
+
+    The performance knobs are one :class:`Tuning` (``tuning=``); each is also accepted as a
+    keyword of its own (``request_size=64`` is ``tuning=Tuning(request_size=64)``), which wins
+    over the same knob of ``tuning``.
+    """
+
+    def __init__(
+        self,
+        urls: str | os.PathLike[str] | Sequence[str] | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        endpoint: str | None = None,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_buffer: int = 1000,
+        batch_size: int | None = None,
+        collate: Callable[[list[dict[str, Any]]], Any] | None = None,
+        map: Callable[[dict[str, Any]], Any] | None = None,  # noqa: A002 (the documented name)
+        workers: int = 0,
+        drop_last: bool = False,
+        timeout: float = 60.0,
+        on_error: str = "raise",
+        tuning: Tuning | None = None,
+        **knobs: Any,
+    ) -> None:
+        unknown = sorted(set(knobs) - _TUNING_KNOBS)
+        if unknown:
+            raise TypeError(f"CachedMultiLoader() got unexpected keyword arguments {unknown}; "
+                            f"its tuning knobs are {sorted(_TUNING_KNOBS)}")
+        self.tuning = dataclasses.replace(tuning or Tuning(), **knobs)
+        if map is not None and workers > 0:
+            _check_picklable(map)
+        env = _env_defaults()
+        self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
+        self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
+        self.job = job or env["job"]
+        self.rank = env["rank"] if rank is None else rank
+        self.world_size = env["world_size"] if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        if on_error not in ("raise", "skip"):
+            raise ValueError("on_error must be 'raise' or 'skip'")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
+        self.batch_size, self.collate = batch_size, collate or default_collate
+        self.map_fn, self.workers = map, workers
+        self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
+        self.urls = _normalize_urls(urls)
+        self._own_list_id = list_id(self.urls) if self.urls is not None else None
+        self._agent_lists: dict[str, tuple[str, ...]] = {}
+        self._private_agent: PrivateAgent | None = None
+        self._own_endpoint = endpoint is None and env["endpoint"] is None
+        self._token = env["token"]
+        self._epoch = 0
+        self._start = Resume()  # what the next epoch has delivered already (a checkpoint's)
+        self._current: EpochStream | None = None
+        self._resumed_from: dict[str, Any] | None = None
+        self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
+
+    # -- epochs and checkpoints ---------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch``, from its start."""
+        self._epoch, self._start = epoch, Resume()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The job's position: any one rank's dict resumes every rank, with any world size."""
+        if self._current is not None and not self._current.complete:
+            epoch, at = self._current.spec.epoch, self._current.resume()
+        else:
+            epoch, at = self._epoch, self._start
+        return {
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "position": at.position,  # every position before it was delivered...
+            "done": [list(run) for run in at.done],  # ...and these runs after it
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "drop_last": self.drop_last,
+            "urls": self._current.list_id if self._current is not None else self._own_list_id,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at ``state`` (from :meth:`state_dict` of any rank of the stopped job)."""
+        if state.get("version") not in (1, STATE_VERSION):
+            raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
+        for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
+            if state[name] != getattr(self, name):
+                raise ValueError(
+                    f"checkpoint has {name}={state[name]!r} but this loader {name}={getattr(self, name)!r}; "
+                    "the sequence would differ, so resuming would repeat or skip samples"
+                )
+        epoch, position = state.get("epoch"), state.get("position")
+        if not (_natural(epoch) and _natural(position)):
+            raise ValueError(f"checkpoint needs whole numbers >= 0 for 'epoch' and 'position', not {epoch!r}, "
+                             f"{position!r}")
+        done = state.get("done", []) if state["version"] > 1 else []
+        if not (isinstance(done, list) and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run))
+                                               and run[0] < run[1] for run in done)):
+            raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; "
+                             f"got {done!r}")
+        self._epoch, self._start = epoch, Resume.of(position, done)
+        self._resumed_from = state
+
+    def _session(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], Sequence[str]]:
+        """Say hello to the agent as reader ``name``; returns the reply and the URL list in use.
+
+        Lists go in pages and are cached by their id, so each is sent once per loader.
+        """
+        # The process, so that an agent on this machine notices at once when it ends (a SIGKILL).
+        request: dict[str, Any] = {"op": "hello", "reader": name, "job": self.job, "rank": self.rank,
+                                   "world_size": self.world_size, "process": process_identity(),
+                                   # the agent warns when pins on the shards it spans outgrow the budget
+                                   "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0}
+        if self.urls is not None:
+            request["list_id"] = self._own_list_id
+        hello = conn.request(request)
+        if hello.get("need_urls") and self.urls is not None:
+            for offset, chunk in pages(self.urls):
+                page = conn.request({"op": "put_urls", "reader": name, "offset": offset, "urls": chunk})
+                if not page.get("ok"):
+                    raise WdsCacheError(f"the agent at {self.endpoint} refused the URL list: {page.get('error')}")
+            hello = conn.request(request)
+        if not hello.get("ok"):
+            raise WdsCacheError(f"the agent at {self.endpoint} refused this consumer: {hello.get('error')}")
+        if self.urls is not None:
+            return hello, self.urls
+        key = str(hello.get("list_id"))
+        if key not in self._agent_lists:
+            urls: list[str] = []
+            while len(urls) < int(hello.get("n_urls", 0)):
+                page = conn.request({"op": "get_urls", "reader": name, "offset": len(urls)})
+                if page.get("list_id") != key or not page.get("urls"):
+                    raise WdsCacheError("the agent's URL list changed while it was being read; try again")
+                urls.extend(page["urls"])
+            self._agent_lists = {key: tuple(urls)}  # the latest list only
+        return hello, self._agent_lists[key]
+
+    # -- iteration ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop using the private agent, if this loader used one: it stops once no loader does
+        (the cache stays). Also done when the loader is garbage, and at interpreter exit."""
+        if self._private_agent is not None:
+            self._private_agent.release()
+            self._private_agent = None
+
+    def __enter__(self) -> "CachedMultiLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _ensure_agent(self) -> None:
+        """With a list and a cache directory but no real agent there, use a private one (a notebook):
+        join the one another loader started, or start it (see :mod:`wdscache.training.private`)."""
+        if self._private_agent is not None or self.urls is None or self.cache_dir is None:
+            return
+        if not self._own_endpoint:
+            return
+        self._private_agent = PrivateAgent.use(self.cache_dir, self.urls, timeout=self.timeout)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._ensure_agent()
+        if self.tuning.tune_malloc:
+            tune_malloc()
+        epoch, start = self._epoch, self._start
+        self._epoch, self._start = epoch + 1, Resume()
+        stream = EpochStream(self._stream_settings(), self._open_session(), epoch, start)
+        self._current = stream
+        if self._resumed_from is not None and self._resumed_from.get("urls") not in (None, stream.list_id):
+            stream.close()
+            raise ValueError("the checkpoint was taken on another URL list; resuming would mix datasets")
+        self._resumed_from = None
+        items: Iterator[Any] = stream.samples()
+        if self.map_fn is not None:
+            items = _mapped(items, self.map_fn, self.workers)
+        if self.batch_size is None:
+            return stream.delivering((1, item) for item in items)
+        return stream.delivering(_batched(items, self.batch_size, self.collate))
+
+    def _stream_settings(self) -> StreamSettings:
+        t = self.tuning
+        return StreamSettings(
+            job=self.job, rank=self.rank, world_size=self.world_size, endpoint=self.endpoint, seed=self.seed,
+            shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
+            timeout=self.timeout, on_error=self.on_error, request_size=t.request_size, inflight=t.inflight,
+            zero_copy=t.zero_copy, direct_reads=t.direct_reads and not t.zero_copy and self._direct_off is None)
+
+    def _open_session(self) -> Session:
+        """A new reader's session with the agent, for one epoch's stream."""
+        name = f"{self.job}/{self.rank}/{uuid.uuid4().hex[:8]}"
+        conn = self._connection(self.timeout)
+        try:
+            hello, urls = self._session(conn, name)
+        except BaseException:
+            conn.close()
+            raise
+        return Session(name=name, conn=conn, hello=hello, urls=urls,
+                       list_id=self._own_list_id or str(hello.get("list_id")), connect=self._connection,
+                       direct_failed=self._direct_failed)
+
+    def _direct_failed(self, why: str) -> None:
+        """A stream could not read the cache files: later epochs do not try again."""
+        self._direct_off = why
+
+    def _connection(self, timeout: float) -> AgentConnection:
+        """A connection to the agent, which must prove it holds our cache directory's token."""
+        return AgentConnection(self.endpoint, timeout=timeout, hint=start_hint(self.cache_dir),
+                               cache_dir=self.cache_dir, token=self._token)
+
+    def __len__(self) -> int:
+        """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
+        conn = self._connection(self.timeout)
+        name = f"len-{uuid.uuid4().hex[:8]}"
+        try:
+            _, urls = self._session(conn, name)
+            conn.request({"op": "bye", "reader": name})
+            counts = agent_counts(conn, urls)
+        finally:
+            conn.close()
+        if not urls or any(c is None for c in counts):
+            raise TypeError("length unknown until every shard has been read once")
+        total = sum(counts)
+        per_rank = rank_length(total - self._start.delivered(total), self.world_size, self.drop_last)
+        if self.batch_size is None:
+            return per_rank
+        return -(-per_rank // self.batch_size)
+
+
+def _natural(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _normalize_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> tuple[str, ...] | None:
+    if urls is None:
+        return None
+    if isinstance(urls, (str, os.PathLike)):
+        return read_url_list(urls, lister=Listing()).urls
+    return parse_url_list(format_url_list(urls), base_dir=os.getcwd(), lister=Listing()).urls
+
+
+def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:
+    batch: list[Any] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield size, collate(batch)
+            batch = []
+    if batch:
+        yield len(batch), collate(batch)
+
+
+def _check_picklable(fn: Callable[[Any], Any]) -> None:
+    """Refuse, naming ``map=``, a function the pool's fresh processes could not be sent."""
+    try:
+        pickle.dumps(fn)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise TypeError(
+            f"map={fn!r} cannot be sent to the map worker processes ({exc}): with workers > 0, map= "
+            "takes a picklable callable, such as a function defined at module level or a "
+            "functools.partial of one (not a lambda or a nested function); workers=0 runs it in "
+            "this process instead"
+        ) from exc
+
+
+def _start_method() -> str:
+    """How the ``map=`` pool starts its processes: never "fork". The training process runs
+    ZeroMQ's I/O threads (and often threads of its own); a fork copies their locks in whatever
+    state they are, and a child can hang on one that no thread will ever release. "forkserver"
+    forks from a clean single-threaded server process; "spawn" where there is none (Windows)."""
+    import multiprocessing
+
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def _mapped(items: Iterator[Any], fn: Callable[[Any], Any], workers: int) -> Iterator[Any]:
+    """``fn`` over ``items`` in ``workers`` processes (or inline), order kept, a bounded number ahead."""
+    if workers <= 0:
+        for item in items:
+            yield fn(item)
+        return
+    import multiprocessing
+
+    pool = multiprocessing.get_context(_start_method()).Pool(workers)
+    try:
+        ahead: deque[Any] = deque()
+        for item in items:
+            ahead.append(pool.apply_async(fn, (item,)))
+            if len(ahead) >= 4 * workers:
+                yield ahead.popleft().get(timeout=600)
+        while ahead:
+            yield ahead.popleft().get(timeout=600)
+    finally:
+        pool.terminate()
+        pool.join()

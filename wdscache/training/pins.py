@@ -1,0 +1,115 @@
+"""The shards one epoch stream holds pinned in the agent, in the training process, and the
+cache files it reads of them directly.
+
+A pinned shard stays in the agent's cache until we release it. ``opened`` maps each pinned
+shard to the number of our reads of it outstanding (items batched or sent); a shard is let
+go once none is and the sequence needs it no more (``remaining``, the ids of it the
+sequence has still to give out, is 0), or when we must wait for another shard.
+
+Why pins never deadlock the budget: a consumer that has to wait for a download (or for its
+budget) first lets go of every pin it is not reading (:meth:`Pins.open`), so consumers
+cannot fill the budget with pins while each waits for room for its next shard. A request
+only ever names shards already pinned, so it never needs more at once.
+
+A cache file is open only while its shard is pinned (:mod:`wdscache.training.direct`): each release
+closes it first, so its disk space comes back once the agent evicts it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from ..shared.client import AgentConnection
+from .direct import CacheFiles
+
+STATUS_EVERY = 1.0  # seconds between asking the agent how a download we wait for is going
+
+
+class Pins:
+    """Pins of reader ``reader`` on the shards of ``urls``, and the files of those read directly
+    (``files``: None once direct reads are off)."""
+
+    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, timeout: float,
+                 files: CacheFiles | None) -> None:
+        self.conn, self.reader, self.urls, self.timeout = conn, reader, urls, timeout
+        self.files = files
+        self.opened: dict[int, int] = {}  # pinned shard -> our reads of it outstanding
+        self.partial: set[int] = set()  # pinned while downloading: read as the download goes
+        # shard -> ids the sequence has not given out yet (its count minus those given out;
+        # negative while a shard streams and its count is not known yet)
+        self.remaining: dict[int, int] = {}
+        self.given = 0  # ids the sequence gave out
+        # (ids given out, shard) once its last id is out: let go once the share dealt that many
+        self.unneeded: deque[tuple[int, int]] = deque()
+        self.waits = 0  # opens that had to wait, letting go of our other pins
+
+    def open(self, shard: int, ahead: list[str], *, again: bool = False, while_downloading: bool = False,
+             before_wait: Callable[[], None], on_status: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Pin ``shard``, waiting for its download if need be; returns the agent's answer (not
+        ok: the shard failed). ``ahead`` is our window: the shards we read next.
+
+        ``while_downloading``: a shard not cached yet is pinned as soon as its download holds
+        its budget (the answer says ``partial``). ``again``: the agent lost the shard
+        (restarted, or its file went): the pin we think we hold is given back first.
+        Before a wait, ``before_wait`` lets the caller finish its reads of the other pins,
+        which are then let go; ``on_status`` hears what the agent says of the download meanwhile.
+        """
+        url = self.urls[shard]
+        if again and shard in self.opened:
+            self.close_file(shard)  # its file may be replaced before we read it again
+            self.conn.request({"op": "release", "reader": self.reader, "url": url})
+        request = {"op": "open", "reader": self.reader, "url": url, "ahead": ahead, "wait": False,
+                   "stream": while_downloading}
+        reply = self.conn.request(request)
+        if not reply.get("ok") and reply.get("cached") is False:
+            # We wait, for the download or for its budget: hold no other pins meanwhile (see
+            # the module docstring). Once a download holds its budget, pins cannot hold it up.
+            before_wait()
+            self.close_file(shard)  # a reply taken in may have opened it: we hold no pin while we wait
+            for held in list(self.opened):
+                if held != shard:
+                    self.release(held, force=True)
+            self.waits += 1
+            request["wait"] = True
+            probe = {"op": "status", "reader": self.reader, "url": url}
+            reply = self.conn.request_patiently(request, liveness=self.timeout, probe=probe,
+                                                every=min(STATUS_EVERY, self.timeout / 4), on_probe=on_status)
+        if reply.get("ok"):
+            self.opened.setdefault(shard, 0)
+        return reply
+
+    def release(self, shard: int, *, force: bool = False) -> None:
+        """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no more."""
+        if self.opened.get(shard) == 0 and (force or self.remaining.get(shard, 1) == 0):
+            del self.opened[shard]
+            self.close_file(shard)  # before the agent may evict it: its space comes back
+            self.conn.request({"op": "release", "reader": self.reader, "url": self.urls[shard]})
+
+    def drop(self, shard: int, timeout: float) -> None:
+        """Unpin a shard that failed, whatever reads of it are still out (they keep their holes)."""
+        self.close_file(shard)
+        if self.opened.pop(shard, None) is not None:
+            self.conn.request({"op": "release", "reader": self.reader, "url": self.urls[shard]}, timeout=timeout)
+
+    def counted(self, shard: int, count: int) -> None:
+        """``shard``'s count is final: once the sequence has given out that many of its ids,
+        it can go."""
+        left = self.remaining[shard] = self.remaining.get(shard, 0) + count
+        if not left:
+            self.unneeded.append((self.given, shard))  # its ids are all out: once dealt, let go
+
+    def release_settled(self, settled: int) -> None:
+        """Let go of the shards whose last id was among the first ``settled`` the share dealt."""
+        while self.unneeded and self.unneeded[0][0] <= settled:
+            self.release(self.unneeded.popleft()[1])
+
+    def close_file(self, shard: int) -> None:
+        if self.files is not None:
+            self.files.close(self.urls[shard])
+
+    def stop_direct(self) -> None:
+        """Read no cache file any more: the workers send every byte from now on."""
+        if self.files is not None:
+            self.files.close()
+            self.files = None

@@ -1,0 +1,163 @@
+"""A private agent: started by a loader that finds none, for its own use (a notebook, a script).
+
+It is an ordinary ``wdscache agent`` in a subprocess of its own session (a
+Ctrl-C aimed at one loader does not reach it), on the loader's cache directory
+and list. The cache it fills stays for the next run, or for a real agent.
+
+Lifetime guarantee: a private agent lives while any loader uses it, whichever
+loader started it, and stops by itself within about a second once none does,
+however they ended: ``close()``, a ``with`` block, interpreter exit, garbage
+collection, or SIGKILL. No loader stops a running one. How:
+
+- every loader using it holds a shared ``flock`` on ``private-users`` in the
+  cache directory, taken before it starts or joins the agent and dropped by the
+  kernel when the process dies, however it dies;
+- the agent tries an exclusive lock on that file once a second; holding it
+  means no loader is left, and it keeps it until it has stopped, so a loader
+  arriving meanwhile waits (up to its ``timeout``) for it to be gone and starts
+  a new one instead of joining an agent that is going away;
+- starting is serialized by an exclusive lock on ``private-start.lock``, so two
+  loaders starting at once start one agent and both use it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..shared.errors import WdsCacheError
+from ..shared.layout import CacheLayout, write_private
+from ..shared.stats import ask_agent
+from ..shared.urls import format_url_list
+
+log = logging.getLogger(__name__)
+
+USERS_FILE = "private-users"
+START_LOCK = "private-start.lock"
+LOCK_POLL = 0.05  # seconds between tries of a lock held by another process
+
+
+def _serving(layout: CacheLayout, timeout: float = 1.0) -> dict[str, Any] | None:
+    """The state file (agent.json) of the agent serving ``layout`` now, or None."""
+    try:
+        state = json.loads(layout.state_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or ask_agent(layout, timeout) is None:
+        return None
+    return state
+
+
+class PrivateAgent:
+    """One loader's use of the private agent on a cache directory: :meth:`use` joins or starts it."""
+
+    def __init__(self, users_fd: int, pid: int, proc: subprocess.Popen[bytes] | None) -> None:
+        self.pid = pid  # the agent's
+        self.proc = proc  # when this loader started it
+        # Closing the descriptor drops our shared lock; also when this object is garbage, or at exit.
+        self._release = weakref.finalize(self, os.close, users_fd)
+
+    @classmethod
+    def use(cls, cache_dir: str | os.PathLike[str], urls: Sequence[str], *, timeout: float) -> "PrivateAgent | None":
+        """Use the private agent on ``cache_dir``, starting one on ``urls`` if none runs;
+        None when a real agent serves it (nothing to hold: it runs until its owner stops it)."""
+        layout = CacheLayout.of(cache_dir)
+        state = _serving(layout)
+        if state is not None and not state.get("private_users"):
+            return None
+        layout.prepare()  # ours and private before anything is written into it
+        deadline = time.monotonic() + timeout
+        start_fd = _lock(layout.root / START_LOCK, fcntl.LOCK_EX, deadline,
+                         "another loader is starting a private agent there")
+        try:
+            users_fd = _lock(layout.root / USERS_FILE, fcntl.LOCK_SH, deadline,
+                             "its private agent is still stopping")
+            try:
+                proc = None
+                state = _serving(layout)
+                if state is None:
+                    proc, state = _start(layout, urls, deadline)
+                if not state.get("private_users"):  # a real agent came up meanwhile
+                    os.close(users_fd)
+                    return None
+                return cls(users_fd, int(state["pid"]), proc)
+            except BaseException:
+                os.close(users_fd)
+                raise
+        finally:
+            os.close(start_fd)  # drops the lock
+
+    def release(self) -> None:
+        """Stop using the agent; it stops by itself once no other loader uses it."""
+        self._release()
+        if self.proc is not None:
+            self.proc.poll()  # reap it if it has already exited
+
+
+def _lock(path: Path, how: int, deadline: float, busy: str) -> int:
+    """A descriptor of ``path`` holding an flock of kind ``how``, waited for until ``deadline``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise WdsCacheError(
+                    f"could not use a private agent on {path.parent}: {busy} ({path} stayed locked "
+                    "for the loader's whole timeout); try again, or start 'wdscache agent' there yourself"
+                ) from None
+            time.sleep(LOCK_POLL)
+
+
+def _start(layout: CacheLayout, urls: Sequence[str], deadline: float) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Start a private agent (the caller holds the start lock and a shared users lock); its state once it answers."""
+    list_file = layout.root / "private-urls.txt"
+    write_private(list_file, format_url_list(urls).encode())
+    log_file = layout.root / "private-agent.log"
+    cmd = [sys.executable, "-m", "wdscache", "agent", "--cache-dir", str(layout.root),
+           "--urls", str(list_file), "--workers", str(min(os.cpu_count() or 1, 4)),
+           "--private-users", str(layout.root / USERS_FILE)]
+    log_fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                                start_new_session=True)
+    finally:
+        os.close(log_fd)
+    log.info("started a private wdscache agent (pid %d) on %s", proc.pid, layout.root)
+    while (state := _serving(layout, 0.5)) is None:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            raise WdsCacheError(
+                f"could not start a private agent on {layout.root}; its log {log_file} ends with:\n"
+                + _tail(log_file)
+            )
+        time.sleep(0.1)
+    return proc, state
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """End an agent that never came up (no loader can be using it: we hold the start lock)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,128 @@
+"""Decoding a worker's answer to a read, in the training process: a pure function of the
+reply's header and frames, the items asked for and, for direct reads, a file reader.
+
+A reply (see :mod:`wdscache.agent.pool`) carries, per item asked for, its key, its member
+extensions and a span: the index of the frame that holds it, then an offset and a size per
+extension. With direct reads some "frames" are byte ranges of the agent's cache files,
+named by the header's ``files`` and read here through the injected reader (a
+:class:`~wdscache.training.direct.CacheFiles` in the loader).
+
+Why no reply can make the consumer read outside what it was sent: every span is checked
+against the length of its frame (or file range, which :class:`~wdscache.training.direct.CacheFiles`
+checks against the file's size) before a byte is copied, and anything that is not a
+well-formed number fails the reply as a :class:`~wdscache.shared.errors.ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any, Protocol, Sequence
+
+from .direct import StaleFile
+from ..shared.errors import ProtocolError
+from .reads import Item
+
+
+class FileSpan(Protocol):
+    """Bytes of a cache file, read on demand (:class:`~wdscache.training.direct.FileRange`)."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, offset: int, size: int) -> bytes: ...
+
+
+class FileReader(Protocol):
+    """Where a direct reply's file ranges are read (:class:`~wdscache.training.direct.CacheFiles`)."""
+
+    def range(self, url: str, identity: Sequence[int], start: int, size: int) -> FileSpan: ...
+
+
+def decode_reply(
+    header: dict[str, Any], payload: list[Any], items: list[Item], urls: Sequence[str], *,
+    zero_copy: bool = False, direct: bool = False, files: FileReader | None = None,
+) -> tuple[list[dict[str, Any]], list[int]]:
+    """The samples of a worker's reply to a read of ``items``, and the payload bytes of each.
+
+    ``payload`` holds the reply's frames after the header (objects with a ``buffer``, as
+    ZeroMQ's frames are); ``urls`` is the list the items' shards index. A reply naming
+    file ranges is accepted only for a read sent with ``direct``, and read through
+    ``files``: None there (direct reads were turned off since the read went out) raises
+    :class:`~wdscache.training.direct.StaleFile`, as a file replaced since the worker read it does;
+    the caller then asks for those samples over the socket.
+
+    Payloads are ``bytes`` (webdataset's decoders want bytes), or read-only memoryviews into
+    the received message with ``zero_copy``.
+    """
+    keys, exts, spans = header.get("keys"), header.get("exts"), header.get("spans")
+    if not (isinstance(keys, list) and isinstance(exts, list) and isinstance(spans, list)
+            and len(keys) == len(exts) == len(spans) == len(items)):
+        raise ProtocolError("worker reply does not match the request")
+    frames: list[Any] = [memoryview(f.buffer).toreadonly() for f in payload]
+    if "files" in header:
+        if not direct:
+            raise ProtocolError("worker reply names file ranges this consumer did not ask for")
+        frames += file_ranges(header["files"], items, urls, files)
+    samples = []
+    sizes = []
+    # The per-sample loop: local names only, no call but the copy (or the file read).
+    try:
+        for (_, (shard, _)), key, names, span in zip(items, keys, exts, spans):
+            # Checked enough that no reply can make us read outside its frames; a
+            # non-number anywhere fails the slicing (TypeError) and so the reply.
+            if len(span) != 1 + 2 * len(names) or min(span) < 0:
+                raise ProtocolError("worker reply has a bad span")
+            frame = frames[span[0]]
+            limit = len(frame)
+            from_file = type(frame) is not memoryview
+            sample: dict[str, Any] = {"__key__": key, "__url__": urls[shard]}
+            nbytes = 0
+            i = 1
+            for ext in names:
+                offset, size = span[i], span[i + 1]
+                i += 2
+                if offset + size > limit:
+                    raise ProtocolError("worker reply has a span past its frame")
+                if from_file:
+                    sample[ext] = frame.read(offset, size)
+                else:
+                    value = frame[offset : offset + size]
+                    sample[ext] = value if zero_copy else value.tobytes()
+                nbytes += size
+            samples.append(sample)
+            sizes.append(nbytes)
+    except (TypeError, IndexError):
+        raise ProtocolError("worker reply has a bad span") from None
+    return samples, sizes
+
+
+def file_ranges(ranges: Any, items: list[Item], urls: Sequence[str], files: FileReader | None) -> list[FileSpan]:
+    """The byte ranges of cache files a reply names (its ``files``: per range the index of
+    its shard among the read's shards, in the order the request named them, then start,
+    size and the file's identity: device, inode, size, mtime)."""
+    if files is None:  # a read sent before direct reads were turned off: asked again
+        raise StaleFile(errno.ESTALE, "direct reads are off")
+    if not isinstance(ranges, list):
+        raise ProtocolError("worker reply has a bad file range")
+    named_urls = [urls[shard] for shard in dict.fromkeys(sid[0] for _, sid in items)]  # as the request named them
+    views = []
+    named: dict[int, list[int]] = {}
+    for entry in ranges:
+        # mtime may be before 1970
+        if not (isinstance(entry, list) and len(entry) == 7 and all(type(x) is int for x in entry)
+                and 0 <= entry[0] < len(named_urls) and min(entry[1:4]) >= 0):
+            raise ProtocolError("worker reply has a bad file range")
+        k, start, size, *identity = entry
+        if named.setdefault(k, identity) != identity:
+            raise ProtocolError("worker reply names two files for one shard")
+        views.append(files.range(named_urls[k], identity, start, size))
+    return views
+
+
+def with_holes(
+    samples: list[Any], sizes: list[int], sent: Sequence[int], n: int
+) -> tuple[list[Any], list[int]]:
+    """The samples of a read of ``n`` items of which only those at ``sent`` were asked for
+    (the others' shard was skipped): a hole (None, 0 bytes) at every other place."""
+    got = iter(zip(samples, sizes))
+    placed = [next(got) if i in sent else (None, 0) for i in range(n)]
+    return [s for s, _ in placed], [b for _, b in placed]

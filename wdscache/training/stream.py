@@ -1,0 +1,580 @@
+"""One epoch of one rank, in the training process: the sample pipeline behind
+``CachedMultiLoader``'s iteration (the guarantees are in :mod:`wdscache.training.loader`).
+
+:class:`EpochStream` runs the epoch's sequence (:mod:`wdscache.shared.sequence`), feeding it what
+it learns of each shard (:mod:`wdscache.training.epoch_shards`); batches this rank's share into
+reads (:mod:`wdscache.training.reads`, one record per read) of pinned shards (:mod:`wdscache.training.pins`);
+sends them to the agent's workers and decodes their replies (:mod:`wdscache.training.replies`);
+and hands the samples out in order, every wait bounded by :mod:`wdscache.training.progress`.
+
+The loader hands a stream what it needs explicitly: its settings (:class:`StreamSettings`)
+and the session it opened with the agent (:class:`Session`); the stream tells it back
+through the session's ``direct_failed``. One thread runs a stream; its reporter thread
+has its own connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+from ..shared.client import AgentConnection
+from .direct import CacheFiles, StaleFile
+from .epoch_shards import EpochShards, shard_error
+from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
+from .pins import STATUS_EVERY, Pins
+from .progress import ProgressClock, Waited
+from .reads import Item, Read, ReadState, ReadTable
+from .replies import decode_reply, with_holes
+from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed, global_sequence
+from .worker_links import WorkerLinks
+
+log = logging.getLogger(__name__)
+
+REPORT_EVERY = 1.0
+REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped
+MAX_RESENDS = 3  # a request no worker answers this often fails instead of retrying forever
+STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
+PENDING_RETRY = 0.05  # seconds before asking again for samples a restarted download does not hold yet
+# Payload a request asks for once replies show the sample size: each request costs messaging
+# on both sides, so small samples go many to a request, while the bytes in flight bound a
+# consumer's memory.
+REQUEST_BYTES = 4 << 20
+FIRST_REQUEST = 32  # samples a request asks for before that
+MAX_STALE = 8  # direct reads in a row finding a file replaced: past this we do not see the agent's files
+_END = object()
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """The loader's settings a stream follows (documented at ``CachedMultiLoader``)."""
+
+    job: str
+    rank: int
+    world_size: int
+    endpoint: str
+    seed: int
+    shuffle: bool
+    shuffle_buffer: int
+    drop_last: bool
+    timeout: float
+    on_error: str
+    request_size: int
+    inflight: int | None
+    zero_copy: bool
+    direct_reads: bool  # try them: asked for, and they did not fail in this loader before
+
+
+@dataclass(frozen=True)
+class Session:
+    """The reader session a loader opened with the agent for one stream (its hello done)."""
+
+    name: str  # the reader's name
+    conn: AgentConnection
+    hello: dict[str, Any]  # the agent's answer to the hello
+    urls: Sequence[str]  # the URL list read
+    list_id: str
+    connect: Callable[[float], AgentConnection]  # another connection (the reporter thread's own)
+    direct_failed: Callable[[str], None]  # why direct reads failed: the loader does not try them again
+
+
+class EpochStream:
+    """One epoch of one rank: the worker sockets, the reads out and the sample pipeline."""
+
+    def __init__(self, settings: StreamSettings, session: Session, epoch: int, start: Resume) -> None:
+        self.settings = s = settings
+        self.session = session
+        self.name, self.conn, self.urls, self.list_id = session.name, session.conn, session.urls, session.list_id
+        hello = session.hello
+        self.finished = False  # resources released
+        self.complete = False  # every sample of the rank's share was delivered
+        self.spec = EpochSpec(len(self.urls), s.seed, epoch, s.shuffle, s.shuffle_buffer)
+        # A checkpoint's positions, from any world size: the rest are dealt to this job's ranks.
+        self.share = RankShare(s.world_size, s.rank, resume=start, drop_last=s.drop_last)
+        self.delivered = 0  # samples handed to the user (not merely received: map/batch look ahead)
+        self.clock = ProgressClock(self.conn, self.name, self.urls, endpoint=s.endpoint, timeout=s.timeout)
+        # Payloads read from the cache files here (the agent says where they are), if we see
+        # its very cache directory, unless a read of them fails: then the workers send them.
+        direct = s.direct_reads and same_directory(hello)
+        self.pins = Pins(self.conn, self.name, self.urls, timeout=s.timeout,
+                         files=CacheFiles(hello["cache_dir"]) if direct else None)
+        self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
+        endpoints = hello["workers"]
+        self.workers = WorkerLinks(endpoints, [self.conn.worker_key(i) or "" for i in range(len(endpoints))])
+        if not self.workers:
+            raise WdsCacheError(f"the agent at {s.endpoint} has no workers")
+        self.shards = EpochShards(self.conn, self.name, self.urls, spec=self.spec,
+                                  prefetch=int(hello.get("prefetch", 8)), on_error=s.on_error, timeout=s.timeout,
+                                  pins=self.pins, clock=self.clock, workers=len(self.workers),
+                                  call_worker=self._worker_call, hold_nothing=self._hold_nothing)
+        self.reads = ReadTable()
+        self.last_status = 0.0
+        self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
+        self.batch: list[Item] = []  # items of the next read, their shards pinned
+        self.request_limit = min(s.request_size, FIRST_REQUEST)  # samples per request, see _sized
+        self.per_sample = 0.0  # payload bytes per sample of the latest replies, see _sized
+        self.seq_next = 0
+        self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}
+        self.broken = False  # the epoch ended in an error: close quickly
+        self.reporter = Reporter(session.connect, {"op": "report", "reader": self.name, "job": s.job,
+                                                   "rank": s.rank, "epoch": epoch}, self._figures)
+
+    # -- the rank's share -------------------------------------------------------
+
+    def resume(self) -> Resume:
+        """Where the job stands, if every rank delivered as many samples as this one."""
+        return self.share.resume_after(self.delivered)
+
+    @property
+    def progress(self) -> int:
+        """Samples the job delivered this epoch, if every rank delivered as many as this one
+        (for stats: cheap, and counts padding)."""
+        return self.share.resume.delivered() + self.delivered * self.settings.world_size
+
+    def _global(self) -> Iterator[SampleId | None]:
+        """The epoch's ids, the sequence fed what we learn of each shard (see
+        :meth:`EpochShards.arrivals`); None while a downloading shard has no more samples yet."""
+        # Runs once per id of the whole epoch, every rank's (a rank of four sees four ids for
+        # each of its samples): kept to local names.
+        share, pins = self.share, self.pins
+        remaining, unneeded = pins.remaining, pins.unneeded
+        feed = ShardFeed()
+        arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
+        for sid in global_sequence(self.spec, feed.samples):
+            if sid is None:  # the sequence wants more of a shard
+                if arrivals is None:
+                    arrivals = self.shards.arrivals(feed.wanted)
+                got = next(arrivals, _END)
+                if got is _END:
+                    feed.end()
+                    arrivals = None
+                elif got is not None:
+                    feed.grow(got)
+                else:  # nothing new yet
+                    if unneeded and unneeded[0][0] <= share.settled:
+                        pins.release_settled(share.settled)
+                    yield None
+                continue
+            if unneeded and unneeded[0][0] <= share.settled:  # per id: look before calling
+                pins.release_settled(share.settled)
+            pins.given += 1
+            shard = sid[0]
+            left = remaining[shard] = remaining.get(shard, 0) - 1
+            if not left:
+                # No rank needs it once the share has dealt this id: until then ours may
+                # wait in a row (and after that, our reads of it hold it: see Pins.release).
+                unneeded.append((pins.given, shard))
+            yield sid
+
+    def _owned(self) -> Iterator[tuple[int, SampleId] | None]:
+        """(position, id) of this rank's samples not delivered before, padded or cut at the end
+        (see :class:`~wdscache.shared.sequence.RankShare`); None while a downloading shard has no
+        more samples yet. Positions delivered before cost counts only, never payloads."""
+        yield from self.share.pairs(self._global())
+        self.pins.release_settled(self.share.settled)
+
+    def samples(self) -> Iterator[dict[str, Any]]:
+        try:
+            yield from self._pipeline()
+        except WdsCacheError:
+            self.broken = True  # the agent may be gone: do not wait for it again on the way out
+            raise
+        finally:
+            self.close()
+
+    def delivering(self, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:
+        """Yield items, counting the samples in each once the user has it (for :meth:`resume`)."""
+        for n, item in items:
+            self.delivered += n
+            yield item
+        self.complete = True
+
+    def _pipeline(self) -> Iterator[dict[str, Any]]:
+        """The rank's samples in order. A hole (a sample of a shard skipped with
+        ``on_error="skip"``) is filled with a repeat of the sample before it (of the first
+        one read, for holes before it), so every rank keeps its count."""
+        limit = self.settings.inflight or max(4, 2 * len(self.workers))
+        owned = self._owned()
+        reads = self.reads
+        by_seq = reads.by_seq
+        seq_yield = 0
+        exhausted = False
+        last: dict[str, Any] | None = None  # the latest sample read, to repeat in a hole
+        owed = 0  # holes before the first sample read
+        while True:
+            t0 = time.perf_counter()
+            stalled = False
+            if reads.reopening or reads.delayed:
+                self._recover()
+            # Reads waiting to be pinned again do not count: their samples are not here.
+            while not exhausted and len(by_seq) - reads.reopening < limit:
+                item = next(owned, _END)
+                if item is _END:
+                    exhausted = True
+                    self._flush()
+                    break
+                if item is None:
+                    # A shard still downloading has no more samples yet: send what we have
+                    # (the first sample goes out as soon as it is complete) and look again soon.
+                    stalled = True
+                    self._flush()
+                    break
+                self._add(item)
+            if seq_yield == self.seq_next and exhausted:
+                break
+            read = reads.hand_out(seq_yield)
+            if read is None:
+                self._receive(STREAM_POLL if stalled else 0.1)
+                self.stats["wait_s"] += time.perf_counter() - t0
+                self.clock.check_stall(self._waited_for)
+                continue
+            seq_yield += 1
+            self.stats["wait_s"] += time.perf_counter() - t0
+            for sample, nbytes in zip(read.samples, read.sizes):  # sizes from the reply: no pass over each sample
+                if sample is None:
+                    self.stats["repeated"] += 1
+                    if last is None:
+                        owed += 1
+                        continue
+                    sample = dict(last)
+                self.stats["samples"] += 1
+                self.stats["bytes"] += nbytes
+                yield sample
+                last = sample
+                for _ in range(owed):
+                    self.stats["samples"] += 1
+                    yield dict(last)
+                owed = 0
+            self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
+
+    def _add(self, item: Item) -> None:
+        """Batch ``item``, its shard pinned; a batch only ever holds pinned shards.
+
+        A request thus never needs more shards at once than are already pinned, so
+        consumers competing for a small budget always make progress.
+        """
+        shard = item[1][0]
+        opened = self.pins.opened
+        if shard in opened:
+            opened[shard] += 1
+        elif shard not in self.shards.skipped:
+            self.shards.open(shard)  # may flush the batch and wait, holding no pins meanwhile
+            if shard not in self.shards.skipped:
+                opened[shard] += 1
+        self.batch.append(item)  # a skipped shard's item is a hole, filled with a repeat
+        if len(self.batch) >= self.request_limit:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.batch:
+            batch, self.batch = self.batch, []
+            self._dispatch(self.reads.add(self.seq_next, batch))
+            self.seq_next += 1
+
+    # -- reads --------------------------------------------------------------------
+
+    def _dispatch(self, read: Read, direct: bool = True) -> None:
+        """Send ``read`` (with direct reads if on and ``direct``); its holes are not asked for."""
+        items, skipped = read.items, self.shards.skipped
+        # Per request, on the hot path: no skipped shard (the usual case), no filtering.
+        sent: Sequence[int] = ([i for i, (_, (shard, _)) in enumerate(items) if shard not in skipped]
+                               if skipped else range(len(items)))
+        if not sent:
+            self.reads.answer(read, [None] * len(items), [0] * len(items))
+            return
+        urls: list[str] = []
+        url_at: dict[int, int] = {}  # shard -> its place in the request's urls
+        wire = []
+        for i in sent:
+            shard, j = items[i][1]
+            if shard not in url_at:
+                url_at[shard] = len(urls)
+                urls.append(self.urls[shard])
+            wire.append([url_at[shard], j])
+        w = self.workers.next_worker()
+        direct = direct and self.pins.files is not None
+        request: dict[str, Any] = {"op": "read", "urls": urls, "items": wire}
+        if direct:
+            request["direct"] = True
+        rid = self.workers.send(w, request, "r")
+        self.reads.send(read, sent, rid, w, direct, time.monotonic())
+
+    def _drain(self) -> None:
+        """Wait for every read at a worker (their samples stay in the table).
+
+        Reads put aside for :meth:`_recover` are not waited for: that needs the agent,
+        and this is called while talking to it.
+        """
+        while self.reads.awaiting():
+            self._receive()
+            self.clock.check_stall(self._waited_for)
+
+    def _recover(self) -> None:
+        """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
+        reads, pins, shards = self.reads, self.pins, self.shards
+        shards.tell_damage()
+        while reads.reopening:
+            read = reads.in_state(ReadState.REOPEN)[0]
+            per_shard = Counter(sid[0] for _, sid in read.items if sid[0] not in shards.skipped)
+            again = set(per_shard)
+            while True:
+                waits = pins.waits
+                for shard in per_shard:
+                    shards.open(shard, again=shard in again)  # waits until cached; may raise (on_error="raise")
+                    again.discard(shard)
+                if pins.waits == waits:
+                    break  # all pinned at once (an open that had to wait let go of the others)
+            for shard, n in per_shard.items():
+                if shard not in shards.skipped:
+                    pins.opened[shard] += n
+                shards.reopened(shard)
+            self._dispatch(read)
+        now = time.monotonic()
+        stuck = [read for read in reads.in_state(ReadState.DELAYED)
+                 if read.pending_since is not None and now - read.pending_since > STATUS_EVERY]
+        if not stuck or now - self.last_status < STATUS_EVERY:
+            return
+        # Reads waiting this long on a download: is it still going?
+        self.last_status = now
+        for read in stuck:
+            if read.state is not ReadState.DELAYED:
+                continue  # an open that had to wait put it back for reopening
+            # A shard that fails here is let go; its items become holes.
+            for shard in {sid[0] for _, sid in read.items if sid[0] not in shards.skipped}:
+                shards.check_download(shard)
+
+    def _hold_nothing(self) -> None:
+        """Before an open waits: what is batched goes out (its shards are pinned) and we wait
+        for its answers; reads put off give their pins back, to be pinned again (_recover)."""
+        self._flush()
+        opened, reads, skipped = self.pins.opened, self.reads, self.shards.skipped
+        for read in reads.in_state(ReadState.DELAYED):
+            for _, (held, _) in read.items:
+                if held in opened and held not in skipped:  # as _read_failed counted them
+                    opened[held] -= 1
+            reads.reopen(read)
+        self._drain()
+
+    def _waited_for(self) -> Waited:
+        """A shard whose download this stream waits for, if any (for the progress clock)."""
+        for shard in self.pins.partial:
+            return shard, None
+        for read in self.reads.in_state(ReadState.DELAYED):
+            return read.items[0][1][0], None
+        return None, None
+
+    def _worker_call(self, header: dict[str, Any], worker: int) -> dict[str, Any]:
+        """One request to a worker; replies to our reads that arrive meanwhile are kept.
+
+        Asked again every few seconds (a restarted worker lost it) while the agent answers.
+        """
+        timeout = self.settings.timeout
+        while True:
+            rid = self.workers.send(worker, dict(header), "c")
+            self.call_replies[rid] = None
+            again = time.monotonic() + min(5.0, timeout / 2)
+            while self.call_replies[rid] is None and time.monotonic() < again:
+                self._receive()
+            reply = self.call_replies.pop(rid)
+            if reply is not None:
+                return reply
+            self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())  # raises if the agent is gone
+            if time.monotonic() - self.clock.progress_at > timeout:
+                raise AgentUnavailableError(self.settings.endpoint, timeout, "its worker did not answer")
+
+    def _receive(self, timeout: float = 0.1) -> None:
+        """Take in worker replies (waiting up to ``timeout`` for one); resend lost requests."""
+        for header, payload in self.workers.replies(timeout):
+            self._accept(header, payload)
+        now = time.monotonic()
+        reads = self.reads
+        if reads.delayed:
+            for read in reads.in_state(ReadState.DELAYED):
+                if now >= read.retry_at:
+                    self._dispatch(read)
+        patience = min(self.settings.timeout / 2, 10.0)
+        for read in reads.in_state(ReadState.SENT):
+            if now - read.sent_at > patience:
+                # The worker may have died with our request: ask another (or its replacement),
+                # unless the agent itself is gone (then this raises a clear error within the
+                # timeout, no hang).
+                self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())
+                read.resends += 1
+                if read.resends > MAX_RESENDS:
+                    url = self.urls[read.items[read.sent[0]][1][0]]
+                    raise ShardError(url, f"no worker answered {MAX_RESENDS + 1} times; a worker may die reading it")
+                log.info("request to worker %d timed out; resending", read.worker)
+                self._dispatch(read)
+
+    def _accept(self, header: dict[str, Any], payload: list[Any]) -> None:
+        """Take in a worker's (proved) reply: to a call, or to a read."""
+        if header.get("id") in self.call_replies:
+            self.call_replies[header["id"]] = header
+            return
+        read = self.reads.replied(header.get("id"))
+        if read is None:
+            return  # a late answer to a request we already sent again
+        items, direct = read.sent_items(), read.direct
+        opened = self.pins.opened
+        for _, (shard, _) in items:  # one count per item, as _add counted them
+            if shard in opened:  # (a shard that failed meanwhile is let go already)
+                opened[shard] -= 1
+        if not header.get("ok"):
+            self._read_failed(read, header)
+        else:
+            read.pending_since = None  # samples came: its download has them
+            try:
+                samples, sizes = decode_reply(header, payload, items, self.urls, zero_copy=self.settings.zero_copy,
+                                              direct=direct, files=self.pins.files)
+                self.clock.progress_at = time.monotonic()
+                self._sized(sizes)
+                if len(items) < len(read.items):  # holes where a skipped shard's items were
+                    samples, sizes = with_holes(samples, sizes, read.sent, len(read.items))
+                self.reads.answer(read, samples, sizes)
+                if direct:
+                    self.stale = 0
+            except OSError as exc:  # from a direct read only
+                self._direct_read_failed(exc)
+                for _, (shard, _) in items:
+                    if shard in opened:
+                        opened[shard] += 1  # still pinned: asked again, its bytes sent this time
+                self._dispatch(read, direct=False)
+                return
+        for shard in {sid[0] for _, sid in items}:
+            self.pins.release(shard)
+
+    def _direct_read_failed(self, exc: OSError) -> None:
+        """A read of the cache files failed: one file replaced meanwhile costs that read only;
+        anything else (or files replaced read after read) means we cannot read the cache
+        files, so the workers send the bytes from now on, and the loader is told."""
+        self.stale += isinstance(exc, StaleFile)
+        if self.pins.files is not None and (not isinstance(exc, StaleFile) or self.stale >= MAX_STALE):
+            why = str(exc)  # the message, not the exception: it holds frames
+            self.session.direct_failed(why)
+            log.warning("cannot read the cache files directly (%s); the workers send the bytes instead", why)
+            self.pins.stop_direct()
+
+    def _read_failed(self, read: Read, header: dict[str, Any]) -> None:
+        items, kind = read.items, header.get("kind")
+        if kind == "refused":  # not a shard's fault: never skipped
+            raise NotTrustedError(f"a worker of the agent at {self.settings.endpoint} refused this consumer "
+                                  f"(if the agent restarted meanwhile, start the epoch again): {header.get('error')}")
+        if kind == "missing":
+            # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
+            # which needs the agent, so not here (we may be inside a request to it): see _recover.
+            self.reads.reopen(read)
+            return
+        opened = self.pins.opened
+        if kind == "pending":
+            # Read from a download that started over and has not got this far again yet.
+            now = time.monotonic()
+            for _, (shard, _) in read.sent_items():
+                if shard in opened:
+                    opened[shard] += 1
+            self.reads.delay(read, now + PENDING_RETRY, now)
+            return
+        read_shards = {self.urls[sid[0]]: sid[0] for _, sid in read.sent_items()}
+        shard = read_shards.get(str(header.get("url")))
+        if shard is None:  # not one shard's fault (a bad request, a worker's bug): the whole read
+            exc = shard_error(self.urls[read.sent_items()[0][1][0]], header)
+            if self.settings.on_error == "raise":
+                raise exc
+            log.warning("skipping %d samples: %s", len(items), exc)
+            self.reads.answer(read, [None] * len(items), [0] * len(items))
+            return
+        exc = shard_error(self.urls[shard], header)
+        if kind == "corrupt" and self.shards.found_damaged(shard, exc):
+            # The read goes again once the shard is opened again, from a new copy (_recover).
+            self.reads.reopen(read)
+            return
+        self.shards.failed(shard, exc)  # raises with on_error="raise"
+        for _, (other, _) in read.sent_items():
+            if other in opened:
+                opened[other] += 1
+        self._dispatch(read)  # the other shards' samples again; this one's are holes
+
+    def _sized(self, sizes: list[int]) -> None:
+        """Size the next requests by the payload per sample of the latest replies (about
+        REQUEST_BYTES each): larger samples count at once, smaller ones as the estimate decays."""
+        if sizes:
+            self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
+            self.request_limit = max(1, min(self.settings.request_size, int(REQUEST_BYTES // self.per_sample)))
+
+    # -- reports and cleanup -----------------------------------------------------
+
+    def _figures(self) -> dict[str, Any]:
+        """What a report tells of this stream (read from the reporter's thread: a snapshot of
+        numbers, each read at once)."""
+        stats = self.stats
+        return {"position": self.progress, "samples": stats["samples"], "bytes": stats["bytes"],
+                "wait_s": round(stats["wait_s"], 3)}
+
+    def close(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.pins.stop_direct()  # before bye lets go of our pins
+        self.reporter.stop()
+        try:
+            if not self.broken:
+                self.shards.await_counts()
+            self.conn.request({"op": "bye", "reader": self.name}, timeout=0.5 if self.broken else 2.0)
+        except AgentUnavailableError:
+            pass
+        self.conn.close()
+        self.workers.close()
+
+
+class Reporter:
+    """Tells the agent how a stream goes, every REPORT_EVERY seconds, for its stats: ``base``
+    (the report's op and who sends it) with ``figures()`` and the sample rate. From a
+    thread of its own with its own connection (ZeroMQ sockets belong to one thread)."""
+
+    def __init__(self, connect: Callable[[float], AgentConnection], base: dict[str, Any],
+                 figures: Callable[[], dict[str, Any]]) -> None:
+        self.connect, self.base, self.figures = connect, base, figures
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="wdscache-report", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        conn = self.connect(REPORT_TIMEOUT)
+        last = (time.monotonic(), 0)
+        try:
+            while not self._stop.wait(REPORT_EVERY):
+                figures = self.figures()
+                now, n = time.monotonic(), figures["samples"]
+                rate = (n - last[1]) / (now - last[0])
+                last = (now, n)
+                try:
+                    conn.request({**self.base, **figures, "rate": round(rate, 1)})
+                except AgentUnavailableError:
+                    continue
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(REPORT_EVERY + REPORT_TIMEOUT + 1.0)
+
+
+def same_directory(hello: dict[str, Any]) -> bool:
+    """True when the agent's cache directory, as it names it, is the one we see at that path
+    (same device and inode): not so for an agent on another machine, or in another container
+    whose socket or port was shared with us."""
+    path, root = hello.get("cache_dir"), hello.get("cache_root")
+    if not (isinstance(path, str) and os.path.isabs(path) and "\0" not in path and isinstance(root, list)):
+        return False
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return [st.st_dev, st.st_ino] == root
+
+
+

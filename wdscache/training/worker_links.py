@@ -1,0 +1,96 @@
+"""A training process's sockets to the agent's sample workers (one DEALER each), for one
+epoch stream: requests go out proved, and replies come in only proved.
+
+Every request carries ``auth``, the proof of its id under that worker's key (the worker
+refuses a request without it), and every reply must carry ``proof``, the proof of the id it
+answers (see :mod:`wdscache.shared.protocol`). A reply without it is dropped before anything of it
+is used, as if lost (the request is sent again in time), and warned of once: another process
+may hold that worker's port. Request ids are unique within the links (their own sockets).
+
+The links belong to the thread that made them, as ZeroMQ sockets do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Iterator, Sequence
+
+import zmq
+
+from ..shared.errors import ProtocolError
+from ..shared.protocol import WorkerProofs, pack, same_secret, unpack
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLinks:
+    """Sockets to the workers at ``endpoints``, whose keys are ``keys`` (in the same order)."""
+
+    def __init__(self, endpoints: Sequence[str], keys: Sequence[str]) -> None:
+        self.endpoints = list(endpoints)
+        self.proofs = [WorkerProofs(key) for key in keys]
+        self.ctx = zmq.Context()
+        self.sockets = [self._connect(ep) for ep in self.endpoints]
+        self.poller = zmq.Poller()
+        for sock in self.sockets:
+            self.poller.register(sock, zmq.POLLIN)
+        self._turns = itertools.count()
+        self._ids = itertools.count()
+        self._warned = False
+
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        return sock
+
+    def __len__(self) -> int:
+        return len(self.sockets)
+
+    def next_worker(self) -> int:
+        """The worker whose turn it is (round robin)."""
+        return next(self._turns) % len(self.sockets)
+
+    def send(self, worker: int, request: dict[str, Any], kind: str) -> str:
+        """Send ``request`` to ``worker`` with a new id (``kind`` and a number) and its proof;
+        returns the id."""
+        rid = f"{kind}{next(self._ids)}"
+        request["id"] = rid
+        request["auth"] = self.proofs[worker].request(rid)
+        self.sockets[worker].send_multipart(pack(request))
+        return rid
+
+    def replies(self, timeout: float) -> Iterator[tuple[dict[str, Any], list[Any]]]:
+        """The proved replies that arrived (header and payload frames), waiting up to
+        ``timeout`` seconds for the first."""
+        events = dict(self.poller.poll(int(timeout * 1000)))
+        for w, sock in enumerate(self.sockets):
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                reply = self._proved(frames, w)
+                if reply is not None:
+                    yield reply
+
+    def _proved(self, frames: list[Any], worker: int) -> tuple[dict[str, Any], list[Any]] | None:
+        try:
+            header, payload = unpack(frames)
+            if same_secret(header.get("proof"), self.proofs[worker].reply(header.get("id"))):
+                return header, payload
+        except ProtocolError:
+            pass
+        if not self._warned:
+            self._warned = True
+            log.warning("a reply from %s without the worker's proof was dropped: another process may hold "
+                        "that port", self.endpoints[worker])
+        return None
+
+    def close(self) -> None:
+        for sock in self.sockets:
+            sock.close(0)
+        self.ctx.term()
