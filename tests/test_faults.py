@@ -294,7 +294,7 @@ def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset
                                                          for p in partial_files(cache))
 
     wait_for(mid_download, 20, lambda: f"never one shard cached and one half-way\n{first.stderr_tail()}")
-    children = wait_for(lambda: (lambda c: c if len([p for p in c if "wdscache.agent.pool" in cmdline(p)]) == 2 else None)(
+    children = wait_for(lambda: (lambda c: c if len([p for p in c if "wdscache.agent.worker" in cmdline(p)]) == 2 else None)(
         children_of(first.pid)), 10, lambda: f"the agent's 2 workers not found: {children_of(first.pid)}")
     first.proc.send_signal(signal.SIGKILL)
     assert first.proc.wait(10) == -signal.SIGKILL

@@ -67,7 +67,7 @@ def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start
 def test_a_worker_imports_only_what_serving_needs() -> None:
     # The package's names resolve on first use, so a worker process does not carry the
     # loader, the agent or the command line (memory the agent's budget counts).
-    code = "import json, sys, wdscache.agent.pool; print(json.dumps([m for m in sys.modules if m.startswith('wdscache')]))"
+    code = "import json, sys, wdscache.agent.worker; print(json.dumps([m for m in sys.modules if m.startswith('wdscache')]))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout)
@@ -76,7 +76,7 @@ def test_a_worker_imports_only_what_serving_needs() -> None:
 
 def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(tmp_path, shard_server, dataset,
                                                                             start_agent):
-    from wdscache.agent.pool import GATHER_BELOW
+    from wdscache.agent.worker import GATHER_BELOW
 
     small = dataset(1, samples=12, payload=3000, prefix="small")
     # payloads vary by up to 10% around the size asked for: each sample is a long run
@@ -107,7 +107,7 @@ def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(tmp_p
 
 
 def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
-    from wdscache.agent import pool
+    from wdscache.agent import worker as pool
 
     class Holder:
         def __init__(self) -> None:

@@ -35,8 +35,8 @@ def cmdline(pid: int) -> str:
 
 def worker_pids(agent_pid: int) -> list[int]:
     """The agent's sample workers: the children :class:`wdscache.agent.pool.WorkerPool` starts as
-    ``python -c _BOOT ...``, a command line that imports ``wdscache.agent.pool``."""
-    return sorted(p for p in children_of(agent_pid) if "wdscache.agent.pool" in cmdline(p))
+    ``python -c _BOOT ...``, a command line that imports ``wdscache.agent.worker``."""
+    return sorted(p for p in children_of(agent_pid) if "wdscache.agent.worker" in cmdline(p))
 
 
 def alive(pid: int, starttime: str) -> bool:

@@ -1,7 +1,7 @@
 """Direct reads: a consumer copies payloads from the agent's cache files itself.
 
 A worker answering a read with ``direct`` names the runs of a published shard as
-byte ranges of its cache file (see :mod:`wdscache.agent.pool`) instead of sending them.
+byte ranges of its cache file (see :mod:`wdscache.agent.worker`) instead of sending them.
 :class:`CacheFiles` opens those files in the consumer and reads each payload with
 ``pread`` into a new ``bytes``: one copy per payload byte, straight from the page
 cache, where streaming costs three (into the socket, out of it, into ``bytes``).

@@ -1,7 +1,7 @@
 """Decoding a worker's answer to a read, in the training process: a pure function of the
 reply's header and frames, the items asked for and, for direct reads, a file reader.
 
-A reply (see :mod:`wdscache.agent.pool`) carries, per item asked for, its key, its member
+A reply (see :mod:`wdscache.agent.worker`) carries, per item asked for, its key, its member
 extensions and a span: the index of the frame that holds it, then an offset and a size per
 extension. With direct reads some "frames" are byte ranges of the agent's cache files,
 named by the header's ``files`` and read here through the injected reader (a

@@ -1,0 +1,597 @@
+"""A sample worker: one process that reads cached shards and answers consumers' reads.
+
+A worker serves two requests (JSON headers, see :mod:`wdscache.shared.protocol`), each
+only with the proof of its id under the worker's key for the agent's run (``"auth"``:
+:func:`~wdscache.shared.protocol.request_proof` with :func:`~wdscache.shared.protocol.worker_key`,
+which only holders of the cache directory's token can make; the agent gives the key
+to the worker on its stdin). A request without it gets ``{"ok": false, "kind":
+"refused", "error": ...}`` and nothing else: no file is opened for it. Every reply,
+that one too, carries ``"proof"``: :func:`~wdscache.shared.protocol.reply_proof` of its id,
+which the consumer checks before it uses anything of the reply::
+
+    {"op": "read", "id": n, "auth": a, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
+        -> {"op": "samples", "id": n, "proof": p, "ok": true, "keys": [...], "exts": [[...], ...],
+            "spans": [[frame, offset, size, offset, size, ...], ...],
+            "files": [[k, offset, size, dev, inode, file size, mtime_ns], ...]}
+           followed by frames of raw shard bytes: each sample's fields lie in frame
+           ``frame`` at the given offsets, one (offset, size) per extension. Samples
+           adjacent in their shard share a run of bytes (within MERGE_GAP; within
+           DIRECT_GAP for a file range, whose gaps the consumer never reads). A run
+           of GATHER_BELOW bytes or more is a frame of its own (zero-copy from the
+           mapped shard); the shorter ones are copied together into one frame (the
+           first) while the worker's copy budget lasts, so that a scattered read, as a
+           shuffled epoch makes, costs one frame rather than one per sample.
+           With ``direct`` (a consumer that sees the agent's cache directory), the runs
+           of a published, uncompressed shard are not sent at all: ``files`` (absent
+           when empty) names each as a byte range of the cache file of ``urls[k]``,
+           with the identity of the file the worker opened
+           (:func:`~wdscache.shared.layout.file_identity`), and frame numbers past the last frame
+           sent name them, in order. The consumer copies those payloads from the page
+           cache itself (:mod:`wdscache.training.direct`): one copy per byte, where a frame costs
+           three (into the socket, out of it, into ``bytes``)
+    {"op": "scan", "id": n, "auth": a, "url": u, "partial": bool}
+        -> {"op": "scanned", "id": n, "proof": p, "ok": true, "count": c, "final": bool}
+
+It resolves a URL to its cache file itself (the name derives from the URL, so a
+request cannot name a file outside the cache). A file under ``shards/`` is
+complete by construction; while there is none, a shard being downloaded is read
+from its partial file (:class:`~wdscache.agent.growing.GrowingShard`), only its complete
+samples and never beyond the bytes written, so a reader need not wait for the
+whole shard. ``scan`` with ``partial`` then answers the samples complete so far
+with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
+"corrupt" | "pending" | "protocol", "error": ...}``; "pending" means the sample is
+not in the partial file now (its download started over): ask again shortly.
+
+A worker that finds a published shard damaged (a bad tar header) reports it to the agent
+with the identity of the file it read, and the agent downloads that copy once more, or
+fails the shard if the copy it downloaded again is damaged too.
+
+A worker that walked a published shard's headers reports the table it found to the
+agent, which passes it on to the other workers: each shard is walked once, not once
+per worker (the agent asks one worker to walk it ahead). The report carries a secret
+the agent gave its workers on their stdin, so no other peer can hand a worker a table;
+the one receiving it checks it against the file it has (same identity, every payload
+inside it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from ..shared.errors import ProtocolError, ShardError
+from ..shared.layout import CacheLayout
+from ..shared.malloc import tune_malloc
+from ..shared.protocol import WorkerProofs, field, pack, same_secret, unpack
+from .growing import GrowingShard, NotYet
+from .sampletable import PackedSamples, SampleTables, placed
+from ..shared.layout import file_identity
+from .shardview import ShardView, open_shard
+
+log = logging.getLogger(__name__)
+
+OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RSS until dropped
+# Samples whose place a worker remembers after their shard's view is closed (about 100 bytes
+# each): each epoch would otherwise walk every tar header again, half a worker's time on
+# warm 110 KB samples.
+INDEX_SAMPLES = 250_000
+INDEX_AHEAD = 64  # published shards a worker may have still to walk ahead of their reads
+REPORT_EVERY = 1.0
+MAX_ITEMS = 4096
+DROP_EVERY = 0.005  # seconds between drops of served shard pages from a worker's RSS
+SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still holds open
+# Samples this close in a shard go in one run, the tar headers between them too: enough
+# for the headers between consecutive samples, too little to carry another rank's samples
+# along unless they are tiny.
+MERGE_GAP = 2048
+# For a consumer that reads the file itself a run is only a range: the bytes between its
+# samples cost it nothing, so ranges this close are merged (a rank of four, reading blocks of
+# 8 samples of 1 KB, then gets one range per shard and reply instead of one per block).
+DIRECT_GAP = 1 << 20
+# Runs shorter than this are copied into one frame per reply, at most GATHER_MAX bytes of
+# them; the rest go zero-copy. pyzmq copies a frame under 64 KiB itself, but releases each
+# larger zero-copy frame through its garbage-collector thread (an inproc message and a
+# dict operation under the GIL): with one frame per 110 KB sample of a shuffled read, a
+# worker's CPU per GB doubled. Copying a run this short costs less; a longer one goes zero-copy.
+GATHER_BELOW = 256 << 10
+GATHER_MAX = 8 << 20
+# Copied bytes a worker may have handed to ZeroMQ and not yet seen sent. Copies are private
+# memory (a mapped shard's pages are the kernel's to reclaim): past this, runs go zero-copy,
+# so neither slow consumers nor a peer that never reads can make a worker's memory grow.
+GATHER_BUDGET = 32 << 20
+# A walked table larger than this is not passed on (the agent takes messages up to 1 MiB):
+# about 7,000 samples of three fields; each worker walks a bigger shard itself.
+SHARE_MAX = 768 << 10
+REFUSED = ("refused: this worker serves only consumers that hold the agent's token "
+           "(CACHE_DIR/token, readable by the cache directory's owner only); use CachedMultiLoader as that user")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    index: int
+    endpoint: str
+    cache_dir: str
+    control: str  # the agent's endpoint, for reports
+    parent: int
+
+
+def _die_with_parent(parent: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the getppid() check in the loop still ends us
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, secret: str, key: str, serve_key: str) -> None:
+        self.spec = spec
+        self.secret = secret
+        self.key = key  # for our reports to the agent
+        self.proofs = WorkerProofs(serve_key)  # what a consumer's request to us, and our reply, carry
+        self.layout = CacheLayout.of(spec.cache_dir)
+        self.stop = False
+        self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
+        self.index = SampleTables(INDEX_SAMPLES)
+        self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
+        # Mapped shards served from lately, each with the ranges of it we copied (tracker None)
+        # or that ZeroMQ may still be sending ((tracker, start, end)). Their pages must leave
+        # our RSS, else a worker would keep every shard it served resident, up to OPEN_SHARDS
+        # of them. ZeroMQ's I/O thread faults in what it sends, with many consumers tens of
+        # ms after we hand it over: so a frame's pages are dropped once it has gone (not
+        # before: they would only be faulted in again), a copied range at the next drop, and
+        # the whole shard once none of its frames is left.
+        self.served: dict[Any, list[tuple[zmq.MessageTracker | None, int, int]]] = {}
+        self.copies: list[tuple[zmq.MessageTracker, int]] = []  # replies' copied frames not yet sent
+        self._last_drop = self._last_sweep = time.monotonic()
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        if spec.endpoint.startswith("ipc://"):
+            Path(spec.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+        self.sock.bind(spec.endpoint)
+        if spec.endpoint.startswith("ipc://"):
+            os.chmod(spec.endpoint[len("ipc://"):], 0o600)
+        self.report = self.ctx.socket(zmq.DEALER)
+        self.report.setsockopt(zmq.LINGER, 0)
+        self.report.setsockopt(zmq.SNDHWM, 100)
+        self.report.connect(spec.control)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.report, zmq.POLLIN)
+        # Shards the agent just published: walked while no request waits, so that the first
+        # read of a shard downloaded ahead does not wait for a walk of its headers.
+        self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
+        self.busy = 0.0
+        self.requests = self.samples = self.bytes = 0
+        self.walked = self.adopted = 0  # shards walked here; tables taken from another worker
+        self._last_report = 0.0  # report at once: the agent learns where to send its hints
+
+    def step(self) -> None:
+        self._drop_served()
+        # How long to wait for a request depends on the work due without one: shards to
+        # index; served pages to drop (ZeroMQ goes on sending, and faulting in, queued
+        # frames after we stop handling); open files to sweep.
+        if self.to_index:
+            idle = 0.0  # shards to index: only a look for requests first
+        elif self.served:
+            idle = DROP_EVERY
+        elif self.views or self.growing:
+            idle = SWEEP_EVERY  # files held open: look for evicted ones on time
+        else:
+            idle = 0.1
+        ready = dict(self.poller.poll(idle * 1000))
+        if self.report in ready:
+            self._take_hints()
+        if self.sock in ready:
+            for _ in range(64):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                t0 = time.perf_counter()
+                self._handle(frames[0], frames[1:])
+                self.busy += time.perf_counter() - t0
+        elif self.to_index:
+            self._index_ahead()
+        now = time.monotonic()
+        if now - self._last_report >= REPORT_EVERY:
+            self._last_report = now
+            self._send_report({"op": "worker", "index": self.spec.index, "busy_s": round(self.busy, 3),
+                               "requests": self.requests, "samples": self.samples, "bytes": self.bytes,
+                               "indexed": len(self.index), "walked": self.walked, "adopted": self.adopted})
+            if os.getppid() != self.spec.parent:
+                self.stop = True
+
+    def _drop_served(self) -> None:
+        if time.monotonic() - self._last_drop < DROP_EVERY:
+            return
+        self._last_drop = time.monotonic()
+        for view, frames in list(self.served.items()):
+            gone, sending = [], []
+            for frame in frames:
+                (sending if frame[0] is not None and not frame[0].done else gone).append(frame)
+            if not sending:  # one call for all of it (a shuffled read copies many scattered runs)
+                view.drop_pages(0, len(view.data))
+                del self.served[view]
+                continue
+            for _, start, end in gone:
+                view.drop_pages(start, end)
+            self.served[view] = sending
+        if self._last_drop - self._last_sweep >= SWEEP_EVERY:
+            self._last_sweep = self._last_drop
+            self._sweep()
+
+    def _sweep(self) -> None:
+        """Let go of files evicted or replaced: an open descriptor or mapping would keep a
+        deleted shard's disk space in use, and the agent counts on getting it back."""
+        for url, growing in list(self.growing.items()):
+            if not growing.current():  # published or abandoned: give its descriptor back
+                self.growing.pop(url).close()
+        for url, (identity, _) in list(self.views.items()):
+            try:
+                gone = file_identity(os.stat(self.layout.shard_path(url))) != identity
+            except OSError:
+                gone = True
+            if gone:
+                self.index.discard(url)
+                # Dropped, not closed: frames still queued in ZeroMQ may point into its mapping,
+                # which goes once they are sent.
+                view = self.views.pop(url)[1]
+                self.served.pop(view, None)
+
+    def _take_hints(self) -> None:
+        while True:
+            try:
+                header, payload = unpack(self.report.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except ProtocolError:
+                continue  # only the agent talks on this socket; a bad hint is not worth more
+            url = header.get("url")
+            if header.get("op") == "index" and isinstance(url, str):
+                self.to_index.append(url)
+            elif header.get("op") == "walked" and isinstance(url, str):
+                self._adopt(url, header, payload)
+
+    def _adopt(self, url: str, header: dict[str, Any], frames: list[bytes]) -> None:
+        """Take the table another worker walked, if it is of the file we see now."""
+        try:
+            identity = file_identity(os.stat(self.layout.shard_path(url)))
+            if header.get("identity") != list(identity) or self.index.get(url, identity) is not None:
+                return  # replaced or gone since, or walked here too
+            samples = PackedSamples.from_parts(header.get("layouts"), frames, identity[2])
+        except OSError:
+            return  # evicted meanwhile
+        except ValueError as exc:  # a bug of ours: the walk is done here when first needed
+            log.warning("worker %d: a table passed on for %s was not taken: %s", self.spec.index, url, exc)
+            return
+        self.index.put(url, identity, samples)
+        self.adopted += 1
+        if url in self.to_index:
+            self.to_index.remove(url)
+
+    def _open(self, path: Path, url: str, growing: GrowingShard | None) -> Any:
+        """Open the shard at ``path``; a table walked here (not in the index before) is
+        reported, for the agent to pass on to the other workers."""
+        identity = file_identity(os.stat(path))
+        known = self.index.get(url, identity) is not None
+        try:
+            view = open_shard(path, url=url, growing=growing, tables=self.index)
+        except ShardError as exc:
+            # A published file is whole and was checked, so it was damaged on disk (or its
+            # source is bad): the agent fetches it once more, or fails it. The identity says
+            # which copy we read, so a report about a copy replaced since changes nothing.
+            self._send_report({"op": "damaged", "url": url, "identity": list(identity), "error": str(exc)})
+            raise
+        samples = None if known else self.index.get(url, identity)
+        if isinstance(samples, PackedSamples):
+            self.walked += 1
+            layouts, frames = samples.parts()
+            header = {"op": "walked", "secret": self.secret, "key": self.key, "url": url,
+                      "identity": list(identity), "layouts": layouts}
+            if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
+                try:  # not _send_report: frames too
+                    self.report.send_multipart(pack(header, *frames), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the others walk it themselves
+        return view
+
+    def _index_ahead(self) -> None:
+        """Walk the next shard the agent just published, so that its samples are known
+        before it is read (only the rest, if a view of its download walked the start).
+        Only the index keeps it: the views open for reads stay as they are."""
+        url = self.to_index.popleft()
+        if url in self.views:
+            return  # open already
+        t0 = time.perf_counter()
+        growing = self.growing.pop(url, None)
+        try:
+            self._open(self.layout.shard_path(url), url, growing).close()
+        except (OSError, ShardError):
+            pass  # evicted meanwhile, or damaged: a read will say so to whoever asks
+        except Exception:  # speculative work must never take the worker down
+            log.exception("worker %d: error indexing %s ahead", self.spec.index, url)
+        finally:
+            if growing is not None:
+                growing.close()
+            self.busy += time.perf_counter() - t0
+
+    def _send_report(self, header: dict[str, Any]) -> None:
+        try:
+            self.report.send_multipart(pack({**header, "secret": self.secret, "key": self.key}), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # reports are advisory; never block serving on them
+
+    def _handle(self, ident: bytes, body: list[bytes]) -> None:
+        rid = None
+        try:
+            header, _ = unpack(body)
+            rid = header.get("id")
+            op = header["op"]
+            if not same_secret(header.get("auth"), self.proofs.request(rid)):
+                self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "refused", "error": REFUSED})
+            elif op == "read":
+                self._read(ident, header)
+            elif op == "scan":
+                self._scan(ident, rid, field(header, "url", str), field(header, "partial", bool, False))
+            else:
+                raise ProtocolError(f"unknown op {op!r}")
+        except FileNotFoundError as exc:
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "missing", "error": str(exc)})
+        except NotYet as exc:
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "pending", "error": str(exc)})
+        except ShardError as exc:
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "corrupt", "error": str(exc),
+                                "reason": exc.reason, "offset": exc.offset, "url": exc.url})
+        except ProtocolError as exc:
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol", "error": str(exc)})
+        except Exception as exc:  # one bad request must never take the worker down
+            log.exception("worker %d: error serving a request", self.spec.index)
+            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol",
+                                "error": f"internal error: {type(exc).__name__}"})
+
+    def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
+        try:
+            count, final = len(self._view(url).samples), True
+            self._send_report({"op": "counted", "url": url, "samples": count})
+        except FileNotFoundError:
+            if not partial:
+                raise
+            try:
+                count, final = len(self._growing(url, refresh=True).samples), False
+            except FileNotFoundError:
+                count, final = 0, False  # not started yet, just published, or failed: ask again
+        self._reply(ident, {"op": "scanned", "id": rid, "ok": True, "count": count, "final": final})
+
+    def _read(self, ident: bytes, header: dict[str, Any]) -> None:
+        urls = field(header, "urls", list)
+        items = field(header, "items", list)
+        direct = field(header, "direct", bool, False)
+        if len(items) > MAX_ITEMS or not all(isinstance(u, str) for u in urls):
+            raise ProtocolError("bad read request")
+        keys: list[str] = []
+        exts: list[tuple[str, ...]] = []
+        spans: list[list[int]] = []
+        # Runs of bytes: (a mapped ShardView or a bytes block, start, end). Samples next to
+        # each other in a shard share a run, so a request read in archive order costs one
+        # run, not one per field; _frames makes the runs into frames.
+        runs: list[tuple[Any, int, int]] = []
+        views = []
+        files: dict[Any, list[int]] = {}  # published plain shards the consumer reads: [url index, *identity]
+        for k, url in enumerate(urls):  # once per shard, not per sample
+            view = self._readable(url)
+            views.append(view)
+            if direct and isinstance(view, ShardView):
+                files[view] = [k, *view.identity]
+        nbytes = 0
+        for item in items:  # per sample: kept to a few C-level calls (see PackedSamples.placed)
+            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and type(item[1]) is int):
+                raise ProtocolError("read items must be [url index, sample index] pairs")
+            k, j = item
+            if not 0 <= k < len(urls):
+                raise ProtocolError("read item names no URL")
+            view = views[k]
+            if isinstance(view, GrowingShard):
+                if j >= len(view.samples):
+                    view.refresh()
+                if not 0 <= j < len(view.samples):
+                    raise NotYet(f"{urls[k]} has no complete sample {j} yet")
+                span, block, first = view.read(j)
+                key, names, place = placed((span,), 0)
+                runs.append((block, first, first + len(block)))
+            else:
+                if not 0 <= j < len(view.samples):
+                    raise ProtocolError(f"{urls[k]} has no sample {j}")
+                key, names, place = placed(view.samples, j)
+                first, end = place[0], place[-2] + place[-1]
+                gap = DIRECT_GAP if view in files else MERGE_GAP
+                if runs and runs[-1][0] is view and 0 <= first - runs[-1][2] <= gap:
+                    runs[-1] = (view, runs[-1][1], end)
+                else:
+                    runs.append((view, first, end))
+            base = runs[-1][1]
+            place[0::2] = [offset - base for offset in place[0::2]]
+            place.insert(0, len(runs) - 1)
+            spans.append(place)
+            keys.append(key)
+            exts.append(names)
+            nbytes += sum(place[2::2])
+        self.bytes += nbytes
+        self.copies = [(tracker, n) for tracker, n in self.copies if not tracker.done]
+        room = GATHER_BUDGET - sum(n for _, n in self.copies)
+        frames, ranges = self._frames(runs, spans, min(GATHER_MAX, room), files)
+        if frames and isinstance(frames[0], zmq.Frame):
+            self.copies.append((frames[0].tracker, len(frames[0])))
+        self.requests += 1
+        self.samples += len(items)
+        reply = {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts, "spans": spans}
+        if ranges:
+            reply["files"] = ranges
+        self._reply(ident, reply, frames)
+        self._drop_served()  # after the send, in which pyzmq copies (so maps in) the small frames
+
+    def _zero_copy(self, view: Any, start: int, piece: memoryview) -> Any:
+        """``piece`` (at ``start`` in ``view``) as a frame sent from the mapping, tracked until
+        it has gone (see ``served``)."""
+        if len(piece) < zmq.COPY_THRESHOLD:
+            self.served[view].append((None, start, start + len(piece)))  # pyzmq copies it as we send
+            return piece
+        frame = zmq.Frame(piece, copy=False, track=True)
+        self.served[view].append((frame.tracker, start, start + len(piece)))
+        return frame
+
+    def _frames(
+        self, runs: list[tuple[Any, int, int]], spans: list[list[int]], room: int, files: dict[Any, list[int]]
+    ) -> tuple[list[Any], list[list[int]]]:
+        """The reply's frames and file ranges for ``runs``.
+
+        Runs of ``files`` (views the consumer reads itself) become file ranges; short runs
+        (two or more) are copied together, up to ``room`` bytes, into the first frame (a
+        tracked :class:`zmq.Frame`); the others go as they are (zero-copy, unless pyzmq
+        copies a small one itself). ``spans`` (``[run, offset
+        in run, size, ...]``) are made to name frames (file ranges after them) and offsets.
+        """
+        frames: list[Any] = []
+        ranges: list[list[int]] = []
+        short: list[Any] = []
+        copied = 0
+        where: list[tuple[str, int]] = []  # run -> ("frame", number), ("file", number) or ("short", offset)
+        for source, start, end in runs:
+            mapped = not isinstance(source, bytes)  # else a block of a download: already a copy
+            ref = files.get(source) if mapped and files else None
+            if ref is not None:
+                where.append(("file", len(ranges)))
+                ranges.append([ref[0], start, end - start, *ref[1:]])  # never touched here
+                continue
+            piece = source.data[start:end] if mapped else source
+            if mapped:
+                self.served.setdefault(source, [])  # its pages are mapped in as we copy or send
+            if len(piece) < GATHER_BELOW and copied + len(piece) <= room:
+                where.append(("short", copied))
+                short.append((source if mapped else None, start, piece))
+                copied += len(piece)
+            else:
+                where.append(("frame", len(frames)))
+                frames.append(self._zero_copy(source, start, piece) if mapped else piece)
+        if len(short) == 1:  # nothing to save by copying: it goes as it is
+            where = [("frame", len(frames)) if kind == "short" else (kind, n) for kind, n in where]
+            source, start, piece = short[0]
+            frames.append(piece if source is None else self._zero_copy(source, start, piece))
+        elif short:
+            # Tracked: the copy counts against the budget until ZeroMQ has sent it.
+            frames.insert(0, zmq.Frame(b"".join(piece for _, _, piece in short), track=True))
+            for source, start, piece in short:
+                if source is not None:  # copied from the mapping: its pages can go at the next drop
+                    self.served[source].append((None, start, start + len(piece)))
+        first = {"frame": int(len(short) > 1), "file": len(frames)}
+        for span in spans:
+            kind, n = where[span[0]]
+            span[0], base = (0, n) if kind == "short" else (first[kind] + n, 0)
+            if base:
+                for i in range(1, len(span), 2):
+                    span[i] += base
+        return frames, ranges
+
+    def _view(self, url: str) -> Any:
+        """The cached shard's view; FileNotFoundError while it is not (or no longer) cached."""
+        path = self.layout.shard_path(url)
+        identity = file_identity(os.stat(path))  # FileNotFoundError: evicted or never cached
+        cached = self.views.get(url)
+        if cached is not None and cached[0] == identity:
+            self.views.move_to_end(url)
+            return cached[1]
+        growing = self.growing.pop(url, None)
+        try:
+            # Neither what its download showed nor a shard opened before is walked again.
+            view = self._open(path, url, growing)
+        finally:
+            if growing is not None:
+                growing.close()  # its payloads went out as copies
+        # The identity of the file opened, not of the path a moment before: a reply names it.
+        self.views[url] = (view.identity, view)
+        while len(self.views) > OPEN_SHARDS:
+            # Dropped, not closed: frames still queued in ZeroMQ may point into its mmap.
+            self.views.popitem(last=False)
+        return view
+
+    def _growing(self, url: str, *, refresh: bool) -> GrowingShard:
+        """The shard's download so far; FileNotFoundError when none is under way.
+
+        A view whose file was replaced (a new download), published or removed is not
+        used again: it could hold another version's bytes, and its descriptor would
+        keep a deleted file's disk space.
+        """
+        view = self.growing.get(url)
+        if view is not None and not view.current():
+            self.growing.pop(url).close()
+            view = None
+        if view is None:
+            view = self.growing[url] = GrowingShard(self.layout.partial_path(url), url=url)
+            refresh = True
+            while len(self.growing) > OPEN_SHARDS:
+                self.growing.popitem(last=False)[1].close()
+        self.growing.move_to_end(url)
+        if refresh:
+            view.refresh()
+        return view
+
+    def _readable(self, url: str) -> Any:
+        """The cached shard, or else its download so far."""
+        try:
+            return self._view(url)
+        except FileNotFoundError:
+            return self._growing(url, refresh=False)
+
+    def _reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] = ()) -> None:
+        header["proof"] = self.proofs.reply(header.get("id"))  # every reply, so a consumer can tell ours
+        try:
+            self.sock.send_multipart([ident, *pack(header), *frames], zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.warning("worker %d: dropped a reply to a consumer that does not read", self.spec.index)
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.report.close(0)
+        self.ctx.term()
+
+
+def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_key: str) -> None:
+    """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
+    _die_with_parent(spec.parent)
+    # Copied replies come and go at up to GATHER_MAX each. glibc's own thresholds adapt to
+    # that size but still trim the heap, and fault it in again, as they come and go: shuffled
+    # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.
+    tune_malloc()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
+    worker = _Worker(spec, secret, key, serve_key)
+    os.write(ready_fd, b"r")
+    os.close(ready_fd)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop", True))
+    try:
+        while not worker.stop:
+            worker.step()
+    finally:
+        worker.close()
+
+
+def main(argv: list[str]) -> None:
+    """``python -c _BOOT SYS_PATH SPEC READY_FD``, the secret and the keys on stdin: how :class:`WorkerPool`
+    starts a worker."""
+    secret, key, serve_key = (sys.stdin.readline().strip() for _ in range(3))
+    worker_main(WorkerSpec(**json.loads(argv[1])), int(argv[2]), secret, key, serve_key)
