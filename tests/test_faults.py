@@ -349,7 +349,7 @@ def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_complete
     text = victim.log.read_text(errors="replace")
     assert rc != 0, f"the consumer exited {rc} without its agent\n{text[-3000:]}"
     last = text.strip().splitlines()[-1]
-    m = re.match(r"wdscache\.errors\.(\w+): (.*)", last)
+    m = re.match(r"wdscache\.(\w+): (.*)", last)
     assert m, f"the consumer did not end with a wdscache error: {last!r}\n{text[-3000:]}"
     assert issubclass(getattr(wds_errors, m.group(1)), wds_errors.WdsCacheError), last
     assert "no wdscache agent answered" in m.group(2) and str(cache) in m.group(2), last

@@ -91,3 +91,11 @@ class NoCacheError(WdsCacheError):
             f"{cache_dir} holds no wdscache cache; start one with "
             f"'wdscache agent --cache-dir {cache_dir} --urls FILE'"
         )
+
+
+# Tracebacks and logs name them as users import them (``wdscache.FetchError``), not by the
+# module that defines them; pickle finds them there too (the package resolves them on first use).
+for _cls in (WdsCacheError, ConfigError, UrlListError, FetchError, ShardError, AgentRunningError,
+             AgentUnavailableError, ProtocolError, NotTrustedError, NoCacheError):
+    _cls.__module__ = "wdscache"
+del _cls
