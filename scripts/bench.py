@@ -117,6 +117,7 @@ CONSUMER = REPO / "scripts" / "bench_consumer.py"
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_consumer import process_tree, status_kb, tree_cpu  # noqa: E402
+from console import wdscache_exe  # noqa: E402
 
 
 def page_cached(paths: list[Path]) -> float | None:
@@ -200,16 +201,6 @@ def parse_bytes(text: str) -> float:
         if t.endswith(unit):
             return float(t[:-1]) * mult
     return float(t)
-
-
-def wdscache_exe() -> str:
-    exe = Path(sys.executable).with_name("wdscache")
-    if exe.is_file() and os.access(exe, os.X_OK):
-        return str(exe)
-    found = shutil.which("wdscache")
-    if found is None:
-        raise SystemExit(f"no wdscache console script next to {sys.executable} or on PATH")
-    return found
 
 
 # -- child processes ---------------------------------------------------------------------------

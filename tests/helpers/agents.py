@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,24 +13,11 @@ from typing import Any
 
 import pytest
 
+from scripts.console import wdscache_exe
 from tests.helpers.waits import STOP_TIMEOUT, TAIL_LINES, stop_process, tail, wait_for
 
 START_TIMEOUT = 20.0  # seconds an agent gets to answer stats after it was started
 CLI_TIMEOUT = 30.0
-
-
-def wdscache_exe() -> str:
-    """The ``wdscache`` console script of the interpreter running the tests."""
-    exe = Path(sys.executable).with_name("wdscache")
-    if exe.is_file() and os.access(exe, os.X_OK):
-        return str(exe)
-    found = shutil.which("wdscache")
-    if found is None:
-        raise RuntimeError(
-            f"no wdscache console script next to {sys.executable} or on PATH; "
-            "install the package (pip install -e .)"
-        )
-    return found
 
 
 def run_wdscache(*args: str | os.PathLike[str], timeout: float = CLI_TIMEOUT,
