@@ -21,6 +21,7 @@ _WHERE = {
     "NotTrustedError": "shared.errors",
     "ProtocolError": "shared.errors",
     "ShardError": "shared.errors",
+    "ShardIndexError": "shared.errors",
     "UrlListError": "shared.errors",
     "WdsCacheError": "shared.errors",
     "UrlList": "shared.urls",
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
         NotTrustedError,
         ProtocolError,
         ShardError,
+        ShardIndexError,
         UrlListError,
         WdsCacheError,
     )
@@ -76,6 +78,7 @@ __all__ = [
     "ProtocolError",
     "ShardClient",
     "ShardError",
+    "ShardIndexError",
     "Tuning",
     "UrlList",
     "UrlListError",

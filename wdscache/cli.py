@@ -4,15 +4,18 @@ Each agent option may come from its ``WDSCACHE_*`` environment variable; its def
 the :class:`~wdscache.shared.config.AgentConfig` field's (see :mod:`wdscache.shared.config` for where
 else the environment is read).
 
-Exit status: 0 done; 1 a runtime error (another agent runs, no cache there);
-2 bad options or input (a bad URL list line, a budget that cannot work).
+Exit status: 0 done; 1 a runtime error (another agent runs, no cache there, a shard
+``index`` could not read); 2 bad options or input (a bad URL list line or shard index, a
+budget that cannot work).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -115,6 +118,80 @@ def stats(cache_dir: Path, as_json: bool) -> None:
         click.echo(f"wdscache: error: {exc}", err=True)
         sys.exit(1)
     click.echo(json.dumps(s, indent=2) if as_json else format_stats(s))
+
+
+@main.command("index")
+@click.argument("urls", nargs=-1, required=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The index file to write (replaced atomically).")
+@click.option("-j", "--jobs", default=4, type=click.IntRange(1, 64), help="Shards read at once.")
+@click.option("--s3-endpoint-url", envvar="WDSCACHE_S3_ENDPOINT_URL", default=default("s3_endpoint_url"),
+              show_envvar=True, help="Endpoint of an S3-compatible store for s3:// URLs.")
+def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str | None) -> None:
+    """Write a shard index (webdataset's wids JSON) of the shards URLS name.
+
+    URLS are written as URL list lines are: URLs, brace patterns, s3:// prefixes or globs,
+    local paths. Each shard is read once (its size, MD5 and samples, counted as the agent
+    counts them). A local shard in OUTPUT's folder or below is stored relative to it (wids
+    and wdscache resolve it against the index's folder, so the two can move together); any
+    other URL or path is stored absolute. A progress bar shows on a terminal, one line per
+    shard otherwise.
+
+    Exit status: 0 written; 1 a shard could not be read (nothing is written); 2 bad arguments.
+    """
+    from .agent.fetch import Fetcher
+    from .agent.indexing import Indexer
+    from .shared.s3 import Listing
+    from .shared.shard_index import ShardInfo, write_shard_index
+    from .shared.urls import parse_url_list
+
+    folder = output.parent.resolve()
+    if not folder.is_dir():
+        _fail(ConfigError(f"cannot write {output}: no folder {folder}"))
+    lines = "".join(f"{u}\n" for u in urls)  # as list lines: braces and s3:// prefixes expand
+    try:
+        listed = parse_url_list(lines, path="<arguments>", lister=Listing(endpoint_url=s3_endpoint_url))
+    except WdsCacheError as exc:
+        _fail(exc)
+    fetcher = Fetcher(s3_endpoint_url=s3_endpoint_url)
+    scratch = folder / f".wdscache-index-{os.getpid()}"
+    scratch.mkdir(mode=0o700)
+    try:
+        indexer = Indexer(fetcher, scratch, jobs=jobs)
+        if sys.stderr.isatty():
+            with click.progressbar(length=len(listed), label="indexing", file=sys.stderr,
+                                   show_pos=True) as bar:
+                results = indexer.shards(listed.urls, lambda url, info, error: bar.update(1))
+        else:
+            done = itertools.count(1)
+
+            def said(url: str, info: ShardInfo | None, error: WdsCacheError | None) -> None:
+                what = error if info is None else f"{info.nsamples} samples, {info.filesize} bytes"
+                click.echo(f"[{next(done)}/{len(listed)}] {url}: {what}", err=True)
+
+            results = indexer.shards(listed.urls, said)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    failed = [r for r in results if not isinstance(r, ShardInfo)]
+    for exc in failed:
+        click.echo(f"wdscache: error: {exc}", err=True)
+    if failed:
+        click.echo(f"wdscache: {len(failed)} of {len(listed)} shards could not be read; {output} not written",
+                   err=True)
+        sys.exit(1)
+    entries = [(_stored_url(url, folder), info) for url, info in zip(listed.urls, results)]
+    write_shard_index(output, entries)  # type: ignore[arg-type]
+    click.echo(f"wrote {output}: {len(entries)} shards, {sum(i.nsamples for _, i in entries)} samples", err=True)
+
+
+def _stored_url(url: str, folder: Path) -> str:
+    """``url`` as an index in ``folder`` stores it: a local shard in that folder (or below) relative to it,
+    another local one as its absolute path, anything else as it is."""
+    if not url.startswith("file://"):
+        return url
+    path = url[len("file://"):]
+    rel = os.path.relpath(path, folder)
+    return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
 
 
 def _setup_logging(verbose: bool) -> None:

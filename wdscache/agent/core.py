@@ -193,7 +193,7 @@ class Agent:
         cfg = self.config
         self.readers = Readers(cfg, self.cache, self.socket, urls, workers=self.pool.endpoints,
                                cache_root=cache_root, gone=self._reader_gone)
-        self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox)
+        self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox, expected=self.readers.shard_info)
         self.opens = Opens(cfg, self.cache, self.socket, self.readers, self.downloads)
         self.workers = WorkerReports(self.pool, self.socket)
         self.socket.watch(self.mailbox.fileno())
@@ -284,7 +284,7 @@ class Agent:
     def _take_list(self, new: UrlList) -> None:
         """The list file changed: readers that started an epoch finish it on their list."""
         added, removed = diff_urls(self.readers.urls, new)
-        if not added and not removed and new.urls == self.readers.urls.urls:
+        if not added and not removed and new.urls == self.readers.urls.urls and new.shards == self.readers.urls.shards:
             return
         log.info("URL list changed: %d added, %d removed (%d shards now)", len(added), len(removed), len(new))
         for url in added[:5]:
@@ -377,8 +377,8 @@ class Agent:
         self.socket.reply(ident, rid, ok=True, stats=self.stats())
 
     def _op_counts(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        samples = self.cache.index.counts
-        self.socket.reply(ident, rid, ok=True, counts=[samples.get(u) for u in strings(header, "urls")])
+        samples = self.readers.samples  # counted in a copy, else from a shard index
+        self.socket.reply(ident, rid, ok=True, counts=[samples(u) for u in strings(header, "urls")])
 
     def _op_counted(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
         url, samples = get_field(header, "url", str), get_field(header, "samples", int)
@@ -387,6 +387,10 @@ class Agent:
         if samples < 0 or rec is None:
             return
         if rec.state is ShardState.CACHED:
+            info = self.readers.shard_info(url)
+            if info is not None and info.nsamples != samples and self.cache.index.counts.get(url) != samples:
+                log.warning("%s holds %d samples, but its shard index says %d: the count found is used from now on",
+                            url, samples, info.nsamples)
             self.cache.index.set_count(url, samples, rec.size, rec.etag)
             self.opens.read_fine(url)
         elif url in self.downloads and self.cache.path(url).exists():

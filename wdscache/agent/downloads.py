@@ -35,6 +35,7 @@ from ..shared.config import AgentConfig, format_size
 from ..shared.errors import FetchError
 from .fetch import Cancelled, DiskFull, Download, Fetched, Fetcher
 from ..shared.index import ShardState
+from ..shared.shard_index import ShardInfo
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,10 @@ JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
 class Downloads:
     """Download tasks and threads, budget grants, preemption and waits for space."""
 
-    def __init__(self, config: AgentConfig, cache: ShardCache, fetcher: Fetcher, mailbox: Mailbox) -> None:
+    def __init__(self, config: AgentConfig, cache: ShardCache, fetcher: Fetcher, mailbox: Mailbox, *,
+                 expected: Callable[[str], ShardInfo | None] = lambda url: None) -> None:
         self._config, self._cache, self._fetcher, self._mailbox = config, cache, fetcher, mailbox
+        self._expected = expected  # what a shard index says of a URL: each download is checked against it
         self._layout = cache.layout
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -187,6 +190,7 @@ class Downloads:
             reserve=self.reserve,
             etag=rec.etag if rec else None,
             demanded=demanded,
+            expected=self._expected(url),
             on_validator=lambda d: self._mailbox.post(ValidatorFound(d, d.etag)),
         )
         self._cache.begin(d)

@@ -5,6 +5,11 @@ size it announced and starts like a tar (or gzip'd tar), fsyncs it and renames i
 to ``shards/<xx>/<name>``. So a file under ``shards/`` is always a whole, checked
 shard, whatever happens to the process or the connection meanwhile.
 
+A shard whose list came from a shard index has ``Download.expected``: the complete file
+is checked against it before anything else (its size, and its MD5 when the index gives
+one, hashed in one read of the file). A copy that differs is fetched once more from byte
+0; a second one that differs fails the shard for good, the reason naming both values.
+
 A gzip'd shard (known by its magic bytes, not its name) is cached as the plain tar
 inside it: once downloaded, it is decompressed in a stream, a few MB at a time,
 into ``partial/<name>~tar``, within the download's budget (grown as the tar grows),
@@ -54,6 +59,7 @@ import urllib3
 from ..shared import s3
 from ..shared.config import default, format_size
 from ..shared.errors import FetchError, ShardError
+from ..shared.shard_index import ShardInfo, file_facts
 from .gunzip import gunzip
 from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
 
@@ -102,6 +108,9 @@ class Download:
     needed: int = 0
     gzipped: bool = False  # its body starts like gzip: readers wait for the tar, never stream it
     verify: bool = False  # only ask the source whether the cached copy is still current
+    expected: ShardInfo | None = None  # what a shard index says of the file (checked before publish)
+    digest: bool = False  # hash the source bytes (``md5``) even without an expected MD5
+    md5: str | None = None  # the MD5 of the source bytes, once hashed
     on_validator: Callable[["Download"], None] = lambda d: None
 
 
@@ -223,6 +232,29 @@ class Fetcher:
         """
         scheme = urlsplit(d.url).scheme
         d.partial.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        size, etag = self._fetch_source(d, scheme)
+        problem = self._check_expected(d)
+        if problem:  # once more from byte 0: a copy damaged on the way, or a source replaced since
+            log.warning("%s: %s; downloading it once more", d.url, problem)
+            _truncate(d.partial)
+            size, etag = self._fetch_source(d, scheme)
+            again = self._check_expected(d)
+            if again:
+                first = "" if again == problem else f"; the first copy had {problem}"
+                raise FetchError(d.url, f"{again} (downloaded twice{first})", permanent=True)
+        # Again on the whole file: a resumed download skipped the check on its first bytes.
+        problem = file_problem(d.partial)
+        if problem:
+            raise FetchError(d.url, problem, permanent=True)
+        with open(d.partial, "rb") as f:
+            packed = f.read(2) == GZIP_MAGIC
+        if packed:
+            return Fetched(size, etag, stored=self._publish_gunzipped(d))
+        self._publish(d)
+        return Fetched(size, etag)
+
+    def _fetch_source(self, d: Download, scheme: str) -> tuple[int, str | None]:
+        """The source's bytes, all of them, into ``d.partial``; the size and validator."""
         if scheme in ("http", "https"):
             size, etag = self._fetch_remote(d, self._http_attempt)
         elif scheme == "s3":
@@ -235,16 +267,17 @@ class Fetcher:
             raise FetchError(d.url, f"cannot fetch scheme {scheme!r}", permanent=True)
         if d.cancel.is_set():
             raise Cancelled(d.url)
-        # Again on the whole file: a resumed download skipped the check on its first bytes.
-        problem = file_problem(d.partial)
-        if problem:
-            raise FetchError(d.url, problem, permanent=True)
-        with open(d.partial, "rb") as f:
-            packed = f.read(2) == GZIP_MAGIC
-        if packed:
-            return Fetched(size, etag, stored=self._publish_gunzipped(d))
-        self._publish(d)
-        return Fetched(size, etag)
+        return size, etag
+
+    @staticmethod
+    def _check_expected(d: Download) -> str | None:
+        """Why ``d``'s complete partial file is not the shard its index describes (None: it is,
+        or there is no index). Hashes the file when an MD5 is expected or ``d.digest`` asks."""
+        want_md5 = d.digest or (d.expected is not None and d.expected.md5 is not None)
+        if d.expected is None and not want_md5:
+            return None
+        size, d.md5 = file_facts(d.partial, md5=want_md5)
+        return d.expected.mismatch(size, d.md5) if d.expected is not None else None
 
     # -- HTTP and S3 ------------------------------------------------------
 

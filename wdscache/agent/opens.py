@@ -169,7 +169,7 @@ class Opens:
             self._socket.reply(ident, rid, ok=True, partial=True)
             return
         self._socket.reply(ident, rid, ok=True, path=str(self._cache.path(url)), size=self._cache.index.get(url).size,
-                           samples=self._cache.index.counts.get(url))
+                           samples=self._readers.samples(url))
 
     def status(self, url: str) -> dict[str, Any]:
         """Where ``url`` stands: cached; downloading (with its budget); queued (for a download

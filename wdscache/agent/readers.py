@@ -40,7 +40,8 @@ from ..shared.plan import Reader, wanted
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pages, process_identity, strings
 from ..shared.stats import jobs_view, with_fraction
-from ..shared.urls import UrlList, list_id, parse_url_list
+from ..shared.shard_index import ShardInfo
+from ..shared.urls import UrlList, index_list, list_id, parse_url_list
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,8 @@ class Readers:
         # an earlier agent list that readers started their epoch on (kept while read, see _free_lists)
         self._lists: dict[str, UrlList] = {}
         self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
-        self._uploads: dict[str, list[Any]] = {}  # reader -> pages of its list received so far
+        # reader -> pages of its list received so far: URLs, and their facts for a list from a shard index
+        self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         self._consumers: dict[str, dict[str, Any]] = {}  # reader name -> its job, rank and last report
         self._buffers: dict[str, int] = {}  # reader -> the shuffle buffer it said hello with (samples)
@@ -102,6 +104,22 @@ class Readers:
         if reader is not None and reader.list_id is not None:
             return url in self._list(reader.list_id)
         return url in self.urls or any(url in listed for listed in self._lists.values())
+
+    def shard_info(self, url: str) -> ShardInfo | None:
+        """What a shard index says of ``url``: the agent's list's, else that of a job's list."""
+        info = self.urls.info(url)
+        if info is None:
+            info = next((i for listed in self._lists.values() if (i := listed.info(url)) is not None), None)
+        return info
+
+    def samples(self, url: str) -> int | None:
+        """``url``'s sample count: the one counted in a copy of it, else its shard index's (None: neither).
+        A count taken from a copy wins: the index's is what the sequence uses until the shard is walked."""
+        counted = self._cache.index.counts.get(url)
+        if counted is not None:
+            return counted
+        info = self.shard_info(url)
+        return info.nsamples if info is not None else None
 
     def opened(self, name: str, url: str, ahead: list[Any] | None) -> None:
         """Reader ``name`` opens ``url`` (listed for it): its window moves (``ahead``: the shards it
@@ -169,11 +187,11 @@ class Readers:
                 reply(ident, rid, ok=False, need_urls=True, error="send the list first (put_urls)")
                 return
             try:
-                parsed = self._job_list(uploaded)
+                parsed = self._job_list(*uploaded)
             except ConfigError as exc:
                 reply(ident, rid, ok=False, error=str(exc))
                 return
-            if list_id(parsed.urls) != claimed:
+            if parsed.key != claimed:
                 reply(ident, rid, ok=False, error="the list sent does not match its list_id")
                 return
             if len(self._lists) >= MAX_JOB_LISTS:
@@ -212,16 +230,23 @@ class Readers:
     def _put_urls(self, name: str, header: dict[str, Any]) -> str | None:
         offset = get_field(header, "offset", int)
         page = strings(header, "urls")
+        facts = header.get("shards")  # a list from a shard index: what it says of each URL of the page
         if name not in self._uploads and len(self._uploads) >= MAX_JOB_LISTS:
             return "too many lists being uploaded at once; try again"
-        got = self._uploads.setdefault(name, [])
+        got, known = self._uploads.setdefault(name, ([], [] if offset == 0 and facts is not None else None))
         if offset != len(got):
             self._uploads.pop(name, None)
             return f"list page at {offset} does not follow the {len(got)} URLs received"
         if len(got) + len(page) > MAX_JOB_URLS:
             self._uploads.pop(name, None)
             return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
+        if (known is None) != (facts is None) or (facts is not None and not (
+                isinstance(facts, list) and len(facts) == len(page))):
+            self._uploads.pop(name, None)
+            return "a list from a shard index gives each URL's facts, in every page: \"shards\" as long as \"urls\""
         got.extend(page)
+        if known is not None:
+            known.extend(facts)
         return None
 
     def op_get_urls(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
@@ -310,8 +335,9 @@ class Readers:
         return [c["rank"] for n, c in self._consumers.items()
                 if c.get("job") == job and n in self._readers and now - c.get("seen", 0.0) < LIVE_WITHIN]
 
-    def _job_list(self, urls: list[Any]) -> UrlList:
-        """A consumer's own URL list, held to what this endpoint may fetch for others."""
+    def _job_list(self, urls: list[Any], facts: list[Any] | None) -> UrlList:
+        """A consumer's own URL list (with what its shard index says of each, if it came from one),
+        held to what this endpoint may fetch for others."""
         # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
         # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
         local = self._socket.endpoint.startswith("ipc://")
@@ -319,6 +345,11 @@ class Readers:
         for u in urls:
             if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
                 raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
+        if facts is not None:
+            try:
+                return index_list([(u, ShardInfo.from_wire(f)) for u, f in zip(urls, facts)])
+            except ValueError as exc:
+                raise ConfigError(f"a job's shard facts: {exc}") from None
         return parse_url_list("\n".join(u.replace("{", "\\{").replace("}", "\\}") for u in urls))
 
     def _list(self, key: str | None) -> UrlList:

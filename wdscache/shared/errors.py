@@ -27,6 +27,19 @@ class UrlListError(ConfigError):
         super().__init__(f"{path}:{lineno}: {reason}: {shown!r}")
 
 
+class ShardIndexError(ConfigError):
+    """A shard index (wids JSON) cannot be used.
+
+    Carries the index's ``path``, the 0-based ``entry`` of its ``shardlist`` at fault (None
+    for the file as a whole) and that entry's ``url`` when it has one.
+    """
+
+    def __init__(self, path: str, entry: int | None, reason: str, *, url: str | None = None) -> None:
+        self.path, self.entry, self.url, self.reason = path, entry, url, reason
+        where = "" if entry is None else f" shardlist[{entry}]" + (f" ({url[:200]!r})" if url else "")
+        super().__init__(f"{path}:{where}: {reason}" if where else f"{path}: {reason}")
+
+
 class FetchError(WdsCacheError):
     """A shard could not be downloaded.
 
@@ -95,7 +108,7 @@ class NoCacheError(WdsCacheError):
 
 # Tracebacks and logs name them as users import them (``wdscache.FetchError``), not by the
 # module that defines them; pickle finds them there too (the package resolves them on first use).
-for _cls in (WdsCacheError, ConfigError, UrlListError, FetchError, ShardError, AgentRunningError,
-             AgentUnavailableError, ProtocolError, NotTrustedError, NoCacheError):
+for _cls in (WdsCacheError, ConfigError, UrlListError, ShardIndexError, FetchError, ShardError,
+             AgentRunningError, AgentUnavailableError, ProtocolError, NotTrustedError, NoCacheError):
     _cls.__module__ = "wdscache"
 del _cls

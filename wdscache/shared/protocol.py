@@ -239,8 +239,10 @@ MESSAGES: tuple[Message, ...] = (
             {**_ERROR, "need_urls": "bool?", "workers": "list[str]", "prefetch": "int", "list_id": "str",
              "n_urls": "int", "cache_dir": "str", "cache_root": "list"},
             about="a rank joins its job; list_id names its own list (sent first with put_urls if asked)"),
-    Message("put_urls", "consumer", "agent", {"reader": "str", "offset": "int", "urls": "list[str]"}, _ERROR,
-            about="a page of a consumer's own URL list, before its hello"),
+    Message("put_urls", "consumer", "agent", {"reader": "str", "offset": "int", "urls": "list[str]",
+                                              "shards": "list?"}, _ERROR,
+            about="a page of a consumer's own URL list, before its hello; from a shard index, with each "
+                  "URL's [nsamples, filesize, md5] (null: not given) in shards"),
     Message("get_urls", "consumer", "agent", {"reader": "str", "offset": "int"},
             {**_ERROR, "list_id": "str", "urls": "list[str]"}, about="a page of the list the reader said hello on"),
     Message("open", "consumer", "agent",

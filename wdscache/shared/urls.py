@@ -4,6 +4,10 @@ A list holds one URL or brace pattern per line (``http://h/train-{0000..0999}.ta
 Blank lines and ``#`` comments are ignored; entries are expanded, normalized
 (plain paths become absolute ``file://`` URLs) and de-duplicated in order.
 
+A list file may also be a shard index, webdataset's wids JSON (:mod:`wdscache.shared.shard_index`):
+its shards in order, each with its sample count and, when the index gives them, its size and
+MD5 (``UrlList.shards``); a relative URL in it names a path relative to the index's folder.
+
 An ``s3://`` prefix or glob (``s3://b/train/``, ``s3://b/train/shard-*.tar``) stands for the
 objects it lists: parsing does no I/O itself, so a list holding one is read with a ``lister``
 (:class:`wdscache.shared.s3.Listing`) that lists it when the list is read, and without one is refused.
@@ -19,8 +23,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from wdscache.shared.errors import ConfigError, UrlListError
+from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.s3 import is_listing
+from wdscache.shared.shard_index import ShardInfo, looks_like_index, parse_shard_index
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -29,6 +34,7 @@ __all__ = [
     "diff_urls",
     "expand_braces",
     "format_url_list",
+    "index_list",
     "list_id",
     "parse_url_list",
     "read_url_list",
@@ -212,12 +218,14 @@ class UrlList:
     """The ordered, de-duplicated URLs of a list.
 
     ``path`` is the file it came from (None when parsed from bare text) and
-    ``duplicates`` how many repeated entries were dropped while reading it.
+    ``duplicates`` how many repeated entries were dropped while reading it. ``shards``, for a
+    list read from a shard index, holds what the index says of each URL (by position).
     """
 
     path: str | None
     urls: tuple[str, ...]
     duplicates: int = 0
+    shards: tuple[ShardInfo, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -234,6 +242,19 @@ class UrlList:
             return self._positions[url]
         except KeyError:
             raise ValueError(f"{url!r} is not in the URL list") from None
+
+    def info(self, url: str) -> ShardInfo | None:
+        """What the shard index this list came from says of ``url`` (None: nothing)."""
+        if self.shards is None:
+            return None
+        at = self._positions.get(url)
+        return None if at is None else self.shards[at]
+
+    @property
+    def key(self) -> str:
+        """The list's identity for an agent that holds it: its :func:`list_id`, which covers the
+        shards' facts too when it came from an index (the same URLs with other facts are another list)."""
+        return list_id(self.urls, self.shards)
 
     @cached_property
     def _positions(self) -> dict[str, int]:
@@ -366,6 +387,53 @@ def parse_url_list(
     return UrlList(None if path == TEXT_SOURCE else path, tuple(urls), duplicates)
 
 
+def index_list(
+    entries: Sequence[tuple[str, ShardInfo]],
+    *,
+    path: str = TEXT_SOURCE,
+    base_dir: str | None = None,
+    allow_pipe: bool = False,
+    limit: int = DEFAULT_LIMIT,
+    lister: Lister | None = None,
+) -> UrlList:
+    """The list of a shard index's ``entries`` (see :func:`parse_shard_index`).
+
+    Each URL is taken as written (no brace expansion) and normalized as a list line is, a
+    relative one against ``base_dir`` (the index's folder); an ``s3://`` object goes through
+    ``lister`` when given, and a prefix or glob is refused (an entry names one shard). A URL
+    listed twice with the same facts counts as a duplicate; with other facts it is an error.
+    Raises ShardIndexError naming ``path`` and the entry.
+    """
+    if len(entries) > limit:
+        raise ShardIndexError(path, None, f"the index lists {len(entries)} shards, more than the limit of {limit}")
+    base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
+    urls: list[str] = []
+    infos: list[ShardInfo] = []
+    seen: dict[str, int] = {}
+    duplicates = 0
+    for i, (written, info) in enumerate(entries):
+        try:
+            if any(c.isspace() for c in written) and not written.startswith("pipe:"):
+                raise ValueError("a URL holds no whitespace")
+            url = _normalize(written, base, allow_pipe)
+            if url.startswith("s3://"):
+                if is_listing(url):
+                    raise ValueError("an index entry names one object, not an s3:// prefix or glob")
+                if lister is not None:
+                    lister(url)  # the agent checks here that it can fetch from S3 at all
+            if url in seen:
+                if infos[seen[url]] != info:
+                    raise ValueError(f"listed before, as shardlist[{seen[url]}], with other facts")
+                duplicates += 1
+                continue
+        except ValueError as exc:
+            raise ShardIndexError(path, i, str(exc), url=written) from None
+        seen[url] = len(urls)
+        urls.append(url)
+        infos.append(info)
+    return UrlList(None if path == TEXT_SOURCE else path, tuple(urls), duplicates, tuple(infos))
+
+
 def _unlisted(url: str) -> tuple[str]:
     if is_listing(url):
         raise ValueError(_UNLISTED)
@@ -379,11 +447,11 @@ def read_url_list(
     limit: int = DEFAULT_LIMIT,
     lister: Lister | None = None,
 ) -> UrlList:
-    """Read and parse a URL list file (see :func:`parse_url_list`); relative paths in it
-    resolve against its folder.
+    """Read and parse a URL list file (see :func:`parse_url_list`) or a shard index (see
+    :func:`index_list`: a file holding a JSON object); relative paths in it resolve against its folder.
 
     Raises ConfigError if the file cannot be read, UrlListError for a bad line
-    (including bytes that are not UTF-8).
+    (including bytes that are not UTF-8), ShardIndexError for a bad index.
     """
     name = os.fspath(path)
     try:
@@ -405,15 +473,23 @@ def read_url_list(
         reason = f"not valid UTF-8 (bad byte at offset {exc.start}); save the list as UTF-8"
         raise UrlListError(name, lineno, line, reason) from None
     base_dir = os.path.dirname(os.path.abspath(name))
+    if looks_like_index(text):
+        return index_list(parse_shard_index(text, path=name), path=name, base_dir=base_dir, allow_pipe=allow_pipe,
+                          limit=limit, lister=lister)
     return parse_url_list(text, path=name, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
 
 
-def list_id(urls: Iterable[str]) -> str:
-    """A short fingerprint of a list: the same URLs in the same order give the same id."""
+def list_id(urls: Iterable[str], shards: Iterable[ShardInfo] | None = None) -> str:
+    """A short fingerprint of a list: the same URLs in the same order give the same id (and,
+    given ``shards``, the same facts of each: then the id differs from the URLs' alone)."""
     h = hashlib.sha256()
     for url in urls:
         h.update(url.encode("utf-8", "surrogateescape"))
         h.update(b"\n")
+    if shards is not None:
+        h.update(b"\0shards\n")
+        for info in shards:
+            h.update(f"{info.nsamples} {info.filesize} {info.md5}\n".encode())
     return h.hexdigest()[:16]
 
 

@@ -55,7 +55,7 @@ from ..shared.protocol import pages, process_identity
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
-from ..shared.urls import format_url_list, list_id, parse_url_list, read_url_list
+from ..shared.urls import UrlList, format_url_list, list_id, parse_url_list, read_url_list
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
 
@@ -122,8 +122,8 @@ def default_collate(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
 class CachedMultiLoader:
     """Iterate samples of a WebDataset through the local wdscache agent.
 
-    ``urls``: None streams the agent's own list; a list file or a list of URLs
-    asks the agent to take that list up for this job. Each ``iter()`` is one
+    ``urls``: None streams the agent's own list; a list file, a shard index (wids JSON) or a
+    list of URLs asks the agent to take that list up for this job. Each ``iter()`` is one
     epoch; the next one follows unless :meth:`set_epoch` says otherwise.
 
     Beyond webdataset's options: ``on_error`` ("raise" or "skip"), and ``map=fn`` with
@@ -183,8 +183,13 @@ class CachedMultiLoader:
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
-        self.urls = _normalize_urls(urls)
-        self._own_list_id = list_id(self.urls) if self.urls is not None else None
+        listed = _read_urls(urls)
+        self.urls = listed.urls if listed is not None else None
+        # From a shard index: each shard's facts, sent to the agent with the list (it checks each
+        # download against them, and knows the counts, so len() is known before the first epoch).
+        self._shards = listed.shards if listed is not None else None
+        self._own_list_id = list_id(self.urls) if self.urls is not None else None  # what a checkpoint names
+        self._list_key = listed.key if listed is not None else None  # what the agent holds the list by
         self._agent_lists: dict[str, tuple[str, ...]] = {}
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
@@ -252,11 +257,14 @@ class CachedMultiLoader:
                                    # the agent warns when pins on the shards it spans outgrow the budget
                                    "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0}
         if self.urls is not None:
-            request["list_id"] = self._own_list_id
+            request["list_id"] = self._list_key
         hello = conn.request(request)
         if hello.get("need_urls") and self.urls is not None:
             for offset, chunk in pages(self.urls):
-                page = conn.request({"op": "put_urls", "reader": name, "offset": offset, "urls": chunk})
+                put: dict[str, Any] = {"op": "put_urls", "reader": name, "offset": offset, "urls": chunk}
+                if self._shards is not None:
+                    put["shards"] = [info.to_wire() for info in self._shards[offset : offset + len(chunk)]]
+                page = conn.request(put)
                 if not page.get("ok"):
                     raise WdsCacheError(f"the agent at {self.endpoint} refused the URL list: {page.get('error')}")
             hello = conn.request(request)
@@ -371,12 +379,13 @@ def _natural(x: Any) -> bool:
     return type(x) is int and x >= 0
 
 
-def _normalize_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> tuple[str, ...] | None:
+def _read_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> UrlList | None:
+    """The list ``urls=`` names: a list file or a shard index (by its path), or URLs."""
     if urls is None:
         return None
     if isinstance(urls, (str, os.PathLike)):
-        return read_url_list(urls, lister=Listing()).urls
-    return parse_url_list(format_url_list(urls), base_dir=os.getcwd(), lister=Listing()).urls
+        return read_url_list(urls, lister=Listing())
+    return parse_url_list(format_url_list(urls), base_dir=os.getcwd(), lister=Listing())
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

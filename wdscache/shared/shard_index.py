@@ -1,0 +1,191 @@
+"""WebDataset's shard index (wids): a JSON file naming each shard with its size and sample count.
+
+The format, as webdataset's ``wids`` reads and writes it::
+
+    {"__kind__": "wids-shard-index-v1", "wids_version": 1,
+     "shardlist": [{"url": "train-000000.tar", "nsamples": 1000, "filesize": 104857600,
+                    "md5sum": "9e107d9d372bb6826bd81d3542a419d6"}, ...]}
+
+``url`` and ``nsamples`` are required (as in wids); ``filesize`` and ``md5sum`` are optional.
+A relative ``url`` names a shard relative to the index file's folder, as wids resolves it
+(the resolution itself is :func:`wdscache.shared.urls.read_url_list`'s). Other keys (``name``,
+``info``, ``base``) are ignored, as wids ignores ``base`` at the top level; sub-datasets
+(``datasets``) are refused rather than silently dropped.
+
+:func:`parse_shard_index` checks every entry and names the file and the entry in its error;
+:func:`write_shard_index` publishes one atomically; :func:`file_facts` and
+:meth:`ShardInfo.mismatch` are what a download is verified with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ShardIndexError
+
+__all__ = ["KIND", "ShardInfo", "file_facts", "format_shard_index", "looks_like_index", "parse_shard_index",
+           "write_shard_index"]
+
+KIND = "wids-shard-index-v1"
+WIDS_VERSION = 1
+_MD5 = re.compile(r"[0-9a-fA-F]{32}")
+_READ = 1 << 20  # bytes hashed per read
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What an index says of one shard: its samples, and its size and MD5 when it gives them."""
+
+    nsamples: int
+    filesize: int | None = None
+    md5: str | None = None  # lowercase hex
+
+    def mismatch(self, size: int, md5: str | None) -> str | None:
+        """Why a copy of ``size`` bytes and digest ``md5`` is not this shard (None: it is)."""
+        if self.filesize is not None and size != self.filesize:
+            return f"size {size} bytes, but the shard index says {self.filesize}"
+        if self.md5 is not None and md5 is not None and md5 != self.md5:
+            return f"MD5 {md5}, but the shard index says {self.md5}"
+        return None
+
+    def to_wire(self) -> list[Any]:
+        """``[nsamples, filesize, md5]`` (None for what the index does not give): a put_urls page's entry."""
+        return [self.nsamples, self.filesize, self.md5]
+
+    @classmethod
+    def from_wire(cls, value: Any) -> "ShardInfo":
+        """The inverse of :meth:`to_wire`; ValueError for anything else."""
+        if not (isinstance(value, list) and len(value) == 3):
+            raise ValueError("a shard's facts are [nsamples, filesize, md5]")
+        return _info(*value)
+
+
+def _whole(value: Any, name: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f'"{name}" must be a whole number >= 0, not {json.dumps(value)}')
+    return value
+
+
+def _info(nsamples: Any, filesize: Any, md5: Any) -> ShardInfo:
+    if md5 is not None and not (isinstance(md5, str) and _MD5.fullmatch(md5)):
+        raise ValueError(f'"md5sum" must be 32 hexadecimal digits, not {json.dumps(md5)}')
+    return ShardInfo(_whole(nsamples, "nsamples"), None if filesize is None else _whole(filesize, "filesize"),
+                     md5.lower() if md5 is not None else None)
+
+
+def looks_like_index(text: str) -> bool:
+    """Whether ``text`` is meant as a shard index rather than a URL list: a JSON object.
+
+    A URL list line may start with ``{`` (a brace pattern), so only text that parses as a
+    JSON object counts, or text whose first line is a lone ``{``.
+    """
+    stripped = text.lstrip()
+    if not stripped.startswith("{"):
+        return False
+    if stripped.split("\n", 1)[0].strip() == "{":
+        return True
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
+    """The entries of a shard index, in file order: each ``url`` as written, with its facts.
+
+    Raises :class:`ShardIndexError` naming ``path`` (and the entry at fault) for text that is
+    not JSON, another kind of file, or an entry without a usable ``url`` or ``nsamples``.
+    """
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ShardIndexError(path, None, f"not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ShardIndexError(path, None, "a shard index is a JSON object with a \"shardlist\"")
+    kind, version = doc.get("__kind__", KIND), doc.get("wids_version", WIDS_VERSION)
+    if kind != KIND:
+        raise ShardIndexError(path, None, f"\"__kind__\" is {json.dumps(kind)}; wdscache reads {KIND!r}")
+    if version != WIDS_VERSION:
+        raise ShardIndexError(path, None, f"\"wids_version\" is {json.dumps(version)}; wdscache reads version 1")
+    if "datasets" in doc:
+        raise ShardIndexError(path, None, "sub-datasets (\"datasets\") are not supported: list every shard "
+                                          "in \"shardlist\"")
+    shards = doc.get("shardlist")
+    if not isinstance(shards, list):
+        raise ShardIndexError(path, None, "no \"shardlist\" list: a shard index lists its shards in "
+                                          "\"shardlist\": [{\"url\": ..., \"nsamples\": ...}, ...]")
+    entries = []
+    for i, entry in enumerate(shards):
+        url = entry.get("url") if isinstance(entry, dict) else None
+        try:
+            if not isinstance(entry, dict):
+                raise ValueError("an entry is an object {\"url\": ..., \"nsamples\": ..., \"filesize\": ...}")
+            if not isinstance(url, str) or not url.strip():
+                raise ValueError('"url" must be a non-empty string')
+            if "nsamples" not in entry:
+                raise ValueError('"nsamples" is missing')
+            entries.append((url, _info(entry["nsamples"], entry.get("filesize"), entry.get("md5sum"))))
+        except ValueError as exc:
+            raise ShardIndexError(path, i, str(exc), url=url if isinstance(url, str) else None) from None
+    return entries
+
+
+def format_shard_index(entries: Iterable[tuple[str, ShardInfo]]) -> str:
+    """The JSON text of an index of ``entries`` (one shard a line), as wids writes its fields."""
+    lines = []
+    for url, info in entries:
+        item: dict[str, Any] = {"url": url, "nsamples": info.nsamples}
+        if info.filesize is not None:
+            item["filesize"] = info.filesize
+        if info.md5 is not None:
+            item["md5sum"] = info.md5
+        lines.append("    " + json.dumps(item))
+    body = ",\n".join(lines)
+    return (f'{{\n  "__kind__": "{KIND}",\n  "wids_version": {WIDS_VERSION},\n'
+            f'  "shardlist": [\n{body}\n  ]\n}}\n' if lines else
+            f'{{"__kind__": "{KIND}", "wids_version": {WIDS_VERSION}, "shardlist": []}}\n')
+
+
+def write_shard_index(path: Path, entries: Iterable[tuple[str, ShardInfo]]) -> None:
+    """Publish the index of ``entries`` at ``path`` atomically: a temp file in its folder,
+    fsynced, renamed over it, the folder fsynced; a reader sees the old file or the new one."""
+    data = format_shard_index(entries).encode()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def file_facts(path: str | os.PathLike[str], *, md5: bool) -> tuple[int, str | None]:
+    """The size of the file at ``path`` and, with ``md5``, its MD5 (lowercase hex), in one read."""
+    if not md5:
+        return os.stat(path).st_size, None
+    digest = hashlib.md5(usedforsecurity=False)
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
