@@ -387,10 +387,6 @@ class Agent:
         if samples < 0 or rec is None:
             return
         if rec.state is ShardState.CACHED:
-            info = self.readers.shard_info(url)
-            if info is not None and info.nsamples != samples and self.cache.index.counts.get(url) != samples:
-                log.warning("%s holds %d samples, but its shard index says %d: the count found is used from now on",
-                            url, samples, info.nsamples)
             self.cache.index.set_count(url, samples, rec.size, rec.etag)
             self.opens.read_fine(url)
         elif url in self.downloads and self.cache.path(url).exists():

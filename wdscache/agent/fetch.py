@@ -9,6 +9,8 @@ A shard whose list came from a shard index has ``Download.expected``: the comple
 is checked against it before anything else (its size, and its MD5 when the index gives
 one, hashed in one read of the file). A copy that differs is fetched once more from byte
 0; a second one that differs fails the shard for good, the reason naming both values.
+Its tar's samples are counted (a walk of its headers) just before it is published: a
+count other than the index's fails the shard at once (the same bytes would count the same).
 
 A gzip'd shard (known by its magic bytes, not its name) is cached as the plain tar
 inside it: once downloaded, it is decompressed in a stream, a few MB at a time,
@@ -59,7 +61,7 @@ import urllib3
 from ..shared import s3
 from ..shared.config import default, format_size
 from ..shared.errors import FetchError, ShardError
-from ..shared.shard_index import ShardInfo, file_facts
+from ..shared.shard_index import ShardInfo, count_samples, file_facts
 from .gunzip import gunzip
 from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
 
@@ -562,7 +564,10 @@ class Fetcher:
 
     @staticmethod
     def _publish(d: Download, path: Path | None = None) -> None:
-        """Rename ``path`` (the partial file by default) into place as the shard's file."""
+        """Rename ``path`` (the partial file by default) into place as the shard's file; one whose
+        shard index gives another sample count is refused (FetchError, permanent)."""
+        if d.expected is not None:
+            _check_count(d, path or d.partial)
         d.final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.replace(path or d.partial, d.final)
         dir_fd = os.open(d.final.parent, os.O_RDONLY)
@@ -570,6 +575,19 @@ class Fetcher:
             os.fsync(dir_fd)  # the rename itself survives a power cut
         finally:
             os.close(dir_fd)
+
+
+def _check_count(d: Download, tar: Path) -> None:
+    """The samples of ``d``'s complete tar are those its shard index gives: the sequence of an
+    epoch is built on that count before the shard is read. The bytes are the ones the index
+    describes (size and MD5 checked), so another copy would not help: the shard fails."""
+    assert d.expected is not None
+    try:
+        problem = d.expected.count_mismatch(count_samples(tar, url=d.url))
+    except ShardError as exc:
+        problem = f"not a readable tar: {exc.reason}" + (f" (at byte {exc.offset})" if exc.offset is not None else "")
+    if problem:
+        raise FetchError(d.url, problem, permanent=True)
 
 
 def _reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> bool:

@@ -11,7 +11,6 @@ loader find. A plain tar on a local path is read where it lies, not copied.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -19,19 +18,9 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from ..shared.errors import FetchError, ShardError, WdsCacheError
-from ..shared.samples import scan
-from ..shared.shard_index import ShardInfo, file_facts
-from ..shared.tarwalk import GZIP_MAGIC, FileSpan
+from ..shared.shard_index import ShardInfo, count_samples, file_facts
+from ..shared.tarwalk import GZIP_MAGIC
 from .fetch import Download, Fetcher
-
-
-def count_samples(path: str | os.PathLike[str], *, url: str) -> int:
-    """The samples of the plain tar at ``path``, grouped as the agent groups them (ShardError if damaged)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return len(scan(FileSpan(fd, 0, os.fstat(fd).st_size), url=url))
-    finally:
-        os.close(fd)
 
 
 class Indexer:

@@ -13,7 +13,7 @@ A relative ``url`` names a shard relative to the index file's folder, as wids re
 (``datasets``) are refused rather than silently dropped.
 
 :func:`parse_shard_index` checks every entry and names the file and the entry in its error;
-:func:`write_shard_index` publishes one atomically; :func:`file_facts` and
+:func:`write_shard_index` publishes one atomically; :func:`file_facts`, :func:`count_samples` and
 :meth:`ShardInfo.mismatch` are what a download is verified with.
 """
 
@@ -29,8 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ShardIndexError
+from .samples import scan
+from .tarwalk import FileSpan
 
-__all__ = ["KIND", "ShardInfo", "file_facts", "format_shard_index", "looks_like_index", "parse_shard_index",
+__all__ = ["KIND", "ShardInfo", "count_samples", "file_facts", "format_shard_index", "looks_like_index", "parse_shard_index",
            "write_shard_index"]
 
 KIND = "wids-shard-index-v1"
@@ -53,6 +55,12 @@ class ShardInfo:
             return f"size {size} bytes, but the shard index says {self.filesize}"
         if self.md5 is not None and md5 is not None and md5 != self.md5:
             return f"MD5 {md5}, but the shard index says {self.md5}"
+        return None
+
+    def count_mismatch(self, samples: int) -> str | None:
+        """Why a tar of ``samples`` samples is not this shard (None: it is)."""
+        if samples != self.nsamples:
+            return f"{samples} samples, but the shard index says {self.nsamples}"
         return None
 
     def to_wire(self) -> list[Any]:
@@ -189,3 +197,13 @@ def file_facts(path: str | os.PathLike[str], *, md5: bool) -> tuple[int, str | N
             digest.update(chunk)
             size += len(chunk)
     return size, digest.hexdigest()
+
+
+def count_samples(path: str | os.PathLike[str], *, url: str) -> int:
+    """The samples of the plain tar at ``path``, grouped as the agent and webdataset group them
+    (a walk of its headers only); ShardError, naming ``url``, if it is damaged."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return len(scan(FileSpan(fd, 0, os.fstat(fd).st_size), url=url))
+    finally:
+        os.close(fd)

@@ -1,0 +1,309 @@
+"""Shard indexes (webdataset's wids JSON): ``wdscache index`` writes them, the agent and the loader
+read them, every download is checked against them, and ``len(loader)`` is known at once.
+
+Real parts: the loopback shard server, agents and ``wdscache index`` through the CLI, consumer
+processes (tests/consumer.py), moto's S3 server for the S3 case; webdataset's reader is the
+reference for samples and counts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+import webdataset as wds
+
+from scripts.shard_maker import make_dataset
+from tests.helpers.agents import run_wdscache
+from tests.helpers.net import free_port_range
+from tests.helpers.streaming import reference, samples_of
+from tests.helpers.testdata import REAL_SHARDS, TESTDATA
+from wdscache import CachedMultiLoader, ShardIndexError
+from wdscache.shared.layout import CacheLayout
+from wdscache.shared.shard_index import KIND
+from wdscache.shared.urls import read_url_list
+
+CACHED_IN = 30.0
+
+
+def wds_count(path: Path) -> int:
+    return sum(1 for _ in wds.WebDataset(str(path), shardshuffle=False))
+
+
+def md5_of(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def make_index(out: Path, *urls: str | os.PathLike[str], env: dict[str, str] | None = None) -> dict:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    r = run_wdscache("index", *urls, "-o", out, env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())
+
+
+def gets(server, name: str) -> int:
+    return len([r for r in server.requests if r.path == name and r.method == "GET"])
+
+
+def as_samples(lines: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
+    return {(s["url"], s["key"]): s["fields"] for s in samples_of(lines)}
+
+
+# -- wdscache index ---------------------------------------------------------------------------
+
+
+def test_index_gives_webdatasets_counts_and_the_files_sizes_reading_each_shard_once(tmp_path, shard_server):
+    paths = make_dataset(shard_server.root, 3, 7, payload=3000)
+    paths += make_dataset(shard_server.root, 1, 5, payload=3000, prefix="packed", gzip=True)
+    urls = [shard_server.url(p.name) for p in paths]
+    brace = urls[0].rsplit("/", 1)[0] + "/shard-{000000..000002}.tar"  # a pattern, as in a URL list
+    doc = make_index(tmp_path / "index.json", brace, urls[3])
+    assert doc["__kind__"] == KIND == "wids-shard-index-v1" and doc["wids_version"] == 1
+    assert doc["shardlist"] == [
+        {"url": url, "nsamples": wds_count(p), "filesize": p.stat().st_size, "md5sum": md5_of(p)}
+        for url, p in zip(urls, paths)]
+    assert [e["nsamples"] for e in doc["shardlist"]] == [7, 7, 7, 5]
+    assert all(gets(shard_server, p.name) == 1 for p in paths)  # each shard read once
+    assert not list(tmp_path.glob(".wdscache-index-*"))  # its scratch files are gone
+
+
+@pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")
+def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index(tmp_path, shard_server):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in REAL_SHARDS:
+        shutil.copy(TESTDATA / name, data / name)
+    outside = shutil.copy(TESTDATA / REAL_SHARDS[0], tmp_path / "outside.tar")
+    shutil.copy(TESTDATA / REAL_SHARDS[1], shard_server.root / REAL_SHARDS[1])
+    remote = shard_server.url(REAL_SHARDS[1])
+    doc = make_index(data / "index.json", *(data / n for n in REAL_SHARDS), outside, remote)
+    expected = [{"url": n, "nsamples": wds_count(data / n), "filesize": (data / n).stat().st_size,
+                 "md5sum": md5_of(data / n)} for n in REAL_SHARDS]
+    expected.append({**expected[0], "url": str(outside)})  # outside the index's folder: absolute
+    expected.append({**expected[1], "url": remote})
+    assert doc["shardlist"] == expected
+    assert {e["url"]: e["nsamples"] for e in expected[:5]} == {
+        "compressed.tar": 3, "mpdata.tar": 100, "sample.tgz": 90, "tendata.tar": 100, "testgz.tar": 1000}
+
+
+def test_index_that_cannot_read_a_shard_writes_nothing(tmp_path, shard_server):
+    paths = make_dataset(shard_server.root, 1, 3)
+    out = tmp_path / "index.json"
+    r = run_wdscache("index", shard_server.url(paths[0].name), shard_server.url("missing.tar"), "-o", out)
+    assert r.returncode == 1, r.stderr
+    assert f"cannot fetch {shard_server.url('missing.tar')}: HTTP 404" in r.stderr
+    assert "1 of 2 shards could not be read" in r.stderr and not out.exists()
+    r = run_wdscache("index", "http://", "-o", out)
+    assert r.returncode == 2 and "needs a host" in r.stderr
+
+
+# -- the agent and the loader on an index -------------------------------------------------------
+
+
+def test_an_epoch_from_an_index_with_relative_urls_is_webdatasets(tmp_path, start_agent, consumers):
+    paths = make_dataset(tmp_path / "made" / "shards", 3, 6, payload=2000)
+    doc = make_index(tmp_path / "made" / "index.json", *paths)
+    assert [e["url"] for e in doc["shardlist"]] == [f"shards/{p.name}" for p in paths]
+    # The folder moves: its URLs resolve against the index's new place, not the working directory.
+    moved = tmp_path / "moved"
+    (tmp_path / "made").rename(moved)
+    paths = [moved / "shards" / p.name for p in paths]
+    urls = [f"file://{p}" for p in paths]
+    assert read_url_list(moved / "index.json").urls == tuple(urls)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, moved / "index.json", cwd=elsewhere)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, CACHED_IN, "the index's shards were not cached")
+    lines = consumers(cache, "c", "--no-shuffle").wait()
+    assert list(as_samples(lines).items()) == list(reference(paths, urls).items())  # byte-equal, in order
+
+
+def test_len_is_known_before_any_shard_is_read(tmp_path, shard_server, start_agent, consumers):
+    paths = make_dataset(shard_server.root, 3, 5, payload=1000)
+    paths += make_dataset(shard_server.root, 1, 4, payload=1000, prefix="other")
+    urls = [shard_server.url(p.name) for p in paths]
+    make_index(tmp_path / "lists" / "index.json", *urls[:3])
+    make_index(tmp_path / "job.json", *urls)
+    shard_server.stop()  # no shard can be read now: the counts come from the indexes
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, tmp_path / "lists" / "index.json")
+    with CachedMultiLoader(cache_dir=cache, timeout=30) as own, \
+            CachedMultiLoader(tmp_path / "job.json", cache_dir=cache, timeout=30) as job, \
+            CachedMultiLoader(tmp_path / "job.json", cache_dir=cache, timeout=30, world_size=2, rank=1,
+                              job="two", batch_size=4) as ranked:
+        assert (len(own), len(job), len(ranked)) == (15, 19, 3)  # 19 samples: 10 for each rank, 3 batches
+        assert agent.stats()["shards"]["cached"] == 0
+        shard_server.start()
+        got = list(job)
+        assert len(got) == 19
+    assert {(s["__url__"], s["__key__"]) for s in got} == set(reference(paths, urls))
+
+
+def test_a_wrong_size_or_md5_is_downloaded_twice_then_fails_naming_both(tmp_path, shard_server, start_agent,
+                                                                         consumers):
+    paths = make_dataset(shard_server.root, 5, 5, payload=1500)
+    urls = [shard_server.url(p.name) for p in paths]
+    index = tmp_path / "lists" / "index.json"
+    doc = make_index(index, *urls)
+    size, md5 = doc["shardlist"][1]["filesize"], doc["shardlist"][2]["md5sum"]
+    doc["shardlist"][1]["filesize"] = size + 512
+    doc["shardlist"][2]["md5sum"] = "0" * 32
+    doc["shardlist"][3]["nsamples"] = 6
+    index.write_text(json.dumps(doc))
+    requests_before = {p.name: gets(shard_server, p.name) for p in paths}  # `wdscache index` read each once
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, index, "--no-shuffle")
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 3, CACHED_IN,
+                         "the three shards the index misdescribes did not fail")
+    failed = {f["url"]: f["error"] for f in s["failed"]}
+    assert failed == {
+        urls[1]: f"size {size} bytes, but the shard index says {size + 512} (downloaded twice)",
+        urls[2]: f"MD5 {md5}, but the shard index says {'0' * 32} (downloaded twice)",
+        urls[3]: "5 samples, but the shard index says 6",  # the same bytes would count the same: once
+    }
+    assert [gets(shard_server, p.name) - requests_before[p.name] for p in paths] == [1, 2, 2, 1, 1]
+    layout = CacheLayout(cache)
+    assert [layout.shard_path(u).exists() for u in urls] == [True, False, False, False, True]
+    assert not [f for f in layout.partial_path(urls[1]).parent.iterdir() if f.is_file()]
+    lines = consumers(cache, "c", "--on-error", "skip", "--no-shuffle").wait()
+    healthy = reference([paths[0], paths[4]], [urls[0], urls[4]])
+    assert as_samples(lines) == healthy  # every healthy sample, and no other
+    c = consumers(cache, "raising", "--no-shuffle", "--timeout", "20")
+    assert c.proc.wait(60) != 0
+    assert f"cannot fetch {urls[1]}: size {size} bytes, but the shard index says {size + 512}" in c.log.read_text()
+
+
+def test_a_job_index_is_checked_too(tmp_path, shard_server, start_agent, consumers):
+    paths = make_dataset(shard_server.root, 2, 4, payload=1000)
+    urls = [shard_server.url(p.name) for p in paths]
+    job = tmp_path / "job.json"
+    doc = make_index(job, *urls)
+    good = doc["shardlist"][0]["filesize"]
+    doc["shardlist"][0]["filesize"] = good - 1
+    job.write_text(json.dumps(doc))
+    other = tmp_path / "lists" / "other.txt"
+    other.parent.mkdir(exist_ok=True)
+    other.write_text(shard_server.url(paths[1].name) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, other, "--prefetch", "1")
+    lines = consumers(cache, "c", "--urls", str(job), "--on-error", "skip", "--no-shuffle").wait()
+    assert as_samples(lines) == reference(paths[1:], urls[1:])
+    s = agent.stats()
+    assert [(f["url"], f["error"]) for f in s["failed"]] == [
+        (urls[0], f"size {good} bytes, but the shard index says {good - 1} (downloaded twice)")]
+
+
+# -- malformed indexes --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"shardlist": [{"url": "a.tar", "nsamples": 1}, {"url": "b.tar", "nsamples": "3"}]}',
+     "shardlist[1] ('b.tar'): \"nsamples\" must be a whole number >= 0, not \"3\""),
+    ('{"shardlist": [{"url": "a.tar"}]}', "shardlist[0] ('a.tar'): \"nsamples\" is missing"),
+    ('{"shardlist": [{"url": "a.tar", "nsamples": 1, "filesize": -1}]}',
+     "shardlist[0] ('a.tar'): \"filesize\" must be a whole number >= 0, not -1"),
+    ('{"shardlist": [{"url": "a.tar", "nsamples": 1, "md5sum": "xyz"}]}',
+     "shardlist[0] ('a.tar'): \"md5sum\" must be 32 hexadecimal digits, not \"xyz\""),
+    ('{"shardlist": [{"nsamples": 1}]}', "shardlist[0]: \"url\" must be a non-empty string"),
+    ('{"shardlist": [["a.tar", 1]]}', "shardlist[0]: an entry is an object"),
+    ('{"shardlist": [{"url": "a.tar", "nsamples": 1}, {"url": "./a.tar", "nsamples": 2}]}',
+     "shardlist[1] ('./a.tar'): listed before, as shardlist[0], with other facts"),
+    ('{"shardlist": [{"url": "ftp://h/a.tar", "nsamples": 1}]}', "shardlist[0] ('ftp://h/a.tar'): unknown scheme"),
+    ('{"shardlist": [{"url": "s3://b/train/", "nsamples": 1}]}', "names one object, not an s3:// prefix"),
+    ('{"__kind__": "wids-dataset-v2", "shardlist": []}', "\"__kind__\" is \"wids-dataset-v2\""),
+    ('{"wids_version": 2, "shardlist": []}', "\"wids_version\" is 2"),
+    ('{"wids_version": 1, "datasets": [{"source_url": "x.json"}]}', "sub-datasets (\"datasets\") are not supported"),
+    ('{"name": "x"}', "no \"shardlist\" list"),
+    ('{\n  "shardlist": [\n', "not valid JSON"),
+])
+def test_a_malformed_index_names_the_file_and_the_entry(tmp_path, text, message):
+    path = tmp_path / "index.json"
+    path.write_text(text)
+    with pytest.raises(ShardIndexError) as caught:
+        read_url_list(path)
+    assert str(caught.value).startswith(f"{path}: ") and message in str(caught.value), str(caught.value)
+    with pytest.raises(ShardIndexError, match=r"shardlist\[|JSON|kind|version|datasets|list"):
+        CachedMultiLoader(path, cache_dir=tmp_path / "cache")
+
+
+def test_the_agent_refuses_a_malformed_index_with_exit_2(tmp_path):
+    path = tmp_path / "index.json"
+    path.write_text('{"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": [\n'
+                    '  {"url": "a.tar", "nsamples": 1, "filesize": 10240},\n'
+                    '  {"url": "b.tar", "nsamples": 2, "filesize": "big"}]}\n')
+    r = run_wdscache("agent", "--cache-dir", tmp_path / "cache", "--urls", path, "--min-free", "1M")
+    assert r.returncode == 2, r.stderr
+    assert (f"wdscache: error: {path}: shardlist[1] ('b.tar'): \"filesize\" must be a whole number >= 0, "
+            "not \"big\"") in r.stderr
+    assert not (tmp_path / "cache").exists()  # refused before anything on disk changed
+
+
+def test_a_brace_pattern_list_is_not_taken_for_an_index(tmp_path):
+    path = tmp_path / "urls.txt"
+    path.write_text("{a,b}.tar\n")
+    assert read_url_list(path).urls == (f"file://{tmp_path}/a.tar", f"file://{tmp_path}/b.tar")
+    assert read_url_list(path).shards is None
+
+
+# -- S3 ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def moto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, object, object]]:
+    """moto's S3 server on loopback behind the logging proxy: (proxy URL, proxy, boto3 client); fake credentials."""
+    boto3 = pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    from tests.helpers.s3 import S3Proxy
+
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+                 "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "WDSCACHE_S3_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true"),
+                        ("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config")),
+                        ("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))):
+        monkeypatch.setenv(name, value)
+    port = free_port_range(1)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    proxy = S3Proxy(port).start()
+    client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+    client.create_bucket(Bucket="shards")
+    try:
+        yield proxy.url, proxy, client
+    finally:
+        proxy.stop()
+        requests.post(f"http://127.0.0.1:{port}/moto-api/reset", timeout=10)
+        server.stop()
+
+
+def test_an_s3_index_is_written_and_a_wrong_size_in_it_is_caught(tmp_path, moto, start_agent, consumers):
+    endpoint, proxy, client = moto
+    paths = make_dataset(tmp_path / "src", 3, 5, payload=1500)
+    for p in paths:
+        client.upload_file(str(p), "shards", f"train/{p.name}")
+    urls = [f"s3://shards/train/{p.name}" for p in paths]
+    index = tmp_path / "lists" / "index.json"
+    doc = make_index(index, "s3://shards/train/", env={**os.environ, "WDSCACHE_S3_ENDPOINT_URL": endpoint})
+    assert doc["shardlist"] == [{"url": u, "nsamples": 5, "filesize": p.stat().st_size, "md5sum": md5_of(p)}
+                                for u, p in zip(urls, paths)]
+    assert all(len(proxy.gets(u[len("s3://"):])) == 1 for u in urls)
+    size = doc["shardlist"][0]["filesize"]
+    doc["shardlist"][0]["filesize"] = size * 2
+    index.write_text(json.dumps(doc))
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, index, "--s3-endpoint-url", endpoint)
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 1, CACHED_IN,
+                         "the misdescribed object did not fail")
+    assert s["failed"] == [{"url": urls[0],
+                            "error": f"size {size} bytes, but the shard index says {size * 2} (downloaded twice)"}]
+    assert [len(proxy.gets(u[len("s3://"):])) for u in urls] == [3, 2, 2]  # once by the index, then the agent's
+    lines = consumers(cache, "c", "--on-error", "skip", "--no-shuffle").wait()
+    assert as_samples(lines) == reference(paths[1:], urls[1:])
