@@ -11,7 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pty
+import select
 import shutil
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import pytest
 import requests
 import webdataset as wds
 
+from scripts.console import wdscache_exe
 from scripts.shard_maker import make_dataset
 from tests.helpers.agents import run_wdscache
 from tests.helpers.net import free_port_range
@@ -90,6 +95,34 @@ def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index
     assert doc["shardlist"] == expected
     assert {e["url"]: e["nsamples"] for e in expected[:5]} == {
         "compressed.tar": 3, "mpdata.tar": 100, "sample.tgz": 90, "tendata.tar": 100, "testgz.tar": 1000}
+
+
+def test_index_shows_a_progress_bar_on_a_terminal(tmp_path, shard_server):
+    paths = make_dataset(shard_server.root, 3, 2)
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([wdscache_exe(), "index", *(shard_server.url(p.name) for p in paths), "-o",
+                             tmp_path / "index.json"], stdin=secondary, stdout=secondary, stderr=secondary)
+    os.close(secondary)
+    out, deadline = b"", time.monotonic() + 30
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([primary], [], [], 1)[0]:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                chunk = os.read(primary, 4096)
+            except OSError:  # EIO: the terminal's other side closed
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(primary)
+        assert proc.wait(10) == 0, out
+    text = out.decode()
+    assert "indexing" in text and "3/3" in text and "[1/3]" not in text  # the bar, not the plain lines
+    assert len(json.loads((tmp_path / "index.json").read_text())["shardlist"]) == 3
 
 
 def test_index_that_cannot_read_a_shard_writes_nothing(tmp_path, shard_server):
