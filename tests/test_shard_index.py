@@ -24,7 +24,7 @@ import requests
 import webdataset as wds
 
 from scripts.console import wdscache_exe
-from scripts.shard_maker import make_dataset
+from scripts.shard_maker import make_dataset, write_url_list
 from tests.helpers.agents import run_wdscache
 from tests.helpers.net import free_port_range
 from tests.helpers.streaming import reference, samples_of
@@ -79,7 +79,8 @@ def test_index_gives_webdatasets_counts_and_the_files_sizes_reading_each_shard_o
 
 
 @pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")
-def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index(tmp_path, shard_server):
+def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index(tmp_path, shard_server,
+                                                                                start_agent, consumers):
     data = tmp_path / "data"
     data.mkdir()
     for name in REAL_SHARDS:
@@ -95,6 +96,16 @@ def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index
     assert doc["shardlist"] == expected
     assert {e["url"]: e["nsamples"] for e in expected[:5]} == {
         "compressed.tar": 3, "mpdata.tar": 100, "sample.tgz": 90, "tendata.tar": 100, "testgz.tar": 1000}
+    # The agent on that index: every download checked against it (sample.tgz by its compressed size,
+    # and the samples of the tar inside), and an epoch byte-equal to webdataset's reader.
+    paths = [data / n for n in REAL_SHARDS] + [Path(outside), shard_server.root / REAL_SHARDS[1]]
+    urls = [f"file://{p}" for p in paths[:-1]] + [remote]
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data / "index.json", "--no-shuffle")
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == len(urls), CACHED_IN, "the index's shards were cached")
+    assert s["failed"] == []
+    lines = consumers(cache, "c", "--no-shuffle").wait()
+    assert list(as_samples(lines).items()) == list(reference(paths, urls).items())
 
 
 def test_index_shows_a_progress_bar_on_a_terminal(tmp_path, shard_server):
@@ -211,6 +222,32 @@ def test_a_wrong_size_or_md5_is_downloaded_twice_then_fails_naming_both(tmp_path
     c = consumers(cache, "raising", "--no-shuffle", "--timeout", "20")
     assert c.proc.wait(60) != 0
     assert f"cannot fetch {urls[1]}: size {size} bytes, but the shard index says {size + 512}" in c.log.read_text()
+
+
+def test_a_copy_cached_before_that_is_unlike_the_index_is_downloaded_again_and_checked(
+        tmp_path, shard_server, start_agent):
+    paths = make_dataset(shard_server.root, 3, 4, payload=1000)
+    urls = [shard_server.url(p.name) for p in paths]
+    index = tmp_path / "lists" / "index.json"
+    doc = make_index(index, *urls)
+    size = doc["shardlist"][1]["filesize"]
+    doc["shardlist"][1]["filesize"] = size + 1
+    index.write_text(json.dumps(doc))
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "plain.txt", urls))  # no index: all cached
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, CACHED_IN, "the plain list's shards were not cached")
+    agent.stop()
+    before = [gets(shard_server, p.name) for p in paths]
+    agent = start_agent(cache, index)
+    with CachedMultiLoader(cache_dir=cache, on_error="skip", shuffle=False, timeout=30) as loader:
+        got = list(loader)
+    s = agent.stats()
+    assert [(f["url"], f["error"]) for f in s["failed"]] == [
+        (urls[1], f"size {size} bytes, but the shard index says {size + 1} (downloaded twice)")]
+    assert s["changed"] == 1
+    assert [gets(shard_server, p.name) - b for p, b in zip(paths, before)] == [0, 2, 0]  # the others revalidated
+    assert f"{urls[1]} is {size} bytes in the cache, but the shard index says {size + 1}" in agent.stderr_text()
+    assert {s["__url__"] for s in got} == {urls[0], urls[2]} and len(got) == 12
 
 
 def test_a_job_index_is_checked_too(tmp_path, shard_server, start_agent, consumers):

@@ -35,7 +35,7 @@ from .control import ControlSocket
 from .cache import ShardCache
 from ..shared.config import AgentConfig
 from .fetch import Fetched, same_version, validator_kind
-from ..shared.index import ShardState
+from ..shared.index import ShardRecord, ShardState
 from ..shared.protocol import field as get_field
 from ..shared.layout import file_identity
 
@@ -263,13 +263,7 @@ class Opens:
         if rec is None or rec.state is not ShardState.CACHED:
             self._demanded.setdefault(url, time.monotonic())  # gone meanwhile: its waiters need it
             return
-        changed = None
-        if now is None:
-            log.info("could not revalidate %s; serving the cached copy", url)
-        elif now.size != (rec.source_size or rec.size):
-            changed = f"size changed on the server ({rec.source_size or rec.size} -> {now.size} bytes)"
-        elif same_version(rec.etag, now.etag) is False:
-            changed = f"changed on the server ({validator_kind(rec.etag)} {rec.etag} -> {now.etag})"
+        changed = self._unlike_index(url, rec.source_size or rec.size) or _unlike_source(url, rec, now)
         if changed is None:
             self._verified.add(url)
             self._answer_waiters(url)
@@ -280,6 +274,20 @@ class Opens:
         cache.remove(url)
         cache.index.drop_count(url)
         self._demanded.setdefault(url, time.monotonic())  # its waiters get the new copy
+
+    def _unlike_index(self, url: str, size: int) -> str | None:
+        """How a copy cached by an earlier run (its source was ``size`` bytes) differs from what
+        its shard index says now (None: it does not, or there is no index): it is downloaded
+        again then, and that download is checked."""
+        info = self._readers.shard_info(url)
+        if info is None:
+            return None
+        counted = self._cache.index.counts.get(url)
+        if info.filesize is not None and size != info.filesize:
+            return f"is {size} bytes in the cache, but the shard index says {info.filesize}"
+        if counted is not None and counted != info.nsamples:
+            return f"holds {counted} samples in the cache, but the shard index says {info.nsamples}"
+        return None
 
     # -- damage -----------------------------------------------------------------------
 
@@ -339,6 +347,17 @@ class Opens:
         """The damaged and changed shards, for the stats reply."""
         return {"corrupt": [{"url": u, "error": e} for u, e in self._corrupt.items()],
                 "changed": [{"url": u, "error": e} for u, e in self._changed.items()]}
+
+
+def _unlike_source(url: str, rec: ShardRecord, now: Fetched | None) -> str | None:
+    """How the source of a cached copy changed since (None: it did not, or cannot be asked)."""
+    if now is None:
+        log.info("could not revalidate %s; serving the cached copy", url)
+    elif now.size != (rec.source_size or rec.size):
+        return f"size changed on the server ({rec.source_size or rec.size} -> {now.size} bytes)"
+    elif same_version(rec.etag, now.etag) is False:
+        return f"changed on the server ({validator_kind(rec.etag)} {rec.etag} -> {now.etag})"
+    return None
 
 
 def _remember(listed: dict[str, str], url: str, error: str) -> None:
