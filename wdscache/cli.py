@@ -11,7 +11,6 @@ Exit status: 0 done; 1 a runtime error (another agent runs, no cache there);
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import sys
@@ -22,6 +21,8 @@ import click
 
 from .shared.config import AgentConfig, default
 from .shared.errors import ConfigError, WdsCacheError
+from .shared.logs import FORMATS
+from .shared.logs import setup as setup_logging
 
 
 def _fail(exc: WdsCacheError) -> None:
@@ -74,15 +75,17 @@ def main() -> None:
               show_envvar=True,
               help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].")
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
-              help="Log every download and eviction.")
+              help="Also log debugging detail (each download as it starts).")
+@click.option("--log-format", envvar="WDSCACHE_LOG_FORMAT", type=click.Choice(FORMATS), default="text",
+              show_envvar=True, help="Log lines as text, or one JSON object a line for log shippers.")
 @click.option("--private-users", hidden=True, default=default("private_users"),
               type=click.Path(dir_okay=False, path_type=Path),
               help="Run as a loader's private agent: stop once no loader holds a lock on this file.")
-def agent(verbose: bool, **options: object) -> None:
+def agent(verbose: bool, log_format: str, **options: object) -> None:
     """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once)."""
     from .agent.core import Agent
 
-    _setup_logging(verbose)
+    setup_logging(sys.stderr, fmt=log_format, verbose=verbose)
     try:
         agent = Agent(AgentConfig(**options))  # type: ignore[arg-type]
     except WdsCacheError as exc:
@@ -116,10 +119,3 @@ def stats(cache_dir: Path, as_json: bool) -> None:
         sys.exit(1)
     click.echo(json.dumps(s, indent=2) if as_json else format_stats(s))
 
-
-def _setup_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("wdscache")
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)

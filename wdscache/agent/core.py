@@ -432,6 +432,7 @@ class Agent:
                 "waiting_for_space": self.downloads.space_waits(),
             },
             jobs=readers["jobs"],
+            ended_jobs=readers["ended_jobs"],
         )
 
     def _starved_by(self) -> str:

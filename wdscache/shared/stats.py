@@ -25,6 +25,8 @@ The object (also ``wdscache stats --json``)::
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
                       epoch, position (samples of the epoch the job delivered, counted from
                       this rank's), starved: null | "downloads" | "workers" | "latency"}}}
+    ended_jobs        the same of consumers that left in the last 10 minutes, with their totals
+                      and ``ended`` (an ISO 8601 date)
 
 With an agent running it answers live over the agent's socket; otherwise it
 reads the index summary, which costs the same on 10 or 100,000 shards.
@@ -55,6 +57,7 @@ def build(
     download_rate: float = 0.0,
     agent: dict[str, Any] | None = None,
     jobs: dict[str, Any] | None = None,
+    ended_jobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The stats object from an index summary and counters (shared by agent and reader)."""
     counts = summary.get("counts", {})
@@ -75,6 +78,7 @@ def build(
         "download_rate": round(download_rate, 1),
         "agent": agent,
         "jobs": jobs or {},
+        "ended_jobs": ended_jobs or {},
     }
 
 
@@ -132,9 +136,10 @@ def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: st
     return out
 
 
-def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str) -> dict[str, dict[str, Any]]:
-    """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null)."""
-    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen")
+def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str | None) -> dict[str, dict[str, Any]]:
+    """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null;
+    always null for consumers that ended, ``starved_by`` None)."""
+    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended")
     jobs: dict[str, dict[str, Any]] = {}
     for c in consumers.values():
         view = {k: c[k] for k in keep if k in c}
