@@ -76,6 +76,11 @@ def main() -> None:
               help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].")
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
               help="Also log debugging detail (each download as it starts).")
+@click.option("--metrics-port", envvar="WDSCACHE_METRICS_PORT", type=int, default=default("metrics_port"),
+              show_envvar=True, help="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port; "
+              "needs wdscache[metrics]).")
+@click.option("--metrics-host", envvar="WDSCACHE_METRICS_HOST", default=default("metrics_host"), show_envvar=True,
+              help="Address /metrics binds; other than loopback only with --allow-remote.")
 @click.option("--log-format", envvar="WDSCACHE_LOG_FORMAT", type=click.Choice(FORMATS), default="text",
               show_envvar=True, help="Log lines as text, or one JSON object a line for log shippers.")
 @click.option("--private-users", hidden=True, default=default("private_users"),
@@ -108,14 +113,25 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
 @click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
               type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def stats(cache_dir: Path, as_json: bool) -> None:
-    """Show the cache and, when an agent runs, what it is doing."""
+@click.option("--prometheus", is_flag=True,
+              help="Print Prometheus metrics, as the agent's /metrics (for node_exporter's textfile collector).")
+def stats(cache_dir: Path, as_json: bool, prometheus: bool) -> None:
+    """Show the cache and, when an agent runs, what it is doing.
+
+    Exit status: 0 shown; 1 no cache there; 2 --prometheus without wdscache[metrics].
+    """
     from .shared.stats import collect, format_stats
 
     try:
+        if prometheus:
+            from .shared.metrics import require
+            require()
         s = collect(cache_dir)
+        if prometheus:
+            from .shared.metrics import exposition
+            click.echo(exposition(s), nl=False)
+            return
     except WdsCacheError as exc:
-        click.echo(f"wdscache: error: {exc}", err=True)
-        sys.exit(1)
+        _fail(exc)
     click.echo(json.dumps(s, indent=2) if as_json else format_stats(s))
 

@@ -54,6 +54,7 @@ from .downloads import Downloads
 from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Mailbox, OutOfSpace, Revalidated,
                            ValidatorFound)
 from .list_file import ListFile
+from .metrics import MetricsServer
 from .opens import Opens
 from .readers import Readers, startup_reader
 from .control import ControlSocket
@@ -68,7 +69,9 @@ from .lock import AgentLock
 from .pool import WorkerPool
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
+from ..shared.metrics import require as require_metrics
 from ..shared.stats import build
+from ..shared.verdict import starved_by
 from ..shared.urls import UrlList, diff_urls
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,7 @@ log = logging.getLogger(__name__)
 TICK = 0.05  # seconds the main loop waits for a message before doing its other work
 WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
+METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
 # The control ops (wdscache.shared.protocol.MESSAGES, to the agent; "auth" is answered at the
 # door and "walked" passed on to the workers, before this table).
@@ -111,8 +115,12 @@ class Agent:
         self._run = secrets.token_hex(16)  # names this agent process: a key seen by others dies with it
         self._started = time.time()
         self._last_flush = time.monotonic()
+        self._last_metrics = time.monotonic()
+        self._metrics: MetricsServer | None = None  # serving /metrics (--metrics-port)
         self._list_file = ListFile(config)
         self._private = _PrivateUse(config.private_users)
+        if config.metrics_port is not None:
+            require_metrics()  # before anything starts: the missing extra is a bad option
         self.fetcher = Fetcher(
             connect_timeout=config.connect_timeout,
             read_timeout=config.read_timeout,
@@ -174,9 +182,15 @@ class Agent:
             self.mailbox = Mailbox()
             undo.callback(self.mailbox.close)
             self.socket = ControlSocket(self.endpoint, token=token, run=self._run)
+            undo.callback(self.socket.close)
+            if cfg.metrics_port is not None:
+                self._metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port)
             undo.pop_all()
         self._build(urls, cache_root=[root.st_dev, root.st_ino])
         self.downloads.start_threads()
+        if self._metrics is not None:
+            self._metrics.update(self.stats())
+            log.info("serving metrics on %s", self._metrics.url)
         # Ready means ready to serve samples: a consumer's first request should not wait for a process start.
         if not self.pool.wait_ready(WORKER_START_TIMEOUT):
             log.warning("sample workers not up after %.0f s; serving anyway", WORKER_START_TIMEOUT)
@@ -209,6 +223,8 @@ class Agent:
 
     def _write_state(self) -> None:
         state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
+        if self._metrics is not None:
+            state["metrics"] = self._metrics.url
         if self.config.private_users is not None:
             state["private_users"] = str(self.config.private_users)  # loaders joining us lock it
         write_private(self.layout.state_path, json.dumps(state).encode())
@@ -227,6 +243,8 @@ class Agent:
         self.fetcher.close_thread()
         self._list_file.join(2.0)
         self.readers.close()
+        if self._metrics is not None:
+            self._metrics.close()
         self.socket.close()
         if not self.downloads.threads_alive():  # else it could write to a descriptor number reused meanwhile
             self.mailbox.close()
@@ -267,6 +285,9 @@ class Agent:
     def _periodic(self) -> None:
         self.downloads.sample_rate()
         now = time.monotonic()
+        if self._metrics is not None and now - self._last_metrics >= METRICS_EVERY:
+            self._last_metrics = now
+            self._metrics.update(self.stats())
         if now - self._last_flush > FLUSH_EVERY:
             self._last_flush = now
             self.cache.index.flush()
@@ -410,7 +431,9 @@ class Agent:
         by_state["downloading"] = self.downloads.count()
         by_state["queued"] = sum(1 for u in self._wanted() if u not in self.downloads and not cache.is_cached(u)
                                  and (index.get(u) is None or index.get(u).state is not ShardState.FAILED))
-        readers = self.readers.view(self._starved_by())
+        agent_view = {"workers": self.workers.view(), "demanded": len(self.opens.demanded()),
+                      "need_bytes": self.readers.need(self.opens.held)[0]}
+        readers = self.readers.view(starved_by({"bytes_limit": cache.limit, "agent": agent_view}) or "latency")
         return build(
             cache_dir=str(self.layout.root),
             summary={"counts": by_state, "bytes_used": index.summary.bytes_used, "failed": index.summary.failed},
@@ -426,7 +449,7 @@ class Agent:
                 "urls": len(self.readers.urls),
                 "job_lists": readers["job_lists"],
                 "pinned": sum(1 for n in cache.pins.values() if n > 0),
-                "workers": self.workers.view(),
+                **agent_view,
                 "worker_restarts": self.pool.restarts,
                 **self.opens.view(),
                 "waiting_for_space": self.downloads.space_waits(),
@@ -434,14 +457,6 @@ class Agent:
             jobs=readers["jobs"],
             ended_jobs=readers["ended_jobs"],
         )
-
-    def _starved_by(self) -> str:
-        """What a waiting consumer is waiting for: downloads, the workers, or (else) its own reads."""
-        if self.opens.demanded():
-            return "downloads"
-        if self.workers.busy() > 0.8:
-            return "workers"
-        return "latency"
 
 
 class _PrivateUse:

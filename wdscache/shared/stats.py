@@ -21,10 +21,12 @@ The object (also ``wdscache stats --json``)::
                       itself / took from another worker)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
-                      waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up)}
+                      waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up),
+                      demanded (shards readers wait for), need_bytes (bytes the readers hold at once)}
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
                       epoch, position (samples of the epoch the job delivered, counted from
-                      this rank's), starved: null | "downloads" | "workers" | "latency"}}}
+                      this rank's), starved: null | "budget" | "downloads" | "workers" | "latency"
+                      (see :mod:`wdscache.shared.verdict`)}}}
     ended_jobs        the same of consumers that left in the last 10 minutes, with their totals
                       and ``ended`` (an ISO 8601 date)
 
@@ -44,6 +46,7 @@ from .config import format_size
 from .errors import AgentUnavailableError, NoCacheError, ProtocolError
 from .index import read_summary
 from .layout import CacheLayout
+from .verdict import STARVED
 
 STATES = ("cached", "downloading", "queued", "failed")
 
@@ -121,8 +124,6 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
     finally:
         conn.close()
 
-
-STARVED = 0.2  # a consumer waiting more than this fraction of its time is starved
 
 
 def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: str, name: str) -> dict[str, Any]:
