@@ -19,7 +19,7 @@ from types import FrameType
 
 import click
 
-from .shared.config import AgentConfig, default
+from .shared.config import AgentConfig, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
 from .shared.logs import FORMATS
 from .shared.logs import setup as setup_logging
@@ -135,3 +135,195 @@ def stats(cache_dir: Path, as_json: bool, prometheus: bool) -> None:
         _fail(exc)
     click.echo(json.dumps(s, indent=2) if as_json else format_stats(s))
 
+
+
+# -- the cache commands -------------------------------------------------------------------------
+
+_CACHE_DIR = click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
+                          type=click.Path(file_okay=False, path_type=Path), help="Cache directory.")
+_JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+_FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader holds (it keeps reading its file).")
+
+
+def _echo_json(obj: object) -> None:
+    click.echo(json.dumps(obj, indent=2))
+
+
+def _rate(n: float) -> str:
+    return f"{format_size(n)}/s"
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "ETA ?"
+    m, s = divmod(int(seconds + 0.5), 60)
+    return f"ETA {m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"ETA {m}:{s:02d}"
+
+
+@main.command()
+@click.argument("urls", nargs=-1)
+@_CACHE_DIR
+@click.option("--urls", "list_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Also the shards of this URL list file.")
+@click.option("--cache-size", default=None,
+              help="Budget when no agent runs [default: the last agent's, else the agent's default].")
+@click.option("--download-workers", type=int, default=None, help="Parallel downloads when no agent runs.")
+@click.option("--log-format", type=click.Choice(FORMATS), default="text", help="Log lines as text or JSON.")
+@click.option("-v", "--verbose", is_flag=True, help="Log each event (shard cached, failed...), not only warnings.")
+@_JSON
+def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cache_size: str | None,
+             download_workers: int | None, log_format: str, verbose: bool, as_json: bool) -> None:
+    """Warm a cache: download URLS (URLs, brace patterns, paths) before a run.
+
+    Through the running agent, or by itself (an agent run in this process until done)
+    when none runs. Shows a progress bar (shards, bytes, rate, ETA) on a terminal, a
+    line per shard otherwise.
+
+    Exit status: 0 every shard cached; 1 some failed (listed) or a runtime error;
+    2 bad options or URLs.
+    """
+    import logging
+
+    from .agent.cache_commands import Progress
+    from .agent.cache_commands import prefetch as run_prefetch
+    from .shared.urls import parse_url_list, read_url_list
+
+    setup_logging(sys.stderr, fmt=log_format, verbose=False)
+    if not verbose:
+        logging.getLogger("wdscache").setLevel(logging.WARNING)
+    try:
+        wanted = list(parse_url_list("\n".join(urls), path="the command line").urls) if urls else []
+        if list_file is not None:
+            wanted += read_url_list(list_file).urls
+        if not wanted:
+            raise ConfigError("no shards to prefetch: give URLS or --urls FILE")
+        bar = sys.stdout.isatty() and not as_json
+
+        def report(p: Progress) -> None:
+            if as_json:
+                return
+            if bar:
+                total = format_size(p.bytes_total) if p.bytes_total is not None else "?"
+                width = 30
+                filled = int(width * (p.cached + len(p.failed)) / p.total)
+                click.echo(f"\r[{'#' * filled}{'.' * (width - filled)}] {p.cached}/{p.total} shards"
+                           f"{f', {len(p.failed)} failed' if p.failed else ''}, {format_size(p.bytes_done)}/{total},"
+                           f" {_rate(p.rate)}, {_eta(p.eta)}\x1b[K", nl=False)
+                return
+            for url in p.finished:
+                click.echo(f"failed {url}: {p.failed[url]}" if url in p.failed else f"cached {url}")
+
+        result = run_prefetch(cache_dir, wanted, report=report, cache_size=cache_size,
+                              download_workers=download_workers)
+    except WdsCacheError as exc:
+        _fail(exc)
+    if bar:
+        click.echo()
+    if as_json:
+        _echo_json({"shards": result.total, "cached": result.cached, "bytes": result.bytes_done,
+                    "failed": [{"url": u, "error": e} for u, e in result.failed.items()]})
+    else:
+        click.echo(f"{result.cached} of {result.total} shard(s) cached ({format_size(result.bytes_done)})"
+                   + (f", {len(result.failed)} failed:" if result.failed else ""))
+        for url, error in result.failed.items():
+            click.echo(f"  {url}: {error}")
+    sys.exit(1 if result.failed else 0)
+
+
+@main.command(name="ls")
+@_CACHE_DIR
+@_JSON
+def ls_command(cache_dir: Path, as_json: bool) -> None:
+    """List the shards the cache knows: state, size, last read (a date), reads, URL.
+
+    Exit status: 0 listed; 1 no cache there.
+    """
+    from .agent.cache_commands import list_shards
+
+    try:
+        shards = list_shards(cache_dir)
+    except WdsCacheError as exc:
+        _fail(exc)
+    if as_json:
+        _echo_json(shards)
+        return
+    click.echo(f"{'STATE':<12}{'SIZE':>9}  {'LAST READ':<26}{'READS':>6}  URL")
+    for s in shards:
+        click.echo(f"{s['state']:<12}{format_size(s['size']):>9}  {s['last_read'] or 'never':<26}{s['reads']:>6}  "
+                   f"{s['url']}" + (f"  ({s['error']})" if s["error"] else ""))
+
+
+@main.command()
+@_CACHE_DIR
+@_JSON
+def verify(cache_dir: Path, as_json: bool) -> None:
+    """Re-check every cached shard (size, tar structure, checksum where an index gives one) and evict
+    the bad ones (those a reader holds are left, and listed).
+
+    Exit status: 0 every shard is sound; 1 some were bad (listed), or a runtime error.
+    """
+    from .agent.cache_commands import verify as run_verify
+
+    try:
+        result = run_verify(cache_dir)
+    except WdsCacheError as exc:
+        _fail(exc)
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(f"checked {result['checked']} shard(s): {len(result['bad'])} bad, "
+                   f"{len(result['evicted'])} evicted")
+        held = {r["url"]: r["reason"] for r in result["refused"]}
+        for b in result["bad"]:
+            click.echo(f"  bad {b['url']}: {b['problem']}" + (f" (not evicted: {held[b['url']]})"
+                                                              if b["url"] in held else ""))
+    sys.exit(1 if result["bad"] else 0)
+
+
+def _freed(result: dict, as_json: bool) -> None:
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(f"evicted {len(result['evicted'])} shard(s), {format_size(result['bytes'])} freed")
+        for r in result["refused"]:
+            click.echo(f"  refused {r['url']}: {r['reason']}")
+    sys.exit(1 if result["refused"] else 0)
+
+
+@main.command()
+@click.argument("urls", nargs=-1, required=True)
+@_CACHE_DIR
+@_FORCE
+@_JSON
+def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) -> None:
+    """Evict the cached shards of URLS (through the agent when one runs).
+
+    Exit status: 0 none of them is cached any more; 1 some are held by a reader (listed;
+    --force evicts them) or a runtime error; 2 bad options.
+    """
+    from .agent.cache_commands import evict as run_evict
+
+    try:
+        result = run_evict(cache_dir, list(urls), force=force)
+    except WdsCacheError as exc:
+        _fail(exc)
+    _freed(result, as_json)
+
+
+@main.command()
+@_CACHE_DIR
+@_FORCE
+@_JSON
+def clear(cache_dir: Path, force: bool, as_json: bool) -> None:
+    """Evict every cached shard (through the agent when one runs).
+
+    Exit status: 0 the cache holds no shard; 1 some are held by a reader (listed; --force
+    evicts them) or a runtime error.
+    """
+    from .agent.cache_commands import clear as run_clear
+
+    try:
+        result = run_clear(cache_dir, force=force)
+    except WdsCacheError as exc:
+        _fail(exc)
+    _freed(result, as_json)

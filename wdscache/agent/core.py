@@ -7,7 +7,9 @@ Structure: a small core composed of parts that each own one concept and its stat
 - :class:`~wdscache.agent.opens.Opens`: open, pins, waiters, status, revalidation, damage;
 - :class:`~wdscache.agent.downloads.Downloads`: scheduling, download threads, budget grants;
 - :class:`~wdscache.agent.worker_reports.WorkerReports`: the sample workers' reports and hints;
-- :class:`~wdscache.agent.list_file.ListFile`: the ``--urls`` file, watched.
+- :class:`~wdscache.agent.list_file.ListFile`: the ``--urls`` file, watched;
+- :class:`~wdscache.agent.upkeep.Upkeep`: the cache commands (evict, clear, prefetch);
+- :class:`~wdscache.agent.metrics.MetricsServer`: ``/metrics``, when asked for (``--metrics-port``).
 
 :meth:`Agent.start` builds them once the cache is open, so while the agent runs
 none is missing; the core routes each control op to its handler (``_ops``) and
@@ -58,6 +60,7 @@ from .metrics import MetricsServer
 from .opens import Opens
 from .readers import Readers, startup_reader
 from .control import ControlSocket
+from .upkeep import Upkeep
 from .worker_reports import WorkerReports
 from .cache import INDEX_HEADROOM, ShardCache
 from ..shared.config import AgentConfig, format_size, parse_size
@@ -84,7 +87,7 @@ USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still 
 # The control ops (wdscache.shared.protocol.MESSAGES, to the agent; "auth" is answered at the
 # door and "walked" passed on to the workers, before this table).
 CONTROL_OPS = ("stats", "worker", "counted", "damaged", "corrupt", "counts", "hello", "put_urls", "get_urls",
-               "open", "status", "release", "report", "ping", "bye")
+               "open", "status", "release", "report", "ping", "bye", "evict", "clear", "prefetch")
 WORKER_OPS = ("worker", "counted", "damaged")  # reports only our workers may send (and "walked", with frames)
 # Ops of a reader, which name it ("reader"): each one counts as a sign of life.
 READER_OPS = ("hello", "put_urls", "get_urls", "open", "status", "release", "report", "ping", "bye")
@@ -104,6 +107,7 @@ class Agent:
     downloads: Downloads
     opens: Opens
     workers: WorkerReports
+    upkeep: Upkeep
     _ops: dict[str, Handler]
 
     def __init__(self, config: AgentConfig) -> None:
@@ -210,6 +214,7 @@ class Agent:
         self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox)
         self.opens = Opens(cfg, self.cache, self.socket, self.readers, self.downloads)
         self.workers = WorkerReports(self.pool, self.socket)
+        self.upkeep = Upkeep(self.cache, self.socket, self.downloads, self.readers.fetchable)
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
             "stats": self._op_stats, "counts": self._op_counts, "counted": self._op_counted, "ping": self._op_ping,
@@ -218,6 +223,7 @@ class Agent:
             "open": self.opens.op_open, "status": self.opens.op_status, "release": self.opens.op_release,
             "damaged": self.opens.op_damaged, "corrupt": self.opens.op_corrupt,
             "worker": self.workers.op_worker,
+            "evict": self.upkeep.op_evict, "clear": self.upkeep.op_clear, "prefetch": self.upkeep.op_prefetch,
         }
         self._ops = {op: handlers[op] for op in CONTROL_OPS}
 
@@ -277,10 +283,15 @@ class Agent:
             self.opens.answer_partial(url)
 
     def _wanted(self, demanded: list[str] | None = None) -> list[str]:
-        """Shards asked for (oldest first), then the union of readers' windows by urgency."""
+        """Shards asked for (oldest first), then the union of readers' windows by urgency, then the
+        shards asked to be prefetched (``wdscache prefetch``)."""
         demanded = self.opens.demanded() if demanded is None else demanded
-        first = set(demanded)
-        return demanded + [u for u in self.readers.planned() if u not in first]
+        want = demanded + [u for u in self.readers.planned() if u not in set(demanded)]
+        warm = self.upkeep.wanted()
+        if warm:
+            seen = set(want)
+            want += [u for u in warm if u not in seen]
+        return want
 
     def _periodic(self) -> None:
         self.downloads.sample_rate()

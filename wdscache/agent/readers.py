@@ -332,12 +332,20 @@ class Readers:
         return [c["rank"] for n, c in self._consumers.items()
                 if c.get("job") == job and n in self._readers and now - c.get("seen", 0.0) < LIVE_WITHIN]
 
-    def _job_list(self, urls: list[Any]) -> UrlList:
-        """A consumer's own URL list, held to what this endpoint may fetch for others."""
+    def _schemes(self) -> tuple[str, ...]:
         # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
         # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
         local = self._socket.endpoint.startswith("ipc://")
-        schemes = ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
+        return ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
+
+    def fetchable(self, url: str) -> bool:
+        """May a client of this endpoint have ``url`` fetched: in the agent's list, or a URL of a scheme
+        its clients may use (see :meth:`_job_list`)."""
+        return url in self.urls or (url.startswith(self._schemes()) and not any(c.isspace() for c in url))
+
+    def _job_list(self, urls: list[Any]) -> UrlList:
+        """A consumer's own URL list, held to what this endpoint may fetch for others."""
+        schemes = self._schemes()
         for u in urls:
             if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
                 raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")

@@ -103,7 +103,8 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 0.5) -> dict[
     )
 
 
-def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
+def agent_connection(layout: CacheLayout, timeout: float) -> AgentConnection | None:
+    """A connection to the agent that seems to serve ``layout`` (its first request tells), else None."""
     try:
         state = json.loads(layout.state_path.read_text())
         endpoint = str(state["endpoint"])
@@ -115,7 +116,14 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
         return None  # left by an agent that made no token: none of ours runs
     # No pid check: from another container the agent's pid means nothing; the socket decides.
     # An agent that cannot prove it holds the directory's token is not ours: NotTrustedError.
-    conn = AgentConnection(endpoint, timeout=timeout, cache_dir=layout.root)
+    return AgentConnection(endpoint, timeout=timeout, cache_dir=layout.root)
+
+
+def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
+    """The running agent's stats, or None when none answers."""
+    conn = agent_connection(layout, timeout)
+    if conn is None:
+        return None
     try:
         reply = conn.request({"op": "stats"})
         return reply["stats"] if reply.get("ok") else None
