@@ -115,13 +115,20 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--prometheus", is_flag=True,
               help="Print Prometheus metrics, as the agent's /metrics (for node_exporter's textfile collector).")
-def stats(cache_dir: Path, as_json: bool, prometheus: bool) -> None:
+@click.option("--watch", is_flag=True, help="Redraw a live view every second, with a verdict per job, until Ctrl-C.")
+def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None:
     """Show the cache and, when an agent runs, what it is doing.
 
-    Exit status: 0 shown; 1 no cache there; 2 --prometheus without wdscache[metrics].
+    Exit status: 0 shown (--watch: stopped with Ctrl-C); 1 no cache there;
+    2 bad options, or --prometheus without wdscache[metrics].
     """
     from .shared.stats import collect, format_stats
 
+    if watch:
+        if as_json or prometheus:
+            _fail(ConfigError("--watch draws for people: leave out --json and --prometheus"))
+        _watch(cache_dir)
+        return
     try:
         if prometheus:
             from .shared.metrics import require
@@ -327,3 +334,76 @@ def clear(cache_dir: Path, force: bool, as_json: bool) -> None:
     except WdsCacheError as exc:
         _fail(exc)
     _freed(result, as_json)
+
+
+# -- the live view ----------------------------------------------------------------------------------
+
+WATCH_EVERY = 1.0  # seconds between redraws of stats --watch
+
+
+def _watch(cache_dir: Path) -> None:
+    """Redraw :func:`_live_view` every second until Ctrl-C (on a terminal in place, else frame after frame)."""
+    import time
+
+    from .shared.stats import collect
+
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            try:
+                view = _live_view(collect(cache_dir))
+            except WdsCacheError as exc:
+                _fail(exc)
+            click.echo(f"{clear}{view}" if clear else f"{view}\n")  # on a pipe, frames a blank line apart
+            sys.stdout.flush()
+            time.sleep(WATCH_EVERY)
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+def _live_view(s: dict) -> str:
+    """The compact live view of a stats object: cache against budget, downloads, workers, every job
+    with its ranks and its verdict (:func:`wdscache.shared.verdict.verdicts`)."""
+    from datetime import datetime
+
+    from .shared.verdict import verdicts
+
+    used, limit = s["bytes_used"], s.get("bytes_limit")
+    agent = s.get("agent") or {}
+    bar = ""
+    if limit:
+        filled = min(20, int(20 * used / limit))
+        bar = f" [{'#' * filled}{'.' * (20 - filled)}] {100 * used / limit:.0f}%"
+    lookups = s["hits"] + s["misses"]
+    hit_rate = f"{100 * s['hits'] / lookups:.0f}%" if lookups else "-"
+    shards = s["shards"]
+    now = datetime.now().astimezone().isoformat(timespec="seconds")
+    lines = [
+        f"wdscache {s['cache_dir']}  {now}  "
+        + (f"agent pid {agent['pid']}, up {agent['uptime_s']:.0f}s" if agent else "agent not running"),
+        f"cache      {format_size(used)} of {format_size(limit) if limit else '?'}{bar}, "
+        f"{shards['cached']} shards, {agent.get('pinned', 0)} being read",
+        f"downloads  {_rate(s['download_rate'])}, {shards['downloading']} running, {shards['queued']} queued, "
+        f"{shards['failed']} failed; hit rate {hit_rate}, "
+        f"{s.get('redownloads', 0)} re-download(s)",
+    ]
+    if agent.get("workers"):
+        workers = agent["workers"]
+        busy = [w["busy"] for w in workers if isinstance(w.get("busy"), (int, float))]
+        lines.append(f"workers    {len(workers)}: {100 * sum(busy) / len(busy) if busy else 0:.0f}% busy now, "
+                     f"{sum(w.get('busy_s', 0) for w in workers):.1f}s busy in all, "
+                     f"{agent.get('worker_restarts', 0)} restart(s)")
+    judged = verdicts(s)
+    for job, ranks in sorted(s.get("jobs", {}).items()):
+        rate = sum(r.get("rate", 0) for r in ranks.values())
+        lines.append(f"job {job}: {len(ranks)} rank(s), {rate:.0f} samples/s: {judged[job].text}")
+        for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+            lines.append(f"  rank {rank:>3}  {r.get('rate', 0):8.0f} samples/s  waiting "
+                         f"{100 * r.get('waiting', 0):3.0f}%  {r.get('samples', 0)} samples, "
+                         f"waited {r.get('wait_s', 0):.1f}s")
+    for job, ranks in sorted(s.get("ended_jobs", {}).items()):
+        if job not in s.get("jobs", {}):
+            lines.append(f"job {job}: {len(ranks)} rank(s), {judged[job].text}")
+    if not s.get("jobs") and not s.get("ended_jobs"):
+        lines.append("jobs       none")
+    return "\n".join(lines)
