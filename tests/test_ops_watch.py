@@ -4,8 +4,6 @@ on each job is a pure function of the stats (wdscache.shared.verdict)."""
 from __future__ import annotations
 
 import json
-import os
-import select
 import signal
 import subprocess
 import time
@@ -14,6 +12,7 @@ from scripts.console import wdscache_exe
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.verdict import verdicts
 from tests.helpers.waits import stop_process
+from tests.helpers.watch import read_frames
 
 
 def _stats(*, waiting: float, demanded: int = 0, need: int = 0, busy: float = 0.1) -> dict:
@@ -42,19 +41,6 @@ def test_each_verdict_names_its_cause_and_what_to_do():
     assert got["j"].text == "not starved"
 
 
-def _read_frames(proc: subprocess.Popen, n: int, deadline: float) -> str:
-    out = b""
-    while out.count(b"\n\n") < n:
-        left = deadline - time.monotonic()
-        assert left > 0, f"fewer than {n} frames in time: {out.decode()!r}"
-        ready, _, _ = select.select([proc.stdout], [], [], left)
-        if ready:
-            chunk = os.read(proc.stdout.fileno(), 65536)
-            assert chunk, f"stats --watch ended: {out.decode()!r} {proc.stderr.read().decode()!r}"
-            out += chunk
-    return out.decode()
-
-
 def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, start_agent):
     data = dataset(2, samples=4, payload=300)
     cache = tmp_path / "cache"
@@ -75,7 +61,7 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
         assert conn.request({**report, "wait_s": 0.4})["ok"]  # waited 0.4 s of the last 0.5: starved
         proc = subprocess.Popen([wdscache_exe(), "stats", "--cache-dir", cache, "--watch"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-        text = _read_frames(proc, 2, time.monotonic() + 20)
+        text = read_frames(proc, 2, 20)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 0, proc.stderr.read()
     finally:
