@@ -195,14 +195,16 @@ class Readers:
             return
         self._jobs[job] = {"world_size": world}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
+        again = name in self._consumers  # its next epoch: it did not leave, nor join anew
         self.drop(name, why=None)
         # It reads the list it named, or the agent's list as it is now until its epoch ends.
         self._readers[name] = Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id)
         self._consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
         self._watch_process(name, header.get("process"))
         self._ended.pop(name, None)
-        event(log, "consumer_joined", "consumer %s joined job %r as rank %d of %d", name, job, rank, world,
-              reader=name, job=job, rank=rank, world_size=world)
+        if not again:
+            event(log, "consumer_joined", "consumer %s joined job %r as rank %d of %d", name, job, rank, world,
+                  reader=name, job=job, rank=rank, world_size=world)
         reply(
             ident, rid, ok=True,
             workers=self._workers,

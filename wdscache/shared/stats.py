@@ -46,7 +46,7 @@ from .config import format_size
 from .errors import AgentUnavailableError, NoCacheError, ProtocolError
 from .index import read_summary
 from .layout import CacheLayout
-from .verdict import STARVED
+from .verdict import STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
 
@@ -200,6 +200,9 @@ def format_stats(s: dict[str, Any]) -> str:
                 f"{r.get('rate', 0):.0f} samples/s, waited {r.get('wait_s', 0):.1f}s "
                 f"({100 * r.get('waiting', 0):.0f}% now), {starved}"
             )
+    for job, ranks in sorted(s.get("ended_jobs", {}).items()):
+        if job not in s.get("jobs", {}):
+            lines.append(f"job {job}: {ended_verdict(ranks).text}")
     for w in (agent or {}).get("waiting_for_space", [])[:20]:
         lines.append(f"waiting    {w['url']}: {w['reason']}")
     if s["failed"]:
