@@ -24,12 +24,13 @@ def _events(text: str) -> list[dict]:
     return [line for line in lines if "event" in line]
 
 
-def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agent, shard_server):
+def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agent, shard_server, run_cli):
     data = dataset(3, samples=4, payload=300)
     missing = shard_server.url("missing.tar")
     data.list_file.write_text("\n".join([*data.urls, missing]) + "\n")
     cache = tmp_path / "cache"
-    agent = start_agent(cache, data.list_file, "--prefetch", "4", "--retries", "0", "--log-format", "json")
+    agent = start_agent(cache, data.list_file, "--prefetch", "4", "--retries", "0", "--log-format", "json",
+                        "--reader-timeout", "1")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 3 and s["shards"]["failed"] == 1, 20,
                      "three shards cached and one failed")
     conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
@@ -39,10 +40,15 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
         assert conn.request({"op": "report", "reader": "r0", "samples": 7, "bytes": 700, "rate": 3.5,
                              "wait_s": 0.5, "epoch": 0, "position": 7})["ok"]
         assert conn.request({"op": "bye", "reader": "r0"})["ok"]
+        assert conn.request({"op": "hello", "reader": "r1", "job": "quiet", "rank": 0, "world_size": 1})["ok"]
     finally:
         conn.close()
-    s = agent.wait_stats(lambda s: "train" in s["ended_jobs"], 5, "the job that ended is listed")
+    s = agent.wait_stats(lambda s: {"train", "quiet"} <= set(s["ended_jobs"]), 10,
+                         "the jobs that ended (one said bye, one went silent) are listed")
     assert s["jobs"] == {}
+    # Evicted by hand, then downloaded again for the agent's start-up plan.
+    assert run_cli("evict", data.urls[0], "--cache-dir", cache).returncode == 0
+    agent.wait_stats(lambda s: s["redownloads"] == 1, 10, "the evicted shard downloaded again")
     ended = s["ended_jobs"]["train"]["0"]
     assert (ended["samples"], ended["bytes"], ended["wait_s"], ended["starved"]) == (7, 700, 0.5, None)
     assert ISO.match(ended["ended"]), ended
@@ -54,10 +60,19 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
     failed = [e for e in events if e["event"] == "failed"]
     assert [e["url"] for e in failed] == [missing] and "404" in failed[0]["error"], failed
     joined = [e for e in events if e["event"] == "consumer_joined"]
-    assert [(e["reader"], e["job"], e["rank"], e["world_size"]) for e in joined] == [("r0", "train", 0, 1)]
+    assert [(e["reader"], e["job"], e["rank"], e["world_size"]) for e in joined] == [("r0", "train", 0, 1),
+                                                                                 ("r1", "quiet", 0, 1)]
     left = [e for e in events if e["event"] == "consumer_left"]
     assert [(e["reader"], e["job"], e["rank"], e["samples"], e["why"]) for e in left] == [
         ("r0", "train", 0, 7, "said bye")]
+    timed_out = [e for e in events if e["event"] == "consumer_timed_out"]
+    assert [(e["reader"], e["job"], e["level"]) for e in timed_out] == [("r1", "quiet", "WARNING")]
+    assert timed_out[0]["why"].startswith("silent for ") and timed_out[0]["why"].endswith("(--reader-timeout)")
+    evicted = [e for e in events if e["event"] == "evicted"]
+    assert [(e["url"], e["bytes"], e["last_read"]) for e in evicted] == [
+        (data.urls[0], data.paths[0].stat().st_size, None)]
+    again = [e for e in events if e["event"] == "redownloaded"]
+    assert [(e["url"], e["bytes"]) for e in again] == [(data.urls[0], data.paths[0].stat().st_size)]
 
 
 def test_text_lines_and_event_dates_are_iso_8601():
