@@ -125,3 +125,24 @@ def test_prefetch_draws_a_progress_bar_on_a_terminal(tmp_path, dataset):
     text = out.decode()
     assert "\r[" in text and f"2/2 shards, {_size(data)}/{_size(data)}," in text and "ETA" in text, text
     assert text.rstrip().endswith(f"2 of 2 shard(s) cached ({_size(data)})"), text
+
+
+def test_prefetch_gives_up_shards_the_budget_cannot_take_and_says_why(tmp_path, dataset, start_agent, run_cli):
+    data = dataset(3, samples=4, payload=300)  # 20 KiB shards
+    cache = tmp_path / "cache"
+    data.list_file.write_text("".join(u + "\n" for u in data.urls[:2]))
+    agent = start_agent(cache, data.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", "50K")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the first shard cached")
+    assert run_cli("prefetch", data.urls[1], "--cache-dir", cache).returncode == 0
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+    try:
+        for url in data.urls[:2]:  # both held: nothing can be evicted for a third
+            assert conn.request({"op": "open", "reader": "holder", "url": url})["ok"]
+        r = run_cli("prefetch", data.urls[2], "--cache-dir", cache, "--json", timeout=60)
+    finally:
+        conn.close()
+    assert r.returncode == 1, r.stderr
+    result = json.loads(r.stdout)
+    assert (result["cached"], [f["url"] for f in result["failed"]]) == (0, [data.urls[2]]), result
+    assert result["failed"][0]["error"].startswith(
+        "waiting for space: the budget (--cache-size 50.0K) holds 40.0K cached"), result

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs
 REQUEST_TIMEOUT = 30.0
 POLL = 0.25  # seconds between prefetch progress reports
-STUCK_AFTER = 10.0  # seconds every shard left may wait for space before prefetch gives them up
+STUCK_AFTER = 10.0  # seconds without progress, downloads waiting for space, before prefetch gives the rest up
 AGENT_START_TIMEOUT = 60.0
 
 #: (hashlib algorithm, hex digest) a shard's bytes must have, e.g. ("sha256", "9f86d0...").
@@ -293,7 +293,9 @@ def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callab
     first = True
     seen: dict[str, str] = {}  # url -> "cached" / "failed", once seen so (a reader may evict it later)
     base: int | None = None  # bytes done at the start (shards cached already)
-    stuck_since: float | None = None
+    stuck_since = start
+    last_mark: tuple[int, int] = (-1, -1)
+    n_pages = sum(1 for _ in pages(urls))
     sizes: dict[str, int] = {}  # url -> its size, once known (a shard evicted since keeps it)
     while True:
         progress = Progress(total=len(urls))
@@ -326,16 +328,17 @@ def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callab
         now = time.monotonic()
         progress.rate = (progress.bytes_done - base) / (now - start) if now > start else 0.0
         progress.bytes_total = bytes_total
-        # Every shard left waits for space that never comes: the budget is full of what readers hold.
-        left = progress.total - progress.cached - len(progress.failed)
-        if left and len(waiting) == left:
-            stuck_since = stuck_since or now
-            if now - stuck_since >= STUCK_AFTER:
-                for url, reason in waiting.items():
-                    progress.failed[url] = f"waits for space: {reason}"
-        else:
-            stuck_since = None
+        # No progress while downloads wait for space: the budget is full of what readers hold (or of
+        # this prefetch's own shards), and stays so.
+        mark = (progress.bytes_done, progress.cached + len(progress.failed))
+        if mark != last_mark or not waiting:
+            last_mark, stuck_since = mark, now
+        elif now - stuck_since >= STUCK_AFTER:
+            reason = next(iter(waiting.values()))
+            for url in urls:
+                if url not in progress.failed and seen.get(url) != "cached":
+                    progress.failed[url] = waiting.get(url, f"not started, downloads ahead of it are {reason}")
         report(progress)
         if progress.done:
             return progress
-        time.sleep(POLL)
+        time.sleep(POLL * n_pages)  # a long list is asked about less often
