@@ -286,7 +286,8 @@ class Agent:
         """Shards asked for (oldest first), then the union of readers' windows by urgency, then the
         shards asked to be prefetched (``wdscache prefetch``)."""
         demanded = self.opens.demanded() if demanded is None else demanded
-        want = demanded + [u for u in self.readers.planned() if u not in set(demanded)]
+        first = set(demanded)
+        want = demanded + [u for u in self.readers.planned() if u not in first]
         warm = self.upkeep.wanted()
         if warm:
             seen = set(want)
