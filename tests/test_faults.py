@@ -856,7 +856,7 @@ _DEEP = b"[" * 100_000  # 100 KB, well under the 1 MiB limit; json.loads raises 
     # a report's fields were kept unchecked; the next stats compared 'x' > 0.2 in _jobs_view
     pytest.param([_HELLO, _j({"op": "report", "id": 2, "reader": "r", "waiting": "x"}), _STATS],
                  id="report-with-text-waiting"),
-    # same for a worker report; the next stats summed 'x' in _starved_by
+    # same for a worker report; the next stats summed 'x' in the agent's _starved_by (now verdict.starved_by)
     pytest.param([_j({"op": "worker", "index": 0, "busy": "x"}), _STATS], id="worker-report-with-text-busy"),
 ])
 def test_one_malformed_message_does_not_kill_the_agent(shard_server, dataset, start_agent, raw_peers, tmp_path, frames):

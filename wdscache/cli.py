@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import os
 import shutil
 import signal
@@ -23,8 +22,10 @@ from types import FrameType
 
 import click
 
-from .shared.config import AgentConfig, default
+from .shared.config import AgentConfig, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
+from .shared.logs import FORMATS
+from .shared.logs import setup as setup_logging
 
 
 def _fail(exc: WdsCacheError) -> None:
@@ -77,15 +78,22 @@ def main() -> None:
               show_envvar=True,
               help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].")
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
-              help="Log every download and eviction.")
+              help="Also log debugging detail (each download as it starts).")
+@click.option("--metrics-port", envvar="WDSCACHE_METRICS_PORT", type=int, default=default("metrics_port"),
+              show_envvar=True, help="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port; "
+              "needs wdscache[metrics]).")
+@click.option("--metrics-host", envvar="WDSCACHE_METRICS_HOST", default=default("metrics_host"), show_envvar=True,
+              help="Address /metrics binds; other than loopback only with --allow-remote.")
+@click.option("--log-format", envvar="WDSCACHE_LOG_FORMAT", type=click.Choice(FORMATS), default="text",
+              show_envvar=True, help="Log lines as text, or one JSON object a line for log shippers.")
 @click.option("--private-users", hidden=True, default=default("private_users"),
               type=click.Path(dir_okay=False, path_type=Path),
               help="Run as a loader's private agent: stop once no loader holds a lock on this file.")
-def agent(verbose: bool, **options: object) -> None:
+def agent(verbose: bool, log_format: str, **options: object) -> None:
     """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once)."""
     from .agent.core import Agent
 
-    _setup_logging(verbose)
+    setup_logging(sys.stderr, fmt=log_format, verbose=verbose)
     try:
         agent = Agent(AgentConfig(**options))  # type: ignore[arg-type]
     except WdsCacheError as exc:
@@ -108,15 +116,33 @@ def agent(verbose: bool, **options: object) -> None:
 @click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
               type=click.Path(file_okay=False, path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def stats(cache_dir: Path, as_json: bool) -> None:
-    """Show the cache and, when an agent runs, what it is doing."""
+@click.option("--prometheus", is_flag=True,
+              help="Print Prometheus metrics, as the agent's /metrics (for node_exporter's textfile collector).")
+@click.option("--watch", is_flag=True, help="Redraw a live view every second, with a verdict per job, until Ctrl-C.")
+def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None:
+    """Show the cache and, when an agent runs, what it is doing.
+
+    Exit status: 0 shown (--watch: stopped with Ctrl-C); 1 no cache there;
+    2 bad options, or --prometheus without wdscache[metrics].
+    """
     from .shared.stats import collect, format_stats
 
+    if watch:
+        if as_json or prometheus:
+            _fail(ConfigError("--watch draws for people: leave out --json and --prometheus"))
+        _watch(cache_dir)
+        return
     try:
+        if prometheus:
+            from .shared.metrics import require
+            require()
         s = collect(cache_dir)
+        if prometheus:
+            from .shared.metrics import exposition
+            click.echo(exposition(s), nl=False)
+            return
     except WdsCacheError as exc:
-        click.echo(f"wdscache: error: {exc}", err=True)
-        sys.exit(1)
+        _fail(exc)
     click.echo(json.dumps(s, indent=2) if as_json else format_stats(s))
 
 
@@ -194,9 +220,266 @@ def _stored_url(url: str, folder: Path) -> str:
     return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
 
 
-def _setup_logging(verbose: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("wdscache")
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+# -- the cache commands -------------------------------------------------------------------------
+
+_CACHE_DIR = click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
+                          type=click.Path(file_okay=False, path_type=Path), help="Cache directory.")
+_JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
+_FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader holds (it keeps reading its file).")
+
+
+def _echo_json(obj: object) -> None:
+    click.echo(json.dumps(obj, indent=2))
+
+
+def _rate(n: float) -> str:
+    return f"{format_size(n)}/s"
+
+
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "ETA ?"
+    m, s = divmod(int(seconds + 0.5), 60)
+    return f"ETA {m // 60}:{m % 60:02d}:{s:02d}" if m >= 60 else f"ETA {m}:{s:02d}"
+
+
+@main.command()
+@click.argument("urls", nargs=-1)
+@_CACHE_DIR
+@click.option("--urls", "list_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="Also the shards of this URL list file.")
+@click.option("--cache-size", default=None,
+              help="Budget when no agent runs [default: the last agent's, else the agent's default].")
+@click.option("--download-workers", type=int, default=None, help="Parallel downloads when no agent runs.")
+@click.option("--log-format", type=click.Choice(FORMATS), default="text", help="Log lines as text or JSON.")
+@click.option("-v", "--verbose", is_flag=True, help="Log each event (shard cached, failed...), not only warnings.")
+@_JSON
+def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cache_size: str | None,
+             download_workers: int | None, log_format: str, verbose: bool, as_json: bool) -> None:
+    """Warm a cache: download URLS (URLs, brace patterns, paths) before a run.
+
+    Through the running agent, or by itself (an agent run in this process until done)
+    when none runs. Shows a progress bar (shards, bytes, rate, ETA) on a terminal, a
+    line per shard otherwise.
+
+    Exit status: 0 every shard cached; 1 some failed (listed) or a runtime error;
+    2 bad options or URLs.
+    """
+    import logging
+
+    from .agent.cache_commands import Progress
+    from .agent.cache_commands import prefetch as run_prefetch
+    from .shared.urls import parse_url_list, read_url_list
+
+    setup_logging(sys.stderr, fmt=log_format, verbose=False)
+    if not verbose:
+        logging.getLogger("wdscache").setLevel(logging.WARNING)
+    try:
+        wanted = list(parse_url_list("\n".join(urls), path="the command line").urls) if urls else []
+        if list_file is not None:
+            wanted += read_url_list(list_file).urls
+        if not wanted:
+            raise ConfigError("no shards to prefetch: give URLS or --urls FILE")
+        bar = sys.stdout.isatty() and not as_json
+
+        def report(p: Progress) -> None:
+            if as_json:
+                return
+            if bar:
+                total = format_size(p.bytes_total) if p.bytes_total is not None else "?"
+                width = 30
+                filled = int(width * (p.cached + len(p.failed)) / p.total)
+                click.echo(f"\r[{'#' * filled}{'.' * (width - filled)}] {p.cached}/{p.total} shards"
+                           f"{f', {len(p.failed)} failed' if p.failed else ''}, {format_size(p.bytes_done)}/{total},"
+                           f" {_rate(p.rate)}, {_eta(p.eta)}\x1b[K", nl=False)
+                return
+            for url in p.finished:
+                click.echo(f"failed {url}: {p.failed[url]}" if url in p.failed else f"cached {url}")
+
+        result = run_prefetch(cache_dir, wanted, report=report, cache_size=cache_size,
+                              download_workers=download_workers)
+    except WdsCacheError as exc:
+        _fail(exc)
+    if bar:
+        click.echo()
+    if as_json:
+        _echo_json({"shards": result.total, "cached": result.cached, "bytes": result.bytes_done,
+                    "failed": [{"url": u, "error": e} for u, e in result.failed.items()]})
+    else:
+        click.echo(f"{result.cached} of {result.total} shard(s) cached ({format_size(result.bytes_done)})"
+                   + (f", {len(result.failed)} failed:" if result.failed else ""))
+        for url, error in result.failed.items():
+            click.echo(f"  {url}: {error}")
+    sys.exit(1 if result.failed else 0)
+
+
+@main.command(name="ls")
+@_CACHE_DIR
+@_JSON
+def ls_command(cache_dir: Path, as_json: bool) -> None:
+    """List the shards the cache knows: state, size, last read (a date), reads, URL.
+
+    Exit status: 0 listed; 1 no cache there.
+    """
+    from .agent.cache_commands import list_shards
+
+    try:
+        shards = list_shards(cache_dir)
+    except WdsCacheError as exc:
+        _fail(exc)
+    if as_json:
+        _echo_json(shards)
+        return
+    click.echo(f"{'STATE':<12}{'SIZE':>9}  {'LAST READ':<26}{'READS':>6}  URL")
+    for s in shards:
+        click.echo(f"{s['state']:<12}{format_size(s['size']):>9}  {s['last_read'] or 'never':<26}{s['reads']:>6}  "
+                   f"{s['url']}" + (f"  ({s['error']})" if s["error"] else ""))
+
+
+@main.command()
+@_CACHE_DIR
+@_JSON
+def verify(cache_dir: Path, as_json: bool) -> None:
+    """Re-check every cached shard (size, tar structure, checksum where an index gives one) and evict
+    the bad ones (those a reader holds are left, and listed).
+
+    Exit status: 0 every shard is sound; 1 some were bad (listed), or a runtime error.
+    """
+    from .agent.cache_commands import verify as run_verify
+
+    try:
+        result = run_verify(cache_dir)
+    except WdsCacheError as exc:
+        _fail(exc)
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(f"checked {result['checked']} shard(s): {len(result['bad'])} bad, "
+                   f"{len(result['evicted'])} evicted")
+        held = {r["url"]: r["reason"] for r in result["refused"]}
+        for b in result["bad"]:
+            click.echo(f"  bad {b['url']}: {b['problem']}" + (f" (not evicted: {held[b['url']]})"
+                                                              if b["url"] in held else ""))
+    sys.exit(1 if result["bad"] else 0)
+
+
+def _freed(result: dict, as_json: bool) -> None:
+    if as_json:
+        _echo_json(result)
+    else:
+        click.echo(f"evicted {len(result['evicted'])} shard(s), {format_size(result['bytes'])} freed")
+        for r in result["refused"]:
+            click.echo(f"  refused {r['url']}: {r['reason']}")
+    sys.exit(1 if result["refused"] else 0)
+
+
+@main.command()
+@click.argument("urls", nargs=-1, required=True)
+@_CACHE_DIR
+@_FORCE
+@_JSON
+def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) -> None:
+    """Evict the cached shards of URLS (through the agent when one runs).
+
+    Exit status: 0 none of them is cached any more; 1 some are held by a reader (listed;
+    --force evicts them) or a runtime error; 2 bad options.
+    """
+    from .agent.cache_commands import evict as run_evict
+
+    try:
+        result = run_evict(cache_dir, list(urls), force=force)
+    except WdsCacheError as exc:
+        _fail(exc)
+    _freed(result, as_json)
+
+
+@main.command()
+@_CACHE_DIR
+@_FORCE
+@_JSON
+def clear(cache_dir: Path, force: bool, as_json: bool) -> None:
+    """Evict every cached shard (through the agent when one runs).
+
+    Exit status: 0 the cache holds no shard; 1 some are held by a reader (listed; --force
+    evicts them) or a runtime error.
+    """
+    from .agent.cache_commands import clear as run_clear
+
+    try:
+        result = run_clear(cache_dir, force=force)
+    except WdsCacheError as exc:
+        _fail(exc)
+    _freed(result, as_json)
+
+
+# -- the live view ----------------------------------------------------------------------------------
+
+WATCH_EVERY = 1.0  # seconds between redraws of stats --watch
+
+
+def _watch(cache_dir: Path) -> None:
+    """Redraw :func:`_live_view` every second until Ctrl-C (on a terminal in place, else frame after frame)."""
+    import time
+
+    from .shared.stats import collect
+
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            try:
+                view = _live_view(collect(cache_dir))
+            except WdsCacheError as exc:
+                _fail(exc)
+            click.echo(f"{clear}{view}" if clear else f"{view}\n")  # on a pipe, frames a blank line apart
+            sys.stdout.flush()
+            time.sleep(WATCH_EVERY)
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+def _live_view(s: dict) -> str:
+    """The compact live view of a stats object: cache against budget, downloads, workers, every job
+    with its ranks and its verdict (:func:`wdscache.shared.verdict.verdicts`)."""
+    from datetime import datetime
+
+    from .shared.verdict import verdicts
+
+    used, limit = s["bytes_used"], s.get("bytes_limit")
+    agent = s.get("agent") or {}
+    bar = ""
+    if limit:
+        filled = min(20, int(20 * used / limit))
+        bar = f" [{'#' * filled}{'.' * (20 - filled)}] {100 * used / limit:.0f}%"
+    lookups = s["hits"] + s["misses"]
+    hit_rate = f"{100 * s['hits'] / lookups:.0f}%" if lookups else "-"
+    shards = s["shards"]
+    now = datetime.now().astimezone().isoformat(timespec="seconds")
+    lines = [
+        f"wdscache {s['cache_dir']}  {now}  "
+        + (f"agent pid {agent['pid']}, up {agent['uptime_s']:.0f}s" if agent else "agent not running"),
+        f"cache      {format_size(used)} of {format_size(limit) if limit else '?'}{bar}, "
+        f"{shards['cached']} shards, {agent.get('pinned', 0)} being read",
+        f"downloads  {_rate(s['download_rate'])}, {shards['downloading']} running, {shards['queued']} queued, "
+        f"{shards['failed']} failed; hit rate {hit_rate}, "
+        f"{s.get('redownloads', 0)} re-download(s)",
+    ]
+    if agent.get("workers"):
+        workers = agent["workers"]
+        busy = [w["busy"] for w in workers if isinstance(w.get("busy"), (int, float))]
+        lines.append(f"workers    {len(workers)}: {100 * sum(busy) / len(busy) if busy else 0:.0f}% busy now, "
+                     f"{sum(w.get('busy_s', 0) for w in workers):.1f}s busy in all, "
+                     f"{agent.get('worker_restarts', 0)} restart(s)")
+    judged = verdicts(s)
+    for job, ranks in sorted(s.get("jobs", {}).items()):
+        rate = sum(r.get("rate", 0) for r in ranks.values())
+        lines.append(f"job {job}: {len(ranks)} rank(s), {rate:.0f} samples/s: {judged[job].text}")
+        for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
+            lines.append(f"  rank {rank:>3}  {r.get('rate', 0):8.0f} samples/s  waiting "
+                         f"{100 * r.get('waiting', 0):3.0f}%  {r.get('samples', 0)} samples, "
+                         f"waited {r.get('wait_s', 0):.1f}s")
+    for job, ranks in sorted(s.get("ended_jobs", {}).items()):
+        if job not in s.get("jobs", {}):
+            lines.append(f"job {job}: {len(ranks)} rank(s), {judged[job].text}")
+    if not s.get("jobs") and not s.get("ended_jobs"):
+        lines.append("jobs       none")
+    return "\n".join(lines)

@@ -40,6 +40,7 @@ from ..shared.config import format_size
 from .fetch import Download
 from ..shared.index import Index, IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout
+from ..shared.logs import event, iso_time
 from ..shared.tarwalk import GZIP_MAGIC, file_problem
 
 log = logging.getLogger(__name__)
@@ -363,7 +364,8 @@ class ShardCache:
         rec = self.index.get(url)
         if rec is None:
             return
-        log.debug("evicting %s (%s, last read %s)", url, format_size(rec.size), rec.last_read or "never")
+        event(log, "evicted", "evicted %s (%s, last read %s)", url, format_size(rec.size),
+              iso_time(rec.last_read) or "never", url=url, bytes=rec.size, last_read=iso_time(rec.last_read))
         self.index.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
         _unlink(self.layout.shard_path(url))
         self.index.delete(url)

@@ -7,7 +7,9 @@ Structure: a small core composed of parts that each own one concept and its stat
 - :class:`~wdscache.agent.opens.Opens`: open, pins, waiters, status, revalidation, damage;
 - :class:`~wdscache.agent.downloads.Downloads`: scheduling, download threads, budget grants;
 - :class:`~wdscache.agent.worker_reports.WorkerReports`: the sample workers' reports and hints;
-- :class:`~wdscache.agent.list_file.ListFile`: the ``--urls`` file, watched.
+- :class:`~wdscache.agent.list_file.ListFile`: the ``--urls`` file, watched;
+- :class:`~wdscache.agent.upkeep.Upkeep`: the cache commands (evict, clear, prefetch);
+- :class:`~wdscache.agent.metrics.MetricsServer`: ``/metrics``, when asked for (``--metrics-port``).
 
 :meth:`Agent.start` builds them once the cache is open, so while the agent runs
 none is missing; the core routes each control op to its handler (``_ops``) and
@@ -54,9 +56,11 @@ from .downloads import Downloads
 from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Mailbox, OutOfSpace, Revalidated,
                            ValidatorFound)
 from .list_file import ListFile
+from .metrics import MetricsServer
 from .opens import Opens
 from .readers import Readers, startup_reader
 from .control import ControlSocket
+from .upkeep import Upkeep
 from .worker_reports import WorkerReports
 from .cache import INDEX_HEADROOM, ShardCache
 from ..shared.config import AgentConfig, format_size, parse_size
@@ -68,7 +72,9 @@ from .lock import AgentLock
 from .pool import WorkerPool
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
+from ..shared.metrics import require as require_metrics
 from ..shared.stats import build
+from ..shared.verdict import starved_by
 from ..shared.urls import UrlList, diff_urls
 
 log = logging.getLogger(__name__)
@@ -76,11 +82,12 @@ log = logging.getLogger(__name__)
 TICK = 0.05  # seconds the main loop waits for a message before doing its other work
 WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
+METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
 # The control ops (wdscache.shared.protocol.MESSAGES, to the agent; "auth" is answered at the
 # door and "walked" passed on to the workers, before this table).
 CONTROL_OPS = ("stats", "worker", "counted", "damaged", "corrupt", "counts", "hello", "put_urls", "get_urls",
-               "open", "status", "release", "report", "ping", "bye")
+               "open", "status", "release", "report", "ping", "bye", "evict", "clear", "prefetch")
 WORKER_OPS = ("worker", "counted", "damaged")  # reports only our workers may send (and "walked", with frames)
 # Ops of a reader, which name it ("reader"): each one counts as a sign of life.
 READER_OPS = ("hello", "put_urls", "get_urls", "open", "status", "release", "report", "ping", "bye")
@@ -100,6 +107,7 @@ class Agent:
     downloads: Downloads
     opens: Opens
     workers: WorkerReports
+    upkeep: Upkeep
     _ops: dict[str, Handler]
 
     def __init__(self, config: AgentConfig) -> None:
@@ -111,8 +119,12 @@ class Agent:
         self._run = secrets.token_hex(16)  # names this agent process: a key seen by others dies with it
         self._started = time.time()
         self._last_flush = time.monotonic()
+        self._last_metrics = time.monotonic()
+        self._metrics: MetricsServer | None = None  # serving /metrics (--metrics-port)
         self._list_file = ListFile(config)
         self._private = _PrivateUse(config.private_users)
+        if config.metrics_port is not None:
+            require_metrics()  # before anything starts: the missing extra is a bad option
         self.fetcher = Fetcher(
             connect_timeout=config.connect_timeout,
             read_timeout=config.read_timeout,
@@ -174,9 +186,15 @@ class Agent:
             self.mailbox = Mailbox()
             undo.callback(self.mailbox.close)
             self.socket = ControlSocket(self.endpoint, token=token, run=self._run)
+            undo.callback(self.socket.close)
+            if cfg.metrics_port is not None:
+                self._metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port)
             undo.pop_all()
         self._build(urls, cache_root=[root.st_dev, root.st_ino])
         self.downloads.start_threads()
+        if self._metrics is not None:
+            self._metrics.update(self.stats())
+            log.info("serving metrics on %s", self._metrics.url)
         # Ready means ready to serve samples: a consumer's first request should not wait for a process start.
         if not self.pool.wait_ready(WORKER_START_TIMEOUT):
             log.warning("sample workers not up after %.0f s; serving anyway", WORKER_START_TIMEOUT)
@@ -196,6 +214,7 @@ class Agent:
         self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox, expected=self.readers.shard_info)
         self.opens = Opens(cfg, self.cache, self.socket, self.readers, self.downloads)
         self.workers = WorkerReports(self.pool, self.socket)
+        self.upkeep = Upkeep(self.cache, self.socket, self.downloads, self.readers.fetchable)
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
             "stats": self._op_stats, "counts": self._op_counts, "counted": self._op_counted, "ping": self._op_ping,
@@ -204,11 +223,14 @@ class Agent:
             "open": self.opens.op_open, "status": self.opens.op_status, "release": self.opens.op_release,
             "damaged": self.opens.op_damaged, "corrupt": self.opens.op_corrupt,
             "worker": self.workers.op_worker,
+            "evict": self.upkeep.op_evict, "clear": self.upkeep.op_clear, "prefetch": self.upkeep.op_prefetch,
         }
         self._ops = {op: handlers[op] for op in CONTROL_OPS}
 
     def _write_state(self) -> None:
         state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
+        if self._metrics is not None:
+            state["metrics"] = self._metrics.url
         if self.config.private_users is not None:
             state["private_users"] = str(self.config.private_users)  # loaders joining us lock it
         write_private(self.layout.state_path, json.dumps(state).encode())
@@ -227,6 +249,8 @@ class Agent:
         self.fetcher.close_thread()
         self._list_file.join(2.0)
         self.readers.close()
+        if self._metrics is not None:
+            self._metrics.close()
         self.socket.close()
         if not self.downloads.threads_alive():  # else it could write to a descriptor number reused meanwhile
             self.mailbox.close()
@@ -259,14 +283,23 @@ class Agent:
             self.opens.answer_partial(url)
 
     def _wanted(self, demanded: list[str] | None = None) -> list[str]:
-        """Shards asked for (oldest first), then the union of readers' windows by urgency."""
+        """Shards asked for (oldest first), then the union of readers' windows by urgency, then the
+        shards asked to be prefetched (``wdscache prefetch``)."""
         demanded = self.opens.demanded() if demanded is None else demanded
         first = set(demanded)
-        return demanded + [u for u in self.readers.planned() if u not in first]
+        want = demanded + [u for u in self.readers.planned() if u not in first]
+        warm = self.upkeep.wanted()
+        if warm:
+            seen = set(want)
+            want += [u for u in warm if u not in seen]
+        return want
 
     def _periodic(self) -> None:
         self.downloads.sample_rate()
         now = time.monotonic()
+        if self._metrics is not None and now - self._last_metrics >= METRICS_EVERY:
+            self._last_metrics = now
+            self._metrics.update(self.stats())
         if now - self._last_flush > FLUSH_EVERY:
             self._last_flush = now
             self.cache.index.flush()
@@ -410,7 +443,9 @@ class Agent:
         by_state["downloading"] = self.downloads.count()
         by_state["queued"] = sum(1 for u in self._wanted() if u not in self.downloads and not cache.is_cached(u)
                                  and (index.get(u) is None or index.get(u).state is not ShardState.FAILED))
-        readers = self.readers.view(self._starved_by())
+        agent_view = {"workers": self.workers.view(), "demanded": len(self.opens.demanded()),
+                      "need_bytes": self.readers.need(self.opens.held)[0]}
+        readers = self.readers.view(starved_by({"bytes_limit": cache.limit, "agent": agent_view}) or "latency")
         return build(
             cache_dir=str(self.layout.root),
             summary={"counts": by_state, "bytes_used": index.summary.bytes_used, "failed": index.summary.failed},
@@ -426,21 +461,14 @@ class Agent:
                 "urls": len(self.readers.urls),
                 "job_lists": readers["job_lists"],
                 "pinned": sum(1 for n in cache.pins.values() if n > 0),
-                "workers": self.workers.view(),
+                **agent_view,
                 "worker_restarts": self.pool.restarts,
                 **self.opens.view(),
                 "waiting_for_space": self.downloads.space_waits(),
             },
             jobs=readers["jobs"],
+            ended_jobs=readers["ended_jobs"],
         )
-
-    def _starved_by(self) -> str:
-        """What a waiting consumer is waiting for: downloads, the workers, or (else) its own reads."""
-        if self.opens.demanded():
-            return "downloads"
-        if self.workers.busy() > 0.8:
-            return "workers"
-        return "latency"
 
 
 class _PrivateUse:

@@ -35,6 +35,7 @@ from ..shared.config import AgentConfig, format_size
 from ..shared.errors import FetchError
 from .fetch import Cancelled, DiskFull, Download, Fetched, Fetcher
 from ..shared.index import ShardState
+from ..shared.logs import event
 from ..shared.shard_index import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -318,7 +319,11 @@ class Downloads:
         if again:
             index.incr("redownloads")
             index.incr("bytes_redownloaded", fetched.size)
-        log.info("cached %s (%s)", d.url, format_size(fetched.size))
+        if again:
+            event(log, "redownloaded", "cached %s again (%s): this cache held it before", d.url,
+                  format_size(fetched.size), url=d.url, bytes=fetched.size)
+        else:
+            event(log, "cached", "cached %s (%s)", d.url, format_size(fetched.size), url=d.url, bytes=fetched.size)
         return again
 
     def counted_early(self, url: str, samples: int) -> None:
@@ -335,7 +340,7 @@ class Downloads:
 
     def record_failure(self, d: Download, error: FetchError) -> None:
         self._cache.fail(d, error.reason)
-        log.error("failed %s: %s", d.url, error.reason)
+        event(log, "failed", "failed %s: %s", d.url, error.reason, level=logging.ERROR, url=d.url, error=error.reason)
 
     def record_cancel(self, d: Download, *, keep_partial: bool) -> None:
         """``d`` was abandoned; with ``keep_partial`` its partial file stays to be resumed when wanted again."""

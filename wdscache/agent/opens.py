@@ -38,6 +38,7 @@ from .fetch import Fetched, same_version, validator_kind
 from ..shared.index import ShardRecord, ShardState
 from ..shared.protocol import field as get_field
 from ..shared.layout import file_identity
+from ..shared.logs import event
 
 log = logging.getLogger(__name__)
 
@@ -317,14 +318,15 @@ class Opens:
             return
         if url in self._suspect:
             return  # this copy was reported already
-        log.error("damaged shard reported by %s: %s: %s", who, url, error[:500])
+        event(log, "damaged", "damaged shard reported by %s: %s: %s", who, url, error[:500], level=logging.ERROR,
+              url=url, error=error[:500], by=who)
         cache.index.incr("corrupt")
         _remember(self._corrupt, url, error[:500])
         if url not in self._refetched:
             self._suspect.add(url)
             return
         reason = f"damaged again after it was downloaded once more: {error[:400]}"
-        log.error("failed %s: %s", url, reason)
+        event(log, "failed", "failed %s: %s", url, reason, level=logging.ERROR, url=url, error=reason)
         self._suspect.discard(url)
         self._failed_damaged.add(url)
         cache.fail_cached(url, reason)

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..shared.logs import event
 from ..shared.protocol import client_key, worker_key
 from .worker import WorkerSpec
 
@@ -129,14 +130,16 @@ class WorkerPool:
             if p is None or p.poll() is None:
                 continue
             if self._backoff[i] == 0.0 or now - self._started[i] > RESTART_BACKOFF_MAX:
-                log.error("worker %d (pid %s) died with exit code %s; starting a new one", i, p.pid, p.returncode)
+                event(log, "worker_restarted", "worker %d (pid %s) died with exit code %s; starting a new one", i,
+                      p.pid, p.returncode, level=logging.ERROR, worker=i, pid=p.pid, exit_code=p.returncode)
                 # Lived long: restart at once. Died young: wait longer each time.
                 young = now - self._started[i] < RESTART_BACKOFF_MAX
                 self._backoff[i] = min(2 * self._backoff[i] or 0.1, RESTART_BACKOFF_MAX) if young else 0.0
                 self.restarts += 1
                 self._start(i)
             elif now - self._started[i] >= self._backoff[i]:
-                log.error("worker %d exited again (code %s) soon after starting; retrying", i, p.returncode)
+                event(log, "worker_restarted", "worker %d exited again (code %s) soon after starting; retrying", i,
+                      p.returncode, level=logging.ERROR, worker=i, exit_code=p.returncode)
                 self._backoff[i] = min(2 * self._backoff[i], RESTART_BACKOFF_MAX)
                 self.restarts += 1
                 self._start(i)

@@ -36,6 +36,7 @@ from .cache import ShardCache
 from ..shared.config import AgentConfig, format_size
 from ..shared.errors import ConfigError
 from ..shared.index import ShardState
+from ..shared.logs import event, iso_time
 from ..shared.plan import Reader, wanted
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pages, process_identity, strings
@@ -52,6 +53,8 @@ MAX_JOB_URLS = 10_000_000
 LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
+ENDED_KEPT = 600.0  # seconds a consumer that left stays in stats with its totals
+MAX_ENDED = 256  # consumers that left kept at most (the oldest go first)
 
 
 def startup_reader(n_shards: int, config: AgentConfig) -> Reader:
@@ -81,6 +84,7 @@ class Readers:
         self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         self._consumers: dict[str, dict[str, Any]] = {}  # reader name -> its job, rank and last report
+        self._ended: dict[str, dict[str, Any]] = {}  # reader name -> its last report, once it left (for stats)
         self._buffers: dict[str, int] = {}  # reader -> the shuffle buffer it said hello with (samples)
         self._watched: dict[int, str] = {}  # pidfd -> the reader whose process it is
         self._deaths = select.poll()  # the watched pidfds: readable once their process ended
@@ -209,11 +213,16 @@ class Readers:
             return
         self._jobs[job] = {"world_size": world}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
-        self.drop(name)
+        again = name in self._consumers  # its next epoch: it did not leave, nor join anew
+        self.drop(name, why=None)
         # It reads the list it named, or the agent's list as it is now until its epoch ends.
         self._readers[name] = Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id)
         self._consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
         self._watch_process(name, header.get("process"))
+        self._ended.pop(name, None)
+        if not again:
+            event(log, "consumer_joined", "consumer %s joined job %r as rank %d of %d", name, job, rank, world,
+                  reader=name, job=job, rank=rank, world_size=world)
         reply(
             ident, rid, ok=True,
             workers=self._workers,
@@ -272,8 +281,9 @@ class Readers:
 
     # -- going ------------------------------------------------------------------
 
-    def drop(self, name: str) -> None:
-        """Reader ``name`` goes (said bye, said hello again, or went silent or away)."""
+    def drop(self, name: str, why: str | None = " said bye", *, timed_out: bool = False) -> None:
+        """Reader ``name`` goes (said bye, said hello again (``why`` None), or went silent or away);
+        ``why`` follows its name in the log line."""
         self._uploads.pop(name, None)
         r = self._readers.pop(name, None)
         if r is None:
@@ -281,18 +291,32 @@ class Readers:
         if r.pidfd >= 0:
             self._unwatch(r.pidfd)
         self._gone(name)
-        self._consumers.pop(name, None)
+        consumer = self._consumers.pop(name, None)
+        if why is None:
+            return
+        if consumer is None:  # a plain client
+            log.log(logging.WARNING if timed_out else logging.INFO, "reader %s%s; releasing its shards", name, why)
+            return
+        samples = int(consumer.get("samples", 0))
+        event(log, "consumer_timed_out" if timed_out else "consumer_left",
+              "reader %s%s; releasing its shards (job %r, rank %s, %d samples)", name, why, consumer.get("job"),
+              consumer.get("rank"), samples, level=logging.WARNING if timed_out else logging.INFO,
+              reader=name, job=consumer.get("job"), rank=consumer.get("rank"), why=why.strip(" :"), samples=samples)
+        # Kept for stats a while (ended_jobs), with its totals.
+        self._ended[name] = {**consumer, "waiting": 0.0, "rate": 0.0, "ended": iso_time(time.time()),
+                             "_ended": time.monotonic()}
+        while len(self._ended) > MAX_ENDED:
+            del self._ended[next(iter(self._ended))]
 
     def expire(self) -> None:
         """Drop readers whose process ended or that went silent; free the lists nobody reads."""
         for fd, _ in self._deaths.poll(0) if self._watched else ():
-            log.info("reader %s: its process ended; releasing its shards", self._watched[fd])
-            self.drop(self._watched[fd])
+            self.drop(self._watched[fd], why=": its process ended")
         now = time.monotonic()
         for name, r in list(self._readers.items()):
             if now - r.last_seen > self._config.reader_timeout:
-                log.warning("reader %s silent for %.0fs: releasing its shards", name, now - r.last_seen)
-                self.drop(name)
+                self.drop(name, why=f" silent for {now - r.last_seen:.0f}s (--reader-timeout)", timed_out=True)
+        self._ended = {n: c for n, c in self._ended.items() if now - c["_ended"] < ENDED_KEPT}
         self._free_lists()
 
     def close(self) -> None:
@@ -335,13 +359,21 @@ class Readers:
         return [c["rank"] for n, c in self._consumers.items()
                 if c.get("job") == job and n in self._readers and now - c.get("seen", 0.0) < LIVE_WITHIN]
 
-    def _job_list(self, urls: list[Any], facts: list[Any] | None) -> UrlList:
-        """A consumer's own URL list (with what its shard index says of each, if it came from one),
-        held to what this endpoint may fetch for others."""
+    def _schemes(self) -> tuple[str, ...]:
         # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
         # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
         local = self._socket.endpoint.startswith("ipc://")
-        schemes = ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
+        return ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
+
+    def fetchable(self, url: str) -> bool:
+        """May a client of this endpoint have ``url`` fetched: in the agent's list, or a URL of a scheme
+        its clients may use (see :meth:`_job_list`)."""
+        return url in self.urls or (url.startswith(self._schemes()) and not any(c.isspace() for c in url))
+
+    def _job_list(self, urls: list[Any], facts: list[Any] | None) -> UrlList:
+        """A consumer's own URL list (with what its shard index says of each, if it came from one),
+        held to what this endpoint may fetch for others."""
+        schemes = self._schemes()
         for u in urls:
             if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
                 raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
@@ -441,4 +473,4 @@ class Readers:
     def view(self, starved_by: str) -> dict[str, Any]:
         """The consumers, their jobs and the lists kept, for the stats reply."""
         return {"consumers": len(self._consumers), "job_lists": len(self._lists),
-                "jobs": jobs_view(self._consumers, starved_by)}
+                "jobs": jobs_view(self._consumers, starved_by), "ended_jobs": jobs_view(self._ended, None)}

@@ -85,8 +85,3 @@ class WorkerReports:
     def view(self) -> list[dict[str, Any]]:
         """Each worker's last report, for stats (a worker that never reported: its number only)."""
         return [public(self._stats.get(i, {"index": i})) for i in range(len(self._pool.endpoints))]
-
-    def busy(self) -> float:
-        """The workers' mean busy fraction (0 before any reported)."""
-        busy = [w.get("busy", 0.0) for w in self._stats.values()]
-        return sum(busy) / len(busy) if busy else 0.0

@@ -82,6 +82,8 @@ class AgentConfig:
     reader_timeout: float = 60.0
     revalidate: bool = True
     s3_endpoint_url: str | None = None  # None: botocore's own (AWS_ENDPOINT_URL, the profile's)
+    metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
+    metrics_host: str = "127.0.0.1"
     # A private agent's users file (see wdscache.training.private): it stops once no loader holds a lock on it.
     private_users: Path | None = None
 
@@ -101,6 +103,13 @@ class AgentConfig:
             raise ConfigError(f"--s3-endpoint-url {self.s3_endpoint_url!r}: use http(s)://HOST[:PORT]")
         if self.endpoint is not None:
             check_endpoint(self.endpoint, allow_remote=self.allow_remote)
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port {self.metrics_port}: use a port in [0, 65535]")
+        if not self.allow_remote and not self.metrics_host.startswith(_LOOPBACK):
+            raise ConfigError(
+                f"--metrics-host {self.metrics_host!r} is reachable from other machines; bind 127.0.0.1, "
+                "or pass --allow-remote if the network is trusted"
+            )
 
 
 def default(name: str) -> Any:

@@ -265,6 +265,16 @@ MESSAGES: tuple[Message, ...] = (
     Message("corrupt", "consumer", "agent", {"url": "str", "error": "str"}, _ERROR,
             about="a consumer found a shard damaged: the agent fetches it once more"),
     Message("stats", "client", "agent", {}, {**_ERROR, "stats": "object"}, about="the live stats object"),
+    Message("evict", "client", "agent", {"urls": "list[str]", "force": "bool?"},
+            {**_ERROR, "evicted": "list[str]", "bytes": "int", "refused": "list", "absent": "list[str]"},
+            about="evict these cached shards (refused: [{url, reason}], those readers hold, unless force)"),
+    Message("clear", "client", "agent", {"force": "bool?"},
+            {**_ERROR, "evicted": "list[str]", "bytes": "int", "refused": "list", "absent": "list[str]"},
+            about="evict every cached shard (as evict)"),
+    Message("prefetch", "client", "agent", {"urls": "list[str]", "retry": "bool?"},
+            {**_ERROR, "shards": "list"},
+            about="fetch these shards after every reader's window; asked again, says where each stands "
+                  "({state, size?, written?, total?, error?, waiting_for_space?} per URL)"),
     # the agent's workers to the agent (with the workers' secret too)
     Message("worker", "worker", "agent",
             {"secret": "str", "index": "int", "busy_s": "number", "requests": "int", "samples": "int",

@@ -21,10 +21,14 @@ The object (also ``wdscache stats --json``)::
                       itself / took from another worker)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
-                      waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up)}
+                      waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up),
+                      demanded (shards readers wait for), need_bytes (bytes the readers hold at once)}
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
                       epoch, position (samples of the epoch the job delivered, counted from
-                      this rank's), starved: null | "downloads" | "workers" | "latency"}}}
+                      this rank's), starved: null | "budget" | "downloads" | "workers" | "latency"
+                      (see :mod:`wdscache.shared.verdict`)}}}
+    ended_jobs        the same of consumers that left in the last 10 minutes, with their totals
+                      and ``ended`` (an ISO 8601 date)
 
 With an agent running it answers live over the agent's socket; otherwise it
 reads the index summary, which costs the same on 10 or 100,000 shards.
@@ -42,6 +46,7 @@ from .config import format_size
 from .errors import AgentUnavailableError, NoCacheError, ProtocolError
 from .index import read_summary
 from .layout import CacheLayout
+from .verdict import STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
 
@@ -55,6 +60,7 @@ def build(
     download_rate: float = 0.0,
     agent: dict[str, Any] | None = None,
     jobs: dict[str, Any] | None = None,
+    ended_jobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The stats object from an index summary and counters (shared by agent and reader)."""
     counts = summary.get("counts", {})
@@ -75,6 +81,7 @@ def build(
         "download_rate": round(download_rate, 1),
         "agent": agent,
         "jobs": jobs or {},
+        "ended_jobs": ended_jobs or {},
     }
 
 
@@ -96,7 +103,8 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 0.5) -> dict[
     )
 
 
-def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
+def agent_connection(layout: CacheLayout, timeout: float) -> AgentConnection | None:
+    """A connection to the agent that seems to serve ``layout`` (its first request tells), else None."""
     try:
         state = json.loads(layout.state_path.read_text())
         endpoint = str(state["endpoint"])
@@ -108,7 +116,14 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
         return None  # left by an agent that made no token: none of ours runs
     # No pid check: from another container the agent's pid means nothing; the socket decides.
     # An agent that cannot prove it holds the directory's token is not ours: NotTrustedError.
-    conn = AgentConnection(endpoint, timeout=timeout, cache_dir=layout.root)
+    return AgentConnection(endpoint, timeout=timeout, cache_dir=layout.root)
+
+
+def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
+    """The running agent's stats, or None when none answers."""
+    conn = agent_connection(layout, timeout)
+    if conn is None:
+        return None
     try:
         reply = conn.request({"op": "stats"})
         return reply["stats"] if reply.get("ok") else None
@@ -117,8 +132,6 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
     finally:
         conn.close()
 
-
-STARVED = 0.2  # a consumer waiting more than this fraction of its time is starved
 
 
 def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: str, name: str) -> dict[str, Any]:
@@ -132,9 +145,10 @@ def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: st
     return out
 
 
-def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str) -> dict[str, dict[str, Any]]:
-    """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null)."""
-    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen")
+def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str | None) -> dict[str, dict[str, Any]]:
+    """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null;
+    always null for consumers that ended, ``starved_by`` None)."""
+    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended")
     jobs: dict[str, dict[str, Any]] = {}
     for c in consumers.values():
         view = {k: c[k] for k in keep if k in c}
@@ -186,6 +200,9 @@ def format_stats(s: dict[str, Any]) -> str:
                 f"{r.get('rate', 0):.0f} samples/s, waited {r.get('wait_s', 0):.1f}s "
                 f"({100 * r.get('waiting', 0):.0f}% now), {starved}"
             )
+    for job, ranks in sorted(s.get("ended_jobs", {}).items()):
+        if job not in s.get("jobs", {}):
+            lines.append(f"job {job}: {ended_verdict(ranks).text}")
     for w in (agent or {}).get("waiting_for_space", [])[:20]:
         lines.append(f"waiting    {w['url']}: {w['reason']}")
     if s["failed"]:

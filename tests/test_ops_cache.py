@@ -1,0 +1,148 @@
+"""The cache commands (issue 18, point 3): prefetch, ls, verify, evict, clear, with and without an agent.
+
+Real ``wdscache`` processes, a real HTTP server, a real agent; a reader holds a shard over the real
+control socket.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+
+from scripts.console import wdscache_exe
+from wdscache.shared.client import AgentConnection
+from wdscache.shared.layout import CacheLayout
+
+
+def _ls(run_cli, cache) -> dict[str, dict]:
+    r = run_cli("ls", "--cache-dir", cache, "--json")
+    assert r.returncode == 0, r.stderr
+    return {s["url"]: s for s in json.loads(r.stdout)}
+
+
+def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, run_cli):
+    data = dataset(3, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    missing = shard_server.url("missing.tar")
+    r = run_cli("prefetch", *data.urls, missing, "--cache-dir", cache, "--cache-size", "10M")
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.splitlines()
+    assert sorted(x for x in lines[:4] if not x.startswith("failed")) == sorted(f"cached {u}" for u in data.urls)
+    assert [x for x in lines[:4] if x.startswith(f"failed {missing}: ") and "404" in x], lines
+    assert lines[4] == f"3 of 4 shard(s) cached ({_size(data)}), 1 failed:" and lines[5].startswith(f"  {missing}: ")
+    assert "404" in lines[5]
+    shards = _ls(run_cli, cache)
+    assert {u: (s["state"], s["size"], s["last_read"]) for u, s in shards.items() if s["state"] == "cached"} == {
+        u: ("cached", p.stat().st_size, None) for u, p in zip(data.urls, data.paths)}
+    text = run_cli("ls", "--cache-dir", cache).stdout.splitlines()
+    assert text[0].split() == ["STATE", "SIZE", "LAST", "READ", "READS", "URL"] and len(text) == 5
+    assert not re.search(r"\d{10}\.\d", "\n".join(text))
+    # The same again: all cached already, nothing fails.
+    r = run_cli("prefetch", *data.urls, "--cache-dir", cache, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == {"shards": 3, "cached": 3, "bytes": sum(p.stat().st_size for p in data.paths),
+                                                          "failed": []}, r.stderr
+    assert run_cli("verify", "--cache-dir", cache).stdout.startswith("checked 3 shard(s): 0 bad, 0 evicted")
+    # A damaged copy (a header overwritten) is found and evicted.
+    damaged = CacheLayout.of(cache).shard_path(data.urls[1])
+    with open(damaged, "r+b") as f:
+        f.write(b"\x7f" * 512)
+    r = run_cli("verify", "--cache-dir", cache, "--json")
+    assert r.returncode == 1, r.stderr
+    result = json.loads(r.stdout)
+    assert (result["checked"], [b["url"] for b in result["bad"]], result["evicted"]) == (3, [data.urls[1]],
+                                                                                          [data.urls[1]])
+    assert result["bad"][0]["problem"].startswith("not a valid tar")
+    assert data.urls[1] not in _ls(run_cli, cache) and not damaged.exists()
+    r = run_cli("evict", data.urls[0], "--cache-dir", cache)
+    assert (r.returncode, r.stdout.splitlines()[0]) == (0, f"evicted 1 shard(s), "
+                                                           f"{_size(data, [0])} freed"), r.stderr
+    r = run_cli("clear", "--cache-dir", cache, "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["evicted"] == [data.urls[2]], r.stdout
+    assert not [s for s in _ls(run_cli, cache).values() if s["state"] == "cached"]
+
+
+def _size(data, which=None) -> str:
+    from wdscache.shared.config import format_size
+    paths = data.paths if which is None else [data.paths[i] for i in which]
+    return format_size(sum(p.stat().st_size for p in paths))
+
+
+def test_commands_go_through_the_running_agent_and_spare_what_a_reader_holds(tmp_path, dataset, start_agent,
+                                                                              run_cli):
+    data = dataset(4, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    data.list_file.write_text(data.urls[0] + "\n")  # the agent's own list: the first shard only
+    agent = start_agent(cache, data.list_file, "--prefetch", "1", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the listed shard cached")
+    r = run_cli("prefetch", *data.urls[1:], "--cache-dir", cache)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == f"3 of 3 shard(s) cached ({_size(data, [1, 2, 3])})"
+    s = agent.stats()
+    assert (s["shards"]["cached"], s["downloads"]) == (4, 4)  # the agent downloaded them: it knows
+    assert sorted(re.findall(r"cached (http\S+)", agent.stderr_text())) == sorted(data.urls)
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+    try:
+        assert conn.request({"op": "open", "reader": "holder", "url": data.urls[0]})["ok"]
+        r = run_cli("evict", data.urls[0], data.urls[1], "--cache-dir", cache, "--json")
+        assert r.returncode == 1, r.stderr
+        result = json.loads(r.stdout)
+        assert result["evicted"] == [data.urls[1]] and result["refused"] == [
+            {"url": data.urls[0], "reason": "held by 1 reader(s); --force evicts it"}]
+        r = run_cli("clear", "--cache-dir", cache)
+        assert r.returncode == 1 and f"  refused {data.urls[0]}: held by 1 reader(s)" in r.stdout, r.stdout
+        assert agent.stats()["shards"]["cached"] == 1
+        r = run_cli("clear", "--cache-dir", cache, "--force")
+        assert r.returncode == 0 and r.stdout.startswith("evicted 1 shard(s)"), r.stdout
+    finally:
+        conn.close()
+    # (the agent then fetches its listed shard again, for its start-up plan)
+    assert sorted(re.findall(r"evicted (http\S+)", agent.stderr_text())) == sorted(data.urls)
+
+
+def test_prefetch_draws_a_progress_bar_on_a_terminal(tmp_path, dataset):
+    data = dataset(2, samples=4, payload=300)
+    main, sub = pty.openpty()
+    try:
+        proc = subprocess.Popen([wdscache_exe(), "prefetch", *data.urls, "--cache-dir", tmp_path / "cache",
+                                 "--cache-size", "10M"], stdout=sub, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL)
+        os.close(sub)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(main, 4096)
+            except OSError:  # the other side closed
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(60) == 0, proc.stderr.read()
+    finally:
+        os.close(main)
+    text = out.decode()
+    assert "\r[" in text and f"2/2 shards, {_size(data)}/{_size(data)}," in text and "ETA" in text, text
+    assert text.rstrip().endswith(f"2 of 2 shard(s) cached ({_size(data)})"), text
+
+
+def test_prefetch_gives_up_shards_the_budget_cannot_take_and_says_why(tmp_path, dataset, start_agent, run_cli):
+    data = dataset(3, samples=4, payload=300)  # 20 KiB shards
+    cache = tmp_path / "cache"
+    data.list_file.write_text("".join(u + "\n" for u in data.urls[:2]))
+    agent = start_agent(cache, data.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", "50K")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the first shard cached")
+    assert run_cli("prefetch", data.urls[1], "--cache-dir", cache).returncode == 0
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+    try:
+        for url in data.urls[:2]:  # both held: nothing can be evicted for a third
+            assert conn.request({"op": "open", "reader": "holder", "url": url})["ok"]
+        r = run_cli("prefetch", data.urls[2], "--cache-dir", cache, "--json", timeout=60)
+    finally:
+        conn.close()
+    assert r.returncode == 1, r.stderr
+    result = json.loads(r.stdout)
+    assert (result["cached"], [f["url"] for f in result["failed"]]) == (0, [data.urls[2]]), result
+    assert result["failed"][0]["error"].startswith(
+        "waiting for space: the budget (--cache-size 50.0K) holds 40.0K cached"), result

@@ -1,0 +1,90 @@
+"""Logs for people and for log shippers (issue 18, point 4): one line per notable event, ISO 8601 dates.
+
+A real agent started through the CLI with ``--log-format json``, a real HTTP server, a
+reader that says hello and bye over the real control socket.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from wdscache.shared.client import AgentConnection
+from wdscache.shared.logs import JsonFormatter, TextFormatter, iso_time
+
+ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?[+-]\d\d:\d\d$")
+
+
+def _events(text: str) -> list[dict]:
+    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+    for line in lines:
+        assert ISO.match(line["time"]), line
+        assert {"level", "logger", "message"} <= set(line), line
+    return [line for line in lines if "event" in line]
+
+
+def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agent, shard_server, run_cli):
+    data = dataset(3, samples=4, payload=300)
+    missing = shard_server.url("missing.tar")
+    data.list_file.write_text("\n".join([*data.urls, missing]) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "4", "--retries", "0", "--log-format", "json",
+                        "--reader-timeout", "1")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3 and s["shards"]["failed"] == 1, 20,
+                     "three shards cached and one failed")
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+    try:
+        hello = conn.request({"op": "hello", "reader": "r0", "job": "train", "rank": 0, "world_size": 1})
+        assert hello["ok"], hello
+        assert conn.request({"op": "report", "reader": "r0", "samples": 7, "bytes": 700, "rate": 3.5,
+                             "wait_s": 0.5, "epoch": 0, "position": 7})["ok"]
+        assert conn.request({"op": "bye", "reader": "r0"})["ok"]
+        assert conn.request({"op": "hello", "reader": "r1", "job": "quiet", "rank": 0, "world_size": 1})["ok"]
+    finally:
+        conn.close()
+    s = agent.wait_stats(lambda s: {"train", "quiet"} <= set(s["ended_jobs"]), 10,
+                         "the jobs that ended (one said bye, one went silent) are listed")
+    assert s["jobs"] == {}
+    # Evicted by hand, then downloaded again for the agent's start-up plan.
+    assert run_cli("evict", data.urls[0], "--cache-dir", cache).returncode == 0
+    agent.wait_stats(lambda s: s["redownloads"] == 1, 10, "the evicted shard downloaded again")
+    ended = s["ended_jobs"]["train"]["0"]
+    assert (ended["samples"], ended["bytes"], ended["wait_s"], ended["starved"]) == (7, 700, 0.5, None)
+    assert ISO.match(ended["ended"]), ended
+    assert agent.stop() == 0
+    events = _events(agent.stderr_text())
+    cached = [e for e in events if e["event"] == "cached"]
+    assert sorted(e["url"] for e in cached) == sorted(data.urls)
+    assert sorted(e["bytes"] for e in cached) == sorted(p.stat().st_size for p in data.paths)
+    failed = [e for e in events if e["event"] == "failed"]
+    assert [e["url"] for e in failed] == [missing] and "404" in failed[0]["error"], failed
+    joined = [e for e in events if e["event"] == "consumer_joined"]
+    assert [(e["reader"], e["job"], e["rank"], e["world_size"]) for e in joined] == [("r0", "train", 0, 1),
+                                                                                 ("r1", "quiet", 0, 1)]
+    left = [e for e in events if e["event"] == "consumer_left"]
+    assert [(e["reader"], e["job"], e["rank"], e["samples"], e["why"]) for e in left] == [
+        ("r0", "train", 0, 7, "said bye")]
+    timed_out = [e for e in events if e["event"] == "consumer_timed_out"]
+    assert [(e["reader"], e["job"], e["level"]) for e in timed_out] == [("r1", "quiet", "WARNING")]
+    assert timed_out[0]["why"].startswith("silent for ") and timed_out[0]["why"].endswith("(--reader-timeout)")
+    evicted = [e for e in events if e["event"] == "evicted"]
+    assert [(e["url"], e["bytes"], e["last_read"]) for e in evicted] == [
+        (data.urls[0], data.paths[0].stat().st_size, None)]
+    again = [e for e in events if e["event"] == "redownloaded"]
+    assert [(e["url"], e["bytes"]) for e in again] == [(data.urls[0], data.paths[0].stat().st_size)]
+
+
+def test_text_lines_and_event_dates_are_iso_8601():
+    assert iso_time(0) is None and iso_time(None) is None
+    assert ISO.match(iso_time(1796144426.89))
+    log = logging.getLogger("wdscache.test")
+    record = log.makeRecord(log.name, logging.INFO, __file__, 1, "evicted %s (last read %s)",
+                            ("u", iso_time(1796144426.89)), None,
+                            extra={"wdscache_event": {"event": "evicted", "url": "u"}})
+    text = TextFormatter().format(record)
+    stamp, level, rest = text.split(" ", 2)
+    assert ISO.match(stamp) and level == "INFO", text
+    assert not re.search(r"\d{10}\.\d", text), text  # no epoch floats
+    line = json.loads(JsonFormatter().format(record))
+    assert (line["event"], line["url"], line["message"]) == ("evicted", "u", rest.split(": ", 1)[1])

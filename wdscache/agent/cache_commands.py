@@ -1,0 +1,344 @@
+"""The cache commands (``wdscache prefetch``, ``ls``, ``verify``, ``evict``, ``clear``), as a library.
+
+Each one works with or without an agent: with one running, every change goes through its
+control socket (:mod:`wdscache.agent.upkeep`), never behind its back, since the agent owns
+the index, the pins and the budget; without one, the command holds the cache directory's
+lock (an agent starting meanwhile waits for it) and changes the cache itself. ``prefetch``
+without an agent runs one in this process for as long as it takes.
+
+What a command found is returned as plain data (lists and dicts, JSON-ready); the CLI
+prints it and turns it into an exit status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..shared.client import AgentConnection
+from ..shared.config import AgentConfig, default
+from ..shared.errors import AgentUnavailableError, NoCacheError, ProtocolError, ShardError, WdsCacheError
+from ..shared.index import Index, ShardState, read_summary
+from ..shared.layout import CacheLayout
+from ..shared.logs import iso_time
+from ..shared.protocol import pages
+from ..shared.stats import agent_connection
+from ..shared.tarwalk import walk
+from ..shared.urls import format_url_list
+from .cache import ShardCache
+from .lock import AgentLock
+from .upkeep import evict_shards
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs
+REQUEST_TIMEOUT = 30.0
+POLL = 0.25  # seconds between prefetch progress reports
+STUCK_AFTER = 10.0  # seconds without progress, downloads waiting for space, before prefetch gives the rest up
+AGENT_START_TIMEOUT = 60.0
+
+#: (hashlib algorithm, hex digest) a shard's bytes must have, e.g. ("sha256", "9f86d0...").
+Checksum = tuple[str, str]
+
+
+def no_checksum(url: str) -> Checksum | None:
+    """The default checksum source of :func:`verify`: none known. A shard index that records
+    checksums (a wids index, say) passes its own lookup instead."""
+    return None
+
+
+# -- whether an agent runs --------------------------------------------------------------
+
+
+def _layout(cache_dir: str | os.PathLike[str]) -> CacheLayout:
+    layout = CacheLayout.of(cache_dir)
+    if not layout.is_cache():
+        raise NoCacheError(str(layout.root))
+    return layout
+
+
+@contextmanager
+def _agent(layout: CacheLayout) -> Iterator[AgentConnection | None]:
+    """The running agent's connection (proved with a first request), or None when none runs."""
+    conn = agent_connection(layout, CONNECT_TIMEOUT)
+    if conn is not None:
+        try:
+            conn.request({"op": "stats"})
+        except (AgentUnavailableError, ProtocolError):
+            conn.close()
+            conn = None
+    try:
+        yield conn
+    finally:
+        if conn is not None:
+            conn.close()
+
+
+def _ask(conn: AgentConnection, header: dict[str, Any]) -> dict[str, Any]:
+    reply = conn.request(header, timeout=REQUEST_TIMEOUT)
+    if not reply.get("ok"):
+        raise WdsCacheError(f"the agent refused {header['op']!r}: {reply.get('error')}")
+    return reply
+
+
+@contextmanager
+def _locked_cache(layout: CacheLayout) -> Iterator[ShardCache]:
+    """The cache opened by this process, under the directory's lock (AgentRunningError if an agent holds it)."""
+    with AgentLock(layout.lock_path):
+        cache = ShardCache(layout, limit=0, min_free=0)  # only removes: no budget needed
+        try:
+            yield cache
+        finally:
+            cache.close()
+
+
+# -- ls, evict, clear -------------------------------------------------------------------------
+
+
+def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every shard the index knows: {url, state, size, last_read (ISO 8601 or None), reads, samples
+    (None: never counted), error (of a failed one)}, by URL."""
+    layout = _layout(cache_dir)
+    index = Index(layout.index_dir)
+    try:
+        return [{"url": r.url, "state": r.state.value, "size": r.size, "last_read": iso_time(r.last_read),
+                 "reads": r.reads, "samples": index.counts.get(r.url), "error": r.error}
+                for r in sorted(index.records.values(), key=lambda r: r.url)]
+    finally:
+        index.close()
+
+
+def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool = False) -> dict[str, Any]:
+    """Evict the cached shards of ``urls`` (see :func:`~wdscache.agent.upkeep.evict_shards` for the result)."""
+    layout = _layout(cache_dir)
+    with _agent(layout) as conn:
+        if conn is not None:
+            out: dict[str, Any] = {"evicted": [], "bytes": 0, "refused": [], "absent": []}
+            for _, page in pages(list(urls)):
+                reply = _ask(conn, {"op": "evict", "urls": page, "force": force})
+                for key in out:
+                    out[key] += reply[key]
+            return out
+    with _locked_cache(layout) as cache:
+        return evict_shards(cache, urls, force=force)
+
+
+def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
+    """Evict every cached shard (as :func:`evict`)."""
+    layout = _layout(cache_dir)
+    with _agent(layout) as conn:
+        if conn is not None:
+            reply = _ask(conn, {"op": "clear", "force": force})
+            return {k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}
+    with _locked_cache(layout) as cache:
+        cached = [r.url for r in cache.index.records.values() if r.state is ShardState.CACHED]
+        return evict_shards(cache, cached, force=force)
+
+
+# -- verify -----------------------------------------------------------------------------------
+
+
+def shard_problem(path: Path, url: str, size: int, checksum: Checksum | None) -> str | None:
+    """What is wrong with the cached file of ``url`` (expected ``size`` bytes), or None: its size,
+    its tar structure (every header walked), and ``checksum`` if one is known."""
+    try:
+        actual = path.stat().st_size
+    except FileNotFoundError:
+        return "its file is missing"
+    if actual != size:
+        return f"its file has {actual} bytes, the index says {size}"
+    try:
+        with open(path, "rb") as f:
+            if actual == 0:
+                raise ShardError(url, "empty file, not a tar archive", offset=0)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                with memoryview(m) as view:  # released before the map closes
+                    for _ in walk(view, url):
+                        pass
+                if checksum is not None:
+                    algorithm, expected = checksum
+                    digest = hashlib.new(algorithm, m).hexdigest()
+                    if digest != expected.lower():
+                        return f"its {algorithm} is {digest}, its index says {expected}"
+    except ShardError as exc:
+        return f"not a valid tar: {exc}"
+    except ValueError as exc:  # an unknown hash algorithm
+        return f"cannot check its checksum: {exc}"
+    return None
+
+
+def verify(cache_dir: str | os.PathLike[str], *,
+           checksum_of: Callable[[str], Checksum | None] = no_checksum) -> dict[str, Any]:
+    """Re-check every cached shard (:func:`shard_problem`) and evict the bad ones:
+    {checked, bad: [{url, problem}], evicted: [url], refused: [{url, reason}] (held by a reader)}."""
+    checked, bad = 0, []
+    layout = _layout(cache_dir)
+    for shard in list_shards(cache_dir):
+        if shard["state"] != "cached":
+            continue
+        checked += 1
+        problem = shard_problem(layout.shard_path(shard["url"]), shard["url"], shard["size"],
+                                checksum_of(shard["url"]))
+        if problem is not None:
+            bad.append({"url": shard["url"], "problem": problem})
+    evicted = evict(cache_dir, [b["url"] for b in bad]) if bad else {"evicted": [], "refused": []}
+    return {"checked": checked, "bad": bad, "evicted": evicted["evicted"], "refused": evicted["refused"]}
+
+
+# -- prefetch -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """Where a prefetch stands: shards and bytes done of all, the rate since it began."""
+
+    total: int
+    cached: int = 0
+    failed: dict[str, str] = field(default_factory=dict)  # url -> why
+    bytes_done: int = 0  # bytes of the shards cached (and of those downloading, so far)
+    bytes_total: int | None = None  # None while some shard's size is unknown
+    rate: float = 0.0  # bytes a second fetched by this prefetch
+    finished: list[str] = field(default_factory=list)  # shards cached or failed since the last report
+
+    @property
+    def done(self) -> bool:
+        return self.cached + len(self.failed) >= self.total
+
+    @property
+    def eta(self) -> float | None:
+        """Seconds left at the current rate (None: not known)."""
+        if self.bytes_total is None or self.rate <= 0:
+            return None
+        return max(0.0, (self.bytes_total - self.bytes_done) / self.rate)
+
+
+def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: Callable[[Progress], None],
+             cache_size: str | None = None, download_workers: int | None = None) -> Progress:
+    """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
+    (with ``cache_size``, default the last agent's budget, and ``download_workers``) until done.
+    ``report`` is called with the progress about every :data:`POLL` seconds; the last one is returned."""
+    layout = CacheLayout.of(cache_dir)
+    if layout.is_cache():
+        with _agent(layout) as conn:
+            if conn is not None:
+                return _prefetch_through(conn, urls, report)
+    with _own_agent(layout, urls, cache_size, download_workers) as conn:
+        return _prefetch_through(conn, urls, report)
+
+
+@contextmanager
+def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None, download_workers: int | None
+               ) -> Iterator[AgentConnection]:
+    """An agent run in this process (a thread) on ``layout``, for a prefetch; stopped at the end."""
+    from .core import Agent
+
+    if cache_size is None:
+        limit = read_summary(layout.index_dir)[2].get("bytes_limit") if layout.is_cache() else None
+        cache_size = str(limit) if limit else default("cache_size")
+    with tempfile.TemporaryDirectory(prefix="wdscache-prefetch-") as folder:
+        list_file = Path(folder) / "urls.txt"
+        list_file.write_text(format_url_list(urls))  # its list: what it may fetch (the prefetch op says when)
+        agent = Agent(AgentConfig(cache_dir=layout.root, urls=list_file, cache_size=cache_size, prefetch=1,
+                                  workers=1, shuffle=False,
+                                  download_workers=download_workers or default("download_workers")))
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                agent.run()
+            except BaseException as exc:  # told to the waiting thread
+                failure.append(exc)
+
+        thread = threading.Thread(target=run, name="prefetch-agent", daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + AGENT_START_TIMEOUT
+            while True:
+                if failure:
+                    raise failure[0]
+                conn = agent_connection(layout, CONNECT_TIMEOUT) if layout.state_path.exists() else None
+                if conn is not None:
+                    try:
+                        conn.request({"op": "stats"})
+                        break
+                    except (AgentUnavailableError, ProtocolError):
+                        conn.close()
+                if time.monotonic() > deadline:
+                    raise AgentUnavailableError(str(layout.root), AGENT_START_TIMEOUT, "the prefetch's own agent")
+                time.sleep(0.05)
+            try:
+                yield conn
+            finally:
+                conn.close()
+        finally:
+            agent.stop()
+            thread.join(REQUEST_TIMEOUT)
+        if failure:
+            raise failure[0]
+
+
+def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callable[[Progress], None]) -> Progress:
+    urls = list(dict.fromkeys(urls))
+    start = time.monotonic()
+    first = True
+    seen: dict[str, str] = {}  # url -> "cached" / "failed", once seen so (a reader may evict it later)
+    base: int | None = None  # bytes done at the start (shards cached already)
+    stuck_since = start
+    last_mark: tuple[int, int] = (-1, -1)
+    n_pages = sum(1 for _ in pages(urls))
+    sizes: dict[str, int] = {}  # url -> its size, once known (a shard evicted since keeps it)
+    while True:
+        progress = Progress(total=len(urls))
+        bytes_total: int | None = 0  # None once a shard's size is not known yet
+        waiting: dict[str, str] = {}
+        for offset, page in pages(urls):
+            reply = _ask(conn, {"op": "prefetch", "urls": page, "retry": first})
+            for url, where in zip(page, reply["shards"]):
+                state = seen.get(url) or where["state"]
+                if where.get("size", where.get("total")) is not None:
+                    sizes[url] = where.get("size", where.get("total"))
+                if url not in seen and state in ("cached", "failed"):
+                    seen[url] = state
+                    progress.finished.append(url)
+                if state == "cached":
+                    progress.cached += 1
+                    progress.bytes_done += sizes.get(url, 0)
+                elif state == "failed":
+                    progress.failed[url] = where.get("error", "failed")
+                else:
+                    progress.bytes_done += where.get("written", 0)
+                    if where.get("waiting_for_space"):
+                        waiting[url] = where["waiting_for_space"]
+                size = sizes.get(url)
+                if state != "failed":
+                    bytes_total = None if size is None or bytes_total is None else bytes_total + size
+        first = False
+        if base is None:
+            base = progress.bytes_done
+        now = time.monotonic()
+        progress.rate = (progress.bytes_done - base) / (now - start) if now > start else 0.0
+        progress.bytes_total = bytes_total
+        # No progress while downloads wait for space: the budget is full of what readers hold (or of
+        # this prefetch's own shards), and stays so.
+        mark = (progress.bytes_done, progress.cached + len(progress.failed))
+        if mark != last_mark or not waiting:
+            last_mark, stuck_since = mark, now
+        elif now - stuck_since >= STUCK_AFTER:
+            reason = next(iter(waiting.values()))
+            for url in urls:
+                if url not in progress.failed and seen.get(url) != "cached":
+                    progress.failed[url] = waiting.get(url, f"not started, downloads ahead of it are {reason}")
+        report(progress)
+        if progress.done:
+            return progress
+        time.sleep(POLL * n_pages)  # a long list is asked about less often

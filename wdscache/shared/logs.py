@@ -1,0 +1,67 @@
+"""Log lines for people and for log shippers: one line per notable event, dates in ISO 8601.
+
+A notable event (a shard cached, failed, evicted or downloaded again; a consumer that
+joined, left or timed out; a worker restarted) is logged with :func:`event`, which
+names it (``event``) and carries its fields (``url``, ``bytes``, ``job``...). The text
+format reads as a sentence; the JSON format (``wdscache agent --log-format json``)
+is one object a line: ``time``, ``level``, ``logger``, ``message``, and for an event
+``event`` and its fields, for shippers to index without parsing sentences.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from datetime import datetime, timezone
+from typing import Any, TextIO
+
+FORMATS = ("text", "json")
+_EVENT = "wdscache_event"  # the LogRecord attribute that holds an event's name and fields
+
+
+def iso_time(ts: float | None) -> str | None:
+    """``ts`` (seconds since the epoch) as local ISO 8601 with its UTC offset; None for 0 or None (never)."""
+    if not ts:
+        return None
+    return datetime.fromtimestamp(ts, timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def event(logger: logging.Logger, name: str, message: str, *args: Any, level: int = logging.INFO,
+          **fields: Any) -> None:
+    """Log the notable event ``name`` (``message % args``) with its ``fields``."""
+    logger.log(level, message, *args, extra={_EVENT: {"event": name, **fields}})
+
+
+class TextFormatter(logging.Formatter):
+    """``2026-12-02T01:01:03.123+00:00 INFO wdscache.agent.downloads: cached URL (1.2M)``."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
+        return _iso_ms(record.created)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line (see the module docstring)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"time": _iso_ms(record.created), "level": record.levelname, "logger": record.name,
+                               "message": record.getMessage()}
+        out.update(getattr(record, _EVENT, {}))
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def _iso_ms(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).astimezone().isoformat(timespec="milliseconds")
+
+
+def setup(stream: TextIO, *, fmt: str = "text", verbose: bool = False) -> None:
+    """Send the package's logs to ``stream`` in format ``fmt`` (one of :data:`FORMATS`)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger("wdscache")
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)

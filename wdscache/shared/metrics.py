@@ -1,0 +1,146 @@
+"""Prometheus metrics of a stats object (:mod:`wdscache.shared.stats`), through ``prometheus_client``.
+
+One custom collector builds every metric from a stats snapshot when scraped, so nothing is
+counted twice: the agent's ``/metrics`` (``wdscache agent --metrics-port``) and
+``wdscache stats --prometheus`` (for node_exporter's textfile collector) give the same text.
+``prometheus_client`` is the optional extra ``wdscache[metrics]``.
+
+The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
+
+    wdscache_agent_up                         1 while an agent runs, else 0
+    wdscache_cache_bytes                      bytes of cached shards
+    wdscache_cache_limit_bytes                the budget
+    wdscache_cache_reserved_bytes             reserved by downloads in flight
+    wdscache_shards{state}                    shards by state: cached, downloading, queued, failed
+    wdscache_hits_total, wdscache_misses_total  opens that found the shard cached / had to wait
+    wdscache_download_bytes_total             bytes downloaded over the cache's life
+    wdscache_downloads_total                  downloads completed
+    wdscache_redownloads_total                of those, of shards the cache held before (thrashing)
+    wdscache_redownload_bytes_total           their bytes
+    wdscache_corrupt_total, wdscache_changed_total  shards found damaged / changed at the source
+    wdscache_download_rate_bytes_per_second   over the last 10 s
+    wdscache_need_bytes                       bytes the readers hold at once (above the budget: thrashing)
+    wdscache_demanded_shards                  shards readers wait for now
+    wdscache_pinned_shards                    shards being read
+    wdscache_consumers                        consumers connected
+    wdscache_worker_busy_seconds_total{worker}, wdscache_worker_samples_total{worker},
+    wdscache_worker_bytes_total{worker}       the sample workers' work
+    wdscache_worker_restarts_total            sample workers restarted
+    wdscache_consumer_samples_total{job,rank}, wdscache_consumer_bytes_total{job,rank},
+    wdscache_consumer_wait_seconds_total{job,rank}  what each rank of each live job got, and waited
+    wdscache_consumer_samples_per_second{job,rank}  its recent sample rate
+    wdscache_consumer_waiting_ratio{job,rank} the share of its recent time spent waiting for data
+    wdscache_job_starved{job,reason}          1 for a live job that is starved, by its reason
+                                              (budget, downloads, workers, latency), else 0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .errors import ConfigError
+from .verdict import KINDS, verdicts
+
+EXTRA = "wdscache[metrics]"
+
+
+def require() -> None:
+    """Raise :class:`ConfigError` naming the extra to install when ``prometheus_client`` is missing."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"metrics need prometheus_client: pip install '{EXTRA}'") from None
+
+
+class StatsCollector:
+    """A ``prometheus_client`` collector of the stats ``snapshot()`` returns (None: nothing yet)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        s = self._snapshot()
+        if s is not None:
+            yield from families(s)
+
+
+def families(s: dict[str, Any]) -> Iterator[Any]:
+    """The metric families of stats object ``s``."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(f"wdscache_{name}", doc, value=value)
+
+    def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(f"wdscache_{name}", doc, value=value)
+
+    agent = s.get("agent") or {}
+    yield gauge("agent_up", "1 while an agent serves this cache", 1 if agent else 0)
+    yield gauge("cache_bytes", "Bytes of cached shards", s["bytes_used"])
+    if s.get("bytes_limit") is not None:
+        yield gauge("cache_limit_bytes", "The cache's budget (--cache-size)", s["bytes_limit"])
+    shards = GaugeMetricFamily("wdscache_shards", "Shards by state", labels=["state"])
+    for state, n in s["shards"].items():
+        shards.add_metric([state], n)
+    yield shards
+    yield counter("hits", "Shard opens that found the shard cached", s["hits"])
+    yield counter("misses", "Shard opens that had to wait for a download", s["misses"])
+    yield counter("download_bytes", "Bytes downloaded over the cache's life", s["bytes_downloaded"])
+    yield counter("downloads", "Downloads completed", s.get("downloads", 0))
+    yield counter("redownloads", "Downloads of shards this cache held before", s.get("redownloads", 0))
+    yield counter("redownload_bytes", "Bytes of re-downloads", s.get("bytes_redownloaded", 0))
+    yield counter("corrupt", "Shards found damaged by readers", s.get("corrupt", 0))
+    yield counter("changed", "Cached shards found changed at their source", s.get("changed", 0))
+    yield gauge("download_rate_bytes_per_second", "Download rate over the last 10 s", s.get("download_rate", 0.0))
+    if not agent:
+        return
+    yield gauge("cache_reserved_bytes", "Bytes reserved by downloads in flight", agent.get("bytes_reserved", 0))
+    yield gauge("need_bytes", "Bytes the readers hold at once", agent.get("need_bytes", 0))
+    yield gauge("demanded_shards", "Shards readers wait for", agent.get("demanded", 0))
+    yield gauge("pinned_shards", "Shards being read", agent.get("pinned", 0))
+    yield gauge("consumers", "Consumers connected", agent.get("consumers", 0))
+    yield counter("worker_restarts", "Sample workers restarted", agent.get("worker_restarts", 0))
+    per_worker = {
+        "busy_s": CounterMetricFamily("wdscache_worker_busy_seconds", "Seconds a worker spent serving",
+                                      labels=["worker"]),
+        "samples": CounterMetricFamily("wdscache_worker_samples", "Samples a worker served", labels=["worker"]),
+        "bytes": CounterMetricFamily("wdscache_worker_bytes", "Bytes a worker served", labels=["worker"]),
+    }
+    for w in agent.get("workers", []):
+        for key, family in per_worker.items():
+            family.add_metric([str(w["index"])], w.get(key, 0))
+    yield from per_worker.values()
+    labels = ["job", "rank"]
+    per_rank = {
+        "samples": CounterMetricFamily("wdscache_consumer_samples", "Samples a rank received", labels=labels),
+        "bytes": CounterMetricFamily("wdscache_consumer_bytes", "Bytes of samples a rank received", labels=labels),
+        "wait_s": CounterMetricFamily("wdscache_consumer_wait_seconds", "Seconds a rank waited for data",
+                                      labels=labels),
+        "rate": GaugeMetricFamily("wdscache_consumer_samples_per_second", "A rank's recent sample rate",
+                                  labels=labels),
+        "waiting": GaugeMetricFamily("wdscache_consumer_waiting_ratio",
+                                     "Share of a rank's recent time spent waiting for data", labels=labels),
+    }
+    for job, ranks in sorted(s.get("jobs", {}).items()):
+        for rank, r in sorted(ranks.items()):
+            for key, family in per_rank.items():
+                family.add_metric([job, rank], r.get(key, 0))
+    yield from per_rank.values()
+    starved = GaugeMetricFamily("wdscache_job_starved", "1 if the job is starved, by its reason",
+                                labels=["job", "reason"])
+    for job, v in sorted(verdicts(s).items()):
+        if job in s.get("jobs", {}):
+            for kind in KINDS:
+                starved.add_metric([job, kind], 1 if v.kind == kind else 0)
+    yield starved
+
+
+def exposition(s: dict[str, Any]) -> str:
+    """The Prometheus text exposition of stats object ``s``."""
+    require()
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(StatsCollector(lambda: s))
+    return generate_latest(registry).decode()

@@ -1,0 +1,82 @@
+"""Why a job waits for data, as one line: a pure function of a stats object (:mod:`wdscache.shared.stats`).
+
+A job is starved when one of its ranks spent more than :data:`STARVED` of its recent
+time waiting for data. What starves it, checked in this order (the first cause hides the
+later ones: a cache that thrashes makes readers wait for downloads, too):
+
+- ``budget``: the readers hold more bytes at once (``agent.need_bytes``) than the budget
+  (``bytes_limit``): shards still needed are evicted and downloaded again;
+- ``downloads``: readers wait for shards that are not cached yet (``agent.demanded``);
+- ``workers``: the sample workers are busy more than :data:`WORKERS_BUSY` of the time;
+- ``latency``: none of these: the consumer's own side (its reads, its transform) is slow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .config import format_size
+
+STARVED = 0.2  # a rank waiting more than this fraction of its time is starved
+WORKERS_BUSY = 0.8  # workers busy more than this fraction of the time are the bottleneck
+KINDS = ("budget", "downloads", "workers", "latency")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``kind``: None (not starved, or ended) or one of :data:`KINDS`; ``text``: the line to show."""
+
+    kind: str | None
+    text: str
+
+
+def starved_by(stats: dict[str, Any]) -> str | None:
+    """What a rank that waits for data waits for, in this agent's state (one of :data:`KINDS`; None
+    without an agent)."""
+    agent = stats.get("agent")
+    if not agent:
+        return None
+    limit = stats.get("bytes_limit") or 0
+    if limit and agent.get("need_bytes", 0) > limit:
+        return "budget"
+    if agent.get("demanded", 0) > 0:
+        return "downloads"
+    busy = [w["busy"] for w in agent.get("workers", []) if isinstance(w.get("busy"), (int, float))]
+    if busy and sum(busy) / len(busy) > WORKERS_BUSY:
+        return "workers"
+    return "latency"
+
+
+def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]]) -> Verdict:
+    """The verdict on one live job (``ranks``: its entry of ``stats["jobs"]``)."""
+    waiting = max((r.get("waiting", 0.0) for r in ranks.values()), default=0.0)
+    if waiting <= STARVED:
+        return Verdict(None, "not starved")
+    kind = starved_by(stats) or "latency"
+    if kind == "budget":
+        need = stats["agent"]["need_bytes"]
+        return Verdict(kind, f"starved by the budget: the cache thrashes, needs {format_size(need)} "
+                             f"(--cache-size {need})")
+    if kind == "downloads":
+        return Verdict(kind, "starved by downloads: raise --download-workers or --prefetch")
+    if kind == "workers":
+        return Verdict(kind, "starved by workers: raise --workers")
+    return Verdict(kind, "waiting for data, but not for downloads, workers or the budget: "
+                         "the consumer's own reads or transforms are slow")
+
+
+def ended_verdict(ranks: dict[str, dict[str, Any]]) -> Verdict:
+    """The line of a job whose consumers all left (its entry of ``stats["ended_jobs"]``): its totals."""
+    samples = sum(int(r.get("samples", 0)) for r in ranks.values())
+    waited = sum(float(r.get("wait_s", 0.0)) for r in ranks.values())
+    last = max((str(r.get("ended") or "") for r in ranks.values()), default="")
+    return Verdict(None, f"ended {last}: {samples} samples, waited {waited:.1f}s for data in all")
+
+
+def verdicts(stats: dict[str, Any]) -> dict[str, Verdict]:
+    """Every job's verdict: live jobs', and ended jobs' (their totals) when no rank of theirs is live."""
+    out = {job: job_verdict(stats, ranks) for job, ranks in stats.get("jobs", {}).items()}
+    for job, ranks in stats.get("ended_jobs", {}).items():
+        out.setdefault(job, ended_verdict(ranks))
+    return out
