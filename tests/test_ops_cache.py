@@ -146,3 +146,27 @@ def test_prefetch_gives_up_shards_the_budget_cannot_take_and_says_why(tmp_path, 
     assert (result["cached"], [f["url"] for f in result["failed"]]) == (0, [data.urls[2]]), result
     assert result["failed"][0]["error"].startswith(
         "waiting for space: the budget (--cache-size 50.0K) holds 40.0K cached"), result
+
+
+def test_verify_with_a_shard_index_catches_a_same_size_change(tmp_path, dataset, run_cli):
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    index = tmp_path / "index.json"
+    r = run_cli("index", *data.urls, "-o", index)
+    assert r.returncode == 0, r.stderr
+    assert run_cli("prefetch", *data.urls, "--cache-dir", cache).returncode == 0
+    # One payload byte changed at the same size: the tar still walks, only its MD5 tells.
+    changed = CacheLayout.of(cache).shard_path(data.urls[0])
+    raw = bytearray(changed.read_bytes())
+    raw[512 + 10] ^= 0xFF
+    changed.write_bytes(bytes(raw))
+    plain = run_cli("verify", "--cache-dir", cache)
+    assert plain.returncode == 0 and plain.stdout.startswith("checked 2 shard(s): 0 bad"), plain.stdout
+    r = run_cli("verify", "--cache-dir", cache, "--index", index, "--json")
+    assert r.returncode == 1, r.stderr
+    result = json.loads(r.stdout)
+    assert [b["url"] for b in result["bad"]] == [data.urls[0]] and result["evicted"] == [data.urls[0]]
+    assert result["bad"][0]["problem"].startswith("its md5 is ")
+    # A plain URL list is not an index: exit 2, naming it.
+    r = run_cli("verify", "--cache-dir", cache, "--index", data.list_file)
+    assert r.returncode == 2 and f"{data.list_file}: not a shard index" in r.stderr, r.stderr

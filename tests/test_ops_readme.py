@@ -33,9 +33,11 @@ def test_every_command_in_the_readme_runs_as_shown(tmp_path, dataset, run_cli):
     cache = tmp_path / "cache"
     port = str(free_port_range(1))
     swap = {"/scratch/wdscache": str(cache), "urls.txt": str(data.list_file), "https://data.example/": base,
-            "9400": port, "wdscache.prom": str(tmp_path / "wdscache.prom")}
+            "9400": port, "wdscache.prom": str(tmp_path / "wdscache.prom"),
+            "train.json": str(tmp_path / "train.json")}
     commands = _commands()
-    assert {c.split()[1] for c in commands} == {"agent", "stats", "prefetch", "ls", "verify", "evict", "clear"}
+    assert {c.split()[1] for c in commands} == {"agent", "stats", "prefetch", "ls", "index", "verify", "evict",
+                                                  "clear"}
     agent: AgentProc | None = None
     try:
         for i, line in enumerate(commands):
@@ -97,6 +99,6 @@ def _samples_with_a_job(cache: Path, run_cli) -> set[str]:
 
 
 def test_the_commands_exit_statuses_are_in_their_help(run_cli):
-    for command in ("prefetch", "ls", "verify", "evict", "clear", "stats"):
+    for command in ("prefetch", "ls", "index", "verify", "evict", "clear", "stats"):
         r = run_cli(command, "--help")
         assert r.returncode == 0 and "Exit status: 0" in r.stdout, (command, r.stdout)

@@ -338,17 +338,35 @@ def ls_command(cache_dir: Path, as_json: bool) -> None:
 
 @main.command()
 @_CACHE_DIR
+@click.option("--index", "index_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="A shard index (wids JSON) whose MD5s the cached copies are checked against too.")
 @_JSON
-def verify(cache_dir: Path, as_json: bool) -> None:
-    """Re-check every cached shard (size, tar structure, checksum where an index gives one) and evict
+def verify(cache_dir: Path, index_file: Path | None, as_json: bool) -> None:
+    """Re-check every cached shard (size, tar structure, and with --index the MD5 it gives) and evict
     the bad ones (those a reader holds are left, and listed).
 
-    Exit status: 0 every shard is sound; 1 some were bad (listed), or a runtime error.
+    Exit status: 0 every shard is sound; 1 some were bad (listed), or a runtime error;
+    2 bad options (an --index that does not parse).
     """
+    from .agent.cache_commands import no_checksum
     from .agent.cache_commands import verify as run_verify
+    from .shared.urls import read_url_list
+
+    checksum_of = no_checksum
+    if index_file is not None:
+        try:
+            listed = read_url_list(index_file)
+        except WdsCacheError as exc:
+            _fail(exc)
+        if listed.shards is None:
+            _fail(ConfigError(f"{index_file}: not a shard index (wids JSON), a plain URL list"))
+
+        def checksum_of(url: str) -> tuple[str, str] | None:
+            info = listed.info(url)
+            return ("md5", info.md5) if info is not None and info.md5 else None
 
     try:
-        result = run_verify(cache_dir)
+        result = run_verify(cache_dir, checksum_of=checksum_of)
     except WdsCacheError as exc:
         _fail(exc)
     if as_json:
