@@ -360,11 +360,8 @@ def verify(cache_dir: Path, index_file: Path | None, as_json: bool) -> None:
             _fail(exc)
         if listed.shards is None:
             _fail(ConfigError(f"{index_file}: not a shard index (wids JSON), a plain URL list"))
-
-        def checksum_of(url: str) -> tuple[str, str] | None:
-            info = listed.info(url)
-            return ("md5", info.md5) if info is not None and info.md5 else None
-
+        md5s = {url: info.md5 for url, info in zip(listed.urls, listed.shards) if info.md5}
+        checksum_of = lambda url: ("md5", md5s[url]) if url in md5s else None  # noqa: E731
     try:
         result = run_verify(cache_dir, checksum_of=checksum_of)
     except WdsCacheError as exc:
