@@ -459,11 +459,19 @@ class Fetcher:
         except FetchError:  # more than the whole cache
             granted = False
         if not granted:
+            # One connection needs the shard's size only: this answer's bytes are kept, and the
+            # next request asks for the whole rest.
             log.info("%s: the cache cannot hold %s for parallel parts now; using one connection",
                      d.url, format_size(need))
             d.single = True
-            let_go()
-            raise _Retry("budget for one connection only", 0.0, counts=False)
+            remove_side_files(d.partial)
+            d.written = head.start
+            if not _reserve_holding(d, total, let_go):
+                raise _Retry("waited for cache space", 0.0, counts=False)
+            self._write_body(d, first, head.end, check_head=head.start == 0)
+            if d.written != head.end:
+                raise _Retry(f"got {d.written} of {head.end} bytes")
+            raise _Retry("going on over one connection", 0.0, counts=False)
         helpers = [threading.Thread(target=self._part_thread, args=(d, plan, open_range), daemon=True,
                                     name=f"{threading.current_thread().name}-part{i}")
                    for i in range(1, min(self.parts, plan.pending + 1))]
