@@ -21,7 +21,7 @@ from wdscache.agent.parts import SIDE
 from wdscache.shared.layout import CacheLayout
 
 try:
-    from tests.test_s3 import BUCKET, CACHED_IN, start_on, store  # noqa: F401 (store: a fixture)
+    from tests.test_s3 import CACHED_IN, start_on, store  # noqa: F401 (store: a fixture)
 except pytest.skip.Exception:  # no boto3 or moto: the S3 tests skip, the others run
     store = None
 
@@ -127,7 +127,7 @@ def test_an_object_changed_mid_download_is_fetched_whole_never_spliced(shard_ser
                                                                        tmp_path):
     ds = dataset(1, **SHAPE)
     src = ds.paths[0]
-    name, size = src.name, src.stat().st_size
+    name = src.name
     replacement = make_shard(tmp_path / "v2" / name, synth_samples(0, SHAPE["samples"], payload=SHAPE["payload"],
                                                                    seed=7))
     assert replacement.read_bytes() != src.read_bytes()
@@ -147,6 +147,7 @@ def test_an_object_changed_mid_download_is_fetched_whole_never_spliced(shard_ser
     # after the refusal, the download starts over from byte 0 without naming a version
     restart = next(i for i, r in enumerate(reqs) if i > stale[0] and r.range and r.range.startswith("bytes=0-"))
     assert reqs[restart].if_range is None and reqs[restart].status == 206, reqs
+    assert_tiles(spans([r.range for r in reqs[restart:]]), src.stat().st_size)  # the new version, in parts, each byte once
     assert "the object changed during the download, starting over" in agent.stderr_text(), agent.stderr_tail()
     assert partial_files(cache) == []
 

@@ -115,6 +115,8 @@ class Download:
     gzipped: bool = False  # its body starts like gzip: readers wait for the tar, never stream it
     verify: bool = False  # only ask the source whether the cached copy is still current
     single: bool = False  # over one connection: the budget could not hold parallel parts
+    # A validator the source refused for a part of its own version: parts from it would never end.
+    refused: str | None = None
     on_validator: Callable[["Download"], None] = lambda d: None
 
 
@@ -353,7 +355,7 @@ class Fetcher:
             if etag and etag != d.etag:
                 d.etag = etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
-            if end is not None and status == 206 and etag and total > end:
+            if end is not None and status == 206 and _parts_can_name(etag, d) and total > end:
                 first = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
                 return self._parted(d, Part(offset, end), total, first, r.close, self._http_range)
             if total is not None:
@@ -405,7 +407,7 @@ class Fetcher:
             if body.etag and body.etag != d.etag:
                 d.etag = body.etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
-            if end is not None and body.ranged and body.etag and body.total > end:
+            if end is not None and body.ranged and _parts_can_name(body.etag, d) and body.total > end:
                 return self._parted(d, Part(offset, end), body.total, _s3_chunks(body.chunks), body.close,
                                     self._s3_range)
             d.total = body.total
@@ -489,6 +491,7 @@ class Fetcher:
         if isinstance(error, _Changed):
             _truncate(d.partial)
             remove_side_files(d.partial)
+            d.refused = d.etag  # if the object comes back unchanged, its parts come over one connection
             raise _Retry(f"{error}; the object changed during the download, starting over", 0.0)
         if isinstance(error, Stopped):  # stopped for a reason another thread did not keep
             raise Cancelled(d.url)
@@ -780,6 +783,12 @@ def _reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> boo
     let_go()
     d.reserve(d, total, None)
     return False
+
+
+def _parts_can_name(tag: str | None, d: Download) -> bool:
+    """Whether ranged parts may name version ``tag`` in their requests: a strong validator
+    (a weak ETag never matches ``If-Range``) that the source has not refused already."""
+    return bool(tag) and not tag.startswith("W/") and tag != d.refused
 
 
 def _check(d: Download, plan: Plan) -> None:
