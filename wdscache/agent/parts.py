@@ -132,7 +132,7 @@ class Plan:
 
     @property
     def held(self) -> int:
-        """Bytes of the shard on disk: the prefix and the side files (the head's own count apart)."""
+        """Bytes of the shard on disk when the plan is made: the prefix and the side files kept."""
         return self.prefix + sum(p.have for p in self._todo) + sum(p.have for p in self._done.values())
 
     @property
