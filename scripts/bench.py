@@ -81,6 +81,10 @@ What it does:
   window and the first 10,000 ids of global_sequence); ``wdscache stats --json``
   on a 100,000-shard index (wall time of the command); and end to end, an agent
   on a 1,000,000-entry list and a consumer's first sample.
+- One large shard (``--size-parts``, 256 MB by default) from the capped server: the time
+  from an agent's start to the shard cached, with parallel ranged parts (the agent's
+  defaults, ``--download-parts``) and with ``--download-parts 1``, side by side
+  (``parts`` in ``--skip`` leaves it out).
 - Every cold run also records what the server sent (``fetched`` in the JSON, as
   a multiple of the dataset): more than 1x means downloads were abandoned and
   started again. Consumer logs are kept under ``--work``/logs; a consumer that
@@ -317,6 +321,7 @@ class Bench:
         self.datasets: dict[str, dict[str, Any]] = {}
         self.runs: list[dict[str, Any]] = []
         self.scale: dict[str, Any] = {}
+        self.parts: dict[str, Any] = {}  # one large shard, with parallel parts and with one connection
         self._seq = 0
 
     # -- data and server -------------------------------------------------------------------------
@@ -691,6 +696,56 @@ class Bench:
                            round(e["t_end"] - t0, 3), round(e["cpu_s"], 3)] for e in epochs],
         }}
 
+    # -- one large shard in parallel parts ----------------------------------------------------------
+
+    def run_parts(self) -> None:
+        """One large shard cached by an agent with parallel ranged parts (its defaults) and by one
+        with ``--download-parts 1``: seconds from the agent's start to the shard cached."""
+        from shard_maker import make_dataset
+        from wdscache.shared.stats import collect
+
+        size = parse_bytes(self.args.size_parts)
+        payload = 1 << 20
+        n = max(1, round(size / (payload + 2048)))
+        name = f"parts-p{payload}-s{n}"
+        root = self.work / "data" / name
+        if not (root / ".complete").exists():
+            log(f"parts: making one shard of {n} samples of 1 MiB in {root}")
+            shutil.rmtree(root, ignore_errors=True)
+            make_dataset(root, 1, n, payload=payload, prefix="big")
+            (root / ".complete").write_text("ok\n")
+        [path] = sorted(root.glob("big-*.tar"))
+        shard = path.stat().st_size
+        lst = self.work / "lists" / "parts" / "urls.txt"
+        lst.parent.mkdir(parents=True, exist_ok=True)
+        lst.write_text(f"http://127.0.0.1:{self.port}/{name}/{path.name}\n")
+        self.parts = {"shard_bytes": shard}
+        for label, extra in (("parallel parts", ()), ("one connection", ("--download-parts", "1"))):
+            log(f"parts: one {shard / MB:.0f} MB shard, {label}")
+            cache = self.fresh_dir("parts")
+            agent = Agent(self, cache, lst, 2 * shard, tag=f"parts-{extra[-1] if extra else 'default'}", extra=extra)
+            self.agents.append(agent)
+            before = self.fetched()
+            try:
+                agent.start()
+                deadline = time.monotonic() + 60 + 2 * shard / self.rate
+                while (collect(cache, timeout=2.0).get("shards") or {}).get("cached") != 1:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the shard was not cached in time: {agent.child.stderr_tail()}")
+                    time.sleep(0.05)
+                seconds = time.time() - agent.t_launch - agent.ready_s
+                after = self.fetched()
+                self.parts[label] = {"seconds": seconds, "mb_s": shard / MB / seconds,
+                                     "gets": after["gets"] - before["gets"], "bytes": after["bytes"] - before["bytes"]}
+                log(f"  {seconds:.2f} s ({shard / MB / seconds:.1f} MB/s) in {self.parts[label]['gets']} GETs, "
+                    f"{self.parts[label]['bytes'] / shard:.2f}x the shard fetched")
+            except Exception as exc:  # one failing must not lose the others' numbers
+                log(f"  parts, {label} failed: {exc!r}")
+                self.parts[label] = {"error": repr(exc)}
+            finally:
+                agent.stop()
+                shutil.rmtree(cache, ignore_errors=True)
+
     # -- scale checks ---------------------------------------------------------------------------------
 
     def run_scale(self) -> None:
@@ -810,6 +865,8 @@ class Bench:
                         log(f"  {sname} failed: {exc!r}")
                         self.runs.append({"profile": name, "rep": rep, "system": sname,
                                           "status": f"error: {exc!r}", "rows": {}})
+        if "parts" not in {s.strip() for s in a.skip.split(",")}:
+            self.run_parts()
         if not a.no_scale:
             self.run_scale()
 
@@ -834,8 +891,10 @@ class Bench:
 class Agent:
     """A ``wdscache agent`` subprocess, its readiness, CPU and memory."""
 
-    def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str, *, defaults: bool = False) -> None:
+    def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str, *, defaults: bool = False,
+                 extra: tuple[str, ...] = ()) -> None:
         self.bench, self.cache, self.urls, self.budget, self.tag = bench, cache, urls, budget, tag
+        self.extra = extra  # more options, after the bench's
         self.defaults = defaults  # every option at its default (the start-up plan in seeded shuffle order)
         self.child: Child | None = None
         self.pid = 0
@@ -855,6 +914,7 @@ class Agent:
             cmd += ["--cache-size", str(self.budget), "--prefetch", str(PREFETCH),
                     "--download-workers", str(DOWNLOAD_WORKERS), "--workers", str(AGENT_WORKERS),
                     "--min-free", "1M", "--no-shuffle"]
+        cmd += self.extra
         self.t_launch = time.time()
         self.child = Child(cmd, b.logs / f"{b._seq:03d}-{self.tag}.log")
         self.pid = self.child.pid
@@ -1063,6 +1123,13 @@ def tables(bench: Bench, summary: dict, targets: list[dict[str, Any]]) -> str:
         ready = f" (the agent itself answered stats {big['agent_ready_s']:.1f} s after launch)" \
             if big.get("agent_ready_s") else ""
         out.append(f"A 1,000,000-entry list end to end: **the consumer failed**: `{big.get('error')}`{ready}\n")
+    if bench.parts:
+        cells = [f"{label}: " + (f"{r['seconds']:.2f} s ({r['mb_s']:.1f} MB/s, {r['gets']} GETs, "
+                                 f"{r['bytes'] / bench.parts['shard_bytes']:.2f}x fetched)" if "seconds" in r
+                                 else f"**failed**: `{r.get('error')}`")
+                 for label, r in bench.parts.items() if label != "shard_bytes"]
+        out.append(f"One {bench.parts['shard_bytes'] / MB:.0f} MB shard from the capped server, agent start to "
+                   f"cached: " + "; ".join(cells) + "\n")
     out.append("Targets (reported, not asserted):\n")
     out.append("| # | target | measured | PASS/FAIL |")
     out.append("|---|---|---|---|")
@@ -1181,6 +1248,11 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
             (f"{r:.2f}x ({fmt(agg, 1)} vs {fmt(single, 1)} MB/s)" if r else "")
             + (f"; streamed (direct_reads=False): {streamed:.2f}x" if r and streamed else "")
             + (f"; raw pyzmq, 8 receivers vs 1: {raw:.2f}x" if r and raw else ""))
+    par, one = (bench.parts.get(k, {}).get("seconds") for k in ("parallel parts", "one connection"))
+    r = ratio(one, par)
+    add("15", f"one {bench.parts.get('shard_bytes', 0) / MB:.0f} MB shard, {bench.args.rate_mb:g} MB/s per connection: "
+        "parallel parts ≥ 3x faster than one connection", r, 3.0, ge,
+        f"{r:.2f}x ({fmt(par, 2)} s vs {fmt(one, 2)} s)" if r else "")
     u = bench.scale.get("url_list_1m", {})
     add("8", "1,000,000-entry URL list parsed and planned < 5 s", u.get("seconds"), 5.0, lambda v, l: v < l,
         f"{u['seconds']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in u.get("parts", {}).items()) + ")"
@@ -1234,7 +1306,8 @@ def main() -> int:
     ap.add_argument("--rate-mb", type=float, default=25.0, help="server cap per connection, MB/s")
     ap.add_argument("--ttfb-ms", type=float, default=30.0, help="server time to first byte, ms")
     ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
-                                               "wds-cachedir,cat,zmq")
+                                               "wds-cachedir,cat,zmq,parts")
+    ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1M-URL and 100k-shard checks")
     ap.add_argument("--no-multi-consumer", action="store_true", help="skip the 8-consumer run")
     ap.add_argument("--work", default="/tmp/wdscache-bench", help="shards, caches and logs")
@@ -1277,7 +1350,7 @@ def main() -> int:
     for ds in bench.datasets.values():
         ds.pop("paths", None)
     out.write_text(json.dumps({"machine": info, "args": vars(a), "datasets": bench.datasets, "runs": bench.runs,
-                               "summary": summary, "targets": targets, "scale": bench.scale,
+                               "summary": summary, "targets": targets, "scale": bench.scale, "parts": bench.parts,
                                "seconds": time.monotonic() - t_start}, indent=1, default=str))
     log(f"wrote {out}")
     print(text)

@@ -149,7 +149,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if name is None:
             self._simple(owner, method, self.path, range_header, 403, b"forbidden\n", head)
             return
-        fault = owner._take_fault(name, head)
+        fault = owner._take_fault(name, head, range_header)
         kind = fault.kind if fault else None
 
         if fault is not None and kind == "status":
@@ -491,10 +491,13 @@ class ShardServer:
           then the rest, or a clean close if ``then="close"``.
         - ``html``: a 200 text/html error page (``body`` overrides it).
         - ``no_range``: ignore Range for this request and send 200 with the full file.
+
+        Any kind also takes ``range``: it then applies only to a GET whose Range header is
+        exactly that (say, one part of a download in parallel parts).
         """
         if kind not in FAULT_KINDS:
             raise ValueError(f"unknown fault kind {kind!r}; expected one of {sorted(FAULT_KINDS)}")
-        unknown = set(params) - _FAULT_PARAMS[kind]
+        unknown = set(params) - _FAULT_PARAMS[kind] - {"range"}
         if unknown:
             raise TypeError(f"fault {kind!r} does not take {sorted(unknown)}")
         if kind == "status" and "status" not in params:
@@ -586,14 +589,16 @@ class ShardServer:
             return None
         return Path(real) if os.path.isfile(real) else None
 
-    def _take_fault(self, name: str, head: bool) -> _Fault | None:
+    def _take_fault(self, name: str, head: bool, range_header: str | None) -> _Fault | None:
         with self._lock:
             queue = self._faults.get(name)
             if not queue:
                 return None
-            if head and queue[0].kind != "status":
+            # A fault for one Range waits for that request; the others pass it by.
+            fault = next((f for f in queue if f.params.get("range") in (None, range_header)), None)
+            if fault is None or (head and fault.kind != "status"):
                 return None
-            fault = queue.popleft()
+            queue.remove(fault)
             if not queue:
                 del self._faults[name]
             return fault

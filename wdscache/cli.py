@@ -53,6 +53,10 @@ def main() -> None:
               help="Shards kept ready ahead of each reader.")
 @click.option("--download-workers", envvar="WDSCACHE_DOWNLOAD_WORKERS", default=default("download_workers"),
               type=int, show_envvar=True, help="Parallel prefetches; shards a reader waits for may use as many again.")
+@click.option("--download-parts", envvar="WDSCACHE_DOWNLOAD_PARTS", default=default("download_parts"), type=int,
+              show_envvar=True, help="Connections per shard larger than one part (ranged parts; 1: one each).")
+@click.option("--download-part-size", envvar="WDSCACHE_DOWNLOAD_PART_SIZE", default=default("download_part_size"),
+              show_envvar=True, help="Size of one ranged part, and the least a shard needs to come in parts.")
 @click.option("--workers", envvar="WDSCACHE_WORKERS", default=default("workers"), type=int,
               show_envvar=True, help="Sample worker processes.")
 @click.option("--endpoint", envvar="WDSCACHE_ENDPOINT", default=default("endpoint"), show_envvar=True,

@@ -14,10 +14,13 @@ from typing import Any
 import pytest
 
 from scripts.console import wdscache_exe
+from wdscache.shared.config import default, parse_size
 from tests.helpers.waits import STOP_TIMEOUT, TAIL_LINES, stop_process, tail, wait_for
 
 START_TIMEOUT = 20.0  # seconds an agent gets to answer stats after it was started
 CLI_TIMEOUT = 30.0
+# The Range of a shard's first GET: its first part (--download-part-size), which covers a small shard whole.
+FIRST_PART = f"bytes=0-{parse_size(default('download_part_size')) - 1}"
 
 
 def run_wdscache(*args: str | os.PathLike[str], timeout: float = CLI_TIMEOUT,

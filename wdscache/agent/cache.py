@@ -38,6 +38,7 @@ from typing import Container, Iterable, Sequence
 
 from ..shared.config import format_size
 from .fetch import Download
+from .parts import owner_name, remove_side_files, side_bytes
 from ..shared.index import Index, IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout
 from ..shared.logs import event, iso_time
@@ -134,13 +135,14 @@ class ShardCache:
                 # Failures are retried by a new agent: the server or the list may have changed.
                 self.index.delete(rec.url)
         # Partial files: resume those we were told to keep, remove every other one.
+        # A parted download's side files go with their partial file (wdscache.agent.parts).
         for entry in os.scandir(self.layout.partial_dir):
-            url = resumable.get(entry.name)
+            url = resumable.get(owner_name(entry.name))
             if url is None:
                 os.unlink(entry.path)
                 done["partials_removed"] += 1
             else:
-                self.kept[url] = entry.stat().st_size
+                self.kept[url] = self.kept.get(url, 0) + entry.stat().st_size
         done["partials_kept"] = len(self.kept)
         return done
 
@@ -183,6 +185,7 @@ class ShardCache:
         self.inflight.pop(d.url, None)
         self.kept.pop(d.url, None)
         _unlink(d.partial)
+        remove_side_files(d.partial)
         self.index.put(ShardRecord(d.url, ShardState.FAILED, error=error))
 
     def fail_cached(self, url: str, error: str) -> None:
@@ -201,7 +204,7 @@ class ShardCache:
         size = _size_or_none(d.partial)
         if keep_partial and d.etag and size:
             self.set_validator(d.url, d.etag)
-            self.kept[d.url] = size
+            self.kept[d.url] = size + side_bytes(d.partial)
             return
         self.drop_partial(d.url)
 
@@ -209,6 +212,7 @@ class ShardCache:
         """Remove the partial file kept for ``url`` (and its record), if any."""
         self.kept.pop(url, None)
         _unlink(self.layout.partial_path(url))
+        remove_side_files(self.layout.partial_path(url))
         rec = self.index.get(url)
         if rec is not None and rec.state is ShardState.DOWNLOADING:
             self.index.delete(url)

@@ -132,6 +132,8 @@ class Agent:
             backoff=config.backoff,
             backoff_max=config.backoff_max,
             s3_endpoint_url=config.s3_endpoint_url,
+            download_parts=config.download_parts,
+            download_part_size=config.download_part_size,
         )
         self._on_event: dict[type, Callable[[Any], None]] = {
             BudgetAsked: lambda e: self.downloads.asked(e.grant),

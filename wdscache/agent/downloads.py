@@ -7,6 +7,9 @@ Guarantees (threads):
   :class:`~wdscache.agent.fetch.Download` from the task queue, move its bytes, ask for
   budget through :meth:`Downloads.reserve` (which blocks the thread, never the
   loop), and post what happened to the :class:`~wdscache.agent.events.Mailbox`.
+  A download in parallel parts (:mod:`wdscache.agent.parts`) runs its extra
+  connections in threads of its own, within its slot: ``--download-parts`` is per
+  shard, ``--download-workers`` counts shards.
 - A shard is never downloaded by two threads at once: a URL is in ``_active``
   from the moment its task is queued until the main loop has recorded its end.
 - Nothing outside the wanted shards (demanded ones, then the union of readers'

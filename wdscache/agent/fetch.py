@@ -35,12 +35,18 @@ only while the object is the one its bytes came from. A server with neither
 cannot be resumed (the download starts over) and a same-size change on it is not
 detected by revalidation.
 
+A shard larger than one part, from a source that answers ranged requests with a
+validator, downloads as several ranged parts at once (:mod:`wdscache.agent.parts`); the
+partial file stays a contiguous prefix of the shard, and the shard is checked and
+published as any other.
+
 A 429 or 503 with ``Retry-After`` (on a GET or a HEAD) holds every next request to
 that URL, from any thread, until the time it names.
 """
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import errno
 import logging
@@ -52,17 +58,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, ContextManager, Iterator
 from urllib.parse import unquote, urlsplit
 
 import requests
 import urllib3
 
 from ..shared import s3
-from ..shared.config import default, format_size
+from ..shared.config import default, format_size, parse_size
 from ..shared.errors import FetchError, ShardError
 from ..shared.shard_index import ShardInfo, count_samples, file_facts
 from .gunzip import gunzip
+from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
 from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
 
 log = logging.getLogger(__name__)
@@ -79,6 +86,11 @@ SYNC_EVERY = 4 << 20
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write or sync refused for space
 PERMANENT_STATUS = {400, 401, 403, 404, 405, 410, 451}
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+# How long a parted download waits for budget for its size plus one part before it goes on
+# over one connection instead (which needs its size only).
+PARTS_HOLD = 1.0
+# Beyond the read timeout, how long the end of a parted download waits for its other threads.
+PARTS_JOIN = 5.0
 
 
 class Cancelled(Exception):
@@ -113,6 +125,9 @@ class Download:
     expected: ShardInfo | None = None  # what a shard index says of the file (checked before publish)
     digest: bool = False  # hash the source bytes (``md5``) even without an expected MD5
     md5: str | None = None  # the MD5 of the source bytes, once hashed
+    single: bool = False  # over one connection: the budget could not hold parallel parts
+    # A validator the source refused for a part of its own version: parts from it would never end.
+    refused: str | None = None
     on_validator: Callable[["Download"], None] = lambda d: None
 
 
@@ -125,6 +140,10 @@ class Fetched:
 
 class DiskFull(FetchError):
     """The cache's file system refused a write (ENOSPC, quota, file size limit)."""
+
+
+class _Changed(Exception):
+    """A ranged request of a parted download was answered for another version of the object."""
 
 
 class _Retry(Exception):
@@ -147,8 +166,12 @@ class Fetcher:
         backoff: float = default("backoff"),
         backoff_max: float = default("backoff_max"),
         s3_endpoint_url: str | None = default("s3_endpoint_url"),
+        download_parts: int = default("download_parts"),
+        download_part_size: str = default("download_part_size"),
     ) -> None:
         self.timeout = (connect_timeout, read_timeout)
+        self.parts = download_parts
+        self.part_size = parse_size(download_part_size, what="--download-part-size")
         self.s3_endpoint_url = s3_endpoint_url
         self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
         self._local = threading.local()
@@ -239,6 +262,7 @@ class Fetcher:
         if problem:  # once more from byte 0: a copy damaged on the way, or a source replaced since
             log.warning("%s: %s; downloading it once more", d.url, problem)
             _truncate(d.partial)
+            remove_side_files(d.partial)
             size, etag = self._fetch_source(d, scheme)
             again = self._check_expected(d)
             if again:
@@ -320,9 +344,12 @@ class Fetcher:
             # splicing two versions would publish a wrong shard, so start over.
             _truncate(d.partial)
             offset = d.written = 0
+        offset, end = self._first_range(d, offset)
+        d.written = offset
         headers = {"Accept-Encoding": "identity"}
+        if offset or end is not None:
+            headers["Range"] = f"bytes={offset}-{'' if end is None else end - 1}"
         if offset:
-            headers["Range"] = f"bytes={offset}-"
             headers["If-Range"] = d.etag  # an ETag or an HTTP date: both are valid here
         self._wait_turn(d.url, d.cancel)
         with self._session().get(d.url, headers=headers, stream=True, timeout=self.timeout) as r:
@@ -342,12 +369,16 @@ class Fetcher:
                     return offset
                 _truncate(d.partial)  # our partial is not a prefix of this object
                 raise _Retry("HTTP 416 on resume; starting over", 0.0)
-            if status == 206 and offset:
+            if status == 206 and "Range" in headers:
                 start, total = _content_range(r.headers.get("Content-Range", ""))
                 if start != offset:
                     _truncate(d.partial)
                     raise _Retry("server resumed at the wrong offset; starting over", 0.0)
+                if end is not None and total is None:
+                    d.single = True  # a part's answer without the shard's size: one request for it all
+                    raise _Retry("server sent no size with its range; using one connection", 0.0, counts=False)
             elif status == 200:
+                remove_side_files(d.partial)  # an answer from byte 0: the object may have changed
                 if offset:
                     log.info("%s: server ignored the Range request; downloading from the start", d.url)
                     _truncate(d.partial)
@@ -360,6 +391,9 @@ class Fetcher:
             if etag and etag != d.etag:
                 d.etag = etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
+            if end is not None and status == 206 and _parts_can_name(etag, d) and total > end:
+                first = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
+                return self._parted(d, Part(offset, end), total, first, r.close, self._http_range)
             if total is not None:
                 d.total = total
                 if not _reserve_holding(d, total, r.close):
@@ -378,8 +412,10 @@ class Fetcher:
             _truncate(d.partial)  # as for HTTP: bytes of an unknown version are never continued
             offset = d.written = 0
         client = self._s3(d.url)
+        offset, end = self._first_range(d, offset)
+        d.written = offset
         try:
-            body = client.get(d.url, offset=offset, if_match=d.etag if offset else None, chunk=CHUNK)
+            body = client.get(d.url, offset=offset, end=end, if_match=d.etag if offset else None, chunk=CHUNK)
         except s3.Changed:
             _truncate(d.partial)  # the object was replaced since our bytes came
             raise _Retry("the object changed since the partial copy was made (If-Match: HTTP 412); "
@@ -395,16 +431,21 @@ class Fetcher:
         except s3.Transient as exc:
             raise _Retry(exc.reason) from None
         try:
+            if not body.ranged:
+                remove_side_files(d.partial)
             if offset and not body.ranged:
                 log.info("%s: server ignored the Range request; downloading from the start", d.url)
                 _truncate(d.partial)
                 offset = d.written = 0
-            elif offset and body.start != offset:
+            elif body.ranged and body.start != offset:
                 _truncate(d.partial)
                 raise _Retry("server resumed at the wrong offset; starting over", 0.0)
             if body.etag and body.etag != d.etag:
                 d.etag = body.etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
+            if end is not None and body.ranged and _parts_can_name(body.etag, d) and body.total > end:
+                return self._parted(d, Part(offset, end), body.total, _s3_chunks(body.chunks), body.close,
+                                    self._s3_range)
             d.total = body.total
             if not _reserve_holding(d, body.total, body.close):
                 raise _Retry("waited for cache space", 0.0, counts=False)
@@ -423,6 +464,202 @@ class Fetcher:
             return client.head(url)
         except (FetchError, s3.Transient):
             return None
+
+    # -- parallel ranged parts (wdscache.agent.parts) ---------------------
+
+    def _first_range(self, d: Download, offset: int) -> tuple[int, int | None]:
+        """Where the first request of an attempt starts and ends (None: it asks for the whole
+        rest) when the shard may come in parts. A side file kept from earlier that starts
+        where the partial file ends is appended to it first, and the request stops before
+        the next one, so no byte is fetched twice. Side files are removed when unusable."""
+        if self.parts < 2 or d.single or not offset:
+            remove_side_files(d.partial)  # only resumed beside the prefix they belong to
+            return offset, None if self.parts < 2 or d.single else self.part_size
+        end = None
+        for start, stop, path in side_files(d.partial):
+            if start == offset and end is None:
+                offset += append_side(d.partial, path, offset)
+                if offset < stop:
+                    end = stop  # the rest of that part comes first
+            elif start > offset:
+                return offset, min(end or offset + self.part_size, start)
+        return offset, end or offset + self.part_size
+
+    def _parted(self, d: Download, head: Part, total: int, first: Iterator[bytes], let_go: Callable[[], None],
+                open_range: Callable[[Download, int, int, int], ContextManager[Iterator[bytes]]]) -> int:
+        """Fetch ``d`` as parts, the first (``head``) from the answer ``first`` that gave its size."""
+        d.total = total
+        plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(d, "written", d.written + n))
+        d.written = plan.held
+        need = total + plan.largest  # an append holds a part's bytes twice for a moment
+        try:
+            granted = d.reserve(d, need, PARTS_HOLD)
+        except FetchError:  # more than the whole cache
+            granted = False
+        if not granted:
+            # One connection needs the shard's size only: this answer's bytes are kept, and the
+            # next request asks for the whole rest.
+            log.info("%s: the cache cannot hold %s for parallel parts now; using one connection",
+                     d.url, format_size(need))
+            d.single = True
+            remove_side_files(d.partial)
+            d.written = head.start
+            if not _reserve_holding(d, total, let_go):
+                raise _Retry("waited for cache space", 0.0, counts=False)
+            self._write_body(d, first, head.end, check_head=head.start == 0)
+            if d.written != head.end:
+                raise _Retry(f"got {d.written} of {head.end} bytes")
+            raise _Retry("going on over one connection", 0.0, counts=False)
+        helpers = [threading.Thread(target=self._part_thread, args=(d, plan, open_range), daemon=True,
+                                    name=f"{threading.current_thread().name}-part{i}")
+                   for i in range(1, min(self.parts, plan.pending + 1))]
+        for t in helpers:
+            t.start()
+        try:
+            self._fetch_part(d, plan, head, open_range, first)
+            plan.finish(head)
+            self._take_parts(d, plan, open_range)
+        except BaseException as exc:  # noqa: BLE001 (kept as the plan's error, raised below)
+            plan.abort(exc)
+        finally:
+            self._join_parts(d, plan, helpers)
+        error = plan.error
+        if isinstance(error, _Changed):
+            _truncate(d.partial)
+            remove_side_files(d.partial)
+            d.refused = d.etag  # if the object comes back unchanged, its parts come over one connection
+            raise _Retry(f"{error}; the object changed during the download, starting over", 0.0)
+        if isinstance(error, Stopped):  # stopped for a reason another thread did not keep
+            raise Cancelled(d.url)
+        if error is not None:
+            raise error
+        if not plan.complete:
+            raise _Retry(f"parts ended at byte {plan.prefix} of {total}")
+        return total
+
+    def _part_thread(self, d: Download, plan: Plan, open_range) -> None:
+        try:
+            self._take_parts(d, plan, open_range)
+        except BaseException as exc:  # noqa: BLE001 (the download's thread raises it)
+            plan.abort(exc)
+        finally:
+            self.close_thread()
+
+    def _take_parts(self, d: Download, plan: Plan, open_range) -> None:
+        while (part := plan.take()) is not None:
+            self._fetch_part(d, plan, part, open_range)
+            plan.finish(part)
+
+    def _join_parts(self, d: Download, plan: Plan, helpers: list[threading.Thread]) -> None:
+        """Wait for ``helpers``; once the download stops, for at most a read timeout and a bit."""
+        deadline = None
+        for t in helpers:
+            while t.is_alive():
+                t.join(0.1)
+                if deadline is None and (d.cancel.is_set() or plan.stop.is_set()):
+                    plan.stop.set()
+                    deadline = time.monotonic() + self.timeout[1] + PARTS_JOIN
+                if deadline is not None and time.monotonic() > deadline:
+                    log.warning("%s: a part's thread did not stop in time", d.url)
+                    return
+
+    def _fetch_part(self, d: Download, plan: Plan, part: Part, open_range,
+                    first: Iterator[bytes] | None = None) -> None:
+        """Fetch the rest of ``part`` (from ``first``, an answer already open, then by ranged
+        requests), retrying with backoff; only consecutive failures without progress count."""
+        failures = 0
+        while part.have < part.size:
+            _check(d, plan)
+            before = part.have
+            try:
+                if first is not None:
+                    chunks, first = first, None
+                    self._write_part(d, plan, part, chunks)
+                else:
+                    with open_range(d, part.start + part.have, part.end, plan.total) as chunks:
+                        self._write_part(d, plan, part, chunks)
+                if part.have == part.size:
+                    return
+                raise _Retry(f"got {part.have} of {part.size} bytes")
+            except _Retry as exc:
+                reason, delay = exc.reason, exc.delay
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                    urllib3.exceptions.HTTPError, OSError) as exc:
+                reason, delay = f"{type(exc).__name__}: {_short(exc)}", None
+            if part.have > before:
+                failures = 0
+            failures += 1
+            span = f"bytes {part.start}-{part.end - 1}"
+            if failures > self.retries:
+                raise FetchError(d.url, f"gave up after {self.retries} retries of {span}: {reason}")
+            if delay is None:
+                cap = min(self.backoff_max, self.backoff * 2 ** (failures - 1))
+                delay = random.uniform(cap / 2, cap)
+            log.info("retrying %s of %s in %.1fs (%s)", span, d.url, delay, reason)
+            deadline = time.monotonic() + delay
+            while (left := deadline - time.monotonic()) > 0:
+                plan.stop.wait(min(left, 0.1))
+                _check(d, plan)
+
+    def _write_part(self, d: Download, plan: Plan, part: Part, chunks: Iterator[bytes]) -> None:
+        """Append ``chunks`` to ``part``'s file (the partial file, or its side file)."""
+        path = d.partial if part.side is None else part.side
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            if os.fstat(fd).st_size != (part.start if part.side is None else 0) + part.have:
+                raise _Changed(f"{path.name} is not as the download left it")
+            synced = part.have
+            for chunk in chunks:
+                if not chunk:
+                    continue
+                at = part.start + part.have
+                if part.have + len(chunk) > part.size:
+                    raise FetchError(d.url, f"server sent more than the bytes {part.start}-{part.end - 1} asked for")
+                if part.side is None and at < HEAD_BYTES <= at + len(chunk):
+                    self._check_head(d, fd, chunk)
+                _check(d, plan)  # before the write: nothing is written once the download stops
+                plan.wrote(part, _write_all(d, fd, chunk))
+                if part.have - synced >= SYNC_EVERY:
+                    _sync_part(d, fd, path, getattr(os, "fdatasync", os.fsync))
+                    synced = part.have
+            _sync_part(d, fd, path, os.fsync)
+        finally:
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def _http_range(self, d: Download, start: int, end: int, total: int) -> Iterator[Iterator[bytes]]:
+        """The body of bytes ``start`` to ``end`` of the version ``d.etag`` names."""
+        headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}", "If-Range": d.etag}
+        self._wait_turn(d.url, d.cancel)
+        with self._session().get(d.url, headers=headers, stream=True, timeout=self.timeout) as r:
+            status = r.status_code
+            if status in PERMANENT_STATUS:
+                raise FetchError(d.url, f"HTTP {status} {r.reason} for bytes {start}-{end - 1}", status=status,
+                                 permanent=True)
+            if status in RETRY_STATUS:
+                delay = _retry_after(r.headers.get("Retry-After"))
+                self._hold(d.url, delay)
+                raise _Retry(f"HTTP {status} {r.reason}", delay)
+            got = _content_range(r.headers.get("Content-Range", "")) if status == 206 else None
+            if got != (start, total) or validator(r.headers) != d.etag:
+                raise _Changed(f"bytes {start}-{end - 1} came as HTTP {status} "
+                               f"({r.headers.get('Content-Range') or 'no range'}, {validator(r.headers)})")
+            yield iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
+
+    @contextlib.contextmanager
+    def _s3_range(self, d: Download, start: int, end: int, total: int) -> Iterator[Iterator[bytes]]:
+        try:
+            body = self._s3(d.url).get(d.url, offset=start, end=end, if_match=d.etag, chunk=CHUNK)
+        except (s3.Changed, s3.Unsatisfiable) as exc:
+            raise _Changed(f"bytes {start}-{end - 1}: {type(exc).__name__}") from None
+        except s3.Transient as exc:
+            raise _Retry(exc.reason) from None
+        try:
+            if not body.ranged or body.start != start or body.total != total or body.etag != d.etag:
+                raise _Changed(f"bytes {start}-{end - 1} came as another range or version ({body.etag})")
+            yield _s3_chunks(body.chunks)
+        finally:
+            body.close()
 
     # -- local files ------------------------------------------------------
 
@@ -598,6 +835,38 @@ def _reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> boo
     let_go()
     d.reserve(d, total, None)
     return False
+
+
+def _parts_can_name(tag: str | None, d: Download) -> bool:
+    """Whether ranged parts may name version ``tag`` in their requests: a strong validator
+    (a weak ETag never matches ``If-Range``) that the source has not refused already."""
+    return bool(tag) and not tag.startswith("W/") and tag != d.refused
+
+
+def _check(d: Download, plan: Plan) -> None:
+    if d.cancel.is_set():
+        raise Cancelled(d.url)
+    if plan.stop.is_set():
+        raise Stopped(d.url)
+
+
+def _s3_chunks(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """``chunks`` with a broken read as :class:`_Retry`, as the part's retry loop knows it."""
+    try:
+        yield from chunks
+    except s3.Transient as exc:
+        raise _Retry(exc.reason) from None
+
+
+def _sync_part(d: Download, fd: int, path: Path, sync: Callable[[int], None]) -> None:
+    """As :func:`_sync`, for a part's file: a failed write-back loses the file."""
+    try:
+        sync(fd)
+    except OSError as exc:
+        _truncate(path) if path == d.partial else path.unlink(missing_ok=True)
+        if exc.errno in DISK_FULL_ERRNOS:
+            raise _disk_full(d, exc) from exc
+        raise
 
 
 def _write_all(d: Download, fd: int, data: bytes) -> int:

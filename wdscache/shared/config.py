@@ -68,6 +68,9 @@ class AgentConfig:
     min_free: str = "1G"
     prefetch: int = 8
     download_workers: int = 4
+    # A shard larger than one part comes as ranged parts, this many at once (1: one connection each).
+    download_parts: int = 4
+    download_part_size: str = "16M"
     workers: int = min(os.cpu_count() or 1, 8)
     endpoint: str | None = None
     allow_remote: bool = False
@@ -88,7 +91,7 @@ class AgentConfig:
     private_users: Path | None = None
 
     def __post_init__(self) -> None:
-        for name in ("prefetch", "download_workers", "workers"):
+        for name in ("prefetch", "download_workers", "download_parts", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.retries < 0:
@@ -99,6 +102,8 @@ class AgentConfig:
         # Validate the syntax now; percentages are resolved against the file system at start.
         parse_size(self.cache_size, total=1, what="--cache-size")
         parse_size(self.min_free, total=1, what="--min-free")
+        if parse_size(self.download_part_size, what="--download-part-size") < 64 << 10:
+            raise ConfigError(f"--download-part-size {self.download_part_size!r}: use at least 64K")
         if self.s3_endpoint_url is not None and not self.s3_endpoint_url.startswith(("http://", "https://")):
             raise ConfigError(f"--s3-endpoint-url {self.s3_endpoint_url!r}: use http(s)://HOST[:PORT]")
         if self.endpoint is not None:

@@ -7,6 +7,7 @@
       shards/ab/<hash>-<name>   complete shards; a file here is always a whole, checked shard
       partial/<hash>-<name>     downloads in progress; never read by anyone
       partial/<hash>-<name>~tar a gzip'd download's tar, being decompressed
+      partial/<hash>-<name>~part-<start>-<end>  a part of a download in parallel parts
       agent.lock                flock held by the running agent; holds its pid
       agent.json                the running agent's pid, start time and endpoint
       token                     0600: the secret a client must hold to talk to the agent and its

@@ -153,16 +153,18 @@ class S3Client:
             raise self._problem(url, exc) from None
         return int(r["ContentLength"]), r.get("ETag")
 
-    def get(self, url: str, *, offset: int = 0, if_match: str | None = None, chunk: int = 64 << 10) -> Body:
-        """GetObject from ``offset`` (a Range past 0), only while its ETag is ``if_match`` if given.
+    def get(self, url: str, *, offset: int = 0, end: int | None = None, if_match: str | None = None,
+            chunk: int = 64 << 10) -> Body:
+        """GetObject from ``offset`` (a Range past 0) up to ``end`` (exclusive; None: the object's
+        end), only while its ETag is ``if_match`` if given.
 
         Raises FetchError (final), :class:`Transient`, :class:`Changed` or :class:`Unsatisfiable`.
         The caller closes the body.
         """
         bucket, key = split(url)
         args: dict[str, Any] = {"Bucket": bucket, "Key": key}
-        if offset:
-            args["Range"] = f"bytes={offset}-"
+        if offset or end is not None:
+            args["Range"] = f"bytes={offset}-{'' if end is None else end - 1}"
         if if_match:
             args["IfMatch"] = if_match
         try:
