@@ -124,6 +124,14 @@ from bench_consumer import process_tree, status_kb, tree_cpu  # noqa: E402
 from console import wdscache_exe  # noqa: E402
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def page_cached(paths: list[Path]) -> float | None:
     """Fraction of the files' pages in the page cache (mincore(2)); None where it cannot be known."""
     import ctypes
@@ -746,6 +754,86 @@ class Bench:
                 agent.stop()
                 shutil.rmtree(cache, ignore_errors=True)
 
+    # -- S3 ---------------------------------------------------------------------------------------------
+
+    def run_s3(self, prof: str, ds: dict[str, Any]) -> None:
+        """A cold epoch of ``ds`` from an S3 API (moto's server, in its own process) behind a proxy
+        with the HTTP server's cap per connection and time to first byte: wdscache on an ``s3://``
+        prefix, and webdataset reading each object through a ``pipe:`` boto3 stream, one at a time."""
+        import boto3
+        from s3_proxy import S3Proxy
+
+        port = _free_port()
+        moto = Child([self.py, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], self.logs / "moto.log")
+        fake = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+        saved = {k: os.environ.get(k) for k in (*fake, "AWS_ENDPOINT_URL")}
+        proxy = S3Proxy(port, rate=self.rate, ttfb=self.ttfb).start()
+        try:
+            os.environ.update(fake)
+            client = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}")
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    client.create_bucket(Bucket="bench")
+                    break
+                except Exception:  # not listening yet
+                    if moto.proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"moto did not start: {moto.stderr_tail()}") from None
+                    time.sleep(0.2)
+            for path in ds["paths"]:
+                client.upload_file(path, "bench", f"{prof}/{Path(path).name}")
+            os.environ["AWS_ENDPOINT_URL"] = proxy.url  # the agent, the consumers and s3_cat.py
+            prefix = self.work / "lists" / f"{prof}-s3" / "urls.txt"
+            prefix.parent.mkdir(parents=True, exist_ok=True)
+            prefix.write_text(f"s3://bench/{prof}/\n")
+            piped = self.work / f"urls-{prof}-s3-pipe.txt"
+            piped.write_text("".join(f"pipe:{self.py} {REPO / 'scripts' / 's3_cat.py'} s3://bench/{prof}/{Path(p).name}\n"
+                                     for p in ds["paths"]))
+            log(f"{prof}: S3 (moto on 127.0.0.1:{port}, behind a proxy at {self.args.rate_mb:g} MB/s per connection)")
+            for rep in range(self.args.reps):
+                for system in (("wdscache-s3", "wds-s3") if rep % 2 == 0 else ("wds-s3", "wdscache-s3")):
+                    log(f"{prof} S3 rep {rep + 1}/{self.args.reps}: {system}")
+                    sent = proxy.sent
+                    try:
+                        if system == "wds-s3":
+                            c = self.consumer("wds", "--urls-file", str(piped),
+                                              tag=f"{prof}-wds-s3").wait(self.http_deadline(ds) + 120)
+                            status, r = self.check(c, ds, 1)
+                            rows = {S3_WDS: self.epoch_row(r["epochs"][0])} if status == "ok" else {}
+                        else:
+                            c, status, rows = self._wdscache_s3(prof, ds, prefix)
+                        self.finish_run(prof, rep, system, c, rows, status,
+                                        s3_bytes_sent=proxy.sent - sent)
+                    except Exception as exc:  # one failing must not lose the others' numbers
+                        log(f"  {system} failed: {exc!r}")
+                        self.runs.append({"profile": prof, "rep": rep, "system": system,
+                                          "status": f"error: {exc!r}", "rows": {}})
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            proxy.stop()
+            moto._kill_group()
+            moto.wait(10)
+
+    def _wdscache_s3(self, prof: str, ds: dict[str, Any], urls: Path) -> tuple[Child, str, dict[str, Any]]:
+        cache = self.fresh_dir(f"{prof}-wdscache-s3")
+        budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
+        agent = Agent(self, cache, urls, budget, tag=f"{prof}-agent-s3")
+        self.agents.append(agent)
+        try:
+            agent.start()
+            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "s3", "--agent-pid", str(agent.pid),
+                              "--timeout", str(CONSUMER_TIMEOUT), "--log",
+                              tag=f"{prof}-wdscache-s3").wait(self.http_deadline(ds) + 120)
+            status, r = self.check(c, ds, 1)
+            return c, status, ({S3_WDSCACHE: self.epoch_row(r["epochs"][0])} if status == "ok" else {})
+        finally:
+            agent.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+
     # -- scale checks ---------------------------------------------------------------------------------
 
     def run_scale(self) -> None:
@@ -867,6 +955,8 @@ class Bench:
                                           "status": f"error: {exc!r}", "rows": {}})
         if "parts" not in {s.strip() for s in a.skip.split(",")}:
             self.run_parts()
+        if "s3" not in {s.strip() for s in a.skip.split(",")} and "tiny" in self.datasets:
+            self.run_s3("tiny", self.datasets["tiny"])
         if not a.no_scale:
             self.run_scale()
 
@@ -1051,6 +1141,8 @@ ROW_ORDER = [
     "cat shards > /dev/null (page cache; MB are tar bytes)",
     "pyzmq IPC PUSH/PULL, multipart, copy=False",
 ]
+S3_WDSCACHE = "wdscache, S3 (moto behind a capped proxy), epoch 1 (cold)"
+S3_WDS = "wds, S3 through pipe: (a boto3 stream per shard, one at a time)"
 OTHER_ORDER = "wdscache, agent with default options, loader in list order: first sample (cold)"
 REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
 # Samples each of the eight consumers reads before the measured epoch (twice what its first
@@ -1253,6 +1345,19 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
     add("15", f"one {bench.parts.get('shard_bytes', 0) / MB:.0f} MB shard, {bench.args.rate_mb:g} MB/s per connection: "
         "parallel parts ≥ 3x faster than one connection", r, 3.0, ge,
         f"{r:.2f}x ({fmt(par, 2)} s vs {fmt(one, 2)} s)" if r else "")
+    for prof, ds in bench.datasets.items():
+        cold, piped = med(s, prof, S3_WDSCACHE, "wall_s"), med(s, prof, S3_WDS, "wall_s")
+        if cold is None and piped is None:
+            continue
+        links = min(DOWNLOAD_WORKERS, ds["shards"])
+        net = ds["disk_bytes"] / (bench.rate * links)
+        r = ratio(cold, net)
+        add("15", f"{prof} cold from S3: epoch 1 ≤ 1.25x the network bound", r, 1.25, le,
+            f"{r:.2f}x ({fmt(cold, 2)} s; network bound {net:.2f} s = {ds['disk_bytes'] / MB:.0f} MB / "
+            f"({bench.args.rate_mb:g} MB/s x {links}))" if r else "")
+        r = ratio(piped, cold)
+        add("15", f"{prof} cold from S3: epoch 1 ≥ 3x faster than wds over a pipe: boto3 stream", r, 3.0, ge,
+            f"{r:.2f}x ({fmt(piped, 2)} s vs {fmt(cold, 2)} s)" if r else "")
     u = bench.scale.get("url_list_1m", {})
     add("8", "1,000,000-entry URL list parsed and planned < 5 s", u.get("seconds"), 5.0, lambda v, l: v < l,
         f"{u['seconds']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in u.get("parts", {}).items()) + ")"
@@ -1306,7 +1411,7 @@ def main() -> int:
     ap.add_argument("--rate-mb", type=float, default=25.0, help="server cap per connection, MB/s")
     ap.add_argument("--ttfb-ms", type=float, default=30.0, help="server time to first byte, ms")
     ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
-                                               "wds-cachedir,cat,zmq,parts")
+                                               "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,parts,s3")
     ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1M-URL and 100k-shard checks")
     ap.add_argument("--no-multi-consumer", action="store_true", help="skip the 8-consumer run")

@@ -1,5 +1,5 @@
 """s3:// sources against a real S3 API: moto's server on 127.0.0.1 behind a loopback proxy
-(tests/helpers/s3.py) that logs every request and cuts or fails the ones a test names.
+(scripts/s3_proxy.py) that logs every request and cuts or fails the ones a test names.
 
 Real agents (the CLI) and real consumers; credentials are fake, set in the environment by
 the fixture (never real ones: the shared config and credential files point nowhere).
@@ -23,7 +23,7 @@ moto_server = pytest.importorskip("moto.server")
 from scripts.shard_maker import make_dataset, make_shard, synth_samples, write_url_list  # noqa: E402
 from tests.helpers.agents import FIRST_PART, AgentProc  # noqa: E402
 from tests.helpers.net import free_port_range  # noqa: E402
-from tests.helpers.s3 import S3Proxy  # noqa: E402
+from scripts.s3_proxy import S3Proxy  # noqa: E402
 from tests.helpers.streaming import reference, samples_of  # noqa: E402
 from tests.helpers.waits import wait_for  # noqa: E402
 from wdscache.shared.layout import CacheLayout  # noqa: E402

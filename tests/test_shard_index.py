@@ -330,7 +330,7 @@ def moto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str,
     """moto's S3 server on loopback behind the logging proxy: (proxy URL, proxy, boto3 client); fake credentials."""
     boto3 = pytest.importorskip("boto3")
     moto_server = pytest.importorskip("moto.server")
-    from tests.helpers.s3 import S3Proxy
+    from scripts.s3_proxy import S3Proxy
 
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
                  "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "WDSCACHE_S3_ENDPOINT_URL"):

@@ -6,10 +6,10 @@
 - :mod:`~tests.helpers.workers`: a request sent straight to an agent's worker, as the loader sends it.
 - :mod:`~tests.helpers.procs`: looking at processes through /proc.
 - :mod:`~tests.helpers.disks`, :mod:`~tests.helpers.net`: a full file system, free loopback ports.
-- :mod:`~tests.helpers.s3`: a proxy in front of moto's S3 server that logs requests and injects faults.
 - :mod:`~tests.helpers.testdata`: the real-world shards of webdataset's own test data.
 
-The shard server and the shard maker are shared with the benchmark and demo
-scripts, so they live in scripts/ (:mod:`scripts.shard_server`,
-:mod:`scripts.shard_maker`), which tests import and scripts never import from tests/.
+The shard server, the shard maker and the S3 proxy (in front of moto's server: it logs
+requests, injects faults, caps rates) are shared with the benchmark and demo scripts, so they
+live in scripts/ (:mod:`scripts.shard_server`, :mod:`scripts.shard_maker`,
+:mod:`scripts.s3_proxy`), which tests import and scripts never import from tests/.
 """

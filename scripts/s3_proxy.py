@@ -1,5 +1,6 @@
-"""A real S3 API on loopback for tests: moto's server, and a small proxy in front of it that
-logs every request and injects faults (a body cut short, an S3 error reply).
+"""A small proxy in front of a real S3 API on loopback (moto's server) for the tests and the
+benchmark: it logs every request, injects faults (a body cut short, an S3 error reply) and can
+cap each connection's rate and delay its first byte, as a distant object store would.
 
 The proxy forwards each request's bytes as they came (headers in order, so SigV4 signatures
 still match) to moto and answers one request per connection (``Connection: close``), so
@@ -11,12 +12,14 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 _JOIN_TIMEOUT = 5.0
 _IO_TIMEOUT = 30.0
+_PACE = 64 << 10  # a capped body is sent in pieces of this size
 
 
 @dataclass
@@ -46,8 +49,11 @@ class _Fault:
 class S3Proxy:
     """A threaded loopback proxy in front of an S3 API server on ``upstream_port``."""
 
-    def __init__(self, upstream_port: int) -> None:
+    def __init__(self, upstream_port: int, *, rate: float = 0.0, ttfb: float = 0.0) -> None:
+        """``rate``: bytes a second per connection (0: no cap); ``ttfb``: seconds before each answer."""
         self.upstream_port = upstream_port
+        self.rate, self.ttfb = rate, ttfb
+        self.sent = 0  # body bytes sent, all requests
         self.requests: list[ProxiedRequest] = []
         self._faults: dict[str, list[_Fault]] = {}
         self._lock = threading.Lock()
@@ -144,27 +150,49 @@ class S3Proxy:
                 upstream.putheader(name, value)
             upstream.endheaders(body or None)
             resp = upstream.getresponse()
-            data = resp.read()
             record.status = resp.status
             out = [f"HTTP/1.1 {resp.status} {resp.reason}\r\n"]
             for name, value in resp.getheaders():
                 if name.lower() not in ("connection", "transfer-encoding", "content-length"):
                     out.append(f"{name}: {value}\r\n")
-            length = resp.getheader("Content-Length") if method == "HEAD" else str(len(data))
-            out.append(f"Content-Length: {length}\r\nConnection: close\r\n\r\n")
-            conn.sendall("".join(out).encode("latin-1"))
             if method == "HEAD":
+                out.append(f"Content-Length: {resp.getheader('Content-Length')}\r\nConnection: close\r\n\r\n")
+                conn.sendall("".join(out).encode("latin-1"))
                 return
-            if fault is not None and fault.kind == "cut":
-                data = data[:fault.after]
-            conn.sendall(data)
-            record.sent = len(data)
+            length = resp.getheader("Content-Length")
+            data = b"" if length is not None else resp.read()  # a body of unknown length: read first
+            out.append(f"Content-Length: {length if length is not None else len(data)}\r\n"
+                       "Connection: close\r\n\r\n")
+            if self.ttfb:
+                time.sleep(self.ttfb)
+            conn.sendall("".join(out).encode("latin-1"))
+            limit = fault.after if fault is not None and fault.kind == "cut" else None
+            record.sent = self._relay(conn, resp, data, limit)
             if fault is not None:
                 if fault.then is not None:
                     fault.then()
                 conn.shutdown(socket.SHUT_RDWR)  # a reset mid-body
         finally:
             upstream.close()
+
+    def _relay(self, conn: socket.socket, resp: http.client.HTTPResponse, data: bytes, limit: int | None) -> int:
+        """Send the body (``data``, else read from ``resp`` as it comes), at most ``limit`` bytes,
+        at ``rate`` if capped; the bytes sent."""
+        start, sent = time.monotonic(), 0
+        while limit is None or sent < limit:
+            want = _PACE if limit is None else min(_PACE, limit - sent)
+            piece = data[sent:sent + want] if data else resp.read(want)
+            if not piece:
+                break
+            conn.sendall(piece)
+            sent += len(piece)
+            with self._lock:
+                self.sent += len(piece)
+            if self.rate:
+                ahead = start + sent / self.rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+        return sent
 
     @staticmethod
     def _error(conn: socket.socket, record: ProxiedRequest, fault: _Fault) -> None:
