@@ -13,7 +13,7 @@ With PyTorch (and webdataset), it is the usual webdataset loop with one line cha
 the same number of steps. With ``--checkpoint``, rank 0 saves the model and the loader's
 state after every step; a restarted job (killed at any moment, with any number of ranks or
 workers) continues where the checkpoint stands, and each epoch still sees every sample once.
-Without PyTorch, the loop only counts, over ``CachedMultiLoader``'s own batches.
+Without PyTorch or webdataset, the loop only counts, over ``CachedMultiLoader``'s own batches.
 
 ``--seen-log DIR`` writes what each rank saw (``rank-R.jsonl``: epoch, step, sample ids), the ids
 of a step before its gradients are shared; a restart drops the steps after the checkpoint, as
@@ -31,7 +31,8 @@ from typing import Any
 
 try:
     import torch
-except ImportError:  # the example runs without PyTorch
+    import webdataset  # noqa: F401 (wdscache.WebDataset builds on it)
+except ImportError:  # the example runs without them
     torch = None
 
 import wdscache
