@@ -58,6 +58,7 @@ def test_dataloader_workers_split_each_ranks_share(warm: tuple[Path, set[str]]) 
         assert len(together) == SHARDS * PER_SHARD and set(together.values()) == {1}
     assert ranks[0][0] != ranks[0][1]  # set_epoch reached the persistent workers: another order
     assert out["collated"] == {"n": "Tensor", "x": "Tensor"}
+    assert out["zero_copy_collated"] == {"cls": ["memoryview"] * 3}
 
 
 def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: tuple[Path, set[str]]) -> None:

@@ -48,6 +48,8 @@ def workers(cache: str) -> dict[str, Any]:
     ds = loader(cache, 0, 1, batch_size=3, map=tensor_of)
     first = next(iter(ds))
     out["collated"] = {k: type(v).__name__ for k, v in first.items()}
+    views = next(iter(loader(cache, 0, 1, batch_size=3, zero_copy=True)))  # memoryviews: torch's collate refuses them
+    out["zero_copy_collated"] = {k: [type(x).__name__ for x in v] for k, v in views.items() if k == "cls"}
     return out
 
 

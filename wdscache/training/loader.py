@@ -114,8 +114,10 @@ def _env_defaults() -> dict[str, Any]:
 
 def default_collate(samples: list[dict[str, Any]]) -> Any:
     """A batch as a dict of lists, one list per field; in a process that uses torch, torch's
-    ``default_collate`` (numbers and arrays become tensors; bytes and strings stay lists)."""
-    if "torch" in sys.modules:  # never imported here: a process without torch does not pay for it
+    ``default_collate`` (numbers and arrays become tensors; bytes and strings stay lists), unless
+    the payloads are memoryviews (``zero_copy``), which it does not take."""
+    # torch is never imported here: a process without it does not pay for it
+    if "torch" in sys.modules and samples and not any(type(v) is memoryview for v in samples[0].values()):
         from torch.utils.data import default_collate as torch_collate
 
         return torch_collate(samples)
