@@ -41,10 +41,6 @@ def warm(dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path:
     return cache, everything
 
 
-def _keys_of(got: list[str]) -> set[str]:
-    return set(got)
-
-
 def test_dataloader_workers_split_each_ranks_share(warm: tuple[Path, set[str]]) -> None:
     cache, _ = warm
     out = _run(cache, "workers")
@@ -59,6 +55,7 @@ def test_dataloader_workers_split_each_ranks_share(warm: tuple[Path, set[str]]) 
     assert ranks[0][0] != ranks[0][1]  # set_epoch reached the persistent workers: another order
     assert out["collated"] == {"n": "Tensor", "x": "Tensor"}
     assert out["zero_copy_collated"] == {"cls": ["memoryview"] * 3}
+    assert len(out["spawned"]) == 78 and len(set(out["spawned"])) == 78
 
 
 def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: tuple[Path, set[str]]) -> None:
@@ -71,5 +68,7 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
     assert len(together) == 78
     # once each, but for the one padding repeat of an odd remainder over two ranks
     assert sorted(together.values()) == [1] * 77 + [2] or sorted(together.values()) == [1] * 78
+    head, tail = out["single"]
+    assert len(head) == 15 and len(tail) == 63 and len(set(head + tail)) == 78
     assert "to resume with another num_workers or world size, load the whole StatefulDataLoader.state_dict()" \
         in out["mismatch"]

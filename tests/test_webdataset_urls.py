@@ -57,3 +57,16 @@ def test_bad_items_name_their_index() -> None:
         resolve_urls(["http://h/a.tar\nhttp://h/b.tar"])
     with pytest.raises(TypeError, match=r"urls\[1\] is a int"):
         resolve_urls(["http://h/a.tar", 3])  # type: ignore[list-item]
+
+
+def test_without_torch_the_loader_is_a_plain_class(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import wdscache\n"
+            f"loader = wdscache.CachedMultiLoader(['http://h/a-{{0..1}}.tar'], cache_dir={str(tmp_path)!r})\n"
+            "print(type(loader).__name__, loader.urls, 'torch' in sys.modules and sys.modules['torch'] is not None)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "CachedMultiLoader ('http://h/a-0.tar', 'http://h/a-1.tar') False"

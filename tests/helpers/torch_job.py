@@ -45,6 +45,9 @@ def workers(cache: str) -> dict[str, Any]:
             epochs.append(got)
         out["ranks"].append(epochs)
         out["len"] = len(ds)  # known once every shard was read
+    # Workers started fresh ("spawn"), the dataset pickled to them.
+    out["spawned"] = sorted(i for batch in DataLoader(loader(cache, 0, 1), batch_size=5, num_workers=2,
+                                                      multiprocessing_context="spawn") for i in ids(batch))
     ds = loader(cache, 0, 1, batch_size=3, map=tensor_of)
     first = next(iter(ds))
     out["collated"] = {k: type(v).__name__ for k, v in first.items()}
@@ -69,6 +72,13 @@ def stateful(cache: str) -> dict[str, Any]:
             break
     state = dl.state_dict()
     out["first"] = first
+    # num_workers=0: the dataset's own state, taken in this process
+    dl0 = StatefulDataLoader(loader(cache, 0, 1), batch_size=5)
+    head = [i for _, batch in zip(range(3), dl0) for i in ids(batch)]
+    state0 = dl0.state_dict()
+    dl0 = StatefulDataLoader(loader(cache, 0, 1), batch_size=5)
+    dl0.load_state_dict(state0)
+    out["single"] = [head, [i for batch in dl0 for i in ids(batch)]]
     dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2)
     dl.load_state_dict(state)
     second: list[str] = []

@@ -117,7 +117,8 @@ def default_collate(samples: list[dict[str, Any]]) -> Any:
     ``default_collate`` (numbers and arrays become tensors; bytes and strings stay lists), unless
     the payloads are memoryviews (``zero_copy``), which it does not take."""
     # torch is never imported here: a process without it does not pay for it
-    if "torch" in sys.modules and samples and not any(type(v) is memoryview for v in samples[0].values()):
+    if (sys.modules.get("torch") is not None and samples
+            and not any(type(v) is memoryview for v in samples[0].values())):
         from torch.utils.data import default_collate as torch_collate
 
         return torch_collate(samples)
@@ -152,7 +153,7 @@ class CachedMultiLoader:
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CachedMultiLoader":
-        if cls is CachedMultiLoader and "torch" in sys.modules:
+        if cls is CachedMultiLoader and sys.modules.get("torch") is not None:
             from .dataset import TorchCachedMultiLoader
 
             cls = TorchCachedMultiLoader
