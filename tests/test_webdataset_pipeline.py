@@ -62,6 +62,10 @@ def test_samples_and_decoded_tuples_are_webdatasets(jpeg_shards: tuple[list[str]
     ours_t = [_pixels(t) for t in stages(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))]
     theirs_t = [_pixels(t) for t in stages(wds.WebDataset(urls, shardshuffle=False))]
     assert ours_t == theirs_t
+    # webdataset's DataPipeline stages can follow it too
+    chained = wds.DataPipeline(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False), wds.decode("pil"),
+                               wds.to_tuple("__key__", "jpg", "cls", "json"))
+    assert [_pixels(t) for t in chained] == theirs_t
     assert ours_t[0][1:3] == ((8, 6), "RGB") and ours_t[3][4] == 3 and ours_t[3][5] == {"shard": 0, "i": 3}
 
 

@@ -22,6 +22,7 @@ Differences, all where webdataset's behaviour depends on chance:
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Callable, Iterator, Sequence
 
@@ -95,7 +96,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         shuffled too); later in the pipeline, webdataset's ``shuffle`` stage."""
         if len(self.pipeline) == 1 and not kw and size > 1:
             result = self.compose()
-            result.loader = loader = _copy_loader(self.loader)
+            result.loader = loader = copy.copy(self.loader)  # compose() shares the stages: this one changes
             loader.shuffle, loader.shuffle_buffer = True, size
             result.pipeline = [_Source(loader)]
             return result
@@ -127,10 +128,3 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
 
     def close(self) -> None:
         self.loader.close()
-
-
-def _copy_loader(loader: CachedMultiLoader) -> CachedMultiLoader:
-    """A loader like ``loader`` that can take other settings (``compose`` shares stages)."""
-    import copy
-
-    return copy.copy(loader)
