@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
+from tests.helpers.procs import alive, children_of
 from tests.helpers.waits import wait_for
 
 pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
@@ -34,6 +35,25 @@ def _steps(log: Path) -> list[dict[str, Any]]:
         return []
 
 
+def _kill_job(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL torchrun and every process under it: its ranks run in sessions of their own, so
+    a signal to its process group would not reach them (nor their DataLoader workers)."""
+    tree: dict[int, str] = {}
+    todo = [proc.pid]
+    while todo:
+        kids = children_of(todo.pop())
+        tree.update(kids)
+        todo.extend(kids)
+    for pid in [proc.pid, *tree]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(30)
+    wait_for(lambda: not any(alive(pid, start) for pid, start in tree.items()), 30,
+             lambda: f"processes of the killed job still run: {[p for p, t in tree.items() if alive(p, t)]}")
+
+
 def _torchrun(tmp: Path, cache: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp / f"{name}.log"
     cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "scripts" / "train_example.py"),
@@ -41,7 +61,7 @@ def _torchrun(tmp: Path, cache: Path, name: str, *extra: str) -> tuple[subproces
            "--checkpoint", str(tmp / "ckpt.pt"), "--seen-log", str(tmp / "seen"), *extra]
     with open(out, "wb") as f:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)  # its own group: the kill reaches every process of the job
+                                start_new_session=True)
     return proc, out
 
 
@@ -59,11 +79,13 @@ def test_torchrun_job_killed_and_restarted_sees_every_sample_once_per_epoch(
         wait_for(lambda: len([s for s in _steps(seen / "rank-0.jsonl") if s.get("epoch") == 1]) >= 3, 120,
                  lambda: f"the job never reached epoch 1:\n{out.read_text()[-3000:]}", interval=0.05)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
+        _kill_job(proc)
     assert "epoch 1:" not in out.read_text()  # killed inside epoch 1
     proc, out = _torchrun(tmp_path, cache, "second", "--num-workers", "1")  # resumed with another num_workers
-    assert proc.wait(180) == 0, out.read_text()[-4000:]
+    try:
+        assert proc.wait(180) == 0, out.read_text()[-4000:]
+    finally:
+        _kill_job(proc)
     per_epoch: dict[int, Counter[str]] = defaultdict(Counter)
     steps: dict[tuple[int, int], int] = Counter()
     for rank in (0, 1):
