@@ -43,6 +43,11 @@ What it does:
                           samples as a job of its own (warm, as the single consumer's epoch
                           2 is: on a VM the first touch of fresh memory costs far more than
                           zeroing it); then the same 8 streamed
+  DataLoader              the pipeline of a training script, ``decode()`` (of .cls/.json),
+                          ``to_tuple``, ``batched(64)``, in ``DataLoader(num_workers=2)``: over
+                          ``wds.WebDataset`` streaming HTTP, over ``wds.WebDataset`` on local
+                          files, and over ``wdscache.WebDataset`` from a fresh agent (as above):
+                          epoch 1 cold, epoch 2 warm
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
                           of the profile's field sizes, ``copy=False``, timed from the first
@@ -102,6 +107,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -613,6 +619,44 @@ class Bench:
             shutil.rmtree(cache, ignore_errors=True)
         self.finish_run(prof, rep, "wdscache", None, rows, status, **extra)
 
+    def run_torch_wds(self, prof: str, rep: int, ds: dict[str, Any], where: str) -> None:
+        """The DataLoader pipeline over ``wds.WebDataset``: ``where`` "http" (the capped server) or "local"."""
+        http = where == "http"
+        before = self.fetched()
+        c = self.consumer("torch", "--urls-file", ds["http_list" if http else "local_list"], "--workers",
+                          str(TORCH_WORKERS), tag=f"{prof}-torch-wds-{where}").wait(
+            self.http_deadline(ds) if http else self.local_deadline(ds))
+        status, r = self.check(c, ds, 1)
+        label = TORCH_WDS_HTTP if http else TORCH_WDS_LOCAL
+        rows = {label: self.epoch_row(r["epochs"][0])} if status == "ok" else {}
+        extra = {"fetched": self.fetch_note(before, ds)} if http else {}
+        self.finish_run(prof, rep, f"torch-wds-{where}", c, rows, status, **extra)
+
+    def run_torch_wdscache(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        """The DataLoader pipeline over ``wdscache.WebDataset``, a fresh agent: epoch 1 cold, epoch 2 warm."""
+        cache = self.fresh_dir(f"{prof}-torch-wdscache")
+        budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
+        agent = Agent(self, cache, Path(ds["http_list"]), budget, tag=f"{prof}-torch-agent")
+        self.agents.append(agent)
+        rows: dict[str, Any] = {}
+        before = self.fetched()
+        c: Child | None = None
+        status = "error: the agent did not start"
+        try:
+            agent.start()
+            c = self.consumer("torch", "--cache-dir", str(cache), "--workers", str(TORCH_WORKERS), "--epochs", "2",
+                              "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT),
+                              tag=f"{prof}-torch-wdscache").wait(self.http_deadline(ds) + 120)
+            status, r = self.check(c, ds, 2)
+            if status == "ok":
+                cold, warm = r["epochs"]
+                rows[TORCH_COLD] = self.epoch_row(cold, cold["agent_cpu_s"] or 0.0)
+                rows[TORCH_WARM] = self.epoch_row(warm, warm["agent_cpu_s"] or 0.0)
+        finally:
+            agent.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+        self.finish_run(prof, rep, "torch-wdscache", c, rows, status, fetched=self.fetch_note(before, ds))
+
     def run_wdscache_other_order(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         """A cold first sample from an agent started with every default (its start-up plan in
         seeded shuffle order, prefetching at once) and a consumer reading in list order: its first
@@ -940,9 +984,13 @@ class Bench:
                 ("wds-http", self.run_wds_http), ("wds-multi-stock", self.run_multi_stock),
                 ("wds-cachedir", self.run_wds_cachedir), ("cat", self.run_cat), ("zmq", self.run_zmq),
                 ("wdscache-other-order", self.run_wdscache_other_order),
+                ("torch-wds-http", functools.partial(self.run_torch_wds, where="http")),
+                ("torch-wds-local", functools.partial(self.run_torch_wds, where="local")),
+                ("torch-wdscache", self.run_torch_wdscache),
             ]
             skip = {s.strip() for s in a.skip.split(",") if s.strip()}
-            systems = [s for s in systems if s[0] not in skip]
+            only = {s.strip() for s in a.only.split(",") if s.strip()}
+            systems = [s for s in systems if s[0] not in skip and (not only or s[0] in only)]
             for rep in range(a.reps if systems else 0):
                 k = rep % len(systems)
                 for sname, fn in systems[k:] + systems[:k]:
@@ -953,9 +1001,11 @@ class Bench:
                         log(f"  {sname} failed: {exc!r}")
                         self.runs.append({"profile": name, "rep": rep, "system": sname,
                                           "status": f"error: {exc!r}", "rows": {}})
-        if "parts" not in {s.strip() for s in a.skip.split(",")}:
+        skip = {s.strip() for s in a.skip.split(",") if s.strip()}
+        only = {s.strip() for s in a.only.split(",") if s.strip()}
+        if "parts" not in skip and (not only or "parts" in only):
             self.run_parts()
-        if "s3" not in {s.strip() for s in a.skip.split(",")} and "tiny" in self.datasets:
+        if "s3" not in skip and (not only or "s3" in only) and "tiny" in self.datasets:
             self.run_s3("tiny", self.datasets["tiny"])
         if not a.no_scale:
             self.run_scale()
@@ -1144,6 +1194,13 @@ ROW_ORDER = [
 S3_WDSCACHE = "wdscache, S3 (moto behind a capped proxy), epoch 1 (cold)"
 S3_WDS = "wds, S3 through pipe: (a boto3 stream per shard, one at a time)"
 OTHER_ORDER = "wdscache, agent with default options, loader in list order: first sample (cold)"
+TORCH_WORKERS = 2
+_TORCH = f"DataLoader({TORCH_WORKERS} workers): decode, to_tuple, batched(64), "
+TORCH_WDS_HTTP = _TORCH + "wds.WebDataset HTTP streaming"
+TORCH_WDS_LOCAL = _TORCH + "wds.WebDataset local files"
+TORCH_COLD = _TORCH + "wdscache.WebDataset, epoch 1 (cold)"
+TORCH_WARM = _TORCH + "wdscache.WebDataset, epoch 2 (warm)"
+ROW_ORDER += [TORCH_WDS_HTTP, TORCH_WDS_LOCAL, TORCH_COLD, TORCH_WARM]
 REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
 # Samples each of the eight consumers reads before the measured epoch (twice what its first
 # four requests ask for), so that it is measured warm, as the single consumer's epoch 2 is.
@@ -1162,6 +1219,9 @@ SYSTEM_LABELS = {
     "wdscache": "wdscache",
     "cat": "cat shards > /dev/null",
     "zmq": "pyzmq IPC PUSH/PULL",
+    "torch-wds-http": TORCH_WDS_HTTP,
+    "torch-wds-local": TORCH_WDS_LOCAL,
+    "torch-wdscache": _TORCH + "wdscache.WebDataset",
 }
 
 
@@ -1358,6 +1418,20 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         r = ratio(piped, cold)
         add("15", f"{prof} cold from S3: epoch 1 ≥ 3x faster than wds over a pipe: boto3 stream", r, 3.0, ge,
             f"{r:.2f}x ({fmt(piped, 2)} s vs {fmt(cold, 2)} s)" if r else "")
+    for prof in bench.datasets:
+        http, local = med(s, prof, TORCH_WDS_HTTP, "wall_s"), med(s, prof, TORCH_WDS_LOCAL, "mb_s")
+        for label, need in ((TORCH_COLD, 3.0), (TORCH_WARM, 5.0)):
+            r = ratio(http, med(s, prof, label, "wall_s"))
+            add("9", f"{prof}, DataLoader pipeline: wdscache epoch {1 if label == TORCH_COLD else 2} ≥ {need:g}x "
+                "as fast as wds.WebDataset streaming HTTP", r, need, ge,
+                f"{r:.2f}x ({fmt(med(s, prof, label, 'wall_s'), 2)} vs {fmt(http, 2)} s)" if r else "")
+        r = ratio(med(s, prof, TORCH_WARM, "mb_s"), local)
+        cpu = ratio(med(s, prof, TORCH_WARM, "cpu_s_per_gb"), med(s, prof, TORCH_WDS_LOCAL, "cpu_s_per_gb"))
+        add("9", f"{prof}, DataLoader pipeline: wdscache warm MB/s ≥ 1x wds.WebDataset on local files", r, 1.0, ge,
+            f"{r:.2f}x ({fmt(med(s, prof, TORCH_WARM, 'mb_s'), 1)} vs {fmt(local, 1)} MB/s)" if r else "")
+        add("9", f"{prof}, DataLoader pipeline: wdscache warm CPU s/GB ≤ 0.7x wds.WebDataset on local files", cpu,
+            0.7, le, f"{cpu:.2f}x ({fmt(med(s, prof, TORCH_WARM, 'cpu_s_per_gb'), 2)} vs "
+            f"{fmt(med(s, prof, TORCH_WDS_LOCAL, 'cpu_s_per_gb'), 2)} CPU s/GB)" if cpu else "")
     u = bench.scale.get("url_list_1m", {})
     add("8", "1,000,000-entry URL list parsed and planned < 5 s", u.get("seconds"), 5.0, lambda v, l: v < l,
         f"{u['seconds']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in u.get("parts", {}).items()) + ")"
@@ -1411,8 +1485,11 @@ def main() -> int:
     ap.add_argument("--rate-mb", type=float, default=25.0, help="server cap per connection, MB/s")
     ap.add_argument("--ttfb-ms", type=float, default=30.0, help="server time to first byte, ms")
     ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
-                                               "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,parts,s3")
+                                               "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,parts,s3,"
+                                               "torch-wds-http,torch-wds-local,torch-wdscache")
     ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
+    ap.add_argument("--only", default="", help="systems to run, the others left out (e.g. "
+                                               "torch-wds-http,torch-wds-local,torch-wdscache)")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1M-URL and 100k-shard checks")
     ap.add_argument("--no-multi-consumer", action="store_true", help="skip the 8-consumer run")
     ap.add_argument("--work", default="/tmp/wdscache-bench", help="shards, caches and logs")

@@ -9,6 +9,8 @@ final ``{"report": ...}`` line, as JSON, on stdout):
     wds --urls-file F [--cache-dir D] [--epochs N]     webdataset in-process (local paths or http URLs)
     multi --urls-file F --workers N [--flush]          webdataset.multi.MultiLoader over local paths
     wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent [--no-direct]
+    torch (--urls-file F | --cache-dir D) --workers N  a DataLoader over wds.WebDataset or wdscache.WebDataset:
+                                                        decode() of .cls/.json, to_tuple, batched(64)
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
     zmq-many --samples N --sizes A,B,C --receivers R   raw pyzmq, 2 senders to R receivers copying to bytes
     urls --n N --dir D                                  parse and plan an N-entry URL list
@@ -280,6 +282,35 @@ def mode_wdscache(args: argparse.Namespace) -> None:
 
     final([run_epoch(e, loader(e >= args.epochs), agent_pid=args.agent_pid, limit=args.max_samples)
            for e in range(args.epochs + args.shuffled_epochs)])
+
+
+TORCH_BATCH = 64
+
+
+def mode_torch(args: argparse.Namespace) -> None:
+    """The pipeline training scripts have, in a DataLoader with ``--workers`` workers: webdataset's
+    (``--urls-file``: local paths or http URLs) or wdscache's (``--cache-dir``: the agent's list)."""
+    import torch.utils.data
+    import webdataset as wds
+
+    holder: dict[str, Any] = {}
+
+    def samples() -> Iterable[dict[str, Any]]:
+        if "dl" not in holder:
+            if args.cache_dir:
+                import wdscache
+
+                ds = wdscache.WebDataset(cache_dir=args.cache_dir, job=args.job, shardshuffle=False,
+                                         timeout=args.timeout)
+            else:
+                ds = wds.WebDataset(read_urls(args.urls_file), shardshuffle=False)
+            ds = ds.decode().to_tuple("jpg", "cls", "json").batched(TORCH_BATCH)
+            holder["dl"] = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers)
+        for jpgs, _, _ in holder["dl"]:
+            for jpg in jpgs:  # run_epoch counts samples and payload bytes: the images'
+                yield {"jpg": jpg}
+
+    final([run_epoch(e, samples, agent_pid=args.agent_pid) for e in range(args.epochs)])
 
 
 def mode_zmq(args: argparse.Namespace) -> None:
@@ -560,6 +591,14 @@ def main() -> None:
                    help="after --epochs, this many more with a shuffling loader (its own job)")
     p.add_argument("--no-direct", action="store_true", help="direct_reads=False: the workers send every byte")
     p.add_argument("--warmup", type=int, default=0, help="samples to read first, before --start-at, as a job of its own")
+    p = sub.add_parser("torch")
+    p.add_argument("--urls-file")
+    p.add_argument("--cache-dir")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--job", default="bench-torch")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--agent-pid", type=int)
     p = sub.add_parser("zmq")
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)
@@ -579,7 +618,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=100_000)
     args = ap.parse_args()
     {
-        "serve": mode_serve, "wds": mode_wds, "multi": mode_multi, "wdscache": mode_wdscache,
+        "serve": mode_serve, "wds": mode_wds, "multi": mode_multi, "wdscache": mode_wdscache, "torch": mode_torch,
         "zmq": mode_zmq, "zmq-many": mode_zmq_many, "urls": mode_urls, "stats-index": mode_stats_index,
     }[args.mode](args)
 

@@ -26,6 +26,7 @@ _WHERE = {
     "WdsCacheError": "shared.errors",
     "UrlList": "shared.urls",
     "read_url_list": "shared.urls",
+    "WebDataset": "training.pipeline",
 }
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from .training.loader import CachedMultiLoader, Tuning
     from .shared.stats import collect as collect_stats
     from .shared.urls import UrlList, read_url_list
+    from .training.pipeline import WebDataset
 
 
 def __getattr__(name: str) -> Any:
@@ -83,6 +85,7 @@ __all__ = [
     "UrlList",
     "UrlListError",
     "WdsCacheError",
+    "WebDataset",
     "collect_stats",
     "read_url_list",
 ]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import sys
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -50,12 +51,13 @@ from ..shared.client import AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import WdsCacheError
 from ..shared.malloc import tune_malloc
 from .private import PrivateAgent
-from ..shared.s3 import Listing
 from ..shared.protocol import pages, process_identity
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
-from ..shared.urls import UrlList, format_url_list, list_id, parse_url_list, read_url_list
+from .worker_parts import Part, combine
+from ..shared.urls import list_id
+from .urls_arg import read_urls_arg
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
 
@@ -110,8 +112,16 @@ def _env_defaults() -> dict[str, Any]:
     }
 
 
-def default_collate(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """A batch as a dict of lists, one list per field."""
+def default_collate(samples: list[dict[str, Any]]) -> Any:
+    """A batch as a dict of lists, one list per field; in a process that uses torch, torch's
+    ``default_collate`` (numbers and arrays become tensors; bytes and strings stay lists), unless
+    the payloads are memoryviews (``zero_copy``), which it does not take."""
+    # torch is never imported here: a process without it does not pay for it
+    if (sys.modules.get("torch") is not None and samples
+            and not any(type(v) is memoryview for v in samples[0].values())):
+        from torch.utils.data import default_collate as torch_collate
+
+        return torch_collate(samples)
     out: dict[str, list[Any]] = {}
     for sample in samples:
         for k, v in sample.items():
@@ -136,7 +146,18 @@ class CachedMultiLoader:
     The performance knobs are one :class:`Tuning` (``tuning=``); each is also accepted as a
     keyword of its own (``request_size=64`` is ``tuning=Tuning(request_size=64)``), which wins
     over the same knob of ``tuning``.
+
+    Made in a process that has imported torch, the loader is also a
+    ``torch.utils.data.IterableDataset`` (:mod:`wdscache.training.dataset`): in a ``DataLoader``
+    with ``num_workers=K``, each worker reads its own part of the rank's share.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "CachedMultiLoader":
+        if cls is CachedMultiLoader and sys.modules.get("torch") is not None:
+            from .dataset import TorchCachedMultiLoader
+
+            cls = TorchCachedMultiLoader
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -183,7 +204,7 @@ class CachedMultiLoader:
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
-        listed = _read_urls(urls)
+        listed = read_urls_arg(urls) if urls is not None else None
         self.urls = listed.urls if listed is not None else None
         # From a shard index: each shard's facts, sent to the agent with the list (it checks each
         # download against them, and knows the counts, so len() is known before the first epoch).
@@ -196,6 +217,7 @@ class CachedMultiLoader:
         self._token = env["token"]
         self._epoch = 0
         self._start = Resume()  # what the next epoch has delivered already (a checkpoint's)
+        self._skip = 0  # pairs of this worker's part of the next epoch delivered already (its checkpoint's)
         self._current: EpochStream | None = None
         self._resumed_from: dict[str, Any] | None = None
         self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
@@ -204,14 +226,41 @@ class CachedMultiLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start."""
-        self._epoch, self._start = epoch, Resume()
+        self._epoch, self._start, self._skip = epoch, Resume(), 0
+
+    def _part(self) -> Part:
+        """This process's part of the rank's share: all of it (a DataLoader worker's: see
+        :mod:`wdscache.training.dataset`)."""
+        return Part()
 
     def state_dict(self) -> dict[str, Any]:
-        """The job's position: any one rank's dict resumes every rank, with any world size."""
+        """The job's position: any one rank's dict resumes every rank, with any world size.
+
+        In a DataLoader worker, the position of this worker's part (``"worker"``): it resumes
+        the same worker of the same layout, and all the workers' states together resume any
+        (see :meth:`load_state_dict`)."""
+        part = self._part()
+        if part.count > 1:
+            return self._worker_state(part)
         if self._current is not None and not self._current.complete:
             epoch, at = self._current.spec.epoch, self._current.resume()
         else:
             epoch, at = self._epoch, self._start
+        return self._state(epoch, at)
+
+    def _worker_state(self, part: Part) -> dict[str, Any]:
+        stream = self._current
+        if stream is None:  # before the first epoch of this worker
+            epoch, start, pairs, complete, full_rows, tail = self._epoch, self._start, self._skip, False, 0, None
+        else:
+            epoch, start, complete = stream.spec.epoch, stream.share.resume, stream.complete
+            pairs, full_rows, tail = stream.part.skip + stream.delivered, stream.share.full_rows, stream.share.tail
+        state = self._state(epoch, start)
+        state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size, "pairs": pairs,
+                           "complete": complete, "full_rows": full_rows, "tail": tail}
+        return state
+
+    def _state(self, epoch: int, at: Resume) -> dict[str, Any]:
         return {
             "version": STATE_VERSION,
             "epoch": epoch,
@@ -225,7 +274,40 @@ class CachedMultiLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue at ``state`` (from :meth:`state_dict` of any rank of the stopped job)."""
+        """Continue at ``state``: from :meth:`state_dict` of any rank of the stopped job, or a
+        whole ``StatefulDataLoader.state_dict()`` of one (the states of all its workers: then
+        any world size and any ``num_workers`` resume it)."""
+        ours = list(_our_states(state))
+        if not ours:
+            raise ValueError("no wdscache loader state in this dict: pass a CachedMultiLoader.state_dict() "
+                             "or a StatefulDataLoader.state_dict() of a loader over one")
+        if len(ours) > 1 or (ours[0] is not state and "worker" in ours[0]):
+            for one in ours:
+                self._check_state(one)
+            if not all("worker" in one for one in ours):
+                raise ValueError("a loader's state holds both whole and per-worker wdscache states")
+            epoch, at = combine(ours)
+            self._epoch, self._start, self._skip = epoch, at, 0
+            self._resumed_from = ours[0]
+            return
+        state = ours[0]
+        done = self._check_state(state)
+        worker = state.get("worker")
+        if worker is not None:
+            part = self._part()
+            if (worker["part"], worker["of"], worker["world_size"]) != (part.index, part.count, self.world_size):
+                raise ValueError(
+                    f"this state is worker {worker['part']}'s of {worker['of']} with world_size "
+                    f"{worker['world_size']}, but this is worker {part.index} of {part.count} with world_size "
+                    f"{self.world_size}: to resume with another num_workers or world size, load the whole "
+                    "StatefulDataLoader.state_dict() into the dataset (dataset.load_state_dict(state)) and "
+                    "give the new DataLoader no state")
+        self._epoch, self._start = state["epoch"], Resume.of(state["position"], done)
+        self._skip = worker["pairs"] if worker is not None else 0
+        self._resumed_from = state
+
+    def _check_state(self, state: dict[str, Any]) -> list[list[int]]:
+        """Refuse a state this loader cannot resume exactly, saying why; its runs "done"."""
         if state.get("version") not in (1, STATE_VERSION):
             raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
         for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
@@ -243,8 +325,7 @@ class CachedMultiLoader:
                                                and run[0] < run[1] for run in done)):
             raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; "
                              f"got {done!r}")
-        self._epoch, self._start = epoch, Resume.of(position, done)
-        self._resumed_from = state
+        return done
 
     def _session(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], Sequence[str]]:
         """Say hello to the agent as reader ``name``; returns the reply and the URL list in use.
@@ -311,9 +392,10 @@ class CachedMultiLoader:
         self._ensure_agent()
         if self.tuning.tune_malloc:
             tune_malloc()
-        epoch, start = self._epoch, self._start
-        self._epoch, self._start = epoch + 1, Resume()
-        stream = EpochStream(self._stream_settings(), self._open_session(), epoch, start)
+        epoch, start, part = self._epoch, self._start, self._part()
+        part = Part(part.index, part.count, self._skip)
+        self._epoch, self._start, self._skip = epoch + 1, Resume(), 0
+        stream = EpochStream(self._stream_settings(), self._open_session(), epoch, start, part)
         self._current = stream
         if self._resumed_from is not None and self._resumed_from.get("urls") not in (None, stream.list_id):
             stream.close()
@@ -358,6 +440,7 @@ class CachedMultiLoader:
 
     def __len__(self) -> int:
         """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
+        self._ensure_agent()
         conn = self._connection(self.timeout)
         name = f"len-{uuid.uuid4().hex[:8]}"
         try:
@@ -375,17 +458,22 @@ class CachedMultiLoader:
         return -(-per_rank // self.batch_size)
 
 
+def _our_states(state: Any) -> Iterator[dict[str, Any]]:
+    """The wdscache loader states in ``state``: itself, or those nested in a torchdata
+    ``StatefulDataLoader`` state (one per worker, or the dataset's)."""
+    if not isinstance(state, dict):
+        return
+    if "version" in state and "position" in state and "seed" in state:
+        yield state
+        return
+    for value in state.values():
+        yield from _our_states(value)
+
+
 def _natural(x: Any) -> bool:
     return type(x) is int and x >= 0
 
 
-def _read_urls(urls: str | os.PathLike[str] | Sequence[str] | None) -> UrlList | None:
-    """The list ``urls=`` names: a list file or a shard index (by its path), or URLs."""
-    if urls is None:
-        return None
-    if isinstance(urls, (str, os.PathLike)):
-        return read_url_list(urls, lister=Listing())
-    return parse_url_list(format_url_list(urls), base_dir=os.getcwd(), lister=Listing())
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

@@ -33,6 +33,7 @@ from .reads import Item, Read, ReadState, ReadTable
 from .replies import decode_reply, with_holes
 from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed, global_sequence
 from .worker_links import WorkerLinks
+from .worker_parts import Part, part_of
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +87,10 @@ class Session:
 class EpochStream:
     """One epoch of one rank: the worker sockets, the reads out and the sample pipeline."""
 
-    def __init__(self, settings: StreamSettings, session: Session, epoch: int, start: Resume) -> None:
+    def __init__(self, settings: StreamSettings, session: Session, epoch: int, start: Resume,
+                 part: Part = Part()) -> None:
         self.settings = s = settings
+        self.part = part  # this process's part of the rank's share (a DataLoader worker's)
         self.session = session
         self.name, self.conn, self.urls, self.list_id = session.name, session.conn, session.urls, session.list_id
         hello = session.hello
@@ -175,7 +178,8 @@ class EpochStream:
         """(position, id) of this rank's samples not delivered before, padded or cut at the end
         (see :class:`~wdscache.shared.sequence.RankShare`); None while a downloading shard has no
         more samples yet. Positions delivered before cost counts only, never payloads."""
-        yield from self.share.pairs(self._global())
+        pairs = self.share.pairs(self._global())
+        yield from part_of(pairs, self.part) if self.part != Part() else pairs
         self.pins.release_settled(self.share.settled)
 
     def samples(self) -> Iterator[dict[str, Any]]:

@@ -1,0 +1,111 @@
+"""Torch scenarios in one process (torch's import is slow, and must not leak into the pytest
+process, where loaders made afterwards would become torch datasets):
+
+    python -m tests.helpers.torch_job CACHE_DIR SCENARIO
+
+Prints one JSON object: what each rank and epoch got (sample ids ``url#key``), for the
+test to check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from wdscache import CachedMultiLoader
+
+
+def ids(batch: dict[str, Any]) -> list[str]:
+    return [f"{u}#{k}" for u, k in zip(batch["__url__"], batch["__key__"])]
+
+
+def loader(cache: str, rank: int, world: int, **kw: Any) -> CachedMultiLoader:
+    return CachedMultiLoader(cache_dir=cache, rank=rank, world_size=world, job=f"torch-w{world}",
+                             shuffle_buffer=50, timeout=60, **kw)
+
+
+def workers(cache: str) -> dict[str, Any]:
+    """Two ranks, DataLoader(num_workers=2, persistent, pinned), two epochs set with set_epoch."""
+    out: dict[str, Any] = {"ranks": []}
+    for rank in range(2):
+        ds = loader(cache, rank, 2)
+        out["is_dataset"] = isinstance(ds, IterableDataset)
+        dl = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True, pin_memory=True)
+        epochs = []
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            got: list[str] = []
+            for batch in dl:
+                got += ids(batch)
+            epochs.append(got)
+        out["ranks"].append(epochs)
+        out["len"] = len(ds)  # known once every shard was read
+    # Workers started fresh ("spawn"), the dataset pickled to them.
+    out["spawned"] = sorted(i for batch in DataLoader(loader(cache, 0, 1), batch_size=5, num_workers=2,
+                                                      multiprocessing_context="spawn") for i in ids(batch))
+    ds = loader(cache, 0, 1, batch_size=3, map=tensor_of)
+    first = next(iter(ds))
+    out["collated"] = {k: type(v).__name__ for k, v in first.items()}
+    views = next(iter(loader(cache, 0, 1, batch_size=3, zero_copy=True)))  # memoryviews: torch's collate refuses them
+    out["zero_copy_collated"] = {k: [type(x).__name__ for x in v] for k, v in views.items() if k == "cls"}
+    return out
+
+
+def tensor_of(sample: dict[str, Any]) -> dict[str, Any]:
+    return {"n": int(sample["cls"]), "x": torch.ones(2)}
+
+
+def stateful(cache: str) -> dict[str, Any]:
+    """StatefulDataLoader: stop after 5 batches, resume with the same workers; stop again,
+    resume with 3 workers and world size 2."""
+    out: dict[str, Any] = {}
+    dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2)
+    first: list[str] = []
+    for i, batch in enumerate(dl):
+        first += ids(batch)
+        if i == 4:
+            break
+    state = dl.state_dict()
+    out["first"] = first
+    # num_workers=0: the dataset's own state, taken in this process
+    dl0 = StatefulDataLoader(loader(cache, 0, 1), batch_size=5)
+    head = [i for _, batch in zip(range(3), dl0) for i in ids(batch)]
+    state0 = dl0.state_dict()
+    dl0 = StatefulDataLoader(loader(cache, 0, 1), batch_size=5)
+    dl0.load_state_dict(state0)
+    out["single"] = [head, [i for batch in dl0 for i in ids(batch)]]
+    dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2)
+    dl.load_state_dict(state)
+    second: list[str] = []
+    for i, batch in enumerate(dl):
+        second += ids(batch)
+        if i == 3:
+            break
+    out["second"] = second
+    state = dl.state_dict()
+    out["rest"] = []
+    for rank in range(2):
+        ds = loader(cache, rank, 2)
+        ds.load_state_dict(state)
+        got: list[str] = []
+        for batch in StatefulDataLoader(ds, batch_size=2, num_workers=3):
+            got += ids(batch)
+        out["rest"].append(got)
+    # A worker's own state does not resume another layout: the error says what does.
+    dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=3)
+    dl.load_state_dict(state)
+    try:
+        next(iter(dl))
+    except Exception as exc:  # noqa: BLE001 (the DataLoader re-raises the worker's error as its own type)
+        out["mismatch"] = str(exc)
+    return out
+
+
+if __name__ == "__main__":
+    cache_dir, scenario = sys.argv[1], sys.argv[2]
+    print(json.dumps({"workers": workers, "stateful": stateful}[scenario](cache_dir)))

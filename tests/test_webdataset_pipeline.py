@@ -1,0 +1,103 @@
+"""wdscache.WebDataset as a drop-in for webdataset.WebDataset (issue 17, point 1): webdataset's
+own stages and decoders (decode("pil") on real JPEGs made with Pillow) over samples served by
+a real agent, compared with webdataset reading the same shards over HTTP."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+wds = pytest.importorskip("webdataset", reason="webdataset is not installed (pip install 'wdscache[wds]')")
+Image = pytest.importorskip("PIL.Image", reason="Pillow is not installed (scripts/test.sh installs it)")
+torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+
+import wdscache  # noqa: E402
+
+SHARDS, PER_SHARD = 4, 9
+
+
+def _jpeg(shard: int, i: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 6), (40 * shard, 20 * i, 200)).save(out, format="JPEG", quality=95)
+    return out.getvalue()
+
+
+@pytest.fixture
+def jpeg_shards(shard_server: Any, start_agent: Callable[..., Any], tmp_path: Path) -> tuple[list[str], Path]:
+    urls = []
+    for s in range(SHARDS):
+        name = f"img-{s:03d}.tar"
+        with wds.TarWriter(str(shard_server.root / name)) as sink:
+            for i in range(PER_SHARD):
+                sink.write({"__key__": f"s{s}_{i:03d}", "jpg": _jpeg(s, i), "cls": str(s * 10 + i).encode(),
+                            "json": json.dumps({"shard": s, "i": i}).encode()})
+        urls.append(shard_server.url(name))
+    list_file = tmp_path / "lists" / "urls.txt"
+    list_file.parent.mkdir()
+    list_file.write_text("\n".join(urls) + "\n")
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file, "--workers", "2")
+    return urls, cache
+
+
+def _pixels(item: tuple[Any, ...]) -> tuple[Any, ...]:
+    key, img, cls, meta = item
+    return key, img.size, img.mode, img.tobytes(), cls, meta
+
+
+def test_samples_and_decoded_tuples_are_webdatasets(jpeg_shards: tuple[list[str], Path]) -> None:
+    urls, cache = jpeg_shards
+    pattern = urls[0].replace("img-000.tar", "img-{000..003}.tar")
+    ours = list(wdscache.WebDataset(pattern, cache_dir=cache, shardshuffle=False))
+    theirs = list(wds.WebDataset(urls, shardshuffle=False))
+    assert ours == theirs and len(ours) == SHARDS * PER_SHARD
+    stages: Callable[[Any], Any] = lambda ds: ds.decode("pil").to_tuple("__key__", "jpg", "cls", "json")  # noqa: E731
+    ours_t = [_pixels(t) for t in stages(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))]
+    theirs_t = [_pixels(t) for t in stages(wds.WebDataset(urls, shardshuffle=False))]
+    assert ours_t == theirs_t
+    # webdataset's DataPipeline stages can follow it too
+    chained = wds.DataPipeline(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False), wds.decode("pil"),
+                               wds.to_tuple("__key__", "jpg", "cls", "json"))
+    assert [_pixels(t) for t in chained] == theirs_t
+    assert ours_t[0][1:3] == ((8, 6), "RGB") and ours_t[3][4] == 3 and ours_t[3][5] == {"shard": 0, "i": 3}
+
+
+def test_fluid_stages_in_a_dataloader_with_workers(jpeg_shards: tuple[list[str], Path]) -> None:
+    urls, cache = jpeg_shards
+    ds = (wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, job="fluid")
+          .shuffle(20)
+          .decode("torchrgb")
+          .rename(image="jpg", label="cls")
+          .map_dict(label=lambda c: c + 1000)
+          .select(lambda s: s["label"] != 1000 + 11)  # drops one sample
+          .to_tuple("image", "label", "__key__")
+          .batched(4))
+    assert isinstance(ds, torch.utils.data.IterableDataset)
+    labels: list[int] = []
+    for images, batch_labels, keys in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+        assert images.shape[1:] == (3, 6, 8) and images.dtype == torch.float32
+        labels += batch_labels.tolist()
+    expected = {1000 + s * 10 + i for s in range(SHARDS) for i in range(PER_SHARD)} - {1011}
+    assert Counter(labels) == Counter(expected)
+    assert len(ds) == SHARDS * PER_SHARD  # the source's, known once every shard was read
+    in_order = [x for x in sorted(expected)]
+    assert labels != in_order  # shuffled
+    # with_epoch is webdataset's: epochs of a fixed length, the source running on into the next epoch
+    five = wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False, job="five").to_tuple("cls").with_epoch(50)
+    assert len(list(five)) == 50
+
+
+def test_without_webdataset_the_error_says_what_to_install() -> None:
+    code = "import sys; sys.modules['webdataset'] = None\nimport wdscache\nwdscache.WebDataset"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (
+        "ImportError: wdscache.WebDataset builds on webdataset, which is not installed: "
+        "pip install 'wdscache[wds]'")

@@ -1,0 +1,72 @@
+"""``urls=`` in Python follows the URL-list rules (wdscache.training.urls_arg), as webdataset users write it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from wdscache.shared.errors import ConfigError, UrlListError
+from wdscache.training.urls_arg import resolve_urls
+
+
+def test_a_string_with_a_scheme_is_a_pattern_and_is_expanded() -> None:
+    assert resolve_urls("http://h/shard-{000..002}.tar") == (
+        "http://h/shard-000.tar", "http://h/shard-001.tar", "http://h/shard-002.tar")
+    assert resolve_urls("https://h/one.tar") == ("https://h/one.tar",)
+
+
+def test_a_brace_pattern_without_a_scheme_is_a_local_pattern(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert resolve_urls("data/s-{0..1}.tar") == (f"file://{tmp_path}/data/s-0.tar", f"file://{tmp_path}/data/s-1.tar")
+
+
+def test_a_tar_path_is_one_shard(tmp_path: Path) -> None:
+    assert resolve_urls(str(tmp_path / "a.tar")) == (f"file://{tmp_path}/a.tar",)
+
+
+def test_list_items_are_expanded_too() -> None:
+    assert resolve_urls(["http://h/a-{0..1}.tar", "http://h/b.tar", "http://h/a-1.tar"]) == (
+        "http://h/a-0.tar", "http://h/a-1.tar", "http://h/b.tar")
+
+
+def test_other_strings_and_paths_are_list_files(tmp_path: Path) -> None:
+    listing = tmp_path / "train.txt"
+    listing.write_text("http://h/x-{0..1}.tar\n# a comment\nshards/y.tar\n")
+    expected = ("http://h/x-0.tar", "http://h/x-1.tar", f"file://{tmp_path}/shards/y.tar")
+    assert resolve_urls(str(listing)) == expected
+    assert resolve_urls(listing) == expected
+
+
+def test_a_missing_list_file_names_the_python_argument(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        resolve_urls(str(tmp_path / "nope.txt"))
+    message = str(info.value)
+    assert message.startswith(f"urls={str(tmp_path / 'nope.txt')!r} is not a URL list file that exists")
+    assert "--urls" not in message and "http://host/shard-{000..099}.tar" in message
+
+
+def test_bad_items_name_their_index() -> None:
+    with pytest.raises(UrlListError) as info:
+        resolve_urls(["http://h/a.tar", "http://h/b-{1..}.tar"])
+    assert str(info.value) == "urls[1]='http://h/b-{1..}.tar': empty range bound in '{1..}': write {first..last}"
+    with pytest.raises(UrlListError) as info:
+        resolve_urls("ftp://h/a.tar")
+    assert str(info.value).startswith("urls='ftp://h/a.tar': unknown scheme 'ftp'")
+    with pytest.raises(ConfigError, match=r"urls\[0\]='http://h/a.tar\\nhttp://h/b.tar' must be one URL"):
+        resolve_urls(["http://h/a.tar\nhttp://h/b.tar"])
+    with pytest.raises(TypeError, match=r"urls\[1\] is a int"):
+        resolve_urls(["http://h/a.tar", 3])  # type: ignore[list-item]
+
+
+def test_without_torch_the_loader_is_a_plain_class(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import wdscache\n"
+            f"loader = wdscache.CachedMultiLoader(['http://h/a-{{0..1}}.tar'], cache_dir={str(tmp_path)!r})\n"
+            "print(type(loader).__name__, loader.urls, 'torch' in sys.modules and sys.modules['torch'] is not None)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "CachedMultiLoader ('http://h/a-0.tar', 'http://h/a-1.tar') False"

@@ -1,0 +1,61 @@
+"""``CachedMultiLoader`` as a ``torch.utils.data.IterableDataset``: what a loader made in a
+process that uses torch is (this module imports torch; :mod:`.loader` never does).
+
+In a ``DataLoader`` with ``num_workers=K``, each worker process reads its own part of the
+rank's share (:mod:`.worker_parts`), found with ``get_worker_info()``: the rank still gets
+its exact share, each sample once, and every rank the same count, whatever ``K``.
+
+- The private agent, when one is needed, starts in the process that makes the dataset, so
+  that it outlives the workers of one epoch.
+- ``set_epoch`` reaches workers that outlive an epoch (``persistent_workers=True``) through
+  a value in shared memory; workers made anew each epoch copy it anyway.
+- ``state_dict()`` in a worker (torchdata's ``StatefulDataLoader`` asks each) is that
+  worker's part; see :meth:`~.loader.CachedMultiLoader.load_state_dict` for resuming with
+  another ``num_workers`` or world size.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from typing import Any, Iterator
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .loader import CachedMultiLoader
+from .worker_parts import Part
+
+
+class TorchCachedMultiLoader(CachedMultiLoader, IterableDataset):
+    """A :class:`~.loader.CachedMultiLoader` that torch's ``DataLoader`` takes as an iterable dataset."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # [times set_epoch was called, its epoch]: read by workers made before the call.
+        self._epoch_box = multiprocessing.RawArray("q", 2)
+        self._box_seen = 0
+        self._ensure_agent()
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_box[1] = epoch
+        self._epoch_box[0] += 1
+        self._box_seen = self._epoch_box[0]
+
+    def _part(self) -> Part:
+        info = get_worker_info()
+        return Part() if info is None else Part(info.id, info.num_workers)
+
+    def __iter__(self) -> Iterator[Any]:
+        told = self._epoch_box[0]
+        if told != self._box_seen:  # set_epoch was called in the main process since this copy was made
+            self._box_seen = told
+            super().set_epoch(self._epoch_box[1])
+        return super().__iter__()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Sent to a worker started by "spawn" or "forkserver": it joins the private agent
+        # itself, and starts with no epoch open.
+        state = self.__dict__.copy()
+        state["_private_agent"] = None
+        state["_current"] = None
+        return state

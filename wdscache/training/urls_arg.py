@@ -1,0 +1,76 @@
+"""The ``urls=`` argument of the Python API, read by the URL-list rules (:mod:`wdscache.shared.urls`).
+
+- a string with a scheme (``http://``, ``s3://``, ``file://``) or a brace pattern is a URL
+  pattern, expanded as one line of a list would be: ``"http://h/shard-{000..099}.tar"``;
+- a string naming a tar file (``.tar``, ``.tar.gz``, ``.tgz``) is that one local shard, as
+  webdataset takes it;
+- any other string, or a path object, is a list file (or a shard index, wids JSON);
+- a list's items are expanded like the lines of a list file.
+
+Errors name the Python argument (``urls=``, ``urls[3]``), not the command line's flags.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Sequence
+
+from ..shared.errors import ConfigError, UrlListError
+from ..shared.s3 import Listing
+from ..shared.urls import UrlList, parse_url_list, read_url_list
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+
+UrlsArg = str | os.PathLike[str] | Sequence[str]
+
+
+def resolve_urls(urls: UrlsArg) -> tuple[str, ...]:
+    """The URLs that ``urls=`` stands for (see the module's rules)."""
+    return read_urls_arg(urls).urls
+
+
+def read_urls_arg(urls: UrlsArg) -> UrlList:
+    """The list that ``urls=`` stands for, with a shard index's facts when it names one."""
+    if isinstance(urls, os.PathLike):
+        return _list_file(os.fspath(urls))
+    if isinstance(urls, str):
+        if _SCHEME.match(urls) or "{" in urls or urls.endswith(_TAR_SUFFIXES):
+            return _items([urls], single=True)
+        return _list_file(urls)
+    if isinstance(urls, bytes):
+        raise TypeError("urls= takes str, not bytes: decode it first")
+    items = list(urls)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(f"urls[{i}] is a {type(item).__name__}; the items of urls= are URL strings")
+    return _items(items, single=False)
+
+
+def _list_file(path: str) -> UrlList:
+    if not os.path.exists(path):
+        raise ConfigError(
+            f"urls={path!r} is not a URL list file that exists; for shards, pass a URL with its "
+            "scheme (http://host/shard-{000..099}.tar, s3://bucket/prefix/, file:///data/a.tar), "
+            "a brace pattern, a .tar path, or a list of them"
+        )
+    return read_url_list(path, lister=Listing())
+
+
+def _items(items: list[str], *, single: bool) -> UrlList:
+    for i, item in enumerate(items):
+        if "\n" in item or not item.strip():
+            raise ConfigError(f"{_name(i, single)}={item!r} must be one URL or pattern, on one line")
+    try:
+        return parse_url_list("\n".join(items), base_dir=os.getcwd(), lister=Listing())
+    except UrlListError as exc:
+        # parse_url_list counts lines from 1: line k is item k-1.
+        name = _name(exc.lineno - 1, single)
+        err = UrlListError(name, exc.lineno, exc.line, exc.reason)
+        err.args = (f"{name}={exc.line!r}: {exc.reason}",)
+        raise err from None
+
+
+def _name(index: int, single: bool) -> str:
+    return "urls" if single else f"urls[{index}]"
