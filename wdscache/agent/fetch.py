@@ -22,7 +22,7 @@ damaged, fails for good and leaves nothing behind.
 
 One :class:`Fetcher` serves all download threads; each thread gets its own
 ``requests.Session`` (connections are reused within a thread, never shared), and its own
-boto3 session and client for ``s3://`` objects (:mod:`wdscache.shared.s3`), made on first use.
+boto3 client for ``s3://`` objects (:mod:`wdscache.shared.s3`: from the process's one session), made on first use.
 
 S3 objects take the HTTP path's steps: the same retry loop and backoff, ranged resumes, budget,
 checks and publish. A resume sends ``If-Match`` with the ETag its bytes came with, so an object

@@ -10,8 +10,10 @@ Where a client's settings come from: the endpoint is the one given (the agent's
 ``AWS_ENDPOINT_URL``, the profile's ``endpoint_url``); credentials, profile (``AWS_PROFILE``)
 and region come from boto3's standard chain. This module reads no environment itself.
 
-Threads: boto3 clients may be shared, sessions may not. An :class:`S3Client` makes its own
-session and client, so each download thread makes its own (the fetcher keeps one per thread).
+Threads: boto3 clients may be shared, sessions may not. Each :class:`S3Client` is made from
+the process's one session, under a lock (so botocore loads its S3 model and credentials once,
+not once per thread: tens of ms of CPU each, paid when a cold start's downloads begin together);
+each download thread makes its own client (the fetcher keeps one per thread).
 
 Retries: a download's client makes one attempt per call (botocore's retries are off), so the
 fetcher's own loop, with its backoff and retry count, decides what is tried again: a missing
@@ -21,6 +23,7 @@ or denied object is one request, never a storm. Listing keeps botocore's standar
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -111,6 +114,10 @@ def _boto() -> tuple[Any, Any, Any]:
     return boto3.session, botocore.config.Config, botocore.exceptions
 
 
+_session: Any = None  # the process's boto3 session, made by the first client
+_session_lock = threading.Lock()
+
+
 class Body:
     """One GetObject response: ``start`` is the offset of its first byte, ``total`` the object's
     size, ``chunks`` its bytes (a read error is :class:`Transient`); :meth:`close` lets go of
@@ -131,13 +138,16 @@ class S3Client:
 
     def __init__(self, *, endpoint_url: str | None = None, connect_timeout: float = 10.0,
                  read_timeout: float = 60.0, retries: bool = False) -> None:
+        global _session
         session_mod, config_cls, self._exc = _boto()
         try:
-            session = session_mod.Session()
-            self._client = session.client("s3", endpoint_url=endpoint_url, config=config_cls(
-                connect_timeout=connect_timeout, read_timeout=read_timeout,
-                retries={"mode": "standard"} if retries else {"total_max_attempts": 1},
-            ))
+            with _session_lock:
+                if _session is None:
+                    _session = session_mod.Session()
+                self._client = _session.client("s3", endpoint_url=endpoint_url, config=config_cls(
+                    connect_timeout=connect_timeout, read_timeout=read_timeout,
+                    retries={"mode": "standard"} if retries else {"total_max_attempts": 1},
+                ))
         except self._exc.BotoCoreError as exc:  # an unknown profile, a bad endpoint, no region
             raise NoClient(f"cannot make an S3 client: {exc}") from None
 
