@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
+from .errors import WdsCacheError
 from .plan import epoch_rng
 from .sequence import BLOCK, EpochSpec, RankShare, Resume, SampleId, rank_length
 
@@ -278,3 +279,51 @@ def _cut(left: Sequence[int], a: int, b: int) -> tuple[Segment, ...]:
             out.append((p, lo - start, hi - start))
         start += n
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node's reading of a :class:`JobEpoch`, used as an
+    :class:`~wdscache.shared.sequence.EpochSpec` is (by a rank's stream)."""
+
+    job: JobEpoch
+    node: int
+
+    @property
+    def epoch(self) -> int:
+        return self.job.epoch
+
+    @property
+    def n_shards(self) -> int:
+        return len(self.job.counts)
+
+    def order(self) -> tuple[int, ...]:
+        return self.job.order(self.node)
+
+    def ids(self, samples: Callable[[int], Iterable[int | None]]) -> Iterator[SampleId | None]:
+        return self.job.ids(self.node, samples)
+
+    def following(self) -> "NodeSpec":
+        return NodeSpec(self.job.following(), self.node)
+
+
+def job_epoch(counts: Sequence[int | None], layout: Layout, *, epoch: int, parts: Sequence[Sequence[int]] | None,
+              resumes: Sequence[Resume], seed: int, shuffle: bool, shuffle_buffer: int, drop_last: bool,
+              reshuffle: bool) -> JobEpoch:
+    """The epoch a rank of a multi-node job reads: from its start (``parts`` None), or the rest of
+    a checkpoint's (its ``parts`` and their ``resumes``). Refuses without every shard's count."""
+    missing = [i for i, c in enumerate(counts) if c is None]
+    if missing:
+        raise WdsCacheError(
+            f"a job on several nodes needs every shard's sample count before it starts, and {len(missing)} of "
+            f"{len(counts)} shards have none (the first: shard {missing[0]}): give the loader a shard index "
+            "(`wdscache index LIST -o shards.json`, then urls='shards.json'), or let one epoch run on one node "
+            "first (the agent then knows the counts)")
+    known = [int(c) for c in counts if c is not None]
+    if parts is None:
+        return JobEpoch.fresh(known, layout, seed=seed, epoch=epoch, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
+                              drop_last=drop_last, reshuffle=reshuffle)
+    if sorted(s for p in parts for s in p) != list(range(len(known))):
+        raise ValueError("the checkpoint's parts do not cover this list's shards; was it taken on another list?")
+    return JobEpoch(tuple(known), tuple(tuple(p) for p in parts), tuple(resumes), layout, seed, epoch, shuffle,
+                    shuffle_buffer, drop_last, reshuffle)

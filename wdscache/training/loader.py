@@ -52,6 +52,7 @@ from ..shared.malloc import tune_malloc
 from .private import PrivateAgent
 from ..shared.s3 import Listing
 from ..shared.protocol import pages, process_identity
+from ..shared.nodes import JobEpoch, Layout, job_epoch
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
@@ -97,11 +98,20 @@ _TUNING_KNOBS = frozenset(f.name for f in dataclasses.fields(Tuning))
 
 
 def _env_defaults() -> dict[str, Any]:
-    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID)."""
+    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, GROUP_RANK,
+    LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID; Slurm sets SLURM_PROCID, SLURM_NTASKS, SLURM_NODEID,
+    SLURM_NNODES). torchrun's win where both are set: it runs inside a Slurm step."""
     env = os.environ
+    world_size = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
+        num_nodes = max(1, world_size // int(env["LOCAL_WORLD_SIZE"]))
+    else:
+        num_nodes = int(env.get("SLURM_NNODES") or 1)
     return {
-        "rank": int(env.get("RANK", 0)),
-        "world_size": int(env.get("WORLD_SIZE", 1)),
+        "rank": int(env.get("RANK") or env.get("SLURM_PROCID") or 0),
+        "world_size": world_size,
+        "node": int(env.get("GROUP_RANK") or env.get("SLURM_NODEID") or 0),
+        "num_nodes": num_nodes,
         "job": env.get("TORCHELASTIC_RUN_ID") or "default",
         "cache_dir": env.get("WDSCACHE_CACHE_DIR"),
         "endpoint": env.get("WDSCACHE_ENDPOINT"),
@@ -147,6 +157,9 @@ class CachedMultiLoader:
         job: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        node: int | None = None,
+        num_nodes: int | None = None,
+        reshuffle_nodes: bool = False,
         shuffle: bool = True,
         seed: int = 0,
         shuffle_buffer: int = 1000,
@@ -175,6 +188,10 @@ class CachedMultiLoader:
         self.world_size = env["world_size"] if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        # Several nodes, each with its own agent, read a part of the shards each (wdscache.shared.nodes).
+        self.layout = Layout(self.rank, self.world_size, env["node"] if node is None else node,
+                             env["num_nodes"] if num_nodes is None else num_nodes)
+        self.reshuffle_nodes = reshuffle_nodes
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
         if batch_size is not None and batch_size < 1:
@@ -196,6 +213,8 @@ class CachedMultiLoader:
         self._token = env["token"]
         self._epoch = 0
         self._start = Resume()  # what the next epoch has delivered already (a checkpoint's)
+        self._parts: list[list[int]] | None = None  # a multi-node checkpoint's parts; _start is then...
+        self._part_resumes: tuple[Resume, ...] = ()  # ...each part's delivered positions
         self._current: EpochStream | None = None
         self._resumed_from: dict[str, Any] | None = None
         self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
@@ -204,15 +223,24 @@ class CachedMultiLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start."""
-        self._epoch, self._start = epoch, Resume()
+        self._epoch, self._start, self._parts = epoch, Resume(), None
 
     def state_dict(self) -> dict[str, Any]:
         """The job's position: any one rank's dict resumes every rank, with any world size."""
+        parts: Any = self._parts
+        resumes = self._part_resumes
         if self._current is not None and not self._current.complete:
             epoch, at = self._current.spec.epoch, self._current.resume()
+            if isinstance(at, tuple):
+                parts, resumes, at = [list(p) for p in self._current.share.job.parts], at, Resume()
+            else:
+                parts = None
         else:
             epoch, at = self._epoch, self._start
-        return {
+        extra: dict[str, Any] = {}
+        if parts is not None:  # on several nodes: each part's positions (see wdscache.shared.nodes)
+            extra = {"parts": parts, "resumes": [[r.position, [list(run) for run in r.done]] for r in resumes]}
+        return {**extra,
             "version": STATE_VERSION,
             "epoch": epoch,
             "position": at.position,  # every position before it was delivered...
@@ -244,6 +272,9 @@ class CachedMultiLoader:
             raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; "
                              f"got {done!r}")
         self._epoch, self._start = epoch, Resume.of(position, done)
+        self._parts = None
+        if "parts" in state:
+            self._parts, self._part_resumes = _read_parts(state)
         self._resumed_from = state
 
     def _session(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], Sequence[str]]:
@@ -312,8 +343,16 @@ class CachedMultiLoader:
         if self.tuning.tune_malloc:
             tune_malloc()
         epoch, start = self._epoch, self._start
-        self._epoch, self._start = epoch + 1, Resume()
-        stream = EpochStream(self._stream_settings(), self._open_session(), epoch, start)
+        parts, resumes = self._parts, self._part_resumes
+        self._epoch, self._start, self._parts = epoch + 1, Resume(), None
+        session = self._open_session()
+        if self.layout.num_nodes > 1 or parts is not None:
+            try:
+                start = self._job_epoch(session.conn, session.urls, epoch, parts, resumes or (start,))
+            except BaseException:
+                session.conn.close()
+                raise
+        stream = EpochStream(self._stream_settings(), session, epoch, start)
         self._current = stream
         if self._resumed_from is not None and self._resumed_from.get("urls") not in (None, stream.list_id):
             stream.close()
@@ -325,6 +364,15 @@ class CachedMultiLoader:
         if self.batch_size is None:
             return stream.delivering((1, item) for item in items)
         return stream.delivering(_batched(items, self.batch_size, self.collate))
+
+    def _job_epoch(self, conn: AgentConnection, urls: Sequence[str], epoch: int,
+                   parts: Sequence[Sequence[int]] | None, resumes: Sequence[Resume]) -> JobEpoch:
+        """The epoch of a job on several nodes (or resumed from one): needs every shard's count."""
+        if parts is None and resumes != (Resume(),):
+            parts = [list(range(len(urls)))]  # a single-node checkpoint: one part, the whole list
+        return job_epoch(agent_counts(conn, urls), self.layout, epoch=epoch, parts=parts, resumes=resumes,
+                         seed=self.seed, shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer,
+                         drop_last=self.drop_last, reshuffle=self.reshuffle_nodes)
 
     def _stream_settings(self) -> StreamSettings:
         t = self.tuning
@@ -368,11 +416,30 @@ class CachedMultiLoader:
             conn.close()
         if not urls or any(c is None for c in counts):
             raise TypeError("length unknown until every shard has been read once")
+        if self.layout.num_nodes > 1 or self._parts is not None:
+            job = job_epoch(counts, self.layout, epoch=self._epoch, parts=self._parts,
+                            resumes=self._part_resumes or (self._start,), seed=self.seed, shuffle=self.shuffle,
+                            shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
+                            reshuffle=self.reshuffle_nodes)
+            return job.per_rank if self.batch_size is None else -(-job.per_rank // self.batch_size)
         total = sum(counts)
         per_rank = rank_length(total - self._start.delivered(total), self.world_size, self.drop_last)
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)
+
+
+def _read_parts(state: dict[str, Any]) -> tuple[list[list[int]], tuple[Resume, ...]]:
+    """A multi-node checkpoint's parts and each part's positions, checked."""
+    parts, resumes = state.get("parts"), state.get("resumes")
+    if not (isinstance(parts, list) and all(isinstance(p, list) and all(map(_natural, p)) for p in parts)
+            and isinstance(resumes, list) and len(resumes) == len(parts)
+            and all(isinstance(r, list) and len(r) == 2 and _natural(r[0]) and isinstance(r[1], list)
+                    and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run)) and run[0] < run[1]
+                            for run in r[1]) for r in resumes)):
+        raise ValueError("checkpoint 'parts' must be lists of shard indexes and 'resumes' one [position, "
+                         f"[[start, end], ...]] per part; got {parts!r}, {resumes!r}")
+    return parts, tuple(Resume.of(r[0], r[1]) for r in resumes)
 
 
 def _natural(x: Any) -> bool:
