@@ -143,3 +143,65 @@ def test_a_layout_must_put_the_same_ranks_on_every_node() -> None:
         Layout(0, 5, 0, 2)
     with pytest.raises(ValueError, match="not on node 1"):
         Layout(0, 4, 1, 2)
+
+
+def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypatch, tmp_path) -> None:
+    from wdscache import CachedMultiLoader
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_NODEID", "SLURM_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    url = ["http://127.0.0.1:9/a.tar"]
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(0, 1, 0, 1)
+    for name, value in {"SLURM_PROCID": "2", "SLURM_NTASKS": "6", "SLURM_NODEID": "1", "SLURM_NNODES": "3"}.items():
+        monkeypatch.setenv(name, value)
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(2, 6, 1, 3)
+    # torchrun inside a Slurm step: torchrun's numbering wins
+    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(5, 8, 1, 2)
+    assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, node=0).layout == Layout(1, 8, 0, 2)
+
+
+@settings(max_examples=150, deadline=timedelta(seconds=5))
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=8), first=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       hops=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.floats(0, 1)), max_size=3),
+       fraction=st.floats(0, 1), block=st.integers(1, 4))
+def test_any_chain_of_checkpoints_on_any_layouts_delivers_every_sample(
+        counts: list[int], first: tuple[int, int], hops: list[tuple[int, int, float]], fraction: float,
+        block: int) -> None:
+    job = JobEpoch.fresh(counts, layouts(*first)[0], seed=2, shuffle_buffer=5, block=block)
+    seen: Counter[SampleId] = Counter()
+    for nodes, per_node, next_fraction in hops:
+        stop = int(fraction * job.per_rank)
+        got = deliver(job, stop)
+        assert {len(v) for v in got.values()} == {stop}
+        for v in got.values():
+            seen.update(v)
+        at = job.share().resume_after(stop)
+        assert sum(r.delivered() for r in at) == len(seen)  # exactly what was delivered, padding aside
+        job = resume_on(job, at, nodes, per_node)
+        fraction = next_fraction
+    got = deliver(job)
+    assert {len(v) for v in got.values()} == {job.per_rank}
+    for v in got.values():
+        seen.update(v)
+    if sum(counts) >= job.layout.world_size:
+        assert set(seen) == dataset(counts)
+
+
+def test_loader_reads_a_checkpoint_of_parts_and_refuses_a_malformed_one(tmp_path) -> None:
+    from wdscache import CachedMultiLoader
+
+    loader = CachedMultiLoader(["http://127.0.0.1:9/a.tar", "http://127.0.0.1:9/b.tar"], cache_dir=tmp_path,
+                               rank=0, world_size=2, node=0, num_nodes=2)
+    state = {**loader.state_dict(), "version": 3, "parts": [[0], [1]], "resumes": [[5, [[7, 9]]], [0, []]]}
+    loader.load_state_dict(state)
+    again = loader.state_dict()
+    assert (again["version"], again["parts"], again["resumes"]) == (3, [[0], [1]], [[5, [[7, 9]]], [0, []]])
+    for parts, resumes in (([[0], [1]], [[5, []]]), ([[0], ["x"]], [[0, []], [0, []]]),
+                           ([[0], [1]], [[0, [[3, 3]]], [0, []]])):
+        with pytest.raises(ValueError, match="'parts'"):
+            loader.load_state_dict({**state, "parts": parts, "resumes": resumes})
+    loader.set_epoch(1)
+    assert "parts" not in loader.state_dict() and loader.state_dict()["version"] == 2

@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from wdscache import CachedMultiLoader
+from wdscache.shared.errors import WdsCacheError
+from wdscache.shared.nodes import assign
 from tests.helpers.agents import run_wdscache
 from tests.helpers.streaming import samples_of, state_of
 
@@ -99,3 +102,28 @@ def test_a_checkpoint_of_two_nodes_resumes_on_three_nodes_and_on_one(
         # nothing repeated beyond padding: a part's shortfall and a row, per node
         assert 0 <= sum(after.values()) - left <= nodes * (PER_SHARD + per_node), layout
     assert {u for u, _ in dataset_keys} == set(urls)
+
+
+def test_an_agent_prefetches_its_nodes_part_before_any_rank_connects(
+        dataset, shard_server, start_agent, tmp_path) -> None:
+    urls, index = indexed(dataset, tmp_path)
+    shard_server.reset_log()
+    agent = start_agent(tmp_path / "cache", index, "--node-rank", "1", "--num-nodes", "2")
+    part = assign([PER_SHARD] * SHARDS, 2)[1]
+    agent.wait_stats(lambda s: s["shards"]["cached"] == len(part), 30, "the node's part was not cached")
+    fetched = {r.path for r in shard_server.requests if r.method == "GET"}
+    assert fetched == {urls[s].rsplit("/", 1)[1] for s in part}
+    loader = CachedMultiLoader(cache_dir=tmp_path / "cache", rank=2, world_size=4, node=1, num_nodes=2)
+    assert len(loader) == SHARDS * PER_SHARD // 4
+
+
+def test_several_nodes_need_the_counts_first_and_agents_a_node_of_their_nodes(
+        dataset, start_agent, tmp_path) -> None:
+    _, _, plain = dataset(2, samples=3)
+    start_agent(tmp_path / "cache", plain)
+    loader = CachedMultiLoader(cache_dir=tmp_path / "cache", rank=0, world_size=2, node=0, num_nodes=2)
+    with pytest.raises(WdsCacheError, match=r"sample count.*wdscache index"):
+        next(iter(loader))
+    r = run_wdscache("agent", "--cache-dir", tmp_path / "other", "--urls", plain, "--node-rank", "2",
+                     "--num-nodes", "2")
+    assert r.returncode == 2 and "--node-rank 2 must be in [0, --num-nodes=2)" in r.stderr

@@ -317,8 +317,8 @@ def job_epoch(counts: Sequence[int | None], layout: Layout, *, epoch: int, parts
         raise WdsCacheError(
             f"a job on several nodes needs every shard's sample count before it starts, and {len(missing)} of "
             f"{len(counts)} shards have none (the first: shard {missing[0]}): give the loader a shard index "
-            "(`wdscache index LIST -o shards.json`, then urls='shards.json'), or let one epoch run on one node "
-            "first (the agent then knows the counts)")
+            "(`wdscache index LIST -o shards.json`, then urls='shards.json' and the agents' --urls shards.json), "
+            "or let one epoch run on one node first (its agent then knows the counts; every node's agent must)")
     known = [int(c) for c in counts if c is not None]
     if parts is None:
         return JobEpoch.fresh(known, layout, seed=seed, epoch=epoch, shuffle=shuffle, shuffle_buffer=shuffle_buffer,

@@ -52,13 +52,15 @@ from ..shared.malloc import tune_malloc
 from .private import PrivateAgent
 from ..shared.s3 import Listing
 from ..shared.protocol import pages, process_identity
-from ..shared.nodes import JobEpoch, Layout, job_epoch
+from ..shared.nodes import JobEpoch, Layout, NodeShare, job_epoch
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
 from ..shared.urls import UrlList, format_url_list, list_id, parse_url_list, read_url_list
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
+# A state with "parts" (a job on several nodes): an older loader, which would not see them, refuses it.
+PARTS_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -227,21 +229,18 @@ class CachedMultiLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The job's position: any one rank's dict resumes every rank, with any world size."""
-        parts: Any = self._parts
-        resumes = self._part_resumes
+        parts, resumes = self._parts, self._part_resumes
         if self._current is not None and not self._current.complete:
             epoch, at = self._current.spec.epoch, self._current.resume()
-            if isinstance(at, tuple):
-                parts, resumes, at = [list(p) for p in self._current.share.job.parts], at, Resume()
-            else:
-                parts = None
+            parts = None
+            if isinstance(at, tuple):  # on several nodes: each part's positions (see wdscache.shared.nodes)
+                share = self._current.share
+                assert isinstance(share, NodeShare)
+                parts, resumes, at = [list(p) for p in share.job.parts], at, Resume()
         else:
             epoch, at = self._epoch, self._start
-        extra: dict[str, Any] = {}
-        if parts is not None:  # on several nodes: each part's positions (see wdscache.shared.nodes)
-            extra = {"parts": parts, "resumes": [[r.position, [list(run) for run in r.done]] for r in resumes]}
-        return {**extra,
-            "version": STATE_VERSION,
+        state: dict[str, Any] = {
+            "version": STATE_VERSION if parts is None else PARTS_VERSION,
             "epoch": epoch,
             "position": at.position,  # every position before it was delivered...
             "done": [list(run) for run in at.done],  # ...and these runs after it
@@ -251,10 +250,14 @@ class CachedMultiLoader:
             "drop_last": self.drop_last,
             "urls": self._current.list_id if self._current is not None else self._own_list_id,
         }
+        if parts is not None:
+            state["parts"] = parts
+            state["resumes"] = [[r.position, [list(run) for run in r.done]] for r in resumes]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state`` (from :meth:`state_dict` of any rank of the stopped job)."""
-        if state.get("version") not in (1, STATE_VERSION):
+        if state.get("version") not in (1, STATE_VERSION, PARTS_VERSION):
             raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
         for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
             if state[name] != getattr(self, name):
@@ -273,7 +276,7 @@ class CachedMultiLoader:
                              f"got {done!r}")
         self._epoch, self._start = epoch, Resume.of(position, done)
         self._parts = None
-        if "parts" in state:
+        if state["version"] == PARTS_VERSION:
             self._parts, self._part_resumes = _read_parts(state)
         self._resumed_from = state
 
