@@ -12,9 +12,10 @@ from collections import Counter
 from datetime import timedelta
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from wdscache.shared.errors import WdsCacheError
 from wdscache.shared.nodes import JobEpoch, Layout, assign
 from wdscache.shared.sequence import Resume, SampleId
 
@@ -71,11 +72,12 @@ def test_order_within_a_node_changes_every_epoch_its_shards_do_not() -> None:
     assert e0.order(0) != e1.order(0) and set(e0.order(0)) == set(e1.order(0))
 
 
-@settings(max_examples=150, deadline=timedelta(seconds=5))
+@settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True)
 @given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=12), nodes=st.integers(1, 3),
        per_node=st.integers(1, 3), drop_last=st.booleans(), shuffle=st.booleans(), block=st.integers(1, 4))
 def test_every_rank_gets_the_same_count_and_the_union_is_the_dataset(
         counts: list[int], nodes: int, per_node: int, drop_last: bool, shuffle: bool, block: int) -> None:
+    assume(sum(1 for c in counts if c) >= nodes)  # else refused: a node without samples
     job = JobEpoch.fresh(counts, layouts(nodes, per_node)[0], seed=3, shuffle=shuffle, shuffle_buffer=7,
                          drop_last=drop_last, block=block)
     got = deliver(job)
@@ -83,13 +85,12 @@ def test_every_rank_gets_the_same_count_and_the_union_is_the_dataset(
     seen = Counter(sid for v in got.values() for sid in v)
     if drop_last:
         assert max(seen.values(), default=1) == 1
-    elif sum(counts) >= nodes:
+    else:
         assert set(seen) == dataset(counts)
         # the padding: at most a part's shortfall from the largest, and a row's
         assert sum(seen.values()) - sum(counts) <= nodes * (max(counts) + per_node)
-    for rank, samples in got.items():  # each node on its own part (one with none left repeats another's)
-        if any(job.counts[s] for s in job.parts[rank // per_node]):
-            assert {s for s, _ in samples} <= set(job.parts[rank // per_node])
+    for rank, samples in got.items():  # each node on its own part
+        assert {s for s, _ in samples} <= set(job.parts[rank // per_node])
     assert got == deliver(job)  # a pure function
 
 
@@ -143,6 +144,8 @@ def test_a_layout_must_put_the_same_ranks_on_every_node() -> None:
         Layout(0, 5, 0, 2)
     with pytest.raises(ValueError, match="not on node 1"):
         Layout(0, 4, 1, 2)
+    with pytest.raises(WdsCacheError, match="1 shards with samples for 2 nodes: every node needs at least one"):
+        JobEpoch.fresh([5, 0], layouts(2, 1)[0])
 
 
 def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypatch, tmp_path) -> None:
@@ -163,15 +166,17 @@ def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypa
     assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, node=0).layout == Layout(1, 8, 0, 2)
 
 
-@settings(max_examples=150, deadline=timedelta(seconds=5))
+@settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True)
 @given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=8), first=st.tuples(st.integers(1, 3), st.integers(1, 3)),
        hops=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.floats(0, 1)), max_size=3),
        fraction=st.floats(0, 1), block=st.integers(1, 4))
 def test_any_chain_of_checkpoints_on_any_layouts_delivers_every_sample(
         counts: list[int], first: tuple[int, int], hops: list[tuple[int, int, float]], fraction: float,
         block: int) -> None:
+    assume(sum(1 for c in counts if c) >= first[0])
     job = JobEpoch.fresh(counts, layouts(*first)[0], seed=2, shuffle_buffer=5, block=block)
     seen: Counter[SampleId] = Counter()
+    exact = True
     for nodes, per_node, next_fraction in hops:
         stop = int(fraction * job.per_rank)
         got = deliver(job, stop)
@@ -179,7 +184,13 @@ def test_any_chain_of_checkpoints_on_any_layouts_delivers_every_sample(
         for v in got.values():
             seen.update(v)
         at = job.share().resume_after(stop)
-        assert sum(r.delivered() for r in at) == len(seen)  # exactly what was delivered, padding aside
+        # exactly what was delivered, padding aside (a node with no positions left repeats a sample of
+        # another node's, maybe one not delivered yet)
+        exact = exact and all(job.node_length(k) for k in range(job.layout.num_nodes))
+        if exact:
+            assert sum(r.delivered() for r in at) == len(seen)
+        else:
+            assert sum(r.delivered() for r in at) <= len(seen)
         job = resume_on(job, at, nodes, per_node)
         fraction = next_fraction
     got = deliver(job)

@@ -86,7 +86,7 @@ class Readers:
         # an earlier agent list that readers started their epoch on (kept while read, see _free_lists)
         self._lists: dict[str, UrlList] = {}
         self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
-        self._startup = startup_reader(len(urls), config, [self.samples(u) for u in urls.urls])
+        self._startup = self._startup_plan(urls)
         # reader -> pages of its list received so far: URLs, and their facts for a list from a shard index
         self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
@@ -390,7 +390,12 @@ class Readers:
         for r in self._readers.values():
             if r.ahead is None:
                 r.n_shards, r.position = len(new), 0
-        self._startup = startup_reader(len(new), self._config, [self.samples(u) for u in new.urls])
+        self._startup = self._startup_plan(new)
+
+    def _startup_plan(self, urls: UrlList) -> Reader:
+        """The start-up plan over ``urls`` (on a node of several, from its shards' counts)."""
+        counts = [self.samples(u) for u in urls.urls] if self._config.num_nodes > 1 else None
+        return startup_reader(len(urls), self._config, counts)
 
     def read_by_a_consumer(self, url: str) -> bool:
         """True if a reader that said hello reads a list holding ``url``."""

@@ -27,7 +27,7 @@ part per node of the new layout.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .errors import WdsCacheError
 from .plan import epoch_rng
@@ -111,8 +111,11 @@ class JobEpoch:
     def fresh(cls, counts: Sequence[int], layout: Layout, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
               shuffle_buffer: int = 1000, drop_last: bool = False, reshuffle: bool = False,
               block: int = BLOCK) -> "JobEpoch":
-        """An epoch from its start: one part per node."""
+        """An epoch from its start: one part per node (each with samples, or it refuses)."""
         parts = assign(counts, layout.num_nodes, seed=seed, epoch=epoch, reshuffle=reshuffle)
+        if any(sum(counts[s] for s in p) == 0 for p in parts):
+            raise WdsCacheError(f"the list has {sum(1 for c in counts if c)} shards with samples for "
+                                f"{layout.num_nodes} nodes: every node needs at least one; use fewer nodes")
         return cls(tuple(counts), parts, (Resume(),) * len(parts), layout, seed, epoch, shuffle, shuffle_buffer,
                    drop_last, reshuffle, block)
 
@@ -310,8 +313,10 @@ class NodeSpec:
 def job_epoch(counts: Sequence[int | None], layout: Layout, *, epoch: int, parts: Sequence[Sequence[int]] | None,
               resumes: Sequence[Resume], seed: int, shuffle: bool, shuffle_buffer: int, drop_last: bool,
               reshuffle: bool) -> JobEpoch:
-    """The epoch a rank of a multi-node job reads: from its start (``parts`` None), or the rest of
-    a checkpoint's (its ``parts`` and their ``resumes``). Refuses without every shard's count."""
+    """The epoch a rank of a multi-node job reads: from its start (``parts`` None, ``resumes`` one
+    empty :class:`Resume`), the rest of a single-node checkpoint (``parts`` None: one part, the whole
+    list), or of a multi-node one (its ``parts`` and their ``resumes``). Refuses without every
+    shard's count."""
     missing = [i for i, c in enumerate(counts) if c is None]
     if missing:
         raise WdsCacheError(
@@ -320,6 +325,8 @@ def job_epoch(counts: Sequence[int | None], layout: Layout, *, epoch: int, parts
             "(`wdscache index LIST -o shards.json`, then urls='shards.json' and the agents' --urls shards.json), "
             "or let one epoch run on one node first (its agent then knows the counts; every node's agent must)")
     known = [int(c) for c in counts if c is not None]
+    if parts is None and tuple(resumes) != (Resume(),):
+        parts = [list(range(len(known)))]
     if parts is None:
         return JobEpoch.fresh(known, layout, seed=seed, epoch=epoch, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
                               drop_last=drop_last, reshuffle=reshuffle)
@@ -327,3 +334,26 @@ def job_epoch(counts: Sequence[int | None], layout: Layout, *, epoch: int, parts
         raise ValueError("the checkpoint's parts do not cover this list's shards; was it taken on another list?")
     return JobEpoch(tuple(known), tuple(tuple(p) for p in parts), tuple(resumes), layout, seed, epoch, shuffle,
                     shuffle_buffer, drop_last, reshuffle)
+
+
+def parts_state(parts: Sequence[Sequence[int]], resumes: Sequence[Resume]) -> dict[str, Any]:
+    """A multi-node checkpoint's own entries (JSON-able): the parts, and each part's positions."""
+    return {"parts": [list(p) for p in parts],
+            "resumes": [[r.position, [list(run) for run in r.done]] for r in resumes]}
+
+
+def read_parts_state(state: dict[str, Any]) -> tuple[list[list[int]], tuple[Resume, ...]]:
+    """The parts and each part's :class:`Resume` of a checkpoint's :func:`parts_state` entries, checked."""
+    parts, resumes = state.get("parts"), state.get("resumes")
+    if not (isinstance(parts, list) and all(isinstance(p, list) and all(map(_natural, p)) for p in parts)
+            and isinstance(resumes, list) and len(resumes) == len(parts)
+            and all(isinstance(r, list) and len(r) == 2 and _natural(r[0]) and isinstance(r[1], list)
+                    and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run)) and run[0] < run[1]
+                            for run in r[1]) for r in resumes)):
+        raise ValueError("checkpoint 'parts' must be lists of shard indexes and 'resumes' one [position, "
+                         f"[[start, end], ...]] per part; got {parts!r}, {resumes!r}")
+    return parts, tuple(Resume.of(r[0], r[1]) for r in resumes)
+
+
+def _natural(x: Any) -> bool:
+    return type(x) is int and x >= 0

@@ -52,7 +52,7 @@ from ..shared.malloc import tune_malloc
 from .private import PrivateAgent
 from ..shared.s3 import Listing
 from ..shared.protocol import pages, process_identity
-from ..shared.nodes import JobEpoch, Layout, NodeShare, job_epoch
+from ..shared.nodes import JobEpoch, Layout, NodeShare, job_epoch, parts_state, read_parts_state
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
@@ -250,10 +250,7 @@ class CachedMultiLoader:
             "drop_last": self.drop_last,
             "urls": self._current.list_id if self._current is not None else self._own_list_id,
         }
-        if parts is not None:
-            state["parts"] = parts
-            state["resumes"] = [[r.position, [list(run) for run in r.done]] for r in resumes]
-        return state
+        return state if parts is None else {**state, **parts_state(parts, resumes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state`` (from :meth:`state_dict` of any rank of the stopped job)."""
@@ -277,7 +274,7 @@ class CachedMultiLoader:
         self._epoch, self._start = epoch, Resume.of(position, done)
         self._parts = None
         if state["version"] == PARTS_VERSION:
-            self._parts, self._part_resumes = _read_parts(state)
+            self._parts, self._part_resumes = read_parts_state(state)
         self._resumed_from = state
 
     def _session(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], Sequence[str]]:
@@ -351,7 +348,8 @@ class CachedMultiLoader:
         session = self._open_session()
         if self.layout.num_nodes > 1 or parts is not None:
             try:
-                start = self._job_epoch(session.conn, session.urls, epoch, parts, resumes or (start,))
+                start = self._job_epoch(agent_counts(session.conn, session.urls), epoch, parts,
+                                        resumes or (start,))
             except BaseException:
                 session.conn.close()
                 raise
@@ -368,14 +366,12 @@ class CachedMultiLoader:
             return stream.delivering((1, item) for item in items)
         return stream.delivering(_batched(items, self.batch_size, self.collate))
 
-    def _job_epoch(self, conn: AgentConnection, urls: Sequence[str], epoch: int,
-                   parts: Sequence[Sequence[int]] | None, resumes: Sequence[Resume]) -> JobEpoch:
+    def _job_epoch(self, counts: Sequence[int | None], epoch: int, parts: Sequence[Sequence[int]] | None,
+                   resumes: Sequence[Resume]) -> JobEpoch:
         """The epoch of a job on several nodes (or resumed from one): needs every shard's count."""
-        if parts is None and resumes != (Resume(),):
-            parts = [list(range(len(urls)))]  # a single-node checkpoint: one part, the whole list
-        return job_epoch(agent_counts(conn, urls), self.layout, epoch=epoch, parts=parts, resumes=resumes,
-                         seed=self.seed, shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer,
-                         drop_last=self.drop_last, reshuffle=self.reshuffle_nodes)
+        return job_epoch(counts, self.layout, epoch=epoch, parts=parts, resumes=resumes, seed=self.seed,
+                         shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
+                         reshuffle=self.reshuffle_nodes)
 
     def _stream_settings(self) -> StreamSettings:
         t = self.tuning
@@ -420,29 +416,13 @@ class CachedMultiLoader:
         if not urls or any(c is None for c in counts):
             raise TypeError("length unknown until every shard has been read once")
         if self.layout.num_nodes > 1 or self._parts is not None:
-            job = job_epoch(counts, self.layout, epoch=self._epoch, parts=self._parts,
-                            resumes=self._part_resumes or (self._start,), seed=self.seed, shuffle=self.shuffle,
-                            shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
-                            reshuffle=self.reshuffle_nodes)
+            job = self._job_epoch(counts, self._epoch, self._parts, self._part_resumes or (self._start,))
             return job.per_rank if self.batch_size is None else -(-job.per_rank // self.batch_size)
         total = sum(counts)
         per_rank = rank_length(total - self._start.delivered(total), self.world_size, self.drop_last)
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)
-
-
-def _read_parts(state: dict[str, Any]) -> tuple[list[list[int]], tuple[Resume, ...]]:
-    """A multi-node checkpoint's parts and each part's positions, checked."""
-    parts, resumes = state.get("parts"), state.get("resumes")
-    if not (isinstance(parts, list) and all(isinstance(p, list) and all(map(_natural, p)) for p in parts)
-            and isinstance(resumes, list) and len(resumes) == len(parts)
-            and all(isinstance(r, list) and len(r) == 2 and _natural(r[0]) and isinstance(r[1], list)
-                    and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run)) and run[0] < run[1]
-                            for run in r[1]) for r in resumes)):
-        raise ValueError("checkpoint 'parts' must be lists of shard indexes and 'resumes' one [position, "
-                         f"[[start, end], ...]] per part; got {parts!r}, {resumes!r}")
-    return parts, tuple(Resume.of(r[0], r[1]) for r in resumes)
 
 
 def _natural(x: Any) -> bool:
