@@ -152,11 +152,15 @@ def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypa
     from wdscache import CachedMultiLoader
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "SLURM_NTASKS",
-                 "SLURM_NODEID", "SLURM_NNODES"):
+                 "SLURM_NODEID", "SLURM_NNODES", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
     url = ["http://127.0.0.1:9/a.tar"]
     assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(0, 1, 0, 1)
-    for name, value in {"SLURM_PROCID": "2", "SLURM_NTASKS": "6", "SLURM_NODEID": "1", "SLURM_NNODES": "3"}.items():
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "6", "SLURM_NODEID": "0", "SLURM_NNODES": "3"}.items():
+        monkeypatch.setenv(name, value)
+    # a batch script sees the job's tasks but is one process: not a rank of six
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(0, 1, 0, 1)
+    for name, value in {"SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NODEID": "1"}.items():  # a task of srun
         monkeypatch.setenv(name, value)
     assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(2, 6, 1, 3)
     # torchrun inside a Slurm step: torchrun's numbering wins

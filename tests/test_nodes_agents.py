@@ -108,7 +108,8 @@ def test_an_agent_prefetches_its_nodes_part_before_any_rank_connects(
         dataset, shard_server, start_agent, tmp_path) -> None:
     urls, index = indexed(dataset, tmp_path)
     shard_server.reset_log()
-    agent = start_agent(tmp_path / "cache", index, "--node-rank", "1", "--num-nodes", "2")
+    # Slurm's task environment gives --node-rank and --num-nodes (as in agent/slurm/)
+    agent = start_agent(tmp_path / "cache", index, env={"SLURM_NODEID": "1", "SLURM_NNODES": "2"})
     part = assign([PER_SHARD] * SHARDS, 2)[1]
     agent.wait_stats(lambda s: s["shards"]["cached"] == len(part), 30, "the node's part was not cached")
     fetched = {r.path for r in shard_server.requests if r.method == "GET"}

@@ -104,15 +104,19 @@ def _env_defaults() -> dict[str, Any]:
     LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID; Slurm sets SLURM_PROCID, SLURM_NTASKS, SLURM_NODEID,
     SLURM_NNODES). torchrun's win where both are set: it runs inside a Slurm step."""
     env = os.environ
-    world_size = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    # Slurm's only in a task of a step (srun sets SLURM_STEP_ID): a batch script is one process,
+    # although it sees the job's SLURM_NTASKS and SLURM_PROCID=0.
+    slurm = {k: env.get(k) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES")} \
+        if env.get("SLURM_STEP_ID") else {}
+    world_size = int(env.get("WORLD_SIZE") or slurm.get("SLURM_NTASKS") or 1)
     if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
         num_nodes = max(1, world_size // int(env["LOCAL_WORLD_SIZE"]))
     else:
-        num_nodes = int(env.get("SLURM_NNODES") or 1)
+        num_nodes = int(slurm.get("SLURM_NNODES") or 1)
     return {
-        "rank": int(env.get("RANK") or env.get("SLURM_PROCID") or 0),
+        "rank": int(env.get("RANK") or slurm.get("SLURM_PROCID") or 0),
         "world_size": world_size,
-        "node": int(env.get("GROUP_RANK") or env.get("SLURM_NODEID") or 0),
+        "node": int(env.get("GROUP_RANK") or slurm.get("SLURM_NODEID") or 0),
         "num_nodes": num_nodes,
         "job": env.get("TORCHELASTIC_RUN_ID") or "default",
         "cache_dir": env.get("WDSCACHE_CACHE_DIR"),
