@@ -48,6 +48,12 @@ What it does:
                           ``wds.WebDataset`` streaming HTTP, over ``wds.WebDataset`` on local
                           files, and over ``wdscache.WebDataset`` from a fresh agent (as above):
                           epoch 1 cold, epoch 2 warm
+  wdscache nodes          a job on several nodes, one agent each (a fresh cache, ``--node-rank K
+                          --num-nodes N``, the list a shard index made once by ``wdscache index``),
+                          two ranks each: for N = 2 and 3, cold, the nodes one after the other, so
+                          the server's byte counter between two is what one node downloaded (target:
+                          within 10% of dataset/N); then 2 nodes x 2 ranks warm, all four at once,
+                          against 1 node x 4 ranks warm on one agent (target: ≥ 0.8x samples/s)
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
                           of the profile's field sizes, ``copy=False``, timed from the first
@@ -120,7 +126,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 CONSUMER = REPO / "scripts" / "bench_consumer.py"
@@ -681,6 +687,97 @@ class Bench:
             shutil.rmtree(cache, ignore_errors=True)
         self.finish_run(prof, rep, "wdscache-other-order", None, rows, status)
 
+    def shard_index(self, prof: str, ds: dict[str, Any]) -> Path:
+        """A shard index of the profile's HTTP shards (a job on several nodes needs the counts), made once."""
+        out = Path(ds["http_list"]).parent / "shards.json"
+        if not out.exists():
+            urls = Path(ds["http_list"]).read_text().split()
+            r = subprocess.run([wdscache_exe(), "index", *urls, "-o", str(out)], capture_output=True, text=True,
+                               timeout=self.http_deadline(ds), check=False)
+            if r.returncode != 0:
+                raise RuntimeError(f"wdscache index failed: {r.stderr[-2000:]}")
+        return out
+
+    def ranks_at_once(self, prof: str, ds: dict[str, Any], placed: list[tuple[int, "Agent"]], nodes: int,
+                      per_node: int, tag: str, *, warmup: bool) -> list[dict[str, Any]] | None:
+        """One epoch of the ranks of the nodes ``placed`` (node k on its agent), ``per_node`` each, of a
+        job on ``nodes``, every rank started at once; each rank's epoch, or None if one failed."""
+        start_at = time.time() + 3.0  # all import (and warm up) first, then start together
+        kids = [self.consumer("wdscache", "--cache-dir", str(agent.cache), "--job", tag,
+                              "--rank", str(k * per_node + j), "--world-size", str(nodes * per_node),
+                              "--node", str(k), "--num-nodes", str(nodes), "--epochs", "1",
+                              "--start-at", str(start_at), "--timeout", str(CONSUMER_TIMEOUT), "--log",
+                              *(["--warmup", str(WARMUP_SAMPLES)] if warmup else []),
+                              tag=f"{prof}-{tag}-n{k}r{j}")
+                for k, agent in placed for j in range(per_node)]
+        for k in kids:
+            k.wait(self.http_deadline(ds) + 120)
+        reports = [k.report() for k in kids]
+        bad = [k for k, r in zip(kids, reports) if k.timed_out or k.returncode != 0 or r is None]
+        if bad:
+            log(f"  {tag}: {len(bad)} rank(s) failed: {bad[0].stderr_tail(5)}")
+            return None
+        return [r["epochs"][0] for r in reports if r is not None]
+
+    @staticmethod
+    def aggregate_row(epochs: list[dict[str, Any]]) -> dict[str, Any]:
+        samples, nbytes = sum(e["samples"] for e in epochs), sum(e["bytes"] for e in epochs)
+        t0 = min(e["t_start"] for e in epochs)
+        wall = max(e["t_end"] for e in epochs) - t0
+        return {"samples": samples, "bytes": nbytes, "wall_s": wall, "samples_s": samples / wall,
+                "mb_s": nbytes / MB / wall, "ttfs_ms": 1000 * max(e["ttfs"] for e in epochs),
+                "equal_counts": len({e["samples"] for e in epochs}) == 1}
+
+    def run_wdscache_nodes(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        """Several nodes on this machine: one agent per node (own cache), two ranks each. Cold, the
+        nodes run one after the other, so the server's byte counter between two is one node's
+        download; then 2 nodes x 2 ranks and 1 node x 4 ranks, warm, all ranks at once."""
+        index = self.shard_index(prof, ds)
+        budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
+        rows: dict[str, Any] = {}
+        status, extra = "ok", {}
+        started: list[Agent] = []
+        try:
+            for n in (2, 3):
+                agents = [Agent(self, self.fresh_dir(f"{prof}-node{k}of{n}"), index, budget,
+                                tag=f"{prof}-agent-node{k}of{n}", extra=["--node-rank", str(k), "--num-nodes", str(n)])
+                          for k in range(n)]
+                started += agents
+                self.agents += agents
+                shares = []
+                for k, agent in enumerate(agents):
+                    before = self.fetched()
+                    agent.start()
+                    epochs = self.ranks_at_once(prof, ds, [(k, agent)], n, 2, f"nodes{n}-cold-{k}", warmup=False)
+                    if epochs is None:
+                        status = f"error: a rank of node {k} of {n} failed"
+                        break
+                    shares.append((self.fetched()["bytes"] - before.get("bytes", 0)) / (ds["disk_bytes"] / n))
+                extra[f"bytes_per_node_x_share_{n}"] = shares
+                log(f"  {n} nodes x 2 ranks, cold: each node downloaded "
+                    + ", ".join(f"{x:.3f}" for x in shares) + f"x dataset/{n}")
+                if status == "ok" and n == 2:
+                    warm = self.ranks_at_once(prof, ds, list(enumerate(agents)), 2, 2, "nodes2-warm", warmup=True)
+                    if warm:
+                        rows[NODES_WARM] = self.aggregate_row(warm)
+                for agent in agents:
+                    agent.stop()
+            if status == "ok":
+                one = Agent(self, self.fresh_dir(f"{prof}-node-all"), index, budget, tag=f"{prof}-agent-one-node")
+                started.append(one)
+                self.agents.append(one)
+                one.start()
+                if self.ranks_at_once(prof, ds, [(0, one)], 1, 4, "node1-cold", warmup=False) is not None:
+                    warm = self.ranks_at_once(prof, ds, [(0, one)], 1, 4, "node1-warm", warmup=True)
+                    if warm:
+                        rows[ONE_NODE_WARM] = self.aggregate_row(warm)
+                one.stop()
+        finally:
+            for agent in started:
+                agent.stop()
+                shutil.rmtree(agent.cache, ignore_errors=True)
+        self.finish_run(prof, rep, "wdscache-nodes", None, rows, status, **extra)
+
     def run_wdscache_streamed(self, prof: str, ds: dict[str, Any], agent: "Agent", cache: Path) -> dict[str, Any]:
         """One warm epoch with ``direct_reads=False``: the workers send every byte over ZeroMQ."""
         c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "streamed", "--no-direct",
@@ -987,6 +1084,7 @@ class Bench:
                 ("torch-wds-http", functools.partial(self.run_torch_wds, where="http")),
                 ("torch-wds-local", functools.partial(self.run_torch_wds, where="local")),
                 ("torch-wdscache", self.run_torch_wdscache),
+                ("wdscache-nodes", self.run_wdscache_nodes),
             ]
             skip = {s.strip() for s in a.skip.split(",") if s.strip()}
             only = {s.strip() for s in a.only.split(",") if s.strip()}
@@ -1032,9 +1130,9 @@ class Agent:
     """A ``wdscache agent`` subprocess, its readiness, CPU and memory."""
 
     def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str, *, defaults: bool = False,
-                 extra: tuple[str, ...] = ()) -> None:
+                 extra: Sequence[str] = ()) -> None:
         self.bench, self.cache, self.urls, self.budget, self.tag = bench, cache, urls, budget, tag
-        self.extra = extra  # more options, after the bench's
+        self.extra = list(extra)  # more agent options (a node's --node-rank, --num-nodes)
         self.defaults = defaults  # every option at its default (the start-up plan in seeded shuffle order)
         self.child: Child | None = None
         self.pid = 0
@@ -1188,6 +1286,8 @@ ROW_ORDER = [
     STREAMED,
     MANY,
     MANY_STREAMED,
+    "wdscache, 2 nodes x 2 ranks (an agent each), warm, aggregate",
+    "wdscache, 1 node x 4 ranks, warm, aggregate",
     "cat shards > /dev/null (page cache; MB are tar bytes)",
     "pyzmq IPC PUSH/PULL, multipart, copy=False",
 ]
@@ -1201,6 +1301,8 @@ TORCH_WDS_LOCAL = _TORCH + "wds.WebDataset local files"
 TORCH_COLD = _TORCH + "wdscache.WebDataset, epoch 1 (cold)"
 TORCH_WARM = _TORCH + "wdscache.WebDataset, epoch 2 (warm)"
 ROW_ORDER += [TORCH_WDS_HTTP, TORCH_WDS_LOCAL, TORCH_COLD, TORCH_WARM]
+NODES_WARM = "wdscache, 2 nodes x 2 ranks (an agent each), warm, aggregate"
+ONE_NODE_WARM = "wdscache, 1 node x 4 ranks, warm, aggregate"
 REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
 # Samples each of the eight consumers reads before the measured epoch (twice what its first
 # four requests ask for), so that it is measured warm, as the single consumer's epoch 2 is.
@@ -1222,6 +1324,7 @@ SYSTEM_LABELS = {
     "torch-wds-http": TORCH_WDS_HTTP,
     "torch-wds-local": TORCH_WDS_LOCAL,
     "torch-wdscache": _TORCH + "wdscache.WebDataset",
+    "wdscache-nodes": "wdscache on several nodes (an agent each)",
 }
 
 
@@ -1441,6 +1544,17 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         st.get("seconds"), 1.0, lambda v, l: v < l,
         f"{st['seconds']:.2f} s (import of wdscache.cli alone: {st['python_import_wdscache_cli_s']:.2f} s)"
         if "seconds" in st else "")
+    for prof in bench.datasets:
+        for n in (2, 3):
+            shares = [r.get(f"bytes_per_node_x_share_{n}") for r in bench.runs
+                      if r.get("profile") == prof and r.get("system") == "wdscache-nodes"]
+            worst = max((abs(x - 1) for run in shares if run for x in run), default=None)
+            add("9", f"{prof}: bytes each of {n} nodes downloads in one epoch within 10% of dataset/{n}", worst, 0.1,
+                le, f"worst node {100 * worst:.1f}% off" if worst is not None else "")
+        r = ratio(med(s, prof, NODES_WARM, "samples_s"), med(s, prof, ONE_NODE_WARM, "samples_s"))
+        add("9", f"{prof}: 2 nodes x 2 ranks aggregate samples/s ≥ 0.8x 1 node x 4 ranks, warm", r, 0.8, ge,
+            f"{r:.2f}x ({fmt(med(s, prof, NODES_WARM, 'samples_s'))} vs "
+            f"{fmt(med(s, prof, ONE_NODE_WARM, 'samples_s'))} samples/s)" if r else "")
     return targets
 
 

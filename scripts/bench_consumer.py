@@ -255,7 +255,7 @@ def mode_wdscache(args: argparse.Namespace) -> None:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     def build(job: str, shuffle: bool) -> CachedMultiLoader:
         return CachedMultiLoader(cache_dir=args.cache_dir, job=job, rank=args.rank, world_size=args.world_size,
-                                 shuffle=shuffle, timeout=args.timeout, direct_reads=not args.no_direct)
+                                 node=args.node, num_nodes=args.num_nodes, shuffle=shuffle, timeout=args.timeout, direct_reads=not args.no_direct)
 
     if args.warmup:
         # A process in its first epoch pays for every page of heap it grows, and on a VM the
@@ -581,6 +581,8 @@ def main() -> None:
     p.add_argument("--job", default="bench")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--node", type=int, default=0)
+    p.add_argument("--num-nodes", type=int, default=1)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--agent-pid", type=int)

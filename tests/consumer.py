@@ -27,6 +27,8 @@ def main() -> int:
     ap.add_argument("--job", default="job")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--node", type=int, default=None)
+    ap.add_argument("--num-nodes", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epoch", type=int, default=0)
     ap.add_argument("--shuffle-buffer", type=int, default=100)
@@ -45,6 +47,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loader = CachedMultiLoader(
         args.urls, cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
+        node=args.node, num_nodes=args.num_nodes,
         seed=args.seed, shuffle=not args.no_shuffle, shuffle_buffer=args.shuffle_buffer,
         drop_last=args.drop_last, timeout=args.timeout, on_error=args.on_error,
         **({} if args.request_size is None else {"request_size": args.request_size}),

@@ -69,6 +69,11 @@ def main() -> None:
               help="Seed of the shard order of the initial prefetch.")
 @click.option("--shuffle/--no-shuffle", envvar="WDSCACHE_SHUFFLE", default=default("shuffle"), show_envvar=True,
               help="Prefetch in seeded shuffle order (as readers will read) or in list order.")
+@click.option("--node-rank", envvar=["WDSCACHE_NODE_RANK", "GROUP_RANK", "SLURM_NODEID"], default=default("node_rank"),
+              type=int, show_envvar=True,
+              help="This node, of a job on --num-nodes: the start-up prefetch is its part of the list.")
+@click.option("--num-nodes", envvar=["WDSCACHE_NUM_NODES", "SLURM_NNODES"], default=default("num_nodes"), type=int,
+              show_envvar=True, help="Nodes of the job, one agent each (its part needs the shards' counts).")
 @click.option("--retries", envvar="WDSCACHE_RETRIES", default=default("retries"), type=int, show_envvar=True,
               help="Retries of a failing download before it is marked failed.")
 @click.option("--read-timeout", envvar="WDSCACHE_READ_TIMEOUT", default=default("read_timeout"), type=float,

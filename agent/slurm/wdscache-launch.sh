@@ -264,7 +264,8 @@ fi
 
 log "starting $nnodes agent(s): cache dir $cache_dir, URL list $urls"
 # The inner script runs on each node: create the private cache dir if needed,
-# then become the agent. Its arguments are $1 (wdscache) $2 (dir) $3 (urls).
+# then become the agent (one task per node: its --node-rank and --num-nodes
+# default from the task's SLURM_NODEID and SLURM_NNODES). Its arguments are $1 (wdscache) $2 (dir) $3 (urls).
 # shellcheck disable=SC2016  # expanded by the inner bash, not here
 srun "${agent_srun_opts[@]}" bash -c '
     mkdir -p -m 0700 -- "$2" || exit 1

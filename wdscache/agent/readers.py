@@ -29,7 +29,7 @@ import os
 import select
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Sequence
 
 from .control import ControlSocket
 from .cache import ShardCache
@@ -37,6 +37,7 @@ from ..shared.config import AgentConfig, format_size
 from ..shared.errors import ConfigError
 from ..shared.index import ShardState
 from ..shared.logs import event, iso_time
+from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pages, process_identity, strings
@@ -57,9 +58,18 @@ ENDED_KEPT = 600.0  # seconds a consumer that left stays in stats with its total
 MAX_ENDED = 256  # consumers that left kept at most (the oldest go first)
 
 
-def startup_reader(n_shards: int, config: AgentConfig) -> Reader:
-    """The plan the agent prefetches by before any reader has a window: the list in its seeded order."""
-    return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle)
+def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | None] | None = None) -> Reader:
+    """The plan the agent prefetches by before any reader has a window: the list in its seeded order;
+    on a node of several, the node's part (:func:`~wdscache.shared.nodes.assign`, from ``counts``:
+    without every count, nothing until a consumer says what it reads)."""
+    if config.num_nodes == 1 or counts is None:
+        return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle)
+    if any(c is None for c in counts):
+        log.info("no start-up prefetch: node %d of %d needs every shard's count to know its part "
+                 "(a shard index gives them)", config.node_rank, config.num_nodes)
+        return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle, shards=())
+    part = assign([int(c) for c in counts if c is not None], config.num_nodes)[config.node_rank]
+    return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle, shards=part)
 
 
 class Readers:
@@ -74,12 +84,12 @@ class Readers:
         self._gone = gone  # told the name of each reader that goes, once it is gone
         self.urls = urls  # the agent's current list (from its list file)
         self.list_id = list_id(urls.urls)
-        self._startup = startup_reader(len(urls), config)
         self._readers: dict[str, Reader] = {}
         # list_id -> a list readers read besides the agent's current one: a consumer's own, or
         # an earlier agent list that readers started their epoch on (kept while read, see _free_lists)
         self._lists: dict[str, UrlList] = {}
         self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
+        self._startup = self._startup_plan(urls)
         # reader -> pages of its list received so far: URLs, and their facts for a list from a shard index
         self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
@@ -412,7 +422,12 @@ class Readers:
         for r in self._readers.values():
             if r.ahead is None:
                 r.n_shards, r.position = len(new), 0
-        self._startup = startup_reader(len(new), self._config)
+        self._startup = self._startup_plan(new)
+
+    def _startup_plan(self, urls: UrlList) -> Reader:
+        """The start-up plan over ``urls`` (on a node of several, from its shards' counts)."""
+        counts = [self.samples(u) for u in urls.urls] if self._config.num_nodes > 1 else None
+        return startup_reader(len(urls), self._config, counts)
 
     def read_by_a_consumer(self, url: str) -> bool:
         """True if a reader that said hello reads a list holding ``url``."""

@@ -8,7 +8,9 @@ Where the environment is read: :mod:`wdscache.cli` (each option's ``WDSCACHE_*``
 variable, through click) builds an :class:`AgentConfig` from options and
 environment; nothing under it (the agent, its workers) reads the environment
 again. On the training side :func:`wdscache.training.loader._env_defaults` reads what a
-launcher sets (``RANK``, ``WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``) and
+launcher sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RUN_ID``, and
+Slurm's ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODEID``, ``SLURM_NNODES`` in a task of
+an ``srun`` step) and
 ``WDSCACHE_CACHE_DIR``, ``WDSCACHE_ENDPOINT``, ``WDSCACHE_TOKEN``, for the
 loader arguments left unset. No other module of the package reads it (the
 libraries used do read their own: requests its proxy and CA variables, boto3
@@ -87,6 +89,10 @@ class AgentConfig:
     s3_endpoint_url: str | None = None  # None: botocore's own (AWS_ENDPOINT_URL, the profile's)
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     metrics_host: str = "127.0.0.1"
+    # The node this agent serves, of a job on several (see wdscache.shared.nodes): its start-up
+    # prefetch is the node's part of the list.
+    node_rank: int = 0
+    num_nodes: int = 1
     # A private agent's users file (see wdscache.training.private): it stops once no loader holds a lock on it.
     private_users: Path | None = None
 
@@ -94,6 +100,8 @@ class AgentConfig:
         for name in ("prefetch", "download_workers", "download_parts", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --num-nodes={self.num_nodes})")
         if self.retries < 0:
             raise ConfigError("retries must be >= 0")
         for name in ("connect_timeout", "read_timeout", "backoff", "backoff_max", "reader_timeout"):

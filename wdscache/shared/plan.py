@@ -57,8 +57,13 @@ class Reader:
     ahead: list[str] | None = None
     list_id: str | None = None  # the list a consumer reads (said in hello); None: the agent's current one
     pidfd: int = -1  # the consumer's process, watched to notice at once that it ended (-1: not watched)
+    shards: tuple[int, ...] | None = None  # the shards read (a node's part): None, all ``n_shards``
+
     def order(self, epoch: int) -> tuple[int, ...]:
-        return shard_order(self.n_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        if self.shards is None:
+            return shard_order(self.n_shards, seed=self.seed, epoch=epoch, shuffle=self.shuffle)
+        mine = self.shards  # in the order a consumer of this node reads them (EpochSpec.order)
+        return tuple(mine[i] for i in shard_order(len(mine), seed=self.seed, epoch=epoch, shuffle=self.shuffle))
 
     def window(self, prefetch: int) -> list[int]:
         """The next ``prefetch`` shards to read, current one first, across the epoch end."""
@@ -66,7 +71,7 @@ class Reader:
             return []
         out: list[int] = []
         epoch, pos = self.epoch, self.position
-        while len(out) < min(prefetch, self.n_shards):
+        while len(out) < min(prefetch, len(self.order(epoch))):
             order = self.order(epoch)
             take = order[pos : pos + prefetch - len(out)]
             out.extend(take)

@@ -30,6 +30,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -53,9 +54,23 @@ class EpochSpec:
     epoch: int = 0
     shuffle: bool = True
     shuffle_buffer: int = 1000
+    # The shards read, of the list's ``n_shards`` (one node's part, see :mod:`wdscache.shared.nodes`):
+    # None reads them all.
+    shards: tuple[int, ...] | None = None
 
     def order(self) -> tuple[int, ...]:
-        return shard_order(self.n_shards, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        if self.shards is None:
+            return shard_order(self.n_shards, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
+        mine = self.shards
+        return tuple(mine[i] for i in shard_order(len(mine), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle))
+
+    def ids(self, samples: Callable[[int], Iterable[int | None]]) -> Iterator["SampleId | None"]:
+        """The epoch's sample ids: :func:`global_sequence`."""
+        return global_sequence(self, samples)
+
+    def following(self) -> "EpochSpec":
+        """The same reading of the next epoch."""
+        return dataclasses.replace(self, epoch=self.epoch + 1)
 
 
 def global_sequence(spec: EpochSpec, samples: Callable[[int], Iterable[int | None]]) -> Iterator[SampleId | None]:
@@ -256,6 +271,16 @@ class RankShare:
             fill = row[cut:] + [first[i % len(first)] for i in range(W - (len(row) - cut))]
             yield base + cut + r, fill[r]
         self.settled = pos
+
+    @classmethod
+    def known(cls, world_size: int, rank: int, length: int, *, resume: Resume = Resume(), drop_last: bool = False,
+              block: int = BLOCK) -> "RankShare":
+        """The share of an epoch whose ``length`` positions not in ``resume`` are known up front (the
+        sample counts are): :meth:`resume_after` then needs no :meth:`pairs` iteration."""
+        share = cls(world_size, rank, resume=resume, drop_last=drop_last, block=block)
+        share.full_rows = length // (world_size * block) if world_size > 1 else 0
+        share.tail = length - share.full_rows * world_size * block
+        return share
 
     def resume_after(self, n: int) -> Resume:
         """The job's :class:`Resume` once each rank delivered its first ``n`` pairs.

@@ -23,6 +23,7 @@ from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCa
 from .pins import STATUS_EVERY, Pins
 from .progress import ProgressClock
 from ..shared.protocol import pages
+from ..shared.nodes import NodeSpec
 from ..shared.sequence import EpochSpec
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class EpochShards:
     finishes the stream's reads before an open has to wait (see :meth:`Pins.open`).
     """
 
-    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, spec: EpochSpec,
+    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, spec: EpochSpec | NodeSpec,
                  prefetch: int, on_error: str, timeout: float, pins: Pins, clock: ProgressClock, workers: int,
                  call_worker: Callable[[dict[str, Any], int], dict[str, Any]],
                  hold_nothing: Callable[[], None]) -> None:
@@ -46,7 +47,7 @@ class EpochShards:
         self.pins, self.clock = pins, clock
         self.call_worker, self.hold_nothing = call_worker, hold_nothing
         self.order = spec.order()
-        self.next_order = EpochSpec(spec.n_shards, spec.seed, spec.epoch + 1, spec.shuffle).order()
+        self.next_order = spec.following().order()
         self.order_pos = {shard: i for i, shard in enumerate(self.order)}
         self.sample_counts: dict[int, int] = {}  # shard -> its samples, once known
         # Shards whose counts our workers found lately (url -> when): they report them to the
@@ -155,7 +156,7 @@ class EpochShards:
     # -- pins ---------------------------------------------------------------------
 
     def _ahead(self, shard: int) -> list[str]:
-        pos = self.order_pos[shard]
+        pos = self.order_pos.get(shard, len(self.order))  # not ours: a repeat of another node's sample
         nxt = self.order[pos + 1 : pos + 1 + self.prefetch]
         nxt += self.next_order[: self.prefetch - len(nxt)]
         return [self.urls[s] for s in nxt]

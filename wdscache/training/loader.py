@@ -52,6 +52,7 @@ from ..shared.errors import WdsCacheError
 from ..shared.malloc import tune_malloc
 from .private import PrivateAgent
 from ..shared.protocol import pages, process_identity
+from ..shared.nodes import JobEpoch, Layout, NodeShare, job_epoch, parts_state, read_parts_state
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
@@ -60,6 +61,8 @@ from ..shared.urls import list_id
 from .urls_arg import read_urls_arg
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
+# A state with "parts" (a job on several nodes): an older loader, which would not see them, refuses it.
+PARTS_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,24 @@ _TUNING_KNOBS = frozenset(f.name for f in dataclasses.fields(Tuning))
 
 
 def _env_defaults() -> dict[str, Any]:
-    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, TORCHELASTIC_RUN_ID)."""
+    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, GROUP_RANK,
+    LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID; Slurm sets SLURM_PROCID, SLURM_NTASKS, SLURM_NODEID,
+    SLURM_NNODES). torchrun's win where both are set: it runs inside a Slurm step."""
     env = os.environ
+    # Slurm's only in a task of a step (srun sets SLURM_STEP_ID): a batch script is one process,
+    # although it sees the job's SLURM_NTASKS and SLURM_PROCID=0.
+    slurm = {k: env.get(k) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES")} \
+        if env.get("SLURM_STEP_ID") else {}
+    world_size = int(env.get("WORLD_SIZE") or slurm.get("SLURM_NTASKS") or 1)
+    if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
+        num_nodes = max(1, world_size // int(env["LOCAL_WORLD_SIZE"]))
+    else:
+        num_nodes = int(slurm.get("SLURM_NNODES") or 1)
     return {
-        "rank": int(env.get("RANK", 0)),
-        "world_size": int(env.get("WORLD_SIZE", 1)),
+        "rank": int(env.get("RANK") or slurm.get("SLURM_PROCID") or 0),
+        "world_size": world_size,
+        "node": int(env.get("GROUP_RANK") or slurm.get("SLURM_NODEID") or 0),
+        "num_nodes": num_nodes,
         "job": env.get("TORCHELASTIC_RUN_ID") or "default",
         "cache_dir": env.get("WDSCACHE_CACHE_DIR"),
         "endpoint": env.get("WDSCACHE_ENDPOINT"),
@@ -168,6 +184,9 @@ class CachedMultiLoader:
         job: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        node: int | None = None,
+        num_nodes: int | None = None,
+        reshuffle_nodes: bool = False,
         shuffle: bool = True,
         seed: int = 0,
         shuffle_buffer: int = 1000,
@@ -196,6 +215,10 @@ class CachedMultiLoader:
         self.world_size = env["world_size"] if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        # Several nodes, each with its own agent, read a part of the shards each (wdscache.shared.nodes).
+        self.layout = Layout(self.rank, self.world_size, env["node"] if node is None else node,
+                             env["num_nodes"] if num_nodes is None else num_nodes)
+        self.reshuffle_nodes = reshuffle_nodes
         if on_error not in ("raise", "skip"):
             raise ValueError("on_error must be 'raise' or 'skip'")
         if batch_size is not None and batch_size < 1:
@@ -218,6 +241,8 @@ class CachedMultiLoader:
         self._epoch = 0
         self._start = Resume()  # what the next epoch has delivered already (a checkpoint's)
         self._skip = 0  # pairs of this worker's part of the next epoch delivered already (its checkpoint's)
+        self._parts: list[list[int]] | None = None  # a multi-node checkpoint's parts; _start is then...
+        self._part_resumes: tuple[Resume, ...] = ()  # ...each part's delivered positions
         self._current: EpochStream | None = None
         self._resumed_from: dict[str, Any] | None = None
         self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
@@ -226,7 +251,7 @@ class CachedMultiLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start."""
-        self._epoch, self._start, self._skip = epoch, Resume(), 0
+        self._epoch, self._start, self._skip, self._parts = epoch, Resume(), 0, None
 
     def _part(self) -> Part:
         """This process's part of the rank's share: all of it (a DataLoader worker's: see
@@ -242,13 +267,23 @@ class CachedMultiLoader:
         part = self._part()
         if part.count > 1:
             return self._worker_state(part)
+        parts, resumes = self._parts, self._part_resumes
         if self._current is not None and not self._current.complete:
             epoch, at = self._current.spec.epoch, self._current.resume()
+            parts = None
+            if isinstance(at, tuple):  # on several nodes: each part's positions (see wdscache.shared.nodes)
+                share = self._current.share
+                assert isinstance(share, NodeShare)
+                parts, resumes, at = [list(p) for p in share.job.parts], at, Resume()
         else:
             epoch, at = self._epoch, self._start
-        return self._state(epoch, at)
+        return self._state(epoch, at, parts, resumes)
 
     def _worker_state(self, part: Part) -> dict[str, Any]:
+        if self.layout.num_nodes > 1 or self._parts is not None:
+            raise ValueError(
+                "a DataLoader worker's position on several nodes cannot be saved: checkpoint at epoch ends "
+                "(set_epoch), or read with num_workers=0 for exact mid-epoch resumes")
         stream = self._current
         if stream is None:  # before the first epoch of this worker
             epoch, start, pairs, complete, full_rows, tail = self._epoch, self._start, self._skip, False, 0, None
@@ -260,9 +295,10 @@ class CachedMultiLoader:
                            "complete": complete, "full_rows": full_rows, "tail": tail}
         return state
 
-    def _state(self, epoch: int, at: Resume) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
+    def _state(self, epoch: int, at: Resume, parts: list[list[int]] | None = None,
+               resumes: tuple[Resume, ...] = ()) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "version": STATE_VERSION if parts is None else PARTS_VERSION,
             "epoch": epoch,
             "position": at.position,  # every position before it was delivered...
             "done": [list(run) for run in at.done],  # ...and these runs after it
@@ -272,6 +308,7 @@ class CachedMultiLoader:
             "drop_last": self.drop_last,
             "urls": self._current.list_id if self._current is not None else self._own_list_id,
         }
+        return state if parts is None else {**state, **parts_state(parts, resumes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state``: from :meth:`state_dict` of any rank of the stopped job, or a
@@ -284,6 +321,9 @@ class CachedMultiLoader:
         if len(ours) > 1 or (ours[0] is not state and "worker" in ours[0]):
             for one in ours:
                 self._check_state(one)
+                if one["version"] == PARTS_VERSION:
+                    raise ValueError("a loader's state holds several wdscache states, one of a job on several "
+                                     "nodes: pass that one state alone")
             if not all("worker" in one for one in ours):
                 raise ValueError("a loader's state holds both whole and per-worker wdscache states")
             epoch, at = combine(ours)
@@ -304,11 +344,14 @@ class CachedMultiLoader:
                     "give the new DataLoader no state")
         self._epoch, self._start = state["epoch"], Resume.of(state["position"], done)
         self._skip = worker["pairs"] if worker is not None else 0
+        self._parts = None
+        if state["version"] == PARTS_VERSION:
+            self._parts, self._part_resumes = read_parts_state(state)
         self._resumed_from = state
 
     def _check_state(self, state: dict[str, Any]) -> list[list[int]]:
         """Refuse a state this loader cannot resume exactly, saying why; its runs "done"."""
-        if state.get("version") not in (1, STATE_VERSION):
+        if state.get("version") not in (1, STATE_VERSION, PARTS_VERSION):
             raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
         for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
             if state[name] != getattr(self, name):
@@ -394,8 +437,17 @@ class CachedMultiLoader:
             tune_malloc()
         epoch, start, part = self._epoch, self._start, self._part()
         part = Part(part.index, part.count, self._skip)
-        self._epoch, self._start, self._skip = epoch + 1, Resume(), 0
-        stream = EpochStream(self._stream_settings(), self._open_session(), epoch, start, part)
+        parts, resumes = self._parts, self._part_resumes
+        self._epoch, self._start, self._skip, self._parts = epoch + 1, Resume(), 0, None
+        session = self._open_session()
+        if self.layout.num_nodes > 1 or parts is not None:
+            try:
+                start = self._job_epoch(agent_counts(session.conn, session.urls), epoch, parts,
+                                        resumes or (start,))
+            except BaseException:
+                session.conn.close()
+                raise
+        stream = EpochStream(self._stream_settings(), session, epoch, start, part)
         self._current = stream
         if self._resumed_from is not None and self._resumed_from.get("urls") not in (None, stream.list_id):
             stream.close()
@@ -407,6 +459,13 @@ class CachedMultiLoader:
         if self.batch_size is None:
             return stream.delivering((1, item) for item in items)
         return stream.delivering(_batched(items, self.batch_size, self.collate))
+
+    def _job_epoch(self, counts: Sequence[int | None], epoch: int, parts: Sequence[Sequence[int]] | None,
+                   resumes: Sequence[Resume]) -> JobEpoch:
+        """The epoch of a job on several nodes (or resumed from one): needs every shard's count."""
+        return job_epoch(counts, self.layout, epoch=epoch, parts=parts, resumes=resumes, seed=self.seed,
+                         shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
+                         reshuffle=self.reshuffle_nodes)
 
     def _stream_settings(self) -> StreamSettings:
         t = self.tuning
@@ -451,6 +510,9 @@ class CachedMultiLoader:
             conn.close()
         if not urls or any(c is None for c in counts):
             raise TypeError("length unknown until every shard has been read once")
+        if self.layout.num_nodes > 1 or self._parts is not None:
+            job = self._job_epoch(counts, self._epoch, self._parts, self._part_resumes or (self._start,))
+            return job.per_rank if self.batch_size is None else -(-job.per_rank // self.batch_size)
         total = sum(counts)
         per_rank = rank_length(total - self._start.delivered(total), self.world_size, self.drop_last)
         if self.batch_size is None:

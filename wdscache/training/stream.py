@@ -31,7 +31,8 @@ from .pins import STATUS_EVERY, Pins
 from .progress import ProgressClock, Waited
 from .reads import Item, Read, ReadState, ReadTable
 from .replies import decode_reply, with_holes
-from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed, global_sequence
+from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
+from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
 from .worker_links import WorkerLinks
 from .worker_parts import Part, part_of
 
@@ -87,7 +88,7 @@ class Session:
 class EpochStream:
     """One epoch of one rank: the worker sockets, the reads out and the sample pipeline."""
 
-    def __init__(self, settings: StreamSettings, session: Session, epoch: int, start: Resume,
+    def __init__(self, settings: StreamSettings, session: Session, epoch: int, start: Resume | JobEpoch,
                  part: Part = Part()) -> None:
         self.settings = s = settings
         self.part = part  # this process's part of the rank's share (a DataLoader worker's)
@@ -96,9 +97,14 @@ class EpochStream:
         hello = session.hello
         self.finished = False  # resources released
         self.complete = False  # every sample of the rank's share was delivered
-        self.spec = EpochSpec(len(self.urls), s.seed, epoch, s.shuffle, s.shuffle_buffer)
-        # A checkpoint's positions, from any world size: the rest are dealt to this job's ranks.
-        self.share = RankShare(s.world_size, s.rank, resume=start, drop_last=s.drop_last)
+        self.spec: EpochSpec | NodeSpec
+        self.share: RankShare | NodeShare
+        if isinstance(start, JobEpoch):  # a job on several nodes: this node's part (wdscache.shared.nodes)
+            self.spec, self.share = NodeSpec(start, start.layout.node), start.share()
+        else:
+            self.spec = EpochSpec(len(self.urls), s.seed, epoch, s.shuffle, s.shuffle_buffer)
+            # A checkpoint's positions, from any world size: the rest are dealt to this job's ranks.
+            self.share = RankShare(s.world_size, s.rank, resume=start, drop_last=s.drop_last)
         self.delivered = 0  # samples handed to the user (not merely received: map/batch look ahead)
         self.clock = ProgressClock(self.conn, self.name, self.urls, endpoint=s.endpoint, timeout=s.timeout)
         # Payloads read from the cache files here (the agent says where they are), if we see
@@ -129,8 +135,9 @@ class EpochStream:
 
     # -- the rank's share -------------------------------------------------------
 
-    def resume(self) -> Resume:
-        """Where the job stands, if every rank delivered as many samples as this one."""
+    def resume(self) -> Resume | tuple[Resume, ...]:
+        """Where the job stands, if every rank delivered as many samples as this one (on several
+        nodes: each part's)."""
         return self.share.resume_after(self.delivered)
 
     @property
@@ -148,7 +155,7 @@ class EpochStream:
         remaining, unneeded = pins.remaining, pins.unneeded
         feed = ShardFeed()
         arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
-        for sid in global_sequence(self.spec, feed.samples):
+        for sid in self.spec.ids(feed.samples):
             if sid is None:  # the sequence wants more of a shard
                 if arrivals is None:
                     arrivals = self.shards.arrivals(feed.wanted)

@@ -1,0 +1,222 @@
+"""Several nodes: which shards each reads, every rank's share, and resuming on another layout.
+
+Pure functions, checked over many shapes: every rank of every node the same count, the
+union the whole dataset, each node on its own part, and a checkpoint resumed on any layout
+delivering the rest once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from datetime import timedelta
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from wdscache.shared.errors import WdsCacheError
+from wdscache.shared.nodes import JobEpoch, Layout, assign
+from wdscache.shared.sequence import Resume, SampleId
+
+Job = dict[str, object]
+
+
+def layouts(num_nodes: int, per_node: int) -> list[Layout]:
+    return [Layout(r, num_nodes * per_node, r // per_node, num_nodes) for r in range(num_nodes * per_node)]
+
+
+def deliver(job: JobEpoch, stop: int | None = None) -> dict[int, list[SampleId]]:
+    """Every rank's samples (the first ``stop`` of each, if given), as each rank computes them."""
+    counts = job.counts
+    out = {}
+    for lay in layouts(job.layout.num_nodes, job.layout.local_world):
+        mine = JobEpoch(job.counts, job.parts, job.resumes, lay, job.seed, job.epoch, job.shuffle,
+                        job.shuffle_buffer, job.drop_last, job.reshuffle, job.block)
+        share = mine.share()
+        pairs = (p for p in share.pairs(mine.ids(lay.node, lambda s: range(counts[s]))) if p is not None)
+        out[lay.rank] = [sid for _, sid in itertools.islice(pairs, stop)]
+    return out
+
+
+def dataset(counts: list[int]) -> set[SampleId]:
+    return {(s, j) for s, n in enumerate(counts) for j in range(n)}
+
+
+def test_parts_are_balanced_by_count_and_stable_unless_reshuffled() -> None:
+    counts = [100 + (7 * i) % 23 for i in range(30)]
+    parts = assign(counts, 3)
+    assert sorted(s for p in parts for s in p) == list(range(30))
+    totals = [sum(counts[s] for s in p) for p in parts]
+    assert max(totals) - min(totals) <= max(counts)
+    assert assign(counts, 3, epoch=5) == parts  # stable across epochs by default
+    assert assign(counts, 3, epoch=1, reshuffle=True) != assign(counts, 3, epoch=2, reshuffle=True)
+
+
+def test_each_node_downloads_within_ten_percent_of_its_share_of_bytes() -> None:
+    counts = [90 + (13 * i) % 31 for i in range(24)]
+    size = 1000  # bytes per sample: a part's bytes follow its count
+    for n in (2, 3):
+        job = JobEpoch.fresh(counts, layouts(n, 2)[0])
+        total = sum(counts) * size
+        for node in range(n):
+            node_bytes = sum(counts[s] for s in job.node_shards(node)) * size
+            assert abs(node_bytes - total / n) <= 0.1 * total / n
+
+
+def test_order_within_a_node_changes_every_epoch_its_shards_do_not() -> None:
+    counts = [10] * 12
+    e0 = JobEpoch.fresh(counts, layouts(2, 2)[0], epoch=0)
+    e1 = e0.following()
+    assert e1.epoch == 1 and e0.node_shards(0) == e1.node_shards(0)
+    assert e0.order(0) != e1.order(0) and set(e0.order(0)) == set(e1.order(0))
+
+
+@settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=12), nodes=st.integers(1, 3),
+       per_node=st.integers(1, 3), drop_last=st.booleans(), shuffle=st.booleans(), block=st.integers(1, 4))
+def test_every_rank_gets_the_same_count_and_the_union_is_the_dataset(
+        counts: list[int], nodes: int, per_node: int, drop_last: bool, shuffle: bool, block: int) -> None:
+    assume(sum(1 for c in counts if c) >= nodes)  # else refused: a node without samples
+    job = JobEpoch.fresh(counts, layouts(nodes, per_node)[0], seed=3, shuffle=shuffle, shuffle_buffer=7,
+                         drop_last=drop_last, block=block)
+    got = deliver(job)
+    assert {len(v) for v in got.values()} == {job.per_rank}
+    seen = Counter(sid for v in got.values() for sid in v)
+    if drop_last:
+        assert max(seen.values(), default=1) == 1
+    else:
+        assert set(seen) == dataset(counts)
+        # the padding: at most a part's shortfall from the largest, and a row's
+        assert sum(seen.values()) - sum(counts) <= nodes * (max(counts) + per_node)
+    for rank, samples in got.items():  # each node on its own part
+        assert {s for s, _ in samples} <= set(job.parts[rank // per_node])
+    assert got == deliver(job)  # a pure function
+
+
+def resume_on(job: JobEpoch, resumes: tuple[Resume, ...], nodes: int, per_node: int) -> JobEpoch:
+    return JobEpoch(job.counts, job.parts, resumes, layouts(nodes, per_node)[0], job.seed, job.epoch, job.shuffle,
+                    job.shuffle_buffer, job.drop_last, job.reshuffle, job.block)
+
+
+@pytest.mark.parametrize("then", [(3, 1), (1, 4), (2, 2), (2, 1)])
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.97])
+def test_a_checkpoint_of_two_nodes_resumes_on_another_layout_delivering_the_rest_once(
+        then: tuple[int, int], fraction: float) -> None:
+    counts = [37, 41, 29, 33, 40, 35, 38]
+    job = JobEpoch.fresh(counts, layouts(2, 2)[0], seed=1, shuffle_buffer=20)
+    stop = int(fraction * job.per_rank)
+    first = deliver(job, stop)
+    at = job.share().resume_after(stop)
+    assert all(job.share(lay).resume_after(stop) == at for lay in layouts(2, 2))  # any rank's is the job's
+    before = Counter(sid for v in first.values() for sid in v)
+    assert sum(r.delivered() for r in at) == len(before)  # the samples delivered (padding repeats some)
+    rest = resume_on(job, at, *then)
+    second = deliver(rest)
+    assert {len(v) for v in second.values()} == {rest.per_rank}
+    after = Counter(sid for v in second.values() for sid in v)
+    assert set(before) | set(after) == dataset(counts)
+    # beyond the rest, repeats only as padding: what the parts differ by, and a row
+    rest_count = len(dataset(counts)) - len(before)
+    assert 0 <= sum(after.values()) - rest_count <= then[0] * (max(counts) + then[1])
+    # each new node reads a few parts, not the whole list
+    for node in range(then[0]):
+        assert rest.node_shards(node) <= set(itertools.chain(*job.parts))
+
+
+def test_a_checkpoint_inside_a_resumed_epoch_resumes_again() -> None:
+    counts = [30, 31, 32, 33, 34, 35]
+    job = JobEpoch.fresh(counts, layouts(2, 2)[0], shuffle_buffer=10)
+    seen: Counter[SampleId] = Counter()
+    for nodes, per_node in ((3, 1), (1, 4), (2, 3)):
+        stop = job.per_rank // 3
+        for v in deliver(job, stop).values():
+            seen.update(v)
+        job = resume_on(job, job.share().resume_after(stop), nodes, per_node)
+    for v in deliver(job).values():
+        seen.update(v)
+    assert set(seen) == dataset(counts)
+    assert sum(seen.values()) - len(seen) <= 2 * (max(counts) + 3)
+
+
+def test_a_layout_must_put_the_same_ranks_on_every_node() -> None:
+    with pytest.raises(ValueError, match="multiple of num_nodes"):
+        Layout(0, 5, 0, 2)
+    with pytest.raises(ValueError, match="not on node 1"):
+        Layout(0, 4, 1, 2)
+    with pytest.raises(WdsCacheError, match="1 shards with samples for 2 nodes: every node needs at least one"):
+        JobEpoch.fresh([5, 0], layouts(2, 1)[0])
+
+
+def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypatch, tmp_path) -> None:
+    from wdscache import CachedMultiLoader
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_NODEID", "SLURM_NNODES", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    url = ["http://127.0.0.1:9/a.tar"]
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(0, 1, 0, 1)
+    for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "6", "SLURM_NODEID": "0", "SLURM_NNODES": "3"}.items():
+        monkeypatch.setenv(name, value)
+    # a batch script sees the job's tasks but is one process: not a rank of six
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(0, 1, 0, 1)
+    for name, value in {"SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NODEID": "1"}.items():  # a task of srun
+        monkeypatch.setenv(name, value)
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(2, 6, 1, 3)
+    # torchrun inside a Slurm step: torchrun's numbering wins
+    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(5, 8, 1, 2)
+    assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, node=0).layout == Layout(1, 8, 0, 2)
+
+
+@settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True)
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=8), first=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       hops=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.floats(0, 1)), max_size=3),
+       fraction=st.floats(0, 1), block=st.integers(1, 4))
+def test_any_chain_of_checkpoints_on_any_layouts_delivers_every_sample(
+        counts: list[int], first: tuple[int, int], hops: list[tuple[int, int, float]], fraction: float,
+        block: int) -> None:
+    assume(sum(1 for c in counts if c) >= first[0])
+    job = JobEpoch.fresh(counts, layouts(*first)[0], seed=2, shuffle_buffer=5, block=block)
+    seen: Counter[SampleId] = Counter()
+    exact = True
+    for nodes, per_node, next_fraction in hops:
+        stop = int(fraction * job.per_rank)
+        got = deliver(job, stop)
+        assert {len(v) for v in got.values()} == {stop}
+        for v in got.values():
+            seen.update(v)
+        at = job.share().resume_after(stop)
+        # exactly what was delivered, padding aside (a node with no positions left repeats a sample of
+        # another node's, maybe one not delivered yet)
+        exact = exact and all(job.node_length(k) for k in range(job.layout.num_nodes))
+        if exact:
+            assert sum(r.delivered() for r in at) == len(seen)
+        else:
+            assert sum(r.delivered() for r in at) <= len(seen)
+        job = resume_on(job, at, nodes, per_node)
+        fraction = next_fraction
+    got = deliver(job)
+    assert {len(v) for v in got.values()} == {job.per_rank}
+    for v in got.values():
+        seen.update(v)
+    if sum(counts) >= job.layout.world_size:
+        assert set(seen) == dataset(counts)
+
+
+def test_loader_reads_a_checkpoint_of_parts_and_refuses_a_malformed_one(tmp_path) -> None:
+    from wdscache import CachedMultiLoader
+
+    loader = CachedMultiLoader(["http://127.0.0.1:9/a.tar", "http://127.0.0.1:9/b.tar"], cache_dir=tmp_path,
+                               rank=0, world_size=2, node=0, num_nodes=2)
+    state = {**loader.state_dict(), "version": 3, "parts": [[0], [1]], "resumes": [[5, [[7, 9]]], [0, []]]}
+    loader.load_state_dict(state)
+    again = loader.state_dict()
+    assert (again["version"], again["parts"], again["resumes"]) == (3, [[0], [1]], [[5, [[7, 9]]], [0, []]])
+    for parts, resumes in (([[0], [1]], [[5, []]]), ([[0], ["x"]], [[0, []], [0, []]]),
+                           ([[0], [1]], [[0, [[3, 3]]], [0, []]])):
+        with pytest.raises(ValueError, match="'parts'"):
+            loader.load_state_dict({**state, "parts": parts, "resumes": resumes})
+    loader.set_epoch(1)
+    assert "parts" not in loader.state_dict() and loader.state_dict()["version"] == 2
