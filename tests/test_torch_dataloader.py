@@ -72,3 +72,13 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
     assert len(head) == 15 and len(tail) == 63 and len(set(head + tail)) == 78
     assert "to resume with another num_workers or world size, load the whole StatefulDataLoader.state_dict()" \
         in out["mismatch"]
+
+
+def test_stateful_dataloader_workers_of_a_job_on_several_nodes_restart_the_epoch(warm: tuple[Path, set[str]]) -> None:
+    cache, _ = warm
+    out = _run(cache, "nodes")
+    assert len(out["first"]) == 6
+    # The node's part, each sample once; the resumed loader starts the epoch again and gets the same.
+    assert len(out["whole"]) == len(set(out["whole"])) and 0 < len(out["whole"]) < 78
+    assert sorted(out["again"]) == sorted(out["whole"])
+    assert set(out["first"]) <= set(out["whole"])

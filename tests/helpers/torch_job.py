@@ -106,6 +106,24 @@ def stateful(cache: str) -> dict[str, Any]:
     return out
 
 
+def nodes(cache: str) -> dict[str, Any]:
+    """Node 0 of 2 (rank 0 of 2) in a StatefulDataLoader with 2 workers: its workers' states are
+    asked for at every batch; stopped after 2 batches and resumed, the epoch starts over."""
+    def make() -> StatefulDataLoader:
+        return StatefulDataLoader(loader(cache, 0, 2, node=0, num_nodes=2), batch_size=3, num_workers=2)
+
+    for _ in loader(cache, 0, 1):  # one epoch on one node: the agent learns the counts
+        pass
+    dl = make()
+    first = [i for _, batch in zip(range(2), dl) for i in ids(batch)]
+    state = dl.state_dict()
+    dl = make()
+    dl.load_state_dict(state)
+    again = [i for batch in dl for i in ids(batch)]
+    whole = [i for batch in make() for i in ids(batch)]
+    return {"first": first, "again": again, "whole": whole}
+
+
 if __name__ == "__main__":
     cache_dir, scenario = sys.argv[1], sys.argv[2]
-    print(json.dumps({"workers": workers, "stateful": stateful}[scenario](cache_dir)))
+    print(json.dumps({"workers": workers, "stateful": stateful, "nodes": nodes}[scenario](cache_dir)))

@@ -106,12 +106,14 @@ def _locked_cache(layout: CacheLayout) -> Iterator[ShardCache]:
 
 
 def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every shard the index knows: {url, state, size, last_read (ISO 8601 or None), reads, samples
-    (None: never counted), error (of a failed one)}, by URL."""
+    """Every shard the index knows: {url, state, size, source_size (a gzip'd source's size; None:
+    cached as it came), last_read (ISO 8601 or None), reads, samples (None: never counted),
+    error (of a failed one)}, by URL."""
     layout = _layout(cache_dir)
     index = Index(layout.index_dir)
     try:
-        return [{"url": r.url, "state": r.state.value, "size": r.size, "last_read": iso_time(r.last_read),
+        return [{"url": r.url, "state": r.state.value, "size": r.size, "source_size": r.source_size,
+                 "last_read": iso_time(r.last_read),
                  "reads": r.reads, "samples": index.counts.get(r.url), "error": r.error}
                 for r in sorted(index.records.values(), key=lambda r: r.url)]
     finally:
@@ -187,8 +189,9 @@ def verify(cache_dir: str | os.PathLike[str], *,
         if shard["state"] != "cached":
             continue
         checked += 1
-        problem = shard_problem(layout.shard_path(shard["url"]), shard["url"], shard["size"],
-                                checksum_of(shard["url"]))
+        # A checksum is of the source's bytes: a gzip'd source is cached as the tar inside it.
+        checksum = checksum_of(shard["url"]) if shard["source_size"] is None else None
+        problem = shard_problem(layout.shard_path(shard["url"]), shard["url"], shard["size"], checksum)
         if problem is not None:
             bad.append({"url": shard["url"], "problem": problem})
     evicted = evict(cache_dir, [b["url"] for b in bad]) if bad else {"evicted": [], "refused": []}

@@ -251,7 +251,7 @@ class CachedMultiLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start."""
-        self._epoch, self._start, self._skip, self._parts = epoch, Resume(), 0, None
+        self._epoch, self._start, self._skip, self._parts, self._part_resumes = epoch, Resume(), 0, None, ()
 
     def _part(self) -> Part:
         """This process's part of the rank's share: all of it (a DataLoader worker's: see
@@ -280,11 +280,15 @@ class CachedMultiLoader:
         return self._state(epoch, at, parts, resumes)
 
     def _worker_state(self, part: Part) -> dict[str, Any]:
-        if self.layout.num_nodes > 1 or self._parts is not None:
-            raise ValueError(
-                "a DataLoader worker's position on several nodes cannot be saved: checkpoint at epoch ends "
-                "(set_epoch), or read with num_workers=0 for exact mid-epoch resumes")
         stream = self._current
+        if self.layout.num_nodes > 1 or (stream is not None and isinstance(stream.share, NodeShare)):
+            # A worker's pairs of a node's share are not placed in the job's positions: its state
+            # says only the epoch, and whether it ended (see worker_parts.combine).
+            epoch = stream.spec.epoch if stream is not None else self._epoch
+            state = self._state(epoch, Resume())
+            state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size,
+                               "epoch_only": True, "complete": stream is not None and stream.complete}
+            return state
         if stream is None:  # before the first epoch of this worker
             epoch, start, pairs, complete, full_rows, tail = self._epoch, self._start, self._skip, False, 0, None
         else:
@@ -327,7 +331,7 @@ class CachedMultiLoader:
             if not all("worker" in one for one in ours):
                 raise ValueError("a loader's state holds both whole and per-worker wdscache states")
             epoch, at = combine(ours)
-            self._epoch, self._start, self._skip = epoch, at, 0
+            self._epoch, self._start, self._skip, self._parts, self._part_resumes = epoch, at, 0, None, ()
             self._resumed_from = ours[0]
             return
         state = ours[0]
@@ -343,8 +347,10 @@ class CachedMultiLoader:
                     "StatefulDataLoader.state_dict() into the dataset (dataset.load_state_dict(state)) and "
                     "give the new DataLoader no state")
         self._epoch, self._start = state["epoch"], Resume.of(state["position"], done)
-        self._skip = worker["pairs"] if worker is not None else 0
-        self._parts = None
+        self._skip = worker.get("pairs", 0) if worker is not None else 0
+        if worker is not None and worker.get("epoch_only"):  # a worker of a job on several nodes
+            self._epoch, self._start = state["epoch"] + bool(worker["complete"]), Resume()
+        self._parts, self._part_resumes = None, ()
         if state["version"] == PARTS_VERSION:
             self._parts, self._part_resumes = read_parts_state(state)
         self._resumed_from = state
@@ -438,7 +444,7 @@ class CachedMultiLoader:
         epoch, start, part = self._epoch, self._start, self._part()
         part = Part(part.index, part.count, self._skip)
         parts, resumes = self._parts, self._part_resumes
-        self._epoch, self._start, self._skip, self._parts = epoch + 1, Resume(), 0, None
+        self._epoch, self._start, self._skip, self._parts, self._part_resumes = epoch + 1, Resume(), 0, None, ()
         session = self._open_session()
         if self.layout.num_nodes > 1 or parts is not None:
             try:

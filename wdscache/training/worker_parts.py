@@ -13,10 +13,13 @@ rank is assumed to have delivered as much as this one, as for a single-process l
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 from ..shared.sequence import BLOCK, Resume, SampleId
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,11 @@ def combine(states: list[dict[str, Any]]) -> tuple[int, Resume]:
     epoch = epochs.pop()
     if all(p["complete"] for p in parts):
         return epoch + 1, Resume()
+    if any(p.get("epoch_only") for p in parts):
+        # Workers of a job on several nodes keep no mid-epoch position: the epoch starts over.
+        log.warning("this checkpoint was taken in epoch %d by DataLoader workers of a job on several nodes, "
+                    "which keep no position inside an epoch: epoch %d starts again from its beginning", epoch, epoch)
+        return epoch, Resume()
     start = Resume.of(states[0]["position"], states[0]["done"])
     tails = [p["tail"] for p in parts if p["tail"] is not None]
     geo = Geometry(parts[0]["world_size"], max(p["full_rows"] for p in parts), tails[0] if tails else None)
