@@ -98,9 +98,9 @@ cleanup() {
     local rc=$? i
     trap - EXIT INT TERM
     if [[ -n ${PIDS[slurmctld]:-} ]] && squeue -h -o %i 2>/dev/null | grep -q .; then
-        log "cancelling the job(s) still in the queue"
-        scancel --quiet --full --signal=TERM "$(squeue -h -o %i | head -n 1)" 2>/dev/null || true
-        for ((i = 0; i < 60; i++)); do
+        log "cancelling the job still in the queue"
+        scancel --quiet --partition=check 2>/dev/null || true
+        for ((i = 0; i < 80; i++)); do  # Slurm's KillWait is 30 s
             squeue -h -o %i 2>/dev/null | grep -q . || break
             sleep 0.5
         done
@@ -124,6 +124,7 @@ cleanup() {
     exit "$rc"
 }
 trap cleanup EXIT
+trap 'log "FAILED: line $LINENO: $BASH_COMMAND"' ERR
 trap 'log "interrupted"; exit 130' INT
 trap 'log "terminated"; exit 143' TERM
 
@@ -251,8 +252,16 @@ exit_code=$(grep -o ' ExitCode=[0-9:]*' <<<"$job_info")
 
 # --- 5. checks ----------------------------------------------------------------------------
 out=$WORK/job.out
-grep -q "wdscache-launch.sh: all 1 agent(s) ready" "$out" || fail "the launcher did not log the agent ready"
-grep -q "wdscache-launch.sh: agents stopped" "$out" || fail "the launcher did not log the agents stopped"
+line_of() { grep -n -m 1 -F -- "$1" "$out" | cut -d: -f1; }
+ready=$(line_of "wdscache-launch.sh: all 1 agent(s) ready")
+training=$(line_of "wdscache-launch.sh: running: torchrun")
+trained=$(line_of "wdscache-launch.sh: training command exited with status 0")
+stopped=$(line_of "wdscache-launch.sh: agents stopped")
+[[ -n $ready ]] || fail "the launcher did not log the agent ready"
+[[ -n $training && -n $trained ]] || fail "the launcher did not log the training step starting and ending with status 0"
+[[ -n $stopped ]] || fail "the launcher did not log the agents stopped"
+((ready < training && trained < stopped)) ||
+    fail "the launcher's log is out of order: agent ready (line $ready), training (lines $training-$trained), agents stopped (line $stopped)"
 agent_log=$(ls "$WORK"/logs/wdscache-agent-*.log 2>/dev/null | head -n 1)
 [[ -n $agent_log ]] || fail "no agent log in $WORK/logs"
 grep -q "agent [0-9]* serving" "$agent_log" || fail "the agent log does not show it serving"
