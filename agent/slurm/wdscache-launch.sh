@@ -9,7 +9,7 @@
 #      that were not ready,
 #   3. runs the training command with srun, WDSCACHE_CACHE_DIR exported,
 #   4. on exit (normal end, error, SIGINT/SIGTERM) stops the agents with
-#      SIGTERM, then forcibly after a grace period.
+#      SIGTERM to each agent process, then forcibly after a grace period.
 #
 # Exit status: the training command's; 1 if the agents could not be started;
 # 2 for a usage error.
@@ -201,6 +201,23 @@ stop_training() {
     train_pid=""
 }
 
+# SIGTERM to the agent process on every node (its pid from `wdscache stats`), in
+# a short step; status 0 if every node's agent got it. Not `scancel --signal`:
+# that signals every process of the step, the agent's worker processes too, and
+# the agent would log them as died and start new ones while it stops.
+signal_agents() {
+    # shellcheck disable=SC2016  # expanded by the inner bash, not here
+    timeout 60 srun --job-name=wdscache-stop --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 \
+        --overlap --export=ALL --kill-on-bad-exit=0 bash -c '
+        pid=$("$1" stats --cache-dir "$2" --json 2>/dev/null |
+            sed -n "/\"agent\": *{/,/\"pid\"/ s/.*\"pid\": *\([0-9][0-9]*\).*/\1/p")
+        if [[ -z $pid ]] || ! kill -TERM "$pid"; then
+            printf "no running wdscache agent on %s to stop\n" "$(hostname)" >&2
+            exit 1
+        fi
+    ' wdscache-stop "$wdscache_bin" "$cache_dir"
+}
+
 stop_agents() {
     if [[ -n $check_srun_pid ]] && kill -0 "$check_srun_pid" 2>/dev/null; then
         kill "$check_srun_pid" 2>/dev/null || true
@@ -214,11 +231,22 @@ stop_agents() {
     fi
     if kill -0 "$agent_srun_pid" 2>/dev/null; then
         [[ -n $agent_step ]] || agent_step=$(find_agent_step || true)
-        if [[ -n $agent_step ]]; then
-            # Signal the agents themselves. Sending SIGTERM to the srun process
-            # instead would make srun SIGKILL its tasks.
+        local how=""
+        if [[ -z $signalled ]]; then
+            log "stopping the agents (SIGTERM to each node's agent, up to ${stop_timeout}s)"
+            if signal_agents; then
+                how=pid
+            else
+                log "could not signal every node's agent by its pid"
+            fi
+        fi
+        if [[ -z $how && -n $agent_step ]]; then
+            # Sending SIGTERM to the srun process instead would make srun SIGKILL its tasks.
             log "stopping the agents (step $agent_step, SIGTERM, up to ${stop_timeout}s)"
             scancel --quiet --signal=TERM "$agent_step" || true
+            how=step
+        fi
+        if [[ -n $how ]]; then
             if ! wait_gone "$agent_srun_pid" "$stop_timeout"; then
                 log "agents still running after ${stop_timeout}s; killing them"
                 kill "$agent_srun_pid" 2>/dev/null || true
@@ -231,8 +259,10 @@ stop_agents() {
             kill -KILL "$agent_srun_pid" 2>/dev/null || true
         fi
     fi
-    wait "$agent_srun_pid" 2>/dev/null || true
+    local agent_rc=0
+    wait "$agent_srun_pid" 2>/dev/null || agent_rc=$?
     agent_srun_pid=""
+    log "agents stopped (their step's status $agent_rc)"
 }
 
 on_exit() {
