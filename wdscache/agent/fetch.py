@@ -69,7 +69,7 @@ from ..shared.config import default, format_size, parse_size
 from ..shared.errors import FetchError, ShardError
 from ..shared.shard_index import ShardInfo, count_samples, file_facts
 from .gunzip import gunzip
-from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
+from .parts import Part, Plan, Stopped, append_side, file_size, remove_side_files, side_files
 from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
 
 log = logging.getLogger(__name__)
@@ -314,7 +314,7 @@ class Fetcher:
         while True:
             if d.cancel.is_set():
                 raise Cancelled(d.url)
-            before = d.written = _size_of(d.partial)
+            before = d.written = file_size(d.partial)
             try:
                 total = attempt(d)
                 return total, d.etag
@@ -325,7 +325,7 @@ class Fetcher:
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                     urllib3.exceptions.HTTPError, OSError) as exc:
                 reason, delay = f"{type(exc).__name__}: {_short(exc)}", None
-            if _size_of(d.partial) > before:
+            if file_size(d.partial) > before:
                 failures = 0  # progress was made: only consecutive failures count
             failures += 1
             if failures > self.retries:
@@ -669,7 +669,7 @@ class Fetcher:
             with open(src, "rb") as f:
                 st = os.fstat(f.fileno())
                 total = st.st_size
-                offset = _size_of(d.partial)
+                offset = file_size(d.partial)
                 tag = f"{st.st_size}-{st.st_mtime_ns}"
                 if offset > total or (offset and d.etag != tag):
                     _truncate(d.partial)  # the file changed since the partial copy was made
@@ -907,13 +907,6 @@ def _sync(d: Download, fd: int, sync: Callable[[int], None]) -> None:
         if exc.errno in DISK_FULL_ERRNOS:  # some file systems take the space only now
             raise _disk_full(d, exc) from exc
         raise
-
-
-def _size_of(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def _truncate(path: Path) -> None:

@@ -71,7 +71,7 @@ def side_files(partial: Path) -> list[tuple[int, int, Path]]:
 
 def side_bytes(partial: Path) -> int:
     """Bytes held in ``partial``'s side files."""
-    return sum(_size(path) for _, _, path in side_files(partial))
+    return sum(file_size(path) for _, _, path in side_files(partial))
 
 
 def remove_side_files(partial: Path) -> None:
@@ -117,7 +117,7 @@ class Plan:
         self.error: BaseException | None = None
         at = head.end
         for start, end, path in side_files(partial):
-            have = _size(path)
+            have = file_size(path)
             if start < at or end > total or have > end - start:
                 _unlink(path)  # not a part of this plan (overlaps, or of another size): fetched again
                 continue
@@ -194,7 +194,7 @@ def _split(start: int, end: int, size: int) -> Iterable[Part]:
 
 def append_side(partial: Path, side: Path, at: int) -> int:
     """Append what ``side`` holds to ``partial`` (whose size is ``at``) and remove it; its size."""
-    n = _size(side)
+    n = file_size(side)
     _append(partial, side, at, n)
     return n
 
@@ -225,7 +225,8 @@ def _append(partial: Path, side: Path, at: int, n: int) -> None:
     side.unlink()
 
 
-def _size(path: Path) -> int:
+def file_size(path: Path) -> int:
+    """``path``'s size; 0 when there is no such file."""
     try:
         return path.stat().st_size
     except FileNotFoundError:
