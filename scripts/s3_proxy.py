@@ -157,6 +157,8 @@ class S3Proxy:
                     out.append(f"{name}: {value}\r\n")
             if method == "HEAD":
                 out.append(f"Content-Length: {resp.getheader('Content-Length')}\r\nConnection: close\r\n\r\n")
+                if self.ttfb:
+                    time.sleep(self.ttfb)
                 conn.sendall("".join(out).encode("latin-1"))
                 return
             length = resp.getheader("Content-Length")
