@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Container, Iterable, Sequence
 
 from ..shared.config import format_size
-from .fetch import Download
+from .download import Download
 from .parts import owner_name, remove_side_files, side_bytes
 from ..shared.index import Index, IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout

@@ -36,7 +36,8 @@ from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed,
 from .cache import ShardCache
 from ..shared.config import AgentConfig, format_size
 from ..shared.errors import FetchError
-from .fetch import Cancelled, DiskFull, Download, Fetched, Fetcher
+from .download import Cancelled, DiskFull, Download, Fetched
+from .fetch import Fetcher
 from ..shared.index import ShardState
 from ..shared.logs import event
 from ..shared.shard_index import ShardInfo

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Union
 
 from ..shared.errors import FetchError
-from .fetch import DiskFull, Download, Fetched
+from .download import DiskFull, Download, Fetched
 
 
 @dataclass

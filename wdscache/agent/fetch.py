@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
-import errno
 import logging
 import os
 import random
@@ -56,34 +55,26 @@ import subprocess
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator
+from typing import Callable, Iterator
 from urllib.parse import unquote, urlsplit
 
 import requests
 import urllib3
 
 from ..shared import s3
-from ..shared.config import default, format_size, parse_size
-from ..shared.errors import FetchError, ShardError
-from ..shared.shard_index import ShardInfo, count_samples, file_facts
-from .gunzip import gunzip
-from .parts import Part, Plan, Stopped, append_side, file_size, remove_side_files, side_files
-from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
+from ..shared.config import default, parse_size
+from ..shared.errors import FetchError
+from ..shared.shard_index import file_facts
+from .download import (GROW, SYNC_EVERY, Cancelled, Changed, Download, Fetched, Retry, check_tar_head, publish,
+                       publish_gunzipped, reserve_holding, short, sync_partial, truncate, write_all)
+from .parted import PartedFetch
+from .parts import Part, file_size, remove_side_files
+from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem
 
 log = logging.getLogger(__name__)
 
 CHUNK = 64 << 10  # small reads: bytes received before a connection breaks are kept
-# Reservations for bodies of unknown length grow in steps of this size.
-GROW = 16 << 20
-# How long a download may hold an open connection while waiting for cache space.
-HOLD_CONNECTION = 5.0
-# A download's partial file is written back every this many bytes as they arrive, so the
-# fsync that ends it (while it holds its download slot) waits for the last few MB only,
-# not for the whole shard.
-SYNC_EVERY = 4 << 20
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write or sync refused for space
 PERMANENT_STATUS = {400, 401, 403, 404, 405, 410, 451}
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 # How long a parted download waits for budget for its size plus one part before it goes on
@@ -91,67 +82,6 @@ RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 PARTS_HOLD = 1.0
 # Beyond the read timeout, how long the end of a parted download waits for its other threads.
 PARTS_JOIN = 5.0
-
-
-class Cancelled(Exception):
-    """The download was abandoned (shutdown, or the shard left every window)."""
-
-
-@dataclass
-class Download:
-    """One shard being fetched. The agent owns it; a download thread works on it.
-
-    ``reserve(d, total, timeout)`` is provided by the agent: it blocks until the
-    budget holds ``total`` bytes for this download (True), the timeout passes
-    (False) or the download is cancelled (raises :class:`Cancelled`).
-    """
-
-    url: str
-    partial: Path
-    final: Path
-    reserve: Callable[["Download", int, float | None], bool]
-    etag: str | None = None
-    cancel: threading.Event = field(default_factory=threading.Event)
-    total: int | None = None  # the shard's size, once the source has said it
-    written: int = 0
-    expanded: int = 0  # bytes of a gzip'd shard's tar written so far (beside its ``written``)
-    reserved: int = 0
-    demanded: bool = False
-    # A growing reservation (unknown size, or a gzip'd shard's tar): the bytes the next
-    # one must hold at least; the budget may grant less than asked, never less than this.
-    needed: int = 0
-    gzipped: bool = False  # its body starts like gzip: readers wait for the tar, never stream it
-    verify: bool = False  # only ask the source whether the cached copy is still current
-    expected: ShardInfo | None = None  # what a shard index says of the file (checked before publish)
-    digest: bool = False  # hash the source bytes (``md5``) even without an expected MD5
-    md5: str | None = None  # the MD5 of the source bytes, once hashed
-    single: bool = False  # over one connection: the budget could not hold parallel parts
-    # A validator the source refused for a part of its own version: parts from it would never end.
-    refused: str | None = None
-    on_validator: Callable[["Download"], None] = lambda d: None
-
-
-@dataclass(frozen=True)
-class Fetched:
-    size: int  # at the source
-    etag: str | None
-    stored: int | None = None  # in the cache, when not ``size``: a gzip'd shard is cached decompressed
-
-
-class DiskFull(FetchError):
-    """The cache's file system refused a write (ENOSPC, quota, file size limit)."""
-
-
-class _Changed(Exception):
-    """A ranged request of a parted download was answered for another version of the object."""
-
-
-class _Retry(Exception):
-    """Try again after ``delay`` (None: backoff); ``counts`` False for retries that are no failure."""
-
-    def __init__(self, reason: str, delay: float | None = None, *, counts: bool = True) -> None:
-        super().__init__(reason)
-        self.reason, self.delay, self.counts = reason, delay, counts
 
 
 class Fetcher:
@@ -170,8 +100,7 @@ class Fetcher:
         download_part_size: str = default("download_part_size"),
     ) -> None:
         self.timeout = (connect_timeout, read_timeout)
-        self.parts = download_parts
-        self.part_size = parse_size(download_part_size, what="--download-part-size")
+        self._parted = PartedFetch(self, download_parts, parse_size(download_part_size, what="--download-part-size"))
         self.s3_endpoint_url = s3_endpoint_url
         self.retries, self.backoff, self.backoff_max = retries, backoff, backoff_max
         self._local = threading.local()
@@ -261,7 +190,7 @@ class Fetcher:
         problem = self._check_expected(d)
         if problem:  # once more from byte 0: a copy damaged on the way, or a source replaced since
             log.warning("%s: %s; downloading it once more", d.url, problem)
-            _truncate(d.partial)
+            truncate(d.partial)
             remove_side_files(d.partial)
             size, etag = self._fetch_source(d, scheme)
             again = self._check_expected(d)
@@ -275,8 +204,8 @@ class Fetcher:
         with open(d.partial, "rb") as f:
             packed = f.read(2) == GZIP_MAGIC
         if packed:
-            return Fetched(size, etag, stored=self._publish_gunzipped(d))
-        self._publish(d)
+            return Fetched(size, etag, stored=publish_gunzipped(d))
+        publish(d)
         return Fetched(size, etag)
 
     def _fetch_source(self, d: Download, scheme: str) -> tuple[int, str | None]:
@@ -318,13 +247,13 @@ class Fetcher:
             try:
                 total = attempt(d)
                 return total, d.etag
-            except _Retry as exc:
+            except Retry as exc:
                 if not exc.counts:
                     continue
                 reason, delay = exc.reason, exc.delay
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                     urllib3.exceptions.HTTPError, OSError) as exc:
-                reason, delay = f"{type(exc).__name__}: {_short(exc)}", None
+                reason, delay = f"{type(exc).__name__}: {short(exc)}", None
             if file_size(d.partial) > before:
                 failures = 0  # progress was made: only consecutive failures count
             failures += 1
@@ -342,9 +271,9 @@ class Fetcher:
         if offset and not d.etag:
             # Without a validator we cannot tell whether the object changed since these bytes came:
             # splicing two versions would publish a wrong shard, so start over.
-            _truncate(d.partial)
+            truncate(d.partial)
             offset = d.written = 0
-        offset, end = self._first_range(d, offset)
+        offset, end = self._parted.first_range(d, offset)
         d.written = offset
         headers = {"Accept-Encoding": "identity"}
         if offset or end is not None:
@@ -359,29 +288,29 @@ class Fetcher:
             if status in RETRY_STATUS:
                 delay = _retry_after(r.headers.get("Retry-After"))
                 self._hold(d.url, delay)
-                raise _Retry(f"HTTP {status} {r.reason}", delay)
+                raise Retry(f"HTTP {status} {r.reason}", delay)
             if status == 416 and offset:
                 if _unsatisfiable_size(r.headers.get("Content-Range", "")) == offset and d.etag:
                     # Nothing past our bytes, of the version If-Range named: the partial kept
                     # was whole already (cancelled after its last byte came). Checked as any.
                     d.total = offset
-                    _reserve_holding(d, offset, r.close)
+                    reserve_holding(d, offset, r.close)
                     return offset
-                _truncate(d.partial)  # our partial is not a prefix of this object
-                raise _Retry("HTTP 416 on resume; starting over", 0.0)
+                truncate(d.partial)  # our partial is not a prefix of this object
+                raise Retry("HTTP 416 on resume; starting over", 0.0)
             if status == 206 and "Range" in headers:
                 start, total = _content_range(r.headers.get("Content-Range", ""))
                 if start != offset:
-                    _truncate(d.partial)
-                    raise _Retry("server resumed at the wrong offset; starting over", 0.0)
+                    truncate(d.partial)
+                    raise Retry("server resumed at the wrong offset; starting over", 0.0)
                 if end is not None and total is None:
                     d.single = True  # a part's answer without the shard's size: one request for it all
-                    raise _Retry("server sent no size with its range; using one connection", 0.0, counts=False)
+                    raise Retry("server sent no size with its range; using one connection", 0.0, counts=False)
             elif status == 200:
                 remove_side_files(d.partial)  # an answer from byte 0: the object may have changed
                 if offset:
                     log.info("%s: server ignored the Range request; downloading from the start", d.url)
-                    _truncate(d.partial)
+                    truncate(d.partial)
                     offset = d.written = 0
                 length = r.headers.get("Content-Length")
                 total = int(length) if length and length.isdigit() else None
@@ -393,32 +322,32 @@ class Fetcher:
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
             if end is not None and status == 206 and _parts_can_name(etag, d) and total > end:
                 first = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
-                return self._parted(d, Part(offset, end), total, first, r.close, self._http_range)
+                return self._parted.fetch(d, Part(offset, end), total, first, r.close, self._http_range)
             if total is not None:
                 d.total = total
-                if not _reserve_holding(d, total, r.close):
-                    raise _Retry("waited for cache space", 0.0, counts=False)
+                if not reserve_holding(d, total, r.close):
+                    raise Retry("waited for cache space", 0.0, counts=False)
             # The bytes as stored: a server's Content-Encoding is not ours to undo. read1 returns
             # what has arrived (up to CHUNK), so a cancel leaves few received bytes unwritten.
             body = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
             self._write_body(d, body, total, check_head=offset == 0)
             if total is not None and d.written != total:
-                raise _Retry(f"got {d.written} of {total} bytes")
+                raise Retry(f"got {d.written} of {total} bytes")
             return d.written
 
     def _s3_attempt(self, d: Download) -> int:
         offset = d.written
         if offset and not d.etag:
-            _truncate(d.partial)  # as for HTTP: bytes of an unknown version are never continued
+            truncate(d.partial)  # as for HTTP: bytes of an unknown version are never continued
             offset = d.written = 0
         client = self._s3(d.url)
-        offset, end = self._first_range(d, offset)
+        offset, end = self._parted.first_range(d, offset)
         d.written = offset
         try:
             body = client.get(d.url, offset=offset, end=end, if_match=d.etag if offset else None, chunk=CHUNK)
         except s3.Changed:
-            _truncate(d.partial)  # the object was replaced since our bytes came
-            raise _Retry("the object changed since the partial copy was made (If-Match: HTTP 412); "
+            truncate(d.partial)  # the object was replaced since our bytes came
+            raise Retry("the object changed since the partial copy was made (If-Match: HTTP 412); "
                          "starting over", 0.0) from None
         except s3.Unsatisfiable:
             if offset and self._s3_head(client, d.url) == (offset, d.etag):
@@ -426,36 +355,36 @@ class Fetcher:
                 d.total = offset
                 d.reserve(d, offset, None)
                 return offset
-            _truncate(d.partial)
-            raise _Retry("HTTP 416 on resume; starting over", 0.0) from None
+            truncate(d.partial)
+            raise Retry("HTTP 416 on resume; starting over", 0.0) from None
         except s3.Transient as exc:
-            raise _Retry(exc.reason) from None
+            raise Retry(exc.reason) from None
         try:
             if not body.ranged:
                 remove_side_files(d.partial)
             if offset and not body.ranged:
                 log.info("%s: server ignored the Range request; downloading from the start", d.url)
-                _truncate(d.partial)
+                truncate(d.partial)
                 offset = d.written = 0
             elif body.ranged and body.start != offset:
-                _truncate(d.partial)
-                raise _Retry("server resumed at the wrong offset; starting over", 0.0)
+                truncate(d.partial)
+                raise Retry("server resumed at the wrong offset; starting over", 0.0)
             if body.etag and body.etag != d.etag:
                 d.etag = body.etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
             if end is not None and body.ranged and _parts_can_name(body.etag, d) and body.total > end:
-                return self._parted(d, Part(offset, end), body.total, _s3_chunks(body.chunks), body.close,
+                return self._parted.fetch(d, Part(offset, end), body.total, _s3_chunks(body.chunks), body.close,
                                     self._s3_range)
             d.total = body.total
-            if not _reserve_holding(d, body.total, body.close):
-                raise _Retry("waited for cache space", 0.0, counts=False)
+            if not reserve_holding(d, body.total, body.close):
+                raise Retry("waited for cache space", 0.0, counts=False)
             self._write_body(d, body.chunks, body.total, check_head=offset == 0)
         except s3.Transient as exc:
-            raise _Retry(exc.reason) from None
+            raise Retry(exc.reason) from None
         finally:
             body.close()
         if d.written != body.total:
-            raise _Retry(f"got {d.written} of {body.total} bytes")
+            raise Retry(f"got {d.written} of {body.total} bytes")
         return d.written
 
     @staticmethod
@@ -466,165 +395,6 @@ class Fetcher:
             return None
 
     # -- parallel ranged parts (wdscache.agent.parts) ---------------------
-
-    def _first_range(self, d: Download, offset: int) -> tuple[int, int | None]:
-        """Where the first request of an attempt starts and ends (None: it asks for the whole
-        rest) when the shard may come in parts. A side file kept from earlier that starts
-        where the partial file ends is appended to it first, and the request stops before
-        the next one, so no byte is fetched twice. Side files are removed when unusable."""
-        if self.parts < 2 or d.single or not offset:
-            remove_side_files(d.partial)  # only resumed beside the prefix they belong to
-            return offset, None if self.parts < 2 or d.single else self.part_size
-        end = None
-        for start, stop, path in side_files(d.partial):
-            if start == offset and end is None:
-                offset += append_side(d.partial, path, offset)
-                if offset < stop:
-                    end = stop  # the rest of that part comes first
-            elif start > offset:
-                return offset, min(end or offset + self.part_size, start)
-        return offset, end or offset + self.part_size
-
-    def _parted(self, d: Download, head: Part, total: int, first: Iterator[bytes], let_go: Callable[[], None],
-                open_range: Callable[[Download, int, int, int], ContextManager[Iterator[bytes]]]) -> int:
-        """Fetch ``d`` as parts, the first (``head``) from the answer ``first`` that gave its size."""
-        d.total = total
-        plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(d, "written", d.written + n))
-        d.written = plan.held
-        need = total + plan.largest  # an append holds a part's bytes twice for a moment
-        try:
-            granted = d.reserve(d, need, PARTS_HOLD)
-        except FetchError:  # more than the whole cache
-            granted = False
-        if not granted:
-            # One connection needs the shard's size only: this answer's bytes are kept, and the
-            # next request asks for the whole rest.
-            log.info("%s: the cache cannot hold %s for parallel parts now; using one connection",
-                     d.url, format_size(need))
-            d.single = True
-            remove_side_files(d.partial)
-            d.written = head.start
-            if not _reserve_holding(d, total, let_go):
-                raise _Retry("waited for cache space", 0.0, counts=False)
-            self._write_body(d, first, head.end, check_head=head.start == 0)
-            if d.written != head.end:
-                raise _Retry(f"got {d.written} of {head.end} bytes")
-            raise _Retry("going on over one connection", 0.0, counts=False)
-        helpers = [threading.Thread(target=self._part_thread, args=(d, plan, open_range), daemon=True,
-                                    name=f"{threading.current_thread().name}-part{i}")
-                   for i in range(1, min(self.parts, plan.pending + 1))]
-        for t in helpers:
-            t.start()
-        try:
-            self._fetch_part(d, plan, head, open_range, first)
-            plan.finish(head)
-            self._take_parts(d, plan, open_range)
-        except BaseException as exc:  # noqa: BLE001 (kept as the plan's error, raised below)
-            plan.abort(exc)
-        finally:
-            self._join_parts(d, plan, helpers)
-        error = plan.error
-        if isinstance(error, _Changed):
-            _truncate(d.partial)
-            remove_side_files(d.partial)
-            d.refused = d.etag  # if the object comes back unchanged, its parts come over one connection
-            raise _Retry(f"{error}; the object changed during the download, starting over", 0.0)
-        if isinstance(error, Stopped):  # stopped for a reason another thread did not keep
-            raise Cancelled(d.url)
-        if error is not None:
-            raise error
-        if not plan.complete:
-            raise _Retry(f"parts ended at byte {plan.prefix} of {total}")
-        return total
-
-    def _part_thread(self, d: Download, plan: Plan, open_range) -> None:
-        try:
-            self._take_parts(d, plan, open_range)
-        except BaseException as exc:  # noqa: BLE001 (the download's thread raises it)
-            plan.abort(exc)
-        finally:
-            self.close_thread()
-
-    def _take_parts(self, d: Download, plan: Plan, open_range) -> None:
-        while (part := plan.take()) is not None:
-            self._fetch_part(d, plan, part, open_range)
-            plan.finish(part)
-
-    def _join_parts(self, d: Download, plan: Plan, helpers: list[threading.Thread]) -> None:
-        """Wait for ``helpers``; once the download stops, for at most a read timeout and a bit."""
-        deadline = None
-        for t in helpers:
-            while t.is_alive():
-                t.join(0.1)
-                if deadline is None and (d.cancel.is_set() or plan.stop.is_set()):
-                    plan.stop.set()
-                    deadline = time.monotonic() + self.timeout[1] + PARTS_JOIN
-                if deadline is not None and time.monotonic() > deadline:
-                    log.warning("%s: a part's thread did not stop in time", d.url)
-                    return
-
-    def _fetch_part(self, d: Download, plan: Plan, part: Part, open_range,
-                    first: Iterator[bytes] | None = None) -> None:
-        """Fetch the rest of ``part`` (from ``first``, an answer already open, then by ranged
-        requests), retrying with backoff; only consecutive failures without progress count."""
-        failures = 0
-        while part.have < part.size:
-            _check(d, plan)
-            before = part.have
-            try:
-                if first is not None:
-                    chunks, first = first, None
-                    self._write_part(d, plan, part, chunks)
-                else:
-                    with open_range(d, part.start + part.have, part.end, plan.total) as chunks:
-                        self._write_part(d, plan, part, chunks)
-                if part.have == part.size:
-                    return
-                raise _Retry(f"got {part.have} of {part.size} bytes")
-            except _Retry as exc:
-                reason, delay = exc.reason, exc.delay
-            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-                    urllib3.exceptions.HTTPError, OSError) as exc:
-                reason, delay = f"{type(exc).__name__}: {_short(exc)}", None
-            if part.have > before:
-                failures = 0
-            failures += 1
-            span = f"bytes {part.start}-{part.end - 1}"
-            if failures > self.retries:
-                raise FetchError(d.url, f"gave up after {self.retries} retries of {span}: {reason}")
-            if delay is None:
-                cap = min(self.backoff_max, self.backoff * 2 ** (failures - 1))
-                delay = random.uniform(cap / 2, cap)
-            log.info("retrying %s of %s in %.1fs (%s)", span, d.url, delay, reason)
-            deadline = time.monotonic() + delay
-            while (left := deadline - time.monotonic()) > 0:
-                plan.stop.wait(min(left, 0.1))
-                _check(d, plan)
-
-    def _write_part(self, d: Download, plan: Plan, part: Part, chunks: Iterator[bytes]) -> None:
-        """Append ``chunks`` to ``part``'s file (the partial file, or its side file)."""
-        path = d.partial if part.side is None else part.side
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            if os.fstat(fd).st_size != (part.start if part.side is None else 0) + part.have:
-                raise _Changed(f"{path.name} is not as the download left it")
-            synced = part.have
-            for chunk in chunks:
-                if not chunk:
-                    continue
-                at = part.start + part.have
-                if part.have + len(chunk) > part.size:
-                    raise FetchError(d.url, f"server sent more than the bytes {part.start}-{part.end - 1} asked for")
-                if part.side is None and at < HEAD_BYTES <= at + len(chunk):
-                    self._check_head(d, fd, chunk)
-                _check(d, plan)  # before the write: nothing is written once the download stops
-                plan.wrote(part, _write_all(d, fd, chunk))
-                if part.have - synced >= SYNC_EVERY:
-                    _sync_part(d, fd, path, getattr(os, "fdatasync", os.fsync))
-                    synced = part.have
-            _sync_part(d, fd, path, os.fsync)
-        finally:
-            os.close(fd)
 
     @contextlib.contextmanager
     def _http_range(self, d: Download, start: int, end: int, total: int) -> Iterator[Iterator[bytes]]:
@@ -639,10 +409,10 @@ class Fetcher:
             if status in RETRY_STATUS:
                 delay = _retry_after(r.headers.get("Retry-After"))
                 self._hold(d.url, delay)
-                raise _Retry(f"HTTP {status} {r.reason}", delay)
+                raise Retry(f"HTTP {status} {r.reason}", delay)
             got = _content_range(r.headers.get("Content-Range", "")) if status == 206 else None
             if got != (start, total) or validator(r.headers) != d.etag:
-                raise _Changed(f"bytes {start}-{end - 1} came as HTTP {status} "
+                raise Changed(f"bytes {start}-{end - 1} came as HTTP {status} "
                                f"({r.headers.get('Content-Range') or 'no range'}, {validator(r.headers)})")
             yield iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
 
@@ -651,12 +421,12 @@ class Fetcher:
         try:
             body = self._s3(d.url).get(d.url, offset=start, end=end, if_match=d.etag, chunk=CHUNK)
         except (s3.Changed, s3.Unsatisfiable) as exc:
-            raise _Changed(f"bytes {start}-{end - 1}: {type(exc).__name__}") from None
+            raise Changed(f"bytes {start}-{end - 1}: {type(exc).__name__}") from None
         except s3.Transient as exc:
-            raise _Retry(exc.reason) from None
+            raise Retry(exc.reason) from None
         try:
             if not body.ranged or body.start != start or body.total != total or body.etag != d.etag:
-                raise _Changed(f"bytes {start}-{end - 1} came as another range or version ({body.etag})")
+                raise Changed(f"bytes {start}-{end - 1} came as another range or version ({body.etag})")
             yield _s3_chunks(body.chunks)
         finally:
             body.close()
@@ -672,7 +442,7 @@ class Fetcher:
                 offset = file_size(d.partial)
                 tag = f"{st.st_size}-{st.st_mtime_ns}"
                 if offset > total or (offset and d.etag != tag):
-                    _truncate(d.partial)  # the file changed since the partial copy was made
+                    truncate(d.partial)  # the file changed since the partial copy was made
                     offset = 0
                 if d.etag != tag:
                     d.etag = tag
@@ -693,7 +463,7 @@ class Fetcher:
     # -- pipe: sources (only listed when the agent runs with --allow-pipe) --
 
     def _fetch_pipe(self, d: Download) -> tuple[int, str | None]:
-        _truncate(d.partial)  # a command's output cannot be resumed
+        truncate(d.partial)  # a command's output cannot be resumed
         d.written = 0
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(d.url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stderr=err,
@@ -728,113 +498,19 @@ class Fetcher:
                     d.needed = d.written + len(chunk)
                     d.reserve(d, d.needed + GROW, None)
                 if check_head and d.written < HEAD_BYTES <= d.written + len(chunk):
-                    self._check_head(d, fd, chunk)
-                d.written += _write_all(d, fd, chunk)
+                    check_tar_head(d, fd, chunk)
+                d.written += write_all(d, fd, chunk)
                 if d.cancel.is_set():  # checked after the write: bytes received are kept for a resume
                     raise Cancelled(d.url)
                 if d.written - synced >= SYNC_EVERY:
-                    _sync(d, fd, getattr(os, "fdatasync", os.fsync))  # no fdatasync on macOS
+                    sync_partial(d, fd, getattr(os, "fdatasync", os.fsync))  # no fdatasync on macOS
                     synced = d.written
             if check_head and d.written < HEAD_BYTES:
-                self._check_head(d, fd, b"")
-            _sync(d, fd, os.fsync)
+                check_tar_head(d, fd, b"")
+            sync_partial(d, fd, os.fsync)
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _check_head(d: Download, fd: int, pending: bytes) -> None:
-        # Checked as soon as 64 KiB arrive, so a wrong body is refused early, not after 1 GB.
-        head = os.pread(fd, HEAD_BYTES, 0) + pending
-        d.gzipped = head.startswith(GZIP_MAGIC)
-        problem = tar_problem(head[:HEAD_BYTES])
-        if problem:
-            raise FetchError(d.url, problem, permanent=True)
-
-    def _publish_gunzipped(self, d: Download) -> int:
-        """Publish the tar inside ``d``'s complete, gzip'd partial file as the shard; its size.
-
-        The download's reservation covers the compressed file and the tar while both
-        exist. Raises FetchError (permanent) for damaged gzip data, a tar that is not
-        one, or a tar beyond what may be reserved; the tar's file is removed then.
-        """
-        tar = d.partial.with_name(d.partial.name + "~tar")  # "~" is in no partial file's name
-        packed, d.expanded = d.written, 0
-        try:
-            with open(d.partial, "rb") as src:
-                fd = os.open(tar, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                try:
-                    synced = 0
-                    for piece in gunzip(src.read, url=d.url):
-                        if d.cancel.is_set():
-                            raise Cancelled(d.url)
-                        if packed + d.expanded + len(piece) > d.reserved:
-                            self._grow_for_tar(d, packed, len(piece))
-                        d.expanded += _write_all(d, fd, piece)
-                        if d.expanded - synced >= SYNC_EVERY:
-                            _sync_tar(d, fd, getattr(os, "fdatasync", os.fsync))
-                            synced = d.expanded
-                    problem = file_problem(tar)
-                    if problem:
-                        raise FetchError(d.url, f"gzip'd data is no tar: {problem}", permanent=True)
-                    _sync_tar(d, fd, os.fsync)
-                finally:
-                    os.close(fd)
-            self._publish(d, tar)
-        except ShardError as exc:
-            raise FetchError(d.url, f"{exc.reason} (at byte {exc.offset} of the gzip'd file)", permanent=True) from None
-        finally:
-            tar.unlink(missing_ok=True)  # gone already once published
-        d.partial.unlink()  # after the rename: a crash in between leaves a published shard
-        return d.expanded
-
-    @staticmethod
-    def _grow_for_tar(d: Download, packed: int, piece: int) -> None:
-        """Reserve room for ``piece`` more bytes of ``d``'s tar (beside the compressed file)."""
-        d.needed = packed + d.expanded + piece  # granted at least this, up to a step ahead
-        try:
-            d.reserve(d, d.needed + GROW, None)
-        except FetchError as exc:
-            raise FetchError(
-                d.url, f"gzip'd shard expands beyond the cache's budget: {format_size(d.expanded + piece)} "
-                f"decompressed so far (from {format_size(packed)}); {exc.reason}", permanent=True,
-            ) from None
-
-    @staticmethod
-    def _publish(d: Download, path: Path | None = None) -> None:
-        """Rename ``path`` (the partial file by default) into place as the shard's file; one whose
-        shard index gives another sample count is refused (FetchError, permanent)."""
-        if d.expected is not None:
-            _check_count(d, path or d.partial)
-        d.final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.replace(path or d.partial, d.final)
-        dir_fd = os.open(d.final.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power cut
-        finally:
-            os.close(dir_fd)
-
-
-def _check_count(d: Download, tar: Path) -> None:
-    """The samples of ``d``'s complete tar are those its shard index gives: the sequence of an
-    epoch is built on that count before the shard is read. The bytes are the ones the index
-    describes (size and MD5 checked), so another copy would not help: the shard fails."""
-    assert d.expected is not None
-    try:
-        problem = d.expected.count_mismatch(count_samples(tar, url=d.url))
-    except ShardError as exc:
-        problem = f"not a readable tar: {exc.reason}" + (f" (at byte {exc.offset})" if exc.offset is not None else "")
-    if problem:
-        raise FetchError(d.url, problem, permanent=True)
-
-
-def _reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> bool:
-    """Reserve ``total`` bytes for ``d`` while holding its connection, for a short while; then
-    ``let_go`` of the connection (waiting for space could take long) and wait: False."""
-    if d.reserve(d, total, HOLD_CONNECTION):
-        return True
-    let_go()
-    d.reserve(d, total, None)
-    return False
 
 
 def _parts_can_name(tag: str | None, d: Download) -> bool:
@@ -843,78 +519,12 @@ def _parts_can_name(tag: str | None, d: Download) -> bool:
     return bool(tag) and not tag.startswith("W/") and tag != d.refused
 
 
-def _check(d: Download, plan: Plan) -> None:
-    if d.cancel.is_set():
-        raise Cancelled(d.url)
-    if plan.stop.is_set():
-        raise Stopped(d.url)
-
-
 def _s3_chunks(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """``chunks`` with a broken read as :class:`_Retry`, as the part's retry loop knows it."""
+    """``chunks`` with a broken read as :class:`Retry`, as the part's retry loop knows it."""
     try:
         yield from chunks
     except s3.Transient as exc:
-        raise _Retry(exc.reason) from None
-
-
-def _sync_part(d: Download, fd: int, path: Path, sync: Callable[[int], None]) -> None:
-    """As :func:`_sync`, for a part's file: a failed write-back loses the file."""
-    try:
-        sync(fd)
-    except OSError as exc:
-        _truncate(path) if path == d.partial else path.unlink(missing_ok=True)
-        if exc.errno in DISK_FULL_ERRNOS:
-            raise _disk_full(d, exc) from exc
-        raise
-
-
-def _write_all(d: Download, fd: int, data: bytes) -> int:
-    """Write all of ``data`` at the end of ``fd``; returns its length. A write the file
-    system refuses for space is DiskFull for ``d``."""
-    view = memoryview(data)
-    while view:
-        try:
-            n = os.write(fd, view)
-        except OSError as exc:
-            if exc.errno in DISK_FULL_ERRNOS:
-                raise _disk_full(d, exc) from exc
-            raise
-        view = view[n:]
-    return len(data)
-
-
-def _sync_tar(d: Download, fd: int, sync: Callable[[int], None]) -> None:
-    try:
-        sync(fd)
-    except OSError as exc:
-        if exc.errno in DISK_FULL_ERRNOS:
-            raise _disk_full(d, exc) from exc
-        raise
-
-
-def _disk_full(d: Download, exc: OSError) -> DiskFull:
-    return DiskFull(d.url, f"cannot write the cache: {os.strerror(exc.errno or 0)}")
-
-
-def _sync(d: Download, fd: int, sync: Callable[[int], None]) -> None:
-    """Write the partial file back to disk. A failed write-back may have lost pages already
-    written, and a later sync would not say so: the partial file is never resumed from."""
-    try:
-        sync(fd)
-    except OSError as exc:
-        _truncate(d.partial)
-        if exc.errno in DISK_FULL_ERRNOS:  # some file systems take the space only now
-            raise _disk_full(d, exc) from exc
-        raise
-
-
-def _truncate(path: Path) -> None:
-    """Start ``path`` over, empty, as a new file: a worker reading the old one by its
-    descriptor keeps the old bytes and never sees new bytes at offsets it already knows."""
-    path.unlink(missing_ok=True)
-    with open(path, "wb"):
-        pass
+        raise Retry(exc.reason) from None
 
 
 def validator(headers) -> str | None:
@@ -972,8 +582,3 @@ def _retry_after(value: str | None) -> float | None:
     except (TypeError, ValueError):
         return None
     return min(max(0.0, when - time.time()), 600.0)
-
-
-def _short(exc: BaseException) -> str:
-    text = str(exc)
-    return text if len(text) < 200 else text[:197] + "..."

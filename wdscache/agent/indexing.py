@@ -20,7 +20,8 @@ from urllib.parse import unquote, urlsplit
 from ..shared.errors import FetchError, ShardError, WdsCacheError
 from ..shared.shard_index import ShardInfo, count_samples, file_facts
 from ..shared.tarwalk import GZIP_MAGIC
-from .fetch import Download, Fetcher
+from .download import Download
+from .fetch import Fetcher
 
 
 class Indexer:

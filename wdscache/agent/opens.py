@@ -34,7 +34,8 @@ from .readers import Readers
 from .control import ControlSocket
 from .cache import ShardCache
 from ..shared.config import AgentConfig
-from .fetch import Fetched, same_version, validator_kind
+from .download import Fetched
+from .fetch import same_version, validator_kind
 from ..shared.index import ShardRecord, ShardState
 from ..shared.protocol import field as get_field
 from ..shared.layout import file_identity

@@ -85,6 +85,43 @@ class Session:
     direct_failed: Callable[[str], None]  # why direct reads failed: the loader does not try them again
 
 
+def epoch_ids(spec: EpochSpec | NodeSpec, share: RankShare | NodeShare, pins: Pins,
+              shards: EpochShards) -> Iterator[SampleId | None]:
+    """The epoch's ids (every rank's), the sequence fed what we learn of each shard (see
+    :meth:`EpochShards.arrivals`); None while a downloading shard has no more samples yet.
+    Pins of shards no rank needs any more are released as the share settles past them."""
+    # Runs once per id of the whole epoch, every rank's (a rank of four sees four ids for
+    # each of its samples): kept to local names.
+    remaining, unneeded = pins.remaining, pins.unneeded
+    feed = ShardFeed()
+    arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
+    for sid in spec.ids(feed.samples):
+        if sid is None:  # the sequence wants more of a shard
+            if arrivals is None:
+                arrivals = shards.arrivals(feed.wanted)
+            got = next(arrivals, _END)
+            if got is _END:
+                feed.end()
+                arrivals = None
+            elif got is not None:
+                feed.grow(got)
+            else:  # nothing new yet
+                if unneeded and unneeded[0][0] <= share.settled:
+                    pins.release_settled(share.settled)
+                yield None
+            continue
+        if unneeded and unneeded[0][0] <= share.settled:  # per id: look before calling
+            pins.release_settled(share.settled)
+        pins.given += 1
+        shard = sid[0]
+        left = remaining[shard] = remaining.get(shard, 0) - 1
+        if not left:
+            # No rank needs it once the share has dealt this id: until then ours may
+            # wait in a row (and after that, our reads of it hold it: see Pins.release).
+            unneeded.append((pins.given, shard))
+        yield sid
+
+
 class EpochStream:
     """One epoch of one rank: the worker sockets, the reads out and the sample pipeline."""
 
@@ -146,46 +183,11 @@ class EpochStream:
         (for stats: cheap, and counts padding)."""
         return self.share.resume.delivered() + self.delivered * self.settings.world_size
 
-    def _global(self) -> Iterator[SampleId | None]:
-        """The epoch's ids, the sequence fed what we learn of each shard (see
-        :meth:`EpochShards.arrivals`); None while a downloading shard has no more samples yet."""
-        # Runs once per id of the whole epoch, every rank's (a rank of four sees four ids for
-        # each of its samples): kept to local names.
-        share, pins = self.share, self.pins
-        remaining, unneeded = pins.remaining, pins.unneeded
-        feed = ShardFeed()
-        arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
-        for sid in self.spec.ids(feed.samples):
-            if sid is None:  # the sequence wants more of a shard
-                if arrivals is None:
-                    arrivals = self.shards.arrivals(feed.wanted)
-                got = next(arrivals, _END)
-                if got is _END:
-                    feed.end()
-                    arrivals = None
-                elif got is not None:
-                    feed.grow(got)
-                else:  # nothing new yet
-                    if unneeded and unneeded[0][0] <= share.settled:
-                        pins.release_settled(share.settled)
-                    yield None
-                continue
-            if unneeded and unneeded[0][0] <= share.settled:  # per id: look before calling
-                pins.release_settled(share.settled)
-            pins.given += 1
-            shard = sid[0]
-            left = remaining[shard] = remaining.get(shard, 0) - 1
-            if not left:
-                # No rank needs it once the share has dealt this id: until then ours may
-                # wait in a row (and after that, our reads of it hold it: see Pins.release).
-                unneeded.append((pins.given, shard))
-            yield sid
-
     def _owned(self) -> Iterator[tuple[int, SampleId] | None]:
         """(position, id) of this rank's samples not delivered before, padded or cut at the end
         (see :class:`~wdscache.shared.sequence.RankShare`); None while a downloading shard has no
         more samples yet. Positions delivered before cost counts only, never payloads."""
-        pairs = self.share.pairs(self._global())
+        pairs = self.share.pairs(epoch_ids(self.spec, self.share, self.pins, self.shards))
         yield from part_of(pairs, self.part) if self.part != Part() else pairs
         self.pins.release_settled(self.share.settled)
 

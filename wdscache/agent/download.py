@@ -1,0 +1,258 @@
+"""One download: its record (:class:`Download`), what it raises, and how its files are
+written, synced and published.
+
+Guarantees kept here, for every source and for parallel parts alike:
+
+- a byte is written only while the download holds a reservation for it, and a write or a
+  sync the file system refuses for space is :class:`DiskFull` for that shard;
+- a partial file whose write-back failed is started over (never resumed from: pages
+  already written may be lost), so a resume never splices unknown bytes;
+- a starting-over file is a new file (:func:`truncate`): a worker reading the old one by
+  its descriptor keeps the old bytes;
+- :func:`publish` is the only way into ``shards/``: the complete, checked file, fsynced,
+  renamed into place, and the rename fsynced; a gzip'd source is published as the tar
+  inside it (:func:`publish_gunzipped`), decompressed within the budget.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..shared.config import format_size
+from ..shared.errors import FetchError, ShardError
+from ..shared.shard_index import ShardInfo, count_samples
+from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
+from .gunzip import gunzip
+
+# How long a download may hold an open connection while waiting for cache space.
+HOLD_CONNECTION = 5.0
+# Reservations for bodies of unknown length grow in steps of this size.
+GROW = 16 << 20
+# A download's files are written back every this many bytes as they arrive, so the fsync
+# that ends it (while it holds its download slot) waits for the last few MB only.
+SYNC_EVERY = 4 << 20
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a write or sync refused for space
+
+
+class Cancelled(Exception):
+    """The download was abandoned (shutdown, or the shard left every window)."""
+
+
+@dataclass
+class Download:
+    """One shard being fetched. The agent owns it; a download thread works on it.
+
+    ``reserve(d, total, timeout)`` is provided by the agent: it blocks until the
+    budget holds ``total`` bytes for this download (True), the timeout passes
+    (False) or the download is cancelled (raises :class:`Cancelled`).
+    """
+
+    url: str
+    partial: Path
+    final: Path
+    reserve: Callable[["Download", int, float | None], bool]
+    etag: str | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    total: int | None = None  # the shard's size, once the source has said it
+    written: int = 0
+    expanded: int = 0  # bytes of a gzip'd shard's tar written so far (beside its ``written``)
+    reserved: int = 0
+    demanded: bool = False
+    # A growing reservation (unknown size, or a gzip'd shard's tar): the bytes the next
+    # one must hold at least; the budget may grant less than asked, never less than this.
+    needed: int = 0
+    gzipped: bool = False  # its body starts like gzip: readers wait for the tar, never stream it
+    verify: bool = False  # only ask the source whether the cached copy is still current
+    expected: ShardInfo | None = None  # what a shard index says of the file (checked before publish)
+    digest: bool = False  # hash the source bytes (``md5``) even without an expected MD5
+    md5: str | None = None  # the MD5 of the source bytes, once hashed
+    single: bool = False  # over one connection: the budget could not hold parallel parts
+    # A validator the source refused for a part of its own version: parts from it would never end.
+    refused: str | None = None
+    on_validator: Callable[["Download"], None] = lambda d: None
+
+
+@dataclass(frozen=True)
+class Fetched:
+    size: int  # at the source
+    etag: str | None
+    stored: int | None = None  # in the cache, when not ``size``: a gzip'd shard is cached decompressed
+
+
+class DiskFull(FetchError):
+    """The cache's file system refused a write (ENOSPC, quota, file size limit)."""
+
+
+class Changed(Exception):
+    """A ranged request of a parted download was answered for another version of the object."""
+
+
+class Retry(Exception):
+    """Try again after ``delay`` (None: backoff); ``counts`` False for retries that are no failure."""
+
+    def __init__(self, reason: str, delay: float | None = None, *, counts: bool = True) -> None:
+        super().__init__(reason)
+        self.reason, self.delay, self.counts = reason, delay, counts
+
+
+def check_tar_head(d: Download, fd: int, pending: bytes) -> None:
+    # Checked as soon as 64 KiB arrive, so a wrong body is refused early, not after 1 GB.
+    head = os.pread(fd, HEAD_BYTES, 0) + pending
+    d.gzipped = head.startswith(GZIP_MAGIC)
+    problem = tar_problem(head[:HEAD_BYTES])
+    if problem:
+        raise FetchError(d.url, problem, permanent=True)
+
+
+def _check_count(d: Download, tar: Path) -> None:
+    """The samples of ``d``'s complete tar are those its shard index gives: the sequence of an
+    epoch is built on that count before the shard is read. The bytes are the ones the index
+    describes (size and MD5 checked), so another copy would not help: the shard fails."""
+    assert d.expected is not None
+    try:
+        problem = d.expected.count_mismatch(count_samples(tar, url=d.url))
+    except ShardError as exc:
+        problem = f"not a readable tar: {exc.reason}" + (f" (at byte {exc.offset})" if exc.offset is not None else "")
+    if problem:
+        raise FetchError(d.url, problem, permanent=True)
+
+
+def reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> bool:
+    """Reserve ``total`` bytes for ``d`` while holding its connection, for a short while; then
+    ``let_go`` of the connection (waiting for space could take long) and wait: False."""
+    if d.reserve(d, total, HOLD_CONNECTION):
+        return True
+    let_go()
+    d.reserve(d, total, None)
+    return False
+
+
+def sync_part(d: Download, fd: int, path: Path, sync: Callable[[int], None]) -> None:
+    """As :func:`sync_partial`, for a part's file: a failed write-back loses the file."""
+    try:
+        sync(fd)
+    except OSError as exc:
+        truncate(path) if path == d.partial else path.unlink(missing_ok=True)
+        if exc.errno in DISK_FULL_ERRNOS:
+            raise disk_full(d, exc) from exc
+        raise
+
+
+def write_all(d: Download, fd: int, data: bytes) -> int:
+    """Write all of ``data`` at the end of ``fd``; returns its length. A write the file
+    system refuses for space is DiskFull for ``d``."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+        except OSError as exc:
+            if exc.errno in DISK_FULL_ERRNOS:
+                raise disk_full(d, exc) from exc
+            raise
+        view = view[n:]
+    return len(data)
+
+
+def _sync_tar(d: Download, fd: int, sync: Callable[[int], None]) -> None:
+    try:
+        sync(fd)
+    except OSError as exc:
+        if exc.errno in DISK_FULL_ERRNOS:
+            raise disk_full(d, exc) from exc
+        raise
+
+
+def disk_full(d: Download, exc: OSError) -> DiskFull:
+    return DiskFull(d.url, f"cannot write the cache: {os.strerror(exc.errno or 0)}")
+
+
+def sync_partial(d: Download, fd: int, sync: Callable[[int], None]) -> None:
+    """Write the partial file back to disk. A failed write-back may have lost pages already
+    written, and a later sync would not say so: the partial file is never resumed from."""
+    try:
+        sync(fd)
+    except OSError as exc:
+        truncate(d.partial)
+        if exc.errno in DISK_FULL_ERRNOS:  # some file systems take the space only now
+            raise disk_full(d, exc) from exc
+        raise
+
+
+def truncate(path: Path) -> None:
+    """Start ``path`` over, empty, as a new file: a worker reading the old one by its
+    descriptor keeps the old bytes and never sees new bytes at offsets it already knows."""
+    path.unlink(missing_ok=True)
+    with open(path, "wb"):
+        pass
+
+
+def short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) < 200 else text[:197] + "..."
+
+
+def publish_gunzipped(d: Download) -> int:
+    """Publish the tar inside ``d``'s complete, gzip'd partial file as the shard; its size.
+
+    The download's reservation covers the compressed file and the tar while both
+    exist. Raises FetchError (permanent) for damaged gzip data, a tar that is not
+    one, or a tar beyond what may be reserved; the tar's file is removed then.
+    """
+    tar = d.partial.with_name(d.partial.name + "~tar")  # "~" is in no partial file's name
+    packed, d.expanded = d.written, 0
+    try:
+        with open(d.partial, "rb") as src:
+            fd = os.open(tar, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                synced = 0
+                for piece in gunzip(src.read, url=d.url):
+                    if d.cancel.is_set():
+                        raise Cancelled(d.url)
+                    if packed + d.expanded + len(piece) > d.reserved:
+                        _grow_for_tar(d, packed, len(piece))
+                    d.expanded += write_all(d, fd, piece)
+                    if d.expanded - synced >= SYNC_EVERY:
+                        _sync_tar(d, fd, getattr(os, "fdatasync", os.fsync))
+                        synced = d.expanded
+                problem = file_problem(tar)
+                if problem:
+                    raise FetchError(d.url, f"gzip'd data is no tar: {problem}", permanent=True)
+                _sync_tar(d, fd, os.fsync)
+            finally:
+                os.close(fd)
+        publish(d, tar)
+    except ShardError as exc:
+        raise FetchError(d.url, f"{exc.reason} (at byte {exc.offset} of the gzip'd file)", permanent=True) from None
+    finally:
+        tar.unlink(missing_ok=True)  # gone already once published
+    d.partial.unlink()  # after the rename: a crash in between leaves a published shard
+    return d.expanded
+
+def _grow_for_tar(d: Download, packed: int, piece: int) -> None:
+    """Reserve room for ``piece`` more bytes of ``d``'s tar (beside the compressed file)."""
+    d.needed = packed + d.expanded + piece  # granted at least this, up to a step ahead
+    try:
+        d.reserve(d, d.needed + GROW, None)
+    except FetchError as exc:
+        raise FetchError(
+            d.url, f"gzip'd shard expands beyond the cache's budget: {format_size(d.expanded + piece)} "
+            f"decompressed so far (from {format_size(packed)}); {exc.reason}", permanent=True,
+        ) from None
+
+def publish(d: Download, path: Path | None = None) -> None:
+    """Rename ``path`` (the partial file by default) into place as the shard's file; one whose
+    shard index gives another sample count is refused (FetchError, permanent)."""
+    if d.expected is not None:
+        _check_count(d, path or d.partial)
+    d.final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.replace(path or d.partial, d.final)
+    dir_fd = os.open(d.final.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power cut
+    finally:
+        os.close(dir_fd)

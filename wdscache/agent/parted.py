@@ -1,0 +1,215 @@
+"""Fetching one shard as several ranged parts at once (the plan: :mod:`wdscache.agent.parts`).
+
+The first part streams into the partial file, so a reader waiting for the shard is served
+at once; the other parts come over their own connections, in threads of the download that
+end with it, into side files appended in order (the partial file stays a contiguous
+prefix). Every part's request names the version the first answer gave; an answer for any
+other version (:class:`~wdscache.agent.download.Changed`) starts the whole shard over,
+never spliced. A cut part is retried alone, with backoff; only failures without progress
+count against the retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
+
+import requests
+import urllib3
+
+from ..shared.config import format_size
+from ..shared.errors import FetchError
+from ..shared.tarwalk import HEAD_BYTES
+from .download import (SYNC_EVERY, Cancelled, Changed, Download, Retry, check_tar_head, reserve_holding, short,
+                       sync_part, truncate, write_all)
+from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
+
+if TYPE_CHECKING:
+    from .fetch import Fetcher
+
+log = logging.getLogger(__name__)
+
+# How long a parted download waits for budget for its size plus one part before it goes on
+# over one connection instead (which needs its size only).
+PARTS_HOLD = 1.0
+# Beyond the read timeout, how long the end of a parted download waits for its other threads.
+PARTS_JOIN = 5.0
+
+OpenRange = Callable[[Download, int, int, int], ContextManager[Iterator[bytes]]]
+
+
+class PartedFetch:
+    """The parts of one fetcher's downloads: ``parts`` connections a shard, ``part_size`` each."""
+
+    def __init__(self, fetcher: "Fetcher", parts: int, part_size: int) -> None:
+        self._fetcher, self.parts, self.part_size = fetcher, parts, part_size
+
+    def first_range(self, d: Download, offset: int) -> tuple[int, int | None]:
+        """Where the first request of an attempt starts and ends (None: it asks for the whole
+        rest) when the shard may come in parts. A side file kept from earlier that starts
+        where the partial file ends is appended to it first, and the request stops before
+        the next one, so no byte is fetched twice. Side files are removed when unusable."""
+        if self.parts < 2 or d.single or not offset:
+            remove_side_files(d.partial)  # only resumed beside the prefix they belong to
+            return offset, None if self.parts < 2 or d.single else self.part_size
+        end = None
+        for start, stop, path in side_files(d.partial):
+            if start == offset and end is None:
+                offset += append_side(d.partial, path, offset)
+                if offset < stop:
+                    end = stop  # the rest of that part comes first
+            elif start > offset:
+                return offset, min(end or offset + self.part_size, start)
+        return offset, end or offset + self.part_size
+
+    def fetch(self, d: Download, head: Part, total: int, first: Iterator[bytes], let_go: Callable[[], None],
+                open_range: Callable[[Download, int, int, int], ContextManager[Iterator[bytes]]]) -> int:
+        """Fetch ``d`` as parts, the first (``head``) from the answer ``first`` that gave its size."""
+        d.total = total
+        plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(d, "written", d.written + n))
+        d.written = plan.held
+        need = total + plan.largest  # an append holds a part's bytes twice for a moment
+        try:
+            granted = d.reserve(d, need, PARTS_HOLD)
+        except FetchError:  # more than the whole cache
+            granted = False
+        if not granted:
+            # One connection needs the shard's size only: this answer's bytes are kept, and the
+            # next request asks for the whole rest.
+            log.info("%s: the cache cannot hold %s for parallel parts now; using one connection",
+                     d.url, format_size(need))
+            d.single = True
+            remove_side_files(d.partial)
+            d.written = head.start
+            if not reserve_holding(d, total, let_go):
+                raise Retry("waited for cache space", 0.0, counts=False)
+            self._fetcher._write_body(d, first, head.end, check_head=head.start == 0)
+            if d.written != head.end:
+                raise Retry(f"got {d.written} of {head.end} bytes")
+            raise Retry("going on over one connection", 0.0, counts=False)
+        helpers = [threading.Thread(target=self._part_thread, args=(d, plan, open_range), daemon=True,
+                                    name=f"{threading.current_thread().name}-part{i}")
+                   for i in range(1, min(self.parts, plan.pending + 1))]
+        for t in helpers:
+            t.start()
+        try:
+            self._fetch_part(d, plan, head, open_range, first)
+            plan.finish(head)
+            self._take_parts(d, plan, open_range)
+        except BaseException as exc:  # noqa: BLE001 (kept as the plan's error, raised below)
+            plan.abort(exc)
+        finally:
+            self._join_parts(d, plan, helpers)
+        error = plan.error
+        if isinstance(error, Changed):
+            truncate(d.partial)
+            remove_side_files(d.partial)
+            d.refused = d.etag  # if the object comes back unchanged, its parts come over one connection
+            raise Retry(f"{error}; the object changed during the download, starting over", 0.0)
+        if isinstance(error, Stopped):  # stopped for a reason another thread did not keep
+            raise Cancelled(d.url)
+        if error is not None:
+            raise error
+        if not plan.complete:
+            raise Retry(f"parts ended at byte {plan.prefix} of {total}")
+        return total
+
+    def _part_thread(self, d: Download, plan: Plan, open_range) -> None:
+        try:
+            self._take_parts(d, plan, open_range)
+        except BaseException as exc:  # noqa: BLE001 (the download's thread raises it)
+            plan.abort(exc)
+        finally:
+            self._fetcher.close_thread()
+
+    def _take_parts(self, d: Download, plan: Plan, open_range) -> None:
+        while (part := plan.take()) is not None:
+            self._fetch_part(d, plan, part, open_range)
+            plan.finish(part)
+
+    def _join_parts(self, d: Download, plan: Plan, helpers: list[threading.Thread]) -> None:
+        """Wait for ``helpers``; once the download stops, for at most a read timeout and a bit."""
+        deadline = None
+        for t in helpers:
+            while t.is_alive():
+                t.join(0.1)
+                if deadline is None and (d.cancel.is_set() or plan.stop.is_set()):
+                    plan.stop.set()
+                    deadline = time.monotonic() + self._fetcher.timeout[1] + PARTS_JOIN
+                if deadline is not None and time.monotonic() > deadline:
+                    log.warning("%s: a part's thread did not stop in time", d.url)
+                    return
+
+    def _fetch_part(self, d: Download, plan: Plan, part: Part, open_range,
+                    first: Iterator[bytes] | None = None) -> None:
+        """Fetch the rest of ``part`` (from ``first``, an answer already open, then by ranged
+        requests), retrying with backoff; only consecutive failures without progress count."""
+        failures = 0
+        while part.have < part.size:
+            _check(d, plan)
+            before = part.have
+            try:
+                if first is not None:
+                    chunks, first = first, None
+                    self._write_part(d, plan, part, chunks)
+                else:
+                    with open_range(d, part.start + part.have, part.end, plan.total) as chunks:
+                        self._write_part(d, plan, part, chunks)
+                if part.have == part.size:
+                    return
+                raise Retry(f"got {part.have} of {part.size} bytes")
+            except Retry as exc:
+                reason, delay = exc.reason, exc.delay
+            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                    urllib3.exceptions.HTTPError, OSError) as exc:
+                reason, delay = f"{type(exc).__name__}: {short(exc)}", None
+            if part.have > before:
+                failures = 0
+            failures += 1
+            span = f"bytes {part.start}-{part.end - 1}"
+            if failures > self._fetcher.retries:
+                raise FetchError(d.url, f"gave up after {self._fetcher.retries} retries of {span}: {reason}")
+            if delay is None:
+                cap = min(self._fetcher.backoff_max, self._fetcher.backoff * 2 ** (failures - 1))
+                delay = random.uniform(cap / 2, cap)
+            log.info("retrying %s of %s in %.1fs (%s)", span, d.url, delay, reason)
+            deadline = time.monotonic() + delay
+            while (left := deadline - time.monotonic()) > 0:
+                plan.stop.wait(min(left, 0.1))
+                _check(d, plan)
+
+    def _write_part(self, d: Download, plan: Plan, part: Part, chunks: Iterator[bytes]) -> None:
+        """Append ``chunks`` to ``part``'s file (the partial file, or its side file)."""
+        path = d.partial if part.side is None else part.side
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            if os.fstat(fd).st_size != (part.start if part.side is None else 0) + part.have:
+                raise Changed(f"{path.name} is not as the download left it")
+            synced = part.have
+            for chunk in chunks:
+                if not chunk:
+                    continue
+                at = part.start + part.have
+                if part.have + len(chunk) > part.size:
+                    raise FetchError(d.url, f"server sent more than the bytes {part.start}-{part.end - 1} asked for")
+                if part.side is None and at < HEAD_BYTES <= at + len(chunk):
+                    check_tar_head(d, fd, chunk)
+                _check(d, plan)  # before the write: nothing is written once the download stops
+                plan.wrote(part, write_all(d, fd, chunk))
+                if part.have - synced >= SYNC_EVERY:
+                    sync_part(d, fd, path, getattr(os, "fdatasync", os.fsync))
+                    synced = part.have
+            sync_part(d, fd, path, os.fsync)
+        finally:
+            os.close(fd)
+
+
+def _check(d: Download, plan: Plan) -> None:
+    if d.cancel.is_set():
+        raise Cancelled(d.url)
+    if plan.stop.is_set():
+        raise Stopped(d.url)
