@@ -47,9 +47,12 @@ What it does:
                           ``to_tuple``, ``batched(64)``, in ``DataLoader(num_workers=2)``: over
                           ``wds.WebDataset`` streaming HTTP, over ``wds.WebDataset`` on local
                           files, and over ``wdscache.WebDataset`` from a fresh agent (as above):
-                          epoch 1 cold, epoch 2 warm
+                          epoch 1 cold, epoch 2 warm; and over the samples held in memory (read
+                          before the clock): the pipeline's own cost, the best any source can do
   wdscache nodes          a job on several nodes, one agent each (a fresh cache, ``--node-rank K
                           --num-nodes N``, the list a shard index made once by ``wdscache index``),
+                          on the profile's data cut into shards a quarter the size (64 shards: a
+                          node reads whole shards, so its bytes are within one shard of dataset/N),
                           two ranks each: for N = 2 and 3, cold, the nodes one after the other, so
                           the server's byte counter between two is what one node downloaded (target:
                           within 10% of dataset/N); then 2 nodes x 2 ranks warm, all four at once,
@@ -124,7 +127,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -346,9 +349,12 @@ class Bench:
 
     # -- data and server -------------------------------------------------------------------------
 
-    def make_data(self, prof: Profile, total: float) -> dict[str, Any]:
+    def make_data(self, prof: Profile, total: float, label: str = "") -> dict[str, Any]:
+        """The profile's shards, ``total`` bytes in all, made once; ``label`` names their lists
+        (default: the profile's name)."""
         from shard_maker import make_dataset
 
+        label = label or prof.name
         spp = max(1, round(prof.shard_bytes / prof.per_sample_on_disk()))
         n = max(1, round(total / prof.shard_bytes))
         name = f"{prof.name}-p{prof.payload}-s{spp}-n{n}"
@@ -363,9 +369,9 @@ class Bench:
             log(f"reusing {n} {prof.name} shards in {root}")
         paths = sorted(root.glob(f"{prof.name}-*.tar"))
         disk = sum(p.stat().st_size for p in paths)
-        local = self.work / f"urls-{prof.name}-local.txt"
+        local = self.work / f"urls-{label}-local.txt"
         local.write_text("".join(f"{p}\n" for p in paths))
-        http = self.work / "lists" / prof.name / "urls.txt"  # a folder per list: the agent watches it
+        http = self.work / "lists" / label / "urls.txt"  # a folder per list: the agent watches it
         http.parent.mkdir(parents=True, exist_ok=True)
         http.write_text("".join(f"http://127.0.0.1:{self.port}/{name}/{p.name}\n" for p in paths))
         return {"profile": prof.name, "dir": str(root), "shards": n, "samples_per_shard": spp,
@@ -626,17 +632,20 @@ class Bench:
         self.finish_run(prof, rep, "wdscache", None, rows, status, **extra)
 
     def run_torch_wds(self, prof: str, rep: int, ds: dict[str, Any], where: str) -> None:
-        """The DataLoader pipeline over ``wds.WebDataset``: ``where`` "http" (the capped server) or "local"."""
+        """The DataLoader pipeline over ``wds.WebDataset``: ``where`` "http" (the capped server) or
+        "local"; or, "memory", over the samples held in memory (the pipeline's own cost)."""
         http = where == "http"
         before = self.fetched()
         c = self.consumer("torch", "--urls-file", ds["http_list" if http else "local_list"], "--workers",
-                          str(TORCH_WORKERS), tag=f"{prof}-torch-wds-{where}").wait(
-            self.http_deadline(ds) if http else self.local_deadline(ds))
+                          str(TORCH_WORKERS), *(["--memory"] if where == "memory" else []),
+                          tag=f"{prof}-torch-wds-{where}").wait(
+            self.http_deadline(ds) if http else self.local_deadline(ds) + 60)
         status, r = self.check(c, ds, 1)
-        label = TORCH_WDS_HTTP if http else TORCH_WDS_LOCAL
+        label = {"http": TORCH_WDS_HTTP, "local": TORCH_WDS_LOCAL, "memory": TORCH_MEMORY}[where]
         rows = {label: self.epoch_row(r["epochs"][0])} if status == "ok" else {}
         extra = {"fetched": self.fetch_note(before, ds)} if http else {}
-        self.finish_run(prof, rep, f"torch-wds-{where}", c, rows, status, **extra)
+        self.finish_run(prof, rep, "torch-memory" if where == "memory" else f"torch-wds-{where}", c, rows, status,
+                        **extra)
 
     def run_torch_wdscache(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         """The DataLoader pipeline over ``wdscache.WebDataset``, a fresh agent: epoch 1 cold, epoch 2 warm."""
@@ -732,10 +741,13 @@ class Bench:
         """Several nodes on this machine: one agent per node (own cache), two ranks each. Cold, the
         nodes run one after the other, so the server's byte counter between two is one node's
         download; then 2 nodes x 2 ranks and 1 node x 4 ranks, warm, all ranks at once."""
+        profile = PROFILES[prof]
+        ds = self.make_data(replace(profile, shard_bytes=profile.shard_bytes / 4), ds["disk_bytes"], f"{prof}-nodes")
+        subprocess.run(["cat", *ds["paths"]], stdout=subprocess.DEVNULL, check=True)  # into the page cache
         index = self.shard_index(prof, ds)
         budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
         rows: dict[str, Any] = {}
-        status, extra = "ok", {}
+        status, extra = "ok", {"shards": ds["shards"]}
         started: list[Agent] = []
         try:
             for n in (2, 3):
@@ -1083,6 +1095,7 @@ class Bench:
                 ("wdscache-other-order", self.run_wdscache_other_order),
                 ("torch-wds-http", functools.partial(self.run_torch_wds, where="http")),
                 ("torch-wds-local", functools.partial(self.run_torch_wds, where="local")),
+                ("torch-memory", functools.partial(self.run_torch_wds, where="memory")),
                 ("torch-wdscache", self.run_torch_wdscache),
                 ("wdscache-nodes", self.run_wdscache_nodes),
             ]
@@ -1300,7 +1313,8 @@ TORCH_WDS_HTTP = _TORCH + "wds.WebDataset HTTP streaming"
 TORCH_WDS_LOCAL = _TORCH + "wds.WebDataset local files"
 TORCH_COLD = _TORCH + "wdscache.WebDataset, epoch 1 (cold)"
 TORCH_WARM = _TORCH + "wdscache.WebDataset, epoch 2 (warm)"
-ROW_ORDER += [TORCH_WDS_HTTP, TORCH_WDS_LOCAL, TORCH_COLD, TORCH_WARM]
+TORCH_MEMORY = _TORCH + "the samples held in memory (the pipeline's own cost)"
+ROW_ORDER += [TORCH_WDS_HTTP, TORCH_WDS_LOCAL, TORCH_COLD, TORCH_WARM, TORCH_MEMORY]
 NODES_WARM = "wdscache, 2 nodes x 2 ranks (an agent each), warm, aggregate"
 ONE_NODE_WARM = "wdscache, 1 node x 4 ranks, warm, aggregate"
 REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
@@ -1324,6 +1338,7 @@ SYSTEM_LABELS = {
     "torch-wds-http": TORCH_WDS_HTTP,
     "torch-wds-local": TORCH_WDS_LOCAL,
     "torch-wdscache": _TORCH + "wdscache.WebDataset",
+    "torch-memory": TORCH_MEMORY,
     "wdscache-nodes": "wdscache on several nodes (an agent each)",
 }
 
@@ -1523,11 +1538,13 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
             f"{r:.2f}x ({fmt(piped, 2)} s vs {fmt(cold, 2)} s)" if r else "")
     for prof in bench.datasets:
         http, local = med(s, prof, TORCH_WDS_HTTP, "wall_s"), med(s, prof, TORCH_WDS_LOCAL, "mb_s")
+        floor = ratio(http, med(s, prof, TORCH_MEMORY, "wall_s"))  # the most any source could reach
         for label, need in ((TORCH_COLD, 3.0), (TORCH_WARM, 5.0)):
             r = ratio(http, med(s, prof, label, "wall_s"))
             add("9", f"{prof}, DataLoader pipeline: wdscache epoch {1 if label == TORCH_COLD else 2} ≥ {need:g}x "
                 "as fast as wds.WebDataset streaming HTTP", r, need, ge,
-                f"{r:.2f}x ({fmt(med(s, prof, label, 'wall_s'), 2)} vs {fmt(http, 2)} s)" if r else "")
+                f"{r:.2f}x ({fmt(med(s, prof, label, 'wall_s'), 2)} vs {fmt(http, 2)} s)"
+                + (f"; samples in memory: {floor:.2f}x" if floor else "") if r else "")
         r = ratio(med(s, prof, TORCH_WARM, "mb_s"), local)
         cpu = ratio(med(s, prof, TORCH_WARM, "cpu_s_per_gb"), med(s, prof, TORCH_WDS_LOCAL, "cpu_s_per_gb"))
         add("9", f"{prof}, DataLoader pipeline: wdscache warm MB/s ≥ 1x wds.WebDataset on local files", r, 1.0, ge,
@@ -1546,11 +1563,11 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         if "seconds" in st else "")
     for prof in bench.datasets:
         for n in (2, 3):
-            shares = [r.get(f"bytes_per_node_x_share_{n}") for r in bench.runs
-                      if r.get("profile") == prof and r.get("system") == "wdscache-nodes"]
+            runs = [r for r in bench.runs if r.get("profile") == prof and r.get("system") == "wdscache-nodes"]
+            shares = [r.get(f"bytes_per_node_x_share_{n}") for r in runs]
             worst = max((abs(x - 1) for run in shares if run for x in run), default=None)
             add("9", f"{prof}: bytes each of {n} nodes downloads in one epoch within 10% of dataset/{n}", worst, 0.1,
-                le, f"worst node {100 * worst:.1f}% off" if worst is not None else "")
+                le, f"worst node {100 * worst:.1f}% off ({runs[0].get('shards')} shards)" if worst is not None else "")
         r = ratio(med(s, prof, NODES_WARM, "samples_s"), med(s, prof, ONE_NODE_WARM, "samples_s"))
         add("9", f"{prof}: 2 nodes x 2 ranks aggregate samples/s ≥ 0.8x 1 node x 4 ranks, warm", r, 0.8, ge,
             f"{r:.2f}x ({fmt(med(s, prof, NODES_WARM, 'samples_s'))} vs "
@@ -1600,7 +1617,8 @@ def main() -> int:
     ap.add_argument("--ttfb-ms", type=float, default=30.0, help="server time to first byte, ms")
     ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
                                                "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,parts,s3,"
-                                               "torch-wds-http,torch-wds-local,torch-wdscache")
+                                               "torch-wds-http,torch-wds-local,torch-wdscache,torch-memory,"
+                                               "wdscache-nodes")
     ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
     ap.add_argument("--only", default="", help="systems to run, the others left out (e.g. "
                                                "torch-wds-http,torch-wds-local,torch-wdscache)")

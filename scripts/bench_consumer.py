@@ -10,7 +10,9 @@ final ``{"report": ...}`` line, as JSON, on stdout):
     multi --urls-file F --workers N [--flush]          webdataset.multi.MultiLoader over local paths
     wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent [--no-direct]
     torch (--urls-file F | --cache-dir D) --workers N  a DataLoader over wds.WebDataset or wdscache.WebDataset:
-                                                        decode() of .cls/.json, to_tuple, batched(64)
+                                                        decode() of .cls/.json, to_tuple, batched(64);
+                                                        with --memory, over the shards' samples held in
+                                                        memory (the pipeline's own cost: no source can beat it)
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
     zmq-many --samples N --sizes A,B,C --receivers R   raw pyzmq, 2 senders to R receivers copying to bytes
     urls --n N --dir D                                  parse and plan an N-entry URL list
@@ -295,9 +297,18 @@ def mode_torch(args: argparse.Namespace) -> None:
 
     holder: dict[str, Any] = {}
 
+    if args.memory:  # read before the clock, in this process: the workers fork with it
+        held = list(wds.WebDataset(read_urls(args.urls_file), shardshuffle=False))
+
+        def part() -> Iterable[dict[str, Any]]:
+            info = torch.utils.data.get_worker_info()
+            return iter(held if info is None else held[info.id::info.num_workers])
+
     def samples() -> Iterable[dict[str, Any]]:
         if "dl" not in holder:
-            if args.cache_dir:
+            if args.memory:
+                ds = type("Held", (wds.DataPipeline, wds.FluidInterface), {})(part)  # with the fluid stages
+            elif args.cache_dir:
                 import wdscache
 
                 ds = wdscache.WebDataset(cache_dir=args.cache_dir, job=args.job, shardshuffle=False,
@@ -601,6 +612,7 @@ def main() -> None:
     p.add_argument("--job", default="bench-torch")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--agent-pid", type=int)
+    p.add_argument("--memory", action="store_true", help="the --urls-file shards' samples, read into memory first")
     p = sub.add_parser("zmq")
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)
