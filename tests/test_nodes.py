@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from wdscache.shared.errors import WdsCacheError
 from wdscache.shared.nodes import JobEpoch, Layout, assign
 from wdscache.shared.sequence import Resume, SampleId
+from wdscache.training.worker_parts import Part, delivered_pairs, part_of
 
 Job = dict[str, object]
 
@@ -220,3 +221,37 @@ def test_loader_reads_a_checkpoint_of_parts_and_refuses_a_malformed_one(tmp_path
             loader.load_state_dict({**state, "parts": parts, "resumes": resumes})
     loader.set_epoch(1)
     assert "parts" not in loader.state_dict() and loader.state_dict()["version"] == 2
+
+
+@settings(max_examples=120, deadline=timedelta(seconds=5), derandomize=True)
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=8), first=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       then=st.tuples(st.integers(1, 3), st.integers(1, 3)), workers=st.integers(1, 4),
+       fractions=st.lists(st.floats(0, 1), min_size=4, max_size=4), block=st.integers(1, 4), drop_last=st.booleans())
+def test_dataloader_workers_checkpoint_of_several_nodes_resumes_on_any_layout(
+        counts: list[int], first: tuple[int, int], then: tuple[int, int], workers: int, fractions: list[float],
+        block: int, drop_last: bool) -> None:
+    """Each rank's workers deliver parts of its share (worker_parts.part_of), each its own count
+    (the same on every rank); their runs placed in the parts resume the rest on another layout."""
+    assume(sum(1 for c in counts if c) >= first[0])
+    job = JobEpoch.fresh(counts, layouts(*first)[0], seed=3, shuffle_buffer=5, block=block, drop_last=drop_last)
+    seen: Counter[SampleId] = Counter()
+    done: list[int] = []
+    for lay in layouts(*first):
+        mine = JobEpoch(job.counts, job.parts, job.resumes, lay, job.seed, job.epoch, job.shuffle,
+                        job.shuffle_buffer, job.drop_last, job.reshuffle, job.block)
+        pairs = [p for p in mine.share().pairs(mine.ids(lay.node, lambda s: range(counts[s]))) if p is not None]
+        parts = [list(part_of(iter(pairs), Part(k, workers), block)) for k in range(workers)]
+        done = [int(f * len(p)) for f, p in zip(fractions, parts)]
+        real = job.node_length(lay.node)  # positions past the node's are padding repeats
+        for k, part in enumerate(parts):
+            seen.update(sid for pos, sid in part[:done[k]] if pos < real)
+    assert set(seen.values()) <= {1}
+    at = job.resume_after_runs(delivered_pairs(done, block))
+    assert sum(r.delivered() for r in at) == len(seen)  # exactly the samples delivered, padding aside
+    rest = resume_on(job, at, *then)
+    got = deliver(rest)
+    assert {len(v) for v in got.values()} == {rest.per_rank}
+    for v in got.values():
+        seen.update(v)
+    if not drop_last and sum(counts) >= job.layout.world_size and sum(counts) >= rest.layout.world_size:
+        assert set(seen) == dataset(counts)

@@ -74,11 +74,17 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
         in out["mismatch"]
 
 
-def test_stateful_dataloader_workers_of_a_job_on_several_nodes_restart_the_epoch(warm: tuple[Path, set[str]]) -> None:
+def test_stateful_dataloader_workers_of_a_job_on_several_nodes_resume_exactly_on_any_layout(
+        warm: tuple[Path, set[str]]) -> None:
     cache, _ = warm
     out = _run(cache, "nodes")
-    assert len(out["first"]) == 6
-    # The node's part, each sample once; the resumed loader starts the epoch again and gets the same.
-    assert len(out["whole"]) == len(set(out["whole"])) and 0 < len(out["whole"]) < 78
-    assert sorted(out["again"]) == sorted(out["whole"])
-    assert set(out["first"]) <= set(out["whole"])
+    first, again, whole, rest = out["first"], out["again"], out["whole"], out["rest"]
+    for rank in range(2):  # the same layout: the rest of the node's share, each sample once
+        assert len(first[rank]) == 6 and len(whole[rank]) == 39 == len(set(whole[rank]))
+        assert sorted(first[rank] + again[rank]) == sorted(whole[rank])
+    everything = set(whole[0]) | set(whole[1])
+    assert len(everything) == SHARDS * PER_SHARD  # the nodes' parts make the dataset
+    # 1 node x 2 ranks, 3 workers each: the 66 not delivered, once each, in equal counts
+    assert len(rest[0]) == len(rest[1]) == 33
+    together = Counter(first[0] + first[1] + rest[0] + rest[1])
+    assert set(together) == everything and set(together.values()) == {1}

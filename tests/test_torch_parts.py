@@ -8,7 +8,7 @@ import random
 import pytest
 
 from wdscache.shared.sequence import RankShare, Resume
-from wdscache.training.worker_parts import Geometry, Part, job_resume, part_of
+from wdscache.training.worker_parts import Part, job_resume, part_of
 
 
 def _shares(n: int, world: int, start: Resume) -> list[tuple[RankShare, list[tuple[int, tuple[int, int]]]]]:
@@ -43,5 +43,5 @@ def test_job_resume_is_the_union_of_what_every_worker_delivered(seed: int) -> No
         for k, part in enumerate(rank_parts):
             expected |= {sid[1] for pos, sid in part[:counts[k]] if pos < left}
     share = shares[0][0]
-    got = job_resume(start, Geometry(world, share.full_rows, share.tail), counts)
+    got = job_resume(start, share, counts)
     assert {p for p in range(n) if got.skips(p)} == expected

@@ -107,21 +107,30 @@ def stateful(cache: str) -> dict[str, Any]:
 
 
 def nodes(cache: str) -> dict[str, Any]:
-    """Node 0 of 2 (rank 0 of 2) in a StatefulDataLoader with 2 workers: its workers' states are
-    asked for at every batch; stopped after 2 batches and resumed, the epoch starts over."""
-    def make() -> StatefulDataLoader:
-        return StatefulDataLoader(loader(cache, 0, 2, node=0, num_nodes=2), batch_size=3, num_workers=2)
+    """Two nodes of one rank each, in StatefulDataLoaders with 2 workers (their states asked for
+    at every batch), both stopped after 2 batches. Each rank's own state resumes it on the same
+    layout; rank 0's, loaded into the dataset, resumes the job on 1 node x 2 ranks, 3 workers each."""
+    def make(rank: int, ds: CachedMultiLoader | None = None, workers: int = 2) -> StatefulDataLoader:
+        return StatefulDataLoader(ds or loader(cache, rank, 2, node=rank, num_nodes=2), batch_size=3,
+                                  num_workers=workers)
 
     for _ in loader(cache, 0, 1):  # one epoch on one node: the agent learns the counts
         pass
-    dl = make()
-    first = [i for _, batch in zip(range(2), dl) for i in ids(batch)]
-    state = dl.state_dict()
-    dl = make()
-    dl.load_state_dict(state)
-    again = [i for batch in dl for i in ids(batch)]
-    whole = [i for batch in make() for i in ids(batch)]
-    return {"first": first, "again": again, "whole": whole}
+    out: dict[str, Any] = {"first": [], "again": [], "whole": [], "rest": []}
+    states = []
+    for rank in range(2):
+        dl = make(rank)
+        out["first"].append([i for _, batch in zip(range(2), dl) for i in ids(batch)])
+        states.append(dl.state_dict())
+        dl = make(rank)
+        dl.load_state_dict(states[rank])
+        out["again"].append([i for batch in dl for i in ids(batch)])
+        out["whole"].append([i for batch in make(rank) for i in ids(batch)])
+    for rank in range(2):
+        ds = loader(cache, rank, 2)
+        ds.load_state_dict(states[0])
+        out["rest"].append([i for batch in make(rank, ds, workers=3) for i in ids(batch)])
+    return out
 
 
 if __name__ == "__main__":

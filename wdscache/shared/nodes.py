@@ -171,13 +171,19 @@ class JobEpoch:
 
     def resume_after(self, n: int) -> tuple[Resume, ...]:
         """Each part's :class:`Resume` once every rank of the job delivered ``n`` samples."""
+        return self.resume_after_runs([(0, n)] if n > 0 else [])
+
+    def resume_after_runs(self, delivered: Sequence[tuple[int, int]]) -> tuple[Resume, ...]:
+        """Each part's :class:`Resume` once every rank of the job delivered the pairs of
+        ``delivered`` (half-open runs of pair indexes: its first ``n``, or what its DataLoader
+        workers delivered, see :mod:`wdscache.training.worker_parts`)."""
         runs: list[list[tuple[int, int]]] = [[] for _ in self.parts]
         for node in range(self.layout.num_nodes):
             local = self._local(node)
             share = RankShare.known(self.layout.local_world, 0, self.node_length(node), resume=local.resume,
                                     drop_last=self.drop_last, block=self.block)
-            at = share.resume_after(min(n, rank_length(self.node_length(node), self.layout.local_world,
-                                                       self.drop_last)))
+            mine = rank_length(self.node_length(node), self.layout.local_world, self.drop_last)
+            at = share.resume_after_runs([(a, min(b, mine)) for a, b in delivered if a < mine])  # past: padding
             for p, offset, start, end in local.spans:
                 for a, b in [(0, at.position), *at.done]:  # only the segment's: the rest is other nodes'
                     a, b = max(a, offset + start), min(b, offset + end)

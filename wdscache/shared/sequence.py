@@ -282,33 +282,65 @@ class RankShare:
         share.tail = length - share.full_rows * world_size * block
         return share
 
+    @classmethod
+    def dealt(cls, world_size: int, full_rows: int, tail: int | None, *, resume: Resume = Resume(),
+              block: int = BLOCK) -> "RankShare":
+        """The share as a rank's :meth:`pairs` dealt it, from what that recorded (``full_rows``,
+        ``tail``): for :meth:`resume_after_runs` in another process."""
+        share = cls(world_size, 0, resume=resume, block=block)
+        share.full_rows, share.tail = full_rows, tail
+        return share
+
     def resume_after(self, n: int) -> Resume:
         """The job's :class:`Resume` once each rank delivered its first ``n`` pairs.
 
         Needs those pairs to have been produced by :meth:`pairs` (they have been, if
         this rank delivered them).
         """
-        W, B = self.world_size, self.block
-        if W == 1:
-            return self._extend(n, ())  # positions in order, no padding
-        if n <= self.full_rows * B:
-            if n == 0:
-                return self.resume
-            k = (n - 1) // B
-            o = n - k * B
-            if o == B:
-                return self._extend((k + 1) * W * B, ())
-            base = k * W * B
-            return self._extend(base, [(base + q * B, base + q * B + o) for q in range(W)])
-        assert self.tail is not None, "more pairs delivered than dealt"
-        done = self.full_rows * W * B + min(self.tail, (n - self.full_rows * B) * W)
-        return self._extend(done, ())
+        return self.resume_after_runs([(0, n)] if n > 0 else [])
 
-    def _extend(self, prefix: int, runs: Iterable[tuple[int, int]]) -> Resume:
-        """``resume`` plus positions ``[0, prefix)`` and ``runs`` of this share's numbering."""
+    def resume_after_runs(self, runs: Iterable[tuple[int, int]]) -> Resume:
+        """The job's :class:`Resume` once each rank delivered its pairs of ``runs``: half-open
+        runs of pair indexes, in the order :meth:`pairs` gave them (the DataLoader workers of
+        a rank deliver blocks of them, see :mod:`wdscache.training.worker_parts`). Padding
+        repeats count for nothing."""
         real = self.resume.real
         # A run maps to the positions from its first to its last: any between them were
         # delivered before (they are why the numbering skips them).
-        delivered = [(0, real(prefix - 1) + 1)] if prefix > 0 else []
-        delivered += [(real(a), real(b - 1) + 1) for a, b in runs]
+        delivered = [(real(a), real(b - 1) + 1) for a, b in self._positions(runs) if b > a]
         return Resume.of(self.resume.position, list(self.resume.done) + delivered)
+
+    def _positions(self, runs: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The positions (every rank's, in this share's numbering) of the rank's pair-index ``runs``."""
+        W, B = self.world_size, self.block
+        if W == 1:  # the rank's pairs are the positions, in order (no rows)
+            return list(runs)
+        F = self.full_rows * B  # pairs in the full rows
+        out: list[tuple[int, int]] = []
+
+        def in_block(k: int, o1: int, o2: int) -> None:
+            base = k * W * B
+            if o1 == 0 and o2 == B:
+                out.append((base, base + W * B))
+            else:
+                out.extend((base + q * B + o1, base + q * B + o2) for q in range(W))
+
+        for a, b in runs:
+            if a < F:
+                e = min(b, F)
+                k1, k2 = a // B, (e - 1) // B
+                if k1 == k2:
+                    in_block(k1, a - k1 * B, e - k1 * B)
+                else:
+                    in_block(k1, a - k1 * B, B)
+                    if k2 > k1 + 1:
+                        out.append(((k1 + 1) * W * B, k2 * W * B))
+                    in_block(k2, 0, e - k2 * B)
+            if b > F:
+                if self.tail is None:
+                    raise ValueError("more pairs delivered than were dealt")
+                base = F * W
+                t1, t2 = max(a, F) - F, b - F
+                if t1 * W < self.tail:
+                    out.append((base + t1 * W, base + min(self.tail, t2 * W)))
+        return out

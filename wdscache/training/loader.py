@@ -56,7 +56,7 @@ from ..shared.nodes import JobEpoch, Layout, NodeShare, job_epoch, parts_state, 
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
-from .worker_parts import Part, combine
+from .worker_parts import Delivered, Part, combine
 from ..shared.urls import list_id
 from .urls_arg import read_urls_arg
 
@@ -143,6 +143,20 @@ def default_collate(samples: list[dict[str, Any]]) -> Any:
         for k, v in sample.items():
             out.setdefault(k, []).append(v)
     return out
+
+
+@dataclass(frozen=True)
+class NextEpoch:
+    """Where the loader's next epoch starts: from its beginning, or a checkpoint's position."""
+
+    epoch: int = 0
+    start: Resume = Resume()  # positions delivered already
+    skip: int = 0  # pairs of this DataLoader worker's part delivered already (its own checkpoint's)
+    # A job on several nodes: the epoch's parts, with ``start`` empty and each part's positions
+    # delivered already, and what every rank delivered since (a DataLoader's workers' checkpoint).
+    parts: list[list[int]] | None = None
+    part_resumes: tuple[Resume, ...] = ()
+    delivered: Delivered | None = None
 
 
 class CachedMultiLoader:
@@ -238,11 +252,7 @@ class CachedMultiLoader:
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._token = env["token"]
-        self._epoch = 0
-        self._start = Resume()  # what the next epoch has delivered already (a checkpoint's)
-        self._skip = 0  # pairs of this worker's part of the next epoch delivered already (its checkpoint's)
-        self._parts: list[list[int]] | None = None  # a multi-node checkpoint's parts; _start is then...
-        self._part_resumes: tuple[Resume, ...] = ()  # ...each part's delivered positions
+        self._next = NextEpoch()
         self._current: EpochStream | None = None
         self._resumed_from: dict[str, Any] | None = None
         self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
@@ -251,7 +261,7 @@ class CachedMultiLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start."""
-        self._epoch, self._start, self._skip, self._parts, self._part_resumes = epoch, Resume(), 0, None, ()
+        self._next = NextEpoch(epoch)
 
     def _part(self) -> Part:
         """This process's part of the rank's share: all of it (a DataLoader worker's: see
@@ -267,52 +277,63 @@ class CachedMultiLoader:
         part = self._part()
         if part.count > 1:
             return self._worker_state(part)
-        parts, resumes = self._parts, self._part_resumes
         if self._current is not None and not self._current.complete:
-            epoch, at = self._current.spec.epoch, self._current.resume()
-            parts = None
+            at = self._current.resume()
             if isinstance(at, tuple):  # on several nodes: each part's positions (see wdscache.shared.nodes)
                 share = self._current.share
                 assert isinstance(share, NodeShare)
-                parts, resumes, at = [list(p) for p in share.job.parts], at, Resume()
-        else:
-            epoch, at = self._epoch, self._start
-        return self._state(epoch, at, parts, resumes)
+                at = NextEpoch(self._current.spec.epoch, parts=[list(p) for p in share.job.parts], part_resumes=at)
+            else:
+                at = NextEpoch(self._current.spec.epoch, at)
+            return self._state(at)
+        return self._state(self._next)
 
     def _worker_state(self, part: Part) -> dict[str, Any]:
-        stream = self._current
-        if self.layout.num_nodes > 1 or (stream is not None and isinstance(stream.share, NodeShare)):
-            # A worker's pairs of a node's share are not placed in the job's positions: its state
-            # says only the epoch, and whether it ended (see worker_parts.combine).
-            epoch = stream.spec.epoch if stream is not None else self._epoch
-            state = self._state(epoch, Resume())
+        stream, nxt = self._current, self._next
+        if stream is not None and isinstance(stream.share, NodeShare):
+            # The worker's pairs of its node's share; placed in the parts' positions when the
+            # counts are known (see worker_parts.combine).
+            job = stream.share.job
+            state = self._state(NextEpoch(stream.spec.epoch, parts=[list(p) for p in job.parts],
+                                          part_resumes=job.resumes))
             state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size,
-                               "epoch_only": True, "complete": stream is not None and stream.complete}
+                               "num_nodes": self.layout.num_nodes, "pairs": stream.part.skip + stream.delivered,
+                               "complete": stream.complete, "started": True}
+            return state
+        if stream is None and (self.layout.num_nodes > 1 or nxt.parts is not None):  # not begun, on several nodes
+            state = self._state(nxt)
+            state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size,
+                               "num_nodes": self.layout.num_nodes, "pairs": nxt.skip, "complete": False,
+                               "started": False}
             return state
         if stream is None:  # before the first epoch of this worker
-            epoch, start, pairs, complete, full_rows, tail = self._epoch, self._start, self._skip, False, 0, None
+            epoch, start, pairs, complete, full_rows, tail = nxt.epoch, nxt.start, nxt.skip, False, 0, None
         else:
             epoch, start, complete = stream.spec.epoch, stream.share.resume, stream.complete
             pairs, full_rows, tail = stream.part.skip + stream.delivered, stream.share.full_rows, stream.share.tail
-        state = self._state(epoch, start)
+        state = self._state(NextEpoch(epoch, start))
         state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size, "pairs": pairs,
                            "complete": complete, "full_rows": full_rows, "tail": tail}
         return state
 
-    def _state(self, epoch: int, at: Resume, parts: list[list[int]] | None = None,
-               resumes: tuple[Resume, ...] = ()) -> dict[str, Any]:
+    def _state(self, at: NextEpoch) -> dict[str, Any]:
+        """The checkpoint of ``at`` (its ``skip`` is the caller's, for a worker's state)."""
         state: dict[str, Any] = {
-            "version": STATE_VERSION if parts is None else PARTS_VERSION,
-            "epoch": epoch,
-            "position": at.position,  # every position before it was delivered...
-            "done": [list(run) for run in at.done],  # ...and these runs after it
+            "version": STATE_VERSION if at.parts is None else PARTS_VERSION,
+            "epoch": at.epoch,
+            "position": at.start.position,  # every position before it was delivered...
+            "done": [list(run) for run in at.start.done],  # ...and these runs after it
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_buffer": self.shuffle_buffer,
             "drop_last": self.drop_last,
             "urls": self._current.list_id if self._current is not None else self._own_list_id,
         }
-        return state if parts is None else {**state, **parts_state(parts, resumes)}
+        if at.parts is not None:
+            state.update(parts_state(at.parts, at.part_resumes))
+        if at.delivered is not None:
+            state["delivered"] = at.delivered.to_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state``: from :meth:`state_dict` of any rank of the stopped job, or a
@@ -325,13 +346,11 @@ class CachedMultiLoader:
         if len(ours) > 1 or (ours[0] is not state and "worker" in ours[0]):
             for one in ours:
                 self._check_state(one)
-                if one["version"] == PARTS_VERSION:
-                    raise ValueError("a loader's state holds several wdscache states, one of a job on several "
-                                     "nodes: pass that one state alone")
             if not all("worker" in one for one in ours):
                 raise ValueError("a loader's state holds both whole and per-worker wdscache states")
-            epoch, at = combine(ours)
-            self._epoch, self._start, self._skip, self._parts, self._part_resumes = epoch, at, 0, None, ()
+            epoch, at, nodes = combine(ours)
+            self._next = NextEpoch(epoch, at) if nodes is None else NextEpoch(
+                epoch, parts=nodes[0], part_resumes=nodes[1], delivered=nodes[2])
             self._resumed_from = ours[0]
             return
         state = ours[0]
@@ -346,13 +365,14 @@ class CachedMultiLoader:
                     f"{self.world_size}: to resume with another num_workers or world size, load the whole "
                     "StatefulDataLoader.state_dict() into the dataset (dataset.load_state_dict(state)) and "
                     "give the new DataLoader no state")
-        self._epoch, self._start = state["epoch"], Resume.of(state["position"], done)
-        self._skip = worker.get("pairs", 0) if worker is not None else 0
-        if worker is not None and worker.get("epoch_only"):  # a worker of a job on several nodes
-            self._epoch, self._start = state["epoch"] + bool(worker["complete"]), Resume()
-        self._parts, self._part_resumes = None, ()
-        if state["version"] == PARTS_VERSION:
-            self._parts, self._part_resumes = read_parts_state(state)
+        if worker is not None and worker["complete"]:
+            self._next = NextEpoch(state["epoch"] + 1)
+        else:
+            parts, resumes = read_parts_state(state) if state["version"] == PARTS_VERSION else (None, ())
+            delivered = state.get("delivered")
+            self._next = NextEpoch(state["epoch"], Resume.of(state["position"], done),
+                                   worker.get("pairs", 0) if worker is not None else 0, parts, resumes,
+                                   Delivered.from_state(delivered) if delivered is not None else None)
         self._resumed_from = state
 
     def _check_state(self, state: dict[str, Any]) -> list[list[int]]:
@@ -441,15 +461,13 @@ class CachedMultiLoader:
         self._ensure_agent()
         if self.tuning.tune_malloc:
             tune_malloc()
-        epoch, start, part = self._epoch, self._start, self._part()
-        part = Part(part.index, part.count, self._skip)
-        parts, resumes = self._parts, self._part_resumes
-        self._epoch, self._start, self._skip, self._parts, self._part_resumes = epoch + 1, Resume(), 0, None, ()
+        nxt, part = self._next, self._part()
+        epoch, start, part = nxt.epoch, nxt.start, Part(part.index, part.count, nxt.skip)
+        self._next = NextEpoch(epoch + 1)
         session = self._open_session()
-        if self.layout.num_nodes > 1 or parts is not None:
+        if self.layout.num_nodes > 1 or nxt.parts is not None:
             try:
-                start = self._job_epoch(agent_counts(session.conn, session.urls), epoch, parts,
-                                        resumes or (start,))
+                start = self._job_epoch(agent_counts(session.conn, session.urls), nxt)
             except BaseException:
                 session.conn.close()
                 raise
@@ -466,12 +484,19 @@ class CachedMultiLoader:
             return stream.delivering((1, item) for item in items)
         return stream.delivering(_batched(items, self.batch_size, self.collate))
 
-    def _job_epoch(self, counts: Sequence[int | None], epoch: int, parts: Sequence[Sequence[int]] | None,
-                   resumes: Sequence[Resume]) -> JobEpoch:
-        """The epoch of a job on several nodes (or resumed from one): needs every shard's count."""
-        return job_epoch(counts, self.layout, epoch=epoch, parts=parts, resumes=resumes, seed=self.seed,
-                         shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
-                         reshuffle=self.reshuffle_nodes)
+    def _job_epoch(self, counts: Sequence[int | None], at: NextEpoch) -> JobEpoch:
+        """The epoch ``at`` of a job on several nodes (or resumed from one): needs every shard's count."""
+        parts, resumes = at.parts, at.part_resumes or (at.start,)
+        if at.delivered is not None:  # what the ranks delivered, placed on the layout it was delivered on
+            d = at.delivered
+            then = job_epoch(counts, Layout(0, d.world_size, 0, d.num_nodes), epoch=at.epoch, parts=parts,
+                             resumes=resumes, **self._job_options())
+            parts, resumes = [list(p) for p in then.parts], then.resume_after_runs(d.runs)
+        return job_epoch(counts, self.layout, epoch=at.epoch, parts=parts, resumes=resumes, **self._job_options())
+
+    def _job_options(self) -> dict[str, Any]:
+        return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer,
+                "drop_last": self.drop_last, "reshuffle": self.reshuffle_nodes}
 
     def _stream_settings(self) -> StreamSettings:
         t = self.tuning
@@ -516,11 +541,11 @@ class CachedMultiLoader:
             conn.close()
         if not urls or any(c is None for c in counts):
             raise TypeError("length unknown until every shard has been read once")
-        if self.layout.num_nodes > 1 or self._parts is not None:
-            job = self._job_epoch(counts, self._epoch, self._parts, self._part_resumes or (self._start,))
+        if self.layout.num_nodes > 1 or self._next.parts is not None:
+            job = self._job_epoch(counts, self._next)
             return job.per_rank if self.batch_size is None else -(-job.per_rank // self.batch_size)
         total = sum(counts)
-        per_rank = rank_length(total - self._start.delivered(total), self.world_size, self.drop_last)
+        per_rank = rank_length(total - self._next.start.delivered(total), self.world_size, self.drop_last)
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)

@@ -9,18 +9,17 @@ so the rank's count does not depend on ``K`` and every rank's is the same.
 A worker knows only its own count; the position of the job is the union of what each
 worker delivered, which :func:`job_resume` computes from all the workers' states (every
 rank is assumed to have delivered as much as this one, as for a single-process loader).
+On several nodes the union is kept as runs of the rank's pairs (:class:`Delivered`) until
+the next epoch starts, when the counts are known and the runs are placed in the parts.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-from ..shared.sequence import BLOCK, Resume, SampleId
-
-log = logging.getLogger(__name__)
-
+from ..shared.nodes import read_parts_state
+from ..shared.sequence import BLOCK, RankShare, Resume, SampleId
 
 @dataclass(frozen=True)
 class Part:
@@ -47,17 +46,7 @@ def part_of(pairs: Iterable[tuple[int, SampleId] | None], part: Part, block: int
                 yield pair
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """How the epoch's rows were dealt, as far as a worker saw: enough to place any pair."""
-
-    world_size: int
-    full_rows: int
-    tail: int | None  # positions after the full rows, once the ids ended
-    block: int = BLOCK
-
-
-def _delivered_pairs(counts: list[int], block: int) -> list[tuple[int, int]]:
+def delivered_pairs(counts: list[int], block: int = BLOCK) -> list[tuple[int, int]]:
     """Half-open runs of the rank's pair indices delivered, worker ``k`` having delivered
     its first ``counts[k]`` pairs (sorted, merged)."""
     K = len(counts)
@@ -81,56 +70,45 @@ def _delivered_pairs(counts: list[int], block: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in runs]
 
 
-def _positions(geo: Geometry, rank_runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The share-numbered positions (every rank's) of the rank's pair-index runs."""
-    W, B = geo.world_size, geo.block
-    if W == 1:  # the rank's pairs are the positions, in order (no rows)
-        return rank_runs
-    F = geo.full_rows * B  # pairs in the full rows
-    out: list[tuple[int, int]] = []
+@dataclass(frozen=True)
+class Delivered:
+    """What every rank of a job on several nodes delivered of its epoch since it started, as
+    the DataLoader workers' states of one rank tell: ``runs`` of the rank's pair indexes, on
+    the layout the checkpoint was taken on. Placing them needs the sample counts
+    (:meth:`~wdscache.shared.nodes.JobEpoch.resume_after_runs`), which the loader learns
+    from the agent when the epoch starts."""
 
-    def in_block(k: int, o1: int, o2: int) -> None:
-        base = k * W * B
-        if o1 == 0 and o2 == B:
-            out.append((base, base + W * B))
-        else:
-            out.extend((base + q * B + o1, base + q * B + o2) for q in range(W))
+    world_size: int
+    num_nodes: int
+    runs: tuple[tuple[int, int], ...]
 
-    for a, b in rank_runs:
-        if a < F:
-            e = min(b, F)
-            k1, k2 = a // B, (e - 1) // B
-            if k1 == k2:
-                in_block(k1, a - k1 * B, e - k1 * B)
-            else:
-                in_block(k1, a - k1 * B, B)
-                if k2 > k1 + 1:
-                    out.append(((k1 + 1) * W * B, k2 * W * B))
-                in_block(k2, 0, e - k2 * B)
-        if b > F:
-            if geo.tail is None:
-                raise ValueError("a worker state counts pairs past the rows it says were dealt")
-            base = F * W
-            t1, t2 = max(a, F) - F, b - F
-            if t1 * W < geo.tail:
-                out.append((base + t1 * W, base + min(geo.tail, t2 * W)))
-    return out
+    def to_state(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "num_nodes": self.num_nodes, "runs": [list(r) for r in self.runs]}
+
+    @classmethod
+    def from_state(cls, d: Any) -> "Delivered":
+        ok = (isinstance(d, dict) and all(type(d.get(k)) is int and d[k] >= 1 for k in ("world_size", "num_nodes"))
+              and isinstance(d.get("runs"), list)
+              and all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] < r[1]
+                      for r in d["runs"]))
+        if not ok:
+            raise ValueError(f"checkpoint 'delivered' must be {{world_size, num_nodes, runs: [[start, end], ...]}}; "
+                             f"got {d!r}")
+        return cls(d["world_size"], d["num_nodes"], tuple((a, b) for a, b in d["runs"]))
 
 
-def job_resume(start: Resume, geo: Geometry, counts: list[int]) -> Resume:
+def job_resume(start: Resume, share: RankShare, counts: list[int]) -> Resume:
     """The job's :class:`Resume`: ``start``, and what the rank's workers delivered since
-    (worker ``k`` its first ``counts[k]`` pairs), on every rank."""
-    runs = _positions(geo, _delivered_pairs(counts, geo.block))
-    real = start.real
-    # A run maps to the positions from its first to its last: any between them were
-    # delivered before ``start`` (that is why the share's numbering skips them).
-    delivered = [(real(a), real(b - 1) + 1) for a, b in runs if b > a]
-    return Resume.of(start.position, list(start.done) + delivered)
+    (worker ``k`` its first ``counts[k]`` pairs of ``share``, as dealt), on every rank."""
+    return RankShare.dealt(share.world_size, share.full_rows, share.tail, resume=start,
+                           block=share.block).resume_after_runs(delivered_pairs(counts, share.block))
 
 
-def combine(states: list[dict[str, Any]]) -> tuple[int, Resume]:
+def combine(states: list[dict[str, Any]]) -> tuple[int, Resume, tuple[list[list[int]], tuple[Resume, ...], Delivered | None] | None]:
     """The epoch and :class:`Resume` of the job from the states of all of one rank's
-    workers (``CachedMultiLoader.state_dict()`` taken in each)."""
+    workers (``CachedMultiLoader.state_dict()`` taken in each); for a job on several nodes
+    also the epoch's parts, their resumes at its start and what was :class:`Delivered` since
+    (the Resume is then empty)."""
     parts = [s["worker"] for s in states]
     count = parts[0]["of"]
     if sorted(p["part"] for p in parts) != list(range(count)) or any(p["of"] != count for p in parts):
@@ -141,16 +119,31 @@ def combine(states: list[dict[str, Any]]) -> tuple[int, Resume]:
         raise ValueError(f"the workers' states are of different epochs {sorted(epochs)}")
     epoch = epochs.pop()
     if all(p["complete"] for p in parts):
-        return epoch + 1, Resume()
-    if any(p.get("epoch_only") for p in parts):
-        # Workers of a job on several nodes keep no mid-epoch position: the epoch starts over.
-        log.warning("this checkpoint was taken in epoch %d by DataLoader workers of a job on several nodes, "
-                    "which keep no position inside an epoch: epoch %d starts again from its beginning", epoch, epoch)
-        return epoch, Resume()
-    start = Resume.of(states[0]["position"], states[0]["done"])
-    tails = [p["tail"] for p in parts if p["tail"] is not None]
-    geo = Geometry(parts[0]["world_size"], max(p["full_rows"] for p in parts), tails[0] if tails else None)
+        return epoch + 1, Resume(), None
     counts = [0] * count
     for p in parts:
         counts[p["part"]] = p["pairs"]
-    return epoch, job_resume(start, geo, counts)
+    if any("started" in p for p in parts):  # a job on several nodes
+        if any(p["started"] for p in parts) or "parts" in states[0]:
+            return epoch, Resume(), _nodes_combined(states, counts)
+        return epoch, Resume.of(states[0]["position"], states[0]["done"]), None  # none began: as it was given
+    start = Resume.of(states[0]["position"], states[0]["done"])
+    tails = [p["tail"] for p in parts if p["tail"] is not None]
+    share = RankShare.dealt(parts[0]["world_size"], max(p["full_rows"] for p in parts), tails[0] if tails else None)
+    return epoch, job_resume(start, share, counts), None
+
+
+def _nodes_combined(states: list[dict[str, Any]], counts: list[int]) -> tuple[list[list[int]], tuple[Resume, ...], Delivered | None]:
+    """The parts, start resumes and :class:`Delivered` of the workers' states of a job on several nodes."""
+    began = [s for s in states if s["worker"]["started"]]
+    if not began:  # no worker began the epoch: each holds the checkpoint it was given
+        pending = states[0].get("delivered")
+        parts, resumes = read_parts_state(states[0])
+        return parts, resumes, Delivered.from_state(pending) if pending is not None else None
+    # Those that began name the epoch's parts and their resumes at its start, the same for all;
+    # the others delivered nothing of it.
+    first = read_parts_state(began[0])
+    if any(read_parts_state(s) != first for s in began[1:]):
+        raise ValueError("the workers' states are of different epochs of the job: their parts differ")
+    w = began[0]["worker"]
+    return first[0], first[1], Delivered(w["world_size"], w["num_nodes"], tuple(delivered_pairs(counts)))
