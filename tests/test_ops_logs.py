@@ -1,7 +1,7 @@
 """Logs for people and for log shippers (issue 18, point 4): one line per notable event, ISO 8601 dates.
 
 A real agent started through the CLI with ``--log-format json``, a real HTTP server, a
-reader that says hello and bye over the real control socket.
+reader that says hello and bye over the real control socket, and a real consumer's short epoch.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ import json
 import logging
 import re
 
+import webdataset as wds
+
+from wdscache import CachedMultiLoader
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.logs import JsonFormatter, TextFormatter, iso_time
 
@@ -39,12 +42,21 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
         assert hello["ok"], hello
         assert conn.request({"op": "report", "reader": "r0", "samples": 7, "bytes": 700, "rate": 3.5,
                              "wait_s": 0.5, "epoch": 0, "position": 7})["ok"]
+        # A malformed bye is refused as a whole; one without totals leaves the last report's.
+        assert not conn.request({"op": "bye", "reader": "r0", "samples": "many"})["ok"]
         assert conn.request({"op": "bye", "reader": "r0"})["ok"]
         assert conn.request({"op": "hello", "reader": "r1", "job": "quiet", "rank": 0, "world_size": 1})["ok"]
     finally:
         conn.close()
-    s = agent.wait_stats(lambda s: {"train", "quiet"} <= set(s["ended_jobs"]), 10,
-                         "the jobs that ended (one said bye, one went silent) are listed")
+    # A real consumer's epoch, over well before its first report: its bye brings its totals.
+    with CachedMultiLoader(data.urls, cache_dir=cache, job="short", shuffle=False, timeout=30) as loader:
+        assert sum(1 for _ in loader) == 12  # not list(): its len() would say a hello and bye of its own
+    s = agent.wait_stats(lambda s: {"train", "quiet", "short"} <= set(s["ended_jobs"]), 10,
+                         "the jobs that ended (two said bye, one went silent) are listed")
+    short = s["ended_jobs"]["short"]["0"]
+    assert (short["samples"], short["epoch"], short["position"]) == (12, 0, 12), short
+    assert short["bytes"] == sum(len(v) for p in data.paths for x in wds.WebDataset(str(p), shardshuffle=False)
+                                 for k, v in x.items() if not k.startswith("__")), short
     assert s["jobs"] == {}
     # Evicted by hand, then downloaded again for the agent's start-up plan.
     assert run_cli("evict", data.urls[0], "--cache-dir", cache).returncode == 0
@@ -60,17 +72,18 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
     failed = [e for e in events if e["event"] == "failed"]
     assert [e["url"] for e in failed] == [missing] and "404" in failed[0]["error"], failed
     joined = [e for e in events if e["event"] == "consumer_joined"]
-    assert [(e["reader"], e["job"], e["rank"], e["world_size"]) for e in joined] == [("r0", "train", 0, 1),
-                                                                                 ("r1", "quiet", 0, 1)]
+    assert [(e["job"], e["rank"], e["world_size"]) for e in joined] == [("train", 0, 1), ("quiet", 0, 1),
+                                                                       ("short", 0, 1)]
     left = [e for e in events if e["event"] == "consumer_left"]
-    assert [(e["reader"], e["job"], e["rank"], e["samples"], e["why"]) for e in left] == [
-        ("r0", "train", 0, 7, "said bye")]
+    assert [(e["job"], e["rank"], e["samples"], e["why"]) for e in left] == [
+        ("train", 0, 7, "said bye"), ("short", 0, 12, "said bye")]
+    assert "(job 'short', rank 0, 12 samples)" in left[1]["message"], left[1]
     timed_out = [e for e in events if e["event"] == "consumer_timed_out"]
     assert [(e["reader"], e["job"], e["level"]) for e in timed_out] == [("r1", "quiet", "WARNING")]
     assert timed_out[0]["why"].startswith("silent for ") and timed_out[0]["why"].endswith("(--reader-timeout)")
     evicted = [e for e in events if e["event"] == "evicted"]
-    assert [(e["url"], e["bytes"], e["last_read"]) for e in evicted] == [
-        (data.urls[0], data.paths[0].stat().st_size, None)]
+    assert [(e["url"], e["bytes"]) for e in evicted] == [(data.urls[0], data.paths[0].stat().st_size)]
+    assert ISO.match(evicted[0]["last_read"]), evicted  # read by the consumer
     again = [e for e in events if e["event"] == "redownloaded"]
     assert [(e["url"], e["bytes"]) for e in again] == [(data.urls[0], data.paths[0].stat().st_size)]
 

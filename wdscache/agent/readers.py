@@ -279,15 +279,27 @@ class Readers:
     def op_report(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
         """A consumer's progress, for stats."""
         name = header["reader"]
+        figures = numbers(header, REPORT_FIELDS)
         if name in self._readers:
-            known = self._consumers.get(name, {})
-            report = {"job": known.get("job"), "rank": known.get("rank"), **numbers(header, REPORT_FIELDS)}
-            self._consumers[name] = with_fraction(known, report, "wait_s", "waiting")
+            self._record(name, figures)
         self._socket.reply(ident, rid, ok=name in self._readers, error="unknown reader; say hello first")
 
     def op_bye(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        self.drop(header["reader"])
+        """A reader leaves. A consumer's bye carries its report's fields, so that the totals it
+        leaves with are final even where its last stretch (or all of a short epoch) fell between
+        reports; a bye without them leaves the last report's."""
+        name = header["reader"]
+        figures = numbers(header, REPORT_FIELDS)  # checked first: a malformed bye changes nothing
+        if figures and name in self._consumers:
+            self._record(name, figures)
+        self.drop(name)
         self._socket.reply(ident, rid, ok=True)
+
+    def _record(self, name: str, figures: dict[str, float]) -> None:
+        """A report's ``figures`` as the stats of consumer ``name``."""
+        known = self._consumers.get(name, {})
+        report = {"job": known.get("job"), "rank": known.get("rank"), **figures}
+        self._consumers[name] = with_fraction(known, report, "wait_s", "waiting")
 
     # -- going ------------------------------------------------------------------
 

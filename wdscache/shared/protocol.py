@@ -259,7 +259,11 @@ MESSAGES: tuple[Message, ...] = (
              "bytes": "int", "rate": "number", "wait_s": "number"}, _ERROR,
             about="a consumer's progress, every second, for stats"),
     Message("ping", "consumer", "agent", {"reader": "str"}, _ERROR, about="is the agent there"),
-    Message("bye", "consumer", "agent", {"reader": "str"}, _ERROR, about="a reader leaves: its pins go"),
+    Message("bye", "consumer", "agent",
+            {"reader": "str", "epoch": "int?", "position": "int?", "samples": "int?", "bytes": "int?",
+             "wait_s": "number?"}, _ERROR,
+            about="a reader leaves: its pins go; a consumer's bye carries its report's fields, its final totals "
+                  "(logged, and kept in stats' ended_jobs)"),
     Message("counts", "consumer", "agent", {"urls": "list[str]"}, {**_ERROR, "counts": "list"},
             about="the sample count of each shard (null: never counted)"),
     Message("corrupt", "consumer", "agent", {"url": "str", "error": "str"}, _ERROR,

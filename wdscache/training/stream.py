@@ -167,8 +167,9 @@ class EpochStream:
         self.seq_next = 0
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}
         self.broken = False  # the epoch ended in an error: close quickly
+        self.epoch = epoch
         self.reporter = Reporter(session.connect, {"op": "report", "reader": self.name, "job": s.job,
-                                                   "rank": s.rank, "epoch": epoch}, self._figures)
+                                                   "rank": s.rank}, self._figures)
 
     # -- the rank's share -------------------------------------------------------
 
@@ -521,11 +522,11 @@ class EpochStream:
     # -- reports and cleanup -----------------------------------------------------
 
     def _figures(self) -> dict[str, Any]:
-        """What a report tells of this stream (read from the reporter's thread: a snapshot of
-        numbers, each read at once)."""
+        """What a report tells of this stream, and our bye its totals (read from the reporter's
+        thread too: a snapshot of numbers, each read at once)."""
         stats = self.stats
-        return {"position": self.progress, "samples": stats["samples"], "bytes": stats["bytes"],
-                "wait_s": round(stats["wait_s"], 3)}
+        return {"epoch": self.epoch, "position": self.progress, "samples": stats["samples"],
+                "bytes": stats["bytes"], "wait_s": round(stats["wait_s"], 3)}
 
     def close(self) -> None:
         if self.finished:
@@ -536,7 +537,9 @@ class EpochStream:
         try:
             if not self.broken:
                 self.shards.await_counts()
-            self.conn.request({"op": "bye", "reader": self.name}, timeout=0.5 if self.broken else 2.0)
+            # With our totals: the agent logs and lists them, and its last report may be a second old.
+            self.conn.request({"op": "bye", "reader": self.name, **self._figures()},
+                              timeout=0.5 if self.broken else 2.0)
         except AgentUnavailableError:
             pass
         self.conn.close()
