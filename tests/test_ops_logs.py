@@ -50,7 +50,8 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
         conn.close()
     # A real consumer's epoch, over well before its first report: its bye brings its totals.
     with CachedMultiLoader(data.urls, cache_dir=cache, job="short", shuffle=False, timeout=30) as loader:
-        assert sum(1 for _ in loader) == 12  # not list(): its len() would say a hello and bye of its own
+        assert len(list(loader)) == 12
+        assert len(loader) == 12  # after the epoch: its hello and bye neither join nor end the job
     s = agent.wait_stats(lambda s: {"train", "quiet", "short"} <= set(s["ended_jobs"]), 10,
                          "the jobs that ended (two said bye, one went silent) are listed")
     short = s["ended_jobs"]["short"]["0"]

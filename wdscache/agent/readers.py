@@ -94,6 +94,7 @@ class Readers:
         self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         self._consumers: dict[str, dict[str, Any]] = {}  # reader name -> its job, rank and last report
+        self._probes: set[str] = set()  # readers that said hello only to learn the list (a loader's len())
         self._ended: dict[str, dict[str, Any]] = {}  # reader name -> its last report, once it left (for stats)
         self._buffers: dict[str, int] = {}  # reader -> the shuffle buffer it said hello with (samples)
         self._watched: dict[int, str] = {}  # pidfd -> the reader whose process it is
@@ -183,7 +184,7 @@ class Readers:
         """
         name = header["reader"]
         self._hello(ident, rid, name, header)
-        if name in self._readers:
+        if name in self._readers and name not in self._probes:
             self._buffers[name] = max(0, get_field(header, "shuffle_buffer", int, 0))
 
     def _hello(self, ident: bytes, rid: Any, name: str, header: dict[str, Any]) -> None:
@@ -227,10 +228,13 @@ class Readers:
         self.drop(name, why=None)
         # It reads the list it named, or the agent's list as it is now until its epoch ends.
         self._readers[name] = Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id)
-        self._consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
-        self._watch_process(name, header.get("process"))
-        self._ended.pop(name, None)
-        if not again:
+        if header.get("probe") is True:  # not a rank reading: neither joins nor leaves the job
+            self._probes.add(name)
+        else:
+            self._consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
+            self._watch_process(name, header.get("process"))
+            self._ended.pop(name, None)
+        if not again and name not in self._probes:
             event(log, "consumer_joined", "consumer %s joined job %r as rank %d of %d", name, job, rank, world,
                   reader=name, job=job, rank=rank, world_size=world)
         reply(
@@ -314,7 +318,8 @@ class Readers:
             self._unwatch(r.pidfd)
         self._gone(name)
         consumer = self._consumers.pop(name, None)
-        if why is None:
+        if why is None or name in self._probes:
+            self._probes.discard(name)
             return
         if consumer is None:  # a plain client
             log.log(logging.WARNING if timed_out else logging.INFO, "reader %s%s; releasing its shards", name, why)

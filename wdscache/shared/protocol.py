@@ -235,10 +235,11 @@ MESSAGES: tuple[Message, ...] = (
             about="the agent proves it holds the token; the only op taken without a key"),
     Message("hello", "consumer", "agent",
             {"reader": "str", "job": "str", "rank": "int", "world_size": "int", "list_id": "str?",
-             "process": "list?", "shuffle_buffer": "int?"},
+             "process": "list?", "shuffle_buffer": "int?", "probe": "bool?"},
             {**_ERROR, "need_urls": "bool?", "workers": "list[str]", "prefetch": "int", "list_id": "str",
              "n_urls": "int", "cache_dir": "str", "cache_root": "list"},
-            about="a rank joins its job; list_id names its own list (sent first with put_urls if asked)"),
+            about="a rank joins its job; list_id names its own list (sent first with put_urls if asked); "
+                  "probe: only to learn the list and its counts (a loader's len()), not a rank reading"),
     Message("put_urls", "consumer", "agent", {"reader": "str", "offset": "int", "urls": "list[str]",
                                               "shards": "list?"}, _ERROR,
             about="a page of a consumer's own URL list, before its hello; from a shard index, with each "

@@ -396,8 +396,9 @@ class CachedMultiLoader:
                              f"got {done!r}")
         return done
 
-    def _session(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], Sequence[str]]:
+    def _session(self, conn: AgentConnection, name: str, *, probe: bool = False) -> tuple[dict[str, Any], Sequence[str]]:
         """Say hello to the agent as reader ``name``; returns the reply and the URL list in use.
+        ``probe``: only to learn the list and its counts, not as a rank that reads.
 
         Lists go in pages and are cached by their id, so each is sent once per loader.
         """
@@ -406,6 +407,8 @@ class CachedMultiLoader:
                                    "world_size": self.world_size, "process": process_identity(),
                                    # the agent warns when pins on the shards it spans outgrow the budget
                                    "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0}
+        if probe:
+            request["probe"] = True
         if self.urls is not None:
             request["list_id"] = self._list_key
         hello = conn.request(request)
@@ -534,7 +537,7 @@ class CachedMultiLoader:
         conn = self._connection(self.timeout)
         name = f"len-{uuid.uuid4().hex[:8]}"
         try:
-            _, urls = self._session(conn, name)
+            _, urls = self._session(conn, name, probe=True)
             conn.request({"op": "bye", "reader": name})
             counts = agent_counts(conn, urls)
         finally:
