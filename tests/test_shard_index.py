@@ -29,7 +29,7 @@ from tests.helpers.agents import run_wdscache
 from tests.helpers.net import free_port_range
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.testdata import REAL_SHARDS, TESTDATA
-from wdscache import CachedMultiLoader, ShardIndexError
+from wdscache import CachedMultiLoader, FetchError, ShardIndexError
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.shard_index import KIND
 from wdscache.shared.urls import read_url_list
@@ -190,14 +190,21 @@ def test_len_is_known_before_any_shard_is_read(tmp_path, shard_server, start_age
     assert {(s["__url__"], s["__key__"]) for s in got} == set(reference(paths, urls))
 
 
-def test_a_wrong_size_or_md5_is_downloaded_twice_then_fails_naming_both(tmp_path, shard_server, start_agent,
-                                                                         consumers):
+def changed_since_indexed(size: int, indexed: int) -> str:
+    return (f"the source is {size} bytes, but the shard index says {indexed}: the shard changed since it was "
+            "indexed; run 'wdscache index' again to make a new index")
+
+
+def test_a_changed_size_fails_at_once_a_wrong_md5_after_two_downloads(tmp_path, shard_server, start_agent,
+                                                                       consumers):
     paths = make_dataset(shard_server.root, 5, 5, payload=1500)
     urls = [shard_server.url(p.name) for p in paths]
     index = tmp_path / "lists" / "index.json"
     doc = make_index(index, *urls)
-    size, md5 = doc["shardlist"][1]["filesize"], doc["shardlist"][2]["md5sum"]
-    doc["shardlist"][1]["filesize"] = size + 512
+    indexed, md5 = doc["shardlist"][1]["filesize"], doc["shardlist"][2]["md5sum"]
+    shutil.copy(make_dataset(tmp_path / "other", 1, 8, payload=1500)[0], paths[1])  # the data changed since
+    size = paths[1].stat().st_size
+    assert size != indexed
     doc["shardlist"][2]["md5sum"] = "0" * 32
     doc["shardlist"][3]["nsamples"] = 6
     index.write_text(json.dumps(doc))
@@ -208,11 +215,11 @@ def test_a_wrong_size_or_md5_is_downloaded_twice_then_fails_naming_both(tmp_path
                          "the three shards the index misdescribes did not fail")
     failed = {f["url"]: f["error"] for f in s["failed"]}
     assert failed == {
-        urls[1]: f"size {size} bytes, but the shard index says {size + 512} (downloaded twice)",
+        urls[1]: changed_since_indexed(size, indexed),  # the server said so first: no second copy
         urls[2]: f"MD5 {md5}, but the shard index says {'0' * 32} (downloaded twice)",
         urls[3]: "5 samples, but the shard index says 6",  # the same bytes would count the same: once
     }
-    assert [gets(shard_server, p.name) - requests_before[p.name] for p in paths] == [1, 2, 2, 1, 1]
+    assert [gets(shard_server, p.name) - requests_before[p.name] for p in paths] == [1, 1, 2, 1, 1]
     layout = CacheLayout(cache)
     assert [layout.shard_path(u).exists() for u in urls] == [True, False, False, False, True]
     assert not [f for f in layout.partial_path(urls[1]).parent.iterdir() if f.is_file()]
@@ -221,7 +228,37 @@ def test_a_wrong_size_or_md5_is_downloaded_twice_then_fails_naming_both(tmp_path
     assert as_samples(lines) == healthy  # every healthy sample, and no other
     c = consumers(cache, "raising", "--no-shuffle", "--timeout", "20")
     assert c.proc.wait(60) != 0
-    assert f"cannot fetch {urls[1]}: size {size} bytes, but the shard index says {size + 512}" in c.log.read_text()
+    assert f"cannot fetch {urls[1]}: {changed_since_indexed(size, indexed)}" in c.log.read_text()
+
+
+@pytest.mark.parametrize("how", [("--download-parts", "1"), ("--download-part-size", "64K")],
+                         ids=["one-get-200", "parts-206"])
+def test_a_shard_replaced_since_indexed_fails_on_the_size_its_first_answer_gives(tmp_path, shard_server,
+                                                                                  start_agent, how):
+    # Over one GET the 200's Content-Length says the size; in parts, the first 206's Content-Range
+    # (the plan's total): either way the shard fails before its body is read, and only once.
+    paths = make_dataset(shard_server.root, 2, 4, payload=60_000)  # ~250 KB: four parts of 64K
+    urls = [shard_server.url(p.name) for p in paths]
+    index = tmp_path / "lists" / "index.json"
+    indexed = make_index(index, *urls)["shardlist"][0]["filesize"]
+    shutil.copy(make_dataset(tmp_path / "other", 1, 5, payload=60_000)[0], paths[0])
+    size = paths[0].stat().st_size
+    before = len(shard_server.requests)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, index, "--no-shuffle", *how)
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1, CACHED_IN,
+                         "the replaced shard did not fail")
+    assert s["failed"] == [{"url": urls[0], "error": changed_since_indexed(size, indexed)}]
+    sent = [r for r in shard_server.requests[before:] if r.path == paths[0].name and r.method == "GET"]
+    assert len(sent) == 1  # one request, not a second copy nor the other parts (a HEAD probes sizes at start)
+    one_get = how[0] == "--download-parts"
+    assert (sent[0].range, sent[0].status) == ((None, 200) if one_get else ("bytes=0-65535", 206))
+    assert sent[0].bytes_sent <= (size if one_get else 64 << 10)  # what socket buffers took; none of it kept
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20) as loader:
+        with pytest.raises(FetchError) as caught:
+            list(loader)
+    assert str(caught.value) == f"cannot fetch {urls[0]}: {changed_since_indexed(size, indexed)}"
+    assert CacheLayout(cache).shard_path(urls[1]).exists()  # the other shard is left as it was
 
 
 def test_a_copy_cached_before_that_is_unlike_the_index_is_downloaded_again_and_checked(
@@ -243,9 +280,9 @@ def test_a_copy_cached_before_that_is_unlike_the_index_is_downloaded_again_and_c
         got = list(loader)
     s = agent.stats()
     assert [(f["url"], f["error"]) for f in s["failed"]] == [
-        (urls[1], f"size {size} bytes, but the shard index says {size + 1} (downloaded twice)")]
+        (urls[1], changed_since_indexed(size, size + 1))]
     assert s["changed"] == 1
-    assert [gets(shard_server, p.name) - b for p, b in zip(paths, before)] == [0, 2, 0]  # the others revalidated
+    assert [gets(shard_server, p.name) - b for p, b in zip(paths, before)] == [0, 1, 0]  # the others revalidated
     assert f"{urls[1]} is {size} bytes in the cache, but the shard index says {size + 1}" in agent.stderr_text()
     assert {s["__url__"] for s in got} == {urls[0], urls[2]} and len(got) == 12
 
@@ -267,7 +304,7 @@ def test_a_job_index_is_checked_too(tmp_path, shard_server, start_agent, consume
     assert as_samples(lines) == reference(paths[1:], urls[1:])
     s = agent.stats()
     assert [(f["url"], f["error"]) for f in s["failed"]] == [
-        (urls[0], f"size {good} bytes, but the shard index says {good - 1} (downloaded twice)")]
+        (urls[0], changed_since_indexed(good, good - 1))]
 
 
 # -- malformed indexes --------------------------------------------------------------------------
@@ -373,7 +410,8 @@ def test_an_s3_index_is_written_and_a_wrong_size_in_it_is_caught(tmp_path, moto,
     s = agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 1, CACHED_IN,
                          "the misdescribed object did not fail")
     assert s["failed"] == [{"url": urls[0],
-                            "error": f"size {size} bytes, but the shard index says {size * 2} (downloaded twice)"}]
-    assert [len(proxy.gets(u[len("s3://"):])) for u in urls] == [3, 2, 2]  # once by the index, then the agent's
+                            "error": changed_since_indexed(size, size * 2)}]
+    # Once by the index, then the agent's: ContentLength failed the first before its body was read.
+    assert [len(proxy.gets(u[len("s3://"):])) for u in urls] == [2, 2, 2]
     lines = consumers(cache, "c", "--on-error", "skip", "--no-shuffle").wait()
     assert as_samples(lines) == reference(paths[1:], urls[1:])

@@ -122,6 +122,18 @@ def _check_count(d: Download, tar: Path) -> None:
         raise FetchError(d.url, problem, permanent=True)
 
 
+def check_announced(d: Download, total: int) -> None:
+    """The size the source announces before its body (a Content-Length, a Content-Range's
+    total, S3's ContentLength, a file's stat), against the one ``d``'s shard index gives.
+    Another size is another shard, and a second copy would be no different: the shard
+    fails at once (FetchError, permanent), before a byte of its body is downloaded."""
+    indexed = d.expected.filesize if d.expected is not None else None
+    if indexed is not None and total != indexed:
+        raise FetchError(d.url, f"the source is {total} bytes, but the shard index says {indexed}: the shard "
+                         "changed since it was indexed; run 'wdscache index' again to make a new index",
+                         permanent=True)
+
+
 def reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> bool:
     """Reserve ``total`` bytes for ``d`` while holding its connection, for a short while; then
     ``let_go`` of the connection (waiting for space could take long) and wait: False."""

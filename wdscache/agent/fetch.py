@@ -5,10 +5,13 @@ size it announced and starts like a tar (or gzip'd tar), fsyncs it and renames i
 to ``shards/<xx>/<name>``. So a file under ``shards/`` is always a whole, checked
 shard, whatever happens to the process or the connection meanwhile.
 
-A shard whose list came from a shard index has ``Download.expected``: the complete file
-is checked against it before anything else (its size, and its MD5 when the index gives
-one, hashed in one read of the file). A copy that differs is fetched once more from byte
-0; a second one that differs fails the shard for good, the reason naming both values.
+A shard whose list came from a shard index has ``Download.expected``. A size the source
+announces before its body (Content-Length, a Content-Range's total, S3's ContentLength, a
+file's stat) other than the index's fails the shard at once, no body read: the data changed
+since it was indexed. The complete file is checked against it before anything else (its
+size, and its MD5 when the index gives one, hashed in one read of the file). A copy that
+differs is fetched once more from byte 0; a second one that differs fails the shard for
+good, the reason naming both values.
 Its tar's samples are counted (a walk of its headers) just before it is published: a
 count other than the index's fails the shard at once (the same bytes would count the same).
 
@@ -66,8 +69,8 @@ from ..shared import s3
 from ..shared.config import default, parse_size
 from ..shared.errors import FetchError
 from ..shared.shard_index import file_facts
-from .download import (GROW, SYNC_EVERY, Cancelled, Changed, Download, Fetched, Retry, check_tar_head, publish,
-                       publish_gunzipped, reserve_holding, short, sync_partial, truncate, write_all)
+from .download import (GROW, SYNC_EVERY, Cancelled, Changed, Download, Fetched, Retry, check_announced, check_tar_head,
+                       publish, publish_gunzipped, reserve_holding, short, sync_partial, truncate, write_all)
 from .parted import PartedFetch
 from .parts import Part, file_size, remove_side_files
 from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem
@@ -293,6 +296,7 @@ class Fetcher:
                 if _unsatisfiable_size(r.headers.get("Content-Range", "")) == offset and d.etag:
                     # Nothing past our bytes, of the version If-Range named: the partial kept
                     # was whole already (cancelled after its last byte came). Checked as any.
+                    check_announced(d, offset)
                     d.total = offset
                     reserve_holding(d, offset, r.close)
                     return offset
@@ -316,6 +320,8 @@ class Fetcher:
                 total = int(length) if length and length.isdigit() else None
             else:
                 raise FetchError(d.url, f"unexpected HTTP {status} {r.reason}", status=status, permanent=True)
+            if total is not None:
+                check_announced(d, total)  # before any byte of the body, and before the parts' plan
             etag = validator(r.headers)
             if etag and etag != d.etag:
                 d.etag = etag
@@ -352,6 +358,7 @@ class Fetcher:
         except s3.Unsatisfiable:
             if offset and self._s3_head(client, d.url) == (offset, d.etag):
                 # The partial kept was whole already (cancelled after its last byte came).
+                check_announced(d, offset)
                 d.total = offset
                 d.reserve(d, offset, None)
                 return offset
@@ -360,6 +367,7 @@ class Fetcher:
         except s3.Transient as exc:
             raise Retry(exc.reason) from None
         try:
+            check_announced(d, body.total)  # before any byte of the body, and before the parts' plan
             if not body.ranged:
                 remove_side_files(d.partial)
             if offset and not body.ranged:
@@ -448,6 +456,7 @@ class Fetcher:
                     d.etag = tag
                     d.on_validator(d)
                 d.written = offset
+                check_announced(d, total)
                 d.total = total
                 d.reserve(d, total, None)
                 f.seek(offset)
