@@ -63,7 +63,7 @@ def no_checksum(url: str) -> Checksum | None:
 def _layout(cache_dir: str | os.PathLike[str]) -> CacheLayout:
     layout = CacheLayout.of(cache_dir)
     if not layout.is_cache():
-        raise NoCacheError(str(layout.root))
+        raise NoCacheError(cache_dir=str(layout.root))
     return layout
 
 

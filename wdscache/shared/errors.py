@@ -2,13 +2,59 @@
 
 Every message says what went wrong *and* what to do about it, so that a user
 reading a traceback from a training job can act without opening our source.
+
+What survives a trip to another process: the class and the message, always, so that
+``except wdscache.FetchError`` works around a torch DataLoader as around the loader itself.
+
+- Pickling (multiprocessing, a worker pool) keeps the class, ``str(exc)`` and every context
+  attribute (``url``, ``endpoint``, ...).
+- Every class is also constructible from its message alone, ``cls(message)``, as torch's
+  DataLoader re-raises a worker's exception (``ExceptionWrapper.reraise`` calls
+  ``exc_type(msg)`` with the worker's traceback as the message, and makes a
+  ``RuntimeError`` of any class that refuses it). ``str(exc)`` is then that message and the
+  context attributes are None (or their constructor default, ``permanent=False`` say).
+
+Hence the rules for subclasses (:class:`WdsCacheError` wraps each one's ``__init__`` to
+follow them): a call with one positional argument and no keywords is the message form, so
+a context of a single value is a keyword (``NoCacheError(cache_dir=...)``); and each
+``__init__`` parameter is stored as the attribute of its name.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any, Callable
+
 
 class WdsCacheError(Exception):
     """Base of every error wdscache raises on purpose."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:
+            cls.__init__ = _or_message(cls.__dict__["__init__"])  # type: ignore[method-assign]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The message form and then the attributes: no constructor's arguments need to be kept.
+        return type(self), (str(self),), self.__dict__
+
+
+def _or_message(init: Callable[..., None]) -> Callable[..., None]:
+    """``init``, or with a lone positional argument the message form: that message, and
+    each of ``init``'s parameters as an attribute set to its default (None without one)."""
+    defaults = {name: None if p.default is p.empty else p.default
+                for name, p in list(inspect.signature(init).parameters.items())[1:]}
+
+    @functools.wraps(init)
+    def __init__(self: WdsCacheError, *args: Any, **kwargs: Any) -> None:
+        if len(args) == 1 and not kwargs:
+            self.__dict__.update(defaults)
+            Exception.__init__(self, args[0])
+        else:
+            init(self, *args, **kwargs)
+
+    return __init__
 
 
 class ConfigError(WdsCacheError):
@@ -82,7 +128,7 @@ class AgentUnavailableError(WdsCacheError):
     """No agent answered at an endpoint within the timeout."""
 
     def __init__(self, endpoint: str, timeout: float, hint: str = "") -> None:
-        self.endpoint, self.timeout = endpoint, timeout
+        self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
         msg = f"no wdscache agent answered at {endpoint} within {timeout:g}s"
         super().__init__(msg + (f"; {hint}" if hint else ""))
 
@@ -98,7 +144,7 @@ class NotTrustedError(WdsCacheError):
 class NoCacheError(WdsCacheError):
     """A directory holds no wdscache cache."""
 
-    def __init__(self, cache_dir: str) -> None:
+    def __init__(self, *, cache_dir: str) -> None:
         self.cache_dir = cache_dir
         super().__init__(
             f"{cache_dir} holds no wdscache cache; start one with "

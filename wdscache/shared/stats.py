@@ -89,7 +89,7 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 0.5) -> dict[
     """Live stats from the running agent, else from the index; NoCacheError if there is no cache."""
     layout = CacheLayout.of(cache_dir)
     if not layout.is_cache():
-        raise NoCacheError(str(layout.root))
+        raise NoCacheError(cache_dir=str(layout.root))
     live = ask_agent(layout, timeout)
     if live is not None:
         return live
