@@ -129,7 +129,7 @@ class AgentUnavailableError(WdsCacheError):
 
     def __init__(self, endpoint: str, timeout: float, hint: str = "") -> None:
         self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
-        msg = f"no wdscache agent answered at {endpoint} within {timeout:g}s"
+        msg = f"no wdscache agent answered at {endpoint} within {round(timeout, 1):g}s"
         super().__init__(msg + (f"; {hint}" if hint else ""))
 
 
