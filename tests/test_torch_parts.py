@@ -3,12 +3,14 @@ the parts are disjoint and whole, and the job's position from all workers' count
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 
 from wdscache.shared.sequence import RankShare, Resume
-from wdscache.training.worker_parts import Part, job_resume, part_of
+from wdscache.training.loader import CachedMultiLoader, NextEpoch
+from wdscache.training.worker_parts import Part, combine, job_resume, part_of
 
 
 def _shares(n: int, world: int, start: Resume) -> list[tuple[RankShare, list[tuple[int, tuple[int, int]]]]]:
@@ -45,3 +47,64 @@ def test_job_resume_is_the_union_of_what_every_worker_delivered(seed: int) -> No
     share = shares[0][0]
     got = job_resume(start, share, counts)
     assert {p for p in range(n) if got.skips(p)} == expected
+
+
+class _Worker(CachedMultiLoader):
+    """A loader as DataLoader worker ``k`` of 2 sees itself (no torch needed)."""
+
+    k = 0
+
+    def _part(self) -> Part:
+        return Part(self.k, 2)
+
+
+def _worker(k: int, tmp_path, num_nodes: int = 2) -> _Worker:
+    loader = _Worker([f"http://127.0.0.1:9/s{i}.tar" for i in range(4)], cache_dir=tmp_path,
+                     endpoint="ipc:///nonexistent", rank=0, world_size=2, node=0, num_nodes=num_nodes)
+    loader.k = k
+    return loader
+
+
+def _began(k: int, pairs: int, tmp_path) -> dict:
+    """Worker ``k``'s state mid-epoch 0 of a job on 2 nodes, ``pairs`` of its part delivered."""
+    state = _worker(k, tmp_path)._state(NextEpoch(0, parts=[[0, 1], [2, 3]], part_resumes=(Resume(), Resume())))
+    state["worker"] = {"part": k, "of": 2, "world_size": 2, "num_nodes": 2, "pairs": pairs, "complete": False,
+                       "started": True}
+    return state
+
+
+def test_workers_states_of_several_nodes_taken_before_they_begin_again_still_say_what_was_delivered(tmp_path) -> None:
+    states = [_began(0, 5, tmp_path), _began(1, 3, tmp_path)]
+    _, _, nodes = combine(states)
+    assert nodes is not None and nodes[2] is not None and nodes[2].runs == ((0, 5), (8, 11))
+    again = []
+    for k in range(2):  # each worker resumes its own state and is asked for it before its epoch begins
+        loader = _worker(k, tmp_path)
+        loader.load_state_dict(states[k])
+        again.append(json.loads(json.dumps(loader.state_dict())))
+    assert combine(again)[2] == nodes
+
+
+def test_a_workers_own_state_resumes_only_its_layout_and_a_malformed_one_is_a_value_error(tmp_path) -> None:
+    state = _began(0, 5, tmp_path)
+    with pytest.raises(ValueError, match="on 2 node"):
+        _worker(0, tmp_path, num_nodes=1).load_state_dict(state)
+    for bad in ({"pairs": -4}, {"pairs": "5"}, {"num_nodes": 3}, {"started": None}):
+        broken = {**state, "worker": {**state["worker"], **bad}}
+        with pytest.raises(ValueError, match="checkpoint entry 'worker'"):
+            _worker(0, tmp_path).load_state_dict(broken)
+
+
+def test_workers_states_of_one_node_taken_before_they_begin_again_resume_the_same(tmp_path) -> None:
+    states = []
+    for k, pairs in ((0, 5), (1, 3)):
+        state = _worker(k, tmp_path, num_nodes=1)._state(NextEpoch(0))
+        state["worker"] = {"part": k, "of": 2, "world_size": 2, "pairs": pairs, "complete": False, "full_rows": 3,
+                           "tail": None}
+        states.append(state)
+    again = []
+    for k in range(2):
+        loader = _worker(k, tmp_path, num_nodes=1)
+        loader.load_state_dict(states[k])
+        again.append(loader.state_dict())
+    assert combine(again) == combine(states)

@@ -232,8 +232,8 @@ class Readers:
             self._probes.add(name)
         else:
             self._consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
-            self._watch_process(name, header.get("process"))
             self._ended.pop(name, None)
+        self._watch_process(name, header.get("process"))
         if not again and name not in self._probes:
             event(log, "consumer_joined", "consumer %s joined job %r as rank %d of %d", name, job, rank, world,
                   reader=name, job=job, rank=rank, world_size=world)

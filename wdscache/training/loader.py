@@ -56,7 +56,7 @@ from ..shared.nodes import JobEpoch, Layout, NodeShare, job_epoch, parts_state, 
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
-from .worker_parts import Delivered, Part, combine
+from .worker_parts import Delivered, Part, check_worker, combine
 from ..shared.urls import list_id
 from .urls_arg import read_urls_arg
 
@@ -151,7 +151,9 @@ class NextEpoch:
 
     epoch: int = 0
     start: Resume = Resume()  # positions delivered already
-    skip: int = 0  # pairs of this DataLoader worker's part delivered already (its own checkpoint's)
+    skip: int = 0  # pairs of this DataLoader worker's part delivered already (its own checkpoint's)...
+    full_rows: int = 0  # ...and how the rank's rows were dealt then (on one node, see worker_parts.combine)
+    tail: int | None = None
     # A job on several nodes: the epoch's parts, with ``start`` empty and each part's positions
     # delivered already, and what every rank delivered since (a DataLoader's workers' checkpoint).
     parts: list[list[int]] | None = None
@@ -307,7 +309,7 @@ class CachedMultiLoader:
                                "started": False}
             return state
         if stream is None:  # before the first epoch of this worker
-            epoch, start, pairs, complete, full_rows, tail = nxt.epoch, nxt.start, nxt.skip, False, 0, None
+            epoch, start, pairs, complete, full_rows, tail = nxt.epoch, nxt.start, nxt.skip, False, nxt.full_rows, nxt.tail
         else:
             epoch, start, complete = stream.spec.epoch, stream.share.resume, stream.complete
             pairs, full_rows, tail = stream.part.skip + stream.delivered, stream.share.full_rows, stream.share.tail
@@ -358,20 +360,22 @@ class CachedMultiLoader:
         worker = state.get("worker")
         if worker is not None:
             part = self._part()
-            if (worker["part"], worker["of"], worker["world_size"]) != (part.index, part.count, self.world_size):
+            theirs = (worker["part"], worker["of"], worker["world_size"], worker.get("num_nodes", 1))
+            if theirs != (part.index, part.count, self.world_size, self.layout.num_nodes):
                 raise ValueError(
-                    f"this state is worker {worker['part']}'s of {worker['of']} with world_size "
-                    f"{worker['world_size']}, but this is worker {part.index} of {part.count} with world_size "
-                    f"{self.world_size}: to resume with another num_workers or world size, load the whole "
-                    "StatefulDataLoader.state_dict() into the dataset (dataset.load_state_dict(state)) and "
-                    "give the new DataLoader no state")
+                    f"this state is worker {theirs[0]}'s of {theirs[1]} with world_size {theirs[2]} on {theirs[3]} "
+                    f"node(s), but this is worker {part.index} of {part.count} with world_size {self.world_size} "
+                    f"on {self.layout.num_nodes}: to resume with another num_workers, world size or number of "
+                    "nodes, load the whole StatefulDataLoader.state_dict() into the dataset "
+                    "(dataset.load_state_dict(state)) and give the new DataLoader no state")
         if worker is not None and worker["complete"]:
             self._next = NextEpoch(state["epoch"] + 1)
         else:
             parts, resumes = read_parts_state(state) if state["version"] == PARTS_VERSION else (None, ())
             delivered = state.get("delivered")
-            self._next = NextEpoch(state["epoch"], Resume.of(state["position"], done),
-                                   worker.get("pairs", 0) if worker is not None else 0, parts, resumes,
+            w = worker or {}
+            self._next = NextEpoch(state["epoch"], Resume.of(state["position"], done), w.get("pairs", 0),
+                                   w.get("full_rows", 0), w.get("tail"), parts, resumes,
                                    Delivered.from_state(delivered) if delivered is not None else None)
         self._resumed_from = state
 
@@ -379,6 +383,8 @@ class CachedMultiLoader:
         """Refuse a state this loader cannot resume exactly, saying why; its runs "done"."""
         if state.get("version") not in (1, STATE_VERSION, PARTS_VERSION):
             raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
+        if "worker" in state:
+            check_worker(state["worker"])
         for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
             if state[name] != getattr(self, name):
                 raise ValueError(

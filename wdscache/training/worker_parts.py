@@ -88,7 +88,7 @@ class Delivered:
     @classmethod
     def from_state(cls, d: Any) -> "Delivered":
         ok = (isinstance(d, dict) and all(type(d.get(k)) is int and d[k] >= 1 for k in ("world_size", "num_nodes"))
-              and isinstance(d.get("runs"), list)
+              and d["world_size"] % d["num_nodes"] == 0 and isinstance(d.get("runs"), list)
               and all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] < r[1]
                       for r in d["runs"]))
         if not ok:
@@ -102,6 +102,22 @@ def job_resume(start: Resume, share: RankShare, counts: list[int]) -> Resume:
     (worker ``k`` its first ``counts[k]`` pairs of ``share``, as dealt), on every rank."""
     return RankShare.dealt(share.world_size, share.full_rows, share.tail, resume=start,
                            block=share.block).resume_after_runs(delivered_pairs(counts, share.block))
+
+
+def check_worker(w: Any) -> None:
+    """Refuse, with a ValueError naming it, a worker's entry of a state that is not one."""
+    def natural(k: str, least: int = 0) -> bool:
+        return type(w.get(k)) is int and w[k] >= least
+
+    ok = (isinstance(w, dict) and natural("part") and natural("of", 1) and w["part"] < w["of"]
+          and natural("world_size", 1) and natural("pairs") and type(w.get("complete")) is bool
+          and (("started" not in w and natural("full_rows") and (w.get("tail") is None or natural("tail")))
+               or (type(w.get("started")) is bool and natural("num_nodes", 1)
+                   and w["world_size"] % w["num_nodes"] == 0)))
+    if not ok:
+        raise ValueError("a DataLoader worker's checkpoint entry 'worker' needs whole numbers part < of, "
+                         "world_size, pairs, a boolean complete, and either full_rows and tail (one node) or "
+                         f"started and num_nodes, a divisor of world_size (several); got {w!r}")
 
 
 def combine(states: list[dict[str, Any]]) -> tuple[int, Resume, tuple[list[list[int]], tuple[Resume, ...], Delivered | None] | None]:
@@ -123,8 +139,10 @@ def combine(states: list[dict[str, Any]]) -> tuple[int, Resume, tuple[list[list[
     counts = [0] * count
     for p in parts:
         counts[p["part"]] = p["pairs"]
-    if any("started" in p for p in parts):  # a job on several nodes
-        if any(p["started"] for p in parts) or "parts" in states[0]:
+    if len({"started" in p for p in parts}) > 1:
+        raise ValueError("the workers' states mix a job on one node and a job on several")
+    if "started" in parts[0]:  # a job on several nodes
+        if any(p["started"] or p["pairs"] for p in parts) or "parts" in states[0]:
             return epoch, Resume(), _nodes_combined(states, counts)
         return epoch, Resume.of(states[0]["position"], states[0]["done"]), None  # none began: as it was given
     start = Resume.of(states[0]["position"], states[0]["done"])
@@ -135,7 +153,9 @@ def combine(states: list[dict[str, Any]]) -> tuple[int, Resume, tuple[list[list[
 
 def _nodes_combined(states: list[dict[str, Any]], counts: list[int]) -> tuple[list[list[int]], tuple[Resume, ...], Delivered | None]:
     """The parts, start resumes and :class:`Delivered` of the workers' states of a job on several nodes."""
-    began = [s for s in states if s["worker"]["started"]]
+    # A worker that has not begun this epoch may hold pairs of it all the same: those of the
+    # checkpoint it was given (its own state), which it will skip.
+    began = [s for s in states if s["worker"]["started"] or s["worker"]["pairs"]]
     if not began:  # no worker began the epoch: each holds the checkpoint it was given
         pending = states[0].get("delivered")
         parts, resumes = read_parts_state(states[0])
