@@ -11,8 +11,9 @@ final ``{"report": ...}`` line, as JSON, on stdout):
     wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent [--no-direct]
     torch (--urls-file F | --cache-dir D) --workers N  a DataLoader over wds.WebDataset or wdscache.WebDataset:
                                                         decode() of .cls/.json, to_tuple, batched(64);
-                                                        with --memory, over the shards' samples held in
-                                                        memory (the pipeline's own cost: no source can beat it)
+                                                        with --memory, over the samples each worker read
+                                                        into its own memory in epoch 1 (the pipeline's own
+                                                        cost, from epoch 2 on)
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
     zmq-many --samples N --sizes A,B,C --receivers R   raw pyzmq, 2 senders to R receivers copying to bytes
     urls --n N --dir D                                  parse and plan an N-entry URL list
@@ -297,17 +298,24 @@ def mode_torch(args: argparse.Namespace) -> None:
 
     holder: dict[str, Any] = {}
 
-    if args.memory:  # read before the clock, in this process: the workers fork with it
-        held = list(wds.WebDataset(read_urls(args.urls_file), shardshuffle=False))
+    class Held(torch.utils.data.IterableDataset):
+        """Each worker's shards (every ``num_workers``-th), read in its first epoch and held in
+        its own memory: later epochs (persistent workers) cost the pipeline alone."""
 
-        def part() -> Iterable[dict[str, Any]]:
-            info = torch.utils.data.get_worker_info()
-            return iter(held if info is None else held[info.id::info.num_workers])
+        def __init__(self, urls: list[str]) -> None:
+            self.urls, self.held = urls, None
+
+        def __iter__(self) -> Iterable[dict[str, Any]]:
+            if self.held is None:
+                info = torch.utils.data.get_worker_info()
+                mine = self.urls if info is None else self.urls[info.id::info.num_workers]
+                self.held = list(wds.WebDataset(mine, shardshuffle=False)) if mine else []
+            return iter(self.held)
 
     def samples() -> Iterable[dict[str, Any]]:
         if "dl" not in holder:
             if args.memory:
-                ds = type("Held", (wds.DataPipeline, wds.FluidInterface), {})(part)  # with the fluid stages
+                ds = type("Pipeline", (wds.DataPipeline, wds.FluidInterface), {})(Held(read_urls(args.urls_file)))
             elif args.cache_dir:
                 import wdscache
 
@@ -316,7 +324,8 @@ def mode_torch(args: argparse.Namespace) -> None:
             else:
                 ds = wds.WebDataset(read_urls(args.urls_file), shardshuffle=False)
             ds = ds.decode().to_tuple("jpg", "cls", "json").batched(TORCH_BATCH)
-            holder["dl"] = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers)
+            holder["dl"] = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,
+                                                       persistent_workers=args.memory)
         for jpgs, _, _ in holder["dl"]:
             for jpg in jpgs:  # run_epoch counts samples and payload bytes: the images'
                 yield {"jpg": jpg}
@@ -612,7 +621,8 @@ def main() -> None:
     p.add_argument("--job", default="bench-torch")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--agent-pid", type=int)
-    p.add_argument("--memory", action="store_true", help="the --urls-file shards' samples, read into memory first")
+    p.add_argument("--memory", action="store_true",
+                   help="each worker's --urls-file shards read into its memory in epoch 1, served from it after")
     p = sub.add_parser("zmq")
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)
