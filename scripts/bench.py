@@ -645,6 +645,8 @@ class Bench:
         status, r = self.check(c, ds, epochs)
         label = {"http": TORCH_WDS_HTTP, "local": TORCH_WDS_LOCAL, "memory": TORCH_MEMORY}[where]
         rows = {label: self.epoch_row(r["epochs"][-1])} if status == "ok" else {}
+        if where == "memory" and rows:  # its persistent workers are reaped after the epoch: no CPU figure
+            rows[label].update(cpu_s=None, cpu_s_per_gb=None)
         extra = {"fetched": self.fetch_note(before, ds)} if http else {}
         self.finish_run(prof, rep, "torch-memory" if where == "memory" else f"torch-wds-{where}", c, rows, status,
                         **extra)

@@ -299,17 +299,15 @@ def mode_torch(args: argparse.Namespace) -> None:
     holder: dict[str, Any] = {}
 
     class Held(torch.utils.data.IterableDataset):
-        """Each worker's shards (every ``num_workers``-th), read in its first epoch and held in
-        its own memory: later epochs (persistent workers) cost the pipeline alone."""
+        """Each worker's shards (webdataset splits them by worker), read in its first epoch and
+        held in its own memory: later epochs (persistent workers) cost the pipeline alone."""
 
         def __init__(self, urls: list[str]) -> None:
             self.urls, self.held = urls, None
 
         def __iter__(self) -> Iterable[dict[str, Any]]:
             if self.held is None:
-                info = torch.utils.data.get_worker_info()
-                mine = self.urls if info is None else self.urls[info.id::info.num_workers]
-                self.held = list(wds.WebDataset(mine, shardshuffle=False)) if mine else []
+                self.held = list(wds.WebDataset(self.urls, shardshuffle=False))
             return iter(self.held)
 
     def samples() -> Iterable[dict[str, Any]]:
