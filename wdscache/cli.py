@@ -447,18 +447,21 @@ def _watch(cache_dir: Path) -> None:
 
     from .shared.stats import collect
 
+    # Ctrl-C only sets a flag: a KeyboardInterrupt raised inside a request to the agent could
+    # leave its ZeroMQ context open, and the exit would wait on it for good.
+    stop: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.append(signum))
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else ""
-    try:
-        while True:
-            try:
-                view = _live_view(collect(cache_dir))
-            except WdsCacheError as exc:
-                _fail(exc)
-            click.echo(f"{clear}{view}" if clear else f"{view}\n")  # on a pipe, frames a blank line apart
-            sys.stdout.flush()
-            time.sleep(WATCH_EVERY)
-    except KeyboardInterrupt:
-        sys.exit(0)
+    while not stop:
+        try:
+            view = _live_view(collect(cache_dir))
+        except WdsCacheError as exc:
+            _fail(exc)
+        click.echo(f"{clear}{view}" if clear else f"{view}\n")  # on a pipe, frames a blank line apart
+        sys.stdout.flush()
+        until = time.monotonic() + WATCH_EVERY
+        while not stop and time.monotonic() < until:
+            time.sleep(0.05)
 
 
 def _live_view(s: dict) -> str:
