@@ -138,7 +138,7 @@ def test_prefetch_gives_up_shards_the_budget_cannot_take_and_says_why(tmp_path, 
     try:
         for url in data.urls[:2]:  # both held: nothing can be evicted for a third
             assert conn.request({"op": "open", "reader": "holder", "url": url})["ok"]
-        r = run_cli("prefetch", data.urls[2], "--cache-dir", cache, "--json", timeout=60)
+        r = run_cli("prefetch", data.urls[2], "--cache-dir", cache, "--json", "--give-up-after", "1", timeout=60)
     finally:
         conn.close()
     assert r.returncode == 1, r.stderr

@@ -260,11 +260,14 @@ def _eta(seconds: float | None) -> str:
 @click.option("--cache-size", default=None,
               help="Budget when no agent runs [default: the last agent's, else the agent's default].")
 @click.option("--download-workers", type=int, default=None, help="Parallel downloads when no agent runs.")
+@click.option("--give-up-after", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+              help="Seconds downloads may wait for cache space with no progress before the rest fail.")
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", help="Log lines as text or JSON.")
 @click.option("-v", "--verbose", is_flag=True, help="Log each event (shard cached, failed...), not only warnings.")
 @_JSON
 def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cache_size: str | None,
-             download_workers: int | None, log_format: str, verbose: bool, as_json: bool) -> None:
+             download_workers: int | None, give_up_after: float, log_format: str, verbose: bool,
+             as_json: bool) -> None:
     """Warm a cache: download URLS (URLs, brace patterns, paths) before a run.
 
     Through the running agent, or by itself (an agent run in this process until done)
@@ -306,7 +309,7 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
                 click.echo(f"failed {url}: {p.failed[url]}" if url in p.failed else f"cached {url}")
 
         result = run_prefetch(cache_dir, wanted, report=report, cache_size=cache_size,
-                              download_workers=download_workers)
+                              download_workers=download_workers, give_up_after=give_up_after)
     except WdsCacheError as exc:
         _fail(exc)
     if bar:

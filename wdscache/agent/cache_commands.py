@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs
 REQUEST_TIMEOUT = 30.0
 POLL = 0.25  # seconds between prefetch progress reports
-STUCK_AFTER = 10.0  # seconds without progress, downloads waiting for space, before prefetch gives the rest up
+STUCK_AFTER = 10.0  # default seconds without progress, downloads waiting for space, before prefetch gives the rest up
 AGENT_START_TIMEOUT = 60.0
 
 #: (hashlib algorithm, hex digest) a shard's bytes must have, e.g. ("sha256", "9f86d0...").
@@ -226,17 +226,19 @@ class Progress:
 
 
 def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: Callable[[Progress], None],
-             cache_size: str | None = None, download_workers: int | None = None) -> Progress:
+             cache_size: str | None = None, download_workers: int | None = None,
+             give_up_after: float = STUCK_AFTER) -> Progress:
     """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
-    (with ``cache_size``, default the last agent's budget, and ``download_workers``) until done.
+    (with ``cache_size``, default the last agent's budget, and ``download_workers``) until done, or
+    until downloads wait for space ``give_up_after`` seconds with no progress (the rest then fail).
     ``report`` is called with the progress about every :data:`POLL` seconds; the last one is returned."""
     layout = CacheLayout.of(cache_dir)
     if layout.is_cache():
         with _agent(layout) as conn:
             if conn is not None:
-                return _prefetch_through(conn, urls, report)
+                return _prefetch_through(conn, urls, report, give_up_after)
     with _own_agent(layout, urls, cache_size, download_workers) as conn:
-        return _prefetch_through(conn, urls, report)
+        return _prefetch_through(conn, urls, report, give_up_after)
 
 
 @contextmanager
@@ -290,7 +292,8 @@ def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None,
             raise failure[0]
 
 
-def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callable[[Progress], None]) -> Progress:
+def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callable[[Progress], None],
+                      give_up_after: float) -> Progress:
     urls = list(dict.fromkeys(urls))
     start = time.monotonic()
     first = True
@@ -336,7 +339,7 @@ def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callab
         mark = (progress.bytes_done, progress.cached + len(progress.failed))
         if mark != last_mark or not waiting:
             last_mark, stuck_since = mark, now
-        elif now - stuck_since >= STUCK_AFTER:
+        elif now - stuck_since >= give_up_after:
             reason = next(iter(waiting.values()))
             for url in urls:
                 if url not in progress.failed and seen.get(url) != "cached":
