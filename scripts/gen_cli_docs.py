@@ -1,7 +1,7 @@
 """Write docs/cli.md, the command reference, from the click commands themselves.
 
-    python scripts/gen_cli_docs.py            # rewrite docs/cli.md
-    python scripts/gen_cli_docs.py --check    # exit 1 if docs/cli.md differs from what it would write
+    .venv/bin/python scripts/gen_cli_docs.py            # rewrite docs/cli.md (any Python with the package)
+    .venv/bin/python scripts/gen_cli_docs.py --check    # exit 1 if docs/cli.md differs from what it would write
 
 Each section is the command's ``--help`` as click renders it, at a fixed width, so the page
 says what the installed command says. ``tests/test_docs_reference.py`` fails when the page
@@ -30,8 +30,8 @@ HEADER = """\
 
 Every `wdscache` command and its options, as `wdscache COMMAND --help` prints
 them. This page is generated from the code by `scripts/gen_cli_docs.py`: do not
-edit it by hand, run `python scripts/gen_cli_docs.py` after changing an option
-or a command's help.
+edit it by hand. After changing an option or a command's help, run
+`.venv/bin/python scripts/gen_cli_docs.py` in the clone.
 
 Each agent option can also come from the environment variable its help names:
 `WDSCACHE_` and the long name in capitals, as `WDSCACHE_CACHE_SIZE`. Sizes are
@@ -87,7 +87,7 @@ def main() -> None:
     text = render()
     if args.check:
         if not PAGE.exists() or PAGE.read_text() != text:
-            sys.exit(f"{PAGE} is out of date: run python scripts/gen_cli_docs.py")
+            sys.exit(f"{PAGE} is out of date: run .venv/bin/python scripts/gen_cli_docs.py")
         return
     PAGE.write_text(text)
 

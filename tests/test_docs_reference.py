@@ -21,8 +21,8 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "agent" / "README
 
 
 def test_the_command_reference_is_what_the_generator_makes_of_the_cli():
-    assert CLI_PAGE.read_text() == render(), \
-        "docs/cli.md differs from the CLI's --help: run `python scripts/gen_cli_docs.py` and commit docs/cli.md"
+    assert CLI_PAGE.read_text() == render(), ("docs/cli.md differs from the CLI's --help: run "
+                                              "`.venv/bin/python scripts/gen_cli_docs.py` and commit docs/cli.md")
 
 
 def _sections(text: str) -> dict[str, str]:
