@@ -1,5 +1,6 @@
-"""Every ``wdscache`` command the README shows is run here, as written (issue 18, point 5), against a real
-agent and a real HTTP server; and every metric the README names is one the agent exports."""
+"""Every ``wdscache`` command the README and the docs/ pages show is run here, as written, against a real
+agent and a real HTTP server; every command of the CLI is shown somewhere; and every metric a page names is
+one the agent exports."""
 
 from __future__ import annotations
 
@@ -18,17 +19,27 @@ from tests.helpers.net import free_port_range
 from tests.helpers.waits import stop_process
 from tests.helpers.watch import read_frames
 
-README = Path(__file__).parent.parent / "README.md"
-OPERATIONS = Path(__file__).parent.parent / "docs" / "operations.md"  # the metrics the README points to
+ROOT = Path(__file__).parent.parent
+README = ROOT / "README.md"
+# The README first (a newcomer's order), then the reference pages.
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def _commands() -> list[str]:
-    """The ``wdscache`` lines of the README's sh blocks, in order."""
-    blocks = re.findall(r"```sh\n(.*?)```", README.read_text(), re.S)
+def _commands(page: Path) -> list[str]:
+    """The ``wdscache`` lines of a page's sh blocks, in order."""
+    blocks = re.findall(r"```sh\n(.*?)```", page.read_text(), re.S)
     return [line for block in blocks for line in block.splitlines() if line.startswith("wdscache ")]
 
 
-def test_every_command_in_the_readme_runs_as_shown(tmp_path, dataset, run_cli):
+def test_every_command_of_the_cli_is_shown_in_the_readme_or_the_docs():
+    from wdscache.cli import main
+
+    shown = {c.split()[1] for page in PAGES for c in _commands(page)}
+    assert shown == set(main.commands), sorted(shown ^ set(main.commands))
+    assert {"agent", "stats"} <= {c.split()[1] for c in _commands(README)}
+
+
+def test_every_command_in_the_readme_and_the_docs_runs_as_shown(tmp_path, dataset, run_cli):
     data = dataset(4, samples=4, payload=300, prefix="train")
     base = data.urls[0].rsplit("/", 1)[0] + "/"
     cache = tmp_path / "cache"
@@ -36,9 +47,7 @@ def test_every_command_in_the_readme_runs_as_shown(tmp_path, dataset, run_cli):
     swap = {"/scratch/wdscache": str(cache), "urls.txt": str(data.list_file), "https://data.example/": base,
             "9400": port, "wdscache.prom": str(tmp_path / "wdscache.prom"),
             "train.json": str(tmp_path / "train.json")}
-    commands = _commands()
-    assert {c.split()[1] for c in commands} == {"agent", "stats", "prefetch", "ls", "index", "verify", "evict",
-                                                  "clear"}
+    commands = [c for page in PAGES for c in _commands(page)]
     agent: AgentProc | None = None
     try:
         for i, line in enumerate(commands):
@@ -74,12 +83,12 @@ def test_every_command_in_the_readme_runs_as_shown(tmp_path, dataset, run_cli):
                 if out_file is not None:
                     out_file.write_text(r.stdout)
         assert agent is not None
-        # The README's last agent line serves metrics: every name the README mentions is exported.
+        # With the last agent shown still running: every metric a page names is exported.
         with_job = _samples_with_a_job(cache, run_cli)
     finally:
         if agent is not None:
             agent.stop()
-    named = set(re.findall(r"\b(wdscache_[a-z_]+)", README.read_text() + OPERATIONS.read_text()))
+    named = set(re.findall(r"\b(wdscache_[a-z_]+)", "".join(page.read_text() for page in PAGES)))
     assert named and named <= with_job, sorted(named - with_job)
 
 
@@ -100,6 +109,6 @@ def _samples_with_a_job(cache: Path, run_cli) -> set[str]:
 
 
 def test_the_commands_exit_statuses_are_in_their_help(run_cli):
-    for command in ("prefetch", "ls", "index", "verify", "evict", "clear", "stats"):
+    for command in ("agent", "prefetch", "ls", "index", "verify", "evict", "clear", "stats"):
         r = run_cli(command, "--help")
         assert r.returncode == 0 and "Exit status: 0" in r.stdout, (command, r.stdout)

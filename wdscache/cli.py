@@ -99,7 +99,12 @@ def main() -> None:
               type=click.Path(dir_okay=False, path_type=Path),
               help="Run as a loader's private agent: stop once no loader holds a lock on this file.")
 def agent(verbose: bool, log_format: str, **options: object) -> None:
-    """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once)."""
+    """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once).
+
+    Exit status: 0 after a clean stop; 1 a runtime error (another agent owns the cache
+    directory: the message names its pid); 2 bad options or input (a URL list line, a
+    shard index, a budget that cannot work).
+    """
     from .agent.core import Agent
 
     setup_logging(sys.stderr, fmt=log_format, verbose=verbose)
