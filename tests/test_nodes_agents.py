@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -23,6 +24,7 @@ from wdscache.shared.urls import list_id
 from wdscache.shared.nodes import assign
 from tests.helpers.agents import run_wdscache
 from tests.helpers.streaming import samples_of, state_of
+from tests.helpers.waits import wait_for
 
 SHARDS, PER_SHARD = 6, 12
 
@@ -142,16 +144,24 @@ def index_of(urls: list[str], path: Path) -> Path:
     return path
 
 
-def gloo_job(caches: list[Path], tmp_path: Path, workers: int) -> list[dict]:
+def gloo_job(caches: list[Path], tmp_path: Path, workers: int,
+             between: Callable[[], None] | None = None) -> list[dict]:
     """Node k's one rank on ``caches[k]`` in a real gloo process group (30 s timeout); what each
-    printed. Every process must end within the deadline: a rank left waiting is a failure."""
-    init = tmp_path / f"pg-{workers}"
+    printed. ``between`` runs once every rank made its loader, before any reads. Every process
+    must end within the deadline: a rank left waiting is a failure."""
+    init, go = tmp_path / f"pg-{workers}", tmp_path / "go"
     procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.gloo_rank", str(cache), str(rank),
-                               str(len(caches)), str(init), str(workers)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+                               str(len(caches)), str(init), str(workers), *([str(go)] if between else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
              for rank, cache in enumerate(caches)]
     outs = []
     try:
+        if between is not None:
+            wait_for(lambda: all(Path(f"{go}.made{r}").exists() for r in range(len(caches)))
+                     or any(p.poll() is not None for p in procs), 60, "the ranks never made their loaders")
+            between()
+            go.touch()
         for p in procs:
             out, err = p.communicate(timeout=90)
             assert p.returncode == 0, err[-3000:]
@@ -168,16 +178,15 @@ needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reas
 
 
 @needs_torch
-@pytest.mark.parametrize("workers", [0, 2])
 def test_nodes_whose_agents_hold_different_lists_all_fail_at_once_naming_both_lists(
-        workers, dataset, start_agent, tmp_path) -> None:
+        dataset, start_agent, tmp_path) -> None:
     urls, _, _ = dataset(20, samples=5, payload=100)
     whole = index_of(urls, tmp_path / "lists" / "all.json")
     fewer = index_of(urls[:18], tmp_path / "lists" / "fewer.json")
     caches = [tmp_path / "cache0", tmp_path / "cache1"]
     start_agent(caches[0], whole, "--node-rank", "0", "--num-nodes", "2")
     start_agent(caches[1], fewer, "--node-rank", "1", "--num-nodes", "2")
-    outs = gloo_job(caches, tmp_path, workers)
+    outs = gloo_job(caches, tmp_path, 2)  # refused as the loaders are made, before any DataLoader
     for out in outs:  # every rank the same error, none a sample
         assert out.get("error") == "ConfigError", out
         message = out["message"]
@@ -185,6 +194,39 @@ def test_nodes_whose_agents_hold_different_lists_all_fail_at_once_naming_both_li
         assert f"node 1: list {list_id(urls[:18])} (18 shards, 90 samples" in message
         assert "Give every node's agent the same list" in message
     assert outs[0]["message"] == outs[1]["message"]
+
+
+@needs_torch
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_node_whose_agent_takes_up_another_list_after_the_loaders_were_made_is_refused(
+        workers, dataset, start_agent, tmp_path) -> None:
+    urls, _, _ = dataset(8, samples=4, payload=100)
+    whole = index_of(urls, tmp_path / "lists" / "all.json")
+    fewer = index_of(urls[:6], tmp_path / "lists" / "fewer.json")
+    caches, agents = [tmp_path / "cache0", tmp_path / "cache1"], []
+    for node, cache in enumerate(caches):  # each agent on a list file of its own folder, which it watches
+        own = tmp_path / f"node{node}" / "shards.json"
+        own.parent.mkdir()
+        own.write_bytes(whole.read_bytes())
+        agents.append(start_agent(cache, own, "--node-rank", str(node), "--num-nodes", "2"))
+
+    def node_1_takes_up_fewer() -> None:
+        edited = tmp_path / "node1" / "shards.json.tmp"
+        edited.write_bytes(fewer.read_bytes())
+        edited.replace(tmp_path / "node1" / "shards.json")
+        agents[1].wait_stats(lambda s: s["agent"]["urls"] == 6, 30, "node 1's agent kept its list")
+
+    outs = gloo_job(caches, tmp_path, workers, between=node_1_takes_up_fewer)
+    if workers == 0:  # the ranks compare their lists again as the epoch starts: both refuse it
+        for out in outs:
+            assert out.get("error") == "ConfigError", out
+            assert (f"node 0: list {list_id(urls)} (8 shards, 32 samples" in out["message"]
+                    and f"node 1: list {list_id(urls[:6])} (6 shards, 24 samples" in out["message"])
+    else:  # DataLoader workers cannot use the group: node 1's check theirs by the list agreed on
+        assert outs[1].get("error") == "ConfigError", outs[1]
+        assert (f"node 1's agent now holds list {list_id(urls[:6])} (6 shards, 24 samples" in outs[1]["message"]
+                and f"agreed on list {list_id(urls)} (8 shards, 32 samples" in outs[1]["message"])
+        assert "ids" in outs[0]  # node 0's agent kept the job's list (a DDP job then stops on node 1's error)
 
 
 @needs_torch
