@@ -15,9 +15,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from wdscache.shared.errors import WdsCacheError
-from wdscache.shared.nodes import JobEpoch, Layout, assign
+from wdscache.shared.errors import ConfigError, WdsCacheError
+from wdscache.shared.nodes import JobEpoch, Layout, NodeList, assign, check_same_list
 from wdscache.shared.sequence import Resume, SampleId
+from wdscache.training.node_lists import check_kept
 from wdscache.training.worker_parts import Part, delivered_pairs, part_of
 
 Job = dict[str, object]
@@ -255,3 +256,37 @@ def test_dataloader_workers_checkpoint_of_several_nodes_resumes_on_any_layout(
         seen.update(v)
     if not drop_last and sum(counts) >= job.layout.world_size and sum(counts) >= rest.layout.world_size:
         assert set(seen) == dataset(counts)
+
+
+def test_ranks_on_different_lists_are_refused_naming_each_list_and_its_nodes() -> None:
+    layout = Layout(0, 4, 0, 2)
+    twenty, eighteen = NodeList.of("aaaa", [100] * 20), NodeList.of("bbbb", [100] * 18)
+    check_same_list([twenty] * 4, layout)  # one list: nothing to say
+    with pytest.raises(ConfigError) as caught:
+        check_same_list([twenty, twenty, eighteen, eighteen], layout)
+    message = str(caught.value)
+    assert "node 0: list aaaa (20 shards, 2,000 samples" in message
+    assert "node 1: list bbbb (18 shards, 1,800 samples" in message
+    assert "Give every node's agent the same list" in message
+    # the same list, its counts differing on one rank of node 1
+    recounted = NodeList.of("aaaa", [100] * 19 + [99])
+    with pytest.raises(ConfigError, match=r"nodes 0, 1 \(ranks 0, 1, 2\).*node 1 \(rank 3\)"):
+        check_same_list([twenty, twenty, twenty, recounted], layout)
+    with pytest.raises(WdsCacheError, match=r"rank 2 \(node 1\) could not start its epoch.*no agent"):
+        check_same_list([twenty, twenty, "AgentUnavailableError: no agent", eighteen], layout)
+    assert NodeList.from_wire(twenty.to_wire()) == twenty
+    with pytest.raises(ValueError):
+        NodeList.from_wire({"list_id": 3, "shards": 20, "samples": None, "counts": None})
+
+
+def test_an_epoch_on_another_list_than_the_ranks_agreed_on_is_refused() -> None:
+    layout = Layout(1, 2, 1, 2)
+    agreed = NodeList.of("aaaa", [100] * 20)
+    check_kept(layout, agreed, agreed)
+    check_kept(layout, NodeList.of("aaaa", [None] * 20), agreed)  # counts its agent has not learnt yet
+    check_kept(layout, NodeList.of("bbbb", [100] * 18), None)  # the ranks never compared: nothing to go by
+    with pytest.raises(ConfigError, match=r"node 1's agent now holds list bbbb \(18 shards, 1,800 samples.*"
+                                          r"agreed on list aaaa \(20 shards, 2,000 samples"):
+        check_kept(layout, NodeList.of("bbbb", [100] * 18), agreed)
+    with pytest.raises(ConfigError, match="agreed on"):
+        check_kept(layout, NodeList.of("aaaa", [100] * 19 + [99]), agreed)

@@ -8,17 +8,23 @@ request log between two of them is what that node's agent downloaded.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from wdscache import CachedMultiLoader
 from wdscache.shared.errors import WdsCacheError
+from wdscache.shared.urls import list_id
 from wdscache.shared.nodes import assign
 from tests.helpers.agents import run_wdscache
 from tests.helpers.streaming import samples_of, state_of
+from tests.helpers.waits import wait_for
 
 SHARDS, PER_SHARD = 6, 12
 
@@ -128,3 +134,145 @@ def test_several_nodes_need_the_counts_first_and_agents_a_node_of_their_nodes(
     r = run_wdscache("agent", "--cache-dir", tmp_path / "other", "--urls", plain, "--node-rank", "2",
                      "--num-nodes", "2")
     assert r.returncode == 2 and "--node-rank 2 must be in [0, --num-nodes=2)" in r.stderr
+
+
+# -- nodes whose agents hold different lists ------------------------------------------
+
+def index_of(urls: list[str], path: Path) -> Path:
+    r = run_wdscache("index", *urls, "-o", path)
+    assert r.returncode == 0, r.stderr
+    return path
+
+
+def gloo_job(caches: list[Path], tmp_path: Path, workers: int,
+             between: Callable[[], None] | None = None) -> list[dict]:
+    """Node k's one rank on ``caches[k]`` in a real gloo process group (30 s timeout); what each
+    printed. ``between`` runs once every rank made its loader, before any reads. Every process
+    must end within the deadline: a rank left waiting is a failure."""
+    init, go = tmp_path / f"pg-{workers}", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.gloo_rank", str(cache), str(rank),
+                               str(len(caches)), str(init), str(workers), *([str(go)] if between else [])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+             for rank, cache in enumerate(caches)]
+    outs = []
+    try:
+        if between is not None:
+            wait_for(lambda: all(Path(f"{go}.made{r}").exists() for r in range(len(caches)))
+                     or any(p.poll() is not None for p in procs), 60, "the ranks never made their loaders")
+            between()
+            go.touch()
+        for p in procs:
+            out, err = p.communicate(timeout=90)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return outs
+
+
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+
+
+@needs_torch
+def test_nodes_whose_agents_hold_different_lists_all_fail_at_once_naming_both_lists(
+        dataset, start_agent, tmp_path) -> None:
+    urls, _, _ = dataset(20, samples=5, payload=100)
+    whole = index_of(urls, tmp_path / "lists" / "all.json")
+    fewer = index_of(urls[:18], tmp_path / "lists" / "fewer.json")
+    caches = [tmp_path / "cache0", tmp_path / "cache1"]
+    start_agent(caches[0], whole, "--node-rank", "0", "--num-nodes", "2")
+    start_agent(caches[1], fewer, "--node-rank", "1", "--num-nodes", "2")
+    outs = gloo_job(caches, tmp_path, 2)  # refused as the loaders are made, before any DataLoader
+    for out in outs:  # every rank the same error, none a sample
+        assert out.get("error") == "ConfigError", out
+        message = out["message"]
+        assert f"node 0: list {list_id(urls)} (20 shards, 100 samples" in message
+        assert f"node 1: list {list_id(urls[:18])} (18 shards, 90 samples" in message
+        assert "Give every node's agent the same list" in message
+    assert outs[0]["message"] == outs[1]["message"]
+
+
+@needs_torch
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_node_whose_agent_takes_up_another_list_after_the_loaders_were_made_is_refused(
+        workers, dataset, start_agent, tmp_path) -> None:
+    urls, _, _ = dataset(8, samples=4, payload=100)
+    whole = index_of(urls, tmp_path / "lists" / "all.json")
+    fewer = index_of(urls[:6], tmp_path / "lists" / "fewer.json")
+    caches, agents = [tmp_path / "cache0", tmp_path / "cache1"], []
+    for node, cache in enumerate(caches):  # each agent on a list file of its own folder, which it watches
+        own = tmp_path / f"node{node}" / "shards.json"
+        own.parent.mkdir()
+        own.write_bytes(whole.read_bytes())
+        agents.append(start_agent(cache, own, "--node-rank", str(node), "--num-nodes", "2"))
+
+    def node_1_takes_up_fewer() -> None:
+        edited = tmp_path / "node1" / "shards.json.tmp"
+        edited.write_bytes(fewer.read_bytes())
+        edited.replace(tmp_path / "node1" / "shards.json")
+        agents[1].wait_stats(lambda s: s["agent"]["urls"] == 6, 30, "node 1's agent kept its list")
+
+    outs = gloo_job(caches, tmp_path, workers, between=node_1_takes_up_fewer)
+    if workers == 0:  # the ranks compare their lists again as the epoch starts: both refuse it
+        for out in outs:
+            assert out.get("error") == "ConfigError", out
+            assert (f"node 0: list {list_id(urls)} (8 shards, 32 samples" in out["message"]
+                    and f"node 1: list {list_id(urls[:6])} (6 shards, 24 samples" in out["message"])
+    else:  # DataLoader workers cannot use the group: node 1's check theirs by the list agreed on
+        assert outs[1].get("error") == "ConfigError", outs[1]
+        assert (f"node 1's agent now holds list {list_id(urls[:6])} (6 shards, 24 samples" in outs[1]["message"]
+                and f"agreed on list {list_id(urls)} (8 shards, 32 samples" in outs[1]["message"])
+        assert "ids" in outs[0]  # node 0's agent kept the job's list (a DDP job then stops on node 1's error)
+
+
+@needs_torch
+def test_nodes_on_the_same_list_in_a_process_group_get_every_sample_once_in_equal_counts(
+        dataset, start_agent, tmp_path) -> None:
+    urls, _, _ = dataset(7, samples=5, payload=100)  # parts of 20 and 15 samples: node 1 repeats 5
+    index = index_of(urls, tmp_path / "lists" / "all.json")
+    caches = [tmp_path / "cache0", tmp_path / "cache1"]
+    for node, cache in enumerate(caches):
+        start_agent(cache, index, "--node-rank", str(node), "--num-nodes", "2")
+    outs = gloo_job(caches, tmp_path, 2)
+    got = [out.get("ids") for out in outs]
+    assert all(g is not None for g in got), outs
+    assert len(got[0]) == len(got[1]) == 20
+    assert len(set(got[0]) | set(got[1])) == 35  # every sample
+    assert len(set(got[0])) == 20 and not set(got[0]) & set(got[1])  # once (node 1's 5 repeats its own)
+
+
+def test_nodes_whose_loaders_are_given_the_list_read_it_whatever_their_agents_hold(
+        dataset, start_agent, consumers, tmp_path) -> None:
+    urls, _, _ = dataset(6, samples=4, payload=100)
+    whole = index_of(urls, tmp_path / "lists" / "all.json")
+    fewer = index_of(urls[:5], tmp_path / "lists" / "fewer.json")
+    caches = [tmp_path / "cache0", tmp_path / "cache1"]
+    start_agent(caches[0], whole, "--node-rank", "0", "--num-nodes", "2")
+    start_agent(caches[1], fewer, "--node-rank", "1", "--num-nodes", "2")
+    every_rank = [lines for node in range(2)
+                  for lines in run_node(consumers, caches[node], "given", node, 2, 1, "--urls", str(whole))]
+    assert [len(keys(lines)) for lines in every_rank] == [12, 12]
+    got = [k for lines in every_rank for k in keys(lines)]
+    assert len(set(got)) == len(got) and {u for u, _ in got} == set(urls)  # every sample once
+
+
+def test_a_checkpoint_resumed_on_a_node_whose_list_changed_is_refused_naming_both_lists(
+        dataset, start_agent, tmp_path) -> None:
+    urls, _, _ = dataset(4, samples=3, payload=100)
+    whole = index_of(urls, tmp_path / "lists" / "all.json")
+    fewer = index_of(urls[:3], tmp_path / "lists" / "fewer.json")
+    start_agent(tmp_path / "cache0", whole)
+    start_agent(tmp_path / "cache1", fewer)
+    first = CachedMultiLoader(cache_dir=tmp_path / "cache0", rank=0, world_size=2, node=0, num_nodes=2)
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    later = CachedMultiLoader(cache_dir=tmp_path / "cache1", rank=1, world_size=2, node=1, num_nodes=2)
+    later.load_state_dict(state)
+    with pytest.raises(ValueError, match=rf"taken on list {list_id(urls)}, but this rank reads list "
+                                         rf"{list_id(urls[:3])}.*checkpoint's list"):
+        next(iter(later))

@@ -22,14 +22,20 @@ new layout: on as many nodes as parts, node ``k`` goes on with part ``k``; on an
 number, the parts' undelivered positions, in part order, are cut into one contiguous
 range per node (so a node reads a few parts' shards, not all). The next epoch has one
 part per node of the new layout.
+
+Every rank must compute the same split, so every node's agent must hold the same list with
+the same counts: :class:`NodeList` is what a rank read its epoch from, and
+:func:`check_same_list` refuses a job whose ranks' differ (the loader compares them over
+torch.distributed's process group, see :mod:`wdscache.training.node_lists`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-from .errors import WdsCacheError
+from .errors import ConfigError, WdsCacheError
 from .plan import epoch_rng
 from .sequence import BLOCK, EpochSpec, RankShare, Resume, SampleId, rank_length
 
@@ -365,3 +371,67 @@ def read_parts_state(state: dict[str, Any]) -> tuple[list[list[int]], tuple[Resu
 
 def _natural(x: Any) -> bool:
     return type(x) is int and x >= 0
+
+
+@dataclass(frozen=True)
+class NodeList:
+    """The list a rank reads an epoch from, as its node's agent holds it: the list's fingerprint
+    (:func:`~wdscache.shared.urls.list_id`), its shards, their samples and a digest of each
+    shard's count (``samples`` and ``counts`` None while a count is unknown)."""
+
+    list_id: str
+    shards: int
+    samples: int | None
+    counts: str | None
+
+    @classmethod
+    def of(cls, list_id: str, counts: Sequence[int | None]) -> "NodeList":
+        if any(c is None for c in counts):
+            return cls(list_id, len(counts), None, None)
+        digest = hashlib.sha256(" ".join(str(c) for c in counts).encode()).hexdigest()[:8]
+        return cls(list_id, len(counts), sum(int(c) for c in counts if c is not None), digest)
+
+    def describe(self) -> str:
+        samples = "samples not all counted" if self.samples is None else f"{self.samples:,} samples"
+        return f"list {self.list_id} ({self.shards} shards, {samples}, counts {self.counts})"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"list_id": self.list_id, "shards": self.shards, "samples": self.samples, "counts": self.counts}
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> "NodeList":
+        """Checked: a field of the wrong type is a ValueError."""
+        list_id, shards, samples, counts = d.get("list_id"), d.get("shards"), d.get("samples"), d.get("counts")
+        if not (isinstance(list_id, str) and _natural(shards) and (samples is None or _natural(samples))
+                and (counts is None or isinstance(counts, str))):
+            raise ValueError(f"not a node's list: {d!r}")
+        return cls(list_id, shards, samples, counts)
+
+
+def check_same_list(lists: Sequence[NodeList | str], layout: Layout) -> None:
+    """Refuse, on every rank alike, a job whose ranks (``lists[r]``: rank ``r``'s list, or why it
+    has none) read different lists: their split into parts would differ, so counts would be
+    unequal and samples lost. The error names each list and the nodes holding it."""
+    failed = [(r, why) for r, why in enumerate(lists) if isinstance(why, str)]
+    if failed:
+        r, why = failed[0]
+        raise WdsCacheError(f"rank {r} (node {r // layout.local_world}) could not start its epoch, so no rank "
+                            f"does: {why}")
+    held: dict[NodeList, list[int]] = {}
+    for r, listed in enumerate(lists):
+        assert isinstance(listed, NodeList)
+        held.setdefault(listed, []).append(r)
+    if len(held) == 1:
+        return
+    which = "; ".join(f"{_ranks(ranks, layout)}: {listed.describe()}" for listed, ranks in held.items())
+    raise ConfigError(
+        f"the nodes of this job read different lists, so their ranks would get unequal counts and some samples "
+        f"none: {which}. Give every node's agent the same list (the same --urls file, best a shard index "
+        "made by `wdscache index`), or give the loader the list itself (urls='shards.json'), then restart the job")
+
+
+def _ranks(ranks: list[int], layout: Layout) -> str:
+    nodes = sorted({r // layout.local_world for r in ranks})
+    whole = all(r in ranks for n in nodes for r in range(n * layout.local_world, (n + 1) * layout.local_world))
+    where = f"node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}"
+    return where if whole else f"{where} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"

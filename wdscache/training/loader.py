@@ -4,8 +4,9 @@ Each rank computes its epoch's global sequence itself (:mod:`wdscache.shared.seq
 from the URL list, the seeds and the per-shard sample counts, and reads its
 share of the positions (blocks of neighbouring positions, see
 :class:`~wdscache.shared.sequence.RankShare`) from the agent's workers. Ranks never wait for each
-other, so no rank can hang on another; they agree because the sequence is a
-pure function of inputs they share. A shard still downloading enters the
+other while they read, so no rank can hang on another; they agree because the sequence is a
+pure function of inputs they share (on several nodes, under ``torch.distributed``, they check
+that they do as an epoch starts). A shard still downloading enters the
 sequence sample by sample as its download brings them (the workers read its
 complete samples from the partial file), so a cold start does not wait for
 whole shards; only when its ids come out depends on timing, never which.
@@ -26,6 +27,10 @@ Guarantees (for the ranks of one job with the same settings):
   workers, the timing or the machine load;
 - ``state_dict()`` of any rank resumes the job, with any world size, at exactly
   the samples not yet delivered;
+- on several nodes under ``torch.distributed``, the ranks compare the lists their agents
+  hold when the loader is made and as each epoch starts in the rank's own process
+  (:mod:`wdscache.training.node_lists`): if they differ, every rank raises the same
+  ``ConfigError`` instead of starting an epoch of unequal counts;
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
   (and, once replies show the sample size, of about 4 MiB of payload:
   :data:`wdscache.training.stream.REQUEST_BYTES`) are outstanding; a consumer that stops
@@ -52,10 +57,11 @@ from ..shared.errors import WdsCacheError
 from ..shared.malloc import tune_malloc
 from .private import PrivateAgent
 from ..shared.protocol import pages, process_identity
-from ..shared.nodes import JobEpoch, Layout, NodeShare, job_epoch, parts_state, read_parts_state
+from ..shared.nodes import JobEpoch, Layout, NodeList, NodeShare, job_epoch, parts_state, read_parts_state
 from ..shared.sequence import Resume, rank_length
 from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
+from .node_lists import agree, check_kept, job_group
 from .worker_parts import Delivered, Part, check_worker, combine
 from ..shared.urls import list_id
 from .urls_arg import read_urls_arg
@@ -258,6 +264,11 @@ class CachedMultiLoader:
         self._current: EpochStream | None = None
         self._resumed_from: dict[str, Any] | None = None
         self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
+        # On several nodes, the list every rank of the job had when they last compared theirs (over
+        # torch.distributed's process group: see wdscache.training.node_lists); None if they never did.
+        # Compared here, it reaches DataLoader workers with the rest of the loader, which check theirs by it.
+        self._job_list: NodeList | None = None
+        self._agree_on_list()
 
     # -- epochs and checkpoints ---------------------------------------------
 
@@ -473,18 +484,25 @@ class CachedMultiLoader:
         nxt, part = self._next, self._part()
         epoch, start, part = nxt.epoch, nxt.start, Part(part.index, part.count, nxt.skip)
         self._next = NextEpoch(epoch + 1)
+        self._agree_on_list()
         session = self._open_session()
-        if self.layout.num_nodes > 1 or nxt.parts is not None:
-            try:
-                start = self._job_epoch(agent_counts(session.conn, session.urls), nxt)
-            except BaseException:
-                session.conn.close()
-                raise
+        try:
+            taken_on = self._resumed_from.get("urls") if self._resumed_from is not None else None
+            if taken_on not in (None, session.list_id):
+                raise ValueError(f"the checkpoint was taken on list {taken_on}, but this rank reads list "
+                                 f"{session.list_id} (node {self.layout.node}'s agent's, or the loader's urls=): "
+                                 "resuming would mix datasets; give every node's agent (or the loader) the "
+                                 "checkpoint's list")
+            if self.layout.num_nodes > 1 or nxt.parts is not None:
+                counts = agent_counts(session.conn, session.urls)
+                if self.layout.num_nodes > 1:
+                    check_kept(self.layout, NodeList.of(session.list_id, counts), self._job_list)
+                start = self._job_epoch(counts, nxt)
+        except BaseException:
+            session.conn.close()
+            raise
         stream = EpochStream(self._stream_settings(), session, epoch, start, part)
         self._current = stream
-        if self._resumed_from is not None and self._resumed_from.get("urls") not in (None, stream.list_id):
-            stream.close()
-            raise ValueError("the checkpoint was taken on another URL list; resuming would mix datasets")
         self._resumed_from = None
         items: Iterator[Any] = stream.samples()
         if self.map_fn is not None:
@@ -492,6 +510,24 @@ class CachedMultiLoader:
         if self.batch_size is None:
             return stream.delivering((1, item) for item in items)
         return stream.delivering(_batched(items, self.batch_size, self.collate))
+
+    def _agree_on_list(self) -> None:
+        """On several nodes, with the job's process group here (:func:`~.node_lists.job_group`):
+        compare this rank's list with every rank's, each read as ``len()`` reads it (not as a
+        rank that reads: the exchange may wait for a slow rank longer than the agent keeps a
+        silent reader). Every rank raises alike if they differ; else the list is the job's."""
+        if self.layout.num_nodes == 1:
+            return
+        dist = job_group(self.layout)
+        if dist is None:
+            return
+        mine: NodeList | Exception
+        try:
+            _, counts, key = self._probe()
+            mine = NodeList.of(key, counts)
+        except Exception as exc:  # the other ranks are told, and raise too
+            mine = exc
+        self._job_list = agree(dist, self.layout, mine)
 
     def _job_epoch(self, counts: Sequence[int | None], at: NextEpoch) -> JobEpoch:
         """The epoch ``at`` of a job on several nodes (or resumed from one): needs every shard's count."""
@@ -537,17 +573,23 @@ class CachedMultiLoader:
         return AgentConnection(self.endpoint, timeout=timeout, hint=start_hint(self.cache_dir),
                                cache_dir=self.cache_dir, token=self._token)
 
-    def __len__(self) -> int:
-        """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
+    def _probe(self) -> tuple[Sequence[str], list[Any], str]:
+        """The list this loader reads, the agent's count of each shard and the list's fingerprint,
+        asked as a probe (not as a rank that reads)."""
         self._ensure_agent()
         conn = self._connection(self.timeout)
         name = f"len-{uuid.uuid4().hex[:8]}"
         try:
-            _, urls = self._session(conn, name, probe=True)
+            hello, urls = self._session(conn, name, probe=True)
             conn.request({"op": "bye", "reader": name})
             counts = agent_counts(conn, urls)
         finally:
             conn.close()
+        return urls, counts, self._own_list_id or str(hello.get("list_id"))
+
+    def __len__(self) -> int:
+        """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
+        urls, counts, _ = self._probe()
         if not urls or any(c is None for c in counts):
             raise TypeError("length unknown until every shard has been read once")
         if self.layout.num_nodes > 1 or self._next.parts is not None:
