@@ -13,7 +13,6 @@ prints it and turns it into an exit status.
 from __future__ import annotations
 
 import hashlib
-import logging
 import mmap
 import os
 import tempfile
@@ -30,7 +29,7 @@ from ..shared.config import AgentConfig, default
 from ..shared.errors import AgentUnavailableError, NoCacheError, ProtocolError, ShardError, WdsCacheError
 from ..shared.index import Index, ShardState, read_summary
 from ..shared.layout import CacheLayout
-from ..shared.logs import iso_time
+from ..shared.logs import get_logger, iso_time
 from ..shared.protocol import pages
 from ..shared.stats import agent_connection
 from ..shared.tarwalk import walk
@@ -39,7 +38,7 @@ from .cache import ShardCache
 from .lock import AgentLock
 from .upkeep import evict_shards
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs
 REQUEST_TIMEOUT = 30.0
@@ -185,6 +184,10 @@ def verify(cache_dir: str | os.PathLike[str], *,
     {checked, bad: [{url, problem}], evicted: [url], refused: [{url, reason}] (held by a reader)}."""
     checked, bad = 0, []
     layout = _layout(cache_dir)
+    with _agent(layout) as conn:
+        if conn is None:
+            with _locked_cache(layout):
+                pass  # opened once: files an earlier version named are renamed before they are read
     for shard in list_shards(cache_dir):
         if shard["state"] != "cached":
             continue
