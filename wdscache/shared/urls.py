@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
+from wdscache.shared.redact import redact_urls
 from wdscache.shared.s3 import is_listing
 from wdscache.shared.shard_index import ShardInfo, looks_like_index, parse_shard_index
 
@@ -245,7 +246,7 @@ class UrlList:
         try:
             return self._positions[url]
         except KeyError:
-            raise ValueError(f"{url!r} is not in the URL list") from None
+            raise ValueError(f"{redact_urls(url)!r} is not in the URL list") from None
 
     def info(self, url: str) -> ShardInfo | None:
         """What the shard index this list came from says of ``url`` (None: nothing)."""
