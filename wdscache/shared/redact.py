@@ -26,7 +26,7 @@ __all__ = ["MASK", "redact_urls"]
 
 MASK = "***"
 # A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
-_USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^\s/?#\"'<>]*@")
+_USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"'<>]*@")
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
 # path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``).
 _PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&;#\s\"'<>]+)")
