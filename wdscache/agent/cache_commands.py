@@ -31,6 +31,7 @@ from ..shared.index import Index, ShardState, read_summary
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger, iso_time
 from ..shared.protocol import pages
+from ..shared.redact import redact_urls
 from ..shared.stats import agent_connection
 from ..shared.tarwalk import walk
 from ..shared.urls import format_url_list
@@ -120,8 +121,11 @@ def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool = False) -> dict[str, Any]:
-    """Evict the cached shards of ``urls`` (see :func:`~wdscache.agent.upkeep.evict_shards` for the result)."""
+    """Evict the cached shards of ``urls`` (see :func:`~wdscache.agent.upkeep.evict_shards` for the result).
+
+    A URL may be given as ``ls`` shows it, redacted, when it shows only one URL the index knows."""
     layout = _layout(cache_dir)
+    urls = _as_known(cache_dir, urls)
     with _agent(layout) as conn:
         if conn is not None:
             out: dict[str, Any] = {"evicted": [], "bytes": 0, "refused": [], "absent": []}
@@ -132,6 +136,17 @@ def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool
             return out
     with _locked_cache(layout) as cache:
         return evict_shards(cache, urls, force=force)
+
+
+def _as_known(cache_dir: str | os.PathLike[str], urls: Sequence[str]) -> list[str]:
+    """``urls``, each shown redacted (:func:`~wdscache.shared.redact.redact_urls`) replaced by the one
+    URL of the index it shows; one the index knows, or that shows several, stays as given."""
+    known = [s["url"] for s in list_shards(cache_dir)]
+    shows: dict[str, list[str]] = {}
+    for url in known:
+        shows.setdefault(redact_urls(url), []).append(url)
+    held = set(known)
+    return [url if url in held or len(shows.get(url, ())) != 1 else shows[url][0] for url in urls]
 
 
 def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
