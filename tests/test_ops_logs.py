@@ -128,7 +128,8 @@ def test_a_records_urls_are_redacted_for_any_handler_traceback_and_event_fields_
     text = "\n".join(lines)
     assert "SECRET" not in text, text
     first = json.loads(lines[0])
-    assert first["url"] == "http://***@h/a.tar?X-Amz-Signature=***" and first["message"].startswith("failed http://***@h")
+    assert first["url"] == "http://***@h/a.tar?X-Amz-Signature=***"
+    assert first["message"].startswith("failed http://***@h/a.tar?X-Amz-Signature=***: HTTP 403")
     third = json.loads(lines[2])
     assert "OSError: Max retries exceeded with url: /a.tar?token=*** (http://***@h/" in third["exception"], third
     assert "Traceback" in lines[3]
