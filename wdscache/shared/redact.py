@@ -34,8 +34,12 @@ _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy
 
 
 def _parameter(match: re.Match[str]) -> str:
-    sep, name, _ = match.groups()
-    return f"{sep}{name}={MASK}" if _SECRET_NAME.search(name) else match.group(0)
+    sep, name, value = match.groups()
+    if not _SECRET_NAME.search(name):
+        return match.group(0)
+    # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") is the sentence's.
+    after = value[len(value.rstrip(":,.)")):]
+    return f"{sep}{name}={MASK}{after}"
 
 
 def redact_urls(text: str) -> str:
