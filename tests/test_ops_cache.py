@@ -170,3 +170,38 @@ def test_verify_with_a_shard_index_catches_a_same_size_change(tmp_path, dataset,
     # A plain URL list is not an index: exit 2, naming it.
     r = run_cli("verify", "--cache-dir", cache, "--index", data.list_file)
     assert r.returncode == 2 and f"{data.list_file}: not a shard index" in r.stderr, r.stderr
+
+
+def test_a_cache_whose_file_names_held_a_query_opens_with_every_shard(tmp_path, dataset, shard_server,
+                                                                       start_agent, run_cli):
+    data = dataset(3, samples=4, payload=300)
+    urls = [f"{data.urls[0]}?token=TOKENSECRET", f"http://user:PASSWORDSECRET@{data.urls[1][len('http://'):]}",
+            data.urls[2]]
+    cache = tmp_path / "cache"
+    assert run_cli("prefetch", *urls, "--cache-dir", cache, "--cache-size", "10M").returncode == 0
+    layout = CacheLayout.of(cache)
+
+    def as_written_before() -> None:
+        """The files renamed as an earlier version named them (a URL's query and user info in the name)."""
+        for url in urls:
+            former = layout.former_shard_path(url)
+            if former is not None:
+                layout.shard_path(url).rename(former)
+        assert any("SECRET" in p.name for p in layout.shards_dir.rglob("*"))
+
+    def named_today() -> None:
+        names = [p.name for p in layout.shards_dir.rglob("*") if p.is_file()]
+        assert sorted(names) == sorted(layout.shard_path(u).name for u in urls) and "SECRET" not in "".join(names)
+
+    as_written_before()
+    r = run_cli("verify", "--cache-dir", cache)  # on the cache, no agent: opens it first
+    assert r.returncode == 0 and r.stdout.startswith("checked 3 shard(s): 0 bad"), r.stdout + r.stderr
+    named_today()
+    as_written_before()
+    data.list_file.write_text("\n".join(urls) + "\n")
+    agent = start_agent(cache, data.list_file)
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 10, "every shard still cached")
+    assert s["redownloads"] == 0 and [shard_server.count(p.name) for p in data.paths] == [1, 1, 1]
+    named_today()
+    for url, path in zip(urls, data.paths):
+        assert layout.shard_path(url).read_bytes() == path.read_bytes()

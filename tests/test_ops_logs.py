@@ -14,7 +14,7 @@ import webdataset as wds
 
 from wdscache import CachedMultiLoader
 from wdscache.shared.client import AgentConnection
-from wdscache.shared.logs import JsonFormatter, TextFormatter, iso_time
+from wdscache.shared.logs import JsonFormatter, TextFormatter, event, get_logger, iso_time
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?[+-]\d\d:\d\d$")
 
@@ -102,3 +102,34 @@ def test_text_lines_and_event_dates_are_iso_8601():
     assert not re.search(r"\d{10}\.\d", text), text  # no epoch floats
     line = json.loads(JsonFormatter().format(record))
     assert (line["event"], line["url"], line["message"]) == ("evicted", "u", rest.split(": ", 1)[1])
+
+
+def test_a_records_urls_are_redacted_for_any_handler_traceback_and_event_fields_included():
+    """A training script's own handler gets the records of the package's loggers redacted too."""
+    secret = "http://user:PASSWORDSECRET@h/a.tar?X-Amz-Signature=SIGSECRET"
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(JsonFormatter().format(record))
+            lines.append(TextFormatter().format(record))
+
+    log = get_logger("wdscache.test.redacted")
+    handler = Keep()
+    log.addHandler(handler)
+    try:
+        event(log, "failed", "failed %s: %s", secret, "HTTP 403", level=logging.ERROR, url=secret, error="403")
+        try:
+            raise OSError(f"Max retries exceeded with url: /a.tar?token=TOKENSECRET ({secret})")
+        except OSError:
+            log.exception("downloading %s", secret)
+    finally:
+        log.removeHandler(handler)
+    text = "\n".join(lines)
+    assert "SECRET" not in text, text
+    first = json.loads(lines[0])
+    assert first["url"] == "http://***@h/a.tar?X-Amz-Signature=***"
+    assert first["message"].startswith("failed http://***@h/a.tar?X-Amz-Signature=***: HTTP 403")
+    third = json.loads(lines[2])
+    assert "OSError: Max retries exceeded with url: /a.tar?token=*** (http://***@h/" in third["exception"], third
+    assert "Traceback" in lines[3]

@@ -145,6 +145,18 @@ def test_a_glob_lists_its_matches_for_the_agent_and_a_loader(store: Store, tmp_p
     assert s["agent"]["urls"] == 3
 
 
+def test_keys_are_taken_literally_spaces_and_percent_signs_included(store: Store, tmp_path: Path,
+                                                                     start_agent) -> None:
+    paths = make_dataset(tmp_path / "src" / "literal", 2, 3, payload=100)
+    spaced = store.put("train/key with space.tar", paths[0])
+    percent = store.put("train/key%20x.tar", paths[1])  # the key holds "%20", not a space
+    agent = start_on(start_agent, store, tmp_path, [f"{spaced}   # a key with spaces, then a comment", percent])
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 2, CACHED_IN, "both keys were not cached")
+    assert s["agent"]["urls"] == 2 and s["failed"] == [], s
+    assert cached_bytes(tmp_path / "cache", spaced) == paths[0].read_bytes()
+    assert cached_bytes(tmp_path / "cache", percent) == paths[1].read_bytes()
+
+
 def test_listing_follows_every_page_in_key_order(store: Store) -> None:
     urls, _ = store.put_shards("p/", 5, order=[4, 1, 3, 0, 2], samples=1, payload=10)
     store.proxy.requests.clear()

@@ -1,12 +1,19 @@
-"""The agent refuses a cache directory another user could tamper with, and a loader writes nothing into one."""
+"""The agent refuses a cache directory another user could tamper with, and a loader writes nothing into one;
+a URL's secrets (user info, signatures, tokens) reach no log line, output, file name or error message."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 
 import pytest
 
-from wdscache import CachedMultiLoader, ConfigError
+from tests.helpers.streaming import reference
+from wdscache import CachedMultiLoader, ConfigError, FetchError
+from wdscache.shared.layout import shard_name
+from wdscache.shared.redact import redact_urls
 
 NOBODY = 65534
 
@@ -35,3 +42,104 @@ def test_private_agent_writes_nothing_into_a_directory_others_can_write(tmp_path
     with pytest.raises(ConfigError, match="chmod 700"):
         iter(CachedMultiLoader(data.urls, cache_dir=shared, rank=0, world_size=1, timeout=5))
     assert victim.read_text() == "keep me\n"
+
+
+# -- secrets in URLs ------------------------------------------------------------------------------
+
+SECRETS = ("USERSECRET", "PASSWORDSECRET", "SIGNATURESECRET", "TOKENSECRET")
+
+
+def _with_secrets(url: str) -> str:
+    """``url`` with user info and a signed URL's query (the real shard server ignores both)."""
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://USERSECRET:PASSWORDSECRET@{rest}?X-Amz-Signature=SIGNATURESECRET&token=TOKENSECRET&v=1"
+
+
+def _leaks(text: str) -> list[str]:
+    return [s for s in SECRETS if s in text]
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("http://user:pass@h/a.tar", "http://***@h/a.tar"),
+    ("https://TOKEN@h/a.tar", "https://***@h/a.tar"),
+    ("https://h/a.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F1&X-Amz-Date=1&X-Amz-Expires=60"
+     "&X-Amz-Security-Token=T&X-Amz-Signature=S",
+     "https://h/a.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=***&X-Amz-Date=1&X-Amz-Expires=60"
+     "&X-Amz-Security-Token=***&X-Amz-Signature=***"),
+    ("https://a.blob.core.windows.net/c/a.tar?sv=2022&se=2027&sp=r&SIG=abc%3D",
+     "https://a.blob.core.windows.net/c/a.tar?sv=2022&se=2027&sp=r&SIG=***"),
+    ("https://d.cloudfront.net/a.tar?Expires=1&Signature=s&Key-Pair-Id=k&Policy=p",
+     "https://d.cloudfront.net/a.tar?Expires=1&Signature=***&Key-Pair-Id=***&Policy=***"),
+    ("http://h/a.tar?access_token=a&apikey=b&api_key=c&key=d&password=e&secret=f&auth=g&page=2",
+     "http://h/a.tar?access_token=***&apikey=***&api_key=***&key=***&password=***&secret=***&auth=***&page=2"),
+    ("Max retries exceeded with url: /a.tar?token=x (Caused by ...)",
+     "Max retries exceeded with url: /a.tar?token=*** (Caused by ...)"),
+    ("s3://bucket/key with space.tar", "s3://bucket/key with space.tar"),
+])
+def test_a_url_is_shown_without_user_info_or_secret_parameters(url: str, shown: str) -> None:
+    assert redact_urls(url) == shown
+
+
+def test_cache_file_names_hold_no_query_and_no_user_info() -> None:
+    url = "http://u:p@h/data/shard-000011.tar?token=QTOKENSECRET"
+    name = shard_name(url)
+    assert name == hashlib.sha256(url.encode()).hexdigest()[:32] + "-shard-000011.tar"
+    assert shard_name("http://u:p@h") == hashlib.sha256(b"http://u:p@h").hexdigest()[:32] + "-_h"
+    assert shard_name("http://h/data/shard-000011.tar") != name  # the hash is of the whole URL
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_secrets_in_urls_reach_no_log_output_file_name_or_error(tmp_path, dataset, start_agent, shard_server,
+                                                                run_cli, caplog, log_format) -> None:
+    data = dataset(3, samples=4, payload=300)
+    urls = [_with_secrets(u) for u in data.urls]
+    missing = _with_secrets(shard_server.url("missing.tar"))
+    data.list_file.write_text("\n".join([*urls, missing]) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "4", "--retries", "0", "--log-format", log_format)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3 and s["shards"]["failed"] == 1, 20,
+                     "three shards cached and one failed")
+    # Samples are served byte-identical, from the full URLs.
+    with CachedMultiLoader(urls, cache_dir=cache, shuffle=False, timeout=30) as loader:
+        got = list(loader)
+    ref = reference(data.paths, urls)
+    assert [(s["__url__"], s["__key__"]) for s in got] == list(ref)
+    for s in got:
+        assert {k: hashlib.sha256(v).hexdigest() for k, v in s.items() if not k.startswith("__")} == \
+            ref[(s["__url__"], s["__key__"])]
+    # No file name under the cache directory.
+    names = [n for _, dirs, files in os.walk(cache) for n in dirs + files]
+    assert sum(n.endswith(("-shard-000000.tar", "-shard-000001.tar", "-shard-000002.tar")) for n in names) == 3, names
+    assert not [n for n in names if _leaks(n) or "token_" in n.lower()], names
+    # A failing URL: the loader's error names it, without its secrets (and so does a skip's log line).
+    with pytest.raises(FetchError) as info:
+        with CachedMultiLoader([missing], cache_dir=cache, timeout=30) as loader:
+            list(loader)
+    assert "missing.tar" in str(info.value) and "***" in str(info.value) and not _leaks(str(info.value))
+    with caplog.at_level(logging.WARNING, logger="wdscache"):
+        with CachedMultiLoader([urls[0], missing], cache_dir=cache, shuffle=False, timeout=30,
+                               on_error="skip") as loader:
+            assert len(list(loader)) >= 4
+    assert "skipping" in caplog.text and not _leaks(caplog.text), caplog.text
+    # Every command's output, text and JSON.
+    outputs = []
+    for args in (["ls"], ["ls", "--json"], ["stats"], ["stats", "--json"], ["verify"], ["verify", "--json"],
+                 ["prefetch", missing], ["prefetch", "--json", missing], ["evict", urls[0]],
+                 ["evict", "--json", redact_urls(urls[1])], ["clear", "--json"]):
+        r = run_cli(*args, "--cache-dir", cache)
+        assert r.returncode in (0, 1), (args, r.stderr)
+        outputs.append((args, r.stdout + r.stderr))
+    shown = dict((args[0] + " ".join(args[1:2]), out) for args, out in outputs)
+    assert "http://***@127.0.0.1" in shown["ls"] and "X-Amz-Signature=***&token=***&v=1" in shown["ls"]
+    # evict takes a URL as ls shows it (it stands for one URL of the cache here).
+    assert json.loads(shown["evict--json"])["evicted"] == [redact_urls(urls[1])], shown["evict--json"]
+    assert json.loads(shown["clear--json"])["evicted"], shown["clear--json"]
+    for args, out in outputs:
+        assert not _leaks(out), (args, out)
+    assert agent.stop() == 0
+    logs = agent.stderr_text()
+    assert "missing.tar" in logs and not _leaks(logs), logs
+    if log_format == "json":
+        events = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
+        cached = {e["url"] for e in events if e.get("event") == "cached"}
+        assert cached >= {redact_urls(u) for u in urls[2:]}, cached

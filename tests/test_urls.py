@@ -147,6 +147,17 @@ def test_internal_whitespace_is_an_error() -> None:
     assert "<urls>:3" in str(err) and "one URL" in str(err)
 
 
+def test_an_s3_key_with_spaces_is_one_entry_taken_literally() -> None:
+    text = ("s3://b/key with space.tar\n"
+            "s3://b/two  spaces.tar   # a comment\n"
+            "s3://b/key%20x.tar\n")
+    assert parse_url_list(text, lister=lambda url: (url,)).urls == (
+        "s3://b/key with space.tar", "s3://b/two  spaces.tar", "s3://b/key%20x.tar")
+    for line in ("s3://b/a.tar s3://b/b.tar", "http://h/a b.tar"):
+        with pytest.raises(UrlListError, match="one URL"):
+            parse_url_list(line, lister=lambda url: (url,))
+
+
 def test_braces_expand_in_order_with_line_errors() -> None:
     text = "http://h/{train,val}-{0..1}.tar\nhttp://h/x.tar\n"
     assert parse_url_list(text).urls == (

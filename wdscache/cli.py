@@ -19,6 +19,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -26,10 +27,31 @@ from .shared.config import AgentConfig, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
 from .shared.logs import FORMATS
 from .shared.logs import setup as setup_logging
+from .shared.redact import redact_urls
+
+
+def _echo(text: str = "", **kwargs: Any) -> None:
+    """Print for people: every line of the command's output goes through here, its URLs redacted."""
+    click.echo(redact_urls(text), **kwargs)
+
+
+def _echo_json(obj: object) -> None:
+    """Print ``obj`` as JSON, every string in it (keys too) with its URLs redacted."""
+    click.echo(json.dumps(_redacted(obj), indent=2))
+
+
+def _redacted(obj: Any) -> Any:
+    if isinstance(obj, str):
+        return redact_urls(obj)
+    if isinstance(obj, dict):
+        return {_redacted(k): _redacted(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_redacted(v) for v in obj]
+    return obj
 
 
 def _fail(exc: WdsCacheError) -> None:
-    click.echo(f"wdscache: error: {exc}", err=True)
+    _echo(f"wdscache: error: {exc}", err=True)
     sys.exit(2 if isinstance(exc, ConfigError) else 1)
 
 
@@ -153,11 +175,14 @@ def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None
         s = collect(cache_dir)
         if prometheus:
             from .shared.metrics import exposition
-            click.echo(exposition(s), nl=False)
+            _echo(exposition(s), nl=False)
             return
     except WdsCacheError as exc:
         _fail(exc)
-    click.echo(json.dumps(s, indent=2) if as_json else format_stats(s))
+    if as_json:
+        _echo_json(s)
+    else:
+        _echo(format_stats(s))
 
 
 @main.command("index")
@@ -207,21 +232,21 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
 
             def said(url: str, info: ShardInfo | None, error: WdsCacheError | None) -> None:
                 what = error if info is None else f"{info.nsamples} samples, {info.filesize} bytes"
-                click.echo(f"[{next(done)}/{len(listed)}] {url}: {what}", err=True)
+                _echo(f"[{next(done)}/{len(listed)}] {url}: {what}", err=True)
 
             results = indexer.shards(listed.urls, said)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     failed = [r for r in results if not isinstance(r, ShardInfo)]
     for exc in failed:
-        click.echo(f"wdscache: error: {exc}", err=True)
+        _echo(f"wdscache: error: {exc}", err=True)
     if failed:
-        click.echo(f"wdscache: {len(failed)} of {len(listed)} shards could not be read; {output} not written",
+        _echo(f"wdscache: {len(failed)} of {len(listed)} shards could not be read; {output} not written",
                    err=True)
         sys.exit(1)
     entries = [(_stored_url(url, folder), info) for url, info in zip(listed.urls, results)]
     write_shard_index(output, entries)  # type: ignore[arg-type]
-    click.echo(f"wrote {output}: {len(entries)} shards, {sum(i.nsamples for _, i in entries)} samples", err=True)
+    _echo(f"wrote {output}: {len(entries)} shards, {sum(i.nsamples for _, i in entries)} samples", err=True)
 
 
 def _stored_url(url: str, folder: Path) -> str:
@@ -241,9 +266,6 @@ _CACHE_DIR = click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=T
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
 _FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader holds (it keeps reading its file).")
 
-
-def _echo_json(obj: object) -> None:
-    click.echo(json.dumps(obj, indent=2))
 
 
 def _rate(n: float) -> str:
@@ -306,27 +328,27 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
                 total = format_size(p.bytes_total) if p.bytes_total is not None else "?"
                 width = 30
                 filled = int(width * (p.cached + len(p.failed)) / p.total)
-                click.echo(f"\r[{'#' * filled}{'.' * (width - filled)}] {p.cached}/{p.total} shards"
+                _echo(f"\r[{'#' * filled}{'.' * (width - filled)}] {p.cached}/{p.total} shards"
                            f"{f', {len(p.failed)} failed' if p.failed else ''}, {format_size(p.bytes_done)}/{total},"
                            f" {_rate(p.rate)}, {_eta(p.eta)}\x1b[K", nl=False)
                 return
             for url in p.finished:
-                click.echo(f"failed {url}: {p.failed[url]}" if url in p.failed else f"cached {url}")
+                _echo(f"failed {url}: {p.failed[url]}" if url in p.failed else f"cached {url}")
 
         result = run_prefetch(cache_dir, wanted, report=report, cache_size=cache_size,
                               download_workers=download_workers, give_up_after=give_up_after)
     except WdsCacheError as exc:
         _fail(exc)
     if bar:
-        click.echo()
+        _echo()
     if as_json:
         _echo_json({"shards": result.total, "cached": result.cached, "bytes": result.bytes_done,
                     "failed": [{"url": u, "error": e} for u, e in result.failed.items()]})
     else:
-        click.echo(f"{result.cached} of {result.total} shard(s) cached ({format_size(result.bytes_done)})"
+        _echo(f"{result.cached} of {result.total} shard(s) cached ({format_size(result.bytes_done)})"
                    + (f", {len(result.failed)} failed:" if result.failed else ""))
         for url, error in result.failed.items():
-            click.echo(f"  {url}: {error}")
+            _echo(f"  {url}: {error}")
     sys.exit(1 if result.failed else 0)
 
 
@@ -347,9 +369,9 @@ def ls_command(cache_dir: Path, as_json: bool) -> None:
     if as_json:
         _echo_json(shards)
         return
-    click.echo(f"{'STATE':<12}{'SIZE':>9}  {'LAST READ':<26}{'READS':>6}  URL")
+    _echo(f"{'STATE':<12}{'SIZE':>9}  {'LAST READ':<26}{'READS':>6}  URL")
     for s in shards:
-        click.echo(f"{s['state']:<12}{format_size(s['size']):>9}  {s['last_read'] or 'never':<26}{s['reads']:>6}  "
+        _echo(f"{s['state']:<12}{format_size(s['size']):>9}  {s['last_read'] or 'never':<26}{s['reads']:>6}  "
                    f"{s['url']}" + (f"  ({s['error']})" if s["error"] else ""))
 
 
@@ -386,11 +408,11 @@ def verify(cache_dir: Path, index_file: Path | None, as_json: bool) -> None:
     if as_json:
         _echo_json(result)
     else:
-        click.echo(f"checked {result['checked']} shard(s): {len(result['bad'])} bad, "
+        _echo(f"checked {result['checked']} shard(s): {len(result['bad'])} bad, "
                    f"{len(result['evicted'])} evicted")
         held = {r["url"]: r["reason"] for r in result["refused"]}
         for b in result["bad"]:
-            click.echo(f"  bad {b['url']}: {b['problem']}" + (f" (not evicted: {held[b['url']]})"
+            _echo(f"  bad {b['url']}: {b['problem']}" + (f" (not evicted: {held[b['url']]})"
                                                               if b["url"] in held else ""))
     sys.exit(1 if result["bad"] else 0)
 
@@ -399,9 +421,9 @@ def _freed(result: dict, as_json: bool) -> None:
     if as_json:
         _echo_json(result)
     else:
-        click.echo(f"evicted {len(result['evicted'])} shard(s), {format_size(result['bytes'])} freed")
+        _echo(f"evicted {len(result['evicted'])} shard(s), {format_size(result['bytes'])} freed")
         for r in result["refused"]:
-            click.echo(f"  refused {r['url']}: {r['reason']}")
+            _echo(f"  refused {r['url']}: {r['reason']}")
     sys.exit(1 if result["refused"] else 0)
 
 
@@ -465,7 +487,7 @@ def _watch(cache_dir: Path) -> None:
             view = _live_view(collect(cache_dir))
         except WdsCacheError as exc:
             _fail(exc)
-        click.echo(f"{clear}{view}" if clear else f"{view}\n")  # on a pipe, frames a blank line apart
+        _echo(f"{clear}{view}" if clear else f"{view}\n")  # on a pipe, frames a blank line apart
         sys.stdout.flush()
         until = time.monotonic() + WATCH_EVERY
         while not stop and time.monotonic() < until:

@@ -22,6 +22,10 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
 - Index before files: a shard is marked EVICTING in the index before its file is
   deleted, and DOWNLOADING before its partial file exists; :meth:`recover`
   finishes or undoes both after a crash, and forgets records whose files are gone.
+- File names of earlier versions (a URL's query in them, :func:`~wdscache.shared.layout.former_shard_name`)
+  are renamed to today's when the cache opens, before anything reads them: each rename is atomic,
+  so after a crash every file is under one of its two names and the next open renames the rest;
+  the index, keyed by URL, is not changed.
 - A cached file is a plain tar (a gzip'd shard is cached decompressed, and counted at
   that size): a gzip'd file found under ``shards/`` is forgotten and fetched again.
 """
@@ -29,7 +33,6 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sqlite3
 import time
@@ -41,10 +44,10 @@ from .download import Download
 from .parts import owner_name, remove_side_files, side_bytes
 from ..shared.index import Index, IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout
-from ..shared.logs import event, iso_time
+from ..shared.logs import event, get_logger, iso_time
 from ..shared.tarwalk import GZIP_MAGIC, file_problem
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 INDEX_HEADROOM = 1 << 20  # the index shares the file system; a full disk must not stop it
 
@@ -56,6 +59,8 @@ class ShardCache:
         for folder in (layout.shards_dir, layout.partial_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
         self.index, self.rebuilt = _open_index(layout)
+        for rec in self.index:
+            _rename_former(layout, rec.url)
         self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
         self.pins: dict[str, int] = {}  # url -> number of open reads
         # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
@@ -152,6 +157,7 @@ class ShardCache:
         for url in urls:
             if url in self.index.records:
                 continue
+            _rename_former(self.layout, url)
             path = self.layout.shard_path(url)
             size = _size_or_none(path)
             if size is not None and _head_ok(path):
@@ -440,6 +446,21 @@ def _open_index(layout: CacheLayout) -> tuple[Index, bool]:
     # An empty index beside shard files: it was deleted; rebuild it from the files.
     lost = not len(index) and any(True for _ in os.scandir(layout.shards_dir))
     return index, lost
+
+
+def _rename_former(layout: CacheLayout, url: str) -> None:
+    """Give the file of ``url`` its name of today if it has its earlier one (see the module docstring)."""
+    former = layout.former_shard_path(url)
+    if former is None:
+        return
+    current = layout.shard_path(url)
+    if current.exists():
+        return
+    try:
+        os.rename(former, current)
+    except FileNotFoundError:
+        return
+    log.info("renamed the cache file of %s to %s (names no longer hold a URL's query)", url, current.name)
 
 
 def _size_or_none(path: Path) -> int | None:

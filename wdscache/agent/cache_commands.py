@@ -13,7 +13,6 @@ prints it and turns it into an exit status.
 from __future__ import annotations
 
 import hashlib
-import logging
 import mmap
 import os
 import tempfile
@@ -30,8 +29,9 @@ from ..shared.config import AgentConfig, default
 from ..shared.errors import AgentUnavailableError, NoCacheError, ProtocolError, ShardError, WdsCacheError
 from ..shared.index import Index, ShardState, read_summary
 from ..shared.layout import CacheLayout
-from ..shared.logs import iso_time
+from ..shared.logs import get_logger, iso_time
 from ..shared.protocol import pages
+from ..shared.redact import redact_urls
 from ..shared.stats import agent_connection
 from ..shared.tarwalk import walk
 from ..shared.urls import format_url_list
@@ -39,7 +39,7 @@ from .cache import ShardCache
 from .lock import AgentLock
 from .upkeep import evict_shards
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs
 REQUEST_TIMEOUT = 30.0
@@ -121,8 +121,11 @@ def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool = False) -> dict[str, Any]:
-    """Evict the cached shards of ``urls`` (see :func:`~wdscache.agent.upkeep.evict_shards` for the result)."""
+    """Evict the cached shards of ``urls`` (see :func:`~wdscache.agent.upkeep.evict_shards` for the result).
+
+    A URL may be given as ``ls`` shows it, redacted, when it shows only one URL the index knows."""
     layout = _layout(cache_dir)
+    urls = _as_known(cache_dir, urls)
     with _agent(layout) as conn:
         if conn is not None:
             out: dict[str, Any] = {"evicted": [], "bytes": 0, "refused": [], "absent": []}
@@ -133,6 +136,17 @@ def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool
             return out
     with _locked_cache(layout) as cache:
         return evict_shards(cache, urls, force=force)
+
+
+def _as_known(cache_dir: str | os.PathLike[str], urls: Sequence[str]) -> list[str]:
+    """``urls``, each shown redacted (:func:`~wdscache.shared.redact.redact_urls`) replaced by the one
+    URL of the index it shows; one the index knows, or that shows several, stays as given."""
+    known = [s["url"] for s in list_shards(cache_dir)]
+    shows: dict[str, list[str]] = {}
+    for url in known:
+        shows.setdefault(redact_urls(url), []).append(url)
+    held = set(known)
+    return [url if url in held or len(shows.get(url, ())) != 1 else shows[url][0] for url in urls]
 
 
 def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
@@ -185,6 +199,10 @@ def verify(cache_dir: str | os.PathLike[str], *,
     {checked, bad: [{url, problem}], evicted: [url], refused: [{url, reason}] (held by a reader)}."""
     checked, bad = 0, []
     layout = _layout(cache_dir)
+    with _agent(layout) as conn:
+        if conn is None:
+            with _locked_cache(layout):
+                pass  # opened once: files an earlier version named are renamed before they are read
     for shard in list_shards(cache_dir):
         if shard["state"] != "cached":
             continue

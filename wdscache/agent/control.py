@@ -17,7 +17,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,8 +25,9 @@ import zmq
 
 from ..shared.errors import ProtocolError
 from ..shared.protocol import client_key, pack, proof, same_secret, unpack
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 MAX_MESSAGE = 1 << 20
 MAX_BATCH = 1000  # messages taken per turn, so a flood cannot starve the rest of the loop

@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import logging
 import os
 import secrets
 import threading
@@ -76,8 +75,9 @@ from ..shared.metrics import require as require_metrics
 from ..shared.stats import build
 from ..shared.verdict import starved_by
 from ..shared.urls import UrlList, diff_urls
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 TICK = 0.05  # seconds the main loop waits for a message before doing its other work
 WORKER_START_TIMEOUT = 30.0

@@ -39,10 +39,10 @@ from ..shared.errors import FetchError
 from .download import Cancelled, DiskFull, Download, Fetched
 from .fetch import Fetcher
 from ..shared.index import ShardState
-from ..shared.logs import event
+from ..shared.logs import event, get_logger
 from ..shared.shard_index import ShardInfo
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 RATE_WINDOW = 10.0  # seconds over which download_rate is averaged
 DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long

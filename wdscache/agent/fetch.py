@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
-import logging
 import os
 import random
 import subprocess
@@ -74,8 +73,9 @@ from .download import (GROW, SYNC_EVERY, Cancelled, Changed, Download, Fetched, 
 from .parted import PartedFetch
 from .parts import Part, file_size, remove_side_files
 from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 CHUNK = 64 << 10  # small reads: bytes received before a connection breaks are kept
 PERMANENT_STATUS = {400, 401, 403, 404, 405, 410, 451}

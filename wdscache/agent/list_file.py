@@ -12,7 +12,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -26,8 +25,9 @@ from ..shared.config import AgentConfig
 from ..shared.errors import ConfigError
 from ..shared.s3 import Listing
 from ..shared.urls import UrlList, read_url_list
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 SETTLE = 0.1  # seconds editors get to finish writing a file in several steps
 

@@ -39,9 +39,9 @@ from .fetch import same_version, validator_kind
 from ..shared.index import ShardRecord, ShardState
 from ..shared.protocol import field as get_field
 from ..shared.layout import file_identity
-from ..shared.logs import event
+from ..shared.logs import event, get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is retried
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats

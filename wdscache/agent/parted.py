@@ -11,7 +11,6 @@ count against the retries.
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import threading
@@ -27,11 +26,12 @@ from ..shared.tarwalk import HEAD_BYTES
 from .download import (SYNC_EVERY, Cancelled, Changed, Download, Retry, check_tar_head, reserve_holding, short,
                        sync_part, truncate, write_all)
 from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
+from ..shared.logs import get_logger
 
 if TYPE_CHECKING:
     from .fetch import Fetcher
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # How long a parted download waits for budget for its size plus one part before it goes on
 # over one connection instead (which needs its size only).

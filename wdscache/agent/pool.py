@@ -25,11 +25,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from ..shared.logs import event
+from ..shared.logs import event, get_logger
 from ..shared.protocol import client_key, worker_key
 from .worker import WorkerSpec
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # What a worker process runs: the agent's sys.path first, then the worker module.
 _BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); import wdscache.agent.worker as w; w.main(sys.argv[1:])"

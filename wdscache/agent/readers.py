@@ -36,7 +36,7 @@ from .cache import ShardCache
 from ..shared.config import AgentConfig, format_size
 from ..shared.errors import ConfigError
 from ..shared.index import ShardState
-from ..shared.logs import event, iso_time
+from ..shared.logs import event, get_logger, iso_time
 from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
 from ..shared.protocol import field as get_field
@@ -45,7 +45,7 @@ from ..shared.stats import jobs_view, with_fraction
 from ..shared.shard_index import ShardInfo
 from ..shared.urls import UrlList, index_list, list_id, parse_url_list
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 STARTUP_READER = "(start-up plan)"
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import os
 import signal
 import sys
@@ -78,8 +77,9 @@ from .growing import GrowingShard, NotYet
 from .sampletable import PackedSamples, SampleTables, placed
 from ..shared.layout import file_identity
 from .shardview import ShardView, open_shard
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RSS until dropped
 # Samples whose place a worker remembers after their shard's view is closed (about 100 bytes

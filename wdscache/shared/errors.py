@@ -14,6 +14,10 @@ What survives a trip to another process: the class and the message, always, so t
   ``RuntimeError`` of any class that refuses it). ``str(exc)`` is then that message and the
   context attributes are None (or their constructor default, ``permanent=False`` say).
 
+Messages show URLs through :func:`wdscache.shared.redact.redact_urls` (every message, whatever
+built it: a reason quoting a library's error included): no user info, no signature or token. The
+context attributes keep the full URL, for the code that handles the error.
+
 Hence the rules for subclasses (:class:`WdsCacheError` wraps each one's ``__init__`` to
 follow them): a call with one positional argument and no keywords is the message form, so
 a context of a single value is a keyword (``NoCacheError(cache_dir=...)``); and each
@@ -26,9 +30,14 @@ import functools
 import inspect
 from typing import Any, Callable
 
+from .redact import redact_urls
+
 
 class WdsCacheError(Exception):
     """Base of every error wdscache raises on purpose."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*(redact_urls(a) if isinstance(a, str) else a for a in args))
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -50,7 +59,7 @@ def _or_message(init: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: WdsCacheError, *args: Any, **kwargs: Any) -> None:
         if len(args) == 1 and not kwargs:
             self.__dict__.update(defaults)
-            Exception.__init__(self, args[0])
+            WdsCacheError.__init__(self, args[0])
         else:
             init(self, *args, **kwargs)
 
@@ -69,7 +78,8 @@ class UrlListError(ConfigError):
 
     def __init__(self, path: str, lineno: int, line: str, reason: str) -> None:
         self.path, self.lineno, self.line, self.reason = path, lineno, line, reason
-        shown = line if len(line) <= 120 else line[:117] + "..."
+        shown = redact_urls(line)  # before it is cut, so that no part of a secret is left
+        shown = shown if len(shown) <= 120 else shown[:117] + "..."
         super().__init__(f"{path}:{lineno}: {reason}: {shown!r}")
 
 
@@ -82,7 +92,7 @@ class ShardIndexError(ConfigError):
 
     def __init__(self, path: str, entry: int | None, reason: str, *, url: str | None = None) -> None:
         self.path, self.entry, self.url, self.reason = path, entry, url, reason
-        where = "" if entry is None else f" shardlist[{entry}]" + (f" ({url[:200]!r})" if url else "")
+        where = "" if entry is None else f" shardlist[{entry}]" + (f" ({redact_urls(url)[:200]!r})" if url else "")
         super().__init__(f"{path}:{where}: {reason}" if where else f"{path}: {reason}")
 
 

@@ -16,7 +16,13 @@
 
 A shard's file name is derived from its whole URL (a hash plus a readable tail),
 so two ``shard-000000.tar`` in different folders never collide, and the name of
-any URL's file is known without looking at the disk.
+any URL's file is known without looking at the disk. The tail is the last segment of the
+URL's path as :func:`~wdscache.shared.redact.redact_urls` shows it, without an http(s) query
+or fragment: no user info, query value or token reaches a file name.
+
+Names of caches written by earlier versions: their tail was cut from the URL as written, query
+included (:func:`former_shard_name`); the cache renames such files when it opens
+(:meth:`wdscache.agent.cache.ShardCache`), and only those URLs' names differ.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
+from .redact import redact_urls
 
 # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin for "ipc://".
 _MAX_SOCKET_PATH = 100
@@ -43,10 +50,24 @@ def file_identity(st: os.stat_result) -> tuple[int, ...]:
 
 
 def shard_name(url: str) -> str:
-    """The cache file name of ``url``: unique per URL, readable, filesystem-safe."""
+    """The cache file name of ``url``: unique per URL, readable, filesystem-safe, and free of
+    its secrets (see the module docstring)."""
+    shown = redact_urls(url)
+    if shown.startswith(("http://", "https://")):
+        shown = shown.split("#", 1)[0].split("?", 1)[0]
+    return _name(url, shown)
+
+
+def former_shard_name(url: str) -> str:
+    """The name earlier versions gave the cache file of ``url`` (its tail cut from the URL as
+    written); the same as :func:`shard_name` but for URLs with a query, user info or a secret."""
+    return _name(url, url)
+
+
+def _name(url: str, shown: str) -> str:
     # surrogatepass: any str (even a lone surrogate from a hostile peer) has a name.
     digest = hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()
-    tail = _UNSAFE.sub("_", url.rstrip("/").rsplit("/", 1)[-1])[-60:]
+    tail = _UNSAFE.sub("_", shown.rstrip("/").rsplit("/", 1)[-1])[-60:]
     return f"{digest[:32]}-{tail}" if tail else digest[:32]
 
 
@@ -87,6 +108,14 @@ class CacheLayout:
     def shard_path(self, url: str) -> Path:
         name = shard_name(url)
         return self.shards_dir / name[:2] / name
+
+    def former_shard_path(self, url: str) -> Path | None:
+        """Where a cache written by an earlier version kept the shard of ``url``, when that is not
+        :meth:`shard_path` (None: the same path)."""
+        if not any(c in url for c in "?#@="):
+            return None  # its name was never cut otherwise
+        name = former_shard_name(url)
+        return None if name == shard_name(url) else self.shards_dir / name[:2] / name
 
     def partial_path(self, url: str) -> Path:
         return self.partial_dir / shard_name(url)

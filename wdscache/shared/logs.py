@@ -6,6 +6,12 @@ names it (``event``) and carries its fields (``url``, ``bytes``, ``job``...). Th
 format reads as a sentence; the JSON format (``wdscache agent --log-format json``)
 is one object a line: ``time``, ``level``, ``logger``, ``message``, and for an event
 ``event`` and its fields, for shippers to index without parsing sentences.
+
+No secret of a URL reaches a log: every module logs through :func:`get_logger`, whose records
+have their message, their event's fields and their traceback passed through
+:func:`~wdscache.shared.redact.redact_urls` before any handler sees them (the package's own, or
+whatever a training script configured). Such a record carries its traceback as text
+(``exc_text``), not as ``exc_info``.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import json
 import logging
 from datetime import datetime, timezone
 from typing import Any, TextIO
+
+from .redact import redact_urls
 
 FORMATS = ("text", "json")
 _EVENT = "wdscache_event"  # the LogRecord attribute that holds an event's name and fields
@@ -24,6 +32,33 @@ def iso_time(ts: float | None) -> str | None:
     if not ts:
         return None
     return datetime.fromtimestamp(ts, timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+class _Redacting(logging.Filter):
+    """Passes every record, its URLs redacted (see the module docstring)."""
+
+    _traceback = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = redact_urls(record.getMessage()), None
+        fields = getattr(record, _EVENT, None)
+        if fields:
+            setattr(record, _EVENT, {k: redact_urls(v) if isinstance(v, str) else v for k, v in fields.items()})
+        if record.exc_info:
+            record.exc_text = redact_urls(record.exc_text or self._traceback.formatException(record.exc_info))
+            record.exc_info = None  # a handler would format it again, secrets included
+        return True
+
+
+_REDACTING = _Redacting()
+
+
+def get_logger(name: str) -> logging.Logger:
+    """The logger ``name`` (a module's ``__name__``), its records' URLs redacted."""
+    logger = logging.getLogger(name)
+    if _REDACTING not in logger.filters:
+        logger.addFilter(_REDACTING)
+    return logger
 
 
 def event(logger: logging.Logger, name: str, message: str, *args: Any, level: int = logging.INFO,
@@ -49,8 +84,10 @@ class JsonFormatter(logging.Formatter):
         out: dict[str, Any] = {"time": _iso_ms(record.created), "level": record.levelname, "logger": record.name,
                                "message": record.getMessage()}
         out.update(getattr(record, _EVENT, {}))
-        if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            out["exception"] = record.exc_text
         return json.dumps(out, default=str)
 
 

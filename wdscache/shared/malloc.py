@@ -25,9 +25,9 @@ runs are copied together is a buffer of up to 8 MiB, made and freed per reply.
 from __future__ import annotations
 
 import ctypes
-import logging
+from .logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 # mallopt parameters (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1

@@ -8,6 +8,10 @@ A list file may also be a shard index, webdataset's wids JSON (:mod:`wdscache.sh
 its shards in order, each with its sample count and, when the index gives them, its size and
 MD5 (``UrlList.shards``); a relative URL in it names a path relative to the index's folder.
 
+An ``s3://`` key is taken literally, as ``aws s3`` takes it: ``s3://b/key%20x.tar`` names the key
+``key%20x.tar``, and a key with spaces is written with its spaces (``s3://b/key with space.tar``; the
+line's comment, if any, starts at `` #``). Spaces in an http(s) URL are percent-encoded (``%20``).
+
 An ``s3://`` prefix or glob (``s3://b/train/``, ``s3://b/train/shard-*.tar``) stands for the
 objects it lists: parsing does no I/O itself, so a list holding one is read with a ``lister``
 (:class:`wdscache.shared.s3.Listing`) that lists it when the list is read, and without one is refused.
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
+from wdscache.shared.redact import redact_urls
 from wdscache.shared.s3 import is_listing
 from wdscache.shared.shard_index import ShardInfo, looks_like_index, parse_shard_index
 
@@ -241,7 +246,7 @@ class UrlList:
         try:
             return self._positions[url]
         except KeyError:
-            raise ValueError(f"{url!r} is not in the URL list") from None
+            raise ValueError(f"{redact_urls(url)!r} is not in the URL list") from None
 
     def info(self, url: str) -> ShardInfo | None:
         """What the shard index this list came from says of ``url`` (None: nothing)."""
@@ -316,12 +321,15 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
 
 def _line_entry(raw: str, parts: list[str]) -> str:
     """The entry of a line whose first word is followed by a non-comment word."""
-    # Only a shell command may contain whitespace; its comment starts at " #".
-    if parts[0][:5].lower() == "pipe:":
+    # Only a shell command and an S3 key (taken literally, as `aws s3` takes it) may contain
+    # whitespace; the comment starts at " #". An S3 line with a second URL is two entries on one line.
+    first = parts[0][:5].lower()
+    if first == "pipe:" or (first == "s3://" and not any("://" in word for word in parts[1:])):
         line = raw.strip()
         match = _COMMENT_START.search(line)
         return line[: match.start()].rstrip() if match else line
-    raise ValueError("a line holds one URL, but this one has whitespace inside")
+    raise ValueError("a line holds one URL, but this one has whitespace inside "
+                     "(percent-encode a space in an http(s) URL: %20)")
 
 
 def parse_url_list(

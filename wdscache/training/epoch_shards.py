@@ -14,7 +14,6 @@ opened again (``renewed``), and only a new copy damaged too fails the shard.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -25,8 +24,9 @@ from .progress import ProgressClock
 from ..shared.protocol import pages
 from ..shared.nodes import NodeSpec
 from ..shared.sequence import EpochSpec
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 COUNTS_AHEAD = 256  # shards whose counts are asked for at once, from the one the sequence reaches
 

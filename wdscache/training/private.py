@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -37,8 +36,9 @@ from ..shared.errors import WdsCacheError
 from ..shared.layout import CacheLayout, write_private
 from ..shared.stats import ask_agent
 from ..shared.urls import format_url_list
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 USERS_FILE = "private-users"
 START_LOCK = "private-start.lock"

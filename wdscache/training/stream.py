@@ -15,7 +15,6 @@ has its own connection.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -35,8 +34,9 @@ from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
 from .worker_links import WorkerLinks
 from .worker_parts import Part, part_of
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 REPORT_EVERY = 1.0
 REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped

@@ -13,15 +13,15 @@ The links belong to the thread that made them, as ZeroMQ sockets do.
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Any, Iterator, Sequence
 
 import zmq
 
 from ..shared.errors import ProtocolError
 from ..shared.protocol import WorkerProofs, pack, same_secret, unpack
+from ..shared.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class WorkerLinks:

@@ -1,0 +1,52 @@
+"""URLs as shown to people: secrets replaced by ``***``.
+
+:func:`redact_urls` is the one place a URL is made fit for a log line, an error message or a
+command's output. Internally the full URL is kept: it is what is fetched and the cache's key.
+
+What is replaced, in a URL alone or in any text that holds URLs (an exception's message, say):
+
+- the user info, whole: ``http://user:password@host/a.tar`` is shown ``http://***@host/a.tar``
+  (a user name may be a token itself, as in ``https://TOKEN@host/``);
+- the value of every query (or fragment) parameter whose name, in any case, contains ``sig``,
+  ``token``, ``secret``, ``pass``, ``pwd``, ``credential``, ``auth``, ``key``, ``policy`` or
+  ``session``: ``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``, Azure SAS
+  ``sig``, CloudFront ``Signature``, ``Policy`` and ``Key-Pair-Id``, ``token``, ``access_token``,
+  ``apikey``, ``api_key``, ``password``... Other parameters (``X-Amz-Expires``, SAS ``se``,
+  ``sp``, ``sv``) stay, as they help tell why a signed URL was refused.
+
+A ``pipe:`` command is text like any other: the URLs in it are redacted, the rest is shown as
+written (keep secrets of a command in its environment, not in the list).
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["MASK", "redact_urls"]
+
+MASK = "***"
+# A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
+_USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"'<>]*@")
+# A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
+# path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``).
+_PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&;#\s\"'<>]+)")
+_SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session", re.IGNORECASE)
+
+
+def _parameter(match: re.Match[str]) -> str:
+    sep, name, value = match.groups()
+    if not _SECRET_NAME.search(name):
+        return match.group(0)
+    # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") is the sentence's.
+    after = value[len(value.rstrip(":,.)")):]
+    return f"{sep}{name}={MASK}{after}"
+
+
+def redact_urls(text: str) -> str:
+    """``text`` (a URL, or any text with URLs in it) with user info and secret parameter values
+    replaced by ``***`` (see the module docstring); text without them is returned unchanged."""
+    if "@" in text:
+        text = _USER_INFO.sub(rf"\1{MASK}@", text)
+    if "=" in text:
+        text = _PARAMETER.sub(_parameter, text)
+    return text
