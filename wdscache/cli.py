@@ -6,7 +6,7 @@ else the environment is read).
 
 Exit status: 0 done; 1 a runtime error (another agent runs, no cache there, a shard
 ``index`` could not read); 2 bad options or input (a bad URL list line or shard index, a
-budget that cannot work).
+budget that cannot work, a cache directory that cannot be written).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ Guarantees:
 - The summary is O(1) to read, so ``wdscache stats`` answers at once on any cache size.
 
 An index in a folder that cannot be written (a read-only file system) is still read, with
-``read_only``: diskcache's opening writes its settings, so SQLite is opened read-only itself,
-``immutable`` on a read-only file system (where nothing can change it, and SQLite needs no
-``-shm`` file beside it), else ``mode=ro`` (which needs the ``-shm`` file a running agent
-keeps: without one the read fails with an error that says so).
+``read_only``: diskcache's opening writes its settings, so SQLite is opened read-only itself:
+``immutable`` on a read-only file system with no write-ahead log beside the database (nothing
+can change it, and SQLite needs no ``-shm`` file), else ``mode=ro``, which reads the log a killed
+agent left but needs its ``-shm`` file too (without one the read fails with an error that says so).
 """
 
 from __future__ import annotations
@@ -317,7 +317,9 @@ class _ReadOnlyStore:
     the keys and values it stores (strings: raw, or in a file for long ones; counters), never pickles."""
 
     def __init__(self, directory: Path, *, keys: tuple[str, ...] | None = None) -> None:
-        immutable = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+        # immutable reads the database file alone: right only when no write-ahead log holds
+        # transactions not yet copied into it (one an agent that was killed left).
+        immutable = bool(os.statvfs(directory).f_flag & os.ST_RDONLY) and not (directory / "cache.db-wal").exists()
         uri = f"file:{quote(str(directory / 'cache.db'))}?{'immutable=1' if immutable else 'mode=ro'}"
         query = "SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND mode IN (?, ?)"
         args: tuple[Any, ...] = (MODE_RAW, MODE_TEXT)
