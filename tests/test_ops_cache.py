@@ -205,3 +205,47 @@ def test_a_cache_whose_file_names_held_a_query_opens_with_every_shard(tmp_path, 
     named_today()
     for url, path in zip(urls, data.paths):
         assert layout.shard_path(url).read_bytes() == path.read_bytes()
+
+
+def test_evict_expands_brace_patterns_and_names_what_matched_nothing(tmp_path, dataset, start_agent, run_cli):
+    data = dataset(4, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    base = data.urls[0].rsplit("/", 1)[0]
+    pattern, typo = f"{base}/shard-{{000000..000001}}.tar", f"{base}/shard-00002.tar"
+    assert run_cli("prefetch", *data.urls, "--cache-dir", cache).returncode == 0
+    r = run_cli("evict", pattern, typo, "--cache-dir", cache)
+    assert (r.returncode, r.stdout.splitlines()) == (0, [f"evicted 2 shard(s), {_size(data, [0, 1])} freed",
+                                                         f"  not cached: {typo}"]), r.stderr
+    assert sorted(u for u, s in _ls(run_cli, cache).items() if s["state"] == "cached") == data.urls[2:]
+    # Nothing asked for is cached: said, and exit 1 (a typo does not pass for done).
+    r = run_cli("evict", pattern, "--cache-dir", cache, "--json")
+    assert r.returncode == 1, r.stderr
+    assert json.loads(r.stdout) == {"evicted": [], "bytes": 0, "refused": [], "absent": data.urls[:2],
+                                    "unmatched": [pattern]}
+    assert r.stderr == ("wdscache: error: nothing evicted: no shard given is cached ('wdscache ls' lists those "
+                        "that are)\n")
+    # The same through a running agent.
+    data.list_file.write_text(data.urls[0] + "\n")  # the agent's own list: a shard not evicted below
+    start_agent(cache, data.list_file, "--prefetch", "1")
+    r = run_cli("evict", typo, f"{base}/shard-{{000002,000003}}.tar", "--cache-dir", cache)
+    assert (r.returncode, r.stdout.splitlines()) == (0, [f"evicted 2 shard(s), {_size(data, [2, 3])} freed",
+                                                         f"  not cached: {typo}"]), r.stderr
+    r = run_cli("evict", typo, "--cache-dir", cache)
+    assert (r.returncode, r.stdout.splitlines()) == (1, ["evicted 0 shard(s), 0 freed",
+                                                         f"  not cached: {typo}"]), r.stderr
+    # A malformed pattern is bad input, named as prefetch names it.
+    r = run_cli("evict", data.urls[0], f"{base}/shard-{{0..1.tar", "--cache-dir", cache)
+    assert (r.returncode, r.stderr) == (2, f"wdscache: error: the command line:2: unclosed '{{' at offset "
+                                           f"{len(base) + 7}: '{base}/shard-{{0..1.tar'\n")
+
+
+def test_a_start_that_fails_leaves_the_cache_directory_as_it_was(tmp_path, dataset, tmpfs, run_cli):
+    data = dataset(1, samples=4, payload=300)
+    fs = tmpfs("8m")  # smaller than the default --min-free: no shard could ever be cached
+    (fs / "empty").mkdir()
+    r = run_cli("prefetch", data.urls[0], "--cache-dir", fs / "empty")
+    assert r.returncode == 2 and r.stderr.startswith("wdscache: error: no shard can ever be cached"), r.stderr
+    assert list((fs / "empty").iterdir()) == []
+    r = run_cli("agent", "--cache-dir", fs / "new" / "cache", "--urls", data.list_file)
+    assert r.returncode == 2 and r.stderr.startswith("wdscache: error: no shard can ever be cached"), r.stderr
+    assert sorted(p.name for p in fs.iterdir()) == ["empty"]

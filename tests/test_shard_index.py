@@ -15,6 +15,7 @@ import pty
 import select
 import shutil
 import subprocess
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -328,7 +329,13 @@ def test_a_job_index_is_checked_too(tmp_path, shard_server, start_agent, consume
     ('{"wids_version": 2, "shardlist": []}', "\"wids_version\" is 2"),
     ('{"wids_version": 1, "datasets": [{"source_url": "x.json"}]}', "sub-datasets (\"datasets\") are not supported"),
     ('{"name": "x"}', "no \"shardlist\" list"),
-    ('{\n  "shardlist": [\n', "not valid JSON"),
+    ('{\n  "shardlist": [\n', "malformed JSON at line 3 column 1: Expecting value"),
+    ('[\n  {"url": "a.tar", "nsamples": 1}\n]', "a shard index is a JSON object with a \"shardlist\""),
+    ('{"shardlist": [{"url": "a.tar", "nsamples": 1000000000000000}]}',
+     "shardlist[0] ('a.tar'): \"nsamples\" is 1000000000000000, more than any shard holds (at most 8589934592"),
+    ('{"shardlist": [{"url": "a.tar", "nsamples": 21, "filesize": 10240}]}',
+     "shardlist[0] ('a.tar'): \"nsamples\" is 21, but a tar of 10240 bytes (\"filesize\") holds at most 20 "
+     "samples"),
 ])
 def test_a_malformed_index_names_the_file_and_the_entry(tmp_path, text, message):
     path = tmp_path / "index.json"
@@ -350,6 +357,39 @@ def test_the_agent_refuses_a_malformed_index_with_exit_2(tmp_path):
     assert (f"wdscache: error: {path}: shardlist[1] ('b.tar'): \"filesize\" must be a whole number >= 0, "
             "not \"big\"") in r.stderr
     assert not (tmp_path / "cache").exists()  # refused before anything on disk changed
+
+
+TRUNCATED = '{"__kind__": "wids-shard-index-v1", "shardlist": ['
+
+
+def test_a_truncated_index_is_malformed_json_to_every_reader(tmp_path, dataset):
+    data = dataset(1, samples=4, payload=300)
+    path = tmp_path / "index.json"
+    path.write_text(TRUNCATED)
+    said = (f"{path}: malformed JSON at line 1 column 51: Expecting value (a file starting like JSON is read as "
+            "a shard index, wids JSON)")
+    with pytest.raises(ShardIndexError) as caught:
+        read_url_list(path)
+    assert str(caught.value) == said
+    with pytest.raises(ShardIndexError) as caught:
+        CachedMultiLoader(path, cache_dir=tmp_path / "cache")
+    assert str(caught.value) == said
+    for args in (["agent", "--urls", path, "--min-free", "1M"], ["prefetch", "--urls", path],
+                 ["prefetch", data.urls[0], "--urls", path], ["verify", "--index", path]):
+        r = run_wdscache(*args, "--cache-dir", tmp_path / "cache")
+        assert (r.returncode, r.stderr) == (2, f"wdscache: error: {said}\n"), args
+    assert not (tmp_path / "cache").exists()
+
+
+def test_an_index_counts_what_its_sizes_can_hold_even_of_empty_members(tmp_path):
+    # A sample of one empty member is one 512-byte header: the tightest a tar packs samples.
+    shard = tmp_path / "empty-members.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(40):
+            tar.addfile(tarfile.TarInfo(f"{i:06d}.txt"))
+    index = make_index(tmp_path / "index.json", shard)
+    assert (index["shardlist"][0]["nsamples"], index["shardlist"][0]["filesize"]) == (40, shard.stat().st_size)
+    assert read_url_list(tmp_path / "index.json").shards[0].nsamples == wds_count(shard) == 40
 
 
 def test_a_brace_pattern_list_is_not_taken_for_an_index(tmp_path):

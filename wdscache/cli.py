@@ -6,7 +6,7 @@ else the environment is read).
 
 Exit status: 0 done; 1 a runtime error (another agent runs, no cache there, a shard
 ``index`` could not read); 2 bad options or input (a bad URL list line or shard index, a
-budget that cannot work).
+budget that cannot work, a cache directory that cannot be written).
 """
 
 from __future__ import annotations
@@ -267,6 +267,21 @@ _JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON obj
 _FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader holds (it keeps reading its file).")
 
 
+def _argument_urls(args: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+    """Each argument with the URLs it stands for, read as a URL list line is (braces expanded, paths
+    made ``file://`` URLs): UrlListError names argument k as line k of "the command line"."""
+    from .shared.errors import UrlListError
+    from .shared.urls import parse_url_list
+
+    out = []
+    for k, arg in enumerate(args, 1):
+        try:
+            out.append((arg, parse_url_list(arg, path="the command line").urls))
+        except UrlListError as exc:
+            raise UrlListError("the command line", k, exc.line, exc.reason) from None
+    return out
+
+
 
 def _rate(n: float) -> str:
     return f"{format_size(n)}/s"
@@ -308,13 +323,13 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
 
     from .agent.cache_commands import Progress
     from .agent.cache_commands import prefetch as run_prefetch
-    from .shared.urls import parse_url_list, read_url_list
+    from .shared.urls import read_url_list
 
     setup_logging(sys.stderr, fmt=log_format, verbose=False)
     if not verbose:
         logging.getLogger("wdscache").setLevel(logging.WARNING)
     try:
-        wanted = list(parse_url_list("\n".join(urls), path="the command line").urls) if urls else []
+        wanted = [url for _, expanded in _argument_urls(urls) for url in expanded]
         if list_file is not None:
             wanted += read_url_list(list_file).urls
         if not wanted:
@@ -417,13 +432,23 @@ def verify(cache_dir: Path, index_file: Path | None, as_json: bool) -> None:
     sys.exit(1 if result["bad"] else 0)
 
 
-def _freed(result: dict, as_json: bool) -> None:
+def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None) -> None:
+    """Print what an evict or clear freed; exit 1 if a reader held some, or (``unmatched``: the
+    arguments of an evict that named no cached shard) if none of the shards asked for was cached."""
+    if unmatched is not None:
+        result = {**result, "unmatched": unmatched}
     if as_json:
         _echo_json(result)
     else:
         _echo(f"evicted {len(result['evicted'])} shard(s), {format_size(result['bytes'])} freed")
         for r in result["refused"]:
             _echo(f"  refused {r['url']}: {r['reason']}")
+        for arg in unmatched or ():
+            _echo(f"  not cached: {arg}")
+    if unmatched and not result["evicted"] and not result["refused"]:
+        _echo("wdscache: error: nothing evicted: no shard given is cached ('wdscache ls' lists those "
+              "that are)", err=True)
+        sys.exit(1)
     sys.exit(1 if result["refused"] else 0)
 
 
@@ -433,18 +458,23 @@ def _freed(result: dict, as_json: bool) -> None:
 @_FORCE
 @_JSON
 def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) -> None:
-    """Evict the cached shards of URLS (through the agent when one runs).
+    """Evict the cached shards of URLS (URLs, brace patterns, paths; through the agent when one runs).
+
+    Arguments that name no cached shard are listed ("not cached"; ``unmatched`` with --json).
 
     Exit status: 0 none of them is cached any more; 1 some are held by a reader (listed;
-    --force evicts them) or a runtime error; 2 bad options.
+    --force evicts them), none of URLS named a cached shard, or a runtime error; 2 bad options
+    or URLs.
     """
     from .agent.cache_commands import evict as run_evict
 
     try:
-        result = run_evict(cache_dir, list(urls), force=force)
+        expanded = _argument_urls(urls)
+        result = run_evict(cache_dir, list(dict.fromkeys(u for _, us in expanded for u in us)), force=force)
     except WdsCacheError as exc:
         _fail(exc)
-    _freed(result, as_json)
+    absent = set(result["absent"])
+    _freed(result, as_json, unmatched=[arg for arg, us in expanded if absent.issuperset(us)])
 
 
 @main.command()

@@ -6,6 +6,10 @@ the index, the pins and the budget; without one, the command holds the cache dir
 lock (an agent starting meanwhile waits for it) and changes the cache itself. ``prefetch``
 without an agent runs one in this process for as long as it takes.
 
+A cache directory that cannot be written (a read-only file system): ``ls`` and ``verify``
+read it (``verify`` lists the bad shards it cannot evict), the others refuse it with one line
+naming it (:meth:`~wdscache.shared.layout.CacheLayout.check_writable`).
+
 What a command found is returned as plain data (lists and dicts, JSON-ready); the CLI
 prints it and turns it into an exit status.
 """
@@ -63,8 +67,12 @@ def no_checksum(url: str) -> Checksum | None:
 def _layout(cache_dir: str | os.PathLike[str]) -> CacheLayout:
     layout = CacheLayout.of(cache_dir)
     if not layout.is_cache():
-        raise NoCacheError(cache_dir=str(layout.root))
+        raise NoCacheError(cache_dir=str(layout.root), read_only=layout.read_only())
     return layout
+
+
+def _read_only(layout: CacheLayout) -> bool:
+    return layout.read_only() is not None
 
 
 @contextmanager
@@ -92,8 +100,10 @@ def _ask(conn: AgentConnection, header: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def _locked_cache(layout: CacheLayout) -> Iterator[ShardCache]:
-    """The cache opened by this process, under the directory's lock (AgentRunningError if an agent holds it)."""
+def _locked_cache(layout: CacheLayout, who: str) -> Iterator[ShardCache]:
+    """The cache opened by this process, under the directory's lock (AgentRunningError if an agent holds it;
+    ConfigError if the directory cannot be written)."""
+    layout.check_writable(f"'wdscache {who}'")
     with AgentLock(layout.lock_path):
         cache = ShardCache(layout, limit=0, min_free=0)  # only removes: no budget needed
         try:
@@ -110,7 +120,7 @@ def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     cached as it came), last_read (ISO 8601 or None), reads, samples (None: never counted),
     error (of a failed one)}, by URL."""
     layout = _layout(cache_dir)
-    index = Index(layout.index_dir)
+    index = Index(layout.index_dir, read_only=_read_only(layout))
     try:
         return [{"url": r.url, "state": r.state.value, "size": r.size, "source_size": r.source_size,
                  "last_read": iso_time(r.last_read),
@@ -134,7 +144,7 @@ def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool
                 for key in out:
                     out[key] += reply[key]
             return out
-    with _locked_cache(layout) as cache:
+    with _locked_cache(layout, "evict") as cache:
         return evict_shards(cache, urls, force=force)
 
 
@@ -156,7 +166,7 @@ def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str
         if conn is not None:
             reply = _ask(conn, {"op": "clear", "force": force})
             return {k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}
-    with _locked_cache(layout) as cache:
+    with _locked_cache(layout, "clear") as cache:
         cached = [r.url for r in cache.index.records.values() if r.state is ShardState.CACHED]
         return evict_shards(cache, cached, force=force)
 
@@ -196,7 +206,8 @@ def shard_problem(path: Path, url: str, size: int, checksum: Checksum | None) ->
 def verify(cache_dir: str | os.PathLike[str], *,
            checksum_of: Callable[[str], Checksum | None] = no_checksum) -> dict[str, Any]:
     """Re-check every cached shard (:func:`shard_problem`) and evict the bad ones:
-    {checked, bad: [{url, problem}], evicted: [url], refused: [{url, reason}] (held by a reader)}."""
+    {checked, bad: [{url, problem}], evicted: [url], refused: [{url, reason}] (held by a reader, or
+    the directory cannot be written)}."""
     checked, bad = 0, []
     layout = _layout(cache_dir)
     with _agent(layout) as conn:
@@ -212,6 +223,10 @@ def verify(cache_dir: str | os.PathLike[str], *,
         problem = shard_problem(layout.shard_path(shard["url"]), shard["url"], shard["size"], checksum)
         if problem is not None:
             bad.append({"url": shard["url"], "problem": problem})
+    why = layout.read_only()
+    if bad and why is not None:
+        refused = [{"url": b["url"], "reason": f"the cache directory {why}"} for b in bad]
+        return {"checked": checked, "bad": bad, "evicted": [], "refused": refused}
     evicted = evict(cache_dir, [b["url"] for b in bad]) if bad else {"evicted": [], "refused": []}
     return {"checked": checked, "bad": bad, "evicted": evicted["evicted"], "refused": evicted["refused"]}
 
@@ -265,6 +280,7 @@ def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None,
     """An agent run in this process (a thread) on ``layout``, for a prefetch; stopped at the end."""
     from .core import Agent
 
+    layout.check_writable("'wdscache prefetch'")
     if cache_size is None:
         limit = read_summary(layout.index_dir)[2].get("bytes_limit") if layout.is_cache() else None
         cache_size = str(limit) if limit else default("cache_size")

@@ -36,7 +36,8 @@ Guarantees:
   ends is dropped at once, its pins released (:mod:`wdscache.agent.readers`).
 - Only holders of the cache directory's token are served (:mod:`wdscache.agent.control`).
 - A start that fails leaves nothing behind: what it took (lock, workers, cache,
-  socket) is given back in reverse order.
+  socket) is given back in reverse order, and what it made in the cache directory
+  (lock file, token, index, folders; the directory itself) is removed.
 """
 
 from __future__ import annotations
@@ -171,12 +172,16 @@ class Agent:
         """Check everything that can be wrong before taking the cache directory, then build the parts."""
         cfg = self.config
         urls = self._list_file.read()  # first: a bad line stops us before anything on disk changes
-        self.layout.prepare()
+        made = self.layout.prepare()
         root = os.stat(self.layout.root)
         os.umask(0o077)  # every file and socket we create is private to this user
+        before = set(os.listdir(self.layout.root))
         with contextlib.ExitStack() as undo:
             self._lock.acquire()
             undo.callback(self._lock.release)
+            # Undone with the lock still held, after everything below: a directory that was
+            # empty is left empty (and one this start made, gone).
+            undo.callback(self.layout.undo_start, before, made)
             token = self.layout.ensure_token()
             # Worker processes take a while to start: they do so while the cache is opened.
             self.pool = WorkerPool(n=cfg.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root),

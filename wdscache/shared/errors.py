@@ -154,8 +154,12 @@ class NotTrustedError(WdsCacheError):
 class NoCacheError(WdsCacheError):
     """A directory holds no wdscache cache."""
 
-    def __init__(self, *, cache_dir: str) -> None:
-        self.cache_dir = cache_dir
+    def __init__(self, *, cache_dir: str, read_only: str | None = None) -> None:
+        self.cache_dir, self.read_only = cache_dir, read_only
+        if read_only is not None:  # why it cannot be written, as CacheLayout.read_only says it
+            super().__init__(f"{cache_dir} holds no wdscache cache, and it {read_only}: no agent can make "
+                             "one there; use a writable --cache-dir")
+            return
         super().__init__(
             f"{cache_dir} holds no wdscache cache; start one with "
             f"'wdscache agent --cache-dir {cache_dir} --urls FILE'"

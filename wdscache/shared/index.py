@@ -11,20 +11,29 @@ Guarantees:
   before a partial file is created, ``EVICTING`` before a shard file is deleted.
   After a crash the agent finishes or undoes those steps (see :mod:`wdscache.agent.cache`).
 - The summary is O(1) to read, so ``wdscache stats`` answers at once on any cache size.
+
+An index in a folder that cannot be written (a read-only file system) is still read, with
+``read_only``: diskcache's opening writes its settings, so SQLite is opened read-only itself:
+``immutable`` on a read-only file system with no write-ahead log beside the database (nothing
+can change it, and SQLite needs no ``-shm`` file), else ``mode=ro``, which reads the log a killed
+agent left but needs its ``-shm`` file too (without one the read fails with an error that says so).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import sqlite3
 import json
+import os
+import sqlite3
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
+from urllib.parse import quote
 
 import diskcache
+from diskcache.core import MODE_RAW, MODE_TEXT
 
 from .errors import WdsCacheError
 
@@ -129,18 +138,22 @@ class Index:
     never need that copy.
     """
 
-    def __init__(self, directory: Path) -> None:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._db = diskcache.Cache(
-            str(directory),
-            eviction_policy="none",
-            size_limit=1 << 62,
-            statistics=False,
-            tag_index=False,
-            sqlite_synchronous=1,  # NORMAL: crash-consistent in WAL mode
-        )
-        for f in directory.iterdir():
-            f.chmod(0o600)
+    def __init__(self, directory: Path, *, read_only: bool = False) -> None:
+        self._db: diskcache.Cache | _ReadOnlyStore
+        if read_only:
+            self._db = _ReadOnlyStore(directory)
+        else:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._db = diskcache.Cache(
+                str(directory),
+                eviction_policy="none",
+                size_limit=1 << 62,
+                statistics=False,
+                tag_index=False,
+                sqlite_synchronous=1,  # NORMAL: crash-consistent in WAL mode
+            )
+            for f in directory.iterdir():
+                f.chmod(0o600)
         self.records: dict[str, ShardRecord] = {}
         self.summary = Summary()
         self._unsaved_reads: set[str] = set()
@@ -282,9 +295,13 @@ class Index:
         self._unsaved_reads.clear()
 
 
-def read_summary(directory: Path) -> tuple[dict, dict[str, int], dict]:
+def read_summary(directory: Path, *, read_only: bool = False) -> tuple[dict, dict[str, int], dict]:
     """The stored summary, counters and meta of an index, without loading its records."""
-    db = diskcache.Cache(str(directory), eviction_policy="none", size_limit=1 << 62)
+    db: diskcache.Cache | _ReadOnlyStore
+    if read_only:
+        db = _ReadOnlyStore(directory, keys=(_SUMMARY, _META, *COUNTERS))
+    else:
+        db = diskcache.Cache(str(directory), eviction_policy="none", size_limit=1 << 62)
     try:
         text = db.get(_SUMMARY)
         summary = json.loads(text) if isinstance(text, str) else asdict(Summary())
@@ -293,3 +310,42 @@ def read_summary(directory: Path) -> tuple[dict, dict[str, int], dict]:
         return summary, {name: int(db.get(name, 0)) for name in COUNTERS}, meta
     finally:
         db.close()
+
+
+class _ReadOnlyStore:
+    """The values of an index read once with SQLite opened read-only (see the module's docstring):
+    the keys and values it stores (strings: raw, or in a file for long ones; counters), never pickles."""
+
+    def __init__(self, directory: Path, *, keys: tuple[str, ...] | None = None) -> None:
+        # immutable reads the database file alone: right only when no write-ahead log holds
+        # transactions not yet copied into it (one an agent that was killed left).
+        immutable = bool(os.statvfs(directory).f_flag & os.ST_RDONLY) and not (directory / "cache.db-wal").exists()
+        uri = f"file:{quote(str(directory / 'cache.db'))}?{'immutable=1' if immutable else 'mode=ro'}"
+        query = "SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND mode IN (?, ?)"
+        args: tuple[Any, ...] = (MODE_RAW, MODE_TEXT)
+        if keys is not None:
+            query += f" AND key IN ({', '.join('?' * len(keys))})"
+            args += keys
+        disk = diskcache.Disk(str(directory))
+        try:
+            con = sqlite3.connect(uri, uri=True)
+            try:
+                self._values = {key: disk.fetch(mode, filename, value, False)
+                                for key, mode, filename, value in con.execute(query, args)}
+            finally:
+                con.close()
+        except (sqlite3.Error, OSError) as exc:
+            raise WdsCacheError(f"cannot read the index in {directory}, a folder that cannot be written "
+                                f"({exc}); read it where it can be written, or while its agent runs") from None
+
+    def iterkeys(self) -> Iterator[str]:
+        return iter(list(self._values))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._values.get(key, default)
+
+    def transact(self) -> contextlib.AbstractContextManager[None]:
+        raise IndexWriteError("cannot write the index: it was opened read-only")
+
+    def close(self) -> None:
+        pass

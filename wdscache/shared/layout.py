@@ -14,6 +14,11 @@
                                 workers (see wdscache.shared.protocol); made once, kept across restarts
       agent.sock                the agent's private IPC socket (moved to /tmp when the path is too long)
 
+A cache directory that cannot be written (a file system mounted read-only, say) is refused by
+every command that changes it, with :meth:`CacheLayout.check_writable`'s one-line error;
+``ls``, ``stats`` and ``verify`` still read it (see :mod:`wdscache.shared.index`). An agent
+start that fails removes what it made there (:meth:`CacheLayout.undo_start`).
+
 A shard's file name is derived from its whole URL (a hash plus a readable tail),
 so two ``shard-000000.tar`` in different folders never collide, and the name of
 any URL's file is known without looking at the disk. The tail is the last segment of the
@@ -31,6 +36,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,14 +126,24 @@ class CacheLayout:
     def partial_path(self, url: str) -> Path:
         return self.partial_dir / shard_name(url)
 
-    def prepare(self) -> None:
-        """Create the cache directory private (0700), or check that an existing one is ours.
+    def prepare(self) -> list[Path]:
+        """Create the cache directory private (0700), or check that an existing one is ours and
+        writable; returns the folders it made (outermost first), for :meth:`undo_start`.
 
         Refused: a directory owned by another user, or writable by group or others
-        (someone else could plant files or links in it).
+        (someone else could plant files or links in it), or one that cannot be written.
         """
         root = self.root
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        made = []
+        folder = root
+        while not os.path.lexists(folder):
+            made.insert(0, folder)
+            folder = folder.parent
+        try:
+            root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot make cache directory {root}: {exc.strerror}; use a writable "
+                              "directory") from None
         st = os.lstat(root)
         if not stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"cache directory {root} is not a directory (a link?); use a real directory")
@@ -141,8 +157,50 @@ class CacheLayout:
                 f"cache directory {root} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); "
                 f"run 'chmod 700 {root}' or use another directory"
             )
+        self.check_writable("the agent")
         if st.st_mode & 0o077:
             root.chmod(0o700)
+        return made
+
+    def read_only(self) -> str | None:
+        """Why the cache directory cannot be written, as a phrase ("is read-only (...)"); None when it can.
+        A directory not made yet is judged by the folder it would be made in."""
+        folder = self.root
+        while not os.path.lexists(folder) and folder != folder.parent:
+            folder = folder.parent
+        try:
+            if os.statvfs(folder).f_flag & os.ST_RDONLY:
+                return "is read-only (its file system is mounted read-only)"
+        except OSError:
+            return None  # not there at all: the command says so itself
+        if not os.access(folder, os.W_OK):
+            return f"is not writable by you (uid {os.getuid()})"
+        return None
+
+    def check_writable(self, who: str) -> None:
+        """Raise ConfigError, one line naming the directory, if ``who`` (a command) cannot write it."""
+        why = self.read_only()
+        if why is not None:
+            raise ConfigError(f"cache directory {self.root} {why}: {who} needs to write to it; make it writable "
+                              "or use another --cache-dir")
+
+    def undo_start(self, before: set[str], made: list[Path]) -> None:
+        """Undo a start that failed (call with the lock held): remove the cache's own entries (this
+        module's map) that were added since the directory held the entries ``before``, then the
+        folders ``prepare`` ``made``. Anything else (an index moved aside as corrupt) is kept."""
+        own = {p.name for p in (self.index_dir, self.shards_dir, self.partial_dir, self.lock_path,
+                                self.state_path, self.token_path, self.root / "agent.sock")}
+        for name in (own & set(os.listdir(self.root))) - before:
+            path = self.root / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        for folder in reversed(made):
+            try:
+                folder.rmdir()
+            except OSError:  # not empty: another process put something there meanwhile
+                break
 
     def ensure_token(self) -> str:
         """The agent's token, made (atomically, 0600) if there is none yet; call with the lock held."""

@@ -7,6 +7,9 @@ The format, as webdataset's ``wids`` reads and writes it::
                     "md5sum": "9e107d9d372bb6826bd81d3542a419d6"}, ...]}
 
 ``url`` and ``nsamples`` are required (as in wids); ``filesize`` and ``md5sum`` are optional.
+``nsamples`` must fit the shard: at most one sample per 512-byte tar block of ``filesize`` (not
+checked for a ``.gz``/``.tgz`` URL, whose size is of compressed bytes), and never more than a
+4 TiB shard could hold; a count beyond that is an error in the index, not an epoch that long.
 A relative ``url`` names a shard relative to the index file's folder, as wids resolves it
 (the resolution itself is :func:`wdscache.shared.urls.read_url_list`'s). Other keys (``name``,
 ``info``, ``base``) are ignored, as wids ignores ``base`` at the top level; sub-datasets
@@ -39,6 +42,13 @@ KIND = "wids-shard-index-v1"
 WIDS_VERSION = 1
 _MD5 = re.compile(r"[0-9a-fA-F]{32}")
 _READ = 1 << 20  # bytes hashed per read
+_STARTS_LIKE_JSON = re.compile(r'\s*(\{(\s|"|\}|$)|\[(\s|"|\{|\[|\]|$))')
+MIN_SAMPLE_BYTES = 512  # a sample's least bytes in a tar: one member's header (an empty member has no data block)
+MAX_SHARD_BYTES = 1 << 42  # 4 TiB: more than any shard; bounds "nsamples" when no "filesize" does
+MAX_SAMPLES = MAX_SHARD_BYTES // MIN_SAMPLE_BYTES
+# A shard whose URL ends so may be gzip'd: its "filesize" is of its compressed bytes, and bounds
+# nothing (a sample of zeros compresses a thousandfold).
+_GZIP_SUFFIXES = (".gz", ".tgz")
 
 
 @dataclass(frozen=True)
@@ -89,20 +99,29 @@ def _info(nsamples: Any, filesize: Any, md5: Any) -> ShardInfo:
 
 
 def looks_like_index(text: str) -> bool:
-    """Whether ``text`` is meant as a shard index rather than a URL list: a JSON object.
+    """Whether ``text`` is meant as a shard index rather than a URL list: it starts like JSON.
 
-    A URL list line may start with ``{`` (a brace pattern), so only text that parses as a
-    JSON object counts, or text whose first line is a lone ``{``.
+    That is: its first character other than white space is ``{`` or ``[`` followed by white space,
+    a quote, a bracket or the end (``{"shardlist": ...``, ``[{...``). A URL list line may start
+    with ``{`` too, as a brace pattern (``{train,val}-{0..9}.tar``), but never with one of
+    those: no URL holds white space or a quote. So a truncated or otherwise malformed index is
+    still read as one, and its error says where its JSON breaks.
     """
-    stripped = text.lstrip()
-    if not stripped.startswith("{"):
-        return False
-    if stripped.split("\n", 1)[0].strip() == "{":
-        return True
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
+    return _STARTS_LIKE_JSON.match(text) is not None
+
+
+def _samples_problem(url: str, info: ShardInfo) -> str | None:
+    """Why ``info.nsamples`` cannot be the count of the shard at ``url`` (None: it can be)."""
+    if info.nsamples > MAX_SAMPLES:
+        return (f'"nsamples" is {info.nsamples}, more than any shard holds (at most {MAX_SAMPLES}: '
+                f"{MIN_SAMPLE_BYTES} bytes a sample in a shard of {MAX_SHARD_BYTES >> 40} TiB)")
+    if info.filesize is None or url.lower().split("?", 1)[0].endswith(_GZIP_SUFFIXES):
+        return None  # no size, or a gzip'd shard's size: that of its compressed bytes
+    most = info.filesize // MIN_SAMPLE_BYTES
+    if info.nsamples > most:
+        return (f'"nsamples" is {info.nsamples}, but a tar of {info.filesize} bytes ("filesize") holds at most '
+                f"{most} samples ({MIN_SAMPLE_BYTES} bytes each at the least)")
+    return None
 
 
 def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
@@ -113,8 +132,12 @@ def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
     """
     try:
         doc = json.loads(text)
-    except ValueError as exc:
-        raise ShardIndexError(path, None, f"not valid JSON ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ShardIndexError(path, None, f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg} "
+                                          "(a file starting like JSON is read as a shard index, wids JSON)"
+                              ) from None
+    except (ValueError, RecursionError) as exc:  # nested too deep for the parser
+        raise ShardIndexError(path, None, f"malformed JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ShardIndexError(path, None, "a shard index is a JSON object with a \"shardlist\"")
     kind, version = doc.get("__kind__", KIND), doc.get("wids_version", WIDS_VERSION)
@@ -139,7 +162,11 @@ def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
                 raise ValueError('"url" must be a non-empty string')
             if "nsamples" not in entry:
                 raise ValueError('"nsamples" is missing')
-            entries.append((url, _info(entry["nsamples"], entry.get("filesize"), entry.get("md5sum"))))
+            info = _info(entry["nsamples"], entry.get("filesize"), entry.get("md5sum"))
+            problem = _samples_problem(url, info)
+            if problem is not None:
+                raise ValueError(problem)
+            entries.append((url, info))
         except ValueError as exc:
             raise ShardIndexError(path, i, str(exc), url=url if isinstance(url, str) else None) from None
     return entries

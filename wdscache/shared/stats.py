@@ -89,11 +89,11 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 0.5) -> dict[
     """Live stats from the running agent, else from the index; NoCacheError if there is no cache."""
     layout = CacheLayout.of(cache_dir)
     if not layout.is_cache():
-        raise NoCacheError(cache_dir=str(layout.root))
+        raise NoCacheError(cache_dir=str(layout.root), read_only=layout.read_only())
     live = ask_agent(layout, timeout)
     if live is not None:
         return live
-    summary, counters, meta = read_summary(layout.index_dir)
+    summary, counters, meta = read_summary(layout.index_dir, read_only=layout.read_only() is not None)
     # Without an agent nothing is in flight, whatever the last one recorded.
     counts = dict(summary.get("counts", {}))
     counts["downloading"] = counts["queued"] = 0

@@ -4,7 +4,7 @@ A list holds one URL or brace pattern per line (``http://h/train-{0000..0999}.ta
 Blank lines and ``#`` comments are ignored; entries are expanded, normalized
 (plain paths become absolute ``file://`` URLs) and de-duplicated in order.
 
-A list file may also be a shard index, webdataset's wids JSON (:mod:`wdscache.shared.shard_index`):
+A list file that starts like JSON is a shard index, webdataset's wids JSON (:mod:`wdscache.shared.shard_index`):
 its shards in order, each with its sample count and, when the index gives them, its size and
 MD5 (``UrlList.shards``); a relative URL in it names a path relative to the index's folder.
 
@@ -456,7 +456,8 @@ def read_url_list(
     lister: Lister | None = None,
 ) -> UrlList:
     """Read and parse a URL list file (see :func:`parse_url_list`) or a shard index (see
-    :func:`index_list`: a file holding a JSON object); relative paths in it resolve against its folder.
+    :func:`index_list`: a file that starts like JSON, see :func:`~wdscache.shared.shard_index.looks_like_index`);
+    relative paths in it resolve against its folder.
 
     Raises ConfigError if the file cannot be read, UrlListError for a bad line
     (including bytes that are not UTF-8), ShardIndexError for a bad index.
