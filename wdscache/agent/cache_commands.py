@@ -211,8 +211,8 @@ def verify(cache_dir: str | os.PathLike[str], *,
     checked, bad = 0, []
     layout = _layout(cache_dir)
     with _agent(layout) as conn:
-        if conn is None:
-            with _locked_cache(layout):
+        if conn is None and layout.read_only() is None:
+            with _locked_cache(layout, "verify"):
                 pass  # opened once: files an earlier version named are renamed before they are read
     for shard in list_shards(cache_dir):
         if shard["state"] != "cached":
@@ -220,7 +220,7 @@ def verify(cache_dir: str | os.PathLike[str], *,
         checked += 1
         # A checksum is of the source's bytes: a gzip'd source is cached as the tar inside it.
         checksum = checksum_of(shard["url"]) if shard["source_size"] is None else None
-        problem = shard_problem(layout.shard_path(shard["url"]), shard["url"], shard["size"], checksum)
+        problem = shard_problem(_cached_file(layout, shard["url"]), shard["url"], shard["size"], checksum)
         if problem is not None:
             bad.append({"url": shard["url"], "problem": problem})
     why = layout.read_only()
@@ -229,6 +229,14 @@ def verify(cache_dir: str | os.PathLike[str], *,
         return {"checked": checked, "bad": bad, "evicted": [], "refused": refused}
     evicted = evict(cache_dir, [b["url"] for b in bad]) if bad else {"evicted": [], "refused": []}
     return {"checked": checked, "bad": bad, "evicted": evicted["evicted"], "refused": evicted["refused"]}
+
+
+def _cached_file(layout: CacheLayout, url: str) -> Path:
+    """Where ``url``'s cached copy is: under the name an earlier version gave it, on a read-only
+    cache no agent has opened since (its files cannot be renamed)."""
+    path = layout.shard_path(url)
+    former = layout.former_shard_path(url)
+    return former if not path.exists() and former is not None and former.exists() else path
 
 
 # -- prefetch -----------------------------------------------------------------------------------
