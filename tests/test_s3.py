@@ -25,6 +25,7 @@ from tests.helpers.agents import FIRST_PART, AgentProc  # noqa: E402
 from tests.helpers.net import free_port_range  # noqa: E402
 from scripts.s3_proxy import S3Proxy  # noqa: E402
 from tests.helpers.streaming import reference, samples_of  # noqa: E402
+from tests.helpers.versions import another_version  # noqa: E402
 from tests.helpers.waits import wait_for  # noqa: E402
 from wdscache.shared.layout import CacheLayout  # noqa: E402
 from wdscache.shared.s3 import S3Client, glob_regex, is_listing  # noqa: E402
@@ -275,6 +276,26 @@ def test_an_object_replaced_mid_download_is_fetched_anew(store: Store, tmp_path:
     data = cached_bytes(tmp_path / "cache", urls[0])
     assert data == replacement.read_bytes() and hashlib.sha256(data).digest() != \
         hashlib.sha256(paths[0].read_bytes()).digest()
+    lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
+    assert as_samples(lines) == reference([replacement], urls)
+
+
+def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(store: Store, tmp_path: Path, start_agent,
+                                                                      consumers) -> None:
+    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)
+    name, key = urls[0][len("s3://"):], "big/" + paths[0].name
+    old_etag = store.etag(key)
+    replacement = tmp_path / "v2.tar"
+    replacement.write_bytes(another_version(paths[0].read_bytes()))  # the same size
+    store.proxy.if_match = False  # the store answers the resume from the new object, as a 206
+    store.proxy.cut(name, after=700_000, then=lambda: store.put(key, replacement))
+    agent = start_on(start_agent, store, tmp_path, urls)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the replaced shard was not cached")
+    gets = store.proxy.gets(name)
+    assert len(gets) == 3 and gets[1].if_match == old_etag and gets[1].status == 206, gets  # refused by us
+    assert gets[2].range == FIRST_PART and gets[2].if_match is None and gets[2].status == 206, gets
+    assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()  # one version, whole
+    assert "a resumed answer is for another version" in agent.stderr_text(), agent.stderr_text()
     lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
     assert as_samples(lines) == reference([replacement], urls)
 
