@@ -39,10 +39,10 @@ SENDS = {"both": {"etags": True, "last_modified": True}, "etag": {"etags": True,
          "date": {"etags": False, "last_modified": True}}
 
 
-@pytest.mark.parametrize("cached_with, now", [("both", "date"), ("both", "etag"), ("date", "both"),
-                                              ("etag", "both")])
+@pytest.mark.parametrize("cached_with, now, compared", [("both", "date", "Last-Modified"), ("both", "etag", "ETag"),
+                                                        ("date", "both", "Last-Modified"), ("etag", "both", "ETag")])
 def test_a_server_that_switched_validator_kind_is_compared_by_the_validator_both_have(
-        tmp_path, shard_server, dataset, start_agent, cached_with, now):
+        tmp_path, shard_server, dataset, start_agent, cached_with, now, compared):
     data = dataset(2, samples=3, payload=1000)
     cache = tmp_path / "cache"
     vars(shard_server).update(SENDS[cached_with])
@@ -63,6 +63,7 @@ def test_a_server_that_switched_validator_kind_is_compared_by_the_validator_both
     assert stats["changed"] == 1 and [c["url"] for c in stats["agent"]["changed"]] == [data.urls[1]]
     assert shard_server.count(data.paths[0].name) == 0  # unchanged, told so by the validator both have
     assert shard_server.count(data.paths[1].name) == 1
+    assert f"{data.urls[1]} changed on the server ({compared} " in agent.stderr_text(), agent.stderr_tail()
 
 
 def test_a_copy_without_a_validator_in_common_with_its_server_is_fetched_again(tmp_path, shard_server, dataset,

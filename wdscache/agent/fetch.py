@@ -41,7 +41,7 @@ byte 0 with its side files removed, whether or not the server honoured the condi
 So bytes of two versions are never spliced. A server with neither validator cannot be
 resumed (the download starts over).
 
-Revalidation (:func:`same_version`) compares the strongest validator both the cached
+Revalidation (:func:`common_validator`) compares the strongest validator both the cached
 copy and the source have (ETag, else Last-Modified); with none in common (the server
 changed what it sends, or sends nothing) the copy cannot be told current and is
 downloaded again.
@@ -574,15 +574,17 @@ def unlike_version(held: str | None, headers) -> str | None:
         f"the answer has no {kind} (the partial file's: {held})"
 
 
-def same_version(old: str | None, old_date: str | None, new: str | None, new_date: str | None) -> bool | None:
-    """Whether a cached copy (validator ``old``, Last-Modified ``old_date``) and the source
-    now (``new``, ``new_date``) are one version, by the strongest validator both have: the
-    ETag, a file's size and mtime, else the Last-Modified date. None when they have none in
-    common (the server changed what it sends, or sends nothing): they cannot be compared."""
+def common_validator(old: str | None, old_date: str | None, new: str | None,
+                     new_date: str | None) -> tuple[str, str, str] | None:
+    """The strongest validator a cached copy (validator ``old``, Last-Modified ``old_date``)
+    and the source now (``new``, ``new_date``) both have: the ETag, a file's size and mtime,
+    else the Last-Modified date, as (kind, the copy's, the source's); the two are one version
+    if those are equal. None when they have none in common (the server changed what it
+    sends, or sends nothing): they cannot be compared."""
     mine, theirs = _validators(old, old_date), _validators(new, new_date)
     for kind in ("ETag", "size-mtime", "Last-Modified"):
         if kind in mine and kind in theirs:
-            return mine[kind] == theirs[kind]
+            return kind, mine[kind], theirs[kind]
     return None
 
 

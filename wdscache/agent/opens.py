@@ -35,7 +35,7 @@ from .control import ControlSocket
 from .cache import ShardCache
 from ..shared.config import AgentConfig
 from .download import Fetched
-from .fetch import same_version, validator_kind
+from .fetch import common_validator, validator_kind
 from ..shared.index import ShardRecord, ShardState
 from ..shared.protocol import field as get_field
 from ..shared.layout import file_identity
@@ -360,10 +360,12 @@ def _unlike_source(url: str, rec: ShardRecord, now: Fetched | None) -> str | Non
     """How the source of a cached copy changed since (None: it did not, or cannot be asked)."""
     if now is None:
         log.info("could not revalidate %s; serving the cached copy", url)
-    elif now.size != (rec.source_size or rec.size):
+        return None
+    if now.size != (rec.source_size or rec.size):
         return f"size changed on the server ({rec.source_size or rec.size} -> {now.size} bytes)"
-    elif same_version(rec.etag, rec.last_modified, now.etag, now.last_modified) is False:
-        return f"changed on the server ({validator_kind(rec.etag)} {rec.etag} -> {now.etag})"
+    common = common_validator(rec.etag, rec.last_modified, now.etag, now.last_modified)
+    if common is not None and common[1] != common[2]:
+        return f"changed on the server ({common[0]} {common[1]} -> {common[2]})"
     return None
 
 
@@ -371,7 +373,7 @@ def _not_comparable(rec: ShardRecord, now: Fetched | None) -> str | None:
     """Why a cached copy cannot be told current although its source answered (None: it can,
     or the source could not be asked): the copy and the source have no validator in common,
     so the copy is downloaded again rather than served unchecked."""
-    if now is None or same_version(rec.etag, rec.last_modified, now.etag, now.last_modified) is not None:
+    if now is None or common_validator(rec.etag, rec.last_modified, now.etag, now.last_modified) is not None:
         return None
     return (f"its copy was cached with {_kinds(rec.etag, rec.last_modified)}, the server now sends "
             f"{_kinds(now.etag, now.last_modified)}: no validator in common")
