@@ -153,6 +153,30 @@ def test_an_object_changed_mid_download_is_fetched_whole_never_spliced(shard_ser
     assert partial_files(cache) == []
 
 
+def test_a_part_answered_without_the_first_answers_etag_starts_the_shard_over(shard_server, dataset, start_agent,
+                                                                              tmp_path):
+    # The server ignores If-Range, and after the change sends Last-Modified only: a part's answer
+    # then has no ETag at all, which is not the version the first answer named.
+    ds = dataset(1, **SHAPE)
+    src = ds.paths[0]
+    name, size = src.name, src.stat().st_size
+    new = another_version(src.read_bytes())
+    second = f"bytes={PART}-{2 * PART - 1}"
+    shard_server.if_range = False
+    shard_server.fail(name, "change", after=100_000, content=new, etags=False, range=second)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, *PARTS, "--prefetch", "1", "--cache-size", "20M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "the changed shard was never cached")
+    assert cached(cache, ds.urls[0]) == new  # one version, whole
+    reqs = gets(shard_server, name)
+    restart = max(i for i, r in enumerate(reqs) if r.range == f"bytes=0-{PART - 1}")
+    assert restart > 0 and reqs[restart].if_range is None, reqs
+    assert_tiles(spans([r.range for r in reqs[restart:]]), size)  # the new version, in parts, each byte once
+    assert all(r.if_range and "GMT" in r.if_range for r in reqs[restart + 1:]), reqs  # named by its date now
+    assert "a part's answer is for another version" in agent.stderr_text(), agent.stderr_tail()
+    assert partial_files(cache) == []
+
+
 def test_a_server_without_range_support_gets_one_connection(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(1, **SHAPE)
     name, size = ds.paths[0].name, ds.paths[0].stat().st_size
