@@ -49,10 +49,12 @@ class _Fault:
 class S3Proxy:
     """A threaded loopback proxy in front of an S3 API server on ``upstream_port``."""
 
-    def __init__(self, upstream_port: int, *, rate: float = 0.0, ttfb: float = 0.0) -> None:
-        """``rate``: bytes a second per connection (0: no cap); ``ttfb``: seconds before each answer."""
+    def __init__(self, upstream_port: int, *, rate: float = 0.0, ttfb: float = 0.0, if_match: bool = True) -> None:
+        """``rate``: bytes a second per connection (0: no cap); ``ttfb``: seconds before each answer;
+        ``if_match`` False: requests reach the store without their If-Match header (a store that
+        ignores it). Each may be changed while the proxy runs."""
         self.upstream_port = upstream_port
-        self.rate, self.ttfb = rate, ttfb
+        self.rate, self.ttfb, self.if_match = rate, ttfb, if_match
         self.sent = 0  # body bytes sent, all requests
         self.requests: list[ProxiedRequest] = []
         self._faults: dict[str, list[_Fault]] = {}
@@ -147,7 +149,8 @@ class S3Proxy:
         try:
             upstream.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
             for name, value in headers:
-                upstream.putheader(name, value)
+                if self.if_match or name.lower() != "if-match":
+                    upstream.putheader(name, value)
             upstream.endheaders(body or None)
             resp = upstream.getresponse()
             record.status = resp.status

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 __all__ = ["FAULT_KINDS", "Request", "ShardServer"]
 
 #: Fault kinds accepted by :meth:`ShardServer.fail`.
-FAULT_KINDS = frozenset({"status", "cut", "short", "stall", "html", "no_range"})
+FAULT_KINDS = frozenset({"status", "cut", "short", "stall", "html", "no_range", "change"})
 
 # Which keyword parameters each fault kind understands; anything else is a typo.
 _FAULT_PARAMS: dict[str, frozenset[str]] = {
@@ -44,6 +44,7 @@ _FAULT_PARAMS: dict[str, frozenset[str]] = {
     "stall": frozenset({"after", "seconds", "then"}),
     "html": frozenset({"body"}),
     "no_range": frozenset(),
+    "change": frozenset({"after", "content", "etags"}),
 }
 
 _RANGE_RE = re.compile(r"\s*bytes\s*=\s*([0-9]*)\s*-\s*([0-9]*)\s*", re.IGNORECASE)
@@ -184,12 +185,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             size = st.st_size
             etag = f'"{size:x}-{st.st_mtime_ns:x}"'
             last_modified = email.utils.formatdate(st.st_mtime, usegmt=True)
-            headers = {"Content-Type": _content_type(name), "Last-Modified": last_modified}
+            headers = {"Content-Type": _content_type(name)}
+            if owner.last_modified:
+                headers["Last-Modified"] = last_modified
             if owner.etags:
                 headers["ETag"] = etag
-            # If-Range names the version the client holds bytes of: any other gets the whole body.
-            if_range = self.headers.get("If-Range")
-            stale = if_range is not None and if_range not in ((etag if owner.etags else None), last_modified)
+            # If-Range names the version the client holds bytes of: any other gets the whole body
+            # (unless the server ignores If-Range, as some do).
+            if_range = self.headers.get("If-Range") if owner.if_range else None
+            stale = if_range is not None and if_range not in ((etag if owner.etags else None),
+                                                              (last_modified if owner.last_modified else None))
             ranges_ok = owner.accept_ranges and kind != "no_range"
             if ranges_ok:
                 headers["Accept-Ranges"] = "bytes"
@@ -213,17 +218,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             f.seek(start)
             self._send_file_body(owner, f, length, record, fault)
+            if kind == "change":
+                owner._replace(target, fault.params["content"], st.st_mtime, fault.params.get("etags"))
 
     def _send_file_body(
         self, owner: ShardServer, f: BinaryIO, length: int, record: Request, fault: _Fault | None
     ) -> None:
         kind = fault.kind if fault else None
         params = fault.params if fault else {}
-        if kind in ("cut", "short"):
+        if kind in ("cut", "short", "change"):
             after = _clamp(params.get("after", length // 2), length)
             self._copy(owner, f, after, record)
             self.close_connection = True
-            if kind == "cut":
+            if kind in ("cut", "change"):
                 owner._wait_unsent_drained(self.connection)
                 self._reset_on_close = True
             else:
@@ -373,8 +380,10 @@ class ShardServer:
 
     ``rate`` caps bandwidth per connection (bytes/s), ``ttfb`` delays response
     headers (seconds), ``accept_ranges=False`` makes the server ignore Range,
-    ``etags=False`` sends no ETag (Last-Modified only, as plain file servers do).
-    All four may be changed while the server runs.  Use as a context manager,
+    ``etags=False`` sends no ETag (Last-Modified only, as plain file servers do),
+    ``last_modified=False`` sends no Last-Modified, ``if_range=False`` ignores
+    If-Range (a Range is served from whatever version the file is now, as some
+    servers do). All of them may be changed while the server runs.  Use as a context manager,
     or call :meth:`start` and :meth:`stop`.  After a stop, :meth:`start` binds
     the same port again, which lets tests simulate an outage.
     """
@@ -387,12 +396,16 @@ class ShardServer:
         ttfb: float = 0.0,
         accept_ranges: bool = True,
         etags: bool = True,
+        last_modified: bool = True,
+        if_range: bool = True,
     ) -> None:
         self.root = Path(root).resolve()
         self.rate = rate
         self.ttfb = ttfb
         self.accept_ranges = accept_ranges
         self.etags = etags
+        self.last_modified = last_modified
+        self.if_range = if_range
         self._lock = threading.Lock()
         self._faults: dict[str, collections.deque[_Fault]] = {}
         self._requests: list[Request] = []
@@ -491,6 +504,10 @@ class ShardServer:
           then the rest, or a clean close if ``then="close"``.
         - ``html``: a 200 text/html error page (``body`` overrides it).
         - ``no_range``: ignore Range for this request and send 200 with the full file.
+        - ``change``: ``after`` body bytes (default half the body), then the file becomes a
+          new version, ``content`` (bytes, required; its mtime a second later, so both its
+          ETag and its Last-Modified change), the server's ``etags`` becomes ``etags`` if
+          given, and the connection is reset: an object replaced mid-download.
 
         Any kind also takes ``range``: it then applies only to a GET whose Range header is
         exactly that (say, one part of a download in parallel parts).
@@ -504,6 +521,8 @@ class ShardServer:
             raise TypeError("fault 'status' needs status=<int>")
         if kind == "stall" and "seconds" not in params:
             raise TypeError("fault 'stall' needs seconds=<float>")
+        if kind == "change" and not isinstance(params.get("content"), bytes):
+            raise TypeError("fault 'change' needs content=<bytes>")
         if kind == "stall" and params.get("then", "continue") not in ("continue", "close"):
             raise ValueError("stall then= must be 'continue' or 'close'")
         if times < 1:
@@ -606,6 +625,17 @@ class ShardServer:
     def _log(self, record: Request) -> None:
         with self._lock:
             self._requests.append(record)
+
+    def _replace(self, path: Path, content: bytes, mtime: float, etags: bool | None) -> None:
+        """Make ``path`` a new version: ``content``, written aside and renamed over it, dated a
+        second after ``mtime`` (a new Last-Modified even within the same second)."""
+        aside = path.with_name(f".{path.name}.new")
+        aside.write_bytes(content)
+        later = int(mtime) + 1.0
+        os.utime(aside, (later, later))
+        os.replace(aside, path)
+        if etags is not None:
+            self.etags = etags
 
     def _record_error(self, exc: BaseException) -> None:
         with self._lock:

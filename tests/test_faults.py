@@ -32,6 +32,7 @@ from tests.helpers.agents import FIRST_PART, AgentProc
 from tests.helpers.disks import fill
 from tests.helpers.procs import alive, children_of, cmdline, worker_pids
 from tests.helpers.streaming import Consumer, reference, samples_of, state_of
+from tests.helpers.versions import another_version
 from tests.helpers.waits import stop_process, wait_for
 from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardError, WdsCacheError
 from wdscache.shared.client import AgentConnection
@@ -244,6 +245,29 @@ def test_short_body_is_resumed_and_never_enters_the_cache_truncated(shard_server
     assert sum(r.bytes_sent for r in reqs) < 2 * size
     s = agent.stats()
     assert s["shards"]["failed"] == 0 and s["bytes_used"] == size
+    assert partial_files(cache) == []
+
+
+@pytest.mark.parametrize("sends, then", [("etag", "etag"), ("date", "date"), ("etag", "date")])
+def test_a_resume_answered_for_another_version_starts_over_never_spliced(shard_server, dataset, start_agent,
+                                                                         tmp_path, sends, then):
+    # A server that ignores If-Range answers the resume with bytes of whatever version it has now.
+    ds = dataset(1, **SHARD_300K)
+    name, old = ds.paths[0].name, ds.paths[0].read_bytes()
+    new = another_version(old)  # the same size: only the validator tells the versions apart
+    shard_server.if_range = False
+    shard_server.etags = sends == "etag"
+    shard_server.fail(name, "change", after=100_000, content=new, etags=then == "etag")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the changed shard was never cached")
+    with ShardClient(cache, timeout=20) as client:
+        assert client.open(ds.urls[0]).read_bytes() == new  # one version, whole
+    reqs = gets(shard_server, name)
+    assert [(r.fault, r.status) for r in reqs] == [("change", 206), (None, 206), (None, 206)], reqs
+    assert 0 < range_start(reqs[1].range) <= 100_000 and reqs[1].if_range, reqs  # resumed, its answer refused
+    assert reqs[2].range == FIRST_PART and reqs[2].if_range is None, reqs  # then from byte 0
+    assert "a resumed answer is for another version" in agent.stderr_text(), agent.stderr_tail()
     assert partial_files(cache) == []
 
 
@@ -626,7 +650,9 @@ def test_corrupt_index_is_set_aside_and_cached_shards_are_adopted_not_downloaded
     db.write_bytes(b"this is not an SQLite database \x00\xff" * 512)
     requests_before = len(shard_server.requests)
 
-    second = start_agent(cache, ds.list_file, *args)
+    # An adopted copy's version is unknown (its record went with the index): revalidated, it would
+    # be downloaded again; without revalidation it is served as it is.
+    second = start_agent(cache, ds.list_file, *args, "--no-revalidate")
     s = second.stats()
     assert s["shards"]["cached"] == 4, f"{s['shards']}\n{second.stderr_tail()}"
     assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths)

@@ -16,6 +16,7 @@ import pytest
 
 from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.streaming import reference, samples_of
+from tests.helpers.versions import another_version, replace
 from tests.helpers.waits import wait_for
 from wdscache.agent.parts import SIDE
 from wdscache.shared.layout import CacheLayout
@@ -152,6 +153,30 @@ def test_an_object_changed_mid_download_is_fetched_whole_never_spliced(shard_ser
     assert partial_files(cache) == []
 
 
+def test_a_part_answered_without_the_first_answers_etag_starts_the_shard_over(shard_server, dataset, start_agent,
+                                                                              tmp_path):
+    # The server ignores If-Range, and after the change sends Last-Modified only: a part's answer
+    # then has no ETag at all, which is not the version the first answer named.
+    ds = dataset(1, **SHAPE)
+    src = ds.paths[0]
+    name, size = src.name, src.stat().st_size
+    new = another_version(src.read_bytes())
+    second = f"bytes={PART}-{2 * PART - 1}"
+    shard_server.if_range = False
+    shard_server.fail(name, "change", after=100_000, content=new, etags=False, range=second)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, *PARTS, "--prefetch", "1", "--cache-size", "20M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "the changed shard was never cached")
+    assert cached(cache, ds.urls[0]) == new  # one version, whole
+    reqs = gets(shard_server, name)
+    restart = max(i for i, r in enumerate(reqs) if r.range == f"bytes=0-{PART - 1}")
+    assert restart > 0 and reqs[restart].if_range is None, reqs
+    assert_tiles(spans([r.range for r in reqs[restart:]]), size)  # the new version, in parts, each byte once
+    assert all(r.if_range and "GMT" in r.if_range for r in reqs[restart + 1:]), reqs  # named by its date now
+    assert "a part's answer is for another version" in agent.stderr_text(), agent.stderr_tail()
+    assert partial_files(cache) == []
+
+
 def test_a_server_without_range_support_gets_one_connection(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(1, **SHAPE)
     name, size = ds.paths[0].name, ds.paths[0].stat().st_size
@@ -191,6 +216,41 @@ def test_sigkill_mid_download_then_restart_fetches_only_what_was_not_on_disk(sha
     after = [r for r in shard_server.requests[before:] if r.path == name and r.method == "GET"]
     assert all(r.if_range and r.status == 206 for r in after), after  # resumed, each of the version it holds
     assert sum(r.bytes_sent for r in after) == size - held, (held, after)  # nothing on disk fetched again
+    assert partial_files(cache) == []
+
+
+def test_a_kept_partial_resumed_from_a_server_that_ignores_if_range_is_never_spliced(shard_server, dataset,
+                                                                                     start_agent, tmp_path):
+    ds = dataset(1, samples=12, payload=200_000)  # about 2.4 MB: 10 parts
+    src = ds.paths[0]
+    name, size = src.name, src.stat().st_size
+    shard_server.rate = 200_000
+    cache = tmp_path / "cache"
+    args = (*PARTS, "--prefetch", "1", "--cache-size", "20M")
+    first = start_agent(cache, ds.list_file, *args)
+
+    def sides_under_way() -> bool:
+        files = partial_files(cache)
+        return any(SIDE in p.name and p.stat().st_size > 0 for p in files) and any(
+            SIDE not in p.name and p.stat().st_size > PART for p in files)
+
+    wait_for(sides_under_way, DEADLINE, lambda: f"no parts under way: {partial_files(cache)}\n{first.stderr_tail()}")
+    assert first.stop() == 0  # the partial file and its side files are kept for a resume
+    assert any(SIDE in p.name for p in partial_files(cache)), partial_files(cache)
+    new = another_version(src.read_bytes())
+    replace(src, new)
+    shard_server.rate = None
+    shard_server.if_range = False  # the resume's answer comes from the new version, as a 206
+    shard_server.reset_log()
+    second = start_agent(cache, ds.list_file, *args)
+    second.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "the restarted agent did not cache the shard")
+    assert cached(cache, ds.urls[0]) == new  # one version, whole
+    reqs = gets(shard_server, name)
+    assert reqs[0].if_range and reqs[0].status == 206 and spans([reqs[0].range])[0][0] > PART, reqs
+    restart = next(i for i, r in enumerate(reqs) if r.range.startswith("bytes=0-"))
+    assert reqs[restart].if_range is None, reqs
+    assert_tiles(spans([r.range for r in reqs[restart:]]), size)  # the new version, each byte once
+    assert "a resumed answer is for another version" in second.stderr_text(), second.stderr_tail()
     assert partial_files(cache) == []
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 
 from scripts.shard_maker import make_shard, synth_samples
+from tests.helpers.versions import another_version, replace
 
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.shared.layout import CacheLayout
@@ -30,6 +32,60 @@ def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_ser
     assert shard_server.count(data.paths[0].name) == 0  # unchanged: checked by HEAD, not fetched
     assert shard_server.count(data.paths[1].name) == 1
     assert "changed on the server" in agent.stderr_text()
+
+
+# What the test server sends: its ETag and Last-Modified, one of them, or the other.
+SENDS = {"both": {"etags": True, "last_modified": True}, "etag": {"etags": True, "last_modified": False},
+         "date": {"etags": False, "last_modified": True}}
+
+
+@pytest.mark.parametrize("cached_with, now, compared", [("both", "date", "Last-Modified"), ("both", "etag", "ETag"),
+                                                        ("date", "both", "Last-Modified"), ("etag", "both", "ETag")])
+def test_a_server_that_switched_validator_kind_is_compared_by_the_validator_both_have(
+        tmp_path, shard_server, dataset, start_agent, cached_with, now, compared):
+    data = dataset(2, samples=3, payload=1000)
+    cache = tmp_path / "cache"
+    vars(shard_server).update(SENDS[cached_with])
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "shards never cached")
+    assert agent.stop() == 0
+    old = data.paths[1].read_bytes()
+    replace(data.paths[1], another_version(old))  # the same size, new bytes, a new date
+    vars(shard_server).update(SENDS[now])
+    shard_server.reset_log()
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
+    with ShardClient(cache, timeout=20) as client:
+        for url, path in zip(data.urls, data.paths):
+            assert client.open(url).read_bytes() == path.read_bytes()
+            client.release(url)
+        stats = client.stats()
+    assert data.paths[1].read_bytes() != old
+    assert stats["changed"] == 1 and [c["url"] for c in stats["agent"]["changed"]] == [data.urls[1]]
+    assert shard_server.count(data.paths[0].name) == 0  # unchanged, told so by the validator both have
+    assert shard_server.count(data.paths[1].name) == 1
+    assert f"{data.urls[1]} changed on the server ({compared} " in agent.stderr_text(), agent.stderr_tail()
+
+
+def test_a_copy_without_a_validator_in_common_with_its_server_is_fetched_again(tmp_path, shard_server, dataset,
+                                                                              start_agent):
+    data = dataset(2, samples=3, payload=1000)
+    cache = tmp_path / "cache"
+    vars(shard_server).update(SENDS["etag"])
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "shards never cached")
+    assert agent.stop() == 0
+    replace(data.paths[1], another_version(data.paths[1].read_bytes()))
+    vars(shard_server).update(SENDS["date"])  # Last-Modified only: nothing to compare the ETag with
+    shard_server.reset_log()
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
+    with ShardClient(cache, timeout=20) as client:
+        for url, path in zip(data.urls, data.paths):
+            assert client.open(url).read_bytes() == path.read_bytes()
+            client.release(url)
+    assert [shard_server.count(p.name) for p in data.paths] == [1, 1]  # neither served unchecked
+    log = agent.stderr_text()
+    assert log.count("cannot tell whether") == 2, log
+    assert "cached with ETag, the server now sends Last-Modified: no validator in common" in log
 
 
 def test_a_damaged_cached_copy_is_fetched_again_and_the_epoch_reads_the_new_copy(tmp_path, dataset, start_agent):

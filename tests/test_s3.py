@@ -24,7 +24,8 @@ from scripts.shard_maker import make_dataset, make_shard, synth_samples, write_u
 from tests.helpers.agents import FIRST_PART, AgentProc  # noqa: E402
 from tests.helpers.net import free_port_range  # noqa: E402
 from scripts.s3_proxy import S3Proxy  # noqa: E402
-from tests.helpers.streaming import reference, samples_of  # noqa: E402
+from tests.helpers.streaming import Consumer, reference, samples_of  # noqa: E402
+from tests.helpers.versions import another_version  # noqa: E402
 from tests.helpers.waits import wait_for  # noqa: E402
 from wdscache.shared.layout import CacheLayout  # noqa: E402
 from wdscache.shared.s3 import S3Client, glob_regex, is_listing  # noqa: E402
@@ -289,6 +290,55 @@ def test_an_object_replaced_mid_download_is_fetched_anew(store: Store, tmp_path:
         hashlib.sha256(paths[0].read_bytes()).digest()
     lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
     assert as_samples(lines) == reference([replacement], urls)
+
+
+def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(store: Store, tmp_path: Path, start_agent,
+                                                                      consumers) -> None:
+    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)
+    name, key = urls[0][len("s3://"):], "big/" + paths[0].name
+    old_etag = store.etag(key)
+    replacement = tmp_path / "v2.tar"
+    replacement.write_bytes(another_version(paths[0].read_bytes()))  # the same size
+    store.proxy.if_match = False  # the store answers the resume from the new object, as a 206
+    store.proxy.cut(name, after=700_000, then=lambda: store.put(key, replacement))
+    agent = start_on(start_agent, store, tmp_path, urls)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the replaced shard was not cached")
+    gets = store.proxy.gets(name)
+    assert len(gets) == 3 and gets[1].if_match == old_etag and gets[1].status == 206, gets  # refused by us
+    assert gets[2].range == FIRST_PART and gets[2].if_match is None and gets[2].status == 206, gets
+    assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()  # one version, whole
+    assert "a resumed answer is for another version" in agent.stderr_text(), agent.stderr_text()
+    lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
+    assert as_samples(lines) == reference([replacement], urls)
+
+
+def test_an_object_replaced_while_an_epoch_streams_it_gives_whole_samples_old_ones_first(
+        store: Store, tmp_path: Path, start_agent, consumers) -> None:
+    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)  # 10 samples of ~200 KB
+    name, key = urls[0][len("s3://"):], "big/" + paths[0].name
+    replacement = tmp_path / "v2" / paths[0].name
+    replacement.parent.mkdir()
+    replacement.write_bytes(another_version(paths[0].read_bytes()))
+    reader: dict[str, Consumer] = {}
+
+    def replace_once_a_sample_is_read() -> None:
+        wait_for(lambda: "c" in reader and reader["c"].out.exists() and reader["c"].out.read_text().count("\n"),
+                 CACHED_IN, "the consumer read nothing while the shard downloaded")
+        store.put(key, replacement)
+
+    store.proxy.cut(name, after=700_000, then=replace_once_a_sample_is_read)
+    start_on(start_agent, store, tmp_path, urls)
+    reader["c"] = consumers(tmp_path / "cache", "c", "--no-shuffle")  # reads the shard as it downloads
+    got = samples_of(reader["c"].wait())
+    old, new = reference(paths, urls), reference([replacement], urls)
+    assert sorted(s["key"] for s in got) == sorted(k for _, k in new), got  # every position once
+    versions = ["old" if s["fields"] == old[(s["url"], s["key"])] else
+                "new" if s["fields"] == new[(s["url"], s["key"])] else "neither" for s in got]
+    read_old = versions.count("old")
+    # What was read before the change showed stays read; the rest comes from the new version,
+    # every sample whole: the old version's first samples, then the new one's others.
+    assert 1 <= read_old <= 3 and versions == ["old"] * read_old + ["new"] * (10 - read_old), versions
+    assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()
 
 
 def test_an_object_overwritten_between_two_runs_is_fetched_again(store: Store, tmp_path: Path,

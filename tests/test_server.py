@@ -394,6 +394,35 @@ def test_fault_no_range(server: ShardServer, http: requests.Session, data: bytes
     assert r.status_code == 206 and r.content == data[10:20]
 
 
+def test_fault_change_replaces_the_file_mid_body(server: ShardServer, http: requests.Session, data: bytes,
+                                                root: Path) -> None:
+    before = http.head(server.url("data.tar"), timeout=TIMEOUT).headers
+    new = bytes(b ^ 0xFF for b in data)
+    server.fail("data.tar", "change", after=5000, content=new, etags=False)
+    status, _, body, error = raw_get(server.port, "/data.tar")
+    assert status == 200 and len(body) <= 5000 and body == data[: len(body)]
+    assert isinstance(error, ConnectionResetError)
+    assert (root / "data.tar").read_bytes() == new
+    after = http.head(server.url("data.tar"), timeout=TIMEOUT).headers
+    assert "ETag" not in after and after["Last-Modified"] != before["Last-Modified"]  # a new date, to the second
+    with pytest.raises(TypeError):
+        server.fail("data.tar", "change")
+
+
+def test_validators_and_if_range_are_switchable(server: ShardServer, http: requests.Session, data: bytes,
+                                                root: Path) -> None:
+    etag = http.head(server.url("data.tar"), timeout=TIMEOUT).headers["ETag"]
+    stale = {"Range": "bytes=10-19", "If-Range": '"another"'}
+    assert http.get(server.url("data.tar"), headers=stale, timeout=TIMEOUT).status_code == 200
+    server.if_range = False  # a server that ignores If-Range serves the range of what it has now
+    r = http.get(server.url("data.tar"), headers=stale, timeout=TIMEOUT)
+    assert r.status_code == 206 and r.content == data[10:20] and r.headers["ETag"] == etag
+    server.last_modified = False
+    assert "Last-Modified" not in http.head(server.url("data.tar"), timeout=TIMEOUT).headers
+    server.etags = False
+    assert not {"ETag", "Last-Modified"} & set(http.head(server.url("data.tar"), timeout=TIMEOUT).headers)
+
+
 def test_faults_in_order_and_clear(server: ShardServer, http: requests.Session) -> None:
     server.fail("data.tar", "status", status=500)
     server.fail("data.tar", "status", status=429, times=2)

@@ -180,11 +180,12 @@ class ShardCache:
         if rec is not None and rec.state is ShardState.DOWNLOADING and rec.etag != etag:
             self.index.put(dataclasses.replace(rec, etag=etag))
 
-    def finish(self, d: Download, size: int, etag: str | None, *, stored: int | None = None) -> None:
+    def finish(self, d: Download, size: int, etag: str | None, *, stored: int | None = None,
+               last_modified: str | None = None) -> None:
         """``d`` was published under shards/: it is cached now (``size`` at the source,
-        ``stored`` in the cache when not the same)."""
+        ``stored`` in the cache when not the same; its validators ``etag`` and ``last_modified``)."""
         self._set_cached(d.url, size if stored is None else stored, etag,
-                         source_size=None if stored is None else size)
+                         source_size=None if stored is None else size, last_modified=last_modified)
         self.inflight.pop(d.url, None)
 
     def fail(self, d: Download, error: str) -> None:
@@ -240,7 +241,8 @@ class ShardCache:
         if rec is not None and rec.state is ShardState.FAILED:
             self.index.delete(url)
 
-    def _set_cached(self, url: str, size: int, etag: str | None, *, source_size: int | None = None) -> None:
+    def _set_cached(self, url: str, size: int, etag: str | None, *, source_size: int | None = None,
+                    last_modified: str | None = None) -> None:
         old = self.index.get(url)
         self.index.put(
             ShardRecord(
@@ -248,6 +250,7 @@ class ShardCache:
                 ShardState.CACHED,
                 size=size,
                 etag=etag,
+                last_modified=last_modified,
                 source_size=source_size,
                 cached_at=time.time(),
                 last_read=old.last_read if old else 0.0,

@@ -56,7 +56,8 @@ class Download:
     partial: Path
     final: Path
     reserve: Callable[["Download", int, float | None], bool]
-    etag: str | None = None
+    etag: str | None = None  # the version the partial file's bytes came with: ETag, else Last-Modified
+    last_modified: str | None = None  # the source's Last-Modified date, when it gave one (beside an ETag)
     cancel: threading.Event = field(default_factory=threading.Event)
     total: int | None = None  # the shard's size, once the source has said it
     written: int = 0
@@ -80,8 +81,9 @@ class Download:
 @dataclass(frozen=True)
 class Fetched:
     size: int  # at the source
-    etag: str | None
+    etag: str | None  # its validator: the ETag, else the Last-Modified date (a file: size and mtime)
     stored: int | None = None  # in the cache, when not ``size``: a gzip'd shard is cached decompressed
+    last_modified: str | None = None  # the Last-Modified date, when the source gave one
 
 
 class DiskFull(FetchError):

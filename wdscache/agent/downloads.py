@@ -313,7 +313,7 @@ class Downloads:
         again = d.url in self._had or d.url in index.counts
         stored = fetched.size if fetched.stored is None else fetched.stored  # what "counted" records too
         index.keep_count(d.url, stored, fetched.etag)  # if the content is what was counted
-        self._cache.finish(d, fetched.size, fetched.etag, stored=fetched.stored)
+        self._cache.finish(d, fetched.size, fetched.etag, stored=fetched.stored, last_modified=fetched.last_modified)
         early = self._early_counts.pop(d.url, None)
         if early is not None:
             index.set_count(d.url, early, stored, fetched.etag)

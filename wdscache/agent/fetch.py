@@ -32,11 +32,19 @@ checks and publish. A resume sends ``If-Match`` with the ETag its bytes came wit
 replaced meanwhile (HTTP 412) is fetched anew from byte 0, never spliced.
 
 Validators: a shard's version is its ETag, or, from a server that sends none, its
-Last-Modified date (for ``file:`` URLs, size and mtime). It is what revalidation
-compares and what ``If-Range`` sends on a resume, so a partial file is continued
-only while the object is the one its bytes came from. A server with neither
-cannot be resumed (the download starts over) and a same-size change on it is not
-detected by revalidation.
+Last-Modified date (for ``file:`` URLs, size and mtime); a server's Last-Modified is
+kept beside its ETag too. A resume sends the version its bytes came with (``If-Range``;
+S3's ``If-Match``), and every resumed answer, of the one request or of any part, must
+carry that very validator (the same ETag, or the same Last-Modified date): an answer
+for another version, or with no validator of that kind, starts the download over from
+byte 0 with its side files removed, whether or not the server honoured the condition.
+So bytes of two versions are never spliced. A server with neither validator cannot be
+resumed (the download starts over).
+
+Revalidation (:func:`common_validator`) compares the strongest validator both the cached
+copy and the source have (ETag, else Last-Modified); with none in common (the server
+changed what it sends, or sends nothing) the copy cannot be told current and is
+downloaded again.
 
 A shard larger than one part, from a source that answers ranged requests with a
 validator, downloads as several ranged parts at once (:mod:`wdscache.agent.parts`); the
@@ -160,8 +168,8 @@ class Fetcher:
     def describe(self, url: str) -> Fetched | None:
         """Size and version tag of ``url`` now (HEAD or stat); None when it cannot be known.
 
-        The tag is what :meth:`fetch` records: the ETag or else the Last-Modified date,
-        or size and mtime for a file.
+        The tag is what :meth:`fetch` records: the ETag or else the Last-Modified date
+        (kept beside an ETag too), or size and mtime for a file.
         """
         parts = urlsplit(url)
         try:
@@ -175,7 +183,7 @@ class Fetcher:
                     self._hold(url, _retry_after(r.headers.get("Retry-After")))
                 length = r.headers.get("Content-Length", "")
                 if r.ok and length.isdigit():
-                    return Fetched(int(length), validator(r.headers))
+                    return Fetched(int(length), validator(r.headers), last_modified=r.headers.get("Last-Modified"))
             if parts.scheme == "s3":
                 return Fetched(*self._s3(url).head(url))
         except (OSError, requests.RequestException, FetchError, s3.Transient):
@@ -207,9 +215,9 @@ class Fetcher:
         with open(d.partial, "rb") as f:
             packed = f.read(2) == GZIP_MAGIC
         if packed:
-            return Fetched(size, etag, stored=publish_gunzipped(d))
+            return Fetched(size, etag, stored=publish_gunzipped(d), last_modified=d.last_modified)
         publish(d)
-        return Fetched(size, etag)
+        return Fetched(size, etag, last_modified=d.last_modified)
 
     def _fetch_source(self, d: Download, scheme: str) -> tuple[int, str | None]:
         """The source's bytes, all of them, into ``d.partial``; the size and validator."""
@@ -293,11 +301,13 @@ class Fetcher:
                 self._hold(d.url, delay)
                 raise Retry(f"HTTP {status} {r.reason}", delay)
             if status == 416 and offset:
-                if _unsatisfiable_size(r.headers.get("Content-Range", "")) == offset and d.etag:
+                if (_unsatisfiable_size(r.headers.get("Content-Range", "")) == offset
+                        and not unlike_version(d.etag, r.headers)):
                     # Nothing past our bytes, of the version If-Range named: the partial kept
                     # was whole already (cancelled after its last byte came). Checked as any.
                     check_announced(d, offset)
                     d.total = offset
+                    d.last_modified = r.headers.get("Last-Modified") or d.last_modified
                     reserve_holding(d, offset, r.close)
                     return offset
                 truncate(d.partial)  # our partial is not a prefix of this object
@@ -307,6 +317,9 @@ class Fetcher:
                 if start != offset:
                     truncate(d.partial)
                     raise Retry("server resumed at the wrong offset; starting over", 0.0)
+                if offset:
+                    # A server may ignore If-Range: the answer itself must name our bytes' version.
+                    _resumed_as(d, unlike_version(d.etag, r.headers))
                 if end is not None and total is None:
                     d.single = True  # a part's answer without the shard's size: one request for it all
                     raise Retry("server sent no size with its range; using one connection", 0.0, counts=False)
@@ -323,6 +336,7 @@ class Fetcher:
             if total is not None:
                 check_announced(d, total)  # before any byte of the body, and before the parts' plan
             etag = validator(r.headers)
+            d.last_modified = r.headers.get("Last-Modified")
             if etag and etag != d.etag:
                 d.etag = etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
@@ -377,6 +391,11 @@ class Fetcher:
             elif body.ranged and body.start != offset:
                 truncate(d.partial)
                 raise Retry("server resumed at the wrong offset; starting over", 0.0)
+            elif offset:
+                # A store may ignore If-Match: the answer itself must name our bytes' version.
+                _resumed_as(d, None if body.etag == d.etag else
+                            f"the answer's ETag is {body.etag}, the partial file's {d.etag}" if body.etag else
+                            f"the answer has no ETag (the partial file's: {d.etag})")
             if body.etag and body.etag != d.etag:
                 d.etag = body.etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
@@ -419,7 +438,7 @@ class Fetcher:
                 self._hold(d.url, delay)
                 raise Retry(f"HTTP {status} {r.reason}", delay)
             got = _content_range(r.headers.get("Content-Range", "")) if status == 206 else None
-            if got != (start, total) or validator(r.headers) != d.etag:
+            if got != (start, total) or unlike_version(d.etag, r.headers):
                 raise Changed(f"bytes {start}-{end - 1} came as HTTP {status} "
                                f"({r.headers.get('Content-Range') or 'no range'}, {validator(r.headers)})")
             yield iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
@@ -541,12 +560,52 @@ def validator(headers) -> str | None:
     return headers.get("ETag") or headers.get("Last-Modified") or None
 
 
-def same_version(old: str | None, new: str | None) -> bool | None:
-    """Whether two validators name one version; None when they cannot be compared (one is
-    missing, or one is an ETag and the other a date: the server changed what it sends)."""
-    if not old or not new or _is_etag(old) != _is_etag(new):
+def unlike_version(held: str | None, headers) -> str | None:
+    """Why a response is not of version ``held`` (the validator a partial file's bytes came
+    with); None when it carries that very validator: the same ETag, or for a date the same
+    Last-Modified. A response without a validator of that kind is not of that version."""
+    if not held:
+        return "the partial file has no validator"
+    kind = "ETag" if _is_etag(held) else "Last-Modified"
+    got = headers.get(kind)
+    if got == held:
         return None
-    return old == new
+    return f"the answer's {kind} is {got}, the partial file's {held}" if got else \
+        f"the answer has no {kind} (the partial file's: {held})"
+
+
+def common_validator(old: str | None, old_date: str | None, new: str | None,
+                     new_date: str | None) -> tuple[str, str, str] | None:
+    """The strongest validator a cached copy (validator ``old``, Last-Modified ``old_date``)
+    and the source now (``new``, ``new_date``) both have: the ETag, a file's size and mtime,
+    else the Last-Modified date, as (kind, the copy's, the source's); the two are one version
+    if those are equal. None when they have none in common (the server changed what it
+    sends, or sends nothing): they cannot be compared."""
+    mine, theirs = _validators(old, old_date), _validators(new, new_date)
+    for kind in ("ETag", "size-mtime", "Last-Modified"):
+        if kind in mine and kind in theirs:
+            return kind, mine[kind], theirs[kind]
+    return None
+
+
+def _validators(tag: str | None, date: str | None) -> dict[str, str]:
+    """The validators a version is known by, by kind."""
+    known = {validator_kind(tag): tag} if tag else {}
+    if date:
+        known.setdefault("Last-Modified", date)
+    return known
+
+
+def _resumed_as(d: Download, problem: str | None) -> None:
+    """A resumed answer is continued only for the version the partial file's bytes came with:
+    else the partial file and its side files go, and the download starts over from byte 0."""
+    if problem is None:
+        return
+    log.warning("%s: a resumed answer is for another version (%s); downloading it again from byte 0", d.url,
+                problem)
+    truncate(d.partial)
+    remove_side_files(d.partial)
+    raise Retry(f"resumed answer for another version ({problem}); starting over", 0.0)
 
 
 def validator_kind(value: str) -> str:

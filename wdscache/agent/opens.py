@@ -35,7 +35,7 @@ from .control import ControlSocket
 from .cache import ShardCache
 from ..shared.config import AgentConfig
 from .download import Fetched
-from .fetch import same_version, validator_kind
+from .fetch import common_validator, validator_kind
 from ..shared.index import ShardRecord, ShardState
 from ..shared.protocol import field as get_field
 from ..shared.layout import file_identity
@@ -266,13 +266,17 @@ class Opens:
             self._demanded.setdefault(url, time.monotonic())  # gone meanwhile: its waiters need it
             return
         changed = self._unlike_index(url, rec.source_size or rec.size) or _unlike_source(url, rec, now)
-        if changed is None:
+        unknown = None if changed else _not_comparable(rec, now)
+        if changed is None and unknown is None:
             self._verified.add(url)
             self._answer_waiters(url)
             return
-        log.error("%s %s; downloading it again", url, changed)
-        _remember(self._changed, url, changed)
-        cache.index.incr("changed")
+        if changed is not None:
+            log.error("%s %s; downloading it again", url, changed)
+            _remember(self._changed, url, changed)
+            cache.index.incr("changed")
+        else:
+            log.warning("cannot tell whether %s changed on the server: %s; downloading it again", url, unknown)
         cache.remove(url)
         cache.index.drop_count(url)
         self._demanded.setdefault(url, time.monotonic())  # its waiters get the new copy
@@ -356,11 +360,31 @@ def _unlike_source(url: str, rec: ShardRecord, now: Fetched | None) -> str | Non
     """How the source of a cached copy changed since (None: it did not, or cannot be asked)."""
     if now is None:
         log.info("could not revalidate %s; serving the cached copy", url)
-    elif now.size != (rec.source_size or rec.size):
+        return None
+    if now.size != (rec.source_size or rec.size):
         return f"size changed on the server ({rec.source_size or rec.size} -> {now.size} bytes)"
-    elif same_version(rec.etag, now.etag) is False:
-        return f"changed on the server ({validator_kind(rec.etag)} {rec.etag} -> {now.etag})"
+    common = common_validator(rec.etag, rec.last_modified, now.etag, now.last_modified)
+    if common is not None and common[1] != common[2]:
+        return f"changed on the server ({common[0]} {common[1]} -> {common[2]})"
     return None
+
+
+def _not_comparable(rec: ShardRecord, now: Fetched | None) -> str | None:
+    """Why a cached copy cannot be told current although its source answered (None: it can,
+    or the source could not be asked): the copy and the source have no validator in common,
+    so the copy is downloaded again rather than served unchecked."""
+    if now is None or common_validator(rec.etag, rec.last_modified, now.etag, now.last_modified) is not None:
+        return None
+    return (f"its copy was cached with {_kinds(rec.etag, rec.last_modified)}, the server now sends "
+            f"{_kinds(now.etag, now.last_modified)}: no validator in common")
+
+
+def _kinds(tag: str | None, date: str | None) -> str:
+    """The kinds of validator a version is known by, for messages ("ETag and Last-Modified")."""
+    kinds = [validator_kind(tag)] if tag else []
+    if date and "Last-Modified" not in kinds:
+        kinds.append("Last-Modified")
+    return " and ".join(kinds) or "no validator"
 
 
 def _remember(listed: dict[str, str], url: str, error: str) -> None:

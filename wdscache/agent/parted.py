@@ -106,6 +106,8 @@ class PartedFetch:
             self._join_parts(d, plan, helpers)
         error = plan.error
         if isinstance(error, Changed):
+            log.warning("%s: a part's answer is for another version (%s); downloading it again from byte 0", d.url,
+                        error)
             truncate(d.partial)
             remove_side_files(d.partial)
             d.refused = d.etag  # if the object comes back unchanged, its parts come over one connection

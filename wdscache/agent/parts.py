@@ -16,8 +16,9 @@ shard, nothing else. So:
   kernel (``os.copy_file_range``), written back, and the side file is removed. The
   partial file never holds a hole, and never grows past bytes not yet received.
 - Every ranged request names the version the first answer came with (``If-Range``,
-  S3's ``If-Match``) and must come back as that range of that version: any other
-  answer (a 200, a 412, a 416, another ETag or size) means the object changed, and the
+  S3's ``If-Match``) and must come back as that range of that version, with its
+  validator: any other answer (a 200, a 412, a 416, another ETag or size, no
+  validator) means the object changed, and the
   download starts over from byte 0 with every side file removed, never spliced.
 - A cut connection retries its own part from the bytes it holds; a side file kept at a
   cancel or a crash is resumed by its name (which says its range), and one that does

@@ -86,14 +86,17 @@ class ShardRecord:
     url: str
     state: ShardState
     size: int = 0  # bytes on disk when CACHED; expected size (0 = unknown) otherwise
-    etag: str | None = None
+    etag: str | None = None  # the source's validator: its ETag, else its Last-Modified date
     # The source's size when not ``size``: a gzip'd shard is cached decompressed. What a
-    # restart compares with the source, with ``etag`` (the source's validator).
+    # restart compares with the source, with ``etag`` and ``last_modified``.
     source_size: int | None = None
     cached_at: float = 0.0
     last_read: float = 0.0
     reads: int = 0
     error: str | None = None
+    # The source's Last-Modified date beside its ETag, when it sent both: a server that later
+    # sends only one of them can still be compared (records written without it load as None).
+    last_modified: str | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
