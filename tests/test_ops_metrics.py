@@ -95,4 +95,4 @@ def test_missing_extra_is_named():
             "from wdscache.shared.metrics import require\n"
             "try:\n    require()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30).stdout
-    assert out.strip() == "ConfigError metrics need prometheus_client: pip install 'wdscache[metrics]'"
+    assert out.strip() == "ConfigError metrics need prometheus_client: pip install prometheus_client (the package's metrics extra)"

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import pytest
 
-wds = pytest.importorskip("webdataset", reason="webdataset is not installed (pip install 'wdscache[wds]')")
+wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
 Image = pytest.importorskip("PIL.Image", reason="Pillow is not installed (scripts/test.sh installs it)")
 torch = pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
 
@@ -100,4 +100,4 @@ def test_without_webdataset_the_error_says_what_to_install() -> None:
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == (
         "ImportError: wdscache.WebDataset builds on webdataset, which is not installed: "
-        "pip install 'wdscache[wds]'")
+        "pip install webdataset (the package's wds extra)")

@@ -42,7 +42,7 @@ from typing import Any
 from .errors import ConfigError
 from .verdict import KINDS, verdicts
 
-EXTRA = "wdscache[metrics]"
+EXTRA = "pip install prometheus_client (the package's metrics extra)"
 
 
 def require() -> None:
@@ -50,7 +50,7 @@ def require() -> None:
     try:
         import prometheus_client  # noqa: F401
     except ImportError:
-        raise ConfigError(f"metrics need prometheus_client: pip install '{EXTRA}'") from None
+        raise ConfigError(f"metrics need prometheus_client: {EXTRA}") from None
 
 
 class StatsCollector:

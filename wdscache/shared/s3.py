@@ -1,7 +1,7 @@
 """S3 sources (``s3://bucket/key``) through boto3: objects for the agent's download threads, and
 the listing of prefixes and globs for whoever reads a URL list (the agent, a loader).
 
-boto3 is an optional extra (``pip install 'wdscache[s3]'``), imported on first use: a process
+boto3 is an optional dependency (the package's ``s3`` extra), imported on first use: a process
 whose lists hold no ``s3://`` entry never imports it, and one without it gets an error naming
 the extra.
 
@@ -29,7 +29,7 @@ from typing import Any
 
 from .errors import FetchError
 
-EXTRA = "s3:// sources need boto3: pip install 'wdscache[s3]'"
+EXTRA = "s3:// sources need boto3: pip install boto3 (the package's s3 extra)"
 # What a prefix stands for: the shards under it, by the names webdataset reads as tars.
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 # Throttling and server trouble: tried again with backoff. Any other error code is final.

@@ -6,7 +6,7 @@ are webdataset's, only the source differs. webdataset's source (shard list, node
 splitters, shard shuffle, opener, tar expander, grouper) becomes one
 :class:`~.loader.CachedMultiLoader`, which yields the same sample dicts (``__key__``,
 ``__url__`` and one ``bytes`` field per extension) and splits them by rank and by DataLoader
-worker itself. Needs webdataset: ``pip install 'wdscache[wds]'``.
+worker itself. Needs webdataset (the package's ``wds`` extra).
 
 Differences, all where webdataset's behaviour depends on chance:
 
@@ -31,7 +31,8 @@ try:
     from webdataset.handlers import ignore_and_continue, reraise_exception, warn_and_continue
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
-        "wdscache.WebDataset builds on webdataset, which is not installed: pip install 'wdscache[wds]'"
+        "wdscache.WebDataset builds on webdataset, which is not installed: "
+        "pip install webdataset (the package's wds extra)"
     ) from exc
 
 from .loader import CachedMultiLoader
