@@ -61,6 +61,10 @@ class AgentConnection:
         self._cache_dir, self._token = cache_dir, token
         self.key: str | None = None  # our requests' key, once the agent proved it holds the token
         self._run = ""
+        # Called once a new run of the agent has proved itself on this connection (it restarted:
+        # it knows nothing of us), before the request that found it goes again; it may send
+        # requests of its own (a hello) and raise to give up.
+        self.on_new_run: Callable[[], None] | None = None
         self._ids = itertools.count(1)
         self._pid = -1
         self._ctx: zmq.Context | None = None
@@ -138,8 +142,16 @@ class AgentConnection:
                     f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
                     "another user's process may listen there; check the endpoint and who runs the agent on it"
                 )
+            previous = self._run
             self.key, self._run = client_key(self._token, run), run
+            if previous and previous != run and self.on_new_run is not None:
+                self.on_new_run()
         return sock
+
+    @property
+    def run(self) -> str:
+        """The agent run proved last ("" before any): a restarted agent is a new run."""
+        return self._run
 
     def _wait_token(self, timeout: float) -> str:
         """The cache directory's token; an agent makes it as it starts, so without one, no agent runs."""
