@@ -15,10 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.helpers.procs import children_of, worker_pids
 from tests.helpers.streaming import Consumer, reference, samples_of
 from tests.helpers.waits import stop_process, wait_for
 from tests.test_faults import assert_epoch_exact, consumer_log, wait_exit
+from wdscache import FetchError, ShardClient
+from wdscache.shared.layout import CacheLayout
 
 DEADLINE = 60.0
 
@@ -89,6 +93,31 @@ def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restar
     lines = c.wait(DEADLINE)
     assert_epoch_exact(lines, ref)
     assert len(samples_of(lines)) == len(ref)
+    assert "restarted" in c.log.read_text(errors="replace"), consumer_log(c)
+    assert any(f"downloading {u}" in again.stderr_text() for u in mine), again.stderr_tail()  # spanned the kill
+    assert again.running()
+
+
+def test_loader_fails_at_once_when_the_restarted_agent_serves_another_list(shard_server, dataset, start_agent,
+                                                                          consumers, tmp_path):
+    ds = dataset(8, samples=40, payload=1000)
+    other = tmp_path / "other" / "urls.txt"
+    other.parent.mkdir()
+    other.write_text("\n".join(ds.urls[:4]) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "8", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 8, 20, "not all 8 shards cached")
+    c = consumers(cache, "reader", "--job", "moved", "--sleep", "0.01", "--timeout", "15", "--request-size", "4")
+    wait_samples(c, 40)
+    kill_agent(agent)
+    again = start_agent(cache, other, "--prefetch", "4", "--cache-size", "10M")
+    t0 = time.monotonic()
+    rc = wait_exit(c.proc, 30, "a consumer whose agent restarted on another list")
+    took = time.monotonic() - t0
+    last = c.log.read_text(errors="replace").strip().splitlines()[-1]
+    assert rc != 0 and last.startswith("wdscache.WdsCacheError: "), last
+    assert "restarted with another URL list" in last, last
+    assert took < 15, f"the consumer failed {took:.1f}s after the restart, not at once"
     assert again.running()
 
 
@@ -130,3 +159,53 @@ def test_loader_goes_on_exactly_when_the_agents_workers_alone_are_killed(shard_s
     assert_epoch_exact(lines, ref)
     assert len(samples_of(lines)) == len(ref)
     assert agent.running()
+
+
+def test_shard_client_pins_its_open_shards_again_at_a_restarted_agent(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(3, samples=5, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "not all 3 shards cached")
+    with ShardClient(cache, timeout=10) as client:
+        held = client.open(ds.urls[0])
+        released = client.open(ds.urls[1])
+        client.release(ds.urls[1])
+        assert agent.stats()["agent"]["pinned"] == 1
+        kill_agent(agent)
+        again = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+        assert again.stats()["agent"]["pinned"] == 0  # the new run knows nothing of the client yet
+        assert client.open(ds.urls[2]) == CacheLayout.of(cache).shard_path(ds.urls[2])  # pins ours first
+        assert again.stats()["agent"]["pinned"] == 2
+        assert held.read_bytes() == ds.paths[0].read_bytes() and released.exists()
+
+
+def test_shard_client_gets_back_a_shard_a_restarted_agent_lost_before_its_next_request(
+        shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2, samples=5, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "not all 2 shards cached")
+    with ShardClient(cache, timeout=10) as client:
+        path = client.open(ds.urls[0])
+        kill_agent(agent)
+        path.unlink()  # gone while no agent ran: the new run no longer holds it
+        start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+        assert client.stats()["agent"]["pinned"] == 1
+        assert path.read_bytes() == ds.paths[0].read_bytes()
+
+
+def test_shard_client_fails_at_once_when_a_restarted_agent_cannot_pin_its_shard_again(
+        shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2, samples=5, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "not all 2 shards cached")
+    with ShardClient(cache, timeout=10) as client:
+        path = client.open(ds.urls[0])
+        kill_agent(agent)
+        path.unlink()
+        ds.paths[0].unlink()  # and gone at the source: it cannot come back
+        start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+        with pytest.raises(FetchError, match="restarted and cannot pin it again"):
+            client.stats()
+        assert client.stats()["agent"]["pinned"] == 0  # told once; the client goes on

@@ -26,6 +26,10 @@ Guarantees (for the ranks of one job with the same settings):
   workers, the timing or the machine load;
 - ``state_dict()`` of any rank resumes the job, with any world size, at exactly
   the samples not yet delivered;
+- an agent restarted mid-epoch (on the same cache directory, with the same list) is
+  taken up where the epoch stands: the epoch still delivers each sample once. With
+  no agent back within ``timeout``, the error says the agent died or restarted
+  (:class:`wdscache.training.stream.EpochStream`, "the agent restarted");
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
   (and, once replies show the sample size, of about 4 MiB of payload:
   :data:`wdscache.training.stream.REQUEST_BYTES`) are outstanding; a consumer that stops

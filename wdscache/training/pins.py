@@ -79,14 +79,6 @@ class Pins:
             self.opened.setdefault(shard, 0)
         return reply
 
-    def repin(self, shard: int, ahead: list[str], *, while_downloading: bool) -> bool:
-        """Pin ``shard`` again at a new run of the agent (it restarted and holds none of our pins),
-        without waiting; False if it does not hold the shard (cached, or downloading for
-        ``while_downloading``) now."""
-        request = {"op": "open", "reader": self.reader, "url": self.urls[shard], "ahead": ahead, "wait": False,
-                   "stream": while_downloading}
-        return bool(self.conn.request(request).get("ok"))
-
     def release(self, shard: int, *, force: bool = False) -> None:
         """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no more."""
         if self.opened.get(shard) == 0 and (force or self.remaining.get(shard, 1) == 0):

@@ -11,6 +11,12 @@ The loader hands a stream what it needs explicitly: its settings (:class:`Stream
 and the session it opened with the agent (:class:`Session`); the stream tells it back
 through the session's ``direct_failed``. One thread runs a stream; its reporter thread
 has its own connection.
+
+When the agent restarts, the stream goes on with its new run: the connection tells it
+(``on_new_run``) and it says hello again at once as the same reader; then its links move
+to the new run's workers, with every read that was out (:meth:`EpochStream._relink`), and
+its shards are pinned again (:meth:`EpochStream._repin`). What was delivered or received
+stays, so the epoch delivers each sample once; a new run serving another list ends it.
 """
 
 from __future__ import annotations
@@ -505,13 +511,13 @@ class EpochStream:
         self.repin = set(self.pins.opened)
 
     def _repin(self) -> None:
-        """Pin again, at the agent's new run, the shards we held at the one before (a shard it
-        does not hold cached is left to the reads and the download's watch: "missing" reopens
-        a read, a download forgotten is opened again)."""
+        """Pin again, at the agent's new run, the shards we held at the one before, as any open
+        (a new run checks a shard against its source before it serves it; one it no longer
+        holds is downloaded again, or fails by ``on_error``)."""
         shards, self.repin = self.repin, set()
         for shard in shards:
-            if shard in self.pins.opened and shard not in self.shards.skipped:
-                self.pins.repin(shard, self.shards.ahead(shard), while_downloading=shard in self.pins.partial)
+            if shard in self.pins.opened:  # (an open that had to wait let go of the others)
+                self.shards.open(shard, again=True, while_downloading=shard in self.pins.partial)
 
     def _accept(self, header: dict[str, Any], payload: list[Any]) -> None:
         """Take in a worker's (proved) reply: to a call, or to a read."""
@@ -564,8 +570,8 @@ class EpochStream:
     def _read_failed(self, read: Read, header: dict[str, Any]) -> None:
         items, kind = read.items, header.get("kind")
         if kind == "refused":  # not a shard's fault: never skipped
-            raise NotTrustedError(f"a worker of the agent at {self.settings.endpoint} refused this consumer "
-                                  f"(if the agent restarted meanwhile, start the epoch again): {header.get('error')}")
+            raise NotTrustedError(f"a worker of the agent at {self.settings.endpoint} refused this consumer: "
+                                  f"{header.get('error')}")
         if kind == "missing":
             # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
             # which needs the agent, so not here (we may be inside a request to it): see _recover.
