@@ -26,12 +26,11 @@ import os
 import secrets
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
 import zmq
-
-from collections import Counter
 
 from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError
 from .layout import CacheLayout

@@ -530,7 +530,7 @@ class CachedMultiLoader:
             raise
         return Session(name=name, conn=conn, hello=hello, urls=urls,
                        list_id=self._own_list_id or str(hello.get("list_id")), connect=self._connection,
-                       direct_failed=self._direct_failed, hello_again=lambda again, who: self._session(again, who)[0])
+                       direct_failed=self._direct_failed, hello_again=lambda conn, who: self._session(conn, who)[0])
 
     def _direct_failed(self, why: str) -> None:
         """A stream could not read the cache files: later epochs do not try again."""

@@ -427,8 +427,11 @@ class EpochStream:
             if self.workers is not links:
                 continue  # the agent restarted: ask the new run's worker
             self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())  # raises if the agent is gone
+            if self.new_hello is not None:
+                self._relink()
+                continue
             if time.monotonic() - self.clock.progress_at > timeout:
-                raise AgentUnavailableError(self.settings.endpoint, timeout, "its worker did not answer")
+                raise AgentUnavailableError(self.settings.endpoint, timeout, WORKERS_SILENT)
 
     def _receive(self, timeout: float = 0.1) -> None:
         """Take in worker replies (waiting up to ``timeout`` for one); resend lost requests."""
@@ -465,13 +468,13 @@ class EpochStream:
         """Take up a new run of the agent, if one proved itself (on our connection, or on the
         reporter's: it asks every second); a worker's reply without its proof (from a new
         run's worker, say) has us ask the agent at once."""
-        if self.new_hello is None:
-            seen = self.reporter.run
-            if (seen and seen != self.run) or (self.workers.dropped and time.monotonic() - self.checked_at > 0.5):
+        if self.new_hello is None and time.monotonic() - self.checked_at > 0.5:
+            dropped, seen = self.workers.dropped, self.reporter.run
+            if dropped or (seen and seen != self.run):
                 self.checked_at = time.monotonic()
                 self.workers.dropped = 0
                 self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())
-                if self.new_hello is None:
+                if self.new_hello is None and dropped:
                     self.workers.warn_dropped()
         if self.new_hello is not None:
             self._relink()
