@@ -7,19 +7,17 @@ the kill comes once the consumer has written samples (an event), never after a s
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.helpers.procs import children_of, worker_pids
 from tests.helpers.streaming import Consumer, reference, samples_of
-from tests.helpers.waits import stop_process, wait_for
+from tests.helpers.waits import wait_for
 from tests.test_faults import assert_epoch_exact, consumer_log, wait_exit
 from wdscache import FetchError, ShardClient
 from wdscache.shared.layout import CacheLayout
