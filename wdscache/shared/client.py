@@ -5,6 +5,11 @@ pins it (the agent will not evict it) until ``release(url)``; the agent moves
 this client's prefetch window to the shards after it. Pins of a client that
 stops talking to the agent are dropped after the agent's reader timeout.
 
+When the agent restarts (a new run proves itself on the connection: see
+:attr:`AgentConnection.on_new_run`), a client pins again, before its next request goes
+on, the shards it holds (downloaded again if the new run lost one); one it cannot pin is a
+:class:`~wdscache.shared.errors.FetchError` at once (its path may be gone).
+
 A client's socket belongs to the process that created it: after a fork the
 child opens its own.
 
@@ -21,6 +26,7 @@ import os
 import secrets
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,6 +37,10 @@ from .layout import CacheLayout
 from .protocol import client_key, pack, proof, same_secret, unpack, worker_key
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
+# Seconds a request waits for its reply before asking (an "auth", which any run answers
+# with its run id) whether the agent restarted meanwhile: then the request was lost with
+# the run before, and goes again to the new one.
+RUN_CHECK = 1.0
 
 
 def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> str:
@@ -61,6 +71,10 @@ class AgentConnection:
         self._cache_dir, self._token = cache_dir, token
         self.key: str | None = None  # our requests' key, once the agent proved it holds the token
         self._run = ""
+        # Called once a new run of the agent has proved itself on this connection (it restarted:
+        # it knows nothing of us), before the request that found it goes again; it may send
+        # requests of its own (a hello) and raise to give up.
+        self.on_new_run: Callable[[], None] | None = None
         self._ids = itertools.count(1)
         self._pid = -1
         self._ctx: zmq.Context | None = None
@@ -105,17 +119,32 @@ class AgentConnection:
                 return reply
         raise AssertionError("unreachable")
 
-    def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None) -> dict[str, Any]:
+    def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None, *, check_run: bool = True) -> dict[str, Any]:
+        """The reply to ``rid``. While it does not come, every RUN_CHECK seconds (``check_run``)
+        we ask which run the agent is: a new one (it restarted) never got the request, which is
+        answered then as refused for the run's key (see :meth:`_refused`)."""
         wait = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + wait
+        now = time.monotonic()
+        deadline, check_at = now + wait, now + RUN_CHECK
+        checks: set[int] = set()
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000) + 1):
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
                 raise AgentUnavailableError(self.endpoint, wait, self.hint)
+            if check_run and self._run and now >= check_at:
+                check_at = now + RUN_CHECK
+                check = next(self._ids)
+                checks.add(check)
+                sock.send_multipart(pack({"op": "auth", "id": check, "nonce": secrets.token_hex(16)}))
+            if not sock.poll(int(min(left, max(0.0, check_at - now)) * 1000) + 1):
+                continue
             reply, _ = unpack(sock.recv_multipart())
             if reply.get("id") == rid:
                 return reply
-            # A late reply to an earlier request that timed out: skip it.
+            if reply.get("id") in checks and isinstance(reply.get("run"), str) and reply["run"] != self._run:
+                return {"id": rid, "ok": False, "need_token": True, "error": "the agent restarted"}
+            # A late reply to an earlier request that timed out, or the same run's answer: skip it.
 
     def _proved(self, timeout: float | None) -> zmq.Socket:
         """The socket, once the agent behind it has proved it holds the token (asked once per run)."""
@@ -130,7 +159,7 @@ class AgentConnection:
                 )
             nonce, rid = secrets.token_hex(16), next(self._ids)
             sock.send_multipart(pack({"op": "auth", "id": rid, "nonce": nonce}))  # no key: not proved yet
-            reply = self._reply(sock, rid, timeout)
+            reply = self._reply(sock, rid, timeout, check_run=False)
             run = reply.get("run")
             if not (isinstance(run, str) and same_secret(reply.get("proof"), proof(self._token, nonce, run))):
                 raise NotTrustedError(
@@ -138,8 +167,16 @@ class AgentConnection:
                     f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
                     "another user's process may listen there; check the endpoint and who runs the agent on it"
                 )
+            previous = self._run
             self.key, self._run = client_key(self._token, run), run
+            if previous and previous != run and self.on_new_run is not None:
+                self.on_new_run()
         return sock
+
+    @property
+    def run(self) -> str:
+        """The agent run proved last ("" before any): a restarted agent is a new run."""
+        return self._run
 
     def _wait_token(self, timeout: float) -> str:
         """The cache directory's token; an agent makes it as it starts, so without one, no agent runs."""
@@ -200,22 +237,32 @@ class AgentConnection:
     ) -> dict[str, Any]:
         probe = probe or {"op": "ping", "reader": str(header.get("reader", ""))}
         every = liveness / 2 if every is None else every
-        probe_id, probe_sent = None, time.monotonic()
+        # Probes go every ``every`` seconds, answered or not (one sent as the agent died is lost,
+        # and a restarted agent answers the next); the wait ends once none is answered for ``liveness``.
+        probes: set[int] = set()
+        unanswered_since: float | None = None  # the first probe sent since the last answer
+        probe_sent = time.monotonic()
         while True:
             if sock.poll(int(min(every, liveness) * 1000 / 4) + 1):
                 reply, _ = unpack(sock.recv_multipart())
                 if reply.get("id") == rid:
                     return reply
-                if reply.get("id") == probe_id:
-                    probe_id = None
+                if reply.get("id") in probes:
+                    if reply.get("need_token"):
+                        return reply  # a new run of the agent: it never got our request (see _refused)
+                    probes.clear()
+                    unanswered_since = None
                     if on_probe is not None:
                         on_probe(reply)
                 continue
             now = time.monotonic()
-            if probe_id is not None and now - probe_sent > liveness:
+            if unanswered_since is not None and now - unanswered_since > liveness:
                 raise AgentUnavailableError(self.endpoint, liveness, self.hint)
-            if probe_id is None and now - probe_sent > every:
+            if now - probe_sent > every:
                 probe_id, probe_sent = next(self._ids), now
+                probes.add(probe_id)
+                if unanswered_since is None:
+                    unanswered_since = now
                 sock.send_multipart(pack({**probe, "id": probe_id, "key": self.key}))
 
     def close(self) -> None:
@@ -245,6 +292,8 @@ class ShardClient:
             resolve_endpoint(cache_dir, endpoint), timeout=timeout, hint=start_hint(cache_dir),
             cache_dir=cache_dir, token=token,
         )
+        self._conn.on_new_run = self._pin_again
+        self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
         """Wait until ``url`` is cached and pin it; returns the shard's local path."""
@@ -256,11 +305,26 @@ class ShardClient:
             reply = self._conn.request(header, timeout=timeout)
         if not reply.get("ok"):
             raise FetchError(url, str(reply.get("error", "unknown error")), permanent=True)
+        self._held[url] += 1
         return Path(reply["path"])
 
     def release(self, url: str) -> None:
         """Unpin ``url``: the agent may evict it again."""
         self._check(self._conn.request({"op": "release", "reader": self.name, "url": url}))
+        self._held[url] -= 1
+        if self._held[url] <= 0:
+            del self._held[url]
+
+    def _pin_again(self) -> None:
+        """The agent restarted and holds none of our pins: take them again (a new run checks
+        a shard against its source first, and downloads again one it no longer holds)."""
+        for url, n in list(self._held.items()):
+            for _ in range(n):
+                reply = self._conn.request({"op": "open", "reader": self.name, "url": url})
+                if not reply.get("ok"):
+                    del self._held[url]
+                    raise FetchError(url, f"the agent at {self._conn.endpoint} restarted and cannot pin it again "
+                                     f"({reply.get('error')}); its path may be gone", permanent=True)
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The agent's live statistics (the object ``wdscache stats --json`` prints)."""

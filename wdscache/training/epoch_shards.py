@@ -155,7 +155,8 @@ class EpochShards:
 
     # -- pins ---------------------------------------------------------------------
 
-    def _ahead(self, shard: int) -> list[str]:
+    def ahead(self, shard: int) -> list[str]:
+        """Our window from ``shard``: the shards we read after it."""
         pos = self.order_pos.get(shard, len(self.order))  # not ours: a repeat of another node's sample
         nxt = self.order[pos + 1 : pos + 1 + self.prefetch]
         nxt += self.next_order[: self.prefetch - len(nxt)]
@@ -166,7 +167,7 @@ class EpochShards:
         raised or skipped (:meth:`failed`)."""
         if shard in self.skipped or (shard in self.pins.opened and not again):
             return
-        reply = self.pins.open(shard, self._ahead(shard), again=again, while_downloading=while_downloading,
+        reply = self.pins.open(shard, self.ahead(shard), again=again, while_downloading=while_downloading,
                                before_wait=self.hold_nothing, on_status=lambda status: self.clock.heard(shard, status))
         if not reply.get("ok"):
             self.failed(shard, self.failure(shard, reply))

@@ -31,6 +31,10 @@ Guarantees (for the ranks of one job with the same settings):
   hold when the loader is made and as each epoch starts in the rank's own process
   (:mod:`wdscache.training.node_lists`): if they differ, every rank raises the same
   ``ConfigError`` instead of starting an epoch of unequal counts;
+- an agent restarted mid-epoch (on the same cache directory, with the same list) is
+  taken up where the epoch stands: the epoch still delivers each sample once. With
+  no agent back within ``timeout``, the error says the agent died or restarted
+  (:class:`wdscache.training.stream.EpochStream`, "the agent restarted");
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
   (and, once replies show the sample size, of about 4 MiB of payload:
   :data:`wdscache.training.stream.REQUEST_BYTES`) are outstanding; a consumer that stops
@@ -562,7 +566,7 @@ class CachedMultiLoader:
             raise
         return Session(name=name, conn=conn, hello=hello, urls=urls,
                        list_id=self._own_list_id or str(hello.get("list_id")), connect=self._connection,
-                       direct_failed=self._direct_failed)
+                       direct_failed=self._direct_failed, hello_again=lambda conn, who: self._session(conn, who)[0])
 
     def _direct_failed(self, why: str) -> None:
         """A stream could not read the cache files: later epochs do not try again."""

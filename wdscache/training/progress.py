@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, FetchError
 
+WORKERS_SILENT = "its workers did not answer"  # the hint of a stall while the agent itself answers
 Waited = tuple[int | None, dict[str, Any] | None]  # the shard waited for (None: none), and its status if known
 
 
@@ -54,7 +55,7 @@ class ProgressClock:
         if shard is None:
             # Nothing of ours is downloading: our reads went unanswered. Is the agent there?
             self.conn.request({"op": "ping", "reader": self.reader}, timeout=min(2.0, timeout))
-            raise AgentUnavailableError(self.endpoint, timeout, "its workers did not answer")
+            raise AgentUnavailableError(self.endpoint, timeout, WORKERS_SILENT)
         url = self.urls[shard]
         if status is None:
             status = self.conn.request({"op": "status", "reader": self.reader, "url": url},

@@ -13,6 +13,7 @@ NEW       sent to a worker                                              SENT
 SENT      the reply's samples decoded                                   ANSWERED
 SENT      a failure not of one shard, skipped (``on_error="skip"``)     ANSWERED
 SENT      no reply in time: sent again (``resends`` + 1)                SENT
+SENT      the agent restarted: sent again to its new run's workers      SENT
 SENT      a direct read failed: sent again, the bytes over the socket   SENT
 SENT      one of its shards failed, skipped: the rest sent again        SENT
 SENT      "pending": its shard's download started over, lacks them yet  DELAYED

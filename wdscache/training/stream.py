@@ -11,6 +11,12 @@ The loader hands a stream what it needs explicitly: its settings (:class:`Stream
 and the session it opened with the agent (:class:`Session`); the stream tells it back
 through the session's ``direct_failed``. One thread runs a stream; its reporter thread
 has its own connection.
+
+When the agent restarts, the stream goes on with its new run: the connection tells it
+(``on_new_run``) and it says hello again at once as the same reader; then its links move
+to the new run's workers, with every read that was out (:meth:`EpochStream._relink`), and
+its shards are pinned again (:meth:`EpochStream._repin`). What was delivered or received
+stays, so the epoch delivers each sample once; a new run serving another list ends it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from .direct import CacheFiles, StaleFile
 from .epoch_shards import EpochShards, shard_error
 from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
 from .pins import STATUS_EVERY, Pins
-from .progress import ProgressClock, Waited
+from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .reads import Item, Read, ReadState, ReadTable
 from .replies import decode_reply, with_holes
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
@@ -83,6 +89,8 @@ class Session:
     list_id: str
     connect: Callable[[float], AgentConnection]  # another connection (the reporter thread's own)
     direct_failed: Callable[[str], None]  # why direct reads failed: the loader does not try them again
+    # The hello again, as the same reader, to a new run of the agent (it restarted); returns its answer.
+    hello_again: Callable[[AgentConnection, str], dict[str, Any]]
 
 
 def epoch_ids(spec: EpochSpec | NodeSpec, share: RankShare | NodeShare, pins: Pins,
@@ -170,6 +178,13 @@ class EpochStream:
         self.epoch = epoch
         self.reporter = Reporter(session.connect, {"op": "report", "reader": self.name, "job": s.job,
                                                    "rank": s.rank}, self._figures)
+        # The agent run our links and pins belong to; a new one (the agent restarted) is taken up
+        # by _new_run (its hello, at once) and _relink (links and reads, then pins: _repin).
+        self.run = self.conn.run
+        self.new_hello: dict[str, Any] | None = None  # a new run's answer to our hello, not linked yet
+        self.repin: set[int] = set()  # shards pinned at an earlier run, to pin at this one
+        self.checked_at = 0.0  # when we last asked the agent because a worker's reply was not proved
+        self.conn.on_new_run = self._new_run
 
     # -- the rank's share -------------------------------------------------------
 
@@ -195,6 +210,15 @@ class EpochStream:
     def samples(self) -> Iterator[dict[str, Any]]:
         try:
             yield from self._pipeline()
+        except AgentUnavailableError as exc:
+            self.broken = True
+            if exc.hint == WORKERS_SILENT:  # the agent answered: not gone
+                raise
+            # It served this epoch, then went silent: it died, or restarted and is not back.
+            raise AgentUnavailableError(
+                exc.endpoint, exc.timeout,
+                "the agent that served this epoch died or restarted and no run of it answered again in time "
+                f"(a restarted agent is taken up where the epoch stands); {exc.hint}".rstrip("; ")) from None
         except WdsCacheError:
             self.broken = True  # the agent may be gone: do not wait for it again on the way out
             raise
@@ -223,6 +247,8 @@ class EpochStream:
         while True:
             t0 = time.perf_counter()
             stalled = False
+            if self.repin:
+                self._repin()
             if reads.reopening or reads.delayed:
                 self._recover()
             # Reads waiting to be pinned again do not count: their samples are not here.
@@ -389,22 +415,30 @@ class EpochStream:
         """
         timeout = self.settings.timeout
         while True:
-            rid = self.workers.send(worker, dict(header), "c")
+            links = self.workers
+            rid = links.send(worker % len(links), dict(header), "c")  # a new run may have fewer workers
             self.call_replies[rid] = None
             again = time.monotonic() + min(5.0, timeout / 2)
-            while self.call_replies[rid] is None and time.monotonic() < again:
+            while self.call_replies[rid] is None and time.monotonic() < again and self.workers is links:
                 self._receive()
             reply = self.call_replies.pop(rid)
             if reply is not None:
                 return reply
+            if self.workers is not links:
+                continue  # the agent restarted: ask the new run's worker
             self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())  # raises if the agent is gone
+            if self.new_hello is not None:
+                self._relink()
+                continue
             if time.monotonic() - self.clock.progress_at > timeout:
-                raise AgentUnavailableError(self.settings.endpoint, timeout, "its worker did not answer")
+                raise AgentUnavailableError(self.settings.endpoint, timeout, WORKERS_SILENT)
 
     def _receive(self, timeout: float = 0.1) -> None:
         """Take in worker replies (waiting up to ``timeout`` for one); resend lost requests."""
+        self._check_run()
         for header, payload in self.workers.replies(timeout):
             self._accept(header, payload)
+        self._check_run()
         now = time.monotonic()
         reads = self.reads
         if reads.delayed:
@@ -418,12 +452,75 @@ class EpochStream:
                 # unless the agent itself is gone (then this raises a clear error within the
                 # timeout, no hang).
                 self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())
+                if self.new_hello is not None:
+                    self._relink()  # the agent restarted: every read went again, to its new workers
+                    return
                 read.resends += 1
                 if read.resends > MAX_RESENDS:
                     url = self.urls[read.items[read.sent[0]][1][0]]
                     raise ShardError(url, f"no worker answered {MAX_RESENDS + 1} times; a worker may die reading it")
                 log.info("request to worker %d timed out; resending", read.worker)
                 self._dispatch(read)
+
+    # -- the agent restarted --------------------------------------------------------
+
+    def _check_run(self) -> None:
+        """Take up a new run of the agent, if one proved itself (on our connection, or on the
+        reporter's: it asks every second); a worker's reply without its proof (from a new
+        run's worker, say) has us ask the agent at once."""
+        if self.new_hello is None and time.monotonic() - self.checked_at > 0.5:
+            dropped, seen = self.workers.dropped, self.reporter.run
+            if dropped or (seen and seen != self.run):
+                self.checked_at = time.monotonic()
+                self.workers.dropped = 0
+                self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())
+                if self.new_hello is None and dropped:
+                    self.workers.warn_dropped()
+        if self.new_hello is not None:
+            self._relink()
+
+    def _new_run(self) -> None:
+        """A new run of the agent proved itself on our connection: it knows nothing of us. Say
+        hello again as the same reader (at once, before the request that found it goes on) and
+        check that it serves the list we read; the links move later (:meth:`_relink`)."""
+        hello = self.session.hello_again(self.conn, self.name)
+        if hello.get("list_id") != self.session.hello.get("list_id"):
+            raise WdsCacheError(
+                f"the agent at {self.settings.endpoint} restarted with another URL list than this epoch reads, "
+                "so it cannot go on exactly: start the epoch again, or load the last state_dict() into a loader "
+                "of the new list's job")
+        self.new_hello = hello
+
+    def _relink(self) -> None:
+        """Move to the new run's workers: every read at an earlier run's worker goes again (the
+        reply of one that had answered is dropped unproved), and our pins are taken again at
+        the main loop's next turn (:meth:`_repin`). What was delivered and what came back stay:
+        the epoch goes on at exactly the samples not here yet."""
+        hello, self.new_hello = self.new_hello, None
+        assert hello is not None
+        old, run = self.workers, self.conn.run
+        endpoints = hello["workers"]
+        self.workers = WorkerLinks(endpoints, [self.conn.worker_key(i) or "" for i in range(len(endpoints))],
+                                   ids=old.ids)
+        old.close()
+        if not self.workers:
+            raise WdsCacheError(f"the agent at {self.settings.endpoint} restarted with no workers")
+        self.run = run
+        sent = self.reads.in_state(ReadState.SENT)
+        log.warning("the agent at %s restarted: said hello to it again; sending %d reads again and pinning "
+                    "%d shards again", self.settings.endpoint, len(sent), len(self.pins.opened))
+        for read in sent:
+            self._dispatch(read, direct=read.direct)
+        self.repin = set(self.pins.opened)
+
+    def _repin(self) -> None:
+        """Pin again, at the agent's new run, the shards we held at the one before, as any open
+        (a new run checks a shard against its source before it serves it; one it no longer
+        holds is downloaded again, or fails by ``on_error``)."""
+        shards, self.repin = self.repin, set()
+        for shard in shards:
+            if shard in self.pins.opened:  # (an open that had to wait let go of the others)
+                self.shards.open(shard, again=True, while_downloading=shard in self.pins.partial)
 
     def _accept(self, header: dict[str, Any], payload: list[Any]) -> None:
         """Take in a worker's (proved) reply: to a call, or to a read."""
@@ -476,8 +573,8 @@ class EpochStream:
     def _read_failed(self, read: Read, header: dict[str, Any]) -> None:
         items, kind = read.items, header.get("kind")
         if kind == "refused":  # not a shard's fault: never skipped
-            raise NotTrustedError(f"a worker of the agent at {self.settings.endpoint} refused this consumer "
-                                  f"(if the agent restarted meanwhile, start the epoch again): {header.get('error')}")
+            raise NotTrustedError(f"a worker of the agent at {self.settings.endpoint} refused this consumer: "
+                                  f"{header.get('error')}")
         if kind == "missing":
             # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
             # which needs the agent, so not here (we may be inside a request to it): see _recover.
@@ -554,6 +651,7 @@ class Reporter:
     def __init__(self, connect: Callable[[float], AgentConnection], base: dict[str, Any],
                  figures: Callable[[], dict[str, Any]]) -> None:
         self.connect, self.base, self.figures = connect, base, figures
+        self.run = ""  # the agent run its connection proved last (read by the stream's thread)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="wdscache-report", daemon=True)
         self._thread.start()
@@ -569,8 +667,10 @@ class Reporter:
                 last = (now, n)
                 try:
                     conn.request({**self.base, **figures, "rate": round(rate, 1)})
-                except AgentUnavailableError:
+                except (AgentUnavailableError, NotTrustedError):
                     continue
+                finally:
+                    self.run = conn.run
         finally:
             conn.close()
 

@@ -4,8 +4,10 @@ epoch stream: requests go out proved, and replies come in only proved.
 Every request carries ``auth``, the proof of its id under that worker's key (the worker
 refuses a request without it), and every reply must carry ``proof``, the proof of the id it
 answers (see :mod:`wdscache.shared.protocol`). A reply without it is dropped before anything of it
-is used, as if lost (the request is sent again in time), and warned of once: another process
-may hold that worker's port. Request ids are unique within the links (their own sockets).
+is used, as if lost (the request is sent again in time), and counted (``dropped``): the stream
+asks the agent then whether it restarted (its new workers prove with new keys), and if not,
+has it warned of once (:meth:`WorkerLinks.warn_dropped`): another process may hold that port. Request ids are unique within the
+links (their own sockets).
 
 The links belong to the thread that made them, as ZeroMQ sockets do.
 """
@@ -23,11 +25,12 @@ from ..shared.logs import get_logger
 
 log = get_logger(__name__)
 
-
 class WorkerLinks:
     """Sockets to the workers at ``endpoints``, whose keys are ``keys`` (in the same order)."""
 
-    def __init__(self, endpoints: Sequence[str], keys: Sequence[str]) -> None:
+    def __init__(self, endpoints: Sequence[str], keys: Sequence[str], ids: Iterator[int] | None = None) -> None:
+        """``ids``: the request numbers to go on with (the links replaced, as when the agent
+        restarted), so that no id repeats within the stream."""
         self.endpoints = list(endpoints)
         self.proofs = [WorkerProofs(key) for key in keys]
         self.ctx = zmq.Context()
@@ -36,7 +39,9 @@ class WorkerLinks:
         for sock in self.sockets:
             self.poller.register(sock, zmq.POLLIN)
         self._turns = itertools.count()
-        self._ids = itertools.count()
+        self.ids = ids if ids is not None else itertools.count()
+        self.dropped = 0  # replies dropped without their proof, since the stream last looked
+        self._dropped_from = ""  # the endpoint of the latest
         self._warned = False
 
     def _connect(self, endpoint: str) -> zmq.Socket:
@@ -55,7 +60,7 @@ class WorkerLinks:
     def send(self, worker: int, request: dict[str, Any], kind: str) -> str:
         """Send ``request`` to ``worker`` with a new id (``kind`` and a number) and its proof;
         returns the id."""
-        rid = f"{kind}{next(self._ids)}"
+        rid = f"{kind}{next(self.ids)}"
         request["id"] = rid
         request["auth"] = self.proofs[worker].request(rid)
         self.sockets[worker].send_multipart(pack(request))
@@ -84,11 +89,16 @@ class WorkerLinks:
                 return header, payload
         except ProtocolError:
             pass
+        self.dropped += 1
+        self._dropped_from = self.endpoints[worker]
+        return None
+
+    def warn_dropped(self) -> None:
+        """Warn (once) of replies dropped without their proof that no restart of the agent explains."""
         if not self._warned:
             self._warned = True
             log.warning("a reply from %s without the worker's proof was dropped: another process may hold "
-                        "that port", self.endpoints[worker])
-        return None
+                        "that port", self._dropped_from)
 
     def close(self) -> None:
         for sock in self.sockets:

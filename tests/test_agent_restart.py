@@ -1,0 +1,209 @@
+"""A loader across its agent's restart: it proves the new run, says hello again and goes on
+exactly; with no agent back within its timeout it fails saying the agent died or restarted.
+
+Real agents through the CLI, real consumer processes (tests/consumer.py), the real shard server;
+the kill comes once the consumer has written samples (an event), never after a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from tests.helpers.procs import children_of, worker_pids
+from tests.helpers.streaming import Consumer, reference, samples_of
+from tests.helpers.waits import wait_for
+from tests.test_faults import assert_epoch_exact, consumer_log, wait_exit
+from wdscache import FetchError, ShardClient
+from wdscache.shared.layout import CacheLayout
+
+DEADLINE = 60.0
+
+
+def lines_written(c: Consumer) -> int:
+    """Samples the consumer has written so far (it writes line by line)."""
+    try:
+        return c.out.read_text().count('"key"')
+    except FileNotFoundError:
+        return 0
+
+
+def wait_samples(c: Consumer, n: int, timeout: float = 30.0) -> None:
+    def enough() -> bool:
+        assert c.proc.poll() is None, f"the consumer ended before {n} samples\n{consumer_log(c)}"
+        return lines_written(c) >= n
+    wait_for(enough, timeout, lambda: f"the consumer never wrote {n} samples\n{consumer_log(c)}", interval=0.02)
+
+
+def kill_agent(agent: Any) -> None:
+    """SIGKILL the agent, and wait until its workers are gone too (they watch it)."""
+    workers = worker_pids(agent.pid)
+    agent.proc.send_signal(signal.SIGKILL)
+    assert agent.proc.wait(10) == -signal.SIGKILL
+    wait_for(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), 10,
+             lambda: f"the killed agent's workers still alive: {workers}")
+
+
+def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(shard_server, dataset, start_agent,
+                                                                       consumers, tmp_path):
+    ds = dataset(8, samples=40, payload=1000)  # 320 samples
+    ref = reference(ds.paths, ds.urls)
+    cache = tmp_path / "cache"
+    args = ("--workers", "2", "--prefetch", "8", "--cache-size", "10M")
+    agent = start_agent(cache, ds.list_file, *args)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 8, 20, "not all 8 shards cached")
+    c = consumers(cache, "reader", "--job", "rs", "--sleep", "0.01", "--timeout", "15", "--request-size", "4")
+    wait_samples(c, 40)
+    kill_agent(agent)
+    t0 = time.monotonic()
+    again = start_agent(cache, ds.list_file, *args)
+    lines = c.wait(DEADLINE)
+    print(f"consumer finished {time.monotonic() - t0:.1f}s after the restart")
+    assert_epoch_exact(lines, ref)
+    assert len(samples_of(lines)) == len(ref)
+    text = c.log.read_text(errors="replace")
+    assert "without the worker's proof" not in text, text[-3000:]
+    assert re.search(r"agent .*restarted", text), text[-3000:]
+    assert again.running()
+
+
+def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restart(
+        shard_server, dataset, start_agent, consumers, tmp_path):
+    """A consumer's own list (the new agent is told it again) and shards downloading at the kill."""
+    ds = dataset(8, samples=30, payload=3000)  # ~100 KB shards, served at 400 KB/s: downloads span the kill
+    mine = ds.urls[:6]
+    ref = reference(ds.paths[:6], mine)
+    own = tmp_path / "own.txt"
+    own.write_text("\n".join(mine) + "\n")
+    shard_server.rate = 400_000
+    cache = tmp_path / "cache"
+    args = ("--workers", "1", "--prefetch", "2", "--cache-size", "10M")
+    agent = start_agent(cache, ds.list_file, *args)
+    c = consumers(cache, "reader", "--job", "own", "--urls", str(own), "--timeout", "15")
+    wait_samples(c, 50)
+    kill_agent(agent)
+    again = start_agent(cache, ds.list_file, *args)
+    lines = c.wait(DEADLINE)
+    assert_epoch_exact(lines, ref)
+    assert len(samples_of(lines)) == len(ref)
+    assert "restarted" in c.log.read_text(errors="replace"), consumer_log(c)
+    assert any(f"downloading {u}" in again.stderr_text() for u in mine), again.stderr_tail()  # spanned the kill
+    assert again.running()
+
+
+def test_loader_fails_at_once_when_the_restarted_agent_serves_another_list(shard_server, dataset, start_agent,
+                                                                          consumers, tmp_path):
+    ds = dataset(8, samples=40, payload=1000)
+    other = tmp_path / "other" / "urls.txt"
+    other.parent.mkdir()
+    other.write_text("\n".join(ds.urls[:4]) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "8", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 8, 20, "not all 8 shards cached")
+    c = consumers(cache, "reader", "--job", "moved", "--sleep", "0.01", "--timeout", "15", "--request-size", "4")
+    wait_samples(c, 40)
+    kill_agent(agent)
+    again = start_agent(cache, other, "--prefetch", "4", "--cache-size", "10M")
+    t0 = time.monotonic()
+    rc = wait_exit(c.proc, 30, "a consumer whose agent restarted on another list")
+    took = time.monotonic() - t0
+    last = c.log.read_text(errors="replace").strip().splitlines()[-1]
+    assert rc != 0 and last.startswith("wdscache.WdsCacheError: "), last
+    assert "restarted with another URL list" in last, last
+    assert took < 15, f"the consumer failed {took:.1f}s after the restart, not at once"
+    assert again.running()
+
+
+def test_loader_whose_agent_does_not_come_back_fails_within_its_timeout_naming_the_death(
+        shard_server, dataset, start_agent, consumers, tmp_path):
+    ds = dataset(8, samples=40, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "8", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 8, 20, "not all 8 shards cached")
+    c = consumers(cache, "reader", "--job", "gone", "--sleep", "0.01", "--timeout", "4", "--request-size", "4")
+    wait_samples(c, 40)
+    kill_agent(agent)
+    t0 = time.monotonic()
+    rc = wait_exit(c.proc, 30, "a consumer whose agent died")
+    took = time.monotonic() - t0
+    text = c.log.read_text(errors="replace")
+    assert rc != 0, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("wdscache.AgentUnavailableError: "), last
+    assert "died or restarted" in last and str(cache) in last, last
+    assert "its workers did not answer" not in last, last
+    assert took < 4 + 3, f"the consumer failed {took:.1f}s after the kill, its timeout is 4 s"
+
+
+def test_loader_goes_on_exactly_when_the_agents_workers_alone_are_killed(shard_server, dataset, start_agent,
+                                                                         consumers, tmp_path):
+    ds = dataset(8, samples=40, payload=1000)
+    ref = reference(ds.paths, ds.urls)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--workers", "2", "--prefetch", "8", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 8, 20, "not all 8 shards cached")
+    workers = wait_for(lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)), 10,
+                       lambda: f"2 workers not found among {children_of(agent.pid)}")
+    c = consumers(cache, "reader", "--job", "wk", "--sleep", "0.01", "--timeout", "15", "--request-size", "4")
+    wait_samples(c, 40)
+    for w in workers:
+        os.kill(w, signal.SIGKILL)
+    lines = c.wait(DEADLINE)
+    assert_epoch_exact(lines, ref)
+    assert len(samples_of(lines)) == len(ref)
+    assert agent.running()
+
+
+def test_shard_client_pins_its_open_shards_again_at_a_restarted_agent(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(3, samples=5, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "not all 3 shards cached")
+    with ShardClient(cache, timeout=10) as client:
+        held = client.open(ds.urls[0])
+        released = client.open(ds.urls[1])
+        client.release(ds.urls[1])
+        assert agent.stats()["agent"]["pinned"] == 1
+        kill_agent(agent)
+        again = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+        assert again.stats()["agent"]["pinned"] == 0  # the new run knows nothing of the client yet
+        assert client.open(ds.urls[2]) == CacheLayout.of(cache).shard_path(ds.urls[2])  # pins ours first
+        assert again.stats()["agent"]["pinned"] == 2
+        assert held.read_bytes() == ds.paths[0].read_bytes() and released.exists()
+
+
+def test_shard_client_gets_back_a_shard_a_restarted_agent_lost_before_its_next_request(
+        shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2, samples=5, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "not all 2 shards cached")
+    with ShardClient(cache, timeout=10) as client:
+        path = client.open(ds.urls[0])
+        kill_agent(agent)
+        path.unlink()  # gone while no agent ran: the new run no longer holds it
+        start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+        assert client.stats()["agent"]["pinned"] == 1
+        assert path.read_bytes() == ds.paths[0].read_bytes()
+
+
+def test_shard_client_fails_at_once_when_a_restarted_agent_cannot_pin_its_shard_again(
+        shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2, samples=5, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "not all 2 shards cached")
+    with ShardClient(cache, timeout=10) as client:
+        path = client.open(ds.urls[0])
+        kill_agent(agent)
+        path.unlink()
+        ds.paths[0].unlink()  # and gone at the source: it cannot come back
+        start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+        with pytest.raises(FetchError, match="restarted and cannot pin it again"):
+            client.stats()
+        assert client.stats()["agent"]["pinned"] == 0  # told once; the client goes on
