@@ -322,7 +322,7 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
                    + (f", {len(result.failed)} failed:" if result.failed else ""))
         for url, error in result.failed.items():
             click.echo(f"  {url}: {error}")
-    sys.exit(1 if result.failed else 0)
+    sys.exit(1 if result.failed or result.cached < result.total else 0)
 
 
 @main.command(name="ls")
