@@ -259,3 +259,43 @@ def test_verify_with_a_shard_index_catches_a_same_size_change(tmp_path, dataset,
     # A plain URL list is not an index: exit 2, naming it.
     r = run_cli("verify", "--cache-dir", cache, "--index", data.list_file)
     assert r.returncode == 2 and f"{data.list_file}: not a shard index" in r.stderr, r.stderr
+
+
+def test_prefetch_beside_a_reader_gives_way_to_it_downloads_each_shard_once_and_says_so(
+        tmp_path, dataset, shard_server, start_agent, run_cli):
+    data = dataset(20, samples=4, payload=300)
+    reads = dataset(2, samples=4, payload=300, prefix="read", list_name="read.txt")
+    size = data.paths[0].stat().st_size
+    cache = tmp_path / "cache"
+    budget = 5 * size + size // 2
+    agent = start_agent(cache, reads.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", str(budget),
+                        "--download-workers", "1")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the reader's first shard cached")
+    shard_server.fail(data.paths[3].name, "stall", after=1000, seconds=5)  # a reader comes meanwhile
+    prefetch = subprocess.Popen([wdscache_exe(), "prefetch", *data.urls, "--cache-dir", cache],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+    try:
+        agent.wait_stats(lambda s: s["shards"]["cached"] == 4 and s["agent"]["bytes_reserved"] == size, 20,
+                         "3 shards prefetched and the 4th downloading")
+        # The reader holds its first shard and waits for its second: the budget is full, and the
+        # reader wins: one of the 3 prefetched goes (and is not downloaded again).
+        assert conn.request({"op": "open", "reader": "reader", "url": reads.urls[0]})["ok"]
+        assert conn.request({"op": "open", "reader": "reader", "url": reads.urls[1]})["ok"]
+        out, err = prefetch.communicate(timeout=60)
+    finally:
+        conn.close()
+        if prefetch.poll() is None:
+            prefetch.kill()
+            prefetch.wait(5)
+    assert prefetch.returncode == 1, err
+    assert _prefetch_gets(shard_server, data) == [1] * 5 + [0] * 15
+    cached = _cached_of(run_cli, cache, data.urls)
+    [evicted] = set(data.urls[:3]) - set(cached)
+    assert cached == [u for u in data.urls[:4] if u != evicted], cached
+    lines = out.splitlines()
+    assert f"3 of 20 shard(s) cached ({_size(data, [data.urls.index(u) for u in cached])}), 17 failed:" in lines, out
+    assert f"  {evicted}: cached, then evicted to make room for a shard readers need" in lines, out
+    failed = _budget_failures("\n".join(line for line in lines if evicted not in line), data, format_size(budget), 3,
+                              f" beside {format_size(2 * size)} that readers hold or read next")
+    assert sorted(failed) == sorted(data.urls[4:]), failed

@@ -102,7 +102,6 @@ class Downloads:
         self._early_counts: dict[str, int] = {}  # url -> samples a worker counted before its end was recorded
         self._finished_bytes = 0  # bytes written by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
-        self._hold = PrefetchHold()
         self._no_room: list[NoRoom] = []  # prefetches given up since no_room() was last called
 
     def start_threads(self) -> None:
@@ -216,8 +215,7 @@ class Downloads:
                     self._preempt()
                 break
             self._start(url, demanded=url in demanded)
-        self._hold = hold
-        readable = self._answer_grants(want)
+        readable = self._answer_grants(want, hold)
         self._cache.keep_margin(want)
         return readable
 
@@ -281,12 +279,11 @@ class Downloads:
         """A thread's budget request (answered at the next :meth:`schedule`)."""
         self._grants.append(grant)
 
-    def _answer_grants(self, want: Sequence[str]) -> list[str]:
+    def _answer_grants(self, want: Sequence[str], hold: PrefetchHold) -> list[str]:
         rank = {u: i for i, u in enumerate(want)}
         self._grants.sort(key=lambda g: (not g.download.demanded, rank.get(g.download.url, len(rank))))
         pending, readable = [], []
         waits: dict[str, str] = {}
-        hold = self._hold
         for g in self._grants:
             with g.lock:
                 if g.withdrawn:
@@ -305,11 +302,15 @@ class Downloads:
                     g.event.set()
                     if self.readable_partial(g.download.url):
                         readable.append(g.download.url)
-                elif prefetch_only and self._never_fits(g, want):
-                    pending.append(g)
                 else:
                     pending.append(g)
-                    if self._cache.refusal is not None:
+                    no_room = self._never_fits(g, want, hold) if prefetch_only else None
+                    if no_room is not None:
+                        log.info("giving up the prefetch of %s: %s do not fit beside the shards prefetches and "
+                                 "readers hold", no_room.url, format_size(no_room.need))
+                        g.download.cancel.set()  # before a byte of its body is written
+                        self._no_room.append(no_room)
+                    elif self._cache.refusal is not None:
                         self._waits_for_space(g.download.url, *self._cache.refusal, waits)
         self._grants = pending
         self._break_growth_deadlock(pending)
@@ -317,12 +318,12 @@ class Downloads:
         self._space_said = {u: said for u, said in self._space_said.items() if u in waits}
         return readable
 
-    def _never_fits(self, g: Grant, want: Sequence[str]) -> bool:
-        """A download only prefetches want was refused: if it cannot fit in the budget beside the
-        shards prefetches hold, those readers hold (pinned, or in their windows: a reader's window
-        wins over a prefetch's wish) and the reservations of the other downloads, it is cancelled
-        (before its body is written) and reported by :meth:`no_room` (True)."""
-        d, hold, cache = g.download, self._hold, self._cache
+    def _never_fits(self, g: Grant, want: Sequence[str], hold: PrefetchHold) -> NoRoom | None:
+        """Why a refused download only prefetches want is to be given up, if it is: it cannot fit in
+        the budget beside the shards prefetches hold, those readers hold (pinned, or in their
+        windows: a reader's window wins over a prefetch's wish) and the other downloads' reservations.
+        None: it waits (the file system's free space runs short, or room is being made)."""
+        d, cache = g.download, self._cache
         readers = 0
         for url in set(cache.pins).union(want):
             rec = cache.index.get(url)
@@ -331,15 +332,11 @@ class Downloads:
         reserved = sum(o.reserved for u, o in cache.inflight.items() if u != d.url)
         need = max(g.total, d.needed)
         if need <= cache.limit - readers - hold.held_bytes - reserved:
-            return False  # the file system's free space runs short, or room is being made: it waits
-        log.info("giving up the prefetch of %s: %s do not fit beside the shards prefetches and readers hold",
-                 d.url, format_size(need))
-        d.cancel.set()
-        self._no_room.append(NoRoom(d.url, need, readers))
-        return True
+            return None
+        return NoRoom(d.url, need, readers)
 
     def no_room(self) -> list[NoRoom]:
-        """The downloads only prefetches wanted given up since the last call (see :meth:`_never_fits`)."""
+        """The downloads only prefetches wanted given up (cancelled) since the last call (see :meth:`_never_fits`)."""
         out, self._no_room = self._no_room, []
         return out
 

@@ -30,6 +30,7 @@ import enum
 import logging
 import time
 from collections.abc import Collection, Iterable
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +43,7 @@ from .downloads import Downloads, NoRoom, PrefetchHold
 log = logging.getLogger(__name__)
 
 MAX_PENDING = 1_000_000  # shards waiting to be prefetched at most, over every prefetch
+MAX_CHANGES = 4096  # changes in one status reply at most (and at most PAGE_BYTES of them)
 EXPIRE_AFTER = 60.0  # seconds a prefetch is kept without a word from its command (it polls every fraction of one)
 
 
@@ -136,7 +138,7 @@ class Prefetches:
             return None
         p.seen = time.monotonic()
         changes, size = [], 0
-        for url in list(p.changed):
+        for url in list(islice(p.changed, MAX_CHANGES)):  # a bounded copy: the rest wait for the next status
             if size >= PAGE_BYTES:
                 break
             del p.changed[url]
@@ -251,7 +253,8 @@ class Prefetches:
 
     def failed(self, url: str, error: str) -> None:
         for p in self._asking.get(url, ()):
-            self._set(p, url, Asked.FAILED, error=error)
+            if p.states[url] is not Asked.FAILED:  # told once why
+                self._set(p, url, Asked.FAILED, error=error)
 
     def gone(self, url: str, why: str) -> None:
         for p in self._asking.get(url, ()):
