@@ -234,7 +234,7 @@ def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: 
     until downloads wait for space ``give_up_after`` seconds with no progress (the rest then fail).
 
     Each shard is downloaded at most once, and never evicted for another of ``urls``: once the
-    budget (less what readers hold pinned) is full of them, the rest fail with a reason naming it
+    budget (less what readers hold) is full of them, the rest fail with a reason naming it
     (:mod:`wdscache.agent.prefetches`). ``report`` is called with the progress about every
     :data:`POLL` seconds; the last one is returned, its ``cached`` the shards cached at the end."""
     layout = CacheLayout.of(cache_dir)
