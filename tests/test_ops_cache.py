@@ -13,7 +13,9 @@ import re
 import subprocess
 
 from scripts.console import wdscache_exe
+from tests.helpers.disks import fill
 from wdscache.shared.client import AgentConnection
+from wdscache.shared.config import format_size
 from wdscache.shared.layout import CacheLayout
 
 
@@ -65,7 +67,6 @@ def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, ru
 
 
 def _size(data, which=None) -> str:
-    from wdscache.shared.config import format_size
     paths = data.paths if which is None else [data.paths[i] for i in which]
     return format_size(sum(p.stat().st_size for p in paths))
 
@@ -127,7 +128,8 @@ def test_prefetch_draws_a_progress_bar_on_a_terminal(tmp_path, dataset):
     assert text.rstrip().endswith(f"2 of 2 shard(s) cached ({_size(data)})"), text
 
 
-def test_prefetch_gives_up_shards_the_budget_cannot_take_and_says_why(tmp_path, dataset, start_agent, run_cli):
+def test_prefetch_fails_at_once_a_shard_the_budget_cannot_take_beside_what_readers_hold(tmp_path, dataset,
+                                                                                        start_agent, run_cli):
     data = dataset(3, samples=4, payload=300)  # 20 KiB shards
     cache = tmp_path / "cache"
     data.list_file.write_text("".join(u + "\n" for u in data.urls[:2]))
@@ -138,14 +140,101 @@ def test_prefetch_gives_up_shards_the_budget_cannot_take_and_says_why(tmp_path, 
     try:
         for url in data.urls[:2]:  # both held: nothing can be evicted for a third
             assert conn.request({"op": "open", "reader": "holder", "url": url})["ok"]
-        r = run_cli("prefetch", data.urls[2], "--cache-dir", cache, "--json", "--give-up-after", "1", timeout=60)
+        r = run_cli("prefetch", data.urls[2], "--cache-dir", cache, "--json", timeout=60)
     finally:
         conn.close()
     assert r.returncode == 1, r.stderr
     result = json.loads(r.stdout)
-    assert (result["cached"], [f["url"] for f in result["failed"]]) == (0, [data.urls[2]]), result
-    assert result["failed"][0]["error"].startswith(
-        "waiting for space: the budget (--cache-size 50.0K) holds 40.0K cached"), result
+    assert (result["cached"], result["failed"]) == (0, [{"url": data.urls[2], "error": (
+        "the cache budget (50.0K) holds 0 of the 1 shard(s) asked beside 40.0K that readers hold or read next; "
+        "raise --cache-size or prefetch fewer")}]), result
+
+
+def test_prefetch_waiting_for_free_space_gives_up_after_give_up_after_and_says_why(tmpfs, dataset, start_agent,
+                                                                                   run_cli):
+    fs = tmpfs("6m")
+    data = dataset(2, samples=4, payload=300)
+    cache = fs / "cache"
+    data.list_file.write_text(data.urls[0] + "\n")
+    agent = start_agent(cache, data.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", "1M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the listed shard cached")
+    # Another program takes all but 1 MiB (room for the index): the budget has room, the disk keeps
+    # --min-free 1M plus 1 MiB for the index free, and has not that much.
+    os.truncate(fs / "filler", fill(fs / "filler") - (1 << 20))
+    r = run_cli("prefetch", data.urls[1], "--cache-dir", cache, "--json", "--give-up-after", "1", timeout=60)
+    assert r.returncode == 1, r.stderr
+    result = json.loads(r.stdout)
+    assert (result["cached"], [f["url"] for f in result["failed"]]) == (0, [data.urls[1]]), result
+    error = result["failed"][0]["error"]
+    assert error.startswith("waiting for space: the file system keeps --min-free 1.0M"), error
+    assert error.endswith("(given up after 1 s without progress)"), error
+
+
+# -- a prefetch past the budget: each shard downloaded at most once, the rest fail naming the budget ----------
+
+
+def _prefetch_gets(server, data) -> list[int]:
+    return [server.count(p.name) for p in data.paths]
+
+
+def _cached_of(run_cli, cache, urls) -> list[str]:
+    shards = _ls(run_cli, cache)
+    return [u for u in urls if shards.get(u, {}).get("state") == "cached"]
+
+
+def _budget_failures(stdout: str, data, budget: str, held: int, beside: str = "") -> list[str]:
+    """The failed shards of a prefetch's report, each failing with the budget's reason."""
+    lines = stdout.splitlines()
+    head = [i for i, line in enumerate(lines) if " shard(s) cached (" in line]
+    assert head, stdout
+    reason = (f"the cache budget ({budget}) holds {held} of the {len(data.urls)} shard(s) asked{beside}; "
+              "raise --cache-size or prefetch fewer")
+    failed = lines[head[-1] + 1:]
+    assert failed and all(line.endswith(f": {reason}") for line in failed), (reason, failed)
+    return [line.strip().rsplit(": the cache budget", 1)[0] for line in failed]
+
+
+def test_prefetch_past_the_budget_through_an_agent_downloads_each_shard_once_and_says_so(
+        tmp_path, dataset, shard_server, start_agent, run_cli):
+    data = dataset(20, samples=4, payload=300)
+    own = dataset(1, samples=4, payload=300, prefix="own", list_name="own.txt")
+    size = data.paths[0].stat().st_size
+    assert {p.stat().st_size for p in data.paths + own.paths} == {size}
+    cache = tmp_path / "cache"
+    budget = 6 * size + size // 2  # the agent's own shard and 5 of these
+    agent = start_agent(cache, own.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", str(budget),
+                        "--download-workers", "1")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the listed shard cached")
+    # One of them cached before: the prefetch holds it too, never evicts it for the others.
+    assert run_cli("prefetch", data.urls[7], "--cache-dir", cache).returncode == 0
+    r = run_cli("prefetch", *data.urls, "--cache-dir", cache, timeout=60)
+    assert r.returncode == 1, r.stderr
+    gets = _prefetch_gets(shard_server, data)
+    # In order, one at a time: 0-3 fit, 4 is refused before its body is read, the rest never start.
+    assert gets == [1] * 5 + [0, 0, 1] + [0] * 12, gets
+    cached = _cached_of(run_cli, cache, data.urls)
+    assert cached == [data.urls[i] for i in (0, 1, 2, 3, 7)], cached
+    assert f"5 of 20 shard(s) cached ({_size(data, [0, 1, 2, 3, 7])}), 15 failed:" in r.stdout, r.stdout
+    failed = _budget_failures(r.stdout, data, format_size(budget), 5,
+                              f" beside {format_size(size)} that readers hold or read next")
+    assert sorted(failed) == sorted(set(data.urls) - set(cached)), failed
+    assert agent.stats()["redownloads"] == 0
+
+
+def test_prefetch_past_the_budget_without_an_agent_downloads_each_shard_once_and_says_so(
+        tmp_path, dataset, shard_server, run_cli):
+    data = dataset(20, samples=4, payload=300)
+    size = data.paths[0].stat().st_size
+    cache = tmp_path / "cache"
+    budget = 5 * size + size // 2
+    r = run_cli("prefetch", *data.urls, "--cache-dir", cache, "--cache-size", str(budget),
+                "--download-workers", "1", timeout=60)
+    assert r.returncode == 1, r.stderr
+    gets = _prefetch_gets(shard_server, data)
+    assert gets == [1] * 6 + [0] * 14, gets
+    assert _cached_of(run_cli, cache, data.urls) == data.urls[:5]
+    assert f"5 of 20 shard(s) cached ({_size(data, range(5))}), 15 failed:" in r.stdout, r.stdout
+    assert sorted(_budget_failures(r.stdout, data, format_size(budget), 5)) == sorted(data.urls[5:])
 
 
 def test_verify_with_a_shard_index_catches_a_same_size_change(tmp_path, dataset, run_cli):
@@ -249,3 +338,43 @@ def test_a_start_that_fails_leaves_the_cache_directory_as_it_was(tmp_path, datas
     r = run_cli("agent", "--cache-dir", fs / "new" / "cache", "--urls", data.list_file)
     assert r.returncode == 2 and r.stderr.startswith("wdscache: error: no shard can ever be cached"), r.stderr
     assert sorted(p.name for p in fs.iterdir()) == ["empty"]
+
+
+def test_prefetch_beside_a_reader_gives_way_to_it_downloads_each_shard_once_and_says_so(
+        tmp_path, dataset, shard_server, start_agent, run_cli):
+    data = dataset(20, samples=4, payload=300)
+    reads = dataset(2, samples=4, payload=300, prefix="read", list_name="read.txt")
+    size = data.paths[0].stat().st_size
+    cache = tmp_path / "cache"
+    budget = 5 * size + size // 2
+    agent = start_agent(cache, reads.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", str(budget),
+                        "--download-workers", "1")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the reader's first shard cached")
+    shard_server.fail(data.paths[3].name, "stall", after=1000, seconds=5)  # a reader comes meanwhile
+    prefetch = subprocess.Popen([wdscache_exe(), "prefetch", *data.urls, "--cache-dir", cache],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+    try:
+        agent.wait_stats(lambda s: s["shards"]["cached"] == 4 and s["agent"]["bytes_reserved"] == size, 20,
+                         "3 shards prefetched and the 4th downloading")
+        # The reader holds its first shard and waits for its second: the budget is full, and the
+        # reader wins: one of the 3 prefetched goes (and is not downloaded again).
+        assert conn.request({"op": "open", "reader": "reader", "url": reads.urls[0]})["ok"]
+        assert conn.request({"op": "open", "reader": "reader", "url": reads.urls[1]})["ok"]
+        out, err = prefetch.communicate(timeout=60)
+    finally:
+        conn.close()
+        if prefetch.poll() is None:
+            prefetch.kill()
+            prefetch.wait(5)
+    assert prefetch.returncode == 1, err
+    assert _prefetch_gets(shard_server, data) == [1] * 5 + [0] * 15
+    cached = _cached_of(run_cli, cache, data.urls)
+    [evicted] = set(data.urls[:3]) - set(cached)
+    assert cached == [u for u in data.urls[:4] if u != evicted], cached
+    lines = out.splitlines()
+    assert f"3 of 20 shard(s) cached ({_size(data, [data.urls.index(u) for u in cached])}), 17 failed:" in lines, out
+    assert f"  {evicted}: cached, then evicted to make room for a shard readers need" in lines, out
+    failed = _budget_failures("\n".join(line for line in lines if evicted not in line), data, format_size(budget), 3,
+                              f" beside {format_size(2 * size)} that readers hold or read next")
+    assert sorted(failed) == sorted(data.urls[4:]), failed

@@ -303,7 +303,8 @@ def _eta(seconds: float | None) -> str:
               help="Budget when no agent runs [default: the last agent's, else the agent's default].")
 @click.option("--download-workers", type=int, default=None, help="Parallel downloads when no agent runs.")
 @click.option("--give-up-after", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
-              help="Seconds downloads may wait for cache space with no progress before the rest fail.")
+              help="Seconds downloads may wait for space with no progress before the rest fail "
+                   "(shards the budget cannot take fail at once).")
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", help="Log lines as text or JSON.")
 @click.option("-v", "--verbose", is_flag=True, help="Log each event (shard cached, failed...), not only warnings.")
 @_JSON
@@ -314,7 +315,8 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
 
     Through the running agent, or by itself (an agent run in this process until done)
     when none runs. Shows a progress bar (shards, bytes, rate, ETA) on a terminal, a
-    line per shard otherwise.
+    line per shard otherwise. Each shard is downloaded at most once: those the budget
+    cannot take beside the others fail, naming it.
 
     Exit status: 0 every shard cached; 1 some failed (listed) or a runtime error;
     2 bad options or URLs.
@@ -364,7 +366,7 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
                    + (f", {len(result.failed)} failed:" if result.failed else ""))
         for url, error in result.failed.items():
             _echo(f"  {url}: {error}")
-    sys.exit(1 if result.failed else 0)
+    sys.exit(1 if result.failed or result.cached < result.total else 0)
 
 
 @main.command(name="ls")

@@ -17,8 +17,11 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   ``min_free`` bytes (plus 1 MiB for the index) free after every in-flight
   download completes.
 - Never evicted: a pinned shard (being read). Eviction prefers the least recently
-  *read* shard outside every reader's window; a demanded download may also take
-  window shards, farthest-ahead first, but never pinned ones.
+  *read* shard outside every reader's window (shards a prefetch holds last); a demanded
+  download may also take window shards, farthest-ahead first, but never pinned ones.
+  A download only prefetches want never evicts a shard a prefetch holds.
+- Every change of a shard's state made here (cached, failed, removed) is told to the
+  :class:`ShardWatcher`, if one is set, as it happens.
 - Index before files: a shard is marked EVICTING in the index before its file is
   deleted, and DOWNLOADING before its partial file exists; :meth:`recover`
   finishes or undoes both after a crash, and forgets records whose files are gone.
@@ -37,7 +40,7 @@ import os
 import sqlite3
 import time
 from pathlib import Path
-from typing import Container, Iterable, Sequence
+from typing import Collection, Container, Iterable, Protocol, Sequence
 
 from ..shared.config import format_size
 from .download import Download
@@ -50,6 +53,19 @@ from ..shared.tarwalk import GZIP_MAGIC, file_problem
 log = get_logger(__name__)
 
 INDEX_HEADROOM = 1 << 20  # the index shares the file system; a full disk must not stop it
+
+
+class ShardWatcher(Protocol):
+    """Told of each change of a shard's state the cache makes (main loop)."""
+
+    def cached(self, url: str, size: int) -> None:
+        """``url`` is cached now, ``size`` bytes."""
+
+    def failed(self, url: str, error: str) -> None:
+        """``url`` failed (it is not cached, and not fetched again unless asked)."""
+
+    def gone(self, url: str, why: str) -> None:
+        """The cached ``url`` was removed (``why``: "evicted to ...")."""
 
 
 class ShardCache:
@@ -66,6 +82,7 @@ class ShardCache:
         # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
         self.refusal: tuple[str, str] | None = None
         self.kept: dict[str, int] = {}  # url -> bytes of its partial file kept for a resume, not in flight
+        self.watcher: ShardWatcher | None = None
 
     # -- queries ----------------------------------------------------------
 
@@ -187,6 +204,8 @@ class ShardCache:
         self._set_cached(d.url, size if stored is None else stored, etag,
                          source_size=None if stored is None else size, last_modified=last_modified)
         self.inflight.pop(d.url, None)
+        if self.watcher is not None:
+            self.watcher.cached(d.url, size if stored is None else stored)
 
     def fail(self, d: Download, error: str) -> None:
         self.inflight.pop(d.url, None)
@@ -194,12 +213,16 @@ class ShardCache:
         _unlink(d.partial)
         remove_side_files(d.partial)
         self.index.put(ShardRecord(d.url, ShardState.FAILED, error=error))
+        if self.watcher is not None:
+            self.watcher.failed(d.url, error)
 
     def fail_cached(self, url: str, error: str) -> None:
         """A cached shard is unusable (its copy is damaged, as is its source's): FAILED first,
         then its file goes (a reader holding it open keeps what it has)."""
         self.index.put(ShardRecord(url, ShardState.FAILED, error=error))
         _unlink(self.layout.shard_path(url))
+        if self.watcher is not None:
+            self.watcher.failed(url, error)
 
     def abandon(self, d: Download, *, keep_partial: bool = False) -> None:
         """``d`` stopped unfinished; its shard goes back to not cached.
@@ -260,12 +283,15 @@ class ShardCache:
 
     # -- budget -----------------------------------------------------------
 
-    def try_reserve(self, d: Download, total: int, *, wanted: Sequence[str]) -> bool:
+    def try_reserve(self, d: Download, total: int, *, wanted: Sequence[str],
+                    prefetched: Collection[str] = (), spare_prefetched: bool = False) -> bool:
         """Reserve ``total`` bytes for ``d`` if the budget can hold them, evicting if needed.
 
         ``wanted`` lists the shards in readers' windows, most urgent first; they are
-        evicted only for a demanded download, and from the far end. When refused,
-        :attr:`refusal` says why (the budget, or the file system's free space).
+        evicted only for a demanded download, and from the far end. ``prefetched``: the
+        cached shards prefetches hold, evicted last, and never with ``spare_prefetched``
+        (``d`` is only a prefetch's). When refused, :attr:`refusal` says why (the budget,
+        or the file system's free space).
         """
         if d.needed:
             # A growing reservation (a body of unknown size, a gzip'd shard being decompressed):
@@ -291,7 +317,9 @@ class ShardCache:
         if max(need, margin_need) > 0 and self._drop_kept(max(need, margin_need), spare=d.url):
             need, margin_need, free = self._shortfall(extra)
         shortfall = max(need, margin_need)
-        if shortfall > 0 and not self.evict(shortfall, wanted=wanted, allow_window=d.demanded, spare=d.url):
+        if shortfall > 0 and not self.evict(shortfall, wanted=wanted, allow_window=d.demanded, spare=d.url,
+                                            prefetched=prefetched, spare_prefetched=spare_prefetched,
+                                            why="evicted to make room for a shard readers need"):
             self.refusal = self._why_refused(d, extra, need >= margin_need, free, wanted)
             return False
         d.reserved = total
@@ -342,15 +370,22 @@ class ShardCache:
     def _unwritten(self) -> int:
         return sum(max(0, d.reserved - d.written - d.expanded) for d in self.inflight.values())
 
-    def evict(self, nbytes: int, *, wanted: Sequence[str], allow_window: bool, spare: str | None = None) -> bool:
-        """Free ``nbytes`` of cached shards if possible (all or nothing); True on success."""
+    def evict(self, nbytes: int, *, wanted: Sequence[str], allow_window: bool, why: str, spare: str | None = None,
+              prefetched: Collection[str] = (), spare_prefetched: bool = False) -> bool:
+        """Free ``nbytes`` of cached shards if possible (all or nothing); True on success.
+
+        Outside the windows of ``wanted``, the least recently read go first, and shards
+        ``prefetched`` (held by a prefetch) after every other, or never with ``spare_prefetched``.
+        ``why`` is told to the watcher for each shard removed."""
         window = set(wanted)
         candidates = [
             r
             for r in self.index.records.values()
             if r.state is ShardState.CACHED and not self.pins.get(r.url) and r.url != spare
+            and not (spare_prefetched and r.url in prefetched)
         ]
-        outside = sorted((r for r in candidates if r.url not in window), key=lambda r: r.last_read)
+        outside = sorted((r for r in candidates if r.url not in window),
+                         key=lambda r: (r.url in prefetched, r.last_read))
         chosen: list[ShardRecord] = []
         freed = 0
         for rec in outside:
@@ -369,11 +404,11 @@ class ShardCache:
         if freed < nbytes:
             return False
         for rec in chosen:
-            self.remove(rec.url)
+            self.remove(rec.url, why)
         return True
 
-    def remove(self, url: str) -> None:
-        """Evict one shard: mark it EVICTING, delete the file, drop the record."""
+    def remove(self, url: str, why: str) -> None:
+        """Evict one shard (``why``, for the watcher): mark it EVICTING, delete the file, drop the record."""
         rec = self.index.get(url)
         if rec is None:
             return
@@ -382,6 +417,8 @@ class ShardCache:
         self.index.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
         _unlink(self.layout.shard_path(url))
         self.index.delete(url)
+        if self.watcher is not None and rec.state is ShardState.CACHED:
+            self.watcher.gone(url, why)
 
     def free_files(self, nbytes: int, wanted: Sequence[str]) -> int:
         """Delete files of evictable shards even if the index cannot be written (it is full).
@@ -397,6 +434,8 @@ class ShardCache:
             if rec.state is ShardState.CACHED and rec.url not in window and not self.pins.get(rec.url):
                 _unlink(self.layout.shard_path(rec.url))
                 freed += rec.size
+                if self.watcher is not None:
+                    self.watcher.gone(rec.url, "removed to free disk space for the index")
                 try:
                     self.index.delete(rec.url)
                 except IndexWriteError:
@@ -409,7 +448,7 @@ class ShardCache:
         if short > 0:
             short -= self._drop_kept(short)
         if short > 0:
-            self.evict(short, wanted=wanted, allow_window=False)
+            self.evict(short, wanted=wanted, allow_window=False, why="evicted to keep --min-free free")
 
     # -- reads ------------------------------------------------------------
 

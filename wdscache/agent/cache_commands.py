@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import secrets
 import tempfile
 import threading
 import time
@@ -47,7 +48,7 @@ log = get_logger(__name__)
 
 CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs
 REQUEST_TIMEOUT = 30.0
-POLL = 0.25  # seconds between prefetch progress reports
+POLL = 0.25  # seconds between prefetch progress reports (each costs what changed since the last)
 STUCK_AFTER = 10.0  # default seconds without progress, downloads waiting for space, before prefetch gives the rest up
 AGENT_START_TIMEOUT = 60.0
 
@@ -145,7 +146,7 @@ def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool
                     out[key] += reply[key]
             return out
     with _locked_cache(layout, "evict") as cache:
-        return evict_shards(cache, urls, force=force)
+        return evict_shards(cache, urls, force=force, why="evicted on request")
 
 
 def _as_known(cache_dir: str | os.PathLike[str], urls: Sequence[str]) -> list[str]:
@@ -168,7 +169,7 @@ def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str
             return {k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}
     with _locked_cache(layout, "clear") as cache:
         cached = [r.url for r in cache.index.records.values() if r.state is ShardState.CACHED]
-        return evict_shards(cache, cached, force=force)
+        return evict_shards(cache, cached, force=force, why="evicted on request")
 
 
 # -- verify -----------------------------------------------------------------------------------
@@ -247,7 +248,7 @@ class Progress:
     """Where a prefetch stands: shards and bytes done of all, the rate since it began."""
 
     total: int
-    cached: int = 0
+    cached: int = 0  # shards cached now (one cached, then evicted for a reader, is failed)
     failed: dict[str, str] = field(default_factory=dict)  # url -> why
     bytes_done: int = 0  # bytes of the shards cached (and of those downloading, so far)
     bytes_total: int | None = None  # None while some shard's size is unknown
@@ -272,7 +273,11 @@ def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: 
     """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
     (with ``cache_size``, default the last agent's budget, and ``download_workers``) until done, or
     until downloads wait for space ``give_up_after`` seconds with no progress (the rest then fail).
-    ``report`` is called with the progress about every :data:`POLL` seconds; the last one is returned."""
+
+    Each shard is downloaded at most once, and never evicted for another of ``urls``: once the
+    budget (less what readers hold) is full of them, the rest fail with a reason naming it
+    (:mod:`wdscache.agent.prefetches`). ``report`` is called with the progress about every
+    :data:`POLL` seconds; the last one is returned, its ``cached`` the shards cached at the end."""
     layout = CacheLayout.of(cache_dir)
     if layout.is_cache():
         with _agent(layout) as conn:
@@ -336,57 +341,72 @@ def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None,
 
 def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callable[[Progress], None],
                       give_up_after: float) -> Progress:
+    """Hand ``urls`` to the agent as one prefetch, follow it to its end, then end it there."""
     urls = list(dict.fromkeys(urls))
+    name = secrets.token_hex(8)
+    for _, page in pages(urls):
+        _ask(conn, {"op": "prefetch", "prefetch": name, "urls": page, "retry": True})
+    try:
+        progress = _follow(conn, name, urls, report, give_up_after)
+    except WdsCacheError:
+        _end(conn, name)
+        raise
+    _end(conn, name)
+    return progress
+
+
+def _end(conn: AgentConnection, name: str) -> None:
+    """End prefetch ``name`` in the agent (which ends a silent one by itself, should this fail)."""
+    try:
+        _ask(conn, {"op": "prefetch_end", "prefetch": name})
+    except WdsCacheError as exc:
+        log.warning("could not end the prefetch in the agent: %s", exc)
+
+
+def _follow(conn: AgentConnection, name: str, urls: list[str], report: Callable[[Progress], None],
+            give_up_after: float) -> Progress:
+    """Poll prefetch ``name`` until every shard is cached or failed (each poll costs the shards that
+    changed since the last), or until its downloads wait for space ``give_up_after`` seconds
+    with no progress (the rest then fail)."""
     start = time.monotonic()
-    first = True
-    seen: dict[str, str] = {}  # url -> "cached" / "failed", once seen so (a reader may evict it later)
+    progress = Progress(total=len(urls))
+    cached: set[str] = set()  # the shards cached, as far as the changes told
     base: int | None = None  # bytes done at the start (shards cached already)
     stuck_since = start
     last_mark: tuple[int, int] = (-1, -1)
-    n_pages = sum(1 for _ in pages(urls))
-    sizes: dict[str, int] = {}  # url -> its size, once known (a shard evicted since keeps it)
     while True:
-        progress = Progress(total=len(urls))
-        bytes_total: int | None = 0  # None once a shard's size is not known yet
-        waiting: dict[str, str] = {}
-        for offset, page in pages(urls):
-            reply = _ask(conn, {"op": "prefetch", "urls": page, "retry": first})
-            for url, where in zip(page, reply["shards"]):
-                state = seen.get(url) or where["state"]
-                if where.get("size", where.get("total")) is not None:
-                    sizes[url] = where.get("size", where.get("total"))
-                if url not in seen and state in ("cached", "failed"):
-                    seen[url] = state
-                    progress.finished.append(url)
-                if state == "cached":
-                    progress.cached += 1
-                    progress.bytes_done += sizes.get(url, 0)
-                elif state == "failed":
-                    progress.failed[url] = where.get("error", "failed")
+        progress.finished = []
+        while True:
+            reply = _ask(conn, {"op": "prefetch_status", "prefetch": name})
+            for change in reply["changes"]:
+                url = change["url"]
+                if change["state"] == "cached":
+                    cached.add(url)
+                    progress.failed.pop(url, None)
                 else:
-                    progress.bytes_done += where.get("written", 0)
-                    if where.get("waiting_for_space"):
-                        waiting[url] = where["waiting_for_space"]
-                size = sizes.get(url)
-                if state != "failed":
-                    bytes_total = None if size is None or bytes_total is None else bytes_total + size
-        first = False
+                    cached.discard(url)
+                    progress.failed[url] = change.get("error") or "failed"
+                progress.finished.append(url)
+            if not reply["more"]:
+                break
+        progress.cached = reply["cached"]
+        progress.bytes_done = reply["bytes_cached"] + reply["bytes_written"]
+        progress.bytes_total = reply["bytes_total"]
+        now = time.monotonic()
         if base is None:
             base = progress.bytes_done
-        now = time.monotonic()
         progress.rate = (progress.bytes_done - base) / (now - start) if now > start else 0.0
-        progress.bytes_total = bytes_total
-        # No progress while downloads wait for space: the budget is full of what readers hold (or of
-        # this prefetch's own shards), and stays so.
+        # No progress while downloads wait for space: the budget is full of what readers hold, and stays so.
+        waiting = reply["waiting_for_space"]
         mark = (progress.bytes_done, progress.cached + len(progress.failed))
         if mark != last_mark or not waiting:
             last_mark, stuck_since = mark, now
         elif now - stuck_since >= give_up_after:
-            reason = next(iter(waiting.values()))
             for url in urls:
-                if url not in progress.failed and seen.get(url) != "cached":
-                    progress.failed[url] = waiting.get(url, f"not started, downloads ahead of it are {reason}")
+                if url not in cached and url not in progress.failed:
+                    progress.failed[url] = f"{waiting} (given up after {give_up_after:g} s without progress)"
+                    progress.finished.append(url)
         report(progress)
         if progress.done:
             return progress
-        time.sleep(POLL * n_pages)  # a long list is asked about less often
+        time.sleep(POLL)

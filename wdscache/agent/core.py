@@ -9,6 +9,7 @@ Structure: a small core composed of parts that each own one concept and its stat
 - :class:`~wdscache.agent.worker_reports.WorkerReports`: the sample workers' reports and hints;
 - :class:`~wdscache.agent.list_file.ListFile`: the ``--urls`` file, watched;
 - :class:`~wdscache.agent.upkeep.Upkeep`: the cache commands (evict, clear, prefetch);
+- :class:`~wdscache.agent.prefetches.Prefetches`: the prefetches under way, their shards and wishes;
 - :class:`~wdscache.agent.metrics.MetricsServer`: ``/metrics``, when asked for (``--metrics-port``).
 
 :meth:`Agent.start` builds them once the cache is open, so while the agent runs
@@ -58,6 +59,7 @@ from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed,
 from .list_file import ListFile
 from .metrics import MetricsServer
 from .opens import Opens
+from .prefetches import Prefetches
 from .readers import Readers, startup_reader
 from .control import ControlSocket
 from .upkeep import Upkeep
@@ -88,7 +90,8 @@ USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still 
 # The control ops (wdscache.shared.protocol.MESSAGES, to the agent; "auth" is answered at the
 # door and "walked" passed on to the workers, before this table).
 CONTROL_OPS = ("stats", "worker", "counted", "damaged", "corrupt", "counts", "hello", "put_urls", "get_urls",
-               "open", "status", "release", "report", "ping", "bye", "evict", "clear", "prefetch")
+               "open", "status", "release", "report", "ping", "bye", "evict", "clear", "prefetch",
+               "prefetch_status", "prefetch_end")
 WORKER_OPS = ("worker", "counted", "damaged")  # reports only our workers may send (and "walked", with frames)
 # Ops of a reader, which name it ("reader"): each one counts as a sign of life.
 READER_OPS = ("hello", "put_urls", "get_urls", "open", "status", "release", "report", "ping", "bye")
@@ -109,6 +112,7 @@ class Agent:
     opens: Opens
     workers: WorkerReports
     upkeep: Upkeep
+    prefetches: Prefetches
     _ops: dict[str, Handler]
 
     def __init__(self, config: AgentConfig) -> None:
@@ -221,7 +225,9 @@ class Agent:
         self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox, expected=self.readers.shard_info)
         self.opens = Opens(cfg, self.cache, self.socket, self.readers, self.downloads)
         self.workers = WorkerReports(self.pool, self.socket)
-        self.upkeep = Upkeep(self.cache, self.socket, self.downloads, self.readers.fetchable)
+        self.prefetches = Prefetches(self.cache, self.downloads)
+        self.cache.watcher = self.prefetches
+        self.upkeep = Upkeep(self.cache, self.socket, self.prefetches, self.readers.fetchable)
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
             "stats": self._op_stats, "counts": self._op_counts, "counted": self._op_counted, "ping": self._op_ping,
@@ -231,6 +237,7 @@ class Agent:
             "damaged": self.opens.op_damaged, "corrupt": self.opens.op_corrupt,
             "worker": self.workers.op_worker,
             "evict": self.upkeep.op_evict, "clear": self.upkeep.op_clear, "prefetch": self.upkeep.op_prefetch,
+            "prefetch_status": self.upkeep.op_prefetch_status, "prefetch_end": self.upkeep.op_prefetch_end,
         }
         self._ops = {op: handlers[op] for op in CONTROL_OPS}
 
@@ -277,6 +284,7 @@ class Agent:
         if new is not None:
             self._take_list(new)
         self.readers.expire()
+        self.prefetches.expire()
         self.pool.check()
         self._schedule()
         self._periodic()
@@ -285,21 +293,28 @@ class Agent:
 
     def _schedule(self) -> None:
         demanded = self.opens.demanded()
-        want = self._wanted(demanded)
-        for url in self.downloads.schedule(want, self.readers.holding(want), set(demanded)):
+        readers = self._readers_want(demanded)
+        seen = set(readers)
+        # The next prefetch wishes only: enough to fill the download slots, whatever the lists' length.
+        warm = [u for u in self.prefetches.wanted(self.config.download_workers) if u not in seen]
+        want = readers + warm
+        for url in self.downloads.schedule(want, self.readers.holding(want), set(demanded),
+                                           self.prefetches.hold(set(warm))):
             self.opens.answer_partial(url)
+        for given_up in self.downloads.no_room():
+            self.prefetches.no_room(given_up)
 
-    def _wanted(self, demanded: list[str] | None = None) -> list[str]:
-        """Shards asked for (oldest first), then the union of readers' windows by urgency, then the
-        shards asked to be prefetched (``wdscache prefetch``)."""
+    def _readers_want(self, demanded: list[str] | None = None) -> list[str]:
+        """Shards asked for (oldest first), then the union of readers' windows by urgency."""
         demanded = self.opens.demanded() if demanded is None else demanded
         first = set(demanded)
-        want = demanded + [u for u in self.readers.planned() if u not in first]
-        warm = self.upkeep.wanted()
-        if warm:
-            seen = set(want)
-            want += [u for u in warm if u not in seen]
-        return want
+        return demanded + [u for u in self.readers.planned() if u not in first]
+
+    def _wanted(self) -> list[str]:
+        """What readers want (:meth:`_readers_want`), then the next shards to prefetch (``wdscache prefetch``)."""
+        want = self._readers_want()
+        seen = set(want)
+        return want + [u for u in self.prefetches.wanted(self.config.download_workers) if u not in seen]
 
     def _periodic(self) -> None:
         self.downloads.sample_rate()
@@ -448,8 +463,10 @@ class Agent:
         cache, index = self.cache, self.cache.index
         by_state = dict(index.summary.counts)
         by_state["downloading"] = self.downloads.count()
-        by_state["queued"] = sum(1 for u in self._wanted() if u not in self.downloads and not cache.is_cached(u)
-                                 and (index.get(u) is None or index.get(u).state is not ShardState.FAILED))
+        by_state["queued"] = self.prefetches.queued() + sum(
+            1 for u in self._readers_want() if u not in self.downloads and not cache.is_cached(u)
+            and (index.get(u) is None or index.get(u).state is not ShardState.FAILED)
+            and not self.prefetches.asks_for(u))
         agent_view = {"workers": self.workers.view(), "demanded": len(self.opens.demanded()),
                       "need_bytes": self.readers.need(self.opens.held)[0]}
         readers = self.readers.view(starved_by({"bytes_limit": cache.limit, "agent": agent_view}) or "latency")
@@ -534,7 +551,8 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
         if cache.used > cache.limit:
             # Restarted with a smaller --cache-size: shrink to it before anything else.
-            cache.evict(cache.used - cache.limit, wanted=first, allow_window=True)
+            cache.evict(cache.used - cache.limit, wanted=first, allow_window=True,
+                        why="evicted to shrink the cache to --cache-size")
         _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total)
         cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
     except BaseException:

@@ -19,6 +19,10 @@ Guarantees (threads):
   download with a validator keeps its partial file and resumes from it.
 - Budget is granted by the main loop in order of urgency (demanded first, then
   by window rank); a grant is taken or withdrawn, never both (:class:`Grant`).
+- A download only prefetches want (:class:`PrefetchHold`) never evicts a shard a
+  prefetch holds; once it cannot fit beside them and what readers hold (pinned, or in
+  a window), it is cancelled before a byte of its body is written and reported
+  (:meth:`Downloads.no_room`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Event, Grant, Mailbox,
@@ -54,6 +59,27 @@ GROWTH_GRACE = 1.0  # seconds every download may wait for room the others hold b
 JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
 
 
+@dataclass(frozen=True)
+class PrefetchHold:
+    """What the prefetches (``wdscache prefetch``) ask of the budget: ``only``, the shards
+    only they want (no reader); ``held``, the cached shards they hold (url -> size, in
+    all ``held_bytes``), which a download of ``only`` never evicts."""
+
+    only: Collection[str] = ()
+    held: Mapping[str, int] = field(default_factory=dict)
+    held_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class NoRoom:
+    """A download only prefetches want, given up: ``need`` bytes do not fit in the budget
+    beside the shards prefetches hold and the ``readers`` bytes readers hold (pinned or in a window)."""
+
+    url: str
+    need: int
+    readers: int
+
+
 class Downloads:
     """Download tasks and threads, budget grants, preemption and waits for space."""
 
@@ -76,6 +102,7 @@ class Downloads:
         self._early_counts: dict[str, int] = {}  # url -> samples a worker counted before its end was recorded
         self._finished_bytes = 0  # bytes written by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
+        self._no_room: list[NoRoom] = []  # prefetches given up since no_room() was last called
 
     def start_threads(self) -> None:
         # Twice --download-workers: prefetches use at most half, so a shard a reader waits for
@@ -94,6 +121,10 @@ class Downloads:
     def count(self) -> int:
         """Downloads (and revalidations) running or queued."""
         return len(self._active)
+
+    def running(self) -> list[str]:
+        """The shards downloading (revalidations left out)."""
+        return [u for u, d in self._active.items() if not d.verify]
 
     def readable_partial(self, url: str) -> bool:
         """True when ``url`` is downloading with its whole size reserved: it will finish whatever is pinned."""
@@ -144,9 +175,11 @@ class Downloads:
 
     # -- scheduling -----------------------------------------------------------
 
-    def schedule(self, want: list[str], holding: set[str], demanded: Collection[str]) -> list[str]:
+    def schedule(self, want: list[str], holding: set[str], demanded: Collection[str],
+                 hold: PrefetchHold = PrefetchHold()) -> list[str]:
         """Start downloads for the most urgent of ``want``; cancel those no longer wanted;
-        answer budget requests. Returns the shards that became readable while they download.
+        answer budget requests (``hold``: what prefetches ask of it). Returns the shards that
+        became readable while they download.
 
         Prefetches take at most --download-workers connections; a shard a reader waits
         for (``demanded``, first in ``want``) may take as many again, so it never queues
@@ -182,7 +215,7 @@ class Downloads:
                     self._preempt()
                 break
             self._start(url, demanded=url in demanded)
-        readable = self._answer_grants(want)
+        readable = self._answer_grants(want, hold)
         self._cache.keep_margin(want)
         return readable
 
@@ -246,7 +279,7 @@ class Downloads:
         """A thread's budget request (answered at the next :meth:`schedule`)."""
         self._grants.append(grant)
 
-    def _answer_grants(self, want: Sequence[str]) -> list[str]:
+    def _answer_grants(self, want: Sequence[str], hold: PrefetchHold) -> list[str]:
         rank = {u: i for i, u in enumerate(want)}
         self._grants.sort(key=lambda g: (not g.download.demanded, rank.get(g.download.url, len(rank))))
         pending, readable = [], []
@@ -255,8 +288,13 @@ class Downloads:
             with g.lock:
                 if g.withdrawn:
                     continue
+                if g.download.cancel.is_set():  # its thread withdraws it: no budget for it meanwhile
+                    pending.append(g)
+                    continue
+                prefetch_only = g.download.url in hold.only and not g.download.demanded
                 try:
-                    granted = self._cache.try_reserve(g.download, g.total, wanted=want)
+                    granted = self._cache.try_reserve(g.download, g.total, wanted=want, prefetched=hold.held,
+                                                      spare_prefetched=prefetch_only)
                 except OverflowError as exc:
                     g.error = FetchError(g.download.url, str(exc), permanent=True)
                     granted = True
@@ -266,13 +304,41 @@ class Downloads:
                         readable.append(g.download.url)
                 else:
                     pending.append(g)
-                    if self._cache.refusal is not None:
+                    no_room = self._never_fits(g, want, hold) if prefetch_only else None
+                    if no_room is not None:
+                        log.info("giving up the prefetch of %s: %s do not fit beside the shards prefetches and "
+                                 "readers hold", no_room.url, format_size(no_room.need))
+                        g.download.cancel.set()  # before a byte of its body is written
+                        self._no_room.append(no_room)
+                    elif self._cache.refusal is not None:
                         self._waits_for_space(g.download.url, *self._cache.refusal, waits)
         self._grants = pending
         self._break_growth_deadlock(pending)
         self._space_waits = waits  # granted or ended downloads wait no more
         self._space_said = {u: said for u, said in self._space_said.items() if u in waits}
         return readable
+
+    def _never_fits(self, g: Grant, want: Sequence[str], hold: PrefetchHold) -> NoRoom | None:
+        """Why a refused download only prefetches want is to be given up, if it is: it cannot fit in
+        the budget beside the shards prefetches hold, those readers hold (pinned, or in their
+        windows: a reader's window wins over a prefetch's wish) and the other downloads' reservations.
+        None: it waits (the file system's free space runs short, or room is being made)."""
+        d, cache = g.download, self._cache
+        readers = 0
+        for url in set(cache.pins).union(want):
+            rec = cache.index.get(url)
+            if url not in hold.held and url not in hold.only and rec is not None and rec.state is ShardState.CACHED:
+                readers += rec.size
+        reserved = sum(o.reserved for u, o in cache.inflight.items() if u != d.url)
+        need = max(g.total, d.needed)
+        if need <= cache.limit - readers - hold.held_bytes - reserved:
+            return None
+        return NoRoom(d.url, need, readers)
+
+    def no_room(self) -> list[NoRoom]:
+        """The downloads only prefetches wanted given up (cancelled) since the last call (see :meth:`_never_fits`)."""
+        out, self._no_room = self._no_room, []
+        return out
 
     def _break_growth_deadlock(self, pending: list[Grant]) -> None:
         """Downloads that grow their reservation as they go (bodies of unknown size, gzip'd shards
@@ -340,7 +406,8 @@ class Downloads:
         self._cache.abandon(d)
         self.pause()
         log.warning("%s; abandoned %s, will retry after making room", error.reason, d.url)
-        self._cache.evict(d.written + self._cache.margin, wanted=want, allow_window=False)
+        self._cache.evict(d.written + self._cache.margin, wanted=want, allow_window=False,
+                          why="evicted: the file system ran out of space")
 
     def record_failure(self, d: Download, error: FetchError) -> None:
         self._cache.fail(d, error.reason)

@@ -123,7 +123,7 @@ class Opens:
         if rec is not None and rec.state is ShardState.CACHED and not cache.path(url).exists():
             # Deleted behind our back: forget it and download it again, never serve a missing file.
             log.warning("cache file of %s vanished; downloading it again", url)
-            cache.remove(url)
+            cache.remove(url, "its cache file vanished")
             rec = None
         elif rec is not None and url in self._suspect:
             # A read found it damaged: it is fetched once more (a bad copy is repaired; a bad source
@@ -275,9 +275,10 @@ class Opens:
             log.error("%s %s; downloading it again", url, changed)
             _remember(self._changed, url, changed)
             cache.index.incr("changed")
+            cache.remove(url, f"evicted: it {changed}")
         else:
             log.warning("cannot tell whether %s changed on the server: %s; downloading it again", url, unknown)
-        cache.remove(url)
+            cache.remove(url, f"evicted: cannot tell whether it changed on the server ({unknown})")
         cache.index.drop_count(url)
         self._demanded.setdefault(url, time.monotonic())  # its waiters get the new copy
 
@@ -347,7 +348,7 @@ class Opens:
         self._refetched.add(url)
         # Its sample count stays: it was found in a copy of this very version, and the ranks
         # of a job that ask for it meanwhile must all get the same answer.
-        self._cache.remove(url)
+        self._cache.remove(url, "found damaged, to be downloaded once more")
         self._demanded.setdefault(url, time.monotonic())
 
     def view(self) -> dict[str, Any]:

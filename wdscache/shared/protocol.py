@@ -276,10 +276,21 @@ MESSAGES: tuple[Message, ...] = (
     Message("clear", "client", "agent", {"force": "bool?"},
             {**_ERROR, "evicted": "list[str]", "bytes": "int", "refused": "list", "absent": "list[str]"},
             about="evict every cached shard (as evict)"),
-    Message("prefetch", "client", "agent", {"urls": "list[str]", "retry": "bool?"},
-            {**_ERROR, "shards": "list"},
-            about="fetch these shards after every reader's window; asked again, says where each stands "
-                  "({state, size?, written?, total?, error?, waiting_for_space?} per URL)"),
+    Message("prefetch", "client", "agent", {"prefetch": "str", "urls": "list[str]", "retry": "bool?"},
+            {**_ERROR, "asked": "int"},
+            about="add a page of shards to the prefetch named (made on its first page; retry: forget their "
+                  "earlier failures): fetched after every reader's window; asked: its shards in all"),
+    Message("prefetch_status", "client", "agent", {"prefetch": "str"},
+            {**_ERROR, "total": "int", "cached": "int", "failed": "int", "pending": "int", "bytes_cached": "int",
+             "bytes_written": "int", "bytes_total": "int?", "waiting_for_space": "str?", "changes": "list",
+             "more": "bool"},
+            about="where the prefetch stands: counts, bytes (of its shards cached, and written so far of those "
+                  "downloading; bytes_total null until every size is known), why its downloads wait, and its "
+                  "shards whose state changed since the last status ([{url, state: cached|failed, size?, "
+                  "error?}]; more: not all fitted, ask again)"),
+    Message("prefetch_end", "client", "agent", {"prefetch": "str"}, {**_ERROR, "ended": "bool"},
+            about="the prefetch is over: its shards stay cached, held no more (a prefetch silent for a minute "
+                  "ends too)"),
     # the agent's workers to the agent (with the workers' secret too)
     Message("worker", "worker", "agent",
             {"secret": "str", "index": "int", "busy_s": "number", "requests": "int", "samples": "int",
