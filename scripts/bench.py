@@ -128,9 +128,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CONSUMER = REPO / "scripts" / "bench_consumer.py"
@@ -237,7 +238,7 @@ def parse_bytes(text: str) -> float:
 class Child:
     """A subprocess in a session of its own, its stdout lines collected, reaped with os.wait4."""
 
-    live: list["Child"] = []  # not yet reaped: killed by cleanup() if the bench is interrupted
+    live: list[Child] = []  # not yet reaped: killed by cleanup() if the bench is interrupted
 
     def __init__(self, cmd: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.cmd = cmd
@@ -265,7 +266,7 @@ class Child:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def wait(self, deadline: float) -> "Child":
+    def wait(self, deadline: float) -> Child:
         """Reap within ``deadline`` seconds, else SIGKILL its process group and report a timeout."""
         def expire() -> None:
             self.timed_out = True
@@ -711,7 +712,7 @@ class Bench:
                 raise RuntimeError(f"wdscache index failed: {r.stderr[-2000:]}")
         return out
 
-    def ranks_at_once(self, prof: str, ds: dict[str, Any], placed: list[tuple[int, "Agent"]], nodes: int,
+    def ranks_at_once(self, prof: str, ds: dict[str, Any], placed: list[tuple[int, Agent]], nodes: int,
                       per_node: int, tag: str, *, warmup: bool) -> list[dict[str, Any]] | None:
         """One epoch of the ranks of the nodes ``placed`` (node k on its agent), ``per_node`` each, of a
         job on ``nodes``, every rank started at once; each rank's epoch, or None if one failed."""
@@ -794,7 +795,7 @@ class Bench:
                 shutil.rmtree(agent.cache, ignore_errors=True)
         self.finish_run(prof, rep, "wdscache-nodes", None, rows, status, **extra)
 
-    def run_wdscache_streamed(self, prof: str, ds: dict[str, Any], agent: "Agent", cache: Path) -> dict[str, Any]:
+    def run_wdscache_streamed(self, prof: str, ds: dict[str, Any], agent: Agent, cache: Path) -> dict[str, Any]:
         """One warm epoch with ``direct_reads=False``: the workers send every byte over ZeroMQ."""
         c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "streamed", "--no-direct",
                           "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT), "--log",
@@ -807,7 +808,7 @@ class Bench:
         e = r["epochs"][0]
         return {STREAMED: {**self.epoch_row(e, e["agent_cpu_s"] or 0.0), "resends": resends(c)}}
 
-    def run_wdscache_many(self, prof: str, ds: dict[str, Any], agent: "Agent", cache: Path,
+    def run_wdscache_many(self, prof: str, ds: dict[str, Any], agent: Agent, cache: Path,
                           direct: bool) -> dict[str, Any]:
         """Two jobs of four ranks each, all from the warm cache at once; aggregate MB/s."""
         what = "8 consumers" if direct else "8 consumers, streamed"
@@ -867,6 +868,7 @@ class Bench:
         """One large shard cached by an agent with parallel ranged parts (its defaults) and by one
         with ``--download-parts 1``: seconds from the agent's start to the shard cached."""
         from shard_maker import make_dataset
+
         from wdscache.shared.stats import collect
 
         size = parse_bytes(self.args.size_parts)
@@ -1362,7 +1364,7 @@ def tables(bench: Bench, summary: dict, targets: list[dict[str, Any]]) -> str:
         out.append("| system | samples/s | MB/s | wdscache warm ÷ this | epoch wall s | first sample ms "
                    "| CPU s/GB | consumer RSS peak MB (growth) | agent/worker RSS MB | status |")
         out.append("|---|---|---|---|---|---|---|---|---|---|")
-        labels = [l for l in ROW_ORDER if l in rows] + [l for l in rows if l not in ROW_ORDER]
+        labels = [r for r in ROW_ORDER if r in rows] + [r for r in rows if r not in ROW_ORDER]
         for label in labels:
             e = rows[label]
             mb = med(summary, prof, label, "mb_s")
@@ -1451,8 +1453,8 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
     W = "wdscache, epoch 2 (warm)"
     C = "wdscache, epoch 1 (cold)"
     ML = f"wds MultiLoader, {AGENT_WORKERS} workers (worker flushes ZeroMQ on exit)"
-    ge = lambda v, l: v >= l  # noqa: E731
-    le = lambda v, l: v <= l  # noqa: E731
+    ge = lambda v, limit: v >= limit  # noqa: E731
+    le = lambda v, limit: v <= limit  # noqa: E731
     s = summary
     w_img = med(s, "images", W, "mb_s")
     for name, other, need in (("MultiLoader", ML, 2.0), ("wds in-process", "wds local, in-process", 1.0),
@@ -1500,15 +1502,15 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
     r = ratio(cw, cm)
     add("5", "warm images: CPU s/GB ≤ 0.5x MultiLoader (all processes)", r, 0.5, le,
         f"{r:.2f}x ({fmt(cw, 2)} vs {fmt(cm, 2)} CPU s/GB)" if r else "")
-    hwm = [m["max"] for p in s.values() for l, e in p.items() if l.startswith("wdscache")
+    hwm = [m["max"] for p in s.values() for lab, e in p.items() if lab.startswith("wdscache")
            for k, m in e["metrics"].items() if k == "helper_hwm_mb"]
-    anon = [m["max"] for p in s.values() for l, e in p.items() if l.startswith("wdscache")
+    anon = [m["max"] for p in s.values() for lab, e in p.items() if lab.startswith("wdscache")
             for k, m in e["metrics"].items() if k == "helper_anon_mb"]
     add("6", "agent RSS ≤ 250 MB: sum of VmHWM over agent + workers (counts mmapped shard pages)",
         max(hwm) if hwm else None, 250, le, f"{max(hwm):.0f} MB (worst run)" if hwm else "")
     add("6", "agent RSS ≤ 250 MB: peak of summed RssAnon (private memory only)",
         max(anon) if anon else None, 250, le, f"{max(anon):.0f} MB (worst run)" if anon else "")
-    growth = [m["max"] for p in s.values() for l, e in p.items() if l in (W, C)
+    growth = [m["max"] for p in s.values() for lab, e in p.items() if lab in (W, C)
               for k, m in e["metrics"].items() if k == "consumer_growth_mb"]
     add("6", "consumer RSS growth ≤ 64 MB over an epoch", max(growth) if growth else None, 64, le,
         f"{max(growth):.1f} MB (worst epoch)" if growth else "")
@@ -1557,12 +1559,12 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
             0.7, le, f"{cpu:.2f}x ({fmt(med(s, prof, TORCH_WARM, 'cpu_s_per_gb'), 2)} vs "
             f"{fmt(med(s, prof, TORCH_WDS_LOCAL, 'cpu_s_per_gb'), 2)} CPU s/GB)" if cpu else "")
     u = bench.scale.get("url_list_1m", {})
-    add("8", "1,000,000-entry URL list parsed and planned < 5 s", u.get("seconds"), 5.0, lambda v, l: v < l,
+    add("8", "1,000,000-entry URL list parsed and planned < 5 s", u.get("seconds"), 5.0, lambda v, limit: v < limit,
         f"{u['seconds']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in u.get("parts", {}).items()) + ")"
         if "seconds" in u else "")
     st = bench.scale.get("stats_100k", {})
     add("8", "`wdscache stats --json` on a 100,000-shard index < 1 s (wall, with interpreter start-up)",
-        st.get("seconds"), 1.0, lambda v, l: v < l,
+        st.get("seconds"), 1.0, lambda v, limit: v < limit,
         f"{st['seconds']:.2f} s (import of wdscache.cli alone: {st['python_import_wdscache_cli_s']:.2f} s)"
         if "seconds" in st else "")
     for prof in bench.datasets:

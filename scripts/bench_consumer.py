@@ -36,8 +36,9 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 TICK = os.sysconf("SC_CLK_TCK")
 PROGRESS_EVERY = 1.0

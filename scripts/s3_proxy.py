@@ -68,7 +68,7 @@ class S3Proxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._sock.getsockname()[1]}"
 
-    def start(self) -> "S3Proxy":
+    def start(self) -> S3Proxy:
         t = threading.Thread(target=self._accept, name="s3-proxy", daemon=True)
         t.start()
         self._threads.append(t)
@@ -107,7 +107,7 @@ class S3Proxy:
         while not self._stop.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 continue
             except OSError:
                 return

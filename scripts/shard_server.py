@@ -64,7 +64,8 @@ class Request:
     :meth:`ShardServer.url`), or the raw request path if it was rejected.
     ``bytes_sent`` counts body bytes and grows while the body is being sent.
     ``fault`` names the injected fault kind, if one was applied; ``at`` is when
-    the request was handled (``time.monotonic()``), ``if_range`` its If-Range header.
+    the request was handled (``time.monotonic()``), ``sent_at`` when its last body bytes
+    so far went out, ``if_range`` its If-Range header.
     """
 
     method: str
@@ -75,6 +76,7 @@ class Request:
     fault: str | None = None
     at: float = 0.0
     if_range: str | None = None
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -274,6 +276,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data)
             remaining -= len(data)
             record.bytes_sent += len(data)
+            record.sent_at = time.monotonic()
 
     def _begin(
         self,

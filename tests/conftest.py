@@ -23,7 +23,6 @@ from scripts.shard_server import ShardServer
 from tests.helpers.agents import AgentProc, Dataset, run_wdscache, wdscache_exe
 from tests.helpers.streaming import Consumer
 
-
 # -- the shard server and datasets ---------------------------------------------------
 
 

@@ -19,15 +19,14 @@ import zmq
 
 from scripts.shard_maker import make_dataset
 from tests.helpers.net import free_port_range
+from wdscache.agent.cache import ShardCache
+from wdscache.agent.control import ControlSocket
 from wdscache.agent.downloads import Downloads
-from wdscache.agent.events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Mailbox,
-                                   ValidatorFound)
+from wdscache.agent.events import BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Mailbox, ValidatorFound
+from wdscache.agent.fetch import Fetcher
 from wdscache.agent.opens import Opens
 from wdscache.agent.readers import Readers
-from wdscache.agent.control import ControlSocket
-from wdscache.agent.cache import ShardCache
 from wdscache.shared.config import AgentConfig
-from wdscache.agent.fetch import Fetcher
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.protocol import client_key, pack, unpack
 from wdscache.shared.urls import UrlList, parse_url_list

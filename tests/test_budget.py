@@ -1,4 +1,4 @@
-"""Budgets and disks too small for the readers (issue 13, items 1 and 5).
+"""Budgets and disks too small for the readers.
 
 Real parts only: agents started through the ``wdscache`` console script, a
 :class:`ShardServer` on 127.0.0.1, tmpfs mounts of the size each case needs,

@@ -24,10 +24,9 @@ from tests.helpers.streaming import reference
 from tests.helpers.testdata import REAL_SHARDS, TESTDATA
 from tests.helpers.workers import read_from_worker
 from wdscache import CachedMultiLoader
-from wdscache.training.direct import CacheFiles, StaleFile
 from wdscache.shared.errors import ProtocolError
-from wdscache.shared.layout import CacheLayout
-from wdscache.shared.layout import file_identity
+from wdscache.shared.layout import CacheLayout, file_identity
+from wdscache.training.direct import CacheFiles, StaleFile
 
 
 def digests(samples: list[dict]) -> dict[tuple[str, str], dict[str, str]]:

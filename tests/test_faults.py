@@ -1,4 +1,4 @@
-"""Fault injection (issue 5): a flaky server, killed processes, a full disk, damaged files, hostile peers.
+"""Fault injection: a flaky server, killed processes, a full disk, damaged files, hostile peers.
 
 Everything is real: agents started through the ``wdscache`` console script, a
 :class:`ShardServer` on 127.0.0.1 told to misbehave, consumer processes
@@ -35,10 +35,10 @@ from tests.helpers.streaming import Consumer, reference, samples_of, state_of
 from tests.helpers.versions import another_version
 from tests.helpers.waits import stop_process, wait_for
 from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardError, WdsCacheError
-from wdscache.shared.client import AgentConnection
-from wdscache.shared import errors as wds_errors
-from wdscache.shared.layout import CacheLayout, shard_name
 from wdscache.agent.pool import worker_endpoints
+from wdscache.shared import errors as wds_errors
+from wdscache.shared.client import AgentConnection
+from wdscache.shared.layout import CacheLayout, shard_name
 from wdscache.shared.protocol import reply_proof, request_proof
 from wdscache.shared.tarwalk import tar_problem
 
@@ -304,6 +304,9 @@ def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset
     ds = dataset(6, **SHARD_200K)
     size = {u: p.stat().st_size for u, p in zip(ds.urls, ds.paths)}
     shard_server.rate = 200_000  # ~1 s per shard, three at once
+    # The third shard stops a third of the way until the kill: a partial file that stays
+    # half-way however slowly this test's polls come (the server's stop ends the stall).
+    shard_server.fail(shard_name(ds.urls[2]), "stall", after=80_000, seconds=120)
     cache = tmp_path / "cache"
     layout = CacheLayout.of(cache)
     watcher = watchers(cache, {shard_name(u): p for u, p in zip(ds.urls, ds.paths)})
@@ -311,8 +314,6 @@ def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset
     first = start_agent(cache, ds.list_file, *args)
 
     def mid_download() -> bool:
-        # A partial file at most half-way: at 200 KB/s it is still half a second from done
-        # when the kill comes (one nearly done could be published meanwhile).
         half = min(size.values()) // 2
         return bool(cached_urls(cache, ds.urls)) and any(64 << 10 <= size_or_0(p) <= half
                                                          for p in partial_files(cache))
@@ -568,7 +569,7 @@ def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_nev
     # waits), not "internal error". The failing sync is injected: a file system that
     # defers allocation and fills up cannot be made for a test.
     from wdscache.agent.download import SYNC_EVERY, DiskFull, Download
-    from wdscache.agent.fetch import FetchError, Fetcher
+    from wdscache.agent.fetch import Fetcher, FetchError
 
     src = make_shard(shard_server.root / "big.tar", synth_samples(0, 10, payload=1 << 20, seed=3))
     url = shard_server.url("big.tar")
@@ -933,8 +934,8 @@ def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(shard_server
                                                                     tmp_path):
     """Workers take a walked table from the agent without walking the shard again: one that
     any peer could have sent would make them serve the wrong bytes."""
-    from wdscache.shared.samples import SampleSpan
     from wdscache.agent.sampletable import PackedSamples
+    from wdscache.shared.samples import SampleSpan
 
     ds = dataset(2, samples=5, payload=500)
     cache = tmp_path / "cache"

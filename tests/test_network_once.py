@@ -7,14 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.agents import FIRST_PART
 from tests.helpers.streaming import reference, samples_of
-
 from tests.helpers.waits import wait_for
 from wdscache import ShardClient
 from wdscache.shared.errors import FetchError
 from wdscache.shared.layout import CacheLayout
-
 
 # A cancelled connection loses what the server wrote before it saw the close (what was in
 # the sockets' buffers: one paced slice here): bytes no client can keep. Nothing more.

@@ -13,18 +13,18 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
-from wdscache import CachedMultiLoader
-from wdscache.shared.errors import WdsCacheError
-from wdscache.shared.urls import list_id
-from wdscache.shared.nodes import assign
 from tests.helpers.agents import run_wdscache
 from tests.helpers.streaming import samples_of, state_of
 from tests.helpers.waits import wait_for
+from wdscache import CachedMultiLoader
+from wdscache.shared.errors import WdsCacheError
+from wdscache.shared.nodes import assign
+from wdscache.shared.urls import list_id
 
 SHARDS, PER_SHARD = 6, 12
 

@@ -1,4 +1,4 @@
-"""The cache commands (issue 18, point 3): prefetch, ls, verify, evict, clear, with and without an agent.
+"""The cache commands: prefetch, ls, verify, evict, clear, with and without an agent.
 
 Real ``wdscache`` processes, a real HTTP server, a real agent; a reader holds a shard over the real
 control socket.

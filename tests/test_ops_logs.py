@@ -1,4 +1,4 @@
-"""Logs for people and for log shippers (issue 18, point 4): one line per notable event, ISO 8601 dates.
+"""Logs for people and for log shippers: one line per notable event, ISO 8601 dates.
 
 A real agent started through the CLI with ``--log-format json``, a real HTTP server, a
 reader that says hello and bye over the real control socket, and a real consumer's short epoch.

@@ -1,4 +1,4 @@
-"""Prometheus metrics (issue 18, point 2): the agent's /metrics scraped over real HTTP, and
+"""Prometheus metrics: the agent's /metrics scraped over real HTTP, and
 ``wdscache stats --prometheus``, both parsed with prometheus_client's own parser."""
 
 from __future__ import annotations

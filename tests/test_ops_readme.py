@@ -4,7 +4,6 @@ one the agent exports."""
 
 from __future__ import annotations
 
-
 import re
 import shlex
 import signal

@@ -1,4 +1,4 @@
-"""The live view (issue 18, point 1): ``wdscache stats --watch`` redraws until Ctrl-C, and the verdict
+"""The live view: ``wdscache stats --watch`` redraws until Ctrl-C, and the verdict
 on each job is a pure function of the stats (wdscache.shared.verdict)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import subprocess
 import time
 
 from scripts.console import wdscache_exe
-from wdscache.shared.client import AgentConnection
-from wdscache.shared.verdict import verdicts
 from tests.helpers.waits import stop_process
 from tests.helpers.watch import read_frames
+from wdscache.shared.client import AgentConnection
+from wdscache.shared.verdict import verdicts
 
 
 def _stats(*, waiting: float, demanded: int = 0, need: int = 0, busy: float = 0.1) -> dict:

@@ -1,4 +1,4 @@
-"""Private agents (issue 13, item 10): one lives while any loader uses it, and stops once none does.
+"""Private agents: one lives while any loader uses it, and stops once none does.
 
 Loaders are real consumer processes (tests/consumer.py) given a URL list and a
 cache directory with no agent running, so the first one starts a private agent

@@ -1,4 +1,4 @@
-"""Readers as the agent sees them (issue 13): which list each reads, and when one is gone.
+"""Readers as the agent sees them: which list each reads, and when one is gone.
 
 Real agents started through the CLI, real consumer processes (tests/consumer.py),
 a real HTTP server; samples are compared with webdataset's own reader.

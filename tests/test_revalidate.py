@@ -6,7 +6,6 @@ import pytest
 
 from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.versions import another_version, replace
-
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.tarwalk import members

@@ -20,10 +20,10 @@ import requests
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
 
+from scripts.s3_proxy import S3Proxy  # noqa: E402
 from scripts.shard_maker import make_dataset, make_shard, synth_samples, write_url_list  # noqa: E402
 from tests.helpers.agents import FIRST_PART, AgentProc  # noqa: E402
 from tests.helpers.net import free_port_range  # noqa: E402
-from scripts.s3_proxy import S3Proxy  # noqa: E402
 from tests.helpers.streaming import Consumer, reference, samples_of  # noqa: E402
 from tests.helpers.versions import another_version  # noqa: E402
 from tests.helpers.waits import wait_for  # noqa: E402

@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
+from collections.abc import Iterable
 from datetime import timedelta
-from typing import Iterable
 
 import pytest
 from hypothesis import given, settings

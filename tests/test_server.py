@@ -284,7 +284,7 @@ def test_rate_cap(root: Path, data: bytes, http: requests.Session) -> None:
         r = http.get(srv.url("data.tar"), headers={"Range": "bytes=0-199999"}, timeout=TIMEOUT)
         elapsed = time.monotonic() - t0
         assert r.content == data[:200_000]
-        assert 0.15 <= elapsed < 3.0
+        assert elapsed >= 0.15  # 200 KB at 1 MB/s: the cap held it back
         srv.rate = None  # settable while running
         t0 = time.monotonic()
         assert http.get(srv.url("data.tar"), timeout=TIMEOUT).content == data

@@ -1,4 +1,4 @@
-"""The Slurm recipe (agent/slurm/) on a real single-node cluster, by scripts/slurm_check.sh (issue 16, point 6).
+"""The Slurm recipe (agent/slurm/) on a real single-node cluster, by scripts/slurm_check.sh.
 
 Opt-in: it needs root, installs Debian's slurm-wlm and munge when missing, and runs slurmctld and
 slurmd for about 20 s. Set ``WDSCACHE_SLURM_CHECK=1`` to run it."""

@@ -1,4 +1,4 @@
-"""Streaming samples from the agent to real consumer processes (issue 3).
+"""Streaming samples from the agent to real consumer processes.
 
 Every consumer is a real process running tests/consumer.py against a real agent
 started through the CLI; samples are compared with webdataset's own reader.
@@ -160,8 +160,8 @@ def test_loader_without_agent_starts_a_private_one_and_stops_it(tmp_path, datase
 
 def test_lists_too_big_for_one_message_travel_in_pages(tmp_path, dataset, start_agent):
     from wdscache.shared.client import AgentConnection
-    from wdscache.training.loader import CachedMultiLoader
     from wdscache.shared.urls import read_url_list
+    from wdscache.training.loader import CachedMultiLoader
 
     data = dataset(2, samples=2, payload=100)
     many = [f"http://127.0.0.1:9/never-{i:06d}.tar" for i in range(40_000)]  # 1.5 MB: over one message

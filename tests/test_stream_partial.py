@@ -1,4 +1,4 @@
-"""Reading a shard while it downloads (issue 4): the first sample does not wait for the whole shard.
+"""Reading a shard while it downloads: the first sample does not wait for the whole shard.
 
 A real agent (started through the CLI) downloads from the rate-capped loopback
 server; the loader reads in this process over real sockets. "Before the
@@ -47,7 +47,7 @@ def test_first_sample_arrives_before_its_shard_is_downloaded_and_the_epoch_is_ex
         assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
     # What was published is the whole source file; nothing partial is left behind.
     for url, path in zip(data.urls, data.paths):
-        wait_for(lambda: layout.shard_path(url).exists(), 30, f"{url} published")
+        wait_for(lambda url=url: layout.shard_path(url).exists(), 30, f"{url} published")
         assert layout.shard_path(url).read_bytes() == path.read_bytes()
     assert not any(layout.partial_dir.iterdir())
 

@@ -14,14 +14,14 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wdscache.shared.errors import AgentUnavailableError, FetchError, ProtocolError, ShardError
+from wdscache.shared.sequence import EpochSpec, ShardFeed, global_sequence
 from wdscache.training.direct import StaleFile
 from wdscache.training.epoch_shards import EpochShards
-from wdscache.shared.errors import AgentUnavailableError, FetchError, ProtocolError, ShardError
 from wdscache.training.pins import Pins
 from wdscache.training.progress import ProgressClock
 from wdscache.training.reads import ReadState, ReadTable
 from wdscache.training.replies import decode_reply, with_holes
-from wdscache.shared.sequence import EpochSpec, ShardFeed, global_sequence
 
 URLS = [f"http://example.invalid/shard-{i}.tar" for i in range(4)]
 
@@ -159,7 +159,7 @@ class Ranges:
     def __init__(self) -> None:
         self.asked: list[tuple[str, tuple[int, ...], int, int]] = []
 
-    def range(self, url: str, identity: Any, start: int, size: int) -> "Ranges.Span":
+    def range(self, url: str, identity: Any, start: int, size: int) -> Ranges.Span:
         self.asked.append((url, tuple(identity), start, size))
         return Ranges.Span(start, size)
 

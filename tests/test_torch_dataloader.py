@@ -1,4 +1,4 @@
-"""CachedMultiLoader in torch's DataLoader and torchdata's StatefulDataLoader (issue 17, points 2, 3).
+"""CachedMultiLoader in torch's DataLoader and torchdata's StatefulDataLoader.
 
 The scenarios run in one child process each (tests/helpers/torch_job.py: torch's import
 is slow, and a loader is a torch dataset only in a process that imported torch) against
@@ -11,8 +11,9 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

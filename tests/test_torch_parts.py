@@ -24,7 +24,7 @@ def _shares(n: int, world: int, start: Resume) -> list[tuple[RankShare, list[tup
 
 @pytest.mark.parametrize("n,world,workers", [(78, 1, 2), (203, 2, 3), (500, 4, 2), (37, 3, 4)])
 def test_parts_are_disjoint_and_make_the_share(n: int, world: int, workers: int) -> None:
-    for share, pairs in _shares(n, world, Resume()):
+    for _share, pairs in _shares(n, world, Resume()):
         parts = [list(part_of(iter(pairs), Part(k, workers))) for k in range(workers)]
         assert sorted(p for part in parts for p in part) == sorted(pairs)
 

@@ -1,4 +1,4 @@
-"""A real ``torchrun --nproc-per-node 2`` job (issue 17, point 5): scripts/train_example.py trains
+"""A real ``torchrun --nproc-per-node 2`` job: scripts/train_example.py trains
 a tiny model in DistributedDataParallel over gloo on the CPU, fed by wdscache.WebDataset in a
 StatefulDataLoader with 2 workers per rank; it is killed (SIGKILL, the whole job) inside its
 second epoch and restarted from its checkpoint with 1 worker per rank, and each epoch still sees every sample once,
@@ -12,8 +12,9 @@ import signal
 import subprocess
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

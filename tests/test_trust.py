@@ -25,23 +25,24 @@ import subprocess
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import zmq
 
+import wdscache.agent.core  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
 from tests.helpers.net import free_port_range
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
-import wdscache.agent.core  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
 from wdscache import NotTrustedError, WdsCacheError, cli
+from wdscache.agent.pool import worker_endpoints
 from wdscache.shared.client import AgentConnection, ShardClient
 from wdscache.shared.layout import CacheLayout
-from wdscache.training.loader import CachedMultiLoader
-from wdscache.agent.pool import worker_endpoints
 from wdscache.shared.protocol import reply_proof, request_proof
 from wdscache.shared.urls import list_id
+from wdscache.training.loader import CachedMultiLoader
 
 CHILD_DEADLINE = 60.0
 

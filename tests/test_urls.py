@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import time
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -86,11 +88,22 @@ def test_expand_braces_errors(pattern: str, fragment: str) -> None:
     assert fragment in str(info.value)
 
 
+def _peak_bytes(call: Callable[[], object]) -> int:
+    """The most memory ``call`` held at once (it may raise: the peak is taken all the same)."""
+    tracemalloc.start()
+    try:
+        with contextlib.suppress(Exception):
+            call()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_huge_expansion_refused_before_building() -> None:
-    start = time.perf_counter()
+    # Refused from the count alone: a billion URLs are never built, not even in part.
+    assert _peak_bytes(lambda: expand_braces("http://h/{0..999999999}.tar")) < 1 << 20
     with pytest.raises(ValueError) as info:
         expand_braces("http://h/{0..999999999}.tar")
-    assert time.perf_counter() - start < 0.5
     assert "1000000000" in str(info.value)
     assert "10000000" in str(info.value)
 
@@ -105,10 +118,8 @@ def test_expansion_limit_counts_the_product() -> None:
         expand_braces("{{0..999999},{0..999999}}{0..499999}")
 
 
-def test_expand_braces_million_is_fast() -> None:
-    start = time.perf_counter()
+def test_expand_braces_gives_a_million_entries() -> None:
     urls = expand_braces("http://h/shard-{000000..999999}.tar")
-    assert time.perf_counter() - start < 5
     assert len(urls) == 1_000_000
     assert urls[0] == "http://h/shard-000000.tar"
     assert urls[-1] == "http://h/shard-999999.tar"
@@ -355,10 +366,9 @@ def test_limit_names_the_crossing_line() -> None:
     with pytest.raises(UrlListError) as info:
         parse_url_list(text, limit=2)
     assert info.value.lineno == 3 and "limit of 2" in str(info.value)
-    start = time.perf_counter()
+    assert _peak_bytes(lambda: parse_url_list("http://h/a.tar\nhttp://h/{0..999999999}.tar\n")) < 1 << 20
     with pytest.raises(UrlListError) as info:
         parse_url_list("http://h/a.tar\nhttp://h/{0..999999999}.tar\n")
-    assert time.perf_counter() - start < 0.5
     assert info.value.lineno == 2 and "limit of 10000000" in str(info.value)
 
 
@@ -374,20 +384,19 @@ def test_url_list_protocol() -> None:
     assert hash(result) == hash(UrlList(None, ("http://h/a.tar", "http://h/b.tar")))
 
 
-def test_parse_million_line_file_is_fast(tmp_path: Path) -> None:
+def test_a_million_line_file_is_read_whole(tmp_path: Path) -> None:
     lines = (f"http://data.example.com/train/shard-{i:07d}.tar\n" for i in range(1_000_000))
     path = write_list(tmp_path, "".join(lines))
-    start = time.perf_counter()
     result = read_url_list(path)
-    assert time.perf_counter() - start < 5
     assert len(result) == 1_000_000 and result.duplicates == 0
 
 
-def test_parse_million_entry_brace_line_is_fast() -> None:
-    start = time.perf_counter()
+def test_a_million_entry_brace_line_expands_in_order_with_its_padding() -> None:
+    # How fast: scripts/bench.py's 1,000,000-entry list row.
     result = parse_url_list("http://h/shard-{000000..999999}.tar")
-    assert time.perf_counter() - start < 5
     assert len(result) == 1_000_000
+    assert (result.urls[0], result.urls[123_456], result.urls[-1]) == (
+        "http://h/shard-000000.tar", "http://h/shard-123456.tar", "http://h/shard-999999.tar")
 
 
 # --------------------------------------------------------------------------- diff/format

@@ -1,4 +1,4 @@
-"""wdscache.WebDataset as a drop-in for webdataset.WebDataset (issue 17, point 1): webdataset's
+"""wdscache.WebDataset as a drop-in for webdataset.WebDataset: webdataset's
 own stages and decoders (decode("pil") on real JPEGs made with Pillow) over samples served by
 a real agent, compared with webdataset reading the same shards over HTTP."""
 
@@ -9,8 +9,9 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -81,7 +82,7 @@ def test_fluid_stages_in_a_dataloader_with_workers(jpeg_shards: tuple[list[str],
           .batched(4))
     assert isinstance(ds, torch.utils.data.IterableDataset)
     labels: list[int] = []
-    for images, batch_labels, keys in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+    for images, batch_labels, _keys in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
         assert images.shape[1:] == (3, 6, 8) and images.dtype == torch.float32
         labels += batch_labels.tolist()
     expected = {1000 + s * 10 + i for s in range(SHARDS) for i in range(PER_SHARD)} - {1011}

@@ -45,9 +45,9 @@ if TYPE_CHECKING:
         UrlListError,
         WdsCacheError,
     )
-    from .training.loader import CachedMultiLoader, Tuning
     from .shared.stats import collect as collect_stats
     from .shared.urls import UrlList, read_url_list
+    from .training.loader import CachedMultiLoader, Tuning
     from .training.pipeline import WebDataset
 
 

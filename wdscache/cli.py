@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -50,7 +50,7 @@ def _redacted(obj: Any) -> Any:
     return obj
 
 
-def _fail(exc: WdsCacheError) -> None:
+def _fail(exc: WdsCacheError) -> NoReturn:
     _echo(f"wdscache: error: {exc}", err=True)
     sys.exit(2 if isinstance(exc, ConfigError) else 1)
 
@@ -238,14 +238,15 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     failed = [r for r in results if not isinstance(r, ShardInfo)]
-    for exc in failed:
-        _echo(f"wdscache: error: {exc}", err=True)
+    for error in failed:
+        _echo(f"wdscache: error: {error}", err=True)
     if failed:
         _echo(f"wdscache: {len(failed)} of {len(listed)} shards could not be read; {output} not written",
                    err=True)
         sys.exit(1)
-    entries = [(_stored_url(url, folder), info) for url, info in zip(listed.urls, results)]
-    write_shard_index(output, entries)  # type: ignore[arg-type]
+    entries = [(_stored_url(url, folder), info) for url, info in zip(listed.urls, results)
+               if isinstance(info, ShardInfo)]  # every one, since none failed
+    write_shard_index(output, entries)
     _echo(f"wrote {output}: {len(entries)} shards, {sum(i.nsamples for _, i in entries)} samples", err=True)
 
 

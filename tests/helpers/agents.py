@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from scripts.console import wdscache_exe
-from wdscache.shared.config import default, parse_size
 from tests.helpers.waits import STOP_TIMEOUT, TAIL_LINES, stop_process, tail, wait_for
+from wdscache.shared.config import default, parse_size
 
 START_TIMEOUT = 20.0  # seconds an agent gets to answer stats after it was started
 CLI_TIMEOUT = 30.0

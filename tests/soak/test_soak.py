@@ -60,7 +60,7 @@ def test_soak(tmp_path, shard_server, dataset, start_agent):
         }
         if epoch == 2:
             # Kill one worker mid-epoch: its requests go to its replacement.
-            wait_for(lambda: any(r.out.exists() and r.out.stat().st_size > 0 for r in runs.values()), 60,
+            wait_for(lambda runs=runs: any(r.out.exists() and r.out.stat().st_size > 0 for r in runs.values()), 60,
                      "no consumer started reading")
             os.kill(worker_pids(agent.pid)[0], signal.SIGKILL)
             figures["workers killed"] += 1

@@ -39,16 +39,17 @@ import dataclasses
 import os
 import sqlite3
 import time
+from collections.abc import Collection, Container, Iterable, Sequence
 from pathlib import Path
-from typing import Collection, Container, Iterable, Protocol, Sequence
+from typing import Protocol
 
 from ..shared.config import format_size
-from .download import Download
-from .parts import owner_name, remove_side_files, side_bytes
 from ..shared.index import Index, IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout
 from ..shared.logs import event, get_logger, iso_time
 from ..shared.tarwalk import GZIP_MAGIC, file_problem
+from .download import Download
+from .parts import owner_name, remove_side_files, side_bytes
 
 log = get_logger(__name__)
 

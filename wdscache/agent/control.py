@@ -24,8 +24,8 @@ from typing import Any
 import zmq
 
 from ..shared.errors import ProtocolError
-from ..shared.protocol import client_key, pack, proof, same_secret, unpack
 from ..shared.logs import get_logger
+from ..shared.protocol import client_key, pack, proof, same_secret, unpack
 
 log = get_logger(__name__)
 

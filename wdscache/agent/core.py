@@ -50,35 +50,44 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .downloads import Downloads
-from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Mailbox, OutOfSpace, Revalidated,
-                           ValidatorFound)
-from .list_file import ListFile
-from .metrics import MetricsServer
-from .opens import Opens
-from .prefetches import Prefetches
-from .readers import Readers, startup_reader
-from .control import ControlSocket
-from .upkeep import Upkeep
-from .worker_reports import WorkerReports
-from .cache import INDEX_HEADROOM, ShardCache
 from ..shared.config import AgentConfig, format_size, parse_size
 from ..shared.errors import ConfigError, ProtocolError
-from .fetch import Fetcher
-from ..shared.index import IndexWriteError, ShardState
+from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout, write_private
-from .lock import AgentLock
-from .pool import WorkerPool
+from ..shared.logs import get_logger
+from ..shared.metrics import require as require_metrics
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
-from ..shared.metrics import require as require_metrics
 from ..shared.stats import build
-from ..shared.verdict import starved_by
 from ..shared.urls import UrlList, diff_urls
-from ..shared.logs import get_logger
+from ..shared.verdict import starved_by
+from .cache import INDEX_HEADROOM, ShardCache
+from .control import ControlSocket
+from .downloads import Downloads
+from .events import (
+    BudgetAsked,
+    DownloadCancelled,
+    Downloaded,
+    DownloadFailed,
+    Mailbox,
+    OutOfSpace,
+    Revalidated,
+    ValidatorFound,
+)
+from .fetch import Fetcher
+from .list_file import ListFile
+from .lock import AgentLock
+from .metrics import MetricsServer
+from .opens import Opens
+from .pool import WorkerPool
+from .prefetches import Prefetches
+from .readers import Readers, startup_reader
+from .upkeep import Upkeep
+from .worker_reports import WorkerReports
 
 log = get_logger(__name__)
 
@@ -465,8 +474,7 @@ class Agent:
         by_state["downloading"] = self.downloads.count()
         by_state["queued"] = self.prefetches.queued() + sum(
             1 for u in self._readers_want() if u not in self.downloads and not cache.is_cached(u)
-            and (index.get(u) is None or index.get(u).state is not ShardState.FAILED)
-            and not self.prefetches.asks_for(u))
+            and not _failed(index.get(u)) and not self.prefetches.asks_for(u))
         agent_view = {"workers": self.workers.view(), "demanded": len(self.opens.demanded()),
                       "need_bytes": self.readers.need(self.opens.held)[0]}
         readers = self.readers.view(starved_by({"bytes_limit": cache.limit, "agent": agent_view}) or "latency")
@@ -532,6 +540,10 @@ class _PrivateUse:
 
 
 # -- opening the cache at start ------------------------------------------------
+
+
+def _failed(rec: ShardRecord | None) -> bool:
+    return rec is not None and rec.state is ShardState.FAILED
 
 
 def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: Fetcher) -> ShardCache:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..shared.config import format_size
 from ..shared.errors import FetchError, ShardError
@@ -55,7 +55,7 @@ class Download:
     url: str
     partial: Path
     final: Path
-    reserve: Callable[["Download", int, float | None], bool]
+    reserve: Callable[[Download, int, float | None], bool]
     etag: str | None = None  # the version the partial file's bytes came with: ETag, else Last-Modified
     last_modified: str | None = None  # the source's Last-Modified date, when it gave one (beside an ETag)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -75,7 +75,7 @@ class Download:
     single: bool = False  # over one connection: the budget could not hold parallel parts
     # A validator the source refused for a part of its own version: parts from it would never end.
     refused: str | None = None
-    on_validator: Callable[["Download"], None] = lambda d: None
+    on_validator: Callable[[Download], None] = lambda d: None
 
 
 @dataclass(frozen=True)

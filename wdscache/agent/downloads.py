@@ -36,16 +36,26 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .events import (BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Event, Grant, Mailbox,
-                           OutOfSpace, Revalidated, ValidatorFound)
-from .cache import ShardCache
 from ..shared.config import AgentConfig, format_size
 from ..shared.errors import FetchError
-from .download import Cancelled, DiskFull, Download, Fetched
-from .fetch import Fetcher
 from ..shared.index import ShardState
 from ..shared.logs import event, get_logger
 from ..shared.shard_index import ShardInfo
+from .cache import ShardCache
+from .download import Cancelled, DiskFull, Download, Fetched
+from .events import (
+    BudgetAsked,
+    DownloadCancelled,
+    Downloaded,
+    DownloadFailed,
+    Event,
+    Grant,
+    Mailbox,
+    OutOfSpace,
+    Revalidated,
+    ValidatorFound,
+)
+from .fetch import Fetcher
 
 log = get_logger(__name__)
 

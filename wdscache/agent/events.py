@@ -20,7 +20,6 @@ import os
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Union
 
 from ..shared.errors import FetchError
 from .download import DiskFull, Download, Fetched
@@ -92,7 +91,7 @@ class DownloadCancelled:
     download: Download
 
 
-Event = Union[BudgetAsked, ValidatorFound, Downloaded, Revalidated, DownloadFailed, OutOfSpace, DownloadCancelled]
+Event = BudgetAsked | ValidatorFound | Downloaded | Revalidated | DownloadFailed | OutOfSpace | DownloadCancelled
 
 
 class Mailbox:

@@ -65,8 +65,8 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 from urllib.parse import unquote, urlsplit
 
 import requests
@@ -75,13 +75,29 @@ import urllib3
 from ..shared import s3
 from ..shared.config import default, parse_size
 from ..shared.errors import FetchError
+from ..shared.logs import get_logger
 from ..shared.shard_index import file_facts
-from .download import (GROW, SYNC_EVERY, Cancelled, Changed, Download, Fetched, Retry, check_announced, check_tar_head,
-                       publish, publish_gunzipped, reserve_holding, short, sync_partial, truncate, write_all)
+from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem
+from .download import (
+    GROW,
+    SYNC_EVERY,
+    Cancelled,
+    Changed,
+    Download,
+    Fetched,
+    Retry,
+    check_announced,
+    check_tar_head,
+    publish,
+    publish_gunzipped,
+    reserve_holding,
+    short,
+    sync_partial,
+    truncate,
+    write_all,
+)
 from .parted import PartedFetch
 from .parts import Part, file_size, remove_side_files
-from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem
-from ..shared.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -289,7 +305,7 @@ class Fetcher:
         headers = {"Accept-Encoding": "identity"}
         if offset or end is not None:
             headers["Range"] = f"bytes={offset}-{'' if end is None else end - 1}"
-        if offset:
+        if offset and d.etag:
             headers["If-Range"] = d.etag  # an ETag or an HTTP date: both are valid here
         self._wait_turn(d.url, d.cancel)
         with self._session().get(d.url, headers=headers, stream=True, timeout=self.timeout) as r:
@@ -340,7 +356,7 @@ class Fetcher:
             if etag and etag != d.etag:
                 d.etag = etag
                 d.on_validator(d)  # recorded in the index, so a restart can resume safely
-            if end is not None and status == 206 and _parts_can_name(etag, d) and total > end:
+            if end is not None and status == 206 and _parts_can_name(etag, d) and total is not None and total > end:
                 first = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
                 return self._parted.fetch(d, Part(offset, end), total, first, r.close, self._http_range)
             if total is not None:
@@ -426,6 +442,7 @@ class Fetcher:
     @contextlib.contextmanager
     def _http_range(self, d: Download, start: int, end: int, total: int) -> Iterator[Iterator[bytes]]:
         """The body of bytes ``start`` to ``end`` of the version ``d.etag`` names."""
+        assert d.etag is not None  # parts are planned only for a version they can name (_parts_can_name)
         headers = {"Accept-Encoding": "identity", "Range": f"bytes={start}-{end - 1}", "If-Range": d.etag}
         self._wait_turn(d.url, d.cancel)
         with self._session().get(d.url, headers=headers, stream=True, timeout=self.timeout) as r:
@@ -496,13 +513,14 @@ class Fetcher:
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(d.url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stderr=err,
                                     stdin=subprocess.DEVNULL)
-            assert proc.stdout is not None
+            stdout = proc.stdout
+            assert stdout is not None
             try:
-                self._write_body(d, iter(lambda: proc.stdout.read(CHUNK), b""), None, check_head=True)
+                self._write_body(d, iter(lambda: stdout.read(CHUNK), b""), None, check_head=True)
             finally:
                 if proc.poll() is None:
                     proc.kill()
-                proc.stdout.close()
+                stdout.close()
                 rc = proc.wait(10)
             if rc != 0:
                 err.seek(0)
@@ -544,7 +562,7 @@ class Fetcher:
 def _parts_can_name(tag: str | None, d: Download) -> bool:
     """Whether ranged parts may name version ``tag`` in their requests: a strong validator
     (a weak ETag never matches ``If-Range``) that the source has not refused already."""
-    return bool(tag) and not tag.startswith("W/") and tag != d.refused
+    return tag is not None and tag != "" and not tag.startswith("W/") and tag != d.refused
 
 
 def _s3_chunks(chunks: Iterator[bytes]) -> Iterator[bytes]:

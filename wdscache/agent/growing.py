@@ -111,7 +111,8 @@ class GrowingShard:
             rest = [span for span, _ in group_samples(walk(FileSpan(fd, self._resume, size), url), url,
                                                base=self._resume)]
         except ShardError as exc:  # its offset counted from where this walk began
-            raise ShardError(url, exc.reason, offset=None if exc.offset is None else exc.offset + self._resume)
+            raise ShardError(url, exc.reason,
+                             offset=None if exc.offset is None else exc.offset + self._resume) from None
         return self.samples + rest
 
     def read(self, i: int) -> tuple[SampleSpan, bytes, int]:

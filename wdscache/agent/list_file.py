@@ -23,9 +23,9 @@ from watchdog.observers import Observer
 
 from ..shared.config import AgentConfig
 from ..shared.errors import ConfigError
+from ..shared.logs import get_logger
 from ..shared.s3 import Listing
 from ..shared.urls import UrlList, read_url_list
-from ..shared.logs import get_logger
 
 log = get_logger(__name__)
 

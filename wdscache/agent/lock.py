@@ -54,7 +54,7 @@ class AgentLock:
             os.close(self._fd)  # closing drops the flock
             self._fd = None
 
-    def __enter__(self) -> "AgentLock":
+    def __enter__(self) -> AgentLock:
         self.acquire()
         return self
 

@@ -29,17 +29,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .downloads import Downloads
-from .readers import Readers
-from .control import ControlSocket
-from .cache import ShardCache
 from ..shared.config import AgentConfig
-from .download import Fetched
-from .fetch import common_validator, validator_kind
 from ..shared.index import ShardRecord, ShardState
-from ..shared.protocol import field as get_field
 from ..shared.layout import file_identity
 from ..shared.logs import event, get_logger
+from ..shared.protocol import field as get_field
+from .cache import ShardCache
+from .control import ControlSocket
+from .download import Fetched
+from .downloads import Downloads
+from .fetch import common_validator, validator_kind
+from .readers import Readers
 
 log = get_logger(__name__)
 
@@ -170,7 +170,9 @@ class Opens:
         if partial:
             self._socket.reply(ident, rid, ok=True, partial=True)
             return
-        self._socket.reply(ident, rid, ok=True, path=str(self._cache.path(url)), size=self._cache.index.get(url).size,
+        rec = self._cache.index.get(url)
+        assert rec is not None  # cached: the open above found it so
+        self._socket.reply(ident, rid, ok=True, path=str(self._cache.path(url)), size=rec.size,
                            samples=self._readers.samples(url))
 
     def status(self, url: str) -> dict[str, Any]:

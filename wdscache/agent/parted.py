@@ -15,18 +15,31 @@ import os
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, ContextManager, Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING
 
 import requests
 import urllib3
 
 from ..shared.config import format_size
 from ..shared.errors import FetchError
-from ..shared.tarwalk import HEAD_BYTES
-from .download import (SYNC_EVERY, Cancelled, Changed, Download, Retry, check_tar_head, reserve_holding, short,
-                       sync_part, truncate, write_all)
-from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
 from ..shared.logs import get_logger
+from ..shared.tarwalk import HEAD_BYTES
+from .download import (
+    SYNC_EVERY,
+    Cancelled,
+    Changed,
+    Download,
+    Retry,
+    check_tar_head,
+    reserve_holding,
+    short,
+    sync_part,
+    truncate,
+    write_all,
+)
+from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
 
 if TYPE_CHECKING:
     from .fetch import Fetcher
@@ -39,13 +52,13 @@ PARTS_HOLD = 1.0
 # Beyond the read timeout, how long the end of a parted download waits for its other threads.
 PARTS_JOIN = 5.0
 
-OpenRange = Callable[[Download, int, int, int], ContextManager[Iterator[bytes]]]
+OpenRange = Callable[[Download, int, int, int], AbstractContextManager[Iterator[bytes]]]
 
 
 class PartedFetch:
     """The parts of one fetcher's downloads: ``parts`` connections a shard, ``part_size`` each."""
 
-    def __init__(self, fetcher: "Fetcher", parts: int, part_size: int) -> None:
+    def __init__(self, fetcher: Fetcher, parts: int, part_size: int) -> None:
         self._fetcher, self.parts, self.part_size = fetcher, parts, part_size
 
     def first_range(self, d: Download, offset: int) -> tuple[int, int | None]:
@@ -67,7 +80,7 @@ class PartedFetch:
         return offset, end or offset + self.part_size
 
     def fetch(self, d: Download, head: Part, total: int, first: Iterator[bytes], let_go: Callable[[], None],
-                open_range: Callable[[Download, int, int, int], ContextManager[Iterator[bytes]]]) -> int:
+                open_range: Callable[[Download, int, int, int], AbstractContextManager[Iterator[bytes]]]) -> int:
         """Fetch ``d`` as parts, the first (``head``) from the answer ``first`` that gave its size."""
         d.total = total
         plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(d, "written", d.written + n))

@@ -33,9 +33,9 @@ from __future__ import annotations
 import errno
 import os
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 SIDE = "~part-"  # "~" is in no partial file's name (see wdscache.shared.layout)
 
@@ -174,6 +174,7 @@ class Plan:
                 self._done[part.start] = part
             while self.prefix in self._done and not self.stop.is_set():
                 done = self._done.pop(self.prefix)
+                assert done.side is not None  # only parts written to side files wait in _done
                 _append(self.partial, done.side, self.prefix, done.size)
                 self.prefix = done.end
 

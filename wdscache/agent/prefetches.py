@@ -30,8 +30,8 @@ import enum
 import logging
 import time
 from collections.abc import Collection, Iterable
-from itertools import islice
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from ..shared.config import format_size
@@ -149,7 +149,8 @@ class Prefetches:
                 change["error"] = p.errors[url]
             changes.append(change)
             size += len(url) + len(change.get("error", "")) + 64
-        written, total, waiting = 0, 0, None
+        written, waiting = 0, None
+        total: int | None = 0
         running = [u for u in self._downloads.running() if u in p.pending]
         for url in running:
             progress = self._downloads.progress(url)

@@ -28,11 +28,9 @@ import logging
 import os
 import select
 import time
-from collections.abc import Callable
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from .control import ControlSocket
-from .cache import ShardCache
 from ..shared.config import AgentConfig, format_size
 from ..shared.errors import ConfigError
 from ..shared.index import ShardState
@@ -41,9 +39,11 @@ from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pages, process_identity, strings
-from ..shared.stats import jobs_view, with_fraction
 from ..shared.shard_index import ShardInfo
+from ..shared.stats import jobs_view, with_fraction
 from ..shared.urls import UrlList, index_list, list_id, parse_url_list
+from .cache import ShardCache
+from .control import ControlSocket
 
 log = get_logger(__name__)
 
@@ -268,7 +268,7 @@ class Readers:
             self._uploads.pop(name, None)
             return "a list from a shard index gives each URL's facts, in every page: \"shards\" as long as \"urls\""
         got.extend(page)
-        if known is not None:
+        if known is not None and facts is not None:
             known.extend(facts)
         return None
 

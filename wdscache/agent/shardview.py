@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ..shared.errors import ShardError
-from ..shared.samples import Sample, SampleSpan, group_samples
 from ..shared.layout import file_identity
+from ..shared.samples import Sample, SampleSpan, group_samples
 from ..shared.tarwalk import GZIP_MAGIC, FileSpan, walk
 
 if TYPE_CHECKING:
@@ -96,7 +96,8 @@ class ShardView:
             return
         try:
             view.release()
-            self._data.close()
+            if self._data is not None:
+                self._data.close()
         except BufferError:
             pass  # buffers handed out are still alive: the memory stays until they go
         self._data = None

@@ -63,6 +63,7 @@ import signal
 import sys
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,14 +71,13 @@ from typing import Any
 import zmq
 
 from ..shared.errors import ProtocolError, ShardError
-from ..shared.layout import CacheLayout
+from ..shared.layout import CacheLayout, file_identity
+from ..shared.logs import get_logger
 from ..shared.malloc import tune_malloc
 from ..shared.protocol import WorkerProofs, field, pack, same_secret, unpack
 from .growing import GrowingShard, NotYet
 from .sampletable import PackedSamples, SampleTables, placed
-from ..shared.layout import file_identity
 from .shardview import ShardView, open_shard
-from ..shared.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -195,7 +195,7 @@ class _Worker:
             idle = SWEEP_EVERY  # files held open: look for evicted ones on time
         else:
             idle = 0.1
-        ready = dict(self.poller.poll(idle * 1000))
+        ready = dict(self.poller.poll(round(idle * 1000)))
         if self.report in ready:
             self._take_hints()
         if self.sock in ready:
@@ -223,7 +223,8 @@ class _Worker:
             return
         self._last_drop = time.monotonic()
         for view, frames in list(self.served.items()):
-            gone, sending = [], []
+            gone: list[Any] = []
+            sending: list[Any] = []
             for frame in frames:
                 (sending if frame[0] is not None and not frame[0].done else gone).append(frame)
             if not sending:  # one call for all of it (a shuffled read copies many scattered runs)
@@ -558,7 +559,7 @@ class _Worker:
         except FileNotFoundError:
             return self._growing(url, refresh=False)
 
-    def _reply(self, ident: bytes, header: dict[str, Any], frames: list[Any] = ()) -> None:
+    def _reply(self, ident: bytes, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
         header["proof"] = self.proofs.reply(header.get("id"))  # every reply, so a consumer can tell ours
         try:
             self.sock.send_multipart([ident, *pack(header), *frames], zmq.NOBLOCK, copy=False)

@@ -24,11 +24,11 @@ from collections import deque
 from typing import Any
 
 from ..shared.errors import ProtocolError
-from .pool import WorkerPool
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pack
 from ..shared.stats import public, with_fraction
 from .control import ControlSocket
+from .pool import WorkerPool
 
 INDEX_HINTS = 64  # shards lately published that a new worker is told to index
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")

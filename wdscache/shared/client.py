@@ -27,8 +27,9 @@ import secrets
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
@@ -339,7 +340,7 @@ class ShardClient:
         finally:
             self._conn.close()
 
-    def __enter__(self) -> "ShardClient":
+    def __enter__(self) -> ShardClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

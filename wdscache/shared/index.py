@@ -27,9 +27,10 @@ import json
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import quote
 
 import diskcache
@@ -104,7 +105,7 @@ class ShardRecord:
         return json.dumps(d, separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, text: str) -> "ShardRecord":
+    def from_json(cls, text: str) -> ShardRecord:
         d = json.loads(text)
         d["state"] = ShardState(d["state"])
         return cls(**d)
@@ -348,6 +349,15 @@ class _ReadOnlyStore:
         return self._values.get(key, default)
 
     def transact(self) -> contextlib.AbstractContextManager[None]:
+        raise IndexWriteError("cannot write the index: it was opened read-only")
+
+    def set(self, key: str, value: Any) -> bool:
+        raise IndexWriteError("cannot write the index: it was opened read-only")
+
+    def delete(self, key: str) -> bool:
+        raise IndexWriteError("cannot write the index: it was opened read-only")
+
+    def incr(self, key: str, delta: int = 1, default: int = 0) -> int:
         raise IndexWriteError("cannot write the index: it was opened read-only")
 
     def close(self) -> None:

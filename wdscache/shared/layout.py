@@ -84,7 +84,7 @@ class CacheLayout:
     root: Path
 
     @classmethod
-    def of(cls, cache_dir: str | os.PathLike[str]) -> "CacheLayout":
+    def of(cls, cache_dir: str | os.PathLike[str]) -> CacheLayout:
         return cls(Path(os.path.abspath(os.path.expanduser(os.fspath(cache_dir)))))
 
     @property
@@ -134,7 +134,7 @@ class CacheLayout:
         (someone else could plant files or links in it), or one that cannot be written.
         """
         root = self.root
-        made = []
+        made: list[Path] = []
         folder = root
         while not os.path.lexists(folder):
             made.insert(0, folder)

@@ -25,6 +25,7 @@ runs are copied together is a buffer of up to 8 MiB, made and freed per reply.
 from __future__ import annotations
 
 import ctypes
+
 from .logs import get_logger
 
 log = get_logger(__name__)
@@ -46,7 +47,7 @@ def tune_malloc() -> bool:
         return True
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # glibc only: other C libraries' mallopt means something else
+        _ = libc.gnu_get_libc_version  # glibc only: other C libraries' mallopt means something else
         mallopt = libc.mallopt
     except Exception:  # not glibc, or no C library to load this way (Windows)
         return False

@@ -112,7 +112,7 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
             family.add_metric([str(w["index"])], w.get(key, 0))
     yield from per_worker.values()
     labels = ["job", "rank"]
-    per_rank = {
+    per_rank: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
         "samples": CounterMetricFamily("wdscache_consumer_samples", "Samples a rank received", labels=labels),
         "bytes": CounterMetricFamily("wdscache_consumer_bytes", "Bytes of samples a rank received", labels=labels),
         "wait_s": CounterMetricFamily("wdscache_consumer_wait_seconds", "Seconds a rank waited for data",
@@ -124,8 +124,8 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     }
     for job, ranks in sorted(s.get("jobs", {}).items()):
         for rank, r in sorted(ranks.items()):
-            for key, family in per_rank.items():
-                family.add_metric([job, rank], r.get(key, 0))
+            for key, rank_family in per_rank.items():
+                rank_family.add_metric([job, rank], r.get(key, 0))
     yield from per_rank.values()
     starved = GaugeMetricFamily("wdscache_job_starved", "1 if the job is starved, by its reason",
                                 labels=["job", "reason"])

@@ -32,8 +32,9 @@ torch.distributed's process group, see :mod:`wdscache.training.node_lists`).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, cast
 
 from .errors import ConfigError, WdsCacheError
 from .plan import epoch_rng
@@ -118,7 +119,7 @@ class JobEpoch:
     @classmethod
     def fresh(cls, counts: Sequence[int], layout: Layout, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
               shuffle_buffer: int = 1000, drop_last: bool = False, reshuffle: bool = False,
-              block: int = BLOCK) -> "JobEpoch":
+              block: int = BLOCK) -> JobEpoch:
         """An epoch from its start: one part per node (each with samples, or it refuses)."""
         parts = assign(counts, layout.num_nodes, seed=seed, epoch=epoch, reshuffle=reshuffle)
         if any(sum(counts[s] for s in p) == 0 for p in parts):
@@ -132,6 +133,7 @@ class JobEpoch:
             raise ValueError(f"{len(self.resumes)} resumes for {len(self.parts)} parts")
         left = [self.left(p) for p in range(len(self.parts))]
         n = self.layout.num_nodes
+        segments: tuple[tuple[tuple[int, int, int], ...], ...]
         if n == len(self.parts):
             segments = tuple(((k, 0, left[k]),) for k in range(n))
         else:  # contiguous ranges of the parts' undelivered positions, in part order
@@ -169,7 +171,7 @@ class JobEpoch:
         """The shards node ``node`` reads (a superset, for a node on a range of a part)."""
         return {s for p, a, b in self._segments[node] if b > a for s in self.parts[p]}
 
-    def following(self) -> "JobEpoch":
+    def following(self) -> JobEpoch:
         """The next epoch, from its start, on the same layout."""
         return JobEpoch.fresh(self.counts, self.layout, seed=self.seed, epoch=self.epoch + 1, shuffle=self.shuffle,
                               shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
@@ -199,7 +201,7 @@ class JobEpoch:
 
     # -- one node ----------------------------------------------------------------
 
-    def _local(self, node: int) -> "_NodeStream":
+    def _local(self, node: int) -> _NodeStream:
         """How node ``node``'s ids are numbered: its segments' parts one after the other, each
         cut after its segment's last position; the positions not in a segment count as
         delivered (:class:`Resume`), so its ranks deal exactly the segments."""
@@ -234,7 +236,7 @@ class JobEpoch:
         """The shards node ``node`` reads, in the order it reads them."""
         return tuple(s for p, _, _, _ in self._local(node).spans for s in self.part_spec(p).order())
 
-    def share(self, rank: Layout | None = None) -> "NodeShare":
+    def share(self, rank: Layout | None = None) -> NodeShare:
         """The share of ``rank`` (this layout's rank, by default)."""
         return NodeShare(self, rank or self.layout)
 
@@ -320,7 +322,7 @@ class NodeSpec:
     def ids(self, samples: Callable[[int], Iterable[int | None]]) -> Iterator[SampleId | None]:
         return self.job.ids(self.node, samples)
 
-    def following(self) -> "NodeSpec":
+    def following(self) -> NodeSpec:
         return NodeSpec(self.job.following(), self.node)
 
 
@@ -385,7 +387,7 @@ class NodeList:
     counts: str | None
 
     @classmethod
-    def of(cls, list_id: str, counts: Sequence[int | None]) -> "NodeList":
+    def of(cls, list_id: str, counts: Sequence[int | None]) -> NodeList:
         if any(c is None for c in counts):
             return cls(list_id, len(counts), None, None)
         digest = hashlib.sha256(" ".join(str(c) for c in counts).encode()).hexdigest()[:8]
@@ -399,13 +401,13 @@ class NodeList:
         return {"list_id": self.list_id, "shards": self.shards, "samples": self.samples, "counts": self.counts}
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> "NodeList":
+    def from_wire(cls, d: dict[str, Any]) -> NodeList:
         """Checked: a field of the wrong type is a ValueError."""
         list_id, shards, samples, counts = d.get("list_id"), d.get("shards"), d.get("samples"), d.get("counts")
         if not (isinstance(list_id, str) and _natural(shards) and (samples is None or _natural(samples))
                 and (counts is None or isinstance(counts, str))):
             raise ValueError(f"not a node's list: {d!r}")
-        return cls(list_id, shards, samples, counts)
+        return cls(list_id, cast(int, shards), samples, counts)
 
 
 def check_same_list(lists: Sequence[NodeList | str], layout: Layout) -> None:

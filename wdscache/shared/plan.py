@@ -13,8 +13,9 @@ import functools
 import hashlib
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 

@@ -41,10 +41,11 @@ import hashlib
 import hmac
 import json
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from .errors import ProtocolError
 

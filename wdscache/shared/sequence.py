@@ -33,8 +33,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
 
 from .plan import epoch_rng, shard_order
 
@@ -64,11 +64,11 @@ class EpochSpec:
         mine = self.shards
         return tuple(mine[i] for i in shard_order(len(mine), seed=self.seed, epoch=self.epoch, shuffle=self.shuffle))
 
-    def ids(self, samples: Callable[[int], Iterable[int | None]]) -> Iterator["SampleId | None"]:
+    def ids(self, samples: Callable[[int], Iterable[int | None]]) -> Iterator[SampleId | None]:
         """The epoch's sample ids: :func:`global_sequence`."""
         return global_sequence(self, samples)
 
-    def following(self) -> "EpochSpec":
+    def following(self) -> EpochSpec:
         """The same reading of the next epoch."""
         return dataclasses.replace(self, epoch=self.epoch + 1)
 
@@ -174,7 +174,7 @@ class Resume:
             last = b
 
     @classmethod
-    def of(cls, position: int, runs: Iterable[Sequence[int]] = ()) -> "Resume":
+    def of(cls, position: int, runs: Iterable[Sequence[int]] = ()) -> Resume:
         """The normal form of "before ``position``, and ``runs``" (runs may overlap or touch)."""
         merged: list[list[int]] = []
         for a, b in sorted((int(a), int(b)) for a, b in runs):
@@ -274,7 +274,7 @@ class RankShare:
 
     @classmethod
     def known(cls, world_size: int, rank: int, length: int, *, resume: Resume = Resume(), drop_last: bool = False,
-              block: int = BLOCK) -> "RankShare":
+              block: int = BLOCK) -> RankShare:
         """The share of an epoch whose ``length`` positions not in ``resume`` are known up front (the
         sample counts are): :meth:`resume_after` then needs no :meth:`pairs` iteration."""
         share = cls(world_size, rank, resume=resume, drop_last=drop_last, block=block)
@@ -284,7 +284,7 @@ class RankShare:
 
     @classmethod
     def dealt(cls, world_size: int, full_rows: int, tail: int | None, *, resume: Resume = Resume(),
-              block: int = BLOCK) -> "RankShare":
+              block: int = BLOCK) -> RankShare:
         """The share as a rank's :meth:`pairs` dealt it, from what that recorded (``full_rows``,
         ``tail``): for :meth:`resume_after_runs` in another process."""
         share = cls(world_size, 0, resume=resume, block=block)

@@ -78,7 +78,7 @@ class ShardInfo:
         return [self.nsamples, self.filesize, self.md5]
 
     @classmethod
-    def from_wire(cls, value: Any) -> "ShardInfo":
+    def from_wire(cls, value: Any) -> ShardInfo:
         """The inverse of :meth:`to_wire`; ValueError for anything else."""
         if not (isinstance(value, list) and len(value) == 3):
             raise ValueError("a shard's facts are [nsamples, filesize, md5]")

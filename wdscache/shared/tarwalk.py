@@ -32,7 +32,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from .errors import ShardError
 
@@ -40,7 +40,8 @@ BLOCK = 512
 GZIP_MAGIC = b"\x1f\x8b"
 HEAD_BYTES = 64 << 10  # what the tar checks read of a file's start
 
-Buffer = bytes | bytearray | memoryview | mmap.mmap
+# What a walk reads: bytes in memory, a mapping, or a file read with pread (FileSpan, below).
+Buffer: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap | FileSpan"
 
 # name, size, chksum, typeflag and prefix of a ustar header; the rest is unused.
 _HEADER = struct.Struct("100s24x12s12x8sc188x155s")

@@ -17,7 +17,8 @@ its exact share, each sample once, and every rank the same count, whatever ``K``
 from __future__ import annotations
 
 import multiprocessing
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..shared.errors import ProtocolError
-from ..shared.layout import CacheLayout
-from ..shared.layout import file_identity
+from ..shared.layout import CacheLayout, file_identity
 
 
 class StaleFile(OSError):

@@ -15,16 +15,17 @@ opened again (``renewed``), and only a new copy damaged too fails the shard.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
+from ..shared.logs import get_logger
+from ..shared.nodes import NodeSpec
+from ..shared.protocol import pages
+from ..shared.sequence import EpochSpec
 from .pins import STATUS_EVERY, Pins
 from .progress import ProgressClock
-from ..shared.protocol import pages
-from ..shared.nodes import NodeSpec
-from ..shared.sequence import EpochSpec
-from ..shared.logs import get_logger
 
 log = get_logger(__name__)
 

@@ -53,22 +53,23 @@ import pickle
 import sys
 import uuid
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import WdsCacheError
 from ..shared.malloc import tune_malloc
-from .private import PrivateAgent
-from ..shared.protocol import pages, process_identity
 from ..shared.nodes import JobEpoch, Layout, NodeList, NodeShare, job_epoch, parts_state, read_parts_state
-from ..shared.sequence import Resume, rank_length
-from .epoch_shards import agent_counts
-from .stream import EpochStream, Session, StreamSettings
-from .node_lists import agree, check_kept, job_group
-from .worker_parts import Delivered, Part, check_worker, combine
+from ..shared.protocol import pages, process_identity
+from ..shared.sequence import RankShare, Resume, rank_length
 from ..shared.urls import list_id
+from .epoch_shards import agent_counts
+from .node_lists import agree, check_kept, job_group
+from .private import PrivateAgent
+from .stream import EpochStream, Session, StreamSettings
 from .urls_arg import read_urls_arg
+from .worker_parts import Delivered, Part, check_worker, combine
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
 # A state with "parts" (a job on several nodes): an older loader, which would not see them, refuses it.
@@ -194,7 +195,7 @@ class CachedMultiLoader:
     with ``num_workers=K``, each worker reads its own part of the rank's share.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "CachedMultiLoader":
+    def __new__(cls, *args: Any, **kwargs: Any) -> CachedMultiLoader:
         if cls is CachedMultiLoader and sys.modules.get("torch") is not None:
             from .dataset import TorchCachedMultiLoader
 
@@ -295,13 +296,14 @@ class CachedMultiLoader:
         if part.count > 1:
             return self._worker_state(part)
         if self._current is not None and not self._current.complete:
-            at = self._current.resume()
-            if isinstance(at, tuple):  # on several nodes: each part's positions (see wdscache.shared.nodes)
+            resume = self._current.resume()
+            if isinstance(resume, tuple):  # on several nodes: each part's positions (see wdscache.shared.nodes)
                 share = self._current.share
                 assert isinstance(share, NodeShare)
-                at = NextEpoch(self._current.spec.epoch, parts=[list(p) for p in share.job.parts], part_resumes=at)
+                at = NextEpoch(self._current.spec.epoch, parts=[list(p) for p in share.job.parts],
+                               part_resumes=resume)
             else:
-                at = NextEpoch(self._current.spec.epoch, at)
+                at = NextEpoch(self._current.spec.epoch, resume)
             return self._state(at)
         return self._state(self._next)
 
@@ -326,8 +328,10 @@ class CachedMultiLoader:
         if stream is None:  # before the first epoch of this worker
             epoch, start, pairs, complete, full_rows, tail = nxt.epoch, nxt.start, nxt.skip, False, nxt.full_rows, nxt.tail
         else:
-            epoch, start, complete = stream.spec.epoch, stream.share.resume, stream.complete
-            pairs, full_rows, tail = stream.part.skip + stream.delivered, stream.share.full_rows, stream.share.tail
+            share = stream.share
+            assert isinstance(share, RankShare)  # a NodeShare's workers took the branch above
+            epoch, start, complete = stream.spec.epoch, share.resume, stream.complete
+            pairs, full_rows, tail = stream.part.skip + stream.delivered, share.full_rows, share.tail
         state = self._state(NextEpoch(epoch, start))
         state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size, "pairs": pairs,
                            "complete": complete, "full_rows": full_rows, "tail": tail}
@@ -466,7 +470,7 @@ class CachedMultiLoader:
             self._private_agent.release()
             self._private_agent = None
 
-    def __enter__(self) -> "CachedMultiLoader":
+    def __enter__(self) -> CachedMultiLoader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -486,7 +490,8 @@ class CachedMultiLoader:
         if self.tuning.tune_malloc:
             tune_malloc()
         nxt, part = self._next, self._part()
-        epoch, start, part = nxt.epoch, nxt.start, Part(part.index, part.count, nxt.skip)
+        epoch, part = nxt.epoch, Part(part.index, part.count, nxt.skip)
+        start: Resume | JobEpoch = nxt.start
         self._next = NextEpoch(epoch + 1)
         self._agree_on_list()
         session = self._open_session()

@@ -18,7 +18,8 @@ closes it first, so its disk space comes back once the agent evicts it.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..shared.client import AgentConnection
 from .direct import CacheFiles

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 try:
     import webdataset as wds
@@ -92,7 +93,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self.append(_Source(self.loader))
         self.empty_check = empty_check
 
-    def shuffle(self, size: int, **kw: Any) -> "WebDataset":
+    def shuffle(self, size: int, **kw: Any) -> WebDataset:
         """Right after the source, the loader's seeded buffer of ``size`` samples (shards
         shuffled too); later in the pipeline, webdataset's ``shuffle`` stage."""
         if len(self.pipeline) == 1 and not kw and size > 1:

@@ -29,14 +29,15 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..shared.errors import WdsCacheError
 from ..shared.layout import CacheLayout, write_private
+from ..shared.logs import get_logger
 from ..shared.stats import ask_agent
 from ..shared.urls import format_url_list
-from ..shared.logs import get_logger
 
 log = get_logger(__name__)
 
@@ -66,7 +67,7 @@ class PrivateAgent:
         self._release = weakref.finalize(self, os.close, users_fd)
 
     @classmethod
-    def use(cls, cache_dir: str | os.PathLike[str], urls: Sequence[str], *, timeout: float) -> "PrivateAgent | None":
+    def use(cls, cache_dir: str | os.PathLike[str], urls: Sequence[str], *, timeout: float) -> PrivateAgent | None:
         """Use the private agent on ``cache_dir``, starting one on ``urls`` if none runs;
         None when a real agent serves it (nothing to hold: it runs until its owner stops it)."""
         layout = CacheLayout.of(cache_dir)

@@ -12,7 +12,8 @@ answer.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, FetchError

@@ -33,8 +33,9 @@ Any failure with ``on_error="raise"`` (and a worker refusing the consumer, whate
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..shared.sequence import SampleId
 

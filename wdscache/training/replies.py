@@ -16,10 +16,11 @@ well-formed number fails the reply as a :class:`~wdscache.shared.errors.Protocol
 from __future__ import annotations
 
 import errno
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
-from .direct import StaleFile
 from ..shared.errors import ProtocolError
+from .direct import StaleFile
 from .reads import Item
 
 

@@ -25,22 +25,23 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, cast
 
 from ..shared.client import AgentConnection
+from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
+from ..shared.logs import get_logger
+from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
+from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles, StaleFile
 from .epoch_shards import EpochShards, shard_error
-from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
 from .pins import STATUS_EVERY, Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .reads import Item, Read, ReadState, ReadTable
 from .replies import decode_reply, with_holes
-from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
-from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
 from .worker_links import WorkerLinks
-from .worker_parts import Part, part_of
-from ..shared.logs import get_logger
+from .worker_parts import WHOLE, Part, part_of
 
 log = get_logger(__name__)
 
@@ -106,13 +107,14 @@ def epoch_ids(spec: EpochSpec | NodeSpec, share: RankShare | NodeShare, pins: Pi
     for sid in spec.ids(feed.samples):
         if sid is None:  # the sequence wants more of a shard
             if arrivals is None:
+                assert feed.wanted is not None  # set whenever the sequence yields None
                 arrivals = shards.arrivals(feed.wanted)
             got = next(arrivals, _END)
             if got is _END:
                 feed.end()
                 arrivals = None
             elif got is not None:
-                feed.grow(got)
+                feed.grow(cast(int, got))
             else:  # nothing new yet
                 if unneeded and unneeded[0][0] <= share.settled:
                     pins.release_settled(share.settled)
@@ -134,7 +136,7 @@ class EpochStream:
     """One epoch of one rank: the worker sockets, the reads out and the sample pipeline."""
 
     def __init__(self, settings: StreamSettings, session: Session, epoch: int, start: Resume | JobEpoch,
-                 part: Part = Part()) -> None:
+                 part: Part = WHOLE) -> None:
         self.settings = s = settings
         self.part = part  # this process's part of the rank's share (a DataLoader worker's)
         self.session = session
@@ -264,7 +266,7 @@ class EpochStream:
                     stalled = True
                     self._flush()
                     break
-                self._add(item)
+                self._add(cast(Item, item))
             if seq_yield == self.seq_next and exhausted:
                 break
             read = reads.hand_out(seq_yield)
@@ -584,9 +586,9 @@ class EpochStream:
         if kind == "pending":
             # Read from a download that started over and has not got this far again yet.
             now = time.monotonic()
-            for _, (shard, _) in read.sent_items():
-                if shard in opened:
-                    opened[shard] += 1
+            for _, (pending, _) in read.sent_items():
+                if pending in opened:
+                    opened[pending] += 1
             self.reads.delay(read, now + PENDING_RETRY, now)
             return
         read_shards = {self.urls[sid[0]]: sid[0] for _, sid in read.sent_items()}

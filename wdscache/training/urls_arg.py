@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..shared.errors import ConfigError, UrlListError
 from ..shared.s3 import Listing

@@ -15,13 +15,14 @@ The links belong to the thread that made them, as ZeroMQ sockets do.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import zmq
 
 from ..shared.errors import ProtocolError
-from ..shared.protocol import WorkerProofs, pack, same_secret, unpack
 from ..shared.logs import get_logger
+from ..shared.protocol import WorkerProofs, pack, same_secret, unpack
 
 log = get_logger(__name__)
 

@@ -15,11 +15,13 @@ the next epoch starts, when the counts are known and the runs are placed in the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from ..shared.nodes import read_parts_state
 from ..shared.sequence import BLOCK, RankShare, Resume, SampleId
+
 
 @dataclass(frozen=True)
 class Part:
@@ -28,6 +30,9 @@ class Part:
     index: int = 0
     count: int = 1
     skip: int = 0
+
+
+WHOLE = Part()  # the whole share: one process reads it all
 
 
 def part_of(pairs: Iterable[tuple[int, SampleId] | None], part: Part, block: int = BLOCK) -> Iterator[tuple[int, SampleId] | None]:
@@ -86,7 +91,7 @@ class Delivered:
         return {"world_size": self.world_size, "num_nodes": self.num_nodes, "runs": [list(r) for r in self.runs]}
 
     @classmethod
-    def from_state(cls, d: Any) -> "Delivered":
+    def from_state(cls, d: Any) -> Delivered:
         ok = (isinstance(d, dict) and all(type(d.get(k)) is int and d[k] >= 1 for k in ("world_size", "num_nodes"))
               and d["world_size"] % d["num_nodes"] == 0 and isinstance(d.get("runs"), list)
               and all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] < r[1]

@@ -1,4 +1,4 @@
-"""More streaming integration tests (issue 3): endpoints, back-pressure, loader options, errors, stats.
+"""Streaming with options: endpoints, back-pressure, loader options, errors, stats.
 
 Real agents (through the CLI), a real HTTP shard server, real consumer processes
 or in-process ``CachedMultiLoader``s; nothing is mocked. Every wait has a

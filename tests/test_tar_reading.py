@@ -15,7 +15,6 @@ import os
 import pickle
 import tarfile
 import tempfile
-import time
 import tracemalloc
 import uuid
 import warnings
@@ -33,12 +32,12 @@ from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expan
 
 from scripts.shard_maker import find_gnu_tar, make_shard, synth_samples
 from tests.helpers.testdata import REAL_SHARDS, TESTDATA
-from wdscache.shared.errors import ShardError
 from wdscache.agent.growing import GrowingShard, NotYet
 from wdscache.agent.gunzip import GZIP_OUT, gunzip
-from wdscache.shared.samples import SampleSpan, is_meta_name, scan, split_name
 from wdscache.agent.sampletable import PackedSamples, SampleTables, placed
 from wdscache.agent.shardview import iter_samples, open_shard
+from wdscache.shared.errors import ShardError
+from wdscache.shared.samples import SampleSpan, is_meta_name, scan, split_name
 from wdscache.shared.tarwalk import BLOCK, GZIP_MAGIC, FileSpan, Member, header_ok, members, tar_problem, walk
 
 FORMATS = {"gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT, "ustar": tarfile.USTAR_FORMAT}
@@ -482,14 +481,12 @@ def test_not_a_tar() -> None:
 def test_absurd_sizes_fail_fast_without_allocating(size_field: bytes) -> None:
     archive = raw_header(b"huge.bin", size_field) + padded(b"tiny") + END
     tracemalloc.start()
-    started = time.perf_counter()
     try:
         with pytest.raises(ShardError) as info:
             scan(archive, url="u")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.perf_counter() - started < 1
     assert peak < 1 << 20
     assert info.value.offset == 0
 
@@ -539,7 +536,7 @@ def test_shard_view_payloads_and_lifetime(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="closed"):
         shard.sample(0)
     with pytest.raises(ValueError, match="closed"):
-        shard.data
+        _ = shard.data
     del first, kept
 
 
