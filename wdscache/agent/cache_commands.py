@@ -269,9 +269,10 @@ class Progress:
 
 def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: Callable[[Progress], None],
              cache_size: str | None = None, download_workers: int | None = None,
-             give_up_after: float = STUCK_AFTER) -> Progress:
+             give_up_after: float = STUCK_AFTER, s3_endpoint_url: str | None = None) -> Progress:
     """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
-    (with ``cache_size``, default the last agent's budget, and ``download_workers``) until done, or
+    (with ``cache_size``, default the last agent's budget, ``download_workers`` and ``s3_endpoint_url``)
+    until done, or
     until downloads wait for space ``give_up_after`` seconds with no progress (the rest then fail).
 
     Each shard is downloaded at most once, and never evicted for another of ``urls``: once the
@@ -283,13 +284,13 @@ def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: 
         with _agent(layout) as conn:
             if conn is not None:
                 return _prefetch_through(conn, urls, report, give_up_after)
-    with _own_agent(layout, urls, cache_size, download_workers) as conn:
+    with _own_agent(layout, urls, cache_size, download_workers, s3_endpoint_url) as conn:
         return _prefetch_through(conn, urls, report, give_up_after)
 
 
 @contextmanager
-def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None, download_workers: int | None
-               ) -> Iterator[AgentConnection]:
+def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None, download_workers: int | None,
+               s3_endpoint_url: str | None) -> Iterator[AgentConnection]:
     """An agent run in this process (a thread) on ``layout``, for a prefetch; stopped at the end."""
     from .core import Agent
 
@@ -301,7 +302,7 @@ def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None,
         list_file = Path(folder) / "urls.txt"
         list_file.write_text(format_url_list(urls))  # its list: what it may fetch (the prefetch op says when)
         agent = Agent(AgentConfig(cache_dir=layout.root, urls=list_file, cache_size=cache_size, prefetch=1,
-                                  workers=1, shuffle=False,
+                                  workers=1, shuffle=False, s3_endpoint_url=s3_endpoint_url,
                                   download_workers=download_workers or default("download_workers")))
         failure: list[BaseException] = []
 
