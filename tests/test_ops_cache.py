@@ -378,3 +378,19 @@ def test_prefetch_beside_a_reader_gives_way_to_it_downloads_each_shard_once_and_
     failed = _budget_failures("\n".join(line for line in lines if evicted not in line), data, format_size(budget), 3,
                               f" beside {format_size(2 * size)} that readers hold or read next")
     assert sorted(failed) == sorted(data.urls[4:]), failed
+
+
+def test_ls_shows_a_shard_read_a_moment_ago_as_read_with_and_without_an_agent(tmp_path, dataset, start_agent,
+                                                                               consumers, run_cli):
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the listed shards cached")
+    assert {u: s["last_read"] for u, s in _ls(run_cli, cache).items()} == {u: None for u in data.urls}
+    consumers(cache, "c", "--no-shuffle").wait()
+    read = _ls(run_cli, cache)  # at once: the agent holds the read times, ls asks it to write them
+    assert all(read[u]["last_read"] is not None and read[u]["reads"] >= 1 for u in data.urls), read
+    text = run_cli("ls", "--cache-dir", cache).stdout
+    assert "never" not in text, text
+    assert agent.stop() == 0
+    assert _ls(run_cli, cache) == read  # without an agent: the index, as the agent left it

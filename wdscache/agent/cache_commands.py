@@ -77,12 +77,13 @@ def _read_only(layout: CacheLayout) -> bool:
 
 
 @contextmanager
-def _agent(layout: CacheLayout) -> Iterator[AgentConnection | None]:
-    """The running agent's connection (proved with a first request), or None when none runs."""
+def _agent(layout: CacheLayout, *, flush: bool = False) -> Iterator[AgentConnection | None]:
+    """The running agent's connection (proved with a first request, which with ``flush`` has it write
+    the read times and counters it holds to the index), or None when none runs."""
     conn = agent_connection(layout, CONNECT_TIMEOUT)
     if conn is not None:
         try:
-            conn.request({"op": "stats"})
+            conn.request({"op": "stats", "flush": True} if flush else {"op": "stats"})
         except (AgentUnavailableError, ProtocolError):
             conn.close()
             conn = None
@@ -119,8 +120,11 @@ def _locked_cache(layout: CacheLayout, who: str) -> Iterator[ShardCache]:
 def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every shard the index knows: {url, state, size, source_size (a gzip'd source's size; None:
     cached as it came), last_read (ISO 8601 or None), reads, samples (None: never counted),
-    error (of a failed one)}, by URL."""
+    error (of a failed one)}, by URL. A running agent first writes the read times it holds in
+    memory to the index, so a shard read a moment ago shows as read."""
     layout = _layout(cache_dir)
+    with _agent(layout, flush=True):
+        pass
     index = Index(layout.index_dir, read_only=_read_only(layout))
     try:
         return [{"url": r.url, "state": r.state.value, "size": r.size, "source_size": r.source_size,

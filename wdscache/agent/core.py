@@ -429,6 +429,9 @@ class Agent:
         handler(ident, header.get("id"), header)
 
     def _op_stats(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        if get_field(header, "flush", bool, False):  # wdscache ls reads the index: it shows this moment's reads
+            self._last_flush = time.monotonic()
+            self.cache.index.flush()
         self.socket.reply(ident, rid, ok=True, stats=self.stats())
 
     def _op_counts(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
