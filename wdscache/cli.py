@@ -450,9 +450,10 @@ def verify(cache_dir: Path, index_file: Path | None, as_json: bool) -> None:
     sys.exit(1 if result["bad"] else 0)
 
 
-def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None) -> None:
-    """Print what an evict or clear freed; exit 1 if a reader held some, or (``unmatched``: the
-    arguments of an evict that named no cached shard) if none of the shards asked for was cached."""
+def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None, note: str = "") -> None:
+    """Print what an evict or clear freed (and ``note``, a line after it); exit 1 if a reader held
+    some, or (``unmatched``: the arguments of an evict that named no cached shard) if none of the
+    shards asked for was cached."""
     if unmatched is not None:
         result = {**result, "unmatched": unmatched}
     if as_json:
@@ -463,6 +464,8 @@ def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None) -
             _echo(f"  refused {r['url']}: {r['reason']}")
         for arg in unmatched or ():
             _echo(f"  not cached: {arg}")
+        if note:
+            _echo(note)
     if unmatched and not result["evicted"] and not result["refused"]:
         _echo("wdscache: error: nothing evicted: no shard given is cached ('wdscache ls' lists those "
               "that are)", err=True)
@@ -502,8 +505,12 @@ def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) ->
 def clear(cache_dir: Path, force: bool, as_json: bool) -> None:
     """Evict every cached shard (through the agent when one runs).
 
-    Exit status: 0 the cache holds no shard; 1 some are held by a reader (listed; --force
-    evicts them) or a runtime error.
+    A running agent then stops its start-up prefetch: it fetches again only the shards
+    its readers ask for (a job reading now goes on), until its URL list changes or it
+    restarts. "agent" in --json says whether one ran.
+
+    Exit status: 0 every cached shard was evicted; 1 some are held by a reader (listed;
+    --force evicts them) or a runtime error.
     """
     from .agent.cache_commands import clear as run_clear
 
@@ -511,7 +518,7 @@ def clear(cache_dir: Path, force: bool, as_json: bool) -> None:
         result = run_clear(cache_dir, force=force)
     except WdsCacheError as exc:
         _fail(exc)
-    _freed(result, as_json)
+    _freed(result, as_json, note="the agent fetches again only what its readers ask for" if result["agent"] else "")
 
 
 # -- the live view ----------------------------------------------------------------------------------

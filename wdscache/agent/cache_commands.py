@@ -165,15 +165,17 @@ def _as_known(cache_dir: str | os.PathLike[str], urls: Sequence[str]) -> list[st
 
 
 def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
-    """Evict every cached shard (as :func:`evict`)."""
+    """Evict every cached shard (as :func:`evict`), plus ``agent``: whether an agent ran. A running
+    agent then prefetches nothing for its start-up plan until its list changes: it fetches again
+    only what readers ask for (:mod:`wdscache.agent.upkeep`)."""
     layout = _layout(cache_dir)
     with _agent(layout) as conn:
         if conn is not None:
             reply = _ask(conn, {"op": "clear", "force": force})
-            return {k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}
+            return {**{k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}, "agent": True}
     with _locked_cache(layout, "clear") as cache:
         cached = [r.url for r in cache.index.records.values() if r.state is ShardState.CACHED]
-        return evict_shards(cache, cached, force=force, why="evicted on request")
+        return {**evict_shards(cache, cached, force=force, why="evicted on request"), "agent": False}
 
 
 # -- verify -----------------------------------------------------------------------------------

@@ -227,7 +227,8 @@ class Agent:
         self.workers = WorkerReports(self.pool, self.socket)
         self.prefetches = Prefetches(self.cache, self.downloads)
         self.cache.watcher = self.prefetches
-        self.upkeep = Upkeep(self.cache, self.socket, self.prefetches, self.readers.fetchable)
+        self.upkeep = Upkeep(self.cache, self.socket, self.prefetches, self.readers.fetchable,
+                             self.readers.stop_startup)
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
             "stats": self._op_stats, "counts": self._op_counts, "counted": self._op_counted, "ping": self._op_ping,
