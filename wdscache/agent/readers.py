@@ -41,7 +41,7 @@ from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pages, process_identity, strings
-from ..shared.stats import jobs_view, with_fraction
+from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
 from ..shared.shard_index import ShardInfo
 from ..shared.urls import UrlList, index_list, list_id, parse_url_list
 
@@ -514,4 +514,4 @@ class Readers:
     def view(self, starved_by: str) -> dict[str, Any]:
         """The consumers, their jobs and the lists kept, for the stats reply."""
         return {"consumers": len(self._consumers), "job_lists": len(self._lists),
-                "jobs": jobs_view(self._consumers, starved_by), "ended_jobs": jobs_view(self._ended, None)}
+                "jobs": jobs_view(self._consumers, starved_by), "ended_jobs": ended_jobs_view(self._ended)}
