@@ -342,11 +342,7 @@ class Agent:
         added, removed = diff_urls(self.readers.urls, new)
         if not added and not removed and new.urls == self.readers.urls.urls and new.shards == self.readers.urls.shards:
             return
-        log.info("URL list changed: %d added, %d removed (%d shards now)", len(added), len(removed), len(new))
-        for url in added[:5]:
-            log.info("  + %s", url)
-        for url in removed[:5]:
-            log.info("  - %s", url)
+        self._list_file.log_change(added, removed, len(new))
         for url in added:
             self.cache.forget_failure(url)
         self.readers.replace_list(new)
