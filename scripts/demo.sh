@@ -49,7 +49,10 @@ stats_when() {
     done
 }
 
-for _ in $(seq 200); do "$WDS" stats --cache-dir "$DEMO/cache" --json 2>/dev/null | grep -q '"pid"' && break; sleep 0.1; done
+for _ in $(seq 200); do
+    "$WDS" stats --cache-dir "$DEMO/cache" --json 2>/dev/null | grep -q '"pid"' && break
+    sleep 0.1
+done
 echo "== wdscache stats once the first shards are cached: the cache fills before anyone reads"
 stats_when '^shards +[1-9]' 30 '^shards' "${pids[@]}"
 

@@ -19,7 +19,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -28,6 +28,9 @@ from .shared.errors import ConfigError, WdsCacheError
 from .shared.logs import FORMATS
 from .shared.logs import setup as setup_logging
 from .shared.redact import redact_urls
+
+if TYPE_CHECKING:
+    from .shared.urls import Lister
 
 
 def _echo(text: str = "", **kwargs: Any) -> None:
@@ -275,7 +278,7 @@ _JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON obj
 _FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader holds (it keeps reading its file).")
 
 
-def _argument_urls(args: tuple[str, ...], lister: Any = None) -> list[tuple[str, tuple[str, ...]]]:
+def _argument_urls(args: tuple[str, ...], lister: Lister | None = None) -> list[tuple[str, tuple[str, ...]]]:
     """Each argument with the URLs it stands for, read as a URL list line is (braces expanded, paths
     made ``file://`` URLs, ``s3://`` prefixes and globs listed by ``lister`` when given): UrlListError
     names argument k as line k of "the command line"."""
