@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on a built-in example: serve a synthetic dataset on loopback,
 # start an agent, watch it fill its cache ahead of demand, then stream one
-# epoch to two consumer processes of one job and show `wdscache stats`.
+# epoch to two consumer processes of one job and show `wdscache stats` (each time once
+# what it is to show is there: the first shards cached, the job delivering samples).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/venv.sh
@@ -31,11 +32,29 @@ echo "== starting the agent: budget 40M, prefetch 6"
 "$WDS" agent --cache-dir "$DEMO/cache" --urls "$DEMO/urls.txt" --cache-size 40M --prefetch 6 \
     2> "$DEMO/agent.log" &
 pids+=($!)
-for _ in $(seq 100); do "$WDS" stats --cache-dir "$DEMO/cache" --json 2>/dev/null | grep -q '"pid"' && break; sleep 0.1; done
 
-sleep 1
-echo "== wdscache stats after 1s: the first shards are cached before anyone reads"
-"$WDS" stats --cache-dir "$DEMO/cache"
+# Shows `wdscache stats` once its text matches the grep -E pattern $1 (waiting at most $2 seconds),
+# or once the processes $4... all ended: then the last text that matched $3 (a fallback), else the last.
+stats_when() {
+    local want=$1 deadline=$((SECONDS + $2)) fallback=$3 text kept="" pid alive
+    shift 3
+    while :; do
+        text=$("$WDS" stats --cache-dir "$DEMO/cache" 2>&1) || true
+        if grep -qE "$want" <<<"$text"; then echo "$text"; return 0; fi
+        grep -qE "$fallback" <<<"$text" && kept=$text
+        alive=0
+        for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+        if [ "$alive" = 0 ] || [ "$SECONDS" -ge "$deadline" ]; then echo "${kept:-$text}"; return 0; fi
+        sleep 0.1
+    done
+}
+
+for _ in $(seq 200); do
+    "$WDS" stats --cache-dir "$DEMO/cache" --json 2>/dev/null | grep -q '"pid"' && break
+    sleep 0.1
+done
+echo "== wdscache stats once the first shards are cached: the cache fills before anyone reads"
+stats_when '^shards +[1-9]' 30 '^shards' "${pids[@]}"
 
 echo "== one epoch to two consumer processes of one job (ranks 0 and 1 of 2)"
 for rank in 0 1; do
@@ -43,9 +62,8 @@ for rank in 0 1; do
         "$PY" scripts/train_example.py --epochs 1 --batch-size 16 &
     consumers+=($!)
 done
-sleep 1.5
 echo "== wdscache stats while the job runs"
-"$WDS" stats --cache-dir "$DEMO/cache"
+stats_when '^  rank [0-9]+: [1-9][0-9]* samples' 30 '^job demo:$' "${consumers[@]}"
 for pid in "${consumers[@]}"; do wait "$pid"; done
 echo "== wdscache stats after the epoch "
 "$WDS" stats --cache-dir "$DEMO/cache"

@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--num-nodes", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epoch", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=1, help="epochs read one after another, from --epoch on")
     ap.add_argument("--shuffle-buffer", type=int, default=100)
     ap.add_argument("--no-shuffle", action="store_true")
     ap.add_argument("--drop-last", action="store_true")
@@ -52,18 +53,21 @@ def main() -> int:
         drop_last=args.drop_last, timeout=args.timeout, on_error=args.on_error,
         **({} if args.request_size is None else {"request_size": args.request_size}),
     )
-    if args.resume:
-        loader.load_state_dict(json.loads(args.resume))
-    else:
-        loader.set_epoch(args.epoch)
     n = 0
     with open(args.out, "w", buffering=1) as out:  # line by line: a test can watch the progress
-        for sample in loader:
-            fields = {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
-            out.write(json.dumps({"key": sample["__key__"], "url": sample["__url__"], "fields": fields}) + "\n")
-            n += 1
-            if args.sleep:
-                time.sleep(args.sleep)
+        for epoch in range(args.epoch, args.epoch + args.epochs):
+            if args.resume and epoch == args.epoch:
+                loader.load_state_dict(json.loads(args.resume))
+            else:
+                loader.set_epoch(epoch)
+            for sample in loader:
+                fields = {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+                out.write(json.dumps({"key": sample["__key__"], "url": sample["__url__"], "fields": fields}) + "\n")
+                n += 1
+                if args.sleep:
+                    time.sleep(args.sleep)
+                if args.stop_after is not None and n >= args.stop_after:
+                    break
             if args.stop_after is not None and n >= args.stop_after:
                 break
         out.write(json.dumps({"state": loader.state_dict()}) + "\n")

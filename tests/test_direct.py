@@ -21,7 +21,7 @@ import pytest
 from scripts.shard_maker import write_url_list
 from tests.helpers.procs import files_held
 from tests.helpers.streaming import reference
-from tests.helpers.testdata import REAL_SHARDS, TESTDATA
+from tests.helpers.testdata import NEEDS_TESTDATA, REAL_SHARDS, TESTDATA
 from tests.helpers.workers import read_from_worker
 from wdscache import CachedMultiLoader
 from wdscache.shared.errors import ProtocolError
@@ -39,7 +39,7 @@ def cache_files_held(cache: Path) -> tuple[list[str], list[str]]:
     return files_held("self", cache / "shards")
 
 
-@pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")
+@NEEDS_TESTDATA
 def test_real_shards_stream_like_webdataset_with_direct_reads_on_and_off(tmp_path, shard_server, start_agent,
                                                                         monkeypatch):
     for name in REAL_SHARDS:

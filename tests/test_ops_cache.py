@@ -14,6 +14,7 @@ import subprocess
 
 from scripts.console import wdscache_exe
 from tests.helpers.disks import fill
+from tests.helpers.streaming import samples_of
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.config import format_size
 from wdscache.shared.layout import CacheLayout
@@ -99,7 +100,6 @@ def test_commands_go_through_the_running_agent_and_spare_what_a_reader_holds(tmp
         assert r.returncode == 0 and r.stdout.startswith("evicted 1 shard(s)"), r.stdout
     finally:
         conn.close()
-    # (the agent then fetches its listed shard again, for its start-up plan)
     assert sorted(re.findall(r"evicted (http\S+)", agent.stderr_text())) == sorted(data.urls)
 
 
@@ -378,3 +378,41 @@ def test_prefetch_beside_a_reader_gives_way_to_it_downloads_each_shard_once_and_
     failed = _budget_failures("\n".join(line for line in lines if evicted not in line), data, format_size(budget), 3,
                               f" beside {format_size(2 * size)} that readers hold or read next")
     assert sorted(failed) == sorted(data.urls[4:]), failed
+
+
+def test_ls_shows_a_shard_read_a_moment_ago_as_read_with_and_without_an_agent(tmp_path, dataset, start_agent,
+                                                                               consumers, run_cli):
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the listed shards cached")
+    assert {u: s["last_read"] for u, s in _ls(run_cli, cache).items()} == {u: None for u in data.urls}
+    consumers(cache, "c", "--no-shuffle").wait()
+    read = _ls(run_cli, cache)  # at once: the agent holds the read times, ls asks it to write them
+    assert all(read[u]["last_read"] is not None and read[u]["reads"] >= 1 for u in data.urls), read
+    text = run_cli("ls", "--cache-dir", cache).stdout
+    assert "never" not in text, text
+    assert agent.stop() == 0
+    assert _ls(run_cli, cache) == read  # without an agent: the index, as the agent left it
+
+
+def test_clear_with_an_agent_running_stays_clear_until_a_reader_asks(tmp_path, dataset, shard_server, start_agent,
+                                                                     consumers, run_cli):
+    data = dataset(3, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "the start-up prefetch cached the list")
+    shard_server.reset_log()
+    r = run_cli("clear", "--cache-dir", cache)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"evicted 3 shard(s), {_size(data)} freed",
+                                     "the agent fetches again only what its readers ask for"]
+    assert json.loads(run_cli("clear", "--cache-dir", cache, "--json").stdout)["agent"] is True
+    # A prefetch of one shard runs through the agent's loop to its end: the start-up plan refilled nothing.
+    assert run_cli("prefetch", data.urls[0], "--cache-dir", cache).returncode == 0
+    assert agent.stats()["shards"]["cached"] == 1
+    assert _prefetch_gets(shard_server, data) == [1, 0, 0]
+    # A reader asks: it gets every sample, and the shards come back.
+    lines = consumers(cache, "c", "--no-shuffle").wait()
+    assert len(samples_of(lines)) == 12
+    assert agent.stats()["shards"]["cached"] == 3

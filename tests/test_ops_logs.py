@@ -133,3 +133,26 @@ def test_a_records_urls_are_redacted_for_any_handler_traceback_and_event_fields_
     third = json.loads(lines[2])
     assert "OSError: Max retries exceeded with url: /a.tar?token=*** (http://***@h/" in third["exception"], third
     assert "Traceback" in lines[3]
+
+
+def test_a_url_list_change_is_one_json_record_with_counts_and_a_redacted_sample(tmp_path, dataset, start_agent):
+    data = dataset(8, samples=2, payload=100)
+    cache = tmp_path / "cache"
+    data.list_file.write_text(f"{data.urls[0]}\n")
+    agent = start_agent(cache, data.list_file, "--log-format", "json")
+    signed = [f"{u}?X-Amz-Signature=SECRETSIG&v=1" for u in data.urls[1:]]
+    data.list_file.write_text("".join(f"{u}\n" for u in signed))  # 7 added, 1 removed
+    agent.wait_stats(lambda s: s["agent"]["urls"] == 7, 10, "the changed list taken")
+    text = agent.stderr_text()
+    assert "SECRETSIG" not in text
+    changes = [e for e in _events(text) if e["event"] == "list_changed"]
+    assert len(changes) == 1, changes
+    change = changes[0]
+    redacted = [u.replace("SECRETSIG", "***") for u in signed]
+    assert (change["added"], change["removed"], change["shards"]) == (7, 1, 7), change
+    assert (change["added_urls"], change["removed_urls"]) == (redacted[:5], [data.urls[0]]), change
+    assert change["message"] == (f"URL list changed: 7 added, 1 removed (7 shards now); added: "
+                                 f"{', '.join(redacted[:5])} and 2 more; removed: {data.urls[0]}")
+    # One record for the change: none per URL.
+    records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    assert not [r for r in records if r["message"].lstrip().startswith(("+ ", "- "))], records

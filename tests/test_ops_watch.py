@@ -4,11 +4,13 @@ on each job is a pure function of the stats (wdscache.shared.verdict)."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
 
 from scripts.console import wdscache_exe
+from tests.helpers.streaming import samples_of
 from tests.helpers.waits import stop_process
 from tests.helpers.watch import read_frames
 from wdscache.shared.client import AgentConnection
@@ -82,3 +84,32 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
                                     "waited", "0.4s"] and int(lines[5].split()[5].rstrip("%")) > 20, frame
         assert lines[6].startswith("job done: 1 rank(s), ended ") and lines[6].endswith(
             ": 8 samples, waited 0.3s for data in all"), frame
+
+
+def test_stats_shows_no_download_rate_once_downloads_stop_and_a_jobs_totals_over_its_epochs(
+        tmp_path, dataset, start_agent, consumers, run_cli):
+    data = dataset(3, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle")
+    # The snapshot that shows the downloads over shows no rate: the figure is of now, not a lingering average.
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 3 and s["shards"]["downloading"] == 0, 20,
+                         "the list cached")
+    assert s["download_rate"] == 0, s
+    assert "now 0/s" in run_cli("stats", "--cache-dir", cache).stdout
+    proc = subprocess.Popen([wdscache_exe(), "stats", "--cache-dir", cache, "--watch"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    try:
+        frame = read_frames(proc, 1, 20)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0, proc.stderr.read()
+    finally:
+        stop_process(proc)
+    assert "\ndownloads  0/s, 0 running" in frame, frame
+    # A job of two epochs: its ended line counts the samples of both.
+    lines = consumers(cache, "c", "--job", "two", "--no-shuffle", "--epochs", "2").wait()
+    assert len(samples_of(lines)) == 24
+    s = agent.wait_stats(lambda s: "two" in s["ended_jobs"], 10, "the job listed as ended")
+    rank = s["ended_jobs"]["two"]["0"]
+    assert (rank["samples"], rank["epochs"], rank["epoch"]) == (24, 2, 1), rank
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert re.search(r"^job two: ended \S+: 24 samples in 2 epochs, waited [\d.]+s for data in all$", text, re.M), text

@@ -29,7 +29,7 @@ from scripts.shard_maker import make_dataset, write_url_list
 from tests.helpers.agents import run_wdscache
 from tests.helpers.net import free_port_range
 from tests.helpers.streaming import reference, samples_of
-from tests.helpers.testdata import REAL_SHARDS, TESTDATA
+from tests.helpers.testdata import NEEDS_TESTDATA, REAL_SHARDS, TESTDATA
 from wdscache import CachedMultiLoader, FetchError, ShardIndexError
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.shard_index import KIND
@@ -79,7 +79,7 @@ def test_index_gives_webdatasets_counts_and_the_files_sizes_reading_each_shard_o
     assert not list(tmp_path.glob(".wdscache-index-*"))  # its scratch files are gone
 
 
-@pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")
+@NEEDS_TESTDATA
 def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index(tmp_path, shard_server,
                                                                                 start_agent, consumers):
     data = tmp_path / "data"

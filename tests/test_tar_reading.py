@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expander
 
 from scripts.shard_maker import find_gnu_tar, make_shard, synth_samples
-from tests.helpers.testdata import REAL_SHARDS, TESTDATA
+from tests.helpers.testdata import NEEDS_TESTDATA, REAL_SHARDS, TESTDATA
 from wdscache.agent.growing import GrowingShard, NotYet
 from wdscache.agent.gunzip import GZIP_OUT, gunzip
 from wdscache.agent.sampletable import PackedSamples, SampleTables, placed
@@ -183,7 +183,7 @@ def member(name: bytes, data: bytes, kind: bytes = b"0", **kw: bytes) -> bytes:
 # --------------------------------------------------------------------------- real shards
 
 
-@pytest.mark.skipif(not TESTDATA.is_dir(), reason=f"{TESTDATA} is absent")
+@NEEDS_TESTDATA
 @pytest.mark.parametrize("name", REAL_SHARDS)
 def test_real_shards_read_like_webdataset(name: str) -> None:
     path = TESTDATA / name

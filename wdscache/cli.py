@@ -19,15 +19,18 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from .shared.config import AgentConfig, default, format_size
+from .shared.config import AgentConfig, check_s3_endpoint_url, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
 from .shared.logs import FORMATS
 from .shared.logs import setup as setup_logging
 from .shared.redact import redact_urls
+
+if TYPE_CHECKING:
+    from .shared.urls import Lister
 
 
 def _echo(text: str = "", **kwargs: Any) -> None:
@@ -53,6 +56,13 @@ def _redacted(obj: Any) -> Any:
 def _fail(exc: WdsCacheError) -> NoReturn:
     _echo(f"wdscache: error: {exc}", err=True)
     sys.exit(2 if isinstance(exc, ConfigError) else 1)
+
+
+# The one --s3-endpoint-url of every command that reads s3:// URLs (agent, index, prefetch), checked by
+# check_s3_endpoint_url (the agent's through AgentConfig).
+_S3_ENDPOINT_URL = click.option(
+    "--s3-endpoint-url", envvar="WDSCACHE_S3_ENDPOINT_URL", default=default("s3_endpoint_url"), show_envvar=True,
+    help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -105,9 +115,7 @@ def main() -> None:
               help="Check a shard cached by an earlier run against its source (HEAD) before serving it.")
 @click.option("--reader-timeout", envvar="WDSCACHE_READER_TIMEOUT", default=default("reader_timeout"), type=float,
               show_envvar=True, help="Seconds of silence after which a consumer's pins are released.")
-@click.option("--s3-endpoint-url", envvar="WDSCACHE_S3_ENDPOINT_URL", default=default("s3_endpoint_url"),
-              show_envvar=True,
-              help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].")
+@_S3_ENDPOINT_URL
 @click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
               help="Also log debugging detail (each download as it starts).")
 @click.option("--metrics-port", envvar="WDSCACHE_METRICS_PORT", type=int, default=default("metrics_port"),
@@ -190,8 +198,7 @@ def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The index file to write (replaced atomically).")
 @click.option("-j", "--jobs", default=4, type=click.IntRange(1, 64), help="Shards read at once.")
-@click.option("--s3-endpoint-url", envvar="WDSCACHE_S3_ENDPOINT_URL", default=default("s3_endpoint_url"),
-              show_envvar=True, help="Endpoint of an S3-compatible store for s3:// URLs.")
+@_S3_ENDPOINT_URL
 def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str | None) -> None:
     """Write a shard index (webdataset's wids JSON) of the shards URLS name.
 
@@ -210,6 +217,10 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     from .shared.shard_index import ShardInfo, write_shard_index
     from .shared.urls import parse_url_list
 
+    try:
+        check_s3_endpoint_url(s3_endpoint_url)
+    except ConfigError as exc:
+        _fail(exc)
     folder = output.parent.resolve()
     if not folder.is_dir():
         _fail(ConfigError(f"cannot write {output}: no folder {folder}"))
@@ -268,16 +279,17 @@ _JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON obj
 _FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader holds (it keeps reading its file).")
 
 
-def _argument_urls(args: tuple[str, ...]) -> list[tuple[str, tuple[str, ...]]]:
+def _argument_urls(args: tuple[str, ...], lister: Lister | None = None) -> list[tuple[str, tuple[str, ...]]]:
     """Each argument with the URLs it stands for, read as a URL list line is (braces expanded, paths
-    made ``file://`` URLs): UrlListError names argument k as line k of "the command line"."""
+    made ``file://`` URLs, ``s3://`` prefixes and globs listed by ``lister`` when given): UrlListError
+    names argument k as line k of "the command line"."""
     from .shared.errors import UrlListError
     from .shared.urls import parse_url_list
 
     out = []
     for k, arg in enumerate(args, 1):
         try:
-            out.append((arg, parse_url_list(arg, path="the command line").urls))
+            out.append((arg, parse_url_list(arg, path="the command line", lister=lister).urls))
         except UrlListError as exc:
             raise UrlListError("the command line", k, exc.line, exc.reason) from None
     return out
@@ -306,18 +318,21 @@ def _eta(seconds: float | None) -> str:
 @click.option("--give-up-after", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
               help="Seconds downloads may wait for space with no progress before the rest fail "
                    "(shards the budget cannot take fail at once).")
+@_S3_ENDPOINT_URL
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", help="Log lines as text or JSON.")
 @click.option("-v", "--verbose", is_flag=True, help="Log each event (shard cached, failed...), not only warnings.")
 @_JSON
 def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cache_size: str | None,
-             download_workers: int | None, give_up_after: float, log_format: str, verbose: bool,
-             as_json: bool) -> None:
-    """Warm a cache: download URLS (URLs, brace patterns, paths) before a run.
+             download_workers: int | None, give_up_after: float, s3_endpoint_url: str | None, log_format: str,
+             verbose: bool, as_json: bool) -> None:
+    """Warm a cache: download URLS (URLs, brace patterns, s3:// prefixes or globs, paths) before a run.
 
     Through the running agent, or by itself (an agent run in this process until done)
     when none runs. Shows a progress bar (shards, bytes, rate, ETA) on a terminal, a
     line per shard otherwise. Each shard is downloaded at most once: those the budget
-    cannot take beside the others fail, naming it.
+    cannot take beside the others fail, naming it. --s3-endpoint-url is where s3://
+    prefixes and globs are listed, and where the command's own agent fetches; a running
+    agent fetches from its own.
 
     Exit status: 0 every shard cached; 1 some failed (listed) or a runtime error;
     2 bad options or URLs.
@@ -326,15 +341,18 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
 
     from .agent.cache_commands import Progress
     from .agent.cache_commands import prefetch as run_prefetch
+    from .shared.s3 import Listing
     from .shared.urls import read_url_list
 
     setup_logging(sys.stderr, fmt=log_format, verbose=False)
     if not verbose:
         logging.getLogger("wdscache").setLevel(logging.WARNING)
     try:
-        wanted = [url for _, expanded in _argument_urls(urls) for url in expanded]
+        check_s3_endpoint_url(s3_endpoint_url)
+        lister = Listing(endpoint_url=s3_endpoint_url)
+        wanted = [url for _, expanded in _argument_urls(urls, lister) for url in expanded]
         if list_file is not None:
-            wanted += read_url_list(list_file).urls
+            wanted += read_url_list(list_file, lister=lister).urls
         if not wanted:
             raise ConfigError("no shards to prefetch: give URLS or --urls FILE")
         bar = sys.stdout.isatty() and not as_json
@@ -354,7 +372,8 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
                 _echo(f"failed {url}: {p.failed[url]}" if url in p.failed else f"cached {url}")
 
         result = run_prefetch(cache_dir, wanted, report=report, cache_size=cache_size,
-                              download_workers=download_workers, give_up_after=give_up_after)
+                              download_workers=download_workers, give_up_after=give_up_after,
+                              s3_endpoint_url=s3_endpoint_url)
     except WdsCacheError as exc:
         _fail(exc)
     if bar:
@@ -435,9 +454,10 @@ def verify(cache_dir: Path, index_file: Path | None, as_json: bool) -> None:
     sys.exit(1 if result["bad"] else 0)
 
 
-def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None) -> None:
-    """Print what an evict or clear freed; exit 1 if a reader held some, or (``unmatched``: the
-    arguments of an evict that named no cached shard) if none of the shards asked for was cached."""
+def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None, note: str = "") -> None:
+    """Print what an evict or clear freed (and ``note``, a line after it); exit 1 if a reader held
+    some, or (``unmatched``: the arguments of an evict that named no cached shard) if none of the
+    shards asked for was cached."""
     if unmatched is not None:
         result = {**result, "unmatched": unmatched}
     if as_json:
@@ -448,6 +468,8 @@ def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None) -
             _echo(f"  refused {r['url']}: {r['reason']}")
         for arg in unmatched or ():
             _echo(f"  not cached: {arg}")
+        if note:
+            _echo(note)
     if unmatched and not result["evicted"] and not result["refused"]:
         _echo("wdscache: error: nothing evicted: no shard given is cached ('wdscache ls' lists those "
               "that are)", err=True)
@@ -487,8 +509,12 @@ def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) ->
 def clear(cache_dir: Path, force: bool, as_json: bool) -> None:
     """Evict every cached shard (through the agent when one runs).
 
-    Exit status: 0 the cache holds no shard; 1 some are held by a reader (listed; --force
-    evicts them) or a runtime error.
+    A running agent then stops its start-up prefetch: it fetches again only the shards
+    its readers ask for (a job reading now goes on), until its URL list changes or it
+    restarts. "agent" in --json says whether one ran.
+
+    Exit status: 0 every cached shard was evicted; 1 some are held by a reader (listed;
+    --force evicts them) or a runtime error.
     """
     from .agent.cache_commands import clear as run_clear
 
@@ -496,7 +522,7 @@ def clear(cache_dir: Path, force: bool, as_json: bool) -> None:
         result = run_clear(cache_dir, force=force)
     except WdsCacheError as exc:
         _fail(exc)
-    _freed(result, as_json)
+    _freed(result, as_json, note="the agent fetches again only what its readers ask for" if result["agent"] else "")
 
 
 # -- the live view ----------------------------------------------------------------------------------

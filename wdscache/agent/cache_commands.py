@@ -77,12 +77,13 @@ def _read_only(layout: CacheLayout) -> bool:
 
 
 @contextmanager
-def _agent(layout: CacheLayout) -> Iterator[AgentConnection | None]:
-    """The running agent's connection (proved with a first request), or None when none runs."""
+def _agent(layout: CacheLayout, *, flush: bool = False) -> Iterator[AgentConnection | None]:
+    """The running agent's connection (proved with a first request, which with ``flush`` has it write
+    the read times and counters it holds to the index), or None when none runs."""
     conn = agent_connection(layout, CONNECT_TIMEOUT)
     if conn is not None:
         try:
-            conn.request({"op": "stats"})
+            conn.request({"op": "stats", "flush": True} if flush else {"op": "stats"})
         except (AgentUnavailableError, ProtocolError):
             conn.close()
             conn = None
@@ -119,8 +120,11 @@ def _locked_cache(layout: CacheLayout, who: str) -> Iterator[ShardCache]:
 def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every shard the index knows: {url, state, size, source_size (a gzip'd source's size; None:
     cached as it came), last_read (ISO 8601 or None), reads, samples (None: never counted),
-    error (of a failed one)}, by URL."""
+    error (of a failed one)}, by URL. A running agent first writes the read times it holds in
+    memory to the index, so a shard read a moment ago shows as read."""
     layout = _layout(cache_dir)
+    with _agent(layout, flush=True):
+        pass
     index = Index(layout.index_dir, read_only=_read_only(layout))
     try:
         return [{"url": r.url, "state": r.state.value, "size": r.size, "source_size": r.source_size,
@@ -161,15 +165,17 @@ def _as_known(cache_dir: str | os.PathLike[str], urls: Sequence[str]) -> list[st
 
 
 def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str, Any]:
-    """Evict every cached shard (as :func:`evict`)."""
+    """Evict every cached shard (as :func:`evict`), plus ``agent``: whether an agent ran. A running
+    agent then prefetches nothing for its start-up plan until its list changes: it fetches again
+    only what readers ask for (:mod:`wdscache.agent.upkeep`)."""
     layout = _layout(cache_dir)
     with _agent(layout) as conn:
         if conn is not None:
             reply = _ask(conn, {"op": "clear", "force": force})
-            return {k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}
+            return {**{k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}, "agent": True}
     with _locked_cache(layout, "clear") as cache:
         cached = [r.url for r in cache.index.records.values() if r.state is ShardState.CACHED]
-        return evict_shards(cache, cached, force=force, why="evicted on request")
+        return {**evict_shards(cache, cached, force=force, why="evicted on request"), "agent": False}
 
 
 # -- verify -----------------------------------------------------------------------------------
@@ -269,9 +275,10 @@ class Progress:
 
 def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: Callable[[Progress], None],
              cache_size: str | None = None, download_workers: int | None = None,
-             give_up_after: float = STUCK_AFTER) -> Progress:
+             give_up_after: float = STUCK_AFTER, s3_endpoint_url: str | None = None) -> Progress:
     """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
-    (with ``cache_size``, default the last agent's budget, and ``download_workers``) until done, or
+    (with ``cache_size``, default the last agent's budget, ``download_workers`` and ``s3_endpoint_url``)
+    until done, or
     until downloads wait for space ``give_up_after`` seconds with no progress (the rest then fail).
 
     Each shard is downloaded at most once, and never evicted for another of ``urls``: once the
@@ -283,13 +290,13 @@ def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: 
         with _agent(layout) as conn:
             if conn is not None:
                 return _prefetch_through(conn, urls, report, give_up_after)
-    with _own_agent(layout, urls, cache_size, download_workers) as conn:
+    with _own_agent(layout, urls, cache_size, download_workers, s3_endpoint_url) as conn:
         return _prefetch_through(conn, urls, report, give_up_after)
 
 
 @contextmanager
-def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None, download_workers: int | None
-               ) -> Iterator[AgentConnection]:
+def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None, download_workers: int | None,
+               s3_endpoint_url: str | None) -> Iterator[AgentConnection]:
     """An agent run in this process (a thread) on ``layout``, for a prefetch; stopped at the end."""
     from .core import Agent
 
@@ -301,7 +308,7 @@ def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None,
         list_file = Path(folder) / "urls.txt"
         list_file.write_text(format_url_list(urls))  # its list: what it may fetch (the prefetch op says when)
         agent = Agent(AgentConfig(cache_dir=layout.root, urls=list_file, cache_size=cache_size, prefetch=1,
-                                  workers=1, shuffle=False,
+                                  workers=1, shuffle=False, s3_endpoint_url=s3_endpoint_url,
                                   download_workers=download_workers or default("download_workers")))
         failure: list[BaseException] = []
 

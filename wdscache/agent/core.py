@@ -236,7 +236,8 @@ class Agent:
         self.workers = WorkerReports(self.pool, self.socket)
         self.prefetches = Prefetches(self.cache, self.downloads)
         self.cache.watcher = self.prefetches
-        self.upkeep = Upkeep(self.cache, self.socket, self.prefetches, self.readers.fetchable)
+        self.upkeep = Upkeep(self.cache, self.socket, self.prefetches, self.readers.fetchable,
+                             self.readers.stop_startup)
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
             "stats": self._op_stats, "counts": self._op_counts, "counted": self._op_counted, "ping": self._op_ping,
@@ -350,11 +351,7 @@ class Agent:
         added, removed = diff_urls(self.readers.urls, new)
         if not added and not removed and new.urls == self.readers.urls.urls and new.shards == self.readers.urls.shards:
             return
-        log.info("URL list changed: %d added, %d removed (%d shards now)", len(added), len(removed), len(new))
-        for url in added[:5]:
-            log.info("  + %s", url)
-        for url in removed[:5]:
-            log.info("  - %s", url)
+        self._list_file.log_change(added, removed, len(new))
         for url in added:
             self.cache.forget_failure(url)
         self.readers.replace_list(new)
@@ -438,6 +435,9 @@ class Agent:
         handler(ident, header.get("id"), header)
 
     def _op_stats(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        if get_field(header, "flush", bool, False):  # wdscache ls reads the index: it shows this moment's reads
+            self._last_flush = time.monotonic()
+            self.cache.index.flush()
         self.socket.reply(ident, rid, ok=True, stats=self.stats())
 
     def _op_counts(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:

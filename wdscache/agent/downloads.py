@@ -171,8 +171,10 @@ class Downloads:
         return time.monotonic() < self._paused_until
 
     def rate(self) -> float:
-        """Bytes a second downloaded over the last ``RATE_WINDOW`` seconds."""
-        if len(self._rate_samples) < 2:
+        """Bytes a second downloaded over the last ``RATE_WINDOW`` seconds, up to now; 0 once no
+        download runs (a figure for what happens now, not an average that lingers)."""
+        self.sample_rate()
+        if not self.running() or len(self._rate_samples) < 2:
             return 0.0
         (t0, b0), (t1, b1) = self._rate_samples[0], self._rate_samples[-1]
         return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0

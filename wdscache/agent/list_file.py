@@ -8,6 +8,8 @@ Guarantees:
   mounted ConfigMap by swapping a ``..data`` symlink, never touching the file's
   name); the file is read again only if its stat (through symlinks) changed.
 - The watchdog thread only sets a flag; the main loop reads the file.
+- A change is logged as one record (event ``list_changed``): how many URLs were added and
+  removed, and the first :data:`LIST_SAMPLE` of each, redacted as every log record is.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +26,14 @@ from watchdog.observers import Observer
 
 from ..shared.config import AgentConfig
 from ..shared.errors import ConfigError
-from ..shared.logs import get_logger
+from ..shared.logs import event, get_logger
 from ..shared.s3 import Listing
 from ..shared.urls import UrlList, read_url_list
 
 log = get_logger(__name__)
 
 SETTLE = 0.1  # seconds editors get to finish writing a file in several steps
+LIST_SAMPLE = 5  # URLs added, and removed, that a list change's log record names
 
 
 class ListFile:
@@ -66,6 +70,13 @@ class ListFile:
             log.error("keeping the current URL list: %s", exc)
             return None
 
+    def log_change(self, added: Sequence[str], removed: Sequence[str], shards: int) -> None:
+        """Log that the list now holds ``shards`` URLs, ``added`` and ``removed`` (one record)."""
+        event(log, "list_changed", "URL list changed: %d added, %d removed (%d shards now)%s%s",
+              len(added), len(removed), shards, _sample("added", added), _sample("removed", removed),
+              path=str(self._path), added=len(added), removed=len(removed), shards=shards,
+              added_urls=list(added[:LIST_SAMPLE]), removed_urls=list(removed[:LIST_SAMPLE]))
+
     def watch(self) -> None:
         touched = self._touched
 
@@ -85,6 +96,14 @@ class ListFile:
     def join(self, timeout: float) -> None:
         if self._observer is not None:
             self._observer.join(timeout)
+
+
+def _sample(what: str, urls: Sequence[str]) -> str:
+    """``; what: `` the first :data:`LIST_SAMPLE` of ``urls`` and how many more, for a log line."""
+    if not urls:
+        return ""
+    more = f" and {len(urls) - LIST_SAMPLE} more" if len(urls) > LIST_SAMPLE else ""
+    return f"; {what}: {', '.join(urls[:LIST_SAMPLE])}{more}"
 
 
 def _stat_signature(path: Path) -> tuple[int, ...] | None:

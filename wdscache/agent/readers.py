@@ -40,7 +40,7 @@ from ..shared.plan import Reader, wanted
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pages, process_identity, strings
 from ..shared.shard_index import ShardInfo
-from ..shared.stats import jobs_view, with_fraction
+from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
 from ..shared.urls import UrlList, index_list, list_id, parse_url_list
 from .cache import ShardCache
 from .control import ControlSocket
@@ -90,6 +90,7 @@ class Readers:
         self._lists: dict[str, UrlList] = {}
         self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
         self._startup = self._startup_plan(urls)
+        self._startup_stopped = False  # by wdscache clear, until the list changes: no refill nobody asked for
         # reader -> pages of its list received so far: URLs, and their facts for a list from a shard index
         self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
@@ -170,7 +171,14 @@ class Readers:
             holding.update(self._startup_window())
         return holding
 
+    def stop_startup(self) -> None:
+        """Prefetch nothing for the start-up plan (``wdscache clear`` emptied the cache): shards come
+        back only as readers ask for them, until the list file changes."""
+        self._startup_stopped = True
+
     def _startup_window(self) -> list[str]:
+        if self._startup_stopped:
+            return []
         urls = self.urls.urls
         return [urls[i] for i in self._startup.window(self._config.prefetch) if i < len(urls)]
 
@@ -440,6 +448,7 @@ class Readers:
             if r.ahead is None:
                 r.n_shards, r.position = len(new), 0
         self._startup = self._startup_plan(new)
+        self._startup_stopped = False
 
     def _startup_plan(self, urls: UrlList) -> Reader:
         """The start-up plan over ``urls`` (on a node of several, from its shards' counts)."""
@@ -505,4 +514,4 @@ class Readers:
     def view(self, starved_by: str) -> dict[str, Any]:
         """The consumers, their jobs and the lists kept, for the stats reply."""
         return {"consumers": len(self._consumers), "job_lists": len(self._lists),
-                "jobs": jobs_view(self._consumers, starved_by), "ended_jobs": jobs_view(self._ended, None)}
+                "jobs": jobs_view(self._consumers, starved_by), "ended_jobs": ended_jobs_view(self._ended)}

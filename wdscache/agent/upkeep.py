@@ -9,6 +9,9 @@ Guarantees:
 - Main loop only.
 - A shard a reader holds (pinned) is evicted only with ``force``: a reader that has it
   open keeps reading its file, the cache forgets it.
+- After ``clear`` the agent prefetches nothing for its start-up plan until its list file
+  changes (or it restarts): what comes back is what readers ask for (their windows, their
+  opens) and what a ``prefetch`` asks for.
 - Shards asked to be prefetched are wanted after every reader's window, so they never
   hold up a reader, under the same budget as every download; each is downloaded at most
   once per prefetch, and a prefetch never evicts the shards it holds to make room for
@@ -50,9 +53,10 @@ class Upkeep:
     """The ``evict``, ``clear`` and ``prefetch`` ops."""
 
     def __init__(self, cache: ShardCache, socket: ControlSocket, prefetches: Prefetches,
-                 fetchable: Callable[[str], bool]) -> None:
+                 fetchable: Callable[[str], bool], stop_startup: Callable[[], None]) -> None:
         self._cache, self._socket, self._prefetches = cache, socket, prefetches
         self._fetchable = fetchable  # may this endpoint's peers have this URL fetched
+        self._stop_startup = stop_startup  # after a clear: the start-up plan refills nothing
 
     def op_evict(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
         urls = strings(header, "urls")
@@ -60,6 +64,9 @@ class Upkeep:
                                                                why="evicted on request (wdscache evict or verify)"))
 
     def op_clear(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+        """Evict every cached shard; the start-up plan then prefetches nothing (an operator clearing
+        a disk wants it to stay clear), readers still get what they ask for."""
+        self._stop_startup()
         cached = [r.url for r in self._cache.index.records.values() if r.state is ShardState.CACHED]
         self._socket.reply(ident, rid, ok=True, **evict_shards(self._cache, cached, force=self._force(header),
                                                                why="evicted by wdscache clear"))

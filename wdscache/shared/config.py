@@ -112,8 +112,7 @@ class AgentConfig:
         parse_size(self.min_free, total=1, what="--min-free")
         if parse_size(self.download_part_size, what="--download-part-size") < 64 << 10:
             raise ConfigError(f"--download-part-size {self.download_part_size!r}: use at least 64K")
-        if self.s3_endpoint_url is not None and not self.s3_endpoint_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--s3-endpoint-url {self.s3_endpoint_url!r}: use http(s)://HOST[:PORT]")
+        check_s3_endpoint_url(self.s3_endpoint_url)
         if self.endpoint is not None:
             check_endpoint(self.endpoint, allow_remote=self.allow_remote)
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
@@ -149,3 +148,9 @@ def check_endpoint(endpoint: str, *, allow_remote: bool) -> None:
             "trusts every peer that can connect; bind 127.0.0.1, or pass --allow-remote "
             "if the network is trusted"
         )
+
+
+def check_s3_endpoint_url(url: str | None) -> None:
+    """Refuse an ``--s3-endpoint-url`` that is not an http(s) URL (None: botocore's own is used)."""
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--s3-endpoint-url {url!r}: use http(s)://HOST[:PORT]")

@@ -43,11 +43,20 @@ class _Redacting(logging.Filter):
         record.msg, record.args = redact_urls(record.getMessage()), None
         fields = getattr(record, _EVENT, None)
         if fields:
-            setattr(record, _EVENT, {k: redact_urls(v) if isinstance(v, str) else v for k, v in fields.items()})
+            setattr(record, _EVENT, {k: _redacted(v) for k, v in fields.items()})
         if record.exc_info:
             record.exc_text = redact_urls(record.exc_text or self._traceback.formatException(record.exc_info))
             record.exc_info = None  # a handler would format it again, secrets included
         return True
+
+
+def _redacted(value: Any) -> Any:
+    """An event's field with its URLs redacted: a string, or each string of a list (a sample of URLs)."""
+    if isinstance(value, str):
+        return redact_urls(value)
+    if isinstance(value, (list, tuple)):
+        return [_redacted(v) for v in value]
+    return value
 
 
 _REDACTING = _Redacting()

@@ -18,7 +18,7 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
     wdscache_redownloads_total                of those, of shards the cache held before (thrashing)
     wdscache_redownload_bytes_total           their bytes
     wdscache_corrupt_total, wdscache_changed_total  shards found damaged / changed at the source
-    wdscache_download_rate_bytes_per_second   over the last 10 s
+    wdscache_download_rate_bytes_per_second   over the last 10 s while downloads run, else 0
     wdscache_need_bytes                       bytes the readers hold at once (above the budget: thrashing)
     wdscache_demanded_shards                  shards readers wait for now
     wdscache_pinned_shards                    shards being read

@@ -14,7 +14,8 @@ The object (also ``wdscache stats --json``)::
                       the budget is too small for what the readers hold (the agent warns)
     corrupt           shards found unreadable by consumers (their URLs: agent.corrupt)
     changed           cached shards found changed on the server and fetched again (agent.changed)
-    download_rate     bytes/s over the last 10 s (0 when no agent runs)
+    download_rate     bytes/s over the last 10 s while downloads run; 0 once none runs (or no
+                      agent runs)
     agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers,
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
                       indexed (shards), walked / adopted (shards whose table the worker walked
@@ -28,7 +29,9 @@ The object (also ``wdscache stats --json``)::
                       this rank's), starved: null | "budget" | "downloads" | "workers" | "latency"
                       (see :mod:`wdscache.shared.verdict`)}}}
     ended_jobs        the same of consumers that left in the last 10 minutes, with their totals
-                      and ``ended`` (an ISO 8601 date)
+                      over every epoch of the rank that ended then (samples, bytes, wait_s summed;
+                      epochs: how many; epoch and position: the last one's) and ``ended``
+                      (an ISO 8601 date)
 
 With an agent running it answers live over the agent's socket; otherwise it
 reads the index summary, which costs the same on 10 or 100,000 shards.
@@ -154,6 +157,26 @@ def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str | None) -> d
         view = {k: c[k] for k in keep if k in c}
         view["starved"] = starved_by if c.get("waiting", 0.0) > STARVED else None
         jobs.setdefault(str(c.get("job")), {})[str(c.get("rank"))] = view
+    return jobs
+
+
+def ended_jobs_view(ended: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The consumers that left, as :func:`jobs_view` groups them, each rank with its totals over
+    all its epochs (a loader says hello as a new consumer every epoch)."""
+    jobs: dict[str, dict[str, Any]] = {}
+    epochs: dict[tuple[str, str], set[Any]] = {}
+    for c in sorted(ended.values(), key=lambda c: str(c.get("ended") or "")):
+        job, rank = str(c.get("job")), str(c.get("rank"))
+        view = jobs_view({"": c}, None)[job][rank]
+        seen = epochs.setdefault((job, rank), set())
+        seen.add(c.get("epoch"))
+        earlier = jobs.setdefault(job, {}).get(rank)
+        if earlier is not None:
+            for total in ("samples", "bytes", "wait_s"):
+                view[total] = earlier.get(total, 0) + view.get(total, 0)
+            view["wait_s"] = round(view["wait_s"], 3)
+        view["epochs"] = len(seen)
+        jobs[job][rank] = view
     return jobs
 
 

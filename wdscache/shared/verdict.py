@@ -67,11 +67,14 @@ def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]]) -> Verd
 
 
 def ended_verdict(ranks: dict[str, dict[str, Any]]) -> Verdict:
-    """The line of a job whose consumers all left (its entry of ``stats["ended_jobs"]``): its totals."""
+    """The line of a job whose consumers all left (its entry of ``stats["ended_jobs"]``): its totals
+    over all its epochs."""
     samples = sum(int(r.get("samples", 0)) for r in ranks.values())
     waited = sum(float(r.get("wait_s", 0.0)) for r in ranks.values())
     last = max((str(r.get("ended") or "") for r in ranks.values()), default="")
-    return Verdict(None, f"ended {last}: {samples} samples, waited {waited:.1f}s for data in all")
+    epochs = max((int(r.get("epochs", 1)) for r in ranks.values()), default=1)
+    over = f" in {epochs} epochs" if epochs > 1 else ""
+    return Verdict(None, f"ended {last}: {samples} samples{over}, waited {waited:.1f}s for data in all")
 
 
 def verdicts(stats: dict[str, Any]) -> dict[str, Verdict]:
