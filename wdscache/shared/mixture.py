@@ -11,12 +11,15 @@ position, as for one list. What differs is only how the ids are made:
   to the sources of the largest fractional parts, ties to the source listed first), so
   the shares sum to ``N``. They are the same every epoch.
 - **Walks, without replacement**: each source has one endless walk, its *cycles* one
-  after another; cycle ``c`` is every sample of the source once, read as one list is read
-  in epoch ``c`` (its shards in a seeded order, through the shuffle buffer). Epoch ``e``
-  takes the walk's positions ``e * s`` to ``(e + 1) * s`` (``s`` the source's share):
-  successive epochs continue the walk, so every sample comes once before any comes twice,
-  and a share of more than the source's size gives every sample ``floor`` or ``ceil`` of
-  ``s / size`` times.
+  after another, each every sample of the source once. Epoch ``e`` takes the walk's places
+  ``e * s`` to ``(e + 1) * s`` (``s`` the source's share): successive epochs continue the
+  walk, so every sample comes once before any comes twice, and a share of more than the
+  source's size gives every sample ``floor`` or ``ceil`` of ``s / size`` times. A cycle
+  reads the source's shards in a seeded order, each shard's samples in order; the cycles of
+  one *generation* (up to where an epoch and a cycle end together) read the same shard
+  order, so that an epoch across two cycles takes the end of one and the start of the
+  next, which do not meet. What one epoch takes of one cycle (a *piece*) goes through the
+  shuffle buffer with a seed of its own, so every epoch's order differs.
 - **Walks, with replacement** (``resampled``): epoch ``e``'s walk draws the source's shards
   at random with replacement (seeded per epoch), every sample of a drawn shard in order,
   through the shuffle buffer; the epoch takes its first ``s``.
@@ -33,9 +36,11 @@ walk stands), and is built whole when it starts (a few bytes per sample).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import itertools
+import math
 from array import array
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -43,8 +48,8 @@ from fractions import Fraction
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from .errors import ConfigError
-from .plan import epoch_rng
-from .sequence import EpochSpec, SampleId, buffered
+from .plan import epoch_rng, shard_order
+from .sequence import SampleId, buffered
 
 
 class SourcedId(tuple):  # type: ignore[type-arg]
@@ -63,7 +68,8 @@ def sourced(name: str) -> type[SourcedId]:
 def shares(total: int, weights: Sequence[float]) -> list[int]:
     """``total`` split by ``weights`` (normalised), rounded by largest remainder: the shares sum
     to ``total``; of equal remainders the source listed first gets the extra sample."""
-    fractions = [Fraction(w) for w in weights]
+    # A float as the decimal it shows (0.7 is 7/10, not its binary neighbour): shares as written.
+    fractions = [Fraction(repr(w)) if isinstance(w, float) else Fraction(w) for w in weights]
     whole = sum(fractions)
     quotas = [total * f / whole for f in fractions]
     out = [int(q) for q in quotas]  # (floor: quotas are >= 0)
@@ -188,18 +194,37 @@ def _walk(spec: MixSpec, i: int, share: int) -> Iterator[SampleId]:
         if size > 1:
             return itertools.islice(buffered(drawn, epoch_rng(seed, spec.epoch, "samples"), size), share)
         return itertools.islice(drawn, share)
-    total = sum(counts[s] for s in shards)
-    start = spec.epoch * share
+    n = sum(counts[s] for s in shards)
+    if not share:
+        return iter(())
+    start, end = spec.epoch * share, (spec.epoch + 1) * share
+    # The cycles of one generation place the samples alike (their pieces are shuffled apart), so that
+    # an epoch across cycles takes each sample floor or ceil of share/size times: once at most when
+    # the share is at most the size (the end of one cycle and the start of the next do not meet). A
+    # generation ends where an epoch and a cycle end together.
+    generation = share // math.gcd(n, share)
+    pieces = []
+    for c in range(start // n, (end - 1) // n + 1):
+        a, b = max(start, c * n) - c * n, min(end, (c + 1) * n) - c * n  # the epoch's piece of cycle c
+        order = shard_order(len(shards), seed=seed, epoch=c // generation, shuffle=spec.shuffle)
+        arc = _arc([shards[k] for k in order], counts, a, b)
+        # A piece is one epoch's, so shuffling within it changes no epoch's samples, only their order.
+        pieces.append(buffered(arc, epoch_rng(seed, c, f"piece {a}"), size) if size > 1 else arc)
+    return itertools.chain.from_iterable(pieces)  # type: ignore[arg-type]
 
-    def cycles() -> Iterator[SampleId | None]:
-        c = start // total if total else 0
-        while True:
-            cycle = EpochSpec(len(counts), seed, c, spec.shuffle, spec.shuffle_buffer, shards)
-            yield from cycle.ids(lambda s: range(counts[s]))
-            c += 1
 
-    skip = start % total if total else 0
-    return itertools.islice(cycles(), skip, skip + share)  # type: ignore[return-value]
+def _arc(shards: Sequence[int], counts: Sequence[int], a: int, b: int) -> Iterator[SampleId]:
+    """The samples at places ``a`` to ``b`` of ``shards`` read one after the other."""
+    ends = list(itertools.accumulate(counts[s] for s in shards))
+    k = bisect.bisect_right(ends, a)
+    pos = a
+    while pos < b:
+        shard, first = shards[k], ends[k] - counts[shards[k]]
+        stop = min(b, ends[k])
+        for j in range(pos - first, stop - first):
+            yield shard, j
+        pos = stop
+        k += 1
 
 
 def check_mix_arg(mix: Any) -> list[tuple[str, float]]:
