@@ -4,6 +4,9 @@ downloaded once, resume on another world size, webdataset's ``with_epoch`` and `
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -15,6 +18,7 @@ from wdscache.shared.errors import ConfigError
 from wdscache.shared.mixture import shares
 
 PER_SHARD = 10
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _id(sample: dict[str, Any]) -> str:
@@ -154,3 +158,31 @@ def test_bad_mixtures_are_refused_naming_the_argument(two_sources: dict[str, Any
     with pytest.raises(ConfigError, match="num_nodes=2"):
         CachedMultiLoader(mix={src["a"]: 1}, epoch_samples=10, cache_dir=src["cache"], rank=0, world_size=2, node=0,
                           num_nodes=2)
+
+
+def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any]) -> None:
+    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)")
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    src = two_sources
+    pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
+    r = subprocess.run([sys.executable, "-m", "tests.helpers.torch_mix_job", str(src["cache"]), src["a"], src["b"],
+                        pattern], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    a_share, b_share = shares(61, [3, 1])
+    for epoch in range(2):
+        ranks = [out["ranks"][rank][epoch] for rank in range(2)]
+        assert [len(got) for got in ranks] == [31, 31]  # 61 over 2 ranks, whatever the workers
+        by_source = Counter(i.rsplit("@", 1)[1] for got in ranks for i in got)
+        assert sorted(by_source.values()) in ([b_share, a_share + 1], [b_share + 1, a_share])  # one padding repeat
+    whole = Counter(out["whole"])
+    assert sum(whole.values()) == 61
+    assert Counter(i.rsplit("@", 1)[1] for i in out["whole"]) == {src["a"]: a_share, src["b"]: b_share}
+    assert Counter(out["first"]) + Counter(out["rest"]) == whole and len(out["first"]) == 12
+    assert Counter(out["ranks"][0][0] + out["ranks"][1][0]) - whole in ({}, Counter(out["whole"][:1]))
+    draws = out["resampled"]
+    for epoch in range(2):
+        assert Counter(w for _, w in draws[epoch]) == {0: 12, 1: 12}  # each worker its with_epoch(12)
+        assert all(u.split("#")[0] in src["a_urls"] for u, _ in draws[epoch])
+    assert [u for u, _ in draws[0]] != [u for u, _ in draws[1]]
