@@ -22,26 +22,28 @@ position, as for one list. What differs is only how the ids are made:
   shuffle buffer with a seed of its own, so every epoch's order differs.
 - **Walks, with replacement** (``resampled``): epoch ``e``'s walk draws the source's shards
   at random with replacement (seeded per epoch), every sample of a drawn shard in order,
-  through the shuffle buffer; the epoch takes its first ``s``.
-- **Interleaving**: which source each of the ``N`` positions takes its next id from is a
-  seeded shuffle of the shares' labels (with ``shuffle=False``, the sources spread evenly).
+  until ``s`` samples are drawn (of the last shard, its first ones), through the shuffle buffer.
+- **Interleaving**: each source's share is cut in runs of up to 8 (``RUN``) positions, and
+  the epoch is a seeded shuffle of all the runs (with ``shuffle=False``, the sources spread
+  evenly).
 
 A source is seeded apart from the others (two sources of the same shards walk them in
 different orders). Every id of a mixture is a :class:`SourcedId`: a ``(shard, sample)``
 tuple whose class names the source it came from.
 
 The epoch needs every shard's sample count up front (the sources' sizes decide where a
-walk stands), and is built whole when it starts (a few bytes per sample).
+walk stands). Which samples of which shards each source gives is worked out per shard when
+the epoch starts (how many ids of each shard, for letting go of pins); the ids themselves
+are made as they are read.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
 import hashlib
 import itertools
 import math
-from array import array
+import random
 from collections import Counter
 from dataclasses import dataclass, replace
 from fractions import Fraction
@@ -136,95 +138,125 @@ class MixSpec:
 
     def ids(self, samples: Callable[[int], Iterable[int | None]] | None = None) -> Iterator[SampleId | None]:
         """The epoch's ``N`` ids (:class:`SourcedId`). ``samples`` is not asked: the counts are known."""
-        shard_of, sample_of, source_of = _built(self)
+        walks = [_walk(p) for p in self._plans()]
         classes = [sourced(name) for name in self.mixture.names]
-        for shard, j, i in zip(shard_of, sample_of, source_of):
-            yield classes[i]((shard, j))
+        for i, n in self._runs():
+            yield from map(classes[i], itertools.islice(walks[i], n))
 
     def order(self) -> tuple[int, ...]:
-        """The shards in the order the epoch first reaches them (for the prefetch window)."""
-        return tuple(dict.fromkeys(_built(self)[0]))
+        """The shards about in the order the epoch reaches them (for the prefetch window): each
+        source's in its walk's order, the sources spread evenly."""
+        keyed = []
+        for plan in self._plans():
+            mine = list(dict.fromkeys(shard for shard, _, _ in plan))
+            keyed += [((k + 0.5) / len(mine), shard) for k, shard in enumerate(mine)]
+        return tuple(dict.fromkeys(shard for _, shard in sorted(keyed)))
 
     def totals(self) -> Counter[int]:
         """How many ids of each shard the epoch gives out."""
-        return Counter(_built(self)[0])
+        out: Counter[int] = Counter()
+        for plan in self._plans():
+            for shard, first, end in plan:
+                out[shard] += end - first
+        return out
 
     def following(self) -> "MixSpec":
         return replace(self, epoch=self.epoch + 1)
 
+    def _runs(self) -> list[tuple[int, int]]:
+        """(source, length): which source the epoch's positions take their next ids from, in runs
+        of up to RUN (a seeded shuffle of the runs; unshuffled, the sources spread evenly)."""
+        runs = [(i, min(RUN, n - k)) for i, n in enumerate(self.mixture.shares()) for k in range(0, n, RUN)]
+        if self.shuffle:
+            epoch_rng(self.seed, self.epoch, "mix").shuffle(runs)
+            return runs
+        at: dict[int, int] = {}
+        keys = []
+        for i, n in runs:  # a source's k-th run at (k + 1/2) / its runs
+            k = at[i] = at.get(i, -1) + 1
+            keys.append((k + 0.5) / -(-self.mixture.shares()[i] // RUN))
+        return [run for _, _, run in sorted((key, run[0], run) for key, run in zip(keys, runs))]
 
-@functools.lru_cache(maxsize=2)
-def _built(spec: MixSpec) -> tuple[array, array, array]:  # type: ignore[type-arg]
-    """The epoch's ids as arrays: shard, sample and source of each position."""
-    mix = spec.mixture
-    walks = [_walk(spec, i, share) for i, share in enumerate(mix.shares())]
-    shard_of, sample_of, source_of = array("q"), array("q"), array("H")
-    for i in _labels(spec):
-        shard, j = next(walks[i])
-        shard_of.append(shard)
-        sample_of.append(j)
-        source_of.append(i)
-    return shard_of, sample_of, source_of
-
-
-def _labels(spec: MixSpec) -> list[int]:
-    """The source each position takes its next id from."""
-    counts = spec.mixture.shares()
-    if spec.shuffle:
-        labels = [i for i, n in enumerate(counts) for _ in range(n)]
-        epoch_rng(spec.seed, spec.epoch, "mix").shuffle(labels)
-        return labels
-    # Evenly: source i's k-th sample at (k + 1/2) / n_i of the epoch.
-    return [i for _, i in sorted(((k + 0.5) / n, i) for i, n in enumerate(counts) for k in range(n))]
+    def _plans(self) -> list["_Plan"]:
+        return [_plan(self, i, share) for i, share in enumerate(self.mixture.shares())]
 
 
-def _source_seed(seed: int, source: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"wdscache:mix:{seed}:{source}".encode()).digest()[:8], "big")
+RUN = 8  # positions in a row from one source: the interleaving costs a random draw per run, not per sample
 
 
-def _walk(spec: MixSpec, i: int, share: int) -> Iterator[SampleId]:
-    """The ``share`` ids source ``i`` gives in ``spec``'s epoch."""
+@dataclass(frozen=True)
+class _Plan:
+    """What one source gives in an epoch: pieces ``(shard, first, end)`` of shards' samples, in walk
+    order, and how each group of pieces is shuffled (``groups``: how many pieces, and the buffer's
+    random generator or None)."""
+
+    pieces: tuple[tuple[int, int, int], ...]
+    groups: tuple[tuple[int, random.Random | None], ...]
+    buffer: int = 0  # the shuffle buffer's size
+    def __iter__(self) -> Iterator[tuple[int, int, int]]:
+        return iter(self.pieces)
+
+
+def _plan(spec: MixSpec, i: int, share: int) -> _Plan:
+    """Source ``i``'s pieces in ``spec``'s epoch (its ``share`` samples)."""
     shards, counts = spec.mixture.shards[i], spec.counts
     seed = _source_seed(spec.seed, i)
-    size = spec.shuffle_buffer if spec.shuffle else 0
+    shuffled = spec.shuffle and spec.shuffle_buffer > 1
+    pieces: list[tuple[int, int, int]] = []
+    groups: list[tuple[int, random.Random | None]] = []
+    if not share:
+        return _Plan((), ())
     if spec.mixture.replacement:
+        # Shards drawn with replacement, every sample of each in order, until the share is full.
         rng = epoch_rng(seed, spec.epoch, "resample")
         drawable = [s for s in shards if counts[s]]
-        drawn = ((s, j) for s in iter(lambda: rng.choice(drawable), None) for j in range(counts[s]))
-        if size > 1:
-            return itertools.islice(buffered(drawn, epoch_rng(seed, spec.epoch, "samples"), size), share)
-        return itertools.islice(drawn, share)
+        left = share
+        while left:
+            shard = rng.choice(drawable)
+            take = min(left, counts[shard])
+            pieces.append((shard, 0, take))
+            left -= take
+        groups.append((len(pieces), epoch_rng(seed, spec.epoch, "samples") if shuffled else None))
+        return _Plan(tuple(pieces), tuple(groups), spec.shuffle_buffer)
     n = sum(counts[s] for s in shards)
-    if not share:
-        return iter(())
     start, end = spec.epoch * share, (spec.epoch + 1) * share
     # The cycles of one generation place the samples alike (their pieces are shuffled apart), so that
     # an epoch across cycles takes each sample floor or ceil of share/size times: once at most when
     # the share is at most the size (the end of one cycle and the start of the next do not meet). A
     # generation ends where an epoch and a cycle end together.
     generation = share // math.gcd(n, share)
-    pieces = []
     for c in range(start // n, (end - 1) // n + 1):
-        a, b = max(start, c * n) - c * n, min(end, (c + 1) * n) - c * n  # the epoch's piece of cycle c
+        a, b = max(start, c * n) - c * n, min(end, (c + 1) * n) - c * n  # the epoch's part of cycle c
         order = shard_order(len(shards), seed=seed, epoch=c // generation, shuffle=spec.shuffle)
-        arc = _arc([shards[k] for k in order], counts, a, b)
-        # A piece is one epoch's, so shuffling within it changes no epoch's samples, only their order.
-        pieces.append(buffered(arc, epoch_rng(seed, c, f"piece {a}"), size) if size > 1 else arc)
-    return itertools.chain.from_iterable(pieces)  # type: ignore[arg-type]
+        before = len(pieces)
+        pos = 0
+        for k in order:
+            shard = shards[k]
+            first, stop = max(a - pos, 0), min(b - pos, counts[shard])
+            if first < stop:
+                pieces.append((shard, first, stop))
+            pos += counts[shard]
+            if pos >= b:
+                break
+        # One epoch's part of a cycle is shuffled on its own: no epoch's samples change, only their order.
+        groups.append((len(pieces) - before, epoch_rng(seed, c, f"piece {a}") if shuffled else None))
+    return _Plan(tuple(pieces), tuple(groups), spec.shuffle_buffer)
 
 
-def _arc(shards: Sequence[int], counts: Sequence[int], a: int, b: int) -> Iterator[SampleId]:
-    """The samples at places ``a`` to ``b`` of ``shards`` read one after the other."""
-    ends = list(itertools.accumulate(counts[s] for s in shards))
-    k = bisect.bisect_right(ends, a)
-    pos = a
-    while pos < b:
-        shard, first = shards[k], ends[k] - counts[shards[k]]
-        stop = min(b, ends[k])
-        for j in range(pos - first, stop - first):
-            yield shard, j
-        pos = stop
-        k += 1
+def _walk(plan: _Plan) -> Iterator[SampleId]:
+    """The ids of ``plan``, each group of pieces through the shuffle buffer (if it has a seed)."""
+    pieces = iter(plan.pieces)
+    for count, rng in plan.groups:
+        group = [next(pieces) for _ in range(count)]
+        ids = ((shard, j) for shard, first, end in group for j in range(first, end))
+        if rng is None:
+            yield from ids
+        else:
+            yield from buffered(ids, rng, plan.buffer)
+
+
+def _source_seed(seed: int, source: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"wdscache:mix:{seed}:{source}".encode()).digest()[:8], "big")
 
 
 def check_mix_arg(mix: Any) -> list[tuple[str, float]]:
