@@ -297,9 +297,11 @@ class EpochStream:
                 continue
             seq_yield += 1
             self.stats["wait_s"] += time.perf_counter() - t0
-            for k, (sample, nbytes) in enumerate(zip(read.samples, read.sizes)):  # sizes: the reply's
-                if sample is not None and self.labelled:
-                    sample["__source__"] = read.items[k][1].source  # a SourcedId's
+            if self.labelled:  # a mixture's: each sample names its source (its id's, a SourcedId)
+                for sample, (_, sid) in zip(read.samples, read.items):
+                    if sample is not None:
+                        sample["__source__"] = sid.source
+            for sample, nbytes in zip(read.samples, read.sizes):  # sizes from the reply: no pass over each sample
                 if sample is None:
                     self.stats["repeated"] += 1
                     if last is None:
