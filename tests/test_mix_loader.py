@@ -186,3 +186,13 @@ def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any
         assert Counter(w for _, w in draws[epoch]) == {0: 12, 1: 12}  # each worker its with_epoch(12)
         assert all(u.split("#")[0] in src["a_urls"] for u, _ in draws[epoch])
     assert [u for u, _ in draws[0]] != [u for u, _ in draws[1]]
+
+
+def test_webdataset_takes_a_mixture_too(two_sources: dict[str, Any]) -> None:
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    import wdscache
+
+    src = two_sources
+    ds = wdscache.WebDataset(mix={src["a"]: 1, src["b"]: 3}, epoch_samples=20, cache_dir=src["cache"], job="wds-mix")
+    got = list(ds.to_tuple("__source__", "__url__"))
+    assert Counter(s for s, _ in got) == {src["a"]: 5, src["b"]: 15} and len(ds) == 20

@@ -14,7 +14,9 @@ whole shards; only when its ids come out depends on timing, never which.
 Guarantees (for the ranks of one job with the same settings):
 
 - every epoch delivers each sample exactly once, plus at most ``W-1`` padding
-  repeats (or none, with ``drop_last``), and every rank the same number. With
+  repeats (or none, with ``drop_last``), and every rank the same number. With ``mix=``
+  (or ``resampled=True``) an epoch is ``epoch_samples`` samples instead, each source its
+  exact share (:mod:`wdscache.shared.mixture`), shared and resumed the same way. With
   ``on_error="skip"`` a sample that cannot be read (its shard failed or is
   damaged) is replaced by a repeat of one the rank did read, so the counts stay
   equal; every sample of every healthy shard is still delivered. A shard whose
