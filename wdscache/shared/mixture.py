@@ -138,10 +138,10 @@ class MixSpec:
 
     def ids(self, samples: Callable[[int], Iterable[int | None]] | None = None) -> Iterator[SampleId | None]:
         """The epoch's ``N`` ids (:class:`SourcedId`). ``samples`` is not asked: the counts are known."""
-        walks = [_walk(p) for p in self._plans()]
-        classes = [sourced(name) for name in self.mixture.names]
+        walks = [map(sourced(name), _walk(p)) for name, p in zip(self.mixture.names, self._plans())]
+        whole = [zip(*[walk] * RUN) for walk in walks]  # a source's runs of RUN ids, taken whole (fast)
         for i, n in self._runs():
-            yield from map(classes[i], itertools.islice(walks[i], n))
+            yield from next(whole[i]) if n == RUN else itertools.islice(walks[i], n)  # (a share's last run)
 
     def order(self) -> tuple[int, ...]:
         """The shards about in the order the epoch reaches them (for the prefetch window): each
