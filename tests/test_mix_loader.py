@@ -162,7 +162,8 @@ def test_bad_mixtures_are_refused_naming_the_argument(two_sources: dict[str, Any
 
 def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any]) -> None:
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
-    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)")
+    pytest.importorskip("torchdata.stateful_dataloader",
+                        reason="torchdata is not installed (scripts/test.sh installs it)")
     pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
     src = two_sources
     pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")

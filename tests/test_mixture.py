@@ -53,7 +53,8 @@ sources = st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=4), min_siz
 
 @settings(max_examples=150, deadline=None)
 @given(sizes=sources, data=st.data())
-def test_each_source_gives_its_share_and_repeats_only_past_its_size(sizes: list[list[int]], data: st.DataObject) -> None:
+def test_each_source_gives_its_share_and_repeats_only_past_its_size(sizes: list[list[int]],
+                                                                   data: st.DataObject) -> None:
     weights = data.draw(st.lists(st.floats(0.01, 100), min_size=len(sizes), max_size=len(sizes)))
     total = data.draw(st.integers(1, 150))
     shared, shuffle = data.draw(st.booleans()), data.draw(st.booleans())
@@ -124,8 +125,10 @@ def test_sources_are_mixed_throughout_the_epoch_in_runs_of_eight() -> None:
 
 
 def test_draws_with_replacement_are_seeded_per_epoch_and_whole_shards() -> None:
-    one = lambda epoch, seed=0: [tuple(x) for x in _spec([[5, 5, 5, 5]], [1], 40, epoch=epoch, replacement=True,  # noqa: E731
-                                                         shuffle_buffer=0, seed=seed).ids()]
+    def one(epoch: int, seed: int = 0) -> list[tuple[int, int]]:
+        spec = _spec([[5, 5, 5, 5]], [1], 40, epoch=epoch, replacement=True, shuffle_buffer=0, seed=seed)
+        return [tuple(x) for x in spec.ids()]
+
     assert one(0) == one(0) and one(0) != one(1) and one(0) != one(0, seed=1)
     draw = one(0)
     for k in range(0, 40, 5):  # unshuffled: each drawn shard's samples in order
