@@ -166,7 +166,8 @@ class MixSpec:
     def _runs(self) -> list[tuple[int, int]]:
         """(source, length): which source the epoch's positions take their next ids from, in runs
         of up to RUN (a seeded shuffle of the runs; unshuffled, the sources spread evenly)."""
-        runs = [(i, min(RUN, n - k)) for i, n in enumerate(self.mixture.shares()) for k in range(0, n, RUN)]
+        shares = self.mixture.shares()
+        runs = [(i, min(RUN, n - k)) for i, n in enumerate(shares) for k in range(0, n, RUN)]
         if self.shuffle:
             epoch_rng(self.seed, self.epoch, "mix").shuffle(runs)
             return runs
@@ -174,7 +175,7 @@ class MixSpec:
         keys = []
         for i, n in runs:  # a source's k-th run at (k + 1/2) / its runs
             k = at[i] = at.get(i, -1) + 1
-            keys.append((k + 0.5) / -(-self.mixture.shares()[i] // RUN))
+            keys.append((k + 0.5) / -(-shares[i] // RUN))
         return [run for _, _, run in sorted((key, run[0], run) for key, run in zip(keys, runs))]
 
     def _plans(self) -> list["_Plan"]:
@@ -193,6 +194,7 @@ class _Plan:
     pieces: tuple[tuple[int, int, int], ...]
     groups: tuple[tuple[int, random.Random | None], ...]
     buffer: int = 0  # the shuffle buffer's size
+
     def __iter__(self) -> Iterator[tuple[int, int, int]]:
         return iter(self.pieces)
 
