@@ -61,8 +61,8 @@ What it does:
   wdscache mix            a two-source mixture (``mix=`` of the list's two halves, weighted by their
                           sizes, ``epoch_samples`` the list's length) against the whole list as one
                           source, both shuffled, warm, in one consumer of a fresh agent: a cold
-                          epoch of the one source, then two warm epochs of each in turn, the better
-                          of each (target: the mixture ≥ 0.9x the one source's samples/s)
+                          epoch of the one source, then two warm epochs of each (one, mix, mix,
+                          one), the better of each (target: the mixture ≥ 0.9x the one source's samples/s)
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
                           of the profile's field sizes, ``copy=False``, timed from the first
@@ -640,7 +640,8 @@ class Bench:
     def run_wdscache_mix(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         """A mixture of two sources (the list's halves, weighted by their sizes, an epoch of the whole
         list's length) against the whole list as one source, warm, in one consumer: a cold epoch of
-        the one source first, then warm epochs of each in turn; each row is the better of its two."""
+        the one source first, then two warm epochs of each in turns (one, mix, mix, one); each row is
+        the better of its two."""
         cache = self.fresh_dir(f"{prof}-wdscache-mix")
         budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
         agent = Agent(self, cache, Path(ds["http_list"]), budget, tag=f"{prof}-mix-agent")
@@ -662,9 +663,9 @@ class Bench:
             c.wait(self.http_deadline(ds) + 120 + 4 * self.local_deadline(ds))
             status, r = self.check(c, ds, 5)
             if r is not None and status == "ok":
-                warm = r["epochs"][1:]
-                one = max(warm[0::2], key=lambda e: e["samples"] / e["elapsed"])
-                two = max(warm[1::2], key=lambda e: e["samples"] / e["elapsed"])
+                warm = r["epochs"][1:]  # the one source's, then the mixture's
+                one = max(warm[:2], key=lambda e: e["samples"] / e["elapsed"])
+                two = max(warm[2:], key=lambda e: e["samples"] / e["elapsed"])
                 rows[MIX_ONE] = self.epoch_row(one, one["agent_cpu_s"] or 0.0)
                 rows[MIX_TWO] = self.epoch_row(two, two["agent_cpu_s"] or 0.0)
         finally:

@@ -289,7 +289,7 @@ def mode_wdscache(args: argparse.Namespace) -> None:
 
 def mode_mix(args: argparse.Namespace) -> None:
     """One source against a mixture of two of the same total size: a cold epoch of the one source
-    (warming the cache), then warm epochs of each in turn, ``--pairs`` times. Both shuffle (a
+    (warming the cache), then ``--pairs`` warm epochs of each, in turns (one, mix, mix, one, ...). Both shuffle (a
     mixture always interleaves its sources at random); the mixture's weights are the sources'
     sizes, its epoch the one source's length."""
     from wdscache import CachedMultiLoader
@@ -299,11 +299,12 @@ def mode_mix(args: argparse.Namespace) -> None:
     common = {"cache_dir": args.cache_dir, "timeout": args.timeout}
     one = CachedMultiLoader(args.urls_file, job="one", **common)
     mix = CachedMultiLoader(mix=dict(zip(lists, sizes)), epoch_samples=args.epoch_samples, job="mix", **common)
-    epochs = [run_epoch(0, lambda: one, agent_pid=args.agent_pid)]
-    for k in range(args.pairs):
-        epochs.append(run_epoch(1 + 2 * k, lambda: one, agent_pid=args.agent_pid))
-        epochs.append(run_epoch(2 + 2 * k, lambda: mix, agent_pid=args.agent_pid))
-    final(epochs)
+    cold = run_epoch(0, lambda: one, agent_pid=args.agent_pid)
+    ones, mixes = [], []
+    for k in range(args.pairs):  # one, mix, mix, one, ...: neither always goes first
+        for loader, out in ((one, ones), (mix, mixes))[:: 1 if k % 2 == 0 else -1]:
+            out.append(run_epoch(1 + len(ones) + len(mixes), lambda: loader, agent_pid=args.agent_pid))
+    final([cold, *ones, *mixes])  # the one source's warm epochs, then the mixture's
 
 
 TORCH_BATCH = 64
