@@ -138,7 +138,7 @@ class MixSpec:
 
     def ids(self, samples: Callable[[int], Iterable[int | None]] | None = None) -> Iterator[SampleId | None]:
         """The epoch's ``N`` ids (:class:`SourcedId`). ``samples`` is not asked: the counts are known."""
-        walks = [map(sourced(name), _walk(p)) for name, p in zip(self.mixture.names, self._plans())]
+        walks = [_walk(p, sourced(name)) for name, p in zip(self.mixture.names, self._plans())]
         whole = [zip(*[walk] * RUN) for walk in walks]  # a source's runs of RUN ids, taken whole (fast)
         for i, n in self._runs():
             yield from next(whole[i]) if n == RUN else itertools.islice(walks[i], n)  # (a share's last run)
@@ -245,16 +245,17 @@ def _plan(spec: MixSpec, i: int, share: int) -> _Plan:
     return _Plan(tuple(pieces), tuple(groups), spec.shuffle_buffer)
 
 
-def _walk(plan: _Plan) -> Iterator[SampleId]:
-    """The ids of ``plan``, each group of pieces through the shuffle buffer (if it has a seed)."""
+def _walk(plan: _Plan, cls: type[SourcedId]) -> Iterator[SampleId]:
+    """The ids of ``plan`` (of class ``cls``), each group of pieces through the shuffle buffer (if it
+    has a seed)."""
     pieces = iter(plan.pieces)
-    for count, rng in plan.groups:
-        group = [next(pieces) for _ in range(count)]
-        ids = ((shard, j) for shard, first, end in group for j in range(first, end))
-        if rng is None:
-            yield from ids
-        else:
-            yield from buffered(ids, rng, plan.buffer)
+
+    def group(count: int, rng: random.Random | None) -> Iterator[SampleId]:
+        ids = (cls((shard, j)) for shard, first, end in [next(pieces) for _ in range(count)]
+               for j in range(first, end))
+        return ids if rng is None else buffered(ids, rng, plan.buffer)  # type: ignore[return-value]
+
+    return itertools.chain.from_iterable(itertools.starmap(group, plan.groups))
 
 
 def _source_seed(seed: int, source: int) -> int:

@@ -106,11 +106,11 @@ def buffered(ids: Iterable[tuple[int, int | None]], rng: random.Random, size: in
     initial = min(size, INITIAL)
     buf: list[SampleId] = []
     arrived = 0
-    for shard, j in ids:
-        if j is None:
+    for sid in ids:
+        if sid[1] is None:
             yield None
             continue
-        buf.append((shard, j))
+        buf.append(sid)  # as given: a mixture's ids are tuples of a class naming their source
         arrived += 1
         if len(buf) >= size or (len(buf) >= initial and arrived % 2 == 0):
             k = rng.randrange(len(buf))
