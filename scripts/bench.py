@@ -58,6 +58,11 @@ What it does:
                           the server's byte counter between two is what one node downloaded (target:
                           within 10% of dataset/N); then 2 nodes x 2 ranks warm, all four at once,
                           against 1 node x 4 ranks warm on one agent (target: ≥ 0.8x samples/s)
+  wdscache mix            a two-source mixture (``mix=`` of the list's two halves, weighted by their
+                          sizes, ``epoch_samples`` the list's length) against the whole list as one
+                          source, both shuffled, warm, in one consumer of a fresh agent: a cold
+                          epoch of the one source, then two warm epochs of each (one, mix, mix,
+                          one), the better of each (target: the mixture ≥ 0.9x the one source's samples/s)
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
                           of the profile's field sizes, ``copy=False``, timed from the first
@@ -633,6 +638,42 @@ class Bench:
             shutil.rmtree(cache, ignore_errors=True)
         self.finish_run(prof, rep, "wdscache", None, rows, status, **extra)
 
+    def run_wdscache_mix(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        """A mixture of two sources (the list's halves, weighted by their sizes, an epoch of the whole
+        list's length) against the whole list as one source, warm, in one consumer: a cold epoch of
+        the one source first, then two warm epochs of each in turns (one, mix, mix, one); each row is
+        the better of its two."""
+        cache = self.fresh_dir(f"{prof}-wdscache-mix")
+        budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
+        agent = Agent(self, cache, Path(ds["http_list"]), budget, tag=f"{prof}-mix-agent")
+        self.agents.append(agent)
+        urls = Path(ds["http_list"]).read_text().splitlines()
+        halves = []
+        for k, part in enumerate((urls[: len(urls) // 2], urls[len(urls) // 2 :])):
+            path = self.work / f"urls-{prof}-mix-{k}.txt"
+            path.write_text("".join(f"{u}\n" for u in part))
+            halves.append(str(path))
+        rows: dict[str, Any] = {}
+        status = "ok"
+        c: Child | None = None
+        try:
+            agent.start()
+            c = self.consumer("mix", "--cache-dir", str(cache), "--urls-file", ds["http_list"], "--mix",
+                              ",".join(halves), "--epoch-samples", str(ds["samples"]), "--agent-pid", str(agent.pid),
+                              "--timeout", str(CONSUMER_TIMEOUT), tag=f"{prof}-wdscache-mix")
+            c.wait(self.http_deadline(ds) + 120 + 4 * self.local_deadline(ds))
+            status, r = self.check(c, ds, 5)
+            if r is not None and status == "ok":
+                warm = r["epochs"][1:]  # the one source's, then the mixture's
+                one = max(warm[:2], key=lambda e: e["samples"] / e["elapsed"])
+                two = max(warm[2:], key=lambda e: e["samples"] / e["elapsed"])
+                rows[MIX_ONE] = self.epoch_row(one, one["agent_cpu_s"] or 0.0)
+                rows[MIX_TWO] = self.epoch_row(two, two["agent_cpu_s"] or 0.0)
+        finally:
+            agent.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+        self.finish_run(prof, rep, "wdscache-mix", c, rows, status)
+
     def run_torch_wds(self, prof: str, rep: int, ds: dict[str, Any], where: str) -> None:
         """The DataLoader pipeline over ``wds.WebDataset``: ``where`` "http" (the capped server) or
         "local"; or, "memory", over the samples held in memory (the pipeline's own cost)."""
@@ -1104,6 +1145,7 @@ class Bench:
                 ("torch-memory", functools.partial(self.run_torch_wds, where="memory")),
                 ("torch-wdscache", self.run_torch_wdscache),
                 ("wdscache-nodes", self.run_wdscache_nodes),
+                ("wdscache-mix", self.run_wdscache_mix),
             ]
             skip = {s.strip() for s in a.skip.split(",") if s.strip()}
             only = {s.strip() for s in a.only.split(",") if s.strip()}
@@ -1322,6 +1364,8 @@ TORCH_WARM = _TORCH + "wdscache.WebDataset, epoch 2 (warm)"
 TORCH_MEMORY = _TORCH + "samples held in each worker's memory (the pipeline's own cost)"
 ROW_ORDER += [TORCH_WDS_HTTP, TORCH_WDS_LOCAL, TORCH_COLD, TORCH_WARM, TORCH_MEMORY]
 NODES_WARM = "wdscache, 2 nodes x 2 ranks (an agent each), warm, aggregate"
+MIX_ONE = "wdscache, one source, warm, shuffled"
+MIX_TWO = "wdscache, mixture of two sources (mix=, same total), warm"
 ONE_NODE_WARM = "wdscache, 1 node x 4 ranks, warm, aggregate"
 REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
 # Samples each of the eight consumers reads before the measured epoch (twice what its first
@@ -1578,6 +1622,11 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         add("9", f"{prof}: 2 nodes x 2 ranks aggregate samples/s ≥ 0.8x 1 node x 4 ranks, warm", r, 0.8, ge,
             f"{r:.2f}x ({fmt(med(s, prof, NODES_WARM, 'samples_s'))} vs "
             f"{fmt(med(s, prof, ONE_NODE_WARM, 'samples_s'))} samples/s)" if r else "")
+    for prof in bench.datasets:
+        r = ratio(med(s, prof, MIX_TWO, "samples_s"), med(s, prof, MIX_ONE, "samples_s"))
+        add("mix", f"{prof}: a two-source mixture, warm, samples/s ≥ 0.9x one source of the same total size", r, 0.9,
+            ge, f"{r:.2f}x ({fmt(med(s, prof, MIX_TWO, 'samples_s'))} vs "
+            f"{fmt(med(s, prof, MIX_ONE, 'samples_s'))} samples/s)" if r else "")
     return targets
 
 
@@ -1624,7 +1673,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
                                                "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,parts,s3,"
                                                "torch-wds-http,torch-wds-local,torch-wdscache,torch-memory,"
-                                               "wdscache-nodes")
+                                               "wdscache-nodes,wdscache-mix")
     ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
     ap.add_argument("--only", default="", help="systems to run, the others left out (e.g. "
                                                "torch-wds-http,torch-wds-local,torch-wdscache)")

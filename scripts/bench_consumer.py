@@ -288,6 +288,26 @@ def mode_wdscache(args: argparse.Namespace) -> None:
            for e in range(args.epochs + args.shuffled_epochs)])
 
 
+def mode_mix(args: argparse.Namespace) -> None:
+    """One source against a mixture of two of the same total size: a cold epoch of the one source
+    (warming the cache), then ``--pairs`` warm epochs of each, in turns (one, mix, mix, one, ...). Both shuffle (a
+    mixture always interleaves its sources at random); the mixture's weights are the sources'
+    sizes, its epoch the one source's length."""
+    from wdscache import CachedMultiLoader
+
+    lists = args.mix.split(",")
+    sizes = [len(read_urls(path)) for path in lists]
+    common = {"cache_dir": args.cache_dir, "timeout": args.timeout}
+    one = CachedMultiLoader(args.urls_file, job="one", **common)
+    mix = CachedMultiLoader(mix=dict(zip(lists, sizes)), epoch_samples=args.epoch_samples, job="mix", **common)
+    cold = run_epoch(0, lambda: one, agent_pid=args.agent_pid)
+    ones, mixes = [], []
+    for k in range(args.pairs):  # one, mix, mix, one, ...: neither always goes first
+        for loader, out in ((one, ones), (mix, mixes))[:: 1 if k % 2 == 0 else -1]:
+            out.append(run_epoch(1 + len(ones) + len(mixes), lambda loader=loader: loader, agent_pid=args.agent_pid))
+    final([cold, *ones, *mixes])  # the one source's warm epochs, then the mixture's
+
+
 TORCH_BATCH = 64
 
 
@@ -612,6 +632,14 @@ def main() -> None:
                    help="after --epochs, this many more with a shuffling loader (its own job)")
     p.add_argument("--no-direct", action="store_true", help="direct_reads=False: the workers send every byte")
     p.add_argument("--warmup", type=int, default=0, help="samples to read first, before --start-at, as a job of its own")
+    p = sub.add_parser("mix")
+    p.add_argument("--cache-dir", required=True)
+    p.add_argument("--urls-file", required=True, help="the one source")
+    p.add_argument("--mix", required=True, help="the two sources' list files, comma-separated")
+    p.add_argument("--epoch-samples", type=int, required=True)
+    p.add_argument("--pairs", type=int, default=2, help="warm epochs of each")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--agent-pid", type=int)
     p = sub.add_parser("torch")
     p.add_argument("--urls-file")
     p.add_argument("--cache-dir")
@@ -643,6 +671,7 @@ def main() -> None:
     {
         "serve": mode_serve, "wds": mode_wds, "multi": mode_multi, "wdscache": mode_wdscache, "torch": mode_torch,
         "zmq": mode_zmq, "zmq-many": mode_zmq_many, "urls": mode_urls, "stats-index": mode_stats_index,
+        "mix": mode_mix,
     }[args.mode](args)
 
 

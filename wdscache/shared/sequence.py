@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import random
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from .plan import epoch_rng, shard_order
 
@@ -96,20 +98,25 @@ def global_sequence(spec: EpochSpec, samples: Callable[[int], Iterable[int | Non
                 yield None if j is None else (shard, j)
         return
     rng = epoch_rng(spec.seed, spec.epoch, "samples")
+    yield from buffered(((shard, j) for shard in order for j in samples(shard)), rng, size)
+
+
+def buffered(ids: Iterable[tuple[int, int | None]], rng: random.Random, size: int) -> Iterator[SampleId | None]:
+    """``ids`` through the shuffle buffer of :func:`global_sequence` (``size`` > 1 ids at most,
+    drawn from with ``rng``); an id ``(shard, None)`` is passed on as None. ``ids`` may be endless."""
     initial = min(size, INITIAL)
     buf: list[SampleId] = []
     arrived = 0
-    for shard in order:
-        for j in samples(shard):
-            if j is None:
-                yield None
-                continue
-            buf.append((shard, j))
-            arrived += 1
-            if len(buf) >= size or (len(buf) >= initial and arrived % 2 == 0):
-                k = rng.randrange(len(buf))
-                buf[k], buf[-1] = buf[-1], buf[k]
-                yield buf.pop()
+    for sid in ids:
+        if sid[1] is None:
+            yield None
+            continue
+        buf.append(cast(SampleId, sid))  # as given: a mixture's ids are tuples of a class naming their source
+        arrived += 1
+        if len(buf) >= size or (len(buf) >= initial and arrived % 2 == 0):
+            k = rng.randrange(len(buf))
+            buf[k], buf[-1] = buf[-1], buf[k]
+            yield buf.pop()
     rng.shuffle(buf)
     yield from buf
 

@@ -21,6 +21,7 @@ from typing import Any
 from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
+from ..shared.mixture import MixSpec
 from ..shared.nodes import NodeSpec
 from ..shared.protocol import pages
 from ..shared.sequence import EpochSpec
@@ -39,7 +40,7 @@ class EpochShards:
     finishes the stream's reads before an open has to wait (see :meth:`Pins.open`).
     """
 
-    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, spec: EpochSpec | NodeSpec,
+    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, spec: EpochSpec | NodeSpec | MixSpec,
                  prefetch: int, on_error: str, timeout: float, pins: Pins, clock: ProgressClock, workers: int,
                  call_worker: Callable[[dict[str, Any], int], dict[str, Any]],
                  hold_nothing: Callable[[], None]) -> None:

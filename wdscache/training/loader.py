@@ -14,7 +14,9 @@ whole shards; only when its ids come out depends on timing, never which.
 Guarantees (for the ranks of one job with the same settings):
 
 - every epoch delivers each sample exactly once, plus at most ``W-1`` padding
-  repeats (or none, with ``drop_last``), and every rank the same number. With
+  repeats (or none, with ``drop_last``), and every rank the same number. With ``mix=``
+  (or ``resampled=True``) an epoch is ``epoch_samples`` samples instead, each source its
+  exact share (:mod:`wdscache.shared.mixture`), shared and resumed the same way. With
   ``on_error="skip"`` a sample that cannot be read (its shard failed or is
   damaged) is replaced by a repeat of one the rank did read, so the counts stay
   equal; every sample of every healthy shard is still delivered. A shard whose
@@ -53,22 +55,23 @@ import pickle
 import sys
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
-from ..shared.errors import WdsCacheError
+from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.malloc import tune_malloc
+from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, Layout, NodeList, NodeShare, job_epoch, parts_state, read_parts_state
 from ..shared.protocol import pages, process_identity
 from ..shared.sequence import RankShare, Resume, rank_length
 from ..shared.urls import list_id
 from .epoch_shards import agent_counts
+from .mixing import mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree, check_kept, job_group
 from .private import PrivateAgent
 from .stream import EpochStream, Session, StreamSettings
-from .urls_arg import read_urls_arg
 from .worker_parts import Delivered, Part, check_worker, combine
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
@@ -224,6 +227,9 @@ class CachedMultiLoader:
         drop_last: bool = False,
         timeout: float = 60.0,
         on_error: str = "raise",
+        mix: Mapping[str, float] | None = None,
+        epoch_samples: int | None = None,
+        resampled: bool = False,
         tuning: Tuning | None = None,
         **knobs: Any,
     ) -> None:
@@ -254,7 +260,11 @@ class CachedMultiLoader:
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
-        listed = read_urls_arg(urls) if urls is not None else None
+        # mix= / resampled=: the sources' lists as one, each epoch a mixture of them (wdscache.training.mixing)
+        listed, self._mix = read_mix_arg(urls, mix, epoch_samples, resampled)
+        if self._mix is not None and self.layout.num_nodes > 1:
+            raise ConfigError(f"mix= and resampled=True read on one node only, and this job has num_nodes="
+                              f"{self.layout.num_nodes}: a mixture's sources are not split between nodes' caches")
         self.urls = listed.urls if listed is not None else None
         # From a shard index: each shard's facts, sent to the agent with the list (it checks each
         # download against them, and knows the counts, so len() is known before the first epoch).
@@ -350,6 +360,8 @@ class CachedMultiLoader:
             "drop_last": self.drop_last,
             "urls": self._current.list_id if self._current is not None else self._own_list_id,
         }
+        if self._mix is not None:  # which mixture: another would deal other samples to the positions
+            state["mix"] = self._mix.fingerprint()
         if at.parts is not None:
             state.update(parts_state(at.parts, at.part_resumes))
         if at.delivered is not None:
@@ -410,6 +422,11 @@ class CachedMultiLoader:
                     f"checkpoint has {name}={state[name]!r} but this loader {name}={getattr(self, name)!r}; "
                     "the sequence would differ, so resuming would repeat or skip samples"
                 )
+        if self._mix is not None or "mix" in state:
+            ours = self._mix.fingerprint() if self._mix is not None else None
+            if state.get("mix") != ours:
+                raise ValueError("the checkpoint was taken on another mixture (mix=, its weights, epoch_samples "
+                                 "or resampled=) than this loader reads: resuming would repeat or skip samples")
         epoch, position = state.get("epoch"), state.get("position")
         if not (_natural(epoch) and _natural(position)):
             raise ValueError(f"checkpoint needs whole numbers >= 0 for 'epoch' and 'position', not {epoch!r}, "
@@ -507,10 +524,11 @@ class CachedMultiLoader:
                 if self.layout.num_nodes > 1:
                     check_kept(self.layout, NodeList.of(session.list_id, counts), self._job_list)
                 start = self._job_epoch(counts, nxt)
+            spec = self._mix_spec(session, epoch, part.count) if self._mix is not None else None
         except BaseException:
             session.conn.close()
             raise
-        stream = EpochStream(self._stream_settings(), session, epoch, start, part)
+        stream = EpochStream(self._stream_settings(), session, epoch, start, part, spec=spec)
         self._current = stream
         self._resumed_from = None
         items: Iterator[Any] = stream.samples()
@@ -519,6 +537,13 @@ class CachedMultiLoader:
         if self.batch_size is None:
             return stream.delivering((1, item) for item in items)
         return stream.delivering(_batched(items, self.batch_size, self.collate))
+
+    def _mix_spec(self, session: Session, epoch: int, workers: int) -> MixSpec:
+        """The mixture's epoch ``epoch`` (its counts learned first, if need be)."""
+        assert self._mix is not None
+        counts = shard_counts(session, self._stream_settings(), self._open_session)
+        return mix_spec(self._mix, counts, world_size=self.world_size, workers=workers, epoch=epoch,
+                        settings=self._stream_settings())
 
     def _agree_on_list(self) -> None:
         """On several nodes, with the job's process group here (:func:`~.node_lists.job_group`):
@@ -598,13 +623,16 @@ class CachedMultiLoader:
 
     def __len__(self) -> int:
         """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
-        urls, counts, _ = self._probe()
-        if not urls or any(c is None for c in counts):
-            raise TypeError("length unknown until every shard has been read once")
-        if self.layout.num_nodes > 1 or self._next.parts is not None:
-            job = self._job_epoch(counts, self._next)
-            return job.per_rank if self.batch_size is None else -(-job.per_rank // self.batch_size)
-        total = sum(counts)
+        if self._mix is not None:  # a mixture's length is its own, whatever the counts
+            total = self._mix.total(self.world_size, self._part().count)
+        else:
+            urls, counts, _ = self._probe()
+            if not urls or any(c is None for c in counts):
+                raise TypeError("length unknown until every shard has been read once")
+            if self.layout.num_nodes > 1 or self._next.parts is not None:
+                job = self._job_epoch(counts, self._next)
+                return job.per_rank if self.batch_size is None else -(-job.per_rank // self.batch_size)
+            total = sum(counts)
         per_rank = rank_length(total - self._next.start.delivered(total), self.world_size, self.drop_last)
         if self.batch_size is None:
             return per_rank

@@ -13,8 +13,10 @@ Differences, all where webdataset's behaviour depends on chance:
 - ``shardshuffle`` and a ``.shuffle(n)`` right after the source are the loader's seeded
   shuffle (shards, and a buffer of ``n`` samples): every rank gets an exact, equal share
   and a checkpoint resumes exactly. A ``.shuffle`` later in the pipeline is webdataset's.
-- ``resampled=True`` (sampling shards with replacement) is refused: every epoch delivers
-  each sample once.
+- ``resampled=True`` draws shards with replacement, seeded per epoch (``set_epoch`` gives
+  another draw): the one-source mixture with replacement (:mod:`wdscache.shared.mixture`),
+  its epoch ``epoch_samples=`` samples of the job, or ``with_epoch(n)`` for each DataLoader
+  worker. ``mix={source: weight}`` with ``epoch_samples=`` mixes several sources.
 - ``state_dict()`` counts what left the source: exact for per-sample stages and batching
   by the DataLoader; samples held in a ``.batched()`` or a later ``.shuffle()`` buffer when
   the state is taken are counted as delivered.
@@ -23,6 +25,7 @@ Differences, all where webdataset's behaviour depends on chance:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -78,9 +81,6 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         **loader_kwargs: Any,
     ) -> None:
         super().__init__()
-        if resampled:
-            raise ValueError("wdscache.WebDataset(resampled=True) is not supported: every epoch delivers each "
-                             "sample once; use with_epoch() for epochs of a fixed length")
         if handler not in _ON_ERROR:
             raise ValueError("wdscache.WebDataset(handler=...) takes webdataset's reraise_exception (raise), "
                              "warn_and_continue or ignore_and_continue (skip a shard that cannot be read)")
@@ -89,7 +89,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         del nodesplitter, workersplitter
         self.loader = CachedMultiLoader(
             urls, cache_dir=cache_dir, shuffle=bool(shardshuffle), shuffle_buffer=0,
-            seed=0 if seed is None else seed, on_error=_ON_ERROR[handler], **loader_kwargs)
+            seed=0 if seed is None else seed, on_error=_ON_ERROR[handler], resampled=resampled, **loader_kwargs)
         self.append(_Source(self.loader))
         self.empty_check = empty_check
 
@@ -103,6 +103,18 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
             result.pipeline = [_Source(loader)]
             return result
         return super().shuffle(size, **kw)
+
+    def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> WebDataset:
+        """webdataset's: each DataLoader worker yields ``nsamples`` (or ``nbatches``) an epoch. Under
+        ``resampled=True`` without ``epoch_samples=``, it is also the length of the loader's epoch:
+        each worker draws its ``nsamples``."""
+        mix = self.loader._mix
+        if mix is not None and mix.replacement and mix.epoch_samples is None:
+            if nsamples <= 0:
+                raise ValueError("with resampled=True, with_epoch() takes nsamples (each worker's samples): "
+                                 "the loader draws that many for each; or give epoch_samples=")
+            self.loader._mix = dataclasses.replace(mix, per_worker=nsamples)
+        return super().with_epoch(nsamples, nbatches)
 
     def __iter__(self) -> Iterator[Any]:
         count = 0

@@ -32,6 +32,7 @@ from typing import Any, cast
 from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
+from ..shared.mixture import MixSpec, SourcedId
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles, StaleFile
@@ -94,7 +95,7 @@ class Session:
     hello_again: Callable[[AgentConnection, str], dict[str, Any]]
 
 
-def epoch_ids(spec: EpochSpec | NodeSpec, share: RankShare | NodeShare, pins: Pins,
+def epoch_ids(spec: EpochSpec | NodeSpec | MixSpec, share: RankShare | NodeShare, pins: Pins,
               shards: EpochShards) -> Iterator[SampleId | None]:
     """The epoch's ids (every rank's), the sequence fed what we learn of each shard (see
     :meth:`EpochShards.arrivals`); None while a downloading shard has no more samples yet.
@@ -136,7 +137,7 @@ class EpochStream:
     """One epoch of one rank: the worker sockets, the reads out and the sample pipeline."""
 
     def __init__(self, settings: StreamSettings, session: Session, epoch: int, start: Resume | JobEpoch,
-                 part: Part = WHOLE) -> None:
+                 part: Part = WHOLE, spec: EpochSpec | MixSpec | None = None) -> None:
         self.settings = s = settings
         self.part = part  # this process's part of the rank's share (a DataLoader worker's)
         self.session = session
@@ -144,9 +145,13 @@ class EpochStream:
         hello = session.hello
         self.finished = False  # resources released
         self.complete = False  # every sample of the rank's share was delivered
-        self.spec: EpochSpec | NodeSpec
+        self.spec: EpochSpec | NodeSpec | MixSpec
         self.share: RankShare | NodeShare
-        if isinstance(start, JobEpoch):  # a job on several nodes: this node's part (wdscache.shared.nodes)
+        if spec is not None:  # a mixture's epoch (wdscache.shared.mixture), or some of the list's shards
+            self.spec = spec
+            assert isinstance(start, Resume)
+            self.share = RankShare(s.world_size, s.rank, resume=start, drop_last=s.drop_last)
+        elif isinstance(start, JobEpoch):  # a job on several nodes: this node's part (wdscache.shared.nodes)
             self.spec, self.share = NodeSpec(start, start.layout.node), start.share()
         else:
             self.spec = EpochSpec(len(self.urls), s.seed, epoch, s.shuffle, s.shuffle_buffer)
@@ -160,6 +165,12 @@ class EpochStream:
         self.pins = Pins(self.conn, self.name, self.urls, timeout=s.timeout,
                          files=CacheFiles(hello["cache_dir"]) if direct else None)
         self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
+        # A mixture knows its counts up front: every shard's ids in the epoch are known, so its
+        # pins go once the share is past its last (the sequence never asks arrivals()).
+        self.labelled = isinstance(self.spec, MixSpec) and self.spec.mixture.labelled
+        if isinstance(self.spec, MixSpec):
+            for shard, n in self.spec.totals().items():
+                self.pins.counted(shard, n)
         endpoints = hello["workers"]
         self.workers = WorkerLinks(endpoints, [self.conn.worker_key(i) or "" for i in range(len(endpoints))])
         if not self.workers:
@@ -208,6 +219,17 @@ class EpochStream:
         pairs = self.share.pairs(epoch_ids(self.spec, self.share, self.pins, self.shards))
         yield from part_of(pairs, self.part) if self.part != Part() else pairs
         self.pins.release_settled(self.share.settled)
+
+    def counts(self) -> dict[int, int]:
+        """Run the epoch's sequence without reading a payload, and close: what it learned of each
+        shard's count (a mixture's epoch needs them all before it starts)."""
+        try:
+            for pair in self._owned():
+                if pair is None:
+                    time.sleep(STREAM_POLL)  # a shard still downloading: look again soon
+        finally:
+            self.close()
+        return dict(self.shards.sample_counts)
 
     def samples(self) -> Iterator[dict[str, Any]]:
         try:
@@ -277,6 +299,10 @@ class EpochStream:
                 continue
             seq_yield += 1
             self.stats["wait_s"] += time.perf_counter() - t0
+            if self.labelled:  # a mixture's: each sample names its source (its id's, a SourcedId)
+                for sample, (_, sid) in zip(read.samples, read.items):
+                    if sample is not None:
+                        sample["__source__"] = cast(SourcedId, sid).source
             for sample, nbytes in zip(read.samples, read.sizes):  # sizes from the reply: no pass over each sample
                 if sample is None:
                     self.stats["repeated"] += 1

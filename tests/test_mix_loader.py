@@ -1,0 +1,200 @@
+"""Mixtures (``mix=`` with ``epoch_samples=``) and ``resampled=True`` through a real agent over the
+real HTTP shard server: each source's exact share, ``__source__``, a shard two sources list
+downloaded once, resume on another world size, webdataset's ``with_epoch`` and ``set_epoch``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from wdscache import CachedMultiLoader
+from wdscache.shared.errors import ConfigError
+from wdscache.shared.mixture import shares
+
+PER_SHARD = 10
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _id(sample: dict[str, Any]) -> str:
+    return f"{sample['__url__']}#{sample['__key__']}"
+
+
+@pytest.fixture
+def two_sources(dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any,
+                tmp_path: Path) -> dict[str, Any]:
+    """Source a: 3 shards; source b: 2 shards of its own and a's first. The agent starts on a's list
+    only, so b's own shards are counted by the loader (downloaded) before its first epoch."""
+    a = dataset(3, samples=PER_SHARD, payload=200, prefix="a", list_name="a.txt")
+    b = dataset(2, samples=PER_SHARD, payload=200, prefix="b", list_name="b-own.txt")
+    b_list = tmp_path / "lists" / "b.txt"
+    b_list.write_text("\n".join([*b.urls, a.urls[0]]) + "\n")
+    cache = tmp_path / "cache"
+    start_agent(cache, a.list_file, "--workers", "2")
+    return {"a": str(a.list_file), "b": str(b_list), "a_urls": list(a.urls), "b_urls": [*b.urls, a.urls[0]],
+            "cache": cache, "server": shard_server, "paths": [*a.paths, *b.paths]}
+
+
+def _loader(src: dict[str, Any], rank: int = 0, world: int = 1, **kw: Any) -> CachedMultiLoader:
+    kw.setdefault("mix", {src["a"]: 2, src["b"]: 1})
+    kw.setdefault("epoch_samples", 45)
+    return CachedMultiLoader(cache_dir=src["cache"], rank=rank, world_size=world, job="mix", shuffle_buffer=16,
+                             timeout=30, **kw)
+
+
+def test_each_source_gives_its_exact_share_to_equal_ranks_with_its_name(two_sources: dict[str, Any]) -> None:
+    src = two_sources
+    a_share, b_share = shares(45, [2, 1])  # 30 and 15
+    epochs = []
+    for epoch in range(2):
+        ranks = []
+        for rank in range(2):
+            ld = _loader(src, rank, 2)
+            ld.set_epoch(epoch)
+            ranks.append(list(ld))
+        assert [len(r) for r in ranks] == [23, 23]  # 45 over 2 ranks: one padding repeat
+        samples = ranks[0] + ranks[1]
+        by_source = Counter(s["__source__"] for s in samples)
+        assert by_source[src["a"]] + by_source[src["b"]] == 46 and by_source[src["a"]] in (a_share, a_share + 1)
+        for s in samples:  # a sample comes from one of its source's shards
+            assert s["__url__"] in (src["a_urls"] if s["__source__"] == src["a"] else src["b_urls"])
+        a_ids = Counter(_id(s) for s in samples if s["__source__"] == src["a"])
+        assert len(a_ids) == 30  # a's share is its size: every sample, each once (plus the padding repeat)
+        b_ids = Counter(_id(s) for s in samples if s["__source__"] == src["b"])
+        assert len(b_ids) == b_share and max(b_ids.values()) <= 2
+        epochs.append(samples)
+    # b's walk goes on: its 30 samples once over the two epochs (but the padding's repeat)
+    walked = Counter(_id(s) for e in epochs for s in e if s["__source__"] == src["b"])
+    assert len(walked) == 30 and max(walked.values()) <= 2
+    assert [_id(s) for s in epochs[0]] != [_id(s) for s in epochs[1]]
+    # the shard both sources list crossed the network once, like every other
+    server = src["server"]
+    for path in src["paths"]:
+        gets = [r for r in server.requests if r.path == path.name and r.method == "GET" and r.status in (200, 206)]
+        assert len(gets) == 1, (path.name, gets)
+    assert len(_loader(src, 0, 2)) == 23  # a mixture's length is its own
+
+
+def test_a_mixture_resumes_mid_epoch_on_another_world_size(two_sources: dict[str, Any]) -> None:
+    src = two_sources
+    whole = Counter(_id(s) + "@" + s["__source__"] for s in _loader(src, drop_last=True))
+    assert sum(whole.values()) == 45
+    states, first = [], Counter()
+    for rank in range(2):
+        ld = _loader(src, rank, 2, drop_last=True)
+        it = iter(ld)
+        for _ in range(9):
+            s = next(it)
+            first[_id(s) + "@" + s["__source__"]] += 1
+        states.append(ld.state_dict())
+        del it
+    rest = Counter()
+    for rank in range(3):
+        ld = _loader(src, rank, 3, drop_last=True)
+        ld.load_state_dict(states[rank % 2])
+        got = list(ld)
+        assert len(got) == 9  # 45 - 18 = 27 over 3 ranks
+        rest.update(_id(s) + "@" + s["__source__"] for s in got)
+    assert first + rest == whole
+    other = _loader(src, mix={src["a"]: 1, src["b"]: 1}, drop_last=True)
+    with pytest.raises(ValueError, match="another mixture"):
+        other.load_state_dict(states[0])
+
+
+def test_resampled_draws_shards_with_replacement_seeded_per_epoch(two_sources: dict[str, Any]) -> None:
+    wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    del wds
+    import wdscache
+
+    src = two_sources
+    pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
+    assert pattern != src["a_urls"][0]
+
+    def run(seed: int = 0, epoch: int | None = None) -> list[str]:
+        ds = wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True, seed=seed, job="resampled")
+        ds = ds.with_epoch(25)
+        if epoch is not None:
+            ds.set_epoch(epoch)
+        return [_id(s) for s in ds]
+
+    first = run()
+    assert len(first) == 25 and "__source__" not in next(iter(
+        wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True).with_epoch(3)))
+    assert run() == first and run(seed=1) != first and run(epoch=1) != first
+    # whole shards in order, drawn with replacement: runs of PER_SHARD from one shard
+    for k in range(0, 20, PER_SHARD):
+        assert len({i.split("#")[0] for i in first[k : k + PER_SHARD]}) == 1
+    draws = [run(epoch=e)[0::PER_SHARD] for e in range(6)]
+    assert any(len({d.split("#")[0] for d in draw}) < len(draw) for draw in draws)  # a shard drawn twice
+    # the loader's next iteration is the next epoch: another draw
+    ds = wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True, job="resampled").with_epoch(25)
+    one, two = [_id(s) for s in ds], [_id(s) for s in ds]
+    assert one == first and two == run(epoch=1)
+    # or the job's epoch_samples=, shared by ranks
+    ranks = [[_id(s) for s in wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True, epoch_samples=40,
+                                                   rank=r, world_size=2, job="resampled")] for r in range(2)]
+    assert [len(r) for r in ranks] == [20, 20]
+    with pytest.raises(ConfigError, match="epoch length"):
+        list(wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True))
+
+
+def test_bad_mixtures_are_refused_naming_the_argument(two_sources: dict[str, Any]) -> None:
+    src = two_sources
+    with pytest.raises(ConfigError, match="epoch_samples="):
+        CachedMultiLoader(mix={src["a"]: 1}, cache_dir=src["cache"])
+    with pytest.raises(ConfigError, match="epoch_samples= sets"):
+        CachedMultiLoader(src["a"], epoch_samples=10, cache_dir=src["cache"])
+    with pytest.raises(ConfigError, match="urls= or mix="):
+        CachedMultiLoader(src["a"], mix={src["b"]: 1}, epoch_samples=10, cache_dir=src["cache"])
+    with pytest.raises(ConfigError, match="positive finite"):
+        CachedMultiLoader(mix={src["a"]: 0}, epoch_samples=10, cache_dir=src["cache"])
+    with pytest.raises(ConfigError, match=r"mix\['nope.txt'\].*not a URL list file"):
+        CachedMultiLoader(mix={"nope.txt": 1}, epoch_samples=10, cache_dir=src["cache"])
+    with pytest.raises(ConfigError, match="num_nodes=2"):
+        CachedMultiLoader(mix={src["a"]: 1}, epoch_samples=10, cache_dir=src["cache"], rank=0, world_size=2, node=0,
+                          num_nodes=2)
+
+
+def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any]) -> None:
+    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    pytest.importorskip("torchdata.stateful_dataloader",
+                        reason="torchdata is not installed (scripts/test.sh installs it)")
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    src = two_sources
+    pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
+    r = subprocess.run([sys.executable, "-m", "tests.helpers.torch_mix_job", str(src["cache"]), src["a"], src["b"],
+                        pattern], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    a_share, b_share = shares(61, [3, 1])
+    for epoch in range(2):
+        ranks = [out["ranks"][rank][epoch] for rank in range(2)]
+        assert [len(got) for got in ranks] == [31, 31]  # 61 over 2 ranks, whatever the workers
+        by_source = Counter(i.rsplit("@", 1)[1] for got in ranks for i in got)
+        assert sorted(by_source.values()) in ([b_share, a_share + 1], [b_share + 1, a_share])  # one padding repeat
+    whole = Counter(out["whole"])
+    assert sum(whole.values()) == 61
+    assert Counter(i.rsplit("@", 1)[1] for i in out["whole"]) == {src["a"]: a_share, src["b"]: b_share}
+    assert Counter(out["first"]) + Counter(out["rest"]) == whole and len(out["first"]) == 12
+    assert Counter(out["ranks"][0][0] + out["ranks"][1][0]) - whole in ({}, Counter(out["whole"][:1]))
+    draws = out["resampled"]
+    for epoch in range(2):
+        assert Counter(w for _, w in draws[epoch]) == {0: 12, 1: 12}  # each worker its with_epoch(12)
+        assert all(u.split("#")[0] in src["a_urls"] for u, _ in draws[epoch])
+    assert [u for u, _ in draws[0]] != [u for u, _ in draws[1]]
+
+
+def test_webdataset_takes_a_mixture_too(two_sources: dict[str, Any]) -> None:
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    import wdscache
+
+    src = two_sources
+    ds = wdscache.WebDataset(mix={src["a"]: 1, src["b"]: 3}, epoch_samples=20, cache_dir=src["cache"], job="wds-mix")
+    got = list(ds.to_tuple("__source__", "__url__"))
+    assert Counter(s for s, _ in got) == {src["a"]: 5, src["b"]: 15} and len(ds) == 20
