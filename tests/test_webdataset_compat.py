@@ -1,0 +1,69 @@
+"""A webdataset script run with ``wdscache.WebDataset``: what it relies on behaves as with
+``webdataset.WebDataset`` (the reference, run on the same shards): errors are OSErrors naming
+their cause, handler= functions, ``with``, pickling, local paths' ``__url__``, pipe: sources."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+
+import wdscache  # noqa: E402
+from tests.helpers.net import free_port_range  # noqa: E402
+
+# The agent's retries are its defaults: an error must reach the loader well within its timeout.
+FAST = 15.0
+
+
+def _samples(ds: Any) -> list[dict[str, Any]]:
+    return [dict(s) for s in ds]
+
+
+def _raised(make: Callable[[], Any]) -> BaseException:
+    try:
+        for _ in make():
+            pass
+    except BaseException as exc:  # noqa: BLE001 - compared by the test
+        return exc
+    raise AssertionError("no error")
+
+
+@pytest.fixture
+def served(dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> Any:
+    data = dataset(3, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file)
+    return data, cache
+
+
+def test_an_unreachable_port_raises_an_oserror_naming_connection_refused_at_once(served: Any) -> None:
+    data, cache = served
+    bad = f"http://127.0.0.1:{free_port_range(1)}/shard-x.tar"
+    t0 = time.monotonic()
+    exc = _raised(lambda: wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
+    took = time.monotonic() - t0
+    assert isinstance(exc, wdscache.FetchError) and isinstance(exc, OSError), repr(exc)
+    assert "connection refused" in str(exc) and bad in str(exc), str(exc)
+    assert took < FAST, took
+    _raised(lambda: wds.WebDataset([bad], shardshuffle=False))  # webdataset raises too (a tarfile.ReadError)
+
+
+def test_a_missing_shard_over_http_or_on_disk_is_an_oserror_as_in_webdataset(served: Any, tmp_path: Path) -> None:
+    data, cache = served
+    for bad in (data.urls[0].replace("shard-", "nothing-"), str(tmp_path / "nothing.tar")):
+        exc = _raised(lambda: wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
+        assert isinstance(exc, OSError) and isinstance(exc, wdscache.FetchError), repr(exc)
+        assert ("HTTP 404" in str(exc)) if bad.startswith("http") else ("no such file" in str(exc)), str(exc)
+        assert isinstance(_raised(lambda: wds.WebDataset([bad], shardshuffle=False)), OSError)
+        try:  # what a webdataset script writes
+            list(wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
+        except IOError:
+            pass
