@@ -280,6 +280,8 @@ class Fetcher:
                 if not exc.counts:
                     continue
                 reason, delay, cause = exc.reason, exc.delay, None
+            except FetchError:  # final (a FetchError is an OSError too: not one to retry)
+                raise
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                     urllib3.exceptions.HTTPError, OSError) as exc:
                 cause = cause_of(exc)
