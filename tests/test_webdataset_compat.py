@@ -70,3 +70,56 @@ def test_a_missing_shard_over_http_or_on_disk_is_an_oserror_as_in_webdataset(ser
         except IOError:
             pass
     assert time.monotonic() - t0 < FAST  # a 404 is final: never retried
+
+
+def test_handlers_skip_stop_or_raise_as_in_webdataset(served: Any) -> None:
+    data, cache = served
+    bad = data.urls[0].replace("shard-", "nothing-")
+    urls = [data.urls[0], bad, data.urls[1]]
+    seen: list[BaseException] = []
+
+    def mine(exc: BaseException) -> bool:
+        seen.append(exc)
+        return True
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for handler in (wds.ignore_and_stop, wds.warn_and_continue, wds.ignore_and_continue, mine):
+            ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False, handler=handler))
+            theirs = _samples(wds.WebDataset(urls, shardshuffle=False, handler=handler))
+            assert ours == theirs, handler
+            assert len(ours) == (4 if handler is wds.ignore_and_stop else 8), handler
+    assert len(seen) == 2 and isinstance(seen[0], wdscache.FetchError) and bad in str(seen[0]), seen
+    exc = _raised(lambda: wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False,
+                                              handler=wds.reraise_exception))
+    assert isinstance(exc, wdscache.FetchError) and "HTTP 404" in str(exc)
+
+
+def test_a_dataset_is_a_context_manager_and_closes_as_webdatasets(served: Any) -> None:
+    data, cache = served
+    with wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False) as ds:
+        ours = _samples(ds)
+    with wds.WebDataset(data.urls, shardshuffle=False) as theirs_ds:
+        theirs = _samples(theirs_ds)
+    assert ours == theirs and len(ours) == 12
+    assert not hasattr(ds, "pipeline") and not hasattr(theirs_ds, "pipeline")  # closed, as webdataset's
+    ds.close()  # a second close does nothing
+
+
+def test_a_dataset_pickles_and_deep_copies_before_and_after_iterating(served: Any) -> None:
+    data, cache = served
+    ds = wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False).map(_with_size)
+    copies = [pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)]
+    first = _samples(ds)
+    it = iter(ds)
+    next(it)  # an epoch open: its sockets and files stay with the original
+    copies += [pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)]
+    assert len(first) == 12 and first[0]["size"] > 0
+    for other in copies:
+        assert _samples(other) == first
+    rest = list(it)
+    assert len(rest) == 11
+
+
+def _with_size(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "size": sum(len(v) for k, v in sample.items() if not k.startswith("__"))}

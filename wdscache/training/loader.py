@@ -178,7 +178,9 @@ class CachedMultiLoader:
     list of URLs asks the agent to take that list up for this job. Each ``iter()`` is one
     epoch; the next one follows unless :meth:`set_epoch` says otherwise.
 
-    Beyond webdataset's options: ``on_error`` ("raise" or "skip"), and ``map=fn`` with
+    Beyond webdataset's options: ``on_error`` ("raise", "skip", or a handler as webdataset's
+    ``handler=``: called with the error of a shard that cannot be read, True skips the shard,
+    False ends the epoch there, raising raises), and ``map=fn`` with
     ``workers=k`` to run ``fn`` on each sample in ``k`` processes (order kept). Those
     processes start fresh (multiprocessing's "forkserver", or "spawn" where there is none),
     not as forks of this process and its ZeroMQ threads, so ``fn`` must be picklable: a
@@ -222,7 +224,7 @@ class CachedMultiLoader:
         workers: int = 0,
         drop_last: bool = False,
         timeout: float = 60.0,
-        on_error: str = "raise",
+        on_error: str | Callable[[BaseException], bool] = "raise",
         tuning: Tuning | None = None,
         **knobs: Any,
     ) -> None:
@@ -245,8 +247,9 @@ class CachedMultiLoader:
         self.layout = Layout(self.rank, self.world_size, env["node"] if node is None else node,
                              env["num_nodes"] if num_nodes is None else num_nodes)
         self.reshuffle_nodes = reshuffle_nodes
-        if on_error not in ("raise", "skip"):
-            raise ValueError("on_error must be 'raise' or 'skip'")
+        if not (on_error in ("raise", "skip") or callable(on_error)):
+            raise ValueError("on_error must be 'raise', 'skip' or a function of the error (True: skip the shard, "
+                             "False: end the epoch there), as webdataset's handler= is")
         if batch_size is not None and batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
@@ -465,6 +468,15 @@ class CachedMultiLoader:
         if self._private_agent is not None:
             self._private_agent.release()
             self._private_agent = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickle, copy.deepcopy, a DataLoader worker started by "spawn") holds no
+        # process-local state: no open epoch, no use of the private agent, which it joins
+        # itself when it reads. Its next epoch is the one this loader's next would be.
+        state = self.__dict__.copy()
+        state["_private_agent"] = None
+        state["_current"] = None
+        return state
 
     def __enter__(self) -> "CachedMultiLoader":
         return self

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 try:
     import webdataset as wds
-    from webdataset.handlers import ignore_and_continue, reraise_exception, warn_and_continue
+    from webdataset.handlers import reraise_exception
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "wdscache.WebDataset builds on webdataset, which is not installed: "
@@ -36,9 +36,6 @@ except ImportError as exc:  # pragma: no cover - the message is the point
     ) from exc
 
 from .loader import CachedMultiLoader
-
-_ON_ERROR = {reraise_exception: "raise", warn_and_continue: "skip", ignore_and_continue: "skip"}
-
 
 class _Source(wds.PipelineStage):
     """The pipeline's first stage: the loader's samples (works whether torch is there or not)."""
@@ -49,6 +46,9 @@ class _Source(wds.PipelineStage):
     def run(self) -> Iterator[dict[str, Any]]:
         return iter(self.loader)
 
+    def close(self) -> None:
+        self.loader.close()
+
 
 class WebDataset(wds.DataPipeline, wds.FluidInterface):
     """``webdataset.WebDataset(urls, ...)`` with samples served by the wdscache agent.
@@ -57,8 +57,10 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     ``CachedMultiLoader``). ``cache_dir``: the agent's (a private agent starts when none
     runs); ``shardshuffle``: False or 0 reads shards in list order, anything else in the
     loader's seeded order; ``seed`` seeds it (webdataset's default is random: here 0);
-    ``handler``: webdataset's ``reraise_exception`` raises, ``warn_and_continue`` and
-    ``ignore_and_continue`` skip a shard that cannot be read. Other keywords go to
+    ``handler``: as webdataset's, called with the error (a ``FetchError`` or ``ShardError``)
+    of a shard that cannot be read: True (``warn_and_continue``, ``ignore_and_continue``)
+    skips the shard, False (``ignore_and_stop``, ``warn_and_stop``) ends the epoch there,
+    raising (``reraise_exception``) raises. Other keywords go to
     :class:`~.loader.CachedMultiLoader` (``rank``, ``world_size``, ``job``, ``timeout``, ...).
     """
 
@@ -80,15 +82,16 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         if resampled:
             raise ValueError("wdscache.WebDataset(resampled=True) is not supported: every epoch delivers each "
                              "sample once; use with_epoch() for epochs of a fixed length")
-        if handler not in _ON_ERROR:
-            raise ValueError("wdscache.WebDataset(handler=...) takes webdataset's reraise_exception (raise), "
-                             "warn_and_continue or ignore_and_continue (skip a shard that cannot be read)")
+        if not callable(handler):
+            raise TypeError(f"wdscache.WebDataset(handler={handler!r}): a handler is a function of the error, "
+                            "as webdataset's (reraise_exception, warn_and_continue, ignore_and_stop, ...)")
         # The loader splits by rank and by DataLoader worker itself: webdataset's splitters
         # (nodesplitter=, workersplitter=) have nothing to split and are ignored.
         del nodesplitter, workersplitter
         self.loader = CachedMultiLoader(
             urls, cache_dir=cache_dir, shuffle=bool(shardshuffle), shuffle_buffer=0,
-            seed=0 if seed is None else seed, on_error=_ON_ERROR[handler], **loader_kwargs)
+            seed=0 if seed is None else seed, on_error="raise" if handler is reraise_exception else handler,
+            **loader_kwargs)
         self.append(_Source(self.loader))
         self.empty_check = empty_check
 
@@ -128,4 +131,12 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         return len(self.loader)
 
     def close(self) -> None:
-        self.loader.close()
+        """As webdataset's: close the stages (the loader stops using a private agent) and drop them."""
+        if hasattr(self, "pipeline"):
+            super().close()
+
+    def __enter__(self) -> "WebDataset":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
