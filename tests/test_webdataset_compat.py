@@ -123,3 +123,18 @@ def test_a_dataset_pickles_and_deep_copies_before_and_after_iterating(served: An
 
 def _with_size(sample: dict[str, Any]) -> dict[str, Any]:
     return {**sample, "size": sum(len(v) for k, v in sample.items() if not k.startswith("__"))}
+
+
+def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, cache = served
+    root = data.paths[0].parent
+    monkeypatch.chdir(root.parent)
+    rel = f"{root.name}/shard-{{000000..000002}}.tar"
+    absolute = [str(p) for p in data.paths]
+    for urls in (rel, absolute, [f"file://{p}" for p in absolute]):
+        ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))
+        theirs = _samples(wds.WebDataset(urls, shardshuffle=False))
+        assert ours == theirs and len(ours) == 12, urls
+        assert "__local_path__" in ours[0] and not ours[0]["__url__"].startswith("file://") or \
+            urls[0].startswith("file://"), ours[0]["__url__"]
+    assert ours[0]["__local_path__"] == absolute[0]

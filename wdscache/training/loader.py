@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
-from ..shared.errors import WdsCacheError
+from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.malloc import tune_malloc
 from .private import PrivateAgent
 from ..shared.protocol import pages, process_identity
@@ -68,7 +68,7 @@ from .stream import EpochStream, Session, StreamSettings
 from .node_lists import agree, check_kept, job_group
 from .worker_parts import Delivered, Part, check_worker, combine
 from ..shared.urls import list_id
-from .urls_arg import read_urls_arg
+from .urls_arg import given_names, pipe_urls, read_urls_arg
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
 # A state with "parts" (a job on several nodes): an older loader, which would not see them, refuses it.
@@ -256,7 +256,15 @@ class CachedMultiLoader:
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
+        piped = pipe_urls(urls) if urls is not None else []
+        if piped:
+            raise ConfigError(
+                f"urls={piped[0]!r}: a loader does not run pipe: commands (the agent runs only those of its own "
+                "--urls list, started with --allow-pipe: give urls=None to read that list); wdscache.WebDataset "
+                "reads pipe: shards in this process, uncached, as webdataset does")
         listed = read_urls_arg(urls) if urls is not None else None
+        # Local paths as the user wrote them, by their file:// URLs: samples name them so (__url__).
+        self._given = given_names(urls) if urls is not None else {}
         self.urls = listed.urls if listed is not None else None
         # From a shard index: each shard's facts, sent to the agent with the list (it checks each
         # download against them, and knows the counts, so len() is known before the first epoch).
@@ -521,6 +529,9 @@ class CachedMultiLoader:
         self._current = stream
         self._resumed_from = None
         items: Iterator[Any] = stream.samples()
+        local = _local_paths(session.urls, self._given)
+        if local:
+            items = _as_given(items, local)
         if self.map_fn is not None:
             items = _mapped(items, self.map_fn, self.workers)
         if self.batch_size is None:
@@ -628,6 +639,21 @@ def _our_states(state: Any) -> Iterator[dict[str, Any]]:
         return
     for value in state.values():
         yield from _our_states(value)
+
+
+def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Each local shard's ``__url__`` and ``__local_path__``, as webdataset's samples have them:
+    the name the user gave it (else its ``file://`` URL) and its path."""
+    return {url: (given.get(url, url), given.get(url) or url[len("file://"):])
+            for url in urls if url.startswith("file://")}
+
+
+def _as_given(items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]]) -> Iterator[dict[str, Any]]:
+    for sample in items:
+        named = local.get(sample["__url__"])
+        if named is not None:
+            sample["__url__"], sample["__local_path__"] = named
+        yield sample
 
 
 def _natural(x: Any) -> bool:
