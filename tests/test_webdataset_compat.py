@@ -138,3 +138,24 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
         assert "__local_path__" in ours[0] and not ours[0]["__url__"].startswith("file://") or \
             urls[0].startswith("file://"), ours[0]["__url__"]
     assert ours[0]["__local_path__"] == absolute[0]
+
+
+def test_pipe_shards_run_in_this_process_as_webdataset_runs_them(served: Any, tmp_path: Path) -> None:
+    data, cache = served
+    cmds = [f"pipe:cat {p}" for p in data.paths]
+    whole = f"pipe:dd if={data.paths[1]} bs=1M count=10 status=none"  # no .tar at the end
+    for urls in (cmds, whole):
+        ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False).map(_with_size))
+        theirs = _samples(wds.WebDataset(urls, shardshuffle=False).map(_with_size))
+        assert ours == theirs and len(ours) == (12 if urls is cmds else 4), urls
+    failing = ["pipe:echo this is no tar", cmds[0]]
+    exc, theirs_exc = (_raised(lambda: make(failing, shardshuffle=False)) for make in (wdscache.WebDataset,
+                                                                                       wds.WebDataset))
+    assert type(exc) is type(theirs_exc) and exc.args[0] == theirs_exc.args[0] and exc.args[-1] == failing[0]
+    with pytest.raises(TypeError, match="rank=.*pipe:"):
+        wdscache.WebDataset(cmds, cache_dir=cache, rank=0)
+    with pytest.raises(wdscache.ConfigError, match="mixes pipe:"):
+        wdscache.WebDataset([cmds[0], data.urls[0]], cache_dir=cache)
+    # The agent runs only the commands of its own list: a loader refuses them, saying what runs them.
+    with pytest.raises(wdscache.ConfigError, match="wdscache.WebDataset reads pipe: shards in this process"):
+        wdscache.CachedMultiLoader(whole, cache_dir=cache)

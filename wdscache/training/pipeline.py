@@ -18,6 +18,12 @@ Differences, all where webdataset's behaviour depends on chance:
 - ``state_dict()`` counts what left the source: exact for per-sample stages and batching
   by the DataLoader; samples held in a ``.batched()`` or a later ``.shuffle()`` buffer when
   the state is taken are counted as delivered.
+
+``pipe:`` URLs are shell commands, which the agent runs only from its own list: given here,
+they run in this process, as webdataset runs them. Such a dataset is webdataset's own
+pipeline over those shards (its shard list, splitters, shuffle, opener, tar reader and
+grouper), uncached: its samples are webdataset's, it has no checkpoint (``state_dict``) and
+no ``len()``, and the loader's keywords (``rank``, ``timeout``, ...) do not apply.
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         "pip install webdataset (the package's wds extra)"
     ) from exc
 
+from ..shared.errors import ConfigError
 from .loader import CachedMultiLoader
+from .urls_arg import PIPE, pipe_urls
 
 class _Source(wds.PipelineStage):
     """The pipeline's first stage: the loader's samples (works whether torch is there or not)."""
@@ -85,6 +93,11 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         if not callable(handler):
             raise TypeError(f"wdscache.WebDataset(handler={handler!r}): a handler is a function of the error, "
                             "as webdataset's (reraise_exception, warn_and_continue, ignore_and_stop, ...)")
+        if urls is not None and pipe_urls(urls):
+            self.loader = None
+            self._piped(urls, shardshuffle=shardshuffle, seed=seed, handler=handler, empty_check=empty_check,
+                        nodesplitter=nodesplitter, workersplitter=workersplitter, unused=loader_kwargs)
+            return
         # The loader splits by rank and by DataLoader worker itself: webdataset's splitters
         # (nodesplitter=, workersplitter=) have nothing to split and are ignored.
         del nodesplitter, workersplitter
@@ -95,10 +108,29 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self.append(_Source(self.loader))
         self.empty_check = empty_check
 
+    def _piped(self, urls: str | Sequence[str], *, shardshuffle: bool | int | None, seed: int | None,
+               handler: Callable[[BaseException], bool], empty_check: bool, nodesplitter: Any,
+               workersplitter: Any, unused: dict[str, Any]) -> None:
+        """``pipe:`` shards: webdataset's own pipeline over them, in this process (see the module)."""
+        items = [urls] if isinstance(urls, str) else list(urls)
+        others = [u for u in items if not (isinstance(u, str) and u.startswith(PIPE))]
+        if others:
+            raise ConfigError(f"urls= mixes pipe: commands with other shards ({others[0]!r}): pipe: shards are "
+                              "read in this process, uncached, the others through the agent; make a dataset of each")
+        if unused:
+            raise TypeError(f"wdscache.WebDataset({', '.join(f'{k}=' for k in sorted(unused))}...) does not apply to "
+                            "pipe: shards: webdataset reads them in this process, uncached (split them with "
+                            "nodesplitter= and workersplitter=, as in webdataset)")
+        splitters = {"nodesplitter": nodesplitter, "workersplitter": workersplitter}
+        reader = wds.WebDataset(items, handler=handler, shardshuffle=shardshuffle, seed=seed, empty_check=False,
+                                **{k: v for k, v in splitters.items() if v is not None})
+        self.pipeline = reader.pipeline
+        self.empty_check = empty_check
+
     def shuffle(self, size: int, **kw: Any) -> "WebDataset":
         """Right after the source, the loader's seeded buffer of ``size`` samples (shards
         shuffled too); later in the pipeline, webdataset's ``shuffle`` stage."""
-        if len(self.pipeline) == 1 and not kw and size > 1:
+        if self.loader is not None and len(self.pipeline) == 1 and not kw and size > 1:
             result = self.compose()
             result.loader = loader = copy.copy(self.loader)  # compose() shares the stages: this one changes
             loader.shuffle, loader.shuffle_buffer = True, size
@@ -117,18 +149,26 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     # -- the loader's, for DataLoader, StatefulDataLoader and training loops -------
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (its seeded order), from its start."""
-        self.loader.set_epoch(epoch)
+        """Make the next iteration epoch ``epoch`` (its seeded order), from its start (pipe:
+        shards: nothing, as webdataset has no epochs)."""
+        if self.loader is not None:
+            self.loader.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+        return self._loader("state_dict()").state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        self._loader("load_state_dict()").load_state_dict(state)
 
     def __len__(self) -> int:
         """Samples per rank in the next epoch (the source's: before any batching or with_epoch)."""
-        return len(self.loader)
+        return len(self._loader("len()"))
+
+    def _loader(self, what: str) -> CachedMultiLoader:
+        if self.loader is None:
+            raise TypeError(f"{what} of pipe: shards: webdataset reads them in this process, uncached, with no "
+                            "checkpoint and no length")
+        return self.loader
 
     def close(self) -> None:
         """As webdataset's: close the stages (the loader stops using a private agent) and drop them."""
