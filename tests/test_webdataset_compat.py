@@ -159,3 +159,18 @@ def test_pipe_shards_run_in_this_process_as_webdataset_runs_them(served: Any, tm
     # The agent runs only the commands of its own list: a loader refuses them, saying what runs them.
     with pytest.raises(wdscache.ConfigError, match="wdscache.WebDataset reads pipe: shards in this process"):
         wdscache.CachedMultiLoader(whole, cache_dir=cache)
+
+
+def test_a_cache_dir_that_does_not_exist_is_refused_at_once_naming_it(served: Any, tmp_path: Path) -> None:
+    data, cache = served
+    typo = tmp_path / "cahce"
+    t0 = time.monotonic()
+    with pytest.raises(wdscache.ConfigError, match=f"cache_dir='{typo}' does not exist"):
+        wdscache.CachedMultiLoader(cache_dir=typo)  # the agent's own list: no private agent can start
+    with pytest.raises(wdscache.ConfigError, match=f"nor does its folder {tmp_path / 'nope'}"):
+        wdscache.WebDataset(data.urls, cache_dir=tmp_path / "nope" / "cache", shardshuffle=False)
+    assert time.monotonic() - t0 < 2.0
+    assert not typo.exists() and not (tmp_path / "nope").exists()
+    # A new folder in one that exists is a private agent's cache, made for it
+    with wdscache.WebDataset(data.urls[:1], cache_dir=tmp_path / "fresh", shardshuffle=False) as ds:
+        assert len(_samples(ds)) == 4

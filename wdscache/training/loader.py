@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.malloc import tune_malloc
-from .private import PrivateAgent
+from .private import PrivateAgent, check_cache_dir
 from ..shared.protocol import pages, process_identity
 from ..shared.nodes import JobEpoch, Layout, NodeList, NodeShare, job_epoch, parts_state, read_parts_state
 from ..shared.sequence import Resume, rank_length
@@ -275,6 +275,8 @@ class CachedMultiLoader:
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._token = env["token"]
+        if self._own_endpoint and self._token is None and self.cache_dir is not None:
+            check_cache_dir(self.cache_dir, may_start=self.urls is not None)
         self._next = NextEpoch()
         self._current: EpochStream | None = None
         self._resumed_from: dict[str, Any] | None = None
