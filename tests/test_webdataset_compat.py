@@ -174,3 +174,12 @@ def test_a_cache_dir_that_does_not_exist_is_refused_at_once_naming_it(served: An
     # A new folder in one that exists is a private agent's cache, made for it
     with wdscache.WebDataset(data.urls[:1], cache_dir=tmp_path / "fresh", shardshuffle=False) as ds:
         assert len(_samples(ds)) == 4
+
+
+def test_https_to_a_plain_http_port_fails_at_once_naming_tls(served: Any) -> None:
+    data, cache = served
+    bad = data.urls[0].replace("http://", "https://")
+    t0 = time.monotonic()
+    exc = _raised(lambda: wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
+    assert isinstance(exc, wdscache.FetchError) and "TLS handshake failed" in str(exc), str(exc)
+    assert time.monotonic() - t0 < FAST

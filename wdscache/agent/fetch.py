@@ -56,9 +56,9 @@ that URL, from any thread, until the time it names.
 
 A failed attempt is named by its cause (:func:`cause_of`: connection refused, name resolution,
 TLS, timed out, ...), in the error, the log and the download's ``failing`` (which a waiting
-reader's ``status`` shows). A host that has not answered this agent once, refusing connections
-or unknown to DNS or failing TLS verification, is a mistake in the URL far more often than an
-outage: its download gives up after ``UNREACHED_RETRIES`` retries (about a second), so the
+reader's ``status`` shows). A host that has not answered this agent once, refusing connections,
+unknown to DNS or failing TLS (its certificate, or https:// to a port that does not speak it),
+is a mistake in the URL far more often than an outage: its download gives up after ``UNREACHED_RETRIES`` retries (about a second), so the
 reader hears the cause at once; a host that answered before gets the whole retry budget.
 """
 
@@ -107,7 +107,8 @@ UNREACHED_RETRIES = 2
 CONNECTION_REFUSED = "connection refused"
 NAME_RESOLUTION = "name resolution failed"
 TLS_VERIFY = "TLS certificate verification failed"
-UNREACHABLE = (CONNECTION_REFUSED, NAME_RESOLUTION, TLS_VERIFY)
+TLS_FAILED = "TLS handshake failed"
+UNREACHABLE = (CONNECTION_REFUSED, NAME_RESOLUTION, TLS_VERIFY, TLS_FAILED)
 
 
 class Fetcher:
@@ -593,7 +594,7 @@ def cause_of(exc: BaseException) -> str | None:
         if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
             return TLS_VERIFY
         if isinstance(e, (ssl.SSLError, requests.exceptions.SSLError)):
-            return "TLS error"
+            return TLS_FAILED
         if isinstance(e, ConnectionResetError):
             return "connection reset"
         if isinstance(e, (TimeoutError, socket.timeout, requests.Timeout, urllib3.exceptions.TimeoutError)):
