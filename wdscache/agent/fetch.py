@@ -58,8 +58,10 @@ A failed attempt is named by its cause (:func:`cause_of`: connection refused, na
 TLS, timed out, ...), in the error, the log and the download's ``failing`` (which a waiting
 reader's ``status`` shows). A host that has not answered this agent once, refusing connections,
 unknown to DNS or failing TLS (its certificate, or https:// to a port that does not speak it),
-is a mistake in the URL far more often than an outage: its download gives up after ``UNREACHED_RETRIES`` retries (about a second), so the
-reader hears the cause at once; a host that answered before gets the whole retry budget.
+is a mistake in the URL far more often than an outage: a download of it that a reader waits
+for gives up after ``UNREACHED_RETRIES`` retries (about a second), so the reader hears the
+cause at once. A host that answered before, or a prefetch nobody waits for yet (the agent may
+start before its server), gets the whole retry budget.
 """
 
 from __future__ import annotations
@@ -292,7 +294,7 @@ class Fetcher:
                 failures = 0  # progress was made: only consecutive failures count
             failures += 1
             budget = self.retries
-            if cause in UNREACHABLE and _host(d.url) not in self._answered:
+            if cause in UNREACHABLE and d.demanded and _host(d.url) not in self._answered:
                 budget = min(budget, UNREACHED_RETRIES)
             d.failing = f"attempt {failures} of {budget + 1} failed: {reason}"
             if failures > budget:
