@@ -183,3 +183,18 @@ def test_https_to_a_plain_http_port_fails_at_once_naming_tls(served: Any) -> Non
     exc = _raised(lambda: wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
     assert isinstance(exc, wdscache.FetchError) and "TLS handshake failed" in str(exc), str(exc)
     assert time.monotonic() - t0 < FAST
+
+
+def test_a_server_down_after_it_answered_is_named_when_the_wait_runs_out(
+        shard_server: Any, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "1")
+    assert len(list(wdscache.CachedMultiLoader(data.urls[:1], cache_dir=cache, shuffle=False))) == 4
+    shard_server.stop()  # an outage: the host answered before, so the agent keeps retrying
+    other = data.urls[1].replace("shard-", "later-")
+    t0 = time.monotonic()
+    exc = _raised(lambda: wdscache.CachedMultiLoader([other], cache_dir=cache, timeout=3.0))
+    assert isinstance(exc, wdscache.FetchError) and isinstance(exc, OSError), repr(exc)
+    assert "no progress for 3s" in str(exc) and "failed: connection refused" in str(exc), str(exc)
+    assert time.monotonic() - t0 < FAST
