@@ -134,6 +134,8 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
             result = self.compose()
             result.loader = loader = copy.copy(self.loader)  # compose() shares the stages: this one changes
             loader.shuffle, loader.shuffle_buffer = True, size
+            if self.loader._private_agent is not None:
+                loader._ensure_agent()  # a copy holds no use of it (see __getstate__): its own, as the original's
             result.pipeline = [_Source(loader)]
             return result
         return super().shuffle(size, **kw)
