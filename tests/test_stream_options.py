@@ -398,6 +398,7 @@ def test_tuning_knobs_are_one_record_and_keywords_still_work(tmp_path):
     from wdscache import Tuning
 
     cache = tmp_path / "cache"
+    cache.mkdir()  # no agent needed: nothing is read
     assert loader(cache, "t").tuning == Tuning()
     tuned = loader(cache, "t", tuning=Tuning(request_size=16, direct_reads=False), inflight=3)
     assert tuned.tuning == Tuning(request_size=16, inflight=3, direct_reads=False)  # a keyword joins tuning

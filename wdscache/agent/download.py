@@ -76,6 +76,7 @@ class Download:
     # A validator the source refused for a part of its own version: parts from it would never end.
     refused: str | None = None
     on_validator: Callable[[Download], None] = lambda d: None
+    failing: str | None = None  # the last attempt's failure, while the retries go on (for a reader's status)
 
 
 @dataclass(frozen=True)

@@ -144,10 +144,16 @@ class Downloads:
         return d is not None and not d.verify and not d.gzipped and d.total is not None and d.reserved >= d.total
 
     def progress(self, url: str) -> dict[str, Any]:
-        """Bytes written so far and the size, of a download of ``url`` ({} if none)."""
+        """Bytes written so far and the size, of a download of ``url`` ({} if none), and
+        while its attempts fail, the last one's failure (``failing``)."""
         d = self._active.get(url)
+        if d is None or d.verify:
+            return {}
         # A gzip'd shard's tar too: a waiting consumer counts their growth as progress.
-        return {"written": d.written + d.expanded, "total": d.total} if d is not None and not d.verify else {}
+        got: dict[str, Any] = {"written": d.written + d.expanded, "total": d.total}
+        if d.failing:
+            got["failing"] = d.failing
+        return got
 
     def space_wait(self, url: str) -> str | None:
         """Why the download of ``url`` waits for space, if it does."""

@@ -53,6 +53,15 @@ published as any other.
 
 A 429 or 503 with ``Retry-After`` (on a GET or a HEAD) holds every next request to
 that URL, from any thread, until the time it names.
+
+A failed attempt is named by its cause (:func:`cause_of`: connection refused, name resolution,
+TLS, timed out, ...), in the error, the log and the download's ``failing`` (which a waiting
+reader's ``status`` shows). A host that has not answered this agent once, refusing connections,
+unknown to DNS or failing TLS (its certificate, or https:// to a port that does not speak it),
+is a mistake in the URL far more often than an outage: a download of it that a reader waits
+for gives up after ``UNREACHED_RETRIES`` retries (about a second), so the reader hears the
+cause at once. A host that answered before, or a prefetch nobody waits for yet (the agent may
+start before its server), gets the whole retry budget.
 """
 
 from __future__ import annotations
@@ -61,6 +70,8 @@ import contextlib
 import email.utils
 import os
 import random
+import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -109,6 +120,13 @@ RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 PARTS_HOLD = 1.0
 # Beyond the read timeout, how long the end of a parted download waits for its other threads.
 PARTS_JOIN = 5.0
+# Retries of a host that never answered this agent and cannot be reached (see the module's docstring).
+UNREACHED_RETRIES = 2
+CONNECTION_REFUSED = "connection refused"
+NAME_RESOLUTION = "name resolution failed"
+TLS_VERIFY = "TLS certificate verification failed"
+TLS_FAILED = "TLS handshake failed"
+UNREACHABLE = (CONNECTION_REFUSED, NAME_RESOLUTION, TLS_VERIFY, TLS_FAILED)
 
 
 class Fetcher:
@@ -133,6 +151,7 @@ class Fetcher:
         self._local = threading.local()
         self._not_before: dict[str, float] = {}  # url -> monotonic time a Retry-After holds it until
         self._not_before_lock = threading.Lock()
+        self._answered: set[str] = set()  # hosts (scheme://netloc) that answered an HTTP request
 
     def _session(self) -> requests.Session:
         # Created lazily in the thread that uses it: sessions are not shared.
@@ -195,6 +214,7 @@ class Fetcher:
             if parts.scheme in ("http", "https"):
                 self._wait_turn(url)
                 r = self._session().head(url, timeout=self.timeout, allow_redirects=True)
+                self._answered.add(_host(url))
                 if r.status_code in RETRY_STATUS:
                     self._hold(url, _retry_after(r.headers.get("Retry-After")))
                 length = r.headers.get("Content-Length", "")
@@ -273,19 +293,29 @@ class Fetcher:
             before = d.written = file_size(d.partial)
             try:
                 total = attempt(d)
+                d.failing = None
                 return total, d.etag
             except Retry as exc:
                 if not exc.counts:
                     continue
-                reason, delay = exc.reason, exc.delay
+                reason, delay, cause = exc.reason, exc.delay, None
+            except FetchError:  # final (a FetchError is an OSError too: not one to retry)
+                raise
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                     urllib3.exceptions.HTTPError, OSError) as exc:
-                reason, delay = f"{type(exc).__name__}: {short(exc)}", None
+                cause = cause_of(exc)
+                detail = f"{type(exc).__name__}: {short(exc)}"
+                reason, delay = (f"{cause} ({detail})" if cause else detail), None
             if file_size(d.partial) > before:
                 failures = 0  # progress was made: only consecutive failures count
             failures += 1
-            if failures > self.retries:
-                raise FetchError(d.url, f"gave up after {self.retries} retries: {reason}")
+            budget = self.retries
+            if cause in UNREACHABLE and d.demanded and _host(d.url) not in self._answered:
+                budget = min(budget, UNREACHED_RETRIES)
+            d.failing = f"attempt {failures} of {budget + 1} failed: {reason}"
+            if failures > budget:
+                never = " (the host never answered this agent)" if budget < self.retries else ""
+                raise FetchError(d.url, f"gave up after {budget} retries{never}: {reason}")
             if delay is None:
                 cap = min(self.backoff_max, self.backoff * 2 ** (failures - 1))
                 delay = random.uniform(cap / 2, cap)
@@ -309,6 +339,7 @@ class Fetcher:
             headers["If-Range"] = d.etag  # an ETag or an HTTP date: both are valid here
         self._wait_turn(d.url, d.cancel)
         with self._session().get(d.url, headers=headers, stream=True, timeout=self.timeout) as r:
+            self._answered.add(_host(d.url))
             status = r.status_code
             if status in PERMANENT_STATUS:
                 raise FetchError(d.url, f"HTTP {status} {r.reason}", status=status, permanent=True)
@@ -557,6 +588,40 @@ class Fetcher:
         finally:
             os.close(fd)
 
+
+
+def _host(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def cause_of(exc: BaseException) -> str | None:
+    """What made a request fail, in a few words (None: nothing more telling than the error):
+    the first known cause in the chain of errors ``exc`` wraps (requests wraps urllib3's, which
+    wraps the socket's)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ConnectionRefusedError) or "Connection refused" in str(e):
+            return CONNECTION_REFUSED
+        if isinstance(e, socket.gaierror) or "Name or service not known" in str(e) \
+                or "Temporary failure in name resolution" in str(e) or "nodename nor servname" in str(e):
+            return NAME_RESOLUTION
+        if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
+            return TLS_VERIFY
+        if isinstance(e, (ssl.SSLError, requests.exceptions.SSLError)):
+            return TLS_FAILED
+        if isinstance(e, ConnectionResetError):
+            return "connection reset"
+        if isinstance(e, (TimeoutError, socket.timeout, requests.Timeout, urllib3.exceptions.TimeoutError)):
+            return "timed out"
+        todo.extend(x for x in (e.__cause__, e.__context__, getattr(e, "reason", None), *e.args)
+                    if isinstance(x, BaseException))
+    return None
 
 
 def _parts_can_name(tag: str | None, d: Download) -> bool:

@@ -179,6 +179,8 @@ class PartedFetch:
                 raise Retry(f"got {part.have} of {part.size} bytes")
             except Retry as exc:
                 reason, delay = exc.reason, exc.delay
+            except FetchError:  # final (a FetchError is an OSError too: not one to retry)
+                raise
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
                     urllib3.exceptions.HTTPError, OSError) as exc:
                 reason, delay = f"{type(exc).__name__}: {short(exc)}", None

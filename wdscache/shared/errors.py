@@ -97,8 +97,11 @@ class ShardIndexError(ConfigError):
         super().__init__(f"{path}:{where}: {reason}" if where else f"{path}: {reason}")
 
 
-class FetchError(WdsCacheError):
-    """A shard could not be downloaded.
+class FetchError(WdsCacheError, OSError):
+    """A shard could not be downloaded (or read from its source).
+
+    Also an ``OSError``, as the errors of webdataset's readers are: a script that catches
+    ``OSError`` (or ``IOError``) around a loop over samples catches it too. ``errno`` is None.
 
     ``permanent`` is true when retrying cannot help (404, 403, not a tar file);
     ``status`` is the HTTP status when there was one.

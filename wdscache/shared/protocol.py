@@ -253,8 +253,10 @@ MESSAGES: tuple[Message, ...] = (
              "damaged": "bool?"},
             about="pin a shard (waiting for its download, or as soon as it streams); moves the reader's window"),
     Message("status", "consumer", "agent", {"reader": "str", "url": "str"},
-            {**_ERROR, "state": "str", "written": "int?", "total": "int?", "reason": "str?", "damaged": "bool?"},
-            about="where a shard stands: cached, downloading, queued (and why), failed, unknown"),
+            {**_ERROR, "state": "str", "written": "int?", "total": "int?", "reason": "str?", "damaged": "bool?",
+             "failing": "str?"},
+            about="where a shard stands: cached, downloading, queued (and why), failed, unknown; "
+                  "failing: the last attempt's failure while its download retries"),
     Message("release", "consumer", "agent", {"reader": "str", "url": "str"}, _ERROR, about="unpin a shard"),
     Message("report", "consumer", "agent",
             {"reader": "str", "job": "str", "rank": "int", "epoch": "int", "position": "int", "samples": "int",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Iterator
+from multiprocessing.context import get_spawning_popen
 from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -54,9 +55,14 @@ class TorchCachedMultiLoader(CachedMultiLoader, IterableDataset):
         return super().__iter__()
 
     def __getstate__(self) -> dict[str, Any]:
-        # Sent to a worker started by "spawn" or "forkserver": it joins the private agent
-        # itself, and starts with no epoch open.
-        state = self.__dict__.copy()
-        state["_private_agent"] = None
-        state["_current"] = None
+        # Sent to a worker started by "spawn" or "forkserver", the box goes along (multiprocessing
+        # shares it); any other copy (pickle.dumps, copy.deepcopy) takes its values, in a box of its own.
+        state = super().__getstate__()
+        if get_spawning_popen() is None:
+            state["_epoch_box"] = list(self._epoch_box)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["_epoch_box"], list):
+            state["_epoch_box"] = multiprocessing.RawArray("q", state["_epoch_box"])
+        self.__dict__.update(state)

@@ -30,6 +30,23 @@ from .progress import ProgressClock
 
 log = get_logger(__name__)
 
+# What a shard that cannot be read does: "raise", "skip", or a handler given its error, as
+# webdataset's handler= is: True skips the shard, False ends the epoch there, raising raises.
+OnError = str | Callable[[BaseException], bool]
+
+
+class StopEpoch(Exception):
+    """A handler (``on_error=fn``) returned False for a shard's error: the epoch ends there,
+    as webdataset's ``ignore_and_stop`` ends an iteration (caught where samples leave the stream)."""
+
+
+def judge(on_error: OnError, exc: WdsCacheError) -> None:
+    """What ``on_error`` makes of ``exc``: raise it, return (skip the shard), or raise StopEpoch."""
+    if on_error == "raise":
+        raise exc
+    if callable(on_error) and not on_error(exc):
+        raise StopEpoch(str(exc))
+
 COUNTS_AHEAD = 256  # shards whose counts are asked for at once, from the one the sequence reaches
 
 
@@ -41,7 +58,7 @@ class EpochShards:
     """
 
     def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, spec: EpochSpec | NodeSpec | MixSpec,
-                 prefetch: int, on_error: str, timeout: float, pins: Pins, clock: ProgressClock, workers: int,
+                 prefetch: int, on_error: OnError, timeout: float, pins: Pins, clock: ProgressClock, workers: int,
                  call_worker: Callable[[dict[str, Any], int], dict[str, Any]],
                  hold_nothing: Callable[[], None]) -> None:
         self.conn, self.reader, self.urls = conn, reader, urls
@@ -200,8 +217,7 @@ class EpochShards:
         self.pins.close_file(shard)
         if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
             self.report_damage(shard, str(exc))
-        if self.on_error == "raise":
-            raise exc
+        judge(self.on_error, exc)
         log.warning("skipping %s: %s", self.urls[shard], exc)
         self.skipped.add(shard)
         self.sample_counts[shard] = 0

@@ -70,8 +70,9 @@ from ..shared.urls import list_id
 from .epoch_shards import agent_counts
 from .mixing import mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree, check_kept, job_group
-from .private import PrivateAgent
+from .private import PrivateAgent, check_cache_dir
 from .stream import EpochStream, Session, StreamSettings
+from .urls_arg import given_names, pipe_urls
 from .worker_parts import Delivered, Part, check_worker, combine
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
@@ -182,7 +183,9 @@ class CachedMultiLoader:
     list of URLs asks the agent to take that list up for this job. Each ``iter()`` is one
     epoch; the next one follows unless :meth:`set_epoch` says otherwise.
 
-    Beyond webdataset's options: ``on_error`` ("raise" or "skip"), and ``map=fn`` with
+    Beyond webdataset's options: ``on_error`` ("raise", "skip", or a handler as webdataset's
+    ``handler=``: called with the error of a shard that cannot be read, True skips the shard,
+    False ends the epoch there, raising raises), and ``map=fn`` with
     ``workers=k`` to run ``fn`` on each sample in ``k`` processes (order kept). Those
     processes start fresh (multiprocessing's "forkserver", or "spawn" where there is none),
     not as forks of this process and its ZeroMQ threads, so ``fn`` must be picklable: a
@@ -226,7 +229,7 @@ class CachedMultiLoader:
         workers: int = 0,
         drop_last: bool = False,
         timeout: float = 60.0,
-        on_error: str = "raise",
+        on_error: str | Callable[[BaseException], bool] = "raise",
         mix: Mapping[str, float] | None = None,
         epoch_samples: int | None = None,
         resampled: bool = False,
@@ -252,14 +255,23 @@ class CachedMultiLoader:
         self.layout = Layout(self.rank, self.world_size, env["node"] if node is None else node,
                              env["num_nodes"] if num_nodes is None else num_nodes)
         self.reshuffle_nodes = reshuffle_nodes
-        if on_error not in ("raise", "skip"):
-            raise ValueError("on_error must be 'raise' or 'skip'")
+        if not (on_error in ("raise", "skip") or callable(on_error)):
+            raise ValueError("on_error must be 'raise', 'skip' or a function of the error (True: skip the shard, "
+                             "False: end the epoch there), as webdataset's handler= is")
         if batch_size is not None and batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
+        piped = pipe_urls(urls) if urls is not None else []
+        if piped:
+            raise ConfigError(
+                f"urls={piped[0]!r}: a loader does not run pipe: commands (the agent runs only those of its own "
+                "--urls list, started with --allow-pipe: give urls=None to read that list); wdscache.WebDataset "
+                "reads pipe: shards in this process, uncached, as webdataset does")
+        # Local paths as the user wrote them, by their file:// URLs: samples name them so (__url__).
+        self._given = given_names(urls) if urls is not None else {}
         # mix= / resampled=: the sources' lists as one, each epoch a mixture of them (wdscache.training.mixing)
         listed, self._mix = read_mix_arg(urls, mix, epoch_samples, resampled)
         if self._mix is not None and self.layout.num_nodes > 1:
@@ -275,6 +287,8 @@ class CachedMultiLoader:
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._token = env["token"]
+        if self._own_endpoint and self._token is None and self.cache_dir is not None:
+            check_cache_dir(self.cache_dir, may_start=self.urls is not None)
         self._next = NextEpoch()
         self._current: EpochStream | None = None
         self._resumed_from: dict[str, Any] | None = None
@@ -487,6 +501,15 @@ class CachedMultiLoader:
             self._private_agent.release()
             self._private_agent = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickle, copy.deepcopy, a DataLoader worker started by "spawn") holds no
+        # process-local state: no open epoch, no use of the private agent, which it joins
+        # itself when it reads. Its next epoch is the one this loader's next would be.
+        state = self.__dict__.copy()
+        state["_private_agent"] = None
+        state["_current"] = None
+        return state
+
     def __enter__(self) -> CachedMultiLoader:
         return self
 
@@ -532,6 +555,9 @@ class CachedMultiLoader:
         self._current = stream
         self._resumed_from = None
         items: Iterator[Any] = stream.samples()
+        local = _local_paths(session.urls, self._given)
+        if local:
+            items = _as_given(items, local)
         if self.map_fn is not None:
             items = _mapped(items, self.map_fn, self.workers)
         if self.batch_size is None:
@@ -649,6 +675,21 @@ def _our_states(state: Any) -> Iterator[dict[str, Any]]:
         return
     for value in state.values():
         yield from _our_states(value)
+
+
+def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """Each local shard's ``__url__`` and ``__local_path__``, as webdataset's samples have them:
+    the name the user gave it (else its ``file://`` URL) and its path."""
+    return {url: (given.get(url, url), given.get(url) or url[len("file://"):])
+            for url in urls if url.startswith("file://")}
+
+
+def _as_given(items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]]) -> Iterator[dict[str, Any]]:
+    for sample in items:
+        named = local.get(sample["__url__"])
+        if named is not None:
+            sample["__url__"], sample["__local_path__"] = named
+        yield sample
 
 
 def _natural(x: Any) -> bool:

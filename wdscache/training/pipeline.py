@@ -20,6 +20,12 @@ Differences, all where webdataset's behaviour depends on chance:
 - ``state_dict()`` counts what left the source: exact for per-sample stages and batching
   by the DataLoader; samples held in a ``.batched()`` or a later ``.shuffle()`` buffer when
   the state is taken are counted as delivered.
+
+``pipe:`` URLs are shell commands, which the agent runs only from its own list: given here,
+they run in this process, as webdataset runs them. Such a dataset is webdataset's own
+pipeline over those shards (its shard list, splitters, shuffle, opener, tar reader and
+grouper), uncached: its samples are webdataset's, it has no checkpoint (``state_dict``) and
+no ``len()``, and the loader's keywords (``rank``, ``timeout``, ...) do not apply.
 """
 
 from __future__ import annotations
@@ -32,16 +38,16 @@ from typing import Any
 
 try:
     import webdataset as wds
-    from webdataset.handlers import ignore_and_continue, reraise_exception, warn_and_continue
+    from webdataset.handlers import reraise_exception
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "wdscache.WebDataset builds on webdataset, which is not installed: "
         "pip install webdataset (the package's wds extra)"
     ) from exc
 
+from ..shared.errors import ConfigError
 from .loader import CachedMultiLoader
-
-_ON_ERROR = {reraise_exception: "raise", warn_and_continue: "skip", ignore_and_continue: "skip"}
+from .urls_arg import PIPE, pipe_urls
 
 
 class _Source(wds.PipelineStage):
@@ -53,6 +59,9 @@ class _Source(wds.PipelineStage):
     def run(self) -> Iterator[dict[str, Any]]:
         return iter(self.loader)
 
+    def close(self) -> None:
+        self.loader.close()
+
 
 class WebDataset(wds.DataPipeline, wds.FluidInterface):
     """``webdataset.WebDataset(urls, ...)`` with samples served by the wdscache agent.
@@ -61,8 +70,10 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     ``CachedMultiLoader``). ``cache_dir``: the agent's (a private agent starts when none
     runs); ``shardshuffle``: False or 0 reads shards in list order, anything else in the
     loader's seeded order; ``seed`` seeds it (webdataset's default is random: here 0);
-    ``handler``: webdataset's ``reraise_exception`` raises, ``warn_and_continue`` and
-    ``ignore_and_continue`` skip a shard that cannot be read. Other keywords go to
+    ``handler``: as webdataset's, called with the error (a ``FetchError`` or ``ShardError``)
+    of a shard that cannot be read: True (``warn_and_continue``, ``ignore_and_continue``)
+    skips the shard, False (``ignore_and_stop``, ``warn_and_stop``) ends the epoch there,
+    raising (``reraise_exception``) raises. Other keywords go to
     :class:`~.loader.CachedMultiLoader` (``rank``, ``world_size``, ``job``, ``timeout``, ...).
     """
 
@@ -81,25 +92,55 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         **loader_kwargs: Any,
     ) -> None:
         super().__init__()
-        if handler not in _ON_ERROR:
-            raise ValueError("wdscache.WebDataset(handler=...) takes webdataset's reraise_exception (raise), "
-                             "warn_and_continue or ignore_and_continue (skip a shard that cannot be read)")
+        if not callable(handler):
+            raise TypeError(f"wdscache.WebDataset(handler={handler!r}): a handler is a function of the error, "
+                            "as webdataset's (reraise_exception, warn_and_continue, ignore_and_stop, ...)")
+        if isinstance(urls, (str, Sequence)) and pipe_urls(urls):
+            if resampled:
+                raise ValueError("wdscache.WebDataset(resampled=True) takes shards the agent caches, not pipe: "
+                                 "commands (webdataset reads those in this process)")
+            self.loader = None
+            self._piped(urls, shardshuffle=shardshuffle, seed=seed, handler=handler, empty_check=empty_check,
+                        nodesplitter=nodesplitter, workersplitter=workersplitter, unused=loader_kwargs)
+            return
         # The loader splits by rank and by DataLoader worker itself: webdataset's splitters
         # (nodesplitter=, workersplitter=) have nothing to split and are ignored.
         del nodesplitter, workersplitter
         self.loader = CachedMultiLoader(
             urls, cache_dir=cache_dir, shuffle=bool(shardshuffle), shuffle_buffer=0,
-            seed=0 if seed is None else seed, on_error=_ON_ERROR[handler], resampled=resampled, **loader_kwargs)
+            seed=0 if seed is None else seed, on_error="raise" if handler is reraise_exception else handler,
+            resampled=resampled, **loader_kwargs)
         self.append(_Source(self.loader))
+        self.empty_check = empty_check
+
+    def _piped(self, urls: str | Sequence[str], *, shardshuffle: bool | int | None, seed: int | None,
+               handler: Callable[[BaseException], bool], empty_check: bool, nodesplitter: Any,
+               workersplitter: Any, unused: dict[str, Any]) -> None:
+        """``pipe:`` shards: webdataset's own pipeline over them, in this process (see the module)."""
+        items = [urls] if isinstance(urls, str) else list(urls)
+        others = [u for u in items if not (isinstance(u, str) and u.startswith(PIPE))]
+        if others:
+            raise ConfigError(f"urls= mixes pipe: commands with other shards ({others[0]!r}): pipe: shards are "
+                              "read in this process, uncached, the others through the agent; make a dataset of each")
+        if unused:
+            raise TypeError(f"wdscache.WebDataset({', '.join(f'{k}=' for k in sorted(unused))}...) does not apply to "
+                            "pipe: shards: webdataset reads them in this process, uncached (split them with "
+                            "nodesplitter= and workersplitter=, as in webdataset)")
+        splitters = {"nodesplitter": nodesplitter, "workersplitter": workersplitter}
+        reader = wds.WebDataset(items, handler=handler, shardshuffle=shardshuffle, seed=seed, empty_check=False,
+                                **{k: v for k, v in splitters.items() if v is not None})
+        self.pipeline = reader.pipeline
         self.empty_check = empty_check
 
     def shuffle(self, size: int, **kw: Any) -> WebDataset:
         """Right after the source, the loader's seeded buffer of ``size`` samples (shards
         shuffled too); later in the pipeline, webdataset's ``shuffle`` stage."""
-        if len(self.pipeline) == 1 and not kw and size > 1:
+        if self.loader is not None and len(self.pipeline) == 1 and not kw and size > 1:
             result = self.compose()
             result.loader = loader = copy.copy(self.loader)  # compose() shares the stages: this one changes
             loader.shuffle, loader.shuffle_buffer = True, size
+            if self.loader._private_agent is not None:
+                loader._ensure_agent()  # a copy holds no use of it (see __getstate__): its own, as the original's
             result.pipeline = [_Source(loader)]
             return result
         return super().shuffle(size, **kw)
@@ -108,12 +149,13 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         """webdataset's: each DataLoader worker yields ``nsamples`` (or ``nbatches``) an epoch. Under
         ``resampled=True`` without ``epoch_samples=``, it is also the length of the loader's epoch:
         each worker draws its ``nsamples``."""
-        mix = self.loader._mix
-        if mix is not None and mix.replacement and mix.epoch_samples is None:
+        loader = self.loader
+        mix = loader._mix if loader is not None else None
+        if loader is not None and mix is not None and mix.replacement and mix.epoch_samples is None:
             if nsamples <= 0:
                 raise ValueError("with resampled=True, with_epoch() takes nsamples (each worker's samples): "
                                  "the loader draws that many for each; or give epoch_samples=")
-            self.loader._mix = dataclasses.replace(mix, per_worker=nsamples)
+            loader._mix = dataclasses.replace(mix, per_worker=nsamples)
         return super().with_epoch(nsamples, nbatches)
 
     def __iter__(self) -> Iterator[Any]:
@@ -127,18 +169,34 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     # -- the loader's, for DataLoader, StatefulDataLoader and training loops -------
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (its seeded order), from its start."""
-        self.loader.set_epoch(epoch)
+        """Make the next iteration epoch ``epoch`` (its seeded order), from its start (pipe:
+        shards: nothing, as webdataset has no epochs)."""
+        if self.loader is not None:
+            self.loader.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self.loader.state_dict()
+        return self._loader("state_dict()").state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        self._loader("load_state_dict()").load_state_dict(state)
 
     def __len__(self) -> int:
         """Samples per rank in the next epoch (the source's: before any batching or with_epoch)."""
-        return len(self.loader)
+        return len(self._loader("len()"))
+
+    def _loader(self, what: str) -> CachedMultiLoader:
+        if self.loader is None:
+            raise TypeError(f"{what} of pipe: shards: webdataset reads them in this process, uncached, with no "
+                            "checkpoint and no length")
+        return self.loader
 
     def close(self) -> None:
-        self.loader.close()
+        """As webdataset's: close the stages (the loader stops using a private agent) and drop them."""
+        if hasattr(self, "pipeline"):
+            super().close()
+
+    def __enter__(self) -> WebDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

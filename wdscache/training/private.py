@@ -18,6 +18,10 @@ collection, or SIGKILL. No loader stops a running one. How:
   a new one instead of joining an agent that is going away;
 - starting is serialized by an exclusive lock on ``private-start.lock``, so two
   loaders starting at once start one agent and both use it.
+
+A cache directory that does not exist is refused at once (:func:`check_cache_dir`), unless
+a private agent may make it: a loader with a list makes one, but only in a folder that
+exists; a missing parent is taken for a typo.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..shared.errors import WdsCacheError
+from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.layout import CacheLayout, write_private
 from ..shared.logs import get_logger
 from ..shared.stats import ask_agent
@@ -55,6 +59,27 @@ def _serving(layout: CacheLayout, timeout: float = 1.0) -> dict[str, Any] | None
     if not isinstance(state, dict) or ask_agent(layout, timeout) is None:
         return None
     return state
+
+
+def check_cache_dir(cache_dir: str | os.PathLike[str], *, may_start: bool) -> None:
+    """Refuse at once, naming it, a ``cache_dir`` no agent can be serving: one that does not
+    exist, unless a private agent may start there (``may_start``: the loader has a list) and
+    its parent exists. Else a typo would only show as no agent answering, ``timeout`` later."""
+    path = Path(cache_dir)
+    if path.is_dir():
+        return
+    if path.exists():
+        raise ConfigError(f"cache_dir={os.fspath(cache_dir)!r} is not a directory")
+    if not may_start:
+        raise ConfigError(
+            f"cache_dir={os.fspath(cache_dir)!r} does not exist, so no agent serves it: check the path, start "
+            f"one with 'wdscache agent --cache-dir {os.fspath(cache_dir)} --urls FILE', or give urls= to have "
+            "the loader start a private one")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"cache_dir={os.fspath(cache_dir)!r} does not exist, nor does its folder {parent}: a loader makes "
+            "a cache directory for a private agent only in a folder that exists; check the path")
 
 
 class PrivateAgent:

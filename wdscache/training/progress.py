@@ -72,9 +72,10 @@ def why_not_there(status: dict[str, Any]) -> str:
     if status.get("reason"):
         return str(status["reason"])
     written, total = status.get("written"), status.get("total")
+    failing = f"; {status['failing']}" if status.get("failing") else ""
     if isinstance(written, int):
         of = f" of {total}" if isinstance(total, int) else ""
-        return f"its download has {written}{of} bytes and gets no more"
+        return f"its download has {written}{of} bytes and gets no more{failing}"
     if state == "queued":
         return "its download waits for a connection"
     if state == "cached":

@@ -36,7 +36,7 @@ from ..shared.mixture import MixSpec, SourcedId
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles, StaleFile
-from .epoch_shards import EpochShards, shard_error
+from .epoch_shards import EpochShards, OnError, StopEpoch, judge, shard_error
 from .pins import STATUS_EVERY, Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .reads import Item, Read, ReadState, ReadTable
@@ -73,7 +73,7 @@ class StreamSettings:
     shuffle_buffer: int
     drop_last: bool
     timeout: float
-    on_error: str
+    on_error: OnError
     request_size: int
     inflight: int | None
     zero_copy: bool
@@ -251,10 +251,13 @@ class EpochStream:
 
     def delivering(self, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:
         """Yield items, counting the samples in each once the user has it (for :meth:`resume`)."""
-        for n, item in items:
-            self.delivered += n
-            yield item
-        self.complete = True
+        try:
+            for n, item in items:
+                self.delivered += n
+                yield item
+        except StopEpoch as stop:  # on_error's handler said stop (a shard failed while read): it ends here
+            log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
+        self.complete = True  # an epoch a handler stopped is over too: the next one follows
 
     def _pipeline(self) -> Iterator[dict[str, Any]]:
         """The rank's samples in order. A hole (a sample of a shard skipped with
@@ -277,7 +280,13 @@ class EpochStream:
                 self._recover()
             # Reads waiting to be pinned again do not count: their samples are not here.
             while not exhausted and len(by_seq) - reads.reopening < limit:
-                item = next(owned, _END)
+                try:
+                    item = next(owned, _END)
+                    if item is not _END and item is not None:
+                        self._add(cast(Item, item))
+                except StopEpoch as stop:  # on_error's handler said stop: the samples before it still come
+                    log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
+                    item = _END
                 if item is _END:
                     exhausted = True
                     self._flush()
@@ -288,7 +297,6 @@ class EpochStream:
                     stalled = True
                     self._flush()
                     break
-                self._add(cast(Item, item))
             if seq_yield == self.seq_next and exhausted:
                 break
             read = reads.hand_out(seq_yield)
@@ -621,8 +629,7 @@ class EpochStream:
         shard = read_shards.get(str(header.get("url")))
         if shard is None:  # not one shard's fault (a bad request, a worker's bug): the whole read
             exc = shard_error(self.urls[read.sent_items()[0][1][0]], header)
-            if self.settings.on_error == "raise":
-                raise exc
+            judge(self.settings.on_error, exc)
             log.warning("skipping %d samples: %s", len(items), exc)
             self.reads.answer(read, [None] * len(items), [0] * len(items))
             return

@@ -1,13 +1,17 @@
 """The ``urls=`` argument of the Python API, read by the URL-list rules (:mod:`wdscache.shared.urls`).
 
-- a string with a scheme (``http://``, ``s3://``, ``file://``) or a brace pattern is a URL
-  pattern, expanded as one line of a list would be: ``"http://h/shard-{000..099}.tar"``;
+- a string with a scheme (``http://``, ``s3://``, ``file://``), a ``pipe:`` command or a brace
+  pattern is a URL pattern, expanded as one line of a list would be:
+  ``"http://h/shard-{000..099}.tar"``;
 - a string naming a tar file (``.tar``, ``.tar.gz``, ``.tgz``) is that one local shard, as
   webdataset takes it;
 - any other string, or a path object, is a list file (or a shard index, wids JSON);
 - a list's items are expanded like the lines of a list file.
 
 Errors name the Python argument (``urls=``, ``urls[3]``), not the command line's flags.
+
+A local path keeps the name it was given in samples (``__url__``), as webdataset keeps it,
+beside the ``file://`` URL the agent knows it by: :func:`given_names`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from collections.abc import Sequence
 
 from ..shared.errors import ConfigError, UrlListError
 from ..shared.s3 import Listing
-from ..shared.urls import UrlList, parse_url_list, read_url_list
+from ..shared.urls import UrlList, expand_braces, parse_url_list, read_url_list
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+PIPE = "pipe:"
 
 UrlsArg = str | os.PathLike[str] | Sequence[str]
 
@@ -36,7 +41,7 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
     if isinstance(urls, os.PathLike):
         return _list_file(os.fspath(urls))
     if isinstance(urls, str):
-        if _SCHEME.match(urls) or "{" in urls or urls.endswith(_TAR_SUFFIXES):
+        if _SCHEME.match(urls) or urls.startswith(PIPE) or "{" in urls or urls.endswith(_TAR_SUFFIXES):
             return _items([urls], single=True)
         return _list_file(urls)
     if isinstance(urls, bytes):
@@ -46,6 +51,32 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
         if not isinstance(item, str):
             raise TypeError(f"urls[{i}] is a {type(item).__name__}; the items of urls= are URL strings")
     return _items(items, single=False)
+
+
+def pipe_urls(urls: UrlsArg) -> list[str]:
+    """The ``pipe:`` commands among ``urls=`` given as a string or a list of them (a list
+    file's are its own business: the agent's ``--allow-pipe``)."""
+    items = [urls] if isinstance(urls, str) else [] if isinstance(urls, (os.PathLike, bytes)) else list(urls)
+    return [item for item in items if isinstance(item, str) and item.startswith(PIPE)]
+
+
+def given_names(urls: UrlsArg) -> dict[str, str]:
+    """The local paths among ``urls=`` as given (braces expanded), by the ``file://`` URL they
+    stand for: a sample's ``__url__`` is the name the user wrote, as in webdataset."""
+    if isinstance(urls, os.PathLike) or isinstance(urls, bytes):
+        return {}
+    items = [urls] if isinstance(urls, str) else list(urls)
+    names: dict[str, str] = {}
+    for item in items:
+        if not isinstance(item, str) or _SCHEME.match(item) or item.startswith(PIPE) \
+                or (isinstance(urls, str) and not ("{" in item or item.endswith(_TAR_SUFFIXES))):
+            continue  # a URL, or a list file
+        for name in expand_braces(item):
+            if ":" in name.split("/", 1)[0]:
+                continue  # "name:..." is some scheme, not a path
+            for url in parse_url_list(name, base_dir=os.getcwd()).urls:
+                names.setdefault(url, name)
+    return names
 
 
 def _list_file(path: str) -> UrlList:

@@ -1,0 +1,203 @@
+"""A webdataset script run with ``wdscache.WebDataset``: what it relies on behaves as with
+``webdataset.WebDataset`` (the reference, run on the same shards): errors are OSErrors naming
+their cause, handler= functions, ``with``, pickling, local paths' ``__url__``, pipe: sources."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+
+import wdscache  # noqa: E402
+from tests.helpers.net import free_port_range  # noqa: E402
+
+# The agent's retries are its defaults: an error must reach the loader well within its timeout.
+FAST = 15.0
+
+
+def _samples(ds: Any) -> list[dict[str, Any]]:
+    return [dict(s) for s in ds]
+
+
+def _raised(make: Callable[[], Any]) -> BaseException:
+    try:
+        for _ in make():
+            pass
+    except BaseException as exc:  # noqa: BLE001 - compared by the test
+        return exc
+    raise AssertionError("no error")
+
+
+@pytest.fixture
+def served(dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> Any:
+    data = dataset(3, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file)
+    return data, cache
+
+
+def test_an_unreachable_port_raises_an_oserror_naming_connection_refused_at_once(served: Any) -> None:
+    data, cache = served
+    bad = f"http://127.0.0.1:{free_port_range(1)}/shard-x.tar"
+    t0 = time.monotonic()
+    exc = _raised(lambda: wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
+    took = time.monotonic() - t0
+    assert isinstance(exc, wdscache.FetchError) and isinstance(exc, OSError), repr(exc)
+    assert "connection refused" in str(exc) and bad in str(exc), str(exc)
+    assert took < FAST, took
+    _raised(lambda: wds.WebDataset([bad], shardshuffle=False))  # webdataset raises too (a tarfile.ReadError)
+
+
+def test_a_missing_shard_over_http_or_on_disk_is_an_oserror_as_in_webdataset(served: Any, tmp_path: Path) -> None:
+    data, cache = served
+    t0 = time.monotonic()
+    for bad in (data.urls[0].replace("shard-", "nothing-"), str(tmp_path / "nothing.tar")):
+        exc = _raised(lambda bad=bad: wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
+        assert isinstance(exc, OSError) and isinstance(exc, wdscache.FetchError), repr(exc)
+        assert ("HTTP 404" in str(exc)) if bad.startswith("http") else ("no such file" in str(exc)), str(exc)
+        theirs = _raised(lambda bad=bad: wds.WebDataset([bad], shardshuffle=False))
+        assert isinstance(theirs, OSError if not bad.startswith("http") else Exception), repr(theirs)
+        try:  # what a webdataset script writes
+            list(wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
+        except OSError:
+            pass
+    assert time.monotonic() - t0 < FAST  # a 404 is final: never retried
+
+
+def test_handlers_skip_stop_or_raise_as_in_webdataset(served: Any) -> None:
+    data, cache = served
+    bad = data.urls[0].replace("shard-", "nothing-")
+    urls = [data.urls[0], bad, data.urls[1]]
+    seen: list[BaseException] = []
+
+    def mine(exc: BaseException) -> bool:
+        seen.append(exc)
+        return True
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for handler in (wds.ignore_and_stop, wds.warn_and_continue, wds.ignore_and_continue, mine):
+            ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False, handler=handler))
+            theirs = _samples(wds.WebDataset(urls, shardshuffle=False, handler=handler))
+            assert ours == theirs, handler
+            assert len(ours) == (4 if handler is wds.ignore_and_stop else 8), handler
+    assert len(seen) == 2 and isinstance(seen[0], wdscache.FetchError) and bad in str(seen[0]), seen
+    exc = _raised(lambda: wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False,
+                                              handler=wds.reraise_exception))
+    assert isinstance(exc, wdscache.FetchError) and "HTTP 404" in str(exc)
+
+
+def test_a_dataset_is_a_context_manager_and_closes_as_webdatasets(served: Any) -> None:
+    data, cache = served
+    with wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False) as ds:
+        ours = _samples(ds)
+    with wds.WebDataset(data.urls, shardshuffle=False) as theirs_ds:
+        theirs = _samples(theirs_ds)
+    assert ours == theirs and len(ours) == 12
+    assert not hasattr(ds, "pipeline") and not hasattr(theirs_ds, "pipeline")  # closed, as webdataset's
+    ds.close()  # a second close does nothing
+
+
+def test_a_dataset_pickles_and_deep_copies_before_and_after_iterating(served: Any) -> None:
+    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    data, cache = served
+    ds = wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False).map(_with_size)
+    assert isinstance(ds.loader, __import__("torch").utils.data.IterableDataset)  # with its epoch box
+    ds.set_epoch(0)
+    copies = [pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)]
+    first = _samples(ds)
+    it = iter(ds)
+    next(it)  # an epoch open: its sockets and files stay with the original
+    copies += [pickle.loads(pickle.dumps(ds)), copy.deepcopy(ds)]
+    assert len(first) == 12 and first[0]["size"] > 0
+    for other in copies:
+        assert _samples(other) == first
+    rest = list(it)
+    assert len(rest) == 11
+
+
+def _with_size(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "size": sum(len(v) for k, v in sample.items() if not k.startswith("__"))}
+
+
+def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    data, cache = served
+    root = data.paths[0].parent
+    monkeypatch.chdir(root.parent)
+    rel = f"{root.name}/shard-{{000000..000002}}.tar"
+    absolute = [str(p) for p in data.paths]
+    for urls in (rel, absolute, [f"file://{p}" for p in absolute]):
+        ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))
+        theirs = _samples(wds.WebDataset(urls, shardshuffle=False))
+        assert ours == theirs and len(ours) == 12, urls
+        assert "__local_path__" in ours[0] and not ours[0]["__url__"].startswith("file://") or \
+            urls[0].startswith("file://"), ours[0]["__url__"]
+    assert ours[0]["__local_path__"] == absolute[0]
+
+
+def test_pipe_shards_run_in_this_process_as_webdataset_runs_them(served: Any, tmp_path: Path) -> None:
+    data, cache = served
+    cmds = [f"pipe:cat {p}" for p in data.paths]
+    whole = f"pipe:dd if={data.paths[1]} bs=1M count=10 status=none"  # no .tar at the end
+    for urls in (cmds, whole):
+        ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False).map(_with_size))
+        theirs = _samples(wds.WebDataset(urls, shardshuffle=False).map(_with_size))
+        assert ours == theirs and len(ours) == (12 if urls is cmds else 4), urls
+    failing = ["pipe:echo this is no tar", cmds[0]]
+    exc, theirs_exc = (_raised(lambda make=make: make(failing, shardshuffle=False)) for make in (wdscache.WebDataset,
+                                                                                       wds.WebDataset))
+    assert type(exc) is type(theirs_exc) and exc.args[0] == theirs_exc.args[0] and exc.args[-1] == failing[0]
+    with pytest.raises(TypeError, match="rank=.*pipe:"):
+        wdscache.WebDataset(cmds, cache_dir=cache, rank=0)
+    with pytest.raises(wdscache.ConfigError, match="mixes pipe:"):
+        wdscache.WebDataset([cmds[0], data.urls[0]], cache_dir=cache)
+    # The agent runs only the commands of its own list: a loader refuses them, saying what runs them.
+    with pytest.raises(wdscache.ConfigError, match="wdscache.WebDataset reads pipe: shards in this process"):
+        wdscache.CachedMultiLoader(whole, cache_dir=cache)
+
+
+def test_a_cache_dir_that_does_not_exist_is_refused_at_once_naming_it(served: Any, tmp_path: Path) -> None:
+    data, cache = served
+    typo = tmp_path / "cahce"
+    t0 = time.monotonic()
+    with pytest.raises(wdscache.ConfigError, match=f"cache_dir='{typo}' does not exist"):
+        wdscache.CachedMultiLoader(cache_dir=typo)  # the agent's own list: no private agent can start
+    with pytest.raises(wdscache.ConfigError, match=f"nor does its folder {tmp_path / 'nope'}"):
+        wdscache.WebDataset(data.urls, cache_dir=tmp_path / "nope" / "cache", shardshuffle=False)
+    assert time.monotonic() - t0 < 2.0
+    assert not typo.exists() and not (tmp_path / "nope").exists()
+    # A new folder in one that exists is a private agent's cache, made for it
+    with wdscache.WebDataset(data.urls[:1], cache_dir=tmp_path / "fresh", shardshuffle=False) as ds:
+        assert len(_samples(ds)) == 4
+
+
+def test_https_to_a_plain_http_port_fails_at_once_naming_tls(served: Any) -> None:
+    data, cache = served
+    bad = data.urls[0].replace("http://", "https://")
+    t0 = time.monotonic()
+    exc = _raised(lambda: wdscache.WebDataset([bad], cache_dir=cache, shardshuffle=False))
+    assert isinstance(exc, wdscache.FetchError) and "TLS handshake failed" in str(exc), str(exc)
+    assert time.monotonic() - t0 < FAST
+
+
+def test_a_server_down_after_it_answered_is_named_when_the_wait_runs_out(
+        shard_server: Any, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "1")
+    assert len(list(wdscache.CachedMultiLoader(data.urls[:1], cache_dir=cache, shuffle=False))) == 4
+    shard_server.stop()  # an outage: the host answered before, so the agent keeps retrying
+    other = data.urls[1].replace("shard-", "later-")
+    t0 = time.monotonic()
+    exc = _raised(lambda: wdscache.CachedMultiLoader([other], cache_dir=cache, timeout=3.0))
+    assert isinstance(exc, wdscache.FetchError) and isinstance(exc, OSError), repr(exc)
+    assert "no progress for 3s" in str(exc) and "failed: connection refused" in str(exc), str(exc)
+    assert time.monotonic() - t0 < FAST
