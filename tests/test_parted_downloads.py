@@ -64,6 +64,22 @@ def partial_files(cache: Path) -> list[Path]:
     return sorted(root.iterdir()) if root.exists() else []
 
 
+def usable_bytes(cache: Path) -> int:
+    """Bytes a resume keeps: the partial file, and the side files that start at or past its end
+    (one a kill caught while it was appended overlaps the partial file and is fetched again)."""
+    files = partial_files(cache)
+    prefix = sum(p.stat().st_size for p in files if SIDE not in p.name)
+    sides = [(side_span(p)[0], p.stat().st_size) for p in files if SIDE in p.name]
+    return prefix + sum(n for start, n in sides if start >= prefix)
+
+
+def side_span(path: Path) -> tuple[int, int]:
+    """(start, end) of a side file, from its name."""
+    m = re.search(r"(\d+)-(\d+)$", path.name)
+    assert m, path
+    return int(m.group(1)), int(m.group(2))
+
+
 def as_samples(lines: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
     return {(s["url"], s["key"]): s["fields"] for s in samples_of(lines)}
 
@@ -207,7 +223,7 @@ def test_sigkill_mid_download_then_restart_fetches_only_what_was_not_on_disk(sha
     wait_for(sides_under_way, DEADLINE, lambda: f"no parts under way: {partial_files(cache)}\n{first.stderr_tail()}")
     first.proc.send_signal(signal.SIGKILL)
     assert first.proc.wait(10) == -signal.SIGKILL
-    held = sum(p.stat().st_size for p in partial_files(cache))
+    held = usable_bytes(cache)
     assert 0 < held < size
     shard_server.rate = None
     before = len(shard_server.requests)

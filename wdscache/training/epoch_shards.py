@@ -152,13 +152,22 @@ class EpochShards:
         if shard in self.skipped:
             return 0
         url = self.urls[shard]
+        repinned = False
         while True:
             reply = self.call_worker({"op": "scan", "url": url}, shard % self.workers)
             if reply.get("ok"):
                 self.learned[url] = time.monotonic()
                 return int(reply["count"])
             if reply.get("kind") == "missing":
-                raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
+                if repinned:
+                    raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
+                # Its copy went while we held it: another reader found it damaged (the agent then
+                # fetches it once more), or the agent restarted and lost our pin. Pin the new copy.
+                repinned = True
+                self.open(shard, again=True)
+                if shard in self.skipped:
+                    return 0
+                continue
             exc = shard_error(url, reply)
             if reply.get("kind") != "corrupt" or shard in self.renewed:
                 self.failed(shard, exc)
