@@ -197,6 +197,8 @@ def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], li
         try:
             if not isinstance(url, str) or not url.strip():
                 raise ValueError('each entry is a dict with a "url" string and "nsamples"')
+            if "nsamples" not in entry:
+                raise ValueError('"nsamples" is missing')
             info = ShardInfo.from_wire([entry.get("nsamples"), entry.get("filesize"), entry.get("md5sum")])
         except ValueError as exc:
             raise ShardIndexError("shards", i, str(exc), url=url) from None
