@@ -209,5 +209,5 @@ def test_it_pickles_without_its_sockets(local_index: Path, start_agent: Callable
 def test_an_index_that_is_not_one_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="shard index"):
         ShardListDataset({"shardlist": []}, cache_dir=tmp_path)
-    with pytest.raises(ShardIndexError, match=r'shardlist\[1\] \('b.tar'\): "nsamples" is missing'):
+    with pytest.raises(ShardIndexError, match=r"shardlist\[1\] \('b.tar'\): \"nsamples\" is missing"):
         ShardListDataset([{"url": "a.tar", "nsamples": 1}, {"url": "b.tar"}], cache_dir=tmp_path)
