@@ -70,6 +70,9 @@ log = get_logger(__name__)
 TABLE_ITEMS = 2048
 # Samples whose places a process keeps in the tables of shards it let go (about 200 bytes each).
 TABLE_SAMPLES = 1_000_000
+# A sample spanning at most this many bytes of its shard is read with one pread and sliced (the
+# slices copy it again, which costs less than a system call per field); a larger one per field.
+ONE_READ = 64 << 10
 IMAGE_EXTENSIONS = ("jpg", "png", "ppm", "pgm", "pbm", "pnm")
 
 Sample = dict[str, Any]
@@ -418,13 +421,8 @@ class _Session:
                 raise IndexError(f"{self.urls[shard]} holds {len(table.keys)} samples, not {inner + 1}: its "
                                  "entry in the shard index is wrong")
             place = table.places[inner]
-            start, end = place[0], place[-2] + place[-1]
-            data = os.pread(held.fd, end - start, start)
-            if len(data) == end - start:
-                sample: Sample = {}
-                for i, ext in enumerate(table.exts[inner]):
-                    at = place[2 * i] - start
-                    sample["." + ext] = io.BytesIO(data[at: at + place[2 * i + 1]])
+            sample = _read_sample(held.fd, table.exts[inner], place)
+            if sample is not None:
                 sample["__key__"] = table.keys[inner]
                 return sample
             self._let_go(shard)  # cut short behind the agent's back: open it (and its table) again
@@ -538,6 +536,30 @@ class _Session:
                 self.links.close()
             if self.private is not None:
                 self.private.release()
+
+
+def _read_sample(fd: int, exts: list[str], place: list[int]) -> Sample | None:
+    """The fields at ``place`` in the file ``fd``, each an ``io.BytesIO`` (which takes a ``bytes``
+    without copying it); None if the file is shorter than its table says. A small sample is one
+    ``pread`` of its whole span (its tar headers too), sliced; a large one a ``pread`` per field,
+    so that each byte is copied once."""
+    start, end = place[0], place[-2] + place[-1]
+    sample: Sample = {}
+    if end - start <= ONE_READ:
+        data = os.pread(fd, end - start, start)
+        if len(data) != end - start:
+            return None
+        for i, ext in enumerate(exts):
+            at = place[2 * i] - start
+            sample["." + ext] = io.BytesIO(data[at: at + place[2 * i + 1]])
+        return sample
+    for i, ext in enumerate(exts):
+        offset, size = place[2 * i], place[2 * i + 1]
+        data = os.pread(fd, size, offset)
+        if len(data) != size:
+            return None
+        sample["." + ext] = io.BytesIO(data)
+    return sample
 
 
 def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int, url: str) -> None:
