@@ -47,8 +47,8 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlparse, urlunparse
 
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
-from ..shared.errors import (AgentUnavailableError, ConfigError, FetchError, ProtocolError, ShardIndexError,
-                             WdsCacheError)
+from ..shared.errors import (AgentUnavailableError, ConfigError, FetchError, ProtocolError, ShardError,
+                             ShardIndexError, WdsCacheError)
 from ..shared.layout import file_identity
 from ..shared.logs import get_logger
 from ..shared.protocol import pages, process_identity
@@ -68,8 +68,8 @@ log = get_logger(__name__)
 # reply's header (a key, extensions and a span per sample) must stay well inside the 1 MiB a
 # header may hold.
 TABLE_ITEMS = 2048
-# Samples whose places a process keeps in the tables of shards it let go (about 200 bytes each).
-TABLE_SAMPLES = 1_000_000
+# Samples whose places a process keeps in the tables of shards it let go (a few hundred bytes each).
+TABLE_SAMPLES = 250_000
 # A sample spanning at most this many bytes of its shard is read with one pread and sliced (the
 # slices copy it again, which costs less than a system call per field); a larger one per field.
 ONE_READ = 64 << 10
@@ -77,6 +77,17 @@ IMAGE_EXTENSIONS = ("jpg", "png", "ppm", "pgm", "pbm", "pnm")
 
 Sample = dict[str, Any]
 Transform = Callable[[Sample], Any]
+
+
+_forks = 0  # forks this process is down from the interpreter that started it
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 # -- wids' default decoder ---------------------------------------------------------------------
@@ -284,7 +295,10 @@ class ShardListDataset:
     def __getitem__(self, index: int) -> Any:
         entry, inner = self.locate(index)
         desc = self.shards[entry]
-        sample = self._reader().sample(self._where[entry], inner)
+        session = self._session
+        if session is None or session.forks != _forks:  # a forked child never uses its parent's sockets
+            session = self._session = _Session(self)
+        sample = session.sample(self._where[entry], inner)
         sample["__dataset__"] = desc.get("dataset")
         sample["__index__"] = index
         sample["__shard__"] = desc["url"]
@@ -293,16 +307,10 @@ class ShardListDataset:
             sample = transform(sample)
         return sample
 
-    def _reader(self) -> "_Session":
-        session = self._session
-        if session is None or session.pid != os.getpid():  # a forked child never uses its parent's sockets
-            session = self._session = _Session(self)
-        return session
-
     def close(self) -> None:
         """Say goodbye to the agent (our pins go) and close this process's sockets and files; a
         later ``ds[i]`` starts again."""
-        if self._session is not None and self._session.pid == os.getpid():
+        if self._session is not None and self._session.forks == _forks:
             self._session.close()
         self._session = None
 
@@ -328,15 +336,18 @@ def _cumulative(lengths: list[int]) -> Any:
 # -- one process's session with the agent ---------------------------------------------------------
 
 
+# A sample's row in a table: its key, where its span starts in the cache file, the span's size,
+# and per field its name (the extension with its dot, as wids names it) and its start and end
+# within the span.
+Row = tuple[str, int, int, tuple[tuple[str, int, int], ...]]
+
+
 @dataclass
 class _Table:
-    """A shard's samples in one cache file (of ``identity``): each key, extensions and the
-    ``[offset, size, ...]`` of its fields in the file."""
+    """A shard's samples in one cache file (of ``identity``), a row each."""
 
     identity: tuple[int, ...]
-    keys: list[str]
-    exts: list[list[str]]
-    places: list[list[int]]
+    rows: list[Row]
 
 
 @dataclass
@@ -351,6 +362,7 @@ class _Session:
     """One process's reader of the agent: its pins, open files, tables and worker sockets."""
 
     def __init__(self, ds: ShardListDataset) -> None:
+        self.forks = _forks
         self.pid = os.getpid()
         self.ds = ds
         self.urls = ds._list.urls
@@ -362,6 +374,7 @@ class _Session:
         self.pinned: OrderedDict[int, _Open] = OrderedDict()  # shard position -> its pin, least recent first
         self.tables: OrderedDict[int, _Table] = OrderedDict()
         self.table_samples = 0
+        self.last = -1  # the shard read last (at the end of the LRU order already)
         self.seen: set[int] = set()  # shards opened once: downloaded, not worth a place in the window
         self.links: WorkerLinks | None = None
         self.hello: dict[str, Any] = {}
@@ -404,30 +417,43 @@ class _Session:
         (shards are opened again when read; the tables stay, checked against each file)."""
         for shard in list(self.pinned):
             os.close(self.pinned.pop(shard).fd)
+        self.last = -1
         self._say_hello()
 
     # -- reading ------------------------------------------------------------------------------------
 
     def sample(self, shard: int, inner: int) -> Sample:
-        """Sample ``inner`` of the shard at ``shard`` in our list, its fields as ``io.BytesIO``."""
-        for attempt in (1, 2):
-            held = self.pinned.get(shard)
-            if held is None:
-                held = self._pin(shard)
-            else:
-                self.pinned.move_to_end(shard)
-            table = held.table
-            if inner >= len(table.keys):
-                raise IndexError(f"{self.urls[shard]} holds {len(table.keys)} samples, not {inner + 1}: its "
-                                 "entry in the shard index is wrong")
-            place = table.places[inner]
-            sample = _read_sample(held.fd, table.exts[inner], place)
-            if sample is not None:
-                sample["__key__"] = table.keys[inner]
+        """Sample ``inner`` of the shard at ``shard`` in our list, its fields as ``io.BytesIO``
+        (which takes a ``bytes`` without copying it)."""
+        # The per-sample path: a dict lookup, one pread (a few for a large sample), the slices.
+        held = self.pinned.get(shard)
+        if held is None:
+            held = self._pin(shard)
+        elif shard != self.last:
+            self.pinned.move_to_end(shard)
+        self.last = shard
+        key, start, size, fields = held.table.rows[inner]
+        if size <= ONE_READ:  # one read of the span, tar headers and all, sliced
+            data = os.pread(held.fd, size, start)
+            if len(data) == size:
+                sample = {name: io.BytesIO(data[a:b]) for name, a, b in fields}
+                sample["__key__"] = key
                 return sample
-            self._let_go(shard)  # cut short behind the agent's back: open it (and its table) again
-            self.tables.pop(shard, None)
-        raise StaleFile(f"{self.urls[shard]}: its cache file was cut short twice while pinned")
+        else:  # a read per field: each byte copied once
+            sample = {}
+            for name, a, b in fields:
+                data = os.pread(held.fd, b - a, start + a)
+                if len(data) != b - a:
+                    break
+                sample[name] = io.BytesIO(data)
+            else:
+                sample["__key__"] = key
+                return sample
+        # Cut short behind the agent's back: never served; open it (and walk its table) again.
+        self._let_go(shard)
+        self.tables.pop(shard, None)
+        raise StaleFile(f"{self.urls[shard]}: its cache file is shorter than when its table was made; "
+                        "read the sample again")
 
     def _pin(self, shard: int) -> _Open:
         """Pin ``shard`` (waiting for its download), open its cache file, know its table."""
@@ -459,6 +485,11 @@ class _Session:
             os.close(fd)
             self.conn.request({"op": "release", "reader": self.name, "url": url})
             raise
+        if len(table.rows) != self.ds._list.shards[shard].nsamples:  # the agent checked it: not expected
+            os.close(fd)
+            self.conn.request({"op": "release", "reader": self.name, "url": url})
+            raise ShardError(url, f"{len(table.rows)} samples, but the shard index says "
+                                  f"{self.ds._list.shards[shard].nsamples}")
         held = self.pinned[shard] = _Open(fd, table)
         while len(self.pinned) > self.ds.lru_size:
             self._let_go(next(iter(self.pinned)))
@@ -481,24 +512,26 @@ class _Session:
         held = self.pinned.pop(shard, None)
         if held is None:
             return
+        if shard == self.last:
+            self.last = -1
         os.close(held.fd)  # before the agent may evict it: its space comes back
         self.conn.request({"op": "release", "reader": self.name, "url": self.urls[shard]})
         self.tables[shard] = held.table
         self.tables.move_to_end(shard)
-        self.table_samples += len(held.table.keys)
+        self.table_samples += len(held.table.rows)
         while self.table_samples > TABLE_SAMPLES and self.tables:
-            self.table_samples -= len(self.tables.popitem(last=False)[1].keys)
+            self.table_samples -= len(self.tables.popitem(last=False)[1].rows)
 
     def _table(self, shard: int, identity: tuple[int, ...]) -> _Table:
         """The shard's sample table from one of the agent's workers (which walked it), for the
         cache file of ``identity``: byte ranges of the file, never its bytes."""
         if self.tables.pop(shard, None) is not None:
-            self.table_samples = sum(len(t.keys) for t in self.tables.values())
+            self.table_samples = sum(len(t.rows) for t in self.tables.values())
         assert self.links is not None
         if not len(self.links):
             raise WdsCacheError(f"the agent at {self.ds.endpoint} has no sample workers")
         url, n = self.urls[shard], self.ds._list.shards[shard].nsamples
-        table = _Table(identity, [], [], [])
+        table = _Table(identity, [])
         worker = shard % len(self.links)
         for first in range(0, n, TABLE_ITEMS):
             items = [[0, j] for j in range(first, min(n, first + TABLE_ITEMS))]
@@ -538,30 +571,6 @@ class _Session:
                 self.private.release()
 
 
-def _read_sample(fd: int, exts: list[str], place: list[int]) -> Sample | None:
-    """The fields at ``place`` in the file ``fd``, each an ``io.BytesIO`` (which takes a ``bytes``
-    without copying it); None if the file is shorter than its table says. A small sample is one
-    ``pread`` of its whole span (its tar headers too), sliced; a large one a ``pread`` per field,
-    so that each byte is copied once."""
-    start, end = place[0], place[-2] + place[-1]
-    sample: Sample = {}
-    if end - start <= ONE_READ:
-        data = os.pread(fd, end - start, start)
-        if len(data) != end - start:
-            return None
-        for i, ext in enumerate(exts):
-            at = place[2 * i] - start
-            sample["." + ext] = io.BytesIO(data[at: at + place[2 * i + 1]])
-        return sample
-    for i, ext in enumerate(exts):
-        offset, size = place[2 * i], place[2 * i + 1]
-        data = os.pread(fd, size, offset)
-        if len(data) != size:
-            return None
-        sample["." + ext] = io.BytesIO(data)
-    return sample
-
-
 def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int, url: str) -> None:
     """The rows of a worker's direct reply, as places in the cache file of ``table.identity``."""
     keys, exts, spans, files = header.get("keys"), header.get("exts"), header.get("spans"), header.get("files")
@@ -569,19 +578,22 @@ def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int
             and isinstance(files, list) and len(keys) == len(exts) == len(spans) == n_items):
         raise ProtocolError(f"a worker's table of {url} does not match the request")
     size = table.identity[2]
+    named: dict[str, str] = {}  # extension -> its name in a sample, made once
     try:
         for entry in files:
             if [int(x) for x in entry[3:]] != list(table.identity):
                 raise StaleFile(f"{url}: the worker read another copy of it than the one pinned")
         for key, names, span in zip(keys, exts, spans):
             entry = files[span[0] - n_frames]
-            if span[0] < n_frames or len(span) != 1 + 2 * len(names) or min(span) < 0:
+            if span[0] < n_frames or len(span) != 1 + 2 * len(names) or min(span) < 0 or not names:
                 raise ProtocolError(f"a worker's table of {url} has a bad span")
-            place = [x for i in range(len(names)) for x in (entry[1] + span[1 + 2 * i], span[2 + 2 * i])]
-            if any(place[i] + place[i + 1] > size for i in range(0, len(place), 2)):
-                raise ProtocolError(f"a worker's table of {url} names bytes past the end of its cache file")
-            table.keys.append(str(key))
-            table.exts.append([str(e) for e in names])
-            table.places.append(place)
+            offsets = [int(entry[1]) + int(span[1 + 2 * i]) for i in range(len(names))]
+            start = offsets[0]
+            ends = [offsets[i] + int(span[2 + 2 * i]) for i in range(len(names))]
+            if max(ends) > size or min(offsets) < start:
+                raise ProtocolError(f"a worker's table of {url} names bytes outside its cache file")
+            fields = tuple((named.setdefault(ext, "." + str(ext)), at - start, end - start)
+                           for ext, at, end in zip(names, offsets, ends))
+            table.rows.append((str(key), start, max(ends) - start, fields))
     except (TypeError, IndexError, ValueError):
         raise ProtocolError(f"a worker's table of {url} is malformed") from None
