@@ -478,7 +478,9 @@ class _Session:
             raise FetchError(url, f"its cache file cannot be opened: {exc}") from None
         try:
             identity = file_identity(os.fstat(fd))
-            table = self.tables.get(shard)
+            table = self.tables.pop(shard, None)
+            if table is not None:
+                self.table_samples -= len(table.rows)
             if table is None or table.identity != identity:
                 table = self._table(shard, identity)
         except BaseException:
@@ -525,8 +527,6 @@ class _Session:
     def _table(self, shard: int, identity: tuple[int, ...]) -> _Table:
         """The shard's sample table from one of the agent's workers (which walked it), for the
         cache file of ``identity``: byte ranges of the file, never its bytes."""
-        if self.tables.pop(shard, None) is not None:
-            self.table_samples = sum(len(t.rows) for t in self.tables.values())
         assert self.links is not None
         if not len(self.links):
             raise WdsCacheError(f"the agent at {self.ds.endpoint} has no sample workers")
