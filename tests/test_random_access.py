@@ -211,3 +211,21 @@ def test_an_index_that_is_not_one_is_refused(tmp_path: Path) -> None:
         ShardListDataset({"shardlist": []}, cache_dir=tmp_path)
     with pytest.raises(ShardIndexError, match=r"shardlist\[1\] \('b.tar'\): \"nsamples\" is missing"):
         ShardListDataset([{"url": "a.tar", "nsamples": 1}, {"url": "b.tar"}], cache_dir=tmp_path)
+
+
+def test_it_reads_on_across_a_restarted_agent(local_index: Path, start_agent: Callable[..., Any],
+                                              tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, local_index, "--workers", "2")
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[])
+    try:
+        before = {i: ds[i][".bin"].getvalue() for i in (0, 1)}
+        agent.stop()
+        again = start_agent(cache, local_index, "--workers", "2")
+        assert ds[7]["__key__"] == "s1/001"  # a new shard: the new run is met, hello again
+        assert {i: ds[i][".bin"].getvalue() for i in (0, 1)} == before
+        # Shard 0 pinned at the new run (which checks it against its source first: while we wait
+        # for that, we hold no other pin, so shard 1 was let go).
+        assert again.stats()["agent"]["pinned"] == 1
+    finally:
+        ds.close()

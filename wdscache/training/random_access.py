@@ -410,7 +410,9 @@ class _Session:
             self.links.close()
         workers = hello.get("workers") or []
         keys = [self.conn.worker_key(i) for i in range(len(workers))]
-        self.links = WorkerLinks(workers, [k for k in keys if k is not None])
+        if not workers or None in keys:
+            raise ProtocolError(f"the agent at {self.ds.endpoint} named no sample workers in its hello")
+        self.links = WorkerLinks(workers, [str(k) for k in keys])
 
     def _agent_restarted(self) -> None:
         """A new run knows nothing of us: hello again; our pins are gone, so our files close
@@ -451,7 +453,7 @@ class _Session:
                 return sample
         # Cut short behind the agent's back: never served; open it (and walk its table) again.
         self._let_go(shard)
-        self.tables.pop(shard, None)
+        self.table_samples -= len(self.tables.pop(shard).rows)
         raise StaleFile(f"{self.urls[shard]}: its cache file is shorter than when its table was made; "
                         "read the sample again")
 
@@ -528,8 +530,6 @@ class _Session:
         """The shard's sample table from one of the agent's workers (which walked it), for the
         cache file of ``identity``: byte ranges of the file, never its bytes."""
         assert self.links is not None
-        if not len(self.links):
-            raise WdsCacheError(f"the agent at {self.ds.endpoint} has no sample workers")
         url, n = self.urls[shard], self.ds._list.shards[shard].nsamples
         table = _Table(identity, [])
         worker = shard % len(self.links)
