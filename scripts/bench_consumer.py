@@ -15,6 +15,7 @@ final ``{"report": ...}`` line, as JSON, on stdout):
                                                         into its own memory in epoch 1 (the pipeline's own
                                                         cost, from epoch 2 on)
     random --system wids|wdscache --index F --cache-dir D   ds[i] over a random permutation of every index
+                                                        (its first --max-samples)
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
     zmq-many --samples N --sizes A,B,C --receivers R   raw pyzmq, 2 senders to R receivers copying to bytes
     urls --n N --dir D                                  parse and plan an N-entry URL list
@@ -317,7 +318,7 @@ def mode_random(args: argparse.Namespace) -> None:
                 yield {k: v.getbuffer() if isinstance(v, io.BytesIO) else v for k, v in sample.items()}
         return samples
 
-    final([run_epoch(e, make(e), agent_pid=args.agent_pid) for e in range(args.epochs)])
+    final([run_epoch(e, make(e), agent_pid=args.agent_pid, limit=args.max_samples) for e in range(args.epochs)])
 
 
 TORCH_BATCH = 64
@@ -661,6 +662,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--agent-pid", type=int)
+    p.add_argument("--max-samples", type=int, default=0, help="stop each epoch after this many samples")
     p = sub.add_parser("zmq")
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)
