@@ -18,7 +18,7 @@ from typing import Any, Callable
 import pytest
 
 from scripts.shard_maker import make_shard
-from wdscache import FetchError, ShardIndexError, ShardListDataset
+from wdscache import FetchError, ShardError, ShardIndexError, ShardListDataset
 from wdscache.shared.stats import collect
 
 wids = pytest.importorskip("wids", reason="wids is not installed (scripts/test.sh installs it)")
@@ -227,5 +227,22 @@ def test_it_reads_on_across_a_restarted_agent(local_index: Path, start_agent: Ca
         # Shard 0 pinned at the new run (which checks it against its source first: while we wait
         # for that, we hold no other pin, so shard 1 was let go).
         assert again.stats()["agent"]["pinned"] == 1
+    finally:
+        ds.close()
+
+
+def test_a_shard_that_does_not_hold_the_samples_the_index_says_is_named(
+        dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    urls, _, list_file = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file)
+    ds = ShardListDataset([{"url": urls[0], "nsamples": 4}, {"url": urls[1], "nsamples": 5}], cache_dir=cache,
+                          transformations=[])
+    try:
+        assert len(ds) == 9
+        assert ds[3]["__key__"] == "s00000_00003"
+        with pytest.raises(ShardError, match="4 samples, but the shard index says 5") as info:
+            ds[8]
+        assert urls[1] in str(info.value)
     finally:
         ds.close()

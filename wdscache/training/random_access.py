@@ -489,11 +489,6 @@ class _Session:
             os.close(fd)
             self.conn.request({"op": "release", "reader": self.name, "url": url})
             raise
-        if len(table.rows) != self.ds._list.shards[shard].nsamples:  # the agent checked it: not expected
-            os.close(fd)
-            self.conn.request({"op": "release", "reader": self.name, "url": url})
-            raise ShardError(url, f"{len(table.rows)} samples, but the shard index says "
-                                  f"{self.ds._list.shards[shard].nsamples}")
         held = self.pinned[shard] = _Open(fd, table)
         while len(self.pinned) > self.ds.lru_size:
             self._let_go(next(iter(self.pinned)))
@@ -533,6 +528,13 @@ class _Session:
         url, n = self.urls[shard], self.ds._list.shards[shard].nsamples
         table = _Table(identity, [])
         worker = shard % len(self.links)
+        header, _ = self._ask(worker, {"op": "scan", "url": url})
+        if not header.get("ok"):
+            if header.get("kind") == "corrupt":
+                raise shard_error(url, header)
+            raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
+        if header.get("count") != n:
+            raise ShardError(url, f"{header.get('count')} samples, but the shard index says {n}")
         for first in range(0, n, TABLE_ITEMS):
             items = [[0, j] for j in range(first, min(n, first + TABLE_ITEMS))]
             header, frames = self._ask(worker, {"op": "read", "urls": [url], "items": items, "direct": True})
