@@ -63,6 +63,15 @@ What it does:
                           source, both shuffled, warm, in one consumer of a fresh agent: a cold
                           epoch of the one source, then two warm epochs of each (one, mix, mix,
                           one), the better of each (target: the mixture ≥ 0.9x the one source's samples/s)
+  random access           ``ds[i]`` for a seeded random permutation of every index, in one process,
+                          raw (``transformations=[]``), two epochs (another permutation each),
+                          over the profile's HTTP shards named by a shard index: with
+                          ``wids.ShardListDataset`` and its own download folder (epoch 1 cold,
+                          curl; epoch 2 warm, from its folder on local disk), and with
+                          ``wdscache.ShardListDataset`` through a fresh agent (as above):
+                          epoch 1 cold, epoch 2 warm; both with their default ``lru_size``;
+                          each epoch the first 4,000 indices of its permutation (on
+                          tiny, wids would take half an hour for all 71,000)
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
                           of the profile's field sizes, ``copy=False``, timed from the first
@@ -199,6 +208,7 @@ AGENT_WORKERS = 2
 DOWNLOAD_WORKERS = 4
 PREFETCH = 8
 CONSUMER_TIMEOUT = 60.0  # CachedMultiLoader(timeout=...)
+RANDOM_LIMIT = 4_000  # indices of each epoch's permutation the random-access rows read
 T0 = time.monotonic()
 
 
@@ -742,6 +752,59 @@ class Bench:
             shutil.rmtree(cache, ignore_errors=True)
         self.finish_run(prof, rep, "wdscache-other-order", None, rows, status)
 
+    def http_index(self, ds: dict[str, Any]) -> Path:
+        """A shard index of the profile's HTTP shards, written from the shards made (every one
+        holds ``samples_per_shard`` samples): nothing is downloaded to make it."""
+        out = Path(ds["http_list"]).parent / "random-access.json"
+        urls = Path(ds["http_list"]).read_text().split()
+        out.write_text(json.dumps({"wids_version": 1, "shardlist": [
+            {"url": u, "nsamples": ds["samples_per_shard"], "filesize": os.path.getsize(p)}
+            for u, p in zip(urls, ds["paths"])]}))
+        return out
+
+    def run_random_access(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
+        """``ds[i]`` over a random permutation of every index: wids with its own download folder,
+        then wdscache through a fresh agent; each epoch 1 cold (over HTTP), epoch 2 warm."""
+        index = self.http_index(ds)
+        # wids walks a shard's headers again each time it opens one its LRU let go: on 1 KB samples
+        # (thousands a shard) that is tens of ms, a third of the time. Both read the same first
+        # RANDOM_LIMIT indices of each epoch's permutation.
+        limit = min(ds["samples"], RANDOM_LIMIT)
+        read = {**ds, "samples": limit}
+        deadline = self.http_deadline(ds) + 60 + limit / 10
+        folder = self.fresh_dir(f"{prof}-wids")
+        before = self.fetched()
+        try:
+            c = self.consumer("random", "--system", "wids", "--index", str(index), "--cache-dir", str(folder),
+                              "--epochs", "2", "--max-samples", str(limit), tag=f"{prof}-random-wids").wait(deadline)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        status, r = self.check(c, read, 2)
+        rows = {RANDOM_WIDS_COLD: self.epoch_row(r["epochs"][0]),
+                RANDOM_WIDS_WARM: self.epoch_row(r["epochs"][1])} if status == "ok" else {}
+        self.finish_run(prof, rep, "random-wids", c, rows, status, fetched=self.fetch_note(before, ds))
+        cache = self.fresh_dir(f"{prof}-random-wdscache")
+        budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
+        agent = Agent(self, cache, Path(ds["http_list"]), budget, tag=f"{prof}-random-agent")
+        self.agents.append(agent)
+        rows, w = {}, None
+        before = self.fetched()
+        status = "error: the agent did not start"
+        try:
+            agent.start()
+            w = self.consumer("random", "--system", "wdscache", "--index", str(index), "--cache-dir", str(cache),
+                              "--epochs", "2", "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT),
+                              "--max-samples", str(limit), tag=f"{prof}-random-wdscache").wait(deadline)
+            status, r = self.check(w, read, 2)
+            if status == "ok":
+                cold, warm = r["epochs"]
+                rows[RANDOM_COLD] = self.epoch_row(cold, cold["agent_cpu_s"] or 0.0)
+                rows[RANDOM_WARM] = self.epoch_row(warm, warm["agent_cpu_s"] or 0.0)
+        finally:
+            agent.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+        self.finish_run(prof, rep, "random-wdscache", w, rows, status, fetched=self.fetch_note(before, ds))
+
     def shard_index(self, prof: str, ds: dict[str, Any]) -> Path:
         """A shard index of the profile's HTTP shards (a job on several nodes needs the counts), made once."""
         out = Path(ds["http_list"]).parent / "shards.json"
@@ -1146,6 +1209,7 @@ class Bench:
                 ("torch-wdscache", self.run_torch_wdscache),
                 ("wdscache-nodes", self.run_wdscache_nodes),
                 ("wdscache-mix", self.run_wdscache_mix),
+                ("random-access", self.run_random_access),
             ]
             skip = {s.strip() for s in a.skip.split(",") if s.strip()}
             only = {s.strip() for s in a.only.split(",") if s.strip()}
@@ -1374,6 +1438,11 @@ WARMUP_SAMPLES = 256
 RAW_ONE = f"pyzmq IPC, 2 senders -> 1 receiver, {REQUEST_SIZE} samples a message, copied to bytes"
 RAW_EIGHT = f"pyzmq IPC, 2 senders -> 8 receivers, {REQUEST_SIZE} samples a message, copied to bytes, aggregate"
 ROW_ORDER += [RAW_ONE, RAW_EIGHT]
+RANDOM_WIDS_COLD = "random access ds[i]: wids.ShardListDataset, own download folder, epoch 1 (cold)"
+RANDOM_WIDS_WARM = "random access ds[i]: wids.ShardListDataset, epoch 2 (warm, local disk)"
+RANDOM_COLD = "random access ds[i]: wdscache.ShardListDataset, epoch 1 (cold)"
+RANDOM_WARM = "random access ds[i]: wdscache.ShardListDataset, epoch 2 (warm)"
+ROW_ORDER += [RANDOM_WIDS_COLD, RANDOM_WIDS_WARM, RANDOM_COLD, RANDOM_WARM]
 
 
 SYSTEM_LABELS = {
@@ -1390,6 +1459,8 @@ SYSTEM_LABELS = {
     "torch-wdscache": _TORCH + "wdscache.WebDataset",
     "torch-memory": TORCH_MEMORY,
     "wdscache-nodes": "wdscache on several nodes (an agent each)",
+    "random-wids": "random access ds[i]: wids.ShardListDataset",
+    "random-wdscache": "random access ds[i]: wdscache.ShardListDataset",
 }
 
 
@@ -1602,6 +1673,14 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         add("9", f"{prof}, DataLoader pipeline: wdscache warm CPU s/GB ≤ 0.7x wds.WebDataset on local files", cpu,
             0.7, le, f"{cpu:.2f}x ({fmt(med(s, prof, TORCH_WARM, 'cpu_s_per_gb'), 2)} vs "
             f"{fmt(med(s, prof, TORCH_WDS_LOCAL, 'cpu_s_per_gb'), 2)} CPU s/GB)" if cpu else "")
+    for prof in bench.datasets:
+        for ours, theirs, need, what in ((RANDOM_WARM, RANDOM_WIDS_WARM, 2.0, "warm (wids on local disk)"),
+                                         (RANDOM_COLD, RANDOM_WIDS_COLD, 3.0,
+                                          "cold (wids with its own download folder)")):
+            a, b = med(s, prof, ours, "samples_s"), med(s, prof, theirs, "samples_s")
+            r = ratio(a, b)
+            add("RA", f"{prof} random access, {what}: wdscache.ShardListDataset samples/s ≥ {need:g}x "
+                "wids.ShardListDataset", r, need, ge, f"{r:.2f}x ({fmt(a)} vs {fmt(b)} samples/s)" if r else "")
     u = bench.scale.get("url_list_1m", {})
     add("8", "1,000,000-entry URL list parsed and planned < 5 s", u.get("seconds"), 5.0, lambda v, limit: v < limit,
         f"{u['seconds']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in u.get("parts", {}).items()) + ")"
@@ -1673,7 +1752,7 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
                                                "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,parts,s3,"
                                                "torch-wds-http,torch-wds-local,torch-wdscache,torch-memory,"
-                                               "wdscache-nodes,wdscache-mix")
+                                               "wdscache-nodes,wdscache-mix,random-access")
     ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
     ap.add_argument("--only", default="", help="systems to run, the others left out (e.g. "
                                                "torch-wds-http,torch-wds-local,torch-wdscache)")

@@ -14,6 +14,8 @@ final ``{"report": ...}`` line, as JSON, on stdout):
                                                         with --memory, over the samples each worker read
                                                         into its own memory in epoch 1 (the pipeline's own
                                                         cost, from epoch 2 on)
+    random --system wids|wdscache --index F --cache-dir D   ds[i] over a random permutation of every index
+                                                        (its first --max-samples)
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
     zmq-many --samples N --sizes A,B,C --receivers R   raw pyzmq, 2 senders to R receivers copying to bytes
     urls --n N --dir D                                  parse and plan an N-entry URL list
@@ -306,6 +308,38 @@ def mode_mix(args: argparse.Namespace) -> None:
         for loader, out in ((one, ones), (mix, mixes))[:: 1 if k % 2 == 0 else -1]:
             out.append(run_epoch(1 + len(ones) + len(mixes), lambda loader=loader: loader, agent_pid=args.agent_pid))
     final([cold, *ones, *mixes])  # the one source's warm epochs, then the mixture's
+
+
+def mode_random(args: argparse.Namespace) -> None:
+    """``ds[i]`` for a seeded random permutation of every index, each epoch another, over
+    ``wids.ShardListDataset`` (its own download folder) or ``wdscache.ShardListDataset`` (the
+    agent's cache); both raw (``transformations=[]``), every payload touched."""
+    import io
+    import random
+
+    holder: dict[str, Any] = {}
+
+    def make(epoch: int) -> Callable[[], Iterable[dict[str, Any]]]:
+        def samples() -> Iterable[dict[str, Any]]:
+            if "ds" not in holder:  # built inside the first epoch's clock, as the other systems are
+                if args.system == "wids":
+                    import wids
+
+                    holder["ds"] = wids.ShardListDataset(args.index, cache_dir=args.cache_dir, transformations=[])
+                else:
+                    from wdscache import ShardListDataset
+
+                    holder["ds"] = ShardListDataset(args.index, cache_dir=args.cache_dir, transformations=[],
+                                                    timeout=args.timeout)
+            ds = holder["ds"]
+            order = list(range(len(ds)))
+            random.Random(epoch).shuffle(order)
+            for i in order:
+                sample = ds[i]
+                yield {k: v.getbuffer() if isinstance(v, io.BytesIO) else v for k, v in sample.items()}
+        return samples
+
+    final([run_epoch(e, make(e), agent_pid=args.agent_pid, limit=args.max_samples) for e in range(args.epochs)])
 
 
 TORCH_BATCH = 64
@@ -650,6 +684,14 @@ def main() -> None:
     p.add_argument("--agent-pid", type=int)
     p.add_argument("--memory", action="store_true",
                    help="each worker's --urls-file shards read into its memory in epoch 1, served from it after")
+    p = sub.add_parser("random")
+    p.add_argument("--system", choices=("wids", "wdscache"), required=True)
+    p.add_argument("--index", required=True, help="the shard index (wids JSON)")
+    p.add_argument("--cache-dir", required=True, help="wids' download folder, or the agent's cache directory")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--agent-pid", type=int)
+    p.add_argument("--max-samples", type=int, default=0, help="stop each epoch after this many samples")
     p = sub.add_parser("zmq")
     p.add_argument("--samples", type=int, required=True)
     p.add_argument("--sizes", required=True)
@@ -671,7 +713,7 @@ def main() -> None:
     {
         "serve": mode_serve, "wds": mode_wds, "multi": mode_multi, "wdscache": mode_wdscache, "torch": mode_torch,
         "zmq": mode_zmq, "zmq-many": mode_zmq_many, "urls": mode_urls, "stats-index": mode_stats_index,
-        "mix": mode_mix,
+        "mix": mode_mix, "random": mode_random,
     }[args.mode](args)
 
 

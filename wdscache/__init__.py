@@ -27,6 +27,7 @@ _WHERE = {
     "UrlList": "shared.urls",
     "read_url_list": "shared.urls",
     "WebDataset": "training.pipeline",
+    "ShardListDataset": "training.random_access",
 }
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from .shared.urls import UrlList, read_url_list
     from .training.loader import CachedMultiLoader, Tuning
     from .training.pipeline import WebDataset
+    from .training.random_access import ShardListDataset
 
 
 def __getattr__(name: str) -> Any:
@@ -81,6 +83,7 @@ __all__ = [
     "ShardClient",
     "ShardError",
     "ShardIndexError",
+    "ShardListDataset",
     "Tuning",
     "UrlList",
     "UrlListError",

@@ -41,6 +41,7 @@ __all__ = [
     "format_url_list",
     "index_list",
     "list_id",
+    "normalize_url",
     "parse_url_list",
     "read_url_list",
 ]
@@ -273,6 +274,12 @@ def _abs_path(path: str) -> str:
     if path.startswith("//"):
         path = "/" + path.lstrip("/")
     return path
+
+
+def normalize_url(url: str, base_dir: str, *, allow_pipe: bool = False) -> str:
+    """The canonical form of one URL as a list line gives it (a relative path against ``base_dir``);
+    ValueError says why it is unusable."""
+    return _normalize(url, base_dir, allow_pipe)
 
 
 def _normalize(url: str, base_dir: str, allow_pipe: bool) -> str:

@@ -1,0 +1,249 @@
+"""wdscache.ShardListDataset: ds[i] is what wids.ShardListDataset gives for i, read through a real
+agent (over the real HTTP shard server, or from local paths), in this process and in DataLoader
+workers under torch's samplers; wids 0.1.11 is the byte reference."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+import pickle
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from scripts.shard_maker import make_shard
+from wdscache import FetchError, ShardError, ShardIndexError, ShardListDataset
+from wdscache.shared.stats import collect
+
+wids = pytest.importorskip("wids", reason="wids is not installed (scripts/test.sh installs it)")
+pytest.importorskip("PIL", reason="pillow is not installed (scripts/test.sh installs it)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _image(kind: str, seed: int) -> bytes:
+    import PIL.Image
+
+    rng = random.Random(seed)
+    image = PIL.Image.new("RGB", (5, 4), tuple(rng.randrange(256) for _ in range(3)))
+    out = io.BytesIO()
+    image.save(out, format=kind)
+    return out.getvalue()
+
+
+def _shards(folder: Path, n: int, per_shard: int) -> list[Path]:
+    """Shards whose samples every default decoder of wids touches: images, text, a class, JSON,
+    a gzip'd text, a numpy array, and an extension it leaves alone."""
+    import numpy as np
+
+    paths = []
+    for s in range(n):
+        samples = []
+        for i in range(per_shard):
+            arr = io.BytesIO()
+            np.save(arr, np.arange(i + 3, dtype=np.int16))
+            samples.append({"__key__": f"s{s}/{i:03d}", "jpg": _image("JPEG", 10 * s + i),
+                            "png": _image("PNG", 10 * s + i + 1), "txt": f"text {s} {i} é".encode(),
+                            "cls": str(i % 5).encode(), "json": json.dumps({"s": s, "i": i}).encode(),
+                            "txt.gz": gzip.compress(f"zipped {s} {i}".encode(), mtime=0),
+                            "npy": arr.getvalue(), "bin": bytes(range(i, i + 40))})
+        paths.append(make_shard(folder / f"part-{s:04d}.tar", samples))
+    return paths
+
+
+def _index(path: Path, urls: list[str], per_shard: int) -> Path:
+    path.write_text(json.dumps({"wids_version": 1, "shardlist": [{"url": u, "nsamples": per_shard} for u in urls]}))
+    return path
+
+
+def _plain(sample: dict[str, Any]) -> dict[str, Any]:
+    """A sample's values compared as they are (PIL images by pixels, arrays by items)."""
+    import numpy as np
+
+    out = {}
+    for key, value in sample.items():
+        if isinstance(value, io.BytesIO):
+            value = ("bytes", value.getvalue(), value.tell())
+        elif hasattr(value, "getdata"):
+            value = ("image", value.format, value.mode, value.size, value.tobytes())
+        elif isinstance(value, np.ndarray):
+            value = ("array", value.dtype.str, value.tolist())
+        elif isinstance(value, np.integer):
+            value = int(value)
+        out[key] = value
+    return out
+
+
+@pytest.fixture
+def local_index(tmp_path: Path) -> Path:
+    """An index of 3 local shards of 6 samples, its URLs relative to its folder (as wids writes them)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    paths = _shards(data, 3, 6)
+    return _index(data / "index.json", [p.name for p in paths], 6)
+
+
+@pytest.mark.parametrize("transformations", ["PIL", "raw"])
+def test_every_sample_is_what_wids_returns(local_index: Path, start_agent: Callable[..., Any], tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch, transformations: str) -> None:
+    monkeypatch.chdir(tmp_path)  # the index named relative to here: wids' __shard__ keeps it so
+    kw: dict[str, Any] = {} if transformations == "PIL" else {"transformations": []}
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index, "--workers", "2")
+    ours = ShardListDataset("data/index.json", cache_dir=cache, **kw)
+    with pytest.warns(UserWarning) if transformations == "PIL" else contextlib.nullcontext():
+        reference = wids.ShardListDataset("data/index.json", cache_dir=str(tmp_path / "wids"), **kw)
+    assert len(ours) == len(reference) == 18
+    order = list(range(18))
+    random.Random(7).shuffle(order)
+    try:
+        for i in order:
+            mine, theirs = ours[i], reference[i]
+            assert list(mine) == list(theirs)  # the same keys, in the same order
+            assert _plain(mine) == _plain(theirs), i
+        sample = ours[13]
+        assert (sample["__key__"], sample["__index__"], sample["__shard__"], sample["__shardindex__"]) == \
+            ("s2/001", 13, "data/part-0002.tar", 1)
+    finally:
+        ours.close()
+
+
+def test_dataloader_workers_under_torch_samplers_read_what_wids_reads(
+        dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    urls, _, list_file = dataset(4, samples=11, payload=700)
+    index = _index(tmp_path / "index.json", urls, 11)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file, "--workers", "2")
+    r = subprocess.run([sys.executable, "-m", "tests.helpers.random_access_job", str(index), str(cache),
+                        str(tmp_path / "wids")], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    reference = out["wids"]
+    assert out["len"] == len(reference) == 44
+
+    def check(got: list[list[Any]]) -> list[int]:
+        indices = [dict(d)["__index__"] for d in got]
+        assert got == [reference[i] for i in indices]  # byte for byte, every key in order
+        return indices
+
+    ranks = [check(got) for got in out["distributed"]]
+    assert sorted(ranks[0] + ranks[1]) == list(range(44))  # 22 each, together every index once
+    assert len(ranks[0]) == len(ranks[1]) == 22
+    assert len(check(out["weighted"])) == 40
+    assert sorted(check(out["chunked"])) == list(range(44))
+    assert sorted(check(out["spawned"])) == list(range(44))
+    # Every shard downloaded once, however many processes indexed it (and wids once more for itself).
+    for url in urls:
+        name = url.rsplit("/", 1)[1]
+        gets = [r for r in shard_server.requests if r.path.endswith(name) and r.method == "GET"]
+        assert len(gets) == 2, (name, [(g.range, g.status) for g in gets])
+
+
+def test_a_private_agent_serves_it_and_pins_go_with_the_lru(local_index: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[], lru_size=1)
+    try:
+        keys = [ds[i]["__key__"] for i in (0, 17, 6, 1)]
+        assert keys == ["s0/000", "s2/005", "s1/000", "s0/001"]
+        stats = collect(cache, timeout=5.0)
+        assert stats["agent"]
+        assert stats["agent"]["pinned"] == 1  # lru_size=1: one shard held at a time
+    finally:
+        ds.close()
+
+
+def test_bad_indices_raise_index_error(local_index: Path, start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[])
+    try:
+        for bad in (-1, 18, 10**12):
+            with pytest.raises(IndexError, match=f"index {bad} is out of range: the dataset has 18 samples"):
+                ds[bad]
+        with pytest.raises(TypeError):
+            ds["3"]
+        assert ds[17]["__key__"] == "s2/005"
+    finally:
+        ds.close()
+
+
+def test_a_shard_that_cannot_be_fetched_is_named(dataset: Callable[..., Any], start_agent: Callable[..., Any],
+                                                 shard_server: Any, tmp_path: Path) -> None:
+    urls, paths, list_file = dataset(2, samples=4, payload=300)
+    paths[1].unlink()  # the server answers 404 for it
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file, "--retries", "0")
+    ds = ShardListDataset([{"url": u, "nsamples": 4} for u in urls], cache_dir=cache, transformations=[])
+    try:
+        assert ds[3]["__key__"] == "s00000_00003"
+        with pytest.raises(FetchError, match=urls[1].rsplit("/", 1)[1]) as info:
+            ds[5]
+        assert info.value.url == urls[1]
+        assert ds[0]["__key__"] == "s00000_00000"  # the others read on
+    finally:
+        ds.close()
+
+
+def test_it_pickles_without_its_sockets(local_index: Path, start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[])
+    try:
+        first = ds[4]["__key__"]
+        copy = pickle.loads(pickle.dumps(ds))
+        try:
+            assert copy[4]["__key__"] == first
+        finally:
+            copy.close()
+    finally:
+        ds.close()
+
+
+def test_an_index_that_is_not_one_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="shard index"):
+        ShardListDataset({"shardlist": []}, cache_dir=tmp_path)
+    with pytest.raises(ShardIndexError, match=r"shardlist\[1\] \('b.tar'\): \"nsamples\" is missing"):
+        ShardListDataset([{"url": "a.tar", "nsamples": 1}, {"url": "b.tar"}], cache_dir=tmp_path)
+
+
+def test_it_reads_on_across_a_restarted_agent(local_index: Path, start_agent: Callable[..., Any],
+                                              tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, local_index, "--workers", "2")
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[])
+    try:
+        before = {i: ds[i][".bin"].getvalue() for i in (0, 1)}
+        agent.stop()
+        again = start_agent(cache, local_index, "--workers", "2")
+        assert ds[7]["__key__"] == "s1/001"  # a new shard: the new run is met, hello again
+        assert {i: ds[i][".bin"].getvalue() for i in (0, 1)} == before
+        # Shard 0 pinned at the new run (which checks it against its source first: while we wait
+        # for that, we hold no other pin, so shard 1 was let go).
+        assert again.stats()["agent"]["pinned"] == 1
+    finally:
+        ds.close()
+
+
+def test_a_shard_that_does_not_hold_the_samples_the_index_says_is_named(
+        dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    urls, _, list_file = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file)
+    ds = ShardListDataset([{"url": urls[0], "nsamples": 4}, {"url": urls[1], "nsamples": 5}], cache_dir=cache,
+                          transformations=[])
+    try:
+        assert len(ds) == 9
+        assert ds[3]["__key__"] == "s00000_00003"
+        with pytest.raises(ShardError, match="4 samples, but the shard index says 5") as info:
+            ds[8]
+        assert urls[1] in str(info.value)
+    finally:
+        ds.close()

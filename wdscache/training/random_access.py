@@ -1,0 +1,613 @@
+"""``wdscache.ShardListDataset``: random access to samples by index, as ``wids.ShardListDataset`` gives it,
+through the node's agent and cache.
+
+The dataset is a shard index (webdataset's wids JSON, or its list of ``{"url", "nsamples"}``):
+sample ``i`` is sample ``i - start`` of the shard whose cumulative range holds it. ``ds[i]``
+returns the dict ``wids`` returns for ``i``: each member's extension with its leading dot
+(``".jpg"``) mapped to an ``io.BytesIO`` of its bytes, then ``__key__``, ``__dataset__``,
+``__index__``, ``__shard__`` (the URL as wids resolves it) and ``__shardindex__``, passed
+through the transformations (by default wids' own decoder, ``"PIL"``: see :func:`default_decoder`).
+
+How a sample is read: each process that indexes the dataset has its own session with the agent
+(made in that process on first use, so a ``DataLoader`` worker, forked or spawned, talks
+over its own sockets). It pins the shard (waiting for its download, which the agent makes
+once per node), asks one of the agent's sample workers once for the shard's sample table (the
+byte ranges of every sample in the cache file, which the worker already walked), and then
+copies each sample out of the cache file with one ``pread``. Up to ``lru_size`` shards stay
+pinned and open per process, the least recently read let go first; the tables of shards let
+go are kept (bounded), tied to the identity of the file they describe, so indexing a shard
+again costs one request to the agent, not another table.
+
+Guarantees:
+
+- No byte can be wrong: the cache file is opened only while pinned and must have the identity
+  of the file the worker walked (device, inode, size, mtime); a cached shard is never written
+  again, and a replaced one is refused (and its table fetched again).
+- A process waiting for a download holds no other pin meanwhile, so processes cannot fill the
+  budget with pins while each waits for room for another shard.
+- When the agent restarts, the session says hello again and opens its shards again.
+- A bad index is an :class:`IndexError`; a shard that cannot be fetched a
+  :class:`~wdscache.shared.errors.FetchError` naming it; a damaged one a
+  :class:`~wdscache.shared.errors.ShardError`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import gzip
+import io
+import json
+import operator
+import os
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlparse, urlunparse
+
+from ..shared.client import AgentConnection, resolve_endpoint, start_hint
+from ..shared.errors import (
+    AgentUnavailableError,
+    ConfigError,
+    FetchError,
+    ProtocolError,
+    ShardError,
+    ShardIndexError,
+    WdsCacheError,
+)
+from ..shared.layout import file_identity
+from ..shared.logs import get_logger
+from ..shared.protocol import pages, process_identity
+from ..shared.shard_index import ShardInfo, parse_shard_index
+from ..shared.urls import index_list, normalize_url
+from .direct import StaleFile
+from .epoch_shards import shard_error
+from .loader import _env_defaults
+from .pins import STATUS_EVERY
+from .private import PrivateAgent
+from .stream import same_directory
+from .worker_links import WorkerLinks
+
+log = get_logger(__name__)
+
+# Samples one table request asks a worker for: a worker takes up to 4096 items a read, and the
+# reply's header (a key, extensions and a span per sample) must stay well inside the 1 MiB a
+# header may hold.
+TABLE_ITEMS = 2048
+# Samples whose places a process keeps in the tables of shards it let go (a few hundred bytes each).
+TABLE_SAMPLES = 250_000
+# A sample spanning at most this many bytes of its shard is read with one pread and sliced (the
+# slices copy it again, which costs less than a system call per field); a larger one per field.
+ONE_READ = 64 << 10
+IMAGE_EXTENSIONS = ("jpg", "png", "ppm", "pgm", "pbm", "pnm")
+
+Sample = dict[str, Any]
+Transform = Callable[[Sample], Any]
+
+
+_forks = 0  # forks this process is down from the interpreter that started it
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+# -- wids' default decoder ---------------------------------------------------------------------
+
+
+def default_decoder(sample: Sample, format: str = "PIL") -> Sample:  # noqa: A002 (wids' name)
+    """wids' ``default_decoder`` (0.1.11), step for step, on a copy of ``sample``: a ``.gz`` that
+    follows another extension is decompressed (the key kept); ``.txt``/``.text`` become ``str``,
+    ``.cls``/``.cls2`` ``int``, ``.json`` its object, ``.npy`` an array, ``.mp`` msgpack,
+    ``.pt``/``.pth`` ``torch.load``, ``.pkl``/``.pickle`` ``pickle.load`` (the shard's own data,
+    as wids and webdataset load it), ``.safetensors`` its tensors; then images (``.jpg``, ``.png``,
+    ``.ppm``, ``.pgm``, ``.pbm``, ``.pnm``) ``PIL.Image.open`` (``format="PIL"``) or a numpy
+    array of it (``"numpy"``). Every other field stays an ``io.BytesIO``."""
+    result = dict(sample)
+    for key, stream in list(result.items()):
+        parts = key.split(".")
+        if len(parts) >= 3 and parts[-1].lower() == "gz":
+            result[key] = io.BytesIO(gzip.decompress(stream.read()))
+    for key, stream in result.items():
+        parts = key.split(".")
+        if key.startswith("__") or len(parts) == 1:
+            continue
+        ext = parts[-1].lower()
+        if isinstance(stream, bytes):
+            stream = io.BytesIO(stream)
+        if ext == "gz":
+            ext = parts[-2].lower()
+        if ext in ("txt", "text"):
+            result[key] = stream.read().decode("utf-8")
+        elif ext in ("cls", "cls2"):
+            result[key] = int(stream.read().decode("utf-8"))
+        elif ext == "safetensors":
+            import safetensors.torch
+
+            result[key] = safetensors.torch.load_file(stream)
+        elif ext == "json":
+            result[key] = json.loads(stream.read())
+        elif ext == "npy":
+            import numpy as np
+
+            result[key] = np.load(stream)
+        elif ext == "mp":
+            import msgpack
+
+            result[key] = msgpack.unpackb(stream.read(), raw=False)
+        elif ext in ("pt", "pth"):
+            import torch
+
+            result[key] = torch.load(stream)
+        elif ext in ("pickle", "pkl"):
+            import pickle
+
+            result[key] = pickle.load(stream)
+    if format.lower() not in ("pil", "numpy"):
+        raise ValueError(f"Unknown format: {format}")
+    import PIL.Image
+
+    for key, stream in result.items():
+        parts = key.split(".")
+        if key.startswith("__") or len(parts) == 1 or parts[-1].lower() not in IMAGE_EXTENSIONS:
+            continue
+        if isinstance(stream, bytes):
+            stream = io.BytesIO(stream)
+        image = PIL.Image.open(stream)
+        if format.lower() == "numpy":
+            import numpy as np
+
+            result[key] = np.asarray(image)
+        else:
+            result[key] = image
+    return result
+
+
+def transformations_of(transformations: Any) -> list[Transform]:
+    """wids' ``transformations=``: a callable or a list of them; ``"PIL"`` and ``"numpy"`` name
+    :func:`default_decoder` with that format."""
+    items = transformations if isinstance(transformations, list) else [transformations]
+    result: list[Transform] = []
+    for t in items:
+        if t in ("PIL", "numpy"):
+            t = functools.partial(default_decoder, format=t)
+        elif not callable(t):
+            raise TypeError(f"transformations= takes callables (or \"PIL\", \"numpy\"), not {t!r}")
+        result.append(t)
+    return result
+
+
+# -- the index ----------------------------------------------------------------------------------
+
+
+def _wids_url(base: str | None, url: str) -> str:
+    """``url`` resolved against ``base`` as wids resolves an index's shards (its ``urlmerge``)."""
+    if base is None:
+        return url
+    b, u = urlparse(base), urlparse(url)
+    path = u.path if u.path.startswith("/") else os.path.normpath(os.path.join(b.path, u.path))
+    return urlunparse((u.scheme or b.scheme, u.netloc or b.netloc, path, u.params, u.query, u.fragment))
+
+
+def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], list[tuple[str, ShardInfo]]]:
+    """The index's entries as wids keeps them (each ``url`` resolved as wids resolves it), and
+    each one's URL and facts for the agent."""
+    if isinstance(shards, (str, os.PathLike)):
+        path = os.fspath(shards)
+        if "://" in path:
+            raise ConfigError(f"ShardListDataset({path!r}): give the shard index as a local JSON file (or its "
+                              "list of {\"url\", \"nsamples\"}); download a remote index first")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the shard index {path}: {exc.strerror or exc}") from None
+        base = os.path.dirname(path) if base is None else base  # wids: the index's folder, as written
+        facts = [(_wids_url(base, url), info) for url, info in parse_shard_index(text, path=path)]
+        return [{"url": url, "nsamples": info.nsamples} for url, info in facts], facts
+    if isinstance(shards, dict) or not isinstance(shards, Sequence):
+        raise TypeError("ShardListDataset() takes a shard index: a JSON file's path, or its \"shardlist\", "
+                        "a list of {\"url\": ..., \"nsamples\": ...}")
+    entries, facts = [], []
+    for i, entry in enumerate(shards):
+        url = entry.get("url") if isinstance(entry, dict) else None
+        try:
+            if not isinstance(url, str) or not url.strip():
+                raise ValueError('each entry is a dict with a "url" string and "nsamples"')
+            if "nsamples" not in entry:
+                raise ValueError('"nsamples" is missing')
+            info = ShardInfo.from_wire([entry.get("nsamples"), entry.get("filesize"), entry.get("md5sum")])
+        except ValueError as exc:
+            raise ShardIndexError("shards", i, str(exc), url=url) from None
+        entries.append(dict(entry))  # wids keeps the caller's dicts; a copy, so ours cannot change
+        facts.append((url, info))
+    return entries, facts
+
+
+# -- the dataset ----------------------------------------------------------------------------------
+
+
+class ShardListDataset:
+    """Samples of a shard index by index, read through the node's wdscache agent: a drop-in for
+    ``wids.ShardListDataset`` (see the module docstring for what ``ds[i]`` holds).
+
+    ``shards``: a wids shard index (the path of its JSON file) or its list of ``{"url": ...,
+    "nsamples": ...}``; relative URLs in a file resolve against its folder (or ``base``), as in
+    wids. ``cache_dir``/``endpoint`` find the agent as for ``CachedMultiLoader`` (a private agent
+    is started on ``cache_dir`` when none runs there). ``lru_size``: shards each process keeps
+    pinned and open. ``transformations``: as in wids. ``cache_size`` and ``keep`` are wids'
+    options for its own download folder: the agent's budget (``--cache-size``) decides here, so
+    they change nothing. ``timeout``: seconds without an answer from the agent before giving up
+    (a download in progress answers).
+    """
+
+    def __init__(
+        self,
+        shards: str | os.PathLike[str] | Sequence[dict[str, Any]],
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        endpoint: str | None = None,
+        lru_size: int = 10,
+        dataset_name: str | None = None,
+        transformations: Any = "PIL",
+        base: str | None = None,
+        cache_size: int | None = None,
+        keep: bool = False,
+        timeout: float = 60.0,
+    ) -> None:
+        del cache_size, keep  # wids' own download folder; the agent's budget governs here
+        if lru_size < 1:
+            raise ValueError("lru_size must be at least 1")
+        self.shards, facts = _read_index(shards, base)
+        if not self.shards:
+            raise ShardIndexError(str(shards) if isinstance(shards, (str, os.PathLike)) else "shards", None,
+                                  "the index lists no shard")
+        self.dataset_name = dataset_name or str(uuid.uuid5(uuid.NAMESPACE_URL, json.dumps(
+            [e["url"] for e in self.shards])))[:16]
+        self.lengths = [e["nsamples"] for e in self.shards]
+        self._ends = list(_cumulative(self.lengths))
+        self.total_length = self._ends[-1]
+        self._list = index_list(facts, path="shards", base_dir=os.getcwd())
+        # entry -> its shard's position in the agent's list (the list drops a URL listed twice)
+        self._where = [self._list.index(normalize_url(url, os.getcwd())) for url, _ in facts]
+        env = _env_defaults()
+        self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else env["cache_dir"]
+        self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
+        self._private = endpoint is None and env["endpoint"] is None and self.cache_dir is not None
+        self._token = env["token"]
+        self.lru_size, self.timeout = lru_size, timeout
+        self.transformations = transformations_of(transformations)
+        self._session: _Session | None = None
+
+    def add_transform(self, transform: Transform) -> ShardListDataset:
+        """Apply ``transform`` after the others."""
+        self.transformations.append(transform)
+        return self
+
+    def __len__(self) -> int:
+        return self.total_length
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(entry, sample in its shard)`` of sample ``index``; IndexError outside ``[0, len)``."""
+        i = operator.index(index)
+        if not 0 <= i < self.total_length:
+            raise IndexError(f"index {i} is out of range: the dataset has {self.total_length} samples")
+        entry = bisect.bisect_right(self._ends, i)
+        return entry, i - (self._ends[entry - 1] if entry else 0)
+
+    def __getitem__(self, index: int) -> Any:
+        entry, inner = self.locate(index)
+        desc = self.shards[entry]
+        session = self._session
+        if session is None or session.forks != _forks:  # a forked child never uses its parent's sockets
+            session = self._session = _Session(self)
+        sample = session.sample(self._where[entry], inner)
+        sample["__dataset__"] = desc.get("dataset")
+        sample["__index__"] = index
+        sample["__shard__"] = desc["url"]
+        sample["__shardindex__"] = inner
+        for transform in self.transformations:
+            sample = transform(sample)
+        return sample
+
+    def close(self) -> None:
+        """Say goodbye to the agent (our pins go) and close this process's sockets and files; a
+        later ``ds[i]`` starts again."""
+        if self._session is not None and self._session.forks == _forks:
+            self._session.close()
+        self._session = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_session"] = None  # sockets and files belong to the process that made them
+        return state
+
+    def __enter__(self) -> ShardListDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _cumulative(lengths: list[int]) -> Any:
+    total = 0
+    for n in lengths:
+        total += n
+        yield total
+
+
+# -- one process's session with the agent ---------------------------------------------------------
+
+
+# A sample's row in a table: its key, where its span starts in the cache file, the span's size,
+# and per field its name (the extension with its dot, as wids names it) and its start and end
+# within the span.
+Row = tuple[str, int, int, tuple[tuple[str, int, int], ...]]
+
+
+@dataclass
+class _Table:
+    """A shard's samples in one cache file (of ``identity``), a row each."""
+
+    identity: tuple[int, ...]
+    rows: list[Row]
+
+
+@dataclass
+class _Open:
+    """A shard this process holds pinned, its cache file open."""
+
+    fd: int
+    table: _Table
+
+
+class _Session:
+    """One process's reader of the agent: its pins, open files, tables and worker sockets."""
+
+    def __init__(self, ds: ShardListDataset) -> None:
+        self.forks = _forks
+        self.pid = os.getpid()
+        self.ds = ds
+        self.urls = ds._list.urls
+        self.private = (PrivateAgent.use(ds.cache_dir, self.urls, timeout=ds.timeout)
+                        if ds._private and ds.cache_dir is not None else None)
+        self.conn = AgentConnection(ds.endpoint, timeout=ds.timeout, hint=start_hint(ds.cache_dir),
+                                    cache_dir=ds.cache_dir, token=ds._token)
+        self.name = f"{ds.dataset_name}/{self.pid}/{uuid.uuid4().hex[:8]}"
+        self.pinned: OrderedDict[int, _Open] = OrderedDict()  # shard position -> its pin, least recent first
+        self.tables: OrderedDict[int, _Table] = OrderedDict()
+        self.table_samples = 0
+        self.last = -1  # the shard read last (at the end of the LRU order already)
+        self.seen: set[int] = set()  # shards opened once: downloaded, not worth a place in the window
+        self.links: WorkerLinks | None = None
+        self.hello: dict[str, Any] = {}
+        try:
+            self._say_hello()
+        except BaseException:
+            self.conn.close()
+            raise
+        self.conn.on_new_run = self._agent_restarted
+
+    def _say_hello(self) -> None:
+        """Join as a reader of our own list (sent first if the agent does not hold it)."""
+        urls, infos = self.urls, self.ds._list.shards
+        assert infos is not None  # a shard index gives every shard's facts
+        request = {"op": "hello", "reader": self.name, "job": f"random-access/{self.ds.dataset_name}", "rank": 0,
+                   "world_size": 1, "process": process_identity(), "list_id": self.ds._list.key}
+        hello = self.conn.request(request)
+        if hello.get("need_urls"):
+            for offset, chunk in pages(urls):
+                page = self.conn.request({"op": "put_urls", "reader": self.name, "offset": offset, "urls": chunk,
+                                          "shards": [i.to_wire() for i in infos[offset: offset + len(chunk)]]})
+                if not page.get("ok"):
+                    raise WdsCacheError(f"the agent at {self.ds.endpoint} refused the shard index: {page.get('error')}")
+            hello = self.conn.request(request)
+        if not hello.get("ok"):
+            raise WdsCacheError(f"the agent at {self.ds.endpoint} refused this reader: {hello.get('error')}")
+        if not same_directory(hello):
+            raise WdsCacheError(
+                f"the agent at {self.ds.endpoint} keeps its cache in {hello.get('cache_dir')}, which this process "
+                "does not see: ShardListDataset reads the cache files itself; run it on the agent's machine, "
+                "with its cache directory visible")
+        self.hello = hello
+        if self.links is not None:
+            self.links.close()
+        workers = hello.get("workers") or []
+        keys = [self.conn.worker_key(i) for i in range(len(workers))]
+        if not workers or None in keys:
+            raise ProtocolError(f"the agent at {self.ds.endpoint} named no sample workers in its hello")
+        self.links = WorkerLinks(workers, [str(k) for k in keys])
+
+    def _agent_restarted(self) -> None:
+        """A new run knows nothing of us: hello again; our pins are gone, so our files close
+        (shards are opened again when read; the tables stay, checked against each file)."""
+        for shard in list(self.pinned):
+            os.close(self.pinned.pop(shard).fd)
+        self.last = -1
+        self._say_hello()
+
+    # -- reading ------------------------------------------------------------------------------------
+
+    def sample(self, shard: int, inner: int) -> Sample:
+        """Sample ``inner`` of the shard at ``shard`` in our list, its fields as ``io.BytesIO``
+        (which takes a ``bytes`` without copying it)."""
+        # The per-sample path: a dict lookup, one pread (a few for a large sample), the slices.
+        held = self.pinned.get(shard)
+        if held is None:
+            held = self._pin(shard)
+        elif shard != self.last:
+            self.pinned.move_to_end(shard)
+        self.last = shard
+        key, start, size, fields = held.table.rows[inner]
+        if size <= ONE_READ:  # one read of the span, tar headers and all, sliced
+            data = os.pread(held.fd, size, start)
+            if len(data) == size:
+                sample: dict[str, Any] = {name: io.BytesIO(data[a:b]) for name, a, b in fields}
+                sample["__key__"] = key
+                return sample
+        else:  # a read per field: each byte copied once
+            sample = {}
+            for name, a, b in fields:
+                data = os.pread(held.fd, b - a, start + a)
+                if len(data) != b - a:
+                    break
+                sample[name] = io.BytesIO(data)
+            else:
+                sample["__key__"] = key
+                return sample
+        # Cut short behind the agent's back: never served; open it (and walk its table) again.
+        self._let_go(shard)
+        self.table_samples -= len(self.tables.pop(shard).rows)
+        raise StaleFile(f"{self.urls[shard]}: its cache file is shorter than when its table was made; "
+                        "read the sample again")
+
+    def _pin(self, shard: int) -> _Open:
+        """Pin ``shard`` (waiting for its download), open its cache file, know its table."""
+        url = self.urls[shard]
+        request = {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard), "wait": False}
+        reply = self.conn.request(request)
+        if not reply.get("ok") and reply.get("cached") is False:
+            # Waiting for a download or for room: we hold no other pin meanwhile (see the module).
+            for other in list(self.pinned):
+                self._let_go(other)
+            request["wait"] = True
+            reply = self.conn.request_patiently(request, liveness=self.ds.timeout,
+                                                probe={"op": "status", "reader": self.name, "url": url},
+                                                every=min(STATUS_EVERY, self.ds.timeout / 4))
+        if not reply.get("ok"):
+            raise FetchError(url, str(reply.get("error") or "the agent could not cache it"), permanent=True)
+        self.seen.add(shard)
+        try:
+            fd = os.open(reply["path"], os.O_RDONLY | os.O_CLOEXEC)
+        except (KeyError, TypeError, OSError) as exc:
+            self.conn.request({"op": "release", "reader": self.name, "url": url})
+            raise FetchError(url, f"its cache file cannot be opened: {exc}") from None
+        try:
+            identity = file_identity(os.fstat(fd))
+            table = self.tables.pop(shard, None)
+            if table is not None:
+                self.table_samples -= len(table.rows)
+            if table is None or table.identity != identity:
+                table = self._table(shard, identity)
+        except BaseException:
+            os.close(fd)
+            self.conn.request({"op": "release", "reader": self.name, "url": url})
+            raise
+        held = self.pinned[shard] = _Open(fd, table)
+        while len(self.pinned) > self.ds.lru_size:
+            self._let_go(next(iter(self.pinned)))
+        return held
+
+    def _ahead(self, shard: int) -> list[str]:
+        """Our window: the shards after ``shard`` in the list (from its start again) not opened yet,
+        as many as the agent prefetches. Random access has no order; this one downloads them all."""
+        n, want = len(self.urls), int(self.hello.get("prefetch", 0))
+        ahead: list[str] = []
+        for k in range(1, n):
+            if len(ahead) >= want:
+                break
+            other = (shard + k) % n
+            if other not in self.seen:
+                ahead.append(self.urls[other])
+        return ahead
+
+    def _let_go(self, shard: int) -> None:
+        held = self.pinned.pop(shard, None)
+        if held is None:
+            return
+        if shard == self.last:
+            self.last = -1
+        os.close(held.fd)  # before the agent may evict it: its space comes back
+        self.conn.request({"op": "release", "reader": self.name, "url": self.urls[shard]})
+        self.tables[shard] = held.table
+        self.tables.move_to_end(shard)
+        self.table_samples += len(held.table.rows)
+        while self.table_samples > TABLE_SAMPLES and self.tables:
+            self.table_samples -= len(self.tables.popitem(last=False)[1].rows)
+
+    def _table(self, shard: int, identity: tuple[int, ...]) -> _Table:
+        """The shard's sample table from one of the agent's workers (which walked it), for the
+        cache file of ``identity``: byte ranges of the file, never its bytes."""
+        assert self.links is not None
+        infos = self.ds._list.shards
+        assert infos is not None  # a shard index gives every shard's facts
+        url, n = self.urls[shard], infos[shard].nsamples
+        table = _Table(identity, [])
+        worker = shard % len(self.links)
+        header, _ = self._ask(worker, {"op": "scan", "url": url})
+        if not header.get("ok"):
+            if header.get("kind") == "corrupt":
+                raise shard_error(url, header)
+            raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
+        if header.get("count") != n:
+            raise ShardError(url, f"{header.get('count')} samples, but the shard index says {n}")
+        for first in range(0, n, TABLE_ITEMS):
+            items = [[0, j] for j in range(first, min(n, first + TABLE_ITEMS))]
+            header, frames = self._ask(worker, {"op": "read", "urls": [url], "items": items, "direct": True})
+            if not header.get("ok"):
+                if header.get("kind") == "corrupt":
+                    raise shard_error(url, header)
+                raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
+            _add_rows(table, header, len(frames), len(items), url)
+        return table
+
+    def _ask(self, worker: int, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+        """Send ``request`` to ``worker``; its proved reply, or AgentUnavailableError after the timeout."""
+        assert self.links is not None
+        rid = self.links.send(worker, request, "t")
+        deadline = self.ds.timeout
+        waited = 0.0
+        while waited < deadline:
+            for header, frames in self.links.replies(0.25):
+                if header.get("id") == rid:
+                    return header, frames
+            waited += 0.25
+        raise AgentUnavailableError(self.links.endpoints[worker], deadline, "the agent's sample worker did not answer")
+
+    def close(self) -> None:
+        for shard in list(self.pinned):
+            os.close(self.pinned.pop(shard).fd)
+        try:
+            self.conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
+        except WdsCacheError:
+            pass
+        finally:
+            self.conn.close()
+            if self.links is not None:
+                self.links.close()
+            if self.private is not None:
+                self.private.release()
+
+
+def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int, url: str) -> None:
+    """The rows of a worker's direct reply, as places in the cache file of ``table.identity``."""
+    keys, exts, spans, files = header.get("keys"), header.get("exts"), header.get("spans"), header.get("files")
+    if not (isinstance(keys, list) and isinstance(exts, list) and isinstance(spans, list)
+            and isinstance(files, list) and len(keys) == len(exts) == len(spans) == n_items):
+        raise ProtocolError(f"a worker's table of {url} does not match the request")
+    size = table.identity[2]
+    named: dict[str, str] = {}  # extension -> its name in a sample, made once
+    try:
+        for entry in files:
+            if [int(x) for x in entry[3:]] != list(table.identity):
+                raise StaleFile(f"{url}: the worker read another copy of it than the one pinned")
+        for key, names, span in zip(keys, exts, spans):
+            entry = files[span[0] - n_frames]
+            if span[0] < n_frames or len(span) != 1 + 2 * len(names) or min(span) < 0 or not names:
+                raise ProtocolError(f"a worker's table of {url} has a bad span")
+            offsets = [int(entry[1]) + int(span[1 + 2 * i]) for i in range(len(names))]
+            start = offsets[0]
+            ends = [offsets[i] + int(span[2 + 2 * i]) for i in range(len(names))]
+            if max(ends) > size or min(offsets) < start:
+                raise ProtocolError(f"a worker's table of {url} names bytes outside its cache file")
+            fields = tuple((named.setdefault(ext, "." + str(ext)), at - start, end - start)
+                           for ext, at, end in zip(names, offsets, ends))
+            table.rows.append((str(key), start, max(ends) - start, fields))
+    except (TypeError, IndexError, ValueError):
+        raise ProtocolError(f"a worker's table of {url} is malformed") from None
