@@ -272,6 +272,10 @@ def test_ranks_on_different_lists_are_refused_naming_each_list_and_its_nodes() -
     recounted = NodeList.of("aaaa", [100] * 19 + [99])
     with pytest.raises(ConfigError, match=r"nodes 0, 1 \(ranks 0, 1, 2\).*node 1 \(rank 3\)"):
         check_same_list([twenty, twenty, twenty, recounted], layout)
+    # the same list, node 1's agent not knowing every count yet: said so, not "different lists"
+    uncounted = NodeList.of("aaaa", [100] * 19 + [None])
+    with pytest.raises(ConfigError, match=r"the same list, but the agents of node 1 do not know every shard's sample count"):
+        check_same_list([twenty, twenty, uncounted, uncounted], layout)
     with pytest.raises(WdsCacheError, match=r"rank 2 \(node 1\) could not start its epoch.*no agent"):
         check_same_list([twenty, twenty, "AgentUnavailableError: no agent", eighteen], layout)
     assert NodeList.from_wire(twenty.to_wire()) == twenty

@@ -193,6 +193,13 @@ def test_prefetch_takes_prefixes_and_globs_on_the_command_line_and_in_a_list_fil
     r = run_cli("prefetch", f"s3://{BUCKET}/val/", "--cache-dir", cache, "--s3-endpoint-url", "127.0.0.1:9")
     assert (r.returncode, r.stderr.strip()) == (
         2, "wdscache: error: --s3-endpoint-url '127.0.0.1:9': use http(s)://HOST[:PORT]")
+    # evict takes a prefix or glob too, as the cached shards it names (the store is not asked).
+    r = run_cli("evict", f"s3://{BUCKET}/val/shard-*.tar", f"s3://{BUCKET}/nothing/", "--cache-dir", cache, "--json")
+    assert r.returncode == 0, r.stderr
+    assert (sorted(json.loads(r.stdout)["evicted"]), json.loads(r.stdout)["unmatched"]) == (
+        sorted(val), [f"s3://{BUCKET}/nothing/"])
+    r = run_cli("evict", f"s3://{BUCKET}/", "--cache-dir", cache, "--json")  # what is left: the agent's own
+    assert (r.returncode, json.loads(r.stdout)["evicted"]) == (0, [train[0]]), r.stderr
 
 
 def test_glob_and_prefix_syntax() -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from .shared.config import AgentConfig, check_s3_endpoint_url, default, format_size
+from .shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, check_s3_endpoint_url, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
 from .shared.logs import FORMATS
 from .shared.logs import setup as setup_logging
@@ -279,7 +279,8 @@ _JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON obj
 _FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader holds (it keeps reading its file).")
 
 
-def _argument_urls(args: tuple[str, ...], lister: Lister | None = None) -> list[tuple[str, tuple[str, ...]]]:
+def _argument_urls(args: tuple[str, ...], lister: Lister | None = None, *, allow_pipe: bool = False
+                   ) -> list[tuple[str, tuple[str, ...]]]:
     """Each argument with the URLs it stands for, read as a URL list line is (braces expanded, paths
     made ``file://`` URLs, ``s3://`` prefixes and globs listed by ``lister`` when given): UrlListError
     names argument k as line k of "the command line"."""
@@ -289,7 +290,8 @@ def _argument_urls(args: tuple[str, ...], lister: Lister | None = None) -> list[
     out = []
     for k, arg in enumerate(args, 1):
         try:
-            out.append((arg, parse_url_list(arg, path="the command line", lister=lister).urls))
+            out.append((arg, parse_url_list(arg, path="the command line", lister=lister,
+                                            allow_pipe=allow_pipe).urls))
         except UrlListError as exc:
             raise UrlListError("the command line", k, exc.line, exc.reason) from None
     return out
@@ -315,7 +317,7 @@ def _eta(seconds: float | None) -> str:
 @click.option("--cache-size", default=None,
               help="Budget when no agent runs [default: the last agent's, else the agent's default].")
 @click.option("--download-workers", type=int, default=None, help="Parallel downloads when no agent runs.")
-@click.option("--give-up-after", type=click.FloatRange(min=0.5), default=10.0, show_default=True,
+@click.option("--give-up-after", type=click.FloatRange(min=0.5), default=PREFETCH_GIVE_UP_AFTER, show_default=True,
               help="Seconds downloads may wait for space with no progress before the rest fail "
                    "(shards the budget cannot take fail at once).")
 @_S3_ENDPOINT_URL
@@ -483,7 +485,9 @@ def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None, n
 @_FORCE
 @_JSON
 def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) -> None:
-    """Evict the cached shards of URLS (URLs, brace patterns, paths; through the agent when one runs).
+    """Evict the cached shards of URLS (URLs, brace patterns, paths, pipe: commands, s3:// prefixes
+    and globs; through the agent when one runs). A prefix or glob stands for the cached shards it
+    names: the store is not asked.
 
     Arguments that name no cached shard are listed ("not cached"; ``unmatched`` with --json).
 
@@ -494,12 +498,30 @@ def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) ->
     from .agent.cache_commands import evict as run_evict
 
     try:
-        expanded = _argument_urls(urls)
+        expanded = _argument_urls(urls, _cached_lister(cache_dir), allow_pipe=True)
         result = run_evict(cache_dir, list(dict.fromkeys(u for _, us in expanded for u in us)), force=force)
     except WdsCacheError as exc:
         _fail(exc)
     absent = set(result["absent"])
     _freed(result, as_json, unmatched=[arg for arg, us in expanded if absent.issuperset(us)])
+
+
+def _cached_lister(cache_dir: Path) -> Lister:
+    """An ``s3://`` prefix or glob as the cached shards it names (the index read on first need)."""
+    from .agent.cache_commands import list_shards
+    from .shared.s3 import is_listing, listed_by, split
+
+    cached: list[str] = []
+
+    def lister(url: str) -> tuple[str, ...]:
+        if not is_listing(url):
+            return (url,)
+        if not cached:
+            cached.extend(s["url"] for s in list_shards(cache_dir) if s["url"].startswith("s3://"))
+        bucket, matches = split(url)[0], listed_by(url)
+        return tuple(u for u in cached if split(u)[0] == bucket and matches(split(u)[1]))
+
+    return lister
 
 
 @main.command()

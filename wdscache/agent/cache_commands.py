@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..shared.client import AgentConnection
-from ..shared.config import AgentConfig, default
+from ..shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, default
 from ..shared.errors import AgentUnavailableError, NoCacheError, ProtocolError, ShardError, WdsCacheError
 from ..shared.index import Index, ShardState, read_summary
 from ..shared.layout import CacheLayout
@@ -49,7 +49,6 @@ log = get_logger(__name__)
 CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs
 REQUEST_TIMEOUT = 30.0
 POLL = 0.25  # seconds between prefetch progress reports (each costs what changed since the last)
-STUCK_AFTER = 10.0  # default seconds without progress, downloads waiting for space, before prefetch gives the rest up
 AGENT_START_TIMEOUT = 60.0
 
 #: (hashlib algorithm, hex digest) a shard's bytes must have, e.g. ("sha256", "9f86d0...").
@@ -275,7 +274,7 @@ class Progress:
 
 def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: Callable[[Progress], None],
              cache_size: str | None = None, download_workers: int | None = None,
-             give_up_after: float = STUCK_AFTER, s3_endpoint_url: str | None = None) -> Progress:
+             give_up_after: float = PREFETCH_GIVE_UP_AFTER, s3_endpoint_url: str | None = None) -> Progress:
     """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
     (with ``cache_size``, default the last agent's budget, ``download_workers`` and ``s3_endpoint_url``)
     until done, or

@@ -27,7 +27,6 @@ Guarantees (main loop only):
 from __future__ import annotations
 
 import enum
-import logging
 import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -36,11 +35,12 @@ from typing import Any
 
 from ..shared.config import format_size
 from ..shared.index import ShardState
+from ..shared.logs import get_logger
 from ..shared.protocol import PAGE_BYTES
 from .cache import ShardCache
 from .downloads import Downloads, NoRoom, PrefetchHold
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 MAX_PENDING = 1_000_000  # shards waiting to be prefetched at most, over every prefetch
 MAX_CHANGES = 4096  # changes in one status reply at most (and at most PAGE_BYTES of them)

@@ -124,6 +124,11 @@ class AgentConfig:
             )
 
 
+# `wdscache prefetch --give-up-after`: seconds downloads may wait for space with no progress
+# before the prefetch gives the rest up.
+PREFETCH_GIVE_UP_AFTER = 10.0
+
+
 def default(name: str) -> Any:
     """The default of :class:`AgentConfig`'s field ``name`` (one source for every layer that has one)."""
     for f in fields(AgentConfig):

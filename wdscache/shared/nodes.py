@@ -425,6 +425,14 @@ def check_same_list(lists: Sequence[NodeList | str], layout: Layout) -> None:
         held.setdefault(listed, []).append(r)
     if len(held) == 1:
         return
+    if len({(listed.list_id, listed.shards) for listed in held}) == 1:
+        uncounted = sorted(r for listed, ranks in held.items() if listed.counts is None for r in ranks)
+        if uncounted and len({listed.counts for listed in held if listed.counts is not None}) <= 1:
+            # One list, but some agents have not counted every shard yet: not a disagreement.
+            raise ConfigError(
+                f"the nodes read the same list, but the agents of {_ranks(uncounted, layout)} do not know every "
+                "shard's sample count yet, which the split between nodes needs: give every "
+                "node's agent a shard index (made by `wdscache index`), then restart the job")
     which = "; ".join(f"{_ranks(ranks, layout)}: {listed.describe()}" for listed, ranks in held.items())
     raise ConfigError(
         f"the nodes of this job read different lists, so their ranks would get unequal counts and some samples "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .errors import FetchError
@@ -75,6 +75,16 @@ def is_listing(url: str) -> bool:
     """Whether ``url`` names several objects: a prefix (empty or ending in ``/``) or a glob."""
     key = split(url)[1]
     return not key or key.endswith("/") or _GLOB.search(key) is not None
+
+
+def listed_by(url: str) -> Callable[[str], bool]:
+    """Whether a key of ``url``'s bucket is one the prefix or glob ``url`` stands for: under a
+    prefix, the names that end like a tar; under a glob, the keys it matches."""
+    key = split(url)[1]
+    if _GLOB.search(key):
+        pattern = glob_regex(key)
+        return lambda k: pattern.fullmatch(k) is not None
+    return lambda k: k.startswith(key) and k.endswith(SHARD_SUFFIXES)
 
 
 def glob_regex(pattern: str) -> re.Pattern[str]:
@@ -204,7 +214,7 @@ class S3Client:
         bucket, key = split(url)
         glob = _GLOB.search(key)
         prefix = key[:glob.start()] if glob else key
-        matches = glob_regex(key).fullmatch if glob else (lambda k: k.endswith(SHARD_SUFFIXES))
+        matches = listed_by(url)
         pages = self._client.get_paginator("list_objects_v2").paginate(
             Bucket=bucket, Prefix=prefix, **({"PaginationConfig": {"PageSize": page_size}} if page_size else {}))
         keys: list[str] = []
