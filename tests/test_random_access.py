@@ -8,6 +8,7 @@ import contextlib
 import gzip
 import io
 import json
+import os
 import pickle
 import random
 import subprocess
@@ -19,8 +20,10 @@ from typing import Any
 import pytest
 
 from scripts.shard_maker import make_shard
+from tests.test_agent_restart import kill_agent
 from wdscache import FetchError, ShardError, ShardIndexError, ShardListDataset
 from wdscache.shared.stats import collect
+from wdscache.training.random_access import _Session
 
 wids = pytest.importorskip("wids", reason="wids is not installed (scripts/test.sh installs it)")
 pytest.importorskip("PIL", reason="pillow is not installed (scripts/test.sh installs it)")
@@ -247,3 +250,72 @@ def test_a_shard_that_does_not_hold_the_samples_the_index_says_is_named(
         assert urls[1] in str(info.value)
     finally:
         ds.close()
+
+
+def test_its_errors_show_no_secret_of_a_url(dataset: Callable[..., Any], start_agent: Callable[..., Any],
+                                            tmp_path: Path) -> None:
+    data = dataset(2, samples=4, payload=300)
+    urls = [u.replace("://", "://USERSECRET:PASSWORDSECRET@", 1) + "?token=TOKENSECRET&v=1" for u in data.urls]
+    data.list_file.write_text("\n".join(urls) + "\n")
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file)
+    ds = ShardListDataset([{"url": u, "nsamples": 4} for u in urls], cache_dir=cache, transformations=[])
+    try:
+        assert ds[0]["__key__"] == "s00000_00000"
+        # Its cache file cut short behind the agent's back, while pinned and open.
+        (cached,) = [Path(d) / n for d, _, names in os.walk(cache) for n in names if n.endswith("-shard-000000.tar")]
+        os.truncate(cached, 0)
+        with pytest.raises(ShardError, match="shorter than when its table was made") as info:
+            ds[1]
+        shown = str(info.value) + repr(info.value)
+        assert "shard-000000.tar" in shown and "***" in shown
+        assert not [s for s in ("USERSECRET", "PASSWORDSECRET", "TOKENSECRET") if s in shown], shown
+        assert info.value.url == urls[0]  # the attribute keeps the full URL
+        assert ds[5]["__key__"] == "s00001_00001"  # the other shard reads on
+    finally:
+        ds.close()
+
+
+def test_a_new_shard_read_as_the_agent_restarts_is_read_whole(local_index: Path, start_agent: Callable[..., Any],
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, local_index, "--workers", "2")
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[], lru_size=1)
+    reference = wids.ShardListDataset(str(local_index), cache_dir=str(tmp_path / "wids"), transformations=[])
+    restarted: list[Any] = []
+    table = _Session._table
+
+    def table_then_restart(session: _Session, shard: int, identity: tuple[int, ...]) -> Any:
+        """The agent SIGKILLed and started again right after a new shard's table came: the next
+        request to it (a release, say) finds the new run."""
+        made = table(session, shard, identity)
+        if shard == 1 and not restarted:
+            kill_agent(agent)
+            restarted.append(start_agent(cache, local_index, "--workers", "2"))
+        return made
+
+    monkeypatch.setattr(_Session, "_table", table_then_restart)
+    try:
+        assert _plain(ds[0]) == _plain(reference[0])
+        for i in (7, 8, 13, 2):  # shard 1 opened across the restart, then shard 2, then 0 again
+            assert _plain(ds[i]) == _plain(reference[i]), i
+        assert restarted and restarted[0].stats()["agent"]["pinned"] == 1
+    finally:
+        ds.close()
+
+
+def test_a_forked_dataloader_worker_keeps_none_of_its_parents_cache_files_open(
+        local_index: Path, start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index, "--workers", "2")
+    r = subprocess.run([sys.executable, "-m", "tests.helpers.random_access_fork_job", str(local_index), str(cache),
+                        "0", "7"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    parent, worker = out["parent"], out["worker"]
+    assert (parent["key"], worker["key"]) == ("s0/000", "s1/001")
+    assert worker["pid"] != out["parent_pid"] == parent["pid"]
+    assert [Path(f).name.endswith("-part-0000.tar") for f in parent["files"]] == [True]
+    # The worker holds its own shard's file alone: the parent's pin stays the parent's.
+    assert [Path(f).name.endswith("-part-0001.tar") for f in worker["files"]] == [True], worker["files"]

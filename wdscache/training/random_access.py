@@ -27,8 +27,13 @@ Guarantees:
   budget with pins while each waits for room for another shard.
 - When the agent restarts, the session says hello again and opens its shards again.
 - A bad index is an :class:`IndexError`; a shard that cannot be fetched a
-  :class:`~wdscache.shared.errors.FetchError` naming it; a damaged one a
-  :class:`~wdscache.shared.errors.ShardError`.
+  :class:`~wdscache.shared.errors.FetchError` naming it; a damaged one, or one whose cache file
+  changed behind the agent's back (read the sample again), a
+  :class:`~wdscache.shared.errors.ShardError`; an agent that does not answer an
+  :class:`~wdscache.shared.errors.AgentUnavailableError`. Every error of ours is a
+  :class:`~wdscache.shared.errors.WdsCacheError`, whose messages show no URL's user info or tokens.
+- A forked process (a DataLoader worker) closes the cache files it inherited, without a word to
+  the agent: they are its parent's pins.
 """
 
 from __future__ import annotations
@@ -58,19 +63,15 @@ from ..shared.errors import (
     WdsCacheError,
 )
 from ..shared.layout import file_identity
-from ..shared.logs import get_logger
 from ..shared.protocol import pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_index
 from ..shared.urls import index_list, normalize_url
-from .direct import StaleFile
 from .epoch_shards import shard_error
 from .loader import _env_defaults
 from .pins import STATUS_EVERY
 from .private import PrivateAgent
 from .stream import same_directory
 from .worker_links import WorkerLinks
-
-log = get_logger(__name__)
 
 # Samples one table request asks a worker for: a worker takes up to 4096 items a read, and the
 # reply's header (a key, extensions and a span per sample) must stay well inside the 1 MiB a
@@ -306,6 +307,8 @@ class ShardListDataset:
         desc = self.shards[entry]
         session = self._session
         if session is None or session.forks != _forks:  # a forked child never uses its parent's sockets
+            if session is not None:
+                session.forget()
             session = self._session = _Session(self)
         sample = session.sample(self._where[entry], inner)
         sample["__dataset__"] = desc.get("dataset")
@@ -319,8 +322,11 @@ class ShardListDataset:
     def close(self) -> None:
         """Say goodbye to the agent (our pins go) and close this process's sockets and files; a
         later ``ds[i]`` starts again."""
-        if self._session is not None and self._session.forks == _forks:
-            self._session.close()
+        if self._session is not None:
+            if self._session.forks == _forks:
+                self._session.close()
+            else:
+                self._session.forget()
         self._session = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -464,12 +470,16 @@ class _Session:
         # Cut short behind the agent's back: never served; open it (and walk its table) again.
         self._let_go(shard)
         self.table_samples -= len(self.tables.pop(shard).rows)
-        raise StaleFile(f"{self.urls[shard]}: its cache file is shorter than when its table was made; "
-                        "read the sample again")
+        raise ShardError(self.urls[shard], "its cache file is shorter than when its table was made (changed "
+                         "behind the agent's back); read the sample again")
 
     def _pin(self, shard: int) -> _Open:
         """Pin ``shard`` (waiting for its download), open its cache file, know its table."""
         url = self.urls[shard]
+        # Room first: a release may be the request that finds a restarted agent, which closes
+        # every pinned file; so it comes before our open, which the new run then answers.
+        while len(self.pinned) >= self.ds.lru_size:
+            self._let_go(next(iter(self.pinned)))
         request = {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard), "wait": False}
         reply = self.conn.request(request)
         if not reply.get("ok") and reply.get("cached") is False:
@@ -500,8 +510,6 @@ class _Session:
             self.conn.request({"op": "release", "reader": self.name, "url": url})
             raise
         held = self.pinned[shard] = _Open(fd, table)
-        while len(self.pinned) > self.ds.lru_size:
-            self._let_go(next(iter(self.pinned)))
         return held
 
     def _ahead(self, shard: int) -> list[str]:
@@ -570,6 +578,13 @@ class _Session:
             waited += 0.25
         raise AgentUnavailableError(self.links.endpoints[worker], deadline, "the agent's sample worker did not answer")
 
+    def forget(self) -> None:
+        """In a forked child: close the cache files inherited from the parent, without a word to
+        the agent (the pins are the parent's, as are the sockets), so that no file the agent
+        evicts stays open here."""
+        for shard in list(self.pinned):
+            os.close(self.pinned.pop(shard).fd)
+
     def close(self) -> None:
         for shard in list(self.pinned):
             os.close(self.pinned.pop(shard).fd)
@@ -596,7 +611,8 @@ def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int
     try:
         for entry in files:
             if [int(x) for x in entry[3:]] != list(table.identity):
-                raise StaleFile(f"{url}: the worker read another copy of it than the one pinned")
+                raise ShardError(url, "the worker read another copy of its cache file than the one pinned (replaced "
+                                 "meanwhile); read the sample again")
         for key, names, span in zip(keys, exts, spans):
             entry = files[span[0] - n_frames]
             if span[0] < n_frames or len(span) != 1 + 2 * len(names) or min(span) < 0 or not names:
