@@ -207,3 +207,28 @@ def test_shard_client_fails_at_once_when_a_restarted_agent_cannot_pin_its_shard_
         with pytest.raises(FetchError, match="restarted and cannot pin it again"):
             client.stats()
         assert client.stats()["agent"]["pinned"] == 0  # told once; the client goes on
+
+
+def test_a_resumed_loader_whose_first_iter_fails_delivers_the_resumed_epoch_exactly_once_the_agent_is_back(
+        shard_server, dataset, start_agent, tmp_path):
+    from wdscache import AgentUnavailableError, CachedMultiLoader
+
+    ds = dataset(3, samples=20, payload=500)
+    cache = tmp_path / "cache"
+    args = ("--prefetch", "3", "--cache-size", "10M")
+    agent = start_agent(cache, ds.list_file, *args)
+    first = CachedMultiLoader(cache_dir=cache, job="resume", timeout=10, seed=5)
+    it = iter(first)
+    head = [next(it) for _ in range(24)]
+    state = first.state_dict()
+    it.close()
+    whole = list(CachedMultiLoader(cache_dir=cache, job="resume", timeout=10, seed=5))
+    agent.stop()
+    resumed = CachedMultiLoader(cache_dir=cache, job="resume", timeout=2, seed=5)
+    resumed.load_state_dict(state)
+    with pytest.raises(AgentUnavailableError):
+        iter(resumed)
+    start_agent(cache, ds.list_file, *args)
+    rest = list(resumed)
+    key = lambda s: (s["__url__"], s["__key__"])  # noqa: E731
+    assert [key(s) for s in head] + [key(s) for s in rest] == [key(s) for s in whole]

@@ -149,3 +149,27 @@ def test_a_damaged_copy_another_reader_holds_is_fetched_again_once_it_lets_go(
         assert s["fields"] == ref[(s["url"], s["key"])]
     s = agent.stats()
     assert s["failed"] == [] and gets(shard_server, ds.paths[2].name) == 2, s["failed"]
+
+
+def test_a_handler_that_says_stop_ends_the_epoch_after_every_sample_before_the_failed_shard(
+        shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(5, samples=30, payload=500)
+    last = sorted(k for _, k in reference(ds.paths[4:], ds.urls[4:]))
+    clobber_header(ds.paths[4], member=20)  # damaged at its source: the copy fetched again is too
+    cache = tmp_path / "cache"
+    start_agent(cache, ds.list_file, "--workers", "2", "--prefetch", "5")
+    ref = reference(ds.paths[:4], ds.urls[:4])
+    told: list[Exception] = []
+
+    def stop(exc: Exception) -> bool:
+        told.append(exc)
+        return False
+
+    # Small reads, many at once: those of the shards before it are still out when the damaged one fails.
+    got = list(loader(cache, shuffle=False, on_error=stop, request_size=4, inflight=64))
+    assert told and ds.urls[4] in str(told[0])
+    keys = [(s["__url__"], s["__key__"]) for s in got]
+    assert keys[: len(ref)] == sorted(ref, key=lambda k: (ds.urls.index(k[0]), k[1]))
+    # then at most the failed shard's samples before its damage, in order, and nothing after it
+    rest = keys[len(ref):]
+    assert rest == [(ds.urls[4], key) for key in last[: len(rest)]]

@@ -198,3 +198,58 @@ def test_webdataset_takes_a_mixture_too(two_sources: dict[str, Any]) -> None:
     ds = wdscache.WebDataset(mix={src["a"]: 1, src["b"]: 3}, epoch_samples=20, cache_dir=src["cache"], job="wds-mix")
     got = list(ds.to_tuple("__source__", "__url__"))
     assert Counter(s for s, _ in got) == {src["a"]: 5, src["b"]: 15} and len(ds) == 20
+
+
+def test_a_cold_mixture_counted_for_longer_than_the_agent_keeps_a_silent_reader_delivers_its_shares(
+        dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path) -> None:
+    a = dataset(1, samples=PER_SHARD, payload=200, prefix="ca", list_name="ca.txt")
+    b = dataset(2, samples=PER_SHARD, payload=20_000, prefix="cb", list_name="cb.txt")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, a.list_file, "--workers", "2", "--reader-timeout", "2")
+    shard_server.rate = 60_000  # b's shards (about 200 kB each) take about 3 s to count: longer than 2 s
+    ld = CachedMultiLoader(mix={str(a.list_file): 1, str(b.list_file): 3}, epoch_samples=20, cache_dir=cache,
+                           job="cold", timeout=30)
+    got = list(ld)
+    assert Counter(s["__source__"] for s in got) == {str(a.list_file): 5, str(b.list_file): 15}
+    assert "--reader-timeout" not in agent.stderr_text(), agent.stderr_tail()  # no reader of the epoch went silent
+
+
+def test_a_handler_that_says_stop_while_a_mixture_is_counted_skips_that_shard(
+        dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    from tests.test_damaged import clobber_header
+
+    a = dataset(1, samples=PER_SHARD, payload=200, prefix="sa", list_name="sa.txt")
+    b = dataset(2, samples=PER_SHARD, payload=200, prefix="sb", list_name="sb.txt")
+    clobber_header(b.paths[1])  # damaged at its source: every copy is
+    cache = tmp_path / "cache"
+    start_agent(cache, a.list_file, "--workers", "2")
+    told: list[Exception] = []
+
+    def stop(exc: Exception) -> bool:
+        told.append(exc)
+        return False
+
+    ld = CachedMultiLoader(mix={str(a.list_file): 1, str(b.list_file): 1}, epoch_samples=20, cache_dir=cache,
+                           job="stop", timeout=30, on_error=stop)
+    got = list(ld)
+    assert told and b.urls[1] in str(told[0])
+    assert len(got) == 20 and b.urls[1] not in {s["__url__"] for s in got}
+    assert Counter(s["__source__"] for s in got) == {str(a.list_file): 10, str(b.list_file): 10}
+
+
+def test_len_under_resampled_with_epoch_is_unknown_outside_a_worker(two_sources: dict[str, Any]) -> None:
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    import wdscache
+
+    src = two_sources
+    ds = wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True, job="len").with_epoch(25)
+    with pytest.raises(TypeError, match="with_epoch"):
+        len(ds)
+    both = wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True, epoch_samples=40, job="len")
+    assert len(both) == 40
+
+
+def test_a_pipe_source_in_a_mixture_is_refused_as_a_loader_refuses_it(two_sources: dict[str, Any]) -> None:
+    src = two_sources
+    with pytest.raises(ConfigError, match=r"mix\['pipe:cat x.tar'\]: a loader does not run pipe: commands"):
+        CachedMultiLoader(mix={src["a"]: 1, "pipe:cat x.tar": 1}, epoch_samples=10, cache_dir=src["cache"])

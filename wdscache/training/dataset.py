@@ -47,6 +47,9 @@ class TorchCachedMultiLoader(CachedMultiLoader, IterableDataset):
         info = get_worker_info()
         return Part() if info is None else Part(info.id, info.num_workers)
 
+    def _in_worker(self) -> bool:
+        return get_worker_info() is not None
+
     def __iter__(self) -> Iterator[Any]:
         told = self._epoch_box[0]
         if told != self._box_seen:  # set_epoch was called in the main process since this copy was made

@@ -37,15 +37,22 @@ OnError = str | Callable[[BaseException], bool]
 
 class StopEpoch(Exception):
     """A handler (``on_error=fn``) returned False for a shard's error: the epoch ends there,
-    as webdataset's ``ignore_and_stop`` ends an iteration (caught where samples leave the stream)."""
+    after the samples before it, as webdataset's ``ignore_and_stop`` ends an iteration (caught
+    in the stream, which hands out the reads before the failing one first). ``shard`` is the
+    shard that failed (None: not one shard's fault), ``seq`` the read that failed, if known."""
+
+    def __init__(self, message: str, shard: int | None = None) -> None:
+        super().__init__(message)
+        self.shard = shard
+        self.seq: int | None = None
 
 
-def judge(on_error: OnError, exc: WdsCacheError) -> None:
-    """What ``on_error`` makes of ``exc``: raise it, return (skip the shard), or raise StopEpoch."""
+def judge(on_error: OnError, exc: WdsCacheError, shard: int | None = None) -> None:
+    """What ``on_error`` makes of ``exc`` (of ``shard``): raise it, return (skip the shard), or raise StopEpoch."""
     if on_error == "raise":
         raise exc
     if callable(on_error) and not on_error(exc):
-        raise StopEpoch(str(exc))
+        raise StopEpoch(str(exc), shard)
 
 COUNTS_AHEAD = 256  # shards whose counts are asked for at once, from the one the sequence reaches
 
@@ -226,7 +233,7 @@ class EpochShards:
         self.pins.close_file(shard)
         if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
             self.report_damage(shard, str(exc))
-        judge(self.on_error, exc)
+        judge(self.on_error, exc, shard)
         log.warning("skipping %s: %s", self.urls[shard], exc)
         self.skipped.add(shard)
         self.sample_counts[shard] = 0

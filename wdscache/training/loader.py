@@ -72,7 +72,7 @@ from .mixing import mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree, check_kept, job_group
 from .private import PrivateAgent, check_cache_dir
 from .stream import EpochStream, Session, StreamSettings
-from .urls_arg import given_names, pipe_urls
+from .urls_arg import given_names, pipe_refusal, pipe_urls
 from .worker_parts import Delivered, Part, check_worker, combine
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
@@ -266,10 +266,7 @@ class CachedMultiLoader:
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
         piped = pipe_urls(urls) if urls is not None else []
         if piped:
-            raise ConfigError(
-                f"urls={piped[0]!r}: a loader does not run pipe: commands (the agent runs only those of its own "
-                "--urls list, started with --allow-pipe: give urls=None to read that list); wdscache.WebDataset "
-                "reads pipe: shards in this process, uncached, as webdataset does")
+            raise ConfigError(pipe_refusal(f"urls={piped[0]!r}"))
         # Local paths as the user wrote them, by their file:// URLs: samples name them so (__url__).
         self._given = given_names(urls) if urls is not None else {}
         # mix= / resampled=: the sources' lists as one, each epoch a mixture of them (wdscache.training.mixing)
@@ -309,6 +306,10 @@ class CachedMultiLoader:
         """This process's part of the rank's share: all of it (a DataLoader worker's: see
         :mod:`wdscache.training.dataset`)."""
         return Part()
+
+    def _in_worker(self) -> bool:
+        """Whether this copy reads in a DataLoader worker (see :mod:`wdscache.training.dataset`)."""
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         """The job's position: any one rank's dict resumes every rank, with any world size.
@@ -532,8 +533,10 @@ class CachedMultiLoader:
         nxt, part = self._next, self._part()
         epoch, part = nxt.epoch, Part(part.index, part.count, nxt.skip)
         start: Resume | JobEpoch = nxt.start
-        self._next = NextEpoch(epoch + 1)
         self._agree_on_list()
+        # A mixture's counts first: counting may read shards for longer than the agent keeps a
+        # silent reader, so the epoch's session opens after it.
+        spec = self._mix_spec(epoch, part.count) if self._mix is not None else None
         session = self._open_session()
         try:
             taken_on = self._resumed_from.get("urls") if self._resumed_from is not None else None
@@ -547,11 +550,12 @@ class CachedMultiLoader:
                 if self.layout.num_nodes > 1:
                     check_kept(self.layout, NodeList.of(session.list_id, counts), self._job_list)
                 start = self._job_epoch(counts, nxt)
-            spec = self._mix_spec(session, epoch, part.count) if self._mix is not None else None
         except BaseException:
             session.conn.close()
             raise
         stream = EpochStream(self._stream_settings(), session, epoch, start, part, spec=spec)
+        # Only now the next epoch: an iter() that failed to start leaves the position as it was.
+        self._next = NextEpoch(epoch + 1)
         self._current = stream
         self._resumed_from = None
         items: Iterator[Any] = stream.samples()
@@ -564,10 +568,11 @@ class CachedMultiLoader:
             return stream.delivering((1, item) for item in items)
         return stream.delivering(_batched(items, self.batch_size, self.collate))
 
-    def _mix_spec(self, session: Session, epoch: int, workers: int) -> MixSpec:
-        """The mixture's epoch ``epoch`` (its counts learned first, if need be)."""
+    def _mix_spec(self, epoch: int, workers: int) -> MixSpec:
+        """The mixture's epoch ``epoch`` (its counts learned first, if need be, through a session of their own)."""
         assert self._mix is not None
-        counts = shard_counts(session, self._stream_settings(), self._open_session)
+        urls, counts, _ = self._probe()
+        counts = shard_counts(urls, counts, self._stream_settings(), self._open_session)
         return mix_spec(self._mix, counts, world_size=self.world_size, workers=workers, epoch=epoch,
                         settings=self._stream_settings())
 
@@ -650,6 +655,10 @@ class CachedMultiLoader:
     def __len__(self) -> int:
         """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
         if self._mix is not None:  # a mixture's length is its own, whatever the counts
+            if self._mix.per_worker is not None and not self._in_worker():
+                raise TypeError("length unknown: with resampled=True, with_epoch(n) gives each DataLoader worker n "
+                                "samples, and the workers are not known here; give epoch_samples= (the job's "
+                                "samples per epoch) for a length")
             total = self._mix.total(self.world_size, self._part().count)
         else:
             urls, counts, _ = self._probe()
@@ -694,8 +703,6 @@ def _as_given(items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]]
 
 def _natural(x: Any) -> bool:
     return type(x) is int and x >= 0
-
-
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

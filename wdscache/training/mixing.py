@@ -16,6 +16,7 @@ would).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -27,9 +28,8 @@ from ..shared.mixture import MixSpec, Mixture, check_mix_arg
 from ..shared.sequence import BLOCK, EpochSpec, Resume
 from ..shared.shard_index import ShardInfo
 from ..shared.urls import UrlList
-from .epoch_shards import agent_counts
 from .stream import EpochStream, Session, StreamSettings
-from .urls_arg import UrlsArg, read_urls_arg
+from .urls_arg import UrlsArg, pipe_refusal, pipe_urls, read_urls_arg
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,9 @@ def read_mix_arg(urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_sa
         pairs = check_mix_arg(mix)
         lists = []
         for key, _ in pairs:
+            piped = pipe_urls(key)
+            if piped:
+                raise ConfigError(pipe_refusal(f"mix[{key!r}]"))
             try:
                 lists.append(read_urls_arg(key))
             except WdsCacheError as exc:
@@ -133,14 +136,24 @@ def mix_spec(arg: MixArg, counts: Sequence[int], *, world_size: int, workers: in
                    settings.shuffle_buffer)
 
 
-def shard_counts(session: Session, settings: StreamSettings, open_session: Callable[[], Session]) -> list[int]:
-    """Every shard's sample count, the agent's; those it has none of yet counted here, by reading
-    them through a stream of their own (one rank, list order) before the epoch starts."""
-    counts: list[Any] = agent_counts(session.conn, session.urls)
+def shard_counts(urls: Sequence[str], counts: Sequence[Any], settings: StreamSettings,
+                 open_session: Callable[[], Session]) -> list[int]:
+    """Every shard's sample count: ``counts`` (the agent's); those it has none of yet counted
+    here, by reading them through a stream of their own (one rank, list order) before the
+    epoch starts. A shard that fails there counts 0 (skipped), whatever ``on_error`` makes of
+    it but "raise": a handler that says stop ends no epoch before it has begun."""
     missing = tuple(i for i, c in enumerate(counts) if not isinstance(c, int))
     if not missing:
-        return counts
-    one = dataclasses.replace(settings, world_size=1, rank=0)
-    spec = EpochSpec(len(session.urls), shuffle=False, shards=missing)
+        return [int(c) for c in counts]
+    on_error = settings.on_error
+    one = dataclasses.replace(settings, world_size=1, rank=0,
+                              on_error=functools.partial(_skipping, on_error) if callable(on_error) else on_error)
+    spec = EpochSpec(len(urls), shuffle=False, shards=missing)
     learned = EpochStream(one, open_session(), 0, Resume(), spec=spec).counts()
     return [learned.get(i, 0) if i in missing else int(c) for i, c in enumerate(counts)]
+
+
+def _skipping(handler: Callable[[Exception], Any], exc: Exception) -> bool:
+    """``handler``'s verdict on a shard counted before the epoch: told of it, but skipped either way."""
+    handler(exc)
+    return True

@@ -23,6 +23,7 @@ DELAYED   an open has to wait, holding no pins                          REOPEN
 REOPEN    its shards pinned again                                       SENT
 any       to be sent, but every item is a hole (its shard skipped)      ANSWERED
 ANSWERED  its samples handed out (:meth:`ReadTable.hand_out`)           (gone)
+any       at or after the read the epoch stops at (``drop_from``)      (gone)
 ========  ============================================================  ========
 
 Any failure with ``on_error="raise"`` (and a worker refusing the consumer, whatever
@@ -140,6 +141,12 @@ class ReadTable:
     def in_state(self, state: ReadState) -> list[Read]:
         """The reads in ``state``, oldest first (a copy: the caller may move them)."""
         return [read for read in self.by_seq.values() if read.state is state]
+
+    def drop_from(self, seq: int) -> None:
+        """Forget every read from ``seq`` on (the epoch ends before them); late replies find none."""
+        for read in [r for r in self.by_seq.values() if r.seq >= seq]:
+            self._leave(read)
+            del self.by_seq[read.seq]
 
     def hand_out(self, seq: int) -> Read | None:
         """Read ``seq``, taken out of the table, if its samples are here; else None."""

@@ -21,6 +21,7 @@ stays, so the epoch delivers each sample once; a new run serving another list en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -271,39 +272,40 @@ class EpochStream:
         exhausted = False
         last: dict[str, Any] | None = None  # the latest sample read, to repeat in a hole
         owed = 0  # holes before the first sample read
+        end: int | None = None  # on_error's handler said stop: the first read not handed out
         while True:
             t0 = time.perf_counter()
             stalled = False
-            if self.repin:
-                self._repin()
-            if reads.reopening or reads.delayed:
-                self._recover()
-            # Reads waiting to be pinned again do not count: their samples are not here.
-            while not exhausted and len(by_seq) - reads.reopening < limit:
-                try:
+            try:
+                if self.repin:
+                    self._repin()
+                if reads.reopening or reads.delayed:
+                    self._recover()
+                # Reads waiting to be pinned again do not count: their samples are not here.
+                while not exhausted and len(by_seq) - reads.reopening < limit:
                     item = next(owned, _END)
-                    if item is not _END and item is not None:
-                        self._add(cast(Item, item))
-                except StopEpoch as stop:  # on_error's handler said stop: the samples before it still come
-                    log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
-                    item = _END
-                if item is _END:
-                    exhausted = True
-                    self._flush()
+                    if item is _END:
+                        exhausted = True
+                        self._flush()
+                        break
+                    if item is None:
+                        # A shard still downloading has no more samples yet: send what we have
+                        # (the first sample goes out as soon as it is complete) and look again soon.
+                        stalled = True
+                        self._flush()
+                        break
+                    self._add(cast(Item, item))
+                if seq_yield >= (self.seq_next if end is None else end) and exhausted:
                     break
-                if item is None:
-                    # A shard still downloading has no more samples yet: send what we have
-                    # (the first sample goes out as soon as it is complete) and look again soon.
-                    stalled = True
-                    self._flush()
-                    break
-            if seq_yield == self.seq_next and exhausted:
-                break
-            read = reads.hand_out(seq_yield)
-            if read is None:
-                self._receive(STREAM_POLL if stalled else 0.1)
-                self.stats["wait_s"] += time.perf_counter() - t0
-                self.clock.check_stall(self._waited_for)
+                read = reads.hand_out(seq_yield)
+                if read is None:
+                    self._receive(STREAM_POLL if stalled else 0.1)
+                    self.stats["wait_s"] += time.perf_counter() - t0
+                    self.clock.check_stall(self._waited_for)
+                    continue
+            except StopEpoch as stop:  # the samples before the failing read still come, then the epoch ends
+                exhausted = True
+                end = self._stop_at(stop, end)
                 continue
             seq_yield += 1
             self.stats["wait_s"] += time.perf_counter() - t0
@@ -327,6 +329,25 @@ class EpochStream:
                     yield dict(last)
                 owed = 0
             self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
+
+    def _stop_at(self, stop: StopEpoch, end: int | None) -> int:
+        """The first read not handed out, now that on_error's handler said stop at ``stop``
+        (``end``: where an earlier stop ended it): the read that failed, or an earlier one of
+        the failing shard whose samples are not here (else the next read: what was batched goes
+        out). The reads from there on are forgotten, and the shard is let go, so that no read
+        before it fails on it again."""
+        log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
+        if stop.shard is not None:
+            self.shards.skipped.add(stop.shard)  # never read again
+        self._flush()
+        at = self.seq_next if stop.seq is None else stop.seq
+        if stop.shard is not None:
+            at = min((read.seq for read in self.reads.by_seq.values() if read.state is not ReadState.ANSWERED
+                      and any(sid[0] == stop.shard for _, sid in read.items)), default=at)
+        if end is not None:
+            at = min(at, end)
+        self.reads.drop_from(at)
+        return at
 
     def _add(self, item: Item) -> None:
         """Batch ``item``, its shard pinned; a batch only ever holds pinned shards.
@@ -401,7 +422,8 @@ class EpochStream:
             while True:
                 waits = pins.waits
                 for shard in per_shard:
-                    shards.open(shard, again=shard in again)  # waits until cached; may raise (on_error="raise")
+                    with _failing(read):
+                        shards.open(shard, again=shard in again)  # waits until cached; may raise (on_error="raise")
                     again.discard(shard)
                 if pins.waits == waits:
                     break  # all pinned at once (an open that had to wait let go of the others)
@@ -422,7 +444,8 @@ class EpochStream:
                 continue  # an open that had to wait put it back for reopening
             # A shard that fails here is let go; its items become holes.
             for shard in {sid[0] for _, sid in read.items if sid[0] not in shards.skipped}:
-                shards.check_download(shard)
+                with _failing(read):
+                    shards.check_download(shard)
 
     def _hold_nothing(self) -> None:
         """Before an open waits: what is batched goes out (its shards are pinned) and we wait
@@ -629,7 +652,8 @@ class EpochStream:
         shard = read_shards.get(str(header.get("url")))
         if shard is None:  # not one shard's fault (a bad request, a worker's bug): the whole read
             exc = shard_error(self.urls[read.sent_items()[0][1][0]], header)
-            judge(self.settings.on_error, exc)
+            with _failing(read):
+                judge(self.settings.on_error, exc)
             log.warning("skipping %d samples: %s", len(items), exc)
             self.reads.answer(read, [None] * len(items), [0] * len(items))
             return
@@ -638,7 +662,8 @@ class EpochStream:
             # The read goes again once the shard is opened again, from a new copy (_recover).
             self.reads.reopen(read)
             return
-        self.shards.failed(shard, exc)  # raises with on_error="raise"
+        with _failing(read):
+            self.shards.failed(shard, exc)  # raises with on_error="raise"
         for _, (other, _) in read.sent_items():
             if other in opened:
                 opened[other] += 1
@@ -728,4 +753,12 @@ def same_directory(hello: dict[str, Any]) -> bool:
     return [st.st_dev, st.st_ino] == root
 
 
-
+@contextlib.contextmanager
+def _failing(read: Read) -> Iterator[None]:
+    """A StopEpoch raised here ends the epoch at ``read`` (the reads before it are handed out)."""
+    try:
+        yield
+    except StopEpoch as stop:
+        if stop.seq is None:
+            stop.seq = read.seq
+        raise

@@ -60,6 +60,13 @@ def pipe_urls(urls: UrlsArg) -> list[str]:
     return [item for item in items if isinstance(item, str) and item.startswith(PIPE)]
 
 
+def pipe_refusal(where: str) -> str:
+    """Why a loader refuses the ``pipe:`` command ``where`` names (``urls='pipe:...'``, say)."""
+    return (f"{where}: a loader does not run pipe: commands (the agent runs only those of its own --urls list, "
+            "started with --allow-pipe: give urls=None to read that list); wdscache.WebDataset reads pipe: shards "
+            "in this process, uncached, as webdataset does")
+
+
 def given_names(urls: UrlsArg) -> dict[str, str]:
     """The local paths among ``urls=`` as given (braces expanded), by the ``file://`` URL they
     stand for: a sample's ``__url__`` is the name the user wrote, as in webdataset."""
