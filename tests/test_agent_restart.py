@@ -11,14 +11,13 @@ import os
 import re
 import signal
 import time
-from typing import Any
 
 import pytest
 
+from tests.helpers.agents import kill_agent
 from tests.helpers.procs import children_of, worker_pids
-from tests.helpers.streaming import Consumer, reference, samples_of
+from tests.helpers.streaming import Consumer, assert_epoch_exact, consumer_log, reference, samples_of, wait_exit
 from tests.helpers.waits import wait_for
-from tests.test_faults import assert_epoch_exact, consumer_log, wait_exit
 from wdscache import FetchError, ShardClient
 from wdscache.shared.layout import CacheLayout
 
@@ -38,15 +37,6 @@ def wait_samples(c: Consumer, n: int, timeout: float = 30.0) -> None:
         assert c.proc.poll() is None, f"the consumer ended before {n} samples\n{consumer_log(c)}"
         return lines_written(c) >= n
     wait_for(enough, timeout, lambda: f"the consumer never wrote {n} samples\n{consumer_log(c)}", interval=0.02)
-
-
-def kill_agent(agent: Any) -> None:
-    """SIGKILL the agent, and wait until its workers are gone too (they watch it)."""
-    workers = worker_pids(agent.pid)
-    agent.proc.send_signal(signal.SIGKILL)
-    assert agent.proc.wait(10) == -signal.SIGKILL
-    wait_for(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), 10,
-             lambda: f"the killed agent's workers still alive: {workers}")
 
 
 def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(shard_server, dataset, start_agent,
@@ -177,8 +167,9 @@ def test_shard_client_pins_its_open_shards_again_at_a_restarted_agent(shard_serv
         assert held.read_bytes() == ds.paths[0].read_bytes() and released.exists()
 
 
-def test_shard_client_gets_back_a_shard_a_restarted_agent_lost_before_its_next_request(
-        shard_server, dataset, start_agent, tmp_path):
+@pytest.mark.parametrize("source", ["kept", "gone"])
+def test_shard_client_at_a_restarted_agent_that_lost_its_shard_gets_it_back_or_fails_at_once(
+        shard_server, dataset, start_agent, tmp_path, source):
     ds = dataset(2, samples=5, payload=1000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
@@ -187,26 +178,16 @@ def test_shard_client_gets_back_a_shard_a_restarted_agent_lost_before_its_next_r
         path = client.open(ds.urls[0])
         kill_agent(agent)
         path.unlink()  # gone while no agent ran: the new run no longer holds it
+        if source == "gone":
+            ds.paths[0].unlink()  # and gone at the source: it cannot come back
         start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
-        assert client.stats()["agent"]["pinned"] == 1
-        assert path.read_bytes() == ds.paths[0].read_bytes()
-
-
-def test_shard_client_fails_at_once_when_a_restarted_agent_cannot_pin_its_shard_again(
-        shard_server, dataset, start_agent, tmp_path):
-    ds = dataset(2, samples=5, payload=1000)
-    cache = tmp_path / "cache"
-    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "not all 2 shards cached")
-    with ShardClient(cache, timeout=10) as client:
-        path = client.open(ds.urls[0])
-        kill_agent(agent)
-        path.unlink()
-        ds.paths[0].unlink()  # and gone at the source: it cannot come back
-        start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
-        with pytest.raises(FetchError, match="restarted and cannot pin it again"):
-            client.stats()
-        assert client.stats()["agent"]["pinned"] == 0  # told once; the client goes on
+        if source == "kept":  # downloaded again before the client's next request is answered
+            assert client.stats()["agent"]["pinned"] == 1
+            assert path.read_bytes() == ds.paths[0].read_bytes()
+        else:
+            with pytest.raises(FetchError, match="restarted and cannot pin it again"):
+                client.stats()
+            assert client.stats()["agent"]["pinned"] == 0  # told once; the client goes on
 
 
 def test_a_resumed_loader_whose_first_iter_fails_delivers_the_resumed_epoch_exactly_once_the_agent_is_back(

@@ -16,11 +16,9 @@ import os
 import pickle
 import re
 import signal
-import subprocess
 import tarfile
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +29,17 @@ from scripts.shard_maker import make_shard, synth_samples, write_url_list
 from tests.helpers.agents import FIRST_PART, AgentProc
 from tests.helpers.disks import fill
 from tests.helpers.procs import alive, children_of, cmdline, worker_pids
-from tests.helpers.streaming import Consumer, reference, samples_of, state_of
+from tests.helpers.streaming import (
+    assert_epoch_exact,
+    consumer_log,
+    exactly_once,
+    reference,
+    samples_of,
+    state_of,
+    wait_exit,
+)
 from tests.helpers.versions import another_version
-from tests.helpers.waits import stop_process, wait_for
+from tests.helpers.waits import wait_for
 from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardError, WdsCacheError
 from wdscache.agent.pool import worker_endpoints
 from wdscache.shared import errors as wds_errors
@@ -91,41 +97,6 @@ def gets(server, name: str) -> list:
 def range_start(value: str | None) -> int | None:
     m = re.fullmatch(r"bytes=(\d+)-\d*", value or "")
     return int(m.group(1)) if m else None
-
-
-def exactly_once(lines: list[dict[str, Any]], ref: dict) -> Counter:
-    """(url, key) counts of consumer output lines, checked byte for byte against ``ref``."""
-    got = Counter()
-    for s in samples_of(lines):
-        uk = (s["url"], s["key"])
-        assert uk in ref, f"unknown sample {uk}"
-        assert s["fields"] == ref[uk], f"sample {uk} differs from webdataset's"
-        got[uk] += 1
-    return got
-
-
-def assert_epoch_exact(lines: list[dict[str, Any]], ref: dict) -> None:
-    got = exactly_once(lines, ref)
-    dups = sorted(uk for uk, n in got.items() if n > 1)
-    missing = sorted(set(ref) - set(got))
-    assert not dups and not missing, f"{len(dups)} duplicated, {len(missing)} missing: {dups[:3]} {missing[:3]}"
-
-
-
-
-
-
-
-def consumer_log(c: Consumer) -> str:
-    return f"--- consumer log ---\n{c.log.read_text(errors='replace')[-3000:]}"
-
-
-def wait_exit(proc: subprocess.Popen, timeout: float, what: str) -> int:
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        stop_process(proc, signal.SIGKILL, 5)
-        pytest.fail(f"{what} did not exit within {timeout:g}s", pytrace=False)
 
 
 class ShardWatcher(threading.Thread):

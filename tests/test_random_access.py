@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from scripts.shard_maker import make_shard
-from tests.test_agent_restart import kill_agent
+from tests.helpers.agents import kill_agent
 from wdscache import FetchError, ShardError, ShardIndexError, ShardListDataset
 from wdscache.shared.stats import collect
 from wdscache.training.random_access import _Session

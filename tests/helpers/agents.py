@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from scripts.console import wdscache_exe
+from tests.helpers.procs import worker_pids
 from tests.helpers.waits import STOP_TIMEOUT, TAIL_LINES, stop_process, tail, wait_for
 from wdscache.shared.config import default, parse_size
 
@@ -138,3 +139,12 @@ class AgentProc:
             lambda: f"{what}; last stats: {json.dumps(last[0])}\n{self.stderr_tail()}",
             interval=0.1,
         )
+
+
+def kill_agent(agent: Any) -> None:
+    """SIGKILL the agent, and wait until its workers are gone too (they watch it)."""
+    workers = worker_pids(agent.pid)
+    agent.proc.send_signal(signal.SIGKILL)
+    assert agent.proc.wait(10) == -signal.SIGKILL
+    wait_for(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), 10,
+             lambda: f"the killed agent's workers still alive: {workers}")

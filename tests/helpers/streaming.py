@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +59,36 @@ def samples_of(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def state_of(lines: list[dict[str, Any]]) -> dict[str, Any]:
     return lines[-1]["state"]
+
+
+# -- what an epoch delivered, and consumers that end -------------------------------------
+
+
+def exactly_once(lines: list[dict[str, Any]], ref: dict) -> Counter:
+    """(url, key) counts of consumer output lines, checked byte for byte against ``ref``."""
+    got = Counter()
+    for s in samples_of(lines):
+        uk = (s["url"], s["key"])
+        assert uk in ref, f"unknown sample {uk}"
+        assert s["fields"] == ref[uk], f"sample {uk} differs from webdataset's"
+        got[uk] += 1
+    return got
+
+
+def assert_epoch_exact(lines: list[dict[str, Any]], ref: dict) -> None:
+    got = exactly_once(lines, ref)
+    dups = sorted(uk for uk, n in got.items() if n > 1)
+    missing = sorted(set(ref) - set(got))
+    assert not dups and not missing, f"{len(dups)} duplicated, {len(missing)} missing: {dups[:3]} {missing[:3]}"
+
+
+def consumer_log(c: Consumer) -> str:
+    return f"--- consumer log ---\n{c.log.read_text(errors='replace')[-3000:]}"
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float, what: str) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        stop_process(proc, signal.SIGKILL, 5)
+        pytest.fail(f"{what} did not exit within {timeout:g}s", pytrace=False)
