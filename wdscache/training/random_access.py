@@ -106,8 +106,9 @@ def default_decoder(sample: Sample, format: str = "PIL") -> Sample:  # noqa: A00
     """wids' ``default_decoder`` (0.1.11), step for step, on a copy of ``sample``: a ``.gz`` that
     follows another extension is decompressed (the key kept); ``.txt``/``.text`` become ``str``,
     ``.cls``/``.cls2`` ``int``, ``.json`` its object, ``.npy`` an array, ``.mp`` msgpack,
-    ``.pt``/``.pth`` ``torch.load``, ``.pkl``/``.pickle`` ``pickle.load`` (the shard's own data,
-    as wids and webdataset load it), ``.safetensors`` its tensors; then images (``.jpg``, ``.png``,
+    ``.pt``/``.pth`` ``torch.load`` (torch's own checks: weights only by default), ``.safetensors``
+    its tensors; ``.pkl``/``.pickle`` stay ``io.BytesIO``, where wids unpickles them: unpickling
+    bytes that came over the network runs whatever code their writer chose; then images (``.jpg``, ``.png``,
     ``.ppm``, ``.pgm``, ``.pbm``, ``.pnm``) ``PIL.Image.open`` (``format="PIL"``) or a numpy
     array of it (``"numpy"``). Every other field stays an ``io.BytesIO``."""
     result = dict(sample)
@@ -146,10 +147,6 @@ def default_decoder(sample: Sample, format: str = "PIL") -> Sample:  # noqa: A00
             import torch
 
             result[key] = torch.load(stream)
-        elif ext in ("pickle", "pkl"):
-            import pickle
-
-            result[key] = pickle.load(stream)
     if format.lower() not in ("pil", "numpy"):
         raise ValueError(f"Unknown format: {format}")
     import PIL.Image
