@@ -19,13 +19,13 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..shared.config import format_size
 from ..shared.errors import FetchError, ShardError
-from ..shared.shard_index import ShardInfo, count_samples
+from ..shared.shard_index import ShardInfo, count_samples, file_facts
 from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
 from .gunzip import gunzip
 
@@ -196,6 +196,47 @@ def sync_partial(d: Download, fd: int, sync: Callable[[int], None]) -> None:
         if exc.errno in DISK_FULL_ERRNOS:  # some file systems take the space only now
             raise disk_full(d, exc) from exc
         raise
+
+
+def write_body(d: Download, chunks: Iterable[bytes], total: int | None, *, check_head: bool) -> None:
+    """Append ``chunks`` to ``d``'s partial file within its reservation (asking for more as a body
+    of unknown size grows), its tar head checked when ``check_head``; synced every SYNC_EVERY
+    bytes and at the end. Raises FetchError past ``total``, Cancelled once cancelled."""
+    fd = os.open(d.partial, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    synced = d.written
+    try:
+        for chunk in chunks:
+            if not chunk:
+                continue
+            if total is not None and d.written + len(chunk) > total:
+                raise FetchError(d.url, f"server sent more than its Content-Length ({total})")
+            if total is None and d.written + len(chunk) > d.reserved:
+                # Asks for a step ahead; the budget grants what it can spare, at least this chunk.
+                d.needed = d.written + len(chunk)
+                d.reserve(d, d.needed + GROW, None)
+            if check_head and d.written < HEAD_BYTES <= d.written + len(chunk):
+                check_tar_head(d, fd, chunk)
+            d.written += write_all(d, fd, chunk)
+            if d.cancel.is_set():  # checked after the write: bytes received are kept for a resume
+                raise Cancelled(d.url)
+            if d.written - synced >= SYNC_EVERY:
+                sync_partial(d, fd, getattr(os, "fdatasync", os.fsync))  # no fdatasync on macOS
+                synced = d.written
+        if check_head and d.written < HEAD_BYTES:
+            check_tar_head(d, fd, b"")
+        sync_partial(d, fd, os.fsync)
+    finally:
+        os.close(fd)
+
+
+def expected_problem(d: Download) -> str | None:
+    """Why ``d``'s complete partial file is not the shard its index describes (None: it is,
+    or there is no index). Hashes the file when an MD5 is expected or ``d.digest`` asks."""
+    want_md5 = d.digest or (d.expected is not None and d.expected.md5 is not None)
+    if d.expected is None and not want_md5:
+        return None
+    size, d.md5 = file_facts(d.partial, md5=want_md5)
+    return d.expected.mismatch(size, d.md5) if d.expected is not None else None
 
 
 def truncate(path: Path) -> None:

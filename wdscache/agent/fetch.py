@@ -87,25 +87,21 @@ from ..shared import s3
 from ..shared.config import default, parse_size
 from ..shared.errors import FetchError
 from ..shared.logs import get_logger
-from ..shared.shard_index import file_facts
-from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem
+from ..shared.tarwalk import GZIP_MAGIC, file_problem
 from .download import (
-    GROW,
-    SYNC_EVERY,
     Cancelled,
     Changed,
     Download,
     Fetched,
     Retry,
     check_announced,
-    check_tar_head,
+    expected_problem,
     publish,
     publish_gunzipped,
     reserve_holding,
     short,
-    sync_partial,
     truncate,
-    write_all,
+    write_body,
 )
 from .parted import PartedFetch
 from .parts import Part, file_size, remove_side_files
@@ -234,13 +230,13 @@ class Fetcher:
         scheme = urlsplit(d.url).scheme
         d.partial.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         size, etag = self._fetch_source(d, scheme)
-        problem = self._check_expected(d)
+        problem = expected_problem(d)
         if problem:  # once more from byte 0: a copy damaged on the way, or a source replaced since
             log.warning("%s: %s; downloading it once more", d.url, problem)
             truncate(d.partial)
             remove_side_files(d.partial)
             size, etag = self._fetch_source(d, scheme)
-            again = self._check_expected(d)
+            again = expected_problem(d)
             if again:
                 first = "" if again == problem else f"; the first copy had {problem}"
                 raise FetchError(d.url, f"{again} (downloaded twice{first})", permanent=True)
@@ -270,16 +266,6 @@ class Fetcher:
         if d.cancel.is_set():
             raise Cancelled(d.url)
         return size, etag
-
-    @staticmethod
-    def _check_expected(d: Download) -> str | None:
-        """Why ``d``'s complete partial file is not the shard its index describes (None: it is,
-        or there is no index). Hashes the file when an MD5 is expected or ``d.digest`` asks."""
-        want_md5 = d.digest or (d.expected is not None and d.expected.md5 is not None)
-        if d.expected is None and not want_md5:
-            return None
-        size, d.md5 = file_facts(d.partial, md5=want_md5)
-        return d.expected.mismatch(size, d.md5) if d.expected is not None else None
 
     # -- HTTP and S3 ------------------------------------------------------
 
@@ -397,7 +383,7 @@ class Fetcher:
             # The bytes as stored: a server's Content-Encoding is not ours to undo. read1 returns
             # what has arrived (up to CHUNK), so a cancel leaves few received bytes unwritten.
             body = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
-            self._write_body(d, body, total, check_head=offset == 0)
+            write_body(d, body, total, check_head=offset == 0)
             if total is not None and d.written != total:
                 raise Retry(f"got {d.written} of {total} bytes")
             return d.written
@@ -417,7 +403,7 @@ class Fetcher:
             raise Retry("the object changed since the partial copy was made (If-Match: HTTP 412); "
                          "starting over", 0.0) from None
         except s3.Unsatisfiable:
-            if offset and self._s3_head(client, d.url) == (offset, d.etag):
+            if offset and _head_or_none(client, d.url) == (offset, d.etag):
                 # The partial kept was whole already (cancelled after its last byte came).
                 check_announced(d, offset)
                 d.total = offset
@@ -452,7 +438,7 @@ class Fetcher:
             d.total = body.total
             if not reserve_holding(d, body.total, body.close):
                 raise Retry("waited for cache space", 0.0, counts=False)
-            self._write_body(d, body.chunks, body.total, check_head=offset == 0)
+            write_body(d, body.chunks, body.total, check_head=offset == 0)
         except s3.Transient as exc:
             raise Retry(exc.reason) from None
         finally:
@@ -460,13 +446,6 @@ class Fetcher:
         if d.written != body.total:
             raise Retry(f"got {d.written} of {body.total} bytes")
         return d.written
-
-    @staticmethod
-    def _s3_head(client: s3.S3Client, url: str) -> tuple[int, str | None] | None:
-        try:
-            return client.head(url)
-        except (FetchError, s3.Transient):
-            return None
 
     # -- parallel ranged parts (wdscache.agent.parts) ---------------------
 
@@ -527,7 +506,7 @@ class Fetcher:
                 d.total = total
                 d.reserve(d, total, None)
                 f.seek(offset)
-                self._write_body(d, iter(lambda: f.read(CHUNK), b""), total, check_head=offset == 0)
+                write_body(d, iter(lambda: f.read(CHUNK), b""), total, check_head=offset == 0)
         except FileNotFoundError:
             raise FetchError(d.url, f"no such file: {src}", permanent=True) from None
         except PermissionError:
@@ -547,7 +526,7 @@ class Fetcher:
             stdout = proc.stdout
             assert stdout is not None
             try:
-                self._write_body(d, iter(lambda: stdout.read(CHUNK), b""), None, check_head=True)
+                write_body(d, iter(lambda: stdout.read(CHUNK), b""), None, check_head=True)
             finally:
                 if proc.poll() is None:
                     proc.kill()
@@ -561,32 +540,7 @@ class Fetcher:
 
     # -- common -----------------------------------------------------------
 
-    def _write_body(self, d: Download, chunks, total: int | None, *, check_head: bool) -> None:
-        fd = os.open(d.partial, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        synced = d.written
-        try:
-            for chunk in chunks:
-                if not chunk:
-                    continue
-                if total is not None and d.written + len(chunk) > total:
-                    raise FetchError(d.url, f"server sent more than its Content-Length ({total})")
-                if total is None and d.written + len(chunk) > d.reserved:
-                    # Asks for a step ahead; the budget grants what it can spare, at least this chunk.
-                    d.needed = d.written + len(chunk)
-                    d.reserve(d, d.needed + GROW, None)
-                if check_head and d.written < HEAD_BYTES <= d.written + len(chunk):
-                    check_tar_head(d, fd, chunk)
-                d.written += write_all(d, fd, chunk)
-                if d.cancel.is_set():  # checked after the write: bytes received are kept for a resume
-                    raise Cancelled(d.url)
-                if d.written - synced >= SYNC_EVERY:
-                    sync_partial(d, fd, getattr(os, "fdatasync", os.fsync))  # no fdatasync on macOS
-                    synced = d.written
-            if check_head and d.written < HEAD_BYTES:
-                check_tar_head(d, fd, b"")
-            sync_partial(d, fd, os.fsync)
-        finally:
-            os.close(fd)
+
 
 
 
@@ -733,3 +687,11 @@ def _retry_after(value: str | None) -> float | None:
     except (TypeError, ValueError):
         return None
     return min(max(0.0, when - time.time()), 600.0)
+
+
+def _head_or_none(client: s3.S3Client, url: str) -> tuple[int, str | None] | None:
+    """An object's (size, ETag), or None if a HEAD cannot say now."""
+    try:
+        return client.head(url)
+    except (FetchError, s3.Transient):
+        return None

@@ -38,6 +38,7 @@ from .download import (
     sync_part,
     truncate,
     write_all,
+    write_body,
 )
 from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
 
@@ -100,7 +101,7 @@ class PartedFetch:
             d.written = head.start
             if not reserve_holding(d, total, let_go):
                 raise Retry("waited for cache space", 0.0, counts=False)
-            self._fetcher._write_body(d, first, head.end, check_head=head.start == 0)
+            write_body(d, first, head.end, check_head=head.start == 0)
             if d.written != head.end:
                 raise Retry(f"got {d.written} of {head.end} bytes")
             raise Retry("going on over one connection", 0.0, counts=False)

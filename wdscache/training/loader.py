@@ -66,13 +66,13 @@ from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, Layout, NodeList, NodeShare, job_epoch, parts_state, read_parts_state
 from ..shared.protocol import pages, process_identity
 from ..shared.sequence import RankShare, Resume, rank_length
-from ..shared.urls import list_id
+from ..shared.urls import UrlList, list_id
 from .epoch_shards import agent_counts
-from .mixing import mix_spec, read_mix_arg, shard_counts
-from .node_lists import agree, check_kept, job_group
+from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
+from .node_lists import agree_on_list, check_kept
 from .private import PrivateAgent, check_cache_dir
 from .stream import EpochStream, Session, StreamSettings
-from .urls_arg import given_names, pipe_refusal, pipe_urls
+from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls
 from .worker_parts import Delivered, Part, check_worker, combine
 
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
@@ -236,10 +236,7 @@ class CachedMultiLoader:
         tuning: Tuning | None = None,
         **knobs: Any,
     ) -> None:
-        unknown = sorted(set(knobs) - _TUNING_KNOBS)
-        if unknown:
-            raise TypeError(f"CachedMultiLoader() got unexpected keyword arguments {unknown}; "
-                            f"its tuning knobs are {sorted(_TUNING_KNOBS)}")
+        _check_arguments(knobs, on_error, batch_size)
         self.tuning = dataclasses.replace(tuning or Tuning(), **knobs)
         if map is not None and workers > 0:
             _check_picklable(map)
@@ -255,22 +252,11 @@ class CachedMultiLoader:
         self.layout = Layout(self.rank, self.world_size, env["node"] if node is None else node,
                              env["num_nodes"] if num_nodes is None else num_nodes)
         self.reshuffle_nodes = reshuffle_nodes
-        if not (on_error in ("raise", "skip") or callable(on_error)):
-            raise ValueError("on_error must be 'raise', 'skip' or a function of the error (True: skip the shard, "
-                             "False: end the epoch there), as webdataset's handler= is")
-        if batch_size is not None and batch_size < 1:
-            raise ValueError("batch_size must be at least 1")
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
-        piped = pipe_urls(urls) if urls is not None else []
-        if piped:
-            raise ConfigError(pipe_refusal(f"urls={piped[0]!r}"))
-        # Local paths as the user wrote them, by their file:// URLs: samples name them so (__url__).
-        self._given = given_names(urls) if urls is not None else {}
-        # mix= / resampled=: the sources' lists as one, each epoch a mixture of them (wdscache.training.mixing)
-        listed, self._mix = read_mix_arg(urls, mix, epoch_samples, resampled)
+        listed, self._mix, self._given = _read_urls(urls, mix, epoch_samples, resampled)
         if self._mix is not None and self.layout.num_nodes > 1:
             raise ConfigError(f"mix= and resampled=True read on one node only, and this job has num_nodes="
                               f"{self.layout.num_nodes}: a mixture's sources are not split between nodes' caches")
@@ -393,7 +379,7 @@ class CachedMultiLoader:
                              "or a StatefulDataLoader.state_dict() of a loader over one")
         if len(ours) > 1 or (ours[0] is not state and "worker" in ours[0]):
             for one in ours:
-                self._check_state(one)
+                self._checked(one)
             if not all("worker" in one for one in ours):
                 raise ValueError("a loader's state holds both whole and per-worker wdscache states")
             epoch, at, nodes = combine(ours)
@@ -402,7 +388,7 @@ class CachedMultiLoader:
             self._resumed_from = ours[0]
             return
         state = ours[0]
-        done = self._check_state(state)
+        done = self._checked(state)
         worker = state.get("worker")
         if worker is not None:
             part = self._part()
@@ -425,33 +411,9 @@ class CachedMultiLoader:
                                    Delivered.from_state(delivered) if delivered is not None else None)
         self._resumed_from = state
 
-    def _check_state(self, state: dict[str, Any]) -> list[list[int]]:
-        """Refuse a state this loader cannot resume exactly, saying why; its runs "done"."""
-        if state.get("version") not in (1, STATE_VERSION, PARTS_VERSION):
-            raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
-        if "worker" in state:
-            check_worker(state["worker"])
-        for name in ("seed", "shuffle", "shuffle_buffer", "drop_last"):
-            if state[name] != getattr(self, name):
-                raise ValueError(
-                    f"checkpoint has {name}={state[name]!r} but this loader {name}={getattr(self, name)!r}; "
-                    "the sequence would differ, so resuming would repeat or skip samples"
-                )
-        if self._mix is not None or "mix" in state:
-            ours = self._mix.fingerprint() if self._mix is not None else None
-            if state.get("mix") != ours:
-                raise ValueError("the checkpoint was taken on another mixture (mix=, its weights, epoch_samples "
-                                 "or resampled=) than this loader reads: resuming would repeat or skip samples")
-        epoch, position = state.get("epoch"), state.get("position")
-        if not (_natural(epoch) and _natural(position)):
-            raise ValueError(f"checkpoint needs whole numbers >= 0 for 'epoch' and 'position', not {epoch!r}, "
-                             f"{position!r}")
-        done = state.get("done", []) if state["version"] > 1 else []
-        if not (isinstance(done, list) and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run))
-                                               and run[0] < run[1] for run in done)):
-            raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; "
-                             f"got {done!r}")
-        return done
+    def _checked(self, state: dict[str, Any]) -> list[list[int]]:
+        sequence = {name: getattr(self, name) for name in ("seed", "shuffle", "shuffle_buffer", "drop_last")}
+        return check_state(state, sequence, self._mix.fingerprint() if self._mix is not None else None)
 
     def _session(self, conn: AgentConnection, name: str, *, probe: bool = False) -> tuple[dict[str, Any], Sequence[str]]:
         """Say hello to the agent as reader ``name``; returns the reply and the URL list in use.
@@ -577,22 +539,8 @@ class CachedMultiLoader:
                         settings=self._stream_settings())
 
     def _agree_on_list(self) -> None:
-        """On several nodes, with the job's process group here (:func:`~.node_lists.job_group`):
-        compare this rank's list with every rank's, each read as ``len()`` reads it (not as a
-        rank that reads: the exchange may wait for a slow rank longer than the agent keeps a
-        silent reader). Every rank raises alike if they differ; else the list is the job's."""
-        if self.layout.num_nodes == 1:
-            return
-        dist = job_group(self.layout)
-        if dist is None:
-            return
-        mine: NodeList | Exception
-        try:
-            _, counts, key = self._probe()
-            mine = NodeList.of(key, counts)
-        except Exception as exc:  # the other ranks are told, and raise too
-            mine = exc
-        self._job_list = agree(dist, self.layout, mine)
+        """On several nodes under the job's process group: every rank's list the same, or every rank raises."""
+        self._job_list = agree_on_list(self.layout, self._probe) or self._job_list
 
     def _job_epoch(self, counts: Sequence[int | None], at: NextEpoch) -> JobEpoch:
         """The epoch ``at`` of a job on several nodes (or resumed from one): needs every shard's count."""
@@ -672,6 +620,60 @@ class CachedMultiLoader:
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)
+
+
+def _check_arguments(knobs: dict[str, Any], on_error: Any, batch_size: int | None) -> None:
+    """Refuse what CachedMultiLoader() cannot take, naming it."""
+    unknown = sorted(set(knobs) - _TUNING_KNOBS)
+    if unknown:
+        raise TypeError(f"CachedMultiLoader() got unexpected keyword arguments {unknown}; "
+                        f"its tuning knobs are {sorted(_TUNING_KNOBS)}")
+    if not (on_error in ("raise", "skip") or callable(on_error)):
+        raise ValueError("on_error must be 'raise', 'skip' or a function of the error (True: skip the shard, "
+                         "False: end the epoch there), as webdataset's handler= is")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+
+
+def _read_urls(urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_samples: int | None,
+               resampled: bool) -> tuple[UrlList | None, MixArg | None, dict[str, str]]:
+    """The loader's list (None: the agent's), its mixture (mix= / resampled=: the sources' lists
+    as one, see wdscache.training.mixing) and the local paths as the user wrote them, by their
+    file:// URLs (samples name them so, in __url__). pipe: commands are refused."""
+    piped = pipe_urls(urls) if urls is not None else []
+    if piped:
+        raise ConfigError(pipe_refusal(f"urls={piped[0]!r}"))
+    listed, mixed = read_mix_arg(urls, mix, epoch_samples, resampled)
+    return listed, mixed, given_names(urls) if urls is not None else {}
+
+
+def check_state(state: dict[str, Any], sequence: dict[str, Any], mix: str | None) -> list[list[int]]:
+    """Refuse a checkpoint ``state`` a loader whose sequence settings are ``sequence`` (seed,
+    shuffle, shuffle_buffer, drop_last) and whose mixture's fingerprint is ``mix`` cannot resume
+    exactly, saying why; its runs "done"."""
+    if state.get("version") not in (1, STATE_VERSION, PARTS_VERSION):
+        raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
+    if "worker" in state:
+        check_worker(state["worker"])
+    for name, ours in sequence.items():
+        if state[name] != ours:
+            raise ValueError(
+                f"checkpoint has {name}={state[name]!r} but this loader {name}={ours!r}; "
+                "the sequence would differ, so resuming would repeat or skip samples"
+            )
+    if (mix is not None or "mix" in state) and state.get("mix") != mix:
+        raise ValueError("the checkpoint was taken on another mixture (mix=, its weights, epoch_samples "
+                         "or resampled=) than this loader reads: resuming would repeat or skip samples")
+    epoch, position = state.get("epoch"), state.get("position")
+    if not (_natural(epoch) and _natural(position)):
+        raise ValueError(f"checkpoint needs whole numbers >= 0 for 'epoch' and 'position', not {epoch!r}, "
+                         f"{position!r}")
+    done = state.get("done", []) if state["version"] > 1 else []
+    if not (isinstance(done, list) and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run))
+                                           and run[0] < run[1] for run in done)):
+        raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; "
+                         f"got {done!r}")
+    return done
 
 
 def _our_states(state: Any) -> Iterator[dict[str, Any]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..shared.errors import ConfigError
@@ -82,6 +83,25 @@ def agree(dist: Any, layout: Layout, mine: NodeList | Exception) -> NodeList:
         raise mine  # the others name it
     check_same_list(lists, layout)
     return mine
+
+
+def agree_on_list(layout: Layout, probe: Callable[[], tuple[Any, Sequence[int | None], str]]) -> NodeList | None:
+    """On several nodes, with the job's process group here (:func:`job_group`): compare this rank's
+    list with every rank's, each read by ``probe`` as ``len()`` reads it (not as a rank that reads:
+    the exchange may wait for a slow rank longer than the agent keeps a silent reader). Every rank
+    raises alike if they differ; else the job's list. None: nothing to compare with."""
+    if layout.num_nodes == 1:
+        return None
+    dist = job_group(layout)
+    if dist is None:
+        return None
+    mine: NodeList | Exception
+    try:
+        _, counts, key = probe()
+        mine = NodeList.of(key, counts)
+    except Exception as exc:  # the other ranks are told, and raise too
+        mine = exc
+    return agree(dist, layout, mine)
 
 
 def check_kept(layout: Layout, mine: NodeList, kept: NodeList | None) -> None:
