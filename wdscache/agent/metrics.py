@@ -14,7 +14,6 @@ from typing import Any
 from ..shared.errors import ConfigError
 from ..shared.metrics import StatsCollector, require
 
-UPDATE_EVERY = 1.0  # seconds between snapshots handed to the server
 
 
 class MetricsServer:
