@@ -15,7 +15,6 @@ from ..shared.errors import ConfigError
 from ..shared.metrics import StatsCollector, require
 
 
-
 class MetricsServer:
     """Serving on (``host``, ``port``) from construction until :meth:`close`; ``port`` 0 picks one."""
 
