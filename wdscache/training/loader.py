@@ -63,7 +63,7 @@ from ..shared.client import AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.malloc import tune_malloc
 from ..shared.mixture import MixSpec
-from ..shared.nodes import JobEpoch, Layout, NodeList, NodeShare, job_epoch, parts_state, read_parts_state
+from ..shared.nodes import JobEpoch, NodeList, NodeShare, RankPlacement, job_epoch, parts_state, read_parts_state
 from ..shared.protocol import pages, process_identity
 from ..shared.sequence import RankShare, Resume, rank_length
 from ..shared.urls import UrlList, list_id
@@ -249,7 +249,7 @@ class CachedMultiLoader:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         # Several nodes, each with its own agent, read a part of the shards each (wdscache.shared.nodes).
-        self.layout = Layout(self.rank, self.world_size, env["node"] if node is None else node,
+        self.layout = RankPlacement(self.rank, self.world_size, env["node"] if node is None else node,
                              env["num_nodes"] if num_nodes is None else num_nodes)
         self.reshuffle_nodes = reshuffle_nodes
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
@@ -547,7 +547,7 @@ class CachedMultiLoader:
         parts, resumes = at.parts, at.part_resumes or (at.start,)
         if at.delivered is not None:  # what the ranks delivered, placed on the layout it was delivered on
             d = at.delivered
-            then = job_epoch(counts, Layout(0, d.world_size, 0, d.num_nodes), epoch=at.epoch, parts=parts,
+            then = job_epoch(counts, RankPlacement(0, d.world_size, 0, d.num_nodes), epoch=at.epoch, parts=parts,
                              resumes=resumes, **self._job_options())
             parts, resumes = [list(p) for p in then.parts], then.resume_after_runs(d.runs)
         return job_epoch(counts, self.layout, epoch=at.epoch, parts=parts, resumes=resumes, **self._job_options())
