@@ -16,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from wdscache.shared.errors import ConfigError, WdsCacheError
-from wdscache.shared.nodes import JobEpoch, Layout, NodeList, assign, check_same_list
+from wdscache.shared.nodes import JobEpoch, NodeList, RankPlacement, assign, check_same_list
 from wdscache.shared.sequence import Resume, SampleId
 from wdscache.training.node_lists import check_kept
 from wdscache.training.worker_parts import Part, delivered_pairs, part_of
@@ -24,8 +24,8 @@ from wdscache.training.worker_parts import Part, delivered_pairs, part_of
 Job = dict[str, object]
 
 
-def layouts(num_nodes: int, per_node: int) -> list[Layout]:
-    return [Layout(r, num_nodes * per_node, r // per_node, num_nodes) for r in range(num_nodes * per_node)]
+def layouts(num_nodes: int, per_node: int) -> list[RankPlacement]:
+    return [RankPlacement(r, num_nodes * per_node, r // per_node, num_nodes) for r in range(num_nodes * per_node)]
 
 
 def deliver(job: JobEpoch, stop: int | None = None) -> dict[int, list[SampleId]]:
@@ -143,9 +143,9 @@ def test_a_checkpoint_inside_a_resumed_epoch_resumes_again() -> None:
 
 def test_a_layout_must_put_the_same_ranks_on_every_node() -> None:
     with pytest.raises(ValueError, match="multiple of num_nodes"):
-        Layout(0, 5, 0, 2)
+        RankPlacement(0, 5, 0, 2)
     with pytest.raises(ValueError, match="not on node 1"):
-        Layout(0, 4, 1, 2)
+        RankPlacement(0, 4, 1, 2)
     with pytest.raises(WdsCacheError, match="1 shards with samples for 2 nodes: every node needs at least one"):
         JobEpoch.fresh([5, 0], layouts(2, 1)[0])
 
@@ -157,19 +157,19 @@ def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypa
                  "SLURM_NODEID", "SLURM_NNODES", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)
     url = ["http://127.0.0.1:9/a.tar"]
-    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(0, 1, 0, 1)
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == RankPlacement(0, 1, 0, 1)
     for name, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "6", "SLURM_NODEID": "0", "SLURM_NNODES": "3"}.items():
         monkeypatch.setenv(name, value)
     # a batch script sees the job's tasks but is one process: not a rank of six
-    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(0, 1, 0, 1)
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == RankPlacement(0, 1, 0, 1)
     for name, value in {"SLURM_STEP_ID": "0", "SLURM_PROCID": "2", "SLURM_NODEID": "1"}.items():  # a task of srun
         monkeypatch.setenv(name, value)
-    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(2, 6, 1, 3)
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == RankPlacement(2, 6, 1, 3)
     # torchrun inside a Slurm step: torchrun's numbering wins
     for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}.items():
         monkeypatch.setenv(name, value)
-    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == Layout(5, 8, 1, 2)
-    assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, node=0).layout == Layout(1, 8, 0, 2)
+    assert CachedMultiLoader(url, cache_dir=tmp_path).layout == RankPlacement(5, 8, 1, 2)
+    assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, node=0).layout == RankPlacement(1, 8, 0, 2)
 
 
 @settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True)
@@ -259,7 +259,7 @@ def test_dataloader_workers_checkpoint_of_several_nodes_resumes_on_any_layout(
 
 
 def test_ranks_on_different_lists_are_refused_naming_each_list_and_its_nodes() -> None:
-    layout = Layout(0, 4, 0, 2)
+    layout = RankPlacement(0, 4, 0, 2)
     twenty, eighteen = NodeList.of("aaaa", [100] * 20), NodeList.of("bbbb", [100] * 18)
     check_same_list([twenty] * 4, layout)  # one list: nothing to say
     with pytest.raises(ConfigError) as caught:
@@ -284,7 +284,7 @@ def test_ranks_on_different_lists_are_refused_naming_each_list_and_its_nodes() -
 
 
 def test_an_epoch_on_another_list_than_the_ranks_agreed_on_is_refused() -> None:
-    layout = Layout(1, 2, 1, 2)
+    layout = RankPlacement(1, 2, 1, 2)
     agreed = NodeList.of("aaaa", [100] * 20)
     check_kept(layout, agreed, agreed)
     check_kept(layout, NodeList.of("aaaa", [None] * 20), agreed)  # counts its agent has not learnt yet

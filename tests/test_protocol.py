@@ -4,22 +4,69 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any, Literal, get_type_hints
+
+import pytest
 
 import wdscache
 from wdscache.agent import core as agent
-from wdscache.shared import protocol
+from wdscache.shared import messages, protocol
+from wdscache.shared.errors import ProtocolError
+from wdscache.shared.messages import Reports, Requests
 
 SOURCE = Path(wdscache.__file__).parent
 REPLY_OPS = {"reply", "samples", "scanned", "error"}  # the op of a reply names its kind, not a request
-TYPES = {"str", "int", "bool", "number", "list[str]", "list", "object"}
+TYPES = {"str": str, "int": int, "bool": bool, "number": float, "list[str]": list[str], "list": list[Any],
+         "object": dict[str, Any]}
+LINK_FIELDS = {"id", "auth"}  # what the link to a worker adds to a request, in place
+
+# Every message as the code builds it, once with every optional field and once with none.
+URL, URLS = "http://127.0.0.1:1/a.tar", ["http://127.0.0.1:1/a.tar", "http://127.0.0.1:1/b.tar"]
+REQUESTS, REPORTS = Requests("reader-1"), Reports("s" * 32)
+BUILT: dict[str, list[dict[str, Any]]] = {
+    "auth": [Requests.auth("n" * 32)],
+    "hello": [REQUESTS.hello("job", 0, 1),
+              REQUESTS.hello("job", 1, 2, list_id="l", process=[1, 2, "boot", 3], shuffle_buffer=10, probe=True)],
+    "put_urls": [REQUESTS.put_urls(0, URLS), REQUESTS.put_urls(0, URLS, [[5, 100, None], None])],
+    "get_urls": [REQUESTS.get_urls(2)],
+    "open": [REQUESTS.open(URL), REQUESTS.open(URL, ahead=URLS, wait=False, while_downloading=True)],
+    "status": [REQUESTS.status(URL)],
+    "release": [REQUESTS.release(URL)],
+    "report": [REQUESTS.report("job", 0, epoch=1, position=2, samples=3, bytes=4, rate=5.5, wait_s=0.25)],
+    "ping": [REQUESTS.ping()],
+    "bye": [REQUESTS.bye(), REQUESTS.bye(epoch=1, position=2, samples=3, bytes=4, wait_s=0.5)],
+    "counts": [Requests.counts(URLS)],
+    "corrupt": [Requests.corrupt(URL, "bad tar header")],
+    "stats": [Requests.stats(), Requests.stats(flush=True)],
+    "evict": [Requests.evict(URLS), Requests.evict(URLS, force=True)],
+    "clear": [Requests.clear(), Requests.clear(force=True)],
+    "prefetch": [Requests.prefetch("p", URLS), Requests.prefetch("p", URLS, retry=True)],
+    "prefetch_status": [Requests.prefetch_status("p")],
+    "prefetch_end": [Requests.prefetch_end("p")],
+    "worker": [REPORTS.worker(0, busy_s=0.5, requests=1, samples=2, bytes=3, indexed=4, walked=5, adopted=6)],
+    "counted": [REPORTS.counted(URL, 7)],
+    "corrupt_copy": [REPORTS.corrupt_copy(URL, [1, 2, 3, 4], "bad tar header")],
+    "walked": [REPORTS.walked(URL, [1, 2, 3, 4], [[0, 1]])],
+    "index": [Reports.index(URL)],
+    "read": [Requests.read([URL], [[0, 1], [0, 2]]), Requests.read([URL], [[0, 1]], direct=True)],
+    "scan": [Requests.scan(URL), Requests.scan(URL, while_downloading=True)],
+}
+
+
+def _class_name(op: str) -> str:
+    return "".join(part.capitalize() for part in op.split("_"))
 
 
 def test_every_op_the_agent_handles_is_in_the_table_and_nothing_else():
     to_agent = {m.op for m in protocol.MESSAGES if m.receiver == "agent"}
+    # The agent serves the op sets of the table itself.
+    assert (agent.CONTROL_OPS, agent.WORKER_OPS, agent.READER_OPS) == (
+        protocol.CONTROL_OPS, protocol.WORKER_OPS, protocol.READER_OPS)
     # "auth" is answered at the door and "walked" passed on, before the table of handlers.
-    assert set(agent.CONTROL_OPS) | {"auth", "walked"} == to_agent
-    assert set(agent.WORKER_OPS) | {"walked"} == {m.op for m in protocol.MESSAGES if m.sender == "worker"}
-    assert set(agent.READER_OPS) <= {m.op for m in protocol.MESSAGES if "reader" in m.fields}
+    assert set(protocol.CONTROL_OPS) | {"auth", "walked"} == to_agent
+    assert set(protocol.WORKER_OPS) | {"walked"} == {m.op for m in protocol.MESSAGES if m.sender == "worker"}
+    assert set(protocol.READER_OPS) == {"hello", "put_urls", "get_urls", "open", "status", "release", "report",
+                                        "ping", "bye"}
 
 
 def test_every_op_in_the_code_is_in_the_table():
@@ -39,3 +86,55 @@ def test_the_table_is_well_formed():
         assert m.sender in {"client", "consumer", "worker", "agent"} and m.receiver in {"agent", "worker"}, m
         for kind in [*m.fields.values(), *m.reply.values()]:
             assert kind.rstrip("?") in TYPES, (m.op, kind)
+
+
+@pytest.mark.parametrize("m", protocol.MESSAGES, ids=lambda m: m.op)
+def test_every_message_has_a_typed_class_with_the_fields_of_the_table(m: protocol.Message):
+    message = getattr(messages, f"{_class_name(m.op)}Message")
+    hints = get_type_hints(message)
+    link = LINK_FIELDS if (m.sender, m.receiver) == ("consumer", "worker") else set()
+    assert message.__required_keys__ == {"op", *(k for k, v in m.fields.items() if not v.endswith("?"))}
+    assert message.__optional_keys__ == {*(k for k, v in m.fields.items() if v.endswith("?")), *link}
+    assert hints["op"] == Literal[m.op]
+    assert {k: hints[k] for k in m.fields} == {k: TYPES[v.rstrip("?")] for k, v in m.fields.items()}
+    if m.reply:
+        reply = getattr(messages, f"{_class_name(m.op)}Reply")
+        assert reply.__optional_keys__ == set(m.reply) and not reply.__required_keys__
+        assert get_type_hints(reply) == {k: TYPES[v.rstrip("?")] for k, v in m.reply.items()}
+    else:
+        assert not hasattr(messages, f"{_class_name(m.op)}Reply")
+
+
+def test_every_message_the_code_builds_is_one_its_receiver_accepts():
+    assert set(BUILT) == {m.op for m in protocol.MESSAGES}  # a builder for every message
+    for op, built in BUILT.items():
+        for header in built:
+            assert header["op"] == op and protocol.check(header).op == op
+            # What the connection adds is no concern of the table.
+            assert protocol.check({**header, "id": 7, "key": "k", "auth": "a"}).op == op
+    # The builders leave out what is left at its default, and set what is not.
+    assert BUILT["open"][0] == {"op": "open", "reader": "reader-1", "url": URL}
+    assert BUILT["open"][1]["wait"] is False and BUILT["open"][1]["while_downloading"] is True
+    assert BUILT["read"][0] == {"op": "read", "urls": [URL], "items": [[0, 1], [0, 2]]}
+    assert BUILT["scan"][1] == {"op": "scan", "url": URL, "while_downloading": True}
+
+
+@pytest.mark.parametrize("m", protocol.MESSAGES, ids=lambda m: m.op)
+def test_a_message_missing_a_required_field_or_with_a_wrong_type_is_a_protocol_error_naming_it(m: protocol.Message):
+    full = BUILT[m.op][-1]
+    for name, kind in m.fields.items():
+        if not kind.endswith("?"):
+            with pytest.raises(ProtocolError, match=f"'{m.op}' message lacks '{name}'"):
+                protocol.check({k: v for k, v in full.items() if k != name})
+        wrong = "text" if kind.rstrip("?") != "str" else 5
+        with pytest.raises(ProtocolError, match=f"'{m.op}' message: '{name}'"):
+            protocol.check({**full, name: wrong})
+
+
+def test_a_count_sent_as_a_flag_and_a_list_of_urls_holding_numbers_are_refused():
+    with pytest.raises(ProtocolError, match="'get_urls' message: 'offset' has the wrong type"):
+        protocol.check({**REQUESTS.get_urls(0), "offset": True})
+    with pytest.raises(ProtocolError, match="'counts' message: 'urls' must hold strings only"):
+        protocol.check({"op": "counts", "urls": [URL, 5]})
+    with pytest.raises(ProtocolError, match="unknown op 'nope'"):
+        protocol.check({"op": "nope"})

@@ -14,6 +14,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from wdscache.shared import protocol
 from wdscache.shared.errors import AgentUnavailableError, FetchError, ProtocolError, ShardError
 from wdscache.shared.sequence import EpochSpec, ShardFeed, global_sequence
 from wdscache.training.direct import StaleFile
@@ -28,13 +29,14 @@ URLS = [f"http://example.invalid/shard-{i}.tar" for i in range(4)]
 
 class ScriptedAgent:
     """Answers requests from a table of op -> reply (a callable of the request, or a dict);
-    records every request."""
+    records every request, each checked against the protocol's table."""
 
     def __init__(self, **replies: Any) -> None:
         self.replies = replies
         self.sent: list[dict[str, Any]] = []
 
     def request(self, header: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+        protocol.check(header)  # as the agent would take it
         self.sent.append(dict(header))
         reply = self.replies.get(header["op"], {"ok": True})
         return reply(header) if callable(reply) else reply
@@ -197,7 +199,7 @@ def test_a_pin_is_let_go_once_no_read_holds_it_and_the_sequence_needs_it_no_more
     pins = Pins(agent, "me", URLS, timeout=10, files=None)
     noop = lambda *a: None  # noqa: E731
     assert pins.open(0, [URLS[1]], before_wait=noop, on_status=noop)["ok"]
-    assert pins.opened == {0: 0} and agent.sent[0]["ahead"] == [URLS[1]] and agent.sent[0]["stream"] is False
+    assert pins.opened == {0: 0} and agent.sent[0]["ahead"] == [URLS[1]] and "while_downloading" not in agent.sent[0]
     pins.opened[0] += 1  # a read of it is out
     pins.counted(0, 5)
     pins.given = 5
@@ -223,7 +225,7 @@ def test_a_shard_is_let_go_once_the_share_dealt_its_last_id() -> None:
 
 
 def test_an_open_that_must_wait_first_lets_go_of_every_other_pin() -> None:
-    answers = iter([{"ok": True}, {"ok": True}, {"ok": False, "cached": False}, {"ok": True, "partial": True}])
+    answers = iter([{"ok": True}, {"ok": True}, {"ok": False, "cached": False}, {"ok": True, "while_downloading": True}])
     agent = ScriptedAgent(open=lambda header: next(answers))
     pins = Pins(agent, "me", URLS, timeout=10, files=None)
     events: list[str] = []
@@ -233,10 +235,10 @@ def test_an_open_that_must_wait_first_lets_go_of_every_other_pin() -> None:
     pins.remaining[1] = 4  # still needed: only a wait lets go of it
     reply = pins.open(2, [], while_downloading=True, before_wait=lambda: events.append("finish reads"),
                       on_status=statuses.append)
-    assert reply["partial"] and events == ["finish reads"] and pins.waits == 1
+    assert reply["while_downloading"] and events == ["finish reads"] and pins.waits == 1
     assert pins.opened == {2: 0} and statuses == [{"state": "downloading", "written": 10}]
     assert [op for op in agent.ops() if op[0] == "release"] == [("release", URLS[0]), ("release", URLS[1])]
-    assert agent.sent[-1]["wait"] is True and agent.sent[-1]["stream"] is True
+    assert agent.sent[-1].get("wait", True) is True and agent.sent[-1]["while_downloading"] is True
 
 
 def test_an_open_again_gives_back_the_pin_held_and_a_failed_shard_is_dropped() -> None:
@@ -279,11 +281,11 @@ def test_a_shards_count_comes_from_the_agent_the_open_or_a_scan() -> None:
 
 
 def test_a_downloading_shard_enters_as_its_samples_arrive() -> None:
-    agent = ScriptedAgent(counts={"ok": True, "counts": [None] * 4}, open={"ok": True, "partial": True})
+    agent = ScriptedAgent(counts={"ok": True, "counts": [None] * 4}, open={"ok": True, "while_downloading": True})
     scans = [{"ok": True, "count": 2}, {"ok": True, "count": 2}, {"ok": True, "count": 5, "final": True}]
     shards = epoch_shards(agent, scans)
     assert list(shards.arrivals(0)) == [2, None, None, 5]
-    assert 0 not in shards.pins.partial and shards.sample_counts[0] == 5 and shards.pins.remaining[0] == 5
+    assert 0 not in shards.pins.while_downloading and shards.sample_counts[0] == 5 and shards.pins.remaining[0] == 5
 
 
 def test_a_failed_shard_raises_or_is_skipped_and_let_go() -> None:
@@ -301,11 +303,11 @@ def test_a_damaged_copy_is_read_again_once_from_a_new_copy() -> None:
     agent = ScriptedAgent()
     shards = epoch_shards(agent, [])
     exc = ShardError(URLS[1], "bad member")
-    assert shards.found_damaged(1, exc) and shards.found_damaged(1, exc)  # until it is opened again
-    shards.tell_damage()
+    assert shards.found_corrupt(1, exc) and shards.found_corrupt(1, exc)  # until it is opened again
+    shards.tell_corrupt()
     assert agent.ops() == [("corrupt", URLS[1])]  # told once, before the shard is opened again
     shards.reopened(1)
-    assert not shards.found_damaged(1, exc)  # the new copy is damaged too: the shard fails
+    assert not shards.found_corrupt(1, exc)  # the new copy is damaged too: the shard fails
 
 
 # -- the sequence's feed -------------------------------------------------------------------

@@ -23,7 +23,7 @@ import secrets
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from ..shared.errors import AgentUnavailableError, NoCacheError, ProtocolError, 
 from ..shared.index import Index, ShardState, read_summary
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger, iso_time
+from ..shared.messages import Requests
 from ..shared.protocol import pages
 from ..shared.redact import redact_urls
 from ..shared.stats import agent_connection
@@ -82,7 +83,7 @@ def _agent(layout: CacheLayout, *, flush: bool = False) -> Iterator[AgentConnect
     conn = agent_connection(layout, CONNECT_TIMEOUT)
     if conn is not None:
         try:
-            conn.request({"op": "stats", "flush": True} if flush else {"op": "stats"})
+            conn.request(Requests.stats(flush=flush))
         except (AgentUnavailableError, ProtocolError):
             conn.close()
             conn = None
@@ -93,7 +94,7 @@ def _agent(layout: CacheLayout, *, flush: bool = False) -> Iterator[AgentConnect
             conn.close()
 
 
-def _ask(conn: AgentConnection, header: dict[str, Any]) -> dict[str, Any]:
+def _ask(conn: AgentConnection, header: Mapping[str, Any]) -> dict[str, Any]:
     reply = conn.request(header, timeout=REQUEST_TIMEOUT)
     if not reply.get("ok"):
         raise WdsCacheError(f"the agent refused {header['op']!r}: {reply.get('error')}")
@@ -144,7 +145,7 @@ def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool
         if conn is not None:
             out: dict[str, Any] = {"evicted": [], "bytes": 0, "refused": [], "absent": []}
             for _, page in pages(list(urls)):
-                reply = _ask(conn, {"op": "evict", "urls": page, "force": force})
+                reply = _ask(conn, Requests.evict(page, force=force))
                 for key in out:
                     out[key] += reply[key]
             return out
@@ -170,7 +171,7 @@ def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str
     layout = _layout(cache_dir)
     with _agent(layout) as conn:
         if conn is not None:
-            reply = _ask(conn, {"op": "clear", "force": force})
+            reply = _ask(conn, Requests.clear(force=force))
             return {**{k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}, "agent": True}
     with _locked_cache(layout, "clear") as cache:
         cached = [r.url for r in cache.index.records.values() if r.state is ShardState.CACHED]
@@ -327,7 +328,7 @@ def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None,
                 conn = agent_connection(layout, CONNECT_TIMEOUT) if layout.state_path.exists() else None
                 if conn is not None:
                     try:
-                        conn.request({"op": "stats"})
+                        conn.request(Requests.stats())
                         break
                     except (AgentUnavailableError, ProtocolError):
                         conn.close()
@@ -351,7 +352,7 @@ def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callab
     urls = list(dict.fromkeys(urls))
     name = secrets.token_hex(8)
     for _, page in pages(urls):
-        _ask(conn, {"op": "prefetch", "prefetch": name, "urls": page, "retry": True})
+        _ask(conn, Requests.prefetch(name, page, retry=True))
     try:
         progress = _follow(conn, name, urls, report, give_up_after)
     except WdsCacheError:
@@ -364,7 +365,7 @@ def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callab
 def _end(conn: AgentConnection, name: str) -> None:
     """End prefetch ``name`` in the agent (which ends a silent one by itself, should this fail)."""
     try:
-        _ask(conn, {"op": "prefetch_end", "prefetch": name})
+        _ask(conn, Requests.prefetch_end(name))
     except WdsCacheError as exc:
         log.warning("could not end the prefetch in the agent: %s", exc)
 
@@ -383,7 +384,7 @@ def _follow(conn: AgentConnection, name: str, urls: list[str], report: Callable[
     while True:
         progress.finished = []
         while True:
-            reply = _ask(conn, {"op": "prefetch_status", "prefetch": name})
+            reply = _ask(conn, Requests.prefetch_status(name))
             for change in reply["changes"]:
                 url = change["url"]
                 if change["state"] == "cached":

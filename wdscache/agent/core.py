@@ -60,8 +60,8 @@ from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout, write_private
 from ..shared.logs import get_logger
 from ..shared.metrics import require as require_metrics
+from ..shared.protocol import CONTROL_OPS, READER_OPS, WORKER_OPS, strings
 from ..shared.protocol import field as get_field
-from ..shared.protocol import strings
 from ..shared.stats import build
 from ..shared.urls import UrlList, diff_urls
 from ..shared.verdict import starved_by
@@ -96,14 +96,6 @@ WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
-# The control ops (wdscache.shared.protocol.MESSAGES, to the agent; "auth" is answered at the
-# door and "walked" passed on to the workers, before this table).
-CONTROL_OPS = ("stats", "worker", "counted", "damaged", "corrupt", "counts", "hello", "put_urls", "get_urls",
-               "open", "status", "release", "report", "ping", "bye", "evict", "clear", "prefetch",
-               "prefetch_status", "prefetch_end")
-WORKER_OPS = ("worker", "counted", "damaged")  # reports only our workers may send (and "walked", with frames)
-# Ops of a reader, which name it ("reader"): each one counts as a sign of life.
-READER_OPS = ("hello", "put_urls", "get_urls", "open", "status", "release", "report", "ping", "bye")
 
 Handler = Callable[[bytes, Any, dict[str, Any]], None]
 
@@ -244,7 +236,7 @@ class Agent:
             "hello": self._op_hello, "put_urls": self.readers.op_put_urls, "get_urls": self.readers.op_get_urls,
             "report": self.readers.op_report, "bye": self.readers.op_bye,
             "open": self.opens.op_open, "status": self.opens.op_status, "release": self.opens.op_release,
-            "damaged": self.opens.op_damaged, "corrupt": self.opens.op_corrupt,
+            "corrupt_copy": self.opens.op_damaged, "corrupt": self.opens.op_corrupt,
             "worker": self.workers.op_worker,
             "evict": self.upkeep.op_evict, "clear": self.upkeep.op_clear, "prefetch": self.upkeep.op_prefetch,
             "prefetch_status": self.upkeep.op_prefetch_status, "prefetch_end": self.upkeep.op_prefetch_end,

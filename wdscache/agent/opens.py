@@ -14,7 +14,7 @@ Guarantees:
   deleted behind the agent's back is downloaded again, never served missing.
 - Every pin a reader holds is one pin in the cache (:meth:`Opens.release_all`
   gives them all back when it goes), so nothing a reader holds is evicted.
-- A shard still downloading is pinned for a reader (``partial``) only once its
+- A shard still downloading is pinned for a reader (``while_downloading``) only once its
   download holds its whole budget: a reader that held pins while it waited for a
   download that waits for budget could deadlock the cache.
 - A damaged copy is replaced only when no reader holds it; readers that ask for
@@ -80,7 +80,7 @@ class Opens:
     def op_open(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
         ahead = get_field(header, "ahead", list, None)
         wait = get_field(header, "wait", bool, True)
-        partial = get_field(header, "stream", bool, False)  # the wire's name for "readable while it downloads"
+        partial = get_field(header, "while_downloading", bool, False)
         self.open(ident, rid, header["reader"], get_field(header, "url", str), ahead, wait, partial)
 
     def op_status(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
@@ -146,7 +146,7 @@ class Opens:
         cache.index.incr("misses")
         if rec is not None and rec.state is ShardState.FAILED:
             if time.monotonic() - self._failed_at.get(url, 0.0) < FAILED_RETRY_AFTER:
-                reply(ident, rid, ok=False, error=rec.error or "download failed", damaged=url in self._failed_damaged)
+                reply(ident, rid, ok=False, error=rec.error or "download failed", corrupt=url in self._failed_damaged)
                 return
             cache.forget_failure(url)
             self._failed_damaged.discard(url)
@@ -168,7 +168,7 @@ class Opens:
         held[url] = held.get(url, 0) + 1
         self._cache.pin(url)  # a shard still downloading stays pinned once published
         if partial:
-            self._socket.reply(ident, rid, ok=True, partial=True)
+            self._socket.reply(ident, rid, ok=True, while_downloading=True)
             return
         rec = self._cache.index.get(url)
         assert rec is not None  # cached: the open above found it so
@@ -191,8 +191,8 @@ class Opens:
         if self._downloads.readable_partial(url):
             return {"state": "downloading", **progress}
         if rec is not None and rec.state is ShardState.FAILED:
-            # "damaged": its copies were found damaged (the shard is bad, not its download).
-            return {"state": "failed", "error": rec.error or "download failed", "damaged": url in self._failed_damaged}
+            # "corrupt": its copies were found corrupt (the shard is bad, not its download).
+            return {"state": "failed", "error": rec.error or "download failed", "corrupt": url in self._failed_damaged}
         return {"state": "queued" if url in self._downloads or url in self._demanded else "unknown", **progress}
 
     def answer_partial(self, url: str) -> None:

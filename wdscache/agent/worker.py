@@ -29,7 +29,7 @@ which the consumer checks before it uses anything of the reply::
            sent name them, in order. The consumer copies those payloads from the page
            cache itself (:mod:`wdscache.training.direct`): one copy per byte, where a frame costs
            three (into the socket, out of it, into ``bytes``)
-    {"op": "scan", "id": n, "auth": a, "url": u, "partial": bool}
+    {"op": "scan", "id": n, "auth": a, "url": u, "while_downloading": bool}
         -> {"op": "scanned", "id": n, "proof": p, "ok": true, "count": c, "final": bool}
 
 It resolves a URL to its cache file itself (the name derives from the URL, so a
@@ -37,14 +37,14 @@ request cannot name a file outside the cache). A file under ``shards/`` is
 complete by construction; while there is none, a shard being downloaded is read
 from its partial file (:class:`~wdscache.agent.growing.GrowingShard`), only its complete
 samples and never beyond the bytes written, so a reader need not wait for the
-whole shard. ``scan`` with ``partial`` then answers the samples complete so far
+whole shard. ``scan`` with ``while_downloading`` then answers the samples complete so far
 with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
 "corrupt" | "pending" | "protocol", "error": ...}``; "pending" means the sample is
 not in the partial file now (its download started over): ask again shortly.
 
-A worker that finds a published shard damaged (a bad tar header) reports it to the agent
-with the identity of the file it read, and the agent downloads that copy once more, or
-fails the shard if the copy it downloaded again is damaged too.
+A worker that finds a published shard corrupt (a bad tar header) reports it to the agent
+(``corrupt_copy``) with the identity of the file it read, and the agent downloads that copy
+once more, or fails the shard if the copy it downloaded again is corrupt too.
 
 A worker that walked a published shard's headers reports the table it found to the
 agent, which passes it on to the other workers: each shard is walked once, not once
@@ -63,7 +63,7 @@ import signal
 import sys
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,7 @@ from ..shared.errors import ProtocolError, ShardError
 from ..shared.layout import CacheLayout, file_identity
 from ..shared.logs import get_logger
 from ..shared.malloc import tune_malloc
+from ..shared.messages import Reports
 from ..shared.protocol import WorkerProofs, field, pack, same_secret, unpack
 from .growing import GrowingShard, NotYet
 from .sampletable import PackedSamples, SampleTables, placed
@@ -139,7 +140,7 @@ def _die_with_parent(parent: int) -> None:
 class _Worker:
     def __init__(self, spec: WorkerSpec, secret: str, key: str, serve_key: str) -> None:
         self.spec = spec
-        self.secret = secret
+        self.reports = Reports(secret)  # our reports to the agent carry the workers' secret
         self.key = key  # for our reports to the agent
         self.proofs = WorkerProofs(serve_key)  # what a consumer's request to us, and our reply, carry
         self.layout = CacheLayout.of(spec.cache_dir)
@@ -212,9 +213,9 @@ class _Worker:
         now = time.monotonic()
         if now - self._last_report >= REPORT_EVERY:
             self._last_report = now
-            self._send_report({"op": "worker", "index": self.spec.index, "busy_s": round(self.busy, 3),
-                               "requests": self.requests, "samples": self.samples, "bytes": self.bytes,
-                               "indexed": len(self.index), "walked": self.walked, "adopted": self.adopted})
+            self._send_report(self.reports.worker(
+                self.spec.index, busy_s=round(self.busy, 3), requests=self.requests, samples=self.samples,
+                bytes=self.bytes, indexed=len(self.index), walked=self.walked, adopted=self.adopted))
             if os.getppid() != self.spec.parent:
                 self.stop = True
 
@@ -298,14 +299,13 @@ class _Worker:
             # A published file is whole and was checked, so it was damaged on disk (or its
             # source is bad): the agent fetches it once more, or fails it. The identity says
             # which copy we read, so a report about a copy replaced since changes nothing.
-            self._send_report({"op": "damaged", "url": url, "identity": list(identity), "error": str(exc)})
+            self._send_report(self.reports.corrupt_copy(url, list(identity), str(exc)))
             raise
         samples = None if known else self.index.get(url, identity)
         if isinstance(samples, PackedSamples):
             self.walked += 1
             layouts, frames = samples.parts()
-            header = {"op": "walked", "secret": self.secret, "key": self.key, "url": url,
-                      "identity": list(identity), "layouts": layouts}
+            header = {**self.reports.walked(url, list(identity), layouts), "key": self.key}
             if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
                 try:  # not _send_report: frames too
                     self.report.send_multipart(pack(header, *frames), zmq.NOBLOCK)
@@ -333,9 +333,9 @@ class _Worker:
                 growing.close()
             self.busy += time.perf_counter() - t0
 
-    def _send_report(self, header: dict[str, Any]) -> None:
+    def _send_report(self, header: Mapping[str, Any]) -> None:
         try:
-            self.report.send_multipart(pack({**header, "secret": self.secret, "key": self.key}), zmq.NOBLOCK)
+            self.report.send_multipart(pack({**header, "key": self.key}), zmq.NOBLOCK)
         except zmq.Again:
             pass  # reports are advisory; never block serving on them
 
@@ -350,7 +350,7 @@ class _Worker:
             elif op == "read":
                 self._read(ident, header)
             elif op == "scan":
-                self._scan(ident, rid, field(header, "url", str), field(header, "partial", bool, False))
+                self._scan(ident, rid, field(header, "url", str), field(header, "while_downloading", bool, False))
             else:
                 raise ProtocolError(f"unknown op {op!r}")
         except FileNotFoundError as exc:
@@ -370,7 +370,7 @@ class _Worker:
     def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
         try:
             count, final = len(self._view(url).samples), True
-            self._send_report({"op": "counted", "url": url, "samples": count})
+            self._send_report(self.reports.counted(url, count))
         except FileNotFoundError:
             if not partial:
                 raise

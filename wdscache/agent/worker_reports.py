@@ -8,8 +8,9 @@ and its table is passed on to the others), and keeps their statistics.
 Guarantees:
 
 - Main loop only.
-- A report that only our workers may send (``worker``, ``counted``, ``damaged``,
-  ``walked``) is refused unless it carries the pool's secret (:meth:`check`): from
+- A report that only our workers may send (``worker``, ``counted``, ``corrupt_copy``,
+  ``walked``) is refused unless it is as :data:`~wdscache.shared.protocol.MESSAGES` lists it
+  and carries the pool's secret (:meth:`check`): from
   anyone else a table or a count could misdirect reads, a registration could take
   a worker's hints.
 - Hints are best effort: a worker that cannot take one at once misses it and
@@ -24,6 +25,8 @@ from collections import deque
 from typing import Any
 
 from ..shared.errors import ProtocolError
+from ..shared.messages import Reports
+from ..shared.protocol import check as check_message
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pack
 from ..shared.stats import public, with_fraction
@@ -45,10 +48,13 @@ class WorkerReports:
         self._stats: dict[int, dict[str, Any]] = {}  # worker number -> its last report
 
     def check(self, header: dict[str, Any]) -> None:
-        """Raise :class:`ProtocolError` unless ``header`` carries our workers' secret (taken out of it)."""
-        secret = header.pop("secret", None)
+        """Raise :class:`ProtocolError` unless ``header`` is a worker's report, as the protocol's table
+        lists it, that carries our workers' secret (taken out of it)."""
+        secret = header.get("secret")
         if not isinstance(secret, str) or not secret.isascii() or not hmac.compare_digest(secret, self._pool.secret):
             raise ProtocolError(f"{header['op']!r} is for the agent's own workers")
+        check_message(header)
+        del header["secret"]
 
     def op_worker(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
         """A worker's periodic report: registers its socket (a restarted worker has a new one)."""
@@ -80,7 +86,7 @@ class WorkerReports:
                 self._socket.send(ident, message)  # one that misses it walks the shard itself
 
     def _hint(self, ident: bytes, url: str) -> None:
-        self._socket.send(ident, pack({"op": "index", "url": url}))
+        self._socket.send(ident, pack(Reports.index(url)))
 
     def view(self) -> list[dict[str, Any]]:
         """Each worker's last report, for stats (a worker that never reported: its number only)."""

@@ -27,7 +27,7 @@ import secrets
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ import zmq
 
 from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError
 from .layout import CacheLayout
+from .messages import Requests
 from .protocol import client_key, pack, proof, same_secret, unpack, worker_key
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
@@ -95,7 +96,7 @@ class AgentConnection:
         assert self._sock is not None
         return self._sock
 
-    def request(self, header: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+    def request(self, header: Mapping[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
         """Send ``header`` and return the reply's header; raises if none comes in time.
 
         A reply marked ``retry`` (the agent could not write its index for a moment) is
@@ -110,7 +111,7 @@ class AgentConnection:
                 return reply
             time.sleep(min(RETRY_PAUSE, left))
 
-    def _exchange(self, header: dict[str, Any], deadline: float) -> dict[str, Any]:
+    def _exchange(self, header: Mapping[str, Any], deadline: float) -> dict[str, Any]:
         for again in (False, True):
             sock = self._proved(max(0.0, deadline - time.monotonic()))
             rid = next(self._ids)
@@ -137,7 +138,7 @@ class AgentConnection:
                 check_at = now + RUN_CHECK
                 check = next(self._ids)
                 checks.add(check)
-                sock.send_multipart(pack({"op": "auth", "id": check, "nonce": secrets.token_hex(16)}))
+                sock.send_multipart(pack({**Requests.auth(secrets.token_hex(16)), "id": check}))
             if not sock.poll(int(min(left, max(0.0, check_at - now)) * 1000) + 1):
                 continue
             reply, _ = unpack(sock.recv_multipart())
@@ -159,7 +160,7 @@ class AgentConnection:
                     "read there, by its owner) or, where it cannot be seen, WDSCACHE_TOKEN (ShardClient: token=)"
                 )
             nonce, rid = secrets.token_hex(16), next(self._ids)
-            sock.send_multipart(pack({"op": "auth", "id": rid, "nonce": nonce}))  # no key: not proved yet
+            sock.send_multipart(pack({**Requests.auth(nonce), "id": rid}))  # no key: not proved yet
             reply = self._reply(sock, rid, timeout, check_run=False)
             run = reply.get("run")
             if not (isinstance(run, str) and same_secret(reply.get("proof"), proof(self._token, nonce, run))):
@@ -208,7 +209,7 @@ class AgentConnection:
         return True
 
     def request_patiently(
-        self, header: dict[str, Any], *, liveness: float, probe: dict[str, Any] | None = None,
+        self, header: Mapping[str, Any], *, liveness: float, probe: Mapping[str, Any] | None = None,
         on_probe: Callable[[dict[str, Any]], None] | None = None, every: float | None = None,
     ) -> dict[str, Any]:
         """Like :meth:`request`, for requests that may take long (a shard being downloaded).
@@ -233,10 +234,10 @@ class AgentConnection:
             time.sleep(RETRY_PAUSE)
 
     def _wait_patiently(
-        self, sock: zmq.Socket, rid: int, header: dict[str, Any], liveness: float, probe: dict[str, Any] | None,
+        self, sock: zmq.Socket, rid: int, header: Mapping[str, Any], liveness: float, probe: Mapping[str, Any] | None,
         on_probe: Callable[[dict[str, Any]], None] | None, every: float | None,
     ) -> dict[str, Any]:
-        probe = probe or {"op": "ping", "reader": str(header.get("reader", ""))}
+        probe = probe or Requests(str(header.get("reader", ""))).ping()
         every = liveness / 2 if every is None else every
         # Probes go every ``every`` seconds, answered or not (one sent as the agent died is lost,
         # and a restarted agent answers the next); the wait ends once none is answered for ``liveness``.
@@ -294,11 +295,12 @@ class ShardClient:
             cache_dir=cache_dir, token=token,
         )
         self._conn.on_new_run = self._pin_again
+        self._requests = Requests(self.name)
         self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
         """Wait until ``url`` is cached and pin it; returns the shard's local path."""
-        header = {"op": "open", "reader": self.name, "url": url}
+        header = self._requests.open(url)
         if timeout is None:
             # A download may take long; the agent's answers to pings show it is alive (and keep us).
             reply = self._conn.request_patiently(header, liveness=min(self._conn.timeout, 30.0))
@@ -311,7 +313,7 @@ class ShardClient:
 
     def release(self, url: str) -> None:
         """Unpin ``url``: the agent may evict it again."""
-        self._check(self._conn.request({"op": "release", "reader": self.name, "url": url}))
+        self._check(self._conn.request(self._requests.release(url)))
         self._held[url] -= 1
         if self._held[url] <= 0:
             del self._held[url]
@@ -321,7 +323,7 @@ class ShardClient:
         a shard against its source first, and downloads again one it no longer holds)."""
         for url, n in list(self._held.items()):
             for _ in range(n):
-                reply = self._conn.request({"op": "open", "reader": self.name, "url": url})
+                reply = self._conn.request(self._requests.open(url))
                 if not reply.get("ok"):
                     del self._held[url]
                     raise FetchError(url, f"the agent at {self._conn.endpoint} restarted and cannot pin it again "
@@ -329,12 +331,12 @@ class ShardClient:
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The agent's live statistics (the object ``wdscache stats --json`` prints)."""
-        return self._check(self._conn.request({"op": "stats"}, timeout=timeout))["stats"]
+        return self._check(self._conn.request(Requests.stats(), timeout=timeout))["stats"]
 
     def close(self) -> None:
         """Say goodbye (the agent drops this client's pins) and close the socket."""
         try:
-            self._conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
+            self._conn.request(self._requests.bye(), timeout=2.0)
         except (AgentUnavailableError, NotTrustedError):
             pass
         finally:

@@ -67,7 +67,7 @@ def assign(counts: Sequence[int], num_nodes: int, *, seed: int = 0, epoch: int =
 
 
 @dataclass(frozen=True)
-class Layout:
+class RankPlacement:
     """Where a rank runs: ``num_nodes`` nodes of ``world_size // num_nodes`` ranks each, global
     rank ``rank`` on node ``node`` (as torchrun numbers them: node-major)."""
 
@@ -106,7 +106,7 @@ class JobEpoch:
     counts: tuple[int, ...]  # every shard's samples
     parts: tuple[tuple[int, ...], ...]
     resumes: tuple[Resume, ...]
-    layout: Layout
+    layout: RankPlacement
     seed: int = 0
     epoch: int = 0
     shuffle: bool = True
@@ -117,7 +117,7 @@ class JobEpoch:
     _segments: tuple[tuple[Segment, ...], ...] = field(init=False, repr=False, compare=False)
 
     @classmethod
-    def fresh(cls, counts: Sequence[int], layout: Layout, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
+    def fresh(cls, counts: Sequence[int], layout: RankPlacement, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
               shuffle_buffer: int = 1000, drop_last: bool = False, reshuffle: bool = False,
               block: int = BLOCK) -> JobEpoch:
         """An epoch from its start: one part per node (each with samples, or it refuses)."""
@@ -236,7 +236,7 @@ class JobEpoch:
         """The shards node ``node`` reads, in the order it reads them."""
         return tuple(s for p, _, _, _ in self._local(node).spans for s in self.part_spec(p).order())
 
-    def share(self, rank: Layout | None = None) -> NodeShare:
+    def share(self, rank: RankPlacement | None = None) -> NodeShare:
         """The share of ``rank`` (this layout's rank, by default)."""
         return NodeShare(self, rank or self.layout)
 
@@ -251,7 +251,7 @@ class NodeShare:
     """One rank's share of a :class:`JobEpoch`, used as a :class:`RankShare` is: ``pairs``
     over the node's ids (:meth:`JobEpoch.ids`), then :meth:`resume_after`."""
 
-    def __init__(self, job: JobEpoch, layout: Layout) -> None:
+    def __init__(self, job: JobEpoch, layout: RankPlacement) -> None:
         self.job, self.layout = job, layout
         local = job._local(layout.node)
         self.length = job.node_length(layout.node)
@@ -326,7 +326,7 @@ class NodeSpec:
         return NodeSpec(self.job.following(), self.node)
 
 
-def job_epoch(counts: Sequence[int | None], layout: Layout, *, epoch: int, parts: Sequence[Sequence[int]] | None,
+def job_epoch(counts: Sequence[int | None], layout: RankPlacement, *, epoch: int, parts: Sequence[Sequence[int]] | None,
               resumes: Sequence[Resume], seed: int, shuffle: bool, shuffle_buffer: int, drop_last: bool,
               reshuffle: bool) -> JobEpoch:
     """The epoch a rank of a multi-node job reads: from its start (``parts`` None, ``resumes`` one
@@ -410,7 +410,7 @@ class NodeList:
         return cls(list_id, cast(int, shards), samples, counts)
 
 
-def check_same_list(lists: Sequence[NodeList | str], layout: Layout) -> None:
+def check_same_list(lists: Sequence[NodeList | str], layout: RankPlacement) -> None:
     """Refuse, on every rank alike, a job whose ranks (``lists[r]``: rank ``r``'s list, or why it
     has none) read different lists: their split into parts would differ, so counts would be
     unequal and samples lost. The error names each list and the nodes holding it."""
@@ -440,7 +440,7 @@ def check_same_list(lists: Sequence[NodeList | str], layout: Layout) -> None:
         "made by `wdscache index`), or give the loader the list itself (urls='shards.json'), then restart the job")
 
 
-def _ranks(ranks: list[int], layout: Layout) -> str:
+def _ranks(ranks: list[int], layout: RankPlacement) -> str:
     nodes = sorted({r // layout.local_world for r in ranks})
     whole = all(r in ranks for n in nodes for r in range(n * layout.local_world, (n + 1) * layout.local_world))
     where = f"node{'s' if len(nodes) > 1 else ''} {', '.join(map(str, nodes))}"

@@ -41,7 +41,7 @@ import hashlib
 import hmac
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
@@ -86,7 +86,7 @@ def process_identity(pid: int | None = None) -> list[Any] | None:
     return [pid, int(stat[stat.rindex(")") + 2:].split()[19]), boot, namespace]
 
 
-def pack(header: dict[str, Any], *payloads: bytes | memoryview) -> list[bytes | memoryview]:
+def pack(header: Mapping[str, Any], *payloads: bytes | memoryview) -> list[bytes | memoryview]:
     """Frames for ``header`` and ``payloads``."""
     return [_ENCODE(header).encode(), *payloads]
 
@@ -248,12 +248,13 @@ MESSAGES: tuple[Message, ...] = (
     Message("get_urls", "consumer", "agent", {"reader": "str", "offset": "int"},
             {**_ERROR, "list_id": "str", "urls": "list[str]"}, about="a page of the list the reader said hello on"),
     Message("open", "consumer", "agent",
-            {"reader": "str", "url": "str", "ahead": "list[str]?", "wait": "bool?", "stream": "bool?"},
-            {**_ERROR, "cached": "bool?", "partial": "bool?", "path": "str?", "size": "int?", "samples": "int?",
-             "damaged": "bool?"},
-            about="pin a shard (waiting for its download, or as soon as it streams); moves the reader's window"),
+            {"reader": "str", "url": "str", "ahead": "list[str]?", "wait": "bool?", "while_downloading": "bool?"},
+            {**_ERROR, "cached": "bool?", "while_downloading": "bool?", "path": "str?", "size": "int?",
+             "samples": "int?", "corrupt": "bool?"},
+            about="pin a shard (waiting for its download, or, while_downloading, as soon as it can be read while "
+                  "it downloads); moves the reader's window; corrupt: it failed because its copies were corrupt"),
     Message("status", "consumer", "agent", {"reader": "str", "url": "str"},
-            {**_ERROR, "state": "str", "written": "int?", "total": "int?", "reason": "str?", "damaged": "bool?",
+            {**_ERROR, "state": "str", "written": "int?", "total": "int?", "reason": "str?", "corrupt": "bool?",
              "failing": "str?"},
             about="where a shard stands: cached, downloading, queued (and why), failed, unknown; "
                   "failing: the last attempt's failure while its download retries"),
@@ -271,7 +272,7 @@ MESSAGES: tuple[Message, ...] = (
     Message("counts", "consumer", "agent", {"urls": "list[str]"}, {**_ERROR, "counts": "list"},
             about="the sample count of each shard (null: never counted)"),
     Message("corrupt", "consumer", "agent", {"url": "str", "error": "str"}, _ERROR,
-            about="a consumer found a shard damaged: the agent fetches it once more"),
+            about="a consumer found a shard's copy corrupt: the agent fetches it once more"),
     Message("stats", "client", "agent", {"flush": "bool?"}, {**_ERROR, "stats": "object"},
             about="the live stats object (flush: read times and counters written to the index first, for ls)"),
     Message("evict", "client", "agent", {"urls": "list[str]", "force": "bool?"},
@@ -302,8 +303,8 @@ MESSAGES: tuple[Message, ...] = (
             about="a worker's counters, every second; the agent sends hints back on its socket"),
     Message("counted", "worker", "agent", {"secret": "str", "url": "str", "samples": "int"},
             about="the sample count a worker found in a cached shard"),
-    Message("damaged", "worker", "agent", {"secret": "str", "url": "str", "identity": "list", "error": "str"},
-            about="a worker found the cached file of this identity damaged"),
+    Message("corrupt_copy", "worker", "agent", {"secret": "str", "url": "str", "identity": "list", "error": "str"},
+            about="a worker found the cached file of this identity corrupt"),
     Message("walked", "worker", "agent",
             {"secret": "str", "url": "str", "identity": "list", "layouts": "list"},
             frames="the packed sample table (sampletable.PackedSamples.parts)",
@@ -316,7 +317,47 @@ MESSAGES: tuple[Message, ...] = (
              "kind": "str?"},
             frames="runs of shard bytes the spans point into (none for file ranges: see pool.py)",
             about="samples by [url index, sample index]; the reply's op is 'samples' (or 'error')"),
-    Message("scan", "consumer", "worker", {"url": "str", "partial": "bool?"},
+    Message("scan", "consumer", "worker", {"url": "str", "while_downloading": "bool?"},
             {**_ERROR, "proof": "str", "count": "int", "final": "bool", "kind": "str?"},
             about="a shard's sample count (so far, for a download); the reply's op is 'scanned' (or 'error')"),
 )
+
+#: Answered at the agent's door (no key yet) and passed on to the workers (with frames): before
+#: the agent's table of handlers, so in none of the op sets below.
+AT_THE_DOOR, PASSED_ON = "auth", "walked"
+#: The ops the agent's handlers serve: every message to the agent but those two.
+CONTROL_OPS: tuple[str, ...] = tuple(
+    m.op for m in MESSAGES if m.receiver == "agent" and m.op not in (AT_THE_DOOR, PASSED_ON))
+#: Reports only the agent's own workers may send (they carry the workers' secret).
+WORKER_OPS: tuple[str, ...] = tuple(m.op for m in MESSAGES if m.sender == "worker" and m.op in CONTROL_OPS)
+#: Ops of a reader, which name it (``reader``): each one counts as a sign of life.
+READER_OPS: tuple[str, ...] = tuple(m.op for m in MESSAGES if "reader" in m.fields and m.op in CONTROL_OPS)
+
+MESSAGE = {m.op: m for m in MESSAGES}
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "str": str, "int": int, "bool": bool, "number": (int, float), "list[str]": list, "list": list, "object": dict,
+}
+# op -> (name, Python type, required, strings only) of each field: the table, read once.
+_CHECKS = {
+    m.op: tuple((name, _JSON_TYPES[kind.rstrip("?")], not kind.endswith("?"), kind.rstrip("?") == "list[str]")
+                for name, kind in m.fields.items())
+    for m in MESSAGES
+}
+
+
+def check(header: dict[str, Any]) -> Message:
+    """The table's entry for ``header``, once each field it lists is checked: present unless
+    optional, of its JSON type. A ProtocolError names the op and the field otherwise (fields
+    the table does not list, ``id``, ``key``, ``auth``, are not looked at)."""
+    op = header.get("op")
+    if not isinstance(op, str) or op not in MESSAGE:
+        raise ProtocolError(f"unknown op {op!r}")
+    for name, kind, required, only_strings in _CHECKS[op]:
+        if name in header:
+            if only_strings:
+                strings(header, name)
+            else:
+                field(header, name, kind)
+        elif required:
+            raise ProtocolError(f"{op!r} message lacks {name!r}")
+    return MESSAGE[op]

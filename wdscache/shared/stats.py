@@ -49,6 +49,7 @@ from .config import format_size
 from .errors import AgentUnavailableError, NoCacheError, ProtocolError
 from .index import read_summary
 from .layout import CacheLayout
+from .messages import Requests
 from .verdict import STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
@@ -128,7 +129,7 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
     if conn is None:
         return None
     try:
-        reply = conn.request({"op": "stats"})
+        reply = conn.request(Requests.stats())
         return reply["stats"] if reply.get("ok") else None
     except (AgentUnavailableError, ProtocolError, KeyError):
         return None

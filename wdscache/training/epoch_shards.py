@@ -8,8 +8,8 @@ scan by a worker; a shard still downloading is pinned as soon as its download ho
 budget and enters the sequence sample by sample as the worker finds them.
 
 A failed shard raises its error, or with ``on_error="skip"`` is skipped: its samples not
-read become holes. A damaged copy is fetched once more: the agent is told, the shard is
-opened again (``renewed``), and only a new copy damaged too fails the shard.
+read become holes. A corrupt copy is fetched once more: the agent is told, the shard is
+opened again (``renewed``), and only a new copy that is corrupt too fails the shard.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
+from ..shared.messages import Requests, WorkerRequest
 from ..shared.mixture import MixSpec
 from ..shared.nodes import NodeSpec
 from ..shared.protocol import pages
@@ -66,9 +67,10 @@ class EpochShards:
 
     def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, spec: EpochSpec | NodeSpec | MixSpec,
                  prefetch: int, on_error: OnError, timeout: float, pins: Pins, clock: ProgressClock, workers: int,
-                 call_worker: Callable[[dict[str, Any], int], dict[str, Any]],
+                 call_worker: Callable[[WorkerRequest, int], dict[str, Any]],
                  hold_nothing: Callable[[], None]) -> None:
-        self.conn, self.reader, self.urls = conn, reader, urls
+        self.conn, self.urls = conn, urls
+        self.requests = Requests(reader)
         self.on_error, self.timeout, self.prefetch, self.workers = on_error, timeout, prefetch, workers
         self.pins, self.clock = pins, clock
         self.call_worker, self.hold_nothing = call_worker, hold_nothing
@@ -81,9 +83,9 @@ class EpochShards:
         # once the epoch ends.
         self.learned: dict[str, float] = {}
         self.skipped: set[int] = set()  # failed, skipped (on_error="skip")
-        self.retried: set[int] = set()  # found damaged: the agent fetches them once more
-        self.renewed: set[int] = set()  # of those, opened again since: damaged now, they fail
-        self.to_report: dict[int, str] = {}  # of those, damage not yet told to the agent
+        self.retried: set[int] = set()  # found corrupt: the agent fetches them once more
+        self.renewed: set[int] = set()  # of those, opened again since: corrupt now, they fail
+        self.to_report: dict[int, str] = {}  # of those, not yet told to the agent
 
     # -- what the sequence is fed -------------------------------------------------
 
@@ -97,7 +99,7 @@ class EpochShards:
             self._known_counts(self.order[pos : pos + COUNTS_AHEAD])
         if shard not in counts:
             self.open(shard, while_downloading=True)
-        if shard in self.pins.partial:
+        if shard in self.pins.while_downloading:
             yield from self._downloading(shard)
             return
         if shard not in counts:
@@ -108,7 +110,7 @@ class EpochShards:
     def _known_counts(self, shards: Iterable[int]) -> None:
         want = [s for s in shards if s not in self.sample_counts]
         if want:
-            reply = self.conn.request({"op": "counts", "urls": [self.urls[s] for s in want]})
+            reply = self.conn.request(Requests.counts([self.urls[s] for s in want]))
             for s, c in zip(want, reply.get("counts", [])):
                 if isinstance(c, int):
                     self.sample_counts[s] = c
@@ -122,7 +124,7 @@ class EpochShards:
         url, worker = self.urls[shard], shard % self.workers
         known, asked = 0, time.monotonic()
         while True:
-            reply = self.call_worker({"op": "scan", "url": url, "partial": True}, worker)
+            reply = self.call_worker(Requests.scan(url, while_downloading=True), worker)
             if not reply.get("ok"):
                 error: WdsCacheError = shard_error(url, reply)
                 break
@@ -132,15 +134,14 @@ class EpochShards:
                 known = count
                 yield known
             if reply.get("final"):
-                self.pins.partial.discard(shard)
+                self.pins.while_downloading.discard(shard)
                 self.sample_counts[shard] = known
                 self.learned[url] = time.monotonic()
                 self.pins.counted(shard, known)
                 return
             if time.monotonic() - asked > STATUS_EVERY:
                 asked = time.monotonic()
-                status = self.conn.request({"op": "status", "reader": self.reader, "url": url},
-                                           timeout=self.clock.left())
+                status = self.conn.request(self.requests.status(url), timeout=self.clock.left())
                 if status.get("state") == "failed":
                     error = self.failure(shard, status)
                     break
@@ -151,7 +152,7 @@ class EpochShards:
                     # waiting without other pins until it downloads with its budget again.
                     self.open(shard, again=True, while_downloading=True)
             yield None
-        self.pins.partial.discard(shard)
+        self.pins.while_downloading.discard(shard)
         self.failed(shard, error)  # raises, or skips the rest of the shard
         self.pins.counted(shard, known)
 
@@ -161,14 +162,14 @@ class EpochShards:
         url = self.urls[shard]
         repinned = False
         while True:
-            reply = self.call_worker({"op": "scan", "url": url}, shard % self.workers)
+            reply = self.call_worker(Requests.scan(url), shard % self.workers)
             if reply.get("ok"):
                 self.learned[url] = time.monotonic()
                 return int(reply["count"])
             if reply.get("kind") == "missing":
                 if repinned:
                     raise FetchError(url, "cache file vanished while pinned; is another process deleting files?")
-                # Its copy went while we held it: another reader found it damaged (the agent then
+                # Its copy went while we held it: another reader found it corrupt (the agent then
                 # fetches it once more), or the agent restarted and lost our pin. Pin the new copy.
                 repinned = True
                 self.open(shard, again=True)
@@ -179,10 +180,10 @@ class EpochShards:
             if reply.get("kind") != "corrupt" or shard in self.renewed:
                 self.failed(shard, exc)
                 return 0
-            # A damaged copy: the agent fetches it once more; damaged again, the shard fails.
+            # A corrupt copy: the agent fetches it once more; corrupt again, the shard fails.
             self.retried.add(shard)
             log.warning("%s; reading it again from a new copy", exc)
-            self.report_damage(shard, str(exc))
+            self.report_corrupt(shard, str(exc))
             self.open(shard, again=True)
             self.renewed.add(shard)
             if shard in self.skipped:
@@ -207,17 +208,16 @@ class EpochShards:
         if not reply.get("ok"):
             self.failed(shard, self.failure(shard, reply))
             return
-        if reply.get("partial"):
+        if reply.get("while_downloading"):
             if shard not in self.sample_counts:
-                self.pins.partial.add(shard)
+                self.pins.while_downloading.add(shard)
         elif isinstance(reply.get("samples"), int):
             self.sample_counts.setdefault(shard, reply["samples"])
 
     def check_download(self, shard: int) -> None:
         """Reads wait on ``shard``'s download: is it still going? Failed, it fails here;
         forgotten (the agent restarted) or without its budget, it is pinned again."""
-        status = self.conn.request({"op": "status", "reader": self.reader, "url": self.urls[shard]},
-                                   timeout=self.clock.left())
+        status = self.conn.request(self.requests.status(self.urls[shard]), timeout=self.clock.left())
         if status.get("state") == "failed":
             self.failed(shard, self.failure(shard, status))
         elif status.get("state") in ("queued", "unknown"):
@@ -232,7 +232,7 @@ class EpochShards:
         samples not yet read become holes, filled with repeats by the stream."""
         self.pins.close_file(shard)
         if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
-            self.report_damage(shard, str(exc))
+            self.report_corrupt(shard, str(exc))
         judge(self.on_error, exc, shard)
         log.warning("skipping %s: %s", self.urls[shard], exc)
         self.skipped.add(shard)
@@ -241,16 +241,16 @@ class EpochShards:
 
     def failure(self, shard: int, reply: dict[str, Any]) -> WdsCacheError:
         """The error of a shard the agent failed: a ShardError once its copies were found
-        damaged (the shard itself is bad), else a FetchError (its download failed)."""
+        corrupt (the shard itself is bad), else a FetchError (its download failed)."""
         error = str(reply.get("error") or "download failed")
-        if reply.get("damaged") is True:
+        if reply.get("corrupt") is True:
             return ShardError(self.urls[shard], error)
         return FetchError(self.urls[shard], error)
 
-    def found_damaged(self, shard: int, exc: ShardError) -> bool:
-        """A read found ``shard``'s copy damaged. True: read it again once the shard is opened
-        again (the agent fetches a new copy, told in :meth:`tell_damage`); False: it was
-        opened again since (:meth:`reopened`), so the new copy is damaged too."""
+    def found_corrupt(self, shard: int, exc: ShardError) -> bool:
+        """A read found ``shard``'s copy corrupt. True: read it again once the shard is opened
+        again (the agent fetches a new copy, told in :meth:`tell_corrupt`); False: it was
+        opened again since (:meth:`reopened`), so the new copy is corrupt too."""
         if shard in self.renewed:
             return False
         # (A read sent before we opened the new copy still meets the old one.)
@@ -260,22 +260,21 @@ class EpochShards:
             log.warning("%s; reading it again from a new copy", exc)
         return True
 
-    def tell_damage(self) -> None:
-        """Tell the agent of the damage found: before the shard is opened again, so that the
+    def tell_corrupt(self) -> None:
+        """Tell the agent of the corrupt copies found: before the shard is opened again, so that the
         agent fetches a new copy."""
         while self.to_report:
             shard, error = self.to_report.popitem()
-            self.report_damage(shard, error)
+            self.report_corrupt(shard, error)
 
     def reopened(self, shard: int) -> None:
         """``shard`` was pinned again for reads that go again."""
         if shard in self.retried:
-            self.renewed.add(shard)  # opened since it was found damaged: a new copy
+            self.renewed.add(shard)  # opened since it was found corrupt: a new copy
 
-    def report_damage(self, shard: int, error: str) -> None:
+    def report_corrupt(self, shard: int, error: str) -> None:
         try:
-            self.conn.request({"op": "corrupt", "url": self.urls[shard], "error": error},
-                              timeout=min(5.0, self.timeout))
+            self.conn.request(Requests.corrupt(self.urls[shard], error), timeout=min(5.0, self.timeout))
         except AgentUnavailableError:
             pass
 
@@ -298,7 +297,7 @@ def agent_counts(conn: AgentConnection, urls: Sequence[str], timeout: float | No
     """The agent's sample count of each of ``urls`` (None: never counted), asked in pages."""
     counts: list[Any] = []
     for _, chunk in pages(urls):
-        counts.extend(conn.request({"op": "counts", "urls": chunk}, timeout=timeout).get("counts", []))
+        counts.extend(conn.request(Requests.counts(chunk), timeout=timeout).get("counts", []))
     return counts
 
 

@@ -62,8 +62,9 @@ from typing import Any
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.malloc import tune_malloc
+from ..shared.messages import Requests
 from ..shared.mixture import MixSpec
-from ..shared.nodes import JobEpoch, Layout, NodeList, NodeShare, job_epoch, parts_state, read_parts_state
+from ..shared.nodes import JobEpoch, NodeList, NodeShare, RankPlacement, job_epoch, parts_state, read_parts_state
 from ..shared.protocol import pages, process_identity
 from ..shared.sequence import RankShare, Resume, rank_length
 from ..shared.urls import UrlList, list_id
@@ -249,7 +250,7 @@ class CachedMultiLoader:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         # Several nodes, each with its own agent, read a part of the shards each (wdscache.shared.nodes).
-        self.layout = Layout(self.rank, self.world_size, env["node"] if node is None else node,
+        self.layout = RankPlacement(self.rank, self.world_size, env["node"] if node is None else node,
                              env["num_nodes"] if num_nodes is None else num_nodes)
         self.reshuffle_nodes = reshuffle_nodes
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
@@ -422,21 +423,17 @@ class CachedMultiLoader:
         Lists go in pages and are cached by their id, so each is sent once per loader.
         """
         # The process, so that an agent on this machine notices at once when it ends (a SIGKILL).
-        request: dict[str, Any] = {"op": "hello", "reader": name, "job": self.job, "rank": self.rank,
-                                   "world_size": self.world_size, "process": process_identity(),
-                                   # the agent warns when pins on the shards it spans outgrow the budget
-                                   "shuffle_buffer": self.shuffle_buffer if self.shuffle else 0}
-        if probe:
-            request["probe"] = True
-        if self.urls is not None:
-            request["list_id"] = self._list_key
+        requests = Requests(name)
+        request = requests.hello(self.job, self.rank, self.world_size, process=process_identity(),
+                                 # the agent warns when pins on the shards it spans outgrow the budget
+                                 shuffle_buffer=self.shuffle_buffer if self.shuffle else 0, probe=probe,
+                                 list_id=self._list_key if self.urls is not None else None)
         hello = conn.request(request)
         if hello.get("need_urls") and self.urls is not None:
             for offset, chunk in pages(self.urls):
-                put: dict[str, Any] = {"op": "put_urls", "reader": name, "offset": offset, "urls": chunk}
-                if self._shards is not None:
-                    put["shards"] = [info.to_wire() for info in self._shards[offset : offset + len(chunk)]]
-                page = conn.request(put)
+                infos = self._shards
+                shards = None if infos is None else [info.to_wire() for info in infos[offset : offset + len(chunk)]]
+                page = conn.request(requests.put_urls(offset, chunk, shards))
                 if not page.get("ok"):
                     raise WdsCacheError(f"the agent at {self.endpoint} refused the URL list: {page.get('error')}")
             hello = conn.request(request)
@@ -448,7 +445,7 @@ class CachedMultiLoader:
         if key not in self._agent_lists:
             urls: list[str] = []
             while len(urls) < int(hello.get("n_urls", 0)):
-                page = conn.request({"op": "get_urls", "reader": name, "offset": len(urls)})
+                page = conn.request(requests.get_urls(len(urls)))
                 if page.get("list_id") != key or not page.get("urls"):
                     raise WdsCacheError("the agent's URL list changed while it was being read; try again")
                 urls.extend(page["urls"])
@@ -547,7 +544,7 @@ class CachedMultiLoader:
         parts, resumes = at.parts, at.part_resumes or (at.start,)
         if at.delivered is not None:  # what the ranks delivered, placed on the layout it was delivered on
             d = at.delivered
-            then = job_epoch(counts, Layout(0, d.world_size, 0, d.num_nodes), epoch=at.epoch, parts=parts,
+            then = job_epoch(counts, RankPlacement(0, d.world_size, 0, d.num_nodes), epoch=at.epoch, parts=parts,
                              resumes=resumes, **self._job_options())
             parts, resumes = [list(p) for p in then.parts], then.resume_after_runs(d.runs)
         return job_epoch(counts, self.layout, epoch=at.epoch, parts=parts, resumes=resumes, **self._job_options())
@@ -594,7 +591,7 @@ class CachedMultiLoader:
         name = f"len-{uuid.uuid4().hex[:8]}"
         try:
             hello, urls = self._session(conn, name, probe=True)
-            conn.request({"op": "bye", "reader": name})
+            conn.request(Requests(name).bye())
             counts = agent_counts(conn, urls)
         finally:
             conn.close()

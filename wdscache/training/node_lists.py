@@ -28,13 +28,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..shared.errors import ConfigError
-from ..shared.nodes import Layout, NodeList, check_same_list
+from ..shared.nodes import NodeList, RankPlacement, check_same_list
 
 ENTRY_BYTES = 1024  # one rank's entry: a NodeList's JSON, or why it has none (cut to fit)
 WHY_CHARS = 600
 
 
-def job_group(layout: Layout) -> Any | None:
+def job_group(layout: RankPlacement) -> Any | None:
     """``torch.distributed`` if its default process group is this job's here, else None."""
     if sys.modules.get("torch") is None:
         return None
@@ -74,7 +74,7 @@ def _entry(raw: bytes) -> NodeList | str:
         return f"its entry could not be read ({exc})"
 
 
-def agree(dist: Any, layout: Layout, mine: NodeList | Exception) -> NodeList:
+def agree(dist: Any, layout: RankPlacement, mine: NodeList | Exception) -> NodeList:
     """This rank's list (``mine``, or why it has none) compared with every rank's over ``dist``
     (:func:`job_group`): every rank raises alike when they differ, or when one has none (that
     one its own error); else the job's list."""
@@ -85,7 +85,7 @@ def agree(dist: Any, layout: Layout, mine: NodeList | Exception) -> NodeList:
     return mine
 
 
-def agree_on_list(layout: Layout, probe: Callable[[], tuple[Any, Sequence[int | None], str]]) -> NodeList | None:
+def agree_on_list(layout: RankPlacement, probe: Callable[[], tuple[Any, Sequence[int | None], str]]) -> NodeList | None:
     """On several nodes, with the job's process group here (:func:`job_group`): compare this rank's
     list with every rank's, each read by ``probe`` as ``len()`` reads it (not as a rank that reads:
     the exchange may wait for a slow rank longer than the agent keeps a silent reader). Every rank
@@ -104,7 +104,7 @@ def agree_on_list(layout: Layout, probe: Callable[[], tuple[Any, Sequence[int | 
     return agree(dist, layout, mine)
 
 
-def check_kept(layout: Layout, mine: NodeList, kept: NodeList | None) -> None:
+def check_kept(layout: RankPlacement, mine: NodeList, kept: NodeList | None) -> None:
     """Refuse an epoch whose list (``mine``, as this node's agent holds it now) is not the one
     the job's ranks agreed on (``kept``: None if they never compared theirs). A count unknown on
     either side is not compared: the agent learns counts as it downloads."""

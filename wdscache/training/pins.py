@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..shared.client import AgentConnection
+from ..shared.messages import Requests
 from .direct import CacheFiles
 
 STATUS_EVERY = 1.0  # seconds between asking the agent how a download we wait for is going
@@ -33,10 +34,11 @@ class Pins:
 
     def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, timeout: float,
                  files: CacheFiles | None) -> None:
-        self.conn, self.reader, self.urls, self.timeout = conn, reader, urls, timeout
+        self.conn, self.urls, self.timeout = conn, urls, timeout
+        self.requests = Requests(reader)
         self.files = files
         self.opened: dict[int, int] = {}  # pinned shard -> our reads of it outstanding
-        self.partial: set[int] = set()  # pinned while downloading: read as the download goes
+        self.while_downloading: set[int] = set()  # pinned while downloading: read as the download goes
         # shard -> ids the sequence has not given out yet (its count minus those given out;
         # negative while a shard streams and its count is not known yet)
         self.remaining: dict[int, int] = {}
@@ -51,7 +53,7 @@ class Pins:
         ok: the shard failed). ``ahead`` is our window: the shards we read next.
 
         ``while_downloading``: a shard not cached yet is pinned as soon as its download holds
-        its budget (the answer says ``partial``). ``again``: the agent lost the shard
+        its budget (the answer says ``while_downloading``). ``again``: the agent lost the shard
         (restarted, or its file went): the pin we think we hold is given back first.
         Before a wait, ``before_wait`` lets the caller finish its reads of the other pins,
         which are then let go; ``on_status`` hears what the agent says of the download meanwhile.
@@ -59,10 +61,8 @@ class Pins:
         url = self.urls[shard]
         if again and shard in self.opened:
             self.close_file(shard)  # its file may be replaced before we read it again
-            self.conn.request({"op": "release", "reader": self.reader, "url": url})
-        request = {"op": "open", "reader": self.reader, "url": url, "ahead": ahead, "wait": False,
-                   "stream": while_downloading}
-        reply = self.conn.request(request)
+            self.conn.request(self.requests.release(url))
+        reply = self.conn.request(self.requests.open(url, ahead=ahead, wait=False, while_downloading=while_downloading))
         if not reply.get("ok") and reply.get("cached") is False:
             # We wait, for the download or for its budget: hold no other pins meanwhile (see
             # the module docstring). Once a download holds its budget, pins cannot hold it up.
@@ -72,9 +72,8 @@ class Pins:
                 if held != shard:
                     self.release(held, force=True)
             self.waits += 1
-            request["wait"] = True
-            probe = {"op": "status", "reader": self.reader, "url": url}
-            reply = self.conn.request_patiently(request, liveness=self.timeout, probe=probe,
+            request = self.requests.open(url, ahead=ahead, while_downloading=while_downloading)
+            reply = self.conn.request_patiently(request, liveness=self.timeout, probe=self.requests.status(url),
                                                 every=min(STATUS_EVERY, self.timeout / 4), on_probe=on_status)
         if reply.get("ok"):
             self.opened.setdefault(shard, 0)
@@ -85,13 +84,13 @@ class Pins:
         if self.opened.get(shard) == 0 and (force or self.remaining.get(shard, 1) == 0):
             del self.opened[shard]
             self.close_file(shard)  # before the agent may evict it: its space comes back
-            self.conn.request({"op": "release", "reader": self.reader, "url": self.urls[shard]})
+            self.conn.request(self.requests.release(self.urls[shard]))
 
     def drop(self, shard: int, timeout: float) -> None:
         """Unpin a shard that failed, whatever reads of it are still out (they keep their holes)."""
         self.close_file(shard)
         if self.opened.pop(shard, None) is not None:
-            self.conn.request({"op": "release", "reader": self.reader, "url": self.urls[shard]}, timeout=timeout)
+            self.conn.request(self.requests.release(self.urls[shard]), timeout=timeout)
 
     def counted(self, shard: int, count: int) -> None:
         """``shard``'s count is final: once the sequence has given out that many of its ids,

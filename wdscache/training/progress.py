@@ -17,6 +17,7 @@ from typing import Any
 
 from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, FetchError
+from ..shared.messages import Requests
 
 WORKERS_SILENT = "its workers did not answer"  # the hint of a stall while the agent itself answers
 Waited = tuple[int | None, dict[str, Any] | None]  # the shard waited for (None: none), and its status if known
@@ -27,7 +28,8 @@ class ProgressClock:
 
     def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, endpoint: str,
                  timeout: float) -> None:
-        self.conn, self.reader, self.urls, self.endpoint, self.timeout = conn, reader, urls, endpoint, timeout
+        self.conn, self.urls, self.endpoint, self.timeout = conn, urls, endpoint, timeout
+        self.requests = Requests(reader)
         self.progress_at = time.monotonic()
         self.written: dict[int, int] = {}  # bytes the agent said a download we wait for holds
 
@@ -55,12 +57,11 @@ class ProgressClock:
         shard, status = waited()
         if shard is None:
             # Nothing of ours is downloading: our reads went unanswered. Is the agent there?
-            self.conn.request({"op": "ping", "reader": self.reader}, timeout=min(2.0, timeout))
+            self.conn.request(self.requests.ping(), timeout=min(2.0, timeout))
             raise AgentUnavailableError(self.endpoint, timeout, WORKERS_SILENT)
         url = self.urls[shard]
         if status is None:
-            status = self.conn.request({"op": "status", "reader": self.reader, "url": url},
-                                       timeout=min(2.0, timeout))
+            status = self.conn.request(self.requests.status(url), timeout=min(2.0, timeout))
         raise FetchError(url, f"no progress for {timeout:g}s: {why_not_there(status)}")
 
 

@@ -63,6 +63,7 @@ from ..shared.errors import (
     WdsCacheError,
 )
 from ..shared.layout import file_identity
+from ..shared.messages import Requests, WorkerRequest
 from ..shared.protocol import pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_index
 from ..shared.urls import index_list, normalize_url
@@ -383,6 +384,7 @@ class _Session:
         self.conn = AgentConnection(ds.endpoint, timeout=ds.timeout, hint=start_hint(ds.cache_dir),
                                     cache_dir=ds.cache_dir, token=ds._token)
         self.name = f"{ds.dataset_name}/{self.pid}/{uuid.uuid4().hex[:8]}"
+        self.requests = Requests(self.name)
         self.pinned: OrderedDict[int, _Open] = OrderedDict()  # shard position -> its pin, least recent first
         self.tables: OrderedDict[int, _Table] = OrderedDict()
         self.table_samples = 0
@@ -401,13 +403,13 @@ class _Session:
         """Join as a reader of our own list (sent first if the agent does not hold it)."""
         urls, infos = self.urls, self.ds._list.shards
         assert infos is not None  # a shard index gives every shard's facts
-        request = {"op": "hello", "reader": self.name, "job": f"random-access/{self.ds.dataset_name}", "rank": 0,
-                   "world_size": 1, "process": process_identity(), "list_id": self.ds._list.key}
+        request = self.requests.hello(f"random-access/{self.ds.dataset_name}", 0, 1, process=process_identity(),
+                                      list_id=self.ds._list.key)
         hello = self.conn.request(request)
         if hello.get("need_urls"):
             for offset, chunk in pages(urls):
-                page = self.conn.request({"op": "put_urls", "reader": self.name, "offset": offset, "urls": chunk,
-                                          "shards": [i.to_wire() for i in infos[offset: offset + len(chunk)]]})
+                page = self.conn.request(self.requests.put_urls(
+                    offset, chunk, [i.to_wire() for i in infos[offset: offset + len(chunk)]]))
                 if not page.get("ok"):
                     raise WdsCacheError(f"the agent at {self.ds.endpoint} refused the shard index: {page.get('error')}")
             hello = self.conn.request(request)
@@ -477,15 +479,14 @@ class _Session:
         # every pinned file; so it comes before our open, which the new run then answers.
         while len(self.pinned) >= self.ds.lru_size:
             self._let_go(next(iter(self.pinned)))
-        request = {"op": "open", "reader": self.name, "url": url, "ahead": self._ahead(shard), "wait": False}
-        reply = self.conn.request(request)
+        ahead = self._ahead(shard)
+        reply = self.conn.request(self.requests.open(url, ahead=ahead, wait=False))
         if not reply.get("ok") and reply.get("cached") is False:
             # Waiting for a download or for room: we hold no other pin meanwhile (see the module).
             for other in list(self.pinned):
                 self._let_go(other)
-            request["wait"] = True
-            reply = self.conn.request_patiently(request, liveness=self.ds.timeout,
-                                                probe={"op": "status", "reader": self.name, "url": url},
+            reply = self.conn.request_patiently(self.requests.open(url, ahead=ahead), liveness=self.ds.timeout,
+                                                probe=self.requests.status(url),
                                                 every=min(STATUS_EVERY, self.ds.timeout / 4))
         if not reply.get("ok"):
             raise FetchError(url, str(reply.get("error") or "the agent could not cache it"), permanent=True)
@@ -493,7 +494,7 @@ class _Session:
         try:
             fd = os.open(reply["path"], os.O_RDONLY | os.O_CLOEXEC)
         except (KeyError, TypeError, OSError) as exc:
-            self.conn.request({"op": "release", "reader": self.name, "url": url})
+            self.conn.request(self.requests.release(url))
             raise FetchError(url, f"its cache file cannot be opened: {exc}") from None
         try:
             identity = file_identity(os.fstat(fd))
@@ -504,7 +505,7 @@ class _Session:
                 table = self._table(shard, identity)
         except BaseException:
             os.close(fd)
-            self.conn.request({"op": "release", "reader": self.name, "url": url})
+            self.conn.request(self.requests.release(url))
             raise
         held = self.pinned[shard] = _Open(fd, table)
         return held
@@ -529,7 +530,7 @@ class _Session:
         if shard == self.last:
             self.last = -1
         os.close(held.fd)  # before the agent may evict it: its space comes back
-        self.conn.request({"op": "release", "reader": self.name, "url": self.urls[shard]})
+        self.conn.request(self.requests.release(self.urls[shard]))
         self.tables[shard] = held.table
         self.tables.move_to_end(shard)
         self.table_samples += len(held.table.rows)
@@ -545,7 +546,7 @@ class _Session:
         url, n = self.urls[shard], infos[shard].nsamples
         table = _Table(identity, [])
         worker = shard % len(self.links)
-        header, _ = self._ask(worker, {"op": "scan", "url": url})
+        header, _ = self._ask(worker, Requests.scan(url))
         if not header.get("ok"):
             if header.get("kind") == "corrupt":
                 raise shard_error(url, header)
@@ -554,7 +555,7 @@ class _Session:
             raise ShardError(url, f"{header.get('count')} samples, but the shard index says {n}")
         for first in range(0, n, TABLE_ITEMS):
             items = [[0, j] for j in range(first, min(n, first + TABLE_ITEMS))]
-            header, frames = self._ask(worker, {"op": "read", "urls": [url], "items": items, "direct": True})
+            header, frames = self._ask(worker, Requests.read([url], items, direct=True))
             if not header.get("ok"):
                 if header.get("kind") == "corrupt":
                     raise shard_error(url, header)
@@ -562,7 +563,7 @@ class _Session:
             _add_rows(table, header, len(frames), len(items), url)
         return table
 
-    def _ask(self, worker: int, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    def _ask(self, worker: int, request: WorkerRequest) -> tuple[dict[str, Any], list[Any]]:
         """Send ``request`` to ``worker``; its proved reply, or AgentUnavailableError after the timeout."""
         assert self.links is not None
         rid = self.links.send(worker, request, "t")
@@ -586,7 +587,7 @@ class _Session:
         for shard in list(self.pinned):
             os.close(self.pinned.pop(shard).fd)
         try:
-            self.conn.request({"op": "bye", "reader": self.name}, timeout=2.0)
+            self.conn.request(self.requests.bye(), timeout=2.0)
         except WdsCacheError:
             pass
         finally:

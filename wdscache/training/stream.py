@@ -22,6 +22,7 @@ stays, so the epoch delivers each sample once; a new run serving another list en
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -33,6 +34,7 @@ from typing import Any, cast
 from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
+from ..shared.messages import ReportMessage, Requests, WorkerRequest
 from ..shared.mixture import MixSpec, SourcedId
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
@@ -143,6 +145,7 @@ class EpochStream:
         self.part = part  # this process's part of the rank's share (a DataLoader worker's)
         self.session = session
         self.name, self.conn, self.urls, self.list_id = session.name, session.conn, session.urls, session.list_id
+        self.requests = Requests(self.name)
         hello = session.hello
         self.finished = False  # resources released
         self.complete = False  # every sample of the rank's share was delivered
@@ -190,8 +193,8 @@ class EpochStream:
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}
         self.broken = False  # the epoch ended in an error: close quickly
         self.epoch = epoch
-        self.reporter = Reporter(session.connect, {"op": "report", "reader": self.name, "job": s.job,
-                                                   "rank": s.rank}, self._figures)
+        self.reporter = Reporter(session.connect, functools.partial(self.requests.report, s.job, s.rank),
+                                 self._figures)
         # The agent run our links and pins belong to; a new one (the agent restarted) is taken up
         # by _new_run (its hello, at once) and _relink (links and reads, then pins: _repin).
         self.run = self.conn.run
@@ -395,10 +398,7 @@ class EpochStream:
             wire.append([url_at[shard], j])
         w = self.workers.next_worker()
         direct = direct and self.pins.files is not None
-        request: dict[str, Any] = {"op": "read", "urls": urls, "items": wire}
-        if direct:
-            request["direct"] = True
-        rid = self.workers.send(w, request, "r")
+        rid = self.workers.send(w, Requests.read(urls, wire, direct=direct), "r")
         self.reads.send(read, sent, rid, w, direct, time.monotonic())
 
     def _drain(self) -> None:
@@ -414,7 +414,7 @@ class EpochStream:
     def _recover(self) -> None:
         """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
         reads, pins, shards = self.reads, self.pins, self.shards
-        shards.tell_damage()
+        shards.tell_corrupt()
         while reads.reopening:
             read = reads.in_state(ReadState.REOPEN)[0]
             per_shard = Counter(sid[0] for _, sid in read.items if sid[0] not in shards.skipped)
@@ -461,13 +461,13 @@ class EpochStream:
 
     def _waited_for(self) -> Waited:
         """A shard whose download this stream waits for, if any (for the progress clock)."""
-        for shard in self.pins.partial:
+        for shard in self.pins.while_downloading:
             return shard, None
         for read in self.reads.in_state(ReadState.DELAYED):
             return read.items[0][1][0], None
         return None, None
 
-    def _worker_call(self, header: dict[str, Any], worker: int) -> dict[str, Any]:
+    def _worker_call(self, header: WorkerRequest, worker: int) -> dict[str, Any]:
         """One request to a worker; replies to our reads that arrive meanwhile are kept.
 
         Asked again every few seconds (a restarted worker lost it) while the agent answers.
@@ -475,7 +475,7 @@ class EpochStream:
         timeout = self.settings.timeout
         while True:
             links = self.workers
-            rid = links.send(worker % len(links), dict(header), "c")  # a new run may have fewer workers
+            rid = links.send(worker % len(links), header.copy(), "c")  # a new run may have fewer workers
             self.call_replies[rid] = None
             again = time.monotonic() + min(5.0, timeout / 2)
             while self.call_replies[rid] is None and time.monotonic() < again and self.workers is links:
@@ -485,7 +485,7 @@ class EpochStream:
                 return reply
             if self.workers is not links:
                 continue  # the agent restarted: ask the new run's worker
-            self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())  # raises if the agent is gone
+            self.conn.request(self.requests.ping(), timeout=self.clock.left())  # raises if the agent is gone
             if self.new_hello is not None:
                 self._relink()
                 continue
@@ -510,7 +510,7 @@ class EpochStream:
                 # The worker may have died with our request: ask another (or its replacement),
                 # unless the agent itself is gone (then this raises a clear error within the
                 # timeout, no hang).
-                self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())
+                self.conn.request(self.requests.ping(), timeout=self.clock.left())
                 if self.new_hello is not None:
                     self._relink()  # the agent restarted: every read went again, to its new workers
                     return
@@ -532,7 +532,7 @@ class EpochStream:
             if dropped or (seen and seen != self.run):
                 self.checked_at = time.monotonic()
                 self.workers.dropped = 0
-                self.conn.request({"op": "ping", "reader": self.name}, timeout=self.clock.left())
+                self.conn.request(self.requests.ping(), timeout=self.clock.left())
                 if self.new_hello is None and dropped:
                     self.workers.warn_dropped()
         if self.new_hello is not None:
@@ -579,7 +579,7 @@ class EpochStream:
         shards, self.repin = self.repin, set()
         for shard in shards:
             if shard in self.pins.opened:  # (an open that had to wait let go of the others)
-                self.shards.open(shard, again=True, while_downloading=shard in self.pins.partial)
+                self.shards.open(shard, again=True, while_downloading=shard in self.pins.while_downloading)
 
     def _accept(self, header: dict[str, Any], payload: list[Any]) -> None:
         """Take in a worker's (proved) reply: to a call, or to a read."""
@@ -658,7 +658,7 @@ class EpochStream:
             self.reads.answer(read, [None] * len(items), [0] * len(items))
             return
         exc = shard_error(self.urls[shard], header)
-        if kind == "corrupt" and self.shards.found_damaged(shard, exc):
+        if kind == "corrupt" and self.shards.found_corrupt(shard, exc):
             # The read goes again once the shard is opened again, from a new copy (_recover).
             self.reads.reopen(read)
             return
@@ -695,7 +695,7 @@ class EpochStream:
             if not self.broken:
                 self.shards.await_counts()
             # With our totals: the agent logs and lists them, and its last report may be a second old.
-            self.conn.request({"op": "bye", "reader": self.name, **self._figures()},
+            self.conn.request(self.requests.bye(**self._figures()),
                               timeout=0.5 if self.broken else 2.0)
         except AgentUnavailableError:
             pass
@@ -704,13 +704,13 @@ class EpochStream:
 
 
 class Reporter:
-    """Tells the agent how a stream goes, every REPORT_EVERY seconds, for its stats: ``base``
-    (the report's op and who sends it) with ``figures()`` and the sample rate. From a
+    """Tells the agent how a stream goes, every REPORT_EVERY seconds, for its stats: the report
+    ``report(**figures(), rate=...)`` builds, with the sample rate. From a
     thread of its own with its own connection (ZeroMQ sockets belong to one thread)."""
 
-    def __init__(self, connect: Callable[[float], AgentConnection], base: dict[str, Any],
+    def __init__(self, connect: Callable[[float], AgentConnection], report: Callable[..., ReportMessage],
                  figures: Callable[[], dict[str, Any]]) -> None:
-        self.connect, self.base, self.figures = connect, base, figures
+        self.connect, self.report, self.figures = connect, report, figures
         self.run = ""  # the agent run its connection proved last (read by the stream's thread)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="wdscache-report", daemon=True)
@@ -726,7 +726,7 @@ class Reporter:
                 rate = (n - last[1]) / (now - last[0])
                 last = (now, n)
                 try:
-                    conn.request({**self.base, **figures, "rate": round(rate, 1)})
+                    conn.request(self.report(**figures, rate=round(rate, 1)))
                 except (AgentUnavailableError, NotTrustedError):
                     continue
                 finally:

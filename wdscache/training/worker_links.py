@@ -22,6 +22,7 @@ import zmq
 
 from ..shared.errors import ProtocolError
 from ..shared.logs import get_logger
+from ..shared.messages import WorkerRequest
 from ..shared.protocol import WorkerProofs, pack, same_secret, unpack
 
 log = get_logger(__name__)
@@ -58,7 +59,7 @@ class WorkerLinks:
         """The worker whose turn it is (round robin)."""
         return next(self._turns) % len(self.sockets)
 
-    def send(self, worker: int, request: dict[str, Any], kind: str) -> str:
+    def send(self, worker: int, request: WorkerRequest, kind: str) -> str:
         """Send ``request`` to ``worker`` with a new id (``kind`` and a number) and its proof;
         returns the id."""
         rid = f"{kind}{next(self.ids)}"

@@ -1,0 +1,554 @@
+"""Typed messages of the wire protocol, and the one place clients build them.
+
+For every entry of :data:`~wdscache.shared.protocol.MESSAGES` there is a ``TypedDict``
+``<Op>Message`` (``OpenMessage`` for ``open``, ``PrefetchStatusMessage`` for
+``prefetch_status``): its ``op``, then its fields as the table gives them, those
+marked ``?`` optional; and, for a message that has one, ``<Op>Reply`` with the
+reply's fields (all optional: an error reply has ``ok`` false and ``error`` only).
+``tests/test_protocol.py`` checks them against the table, field for field.
+
+:class:`Requests` builds every request a client sends (a consumer, a loader, a
+``ShardClient``, the cache commands) and every report a worker sends; the
+agent's and a worker's checks read the same table (:func:`~wdscache.shared.protocol.check`).
+A message is a plain dict, built once: a request to a worker is on the hot path
+(tens of thousands a second), so there is no object to convert, and
+:func:`~wdscache.shared.protocol.pack` encodes it as it is. The connection adds
+``id`` and ``key`` (to a worker: ``id`` and ``auth``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypedDict
+
+# -- the messages and their replies, as MESSAGES lists them ------------------------------------
+
+
+class AuthMessage(TypedDict):
+    op: Literal["auth"]
+    nonce: str
+
+
+class AuthReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    run: str
+    proof: str
+
+
+class _HelloRequired(TypedDict):
+    op: Literal["hello"]
+    reader: str
+    job: str
+    rank: int
+    world_size: int
+
+
+class HelloMessage(_HelloRequired, total=False):
+    list_id: str
+    process: list[Any]
+    shuffle_buffer: int
+    probe: bool
+
+
+class HelloReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    need_urls: bool
+    workers: list[str]
+    prefetch: int
+    list_id: str
+    n_urls: int
+    cache_dir: str
+    cache_root: list[Any]
+
+
+class _PutUrlsRequired(TypedDict):
+    op: Literal["put_urls"]
+    reader: str
+    offset: int
+    urls: list[str]
+
+
+class PutUrlsMessage(_PutUrlsRequired, total=False):
+    shards: list[Any]
+
+
+class PutUrlsReply(TypedDict, total=False):
+    ok: bool
+    error: str
+
+
+class GetUrlsMessage(TypedDict):
+    op: Literal["get_urls"]
+    reader: str
+    offset: int
+
+
+class GetUrlsReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    list_id: str
+    urls: list[str]
+
+
+class _OpenRequired(TypedDict):
+    op: Literal["open"]
+    reader: str
+    url: str
+
+
+class OpenMessage(_OpenRequired, total=False):
+    ahead: list[str]
+    wait: bool
+    while_downloading: bool
+
+
+class OpenReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    cached: bool
+    while_downloading: bool
+    path: str
+    size: int
+    samples: int
+    corrupt: bool
+
+
+class StatusMessage(TypedDict):
+    op: Literal["status"]
+    reader: str
+    url: str
+
+
+class StatusReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    state: str
+    written: int
+    total: int
+    reason: str
+    corrupt: bool
+    failing: str
+
+
+class ReleaseMessage(TypedDict):
+    op: Literal["release"]
+    reader: str
+    url: str
+
+
+class ReleaseReply(TypedDict, total=False):
+    ok: bool
+    error: str
+
+
+class ReportMessage(TypedDict):
+    op: Literal["report"]
+    reader: str
+    job: str
+    rank: int
+    epoch: int
+    position: int
+    samples: int
+    bytes: int
+    rate: float
+    wait_s: float
+
+
+class ReportReply(TypedDict, total=False):
+    ok: bool
+    error: str
+
+
+class PingMessage(TypedDict):
+    op: Literal["ping"]
+    reader: str
+
+
+class PingReply(TypedDict, total=False):
+    ok: bool
+    error: str
+
+
+class _ByeRequired(TypedDict):
+    op: Literal["bye"]
+    reader: str
+
+
+class ByeMessage(_ByeRequired, total=False):
+    epoch: int
+    position: int
+    samples: int
+    bytes: int
+    wait_s: float
+
+
+class ByeReply(TypedDict, total=False):
+    ok: bool
+    error: str
+
+
+class CountsMessage(TypedDict):
+    op: Literal["counts"]
+    urls: list[str]
+
+
+class CountsReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    counts: list[Any]
+
+
+class CorruptMessage(TypedDict):
+    op: Literal["corrupt"]
+    url: str
+    error: str
+
+
+class CorruptReply(TypedDict, total=False):
+    ok: bool
+    error: str
+
+
+class _StatsRequired(TypedDict):
+    op: Literal["stats"]
+
+
+class StatsMessage(_StatsRequired, total=False):
+    flush: bool
+
+
+class StatsReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    stats: dict[str, Any]
+
+
+class _EvictRequired(TypedDict):
+    op: Literal["evict"]
+    urls: list[str]
+
+
+class EvictMessage(_EvictRequired, total=False):
+    force: bool
+
+
+class EvictReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    evicted: list[str]
+    bytes: int
+    refused: list[Any]
+    absent: list[str]
+
+
+class _ClearRequired(TypedDict):
+    op: Literal["clear"]
+
+
+class ClearMessage(_ClearRequired, total=False):
+    force: bool
+
+
+class ClearReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    evicted: list[str]
+    bytes: int
+    refused: list[Any]
+    absent: list[str]
+
+
+class _PrefetchRequired(TypedDict):
+    op: Literal["prefetch"]
+    prefetch: str
+    urls: list[str]
+
+
+class PrefetchMessage(_PrefetchRequired, total=False):
+    retry: bool
+
+
+class PrefetchReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    asked: int
+
+
+class PrefetchStatusMessage(TypedDict):
+    op: Literal["prefetch_status"]
+    prefetch: str
+
+
+class PrefetchStatusReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    total: int
+    cached: int
+    failed: int
+    pending: int
+    bytes_cached: int
+    bytes_written: int
+    bytes_total: int
+    waiting_for_space: str
+    changes: list[Any]
+    more: bool
+
+
+class PrefetchEndMessage(TypedDict):
+    op: Literal["prefetch_end"]
+    prefetch: str
+
+
+class PrefetchEndReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    ended: bool
+
+
+class WorkerMessage(TypedDict):
+    op: Literal["worker"]
+    secret: str
+    index: int
+    busy_s: float
+    requests: int
+    samples: int
+    bytes: int
+    indexed: int
+    walked: int
+    adopted: int
+
+
+class CountedMessage(TypedDict):
+    op: Literal["counted"]
+    secret: str
+    url: str
+    samples: int
+
+
+class CorruptCopyMessage(TypedDict):
+    op: Literal["corrupt_copy"]
+    secret: str
+    url: str
+    identity: list[Any]
+    error: str
+
+
+class WalkedMessage(TypedDict):
+    op: Literal["walked"]
+    secret: str
+    url: str
+    identity: list[Any]
+    layouts: list[Any]
+
+
+class IndexMessage(TypedDict):
+    op: Literal["index"]
+    url: str
+
+
+class _ReadRequired(TypedDict):
+    op: Literal["read"]
+    urls: list[str]
+    items: list[Any]
+
+
+class ReadMessage(_ReadRequired, total=False):
+    direct: bool
+    id: str  # id and auth: added by the link that sends it, in place (no copy on the hot path)
+    auth: str
+
+
+class ReadReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    proof: str
+    keys: list[str]
+    exts: list[Any]
+    spans: list[Any]
+    files: list[Any]
+    kind: str
+
+
+class _ScanRequired(TypedDict):
+    op: Literal["scan"]
+    url: str
+
+
+class ScanMessage(_ScanRequired, total=False):
+    while_downloading: bool
+    id: str
+    auth: str
+
+
+class ScanReply(TypedDict, total=False):
+    ok: bool
+    error: str
+    proof: str
+    count: int
+    final: bool
+    kind: str
+
+
+WorkerRequest = ReadMessage | ScanMessage  # what a consumer sends a worker
+
+
+# -- building them --------------------------------------------------------------------------
+
+
+class Requests:
+    """The requests of one client, as reader ``reader`` (the name the agent knows it by:
+    requests that name no reader ignore it). Arguments left at their default are left out
+    of the message, where the receiver takes the same default."""
+
+    __slots__ = ("reader",)
+
+    def __init__(self, reader: str = "") -> None:
+        self.reader = reader
+
+    # to the agent, as a reader
+
+    def hello(self, job: str, rank: int, world_size: int, *, list_id: str | None = None,
+              process: list[Any] | None = None, shuffle_buffer: int | None = None,
+              probe: bool = False) -> HelloMessage:
+        m: HelloMessage = {"op": "hello", "reader": self.reader, "job": job, "rank": rank, "world_size": world_size}
+        if list_id is not None:
+            m["list_id"] = list_id
+        if process is not None:
+            m["process"] = process
+        if shuffle_buffer is not None:
+            m["shuffle_buffer"] = shuffle_buffer
+        if probe:
+            m["probe"] = True
+        return m
+
+    def put_urls(self, offset: int, urls: list[str], shards: list[Any] | None = None) -> PutUrlsMessage:
+        m: PutUrlsMessage = {"op": "put_urls", "reader": self.reader, "offset": offset, "urls": urls}
+        if shards is not None:
+            m["shards"] = shards
+        return m
+
+    def get_urls(self, offset: int) -> GetUrlsMessage:
+        return {"op": "get_urls", "reader": self.reader, "offset": offset}
+
+    def open(self, url: str, *, ahead: list[str] | None = None, wait: bool = True,
+             while_downloading: bool = False) -> OpenMessage:
+        m: OpenMessage = {"op": "open", "reader": self.reader, "url": url}
+        if ahead is not None:
+            m["ahead"] = ahead
+        if not wait:
+            m["wait"] = False
+        if while_downloading:
+            m["while_downloading"] = True
+        return m
+
+    def status(self, url: str) -> StatusMessage:
+        return {"op": "status", "reader": self.reader, "url": url}
+
+    def release(self, url: str) -> ReleaseMessage:
+        return {"op": "release", "reader": self.reader, "url": url}
+
+    def report(self, job: str, rank: int, *, epoch: int, position: int, samples: int, bytes: int, rate: float,
+               wait_s: float) -> ReportMessage:
+        return {"op": "report", "reader": self.reader, "job": job, "rank": rank, "epoch": epoch,
+                "position": position, "samples": samples, "bytes": bytes, "rate": rate, "wait_s": wait_s}
+
+    def ping(self) -> PingMessage:
+        return {"op": "ping", "reader": self.reader}
+
+    def bye(self, *, epoch: int | None = None, position: int | None = None, samples: int | None = None,
+            bytes: int | None = None, wait_s: float | None = None) -> ByeMessage:
+        """A consumer's bye carries its final totals (see :meth:`report`); any other reader's, none."""
+        m: ByeMessage = {"op": "bye", "reader": self.reader}
+        if epoch is not None:
+            m["epoch"] = epoch
+        if position is not None:
+            m["position"] = position
+        if samples is not None:
+            m["samples"] = samples
+        if bytes is not None:
+            m["bytes"] = bytes
+        if wait_s is not None:
+            m["wait_s"] = wait_s
+        return m
+
+    # to the agent, as any client
+
+    @staticmethod
+    def auth(nonce: str) -> AuthMessage:
+        return {"op": "auth", "nonce": nonce}
+
+    @staticmethod
+    def counts(urls: list[str]) -> CountsMessage:
+        return {"op": "counts", "urls": urls}
+
+    @staticmethod
+    def corrupt(url: str, error: str) -> CorruptMessage:
+        return {"op": "corrupt", "url": url, "error": error}
+
+    @staticmethod
+    def stats(*, flush: bool = False) -> StatsMessage:
+        return {"op": "stats", "flush": True} if flush else {"op": "stats"}
+
+    @staticmethod
+    def evict(urls: list[str], *, force: bool = False) -> EvictMessage:
+        return {"op": "evict", "urls": urls, "force": force}
+
+    @staticmethod
+    def clear(*, force: bool = False) -> ClearMessage:
+        return {"op": "clear", "force": force}
+
+    @staticmethod
+    def prefetch(name: str, urls: list[str], *, retry: bool = False) -> PrefetchMessage:
+        return {"op": "prefetch", "prefetch": name, "urls": urls, "retry": retry}
+
+    @staticmethod
+    def prefetch_status(name: str) -> PrefetchStatusMessage:
+        return {"op": "prefetch_status", "prefetch": name}
+
+    @staticmethod
+    def prefetch_end(name: str) -> PrefetchEndMessage:
+        return {"op": "prefetch_end", "prefetch": name}
+
+    # to a worker
+
+    @staticmethod
+    def read(urls: list[str], items: list[Any], *, direct: bool = False) -> ReadMessage:
+        """Samples ``items`` ([index into ``urls``, sample index]); ``direct``: file ranges, no bytes."""
+        if direct:
+            return {"op": "read", "urls": urls, "items": items, "direct": True}
+        return {"op": "read", "urls": urls, "items": items}
+
+    @staticmethod
+    def scan(url: str, *, while_downloading: bool = False) -> ScanMessage:
+        if while_downloading:
+            return {"op": "scan", "url": url, "while_downloading": True}
+        return {"op": "scan", "url": url}
+
+
+class Reports:
+    """The messages of a sample worker to the agent (each carries the workers' ``secret``),
+    and the agent's hints back."""
+
+    __slots__ = ("secret",)
+
+    def __init__(self, secret: str) -> None:
+        self.secret = secret
+
+    def worker(self, index: int, *, busy_s: float, requests: int, samples: int, bytes: int, indexed: int,
+               walked: int, adopted: int) -> WorkerMessage:
+        return {"op": "worker", "secret": self.secret, "index": index, "busy_s": busy_s, "requests": requests,
+                "samples": samples, "bytes": bytes, "indexed": indexed, "walked": walked, "adopted": adopted}
+
+    def counted(self, url: str, samples: int) -> CountedMessage:
+        return {"op": "counted", "secret": self.secret, "url": url, "samples": samples}
+
+    def corrupt_copy(self, url: str, identity: list[Any], error: str) -> CorruptCopyMessage:
+        return {"op": "corrupt_copy", "secret": self.secret, "url": url, "identity": identity, "error": error}
+
+    def walked(self, url: str, identity: list[Any], layouts: list[Any]) -> WalkedMessage:
+        return {"op": "walked", "secret": self.secret, "url": url, "identity": identity, "layouts": layouts}
+
+    @staticmethod
+    def index(url: str) -> IndexMessage:
+        return {"op": "index", "url": url}
