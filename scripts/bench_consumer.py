@@ -13,7 +13,8 @@ final ``{"report": ...}`` line, as JSON, on stdout):
                                                         decode() of .cls/.json, to_tuple, batched(64);
                                                         with --memory, over the samples each worker read
                                                         into its own memory in epoch 1 (the pipeline's own
-                                                        cost, from epoch 2 on)
+                                                        cost, from epoch 2 on); with --persistent,
+                                                        persistent_workers=True
     random --system wids|wdscache --index F --cache-dir D   ds[i] over a random permutation of every index
                                                         (its first --max-samples)
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
@@ -378,7 +379,7 @@ def mode_torch(args: argparse.Namespace) -> None:
                 ds = wds.WebDataset(read_urls(args.urls_file), shardshuffle=False)
             ds = ds.decode().to_tuple("jpg", "cls", "json").batched(TORCH_BATCH)
             holder["dl"] = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,
-                                                       persistent_workers=args.memory)
+                                                       persistent_workers=args.memory or args.persistent)
         for jpgs, _, _ in holder["dl"]:
             for jpg in jpgs:  # run_epoch counts samples and payload bytes: the images'
                 yield {"jpg": jpg}
@@ -682,6 +683,8 @@ def main() -> None:
     p.add_argument("--job", default="bench-torch")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--agent-pid", type=int)
+    p.add_argument("--persistent", action="store_true",
+                   help="persistent_workers=True (--memory implies it): epoch 2 on costs no worker start")
     p.add_argument("--memory", action="store_true",
                    help="each worker's --urls-file shards read into its memory in epoch 1, served from it after")
     p = sub.add_parser("random")

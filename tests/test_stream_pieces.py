@@ -360,3 +360,35 @@ def test_the_clock_raises_only_after_timeout_seconds_without_progress() -> None:
         clock.check_stall(lambda: (None, None))  # nothing downloading: the agent is pinged first
     assert agent.ops()[-1] == ("ping", None)
     assert clock.left() == 1.0
+
+
+def test_a_direct_reply_of_small_samples_filling_their_range_reads_it_once() -> None:
+    class Counted(Ranges):
+        reads: list[tuple[int, int]] = []
+
+        def range(self, url: str, identity: Any, start: int, size: int) -> Ranges.Span:
+            span = super().range(url, identity, start, size)
+            real = span.read
+            span.read = lambda offset, size: Counted.reads.append((offset, size)) or real(offset, size)  # type: ignore[method-assign]
+            return span
+
+    # three samples of two fields, one after another in a range of 30 bytes (gaps for tar headers)
+    spans = [[1, 0, 2, 4, 3], [1, 10, 2, 14, 3], [1, 20, 2, 24, 6]]
+    header = {"ok": True, "keys": ["a", "b", "c"], "exts": [["cls", "txt"]] * 3, "spans": spans,
+              "files": [[0, 100, 30, 1, 2, 500, 7]]}
+    samples, sizes = decode_reply(header, [zmq.Frame(b"")], items(3), URLS, direct=True, files=Counted())
+    assert Counted.reads == [(0, 30)]  # one read of the whole range, not one per payload
+    assert [s["txt"] for s in samples] == [bytes(range(104, 107)), bytes(range(114, 117)), bytes(range(124, 130))]
+    assert all(type(s["cls"]) is bytes for s in samples) and sizes == [5, 5, 8]
+
+
+def test_holes_are_filled_with_repeats_and_count_no_bytes() -> None:
+    from wdscache.training.stream import filled
+
+    a, b = {"__key__": "a"}, {"__key__": "b"}
+    stats = {"repeated": 0}
+    out, sizes, last, owed = filled([None, a, None, b], [0, 5, 0, 7], None, 0, stats)
+    assert out == [a, a, a, b] and out[0] is a and out[1] is not a and sizes == [5, 0, 0, 7]
+    assert (last, owed, stats["repeated"]) == (b, 0, 2)
+    out, sizes, last, owed = filled([None, None], [0, 0], None, 0, stats)
+    assert (out, sizes, last, owed) == ([], [], None, 2)  # nothing read yet: owed to the first sample

@@ -57,6 +57,7 @@ inside it).
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -392,41 +393,51 @@ class _Worker:
         # Runs of bytes: (a mapped ShardView or a bytes block, start, end). Samples next to
         # each other in a shard share a run, so a request read in archive order costs one
         # run, not one per field; _frames makes the runs into frames.
-        runs: list[tuple[Any, int, int]] = []
-        views = []
+        runs: list[list[Any]] = []  # [source, start, end]
+        shards: list[tuple[Any, Any, int, int]] = []  # per URL: its view, placer, sample count, merge gap
         files: dict[Any, list[int]] = {}  # published plain shards the consumer reads: [url index, *identity]
         for k, url in enumerate(urls):  # once per shard, not per sample
             view = self._readable(url)
-            views.append(view)
+            if isinstance(view, GrowingShard):
+                shards.append((view, None, 0, 0))
+                continue
             if direct and isinstance(view, ShardView):
                 files[view] = [k, *view.identity]
+            samples = view.samples
+            placer = samples.placed if isinstance(samples, PackedSamples) else functools.partial(placed, samples)
+            shards.append((view, placer, len(samples), DIRECT_GAP if view in files else MERGE_GAP))
         nbytes = 0
+        n_urls = len(urls)
+        run: list[Any] = [None, 0, -MERGE_GAP - 1]  # the latest run (none yet)
         for item in items:  # per sample: kept to a few C-level calls (see PackedSamples.placed)
-            if not (isinstance(item, list) and len(item) == 2 and type(item[0]) is int and type(item[1]) is int):
+            if type(item) is not list or len(item) != 2:
                 raise ProtocolError("read items must be [url index, sample index] pairs")
             k, j = item
-            if not 0 <= k < len(urls):
+            if type(k) is not int or type(j) is not int:
+                raise ProtocolError("read items must be [url index, sample index] pairs")
+            if not 0 <= k < n_urls:
                 raise ProtocolError("read item names no URL")
-            view = views[k]
-            if isinstance(view, GrowingShard):
+            view, placer, count, gap = shards[k]
+            if placer is None:  # a download under way
                 if j >= len(view.samples):
                     view.refresh()
                 if not 0 <= j < len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
                 key, names, place = placed((span,), 0)
-                runs.append((block, first, first + len(block)))
+                run = [block, first, first + len(block)]
+                runs.append(run)
             else:
-                if not 0 <= j < len(view.samples):
+                if not 0 <= j < count:
                     raise ProtocolError(f"{urls[k]} has no sample {j}")
-                key, names, place = placed(view.samples, j)
+                key, names, place = placer(j)
                 first, end = place[0], place[-2] + place[-1]
-                gap = DIRECT_GAP if view in files else MERGE_GAP
-                if runs and runs[-1][0] is view and 0 <= first - runs[-1][2] <= gap:
-                    runs[-1] = (view, runs[-1][1], end)
+                if run[0] is view and 0 <= first - run[2] <= gap:
+                    run[2] = end
                 else:
-                    runs.append((view, first, end))
-            base = runs[-1][1]
+                    run = [view, first, end]
+                    runs.append(run)
+            base = run[1]
             place[0::2] = [offset - base for offset in place[0::2]]
             place.insert(0, len(runs) - 1)
             spans.append(place)
@@ -458,7 +469,7 @@ class _Worker:
         return frame
 
     def _frames(
-        self, runs: list[tuple[Any, int, int]], spans: list[list[int]], room: int, files: dict[Any, list[int]]
+        self, runs: list[list[Any]], spans: list[list[int]], room: int, files: dict[Any, list[int]]
     ) -> tuple[list[Any], list[list[int]]]:
         """The reply's frames and file ranges for ``runs``.
 

@@ -23,6 +23,10 @@ from ..shared.errors import ProtocolError
 from .direct import StaleFile
 from .reads import Item
 
+# Samples of file ranges read whole (see read_dense) are at most this large on average: above
+# it, a syscall per payload costs little next to the bytes, which are then copied once only.
+DENSE_SAMPLE = 8 << 10
+
 
 class FileSpan(Protocol):
     """Bytes of a cache file, read on demand (:class:`~wdscache.training.direct.FileRange`)."""
@@ -59,14 +63,15 @@ def decode_reply(
             and len(keys) == len(exts) == len(spans) == len(items)):
         raise ProtocolError("worker reply does not match the request")
     frames: list[Any] = [memoryview(f.buffer).toreadonly() for f in payload]
-    if "files" in header:
-        if not direct:
-            raise ProtocolError("worker reply names file ranges this consumer did not ask for")
-        frames += file_ranges(header["files"], items, urls, files)
-    samples = []
-    sizes = []
+    samples: list[dict[str, Any]] = []
+    sizes: list[int] = []
     # The per-sample loop: local names only, no call but the copy (or the file read).
     try:
+        if "files" in header:
+            if not direct:
+                raise ProtocolError("worker reply names file ranges this consumer did not ask for")
+            frames += file_ranges(header["files"], items, urls, files)
+            read_dense(frames, spans, len(payload))
         for (_, (shard, _)), key, names, span in zip(items, keys, exts, spans):
             # Checked enough that no reply can make us read outside its frames; a
             # non-number anywhere fails the slicing (TypeError) and so the reply.
@@ -74,26 +79,52 @@ def decode_reply(
                 raise ProtocolError("worker reply has a bad span")
             frame = frames[span[0]]
             limit = len(frame)
-            from_file = type(frame) is not memoryview
             sample: dict[str, Any] = {"__key__": key, "__url__": urls[shard]}
             nbytes = 0
             i = 1
-            for ext in names:
-                offset, size = span[i], span[i + 1]
-                i += 2
-                if offset + size > limit:
-                    raise ProtocolError("worker reply has a span past its frame")
-                if from_file:
+            if type(frame) is memoryview:
+                for ext in names:
+                    offset = span[i]
+                    size = span[i + 1]
+                    end = offset + size
+                    i += 2
+                    if end > limit:
+                        raise ProtocolError("worker reply has a span past its frame")
+                    sample[ext] = frame[offset:end] if zero_copy else frame[offset:end].tobytes()
+                    nbytes += size
+            else:  # a file range read payload by payload: its samples are large, or few and far apart
+                for ext in names:
+                    offset = span[i]
+                    size = span[i + 1]
+                    i += 2
+                    if offset + size > limit:
+                        raise ProtocolError("worker reply has a span past its frame")
                     sample[ext] = frame.read(offset, size)
-                else:
-                    value = frame[offset : offset + size]
-                    sample[ext] = value if zero_copy else value.tobytes()
-                nbytes += size
+                    nbytes += size
             samples.append(sample)
             sizes.append(nbytes)
     except (TypeError, IndexError):
         raise ProtocolError("worker reply has a bad span") from None
     return samples, sizes
+
+
+def read_dense(frames: list[Any], spans: list[Any], first: int) -> None:
+    """Read whole, with one ``pread`` each, the file ranges among ``frames`` (from ``first``
+    on) whose samples are small and fill most of the range (a read in archive order): a
+    syscall per payload would cost more than copying the range once more. The others (large
+    samples, or a few scattered over a long range, as a shuffled read makes) stay ranges,
+    read payload by payload. Spans are only summed here; the caller checks each one."""
+    need = [0] * (len(frames) - first)
+    count = [0] * len(need)
+    for span in spans:
+        k = span[0] - first
+        if 0 <= k < len(need) and len(span) >= 3:
+            need[k] += span[-2] + span[-1] - span[1]
+            count[k] += 1
+    for k, n in enumerate(need):
+        whole = len(frames[first + k])
+        if count[k] and n <= DENSE_SAMPLE * count[k] and 2 * n >= whole:
+            frames[first + k] = memoryview(frames[first + k].read(0, whole))
 
 
 def file_ranges(ranges: Any, items: list[Item], urls: Sequence[str], files: FileReader | None) -> list[FileSpan]:

@@ -12,38 +12,44 @@ and the session it opened with the agent (:class:`Session`); the stream tells it
 through the session's ``direct_failed``. One thread runs a stream; its reporter thread
 has its own connection.
 
-When the agent restarts, the stream goes on with its new run: the connection tells it
-(``on_new_run``) and it says hello again at once as the same reader; then its links move
-to the new run's workers, with every read that was out (:meth:`EpochStream._relink`), and
-its shards are pinned again (:meth:`EpochStream._repin`). What was delivered or received
-stays, so the epoch delivers each sample once; a new run serving another list ends it.
+When the agent restarts, the stream goes on with its new run (:mod:`wdscache.training.restarts`):
+what was delivered or received stays, so the epoch delivers each sample once; a new run
+serving another list ends it. A read that fails is sent again, reopened, delayed, skipped or
+raised by :mod:`wdscache.training.read_failures`.
+
+Samples go out a read at a time: each read's samples are one list, handed out through its
+iterator (:meth:`EpochStream.delivered_samples`), so no layer of Python runs per sample on the
+way to the user; what was delivered is counted per read and, within the read being handed
+out, by how far its iterator is.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
+from operator import length_hint
 from typing import Any, cast
 
 from ..shared.client import AgentConnection
-from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
+from ..shared.errors import AgentUnavailableError, NotTrustedError, WdsCacheError
 from ..shared.logs import get_logger
 from ..shared.messages import ReportMessage, Requests, WorkerRequest
 from ..shared.mixture import MixSpec, SourcedId
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
-from .direct import CacheFiles, StaleFile
-from .epoch_shards import EpochShards, OnError, StopEpoch, judge, shard_error
-from .pins import STATUS_EVERY, Pins
+from .direct import CacheFiles
+from .epoch_shards import EpochShards, OnError, StopEpoch
+from .pins import Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
+from .read_failures import ReadFailures
 from .reads import Item, Read, ReadState, ReadTable
 from .replies import decode_reply, with_holes
+from .restarts import AgentRuns
 from .worker_links import WorkerLinks
 from .worker_parts import WHOLE, Part, part_of
 
@@ -51,15 +57,12 @@ log = get_logger(__name__)
 
 REPORT_EVERY = 1.0
 REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped
-MAX_RESENDS = 3  # a request no worker answers this often fails instead of retrying forever
 STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
-PENDING_RETRY = 0.05  # seconds before asking again for samples a restarted download does not hold yet
 # Payload a request asks for once replies show the sample size: each request costs messaging
 # on both sides, so small samples go many to a request, while the bytes in flight bound a
 # consumer's memory.
 REQUEST_BYTES = 4 << 20
 FIRST_REQUEST = 32  # samples a request asks for before that
-MAX_STALE = 8  # direct reads in a row finding a file replaced: past this we do not see the agent's files
 _END = object()
 
 
@@ -161,14 +164,14 @@ class EpochStream:
             self.spec = EpochSpec(len(self.urls), s.seed, epoch, s.shuffle, s.shuffle_buffer)
             # A checkpoint's positions, from any world size: the rest are dealt to this job's ranks.
             self.share = RankShare(s.world_size, s.rank, resume=start, drop_last=s.drop_last)
-        self.delivered = 0  # samples handed to the user (not merely received: map/batch look ahead)
+        self._delivered = 0  # samples handed to the user, but for the chunk being handed out (see delivered)
+        self._handing: tuple[int, Iterator[Any]] | None = None  # that chunk: its length and iterator
         self.clock = ProgressClock(self.conn, self.name, self.urls, endpoint=s.endpoint, timeout=s.timeout)
         # Payloads read from the cache files here (the agent says where they are), if we see
         # its very cache directory, unless a read of them fails: then the workers send them.
         direct = s.direct_reads and same_directory(hello)
         self.pins = Pins(self.conn, self.name, self.urls, timeout=s.timeout,
                          files=CacheFiles(hello["cache_dir"]) if direct else None)
-        self.stale = 0  # direct reads in a row that found a file replaced (see _accept)
         # A mixture knows its counts up front: every shard's ids in the epoch are known, so its
         # pins go once the share is past its last (the sequence never asks arrivals()).
         self.labelled = isinstance(self.spec, MixSpec) and self.spec.mixture.labelled
@@ -184,24 +187,19 @@ class EpochStream:
                                   pins=self.pins, clock=self.clock, workers=len(self.workers),
                                   call_worker=self._worker_call, hold_nothing=self._hold_nothing)
         self.reads = ReadTable()
-        self.last_status = 0.0
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
         self.batch: list[Item] = []  # items of the next read, their shards pinned
         self.request_limit = min(s.request_size, FIRST_REQUEST)  # samples per request, see _sized
         self.per_sample = 0.0  # payload bytes per sample of the latest replies, see _sized
         self.seq_next = 0
-        self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}
+        self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}  # samples out of _pipeline
+        self._out: tuple[Iterator[Any], list[int]] | None = None  # the latest read's samples (see _pipeline)
         self.broken = False  # the epoch ended in an error: close quickly
         self.epoch = epoch
         self.reporter = Reporter(session.connect, functools.partial(self.requests.report, s.job, s.rank),
                                  self._figures)
-        # The agent run our links and pins belong to; a new one (the agent restarted) is taken up
-        # by _new_run (its hello, at once) and _relink (links and reads, then pins: _repin).
-        self.run = self.conn.run
-        self.new_hello: dict[str, Any] | None = None  # a new run's answer to our hello, not linked yet
-        self.repin: set[int] = set()  # shards pinned at an earlier run, to pin at this one
-        self.checked_at = 0.0  # when we last asked the agent because a worker's reply was not proved
-        self.conn.on_new_run = self._new_run
+        self.runs = AgentRuns(self)  # the agent run our links and pins belong to, and a new one taken up
+        self.failures = ReadFailures(self)
 
     # -- the rank's share -------------------------------------------------------
 
@@ -216,7 +214,7 @@ class EpochStream:
         (for stats: cheap, and counts padding)."""
         return self.share.resume.delivered() + self.delivered * self.settings.world_size
 
-    def _owned(self) -> Iterator[tuple[int, SampleId] | None]:
+    def _owned(self) -> Iterator[Item | None]:
         """(position, id) of this rank's samples not delivered before, padded or cut at the end
         (see :class:`~wdscache.shared.sequence.RankShare`); None while a downloading shard has no
         more samples yet. Positions delivered before cost counts only, never payloads."""
@@ -236,6 +234,11 @@ class EpochStream:
         return dict(self.shards.sample_counts)
 
     def samples(self) -> Iterator[dict[str, Any]]:
+        """The rank's samples in order, one by one (the chunks of :meth:`chunks`, iterated in C)."""
+        return chain.from_iterable(self.chunks())
+
+    def chunks(self) -> Iterator[Iterator[dict[str, Any]]]:
+        """The rank's samples in order, an iterator over a list per read (see :meth:`_pipeline`)."""
         try:
             yield from self._pipeline()
         except AgentUnavailableError as exc:
@@ -253,18 +256,50 @@ class EpochStream:
         finally:
             self.close()
 
+    @property
+    def delivered(self) -> int:
+        """Samples handed to the user (not merely received: map/batch look ahead); of a chunk
+        being handed out (:meth:`delivered_samples`), those its iterator gave out."""
+        handing = self._handing
+        if handing is None:
+            return self._delivered
+        n, it = handing
+        return self._delivered + n - length_hint(it)
+
     def delivering(self, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:
         """Yield items, counting the samples in each once the user has it (for :meth:`resume`)."""
         try:
             for n, item in items:
-                self.delivered += n
+                self._delivered += n
                 yield item
         except StopEpoch as stop:  # on_error's handler said stop (a shard failed while read): it ends here
             log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
         self.complete = True  # an epoch a handler stopped is over too: the next one follows
 
-    def _pipeline(self) -> Iterator[dict[str, Any]]:
-        """The rank's samples in order. A hole (a sample of a shard skipped with
+    def delivered_samples(self) -> Iterator[dict[str, Any]]:
+        """The rank's samples as :meth:`delivering` yields them, counted a chunk at a time: no
+        layer of Python per sample (``delivered`` asks the chunk's iterator how far it is)."""
+        handed = self._handed()
+        try:
+            yield from chain.from_iterable(handed)
+        finally:
+            handed.close()
+
+    def _handed(self) -> Generator[Iterator[dict[str, Any]], None, None]:
+        try:
+            for it in self.chunks():
+                n = length_hint(it)
+                self._handing = (n, it)
+                yield it
+                self._delivered += n  # all of it was handed out, or we would not be here
+                self._handing = None
+        except StopEpoch as stop:  # as in delivering
+            log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
+        self.complete = True
+
+    def _pipeline(self) -> Iterator[Iterator[dict[str, Any]]]:
+        """The rank's samples in order, an iterator over a list per read (``_out``: that one,
+        and the payload bytes of each sample in it). A hole (a sample of a shard skipped with
         ``on_error="skip"``) is filled with a repeat of the sample before it (of the first
         one read, for holes before it), so every rank keeps its count."""
         limit = self.settings.inflight or max(4, 2 * len(self.workers))
@@ -280,24 +315,21 @@ class EpochStream:
             t0 = time.perf_counter()
             stalled = False
             try:
-                if self.repin:
-                    self._repin()
+                if self.runs.repinning:
+                    self.runs.repin()
                 if reads.reopening or reads.delayed:
-                    self._recover()
+                    self.failures.recover()
                 # Reads waiting to be pinned again do not count: their samples are not here.
                 while not exhausted and len(by_seq) - reads.reopening < limit:
-                    item = next(owned, _END)
-                    if item is _END:
+                    filled_to = self._fill(owned)
+                    if filled_to is _END:
                         exhausted = True
-                        self._flush()
                         break
-                    if item is None:
-                        # A shard still downloading has no more samples yet: send what we have
-                        # (the first sample goes out as soon as it is complete) and look again soon.
+                    if filled_to is None:
+                        # A shard still downloading has no more samples yet: what we have went out
+                        # (the first sample goes out as soon as it is complete); look again soon.
                         stalled = True
-                        self._flush()
                         break
-                    self._add(cast(Item, item))
                 if seq_yield >= (self.seq_next if end is None else end) and exhausted:
                     break
                 read = reads.hand_out(seq_yield)
@@ -308,49 +340,51 @@ class EpochStream:
                     continue
             except StopEpoch as stop:  # the samples before the failing read still come, then the epoch ends
                 exhausted = True
-                end = self._stop_at(stop, end)
+                end = self.failures.stop_at(stop, end)
                 continue
             seq_yield += 1
-            self.stats["wait_s"] += time.perf_counter() - t0
+            stats = self.stats
+            stats["wait_s"] += time.perf_counter() - t0
+            samples = read.samples
             if self.labelled:  # a mixture's: each sample names its source (its id's, a SourcedId)
-                for sample, (_, sid) in zip(read.samples, read.items):
+                for sample, (_, sid) in zip(samples, read.items):
                     if sample is not None:
                         sample["__source__"] = cast(SourcedId, sid).source
-            for sample, nbytes in zip(read.samples, read.sizes):  # sizes from the reply: no pass over each sample
-                if sample is None:
-                    self.stats["repeated"] += 1
-                    if last is None:
-                        owed += 1
-                        continue
-                    sample = dict(last)
-                self.stats["samples"] += 1
-                self.stats["bytes"] += nbytes
-                yield sample
-                last = sample
-                for _ in range(owed):
-                    self.stats["samples"] += 1
-                    yield dict(last)
-                owed = 0
+            sizes = read.sizes  # from the reply: no pass over each sample
+            if owed or None in samples:
+                samples, sizes, last, owed = filled(samples, sizes, last, owed, stats)
+            elif samples:
+                last = samples[-1]
+            it = iter(samples)
+            self._out = (it, sizes)
+            stats["samples"] += len(samples)
+            stats["bytes"] += sum(sizes)
+            yield it
             self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
 
-    def _stop_at(self, stop: StopEpoch, end: int | None) -> int:
-        """The first read not handed out, now that on_error's handler said stop at ``stop``
-        (``end``: where an earlier stop ended it): the read that failed, or an earlier one of
-        the failing shard whose samples are not here (else the next read: what was batched goes
-        out). The reads from there on are forgotten, and the shard is let go, so that no read
-        before it fails on it again."""
-        log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
-        if stop.shard is not None:
-            self.shards.skipped.add(stop.shard)  # never read again
-        self._flush()
-        at = self.seq_next if stop.seq is None else stop.seq
-        if stop.shard is not None:
-            at = min((read.seq for read in self.reads.by_seq.values() if read.state is not ReadState.ANSWERED
-                      and any(sid[0] == stop.shard for _, sid in read.items)), default=at)
-        if end is not None:
-            at = min(at, end)
-        self.reads.drop_from(at)
-        return at
+    def _fill(self, owned: Iterator[Item | None]) -> object:
+        """Batch items of ``owned`` until a read goes out (returns its sequence number), the
+        share ends (``_END``) or a shard still downloading has no more samples yet (None); at
+        either of those, what was batched goes out."""
+        opened, seq = self.pins.opened, self.seq_next
+        for item in owned:  # per sample: the usual case (its shard pinned) kept to a few operations
+            if item is None:
+                self.flush()
+                return None
+            shard = item[1][0]
+            if shard in opened:
+                opened[shard] += 1
+                batch = self.batch
+                batch.append(item)
+                if len(batch) >= self.request_limit:
+                    self.flush()
+                    return seq
+            else:
+                self._add(item)
+                if self.seq_next != seq:
+                    return seq
+        self.flush()
+        return _END
 
     def _add(self, item: Item) -> None:
         """Batch ``item``, its shard pinned; a batch only ever holds pinned shards.
@@ -368,17 +402,17 @@ class EpochStream:
                 opened[shard] += 1
         self.batch.append(item)  # a skipped shard's item is a hole, filled with a repeat
         if len(self.batch) >= self.request_limit:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         if self.batch:
             batch, self.batch = self.batch, []
-            self._dispatch(self.reads.add(self.seq_next, batch))
+            self.dispatch(self.reads.add(self.seq_next, batch))
             self.seq_next += 1
 
     # -- reads --------------------------------------------------------------------
 
-    def _dispatch(self, read: Read, direct: bool = True) -> None:
+    def dispatch(self, read: Read, direct: bool = True) -> None:
         """Send ``read`` (with direct reads if on and ``direct``); its holes are not asked for."""
         items, skipped = read.items, self.shards.skipped
         # Per request, on the hot path: no skipped shard (the usual case), no filtering.
@@ -404,57 +438,21 @@ class EpochStream:
     def _drain(self) -> None:
         """Wait for every read at a worker (their samples stay in the table).
 
-        Reads put aside for :meth:`_recover` are not waited for: that needs the agent,
+        Reads put aside for :meth:`ReadFailures.recover` are not waited for: that needs the agent,
         and this is called while talking to it.
         """
         while self.reads.awaiting():
             self._receive()
             self.clock.check_stall(self._waited_for)
 
-    def _recover(self) -> None:
-        """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
-        reads, pins, shards = self.reads, self.pins, self.shards
-        shards.tell_corrupt()
-        while reads.reopening:
-            read = reads.in_state(ReadState.REOPEN)[0]
-            per_shard = Counter(sid[0] for _, sid in read.items if sid[0] not in shards.skipped)
-            again = set(per_shard)
-            while True:
-                waits = pins.waits
-                for shard in per_shard:
-                    with _failing(read):
-                        shards.open(shard, again=shard in again)  # waits until cached; may raise (on_error="raise")
-                    again.discard(shard)
-                if pins.waits == waits:
-                    break  # all pinned at once (an open that had to wait let go of the others)
-            for shard, n in per_shard.items():
-                if shard not in shards.skipped:
-                    pins.opened[shard] += n
-                shards.reopened(shard)
-            self._dispatch(read)
-        now = time.monotonic()
-        stuck = [read for read in reads.in_state(ReadState.DELAYED)
-                 if read.pending_since is not None and now - read.pending_since > STATUS_EVERY]
-        if not stuck or now - self.last_status < STATUS_EVERY:
-            return
-        # Reads waiting this long on a download: is it still going?
-        self.last_status = now
-        for read in stuck:
-            if read.state is not ReadState.DELAYED:
-                continue  # an open that had to wait put it back for reopening
-            # A shard that fails here is let go; its items become holes.
-            for shard in {sid[0] for _, sid in read.items if sid[0] not in shards.skipped}:
-                with _failing(read):
-                    shards.check_download(shard)
-
     def _hold_nothing(self) -> None:
         """Before an open waits: what is batched goes out (its shards are pinned) and we wait
-        for its answers; reads put off give their pins back, to be pinned again (_recover)."""
-        self._flush()
+        for its answers; reads put off give their pins back, to be pinned again (ReadFailures.recover)."""
+        self.flush()
         opened, reads, skipped = self.pins.opened, self.reads, self.shards.skipped
         for read in reads.in_state(ReadState.DELAYED):
             for _, (held, _) in read.items:
-                if held in opened and held not in skipped:  # as _read_failed counted them
+                if held in opened and held not in skipped:  # as ReadFailures.failed counted them
                     opened[held] -= 1
             reads.reopen(read)
         self._drain()
@@ -485,101 +483,25 @@ class EpochStream:
                 return reply
             if self.workers is not links:
                 continue  # the agent restarted: ask the new run's worker
-            self.conn.request(self.requests.ping(), timeout=self.clock.left())  # raises if the agent is gone
-            if self.new_hello is not None:
-                self._relink()
+            self.ping()  # raises if the agent is gone
+            if self.runs.new_hello is not None:
+                self.runs.relink()
                 continue
             if time.monotonic() - self.clock.progress_at > timeout:
                 raise AgentUnavailableError(self.settings.endpoint, timeout, WORKERS_SILENT)
 
     def _receive(self, timeout: float = 0.1) -> None:
         """Take in worker replies (waiting up to ``timeout`` for one); resend lost requests."""
-        self._check_run()
+        self.runs.check()
         for header, payload in self.workers.replies(timeout):
             self._accept(header, payload)
-        self._check_run()
-        now = time.monotonic()
-        reads = self.reads
-        if reads.delayed:
-            for read in reads.in_state(ReadState.DELAYED):
-                if now >= read.retry_at:
-                    self._dispatch(read)
-        patience = min(self.settings.timeout / 2, 10.0)
-        for read in reads.in_state(ReadState.SENT):
-            if now - read.sent_at > patience:
-                # The worker may have died with our request: ask another (or its replacement),
-                # unless the agent itself is gone (then this raises a clear error within the
-                # timeout, no hang).
-                self.conn.request(self.requests.ping(), timeout=self.clock.left())
-                if self.new_hello is not None:
-                    self._relink()  # the agent restarted: every read went again, to its new workers
-                    return
-                read.resends += 1
-                if read.resends > MAX_RESENDS:
-                    url = self.urls[read.items[read.sent[0]][1][0]]
-                    raise ShardError(url, f"no worker answered {MAX_RESENDS + 1} times; a worker may die reading it")
-                log.info("request to worker %d timed out; resending", read.worker)
-                self._dispatch(read)
+        self.runs.check()
+        self.failures.resend_overdue(time.monotonic())
 
-    # -- the agent restarted --------------------------------------------------------
-
-    def _check_run(self) -> None:
-        """Take up a new run of the agent, if one proved itself (on our connection, or on the
-        reporter's: it asks every second); a worker's reply without its proof (from a new
-        run's worker, say) has us ask the agent at once."""
-        if self.new_hello is None and time.monotonic() - self.checked_at > 0.5:
-            dropped, seen = self.workers.dropped, self.reporter.run
-            if dropped or (seen and seen != self.run):
-                self.checked_at = time.monotonic()
-                self.workers.dropped = 0
-                self.conn.request(self.requests.ping(), timeout=self.clock.left())
-                if self.new_hello is None and dropped:
-                    self.workers.warn_dropped()
-        if self.new_hello is not None:
-            self._relink()
-
-    def _new_run(self) -> None:
-        """A new run of the agent proved itself on our connection: it knows nothing of us. Say
-        hello again as the same reader (at once, before the request that found it goes on) and
-        check that it serves the list we read; the links move later (:meth:`_relink`)."""
-        hello = self.session.hello_again(self.conn, self.name)
-        if hello.get("list_id") != self.session.hello.get("list_id"):
-            raise WdsCacheError(
-                f"the agent at {self.settings.endpoint} restarted with another URL list than this epoch reads, "
-                "so it cannot go on exactly: start the epoch again, or load the last state_dict() into a loader "
-                "of the new list's job")
-        self.new_hello = hello
-
-    def _relink(self) -> None:
-        """Move to the new run's workers: every read at an earlier run's worker goes again (the
-        reply of one that had answered is dropped unproved), and our pins are taken again at
-        the main loop's next turn (:meth:`_repin`). What was delivered and what came back stay:
-        the epoch goes on at exactly the samples not here yet."""
-        hello, self.new_hello = self.new_hello, None
-        assert hello is not None
-        old, run = self.workers, self.conn.run
-        endpoints = hello["workers"]
-        self.workers = WorkerLinks(endpoints, [self.conn.worker_key(i) or "" for i in range(len(endpoints))],
-                                   ids=old.ids)
-        old.close()
-        if not self.workers:
-            raise WdsCacheError(f"the agent at {self.settings.endpoint} restarted with no workers")
-        self.run = run
-        sent = self.reads.in_state(ReadState.SENT)
-        log.warning("the agent at %s restarted: said hello to it again; sending %d reads again and pinning "
-                    "%d shards again", self.settings.endpoint, len(sent), len(self.pins.opened))
-        for read in sent:
-            self._dispatch(read, direct=read.direct)
-        self.repin = set(self.pins.opened)
-
-    def _repin(self) -> None:
-        """Pin again, at the agent's new run, the shards we held at the one before, as any open
-        (a new run checks a shard against its source before it serves it; one it no longer
-        holds is downloaded again, or fails by ``on_error``)."""
-        shards, self.repin = self.repin, set()
-        for shard in shards:
-            if shard in self.pins.opened:  # (an open that had to wait let go of the others)
-                self.shards.open(shard, again=True, while_downloading=shard in self.pins.while_downloading)
+    def ping(self) -> None:
+        """Ask the agent whether it is there (a new run of it proves itself: see :attr:`runs`);
+        raises within the timeout if it is gone."""
+        self.conn.request(self.requests.ping(), timeout=self.clock.left())
 
     def _accept(self, header: dict[str, Any], payload: list[Any]) -> None:
         """Take in a worker's (proved) reply: to a call, or to a read."""
@@ -595,7 +517,7 @@ class EpochStream:
             if shard in opened:  # (a shard that failed meanwhile is let go already)
                 opened[shard] -= 1
         if not header.get("ok"):
-            self._read_failed(read, header)
+            self.failures.failed(read, header)
         else:
             read.pending_since = None  # samples came: its download has them
             try:
@@ -607,67 +529,16 @@ class EpochStream:
                     samples, sizes = with_holes(samples, sizes, read.sent, len(read.items))
                 self.reads.answer(read, samples, sizes)
                 if direct:
-                    self.stale = 0
+                    self.failures.stale = 0
             except OSError as exc:  # from a direct read only
-                self._direct_read_failed(exc)
+                self.failures.direct_failed(exc)
                 for _, (shard, _) in items:
                     if shard in opened:
                         opened[shard] += 1  # still pinned: asked again, its bytes sent this time
-                self._dispatch(read, direct=False)
+                self.dispatch(read, direct=False)
                 return
         for shard in {sid[0] for _, sid in items}:
             self.pins.release(shard)
-
-    def _direct_read_failed(self, exc: OSError) -> None:
-        """A read of the cache files failed: one file replaced meanwhile costs that read only;
-        anything else (or files replaced read after read) means we cannot read the cache
-        files, so the workers send the bytes from now on, and the loader is told."""
-        self.stale += isinstance(exc, StaleFile)
-        if self.pins.files is not None and (not isinstance(exc, StaleFile) or self.stale >= MAX_STALE):
-            why = str(exc)  # the message, not the exception: it holds frames
-            self.session.direct_failed(why)
-            log.warning("cannot read the cache files directly (%s); the workers send the bytes instead", why)
-            self.pins.stop_direct()
-
-    def _read_failed(self, read: Read, header: dict[str, Any]) -> None:
-        items, kind = read.items, header.get("kind")
-        if kind == "refused":  # not a shard's fault: never skipped
-            raise NotTrustedError(f"a worker of the agent at {self.settings.endpoint} refused this consumer: "
-                                  f"{header.get('error')}")
-        if kind == "missing":
-            # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
-            # which needs the agent, so not here (we may be inside a request to it): see _recover.
-            self.reads.reopen(read)
-            return
-        opened = self.pins.opened
-        if kind == "pending":
-            # Read from a download that started over and has not got this far again yet.
-            now = time.monotonic()
-            for _, (pending, _) in read.sent_items():
-                if pending in opened:
-                    opened[pending] += 1
-            self.reads.delay(read, now + PENDING_RETRY, now)
-            return
-        read_shards = {self.urls[sid[0]]: sid[0] for _, sid in read.sent_items()}
-        shard = read_shards.get(str(header.get("url")))
-        if shard is None:  # not one shard's fault (a bad request, a worker's bug): the whole read
-            exc = shard_error(self.urls[read.sent_items()[0][1][0]], header)
-            with _failing(read):
-                judge(self.settings.on_error, exc)
-            log.warning("skipping %d samples: %s", len(items), exc)
-            self.reads.answer(read, [None] * len(items), [0] * len(items))
-            return
-        exc = shard_error(self.urls[shard], header)
-        if kind == "corrupt" and self.shards.found_corrupt(shard, exc):
-            # The read goes again once the shard is opened again, from a new copy (_recover).
-            self.reads.reopen(read)
-            return
-        with _failing(read):
-            self.shards.failed(shard, exc)  # raises with on_error="raise"
-        for _, (other, _) in read.sent_items():
-            if other in opened:
-                opened[other] += 1
-        self._dispatch(read)  # the other shards' samples again; this one's are holes
 
     def _sized(self, sizes: list[int]) -> None:
         """Size the next requests by the payload per sample of the latest replies (about
@@ -681,9 +552,15 @@ class EpochStream:
     def _figures(self) -> dict[str, Any]:
         """What a report tells of this stream, and our bye its totals (read from the reporter's
         thread too: a snapshot of numbers, each read at once)."""
-        stats = self.stats
-        return {"epoch": self.epoch, "position": self.progress, "samples": stats["samples"],
-                "bytes": stats["bytes"], "wait_s": round(stats["wait_s"], 3)}
+        stats, out = self.stats, self._out
+        samples, nbytes = stats["samples"], stats["bytes"]
+        if out is not None:  # the samples of the latest read not handed out yet do not count
+            it, sizes = out
+            left = length_hint(it)
+            if left:
+                samples, nbytes = samples - left, nbytes - sum(sizes[len(sizes) - left:])
+        return {"epoch": self.epoch, "position": self.progress, "samples": samples,
+                "bytes": nbytes, "wait_s": round(stats["wait_s"], 3)}
 
     def close(self) -> None:
         if self.finished:
@@ -753,12 +630,26 @@ def same_directory(hello: dict[str, Any]) -> bool:
     return [st.st_dev, st.st_ino] == root
 
 
-@contextlib.contextmanager
-def _failing(read: Read) -> Iterator[None]:
-    """A StopEpoch raised here ends the epoch at ``read`` (the reads before it are handed out)."""
-    try:
-        yield
-    except StopEpoch as stop:
-        if stop.seq is None:
-            stop.seq = read.seq
-        raise
+def filled(samples: list[Any], sizes: list[int], last: dict[str, Any] | None, owed: int, stats: dict[str, Any],
+           ) -> tuple[list[dict[str, Any]], list[int], dict[str, Any] | None, int]:
+    """A read's samples (and their payload bytes) with each hole (None) filled by a repeat of
+    the sample before it, and ``owed`` holes (before the first sample read) by repeats of the
+    first (a repeat counts no bytes); also the latest sample and the holes still owed (none
+    read yet)."""
+    out: list[dict[str, Any]] = []
+    out_sizes: list[int] = []
+    for sample, nbytes in zip(samples, sizes):
+        if sample is None:
+            stats["repeated"] += 1
+            if last is None:
+                owed += 1
+                continue
+            sample = dict(last)
+        out.append(sample)
+        out_sizes.append(nbytes)
+        last = sample
+        for _ in range(owed):
+            out.append(dict(last))
+            out_sizes.append(0)
+        owed = 0
+    return out, out_sizes, last, owed

@@ -1,0 +1,191 @@
+"""What an epoch stream does when a read fails, in the training process.
+
+A worker's answer to a read may be a failure (``kind``: refused, missing, pending, corrupt, or
+a shard that cannot be read), a direct read of the cache files may fail, a request may get no
+answer in time, and ``on_error``'s handler may say stop. :class:`ReadFailures` moves each read
+concerned on by the transitions of :mod:`wdscache.training.reads` (the read table stays the one
+record of each read's state), keeps the pin counts as the reads hold them, and says when the
+epoch ends. With ``on_error="raise"`` (and for a worker refusing the consumer, whatever
+``on_error``) the failure raises, naming the shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..shared.errors import NotTrustedError, ShardError
+from ..shared.logs import get_logger
+from .direct import StaleFile
+from .epoch_shards import StopEpoch, judge, shard_error
+from .pins import STATUS_EVERY
+from .reads import Read, ReadState
+
+if TYPE_CHECKING:
+    from .stream import EpochStream
+
+log = get_logger(__name__)
+
+MAX_RESENDS = 3  # a request no worker answers this often fails instead of retrying forever
+PENDING_RETRY = 0.05  # seconds before asking again for samples a restarted download does not hold yet
+MAX_STALE = 8  # direct reads in a row finding a file replaced: past this we do not see the agent's files
+
+
+class ReadFailures:
+    """Failed reads of one epoch stream: sent again, reopened, delayed, skipped or raised."""
+
+    def __init__(self, stream: EpochStream) -> None:
+        self.stream = stream
+        self.stale = 0  # direct reads in a row that found a file replaced (see direct_failed)
+        self.last_status = 0.0  # when reads long delayed last had their downloads checked
+
+    def failed(self, read: Read, header: dict[str, Any]) -> None:
+        """A worker's answer to ``read`` says it failed (``header["kind"]``)."""
+        stream = self.stream
+        items, kind, reads = read.items, header.get("kind"), stream.reads
+        if kind == "refused":  # not a shard's fault: never skipped
+            raise NotTrustedError(f"a worker of the agent at {stream.settings.endpoint} refused this consumer: "
+                                  f"{header.get('error')}")
+        if kind == "missing":
+            # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
+            # which needs the agent, so not here (we may be inside a request to it): see recover.
+            reads.reopen(read)
+            return
+        opened = stream.pins.opened
+        if kind == "pending":
+            # Read from a download that started over and has not got this far again yet.
+            now = time.monotonic()
+            for _, (pending, _) in read.sent_items():
+                if pending in opened:
+                    opened[pending] += 1
+            reads.delay(read, now + PENDING_RETRY, now)
+            return
+        urls = stream.urls
+        read_shards = {urls[sid[0]]: sid[0] for _, sid in read.sent_items()}
+        shard = read_shards.get(str(header.get("url")))
+        if shard is None:  # not one shard's fault (a bad request, a worker's bug): the whole read
+            exc = shard_error(urls[read.sent_items()[0][1][0]], header)
+            with failing(read):
+                judge(stream.settings.on_error, exc)
+            log.warning("skipping %d samples: %s", len(items), exc)
+            reads.answer(read, [None] * len(items), [0] * len(items))
+            return
+        exc = shard_error(urls[shard], header)
+        if kind == "corrupt" and stream.shards.found_corrupt(shard, exc):
+            # The read goes again once the shard is opened again, from a new copy (recover).
+            reads.reopen(read)
+            return
+        with failing(read):
+            stream.shards.failed(shard, exc)  # raises with on_error="raise"
+        for _, (other, _) in read.sent_items():
+            if other in opened:
+                opened[other] += 1
+        stream.dispatch(read)  # the other shards' samples again; this one's are holes
+
+    def direct_failed(self, exc: OSError) -> None:
+        """A read of the cache files failed: one file replaced meanwhile costs that read only;
+        anything else (or files replaced read after read) means we cannot read the cache
+        files, so the workers send the bytes from now on, and the loader is told."""
+        stream = self.stream
+        self.stale += isinstance(exc, StaleFile)
+        if stream.pins.files is not None and (not isinstance(exc, StaleFile) or self.stale >= MAX_STALE):
+            why = str(exc)  # the message, not the exception: it holds frames
+            stream.session.direct_failed(why)
+            log.warning("cannot read the cache files directly (%s); the workers send the bytes instead", why)
+            stream.pins.stop_direct()
+
+    def resend_overdue(self, now: float) -> None:
+        """Send again the reads whose retry time came, and those no worker answered in time."""
+        stream = self.stream
+        reads = stream.reads
+        if reads.delayed:
+            for read in reads.in_state(ReadState.DELAYED):
+                if now >= read.retry_at:
+                    stream.dispatch(read)
+        patience = min(stream.settings.timeout / 2, 10.0)
+        for read in reads.in_state(ReadState.SENT):
+            if now - read.sent_at > patience:
+                # The worker may have died with our request: ask another (or its replacement),
+                # unless the agent itself is gone (then this raises a clear error within the
+                # timeout, no hang).
+                stream.ping()
+                if stream.runs.new_hello is not None:
+                    stream.runs.relink()  # the agent restarted: every read went again, to its new workers
+                    return
+                read.resends += 1
+                if read.resends > MAX_RESENDS:
+                    url = stream.urls[read.items[read.sent[0]][1][0]]
+                    raise ShardError(url, f"no worker answered {MAX_RESENDS + 1} times; a worker may die reading it")
+                log.info("request to worker %d timed out; resending", read.worker)
+                stream.dispatch(read)
+
+    def recover(self) -> None:
+        """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
+        stream = self.stream
+        reads, pins, shards = stream.reads, stream.pins, stream.shards
+        shards.tell_corrupt()
+        while reads.reopening:
+            read = reads.in_state(ReadState.REOPEN)[0]
+            per_shard = Counter(sid[0] for _, sid in read.items if sid[0] not in shards.skipped)
+            again = set(per_shard)
+            while True:
+                waits = pins.waits
+                for shard in per_shard:
+                    with failing(read):
+                        shards.open(shard, again=shard in again)  # waits until cached; may raise (on_error="raise")
+                    again.discard(shard)
+                if pins.waits == waits:
+                    break  # all pinned at once (an open that had to wait let go of the others)
+            for shard, n in per_shard.items():
+                if shard not in shards.skipped:
+                    pins.opened[shard] += n
+                shards.reopened(shard)
+            stream.dispatch(read)
+        now = time.monotonic()
+        stuck = [read for read in reads.in_state(ReadState.DELAYED)
+                 if read.pending_since is not None and now - read.pending_since > STATUS_EVERY]
+        if not stuck or now - self.last_status < STATUS_EVERY:
+            return
+        # Reads waiting this long on a download: is it still going?
+        self.last_status = now
+        for read in stuck:
+            if read.state is not ReadState.DELAYED:
+                continue  # an open that had to wait put it back for reopening
+            # A shard that fails here is let go; its items become holes.
+            for shard in {sid[0] for _, sid in read.items if sid[0] not in shards.skipped}:
+                with failing(read):
+                    shards.check_download(shard)
+
+    def stop_at(self, stop: StopEpoch, end: int | None) -> int:
+        """The first read not handed out, now that on_error's handler said stop at ``stop``
+        (``end``: where an earlier stop ended it): the read that failed, or an earlier one of
+        the failing shard whose samples are not here (else the next read: what was batched goes
+        out). The reads from there on are forgotten, and the shard is let go, so that no read
+        before it fails on it again."""
+        stream = self.stream
+        log.warning("epoch %d ends at a shard that cannot be read: %s", stream.spec.epoch, stop)
+        if stop.shard is not None:
+            stream.shards.skipped.add(stop.shard)  # never read again
+        stream.flush()
+        at = stream.seq_next if stop.seq is None else stop.seq
+        if stop.shard is not None:
+            at = min((read.seq for read in stream.reads.by_seq.values() if read.state is not ReadState.ANSWERED
+                      and any(sid[0] == stop.shard for _, sid in read.items)), default=at)
+        if end is not None:
+            at = min(at, end)
+        stream.reads.drop_from(at)
+        return at
+
+
+@contextlib.contextmanager
+def failing(read: Read) -> Iterator[None]:
+    """A StopEpoch raised here ends the epoch at ``read`` (the reads before it are handed out)."""
+    try:
+        yield
+    except StopEpoch as stop:
+        if stop.seq is None:
+            stop.seq = read.seq
+        raise
