@@ -48,7 +48,8 @@ import os
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from array import array
+from dataclasses import dataclass, field
 from io import BytesIO
 from typing import Any, NamedTuple
 from urllib.parse import urlparse, urlunparse
@@ -358,18 +359,22 @@ def _cumulative(lengths: list[int]) -> Any:
 # -- one process's session with the agent ---------------------------------------------------------
 
 
-# A sample's row in a table: its key, where its span starts in the cache file, the span's size,
-# and per field its name (the extension with its dot, as wids names it) and its start and end
-# within the span.
-Row = tuple[str, int, int, tuple[tuple[str, int, int], ...]]
-
-
 @dataclass
 class _Table:
-    """A shard's samples in one cache file (of ``identity``), a row each."""
+    """A shard's samples in one cache file (of ``identity``). Sample ``i`` is ``keys[i]``, its
+    fields named ``names[i]`` (the extensions with their dot, as wids names them; one tuple
+    shared by the samples with the same fields), and ``places`` from ``at[i]`` on holds where
+    its span starts in the file, the span's size, then each field's start and end within the
+    span. Flat arrays: a few cache lines a sample, about 150 bytes with its key."""
 
     identity: tuple[int, ...]
-    rows: list[Row]
+    keys: list[str] = field(default_factory=list)
+    names: list[tuple[str, ...]] = field(default_factory=list)
+    at: array[int] = field(default_factory=lambda: array("q"))
+    places: array[int] = field(default_factory=lambda: array("q"))
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
 class _Open(NamedTuple):
@@ -456,27 +461,32 @@ class _Session:
             self.pinned.move_to_end(shard)
         self.last = shard
         fd, table = held
-        key, start, size, fields = table.rows[inner]
+        places = table.places
+        k = table.at[inner]
+        start, size = places[k], places[k + 1]
         sample: dict[str, Any] = {}  # filled by a loop: a comprehension costs a call more
         if size <= ONE_READ:  # one read of the span, tar headers and all, sliced
             data = os.pread(fd, size, start)
             if len(data) == size:
-                for name, a, b in fields:
-                    sample[name] = BytesIO(data[a:b])
-                sample["__key__"] = key
+                for name in table.names[inner]:
+                    k += 2
+                    sample[name] = BytesIO(data[places[k]:places[k + 1]])
+                sample["__key__"] = table.keys[inner]
                 return sample
         else:  # a read per field: each byte copied once
-            for name, a, b in fields:
+            for name in table.names[inner]:
+                k += 2
+                a, b = places[k], places[k + 1]
                 data = os.pread(fd, b - a, start + a)
                 if len(data) != b - a:
                     break
                 sample[name] = BytesIO(data)
             else:
-                sample["__key__"] = key
+                sample["__key__"] = table.keys[inner]
                 return sample
         # Cut short behind the agent's back: never served; open it (and walk its table) again.
         self._let_go(shard)
-        self.table_samples -= len(self.tables.pop(shard).rows)
+        self.table_samples -= len(self.tables.pop(shard))
         raise ShardError(self.urls[shard], "its cache file is shorter than when its table was made (changed "
                          "behind the agent's back); read the sample again")
 
@@ -509,7 +519,7 @@ class _Session:
             identity = file_identity(os.fstat(fd))
             table = self.tables.pop(shard, None)
             if table is not None:
-                self.table_samples -= len(table.rows)
+                self.table_samples -= len(table)
             if table is None or table.identity != identity:
                 table = self._table(shard, identity)
         except BaseException:
@@ -542,9 +552,9 @@ class _Session:
         self.conn.request({"op": "release", "reader": self.name, "url": self.urls[shard]})
         self.tables[shard] = held.table
         self.tables.move_to_end(shard)
-        self.table_samples += len(held.table.rows)
+        self.table_samples += len(held.table)
         while self.table_samples > TABLE_SAMPLES and self.tables:
-            self.table_samples -= len(self.tables.popitem(last=False)[1].rows)
+            self.table_samples -= len(self.tables.popitem(last=False)[1])
 
     def _table(self, shard: int, identity: tuple[int, ...]) -> _Table:
         """The shard's sample table from one of the agent's workers (which walked it), for the
@@ -553,7 +563,8 @@ class _Session:
         infos = self.ds._list.shards
         assert infos is not None  # a shard index gives every shard's facts
         url, n = self.urls[shard], infos[shard].nsamples
-        table = _Table(identity, [])
+        table = _Table(identity)
+        layouts: dict[tuple[str, ...], tuple[str, ...]] = {}  # each sample's field names, made once
         worker = shard % len(self.links)
         header, _ = self._ask(worker, {"op": "scan", "url": url})
         if not header.get("ok"):
@@ -569,7 +580,7 @@ class _Session:
                 if header.get("kind") == "corrupt":
                     raise shard_error(url, header)
                 raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
-            _add_rows(table, header, len(frames), len(items), url)
+            _add_rows(table, layouts, header, len(frames), len(items), url)
         return table
 
     def _ask(self, worker: int, request: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -607,14 +618,15 @@ class _Session:
                 self.private.release()
 
 
-def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int, url: str) -> None:
-    """The rows of a worker's direct reply, as places in the cache file of ``table.identity``."""
+def _add_rows(table: _Table, layouts: dict[tuple[str, ...], tuple[str, ...]], header: dict[str, Any],
+              n_frames: int, n_items: int, url: str) -> None:
+    """The samples of a worker's direct reply, as places in the cache file of ``table.identity``
+    (``layouts``: the tuples of field names the table holds so far)."""
     keys, exts, spans, files = header.get("keys"), header.get("exts"), header.get("spans"), header.get("files")
     if not (isinstance(keys, list) and isinstance(exts, list) and isinstance(spans, list)
             and isinstance(files, list) and len(keys) == len(exts) == len(spans) == n_items):
         raise ProtocolError(f"a worker's table of {url} does not match the request")
     size = table.identity[2]
-    named: dict[str, str] = {}  # extension -> its name in a sample, made once
     try:
         for entry in files:
             if [int(x) for x in entry[3:]] != list(table.identity):
@@ -629,8 +641,12 @@ def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int
             ends = [offsets[i] + int(span[2 + 2 * i]) for i in range(len(names))]
             if max(ends) > size or min(offsets) < start:
                 raise ProtocolError(f"a worker's table of {url} names bytes outside its cache file")
-            fields = tuple((named.setdefault(ext, "." + str(ext)), at - start, end - start)
-                           for ext, at, end in zip(names, offsets, ends))
-            table.rows.append((str(key), start, max(ends) - start, fields))
+            fields = tuple("." + str(ext) for ext in names)
+            table.keys.append(str(key))
+            table.names.append(layouts.setdefault(fields, fields))
+            table.at.append(len(table.places))
+            table.places.extend((start, max(ends) - start))
+            for at, end in zip(offsets, ends):
+                table.places.extend((at - start, end - start))
     except (TypeError, IndexError, ValueError):
         raise ProtocolError(f"a worker's table of {url} is malformed") from None
