@@ -46,9 +46,9 @@ import json
 import operator
 import os
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from array import array
 from dataclasses import dataclass, field
 from io import BytesIO
 from typing import Any, NamedTuple
