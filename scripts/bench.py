@@ -66,14 +66,17 @@ What it does:
                           epoch of the one source, then two warm epochs of each (one, mix, mix,
                           one), the better of each (target: the mixture ≥ 0.9x the one source's samples/s)
   random access           ``ds[i]`` for a seeded random permutation of every index, in one process,
-                          raw (``transformations=[]``), two epochs (another permutation each),
+                          raw (``transformations=[]``), four epochs (another permutation each),
                           over the profile's HTTP shards named by a shard index: with
                           ``wids.ShardListDataset`` and its own download folder (epoch 1 cold,
-                          curl; epoch 2 warm, from its folder on local disk), and with
+                          curl; epochs 2-4 warm, from its folder on local disk), and with
                           ``wdscache.ShardListDataset`` through a fresh agent (as above):
-                          epoch 1 cold, epoch 2 warm; both with their default ``lru_size``;
-                          each epoch the first 4,000 indices of its permutation (on
-                          tiny, wids would take half an hour for all 71,000)
+                          epoch 1 cold, epochs 2-4 warm, the fastest of those the warm
+                          row (an epoch takes a fraction of a second: one slice of
+                          another process's time on a busy machine shows); both with
+                          their default ``lru_size``; each epoch the first 4,000 indices
+                          of its permutation (on tiny, wids would take half an hour for
+                          all 71,000)
   cat                     ``cat shards > /dev/null`` from the page cache (a machine limit)
   pyzmq IPC               PUSH/PULL over ipc://, one multipart message per sample with frames
                           of the profile's field sizes, ``copy=False``, timed from the first
@@ -211,6 +214,7 @@ DOWNLOAD_WORKERS = 4
 PREFETCH = 8
 CONSUMER_TIMEOUT = 60.0  # CachedMultiLoader(timeout=...)
 RANDOM_LIMIT = 4_000  # indices of each epoch's permutation the random-access rows read
+RANDOM_WARM_EPOCHS = 3  # warm epochs each random-access system reads; its row is the fastest
 T0 = time.monotonic()
 
 
@@ -775,24 +779,30 @@ class Bench:
 
     def run_random_access(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         """``ds[i]`` over a random permutation of every index: wids with its own download folder,
-        then wdscache through a fresh agent; each epoch 1 cold (over HTTP), epoch 2 warm."""
+        then wdscache through a fresh agent; each epoch 1 cold (over HTTP), then the fastest of
+        RANDOM_WARM_EPOCHS warm epochs (the same permutations for both)."""
         index = self.http_index(ds)
         # wids walks a shard's headers again each time it opens one its LRU let go: on 1 KB samples
         # (thousands a shard) that is tens of ms, a third of the time. Both read the same first
         # RANDOM_LIMIT indices of each epoch's permutation.
         limit = min(ds["samples"], RANDOM_LIMIT)
         read = {**ds, "samples": limit}
-        deadline = self.http_deadline(ds) + 60 + limit / 10
+        deadline = self.http_deadline(ds) + 60 + limit / 10 * RANDOM_WARM_EPOCHS
+        epochs = 1 + RANDOM_WARM_EPOCHS
+
+        def fastest(warm: list[dict[str, Any]]) -> dict[str, Any]:
+            return max(warm, key=lambda e: e["samples"] / e["elapsed"])
         folder = self.fresh_dir(f"{prof}-wids")
         before = self.fetched()
         try:
             c = self.consumer("random", "--system", "wids", "--index", str(index), "--cache-dir", str(folder),
-                              "--epochs", "2", "--max-samples", str(limit), tag=f"{prof}-random-wids").wait(deadline)
+                              "--epochs", str(epochs), "--max-samples", str(limit),
+                              tag=f"{prof}-random-wids").wait(deadline)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
-        status, r = self.check(c, read, 2)
+        status, r = self.check(c, read, epochs)
         rows = {RANDOM_WIDS_COLD: self.epoch_row(r["epochs"][0]),
-                RANDOM_WIDS_WARM: self.epoch_row(r["epochs"][1])} if status == "ok" else {}
+                RANDOM_WIDS_WARM: self.epoch_row(fastest(r["epochs"][1:]))} if status == "ok" else {}
         self.finish_run(prof, rep, "random-wids", c, rows, status, fetched=self.fetch_note(before, ds))
         cache = self.fresh_dir(f"{prof}-random-wdscache")
         budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
@@ -804,11 +814,12 @@ class Bench:
         try:
             agent.start()
             w = self.consumer("random", "--system", "wdscache", "--index", str(index), "--cache-dir", str(cache),
-                              "--epochs", "2", "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT),
-                              "--max-samples", str(limit), tag=f"{prof}-random-wdscache").wait(deadline)
-            status, r = self.check(w, read, 2)
+                              "--epochs", str(epochs), "--agent-pid", str(agent.pid), "--timeout",
+                              str(CONSUMER_TIMEOUT), "--max-samples", str(limit),
+                              tag=f"{prof}-random-wdscache").wait(deadline)
+            status, r = self.check(w, read, epochs)
             if status == "ok":
-                cold, warm = r["epochs"]
+                cold, warm = r["epochs"][0], fastest(r["epochs"][1:])
                 rows[RANDOM_COLD] = self.epoch_row(cold, cold["agent_cpu_s"] or 0.0)
                 rows[RANDOM_WARM] = self.epoch_row(warm, warm["agent_cpu_s"] or 0.0)
         finally:
@@ -1451,9 +1462,9 @@ RAW_ONE = f"pyzmq IPC, 2 senders -> 1 receiver, {REQUEST_SIZE} samples a message
 RAW_EIGHT = f"pyzmq IPC, 2 senders -> 8 receivers, {REQUEST_SIZE} samples a message, copied to bytes, aggregate"
 ROW_ORDER += [RAW_ONE, RAW_EIGHT]
 RANDOM_WIDS_COLD = "random access ds[i]: wids.ShardListDataset, own download folder, epoch 1 (cold)"
-RANDOM_WIDS_WARM = "random access ds[i]: wids.ShardListDataset, epoch 2 (warm, local disk)"
+RANDOM_WIDS_WARM = "random access ds[i]: wids.ShardListDataset, warm (local disk), fastest of epochs 2-4"
 RANDOM_COLD = "random access ds[i]: wdscache.ShardListDataset, epoch 1 (cold)"
-RANDOM_WARM = "random access ds[i]: wdscache.ShardListDataset, epoch 2 (warm)"
+RANDOM_WARM = "random access ds[i]: wdscache.ShardListDataset, warm, fastest of epochs 2-4"
 ROW_ORDER += [RANDOM_WIDS_COLD, RANDOM_WIDS_WARM, RANDOM_COLD, RANDOM_WARM]
 
 

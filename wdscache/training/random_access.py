@@ -46,10 +46,12 @@ import json
 import operator
 import os
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from io import BytesIO
+from typing import Any, NamedTuple
 from urllib.parse import urlparse, urlunparse
 
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
@@ -271,10 +273,13 @@ class ShardListDataset:
             [e["url"] for e in self.shards])))[:16]
         self.lengths = [e["nsamples"] for e in self.shards]
         self._ends = list(_cumulative(self.lengths))
+        self._starts = [0, *self._ends[:-1]]
         self.total_length = self._ends[-1]
         self._list = index_list(facts, path="shards", base_dir=os.getcwd())
-        # entry -> its shard's position in the agent's list (the list drops a URL listed twice)
-        self._where = [self._list.index(normalize_url(url, os.getcwd())) for url, _ in facts]
+        # entry -> its shard's position in the agent's list (the list drops a URL listed twice),
+        # and the __dataset__ and __shard__ of its samples
+        self._places = [(self._list.index(normalize_url(url, os.getcwd())), e.get("dataset"), e["url"])
+                        for (url, _), e in zip(facts, self.shards)]
         env = _env_defaults()
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else env["cache_dir"]
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
@@ -298,20 +303,26 @@ class ShardListDataset:
         if not 0 <= i < self.total_length:
             raise IndexError(f"index {i} is out of range: the dataset has {self.total_length} samples")
         entry = bisect.bisect_right(self._ends, i)
-        return entry, i - (self._ends[entry - 1] if entry else 0)
+        return entry, i - self._starts[entry]
 
     def __getitem__(self, index: int) -> Any:
-        entry, inner = self.locate(index)
-        desc = self.shards[entry]
+        # The per-sample path, in line (each call and attribute lookup shows at a few µs a sample):
+        # locate, the session's pinned shard, one pread (a few for a large sample), the slices.
+        i = operator.index(index)
+        if not 0 <= i < self.total_length:
+            raise IndexError(f"index {i} is out of range: the dataset has {self.total_length} samples")
+        entry = bisect.bisect_right(self._ends, i)
+        inner = i - self._starts[entry]
+        shard, dataset, url = self._places[entry]
         session = self._session
         if session is None or session.forks != _forks:  # a forked child never uses its parent's sockets
             if session is not None:
                 session.forget()
             session = self._session = _Session(self)
-        sample = session.sample(self._where[entry], inner)
-        sample["__dataset__"] = desc.get("dataset")
+        sample = session.sample(shard, inner)
+        sample["__dataset__"] = dataset
         sample["__index__"] = index
-        sample["__shard__"] = desc["url"]
+        sample["__shard__"] = url
         sample["__shardindex__"] = inner
         for transform in self.transformations:
             sample = transform(sample)
@@ -349,23 +360,26 @@ def _cumulative(lengths: list[int]) -> Any:
 # -- one process's session with the agent ---------------------------------------------------------
 
 
-# A sample's row in a table: its key, where its span starts in the cache file, the span's size,
-# and per field its name (the extension with its dot, as wids names it) and its start and end
-# within the span.
-Row = tuple[str, int, int, tuple[tuple[str, int, int], ...]]
-
-
 @dataclass
 class _Table:
-    """A shard's samples in one cache file (of ``identity``), a row each."""
+    """A shard's samples in one cache file (of ``identity``). Sample ``i`` is ``keys[i]``, its
+    fields named ``names[i]`` (the extensions with their dot, as wids names them; one tuple
+    shared by the samples with the same fields), and ``places`` from ``at[i]`` on holds where
+    its span starts in the file, the span's size, then each field's start and end within the
+    span. Flat arrays: a few cache lines a sample, about 150 bytes with its key."""
 
     identity: tuple[int, ...]
-    rows: list[Row]
+    keys: list[str] = field(default_factory=list)
+    names: list[tuple[str, ...]] = field(default_factory=list)
+    at: array[int] = field(default_factory=lambda: array("q"))
+    places: array[int] = field(default_factory=lambda: array("q"))
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
-@dataclass
-class _Open:
-    """A shard this process holds pinned, its cache file open."""
+class _Open(NamedTuple):
+    """A shard this process holds pinned, its cache file open (a tuple: unpacked per sample)."""
 
     fd: int
     table: _Table
@@ -442,33 +456,39 @@ class _Session:
     def sample(self, shard: int, inner: int) -> Sample:
         """Sample ``inner`` of the shard at ``shard`` in our list, its fields as ``io.BytesIO``
         (which takes a ``bytes`` without copying it)."""
-        # The per-sample path: a dict lookup, one pread (a few for a large sample), the slices.
         held = self.pinned.get(shard)
         if held is None:
             held = self._pin(shard)
         elif shard != self.last:
             self.pinned.move_to_end(shard)
         self.last = shard
-        key, start, size, fields = held.table.rows[inner]
+        fd, table = held
+        places = table.places
+        k = table.at[inner]
+        start, size = places[k], places[k + 1]
+        sample: dict[str, Any] = {}  # filled by a loop: a comprehension costs a call more
         if size <= ONE_READ:  # one read of the span, tar headers and all, sliced
-            data = os.pread(held.fd, size, start)
+            data = os.pread(fd, size, start)
             if len(data) == size:
-                sample: dict[str, Any] = {name: io.BytesIO(data[a:b]) for name, a, b in fields}
-                sample["__key__"] = key
+                for name in table.names[inner]:
+                    k += 2
+                    sample[name] = BytesIO(data[places[k]:places[k + 1]])
+                sample["__key__"] = table.keys[inner]
                 return sample
         else:  # a read per field: each byte copied once
-            sample = {}
-            for name, a, b in fields:
-                data = os.pread(held.fd, b - a, start + a)
+            for name in table.names[inner]:
+                k += 2
+                a, b = places[k], places[k + 1]
+                data = os.pread(fd, b - a, start + a)
                 if len(data) != b - a:
                     break
-                sample[name] = io.BytesIO(data)
+                sample[name] = BytesIO(data)
             else:
-                sample["__key__"] = key
+                sample["__key__"] = table.keys[inner]
                 return sample
         # Cut short behind the agent's back: never served; open it (and walk its table) again.
         self._let_go(shard)
-        self.table_samples -= len(self.tables.pop(shard).rows)
+        self.table_samples -= len(self.tables.pop(shard))
         raise ShardError(self.urls[shard], "its cache file is shorter than when its table was made (changed "
                          "behind the agent's back); read the sample again")
 
@@ -500,7 +520,7 @@ class _Session:
             identity = file_identity(os.fstat(fd))
             table = self.tables.pop(shard, None)
             if table is not None:
-                self.table_samples -= len(table.rows)
+                self.table_samples -= len(table)
             if table is None or table.identity != identity:
                 table = self._table(shard, identity)
         except BaseException:
@@ -533,9 +553,9 @@ class _Session:
         self.conn.request(self.requests.release(self.urls[shard]))
         self.tables[shard] = held.table
         self.tables.move_to_end(shard)
-        self.table_samples += len(held.table.rows)
+        self.table_samples += len(held.table)
         while self.table_samples > TABLE_SAMPLES and self.tables:
-            self.table_samples -= len(self.tables.popitem(last=False)[1].rows)
+            self.table_samples -= len(self.tables.popitem(last=False)[1])
 
     def _table(self, shard: int, identity: tuple[int, ...]) -> _Table:
         """The shard's sample table from one of the agent's workers (which walked it), for the
@@ -544,7 +564,8 @@ class _Session:
         infos = self.ds._list.shards
         assert infos is not None  # a shard index gives every shard's facts
         url, n = self.urls[shard], infos[shard].nsamples
-        table = _Table(identity, [])
+        table = _Table(identity)
+        layouts: dict[tuple[str, ...], tuple[str, ...]] = {}  # each sample's field names, made once
         worker = shard % len(self.links)
         header, _ = self._ask(worker, Requests.scan(url))
         if not header.get("ok"):
@@ -560,7 +581,7 @@ class _Session:
                 if header.get("kind") == "corrupt":
                     raise shard_error(url, header)
                 raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
-            _add_rows(table, header, len(frames), len(items), url)
+            _add_rows(table, layouts, header, len(frames), len(items), url)
         return table
 
     def _ask(self, worker: int, request: WorkerRequest) -> tuple[dict[str, Any], list[Any]]:
@@ -598,14 +619,15 @@ class _Session:
                 self.private.release()
 
 
-def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int, url: str) -> None:
-    """The rows of a worker's direct reply, as places in the cache file of ``table.identity``."""
+def _add_rows(table: _Table, layouts: dict[tuple[str, ...], tuple[str, ...]], header: dict[str, Any],
+              n_frames: int, n_items: int, url: str) -> None:
+    """The samples of a worker's direct reply, as places in the cache file of ``table.identity``
+    (``layouts``: the tuples of field names the table holds so far)."""
     keys, exts, spans, files = header.get("keys"), header.get("exts"), header.get("spans"), header.get("files")
     if not (isinstance(keys, list) and isinstance(exts, list) and isinstance(spans, list)
             and isinstance(files, list) and len(keys) == len(exts) == len(spans) == n_items):
         raise ProtocolError(f"a worker's table of {url} does not match the request")
     size = table.identity[2]
-    named: dict[str, str] = {}  # extension -> its name in a sample, made once
     try:
         for entry in files:
             if [int(x) for x in entry[3:]] != list(table.identity):
@@ -620,8 +642,12 @@ def _add_rows(table: _Table, header: dict[str, Any], n_frames: int, n_items: int
             ends = [offsets[i] + int(span[2 + 2 * i]) for i in range(len(names))]
             if max(ends) > size or min(offsets) < start:
                 raise ProtocolError(f"a worker's table of {url} names bytes outside its cache file")
-            fields = tuple((named.setdefault(ext, "." + str(ext)), at - start, end - start)
-                           for ext, at, end in zip(names, offsets, ends))
-            table.rows.append((str(key), start, max(ends) - start, fields))
+            fields = tuple("." + str(ext) for ext in names)
+            table.keys.append(str(key))
+            table.names.append(layouts.setdefault(fields, fields))
+            table.at.append(len(table.places))
+            table.places.extend((start, max(ends) - start))
+            for at, end in zip(offsets, ends):
+                table.places.extend((at - start, end - start))
     except (TypeError, IndexError, ValueError):
         raise ProtocolError(f"a worker's table of {url} is malformed") from None
