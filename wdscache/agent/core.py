@@ -4,7 +4,8 @@ Structure: a small core composed of parts that each own one concept and its stat
 
 - :class:`~wdscache.agent.control.ControlSocket`: the control socket, its door (the token) and replies;
 - :class:`~wdscache.agent.readers.Readers`: hello, jobs, lists, expiry, readers' windows;
-- :class:`~wdscache.agent.opens.Opens`: open, pins, waiters, status, revalidation, damage;
+- :class:`~wdscache.agent.opens.Opens`: open, pins, waiters, status, revalidation, damage, a policy over
+  the :class:`~wdscache.agent.shards.Shards` table (one record per shard the agent is busy with);
 - :class:`~wdscache.agent.downloads.Downloads`: scheduling, download threads, budget grants;
 - :class:`~wdscache.agent.worker_reports.WorkerReports`: the sample workers' reports and hints;
 - :class:`~wdscache.agent.list_file.ListFile`: the ``--urls`` file, watched;
