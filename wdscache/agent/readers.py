@@ -15,7 +15,7 @@ Guarantees:
 - A reader reads the list it said hello on to its end, whatever edits of the
   list file happen meanwhile (:meth:`Readers.known`): an agent list that readers
   started their epoch on is kept while they read it.
-- A reader whose process the agent sees (:meth:`Readers._watch_process`) is
+- A reader whose process the agent sees (:class:`ProcessWatch`) is
   dropped as soon as that process ends; any other after ``--reader-timeout`` of
   silence. Whoever holds things for a reader is told when it goes (``gone``), so
   its pins go with it.
@@ -75,6 +75,50 @@ def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | No
     return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle, shards=part)
 
 
+class ProcessWatch:
+    """The consumers' processes the agent sees, each watched through a pidfd, so that its
+    reader is dropped the moment it ends. Another's (another machine or container, no
+    pidfd, beyond ``MAX_WATCHED``) goes after ``--reader-timeout`` of silence instead."""
+
+    def __init__(self, watch: Callable[[int], None], unwatch: Callable[[int], None]) -> None:
+        self._watch, self._unwatch = watch, unwatch  # wake the main loop when a watched process ends
+        self._readers: dict[int, str] = {}  # pidfd -> the reader whose process it is
+        self._deaths = select.poll()  # the watched pidfds: readable once their process ended
+
+    def start(self, name: str, claimed: Any) -> int:
+        """Watch the process reader ``name`` named in hello (``claimed``: its identity) if we
+        see that very process: its pidfd, else -1."""
+        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int
+                and 0 < claimed[0] < 1 << 31 and len(self._readers) < MAX_WATCHED):
+            return -1
+        try:
+            fd = os.pidfd_open(claimed[0])
+        except (AttributeError, OSError):
+            return -1
+        # Compared once the pidfd is open: if the identity matches, it is that process's pidfd.
+        if process_identity(claimed[0]) != claimed:
+            os.close(fd)
+            return -1
+        self._readers[fd] = name
+        self._deaths.register(fd, select.POLLIN)
+        self._watch(fd)  # wakes the main loop when it ends
+        return fd
+
+    def stop(self, fd: int) -> None:
+        del self._readers[fd]
+        self._deaths.unregister(fd)
+        self._unwatch(fd)
+        os.close(fd)
+
+    def ended(self) -> list[str]:
+        """The readers whose process ended (still watched: :meth:`stop` each)."""
+        return [self._readers[fd] for fd, _ in self._deaths.poll(0)] if self._readers else []
+
+    def close(self) -> None:
+        for fd in list(self._readers):
+            self.stop(fd)
+
+
 @dataclass(slots=True, eq=False)
 class ReaderRecord:
     """One reader: its window (``plan``); for a consumer (said hello), its job, rank and last
@@ -96,7 +140,7 @@ class Readers:
     ) -> None:
         self._config, self._cache = config, cache
         self._endpoint = endpoint  # over a TCP endpoint peers may be other machines (see _schemes)
-        self._watch, self._unwatch_fd = watch, unwatch  # wake the main loop when a watched process ends
+        self._processes = ProcessWatch(watch, unwatch)
         self._workers, self._cache_root = workers, cache_root  # told in hello (endpoints; for direct reads)
         self._gone = gone  # told the name of each reader that goes, once it is gone
         self.urls = urls  # the agent's current list (from its list file)
@@ -112,8 +156,6 @@ class Readers:
         self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         self._ended: dict[str, dict[str, Any]] = {}  # reader name -> its last report, once it left (for stats)
-        self._watched: dict[int, str] = {}  # pidfd -> the reader whose process it is
-        self._deaths = select.poll()  # the watched pidfds: readable once their process ended
         self._warned_need = 0  # the need named by the last warning that readers need more
 
     # -- who reads ------------------------------------------------------------
@@ -217,22 +259,9 @@ class Readers:
         if not 0 <= rank < world:
             return {"ok": False, "error": f"rank {rank} is not in [0, {world})"}
         claimed = get_field(header, "list_id", str, None)
-        uploaded = self._uploads.pop(name, None)
-        if claimed is not None and claimed not in self._lists:
-            if uploaded is None:
-                return {"ok": False, "need_urls": True, "error": "send the list first (put_urls)"}
-            try:
-                parsed = self._job_list(*uploaded)
-            except ConfigError as exc:
-                return {"ok": False, "error": str(exc)}
-            if parsed.key != claimed:
-                return {"ok": False, "error": "the list sent does not match its list_id"}
-            if len(self._lists) >= MAX_JOB_LISTS:
-                self._free_lists(grace=0.0)  # lists nobody reads make room first
-            if len(self._lists) >= MAX_JOB_LISTS:
-                return {"ok": False, "error": (
-                    f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends")}
-            self._lists[claimed] = parsed
+        refused = self._take_list(name, claimed)
+        if refused is not None:
+            return refused
         known = self._jobs.get(job)
         if known is not None and known["world_size"] != world and self._job_ranks(job):
             return {"ok": False, "error": (
@@ -252,7 +281,7 @@ class Readers:
             record.consumer = {"job": job, "rank": rank, "seen": time.time()}
             record.buffer = max(0, get_field(header, "shuffle_buffer", int, 0))
             self._ended.pop(name, None)
-        self._watch_process(record, header.get("process"))
+        record.plan.pidfd = self._processes.start(name, header.get("process"))
         if not again and not record.probe:
             event(log, "consumer_joined", "consumer %s joined job %r as rank %d of %d", name, job, rank, world,
                   reader=name, job=job, rank=rank, world_size=world)
@@ -264,6 +293,28 @@ class Readers:
             # for direct reads (wdscache.training.direct)
             "cache_dir": str(self._cache.layout.root), "cache_root": self._cache_root,
         }
+
+    def _take_list(self, name: str, claimed: str | None) -> Reply | None:
+        """Keep the list reader ``name`` uploaded as ``claimed`` (unless kept already); the
+        refusal if it cannot be."""
+        uploaded = self._uploads.pop(name, None)
+        if claimed is None or claimed in self._lists:
+            return None
+        if uploaded is None:
+            return {"ok": False, "need_urls": True, "error": "send the list first (put_urls)"}
+        try:
+            parsed = self._job_list(*uploaded)
+        except ConfigError as exc:
+            return {"ok": False, "error": str(exc)}
+        if parsed.key != claimed:
+            return {"ok": False, "error": "the list sent does not match its list_id"}
+        if len(self._lists) >= MAX_JOB_LISTS:
+            self._free_lists(grace=0.0)  # lists nobody reads make room first
+        if len(self._lists) >= MAX_JOB_LISTS:
+            return {"ok": False, "error": (
+                f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends")}
+        self._lists[claimed] = parsed
+        return None
 
     def op_put_urls(self, request: Request) -> Reply:
         """A page of a consumer's own list, before its hello names it."""
@@ -340,7 +391,7 @@ class Readers:
         if record is None:
             return
         if record.plan.pidfd >= 0:
-            self._unwatch(record.plan.pidfd)
+            self._processes.stop(record.plan.pidfd)
         self._gone(name)
         consumer = record.consumer
         if why is None or record.probe:
@@ -361,8 +412,8 @@ class Readers:
 
     def expire(self) -> None:
         """Drop readers whose process ended or that went silent; free the lists nobody reads."""
-        for fd, _ in self._deaths.poll(0) if self._watched else ():
-            self.drop(self._watched[fd], why=": its process ended")
+        for name in self._processes.ended():
+            self.drop(name, why=": its process ended")
         now = time.monotonic()
         for name, record in list(self._readers.items()):
             silent = now - record.plan.last_seen
@@ -373,34 +424,7 @@ class Readers:
 
     def close(self) -> None:
         """Stop watching processes (at shutdown)."""
-        for fd in list(self._watched):
-            self._unwatch(fd)
-
-    def _watch_process(self, record: ReaderRecord, claimed: Any) -> None:
-        """Watch the process a consumer named in hello, if we see that very process, so that
-        its reader is dropped the moment it ends. Else (another machine or container, no
-        pidfd) the reader goes after ``--reader-timeout`` of silence."""
-        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int
-                and 0 < claimed[0] < 1 << 31 and len(self._watched) < MAX_WATCHED):
-            return
-        try:
-            fd = os.pidfd_open(claimed[0])
-        except (AttributeError, OSError):
-            return
-        # Compared once the pidfd is open: if the identity matches, it is that process's pidfd.
-        if process_identity(claimed[0]) != claimed:
-            os.close(fd)
-            return
-        record.plan.pidfd = fd
-        self._watched[fd] = record.plan.name
-        self._deaths.register(fd, select.POLLIN)
-        self._watch(fd)  # wakes the main loop when it ends
-
-    def _unwatch(self, fd: int) -> None:
-        del self._watched[fd]
-        self._deaths.unregister(fd)
-        self._unwatch_fd(fd)
-        os.close(fd)
+        self._processes.close()
 
     # -- jobs and lists -----------------------------------------------------------
 
