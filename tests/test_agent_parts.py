@@ -20,7 +20,7 @@ import zmq
 from scripts.shard_maker import make_dataset
 from tests.helpers.net import free_port_range
 from wdscache.agent.cache import ShardCache
-from wdscache.agent.control import ControlSocket
+from wdscache.agent.control import ControlSocket, Request
 from wdscache.agent.downloads import Downloads
 from wdscache.agent.events import BudgetAsked, DownloadCancelled, Downloaded, DownloadFailed, Mailbox, ValidatorFound
 from wdscache.agent.fetch import Fetcher
@@ -121,9 +121,9 @@ def test_an_open_waits_for_its_download_and_a_reader_that_goes_lets_go(parts: Pa
     endpoint = f"tcp://127.0.0.1:{free_port_range(1)}"
     socket = ControlSocket(endpoint, token="t" * 64, run="r" * 32)
     opens: list[Opens] = []
-    readers = Readers(parts.config, parts.cache, socket, parts.urls, workers=[], cache_root=[0, 0],
+    readers = Readers(parts.config, parts.cache, parts.urls, endpoint=endpoint, workers=[], cache_root=[0, 0],
                       gone=lambda name: opens[0].release_all(name))
-    opens.append(Opens(parts.config, parts.cache, socket, readers, parts.downloads))
+    opens.append(Opens(parts.config, parts.cache, readers, parts.downloads))
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)
@@ -140,17 +140,20 @@ def test_an_open_waits_for_its_download_and_a_reader_that_goes_lets_go(parts: Pa
         client.send_multipart(pack({"op": "open", "id": 1, "reader": "plain", "url": url, "key": key}))
         assert socket.readable in socket.poll(TIMEOUT)
         for ident, header, _ in socket.receive():
-            opens[0].op_open(ident, header["id"], header)
-        assert reply(0.2) is None  # not cached yet: it waits
+            assert opens[0].op_open(Request(ident, header["id"], header)) is None  # not cached yet: it waits
+        assert reply(0.2) is None
         assert opens[0].demanded() == [url] and "plain" in readers
         assert isinstance(run_until_end(parts, url), Downloaded)
         opens[0].downloaded(url)
+        for answer in opens[0].take_answers():
+            socket.answer(answer)
         got = reply(TIMEOUT)
         assert got is not None and got["ok"] and got["id"] == 1, got
         assert Path(got["path"]) == parts.cache.path(url)
         assert parts.cache.pins == {url: 1} and opens[0].held("plain") == 1
         readers.drop("plain")
         assert parts.cache.pins == {} and opens[0].held("plain") == 0
+        assert len(opens[0].shards) == 0  # nothing refers to the shard any more: no record
     finally:
         client.close(0)
         ctx.term()

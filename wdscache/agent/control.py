@@ -1,5 +1,10 @@
 """The agent's control socket: one ROUTER socket, its door (the token) and its replies.
 
+A message that passed the door is a :class:`Request`; the part that handles its op
+returns the :data:`Reply` (or None: a one-way report, or a request held to answer
+later, whose :class:`Answer` the part hands back when it can). Only the core sends,
+through :meth:`ControlSocket.reply`: no part writes to the socket.
+
 Guarantees:
 
 - Only the main loop touches the socket and its poller (ZeroMQ sockets are not
@@ -18,6 +23,7 @@ Guarantees:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +40,25 @@ MAX_BATCH = 1000  # messages taken per turn, so a flood cannot starve the rest o
 REFUSED = ("refused: this agent serves only clients that hold the token in its cache directory "
            "(CACHE_DIR/token, readable by the directory's owner only); run as that user and give the loader "
            "cache_dir, or set WDSCACHE_TOKEN to the token (a consumer that cannot see the cache directory)")
+
+Reply = dict[str, Any]  # a reply's body: "ok" and the fields of the op's reply
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One admitted message: its sender (``ident``), its id (``rid``) and its header."""
+
+    ident: bytes
+    rid: Any
+    header: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The reply to a request a part held (a reader waiting for a shard), given once it could be answered."""
+
+    request: Request
+    body: Reply
 
 
 class ControlSocket:
@@ -122,6 +147,10 @@ class ControlSocket:
             self._sock.send_multipart([ident, *pack({"op": "reply", "id": rid, **body})], zmq.NOBLOCK)
         except zmq.Again:
             log.warning("dropping a reply to a client that does not read")
+
+    def answer(self, answer: Answer) -> None:
+        """Send the reply to a request held earlier."""
+        self.reply(answer.request.ident, answer.request.rid, **answer.body)
 
     def send(self, ident: bytes, message: list[Any]) -> bool:
         """Send packed ``message`` to ``ident`` if it can go at once; False if not (a hint is lost)."""

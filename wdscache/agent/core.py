@@ -4,7 +4,8 @@ Structure: a small core composed of parts that each own one concept and its stat
 
 - :class:`~wdscache.agent.control.ControlSocket`: the control socket, its door (the token) and replies;
 - :class:`~wdscache.agent.readers.Readers`: hello, jobs, lists, expiry, readers' windows;
-- :class:`~wdscache.agent.opens.Opens`: open, pins, waiters, status, revalidation, damage;
+- :class:`~wdscache.agent.opens.Opens`: open, pins, waiters, status, revalidation, damage, a policy over
+  the :class:`~wdscache.agent.shards.Shards` table (one record per shard the agent is busy with);
 - :class:`~wdscache.agent.downloads.Downloads`: scheduling, download threads, budget grants;
 - :class:`~wdscache.agent.worker_reports.WorkerReports`: the sample workers' reports and hints;
 - :class:`~wdscache.agent.list_file.ListFile`: the ``--urls`` file, watched;
@@ -16,6 +17,9 @@ Structure: a small core composed of parts that each own one concept and its stat
 none is missing; the core routes each control op to its handler (``_ops``) and
 each event of a download thread to what it changes (``_on_event``, by the
 event's type, see :mod:`wdscache.agent.events`), and runs :meth:`Agent.step`.
+Handlers take a :class:`~wdscache.agent.control.Request` and return its reply
+(None: no reply now, or a request held, answered later through
+:meth:`Opens.take_answers`); the core alone sends replies.
 
 Threads: the main thread owns all state and runs :meth:`Agent.step` until asked
 to stop. Download threads only move bytes and post events; the watchdog thread
@@ -66,7 +70,7 @@ from ..shared.stats import build
 from ..shared.urls import UrlList, diff_urls
 from ..shared.verdict import starved_by
 from .cache import INDEX_HEADROOM, ShardCache
-from .control import ControlSocket
+from .control import ControlSocket, Reply, Request
 from .downloads import Downloads
 from .events import (
     BudgetAsked,
@@ -97,7 +101,7 @@ FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the in
 METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
 
-Handler = Callable[[bytes, Any, dict[str, Any]], None]
+Handler = Callable[[Request], Reply | None]  # None: no reply now (a one-way report, or a request held)
 
 
 class Agent:
@@ -221,15 +225,15 @@ class Agent:
     def _build(self, urls: UrlList, cache_root: list[int]) -> None:
         """The parts, on the open cache, the bound socket and the started workers."""
         cfg = self.config
-        self.readers = Readers(cfg, self.cache, self.socket, urls, workers=self.pool.endpoints,
-                               cache_root=cache_root, gone=self._reader_gone)
+        self.readers = Readers(cfg, self.cache, urls, endpoint=self.socket.endpoint, workers=self.pool.endpoints,
+                               cache_root=cache_root, gone=self._reader_gone, watch=self.socket.watch,
+                               unwatch=self.socket.unwatch)
         self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox, expected=self.readers.shard_info)
-        self.opens = Opens(cfg, self.cache, self.socket, self.readers, self.downloads)
+        self.opens = Opens(cfg, self.cache, self.readers, self.downloads)
         self.workers = WorkerReports(self.pool, self.socket)
         self.prefetches = Prefetches(self.cache, self.downloads)
         self.cache.watcher = self.prefetches
-        self.upkeep = Upkeep(self.cache, self.socket, self.prefetches, self.readers.fetchable,
-                             self.readers.stop_startup)
+        self.upkeep = Upkeep(self.cache, self.prefetches, self.readers.fetchable, self.readers.stop_startup)
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
             "stats": self._op_stats, "counts": self._op_counts, "counted": self._op_counted, "ping": self._op_ping,
@@ -237,7 +241,7 @@ class Agent:
             "report": self.readers.op_report, "bye": self.readers.op_bye,
             "open": self.opens.op_open, "status": self.opens.op_status, "release": self.opens.op_release,
             "corrupt_copy": self.opens.op_damaged, "corrupt": self.opens.op_corrupt,
-            "worker": self.workers.op_worker,
+            "worker": lambda r: self.workers.op_worker(r.ident, r.rid, r.header),
             "evict": self.upkeep.op_evict, "clear": self.upkeep.op_clear, "prefetch": self.upkeep.op_prefetch,
             "prefetch_status": self.upkeep.op_prefetch_status, "prefetch_end": self.upkeep.op_prefetch_end,
         }
@@ -289,6 +293,7 @@ class Agent:
         self.prefetches.expire()
         self.pool.check()
         self._schedule()
+        self._send_answers()
         self._periodic()
         if self._private.unused():
             self.stop()
@@ -413,6 +418,12 @@ class Agent:
             except Exception as exc:  # one bad message must never take the agent down
                 log.exception("error handling a message")
                 self.socket.reply(ident, rid, ok=False, error=f"internal error: {type(exc).__name__}")
+        self._send_answers()
+
+    def _send_answers(self) -> None:
+        """Send the replies to held requests that became answerable (waiters whose shard came)."""
+        for answer in self.opens.take_answers():
+            self.socket.answer(answer)
 
     def _handle(self, ident: bytes, header: dict[str, Any]) -> None:
         """One admitted message: its op's handler (see wdscache.shared.protocol.MESSAGES)."""
@@ -424,19 +435,22 @@ class Agent:
             self.workers.check(header)
         if op in READER_OPS:
             self.readers.seen(get_field(header, "reader", str))
-        handler(ident, header.get("id"), header)
+        body = handler(Request(ident, header.get("id"), header))
+        if body is not None:
+            self.socket.reply(ident, header.get("id"), **body)
 
-    def _op_stats(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        if get_field(header, "flush", bool, False):  # wdscache ls reads the index: it shows this moment's reads
+    def _op_stats(self, request: Request) -> Reply:
+        if get_field(request.header, "flush", bool, False):  # wdscache ls reads the index: it shows this moment's reads
             self._last_flush = time.monotonic()
             self.cache.index.flush()
-        self.socket.reply(ident, rid, ok=True, stats=self.stats())
+        return {"ok": True, "stats": self.stats()}
 
-    def _op_counts(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def _op_counts(self, request: Request) -> Reply:
         samples = self.readers.samples  # counted in a copy, else from a shard index
-        self.socket.reply(ident, rid, ok=True, counts=[samples(u) for u in strings(header, "urls")])
+        return {"ok": True, "counts": [samples(u) for u in strings(request.header, "urls")]}
 
-    def _op_counted(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def _op_counted(self, request: Request) -> None:
+        header = request.header
         url, samples = get_field(header, "url", str), get_field(header, "samples", int)
         # Only for shards cached here (a worker just scanned it), whose copy we know; anything else is noise.
         rec = self.cache.index.get(url)
@@ -449,13 +463,15 @@ class Agent:
             # Published a moment ago (a worker saw the file): its Downloaded event, still queued, records it.
             self.downloads.counted_early(url, samples)
 
-    def _op_hello(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        self.readers.op_hello(ident, rid, header)
-        if header["reader"] in self.readers:
+    def _op_hello(self, request: Request) -> Reply:
+        reply = self.readers.op_hello(request)
+        if request.header["reader"] in self.readers:
             self.readers.check_need(self.opens.held)
+        return reply
 
-    def _op_ping(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        self.socket.reply(ident, rid, ok=True)
+    @staticmethod
+    def _op_ping(request: Request) -> Reply:
+        return {"ok": True}
 
     # -- statistics -----------------------------------------------------------
 

@@ -10,8 +10,10 @@ Guarantees (threads):
   A download in parallel parts (:mod:`wdscache.agent.parts`) runs its extra
   connections in threads of its own, within its slot: ``--download-parts`` is per
   shard, ``--download-workers`` counts shards.
-- A shard is never downloaded by two threads at once: a URL is in ``_active``
-  from the moment its task is queued until the main loop has recorded its end.
+- A shard is never downloaded by two threads at once: a URL has a :class:`Slot` in
+  ``_active`` from the moment its task is queued until the main loop has recorded its
+  end. What the policy notes of a download (out of every window since when, why it
+  waits for space) is in its slot, and goes with it.
 - Nothing outside the wanted shards (demanded ones, then the union of readers'
   windows) is started. Bytes cross the network once: a download is cancelled
   only after its shard has been out of every window for ``CANCEL_AFTER``
@@ -80,6 +82,21 @@ class PrefetchHold:
     held_bytes: int = 0
 
 
+@dataclass(slots=True, eq=False)
+class Slot:
+    """A download (or revalidation) in flight, and what the policy notes of it."""
+
+    download: Download
+    unwanted_since: float | None = None  # when its shard left every window (see Downloads.schedule)
+    space_wait: str | None = None  # why it waits for space now (for stats, status)
+    space_since: float | None = None  # since when it waits for space
+    space_said: str | None = None  # what ran short when that was last logged
+
+    @property
+    def url(self) -> str:
+        return self.download.url
+
+
 @dataclass(frozen=True)
 class NoRoom:
     """A download only prefetches want, given up: ``need`` bytes do not fit in the budget
@@ -100,12 +117,9 @@ class Downloads:
         self._layout = cache.layout
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._active: dict[str, Download] = {}  # url -> its download (or revalidation), until its end is recorded
+        self._active: dict[str, Slot] = {}  # url -> its download (or revalidation), until its end is recorded
         self._grants: list[Grant] = []  # budget asked for and not granted yet
-        self._unwanted_since: dict[str, float] = {}  # url of a download -> when it left every window
         self._paused_until = 0.0
-        self._space_waits: dict[str, str] = {}  # url -> why its download waits for space (for stats, status)
-        self._space_said: dict[str, tuple[float, str | None]] = {}  # url -> (waiting since, kind logged)
         self._growth_stuck_since: float | None = None  # since when every download waits for growth room
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
@@ -134,11 +148,11 @@ class Downloads:
 
     def running(self) -> list[str]:
         """The shards downloading (revalidations left out)."""
-        return [u for u, d in self._active.items() if not d.verify]
+        return [u for u, slot in self._active.items() if not slot.download.verify]
 
     def readable_partial(self, url: str) -> bool:
         """True when ``url`` is downloading with its whole size reserved: it will finish whatever is pinned."""
-        d = self._active.get(url)
+        d = self._download(url)
         # A gzip'd shard is read once decompressed: a reader of its partial file would hold
         # its pins while the tar still needs room.
         return d is not None and not d.verify and not d.gzipped and d.total is not None and d.reserved >= d.total
@@ -146,7 +160,7 @@ class Downloads:
     def progress(self, url: str) -> dict[str, Any]:
         """Bytes written so far and the size, of a download of ``url`` ({} if none), and
         while its attempts fail, the last one's failure (``failing``)."""
-        d = self._active.get(url)
+        d = self._download(url)
         if d is None or d.verify:
             return {}
         # A gzip'd shard's tar too: a waiting consumer counts their growth as progress.
@@ -157,14 +171,20 @@ class Downloads:
 
     def space_wait(self, url: str) -> str | None:
         """Why the download of ``url`` waits for space, if it does."""
-        return self._space_waits.get(url)
+        slot = self._active.get(url)
+        return slot.space_wait if slot is not None else None
 
     def space_waits(self) -> list[dict[str, str]]:
-        return [{"url": u, "reason": r} for u, r in self._space_waits.items()]
+        return [{"url": u, "reason": slot.space_wait} for u, slot in self._active.items()
+                if slot.space_wait is not None]
+
+    def _download(self, url: str) -> Download | None:
+        slot = self._active.get(url)
+        return slot.download if slot is not None else None
 
     def demand(self, url: str) -> None:
         """A reader waits for ``url``: its download, if one runs, may evict window shards."""
-        d = self._active.get(url)
+        d = self._download(url)
         if d is not None:
             d.demanded = True
 
@@ -187,7 +207,7 @@ class Downloads:
 
     def sample_rate(self) -> None:
         now = time.monotonic()
-        self._rate_samples.append((now, self._finished_bytes + sum(d.written for d in self._active.values())))
+        self._rate_samples.append((now, self._finished_bytes + sum(s.download.written for s in self._active.values())))
         while self._rate_samples and now - self._rate_samples[0][0] > RATE_WINDOW:
             self._rate_samples.popleft()
 
@@ -210,12 +230,16 @@ class Downloads:
         download is out of the wanted set.
         """
         now = time.monotonic()
-        self._unwanted_since = {u: t for u, t in self._unwanted_since.items()
-                                if u in self._active and u not in holding}
-        for url, d in list(self._active.items()):
-            if url in holding or d.cancel.is_set():
+        for url, slot in list(self._active.items()):
+            d = slot.download
+            if url in holding:
+                slot.unwanted_since = None
                 continue
-            since = self._unwanted_since.setdefault(url, now)
+            if d.cancel.is_set():
+                continue
+            if slot.unwanted_since is None:
+                slot.unwanted_since = now
+            since = slot.unwanted_since
             if now - since >= CANCEL_AFTER:
                 log.info("no longer wanted, abandoning %s (out of every window for %.0fs)", url, now - since)
                 d.cancel.set()
@@ -250,7 +274,7 @@ class Downloads:
             on_validator=lambda d: self._mailbox.post(ValidatorFound(d, d.etag)),
         )
         self._cache.begin(d)
-        self._active[url] = d
+        self._active[url] = Slot(d)
         self._tasks.put(d)
         log.debug("downloading %s", url)
 
@@ -261,14 +285,15 @@ class Downloads:
         self._cache.pin(url)  # not evicted while we ask; unpinned when the answer comes
         d = Download(url, partial=self._layout.partial_path(url), final=self._layout.shard_path(url),
                      reserve=self.reserve, verify=True)
-        self._active[url] = d
+        self._active[url] = Slot(d)
         self._tasks.put(d)
 
     def _cancel_unwanted(self) -> bool:
         """Free a slot for a shard someone waits for: cancel a download out of every window
         (it keeps its partial); True if a slot is being freed."""
-        for url in self._unwanted_since:
-            d = self._active[url]
+        unwanted = [s for s in self._active.values() if s.unwanted_since is not None]
+        for slot in sorted(unwanted, key=lambda s: s.unwanted_since or 0.0):
+            d, url = slot.download, slot.url
             if not d.verify:
                 if not d.cancel.is_set():
                     log.info("abandoning %s (no longer wanted) for a shard a reader waits for", url)
@@ -283,9 +308,10 @@ class Downloads:
         download may, so without this both could wait for ever.
         """
         waiting = {g.download.url for g in self._grants}
-        if any(d.cancel.is_set() for d in self._active.values()):
+        running = [slot.download for slot in self._active.values()]
+        if any(d.cancel.is_set() for d in running):
             return  # a slot is being freed already
-        for d in self._active.values():
+        for d in running:
             if not d.demanded and not d.verify and d.url in waiting:
                 log.info("pausing the prefetch of %s for a shard a reader waits for", d.url)
                 d.cancel.set()
@@ -301,7 +327,7 @@ class Downloads:
         rank = {u: i for i, u in enumerate(want)}
         self._grants.sort(key=lambda g: (not g.download.demanded, rank.get(g.download.url, len(rank))))
         pending, readable = [], []
-        waits: dict[str, str] = {}
+        waits: set[str] = set()
         for g in self._grants:
             with g.lock:
                 if g.withdrawn:
@@ -332,8 +358,9 @@ class Downloads:
                         self._waits_for_space(g.download.url, *self._cache.refusal, waits)
         self._grants = pending
         self._break_growth_deadlock(pending)
-        self._space_waits = waits  # granted or ended downloads wait no more
-        self._space_said = {u: said for u, said in self._space_said.items() if u in waits}
+        for url, slot in self._active.items():  # granted downloads wait no more
+            if url not in waits:
+                slot.space_wait = slot.space_since = slot.space_said = None
         return readable
 
     def _never_fits(self, g: Grant, want: Sequence[str], hold: PrefetchHold) -> NoRoom | None:
@@ -378,16 +405,20 @@ class Downloads:
                  victim.download.url, len(growing) - 1)
         victim.download.cancel.set()
 
-    def _waits_for_space(self, url: str, kind: str, reason: str, waits: dict[str, str]) -> None:
+    def _waits_for_space(self, url: str, kind: str, reason: str, waits: set[str]) -> None:
         """Note why ``url`` waits for space. Logged once it has waited SPACE_LOG_AFTER, and again
         only when what runs short changes (the budget, or the file system's free space)."""
-        waits[url] = f"waiting for space: {reason}"
+        slot = self._active.get(url)
+        if slot is None:
+            return
+        waits.add(url)
+        slot.space_wait = f"waiting for space: {reason}"
         now = time.monotonic()
-        since, said = self._space_said.get(url, (now, None))
-        if said != kind and now - since >= SPACE_LOG_AFTER:
+        if slot.space_since is None:
+            slot.space_since = now
+        if slot.space_said != kind and now - slot.space_since >= SPACE_LOG_AFTER:
             log.warning("%s waits for space: %s", url, reason)
-            said = kind
-        self._space_said[url] = (since, said)
+            slot.space_said = kind
 
     # -- ends (main loop, from the events) --------------------------------------
 
@@ -492,8 +523,8 @@ class Downloads:
 
     def stop(self) -> None:
         """Cancel every download and end the threads (each gets up to ``JOIN_TIMEOUT`` in all)."""
-        for d in self._active.values():
-            d.cancel.set()
+        for slot in self._active.values():
+            slot.download.cancel.set()
         for _ in self._threads:
             self._tasks.put(None)
         deadline = time.monotonic() + JOIN_TIMEOUT
@@ -505,7 +536,7 @@ class Downloads:
 
     def abandon_all(self, keep_partial: Callable[[str], bool]) -> None:
         """Record the downloads still unfinished as abandoned (``keep_partial(url)``: keep the partial file)."""
-        for d in list(self._active.values()):
+        for d in [slot.download for slot in self._active.values()]:
             if not d.verify:  # a revalidation holds a cached shard, not a partial one
                 self._cache.abandon(d, keep_partial=keep_partial(d.url))
         self._active.clear()

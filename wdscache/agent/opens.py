@@ -1,14 +1,17 @@
 """The agent's opens: a reader asks for a shard, waits for it, holds it pinned, lets it go.
 
 This part answers ``open``, ``status`` and ``release``, keeps who waits for
-which shard and what each reader holds, checks a shard cached by an earlier run
-against its source before serving it (revalidation), and handles damage: a copy a
-read found damaged is downloaded once more, and the shard fails (saying why) if
-that new copy is damaged too.
+which shard and what each reader holds (in the shard's record,
+:mod:`wdscache.agent.shards`), checks a shard cached by an earlier run against
+its source before serving it (revalidation), and handles damage: a copy a read
+found damaged is downloaded once more, and the shard fails (saying why) if that
+new copy is damaged too. It is a policy over the records: its ops return their
+replies, and a request it holds (a waiter) is answered later through
+:meth:`Opens.take_answers`; the core sends both.
 
 Guarantees:
 
-- Main loop only.
+- Main loop only. No socket here.
 - A reader is answered with a path only for a shard that is cached and, when it
   was cached by an earlier run and ``--revalidate`` is on, found current; a file
   deleted behind the agent's back is downloaded again, never served missing.
@@ -26,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ..shared.config import AgentConfig
@@ -35,11 +37,12 @@ from ..shared.layout import file_identity
 from ..shared.logs import event, get_logger
 from ..shared.protocol import field as get_field
 from .cache import ShardCache
-from .control import ControlSocket
+from .control import Answer, Reply, Request
 from .download import Fetched
 from .downloads import Downloads
 from .fetch import common_validator, validator_kind
 from .readers import Readers
+from .shards import Phase, Shard, Shards, Waiter
 
 log = get_logger(__name__)
 
@@ -47,66 +50,61 @@ FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is r
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 
 
-@dataclass
-class _Waiter:
-    """A client waiting for a shard to be cached (or, with ``partial``, to be readable as it downloads)."""
-
-    ident: bytes
-    rid: Any
-    reader: str
-    partial: bool = False
-
-
 class Opens:
-    """Opens, pins, waiters, revalidation, damage and refetch."""
+    """Opens, pins, waiters, revalidation, damage and refetch, over the shards' records."""
 
-    def __init__(self, config: AgentConfig, cache: ShardCache, socket: ControlSocket, readers: Readers,
-                 downloads: Downloads) -> None:
-        self._config, self._cache, self._socket = config, cache, socket
+    def __init__(self, config: AgentConfig, cache: ShardCache, readers: Readers, downloads: Downloads) -> None:
+        self._config, self._cache = config, cache
         self._readers, self._downloads = readers, downloads
-        self._pins: dict[str, dict[str, int]] = {}  # reader -> url -> how many times it holds it open
-        self._waiters: dict[str, list[_Waiter]] = {}
-        self._demanded: dict[str, float] = {}  # url -> when first asked for (and not answered yet)
-        self._verified: set[str] = set()  # cached shards known current (downloaded or checked this run)
-        self._failed_at: dict[str, float] = {}  # url -> when its download (or its copies) failed
-        self._suspect: set[str] = set()  # cached shards a read found damaged: fetched again once nobody holds them
-        self._refetched: set[str] = set()  # damaged shards downloaded once more, not yet read fine since
-        self._failed_damaged: set[str] = set()  # failed because their copies were damaged, not their downloads
+        self.shards = Shards()
+        # With --revalidate, the cached shards known current (downloaded or checked this run):
+        # one fact about idle cached shards, so kept beside the records, not in them.
+        self._verified: set[str] = set()
+        self._answers: list[Answer] = []  # replies to held requests, for the core to send
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read (for stats)
         self._changed: dict[str, str] = {}  # url -> how it changed on the server (for stats)
 
+    def take_answers(self) -> list[Answer]:
+        """The replies to requests held earlier (waiters) that became answerable since the last call."""
+        out, self._answers = self._answers, []
+        return out
+
     # -- ops --------------------------------------------------------------------
 
-    def op_open(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_open(self, request: Request) -> Reply | None:
+        """The reply, or None: the request waits for its shard (its answer comes through :meth:`take_answers`)."""
+        header = request.header
         ahead = get_field(header, "ahead", list, None)
         wait = get_field(header, "wait", bool, True)
         partial = get_field(header, "while_downloading", bool, False)
-        self.open(ident, rid, header["reader"], get_field(header, "url", str), ahead, wait, partial)
+        return self.open(request, header["reader"], get_field(header, "url", str), ahead, wait, partial)
 
-    def op_status(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        self._socket.reply(ident, rid, ok=True, **self.status(get_field(header, "url", str)))
+    def op_status(self, request: Request) -> Reply:
+        return {"ok": True, **self.status(get_field(request.header, "url", str))}
 
-    def op_release(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        self.release(header["reader"], get_field(header, "url", str))
-        self._socket.reply(ident, rid, ok=True)
+    def op_release(self, request: Request) -> Reply:
+        self.release(request.header["reader"], get_field(request.header, "url", str))
+        return {"ok": True}
 
-    def op_damaged(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        # From one of our workers (checked before), naming the copy it read.
+    def op_damaged(self, request: Request) -> None:
+        """From one of our workers (checked before), naming the copy it read; no reply."""
+        header = request.header
         url, error = get_field(header, "url", str), get_field(header, "error", str)
         self._damaged(url, error, get_field(header, "identity", list), "a worker")
 
-    def op_corrupt(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
-        url, error = get_field(header, "url", str), get_field(header, "error", str)
+    def op_corrupt(self, request: Request) -> Reply:
+        url, error = get_field(request.header, "url", str), get_field(request.header, "error", str)
         self._damaged(url, error, None, "a consumer")
-        self._socket.reply(ident, rid, ok=True)
+        return {"ok": True}
 
     # -- opening ------------------------------------------------------------------
 
     def open(
-        self, ident: bytes, rid: Any, name: str, url: str, ahead: list[Any] | None = None, wait: bool = True,
+        self, request: Request, name: str, url: str, ahead: list[Any] | None = None, wait: bool = True,
         partial: bool = False,
-    ) -> None:
-        """Pin ``url`` for reader ``name`` once it is cached (``wait``), or answer that it is not.
+    ) -> Reply | None:
+        """Pin ``url`` for reader ``name`` once it is cached (``wait``: None now, the answer later),
+        or answer that it is not.
 
         With ``partial``, a shard not cached yet is pinned as soon as its download
         holds its whole budget (the reply says ``partial``): the reader then reads
@@ -114,72 +112,83 @@ class Opens:
         the shard once it is published. Not before (see the module's guarantees):
         until then the answer is "not cached" (or, with ``wait``, comes later).
         """
-        reply, cache = self._socket.reply, self._cache
         if not self._readers.known(url, name):
-            reply(ident, rid, ok=False, error=f"{url} is not in the agent's URL list ({self._config.urls})")
-            return
+            return {"ok": False, "error": f"{url} is not in the agent's URL list ({self._config.urls})"}
         self._readers.opened(name, url, ahead)
+        shard = self.shards.record(url)
+        try:
+            return self._open(shard, request, name, wait, partial)
+        finally:
+            self.shards.settle(shard)
+
+    def _open(self, shard: Shard, request: Request, name: str, wait: bool, partial: bool) -> Reply | None:
+        cache, url = self._cache, shard.url
         rec = cache.index.get(url)
         if rec is not None and rec.state is ShardState.CACHED and not cache.path(url).exists():
             # Deleted behind our back: forget it and download it again, never serve a missing file.
             log.warning("cache file of %s vanished; downloading it again", url)
             cache.remove(url, "its cache file vanished")
             rec = None
-        elif rec is not None and url in self._suspect:
+        elif rec is not None and shard.phase is Phase.SUSPECT:
             # A read found it damaged: it is fetched once more (a bad copy is repaired; a bad source
             # is failed once its new copy is found damaged too, see _damaged), now if nobody
             # holds it, else once they let go; meanwhile it is not cached for this reader.
-            self._refetch_if_damaged(url)
+            self._refetch_if_damaged(shard)
             rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             cache.index.incr("hits")
             if url in self._verified or not self._config.revalidate:
-                self._grant(ident, rid, name, url)
-                return
+                return self._grant(name, shard)
             # Cached by an earlier run: check it is still what the source holds first.
+            if shard.phase is Phase.IDLE:
+                self.shards.move(shard, Phase.REVALIDATING)
             self._downloads.revalidate(url)
             if wait:
-                self._waiters.setdefault(url, []).append(_Waiter(ident, rid, name))
-            else:
-                reply(ident, rid, ok=False, cached=False, error="revalidating")
-            return
+                shard.waiters.append(Waiter(request, name))
+                return None
+            return {"ok": False, "cached": False, "error": "revalidating"}
         cache.index.incr("misses")
         if rec is not None and rec.state is ShardState.FAILED:
-            if time.monotonic() - self._failed_at.get(url, 0.0) < FAILED_RETRY_AFTER:
-                reply(ident, rid, ok=False, error=rec.error or "download failed", corrupt=url in self._failed_damaged)
-                return
+            if shard.phase is Phase.FAILED and time.monotonic() - shard.failed_at < FAILED_RETRY_AFTER:
+                return {"ok": False, "error": rec.error or "download failed", "corrupt": shard.damaged}
             cache.forget_failure(url)
-            self._failed_damaged.discard(url)
-            self._refetched.discard(url)  # a new try from the start: one more download if damaged again
-        self._demanded.setdefault(url, time.monotonic())
+            shard.damaged = False
+            shard.refetched = False  # a new try from the start: one more download if damaged again
+        self._demand(shard)
         self._downloads.demand(url)
         if partial and self._downloads.readable_partial(url):
-            self._grant(ident, rid, name, url, partial=True)
-        elif wait:
-            self._waiters.setdefault(url, []).append(_Waiter(ident, rid, name, partial))
-        else:
-            reply(ident, rid, ok=False, cached=False, error="not cached yet")
+            return self._grant(name, shard, partial=True)
+        if wait:
+            shard.waiters.append(Waiter(request, name, partial))
+            return None
+        return {"ok": False, "cached": False, "error": "not cached yet"}
 
-    def _grant(self, ident: bytes, rid: Any, name: str, url: str, *, partial: bool = False) -> None:
+    def _demand(self, shard: Shard) -> None:
+        """Readers need ``shard`` downloaded (a damaged copy still held stays SUSPECT until let go)."""
+        if shard.asked_at is None:
+            shard.asked_at = time.monotonic()
+        if shard.phase in (Phase.IDLE, Phase.REVALIDATING, Phase.FAILED):
+            self.shards.move(shard, Phase.WANTED)
+
+    def _grant(self, name: str, shard: Shard, *, partial: bool = False) -> Reply:
         if name not in self._readers:
-            self._socket.reply(ident, rid, ok=False, error="reader expired while waiting")
-            return
-        held = self._pins.setdefault(name, {})
-        held[url] = held.get(url, 0) + 1
+            return {"ok": False, "error": "reader expired while waiting"}
+        url = shard.url
+        self.shards.pin(shard, name)
         self._cache.pin(url)  # a shard still downloading stays pinned once published
         if partial:
-            self._socket.reply(ident, rid, ok=True, while_downloading=True)
-            return
+            return {"ok": True, "while_downloading": True}
         rec = self._cache.index.get(url)
         assert rec is not None  # cached: the open above found it so
-        self._socket.reply(ident, rid, ok=True, path=str(self._cache.path(url)), size=rec.size,
-                           samples=self._readers.samples(url))
+        return {"ok": True, "path": str(self._cache.path(url)), "size": rec.size,
+                "samples": self._readers.samples(url)}
 
     def status(self, url: str) -> dict[str, Any]:
         """Where ``url`` stands: cached; downloading (with its budget); queued (for a download
         slot or budget); failed (with the error); or unknown (nobody asked for it)."""
         rec = self._cache.index.get(url)
-        if url in self._suspect:
+        shard = self.shards.get(url)
+        if shard is not None and shard.phase is Phase.SUSPECT:
             return {"state": "queued", "reason": "its cached copy is damaged: it is downloaded again once the "
                                                  "readers that hold it let go"}
         if rec is not None and rec.state is ShardState.CACHED:
@@ -192,86 +201,112 @@ class Opens:
             return {"state": "downloading", **progress}
         if rec is not None and rec.state is ShardState.FAILED:
             # "corrupt": its copies were found corrupt (the shard is bad, not its download).
-            return {"state": "failed", "error": rec.error or "download failed", "corrupt": url in self._failed_damaged}
-        return {"state": "queued" if url in self._downloads or url in self._demanded else "unknown", **progress}
+            damaged = shard is not None and shard.damaged
+            return {"state": "failed", "error": rec.error or "download failed", "corrupt": damaged}
+        asked = shard is not None and shard.asked_at is not None
+        return {"state": "queued" if url in self._downloads or asked else "unknown", **progress}
 
     def answer_partial(self, url: str) -> None:
         """The download of ``url`` got its whole budget: readers waiting to read it as it downloads may start."""
-        waiting = self._waiters.get(url, [])
-        for w in [w for w in waiting if w.partial]:
-            self._grant(w.ident, w.rid, w.reader, url, partial=True)
-        rest = [w for w in waiting if not w.partial]
-        if rest:
-            self._waiters[url] = rest
-        else:
-            self._waiters.pop(url, None)
+        shard = self.shards.get(url)
+        if shard is None:
+            return
+        for w in [w for w in shard.waiters if w.partial]:
+            self._answers.append(Answer(w.request, self._grant(w.reader, shard, partial=True)))
+        shard.waiters = [w for w in shard.waiters if not w.partial]
+        self.shards.settle(shard)
 
-    def _answer_waiters(self, url: str, error: str | None = None) -> None:
-        self._demanded.pop(url, None)
-        for w in self._waiters.pop(url, []):
-            if error is None:
-                self._grant(w.ident, w.rid, w.reader, url)
-            else:
-                self._socket.reply(w.ident, w.rid, ok=False, error=error)
+    def _answer_waiters(self, shard: Shard, error: str | None = None) -> None:
+        """Its waiters get it (``error``: are told why not); nobody waits for it any more."""
+        shard.asked_at = None
+        waiting, shard.waiters = shard.waiters, []
+        for w in waiting:
+            body = self._grant(w.reader, shard) if error is None else {"ok": False, "error": error}
+            self._answers.append(Answer(w.request, body))
 
     def demanded(self) -> list[str]:
         """The shards readers wait for, oldest first."""
-        return sorted(self._demanded, key=self._demanded.__getitem__)
+        return self.shards.demanded()
 
     # -- holding ------------------------------------------------------------------
 
     def held(self, name: str) -> int:
         """How many shards reader ``name`` holds open."""
-        return len(self._pins.get(name, ()))
+        return self.shards.holds(name)
 
     def release(self, name: str, url: str) -> None:
-        held = self._pins.get(name, {})
-        if held.get(url, 0) <= 0:
+        shard = self.shards.get(url)
+        if shard is None or not self.shards.unpin(shard, name):
             return
-        held[url] -= 1
-        if not held[url]:
-            del held[url]
         self._cache.unpin(url)
-        self._refetch_if_damaged(url)
+        self._refetch_if_damaged(shard)
+        self.shards.settle(shard)
 
     def release_all(self, name: str) -> None:
         """Reader ``name`` is gone: everything it held is let go."""
-        for url, count in self._pins.pop(name, {}).items():
-            for _ in range(count):
-                self._cache.unpin(url)
-            self._refetch_if_damaged(url)
+        for shard in self.shards.held_by(name):
+            while self.shards.unpin(shard, name):
+                self._cache.unpin(shard.url)
+            self._refetch_if_damaged(shard)
+            self.shards.settle(shard)
 
     # -- what the downloads found -----------------------------------------------------
 
     def downloaded(self, url: str) -> None:
         """``url`` was downloaded: it is current; its waiters get it."""
-        self._verified.add(url)
-        self._failed_at.pop(url, None)
-        self._answer_waiters(url)
+        if self._config.revalidate:
+            self._verified.add(url)
+        shard = self.shards.get(url)
+        if shard is None:
+            return
+        if shard.phase is not Phase.IDLE:
+            self.shards.move(shard, Phase.IDLE)
+        shard.damaged = False
+        self._answer_waiters(shard)
+        self.shards.settle(shard)
 
     def failed(self, url: str, reason: str) -> None:
-        """The download of ``url`` failed for good: its waiters are told why."""
-        self._failed_at[url] = time.monotonic()
-        self._answer_waiters(url, error=reason)
+        """The download of ``url`` failed for good (or its copies are damaged): its waiters are told why."""
+        shard = self.shards.record(url)
+        if shard.phase is not Phase.FAILED:
+            self.shards.move(shard, Phase.FAILED)
+        shard.failed_at = time.monotonic()
+        self._answer_waiters(shard, error=reason)
 
     def unlisted(self, url: str) -> None:
         """``url`` left the agent's list and no reader's list holds it: nobody waits for it any more."""
-        if self._demanded.pop(url, None) is not None:
-            self._answer_waiters(url, error="removed from the agent's URL list")
+        shard = self.shards.get(url)
+        if shard is None or shard.asked_at is None:
+            return
+        if shard.phase is Phase.WANTED:
+            self.shards.move(shard, Phase.IDLE)
+        self._answer_waiters(shard, error="removed from the agent's URL list")
+        self.shards.settle(shard)
 
     def revalidated(self, url: str, now: Fetched | None) -> None:
         """A cached shard from an earlier run was compared with its source (``now``: what it holds)."""
         cache = self._cache
         cache.unpin(url)
+        shard = self.shards.record(url)
+        try:
+            self._revalidated(shard, now)
+        finally:
+            self.shards.settle(shard)
+
+    def _revalidated(self, shard: Shard, now: Fetched | None) -> None:
+        cache, url = self._cache, shard.url
         rec = cache.index.get(url)
         if rec is None or rec.state is not ShardState.CACHED:
-            self._demanded.setdefault(url, time.monotonic())  # gone meanwhile: its waiters need it
+            self._demand(shard)  # gone meanwhile: its waiters need it
             return
         changed = self._unlike_index(url, rec.source_size or rec.size) or _unlike_source(url, rec, now)
         unknown = None if changed else _not_comparable(rec, now)
         if changed is None and unknown is None:
-            self._verified.add(url)
-            self._answer_waiters(url)
+            if self._config.revalidate:
+                self._verified.add(url)
+            if shard.phase is Phase.REVALIDATING:
+                self.shards.move(shard, Phase.IDLE)
+            self._answer_waiters(shard)
             return
         if changed is not None:
             log.error("%s %s; downloading it again", url, changed)
@@ -282,7 +317,7 @@ class Opens:
             log.warning("cannot tell whether %s changed on the server: %s; downloading it again", url, unknown)
             cache.remove(url, f"evicted: cannot tell whether it changed on the server ({unknown})")
         cache.index.drop_count(url)
-        self._demanded.setdefault(url, time.monotonic())  # its waiters get the new copy
+        self._demand(shard)  # its waiters get the new copy
 
     def _unlike_index(self, url: str, size: int) -> str | None:
         """How a copy cached by an earlier run (its source was ``size`` bytes) differs from what
@@ -302,7 +337,10 @@ class Opens:
 
     def read_fine(self, url: str) -> None:
         """A worker read ``url``'s headers through: later damage gets one more download again."""
-        self._refetched.discard(url)
+        shard = self.shards.get(url)
+        if shard is not None:
+            shard.refetched = False
+            self.shards.settle(shard)
 
     def _damaged(self, url: str, error: str, identity: list[Any] | None, who: str) -> None:
         """A read found ``url``'s cached copy damaged: it is downloaded once more when no reader
@@ -322,36 +360,41 @@ class Opens:
                     return
             except OSError:
                 return
-        elif url in self._refetched:
-            return
-        if url in self._suspect:
-            return  # this copy was reported already
-        event(log, "damaged", "damaged shard reported by %s: %s: %s", who, url, error[:500], level=logging.ERROR,
-              url=url, error=error[:500], by=who)
-        cache.index.incr("corrupt")
-        _remember(self._corrupt, url, error[:500])
-        if url not in self._refetched:
-            self._suspect.add(url)
-            return
-        reason = f"damaged again after it was downloaded once more: {error[:400]}"
-        event(log, "failed", "failed %s: %s", url, reason, level=logging.ERROR, url=url, error=reason)
-        self._suspect.discard(url)
-        self._failed_damaged.add(url)
-        cache.fail_cached(url, reason)
-        self.failed(url, reason)
+        shard = self.shards.record(url)
+        try:
+            if identity is None and shard.refetched:
+                return
+            if shard.phase not in (Phase.IDLE, Phase.REVALIDATING):
+                return  # this copy was reported already (SUSPECT), or is being replaced
+            event(log, "damaged", "damaged shard reported by %s: %s: %s", who, url, error[:500],
+                  level=logging.ERROR, url=url, error=error[:500], by=who)
+            cache.index.incr("corrupt")
+            _remember(self._corrupt, url, error[:500])
+            if not shard.refetched:
+                self.shards.move(shard, Phase.SUSPECT)
+                return
+            reason = f"damaged again after it was downloaded once more: {error[:400]}"
+            event(log, "failed", "failed %s: %s", url, reason, level=logging.ERROR, url=url, error=reason)
+            shard.damaged = True
+            cache.fail_cached(url, reason)
+            self.failed(url, reason)
+        finally:
+            self.shards.settle(shard)
 
-    def _refetch_if_damaged(self, url: str) -> None:
+    def _refetch_if_damaged(self, shard: Shard) -> None:
         """A damaged copy nobody holds any more is dropped, and downloaded once more for the
         readers waiting for it (see :meth:`_damaged`)."""
-        if url not in self._suspect or self._cache.pins.get(url):
+        url = shard.url
+        if shard.phase is not Phase.SUSPECT or self._cache.pins.get(url):
             return
         log.warning("downloading %s again: %s", url, self._corrupt.get(url, "found damaged"))
-        self._suspect.discard(url)
-        self._refetched.add(url)
+        self.shards.move(shard, Phase.WANTED)
+        shard.refetched = True
+        if shard.asked_at is None:
+            shard.asked_at = time.monotonic()
         # Its sample count stays: it was found in a copy of this very version, and the ranks
         # of a job that ask for it meanwhile must all get the same answer.
         self._cache.remove(url, "found damaged, to be downloaded once more")
-        self._demanded.setdefault(url, time.monotonic())
 
     def view(self) -> dict[str, Any]:
         """The damaged and changed shards, for the stats reply."""

@@ -2,18 +2,20 @@
 
 A *reader* is a consumer that said hello (it names its job, rank and list) or a
 plain client that only opens shards; each has a window of the shards it reads
-next (:class:`~wdscache.shared.plan.Reader`). This part owns them, the jobs they form,
-the URL lists they read (the agent's own, and consumers' lists kept while read)
-and the consumers' reports; it says which shards the readers want, and warns
-when they need more at once than the budget holds.
+next (:class:`~wdscache.shared.plan.Reader`). Each reader is one :class:`ReaderRecord`:
+its window, and for a consumer its job, rank, shuffle buffer and last report. This part
+owns them, the jobs they form, the URL lists they read (the agent's own, and consumers'
+lists kept while read) and the lists being uploaded; it says which shards the readers
+want, and warns when they need more at once than the budget holds.
 
 Guarantees:
 
-- Main loop only.
+- Main loop only. The ops return their replies (:class:`~wdscache.agent.control.Request`
+  in, :data:`~wdscache.agent.control.Reply` out); the core sends them. No socket here.
 - A reader reads the list it said hello on to its end, whatever edits of the
   list file happen meanwhile (:meth:`Readers.known`): an agent list that readers
   started their epoch on is kept while they read it.
-- A reader whose process the agent sees (:meth:`Readers._watch_process`) is
+- A reader whose process the agent sees (:class:`ProcessWatch`) is
   dropped as soon as that process ends; any other after ``--reader-timeout`` of
   silence. Whoever holds things for a reader is told when it goes (``gone``), so
   its pins go with it.
@@ -29,6 +31,7 @@ import os
 import select
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
@@ -43,7 +46,7 @@ from ..shared.shard_index import ShardInfo
 from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
 from ..shared.urls import UrlList, index_list, list_id, parse_url_list
 from .cache import ShardCache
-from .control import ControlSocket
+from .control import Reply, Request
 
 log = get_logger(__name__)
 
@@ -72,19 +75,77 @@ def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | No
     return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle, shards=part)
 
 
+class ProcessWatch:
+    """The consumers' processes the agent sees, each watched through a pidfd, so that its
+    reader is dropped the moment it ends. Another's (another machine or container, no
+    pidfd, beyond ``MAX_WATCHED``) goes after ``--reader-timeout`` of silence instead."""
+
+    def __init__(self, watch: Callable[[int], None], unwatch: Callable[[int], None]) -> None:
+        self._watch, self._unwatch = watch, unwatch  # wake the main loop when a watched process ends
+        self._readers: dict[int, str] = {}  # pidfd -> the reader whose process it is
+        self._deaths = select.poll()  # the watched pidfds: readable once their process ended
+
+    def start(self, name: str, claimed: Any) -> int:
+        """Watch the process reader ``name`` named in hello (``claimed``: its identity) if we
+        see that very process: its pidfd, else -1."""
+        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int
+                and 0 < claimed[0] < 1 << 31 and len(self._readers) < MAX_WATCHED):
+            return -1
+        try:
+            fd = os.pidfd_open(claimed[0])
+        except (AttributeError, OSError):
+            return -1
+        # Compared once the pidfd is open: if the identity matches, it is that process's pidfd.
+        if process_identity(claimed[0]) != claimed:
+            os.close(fd)
+            return -1
+        self._readers[fd] = name
+        self._deaths.register(fd, select.POLLIN)
+        self._watch(fd)  # wakes the main loop when it ends
+        return fd
+
+    def stop(self, fd: int) -> None:
+        del self._readers[fd]
+        self._deaths.unregister(fd)
+        self._unwatch(fd)
+        os.close(fd)
+
+    def ended(self) -> list[str]:
+        """The readers whose process ended (still watched: :meth:`stop` each)."""
+        return [self._readers[fd] for fd, _ in self._deaths.poll(0)] if self._readers else []
+
+    def close(self) -> None:
+        for fd in list(self._readers):
+            self.stop(fd)
+
+
+@dataclass(slots=True, eq=False)
+class ReaderRecord:
+    """One reader: its window (``plan``); for a consumer (said hello), its job, rank and last
+    report (``consumer``), and the shuffle buffer it said hello with (samples)."""
+
+    plan: Reader
+    consumer: dict[str, Any] | None = None  # {"job", "rank", "seen", and the last report's figures}
+    probe: bool = False  # said hello only to learn the list (a loader's len()): neither joins nor leaves a job
+    buffer: int = 0
+
+
 class Readers:
     """The readers, their jobs and lists, and what they want next."""
 
     def __init__(
-        self, config: AgentConfig, cache: ShardCache, socket: ControlSocket, urls: UrlList, *,
-        workers: list[str], cache_root: list[int], gone: Callable[[str], None],
+        self, config: AgentConfig, cache: ShardCache, urls: UrlList, *, endpoint: str, workers: list[str],
+        cache_root: list[int], gone: Callable[[str], None], watch: Callable[[int], None] = lambda fd: None,
+        unwatch: Callable[[int], None] = lambda fd: None,
     ) -> None:
-        self._config, self._cache, self._socket = config, cache, socket
+        self._config, self._cache = config, cache
+        self._endpoint = endpoint  # over a TCP endpoint peers may be other machines (see _schemes)
+        self._processes = ProcessWatch(watch, unwatch)
         self._workers, self._cache_root = workers, cache_root  # told in hello (endpoints; for direct reads)
         self._gone = gone  # told the name of each reader that goes, once it is gone
         self.urls = urls  # the agent's current list (from its list file)
         self.list_id = list_id(urls.urls)
-        self._readers: dict[str, Reader] = {}
+        self._readers: dict[str, ReaderRecord] = {}
         # list_id -> a list readers read besides the agent's current one: a consumer's own, or
         # an earlier agent list that readers started their epoch on (kept while read, see _free_lists)
         self._lists: dict[str, UrlList] = {}
@@ -94,12 +155,7 @@ class Readers:
         # reader -> pages of its list received so far: URLs, and their facts for a list from a shard index
         self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
-        self._consumers: dict[str, dict[str, Any]] = {}  # reader name -> its job, rank and last report
-        self._probes: set[str] = set()  # readers that said hello only to learn the list (a loader's len())
         self._ended: dict[str, dict[str, Any]] = {}  # reader name -> its last report, once it left (for stats)
-        self._buffers: dict[str, int] = {}  # reader -> the shuffle buffer it said hello with (samples)
-        self._watched: dict[int, str] = {}  # pidfd -> the reader whose process it is
-        self._deaths = select.poll()  # the watched pidfds: readable once their process ended
         self._warned_need = 0  # the need named by the last warning that readers need more
 
     # -- who reads ------------------------------------------------------------
@@ -109,14 +165,15 @@ class Readers:
 
     def seen(self, name: str) -> None:
         """A sign of life from reader ``name`` (any of its ops)."""
-        reader = self._readers.get(name)
-        if reader is not None:
-            reader.last_seen = time.monotonic()
+        record = self._readers.get(name)
+        if record is not None:
+            record.plan.last_seen = time.monotonic()
 
     def known(self, url: str, name: str | None = None) -> bool:
         """In the list reader ``name`` reads; for a plain client (no hello), in the agent's list or in
         a list some reader reads. Only listed shards are ever fetched."""
-        reader = self._readers.get(name) if name is not None else None
+        record = self._readers.get(name) if name is not None else None
+        reader = record.plan if record is not None else None
         if reader is not None and reader.list_id is not None:
             return url in self._list(reader.list_id)
         return url in self.urls or any(url in listed for listed in self._lists.values())
@@ -140,10 +197,11 @@ class Readers:
     def opened(self, name: str, url: str, ahead: list[Any] | None) -> None:
         """Reader ``name`` opens ``url`` (listed for it): its window moves (``ahead``: the shards it
         says it reads next). A plain client becomes a reader that reads in list order."""
-        reader = self._readers.get(name)
-        if reader is None:
+        record = self._readers.get(name)
+        if record is None:
             # A plain client reads in list order; its window is the shards after this one.
-            reader = self._readers[name] = Reader(name, len(self.urls), shuffle=False)
+            record = self._readers[name] = ReaderRecord(Reader(name, len(self.urls), shuffle=False))
+        reader = record.plan
         if ahead is not None:
             reader.ahead = [u for u in ahead[: self._config.prefetch] if isinstance(u, str) and self.known(u, name)]
         elif reader.ahead is None and url in self.urls:
@@ -153,7 +211,7 @@ class Readers:
         """The union of the readers' windows by urgency (the start-up plan while nobody reads)."""
         prefetch, urls = self._config.prefetch, self.urls.urls
         windows = []
-        for r in self._readers.values():
+        for r in self._plans():
             if r.ahead is not None:
                 windows.append(r.ahead[:prefetch])
             else:
@@ -167,9 +225,12 @@ class Readers:
         """Shards whose downloads are not cancelled: ``want``, and the start-up plan while some reader
         said hello but has no window yet (its window may well be that plan)."""
         holding = set(want)
-        if any(r.ahead == [] for r in self._readers.values()):
+        if any(r.ahead == [] for r in self._plans()):
             holding.update(self._startup_window())
         return holding
+
+    def _plans(self) -> list[Reader]:
+        return [record.plan for record in self._readers.values()]
 
     def stop_startup(self) -> None:
         """Prefetch nothing for the start-up plan (``wdscache clear`` emptied the cache): shards come
@@ -184,79 +245,81 @@ class Readers:
 
     # -- ops ------------------------------------------------------------------
 
-    def op_hello(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_hello(self, request: Request) -> Reply:
         """A consumer joins a job: check it agrees with the job's other ranks, take up its list.
 
         Lists travel in pages (``put_urls`` / ``get_urls``), never in one message, and
         are known by ``list_id`` (a hash), so a list is sent once, not every epoch.
         """
+        header = request.header
         name = header["reader"]
-        self._hello(ident, rid, name, header)
-        if name in self._readers and name not in self._probes:
-            self._buffers[name] = max(0, get_field(header, "shuffle_buffer", int, 0))
-
-    def _hello(self, ident: bytes, rid: Any, name: str, header: dict[str, Any]) -> None:
-        reply = self._socket.reply
         job = get_field(header, "job", str)
         world = get_field(header, "world_size", int)
         rank = get_field(header, "rank", int)
         if not 0 <= rank < world:
-            reply(ident, rid, ok=False, error=f"rank {rank} is not in [0, {world})")
-            return
+            return {"ok": False, "error": f"rank {rank} is not in [0, {world})"}
         claimed = get_field(header, "list_id", str, None)
-        uploaded = self._uploads.pop(name, None)
-        if claimed is not None and claimed not in self._lists:
-            if uploaded is None:
-                reply(ident, rid, ok=False, need_urls=True, error="send the list first (put_urls)")
-                return
-            try:
-                parsed = self._job_list(*uploaded)
-            except ConfigError as exc:
-                reply(ident, rid, ok=False, error=str(exc))
-                return
-            if parsed.key != claimed:
-                reply(ident, rid, ok=False, error="the list sent does not match its list_id")
-                return
-            if len(self._lists) >= MAX_JOB_LISTS:
-                self._free_lists(grace=0.0)  # lists nobody reads make room first
-            if len(self._lists) >= MAX_JOB_LISTS:
-                reply(ident, rid, ok=False, error=(
-                    f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends"))
-                return
-            self._lists[claimed] = parsed
+        refused = self._take_list(name, claimed)
+        if refused is not None:
+            return refused
         known = self._jobs.get(job)
         if known is not None and known["world_size"] != world and self._job_ranks(job):
-            reply(ident, rid, ok=False, error=(
+            return {"ok": False, "error": (
                 f"job {job!r} runs with world_size {known['world_size']}, but rank {rank} says {world}; "
-                "give each launch its own job name"))
-            return
+                "give each launch its own job name")}
         self._jobs[job] = {"world_size": world}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
-        again = name in self._consumers  # its next epoch: it did not leave, nor join anew
+        before = self._readers.get(name)
+        again = before is not None and before.consumer is not None  # its next epoch: it did not leave, nor join anew
         self.drop(name, why=None)
         # It reads the list it named, or the agent's list as it is now until its epoch ends.
-        self._readers[name] = Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id)
+        record = self._readers[name] = ReaderRecord(
+            Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id))
         if header.get("probe") is True:  # not a rank reading: neither joins nor leaves the job
-            self._probes.add(name)
+            record.probe = True
         else:
-            self._consumers[name] = {"job": job, "rank": rank, "seen": time.time()}
+            record.consumer = {"job": job, "rank": rank, "seen": time.time()}
+            record.buffer = max(0, get_field(header, "shuffle_buffer", int, 0))
             self._ended.pop(name, None)
-        self._watch_process(name, header.get("process"))
-        if not again and name not in self._probes:
+        record.plan.pidfd = self._processes.start(name, header.get("process"))
+        if not again and not record.probe:
             event(log, "consumer_joined", "consumer %s joined job %r as rank %d of %d", name, job, rank, world,
                   reader=name, job=job, rank=rank, world_size=world)
-        reply(
-            ident, rid, ok=True,
-            workers=self._workers,
-            prefetch=self._config.prefetch,
-            list_id=self.list_id, n_urls=len(self.urls),
-            cache_dir=str(self._cache.layout.root), cache_root=self._cache_root,  # for direct reads (wdscache.training.direct)
-        )
+        return {
+            "ok": True,
+            "workers": self._workers,
+            "prefetch": self._config.prefetch,
+            "list_id": self.list_id, "n_urls": len(self.urls),
+            # for direct reads (wdscache.training.direct)
+            "cache_dir": str(self._cache.layout.root), "cache_root": self._cache_root,
+        }
 
-    def op_put_urls(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def _take_list(self, name: str, claimed: str | None) -> Reply | None:
+        """Keep the list reader ``name`` uploaded as ``claimed`` (unless kept already); the
+        refusal if it cannot be."""
+        uploaded = self._uploads.pop(name, None)
+        if claimed is None or claimed in self._lists:
+            return None
+        if uploaded is None:
+            return {"ok": False, "need_urls": True, "error": "send the list first (put_urls)"}
+        try:
+            parsed = self._job_list(*uploaded)
+        except ConfigError as exc:
+            return {"ok": False, "error": str(exc)}
+        if parsed.key != claimed:
+            return {"ok": False, "error": "the list sent does not match its list_id"}
+        if len(self._lists) >= MAX_JOB_LISTS:
+            self._free_lists(grace=0.0)  # lists nobody reads make room first
+        if len(self._lists) >= MAX_JOB_LISTS:
+            return {"ok": False, "error": (
+                f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends")}
+        self._lists[claimed] = parsed
+        return None
+
+    def op_put_urls(self, request: Request) -> Reply:
         """A page of a consumer's own list, before its hello names it."""
-        error = self._put_urls(header["reader"], header)
-        self._socket.reply(ident, rid, ok=error is None, error=error)
+        error = self._put_urls(request.header["reader"], request.header)
+        return {"ok": error is None, "error": error}
 
     def _put_urls(self, name: str, header: dict[str, Any]) -> str | None:
         offset = get_field(header, "offset", int)
@@ -280,38 +343,43 @@ class Readers:
             known.extend(facts)
         return None
 
-    def op_get_urls(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_get_urls(self, request: Request) -> Reply:
         """A page of the list the reader said hello on, even if the file changed since."""
-        reader = self._readers.get(header["reader"])
+        header = request.header
+        record = self._readers.get(header["reader"])
         offset = get_field(header, "offset", int)
-        listed = reader.list_id if reader is not None and reader.list_id is not None else self.list_id
+        claimed = record.plan.list_id if record is not None else None
+        listed = claimed if claimed is not None else self.list_id
         page = next(pages(self._list(listed).urls, max(0, offset)), (offset, []))[1]
-        self._socket.reply(ident, rid, ok=True, list_id=listed, urls=page)
+        return {"ok": True, "list_id": listed, "urls": page}
 
-    def op_report(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_report(self, request: Request) -> Reply:
         """A consumer's progress, for stats."""
-        name = header["reader"]
-        figures = numbers(header, REPORT_FIELDS)
-        if name in self._readers:
-            self._record(name, figures)
-        self._socket.reply(ident, rid, ok=name in self._readers, error="unknown reader; say hello first")
+        name = request.header["reader"]
+        figures = numbers(request.header, REPORT_FIELDS)
+        record = self._readers.get(name)
+        if record is not None:
+            self._record(record, figures)
+        return {"ok": record is not None, "error": "unknown reader; say hello first"}
 
-    def op_bye(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_bye(self, request: Request) -> Reply:
         """A reader leaves. A consumer's bye carries its report's fields, so that the totals it
         leaves with are final even where its last stretch (or all of a short epoch) fell between
         reports; a bye without them leaves the last report's."""
-        name = header["reader"]
-        figures = numbers(header, REPORT_FIELDS)  # checked first: a malformed bye changes nothing
-        if figures and name in self._consumers:
-            self._record(name, figures)
+        name = request.header["reader"]
+        figures = numbers(request.header, REPORT_FIELDS)  # checked first: a malformed bye changes nothing
+        record = self._readers.get(name)
+        if figures and record is not None and record.consumer is not None:
+            self._record(record, figures)
         self.drop(name)
-        self._socket.reply(ident, rid, ok=True)
+        return {"ok": True}
 
-    def _record(self, name: str, figures: dict[str, float]) -> None:
-        """A report's ``figures`` as the stats of consumer ``name``."""
-        known = self._consumers.get(name, {})
+    @staticmethod
+    def _record(record: ReaderRecord, figures: dict[str, float]) -> None:
+        """A report's ``figures`` as the stats of the reader's consumer."""
+        known = record.consumer or {}
         report = {"job": known.get("job"), "rank": known.get("rank"), **figures}
-        self._consumers[name] = with_fraction(known, report, "wait_s", "waiting")
+        record.consumer = with_fraction(known, report, "wait_s", "waiting")
 
     # -- going ------------------------------------------------------------------
 
@@ -319,15 +387,14 @@ class Readers:
         """Reader ``name`` goes (said bye, said hello again (``why`` None), or went silent or away);
         ``why`` follows its name in the log line."""
         self._uploads.pop(name, None)
-        r = self._readers.pop(name, None)
-        if r is None:
+        record = self._readers.pop(name, None)
+        if record is None:
             return
-        if r.pidfd >= 0:
-            self._unwatch(r.pidfd)
+        if record.plan.pidfd >= 0:
+            self._processes.stop(record.plan.pidfd)
         self._gone(name)
-        consumer = self._consumers.pop(name, None)
-        if why is None or name in self._probes:
-            self._probes.discard(name)
+        consumer = record.consumer
+        if why is None or record.probe:
             return
         if consumer is None:  # a plain client
             log.log(logging.WARNING if timed_out else logging.INFO, "reader %s%s; releasing its shards", name, why)
@@ -345,45 +412,19 @@ class Readers:
 
     def expire(self) -> None:
         """Drop readers whose process ended or that went silent; free the lists nobody reads."""
-        for fd, _ in self._deaths.poll(0) if self._watched else ():
-            self.drop(self._watched[fd], why=": its process ended")
+        for name in self._processes.ended():
+            self.drop(name, why=": its process ended")
         now = time.monotonic()
-        for name, r in list(self._readers.items()):
-            if now - r.last_seen > self._config.reader_timeout:
-                self.drop(name, why=f" silent for {now - r.last_seen:.0f}s (--reader-timeout)", timed_out=True)
+        for name, record in list(self._readers.items()):
+            silent = now - record.plan.last_seen
+            if silent > self._config.reader_timeout:
+                self.drop(name, why=f" silent for {silent:.0f}s (--reader-timeout)", timed_out=True)
         self._ended = {n: c for n, c in self._ended.items() if now - c["_ended"] < ENDED_KEPT}
         self._free_lists()
 
     def close(self) -> None:
         """Stop watching processes (at shutdown)."""
-        for fd in list(self._watched):
-            self._unwatch(fd)
-
-    def _watch_process(self, name: str, claimed: Any) -> None:
-        """Watch the process a consumer named in hello, if we see that very process, so that
-        its reader is dropped the moment it ends. Else (another machine or container, no
-        pidfd) the reader goes after ``--reader-timeout`` of silence."""
-        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int
-                and 0 < claimed[0] < 1 << 31 and len(self._watched) < MAX_WATCHED):
-            return
-        try:
-            fd = os.pidfd_open(claimed[0])
-        except (AttributeError, OSError):
-            return
-        # Compared once the pidfd is open: if the identity matches, it is that process's pidfd.
-        if process_identity(claimed[0]) != claimed:
-            os.close(fd)
-            return
-        self._readers[name].pidfd = fd
-        self._watched[fd] = name
-        self._deaths.register(fd, select.POLLIN)
-        self._socket.watch(fd)  # wakes the main loop when it ends
-
-    def _unwatch(self, fd: int) -> None:
-        del self._watched[fd]
-        self._deaths.unregister(fd)
-        self._socket.unwatch(fd)
-        os.close(fd)
+        self._processes.close()
 
     # -- jobs and lists -----------------------------------------------------------
 
@@ -391,13 +432,17 @@ class Readers:
         """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
         --reader-timeout, and must not block an elastic restart with another world size)."""
         now = time.time()
-        return [c["rank"] for n, c in self._consumers.items()
-                if c.get("job") == job and n in self._readers and now - c.get("seen", 0.0) < LIVE_WITHIN]
+        return [c["rank"] for c in self._consumers().values()
+                if c.get("job") == job and now - c.get("seen", 0.0) < LIVE_WITHIN]
+
+    def _consumers(self) -> dict[str, dict[str, Any]]:
+        """The consumers (readers that said hello, probes left out) by name: their job, rank and last report."""
+        return {n: r.consumer for n, r in self._readers.items() if r.consumer is not None}
 
     def _schemes(self) -> tuple[str, ...]:
         # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
         # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
-        local = self._socket.endpoint.startswith("ipc://")
+        local = self._endpoint.startswith("ipc://")
         return ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
 
     def fetchable(self, url: str) -> bool:
@@ -427,7 +472,7 @@ class Readers:
         """Forget the lists no reader has read for ``grace`` seconds (a million URLs is
         about 140 MB); a consumer that comes back sends its list again (``need_urls``)."""
         now = time.monotonic()
-        read = {r.list_id for r in self._readers.values()}
+        read = {r.list_id for r in self._plans()}
         for key in list(self._lists):
             if key in read:
                 self._unread_since.pop(key, None)
@@ -438,13 +483,13 @@ class Readers:
     def replace_list(self, new: UrlList) -> None:
         """The agent's list file changed to ``new``. Epochs under way finish on the list they
         started with; the next ones take the new one."""
-        if any(r.list_id == self.list_id for r in self._readers.values()):
+        if any(r.list_id == self.list_id for r in self._plans()):
             self._lists.setdefault(self.list_id, self.urls)
         self.urls = new
         self.list_id = list_id(new.urls)
         # Positions in the agent's list refer to the old list: those readers start over on
         # the new one. Readers keep their pins and their own windows.
-        for r in self._readers.values():
+        for r in self._plans():
             if r.ahead is None:
                 r.n_shards, r.position = len(new), 0
         self._startup = self._startup_plan(new)
@@ -457,7 +502,7 @@ class Readers:
 
     def read_by_a_consumer(self, url: str) -> bool:
         """True if a reader that said hello reads a list holding ``url``."""
-        return any(r.list_id is not None and url in self._list(r.list_id) for r in self._readers.values())
+        return any(r.list_id is not None and url in self._list(r.list_id) for r in self._plans())
 
     # -- what they need -------------------------------------------------------------
 
@@ -486,7 +531,6 @@ class Readers:
         still in its shuffle buffer (its hello says how many samples that holds, the index how
         many a shard has), the shard it opens, and its window of --prefetch shards ahead."""
         index, prefetch = self._cache.index, self._config.prefetch
-        self._buffers = {n: b for n, b in self._buffers.items() if n in self._readers}
         samples = [c for c in itertools.islice(index.counts.values(), 10_000) if c > 0]
         sizes = [r.size for r in itertools.islice(index.records.values(), 10_000)
                  if r.state is ShardState.CACHED and r.size]
@@ -495,11 +539,11 @@ class Readers:
         per_shard = max(1, sum(samples) // len(samples))
         n_shards = max([len(self.urls), *(len(listed) for listed in self._lists.values())])
         spans: dict[str, tuple[int, int]] = {}  # job (or reader) -> (shuffle buffer, shards it holds)
-        for name in self._readers:
+        for name, record in self._readers.items():
             if name == STARTUP_READER:
                 continue
-            job = str(self._consumers.get(name, {}).get("job", name))
-            buffer = self._buffers.get(name, 0)
+            job = str((record.consumer or {}).get("job", name))
+            buffer = record.buffer
             shards_held = max(-(-buffer // per_shard) + 1, held(name))  # a buffer may end in a shard begun
             spans[job] = max(spans.get(job, (0, 0)), (buffer, min(n_shards, shards_held + prefetch)))
         shards = min(n_shards, sum(h for _, h in spans.values()))
@@ -513,5 +557,6 @@ class Readers:
 
     def view(self, starved_by: str) -> dict[str, Any]:
         """The consumers, their jobs and the lists kept, for the stats reply."""
-        return {"consumers": len(self._consumers), "job_lists": len(self._lists),
-                "jobs": jobs_view(self._consumers, starved_by), "ended_jobs": ended_jobs_view(self._ended)}
+        consumers = self._consumers()
+        return {"consumers": len(consumers), "job_lists": len(self._lists),
+                "jobs": jobs_view(consumers, starved_by), "ended_jobs": ended_jobs_view(self._ended)}

@@ -6,7 +6,8 @@ on a cache no agent serves (they hold the cache directory's lock meanwhile).
 
 Guarantees:
 
-- Main loop only.
+- Main loop only. The ops return their replies (:class:`~wdscache.agent.control.Request` in,
+  :data:`~wdscache.agent.control.Reply` out); the core sends them.
 - A shard a reader holds (pinned) is evicted only with ``force``: a reader that has it
   open keeps reading its file, the cache forgets it.
 - After ``clear`` the agent prefetches nothing for its start-up plan until its list file
@@ -27,7 +28,7 @@ from ..shared.index import ShardState
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
 from .cache import ShardCache
-from .control import ControlSocket
+from .control import Reply, Request
 from .prefetches import MAX_PENDING, Prefetches
 
 
@@ -52,54 +53,52 @@ def evict_shards(cache: ShardCache, urls: Iterable[str], *, force: bool, why: st
 class Upkeep:
     """The ``evict``, ``clear`` and ``prefetch`` ops."""
 
-    def __init__(self, cache: ShardCache, socket: ControlSocket, prefetches: Prefetches,
-                 fetchable: Callable[[str], bool], stop_startup: Callable[[], None]) -> None:
-        self._cache, self._socket, self._prefetches = cache, socket, prefetches
+    def __init__(self, cache: ShardCache, prefetches: Prefetches, fetchable: Callable[[str], bool],
+                 stop_startup: Callable[[], None]) -> None:
+        self._cache, self._prefetches = cache, prefetches
         self._fetchable = fetchable  # may this endpoint's peers have this URL fetched
         self._stop_startup = stop_startup  # after a clear: the start-up plan refills nothing
 
-    def op_evict(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_evict(self, request: Request) -> Reply:
+        header = request.header
         urls = strings(header, "urls")
-        self._socket.reply(ident, rid, ok=True, **evict_shards(self._cache, urls, force=self._force(header),
-                                                               why="evicted on request (wdscache evict or verify)"))
+        return {"ok": True, **evict_shards(self._cache, urls, force=self._force(header),
+                                           why="evicted on request (wdscache evict or verify)")}
 
-    def op_clear(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_clear(self, request: Request) -> Reply:
         """Evict every cached shard; the start-up plan then prefetches nothing (an operator clearing
         a disk wants it to stay clear), readers still get what they ask for."""
         self._stop_startup()
         cached = [r.url for r in self._cache.index.records.values() if r.state is ShardState.CACHED]
-        self._socket.reply(ident, rid, ok=True, **evict_shards(self._cache, cached, force=self._force(header),
-                                                               why="evicted by wdscache clear"))
+        return {"ok": True, **evict_shards(self._cache, cached, force=self._force(request.header),
+                                           why="evicted by wdscache clear")}
 
     @staticmethod
     def _force(header: dict[str, Any]) -> bool:
         return bool(get_field(header, "force", bool, False))
 
-    def op_prefetch(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_prefetch(self, request: Request) -> Reply:
         """Add a page of ``urls`` to prefetch ``prefetch`` (made on its first page)."""
+        header = request.header
         name = get_field(header, "prefetch", str)
         urls = strings(header, "urls")
         bad = [u for u in urls if not self._fetchable(u)]
         if bad:
-            self._socket.reply(ident, rid, ok=False, error=f"{bad[0][:200]!r}: not a URL this agent fetches "
-                               "for its clients (http(s)://; file:// and s3:// over an ipc:// endpoint only)")
-            return
+            return {"ok": False, "error": f"{bad[0][:200]!r}: not a URL this agent fetches for its clients "
+                                          "(http(s)://; file:// and s3:// over an ipc:// endpoint only)"}
         if not self._prefetches.room_for(len(urls)):
-            self._socket.reply(ident, rid, ok=False, error=f"at most {MAX_PENDING} shards wait to be prefetched")
-            return
+            return {"ok": False, "error": f"at most {MAX_PENDING} shards wait to be prefetched"}
         asked = self._prefetches.take(name, urls, retry=bool(get_field(header, "retry", bool, False)))
-        self._socket.reply(ident, rid, ok=True, asked=asked)
+        return {"ok": True, "asked": asked}
 
-    def op_prefetch_status(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_prefetch_status(self, request: Request) -> Reply:
         """Where prefetch ``prefetch`` stands, and its shards whose state changed since it last asked."""
-        name = get_field(header, "prefetch", str)
+        name = get_field(request.header, "prefetch", str)
         status = self._prefetches.status(name)
         if status is None:
-            self._socket.reply(ident, rid, ok=False, error=f"no prefetch {name[:100]!r} here (it ended, or the "
-                               "agent restarted)")
-            return
-        self._socket.reply(ident, rid, ok=True, **status)
+            return {"ok": False, "error": f"no prefetch {name[:100]!r} here (it ended, or the agent restarted)"}
+        return {"ok": True, **status}
 
-    def op_prefetch_end(self, ident: bytes, rid: Any, header: dict[str, Any]) -> None:
+    def op_prefetch_end(self, request: Request) -> Reply:
         """Prefetch ``prefetch`` is over: its shards stay cached, held no more."""
-        self._socket.reply(ident, rid, ok=True, ended=self._prefetches.end(get_field(header, "prefetch", str)))
+        return {"ok": True, "ended": self._prefetches.end(get_field(request.header, "prefetch", str))}

@@ -1,0 +1,113 @@
+"""The download policy without threads: which shards download now, budget grants, preemption, cancels."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.policy import URLS, Loop
+from wdscache.agent import downloads as downloads_module
+from wdscache.agent.events import Grant
+
+U0, U1, U2, U3 = URLS[:4]
+
+
+@pytest.fixture
+def loop(tmp_path: Path) -> Iterator[Loop]:
+    loop = Loop(tmp_path, limit=10_000)  # download_workers 1
+    try:
+        yield loop
+    finally:
+        loop.close()
+
+
+def ask(loop: Loop, url: str, total: int) -> Grant:
+    """The download of ``url`` asks for ``total`` bytes of budget, as its thread would."""
+    grant = Grant(loop.cache.inflight[url], total)
+    loop.downloads.asked(grant)
+    return grant
+
+
+def test_prefetches_take_download_workers_slots_and_a_demanded_shard_as_many_again(loop: Loop) -> None:
+    loop.downloads.schedule([U0, U1], {U0, U1}, set())
+    assert loop.downloads.running() == [U0]  # --download-workers 1
+    loop.downloads.schedule([U2, U0, U1], {U0, U1, U2}, {U2})
+    assert sorted(loop.downloads.running()) == [U0, U2]  # a reader waits for U2: it does not queue
+
+
+def test_cached_and_failed_shards_are_not_downloaded(loop: Loop) -> None:
+    loop.cached(U0)
+    loop.schedule([U1])
+    loop.fail(U1, "404 Not Found")
+    loop.downloads.schedule([U0, U1], {U0, U1}, set())
+    assert loop.downloads.running() == []
+
+
+def test_budget_goes_to_the_demanded_download_first_and_the_other_waits_saying_why(loop: Loop) -> None:
+    loop.downloads.schedule([U0], {U0}, set())
+    loop.downloads.schedule([U1, U0], {U0, U1}, {U1})
+    prefetch, demanded = ask(loop, U0, 6000), ask(loop, U1, 6000)
+    readable = loop.downloads.schedule([U1, U0], {U0, U1}, {U1})
+    assert demanded.event.is_set() and not prefetch.event.is_set()
+    assert readable == []  # its size is not known yet (no partial reads)
+    (wait,) = loop.downloads.space_waits()
+    assert wait["url"] == U0 and wait["reason"].startswith("waiting for space")
+    assert loop.opens.status(U0)["state"] == "queued"
+
+
+def test_a_grant_too_large_for_the_whole_cache_fails_the_download_at_once(loop: Loop) -> None:
+    loop.downloads.schedule([U0], {U0}, set())
+    grant = ask(loop, U0, 20_000)
+    loop.downloads.schedule([U0], {U0}, set())
+    assert grant.event.is_set() and grant.error is not None and "larger than the whole cache" in str(grant.error)
+
+
+def test_a_demanded_shard_preempts_a_prefetch_waiting_for_budget(loop: Loop) -> None:
+    loop.downloads.schedule([U0], {U0}, set())
+    loop.downloads.schedule([U1, U0], {U0, U1}, {U1})
+    ask(loop, U1, 9000)
+    ask(loop, U0, 9000)
+    loop.downloads.schedule([U1, U0], {U0, U1}, {U1})  # U1 granted; U0 waits for budget
+    loop.downloads.schedule([U2, U1, U0], {U0, U1, U2}, {U1, U2})  # slots full: U2 needs one
+    assert loop.cache.inflight[U0].cancel.is_set()
+    assert not loop.cache.inflight[U1].cancel.is_set()
+
+
+def test_a_download_out_of_every_window_is_cancelled_at_once_for_a_demanded_shard(loop: Loop) -> None:
+    loop.downloads.schedule([U0], {U0}, set())
+    loop.downloads.schedule([U1, U0], {U0, U1}, {U1})
+    loop.downloads.schedule([U2, U1], {U1, U2}, {U1, U2})  # U0 left every window; U2 needs its slot
+    assert loop.cache.inflight[U0].cancel.is_set()
+
+
+def test_a_download_out_of_every_window_is_cancelled_only_after_cancel_after(
+        loop: Loop, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(downloads_module.time, "monotonic", lambda: now[0])
+    loop.downloads.schedule([U0], {U0}, set())
+    loop.downloads.schedule([], set(), set())
+    now[0] += downloads_module.CANCEL_AFTER - 0.5
+    loop.downloads.schedule([], set(), set())
+    assert not loop.cache.inflight[U0].cancel.is_set()  # windows flicker: not yet
+    loop.downloads.schedule([U0], {U0}, set())  # back in a window: the clock starts over
+    now[0] += downloads_module.CANCEL_AFTER
+    loop.downloads.schedule([], set(), set())
+    assert not loop.cache.inflight[U0].cancel.is_set()
+    now[0] += downloads_module.CANCEL_AFTER
+    loop.downloads.schedule([], set(), set())
+    assert loop.cache.inflight[U0].cancel.is_set()
+
+
+def test_a_reader_waiting_to_read_as_it_downloads_is_answered_once_the_whole_size_is_granted(loop: Loop) -> None:
+    request, reply = loop.open("r", U3, while_downloading=True)
+    assert reply is None
+    loop.schedule()
+    d = loop.cache.inflight[U3]
+    d.total = 4000
+    ask(loop, U3, 4000)
+    loop.schedule()
+    (answer,) = loop.opens.take_answers()
+    assert answer.request == request and answer.body == {"ok": True, "while_downloading": True}
+    assert loop.cache.pins == {U3: 1}

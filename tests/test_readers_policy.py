@@ -1,0 +1,101 @@
+"""Readers as a policy over their records: hello, lists, reports, bye and expiry, without sockets or threads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.policy import URLS, Loop
+from wdscache.agent.readers import Readers
+from wdscache.shared.urls import list_id
+
+
+@pytest.fixture
+def loop(tmp_path: Path) -> Iterator[Loop]:
+    loop = Loop(tmp_path, reader_timeout=5.0)
+    try:
+        yield loop
+    finally:
+        loop.close()
+
+
+def hello(readers: Readers, name: str, loop: Loop, **fields: object) -> dict[str, object]:
+    header = {"reader": name, "job": "j", "world_size": 2, "rank": 0, **fields}
+    return readers.op_hello(loop.request("hello", **header))
+
+
+def test_hello_answers_the_workers_and_the_agents_list(loop: Loop) -> None:
+    reply = hello(loop.readers, "c0", loop, shuffle_buffer=100)
+    assert reply["ok"] and reply["workers"] == ["ipc:///w0"] and reply["n_urls"] == len(URLS)
+    assert reply["list_id"] == list_id(URLS) and reply["prefetch"] == 2
+    assert "c0" in loop.readers
+    assert loop.readers.view("latency")["consumers"] == 1
+
+
+def test_hello_with_a_rank_outside_the_world_is_refused(loop: Loop) -> None:
+    reply = hello(loop.readers, "c0", loop, rank=2)
+    assert reply == {"ok": False, "error": "rank 2 is not in [0, 2)"} and "c0" not in loop.readers
+
+
+def test_a_job_list_is_sent_in_pages_before_hello_and_read_back_in_pages(loop: Loop) -> None:
+    mine = [f"http://127.0.0.1:9/mine-{i}.tar" for i in range(5)]
+    key = list_id(mine)
+    assert hello(loop.readers, "c0", loop, list_id=key)["need_urls"] is True
+    for offset in (0, 3):
+        page = mine[offset:offset + 3]
+        reply = loop.readers.op_put_urls(loop.request("put_urls", reader="c0", offset=offset, urls=page))
+        assert reply == {"ok": True, "error": None}
+    assert hello(loop.readers, "c0", loop, list_id=key)["ok"]
+    got = loop.readers.op_get_urls(loop.request("get_urls", reader="c0", offset=0))
+    assert got == {"ok": True, "list_id": key, "urls": mine}
+    assert loop.readers.known(mine[0], "c0") and not loop.readers.known(URLS[0], "c0")
+
+
+def test_a_page_out_of_order_is_refused(loop: Loop) -> None:
+    reply = loop.readers.op_put_urls(loop.request("put_urls", reader="c0", offset=3, urls=["http://h/a.tar"]))
+    assert reply == {"ok": False, "error": "list page at 3 does not follow the 0 URLs received"}
+
+
+def test_ranks_of_one_job_must_agree_on_its_world_size(loop: Loop) -> None:
+    hello(loop.readers, "c0", loop)
+    loop.readers.op_report(loop.request("report", reader="c0", samples=1))
+    reply = hello(loop.readers, "c1", loop, world_size=4, rank=1)
+    assert not reply["ok"] and "runs with world_size 2, but rank 1 says 4" in str(reply["error"])
+
+
+def test_reports_are_kept_for_stats_and_bye_leaves_them_in_ended_jobs(loop: Loop) -> None:
+    assert loop.readers.op_report(loop.request("report", reader="c0", samples=1)) == {
+        "ok": False, "error": "unknown reader; say hello first"}
+    hello(loop.readers, "c0", loop)
+    loop.readers.op_report(loop.request("report", reader="c0", samples=10, bytes=100))
+    assert list(loop.readers.view("latency")["jobs"]) == ["j"]
+    assert loop.readers.op_bye(loop.request("bye", reader="c0", samples=12)) == {"ok": True}
+    assert "c0" not in loop.readers and loop.gone == ["c0"]
+    view = loop.readers.view("latency")
+    assert view["consumers"] == 0 and view["ended_jobs"]
+
+
+def test_a_probe_neither_joins_nor_counts_as_a_consumer(loop: Loop) -> None:
+    assert hello(loop.readers, "p", loop, probe=True)["ok"]
+    assert "p" in loop.readers and loop.readers.view("latency")["consumers"] == 0
+    loop.readers.drop("p")
+    assert not loop.readers.view("latency")["ended_jobs"]
+
+
+def test_a_silent_reader_is_dropped_and_its_pins_go_with_it(loop: Loop) -> None:
+    loop.cached(URLS[0])
+    _, reply = loop.open("plain", URLS[0])
+    assert reply is not None and reply["ok"] and loop.cache.pins == {URLS[0]: 1}
+    loop.readers.expire()
+    assert "plain" in loop.readers
+    loop.readers.seen("plain")
+    loop.readers._readers["plain"].plan.last_seen -= 10.0  # silent longer than --reader-timeout
+    loop.readers.expire()
+    assert "plain" not in loop.readers and loop.gone == ["plain"] and loop.cache.pins == {}
+
+
+def test_an_open_moves_a_plain_clients_window(loop: Loop) -> None:
+    loop.opens.op_open(loop.request("open", reader="plain", url=URLS[3], wait=False))
+    assert loop.readers.planned()[:2] == URLS[3:5]
