@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..shared.errors import FetchError
-from .download import DiskFull, Download, Fetched
+from .shard_download import DiskFull, Download, Fetched
 
 
 @dataclass
