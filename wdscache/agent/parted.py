@@ -85,7 +85,8 @@ class PartedFetch:
               open_range: OpenRange) -> int:
         """Fetch ``d`` as parts, the first (``head``) from the answer ``first`` that gave its size."""
         d.progress.total = total
-        plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(d.progress, "written", d.progress.written + n))
+        progress = d.progress
+        plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(progress, "written", progress.written + n))
         d.progress.written = plan.held
         need = total + plan.largest  # an append holds a part's bytes twice for a moment
         try:
@@ -93,19 +94,9 @@ class PartedFetch:
         except FetchError:  # more than the whole cache
             granted = False
         if not granted:
-            # One connection needs the shard's size only: this answer's bytes are kept, and the
-            # next request asks for the whole rest.
             log.info("%s: the cache cannot hold %s for parallel parts now; using one connection",
                      d.url, format_size(need))
-            d.progress.single = True
-            remove_side_files(d.partial)
-            d.progress.written = head.start
-            if not reserve_holding(d, total, let_go):
-                raise Retry("waited for cache space", 0.0, counts=False)
-            write_body(d, first, head.end, check_head=head.start == 0)
-            if d.progress.written != head.end:
-                raise Retry(f"got {d.progress.written} of {head.end} bytes")
-            raise Retry("going on over one connection", 0.0, counts=False)
+            self._one_connection(d, head, total, first, let_go)
         helpers = [threading.Thread(target=self._part_thread, args=(d, plan, open_range), daemon=True,
                                     name=f"{threading.current_thread().name}-part{i}")
                    for i in range(1, min(self.parts, plan.pending + 1))]
@@ -134,6 +125,20 @@ class PartedFetch:
         if not plan.complete:
             raise Retry(f"parts ended at byte {plan.prefix} of {total}")
         return total
+
+    def _one_connection(self, d: Download, head: Part, total: int, first: Iterator[bytes],
+                        let_go: Callable[[], None]) -> None:
+        """Go on over one connection, which needs the shard's size only: the first answer's
+        bytes are kept, and the next request asks for the whole rest (raises Retry)."""
+        d.progress.single = True
+        remove_side_files(d.partial)
+        d.progress.written = head.start
+        if not reserve_holding(d, total, let_go):
+            raise Retry("waited for cache space", 0.0, counts=False)
+        write_body(d, first, head.end, check_head=head.start == 0)
+        if d.progress.written != head.end:
+            raise Retry(f"got {d.progress.written} of {head.end} bytes")
+        raise Retry("going on over one connection", 0.0, counts=False)
 
     def _part_thread(self, d: Download, plan: Plan, open_range: OpenRange) -> None:
         try:
