@@ -4,7 +4,7 @@ Guarantees (threads):
 
 - The main loop alone starts, cancels and ends downloads and changes every
   attribute here. Download threads (``2 * --download-workers`` of them) take a
-  :class:`~wdscache.agent.fetch.Download` from the task queue, move its bytes, ask for
+  :class:`~wdscache.agent.shard_download.Download` from the task queue, move its bytes, ask for
   budget through :meth:`Downloads.reserve` (which blocks the thread, never the
   loop), and post what happened to the :class:`~wdscache.agent.events.Mailbox`.
   A download in parallel parts (:mod:`wdscache.agent.parts`) runs its extra

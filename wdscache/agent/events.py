@@ -10,7 +10,7 @@ Guarantees (threads):
   withdraws it (timeout, cancel) and the main loop grants or refuses it, each
   under ``Grant.lock``, so a grant is either taken or withdrawn, never both.
 - Records are frozen: their fields are what the thread saw when it posted. The
-  :class:`~wdscache.agent.fetch.Download` they name stays the main loop's, which the
+  :class:`~wdscache.agent.shard_download.Download` they name stays the main loop's, which the
   thread only writes progress into (``written``, ``reserved``...).
 """
 
