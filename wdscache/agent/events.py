@@ -11,7 +11,7 @@ Guarantees (threads):
   under ``Grant.lock``, so a grant is either taken or withdrawn, never both.
 - Records are frozen: their fields are what the thread saw when it posted. The
   :class:`~wdscache.agent.shard_download.Download` they name stays the main loop's, which the
-  thread only writes progress into (``written``, ``reserved``...).
+  thread only writes into (its ``progress``, its ``budget.reserved``).
 """
 
 from __future__ import annotations
