@@ -105,7 +105,7 @@ def test_a_reader_waiting_to_read_as_it_downloads_is_answered_once_the_whole_siz
     assert reply is None
     loop.schedule()
     d = loop.cache.inflight[U3]
-    d.total = 4000
+    d.progress.total = 4000
     ask(loop, U3, 4000)
     loop.schedule()
     (answer,) = loop.opens.take_answers()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import wdscache
-from wdscache.agent.download import DiskFull
+from wdscache.agent.shard_download import DiskFull
 from wdscache.shared import errors
 from wdscache.shared.index import IndexWriteError
 

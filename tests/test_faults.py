@@ -539,8 +539,8 @@ def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_nev
     # that fails. It must say "disk full" for that shard (the agent then makes room or
     # waits), not "internal error". The failing sync is injected: a file system that
     # defers allocation and fills up cannot be made for a test.
-    from wdscache.agent.download import SYNC_EVERY, DiskFull, Download
     from wdscache.agent.fetch import Fetcher, FetchError
+    from wdscache.agent.shard_download import SYNC_EVERY, Budget, DiskFull, Download
 
     src = make_shard(shard_server.root / "big.tar", synth_samples(0, 10, payload=1 << 20, seed=3))
     url = shard_server.url("big.tar")
@@ -555,7 +555,7 @@ def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_nev
 
     def download(name: str) -> Download:
         return Download(url, partial=tmp_path / f"{name}.partial", final=tmp_path / name,
-                        reserve=lambda d, total, timeout: True)
+                        budget=Budget(lambda d, total, timeout: True))
 
     d = download("ok.tar")
     Fetcher().fetch(d)

@@ -221,7 +221,8 @@ def test_a_kept_partial_that_is_already_whole_is_published_without_sending_its_b
     """A download cancelled after its last byte came (while a gzip'd shard was being
     decompressed, say) keeps a whole partial file: the resume's Range lies past the end,
     the server answers 416 for that very version, and no byte is fetched again."""
-    from wdscache.agent.fetch import Download, Fetcher
+    from wdscache.agent.fetch import Fetcher
+    from wdscache.agent.shard_download import Budget, Download, Progress
 
     data = dataset(1, samples=8, payload=20_000)
     path = data.paths[0]
@@ -229,8 +230,8 @@ def test_a_kept_partial_that_is_already_whole_is_published_without_sending_its_b
     etag = fetcher.describe(data.urls[0]).etag
     partial = tmp_path / "whole.partial"
     partial.write_bytes(path.read_bytes())
-    d = Download(data.urls[0], partial=partial, final=tmp_path / "shard.tar", etag=etag,
-                 reserve=lambda d, total, timeout: True)
+    d = Download(data.urls[0], partial=partial, final=tmp_path / "shard.tar", progress=Progress(etag=etag),
+                 budget=Budget(lambda d, total, timeout: True))
     fetcher.fetch(d)
     assert d.final.read_bytes() == path.read_bytes()
     gets = [r for r in shard_server.requests if r.method == "GET"]

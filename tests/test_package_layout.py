@@ -45,7 +45,7 @@ def test_a_sample_worker_imports_only_what_serving_needs():
     loaded = set(out.stdout.split())
     allowed = {"wdscache", "wdscache.agent", "wdscache.shared"} | {
         f"wdscache.agent.{m}" for m in ("worker", "shardview", "sampletable", "growing")} | {
-        f"wdscache.shared.{m}" for m in ("errors", "layout", "logs", "malloc", "protocol", "redact", "samples",
-                                         "tarwalk")}
+        f"wdscache.shared.{m}" for m in ("errors", "layout", "logs", "malloc", "messages", "protocol", "redact",
+                                         "samples", "tarwalk")}
     assert loaded <= allowed, sorted(loaded - allowed)
     assert not any(m.startswith("wdscache.training") for m in loaded)

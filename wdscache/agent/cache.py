@@ -48,8 +48,8 @@ from ..shared.index import Index, IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout
 from ..shared.logs import event, get_logger, iso_time
 from ..shared.tarwalk import GZIP_MAGIC, file_problem
-from .download import Download
 from .parts import owner_name, remove_side_files, side_bytes
+from .shard_download import Download
 
 log = get_logger(__name__)
 
@@ -98,7 +98,7 @@ class ShardCache:
 
     @property
     def reserved(self) -> int:
-        return sum(d.reserved for d in self.inflight.values())
+        return sum(d.budget.reserved for d in self.inflight.values())
 
     def is_cached(self, url: str) -> bool:
         rec = self.index.get(url)
@@ -188,7 +188,7 @@ class ShardCache:
     def begin(self, d: Download) -> None:
         """Record that ``d`` starts (index first, then the partial file may be created)."""
         old = self.index.get(d.url)
-        self.index.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.etag))
+        self.index.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.progress.etag))
         self.kept.pop(d.url, None)  # counted through the reservation from now on
         self.inflight[d.url] = d
 
@@ -233,8 +233,8 @@ class ShardCache:
         """
         self.inflight.pop(d.url, None)
         size = _size_or_none(d.partial)
-        if keep_partial and d.etag and size:
-            self.set_validator(d.url, d.etag)
+        if keep_partial and d.progress.etag and size:
+            self.set_validator(d.url, d.progress.etag)
             self.kept[d.url] = size + side_bytes(d.partial)
             return
         self.drop_partial(d.url)
@@ -294,19 +294,19 @@ class ShardCache:
         (``d`` is only a prefetch's). When refused, :attr:`refusal` says why (the budget,
         or the file system's free space).
         """
-        if d.needed:
+        if d.budget.needed:
             # A growing reservation (a body of unknown size, a gzip'd shard being decompressed):
             # ``total`` is a wish; grant what the budget can spare, at least ``needed``.
-            if d.needed > self.limit:
+            if d.budget.needed > self.limit:
                 raise OverflowError(
-                    f"the shard reached {format_size(d.needed)} ({d.needed} bytes) and is still growing, "
+                    f"the shard reached {format_size(d.budget.needed)} ({d.budget.needed} bytes) and is still growing, "
                     f"more than the whole cache (--cache-size {format_size(self.limit)})"
                 )
             spare = min(self.limit - self.used - self.reserved - self.kept_bytes,
                         self.fs_free() - self.margin - self._unwritten())
             # A quarter of what is spare at most, so that downloads beside it find room too.
-            total = max(d.needed, min(total, d.reserved + spare // 4))
-        extra = total - d.reserved
+            total = max(d.budget.needed, min(total, d.budget.reserved + spare // 4))
+        extra = total - d.budget.reserved
         if extra <= 0:
             return True
         if total > self.limit:
@@ -323,7 +323,7 @@ class ShardCache:
                                             why="evicted to make room for a shard readers need"):
             self.refusal = self._why_refused(d, extra, need >= margin_need, free, wanted)
             return False
-        d.reserved = total
+        d.budget.reserved = total
         return True
 
     def _why_refused(
@@ -369,7 +369,7 @@ class ShardCache:
         return need, self.margin + self._unwritten() + extra - free, free
 
     def _unwritten(self) -> int:
-        return sum(max(0, d.reserved - d.written - d.expanded) for d in self.inflight.values())
+        return sum(max(0, d.budget.reserved - d.progress.written - d.progress.expanded) for d in self.inflight.values())
 
     def evict(self, nbytes: int, *, wanted: Sequence[str], allow_window: bool, why: str, spare: str | None = None,
               prefetched: Collection[str] = (), spare_prefetched: bool = False) -> bool:

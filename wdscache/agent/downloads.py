@@ -4,7 +4,7 @@ Guarantees (threads):
 
 - The main loop alone starts, cancels and ends downloads and changes every
   attribute here. Download threads (``2 * --download-workers`` of them) take a
-  :class:`~wdscache.agent.fetch.Download` from the task queue, move its bytes, ask for
+  :class:`~wdscache.agent.shard_download.Download` from the task queue, move its bytes, ask for
   budget through :meth:`Downloads.reserve` (which blocks the thread, never the
   loop), and post what happened to the :class:`~wdscache.agent.events.Mailbox`.
   A download in parallel parts (:mod:`wdscache.agent.parts`) runs its extra
@@ -44,7 +44,6 @@ from ..shared.index import ShardState
 from ..shared.logs import event, get_logger
 from ..shared.shard_index import ShardInfo
 from .cache import ShardCache
-from .download import Cancelled, DiskFull, Download, Fetched
 from .events import (
     BudgetAsked,
     DownloadCancelled,
@@ -58,6 +57,7 @@ from .events import (
     ValidatorFound,
 )
 from .fetch import Fetcher
+from .shard_download import Budget, Cancelled, DiskFull, Download, Fetched, Progress
 
 log = get_logger(__name__)
 
@@ -155,7 +155,8 @@ class Downloads:
         d = self._download(url)
         # A gzip'd shard is read once decompressed: a reader of its partial file would hold
         # its pins while the tar still needs room.
-        return d is not None and not d.verify and not d.gzipped and d.total is not None and d.reserved >= d.total
+        return (d is not None and not d.verify and not d.progress.gzipped and d.progress.total is not None
+                and d.budget.reserved >= d.progress.total)
 
     def progress(self, url: str) -> dict[str, Any]:
         """Bytes written so far and the size, of a download of ``url`` ({} if none), and
@@ -164,9 +165,9 @@ class Downloads:
         if d is None or d.verify:
             return {}
         # A gzip'd shard's tar too: a waiting consumer counts their growth as progress.
-        got: dict[str, Any] = {"written": d.written + d.expanded, "total": d.total}
-        if d.failing:
-            got["failing"] = d.failing
+        got: dict[str, Any] = {"written": d.progress.written + d.progress.expanded, "total": d.progress.total}
+        if d.progress.failing:
+            got["failing"] = d.progress.failing
         return got
 
     def space_wait(self, url: str) -> str | None:
@@ -207,7 +208,8 @@ class Downloads:
 
     def sample_rate(self) -> None:
         now = time.monotonic()
-        self._rate_samples.append((now, self._finished_bytes + sum(s.download.written for s in self._active.values())))
+        self._rate_samples.append((now, self._finished_bytes
+                                   + sum(s.download.progress.written for s in self._active.values())))
         while self._rate_samples and now - self._rate_samples[0][0] > RATE_WINDOW:
             self._rate_samples.popleft()
 
@@ -267,11 +269,11 @@ class Downloads:
             url,
             partial=self._layout.partial_path(url),
             final=self._layout.shard_path(url),
-            reserve=self.reserve,
-            etag=rec.etag if rec else None,
+            budget=Budget(self.reserve),
+            progress=Progress(etag=rec.etag if rec else None),
             demanded=demanded,
             expected=self._expected(url),
-            on_validator=lambda d: self._mailbox.post(ValidatorFound(d, d.etag)),
+            on_validator=lambda d: self._mailbox.post(ValidatorFound(d, d.progress.etag)),
         )
         self._cache.begin(d)
         self._active[url] = Slot(d)
@@ -284,7 +286,7 @@ class Downloads:
             return
         self._cache.pin(url)  # not evicted while we ask; unpinned when the answer comes
         d = Download(url, partial=self._layout.partial_path(url), final=self._layout.shard_path(url),
-                     reserve=self.reserve, verify=True)
+                     budget=Budget(self.reserve), verify=True)
         self._active[url] = Slot(d)
         self._tasks.put(d)
 
@@ -374,8 +376,8 @@ class Downloads:
             rec = cache.index.get(url)
             if url not in hold.held and url not in hold.only and rec is not None and rec.state is ShardState.CACHED:
                 readers += rec.size
-        reserved = sum(o.reserved for u, o in cache.inflight.items() if u != d.url)
-        need = max(g.total, d.needed)
+        reserved = sum(o.budget.reserved for u, o in cache.inflight.items() if u != d.url)
+        need = max(g.total, d.budget.needed)
         if need <= cache.limit - readers - hold.held_bytes - reserved:
             return None
         return NoRoom(d.url, need, readers)
@@ -390,7 +392,7 @@ class Downloads:
         being decompressed) hold budget while they ask for more: two of them can each wait for
         the other's. When every download in flight waits so, the one that wrote least is
         cancelled (it starts over later), and the others can go on."""
-        growing = [g for g in pending if g.download.reserved > 0 and not g.download.cancel.is_set()]
+        growing = [g for g in pending if g.download.budget.reserved > 0 and not g.download.cancel.is_set()]
         if len(growing) < 2 or len(pending) < len(self._active):
             self._growth_stuck_since = None
             return  # some download is still moving: it may free space
@@ -400,7 +402,7 @@ class Downloads:
         if now - self._growth_stuck_since < GROWTH_GRACE:
             return  # a reader may let go of a pin meanwhile
         self._growth_stuck_since = None
-        victim = min(growing, key=lambda g: (g.download.demanded, g.download.written + g.download.expanded))
+        victim = min(growing, key=lambda g: (g.download.demanded, g.download.progress.written + g.download.progress.expanded))
         log.info("cancelling %s: it and %d other download(s) each wait for space the others hold",
                  victim.download.url, len(growing) - 1)
         victim.download.cancel.set()
@@ -455,7 +457,7 @@ class Downloads:
         self._cache.abandon(d)
         self.pause()
         log.warning("%s; abandoned %s, will retry after making room", error.reason, d.url)
-        self._cache.evict(d.written + self._cache.margin, wanted=want, allow_window=False,
+        self._cache.evict(d.progress.written + self._cache.margin, wanted=want, allow_window=False,
                           why="evicted: the file system ran out of space")
 
     def record_failure(self, d: Download, error: FetchError) -> None:
@@ -470,7 +472,7 @@ class Downloads:
         """Its end is recorded: the slot is free. Called last, so that a failed index write
         (the event is handled again later) leaves the download active."""
         self._active.pop(d.url, None)
-        self._finished_bytes += d.written
+        self._finished_bytes += d.progress.written
 
     # -- download threads ---------------------------------------------------------
 

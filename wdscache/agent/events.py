@@ -10,8 +10,8 @@ Guarantees (threads):
   withdraws it (timeout, cancel) and the main loop grants or refuses it, each
   under ``Grant.lock``, so a grant is either taken or withdrawn, never both.
 - Records are frozen: their fields are what the thread saw when it posted. The
-  :class:`~wdscache.agent.fetch.Download` they name stays the main loop's, which the
-  thread only writes progress into (``written``, ``reserved``...).
+  :class:`~wdscache.agent.shard_download.Download` they name stays the main loop's, which the
+  thread only writes into (its ``progress``, its ``budget.reserved``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..shared.errors import FetchError
-from .download import DiskFull, Download, Fetched
+from .shard_download import DiskFull, Download, Fetched
 
 
 @dataclass

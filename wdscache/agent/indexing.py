@@ -20,8 +20,8 @@ from urllib.parse import unquote, urlsplit
 from ..shared.errors import FetchError, ShardError, WdsCacheError
 from ..shared.shard_index import ShardInfo, count_samples, file_facts
 from ..shared.tarwalk import GZIP_MAGIC
-from .download import Download
 from .fetch import Fetcher
+from .shard_download import Budget, Download
 
 
 class Indexer:
@@ -42,10 +42,10 @@ class Indexer:
             with self._lock:
                 n = next(self._names)
             d = Download(url, partial=self.scratch / f"{n}.part", final=self.scratch / f"{n}.tar",
-                         reserve=_unbounded, digest=True)
+                         budget=Budget(_unbounded), digest=True)
             try:
                 fetched = self.fetcher.fetch(d)
-                return ShardInfo(count_samples(d.final, url=url), fetched.size, d.md5)
+                return ShardInfo(count_samples(d.final, url=url), fetched.size, d.progress.md5)
             finally:
                 for path in (d.partial, d.final, d.partial.with_name(d.partial.name + "~tar")):
                     path.unlink(missing_ok=True)
@@ -92,5 +92,5 @@ def _local_tar(url: str) -> Path | None:
 
 def _unbounded(d: Download, total: int, timeout: float | None) -> bool:
     """The budget of a scratch download: whatever it asks (it is one shard, deleted once read)."""
-    d.reserved = max(d.reserved, total)
+    d.budget.reserved = max(d.budget.reserved, total)
     return True

@@ -38,11 +38,11 @@ from ..shared.logs import event, get_logger
 from ..shared.protocol import field as get_field
 from .cache import ShardCache
 from .control import Answer, Reply, Request
-from .download import Fetched
 from .downloads import Downloads
-from .fetch import common_validator, validator_kind
 from .readers import Readers
+from .shard_download import Fetched
 from .shards import Phase, Shard, Shards, Waiter
+from .validators import common_validator, validator_kind
 
 log = get_logger(__name__)
 

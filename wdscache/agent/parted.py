@@ -4,7 +4,7 @@ The first part streams into the partial file, so a reader waiting for the shard 
 at once; the other parts come over their own connections, in threads of the download that
 end with it, into side files appended in order (the partial file stays a contiguous
 prefix). Every part's request names the version the first answer gave; an answer for any
-other version (:class:`~wdscache.agent.download.Changed`) starts the whole shard over,
+other version (:class:`~wdscache.agent.shard_download.Changed`) starts the whole shard over,
 never spliced. A cut part is retried alone, with backoff; only failures without progress
 count against the retries.
 """
@@ -12,12 +12,10 @@ count against the retries.
 from __future__ import annotations
 
 import os
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
 
 import requests
 import urllib3
@@ -26,8 +24,10 @@ from ..shared.config import format_size
 from ..shared.errors import FetchError
 from ..shared.logs import get_logger
 from ..shared.tarwalk import HEAD_BYTES
-from .download import (
+from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
+from .shard_download import (
     SYNC_EVERY,
+    Backoff,
     Cancelled,
     Changed,
     Download,
@@ -40,10 +40,6 @@ from .download import (
     write_all,
     write_body,
 )
-from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
-
-if TYPE_CHECKING:
-    from .fetch import Fetcher
 
 log = get_logger(__name__)
 
@@ -53,23 +49,28 @@ PARTS_HOLD = 1.0
 # Beyond the read timeout, how long the end of a parted download waits for its other threads.
 PARTS_JOIN = 5.0
 
+# Opens bytes ``start`` to ``end`` of the version ``d.progress.etag`` names, of a shard of ``total``
+# bytes (raises Changed for any other answer).
 OpenRange = Callable[[Download, int, int, int], AbstractContextManager[Iterator[bytes]]]
 
 
 class PartedFetch:
-    """The parts of one fetcher's downloads: ``parts`` connections a shard, ``part_size`` each."""
+    """The parts of one fetcher's downloads: ``parts`` connections a shard, ``part_size`` each,
+    retried as ``backoff`` says; ``close_thread`` ends what a part's thread holds."""
 
-    def __init__(self, fetcher: Fetcher, parts: int, part_size: int) -> None:
-        self._fetcher, self.parts, self.part_size = fetcher, parts, part_size
+    def __init__(self, parts: int, part_size: int, backoff: Backoff, read_timeout: float,
+                 close_thread: Callable[[], None]) -> None:
+        self.parts, self.part_size, self._backoff = parts, part_size, backoff
+        self._read_timeout, self._close_thread = read_timeout, close_thread
 
     def first_range(self, d: Download, offset: int) -> tuple[int, int | None]:
         """Where the first request of an attempt starts and ends (None: it asks for the whole
         rest) when the shard may come in parts. A side file kept from earlier that starts
         where the partial file ends is appended to it first, and the request stops before
         the next one, so no byte is fetched twice. Side files are removed when unusable."""
-        if self.parts < 2 or d.single or not offset:
+        if self.parts < 2 or d.progress.single or not offset:
             remove_side_files(d.partial)  # only resumed beside the prefix they belong to
-            return offset, None if self.parts < 2 or d.single else self.part_size
+            return offset, None if self.parts < 2 or d.progress.single else self.part_size
         end = None
         for start, stop, path in side_files(d.partial):
             if start == offset and end is None:
@@ -81,30 +82,21 @@ class PartedFetch:
         return offset, end or offset + self.part_size
 
     def fetch(self, d: Download, head: Part, total: int, first: Iterator[bytes], let_go: Callable[[], None],
-                open_range: Callable[[Download, int, int, int], AbstractContextManager[Iterator[bytes]]]) -> int:
+              open_range: OpenRange) -> int:
         """Fetch ``d`` as parts, the first (``head``) from the answer ``first`` that gave its size."""
-        d.total = total
-        plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(d, "written", d.written + n))
-        d.written = plan.held
+        d.progress.total = total
+        progress = d.progress
+        plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(progress, "written", progress.written + n))
+        d.progress.written = plan.held
         need = total + plan.largest  # an append holds a part's bytes twice for a moment
         try:
-            granted = d.reserve(d, need, PARTS_HOLD)
+            granted = d.budget.reserve(d, need, PARTS_HOLD)
         except FetchError:  # more than the whole cache
             granted = False
         if not granted:
-            # One connection needs the shard's size only: this answer's bytes are kept, and the
-            # next request asks for the whole rest.
             log.info("%s: the cache cannot hold %s for parallel parts now; using one connection",
                      d.url, format_size(need))
-            d.single = True
-            remove_side_files(d.partial)
-            d.written = head.start
-            if not reserve_holding(d, total, let_go):
-                raise Retry("waited for cache space", 0.0, counts=False)
-            write_body(d, first, head.end, check_head=head.start == 0)
-            if d.written != head.end:
-                raise Retry(f"got {d.written} of {head.end} bytes")
-            raise Retry("going on over one connection", 0.0, counts=False)
+            self._one_connection(d, head, total, first, let_go)
         helpers = [threading.Thread(target=self._part_thread, args=(d, plan, open_range), daemon=True,
                                     name=f"{threading.current_thread().name}-part{i}")
                    for i in range(1, min(self.parts, plan.pending + 1))]
@@ -124,7 +116,7 @@ class PartedFetch:
                         error)
             truncate(d.partial)
             remove_side_files(d.partial)
-            d.refused = d.etag  # if the object comes back unchanged, its parts come over one connection
+            d.progress.refused = d.progress.etag  # if the object comes back unchanged, its parts come over one connection
             raise Retry(f"{error}; the object changed during the download, starting over", 0.0)
         if isinstance(error, Stopped):  # stopped for a reason another thread did not keep
             raise Cancelled(d.url)
@@ -134,15 +126,29 @@ class PartedFetch:
             raise Retry(f"parts ended at byte {plan.prefix} of {total}")
         return total
 
-    def _part_thread(self, d: Download, plan: Plan, open_range) -> None:
+    def _one_connection(self, d: Download, head: Part, total: int, first: Iterator[bytes],
+                        let_go: Callable[[], None]) -> None:
+        """Go on over one connection, which needs the shard's size only: the first answer's
+        bytes are kept, and the next request asks for the whole rest (raises Retry)."""
+        d.progress.single = True
+        remove_side_files(d.partial)
+        d.progress.written = head.start
+        if not reserve_holding(d, total, let_go):
+            raise Retry("waited for cache space", 0.0, counts=False)
+        write_body(d, first, head.end, check_head=head.start == 0)
+        if d.progress.written != head.end:
+            raise Retry(f"got {d.progress.written} of {head.end} bytes")
+        raise Retry("going on over one connection", 0.0, counts=False)
+
+    def _part_thread(self, d: Download, plan: Plan, open_range: OpenRange) -> None:
         try:
             self._take_parts(d, plan, open_range)
         except BaseException as exc:  # noqa: BLE001 (the download's thread raises it)
             plan.abort(exc)
         finally:
-            self._fetcher.close_thread()
+            self._close_thread()
 
-    def _take_parts(self, d: Download, plan: Plan, open_range) -> None:
+    def _take_parts(self, d: Download, plan: Plan, open_range: OpenRange) -> None:
         while (part := plan.take()) is not None:
             self._fetch_part(d, plan, part, open_range)
             plan.finish(part)
@@ -155,12 +161,12 @@ class PartedFetch:
                 t.join(0.1)
                 if deadline is None and (d.cancel.is_set() or plan.stop.is_set()):
                     plan.stop.set()
-                    deadline = time.monotonic() + self._fetcher.timeout[1] + PARTS_JOIN
+                    deadline = time.monotonic() + self._read_timeout + PARTS_JOIN
                 if deadline is not None and time.monotonic() > deadline:
                     log.warning("%s: a part's thread did not stop in time", d.url)
                     return
 
-    def _fetch_part(self, d: Download, plan: Plan, part: Part, open_range,
+    def _fetch_part(self, d: Download, plan: Plan, part: Part, open_range: OpenRange,
                     first: Iterator[bytes] | None = None) -> None:
         """Fetch the rest of ``part`` (from ``first``, an answer already open, then by ranged
         requests), retrying with backoff; only consecutive failures without progress count."""
@@ -189,11 +195,10 @@ class PartedFetch:
                 failures = 0
             failures += 1
             span = f"bytes {part.start}-{part.end - 1}"
-            if failures > self._fetcher.retries:
-                raise FetchError(d.url, f"gave up after {self._fetcher.retries} retries of {span}: {reason}")
+            if failures > self._backoff.retries:
+                raise FetchError(d.url, f"gave up after {self._backoff.retries} retries of {span}: {reason}")
             if delay is None:
-                cap = min(self._fetcher.backoff_max, self._fetcher.backoff * 2 ** (failures - 1))
-                delay = random.uniform(cap / 2, cap)
+                delay = self._backoff.delay(failures)
             log.info("retrying %s of %s in %.1fs (%s)", span, d.url, delay, reason)
             deadline = time.monotonic() + delay
             while (left := deadline - time.monotonic()) > 0:

@@ -236,7 +236,7 @@ class Prefetches:
     def _budget_reason(self, p: Prefetch, given_up: NoRoom) -> str:
         cache = self._cache
         # Downloading with their room reserved: cached soon.
-        coming = sum(1 for u, d in cache.inflight.items() if u in p.pending and u != given_up.url and d.reserved)
+        coming = sum(1 for u, d in cache.inflight.items() if u in p.pending and u != given_up.url and d.budget.reserved)
         held = len(p.sizes) + coming
         beside = []
         if given_up.readers:

@@ -1,5 +1,7 @@
 """``CachedMultiLoader`` as a ``torch.utils.data.IterableDataset``: what a loader made in a
-process that uses torch is (this module imports torch; :mod:`.loader` never does).
+process that uses torch is (this module imports torch; :mod:`.loader` imports it only
+there). This module does not import :mod:`.loader`: :func:`torch_loader` makes the class
+from the loader's class it is given.
 
 In a ``DataLoader`` with ``num_workers=K``, each worker process reads its own part of the
 rank's share (:mod:`.worker_parts`), found with ``get_worker_info()``: the rank still gets
@@ -19,26 +21,40 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Iterator
 from multiprocessing.context import get_spawning_popen
-from typing import Any
+from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .loader import CachedMultiLoader
 from .worker_parts import Part
 
+L = TypeVar("L")
 
-class TorchCachedMultiLoader(CachedMultiLoader, IterableDataset):
-    """A :class:`~.loader.CachedMultiLoader` that torch's ``DataLoader`` takes as an iterable dataset."""
+
+def torch_loader(loader: type[L], name: str) -> type[L]:
+    """``loader`` (the loader's class) as a torch iterable dataset: a class called ``name`` in
+    ``loader``'s module (which must hold it under that name, for pickle)."""
+    return type(name, (TorchParts, loader, IterableDataset), {"__module__": loader.__module__, "__qualname__": name})
+
+
+class TorchParts:
+    """What a loader does differently in torch's ``DataLoader`` (mixed in before the loader's class)."""
+
+    _epoch_box: Any
+    _box_seen: int
+
+    def _loader(self) -> Any:
+        """The loader's own methods (the class after this one)."""
+        return super()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        self._loader().__init__(*args, **kwargs)
         # [times set_epoch was called, its epoch]: read by workers made before the call.
         self._epoch_box = multiprocessing.RawArray("q", 2)
         self._box_seen = 0
-        self._ensure_agent()
+        self._loader()._ensure_agent()
 
     def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
+        self._loader().set_epoch(epoch)
         self._epoch_box[1] = epoch
         self._epoch_box[0] += 1
         self._box_seen = self._epoch_box[0]
@@ -54,13 +70,13 @@ class TorchCachedMultiLoader(CachedMultiLoader, IterableDataset):
         told = self._epoch_box[0]
         if told != self._box_seen:  # set_epoch was called in the main process since this copy was made
             self._box_seen = told
-            super().set_epoch(self._epoch_box[1])
-        return super().__iter__()
+            self._loader().set_epoch(self._epoch_box[1])
+        return self._loader().__iter__()
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to a worker started by "spawn" or "forkserver", the box goes along (multiprocessing
         # shares it); any other copy (pickle.dumps, copy.deepcopy) takes its values, in a box of its own.
-        state = super().__getstate__()
+        state = self._loader().__getstate__()
         if get_spawning_popen() is None:
             state["_epoch_box"] = list(self._epoch_box)
         return state

@@ -79,6 +79,7 @@ from .worker_parts import Delivered, Part, check_worker, combine
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
 # A state with "parts" (a job on several nodes): an older loader, which would not see them, refuses it.
 PARTS_VERSION = 3
+TORCH_LOADER = "TorchCachedMultiLoader"  # the name of the loader's class in a process that uses torch
 
 
 @dataclass(frozen=True)
@@ -204,9 +205,7 @@ class CachedMultiLoader:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CachedMultiLoader:
         if cls is CachedMultiLoader and sys.modules.get("torch") is not None:
-            from .dataset import TorchCachedMultiLoader
-
-            cls = TorchCachedMultiLoader
+            cls = _torch_loader()
         return super().__new__(cls)
 
     def __init__(
@@ -760,3 +759,21 @@ def _mapped(items: Iterator[Any], fn: Callable[[Any], Any], workers: int) -> Ite
     finally:
         pool.terminate()
         pool.join()
+
+
+def _torch_loader() -> type[CachedMultiLoader]:
+    """:class:`CachedMultiLoader` as a torch iterable dataset (:mod:`.dataset`), made once, on first use."""
+    made = globals().get(TORCH_LOADER)
+    if made is None:
+        from .dataset import torch_loader  # imports torch: only in a process that did
+
+        made = globals()[TORCH_LOADER] = torch_loader(CachedMultiLoader, TORCH_LOADER)
+    return made
+
+
+def __getattr__(name: str) -> Any:
+    # Pickle finds the torch loader's class here, in a process that has not made it yet (a
+    # DataLoader worker started by "spawn").
+    if name == TORCH_LOADER:
+        return _torch_loader()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

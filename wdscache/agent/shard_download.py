@@ -1,4 +1,5 @@
-"""One download: its record (:class:`Download`), what it raises, and how its files are
+"""One shard's download: its record (:class:`Download`: what is fixed, the thread's
+:class:`Progress`, the :class:`Budget` it asks), what it raises, and how its files are
 written, synced and published.
 
 Guarantees kept here, for every source and for parallel parts alike:
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,39 +46,52 @@ class Cancelled(Exception):
 
 
 @dataclass
-class Download:
-    """One shard being fetched. The agent owns it; a download thread works on it.
+class Progress:
+    """What the download's thread writes as the download goes (the main loop only reads it)."""
 
-    ``reserve(d, total, timeout)`` is provided by the agent: it blocks until the
-    budget holds ``total`` bytes for this download (True), the timeout passes
-    (False) or the download is cancelled (raises :class:`Cancelled`).
-    """
-
-    url: str
-    partial: Path
-    final: Path
-    reserve: Callable[[Download, int, float | None], bool]
     etag: str | None = None  # the version the partial file's bytes came with: ETag, else Last-Modified
     last_modified: str | None = None  # the source's Last-Modified date, when it gave one (beside an ETag)
-    cancel: threading.Event = field(default_factory=threading.Event)
     total: int | None = None  # the shard's size, once the source has said it
-    written: int = 0
-    expanded: int = 0  # bytes of a gzip'd shard's tar written so far (beside its ``written``)
-    reserved: int = 0
-    demanded: bool = False
-    # A growing reservation (unknown size, or a gzip'd shard's tar): the bytes the next
-    # one must hold at least; the budget may grant less than asked, never less than this.
-    needed: int = 0
+    written: int = 0  # bytes in the partial file (and, in a parted download, its parts' files)
+    expanded: int = 0  # bytes of a gzip'd shard's tar written so far (beside ``written``)
     gzipped: bool = False  # its body starts like gzip: readers wait for the tar, never stream it
-    verify: bool = False  # only ask the source whether the cached copy is still current
-    expected: ShardInfo | None = None  # what a shard index says of the file (checked before publish)
-    digest: bool = False  # hash the source bytes (``md5``) even without an expected MD5
     md5: str | None = None  # the MD5 of the source bytes, once hashed
     single: bool = False  # over one connection: the budget could not hold parallel parts
     # A validator the source refused for a part of its own version: parts from it would never end.
     refused: str | None = None
-    on_validator: Callable[[Download], None] = lambda d: None
     failing: str | None = None  # the last attempt's failure, while the retries go on (for a reader's status)
+
+
+@dataclass
+class Budget:
+    """The budget a download asks for. ``reserve(d, total, timeout)`` is the agent's: it blocks
+    until the budget holds ``total`` bytes for ``d`` (True), the timeout passes (False) or the
+    download is cancelled (raises :class:`Cancelled`), and sets ``reserved``."""
+
+    reserve: Callable[[Download, int, float | None], bool]
+    reserved: int = 0
+    # A growing reservation (unknown size, or a gzip'd shard's tar): the bytes the next
+    # one must hold at least; the budget may grant less than asked, never less than this.
+    needed: int = 0
+
+
+@dataclass
+class Download:
+    """One shard being fetched. The agent owns it; a download thread works on it. Its own
+    fields are fixed once made, but ``demanded`` and ``cancel`` (the main loop's word to the
+    thread); the thread writes ``progress``; ``budget`` is what it asks of the cache."""
+
+    url: str
+    partial: Path
+    final: Path
+    budget: Budget
+    progress: Progress = field(default_factory=Progress)
+    expected: ShardInfo | None = None  # what a shard index says of the file (checked before publish)
+    verify: bool = False  # only ask the source whether the cached copy is still current
+    digest: bool = False  # hash the source bytes (``md5``) even without an expected MD5
+    on_validator: Callable[[Download], None] = lambda d: None  # the thread found the source's validator
+    demanded: bool = False  # a reader waits for it
+    cancel: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,21 @@ class Changed(Exception):
     """A ranged request of a parted download was answered for another version of the object."""
 
 
+@dataclass(frozen=True)
+class Backoff:
+    """How failed attempts are retried: up to ``retries`` failures in a row without progress,
+    each waited for a random time between half and all of ``backoff * 2 ** (failures - 1)``,
+    at most ``backoff_max`` (unless the source named a time)."""
+
+    retries: int
+    backoff: float
+    backoff_max: float
+
+    def delay(self, failures: int) -> float:
+        cap = min(self.backoff_max, self.backoff * 2 ** (failures - 1))
+        return random.uniform(cap / 2, cap)
+
+
 class Retry(Exception):
     """Try again after ``delay`` (None: backoff); ``counts`` False for retries that are no failure."""
 
@@ -106,7 +136,7 @@ class Retry(Exception):
 def check_tar_head(d: Download, fd: int, pending: bytes) -> None:
     # Checked as soon as 64 KiB arrive, so a wrong body is refused early, not after 1 GB.
     head = os.pread(fd, HEAD_BYTES, 0) + pending
-    d.gzipped = head.startswith(GZIP_MAGIC)
+    d.progress.gzipped = head.startswith(GZIP_MAGIC)
     problem = tar_problem(head[:HEAD_BYTES])
     if problem:
         raise FetchError(d.url, problem, permanent=True)
@@ -140,10 +170,10 @@ def check_announced(d: Download, total: int) -> None:
 def reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> bool:
     """Reserve ``total`` bytes for ``d`` while holding its connection, for a short while; then
     ``let_go`` of the connection (waiting for space could take long) and wait: False."""
-    if d.reserve(d, total, HOLD_CONNECTION):
+    if d.budget.reserve(d, total, HOLD_CONNECTION):
         return True
     let_go()
-    d.reserve(d, total, None)
+    d.budget.reserve(d, total, None)
     return False
 
 
@@ -203,26 +233,26 @@ def write_body(d: Download, chunks: Iterable[bytes], total: int | None, *, check
     of unknown size grows), its tar head checked when ``check_head``; synced every SYNC_EVERY
     bytes and at the end. Raises FetchError past ``total``, Cancelled once cancelled."""
     fd = os.open(d.partial, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-    synced = d.written
+    synced = d.progress.written
     try:
         for chunk in chunks:
             if not chunk:
                 continue
-            if total is not None and d.written + len(chunk) > total:
+            if total is not None and d.progress.written + len(chunk) > total:
                 raise FetchError(d.url, f"server sent more than its Content-Length ({total})")
-            if total is None and d.written + len(chunk) > d.reserved:
+            if total is None and d.progress.written + len(chunk) > d.budget.reserved:
                 # Asks for a step ahead; the budget grants what it can spare, at least this chunk.
-                d.needed = d.written + len(chunk)
-                d.reserve(d, d.needed + GROW, None)
-            if check_head and d.written < HEAD_BYTES <= d.written + len(chunk):
+                d.budget.needed = d.progress.written + len(chunk)
+                d.budget.reserve(d, d.budget.needed + GROW, None)
+            if check_head and d.progress.written < HEAD_BYTES <= d.progress.written + len(chunk):
                 check_tar_head(d, fd, chunk)
-            d.written += write_all(d, fd, chunk)
+            d.progress.written += write_all(d, fd, chunk)
             if d.cancel.is_set():  # checked after the write: bytes received are kept for a resume
                 raise Cancelled(d.url)
-            if d.written - synced >= SYNC_EVERY:
+            if d.progress.written - synced >= SYNC_EVERY:
                 sync_partial(d, fd, getattr(os, "fdatasync", os.fsync))  # no fdatasync on macOS
-                synced = d.written
-        if check_head and d.written < HEAD_BYTES:
+                synced = d.progress.written
+        if check_head and d.progress.written < HEAD_BYTES:
             check_tar_head(d, fd, b"")
         sync_partial(d, fd, os.fsync)
     finally:
@@ -235,8 +265,8 @@ def expected_problem(d: Download) -> str | None:
     want_md5 = d.digest or (d.expected is not None and d.expected.md5 is not None)
     if d.expected is None and not want_md5:
         return None
-    size, d.md5 = file_facts(d.partial, md5=want_md5)
-    return d.expected.mismatch(size, d.md5) if d.expected is not None else None
+    size, d.progress.md5 = file_facts(d.partial, md5=want_md5)
+    return d.expected.mismatch(size, d.progress.md5) if d.expected is not None else None
 
 
 def truncate(path: Path) -> None:
@@ -260,7 +290,7 @@ def publish_gunzipped(d: Download) -> int:
     one, or a tar beyond what may be reserved; the tar's file is removed then.
     """
     tar = d.partial.with_name(d.partial.name + "~tar")  # "~" is in no partial file's name
-    packed, d.expanded = d.written, 0
+    packed, d.progress.expanded = d.progress.written, 0
     try:
         with open(d.partial, "rb") as src:
             fd = os.open(tar, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -269,12 +299,12 @@ def publish_gunzipped(d: Download) -> int:
                 for piece in gunzip(src.read, url=d.url):
                     if d.cancel.is_set():
                         raise Cancelled(d.url)
-                    if packed + d.expanded + len(piece) > d.reserved:
+                    if packed + d.progress.expanded + len(piece) > d.budget.reserved:
                         _grow_for_tar(d, packed, len(piece))
-                    d.expanded += write_all(d, fd, piece)
-                    if d.expanded - synced >= SYNC_EVERY:
+                    d.progress.expanded += write_all(d, fd, piece)
+                    if d.progress.expanded - synced >= SYNC_EVERY:
                         _sync_tar(d, fd, getattr(os, "fdatasync", os.fsync))
-                        synced = d.expanded
+                        synced = d.progress.expanded
                 problem = file_problem(tar)
                 if problem:
                     raise FetchError(d.url, f"gzip'd data is no tar: {problem}", permanent=True)
@@ -287,16 +317,16 @@ def publish_gunzipped(d: Download) -> int:
     finally:
         tar.unlink(missing_ok=True)  # gone already once published
     d.partial.unlink()  # after the rename: a crash in between leaves a published shard
-    return d.expanded
+    return d.progress.expanded
 
 def _grow_for_tar(d: Download, packed: int, piece: int) -> None:
     """Reserve room for ``piece`` more bytes of ``d``'s tar (beside the compressed file)."""
-    d.needed = packed + d.expanded + piece  # granted at least this, up to a step ahead
+    d.budget.needed = packed + d.progress.expanded + piece  # granted at least this, up to a step ahead
     try:
-        d.reserve(d, d.needed + GROW, None)
+        d.budget.reserve(d, d.budget.needed + GROW, None)
     except FetchError as exc:
         raise FetchError(
-            d.url, f"gzip'd shard expands beyond the cache's budget: {format_size(d.expanded + piece)} "
+            d.url, f"gzip'd shard expands beyond the cache's budget: {format_size(d.progress.expanded + piece)} "
             f"decompressed so far (from {format_size(packed)}); {exc.reason}", permanent=True,
         ) from None
 

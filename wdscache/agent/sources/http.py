@@ -1,0 +1,162 @@
+"""HTTP(S) sources: ranged GETs over ``requests``, one session a thread.
+
+A resume sends ``If-Range`` with the version its bytes came with. A 429 or 503 with
+``Retry-After`` (on a GET or a HEAD) holds every next request to that URL, from any
+thread, until the time it names.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import urlsplit
+
+import requests
+
+from ...shared.errors import FetchError
+from ...shared.logs import get_logger
+from ..shard_download import Cancelled, Fetched, Retry
+from ..validators import Version
+from .base import CHUNK, Answer, Settings, Source, Unexpected, Unsatisfiable
+
+log = get_logger(__name__)
+
+PERMANENT_STATUS = {400, 401, 403, 404, 405, 410, 451}
+RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
+RETRY_AFTER_MAX = 600.0  # seconds: a longer Retry-After is held to this
+
+
+class HttpSource(Source):
+    parts = True
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self._not_before: dict[str, float] = {}  # url -> monotonic time a Retry-After holds it until
+        self._not_before_lock = threading.Lock()
+        self._answered: set[str] = set()  # hosts (scheme://netloc) that answered a request
+
+    def _session(self) -> requests.Session:
+        # Created lazily in the thread that uses it: sessions are not shared.
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+            session.headers["User-Agent"] = "wdscache"
+        return session
+
+    def close_thread(self) -> None:
+        session = getattr(self._local, "session", None)
+        if session is not None:
+            session.close()
+            self._local.session = None
+
+    def answered(self, url: str) -> bool:
+        return _host(url) in self._answered
+
+    def probe(self, url: str) -> Fetched | None:
+        try:
+            self._wait_turn(url)
+            r = self._session().head(url, timeout=self.settings.timeout, allow_redirects=True)
+        except (OSError, requests.RequestException):
+            return None
+        self._answered.add(_host(url))
+        if r.status_code in RETRY_STATUS:
+            self._hold(url, _retry_after(r.headers.get("Retry-After")))
+        length = r.headers.get("Content-Length", "")
+        if r.ok and length.isdigit():
+            return Fetched(int(length), _version(r.headers).validator, last_modified=r.headers.get("Last-Modified"))
+        return None
+
+    @contextmanager
+    def open(self, url: str, start: int, end: int | None, held: str | None,
+             cancel: threading.Event | None = None) -> Iterator[Answer]:
+        headers = {"Accept-Encoding": "identity"}
+        if start or end is not None:
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        if start and held:
+            headers["If-Range"] = held  # an ETag or an HTTP date: both are valid here
+        self._wait_turn(url, cancel)
+        with self._session().get(url, headers=headers, stream=True, timeout=self.settings.timeout) as r:
+            self._answered.add(_host(url))
+            status = r.status_code
+            if status in PERMANENT_STATUS:
+                raise FetchError(url, f"HTTP {status} {r.reason}", status=status, permanent=True)
+            if status in RETRY_STATUS:
+                delay = _retry_after(r.headers.get("Retry-After"))
+                self._hold(url, delay)
+                raise Retry(f"HTTP {status} {r.reason}", delay)
+            version = _version(r.headers)
+            if status == 416 and start:
+                size = _unsatisfiable_size(r.headers.get("Content-Range", ""))
+                raise Unsatisfiable(lambda: size == start and not version.unlike(held), version.last_modified)
+            # read1 returns what has arrived (up to CHUNK), so a cancel leaves few received bytes unwritten.
+            chunks = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
+            if status == 206 and "Range" in headers:
+                got, total = _content_range(r.headers.get("Content-Range", ""))
+                yield Answer(chunks, got, True, total, version, r.close)
+            elif status == 200:
+                length = r.headers.get("Content-Length")
+                yield Answer(chunks, 0, False, int(length) if length and length.isdigit() else None, version,
+                             r.close)
+            else:
+                raise Unexpected(f"unexpected HTTP {status} {r.reason}", status)
+
+    def _hold(self, url: str, delay: float | None) -> None:
+        """A Retry-After of ``delay`` seconds: no request to ``url`` before then."""
+        if delay:
+            with self._not_before_lock:
+                until = time.monotonic() + delay
+                self._not_before[url] = max(until, self._not_before.get(url, 0.0))
+
+    def _wait_turn(self, url: str, cancel: threading.Event | None = None) -> None:
+        """Wait until a Retry-After that ``url`` gave has passed (raises Cancelled if cancelled)."""
+        with self._not_before_lock:
+            delay = self._not_before.get(url, 0.0) - time.monotonic()
+            if delay <= 0:
+                self._not_before.pop(url, None)
+                return
+        log.info("waiting %.1fs before asking %s again (Retry-After)", delay, url)
+        if cancel is None:
+            time.sleep(delay)
+        elif cancel.wait(delay):
+            raise Cancelled(url)
+
+
+def _host(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _version(headers: requests.structures.CaseInsensitiveDict[str]) -> Version:
+    return Version(etag=headers.get("ETag") or None, last_modified=headers.get("Last-Modified") or None)
+
+
+def _unsatisfiable_size(value: str) -> int | None:
+    """The size a 416's ``Content-Range: bytes */SIZE`` gives, if it does."""
+    unit, _, rest = value.strip().partition(" ")
+    return int(rest[2:]) if unit == "bytes" and rest.startswith("*/") and rest[2:].isdigit() else None
+
+
+def _content_range(value: str) -> tuple[int, int | None]:
+    # "bytes 100-199/1000" -> (100, 1000)
+    try:
+        unit, rest = value.split(" ", 1)
+        span, total = rest.split("/", 1)
+        return int(span.split("-", 1)[0]), None if total == "*" else int(total)
+    except ValueError:
+        return -1, None
+
+
+def _retry_after(value: str | None) -> float | None:
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return min(float(value), RETRY_AFTER_MAX)
+    try:
+        when = email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError):
+        return None
+    return min(max(0.0, when - time.time()), RETRY_AFTER_MAX)
