@@ -410,7 +410,7 @@ class _Worker:
             view = views[k]
             if isinstance(view, GrowingShard):
                 if j >= len(view.samples):
-                    view.refresh()
+                    view.refresh(j)
                 if not 0 <= j < len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
@@ -549,7 +549,7 @@ class _Worker:
                 self.growing.popitem(last=False)[1].close()
         self.growing.move_to_end(url)
         if refresh:
-            view.refresh()
+            view.refresh(len(view.samples))  # a step further: a look at the download answers soon
         return view
 
     def _readable(self, url: str) -> Any:
