@@ -20,7 +20,6 @@ from ..shared.errors import ShardError
 from ..shared.samples import SampleSpan, group_samples
 from ..shared.tarwalk import BLOCK, GZIP_MAGIC, HEAD_BYTES, FileSpan, tar_problem, walk
 
-
 # Samples a look walks past the one it needs: a download well under way is taken in a step
 # at a time, so the first reads of it wait for a short walk, not for all its headers so far.
 WALK_STEP = 256
