@@ -303,6 +303,9 @@ class _Worker:
         samples = None if known else self.index.get(url, identity)
         if isinstance(samples, PackedSamples):
             self.walked += 1
+            # Its count too, as a scan tells it: the agent's answers to opens and counts then
+            # carry it, and a loader reading the shard need not ask a worker for it.
+            self._send_report({"op": "counted", "url": url, "samples": len(view.samples)})
             layouts, frames = samples.parts()
             header = {"op": "walked", "secret": self.secret, "key": self.key, "url": url,
                       "identity": list(identity), "layouts": layouts}
