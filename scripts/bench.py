@@ -37,12 +37,14 @@ What it does:
                           epoch 2 warm; then a third, warm, epoch with ``shuffle=True``
                           (for information: what training reads by default, each sample
                           somewhere else in the shards); then one warm epoch streamed
-                          (``direct_reads=False``: every byte sent by a worker); then 8
-                          consumers (two jobs of four ranks) read one more unshuffled epoch
-                          each from the warm cache, all at once, each after reading 256
-                          samples as a job of its own (warm, as the single consumer's epoch
-                          2 is: on a VM the first touch of fresh memory costs far more than
-                          zeroing it); then the same 8 streamed
+                          (``direct_reads=False``: every byte sent by a worker); then many
+                          consumers read one more unshuffled epoch each from the warm cache,
+                          all at once (once every one has read 256 samples as a job of its
+                          own: warm, as the single consumer's epoch 2 is; on a VM the first
+                          touch of fresh memory costs far more than zeroing it): 8 (two jobs
+                          of four ranks), 64 (eight jobs of eight ranks), 8 through DataLoaders
+                          (two jobs of one rank in DataLoader(num_workers=4), batches of 64);
+                          then the first 8 streamed
   DataLoader              the pipeline of a training script, ``decode()`` (of .cls/.json),
                           ``to_tuple``, ``batched(64)``, in ``DataLoader(num_workers=2)``: over
                           ``wds.WebDataset`` streaming HTTP, over ``wds.WebDataset`` on local
@@ -58,6 +60,8 @@ What it does:
                           the server's byte counter between two is what one node downloaded (target:
                           within 10% of dataset/N); then 2 nodes x 2 ranks warm, all four at once,
                           against 1 node x 4 ranks warm on one agent (target: ≥ 0.8x samples/s)
+  wdscache, loader first  a consumer started first; 1 s later an agent with every default:
+                          its cold first sample from the agent's launch and from its ready
   wdscache mix            a two-source mixture (``mix=`` of the list's two halves, weighted by their
                           sizes, ``epoch_samples`` the list's length) against the whole list as one
                           source, both shuffled, warm, in one consumer of a fresh agent: a cold
@@ -77,7 +81,7 @@ What it does:
                           of the profile's field sizes, ``copy=False``, timed from the first
                           message (a machine limit: nothing is copied out of the frames, while
                           the loaders hand out ``bytes``); then the same with two senders
-                          and 1 or 8 receivers, 32 samples to a message (a request's reply)
+                          and 1, 8 or 64 receivers, 32 samples to a message (a request's reply)
                           and every frame copied into ``bytes``: the machine's own cost of
                           many consumers, for target 7
   ======================  ================================================================
@@ -1843,14 +1847,14 @@ def main() -> int:
     ap.add_argument("--rate-mb", type=float, default=25.0, help="server cap per connection, MB/s")
     ap.add_argument("--ttfb-ms", type=float, default=30.0, help="server time to first byte, ms")
     ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
-                                               "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,parts,s3,"
+                                               "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,wdscache-loader-first,parts,s3,"
                                                "torch-wds-http,torch-wds-local,torch-wdscache,torch-memory,"
                                                "wdscache-nodes,wdscache-mix,random-access")
     ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
     ap.add_argument("--only", default="", help="systems to run, the others left out (e.g. "
                                                "torch-wds-http,torch-wds-local,torch-wdscache)")
     ap.add_argument("--no-scale", action="store_true", help="skip the 1M-URL and 100k-shard checks")
-    ap.add_argument("--no-multi-consumer", action="store_true", help="skip the 8-consumer run")
+    ap.add_argument("--no-multi-consumer", action="store_true", help="skip the many-consumer runs")
     ap.add_argument("--work", default="/tmp/wdscache-bench", help="shards, caches and logs")
     ap.add_argument("--keep-data", action="store_true", help="keep the shards for the next run")
     ap.add_argument("--out", default="bench-results/latest.json", help="JSON results")
