@@ -39,7 +39,7 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,9 +260,30 @@ def mode_wdscache(args: argparse.Namespace) -> None:
 
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    def build(job: str, shuffle: bool) -> CachedMultiLoader:
-        return CachedMultiLoader(cache_dir=args.cache_dir, job=job, rank=args.rank, world_size=args.world_size,
-                                 node=args.node, num_nodes=args.num_nodes, shuffle=shuffle, timeout=args.timeout, direct_reads=not args.no_direct)
+    if args.loader_workers:
+        import torch.utils.data  # before the loader: CachedMultiLoader is then a torch IterableDataset
+
+    class Unbatched:
+        """A DataLoader's batches (lists of samples) as samples."""
+
+        def __init__(self, batches: Iterable[list[dict[str, Any]]]) -> None:
+            self.batches = batches
+
+        def __iter__(self) -> Iterator[dict[str, Any]]:
+            for batch in self.batches:
+                yield from batch
+
+    def build(job: str, shuffle: bool) -> Iterable[dict[str, Any]]:
+        # Through a DataLoader, batches of TORCH_BATCH samples (one pickled message each, as a
+        # training script's), left as lists: what crosses the DataLoader's queues, not a collate.
+        batched: dict[str, Any] = {"batch_size": TORCH_BATCH, "collate": list} if args.loader_workers else {}
+        loader = CachedMultiLoader(cache_dir=args.cache_dir, job=job, rank=args.rank, world_size=args.world_size,
+                                   node=args.node, num_nodes=args.num_nodes, shuffle=shuffle, timeout=args.timeout,
+                                   direct_reads=not args.no_direct, **batched)
+        if not args.loader_workers:
+            return loader
+        # Each DataLoader worker reads its part of the rank's share.
+        return Unbatched(torch.utils.data.DataLoader(loader, batch_size=None, num_workers=args.loader_workers))
 
     if args.warmup:
         # A process in its first epoch pays for every page of heap it grows, and on a VM the
@@ -274,7 +295,18 @@ def mode_wdscache(args: argparse.Namespace) -> None:
             for _, _ in zip(range(args.warmup), warm):
                 pass
         finally:
-            warm.close()  # type: ignore[attr-defined]
+            if hasattr(warm, "close"):
+                warm.close()
+            del warm  # a DataLoader's workers end with their iterator
+    if args.start_file:
+        # Several consumers start together once every one has imported and warmed up, however
+        # long that took on a loaded machine: each says it is ready, then waits for the word.
+        Path(f"{args.start_file}.{os.getpid()}.ready").touch()
+        deadline = time.monotonic() + 600
+        while not os.path.exists(args.start_file):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{args.start_file} did not appear within 600 s")
+            time.sleep(0.005)
     if args.start_at:
         # Several ranks start together, once all have imported: wait for the shared start time.
         time.sleep(max(0.0, args.start_at - time.time()))
@@ -667,6 +699,9 @@ def main() -> None:
                    help="after --epochs, this many more with a shuffling loader (its own job)")
     p.add_argument("--no-direct", action="store_true", help="direct_reads=False: the workers send every byte")
     p.add_argument("--warmup", type=int, default=0, help="samples to read first, before --start-at, as a job of its own")
+    p.add_argument("--start-file", help="after the warm-up, touch START_FILE.PID.ready and wait for START_FILE to exist")
+    p.add_argument("--loader-workers", type=int, default=0,
+                   help="read through torch's DataLoader(num_workers=N), each worker a part of the rank's share")
     p = sub.add_parser("mix")
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--urls-file", required=True, help="the one source")

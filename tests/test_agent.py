@@ -27,6 +27,7 @@ from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
 from tests.helpers.agents import FIRST_PART, AgentProc, Dataset
 from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
+from wdscache.shared.client import AgentConnection, resolve_endpoint
 from wdscache.shared.index import _SHARD, Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout, shard_name
 
@@ -94,6 +95,22 @@ def test_prefetch_before_any_reader_caches_exactly_the_first_window(shard_server
     assert cached_urls(cache, ds) == set(ds.urls[:3])
     assert_cached_identical(cache, ds, ds.urls[:3], agent)
     assert partial_files(cache) == []
+
+
+def test_a_shard_published_before_any_reader_has_its_sample_count_known(shard_server, dataset, start_agent, tmp_path):
+    # A worker walks each shard as it is published: the agent then answers its count, so a
+    # loader's first read of it need not first ask a worker how many samples it holds.
+    ds = dataset(3, samples=7)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--no-shuffle", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 15, "the 3 shards were never all cached")
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
+    try:
+        wait_for(lambda: conn.request({"op": "counts", "urls": ds.urls}).get("counts") == [7, 7, 7], 10,
+                 lambda: f"counts: {conn.request({'op': 'counts', 'urls': ds.urls})}\n{agent.stderr_tail()}")
+    finally:
+        conn.close()
+    assert agent.stats()["jobs"] == {}, "no reader took part"
 
 
 # -- the budget -------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_expan
 
 from scripts.shard_maker import find_gnu_tar, make_shard, synth_samples
 from tests.helpers.testdata import NEEDS_TESTDATA, REAL_SHARDS, TESTDATA
-from wdscache.agent.growing import GrowingShard, NotYet
+from wdscache.agent.growing import WALK_STEP, GrowingShard, NotYet
 from wdscache.agent.gunzip import GZIP_OUT, gunzip
 from wdscache.agent.sampletable import PackedSamples, SampleTables, placed
 from wdscache.agent.shardview import iter_samples, open_shard
@@ -832,6 +832,35 @@ def test_growing_shard_with_a_global_pax_header_mid_archive(tmp_path: Path) -> N
     data = samples(0, 6) + ext_member(b"g", pax_data(path="late/g.bin")) + member(b"s006.cls", b"6") + END
     assert [span.key for span in scan(data, url="u")][5:] == ["s005", "late/g"]
     assert_growing_matches(tmp_path / "mid.tar", data, range(700, len(data), 700))
+
+
+def test_growing_shard_asked_for_a_sample_walks_a_step_past_it(tmp_path: Path) -> None:
+    # A download well under way: a look for its first samples walks a step of headers, not all of
+    # them, and the steps add up to exactly the samples a whole walk finds.
+    n = 3 * WALK_STEP
+    data = make_shard(tmp_path / "src.tar", synth_samples(0, n, payload=10)).read_bytes()
+    full = scan(data, url="u")
+    path = tmp_path / "growing.tar"
+    path.write_bytes(data)  # every member there, as a partial file just before it is published
+    view = GrowingShard(path, url="u")
+    try:
+        view.refresh(0)
+        assert view.samples == full[: WALK_STEP + 1]
+        view.refresh(2 * WALK_STEP)
+        assert view.samples == full[: 3 * WALK_STEP + 1][: n - 1]
+        view.refresh()
+        assert view.samples == full[: n - 1]  # the last waits for the finished file
+        with open(path, "rb") as f:
+            assert view.complete(f.fileno(), "u") == full
+    finally:
+        view.close()
+    stepped = GrowingShard(path, url="u")
+    try:
+        stepped.refresh(5)
+        with open(path, "rb") as f:  # published after a step: the rest is walked from there
+            assert stepped.complete(f.fileno(), "u") == full
+    finally:
+        stepped.close()
 
 
 def test_growing_shard_follows_a_download_that_starts_over(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,7 @@ WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
+PROBES_AT_ONCE = 16  # HEADs at once of the start-up window's shards, whose sizes check the budget
 
 Handler = Callable[[Request], Reply | None]  # None: no reply now (a one-way report, or a request held)
 
@@ -597,7 +599,7 @@ def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: lis
              f"--cache-size {format_size(cache.limit)}")
     if usable <= 0:
         raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
-    sizes = [s for s in (_probe_size(cache, fetcher, u) for u in first) if s]
+    sizes = [s for s in _probe_sizes(cache, fetcher, first) if s]
     if not sizes:
         return
     need = need_shards * max(sizes)
@@ -623,9 +625,25 @@ def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: lis
                     window, format_size(need))
 
 
-def _probe_size(cache: ShardCache, fetcher: Fetcher, url: str) -> int:
-    rec = cache.index.get(url)
-    if rec is not None and rec.size:
-        return rec.size
-    described = fetcher.describe(url)
-    return described.size if described else 0
+def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str]) -> list[int]:
+    """The size of each of ``urls`` (0: unknown): the index's, else its source's. HTTP(S) sources
+    are asked all at once: a HEAD costs the server's time to first byte, and one after the other
+    they would hold the agent's start-up (and a loader waiting for it) for ``--prefetch`` of
+    them. Others are asked here (an S3 client is made per thread, at a cost in CPU)."""
+    known = {u: rec.size for u in urls if (rec := cache.index.get(u)) is not None and rec.size}
+
+    def size(url: str) -> int:
+        described = fetcher.describe(url)
+        return described.size if described else 0
+
+    def size_in_thread(url: str) -> int:
+        try:
+            return size(url)
+        finally:
+            fetcher.close_thread()  # its session dies with the thread
+
+    http = [u for u in urls if u not in known and u.startswith(("http://", "https://"))]
+    if http:
+        with ThreadPoolExecutor(max_workers=min(len(http), PROBES_AT_ONCE)) as pool:
+            known.update(zip(http, pool.map(size_in_thread, http)))
+    return [known[u] if u in known else size(u) for u in urls]

@@ -13,11 +13,16 @@ the same checks as a finished shard's (:mod:`wdscache.shared.tarwalk`).  A
 from __future__ import annotations
 
 import os
+from itertools import islice
 from typing import Any
 
 from ..shared.errors import ShardError
 from ..shared.samples import SampleSpan, group_samples
 from ..shared.tarwalk import BLOCK, GZIP_MAGIC, HEAD_BYTES, FileSpan, tar_problem, walk
+
+# Samples a look walks past the one it needs: a download well under way is taken in a step
+# at a time, so the first reads of it wait for a short walk, not for all its headers so far.
+WALK_STEP = 256
 
 
 class NotYet(Exception):
@@ -55,8 +60,10 @@ class GrowingShard:
         except FileNotFoundError:
             return False
 
-    def refresh(self) -> None:
-        """Take in what the download has written since the last call.
+    def refresh(self, needed: int | None = None) -> None:
+        """Take in what the download has written since the last call: with ``needed``, only
+        until sample ``needed`` is known complete and :data:`WALK_STEP` more (or all that
+        arrived, if fewer); without it, all.
 
         FileNotFoundError when the file is gone (published, or the download ended):
         the samples already found stay readable, but no more will come here.
@@ -80,8 +87,11 @@ class GrowingShard:
             return
         pax: dict[str, Any] = {}
         buf = FileSpan(self._fd, start, size)  # headers are read in blocks: payloads are skipped
+        # Samples up to needed + WALK_STEP, and one more group: the last one taken may not be complete.
+        most = None if needed is None or self._from_start else max(needed - len(self.samples), 0) + WALK_STEP + 2
         try:
-            groups = list(group_samples(walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start))
+            groups = list(islice(group_samples(walk(buf, self.url, prefix=True, global_pax=pax), self.url,
+                                               base=start), most))
         except ShardError as exc:
             problem = tar_problem(os.pread(self._fd, HEAD_BYTES, 0)) if start == 0 and exc.offset == 0 else None
             if problem:  # say what came instead of a tar (an HTML page served with status 200, say)

@@ -305,6 +305,9 @@ class _Worker:
         samples = None if known else self.index.get(url, identity)
         if isinstance(samples, PackedSamples):
             self.walked += 1
+            # Its count too, as a scan tells it: the agent's answers to opens and counts then
+            # carry it, and a loader reading the shard need not ask a worker for it.
+            self._send_report({"op": "counted", "url": url, "samples": len(view.samples)})
             layouts, frames = samples.parts()
             header = {**self.reports.walked(url, list(identity), layouts), "key": self.key}
             if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
@@ -420,7 +423,7 @@ class _Worker:
             view, placer, count, gap = shards[k]
             if placer is None:  # a download under way
                 if j >= len(view.samples):
-                    view.refresh()
+                    view.refresh(j)
                 if not 0 <= j < len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
@@ -560,7 +563,7 @@ class _Worker:
                 self.growing.popitem(last=False)[1].close()
         self.growing.move_to_end(url)
         if refresh:
-            view.refresh()
+            view.refresh(len(view.samples))  # a step further: a look at the download answers soon
         return view
 
     def _readable(self, url: str) -> Any:

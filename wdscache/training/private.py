@@ -48,6 +48,9 @@ log = get_logger(__name__)
 USERS_FILE = "private-users"
 START_LOCK = "private-start.lock"
 LOCK_POLL = 0.05  # seconds between tries of a lock held by another process
+# Seconds between looks for the state file of the agent we started: a look is one stat while
+# there is none, and the loader's first sample waits for the first look after it appears.
+START_POLL = 0.01
 
 
 def _serving(layout: CacheLayout, timeout: float = 1.0) -> dict[str, Any] | None:
@@ -167,7 +170,7 @@ def _start(layout: CacheLayout, urls: Sequence[str], deadline: float) -> tuple[s
                 f"could not start a private agent on {layout.root}; its log {log_file} ends with:\n"
                 + _tail(log_file)
             )
-        time.sleep(0.1)
+        time.sleep(START_POLL)
     return proc, state
 
 
