@@ -12,7 +12,7 @@ from typing import Any
 
 from wdscache.agent.cache import ShardCache
 from wdscache.agent.control import Reply, Request
-from wdscache.agent.download import Fetched
+from wdscache.agent.shard_download import Fetched
 from wdscache.agent.downloads import Downloads
 from wdscache.agent.events import Mailbox
 from wdscache.agent.fetch import Fetcher

@@ -307,7 +307,7 @@ class _Worker:
             self.walked += 1
             # Its count too, as a scan tells it: the agent's answers to opens and counts then
             # carry it, and a loader reading the shard need not ask a worker for it.
-            self._send_report({"op": "counted", "url": url, "samples": len(view.samples)})
+            self._send_report(self.reports.counted(url, len(view.samples)))
             layouts, frames = samples.parts()
             header = {**self.reports.walked(url, list(identity), layouts), "key": self.key}
             if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
