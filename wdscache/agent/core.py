@@ -51,6 +51,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,7 @@ WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
+PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
 # The control ops (wdscache.shared.protocol.MESSAGES, to the agent; "auth" is answered at the
 # door and "walked" passed on to the workers, before this table).
 CONTROL_OPS = ("stats", "worker", "counted", "damaged", "corrupt", "counts", "hello", "put_urls", "get_urls",
@@ -212,6 +214,7 @@ class Agent:
             undo.pop_all()
         self._build(urls, cache_root=[root.st_dev, root.st_ino])
         self.downloads.start_threads()
+        self._schedule()  # the start-up window downloads while the workers start
         if self._metrics is not None:
             self._metrics.update(self.stats())
             log.info("serving metrics on %s", self._metrics.url)
@@ -589,7 +592,7 @@ def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: lis
              f"--cache-size {format_size(cache.limit)}")
     if usable <= 0:
         raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
-    sizes = [s for s in (_probe_size(cache, fetcher, u) for u in first) if s]
+    sizes = [s for s in _probe_sizes(cache, fetcher, first) if s]
     if not sizes:
         return
     need = need_shards * max(sizes)
@@ -615,9 +618,21 @@ def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: lis
                     window, format_size(need))
 
 
-def _probe_size(cache: ShardCache, fetcher: Fetcher, url: str) -> int:
-    rec = cache.index.get(url)
-    if rec is not None and rec.size:
-        return rec.size
-    described = fetcher.describe(url)
+def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str]) -> list[int]:
+    """The size of each of ``urls`` (0: unknown): the index's, else its source's (a HEAD, or a
+    stat), all asked at once, in up to ``PROBE_THREADS`` threads: a start waits for the slowest
+    answer, not for the sum of them."""
+    known = {u: rec.size for u in urls if (rec := cache.index.get(u)) is not None and rec.size}
+    ask = [u for u in urls if u not in known]
+    if ask:
+        with ThreadPoolExecutor(max_workers=min(len(ask), PROBE_THREADS), thread_name_prefix="probe") as pool:
+            known.update(zip(ask, pool.map(lambda u: _source_size(fetcher, u), ask)))
+    return [known[u] for u in urls]
+
+
+def _source_size(fetcher: Fetcher, url: str) -> int:
+    try:
+        described = fetcher.describe(url)
+    finally:
+        fetcher.close_thread()  # a pool thread may ask again: no session lingers past its answer
     return described.size if described else 0
