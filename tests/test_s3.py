@@ -285,6 +285,16 @@ def test_a_list_reload_lists_the_prefix_again(store: Store, tmp_path: Path, star
     assert cached_bytes(tmp_path / "cache", new_url) == new.read_bytes()
 
 
+def test_the_start_up_windows_sizes_are_asked_at_once(moto_store: Store, tmp_path: Path, start_agent) -> None:
+    urls, paths = moto_store.put_shards("t/", 4, samples=2, payload=100)
+    moto_store.proxy.ttfb = 0.5  # one after another, four HEADs would take 2 s
+    agent = start_on(start_agent, moto_store, tmp_path, urls, "--prefetch", "4")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 4, CACHED_IN, "the shards were not cached")
+    heads = [r for r in moto_store.proxy.requests if r.method == "HEAD"]
+    assert len(heads) == 4, heads
+    assert max(h.began for h in heads) < min(h.ended for h in heads), heads  # all asked before any answer came
+
+
 def test_a_prefix_that_lists_nothing_or_a_missing_bucket_stops_the_agent_with_the_line(
         store: Store, tmp_path: Path, start_agent) -> None:
     for line, words in ((f"s3://{store.bucket}/empty/", "stands for no shard"),
