@@ -214,7 +214,6 @@ class Agent:
             undo.pop_all()
         self._build(urls, cache_root=[root.st_dev, root.st_ino])
         self.downloads.start_threads()
-        self._schedule()  # the start-up window downloads while the workers start
         if self._metrics is not None:
             self._metrics.update(self.stats())
             log.info("serving metrics on %s", self._metrics.url)
