@@ -25,7 +25,8 @@ _PACE = 64 << 10  # a capped body is sent in pieces of this size
 @dataclass
 class ProxiedRequest:
     """One request as the proxy saw it: ``key`` is ``bucket/key`` (path-style), ``query`` the
-    raw query string; ``status`` what the client got; ``sent`` the body bytes it got."""
+    raw query string; ``status`` what the client got; ``sent`` the body bytes it got; ``began`` and
+    ``ended`` when (``time.monotonic()``) its request line came and its answer's last byte went."""
 
     method: str
     key: str
@@ -35,6 +36,8 @@ class ProxiedRequest:
     status: int = 0
     sent: int = 0
     fault: str | None = None
+    began: float = 0.0
+    ended: float = 0.0
 
 
 @dataclass
@@ -119,14 +122,18 @@ class S3Proxy:
         conn.settimeout(_IO_TIMEOUT)
         try:
             with conn, conn.makefile("rb") as rfile:
-                self._one(conn, rfile)
+                record = self._one(conn, rfile)
+                if record is not None:
+                    record.ended = time.monotonic()
         except OSError:
             pass  # the client went away
 
-    def _one(self, conn: socket.socket, rfile) -> None:
+    def _one(self, conn: socket.socket, rfile) -> ProxiedRequest | None:
+        """Answer one request; its record (None: the client sent none)."""
         line = rfile.readline(65537).decode("latin-1")
+        began = time.monotonic()
         if not line.strip():
-            return
+            return None
         method, target, _ = line.split(" ", 2)
         headers: list[tuple[str, str]] = []
         while (h := rfile.readline(65537).decode("latin-1")) not in ("\r\n", "\n", ""):
@@ -136,7 +143,7 @@ class S3Proxy:
         body = rfile.read(int(lower.get("content-length", "0") or 0))
         parts = urlsplit(target)
         record = ProxiedRequest(method, unquote(parts.path).lstrip("/"), parts.query, lower.get("range"),
-                                lower.get("if-match"))
+                                lower.get("if-match"), began=began)
         with self._lock:
             self.requests.append(record)
             queue = self._faults.get(record.key) if method == "GET" and not parts.query else None
@@ -144,7 +151,8 @@ class S3Proxy:
         if fault is not None:
             record.fault = fault.kind
             if fault.kind == "error":
-                return self._error(conn, record, fault)
+                self._error(conn, record, fault)
+                return record
         upstream = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=_IO_TIMEOUT)
         try:
             upstream.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
@@ -163,7 +171,7 @@ class S3Proxy:
                 if self.ttfb:
                     time.sleep(self.ttfb)
                 conn.sendall("".join(out).encode("latin-1"))
-                return
+                return record
             length = resp.getheader("Content-Length")
             data = b"" if length is not None else resp.read()  # a body of unknown length: read first
             out.append(f"Content-Length: {length if length is not None else len(data)}\r\n"
@@ -179,6 +187,7 @@ class S3Proxy:
                 conn.shutdown(socket.SHUT_RDWR)  # a reset mid-body
         finally:
             upstream.close()
+        return record
 
     def _relay(self, conn: socket.socket, resp: http.client.HTTPResponse, data: bytes, limit: int | None) -> int:
         """Send the body (``data``, else read from ``resp`` as it comes), at most ``limit`` bytes,

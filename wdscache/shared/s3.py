@@ -10,10 +10,14 @@ Where a client's settings come from: the endpoint is the one given (the agent's
 ``AWS_ENDPOINT_URL``, the profile's ``endpoint_url``); credentials, profile (``AWS_PROFILE``)
 and region come from boto3's standard chain. This module reads no environment itself.
 
-Threads: boto3 clients may be shared, sessions may not. Each :class:`S3Client` is made from
-the process's one session, under a lock (so botocore loads its S3 model and credentials once,
-not once per thread: tens of ms of CPU each, paid when a cold start's downloads begin together);
-each download thread makes its own client (the fetcher keeps one per thread).
+Threads: boto3 clients may be shared, sessions may not. The process makes one session, and
+one botocore client for each set of settings (endpoint, timeouts, retries), under a lock; every
+:class:`S3Client` with those settings uses that client. So botocore loads its S3 model and
+credentials once, and a download or part thread's first request does not wait for a client of
+its own (tens of ms of CPU each, serialized by the lock: paid again by each new part thread).
+The shared client's connection pool (:data:`POOL_CONNECTIONS`) holds a connection for every
+download thread and part at once, so connections are reused whichever thread asks next; the
+clients live as long as the process.
 
 Retries: a download's client makes one attempt per call (botocore's retries are off), so the
 fetcher's own loop, with its backoff and retry count, decides what is tried again: a missing
@@ -39,6 +43,10 @@ TRANSIENT_CODES = frozenset({
 })
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _GLOB = re.compile(r"[*?\[]")
+# Connections a shared client keeps for reuse: more than the agent's download threads and their
+# parts use at once (2 x --download-workers x --download-parts, 32 by default); one beyond it is
+# opened and closed after its request.
+POOL_CONNECTIONS = 64
 
 
 class Transient(Exception):
@@ -125,6 +133,7 @@ def _boto() -> tuple[Any, Any, Any]:
 
 
 _session: Any = None  # the process's boto3 session, made by the first client
+_clients: dict[tuple[str | None, float, float, bool], Any] = {}  # settings -> the process's botocore client
 _session_lock = threading.Lock()
 
 
@@ -144,25 +153,30 @@ class Body:
 
 
 class S3Client:
-    """A boto3 session and S3 client, for the thread that makes it. Raises NoClient."""
+    """S3 requests with the given settings, through the process's botocore client for them
+    (made by the first S3Client that asks; safe to use from any thread). Raises NoClient."""
 
     def __init__(self, *, endpoint_url: str | None = None, connect_timeout: float = 10.0,
                  read_timeout: float = 60.0, retries: bool = False) -> None:
         global _session
         session_mod, config_cls, self._exc = _boto()
+        settings = (endpoint_url, connect_timeout, read_timeout, retries)
         try:
             with _session_lock:
                 if _session is None:
                     _session = session_mod.Session()
-                self._client = _session.client("s3", endpoint_url=endpoint_url, config=config_cls(
-                    connect_timeout=connect_timeout, read_timeout=read_timeout,
-                    retries={"mode": "standard"} if retries else {"total_max_attempts": 1},
-                ))
+                if settings not in _clients:
+                    _clients[settings] = _session.client("s3", endpoint_url=endpoint_url, config=config_cls(
+                        connect_timeout=connect_timeout, read_timeout=read_timeout,
+                        retries={"mode": "standard"} if retries else {"total_max_attempts": 1},
+                        max_pool_connections=POOL_CONNECTIONS,
+                    ))
+                self._client = _clients[settings]
         except self._exc.BotoCoreError as exc:  # an unknown profile, a bad endpoint, no region
             raise NoClient(f"cannot make an S3 client: {exc}") from None
 
     def close(self) -> None:
-        self._client.close()
+        """Nothing to let go: the shared client, and its idle connections, stay for other threads."""
 
     def head(self, url: str) -> tuple[int, str | None]:
         """The object's size and ETag. Raises FetchError or :class:`Transient`."""
