@@ -1243,7 +1243,7 @@ class Bench:
         from wdscache.shared.stats import collect
 
         cache = self.fresh_dir(f"million-{kind}")
-        agent = Agent(self, cache, path, 64 << 20, tag=f"million-{kind}-agent")
+        agent = Agent(self, cache, path, 64 << 20, tag=f"million-{kind}-agent", ready_within=180)
         self.agents.append(agent)
         try:
             agent.start()
@@ -1361,8 +1361,9 @@ class Agent:
     """A ``wdscache agent`` subprocess, its readiness, CPU and memory."""
 
     def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str, *, defaults: bool = False,
-                 extra: Sequence[str] = ()) -> None:
+                 extra: Sequence[str] = (), ready_within: float = 30.0) -> None:
         self.bench, self.cache, self.urls, self.budget, self.tag = bench, cache, urls, budget, tag
+        self.ready_within = ready_within  # seconds it may take to answer stats
         self.extra = list(extra)  # more agent options (a node's --node-rank, --num-nodes)
         self.defaults = defaults  # every option at its default (the start-up plan in seeded shuffle order)
         self.child: Child | None = None
@@ -1398,7 +1399,7 @@ class Agent:
         from wdscache.shared.errors import WdsCacheError
         from wdscache.shared.stats import collect
 
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.ready_within
         while True:
             assert self.child is not None
             if self.child.proc.poll() is not None:
@@ -1409,7 +1410,8 @@ class Agent:
             except WdsCacheError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the agent did not answer stats within 30 s: {self.child.stderr_tail()}")
+                raise RuntimeError(f"the agent did not answer stats within {self.ready_within:.0f} s: "
+                                   f"{self.child.stderr_tail()}")
             time.sleep(0.02)
 
     def _sample(self) -> None:

@@ -26,7 +26,7 @@ import operator
 import os
 import re
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,10 @@ __all__ = [
     "format_url_list",
     "index_list",
     "list_id",
+    "list_of_bytes",
     "normalize_url",
     "parse_url_list",
+    "read_list_bytes",
     "read_url_list",
 ]
 
@@ -70,6 +72,14 @@ _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 _BRACE_TOKENS = re.compile(r"(\\[{}]|[{},])")
 _COMMENT_START = re.compile(r"\s#")
 _SPACE = re.compile(r"\s")
+# _plain_lines: white space inside a line; a line that is not an http(s) URL with a host; a path
+# normpath would change; a relative path line; an absolute one.
+_ASCII_SPACE = " \t\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.split splits an ASCII line at
+_SPACE_IN_LINE = re.compile(r"[^\S\n]")
+_NOT_HTTP = re.compile(r"^(?!https?://[^/?#@:\n])(?=.)", re.MULTILINE)
+_NOT_CLEAN = re.compile(r"//|/\.\.?(/|$)|/$|^\.\.?(/|$)", re.MULTILINE)
+_RELATIVE = re.compile(r"^[^/\n]", re.MULTILINE)
+_ABSOLUTE = re.compile(r"^/", re.MULTILINE)
 # Nesting is parsed with an explicit stack, but counting and expanding recurse.
 _MAX_DEPTH = 100
 
@@ -227,12 +237,13 @@ def expand_braces(pattern: str, *, limit: int = DEFAULT_LIMIT) -> list[str]:
 
 class Urls(Sequence[str]):
     """URLs in order, held compactly: one string of them all (each ended by ``"\\n"``, which no URL
-    holds) and an array of where each starts, rather than an object per URL.
+    holds) and an array of where each ends, rather than an object per URL.
 
-    A million URLs of 80 characters take about 100 MB here (text, starts, lookup table), against
+    A million URLs of 80 characters take about 100 MB here (text, ends, lookup table), against
     about 140 MB as a tuple of strings and 110 MB more for a dict of their positions. Lookups
-    (``in``, :meth:`index`) go through an open-addressing table of positions, built on the first
-    one (or at once, by :meth:`distinct`). Equal to any sequence of the same URLs in the same order.
+    (``in``, :meth:`index`, :meth:`position`) go through an open-addressing table of positions
+    by hash, made on the first lookup (or at once, by :meth:`distinct`). Equal to any sequence
+    of the same URLs in the same order.
     """
 
     __slots__ = ("_text", "_ends", "_table")
@@ -248,22 +259,11 @@ class Urls(Sequence[str]):
 
     @classmethod
     def distinct(cls, urls: list[str]) -> tuple[Urls, int]:
-        """The URLs of ``urls`` without repeats (the first of each kept, in order), and how many were dropped."""
-        size = _table_size(len(urls))
-        mask, table, kept = size - 1, array("i", bytes(4 * size)), []
-        empty = 0  # a slot holds position + 1; 0 is empty
-        for url in urls:
-            slot = hash(url) & mask
-            while (at := table[slot]) != empty:
-                if kept[at - 1] == url:
-                    break
-                slot = (slot + 1) & mask
-            else:
-                kept.append(url)
-                table[slot] = len(kept)
+        """The URLs of ``urls`` without repeats (the first of each kept, in order), and how many were
+        dropped; its lookup table made at once, while ``urls`` still hold their hashes."""
+        kept = list(dict.fromkeys(urls))
         made = cls(kept)
-        if _table_size(len(kept)) == size:  # else mostly empty: built again, smaller, when first needed
-            made._table = table
+        made._table = _positions_table(kept)
         return made, len(urls) - len(kept)
 
     def __len__(self) -> int:
@@ -305,11 +305,36 @@ class Urls(Sequence[str]):
             table = self._table = _positions_table(self)
         mask = len(table) - 1
         slot = hash(url) & mask
-        while at := table[slot]:
+        while at := table[slot]:  # position + 1; 0: an empty slot, the end of the probe
             if self[at - 1] == url:
                 return at - 1
             slot = (slot + 1) & mask
         return -1
+
+    def leading(self, chars: int) -> int:
+        """How many URLs lie wholly (with their ``"\\n"``) in the first ``chars`` characters of :meth:`text`."""
+        ends, lo, hi = self._ends, 0, len(self._ends)
+        while lo < hi:  # the first URL that does not: ends[i] + i + 1 > chars
+            mid = (lo + hi) // 2
+            if ends[mid] + mid + 1 <= chars:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def trailing(self, chars: int) -> int:
+        """How many URLs, with the ``"\\n"`` before them, lie wholly in the last ``chars`` characters
+        of :meth:`text` (so that they are URLs of any text that ends with those characters)."""
+        ends, lo, hi, first = self._ends, 1, len(self._ends), len(self._text) - chars
+        if not ends:
+            return 0
+        while lo < hi:  # the first URL i >= 1 whose "\n" before it is in: ends[i - 1] + i - 1 >= first
+            mid = (lo + hi) // 2
+            if ends[mid - 1] + mid - 1 >= first:
+                hi = mid
+            else:
+                lo = mid + 1
+        return len(ends) - lo
 
     def text(self) -> str:
         """The URLs, each ended by ``"\\n"`` (a list file of them, without escaping braces)."""
@@ -329,7 +354,7 @@ class Urls(Sequence[str]):
         return f"Urls({list(self[:3])}{'...' if len(self) > 3 else ''}, {len(self)} URLs)"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # The lookup table hashes with this process's string hash: the other side builds its own.
+        # The table holds this process's string hashes: the other side makes its own.
         return (_restore_urls, (self._text, self._ends))
 
 
@@ -339,14 +364,12 @@ def _restore_urls(text: str, ends: array) -> Urls:
     return made
 
 
-def _table_size(n: int) -> int:
-    """Slots of a lookup table of ``n`` URLs: a power of two at least twice ``n`` (probes stay short)."""
-    return 1 << max(3, (2 * n).bit_length())
-
-
-def _positions_table(urls: Urls) -> array:
-    size = _table_size(len(urls))
-    mask, table = size - 1, array("i", bytes(4 * size))
+def _positions_table(urls: Iterable[str]) -> array:
+    """Open addressing, linear probing: slot ``hash(url) & mask`` or the next free one holds
+    ``position + 1``. At least twice as many slots as URLs keep probes short."""
+    n = len(urls) if isinstance(urls, Sized) else 0
+    size = 1 << max(3, (2 * n).bit_length())
+    mask, table = size - 1, array("i" if n < 1 << 31 else "q", [0]) * size
     for k, url in enumerate(urls, 1):
         slot = hash(url) & mask
         while table[slot]:
@@ -440,6 +463,8 @@ def _normalize(url: str, base_dir: str, allow_pipe: bool) -> str:
 
 def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
     colon = url.find(":")
+    if colon < 0 and _clean_path(url):  # the common case, without normpath's cost
+        return "file://" + (url if url[0] == "/" else (base_dir if base_dir != "/" else "") + "/" + url)
     if colon > 0 and _SCHEME_RE.fullmatch(url, 0, colon):
         scheme = url[:colon].lower()
         if scheme == "pipe":
@@ -466,6 +491,13 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
             raise ValueError(f"unknown scheme {scheme!r}; {_SUPPORTED}")
     # Anything else is a local path (a "name:" without "//" included, e.g. "a:b.tar").
     return "file://" + _abs_path(os.path.join(base_dir, url))
+
+
+def _clean_path(path: str) -> bool:
+    """Whether ``path`` is its own :func:`os.path.normpath`: no empty, ``.`` or ``..`` part, no
+    ``/`` at its end."""
+    return not ("//" in path or "/./" in path or "/../" in path or path.endswith(("/", "/.", "/.."))
+                or path.startswith(("./", "../")) or path in (".", ".."))
 
 
 def _line_entry(raw: str, parts: list[str]) -> str:
@@ -499,6 +531,10 @@ def parse_url_list(
     Any unusable line raises UrlListError naming ``path`` and the line.
     """
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
+    plain = _plain_lines(text, base, limit)
+    if plain is not None:
+        distinct, duplicates = Urls.distinct(plain)
+        return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
     urls: list[str] = []  # with repeats: Urls.distinct drops them
     total = 0
     # Split on "\n" only so line numbers match what an editor shows.
@@ -539,6 +575,26 @@ def parse_url_list(
     return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
 
 
+def _plain_lines(text: str, base: str, limit: int) -> list[str] | None:
+    """The URLs of a list whose every line is what the line-by-line parse would take as it is
+    (an http(s) URL with a host), or a path it would only prefix (all absolute, or all relative,
+    none with a part normpath changes), found with a few scans of the whole text; else None."""
+    if "{" in text or "}" in text or "#" in text or (
+            any(c in text for c in _ASCII_SPACE) if text.isascii() else _SPACE_IN_LINE.search(text) is not None):
+        return None  # braces, comments, white space in a line: the line-by-line parse
+    if _NOT_HTTP.search(text) is None:
+        lines = [line for line in text.split("\n") if line]
+    elif ":" not in text and _NOT_CLEAN.search(text) is None:
+        absolute = _RELATIVE.search(text) is None
+        if not absolute and _ABSOLUTE.search(text) is not None:
+            return None  # some of each: each its own way
+        prefix = "file://" if absolute else "file://" + (base if base != "/" else "") + "/"
+        lines = [prefix + line for line in text.split("\n") if line]
+    else:
+        return None
+    return lines if len(lines) <= limit else None
+
+
 def index_list(
     entries: Sequence[tuple[str, ShardInfo]],
     *,
@@ -566,12 +622,14 @@ def _index_list(written: list[str], facts: ShardFacts, *, path: str, base_dir: s
     if len(written) > limit:
         raise ShardIndexError(path, None, f"the index lists {len(written)} shards, more than the limit of {limit}")
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
-    urls: list[str] = []
-    for i, url in enumerate(written):
-        try:
-            urls.append(_index_url(url, base, allow_pipe, lister))
-        except ValueError as exc:
-            raise ShardIndexError(path, i, str(exc), url=url) from None
+    urls = _plain_lines("\n".join(written), base, limit)  # each one plain, as a list's lines can be
+    if urls is None or len(urls) != len(written):
+        urls = []
+        for i, url in enumerate(written):
+            try:
+                urls.append(_index_url(url, base, allow_pipe, lister))
+            except ValueError as exc:
+                raise ShardIndexError(path, i, str(exc), url=url) from None
     distinct, duplicates = Urls.distinct(urls)
     if duplicates:
         facts = _distinct_facts(urls, facts, distinct, path, written)
@@ -628,13 +686,23 @@ def read_url_list(
     (including bytes that are not UTF-8), ShardIndexError for a bad index.
     """
     name = os.fspath(path)
+    return list_of_bytes(read_list_bytes(name), path=name, allow_pipe=allow_pipe, limit=limit, lister=lister)
+
+
+def read_list_bytes(path: str) -> bytes:
+    """The bytes of the list file ``path``; ConfigError if it cannot be read."""
     try:
-        with open(name, "rb") as f:
-            data = f.read()
+        with open(path, "rb") as f:
+            return f.read()
     except FileNotFoundError:
-        raise ConfigError(f"URL list {name} does not exist; check the --urls path") from None
+        raise ConfigError(f"URL list {path} does not exist; check the --urls path") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read URL list {name}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read URL list {path}: {exc.strerror or exc}") from None
+
+
+def list_of_bytes(data: bytes, *, path: str, allow_pipe: bool = False, limit: int = DEFAULT_LIMIT,
+                  lister: Lister | None = None) -> UrlList:
+    """:func:`read_url_list` of the bytes ``data`` read from the file ``path``."""
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
     try:
@@ -645,13 +713,15 @@ def read_url_list(
         end = data.find(b"\n", exc.start)
         line = data[start : end if end >= 0 else len(data)].decode("utf-8", "replace").strip()
         reason = f"not valid UTF-8 (bad byte at offset {exc.start}); save the list as UTF-8"
-        raise UrlListError(name, lineno, line, reason) from None
-    base_dir = os.path.dirname(os.path.abspath(name))
+        raise UrlListError(path, lineno, line, reason) from None
+    del data  # (a copy, without its BOM): the text is enough
+    base_dir = os.path.dirname(os.path.abspath(path))
     if looks_like_index(text):
-        written, facts = read_shard_index(text, path=name)
-        return _index_list(written, facts, path=name, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit,
+        written, facts = read_shard_index(text, path=path)
+        del text
+        return _index_list(written, facts, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit,
                            lister=lister)
-    return parse_url_list(text, path=name, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
+    return parse_url_list(text, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
 
 
 def list_id(urls: Iterable[str], shards: Iterable[ShardInfo] | None = None) -> str:
@@ -681,12 +751,43 @@ def _batched(items: Iterator[str], n: int = 4096) -> Iterator[tuple[str, ...]]:
 
 
 def diff_urls(old: UrlList, new: UrlList) -> tuple[list[str], list[str]]:
-    """Return ``(added, removed)``: URLs only in ``new`` and only in ``old``, each in list order."""
-    if old.urls == new.urls:
+    """Return ``(added, removed)``: URLs only in ``new`` and only in ``old``, each in list order.
+
+    The URLs both lists start and end with are found by comparing their texts, so an edit of a
+    long list costs (in time and memory) about what it changed."""
+    a, b = old.urls, new.urls
+    if a == b:
         return [], []
-    added = [url for url in new.urls if url not in old.urls]
-    removed = [url for url in old.urls if url not in new.urls]
-    return added, removed
+    x, y = a.text(), b.text()
+    head = a.leading(_common_prefix(x, y))
+    tail = min(a.trailing(_common_suffix(x, y)), min(len(a), len(b)) - head)
+    old_mid, new_mid = a[head : len(a) - tail], b[head : len(b) - tail]
+    old_set, new_set = set(old_mid), set(new_mid)
+    return [url for url in new_mid if url not in old_set], [url for url in old_mid if url not in new_set]
+
+
+_COMPARED = 1 << 16  # characters of two lists' texts compared at once
+
+
+def _common_prefix(x: str, y: str) -> int:
+    """How many characters ``x`` and ``y`` start with alike."""
+    n, at = min(len(x), len(y)), 0
+    while at < n and x[at : at + _COMPARED] == y[at : at + _COMPARED]:
+        at += _COMPARED
+    return min(n, at + len(os.path.commonprefix([x[at : at + _COMPARED], y[at : at + _COMPARED]])))
+
+
+def _common_suffix(x: str, y: str) -> int:
+    """How many characters ``x`` and ``y`` end with alike."""
+    return _common_prefix(x[::-1], y[::-1]) if len(x) + len(y) <= 2 * _COMPARED else _long_suffix(x, y)
+
+
+def _long_suffix(x: str, y: str) -> int:
+    n, at = min(len(x), len(y)), 0
+    while at + _COMPARED <= n and x[len(x) - at - _COMPARED : len(x) - at] == y[len(y) - at - _COMPARED : len(y) - at]:
+        at += _COMPARED
+    rest = min(_COMPARED, n - at)
+    return at + _common_prefix(x[len(x) - at - rest : len(x) - at][::-1], y[len(y) - at - rest : len(y) - at][::-1])
 
 
 def format_url_list(urls: Iterable[str]) -> str:
