@@ -9,6 +9,7 @@ Guarantees:
   name); the file is read again only if its stat (through symlinks) changed, and
   parsed again only if its bytes did (their SHA-256 differs).
 - The watchdog thread only sets a flag; the main loop reads the file.
+- Memory stays flat across edits: what a parse freed goes back to the kernel after it.
 - A change is logged as one record (event ``list_changed``): how many URLs were added and
   removed, and the first :data:`LIST_SAMPLE` of each, redacted as every log record is.
 """
@@ -29,6 +30,7 @@ from watchdog.observers import Observer
 from ..shared.config import AgentConfig
 from ..shared.errors import ConfigError
 from ..shared.logs import event, get_logger
+from ..shared.malloc import release_freed
 from ..shared.s3 import Listing
 from ..shared.urls import UrlList, list_of_bytes, read_list_bytes
 
@@ -54,8 +56,11 @@ class ListFile:
         self._signature = _stat_signature(self._path)
         data = read_list_bytes(str(self._path))
         digest = hashlib.sha256(data).digest()
-        urls = list_of_bytes(data, path=str(self._path), allow_pipe=self._allow_pipe, lister=self._lister)
-        del data
+        try:
+            urls = list_of_bytes(data, path=str(self._path), allow_pipe=self._allow_pipe, lister=self._lister)
+        finally:
+            del data
+            release_freed()  # the parse's transients: else each edit of a long list leaves more RSS
         if not len(urls):
             raise ConfigError(f"URL list {self._path} holds no URL")
         if urls.duplicates:

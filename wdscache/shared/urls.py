@@ -271,13 +271,22 @@ class Urls(Sequence[str]):
 
     def __getitem__(self, i: Any) -> Any:
         if isinstance(i, slice):
-            return tuple(self[k] for k in range(*i.indices(len(self))))
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return tuple(self[k] for k in range(start, stop, step))
+            if start >= stop:
+                return ()
+            return tuple(self._text[self._start(start) : self._ends[stop - 1] + stop - 1].split("\n"))
         ends, i = self._ends, operator.index(i)
         if i < 0:
             i += len(ends)
         if not 0 <= i < len(ends):
             raise IndexError("URL index out of range")
-        return self._text[(ends[i - 1] + i if i else 0) : ends[i] + i]
+        return self._text[self._start(i) : ends[i] + i]
+
+    def _start(self, i: int) -> int:
+        """Where URL ``i`` starts in the text."""
+        return self._ends[i - 1] + i if i else 0
 
     def __iter__(self) -> Iterator[str]:
         text, start = self._text, 0
@@ -310,6 +319,22 @@ class Urls(Sequence[str]):
                 return at - 1
             slot = (slot + 1) & mask
         return -1
+
+    def page(self, start: int, budget: int) -> list[str]:
+        """The URLs from ``start`` on that :func:`wdscache.shared.protocol.pages` puts in one page of
+        ``budget`` bytes (each URL counted with 8 more; at least one URL), found by bisection."""
+        ends, n = self._ends, len(self._ends)
+        if start >= n:
+            return []
+        before = ends[start - 1] if start else 0
+        lo, hi = start + 1, n  # the page ends at the last j in [start + 1, n] whose URLs fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ends[mid - 1] - before + 8 * (mid - start) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return list(self[start:lo])
 
     def leading(self, chars: int) -> int:
         """How many URLs lie wholly (with their ``"\\n"``) in the first ``chars`` characters of :meth:`text`."""
