@@ -32,9 +32,7 @@ def _million(real: list[str], url_of) -> list[str]:
 
 
 def _first_sample(cache: Path) -> dict:
-    """A loader's first sample, in list order (the shards it opens ahead that do not exist are skipped)."""
-    with CachedMultiLoader(cache_dir=cache, job="million", rank=0, world_size=1, shuffle=False, on_error="skip",
-                           timeout=30) as loader:
+    with CachedMultiLoader(cache_dir=cache, job="million", rank=0, world_size=1, shuffle=False, timeout=30) as loader:
         return next(iter(loader))
 
 
