@@ -9,7 +9,7 @@ Guarantees:
   name); the file is read again only if its stat (through symlinks) changed, and
   parsed again only if its bytes did (their SHA-256 differs).
 - The watchdog thread only sets a flag; the main loop reads the file.
-- Memory stays flat across edits: what a parse freed goes back to the kernel after it.
+- What a parse freed goes back to the kernel after it (glibc's malloc_trim).
 - A change is logged as one record (event ``list_changed``): how many URLs were added and
   removed, and the first :data:`LIST_SAMPLE` of each, redacted as every log record is.
 """
