@@ -219,6 +219,12 @@ PREFETCH = 8
 CONSUMER_TIMEOUT = 60.0  # CachedMultiLoader(timeout=...)
 RANDOM_LIMIT = 4_000  # indices of each epoch's permutation the random-access rows read
 RANDOM_WARM_EPOCHS = 3  # warm epochs each random-access system reads; its row is the fastest
+SCALE_ROWS = ("url-list", "stats-100k", "big-list", "million-lists")  # --only/--skip names of the scale rows
+MILLION = 1_000_000  # shards of the million-lists row's list and index
+MILLION_REAL = 64  # of which real (the first: more than a loader opens before its first sample)
+MILLION_SAMPLES = 16  # samples of each real shard
+MILLION_EDITS = 3  # live edits of the list file, memory measured after each
+MILLION_REPS = 2  # agents started on each list (medians)
 T0 = time.monotonic()
 
 
@@ -1173,14 +1179,21 @@ class Bench:
     # -- scale checks ---------------------------------------------------------------------------------
 
     def run_scale(self) -> None:
-        log("scale: parse and plan a 1,000,000-entry URL list")
-        c = self.consumer("urls", "--n", "1000000", "--dir", str(self.work), tag="urls").wait(300)
-        self.scale["url_list_1m"] = c.report() or {"error": c.stderr_tail(5) or f"exit status {c.returncode}",
-                                                   "timed_out": c.timed_out}
-        log(f"  {self.scale['url_list_1m']}")
-        self.run_stats_100k()
-        if self.datasets:
+        skip = {s.strip() for s in self.args.skip.split(",") if s.strip()}
+        only = {s.strip() for s in self.args.only.split(",") if s.strip()}
+        picked = [name for name in SCALE_ROWS if name not in skip and (not only or name in only)]
+        if "url-list" in picked:
+            log("scale: parse and plan a 1,000,000-entry URL list")
+            c = self.consumer("urls", "--n", "1000000", "--dir", str(self.work), tag="urls").wait(300)
+            self.scale["url_list_1m"] = c.report() or {"error": c.stderr_tail(5) or f"exit status {c.returncode}",
+                                                       "timed_out": c.timed_out}
+            log(f"  {self.scale['url_list_1m']}")
+        if "stats-100k" in picked:
+            self.run_stats_100k()
+        if "big-list" in picked and self.datasets:
             self.run_big_list(next(iter(self.datasets.values())))
+        if "million-lists" in picked:
+            self.run_million_lists()
 
     def run_stats_100k(self) -> None:
         log("scale: wdscache stats --json on a 100,000-shard index")
@@ -1249,6 +1262,99 @@ class Bench:
         except Exception as exc:
             self.scale["big_list_1m"] = {"error": repr(exc)}
             log(f"  failed: {exc!r}")
+        finally:
+            agent.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def run_million_lists(self) -> None:
+        """A 1,000,000-shard list and a 1,000,000-shard index against a 1-line list: the agent's readiness,
+        its private memory (RssAnon of its main process) at start and after live edits of the list file,
+        the time to a ``wdscache stats`` answer and to a loader's first sample once it is ready.
+
+        The first entries are real shards on local disk (``file://``); the rest name files that do not
+        exist (never read: the loader stops at its first sample, in list order).
+        """
+        log("scale: agent on a 1,000,000-shard list and index (vs a 1-line list)")
+        folder = self.work / "lists" / "million"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        real = [folder / f"real-{i}.tar" for i in range(MILLION_REAL)]
+        for path in real:
+            write_tiny_shard(path, MILLION_SAMPLES)
+        size = real[0].stat().st_size
+        missing = [str(folder / f"missing-{i:07d}.tar") for i in range(MILLION_REAL, MILLION)]
+        lists = {"one": [str(real[0])], "list": [str(p) for p in real] + missing}
+        files = {"one": folder / "one.txt", "list": folder / "million.txt", "index": folder / "million.json"}
+        files["one"].write_text(lists["one"][0] + "\n")
+        files["list"].write_text("\n".join(lists["list"]) + "\n")
+
+        def index_text(urls: list[str]) -> str:
+            entries = (json.dumps({"url": u, "nsamples": MILLION_SAMPLES, "filesize": size}) for u in urls)
+            return '{"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": [\n' + ",\n".join(entries) + "\n]}\n"
+
+        files["index"].write_text(index_text(lists["list"]))
+        out: dict[str, Any] = {}
+        for kind in ("one", "list", "index"):
+            runs = [self._million_run(kind, files[kind], lists["list"] if kind != "one" else lists["one"],
+                                      index_text if kind == "index" else None) for _ in range(MILLION_REPS)]
+            ok = [r for r in runs if "error" not in r]
+            out[kind] = {"runs": runs}
+            for k in ok[0] if ok else ():  # medians; a list (memory after each edit) from the last run
+                out[kind][k] = ok[-1][k] if isinstance(ok[0][k], list) else statistics.median(r[k] for r in ok)
+            log(f"  {kind}: {({k: v for k, v in out[kind].items() if k != 'runs'}) or runs[0]}")
+        one = out["one"].get("ready_s")
+        for kind in ("list", "index"):
+            if one is not None and "ready_s" in out[kind]:
+                out[kind]["ready_delta_s"] = out[kind]["ready_s"] - one
+                out[kind]["anon_mb_per_million"] = out[kind]["anon_mb"] - out["one"]["anon_mb"]
+        self.scale["million_lists"] = out
+        shutil.rmtree(folder, ignore_errors=True)
+
+    def _million_run(self, kind: str, path: Path, urls: list[str],
+                     index_text: Callable[[list[str]], str] | None) -> dict[str, Any]:
+        """One agent on ``path``: readiness, memory, stats, first sample; for a long list, 3 live edits."""
+        from wdscache.shared.stats import collect
+
+        cache = self.fresh_dir(f"million-{kind}")
+        agent = Agent(self, cache, path, 64 << 20, tag=f"million-{kind}-agent", ready_within=180)
+        self.agents.append(agent)
+        try:
+            agent.start()
+            ready_at = agent.t_launch + agent.ready_s
+            t = time.perf_counter()
+            subprocess.run([wdscache_exe(), "stats", "--cache-dir", str(cache), "--json"], capture_output=True,
+                           check=True, timeout=60)
+            stats_cli_s = time.perf_counter() - t
+            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "million", "--max-samples", "1",
+                              "--timeout", str(CONSUMER_TIMEOUT), tag=f"million-{kind}-consumer").wait(120)
+            r = c.report()
+            if r is None or c.returncode != 0:
+                return {"error": c.stderr_tail(3) or f"consumer exit {c.returncode}", "ready_s": agent.ready_s}
+            e = r["epochs"][0]
+            row: dict[str, Any] = {
+                "ready_s": agent.ready_s, "stats_cli_s": stats_cli_s, "first_sample_s": e["ttfs"],
+                "first_sample_after_ready_s": e["t_first"] - ready_at,
+                "anon_mb": status_kb(agent.pid, "RssAnon")["RssAnon"] / 1024,
+            }
+            if index_text is not None or len(urls) > 1:
+                after = []
+                for edit in range(1, MILLION_EDITS + 1):
+                    edited = urls + [str(path.parent / f"edit-{edit}-{i}.tar") for i in range(edit)]
+                    tmp = path.with_name(path.name + ".tmp")
+                    tmp.write_text(index_text(edited) if index_text else "\n".join(edited) + "\n")
+                    os.replace(tmp, path)
+                    deadline = time.monotonic() + 60
+                    while (collect(cache, timeout=5.0).get("agent") or {}).get("urls") != len(edited):
+                        if time.monotonic() > deadline:
+                            return {**row, "error": f"edit {edit} not taken within 60 s"}
+                        time.sleep(0.1)
+                    after.append(status_kb(agent.pid, "RssAnon")["RssAnon"] / 1024)
+                path.write_text(index_text(urls) if index_text else "\n".join(urls) + "\n")  # as it was
+                row["anon_mb_after_edits"] = after
+                row["anon_mb_after_3_edits"] = after[-1]
+            return row
+        except Exception as exc:
+            return {"error": repr(exc)}
         finally:
             agent.stop()
             shutil.rmtree(cache, ignore_errors=True)
@@ -1329,8 +1435,9 @@ class Agent:
     """A ``wdscache agent`` subprocess, its readiness, CPU and memory."""
 
     def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str, *, defaults: bool = False,
-                 extra: Sequence[str] = ()) -> None:
+                 extra: Sequence[str] = (), ready_within: float = 30.0) -> None:
         self.bench, self.cache, self.urls, self.budget, self.tag = bench, cache, urls, budget, tag
+        self.ready_within = ready_within  # seconds it may take to answer stats
         self.extra = list(extra)  # more agent options (a node's --node-rank, --num-nodes)
         self.defaults = defaults  # every option at its default (the start-up plan in seeded shuffle order)
         self.child: Child | None = None
@@ -1366,7 +1473,7 @@ class Agent:
         from wdscache.shared.errors import WdsCacheError
         from wdscache.shared.stats import collect
 
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + self.ready_within
         while True:
             assert self.child is not None
             if self.child.proc.poll() is not None:
@@ -1377,7 +1484,8 @@ class Agent:
             except WdsCacheError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the agent did not answer stats within 30 s: {self.child.stderr_tail()}")
+                raise RuntimeError(f"the agent did not answer stats within {self.ready_within:.0f} s: "
+                                   f"{self.child.stderr_tail()}")
             time.sleep(0.02)
 
     def _sample(self) -> None:
@@ -1417,6 +1525,19 @@ class Agent:
         except ProcessLookupError:
             pass
         self.child.wait(15)
+
+
+def write_tiny_shard(path: Path, samples: int) -> None:
+    """A small plain tar shard of ``samples`` samples (a ``.txt`` and a ``.cls`` each)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for i in range(samples):
+            for ext, data in (("txt", f"sample {i} of {path.name}".encode()), ("cls", str(i % 10).encode())):
+                info = tarfile.TarInfo(f"{path.stem}-{i:06d}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
 
 
 # -- summary and tables ----------------------------------------------------------------------------
@@ -1874,7 +1995,8 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
                                                "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,wdscache-loader-first,parts,s3,"
                                                "torch-wds-http,torch-wds-local,torch-wdscache,torch-memory,"
-                                               "wdscache-nodes,wdscache-mix,random-access")
+                                               "wdscache-nodes,wdscache-mix,random-access; scale rows: "
+                                               + ",".join(SCALE_ROWS))
     ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
     ap.add_argument("--only", default="", help="systems to run, the others left out (e.g. "
                                                "torch-wds-http,torch-wds-local,torch-wdscache)")

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -280,7 +281,7 @@ _FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader 
 
 
 def _argument_urls(args: tuple[str, ...], lister: Lister | None = None, *, allow_pipe: bool = False
-                   ) -> list[tuple[str, tuple[str, ...]]]:
+                   ) -> list[tuple[str, Sequence[str]]]:
     """Each argument with the URLs it stands for, read as a URL list line is (braces expanded, paths
     made ``file://`` URLs, ``s3://`` prefixes and globs listed by ``lister`` when given): UrlListError
     names argument k as line k of "the command line"."""

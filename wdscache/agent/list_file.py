@@ -6,14 +6,17 @@ Guarantees:
   on disk changes; a bad edit later keeps the current list (and says why).
 - Any event in the file's folder counts as a possible change (Kubernetes updates a
   mounted ConfigMap by swapping a ``..data`` symlink, never touching the file's
-  name); the file is read again only if its stat (through symlinks) changed.
+  name); the file is read again only if its stat (through symlinks) changed, and
+  parsed again only if its bytes did (their SHA-256 differs).
 - The watchdog thread only sets a flag; the main loop reads the file.
+- What a parse freed goes back to the kernel after it (glibc's malloc_trim).
 - A change is logged as one record (event ``list_changed``): how many URLs were added and
   removed, and the first :data:`LIST_SAMPLE` of each, redacted as every log record is.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -27,8 +30,9 @@ from watchdog.observers import Observer
 from ..shared.config import AgentConfig
 from ..shared.errors import ConfigError
 from ..shared.logs import event, get_logger
+from ..shared.malloc import release_freed
 from ..shared.s3 import Listing
-from ..shared.urls import UrlList, read_url_list
+from ..shared.urls import UrlList, list_of_bytes, read_list_bytes
 
 log = get_logger(__name__)
 
@@ -43,17 +47,25 @@ class ListFile:
         self._path, self._allow_pipe = config.urls, config.allow_pipe
         self._lister = Listing(endpoint_url=config.s3_endpoint_url, fetching=True)  # s3:// prefixes and globs
         self._signature: tuple[int, ...] | None = None
+        self._digest: bytes | None = None  # of the bytes last parsed
         self._touched = threading.Event()  # set by the watchdog thread
         self._observer: Any = None
 
     def read(self) -> UrlList:
         """Read the list now (raises :class:`ConfigError` for a list that is empty or wrong)."""
         self._signature = _stat_signature(self._path)
-        urls = read_url_list(self._path, allow_pipe=self._allow_pipe, lister=self._lister)
+        data = read_list_bytes(str(self._path))
+        digest = hashlib.sha256(data).digest()
+        try:
+            urls = list_of_bytes(data, path=str(self._path), allow_pipe=self._allow_pipe, lister=self._lister)
+        finally:
+            del data
+            release_freed()  # the parse's transients: else each edit of a long list leaves more RSS
         if not len(urls):
             raise ConfigError(f"URL list {self._path} holds no URL")
         if urls.duplicates:
             log.warning("%s: ignored %d duplicate URL(s)", self._path, urls.duplicates)
+        self._digest = digest
         return urls
 
     def changed(self) -> UrlList | None:
@@ -64,6 +76,10 @@ class ListFile:
         if _stat_signature(self._path) == self._signature:
             return None
         time.sleep(SETTLE)
+        signature, digest = _stat_signature(self._path), _digest(self._path)
+        if digest is not None and digest == self._digest:
+            self._signature = signature  # touched, or written again alike: nothing to parse
+            return None  # (a change after this stat shows in the next one)
         try:
             return self.read()
         except ConfigError as exc:
@@ -104,6 +120,18 @@ def _sample(what: str, urls: Sequence[str]) -> str:
         return ""
     more = f" and {len(urls) - LIST_SAMPLE} more" if len(urls) > LIST_SAMPLE else ""
     return f"; {what}: {', '.join(urls[:LIST_SAMPLE])}{more}"
+
+
+def _digest(path: Path) -> bytes | None:
+    """The SHA-256 of the file's bytes (None: it cannot be read; reading it again says why)."""
+    try:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                digest.update(block)
+        return digest.digest()
+    except OSError:
+        return None
 
 
 def _stat_signature(path: Path) -> tuple[int, ...] | None:

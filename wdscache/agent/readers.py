@@ -40,8 +40,8 @@ from ..shared.index import ShardState
 from ..shared.logs import event, get_logger, iso_time
 from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
+from ..shared.protocol import PAGE_BYTES, numbers, process_identity, strings
 from ..shared.protocol import field as get_field
-from ..shared.protocol import numbers, pages, process_identity, strings
 from ..shared.shard_index import ShardInfo
 from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
 from ..shared.urls import UrlList, index_list, list_id, parse_url_list
@@ -350,7 +350,7 @@ class Readers:
         offset = get_field(header, "offset", int)
         claimed = record.plan.list_id if record is not None else None
         listed = claimed if claimed is not None else self.list_id
-        page = next(pages(self._list(listed).urls, max(0, offset)), (offset, []))[1]
+        page = self._list(listed).urls.page(max(0, offset), PAGE_BYTES)
         return {"ok": True, "list_id": listed, "urls": page}
 
     def op_report(self, request: Request) -> Reply:

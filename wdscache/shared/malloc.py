@@ -57,3 +57,17 @@ def tune_malloc() -> bool:
     if not _tuned:
         log.debug("mallopt refused the thresholds; received messages will page-fault as before")
     return _tuned
+
+
+def release_freed() -> None:
+    """Hand the memory this process freed back to the kernel, where glibc holds it (a no-op
+    elsewhere): after a large transient, such as parsing a long URL list, freed blocks between
+    live ones would otherwise stay in the process, and each later parse would leave more."""
+    try:
+        libc = ctypes.CDLL(None)
+        _ = libc.gnu_get_libc_version  # glibc only
+        trim = libc.malloc_trim
+    except Exception:
+        return
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import os
 import re
-from collections.abc import Iterable
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +37,8 @@ from .errors import ShardIndexError
 from .samples import scan
 from .tarwalk import FileSpan
 
-__all__ = ["KIND", "ShardInfo", "count_samples", "file_facts", "format_shard_index", "looks_like_index", "parse_shard_index",
-           "write_shard_index"]
+__all__ = ["KIND", "ShardFacts", "ShardInfo", "count_samples", "file_facts", "format_shard_index", "looks_like_index",
+           "parse_shard_index", "read_shard_index", "write_shard_index"]
 
 KIND = "wids-shard-index-v1"
 WIDS_VERSION = 1
@@ -49,6 +51,9 @@ MAX_SAMPLES = MAX_SHARD_BYTES // MIN_SAMPLE_BYTES
 # A shard whose URL ends so may be gzip'd: its "filesize" is of its compressed bytes, and bounds
 # nothing (a sample of zeros compresses a thousandfold).
 _GZIP_SUFFIXES = (".gz", ".tgz")
+_MAX_WHOLE = (1 << 63) - 1  # what an array of shards' sizes holds
+_MD5_SLOT = 17  # bytes of a shard's MD5 in ShardFacts: given or not, and the digest
+_ENTRY = object()  # what read_shard_index's parsing leaves of an entry it took
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,72 @@ class ShardInfo:
         return _info(*value)
 
 
+class ShardFacts(Sequence[ShardInfo]):
+    """What an index says of each shard of a list, by position, held as arrays (a :class:`ShardInfo`
+    is made on access): about 33 bytes a shard with MD5s, 16 without, rather than an object each."""
+
+    __slots__ = ("_nsamples", "_filesizes", "_md5s")
+
+    def __init__(self, infos: Iterable[ShardInfo] = ()) -> None:
+        self._nsamples = array("q")
+        self._filesizes = array("q")  # -1: not given
+        self._md5s: bytearray | None = None  # per shard: 1 and the digest, or 17 zeros (not given); None: no MD5 at all
+        for info in infos:
+            self.append(info)
+
+    def append(self, info: ShardInfo) -> None:
+        self.add(info.nsamples, info.filesize, info.md5)
+
+    def add(self, nsamples: int, filesize: int | None, md5: str | None) -> None:
+        """Append a shard's checked facts (see :func:`_info`)."""
+        if md5 is not None and self._md5s is None:
+            self._md5s = bytearray(_MD5_SLOT * len(self._nsamples))
+        self._nsamples.append(nsamples)
+        self._filesizes.append(-1 if filesize is None else filesize)
+        if self._md5s is not None:
+            self._md5s += b"\1" + bytes.fromhex(md5) if md5 is not None else bytes(_MD5_SLOT)
+
+    def __len__(self) -> int:
+        return len(self._nsamples)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self[k] for k in range(*i.indices(len(self))))
+        nsamples = self._nsamples[i]  # IndexError past the end, as a tuple's
+        i = operator.index(i) % len(self)
+        filesize = self._filesizes[i]
+        md5s, at = self._md5s, _MD5_SLOT * i
+        md5 = md5s[at + 1 : at + _MD5_SLOT].hex() if md5s is not None and md5s[at] else None
+        return ShardInfo(nsamples, None if filesize < 0 else filesize, md5)
+
+    def described(self) -> Iterator[str]:
+        """``"nsamples filesize md5\\n"`` of each shard (``None`` for what is not given), as a list's
+        fingerprint covers them (:func:`wdscache.shared.urls.list_id`)."""
+        md5s = self._md5s
+        for i, (nsamples, filesize) in enumerate(zip(self._nsamples, self._filesizes)):
+            md5 = md5s[_MD5_SLOT * i + 1 : _MD5_SLOT * (i + 1)].hex() if md5s is not None and md5s[_MD5_SLOT * i] else None
+            yield f"{nsamples} {filesize if filesize >= 0 else None} {md5}\n"
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ShardFacts):  # (MD5s are held only once one is given)
+            return (self._nsamples == other._nsamples and self._filesizes == other._filesizes
+                    and self._md5s == other._md5s)
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((self._nsamples.tobytes(), self._filesizes.tobytes()))
+
+    def __repr__(self) -> str:
+        return f"ShardFacts({list(self[:3])}{'...' if len(self) > 3 else ''}, {len(self)} shards)"
+
+
 def _whole(value: Any, name: str) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(f'"{name}" must be a whole number >= 0, not {json.dumps(value)}')
+    if value > _MAX_WHOLE:
+        raise ValueError(f'"{name}" is {value}, more than any shard holds')
     return value
 
 
@@ -122,6 +190,60 @@ def _samples_problem(url: str, info: ShardInfo) -> str | None:
         return (f'"nsamples" is {info.nsamples}, but a tar of {info.filesize} bytes ("filesize") holds at most '
                 f"{most} samples ({MIN_SAMPLE_BYTES} bytes each at the least)")
     return None
+
+
+def read_shard_index(text: str, *, path: str) -> tuple[list[str], ShardFacts]:
+    """The entries of a shard index, as :func:`parse_shard_index` gives them: each ``url`` as
+    written, and their facts, held compactly (no object per entry is kept while parsing).
+    Raises :class:`ShardIndexError` as :func:`parse_shard_index` does."""
+    taken = _take_entries(text)
+    if taken is not None:
+        return taken
+    entries = parse_shard_index(text, path=path)  # raises the error that says what is wrong, and where
+    return [url for url, _ in entries], ShardFacts(info for _, info in entries)
+
+
+def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
+    """:func:`read_shard_index` of an index that is well formed in every way, else None.
+
+    Each object with a ``url`` is checked and taken (its URL and facts appended) as the parser
+    meets it, and stands in the document as a marker: then ``shardlist`` must be those markers
+    and nothing else, in order (anything else, and the caller parses the index again, slowly).
+    """
+    urls: list[str] = []
+    facts = ShardFacts()
+
+    def take(pairs: list[tuple[str, Any]]) -> Any:
+        entry = dict(pairs)
+        url = entry.get("url")
+        if url is None:
+            return entry
+        nsamples, filesize, md5 = entry.get("nsamples"), entry.get("filesize"), entry.get("md5sum")
+        if (type(url) is not str or not url or url.isspace() or type(nsamples) is not int
+                or not 0 <= nsamples <= MAX_SAMPLES
+                or filesize is not None and (type(filesize) is not int or not 0 <= filesize <= _MAX_WHOLE)
+                or md5 is not None and (type(md5) is not str or not _MD5.fullmatch(md5))):
+            raise _NotWellFormed
+        if filesize is not None and nsamples > filesize // MIN_SAMPLE_BYTES and _samples_problem(
+                url, ShardInfo(nsamples, filesize)) is not None:
+            raise _NotWellFormed
+        urls.append(url)
+        facts.add(nsamples, filesize, md5.lower() if md5 is not None else None)
+        return _ENTRY
+
+    try:
+        doc = json.loads(text, object_pairs_hook=take)
+    except (_NotWellFormed, ValueError, RecursionError):
+        return None
+    if not (isinstance(doc, dict) and doc.get("__kind__", KIND) == KIND and doc.get("wids_version", WIDS_VERSION)
+            == WIDS_VERSION and "datasets" not in doc and isinstance(shards := doc.get("shardlist"), list)
+            and len(shards) == len(urls) and all(s is _ENTRY for s in shards)):
+        return None
+    return urls, facts
+
+
+class _NotWellFormed(Exception):
+    """An index entry that :func:`parse_shard_index` would refuse (it says why)."""
 
 
 def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:

@@ -21,32 +21,39 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import itertools
+import operator
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
-from functools import cached_property
+from typing import Any
 
 from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.redact import redact_urls
 from wdscache.shared.s3 import is_listing
-from wdscache.shared.shard_index import ShardInfo, looks_like_index, parse_shard_index
+from wdscache.shared.shard_index import ShardFacts, ShardInfo, looks_like_index, read_shard_index
 
 __all__ = [
     "DEFAULT_LIMIT",
     "TEXT_SOURCE",
     "UrlList",
+    "Urls",
     "diff_urls",
     "expand_braces",
     "format_url_list",
     "index_list",
     "list_id",
+    "list_of_bytes",
     "normalize_url",
     "parse_url_list",
+    "read_list_bytes",
     "read_url_list",
 ]
 
 DEFAULT_LIMIT = 10_000_000
+_HASHED = 1 << 20  # characters of a list's text encoded at once to fingerprint it
 TEXT_SOURCE = "<urls>"
 """The ``path`` shown in errors for a list that did not come from a file."""
 
@@ -64,6 +71,15 @@ _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 # Capturing split keeps the delimiters; escapes come first so "\{" never opens a group.
 _BRACE_TOKENS = re.compile(r"(\\[{}]|[{},])")
 _COMMENT_START = re.compile(r"\s#")
+_SPACE = re.compile(r"\s")
+# _plain_lines: white space inside a line; a line that is not an http(s) URL with a host; a path
+# normpath would change; a relative path line; an absolute one.
+_ASCII_SPACE = " \t\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.split splits an ASCII line at
+_SPACE_IN_LINE = re.compile(r"[^\S\n]")
+_NOT_HTTP = re.compile(r"^(?!https?://[^/?#@:\n])(?=.)", re.MULTILINE)
+_NOT_CLEAN = re.compile(r"//|/\.\.?(/|$)|/$|^\.\.?(/|$)", re.MULTILINE)
+_RELATIVE = re.compile(r"^[^/\n]", re.MULTILINE)
+_ABSOLUTE = re.compile(r"^/", re.MULTILINE)
 # Nesting is parsed with an explicit stack, but counting and expanding recurse.
 _MAX_DEPTH = 100
 
@@ -216,6 +232,177 @@ def expand_braces(pattern: str, *, limit: int = DEFAULT_LIMIT) -> list[str]:
     return _expand(tree)
 
 
+# --------------------------------------------------------------------------- compact sequences
+
+
+class Urls(Sequence[str]):
+    """URLs in order, held compactly: one string of them all (each ended by ``"\\n"``, which no URL
+    holds) and an array of where each ends, rather than an object per URL.
+
+    A million URLs of 80 characters take about 100 MB here (text, ends, lookup table), against
+    about 140 MB as a tuple of strings and 110 MB more for a dict of their positions. Lookups
+    (``in``, :meth:`index`, :meth:`position`) go through an open-addressing table of positions
+    by hash, made on the first lookup (or at once, by :meth:`distinct`). Equal to any sequence
+    of the same URLs in the same order.
+    """
+
+    __slots__ = ("_text", "_ends", "_table")
+
+    def __init__(self, urls: Iterable[str] = ()) -> None:
+        urls = urls if isinstance(urls, (list, tuple)) else list(urls)
+        self._text = "\n".join(urls) + "\n" if urls else ""
+        # _ends[i]: the end of URL i in the text without separators (URL i starts at _ends[i - 1] + i).
+        self._ends = array("q", itertools.accumulate(map(len, urls)))
+        if self._text.count("\n") != len(urls):
+            raise ValueError("a URL holds no line break")
+        self._table: array | None = None
+
+    @classmethod
+    def distinct(cls, urls: list[str]) -> tuple[Urls, int]:
+        """The URLs of ``urls`` without repeats (the first of each kept, in order), and how many were
+        dropped; its lookup table made at once, while ``urls`` still hold their hashes."""
+        kept = list(dict.fromkeys(urls))
+        made = cls(kept)
+        made._table = _positions_table(kept)
+        return made, len(urls) - len(kept)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return tuple(self[k] for k in range(start, stop, step))
+            if start >= stop:
+                return ()
+            return tuple(self._text[self._start(start) : self._ends[stop - 1] + stop - 1].split("\n"))
+        ends, i = self._ends, operator.index(i)
+        if i < 0:
+            i += len(ends)
+        if not 0 <= i < len(ends):
+            raise IndexError("URL index out of range")
+        return self._text[self._start(i) : ends[i] + i]
+
+    def _start(self, i: int) -> int:
+        """Where URL ``i`` starts in the text."""
+        return self._ends[i - 1] + i if i else 0
+
+    def __iter__(self) -> Iterator[str]:
+        text, start = self._text, 0
+        for end, i in zip(self._ends, itertools.count()):
+            yield text[start + i : end + i]
+            start = end
+
+    def __contains__(self, url: object) -> bool:
+        return isinstance(url, str) and self.position(url) >= 0
+
+    def index(self, url: Any, start: int = 0, stop: int | None = None) -> int:
+        """The position of ``url``; ValueError if it is not here."""
+        at = self.position(url) if isinstance(url, str) else -1
+        if at < 0 or not start <= at < (len(self) if stop is None else stop):
+            raise ValueError(f"{url!r} is not in the list")
+        return at
+
+    def count(self, url: Any) -> int:
+        return 1 if url in self else 0  # distinct URLs (a list's are)
+
+    def position(self, url: str) -> int:
+        """Where ``url`` is (-1: not here)."""
+        table = self._table
+        if table is None:
+            table = self._table = _positions_table(self)
+        mask = len(table) - 1
+        slot = hash(url) & mask
+        while at := table[slot]:  # position + 1; 0: an empty slot, the end of the probe
+            if self[at - 1] == url:
+                return at - 1
+            slot = (slot + 1) & mask
+        return -1
+
+    def page(self, start: int, budget: int) -> list[str]:
+        """The URLs from ``start`` on that :func:`wdscache.shared.protocol.pages` puts in one page of
+        ``budget`` bytes (each URL counted with 8 more; at least one URL), found by bisection."""
+        ends, n = self._ends, len(self._ends)
+        if start >= n:
+            return []
+        before = ends[start - 1] if start else 0
+        lo, hi = start + 1, n  # the page ends at the last j in [start + 1, n] whose URLs fit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if ends[mid - 1] - before + 8 * (mid - start) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return list(self[start:lo])
+
+    def leading(self, chars: int) -> int:
+        """How many URLs lie wholly (with their ``"\\n"``) in the first ``chars`` characters of :meth:`text`."""
+        ends, lo, hi = self._ends, 0, len(self._ends)
+        while lo < hi:  # the first URL that does not: ends[i] + i + 1 > chars
+            mid = (lo + hi) // 2
+            if ends[mid] + mid + 1 <= chars:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def trailing(self, chars: int) -> int:
+        """How many URLs, with the ``"\\n"`` before them, lie wholly in the last ``chars`` characters
+        of :meth:`text` (so that they are URLs of any text that ends with those characters)."""
+        ends, lo, hi, first = self._ends, 1, len(self._ends), len(self._text) - chars
+        if not ends:
+            return 0
+        while lo < hi:  # the first URL i >= 1 whose "\n" before it is in: ends[i - 1] + i - 1 >= first
+            mid = (lo + hi) // 2
+            if ends[mid - 1] + mid - 1 >= first:
+                hi = mid
+            else:
+                lo = mid + 1
+        return len(ends) - lo
+
+    def text(self) -> str:
+        """The URLs, each ended by ``"\\n"`` (a list file of them, without escaping braces)."""
+        return self._text
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Urls):
+            return self._text == other._text
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._text)
+
+    def __repr__(self) -> str:
+        return f"Urls({list(self[:3])}{'...' if len(self) > 3 else ''}, {len(self)} URLs)"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The table holds this process's string hashes: the other side makes its own.
+        return (_restore_urls, (self._text, self._ends))
+
+
+def _restore_urls(text: str, ends: array) -> Urls:
+    made = Urls.__new__(Urls)
+    made._text, made._ends, made._table = text, ends, None
+    return made
+
+
+def _positions_table(urls: Iterable[str]) -> array:
+    """Open addressing, linear probing: slot ``hash(url) & mask`` or the next free one holds
+    ``position + 1``. At least twice as many slots as URLs keep probes short."""
+    n = len(urls) if isinstance(urls, Sized) else 0
+    size = 1 << max(3, (2 * n).bit_length())
+    mask, table = size - 1, array("i" if n < 1 << 31 else "q", [0]) * size
+    for k, url in enumerate(urls, 1):
+        slot = hash(url) & mask
+        while table[slot]:
+            slot = (slot + 1) & mask
+        table[slot] = k
+    return table
+
+
 # --------------------------------------------------------------------------- lists
 
 
@@ -226,12 +413,20 @@ class UrlList:
     ``path`` is the file it came from (None when parsed from bare text) and
     ``duplicates`` how many repeated entries were dropped while reading it. ``shards``, for a
     list read from a shard index, holds what the index says of each URL (by position).
+    ``urls`` and ``shards`` are held compactly (:class:`Urls`, :class:`ShardFacts`): given as
+    tuples, they are made so.
     """
 
     path: str | None
-    urls: tuple[str, ...]
+    urls: Urls
     duplicates: int = 0
-    shards: tuple[ShardInfo, ...] | None = None
+    shards: ShardFacts | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.urls, Urls):
+            object.__setattr__(self, "urls", Urls(self.urls))
+        if self.shards is not None and not isinstance(self.shards, ShardFacts):
+            object.__setattr__(self, "shards", ShardFacts(self.shards))
 
     def __len__(self) -> int:
         return len(self.urls)
@@ -240,32 +435,27 @@ class UrlList:
         return iter(self.urls)
 
     def __contains__(self, url: object) -> bool:
-        return url in self._positions
+        return url in self.urls
 
     def index(self, url: str) -> int:
         """Return the position of ``url``; ValueError if it is not in the list."""
         try:
-            return self._positions[url]
-        except KeyError:
+            return self.urls.index(url)
+        except ValueError:
             raise ValueError(f"{redact_urls(url)!r} is not in the URL list") from None
 
     def info(self, url: str) -> ShardInfo | None:
         """What the shard index this list came from says of ``url`` (None: nothing)."""
         if self.shards is None:
             return None
-        at = self._positions.get(url)
-        return None if at is None else self.shards[at]
+        at = self.urls.position(url)
+        return None if at < 0 else self.shards[at]
 
     @property
     def key(self) -> str:
         """The list's identity for an agent that holds it: its :func:`list_id`, which covers the
         shards' facts too when it came from an index (the same URLs with other facts are another list)."""
         return list_id(self.urls, self.shards)
-
-    @cached_property
-    def _positions(self) -> dict[str, int]:
-        # Built on first lookup: tuple.index would be linear per call on huge lists.
-        return {url: i for i, url in enumerate(self.urls)}
 
 
 def _abs_path(path: str) -> str:
@@ -298,6 +488,8 @@ def _normalize(url: str, base_dir: str, allow_pipe: bool) -> str:
 
 def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
     colon = url.find(":")
+    if colon < 0 and _clean_path(url):  # the common case, without normpath's cost
+        return "file://" + (url if url[0] == "/" else (base_dir if base_dir != "/" else "") + "/" + url)
     if colon > 0 and _SCHEME_RE.fullmatch(url, 0, colon):
         scheme = url[:colon].lower()
         if scheme == "pipe":
@@ -324,6 +516,13 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
             raise ValueError(f"unknown scheme {scheme!r}; {_SUPPORTED}")
     # Anything else is a local path (a "name:" without "//" included, e.g. "a:b.tar").
     return "file://" + _abs_path(os.path.join(base_dir, url))
+
+
+def _clean_path(path: str) -> bool:
+    """Whether ``path`` is its own :func:`os.path.normpath`: no empty, ``.`` or ``..`` part, no
+    ``/`` at its end."""
+    return not ("//" in path or "/./" in path or "/../" in path or path.endswith(("/", "/.", "/.."))
+                or path.startswith(("./", "../")) or path in (".", ".."))
 
 
 def _line_entry(raw: str, parts: list[str]) -> str:
@@ -357,9 +556,11 @@ def parse_url_list(
     Any unusable line raises UrlListError naming ``path`` and the line.
     """
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
-    urls: list[str] = []
-    seen: set[str] = set()
-    duplicates = 0
+    plain = _plain_lines(text, base, limit)
+    if plain is not None:
+        distinct, duplicates = Urls.distinct(plain)
+        return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
+    urls: list[str] = []  # with repeats: Urls.distinct drops them
     total = 0
     # Split on "\n" only so line numbers match what an editor shows.
     for lineno, raw in enumerate(text.split("\n"), 1):
@@ -385,21 +586,38 @@ def parse_url_list(
                 expanded = (entry,)
             for url in expanded:
                 url = _normalize(url, base, allow_pipe)
-                objects: Sequence[str] = (url,)
                 if url.startswith("s3://"):
                     objects = lister(url) if lister is not None else _unlisted(url)
                     total += len(objects) - 1
                     if total > limit:
                         raise ValueError(f"the list would hold {total} URLs, more than the limit of {limit}")
-                for url in objects:
-                    if url in seen:
-                        duplicates += 1
-                    else:
-                        seen.add(url)
-                        urls.append(url)
+                    urls.extend(objects)
+                else:
+                    urls.append(url)
         except ValueError as exc:
             raise UrlListError(path, lineno, raw.strip(), str(exc)) from None
-    return UrlList(None if path == TEXT_SOURCE else path, tuple(urls), duplicates)
+    distinct, duplicates = Urls.distinct(urls)
+    return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
+
+
+def _plain_lines(text: str, base: str, limit: int) -> list[str] | None:
+    """The URLs of a list whose every line is what the line-by-line parse would take as it is
+    (an http(s) URL with a host), or a path it would only prefix (all absolute, or all relative,
+    none with a part normpath changes), found with a few scans of the whole text; else None."""
+    if "{" in text or "}" in text or "#" in text or (
+            any(c in text for c in _ASCII_SPACE) if text.isascii() else _SPACE_IN_LINE.search(text) is not None):
+        return None  # braces, comments, white space in a line: the line-by-line parse
+    if _NOT_HTTP.search(text) is None:
+        lines = [line for line in text.split("\n") if line]
+    elif ":" not in text and _NOT_CLEAN.search(text) is None:
+        absolute = _RELATIVE.search(text) is None
+        if not absolute and _ABSOLUTE.search(text) is not None:
+            return None  # some of each: each its own way
+        prefix = "file://" if absolute else "file://" + (base if base != "/" else "") + "/"
+        lines = [prefix + line for line in text.split("\n") if line]
+    else:
+        return None
+    return lines if len(lines) <= limit else None
 
 
 def index_list(
@@ -411,7 +629,7 @@ def index_list(
     limit: int = DEFAULT_LIMIT,
     lister: Lister | None = None,
 ) -> UrlList:
-    """The list of a shard index's ``entries`` (see :func:`parse_shard_index`).
+    """The list of a shard index's ``entries``: each URL as written, with its facts.
 
     Each URL is taken as written (no brace expansion) and normalized as a list line is, a
     relative one against ``base_dir`` (the index's folder); an ``s3://`` object goes through
@@ -419,34 +637,57 @@ def index_list(
     listed twice with the same facts counts as a duplicate; with other facts it is an error.
     Raises ShardIndexError naming ``path`` and the entry.
     """
-    if len(entries) > limit:
-        raise ShardIndexError(path, None, f"the index lists {len(entries)} shards, more than the limit of {limit}")
+    return _index_list([url for url, _ in entries], ShardFacts(info for _, info in entries), path=path,
+                       base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
+
+
+def _index_list(written: list[str], facts: ShardFacts, *, path: str, base_dir: str | None, allow_pipe: bool,
+                limit: int, lister: Lister | None) -> UrlList:
+    """:func:`index_list` of the URLs ``written`` with their ``facts`` (by position)."""
+    if len(written) > limit:
+        raise ShardIndexError(path, None, f"the index lists {len(written)} shards, more than the limit of {limit}")
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
-    urls: list[str] = []
-    infos: list[ShardInfo] = []
-    seen: dict[str, int] = {}
-    duplicates = 0
-    for i, (written, info) in enumerate(entries):
-        try:
-            if any(c.isspace() for c in written) and not written.startswith("pipe:"):
-                raise ValueError("a URL holds no whitespace")
-            url = _normalize(written, base, allow_pipe)
-            if url.startswith("s3://"):
-                if is_listing(url):
-                    raise ValueError("an index entry names one object, not an s3:// prefix or glob")
-                if lister is not None:
-                    lister(url)  # the agent checks here that it can fetch from S3 at all
-            if url in seen:
-                if infos[seen[url]] != info:
-                    raise ValueError(f"listed before, as shardlist[{seen[url]}], with other facts")
-                duplicates += 1
-                continue
-        except ValueError as exc:
-            raise ShardIndexError(path, i, str(exc), url=written) from None
-        seen[url] = len(urls)
-        urls.append(url)
-        infos.append(info)
-    return UrlList(None if path == TEXT_SOURCE else path, tuple(urls), duplicates, tuple(infos))
+    urls = _plain_lines("\n".join(written), base, limit)  # each one plain, as a list's lines can be
+    if urls is None or len(urls) != len(written):
+        urls = []
+        for i, url in enumerate(written):
+            try:
+                urls.append(_index_url(url, base, allow_pipe, lister))
+            except ValueError as exc:
+                raise ShardIndexError(path, i, str(exc), url=url) from None
+    distinct, duplicates = Urls.distinct(urls)
+    if duplicates:
+        facts = _distinct_facts(urls, facts, distinct, path, written)
+    return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates, facts)
+
+
+def _index_url(written: str, base: str, allow_pipe: bool, lister: Lister | None) -> str:
+    """The canonical form of an index entry's URL other than http(s); ValueError says why it is unusable."""
+    if _SPACE.search(written) is not None and (not written.startswith("pipe:") or "\n" in written):
+        raise ValueError("a URL holds no whitespace" if not written.startswith("pipe:") else
+                         "a pipe: command holds no line break")
+    url = _normalize(written, base, allow_pipe)
+    if url.startswith("s3://"):
+        if is_listing(url):
+            raise ValueError("an index entry names one object, not an s3:// prefix or glob")
+        if lister is not None:
+            lister(url)  # the agent checks here that it can fetch from S3 at all
+    return url
+
+
+def _distinct_facts(urls: list[str], facts: ShardFacts, distinct: Urls, path: str, written: list[str]) -> ShardFacts:
+    """The facts of the first entry of each URL of ``distinct``; ShardIndexError for a URL listed again
+    with other facts."""
+    kept = ShardFacts()
+    for i, url in enumerate(urls):
+        first = distinct.position(url)
+        if first == len(kept):
+            kept.append(facts[i])
+        elif kept[first] != facts[i]:
+            earlier = urls.index(url)
+            raise ShardIndexError(path, i, f"listed before, as shardlist[{earlier}], with other facts",
+                                  url=written[i])
+    return kept
 
 
 def _unlisted(url: str) -> tuple[str]:
@@ -470,13 +711,23 @@ def read_url_list(
     (including bytes that are not UTF-8), ShardIndexError for a bad index.
     """
     name = os.fspath(path)
+    return list_of_bytes(read_list_bytes(name), path=name, allow_pipe=allow_pipe, limit=limit, lister=lister)
+
+
+def read_list_bytes(path: str) -> bytes:
+    """The bytes of the list file ``path``; ConfigError if it cannot be read."""
     try:
-        with open(name, "rb") as f:
-            data = f.read()
+        with open(path, "rb") as f:
+            return f.read()
     except FileNotFoundError:
-        raise ConfigError(f"URL list {name} does not exist; check the --urls path") from None
+        raise ConfigError(f"URL list {path} does not exist; check the --urls path") from None
     except OSError as exc:
-        raise ConfigError(f"cannot read URL list {name}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot read URL list {path}: {exc.strerror or exc}") from None
+
+
+def list_of_bytes(data: bytes, *, path: str, allow_pipe: bool = False, limit: int = DEFAULT_LIMIT,
+                  lister: Lister | None = None) -> UrlList:
+    """:func:`read_url_list` of the bytes ``data`` read from the file ``path``."""
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
     try:
@@ -487,34 +738,81 @@ def read_url_list(
         end = data.find(b"\n", exc.start)
         line = data[start : end if end >= 0 else len(data)].decode("utf-8", "replace").strip()
         reason = f"not valid UTF-8 (bad byte at offset {exc.start}); save the list as UTF-8"
-        raise UrlListError(name, lineno, line, reason) from None
-    base_dir = os.path.dirname(os.path.abspath(name))
+        raise UrlListError(path, lineno, line, reason) from None
+    del data  # (a copy, without its BOM): the text is enough
+    base_dir = os.path.dirname(os.path.abspath(path))
     if looks_like_index(text):
-        return index_list(parse_shard_index(text, path=name), path=name, base_dir=base_dir, allow_pipe=allow_pipe,
-                          limit=limit, lister=lister)
-    return parse_url_list(text, path=name, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
+        written, facts = read_shard_index(text, path=path)
+        del text
+        return _index_list(written, facts, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit,
+                           lister=lister)
+    return parse_url_list(text, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
 
 
 def list_id(urls: Iterable[str], shards: Iterable[ShardInfo] | None = None) -> str:
     """A short fingerprint of a list: the same URLs in the same order give the same id (and,
     given ``shards``, the same facts of each: then the id differs from the URLs' alone)."""
     h = hashlib.sha256()
-    for url in urls:
-        h.update(url.encode("utf-8", "surrogateescape"))
-        h.update(b"\n")
+    if isinstance(urls, Urls):
+        text = urls.text()  # each URL and "\n", as below: hashed in slices, not copied whole
+        for at in range(0, len(text), _HASHED):
+            h.update(text[at : at + _HASHED].encode("utf-8", "surrogateescape"))
+    else:
+        for url in urls:
+            h.update(url.encode("utf-8", "surrogateescape"))
+            h.update(b"\n")
     if shards is not None:
         h.update(b"\0shards\n")
-        for info in shards:
-            h.update(f"{info.nsamples} {info.filesize} {info.md5}\n".encode())
+        described = shards.described() if isinstance(shards, ShardFacts) else (
+            f"{info.nsamples} {info.filesize} {info.md5}\n" for info in shards)
+        for lines in _batched(iter(described)):
+            h.update("".join(lines).encode())
     return h.hexdigest()[:16]
 
 
+def _batched(items: Iterator[str], n: int = 4096) -> Iterator[tuple[str, ...]]:
+    while batch := tuple(itertools.islice(items, n)):
+        yield batch
+
+
 def diff_urls(old: UrlList, new: UrlList) -> tuple[list[str], list[str]]:
-    """Return ``(added, removed)``: URLs only in ``new`` and only in ``old``, each in list order."""
-    old_set, new_set = set(old.urls), set(new.urls)
-    added = [url for url in new.urls if url not in old_set]
-    removed = [url for url in old.urls if url not in new_set]
-    return added, removed
+    """Return ``(added, removed)``: URLs only in ``new`` and only in ``old``, each in list order.
+
+    The URLs both lists start and end with are found by comparing their texts, so an edit of a
+    long list costs (in time and memory) about what it changed."""
+    a, b = old.urls, new.urls
+    if a == b:
+        return [], []
+    x, y = a.text(), b.text()
+    head = a.leading(_common_prefix(x, y))
+    tail = min(a.trailing(_common_suffix(x, y)), min(len(a), len(b)) - head)
+    old_mid, new_mid = a[head : len(a) - tail], b[head : len(b) - tail]
+    old_set, new_set = set(old_mid), set(new_mid)
+    return [url for url in new_mid if url not in old_set], [url for url in old_mid if url not in new_set]
+
+
+_COMPARED = 1 << 16  # characters of two lists' texts compared at once
+
+
+def _common_prefix(x: str, y: str) -> int:
+    """How many characters ``x`` and ``y`` start with alike."""
+    n, at = min(len(x), len(y)), 0
+    while at < n and x[at : at + _COMPARED] == y[at : at + _COMPARED]:
+        at += _COMPARED
+    return min(n, at + len(os.path.commonprefix([x[at : at + _COMPARED], y[at : at + _COMPARED]])))
+
+
+def _common_suffix(x: str, y: str) -> int:
+    """How many characters ``x`` and ``y`` end with alike."""
+    return _common_prefix(x[::-1], y[::-1]) if len(x) + len(y) <= 2 * _COMPARED else _long_suffix(x, y)
+
+
+def _long_suffix(x: str, y: str) -> int:
+    n, at = min(len(x), len(y)), 0
+    while at + _COMPARED <= n and x[len(x) - at - _COMPARED : len(x) - at] == y[len(y) - at - _COMPARED : len(y) - at]:
+        at += _COMPARED
+    rest = min(_COMPARED, n - at)
+    return at + _common_prefix(x[len(x) - at - rest : len(x) - at][::-1], y[len(y) - at - rest : len(y) - at][::-1])
 
 
 def format_url_list(urls: Iterable[str]) -> str:

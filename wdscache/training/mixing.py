@@ -26,8 +26,8 @@ from typing import Any
 from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.mixture import MixSpec, Mixture, check_mix_arg
 from ..shared.sequence import BLOCK, EpochSpec, Resume
-from ..shared.shard_index import ShardInfo
-from ..shared.urls import UrlList
+from ..shared.shard_index import ShardFacts, ShardInfo
+from ..shared.urls import UrlList, Urls
 from .stream import EpochStream, Session, StreamSettings
 from .urls_arg import UrlsArg, pipe_refusal, pipe_urls, read_urls_arg
 
@@ -126,8 +126,8 @@ def _combined(lists: Sequence[UrlList], names: Sequence[str]) -> tuple[UrlList, 
             mine.append(at[url])
         places.append(tuple(mine))
     known = [f for f in facts if f is not None]
-    shards = tuple(known) if len(known) == len(facts) else None
-    return UrlList(None, tuple(at), shards=shards), tuple(places)
+    shards = ShardFacts(known) if len(known) == len(facts) else None
+    return UrlList(None, Urls(at), shards=shards), tuple(places)
 
 
 def mix_spec(arg: MixArg, counts: Sequence[int], *, world_size: int, workers: int, epoch: int,

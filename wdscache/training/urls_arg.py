@@ -31,7 +31,7 @@ PIPE = "pipe:"
 UrlsArg = str | os.PathLike[str] | Sequence[str]
 
 
-def resolve_urls(urls: UrlsArg) -> tuple[str, ...]:
+def resolve_urls(urls: UrlsArg) -> Sequence[str]:
     """The URLs that ``urls=`` stands for (see the module's rules)."""
     return read_urls_arg(urls).urls
 

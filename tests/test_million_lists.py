@@ -1,0 +1,93 @@
+"""A million-shard URL list or shard index: the agent starts on it, holds every URL at its place,
+serves a loader, and takes live edits of the file (the URLs added and removed, nothing else)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tests.helpers.agents import AgentProc
+from wdscache import CachedMultiLoader
+from wdscache.shared.client import AgentConnection, resolve_endpoint
+
+MILLION = 1_000_000
+# Reading and planning a million URLs takes the agent a second or two on an idle machine; this
+# allows for a machine shared with other test processes.
+READY_TIMEOUT = 60.0
+PROBES = (0, 1, 2, 3, 4, 123_457, 500_000, MILLION - 2, MILLION - 1)  # positions whose URLs are checked
+
+
+def _listed(cache: Path, positions: tuple[int, ...]) -> dict[int, str]:
+    """The URL the agent holds at each of ``positions`` of its list (a page from each, ``get_urls``)."""
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=30, cache_dir=cache)
+    try:
+        return {at: conn.request({"op": "get_urls", "reader": "probe", "offset": at})["urls"][0] for at in positions}
+    finally:
+        conn.close()
+
+
+def _million(real: list[str], url_of) -> list[str]:
+    return real + [url_of(f"missing-{i:07d}.tar") for i in range(len(real), MILLION)]
+
+
+def _first_sample(cache: Path) -> dict:
+    with CachedMultiLoader(cache_dir=cache, job="million", rank=0, world_size=1, shuffle=False, timeout=30) as loader:
+        return next(iter(loader))
+
+
+def _replace(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _started(start_agent, cache: Path, list_file: Path) -> AgentProc:
+    agent = start_agent(cache, list_file, "--prefetch", "2", "--no-shuffle", wait=False)
+    agent.wait_up(READY_TIMEOUT)
+    return agent
+
+
+def test_a_million_line_list_is_held_in_order_served_and_edited_live(tmp_path, dataset, shard_server, start_agent):
+    real, _, _ = dataset(3, samples=4)
+    urls = _million(real, shard_server.url)
+    list_file = tmp_path / "big" / "urls.txt"
+    list_file.parent.mkdir()
+    list_file.write_text("\n".join(urls) + "\n")
+    cache = tmp_path / "cache"
+    agent = _started(start_agent, cache, list_file)
+
+    assert agent.stats()["agent"]["urls"] == MILLION
+    assert _listed(cache, PROBES) == {at: urls[at] for at in PROBES}
+    assert _first_sample(cache)["__url__"] == real[0]
+
+    # An edit: one URL gone from the middle, one added at the end; the others keep their order.
+    edited = urls[:500_000] + urls[500_001:] + [shard_server.url("added.tar")]
+    _replace(list_file, "\n".join(edited) + "\n")
+    agent.wait_stats(lambda s: "URL list changed" in agent.stderr_text(), READY_TIMEOUT, "the edited list taken")
+    assert "URL list changed: 1 added, 1 removed (1000000 shards now)" in agent.stderr_text()
+    assert _listed(cache, (499_999, 500_000, MILLION - 1)) == {
+        499_999: urls[499_999], 500_000: urls[500_001], MILLION - 1: shard_server.url("added.tar")}
+
+
+def test_a_million_entry_shard_index_is_held_with_each_shards_facts(tmp_path, dataset, shard_server, start_agent):
+    real, paths, _ = dataset(3, samples=4)
+    urls = _million(real, shard_server.url)
+    index = tmp_path / "big" / "shards.json"
+    index.parent.mkdir()
+    sizes = [p.stat().st_size for p in paths]
+    entries = [{"url": u, "nsamples": 4, "filesize": sizes[i]} for i, u in enumerate(real)]
+    entries += [{"url": u, "nsamples": 7 + i % 3, "filesize": 1 << 20} for i, u in enumerate(urls[3:], 3)]
+    index.write_text(json.dumps({"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": entries}))
+    cache = tmp_path / "cache"
+    agent = _started(start_agent, cache, index)
+
+    assert agent.stats()["agent"]["urls"] == MILLION
+    assert _listed(cache, PROBES) == {at: urls[at] for at in PROBES}
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=30, cache_dir=cache)
+    try:
+        counts = conn.request({"op": "counts", "urls": [urls[at] for at in PROBES]})["counts"]
+    finally:
+        conn.close()
+    assert counts == [4 if at < 3 else 7 + at % 3 for at in PROBES]
+    assert _first_sample(cache)["__url__"] == real[0]
