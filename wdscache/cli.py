@@ -288,7 +288,7 @@ def _argument_urls(args: tuple[str, ...], lister: Lister | None = None, *, allow
     from .shared.errors import UrlListError
     from .shared.urls import parse_url_list
 
-    out = []
+    out: list[tuple[str, Sequence[str]]] = []
     for k, arg in enumerate(args, 1):
         try:
             out.append((arg, parse_url_list(arg, path="the command line", lister=lister,
