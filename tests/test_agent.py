@@ -97,22 +97,6 @@ def test_prefetch_before_any_reader_caches_exactly_the_first_window(shard_server
     assert partial_files(cache) == []
 
 
-def test_a_shard_published_before_any_reader_has_its_sample_count_known(shard_server, dataset, start_agent, tmp_path):
-    # A worker walks each shard as it is published: the agent then answers its count, so a
-    # loader's first read of it need not first ask a worker how many samples it holds.
-    ds = dataset(3, samples=7)
-    cache = tmp_path / "cache"
-    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--no-shuffle", "--cache-size", "10M")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 15, "the 3 shards were never all cached")
-    conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
-    try:
-        wait_for(lambda: conn.request({"op": "counts", "urls": ds.urls}).get("counts") == [7, 7, 7], 10,
-                 lambda: f"counts: {conn.request({'op': 'counts', 'urls': ds.urls})}\n{agent.stderr_tail()}")
-    finally:
-        conn.close()
-    assert agent.stats()["jobs"] == {}, "no reader took part"
-
-
 # -- the budget -------------------------------------------------------------------------
 
 READER_SCRIPT = textwrap.dedent(

@@ -12,6 +12,9 @@ from wdscache import CachedMultiLoader
 from wdscache.shared.client import AgentConnection, resolve_endpoint
 
 MILLION = 1_000_000
+# Shards that exist, first in the list: more than a loader reads or opens before its first sample
+# (the rest are missing: a loader that reached one would fail on it).
+REAL = 16
 # Reading and planning a million URLs takes the agent a second or two on an idle machine; this
 # allows for a machine shared with other test processes.
 READY_TIMEOUT = 60.0
@@ -49,7 +52,7 @@ def _started(start_agent, cache: Path, list_file: Path) -> AgentProc:
 
 
 def test_a_million_line_list_is_held_in_order_served_and_edited_live(tmp_path, dataset, shard_server, start_agent):
-    real, _, _ = dataset(3, samples=4)
+    real, _, _ = dataset(REAL, samples=4)
     urls = _million(real, shard_server.url)
     list_file = tmp_path / "big" / "urls.txt"
     list_file.parent.mkdir()
@@ -71,13 +74,13 @@ def test_a_million_line_list_is_held_in_order_served_and_edited_live(tmp_path, d
 
 
 def test_a_million_entry_shard_index_is_held_with_each_shards_facts(tmp_path, dataset, shard_server, start_agent):
-    real, paths, _ = dataset(3, samples=4)
+    real, paths, _ = dataset(REAL, samples=4)
     urls = _million(real, shard_server.url)
     index = tmp_path / "big" / "shards.json"
     index.parent.mkdir()
     sizes = [p.stat().st_size for p in paths]
     entries = [{"url": u, "nsamples": 4, "filesize": sizes[i]} for i, u in enumerate(real)]
-    entries += [{"url": u, "nsamples": 7 + i % 3, "filesize": 1 << 20} for i, u in enumerate(urls[3:], 3)]
+    entries += [{"url": u, "nsamples": 7 + i % 3, "filesize": 1 << 20} for i, u in enumerate(urls[REAL:], REAL)]
     index.write_text(json.dumps({"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": entries}))
     cache = tmp_path / "cache"
     agent = _started(start_agent, cache, index)
@@ -89,5 +92,5 @@ def test_a_million_entry_shard_index_is_held_with_each_shards_facts(tmp_path, da
         counts = conn.request({"op": "counts", "urls": [urls[at] for at in PROBES]})["counts"]
     finally:
         conn.close()
-    assert counts == [4 if at < 3 else 7 + at % 3 for at in PROBES]
+    assert counts == [4 if at < REAL else 7 + at % 3 for at in PROBES]
     assert _first_sample(cache)["__url__"] == real[0]

@@ -22,7 +22,7 @@ from wdscache.agent.parts import SIDE
 from wdscache.shared.layout import CacheLayout
 
 try:
-    from tests.test_s3 import CACHED_IN, start_on, store  # noqa: F401 (store: a fixture)
+    from tests.test_s3 import CACHED_IN, seaweed, start_on, store  # noqa: F401 (seaweed, store: fixtures)
 except pytest.skip.Exception:  # no boto3 or moto: the S3 tests skip, the others run
     store = None
 

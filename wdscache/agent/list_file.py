@@ -47,7 +47,7 @@ class ListFile:
         self._path, self._allow_pipe = config.urls, config.allow_pipe
         self._lister = Listing(endpoint_url=config.s3_endpoint_url, fetching=True)  # s3:// prefixes and globs
         self._signature: tuple[int, ...] | None = None
-        self._digest: bytes | None = None  # of the bytes last parsed
+        self._digest: bytes | None = None  # of the bytes last parsed, if they name no prefix or glob
         self._touched = threading.Event()  # set by the watchdog thread
         self._observer: Any = None
 
@@ -56,6 +56,7 @@ class ListFile:
         self._signature = _stat_signature(self._path)
         data = read_list_bytes(str(self._path))
         digest = hashlib.sha256(data).digest()
+        listed = self._lister.listed
         try:
             urls = list_of_bytes(data, path=str(self._path), allow_pipe=self._allow_pipe, lister=self._lister)
         finally:
@@ -65,7 +66,9 @@ class ListFile:
             raise ConfigError(f"URL list {self._path} holds no URL")
         if urls.duplicates:
             log.warning("%s: ignored %d duplicate URL(s)", self._path, urls.duplicates)
-        self._digest = digest
+        # A list naming an s3:// prefix or glob is read again whenever the file is touched, even
+        # alike: touching it is how an operator says the prefix's objects changed.
+        self._digest = digest if self._lister.listed == listed else None
         return urls
 
     def changed(self) -> UrlList | None:

@@ -305,9 +305,6 @@ class _Worker:
         samples = None if known else self.index.get(url, identity)
         if isinstance(samples, PackedSamples):
             self.walked += 1
-            # Its count too, as a scan tells it: the agent's answers to opens and counts then
-            # carry it, and a loader reading the shard need not ask a worker for it.
-            self._send_report(self.reports.counted(url, len(view.samples)))
             layouts, frames = samples.parts()
             header = {**self.reports.walked(url, list(identity), layouts), "key": self.key}
             if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:

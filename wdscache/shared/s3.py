@@ -284,6 +284,7 @@ class Listing:
 
     def __init__(self, *, endpoint_url: str | None = None, fetching: bool = False) -> None:
         self.endpoint_url, self.fetching = endpoint_url, fetching
+        self.listed = 0  # prefixes and globs listed so far: a list that names one may change unedited
         self._client: S3Client | None = None
 
     def __call__(self, url: str) -> Sequence[str]:
@@ -292,6 +293,7 @@ class Listing:
             if self.fetching:
                 self._connect()
             return (url,)
+        self.listed += 1
         try:
             urls = self._connect().list(url)
         except (FetchError, Transient) as exc:

@@ -235,6 +235,9 @@ def expand_braces(pattern: str, *, limit: int = DEFAULT_LIMIT) -> list[str]:
 # --------------------------------------------------------------------------- compact sequences
 
 
+REPR_URLS = 8  # URLs a list's repr shows
+
+
 class Urls(Sequence[str]):
     """URLs in order, held compactly: one string of them all (each ended by ``"\\n"``, which no URL
     holds) and an array of where each ends, rather than an object per URL.
@@ -376,7 +379,11 @@ class Urls(Sequence[str]):
         return hash(self._text)
 
     def __repr__(self) -> str:
-        return f"Urls({list(self[:3])}{'...' if len(self) > 3 else ''}, {len(self)} URLs)"
+        # Shown as the tuple of URLs it stands for (as lists were shown before they were held
+        # compactly), cut short past REPR_URLS.
+        if len(self) <= REPR_URLS:
+            return repr(tuple(self))
+        return f"({', '.join(map(repr, self[:REPR_URLS]))}, ... {len(self) - REPR_URLS} more)"
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The table holds this process's string hashes: the other side makes its own.
