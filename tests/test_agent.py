@@ -27,7 +27,6 @@ from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
 from tests.helpers.agents import FIRST_PART, AgentProc, Dataset
 from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
-from wdscache.shared.client import AgentConnection, resolve_endpoint
 from wdscache.shared.index import _SHARD, Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout, shard_name
 
