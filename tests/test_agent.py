@@ -598,6 +598,7 @@ def test_stats_without_a_cache_exits_1_and_without_an_agent_shows_agent_null(sha
     assert "2 cached" in r.stdout, r.stdout
 
 
+@pytest.mark.slow
 def test_stats_on_a_100000_shard_index_answers_fast(run_cli, tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir(mode=0o700)

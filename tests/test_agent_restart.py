@@ -39,6 +39,7 @@ def wait_samples(c: Consumer, n: int, timeout: float = 30.0) -> None:
     wait_for(enough, timeout, lambda: f"the consumer never wrote {n} samples\n{consumer_log(c)}", interval=0.02)
 
 
+@pytest.mark.slow
 def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(shard_server, dataset, start_agent,
                                                                        consumers, tmp_path):
     ds = dataset(8, samples=40, payload=1000)  # 320 samples

@@ -63,6 +63,7 @@ def test_a_file_system_that_cannot_hold_the_window_is_refused_at_start(
     assert not any(r.method == "GET" for r in shard_server.requests), shard_server.requests
 
 
+@pytest.mark.slow
 def test_a_download_waiting_for_free_space_says_why_in_stats_status_and_one_log_line(
         tmpfs, shard_server, dataset, start_agent, run_cli):
     fs = tmpfs("6m")

@@ -21,6 +21,7 @@ def _section(out: str, title: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.slow
 def test_the_demo_shows_the_cache_filling_and_the_job_while_it_runs():
     r = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], capture_output=True, text=True,
                        timeout=DEMO_TIMEOUT, stdin=subprocess.DEVNULL, check=False)

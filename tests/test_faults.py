@@ -321,6 +321,7 @@ def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset
     assert "recovered the cache" in second.stderr_text(), second.stderr_tail()
 
 
+@pytest.mark.slow
 def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_completes(
         shard_server, dataset, start_agent, consumers, tmp_path):
     ds = dataset(12, samples=50, payload=500)  # 600 samples: far more than a consumer holds in flight
@@ -398,6 +399,7 @@ def test_worker_sigkilled_mid_epoch_is_replaced_and_the_epoch_completes(shard_se
 # -- 4. a consumer killed mid-epoch ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_killed_consumer_expires_and_a_concurrent_job_completes(shard_server, dataset, start_agent, consumers, tmp_path):
     ds = dataset(6, samples=8, payload=2000)
     cache = tmp_path / "cache"

@@ -168,6 +168,7 @@ def test_damaged_gzip_data_fails_its_download_with_the_reason(tmp_path, shard_se
     no_leftovers(cache, urls[1])
 
 
+@pytest.mark.slow
 def test_a_large_expansion_within_budget_is_served_with_bounded_worker_memory(
         tmp_path, shard_server, start_agent, consumers):
     bomb = zero_bomb(shard_server.root / "zeros-000000.tar.gz", 40, 10 * MiB)  # 400 MiB of tar

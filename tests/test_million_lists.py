@@ -7,6 +7,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.agents import AgentProc
 from wdscache import CachedMultiLoader
 from wdscache.shared.client import AgentConnection, resolve_endpoint
@@ -51,6 +53,7 @@ def _started(start_agent, cache: Path, list_file: Path) -> AgentProc:
     return agent
 
 
+@pytest.mark.slow
 def test_a_million_line_list_is_held_in_order_served_and_edited_live(tmp_path, dataset, shard_server, start_agent):
     real, _, _ = dataset(REAL, samples=4)
     urls = _million(real, shard_server.url)
@@ -73,6 +76,7 @@ def test_a_million_line_list_is_held_in_order_served_and_edited_live(tmp_path, d
         499_999: urls[499_999], 500_000: urls[500_001], MILLION - 1: shard_server.url("added.tar")}
 
 
+@pytest.mark.slow
 def test_a_million_entry_shard_index_is_held_with_each_shards_facts(tmp_path, dataset, shard_server, start_agent):
     real, paths, _ = dataset(REAL, samples=4)
     urls = _million(real, shard_server.url)

@@ -82,6 +82,7 @@ def test_consumers_of_several_jobs_starting_together_fetch_each_shard_once(
         (r.path, r.range, r.bytes_sent) for r in shard_server.requests if r.method == "GET"]
 
 
+@pytest.mark.slow
 def test_a_cancelled_download_resumes_from_its_partial(tmp_path, shard_server, dataset, start_agent):
     data = dataset(3, samples=8, payload=150_000)
     shard_server.rate = 200_000  # ~6 s a shard
@@ -188,6 +189,7 @@ def test_a_kept_partial_counts_against_the_budget_and_is_removed_first_for_space
     assert stats["shards"]["cached"] == 2
 
 
+@pytest.mark.slow
 def test_the_partial_of_a_shard_removed_from_the_list_is_removed(tmp_path, shard_server, dataset, start_agent):
     data = dataset(2, samples=8, payload=150_000)
     shard_server.rate = 150_000  # ~8 s a shard: still downloading when it has been out of the list 3 s

@@ -53,6 +53,7 @@ def keys(lines: list) -> list[tuple[str, str]]:
     return [(s["url"], s["key"]) for s in samples_of(lines)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_nodes", [2, 3])
 def test_each_node_downloads_its_part_once_and_every_rank_gets_the_same_count(
         num_nodes, dataset, shard_server, start_agent, consumers, tmp_path) -> None:
@@ -177,6 +178,7 @@ def gloo_job(caches: list[Path], tmp_path: Path, workers: int,
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
 
+@pytest.mark.slow
 @needs_torch
 def test_nodes_whose_agents_hold_different_lists_all_fail_at_once_naming_both_lists(
         dataset, start_agent, tmp_path) -> None:
@@ -196,6 +198,7 @@ def test_nodes_whose_agents_hold_different_lists_all_fail_at_once_naming_both_li
     assert outs[0]["message"] == outs[1]["message"]
 
 
+@pytest.mark.slow
 @needs_torch
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_node_whose_agent_takes_up_another_list_after_the_loaders_were_made_is_refused(
@@ -229,6 +232,7 @@ def test_a_node_whose_agent_takes_up_another_list_after_the_loaders_were_made_is
         assert "ids" in outs[0]  # node 0's agent kept the job's list (a DDP job then stops on node 1's error)
 
 
+@pytest.mark.slow
 @needs_torch
 def test_nodes_on_the_same_list_in_a_process_group_get_every_sample_once_in_equal_counts(
         dataset, start_agent, tmp_path) -> None:

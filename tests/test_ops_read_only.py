@@ -11,6 +11,8 @@ import json
 import signal
 import subprocess
 
+import pytest
+
 from wdscache.shared.layout import CacheLayout
 
 READ_ONLY = "is read-only (its file system is mounted read-only)"
@@ -21,6 +23,7 @@ def _remount_read_only(mnt) -> None:
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_is_read_by_ls_stats_verify_and_refused_by_the_rest(tmp_path, tmpfs, dataset,
                                                                                start_agent, run_cli):
     data = dataset(2, samples=4, payload=300)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.console import wdscache_exe
@@ -38,6 +39,7 @@ def test_every_command_of_the_cli_is_shown_in_the_readme_or_the_docs():
     assert {"agent", "stats"} <= {c.split()[1] for c in _commands(README)}
 
 
+@pytest.mark.slow
 def test_every_command_in_the_readme_and_the_docs_runs_as_shown(tmp_path, dataset, run_cli):
     data = dataset(4, samples=4, payload=300, prefix="train")
     base = data.urls[0].rsplit("/", 1)[0] + "/"

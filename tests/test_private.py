@@ -74,6 +74,7 @@ def _agent_log(cache: Path) -> str:
         return "(no agent log)"
 
 
+@pytest.mark.slow
 def test_private_agent_lives_while_a_second_loader_uses_it(tmp_path, dataset, consumers, private_agents):
     data = dataset(8, samples=10, payload=500)
     ref = reference(data.paths, data.urls)

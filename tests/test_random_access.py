@@ -118,6 +118,7 @@ def test_every_sample_is_what_wids_returns(local_index: Path, start_agent: Calla
         ours.close()
 
 
+@pytest.mark.slow
 def test_dataloader_workers_under_torch_samplers_read_what_wids_reads(
         dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")

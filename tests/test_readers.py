@@ -32,6 +32,7 @@ def _lines(consumer) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_list_edit_mid_epoch_lets_the_epoch_finish_on_its_list_and_the_next_takes_the_new(
         tmp_path, dataset, start_agent, consumers):
     data = dataset(8, samples=10, payload=500)
@@ -99,6 +100,7 @@ def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, da
     assert "reader reused silent for" in agent.stderr_text(), agent.stderr_tail()
 
 
+@pytest.mark.slow
 def test_a_jobs_own_list_is_freed_once_the_job_has_left(tmp_path, dataset, start_agent, consumers):
     data = dataset(3, samples=5, payload=500)
     own = dataset(2, samples=5, payload=500, prefix="own", list_name="own.txt")

@@ -446,6 +446,7 @@ def test_an_object_replaced_while_an_epoch_streams_it_gives_whole_samples_old_on
     assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()
 
 
+@pytest.mark.slow
 def test_an_object_overwritten_between_two_runs_is_fetched_again(store: Store, tmp_path: Path,
                                                                   start_agent, consumers) -> None:
     urls, paths = store.put_shards("t/", 2)

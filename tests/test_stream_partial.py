@@ -25,6 +25,7 @@ def fields_of(sample: dict) -> dict[str, str]:
     return {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
 
 
+@pytest.mark.slow
 def test_first_sample_arrives_before_its_shard_is_downloaded_and_the_epoch_is_exact(
         tmp_path, shard_server, dataset, start_agent):
     data = dataset(2, samples=30, payload=20_000)

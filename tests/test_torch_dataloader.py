@@ -42,6 +42,7 @@ def warm(dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path:
     return cache, everything
 
 
+@pytest.mark.slow
 def test_dataloader_workers_split_each_ranks_share(warm: tuple[Path, set[str]]) -> None:
     cache, _ = warm
     out = _run(cache, "workers")
@@ -75,6 +76,7 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
         in out["mismatch"]
 
 
+@pytest.mark.slow
 def test_stateful_dataloader_workers_of_a_job_on_several_nodes_resume_exactly_on_any_layout(
         warm: tuple[Path, set[str]]) -> None:
     cache, _ = warm

@@ -66,6 +66,7 @@ def _torchrun(tmp: Path, cache: Path, name: str, *extra: str) -> tuple[subproces
     return proc, out
 
 
+@pytest.mark.slow
 def test_torchrun_job_killed_and_restarted_sees_every_sample_once_per_epoch(
         dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
     if not TORCHRUN.exists():

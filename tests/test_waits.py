@@ -37,6 +37,7 @@ def test_a_download_that_stops_moving_ends_the_wait_after_timeout_naming_the_sha
     assert 0 < len(got) < 40  # what had arrived was delivered first
 
 
+@pytest.mark.slow
 def test_a_killed_agent_ends_a_consumer_within_its_timeout(shard_server, dataset, start_agent, consumers, tmp_path):
     ds = dataset(4, samples=50, payload=2000)
     cache = tmp_path / "cache"
