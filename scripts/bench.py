@@ -211,6 +211,7 @@ def page_cached(paths: list[Path]) -> float | None:
             held += sum(b & 1 for b in bytes(vec))  # the other bits are reserved
     return held / total if total else None
 
+
 MB, GB = 1e6, 1e9
 BLOCK = 512
 AGENT_WORKERS = 2
@@ -275,8 +276,9 @@ class Child:
         self.cmd = cmd
         self.log_path = log_path
         with open(log_path, "ab") as err:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, env=env)
+            self.proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True, env=env
+            )
         self.pid = self.proc.pid
         Child.live.append(self)
         self.lines: list[str] = []
@@ -299,6 +301,7 @@ class Child:
 
     def wait(self, deadline: float) -> Child:
         """Reap within ``deadline`` seconds, else SIGKILL its process group and report a timeout."""
+
         def expire() -> None:
             self.timed_out = True
             self._kill_group()
@@ -407,9 +410,18 @@ class Bench:
         http = self.work / "lists" / label / "urls.txt"  # a folder per list: the agent watches it
         http.parent.mkdir(parents=True, exist_ok=True)
         http.write_text("".join(f"http://127.0.0.1:{self.port}/{name}/{p.name}\n" for p in paths))
-        return {"profile": prof.name, "dir": str(root), "shards": n, "samples_per_shard": spp,
-                "samples": n * spp, "disk_bytes": disk, "payload": prof.payload,
-                "paths": [str(p) for p in paths], "local_list": str(local), "http_list": str(http)}
+        return {
+            "profile": prof.name,
+            "dir": str(root),
+            "shards": n,
+            "samples_per_shard": spp,
+            "samples": n * spp,
+            "disk_bytes": disk,
+            "payload": prof.payload,
+            "paths": [str(p) for p in paths],
+            "local_list": str(local),
+            "http_list": str(http),
+        }
 
     def start_server(self) -> None:
         port_file = self.work / "server.port"
@@ -417,17 +429,33 @@ class Bench:
         (self.work / "data").mkdir(parents=True, exist_ok=True)
         self.counters = self.work / "server.counters"
         self.counters.unlink(missing_ok=True)
-        self.server = Child([self.py, str(CONSUMER), "serve", str(self.work / "data"), "--port-file", str(port_file),
-                             "--rate", str(self.rate), "--ttfb", str(self.ttfb), "--counters", str(self.counters)],
-                            self.logs / "server.log")
+        self.server = Child(
+            [
+                self.py,
+                str(CONSUMER),
+                "serve",
+                str(self.work / "data"),
+                "--port-file",
+                str(port_file),
+                "--rate",
+                str(self.rate),
+                "--ttfb",
+                str(self.ttfb),
+                "--counters",
+                str(self.counters),
+            ],
+            self.logs / "server.log",
+        )
         deadline = time.monotonic() + 20
         while not port_file.exists():
             if self.server.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the shard server did not start:\n{self.server.stderr_tail()}")
             time.sleep(0.05)
         self.port = int(port_file.read_text())
-        log(f"shard server on 127.0.0.1:{self.port}: {self.args.rate_mb:g} MB/s per connection, "
-            f"{self.args.ttfb_ms:g} ms to first byte")
+        log(
+            f"shard server on 127.0.0.1:{self.port}: {self.args.rate_mb:g} MB/s per connection, "
+            f"{self.args.ttfb_ms:g} ms to first byte"
+        )
 
     def fetched(self) -> dict[str, int]:
         """The server's running totals: GET and HEAD requests, body bytes sent."""
@@ -440,7 +468,8 @@ class Bench:
     def fetch_note(self, before: dict[str, int], ds: dict[str, Any]) -> dict[str, Any]:
         after = self.fetched()
         return {k: after.get(k, 0) - before.get(k, 0) for k in ("gets", "heads", "bytes")} | {
-            "x_dataset": (after.get("bytes", 0) - before.get("bytes", 0)) / ds["disk_bytes"]}
+            "x_dataset": (after.get("bytes", 0) - before.get("bytes", 0)) / ds["disk_bytes"]
+        }
 
     def stop_server(self) -> None:
         if self.server is not None and self.server.returncode is None:
@@ -475,30 +504,47 @@ class Bench:
         gbytes = e["bytes"] / GB
         cpu = (e["cpu_s"] or 0.0) + extra_cpu
         return {
-            "samples": e["samples"], "bytes": e["bytes"], "wall_s": e["elapsed"],
-            "samples_s": e["samples"] / e["elapsed"], "mb_s": e["bytes"] / MB / e["elapsed"],
+            "samples": e["samples"],
+            "bytes": e["bytes"],
+            "wall_s": e["elapsed"],
+            "samples_s": e["samples"] / e["elapsed"],
+            "mb_s": e["bytes"] / MB / e["elapsed"],
             "ttfs_ms": 1000 * e["ttfs"] if e["ttfs"] is not None else None,
-            "cpu_s": cpu, "cpu_s_per_gb": cpu / gbytes if gbytes else None,
-            "consumer_hwm_mb": e["hwm_kb"] / 1024, "consumer_growth_mb": e["rss_growth_kb"] / 1024,
+            "cpu_s": cpu,
+            "cpu_s_per_gb": cpu / gbytes if gbytes else None,
+            "consumer_hwm_mb": e["hwm_kb"] / 1024,
+            "consumer_growth_mb": e["rss_growth_kb"] / 1024,
         }
 
-    def finish_run(self, profile: str, rep: int, system: str, child: Child | None, rows: dict[str, Any],
-                   status: str = "ok", **extra: Any) -> dict[str, Any]:
+    def finish_run(
+        self,
+        profile: str,
+        rep: int,
+        system: str,
+        child: Child | None,
+        rows: dict[str, Any],
+        status: str = "ok",
+        **extra: Any,
+    ) -> dict[str, Any]:
         run = {"profile": profile, "rep": rep, "system": system, "status": status, "rows": rows, **extra}
         if child is not None:
             run["process_cpu_s"] = child.total_cpu()
             run["returncode"] = child.returncode
         self.runs.append(run)
         for label, r in rows.items():
-            log(f"  {label}: {fmt(r['samples_s'])} samples/s, {r['mb_s']:,.1f} MB/s, {r['wall_s']:.2f} s"
+            log(
+                f"  {label}: {fmt(r['samples_s'])} samples/s, {r['mb_s']:,.1f} MB/s, {r['wall_s']:.2f} s"
                 + (f", first sample {r['ttfs_ms']:.0f} ms" if r.get("ttfs_ms") is not None else "")
-                + (f", {r['cpu_s_per_gb']:.2f} CPU s/GB" if r.get("cpu_s_per_gb") is not None else ""))
+                + (f", {r['cpu_s_per_gb']:.2f} CPU s/GB" if r.get("cpu_s_per_gb") is not None else "")
+            )
         if status != "ok":
             log(f"  {system}: {status}")
         if extra.get("fetched"):
             f = extra["fetched"]
-            log(f"  fetched from the server: {f['bytes'] / MB:,.0f} MB ({f['x_dataset']:.2f}x the dataset) "
-                f"in {f['gets']} GETs and {f['heads']} HEADs")
+            log(
+                f"  fetched from the server: {f['bytes'] / MB:,.0f} MB ({f['x_dataset']:.2f}x the dataset) "
+                f"in {f['gets']} GETs and {f['heads']} HEADs"
+            )
         if extra.get("resends"):
             log(f"  the consumer resent {extra['resends']} worker request(s) after its 10 s timeout")
         return run
@@ -509,8 +555,11 @@ class Bench:
         want = ds["samples"] * copies
         if child.timed_out:
             prog = child.last_progress() or {}
-            return (f"hang: killed at its deadline after {prog.get('samples', 0)} of {want} samples"
-                    f" (epoch {prog.get('epoch', 0) + 1})", rep)
+            return (
+                f"hang: killed at its deadline after {prog.get('samples', 0)} of {want} samples"
+                f" (epoch {prog.get('epoch', 0) + 1})",
+                rep,
+            )
         if child.returncode != 0 or rep is None:
             return f"error: exit {child.returncode}: {child.stderr_tail(5)}", rep
         got = [e["samples"] for e in rep["epochs"]]
@@ -525,14 +574,22 @@ class Bench:
 
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
-        proc = subprocess.run(["cat", *ds["paths"]], stdout=subprocess.DEVNULL, timeout=self.local_deadline(ds),
-                              check=True)
+        proc = subprocess.run(
+            ["cat", *ds["paths"]], stdout=subprocess.DEVNULL, timeout=self.local_deadline(ds), check=True
+        )
         wall = time.perf_counter() - t
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         del proc
-        e = {"samples": ds["samples"], "bytes": ds["disk_bytes"], "elapsed": wall, "ttfs": None,
-             "cpu_s": cpu, "hwm_kb": after.ru_maxrss, "rss_growth_kb": 0}
+        e = {
+            "samples": ds["samples"],
+            "bytes": ds["disk_bytes"],
+            "elapsed": wall,
+            "ttfs": None,
+            "cpu_s": cpu,
+            "hwm_kb": after.ru_maxrss,
+            "rss_growth_kb": 0,
+        }
         row = self.epoch_row(e)
         row["consumer_hwm_mb"] = row["consumer_growth_mb"] = None
         row["samples_s"] = None  # cat knows no samples
@@ -540,8 +597,9 @@ class Bench:
 
     def run_zmq(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         sizes = f"{ds['payload']},3,60"
-        c = self.consumer("zmq", "--samples", str(ds["samples"]), "--sizes", sizes, "--sock-dir", str(self.work),
-                          tag=f"{prof}-zmq").wait(self.local_deadline(ds))
+        c = self.consumer(
+            "zmq", "--samples", str(ds["samples"]), "--sizes", sizes, "--sock-dir", str(self.work), tag=f"{prof}-zmq"
+        ).wait(self.local_deadline(ds))
         status, rep_ = self.check(c, ds, 1)
         rows = {}
         if rep_ is not None and status == "ok":
@@ -552,9 +610,20 @@ class Bench:
             row["ttfs_ms"] = None
             rows["pyzmq IPC PUSH/PULL, multipart, copy=False"] = row
             for n, label in ((1, RAW_ONE), (8, RAW_EIGHT), (64, RAW_64)):
-                many = self.consumer("zmq-many", "--samples", str(ds["samples"]), "--sizes", sizes,
-                                     "--receivers", str(n), "--per-message", str(REQUEST_SIZE),
-                                     "--sock-dir", str(self.work), tag=f"{prof}-zmq-many-{n}")
+                many = self.consumer(
+                    "zmq-many",
+                    "--samples",
+                    str(ds["samples"]),
+                    "--sizes",
+                    sizes,
+                    "--receivers",
+                    str(n),
+                    "--per-message",
+                    str(REQUEST_SIZE),
+                    "--sock-dir",
+                    str(self.work),
+                    tag=f"{prof}-zmq-many-{n}",
+                )
                 many.wait(self.local_deadline(ds))
                 many_status, many_rep = self.check(many, ds, 1)
                 if many_rep is not None and many_status == "ok":
@@ -568,14 +637,14 @@ class Bench:
         self.finish_run(prof, rep, "zmq", c, rows, status)
 
     def run_wds_local(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
-        c = self.consumer("wds", "--urls-file", ds["local_list"],
-                          tag=f"{prof}-wds-local").wait(self.local_deadline(ds))
+        c = self.consumer("wds", "--urls-file", ds["local_list"], tag=f"{prof}-wds-local").wait(self.local_deadline(ds))
         status, r = self.check(c, ds, 1)
         rows = {"wds local, in-process": self.epoch_row(r["epochs"][0])} if status == "ok" else {}
         self.finish_run(prof, rep, "wds-local", c, rows, status)
 
-    def run_multi(self, prof: str, rep: int, ds: dict[str, Any], flush: bool = True,
-                  deadline: float | None = None) -> dict[str, Any]:
+    def run_multi(
+        self, prof: str, rep: int, ds: dict[str, Any], flush: bool = True, deadline: float | None = None
+    ) -> dict[str, Any]:
         args = ["--urls-file", ds["local_list"], "--workers", str(AGENT_WORKERS), "--sock-dir", str(self.work)]
         if flush:
             args.append("--flush")
@@ -586,15 +655,22 @@ class Bench:
         if status == "ok":
             row = self.epoch_row(r["epochs"][0])
             row["helper_hwm_mb"] = r["children_maxrss_kb"] / 1024  # the largest worker (ru_maxrss of children)
-            label = (f"wds MultiLoader, {AGENT_WORKERS} workers (worker flushes ZeroMQ on exit)" if flush
-                     else f"wds MultiLoader, {AGENT_WORKERS} workers, stock 1.0.2")
+            label = (
+                f"wds MultiLoader, {AGENT_WORKERS} workers (worker flushes ZeroMQ on exit)"
+                if flush
+                else f"wds MultiLoader, {AGENT_WORKERS} workers, stock 1.0.2"
+            )
             rows[label] = row
         return self.finish_run(prof, rep, name, c, rows, status)
 
     def run_multi_stock(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         """The unwrapped MultiLoader: its deadline is 2x the wrapped one's time (or a size-based guess) + 10 s."""
-        walls = [row["wall_s"] for r in self.runs if r["profile"] == prof and r["system"] == "wds-multi"
-                 for row in r["rows"].values()]
+        walls = [
+            row["wall_s"]
+            for r in self.runs
+            if r["profile"] == prof and r["system"] == "wds-multi"
+            for row in r["rows"].values()
+        ]
         guess = max(walls) if walls else ds["disk_bytes"] / (20 * MB)
         deadline = 2 * guess + 10
         log(f"  deadline {deadline:.0f} s")
@@ -602,8 +678,7 @@ class Bench:
 
     def run_wds_http(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         before = self.fetched()
-        c = self.consumer("wds", "--urls-file", ds["http_list"],
-                          tag=f"{prof}-wds-http").wait(self.http_deadline(ds))
+        c = self.consumer("wds", "--urls-file", ds["http_list"], tag=f"{prof}-wds-http").wait(self.http_deadline(ds))
         status, r = self.check(c, ds, 1)
         rows = {"wds HTTP streaming (no cache)": self.epoch_row(r["epochs"][0])} if status == "ok" else {}
         self.finish_run(prof, rep, "wds-http", c, rows, status, fetched=self.fetch_note(before, ds))
@@ -612,8 +687,16 @@ class Bench:
         cache = self.fresh_dir(f"{prof}-wdscachedir")
         before = self.fetched()
         try:
-            c = self.consumer("wds", "--urls-file", ds["http_list"], "--cache-dir", str(cache), "--epochs", "2",
-                              tag=f"{prof}-wds-cachedir").wait(self.http_deadline(ds) + 60)
+            c = self.consumer(
+                "wds",
+                "--urls-file",
+                ds["http_list"],
+                "--cache-dir",
+                str(cache),
+                "--epochs",
+                "2",
+                tag=f"{prof}-wds-cachedir",
+            ).wait(self.http_deadline(ds) + 60)
         finally:
             shutil.rmtree(cache, ignore_errors=True)
         status, r = self.check(c, ds, 2)
@@ -634,10 +717,23 @@ class Bench:
         before = self.fetched()
         try:
             agent.start()
-            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "single", "--epochs", "2",
-                              "--shuffled-epochs", "1",
-                              "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT), "--log",
-                              tag=f"{prof}-wdscache")
+            c = self.consumer(
+                "wdscache",
+                "--cache-dir",
+                str(cache),
+                "--job",
+                "single",
+                "--epochs",
+                "2",
+                "--shuffled-epochs",
+                "1",
+                "--agent-pid",
+                str(agent.pid),
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                "--log",
+                tag=f"{prof}-wdscache",
+            )
             c.wait(self.http_deadline(ds) + 120)
             status, r = self.check(c, ds, 3)
             extra["fetched"] = self.fetch_note(before, ds)
@@ -645,7 +741,9 @@ class Bench:
             if r is not None and len(r["epochs"]) == 3:
                 cold, warm, shuffled = r["epochs"]
                 row = self.epoch_row(cold, cold["agent_cpu_s"] or 0.0)
-                row["ttfs_from_agent_launch_ms"] = 1000 * (cold["t_first"] - agent.t_launch) if cold["t_first"] else None
+                row["ttfs_from_agent_launch_ms"] = (
+                    1000 * (cold["t_first"] - agent.t_launch) if cold["t_first"] else None
+                )
                 row["agent_ready_s"] = agent.ready_s
                 rows["wdscache, epoch 1 (cold)"] = row
                 rows["wdscache, epoch 2 (warm)"] = self.epoch_row(warm, warm["agent_cpu_s"] or 0.0)
@@ -685,9 +783,22 @@ class Bench:
         c: Child | None = None
         try:
             agent.start()
-            c = self.consumer("mix", "--cache-dir", str(cache), "--urls-file", ds["http_list"], "--mix",
-                              ",".join(halves), "--epoch-samples", str(ds["samples"]), "--agent-pid", str(agent.pid),
-                              "--timeout", str(CONSUMER_TIMEOUT), tag=f"{prof}-wdscache-mix")
+            c = self.consumer(
+                "mix",
+                "--cache-dir",
+                str(cache),
+                "--urls-file",
+                ds["http_list"],
+                "--mix",
+                ",".join(halves),
+                "--epoch-samples",
+                str(ds["samples"]),
+                "--agent-pid",
+                str(agent.pid),
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                tag=f"{prof}-wdscache-mix",
+            )
             c.wait(self.http_deadline(ds) + 120 + 4 * self.local_deadline(ds))
             status, r = self.check(c, ds, 5)
             if r is not None and status == "ok":
@@ -707,18 +818,26 @@ class Bench:
         http = where == "http"
         before = self.fetched()
         epochs = 2 if where == "memory" else 1  # the first reads the shards into the workers' memory
-        c = self.consumer("torch", "--urls-file", ds["http_list" if http else "local_list"], "--workers",
-                          str(TORCH_WORKERS), "--epochs", str(epochs), *(["--memory"] if where == "memory" else []),
-                          tag=f"{prof}-torch-wds-{where}").wait(
-            self.http_deadline(ds) if http else self.local_deadline(ds) * epochs + 60)
+        c = self.consumer(
+            "torch",
+            "--urls-file",
+            ds["http_list" if http else "local_list"],
+            "--workers",
+            str(TORCH_WORKERS),
+            "--epochs",
+            str(epochs),
+            *(["--memory"] if where == "memory" else []),
+            tag=f"{prof}-torch-wds-{where}",
+        ).wait(self.http_deadline(ds) if http else self.local_deadline(ds) * epochs + 60)
         status, r = self.check(c, ds, epochs)
         label = {"http": TORCH_WDS_HTTP, "local": TORCH_WDS_LOCAL, "memory": TORCH_MEMORY}[where]
         rows = {label: self.epoch_row(r["epochs"][-1])} if status == "ok" else {}
         if where == "memory" and rows:  # its persistent workers are reaped after the epoch: no CPU figure
             rows[label].update(cpu_s=None, cpu_s_per_gb=None)
         extra = {"fetched": self.fetch_note(before, ds)} if http else {}
-        self.finish_run(prof, rep, "torch-memory" if where == "memory" else f"torch-wds-{where}", c, rows, status,
-                        **extra)
+        self.finish_run(
+            prof, rep, "torch-memory" if where == "memory" else f"torch-wds-{where}", c, rows, status, **extra
+        )
 
     def run_torch_wdscache(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         """The DataLoader pipeline over ``wdscache.WebDataset``, a fresh agent: epoch 1 cold, epoch 2 warm."""
@@ -732,19 +851,43 @@ class Bench:
         status = "error: the agent did not start"
         try:
             agent.start()
-            c = self.consumer("torch", "--cache-dir", str(cache), "--workers", str(TORCH_WORKERS), "--epochs", "2",
-                              "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT),
-                              tag=f"{prof}-torch-wdscache").wait(self.http_deadline(ds) + 120)
+            c = self.consumer(
+                "torch",
+                "--cache-dir",
+                str(cache),
+                "--workers",
+                str(TORCH_WORKERS),
+                "--epochs",
+                "2",
+                "--agent-pid",
+                str(agent.pid),
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                tag=f"{prof}-torch-wdscache",
+            ).wait(self.http_deadline(ds) + 120)
             status, r = self.check(c, ds, 2)
             if status == "ok":
                 cold, warm = r["epochs"]
                 rows[TORCH_COLD] = self.epoch_row(cold, cold["agent_cpu_s"] or 0.0)
                 rows[TORCH_WARM] = self.epoch_row(warm, warm["agent_cpu_s"] or 0.0)
                 # As the memory row runs: persistent workers, their start in an untimed first epoch.
-                c = self.consumer("torch", "--cache-dir", str(cache), "--workers", str(TORCH_WORKERS), "--epochs",
-                                  "2", "--persistent", "--job", "bench-torch-persistent", "--agent-pid",
-                                  str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT),
-                                  tag=f"{prof}-torch-wdscache-persistent").wait(self.local_deadline(ds) * 2 + 60)
+                c = self.consumer(
+                    "torch",
+                    "--cache-dir",
+                    str(cache),
+                    "--workers",
+                    str(TORCH_WORKERS),
+                    "--epochs",
+                    "2",
+                    "--persistent",
+                    "--job",
+                    "bench-torch-persistent",
+                    "--agent-pid",
+                    str(agent.pid),
+                    "--timeout",
+                    str(CONSUMER_TIMEOUT),
+                    tag=f"{prof}-torch-wdscache-persistent",
+                ).wait(self.local_deadline(ds) * 2 + 60)
                 status, r = self.check(c, ds, 2)
                 if status == "ok":
                     rows[TORCH_PERSISTENT] = self.epoch_row(r["epochs"][-1])
@@ -765,12 +908,27 @@ class Bench:
         try:
             agent.start()
             time.sleep(0.5)  # its prefetches under way, as when a job starts after its agent
-            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "other", "--max-samples", "1",
-                              "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT), "--log",
-                              tag=f"{prof}-wdscache-other").wait(self.http_deadline(ds))
+            c = self.consumer(
+                "wdscache",
+                "--cache-dir",
+                str(cache),
+                "--job",
+                "other",
+                "--max-samples",
+                "1",
+                "--agent-pid",
+                str(agent.pid),
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                "--log",
+                tag=f"{prof}-wdscache-other",
+            ).wait(self.http_deadline(ds))
             r = c.report()
-            status = "ok" if c.returncode == 0 and r is not None and r["epochs"][0]["samples"] == 1 else \
-                f"error: exit {c.returncode}: {c.stderr_tail(5)}"
+            status = (
+                "ok"
+                if c.returncode == 0 and r is not None and r["epochs"][0]["samples"] == 1
+                else f"error: exit {c.returncode}: {c.stderr_tail(5)}"
+            )
             if status == "ok":
                 rows[OTHER_ORDER] = self.epoch_row(r["epochs"][0])
         finally:
@@ -790,14 +948,28 @@ class Bench:
         c: Child | None = None
         status = "error: the agent did not start"
         try:
-            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "first", "--max-samples", "1",
-                              "--timeout", str(CONSUMER_TIMEOUT), "--log", tag=f"{prof}-wdscache-loader-first")
+            c = self.consumer(
+                "wdscache",
+                "--cache-dir",
+                str(cache),
+                "--job",
+                "first",
+                "--max-samples",
+                "1",
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                "--log",
+                tag=f"{prof}-wdscache-loader-first",
+            )
             time.sleep(1.0)  # it has imported and waits for the agent
             agent.start()
             c.wait(self.http_deadline(ds))
             r = c.report()
-            status = "ok" if c.returncode == 0 and r is not None and r["epochs"][0]["samples"] == 1 else \
-                f"error: exit {c.returncode}: {c.stderr_tail(5)}"
+            status = (
+                "ok"
+                if c.returncode == 0 and r is not None and r["epochs"][0]["samples"] == 1
+                else f"error: exit {c.returncode}: {c.stderr_tail(5)}"
+            )
             if status == "ok" and r is not None:
                 row = self.epoch_row(r["epochs"][0])
                 row["ttfs_ms"] = 1000 * (r["epochs"][0]["t_first"] - agent.t_launch)
@@ -815,9 +987,17 @@ class Bench:
         holds ``samples_per_shard`` samples): nothing is downloaded to make it."""
         out = Path(ds["http_list"]).parent / "random-access.json"
         urls = Path(ds["http_list"]).read_text().split()
-        out.write_text(json.dumps({"wids_version": 1, "shardlist": [
-            {"url": u, "nsamples": ds["samples_per_shard"], "filesize": os.path.getsize(p)}
-            for u, p in zip(urls, ds["paths"])]}))
+        out.write_text(
+            json.dumps(
+                {
+                    "wids_version": 1,
+                    "shardlist": [
+                        {"url": u, "nsamples": ds["samples_per_shard"], "filesize": os.path.getsize(p)}
+                        for u, p in zip(urls, ds["paths"])
+                    ],
+                }
+            )
+        )
         return out
 
     def run_random_access(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
@@ -835,17 +1015,35 @@ class Bench:
 
         def fastest(warm: list[dict[str, Any]]) -> dict[str, Any]:
             return max(warm, key=lambda e: e["samples"] / e["elapsed"])
+
         folder = self.fresh_dir(f"{prof}-wids")
         before = self.fetched()
         try:
-            c = self.consumer("random", "--system", "wids", "--index", str(index), "--cache-dir", str(folder),
-                              "--epochs", str(epochs), "--max-samples", str(limit),
-                              tag=f"{prof}-random-wids").wait(deadline)
+            c = self.consumer(
+                "random",
+                "--system",
+                "wids",
+                "--index",
+                str(index),
+                "--cache-dir",
+                str(folder),
+                "--epochs",
+                str(epochs),
+                "--max-samples",
+                str(limit),
+                tag=f"{prof}-random-wids",
+            ).wait(deadline)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
         status, r = self.check(c, read, epochs)
-        rows = {RANDOM_WIDS_COLD: self.epoch_row(r["epochs"][0]),
-                RANDOM_WIDS_WARM: self.epoch_row(fastest(r["epochs"][1:]))} if status == "ok" else {}
+        rows = (
+            {
+                RANDOM_WIDS_COLD: self.epoch_row(r["epochs"][0]),
+                RANDOM_WIDS_WARM: self.epoch_row(fastest(r["epochs"][1:])),
+            }
+            if status == "ok"
+            else {}
+        )
         self.finish_run(prof, rep, "random-wids", c, rows, status, fetched=self.fetch_note(before, ds))
         cache = self.fresh_dir(f"{prof}-random-wdscache")
         budget = int(max(1.5 * ds["disk_bytes"], (PREFETCH + 2) * max(os.path.getsize(p) for p in ds["paths"])))
@@ -856,10 +1054,24 @@ class Bench:
         status = "error: the agent did not start"
         try:
             agent.start()
-            w = self.consumer("random", "--system", "wdscache", "--index", str(index), "--cache-dir", str(cache),
-                              "--epochs", str(epochs), "--agent-pid", str(agent.pid), "--timeout",
-                              str(CONSUMER_TIMEOUT), "--max-samples", str(limit),
-                              tag=f"{prof}-random-wdscache").wait(deadline)
+            w = self.consumer(
+                "random",
+                "--system",
+                "wdscache",
+                "--index",
+                str(index),
+                "--cache-dir",
+                str(cache),
+                "--epochs",
+                str(epochs),
+                "--agent-pid",
+                str(agent.pid),
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                "--max-samples",
+                str(limit),
+                tag=f"{prof}-random-wdscache",
+            ).wait(deadline)
             status, r = self.check(w, read, epochs)
             if status == "ok":
                 cold, warm = r["epochs"][0], fastest(r["epochs"][1:])
@@ -875,24 +1087,59 @@ class Bench:
         out = Path(ds["http_list"]).parent / "shards.json"
         if not out.exists():
             urls = Path(ds["http_list"]).read_text().split()
-            r = subprocess.run([wdscache_exe(), "index", *urls, "-o", str(out)], capture_output=True, text=True,
-                               timeout=self.http_deadline(ds), check=False)
+            r = subprocess.run(
+                [wdscache_exe(), "index", *urls, "-o", str(out)],
+                capture_output=True,
+                text=True,
+                timeout=self.http_deadline(ds),
+                check=False,
+            )
             if r.returncode != 0:
                 raise RuntimeError(f"wdscache index failed: {r.stderr[-2000:]}")
         return out
 
-    def ranks_at_once(self, prof: str, ds: dict[str, Any], placed: list[tuple[int, Agent]], nodes: int,
-                      per_node: int, tag: str, *, warmup: bool) -> list[dict[str, Any]] | None:
+    def ranks_at_once(
+        self,
+        prof: str,
+        ds: dict[str, Any],
+        placed: list[tuple[int, Agent]],
+        nodes: int,
+        per_node: int,
+        tag: str,
+        *,
+        warmup: bool,
+    ) -> list[dict[str, Any]] | None:
         """One epoch of the ranks of the nodes ``placed`` (node k on its agent), ``per_node`` each, of a
         job on ``nodes``, every rank started at once; each rank's epoch, or None if one failed."""
         start_at = time.time() + 3.0  # all import (and warm up) first, then start together
-        kids = [self.consumer("wdscache", "--cache-dir", str(agent.cache), "--job", tag,
-                              "--rank", str(k * per_node + j), "--world-size", str(nodes * per_node),
-                              "--node", str(k), "--num-nodes", str(nodes), "--epochs", "1",
-                              "--start-at", str(start_at), "--timeout", str(CONSUMER_TIMEOUT), "--log",
-                              *(["--warmup", str(WARMUP_SAMPLES)] if warmup else []),
-                              tag=f"{prof}-{tag}-n{k}r{j}")
-                for k, agent in placed for j in range(per_node)]
+        kids = [
+            self.consumer(
+                "wdscache",
+                "--cache-dir",
+                str(agent.cache),
+                "--job",
+                tag,
+                "--rank",
+                str(k * per_node + j),
+                "--world-size",
+                str(nodes * per_node),
+                "--node",
+                str(k),
+                "--num-nodes",
+                str(nodes),
+                "--epochs",
+                "1",
+                "--start-at",
+                str(start_at),
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                "--log",
+                *(["--warmup", str(WARMUP_SAMPLES)] if warmup else []),
+                tag=f"{prof}-{tag}-n{k}r{j}",
+            )
+            for k, agent in placed
+            for j in range(per_node)
+        ]
         for k in kids:
             k.wait(self.http_deadline(ds) + 120)
         reports = [k.report() for k in kids]
@@ -907,9 +1154,15 @@ class Bench:
         samples, nbytes = sum(e["samples"] for e in epochs), sum(e["bytes"] for e in epochs)
         t0 = min(e["t_start"] for e in epochs)
         wall = max(e["t_end"] for e in epochs) - t0
-        return {"samples": samples, "bytes": nbytes, "wall_s": wall, "samples_s": samples / wall,
-                "mb_s": nbytes / MB / wall, "ttfs_ms": 1000 * max(e["ttfs"] for e in epochs),
-                "equal_counts": len({e["samples"] for e in epochs}) == 1}
+        return {
+            "samples": samples,
+            "bytes": nbytes,
+            "wall_s": wall,
+            "samples_s": samples / wall,
+            "mb_s": nbytes / MB / wall,
+            "ttfs_ms": 1000 * max(e["ttfs"] for e in epochs),
+            "equal_counts": len({e["samples"] for e in epochs}) == 1,
+        }
 
     def run_wdscache_nodes(self, prof: str, rep: int, ds: dict[str, Any]) -> None:
         """Several nodes on this machine: one agent per node (own cache), two ranks each. Cold, the
@@ -925,9 +1178,17 @@ class Bench:
         started: list[Agent] = []
         try:
             for n in (2, 3):
-                agents = [Agent(self, self.fresh_dir(f"{prof}-node{k}of{n}"), index, budget,
-                                tag=f"{prof}-agent-node{k}of{n}", extra=["--node-rank", str(k), "--num-nodes", str(n)])
-                          for k in range(n)]
+                agents = [
+                    Agent(
+                        self,
+                        self.fresh_dir(f"{prof}-node{k}of{n}"),
+                        index,
+                        budget,
+                        tag=f"{prof}-agent-node{k}of{n}",
+                        extra=["--node-rank", str(k), "--num-nodes", str(n)],
+                    )
+                    for k in range(n)
+                ]
                 started += agents
                 self.agents += agents
                 shares = []
@@ -940,8 +1201,11 @@ class Bench:
                         break
                     shares.append((self.fetched()["bytes"] - before.get("bytes", 0)) / (ds["disk_bytes"] / n))
                 extra[f"bytes_per_node_x_share_{n}"] = shares
-                log(f"  {n} nodes x 2 ranks, cold: each node downloaded "
-                    + ", ".join(f"{x:.3f}" for x in shares) + f"x dataset/{n}")
+                log(
+                    f"  {n} nodes x 2 ranks, cold: each node downloaded "
+                    + ", ".join(f"{x:.3f}" for x in shares)
+                    + f"x dataset/{n}"
+                )
                 if status == "ok" and n == 2:
                     warm = self.ranks_at_once(prof, ds, list(enumerate(agents)), 2, 2, "nodes2-warm", warmup=True)
                     if warm:
@@ -966,9 +1230,20 @@ class Bench:
 
     def run_wdscache_streamed(self, prof: str, ds: dict[str, Any], agent: Agent, cache: Path) -> dict[str, Any]:
         """One warm epoch with ``direct_reads=False``: the workers send every byte over ZeroMQ."""
-        c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "streamed", "--no-direct",
-                          "--agent-pid", str(agent.pid), "--timeout", str(CONSUMER_TIMEOUT), "--log",
-                          tag=f"{prof}-wdscache-streamed")
+        c = self.consumer(
+            "wdscache",
+            "--cache-dir",
+            str(cache),
+            "--job",
+            "streamed",
+            "--no-direct",
+            "--agent-pid",
+            str(agent.pid),
+            "--timeout",
+            str(CONSUMER_TIMEOUT),
+            "--log",
+            tag=f"{prof}-wdscache-streamed",
+        )
         c.wait(self.local_deadline(ds) * 2 + 60)
         status, r = self.check(c, ds, 1)
         if status != "ok":
@@ -977,8 +1252,9 @@ class Bench:
         e = r["epochs"][0]
         return {STREAMED: {**self.epoch_row(e, e["agent_cpu_s"] or 0.0), "resends": resends(c)}}
 
-    def run_wdscache_many(self, prof: str, ds: dict[str, Any], agent: Agent, cache: Path, direct: bool,
-                          shape: ManyShape) -> dict[str, Any]:
+    def run_wdscache_many(
+        self, prof: str, ds: dict[str, Any], agent: Agent, cache: Path, direct: bool, shape: ManyShape
+    ) -> dict[str, Any]:
         """``shape``'s jobs of ranks (each through a DataLoader's workers, if it says so), all from
         the warm cache at once; aggregate samples/s and MB/s, every process's CPU."""
         what = shape.label if direct else f"{shape.label}, streamed"
@@ -991,13 +1267,32 @@ class Bench:
         mode = "direct" if direct else "streamed"
         for job in range(shape.jobs):
             for rank in range(shape.ranks):
-                kids.append(self.consumer("wdscache", "--cache-dir", str(cache), "--job", f"{shape.tag}{job}-{mode}",
-                                          "--rank", str(rank), "--world-size", str(shape.ranks), "--epochs", "1",
-                                          "--start-file", str(go), "--warmup", str(WARMUP_SAMPLES),
-                                          "--loader-workers", str(shape.loader_workers),
-                                          "--timeout", str(CONSUMER_TIMEOUT), "--log",
-                                          *([] if direct else ["--no-direct"]),
-                                          tag=f"{prof}-wdscache-{shape.tag}{job}-{rank}-{mode}"))
+                kids.append(
+                    self.consumer(
+                        "wdscache",
+                        "--cache-dir",
+                        str(cache),
+                        "--job",
+                        f"{shape.tag}{job}-{mode}",
+                        "--rank",
+                        str(rank),
+                        "--world-size",
+                        str(shape.ranks),
+                        "--epochs",
+                        "1",
+                        "--start-file",
+                        str(go),
+                        "--warmup",
+                        str(WARMUP_SAMPLES),
+                        "--loader-workers",
+                        str(shape.loader_workers),
+                        "--timeout",
+                        str(CONSUMER_TIMEOUT),
+                        "--log",
+                        *([] if direct else ["--no-direct"]),
+                        tag=f"{prof}-wdscache-{shape.tag}{job}-{rank}-{mode}",
+                    )
+                )
         deadline = time.monotonic() + 120 + 2 * len(kids)  # imports and warm-ups, timesharing the cores
         ready = [Path(f"{go}.{k.pid}.ready") for k in kids]
         while not all(r.exists() for r in ready):
@@ -1033,19 +1328,37 @@ class Bench:
         expected = shape.jobs * (ds["samples"] + (-ds["samples"]) % shape.ranks)  # each job: the dataset, padded
         if samples != expected:
             log(f"  {what} delivered {samples} samples, expected {expected}")
-        return {shape.label if direct else shape.streamed_label: {
-            "samples": samples, "bytes": nbytes, "wall_s": wall, "samples_s": samples / wall,
-            "mb_s": nbytes / MB / wall, "ttfs_ms": 1000 * max(e["ttfs"] for e in epochs),
-            "cpu_s": cpu, "cpu_s_per_gb": cpu / (nbytes / GB), "consumer_cpu_s": cpu - agent_cpu,
-            "agent_cpu_s": agent_cpu, "cpu_busy": cpu / wall / (os.cpu_count() or 1),
-            "consumer_hwm_mb": max(e["hwm_kb"] for e in epochs) / 1024,
-            "consumer_growth_mb": max(e["rss_growth_kb"] for e in epochs) / 1024,
-            "complete": samples == expected, "resends": many_resends, "page_cached_found": found,
-            "start_spread_s": late,
-            # each consumer: [its start, first sample, end] in s from the earliest start, and its CPU s
-            "consumers": [[round(e["t_start"] - t0, 3), round(e["t_first"] - t0, 3) if e["t_first"] else None,
-                           round(e["t_end"] - t0, 3), round(e["cpu_s"], 3)] for e in epochs],
-        }}
+        return {
+            shape.label if direct else shape.streamed_label: {
+                "samples": samples,
+                "bytes": nbytes,
+                "wall_s": wall,
+                "samples_s": samples / wall,
+                "mb_s": nbytes / MB / wall,
+                "ttfs_ms": 1000 * max(e["ttfs"] for e in epochs),
+                "cpu_s": cpu,
+                "cpu_s_per_gb": cpu / (nbytes / GB),
+                "consumer_cpu_s": cpu - agent_cpu,
+                "agent_cpu_s": agent_cpu,
+                "cpu_busy": cpu / wall / (os.cpu_count() or 1),
+                "consumer_hwm_mb": max(e["hwm_kb"] for e in epochs) / 1024,
+                "consumer_growth_mb": max(e["rss_growth_kb"] for e in epochs) / 1024,
+                "complete": samples == expected,
+                "resends": many_resends,
+                "page_cached_found": found,
+                "start_spread_s": late,
+                # each consumer: [its start, first sample, end] in s from the earliest start, and its CPU s
+                "consumers": [
+                    [
+                        round(e["t_start"] - t0, 3),
+                        round(e["t_first"] - t0, 3) if e["t_first"] else None,
+                        round(e["t_end"] - t0, 3),
+                        round(e["cpu_s"], 3),
+                    ]
+                    for e in epochs
+                ],
+            }
+        }
 
     # -- one large shard in parallel parts ----------------------------------------------------------
 
@@ -1087,10 +1400,16 @@ class Bench:
                     time.sleep(0.05)
                 seconds = time.time() - agent.t_launch - agent.ready_s
                 after = self.fetched()
-                self.parts[label] = {"seconds": seconds, "mb_s": shard / MB / seconds,
-                                     "gets": after["gets"] - before["gets"], "bytes": after["bytes"] - before["bytes"]}
-                log(f"  {seconds:.2f} s ({shard / MB / seconds:.1f} MB/s) in {self.parts[label]['gets']} GETs, "
-                    f"{self.parts[label]['bytes'] / shard:.2f}x the shard fetched")
+                self.parts[label] = {
+                    "seconds": seconds,
+                    "mb_s": shard / MB / seconds,
+                    "gets": after["gets"] - before["gets"],
+                    "bytes": after["bytes"] - before["bytes"],
+                }
+                log(
+                    f"  {seconds:.2f} s ({shard / MB / seconds:.1f} MB/s) in {self.parts[label]['gets']} GETs, "
+                    f"{self.parts[label]['bytes'] / shard:.2f}x the shard fetched"
+                )
             except Exception as exc:  # one failing must not lose the others' numbers
                 log(f"  parts, {label} failed: {exc!r}")
                 self.parts[label] = {"error": repr(exc)}
@@ -1126,28 +1445,35 @@ class Bench:
             prefix.parent.mkdir(parents=True, exist_ok=True)
             prefix.write_text(f"s3://bench/{prof}/\n")
             piped = self.work / f"urls-{prof}-s3-pipe.txt"
-            piped.write_text("".join(f"pipe:{self.py} {REPO / 'scripts' / 's3_cat.py'} s3://bench/{prof}/{Path(p).name}\n"
-                                     for p in ds["paths"]))
-            log(f"{prof}: S3 (SeaweedFS on {server.endpoint}, behind a proxy at {self.args.rate_mb:g} MB/s "
-                "per connection)")
+            piped.write_text(
+                "".join(
+                    f"pipe:{self.py} {REPO / 'scripts' / 's3_cat.py'} s3://bench/{prof}/{Path(p).name}\n"
+                    for p in ds["paths"]
+                )
+            )
+            log(
+                f"{prof}: S3 (SeaweedFS on {server.endpoint}, behind a proxy at {self.args.rate_mb:g} MB/s "
+                "per connection)"
+            )
             for rep in range(self.args.reps):
-                for system in (("wdscache-s3", "wds-s3") if rep % 2 == 0 else ("wds-s3", "wdscache-s3")):
+                for system in ("wdscache-s3", "wds-s3") if rep % 2 == 0 else ("wds-s3", "wdscache-s3"):
                     log(f"{prof} S3 rep {rep + 1}/{self.args.reps}: {system}")
                     sent = proxy.sent
                     try:
                         if system == "wds-s3":
-                            c = self.consumer("wds", "--urls-file", str(piped),
-                                              tag=f"{prof}-wds-s3").wait(self.http_deadline(ds) + 120)
+                            c = self.consumer("wds", "--urls-file", str(piped), tag=f"{prof}-wds-s3").wait(
+                                self.http_deadline(ds) + 120
+                            )
                             status, r = self.check(c, ds, 1)
                             rows = {S3_WDS: self.epoch_row(r["epochs"][0])} if status == "ok" else {}
                         else:
                             c, status, rows = self._wdscache_s3(prof, ds, prefix)
-                        self.finish_run(prof, rep, system, c, rows, status,
-                                        s3_bytes_sent=proxy.sent - sent)
+                        self.finish_run(prof, rep, system, c, rows, status, s3_bytes_sent=proxy.sent - sent)
                     except Exception as exc:  # one failing must not lose the others' numbers
                         log(f"  {system} failed: {exc!r}")
-                        self.runs.append({"profile": prof, "rep": rep, "system": system,
-                                          "status": f"error: {exc!r}", "rows": {}})
+                        self.runs.append(
+                            {"profile": prof, "rep": rep, "system": system, "status": f"error: {exc!r}", "rows": {}}
+                        )
         except Exception as exc:  # SeaweedFS did not start: the other rows go on
             log(f"{prof}: S3 failed: {exc!r}")
         finally:
@@ -1167,9 +1493,19 @@ class Bench:
         self.agents.append(agent)
         try:
             agent.start()
-            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "s3", "--agent-pid", str(agent.pid),
-                              "--timeout", str(CONSUMER_TIMEOUT), "--log",
-                              tag=f"{prof}-wdscache-s3").wait(self.http_deadline(ds) + 120)
+            c = self.consumer(
+                "wdscache",
+                "--cache-dir",
+                str(cache),
+                "--job",
+                "s3",
+                "--agent-pid",
+                str(agent.pid),
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                "--log",
+                tag=f"{prof}-wdscache-s3",
+            ).wait(self.http_deadline(ds) + 120)
             status, r = self.check(c, ds, 1)
             return c, status, ({S3_WDSCACHE: self.epoch_row(r["epochs"][0])} if status == "ok" else {})
         finally:
@@ -1185,8 +1521,10 @@ class Bench:
         if "url-list" in picked:
             log("scale: parse and plan a 1,000,000-entry URL list")
             c = self.consumer("urls", "--n", "1000000", "--dir", str(self.work), tag="urls").wait(300)
-            self.scale["url_list_1m"] = c.report() or {"error": c.stderr_tail(5) or f"exit status {c.returncode}",
-                                                       "timed_out": c.timed_out}
+            self.scale["url_list_1m"] = c.report() or {
+                "error": c.stderr_tail(5) or f"exit status {c.returncode}",
+                "timed_out": c.timed_out,
+            }
             log(f"  {self.scale['url_list_1m']}")
         if "stats-100k" in picked:
             self.run_stats_100k()
@@ -1199,16 +1537,19 @@ class Bench:
         log("scale: wdscache stats --json on a 100,000-shard index")
         cache = self.fresh_dir("stats100k")
         try:
-            w = self.consumer("stats-index", "--cache-dir", str(cache), "--n", "100000",
-                              tag="stats-index").wait(300)
+            w = self.consumer("stats-index", "--cache-dir", str(cache), "--n", "100000", tag="stats-index").wait(300)
             if w.returncode != 0:
                 self.scale["stats_100k"] = {"error": w.stderr_tail(5)}
                 return
             walls = []
             for _ in range(3):
                 t = time.perf_counter()
-                p = subprocess.run([wdscache_exe(), "stats", "--cache-dir", str(cache), "--json"],
-                                   capture_output=True, text=True, timeout=60)
+                p = subprocess.run(
+                    [wdscache_exe(), "stats", "--cache-dir", str(cache), "--json"],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
                 walls.append(time.perf_counter() - t)
                 if p.returncode != 0:
                     self.scale["stats_100k"] = {"error": p.stderr[-500:]}
@@ -1217,8 +1558,12 @@ class Bench:
             t = time.perf_counter()
             subprocess.run([self.py, "-c", "import wdscache.cli"], check=True, timeout=60)
             import_s = time.perf_counter() - t
-            self.scale["stats_100k"] = {"seconds": statistics.median(walls), "runs": walls, "shards": shards,
-                                        "python_import_wdscache_cli_s": import_s}
+            self.scale["stats_100k"] = {
+                "seconds": statistics.median(walls),
+                "runs": walls,
+                "shards": shards,
+                "python_import_wdscache_cli_s": import_s,
+            }
             log(f"  {self.scale['stats_100k']}")
         finally:
             shutil.rmtree(cache, ignore_errors=True)
@@ -1243,20 +1588,37 @@ class Bench:
         self.agents.append(agent)
         try:
             agent.start()
-            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "big", "--max-samples", "1",
-                              "--timeout", str(CONSUMER_TIMEOUT), "--log", tag="biglist-consumer").wait(180)
+            c = self.consumer(
+                "wdscache",
+                "--cache-dir",
+                str(cache),
+                "--job",
+                "big",
+                "--max-samples",
+                "1",
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                "--log",
+                tag="biglist-consumer",
+            ).wait(180)
             r = c.report()
             if r is None or c.returncode != 0:
                 last = c.stderr_tail(1).strip() or f"exit {c.returncode}"
-                self.scale["big_list_1m"] = {"error": ("timed out: " if c.timed_out else "") + last,
-                                             "agent_ready_s": agent.ready_s, "stderr_tail": c.stderr_tail(15)}
+                self.scale["big_list_1m"] = {
+                    "error": ("timed out: " if c.timed_out else "") + last,
+                    "agent_ready_s": agent.ready_s,
+                    "stderr_tail": c.stderr_tail(15),
+                }
             else:
                 e = r["epochs"][0]
                 self.scale["big_list_1m"] = {
-                    "agent_ready_s": agent.ready_s, "first_sample_s": e["ttfs"],
+                    "agent_ready_s": agent.ready_s,
+                    "first_sample_s": e["ttfs"],
                     "first_sample_from_agent_launch_s": e["t_first"] - agent.t_launch,
-                    "consumer_cpu_s": e["cpu_s"], "consumer_hwm_mb": e["hwm_kb"] / 1024,
-                    "agent_hwm_mb": agent.memory()[0], "agent_anon_mb": agent.memory()[1],
+                    "consumer_cpu_s": e["cpu_s"],
+                    "consumer_hwm_mb": e["hwm_kb"] / 1024,
+                    "agent_hwm_mb": agent.memory()[0],
+                    "agent_anon_mb": agent.memory()[1],
                 }
             log(f"  {self.scale['big_list_1m'].get('error') or self.scale['big_list_1m']}")
         except Exception as exc:
@@ -1290,13 +1652,24 @@ class Bench:
 
         def index_text(urls: list[str]) -> str:
             entries = (json.dumps({"url": u, "nsamples": MILLION_SAMPLES, "filesize": size}) for u in urls)
-            return '{"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": [\n' + ",\n".join(entries) + "\n]}\n"
+            return (
+                '{"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": [\n'
+                + ",\n".join(entries)
+                + "\n]}\n"
+            )
 
         files["index"].write_text(index_text(lists["list"]))
         out: dict[str, Any] = {}
         for kind in ("one", "list", "index"):
-            runs = [self._million_run(kind, files[kind], lists["list"] if kind != "one" else lists["one"],
-                                      index_text if kind == "index" else None) for _ in range(MILLION_REPS)]
+            runs = [
+                self._million_run(
+                    kind,
+                    files[kind],
+                    lists["list"] if kind != "one" else lists["one"],
+                    index_text if kind == "index" else None,
+                )
+                for _ in range(MILLION_REPS)
+            ]
             ok = [r for r in runs if "error" not in r]
             out[kind] = {"runs": runs}
             for k in ok[0] if ok else ():  # medians; a list (memory after each edit) from the last run
@@ -1310,8 +1683,9 @@ class Bench:
         self.scale["million_lists"] = out
         shutil.rmtree(folder, ignore_errors=True)
 
-    def _million_run(self, kind: str, path: Path, urls: list[str],
-                     index_text: Callable[[list[str]], str] | None) -> dict[str, Any]:
+    def _million_run(
+        self, kind: str, path: Path, urls: list[str], index_text: Callable[[list[str]], str] | None
+    ) -> dict[str, Any]:
         """One agent on ``path``: readiness, memory, stats, first sample; for a long list, 3 live edits."""
         from wdscache.shared.stats import collect
 
@@ -1322,17 +1696,33 @@ class Bench:
             agent.start()
             ready_at = agent.t_launch + agent.ready_s
             t = time.perf_counter()
-            subprocess.run([wdscache_exe(), "stats", "--cache-dir", str(cache), "--json"], capture_output=True,
-                           check=True, timeout=60)
+            subprocess.run(
+                [wdscache_exe(), "stats", "--cache-dir", str(cache), "--json"],
+                capture_output=True,
+                check=True,
+                timeout=60,
+            )
             stats_cli_s = time.perf_counter() - t
-            c = self.consumer("wdscache", "--cache-dir", str(cache), "--job", "million", "--max-samples", "1",
-                              "--timeout", str(CONSUMER_TIMEOUT), tag=f"million-{kind}-consumer").wait(120)
+            c = self.consumer(
+                "wdscache",
+                "--cache-dir",
+                str(cache),
+                "--job",
+                "million",
+                "--max-samples",
+                "1",
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                tag=f"million-{kind}-consumer",
+            ).wait(120)
             r = c.report()
             if r is None or c.returncode != 0:
                 return {"error": c.stderr_tail(3) or f"consumer exit {c.returncode}", "ready_s": agent.ready_s}
             e = r["epochs"][0]
             row: dict[str, Any] = {
-                "ready_s": agent.ready_s, "stats_cli_s": stats_cli_s, "first_sample_s": e["ttfs"],
+                "ready_s": agent.ready_s,
+                "stats_cli_s": stats_cli_s,
+                "first_sample_s": e["ttfs"],
                 "first_sample_after_ready_s": e["t_first"] - ready_at,
                 "anon_mb": status_kb(agent.pid, "RssAnon")["RssAnon"] / 1024,
             }
@@ -1371,16 +1761,24 @@ class Bench:
         profiles = [p.strip() for p in a.profiles.split(",") if p.strip()]
         for name in profiles:
             prof = PROFILES[name]
-            size = parse_bytes(getattr(a, f"size_{name}")) if getattr(a, f"size_{name}") else (
-                prof.quick_bytes if a.quick else prof.default_bytes)
+            size = (
+                parse_bytes(getattr(a, f"size_{name}"))
+                if getattr(a, f"size_{name}")
+                else (prof.quick_bytes if a.quick else prof.default_bytes)
+            )
             ds = self.make_data(prof, size)
             self.datasets[name] = ds
             subprocess.run(["cat", *ds["paths"]], stdout=subprocess.DEVNULL, check=True)  # into the page cache
             log(f"{name}: {ds['shards']} shards, {ds['samples']} samples, {ds['disk_bytes'] / MB:.0f} MB on disk")
             systems: list[tuple[str, Callable[[str, int, dict[str, Any]], Any]]] = [
-                ("wds-local", self.run_wds_local), ("wds-multi", self.run_multi), ("wdscache", self.run_wdscache),
-                ("wds-http", self.run_wds_http), ("wds-multi-stock", self.run_multi_stock),
-                ("wds-cachedir", self.run_wds_cachedir), ("cat", self.run_cat), ("zmq", self.run_zmq),
+                ("wds-local", self.run_wds_local),
+                ("wds-multi", self.run_multi),
+                ("wdscache", self.run_wdscache),
+                ("wds-http", self.run_wds_http),
+                ("wds-multi-stock", self.run_multi_stock),
+                ("wds-cachedir", self.run_wds_cachedir),
+                ("cat", self.run_cat),
+                ("zmq", self.run_zmq),
                 ("wdscache-other-order", self.run_wdscache_other_order),
                 ("wdscache-loader-first", self.run_wdscache_loader_first),
                 ("torch-wds-http", functools.partial(self.run_torch_wds, where="http")),
@@ -1402,8 +1800,9 @@ class Bench:
                         fn(name, rep, ds)
                     except Exception as exc:  # one system failing must not lose the others' numbers
                         log(f"  {sname} failed: {exc!r}")
-                        self.runs.append({"profile": name, "rep": rep, "system": sname,
-                                          "status": f"error: {exc!r}", "rows": {}})
+                        self.runs.append(
+                            {"profile": name, "rep": rep, "system": sname, "status": f"error: {exc!r}", "rows": {}}
+                        )
         skip = {s.strip() for s in a.skip.split(",") if s.strip()}
         only = {s.strip() for s in a.only.split(",") if s.strip()}
         if "parts" not in skip and (not only or "parts" in only):
@@ -1434,8 +1833,18 @@ class Bench:
 class Agent:
     """A ``wdscache agent`` subprocess, its readiness, CPU and memory."""
 
-    def __init__(self, bench: Bench, cache: Path, urls: Path, budget: int, tag: str, *, defaults: bool = False,
-                 extra: Sequence[str] = (), ready_within: float = 30.0) -> None:
+    def __init__(
+        self,
+        bench: Bench,
+        cache: Path,
+        urls: Path,
+        budget: int,
+        tag: str,
+        *,
+        defaults: bool = False,
+        extra: Sequence[str] = (),
+        ready_within: float = 30.0,
+    ) -> None:
         self.bench, self.cache, self.urls, self.budget, self.tag = bench, cache, urls, budget, tag
         self.ready_within = ready_within  # seconds it may take to answer stats
         self.extra = list(extra)  # more agent options (a node's --node-rank, --num-nodes)
@@ -1455,9 +1864,19 @@ class Agent:
         b._seq += 1
         cmd = [wdscache_exe(), "agent", "--cache-dir", str(self.cache), "--urls", str(self.urls)]
         if not self.defaults:
-            cmd += ["--cache-size", str(self.budget), "--prefetch", str(PREFETCH),
-                    "--download-workers", str(DOWNLOAD_WORKERS), "--workers", str(AGENT_WORKERS),
-                    "--min-free", "1M", "--no-shuffle"]
+            cmd += [
+                "--cache-size",
+                str(self.budget),
+                "--prefetch",
+                str(PREFETCH),
+                "--download-workers",
+                str(DOWNLOAD_WORKERS),
+                "--workers",
+                str(AGENT_WORKERS),
+                "--min-free",
+                "1M",
+                "--no-shuffle",
+            ]
         cmd += self.extra
         self.t_launch = time.time()
         self.child = Child(cmd, b.logs / f"{b._seq:03d}-{self.tag}.log")
@@ -1484,8 +1903,9 @@ class Agent:
             except WdsCacheError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"the agent did not answer stats within {self.ready_within:.0f} s: "
-                                   f"{self.child.stderr_tail()}")
+                raise RuntimeError(
+                    f"the agent did not answer stats within {self.ready_within:.0f} s: {self.child.stderr_tail()}"
+                )
             time.sleep(0.02)
 
     def _sample(self) -> None:
@@ -1542,8 +1962,20 @@ def write_tiny_shard(path: Path, samples: int) -> None:
 
 # -- summary and tables ----------------------------------------------------------------------------
 
-METRICS = ("samples_s", "mb_s", "wall_s", "ttfs_ms", "ttfs_from_agent_launch_ms", "ttfs_after_ready_ms", "cpu_s_per_gb",
-           "consumer_hwm_mb", "consumer_growth_mb", "helper_hwm_mb", "helper_anon_mb", "agent_ready_s")
+METRICS = (
+    "samples_s",
+    "mb_s",
+    "wall_s",
+    "ttfs_ms",
+    "ttfs_from_agent_launch_ms",
+    "ttfs_after_ready_ms",
+    "cpu_s_per_gb",
+    "consumer_hwm_mb",
+    "consumer_growth_mb",
+    "helper_hwm_mb",
+    "helper_anon_mb",
+    "agent_ready_s",
+)
 
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -1559,8 +1991,10 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]
                     entry["_values"].setdefault(m, []).append(float(v))
     for prof in out.values():
         for entry in prof.values():
-            entry["metrics"] = {m: {"median": statistics.median(vs), "min": min(vs), "max": max(vs), "n": len(vs)}
-                                for m, vs in entry.pop("_values").items()}
+            entry["metrics"] = {
+                m: {"median": statistics.median(vs), "min": min(vs), "max": max(vs), "n": len(vs)}
+                for m, vs in entry.pop("_values").items()
+            }
     return out
 
 
@@ -1644,7 +2078,9 @@ S3_WDSCACHE = "wdscache, S3 (SeaweedFS behind a capped proxy), epoch 1 (cold)"
 S3_WDS = "wds, S3 through pipe: (a boto3 stream per shard, one at a time)"
 OTHER_ORDER = "wdscache, agent with default options, loader in list order: first sample (cold)"
 FIRST_SAMPLE_SLACK_MS = 20  # a cold first sample's target: wds HTTP streaming's, plus this
-LOADER_FIRST = "wdscache, loader first, agent with default options started after it: first sample from agent launch (cold)"
+LOADER_FIRST = (
+    "wdscache, loader first, agent with default options started after it: first sample from agent launch (cold)"
+)
 TORCH_WORKERS = 2
 _TORCH = f"DataLoader({TORCH_WORKERS} workers): decode, to_tuple, batched(64), "
 TORCH_WDS_HTTP = _TORCH + "wds.WebDataset HTTP streaming"
@@ -1698,14 +2134,18 @@ def tables(bench: Bench, summary: dict, targets: list[dict[str, Any]]) -> str:
     for prof, ds in bench.datasets.items():
         rows = summary.get(prof, {})
         warm = med(summary, prof, "wdscache, epoch 2 (warm)", "mb_s")
-        out.append(f"**{prof}**: {ds['shards']} shards x {ds['samples_per_shard']} samples "
-                   f"({ds['samples']:,} samples, {ds['disk_bytes'] / MB:,.0f} MB of tar, ~{ds['payload']:,} B "
-                   f".jpg per sample), {a.reps} repetition(s); median (min–max). Cold runs fetch over HTTP "
-                   f"from 127.0.0.1 capped at {a.rate_mb:g} MB/s per connection with {a.ttfb_ms:g} ms to first "
-                   f"byte; wdscache: agent with {DOWNLOAD_WORKERS} download workers, {AGENT_WORKERS} workers, "
-                   f"prefetch {PREFETCH}.\n")
-        out.append("| system | samples/s | MB/s | wdscache warm ÷ this | epoch wall s | first sample ms "
-                   "| CPU s/GB | consumer RSS peak MB (growth) | agent/worker RSS MB | status |")
+        out.append(
+            f"**{prof}**: {ds['shards']} shards x {ds['samples_per_shard']} samples "
+            f"({ds['samples']:,} samples, {ds['disk_bytes'] / MB:,.0f} MB of tar, ~{ds['payload']:,} B "
+            f".jpg per sample), {a.reps} repetition(s); median (min–max). Cold runs fetch over HTTP "
+            f"from 127.0.0.1 capped at {a.rate_mb:g} MB/s per connection with {a.ttfb_ms:g} ms to first "
+            f"byte; wdscache: agent with {DOWNLOAD_WORKERS} download workers, {AGENT_WORKERS} workers, "
+            f"prefetch {PREFETCH}.\n"
+        )
+        out.append(
+            "| system | samples/s | MB/s | wdscache warm ÷ this | epoch wall s | first sample ms "
+            "| CPU s/GB | consumer RSS peak MB (growth) | agent/worker RSS MB | status |"
+        )
         out.append("|---|---|---|---|---|---|---|---|---|---|")
         labels = [r for r in ROW_ORDER if r in rows] + [r for r in rows if r not in ROW_ORDER]
         for label in labels:
@@ -1723,32 +2163,50 @@ def tables(bench: Bench, summary: dict, targets: list[dict[str, Any]]) -> str:
                 helper = f"{cell(e, 'helper_hwm_mb')} VmHWM, {cell(e, 'helper_anon_mb')} anon"
             elif "helper_hwm_mb" in e["metrics"]:
                 helper = f"{cell(e, 'helper_hwm_mb')} (largest worker)"
-            out.append(f"| {label} | {cell(e, 'samples_s')} | {cell(e, 'mb_s', 1)} | {ratio} | "
-                       f"{cell(e, 'wall_s', 2)} | {ttfs} | {cell(e, 'cpu_s_per_gb', 2)} | {cons} | {helper} | "
-                       f"{status_cell(bench, prof, e['_system'], label)} |")
+            out.append(
+                f"| {label} | {cell(e, 'samples_s')} | {cell(e, 'mb_s', 1)} | {ratio} | "
+                f"{cell(e, 'wall_s', 2)} | {ttfs} | {cell(e, 'cpu_s_per_gb', 2)} | {cons} | {helper} | "
+                f"{status_cell(bench, prof, e['_system'], label)} |"
+            )
         # Systems without a single complete run (a hang every time) still get their line.
         shown = {e["_system"] for e in rows.values()}
         for system in dict.fromkeys(r["system"] for r in bench.runs if r["profile"] == prof):
             if system not in shown:
-                out.append(f"| {SYSTEM_LABELS.get(system, system)} | - | - | - | - | - | - | - | - | {status_cell(bench, prof, system, '')} |")
+                out.append(
+                    f"| {SYSTEM_LABELS.get(system, system)} | - | - | - | - | - | - | - | - | {status_cell(bench, prof, system, '')} |"
+                )
         out.append("")
     big = bench.scale.get("big_list_1m")
     if big and "first_sample_s" in big:
-        out.append(f"A 1,000,000-entry list end to end (its first entries real shards, capped server): the agent "
-                   f"answers stats {big['agent_ready_s']:.1f} s after launch; a consumer then gets its first "
-                   f"sample {big['first_sample_s']:.1f} s after building its loader ({big['consumer_cpu_s']:.1f} CPU s, "
-                   f"{big['consumer_hwm_mb']:.0f} MB peak RSS; agent {big['agent_anon_mb']:.0f} MB anon).\n")
+        out.append(
+            f"A 1,000,000-entry list end to end (its first entries real shards, capped server): the agent "
+            f"answers stats {big['agent_ready_s']:.1f} s after launch; a consumer then gets its first "
+            f"sample {big['first_sample_s']:.1f} s after building its loader ({big['consumer_cpu_s']:.1f} CPU s, "
+            f"{big['consumer_hwm_mb']:.0f} MB peak RSS; agent {big['agent_anon_mb']:.0f} MB anon).\n"
+        )
     elif big:
-        ready = f" (the agent itself answered stats {big['agent_ready_s']:.1f} s after launch)" \
-            if big.get("agent_ready_s") else ""
+        ready = (
+            f" (the agent itself answered stats {big['agent_ready_s']:.1f} s after launch)"
+            if big.get("agent_ready_s")
+            else ""
+        )
         out.append(f"A 1,000,000-entry list end to end: **the consumer failed**: `{big.get('error')}`{ready}\n")
     if bench.parts:
-        cells = [f"{label}: " + (f"{r['seconds']:.2f} s ({r['mb_s']:.1f} MB/s, {r['gets']} GETs, "
-                                 f"{r['bytes'] / bench.parts['shard_bytes']:.2f}x fetched)" if "seconds" in r
-                                 else f"**failed**: `{r.get('error')}`")
-                 for label, r in bench.parts.items() if label != "shard_bytes"]
-        out.append(f"One {bench.parts['shard_bytes'] / MB:.0f} MB shard from the capped server, agent start to "
-                   f"cached: " + "; ".join(cells) + "\n")
+        cells = [
+            f"{label}: "
+            + (
+                f"{r['seconds']:.2f} s ({r['mb_s']:.1f} MB/s, {r['gets']} GETs, "
+                f"{r['bytes'] / bench.parts['shard_bytes']:.2f}x fetched)"
+                if "seconds" in r
+                else f"**failed**: `{r.get('error')}`"
+            )
+            for label, r in bench.parts.items()
+            if label != "shard_bytes"
+        ]
+        out.append(
+            f"One {bench.parts['shard_bytes'] / MB:.0f} MB shard from the capped server, agent start to "
+            f"cached: " + "; ".join(cells) + "\n"
+        )
     out.append("Targets (reported, not asserted):\n")
     out.append("| # | target | measured | PASS/FAIL |")
     out.append("|---|---|---|---|")
@@ -1784,11 +2242,25 @@ def status_cell(bench: Bench, prof: str, system: str, label: str) -> str:
 def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
     targets: list[dict[str, Any]] = []
 
-    def add(tid: str, target: str, value: float | None, limit: float | None, ok: Callable[[float, float], bool],
-            measured: str) -> None:
+    def add(
+        tid: str,
+        target: str,
+        value: float | None,
+        limit: float | None,
+        ok: Callable[[float, float], bool],
+        measured: str,
+    ) -> None:
         passed = None if value is None or limit is None else bool(ok(value, limit))
-        targets.append({"id": tid, "target": target, "value": value, "limit": limit, "pass": passed,
-                        "measured": measured if passed is not None else "not measured"})
+        targets.append(
+            {
+                "id": tid,
+                "target": target,
+                "value": value,
+                "limit": limit,
+                "pass": passed,
+                "measured": measured if passed is not None else "not measured",
+            }
+        )
 
     def ratio(x: float | None, y: float | None) -> float | None:
         return x / y if x is not None and y else None
@@ -1800,89 +2272,210 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
     le = lambda v, limit: v <= limit  # noqa: E731
     s = summary
     w_img = med(s, "images", W, "mb_s")
-    for name, other, need in (("MultiLoader", ML, 2.0), ("wds in-process", "wds local, in-process", 1.0),
-                              ("raw pyzmq IPC", "pyzmq IPC PUSH/PULL, multipart, copy=False", 0.6)):
+    for name, other, need in (
+        ("MultiLoader", ML, 2.0),
+        ("wds in-process", "wds local, in-process", 1.0),
+        ("raw pyzmq IPC", "pyzmq IPC PUSH/PULL, multipart, copy=False", 0.6),
+    ):
         r = ratio(w_img, med(s, "images", other, "mb_s"))
         streamed = ratio(med(s, "images", STREAMED, "mb_s"), med(s, "images", other, "mb_s"))
-        add("1", f"warm images, 1 consumer: wdscache MB/s ≥ {need:g}x {name}", r, need, ge,
+        add(
+            "1",
+            f"warm images, 1 consumer: wdscache MB/s ≥ {need:g}x {name}",
+            r,
+            need,
+            ge,
             (f"{r:.2f}x ({fmt(w_img, 1)} vs {fmt(med(s, 'images', other, 'mb_s'), 1)} MB/s)" if r else "")
-            + (f"; streamed (direct_reads=False): {streamed:.2f}x" if r and streamed else ""))
+            + (f"; streamed (direct_reads=False): {streamed:.2f}x" if r and streamed else ""),
+        )
     r = ratio(med(s, "tiny", W, "samples_s"), med(s, "tiny", ML, "samples_s"))
-    add("2", "warm tiny: wdscache samples/s ≥ 2x MultiLoader", r, 2.0, ge,
+    add(
+        "2",
+        "warm tiny: wdscache samples/s ≥ 2x MultiLoader",
+        r,
+        2.0,
+        ge,
         f"{r:.2f}x ({fmt(med(s, 'tiny', W, 'samples_s'))} vs {fmt(med(s, 'tiny', ML, 'samples_s'))} samples/s)"
-        if r else "")
+        if r
+        else "",
+    )
     for prof, ds in bench.datasets.items():
         cold, warm = med(s, prof, C, "wall_s"), med(s, prof, W, "wall_s")
         links = min(DOWNLOAD_WORKERS, ds["shards"])
         net = ds["disk_bytes"] / (bench.rate * links)
         bound = max(net, warm) if warm is not None else None
         r = ratio(cold, bound)
-        add("3", f"{prof} cold: epoch 1 ≤ 1.25x max(network bound, warm epoch)", r, 1.25, le,
+        add(
+            "3",
+            f"{prof} cold: epoch 1 ≤ 1.25x max(network bound, warm epoch)",
+            r,
+            1.25,
+            le,
             f"{r:.2f}x ({fmt(cold, 2)} s; network bound {net:.2f} s = {ds['disk_bytes'] / MB:.0f} MB / "
-            f"({bench.args.rate_mb:g} MB/s x {links}), warm {fmt(warm, 2)} s)" if r else "")
+            f"({bench.args.rate_mb:g} MB/s x {links}), warm {fmt(warm, 2)} s)"
+            if r
+            else "",
+        )
         http = med(s, prof, "wds HTTP streaming (no cache)", "wall_s")
         r = ratio(http, cold)
-        add("3", f"{prof} cold: epoch 1 ≥ 3x faster than wds HTTP streaming", r, 3.0, ge,
-            f"{r:.2f}x ({fmt(http, 2)} s vs {fmt(cold, 2)} s)" if r else "")
+        add(
+            "3",
+            f"{prof} cold: epoch 1 ≥ 3x faster than wds HTTP streaming",
+            r,
+            3.0,
+            ge,
+            f"{r:.2f}x ({fmt(http, 2)} s vs {fmt(cold, 2)} s)" if r else "",
+        )
         r = ratio(http, warm)
-        add("3", f"{prof}: epoch 2 ≥ 5x faster than wds HTTP streaming", r, 5.0, ge,
-            f"{r:.2f}x ({fmt(http, 2)} s vs {fmt(warm, 2)} s)" if r else "")
+        add(
+            "3",
+            f"{prof}: epoch 2 ≥ 5x faster than wds HTTP streaming",
+            r,
+            5.0,
+            ge,
+            f"{r:.2f}x ({fmt(http, 2)} s vs {fmt(warm, 2)} s)" if r else "",
+        )
         t_w = med(s, prof, C, "ttfs_ms")
         t_h = med(s, prof, "wds HTTP streaming (no cache)", "ttfs_ms")
         t_c = med(s, prof, "wds cache_dir, epoch 1 (cold)", "ttfs_ms")
         t_launch = med(s, prof, C, "ttfs_from_agent_launch_ms")
         slack = FIRST_SAMPLE_SLACK_MS
-        add("4", f"{prof} cold first sample: wdscache ≤ wds HTTP streaming + {slack} ms", t_w,
-            t_h + slack if t_h is not None else None, le,
-            f"{fmt(t_w)} ms vs {fmt(t_h)} + {slack} ms (from agent launch: {fmt(t_launch)} ms)")
+        add(
+            "4",
+            f"{prof} cold first sample: wdscache ≤ wds HTTP streaming + {slack} ms",
+            t_w,
+            t_h + slack if t_h is not None else None,
+            le,
+            f"{fmt(t_w)} ms vs {fmt(t_h)} + {slack} ms (from agent launch: {fmt(t_launch)} ms)",
+        )
         r = ratio(t_c, t_w)
-        add("4", f"{prof} cold first sample: wdscache ≥ 10x sooner than wds cache_dir", r, 10.0, ge,
-            f"{r:.2f}x ({fmt(t_w)} ms vs {fmt(t_c)} ms)" if r else "")
+        add(
+            "4",
+            f"{prof} cold first sample: wdscache ≥ 10x sooner than wds cache_dir",
+            r,
+            10.0,
+            ge,
+            f"{r:.2f}x ({fmt(t_w)} ms vs {fmt(t_c)} ms)" if r else "",
+        )
         t_o = med(s, prof, OTHER_ORDER, "ttfs_ms")
-        add("4", f"{prof} cold first sample, agent with default options, loader in another order: "
-            f"≤ wds HTTP streaming + {slack} ms", t_o, t_h + slack if t_h is not None else None, le,
-            f"{fmt(t_o)} ms vs {fmt(t_h)} + {slack} ms")
+        add(
+            "4",
+            f"{prof} cold first sample, agent with default options, loader in another order: "
+            f"≤ wds HTTP streaming + {slack} ms",
+            t_o,
+            t_h + slack if t_h is not None else None,
+            le,
+            f"{fmt(t_o)} ms vs {fmt(t_h)} + {slack} ms",
+        )
         t_f = med(s, prof, LOADER_FIRST, "ttfs_after_ready_ms")
         t_fl = med(s, prof, LOADER_FIRST, "ttfs_ms")
-        add("4", f"{prof} cold first sample, loader first, agent (default options) after it: from the agent "
-            f"ready, ≤ wds HTTP streaming + {slack} ms", t_f, t_h + slack if t_h is not None else None, le,
-            f"{fmt(t_f)} ms vs {fmt(t_h)} + {slack} ms (from agent launch: {fmt(t_fl)} ms)")
+        add(
+            "4",
+            f"{prof} cold first sample, loader first, agent (default options) after it: from the agent "
+            f"ready, ≤ wds HTTP streaming + {slack} ms",
+            t_f,
+            t_h + slack if t_h is not None else None,
+            le,
+            f"{fmt(t_f)} ms vs {fmt(t_h)} + {slack} ms (from agent launch: {fmt(t_fl)} ms)",
+        )
     cw, cm = med(s, "images", W, "cpu_s_per_gb"), med(s, "images", ML, "cpu_s_per_gb")
     r = ratio(cw, cm)
-    add("5", "warm images: CPU s/GB ≤ 0.5x MultiLoader (all processes)", r, 0.5, le,
-        f"{r:.2f}x ({fmt(cw, 2)} vs {fmt(cm, 2)} CPU s/GB)" if r else "")
-    hwm = [m["max"] for p in s.values() for lab, e in p.items() if lab.startswith("wdscache")
-           for k, m in e["metrics"].items() if k == "helper_hwm_mb"]
-    anon = [m["max"] for p in s.values() for lab, e in p.items() if lab.startswith("wdscache")
-            for k, m in e["metrics"].items() if k == "helper_anon_mb"]
-    add("6", "agent RSS ≤ 250 MB: sum of VmHWM over agent + workers (counts mmapped shard pages)",
-        max(hwm) if hwm else None, 250, le, f"{max(hwm):.0f} MB (worst run)" if hwm else "")
-    add("6", "agent RSS ≤ 250 MB: peak of summed RssAnon (private memory only)",
-        max(anon) if anon else None, 250, le, f"{max(anon):.0f} MB (worst run)" if anon else "")
-    growth = [m["max"] for p in s.values() for lab, e in p.items() if lab in (W, C)
-              for k, m in e["metrics"].items() if k == "consumer_growth_mb"]
-    add("6", "consumer RSS growth ≤ 64 MB over an epoch", max(growth) if growth else None, 64, le,
-        f"{max(growth):.1f} MB (worst epoch)" if growth else "")
+    add(
+        "5",
+        "warm images: CPU s/GB ≤ 0.5x MultiLoader (all processes)",
+        r,
+        0.5,
+        le,
+        f"{r:.2f}x ({fmt(cw, 2)} vs {fmt(cm, 2)} CPU s/GB)" if r else "",
+    )
+    hwm = [
+        m["max"]
+        for p in s.values()
+        for lab, e in p.items()
+        if lab.startswith("wdscache")
+        for k, m in e["metrics"].items()
+        if k == "helper_hwm_mb"
+    ]
+    anon = [
+        m["max"]
+        for p in s.values()
+        for lab, e in p.items()
+        if lab.startswith("wdscache")
+        for k, m in e["metrics"].items()
+        if k == "helper_anon_mb"
+    ]
+    add(
+        "6",
+        "agent RSS ≤ 250 MB: sum of VmHWM over agent + workers (counts mmapped shard pages)",
+        max(hwm) if hwm else None,
+        250,
+        le,
+        f"{max(hwm):.0f} MB (worst run)" if hwm else "",
+    )
+    add(
+        "6",
+        "agent RSS ≤ 250 MB: peak of summed RssAnon (private memory only)",
+        max(anon) if anon else None,
+        250,
+        le,
+        f"{max(anon):.0f} MB (worst run)" if anon else "",
+    )
+    growth = [
+        m["max"]
+        for p in s.values()
+        for lab, e in p.items()
+        if lab in (W, C)
+        for k, m in e["metrics"].items()
+        if k == "consumer_growth_mb"
+    ]
+    add(
+        "6",
+        "consumer RSS growth ≤ 64 MB over an epoch",
+        max(growth) if growth else None,
+        64,
+        le,
+        f"{max(growth):.1f} MB (worst epoch)" if growth else "",
+    )
     for prof in bench.datasets:
         single = med(s, prof, W, "samples_s")
-        for label, raw_label, what in ((MANY, RAW_EIGHT, "8 consumers (2 jobs x 4 ranks)"),
-                                       (MANY_64, RAW_64, "64 consumers (8 jobs x 8 ranks)"),
-                                       (MANY_DL, None, "8 consumers (2 jobs x 1 rank x 4 DataLoader workers)")):
+        for label, raw_label, what in (
+            (MANY, RAW_EIGHT, "8 consumers (2 jobs x 4 ranks)"),
+            (MANY_64, RAW_64, "64 consumers (8 jobs x 8 ranks)"),
+            (MANY_DL, None, "8 consumers (2 jobs x 1 rank x 4 DataLoader workers)"),
+        ):
             agg = med(s, prof, label, "samples_s")
             r = ratio(agg, single)
             raw = ratio(med(s, prof, raw_label, "samples_s"), med(s, prof, RAW_ONE, "samples_s")) if raw_label else None
-            streamed = ratio(med(s, prof, MANY_STREAMED, "samples_s"), med(s, prof, STREAMED, "samples_s")) \
-                if label == MANY else None
-            add("7", f"{prof}: {what} aggregate samples/s ≥ 0.9x one consumer (warm)", r, 0.9, ge,
+            streamed = (
+                ratio(med(s, prof, MANY_STREAMED, "samples_s"), med(s, prof, STREAMED, "samples_s"))
+                if label == MANY
+                else None
+            )
+            add(
+                "7",
+                f"{prof}: {what} aggregate samples/s ≥ 0.9x one consumer (warm)",
+                r,
+                0.9,
+                ge,
                 (f"{r:.2f}x ({fmt(agg)} vs {fmt(single)} samples/s)" if r else "")
                 + (f"; streamed (direct_reads=False): {streamed:.2f}x" if r and streamed else "")
-                + (f"; raw pyzmq, {raw_label.split('-> ')[1].split(' ')[0]} receivers vs 1: {raw:.2f}x"
-                   if r and raw and raw_label else ""))
+                + (
+                    f"; raw pyzmq, {raw_label.split('-> ')[1].split(' ')[0]} receivers vs 1: {raw:.2f}x"
+                    if r and raw and raw_label
+                    else ""
+                ),
+            )
     par, one = (bench.parts.get(k, {}).get("seconds") for k in ("parallel parts", "one connection"))
     r = ratio(one, par)
-    add("15", f"one {bench.parts.get('shard_bytes', 0) / MB:.0f} MB shard, {bench.args.rate_mb:g} MB/s per connection: "
-        "parallel parts ≥ 3x faster than one connection", r, 3.0, ge,
-        f"{r:.2f}x ({fmt(par, 2)} s vs {fmt(one, 2)} s)" if r else "")
+    add(
+        "15",
+        f"one {bench.parts.get('shard_bytes', 0) / MB:.0f} MB shard, {bench.args.rate_mb:g} MB/s per connection: "
+        "parallel parts ≥ 3x faster than one connection",
+        r,
+        3.0,
+        ge,
+        f"{r:.2f}x ({fmt(par, 2)} s vs {fmt(one, 2)} s)" if r else "",
+    )
     for prof, ds in bench.datasets.items():
         cold, piped = med(s, prof, S3_WDSCACHE, "wall_s"), med(s, prof, S3_WDS, "wall_s")
         if cold is None and piped is None:
@@ -1890,65 +2483,149 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         links = min(DOWNLOAD_WORKERS, ds["shards"])
         net = ds["disk_bytes"] / (bench.rate * links)
         r = ratio(cold, net)
-        add("15", f"{prof} cold from S3: epoch 1 ≤ 1.15x the network bound", r, 1.15, le,
+        add(
+            "15",
+            f"{prof} cold from S3: epoch 1 ≤ 1.15x the network bound",
+            r,
+            1.15,
+            le,
             f"{r:.2f}x ({fmt(cold, 2)} s; network bound {net:.2f} s = {ds['disk_bytes'] / MB:.0f} MB / "
-            f"({bench.args.rate_mb:g} MB/s x {links}))" if r else "")
+            f"({bench.args.rate_mb:g} MB/s x {links}))"
+            if r
+            else "",
+        )
         r = ratio(piped, cold)
-        add("15", f"{prof} cold from S3: epoch 1 ≥ 4x faster than wds over a pipe: boto3 stream", r, 4.0, ge,
-            f"{r:.2f}x ({fmt(piped, 2)} s vs {fmt(cold, 2)} s)" if r else "")
+        add(
+            "15",
+            f"{prof} cold from S3: epoch 1 ≥ 4x faster than wds over a pipe: boto3 stream",
+            r,
+            4.0,
+            ge,
+            f"{r:.2f}x ({fmt(piped, 2)} s vs {fmt(cold, 2)} s)" if r else "",
+        )
     for prof in bench.datasets:
         http, local = med(s, prof, TORCH_WDS_HTTP, "wall_s"), med(s, prof, TORCH_WDS_LOCAL, "mb_s")
         floor = ratio(http, med(s, prof, TORCH_MEMORY, "wall_s"))  # the most any source could reach
         for label, need in ((TORCH_COLD, 3.0), (TORCH_WARM, 5.0)):
             r = ratio(http, med(s, prof, label, "wall_s"))
-            add("9", f"{prof}, DataLoader pipeline: wdscache epoch {1 if label == TORCH_COLD else 2} ≥ {need:g}x "
-                "as fast as wds.WebDataset streaming HTTP", r, need, ge,
+            add(
+                "9",
+                f"{prof}, DataLoader pipeline: wdscache epoch {1 if label == TORCH_COLD else 2} ≥ {need:g}x "
+                "as fast as wds.WebDataset streaming HTTP",
+                r,
+                need,
+                ge,
                 f"{r:.2f}x ({fmt(med(s, prof, label, 'wall_s'), 2)} vs {fmt(http, 2)} s)"
-                + (f"; samples in memory: {floor:.2f}x" if floor else "") if r else "")
+                + (f"; samples in memory: {floor:.2f}x" if floor else "")
+                if r
+                else "",
+            )
         memory, persistent = med(s, prof, TORCH_MEMORY, "wall_s"), med(s, prof, TORCH_PERSISTENT, "wall_s")
         r = ratio(persistent, memory)
-        add("9", f"{prof}, DataLoader pipeline: wdscache warm, persistent workers ≤ 1.1x the time over samples "
-            "in memory", r, 1.1, le, f"{r:.2f}x ({fmt(persistent, 2)} vs {fmt(memory, 2)} s)" if r else "")
+        add(
+            "9",
+            f"{prof}, DataLoader pipeline: wdscache warm, persistent workers ≤ 1.1x the time over samples in memory",
+            r,
+            1.1,
+            le,
+            f"{r:.2f}x ({fmt(persistent, 2)} vs {fmt(memory, 2)} s)" if r else "",
+        )
         r = ratio(med(s, prof, TORCH_WARM, "mb_s"), local)
         cpu = ratio(med(s, prof, TORCH_WARM, "cpu_s_per_gb"), med(s, prof, TORCH_WDS_LOCAL, "cpu_s_per_gb"))
-        add("9", f"{prof}, DataLoader pipeline: wdscache warm MB/s ≥ 1x wds.WebDataset on local files", r, 1.0, ge,
-            f"{r:.2f}x ({fmt(med(s, prof, TORCH_WARM, 'mb_s'), 1)} vs {fmt(local, 1)} MB/s)" if r else "")
-        add("9", f"{prof}, DataLoader pipeline: wdscache warm CPU s/GB ≤ 0.7x wds.WebDataset on local files", cpu,
-            0.7, le, f"{cpu:.2f}x ({fmt(med(s, prof, TORCH_WARM, 'cpu_s_per_gb'), 2)} vs "
-            f"{fmt(med(s, prof, TORCH_WDS_LOCAL, 'cpu_s_per_gb'), 2)} CPU s/GB)" if cpu else "")
+        add(
+            "9",
+            f"{prof}, DataLoader pipeline: wdscache warm MB/s ≥ 1x wds.WebDataset on local files",
+            r,
+            1.0,
+            ge,
+            f"{r:.2f}x ({fmt(med(s, prof, TORCH_WARM, 'mb_s'), 1)} vs {fmt(local, 1)} MB/s)" if r else "",
+        )
+        add(
+            "9",
+            f"{prof}, DataLoader pipeline: wdscache warm CPU s/GB ≤ 0.7x wds.WebDataset on local files",
+            cpu,
+            0.7,
+            le,
+            f"{cpu:.2f}x ({fmt(med(s, prof, TORCH_WARM, 'cpu_s_per_gb'), 2)} vs "
+            f"{fmt(med(s, prof, TORCH_WDS_LOCAL, 'cpu_s_per_gb'), 2)} CPU s/GB)"
+            if cpu
+            else "",
+        )
     for prof in bench.datasets:
-        for ours, theirs, need, what in ((RANDOM_WARM, RANDOM_WIDS_WARM, 2.0, "warm (wids on local disk)"),
-                                         (RANDOM_COLD, RANDOM_WIDS_COLD, 3.0,
-                                          "cold (wids with its own download folder)")):
+        for ours, theirs, need, what in (
+            (RANDOM_WARM, RANDOM_WIDS_WARM, 2.0, "warm (wids on local disk)"),
+            (RANDOM_COLD, RANDOM_WIDS_COLD, 3.0, "cold (wids with its own download folder)"),
+        ):
             a, b = med(s, prof, ours, "samples_s"), med(s, prof, theirs, "samples_s")
             r = ratio(a, b)
-            add("RA", f"{prof} random access, {what}: wdscache.ShardListDataset samples/s ≥ {need:g}x "
-                "wids.ShardListDataset", r, need, ge, f"{r:.2f}x ({fmt(a)} vs {fmt(b)} samples/s)" if r else "")
+            add(
+                "RA",
+                f"{prof} random access, {what}: wdscache.ShardListDataset samples/s ≥ {need:g}x wids.ShardListDataset",
+                r,
+                need,
+                ge,
+                f"{r:.2f}x ({fmt(a)} vs {fmt(b)} samples/s)" if r else "",
+            )
     u = bench.scale.get("url_list_1m", {})
-    add("8", "1,000,000-entry URL list parsed and planned < 5 s", u.get("seconds"), 5.0, lambda v, limit: v < limit,
+    add(
+        "8",
+        "1,000,000-entry URL list parsed and planned < 5 s",
+        u.get("seconds"),
+        5.0,
+        lambda v, limit: v < limit,
         f"{u['seconds']:.2f} s (" + ", ".join(f"{k} {v:.2f}" for k, v in u.get("parts", {}).items()) + ")"
-        if "seconds" in u else "")
+        if "seconds" in u
+        else "",
+    )
     st = bench.scale.get("stats_100k", {})
-    add("8", "`wdscache stats --json` on a 100,000-shard index < 1 s (wall, with interpreter start-up)",
-        st.get("seconds"), 1.0, lambda v, limit: v < limit,
+    add(
+        "8",
+        "`wdscache stats --json` on a 100,000-shard index < 1 s (wall, with interpreter start-up)",
+        st.get("seconds"),
+        1.0,
+        lambda v, limit: v < limit,
         f"{st['seconds']:.2f} s (import of wdscache.cli alone: {st['python_import_wdscache_cli_s']:.2f} s)"
-        if "seconds" in st else "")
+        if "seconds" in st
+        else "",
+    )
     for prof in bench.datasets:
         for n in (2, 3):
             runs = [r for r in bench.runs if r.get("profile") == prof and r.get("system") == "wdscache-nodes"]
             shares = [r.get(f"bytes_per_node_x_share_{n}") for r in runs]
             worst = max((abs(x - 1) for run in shares if run for x in run), default=None)
-            add("9", f"{prof}: bytes each of {n} nodes downloads in one epoch within 10% of dataset/{n}", worst, 0.1,
-                le, f"worst node {100 * worst:.1f}% off ({runs[0].get('shards')} shards)" if worst is not None else "")
+            add(
+                "9",
+                f"{prof}: bytes each of {n} nodes downloads in one epoch within 10% of dataset/{n}",
+                worst,
+                0.1,
+                le,
+                f"worst node {100 * worst:.1f}% off ({runs[0].get('shards')} shards)" if worst is not None else "",
+            )
         r = ratio(med(s, prof, NODES_WARM, "samples_s"), med(s, prof, ONE_NODE_WARM, "samples_s"))
-        add("9", f"{prof}: 2 nodes x 2 ranks aggregate samples/s ≥ 0.8x 1 node x 4 ranks, warm", r, 0.8, ge,
+        add(
+            "9",
+            f"{prof}: 2 nodes x 2 ranks aggregate samples/s ≥ 0.8x 1 node x 4 ranks, warm",
+            r,
+            0.8,
+            ge,
             f"{r:.2f}x ({fmt(med(s, prof, NODES_WARM, 'samples_s'))} vs "
-            f"{fmt(med(s, prof, ONE_NODE_WARM, 'samples_s'))} samples/s)" if r else "")
+            f"{fmt(med(s, prof, ONE_NODE_WARM, 'samples_s'))} samples/s)"
+            if r
+            else "",
+        )
     for prof in bench.datasets:
         r = ratio(med(s, prof, MIX_TWO, "samples_s"), med(s, prof, MIX_ONE, "samples_s"))
-        add("mix", f"{prof}: a two-source mixture, warm, samples/s ≥ 0.9x one source of the same total size", r, 0.9,
-            ge, f"{r:.2f}x ({fmt(med(s, prof, MIX_TWO, 'samples_s'))} vs "
-            f"{fmt(med(s, prof, MIX_ONE, 'samples_s'))} samples/s)" if r else "")
+        add(
+            "mix",
+            f"{prof}: a two-source mixture, warm, samples/s ≥ 0.9x one source of the same total size",
+            r,
+            0.9,
+            ge,
+            f"{r:.2f}x ({fmt(med(s, prof, MIX_TWO, 'samples_s'))} vs "
+            f"{fmt(med(s, prof, MIX_ONE, 'samples_s'))} samples/s)"
+            if r
+            else "",
+        )
     return targets
 
 
@@ -1978,9 +2655,16 @@ def machine() -> dict[str, Any]:
         total_mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         total_mem = None
-    return {"nproc": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cpu": model,
-            "python": platform.python_version(), "kernel": platform.release(), "mem_bytes": total_mem,
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), **versions}
+    return {
+        "nproc": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "cpu": model,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "mem_bytes": total_mem,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        **versions,
+    }
 
 
 def main() -> int:
@@ -1992,14 +2676,20 @@ def main() -> int:
     ap.add_argument("--size-tiny", default=None, help="tar bytes of the tiny profile (default 256M)")
     ap.add_argument("--rate-mb", type=float, default=25.0, help="server cap per connection, MB/s")
     ap.add_argument("--ttfb-ms", type=float, default=30.0, help="server time to first byte, ms")
-    ap.add_argument("--skip", default="", help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
-                                               "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,wdscache-loader-first,parts,s3,"
-                                               "torch-wds-http,torch-wds-local,torch-wdscache,torch-memory,"
-                                               "wdscache-nodes,wdscache-mix,random-access; scale rows: "
-                                               + ",".join(SCALE_ROWS))
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="systems to leave out: wds-local,wds-multi,wdscache,wds-http,"
+        "wds-multi-stock,wds-cachedir,cat,zmq,wdscache-other-order,wdscache-loader-first,parts,s3,"
+        "torch-wds-http,torch-wds-local,torch-wdscache,torch-memory,"
+        "wdscache-nodes,wdscache-mix,random-access; scale rows: " + ",".join(SCALE_ROWS),
+    )
     ap.add_argument("--size-parts", default="256M", help="bytes of the one shard of the parallel-parts row")
-    ap.add_argument("--only", default="", help="systems to run, the others left out (e.g. "
-                                               "torch-wds-http,torch-wds-local,torch-wdscache)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="systems to run, the others left out (e.g. torch-wds-http,torch-wds-local,torch-wdscache)",
+    )
     ap.add_argument("--no-scale", action="store_true", help="skip the 1M-URL and 100k-shard checks")
     ap.add_argument("--no-multi-consumer", action="store_true", help="skip the many-consumer runs")
     ap.add_argument("--work", default="/tmp/wdscache-bench", help="shards, caches and logs")
@@ -2016,6 +2706,7 @@ def main() -> int:
     if load0 > 0.5:
         log(f"warning: load average {load0:.2f} before starting: other work on this machine skews the figures")
     bench = Bench(a)
+
     def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
@@ -2030,20 +2721,37 @@ def main() -> int:
     info["loadavg_start"], info["loadavg_end"] = load0, loadavg()
     summary = summarise(bench.runs)
     targets = evaluate(bench, summary)
-    header = (f"Machine: {info['nproc']} CPUs ({info['cpu']}), {((info['mem_bytes'] or 0) / GB):.0f} GB RAM, "
-              f"Python {info['python']}, Linux {info['kernel']}, webdataset {info['webdataset']}, "
-              f"pyzmq {info['zmq']}; {info['date']}; `scripts/bench.py "
-              f"{' '.join(sys.argv[1:])}`; total {time.monotonic() - t_start:.0f} s; 1-min load average "
-              f"{info['loadavg_start']:.2f} before, {info['loadavg_end']:.2f} after"
-              + (" (**the machine was busy before the run: figures are skewed**)" if load0 > 0.5 else "") + ".")
+    header = (
+        f"Machine: {info['nproc']} CPUs ({info['cpu']}), {((info['mem_bytes'] or 0) / GB):.0f} GB RAM, "
+        f"Python {info['python']}, Linux {info['kernel']}, webdataset {info['webdataset']}, "
+        f"pyzmq {info['zmq']}; {info['date']}; `scripts/bench.py "
+        f"{' '.join(sys.argv[1:])}`; total {time.monotonic() - t_start:.0f} s; 1-min load average "
+        f"{info['loadavg_start']:.2f} before, {info['loadavg_end']:.2f} after"
+        + (" (**the machine was busy before the run: figures are skewed**)" if load0 > 0.5 else "")
+        + "."
+    )
     text = header + "\n\n" + tables(bench, summary, targets)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for ds in bench.datasets.values():
         ds.pop("paths", None)
-    out.write_text(json.dumps({"machine": info, "args": vars(a), "datasets": bench.datasets, "runs": bench.runs,
-                               "summary": summary, "targets": targets, "scale": bench.scale, "parts": bench.parts,
-                               "seconds": time.monotonic() - t_start}, indent=1, default=str))
+    out.write_text(
+        json.dumps(
+            {
+                "machine": info,
+                "args": vars(a),
+                "datasets": bench.datasets,
+                "runs": bench.runs,
+                "summary": summary,
+                "targets": targets,
+                "scale": bench.scale,
+                "parts": bench.parts,
+                "seconds": time.monotonic() - t_start,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     log(f"wrote {out}")
     print(text)
     return 0

@@ -135,8 +135,9 @@ def emit(obj: dict[str, Any]) -> None:
         sys.stdout.flush()
 
 
-def run_epoch(epoch: int, make: Callable[[], Iterable[dict[str, Any]]], agent_pid: int | None = None,
-              limit: int = 0) -> dict[str, Any]:
+def run_epoch(
+    epoch: int, make: Callable[[], Iterable[dict[str, Any]]], agent_pid: int | None = None, limit: int = 0
+) -> dict[str, Any]:
     """Iterate one epoch from ``make()`` (or its first ``limit`` samples), touching every payload."""
     reset_hwm()
     rss0 = status_kb("self", "VmRSS")["VmRSS"]
@@ -173,10 +174,19 @@ def run_epoch(epoch: int, make: Callable[[], Iterable[dict[str, Any]]], agent_pi
     cpu, agent_cpu = self_cpu() - cpu0, tree_cpu(agent_pid) - agent0
     mem = status_kb("self", "VmRSS", "VmHWM")
     report = {
-        "epoch": epoch, "samples": n, "bytes": nbytes, "ttfs": ttfs, "elapsed": elapsed,
-        "t_start": t_start, "t_first": t_first, "t_end": t_end,
-        "cpu_s": cpu, "agent_cpu_s": agent_cpu if agent_pid else None,
-        "rss_start_kb": rss0, "hwm_kb": mem["VmHWM"], "rss_end_kb": mem["VmRSS"],
+        "epoch": epoch,
+        "samples": n,
+        "bytes": nbytes,
+        "ttfs": ttfs,
+        "elapsed": elapsed,
+        "t_start": t_start,
+        "t_first": t_first,
+        "t_end": t_end,
+        "cpu_s": cpu,
+        "agent_cpu_s": agent_cpu if agent_pid else None,
+        "rss_start_kb": rss0,
+        "hwm_kb": mem["VmHWM"],
+        "rss_end_kb": mem["VmRSS"],
         "rss_growth_kb": max(mem["VmHWM"] - rss0, 0),
     }
     emit({"progress": {"epoch": epoch, "samples": n, "bytes": nbytes, "elapsed": elapsed, "done": True}})
@@ -185,8 +195,16 @@ def run_epoch(epoch: int, make: Callable[[], Iterable[dict[str, Any]]], agent_pi
 
 def final(epochs: list[dict[str, Any]], **extra: Any) -> None:
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    emit({"report": {"epochs": epochs, "hwm_kb": status_kb("self", "VmHWM")["VmHWM"],
-                     "children_maxrss_kb": kids.ru_maxrss, **extra}})
+    emit(
+        {
+            "report": {
+                "epochs": epochs,
+                "hwm_kb": status_kb("self", "VmHWM")["VmHWM"],
+                "children_maxrss_kb": kids.ru_maxrss,
+                **extra,
+            }
+        }
+    )
 
 
 def read_urls(path: str) -> list[str]:
@@ -245,8 +263,9 @@ def mode_multi(args: argparse.Namespace) -> None:
 
     def make() -> Iterable[dict[str, Any]]:
         if "ml" not in holder:
-            holder["ml"] = multi.MultiLoader(wds.WebDataset(urls, shardshuffle=False), workers=args.workers,
-                                             prefix=prefix)
+            holder["ml"] = multi.MultiLoader(
+                wds.WebDataset(urls, shardshuffle=False), workers=args.workers, prefix=prefix
+            )
         return holder["ml"]
 
     final([run_epoch(e, make) for e in range(args.epochs)])
@@ -258,8 +277,9 @@ def mode_wdscache(args: argparse.Namespace) -> None:
     if args.log:
         import logging
 
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     if args.loader_workers:
         import torch.utils.data  # before the loader: CachedMultiLoader is then a torch IterableDataset
 
@@ -277,9 +297,18 @@ def mode_wdscache(args: argparse.Namespace) -> None:
         # Through a DataLoader, batches of TORCH_BATCH samples (one pickled message each, as a
         # training script's), left as lists: what crosses the DataLoader's queues, not a collate.
         batched: dict[str, Any] = {"batch_size": TORCH_BATCH, "collate": list} if args.loader_workers else {}
-        loader = CachedMultiLoader(cache_dir=args.cache_dir, job=job, rank=args.rank, world_size=args.world_size,
-                                   node=args.node, num_nodes=args.num_nodes, shuffle=shuffle, timeout=args.timeout,
-                                   direct_reads=not args.no_direct, **batched)
+        loader = CachedMultiLoader(
+            cache_dir=args.cache_dir,
+            job=job,
+            rank=args.rank,
+            world_size=args.world_size,
+            node=args.node,
+            num_nodes=args.num_nodes,
+            shuffle=shuffle,
+            timeout=args.timeout,
+            direct_reads=not args.no_direct,
+            **batched,
+        )
         if not args.loader_workers:
             return loader
         # Each DataLoader worker reads its part of the rank's share.
@@ -317,10 +346,15 @@ def mode_wdscache(args: argparse.Namespace) -> None:
             if shuffle not in holder:
                 holder[shuffle] = build(args.job, shuffle)
             return holder[shuffle]
+
         return make
 
-    final([run_epoch(e, loader(e >= args.epochs), agent_pid=args.agent_pid, limit=args.max_samples)
-           for e in range(args.epochs + args.shuffled_epochs)])
+    final(
+        [
+            run_epoch(e, loader(e >= args.epochs), agent_pid=args.agent_pid, limit=args.max_samples)
+            for e in range(args.epochs + args.shuffled_epochs)
+        ]
+    )
 
 
 def mode_mix(args: argparse.Namespace) -> None:
@@ -362,14 +396,16 @@ def mode_random(args: argparse.Namespace) -> None:
                 else:
                     from wdscache import ShardListDataset
 
-                    holder["ds"] = ShardListDataset(args.index, cache_dir=args.cache_dir, transformations=[],
-                                                    timeout=args.timeout)
+                    holder["ds"] = ShardListDataset(
+                        args.index, cache_dir=args.cache_dir, transformations=[], timeout=args.timeout
+                    )
             ds = holder["ds"]
             order = list(range(len(ds)))
             random.Random(epoch).shuffle(order)
             for i in order:
                 sample = ds[i]
                 yield {k: v.getbuffer() if isinstance(v, io.BytesIO) else v for k, v in sample.items()}
+
         return samples
 
     final([run_epoch(e, make(e), agent_pid=args.agent_pid, limit=args.max_samples) for e in range(args.epochs)])
@@ -405,13 +441,15 @@ def mode_torch(args: argparse.Namespace) -> None:
             elif args.cache_dir:
                 import wdscache
 
-                ds = wdscache.WebDataset(cache_dir=args.cache_dir, job=args.job, shardshuffle=False,
-                                         timeout=args.timeout)
+                ds = wdscache.WebDataset(
+                    cache_dir=args.cache_dir, job=args.job, shardshuffle=False, timeout=args.timeout
+                )
             else:
                 ds = wds.WebDataset(read_urls(args.urls_file), shardshuffle=False)
             ds = ds.decode().to_tuple("jpg", "cls", "json").batched(TORCH_BATCH)
-            holder["dl"] = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,
-                                                       persistent_workers=args.memory or args.persistent)
+            holder["dl"] = torch.utils.data.DataLoader(
+                ds, batch_size=None, num_workers=args.workers, persistent_workers=args.memory or args.persistent
+            )
         for jpgs, _, _ in holder["dl"]:
             for jpg in jpgs:  # run_epoch counts samples and payload bytes: the images'
                 yield {"jpg": jpg}
@@ -457,7 +495,7 @@ def mode_zmq(args: argparse.Namespace) -> None:
     os.waitpid(pid, 0)
     pull.close(0)
     ctx.term()
-    Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
+    Path(endpoint[len("ipc://") :]).unlink(missing_ok=True)
     kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     # The receiver's CPU during the epoch plus all of the sender's (reaped only now).
     epoch["cpu_s"] += (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
@@ -507,8 +545,18 @@ def mode_zmq_many(args: argparse.Namespace) -> None:
                         t_first = time.time()
                     count += len(frames) // len(sizes)
                     nbytes += sum(len(f.buffer.tobytes()) for f in frames)
-                os.write(wfd, json.dumps({"samples": count, "bytes": nbytes, "t_first": t_first,
-                                          "t_end": time.time(), "cpu_s": time.process_time() - cpu0}).encode())
+                os.write(
+                    wfd,
+                    json.dumps(
+                        {
+                            "samples": count,
+                            "bytes": nbytes,
+                            "t_first": t_first,
+                            "t_end": time.time(),
+                            "cpu_s": time.process_time() - cpu0,
+                        }
+                    ).encode(),
+                )
                 pull.close(0)
                 ctx.term()
                 code = 0
@@ -567,12 +615,16 @@ def mode_zmq_many(args: argparse.Namespace) -> None:
         raise SystemExit(f"{sum(r is None for r in reports)} receiver(s) failed, or got no message")
     t0 = min(r["t_first"] for r in reports)
     epoch = {
-        "epoch": 0, "samples": sum(r["samples"] for r in reports), "bytes": sum(r["bytes"] for r in reports),
-        "ttfs": None, "elapsed": max(r["t_end"] for r in reports) - t0,
+        "epoch": 0,
+        "samples": sum(r["samples"] for r in reports),
+        "bytes": sum(r["bytes"] for r in reports),
+        "ttfs": None,
+        "elapsed": max(r["t_end"] for r in reports) - t0,
         # every process's CPU: the senders' and the receivers' (reaped above)
         "cpu_s": (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime),
         "receiver_cpu_s": sum(r["cpu_s"] for r in reports),
-        "hwm_kb": 0, "rss_growth_kb": 0,
+        "hwm_kb": 0,
+        "rss_growth_kb": 0,
     }
     final([epoch])
 
@@ -625,8 +677,9 @@ def mode_stats_index(args: argparse.Namespace) -> None:
         rec = None
         with index._db.transact():
             for i in range(args.n):
-                rec = ShardRecord(f"http://127.0.0.1:9/big/shard-{i:06d}.tar", ShardState.CACHED,
-                                  size=1000 + i % 7, cached_at=1.0)
+                rec = ShardRecord(
+                    f"http://127.0.0.1:9/big/shard-{i:06d}.tar", ShardState.CACHED, size=1000 + i % 7, cached_at=1.0
+                )
                 index._db.set(_SHARD + rec.url, rec.to_json())
                 index.summary.apply(None, rec)
                 index.records[rec.url] = rec
@@ -645,6 +698,7 @@ def mode_serve(args: argparse.Namespace) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+
     def write(path: Path, text: str) -> None:
         tmp = Path(str(path) + ".tmp")
         tmp.write_text(text)
@@ -656,11 +710,16 @@ def mode_serve(args: argparse.Namespace) -> None:
             if args.counters:
                 # What clients fetched so far, for the bench to compare with the dataset size.
                 reqs = server.requests
-                write(Path(args.counters), json.dumps({
-                    "gets": sum(1 for r in reqs if r.method == "GET"),
-                    "heads": sum(1 for r in reqs if r.method == "HEAD"),
-                    "bytes": sum(r.bytes_sent for r in reqs if r.method == "GET"),
-                }))
+                write(
+                    Path(args.counters),
+                    json.dumps(
+                        {
+                            "gets": sum(1 for r in reqs if r.method == "GET"),
+                            "heads": sum(1 for r in reqs if r.method == "HEAD"),
+                            "bytes": sum(r.bytes_sent for r in reqs if r.method == "GET"),
+                        }
+                    ),
+                )
 
 
 def main() -> None:
@@ -695,13 +754,25 @@ def main() -> None:
     p.add_argument("--start-at", type=float, default=0.0)
     p.add_argument("--log", action="store_true", help="wdscache's log on stderr")
     p.add_argument("--max-samples", type=int, default=0, help="stop each epoch after this many samples")
-    p.add_argument("--shuffled-epochs", type=int, default=0,
-                   help="after --epochs, this many more with a shuffling loader (its own job)")
+    p.add_argument(
+        "--shuffled-epochs",
+        type=int,
+        default=0,
+        help="after --epochs, this many more with a shuffling loader (its own job)",
+    )
     p.add_argument("--no-direct", action="store_true", help="direct_reads=False: the workers send every byte")
-    p.add_argument("--warmup", type=int, default=0, help="samples to read first, before --start-at, as a job of its own")
-    p.add_argument("--start-file", help="after the warm-up, touch START_FILE.PID.ready and wait for START_FILE to exist")
-    p.add_argument("--loader-workers", type=int, default=0,
-                   help="read through torch's DataLoader(num_workers=N), each worker a part of the rank's share")
+    p.add_argument(
+        "--warmup", type=int, default=0, help="samples to read first, before --start-at, as a job of its own"
+    )
+    p.add_argument(
+        "--start-file", help="after the warm-up, touch START_FILE.PID.ready and wait for START_FILE to exist"
+    )
+    p.add_argument(
+        "--loader-workers",
+        type=int,
+        default=0,
+        help="read through torch's DataLoader(num_workers=N), each worker a part of the rank's share",
+    )
     p = sub.add_parser("mix")
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--urls-file", required=True, help="the one source")
@@ -718,10 +789,16 @@ def main() -> None:
     p.add_argument("--job", default="bench-torch")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--agent-pid", type=int)
-    p.add_argument("--persistent", action="store_true",
-                   help="persistent_workers=True (--memory implies it): epoch 2 on costs no worker start")
-    p.add_argument("--memory", action="store_true",
-                   help="each worker's --urls-file shards read into its memory in epoch 1, served from it after")
+    p.add_argument(
+        "--persistent",
+        action="store_true",
+        help="persistent_workers=True (--memory implies it): epoch 2 on costs no worker start",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="each worker's --urls-file shards read into its memory in epoch 1, served from it after",
+    )
     p = sub.add_parser("random")
     p.add_argument("--system", choices=("wids", "wdscache"), required=True)
     p.add_argument("--index", required=True, help="the shard index (wids JSON)")
@@ -749,9 +826,17 @@ def main() -> None:
     p.add_argument("--n", type=int, default=100_000)
     args = ap.parse_args()
     {
-        "serve": mode_serve, "wds": mode_wds, "multi": mode_multi, "wdscache": mode_wdscache, "torch": mode_torch,
-        "zmq": mode_zmq, "zmq-many": mode_zmq_many, "urls": mode_urls, "stats-index": mode_stats_index,
-        "mix": mode_mix, "random": mode_random,
+        "serve": mode_serve,
+        "wds": mode_wds,
+        "multi": mode_multi,
+        "wdscache": mode_wdscache,
+        "torch": mode_torch,
+        "zmq": mode_zmq,
+        "zmq-many": mode_zmq_many,
+        "urls": mode_urls,
+        "stats-index": mode_stats_index,
+        "mix": mode_mix,
+        "random": mode_random,
     }[args.mode](args)
 
 

@@ -16,7 +16,6 @@ def wdscache_exe() -> str:
     found = shutil.which("wdscache")
     if found is None:
         raise RuntimeError(
-            f"no wdscache console script next to {sys.executable} or on PATH; "
-            "install the package (pip install -e .)"
+            f"no wdscache console script next to {sys.executable} or on PATH; install the package (pip install -e .)"
         )
     return found

@@ -48,8 +48,10 @@ def _with_rules(name: str, command: click.Command) -> click.Command:
         if rule is not None:
             text, value = rule
             if param.default != value():
-                raise SystemExit(f"scripts/gen_cli_docs.py: the default of `wdscache {name} --{param.name}` is no "
-                                 f"longer {text!r} ({param.default!r} here): update MACHINE_DEFAULTS")
+                raise SystemExit(
+                    f"scripts/gen_cli_docs.py: the default of `wdscache {name} --{param.name}` is no "
+                    f"longer {text!r} ({param.default!r} here): update MACHINE_DEFAULTS"
+                )
             param = copy.copy(param)
             param.default = text
         params.append(param)
@@ -59,8 +61,14 @@ def _with_rules(name: str, command: click.Command) -> click.Command:
 
 
 def _help(command: click.Command, name: str, parent: click.Context | None) -> str:
-    ctx = click.Context(command, info_name=name, parent=parent, terminal_width=WIDTH, max_content_width=WIDTH,
-                        **command.context_settings)
+    ctx = click.Context(
+        command,
+        info_name=name,
+        parent=parent,
+        terminal_width=WIDTH,
+        max_content_width=WIDTH,
+        **command.context_settings,
+    )
     return command.get_help(ctx)
 
 
@@ -68,11 +76,18 @@ def render() -> str:
     """The page's text."""
     from wdscache.cli import main
 
-    top = click.Context(main, info_name="wdscache", terminal_width=WIDTH, max_content_width=WIDTH,
-                        **main.context_settings)
+    top = click.Context(
+        main, info_name="wdscache", terminal_width=WIDTH, max_content_width=WIDTH, **main.context_settings
+    )
     names = main.list_commands(top)
-    parts = [HEADER, "Commands: " + ", ".join(f"[`{n}`](#wdscache-{n})" for n in names) + ".\n",
-             "## wdscache\n", "```text", main.get_help(top), "```\n"]
+    parts = [
+        HEADER,
+        "Commands: " + ", ".join(f"[`{n}`](#wdscache-{n})" for n in names) + ".\n",
+        "## wdscache\n",
+        "```text",
+        main.get_help(top),
+        "```\n",
+    ]
     for name in names:
         command = main.get_command(top, name)
         assert command is not None

@@ -142,8 +142,9 @@ class S3Proxy:
         lower = {k.lower(): v for k, v in headers}
         body = rfile.read(int(lower.get("content-length", "0") or 0))
         parts = urlsplit(target)
-        record = ProxiedRequest(method, unquote(parts.path).lstrip("/"), parts.query, lower.get("range"),
-                                lower.get("if-match"), began=began)
+        record = ProxiedRequest(
+            method, unquote(parts.path).lstrip("/"), parts.query, lower.get("range"), lower.get("if-match"), began=began
+        )
         with self._lock:
             self.requests.append(record)
             queue = self._faults.get(record.key) if method == "GET" and not parts.query else None
@@ -174,8 +175,7 @@ class S3Proxy:
                 return record
             length = resp.getheader("Content-Length")
             data = b"" if length is not None else resp.read()  # a body of unknown length: read first
-            out.append(f"Content-Length: {length if length is not None else len(data)}\r\n"
-                       "Connection: close\r\n\r\n")
+            out.append(f"Content-Length: {length if length is not None else len(data)}\r\nConnection: close\r\n\r\n")
             if self.ttfb:
                 time.sleep(self.ttfb)
             conn.sendall("".join(out).encode("latin-1"))
@@ -195,7 +195,7 @@ class S3Proxy:
         start, sent = time.monotonic(), 0
         while limit is None or sent < limit:
             want = _PACE if limit is None else min(_PACE, limit - sent)
-            piece = data[sent:sent + want] if data else resp.read(want)
+            piece = data[sent : sent + want] if data else resp.read(want)
             if not piece:
                 break
             conn.sendall(piece)
@@ -210,8 +210,13 @@ class S3Proxy:
 
     @staticmethod
     def _error(conn: socket.socket, record: ProxiedRequest, fault: _Fault) -> None:
-        body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{fault.code}</Code>'
-                f"<Message>injected by the test proxy</Message><Key>{record.key}</Key></Error>").encode()
+        body = (
+            f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{fault.code}</Code>'
+            f"<Message>injected by the test proxy</Message><Key>{record.key}</Key></Error>"
+        ).encode()
         record.status = fault.status
-        conn.sendall(f"HTTP/1.1 {fault.status} Injected\r\nContent-Type: application/xml\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        conn.sendall(
+            f"HTTP/1.1 {fault.status} Injected\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )

@@ -52,9 +52,7 @@ def find_gnu_tar() -> str | None:
         if exe is None:
             continue
         try:
-            out = subprocess.run(
-                [exe, "--version"], capture_output=True, text=True, timeout=10, check=False
-            ).stdout
+            out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=10, check=False).stdout
         except (OSError, subprocess.SubprocessError):
             continue
         if "GNU tar" in out:
@@ -121,18 +119,30 @@ def _write_with_gnutar(dest: Path, members: Sequence[tuple[str, bytes]]) -> None
         file_list = Path(tmp, "members.list")
         file_list.write_bytes(b"".join(os.fsencode(name) + b"\0" for name, _ in members))
         cmd = [
-            exe, "--create", "--file", str(dest),
-            "--format=gnu", "--sort=none", "--no-recursion",
-            "--mtime=@0", "--owner=0", "--group=0", "--numeric-owner", "--mode=0644",
-            "-C", str(src), "--null", "--verbatim-files-from", "-T", str(file_list),
+            exe,
+            "--create",
+            "--file",
+            str(dest),
+            "--format=gnu",
+            "--sort=none",
+            "--no-recursion",
+            "--mtime=@0",
+            "--owner=0",
+            "--group=0",
+            "--numeric-owner",
+            "--mode=0644",
+            "-C",
+            str(src),
+            "--null",
+            "--verbatim-files-from",
+            "-T",
+            str(file_list),
         ]
         # C locale so tar's messages and behaviour do not depend on the host.
         env = dict(os.environ, LC_ALL="C")
         proc = subprocess.run(cmd, capture_output=True, env=env, timeout=300, check=False)
         if proc.returncode != 0:
-            raise RuntimeError(
-                f"tar failed ({proc.returncode}): {proc.stderr.decode(errors='replace').strip()}"
-            )
+            raise RuntimeError(f"tar failed ({proc.returncode}): {proc.stderr.decode(errors='replace').strip()}")
 
 
 def _gzip_file(src: Path, dest: Path) -> None:
@@ -177,9 +187,7 @@ def make_shard(
     return dest
 
 
-def synth_samples(
-    shard_index: int, n: int, *, payload: int = 1000, seed: int = 0
-) -> list[Sample]:
+def synth_samples(shard_index: int, n: int, *, payload: int = 1000, seed: int = 0) -> list[Sample]:
     """``n`` deterministic samples for shard ``shard_index``.
 
     Keys are ``s{shard:05d}_{i:05d}``; each sample has ``jpg`` (random bytes,

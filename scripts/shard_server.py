@@ -126,9 +126,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             # SO_LINGER with a zero timeout turns close() into an RST, which is
             # what a crashed peer or a dropped load balancer looks like.
             try:
-                self.connection.setsockopt(
-                    socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                )
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self.connection.close()
             except OSError:
                 pass
@@ -169,8 +167,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if fault is not None and kind == "html":
             body = fault.params.get("body", _DEFAULT_HTML)
             self._simple(
-                owner, method, name, range_header, 200, body, head,
-                {"Content-Type": "text/html; charset=utf-8"}, kind,
+                owner,
+                method,
+                name,
+                range_header,
+                200,
+                body,
+                head,
+                {"Content-Type": "text/html; charset=utf-8"},
+                kind,
             )
             return
 
@@ -195,8 +200,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             # If-Range names the version the client holds bytes of: any other gets the whole body
             # (unless the server ignores If-Range, as some do).
             if_range = self.headers.get("If-Range") if owner.if_range else None
-            stale = if_range is not None and if_range not in ((etag if owner.etags else None),
-                                                              (last_modified if owner.last_modified else None))
+            stale = if_range is not None and if_range not in (
+                (etag if owner.etags else None),
+                (last_modified if owner.last_modified else None),
+            )
             ranges_ok = owner.accept_ranges and kind != "no_range"
             if ranges_ok:
                 headers["Accept-Ranges"] = "bytes"
@@ -205,9 +212,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 parsed = _parse_range(range_header, size)
                 if parsed == "unsatisfiable":
                     headers["Content-Range"] = f"bytes */{size}"
-                    self._simple(
-                        owner, method, name, range_header, 416, b"", head, headers, kind
-                    )
+                    self._simple(owner, method, name, range_header, 416, b"", head, headers, kind)
                     return
                 if parsed is not None:
                     start, end = parsed
@@ -290,8 +295,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     ) -> Request:
         """Wait out ttfb, log the request, and send status line and headers."""
         owner._sleep(owner.ttfb)
-        record = Request(method, name, range_header, status, 0, fault, time.monotonic(),
-                         self.headers.get("If-Range"))
+        record = Request(method, name, range_header, status, 0, fault, time.monotonic(), self.headers.get("If-Range"))
         owner._log(record)
         self.send_response(status)
         for key, value in headers.items():
@@ -566,9 +570,7 @@ class ShardServer:
     def count(self, name: str | os.PathLike[str], method: str | None = "GET") -> int:
         """How many requests for ``name`` were logged (any method if ``method`` is None)."""
         key = self._norm(name)
-        return sum(
-            1 for r in self.requests if r.path == key and (method is None or r.method == method)
-        )
+        return sum(1 for r in self.requests if r.path == key and (method is None or r.method == method))
 
     def ranges(self, name: str | os.PathLike[str]) -> list[str | None]:
         """The Range header of each GET of ``name``, in order (None when absent)."""

@@ -77,10 +77,12 @@ def torch_loop(args: argparse.Namespace) -> None:
     if distributed:
         torch.distributed.init_process_group("gloo")
     # The one changed line: webdataset.WebDataset(urls, ...) becomes wdscache.WebDataset(urls, cache_dir=...).
-    dataset = (wdscache.WebDataset(args.urls, cache_dir=args.cache_dir, shardshuffle=True, seed=42)
-               .shuffle(200)
-               .decode()
-               .to_tuple("__url__", "__key__", "cls"))
+    dataset = (
+        wdscache.WebDataset(args.urls, cache_dir=args.cache_dir, shardshuffle=True, seed=42)
+        .shuffle(200)
+        .decode()
+        .to_tuple("__url__", "__key__", "cls")
+    )
     torch.manual_seed(0)
     model = torch.nn.Linear(1, 1)
     if distributed:
@@ -131,8 +133,16 @@ def save(path: Path, model: Any, opt: Any, epoch: int, step: int, data_state: di
     import io
 
     buf = io.BytesIO()
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "epoch": epoch, "step": step,
-                "data": json.dumps(data_state) if data_state else ""}, buf)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "epoch": epoch,
+            "step": step,
+            "data": json.dumps(data_state) if data_state else "",
+        },
+        buf,
+    )
     write_atomically(path, buf.getvalue())
 
 
@@ -144,8 +154,9 @@ class _Log:
         self.path = folder / f"rank-{rank}.jsonl"
         kept = []
         if self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line and json.loads(line).get("step", 0) <= step]
+            kept = [
+                line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step
+            ]
         write_atomically(self.path, "".join(line + "\n" for line in kept).encode())
         self.out = open(self.path, "a", buffering=1)
 

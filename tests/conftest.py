@@ -56,9 +56,7 @@ def dataset(shard_server: ShardServer, tmp_path: Path) -> Callable[..., Dataset]
         list_name: str = "urls.txt",
         seed: int = 0,
     ) -> Dataset:
-        paths = make_dataset(
-            shard_server.root, n, samples, payload=payload, tool=tool, prefix=prefix, seed=seed
-        )
+        paths = make_dataset(shard_server.root, n, samples, payload=payload, tool=tool, prefix=prefix, seed=seed)
         urls = [shard_server.url(p.name) for p in paths]
         list_file = write_url_list(tmp_path / "lists" / list_name, urls)
         return Dataset(urls, paths, list_file)
@@ -80,20 +78,39 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProc]]:
     """
     started: list[AgentProc] = []
 
-    def start(cache_dir: str | os.PathLike[str], urls_file: str | os.PathLike[str], *extra: str,
-              env: dict[str, str] | None = None, wait: bool = True,
-              cwd: str | os.PathLike[str] | None = None) -> AgentProc:
+    def start(
+        cache_dir: str | os.PathLike[str],
+        urls_file: str | os.PathLike[str],
+        *extra: str,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> AgentProc:
         n = len(started)
         log_path = tmp_path / f"agent-{n}.log"
         args = [
-            wdscache_exe(), "agent", "--cache-dir", os.fspath(cache_dir), "--urls", os.fspath(urls_file),
-            "--min-free", "1M", "--workers", "1", "-v", *extra,
+            wdscache_exe(),
+            "agent",
+            "--cache-dir",
+            os.fspath(cache_dir),
+            "--urls",
+            os.fspath(urls_file),
+            "--min-free",
+            "1M",
+            "--workers",
+            "1",
+            "-v",
+            *extra,
         ]
         full_env = dict(os.environ)
         full_env.update(env or {})
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
                 cwd=cwd,
             )
         agent = AgentProc(proc, Path(cache_dir), log_path, args)
@@ -143,8 +160,12 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     def mount(size: str) -> Path:
         mnt = tmp_path / f"fs{len(mounted)}"
         mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
-                           capture_output=True, text=True, timeout=20)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
         mounted.append(mnt)

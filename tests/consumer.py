@@ -41,16 +41,28 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--on-error", default="raise", choices=("raise", "skip"))
     ap.add_argument("--request-size", type=int, default=None, help="the loader's, unless given")
-    ap.add_argument("--linger-until", default=None,
-                    help="after the epoch, wait (up to --timeout) for this file to exist before exiting")
+    ap.add_argument(
+        "--linger-until",
+        default=None,
+        help="after the epoch, wait (up to --timeout) for this file to exist before exiting",
+    )
     args = ap.parse_args()
     # The loader's warnings (retries, skipped shards) land in the log a failing test shows.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loader = CachedMultiLoader(
-        args.urls, cache_dir=args.cache_dir, job=args.job, rank=args.rank, world_size=args.world_size,
-        node=args.node, num_nodes=args.num_nodes,
-        seed=args.seed, shuffle=not args.no_shuffle, shuffle_buffer=args.shuffle_buffer,
-        drop_last=args.drop_last, timeout=args.timeout, on_error=args.on_error,
+        args.urls,
+        cache_dir=args.cache_dir,
+        job=args.job,
+        rank=args.rank,
+        world_size=args.world_size,
+        node=args.node,
+        num_nodes=args.num_nodes,
+        seed=args.seed,
+        shuffle=not args.no_shuffle,
+        shuffle_buffer=args.shuffle_buffer,
+        drop_last=args.drop_last,
+        timeout=args.timeout,
+        on_error=args.on_error,
         **({} if args.request_size is None else {"request_size": args.request_size}),
     )
     n = 0

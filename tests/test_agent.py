@@ -166,15 +166,18 @@ class DiskSampler(threading.Thread):
             self.done.wait(self.interval)
 
 
-def test_budget_never_exceeded_while_three_budgets_of_shards_stream_through(shard_server, dataset, start_agent, tmp_path):
+def test_budget_never_exceeded_while_three_budgets_of_shards_stream_through(
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(24, **SHARD_100K)
     shard_size = max(p.stat().st_size for p in ds.paths)
     total = sum(p.stat().st_size for p in ds.paths)
     budget = total // 3
     assert budget >= 3 * shard_size  # (prefetch + 1) shards fit
     cache = tmp_path / "cache"
-    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--no-shuffle", "--cache-size", str(budget),
-                        "--download-workers", "4")
+    agent = start_agent(
+        cache, ds.list_file, "--prefetch", "2", "--no-shuffle", "--cache-size", str(budget), "--download-workers", "4"
+    )
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps([[u, str(p)] for u, p in zip(ds.urls, ds.paths)]))
     script = tmp_path / "reader.py"
@@ -183,8 +186,13 @@ def test_budget_never_exceeded_while_three_budgets_of_shards_stream_through(shar
     sampler = DiskSampler(cache, interval=0.002)  # the whole run takes about a second
     sampler.start()
     try:
-        reader = subprocess.run([sys.executable, str(script), str(cache), str(plan)],
-                                capture_output=True, text=True, timeout=45, check=False)
+        reader = subprocess.run(
+            [sys.executable, str(script), str(cache), str(plan)],
+            capture_output=True,
+            text=True,
+            timeout=45,
+            check=False,
+        )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the reader did not finish in 45 s: {tail(str(exc.stderr))}\n{agent.stderr_tail()}")
     finally:
@@ -253,14 +261,17 @@ def test_second_agent_on_same_cache_dir_is_refused_naming_the_running_pid(shard_
     assert s["agent"]["pid"] == first.pid
 
 
-def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive(shard_server, dataset, start_agent, tmp_path):
+def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive(
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(6, **SHARD_100K)
     cache = tmp_path / "cache"
     shard_server.rate = 300_000  # about 0.4 s per shard: some done, one in flight when killed
     args = ("--prefetch", "6", "--no-shuffle", "--cache-size", "10M", "--download-workers", "1")
     first = start_agent(cache, ds.list_file, *args)
-    wait_for(lambda: len(cached_urls(cache, ds)) >= 2, 15,
-             lambda: f"2 shards never reached shards/\n{first.stderr_tail()}")
+    wait_for(
+        lambda: len(cached_urls(cache, ds)) >= 2, 15, lambda: f"2 shards never reached shards/\n{first.stderr_tail()}"
+    )
     assert first.stop(signal.SIGKILL) == -signal.SIGKILL
     done = cached_urls(cache, ds)
     layout = CacheLayout.of(cache)
@@ -297,7 +308,9 @@ def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive
     ],
     ids=["unsupported-scheme", "malformed-brace"],
 )
-def test_bad_url_list_line_is_refused_with_its_line_number(shard_server, dataset, run_cli, tmp_path, bad_line, lineno, words):
+def test_bad_url_list_line_is_refused_with_its_line_number(
+    shard_server, dataset, run_cli, tmp_path, bad_line, lineno, words
+):
     ds = dataset(1)
     lines = [ds.urls[0], "# a comment", ds.urls[0]]
     lines[lineno - 1] = bad_line
@@ -316,8 +329,21 @@ def test_budget_too_small_for_the_prefetch_window_is_refused(shard_server, datas
     ds = dataset(6, **SHARD_100K)
     shard_size = max(p.stat().st_size for p in ds.paths)
     cache = tmp_path / "cache"
-    r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--prefetch", "4", "--no-shuffle",
-                "--cache-size", "200K", "--min-free", "1M", timeout=20)
+    r = run_cli(
+        "agent",
+        "--cache-dir",
+        cache,
+        "--urls",
+        ds.list_file,
+        "--prefetch",
+        "4",
+        "--no-shuffle",
+        "--cache-size",
+        "200K",
+        "--min-free",
+        "1M",
+        timeout=20,
+    )
     assert r.returncode == 2, r.stderr
     assert "smallest budget" in r.stderr, r.stderr
     m = re.search(r"smallest budget that works is (\d+) bytes", r.stderr)
@@ -343,8 +369,9 @@ def test_404_shard_fails_while_the_rest_are_cached(shard_server, dataset, start_
     write_url_list(ds.list_file, urls)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "8", "--no-shuffle", "--cache-size", "10M")
-    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4 and s["shards"]["failed"] == 1, 15,
-                         "expected 4 cached and 1 failed")
+    s = agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 4 and s["shards"]["failed"] == 1, 15, "expected 4 cached and 1 failed"
+    )
     assert [f["url"] for f in s["failed"]] == [missing]
     assert shard_server.count("missing-000099.tar") == 1, "a 404 was retried"
     assert "404" in s["failed"][0]["error"], s["failed"]
@@ -358,8 +385,11 @@ def test_404_shard_fails_while_the_rest_are_cached(shard_server, dataset, start_
     assert agent.stats()["agent"]["pid"] == agent.pid
 
 
-LONG_HTML = (b"<!DOCTYPE html>\n<html><head><title>502 Bad Gateway</title></head><body>"
-             + b"<p>The upstream object store did not answer in time.</p>" * 40 + b"</body></html>\n")
+LONG_HTML = (
+    b"<!DOCTYPE html>\n<html><head><title>502 Bad Gateway</title></head><body>"
+    + b"<p>The upstream object store did not answer in time.</p>" * 40
+    + b"</body></html>\n"
+)
 
 
 @pytest.mark.parametrize("body", [None, LONG_HTML], ids=["short-page", "2K-page"])
@@ -371,8 +401,9 @@ def test_html_error_page_with_status_200_never_enters_the_cache(shard_server, da
         shard_server.fail(ds.paths[1].name, "html", body=body)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--no-shuffle", "--cache-size", "10M")
-    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1, 15,
-                         "expected 1 cached and 1 failed")
+    s = agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1, 15, "expected 1 cached and 1 failed"
+    )
     assert [f["url"] for f in s["failed"]] == [ds.urls[1]]
     assert "HTML" in s["failed"][0]["error"], s["failed"]
     assert cached_urls(cache, ds) == {ds.urls[0]}
@@ -439,8 +470,7 @@ def test_no_partial_shard_is_ever_visible_under_shards(shard_server, dataset, st
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        agent = start_agent(cache, ds.list_file, "--prefetch", "6", "--cache-size", "10M",
-                            "--download-workers", "3")
+        agent = start_agent(cache, ds.list_file, "--prefetch", "6", "--cache-size", "10M", "--download-workers", "3")
         agent.wait_stats(lambda s: s["shards"]["cached"] == 6, 25, "not all 6 shards were cached")
     finally:
         stop.set()
@@ -455,8 +485,9 @@ def test_no_partial_shard_is_ever_visible_under_shards(shard_server, dataset, st
 def test_retry_after_is_honoured_and_the_download_succeeds(shard_server, dataset, start_agent, tmp_path, status):
     ds = dataset(3)
     cache = tmp_path / "cache"
-    agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", "10M",
-                        "--download-workers", "1")
+    agent = start_agent(
+        cache, ds.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", "10M", "--download-workers", "1"
+    )
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 15, "shard 0 was never cached")
     name = ds.paths[2].name
     shard_server.fail(name, "status", status=status, retry_after=1)
@@ -478,14 +509,19 @@ def test_retry_after_is_honoured_and_the_download_succeeds(shard_server, dataset
 # -- stopping ---------------------------------------------------------------------------
 
 
-def test_sigterm_during_a_download_exits_0_and_keeps_only_resumable_partials(shard_server, dataset, start_agent, tmp_path):
+def test_sigterm_during_a_download_exits_0_and_keeps_only_resumable_partials(
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(2, **SHARD_300K)
     shard_server.rate = 50_000  # ~6 s per shard: certainly in flight when stopped
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M", "--download-workers", "2")
     # In flight: the partial file exists and the server is sending its body.
-    wait_for(lambda: partial_files(cache) and any(r.bytes_sent > 0 for r in shard_server.requests if r.method == "GET"),
-             15, lambda: f"no download got under way\n{agent.stderr_tail()}")
+    wait_for(
+        lambda: partial_files(cache) and any(r.bytes_sent > 0 for r in shard_server.requests if r.method == "GET"),
+        15,
+        lambda: f"no download got under way\n{agent.stderr_tail()}",
+    )
     assert agent.stats()["shards"]["downloading"] >= 1
     t0 = time.monotonic()
     rc = agent.stop(signal.SIGTERM, timeout=15)
@@ -515,8 +551,11 @@ def test_second_sigterm_exits_at_once_and_the_next_agent_cleans_up(shard_server,
     cache = tmp_path / "cache"
     args = ("--prefetch", "2", "--cache-size", "10M", "--download-workers", "2")
     first = start_agent(cache, ds.list_file, *args)
-    wait_for(lambda: len([p for p in partial_files(cache) if p.stat().st_size >= 64 << 10]) == 2,
-             15, lambda: f"no download got under way\n{first.stderr_tail()}")
+    wait_for(
+        lambda: len([p for p in partial_files(cache) if p.stat().st_size >= 64 << 10]) == 2,
+        15,
+        lambda: f"no download got under way\n{first.stderr_tail()}",
+    )
     first.proc.send_signal(signal.SIGTERM)
     time.sleep(0.3)
     t0 = time.monotonic()
@@ -537,7 +576,9 @@ def test_second_sigterm_exits_at_once_and_the_next_agent_cleans_up(shard_server,
 # -- privacy ----------------------------------------------------------------------------
 
 
-def test_cache_is_private_and_a_world_writable_cache_dir_is_refused(shard_server, dataset, start_agent, run_cli, tmp_path):
+def test_cache_is_private_and_a_world_writable_cache_dir_is_refused(
+    shard_server, dataset, start_agent, run_cli, tmp_path
+):
     ds = dataset(3)
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -555,7 +596,7 @@ def test_cache_is_private_and_a_world_writable_cache_dir_is_refused(shard_server
     assert wrong == [], f"not private: {wrong}"
     endpoint = s["agent"]["endpoint"]
     assert endpoint.startswith("ipc://"), endpoint
-    sock = Path(endpoint[len("ipc://"):])
+    sock = Path(endpoint[len("ipc://") :])
     st = sock.stat()
     assert stat.S_ISSOCK(st.st_mode)
     assert stat.S_IMODE(st.st_mode) == 0o600, f"{sock}: {stat.S_IMODE(st.st_mode):o}"
@@ -573,7 +614,9 @@ def test_cache_is_private_and_a_world_writable_cache_dir_is_refused(shard_server
 # -- stats ------------------------------------------------------------------------------
 
 
-def test_stats_without_a_cache_exits_1_and_without_an_agent_shows_agent_null(shard_server, dataset, start_agent, run_cli, tmp_path):
+def test_stats_without_a_cache_exits_1_and_without_an_agent_shows_agent_null(
+    shard_server, dataset, start_agent, run_cli, tmp_path
+):
     for where in (tmp_path / "nothing-here", tmp_path / "lists"):
         r = run_cli("stats", "--cache-dir", where, "--json", timeout=20)
         assert r.returncode == 1, (where, r.stdout, r.stderr)
@@ -609,8 +652,9 @@ def test_stats_on_a_100000_shard_index_answers_fast(run_cli, tmp_path):
         # One transaction: records written as the index stores them, summary kept by Summary.
         with index._db.transact():
             for i in range(n):
-                rec = ShardRecord(f"http://127.0.0.1:9/big/shard-{i:06d}.tar", ShardState.CACHED,
-                                  size=1000 + i % 7, cached_at=1.0)
+                rec = ShardRecord(
+                    f"http://127.0.0.1:9/big/shard-{i:06d}.tar", ShardState.CACHED, size=1000 + i % 7, cached_at=1.0
+                )
                 index._db.set(_SHARD + rec.url, rec.to_json())
                 index.summary.apply(None, rec)
                 index.records[rec.url] = rec
@@ -682,12 +726,15 @@ def test_gnu_tar_shards_are_cached_byte_identical(shard_server, dataset, start_a
 def test_local_paths_and_file_urls_resolve_against_the_list_folder(start_agent, tmp_path):
     lists = tmp_path / "lists"
     paths = make_dataset(lists / "data", 4, 10, payload=2000)
-    write_url_list(lists / "urls.txt", [
-        "data/shard-000000.tar",
-        "./data/../data/shard-000001.tar",
-        str(paths[2]),
-        "file://" + str(paths[3]),
-    ])
+    write_url_list(
+        lists / "urls.txt",
+        [
+            "data/shard-000000.tar",
+            "./data/../data/shard-000001.tar",
+            str(paths[2]),
+            "file://" + str(paths[3]),
+        ],
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     urls = ["file://" + os.path.normpath(p) for p in paths]

@@ -47,8 +47,16 @@ class Parts:
 def parts(tmp_path: Path) -> Iterator[Parts]:
     shards = make_dataset(tmp_path / "src", 3, 5)
     urls = parse_url_list("\n".join(p.as_uri() for p in shards))
-    config = AgentConfig(cache_dir=tmp_path / "cache", urls=tmp_path / "urls.txt", cache_size="64M", min_free="0",
-                         prefetch=2, download_workers=1, workers=1, retries=0)
+    config = AgentConfig(
+        cache_dir=tmp_path / "cache",
+        urls=tmp_path / "urls.txt",
+        cache_size="64M",
+        min_free="0",
+        prefetch=2,
+        download_workers=1,
+        workers=1,
+        retries=0,
+    )
     layout = CacheLayout.of(config.cache_dir)
     layout.prepare()
     cache = ShardCache(layout, limit=64 << 20, min_free=0)
@@ -121,8 +129,15 @@ def test_an_open_waits_for_its_download_and_a_reader_that_goes_lets_go(parts: Pa
     endpoint = f"tcp://127.0.0.1:{free_port_range(1)}"
     socket = ControlSocket(endpoint, token="t" * 64, run="r" * 32)
     opens: list[Opens] = []
-    readers = Readers(parts.config, parts.cache, parts.urls, endpoint=endpoint, workers=[], cache_root=[0, 0],
-                      gone=lambda name: opens[0].release_all(name))
+    readers = Readers(
+        parts.config,
+        parts.cache,
+        parts.urls,
+        endpoint=endpoint,
+        workers=[],
+        cache_root=[0, 0],
+        gone=lambda name: opens[0].release_all(name),
+    )
     opens.append(Opens(parts.config, parts.cache, readers, parts.downloads))
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)

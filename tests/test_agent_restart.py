@@ -36,12 +36,14 @@ def wait_samples(c: Consumer, n: int, timeout: float = 30.0) -> None:
     def enough() -> bool:
         assert c.proc.poll() is None, f"the consumer ended before {n} samples\n{consumer_log(c)}"
         return lines_written(c) >= n
+
     wait_for(enough, timeout, lambda: f"the consumer never wrote {n} samples\n{consumer_log(c)}", interval=0.02)
 
 
 @pytest.mark.slow
-def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(shard_server, dataset, start_agent,
-                                                                       consumers, tmp_path):
+def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(8, samples=40, payload=1000)  # 320 samples
     ref = reference(ds.paths, ds.urls)
     cache = tmp_path / "cache"
@@ -64,7 +66,8 @@ def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(shard_ser
 
 
 def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restart(
-        shard_server, dataset, start_agent, consumers, tmp_path):
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     """A consumer's own list (the new agent is told it again) and shards downloading at the kill."""
     ds = dataset(8, samples=30, payload=3000)  # ~100 KB shards, served at 400 KB/s: downloads span the kill
     mine = ds.urls[:6]
@@ -87,8 +90,9 @@ def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restar
     assert again.running()
 
 
-def test_loader_fails_at_once_when_the_restarted_agent_serves_another_list(shard_server, dataset, start_agent,
-                                                                          consumers, tmp_path):
+def test_loader_fails_at_once_when_the_restarted_agent_serves_another_list(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(8, samples=40, payload=1000)
     other = tmp_path / "other" / "urls.txt"
     other.parent.mkdir()
@@ -111,7 +115,8 @@ def test_loader_fails_at_once_when_the_restarted_agent_serves_another_list(shard
 
 
 def test_loader_whose_agent_does_not_come_back_fails_within_its_timeout_naming_the_death(
-        shard_server, dataset, start_agent, consumers, tmp_path):
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(8, samples=40, payload=1000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "8", "--cache-size", "10M")
@@ -131,15 +136,19 @@ def test_loader_whose_agent_does_not_come_back_fails_within_its_timeout_naming_t
     assert took < 4 + 3, f"the consumer failed {took:.1f}s after the kill, its timeout is 4 s"
 
 
-def test_loader_goes_on_exactly_when_the_agents_workers_alone_are_killed(shard_server, dataset, start_agent,
-                                                                         consumers, tmp_path):
+def test_loader_goes_on_exactly_when_the_agents_workers_alone_are_killed(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(8, samples=40, payload=1000)
     ref = reference(ds.paths, ds.urls)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--workers", "2", "--prefetch", "8", "--cache-size", "10M")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 8, 20, "not all 8 shards cached")
-    workers = wait_for(lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)), 10,
-                       lambda: f"2 workers not found among {children_of(agent.pid)}")
+    workers = wait_for(
+        lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)),
+        10,
+        lambda: f"2 workers not found among {children_of(agent.pid)}",
+    )
     c = consumers(cache, "reader", "--job", "wk", "--sleep", "0.01", "--timeout", "15", "--request-size", "4")
     wait_samples(c, 40)
     for w in workers:
@@ -170,7 +179,8 @@ def test_shard_client_pins_its_open_shards_again_at_a_restarted_agent(shard_serv
 
 @pytest.mark.parametrize("source", ["kept", "gone"])
 def test_shard_client_at_a_restarted_agent_that_lost_its_shard_gets_it_back_or_fails_at_once(
-        shard_server, dataset, start_agent, tmp_path, source):
+    shard_server, dataset, start_agent, tmp_path, source
+):
     ds = dataset(2, samples=5, payload=1000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
@@ -192,7 +202,8 @@ def test_shard_client_at_a_restarted_agent_that_lost_its_shard_gets_it_back_or_f
 
 
 def test_a_resumed_loader_whose_first_iter_fails_delivers_the_resumed_epoch_exactly_once_the_agent_is_back(
-        shard_server, dataset, start_agent, tmp_path):
+    shard_server, dataset, start_agent, tmp_path
+):
     from wdscache import AgentUnavailableError, CachedMultiLoader
 
     ds = dataset(3, samples=20, payload=500)

@@ -32,8 +32,10 @@ def gets(server, names: set[str]) -> int:
 
 def logged_wait(agent, url: str, timeout: float = 20) -> list[str]:
     """The agent's log lines saying why ``url`` waits for space, once there is one (``timeout`` 0: now)."""
+
     def lines() -> list[str]:
         return [line for line in agent.stderr_text().splitlines() if f"{url} waits for space" in line]
+
     if not timeout:
         return lines()
     return wait_for(lines, timeout, lambda: f"no log line says why {url} waits\n{agent.stderr_tail()}")
@@ -42,20 +44,40 @@ def logged_wait(agent, url: str, timeout: float = 20) -> list[str]:
 # -- 1. a disk that cannot hold the window -----------------------------------------------
 
 
-@pytest.mark.parametrize("fs_size, cache_size, extra, shape, named", [
-    # The default --min-free 1G is more than the whole file system.
-    ("40m", "30M", [], SHARD_130K, ["40.0M", "--min-free 1.0G", "--cache-size 30.0M"]),
-    ("64m", "256M", [], SHARD_130K, ["64.0M", "--min-free 1.0G", "--cache-size 256.0M"]),
-    # Room for 4 MB of shards, a window of 9 shards of 1 MB.
-    ("6m", "100M", ["--min-free", "1M", "--prefetch", "8"], SHARD_1M,
-     ["6.0M", "--min-free 1.0M", "--cache-size 100.0M"]),
-])
+@pytest.mark.parametrize(
+    "fs_size, cache_size, extra, shape, named",
+    [
+        # The default --min-free 1G is more than the whole file system.
+        ("40m", "30M", [], SHARD_130K, ["40.0M", "--min-free 1.0G", "--cache-size 30.0M"]),
+        ("64m", "256M", [], SHARD_130K, ["64.0M", "--min-free 1.0G", "--cache-size 256.0M"]),
+        # Room for 4 MB of shards, a window of 9 shards of 1 MB.
+        (
+            "6m",
+            "100M",
+            ["--min-free", "1M", "--prefetch", "8"],
+            SHARD_1M,
+            ["6.0M", "--min-free 1.0M", "--cache-size 100.0M"],
+        ),
+    ],
+)
 def test_a_file_system_that_cannot_hold_the_window_is_refused_at_start(
-        tmpfs, shard_server, dataset, run_cli, fs_size, cache_size, extra, shape, named):
+    tmpfs, shard_server, dataset, run_cli, fs_size, cache_size, extra, shape, named
+):
     ds = dataset(10, **shape)
     cache = tmpfs(fs_size) / "cache"
-    r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--cache-size", cache_size,
-                "--workers", "1", *extra, timeout=30)
+    r = run_cli(
+        "agent",
+        "--cache-dir",
+        cache,
+        "--urls",
+        ds.list_file,
+        "--cache-size",
+        cache_size,
+        "--workers",
+        "1",
+        *extra,
+        timeout=30,
+    )
     assert r.returncode == 2, f"exit {r.returncode}\n{r.stderr[-3000:]}"
     assert "wdscache: error:" in r.stderr and "Traceback" not in r.stderr, r.stderr
     for word in named:
@@ -65,12 +87,14 @@ def test_a_file_system_that_cannot_hold_the_window_is_refused_at_start(
 
 @pytest.mark.slow
 def test_a_download_waiting_for_free_space_says_why_in_stats_status_and_one_log_line(
-        tmpfs, shard_server, dataset, start_agent, run_cli):
+    tmpfs, shard_server, dataset, start_agent, run_cli
+):
     fs = tmpfs("6m")
     ds = dataset(3, **SHARD_1M)
     cache = fs / "cache"
-    agent = start_agent(cache, ds.list_file, "--cache-size", "100M", "--min-free", "1M", "--prefetch", "1",
-                        "--no-shuffle")
+    agent = start_agent(
+        cache, ds.list_file, "--cache-size", "100M", "--min-free", "1M", "--prefetch", "1", "--no-shuffle"
+    )
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the first shard was not cached")
     assert fill(fs / "filler") > 0  # another program takes every free byte
     want = ds.urls[2]
@@ -94,8 +118,11 @@ def test_a_download_waiting_for_free_space_says_why_in_stats_status_and_one_log_
         assert "--min-free 1.0M" in log_lines[0], log_lines
 
         (fs / "filler").unlink()  # room again: the download goes on, the reason goes
-        wait_for(lambda: conn.request({"op": "status", "reader": "r", "url": want})["state"] == "cached", 20,
-                 lambda: f"the download did not go on once there was room\n{agent.stderr_tail()}")
+        wait_for(
+            lambda: conn.request({"op": "status", "reader": "r", "url": want})["state"] == "cached",
+            20,
+            lambda: f"the download did not go on once there was room\n{agent.stderr_tail()}",
+        )
         assert agent.stats()["agent"]["waiting_for_space"] == []
     finally:
         conn.close()
@@ -121,8 +148,11 @@ def test_a_download_waiting_for_budget_held_by_pins_says_why(shard_server, datas
             [line] = logged_wait(agent, want)
             assert "--cache-size 300.0K" in line, line
             pinner.release(ds.urls[0])
-            agent.wait_stats(lambda s: not s["agent"]["waiting_for_space"] and s["shards"]["cached"] == 2, 20,
-                             "a released pin did not make room")
+            agent.wait_stats(
+                lambda s: not s["agent"]["waiting_for_space"] and s["shards"]["cached"] == 2,
+                20,
+                "a released pin did not make room",
+            )
         finally:
             conn.close()
     assert len(logged_wait(agent, want, timeout=0)) == 1, agent.stderr_tail()
@@ -138,7 +168,8 @@ def _epoch(agent, consumers, cache: Path, name: str, ref: dict) -> None:
 
 
 def test_readers_needing_more_than_the_budget_are_warned_once_with_the_budget_that_stops_the_thrash(
-        shard_server, dataset, start_agent, consumers, tmp_path):
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(4, **SHARD_130K)
     names = {p.name for p in ds.paths}
     ref = reference(ds.paths, ds.urls)
@@ -177,8 +208,10 @@ def test_readers_needing_more_than_the_budget_are_warned_once_with_the_budget_th
     agent2 = start_agent(cache2, ds.list_file, "--cache-size", str(need), "--prefetch", "2")
     _epoch(agent2, consumers, cache2, "fits", ref)
     s2 = agent2.stats()
-    assert gets(shard_server, names) == 4 and s2["downloads"] == 4 and s2["redownloads"] == 0, \
-        (shard_server.requests, s2)
+    assert gets(shard_server, names) == 4 and s2["downloads"] == 4 and s2["redownloads"] == 0, (
+        shard_server.requests,
+        s2,
+    )
     assert THRASH_WARNING not in agent2.stderr_text(), agent2.stderr_tail()
 
 

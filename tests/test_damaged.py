@@ -34,8 +34,14 @@ def clobber_header(path: Path, member: int = 3, *, keep_mtime: bool = False) -> 
 
 def loader(cache: Path, **kw) -> CachedMultiLoader:
     kw.setdefault("timeout", 20)
-    return CachedMultiLoader(cache_dir=cache, job=kw.pop("job", "j"), rank=kw.pop("rank", 0),
-                             world_size=kw.pop("world_size", 1), shuffle_buffer=50, **kw)
+    return CachedMultiLoader(
+        cache_dir=cache,
+        job=kw.pop("job", "j"),
+        rank=kw.pop("rank", 0),
+        world_size=kw.pop("world_size", 1),
+        shuffle_buffer=50,
+        **kw,
+    )
 
 
 def gets(server, name: str) -> int:
@@ -44,7 +50,8 @@ def gets(server, name: str) -> int:
 
 @pytest.mark.parametrize("when", ["second-epoch", "after-restart"])
 def test_a_copy_damaged_on_disk_is_found_by_a_read_fetched_again_and_the_epoch_completes(
-        shard_server, dataset, start_agent, tmp_path, when):
+    shard_server, dataset, start_agent, tmp_path, when
+):
     ds = dataset(4, samples=20, payload=3000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "4", "--cache-size", "10M")
@@ -73,7 +80,8 @@ def test_a_copy_damaged_on_disk_is_found_by_a_read_fetched_again_and_the_epoch_c
 
 
 def test_a_shard_damaged_at_its_source_fails_after_one_more_download_with_the_reason(
-        shard_server, dataset, start_agent, tmp_path):
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(3, samples=20, payload=3000)
     clobber_header(ds.paths[2], keep_mtime=True)  # damaged at the source, past the head the download checks
     cache = tmp_path / "cache"
@@ -91,7 +99,8 @@ def test_a_shard_damaged_at_its_source_fails_after_one_more_download_with_the_re
 
 @pytest.mark.parametrize("counts", ["known", "unknown"])
 def test_skip_delivers_every_sample_of_every_healthy_shard_and_the_ranks_keep_equal_counts(
-        shard_server, dataset, start_agent, consumers, tmp_path, counts):
+    shard_server, dataset, start_agent, consumers, tmp_path, counts
+):
     ds = dataset(8, samples=25, payload=1500)
     bad = ds.urls[5]
     if counts == "unknown":
@@ -105,8 +114,23 @@ def test_skip_delivers_every_sample_of_every_healthy_shard_and_the_ranks_keep_eq
         clobber_header(ds.paths[5], keep_mtime=True)  # then the source and the cached copy go bad alike
         clobber_header(CacheLayout.of(cache).shard_path(bad))
 
-    ranks = [consumers(cache, f"r{r}", "--job", "skip", "--rank", str(r), "--world-size", "2",
-                       "--shuffle-buffer", "100", "--on-error", "skip") for r in range(2)]
+    ranks = [
+        consumers(
+            cache,
+            f"r{r}",
+            "--job",
+            "skip",
+            "--rank",
+            str(r),
+            "--world-size",
+            "2",
+            "--shuffle-buffer",
+            "100",
+            "--on-error",
+            "skip",
+        )
+        for r in range(2)
+    ]
     results = [samples_of(c.wait()) for c in ranks]
     got = Counter((s["url"], s["key"]) for r in results for s in r)
     healthy = {k for k in ref if k[0] != bad}
@@ -129,7 +153,8 @@ def test_skip_delivers_every_sample_of_every_healthy_shard_and_the_ranks_keep_eq
 
 
 def test_a_damaged_copy_another_reader_holds_is_fetched_again_once_it_lets_go(
-        shard_server, dataset, start_agent, consumers, tmp_path):
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(4, samples=20, payload=3000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "4", "--cache-size", "10M", "--workers", "2")
@@ -139,8 +164,11 @@ def test_a_damaged_copy_another_reader_holds_is_fetched_again_once_it_lets_go(
     with ShardClient(cache, timeout=20, name="holder") as holder:
         holder.open(ds.urls[2])  # another reader holds the damaged copy: it cannot go yet
         c = consumers(cache, "reader", "--job", "j2", "--timeout", "20")
-        wait_for(lambda: "reading it again from a new copy" in c.log.read_text(), 20,
-                 lambda: f"the consumer never found the damage\n{c.log.read_text()[-2000:]}")
+        wait_for(
+            lambda: "reading it again from a new copy" in c.log.read_text(),
+            20,
+            lambda: f"the consumer never found the damage\n{c.log.read_text()[-2000:]}",
+        )
         assert c.proc.poll() is None  # it waits for a good copy, not for an error
     results = samples_of(c.wait())  # the holder let go: the copy is fetched again, the epoch ends
     ref = reference(ds.paths, ds.urls)
@@ -152,7 +180,8 @@ def test_a_damaged_copy_another_reader_holds_is_fetched_again_once_it_lets_go(
 
 
 def test_a_handler_that_says_stop_ends_the_epoch_after_every_sample_before_the_failed_shard(
-        shard_server, dataset, start_agent, tmp_path):
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(5, samples=30, payload=500)
     last = sorted(k for _, k in reference(ds.paths[4:], ds.urls[4:]))
     clobber_header(ds.paths[4], member=20)  # damaged at its source: the copy fetched again is too
@@ -171,5 +200,5 @@ def test_a_handler_that_says_stop_ends_the_epoch_after_every_sample_before_the_f
     keys = [(s["__url__"], s["__key__"]) for s in got]
     assert keys[: len(ref)] == sorted(ref, key=lambda k: (ds.urls.index(k[0]), k[1]))
     # then at most the failed shard's samples before its damage, in order, and nothing after it
-    rest = keys[len(ref):]
+    rest = keys[len(ref) :]
     assert rest == [(ds.urls[4], key) for key in last[: len(rest)]]

@@ -23,8 +23,14 @@ def _section(out: str, title: str) -> str:
 
 @pytest.mark.slow
 def test_the_demo_shows_the_cache_filling_and_the_job_while_it_runs():
-    r = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], capture_output=True, text=True,
-                       timeout=DEMO_TIMEOUT, stdin=subprocess.DEVNULL, check=False)
+    r = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "demo.sh")],
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     early = _section(r.stdout, "wdscache stats once the first shards are cached")
     assert re.search(r"^shards     [1-9]\d* cached", early, re.M), early

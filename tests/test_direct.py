@@ -30,8 +30,10 @@ from wdscache.training.direct import CacheFiles, StaleFile
 
 
 def digests(samples: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
-    return {(s["__url__"], s["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in s.items()
-                                           if not k.startswith("__")} for s in samples}
+    return {
+        (s["__url__"], s["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in s.items() if not k.startswith("__")}
+        for s in samples
+    }
 
 
 def cache_files_held(cache: Path) -> tuple[list[str], list[str]]:
@@ -40,8 +42,9 @@ def cache_files_held(cache: Path) -> tuple[list[str], list[str]]:
 
 
 @NEEDS_TESTDATA
-def test_real_shards_stream_like_webdataset_with_direct_reads_on_and_off(tmp_path, shard_server, start_agent,
-                                                                        monkeypatch):
+def test_real_shards_stream_like_webdataset_with_direct_reads_on_and_off(
+    tmp_path, shard_server, start_agent, monkeypatch
+):
     for name in REAL_SHARDS:
         shutil.copy(TESTDATA / name, shard_server.root / name)
     paths = [shard_server.root / name for name in REAL_SHARDS]
@@ -91,7 +94,7 @@ def test_a_worker_names_file_ranges_only_to_a_consumer_that_asks(tmp_path, datas
             f.seek(start)
             runs.append(f.read(size))
     for (shard, j), span in zip(items, header["spans"]):
-        got = [hashlib.sha256(runs[span[0]][off:off + n]).hexdigest() for off, n in zip(span[1::2], span[2::2])]
+        got = [hashlib.sha256(runs[span[0]][off : off + n]).hexdigest() for off, n in zip(span[1::2], span[2::2])]
         assert got == list(ref[6 * shard + j].values()), (shard, j)
 
 
@@ -123,8 +126,9 @@ def test_a_cache_file_replaced_or_gone_is_refused(tmp_path):
     files.close()
 
 
-def test_a_consumer_that_cannot_read_the_cache_gets_the_bytes_from_the_workers(tmp_path, dataset, start_agent,
-                                                                               monkeypatch, caplog):
+def test_a_consumer_that_cannot_read_the_cache_gets_the_bytes_from_the_workers(
+    tmp_path, dataset, start_agent, monkeypatch, caplog
+):
     # Injected: tests run as root, whom no file mode stops.
     import wdscache.training.direct
 
@@ -179,8 +183,7 @@ def test_a_file_replaced_under_one_read_costs_that_read_only(tmp_path, dataset, 
     assert len(calls) == 1 + 3 * (24 - 4), len(calls)
 
 
-def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them(tmp_path, dataset,
-                                                                                 start_agent):
+def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them(tmp_path, dataset, start_agent):
     data = dataset(3, samples=40, payload=30_000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
@@ -199,8 +202,7 @@ def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them
     assert not any(maps for _, maps in seen), seen  # read, never mapped: a damaged disk cannot SIGBUS us
 
 
-def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_known(tmp_path, dataset,
-                                                                                 start_agent):
+def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_known(tmp_path, dataset, start_agent):
     from wdscache.training.stream import REQUEST_BYTES
 
     big = dataset(1, samples=60, payload=300_000, prefix="big")
@@ -209,8 +211,11 @@ def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_know
     both = write_url_list(tmp_path / "lists" / "both.txt", big.urls + small.urls)
     start_agent(cache, both, "--prefetch", "2")
     # payloads vary by up to 10% around the size asked for
-    for urls, request_size, want in ((big.urls, 128, (REQUEST_BYTES // 330_000, REQUEST_BYTES // 270_000)),
-                                     (small.urls, 128, (128, 128)), (small.urls, 50, (50, 50))):
+    for urls, request_size, want in (
+        (big.urls, 128, (REQUEST_BYTES // 330_000, REQUEST_BYTES // 270_000)),
+        (small.urls, 128, (128, 128)),
+        (small.urls, 50, (50, 50)),
+    ):
         with CachedMultiLoader(urls, cache_dir=cache, shuffle=False, timeout=30, request_size=request_size) as loader:
             got = list(loader)
             limit = loader._current.request_limit  # what the next request would ask for
@@ -232,8 +237,16 @@ def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale
     [whole] = file_ranges([[0, 0, 10_000, *ident]], items, [url], files)
     assert whole.read(10, 3) == bytes([10, 11, 12])
     other = ident[:3] + [ident[3] + 1]
-    for bad in ([[True, 0, 10, *ident]], [[0, -1, 10, *ident]], [[1, 0, 10, *ident]], [[0, 0, 10, *ident[:3]]],
-                [[0, 0, 10_001, *ident]], ["0,0,10"], {"k": 0}, [[0, 0, 10, *ident], [0, 10, 10, *other]]):
+    for bad in (
+        [[True, 0, 10, *ident]],
+        [[0, -1, 10, *ident]],
+        [[1, 0, 10, *ident]],
+        [[0, 0, 10, *ident[:3]]],
+        [[0, 0, 10_001, *ident]],
+        ["0,0,10"],
+        {"k": 0},
+        [[0, 0, 10, *ident], [0, 10, 10, *other]],
+    ):
         with pytest.raises(ProtocolError):
             file_ranges(bad, items, [url], files)
     os.truncate(path, 5_000)  # behind the agent's back: a short read, never bytes of another offset

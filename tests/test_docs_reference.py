@@ -21,8 +21,10 @@ PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "agent" / "README
 
 
 def test_the_command_reference_is_what_the_generator_makes_of_the_cli():
-    assert CLI_PAGE.read_text() == render(), ("docs/cli.md differs from the CLI's --help: run "
-                                              "`.venv/bin/python scripts/gen_cli_docs.py` and commit docs/cli.md")
+    assert CLI_PAGE.read_text() == render(), (
+        "docs/cli.md differs from the CLI's --help: run "
+        "`.venv/bin/python scripts/gen_cli_docs.py` and commit docs/cli.md"
+    )
 
 
 def _sections(text: str) -> dict[str, str]:
@@ -35,8 +37,7 @@ def _sections(text: str) -> dict[str, str]:
 
 def _table(section: str) -> dict[str, str]:
     """The ``| parameter | default | meaning |`` table of a section: each parameter's default."""
-    rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", section.split("| parameter | default | meaning |", 1)[1],
-                      re.M)
+    rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", section.split("| parameter | default | meaning |", 1)[1], re.M)
     return dict(rows)
 
 
@@ -52,8 +53,11 @@ def test_the_api_page_lists_exactly_the_parameters_of_the_signature(name):
     assert name in sections, f"docs/api.md has no heading naming `{name}`"
     page = _table(sections[name])
     # __init__'s, not the class's: CachedMultiLoader's __new__ takes (*args, **kwargs)
-    params = {p.name: p for p in inspect.signature(getattr(wdscache, name).__init__).parameters.values()
-              if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    params = {
+        p.name: p
+        for p in inspect.signature(getattr(wdscache, name).__init__).parameters.values()
+        if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
     assert params
     assert sorted(set(params) - set(page)) == [], f"docs/api.md's `{name}` table misses these parameters"
     assert sorted(set(page) - set(params)) == [], f"docs/api.md's `{name}` table lists parameters it does not have"

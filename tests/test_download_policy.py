@@ -83,7 +83,8 @@ def test_a_download_out_of_every_window_is_cancelled_at_once_for_a_demanded_shar
 
 
 def test_a_download_out_of_every_window_is_cancelled_only_after_cancel_after(
-        loop: Loop, monkeypatch: pytest.MonkeyPatch) -> None:
+    loop: Loop, monkeypatch: pytest.MonkeyPatch
+) -> None:
     now = [1000.0]
     monkeypatch.setattr(downloads_module.time, "monotonic", lambda: now[0])
     loop.downloads.schedule([U0], {U0}, set())

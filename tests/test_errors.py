@@ -25,7 +25,7 @@ EXAMPLES: list[errors.WdsCacheError] = [
     errors.WdsCacheError("something went wrong"),
     errors.ConfigError("--prefetch must be at least 0"),
     errors.UrlListError("urls.txt", 3, "ftp://h/a.tar", "unknown scheme 'ftp'"),
-    errors.ShardIndexError("index.json", 2, "no \"url\"", url="http://h/a.tar"),
+    errors.ShardIndexError("index.json", 2, 'no "url"', url="http://h/a.tar"),
     errors.ShardIndexError("index.json", None, "not valid JSON"),
     errors.FetchError("http://h/a.tar", "HTTP 404 Not Found", status=404, permanent=True),
     DiskFull("http://h/a.tar", "no space left on the cache's file system"),
@@ -65,8 +65,9 @@ def test_an_error_is_made_from_its_message_alone(exc: errors.WdsCacheError) -> N
     assert str(alone) == message
     assert set(alone.__dict__) == set(exc.__dict__)  # every context attribute...
     params = inspect.signature(type(exc).__init__).parameters
-    assert alone.__dict__ == {k: None if params[k].default is params[k].empty else params[k].default
-                              for k in alone.__dict__}  # ...set to its default, None without one
+    assert alone.__dict__ == {
+        k: None if params[k].default is params[k].empty else params[k].default for k in alone.__dict__
+    }  # ...set to its default, None without one
     back = pickle.loads(pickle.dumps(alone))
     assert type(back) is type(exc) and str(back) == message
 
@@ -92,8 +93,9 @@ def test_a_dataloader_worker_error_is_caught_by_its_wdscache_class(tmp_path: Pat
     cache.mkdir(mode=0o700)
     endpoint = f"ipc://{tmp_path}/agent.sock"
     # A child process: a loader is a torch dataset only where torch was imported, and this one is not to be.
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(cache), endpoint], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(cache), endpoint], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and r.stdout.strip(), r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["type"] == "AgentUnavailableError"

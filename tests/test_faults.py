@@ -196,7 +196,9 @@ def test_stall_longer_than_read_timeout_is_retried_and_cached_identical(shard_se
     assert partial_files(cache) == []
 
 
-def test_short_body_is_resumed_and_never_enters_the_cache_truncated(shard_server, dataset, start_agent, watchers, tmp_path):
+def test_short_body_is_resumed_and_never_enters_the_cache_truncated(
+    shard_server, dataset, start_agent, watchers, tmp_path
+):
     ds = dataset(1, **SHARD_300K)
     name, size = ds.paths[0].name, ds.paths[0].stat().st_size
     shard_server.fail(name, "short", after=150_000, times=2)  # the first resume is cut short too
@@ -220,8 +222,9 @@ def test_short_body_is_resumed_and_never_enters_the_cache_truncated(shard_server
 
 
 @pytest.mark.parametrize("sends, then", [("etag", "etag"), ("date", "date"), ("etag", "date")])
-def test_a_resume_answered_for_another_version_starts_over_never_spliced(shard_server, dataset, start_agent,
-                                                                         tmp_path, sends, then):
+def test_a_resume_answered_for_another_version_starts_over_never_spliced(
+    shard_server, dataset, start_agent, tmp_path, sends, then
+):
     # A server that ignores If-Range answers the resume with bytes of whatever version it has now.
     ds = dataset(1, **SHARD_300K)
     name, old = ds.paths[0].name, ds.paths[0].read_bytes()
@@ -242,7 +245,9 @@ def test_a_resume_answered_for_another_version_starts_over_never_spliced(shard_s
     assert partial_files(cache) == []
 
 
-def test_resets_mid_body_during_a_streaming_epoch_change_nothing_delivered(shard_server, dataset, start_agent, consumers, tmp_path):
+def test_resets_mid_body_during_a_streaming_epoch_change_nothing_delivered(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(6, **SHARD_100K)
     for p in ds.paths:
         shard_server.fail(p.name, "cut", after=p.stat().st_size // 2)
@@ -286,20 +291,28 @@ def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset
 
     def mid_download() -> bool:
         half = min(size.values()) // 2
-        return bool(cached_urls(cache, ds.urls)) and any(64 << 10 <= size_or_0(p) <= half
-                                                         for p in partial_files(cache))
+        return bool(cached_urls(cache, ds.urls)) and any(64 << 10 <= size_or_0(p) <= half for p in partial_files(cache))
 
     wait_for(mid_download, 20, lambda: f"never one shard cached and one half-way\n{first.stderr_tail()}")
-    children = wait_for(lambda: (lambda c: c if len([p for p in c if "wdscache.agent.worker" in cmdline(p)]) == 2 else None)(
-        children_of(first.pid)), 10, lambda: f"the agent's 2 workers not found: {children_of(first.pid)}")
+    children = wait_for(
+        lambda: (lambda c: c if len([p for p in c if "wdscache.agent.worker" in cmdline(p)]) == 2 else None)(
+            children_of(first.pid)
+        ),
+        10,
+        lambda: f"the agent's 2 workers not found: {children_of(first.pid)}",
+    )
     first.proc.send_signal(signal.SIGKILL)
     assert first.proc.wait(10) == -signal.SIGKILL
     done = cached_urls(cache, ds.urls)
     halfway = [p for p in partial_files(cache) if p.stat().st_size > 0]
     assert done and halfway, (done, halfway)
-    wait_for(lambda: not any(alive(p, t) for p, t in children.items()), 10,
-             lambda: f"children of the killed agent still alive: "
-                     f"{[(p, cmdline(p)) for p, t in children.items() if alive(p, t)]}")
+    wait_for(
+        lambda: not any(alive(p, t) for p, t in children.items()),
+        10,
+        lambda: (
+            f"children of the killed agent still alive: {[(p, cmdline(p)) for p, t in children.items() if alive(p, t)]}"
+        ),
+    )
     assert layout.lock_path.exists(), "no stale lock left to test"
 
     shard_server.rate = None
@@ -323,7 +336,8 @@ def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset
 
 @pytest.mark.slow
 def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_completes(
-        shard_server, dataset, start_agent, consumers, tmp_path):
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(12, samples=50, payload=500)  # 600 samples: far more than a consumer holds in flight
     ref = reference(ds.paths, ds.urls)
     cache = tmp_path / "cache"
@@ -335,8 +349,11 @@ def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_complete
     assert state["position"] == 25 and state["epoch"] == 0, state
 
     victim = consumers(cache, "victim", "--job", "victim", "--sleep", "0.01", "--timeout", "3")
-    agent.wait_stats(lambda s: s["jobs"].get("victim", {}).get("0", {}).get("samples", 0) >= 20, 30,
-                     "the victim consumer never got going")
+    agent.wait_stats(
+        lambda s: s["jobs"].get("victim", {}).get("0", {}).get("samples", 0) >= 20,
+        30,
+        "the victim consumer never got going",
+    )
     assert victim.proc.poll() is None, f"the victim finished too early\n{consumer_log(victim)}"
     agent.proc.send_signal(signal.SIGKILL)
     assert agent.proc.wait(10) == -signal.SIGKILL
@@ -359,7 +376,8 @@ def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_complete
     after = resumed.wait(PROC_DEADLINE)
     total = exactly_once(before, ref) + exactly_once(after, ref)
     assert set(total) == set(ref) and all(n == 1 for n in total.values()), (
-        f"{sum(n > 1 for n in total.values())} repeated, {len(set(ref) - set(total))} missing")
+        f"{sum(n > 1 for n in total.values())} repeated, {len(set(ref) - set(total))} missing"
+    )
     assert len(samples_of(after)) == len(ref) - 25
     assert agent2.running()
 
@@ -367,16 +385,22 @@ def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_complete
 # -- 3. a worker killed mid-epoch ----------------------------------------------------------
 
 
-def test_worker_sigkilled_mid_epoch_is_replaced_and_the_epoch_completes(shard_server, dataset, start_agent, consumers, tmp_path):
+def test_worker_sigkilled_mid_epoch_is_replaced_and_the_epoch_completes(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(12, samples=30, payload=1000)  # 360 samples
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--workers", "2", "--prefetch", "12", "--cache-size", "10M")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 12, 20, "not all 12 shards cached")
-    workers = wait_for(lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)), 10,
-                       lambda: f"2 workers not found among {children_of(agent.pid)}")
+    workers = wait_for(
+        lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)),
+        10,
+        lambda: f"2 workers not found among {children_of(agent.pid)}",
+    )
     c = consumers(cache, "reader", "--job", "wk", "--sleep", "0.01", "--timeout", "5")
-    agent.wait_stats(lambda s: s["jobs"].get("wk", {}).get("0", {}).get("samples", 0) >= 40, 30,
-                     "the consumer never got going")
+    agent.wait_stats(
+        lambda s: s["jobs"].get("wk", {}).get("0", {}).get("samples", 0) >= 40, 30, "the consumer never got going"
+    )
     assert c.proc.poll() is None, f"the epoch ended before the kill\n{consumer_log(c)}"
     victim = workers[0]
     killed_at = time.time()
@@ -384,13 +408,19 @@ def test_worker_sigkilled_mid_epoch_is_replaced_and_the_epoch_completes(shard_se
     s = agent.wait_stats(lambda s: s["agent"]["worker_restarts"] >= 1, 15, "no replacement worker started")
     assert s["agent"]["worker_restarts"] == 1
     # The replacement got the workers' secret too: the agent takes its reports.
-    agent.wait_stats(lambda s: any(w["index"] == 0 and w.get("seen", 0) > killed_at + 0.5
-                                   for w in s["agent"]["workers"]), 15, "no report from the replacement worker")
+    agent.wait_stats(
+        lambda s: any(w["index"] == 0 and w.get("seen", 0) > killed_at + 0.5 for w in s["agent"]["workers"]),
+        15,
+        "no report from the replacement worker",
+    )
     lines = c.wait(PROC_DEADLINE)
     assert_epoch_exact(lines, reference(ds.paths, ds.urls))
     assert len(samples_of(lines)) == 360
-    now = wait_for(lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)), 10,
-                   lambda: f"not 2 workers after the restart: {children_of(agent.pid)}")
+    now = wait_for(
+        lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)),
+        10,
+        lambda: f"not 2 workers after the restart: {children_of(agent.pid)}",
+    )
     assert victim not in now and workers[1] in now, (workers, now)
     assert re.search(rf"worker 0 \(pid {victim}\) died with exit code -9", agent.stderr_text()), agent.stderr_tail()
     assert agent.running()
@@ -400,7 +430,9 @@ def test_worker_sigkilled_mid_epoch_is_replaced_and_the_epoch_completes(shard_se
 
 
 @pytest.mark.slow
-def test_killed_consumer_expires_and_a_concurrent_job_completes(shard_server, dataset, start_agent, consumers, tmp_path):
+def test_killed_consumer_expires_and_a_concurrent_job_completes(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(6, samples=8, payload=2000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "6", "--reader-timeout", "2", "--cache-size", "10M")
@@ -419,8 +451,9 @@ def test_killed_consumer_expires_and_a_concurrent_job_completes(shard_server, da
     assert survivor.proc.poll() is None, "the survivor was done before the victim expired: nothing concurrent"
     assert s["agent"]["consumers"] == 1 and list(s["jobs"]) == ["s"], s["jobs"]
     # Seen through its process (a pidfd); a consumer the agent cannot see is timed out instead.
-    assert re.search(r"reader v/0/\w+: its process ended; releasing its shards", agent.stderr_text()), \
+    assert re.search(r"reader v/0/\w+: its process ended; releasing its shards", agent.stderr_text()), (
         agent.stderr_tail()
+    )
     lines = survivor.wait(PROC_DEADLINE)
     assert_epoch_exact(lines, reference(ds.paths, ds.urls))
     s = agent.wait_stats(lambda s: s["agent"]["consumers"] == 0, 10, "consumers left after the survivor's bye")
@@ -437,7 +470,9 @@ def small_fs(tmpfs):
     return tmpfs("6m")
 
 
-def test_a_disk_filled_by_someone_else_does_not_stop_serving_cached_shards(small_fs, shard_server, dataset, start_agent):
+def test_a_disk_filled_by_someone_else_does_not_stop_serving_cached_shards(
+    small_fs, shard_server, dataset, start_agent
+):
     ds = dataset(2, samples=10, payload=20_000)
     cache = small_fs / "cache"
     agent = start_agent(cache, ds.list_file, "--cache-size", "100M", "--min-free", "256K", "--prefetch", "2")
@@ -452,14 +487,18 @@ def test_a_disk_filled_by_someone_else_does_not_stop_serving_cached_shards(small
     except AgentUnavailableError as exc:
         time.sleep(0.5)
         state = "still runs" if agent.running() else f"exited {agent.proc.returncode}"
-        pytest.fail(f"opening a cached shard on a full disk got no answer (the agent {state}): {exc}\n"
-                    f"{agent.stderr_tail()}", pytrace=False)
+        pytest.fail(
+            f"opening a cached shard on a full disk got no answer (the agent {state}): {exc}\n{agent.stderr_tail()}",
+            pytrace=False,
+        )
     assert agent.running(), f"the agent died on a full disk (exit {agent.proc.returncode})\n{agent.stderr_tail()}"
     s = agent.stats()
     assert s["shards"]["cached"] == 2 and s["hits"] == 2, s
 
 
-def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, shard_server, dataset, start_agent, watchers, tmp_path):
+def test_disk_full_abandons_the_download_keeps_serving_and_recovers(
+    small_fs, shard_server, dataset, start_agent, watchers, tmp_path
+):
     # --min-free 0 and a 100M budget: only the file system stops downloads. (Before 0eca1b8 this let the
     # agent fill the disk to the last byte and die on an index write.)
     ds = dataset(8, **SHARD_1M)  # 8 MB of shards for a 6 MB file system
@@ -468,8 +507,19 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, sh
     layout = CacheLayout.of(cache)
     watcher = watchers(cache, {shard_name(u): p for u, p in zip(ds.urls, ds.paths)})
     shard_server.rate = 600_000  # ~1.7 s per shard: time to fill the disk under a download
-    agent = start_agent(cache, ds.list_file, "--cache-size", "100M", "--min-free", "0", "--prefetch", "3",
-                        "--no-shuffle", "--download-workers", "4")
+    agent = start_agent(
+        cache,
+        ds.list_file,
+        "--cache-size",
+        "100M",
+        "--min-free",
+        "0",
+        "--prefetch",
+        "3",
+        "--no-shuffle",
+        "--download-workers",
+        "4",
+    )
     agent.wait_stats(lambda s: s["shards"]["cached"] >= 1, 20, "no shard was cached")
     held = sorted(cached_urls(cache, ds.urls), key=ds.urls.index)[0]
     results: dict[str, Any] = {"read": [], "error": None}
@@ -497,8 +547,11 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, sh
         wait_for(mid_download, 30, lambda: f"no download got half-way\n{agent.stderr_tail()}")
         filled = fill(small_fs / "filler")  # something else takes every free byte
         assert filled > 0
-        wait_for(lambda: "No space left on device" in agent.stderr_text() or not agent.running(), 15,
-                 lambda: f"the agent never logged the full disk\n{agent.stderr_tail()}")
+        wait_for(
+            lambda: "No space left on device" in agent.stderr_text() or not agent.running(),
+            15,
+            lambda: f"the agent never logged the full disk\n{agent.stderr_tail()}",
+        )
         shard_server.rate = None
         assert agent.running(), f"the agent died on a full disk (exit {agent.proc.returncode})\n{agent.stderr_tail()}"
         # Still serving what is cached, on a full disk.
@@ -514,8 +567,11 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, sh
             pass  # the agent is gone: the assertions below say so
         pinner.close()
 
-    wait_for(lambda: not reader.is_alive() or not agent.running(), PROC_DEADLINE,
-             lambda: f"the reader did not finish\n{agent.stderr_tail()}")
+    wait_for(
+        lambda: not reader.is_alive() or not agent.running(),
+        PROC_DEADLINE,
+        lambda: f"the reader did not finish\n{agent.stderr_tail()}",
+    )
     assert agent.running(), f"the agent died on a full disk (exit {agent.proc.returncode})\n{agent.stderr_tail()}"
     reader.join(5)
     assert results["error"] is None, f"{results['error']!r}\n{agent.stderr_tail()}"
@@ -523,8 +579,11 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, sh
     assert (small_fs / "filler").stat().st_size == filled  # eviction made the room, not the test
     log = agent.stderr_text()
     urls = "|".join(map(re.escape, ds.urls))
-    assert re.search(rf"cannot write the cache: No space left on device; abandoned ({urls}), "
-                     r"will retry after making room", log), agent.stderr_tail()
+    assert re.search(
+        rf"cannot write the cache: No space left on device; abandoned ({urls}), "
+        r"will retry after making room",
+        log,
+    ), agent.stderr_tail()
     assert "Traceback" not in log, agent.stderr_tail()
     s = agent.stats()
     assert s["shards"]["failed"] == 0 and s["failed"] == [], s
@@ -532,11 +591,12 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(small_fs, sh
     watcher.finish()
     assert watcher.problems == [], watcher.problems[:5]
     assert watcher.passes > 10 and len(watcher.checked) >= 3, "the watcher hardly saw the shards pass"
-    wait_for(lambda: partial_files(cache) == [] or None, 10,
-             lambda: f"partial files left: {partial_files(cache)}")
+    wait_for(lambda: partial_files(cache) == [] or None, 10, lambda: f"partial files left: {partial_files(cache)}")
 
 
-def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_never_resumed(shard_server, tmp_path, monkeypatch):
+def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_never_resumed(
+    shard_server, tmp_path, monkeypatch
+):
     # Some file systems take the space at write-back, not at write: a sync can be the call
     # that fails. It must say "disk full" for that shard (the agent then makes room or
     # waits), not "internal error". The failing sync is injected: a file system that
@@ -556,8 +616,12 @@ def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_nev
     monkeypatch.setattr(os, "fdatasync", counting)
 
     def download(name: str) -> Download:
-        return Download(url, partial=tmp_path / f"{name}.partial", final=tmp_path / name,
-                        budget=Budget(lambda d, total, timeout: True))
+        return Download(
+            url,
+            partial=tmp_path / f"{name}.partial",
+            final=tmp_path / name,
+            budget=Budget(lambda d, total, timeout: True),
+        )
 
     d = download("ok.tar")
     Fetcher().fetch(d)
@@ -592,7 +656,9 @@ def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_nev
 # -- 6. files and index damaged behind the agent's back -----------------------------------------
 
 
-def test_shard_files_deleted_behind_the_agents_back_are_downloaded_again(shard_server, dataset, start_agent, consumers, tmp_path):
+def test_shard_files_deleted_behind_the_agents_back_are_downloaded_again(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(4, samples=10, payload=2000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "4", "--cache-size", "10M")
@@ -612,7 +678,9 @@ def test_shard_files_deleted_behind_the_agents_back_are_downloaded_again(shard_s
     assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths)
 
 
-def test_corrupt_index_is_set_aside_and_cached_shards_are_adopted_not_downloaded(shard_server, dataset, start_agent, consumers, tmp_path):
+def test_corrupt_index_is_set_aside_and_cached_shards_are_adopted_not_downloaded(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(4, samples=10, payload=2000)
     cache = tmp_path / "cache"
     args = ("--prefetch", "4", "--cache-size", "10M")
@@ -658,10 +726,12 @@ def _tar_truncated(root: Path) -> tuple[Path, str]:
 
 # (Damaged gzip data fails its download: tests/test_gzip.py.)
 @pytest.mark.parametrize("damage", [_tar_truncated], ids=["truncated-tar"])
-def test_corrupt_shard_raises_shard_error_naming_it_and_shows_in_stats(shard_server, dataset, start_agent, tmp_path, damage):
+def test_corrupt_shard_raises_shard_error_naming_it_and_shows_in_stats(
+    shard_server, dataset, start_agent, tmp_path, damage
+):
     ds = dataset(2, samples=6, payload=400)
     bad_path, words = damage(shard_server.root)
-    assert tar_problem(bad_path.read_bytes()[:64 << 10]) is None  # passes the download's head check
+    assert tar_problem(bad_path.read_bytes()[: 64 << 10]) is None  # passes the download's head check
     bad_url = shard_server.url(bad_path.name)
     list_file = write_url_list(tmp_path / "lists2" / "urls.txt", [*ds.urls, bad_url])
     cache = tmp_path / "cache"
@@ -767,7 +837,9 @@ def _proved(frame: bytes, key: str) -> bytes:
     return _j({**obj, "auth": request_proof(key, obj.get("id"))}) if isinstance(obj, dict) else frame
 
 
-def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard_server, dataset, start_agent, raw_peers, tmp_path):
+def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(
+    shard_server, dataset, start_agent, raw_peers, tmp_path
+):
     ds = dataset(3, samples=5, payload=500)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--workers", "2", "--cache-size", "10M")
@@ -814,27 +886,45 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(shard
     r = wpeer.ask(b"[1, 2, 3]")
     assert r["ok"] is False and r["kind"] == "protocol", r
     r = wpeer.ask(_j({"op": "frobnicate", "id": 7, "auth": request_proof(wkey, 7)}))
-    assert r == {"op": "error", "id": 7, "ok": False, "kind": "protocol", "error": "unknown op 'frobnicate'",
-                 "proof": reply_proof(wkey, 7)}, r
+    assert r == {
+        "op": "error",
+        "id": 7,
+        "ok": False,
+        "kind": "protocol",
+        "error": "unknown op 'frobnicate'",
+        "proof": reply_proof(wkey, 7),
+    }, r
     r = wpeer.ask(pickle.dumps({"op": "read", "id": 9, "urls": ds.urls[:1], "items": [[0, 0]]}))
     assert r["ok"] is False and r["kind"] == "protocol", r
-    r = wpeer.ask(_j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10 ** 6]],
-                      "auth": request_proof(wkey, 11)}))
+    r = wpeer.ask(
+        _j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10**6]], "auth": request_proof(wkey, 11)})
+    )
     assert r["ok"] is False and r["kind"] == "protocol" and "no sample" in r["error"], r
-    r = wpeer.ask(_j({"op": "read", "id": 12, "urls": ["http://elsewhere/../../etc/passwd"], "items": [[0, 0]],
-                      "auth": request_proof(wkey, 12)}))
+    r = wpeer.ask(
+        _j(
+            {
+                "op": "read",
+                "id": 12,
+                "urls": ["http://elsewhere/../../etc/passwd"],
+                "items": [[0, 0]],
+                "auth": request_proof(wkey, 12),
+            }
+        )
+    )
     assert r["ok"] is False and r["kind"] == "missing", r
     wpeer.send(b"{" + b" " * (2 << 20) + b"}")
     assert wpeer.reply(1.5) is None, "a 2 MiB message was answered by a worker"
     wfresh = raw_peers(w0)
-    r = wfresh.ask(_j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]],
-                       "auth": request_proof(wkey, 13)}))
+    r = wfresh.ask(
+        _j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]], "auth": request_proof(wkey, 13)})
+    )
     assert r["ok"] is True and r["keys"] == ["s00000_00000"] and r["proof"] == reply_proof(wkey, 13), r
 
     # Service goes on: same processes, a full epoch.
-    got = {(s["__url__"], s["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in s.items()
-                                          if not k.startswith("__")}
-           for s in in_process_loader(cache, "after-hostile")}
+    got = {
+        (s["__url__"], s["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in s.items() if not k.startswith("__")}
+        for s in in_process_loader(cache, "after-hostile")
+    }
     assert got == reference(ds.paths, ds.urls)
     assert agent.running(), agent.stderr_tail()
     s = agent.stats()
@@ -850,16 +940,21 @@ _STATS = _j({"op": "stats", "id": 99})
 _DEEP = b"[" * 100_000  # 100 KB, well under the 1 MiB limit; json.loads raises RecursionError
 
 
-@pytest.mark.parametrize("frames", [
-    pytest.param([_DEEP, _STATS], id="deeply-nested-json"),
-    # the 'counts' lookup hashed each element: TypeError, unhashable type 'list'
-    pytest.param([_j({"op": "counts", "id": 1, "urls": [[1]]}), _STATS], id="counts-of-a-list"),
-    # a report's fields were kept unchecked; the next stats compared 'x' > 0.2 in _jobs_view
-    pytest.param([_HELLO, _j({"op": "report", "id": 2, "reader": "r", "waiting": "x"}), _STATS],
-                 id="report-with-text-waiting"),
-    # same for a worker report; the next stats summed 'x' in the agent's _starved_by (now verdict.starved_by)
-    pytest.param([_j({"op": "worker", "index": 0, "busy": "x"}), _STATS], id="worker-report-with-text-busy"),
-])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        pytest.param([_DEEP, _STATS], id="deeply-nested-json"),
+        # the 'counts' lookup hashed each element: TypeError, unhashable type 'list'
+        pytest.param([_j({"op": "counts", "id": 1, "urls": [[1]]}), _STATS], id="counts-of-a-list"),
+        # a report's fields were kept unchecked; the next stats compared 'x' > 0.2 in _jobs_view
+        pytest.param(
+            [_HELLO, _j({"op": "report", "id": 2, "reader": "r", "waiting": "x"}), _STATS],
+            id="report-with-text-waiting",
+        ),
+        # same for a worker report; the next stats summed 'x' in the agent's _starved_by (now verdict.starved_by)
+        pytest.param([_j({"op": "worker", "index": 0, "busy": "x"}), _STATS], id="worker-report-with-text-busy"),
+    ],
+)
 def test_one_malformed_message_does_not_kill_the_agent(shard_server, dataset, start_agent, raw_peers, tmp_path, frames):
     ds = dataset(1, samples=2, payload=100)
     cache = tmp_path / "cache"
@@ -871,8 +966,9 @@ def test_one_malformed_message_does_not_kill_the_agent(shard_server, dataset, st
 
     def stats_reply() -> dict[str, Any] | None:
         if not agent.running():
-            pytest.fail(f"one message killed the agent (exit {agent.proc.returncode})\n{agent.stderr_tail()}",
-                        pytrace=False)
+            pytest.fail(
+                f"one message killed the agent (exit {agent.proc.returncode})\n{agent.stderr_tail()}", pytrace=False
+            )
         while (r := peer.reply(0.05)) is not None:
             if r.get("id") == 99:
                 return r
@@ -883,11 +979,14 @@ def test_one_malformed_message_does_not_kill_the_agent(shard_server, dataset, st
     assert "Traceback" not in agent.stderr_text(), agent.stderr_tail()
 
 
-@pytest.mark.parametrize("frame", [
-    pytest.param(_DEEP, id="deeply-nested-json"),
-    # layout.shard_name encoded URLs with 'surrogateescape', which cannot encode a lone surrogate
-    pytest.param(_j({"op": "read", "id": 1, "urls": ["\ud800"], "items": [[0, 0]]}), id="lone-surrogate-url"),
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        pytest.param(_DEEP, id="deeply-nested-json"),
+        # layout.shard_name encoded URLs with 'surrogateescape', which cannot encode a lone surrogate
+        pytest.param(_j({"op": "read", "id": 1, "urls": ["\ud800"], "items": [[0, 0]]}), id="lone-surrogate-url"),
+    ],
+)
 def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, start_agent, raw_peers, tmp_path, frame):
     ds = dataset(1, samples=2, payload=100)
     cache = tmp_path / "cache"
@@ -899,12 +998,14 @@ def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, sta
     r = peer.reply(3)
     restarts = agent.stats()["agent"]["worker_restarts"]
     assert r is not None and restarts == 0 and worker_pids(agent.pid) == workers, (
-        f"no reply, worker restarts {restarts}\n{agent.stderr_tail()}")
+        f"no reply, worker restarts {restarts}\n{agent.stderr_tail()}"
+    )
     assert r["ok"] is False and r["kind"] in ("protocol", "missing"), r  # refused, or simply not cached
 
 
-def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(shard_server, dataset, start_agent, raw_peers,
-                                                                    tmp_path):
+def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(
+    shard_server, dataset, start_agent, raw_peers, tmp_path
+):
     """Workers take a walked table from the agent without walking the shard again: one that
     any peer could have sent would make them serve the wrong bytes."""
     from wdscache.agent.sampletable import PackedSamples
@@ -914,19 +1015,31 @@ def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(shard_server
     cache = tmp_path / "cache"
     shard_server.ttfb = 1.0  # the workers are up before any shard is published
     agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--workers", "2")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and all(w.get("indexed") == 2 for w in s["agent"]["workers"]),
-                     20, "both workers indexing the 2 shards")
+    agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 2 and all(w.get("indexed") == 2 for w in s["agent"]["workers"]),
+        20,
+        "both workers indexing the 2 shards",
+    )
     layouts, frames = PackedSamples([SampleSpan("forged", (("jpg", 0, 512),))]).parts()
     peer = raw_peers(json.loads((cache / "agent.json").read_text())["endpoint"])
     key = client_key(cache)  # a client's key, which gets its messages past the door, but no worker's secret
     for secret in ({}, {"secret": "0" * 32}, {"secret": 7}, {"secret": "\u00e9" * 32}):
-        header = {"op": "walked", "id": 1, "url": ds.urls[0], "identity": [0, 0, 0, 0], "layouts": layouts,
-                  "key": key, **secret}
+        header = {
+            "op": "walked",
+            "id": 1,
+            "url": ds.urls[0],
+            "identity": [0, 0, 0, 0],
+            "layouts": layouts,
+            "key": key,
+            **secret,
+        }
         r = peer.ask(_j(header), *frames)
         assert r["ok"] is False and "own workers" in r["error"], r
         # Nor may anyone else tell a shard's count, or take a worker's place (and its hints).
-        for report in ({"op": "counted", "id": 2, "url": ds.urls[1], "samples": 1},
-                       {"op": "worker", "id": 3, "index": 0}):
+        for report in (
+            {"op": "counted", "id": 2, "url": ds.urls[1], "samples": 1},
+            {"op": "worker", "id": 3, "index": 0},
+        ):
             r = peer.ask(_j({**report, "key": key, **secret}))
             assert r["ok"] is False and "own workers" in r["error"], r
     workers = agent.stats()["agent"]["workers"]

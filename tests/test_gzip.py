@@ -83,7 +83,8 @@ def no_leftovers(cache: Path, url: str) -> None:
 
 
 def test_gzip_shards_stream_cold_byte_equal_to_webdataset_and_are_cached_as_plain_tars(
-        tmp_path, shard_server, start_agent, consumers):
+    tmp_path, shard_server, start_agent, consumers
+):
     root = shard_server.root
     plain = make_shard(tmp_path / "m.tar", synth_samples(1, 30))
     paths = [
@@ -99,8 +100,9 @@ def test_gzip_shards_stream_cold_byte_equal_to_webdataset_and_are_cached_as_plai
     ref = reference([plain if p.name.startswith("multi") else p for p in paths], urls)
     cache = tmp_path / "cache"
     shard_server.rate = 2e6  # bytes/s: the consumer reaches shards still downloading, and streams them
-    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", urls), "--prefetch", "1",
-                        "--workers", "2")
+    agent = start_agent(
+        cache, write_url_list(tmp_path / "lists" / "urls.txt", urls), "--prefetch", "1", "--workers", "2"
+    )
     lines = samples_of(consumers(cache, "cold", "--no-shuffle").wait(DEADLINE))  # started at once: a cold cache
     shard_server.rate = None
     got = {(line["url"], line["key"]): line["fields"] for line in lines}
@@ -121,24 +123,37 @@ def test_gzip_shards_stream_cold_byte_equal_to_webdataset_and_are_cached_as_plai
 
 
 def test_a_gzip_bomb_beyond_the_budget_fails_with_the_reason_and_the_others_are_served(
-        tmp_path, shard_server, start_agent, consumers):
-    good = [make_shard(shard_server.root / f"good-{i:06d}.tar.gz", synth_samples(i, 10, payload=5000), gzip=True)
-            for i in range(2)]
+    tmp_path, shard_server, start_agent, consumers
+):
+    good = [
+        make_shard(shard_server.root / f"good-{i:06d}.tar.gz", synth_samples(i, 10, payload=5000), gzip=True)
+        for i in range(2)
+    ]
     bomb = zero_bomb(shard_server.root / "bomb-000000.tar.gz", 1, 200 * MiB)
     assert bomb.stat().st_size < 1 * MiB
     urls = [shard_server.url(p.name) for p in good]
     bomb_url = shard_server.url(bomb.name)
     cache = tmp_path / "cache"
-    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", [bomb_url, *urls]),
-                        "--cache-size", "40M", "--prefetch", "2", "--no-shuffle")
+    agent = start_agent(
+        cache,
+        write_url_list(tmp_path / "lists" / "urls.txt", [bomb_url, *urls]),
+        "--cache-size",
+        "40M",
+        "--prefetch",
+        "2",
+        "--no-shuffle",
+    )
     s = agent.wait_stats(lambda s: bomb_url in failed_urls(s), DEADLINE, "the bomb never failed")
     error = failed_urls(s)[bomb_url]
     assert "--cache-size 40.0M" in error and "gzip" in error, error
     assert "M decompressed" in error, error  # the size it reached
     no_leftovers(cache, bomb_url)
     wait_for(lambda: agent.stats()["agent"]["bytes_reserved"] == 0, 10, "the bomb's reservation was never given back")
-    lines = samples_of(consumers(cache, "good", "--urls", str(write_url_list(tmp_path / "good.txt", urls)),
-                                 "--no-shuffle").wait(DEADLINE))
+    lines = samples_of(
+        consumers(cache, "good", "--urls", str(write_url_list(tmp_path / "good.txt", urls)), "--no-shuffle").wait(
+            DEADLINE
+        )
+    )
     assert {(line["url"], line["key"]): line["fields"] for line in lines} == reference(good, urls)
     assert agent.running()
 
@@ -156,26 +171,29 @@ def test_damaged_gzip_data_fails_its_download_with_the_reason(tmp_path, shard_se
             gzip.decompress(bytes(data))
         words = "corrupt gzip data"
     else:
-        del data[len(data) * 2 // 3:]
+        del data[len(data) * 2 // 3 :]
         words = "truncated gzip stream"
     bad.write_bytes(bytes(data))
     urls = [shard_server.url(ok.name), shard_server.url(bad.name)]
     cache = tmp_path / "cache"
     agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", urls), "--prefetch", "2")
-    s = agent.wait_stats(lambda s: urls[1] in failed_urls(s) and s["shards"]["cached"] == 1, DEADLINE,
-                         "the damaged shard never failed")
+    s = agent.wait_stats(
+        lambda s: urls[1] in failed_urls(s) and s["shards"]["cached"] == 1, DEADLINE, "the damaged shard never failed"
+    )
     assert words in failed_urls(s)[urls[1]], s
     no_leftovers(cache, urls[1])
 
 
 @pytest.mark.slow
 def test_a_large_expansion_within_budget_is_served_with_bounded_worker_memory(
-        tmp_path, shard_server, start_agent, consumers):
+    tmp_path, shard_server, start_agent, consumers
+):
     bomb = zero_bomb(shard_server.root / "zeros-000000.tar.gz", 40, 10 * MiB)  # 400 MiB of tar
     url = shard_server.url(bomb.name)
     cache = tmp_path / "cache"
-    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", [url]), "--cache-size", "1G",
-                        "--workers", "2")
+    agent = start_agent(
+        cache, write_url_list(tmp_path / "lists" / "urls.txt", [url]), "--cache-size", "1G", "--workers", "2"
+    )
     peaks = {"workers": 0, "agent": 0}
     done = threading.Event()
 
@@ -271,8 +289,9 @@ def test_a_gzip_expansion_that_fits_only_without_a_step_ahead_is_not_held_up(tmp
     a step ahead beside them would not."""
     import random
 
-    held = [make_shard(shard_server.root / f"held-{i:06d}.tar", synth_samples(i, 21, payload=MiB - 1536))
-            for i in range(3)]
+    held = [
+        make_shard(shard_server.root / f"held-{i:06d}.tar", synth_samples(i, 21, payload=MiB - 1536)) for i in range(3)
+    ]
     noise = random.Random(0).randbytes(8 * MiB)  # does not compress: the .tar.gz stays 8 MiB
     big = shard_server.root / "fit-000000.tar.gz"
     with open(big, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) as gz:
@@ -283,8 +302,15 @@ def test_a_gzip_expansion_that_fits_only_without_a_step_ahead_is_not_held_up(tmp
         gz.write(bytes(2 * tarfile.BLOCKSIZE))
     held_urls, url = [shard_server.url(p.name) for p in held], shard_server.url(big.name)
     cache = tmp_path / "cache"
-    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", [*held_urls, url]),
-                        "--cache-size", "128M", "--prefetch", "3", "--no-shuffle")
+    agent = start_agent(
+        cache,
+        write_url_list(tmp_path / "lists" / "urls.txt", [*held_urls, url]),
+        "--cache-size",
+        "128M",
+        "--prefetch",
+        "3",
+        "--no-shuffle",
+    )
     with ShardClient(cache, timeout=30) as client:
         for u in held_urls:
             client.open(u)  # pinned: not evictable while the tar grows

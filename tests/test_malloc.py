@@ -38,8 +38,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def _faults(mode: str) -> int:
     # Without settings that would change the allocator or its thresholds behind our back.
-    env = {k: v for k, v in os.environ.items()
-           if not (k.startswith("MALLOC_") or k in ("LD_PRELOAD", "GLIBC_TUNABLES"))}
+    env = {
+        k: v for k, v in os.environ.items() if not (k.startswith("MALLOC_") or k in ("LD_PRELOAD", "GLIBC_TUNABLES"))
+    }
     done = subprocess.run([sys.executable, "-c", PATTERN, mode], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return int(done.stdout)
@@ -52,7 +53,6 @@ def test_tuned_malloc_reuses_freed_message_memory() -> None:
     # faults); tuned, the heap keeps the freed memory and nothing faults again.
     assert untuned > 5000, f"the pattern no longer shows glibc's default behaviour ({untuned} faults)"
     assert tuned < untuned // 20, (tuned, untuned)
-
 
 
 def test_the_loader_tunes_malloc_unless_told_not_to(tmp_path, dataset, start_agent, monkeypatch) -> None:

@@ -73,7 +73,10 @@ def test_a_million_line_list_is_held_in_order_served_and_edited_live(tmp_path, d
     agent.wait_stats(lambda s: "URL list changed" in agent.stderr_text(), READY_TIMEOUT, "the edited list taken")
     assert "URL list changed: 1 added, 1 removed (1000000 shards now)" in agent.stderr_text()
     assert _listed(cache, (499_999, 500_000, MILLION - 1)) == {
-        499_999: urls[499_999], 500_000: urls[500_001], MILLION - 1: shard_server.url("added.tar")}
+        499_999: urls[499_999],
+        500_000: urls[500_001],
+        MILLION - 1: shard_server.url("added.tar"),
+    }
 
 
 @pytest.mark.slow

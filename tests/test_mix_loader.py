@@ -27,8 +27,9 @@ def _id(sample: dict[str, Any]) -> str:
 
 
 @pytest.fixture
-def two_sources(dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any,
-                tmp_path: Path) -> dict[str, Any]:
+def two_sources(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path
+) -> dict[str, Any]:
     """Source a: 3 shards; source b: 2 shards of its own and a's first. The agent starts on a's list
     only, so b's own shards are counted by the loader (downloaded) before its first epoch."""
     a = dataset(3, samples=PER_SHARD, payload=200, prefix="a", list_name="a.txt")
@@ -37,15 +38,23 @@ def two_sources(dataset: Callable[..., Any], start_agent: Callable[..., Any], sh
     b_list.write_text("\n".join([*b.urls, a.urls[0]]) + "\n")
     cache = tmp_path / "cache"
     start_agent(cache, a.list_file, "--workers", "2")
-    return {"a": str(a.list_file), "b": str(b_list), "a_urls": list(a.urls), "b_urls": [*b.urls, a.urls[0]],
-            "cache": cache, "server": shard_server, "paths": [*a.paths, *b.paths]}
+    return {
+        "a": str(a.list_file),
+        "b": str(b_list),
+        "a_urls": list(a.urls),
+        "b_urls": [*b.urls, a.urls[0]],
+        "cache": cache,
+        "server": shard_server,
+        "paths": [*a.paths, *b.paths],
+    }
 
 
 def _loader(src: dict[str, Any], rank: int = 0, world: int = 1, **kw: Any) -> CachedMultiLoader:
     kw.setdefault("mix", {src["a"]: 2, src["b"]: 1})
     kw.setdefault("epoch_samples", 45)
-    return CachedMultiLoader(cache_dir=src["cache"], rank=rank, world_size=world, job="mix", shuffle_buffer=16,
-                             timeout=30, **kw)
+    return CachedMultiLoader(
+        cache_dir=src["cache"], rank=rank, world_size=world, job="mix", shuffle_buffer=16, timeout=30, **kw
+    )
 
 
 def test_each_source_gives_its_exact_share_to_equal_ranks_with_its_name(two_sources: dict[str, Any]) -> None:
@@ -124,8 +133,9 @@ def test_resampled_draws_shards_with_replacement_seeded_per_epoch(two_sources: d
         return [_id(s) for s in ds]
 
     first = run()
-    assert len(first) == 25 and "__source__" not in next(iter(
-        wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True).with_epoch(3)))
+    assert len(first) == 25 and "__source__" not in next(
+        iter(wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True).with_epoch(3))
+    )
     assert run() == first and run(seed=1) != first and run(epoch=1) != first
     # whole shards in order, drawn with replacement: runs of PER_SHARD from one shard
     for k in range(0, 20, PER_SHARD):
@@ -137,8 +147,15 @@ def test_resampled_draws_shards_with_replacement_seeded_per_epoch(two_sources: d
     one, two = [_id(s) for s in ds], [_id(s) for s in ds]
     assert one == first and two == run(epoch=1)
     # or the job's epoch_samples=, shared by ranks
-    ranks = [[_id(s) for s in wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True, epoch_samples=40,
-                                                   rank=r, world_size=2, job="resampled")] for r in range(2)]
+    ranks = [
+        [
+            _id(s)
+            for s in wdscache.WebDataset(
+                pattern, cache_dir=src["cache"], resampled=True, epoch_samples=40, rank=r, world_size=2, job="resampled"
+            )
+        ]
+        for r in range(2)
+    ]
     assert [len(r) for r in ranks] == [20, 20]
     with pytest.raises(ConfigError, match="epoch length"):
         list(wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True))
@@ -157,19 +174,26 @@ def test_bad_mixtures_are_refused_naming_the_argument(two_sources: dict[str, Any
     with pytest.raises(ConfigError, match=r"mix\['nope.txt'\].*not a URL list file"):
         CachedMultiLoader(mix={"nope.txt": 1}, epoch_samples=10, cache_dir=src["cache"])
     with pytest.raises(ConfigError, match="num_nodes=2"):
-        CachedMultiLoader(mix={src["a"]: 1}, epoch_samples=10, cache_dir=src["cache"], rank=0, world_size=2, node=0,
-                          num_nodes=2)
+        CachedMultiLoader(
+            mix={src["a"]: 1}, epoch_samples=10, cache_dir=src["cache"], rank=0, world_size=2, node=0, num_nodes=2
+        )
 
 
 def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any]) -> None:
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
-    pytest.importorskip("torchdata.stateful_dataloader",
-                        reason="torchdata is not installed (scripts/test.sh installs it)")
+    pytest.importorskip(
+        "torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)"
+    )
     pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
     src = two_sources
     pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
-    r = subprocess.run([sys.executable, "-m", "tests.helpers.torch_mix_job", str(src["cache"]), src["a"], src["b"],
-                        pattern], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.torch_mix_job", str(src["cache"]), src["a"], src["b"], pattern],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     a_share, b_share = shares(61, [3, 1])
@@ -201,21 +225,24 @@ def test_webdataset_takes_a_mixture_too(two_sources: dict[str, Any]) -> None:
 
 
 def test_a_cold_mixture_counted_for_longer_than_the_agent_keeps_a_silent_reader_delivers_its_shares(
-        dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path) -> None:
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path
+) -> None:
     a = dataset(1, samples=PER_SHARD, payload=200, prefix="ca", list_name="ca.txt")
     b = dataset(2, samples=PER_SHARD, payload=20_000, prefix="cb", list_name="cb.txt")
     cache = tmp_path / "cache"
     agent = start_agent(cache, a.list_file, "--workers", "2", "--reader-timeout", "2")
     shard_server.rate = 60_000  # b's shards (about 200 kB each) take about 3 s to count: longer than 2 s
-    ld = CachedMultiLoader(mix={str(a.list_file): 1, str(b.list_file): 3}, epoch_samples=20, cache_dir=cache,
-                           job="cold", timeout=30)
+    ld = CachedMultiLoader(
+        mix={str(a.list_file): 1, str(b.list_file): 3}, epoch_samples=20, cache_dir=cache, job="cold", timeout=30
+    )
     got = list(ld)
     assert Counter(s["__source__"] for s in got) == {str(a.list_file): 5, str(b.list_file): 15}
     assert "--reader-timeout" not in agent.stderr_text(), agent.stderr_tail()  # no reader of the epoch went silent
 
 
 def test_a_handler_that_says_stop_while_a_mixture_is_counted_skips_that_shard(
-        dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
     from tests.test_damaged import clobber_header
 
     a = dataset(1, samples=PER_SHARD, payload=200, prefix="sa", list_name="sa.txt")
@@ -229,8 +256,14 @@ def test_a_handler_that_says_stop_while_a_mixture_is_counted_skips_that_shard(
         told.append(exc)
         return False
 
-    ld = CachedMultiLoader(mix={str(a.list_file): 1, str(b.list_file): 1}, epoch_samples=20, cache_dir=cache,
-                           job="stop", timeout=30, on_error=stop)
+    ld = CachedMultiLoader(
+        mix={str(a.list_file): 1, str(b.list_file): 1},
+        epoch_samples=20,
+        cache_dir=cache,
+        job="stop",
+        timeout=30,
+        on_error=stop,
+    )
     got = list(ld)
     assert told and b.urls[1] in str(told[0])
     assert len(got) == 20 and b.urls[1] not in {s["__url__"] for s in got}

@@ -35,8 +35,18 @@ def test_shares_sum_to_the_total_each_within_one_of_its_quota(total: int, weight
         assert abs(n - total * Fraction(repr(w)) / whole) < 1
 
 
-def _spec(sizes: list[list[int]], weights: list[float], total: int, *, epoch: int = 0, replacement: bool = False,
-          shuffle_buffer: int = 20, seed: int = 3, shared: bool = False, shuffle: bool = True) -> MixSpec:
+def _spec(
+    sizes: list[list[int]],
+    weights: list[float],
+    total: int,
+    *,
+    epoch: int = 0,
+    replacement: bool = False,
+    shuffle_buffer: int = 20,
+    seed: int = 3,
+    shared: bool = False,
+    shuffle: bool = True,
+) -> MixSpec:
     """Sources of the given shard sizes; ``shared``: the last source lists the first source's first shard too."""
     places, counts = [], []
     for shard_sizes in sizes:
@@ -53,8 +63,9 @@ sources = st.lists(st.lists(st.integers(1, 12), min_size=1, max_size=4), min_siz
 
 @settings(max_examples=150, deadline=None)
 @given(sizes=sources, data=st.data())
-def test_each_source_gives_its_share_and_repeats_only_past_its_size(sizes: list[list[int]],
-                                                                   data: st.DataObject) -> None:
+def test_each_source_gives_its_share_and_repeats_only_past_its_size(
+    sizes: list[list[int]], data: st.DataObject
+) -> None:
     weights = data.draw(st.lists(st.floats(0.01, 100), min_size=len(sizes), max_size=len(sizes)))
     total = data.draw(st.integers(1, 150))
     shared, shuffle = data.draw(st.booleans()), data.draw(st.booleans())
@@ -86,7 +97,8 @@ def test_each_source_gives_its_share_and_repeats_only_past_its_size(sizes: list[
 @settings(max_examples=150, deadline=None)
 @given(sizes=sources, data=st.data())
 def test_every_rank_gets_an_equal_share_and_a_checkpoint_resumes_on_any_world_size(
-        sizes: list[list[int]], data: st.DataObject) -> None:
+    sizes: list[list[int]], data: st.DataObject
+) -> None:
     weights = data.draw(st.lists(st.floats(0.01, 100), min_size=len(sizes), max_size=len(sizes)))
     total = data.draw(st.integers(1, 200))
     world, world2 = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 5))
@@ -152,8 +164,14 @@ def test_a_source_without_samples_and_bad_weights_are_refused() -> None:
 @given(sizes=sources, data=st.data())
 def test_the_counts_per_shard_and_the_order_name_the_epochs_shards(sizes: list[list[int]], data: st.DataObject) -> None:
     weights = data.draw(st.lists(st.floats(0.01, 100), min_size=len(sizes), max_size=len(sizes)))
-    spec = _spec(sizes, weights, data.draw(st.integers(1, 150)), epoch=data.draw(st.integers(0, 5)),
-                 replacement=data.draw(st.booleans()), shared=data.draw(st.booleans()))
+    spec = _spec(
+        sizes,
+        weights,
+        data.draw(st.integers(1, 150)),
+        epoch=data.draw(st.integers(0, 5)),
+        replacement=data.draw(st.booleans()),
+        shared=data.draw(st.booleans()),
+    )
     ids = [x[0] for x in spec.ids()]
     assert spec.totals() == Counter(ids)  # what lets the stream let go of a shard's pin
     assert sorted(spec.order()) == sorted(set(ids))  # the prefetch window's shards, each once

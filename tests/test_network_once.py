@@ -68,9 +68,22 @@ def test_consumers_of_several_jobs_starting_together_fetch_each_shard_once(
     cache = tmp_path / "cache"
     start_agent(cache, data.list_file, "--prefetch", "2", "--download-workers", "3")
     started = [
-        consumers(cache, f"{job}-{rank}", "--job", job, "--rank", str(rank), "--world-size", "2",
-                  "--seed", str(seed), "--timeout", "60")
-        for job, seed in (("a", 1), ("b", 2), ("c", 3)) for rank in range(2)
+        consumers(
+            cache,
+            f"{job}-{rank}",
+            "--job",
+            job,
+            "--rank",
+            str(rank),
+            "--world-size",
+            "2",
+            "--seed",
+            str(seed),
+            "--timeout",
+            "60",
+        )
+        for job, seed in (("a", 1), ("b", 2), ("c", 3))
+        for rank in range(2)
     ]
     got: dict[str, set] = {}
     for c in started:
@@ -79,7 +92,8 @@ def test_consumers_of_several_jobs_starting_together_fetch_each_shard_once(
     expected = set(reference(data.paths, data.urls))
     assert all(keys == expected for keys in got.values()), {j: len(k) for j, k in got.items()}
     assert all(sent_once(shard_server, p) for p in data.paths), [
-        (r.path, r.range, r.bytes_sent) for r in shard_server.requests if r.method == "GET"]
+        (r.path, r.range, r.bytes_sent) for r in shard_server.requests if r.method == "GET"
+    ]
 
 
 @pytest.mark.slow
@@ -94,8 +108,11 @@ def test_a_cancelled_download_resumes_from_its_partial(tmp_path, shard_server, d
     with ShardClient(cache, timeout=30) as client:
         assert client.open(data.urls[2], timeout=30).read_bytes() == data.paths[2].read_bytes()
         client.release(data.urls[2])
-        wait_for(lambda: f"abandoning {data.urls[0]}" in agent.stderr_text(), 10,
-                 lambda: f"shard 0's download was not cancelled\n{agent.stderr_tail()}")
+        wait_for(
+            lambda: f"abandoning {data.urls[0]}" in agent.stderr_text(),
+            10,
+            lambda: f"shard 0's download was not cancelled\n{agent.stderr_tail()}",
+        )
         assert client.open(data.urls[0], timeout=30).read_bytes() == data.paths[0].read_bytes()
         client.release(data.urls[0])
     ranges = shard_server.ranges(data.paths[0].name)
@@ -198,8 +215,11 @@ def test_the_partial_of_a_shard_removed_from_the_list_is_removed(tmp_path, shard
     wait_for(lambda: partial_bytes(cache) > 100_000, 20, lambda: f"no download under way\n{agent.stderr_tail()}")
     data.list_file.write_text(data.urls[1] + "\n")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 30, "shard 1 never cached")
-    wait_for(lambda: partial_bytes(cache) == 0, 10,
-             lambda: f"the partial of the delisted shard stayed\n{agent.stderr_tail()}")
+    wait_for(
+        lambda: partial_bytes(cache) == 0,
+        10,
+        lambda: f"the partial of the delisted shard stayed\n{agent.stderr_tail()}",
+    )
     assert f"no longer wanted, abandoning {data.urls[0]}" in agent.stderr_text()
 
 
@@ -210,8 +230,18 @@ def test_two_pipe_shards_that_do_not_fit_together_do_not_wait_for_each_other(tmp
     urls_file = tmp_path / "lists" / "pipes.txt"
     urls_file.write_text("\n".join(lines) + "\n")
     cache = tmp_path / "cache"
-    agent = start_agent(cache, urls_file, "--allow-pipe", "--cache-size", "2M", "--prefetch", "2",
-                        "--download-workers", "2", "--no-shuffle")
+    agent = start_agent(
+        cache,
+        urls_file,
+        "--allow-pipe",
+        "--cache-size",
+        "2M",
+        "--prefetch",
+        "2",
+        "--download-workers",
+        "2",
+        "--no-shuffle",
+    )
     with ShardClient(cache, timeout=30) as client:
         for url, path in zip(lines, data.paths):
             assert client.open(url, timeout=30).read_bytes() == path.read_bytes(), f"{url}\n{agent.stderr_tail()}"
@@ -219,7 +249,8 @@ def test_two_pipe_shards_that_do_not_fit_together_do_not_wait_for_each_other(tmp
 
 
 def test_a_kept_partial_that_is_already_whole_is_published_without_sending_its_body_again(
-        tmp_path, shard_server, dataset):
+    tmp_path, shard_server, dataset
+):
     """A download cancelled after its last byte came (while a gzip'd shard was being
     decompressed, say) keeps a whole partial file: the resume's Range lies past the end,
     the server answers 416 for that very version, and no byte is fetched again."""
@@ -232,8 +263,13 @@ def test_a_kept_partial_that_is_already_whole_is_published_without_sending_its_b
     etag = fetcher.describe(data.urls[0]).etag
     partial = tmp_path / "whole.partial"
     partial.write_bytes(path.read_bytes())
-    d = Download(data.urls[0], partial=partial, final=tmp_path / "shard.tar", progress=Progress(etag=etag),
-                 budget=Budget(lambda d, total, timeout: True))
+    d = Download(
+        data.urls[0],
+        partial=partial,
+        final=tmp_path / "shard.tar",
+        progress=Progress(etag=etag),
+        budget=Budget(lambda d, total, timeout: True),
+    )
     fetcher.fetch(d)
     assert d.final.read_bytes() == path.read_bytes()
     gets = [r for r in shard_server.requests if r.method == "GET"]

@@ -33,8 +33,19 @@ def deliver(job: JobEpoch, stop: int | None = None) -> dict[int, list[SampleId]]
     counts = job.counts
     out = {}
     for lay in layouts(job.layout.num_nodes, job.layout.local_world):
-        mine = JobEpoch(job.counts, job.parts, job.resumes, lay, job.seed, job.epoch, job.shuffle,
-                        job.shuffle_buffer, job.drop_last, job.reshuffle, job.block)
+        mine = JobEpoch(
+            job.counts,
+            job.parts,
+            job.resumes,
+            lay,
+            job.seed,
+            job.epoch,
+            job.shuffle,
+            job.shuffle_buffer,
+            job.drop_last,
+            job.reshuffle,
+            job.block,
+        )
         share = mine.share()
         pairs = (p for p in share.pairs(mine.ids(lay.node, lambda s: range(counts[s]))) if p is not None)
         out[lay.rank] = [sid for _, sid in itertools.islice(pairs, stop)]
@@ -75,13 +86,21 @@ def test_order_within_a_node_changes_every_epoch_its_shards_do_not() -> None:
 
 
 @settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True)
-@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=12), nodes=st.integers(1, 3),
-       per_node=st.integers(1, 3), drop_last=st.booleans(), shuffle=st.booleans(), block=st.integers(1, 4))
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    nodes=st.integers(1, 3),
+    per_node=st.integers(1, 3),
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    block=st.integers(1, 4),
+)
 def test_every_rank_gets_the_same_count_and_the_union_is_the_dataset(
-        counts: list[int], nodes: int, per_node: int, drop_last: bool, shuffle: bool, block: int) -> None:
+    counts: list[int], nodes: int, per_node: int, drop_last: bool, shuffle: bool, block: int
+) -> None:
     assume(sum(1 for c in counts if c) >= nodes)  # else refused: a node without samples
-    job = JobEpoch.fresh(counts, layouts(nodes, per_node)[0], seed=3, shuffle=shuffle, shuffle_buffer=7,
-                         drop_last=drop_last, block=block)
+    job = JobEpoch.fresh(
+        counts, layouts(nodes, per_node)[0], seed=3, shuffle=shuffle, shuffle_buffer=7, drop_last=drop_last, block=block
+    )
     got = deliver(job)
     assert {len(v) for v in got.values()} == {job.per_rank}
     seen = Counter(sid for v in got.values() for sid in v)
@@ -97,14 +116,26 @@ def test_every_rank_gets_the_same_count_and_the_union_is_the_dataset(
 
 
 def resume_on(job: JobEpoch, resumes: tuple[Resume, ...], nodes: int, per_node: int) -> JobEpoch:
-    return JobEpoch(job.counts, job.parts, resumes, layouts(nodes, per_node)[0], job.seed, job.epoch, job.shuffle,
-                    job.shuffle_buffer, job.drop_last, job.reshuffle, job.block)
+    return JobEpoch(
+        job.counts,
+        job.parts,
+        resumes,
+        layouts(nodes, per_node)[0],
+        job.seed,
+        job.epoch,
+        job.shuffle,
+        job.shuffle_buffer,
+        job.drop_last,
+        job.reshuffle,
+        job.block,
+    )
 
 
 @pytest.mark.parametrize("then", [(3, 1), (1, 4), (2, 2), (2, 1)])
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 0.97])
 def test_a_checkpoint_of_two_nodes_resumes_on_another_layout_delivering_the_rest_once(
-        then: tuple[int, int], fraction: float) -> None:
+    then: tuple[int, int], fraction: float
+) -> None:
     counts = [37, 41, 29, 33, 40, 35, 38]
     job = JobEpoch.fresh(counts, layouts(2, 2)[0], seed=1, shuffle_buffer=20)
     stop = int(fraction * job.per_rank)
@@ -153,8 +184,17 @@ def test_a_layout_must_put_the_same_ranks_on_every_node() -> None:
 def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypatch, tmp_path) -> None:
     from wdscache import CachedMultiLoader
 
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_PROCID", "SLURM_NTASKS",
-                 "SLURM_NODEID", "SLURM_NNODES", "SLURM_STEP_ID"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_NODEID",
+        "SLURM_NNODES",
+        "SLURM_STEP_ID",
+    ):
         monkeypatch.delenv(name, raising=False)
     url = ["http://127.0.0.1:9/a.tar"]
     assert CachedMultiLoader(url, cache_dir=tmp_path).layout == RankPlacement(0, 1, 0, 1)
@@ -173,12 +213,16 @@ def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypa
 
 
 @settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True)
-@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=8), first=st.tuples(st.integers(1, 3), st.integers(1, 3)),
-       hops=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.floats(0, 1)), max_size=3),
-       fraction=st.floats(0, 1), block=st.integers(1, 4))
+@given(
+    counts=st.lists(st.integers(0, 30), min_size=1, max_size=8),
+    first=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    hops=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), st.floats(0, 1)), max_size=3),
+    fraction=st.floats(0, 1),
+    block=st.integers(1, 4),
+)
 def test_any_chain_of_checkpoints_on_any_layouts_delivers_every_sample(
-        counts: list[int], first: tuple[int, int], hops: list[tuple[int, int, float]], fraction: float,
-        block: int) -> None:
+    counts: list[int], first: tuple[int, int], hops: list[tuple[int, int, float]], fraction: float, block: int
+) -> None:
     assume(sum(1 for c in counts if c) >= first[0])
     job = JobEpoch.fresh(counts, layouts(*first)[0], seed=2, shuffle_buffer=5, block=block)
     seen: Counter[SampleId] = Counter()
@@ -210,14 +254,23 @@ def test_any_chain_of_checkpoints_on_any_layouts_delivers_every_sample(
 def test_loader_reads_a_checkpoint_of_parts_and_refuses_a_malformed_one(tmp_path) -> None:
     from wdscache import CachedMultiLoader
 
-    loader = CachedMultiLoader(["http://127.0.0.1:9/a.tar", "http://127.0.0.1:9/b.tar"], cache_dir=tmp_path,
-                               rank=0, world_size=2, node=0, num_nodes=2)
+    loader = CachedMultiLoader(
+        ["http://127.0.0.1:9/a.tar", "http://127.0.0.1:9/b.tar"],
+        cache_dir=tmp_path,
+        rank=0,
+        world_size=2,
+        node=0,
+        num_nodes=2,
+    )
     state = {**loader.state_dict(), "version": 3, "parts": [[0], [1]], "resumes": [[5, [[7, 9]]], [0, []]]}
     loader.load_state_dict(state)
     again = loader.state_dict()
     assert (again["version"], again["parts"], again["resumes"]) == (3, [[0], [1]], [[5, [[7, 9]]], [0, []]])
-    for parts, resumes in (([[0], [1]], [[5, []]]), ([[0], ["x"]], [[0, []], [0, []]]),
-                           ([[0], [1]], [[0, [[3, 3]]], [0, []]])):
+    for parts, resumes in (
+        ([[0], [1]], [[5, []]]),
+        ([[0], ["x"]], [[0, []], [0, []]]),
+        ([[0], [1]], [[0, [[3, 3]]], [0, []]]),
+    ):
         with pytest.raises(ValueError, match="'parts'"):
             loader.load_state_dict({**state, "parts": parts, "resumes": resumes})
     loader.set_epoch(1)
@@ -225,12 +278,24 @@ def test_loader_reads_a_checkpoint_of_parts_and_refuses_a_malformed_one(tmp_path
 
 
 @settings(max_examples=120, deadline=timedelta(seconds=5), derandomize=True)
-@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=8), first=st.tuples(st.integers(1, 3), st.integers(1, 3)),
-       then=st.tuples(st.integers(1, 3), st.integers(1, 3)), workers=st.integers(1, 4),
-       fractions=st.lists(st.floats(0, 1), min_size=4, max_size=4), block=st.integers(1, 4), drop_last=st.booleans())
+@given(
+    counts=st.lists(st.integers(0, 30), min_size=1, max_size=8),
+    first=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    then=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    workers=st.integers(1, 4),
+    fractions=st.lists(st.floats(0, 1), min_size=4, max_size=4),
+    block=st.integers(1, 4),
+    drop_last=st.booleans(),
+)
 def test_dataloader_workers_checkpoint_of_several_nodes_resumes_on_any_layout(
-        counts: list[int], first: tuple[int, int], then: tuple[int, int], workers: int, fractions: list[float],
-        block: int, drop_last: bool) -> None:
+    counts: list[int],
+    first: tuple[int, int],
+    then: tuple[int, int],
+    workers: int,
+    fractions: list[float],
+    block: int,
+    drop_last: bool,
+) -> None:
     """Each rank's workers deliver parts of its share (worker_parts.part_of), each its own count
     (the same on every rank); their runs placed in the parts resume the rest on another layout."""
     assume(sum(1 for c in counts if c) >= first[0])
@@ -238,14 +303,25 @@ def test_dataloader_workers_checkpoint_of_several_nodes_resumes_on_any_layout(
     seen: Counter[SampleId] = Counter()
     done: list[int] = []
     for lay in layouts(*first):
-        mine = JobEpoch(job.counts, job.parts, job.resumes, lay, job.seed, job.epoch, job.shuffle,
-                        job.shuffle_buffer, job.drop_last, job.reshuffle, job.block)
+        mine = JobEpoch(
+            job.counts,
+            job.parts,
+            job.resumes,
+            lay,
+            job.seed,
+            job.epoch,
+            job.shuffle,
+            job.shuffle_buffer,
+            job.drop_last,
+            job.reshuffle,
+            job.block,
+        )
         pairs = [p for p in mine.share().pairs(mine.ids(lay.node, lambda s: range(counts[s]))) if p is not None]
         parts = [list(part_of(iter(pairs), Part(k, workers), block)) for k in range(workers)]
         done = [int(f * len(p)) for f, p in zip(fractions, parts)]
         real = job.node_length(lay.node)  # positions past the node's are padding repeats
         for k, part in enumerate(parts):
-            seen.update(sid for pos, sid in part[:done[k]] if pos < real)
+            seen.update(sid for pos, sid in part[: done[k]] if pos < real)
     assert set(seen.values()) <= {1}
     at = job.resume_after_runs(delivered_pairs(done, block))
     assert sum(r.delivered() for r in at) == len(seen)  # exactly the samples delivered, padding aside
@@ -274,7 +350,9 @@ def test_ranks_on_different_lists_are_refused_naming_each_list_and_its_nodes() -
         check_same_list([twenty, twenty, twenty, recounted], layout)
     # the same list, node 1's agent not knowing every count yet: said so, not "different lists"
     uncounted = NodeList.of("aaaa", [100] * 19 + [None])
-    with pytest.raises(ConfigError, match=r"the same list, but the agents of node 1 do not know every shard's sample count"):
+    with pytest.raises(
+        ConfigError, match=r"the same list, but the agents of node 1 do not know every shard's sample count"
+    ):
         check_same_list([twenty, twenty, uncounted, uncounted], layout)
     with pytest.raises(WdsCacheError, match=r"rank 2 \(node 1\) could not start its epoch.*no agent"):
         check_same_list([twenty, twenty, "AgentUnavailableError: no agent", eighteen], layout)
@@ -289,8 +367,11 @@ def test_an_epoch_on_another_list_than_the_ranks_agreed_on_is_refused() -> None:
     check_kept(layout, agreed, agreed)
     check_kept(layout, NodeList.of("aaaa", [None] * 20), agreed)  # counts its agent has not learnt yet
     check_kept(layout, NodeList.of("bbbb", [100] * 18), None)  # the ranks never compared: nothing to go by
-    with pytest.raises(ConfigError, match=r"node 1's agent now holds list bbbb \(18 shards, 1,800 samples.*"
-                                          r"agreed on list aaaa \(20 shards, 2,000 samples"):
+    with pytest.raises(
+        ConfigError,
+        match=r"node 1's agent now holds list bbbb \(18 shards, 1,800 samples.*"
+        r"agreed on list aaaa \(20 shards, 2,000 samples",
+    ):
         check_kept(layout, NodeList.of("bbbb", [100] * 18), agreed)
     with pytest.raises(ConfigError, match="agreed on"):
         check_kept(layout, NodeList.of("aaaa", [100] * 19 + [99]), agreed)

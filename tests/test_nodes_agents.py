@@ -43,9 +43,26 @@ def got_bytes(server) -> int:
 
 def run_node(consumers, cache: Path, name: str, node: int, num_nodes: int, per_node: int, *args: str) -> list[list]:
     """The ranks of ``node`` (``per_node`` of them) as consumer processes; each one's lines."""
-    procs = [consumers(cache, f"{name}-n{node}r{j}", "--job", name, "--rank", str(node * per_node + j),
-                       "--world-size", str(num_nodes * per_node), "--node", str(node), "--num-nodes",
-                       str(num_nodes), "--timeout", "60", *args) for j in range(per_node)]
+    procs = [
+        consumers(
+            cache,
+            f"{name}-n{node}r{j}",
+            "--job",
+            name,
+            "--rank",
+            str(node * per_node + j),
+            "--world-size",
+            str(num_nodes * per_node),
+            "--node",
+            str(node),
+            "--num-nodes",
+            str(num_nodes),
+            "--timeout",
+            "60",
+            *args,
+        )
+        for j in range(per_node)
+    ]
     return [p.wait() for p in procs]
 
 
@@ -56,7 +73,8 @@ def keys(lines: list) -> list[tuple[str, str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("num_nodes", [2, 3])
 def test_each_node_downloads_its_part_once_and_every_rank_gets_the_same_count(
-        num_nodes, dataset, shard_server, start_agent, consumers, tmp_path) -> None:
+    num_nodes, dataset, shard_server, start_agent, consumers, tmp_path
+) -> None:
     urls, index = indexed(dataset, tmp_path)
     total_bytes = sum(Path(shard_server.root, u.rsplit("/", 1)[1]).stat().st_size for u in urls)
     shard_server.reset_log()
@@ -82,13 +100,15 @@ def test_each_node_downloads_its_part_once_and_every_rank_gets_the_same_count(
 
 
 def test_a_checkpoint_of_two_nodes_resumes_on_three_nodes_and_on_one(
-        dataset, shard_server, start_agent, consumers, tmp_path) -> None:
+    dataset, shard_server, start_agent, consumers, tmp_path
+) -> None:
     urls, index = indexed(dataset, tmp_path)
     caches = [tmp_path / f"cache{node}" for node in range(3)]
     for node, cache in enumerate(caches):
         start_agent(cache, index, "--node-rank", str(node), "--num-nodes", "3")
-    first = [lines for node in range(2) for lines in run_node(consumers, caches[node], "a", node, 2, 2,
-                                                                "--stop-after", "7")]
+    first = [
+        lines for node in range(2) for lines in run_node(consumers, caches[node], "a", node, 2, 2, "--stop-after", "7")
+    ]
     states = [state_of(lines) for lines in first]
     assert all(s == states[0] for s in states)  # any rank's checkpoint is the job's
     before = Counter(k for lines in first for k in keys(lines))
@@ -97,9 +117,11 @@ def test_a_checkpoint_of_two_nodes_resumes_on_three_nodes_and_on_one(
     dataset_keys = {(u, k) for lines in first for u, k in keys(lines)}
     for layout in ((3, 1), (1, 4)):
         nodes, per_node = layout
-        rest = [lines for node in range(nodes)
-                for lines in run_node(consumers, caches[node], f"b{nodes}", node, nodes, per_node,
-                                      "--resume", resume)]
+        rest = [
+            lines
+            for node in range(nodes)
+            for lines in run_node(consumers, caches[node], f"b{nodes}", node, nodes, per_node, "--resume", resume)
+        ]
         assert len({len(keys(lines)) for lines in rest}) == 1  # every rank the same count
         after = Counter(k for lines in rest for k in keys(lines))
         union = set(before) | set(after)
@@ -112,7 +134,8 @@ def test_a_checkpoint_of_two_nodes_resumes_on_three_nodes_and_on_one(
 
 
 def test_an_agent_prefetches_its_nodes_part_before_any_rank_connects(
-        dataset, shard_server, start_agent, tmp_path) -> None:
+    dataset, shard_server, start_agent, tmp_path
+) -> None:
     urls, index = indexed(dataset, tmp_path)
     shard_server.reset_log()
     # Slurm's task environment gives --node-rank and --num-nodes (as in agent/slurm/)
@@ -125,19 +148,20 @@ def test_an_agent_prefetches_its_nodes_part_before_any_rank_connects(
     assert len(loader) == SHARDS * PER_SHARD // 4
 
 
-def test_several_nodes_need_the_counts_first_and_agents_a_node_of_their_nodes(
-        dataset, start_agent, tmp_path) -> None:
+def test_several_nodes_need_the_counts_first_and_agents_a_node_of_their_nodes(dataset, start_agent, tmp_path) -> None:
     _, _, plain = dataset(2, samples=3)
     start_agent(tmp_path / "cache", plain)
     loader = CachedMultiLoader(cache_dir=tmp_path / "cache", rank=0, world_size=2, node=0, num_nodes=2)
     with pytest.raises(WdsCacheError, match=r"sample count.*wdscache index"):
         next(iter(loader))
-    r = run_wdscache("agent", "--cache-dir", tmp_path / "other", "--urls", plain, "--node-rank", "2",
-                     "--num-nodes", "2")
+    r = run_wdscache(
+        "agent", "--cache-dir", tmp_path / "other", "--urls", plain, "--node-rank", "2", "--num-nodes", "2"
+    )
     assert r.returncode == 2 and "--node-rank 2 must be in [0, --num-nodes=2)" in r.stderr
 
 
 # -- nodes whose agents hold different lists ------------------------------------------
+
 
 def index_of(urls: list[str], path: Path) -> Path:
     r = run_wdscache("index", *urls, "-o", path)
@@ -145,22 +169,42 @@ def index_of(urls: list[str], path: Path) -> Path:
     return path
 
 
-def gloo_job(caches: list[Path], tmp_path: Path, workers: int,
-             between: Callable[[], None] | None = None) -> list[dict]:
+def gloo_job(caches: list[Path], tmp_path: Path, workers: int, between: Callable[[], None] | None = None) -> list[dict]:
     """Node k's one rank on ``caches[k]`` in a real gloo process group (30 s timeout); what each
     printed. ``between`` runs once every rank made its loader, before any reads. Every process
     must end within the deadline: a rank left waiting is a failure."""
     init, go = tmp_path / f"pg-{workers}", tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.helpers.gloo_rank", str(cache), str(rank),
-                               str(len(caches)), str(init), str(workers), *([str(go)] if between else [])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parents[1])
-             for rank, cache in enumerate(caches)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.helpers.gloo_rank",
+                str(cache),
+                str(rank),
+                str(len(caches)),
+                str(init),
+                str(workers),
+                *([str(go)] if between else []),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for rank, cache in enumerate(caches)
+    ]
     outs = []
     try:
         if between is not None:
-            wait_for(lambda: all(Path(f"{go}.made{r}").exists() for r in range(len(caches)))
-                     or any(p.poll() is not None for p in procs), 60, "the ranks never made their loaders")
+            wait_for(
+                lambda: (
+                    all(Path(f"{go}.made{r}").exists() for r in range(len(caches)))
+                    or any(p.poll() is not None for p in procs)
+                ),
+                60,
+                "the ranks never made their loaders",
+            )
             between()
             go.touch()
         for p in procs:
@@ -181,7 +225,8 @@ needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reas
 @pytest.mark.slow
 @needs_torch
 def test_nodes_whose_agents_hold_different_lists_all_fail_at_once_naming_both_lists(
-        dataset, start_agent, tmp_path) -> None:
+    dataset, start_agent, tmp_path
+) -> None:
     urls, _, _ = dataset(20, samples=5, payload=100)
     whole = index_of(urls, tmp_path / "lists" / "all.json")
     fewer = index_of(urls[:18], tmp_path / "lists" / "fewer.json")
@@ -202,7 +247,8 @@ def test_nodes_whose_agents_hold_different_lists_all_fail_at_once_naming_both_li
 @needs_torch
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_node_whose_agent_takes_up_another_list_after_the_loaders_were_made_is_refused(
-        workers, dataset, start_agent, tmp_path) -> None:
+    workers, dataset, start_agent, tmp_path
+) -> None:
     urls, _, _ = dataset(8, samples=4, payload=100)
     whole = index_of(urls, tmp_path / "lists" / "all.json")
     fewer = index_of(urls[:6], tmp_path / "lists" / "fewer.json")
@@ -223,19 +269,24 @@ def test_a_node_whose_agent_takes_up_another_list_after_the_loaders_were_made_is
     if workers == 0:  # the ranks compare their lists again as the epoch starts: both refuse it
         for out in outs:
             assert out.get("error") == "ConfigError", out
-            assert (f"node 0: list {list_id(urls)} (8 shards, 32 samples" in out["message"]
-                    and f"node 1: list {list_id(urls[:6])} (6 shards, 24 samples" in out["message"])
+            assert (
+                f"node 0: list {list_id(urls)} (8 shards, 32 samples" in out["message"]
+                and f"node 1: list {list_id(urls[:6])} (6 shards, 24 samples" in out["message"]
+            )
     else:  # DataLoader workers cannot use the group: node 1's check theirs by the list agreed on
         assert outs[1].get("error") == "ConfigError", outs[1]
-        assert (f"node 1's agent now holds list {list_id(urls[:6])} (6 shards, 24 samples" in outs[1]["message"]
-                and f"agreed on list {list_id(urls)} (8 shards, 32 samples" in outs[1]["message"])
+        assert (
+            f"node 1's agent now holds list {list_id(urls[:6])} (6 shards, 24 samples" in outs[1]["message"]
+            and f"agreed on list {list_id(urls)} (8 shards, 32 samples" in outs[1]["message"]
+        )
         assert "ids" in outs[0]  # node 0's agent kept the job's list (a DDP job then stops on node 1's error)
 
 
 @pytest.mark.slow
 @needs_torch
 def test_nodes_on_the_same_list_in_a_process_group_get_every_sample_once_in_equal_counts(
-        dataset, start_agent, tmp_path) -> None:
+    dataset, start_agent, tmp_path
+) -> None:
     urls, _, _ = dataset(7, samples=5, payload=100)  # parts of 20 and 15 samples: node 1 repeats 5
     index = index_of(urls, tmp_path / "lists" / "all.json")
     caches = [tmp_path / "cache0", tmp_path / "cache1"]
@@ -250,22 +301,27 @@ def test_nodes_on_the_same_list_in_a_process_group_get_every_sample_once_in_equa
 
 
 def test_nodes_whose_loaders_are_given_the_list_read_it_whatever_their_agents_hold(
-        dataset, start_agent, consumers, tmp_path) -> None:
+    dataset, start_agent, consumers, tmp_path
+) -> None:
     urls, _, _ = dataset(6, samples=4, payload=100)
     whole = index_of(urls, tmp_path / "lists" / "all.json")
     fewer = index_of(urls[:5], tmp_path / "lists" / "fewer.json")
     caches = [tmp_path / "cache0", tmp_path / "cache1"]
     start_agent(caches[0], whole, "--node-rank", "0", "--num-nodes", "2")
     start_agent(caches[1], fewer, "--node-rank", "1", "--num-nodes", "2")
-    every_rank = [lines for node in range(2)
-                  for lines in run_node(consumers, caches[node], "given", node, 2, 1, "--urls", str(whole))]
+    every_rank = [
+        lines
+        for node in range(2)
+        for lines in run_node(consumers, caches[node], "given", node, 2, 1, "--urls", str(whole))
+    ]
     assert [len(keys(lines)) for lines in every_rank] == [12, 12]
     got = [k for lines in every_rank for k in keys(lines)]
     assert len(set(got)) == len(got) and {u for u, _ in got} == set(urls)  # every sample once
 
 
 def test_a_checkpoint_resumed_on_a_node_whose_list_changed_is_refused_naming_both_lists(
-        dataset, start_agent, tmp_path) -> None:
+    dataset, start_agent, tmp_path
+) -> None:
     urls, _, _ = dataset(4, samples=3, payload=100)
     whole = index_of(urls, tmp_path / "lists" / "all.json")
     fewer = index_of(urls[:3], tmp_path / "lists" / "fewer.json")
@@ -277,6 +333,9 @@ def test_a_checkpoint_resumed_on_a_node_whose_list_changed_is_refused_naming_bot
     state = first.state_dict()
     later = CachedMultiLoader(cache_dir=tmp_path / "cache1", rank=1, world_size=2, node=1, num_nodes=2)
     later.load_state_dict(state)
-    with pytest.raises(ValueError, match=rf"taken on list {list_id(urls)}, but this rank reads list "
-                                         rf"{list_id(urls[:3])}.*checkpoint's list"):
+    with pytest.raises(
+        ValueError,
+        match=rf"taken on list {list_id(urls)}, but this rank reads list "
+        rf"{list_id(urls[:3])}.*checkpoint's list",
+    ):
         next(iter(later))

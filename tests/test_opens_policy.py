@@ -96,7 +96,8 @@ def test_a_waiter_whose_reader_went_is_answered_that_it_expired(loop: Loop) -> N
 
 
 def test_a_damaged_copy_is_downloaded_once_more_after_its_readers_let_go_then_failed_if_damaged_again(
-        loop: Loop) -> None:
+    loop: Loop,
+) -> None:
     url = URLS[5]
     loop.cached(url)
     loop.open("r", url)
@@ -156,5 +157,6 @@ def test_an_unlisted_shard_answers_its_waiters(loop: Loop) -> None:
     request, _ = loop.open("r", url)
     loop.opens.unlisted(url)
     assert [(a.request, a.body["error"]) for a in loop.opens.take_answers()] == [
-        (request, "removed from the agent's URL list")]
+        (request, "removed from the agent's URL list")
+    ]
     assert loop.opens.demanded() == [] and len(loop.opens.shards) == 0

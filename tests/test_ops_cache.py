@@ -39,14 +39,19 @@ def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, ru
     assert "404" in lines[5]
     shards = _ls(run_cli, cache)
     assert {u: (s["state"], s["size"], s["last_read"]) for u, s in shards.items() if s["state"] == "cached"} == {
-        u: ("cached", p.stat().st_size, None) for u, p in zip(data.urls, data.paths)}
+        u: ("cached", p.stat().st_size, None) for u, p in zip(data.urls, data.paths)
+    }
     text = run_cli("ls", "--cache-dir", cache).stdout.splitlines()
     assert text[0].split() == ["STATE", "SIZE", "LAST", "READ", "READS", "URL"] and len(text) == 5
     assert not re.search(r"\d{10}\.\d", "\n".join(text))
     # The same again: all cached already, nothing fails.
     r = run_cli("prefetch", *data.urls, "--cache-dir", cache, "--json")
-    assert r.returncode == 0 and json.loads(r.stdout) == {"shards": 3, "cached": 3, "bytes": sum(p.stat().st_size for p in data.paths),
-                                                          "failed": []}, r.stderr
+    assert r.returncode == 0 and json.loads(r.stdout) == {
+        "shards": 3,
+        "cached": 3,
+        "bytes": sum(p.stat().st_size for p in data.paths),
+        "failed": [],
+    }, r.stderr
     assert run_cli("verify", "--cache-dir", cache).stdout.startswith("checked 3 shard(s): 0 bad, 0 evicted")
     # A damaged copy (a header overwritten) is found and evicted.
     damaged = CacheLayout.of(cache).shard_path(data.urls[1])
@@ -55,13 +60,15 @@ def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, ru
     r = run_cli("verify", "--cache-dir", cache, "--json")
     assert r.returncode == 1, r.stderr
     result = json.loads(r.stdout)
-    assert (result["checked"], [b["url"] for b in result["bad"]], result["evicted"]) == (3, [data.urls[1]],
-                                                                                          [data.urls[1]])
+    assert (result["checked"], [b["url"] for b in result["bad"]], result["evicted"]) == (
+        3,
+        [data.urls[1]],
+        [data.urls[1]],
+    )
     assert result["bad"][0]["problem"].startswith("not a valid tar")
     assert data.urls[1] not in _ls(run_cli, cache) and not damaged.exists()
     r = run_cli("evict", data.urls[0], "--cache-dir", cache)
-    assert (r.returncode, r.stdout.splitlines()[0]) == (0, f"evicted 1 shard(s), "
-                                                           f"{_size(data, [0])} freed"), r.stderr
+    assert (r.returncode, r.stdout.splitlines()[0]) == (0, f"evicted 1 shard(s), {_size(data, [0])} freed"), r.stderr
     r = run_cli("clear", "--cache-dir", cache, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["evicted"] == [data.urls[2]], r.stdout
     assert not [s for s in _ls(run_cli, cache).values() if s["state"] == "cached"]
@@ -72,8 +79,7 @@ def _size(data, which=None) -> str:
     return format_size(sum(p.stat().st_size for p in paths))
 
 
-def test_commands_go_through_the_running_agent_and_spare_what_a_reader_holds(tmp_path, dataset, start_agent,
-                                                                              run_cli):
+def test_commands_go_through_the_running_agent_and_spare_what_a_reader_holds(tmp_path, dataset, start_agent, run_cli):
     data = dataset(4, samples=4, payload=300)
     cache = tmp_path / "cache"
     data.list_file.write_text(data.urls[0] + "\n")  # the agent's own list: the first shard only
@@ -92,7 +98,8 @@ def test_commands_go_through_the_running_agent_and_spare_what_a_reader_holds(tmp
         assert r.returncode == 1, r.stderr
         result = json.loads(r.stdout)
         assert result["evicted"] == [data.urls[1]] and result["refused"] == [
-            {"url": data.urls[0], "reason": "held by 1 reader(s); --force evicts it"}]
+            {"url": data.urls[0], "reason": "held by 1 reader(s); --force evicts it"}
+        ]
         r = run_cli("clear", "--cache-dir", cache)
         assert r.returncode == 1 and f"  refused {data.urls[0]}: held by 1 reader(s)" in r.stdout, r.stdout
         assert agent.stats()["shards"]["cached"] == 1
@@ -107,9 +114,12 @@ def test_prefetch_draws_a_progress_bar_on_a_terminal(tmp_path, dataset):
     data = dataset(2, samples=4, payload=300)
     main, sub = pty.openpty()
     try:
-        proc = subprocess.Popen([wdscache_exe(), "prefetch", *data.urls, "--cache-dir", tmp_path / "cache",
-                                 "--cache-size", "10M"], stdout=sub, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [wdscache_exe(), "prefetch", *data.urls, "--cache-dir", tmp_path / "cache", "--cache-size", "10M"],
+            stdout=sub,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
         os.close(sub)
         out = b""
         while True:
@@ -128,8 +138,9 @@ def test_prefetch_draws_a_progress_bar_on_a_terminal(tmp_path, dataset):
     assert text.rstrip().endswith(f"2 of 2 shard(s) cached ({_size(data)})"), text
 
 
-def test_prefetch_fails_at_once_a_shard_the_budget_cannot_take_beside_what_readers_hold(tmp_path, dataset,
-                                                                                        start_agent, run_cli):
+def test_prefetch_fails_at_once_a_shard_the_budget_cannot_take_beside_what_readers_hold(
+    tmp_path, dataset, start_agent, run_cli
+):
     data = dataset(3, samples=4, payload=300)  # 20 KiB shards
     cache = tmp_path / "cache"
     data.list_file.write_text("".join(u + "\n" for u in data.urls[:2]))
@@ -145,13 +156,23 @@ def test_prefetch_fails_at_once_a_shard_the_budget_cannot_take_beside_what_reade
         conn.close()
     assert r.returncode == 1, r.stderr
     result = json.loads(r.stdout)
-    assert (result["cached"], result["failed"]) == (0, [{"url": data.urls[2], "error": (
-        "the cache budget (50.0K) holds 0 of the 1 shard(s) asked beside 40.0K that readers hold or read next; "
-        "raise --cache-size or prefetch fewer")}]), result
+    assert (result["cached"], result["failed"]) == (
+        0,
+        [
+            {
+                "url": data.urls[2],
+                "error": (
+                    "the cache budget (50.0K) holds 0 of the 1 shard(s) asked beside 40.0K that readers hold or read next; "
+                    "raise --cache-size or prefetch fewer"
+                ),
+            }
+        ],
+    ), result
 
 
-def test_prefetch_waiting_for_free_space_gives_up_after_give_up_after_and_says_why(tmpfs, dataset, start_agent,
-                                                                                   run_cli):
+def test_prefetch_waiting_for_free_space_gives_up_after_give_up_after_and_says_why(
+    tmpfs, dataset, start_agent, run_cli
+):
     fs = tmpfs("6m")
     data = dataset(2, samples=4, payload=300)
     cache = fs / "cache"
@@ -187,23 +208,27 @@ def _budget_failures(stdout: str, data, budget: str, held: int, beside: str = ""
     lines = stdout.splitlines()
     head = [i for i, line in enumerate(lines) if " shard(s) cached (" in line]
     assert head, stdout
-    reason = (f"the cache budget ({budget}) holds {held} of the {len(data.urls)} shard(s) asked{beside}; "
-              "raise --cache-size or prefetch fewer")
-    failed = lines[head[-1] + 1:]
+    reason = (
+        f"the cache budget ({budget}) holds {held} of the {len(data.urls)} shard(s) asked{beside}; "
+        "raise --cache-size or prefetch fewer"
+    )
+    failed = lines[head[-1] + 1 :]
     assert failed and all(line.endswith(f": {reason}") for line in failed), (reason, failed)
     return [line.strip().rsplit(": the cache budget", 1)[0] for line in failed]
 
 
 def test_prefetch_past_the_budget_through_an_agent_downloads_each_shard_once_and_says_so(
-        tmp_path, dataset, shard_server, start_agent, run_cli):
+    tmp_path, dataset, shard_server, start_agent, run_cli
+):
     data = dataset(20, samples=4, payload=300)
     own = dataset(1, samples=4, payload=300, prefix="own", list_name="own.txt")
     size = data.paths[0].stat().st_size
     assert {p.stat().st_size for p in data.paths + own.paths} == {size}
     cache = tmp_path / "cache"
     budget = 6 * size + size // 2  # the agent's own shard and 5 of these
-    agent = start_agent(cache, own.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", str(budget),
-                        "--download-workers", "1")
+    agent = start_agent(
+        cache, own.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", str(budget), "--download-workers", "1"
+    )
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the listed shard cached")
     # One of them cached before: the prefetch holds it too, never evicts it for the others.
     assert run_cli("prefetch", data.urls[7], "--cache-dir", cache).returncode == 0
@@ -215,20 +240,23 @@ def test_prefetch_past_the_budget_through_an_agent_downloads_each_shard_once_and
     cached = _cached_of(run_cli, cache, data.urls)
     assert cached == [data.urls[i] for i in (0, 1, 2, 3, 7)], cached
     assert f"5 of 20 shard(s) cached ({_size(data, [0, 1, 2, 3, 7])}), 15 failed:" in r.stdout, r.stdout
-    failed = _budget_failures(r.stdout, data, format_size(budget), 5,
-                              f" beside {format_size(size)} that readers hold or read next")
+    failed = _budget_failures(
+        r.stdout, data, format_size(budget), 5, f" beside {format_size(size)} that readers hold or read next"
+    )
     assert sorted(failed) == sorted(set(data.urls) - set(cached)), failed
     assert agent.stats()["redownloads"] == 0
 
 
 def test_prefetch_past_the_budget_without_an_agent_downloads_each_shard_once_and_says_so(
-        tmp_path, dataset, shard_server, run_cli):
+    tmp_path, dataset, shard_server, run_cli
+):
     data = dataset(20, samples=4, payload=300)
     size = data.paths[0].stat().st_size
     cache = tmp_path / "cache"
     budget = 5 * size + size // 2
-    r = run_cli("prefetch", *data.urls, "--cache-dir", cache, "--cache-size", str(budget),
-                "--download-workers", "1", timeout=60)
+    r = run_cli(
+        "prefetch", *data.urls, "--cache-dir", cache, "--cache-size", str(budget), "--download-workers", "1", timeout=60
+    )
     assert r.returncode == 1, r.stderr
     gets = _prefetch_gets(shard_server, data)
     assert gets == [1] * 6 + [0] * 14, gets
@@ -261,11 +289,15 @@ def test_verify_with_a_shard_index_catches_a_same_size_change(tmp_path, dataset,
     assert r.returncode == 2 and f"{data.list_file}: not a shard index" in r.stderr, r.stderr
 
 
-def test_a_cache_whose_file_names_held_a_query_opens_with_every_shard(tmp_path, dataset, shard_server,
-                                                                       start_agent, run_cli):
+def test_a_cache_whose_file_names_held_a_query_opens_with_every_shard(
+    tmp_path, dataset, shard_server, start_agent, run_cli
+):
     data = dataset(3, samples=4, payload=300)
-    urls = [f"{data.urls[0]}?token=TOKENSECRET", f"http://user:PASSWORDSECRET@{data.urls[1][len('http://'):]}",
-            data.urls[2]]
+    urls = [
+        f"{data.urls[0]}?token=TOKENSECRET",
+        f"http://user:PASSWORDSECRET@{data.urls[1][len('http://') :]}",
+        data.urls[2],
+    ]
     cache = tmp_path / "cache"
     assert run_cli("prefetch", *urls, "--cache-dir", cache, "--cache-size", "10M").returncode == 0
     layout = CacheLayout.of(cache)
@@ -303,29 +335,42 @@ def test_evict_expands_brace_patterns_and_names_what_matched_nothing(tmp_path, d
     pattern, typo = f"{base}/shard-{{000000..000001}}.tar", f"{base}/shard-00002.tar"
     assert run_cli("prefetch", *data.urls, "--cache-dir", cache).returncode == 0
     r = run_cli("evict", pattern, typo, "--cache-dir", cache)
-    assert (r.returncode, r.stdout.splitlines()) == (0, [f"evicted 2 shard(s), {_size(data, [0, 1])} freed",
-                                                         f"  not cached: {typo}"]), r.stderr
+    assert (r.returncode, r.stdout.splitlines()) == (
+        0,
+        [f"evicted 2 shard(s), {_size(data, [0, 1])} freed", f"  not cached: {typo}"],
+    ), r.stderr
     assert sorted(u for u, s in _ls(run_cli, cache).items() if s["state"] == "cached") == data.urls[2:]
     # Nothing asked for is cached: said, and exit 1 (a typo does not pass for done).
     r = run_cli("evict", pattern, "--cache-dir", cache, "--json")
     assert r.returncode == 1, r.stderr
-    assert json.loads(r.stdout) == {"evicted": [], "bytes": 0, "refused": [], "absent": data.urls[:2],
-                                    "unmatched": [pattern]}
-    assert r.stderr == ("wdscache: error: nothing evicted: no shard given is cached ('wdscache ls' lists those "
-                        "that are)\n")
+    assert json.loads(r.stdout) == {
+        "evicted": [],
+        "bytes": 0,
+        "refused": [],
+        "absent": data.urls[:2],
+        "unmatched": [pattern],
+    }
+    assert r.stderr == (
+        "wdscache: error: nothing evicted: no shard given is cached ('wdscache ls' lists those that are)\n"
+    )
     # The same through a running agent.
     data.list_file.write_text(data.urls[0] + "\n")  # the agent's own list: a shard not evicted below
     start_agent(cache, data.list_file, "--prefetch", "1")
     r = run_cli("evict", typo, f"{base}/shard-{{000002,000003}}.tar", "--cache-dir", cache)
-    assert (r.returncode, r.stdout.splitlines()) == (0, [f"evicted 2 shard(s), {_size(data, [2, 3])} freed",
-                                                         f"  not cached: {typo}"]), r.stderr
+    assert (r.returncode, r.stdout.splitlines()) == (
+        0,
+        [f"evicted 2 shard(s), {_size(data, [2, 3])} freed", f"  not cached: {typo}"],
+    ), r.stderr
     r = run_cli("evict", typo, "--cache-dir", cache)
-    assert (r.returncode, r.stdout.splitlines()) == (1, ["evicted 0 shard(s), 0 freed",
-                                                         f"  not cached: {typo}"]), r.stderr
+    assert (r.returncode, r.stdout.splitlines()) == (1, ["evicted 0 shard(s), 0 freed", f"  not cached: {typo}"]), (
+        r.stderr
+    )
     # A malformed pattern is bad input, named as prefetch names it.
     r = run_cli("evict", data.urls[0], f"{base}/shard-{{0..1.tar", "--cache-dir", cache)
-    assert (r.returncode, r.stderr) == (2, f"wdscache: error: the command line:2: unclosed '{{' at offset "
-                                           f"{len(base) + 7}: '{base}/shard-{{0..1.tar'\n")
+    assert (r.returncode, r.stderr) == (
+        2,
+        f"wdscache: error: the command line:2: unclosed '{{' at offset {len(base) + 7}: '{base}/shard-{{0..1.tar'\n",
+    )
 
 
 def test_a_start_that_fails_leaves_the_cache_directory_as_it_was(tmp_path, dataset, tmpfs, run_cli):
@@ -341,22 +386,40 @@ def test_a_start_that_fails_leaves_the_cache_directory_as_it_was(tmp_path, datas
 
 
 def test_prefetch_beside_a_reader_gives_way_to_it_downloads_each_shard_once_and_says_so(
-        tmp_path, dataset, shard_server, start_agent, run_cli):
+    tmp_path, dataset, shard_server, start_agent, run_cli
+):
     data = dataset(20, samples=4, payload=300)
     reads = dataset(2, samples=4, payload=300, prefix="read", list_name="read.txt")
     size = data.paths[0].stat().st_size
     cache = tmp_path / "cache"
     budget = 5 * size + size // 2
-    agent = start_agent(cache, reads.list_file, "--prefetch", "1", "--no-shuffle", "--cache-size", str(budget),
-                        "--download-workers", "1")
+    agent = start_agent(
+        cache,
+        reads.list_file,
+        "--prefetch",
+        "1",
+        "--no-shuffle",
+        "--cache-size",
+        str(budget),
+        "--download-workers",
+        "1",
+    )
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the reader's first shard cached")
     shard_server.fail(data.paths[3].name, "stall", after=1000, seconds=5)  # a reader comes meanwhile
-    prefetch = subprocess.Popen([wdscache_exe(), "prefetch", *data.urls, "--cache-dir", cache],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    prefetch = subprocess.Popen(
+        [wdscache_exe(), "prefetch", *data.urls, "--cache-dir", cache],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    )
     conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
     try:
-        agent.wait_stats(lambda s: s["shards"]["cached"] == 4 and s["agent"]["bytes_reserved"] == size, 20,
-                         "3 shards prefetched and the 4th downloading")
+        agent.wait_stats(
+            lambda s: s["shards"]["cached"] == 4 and s["agent"]["bytes_reserved"] == size,
+            20,
+            "3 shards prefetched and the 4th downloading",
+        )
         # The reader holds its first shard and waits for its second: the budget is full, and the
         # reader wins: one of the 3 prefetched goes (and is not downloaded again).
         assert conn.request({"op": "open", "reader": "reader", "url": reads.urls[0]})["ok"]
@@ -375,13 +438,19 @@ def test_prefetch_beside_a_reader_gives_way_to_it_downloads_each_shard_once_and_
     lines = out.splitlines()
     assert f"3 of 20 shard(s) cached ({_size(data, [data.urls.index(u) for u in cached])}), 17 failed:" in lines, out
     assert f"  {evicted}: cached, then evicted to make room for a shard readers need" in lines, out
-    failed = _budget_failures("\n".join(line for line in lines if evicted not in line), data, format_size(budget), 3,
-                              f" beside {format_size(2 * size)} that readers hold or read next")
+    failed = _budget_failures(
+        "\n".join(line for line in lines if evicted not in line),
+        data,
+        format_size(budget),
+        3,
+        f" beside {format_size(2 * size)} that readers hold or read next",
+    )
     assert sorted(failed) == sorted(data.urls[4:]), failed
 
 
-def test_ls_shows_a_shard_read_a_moment_ago_as_read_with_and_without_an_agent(tmp_path, dataset, start_agent,
-                                                                               consumers, run_cli):
+def test_ls_shows_a_shard_read_a_moment_ago_as_read_with_and_without_an_agent(
+    tmp_path, dataset, start_agent, consumers, run_cli
+):
     data = dataset(2, samples=4, payload=300)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--no-shuffle")
@@ -396,8 +465,9 @@ def test_ls_shows_a_shard_read_a_moment_ago_as_read_with_and_without_an_agent(tm
     assert _ls(run_cli, cache) == read  # without an agent: the index, as the agent left it
 
 
-def test_clear_with_an_agent_running_stays_clear_until_a_reader_asks(tmp_path, dataset, shard_server, start_agent,
-                                                                     consumers, run_cli):
+def test_clear_with_an_agent_running_stays_clear_until_a_reader_asks(
+    tmp_path, dataset, shard_server, start_agent, consumers, run_cli
+):
     data = dataset(3, samples=4, payload=300)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--no-shuffle")
@@ -405,8 +475,10 @@ def test_clear_with_an_agent_running_stays_clear_until_a_reader_asks(tmp_path, d
     shard_server.reset_log()
     r = run_cli("clear", "--cache-dir", cache)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == [f"evicted 3 shard(s), {_size(data)} freed",
-                                     "the agent fetches again only what its readers ask for"]
+    assert r.stdout.splitlines() == [
+        f"evicted 3 shard(s), {_size(data)} freed",
+        "the agent fetches again only what its readers ask for",
+    ]
     assert json.loads(run_cli("clear", "--cache-dir", cache, "--json").stdout)["agent"] is True
     # A prefetch of one shard runs through the agent's loop to its end: the start-up plan refilled nothing.
     assert run_cli("prefetch", data.urls[0], "--cache-dir", cache).returncode == 0

@@ -32,16 +32,28 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
     missing = shard_server.url("missing.tar")
     data.list_file.write_text("\n".join([*data.urls, missing]) + "\n")
     cache = tmp_path / "cache"
-    agent = start_agent(cache, data.list_file, "--prefetch", "4", "--retries", "0", "--log-format", "json",
-                        "--reader-timeout", "1")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 3 and s["shards"]["failed"] == 1, 20,
-                     "three shards cached and one failed")
+    agent = start_agent(
+        cache, data.list_file, "--prefetch", "4", "--retries", "0", "--log-format", "json", "--reader-timeout", "1"
+    )
+    agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 3 and s["shards"]["failed"] == 1, 20, "three shards cached and one failed"
+    )
     conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
     try:
         hello = conn.request({"op": "hello", "reader": "r0", "job": "train", "rank": 0, "world_size": 1})
         assert hello["ok"], hello
-        assert conn.request({"op": "report", "reader": "r0", "samples": 7, "bytes": 700, "rate": 3.5,
-                             "wait_s": 0.5, "epoch": 0, "position": 7})["ok"]
+        assert conn.request(
+            {
+                "op": "report",
+                "reader": "r0",
+                "samples": 7,
+                "bytes": 700,
+                "rate": 3.5,
+                "wait_s": 0.5,
+                "epoch": 0,
+                "position": 7,
+            }
+        )["ok"]
         # A malformed bye is refused as a whole; one without totals leaves the last report's.
         assert not conn.request({"op": "bye", "reader": "r0", "samples": "many"})["ok"]
         assert conn.request({"op": "bye", "reader": "r0"})["ok"]
@@ -52,12 +64,20 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
     with CachedMultiLoader(data.urls, cache_dir=cache, job="short", shuffle=False, timeout=30) as loader:
         assert len(list(loader)) == 12
         assert len(loader) == 12  # after the epoch: its hello and bye neither join nor end the job
-    s = agent.wait_stats(lambda s: {"train", "quiet", "short"} <= set(s["ended_jobs"]), 10,
-                         "the jobs that ended (two said bye, one went silent) are listed")
+    s = agent.wait_stats(
+        lambda s: {"train", "quiet", "short"} <= set(s["ended_jobs"]),
+        10,
+        "the jobs that ended (two said bye, one went silent) are listed",
+    )
     short = s["ended_jobs"]["short"]["0"]
     assert (short["samples"], short["epoch"], short["position"]) == (12, 0, 12), short
-    assert short["bytes"] == sum(len(v) for p in data.paths for x in wds.WebDataset(str(p), shardshuffle=False)
-                                 for k, v in x.items() if not k.startswith("__")), short
+    assert short["bytes"] == sum(
+        len(v)
+        for p in data.paths
+        for x in wds.WebDataset(str(p), shardshuffle=False)
+        for k, v in x.items()
+        if not k.startswith("__")
+    ), short
     assert s["jobs"] == {}
     # Evicted by hand, then downloaded again for the agent's start-up plan.
     assert run_cli("evict", data.urls[0], "--cache-dir", cache).returncode == 0
@@ -73,11 +93,16 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
     failed = [e for e in events if e["event"] == "failed"]
     assert [e["url"] for e in failed] == [missing] and "404" in failed[0]["error"], failed
     joined = [e for e in events if e["event"] == "consumer_joined"]
-    assert [(e["job"], e["rank"], e["world_size"]) for e in joined] == [("train", 0, 1), ("quiet", 0, 1),
-                                                                       ("short", 0, 1)]
+    assert [(e["job"], e["rank"], e["world_size"]) for e in joined] == [
+        ("train", 0, 1),
+        ("quiet", 0, 1),
+        ("short", 0, 1),
+    ]
     left = [e for e in events if e["event"] == "consumer_left"]
     assert [(e["job"], e["rank"], e["samples"], e["why"]) for e in left] == [
-        ("train", 0, 7, "said bye"), ("short", 0, 12, "said bye")]
+        ("train", 0, 7, "said bye"),
+        ("short", 0, 12, "said bye"),
+    ]
     assert "(job 'short', rank 0, 12 samples)" in left[1]["message"], left[1]
     timed_out = [e for e in events if e["event"] == "consumer_timed_out"]
     assert [(e["reader"], e["job"], e["level"]) for e in timed_out] == [("r1", "quiet", "WARNING")]
@@ -93,9 +118,16 @@ def test_text_lines_and_event_dates_are_iso_8601():
     assert iso_time(0) is None and iso_time(None) is None
     assert ISO.match(iso_time(1796144426.89))
     log = logging.getLogger("wdscache.test")
-    record = log.makeRecord(log.name, logging.INFO, __file__, 1, "evicted %s (last read %s)",
-                            ("u", iso_time(1796144426.89)), None,
-                            extra={"wdscache_event": {"event": "evicted", "url": "u"}})
+    record = log.makeRecord(
+        log.name,
+        logging.INFO,
+        __file__,
+        1,
+        "evicted %s (last read %s)",
+        ("u", iso_time(1796144426.89)),
+        None,
+        extra={"wdscache_event": {"event": "evicted", "url": "u"}},
+    )
     text = TextFormatter().format(record)
     stamp, level, rest = text.split(" ", 2)
     assert ISO.match(stamp) and level == "INFO", text
@@ -151,8 +183,10 @@ def test_a_url_list_change_is_one_json_record_with_counts_and_a_redacted_sample(
     redacted = [u.replace("SECRETSIG", "***") for u in signed]
     assert (change["added"], change["removed"], change["shards"]) == (7, 1, 7), change
     assert (change["added_urls"], change["removed_urls"]) == (redacted[:5], [data.urls[0]]), change
-    assert change["message"] == (f"URL list changed: 7 added, 1 removed (7 shards now); added: "
-                                 f"{', '.join(redacted[:5])} and 2 more; removed: {data.urls[0]}")
+    assert change["message"] == (
+        f"URL list changed: 7 added, 1 removed (7 shards now); added: "
+        f"{', '.join(redacted[:5])} and 2 more; removed: {data.urls[0]}"
+    )
     # One record for the change: none per URL.
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     assert not [r for r in records if r["message"].lstrip().startswith(("+ ", "- "))], records

@@ -15,8 +15,11 @@ from wdscache.shared.metrics import exposition
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path, dataset, start_agent, run_cli):
@@ -30,8 +33,18 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
     conn = AgentConnection(state["endpoint"], timeout=10, cache_dir=cache)
     try:
         assert conn.request({"op": "hello", "reader": "r1", "job": "train", "rank": 1, "world_size": 2})["ok"]
-        assert conn.request({"op": "report", "reader": "r1", "samples": 12, "bytes": 3456, "rate": 6.0,
-                             "wait_s": 1.25, "epoch": 0, "position": 12})["ok"]
+        assert conn.request(
+            {
+                "op": "report",
+                "reader": "r1",
+                "samples": 12,
+                "bytes": 3456,
+                "rate": 6.0,
+                "wait_s": 1.25,
+                "epoch": 0,
+                "position": 12,
+            }
+        )["ok"]
 
         def scraped() -> dict:
             with urllib.request.urlopen(url, timeout=5) as reply:
@@ -39,9 +52,12 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
                 return _samples(reply.read().decode())
 
         from tests.helpers.waits import wait_for
-        got = wait_for(lambda: (m := scraped()).get(("wdscache_consumer_samples_total",
-                                                     (("job", "train"), ("rank", "1"))))
-                       and m, 10, "the rank's report never reached /metrics")
+
+        got = wait_for(
+            lambda: (m := scraped()).get(("wdscache_consumer_samples_total", (("job", "train"), ("rank", "1")))) and m,
+            10,
+            "the rank's report never reached /metrics",
+        )
         printed = _samples(run_cli("stats", "--cache-dir", cache, "--prometheus").stdout)
     finally:
         conn.close()
@@ -61,7 +77,8 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
         assert metrics[("wdscache_consumers", ())] == 1
         assert metrics[("wdscache_worker_samples_total", (("worker", "0"),))] == 0
         assert {k[1] for k in metrics if k[0] == "wdscache_job_starved"} == {
-            (("job", "train"), ("reason", r)) for r in ("budget", "downloads", "workers", "latency")}
+            (("job", "train"), ("reason", r)) for r in ("budget", "downloads", "workers", "latency")
+        }
     assert set(got) == set(printed)
     assert agent.stop() == 0
     # Without an agent, the cache's numbers are still there, and the agent is down.
@@ -71,18 +88,34 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
 
 def test_metrics_bind_loopback_unless_allow_remote(tmp_path, dataset, run_cli):
     data = dataset(1)
-    r = run_cli("agent", "--cache-dir", tmp_path / "c", "--urls", data.list_file, "--metrics-port", "0",
-                "--metrics-host", "0.0.0.0")
+    r = run_cli(
+        "agent",
+        "--cache-dir",
+        tmp_path / "c",
+        "--urls",
+        data.list_file,
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "0.0.0.0",
+    )
     assert r.returncode == 2 and "--metrics-host '0.0.0.0' is reachable from other machines" in r.stderr, r.stderr
     assert not (tmp_path / "c").exists()
 
 
 def test_a_starved_job_is_reported_by_its_reason():
-    stats = {"bytes_used": 10, "bytes_limit": 100, "shards": {"cached": 1, "downloading": 0, "queued": 2,
-             "failed": 0}, "hits": 1, "misses": 2, "bytes_downloaded": 10, "download_rate": 0.0,
-             "agent": {"pid": 1, "demanded": 0, "need_bytes": 250, "workers": [{"index": 0, "busy": 0.1}]},
-             "jobs": {"j": {"0": {"samples": 5, "bytes": 50, "rate": 1.0, "wait_s": 4.0, "waiting": 0.9}}},
-             "ended_jobs": {"old": {"0": {"samples": 9, "wait_s": 0.0, "ended": "2026-12-02T01:00:00+00:00"}}}}
+    stats = {
+        "bytes_used": 10,
+        "bytes_limit": 100,
+        "shards": {"cached": 1, "downloading": 0, "queued": 2, "failed": 0},
+        "hits": 1,
+        "misses": 2,
+        "bytes_downloaded": 10,
+        "download_rate": 0.0,
+        "agent": {"pid": 1, "demanded": 0, "need_bytes": 250, "workers": [{"index": 0, "busy": 0.1}]},
+        "jobs": {"j": {"0": {"samples": 5, "bytes": 50, "rate": 1.0, "wait_s": 4.0, "waiting": 0.9}}},
+        "ended_jobs": {"old": {"0": {"samples": 9, "wait_s": 0.0, "ended": "2026-12-02T01:00:00+00:00"}}},
+    }
     m = _samples(exposition(stats))
     assert m[("wdscache_job_starved", (("job", "j"), ("reason", "budget")))] == 1
     assert m[("wdscache_job_starved", (("job", "j"), ("reason", "downloads")))] == 0
@@ -91,8 +124,13 @@ def test_a_starved_job_is_reported_by_its_reason():
 
 
 def test_missing_extra_is_named():
-    code = ("import sys; sys.modules['prometheus_client'] = None\n"
-            "from wdscache.shared.metrics import require\n"
-            "try:\n    require()\nexcept Exception as e:\n    print(type(e).__name__, e)\n")
+    code = (
+        "import sys; sys.modules['prometheus_client'] = None\n"
+        "from wdscache.shared.metrics import require\n"
+        "try:\n    require()\nexcept Exception as e:\n    print(type(e).__name__, e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30).stdout
-    assert out.strip() == "ConfigError metrics need prometheus_client: pip install prometheus_client (the package's metrics extra)"
+    assert (
+        out.strip()
+        == "ConfigError metrics need prometheus_client: pip install prometheus_client (the package's metrics extra)"
+    )

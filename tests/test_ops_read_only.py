@@ -24,8 +24,9 @@ def _remount_read_only(mnt) -> None:
 
 
 @pytest.mark.slow
-def test_a_read_only_cache_is_read_by_ls_stats_verify_and_refused_by_the_rest(tmp_path, tmpfs, dataset,
-                                                                               start_agent, run_cli):
+def test_a_read_only_cache_is_read_by_ls_stats_verify_and_refused_by_the_rest(
+    tmp_path, tmpfs, dataset, start_agent, run_cli
+):
     data = dataset(2, samples=4, payload=300)
     fs = tmpfs("16m")
     cache, empty = fs / "cache", fs / "empty"
@@ -45,38 +46,58 @@ def test_a_read_only_cache_is_read_by_ls_stats_verify_and_refused_by_the_rest(tm
     assert r.returncode == 0, r.stderr
     stats = json.loads(r.stdout)
     assert (stats["shards"]["cached"], stats["bytes_used"], stats["agent"]) == (
-        2, sum(p.stat().st_size for p in data.paths), None)
+        2,
+        sum(p.stat().st_size for p in data.paths),
+        None,
+    )
     # verify checks, and lists the bad shard it cannot evict.
     r = run_cli("verify", "--cache-dir", cache)
     lines = r.stdout.splitlines()
     assert (r.returncode, lines[0]) == (1, "checked 2 shard(s): 1 bad, 0 evicted"), r.stderr
     assert lines[1].startswith(f"  bad {data.urls[1]}: not a valid tar") and lines[1].endswith(
-        f"(not evicted: the cache directory {READ_ONLY})"), lines
+        f"(not evicted: the cache directory {READ_ONLY})"
+    ), lines
     assert damaged.exists()
 
     # What would change the cache: one line naming it, no traceback.
-    for command, args, who in (("evict", [data.urls[0]], "'wdscache evict'"), ("clear", [], "'wdscache clear'"),
-                               ("prefetch", [data.urls[0]], "'wdscache prefetch'")):
+    for command, args, who in (
+        ("evict", [data.urls[0]], "'wdscache evict'"),
+        ("clear", [], "'wdscache clear'"),
+        ("prefetch", [data.urls[0]], "'wdscache prefetch'"),
+    ):
         r = run_cli(command, *args, "--cache-dir", cache)
-        assert (r.returncode, r.stderr) == (2, f"wdscache: error: cache directory {cache} {READ_ONLY}: {who} needs "
-                                               "to write to it; make it writable or use another --cache-dir\n"), command
+        assert (r.returncode, r.stderr) == (
+            2,
+            f"wdscache: error: cache directory {cache} {READ_ONLY}: {who} needs "
+            "to write to it; make it writable or use another --cache-dir\n",
+        ), command
     r = run_cli("agent", "--cache-dir", cache, "--urls", data.list_file, "--min-free", "1M")
-    assert (r.returncode, r.stderr) == (2, f"wdscache: error: cache directory {cache} {READ_ONLY}: the agent needs "
-                                           "to write to it; make it writable or use another --cache-dir\n")
+    assert (r.returncode, r.stderr) == (
+        2,
+        f"wdscache: error: cache directory {cache} {READ_ONLY}: the agent needs "
+        "to write to it; make it writable or use another --cache-dir\n",
+    )
 
     # An empty directory there: no cache, and none can be made; it stays empty.
-    no_cache = (f"wdscache: error: {empty} holds no wdscache cache, and it {READ_ONLY}: no agent can make one "
-                "there; use a writable --cache-dir\n")
+    no_cache = (
+        f"wdscache: error: {empty} holds no wdscache cache, and it {READ_ONLY}: no agent can make one "
+        "there; use a writable --cache-dir\n"
+    )
     for command, args in (("ls", []), ("stats", []), ("verify", []), ("evict", [data.urls[0]]), ("clear", [])):
         r = run_cli(command, *args, "--cache-dir", empty)
         assert (r.returncode, r.stderr) == (1, no_cache), command
     r = run_cli("prefetch", data.urls[0], "--cache-dir", empty)
-    assert (r.returncode, r.stderr) == (2, f"wdscache: error: cache directory {empty} {READ_ONLY}: 'wdscache "
-                                           "prefetch' needs to write to it; make it writable or use another "
-                                           "--cache-dir\n")
+    assert (r.returncode, r.stderr) == (
+        2,
+        f"wdscache: error: cache directory {empty} {READ_ONLY}: 'wdscache "
+        "prefetch' needs to write to it; make it writable or use another "
+        "--cache-dir\n",
+    )
     r = run_cli("agent", "--cache-dir", fs / "new", "--urls", data.list_file)
-    assert (r.returncode, r.stderr) == (2, f"wdscache: error: cannot make cache directory {fs / 'new'}: Read-only "
-                                           "file system; use a writable directory\n")
+    assert (r.returncode, r.stderr) == (
+        2,
+        f"wdscache: error: cannot make cache directory {fs / 'new'}: Read-only file system; use a writable directory\n",
+    )
     assert sorted(p.name for p in fs.iterdir()) == ["cache", "empty"] and list(empty.iterdir()) == []
 
 

@@ -45,9 +45,14 @@ def test_every_command_in_the_readme_and_the_docs_runs_as_shown(tmp_path, datase
     base = data.urls[0].rsplit("/", 1)[0] + "/"
     cache = tmp_path / "cache"
     port = str(free_port_range(1))
-    swap = {"/scratch/wdscache": str(cache), "urls.txt": str(data.list_file), "https://data.example/": base,
-            "9400": port, "wdscache.prom": str(tmp_path / "wdscache.prom"),
-            "train.json": str(tmp_path / "train.json")}
+    swap = {
+        "/scratch/wdscache": str(cache),
+        "urls.txt": str(data.list_file),
+        "https://data.example/": base,
+        "9400": port,
+        "wdscache.prom": str(tmp_path / "wdscache.prom"),
+        "train.json": str(tmp_path / "train.json"),
+    }
     commands = [c for page in PAGES for c in _commands(page)]
     agent: AgentProc | None = None
     try:
@@ -64,14 +69,16 @@ def test_every_command_in_the_readme_and_the_docs_runs_as_shown(tmp_path, datase
                     assert agent.stop() == 0, agent.stderr_tail()
                 log = tmp_path / f"agent-{i}.log"
                 with open(log, "wb") as f:
-                    proc = subprocess.Popen([wdscache_exe(), *args], stdout=f, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)
+                    proc = subprocess.Popen(
+                        [wdscache_exe(), *args], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                    )
                 agent = AgentProc(proc, cache, log, args)
                 agent.wait_up()
                 agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, f"{line}: the shards cached")
             elif "--watch" in args:
-                proc = subprocess.Popen([wdscache_exe(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        stdin=subprocess.DEVNULL)
+                proc = subprocess.Popen(
+                    [wdscache_exe(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+                )
                 try:
                     read_frames(proc, 2, 20)
                     proc.send_signal(signal.SIGINT)
@@ -101,8 +108,18 @@ def _samples_with_a_job(cache: Path, run_cli) -> set[str]:
     conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
     try:
         assert conn.request({"op": "hello", "reader": "r", "job": "j", "rank": 0, "world_size": 1})["ok"]
-        assert conn.request({"op": "report", "reader": "r", "samples": 1, "bytes": 1, "rate": 1.0, "wait_s": 0.0,
-                             "epoch": 0, "position": 1})["ok"]
+        assert conn.request(
+            {
+                "op": "report",
+                "reader": "r",
+                "samples": 1,
+                "bytes": 1,
+                "rate": 1.0,
+                "wait_s": 0.0,
+                "epoch": 0,
+                "position": 1,
+            }
+        )["ok"]
         text = run_cli("stats", "--cache-dir", cache, "--prometheus").stdout
     finally:
         conn.close()

@@ -18,12 +18,23 @@ from wdscache.shared.verdict import verdicts
 
 
 def _stats(*, waiting: float, demanded: int = 0, need: int = 0, busy: float = 0.1) -> dict:
-    return {"bytes_limit": 1000, "agent": {"pid": 1, "demanded": demanded, "need_bytes": need,
-                                           "workers": [{"index": 0, "busy": busy}, {"index": 1, "busy": busy}]},
-            "jobs": {"j": {"0": {"waiting": 0.05}, "1": {"waiting": waiting}}},
-            "ended_jobs": {"j": {"0": {"samples": 1}},
-                           "old": {"0": {"samples": 30, "wait_s": 1.5, "ended": "2026-12-02T01:00:00+00:00"},
-                                   "1": {"samples": 12, "wait_s": 0.5, "ended": "2026-12-02T01:00:05+00:00"}}}}
+    return {
+        "bytes_limit": 1000,
+        "agent": {
+            "pid": 1,
+            "demanded": demanded,
+            "need_bytes": need,
+            "workers": [{"index": 0, "busy": busy}, {"index": 1, "busy": busy}],
+        },
+        "jobs": {"j": {"0": {"waiting": 0.05}, "1": {"waiting": waiting}}},
+        "ended_jobs": {
+            "j": {"0": {"samples": 1}},
+            "old": {
+                "0": {"samples": 30, "wait_s": 1.5, "ended": "2026-12-02T01:00:00+00:00"},
+                "1": {"samples": 12, "wait_s": 0.5, "ended": "2026-12-02T01:00:05+00:00"},
+            },
+        },
+    }
 
 
 def test_each_verdict_names_its_cause_and_what_to_do():
@@ -31,15 +42,19 @@ def test_each_verdict_names_its_cause_and_what_to_do():
         return verdicts(_stats(**kw))["j"].text
 
     assert line(waiting=0.1, demanded=3, need=5000, busy=1.0) == "not starved"
-    assert line(waiting=0.5, need=2048, demanded=3) == \
-        "starved by the budget: the cache thrashes, needs 2.0K (--cache-size 2048)"
+    assert (
+        line(waiting=0.5, need=2048, demanded=3)
+        == "starved by the budget: the cache thrashes, needs 2.0K (--cache-size 2048)"
+    )
     assert line(waiting=0.5, demanded=1, busy=1.0) == "starved by downloads: raise --download-workers or --prefetch"
     assert line(waiting=0.5, busy=0.9) == "starved by workers: raise --workers"
     assert line(waiting=0.5).startswith("waiting for data, but not for downloads, workers or the budget")
     # A job that ended stays with its totals; a live job of that name wins.
     got = verdicts(_stats(waiting=0.0))
-    assert got["old"].kind is None and got["old"].text == \
-        "ended 2026-12-02T01:00:05+00:00: 42 samples, waited 2.0s for data in all"
+    assert (
+        got["old"].kind is None
+        and got["old"].text == "ended 2026-12-02T01:00:05+00:00: 42 samples, waited 2.0s for data in all"
+    )
     assert got["j"].text == "not starved"
 
 
@@ -53,16 +68,29 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
     try:
         for reader, job in (("a", "train"), ("b", "done")):
             assert conn.request({"op": "hello", "reader": reader, "job": job, "rank": 0, "world_size": 1})["ok"]
-        report = {"op": "report", "reader": "a", "samples": 10, "bytes": 100, "rate": 10.0, "epoch": 0,
-                  "position": 10}
+        report = {"op": "report", "reader": "a", "samples": 10, "bytes": 100, "rate": 10.0, "epoch": 0, "position": 10}
         assert conn.request({**report, "wait_s": 0.0})["ok"]
-        assert conn.request({"op": "report", "reader": "b", "samples": 8, "bytes": 80, "rate": 1.0, "wait_s": 0.3,
-                             "epoch": 0, "position": 8})["ok"]
+        assert conn.request(
+            {
+                "op": "report",
+                "reader": "b",
+                "samples": 8,
+                "bytes": 80,
+                "rate": 1.0,
+                "wait_s": 0.3,
+                "epoch": 0,
+                "position": 8,
+            }
+        )["ok"]
         assert conn.request({"op": "bye", "reader": "b"})["ok"]
         time.sleep(0.5)
         assert conn.request({**report, "wait_s": 0.4})["ok"]  # waited 0.4 s of the last 0.5: starved
-        proc = subprocess.Popen([wdscache_exe(), "stats", "--cache-dir", cache, "--watch"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [wdscache_exe(), "stats", "--cache-dir", cache, "--watch"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+        )
         text = read_frames(proc, 2, 20)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(10) == 0, proc.stderr.read()
@@ -78,26 +106,38 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
         assert lines[1].startswith("cache      40.0K of ") and "2 shards, 0 being read" in lines[1], frame
         assert lines[2].startswith("downloads  ") and "0 running, 0 queued, 0 failed" in lines[2], frame
         assert lines[3].startswith("workers    1: ") and "0 restart(s)" in lines[3], frame
-        assert lines[4] == ("job train: 1 rank(s), 10 samples/s: waiting for data, but not for downloads, workers or "
-                            "the budget: the consumer's own reads or transforms are slow"), frame
-        assert lines[5].split() == ["rank", "0", "10", "samples/s", "waiting", lines[5].split()[5], "10", "samples,",
-                                    "waited", "0.4s"] and int(lines[5].split()[5].rstrip("%")) > 20, frame
+        assert lines[4] == (
+            "job train: 1 rank(s), 10 samples/s: waiting for data, but not for downloads, workers or "
+            "the budget: the consumer's own reads or transforms are slow"
+        ), frame
+        assert (
+            lines[5].split()
+            == ["rank", "0", "10", "samples/s", "waiting", lines[5].split()[5], "10", "samples,", "waited", "0.4s"]
+            and int(lines[5].split()[5].rstrip("%")) > 20
+        ), frame
         assert lines[6].startswith("job done: 1 rank(s), ended ") and lines[6].endswith(
-            ": 8 samples, waited 0.3s for data in all"), frame
+            ": 8 samples, waited 0.3s for data in all"
+        ), frame
 
 
 def test_stats_shows_no_download_rate_once_downloads_stop_and_a_jobs_totals_over_its_epochs(
-        tmp_path, dataset, start_agent, consumers, run_cli):
+    tmp_path, dataset, start_agent, consumers, run_cli
+):
     data = dataset(3, samples=4, payload=300)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--no-shuffle")
     # The snapshot that shows the downloads over shows no rate: the figure is of now, not a lingering average.
-    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 3 and s["shards"]["downloading"] == 0, 20,
-                         "the list cached")
+    s = agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 3 and s["shards"]["downloading"] == 0, 20, "the list cached"
+    )
     assert s["download_rate"] == 0, s
     assert "now 0/s" in run_cli("stats", "--cache-dir", cache).stdout
-    proc = subprocess.Popen([wdscache_exe(), "stats", "--cache-dir", cache, "--watch"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [wdscache_exe(), "stats", "--cache-dir", cache, "--watch"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         frame = read_frames(proc, 1, 20)
         proc.send_signal(signal.SIGINT)

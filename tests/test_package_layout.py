@@ -39,13 +39,18 @@ def test_every_module_lives_in_one_of_the_three_folders():
 
 
 def test_a_sample_worker_imports_only_what_serving_needs():
-    code = ("import sys, wdscache.agent.worker; "
-            "print(' '.join(sorted(m for m in sys.modules if m.startswith('wdscache'))))")
+    code = (
+        "import sys, wdscache.agent.worker; print(' '.join(sorted(m for m in sys.modules if m.startswith('wdscache'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     loaded = set(out.stdout.split())
-    allowed = {"wdscache", "wdscache.agent", "wdscache.shared"} | {
-        f"wdscache.agent.{m}" for m in ("worker", "shardview", "sampletable", "growing")} | {
-        f"wdscache.shared.{m}" for m in ("errors", "layout", "logs", "malloc", "messages", "protocol", "redact",
-                                         "samples", "tarwalk")}
+    allowed = (
+        {"wdscache", "wdscache.agent", "wdscache.shared"}
+        | {f"wdscache.agent.{m}" for m in ("worker", "shardview", "sampletable", "growing")}
+        | {
+            f"wdscache.shared.{m}"
+            for m in ("errors", "layout", "logs", "malloc", "messages", "protocol", "redact", "samples", "tarwalk")
+        }
+    )
     assert loaded <= allowed, sorted(loaded - allowed)
     assert not any(m.startswith("wdscache.training") for m in loaded)

@@ -95,8 +95,9 @@ def most_at_once(server, name: str) -> int:
     return most
 
 
-def test_a_large_shard_comes_in_concurrent_parts_each_byte_once(shard_server, dataset, start_agent, consumers,
-                                                                 tmp_path):
+def test_a_large_shard_comes_in_concurrent_parts_each_byte_once(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
     ds = dataset(1, **SHAPE)
     name, size = ds.paths[0].name, ds.paths[0].stat().st_size
     assert size > 4 * PART
@@ -129,8 +130,9 @@ def test_a_cut_part_resumes_alone(shard_server, dataset, start_agent, tmp_path):
     reqs = gets(shard_server, name)
     cut = [r for r in reqs if r.fault == "cut"]
     assert len(cut) == 1 and cut[0].range == second and cut[0].bytes_sent == 100_000, reqs
-    resumes = [r for r in reqs if r.fault is None and spans([r.range])[0][1] == 2 * PART - 1
-               and spans([r.range])[0][0] > PART]
+    resumes = [
+        r for r in reqs if r.fault is None and spans([r.range])[0][1] == 2 * PART - 1 and spans([r.range])[0][0] > PART
+    ]
     assert len(resumes) == 1, f"the cut part was not resumed from its bytes: {reqs}\n{agent.stderr_tail()}"
     start = spans([resumes[0].range])[0][0]
     assert PART < start <= PART + 100_000
@@ -141,20 +143,20 @@ def test_a_cut_part_resumes_alone(shard_server, dataset, start_agent, tmp_path):
     assert "retrying bytes" in agent.stderr_text(), agent.stderr_tail()
 
 
-def test_an_object_changed_mid_download_is_fetched_whole_never_spliced(shard_server, dataset, start_agent,
-                                                                       tmp_path):
+def test_an_object_changed_mid_download_is_fetched_whole_never_spliced(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(1, **SHAPE)
     src = ds.paths[0]
     name = src.name
-    replacement = make_shard(tmp_path / "v2" / name, synth_samples(0, SHAPE["samples"], payload=SHAPE["payload"],
-                                                                   seed=7))
+    replacement = make_shard(
+        tmp_path / "v2" / name, synth_samples(0, SHAPE["samples"], payload=SHAPE["payload"], seed=7)
+    )
     assert replacement.read_bytes() != src.read_bytes()
     shard_server.rate = 300_000
     cache = tmp_path / "cache"
-    agent = start_agent(cache, ds.list_file, *PARTS, "--download-parts", "2", "--prefetch", "1",
-                        "--cache-size", "20M")
-    wait_for(lambda: len(gets(shard_server, name)) >= 2, DEADLINE,
-             lambda: f"the parts never started\n{agent.stderr_tail()}")
+    agent = start_agent(cache, ds.list_file, *PARTS, "--download-parts", "2", "--prefetch", "1", "--cache-size", "20M")
+    wait_for(
+        lambda: len(gets(shard_server, name)) >= 2, DEADLINE, lambda: f"the parts never started\n{agent.stderr_tail()}"
+    )
     os.replace(replacement, src)  # bodies under way go on with the old file; new requests see the new one
     shard_server.rate = None
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "the changed shard was never cached")
@@ -165,13 +167,16 @@ def test_an_object_changed_mid_download_is_fetched_whole_never_spliced(shard_ser
     # after the refusal, the download starts over from byte 0 without naming a version
     restart = next(i for i, r in enumerate(reqs) if i > stale[0] and r.range and r.range.startswith("bytes=0-"))
     assert reqs[restart].if_range is None and reqs[restart].status == 206, reqs
-    assert_tiles(spans([r.range for r in reqs[restart:]]), src.stat().st_size)  # the new version, in parts, each byte once
+    assert_tiles(
+        spans([r.range for r in reqs[restart:]]), src.stat().st_size
+    )  # the new version, in parts, each byte once
     assert "the object changed during the download, starting over" in agent.stderr_text(), agent.stderr_tail()
     assert partial_files(cache) == []
 
 
-def test_a_part_answered_without_the_first_answers_etag_starts_the_shard_over(shard_server, dataset, start_agent,
-                                                                              tmp_path):
+def test_a_part_answered_without_the_first_answers_etag_starts_the_shard_over(
+    shard_server, dataset, start_agent, tmp_path
+):
     # The server ignores If-Range, and after the change sends Last-Modified only: a part's answer
     # then has no ETag at all, which is not the version the first answer named.
     ds = dataset(1, **SHAPE)
@@ -189,7 +194,7 @@ def test_a_part_answered_without_the_first_answers_etag_starts_the_shard_over(sh
     restart = max(i for i, r in enumerate(reqs) if r.range == f"bytes=0-{PART - 1}")
     assert restart > 0 and reqs[restart].if_range is None, reqs
     assert_tiles(spans([r.range for r in reqs[restart:]]), size)  # the new version, in parts, each byte once
-    assert all(r.if_range and "GMT" in r.if_range for r in reqs[restart + 1:]), reqs  # named by its date now
+    assert all(r.if_range and "GMT" in r.if_range for r in reqs[restart + 1 :]), reqs  # named by its date now
     assert "a part's answer is for another version" in agent.stderr_text(), agent.stderr_tail()
     assert partial_files(cache) == []
 
@@ -206,8 +211,9 @@ def test_a_server_without_range_support_gets_one_connection(shard_server, datase
     assert [(r.status, r.bytes_sent) for r in reqs] == [(200, size)], reqs
 
 
-def test_sigkill_mid_download_then_restart_fetches_only_what_was_not_on_disk(shard_server, dataset, start_agent,
-                                                                             tmp_path):
+def test_sigkill_mid_download_then_restart_fetches_only_what_was_not_on_disk(
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(1, samples=12, payload=200_000)  # about 2.4 MB: 10 parts
     name, size = ds.paths[0].name, ds.paths[0].stat().st_size
     shard_server.rate = 200_000
@@ -218,7 +224,8 @@ def test_sigkill_mid_download_then_restart_fetches_only_what_was_not_on_disk(sha
     def sides_under_way() -> bool:
         files = partial_files(cache)
         return sum(SIDE in p.name and p.stat().st_size > 0 for p in files) >= 2 and any(
-            SIDE not in p.name and p.stat().st_size > PART for p in files)
+            SIDE not in p.name and p.stat().st_size > PART for p in files
+        )
 
     wait_for(sides_under_way, DEADLINE, lambda: f"no parts under way: {partial_files(cache)}\n{first.stderr_tail()}")
     first.proc.send_signal(signal.SIGKILL)
@@ -236,8 +243,9 @@ def test_sigkill_mid_download_then_restart_fetches_only_what_was_not_on_disk(sha
     assert partial_files(cache) == []
 
 
-def test_a_kept_partial_resumed_from_a_server_that_ignores_if_range_is_never_spliced(shard_server, dataset,
-                                                                                     start_agent, tmp_path):
+def test_a_kept_partial_resumed_from_a_server_that_ignores_if_range_is_never_spliced(
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(1, samples=12, payload=200_000)  # about 2.4 MB: 10 parts
     src = ds.paths[0]
     name, size = src.name, src.stat().st_size
@@ -249,7 +257,8 @@ def test_a_kept_partial_resumed_from_a_server_that_ignores_if_range_is_never_spl
     def sides_under_way() -> bool:
         files = partial_files(cache)
         return any(SIDE in p.name and p.stat().st_size > 0 for p in files) and any(
-            SIDE not in p.name and p.stat().st_size > PART for p in files)
+            SIDE not in p.name and p.stat().st_size > PART for p in files
+        )
 
     wait_for(sides_under_way, DEADLINE, lambda: f"no parts under way: {partial_files(cache)}\n{first.stderr_tail()}")
     assert first.stop() == 0  # the partial file and its side files are kept for a resume
@@ -271,8 +280,7 @@ def test_a_kept_partial_resumed_from_a_server_that_ignores_if_range_is_never_spl
     assert partial_files(cache) == []
 
 
-def test_a_budget_without_room_for_parts_downloads_over_one_connection(shard_server, dataset, start_agent,
-                                                                       tmp_path):
+def test_a_budget_without_room_for_parts_downloads_over_one_connection(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(1, **SHAPE)
     name, size = ds.paths[0].name, ds.paths[0].stat().st_size
     cache = tmp_path / "cache"
@@ -295,7 +303,7 @@ needs_s3 = pytest.mark.skipif(store is None, reason="boto3 and moto are needed f
 @needs_s3
 def test_an_s3_object_comes_in_parts_each_byte_once(store, tmp_path, start_agent, consumers):
     urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)  # about 2 MB: 8 parts
-    key, size = urls[0][len("s3://"):], paths[0].stat().st_size
+    key, size = urls[0][len("s3://") :], paths[0].stat().st_size
     agent = start_on(start_agent, store, tmp_path, urls, *PARTS)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the object was not cached")
     assert cached(tmp_path / "cache", urls[0]) == paths[0].read_bytes()
@@ -312,7 +320,7 @@ def test_an_s3_object_comes_in_parts_each_byte_once(store, tmp_path, start_agent
 @needs_s3
 def test_an_s3_object_replaced_mid_download_is_fetched_anew_in_parts(store, tmp_path, start_agent):
     urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)
-    key = urls[0][len("s3://"):]
+    key = urls[0][len("s3://") :]
     replacement = make_shard(tmp_path / "v2" / paths[0].name, synth_samples(0, 10, payload=200_000, seed=9))
     old = store.etag("big/" + paths[0].name)
     store.proxy.cut(key, after=100_000, then=lambda: store.put("big/" + paths[0].name, replacement))
@@ -324,5 +332,5 @@ def test_an_s3_object_replaced_mid_download_is_fetched_anew_in_parts(store, tmp_
     assert refused and all(g.if_match == old for g in refused), got
     new = store.etag("big/" + paths[0].name)
     restart = max(i for i, g in enumerate(got) if g.range == f"bytes=0-{PART - 1}")
-    assert got[restart].if_match is None and all(g.if_match == new for g in got[restart + 1:]), got
+    assert got[restart].if_match is None and all(g.if_match == new for g in got[restart + 1 :]), got
     assert_tiles(spans([g.range for g in got[restart:]]), replacement.stat().st_size)

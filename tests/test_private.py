@@ -83,10 +83,25 @@ def test_private_agent_lives_while_a_second_loader_uses_it(tmp_path, dataset, co
     first = consumers(cache, "first", "--urls", str(data.list_file), "--job", "a", "--linger-until", str(go))
     pid = _agent_up(cache, private_agents, first.log)
     # Small requests, slowly read: the second loader needs the agent for most of its epoch.
-    second = consumers(cache, "second", "--urls", str(data.list_file), "--job", "b", "--seed", "3",
-                       "--request-size", "2", "--sleep", "0.1")
-    wait_for(lambda: _lines(second.out) >= 1, 30,
-             lambda: f"the second loader never got a sample\n{second.log.read_text()[-3000:]}")
+    second = consumers(
+        cache,
+        "second",
+        "--urls",
+        str(data.list_file),
+        "--job",
+        "b",
+        "--seed",
+        "3",
+        "--request-size",
+        "2",
+        "--sleep",
+        "0.1",
+    )
+    wait_for(
+        lambda: _lines(second.out) >= 1,
+        30,
+        lambda: f"the second loader never got a sample\n{second.log.read_text()[-3000:]}",
+    )
     go.touch()  # the first loader exits now, its epoch done, while the second is mid-epoch
     assert sorted((s["url"], s["key"]) for s in samples_of(first.wait())) == sorted(ref)
     assert _lines(second.out) < len(ref), "the second loader was not mid-epoch when the first one exited"
@@ -95,8 +110,11 @@ def test_private_agent_lives_while_a_second_loader_uses_it(tmp_path, dataset, co
     assert sorted((s["url"], s["key"]) for s in got) == sorted(ref)
     assert all(s["fields"] == ref[(s["url"], s["key"])] for s in got)
     assert _agent_log(cache).count(" serving ") == 1  # both used the first one's agent
-    wait_for(lambda: _gone(cache, pid), STOP_WITHIN,
-             lambda: f"the private agent {pid} outlived its last loader\n{_agent_log(cache)}")
+    wait_for(
+        lambda: _gone(cache, pid),
+        STOP_WITHIN,
+        lambda: f"the private agent {pid} outlived its last loader\n{_agent_log(cache)}",
+    )
 
 
 def test_private_agent_of_a_killed_loader_stops_by_itself(tmp_path, dataset, consumers, private_agents):
@@ -106,8 +124,11 @@ def test_private_agent_of_a_killed_loader_stops_by_itself(tmp_path, dataset, con
     pid = _agent_up(cache, private_agents, sole.log)
     wait_for(lambda: _lines(sole.out) >= 1, 30, lambda: f"the loader never got a sample\n{sole.log.read_text()}")
     sole.kill()  # SIGKILL: no close(), no atexit
-    wait_for(lambda: _gone(cache, pid), STOP_WITHIN,
-             lambda: f"the private agent {pid} of a killed loader kept running\n{_agent_log(cache)}")
+    wait_for(
+        lambda: _gone(cache, pid),
+        STOP_WITHIN,
+        lambda: f"the private agent {pid} of a killed loader kept running\n{_agent_log(cache)}",
+    )
 
 
 def test_two_loaders_starting_at_once_share_one_private_agent(tmp_path, dataset, consumers, private_agents):
@@ -118,8 +139,11 @@ def test_two_loaders_starting_at_once_share_one_private_agent(tmp_path, dataset,
     pid = _agent_up(cache, private_agents, both[0].log)
     for c in both:
         assert sorted((s["url"], s["key"]) for s in samples_of(c.wait())) == ref
-    wait_for(lambda: _gone(cache, pid), STOP_WITHIN,
-             lambda: f"the private agent {pid} outlived its loaders\n{_agent_log(cache)}")
+    wait_for(
+        lambda: _gone(cache, pid),
+        STOP_WITHIN,
+        lambda: f"the private agent {pid} outlived its loaders\n{_agent_log(cache)}",
+    )
     log = _agent_log(cache)
     assert log.count(" serving ") == 1 and "wdscache: error" not in log, log  # one agent started, none refused
 
@@ -135,15 +159,22 @@ def test_loader_arriving_while_the_private_agent_stops_starts_a_new_one(tmp_path
         old = _state(cache)["pid"]
     private_agents.append(old)
     # The agent has found no loader left and is shutting down: a loader coming now must not join it.
-    wait_for(lambda: "no loader uses this private agent" in _agent_log(cache), STOP_WITHIN,
-             lambda: f"the private agent never noticed its loader had gone\n{_agent_log(cache)}", interval=0.01)
+    wait_for(
+        lambda: "no loader uses this private agent" in _agent_log(cache),
+        STOP_WITHIN,
+        lambda: f"the private agent never noticed its loader had gone\n{_agent_log(cache)}",
+        interval=0.01,
+    )
     with CachedMultiLoader(data.urls, cache_dir=cache, job="b", rank=0, world_size=1, timeout=30) as loader:
         assert sorted((s["__url__"], s["__key__"]) for s in loader) == ref
         new = _state(cache)["pid"]
         private_agents.append(new)
     assert new != old
-    wait_for(lambda: _gone(cache, new), STOP_WITHIN, lambda: f"the new private agent outlived its loader\n"
-             f"{_agent_log(cache)}")
+    wait_for(
+        lambda: _gone(cache, new),
+        STOP_WITHIN,
+        lambda: f"the new private agent outlived its loader\n{_agent_log(cache)}",
+    )
 
 
 def test_a_loader_dropped_without_close_lets_its_private_agent_stop(tmp_path, dataset, private_agents):
@@ -159,5 +190,8 @@ def test_a_loader_dropped_without_close_lets_its_private_agent_stop(tmp_path, da
     private_agents.append(pid)
     del loader
     gc.collect()  # garbage, never closed: its lock goes with it
-    wait_for(lambda: _gone(cache, pid), STOP_WITHIN,
-             lambda: f"the private agent of a dropped loader kept running\n{_agent_log(cache)}")
+    wait_for(
+        lambda: _gone(cache, pid),
+        STOP_WITHIN,
+        lambda: f"the private agent of a dropped loader kept running\n{_agent_log(cache)}",
+    )

@@ -16,8 +16,15 @@ from wdscache.shared.messages import Reports, Requests
 
 SOURCE = Path(wdscache.__file__).parent
 REPLY_OPS = {"reply", "samples", "scanned", "error"}  # the op of a reply names its kind, not a request
-TYPES = {"str": str, "int": int, "bool": bool, "number": float, "list[str]": list[str], "list": list[Any],
-         "object": dict[str, Any]}
+TYPES = {
+    "str": str,
+    "int": int,
+    "bool": bool,
+    "number": float,
+    "list[str]": list[str],
+    "list": list[Any],
+    "object": dict[str, Any],
+}
 LINK_FIELDS = {"id", "auth"}  # what the link to a worker adds to a request, in place
 
 # Every message as the code builds it, once with every optional field and once with none.
@@ -25,8 +32,10 @@ URL, URLS = "http://127.0.0.1:1/a.tar", ["http://127.0.0.1:1/a.tar", "http://127
 REQUESTS, REPORTS = Requests("reader-1"), Reports("s" * 32)
 BUILT: dict[str, list[dict[str, Any]]] = {
     "auth": [Requests.auth("n" * 32)],
-    "hello": [REQUESTS.hello("job", 0, 1),
-              REQUESTS.hello("job", 1, 2, list_id="l", process=[1, 2, "boot", 3], shuffle_buffer=10, probe=True)],
+    "hello": [
+        REQUESTS.hello("job", 0, 1),
+        REQUESTS.hello("job", 1, 2, list_id="l", process=[1, 2, "boot", 3], shuffle_buffer=10, probe=True),
+    ],
     "put_urls": [REQUESTS.put_urls(0, URLS), REQUESTS.put_urls(0, URLS, [[5, 100, None], None])],
     "get_urls": [REQUESTS.get_urls(2)],
     "open": [REQUESTS.open(URL), REQUESTS.open(URL, ahead=URLS, wait=False, while_downloading=True)],
@@ -61,12 +70,24 @@ def test_every_op_the_agent_handles_is_in_the_table_and_nothing_else():
     to_agent = {m.op for m in protocol.MESSAGES if m.receiver == "agent"}
     # The agent serves the op sets of the table itself.
     assert (agent.CONTROL_OPS, agent.WORKER_OPS, agent.READER_OPS) == (
-        protocol.CONTROL_OPS, protocol.WORKER_OPS, protocol.READER_OPS)
+        protocol.CONTROL_OPS,
+        protocol.WORKER_OPS,
+        protocol.READER_OPS,
+    )
     # "auth" is answered at the door and "walked" passed on, before the table of handlers.
     assert set(protocol.CONTROL_OPS) | {"auth", "walked"} == to_agent
     assert set(protocol.WORKER_OPS) | {"walked"} == {m.op for m in protocol.MESSAGES if m.sender == "worker"}
-    assert set(protocol.READER_OPS) == {"hello", "put_urls", "get_urls", "open", "status", "release", "report",
-                                        "ping", "bye"}
+    assert set(protocol.READER_OPS) == {
+        "hello",
+        "put_urls",
+        "get_urls",
+        "open",
+        "status",
+        "release",
+        "report",
+        "ping",
+        "bye",
+    }
 
 
 def test_every_op_in_the_code_is_in_the_table():

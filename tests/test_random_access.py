@@ -52,11 +52,19 @@ def _shards(folder: Path, n: int, per_shard: int) -> list[Path]:
         for i in range(per_shard):
             arr = io.BytesIO()
             np.save(arr, np.arange(i + 3, dtype=np.int16))
-            samples.append({"__key__": f"s{s}/{i:03d}", "jpg": _image("JPEG", 10 * s + i),
-                            "png": _image("PNG", 10 * s + i + 1), "txt": f"text {s} {i} é".encode(),
-                            "cls": str(i % 5).encode(), "json": json.dumps({"s": s, "i": i}).encode(),
-                            "txt.gz": gzip.compress(f"zipped {s} {i}".encode(), mtime=0),
-                            "npy": arr.getvalue(), "bin": bytes(range(i, i + 40))})
+            samples.append(
+                {
+                    "__key__": f"s{s}/{i:03d}",
+                    "jpg": _image("JPEG", 10 * s + i),
+                    "png": _image("PNG", 10 * s + i + 1),
+                    "txt": f"text {s} {i} é".encode(),
+                    "cls": str(i % 5).encode(),
+                    "json": json.dumps({"s": s, "i": i}).encode(),
+                    "txt.gz": gzip.compress(f"zipped {s} {i}".encode(), mtime=0),
+                    "npy": arr.getvalue(),
+                    "bin": bytes(range(i, i + 40)),
+                }
+            )
         paths.append(make_shard(folder / f"part-{s:04d}.tar", samples))
     return paths
 
@@ -94,8 +102,13 @@ def local_index(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("transformations", ["PIL", "raw"])
-def test_every_sample_is_what_wids_returns(local_index: Path, start_agent: Callable[..., Any], tmp_path: Path,
-                                           monkeypatch: pytest.MonkeyPatch, transformations: str) -> None:
+def test_every_sample_is_what_wids_returns(
+    local_index: Path,
+    start_agent: Callable[..., Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    transformations: str,
+) -> None:
     monkeypatch.chdir(tmp_path)  # the index named relative to here: wids' __shard__ keeps it so
     kw: dict[str, Any] = {} if transformations == "PIL" else {"transformations": []}
     cache = tmp_path / "cache"
@@ -112,22 +125,32 @@ def test_every_sample_is_what_wids_returns(local_index: Path, start_agent: Calla
             assert list(mine) == list(theirs)  # the same keys, in the same order
             assert _plain(mine) == _plain(theirs), i
         sample = ours[13]
-        assert (sample["__key__"], sample["__index__"], sample["__shard__"], sample["__shardindex__"]) == \
-            ("s2/001", 13, "data/part-0002.tar", 1)
+        assert (sample["__key__"], sample["__index__"], sample["__shard__"], sample["__shardindex__"]) == (
+            "s2/001",
+            13,
+            "data/part-0002.tar",
+            1,
+        )
     finally:
         ours.close()
 
 
 @pytest.mark.slow
 def test_dataloader_workers_under_torch_samplers_read_what_wids_reads(
-        dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path) -> None:
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path
+) -> None:
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
     urls, _, list_file = dataset(4, samples=11, payload=700)
     index = _index(tmp_path / "index.json", urls, 11)
     cache = tmp_path / "cache"
     start_agent(cache, list_file, "--workers", "2")
-    r = subprocess.run([sys.executable, "-m", "tests.helpers.random_access_job", str(index), str(cache),
-                        str(tmp_path / "wids")], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.random_access_job", str(index), str(cache), str(tmp_path / "wids")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     reference = out["wids"]
@@ -179,8 +202,9 @@ def test_bad_indices_raise_index_error(local_index: Path, start_agent: Callable[
         ds.close()
 
 
-def test_a_shard_that_cannot_be_fetched_is_named(dataset: Callable[..., Any], start_agent: Callable[..., Any],
-                                                 shard_server: Any, tmp_path: Path) -> None:
+def test_a_shard_that_cannot_be_fetched_is_named(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path
+) -> None:
     urls, paths, list_file = dataset(2, samples=4, payload=300)
     paths[1].unlink()  # the server answers 404 for it
     cache = tmp_path / "cache"
@@ -218,8 +242,9 @@ def test_an_index_that_is_not_one_is_refused(tmp_path: Path) -> None:
         ShardListDataset([{"url": "a.tar", "nsamples": 1}, {"url": "b.tar"}], cache_dir=tmp_path)
 
 
-def test_it_reads_on_across_a_restarted_agent(local_index: Path, start_agent: Callable[..., Any],
-                                              tmp_path: Path) -> None:
+def test_it_reads_on_across_a_restarted_agent(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
     cache = tmp_path / "cache"
     agent = start_agent(cache, local_index, "--workers", "2")
     ds = ShardListDataset(local_index, cache_dir=cache, transformations=[])
@@ -237,12 +262,14 @@ def test_it_reads_on_across_a_restarted_agent(local_index: Path, start_agent: Ca
 
 
 def test_a_shard_that_does_not_hold_the_samples_the_index_says_is_named(
-        dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
     urls, _, list_file = dataset(2, samples=4, payload=300)
     cache = tmp_path / "cache"
     start_agent(cache, list_file)
-    ds = ShardListDataset([{"url": urls[0], "nsamples": 4}, {"url": urls[1], "nsamples": 5}], cache_dir=cache,
-                          transformations=[])
+    ds = ShardListDataset(
+        [{"url": urls[0], "nsamples": 4}, {"url": urls[1], "nsamples": 5}], cache_dir=cache, transformations=[]
+    )
     try:
         assert len(ds) == 9
         assert ds[3]["__key__"] == "s00000_00003"
@@ -253,8 +280,9 @@ def test_a_shard_that_does_not_hold_the_samples_the_index_says_is_named(
         ds.close()
 
 
-def test_its_errors_show_no_secret_of_a_url(dataset: Callable[..., Any], start_agent: Callable[..., Any],
-                                            tmp_path: Path) -> None:
+def test_its_errors_show_no_secret_of_a_url(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
     data = dataset(2, samples=4, payload=300)
     urls = [u.replace("://", "://USERSECRET:PASSWORDSECRET@", 1) + "?token=TOKENSECRET&v=1" for u in data.urls]
     data.list_file.write_text("\n".join(urls) + "\n")
@@ -277,8 +305,9 @@ def test_its_errors_show_no_secret_of_a_url(dataset: Callable[..., Any], start_a
         ds.close()
 
 
-def test_a_new_shard_read_as_the_agent_restarts_is_read_whole(local_index: Path, start_agent: Callable[..., Any],
-                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_shard_read_as_the_agent_restarts_is_read_whole(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / "cache"
     agent = start_agent(cache, local_index, "--workers", "2")
     ds = ShardListDataset(local_index, cache_dir=cache, transformations=[], lru_size=1)
@@ -306,12 +335,18 @@ def test_a_new_shard_read_as_the_agent_restarts_is_read_whole(local_index: Path,
 
 
 def test_a_forked_dataloader_worker_keeps_none_of_its_parents_cache_files_open(
-        local_index: Path, start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
     cache = tmp_path / "cache"
     start_agent(cache, local_index, "--workers", "2")
-    r = subprocess.run([sys.executable, "-m", "tests.helpers.random_access_fork_job", str(local_index), str(cache),
-                        "0", "7"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.random_access_fork_job", str(local_index), str(cache), "0", "7"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     parent, worker = out["parent"], out["worker"]

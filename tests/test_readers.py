@@ -34,7 +34,8 @@ def _lines(consumer) -> int:
 
 @pytest.mark.slow
 def test_list_edit_mid_epoch_lets_the_epoch_finish_on_its_list_and_the_next_takes_the_new(
-        tmp_path, dataset, start_agent, consumers):
+    tmp_path, dataset, start_agent, consumers
+):
     data = dataset(8, samples=10, payload=500)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--prefetch", "2")
@@ -53,16 +54,21 @@ def test_list_edit_mid_epoch_lets_the_epoch_finish_on_its_list_and_the_next_take
 
 
 def test_sigkilled_consumer_is_dropped_at_once_and_its_job_restarts_with_another_world_size(
-        tmp_path, dataset, start_agent, consumers):
+    tmp_path, dataset, start_agent, consumers
+):
     data = dataset(4, samples=100, payload=200)  # a shard stays pinned while its ids are in the shuffle buffer
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--prefetch", "2", "--reader-timeout", "60")
     old = consumers(cache, "old", "--job", "E", "--world-size", "2", "--sleep", "0.1")
-    agent.wait_stats(lambda s: "E" in s["jobs"] and s["agent"]["pinned"] > 0, 30,
-                     "the consumer never reported while holding a shard")
+    agent.wait_stats(
+        lambda s: "E" in s["jobs"] and s["agent"]["pinned"] > 0, 30, "the consumer never reported while holding a shard"
+    )
     old.kill()
-    agent.wait_stats(lambda s: not s["jobs"] and s["agent"]["consumers"] == 0 and s["agent"]["pinned"] == 0, 5,
-                     "the killed consumer still counts as live, or still pins shards")
+    agent.wait_stats(
+        lambda s: not s["jobs"] and s["agent"]["consumers"] == 0 and s["agent"]["pinned"] == 0,
+        5,
+        "the killed consumer still counts as live, or still pins shards",
+    )
     new = consumers(cache, "new", "--job", "E", "--world-size", "1")
     got = samples_of(new.wait())
     assert sorted((s["url"], s["key"]) for s in got) == sorted(reference(data.paths, data.urls))
@@ -81,18 +87,23 @@ def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, da
         for job, proc, shift in (("seen", procs[0], 0), ("reused", procs[1], 1)):
             claimed = process_identity(proc.pid)
             claimed[1] += shift  # another start time: the pid names another process now
-            hello = conn.request({"op": "hello", "reader": job, "job": job, "rank": 0, "world_size": 1,
-                                  "process": claimed})
+            hello = conn.request(
+                {"op": "hello", "reader": job, "job": job, "rank": 0, "world_size": 1, "process": claimed}
+            )
             assert hello["ok"], hello
             assert conn.request({"op": "open", "reader": job, "url": data.urls[0]})["ok"]
-        agent.wait_stats(lambda s: set(s["jobs"]) == {"seen", "reused"} and s["agent"]["pinned"] == 1, 5,
-                         "both readers in stats, the shard pinned")
+        agent.wait_stats(
+            lambda s: set(s["jobs"]) == {"seen", "reused"} and s["agent"]["pinned"] == 1,
+            5,
+            "both readers in stats, the shard pinned",
+        )
         for proc in procs:
             stop_process(proc)
         agent.wait_stats(lambda s: set(s["jobs"]) == {"reused"}, 3, "the reader of the very process was not dropped")
         # The other claimed a process the agent could not confirm: only its silence ends it.
-        agent.wait_stats(lambda s: not s["jobs"] and s["agent"]["pinned"] == 0, 15,
-                         "the silent reader was not timed out")
+        agent.wait_stats(
+            lambda s: not s["jobs"] and s["agent"]["pinned"] == 0, 15, "the silent reader was not timed out"
+        )
     finally:
         conn.close()
         for proc in procs:

@@ -44,7 +44,7 @@ def test_a_job_list_is_sent_in_pages_before_hello_and_read_back_in_pages(loop: L
     key = list_id(mine)
     assert hello(loop.readers, "c0", loop, list_id=key)["need_urls"] is True
     for offset in (0, 3):
-        page = mine[offset:offset + 3]
+        page = mine[offset : offset + 3]
         reply = loop.readers.op_put_urls(loop.request("put_urls", reader="c0", offset=offset, urls=page))
         assert reply == {"ok": True, "error": None}
     assert hello(loop.readers, "c0", loop, list_id=key)["ok"]
@@ -67,7 +67,9 @@ def test_ranks_of_one_job_must_agree_on_its_world_size(loop: Loop) -> None:
 
 def test_reports_are_kept_for_stats_and_bye_leaves_them_in_ended_jobs(loop: Loop) -> None:
     assert loop.readers.op_report(loop.request("report", reader="c0", samples=1)) == {
-        "ok": False, "error": "unknown reader; say hello first"}
+        "ok": False,
+        "error": "unknown reader; say hello first",
+    }
     hello(loop.readers, "c0", loop)
     loop.readers.op_report(loop.request("report", reader="c0", samples=10, bytes=100))
     assert list(loop.readers.view("latency")["jobs"]) == ["j"]

@@ -34,14 +34,25 @@ def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_ser
 
 
 # What the test server sends: its ETag and Last-Modified, one of them, or the other.
-SENDS = {"both": {"etags": True, "last_modified": True}, "etag": {"etags": True, "last_modified": False},
-         "date": {"etags": False, "last_modified": True}}
+SENDS = {
+    "both": {"etags": True, "last_modified": True},
+    "etag": {"etags": True, "last_modified": False},
+    "date": {"etags": False, "last_modified": True},
+}
 
 
-@pytest.mark.parametrize("cached_with, now, compared", [("both", "date", "Last-Modified"), ("both", "etag", "ETag"),
-                                                        ("date", "both", "Last-Modified"), ("etag", "both", "ETag")])
+@pytest.mark.parametrize(
+    "cached_with, now, compared",
+    [
+        ("both", "date", "Last-Modified"),
+        ("both", "etag", "ETag"),
+        ("date", "both", "Last-Modified"),
+        ("etag", "both", "ETag"),
+    ],
+)
 def test_a_server_that_switched_validator_kind_is_compared_by_the_validator_both_have(
-        tmp_path, shard_server, dataset, start_agent, cached_with, now, compared):
+    tmp_path, shard_server, dataset, start_agent, cached_with, now, compared
+):
     data = dataset(2, samples=3, payload=1000)
     cache = tmp_path / "cache"
     vars(shard_server).update(SENDS[cached_with])
@@ -65,8 +76,9 @@ def test_a_server_that_switched_validator_kind_is_compared_by_the_validator_both
     assert f"{data.urls[1]} changed on the server ({compared} " in agent.stderr_text(), agent.stderr_tail()
 
 
-def test_a_copy_without_a_validator_in_common_with_its_server_is_fetched_again(tmp_path, shard_server, dataset,
-                                                                              start_agent):
+def test_a_copy_without_a_validator_in_common_with_its_server_is_fetched_again(
+    tmp_path, shard_server, dataset, start_agent
+):
     data = dataset(2, samples=3, payload=1000)
     cache = tmp_path / "cache"
     vars(shard_server).update(SENDS["etag"])

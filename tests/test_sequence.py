@@ -25,15 +25,17 @@ def ids(n: int) -> list[SampleId]:
     return [(0, i) for i in range(n)]
 
 
-def deal(total: int, world: int, resume: Resume, drop_last: bool, block: int,
-         stop: int | None = None, ahead: int = 0) -> tuple[list[RankShare], list[list[SampleId]]]:
+def deal(
+    total: int, world: int, resume: Resume, drop_last: bool, block: int, stop: int | None = None, ahead: int = 0
+) -> tuple[list[RankShare], list[list[SampleId]]]:
     """Every rank's share, each cut after ``stop`` samples if given; rank r has read
     ``r * ahead`` pairs past those (as a loader's requests run ahead of its user)."""
     shares = [RankShare(world, r, resume=resume, drop_last=drop_last, block=block) for r in range(world)]
     got: list[list[SampleId]] = []
     for r, share in enumerate(shares):
-        pairs = [sid for _, sid in itertools.islice(share.pairs(ids(total)), None if stop is None
-                                                    else stop + r * ahead)]
+        pairs = [
+            sid for _, sid in itertools.islice(share.pairs(ids(total)), None if stop is None else stop + r * ahead)
+        ]
         got.append(pairs[:stop])
     return shares, got
 
@@ -97,8 +99,8 @@ def test_resume_normal_form() -> None:
     ahead=st.sampled_from([0, 1, 9]),
 )
 def test_any_chain_of_checkpoints_delivers_each_sample_once_with_equal_counts(
-        total: int, block: int, drop_last: bool, hops: list[tuple[int, float, int]], last_world: int,
-        ahead: int) -> None:
+    total: int, block: int, drop_last: bool, hops: list[tuple[int, float, int]], last_world: int, ahead: int
+) -> None:
     resume = Resume()
     delivered: Counter[SampleId] = Counter()
     for world, fraction, who in hops:
@@ -129,8 +131,18 @@ def test_any_chain_of_checkpoints_delivers_each_sample_once_with_equal_counts(
 
 def test_loader_reads_a_version_1_checkpoint_and_refuses_a_malformed_one(tmp_path) -> None:
     loader = CachedMultiLoader(["http://127.0.0.1:9/a.tar"], cache_dir=tmp_path, shuffle=False)
-    loader.load_state_dict({"version": 1, "epoch": 2, "position": 7, "seed": 0, "shuffle": False,
-                            "shuffle_buffer": 1000, "drop_last": False, "urls": None})
+    loader.load_state_dict(
+        {
+            "version": 1,
+            "epoch": 2,
+            "position": 7,
+            "seed": 0,
+            "shuffle": False,
+            "shuffle_buffer": 1000,
+            "drop_last": False,
+            "urls": None,
+        }
+    )
     state = loader.state_dict()
     assert (state["version"], state["epoch"], state["position"], state["done"]) == (2, 2, 7, [])
     loader.load_state_dict({**state, "done": [[9, 12]]})

@@ -133,9 +133,7 @@ def test_etag_changes_with_content(server: ShardServer, http: requests.Session, 
 
 
 def test_gzip_type_and_quoted_names(server: ShardServer, http: requests.Session, data: bytes) -> None:
-    assert http.get(server.url("data.tar.gz"), timeout=TIMEOUT).headers["Content-Type"] == (
-        "application/gzip"
-    )
+    assert http.get(server.url("data.tar.gz"), timeout=TIMEOUT).headers["Content-Type"] == ("application/gzip")
     url = server.url("sub dir/x y#1.tar")
     assert "%20" in url and "%23" in url
     r = http.get(url, timeout=TIMEOUT)
@@ -154,9 +152,7 @@ def test_gzip_type_and_quoted_names(server: ShardServer, http: requests.Session,
         (f"bytes={SIZE - 1}-{SIZE - 1}", SIZE - 1, SIZE - 1),
     ],
 )
-def test_range_206(
-    server: ShardServer, http: requests.Session, data: bytes, spec: str, first: int, last: int
-) -> None:
+def test_range_206(server: ShardServer, http: requests.Session, data: bytes, spec: str, first: int, last: int) -> None:
     r = http.get(server.url("data.tar"), headers={"Range": spec}, timeout=TIMEOUT)
     assert r.status_code == 206
     assert r.headers["Content-Range"] == f"bytes {first}-{last}/{SIZE}"
@@ -166,8 +162,7 @@ def test_range_206(
 
 @pytest.mark.parametrize(
     ("name", "spec"),
-    [("data.tar", f"bytes={SIZE}-"), ("data.tar", "bytes=-0"), ("empty.tar", "bytes=0-"),
-     ("empty.tar", "bytes=-5")],
+    [("data.tar", f"bytes={SIZE}-"), ("data.tar", "bytes=-0"), ("empty.tar", "bytes=0-"), ("empty.tar", "bytes=-5")],
 )
 def test_range_416(server: ShardServer, http: requests.Session, name: str, spec: str) -> None:
     r = http.get(server.url(name), headers={"Range": spec}, timeout=TIMEOUT)
@@ -207,8 +202,7 @@ def test_missing_and_outside_root(server: ShardServer, http: requests.Session, r
     assert http.get(server.url("nope.tar"), timeout=TIMEOUT).status_code == 404
     assert http.get(server.url("sub dir"), timeout=TIMEOUT).status_code == 404  # a directory
     # Raw requests, because clients normalise ".." away before sending.
-    for path in ("/../secret.tar", "/%2e%2e/secret.tar", "/sub%20dir/../../secret.tar",
-                 "/..%2fsecret.tar"):
+    for path in ("/../secret.tar", "/%2e%2e/secret.tar", "/sub%20dir/../../secret.tar", "/..%2fsecret.tar"):
         status, _, body, _ = raw_get(server.port, path)
         assert status == 403, path
         assert b"outside" not in body
@@ -232,7 +226,8 @@ def test_many_concurrent_clients(server: ShardServer, data: bytes) -> None:
     def fetch(i: int) -> bytes:
         start = i * 1000
         r = requests.get(
-            server.url("data.tar"), headers={"Range": f"bytes={start}-{start + 4999}"},
+            server.url("data.tar"),
+            headers={"Range": f"bytes={start}-{start + 4999}"},
             timeout=TIMEOUT,
         )
         return r.content
@@ -256,9 +251,7 @@ def test_ranges_match_a_model(tmp_path: Path) -> None:
         def check(first: int | None, last: int | None) -> None:
             spec = f"bytes={'' if first is None else first}-{'' if last is None else last}"
             r = http.get(srv.url("m.tar"), headers={"Range": spec}, timeout=TIMEOUT)
-            if (first is None and last is None) or (
-                first is not None and last is not None and last < first
-            ):
+            if (first is None and last is None) or (first is not None and last is not None and last < first):
                 assert r.status_code == 200 and r.content == body  # invalid: ignored
             elif first is None:
                 assert last is not None
@@ -302,8 +295,7 @@ def test_ttfb(server: ShardServer, http: requests.Session) -> None:
 # -- faults ----------------------------------------------------------------------
 
 
-def test_fault_status_with_retry_after(server: ShardServer, http: requests.Session,
-                                       data: bytes) -> None:
+def test_fault_status_with_retry_after(server: ShardServer, http: requests.Session, data: bytes) -> None:
     server.fail("data.tar", "status", times=2, status=503, retry_after=7)
     for _ in range(2):
         r = http.get(server.url("data.tar"), timeout=TIMEOUT)
@@ -376,9 +368,7 @@ def test_fault_stall(server: ShardServer, http: requests.Session, data: bytes) -
 def test_fault_html(server: ShardServer, http: requests.Session, data: bytes) -> None:
     server.fail("data.tar", "html")
     # HEAD neither sees nor consumes a non-status fault.
-    assert http.head(server.url("data.tar"), timeout=TIMEOUT).headers["Content-Type"] == (
-        "application/x-tar"
-    )
+    assert http.head(server.url("data.tar"), timeout=TIMEOUT).headers["Content-Type"] == ("application/x-tar")
     r = http.get(server.url("data.tar"), headers={"Range": "bytes=0-9"}, timeout=TIMEOUT)
     assert r.status_code == 200
     assert r.headers["Content-Type"].startswith("text/html")
@@ -394,8 +384,9 @@ def test_fault_no_range(server: ShardServer, http: requests.Session, data: bytes
     assert r.status_code == 206 and r.content == data[10:20]
 
 
-def test_fault_change_replaces_the_file_mid_body(server: ShardServer, http: requests.Session, data: bytes,
-                                                root: Path) -> None:
+def test_fault_change_replaces_the_file_mid_body(
+    server: ShardServer, http: requests.Session, data: bytes, root: Path
+) -> None:
     before = http.head(server.url("data.tar"), timeout=TIMEOUT).headers
     new = bytes(b ^ 0xFF for b in data)
     server.fail("data.tar", "change", after=5000, content=new, etags=False)
@@ -409,8 +400,9 @@ def test_fault_change_replaces_the_file_mid_body(server: ShardServer, http: requ
         server.fail("data.tar", "change")
 
 
-def test_validators_and_if_range_are_switchable(server: ShardServer, http: requests.Session, data: bytes,
-                                                root: Path) -> None:
+def test_validators_and_if_range_are_switchable(
+    server: ShardServer, http: requests.Session, data: bytes, root: Path
+) -> None:
     etag = http.head(server.url("data.tar"), timeout=TIMEOUT).headers["ETag"]
     stale = {"Range": "bytes=10-19", "If-Range": '"another"'}
     assert http.get(server.url("data.tar"), headers=stale, timeout=TIMEOUT).status_code == 200
@@ -477,9 +469,7 @@ def test_request_log(server: ShardServer, http: requests.Session, root: Path) ->
 # -- robustness and shutdown -----------------------------------------------------
 
 
-def test_early_disconnects_are_quiet(
-    server: ShardServer, data: bytes, capfd: pytest.CaptureFixture[str]
-) -> None:
+def test_early_disconnects_are_quiet(server: ShardServer, data: bytes, capfd: pytest.CaptureFixture[str]) -> None:
     for _ in range(5):
         r = requests.get(server.url("data.tar"), stream=True, timeout=TIMEOUT)
         next(r.iter_content(1024))
@@ -614,8 +604,13 @@ def test_make_dataset_served_and_listed(tmp_path: Path, http: requests.Session) 
 
 @pytest.mark.parametrize(
     "sample",
-    [{"cls": b"1"}, {"__key__": "a.b", "cls": b"1"}, {"__key__": "../k", "cls": b"1"},
-     {"__key__": "k", "cls": "not bytes"}, {"__key__": "k", "": b"1"}],
+    [
+        {"cls": b"1"},
+        {"__key__": "a.b", "cls": b"1"},
+        {"__key__": "../k", "cls": b"1"},
+        {"__key__": "k", "cls": "not bytes"},
+        {"__key__": "k", "": b"1"},
+    ],
 )
 def test_make_shard_rejects_unreadable_samples(tmp_path: Path, sample: dict) -> None:
     with pytest.raises((ValueError, TypeError)):

@@ -73,15 +73,17 @@ def test_index_gives_webdatasets_counts_and_the_files_sizes_reading_each_shard_o
     assert doc["__kind__"] == KIND == "wids-shard-index-v1" and doc["wids_version"] == 1
     assert doc["shardlist"] == [
         {"url": url, "nsamples": wds_count(p), "filesize": p.stat().st_size, "md5sum": md5_of(p)}
-        for url, p in zip(urls, paths)]
+        for url, p in zip(urls, paths)
+    ]
     assert [e["nsamples"] for e in doc["shardlist"]] == [7, 7, 7, 5]
     assert all(gets(shard_server, p.name) == 1 for p in paths)  # each shard read once
     assert not list(tmp_path.glob(".wdscache-index-*"))  # its scratch files are gone
 
 
 @NEEDS_TESTDATA
-def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index(tmp_path, shard_server,
-                                                                                start_agent, consumers):
+def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index(
+    tmp_path, shard_server, start_agent, consumers
+):
     data = tmp_path / "data"
     data.mkdir()
     for name in REAL_SHARDS:
@@ -90,13 +92,20 @@ def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index
     shutil.copy(TESTDATA / REAL_SHARDS[1], shard_server.root / REAL_SHARDS[1])
     remote = shard_server.url(REAL_SHARDS[1])
     doc = make_index(data / "index.json", *(data / n for n in REAL_SHARDS), outside, remote)
-    expected = [{"url": n, "nsamples": wds_count(data / n), "filesize": (data / n).stat().st_size,
-                 "md5sum": md5_of(data / n)} for n in REAL_SHARDS]
+    expected = [
+        {"url": n, "nsamples": wds_count(data / n), "filesize": (data / n).stat().st_size, "md5sum": md5_of(data / n)}
+        for n in REAL_SHARDS
+    ]
     expected.append({**expected[0], "url": str(outside)})  # outside the index's folder: absolute
     expected.append({**expected[1], "url": remote})
     assert doc["shardlist"] == expected
     assert {e["url"]: e["nsamples"] for e in expected[:5]} == {
-        "compressed.tar": 3, "mpdata.tar": 100, "sample.tgz": 90, "tendata.tar": 100, "testgz.tar": 1000}
+        "compressed.tar": 3,
+        "mpdata.tar": 100,
+        "sample.tgz": 90,
+        "tendata.tar": 100,
+        "testgz.tar": 1000,
+    }
     # The agent on that index: every download checked against it (sample.tgz by its compressed size,
     # and the samples of the tar inside), and an epoch byte-equal to webdataset's reader.
     paths = [data / n for n in REAL_SHARDS] + [Path(outside), shard_server.root / REAL_SHARDS[1]]
@@ -112,8 +121,12 @@ def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index
 def test_index_shows_a_progress_bar_on_a_terminal(tmp_path, shard_server):
     paths = make_dataset(shard_server.root, 3, 2)
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([wdscache_exe(), "index", *(shard_server.url(p.name) for p in paths), "-o",
-                             tmp_path / "index.json"], stdin=secondary, stdout=secondary, stderr=secondary)
+    proc = subprocess.Popen(
+        [wdscache_exe(), "index", *(shard_server.url(p.name) for p in paths), "-o", tmp_path / "index.json"],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+    )
     os.close(secondary)
     out, deadline = b"", time.monotonic() + 30
     try:
@@ -179,10 +192,13 @@ def test_len_is_known_before_any_shard_is_read(tmp_path, shard_server, start_age
     shard_server.stop()  # no shard can be read now: the counts come from the indexes
     cache = tmp_path / "cache"
     agent = start_agent(cache, tmp_path / "lists" / "index.json")
-    with CachedMultiLoader(cache_dir=cache, timeout=30) as own, \
-            CachedMultiLoader(tmp_path / "job.json", cache_dir=cache, timeout=30) as job, \
-            CachedMultiLoader(tmp_path / "job.json", cache_dir=cache, timeout=30, world_size=2, rank=1,
-                              job="two", batch_size=4) as ranked:
+    with (
+        CachedMultiLoader(cache_dir=cache, timeout=30) as own,
+        CachedMultiLoader(tmp_path / "job.json", cache_dir=cache, timeout=30) as job,
+        CachedMultiLoader(
+            tmp_path / "job.json", cache_dir=cache, timeout=30, world_size=2, rank=1, job="two", batch_size=4
+        ) as ranked,
+    ):
         assert (len(own), len(job), len(ranked)) == (15, 19, 3)  # 19 samples: 10 for each rank, 3 batches
         assert agent.stats()["shards"]["cached"] == 0
         shard_server.start()
@@ -192,12 +208,13 @@ def test_len_is_known_before_any_shard_is_read(tmp_path, shard_server, start_age
 
 
 def changed_since_indexed(size: int, indexed: int) -> str:
-    return (f"the source is {size} bytes, but the shard index says {indexed}: the shard changed since it was "
-            "indexed; run 'wdscache index' again to make a new index")
+    return (
+        f"the source is {size} bytes, but the shard index says {indexed}: the shard changed since it was "
+        "indexed; run 'wdscache index' again to make a new index"
+    )
 
 
-def test_a_changed_size_fails_at_once_a_wrong_md5_after_two_downloads(tmp_path, shard_server, start_agent,
-                                                                       consumers):
+def test_a_changed_size_fails_at_once_a_wrong_md5_after_two_downloads(tmp_path, shard_server, start_agent, consumers):
     paths = make_dataset(shard_server.root, 5, 5, payload=1500)
     urls = [shard_server.url(p.name) for p in paths]
     index = tmp_path / "lists" / "index.json"
@@ -212,8 +229,11 @@ def test_a_changed_size_fails_at_once_a_wrong_md5_after_two_downloads(tmp_path, 
     requests_before = {p.name: gets(shard_server, p.name) for p in paths}  # `wdscache index` read each once
     cache = tmp_path / "cache"
     agent = start_agent(cache, index, "--no-shuffle")
-    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 3, CACHED_IN,
-                         "the three shards the index misdescribes did not fail")
+    s = agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 3,
+        CACHED_IN,
+        "the three shards the index misdescribes did not fail",
+    )
     failed = {f["url"]: f["error"] for f in s["failed"]}
     assert failed == {
         urls[1]: changed_since_indexed(size, indexed),  # the server said so first: no second copy
@@ -232,10 +252,12 @@ def test_a_changed_size_fails_at_once_a_wrong_md5_after_two_downloads(tmp_path, 
     assert f"cannot fetch {urls[1]}: {changed_since_indexed(size, indexed)}" in c.log.read_text()
 
 
-@pytest.mark.parametrize("how", [("--download-parts", "1"), ("--download-part-size", "64K")],
-                         ids=["one-get-200", "parts-206"])
-def test_a_shard_replaced_since_indexed_fails_on_the_size_its_first_answer_gives(tmp_path, shard_server,
-                                                                                  start_agent, how):
+@pytest.mark.parametrize(
+    "how", [("--download-parts", "1"), ("--download-part-size", "64K")], ids=["one-get-200", "parts-206"]
+)
+def test_a_shard_replaced_since_indexed_fails_on_the_size_its_first_answer_gives(
+    tmp_path, shard_server, start_agent, how
+):
     # Over one GET the 200's Content-Length says the size; in parts, the first 206's Content-Range
     # (the plan's total): either way the shard fails before its body is read, and only once.
     paths = make_dataset(shard_server.root, 2, 4, payload=60_000)  # ~250 KB: four parts of 64K
@@ -247,8 +269,11 @@ def test_a_shard_replaced_since_indexed_fails_on_the_size_its_first_answer_gives
     before = len(shard_server.requests)
     cache = tmp_path / "cache"
     agent = start_agent(cache, index, "--no-shuffle", *how)
-    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1, CACHED_IN,
-                         "the replaced shard did not fail")
+    s = agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1,
+        CACHED_IN,
+        "the replaced shard did not fail",
+    )
     assert s["failed"] == [{"url": urls[0], "error": changed_since_indexed(size, indexed)}]
     sent = [r for r in shard_server.requests[before:] if r.path == paths[0].name and r.method == "GET"]
     assert len(sent) == 1  # one request, not a second copy nor the other parts (a HEAD probes sizes at start)
@@ -263,7 +288,8 @@ def test_a_shard_replaced_since_indexed_fails_on_the_size_its_first_answer_gives
 
 
 def test_a_copy_cached_before_that_is_unlike_the_index_is_downloaded_again_and_checked(
-        tmp_path, shard_server, start_agent):
+    tmp_path, shard_server, start_agent
+):
     paths = make_dataset(shard_server.root, 3, 4, payload=1000)
     urls = [shard_server.url(p.name) for p in paths]
     index = tmp_path / "lists" / "index.json"
@@ -280,8 +306,7 @@ def test_a_copy_cached_before_that_is_unlike_the_index_is_downloaded_again_and_c
     with CachedMultiLoader(cache_dir=cache, on_error="skip", shuffle=False, timeout=30) as loader:
         got = list(loader)
     s = agent.stats()
-    assert [(f["url"], f["error"]) for f in s["failed"]] == [
-        (urls[1], changed_since_indexed(size, size + 1))]
+    assert [(f["url"], f["error"]) for f in s["failed"]] == [(urls[1], changed_since_indexed(size, size + 1))]
     assert s["changed"] == 1
     assert [gets(shard_server, p.name) - b for p, b in zip(paths, before)] == [0, 1, 0]  # the others revalidated
     assert f"{urls[1]} is {size} bytes in the cache, but the shard index says {size + 1}" in agent.stderr_text()
@@ -304,39 +329,53 @@ def test_a_job_index_is_checked_too(tmp_path, shard_server, start_agent, consume
     lines = consumers(cache, "c", "--urls", str(job), "--on-error", "skip", "--no-shuffle").wait()
     assert as_samples(lines) == reference(paths[1:], urls[1:])
     s = agent.stats()
-    assert [(f["url"], f["error"]) for f in s["failed"]] == [
-        (urls[0], changed_since_indexed(good, good - 1))]
+    assert [(f["url"], f["error"]) for f in s["failed"]] == [(urls[0], changed_since_indexed(good, good - 1))]
 
 
 # -- malformed indexes --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"shardlist": [{"url": "a.tar", "nsamples": 1}, {"url": "b.tar", "nsamples": "3"}]}',
-     "shardlist[1] ('b.tar'): \"nsamples\" must be a whole number >= 0, not \"3\""),
-    ('{"shardlist": [{"url": "a.tar"}]}', "shardlist[0] ('a.tar'): \"nsamples\" is missing"),
-    ('{"shardlist": [{"url": "a.tar", "nsamples": 1, "filesize": -1}]}',
-     "shardlist[0] ('a.tar'): \"filesize\" must be a whole number >= 0, not -1"),
-    ('{"shardlist": [{"url": "a.tar", "nsamples": 1, "md5sum": "xyz"}]}',
-     "shardlist[0] ('a.tar'): \"md5sum\" must be 32 hexadecimal digits, not \"xyz\""),
-    ('{"shardlist": [{"nsamples": 1}]}', "shardlist[0]: \"url\" must be a non-empty string"),
-    ('{"shardlist": [["a.tar", 1]]}', "shardlist[0]: an entry is an object"),
-    ('{"shardlist": [{"url": "a.tar", "nsamples": 1}, {"url": "./a.tar", "nsamples": 2}]}',
-     "shardlist[1] ('./a.tar'): listed before, as shardlist[0], with other facts"),
-    ('{"shardlist": [{"url": "ftp://h/a.tar", "nsamples": 1}]}', "shardlist[0] ('ftp://h/a.tar'): unknown scheme"),
-    ('{"shardlist": [{"url": "s3://b/train/", "nsamples": 1}]}', "names one object, not an s3:// prefix"),
-    ('{"__kind__": "wids-dataset-v2", "shardlist": []}', "\"__kind__\" is \"wids-dataset-v2\""),
-    ('{"wids_version": 2, "shardlist": []}', "\"wids_version\" is 2"),
-    ('{"wids_version": 1, "datasets": [{"source_url": "x.json"}]}', "sub-datasets (\"datasets\") are not supported"),
-    ('{"name": "x"}', "no \"shardlist\" list"),
-    ('{\n  "shardlist": [\n', "malformed JSON at line 3 column 1: Expecting value"),
-    ('[\n  {"url": "a.tar", "nsamples": 1}\n]', "a shard index is a JSON object with a \"shardlist\""),
-    ('{"shardlist": [{"url": "a.tar", "nsamples": 1000000000000000}]}',
-     "shardlist[0] ('a.tar'): \"nsamples\" is 1000000000000000, more than any shard holds (at most 8589934592"),
-    ('{"shardlist": [{"url": "a.tar", "nsamples": 21, "filesize": 10240}]}',
-     "shardlist[0] ('a.tar'): \"nsamples\" is 21, but a tar of 10240 bytes (\"filesize\") holds at most 20 "
-     "samples"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            '{"shardlist": [{"url": "a.tar", "nsamples": 1}, {"url": "b.tar", "nsamples": "3"}]}',
+            'shardlist[1] (\'b.tar\'): "nsamples" must be a whole number >= 0, not "3"',
+        ),
+        ('{"shardlist": [{"url": "a.tar"}]}', "shardlist[0] ('a.tar'): \"nsamples\" is missing"),
+        (
+            '{"shardlist": [{"url": "a.tar", "nsamples": 1, "filesize": -1}]}',
+            "shardlist[0] ('a.tar'): \"filesize\" must be a whole number >= 0, not -1",
+        ),
+        (
+            '{"shardlist": [{"url": "a.tar", "nsamples": 1, "md5sum": "xyz"}]}',
+            'shardlist[0] (\'a.tar\'): "md5sum" must be 32 hexadecimal digits, not "xyz"',
+        ),
+        ('{"shardlist": [{"nsamples": 1}]}', 'shardlist[0]: "url" must be a non-empty string'),
+        ('{"shardlist": [["a.tar", 1]]}', "shardlist[0]: an entry is an object"),
+        (
+            '{"shardlist": [{"url": "a.tar", "nsamples": 1}, {"url": "./a.tar", "nsamples": 2}]}',
+            "shardlist[1] ('./a.tar'): listed before, as shardlist[0], with other facts",
+        ),
+        ('{"shardlist": [{"url": "ftp://h/a.tar", "nsamples": 1}]}', "shardlist[0] ('ftp://h/a.tar'): unknown scheme"),
+        ('{"shardlist": [{"url": "s3://b/train/", "nsamples": 1}]}', "names one object, not an s3:// prefix"),
+        ('{"__kind__": "wids-dataset-v2", "shardlist": []}', '"__kind__" is "wids-dataset-v2"'),
+        ('{"wids_version": 2, "shardlist": []}', '"wids_version" is 2'),
+        ('{"wids_version": 1, "datasets": [{"source_url": "x.json"}]}', 'sub-datasets ("datasets") are not supported'),
+        ('{"name": "x"}', 'no "shardlist" list'),
+        ('{\n  "shardlist": [\n', "malformed JSON at line 3 column 1: Expecting value"),
+        ('[\n  {"url": "a.tar", "nsamples": 1}\n]', 'a shard index is a JSON object with a "shardlist"'),
+        (
+            '{"shardlist": [{"url": "a.tar", "nsamples": 1000000000000000}]}',
+            "shardlist[0] ('a.tar'): \"nsamples\" is 1000000000000000, more than any shard holds (at most 8589934592",
+        ),
+        (
+            '{"shardlist": [{"url": "a.tar", "nsamples": 21, "filesize": 10240}]}',
+            'shardlist[0] (\'a.tar\'): "nsamples" is 21, but a tar of 10240 bytes ("filesize") holds at most 20 '
+            "samples",
+        ),
+    ],
+)
 def test_a_malformed_index_names_the_file_and_the_entry(tmp_path, text, message):
     path = tmp_path / "index.json"
     path.write_text(text)
@@ -349,13 +388,16 @@ def test_a_malformed_index_names_the_file_and_the_entry(tmp_path, text, message)
 
 def test_the_agent_refuses_a_malformed_index_with_exit_2(tmp_path):
     path = tmp_path / "index.json"
-    path.write_text('{"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": [\n'
-                    '  {"url": "a.tar", "nsamples": 1, "filesize": 10240},\n'
-                    '  {"url": "b.tar", "nsamples": 2, "filesize": "big"}]}\n')
+    path.write_text(
+        '{"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": [\n'
+        '  {"url": "a.tar", "nsamples": 1, "filesize": 10240},\n'
+        '  {"url": "b.tar", "nsamples": 2, "filesize": "big"}]}\n'
+    )
     r = run_wdscache("agent", "--cache-dir", tmp_path / "cache", "--urls", path, "--min-free", "1M")
     assert r.returncode == 2, r.stderr
-    assert (f"wdscache: error: {path}: shardlist[1] ('b.tar'): \"filesize\" must be a whole number >= 0, "
-            "not \"big\"") in r.stderr
+    assert (
+        f'wdscache: error: {path}: shardlist[1] (\'b.tar\'): "filesize" must be a whole number >= 0, not "big"'
+    ) in r.stderr
     assert not (tmp_path / "cache").exists()  # refused before anything on disk changed
 
 
@@ -366,16 +408,22 @@ def test_a_truncated_index_is_malformed_json_to_every_reader(tmp_path, dataset):
     data = dataset(1, samples=4, payload=300)
     path = tmp_path / "index.json"
     path.write_text(TRUNCATED)
-    said = (f"{path}: malformed JSON at line 1 column 51: Expecting value (a file starting like JSON is read as "
-            "a shard index, wids JSON)")
+    said = (
+        f"{path}: malformed JSON at line 1 column 51: Expecting value (a file starting like JSON is read as "
+        "a shard index, wids JSON)"
+    )
     with pytest.raises(ShardIndexError) as caught:
         read_url_list(path)
     assert str(caught.value) == said
     with pytest.raises(ShardIndexError) as caught:
         CachedMultiLoader(path, cache_dir=tmp_path / "cache")
     assert str(caught.value) == said
-    for args in (["agent", "--urls", path, "--min-free", "1M"], ["prefetch", "--urls", path],
-                 ["prefetch", data.urls[0], "--urls", path], ["verify", "--index", path]):
+    for args in (
+        ["agent", "--urls", path, "--min-free", "1M"],
+        ["prefetch", "--urls", path],
+        ["prefetch", data.urls[0], "--urls", path],
+        ["verify", "--index", path],
+    ):
         r = run_wdscache(*args, "--cache-dir", tmp_path / "cache")
         assert (r.returncode, r.stderr) == (2, f"wdscache: error: {said}\n"), args
     assert not (tmp_path / "cache").exists()
@@ -409,13 +457,24 @@ def moto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str,
     moto_server = pytest.importorskip("moto.server")
     from scripts.s3_proxy import S3Proxy
 
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-                 "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "WDSCACHE_S3_ENDPOINT_URL"):
+    for name in (
+        "AWS_PROFILE",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_ROLE_ARN",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "WDSCACHE_S3_ENDPOINT_URL",
+    ):
         monkeypatch.delenv(name, raising=False)
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true"),
-                        ("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config")),
-                        ("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))):
+    for name, value in (
+        ("AWS_ACCESS_KEY_ID", "testing"),
+        ("AWS_SECRET_ACCESS_KEY", "testing"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+        ("AWS_EC2_METADATA_DISABLED", "true"),
+        ("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config")),
+        ("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials")),
+    ):
         monkeypatch.setenv(name, value)
     port = free_port_range(1)
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -439,19 +498,22 @@ def test_an_s3_index_is_written_and_a_wrong_size_in_it_is_caught(tmp_path, moto,
     urls = [f"s3://shards/train/{p.name}" for p in paths]
     index = tmp_path / "lists" / "index.json"
     doc = make_index(index, "s3://shards/train/", env={**os.environ, "WDSCACHE_S3_ENDPOINT_URL": endpoint})
-    assert doc["shardlist"] == [{"url": u, "nsamples": 5, "filesize": p.stat().st_size, "md5sum": md5_of(p)}
-                                for u, p in zip(urls, paths)]
-    assert all(len(proxy.gets(u[len("s3://"):])) == 1 for u in urls)
+    assert doc["shardlist"] == [
+        {"url": u, "nsamples": 5, "filesize": p.stat().st_size, "md5sum": md5_of(p)} for u, p in zip(urls, paths)
+    ]
+    assert all(len(proxy.gets(u[len("s3://") :])) == 1 for u in urls)
     size = doc["shardlist"][0]["filesize"]
     doc["shardlist"][0]["filesize"] = size * 2
     index.write_text(json.dumps(doc))
     cache = tmp_path / "cache"
     agent = start_agent(cache, index, "--s3-endpoint-url", endpoint)
-    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 1, CACHED_IN,
-                         "the misdescribed object did not fail")
-    assert s["failed"] == [{"url": urls[0],
-                            "error": changed_since_indexed(size, size * 2)}]
+    s = agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 1,
+        CACHED_IN,
+        "the misdescribed object did not fail",
+    )
+    assert s["failed"] == [{"url": urls[0], "error": changed_since_indexed(size, size * 2)}]
     # Once by the index, then the agent's: ContentLength failed the first before its body was read.
-    assert [len(proxy.gets(u[len("s3://"):])) for u in urls] == [2, 2, 2]
+    assert [len(proxy.gets(u[len("s3://") :])) for u in urls] == [2, 2, 2]
     lines = consumers(cache, "c", "--on-error", "skip", "--no-shuffle").wait()
     assert as_samples(lines) == reference(paths[1:], urls[1:])

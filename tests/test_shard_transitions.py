@@ -25,9 +25,12 @@ def test_every_transition_not_in_the_table_raises(start: Phase, to: Phase) -> No
 
 def test_the_table_is_the_one_in_the_module_docstring() -> None:
     assert shards.__doc__ is not None
-    rows = {(f, t) for line in shards.__doc__.splitlines()
-            if (words := line.split()) and words[0] in Phase.__members__ and words[-1] in Phase.__members__
-            for f, t in [(Phase[words[0]], Phase[words[-1]])]}
+    rows = {
+        (f, t)
+        for line in shards.__doc__.splitlines()
+        if (words := line.split()) and words[0] in Phase.__members__ and words[-1] in Phase.__members__
+        for f, t in [(Phase[words[0]], Phase[words[-1]])]
+    }
     assert rows == TRANSITIONS
 
 

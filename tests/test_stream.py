@@ -67,8 +67,9 @@ def test_sequence_does_not_depend_on_agent_workers(tmp_path, dataset, start_agen
     for workers in ("1", "3"):
         cache = tmp_path / f"cache{workers}"
         agent = start_agent(cache, data.list_file, "--workers", workers, "--prefetch", "4")
-        runs = [consumers(cache, f"w{workers}r{r}", "--rank", str(r), "--world-size", "2", "--seed", "3")
-                for r in range(2)]
+        runs = [
+            consumers(cache, f"w{workers}r{r}", "--rank", str(r), "--world-size", "2", "--seed", "3") for r in range(2)
+        ]
         seqs.append([[(s["url"], s["key"]) for s in samples_of(c.wait())] for c in runs])
         agent.stop()
     assert seqs[0] == seqs[1]
@@ -76,21 +77,37 @@ def test_sequence_does_not_depend_on_agent_workers(tmp_path, dataset, start_agen
 
 
 @pytest.mark.parametrize("world_before,world_after", [(3, 3), (3, 1), (2, 3)])
-def test_resume_mid_epoch_on_same_or_other_world_size(tmp_path, dataset, start_agent, consumers,
-                                                      world_before, world_after):
+def test_resume_mid_epoch_on_same_or_other_world_size(
+    tmp_path, dataset, start_agent, consumers, world_before, world_after
+):
     data = dataset(6, samples=6, payload=600)  # 36 samples
     cache = tmp_path / "cache"
     start_agent(cache, data.list_file, "--prefetch", "6")
-    first = [consumers(cache, f"p{r}", "--rank", str(r), "--world-size", str(world_before), "--stop-after", "5")
-             for r in range(world_before)]
+    first = [
+        consumers(cache, f"p{r}", "--rank", str(r), "--world-size", str(world_before), "--stop-after", "5")
+        for r in range(world_before)
+    ]
     before = [c.wait() for c in first]
     state = state_of(before[0])
     # 5 of each rank's first block of 8: a prefix of 5, plus 5 positions of each other block
     assert state["epoch"] == 0 and state["position"] == 5
     assert state["done"] == [[8 * r, 8 * r + 5] for r in range(1, world_before)]
     assert all(state_of(b) == state for b in before)
-    second = [consumers(cache, f"q{r}", "--job", "resumed", "--rank", str(r), "--world-size", str(world_after),
-                        "--resume", json.dumps(state)) for r in range(world_after)]
+    second = [
+        consumers(
+            cache,
+            f"q{r}",
+            "--job",
+            "resumed",
+            "--rank",
+            str(r),
+            "--world-size",
+            str(world_after),
+            "--resume",
+            json.dumps(state),
+        )
+        for r in range(world_after)
+    ]
     after = [samples_of(c.wait()) for c in second]
     delivered = Counter((s["url"], s["key"]) for b in before for s in samples_of(b))
     assert all(n == 1 for n in delivered.values())
@@ -109,8 +126,11 @@ def test_killed_consumer_does_not_disturb_other_job(tmp_path, dataset, start_age
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--prefetch", "6")
     victim = consumers(cache, "victim", "--job", "v", "--sleep", "0.2")
-    wait_for(lambda: victim.out.exists() and victim.out.read_text().count("\n") >= 2, 30,
-             "victim consumer never started reading")
+    wait_for(
+        lambda: victim.out.exists() and victim.out.read_text().count("\n") >= 2,
+        30,
+        "victim consumer never started reading",
+    )
     victim.kill()
     survivor = consumers(cache, "survivor", "--job", "s")
     got = samples_of(survivor.wait())
@@ -124,7 +144,9 @@ def test_absent_agent_is_a_clear_error_not_a_hang(tmp_path):
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, str(CONSUMER), "--cache-dir", str(cache), "--out", str(tmp_path / "o"), "--timeout", "2"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0
     assert "no wdscache agent answered" in proc.stderr
@@ -181,7 +203,8 @@ def test_lists_too_big_for_one_message_travel_in_pages(tmp_path, dataset, start_
 
 
 def test_elastic_restart_with_another_world_size_is_accepted_once_old_ranks_are_gone(
-        tmp_path, dataset, start_agent, consumers):
+    tmp_path, dataset, start_agent, consumers
+):
     data = dataset(3, samples=10, payload=500)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--prefetch", "3")  # --reader-timeout stays 60 s

@@ -35,7 +35,7 @@ PROC_DEADLINE = 60.0
 
 # A consumer process that reads ``pause_after`` samples, says so in ``marker``,
 # then waits (not reading) until the test creates ``go``, then reads the rest.
-SLOW_CONSUMER = r'''
+SLOW_CONSUMER = r"""
 import hashlib, json, logging, sys, time
 from pathlib import Path
 from wdscache import CachedMultiLoader, Tuning
@@ -65,7 +65,7 @@ with open(out, "w") as f:
                     sys.exit("never told to go on")
                 time.sleep(0.02)
     f.write(json.dumps({"done": n}) + "\n")
-'''
+"""
 
 
 # -- helpers -----------------------------------------------------------------------
@@ -102,12 +102,6 @@ def loader(cache: Path | None, job: str, **kw: Any) -> CachedMultiLoader:
     return CachedMultiLoader(kw.pop("urls", None), cache_dir=cache, job=job, **kw)
 
 
-
-
-
-
-
-
 def corrupt_later_member(path: Path, member_index: int) -> int:
     """Flip a byte in the name of member ``member_index``'s header (its checksum no longer matches)."""
     import tarfile
@@ -129,8 +123,12 @@ class SlowConsumer:
         self.marker, self.go = tmp / f"{name}.paused", tmp / f"{name}.go"
         cfg = {**cfg, "out": str(self.out), "marker": str(self.marker), "go": str(self.go)}
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(script), json.dumps(cfg)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
 
     @property
     def pid(self) -> int:
@@ -142,8 +140,10 @@ class SlowConsumer:
     def wait_paused(self, timeout: float = 30.0) -> None:
         def paused() -> bool:
             if self.proc.poll() is not None:
-                pytest.fail(f"consumer {self.name} exited {self.proc.returncode} before pausing\n"
-                            f"{self.log_tail()}", pytrace=False)
+                pytest.fail(
+                    f"consumer {self.name} exited {self.proc.returncode} before pausing\n{self.log_tail()}",
+                    pytrace=False,
+                )
             return self.marker.exists()
 
         wait_for(paused, timeout, lambda: f"consumer {self.name} never paused\n{self.log_tail()}")
@@ -216,18 +216,20 @@ def test_long_cache_dir_gets_private_socket_under_tmp(tmp_path, dataset, start_a
     assert endpoint.startswith(f"ipc://{folder}/") and endpoint.endswith(".sock"), endpoint
     assert agent.stats()["agent"]["endpoint"] == endpoint
     assert not (cache / "agent.sock").exists()
-    sock = Path(endpoint[len("ipc://"):])
+    sock = Path(endpoint[len("ipc://") :])
     st = sock.stat()
     assert stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid()
     assert stat.S_IMODE(st.st_mode) == 0o600, f"agent socket {sock} has mode {stat.S_IMODE(st.st_mode):o}"
     for i in range(2):
-        wsock = Path(f"{str(sock)[:-len('.sock')]}-w{i}.sock")
+        wsock = Path(f"{str(sock)[: -len('.sock')]}-w{i}.sock")
         wst = wsock.stat()
-        assert stat.S_ISSOCK(wst.st_mode) and stat.S_IMODE(wst.st_mode) == 0o600, \
+        assert stat.S_ISSOCK(wst.st_mode) and stat.S_IMODE(wst.st_mode) == 0o600, (
             f"worker socket {wsock} has mode {stat.S_IMODE(wst.st_mode):o}"
+        )
     fst = folder.stat()
-    assert fst.st_uid == os.getuid() and stat.S_IMODE(fst.st_mode) == 0o700, \
+    assert fst.st_uid == os.getuid() and stat.S_IMODE(fst.st_mode) == 0o700, (
         f"{folder} has mode {stat.S_IMODE(fst.st_mode):o}"
+    )
 
     got = delivered(list(loader(cache, "long")))
     assert got == reference(data.paths, data.urls)
@@ -237,8 +239,7 @@ def test_long_cache_dir_gets_private_socket_under_tmp(tmp_path, dataset, start_a
 # -- 2. TCP endpoints ------------------------------------------------------------------------
 
 
-def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_path, dataset, start_agent,
-                                                                          monkeypatch):
+def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_path, dataset, start_agent, monkeypatch):
     data = dataset(3, samples=5, payload=700)
     port = free_port_range(3)  # the agent on PORT, its 2 workers on PORT+1, PORT+2
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -259,8 +260,17 @@ def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_pa
     assert f"file://{data.paths[0]}" in str(info.value) and "http://" in str(info.value), str(info.value)
 
     remote_cache = tmp_path / "remote-cache"
-    r = run_wdscache("agent", "--cache-dir", remote_cache, "--urls", data.list_file, "--min-free", "1M",
-                     "--endpoint", f"tcp://0.0.0.0:{port + 10}")
+    r = run_wdscache(
+        "agent",
+        "--cache-dir",
+        remote_cache,
+        "--urls",
+        data.list_file,
+        "--min-free",
+        "1M",
+        "--endpoint",
+        f"tcp://0.0.0.0:{port + 10}",
+    )
     assert r.returncode == 2, f"exit {r.returncode}; stderr: {r.stderr}"
     assert "--allow-remote" in r.stderr and f"tcp://0.0.0.0:{port + 10}" in r.stderr, r.stderr
     assert not remote_cache.exists(), "a refused agent must not create its cache directory"
@@ -271,8 +281,7 @@ def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_pa
 
 
 @pytest.mark.parametrize("spelling", ["keywords", "tuning"])
-def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, start_agent, slow_consumer,
-                                                            spelling):
+def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, start_agent, slow_consumer, spelling):
     data = dataset(8, samples=20, payload=50_000)  # 160 samples, ~8 MB
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "8")
@@ -280,8 +289,16 @@ def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, s
     request_size, inflight, pause_after = 4, 2, 6
     # The knobs as keywords of their own (as callers always could) or as one Tuning.
     knobs = {"request_size": request_size, "inflight": inflight}
-    c = slow_consumer("slow", cache_dir=str(cache), job="slow", rank=0, world_size=1, timeout=LOADER_TIMEOUT,
-                      pause_after=pause_after, **(knobs if spelling == "keywords" else {"tuning": knobs}))
+    c = slow_consumer(
+        "slow",
+        cache_dir=str(cache),
+        job="slow",
+        rank=0,
+        world_size=1,
+        timeout=LOADER_TIMEOUT,
+        pause_after=pause_after,
+        **(knobs if spelling == "keywords" else {"tuning": knobs}),
+    )
     c.wait_paused()
     workers = worker_pids(agent.pid)
     assert len(workers) == 2, f"agent children: {[(p, cmdline(p)) for p in children_of(agent.pid)]}"
@@ -305,7 +322,8 @@ def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, s
     assert pause_after <= served(after) <= bound, (
         f"workers served {served(after)} samples to a consumer that read {pause_after} "
         f"(at most {inflight} requests of {request_size} may be outstanding: bound {bound}); "
-        f"workers: {after['agent']['workers']}\n{c.log_tail()}")
+        f"workers: {after['agent']['workers']}\n{c.log_tail()}"
+    )
     for name, values in rss.items():
         growth = max(values) - values[0]
         assert growth < 30 * 1024, f"{name} RSS grew by {growth} KiB while the consumer slept: {values}"
@@ -349,7 +367,7 @@ def test_map_batch_collate_and_len(tmp_path, dataset, start_agent):
     assert len(b_loader) == 4
 
     keyed = list(loader(cache, "collated", seed=7, batch_size=4, collate=_keys_collate))
-    assert keyed == [tuple(s["__key__"] for s in whole[i:i + 4]) for i in range(0, 15, 4)]
+    assert keyed == [tuple(s["__key__"] for s in whole[i : i + 4]) for i in range(0, 15, 4)]
 
 
 def test_counts_a_consumer_found_are_the_agents_when_its_epoch_ends(tmp_path, dataset, start_agent):
@@ -448,8 +466,11 @@ def test_missing_shard_raises_fetch_error_or_is_skipped(tmp_path, dataset, start
     list_file = write_url_list(tmp_path / "lists2" / "urls.txt", [*data.urls, missing_url])
     cache = tmp_path / "cache"
     agent = start_agent(cache, list_file, "--prefetch", "3")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 1, 30,
-                     "2 shards cached and the missing one failed")
+    agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 2 and s["shards"]["failed"] == 1,
+        30,
+        "2 shards cached and the missing one failed",
+    )
 
     got = delivered(list(loader(cache, "skipper", on_error="skip")))
     assert got == reference(data.paths, data.urls)
@@ -473,8 +494,17 @@ def _paused_job(tmp_path, dataset, start_agent, slow_consumer, job: str):
     data = dataset(4, samples=10, payload=1000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "4")
-    c = slow_consumer(job, cache_dir=str(cache), job=job, rank=0, world_size=1, timeout=LOADER_TIMEOUT,
-                      request_size=4, inflight=2, pause_after=7)
+    c = slow_consumer(
+        job,
+        cache_dir=str(cache),
+        job=job,
+        rank=0,
+        world_size=1,
+        timeout=LOADER_TIMEOUT,
+        request_size=4,
+        inflight=2,
+        pause_after=7,
+    )
     c.wait_paused()
     return data, cache, agent, c
 
@@ -484,8 +514,7 @@ def test_stats_json_shows_job_ranks_and_worker_busy_time(tmp_path, dataset, star
 
     def settled(s: dict[str, Any]) -> bool:
         r = s.get("jobs", {}).get("stats-job", {}).get("0", {})
-        return (r.get("samples") == 7 and r.get("rate") == 0
-                and all("busy_s" in w for w in s["agent"]["workers"]))
+        return r.get("samples") == 7 and r.get("rate") == 0 and all("busy_s" in w for w in s["agent"]["workers"])
 
     s = agent.wait_stats(settled, 15, "stats-job rank 0 reported 7 samples at rate 0 and workers busy_s")
     assert list(s["jobs"]) == ["stats-job"] and list(s["jobs"]["stats-job"]) == ["0"]
@@ -506,14 +535,16 @@ def test_stats_json_shows_job_ranks_and_worker_busy_time(tmp_path, dataset, star
 
     got = lines_delivered(c.finish())
     assert got == reference(data.paths, data.urls)
-    agent.wait_stats(lambda s: s["jobs"] == {} and s["agent"]["consumers"] == 0, 10,
-                     "the finished job gone from stats")
+    agent.wait_stats(lambda s: s["jobs"] == {} and s["agent"]["consumers"] == 0, 10, "the finished job gone from stats")
 
 
 def test_stats_human_readable_names_running_job(tmp_path, dataset, start_agent, slow_consumer):
     data, cache, agent, c = _paused_job(tmp_path, dataset, start_agent, slow_consumer, "human-job")
-    agent.wait_stats(lambda s: s.get("jobs", {}).get("human-job", {}).get("0", {}).get("samples") == 7, 15,
-                     "human-job rank 0 reported")
+    agent.wait_stats(
+        lambda s: s.get("jobs", {}).get("human-job", {}).get("0", {}).get("samples") == 7,
+        15,
+        "human-job rank 0 reported",
+    )
     r = run_wdscache("stats", "--cache-dir", cache)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
@@ -521,12 +552,13 @@ def test_stats_human_readable_names_running_job(tmp_path, dataset, start_agent, 
     assert at, f"`wdscache stats` does not mention the running job:\n{r.stdout}"
     # The rank on the job's line, or on the indented lines of the job's block just below it.
     block = [lines[at[0]]]
-    for line in lines[at[0] + 1:]:
+    for line in lines[at[0] + 1 :]:
         if not line.startswith((" ", "\t")):
             break
         block.append(line)
-    assert any(re.search(r"\brank\s*0\b|human-job/0\b|human-job\[0\]", line) for line in block), \
+    assert any(re.search(r"\brank\s*0\b|human-job/0\b|human-job\[0\]", line) for line in block), (
         f"no line of the job's block names its rank 0:\n{r.stdout}"
+    )
     assert len(lines_delivered(c.finish())) == 40
 
 
@@ -537,8 +569,9 @@ def test_second_consumer_with_other_world_size_is_refused(tmp_path, dataset, sta
     data = dataset(4, samples=5, payload=500)  # 20 samples
     cache = tmp_path / "cache"
     start_agent(cache, data.list_file, "--prefetch", "4")
-    first = slow_consumer("first", cache_dir=str(cache), job="shared-job", rank=0, world_size=2,
-                          timeout=LOADER_TIMEOUT, pause_after=2)
+    first = slow_consumer(
+        "first", cache_dir=str(cache), job="shared-job", rank=0, world_size=2, timeout=LOADER_TIMEOUT, pause_after=2
+    )
     first.wait_paused()
     with pytest.raises(WdsCacheError) as info:
         iter(loader(cache, "shared-job", rank=0, world_size=5))
@@ -605,16 +638,24 @@ def test_workers_do_not_outlive_a_killed_agent(tmp_path, dataset, start_agent):
     data = dataset(2, samples=3, payload=300)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--prefetch", "2", "--workers", "3")
-    workers = wait_for(lambda: (lambda w: w if len(w) == 3 else None)(worker_pids(agent.pid)), 10,
-                       lambda: f"agent children: {[(p, cmdline(p)) for p in children_of(agent.pid)]}")
+    workers = wait_for(
+        lambda: (lambda w: w if len(w) == 3 else None)(worker_pids(agent.pid)),
+        10,
+        lambda: f"agent children: {[(p, cmdline(p)) for p in children_of(agent.pid)]}",
+    )
     starts = children_of(agent.pid)  # pid -> start time
     assert set(workers) <= set(starts)
     agent.proc.send_signal(signal.SIGKILL)
     agent.proc.wait(10)
     try:
-        wait_for(lambda: not any(alive(p, t) for p, t in starts.items()), 10,
-                 lambda: "still alive after the agent was SIGKILLed: "
-                         f"{[(p, cmdline(p)) for p, t in starts.items() if alive(p, t)]}")
+        wait_for(
+            lambda: not any(alive(p, t) for p, t in starts.items()),
+            10,
+            lambda: (
+                "still alive after the agent was SIGKILLed: "
+                f"{[(p, cmdline(p)) for p, t in starts.items() if alive(p, t)]}"
+            ),
+        )
     finally:
         for p, t in starts.items():  # leave nothing behind if the test failed
             if alive(p, t):

@@ -41,8 +41,9 @@ class ScriptedAgent:
         reply = self.replies.get(header["op"], {"ok": True})
         return reply(header) if callable(reply) else reply
 
-    def request_patiently(self, header: dict[str, Any], *, liveness: float, probe: dict[str, Any],
-                          every: float, on_probe: Any) -> dict[str, Any]:
+    def request_patiently(
+        self, header: dict[str, Any], *, liveness: float, probe: dict[str, Any], every: float, on_probe: Any
+    ) -> dict[str, Any]:
         on_probe({"state": "downloading", "written": 10})
         return self.request(header)
 
@@ -124,31 +125,41 @@ def reply(payloads: list[dict[str, bytes]], **extra: Any) -> tuple[dict[str, Any
             span += [len(blob), len(data)]
             blob += data
         spans.append(span)
-    header = {"ok": True, "keys": [f"k{i}" for i in range(len(payloads))],
-              "exts": [list(s) for s in payloads], "spans": spans, **extra}
+    header = {
+        "ok": True,
+        "keys": [f"k{i}" for i in range(len(payloads))],
+        "exts": [list(s) for s in payloads],
+        "spans": spans,
+        **extra,
+    }
     return header, [zmq.Frame(blob)]
 
 
 def test_a_reply_decodes_to_samples_and_their_payload_bytes() -> None:
     header, frames = reply([{"cls": b"1", "jpg": b"abcd"}, {"cls": b"22", "jpg": b""}])
     samples, sizes = decode_reply(header, frames, items(2, shard=2), URLS)
-    assert samples == [{"__key__": "k0", "__url__": URLS[2], "cls": b"1", "jpg": b"abcd"},
-                       {"__key__": "k1", "__url__": URLS[2], "cls": b"22", "jpg": b""}]
+    assert samples == [
+        {"__key__": "k0", "__url__": URLS[2], "cls": b"1", "jpg": b"abcd"},
+        {"__key__": "k1", "__url__": URLS[2], "cls": b"22", "jpg": b""},
+    ]
     assert sizes == [5, 2] and all(type(v) is bytes for s in samples for k, v in s.items() if k[0] != "_")
     views, _ = decode_reply(header, frames, items(2), URLS, zero_copy=True)
     assert type(views[0]["jpg"]) is memoryview and views[0]["jpg"].readonly and bytes(views[0]["jpg"]) == b"abcd"
 
 
-@pytest.mark.parametrize("change", [
-    {"keys": ["k0"]},  # does not match the request
-    {"spans": [[0, 0, 1, 1, 4], [0, 5]]},  # a span for one extension, the sample has two
-    {"spans": [[0, 0, 1, 1, 99], [0, 5, 1, 6, 1]]},  # past its frame
-    {"spans": [[1, 0, 1, 1, 4], [0, 5, 1, 6, 1]]},  # a frame that is not there
-    {"spans": [[0, -1, 1, 1, 4], [0, 5, 1, 6, 1]]},  # negative
-    {"spans": [[0, "0", 1, 1, 4], [0, 5, 1, 6, 1]]},  # not a number
-    {"exts": "cls"},
-    {"files": [[0, 0, 1, 1, 2, 3, 4]]},  # file ranges a read without direct did not ask for
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"keys": ["k0"]},  # does not match the request
+        {"spans": [[0, 0, 1, 1, 4], [0, 5]]},  # a span for one extension, the sample has two
+        {"spans": [[0, 0, 1, 1, 99], [0, 5, 1, 6, 1]]},  # past its frame
+        {"spans": [[1, 0, 1, 1, 4], [0, 5, 1, 6, 1]]},  # a frame that is not there
+        {"spans": [[0, -1, 1, 1, 4], [0, 5, 1, 6, 1]]},  # negative
+        {"spans": [[0, "0", 1, 1, 4], [0, 5, 1, 6, 1]]},  # not a number
+        {"exts": "cls"},
+        {"files": [[0, 0, 1, 1, 2, 3, 4]]},  # file ranges a read without direct did not ask for
+    ],
+)
 def test_a_reply_that_does_not_add_up_is_a_protocol_error(change: dict[str, Any]) -> None:
     header, frames = reply([{"cls": b"1", "jpg": b"abcd"}, {"cls": b"2", "jpg": b"e"}])
     with pytest.raises(ProtocolError):
@@ -225,7 +236,9 @@ def test_a_shard_is_let_go_once_the_share_dealt_its_last_id() -> None:
 
 
 def test_an_open_that_must_wait_first_lets_go_of_every_other_pin() -> None:
-    answers = iter([{"ok": True}, {"ok": True}, {"ok": False, "cached": False}, {"ok": True, "while_downloading": True}])
+    answers = iter(
+        [{"ok": True}, {"ok": True}, {"ok": False, "cached": False}, {"ok": True, "while_downloading": True}]
+    )
     agent = ScriptedAgent(open=lambda header: next(answers))
     pins = Pins(agent, "me", URLS, timeout=10, files=None)
     events: list[str] = []
@@ -233,8 +246,9 @@ def test_an_open_that_must_wait_first_lets_go_of_every_other_pin() -> None:
     pins.open(0, [], before_wait=lambda: None, on_status=statuses.append)
     pins.open(1, [], before_wait=lambda: None, on_status=statuses.append)
     pins.remaining[1] = 4  # still needed: only a wait lets go of it
-    reply = pins.open(2, [], while_downloading=True, before_wait=lambda: events.append("finish reads"),
-                      on_status=statuses.append)
+    reply = pins.open(
+        2, [], while_downloading=True, before_wait=lambda: events.append("finish reads"), on_status=statuses.append
+    )
     assert reply["while_downloading"] and events == ["finish reads"] and pins.waits == 1
     assert pins.opened == {2: 0} and statuses == [{"state": "downloading", "written": 10}]
     assert [op for op in agent.ops() if op[0] == "release"] == [("release", URLS[0]), ("release", URLS[1])]
@@ -263,14 +277,27 @@ def epoch_shards(agent: ScriptedAgent, scans: list[dict[str, Any]], on_error: st
     pins = Pins(agent, "me", URLS, timeout=10, files=None)
     clock = ProgressClock(agent, "me", URLS, endpoint="ipc://x", timeout=10)
     answers = iter(scans)
-    return EpochShards(agent, "me", URLS, spec=EpochSpec(len(URLS), shuffle=False), prefetch=2, on_error=on_error,
-                       timeout=10, pins=pins, clock=clock, workers=2,
-                       call_worker=lambda header, worker: next(answers), hold_nothing=lambda: None)
+    return EpochShards(
+        agent,
+        "me",
+        URLS,
+        spec=EpochSpec(len(URLS), shuffle=False),
+        prefetch=2,
+        on_error=on_error,
+        timeout=10,
+        pins=pins,
+        clock=clock,
+        workers=2,
+        call_worker=lambda header, worker: next(answers),
+        hold_nothing=lambda: None,
+    )
 
 
 def test_a_shards_count_comes_from_the_agent_the_open_or_a_scan() -> None:
-    agent = ScriptedAgent(counts=lambda h: {"ok": True, "counts": [4 if u == URLS[0] else None for u in h["urls"]]},
-                          open=lambda h: {"ok": True, "samples": 6} if h["url"] == URLS[1] else {"ok": True})
+    agent = ScriptedAgent(
+        counts=lambda h: {"ok": True, "counts": [4 if u == URLS[0] else None for u in h["urls"]]},
+        open=lambda h: {"ok": True, "samples": 6} if h["url"] == URLS[1] else {"ok": True},
+    )
     shards = epoch_shards(agent, scans=[{"ok": True, "count": 9}])
     assert list(shards.arrivals(0)) == [4]  # the agent's index knew it: not even opened
     assert agent.ops() == [("counts", None)] and len(agent.sent[0]["urls"]) == 4  # asked for the shards ahead too
@@ -314,11 +341,16 @@ def test_a_damaged_copy_is_read_again_once_from_a_new_copy() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=6), shuffle=st.booleans(),
-       buffer=st.integers(0, 50), chunks=st.lists(st.integers(0, 7), min_size=1, max_size=8).filter(any),
-       seed=st.integers(0, 3))
-def test_the_sequence_fed_in_pieces_is_the_sequence_of_the_counts(counts: list[int], shuffle: bool, buffer: int,
-                                                                  chunks: list[int], seed: int) -> None:
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    shuffle=st.booleans(),
+    buffer=st.integers(0, 50),
+    chunks=st.lists(st.integers(0, 7), min_size=1, max_size=8).filter(any),
+    seed=st.integers(0, 3),
+)
+def test_the_sequence_fed_in_pieces_is_the_sequence_of_the_counts(
+    counts: list[int], shuffle: bool, buffer: int, chunks: list[int], seed: int
+) -> None:
     spec = EpochSpec(len(counts), seed=seed, shuffle=shuffle, shuffle_buffer=buffer)
     want = list(global_sequence(spec, lambda s: range(counts[s])))
     feed = ShardFeed()
@@ -374,8 +406,13 @@ def test_a_direct_reply_of_small_samples_filling_their_range_reads_it_once() -> 
 
     # three samples of two fields, one after another in a range of 30 bytes (gaps for tar headers)
     spans = [[1, 0, 2, 4, 3], [1, 10, 2, 14, 3], [1, 20, 2, 24, 6]]
-    header = {"ok": True, "keys": ["a", "b", "c"], "exts": [["cls", "txt"]] * 3, "spans": spans,
-              "files": [[0, 100, 30, 1, 2, 500, 7]]}
+    header = {
+        "ok": True,
+        "keys": ["a", "b", "c"],
+        "exts": [["cls", "txt"]] * 3,
+        "spans": spans,
+        "files": [[0, 100, 30, 1, 2, 500, 7]],
+    }
     samples, sizes = decode_reply(header, [zmq.Frame(b"")], items(3), URLS, direct=True, files=Counted())
     assert Counted.reads == [(0, 30)]  # one read of the whole range, not one per payload
     assert [s["txt"] for s in samples] == [bytes(range(104, 107)), bytes(range(114, 117)), bytes(range(124, 130))]

@@ -49,11 +49,7 @@ END = bytes(2 * BLOCK)
 
 def fields_of(sample: dict[str, Any]) -> dict[str, Any]:
     """Key and fields of a sample, payloads as bytes; the reader's own metadata dropped."""
-    return {
-        k: (v if k == "__key__" else bytes(v))
-        for k, v in sample.items()
-        if k not in ("__url__", "__local_path__")
-    }
+    return {k: (v if k == "__key__" else bytes(v)) for k, v in sample.items() if k not in ("__url__", "__local_path__")}
 
 
 def wds_read(path: Path) -> list[dict[str, Any]]:
@@ -81,8 +77,7 @@ def ours_read(path: Path) -> list[dict[str, Any]]:
 
 def ours_read_bytes(data: bytes) -> list[dict[str, Any]]:
     return [
-        {"__key__": span.key, **{ext: data[o : o + n] for ext, o, n in span.fields}}
-        for span in scan(data, url="mem")
+        {"__key__": span.key, **{ext: data[o : o + n] for ext, o, n in span.fields}} for span in scan(data, url="mem")
     ]
 
 
@@ -104,9 +99,7 @@ def tar_bytes(
     **options: Any,
 ) -> bytes:
     out = io.BytesIO()
-    with tarfile.open(
-        fileobj=out, mode="w", format=fmt, encoding="utf-8", errors="surrogateescape", **options
-    ) as tf:
+    with tarfile.open(fileobj=out, mode="w", format=fmt, encoding="utf-8", errors="surrogateescape", **options) as tf:
         for info, data in entries:
             tf.addfile(info, io.BytesIO(data) if data is not None else None)
     return out.getvalue()
@@ -141,9 +134,7 @@ def with_signed_checksum(block: bytes) -> bytes:
     return bytes(block)
 
 
-def raw_header(
-    name: bytes, size: int | bytes, kind: bytes = b"0", *, prefix: bytes = b""
-) -> bytes:
+def raw_header(name: bytes, size: int | bytes, kind: bytes = b"0", *, prefix: bytes = b"") -> bytes:
     """One ustar header block; ``size`` is a number or the raw 12-byte field."""
     block = bytearray(BLOCK)
     block[0 : len(name)] = name
@@ -253,8 +244,16 @@ def test_member_names_like_webdataset(tmp_path: Path, fmt: int) -> None:
     assert by_key["dir/trailing"][""] == b"empty extension"
     assert by_key["d" * 120 + "/k3"]["txt"] == b"long folder"
     assert [s["__key__"] for s in got] == [
-        "a/b", "k1", "__x__", "dir/__y__", "dir/", "dir/trailing", "dir/sub/k2",
-        "d" * 120 + "/k3", "../k4", "/abs/k5",
+        "a/b",
+        "k1",
+        "__x__",
+        "dir/__y__",
+        "dir/",
+        "dir/trailing",
+        "dir/sub/k2",
+        "d" * 120 + "/k3",
+        "../k4",
+        "/abs/k5",
     ]
 
 
@@ -266,9 +265,7 @@ def test_long_names(tmp_path: Path, fmt: int) -> None:
     path = tmp_path / "long.tar"
     data = tar_bytes(entries, fmt)
     path.write_bytes(data)
-    assert ours_read(path) == wds_read(path) == [
-        {"__key__": f"{folder}/{base}", "txt": b"x", "json": b"{}"}
-    ]
+    assert ours_read(path) == wds_read(path) == [{"__key__": f"{folder}/{base}", "txt": b"x", "json": b"{}"}]
     assert ours_members(data) == tarfile_regulars(data)
 
 
@@ -390,9 +387,7 @@ def test_member_and_span_records() -> None:
     "archive",
     [
         raw_header(b"sparse.txt", 10, b"S") + padded(b"x" * 10) + END,
-        ext_member(b"x", pax_data(**{"GNU.sparse.major": "1", "GNU.sparse.minor": "0"}))
-        + member(b"s.txt", b"x")
-        + END,
+        ext_member(b"x", pax_data(**{"GNU.sparse.major": "1", "GNU.sparse.minor": "0"})) + member(b"s.txt", b"x") + END,
     ],
     ids=["gnu-sparse", "pax-sparse"],
 )
@@ -509,9 +504,7 @@ def test_header_ok_and_tar_problem() -> None:
     assert header_ok(with_signed_checksum(raw_header(b"\xff\xfe.txt", 0)))
     assert tar_problem(data) is None
     assert tar_problem(gzip.compress(data)) is None
-    assert tar_problem(b"<html><body>oops</body></html>" + bytes(600)) == (
-        "got an HTML/XML page, not a tar archive"
-    )
+    assert tar_problem(b"<html><body>oops</body></html>" + bytes(600)) == ("got an HTML/XML page, not a tar archive")
 
 
 # --------------------------------------------------------------------------- shard views
@@ -681,8 +674,9 @@ def test_random_archives_match_tarfile_and_webdataset(entries: list, fmt: int) -
 
 
 @settings(max_examples=60, deadline=timedelta(seconds=2))
-@given(entries=st.lists(entry, max_size=12), fmt=st.sampled_from(list(FORMATS.values())),
-       skip=st.integers(0, 3 * BLOCK))
+@given(
+    entries=st.lists(entry, max_size=12), fmt=st.sampled_from(list(FORMATS.values())), skip=st.integers(0, 3 * BLOCK)
+)
 def test_a_walk_over_part_of_a_file_reads_as_one_over_its_bytes(entries: list, fmt: int, skip: int) -> None:
     data = build_archive(entries, fmt)
     with tempfile.TemporaryFile() as f:
@@ -692,9 +686,7 @@ def test_a_walk_over_part_of_a_file_reads_as_one_over_its_bytes(entries: list, f
 
 
 @settings(max_examples=300, deadline=timedelta(seconds=2))
-@given(
-    names=st.lists(st.text("aB_./\n\u00e9", min_size=1, max_size=12), min_size=1, max_size=4)
-)
+@given(names=st.lists(st.text("aB_./\n\u00e9", min_size=1, max_size=12), min_size=1, max_size=4))
 def test_odd_names_group_like_webdataset(names: list[str]) -> None:
     data = tar_bytes([regular(n, n.encode()) for n in names])
     try:
@@ -716,9 +708,16 @@ def test_split_name_is_webdatasets(name: str) -> None:
 @pytest.mark.parametrize(
     ("name", "skipped"),
     [
-        ("__meta__", True), ("___", True), ("__", True), ("__a__/b.json", True),
-        ("____\n", True), ("__meta__.json", False), ("d/__meta__", False),
-        ("___/x.json", False), ("_a__", False), ("___\n", False),
+        ("__meta__", True),
+        ("___", True),
+        ("__", True),
+        ("__a__/b.json", True),
+        ("____\n", True),
+        ("__meta__.json", False),
+        ("d/__meta__", False),
+        ("___/x.json", False),
+        ("_a__", False),
+        ("___\n", False),
     ],
 )
 def test_is_meta_name_matches_webdataset(name: str, skipped: bool) -> None:
@@ -739,9 +738,7 @@ def damaged_archives(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
-@settings(
-    max_examples=400, deadline=timedelta(seconds=1), suppress_health_check=[HealthCheck.too_slow]
-)
+@settings(max_examples=400, deadline=timedelta(seconds=1), suppress_health_check=[HealthCheck.too_slow])
 @given(damaged_archives())
 def test_damaged_archives_raise_only_shard_errors(data: bytes) -> None:
     for read in (lambda: members(data, url="mem"), lambda: scan(data, url="mem")):
@@ -824,8 +821,11 @@ def test_growing_shard_with_long_names_and_pax_records(tmp_path: Path, cuts: lis
 
 def test_growing_shard_with_a_global_pax_header_mid_archive(tmp_path: Path) -> None:
     def samples(first: int, n: int) -> bytes:
-        return b"".join(member(f"s{i:03d}.{ext}".encode(), bytes([i]) * (700 + i)) for i in range(first, first + n)
-                        for ext in ("cls", "jpg"))
+        return b"".join(
+            member(f"s{i:03d}.{ext}".encode(), bytes([i]) * (700 + i))
+            for i in range(first, first + n)
+            for ext in ("cls", "jpg")
+        )
 
     # A global path renames every member after it (tarfile's reading): here the last one.
     # Walks resumed after the header must not shift the view's sample indices.

@@ -25,8 +25,13 @@ SHARDS, PER_SHARD = 6, 13  # 78 samples: not a multiple of the ranks, workers or
 
 
 def _run(cache: Path, scenario: str) -> dict[str, Any]:
-    r = subprocess.run([sys.executable, "-m", "tests.helpers.torch_job", str(cache), scenario], cwd=ROOT,
-                       capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.torch_job", str(cache), scenario],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -37,8 +42,9 @@ def warm(dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path:
     (tmp_path / "cachepath").write_text(str(tmp_path / "cache"))
     cache = tmp_path / "cache"
     start_agent(cache, list_file, "--workers", "2")
-    everything = {f"{u}#{k}" for u in urls for k in (f"{u.rsplit('/', 1)[1].split('.')[0]}-{j:06d}"
-                                                      for j in range(PER_SHARD))}
+    everything = {
+        f"{u}#{k}" for u in urls for k in (f"{u.rsplit('/', 1)[1].split('.')[0]}-{j:06d}" for j in range(PER_SHARD))
+    }
     return cache, everything
 
 
@@ -72,13 +78,16 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
     assert sorted(together.values()) == [1] * 77 + [2] or sorted(together.values()) == [1] * 78
     head, tail = out["single"]
     assert len(head) == 15 and len(tail) == 63 and len(set(head + tail)) == 78
-    assert "to resume with another num_workers, world size or number of nodes, load the whole StatefulDataLoader" \
+    assert (
+        "to resume with another num_workers, world size or number of nodes, load the whole StatefulDataLoader"
         in out["mismatch"]
+    )
 
 
 @pytest.mark.slow
 def test_stateful_dataloader_workers_of_a_job_on_several_nodes_resume_exactly_on_any_layout(
-        warm: tuple[Path, set[str]]) -> None:
+    warm: tuple[Path, set[str]],
+) -> None:
     cache, _ = warm
     out = _run(cache, "nodes")
     first, again, whole, rest = out["first"], out["again"], out["whole"], out["rest"]

@@ -43,7 +43,7 @@ def test_job_resume_is_the_union_of_what_every_worker_delivered(seed: int) -> No
     left = n - start.delivered(n)  # positions in the share's numbering; those past them are padding
     for rank_parts in parts:
         for k, part in enumerate(rank_parts):
-            expected |= {sid[1] for pos, sid in part[:counts[k]] if pos < left}
+            expected |= {sid[1] for pos, sid in part[: counts[k]] if pos < left}
     share = shares[0][0]
     got = job_resume(start, share, counts)
     assert {p for p in range(n) if got.skips(p)} == expected
@@ -59,8 +59,15 @@ class _Worker(CachedMultiLoader):
 
 
 def _worker(k: int, tmp_path, num_nodes: int = 2) -> _Worker:
-    loader = _Worker([f"http://127.0.0.1:9/s{i}.tar" for i in range(4)], cache_dir=tmp_path,
-                     endpoint="ipc:///nonexistent", rank=0, world_size=2, node=0, num_nodes=num_nodes)
+    loader = _Worker(
+        [f"http://127.0.0.1:9/s{i}.tar" for i in range(4)],
+        cache_dir=tmp_path,
+        endpoint="ipc:///nonexistent",
+        rank=0,
+        world_size=2,
+        node=0,
+        num_nodes=num_nodes,
+    )
     loader.k = k
     return loader
 
@@ -68,8 +75,15 @@ def _worker(k: int, tmp_path, num_nodes: int = 2) -> _Worker:
 def _began(k: int, pairs: int, tmp_path) -> dict:
     """Worker ``k``'s state mid-epoch 0 of a job on 2 nodes, ``pairs`` of its part delivered."""
     state = _worker(k, tmp_path)._state(NextEpoch(0, parts=[[0, 1], [2, 3]], part_resumes=(Resume(), Resume())))
-    state["worker"] = {"part": k, "of": 2, "world_size": 2, "num_nodes": 2, "pairs": pairs, "complete": False,
-                       "started": True}
+    state["worker"] = {
+        "part": k,
+        "of": 2,
+        "world_size": 2,
+        "num_nodes": 2,
+        "pairs": pairs,
+        "complete": False,
+        "started": True,
+    }
     return state
 
 
@@ -99,8 +113,15 @@ def test_workers_states_of_one_node_taken_before_they_begin_again_resume_the_sam
     states = []
     for k, pairs in ((0, 5), (1, 3)):
         state = _worker(k, tmp_path, num_nodes=1)._state(NextEpoch(0))
-        state["worker"] = {"part": k, "of": 2, "world_size": 2, "pairs": pairs, "complete": False, "full_rows": 3,
-                           "tail": None}
+        state["worker"] = {
+            "part": k,
+            "of": 2,
+            "world_size": 2,
+            "pairs": pairs,
+            "complete": False,
+            "full_rows": 3,
+            "tail": None,
+        }
         states.append(state)
     again = []
     for k in range(2):

@@ -51,24 +51,46 @@ def _kill_job(proc: subprocess.Popen[bytes]) -> None:
         except ProcessLookupError:
             pass
     proc.wait(30)
-    wait_for(lambda: not any(alive(pid, start) for pid, start in tree.items()), 30,
-             lambda: f"processes of the killed job still run: {[p for p, t in tree.items() if alive(p, t)]}")
+    wait_for(
+        lambda: not any(alive(pid, start) for pid, start in tree.items()),
+        30,
+        lambda: f"processes of the killed job still run: {[p for p, t in tree.items() if alive(p, t)]}",
+    )
 
 
 def _torchrun(tmp: Path, cache: Path, name: str, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp / f"{name}.log"
-    cmd = [str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(ROOT / "scripts" / "train_example.py"),
-           "--cache-dir", str(cache), "--epochs", "2", "--num-workers", "2", "--batch-size", "4",
-           "--checkpoint", str(tmp / "ckpt.pt"), "--seen-log", str(tmp / "seen"), *extra]
+    cmd = [
+        str(TORCHRUN),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "scripts" / "train_example.py"),
+        "--cache-dir",
+        str(cache),
+        "--epochs",
+        "2",
+        "--num-workers",
+        "2",
+        "--batch-size",
+        "4",
+        "--checkpoint",
+        str(tmp / "ckpt.pt"),
+        "--seen-log",
+        str(tmp / "seen"),
+        *extra,
+    ]
     with open(out, "wb") as f:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+        )
     return proc, out
 
 
 @pytest.mark.slow
 def test_torchrun_job_killed_and_restarted_sees_every_sample_once_per_epoch(
-        dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
     if not TORCHRUN.exists():
         pytest.skip(f"no torchrun beside {sys.executable}")
     urls, _, list_file = dataset(SHARDS, samples=PER_SHARD, payload=200)
@@ -78,8 +100,12 @@ def test_torchrun_job_killed_and_restarted_sees_every_sample_once_per_epoch(
     proc, out = _torchrun(tmp_path, cache, "first", "--step-sleep", "0.3")
     try:
         # Inside epoch 1 (epoch 0 takes 8 steps a rank), once a checkpoint of it was written.
-        wait_for(lambda: len([s for s in _steps(seen / "rank-0.jsonl") if s.get("epoch") == 1]) >= 3, 120,
-                 lambda: f"the job never reached epoch 1:\n{out.read_text()[-3000:]}", interval=0.05)
+        wait_for(
+            lambda: len([s for s in _steps(seen / "rank-0.jsonl") if s.get("epoch") == 1]) >= 3,
+            120,
+            lambda: f"the job never reached epoch 1:\n{out.read_text()[-3000:]}",
+            interval=0.05,
+        )
     finally:
         _kill_job(proc)
     assert "epoch 1:" not in out.read_text()  # killed inside epoch 1

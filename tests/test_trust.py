@@ -55,8 +55,12 @@ def other_user():
     if shutil.which("useradd") is None or shutil.which("userdel") is None:
         pytest.skip("useradd/userdel are missing")
     name = f"wdst{secrets.token_hex(3)}"
-    r = subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0, f"useradd failed: {r.stderr}"
     try:
         yield pwd.getpwnam(name)
@@ -92,7 +96,7 @@ def fork_as(pw: pwd.struct_passwd, fn: Callable[[], Any]) -> tuple[int, int]:
             out = {"error": traceback.format_exc()}
         data = json.dumps(out).encode()
         while data:
-            data = data[os.write(w, data):]
+            data = data[os.write(w, data) :]
         os._exit(0)
     os.close(w)
     return pid, r
@@ -161,9 +165,13 @@ def attack(agent_ep: str, worker_eps: list[str], urls: list[str], evil: str, cac
     hello = {"op": "hello", "job": "thief", "rank": 0, "world_size": 1}
     out["hello"] = [ask(agent_ep, {**hello, "id": 5, "reader": "thief", **({"key": k} if k else {})}) for k in keys]
     # Pin every shard, under many names, so the owner's consumer would find no room.
-    out["open"] = [ask(agent_ep, {"op": "open", "id": 6, "reader": f"thief-{i}", "url": u, "wait": False,
-                                  **({"key": k} if k else {})})
-                   for i, (u, k) in enumerate(itertools.product(urls, keys))]
+    out["open"] = [
+        ask(
+            agent_ep,
+            {"op": "open", "id": 6, "reader": f"thief-{i}", "url": u, "wait": False, **({"key": k} if k else {})},
+        )
+        for i, (u, k) in enumerate(itertools.product(urls, keys))
+    ]
     # A list of the attacker's URLs, for the agent to fetch: sent, taken up for a job, opened.
     out["evil"] = []
     for i, k in enumerate(keys):
@@ -194,13 +202,15 @@ def refused(reply: dict[str, Any] | None) -> bool:
 
 
 def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
-        other_user, open_base, shard_server, dataset, start_agent, consumers, monkeypatch):
+    other_user, open_base, shard_server, dataset, start_agent, consumers, monkeypatch
+):
     ds = dataset(4, samples=25, payload=1000)
     cache = open_base / "cache"
     port = free_port_range(3)
     endpoint = f"tcp://127.0.0.1:{port}"
-    agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "2", "--prefetch", "4",
-                        "--cache-size", "10M")
+    agent = start_agent(
+        cache, ds.list_file, "--endpoint", endpoint, "--workers", "2", "--prefetch", "4", "--cache-size", "10M"
+    )
     agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, "4 shards cached")
     workers = worker_endpoints(endpoint, 2)
     assert workers == [f"tcp://127.0.0.1:{port + 1}", f"tcp://127.0.0.1:{port + 2}"]
@@ -220,10 +230,17 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
     assert all(map(refused, got["evil"])), got["evil"]
     # Each refusal says what to do.
     assert "token" in got["read"][0]["error"] and "token" in got["open"][0]["error"], (got["read"][0], got["open"][0])
-    assert got["files"] == {"listdir": "PermissionError", "token": "PermissionError", "shard": "PermissionError",
-                            "index": "PermissionError"}, got["files"]
-    assert got["loader"].startswith("ConfigError") and str(cache) in got["loader"] \
-        and f"uid {os.getuid()}" in got["loader"], got["loader"]
+    assert got["files"] == {
+        "listdir": "PermissionError",
+        "token": "PermissionError",
+        "shard": "PermissionError",
+        "index": "PermissionError",
+    }, got["files"]
+    assert (
+        got["loader"].startswith("ConfigError")
+        and str(cache) in got["loader"]
+        and f"uid {os.getuid()}" in got["loader"]
+    ), got["loader"]
 
     # The owner's consumer got every sample, byte for byte, while that went on.
     ref = reference(ds.paths, ds.urls)
@@ -238,7 +255,7 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
     assert shard_server.count("evil-000.tar", method=None) == 0, shard_server.requests
     assert agent.running(), agent.stderr_tail()
     assert "Traceback" not in agent.stderr_text(), agent.stderr_tail()
-    token = (cache / "token")
+    token = cache / "token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == os.getuid()
 
     # Each key opens one door: a process that took a dead worker's port learns nothing else.
@@ -277,8 +294,18 @@ def fake_agent(endpoint: str, seconds: float) -> list[dict[str, Any]]:
             if header.get("op") == "quit":
                 break
             got.append(header)
-            reply = {"op": "reply", "id": header.get("id"), "ok": True, "proof": "00" * 32, "run": "ab" * 16,
-                     "path": "/etc/hostname", "size": 1, "workers": [], "list_id": "x", "n_urls": 0}
+            reply = {
+                "op": "reply",
+                "id": header.get("id"),
+                "ok": True,
+                "proof": "00" * 32,
+                "run": "ab" * 16,
+                "path": "/etc/hostname",
+                "size": 1,
+                "workers": [],
+                "list_id": "x",
+                "n_urls": 0,
+            }
             sock.send_multipart([ident, json.dumps(reply).encode()])
     finally:
         sock.close(0)
@@ -293,7 +320,7 @@ def test_a_loader_never_talks_to_another_users_agent(other_user, open_base, tmp_
     fake = f"tcp://127.0.0.1:{free_port_range(1)}"
     pid, r = fork_as(other_user, lambda: fake_agent(fake, 30.0))
     try:
-        host, port = fake[len("tcp://"):].rsplit(":", 1)
+        host, port = fake[len("tcp://") :].rsplit(":", 1)
 
         def bound() -> bool:
             with socket.socket() as s:
@@ -348,8 +375,12 @@ def test_a_socket_folder_under_tmp_that_is_not_ours_is_a_clear_error(other_user,
             folder.mkdir()
             os.chown(folder, owner, -1)
             folder.chmod(mode)
-            got = as_user(other_user, lambda: _run_cli(["agent", "--cache-dir", str(deep), "--urls", str(urls),
-                                                         "--min-free", "1M", "--workers", "1"]))
+            got = as_user(
+                other_user,
+                lambda: _run_cli(
+                    ["agent", "--cache-dir", str(deep), "--urls", str(urls), "--min-free", "1M", "--workers", "1"]
+                ),
+            )
             assert got["code"] == 2, got
             assert "Traceback" not in got["stderr"] and got["stderr"].startswith("wdscache: error: "), got
             assert str(folder) in got["stderr"], got
@@ -412,9 +443,14 @@ class Impostor:
             self.got.append(header)
             if header.get("op") == "read":
                 items = header.get("items", [])
-                reply = {"op": "samples", "id": header.get("id"), "ok": True,
-                         "keys": [f"fake_{k}_{j}" for k, j in items], "exts": [["cls"] for _ in items],
-                         "spans": [[0, 0, len(self.FAKE)] for _ in items]}
+                reply = {
+                    "op": "samples",
+                    "id": header.get("id"),
+                    "ok": True,
+                    "keys": [f"fake_{k}_{j}" for k, j in items],
+                    "exts": [["cls"] for _ in items],
+                    "spans": [[0, 0, len(self.FAKE)] for _ in items],
+                }
                 self.sock.send_multipart([ident, json.dumps(reply).encode(), self.FAKE])
             else:
                 reply = {"op": "scanned", "id": header.get("id"), "ok": True, "count": 5, "final": True}
@@ -438,8 +474,7 @@ def test_a_process_on_a_workers_port_cannot_hand_a_consumer_samples(open_base, d
     try:
         agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "1")
         agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "2 shards cached")
-        loader = CachedMultiLoader(cache_dir=cache, endpoint=endpoint, rank=0, world_size=1, shuffle=False,
-                                   timeout=4)
+        loader = CachedMultiLoader(cache_dir=cache, endpoint=endpoint, rank=0, world_size=1, shuffle=False, timeout=4)
         got: list[dict[str, Any]] = []
         error: WdsCacheError | None = None
         with caplog.at_level("WARNING", logger="wdscache.training.worker_links"):

@@ -159,11 +159,12 @@ def test_internal_whitespace_is_an_error() -> None:
 
 
 def test_an_s3_key_with_spaces_is_one_entry_taken_literally() -> None:
-    text = ("s3://b/key with space.tar\n"
-            "s3://b/two  spaces.tar   # a comment\n"
-            "s3://b/key%20x.tar\n")
+    text = "s3://b/key with space.tar\ns3://b/two  spaces.tar   # a comment\ns3://b/key%20x.tar\n"
     assert parse_url_list(text, lister=lambda url: (url,)).urls == (
-        "s3://b/key with space.tar", "s3://b/two  spaces.tar", "s3://b/key%20x.tar")
+        "s3://b/key with space.tar",
+        "s3://b/two  spaces.tar",
+        "s3://b/key%20x.tar",
+    )
     for line in ("s3://b/a.tar s3://b/b.tar", "http://h/a b.tar"):
         with pytest.raises(UrlListError, match="one URL"):
             parse_url_list(line, lister=lambda url: (url,))
@@ -207,14 +208,26 @@ def test_other_schemes_rejected(url: str) -> None:
 
 def test_s3_objects_stand_for_themselves_and_need_a_bucket() -> None:
     assert parse_url_list("S3://bkt/a.tar\ns3://bkt/b-{0..1}.tar").urls == (
-        "s3://bkt/a.tar", "s3://bkt/b-0.tar", "s3://bkt/b-1.tar")
+        "s3://bkt/a.tar",
+        "s3://bkt/b-0.tar",
+        "s3://bkt/b-1.tar",
+    )
     for url in ("s3://", "s3:///key.tar"):
         with pytest.raises(UrlListError, match="needs a bucket"):
             parse_url_list(url)
 
 
-@pytest.mark.parametrize("url", ["s3://bkt", "s3://bkt/", "s3://bkt/train/", "s3://bkt/train/shard-*.tar",
-                                 "s3://bkt/shard-?.tar", "s3://bkt/shard-[01].tar"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://bkt",
+        "s3://bkt/",
+        "s3://bkt/train/",
+        "s3://bkt/train/shard-*.tar",
+        "s3://bkt/shard-?.tar",
+        "s3://bkt/shard-[01].tar",
+    ],
+)
 def test_s3_prefixes_and_globs_need_a_lister(url: str) -> None:
     with pytest.raises(UrlListError, match="prefix or glob is listed only where"):
         parse_url_list(url)
@@ -291,9 +304,7 @@ def test_relative_paths_resolve_against_list_folder(tmp_path: Path) -> None:
     )
 
 
-def test_relative_paths_without_base_use_cwd(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_relative_paths_without_base_use_cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert parse_url_list("a.tar").urls == (f"file://{os.getcwd()}/a.tar",)
     assert parse_url_list("a.tar", base_dir="/data").urls == ("file:///data/a.tar",)
@@ -396,7 +407,10 @@ def test_a_million_entry_brace_line_expands_in_order_with_its_padding() -> None:
     result = parse_url_list("http://h/shard-{000000..999999}.tar")
     assert len(result) == 1_000_000
     assert (result.urls[0], result.urls[123_456], result.urls[-1]) == (
-        "http://h/shard-000000.tar", "http://h/shard-123456.tar", "http://h/shard-999999.tar")
+        "http://h/shard-000000.tar",
+        "http://h/shard-123456.tar",
+        "http://h/shard-999999.tar",
+    )
 
 
 # --------------------------------------------------------------------------- diff/format

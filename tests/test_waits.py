@@ -18,7 +18,8 @@ from wdscache.shared.protocol import client_key, pack, proof, unpack
 
 
 def test_a_download_that_stops_moving_ends_the_wait_after_timeout_naming_the_shard(
-        shard_server, dataset, start_agent, tmp_path):
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(1, samples=40, payload=20_000)  # about 800 KB
     shard_server.fail(ds.paths[0].name, "stall", after=300_000, seconds=120)  # stuck, connection open
     cache = tmp_path / "cache"
@@ -50,14 +51,18 @@ def test_a_killed_agent_ends_a_consumer_within_its_timeout(shard_server, dataset
     try:
         rc = c.proc.wait(4 + 5)  # the timeout, and a margin for the interpreter to exit
     except Exception:
-        pytest.fail(f"the consumer still waited {time.monotonic() - t0:.0f}s after its agent died, "
-                    f"with timeout=4\n{c.log.read_text()[-2000:]}", pytrace=False)
+        pytest.fail(
+            f"the consumer still waited {time.monotonic() - t0:.0f}s after its agent died, "
+            f"with timeout=4\n{c.log.read_text()[-2000:]}",
+            pytrace=False,
+        )
     assert rc != 0
     assert "no wdscache agent answered" in c.log.read_text(), c.log.read_text()[-2000:]
 
 
 def test_a_consumer_that_waits_for_cache_space_gives_up_after_timeout_saying_so(
-        shard_server, dataset, start_agent, tmp_path):
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(3, samples=10, payload=40_000)  # ~400 KB each
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "900K")
@@ -83,8 +88,10 @@ def test_a_reply_the_agent_marks_retry_is_asked_again_within_the_timeout(tmp_pat
     ctx = zmq.Context()
     server = ctx.socket(zmq.ROUTER)
     server.bind(endpoint)
-    answers = iter([{"ok": False, "retry": True, "error": "cannot write the index: disk full; try again shortly"}] * 3
-                   + [{"ok": True, "pong": 1}])
+    answers = iter(
+        [{"ok": False, "retry": True, "error": "cannot write the index: disk full; try again shortly"}] * 3
+        + [{"ok": True, "pong": 1}]
+    )
     token, run = "t" * 32, "r" * 32
     asked = []
 
@@ -114,15 +121,20 @@ def test_a_reply_the_agent_marks_retry_is_asked_again_within_the_timeout(tmp_pat
     assert asked == ["ping"] * 4
 
 
-def test_the_first_sample_of_another_order_does_not_wait_behind_prefetches(shard_server, dataset, start_agent, tmp_path):
+def test_the_first_sample_of_another_order_does_not_wait_behind_prefetches(
+    shard_server, dataset, start_agent, tmp_path
+):
     ds = dataset(8, samples=20, payload=50_000)  # ~1 MB each
     shard_server.rate = 500_000  # 2 s a shard per connection
     cache = tmp_path / "cache"
     # Defaults: 4 download workers, prefetch 8, the start-up plan in seeded shuffle order.
     start_agent(cache, ds.list_file, "--cache-size", "100M")
     prefetched = {ds.paths[i].name for i in shard_order(8, seed=0, epoch=0, shuffle=True)[:4]}
-    wait_for(lambda: {r.path for r in shard_server.requests if r.method == "GET"} >= prefetched, 10,
-             "the agent did not start its first four prefetches")
+    wait_for(
+        lambda: {r.path for r in shard_server.requests if r.method == "GET"} >= prefetched,
+        10,
+        "the agent did not start its first four prefetches",
+    )
     first = ds.paths[0].name  # an unshuffled reader reads shard 0 first
     assert first not in prefetched, "pick a dataset whose first shard is not prefetched first"
     loader = CachedMultiLoader(cache_dir=cache, job="other", rank=0, world_size=1, shuffle=False, timeout=30)

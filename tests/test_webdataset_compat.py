@@ -90,8 +90,7 @@ def test_handlers_skip_stop_or_raise_as_in_webdataset(served: Any) -> None:
             assert ours == theirs, handler
             assert len(ours) == (4 if handler is wds.ignore_and_stop else 8), handler
     assert len(seen) == 2 and isinstance(seen[0], wdscache.FetchError) and bad in str(seen[0]), seen
-    exc = _raised(lambda: wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False,
-                                              handler=wds.reraise_exception))
+    exc = _raised(lambda: wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False, handler=wds.reraise_exception))
     assert isinstance(exc, wdscache.FetchError) and "HTTP 404" in str(exc)
 
 
@@ -138,8 +137,11 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
         ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))
         theirs = _samples(wds.WebDataset(urls, shardshuffle=False))
         assert ours == theirs and len(ours) == 12, urls
-        assert "__local_path__" in ours[0] and not ours[0]["__url__"].startswith("file://") or \
-            urls[0].startswith("file://"), ours[0]["__url__"]
+        assert (
+            "__local_path__" in ours[0]
+            and not ours[0]["__url__"].startswith("file://")
+            or urls[0].startswith("file://")
+        ), ours[0]["__url__"]
     assert ours[0]["__local_path__"] == absolute[0]
 
 
@@ -152,8 +154,9 @@ def test_pipe_shards_run_in_this_process_as_webdataset_runs_them(served: Any, tm
         theirs = _samples(wds.WebDataset(urls, shardshuffle=False).map(_with_size))
         assert ours == theirs and len(ours) == (12 if urls is cmds else 4), urls
     failing = ["pipe:echo this is no tar", cmds[0]]
-    exc, theirs_exc = (_raised(lambda make=make: make(failing, shardshuffle=False)) for make in (wdscache.WebDataset,
-                                                                                       wds.WebDataset))
+    exc, theirs_exc = (
+        _raised(lambda make=make: make(failing, shardshuffle=False)) for make in (wdscache.WebDataset, wds.WebDataset)
+    )
     assert type(exc) is type(theirs_exc) and exc.args[0] == theirs_exc.args[0] and exc.args[-1] == failing[0]
     with pytest.raises(TypeError, match="rank=.*pipe:"):
         wdscache.WebDataset(cmds, cache_dir=cache, rank=0)
@@ -189,7 +192,8 @@ def test_https_to_a_plain_http_port_fails_at_once_naming_tls(served: Any) -> Non
 
 
 def test_a_server_down_after_it_answered_is_named_when_the_wait_runs_out(
-        shard_server: Any, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    shard_server: Any, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
     data = dataset(2, samples=4, payload=300)
     cache = tmp_path / "cache"
     start_agent(cache, data.list_file, "--prefetch", "1")

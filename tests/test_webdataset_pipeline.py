@@ -37,8 +37,14 @@ def jpeg_shards(shard_server: Any, start_agent: Callable[..., Any], tmp_path: Pa
         name = f"img-{s:03d}.tar"
         with wds.TarWriter(str(shard_server.root / name)) as sink:
             for i in range(PER_SHARD):
-                sink.write({"__key__": f"s{s}_{i:03d}", "jpg": _jpeg(s, i), "cls": str(s * 10 + i).encode(),
-                            "json": json.dumps({"shard": s, "i": i}).encode()})
+                sink.write(
+                    {
+                        "__key__": f"s{s}_{i:03d}",
+                        "jpg": _jpeg(s, i),
+                        "cls": str(s * 10 + i).encode(),
+                        "json": json.dumps({"shard": s, "i": i}).encode(),
+                    }
+                )
         urls.append(shard_server.url(name))
     list_file = tmp_path / "lists" / "urls.txt"
     list_file.parent.mkdir()
@@ -64,22 +70,27 @@ def test_samples_and_decoded_tuples_are_webdatasets(jpeg_shards: tuple[list[str]
     theirs_t = [_pixels(t) for t in stages(wds.WebDataset(urls, shardshuffle=False))]
     assert ours_t == theirs_t
     # webdataset's DataPipeline stages can follow it too
-    chained = wds.DataPipeline(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False), wds.decode("pil"),
-                               wds.to_tuple("__key__", "jpg", "cls", "json"))
+    chained = wds.DataPipeline(
+        wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False),
+        wds.decode("pil"),
+        wds.to_tuple("__key__", "jpg", "cls", "json"),
+    )
     assert [_pixels(t) for t in chained] == theirs_t
     assert ours_t[0][1:3] == ((8, 6), "RGB") and ours_t[3][4] == 3 and ours_t[3][5] == {"shard": 0, "i": 3}
 
 
 def test_fluid_stages_in_a_dataloader_with_workers(jpeg_shards: tuple[list[str], Path]) -> None:
     urls, cache = jpeg_shards
-    ds = (wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, job="fluid")
-          .shuffle(20)
-          .decode("torchrgb")
-          .rename(image="jpg", label="cls")
-          .map_dict(label=lambda c: c + 1000)
-          .select(lambda s: s["label"] != 1000 + 11)  # drops one sample
-          .to_tuple("image", "label", "__key__")
-          .batched(4))
+    ds = (
+        wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, job="fluid")
+        .shuffle(20)
+        .decode("torchrgb")
+        .rename(image="jpg", label="cls")
+        .map_dict(label=lambda c: c + 1000)
+        .select(lambda s: s["label"] != 1000 + 11)  # drops one sample
+        .to_tuple("image", "label", "__key__")
+        .batched(4)
+    )
     assert isinstance(ds, torch.utils.data.IterableDataset)
     labels: list[int] = []
     for images, batch_labels, _keys in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
@@ -101,4 +112,5 @@ def test_without_webdataset_the_error_says_what_to_install() -> None:
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == (
         "ImportError: wdscache.WebDataset builds on webdataset, which is not installed: "
-        "pip install webdataset (the package's wds extra)")
+        "pip install webdataset (the package's wds extra)"
+    )

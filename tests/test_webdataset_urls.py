@@ -12,7 +12,10 @@ from wdscache.training.urls_arg import resolve_urls
 
 def test_a_string_with_a_scheme_is_a_pattern_and_is_expanded() -> None:
     assert resolve_urls("http://h/shard-{000..002}.tar") == (
-        "http://h/shard-000.tar", "http://h/shard-001.tar", "http://h/shard-002.tar")
+        "http://h/shard-000.tar",
+        "http://h/shard-001.tar",
+        "http://h/shard-002.tar",
+    )
     assert resolve_urls("https://h/one.tar") == ("https://h/one.tar",)
 
 
@@ -27,7 +30,10 @@ def test_a_tar_path_is_one_shard(tmp_path: Path) -> None:
 
 def test_list_items_are_expanded_too() -> None:
     assert resolve_urls(["http://h/a-{0..1}.tar", "http://h/b.tar", "http://h/a-1.tar"]) == (
-        "http://h/a-0.tar", "http://h/a-1.tar", "http://h/b.tar")
+        "http://h/a-0.tar",
+        "http://h/a-1.tar",
+        "http://h/b.tar",
+    )
 
 
 def test_other_strings_and_paths_are_list_files(tmp_path: Path) -> None:
@@ -63,10 +69,12 @@ def test_without_torch_the_loader_is_a_plain_class(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "import wdscache\n"
-            f"loader = wdscache.CachedMultiLoader(['http://h/a-{{0..1}}.tar'], cache_dir={str(tmp_path)!r})\n"
-            "print(type(loader).__name__, loader.urls, 'torch' in sys.modules and sys.modules['torch'] is not None)")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import wdscache\n"
+        f"loader = wdscache.CachedMultiLoader(['http://h/a-{{0..1}}.tar'], cache_dir={str(tmp_path)!r})\n"
+        "print(type(loader).__name__, loader.urls, 'torch' in sys.modules and sys.modules['torch'] is not None)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "CachedMultiLoader ('http://h/a-0.tar', 'http://h/a-1.tar') False"

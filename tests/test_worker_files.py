@@ -31,19 +31,27 @@ def test_workers_index_published_shards_before_anyone_reads_them(tmp_path, shard
     shard_server.ttfb = 1.0  # the workers are up before any shard is published
     agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "4", "--workers", "2")
     # Each worker reports how many shards it has indexed, every second.
-    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4 and all(
-        w.get("indexed") == 4 for w in s["agent"]["workers"]), 20, "both workers indexing the 4 shards")
+    s = agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 4 and all(w.get("indexed") == 4 for w in s["agent"]["workers"]),
+        20,
+        "both workers indexing the 4 shards",
+    )
     # Each shard was walked by one worker; the other took its table, passed on by the agent.
     workers = s["agent"]["workers"]
     assert sum(w["walked"] for w in workers) == 4 and sum(w["adopted"] for w in workers) == 4, workers
     assert all(w["walked"] >= 1 for w in workers), workers  # the walks are shared out
     # Both serve every shard from the tables they hold, byte for byte, without a walk more.
     with CachedMultiLoader(cache_dir=agent.cache_dir, shuffle=False, timeout=30, request_size=3) as loader:
-        got = {(x["__url__"], x["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in x.items()
-                                              if not k.startswith("__")} for x in loader}
+        got = {
+            (x["__url__"], x["__key__"]): {
+                k: hashlib.sha256(v).hexdigest() for k, v in x.items() if not k.startswith("__")
+            }
+            for x in loader
+        }
     assert len(got) == 80 and got == reference(data.paths, data.urls)
-    after = agent.wait_stats(lambda s: all(w.get("requests", 0) > 0 for w in s["agent"]["workers"]), 10,
-                             "both workers serving reads")["agent"]["workers"]
+    after = agent.wait_stats(
+        lambda s: all(w.get("requests", 0) > 0 for w in s["agent"]["workers"]), 10, "both workers serving reads"
+    )["agent"]["workers"]
     assert sum(w["walked"] for w in after) == 4, after
     assert "not taken" not in agent.stderr_text(), agent.stderr_tail()
 
@@ -52,16 +60,30 @@ def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start
     data = dataset(8, samples=20, payload=2500)
     size = max(p.stat().st_size for p in data.paths)
     cache = tmp_path / "cache"
-    agent = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "2", "--workers", "2", "--cache-size", str(4 * size),
-                        "--min-free", "0")
+    agent = start_agent(
+        cache,
+        data.list_file,
+        "--no-shuffle",
+        "--prefetch",
+        "2",
+        "--workers",
+        "2",
+        "--cache-size",
+        str(4 * size),
+        "--min-free",
+        "0",
+    )
     with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
         assert len(list(loader)) == 8 * 20
     # The budget holds 4 of the 8 shards: the others were evicted while the workers had read them.
     agent.wait_stats(lambda s: s["shards"]["cached"] <= 4, 20, "evictions")
     workers = worker_pids(agent.proc.pid)
     assert len(workers) == 2
-    wait_for(lambda: not any(deleted_files_held(p, cache) for p in workers), 10,
-             lambda: f"workers still hold evicted shards: {[deleted_files_held(p, cache) for p in workers]}")
+    wait_for(
+        lambda: not any(deleted_files_held(p, cache) for p in workers),
+        10,
+        lambda: f"workers still hold evicted shards: {[deleted_files_held(p, cache) for p in workers]}",
+    )
 
 
 def test_a_worker_imports_only_what_serving_needs() -> None:
@@ -71,11 +93,14 @@ def test_a_worker_imports_only_what_serving_needs() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout)
-    assert not {"wdscache.training.loader", "wdscache.agent.core", "wdscache.cli", "wdscache.shared.stats"} & set(loaded), loaded
+    assert not {"wdscache.training.loader", "wdscache.agent.core", "wdscache.cli", "wdscache.shared.stats"} & set(
+        loaded
+    ), loaded
 
 
-def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(tmp_path, shard_server, dataset,
-                                                                            start_agent):
+def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(
+    tmp_path, shard_server, dataset, start_agent
+):
     from wdscache.agent.worker import GATHER_BELOW
 
     small = dataset(1, samples=12, payload=3000, prefix="small")
@@ -101,8 +126,10 @@ def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(tmp_p
         for (k, j), key, exts, span in zip(items, header["keys"], header["exts"], header["spans"]):
             (_, want_key), want = ref[k][j]
             frame = frames[span[0]]
-            got = {ext: hashlib.sha256(frame[off:off + size]).hexdigest()
-                   for ext, off, size in zip(exts, span[1::2], span[2::2])}
+            got = {
+                ext: hashlib.sha256(frame[off : off + size]).hexdigest()
+                for ext, off, size in zip(exts, span[1::2], span[2::2])
+            }
             assert (key, got) == (want_key, want), (items, k, j)
 
 
@@ -157,17 +184,28 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
     data = dataset(2, samples=12, payload=400_000)  # too large to copy: each reply is one zero-copy run
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--no-shuffle", "--workers", "1", "--prefetch", "2")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 2 and s["agent"]["workers"][0].get("indexed") == 2, 20,
-                     "the worker indexing both shards")
+    agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 2 and s["agent"]["workers"][0].get("indexed") == 2,
+        20,
+        "the worker indexing both shards",
+    )
     worker = worker_pids(agent.pid)[0]
     before = rss_kib(worker, "RssFile")
     # It takes in little until we read: the worker's sends wait.
     with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as (sock, proofs):
         for k in range(2):  # each shard in two reads of 6 samples: 4 replies of 2.4 MB
             for first in (0, 6):
-                sock.send_multipart(pack({"op": "read", "id": f"{k}-{first}", "auth": proofs.request(f"{k}-{first}"),
-                                          "urls": [data.urls[k]],
-                                          "items": [[0, j] for j in range(first, first + 6)]}))
+                sock.send_multipart(
+                    pack(
+                        {
+                            "op": "read",
+                            "id": f"{k}-{first}",
+                            "auth": proofs.request(f"{k}-{first}"),
+                            "urls": [data.urls[k]],
+                            "items": [[0, j] for j in range(first, first + 6)],
+                        }
+                    )
+                )
         time.sleep(0.5)  # long after the requests: most of the replies not sent yet
         got = 0
         for _ in range(4):
@@ -176,5 +214,8 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
             assert header["ok"] and len(header["keys"]) == 6 and header["proof"] == proofs.reply(header["id"]), header
             got += sum(len(f) for f in frames)
         assert got >= 4 * 6 * 400_000 * 0.9
-    wait_for(lambda: rss_kib(worker, "RssFile") - before < 2 * 1024, 5,
-             lambda: f"the worker kept {rss_kib(worker, 'RssFile') - before} KiB of shard pages it had sent")
+    wait_for(
+        lambda: rss_kib(worker, "RssFile") - before < 2 * 1024,
+        5,
+        lambda: f"the worker kept {rss_kib(worker, 'RssFile') - before} KiB of shard pages it had sent",
+    )

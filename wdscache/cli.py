@@ -62,8 +62,12 @@ def _fail(exc: WdsCacheError) -> NoReturn:
 # The one --s3-endpoint-url of every command that reads s3:// URLs (agent, index, prefetch), checked by
 # check_s3_endpoint_url (the agent's through AgentConfig).
 _S3_ENDPOINT_URL = click.option(
-    "--s3-endpoint-url", envvar="WDSCACHE_S3_ENDPOINT_URL", default=default("s3_endpoint_url"), show_envvar=True,
-    help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].")
+    "--s3-endpoint-url",
+    envvar="WDSCACHE_S3_ENDPOINT_URL",
+    default=default("s3_endpoint_url"),
+    show_envvar=True,
+    help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -73,62 +77,199 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
-              type=click.Path(file_okay=False, path_type=Path), help="Cache directory (created 0700).")
-@click.option("--urls", envvar="WDSCACHE_URLS", required=True, show_envvar=True,
-              type=click.Path(dir_okay=False, path_type=Path),
-              help="URL list: one URL or brace pattern per line; watched for changes.")
-@click.option("--cache-size", envvar="WDSCACHE_CACHE_SIZE", default=default("cache_size"), show_envvar=True,
-              help="Budget: bytes, 500G, or a percentage of the file system.")
-@click.option("--min-free", envvar="WDSCACHE_MIN_FREE", default=default("min_free"), show_envvar=True,
-              help="Free space always left on the file system.")
-@click.option("--prefetch", envvar="WDSCACHE_PREFETCH", default=default("prefetch"), type=int, show_envvar=True,
-              help="Shards kept ready ahead of each reader.")
-@click.option("--download-workers", envvar="WDSCACHE_DOWNLOAD_WORKERS", default=default("download_workers"),
-              type=int, show_envvar=True, help="Parallel prefetches; shards a reader waits for may use as many again.")
-@click.option("--download-parts", envvar="WDSCACHE_DOWNLOAD_PARTS", default=default("download_parts"), type=int,
-              show_envvar=True, help="Connections per shard larger than one part (ranged parts; 1: one each).")
-@click.option("--download-part-size", envvar="WDSCACHE_DOWNLOAD_PART_SIZE", default=default("download_part_size"),
-              show_envvar=True, help="Size of one ranged part, and the least a shard needs to come in parts.")
-@click.option("--workers", envvar="WDSCACHE_WORKERS", default=default("workers"), type=int,
-              show_envvar=True, help="Sample worker processes.")
-@click.option("--endpoint", envvar="WDSCACHE_ENDPOINT", default=default("endpoint"), show_envvar=True,
-              help="ZeroMQ endpoint [default: a private IPC socket in the cache directory].")
-@click.option("--allow-remote", envvar="WDSCACHE_ALLOW_REMOTE", is_flag=True, default=default("allow_remote"),
-              show_envvar=True, help="Allow a TCP endpoint reachable from other machines.")
-@click.option("--allow-pipe", envvar="WDSCACHE_ALLOW_PIPE", is_flag=True, default=default("allow_pipe"),
-              show_envvar=True, help="Allow pipe:COMMAND lines in the URL list (they run a shell command).")
-@click.option("--seed", envvar="WDSCACHE_SEED", default=default("seed"), type=int, show_envvar=True,
-              help="Seed of the shard order of the initial prefetch.")
-@click.option("--shuffle/--no-shuffle", envvar="WDSCACHE_SHUFFLE", default=default("shuffle"), show_envvar=True,
-              help="Prefetch in seeded shuffle order (as readers will read) or in list order.")
-@click.option("--node-rank", envvar=["WDSCACHE_NODE_RANK", "GROUP_RANK", "SLURM_NODEID"], default=default("node_rank"),
-              type=int, show_envvar=True,
-              help="This node, of a job on --num-nodes: the start-up prefetch is its part of the list.")
-@click.option("--num-nodes", envvar=["WDSCACHE_NUM_NODES", "SLURM_NNODES"], default=default("num_nodes"), type=int,
-              show_envvar=True, help="Nodes of the job, one agent each (its part needs the shards' counts).")
-@click.option("--retries", envvar="WDSCACHE_RETRIES", default=default("retries"), type=int, show_envvar=True,
-              help="Retries of a failing download before it is marked failed.")
-@click.option("--read-timeout", envvar="WDSCACHE_READ_TIMEOUT", default=default("read_timeout"), type=float,
-              show_envvar=True, help="Seconds without data before a download is retried.")
-@click.option("--revalidate/--no-revalidate", envvar="WDSCACHE_REVALIDATE", default=default("revalidate"),
-              show_envvar=True,
-              help="Check a shard cached by an earlier run against its source (HEAD) before serving it.")
-@click.option("--reader-timeout", envvar="WDSCACHE_READER_TIMEOUT", default=default("reader_timeout"), type=float,
-              show_envvar=True, help="Seconds of silence after which a consumer's pins are released.")
+@click.option(
+    "--cache-dir",
+    envvar="WDSCACHE_CACHE_DIR",
+    required=True,
+    show_envvar=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Cache directory (created 0700).",
+)
+@click.option(
+    "--urls",
+    envvar="WDSCACHE_URLS",
+    required=True,
+    show_envvar=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="URL list: one URL or brace pattern per line; watched for changes.",
+)
+@click.option(
+    "--cache-size",
+    envvar="WDSCACHE_CACHE_SIZE",
+    default=default("cache_size"),
+    show_envvar=True,
+    help="Budget: bytes, 500G, or a percentage of the file system.",
+)
+@click.option(
+    "--min-free",
+    envvar="WDSCACHE_MIN_FREE",
+    default=default("min_free"),
+    show_envvar=True,
+    help="Free space always left on the file system.",
+)
+@click.option(
+    "--prefetch",
+    envvar="WDSCACHE_PREFETCH",
+    default=default("prefetch"),
+    type=int,
+    show_envvar=True,
+    help="Shards kept ready ahead of each reader.",
+)
+@click.option(
+    "--download-workers",
+    envvar="WDSCACHE_DOWNLOAD_WORKERS",
+    default=default("download_workers"),
+    type=int,
+    show_envvar=True,
+    help="Parallel prefetches; shards a reader waits for may use as many again.",
+)
+@click.option(
+    "--download-parts",
+    envvar="WDSCACHE_DOWNLOAD_PARTS",
+    default=default("download_parts"),
+    type=int,
+    show_envvar=True,
+    help="Connections per shard larger than one part (ranged parts; 1: one each).",
+)
+@click.option(
+    "--download-part-size",
+    envvar="WDSCACHE_DOWNLOAD_PART_SIZE",
+    default=default("download_part_size"),
+    show_envvar=True,
+    help="Size of one ranged part, and the least a shard needs to come in parts.",
+)
+@click.option(
+    "--workers",
+    envvar="WDSCACHE_WORKERS",
+    default=default("workers"),
+    type=int,
+    show_envvar=True,
+    help="Sample worker processes.",
+)
+@click.option(
+    "--endpoint",
+    envvar="WDSCACHE_ENDPOINT",
+    default=default("endpoint"),
+    show_envvar=True,
+    help="ZeroMQ endpoint [default: a private IPC socket in the cache directory].",
+)
+@click.option(
+    "--allow-remote",
+    envvar="WDSCACHE_ALLOW_REMOTE",
+    is_flag=True,
+    default=default("allow_remote"),
+    show_envvar=True,
+    help="Allow a TCP endpoint reachable from other machines.",
+)
+@click.option(
+    "--allow-pipe",
+    envvar="WDSCACHE_ALLOW_PIPE",
+    is_flag=True,
+    default=default("allow_pipe"),
+    show_envvar=True,
+    help="Allow pipe:COMMAND lines in the URL list (they run a shell command).",
+)
+@click.option(
+    "--seed",
+    envvar="WDSCACHE_SEED",
+    default=default("seed"),
+    type=int,
+    show_envvar=True,
+    help="Seed of the shard order of the initial prefetch.",
+)
+@click.option(
+    "--shuffle/--no-shuffle",
+    envvar="WDSCACHE_SHUFFLE",
+    default=default("shuffle"),
+    show_envvar=True,
+    help="Prefetch in seeded shuffle order (as readers will read) or in list order.",
+)
+@click.option(
+    "--node-rank",
+    envvar=["WDSCACHE_NODE_RANK", "GROUP_RANK", "SLURM_NODEID"],
+    default=default("node_rank"),
+    type=int,
+    show_envvar=True,
+    help="This node, of a job on --num-nodes: the start-up prefetch is its part of the list.",
+)
+@click.option(
+    "--num-nodes",
+    envvar=["WDSCACHE_NUM_NODES", "SLURM_NNODES"],
+    default=default("num_nodes"),
+    type=int,
+    show_envvar=True,
+    help="Nodes of the job, one agent each (its part needs the shards' counts).",
+)
+@click.option(
+    "--retries",
+    envvar="WDSCACHE_RETRIES",
+    default=default("retries"),
+    type=int,
+    show_envvar=True,
+    help="Retries of a failing download before it is marked failed.",
+)
+@click.option(
+    "--read-timeout",
+    envvar="WDSCACHE_READ_TIMEOUT",
+    default=default("read_timeout"),
+    type=float,
+    show_envvar=True,
+    help="Seconds without data before a download is retried.",
+)
+@click.option(
+    "--revalidate/--no-revalidate",
+    envvar="WDSCACHE_REVALIDATE",
+    default=default("revalidate"),
+    show_envvar=True,
+    help="Check a shard cached by an earlier run against its source (HEAD) before serving it.",
+)
+@click.option(
+    "--reader-timeout",
+    envvar="WDSCACHE_READER_TIMEOUT",
+    default=default("reader_timeout"),
+    type=float,
+    show_envvar=True,
+    help="Seconds of silence after which a consumer's pins are released.",
+)
 @_S3_ENDPOINT_URL
-@click.option("-v", "--verbose", envvar="WDSCACHE_VERBOSE", is_flag=True, show_envvar=True,
-              help="Also log debugging detail (each download as it starts).")
-@click.option("--metrics-port", envvar="WDSCACHE_METRICS_PORT", type=int, default=default("metrics_port"),
-              show_envvar=True, help="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port; "
-              "needs wdscache[metrics]).")
-@click.option("--metrics-host", envvar="WDSCACHE_METRICS_HOST", default=default("metrics_host"), show_envvar=True,
-              help="Address /metrics binds; other than loopback only with --allow-remote.")
-@click.option("--log-format", envvar="WDSCACHE_LOG_FORMAT", type=click.Choice(FORMATS), default="text",
-              show_envvar=True, help="Log lines as text, or one JSON object a line for log shippers.")
-@click.option("--private-users", hidden=True, default=default("private_users"),
-              type=click.Path(dir_okay=False, path_type=Path),
-              help="Run as a loader's private agent: stop once no loader holds a lock on this file.")
+@click.option(
+    "-v",
+    "--verbose",
+    envvar="WDSCACHE_VERBOSE",
+    is_flag=True,
+    show_envvar=True,
+    help="Also log debugging detail (each download as it starts).",
+)
+@click.option(
+    "--metrics-port",
+    envvar="WDSCACHE_METRICS_PORT",
+    type=int,
+    default=default("metrics_port"),
+    show_envvar=True,
+    help="Serve Prometheus metrics on http://127.0.0.1:PORT/metrics (0: any free port; needs wdscache[metrics]).",
+)
+@click.option(
+    "--metrics-host",
+    envvar="WDSCACHE_METRICS_HOST",
+    default=default("metrics_host"),
+    show_envvar=True,
+    help="Address /metrics binds; other than loopback only with --allow-remote.",
+)
+@click.option(
+    "--log-format",
+    envvar="WDSCACHE_LOG_FORMAT",
+    type=click.Choice(FORMATS),
+    default="text",
+    show_envvar=True,
+    help="Log lines as text, or one JSON object a line for log shippers.",
+)
+@click.option(
+    "--private-users",
+    hidden=True,
+    default=default("private_users"),
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Run as a loader's private agent: stop once no loader holds a lock on this file.",
+)
 def agent(verbose: bool, log_format: str, **options: object) -> None:
     """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once).
 
@@ -158,11 +299,19 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
 
 
 @main.command()
-@click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
-              type=click.Path(file_okay=False, path_type=Path))
+@click.option(
+    "--cache-dir",
+    envvar="WDSCACHE_CACHE_DIR",
+    required=True,
+    show_envvar=True,
+    type=click.Path(file_okay=False, path_type=Path),
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--prometheus", is_flag=True,
-              help="Print Prometheus metrics, as the agent's /metrics (for node_exporter's textfile collector).")
+@click.option(
+    "--prometheus",
+    is_flag=True,
+    help="Print Prometheus metrics, as the agent's /metrics (for node_exporter's textfile collector).",
+)
 @click.option("--watch", is_flag=True, help="Redraw a live view every second, with a verdict per job, until Ctrl-C.")
 def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None:
     """Show the cache and, when an agent runs, what it is doing.
@@ -180,10 +329,12 @@ def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None
     try:
         if prometheus:
             from .shared.metrics import require
+
             require()
         s = collect(cache_dir)
         if prometheus:
             from .shared.metrics import exposition
+
             _echo(exposition(s), nl=False)
             return
     except WdsCacheError as exc:
@@ -196,8 +347,13 @@ def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None
 
 @main.command("index")
 @click.argument("urls", nargs=-1, required=True)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="The index file to write (replaced atomically).")
+@click.option(
+    "-o",
+    "--output",
+    required=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The index file to write (replaced atomically).",
+)
 @click.option("-j", "--jobs", default=4, type=click.IntRange(1, 64), help="Shards read at once.")
 @_S3_ENDPOINT_URL
 def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str | None) -> None:
@@ -236,8 +392,7 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     try:
         indexer = Indexer(fetcher, scratch, jobs=jobs)
         if sys.stderr.isatty():
-            with click.progressbar(length=len(listed), label="indexing", file=sys.stderr,
-                                   show_pos=True) as bar:
+            with click.progressbar(length=len(listed), label="indexing", file=sys.stderr, show_pos=True) as bar:
                 results = indexer.shards(listed.urls, lambda url, info, error: bar.update(1))
         else:
             done = itertools.count(1)
@@ -253,11 +408,11 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     for error in failed:
         _echo(f"wdscache: error: {error}", err=True)
     if failed:
-        _echo(f"wdscache: {len(failed)} of {len(listed)} shards could not be read; {output} not written",
-                   err=True)
+        _echo(f"wdscache: {len(failed)} of {len(listed)} shards could not be read; {output} not written", err=True)
         sys.exit(1)
-    entries = [(_stored_url(url, folder), info) for url, info in zip(listed.urls, results)
-               if isinstance(info, ShardInfo)]  # every one, since none failed
+    entries = [
+        (_stored_url(url, folder), info) for url, info in zip(listed.urls, results) if isinstance(info, ShardInfo)
+    ]  # every one, since none failed
     write_shard_index(output, entries)
     _echo(f"wrote {output}: {len(entries)} shards, {sum(i.nsamples for _, i in entries)} samples", err=True)
 
@@ -267,21 +422,28 @@ def _stored_url(url: str, folder: Path) -> str:
     another local one as its absolute path, anything else as it is."""
     if not url.startswith("file://"):
         return url
-    path = url[len("file://"):]
+    path = url[len("file://") :]
     rel = os.path.relpath(path, folder)
     return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
 
 
 # -- the cache commands -------------------------------------------------------------------------
 
-_CACHE_DIR = click.option("--cache-dir", envvar="WDSCACHE_CACHE_DIR", required=True, show_envvar=True,
-                          type=click.Path(file_okay=False, path_type=Path), help="Cache directory.")
+_CACHE_DIR = click.option(
+    "--cache-dir",
+    envvar="WDSCACHE_CACHE_DIR",
+    required=True,
+    show_envvar=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Cache directory.",
+)
 _JSON = click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
 _FORCE = click.option("--force", is_flag=True, help="Also evict shards a reader holds (it keeps reading its file).")
 
 
-def _argument_urls(args: tuple[str, ...], lister: Lister | None = None, *, allow_pipe: bool = False
-                   ) -> list[tuple[str, Sequence[str]]]:
+def _argument_urls(
+    args: tuple[str, ...], lister: Lister | None = None, *, allow_pipe: bool = False
+) -> list[tuple[str, Sequence[str]]]:
     """Each argument with the URLs it stands for, read as a URL list line is (braces expanded, paths
     made ``file://`` URLs, ``s3://`` prefixes and globs listed by ``lister`` when given): UrlListError
     names argument k as line k of "the command line"."""
@@ -291,12 +453,10 @@ def _argument_urls(args: tuple[str, ...], lister: Lister | None = None, *, allow
     out: list[tuple[str, Sequence[str]]] = []
     for k, arg in enumerate(args, 1):
         try:
-            out.append((arg, parse_url_list(arg, path="the command line", lister=lister,
-                                            allow_pipe=allow_pipe).urls))
+            out.append((arg, parse_url_list(arg, path="the command line", lister=lister, allow_pipe=allow_pipe).urls))
         except UrlListError as exc:
             raise UrlListError("the command line", k, exc.line, exc.reason) from None
     return out
-
 
 
 def _rate(n: float) -> str:
@@ -313,21 +473,42 @@ def _eta(seconds: float | None) -> str:
 @main.command()
 @click.argument("urls", nargs=-1)
 @_CACHE_DIR
-@click.option("--urls", "list_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              help="Also the shards of this URL list file.")
-@click.option("--cache-size", default=None,
-              help="Budget when no agent runs [default: the last agent's, else the agent's default].")
+@click.option(
+    "--urls",
+    "list_file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="Also the shards of this URL list file.",
+)
+@click.option(
+    "--cache-size",
+    default=None,
+    help="Budget when no agent runs [default: the last agent's, else the agent's default].",
+)
 @click.option("--download-workers", type=int, default=None, help="Parallel downloads when no agent runs.")
-@click.option("--give-up-after", type=click.FloatRange(min=0.5), default=PREFETCH_GIVE_UP_AFTER, show_default=True,
-              help="Seconds downloads may wait for space with no progress before the rest fail "
-                   "(shards the budget cannot take fail at once).")
+@click.option(
+    "--give-up-after",
+    type=click.FloatRange(min=0.5),
+    default=PREFETCH_GIVE_UP_AFTER,
+    show_default=True,
+    help="Seconds downloads may wait for space with no progress before the rest fail "
+    "(shards the budget cannot take fail at once).",
+)
 @_S3_ENDPOINT_URL
 @click.option("--log-format", type=click.Choice(FORMATS), default="text", help="Log lines as text or JSON.")
 @click.option("-v", "--verbose", is_flag=True, help="Log each event (shard cached, failed...), not only warnings.")
 @_JSON
-def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cache_size: str | None,
-             download_workers: int | None, give_up_after: float, s3_endpoint_url: str | None, log_format: str,
-             verbose: bool, as_json: bool) -> None:
+def prefetch(
+    urls: tuple[str, ...],
+    cache_dir: Path,
+    list_file: Path | None,
+    cache_size: str | None,
+    download_workers: int | None,
+    give_up_after: float,
+    s3_endpoint_url: str | None,
+    log_format: str,
+    verbose: bool,
+    as_json: bool,
+) -> None:
     """Warm a cache: download URLS (URLs, brace patterns, s3:// prefixes or globs, paths) before a run.
 
     Through the running agent, or by itself (an agent run in this process until done)
@@ -367,26 +548,43 @@ def prefetch(urls: tuple[str, ...], cache_dir: Path, list_file: Path | None, cac
                 total = format_size(p.bytes_total) if p.bytes_total is not None else "?"
                 width = 30
                 filled = int(width * (p.cached + len(p.failed)) / p.total)
-                _echo(f"\r[{'#' * filled}{'.' * (width - filled)}] {p.cached}/{p.total} shards"
-                           f"{f', {len(p.failed)} failed' if p.failed else ''}, {format_size(p.bytes_done)}/{total},"
-                           f" {_rate(p.rate)}, {_eta(p.eta)}\x1b[K", nl=False)
+                _echo(
+                    f"\r[{'#' * filled}{'.' * (width - filled)}] {p.cached}/{p.total} shards"
+                    f"{f', {len(p.failed)} failed' if p.failed else ''}, {format_size(p.bytes_done)}/{total},"
+                    f" {_rate(p.rate)}, {_eta(p.eta)}\x1b[K",
+                    nl=False,
+                )
                 return
             for url in p.finished:
                 _echo(f"failed {url}: {p.failed[url]}" if url in p.failed else f"cached {url}")
 
-        result = run_prefetch(cache_dir, wanted, report=report, cache_size=cache_size,
-                              download_workers=download_workers, give_up_after=give_up_after,
-                              s3_endpoint_url=s3_endpoint_url)
+        result = run_prefetch(
+            cache_dir,
+            wanted,
+            report=report,
+            cache_size=cache_size,
+            download_workers=download_workers,
+            give_up_after=give_up_after,
+            s3_endpoint_url=s3_endpoint_url,
+        )
     except WdsCacheError as exc:
         _fail(exc)
     if bar:
         _echo()
     if as_json:
-        _echo_json({"shards": result.total, "cached": result.cached, "bytes": result.bytes_done,
-                    "failed": [{"url": u, "error": e} for u, e in result.failed.items()]})
+        _echo_json(
+            {
+                "shards": result.total,
+                "cached": result.cached,
+                "bytes": result.bytes_done,
+                "failed": [{"url": u, "error": e} for u, e in result.failed.items()],
+            }
+        )
     else:
-        _echo(f"{result.cached} of {result.total} shard(s) cached ({format_size(result.bytes_done)})"
-                   + (f", {len(result.failed)} failed:" if result.failed else ""))
+        _echo(
+            f"{result.cached} of {result.total} shard(s) cached ({format_size(result.bytes_done)})"
+            + (f", {len(result.failed)} failed:" if result.failed else "")
+        )
         for url, error in result.failed.items():
             _echo(f"  {url}: {error}")
     sys.exit(1 if result.failed or result.cached < result.total else 0)
@@ -411,14 +609,20 @@ def ls_command(cache_dir: Path, as_json: bool) -> None:
         return
     _echo(f"{'STATE':<12}{'SIZE':>9}  {'LAST READ':<26}{'READS':>6}  URL")
     for s in shards:
-        _echo(f"{s['state']:<12}{format_size(s['size']):>9}  {s['last_read'] or 'never':<26}{s['reads']:>6}  "
-                   f"{s['url']}" + (f"  ({s['error']})" if s["error"] else ""))
+        _echo(
+            f"{s['state']:<12}{format_size(s['size']):>9}  {s['last_read'] or 'never':<26}{s['reads']:>6}  "
+            f"{s['url']}" + (f"  ({s['error']})" if s["error"] else "")
+        )
 
 
 @main.command()
 @_CACHE_DIR
-@click.option("--index", "index_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
-              help="A shard index (wids JSON) whose MD5s the cached copies are checked against too.")
+@click.option(
+    "--index",
+    "index_file",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="A shard index (wids JSON) whose MD5s the cached copies are checked against too.",
+)
 @_JSON
 def verify(cache_dir: Path, index_file: Path | None, as_json: bool) -> None:
     """Re-check every cached shard (size, tar structure, and with --index the MD5 it gives) and evict
@@ -448,12 +652,12 @@ def verify(cache_dir: Path, index_file: Path | None, as_json: bool) -> None:
     if as_json:
         _echo_json(result)
     else:
-        _echo(f"checked {result['checked']} shard(s): {len(result['bad'])} bad, "
-                   f"{len(result['evicted'])} evicted")
+        _echo(f"checked {result['checked']} shard(s): {len(result['bad'])} bad, {len(result['evicted'])} evicted")
         held = {r["url"]: r["reason"] for r in result["refused"]}
         for b in result["bad"]:
-            _echo(f"  bad {b['url']}: {b['problem']}" + (f" (not evicted: {held[b['url']]})"
-                                                              if b["url"] in held else ""))
+            _echo(
+                f"  bad {b['url']}: {b['problem']}" + (f" (not evicted: {held[b['url']]})" if b["url"] in held else "")
+            )
     sys.exit(1 if result["bad"] else 0)
 
 
@@ -474,8 +678,9 @@ def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None, n
         if note:
             _echo(note)
     if unmatched and not result["evicted"] and not result["refused"]:
-        _echo("wdscache: error: nothing evicted: no shard given is cached ('wdscache ls' lists those "
-              "that are)", err=True)
+        _echo(
+            "wdscache: error: nothing evicted: no shard given is cached ('wdscache ls' lists those that are)", err=True
+        )
         sys.exit(1)
     sys.exit(1 if result["refused"] else 0)
 
@@ -605,17 +810,21 @@ def _live_view(s: dict) -> str:
     if agent.get("workers"):
         workers = agent["workers"]
         busy = [w["busy"] for w in workers if isinstance(w.get("busy"), (int, float))]
-        lines.append(f"workers    {len(workers)}: {100 * sum(busy) / len(busy) if busy else 0:.0f}% busy now, "
-                     f"{sum(w.get('busy_s', 0) for w in workers):.1f}s busy in all, "
-                     f"{agent.get('worker_restarts', 0)} restart(s)")
+        lines.append(
+            f"workers    {len(workers)}: {100 * sum(busy) / len(busy) if busy else 0:.0f}% busy now, "
+            f"{sum(w.get('busy_s', 0) for w in workers):.1f}s busy in all, "
+            f"{agent.get('worker_restarts', 0)} restart(s)"
+        )
     judged = verdicts(s)
     for job, ranks in sorted(s.get("jobs", {}).items()):
         rate = sum(r.get("rate", 0) for r in ranks.values())
         lines.append(f"job {job}: {len(ranks)} rank(s), {rate:.0f} samples/s: {judged[job].text}")
         for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
-            lines.append(f"  rank {rank:>3}  {r.get('rate', 0):8.0f} samples/s  waiting "
-                         f"{100 * r.get('waiting', 0):3.0f}%  {r.get('samples', 0)} samples, "
-                         f"waited {r.get('wait_s', 0):.1f}s")
+            lines.append(
+                f"  rank {rank:>3}  {r.get('rate', 0):8.0f} samples/s  waiting "
+                f"{100 * r.get('waiting', 0):3.0f}%  {r.get('samples', 0)} samples, "
+                f"waited {r.get('wait_s', 0):.1f}s"
+            )
     for job, ranks in sorted(s.get("ended_jobs", {}).items()):
         if job not in s.get("jobs", {}):
             lines.append(f"job {job}: {len(ranks)} rank(s), {judged[job].text}")

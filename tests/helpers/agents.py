@@ -24,19 +24,24 @@ CLI_TIMEOUT = 30.0
 FIRST_PART = f"bytes=0-{parse_size(default('download_part_size')) - 1}"
 
 
-def run_wdscache(*args: str | os.PathLike[str], timeout: float = CLI_TIMEOUT,
-                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_wdscache(
+    *args: str | os.PathLike[str], timeout: float = CLI_TIMEOUT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run the CLI to completion (bounded by ``timeout``) and capture its output."""
     cmd = [wdscache_exe(), *map(os.fspath, args)]
     try:
         return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env,
-            stdin=subprocess.DEVNULL, check=False,
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            check=False,
         )
     except subprocess.TimeoutExpired as exc:  # run() has killed and reaped it
         pytest.fail(
-            f"{' '.join(cmd)} did not finish within {timeout:g}s; stderr tail:\n"
-            f"{tail(_text(exc.stderr))}",
+            f"{' '.join(cmd)} did not finish within {timeout:g}s; stderr tail:\n{tail(_text(exc.stderr))}",
             pytrace=False,
         )
 
@@ -118,8 +123,7 @@ class AgentProc:
             s = self.try_stats()
             return s if s is not None and s.get("agent") and s["agent"].get("pid") == self.pid else None
 
-        return wait_for(up, timeout, lambda: f"agent never answered stats\n{self.stderr_tail()}",
-                        interval=0.1)
+        return wait_for(up, timeout, lambda: f"agent never answered stats\n{self.stderr_tail()}", interval=0.1)
 
     def wait_stats(self, predicate: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
         """Poll stats until ``predicate(stats)``; the message names ``what`` and the last stats."""
@@ -135,7 +139,8 @@ class AgentProc:
             return s if s is not None and predicate(s) else None
 
         return wait_for(
-            check, timeout,
+            check,
+            timeout,
             lambda: f"{what}; last stats: {json.dumps(last[0])}\n{self.stderr_tail()}",
             interval=0.1,
         )
@@ -146,5 +151,8 @@ def kill_agent(agent: Any) -> None:
     workers = worker_pids(agent.pid)
     agent.proc.send_signal(signal.SIGKILL)
     assert agent.proc.wait(10) == -signal.SIGKILL
-    wait_for(lambda: not any(os.path.exists(f"/proc/{w}") for w in workers), 10,
-             lambda: f"the killed agent's workers still alive: {workers}")
+    wait_for(
+        lambda: not any(os.path.exists(f"/proc/{w}") for w in workers),
+        10,
+        lambda: f"the killed agent's workers still alive: {workers}",
+    )

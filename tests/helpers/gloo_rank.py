@@ -24,11 +24,20 @@ from wdscache import CachedMultiLoader
 
 
 def main(cache: str, rank: int, world: int, init_file: str, workers: int, go: str | None) -> dict[str, object]:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=30)
+    )
     try:
-        loader = CachedMultiLoader(cache_dir=cache, rank=rank, world_size=world, node=rank, num_nodes=world,
-                                   job="gloo", shuffle_buffer=20, timeout=30)
+        loader = CachedMultiLoader(
+            cache_dir=cache,
+            rank=rank,
+            world_size=world,
+            node=rank,
+            num_nodes=world,
+            job="gloo",
+            shuffle_buffer=20,
+            timeout=30,
+        )
         if go is not None:
             Path(f"{go}.made{rank}").touch()
             deadline = time.monotonic() + 30

@@ -31,8 +31,15 @@ class Loop:
     """The parts of one agent, driven by hand."""
 
     def __init__(self, root: Path, *, limit: int = 64 << 20, **settings: Any) -> None:
-        options: dict[str, Any] = {"cache_size": str(limit), "min_free": "0", "prefetch": 2,
-                                   "download_workers": 1, "workers": 1, "retries": 0, **settings}
+        options: dict[str, Any] = {
+            "cache_size": str(limit),
+            "min_free": "0",
+            "prefetch": 2,
+            "download_workers": 1,
+            "workers": 1,
+            "retries": 0,
+            **settings,
+        }
         self.config = AgentConfig(cache_dir=root / "cache", urls=root / "urls.txt", **options)
         layout = CacheLayout.of(self.config.cache_dir)
         layout.prepare()
@@ -40,8 +47,15 @@ class Loop:
         self.mailbox = Mailbox()
         self.downloads = Downloads(self.config, self.cache, Fetcher(retries=0), self.mailbox)
         self.gone: list[str] = []
-        self.readers = Readers(self.config, self.cache, parse_url_list("\n".join(URLS)), endpoint="ipc:///none",
-                               workers=["ipc:///w0"], cache_root=[0, 0], gone=self._gone)
+        self.readers = Readers(
+            self.config,
+            self.cache,
+            parse_url_list("\n".join(URLS)),
+            endpoint="ipc:///none",
+            workers=["ipc:///w0"],
+            cache_root=[0, 0],
+            gone=self._gone,
+        )
         self.opens = Opens(self.config, self.cache, self.readers, self.downloads)
         self._rid = 0
 

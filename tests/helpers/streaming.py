@@ -37,7 +37,9 @@ class Consumer:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(CONSUMER), "--cache-dir", str(cache_dir), "--out", str(self.out), *args],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
 
     def wait(self, timeout: float = DEADLINE) -> list[dict[str, Any]]:

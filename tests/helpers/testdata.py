@@ -13,6 +13,8 @@ import pytest
 
 TESTDATA = Path(__file__).resolve().parents[3] / "shared/testdata/webdataset"
 REAL_SHARDS = ["compressed.tar", "mpdata.tar", "sample.tgz", "tendata.tar", "testgz.tar"]
-ABSENT = (f"needs webdataset's own test shards in {TESTDATA} (absent): copy {', '.join(REAL_SHARDS)} from the "
-          "testdata/ folder of github.com/webdataset/webdataset there (tests/README.md)")
+ABSENT = (
+    f"needs webdataset's own test shards in {TESTDATA} (absent): copy {', '.join(REAL_SHARDS)} from the "
+    "testdata/ folder of github.com/webdataset/webdataset there (tests/README.md)"
+)
 NEEDS_TESTDATA = pytest.mark.skipif(not TESTDATA.is_dir(), reason=ABSENT)

@@ -25,8 +25,9 @@ def ids(batch: dict[str, Any]) -> list[str]:
 
 
 def loader(cache: str, rank: int, world: int, **kw: Any) -> CachedMultiLoader:
-    return CachedMultiLoader(cache_dir=cache, rank=rank, world_size=world, job=f"torch-w{world}",
-                             shuffle_buffer=50, timeout=60, **kw)
+    return CachedMultiLoader(
+        cache_dir=cache, rank=rank, world_size=world, job=f"torch-w{world}", shuffle_buffer=50, timeout=60, **kw
+    )
 
 
 def workers(cache: str) -> dict[str, Any]:
@@ -46,8 +47,11 @@ def workers(cache: str) -> dict[str, Any]:
         out["ranks"].append(epochs)
         out["len"] = len(ds)  # known once every shard was read
     # Workers started fresh ("spawn"), the dataset pickled to them.
-    out["spawned"] = sorted(i for batch in DataLoader(loader(cache, 0, 1), batch_size=5, num_workers=2,
-                                                      multiprocessing_context="spawn") for i in ids(batch))
+    out["spawned"] = sorted(
+        i
+        for batch in DataLoader(loader(cache, 0, 1), batch_size=5, num_workers=2, multiprocessing_context="spawn")
+        for i in ids(batch)
+    )
     ds = loader(cache, 0, 1, batch_size=3, map=tensor_of)
     first = next(iter(ds))
     out["collated"] = {k: type(v).__name__ for k, v in first.items()}
@@ -110,9 +114,11 @@ def nodes(cache: str) -> dict[str, Any]:
     """Two nodes of one rank each, in StatefulDataLoaders with 2 workers (their states asked for
     at every batch), both stopped after 2 batches. Each rank's own state resumes it on the same
     layout; rank 0's, loaded into the dataset, resumes the job on 1 node x 2 ranks, 3 workers each."""
+
     def make(rank: int, ds: CachedMultiLoader | None = None, workers: int = 2) -> StatefulDataLoader:
-        return StatefulDataLoader(ds or loader(cache, rank, 2, node=rank, num_nodes=2), batch_size=3,
-                                  num_workers=workers)
+        return StatefulDataLoader(
+            ds or loader(cache, rank, 2, node=rank, num_nodes=2), batch_size=3, num_workers=workers
+        )
 
     for _ in loader(cache, 0, 1):  # one epoch on one node: the agent learns the counts
         pass

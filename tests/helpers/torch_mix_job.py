@@ -24,8 +24,16 @@ def ids(batch: dict[str, Any]) -> list[str]:
 
 
 def mixture(cache: str, a: str, b: str, rank: int, world: int) -> CachedMultiLoader:
-    return CachedMultiLoader(mix={a: 3, b: 1}, epoch_samples=61, cache_dir=cache, rank=rank, world_size=world,
-                             job=f"mix-w{world}", shuffle_buffer=16, timeout=60)
+    return CachedMultiLoader(
+        mix={a: 3, b: 1},
+        epoch_samples=61,
+        cache_dir=cache,
+        rank=rank,
+        world_size=world,
+        job=f"mix-w{world}",
+        shuffle_buffer=16,
+        timeout=60,
+    )
 
 
 def tagged(sample: dict[str, Any]) -> tuple[str, int]:

@@ -13,7 +13,7 @@ def another_version(data: bytes) -> bytes:
     the same sample keys), so only a validator can tell it from ``data``; no sample is in both."""
     out = bytearray(data)
     for m in members(data, url="another_version"):
-        out[m.offset:m.offset + m.size] = bytes(b ^ 0xFF for b in data[m.offset:m.offset + m.size])
+        out[m.offset : m.offset + m.size] = bytes(b ^ 0xFF for b in data[m.offset : m.offset + m.size])
     return bytes(out)
 
 

@@ -39,8 +39,9 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
             conn.close()
 
 
-def read_from_worker(cache: Path, urls: list[str], items: list[tuple[int, int]],
-                     direct: bool = False) -> tuple[dict, list[bytes]]:
+def read_from_worker(
+    cache: Path, urls: list[str], items: list[tuple[int, int]], direct: bool = False
+) -> tuple[dict, list[bytes]]:
     """One read request straight to a worker (as the loader sends it), and its reply (checked
     to carry the worker's proof)."""
     from wdscache.shared.protocol import pack, unpack

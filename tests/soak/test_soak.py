@@ -45,23 +45,51 @@ def test_soak(tmp_path, shard_server, dataset, start_agent):
     shard_size = max(p.stat().st_size for p in data.paths)
     ref = reference(data.paths, data.urls)
     cache = tmp_path / "cache"
-    args = ("--workers", "2", "--prefetch", "3", "--read-timeout", "1", "--reader-timeout", "5",
-            "--cache-size", str(8 * shard_size))
+    args = (
+        "--workers",
+        "2",
+        "--prefetch",
+        "3",
+        "--read-timeout",
+        "1",
+        "--reader-timeout",
+        "5",
+        "--cache-size",
+        str(8 * shard_size),
+    )
     agent = start_agent(cache, data.list_file, *args)
     figures = Counter()
     memory: list[float] = []
     for epoch in range(EPOCHS):
         figures["faults injected"] += inject(shard_server, names, rng)
         runs = {
-            (job, rank): Consumer(tmp_path, cache, f"e{epoch}j{job}r{rank}", "--job", f"job{job}",
-                                  "--rank", str(rank), "--world-size", str(RANKS), "--epoch", str(epoch),
-                                  "--seed", str(job), "--timeout", "60")
-            for job in range(JOBS) for rank in range(RANKS)
+            (job, rank): Consumer(
+                tmp_path,
+                cache,
+                f"e{epoch}j{job}r{rank}",
+                "--job",
+                f"job{job}",
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(RANKS),
+                "--epoch",
+                str(epoch),
+                "--seed",
+                str(job),
+                "--timeout",
+                "60",
+            )
+            for job in range(JOBS)
+            for rank in range(RANKS)
         }
         if epoch == 2:
             # Kill one worker mid-epoch: its requests go to its replacement.
-            wait_for(lambda runs=runs: any(r.out.exists() and r.out.stat().st_size > 0 for r in runs.values()), 60,
-                     "no consumer started reading")
+            wait_for(
+                lambda runs=runs: any(r.out.exists() and r.out.stat().st_size > 0 for r in runs.values()),
+                60,
+                "no consumer started reading",
+            )
             os.kill(worker_pids(agent.pid)[0], signal.SIGKILL)
             figures["workers killed"] += 1
         results = {k: samples_of(r.wait(timeout=240)) for k, r in runs.items()}

@@ -131,9 +131,13 @@ class ShardCache:
                 if size == rec.size and not _gzipped(path):
                     done["kept"] += 1
                 else:
-                    log.warning("forgetting %s: its cache file is %s", rec.url,
-                                "gzip'd (shards are cached decompressed)" if size == rec.size
-                                else "missing or has the wrong size")
+                    log.warning(
+                        "forgetting %s: its cache file is %s",
+                        rec.url,
+                        "gzip'd (shards are cached decompressed)"
+                        if size == rec.size
+                        else "missing or has the wrong size",
+                    )
                     _unlink(path)
                     self.index.delete(rec.url)
                     done["forgotten"] += 1
@@ -198,12 +202,18 @@ class ShardCache:
         if rec is not None and rec.state is ShardState.DOWNLOADING and rec.etag != etag:
             self.index.put(dataclasses.replace(rec, etag=etag))
 
-    def finish(self, d: Download, size: int, etag: str | None, *, stored: int | None = None,
-               last_modified: str | None = None) -> None:
+    def finish(
+        self, d: Download, size: int, etag: str | None, *, stored: int | None = None, last_modified: str | None = None
+    ) -> None:
         """``d`` was published under shards/: it is cached now (``size`` at the source,
         ``stored`` in the cache when not the same; its validators ``etag`` and ``last_modified``)."""
-        self._set_cached(d.url, size if stored is None else stored, etag,
-                         source_size=None if stored is None else size, last_modified=last_modified)
+        self._set_cached(
+            d.url,
+            size if stored is None else stored,
+            etag,
+            source_size=None if stored is None else size,
+            last_modified=last_modified,
+        )
         self.inflight.pop(d.url, None)
         if self.watcher is not None:
             self.watcher.cached(d.url, size if stored is None else stored)
@@ -265,8 +275,9 @@ class ShardCache:
         if rec is not None and rec.state is ShardState.FAILED:
             self.index.delete(url)
 
-    def _set_cached(self, url: str, size: int, etag: str | None, *, source_size: int | None = None,
-                    last_modified: str | None = None) -> None:
+    def _set_cached(
+        self, url: str, size: int, etag: str | None, *, source_size: int | None = None, last_modified: str | None = None
+    ) -> None:
         old = self.index.get(url)
         self.index.put(
             ShardRecord(
@@ -284,8 +295,15 @@ class ShardCache:
 
     # -- budget -----------------------------------------------------------
 
-    def try_reserve(self, d: Download, total: int, *, wanted: Sequence[str],
-                    prefetched: Collection[str] = (), spare_prefetched: bool = False) -> bool:
+    def try_reserve(
+        self,
+        d: Download,
+        total: int,
+        *,
+        wanted: Sequence[str],
+        prefetched: Collection[str] = (),
+        spare_prefetched: bool = False,
+    ) -> bool:
         """Reserve ``total`` bytes for ``d`` if the budget can hold them, evicting if needed.
 
         ``wanted`` lists the shards in readers' windows, most urgent first; they are
@@ -302,8 +320,10 @@ class ShardCache:
                     f"the shard reached {format_size(d.budget.needed)} ({d.budget.needed} bytes) and is still growing, "
                     f"more than the whole cache (--cache-size {format_size(self.limit)})"
                 )
-            spare = min(self.limit - self.used - self.reserved - self.kept_bytes,
-                        self.fs_free() - self.margin - self._unwritten())
+            spare = min(
+                self.limit - self.used - self.reserved - self.kept_bytes,
+                self.fs_free() - self.margin - self._unwritten(),
+            )
             # A quarter of what is spare at most, so that downloads beside it find room too.
             total = max(d.budget.needed, min(total, d.budget.reserved + spare // 4))
         extra = total - d.budget.reserved
@@ -311,23 +331,33 @@ class ShardCache:
             return True
         if total > self.limit:
             raise OverflowError(
-                f"shard of {format_size(total)} is larger than the whole cache "
-                f"(--cache-size {format_size(self.limit)})"
+                f"shard of {format_size(total)} is larger than the whole cache (--cache-size {format_size(self.limit)})"
             )
         need, margin_need, free = self._shortfall(extra)
         if max(need, margin_need) > 0 and self._drop_kept(max(need, margin_need), spare=d.url):
             need, margin_need, free = self._shortfall(extra)
         shortfall = max(need, margin_need)
-        if shortfall > 0 and not self.evict(shortfall, wanted=wanted, allow_window=d.demanded, spare=d.url,
-                                            prefetched=prefetched, spare_prefetched=spare_prefetched,
-                                            why="evicted to make room for a shard readers need"):
+        if shortfall > 0 and not self.evict(
+            shortfall,
+            wanted=wanted,
+            allow_window=d.demanded,
+            spare=d.url,
+            prefetched=prefetched,
+            spare_prefetched=spare_prefetched,
+            why="evicted to make room for a shard readers need",
+        ):
             self.refusal = self._why_refused(d, extra, need >= margin_need, free, wanted)
             return False
         d.budget.reserved = total
         return True
 
     def _why_refused(
-        self, d: Download, extra: int, budget: bool, free: int, wanted: Sequence[str],
+        self,
+        d: Download,
+        extra: int,
+        budget: bool,
+        free: int,
+        wanted: Sequence[str],
     ) -> tuple[str, str]:
         """(kind, sentence): why ``extra`` more bytes for ``d`` cannot be had by evicting."""
         window = set(wanted)
@@ -371,8 +401,17 @@ class ShardCache:
     def _unwritten(self) -> int:
         return sum(max(0, d.budget.reserved - d.progress.written - d.progress.expanded) for d in self.inflight.values())
 
-    def evict(self, nbytes: int, *, wanted: Sequence[str], allow_window: bool, why: str, spare: str | None = None,
-              prefetched: Collection[str] = (), spare_prefetched: bool = False) -> bool:
+    def evict(
+        self,
+        nbytes: int,
+        *,
+        wanted: Sequence[str],
+        allow_window: bool,
+        why: str,
+        spare: str | None = None,
+        prefetched: Collection[str] = (),
+        spare_prefetched: bool = False,
+    ) -> bool:
         """Free ``nbytes`` of cached shards if possible (all or nothing); True on success.
 
         Outside the windows of ``wanted``, the least recently read go first, and shards
@@ -382,11 +421,14 @@ class ShardCache:
         candidates = [
             r
             for r in self.index.records.values()
-            if r.state is ShardState.CACHED and not self.pins.get(r.url) and r.url != spare
+            if r.state is ShardState.CACHED
+            and not self.pins.get(r.url)
+            and r.url != spare
             and not (spare_prefetched and r.url in prefetched)
         ]
-        outside = sorted((r for r in candidates if r.url not in window),
-                         key=lambda r: (r.url in prefetched, r.last_read))
+        outside = sorted(
+            (r for r in candidates if r.url not in window), key=lambda r: (r.url in prefetched, r.last_read)
+        )
         chosen: list[ShardRecord] = []
         freed = 0
         for rec in outside:
@@ -413,8 +455,17 @@ class ShardCache:
         rec = self.index.get(url)
         if rec is None:
             return
-        event(log, "evicted", "evicted %s (%s, last read %s)", url, format_size(rec.size),
-              iso_time(rec.last_read) or "never", url=url, bytes=rec.size, last_read=iso_time(rec.last_read))
+        event(
+            log,
+            "evicted",
+            "evicted %s (%s, last read %s)",
+            url,
+            format_size(rec.size),
+            iso_time(rec.last_read) or "never",
+            url=url,
+            bytes=rec.size,
+            last_read=iso_time(rec.last_read),
+        )
         self.index.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
         _unlink(self.layout.shard_path(url))
         self.index.delete(url)

@@ -127,10 +127,19 @@ def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
         pass
     index = Index(layout.index_dir, read_only=_read_only(layout))
     try:
-        return [{"url": r.url, "state": r.state.value, "size": r.size, "source_size": r.source_size,
-                 "last_read": iso_time(r.last_read),
-                 "reads": r.reads, "samples": index.counts.get(r.url), "error": r.error}
-                for r in sorted(index.records.values(), key=lambda r: r.url)]
+        return [
+            {
+                "url": r.url,
+                "state": r.state.value,
+                "size": r.size,
+                "source_size": r.source_size,
+                "last_read": iso_time(r.last_read),
+                "reads": r.reads,
+                "samples": index.counts.get(r.url),
+                "error": r.error,
+            }
+            for r in sorted(index.records.values(), key=lambda r: r.url)
+        ]
     finally:
         index.close()
 
@@ -210,8 +219,9 @@ def shard_problem(path: Path, url: str, size: int, checksum: Checksum | None) ->
     return None
 
 
-def verify(cache_dir: str | os.PathLike[str], *,
-           checksum_of: Callable[[str], Checksum | None] = no_checksum) -> dict[str, Any]:
+def verify(
+    cache_dir: str | os.PathLike[str], *, checksum_of: Callable[[str], Checksum | None] = no_checksum
+) -> dict[str, Any]:
     """Re-check every cached shard (:func:`shard_problem`) and evict the bad ones:
     {checked, bad: [{url, problem}], evicted: [url], refused: [{url, reason}] (held by a reader, or
     the directory cannot be written)}."""
@@ -273,9 +283,16 @@ class Progress:
         return max(0.0, (self.bytes_total - self.bytes_done) / self.rate)
 
 
-def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: Callable[[Progress], None],
-             cache_size: str | None = None, download_workers: int | None = None,
-             give_up_after: float = PREFETCH_GIVE_UP_AFTER, s3_endpoint_url: str | None = None) -> Progress:
+def prefetch(
+    cache_dir: str | os.PathLike[str],
+    urls: Sequence[str],
+    *,
+    report: Callable[[Progress], None],
+    cache_size: str | None = None,
+    download_workers: int | None = None,
+    give_up_after: float = PREFETCH_GIVE_UP_AFTER,
+    s3_endpoint_url: str | None = None,
+) -> Progress:
     """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
     (with ``cache_size``, default the last agent's budget, ``download_workers`` and ``s3_endpoint_url``)
     until done, or
@@ -295,8 +312,13 @@ def prefetch(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, report: 
 
 
 @contextmanager
-def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None, download_workers: int | None,
-               s3_endpoint_url: str | None) -> Iterator[AgentConnection]:
+def _own_agent(
+    layout: CacheLayout,
+    urls: Sequence[str],
+    cache_size: str | None,
+    download_workers: int | None,
+    s3_endpoint_url: str | None,
+) -> Iterator[AgentConnection]:
     """An agent run in this process (a thread) on ``layout``, for a prefetch; stopped at the end."""
     from .core import Agent
 
@@ -307,9 +329,18 @@ def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None,
     with tempfile.TemporaryDirectory(prefix="wdscache-prefetch-") as folder:
         list_file = Path(folder) / "urls.txt"
         list_file.write_text(format_url_list(urls))  # its list: what it may fetch (the prefetch op says when)
-        agent = Agent(AgentConfig(cache_dir=layout.root, urls=list_file, cache_size=cache_size, prefetch=1,
-                                  workers=1, shuffle=False, s3_endpoint_url=s3_endpoint_url,
-                                  download_workers=download_workers or default("download_workers")))
+        agent = Agent(
+            AgentConfig(
+                cache_dir=layout.root,
+                urls=list_file,
+                cache_size=cache_size,
+                prefetch=1,
+                workers=1,
+                shuffle=False,
+                s3_endpoint_url=s3_endpoint_url,
+                download_workers=download_workers or default("download_workers"),
+            )
+        )
         failure: list[BaseException] = []
 
         def run() -> None:
@@ -346,8 +377,9 @@ def _own_agent(layout: CacheLayout, urls: Sequence[str], cache_size: str | None,
             raise failure[0]
 
 
-def _prefetch_through(conn: AgentConnection, urls: Sequence[str], report: Callable[[Progress], None],
-                      give_up_after: float) -> Progress:
+def _prefetch_through(
+    conn: AgentConnection, urls: Sequence[str], report: Callable[[Progress], None], give_up_after: float
+) -> Progress:
     """Hand ``urls`` to the agent as one prefetch, follow it to its end, then end it there."""
     urls = list(dict.fromkeys(urls))
     name = secrets.token_hex(8)
@@ -370,8 +402,9 @@ def _end(conn: AgentConnection, name: str) -> None:
         log.warning("could not end the prefetch in the agent: %s", exc)
 
 
-def _follow(conn: AgentConnection, name: str, urls: list[str], report: Callable[[Progress], None],
-            give_up_after: float) -> Progress:
+def _follow(
+    conn: AgentConnection, name: str, urls: list[str], report: Callable[[Progress], None], give_up_after: float
+) -> Progress:
     """Poll prefetch ``name`` until every shard is cached or failed (each poll costs the shards that
     changed since the last), or until its downloads wait for space ``give_up_after`` seconds
     with no progress (the rest then fail)."""

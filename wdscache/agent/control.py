@@ -37,9 +37,11 @@ log = get_logger(__name__)
 
 MAX_MESSAGE = 1 << 20
 MAX_BATCH = 1000  # messages taken per turn, so a flood cannot starve the rest of the loop
-REFUSED = ("refused: this agent serves only clients that hold the token in its cache directory "
-           "(CACHE_DIR/token, readable by the directory's owner only); run as that user and give the loader "
-           "cache_dir, or set WDSCACHE_TOKEN to the token (a consumer that cannot see the cache directory)")
+REFUSED = (
+    "refused: this agent serves only clients that hold the token in its cache directory "
+    "(CACHE_DIR/token, readable by the directory's owner only); run as that user and give the loader "
+    "cache_dir, or set WDSCACHE_TOKEN to the token (a consumer that cannot see the cache directory)"
+)
 
 Reply = dict[str, Any]  # a reply's body: "ok" and the fields of the op's reply
 
@@ -75,7 +77,7 @@ class ControlSocket:
         sock.setsockopt(zmq.SNDHWM, 10_000)
         try:
             if endpoint.startswith("ipc://"):
-                path = Path(endpoint[len("ipc://"):])
+                path = Path(endpoint[len("ipc://") :])
                 # The caller holds the cache directory's lock, so a socket file left here is a dead agent's.
                 path.unlink(missing_ok=True)
                 sock.bind(endpoint)
@@ -163,5 +165,5 @@ class ControlSocket:
     def close(self) -> None:
         self._sock.close(0)
         if self.endpoint.startswith("ipc://"):
-            Path(self.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)
         self._ctx.term()

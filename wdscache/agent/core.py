@@ -195,8 +195,9 @@ class Agent:
             undo.callback(self.layout.undo_start, before, made)
             token = self.layout.ensure_token()
             # Worker processes take a while to start: they do so while the cache is opened.
-            self.pool = WorkerPool(n=cfg.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root),
-                                   token=token, run=self._run)
+            self.pool = WorkerPool(
+                n=cfg.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root), token=token, run=self._run
+            )
             self.pool.start()
             undo.callback(self.pool.stop)
             self.cache = _open_cache(self.layout, cfg, urls, self.fetcher)
@@ -220,16 +221,28 @@ class Agent:
         self._list_file.watch()
         log.info(
             "agent %d serving %s on %s: %d shards listed, %s cached of %s budget",
-            os.getpid(), self.layout.root, self.endpoint, len(urls),
-            format_size(self.cache.used), format_size(self.cache.limit),
+            os.getpid(),
+            self.layout.root,
+            self.endpoint,
+            len(urls),
+            format_size(self.cache.used),
+            format_size(self.cache.limit),
         )
 
     def _build(self, urls: UrlList, cache_root: list[int]) -> None:
         """The parts, on the open cache, the bound socket and the started workers."""
         cfg = self.config
-        self.readers = Readers(cfg, self.cache, urls, endpoint=self.socket.endpoint, workers=self.pool.endpoints,
-                               cache_root=cache_root, gone=self._reader_gone, watch=self.socket.watch,
-                               unwatch=self.socket.unwatch)
+        self.readers = Readers(
+            cfg,
+            self.cache,
+            urls,
+            endpoint=self.socket.endpoint,
+            workers=self.pool.endpoints,
+            cache_root=cache_root,
+            gone=self._reader_gone,
+            watch=self.socket.watch,
+            unwatch=self.socket.unwatch,
+        )
         self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox, expected=self.readers.shard_info)
         self.opens = Opens(cfg, self.cache, self.readers, self.downloads)
         self.workers = WorkerReports(self.pool, self.socket)
@@ -238,14 +251,26 @@ class Agent:
         self.upkeep = Upkeep(self.cache, self.prefetches, self.readers.fetchable, self.readers.stop_startup)
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
-            "stats": self._op_stats, "counts": self._op_counts, "counted": self._op_counted, "ping": self._op_ping,
-            "hello": self._op_hello, "put_urls": self.readers.op_put_urls, "get_urls": self.readers.op_get_urls,
-            "report": self.readers.op_report, "bye": self.readers.op_bye,
-            "open": self.opens.op_open, "status": self.opens.op_status, "release": self.opens.op_release,
-            "corrupt_copy": self.opens.op_damaged, "corrupt": self.opens.op_corrupt,
+            "stats": self._op_stats,
+            "counts": self._op_counts,
+            "counted": self._op_counted,
+            "ping": self._op_ping,
+            "hello": self._op_hello,
+            "put_urls": self.readers.op_put_urls,
+            "get_urls": self.readers.op_get_urls,
+            "report": self.readers.op_report,
+            "bye": self.readers.op_bye,
+            "open": self.opens.op_open,
+            "status": self.opens.op_status,
+            "release": self.opens.op_release,
+            "corrupt_copy": self.opens.op_damaged,
+            "corrupt": self.opens.op_corrupt,
             "worker": lambda r: self.workers.op_worker(r.ident, r.rid, r.header),
-            "evict": self.upkeep.op_evict, "clear": self.upkeep.op_clear, "prefetch": self.upkeep.op_prefetch,
-            "prefetch_status": self.upkeep.op_prefetch_status, "prefetch_end": self.upkeep.op_prefetch_end,
+            "evict": self.upkeep.op_evict,
+            "clear": self.upkeep.op_clear,
+            "prefetch": self.upkeep.op_prefetch,
+            "prefetch_status": self.upkeep.op_prefetch_status,
+            "prefetch_end": self.upkeep.op_prefetch_end,
         }
         self._ops = {op: handlers[op] for op in CONTROL_OPS}
 
@@ -307,8 +332,9 @@ class Agent:
         # The next prefetch wishes only: enough to fill the download slots, whatever the lists' length.
         warm = [u for u in self.prefetches.wanted(self.config.download_workers) if u not in seen]
         want = readers + warm
-        for url in self.downloads.schedule(want, self.readers.holding(want), set(demanded),
-                                           self.prefetches.hold(set(warm))):
+        for url in self.downloads.schedule(
+            want, self.readers.holding(want), set(demanded), self.prefetches.hold(set(warm))
+        ):
             self.opens.answer_partial(url)
         for given_up in self.downloads.no_room():
             self.prefetches.no_room(given_up)
@@ -483,10 +509,18 @@ class Agent:
         by_state = dict(index.summary.counts)
         by_state["downloading"] = self.downloads.count()
         by_state["queued"] = self.prefetches.queued() + sum(
-            1 for u in self._readers_want() if u not in self.downloads and not cache.is_cached(u)
-            and not _failed(index.get(u)) and not self.prefetches.asks_for(u))
-        agent_view = {"workers": self.workers.view(), "demanded": len(self.opens.demanded()),
-                      "need_bytes": self.readers.need(self.opens.held)[0]}
+            1
+            for u in self._readers_want()
+            if u not in self.downloads
+            and not cache.is_cached(u)
+            and not _failed(index.get(u))
+            and not self.prefetches.asks_for(u)
+        )
+        agent_view = {
+            "workers": self.workers.view(),
+            "demanded": len(self.opens.demanded()),
+            "need_bytes": self.readers.need(self.opens.held)[0],
+        }
         readers = self.readers.view(starved_by({"bytes_limit": cache.limit, "agent": agent_view}) or "latency")
         return build(
             cache_dir=str(self.layout.root),
@@ -573,8 +607,12 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
         if cache.used > cache.limit:
             # Restarted with a smaller --cache-size: shrink to it before anything else.
-            cache.evict(cache.used - cache.limit, wanted=first, allow_window=True,
-                        why="evicted to shrink the cache to --cache-size")
+            cache.evict(
+                cache.used - cache.limit,
+                wanted=first,
+                allow_window=True,
+                why="evicted to shrink the cache to --cache-size",
+            )
         _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total)
         cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
     except BaseException:
@@ -583,8 +621,9 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
     return cache
 
 
-def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: list[str], fetcher: Fetcher,
-                  fs_total: int) -> None:
+def _check_budget(
+    cache: ShardCache, prefetch: int, need_shards: int, first: list[str], fetcher: Fetcher, fs_total: int
+) -> None:
     """Refuse a budget that can never hold a reader's window of the largest shards we know of
     (those of the start-up window ``first``; a reader holds ``need_shards`` at once).
 
@@ -594,17 +633,21 @@ def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: lis
     """
     room = fs_total - cache.margin  # the most the file system can ever give to shards
     usable = min(cache.limit, room)
-    where = (f"the file system of {cache.layout.root} is {format_size(fs_total)} in all, --min-free "
-             f"{format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for the index) must stay free, "
-             f"--cache-size {format_size(cache.limit)}")
+    where = (
+        f"the file system of {cache.layout.root} is {format_size(fs_total)} in all, --min-free "
+        f"{format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for the index) must stay free, "
+        f"--cache-size {format_size(cache.limit)}"
+    )
     if usable <= 0:
         raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
     sizes = [s for s in _probe_sizes(cache, fetcher, first) if s]
     if not sizes:
         return
     need = need_shards * max(sizes)
-    window = (f"shards here are up to {format_size(max(sizes))} and a reader needs {need_shards} of them "
-              f"on disk (the one it reads and {need_shards - 1} ahead)")
+    window = (
+        f"shards here are up to {format_size(max(sizes))} and a reader needs {need_shards} of them "
+        f"on disk (the one it reads and {need_shards - 1} ahead)"
+    )
     if need > cache.limit:
         raise ConfigError(
             f"--cache-size {format_size(cache.limit)} is too small for --prefetch "
@@ -619,10 +662,15 @@ def _check_budget(cache: ShardCache, prefetch: int, need_shards: int, first: lis
         )
     free = cache.fs_free() + cache.used - cache.margin  # our own shards can be evicted
     if need > free:
-        log.warning("only %s of the file system can hold shards now (%s free, --min-free %s): %s, %s; "
-                    "downloads wait for space until other files make room",
-                    format_size(max(0, free)), format_size(cache.fs_free()), format_size(cache.min_free),
-                    window, format_size(need))
+        log.warning(
+            "only %s of the file system can hold shards now (%s free, --min-free %s): %s, %s; "
+            "downloads wait for space until other files make room",
+            format_size(max(0, free)),
+            format_size(cache.fs_free()),
+            format_size(cache.min_free),
+            window,
+            format_size(need),
+        )
 
 
 def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str]) -> list[int]:

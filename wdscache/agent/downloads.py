@@ -110,8 +110,15 @@ class NoRoom:
 class Downloads:
     """Download tasks and threads, budget grants, preemption and waits for space."""
 
-    def __init__(self, config: AgentConfig, cache: ShardCache, fetcher: Fetcher, mailbox: Mailbox, *,
-                 expected: Callable[[str], ShardInfo | None] = lambda url: None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        cache: ShardCache,
+        fetcher: Fetcher,
+        mailbox: Mailbox,
+        *,
+        expected: Callable[[str], ShardInfo | None] = lambda url: None,
+    ) -> None:
         self._config, self._cache, self._fetcher, self._mailbox = config, cache, fetcher, mailbox
         self._expected = expected  # what a shard index says of a URL: each download is checked against it
         self._layout = cache.layout
@@ -155,8 +162,13 @@ class Downloads:
         d = self._download(url)
         # A gzip'd shard is read once decompressed: a reader of its partial file would hold
         # its pins while the tar still needs room.
-        return (d is not None and not d.verify and not d.progress.gzipped and d.progress.total is not None
-                and d.budget.reserved >= d.progress.total)
+        return (
+            d is not None
+            and not d.verify
+            and not d.progress.gzipped
+            and d.progress.total is not None
+            and d.budget.reserved >= d.progress.total
+        )
 
     def progress(self, url: str) -> dict[str, Any]:
         """Bytes written so far and the size, of a download of ``url`` ({} if none), and
@@ -176,8 +188,9 @@ class Downloads:
         return slot.space_wait if slot is not None else None
 
     def space_waits(self) -> list[dict[str, str]]:
-        return [{"url": u, "reason": slot.space_wait} for u, slot in self._active.items()
-                if slot.space_wait is not None]
+        return [
+            {"url": u, "reason": slot.space_wait} for u, slot in self._active.items() if slot.space_wait is not None
+        ]
 
     def _download(self, url: str) -> Download | None:
         slot = self._active.get(url)
@@ -208,15 +221,17 @@ class Downloads:
 
     def sample_rate(self) -> None:
         now = time.monotonic()
-        self._rate_samples.append((now, self._finished_bytes
-                                   + sum(s.download.progress.written for s in self._active.values())))
+        self._rate_samples.append(
+            (now, self._finished_bytes + sum(s.download.progress.written for s in self._active.values()))
+        )
         while self._rate_samples and now - self._rate_samples[0][0] > RATE_WINDOW:
             self._rate_samples.popleft()
 
     # -- scheduling -----------------------------------------------------------
 
-    def schedule(self, want: list[str], holding: set[str], demanded: Collection[str],
-                 hold: PrefetchHold = PrefetchHold()) -> list[str]:
+    def schedule(
+        self, want: list[str], holding: set[str], demanded: Collection[str], hold: PrefetchHold = PrefetchHold()
+    ) -> list[str]:
         """Start downloads for the most urgent of ``want``; cancel those no longer wanted;
         answer budget requests (``hold``: what prefetches ask of it). Returns the shards that
         became readable while they download.
@@ -285,8 +300,13 @@ class Downloads:
         if url in self._active:
             return
         self._cache.pin(url)  # not evicted while we ask; unpinned when the answer comes
-        d = Download(url, partial=self._layout.partial_path(url), final=self._layout.shard_path(url),
-                     budget=Budget(self.reserve), verify=True)
+        d = Download(
+            url,
+            partial=self._layout.partial_path(url),
+            final=self._layout.shard_path(url),
+            budget=Budget(self.reserve),
+            verify=True,
+        )
         self._active[url] = Slot(d)
         self._tasks.put(d)
 
@@ -339,8 +359,9 @@ class Downloads:
                     continue
                 prefetch_only = g.download.url in hold.only and not g.download.demanded
                 try:
-                    granted = self._cache.try_reserve(g.download, g.total, wanted=want, prefetched=hold.held,
-                                                      spare_prefetched=prefetch_only)
+                    granted = self._cache.try_reserve(
+                        g.download, g.total, wanted=want, prefetched=hold.held, spare_prefetched=prefetch_only
+                    )
                 except OverflowError as exc:
                     g.error = FetchError(g.download.url, str(exc), permanent=True)
                     granted = True
@@ -352,8 +373,11 @@ class Downloads:
                     pending.append(g)
                     no_room = self._never_fits(g, want, hold) if prefetch_only else None
                     if no_room is not None:
-                        log.info("giving up the prefetch of %s: %s do not fit beside the shards prefetches and "
-                                 "readers hold", no_room.url, format_size(no_room.need))
+                        log.info(
+                            "giving up the prefetch of %s: %s do not fit beside the shards prefetches and readers hold",
+                            no_room.url,
+                            format_size(no_room.need),
+                        )
                         g.download.cancel.set()  # before a byte of its body is written
                         self._no_room.append(no_room)
                     elif self._cache.refusal is not None:
@@ -402,9 +426,14 @@ class Downloads:
         if now - self._growth_stuck_since < GROWTH_GRACE:
             return  # a reader may let go of a pin meanwhile
         self._growth_stuck_since = None
-        victim = min(growing, key=lambda g: (g.download.demanded, g.download.progress.written + g.download.progress.expanded))
-        log.info("cancelling %s: it and %d other download(s) each wait for space the others hold",
-                 victim.download.url, len(growing) - 1)
+        victim = min(
+            growing, key=lambda g: (g.download.demanded, g.download.progress.written + g.download.progress.expanded)
+        )
+        log.info(
+            "cancelling %s: it and %d other download(s) each wait for space the others hold",
+            victim.download.url,
+            len(growing) - 1,
+        )
         victim.download.cancel.set()
 
     def _waits_for_space(self, url: str, kind: str, reason: str, waits: set[str]) -> None:
@@ -441,8 +470,15 @@ class Downloads:
             index.incr("redownloads")
             index.incr("bytes_redownloaded", fetched.size)
         if again:
-            event(log, "redownloaded", "cached %s again (%s): this cache held it before", d.url,
-                  format_size(fetched.size), url=d.url, bytes=fetched.size)
+            event(
+                log,
+                "redownloaded",
+                "cached %s again (%s): this cache held it before",
+                d.url,
+                format_size(fetched.size),
+                url=d.url,
+                bytes=fetched.size,
+            )
         else:
             event(log, "cached", "cached %s (%s)", d.url, format_size(fetched.size), url=d.url, bytes=fetched.size)
         return again
@@ -457,8 +493,12 @@ class Downloads:
         self._cache.abandon(d)
         self.pause()
         log.warning("%s; abandoned %s, will retry after making room", error.reason, d.url)
-        self._cache.evict(d.progress.written + self._cache.margin, wanted=want, allow_window=False,
-                          why="evicted: the file system ran out of space")
+        self._cache.evict(
+            d.progress.written + self._cache.margin,
+            wanted=want,
+            allow_window=False,
+            why="evicted: the file system ran out of space",
+        )
 
     def record_failure(self, d: Download, error: FetchError) -> None:
         self._cache.fail(d, error.reason)

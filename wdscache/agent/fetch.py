@@ -104,8 +104,13 @@ TLS_VERIFY = "TLS certificate verification failed"
 TLS_FAILED = "TLS handshake failed"
 UNREACHABLE = (CONNECTION_REFUSED, NAME_RESOLUTION, TLS_VERIFY, TLS_FAILED)
 # What a failed attempt may raise that is worth another: a connection's or a read's error.
-RETRIED = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-           urllib3.exceptions.HTTPError, OSError)
+RETRIED = (
+    requests.ConnectionError,
+    requests.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.HTTPError,
+    OSError,
+)
 
 
 class Fetcher:
@@ -125,8 +130,13 @@ class Fetcher:
     ) -> None:
         self._sources = make_sources(Settings(connect_timeout, read_timeout, s3_endpoint_url))
         self._backoff = Backoff(retries, backoff, backoff_max)
-        self._parted = PartedFetch(download_parts, parse_size(download_part_size, what="--download-part-size"),
-                                   self._backoff, read_timeout, self.close_thread)
+        self._parted = PartedFetch(
+            download_parts,
+            parse_size(download_part_size, what="--download-part-size"),
+            self._backoff,
+            read_timeout,
+            self.close_thread,
+        )
 
     def close_thread(self) -> None:
         """Close the calling thread's sessions and clients (call before the thread ends)."""
@@ -270,10 +280,21 @@ class Fetcher:
         if version.validator and version.validator != d.progress.etag:
             d.progress.etag = version.validator
             d.on_validator(d)  # recorded in the index, so a restart can resume safely
-        if end is not None and answer.ranged and _parts_can_name(version.validator, d) and total is not None \
-                and total > end:
-            return self._parted.fetch(d, Part(offset, end), total, answer.chunks, answer.let_go,
-                                      lambda d, start, end, total: self._open_part(source, d, start, end, total))
+        if (
+            end is not None
+            and answer.ranged
+            and _parts_can_name(version.validator, d)
+            and total is not None
+            and total > end
+        ):
+            return self._parted.fetch(
+                d,
+                Part(offset, end),
+                total,
+                answer.chunks,
+                answer.let_go,
+                lambda d, start, end, total: self._open_part(source, d, start, end, total),
+            )
         if total is not None:
             d.progress.total = total
             if not reserve_holding(d, total, answer.let_go):
@@ -294,9 +315,15 @@ class Fetcher:
             except (Unsatisfiable, Replaced, Unexpected) as exc:
                 raise Changed(f"{span}: {exc}") from None
             except FetchError as exc:
-                raise FetchError(d.url, f"{exc.reason} for {span}", status=exc.status,
-                                 permanent=exc.permanent) from None
-            if not answer.ranged or answer.start != start or answer.total != total or answer.version.unlike(d.progress.etag):
+                raise FetchError(
+                    d.url, f"{exc.reason} for {span}", status=exc.status, permanent=exc.permanent
+                ) from None
+            if (
+                not answer.ranged
+                or answer.start != start
+                or answer.total != total
+                or answer.version.unlike(d.progress.etag)
+            ):
                 got = f"bytes from {answer.start} of {answer.total}" if answer.ranged else "no range"
                 raise Changed(f"{span} came as {got} ({answer.version.validator})")
             yield answer.chunks
@@ -315,8 +342,12 @@ def cause_of(exc: BaseException) -> str | None:
         seen.add(id(e))
         if isinstance(e, ConnectionRefusedError) or "Connection refused" in str(e):
             return CONNECTION_REFUSED
-        if isinstance(e, socket.gaierror) or "Name or service not known" in str(e) \
-                or "Temporary failure in name resolution" in str(e) or "nodename nor servname" in str(e):
+        if (
+            isinstance(e, socket.gaierror)
+            or "Name or service not known" in str(e)
+            or "Temporary failure in name resolution" in str(e)
+            or "nodename nor servname" in str(e)
+        ):
             return NAME_RESOLUTION
         if isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(e):
             return TLS_VERIFY
@@ -326,8 +357,9 @@ def cause_of(exc: BaseException) -> str | None:
             return "connection reset"
         if isinstance(e, (TimeoutError, socket.timeout, requests.Timeout, urllib3.exceptions.TimeoutError)):
             return "timed out"
-        todo.extend(x for x in (e.__cause__, e.__context__, getattr(e, "reason", None), *e.args)
-                    if isinstance(x, BaseException))
+        todo.extend(
+            x for x in (e.__cause__, e.__context__, getattr(e, "reason", None), *e.args) if isinstance(x, BaseException)
+        )
     return None
 
 
@@ -342,8 +374,7 @@ def _resumed_as(d: Download, problem: str | None) -> None:
     else the partial file and its side files go, and the download starts over from byte 0."""
     if problem is None:
         return
-    log.warning("%s: a resumed answer is for another version (%s); downloading it again from byte 0", d.url,
-                problem)
+    log.warning("%s: a resumed answer is for another version (%s); downloading it again from byte 0", d.url, problem)
     truncate(d.partial)
     remove_side_files(d.partial)
     raise Retry(f"resumed answer for another version ({problem}); starting over", 0.0)

@@ -90,8 +90,9 @@ class GrowingShard:
         # Samples up to needed + WALK_STEP, and one more group: the last one taken may not be complete.
         most = None if needed is None or self._from_start else max(needed - len(self.samples), 0) + WALK_STEP + 2
         try:
-            groups = list(islice(group_samples(walk(buf, self.url, prefix=True, global_pax=pax), self.url,
-                                               base=start), most))
+            groups = list(
+                islice(group_samples(walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start), most)
+            )
         except ShardError as exc:
             problem = tar_problem(os.pread(self._fd, HEAD_BYTES, 0)) if start == 0 and exc.offset == 0 else None
             if problem:  # say what came instead of a tar (an HTML page served with status 200, say)
@@ -118,11 +119,13 @@ class GrowingShard:
             return None
         size = os.fstat(fd).st_size
         try:
-            rest = [span for span, _ in group_samples(walk(FileSpan(fd, self._resume, size), url), url,
-                                               base=self._resume)]
+            rest = [
+                span for span, _ in group_samples(walk(FileSpan(fd, self._resume, size), url), url, base=self._resume)
+            ]
         except ShardError as exc:  # its offset counted from where this walk began
-            raise ShardError(url, exc.reason,
-                             offset=None if exc.offset is None else exc.offset + self._resume) from None
+            raise ShardError(
+                url, exc.reason, offset=None if exc.offset is None else exc.offset + self._resume
+            ) from None
         return self.samples + rest
 
     def read(self, i: int) -> tuple[SampleSpan, bytes, int]:

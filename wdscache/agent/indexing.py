@@ -41,8 +41,13 @@ class Indexer:
                 return ShardInfo(count_samples(local, url=url), size, md5)
             with self._lock:
                 n = next(self._names)
-            d = Download(url, partial=self.scratch / f"{n}.part", final=self.scratch / f"{n}.tar",
-                         budget=Budget(_unbounded), digest=True)
+            d = Download(
+                url,
+                partial=self.scratch / f"{n}.part",
+                final=self.scratch / f"{n}.tar",
+                budget=Budget(_unbounded),
+                digest=True,
+            )
             try:
                 fetched = self.fetcher.fetch(d)
                 return ShardInfo(count_samples(d.final, url=url), fetched.size, d.progress.md5)
@@ -52,8 +57,9 @@ class Indexer:
         finally:
             self.fetcher.close_thread()
 
-    def shards(self, urls: Sequence[str], done: Callable[[str, ShardInfo | None, WdsCacheError | None], None]
-               ) -> list[ShardInfo | WdsCacheError]:
+    def shards(
+        self, urls: Sequence[str], done: Callable[[str, ShardInfo | None, WdsCacheError | None], None]
+    ) -> list[ShardInfo | WdsCacheError]:
         """Each of ``urls`` read (in parallel), in list order: its facts, or the error that stopped it.
         ``done(url, info, error)`` is called as each one ends (in the calling thread)."""
         results: list[ShardInfo | WdsCacheError] = []

@@ -91,10 +91,22 @@ class ListFile:
 
     def log_change(self, added: Sequence[str], removed: Sequence[str], shards: int) -> None:
         """Log that the list now holds ``shards`` URLs, ``added`` and ``removed`` (one record)."""
-        event(log, "list_changed", "URL list changed: %d added, %d removed (%d shards now)%s%s",
-              len(added), len(removed), shards, _sample("added", added), _sample("removed", removed),
-              path=str(self._path), added=len(added), removed=len(removed), shards=shards,
-              added_urls=list(added[:LIST_SAMPLE]), removed_urls=list(removed[:LIST_SAMPLE]))
+        event(
+            log,
+            "list_changed",
+            "URL list changed: %d added, %d removed (%d shards now)%s%s",
+            len(added),
+            len(removed),
+            shards,
+            _sample("added", added),
+            _sample("removed", removed),
+            path=str(self._path),
+            added=len(added),
+            removed=len(removed),
+            shards=shards,
+            added_urls=list(added[:LIST_SAMPLE]),
+            removed_urls=list(removed[:LIST_SAMPLE]),
+        )
 
     def watch(self) -> None:
         touched = self._touched

@@ -31,8 +31,9 @@ class AgentLock:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except OSError as exc:
-                raise ConfigError(f"cannot open the lock file {self.path}: {exc.strerror}; the cache "
-                                  "directory must be writable") from None
+                raise ConfigError(
+                    f"cannot open the lock file {self.path}: {exc.strerror}; the cache directory must be writable"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

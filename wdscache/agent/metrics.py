@@ -29,8 +29,9 @@ class MetricsServer:
         try:
             self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
-            raise ConfigError(f"cannot serve metrics on {host}:{port} ({exc.strerror}): choose another "
-                              "--metrics-port") from None
+            raise ConfigError(
+                f"cannot serve metrics on {host}:{port} ({exc.strerror}): choose another --metrics-port"
+            ) from None
         self.host, self.port = host, self._httpd.server_address[1]
 
     @property

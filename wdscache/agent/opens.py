@@ -100,7 +100,12 @@ class Opens:
     # -- opening ------------------------------------------------------------------
 
     def open(
-        self, request: Request, name: str, url: str, ahead: list[Any] | None = None, wait: bool = True,
+        self,
+        request: Request,
+        name: str,
+        url: str,
+        ahead: list[Any] | None = None,
+        wait: bool = True,
         partial: bool = False,
     ) -> Reply | None:
         """Pin ``url`` for reader ``name`` once it is cached (``wait``: None now, the answer later),
@@ -180,8 +185,7 @@ class Opens:
             return {"ok": True, "while_downloading": True}
         rec = self._cache.index.get(url)
         assert rec is not None  # cached: the open above found it so
-        return {"ok": True, "path": str(self._cache.path(url)), "size": rec.size,
-                "samples": self._readers.samples(url)}
+        return {"ok": True, "path": str(self._cache.path(url)), "size": rec.size, "samples": self._readers.samples(url)}
 
     def status(self, url: str) -> dict[str, Any]:
         """Where ``url`` stands: cached; downloading (with its budget); queued (for a download
@@ -189,8 +193,10 @@ class Opens:
         rec = self._cache.index.get(url)
         shard = self.shards.get(url)
         if shard is not None and shard.phase is Phase.SUSPECT:
-            return {"state": "queued", "reason": "its cached copy is damaged: it is downloaded again once the "
-                                                 "readers that hold it let go"}
+            return {
+                "state": "queued",
+                "reason": "its cached copy is damaged: it is downloaded again once the readers that hold it let go",
+            }
         if rec is not None and rec.state is ShardState.CACHED:
             return {"state": "cached"}
         progress = self._downloads.progress(url)
@@ -366,8 +372,18 @@ class Opens:
                 return
             if shard.phase not in (Phase.IDLE, Phase.REVALIDATING):
                 return  # this copy was reported already (SUSPECT), or is being replaced
-            event(log, "damaged", "damaged shard reported by %s: %s: %s", who, url, error[:500],
-                  level=logging.ERROR, url=url, error=error[:500], by=who)
+            event(
+                log,
+                "damaged",
+                "damaged shard reported by %s: %s: %s",
+                who,
+                url,
+                error[:500],
+                level=logging.ERROR,
+                url=url,
+                error=error[:500],
+                by=who,
+            )
             cache.index.incr("corrupt")
             _remember(self._corrupt, url, error[:500])
             if not shard.refetched:
@@ -398,8 +414,10 @@ class Opens:
 
     def view(self) -> dict[str, Any]:
         """The damaged and changed shards, for the stats reply."""
-        return {"corrupt": [{"url": u, "error": e} for u, e in self._corrupt.items()],
-                "changed": [{"url": u, "error": e} for u, e in self._changed.items()]}
+        return {
+            "corrupt": [{"url": u, "error": e} for u, e in self._corrupt.items()],
+            "changed": [{"url": u, "error": e} for u, e in self._changed.items()],
+        }
 
 
 def _unlike_source(url: str, rec: ShardRecord, now: Fetched | None) -> str | None:
@@ -421,8 +439,10 @@ def _not_comparable(rec: ShardRecord, now: Fetched | None) -> str | None:
     so the copy is downloaded again rather than served unchecked."""
     if now is None or common_validator(rec.etag, rec.last_modified, now.etag, now.last_modified) is not None:
         return None
-    return (f"its copy was cached with {_kinds(rec.etag, rec.last_modified)}, the server now sends "
-            f"{_kinds(now.etag, now.last_modified)}: no validator in common")
+    return (
+        f"its copy was cached with {_kinds(rec.etag, rec.last_modified)}, the server now sends "
+        f"{_kinds(now.etag, now.last_modified)}: no validator in common"
+    )
 
 
 def _kinds(tag: str | None, date: str | None) -> str:

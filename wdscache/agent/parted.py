@@ -58,8 +58,9 @@ class PartedFetch:
     """The parts of one fetcher's downloads: ``parts`` connections a shard, ``part_size`` each,
     retried as ``backoff`` says; ``close_thread`` ends what a part's thread holds."""
 
-    def __init__(self, parts: int, part_size: int, backoff: Backoff, read_timeout: float,
-                 close_thread: Callable[[], None]) -> None:
+    def __init__(
+        self, parts: int, part_size: int, backoff: Backoff, read_timeout: float, close_thread: Callable[[], None]
+    ) -> None:
         self.parts, self.part_size, self._backoff = parts, part_size, backoff
         self._read_timeout, self._close_thread = read_timeout, close_thread
 
@@ -81,12 +82,21 @@ class PartedFetch:
                 return offset, min(end or offset + self.part_size, start)
         return offset, end or offset + self.part_size
 
-    def fetch(self, d: Download, head: Part, total: int, first: Iterator[bytes], let_go: Callable[[], None],
-              open_range: OpenRange) -> int:
+    def fetch(
+        self,
+        d: Download,
+        head: Part,
+        total: int,
+        first: Iterator[bytes],
+        let_go: Callable[[], None],
+        open_range: OpenRange,
+    ) -> int:
         """Fetch ``d`` as parts, the first (``head``) from the answer ``first`` that gave its size."""
         d.progress.total = total
         progress = d.progress
-        plan = Plan(d.partial, total, head, self.part_size, lambda n: setattr(progress, "written", progress.written + n))
+        plan = Plan(
+            d.partial, total, head, self.part_size, lambda n: setattr(progress, "written", progress.written + n)
+        )
         d.progress.written = plan.held
         need = total + plan.largest  # an append holds a part's bytes twice for a moment
         try:
@@ -94,12 +104,19 @@ class PartedFetch:
         except FetchError:  # more than the whole cache
             granted = False
         if not granted:
-            log.info("%s: the cache cannot hold %s for parallel parts now; using one connection",
-                     d.url, format_size(need))
+            log.info(
+                "%s: the cache cannot hold %s for parallel parts now; using one connection", d.url, format_size(need)
+            )
             self._one_connection(d, head, total, first, let_go)
-        helpers = [threading.Thread(target=self._part_thread, args=(d, plan, open_range), daemon=True,
-                                    name=f"{threading.current_thread().name}-part{i}")
-                   for i in range(1, min(self.parts, plan.pending + 1))]
+        helpers = [
+            threading.Thread(
+                target=self._part_thread,
+                args=(d, plan, open_range),
+                daemon=True,
+                name=f"{threading.current_thread().name}-part{i}",
+            )
+            for i in range(1, min(self.parts, plan.pending + 1))
+        ]
         for t in helpers:
             t.start()
         try:
@@ -112,11 +129,14 @@ class PartedFetch:
             self._join_parts(d, plan, helpers)
         error = plan.error
         if isinstance(error, Changed):
-            log.warning("%s: a part's answer is for another version (%s); downloading it again from byte 0", d.url,
-                        error)
+            log.warning(
+                "%s: a part's answer is for another version (%s); downloading it again from byte 0", d.url, error
+            )
             truncate(d.partial)
             remove_side_files(d.partial)
-            d.progress.refused = d.progress.etag  # if the object comes back unchanged, its parts come over one connection
+            d.progress.refused = (
+                d.progress.etag
+            )  # if the object comes back unchanged, its parts come over one connection
             raise Retry(f"{error}; the object changed during the download, starting over", 0.0)
         if isinstance(error, Stopped):  # stopped for a reason another thread did not keep
             raise Cancelled(d.url)
@@ -126,8 +146,9 @@ class PartedFetch:
             raise Retry(f"parts ended at byte {plan.prefix} of {total}")
         return total
 
-    def _one_connection(self, d: Download, head: Part, total: int, first: Iterator[bytes],
-                        let_go: Callable[[], None]) -> None:
+    def _one_connection(
+        self, d: Download, head: Part, total: int, first: Iterator[bytes], let_go: Callable[[], None]
+    ) -> None:
         """Go on over one connection, which needs the shard's size only: the first answer's
         bytes are kept, and the next request asks for the whole rest (raises Retry)."""
         d.progress.single = True
@@ -166,8 +187,9 @@ class PartedFetch:
                     log.warning("%s: a part's thread did not stop in time", d.url)
                     return
 
-    def _fetch_part(self, d: Download, plan: Plan, part: Part, open_range: OpenRange,
-                    first: Iterator[bytes] | None = None) -> None:
+    def _fetch_part(
+        self, d: Download, plan: Plan, part: Part, open_range: OpenRange, first: Iterator[bytes] | None = None
+    ) -> None:
         """Fetch the rest of ``part`` (from ``first``, an answer already open, then by ranged
         requests), retrying with backoff; only consecutive failures without progress count."""
         failures = 0
@@ -188,8 +210,13 @@ class PartedFetch:
                 reason, delay = exc.reason, exc.delay
             except FetchError:  # final (a FetchError is an OSError too: not one to retry)
                 raise
-            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-                    urllib3.exceptions.HTTPError, OSError) as exc:
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                requests.exceptions.ChunkedEncodingError,
+                urllib3.exceptions.HTTPError,
+                OSError,
+            ) as exc:
                 reason, delay = f"{type(exc).__name__}: {short(exc)}", None
             if part.have > before:
                 failures = 0

@@ -62,7 +62,7 @@ def side_files(partial: Path) -> list[tuple[int, int, Path]]:
     for entry in entries:
         if not entry.name.startswith(prefix):
             continue
-        start, _, end = entry.name[len(prefix):].partition("-")
+        start, _, end = entry.name[len(prefix) :].partition("-")
         if start.isdigit() and end.isdigit() and int(start) < int(end):
             found.append((int(start), int(end), Path(entry.path)))
         else:
@@ -216,8 +216,13 @@ def _append(partial: Path, side: Path, at: int, n: int) -> None:
                     raise OSError(errno.EIO, f"{side.name} ended early")
                 copied += step
         except (AttributeError, OSError) as exc:  # no copy_file_range here (macOS), or not across these files
-            if isinstance(exc, OSError) and exc.errno not in (errno.ENOSYS, errno.EXDEV, errno.EINVAL,
-                                                               errno.EOPNOTSUPP, errno.EBADF):
+            if isinstance(exc, OSError) and exc.errno not in (
+                errno.ENOSYS,
+                errno.EXDEV,
+                errno.EINVAL,
+                errno.EOPNOTSUPP,
+                errno.EBADF,
+            ):
                 raise
             while copied < n:
                 data = os.pread(src.fileno(), min(n - copied, 1 << 20), copied)

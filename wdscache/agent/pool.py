@@ -32,7 +32,9 @@ from .worker import WorkerSpec
 log = get_logger(__name__)
 
 # What a worker process runs: the agent's sys.path first, then the worker module.
-_BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[1]); import wdscache.agent.worker as w; w.main(sys.argv[1:])"
+_BOOT = (
+    "import json, sys; sys.path[:] = json.loads(sys.argv[1]); import wdscache.agent.worker as w; w.main(sys.argv[1:])"
+)
 RESTART_BACKOFF_MAX = 5.0  # seconds
 
 
@@ -57,9 +59,7 @@ class WorkerPool:
 
     def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str, token: str, run: str) -> None:
         self.endpoints = worker_endpoints(agent_endpoint, n)
-        self._specs = [
-            WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid()) for i, ep in enumerate(self.endpoints)
-        ]
+        self._specs = [WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid()) for i, ep in enumerate(self.endpoints)]
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self._ready: list[int | None] = [None] * n  # the read end of each worker's ready pipe, until it says so
         self._started = [0.0] * n
@@ -83,7 +83,8 @@ class WorkerPool:
             # imports this very copy of the package, not one its working directory holds.
             self._procs[i] = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, json.dumps(sys.path), json.dumps(asdict(self._specs[i])), str(w)],
-                pass_fds=(w,), stdin=subprocess.PIPE,
+                pass_fds=(w,),
+                stdin=subprocess.PIPE,
             )
             stdin = self._procs[i].stdin  # type: ignore[union-attr]
             assert stdin is not None
@@ -130,16 +131,34 @@ class WorkerPool:
             if p is None or p.poll() is None:
                 continue
             if self._backoff[i] == 0.0 or now - self._started[i] > RESTART_BACKOFF_MAX:
-                event(log, "worker_restarted", "worker %d (pid %s) died with exit code %s; starting a new one", i,
-                      p.pid, p.returncode, level=logging.ERROR, worker=i, pid=p.pid, exit_code=p.returncode)
+                event(
+                    log,
+                    "worker_restarted",
+                    "worker %d (pid %s) died with exit code %s; starting a new one",
+                    i,
+                    p.pid,
+                    p.returncode,
+                    level=logging.ERROR,
+                    worker=i,
+                    pid=p.pid,
+                    exit_code=p.returncode,
+                )
                 # Lived long: restart at once. Died young: wait longer each time.
                 young = now - self._started[i] < RESTART_BACKOFF_MAX
                 self._backoff[i] = min(2 * self._backoff[i] or 0.1, RESTART_BACKOFF_MAX) if young else 0.0
                 self.restarts += 1
                 self._start(i)
             elif now - self._started[i] >= self._backoff[i]:
-                event(log, "worker_restarted", "worker %d exited again (code %s) soon after starting; retrying", i,
-                      p.returncode, level=logging.ERROR, worker=i, exit_code=p.returncode)
+                event(
+                    log,
+                    "worker_restarted",
+                    "worker %d exited again (code %s) soon after starting; retrying",
+                    i,
+                    p.returncode,
+                    level=logging.ERROR,
+                    worker=i,
+                    exit_code=p.returncode,
+                )
                 self._backoff[i] = min(2 * self._backoff[i], RESTART_BACKOFF_MAX)
                 self.restarts += 1
                 self._start(i)
@@ -163,4 +182,4 @@ class WorkerPool:
             self._close_ready(i)
         for ep in self.endpoints:
             if ep.startswith("ipc://"):
-                Path(ep[len("ipc://"):]).unlink(missing_ok=True)
+                Path(ep[len("ipc://") :]).unlink(missing_ok=True)

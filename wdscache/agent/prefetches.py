@@ -158,11 +158,19 @@ class Prefetches:
             total = None if total is None or progress.get("total") is None else total + progress["total"]
             waiting = waiting or self._downloads.space_wait(url)
         n_cached = len(p.sizes)
-        return {"total": len(p.states), "cached": n_cached, "failed": len(p.errors), "pending": len(p.pending),
-                "bytes_cached": p.cached_bytes, "bytes_written": written,
-                # Known once every shard left is downloading (each one's size is known then).
-                "bytes_total": None if total is None or len(running) < len(p.pending) else p.cached_bytes + total,
-                "waiting_for_space": waiting, "changes": changes, "more": bool(p.changed)}
+        return {
+            "total": len(p.states),
+            "cached": n_cached,
+            "failed": len(p.errors),
+            "pending": len(p.pending),
+            "bytes_cached": p.cached_bytes,
+            "bytes_written": written,
+            # Known once every shard left is downloading (each one's size is known then).
+            "bytes_total": None if total is None or len(running) < len(p.pending) else p.cached_bytes + total,
+            "waiting_for_space": waiting,
+            "changes": changes,
+            "more": bool(p.changed),
+        }
 
     def end(self, name: str) -> bool:
         """Forget prefetch ``name`` (its shards stay cached, held no more); False if unknown."""
@@ -244,9 +252,11 @@ class Prefetches:
         others = self._held_bytes - sum(s for u, s in p.sizes.items() if u in self._held)
         if others > 0:
             beside.append(f"{format_size(others)} that other prefetches hold")
-        return (f"the cache budget ({format_size(cache.limit)}) holds {held} of the {len(p.states)} shard(s) asked"
-                + (f" beside {' and '.join(beside)}" if beside else "")
-                + "; raise --cache-size or prefetch fewer")
+        return (
+            f"the cache budget ({format_size(cache.limit)}) holds {held} of the {len(p.states)} shard(s) asked"
+            + (f" beside {' and '.join(beside)}" if beside else "")
+            + "; raise --cache-size or prefetch fewer"
+        )
 
     def cached(self, url: str, size: int) -> None:
         for p in self._asking.get(url, ()):

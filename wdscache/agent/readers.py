@@ -68,8 +68,11 @@ def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | No
     if config.num_nodes == 1 or counts is None:
         return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle)
     if any(c is None for c in counts):
-        log.info("no start-up prefetch: node %d of %d needs every shard's count to know its part "
-                 "(a shard index gives them)", config.node_rank, config.num_nodes)
+        log.info(
+            "no start-up prefetch: node %d of %d needs every shard's count to know its part (a shard index gives them)",
+            config.node_rank,
+            config.num_nodes,
+        )
         return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle, shards=())
     part = assign([int(c) for c in counts if c is not None], config.num_nodes)[config.node_rank]
     return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle, shards=part)
@@ -88,8 +91,13 @@ class ProcessWatch:
     def start(self, name: str, claimed: Any) -> int:
         """Watch the process reader ``name`` named in hello (``claimed``: its identity) if we
         see that very process: its pidfd, else -1."""
-        if not (isinstance(claimed, list) and len(claimed) == 4 and type(claimed[0]) is int
-                and 0 < claimed[0] < 1 << 31 and len(self._readers) < MAX_WATCHED):
+        if not (
+            isinstance(claimed, list)
+            and len(claimed) == 4
+            and type(claimed[0]) is int
+            and 0 < claimed[0] < 1 << 31
+            and len(self._readers) < MAX_WATCHED
+        ):
             return -1
         try:
             fd = os.pidfd_open(claimed[0])
@@ -134,8 +142,16 @@ class Readers:
     """The readers, their jobs and lists, and what they want next."""
 
     def __init__(
-        self, config: AgentConfig, cache: ShardCache, urls: UrlList, *, endpoint: str, workers: list[str],
-        cache_root: list[int], gone: Callable[[str], None], watch: Callable[[int], None] = lambda fd: None,
+        self,
+        config: AgentConfig,
+        cache: ShardCache,
+        urls: UrlList,
+        *,
+        endpoint: str,
+        workers: list[str],
+        cache_root: list[int],
+        gone: Callable[[str], None],
+        watch: Callable[[int], None] = lambda fd: None,
         unwatch: Callable[[int], None] = lambda fd: None,
     ) -> None:
         self._config, self._cache = config, cache
@@ -264,9 +280,13 @@ class Readers:
             return refused
         known = self._jobs.get(job)
         if known is not None and known["world_size"] != world and self._job_ranks(job):
-            return {"ok": False, "error": (
-                f"job {job!r} runs with world_size {known['world_size']}, but rank {rank} says {world}; "
-                "give each launch its own job name")}
+            return {
+                "ok": False,
+                "error": (
+                    f"job {job!r} runs with world_size {known['world_size']}, but rank {rank} says {world}; "
+                    "give each launch its own job name"
+                ),
+            }
         self._jobs[job] = {"world_size": world}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
         before = self._readers.get(name)
@@ -274,7 +294,8 @@ class Readers:
         self.drop(name, why=None)
         # It reads the list it named, or the agent's list as it is now until its epoch ends.
         record = self._readers[name] = ReaderRecord(
-            Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id))
+            Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id)
+        )
         if header.get("probe") is True:  # not a rank reading: neither joins nor leaves the job
             record.probe = True
         else:
@@ -283,15 +304,28 @@ class Readers:
             self._ended.pop(name, None)
         record.plan.pidfd = self._processes.start(name, header.get("process"))
         if not again and not record.probe:
-            event(log, "consumer_joined", "consumer %s joined job %r as rank %d of %d", name, job, rank, world,
-                  reader=name, job=job, rank=rank, world_size=world)
+            event(
+                log,
+                "consumer_joined",
+                "consumer %s joined job %r as rank %d of %d",
+                name,
+                job,
+                rank,
+                world,
+                reader=name,
+                job=job,
+                rank=rank,
+                world_size=world,
+            )
         return {
             "ok": True,
             "workers": self._workers,
             "prefetch": self._config.prefetch,
-            "list_id": self.list_id, "n_urls": len(self.urls),
+            "list_id": self.list_id,
+            "n_urls": len(self.urls),
             # for direct reads (wdscache.training.direct)
-            "cache_dir": str(self._cache.layout.root), "cache_root": self._cache_root,
+            "cache_dir": str(self._cache.layout.root),
+            "cache_root": self._cache_root,
         }
 
     def _take_list(self, name: str, claimed: str | None) -> Reply | None:
@@ -311,8 +345,10 @@ class Readers:
         if len(self._lists) >= MAX_JOB_LISTS:
             self._free_lists(grace=0.0)  # lists nobody reads make room first
         if len(self._lists) >= MAX_JOB_LISTS:
-            return {"ok": False, "error": (
-                f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends")}
+            return {
+                "ok": False,
+                "error": (f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends"),
+            }
         self._lists[claimed] = parsed
         return None
 
@@ -334,10 +370,11 @@ class Readers:
         if len(got) + len(page) > MAX_JOB_URLS:
             self._uploads.pop(name, None)
             return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
-        if (known is None) != (facts is None) or (facts is not None and not (
-                isinstance(facts, list) and len(facts) == len(page))):
+        if (known is None) != (facts is None) or (
+            facts is not None and not (isinstance(facts, list) and len(facts) == len(page))
+        ):
             self._uploads.pop(name, None)
-            return "a list from a shard index gives each URL's facts, in every page: \"shards\" as long as \"urls\""
+            return 'a list from a shard index gives each URL\'s facts, in every page: "shards" as long as "urls"'
         got.extend(page)
         if known is not None and facts is not None:
             known.extend(facts)
@@ -400,13 +437,30 @@ class Readers:
             log.log(logging.WARNING if timed_out else logging.INFO, "reader %s%s; releasing its shards", name, why)
             return
         samples = int(consumer.get("samples", 0))
-        event(log, "consumer_timed_out" if timed_out else "consumer_left",
-              "reader %s%s; releasing its shards (job %r, rank %s, %d samples)", name, why, consumer.get("job"),
-              consumer.get("rank"), samples, level=logging.WARNING if timed_out else logging.INFO,
-              reader=name, job=consumer.get("job"), rank=consumer.get("rank"), why=why.strip(" :"), samples=samples)
+        event(
+            log,
+            "consumer_timed_out" if timed_out else "consumer_left",
+            "reader %s%s; releasing its shards (job %r, rank %s, %d samples)",
+            name,
+            why,
+            consumer.get("job"),
+            consumer.get("rank"),
+            samples,
+            level=logging.WARNING if timed_out else logging.INFO,
+            reader=name,
+            job=consumer.get("job"),
+            rank=consumer.get("rank"),
+            why=why.strip(" :"),
+            samples=samples,
+        )
         # Kept for stats a while (ended_jobs), with its totals.
-        self._ended[name] = {**consumer, "waiting": 0.0, "rate": 0.0, "ended": iso_time(time.time()),
-                             "_ended": time.monotonic()}
+        self._ended[name] = {
+            **consumer,
+            "waiting": 0.0,
+            "rate": 0.0,
+            "ended": iso_time(time.time()),
+            "_ended": time.monotonic(),
+        }
         while len(self._ended) > MAX_ENDED:
             del self._ended[next(iter(self._ended))]
 
@@ -432,8 +486,11 @@ class Readers:
         """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
         --reader-timeout, and must not block an elastic restart with another world size)."""
         now = time.time()
-        return [c["rank"] for c in self._consumers().values()
-                if c.get("job") == job and now - c.get("seen", 0.0) < LIVE_WITHIN]
+        return [
+            c["rank"]
+            for c in self._consumers().values()
+            if c.get("job") == job and now - c.get("seen", 0.0) < LIVE_WITHIN
+        ]
 
     def _consumers(self) -> dict[str, dict[str, Any]]:
         """The consumers (readers that said hello, probes left out) by name: their job, rank and last report."""
@@ -523,8 +580,14 @@ class Readers:
         log.warning(
             "readers need more than the budget holds: %s; %s of it can be used (--cache-size %s), so shards they "
             "still need are evicted and downloaded again%s; a budget of %d bytes (%s) stops it, or lower "
-            "shuffle_buffer or --prefetch", why, format_size(usable), format_size(self._cache.limit), seen,
-            need, format_size(need))
+            "shuffle_buffer or --prefetch",
+            why,
+            format_size(usable),
+            format_size(self._cache.limit),
+            seen,
+            need,
+            format_size(need),
+        )
 
     def need(self, held: Callable[[str], int]) -> tuple[int, str]:
         """Bytes the readers hold at once, and how: a consumer pins every shard whose samples are
@@ -532,8 +595,9 @@ class Readers:
         many a shard has), the shard it opens, and its window of --prefetch shards ahead."""
         index, prefetch = self._cache.index, self._config.prefetch
         samples = [c for c in itertools.islice(index.counts.values(), 10_000) if c > 0]
-        sizes = [r.size for r in itertools.islice(index.records.values(), 10_000)
-                 if r.state is ShardState.CACHED and r.size]
+        sizes = [
+            r.size for r in itertools.islice(index.records.values(), 10_000) if r.state is ShardState.CACHED and r.size
+        ]
         if not samples or not sizes:
             return 0, "nothing known yet"
         per_shard = max(1, sum(samples) // len(samples))
@@ -549,14 +613,20 @@ class Readers:
         shards = min(n_shards, sum(h for _, h in spans.values()))
         need = shards * max(sizes)
         jobs = ", ".join(f"job {j!r} (shuffle_buffer {b}) holds up to {h}" for j, (b, h) in sorted(spans.items()))
-        return need, (f"{jobs} shard(s) at once (the shards its shuffle buffer spans at about {per_shard} samples "
-                      f"a shard, the one it opens and --prefetch {prefetch} ahead), of up to "
-                      f"{format_size(max(sizes))} each: {format_size(need)}")
+        return need, (
+            f"{jobs} shard(s) at once (the shards its shuffle buffer spans at about {per_shard} samples "
+            f"a shard, the one it opens and --prefetch {prefetch} ahead), of up to "
+            f"{format_size(max(sizes))} each: {format_size(need)}"
+        )
 
     # -- for stats --------------------------------------------------------------------
 
     def view(self, starved_by: str) -> dict[str, Any]:
         """The consumers, their jobs and the lists kept, for the stats reply."""
         consumers = self._consumers()
-        return {"consumers": len(consumers), "job_lists": len(self._lists),
-                "jobs": jobs_view(consumers, starved_by), "ended_jobs": ended_jobs_view(self._ended)}
+        return {
+            "consumers": len(consumers),
+            "job_lists": len(self._lists),
+            "jobs": jobs_view(consumers, starved_by),
+            "ended_jobs": ended_jobs_view(self._ended),
+        }

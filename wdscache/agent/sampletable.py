@@ -56,8 +56,13 @@ class PackedSamples(Sequence[SampleSpan]):
 
     def parts(self) -> tuple[list[list[str]], list[bytes]]:
         """The packed form as JSON-able layouts and raw frames, for another process of the agent."""
-        frames = [self.keys.encode("utf-8", "surrogatepass"), self.key_ends.tobytes(),
-                  self.layout_of.tobytes(), self.starts.tobytes(), self.numbers.tobytes()]
+        frames = [
+            self.keys.encode("utf-8", "surrogatepass"),
+            self.key_ends.tobytes(),
+            self.layout_of.tobytes(),
+            self.starts.tobytes(),
+            self.numbers.tobytes(),
+        ]
         return [list(exts) for exts in self.layouts], frames
 
     @classmethod
@@ -65,8 +70,10 @@ class PackedSamples(Sequence[SampleSpan]):
         """Samples rebuilt from :meth:`parts`. ValueError unless they are consistent and every
         payload lies inside a file of ``file_size`` bytes: a bad table must not make anyone
         read outside the shard."""
-        if not (isinstance(layouts, list)
-                and all(isinstance(exts, list) and exts and all(isinstance(e, str) for e in exts) for exts in layouts)):
+        if not (
+            isinstance(layouts, list)
+            and all(isinstance(exts, list) and exts and all(isinstance(e, str) for e in exts) for exts in layouts)
+        ):
             raise ValueError("layouts must be non-empty lists of extensions")
         if len(frames) != 5:
             raise ValueError(f"expected 5 frames, got {len(frames)}")
@@ -79,8 +86,11 @@ class PackedSamples(Sequence[SampleSpan]):
         n = len(self.key_ends)
         if len(self.layout_of) != n or len(self.starts) != n:
             raise ValueError("tables of different lengths")
-        if n and (self.key_ends[0] < 0 or self.key_ends[-1] != len(self.keys)
-                  or any(a > b for a, b in zip(self.key_ends, self.key_ends[1:]))):
+        if n and (
+            self.key_ends[0] < 0
+            or self.key_ends[-1] != len(self.keys)
+            or any(a > b for a, b in zip(self.key_ends, self.key_ends[1:]))
+        ):
             raise ValueError("key ends out of order")
         at = 0
         for start, layout in zip(self.starts, self.layout_of):
@@ -88,8 +98,9 @@ class PackedSamples(Sequence[SampleSpan]):
                 raise ValueError("sample tables do not match")
             at += 2 * len(self.layouts[layout])
         numbers = self.numbers
-        if at != len(numbers) or (numbers and (min(numbers) < 0 or max(map(operator.add, numbers[::2],
-                                                                            numbers[1::2])) > file_size)):
+        if at != len(numbers) or (
+            numbers and (min(numbers) < 0 or max(map(operator.add, numbers[::2], numbers[1::2])) > file_size)
+        ):
             raise ValueError("payloads outside the file")
         return self
 
@@ -119,8 +130,11 @@ class PackedSamples(Sequence[SampleSpan]):
         from the tables: a worker serving a read needs no :class:`SampleSpan`."""
         exts = self.layouts[self.layout_of[i]]
         at = self.starts[i]
-        return self.keys[self.key_ends[i - 1] if i else 0 : self.key_ends[i]], exts, \
-            self.numbers[at : at + 2 * len(exts)].tolist()
+        return (
+            self.keys[self.key_ends[i - 1] if i else 0 : self.key_ends[i]],
+            exts,
+            self.numbers[at : at + 2 * len(exts)].tolist(),
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):

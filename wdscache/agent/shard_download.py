@@ -162,9 +162,12 @@ def check_announced(d: Download, total: int) -> None:
     fails at once (FetchError, permanent), before a byte of its body is downloaded."""
     indexed = d.expected.filesize if d.expected is not None else None
     if indexed is not None and total != indexed:
-        raise FetchError(d.url, f"the source is {total} bytes, but the shard index says {indexed}: the shard "
-                         "changed since it was indexed; run 'wdscache index' again to make a new index",
-                         permanent=True)
+        raise FetchError(
+            d.url,
+            f"the source is {total} bytes, but the shard index says {indexed}: the shard "
+            "changed since it was indexed; run 'wdscache index' again to make a new index",
+            permanent=True,
+        )
 
 
 def reserve_holding(d: Download, total: int, let_go: Callable[[], None]) -> bool:
@@ -319,6 +322,7 @@ def publish_gunzipped(d: Download) -> int:
     d.partial.unlink()  # after the rename: a crash in between leaves a published shard
     return d.progress.expanded
 
+
 def _grow_for_tar(d: Download, packed: int, piece: int) -> None:
     """Reserve room for ``piece`` more bytes of ``d``'s tar (beside the compressed file)."""
     d.budget.needed = packed + d.progress.expanded + piece  # granted at least this, up to a step ahead
@@ -326,9 +330,12 @@ def _grow_for_tar(d: Download, packed: int, piece: int) -> None:
         d.budget.reserve(d, d.budget.needed + GROW, None)
     except FetchError as exc:
         raise FetchError(
-            d.url, f"gzip'd shard expands beyond the cache's budget: {format_size(d.progress.expanded + piece)} "
-            f"decompressed so far (from {format_size(packed)}); {exc.reason}", permanent=True,
+            d.url,
+            f"gzip'd shard expands beyond the cache's budget: {format_size(d.progress.expanded + piece)} "
+            f"decompressed so far (from {format_size(packed)}); {exc.reason}",
+            permanent=True,
         ) from None
+
 
 def publish(d: Download, path: Path | None = None) -> None:
     """Rename ``path`` (the partial file by default) into place as the shard's file; one whose

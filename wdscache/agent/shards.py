@@ -67,23 +67,25 @@ class Phase(enum.Enum):
     FAILED = "failed"  # its download (or its copies) failed
 
 
-TRANSITIONS: frozenset[tuple[Phase, Phase]] = frozenset({
-    (Phase.IDLE, Phase.WANTED),
-    (Phase.IDLE, Phase.REVALIDATING),
-    (Phase.IDLE, Phase.SUSPECT),
-    (Phase.IDLE, Phase.FAILED),
-    (Phase.REVALIDATING, Phase.IDLE),
-    (Phase.REVALIDATING, Phase.WANTED),
-    (Phase.REVALIDATING, Phase.SUSPECT),
-    (Phase.REVALIDATING, Phase.FAILED),
-    (Phase.WANTED, Phase.IDLE),
-    (Phase.WANTED, Phase.FAILED),
-    (Phase.SUSPECT, Phase.WANTED),
-    (Phase.SUSPECT, Phase.IDLE),
-    (Phase.SUSPECT, Phase.FAILED),
-    (Phase.FAILED, Phase.WANTED),
-    (Phase.FAILED, Phase.IDLE),
-})
+TRANSITIONS: frozenset[tuple[Phase, Phase]] = frozenset(
+    {
+        (Phase.IDLE, Phase.WANTED),
+        (Phase.IDLE, Phase.REVALIDATING),
+        (Phase.IDLE, Phase.SUSPECT),
+        (Phase.IDLE, Phase.FAILED),
+        (Phase.REVALIDATING, Phase.IDLE),
+        (Phase.REVALIDATING, Phase.WANTED),
+        (Phase.REVALIDATING, Phase.SUSPECT),
+        (Phase.REVALIDATING, Phase.FAILED),
+        (Phase.WANTED, Phase.IDLE),
+        (Phase.WANTED, Phase.FAILED),
+        (Phase.SUSPECT, Phase.WANTED),
+        (Phase.SUSPECT, Phase.IDLE),
+        (Phase.SUSPECT, Phase.FAILED),
+        (Phase.FAILED, Phase.WANTED),
+        (Phase.FAILED, Phase.IDLE),
+    }
+)
 
 
 @dataclass(slots=True)
@@ -110,8 +112,13 @@ class Shard:
 
     def idle(self) -> bool:
         """Nothing refers to it: its record can go."""
-        return (self.phase is Phase.IDLE and not self.pins and not self.waiters and self.asked_at is None
-                and not self.refetched)
+        return (
+            self.phase is Phase.IDLE
+            and not self.pins
+            and not self.waiters
+            and self.asked_at is None
+            and not self.refetched
+        )
 
 
 class Shards:

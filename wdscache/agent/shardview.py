@@ -39,8 +39,9 @@ class ShardView:
     the only point where the file's memory is given back promptly.
     """
 
-    def __init__(self, data: mmap.mmap, *, url: str, samples: Sequence[SampleSpan],
-                 identity: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, data: mmap.mmap, *, url: str, samples: Sequence[SampleSpan], identity: tuple[int, ...] = ()
+    ) -> None:
         self.url = url
         self.identity = identity  # of the file opened (file_identity), when opened from one
         self._data: mmap.mmap | None = data

@@ -53,8 +53,13 @@ def evict_shards(cache: ShardCache, urls: Iterable[str], *, force: bool, why: st
 class Upkeep:
     """The ``evict``, ``clear`` and ``prefetch`` ops."""
 
-    def __init__(self, cache: ShardCache, prefetches: Prefetches, fetchable: Callable[[str], bool],
-                 stop_startup: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        cache: ShardCache,
+        prefetches: Prefetches,
+        fetchable: Callable[[str], bool],
+        stop_startup: Callable[[], None],
+    ) -> None:
         self._cache, self._prefetches = cache, prefetches
         self._fetchable = fetchable  # may this endpoint's peers have this URL fetched
         self._stop_startup = stop_startup  # after a clear: the start-up plan refills nothing
@@ -62,16 +67,22 @@ class Upkeep:
     def op_evict(self, request: Request) -> Reply:
         header = request.header
         urls = strings(header, "urls")
-        return {"ok": True, **evict_shards(self._cache, urls, force=self._force(header),
-                                           why="evicted on request (wdscache evict or verify)")}
+        return {
+            "ok": True,
+            **evict_shards(
+                self._cache, urls, force=self._force(header), why="evicted on request (wdscache evict or verify)"
+            ),
+        }
 
     def op_clear(self, request: Request) -> Reply:
         """Evict every cached shard; the start-up plan then prefetches nothing (an operator clearing
         a disk wants it to stay clear), readers still get what they ask for."""
         self._stop_startup()
         cached = [r.url for r in self._cache.index.records.values() if r.state is ShardState.CACHED]
-        return {"ok": True, **evict_shards(self._cache, cached, force=self._force(request.header),
-                                           why="evicted by wdscache clear")}
+        return {
+            "ok": True,
+            **evict_shards(self._cache, cached, force=self._force(request.header), why="evicted by wdscache clear"),
+        }
 
     @staticmethod
     def _force(header: dict[str, Any]) -> bool:
@@ -84,8 +95,11 @@ class Upkeep:
         urls = strings(header, "urls")
         bad = [u for u in urls if not self._fetchable(u)]
         if bad:
-            return {"ok": False, "error": f"{bad[0][:200]!r}: not a URL this agent fetches for its clients "
-                                          "(http(s)://; file:// and s3:// over an ipc:// endpoint only)"}
+            return {
+                "ok": False,
+                "error": f"{bad[0][:200]!r}: not a URL this agent fetches for its clients "
+                "(http(s)://; file:// and s3:// over an ipc:// endpoint only)",
+            }
         if not self._prefetches.room_for(len(urls)):
             return {"ok": False, "error": f"at most {MAX_PENDING} shards wait to be prefetched"}
         asked = self._prefetches.take(name, urls, retry=bool(get_field(header, "retry", bool, False)))

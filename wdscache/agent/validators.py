@@ -39,12 +39,16 @@ class Version:
         got = self.etag if kind == "ETag" else self.last_modified
         if got == held:
             return None
-        return f"the answer's {kind} is {got}, the partial file's {held}" if got else \
-            f"the answer has no {kind} (the partial file's: {held})"
+        return (
+            f"the answer's {kind} is {got}, the partial file's {held}"
+            if got
+            else f"the answer has no {kind} (the partial file's: {held})"
+        )
 
 
-def common_validator(old: str | None, old_date: str | None, new: str | None,
-                     new_date: str | None) -> tuple[str, str, str] | None:
+def common_validator(
+    old: str | None, old_date: str | None, new: str | None, new_date: str | None
+) -> tuple[str, str, str] | None:
     """The strongest validator a cached copy (validator ``old``, Last-Modified ``old_date``)
     and the source now (``new``, ``new_date``) both have: the ETag, a file's size and mtime,
     else the Last-Modified date, as (kind, the copy's, the source's); the two are one version

@@ -115,8 +115,10 @@ GATHER_BUDGET = 32 << 20
 # A walked table larger than this is not passed on (the agent takes messages up to 1 MiB):
 # about 7,000 samples of three fields; each worker walks a bigger shard itself.
 SHARE_MAX = 768 << 10
-REFUSED = ("refused: this worker serves only consumers that hold the agent's token "
-           "(CACHE_DIR/token, readable by the cache directory's owner only); use CachedMultiLoader as that user")
+REFUSED = (
+    "refused: this worker serves only consumers that hold the agent's token "
+    "(CACHE_DIR/token, readable by the cache directory's owner only); use CachedMultiLoader as that user"
+)
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,10 @@ class _Worker:
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self.sock.setsockopt(zmq.SNDHWM, 1000)
         if spec.endpoint.startswith("ipc://"):
-            Path(spec.endpoint[len("ipc://"):]).unlink(missing_ok=True)
+            Path(spec.endpoint[len("ipc://") :]).unlink(missing_ok=True)
         self.sock.bind(spec.endpoint)
         if spec.endpoint.startswith("ipc://"):
-            os.chmod(spec.endpoint[len("ipc://"):], 0o600)
+            os.chmod(spec.endpoint[len("ipc://") :], 0o600)
         self.report = self.ctx.socket(zmq.DEALER)
         self.report.setsockopt(zmq.LINGER, 0)
         self.report.setsockopt(zmq.SNDHWM, 100)
@@ -214,9 +216,18 @@ class _Worker:
         now = time.monotonic()
         if now - self._last_report >= REPORT_EVERY:
             self._last_report = now
-            self._send_report(self.reports.worker(
-                self.spec.index, busy_s=round(self.busy, 3), requests=self.requests, samples=self.samples,
-                bytes=self.bytes, indexed=len(self.index), walked=self.walked, adopted=self.adopted))
+            self._send_report(
+                self.reports.worker(
+                    self.spec.index,
+                    busy_s=round(self.busy, 3),
+                    requests=self.requests,
+                    samples=self.samples,
+                    bytes=self.bytes,
+                    indexed=len(self.index),
+                    walked=self.walked,
+                    adopted=self.adopted,
+                )
+            )
             if os.getppid() != self.spec.parent:
                 self.stop = True
 
@@ -359,14 +370,33 @@ class _Worker:
         except NotYet as exc:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "pending", "error": str(exc)})
         except ShardError as exc:
-            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "corrupt", "error": str(exc),
-                                "reason": exc.reason, "offset": exc.offset, "url": exc.url})
+            self._reply(
+                ident,
+                {
+                    "op": "error",
+                    "id": rid,
+                    "ok": False,
+                    "kind": "corrupt",
+                    "error": str(exc),
+                    "reason": exc.reason,
+                    "offset": exc.offset,
+                    "url": exc.url,
+                },
+            )
         except ProtocolError as exc:
             self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol", "error": str(exc)})
         except Exception as exc:  # one bad request must never take the worker down
             log.exception("worker %d: error serving a request", self.spec.index)
-            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol",
-                                "error": f"internal error: {type(exc).__name__}"})
+            self._reply(
+                ident,
+                {
+                    "op": "error",
+                    "id": rid,
+                    "ok": False,
+                    "kind": "protocol",
+                    "error": f"internal error: {type(exc).__name__}",
+                },
+            )
 
     def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
         try:

@@ -67,8 +67,15 @@ class AgentConnection:
     request the agent must prove it holds it; every request then carries the key.
     """
 
-    def __init__(self, endpoint: str, *, timeout: float = 30.0, hint: str = "",
-                 cache_dir: str | os.PathLike[str] | None = None, token: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        timeout: float = 30.0,
+        hint: str = "",
+        cache_dir: str | os.PathLike[str] | None = None,
+        token: str | None = None,
+    ) -> None:
         self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
         self._cache_dir, self._token = cache_dir, token
         self.key: str | None = None  # our requests' key, once the agent proved it holds the token
@@ -209,8 +216,13 @@ class AgentConnection:
         return True
 
     def request_patiently(
-        self, header: Mapping[str, Any], *, liveness: float, probe: Mapping[str, Any] | None = None,
-        on_probe: Callable[[dict[str, Any]], None] | None = None, every: float | None = None,
+        self,
+        header: Mapping[str, Any],
+        *,
+        liveness: float,
+        probe: Mapping[str, Any] | None = None,
+        on_probe: Callable[[dict[str, Any]], None] | None = None,
+        every: float | None = None,
     ) -> dict[str, Any]:
         """Like :meth:`request`, for requests that may take long (a shard being downloaded).
 
@@ -234,8 +246,14 @@ class AgentConnection:
             time.sleep(RETRY_PAUSE)
 
     def _wait_patiently(
-        self, sock: zmq.Socket, rid: int, header: Mapping[str, Any], liveness: float, probe: Mapping[str, Any] | None,
-        on_probe: Callable[[dict[str, Any]], None] | None, every: float | None,
+        self,
+        sock: zmq.Socket,
+        rid: int,
+        header: Mapping[str, Any],
+        liveness: float,
+        probe: Mapping[str, Any] | None,
+        on_probe: Callable[[dict[str, Any]], None] | None,
+        every: float | None,
     ) -> dict[str, Any]:
         probe = probe or Requests(str(header.get("reader", ""))).ping()
         every = liveness / 2 if every is None else every
@@ -291,8 +309,11 @@ class ShardClient:
         self.name = name or f"client-{uuid.uuid4().hex[:12]}"
         # token: the agent's (CACHE_DIR/token), for a client that cannot read cache_dir.
         self._conn = AgentConnection(
-            resolve_endpoint(cache_dir, endpoint), timeout=timeout, hint=start_hint(cache_dir),
-            cache_dir=cache_dir, token=token,
+            resolve_endpoint(cache_dir, endpoint),
+            timeout=timeout,
+            hint=start_hint(cache_dir),
+            cache_dir=cache_dir,
+            token=token,
         )
         self._conn.on_new_run = self._pin_again
         self._requests = Requests(self.name)
@@ -326,8 +347,12 @@ class ShardClient:
                 reply = self._conn.request(self._requests.open(url))
                 if not reply.get("ok"):
                     del self._held[url]
-                    raise FetchError(url, f"the agent at {self._conn.endpoint} restarted and cannot pin it again "
-                                     f"({reply.get('error')}); its path may be gone", permanent=True)
+                    raise FetchError(
+                        url,
+                        f"the agent at {self._conn.endpoint} restarted and cannot pin it again "
+                        f"({reply.get('error')}); its path may be gone",
+                        permanent=True,
+                    )
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The agent's live statistics (the object ``wdscache stats --json`` prints)."""

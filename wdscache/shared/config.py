@@ -146,7 +146,7 @@ def check_endpoint(endpoint: str, *, allow_remote: bool) -> None:
         return
     if not endpoint.startswith("tcp://"):
         raise ConfigError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0]
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
     if not allow_remote and not host.startswith(_LOOPBACK):
         raise ConfigError(
             f"endpoint {endpoint!r} is reachable from other machines, and the agent "

@@ -53,8 +53,10 @@ class WdsCacheError(Exception):
 def _or_message(init: Callable[..., None]) -> Callable[..., None]:
     """``init``, or with a lone positional argument the message form: that message, and
     each of ``init``'s parameters as an attribute set to its default (None without one)."""
-    defaults = {name: None if p.default is p.empty else p.default
-                for name, p in list(inspect.signature(init).parameters.items())[1:]}
+    defaults = {
+        name: None if p.default is p.empty else p.default
+        for name, p in list(inspect.signature(init).parameters.items())[1:]
+    }
 
     @functools.wraps(init)
     def __init__(self: WdsCacheError, *args: Any, **kwargs: Any) -> None:
@@ -107,9 +109,7 @@ class FetchError(WdsCacheError, OSError):
     ``status`` is the HTTP status when there was one.
     """
 
-    def __init__(
-        self, url: str, reason: str, *, status: int | None = None, permanent: bool = False
-    ) -> None:
+    def __init__(self, url: str, reason: str, *, status: int | None = None, permanent: bool = False) -> None:
         self.url, self.reason, self.status, self.permanent = url, reason, status, permanent
         super().__init__(f"cannot fetch {url}: {reason}")
 
@@ -133,8 +133,7 @@ class AgentRunningError(WdsCacheError):
         self.cache_dir, self.pid = cache_dir, pid
         who = f"pid {pid}" if pid else "another process"
         super().__init__(
-            f"an agent ({who}) is already running on {cache_dir}; "
-            "stop it first or use another --cache-dir"
+            f"an agent ({who}) is already running on {cache_dir}; stop it first or use another --cache-dir"
         )
 
 
@@ -161,18 +160,30 @@ class NoCacheError(WdsCacheError):
     def __init__(self, *, cache_dir: str, read_only: str | None = None) -> None:
         self.cache_dir, self.read_only = cache_dir, read_only
         if read_only is not None:  # why it cannot be written, as CacheLayout.read_only says it
-            super().__init__(f"{cache_dir} holds no wdscache cache, and it {read_only}: no agent can make "
-                             "one there; use a writable --cache-dir")
+            super().__init__(
+                f"{cache_dir} holds no wdscache cache, and it {read_only}: no agent can make "
+                "one there; use a writable --cache-dir"
+            )
             return
         super().__init__(
-            f"{cache_dir} holds no wdscache cache; start one with "
-            f"'wdscache agent --cache-dir {cache_dir} --urls FILE'"
+            f"{cache_dir} holds no wdscache cache; start one with 'wdscache agent --cache-dir {cache_dir} --urls FILE'"
         )
 
 
 # Tracebacks and logs name them as users import them (``wdscache.FetchError``), not by the
 # module that defines them; pickle finds them there too (the package resolves them on first use).
-for _cls in (WdsCacheError, ConfigError, UrlListError, ShardIndexError, FetchError, ShardError,
-             AgentRunningError, AgentUnavailableError, ProtocolError, NotTrustedError, NoCacheError):
+for _cls in (
+    WdsCacheError,
+    ConfigError,
+    UrlListError,
+    ShardIndexError,
+    FetchError,
+    ShardError,
+    AgentRunningError,
+    AgentUnavailableError,
+    ProtocolError,
+    NotTrustedError,
+    NoCacheError,
+):
     _cls.__module__ = "wdscache"
 del _cls

@@ -44,8 +44,16 @@ _SHARD = "shard:"
 _SUMMARY = "summary"
 _META = "meta"
 _COUNT = "count:"
-COUNTERS = ("hits", "misses", "bytes_downloaded", "downloads", "redownloads", "bytes_redownloaded", "corrupt",
-            "changed")
+COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_downloaded",
+    "downloads",
+    "redownloads",
+    "bytes_redownloaded",
+    "corrupt",
+    "changed",
+)
 
 
 class IndexWriteError(WdsCacheError):
@@ -178,7 +186,7 @@ class Index:
                     self.records[rec.url] = rec
             elif isinstance(key, str) and key.startswith(_COUNT):
                 value = self._db.get(key)
-                url = key[len(_COUNT):]
+                url = key[len(_COUNT) :]
                 if isinstance(value, int):  # written before counts named their copy
                     self.counts[url] = value
                 elif isinstance(value, str):
@@ -334,13 +342,17 @@ class _ReadOnlyStore:
         try:
             con = sqlite3.connect(uri, uri=True)
             try:
-                self._values = {key: disk.fetch(mode, filename, value, False)
-                                for key, mode, filename, value in con.execute(query, args)}
+                self._values = {
+                    key: disk.fetch(mode, filename, value, False)
+                    for key, mode, filename, value in con.execute(query, args)
+                }
             finally:
                 con.close()
         except (sqlite3.Error, OSError) as exc:
-            raise WdsCacheError(f"cannot read the index in {directory}, a folder that cannot be written "
-                                f"({exc}); read it where it can be written, or while its agent runs") from None
+            raise WdsCacheError(
+                f"cannot read the index in {directory}, a folder that cannot be written "
+                f"({exc}); read it where it can be written, or while its agent runs"
+            ) from None
 
     def iterkeys(self) -> Iterator[str]:
         return iter(list(self._values))

@@ -142,8 +142,7 @@ class CacheLayout:
         try:
             root.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot make cache directory {root}: {exc.strerror}; use a writable "
-                              "directory") from None
+            raise ConfigError(f"cannot make cache directory {root}: {exc.strerror}; use a writable directory") from None
         st = os.lstat(root)
         if not stat.S_ISDIR(st.st_mode):
             raise ConfigError(f"cache directory {root} is not a directory (a link?); use a real directory")
@@ -181,15 +180,27 @@ class CacheLayout:
         """Raise ConfigError, one line naming the directory, if ``who`` (a command) cannot write it."""
         why = self.read_only()
         if why is not None:
-            raise ConfigError(f"cache directory {self.root} {why}: {who} needs to write to it; make it writable "
-                              "or use another --cache-dir")
+            raise ConfigError(
+                f"cache directory {self.root} {why}: {who} needs to write to it; make it writable "
+                "or use another --cache-dir"
+            )
 
     def undo_start(self, before: set[str], made: list[Path]) -> None:
         """Undo a start that failed (call with the lock held): remove the cache's own entries (this
         module's map) that were added since the directory held the entries ``before``, then the
         folders ``prepare`` ``made``. Anything else (an index moved aside as corrupt) is kept."""
-        own = {p.name for p in (self.index_dir, self.shards_dir, self.partial_dir, self.lock_path,
-                                self.state_path, self.token_path, self.root / "agent.sock")}
+        own = {
+            p.name
+            for p in (
+                self.index_dir,
+                self.shards_dir,
+                self.partial_dir,
+                self.lock_path,
+                self.state_path,
+                self.token_path,
+                self.root / "agent.sock",
+            )
+        }
         for name in (own & set(os.listdir(self.root))) - before:
             path = self.root / name
             if path.is_dir() and not path.is_symlink():
@@ -230,8 +241,10 @@ class CacheLayout:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise ConfigError(f"cannot read the agent's token {self.token_path}: {exc.strerror}; "
-                              "run as the user who owns the cache directory") from None
+            raise ConfigError(
+                f"cannot read the agent's token {self.token_path}: {exc.strerror}; "
+                "run as the user who owns the cache directory"
+            ) from None
         try:
             token = os.read(fd, 256).decode("ascii", "replace").strip()
         finally:

@@ -70,8 +70,9 @@ def get_logger(name: str) -> logging.Logger:
     return logger
 
 
-def event(logger: logging.Logger, name: str, message: str, *args: Any, level: int = logging.INFO,
-          **fields: Any) -> None:
+def event(
+    logger: logging.Logger, name: str, message: str, *args: Any, level: int = logging.INFO, **fields: Any
+) -> None:
     """Log the notable event ``name`` (``message % args``) with its ``fields``."""
     logger.log(level, message, *args, extra={_EVENT: {"event": name, **fields}})
 
@@ -90,8 +91,12 @@ class JsonFormatter(logging.Formatter):
     """One JSON object a line (see the module docstring)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {"time": _iso_ms(record.created), "level": record.levelname, "logger": record.name,
-                               "message": record.getMessage()}
+        out: dict[str, Any] = {
+            "time": _iso_ms(record.created),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         out.update(getattr(record, _EVENT, {}))
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)

@@ -408,9 +408,17 @@ class Requests:
 
     # to the agent, as a reader
 
-    def hello(self, job: str, rank: int, world_size: int, *, list_id: str | None = None,
-              process: list[Any] | None = None, shuffle_buffer: int | None = None,
-              probe: bool = False) -> HelloMessage:
+    def hello(
+        self,
+        job: str,
+        rank: int,
+        world_size: int,
+        *,
+        list_id: str | None = None,
+        process: list[Any] | None = None,
+        shuffle_buffer: int | None = None,
+        probe: bool = False,
+    ) -> HelloMessage:
         m: HelloMessage = {"op": "hello", "reader": self.reader, "job": job, "rank": rank, "world_size": world_size}
         if list_id is not None:
             m["list_id"] = list_id
@@ -431,8 +439,9 @@ class Requests:
     def get_urls(self, offset: int) -> GetUrlsMessage:
         return {"op": "get_urls", "reader": self.reader, "offset": offset}
 
-    def open(self, url: str, *, ahead: list[str] | None = None, wait: bool = True,
-             while_downloading: bool = False) -> OpenMessage:
+    def open(
+        self, url: str, *, ahead: list[str] | None = None, wait: bool = True, while_downloading: bool = False
+    ) -> OpenMessage:
         m: OpenMessage = {"op": "open", "reader": self.reader, "url": url}
         if ahead is not None:
             m["ahead"] = ahead
@@ -448,16 +457,34 @@ class Requests:
     def release(self, url: str) -> ReleaseMessage:
         return {"op": "release", "reader": self.reader, "url": url}
 
-    def report(self, job: str, rank: int, *, epoch: int, position: int, samples: int, bytes: int, rate: float,
-               wait_s: float) -> ReportMessage:
-        return {"op": "report", "reader": self.reader, "job": job, "rank": rank, "epoch": epoch,
-                "position": position, "samples": samples, "bytes": bytes, "rate": rate, "wait_s": wait_s}
+    def report(
+        self, job: str, rank: int, *, epoch: int, position: int, samples: int, bytes: int, rate: float, wait_s: float
+    ) -> ReportMessage:
+        return {
+            "op": "report",
+            "reader": self.reader,
+            "job": job,
+            "rank": rank,
+            "epoch": epoch,
+            "position": position,
+            "samples": samples,
+            "bytes": bytes,
+            "rate": rate,
+            "wait_s": wait_s,
+        }
 
     def ping(self) -> PingMessage:
         return {"op": "ping", "reader": self.reader}
 
-    def bye(self, *, epoch: int | None = None, position: int | None = None, samples: int | None = None,
-            bytes: int | None = None, wait_s: float | None = None) -> ByeMessage:
+    def bye(
+        self,
+        *,
+        epoch: int | None = None,
+        position: int | None = None,
+        samples: int | None = None,
+        bytes: int | None = None,
+        wait_s: float | None = None,
+    ) -> ByeMessage:
         """A consumer's bye carries its final totals (see :meth:`report`); any other reader's, none."""
         m: ByeMessage = {"op": "bye", "reader": self.reader}
         if epoch is not None:
@@ -535,10 +562,30 @@ class Reports:
     def __init__(self, secret: str) -> None:
         self.secret = secret
 
-    def worker(self, index: int, *, busy_s: float, requests: int, samples: int, bytes: int, indexed: int,
-               walked: int, adopted: int) -> WorkerMessage:
-        return {"op": "worker", "secret": self.secret, "index": index, "busy_s": busy_s, "requests": requests,
-                "samples": samples, "bytes": bytes, "indexed": indexed, "walked": walked, "adopted": adopted}
+    def worker(
+        self,
+        index: int,
+        *,
+        busy_s: float,
+        requests: int,
+        samples: int,
+        bytes: int,
+        indexed: int,
+        walked: int,
+        adopted: int,
+    ) -> WorkerMessage:
+        return {
+            "op": "worker",
+            "secret": self.secret,
+            "index": index,
+            "busy_s": busy_s,
+            "requests": requests,
+            "samples": samples,
+            "bytes": bytes,
+            "indexed": indexed,
+            "walked": walked,
+            "adopted": adopted,
+        }
 
     def counted(self, url: str, samples: int) -> CountedMessage:
         return {"op": "counted", "secret": self.secret, "url": url, "samples": samples}

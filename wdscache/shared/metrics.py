@@ -102,8 +102,9 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     yield gauge("consumers", "Consumers connected", agent.get("consumers", 0))
     yield counter("worker_restarts", "Sample workers restarted", agent.get("worker_restarts", 0))
     per_worker = {
-        "busy_s": CounterMetricFamily("wdscache_worker_busy_seconds", "Seconds a worker spent serving",
-                                      labels=["worker"]),
+        "busy_s": CounterMetricFamily(
+            "wdscache_worker_busy_seconds", "Seconds a worker spent serving", labels=["worker"]
+        ),
         "samples": CounterMetricFamily("wdscache_worker_samples", "Samples a worker served", labels=["worker"]),
         "bytes": CounterMetricFamily("wdscache_worker_bytes", "Bytes a worker served", labels=["worker"]),
     }
@@ -115,20 +116,22 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     per_rank: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
         "samples": CounterMetricFamily("wdscache_consumer_samples", "Samples a rank received", labels=labels),
         "bytes": CounterMetricFamily("wdscache_consumer_bytes", "Bytes of samples a rank received", labels=labels),
-        "wait_s": CounterMetricFamily("wdscache_consumer_wait_seconds", "Seconds a rank waited for data",
-                                      labels=labels),
-        "rate": GaugeMetricFamily("wdscache_consumer_samples_per_second", "A rank's recent sample rate",
-                                  labels=labels),
-        "waiting": GaugeMetricFamily("wdscache_consumer_waiting_ratio",
-                                     "Share of a rank's recent time spent waiting for data", labels=labels),
+        "wait_s": CounterMetricFamily(
+            "wdscache_consumer_wait_seconds", "Seconds a rank waited for data", labels=labels
+        ),
+        "rate": GaugeMetricFamily("wdscache_consumer_samples_per_second", "A rank's recent sample rate", labels=labels),
+        "waiting": GaugeMetricFamily(
+            "wdscache_consumer_waiting_ratio", "Share of a rank's recent time spent waiting for data", labels=labels
+        ),
     }
     for job, ranks in sorted(s.get("jobs", {}).items()):
         for rank, r in sorted(ranks.items()):
             for key, rank_family in per_rank.items():
                 rank_family.add_metric([job, rank], r.get(key, 0))
     yield from per_rank.values()
-    starved = GaugeMetricFamily("wdscache_job_starved", "1 if the job is starved, by its reason",
-                                labels=["job", "reason"])
+    starved = GaugeMetricFamily(
+        "wdscache_job_starved", "1 if the job is starved, by its reason", labels=["job", "reason"]
+    )
     for job, v in sorted(verdicts(s).items()):
         if job in s.get("jobs", {}):
             for kind in KINDS:

@@ -252,8 +252,7 @@ def _walk(plan: _Plan, cls: type[SourcedId]) -> Iterator[SampleId]:
     pieces = iter(plan.pieces)
 
     def group(count: int, rng: random.Random | None) -> Iterator[SampleId]:
-        ids = (cls((shard, j)) for shard, first, end in [next(pieces) for _ in range(count)]
-               for j in range(first, end))
+        ids = (cls((shard, j)) for shard, first, end in [next(pieces) for _ in range(count)] for j in range(first, end))
         return ids if rng is None else buffered(ids, rng, plan.buffer)  # type: ignore[return-value]
 
     return itertools.chain.from_iterable(itertools.starmap(group, plan.groups))
@@ -266,15 +265,19 @@ def _source_seed(seed: int, source: int) -> int:
 def check_mix_arg(mix: Any) -> list[tuple[str, float]]:
     """The ``mix=`` argument as (source, weight) pairs, in the order given; refused with its reason."""
     if not hasattr(mix, "items"):
-        raise ConfigError(f"mix= takes a dict of source -> weight, e.g. {{'laion.txt': 0.7, 'cc12m.txt': 0.3}}; "
-                          f"got {type(mix).__name__}")
+        raise ConfigError(
+            f"mix= takes a dict of source -> weight, e.g. {{'laion.txt': 0.7, 'cc12m.txt': 0.3}}; "
+            f"got {type(mix).__name__}"
+        )
     pairs = list(mix.items())
     if not pairs:
         raise ConfigError("mix= needs at least one source")
     for key, w in pairs:
         if not isinstance(key, str):
-            raise ConfigError(f"mix= keys are what urls= takes as a string (a list file, a pattern, an s3:// "
-                              f"prefix, a shard index); got {key!r}")
+            raise ConfigError(
+                f"mix= keys are what urls= takes as a string (a list file, a pattern, an s3:// "
+                f"prefix, a shard index); got {key!r}"
+            )
         if not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")):
             raise ConfigError(f"mix[{key!r}]={w!r}: a weight must be a positive finite number")
     return [(k, float(w)) for k, w in pairs]

@@ -46,8 +46,9 @@ Segment = tuple[int, int, int]  # (part, first, end): a range of a part's undeli
 Span = tuple[int, int, int, int]
 
 
-def assign(counts: Sequence[int], num_nodes: int, *, seed: int = 0, epoch: int = 0,
-           reshuffle: bool = False) -> tuple[tuple[int, ...], ...]:
+def assign(
+    counts: Sequence[int], num_nodes: int, *, seed: int = 0, epoch: int = 0, reshuffle: bool = False
+) -> tuple[tuple[int, ...], ...]:
     """Split shards (by index, ``counts[i]`` samples each) into ``num_nodes`` parts of about
     the same count: largest first, each to the part holding fewest so far. Ties go by shard
     index, or with ``reshuffle`` by a seeded order of ``epoch`` (a new split every epoch)."""
@@ -78,16 +79,20 @@ class RankPlacement:
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.world_size % self.num_nodes:
-            raise ValueError(f"world_size={self.world_size} is not a multiple of num_nodes={self.num_nodes}: "
-                             "every node must run the same number of ranks (pass the loader node= and "
-                             "num_nodes= if the launcher's environment does not describe this job)")
+            raise ValueError(
+                f"world_size={self.world_size} is not a multiple of num_nodes={self.num_nodes}: "
+                "every node must run the same number of ranks (pass the loader node= and "
+                "num_nodes= if the launcher's environment does not describe this job)"
+            )
         if not 0 <= self.node < self.num_nodes:
             raise ValueError(f"node {self.node} is not in [0, num_nodes={self.num_nodes})")
         if self.rank // self.local_world != self.node:
-            raise ValueError(f"rank {self.rank} of {self.world_size} is not on node {self.node} of {self.num_nodes} "
-                             f"(node k runs ranks k*{self.local_world} to (k+1)*{self.local_world}-1, as torchrun "
-                             "numbers them; pass the loader node= and num_nodes= if the launcher's environment does "
-                             "not describe this job)")
+            raise ValueError(
+                f"rank {self.rank} of {self.world_size} is not on node {self.node} of {self.num_nodes} "
+                f"(node k runs ranks k*{self.local_world} to (k+1)*{self.local_world}-1, as torchrun "
+                "numbers them; pass the loader node= and num_nodes= if the launcher's environment does "
+                "not describe this job)"
+            )
 
     @property
     def local_world(self) -> int:
@@ -117,16 +122,39 @@ class JobEpoch:
     _segments: tuple[tuple[Segment, ...], ...] = field(init=False, repr=False, compare=False)
 
     @classmethod
-    def fresh(cls, counts: Sequence[int], layout: RankPlacement, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
-              shuffle_buffer: int = 1000, drop_last: bool = False, reshuffle: bool = False,
-              block: int = BLOCK) -> JobEpoch:
+    def fresh(
+        cls,
+        counts: Sequence[int],
+        layout: RankPlacement,
+        *,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        shuffle_buffer: int = 1000,
+        drop_last: bool = False,
+        reshuffle: bool = False,
+        block: int = BLOCK,
+    ) -> JobEpoch:
         """An epoch from its start: one part per node (each with samples, or it refuses)."""
         parts = assign(counts, layout.num_nodes, seed=seed, epoch=epoch, reshuffle=reshuffle)
         if any(sum(counts[s] for s in p) == 0 for p in parts):
-            raise WdsCacheError(f"the list has {sum(1 for c in counts if c)} shards with samples for "
-                                f"{layout.num_nodes} nodes: every node needs at least one; use fewer nodes")
-        return cls(tuple(counts), parts, (Resume(),) * len(parts), layout, seed, epoch, shuffle, shuffle_buffer,
-                   drop_last, reshuffle, block)
+            raise WdsCacheError(
+                f"the list has {sum(1 for c in counts if c)} shards with samples for "
+                f"{layout.num_nodes} nodes: every node needs at least one; use fewer nodes"
+            )
+        return cls(
+            tuple(counts),
+            parts,
+            (Resume(),) * len(parts),
+            layout,
+            seed,
+            epoch,
+            shuffle,
+            shuffle_buffer,
+            drop_last,
+            reshuffle,
+            block,
+        )
 
     def __post_init__(self) -> None:
         if len(self.resumes) != len(self.parts):
@@ -164,8 +192,9 @@ class JobEpoch:
         return min(lengths) if self.drop_last else max(lengths)
 
     def part_spec(self, p: int) -> EpochSpec:
-        return EpochSpec(len(self.counts), self.seed, self.epoch, self.shuffle, self.shuffle_buffer,
-                         shards=self.parts[p])
+        return EpochSpec(
+            len(self.counts), self.seed, self.epoch, self.shuffle, self.shuffle_buffer, shards=self.parts[p]
+        )
 
     def node_shards(self, node: int) -> set[int]:
         """The shards node ``node`` reads (a superset, for a node on a range of a part)."""
@@ -173,9 +202,17 @@ class JobEpoch:
 
     def following(self) -> JobEpoch:
         """The next epoch, from its start, on the same layout."""
-        return JobEpoch.fresh(self.counts, self.layout, seed=self.seed, epoch=self.epoch + 1, shuffle=self.shuffle,
-                              shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
-                              reshuffle=self.reshuffle, block=self.block)
+        return JobEpoch.fresh(
+            self.counts,
+            self.layout,
+            seed=self.seed,
+            epoch=self.epoch + 1,
+            shuffle=self.shuffle,
+            shuffle_buffer=self.shuffle_buffer,
+            drop_last=self.drop_last,
+            reshuffle=self.reshuffle,
+            block=self.block,
+        )
 
     def resume_after(self, n: int) -> tuple[Resume, ...]:
         """Each part's :class:`Resume` once every rank of the job delivered ``n`` samples."""
@@ -188,8 +225,14 @@ class JobEpoch:
         runs: list[list[tuple[int, int]]] = [[] for _ in self.parts]
         for node in range(self.layout.num_nodes):
             local = self._local(node)
-            share = RankShare.known(self.layout.local_world, 0, self.node_length(node), resume=local.resume,
-                                    drop_last=self.drop_last, block=self.block)
+            share = RankShare.known(
+                self.layout.local_world,
+                0,
+                self.node_length(node),
+                resume=local.resume,
+                drop_last=self.drop_last,
+                block=self.block,
+            )
             mine = rank_length(self.node_length(node), self.layout.local_world, self.drop_last)
             at = share.resume_after_runs([(a, min(b, mine)) for a, b in delivered if a < mine])  # past: padding
             for p, offset, start, end in local.spans:
@@ -215,8 +258,11 @@ class JobEpoch:
             start, end = r.real(a), r.real(b - 1) + 1
             spans.append((p, offset, start, end))
             delivered.append((offset, offset + start))
-            delivered += [(offset + max(x, start), offset + min(y, end)) for x, y in [(0, r.position), *r.done]
-                          if max(x, start) < min(y, end)]
+            delivered += [
+                (offset + max(x, start), offset + min(y, end))
+                for x, y in [(0, r.position), *r.done]
+                if max(x, start) < min(y, end)
+            ]
             offset += end
         return _NodeStream(tuple(spans), Resume.of(0, delivered))
 
@@ -255,8 +301,9 @@ class NodeShare:
         self.job, self.layout = job, layout
         local = job._local(layout.node)
         self.length = job.node_length(layout.node)
-        self.inner = RankShare(layout.local_world, layout.local_rank, resume=local.resume, drop_last=job.drop_last,
-                               block=job.block)
+        self.inner = RankShare(
+            layout.local_world, layout.local_rank, resume=local.resume, drop_last=job.drop_last, block=job.block
+        )
         self.resume = self.inner.resume
 
     @property
@@ -326,9 +373,19 @@ class NodeSpec:
         return NodeSpec(self.job.following(), self.node)
 
 
-def job_epoch(counts: Sequence[int | None], layout: RankPlacement, *, epoch: int, parts: Sequence[Sequence[int]] | None,
-              resumes: Sequence[Resume], seed: int, shuffle: bool, shuffle_buffer: int, drop_last: bool,
-              reshuffle: bool) -> JobEpoch:
+def job_epoch(
+    counts: Sequence[int | None],
+    layout: RankPlacement,
+    *,
+    epoch: int,
+    parts: Sequence[Sequence[int]] | None,
+    resumes: Sequence[Resume],
+    seed: int,
+    shuffle: bool,
+    shuffle_buffer: int,
+    drop_last: bool,
+    reshuffle: bool,
+) -> JobEpoch:
     """The epoch a rank of a multi-node job reads: from its start (``parts`` None, ``resumes`` one
     empty :class:`Resume`), the rest of a single-node checkpoint (``parts`` None: one part, the whole
     list), or of a multi-node one (its ``parts`` and their ``resumes``). Refuses without every
@@ -339,35 +396,69 @@ def job_epoch(counts: Sequence[int | None], layout: RankPlacement, *, epoch: int
             f"a job on several nodes needs every shard's sample count before it starts, and {len(missing)} of "
             f"{len(counts)} shards have none (the first: shard {missing[0]}): give the loader a shard index "
             "(`wdscache index LIST -o shards.json`, then urls='shards.json' and the agents' --urls shards.json), "
-            "or let one epoch run on one node first (its agent then knows the counts; every node's agent must)")
+            "or let one epoch run on one node first (its agent then knows the counts; every node's agent must)"
+        )
     known = [int(c) for c in counts if c is not None]
     if parts is None and tuple(resumes) != (Resume(),):
         parts = [list(range(len(known)))]
     if parts is None:
-        return JobEpoch.fresh(known, layout, seed=seed, epoch=epoch, shuffle=shuffle, shuffle_buffer=shuffle_buffer,
-                              drop_last=drop_last, reshuffle=reshuffle)
+        return JobEpoch.fresh(
+            known,
+            layout,
+            seed=seed,
+            epoch=epoch,
+            shuffle=shuffle,
+            shuffle_buffer=shuffle_buffer,
+            drop_last=drop_last,
+            reshuffle=reshuffle,
+        )
     if sorted(s for p in parts for s in p) != list(range(len(known))):
         raise ValueError("the checkpoint's parts do not cover this list's shards; was it taken on another list?")
-    return JobEpoch(tuple(known), tuple(tuple(p) for p in parts), tuple(resumes), layout, seed, epoch, shuffle,
-                    shuffle_buffer, drop_last, reshuffle)
+    return JobEpoch(
+        tuple(known),
+        tuple(tuple(p) for p in parts),
+        tuple(resumes),
+        layout,
+        seed,
+        epoch,
+        shuffle,
+        shuffle_buffer,
+        drop_last,
+        reshuffle,
+    )
 
 
 def parts_state(parts: Sequence[Sequence[int]], resumes: Sequence[Resume]) -> dict[str, Any]:
     """A multi-node checkpoint's own entries (JSON-able): the parts, and each part's positions."""
-    return {"parts": [list(p) for p in parts],
-            "resumes": [[r.position, [list(run) for run in r.done]] for r in resumes]}
+    return {
+        "parts": [list(p) for p in parts],
+        "resumes": [[r.position, [list(run) for run in r.done]] for r in resumes],
+    }
 
 
 def read_parts_state(state: dict[str, Any]) -> tuple[list[list[int]], tuple[Resume, ...]]:
     """The parts and each part's :class:`Resume` of a checkpoint's :func:`parts_state` entries, checked."""
     parts, resumes = state.get("parts"), state.get("resumes")
-    if not (isinstance(parts, list) and all(isinstance(p, list) and all(map(_natural, p)) for p in parts)
-            and isinstance(resumes, list) and len(resumes) == len(parts)
-            and all(isinstance(r, list) and len(r) == 2 and _natural(r[0]) and isinstance(r[1], list)
-                    and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run)) and run[0] < run[1]
-                            for run in r[1]) for r in resumes)):
-        raise ValueError("checkpoint 'parts' must be lists of shard indexes and 'resumes' one [position, "
-                         f"[[start, end], ...]] per part; got {parts!r}, {resumes!r}")
+    if not (
+        isinstance(parts, list)
+        and all(isinstance(p, list) and all(map(_natural, p)) for p in parts)
+        and isinstance(resumes, list)
+        and len(resumes) == len(parts)
+        and all(
+            isinstance(r, list)
+            and len(r) == 2
+            and _natural(r[0])
+            and isinstance(r[1], list)
+            and all(
+                isinstance(run, list) and len(run) == 2 and all(map(_natural, run)) and run[0] < run[1] for run in r[1]
+            )
+            for r in resumes
+        )
+    ):
+        raise ValueError(
+            "checkpoint 'parts' must be lists of shard indexes and 'resumes' one [position, "
+            f"[[start, end], ...]] per part; got {parts!r}, {resumes!r}"
+        )
     return parts, tuple(Resume.of(r[0], r[1]) for r in resumes)
 
 
@@ -404,8 +495,12 @@ class NodeList:
     def from_wire(cls, d: dict[str, Any]) -> NodeList:
         """Checked: a field of the wrong type is a ValueError."""
         list_id, shards, samples, counts = d.get("list_id"), d.get("shards"), d.get("samples"), d.get("counts")
-        if not (isinstance(list_id, str) and _natural(shards) and (samples is None or _natural(samples))
-                and (counts is None or isinstance(counts, str))):
+        if not (
+            isinstance(list_id, str)
+            and _natural(shards)
+            and (samples is None or _natural(samples))
+            and (counts is None or isinstance(counts, str))
+        ):
             raise ValueError(f"not a node's list: {d!r}")
         return cls(list_id, cast(int, shards), samples, counts)
 
@@ -417,8 +512,9 @@ def check_same_list(lists: Sequence[NodeList | str], layout: RankPlacement) -> N
     failed = [(r, why) for r, why in enumerate(lists) if isinstance(why, str)]
     if failed:
         r, why = failed[0]
-        raise WdsCacheError(f"rank {r} (node {r // layout.local_world}) could not start its epoch, so no rank "
-                            f"does: {why}")
+        raise WdsCacheError(
+            f"rank {r} (node {r // layout.local_world}) could not start its epoch, so no rank does: {why}"
+        )
     held: dict[NodeList, list[int]] = {}
     for r, listed in enumerate(lists):
         assert isinstance(listed, NodeList)
@@ -432,12 +528,14 @@ def check_same_list(lists: Sequence[NodeList | str], layout: RankPlacement) -> N
             raise ConfigError(
                 f"the nodes read the same list, but the agents of {_ranks(uncounted, layout)} do not know every "
                 "shard's sample count yet, which the split between nodes needs: give every "
-                "node's agent a shard index (made by `wdscache index`), then restart the job")
+                "node's agent a shard index (made by `wdscache index`), then restart the job"
+            )
     which = "; ".join(f"{_ranks(ranks, layout)}: {listed.describe()}" for listed, ranks in held.items())
     raise ConfigError(
         f"the nodes of this job read different lists, so their ranks would get unequal counts and some samples "
         f"none: {which}. Give every node's agent the same list (the same --urls file, best a shard index "
-        "made by `wdscache index`), or give the loader the list itself (urls='shards.json'), then restart the job")
+        "made by `wdscache index`), or give the loader the list itself (urls='shards.json'), then restart the job"
+    )
 
 
 def _ranks(ranks: list[int], layout: RankPlacement) -> str:

@@ -83,7 +83,7 @@ def process_identity(pid: int | None = None) -> list[Any] | None:
         namespace = os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
-    return [pid, int(stat[stat.rindex(")") + 2:].split()[19]), boot, namespace]
+    return [pid, int(stat[stat.rindex(")") + 2 :].split()[19]), boot, namespace]
 
 
 def pack(header: Mapping[str, Any], *payloads: bytes | memoryview) -> list[bytes | memoryview]:
@@ -232,94 +232,269 @@ _ERROR = {"ok": "bool", "error": "str?"}
 #: Every message: the code is checked against this table (tests/test_protocol.py).
 MESSAGES: tuple[Message, ...] = (
     # clients (a consumer, a ShardClient, wdscache stats) to the agent
-    Message("auth", "client", "agent", {"nonce": "str"}, {**_ERROR, "run": "str", "proof": "str"},
-            about="the agent proves it holds the token; the only op taken without a key"),
-    Message("hello", "consumer", "agent",
-            {"reader": "str", "job": "str", "rank": "int", "world_size": "int", "list_id": "str?",
-             "process": "list?", "shuffle_buffer": "int?", "probe": "bool?"},
-            {**_ERROR, "need_urls": "bool?", "workers": "list[str]", "prefetch": "int", "list_id": "str",
-             "n_urls": "int", "cache_dir": "str", "cache_root": "list"},
-            about="a rank joins its job; list_id names its own list (sent first with put_urls if asked); "
-                  "probe: only to learn the list and its counts (a loader's len()), not a rank reading"),
-    Message("put_urls", "consumer", "agent", {"reader": "str", "offset": "int", "urls": "list[str]",
-                                              "shards": "list?"}, _ERROR,
-            about="a page of a consumer's own URL list, before its hello; from a shard index, with each "
-                  "URL's [nsamples, filesize, md5] (null: not given) in shards"),
-    Message("get_urls", "consumer", "agent", {"reader": "str", "offset": "int"},
-            {**_ERROR, "list_id": "str", "urls": "list[str]"}, about="a page of the list the reader said hello on"),
-    Message("open", "consumer", "agent",
-            {"reader": "str", "url": "str", "ahead": "list[str]?", "wait": "bool?", "while_downloading": "bool?"},
-            {**_ERROR, "cached": "bool?", "while_downloading": "bool?", "path": "str?", "size": "int?",
-             "samples": "int?", "corrupt": "bool?"},
-            about="pin a shard (waiting for its download, or, while_downloading, as soon as it can be read while "
-                  "it downloads); moves the reader's window; corrupt: it failed because its copies were corrupt"),
-    Message("status", "consumer", "agent", {"reader": "str", "url": "str"},
-            {**_ERROR, "state": "str", "written": "int?", "total": "int?", "reason": "str?", "corrupt": "bool?",
-             "failing": "str?"},
-            about="where a shard stands: cached, downloading, queued (and why), failed, unknown; "
-                  "failing: the last attempt's failure while its download retries"),
+    Message(
+        "auth",
+        "client",
+        "agent",
+        {"nonce": "str"},
+        {**_ERROR, "run": "str", "proof": "str"},
+        about="the agent proves it holds the token; the only op taken without a key",
+    ),
+    Message(
+        "hello",
+        "consumer",
+        "agent",
+        {
+            "reader": "str",
+            "job": "str",
+            "rank": "int",
+            "world_size": "int",
+            "list_id": "str?",
+            "process": "list?",
+            "shuffle_buffer": "int?",
+            "probe": "bool?",
+        },
+        {
+            **_ERROR,
+            "need_urls": "bool?",
+            "workers": "list[str]",
+            "prefetch": "int",
+            "list_id": "str",
+            "n_urls": "int",
+            "cache_dir": "str",
+            "cache_root": "list",
+        },
+        about="a rank joins its job; list_id names its own list (sent first with put_urls if asked); "
+        "probe: only to learn the list and its counts (a loader's len()), not a rank reading",
+    ),
+    Message(
+        "put_urls",
+        "consumer",
+        "agent",
+        {"reader": "str", "offset": "int", "urls": "list[str]", "shards": "list?"},
+        _ERROR,
+        about="a page of a consumer's own URL list, before its hello; from a shard index, with each "
+        "URL's [nsamples, filesize, md5] (null: not given) in shards",
+    ),
+    Message(
+        "get_urls",
+        "consumer",
+        "agent",
+        {"reader": "str", "offset": "int"},
+        {**_ERROR, "list_id": "str", "urls": "list[str]"},
+        about="a page of the list the reader said hello on",
+    ),
+    Message(
+        "open",
+        "consumer",
+        "agent",
+        {"reader": "str", "url": "str", "ahead": "list[str]?", "wait": "bool?", "while_downloading": "bool?"},
+        {
+            **_ERROR,
+            "cached": "bool?",
+            "while_downloading": "bool?",
+            "path": "str?",
+            "size": "int?",
+            "samples": "int?",
+            "corrupt": "bool?",
+        },
+        about="pin a shard (waiting for its download, or, while_downloading, as soon as it can be read while "
+        "it downloads); moves the reader's window; corrupt: it failed because its copies were corrupt",
+    ),
+    Message(
+        "status",
+        "consumer",
+        "agent",
+        {"reader": "str", "url": "str"},
+        {
+            **_ERROR,
+            "state": "str",
+            "written": "int?",
+            "total": "int?",
+            "reason": "str?",
+            "corrupt": "bool?",
+            "failing": "str?",
+        },
+        about="where a shard stands: cached, downloading, queued (and why), failed, unknown; "
+        "failing: the last attempt's failure while its download retries",
+    ),
     Message("release", "consumer", "agent", {"reader": "str", "url": "str"}, _ERROR, about="unpin a shard"),
-    Message("report", "consumer", "agent",
-            {"reader": "str", "job": "str", "rank": "int", "epoch": "int", "position": "int", "samples": "int",
-             "bytes": "int", "rate": "number", "wait_s": "number"}, _ERROR,
-            about="a consumer's progress, every second, for stats"),
+    Message(
+        "report",
+        "consumer",
+        "agent",
+        {
+            "reader": "str",
+            "job": "str",
+            "rank": "int",
+            "epoch": "int",
+            "position": "int",
+            "samples": "int",
+            "bytes": "int",
+            "rate": "number",
+            "wait_s": "number",
+        },
+        _ERROR,
+        about="a consumer's progress, every second, for stats",
+    ),
     Message("ping", "consumer", "agent", {"reader": "str"}, _ERROR, about="is the agent there"),
-    Message("bye", "consumer", "agent",
-            {"reader": "str", "epoch": "int?", "position": "int?", "samples": "int?", "bytes": "int?",
-             "wait_s": "number?"}, _ERROR,
-            about="a reader leaves: its pins go; a consumer's bye carries its report's fields, its final totals "
-                  "(logged, and kept in stats' ended_jobs)"),
-    Message("counts", "consumer", "agent", {"urls": "list[str]"}, {**_ERROR, "counts": "list"},
-            about="the sample count of each shard (null: never counted)"),
-    Message("corrupt", "consumer", "agent", {"url": "str", "error": "str"}, _ERROR,
-            about="a consumer found a shard's copy corrupt: the agent fetches it once more"),
-    Message("stats", "client", "agent", {"flush": "bool?"}, {**_ERROR, "stats": "object"},
-            about="the live stats object (flush: read times and counters written to the index first, for ls)"),
-    Message("evict", "client", "agent", {"urls": "list[str]", "force": "bool?"},
-            {**_ERROR, "evicted": "list[str]", "bytes": "int", "refused": "list", "absent": "list[str]"},
-            about="evict these cached shards (refused: [{url, reason}], those readers hold, unless force)"),
-    Message("clear", "client", "agent", {"force": "bool?"},
-            {**_ERROR, "evicted": "list[str]", "bytes": "int", "refused": "list", "absent": "list[str]"},
-            about="evict every cached shard (as evict)"),
-    Message("prefetch", "client", "agent", {"prefetch": "str", "urls": "list[str]", "retry": "bool?"},
-            {**_ERROR, "asked": "int"},
-            about="add a page of shards to the prefetch named (made on its first page; retry: forget their "
-                  "earlier failures): fetched after every reader's window; asked: its shards in all"),
-    Message("prefetch_status", "client", "agent", {"prefetch": "str"},
-            {**_ERROR, "total": "int", "cached": "int", "failed": "int", "pending": "int", "bytes_cached": "int",
-             "bytes_written": "int", "bytes_total": "int?", "waiting_for_space": "str?", "changes": "list",
-             "more": "bool"},
-            about="where the prefetch stands: counts, bytes (of its shards cached, and written so far of those "
-                  "downloading; bytes_total null until every size is known), why its downloads wait, and its "
-                  "shards whose state changed since the last status ([{url, state: cached|failed, size?, "
-                  "error?}]; more: not all fitted, ask again)"),
-    Message("prefetch_end", "client", "agent", {"prefetch": "str"}, {**_ERROR, "ended": "bool"},
-            about="the prefetch is over: its shards stay cached, held no more (a prefetch silent for a minute "
-                  "ends too)"),
+    Message(
+        "bye",
+        "consumer",
+        "agent",
+        {"reader": "str", "epoch": "int?", "position": "int?", "samples": "int?", "bytes": "int?", "wait_s": "number?"},
+        _ERROR,
+        about="a reader leaves: its pins go; a consumer's bye carries its report's fields, its final totals "
+        "(logged, and kept in stats' ended_jobs)",
+    ),
+    Message(
+        "counts",
+        "consumer",
+        "agent",
+        {"urls": "list[str]"},
+        {**_ERROR, "counts": "list"},
+        about="the sample count of each shard (null: never counted)",
+    ),
+    Message(
+        "corrupt",
+        "consumer",
+        "agent",
+        {"url": "str", "error": "str"},
+        _ERROR,
+        about="a consumer found a shard's copy corrupt: the agent fetches it once more",
+    ),
+    Message(
+        "stats",
+        "client",
+        "agent",
+        {"flush": "bool?"},
+        {**_ERROR, "stats": "object"},
+        about="the live stats object (flush: read times and counters written to the index first, for ls)",
+    ),
+    Message(
+        "evict",
+        "client",
+        "agent",
+        {"urls": "list[str]", "force": "bool?"},
+        {**_ERROR, "evicted": "list[str]", "bytes": "int", "refused": "list", "absent": "list[str]"},
+        about="evict these cached shards (refused: [{url, reason}], those readers hold, unless force)",
+    ),
+    Message(
+        "clear",
+        "client",
+        "agent",
+        {"force": "bool?"},
+        {**_ERROR, "evicted": "list[str]", "bytes": "int", "refused": "list", "absent": "list[str]"},
+        about="evict every cached shard (as evict)",
+    ),
+    Message(
+        "prefetch",
+        "client",
+        "agent",
+        {"prefetch": "str", "urls": "list[str]", "retry": "bool?"},
+        {**_ERROR, "asked": "int"},
+        about="add a page of shards to the prefetch named (made on its first page; retry: forget their "
+        "earlier failures): fetched after every reader's window; asked: its shards in all",
+    ),
+    Message(
+        "prefetch_status",
+        "client",
+        "agent",
+        {"prefetch": "str"},
+        {
+            **_ERROR,
+            "total": "int",
+            "cached": "int",
+            "failed": "int",
+            "pending": "int",
+            "bytes_cached": "int",
+            "bytes_written": "int",
+            "bytes_total": "int?",
+            "waiting_for_space": "str?",
+            "changes": "list",
+            "more": "bool",
+        },
+        about="where the prefetch stands: counts, bytes (of its shards cached, and written so far of those "
+        "downloading; bytes_total null until every size is known), why its downloads wait, and its "
+        "shards whose state changed since the last status ([{url, state: cached|failed, size?, "
+        "error?}]; more: not all fitted, ask again)",
+    ),
+    Message(
+        "prefetch_end",
+        "client",
+        "agent",
+        {"prefetch": "str"},
+        {**_ERROR, "ended": "bool"},
+        about="the prefetch is over: its shards stay cached, held no more (a prefetch silent for a minute ends too)",
+    ),
     # the agent's workers to the agent (with the workers' secret too)
-    Message("worker", "worker", "agent",
-            {"secret": "str", "index": "int", "busy_s": "number", "requests": "int", "samples": "int",
-             "bytes": "int", "indexed": "int", "walked": "int", "adopted": "int"},
-            about="a worker's counters, every second; the agent sends hints back on its socket"),
-    Message("counted", "worker", "agent", {"secret": "str", "url": "str", "samples": "int"},
-            about="the sample count a worker found in a cached shard"),
-    Message("corrupt_copy", "worker", "agent", {"secret": "str", "url": "str", "identity": "list", "error": "str"},
-            about="a worker found the cached file of this identity corrupt"),
-    Message("walked", "worker", "agent",
-            {"secret": "str", "url": "str", "identity": "list", "layouts": "list"},
-            frames="the packed sample table (sampletable.PackedSamples.parts)",
-            about="a table a worker walked, passed on by the agent to the other workers"),
+    Message(
+        "worker",
+        "worker",
+        "agent",
+        {
+            "secret": "str",
+            "index": "int",
+            "busy_s": "number",
+            "requests": "int",
+            "samples": "int",
+            "bytes": "int",
+            "indexed": "int",
+            "walked": "int",
+            "adopted": "int",
+        },
+        about="a worker's counters, every second; the agent sends hints back on its socket",
+    ),
+    Message(
+        "counted",
+        "worker",
+        "agent",
+        {"secret": "str", "url": "str", "samples": "int"},
+        about="the sample count a worker found in a cached shard",
+    ),
+    Message(
+        "corrupt_copy",
+        "worker",
+        "agent",
+        {"secret": "str", "url": "str", "identity": "list", "error": "str"},
+        about="a worker found the cached file of this identity corrupt",
+    ),
+    Message(
+        "walked",
+        "worker",
+        "agent",
+        {"secret": "str", "url": "str", "identity": "list", "layouts": "list"},
+        frames="the packed sample table (sampletable.PackedSamples.parts)",
+        about="a table a worker walked, passed on by the agent to the other workers",
+    ),
     # the agent to its workers (hints: no reply)
     Message("index", "agent", "worker", {"url": "str"}, about="walk this shard, just published, while idle"),
     # consumers to a worker
-    Message("read", "consumer", "worker", {"urls": "list[str]", "items": "list", "direct": "bool?"},
-            {**_ERROR, "proof": "str", "keys": "list[str]", "exts": "list", "spans": "list", "files": "list?",
-             "kind": "str?"},
-            frames="runs of shard bytes the spans point into (none for file ranges: see pool.py)",
-            about="samples by [url index, sample index]; the reply's op is 'samples' (or 'error')"),
-    Message("scan", "consumer", "worker", {"url": "str", "while_downloading": "bool?"},
-            {**_ERROR, "proof": "str", "count": "int", "final": "bool", "kind": "str?"},
-            about="a shard's sample count (so far, for a download); the reply's op is 'scanned' (or 'error')"),
+    Message(
+        "read",
+        "consumer",
+        "worker",
+        {"urls": "list[str]", "items": "list", "direct": "bool?"},
+        {
+            **_ERROR,
+            "proof": "str",
+            "keys": "list[str]",
+            "exts": "list",
+            "spans": "list",
+            "files": "list?",
+            "kind": "str?",
+        },
+        frames="runs of shard bytes the spans point into (none for file ranges: see pool.py)",
+        about="samples by [url index, sample index]; the reply's op is 'samples' (or 'error')",
+    ),
+    Message(
+        "scan",
+        "consumer",
+        "worker",
+        {"url": "str", "while_downloading": "bool?"},
+        {**_ERROR, "proof": "str", "count": "int", "final": "bool", "kind": "str?"},
+        about="a shard's sample count (so far, for a download); the reply's op is 'scanned' (or 'error')",
+    ),
 )
 
 #: Answered at the agent's door (no key yet) and passed on to the workers (with frames): before
@@ -327,7 +502,8 @@ MESSAGES: tuple[Message, ...] = (
 AT_THE_DOOR, PASSED_ON = "auth", "walked"
 #: The ops the agent's handlers serve: every message to the agent but those two.
 CONTROL_OPS: tuple[str, ...] = tuple(
-    m.op for m in MESSAGES if m.receiver == "agent" and m.op not in (AT_THE_DOOR, PASSED_ON))
+    m.op for m in MESSAGES if m.receiver == "agent" and m.op not in (AT_THE_DOOR, PASSED_ON)
+)
 #: Reports only the agent's own workers may send (they carry the workers' secret).
 WORKER_OPS: tuple[str, ...] = tuple(m.op for m in MESSAGES if m.sender == "worker" and m.op in CONTROL_OPS)
 #: Ops of a reader, which name it (``reader``): each one counts as a sign of life.
@@ -335,12 +511,20 @@ READER_OPS: tuple[str, ...] = tuple(m.op for m in MESSAGES if "reader" in m.fiel
 
 MESSAGE = {m.op: m for m in MESSAGES}
 _JSON_TYPES: dict[str, type | tuple[type, ...]] = {
-    "str": str, "int": int, "bool": bool, "number": (int, float), "list[str]": list, "list": list, "object": dict,
+    "str": str,
+    "int": int,
+    "bool": bool,
+    "number": (int, float),
+    "list[str]": list,
+    "list": list,
+    "object": dict,
 }
 # op -> (name, Python type, required, strings only) of each field: the table, read once.
 _CHECKS = {
-    m.op: tuple((name, _JSON_TYPES[kind.rstrip("?")], not kind.endswith("?"), kind.rstrip("?") == "list[str]")
-                for name, kind in m.fields.items())
+    m.op: tuple(
+        (name, _JSON_TYPES[kind.rstrip("?")], not kind.endswith("?"), kind.rstrip("?") == "list[str]")
+        for name, kind in m.fields.items()
+    )
     for m in MESSAGES
 }
 

@@ -38,7 +38,7 @@ def _parameter(match: re.Match[str]) -> str:
     if not _SECRET_NAME.search(name):
         return match.group(0)
     # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") is the sentence's.
-    after = value[len(value.rstrip(":,.)")):]
+    after = value[len(value.rstrip(":,.)")) :]
     return f"{sep}{name}={MASK}{after}"
 
 

@@ -37,10 +37,18 @@ EXTRA = "s3:// sources need boto3: pip install boto3 (the package's s3 extra)"
 # What a prefix stands for: the shards under it, by the names webdataset reads as tars.
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 # Throttling and server trouble: tried again with backoff. Any other error code is final.
-TRANSIENT_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-    "RequestTimeout", "InternalError", "ServiceUnavailable",
-})
+TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+    }
+)
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _GLOB = re.compile(r"[*?\[]")
 # Connections a shared client keeps for reuse: more than the agent's download threads and their
@@ -75,7 +83,7 @@ class Unsatisfiable(Exception):
 
 def split(url: str) -> tuple[str, str]:
     """``s3://bucket/key`` -> ``("bucket", "key")`` (the key may be empty)."""
-    bucket, _, key = url[len("s3://"):].partition("/")
+    bucket, _, key = url[len("s3://") :].partition("/")
     return bucket, key
 
 
@@ -110,7 +118,7 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
         elif c == "?":
             out.append("[^/]")
         elif c == "[" and (end := pattern.find("]", i + 2)) > 0:
-            body = pattern[i + 1:end]
+            body = pattern[i + 1 : end]
             body = "^" + body[1:] if body.startswith("!") else body
             out.append("[" + body.replace("\\", "\\\\") + "]")
             i = end + 1
@@ -142,8 +150,9 @@ class Body:
     size, ``chunks`` its bytes (a read error is :class:`Transient`); :meth:`close` lets go of
     its connection, read or not."""
 
-    def __init__(self, start: int, total: int, etag: str | None, ranged: bool, chunks: Iterator[bytes],
-                 raw: Any) -> None:
+    def __init__(
+        self, start: int, total: int, etag: str | None, ranged: bool, chunks: Iterator[bytes], raw: Any
+    ) -> None:
         self.start, self.total, self.etag, self.chunks = start, total, etag, chunks
         self.ranged = ranged  # the server answered the Range (206), not with the whole object
         self._raw = raw
@@ -156,8 +165,14 @@ class S3Client:
     """S3 requests with the given settings, through the process's botocore client for them
     (made by the first S3Client that asks; safe to use from any thread). Raises NoClient."""
 
-    def __init__(self, *, endpoint_url: str | None = None, connect_timeout: float = 10.0,
-                 read_timeout: float = 60.0, retries: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        endpoint_url: str | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        retries: bool = False,
+    ) -> None:
         global _session
         session_mod, config_cls, self._exc = _boto()
         settings = (endpoint_url, connect_timeout, read_timeout, retries)
@@ -166,11 +181,16 @@ class S3Client:
                 if _session is None:
                     _session = session_mod.Session()
                 if settings not in _clients:
-                    _clients[settings] = _session.client("s3", endpoint_url=endpoint_url, config=config_cls(
-                        connect_timeout=connect_timeout, read_timeout=read_timeout,
-                        retries={"mode": "standard"} if retries else {"total_max_attempts": 1},
-                        max_pool_connections=POOL_CONNECTIONS,
-                    ))
+                    _clients[settings] = _session.client(
+                        "s3",
+                        endpoint_url=endpoint_url,
+                        config=config_cls(
+                            connect_timeout=connect_timeout,
+                            read_timeout=read_timeout,
+                            retries={"mode": "standard"} if retries else {"total_max_attempts": 1},
+                            max_pool_connections=POOL_CONNECTIONS,
+                        ),
+                    )
                 self._client = _clients[settings]
         except self._exc.BotoCoreError as exc:  # an unknown profile, a bad endpoint, no region
             raise NoClient(f"cannot make an S3 client: {exc}") from None
@@ -187,8 +207,9 @@ class S3Client:
             raise self._problem(url, exc) from None
         return int(r["ContentLength"]), r.get("ETag")
 
-    def get(self, url: str, *, offset: int = 0, end: int | None = None, if_match: str | None = None,
-            chunk: int = 64 << 10) -> Body:
+    def get(
+        self, url: str, *, offset: int = 0, end: int | None = None, if_match: str | None = None, chunk: int = 64 << 10
+    ) -> Body:
         """GetObject from ``offset`` (a Range past 0) up to ``end`` (exclusive; None: the object's
         end), only while its ETag is ``if_match`` if given.
 
@@ -227,10 +248,11 @@ class S3Client:
         """
         bucket, key = split(url)
         glob = _GLOB.search(key)
-        prefix = key[:glob.start()] if glob else key
+        prefix = key[: glob.start()] if glob else key
         matches = listed_by(url)
         pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=bucket, Prefix=prefix, **({"PaginationConfig": {"PageSize": page_size}} if page_size else {}))
+            Bucket=bucket, Prefix=prefix, **({"PaginationConfig": {"PageSize": page_size}} if page_size else {})
+        )
         keys: list[str] = []
         try:
             for page in pages:
@@ -260,8 +282,9 @@ class S3Client:
         if isinstance(exc, (e.HTTPClientError, e.ConnectionError, e.IncompleteReadError)):
             return Transient(f"{type(exc).__name__}: {exc}")
         if isinstance(exc, e.NoCredentialsError):
-            return FetchError(url, "no AWS credentials found (environment, AWS_PROFILE, ~/.aws, instance "
-                              "role)", permanent=True)
+            return FetchError(
+                url, "no AWS credentials found (environment, AWS_PROFILE, ~/.aws, instance role)", permanent=True
+            )
         if isinstance(exc, e.BotoCoreError):
             return FetchError(url, f"{type(exc).__name__}: {exc}", permanent=True)
         return exc
@@ -299,8 +322,11 @@ class Listing:
         except (FetchError, Transient) as exc:
             raise ValueError(f"cannot list it: {getattr(exc, 'reason', exc)}") from None
         if not urls:
-            what = "no key matches the glob" if _GLOB.search(split(url)[1]) else \
-                f"no object whose name ends in {'/'.join(SHARD_SUFFIXES)} under the prefix"
+            what = (
+                "no key matches the glob"
+                if _GLOB.search(split(url)[1])
+                else f"no object whose name ends in {'/'.join(SHARD_SUFFIXES)} under the prefix"
+            )
             raise ValueError(f"{what}: it stands for no shard")
         return urls
 

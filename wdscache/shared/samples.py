@@ -114,7 +114,8 @@ def group_samples(
             key, fields, seen, first_at = member_key, [], set(), base + at
         if ext in seen or ext in _RESERVED_EXTS:
             raise ShardError(
-                url, f"member {name!r}: extension {ext!r} repeated in sample {key!r}",
+                url,
+                f"member {name!r}: extension {ext!r} repeated in sample {key!r}",
                 offset=base + offset - BLOCK,
             )
         seen.add(ext)

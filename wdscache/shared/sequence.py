@@ -228,8 +228,9 @@ class RankShare:
     :meth:`pairs` iteration per instance: it records how the rows were dealt.
     """
 
-    def __init__(self, world_size: int, rank: int, *, resume: Resume = Resume(), drop_last: bool = False,
-                 block: int = BLOCK) -> None:
+    def __init__(
+        self, world_size: int, rank: int, *, resume: Resume = Resume(), drop_last: bool = False, block: int = BLOCK
+    ) -> None:
         self.world_size, self.rank, self.resume = world_size, rank, resume
         self.drop_last, self.block = drop_last, block
         self.full_rows = 0  # rows dealt out in blocks
@@ -280,8 +281,16 @@ class RankShare:
         self.settled = pos
 
     @classmethod
-    def known(cls, world_size: int, rank: int, length: int, *, resume: Resume = Resume(), drop_last: bool = False,
-              block: int = BLOCK) -> RankShare:
+    def known(
+        cls,
+        world_size: int,
+        rank: int,
+        length: int,
+        *,
+        resume: Resume = Resume(),
+        drop_last: bool = False,
+        block: int = BLOCK,
+    ) -> RankShare:
         """The share of an epoch whose ``length`` positions not in ``resume`` are known up front (the
         sample counts are): :meth:`resume_after` then needs no :meth:`pairs` iteration."""
         share = cls(world_size, rank, resume=resume, drop_last=drop_last, block=block)
@@ -290,8 +299,9 @@ class RankShare:
         return share
 
     @classmethod
-    def dealt(cls, world_size: int, full_rows: int, tail: int | None, *, resume: Resume = Resume(),
-              block: int = BLOCK) -> RankShare:
+    def dealt(
+        cls, world_size: int, full_rows: int, tail: int | None, *, resume: Resume = Resume(), block: int = BLOCK
+    ) -> RankShare:
         """The share as a rank's :meth:`pairs` dealt it, from what that recorded (``full_rows``,
         ``tail``): for :meth:`resume_after_runs` in another process."""
         share = cls(world_size, 0, resume=resume, block=block)

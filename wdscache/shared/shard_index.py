@@ -37,8 +37,18 @@ from .errors import ShardIndexError
 from .samples import scan
 from .tarwalk import FileSpan
 
-__all__ = ["KIND", "ShardFacts", "ShardInfo", "count_samples", "file_facts", "format_shard_index", "looks_like_index",
-           "parse_shard_index", "read_shard_index", "write_shard_index"]
+__all__ = [
+    "KIND",
+    "ShardFacts",
+    "ShardInfo",
+    "count_samples",
+    "file_facts",
+    "format_shard_index",
+    "looks_like_index",
+    "parse_shard_index",
+    "read_shard_index",
+    "write_shard_index",
+]
 
 KIND = "wids-shard-index-v1"
 WIDS_VERSION = 1
@@ -133,13 +143,18 @@ class ShardFacts(Sequence[ShardInfo]):
         fingerprint covers them (:func:`wdscache.shared.urls.list_id`)."""
         md5s = self._md5s
         for i, (nsamples, filesize) in enumerate(zip(self._nsamples, self._filesizes)):
-            md5 = md5s[_MD5_SLOT * i + 1 : _MD5_SLOT * (i + 1)].hex() if md5s is not None and md5s[_MD5_SLOT * i] else None
+            md5 = (
+                md5s[_MD5_SLOT * i + 1 : _MD5_SLOT * (i + 1)].hex()
+                if md5s is not None and md5s[_MD5_SLOT * i]
+                else None
+            )
             yield f"{nsamples} {filesize if filesize >= 0 else None} {md5}\n"
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ShardFacts):  # (MD5s are held only once one is given)
-            return (self._nsamples == other._nsamples and self._filesizes == other._filesizes
-                    and self._md5s == other._md5s)
+            return (
+                self._nsamples == other._nsamples and self._filesizes == other._filesizes and self._md5s == other._md5s
+            )
         if isinstance(other, (tuple, list)):
             return len(other) == len(self) and all(a == b for a, b in zip(self, other))
         return NotImplemented
@@ -162,8 +177,11 @@ def _whole(value: Any, name: str) -> int:
 def _info(nsamples: Any, filesize: Any, md5: Any) -> ShardInfo:
     if md5 is not None and not (isinstance(md5, str) and _MD5.fullmatch(md5)):
         raise ValueError(f'"md5sum" must be 32 hexadecimal digits, not {json.dumps(md5)}')
-    return ShardInfo(_whole(nsamples, "nsamples"), None if filesize is None else _whole(filesize, "filesize"),
-                     md5.lower() if md5 is not None else None)
+    return ShardInfo(
+        _whole(nsamples, "nsamples"),
+        None if filesize is None else _whole(filesize, "filesize"),
+        md5.lower() if md5 is not None else None,
+    )
 
 
 def looks_like_index(text: str) -> bool:
@@ -181,14 +199,18 @@ def looks_like_index(text: str) -> bool:
 def _samples_problem(url: str, info: ShardInfo) -> str | None:
     """Why ``info.nsamples`` cannot be the count of the shard at ``url`` (None: it can be)."""
     if info.nsamples > MAX_SAMPLES:
-        return (f'"nsamples" is {info.nsamples}, more than any shard holds (at most {MAX_SAMPLES}: '
-                f"{MIN_SAMPLE_BYTES} bytes a sample in a shard of {MAX_SHARD_BYTES >> 40} TiB)")
+        return (
+            f'"nsamples" is {info.nsamples}, more than any shard holds (at most {MAX_SAMPLES}: '
+            f"{MIN_SAMPLE_BYTES} bytes a sample in a shard of {MAX_SHARD_BYTES >> 40} TiB)"
+        )
     if info.filesize is None or url.lower().split("?", 1)[0].endswith(_GZIP_SUFFIXES):
         return None  # no size, or a gzip'd shard's size: that of its compressed bytes
     most = info.filesize // MIN_SAMPLE_BYTES
     if info.nsamples > most:
-        return (f'"nsamples" is {info.nsamples}, but a tar of {info.filesize} bytes ("filesize") holds at most '
-                f"{most} samples ({MIN_SAMPLE_BYTES} bytes each at the least)")
+        return (
+            f'"nsamples" is {info.nsamples}, but a tar of {info.filesize} bytes ("filesize") holds at most '
+            f"{most} samples ({MIN_SAMPLE_BYTES} bytes each at the least)"
+        )
     return None
 
 
@@ -219,13 +241,23 @@ def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
         if url is None:
             return entry
         nsamples, filesize, md5 = entry.get("nsamples"), entry.get("filesize"), entry.get("md5sum")
-        if (type(url) is not str or not url or url.isspace() or type(nsamples) is not int
-                or not 0 <= nsamples <= MAX_SAMPLES
-                or filesize is not None and (type(filesize) is not int or not 0 <= filesize <= _MAX_WHOLE)
-                or md5 is not None and (type(md5) is not str or not _MD5.fullmatch(md5))):
+        if (
+            type(url) is not str
+            or not url
+            or url.isspace()
+            or type(nsamples) is not int
+            or not 0 <= nsamples <= MAX_SAMPLES
+            or filesize is not None
+            and (type(filesize) is not int or not 0 <= filesize <= _MAX_WHOLE)
+            or md5 is not None
+            and (type(md5) is not str or not _MD5.fullmatch(md5))
+        ):
             raise _NotWellFormed
-        if filesize is not None and nsamples > filesize // MIN_SAMPLE_BYTES and _samples_problem(
-                url, ShardInfo(nsamples, filesize)) is not None:
+        if (
+            filesize is not None
+            and nsamples > filesize // MIN_SAMPLE_BYTES
+            and _samples_problem(url, ShardInfo(nsamples, filesize)) is not None
+        ):
             raise _NotWellFormed
         urls.append(url)
         facts.add(nsamples, filesize, md5.lower() if md5 is not None else None)
@@ -235,9 +267,15 @@ def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
         doc = json.loads(text, object_pairs_hook=take)
     except (_NotWellFormed, ValueError, RecursionError):
         return None
-    if not (isinstance(doc, dict) and doc.get("__kind__", KIND) == KIND and doc.get("wids_version", WIDS_VERSION)
-            == WIDS_VERSION and "datasets" not in doc and isinstance(shards := doc.get("shardlist"), list)
-            and len(shards) == len(urls) and all(s is _ENTRY for s in shards)):
+    if not (
+        isinstance(doc, dict)
+        and doc.get("__kind__", KIND) == KIND
+        and doc.get("wids_version", WIDS_VERSION) == WIDS_VERSION
+        and "datasets" not in doc
+        and isinstance(shards := doc.get("shardlist"), list)
+        and len(shards) == len(urls)
+        and all(s is _ENTRY for s in shards)
+    ):
         return None
     return urls, facts
 
@@ -255,31 +293,38 @@ def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ShardIndexError(path, None, f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg} "
-                                          "(a file starting like JSON is read as a shard index, wids JSON)"
-                              ) from None
+        raise ShardIndexError(
+            path,
+            None,
+            f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg} "
+            "(a file starting like JSON is read as a shard index, wids JSON)",
+        ) from None
     except (ValueError, RecursionError) as exc:  # nested too deep for the parser
         raise ShardIndexError(path, None, f"malformed JSON: {exc}") from None
     if not isinstance(doc, dict):
-        raise ShardIndexError(path, None, "a shard index is a JSON object with a \"shardlist\"")
+        raise ShardIndexError(path, None, 'a shard index is a JSON object with a "shardlist"')
     kind, version = doc.get("__kind__", KIND), doc.get("wids_version", WIDS_VERSION)
     if kind != KIND:
-        raise ShardIndexError(path, None, f"\"__kind__\" is {json.dumps(kind)}; wdscache reads {KIND!r}")
+        raise ShardIndexError(path, None, f'"__kind__" is {json.dumps(kind)}; wdscache reads {KIND!r}')
     if version != WIDS_VERSION:
-        raise ShardIndexError(path, None, f"\"wids_version\" is {json.dumps(version)}; wdscache reads version 1")
+        raise ShardIndexError(path, None, f'"wids_version" is {json.dumps(version)}; wdscache reads version 1')
     if "datasets" in doc:
-        raise ShardIndexError(path, None, "sub-datasets (\"datasets\") are not supported: list every shard "
-                                          "in \"shardlist\"")
+        raise ShardIndexError(
+            path, None, 'sub-datasets ("datasets") are not supported: list every shard in "shardlist"'
+        )
     shards = doc.get("shardlist")
     if not isinstance(shards, list):
-        raise ShardIndexError(path, None, "no \"shardlist\" list: a shard index lists its shards in "
-                                          "\"shardlist\": [{\"url\": ..., \"nsamples\": ...}, ...]")
+        raise ShardIndexError(
+            path,
+            None,
+            'no "shardlist" list: a shard index lists its shards in "shardlist": [{"url": ..., "nsamples": ...}, ...]',
+        )
     entries = []
     for i, entry in enumerate(shards):
         url = entry.get("url") if isinstance(entry, dict) else None
         try:
             if not isinstance(entry, dict):
-                raise ValueError("an entry is an object {\"url\": ..., \"nsamples\": ..., \"filesize\": ...}")
+                raise ValueError('an entry is an object {"url": ..., "nsamples": ..., "filesize": ...}')
             if not isinstance(url, str) or not url.strip():
                 raise ValueError('"url" must be a non-empty string')
             if "nsamples" not in entry:
@@ -305,9 +350,11 @@ def format_shard_index(entries: Iterable[tuple[str, ShardInfo]]) -> str:
             item["md5sum"] = info.md5
         lines.append("    " + json.dumps(item))
     body = ",\n".join(lines)
-    return (f'{{\n  "__kind__": "{KIND}",\n  "wids_version": {WIDS_VERSION},\n'
-            f'  "shardlist": [\n{body}\n  ]\n}}\n' if lines else
-            f'{{"__kind__": "{KIND}", "wids_version": {WIDS_VERSION}, "shardlist": []}}\n')
+    return (
+        f'{{\n  "__kind__": "{KIND}",\n  "wids_version": {WIDS_VERSION},\n  "shardlist": [\n{body}\n  ]\n}}\n'
+        if lines
+        else f'{{"__kind__": "{KIND}", "wids_version": {WIDS_VERSION}, "shardlist": []}}\n'
+    )
 
 
 def write_shard_index(path: Path, entries: Iterable[tuple[str, ShardInfo]]) -> None:
@@ -320,7 +367,7 @@ def write_shard_index(path: Path, entries: Iterable[tuple[str, ShardInfo]]) -> N
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     except BaseException:
         os.close(fd)

@@ -102,9 +102,7 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 0.5) -> dict[
     counts = dict(summary.get("counts", {}))
     counts["downloading"] = counts["queued"] = 0
     summary["counts"] = counts
-    return build(
-        cache_dir=str(layout.root), summary=summary, counters=counters, bytes_limit=meta.get("bytes_limit")
-    )
+    return build(cache_dir=str(layout.root), summary=summary, counters=counters, bytes_limit=meta.get("bytes_limit"))
 
 
 def agent_connection(layout: CacheLayout, timeout: float) -> AgentConnection | None:
@@ -114,7 +112,7 @@ def agent_connection(layout: CacheLayout, timeout: float) -> AgentConnection | N
         endpoint = str(state["endpoint"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
+    if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
         return None
     if not layout.token_path.exists():
         return None  # left by an agent that made no token: none of ours runs
@@ -135,7 +133,6 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
         return None
     finally:
         conn.close()
-
 
 
 def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: str, name: str) -> dict[str, Any]:

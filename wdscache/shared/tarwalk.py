@@ -276,9 +276,7 @@ def walk(
         if stop > end:
             if prefix:
                 return
-            raise ShardError(
-                url, f"truncated: member {name!r} ({size} bytes) runs past the end", offset=pos
-            )
+            raise ShardError(url, f"truncated: member {name!r} ({size} bytes) runs past the end", offset=pos)
         if kind in _REGULAR:
             yield name, data, size, at
         pos = stop
@@ -312,4 +310,3 @@ class FileSpan:
             size = max(stop - first, min(_READ_AHEAD, len(self) - first))
             self._at, self._block = first, os.pread(self.fd, max(0, size), self.start + first)
         return self._block[first - self._at : stop - self._at]
-

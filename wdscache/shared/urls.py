@@ -57,9 +57,7 @@ _HASHED = 1 << 20  # characters of a list's text encoded at once to fingerprint 
 TEXT_SOURCE = "<urls>"
 """The ``path`` shown in errors for a list that did not come from a file."""
 
-_PIPE_REFUSED = (
-    "pipe: sources run a shell command; start the agent with --allow-pipe to allow them"
-)
+_PIPE_REFUSED = "pipe: sources run a shell command; start the agent with --allow-pipe to allow them"
 _SUPPORTED = (
     "supported: http://, https://, s3://bucket/key (or a prefix or glob), file:///path, a plain path, "
     "pipe:CMD (with --allow-pipe)"
@@ -528,8 +526,14 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
 def _clean_path(path: str) -> bool:
     """Whether ``path`` is its own :func:`os.path.normpath`: no empty, ``.`` or ``..`` part, no
     ``/`` at its end."""
-    return not ("//" in path or "/./" in path or "/../" in path or path.endswith(("/", "/.", "/.."))
-                or path.startswith(("./", "../")) or path in (".", ".."))
+    return not (
+        "//" in path
+        or "/./" in path
+        or "/../" in path
+        or path.endswith(("/", "/.", "/.."))
+        or path.startswith(("./", "../"))
+        or path in (".", "..")
+    )
 
 
 def _line_entry(raw: str, parts: list[str]) -> str:
@@ -541,8 +545,9 @@ def _line_entry(raw: str, parts: list[str]) -> str:
         line = raw.strip()
         match = _COMMENT_START.search(line)
         return line[: match.start()].rstrip() if match else line
-    raise ValueError("a line holds one URL, but this one has whitespace inside "
-                     "(percent-encode a space in an http(s) URL: %20)")
+    raise ValueError(
+        "a line holds one URL, but this one has whitespace inside (percent-encode a space in an http(s) URL: %20)"
+    )
 
 
 def parse_url_list(
@@ -582,9 +587,7 @@ def parse_url_list(
                 tree = _parse(entry)
                 total += _count(tree)
                 if total > limit:
-                    raise ValueError(
-                        f"the list would hold {total} URLs, more than the limit of {limit}"
-                    )
+                    raise ValueError(f"the list would hold {total} URLs, more than the limit of {limit}")
                 expanded: Iterable[str] = _expand(tree)
             else:
                 total += 1
@@ -611,8 +614,12 @@ def _plain_lines(text: str, base: str, limit: int) -> list[str] | None:
     """The URLs of a list whose every line is what the line-by-line parse would take as it is
     (an http(s) URL with a host), or a path it would only prefix (all absolute, or all relative,
     none with a part normpath changes), found with a few scans of the whole text; else None."""
-    if "{" in text or "}" in text or "#" in text or (
-            any(c in text for c in _ASCII_SPACE) if text.isascii() else _SPACE_IN_LINE.search(text) is not None):
+    if (
+        "{" in text
+        or "}" in text
+        or "#" in text
+        or (any(c in text for c in _ASCII_SPACE) if text.isascii() else _SPACE_IN_LINE.search(text) is not None)
+    ):
         return None  # braces, comments, white space in a line: the line-by-line parse
     if _NOT_HTTP.search(text) is None:
         lines = [line for line in text.split("\n") if line]
@@ -644,12 +651,27 @@ def index_list(
     listed twice with the same facts counts as a duplicate; with other facts it is an error.
     Raises ShardIndexError naming ``path`` and the entry.
     """
-    return _index_list([url for url, _ in entries], ShardFacts(info for _, info in entries), path=path,
-                       base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
+    return _index_list(
+        [url for url, _ in entries],
+        ShardFacts(info for _, info in entries),
+        path=path,
+        base_dir=base_dir,
+        allow_pipe=allow_pipe,
+        limit=limit,
+        lister=lister,
+    )
 
 
-def _index_list(written: list[str], facts: ShardFacts, *, path: str, base_dir: str | None, allow_pipe: bool,
-                limit: int, lister: Lister | None) -> UrlList:
+def _index_list(
+    written: list[str],
+    facts: ShardFacts,
+    *,
+    path: str,
+    base_dir: str | None,
+    allow_pipe: bool,
+    limit: int,
+    lister: Lister | None,
+) -> UrlList:
     """:func:`index_list` of the URLs ``written`` with their ``facts`` (by position)."""
     if len(written) > limit:
         raise ShardIndexError(path, None, f"the index lists {len(written)} shards, more than the limit of {limit}")
@@ -671,8 +693,9 @@ def _index_list(written: list[str], facts: ShardFacts, *, path: str, base_dir: s
 def _index_url(written: str, base: str, allow_pipe: bool, lister: Lister | None) -> str:
     """The canonical form of an index entry's URL other than http(s); ValueError says why it is unusable."""
     if _SPACE.search(written) is not None and (not written.startswith("pipe:") or "\n" in written):
-        raise ValueError("a URL holds no whitespace" if not written.startswith("pipe:") else
-                         "a pipe: command holds no line break")
+        raise ValueError(
+            "a URL holds no whitespace" if not written.startswith("pipe:") else "a pipe: command holds no line break"
+        )
     url = _normalize(written, base, allow_pipe)
     if url.startswith("s3://"):
         if is_listing(url):
@@ -692,8 +715,7 @@ def _distinct_facts(urls: list[str], facts: ShardFacts, distinct: Urls, path: st
             kept.append(facts[i])
         elif kept[first] != facts[i]:
             earlier = urls.index(url)
-            raise ShardIndexError(path, i, f"listed before, as shardlist[{earlier}], with other facts",
-                                  url=written[i])
+            raise ShardIndexError(path, i, f"listed before, as shardlist[{earlier}], with other facts", url=written[i])
     return kept
 
 
@@ -732,8 +754,9 @@ def read_list_bytes(path: str) -> bytes:
         raise ConfigError(f"cannot read URL list {path}: {exc.strerror or exc}") from None
 
 
-def list_of_bytes(data: bytes, *, path: str, allow_pipe: bool = False, limit: int = DEFAULT_LIMIT,
-                  lister: Lister | None = None) -> UrlList:
+def list_of_bytes(
+    data: bytes, *, path: str, allow_pipe: bool = False, limit: int = DEFAULT_LIMIT, lister: Lister | None = None
+) -> UrlList:
     """:func:`read_url_list` of the bytes ``data`` read from the file ``path``."""
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
@@ -751,8 +774,9 @@ def list_of_bytes(data: bytes, *, path: str, allow_pipe: bool = False, limit: in
     if looks_like_index(text):
         written, facts = read_shard_index(text, path=path)
         del text
-        return _index_list(written, facts, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit,
-                           lister=lister)
+        return _index_list(
+            written, facts, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister
+        )
     return parse_url_list(text, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
 
 
@@ -770,8 +794,11 @@ def list_id(urls: Iterable[str], shards: Iterable[ShardInfo] | None = None) -> s
             h.update(b"\n")
     if shards is not None:
         h.update(b"\0shards\n")
-        described = shards.described() if isinstance(shards, ShardFacts) else (
-            f"{info.nsamples} {info.filesize} {info.md5}\n" for info in shards)
+        described = (
+            shards.described()
+            if isinstance(shards, ShardFacts)
+            else (f"{info.nsamples} {info.filesize} {info.md5}\n" for info in shards)
+        )
         for lines in _batched(iter(described)):
             h.update("".join(lines).encode())
     return h.hexdigest()[:16]

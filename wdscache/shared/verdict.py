@@ -56,14 +56,18 @@ def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]]) -> Verd
     kind = starved_by(stats) or "latency"
     if kind == "budget":
         need = stats["agent"]["need_bytes"]
-        return Verdict(kind, f"starved by the budget: the cache thrashes, needs {format_size(need)} "
-                             f"(--cache-size {need})")
+        return Verdict(
+            kind, f"starved by the budget: the cache thrashes, needs {format_size(need)} (--cache-size {need})"
+        )
     if kind == "downloads":
         return Verdict(kind, "starved by downloads: raise --download-workers or --prefetch")
     if kind == "workers":
         return Verdict(kind, "starved by workers: raise --workers")
-    return Verdict(kind, "waiting for data, but not for downloads, workers or the budget: "
-                         "the consumer's own reads or transforms are slow")
+    return Verdict(
+        kind,
+        "waiting for data, but not for downloads, workers or the budget: "
+        "the consumer's own reads or transforms are slow",
+    )
 
 
 def ended_verdict(ranks: dict[str, dict[str, Any]]) -> Verdict:

@@ -55,6 +55,7 @@ def judge(on_error: OnError, exc: WdsCacheError, shard: int | None = None) -> No
     if callable(on_error) and not on_error(exc):
         raise StopEpoch(str(exc), shard)
 
+
 COUNTS_AHEAD = 256  # shards whose counts are asked for at once, from the one the sequence reaches
 
 
@@ -65,10 +66,22 @@ class EpochShards:
     finishes the stream's reads before an open has to wait (see :meth:`Pins.open`).
     """
 
-    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, spec: EpochSpec | NodeSpec | MixSpec,
-                 prefetch: int, on_error: OnError, timeout: float, pins: Pins, clock: ProgressClock, workers: int,
-                 call_worker: Callable[[WorkerRequest, int], dict[str, Any]],
-                 hold_nothing: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        conn: AgentConnection,
+        reader: str,
+        urls: Sequence[str],
+        *,
+        spec: EpochSpec | NodeSpec | MixSpec,
+        prefetch: int,
+        on_error: OnError,
+        timeout: float,
+        pins: Pins,
+        clock: ProgressClock,
+        workers: int,
+        call_worker: Callable[[WorkerRequest, int], dict[str, Any]],
+        hold_nothing: Callable[[], None],
+    ) -> None:
         self.conn, self.urls = conn, urls
         self.requests = Requests(reader)
         self.on_error, self.timeout, self.prefetch, self.workers = on_error, timeout, prefetch, workers
@@ -203,8 +216,14 @@ class EpochShards:
         raised or skipped (:meth:`failed`)."""
         if shard in self.skipped or (shard in self.pins.opened and not again):
             return
-        reply = self.pins.open(shard, self.ahead(shard), again=again, while_downloading=while_downloading,
-                               before_wait=self.hold_nothing, on_status=lambda status: self.clock.heard(shard, status))
+        reply = self.pins.open(
+            shard,
+            self.ahead(shard),
+            again=again,
+            while_downloading=while_downloading,
+            before_wait=self.hold_nothing,
+            on_status=lambda status: self.clock.heard(shard, status),
+        )
         if not reply.get("ok"):
             self.failed(shard, self.failure(shard, reply))
             return
@@ -304,5 +323,6 @@ def agent_counts(conn: AgentConnection, urls: Sequence[str], timeout: float | No
 def shard_error(url: str, reply: dict[str, Any]) -> ShardError:
     """The error a worker's failed answer about ``url`` names."""
     offset = reply.get("offset")
-    return ShardError(url, str(reply.get("reason") or reply.get("error")),
-                      offset=offset if isinstance(offset, int) else None)
+    return ShardError(
+        url, str(reply.get("reason") or reply.get("error")), offset=offset if isinstance(offset, int) else None
+    )

@@ -125,8 +125,11 @@ def _env_defaults() -> dict[str, Any]:
     env = os.environ
     # Slurm's only in a task of a step (srun sets SLURM_STEP_ID): a batch script is one process,
     # although it sees the job's SLURM_NTASKS and SLURM_PROCID=0.
-    slurm = {k: env.get(k) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES")} \
-        if env.get("SLURM_STEP_ID") else {}
+    slurm = (
+        {k: env.get(k) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES")}
+        if env.get("SLURM_STEP_ID")
+        else {}
+    )
     world_size = int(env.get("WORLD_SIZE") or slurm.get("SLURM_NTASKS") or 1)
     if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
         num_nodes = max(1, world_size // int(env["LOCAL_WORLD_SIZE"]))
@@ -150,8 +153,7 @@ def default_collate(samples: list[dict[str, Any]]) -> Any:
     ``default_collate`` (numbers and arrays become tensors; bytes and strings stay lists), unless
     the payloads are memoryviews (``zero_copy``), which it does not take."""
     # torch is never imported here: a process without it does not pay for it
-    if (sys.modules.get("torch") is not None and samples
-            and not any(type(v) is memoryview for v in samples[0].values())):
+    if sys.modules.get("torch") is not None and samples and not any(type(v) is memoryview for v in samples[0].values()):
         from torch.utils.data import default_collate as torch_collate
 
         return torch_collate(samples)
@@ -249,8 +251,12 @@ class CachedMultiLoader:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
         # Several nodes, each with its own agent, read a part of the shards each (wdscache.shared.nodes).
-        self.layout = RankPlacement(self.rank, self.world_size, env["node"] if node is None else node,
-                             env["num_nodes"] if num_nodes is None else num_nodes)
+        self.layout = RankPlacement(
+            self.rank,
+            self.world_size,
+            env["node"] if node is None else node,
+            env["num_nodes"] if num_nodes is None else num_nodes,
+        )
         self.reshuffle_nodes = reshuffle_nodes
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
         self.batch_size, self.collate = batch_size, collate or default_collate
@@ -258,8 +264,10 @@ class CachedMultiLoader:
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
         listed, self._mix, self._given = _read_urls(urls, mix, epoch_samples, resampled)
         if self._mix is not None and self.layout.num_nodes > 1:
-            raise ConfigError(f"mix= and resampled=True read on one node only, and this job has num_nodes="
-                              f"{self.layout.num_nodes}: a mixture's sources are not split between nodes' caches")
+            raise ConfigError(
+                f"mix= and resampled=True read on one node only, and this job has num_nodes="
+                f"{self.layout.num_nodes}: a mixture's sources are not split between nodes' caches"
+            )
         self.urls = listed.urls if listed is not None else None
         # From a shard index: each shard's facts, sent to the agent with the list (it checks each
         # download against them, and knows the counts, so len() is known before the first epoch).
@@ -311,8 +319,7 @@ class CachedMultiLoader:
             if isinstance(resume, tuple):  # on several nodes: each part's positions (see wdscache.shared.nodes)
                 share = self._current.share
                 assert isinstance(share, NodeShare)
-                at = NextEpoch(self._current.spec.epoch, parts=[list(p) for p in share.job.parts],
-                               part_resumes=resume)
+                at = NextEpoch(self._current.spec.epoch, parts=[list(p) for p in share.job.parts], part_resumes=resume)
             else:
                 at = NextEpoch(self._current.spec.epoch, resume)
             return self._state(at)
@@ -324,28 +331,55 @@ class CachedMultiLoader:
             # The worker's pairs of its node's share; placed in the parts' positions when the
             # counts are known (see worker_parts.combine).
             job = stream.share.job
-            state = self._state(NextEpoch(stream.spec.epoch, parts=[list(p) for p in job.parts],
-                                          part_resumes=job.resumes))
-            state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size,
-                               "num_nodes": self.layout.num_nodes, "pairs": stream.part.skip + stream.delivered,
-                               "complete": stream.complete, "started": True}
+            state = self._state(
+                NextEpoch(stream.spec.epoch, parts=[list(p) for p in job.parts], part_resumes=job.resumes)
+            )
+            state["worker"] = {
+                "part": part.index,
+                "of": part.count,
+                "world_size": self.world_size,
+                "num_nodes": self.layout.num_nodes,
+                "pairs": stream.part.skip + stream.delivered,
+                "complete": stream.complete,
+                "started": True,
+            }
             return state
         if stream is None and (self.layout.num_nodes > 1 or nxt.parts is not None):  # not begun, on several nodes
             state = self._state(nxt)
-            state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size,
-                               "num_nodes": self.layout.num_nodes, "pairs": nxt.skip, "complete": False,
-                               "started": False}
+            state["worker"] = {
+                "part": part.index,
+                "of": part.count,
+                "world_size": self.world_size,
+                "num_nodes": self.layout.num_nodes,
+                "pairs": nxt.skip,
+                "complete": False,
+                "started": False,
+            }
             return state
         if stream is None:  # before the first epoch of this worker
-            epoch, start, pairs, complete, full_rows, tail = nxt.epoch, nxt.start, nxt.skip, False, nxt.full_rows, nxt.tail
+            epoch, start, pairs, complete, full_rows, tail = (
+                nxt.epoch,
+                nxt.start,
+                nxt.skip,
+                False,
+                nxt.full_rows,
+                nxt.tail,
+            )
         else:
             share = stream.share
             assert isinstance(share, RankShare)  # a NodeShare's workers took the branch above
             epoch, start, complete = stream.spec.epoch, share.resume, stream.complete
             pairs, full_rows, tail = stream.part.skip + stream.delivered, share.full_rows, share.tail
         state = self._state(NextEpoch(epoch, start))
-        state["worker"] = {"part": part.index, "of": part.count, "world_size": self.world_size, "pairs": pairs,
-                           "complete": complete, "full_rows": full_rows, "tail": tail}
+        state["worker"] = {
+            "part": part.index,
+            "of": part.count,
+            "world_size": self.world_size,
+            "pairs": pairs,
+            "complete": complete,
+            "full_rows": full_rows,
+            "tail": tail,
+        }
         return state
 
     def _state(self, at: NextEpoch) -> dict[str, Any]:
@@ -375,16 +409,21 @@ class CachedMultiLoader:
         any world size and any ``num_workers`` resume it)."""
         ours = list(_our_states(state))
         if not ours:
-            raise ValueError("no wdscache loader state in this dict: pass a CachedMultiLoader.state_dict() "
-                             "or a StatefulDataLoader.state_dict() of a loader over one")
+            raise ValueError(
+                "no wdscache loader state in this dict: pass a CachedMultiLoader.state_dict() "
+                "or a StatefulDataLoader.state_dict() of a loader over one"
+            )
         if len(ours) > 1 or (ours[0] is not state and "worker" in ours[0]):
             for one in ours:
                 self._checked(one)
             if not all("worker" in one for one in ours):
                 raise ValueError("a loader's state holds both whole and per-worker wdscache states")
             epoch, at, nodes = combine(ours)
-            self._next = NextEpoch(epoch, at) if nodes is None else NextEpoch(
-                epoch, parts=nodes[0], part_resumes=nodes[1], delivered=nodes[2])
+            self._next = (
+                NextEpoch(epoch, at)
+                if nodes is None
+                else NextEpoch(epoch, parts=nodes[0], part_resumes=nodes[1], delivered=nodes[2])
+            )
             self._resumed_from = ours[0]
             return
         state = ours[0]
@@ -399,23 +438,33 @@ class CachedMultiLoader:
                     f"node(s), but this is worker {part.index} of {part.count} with world_size {self.world_size} "
                     f"on {self.layout.num_nodes}: to resume with another num_workers, world size or number of "
                     "nodes, load the whole StatefulDataLoader.state_dict() into the dataset "
-                    "(dataset.load_state_dict(state)) and give the new DataLoader no state")
+                    "(dataset.load_state_dict(state)) and give the new DataLoader no state"
+                )
         if worker is not None and worker["complete"]:
             self._next = NextEpoch(state["epoch"] + 1)
         else:
             parts, resumes = read_parts_state(state) if state["version"] == PARTS_VERSION else (None, ())
             delivered = state.get("delivered")
             w = worker or {}
-            self._next = NextEpoch(state["epoch"], Resume.of(state["position"], done), w.get("pairs", 0),
-                                   w.get("full_rows", 0), w.get("tail"), parts, resumes,
-                                   Delivered.from_state(delivered) if delivered is not None else None)
+            self._next = NextEpoch(
+                state["epoch"],
+                Resume.of(state["position"], done),
+                w.get("pairs", 0),
+                w.get("full_rows", 0),
+                w.get("tail"),
+                parts,
+                resumes,
+                Delivered.from_state(delivered) if delivered is not None else None,
+            )
         self._resumed_from = state
 
     def _checked(self, state: dict[str, Any]) -> list[list[int]]:
         sequence = {name: getattr(self, name) for name in ("seed", "shuffle", "shuffle_buffer", "drop_last")}
         return check_state(state, sequence, self._mix.fingerprint() if self._mix is not None else None)
 
-    def _session(self, conn: AgentConnection, name: str, *, probe: bool = False) -> tuple[dict[str, Any], Sequence[str]]:
+    def _session(
+        self, conn: AgentConnection, name: str, *, probe: bool = False
+    ) -> tuple[dict[str, Any], Sequence[str]]:
         """Say hello to the agent as reader ``name``; returns the reply and the URL list in use.
         ``probe``: only to learn the list and its counts, not as a rank that reads.
 
@@ -423,10 +472,16 @@ class CachedMultiLoader:
         """
         # The process, so that an agent on this machine notices at once when it ends (a SIGKILL).
         requests = Requests(name)
-        request = requests.hello(self.job, self.rank, self.world_size, process=process_identity(),
-                                 # the agent warns when pins on the shards it spans outgrow the budget
-                                 shuffle_buffer=self.shuffle_buffer if self.shuffle else 0, probe=probe,
-                                 list_id=self._list_key if self.urls is not None else None)
+        request = requests.hello(
+            self.job,
+            self.rank,
+            self.world_size,
+            process=process_identity(),
+            # the agent warns when pins on the shards it spans outgrow the budget
+            shuffle_buffer=self.shuffle_buffer if self.shuffle else 0,
+            probe=probe,
+            list_id=self._list_key if self.urls is not None else None,
+        )
         hello = conn.request(request)
         if hello.get("need_urls") and self.urls is not None:
             for offset, chunk in pages(self.urls):
@@ -499,10 +554,12 @@ class CachedMultiLoader:
         try:
             taken_on = self._resumed_from.get("urls") if self._resumed_from is not None else None
             if taken_on not in (None, session.list_id):
-                raise ValueError(f"the checkpoint was taken on list {taken_on}, but this rank reads list "
-                                 f"{session.list_id} (node {self.layout.node}'s agent's, or the loader's urls=): "
-                                 "resuming would mix datasets; give every node's agent (or the loader) the "
-                                 "checkpoint's list")
+                raise ValueError(
+                    f"the checkpoint was taken on list {taken_on}, but this rank reads list "
+                    f"{session.list_id} (node {self.layout.node}'s agent's, or the loader's urls=): "
+                    "resuming would mix datasets; give every node's agent (or the loader) the "
+                    "checkpoint's list"
+                )
             if self.layout.num_nodes > 1 or nxt.parts is not None:
                 counts = agent_counts(session.conn, session.urls)
                 if self.layout.num_nodes > 1:
@@ -533,8 +590,14 @@ class CachedMultiLoader:
         assert self._mix is not None
         urls, counts, _ = self._probe()
         counts = shard_counts(urls, counts, self._stream_settings(), self._open_session)
-        return mix_spec(self._mix, counts, world_size=self.world_size, workers=workers, epoch=epoch,
-                        settings=self._stream_settings())
+        return mix_spec(
+            self._mix,
+            counts,
+            world_size=self.world_size,
+            workers=workers,
+            epoch=epoch,
+            settings=self._stream_settings(),
+        )
 
     def _agree_on_list(self) -> None:
         """On several nodes under the job's process group: every rank's list the same, or every rank raises."""
@@ -545,22 +608,44 @@ class CachedMultiLoader:
         parts, resumes = at.parts, at.part_resumes or (at.start,)
         if at.delivered is not None:  # what the ranks delivered, placed on the layout it was delivered on
             d = at.delivered
-            then = job_epoch(counts, RankPlacement(0, d.world_size, 0, d.num_nodes), epoch=at.epoch, parts=parts,
-                             resumes=resumes, **self._job_options())
+            then = job_epoch(
+                counts,
+                RankPlacement(0, d.world_size, 0, d.num_nodes),
+                epoch=at.epoch,
+                parts=parts,
+                resumes=resumes,
+                **self._job_options(),
+            )
             parts, resumes = [list(p) for p in then.parts], then.resume_after_runs(d.runs)
         return job_epoch(counts, self.layout, epoch=at.epoch, parts=parts, resumes=resumes, **self._job_options())
 
     def _job_options(self) -> dict[str, Any]:
-        return {"seed": self.seed, "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer,
-                "drop_last": self.drop_last, "reshuffle": self.reshuffle_nodes}
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer": self.shuffle_buffer,
+            "drop_last": self.drop_last,
+            "reshuffle": self.reshuffle_nodes,
+        }
 
     def _stream_settings(self) -> StreamSettings:
         t = self.tuning
         return StreamSettings(
-            job=self.job, rank=self.rank, world_size=self.world_size, endpoint=self.endpoint, seed=self.seed,
-            shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, drop_last=self.drop_last,
-            timeout=self.timeout, on_error=self.on_error, request_size=t.request_size, inflight=t.inflight,
-            zero_copy=t.zero_copy, direct_reads=t.direct_reads and not t.zero_copy and self._direct_off is None)
+            job=self.job,
+            rank=self.rank,
+            world_size=self.world_size,
+            endpoint=self.endpoint,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            shuffle_buffer=self.shuffle_buffer,
+            drop_last=self.drop_last,
+            timeout=self.timeout,
+            on_error=self.on_error,
+            request_size=t.request_size,
+            inflight=t.inflight,
+            zero_copy=t.zero_copy,
+            direct_reads=t.direct_reads and not t.zero_copy and self._direct_off is None,
+        )
 
     def _open_session(self) -> Session:
         """A new reader's session with the agent, for one epoch's stream."""
@@ -571,9 +656,16 @@ class CachedMultiLoader:
         except BaseException:
             conn.close()
             raise
-        return Session(name=name, conn=conn, hello=hello, urls=urls,
-                       list_id=self._own_list_id or str(hello.get("list_id")), connect=self._connection,
-                       direct_failed=self._direct_failed, hello_again=lambda conn, who: self._session(conn, who)[0])
+        return Session(
+            name=name,
+            conn=conn,
+            hello=hello,
+            urls=urls,
+            list_id=self._own_list_id or str(hello.get("list_id")),
+            connect=self._connection,
+            direct_failed=self._direct_failed,
+            hello_again=lambda conn, who: self._session(conn, who)[0],
+        )
 
     def _direct_failed(self, why: str) -> None:
         """A stream could not read the cache files: later epochs do not try again."""
@@ -581,8 +673,9 @@ class CachedMultiLoader:
 
     def _connection(self, timeout: float) -> AgentConnection:
         """A connection to the agent, which must prove it holds our cache directory's token."""
-        return AgentConnection(self.endpoint, timeout=timeout, hint=start_hint(self.cache_dir),
-                               cache_dir=self.cache_dir, token=self._token)
+        return AgentConnection(
+            self.endpoint, timeout=timeout, hint=start_hint(self.cache_dir), cache_dir=self.cache_dir, token=self._token
+        )
 
     def _probe(self) -> tuple[Sequence[str], list[Any], str]:
         """The list this loader reads, the agent's count of each shard and the list's fingerprint,
@@ -602,9 +695,11 @@ class CachedMultiLoader:
         """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""
         if self._mix is not None:  # a mixture's length is its own, whatever the counts
             if self._mix.per_worker is not None and not self._in_worker():
-                raise TypeError("length unknown: with resampled=True, with_epoch(n) gives each DataLoader worker n "
-                                "samples, and the workers are not known here; give epoch_samples= (the job's "
-                                "samples per epoch) for a length")
+                raise TypeError(
+                    "length unknown: with resampled=True, with_epoch(n) gives each DataLoader worker n "
+                    "samples, and the workers are not known here; give epoch_samples= (the job's "
+                    "samples per epoch) for a length"
+                )
             total = self._mix.total(self.world_size, self._part().count)
         else:
             urls, counts, _ = self._probe()
@@ -624,17 +719,22 @@ def _check_arguments(knobs: dict[str, Any], on_error: Any, batch_size: int | Non
     """Refuse what CachedMultiLoader() cannot take, naming it."""
     unknown = sorted(set(knobs) - _TUNING_KNOBS)
     if unknown:
-        raise TypeError(f"CachedMultiLoader() got unexpected keyword arguments {unknown}; "
-                        f"its tuning knobs are {sorted(_TUNING_KNOBS)}")
+        raise TypeError(
+            f"CachedMultiLoader() got unexpected keyword arguments {unknown}; "
+            f"its tuning knobs are {sorted(_TUNING_KNOBS)}"
+        )
     if not (on_error in ("raise", "skip") or callable(on_error)):
-        raise ValueError("on_error must be 'raise', 'skip' or a function of the error (True: skip the shard, "
-                         "False: end the epoch there), as webdataset's handler= is")
+        raise ValueError(
+            "on_error must be 'raise', 'skip' or a function of the error (True: skip the shard, "
+            "False: end the epoch there), as webdataset's handler= is"
+        )
     if batch_size is not None and batch_size < 1:
         raise ValueError("batch_size must be at least 1")
 
 
-def _read_urls(urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_samples: int | None,
-               resampled: bool) -> tuple[UrlList | None, MixArg | None, dict[str, str]]:
+def _read_urls(
+    urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_samples: int | None, resampled: bool
+) -> tuple[UrlList | None, MixArg | None, dict[str, str]]:
     """The loader's list (None: the agent's), its mixture (mix= / resampled=: the sources' lists
     as one, see wdscache.training.mixing) and the local paths as the user wrote them, by their
     file:// URLs (samples name them so, in __url__). pipe: commands are refused."""
@@ -660,17 +760,19 @@ def check_state(state: dict[str, Any], sequence: dict[str, Any], mix: str | None
                 "the sequence would differ, so resuming would repeat or skip samples"
             )
     if (mix is not None or "mix" in state) and state.get("mix") != mix:
-        raise ValueError("the checkpoint was taken on another mixture (mix=, its weights, epoch_samples "
-                         "or resampled=) than this loader reads: resuming would repeat or skip samples")
+        raise ValueError(
+            "the checkpoint was taken on another mixture (mix=, its weights, epoch_samples "
+            "or resampled=) than this loader reads: resuming would repeat or skip samples"
+        )
     epoch, position = state.get("epoch"), state.get("position")
     if not (_natural(epoch) and _natural(position)):
-        raise ValueError(f"checkpoint needs whole numbers >= 0 for 'epoch' and 'position', not {epoch!r}, "
-                         f"{position!r}")
+        raise ValueError(f"checkpoint needs whole numbers >= 0 for 'epoch' and 'position', not {epoch!r}, {position!r}")
     done = state.get("done", []) if state["version"] > 1 else []
-    if not (isinstance(done, list) and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run))
-                                           and run[0] < run[1] for run in done)):
-        raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; "
-                         f"got {done!r}")
+    if not (
+        isinstance(done, list)
+        and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run)) and run[0] < run[1] for run in done)
+    ):
+        raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; got {done!r}")
     return done
 
 
@@ -689,8 +791,9 @@ def _our_states(state: Any) -> Iterator[dict[str, Any]]:
 def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str]]:
     """Each local shard's ``__url__`` and ``__local_path__``, as webdataset's samples have them:
     the name the user gave it (else its ``file://`` URL) and its path."""
-    return {url: (given.get(url, url), given.get(url) or url[len("file://"):])
-            for url in urls if url.startswith("file://")}
+    return {
+        url: (given.get(url, url), given.get(url) or url[len("file://") :]) for url in urls if url.startswith("file://")
+    }
 
 
 def _as_given(items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]]) -> Iterator[dict[str, Any]]:

@@ -53,8 +53,10 @@ class MixArg:
         if self.epoch_samples is not None:
             return self.epoch_samples
         if self.per_worker is None:
-            raise ConfigError("resampled=True needs an epoch length: epoch_samples=N (the job's samples per "
-                              "epoch), or .with_epoch(n) (each DataLoader worker's, as in webdataset)")
+            raise ConfigError(
+                "resampled=True needs an epoch length: epoch_samples=N (the job's samples per "
+                "epoch), or .with_epoch(n) (each DataLoader worker's, as in webdataset)"
+            )
         return -(-self.per_worker // BLOCK) * BLOCK * workers * world_size
 
     def fingerprint(self) -> str:
@@ -63,19 +65,23 @@ class MixArg:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def mixture(self, world_size: int, workers: int) -> Mixture:
-        return Mixture(self.names, self.weights, self.shards, self.total(world_size, workers), self.replacement,
-                       self.labelled)
+        return Mixture(
+            self.names, self.weights, self.shards, self.total(world_size, workers), self.replacement, self.labelled
+        )
 
 
-def read_mix_arg(urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_samples: int | None,
-                 resampled: bool) -> tuple[UrlList | None, MixArg | None]:
+def read_mix_arg(
+    urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_samples: int | None, resampled: bool
+) -> tuple[UrlList | None, MixArg | None]:
     """The loader's list (None: the agent's) and its mixture (None: no ``mix=`` nor ``resampled=``)."""
     if epoch_samples is not None and (type(epoch_samples) is not int or epoch_samples < 1):
         raise ConfigError(f"epoch_samples={epoch_samples!r} must be a whole number >= 1")
     if mix is None and not resampled:
         if epoch_samples is not None:
-            raise ConfigError("epoch_samples= sets the length of a mixture's epoch: give it with mix= or "
-                              "resampled=True (an epoch of one list is the list, read once)")
+            raise ConfigError(
+                "epoch_samples= sets the length of a mixture's epoch: give it with mix= or "
+                "resampled=True (an epoch of one list is the list, read once)"
+            )
         return (read_urls_arg(urls) if urls is not None else None), None
     if mix is not None and urls is not None:
         raise ConfigError("give urls= or mix=, not both: mix= names every source with its weight")
@@ -99,8 +105,14 @@ def read_mix_arg(urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_sa
             except WdsCacheError as exc:
                 raise type(exc)(f"mix[{key!r}]: {exc}") from None
     combined, places = _combined(lists, [k for k, _ in pairs])
-    arg = MixArg(tuple(k for k, _ in pairs), tuple(w for _, w in pairs), places, replacement=resampled,
-                 labelled=mix is not None, epoch_samples=epoch_samples)
+    arg = MixArg(
+        tuple(k for k, _ in pairs),
+        tuple(w for _, w in pairs),
+        places,
+        replacement=resampled,
+        labelled=mix is not None,
+        epoch_samples=epoch_samples,
+    )
     return combined, arg
 
 
@@ -119,8 +131,10 @@ def _combined(lists: Sequence[UrlList], names: Sequence[str]) -> tuple[UrlList, 
                 at[url] = len(facts)
                 facts.append(info)
             elif info is not None and facts[at[url]] is not None and facts[at[url]] != info:
-                raise ConfigError(f"mix source {name!r}'s shard index says other things of a shard than another "
-                                  f"source's does (shard {k} of {name!r})")
+                raise ConfigError(
+                    f"mix source {name!r}'s shard index says other things of a shard than another "
+                    f"source's does (shard {k} of {name!r})"
+                )
             elif facts[at[url]] is None:
                 facts[at[url]] = info
             mine.append(at[url])
@@ -130,14 +144,17 @@ def _combined(lists: Sequence[UrlList], names: Sequence[str]) -> tuple[UrlList, 
     return UrlList(None, Urls(at), shards=shards), tuple(places)
 
 
-def mix_spec(arg: MixArg, counts: Sequence[int], *, world_size: int, workers: int, epoch: int,
-             settings: StreamSettings) -> MixSpec:
-    return MixSpec(arg.mixture(world_size, workers), tuple(counts), settings.seed, epoch, settings.shuffle,
-                   settings.shuffle_buffer)
+def mix_spec(
+    arg: MixArg, counts: Sequence[int], *, world_size: int, workers: int, epoch: int, settings: StreamSettings
+) -> MixSpec:
+    return MixSpec(
+        arg.mixture(world_size, workers), tuple(counts), settings.seed, epoch, settings.shuffle, settings.shuffle_buffer
+    )
 
 
-def shard_counts(urls: Sequence[str], counts: Sequence[Any], settings: StreamSettings,
-                 open_session: Callable[[], Session]) -> list[int]:
+def shard_counts(
+    urls: Sequence[str], counts: Sequence[Any], settings: StreamSettings, open_session: Callable[[], Session]
+) -> list[int]:
     """Every shard's sample count: ``counts`` (the agent's); those it has none of yet counted
     here, by reading them through a stream of their own (one rank, list order) before the
     epoch starts. A shard that fails there counts 0 (skipped), whatever ``on_error`` makes of
@@ -146,8 +163,12 @@ def shard_counts(urls: Sequence[str], counts: Sequence[Any], settings: StreamSet
     if not missing:
         return [int(c) for c in counts]
     on_error = settings.on_error
-    one = dataclasses.replace(settings, world_size=1, rank=0,
-                              on_error=functools.partial(_skipping, on_error) if callable(on_error) else on_error)
+    one = dataclasses.replace(
+        settings,
+        world_size=1,
+        rank=0,
+        on_error=functools.partial(_skipping, on_error) if callable(on_error) else on_error,
+    )
     spec = EpochSpec(len(urls), shuffle=False, shards=missing)
     learned = EpochStream(one, open_session(), 0, Resume(), spec=spec).counts()
     return [learned.get(i, 0) if i in missing else int(c) for i, c in enumerate(counts)]

@@ -111,8 +111,10 @@ def check_kept(layout: RankPlacement, mine: NodeList, kept: NodeList | None) -> 
     if kept is None:
         return
     if (mine.list_id, mine.shards) != (kept.list_id, kept.shards) or (
-            None not in (mine.counts, kept.counts) and mine.counts != kept.counts):
+        None not in (mine.counts, kept.counts) and mine.counts != kept.counts
+    ):
         raise ConfigError(
             f"node {layout.node}'s agent now holds {mine.describe()}, but the nodes of this job agreed on "
             f"{kept.describe()}: the nodes would split the shards differently. Give every node's agent the job's "
-            "list again, or restart the job with one list on every node")
+            "list again, or restart the job with one list on every node"
+        )

@@ -32,8 +32,9 @@ class Pins:
     """Pins of reader ``reader`` on the shards of ``urls``, and the files of those read directly
     (``files``: None once direct reads are off)."""
 
-    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, timeout: float,
-                 files: CacheFiles | None) -> None:
+    def __init__(
+        self, conn: AgentConnection, reader: str, urls: Sequence[str], *, timeout: float, files: CacheFiles | None
+    ) -> None:
         self.conn, self.urls, self.timeout = conn, urls, timeout
         self.requests = Requests(reader)
         self.files = files
@@ -47,8 +48,16 @@ class Pins:
         self.unneeded: deque[tuple[int, int]] = deque()
         self.waits = 0  # opens that had to wait, letting go of our other pins
 
-    def open(self, shard: int, ahead: list[str], *, again: bool = False, while_downloading: bool = False,
-             before_wait: Callable[[], None], on_status: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    def open(
+        self,
+        shard: int,
+        ahead: list[str],
+        *,
+        again: bool = False,
+        while_downloading: bool = False,
+        before_wait: Callable[[], None],
+        on_status: Callable[[dict[str, Any]], None],
+    ) -> dict[str, Any]:
         """Pin ``shard``, waiting for its download if need be; returns the agent's answer (not
         ok: the shard failed). ``ahead`` is our window: the shards we read next.
 
@@ -73,8 +82,13 @@ class Pins:
                     self.release(held, force=True)
             self.waits += 1
             request = self.requests.open(url, ahead=ahead, while_downloading=while_downloading)
-            reply = self.conn.request_patiently(request, liveness=self.timeout, probe=self.requests.status(url),
-                                                every=min(STATUS_EVERY, self.timeout / 4), on_probe=on_status)
+            reply = self.conn.request_patiently(
+                request,
+                liveness=self.timeout,
+                probe=self.requests.status(url),
+                every=min(STATUS_EVERY, self.timeout / 4),
+                on_probe=on_status,
+            )
         if reply.get("ok"):
             self.opened.setdefault(shard, 0)
         return reply

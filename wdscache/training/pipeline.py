@@ -93,42 +93,79 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     ) -> None:
         super().__init__()
         if not callable(handler):
-            raise TypeError(f"wdscache.WebDataset(handler={handler!r}): a handler is a function of the error, "
-                            "as webdataset's (reraise_exception, warn_and_continue, ignore_and_stop, ...)")
+            raise TypeError(
+                f"wdscache.WebDataset(handler={handler!r}): a handler is a function of the error, "
+                "as webdataset's (reraise_exception, warn_and_continue, ignore_and_stop, ...)"
+            )
         if isinstance(urls, (str, Sequence)) and pipe_urls(urls):
             if resampled:
-                raise ValueError("wdscache.WebDataset(resampled=True) takes shards the agent caches, not pipe: "
-                                 "commands (webdataset reads those in this process)")
+                raise ValueError(
+                    "wdscache.WebDataset(resampled=True) takes shards the agent caches, not pipe: "
+                    "commands (webdataset reads those in this process)"
+                )
             self.loader = None
-            self._piped(urls, shardshuffle=shardshuffle, seed=seed, handler=handler, empty_check=empty_check,
-                        nodesplitter=nodesplitter, workersplitter=workersplitter, unused=loader_kwargs)
+            self._piped(
+                urls,
+                shardshuffle=shardshuffle,
+                seed=seed,
+                handler=handler,
+                empty_check=empty_check,
+                nodesplitter=nodesplitter,
+                workersplitter=workersplitter,
+                unused=loader_kwargs,
+            )
             return
         # The loader splits by rank and by DataLoader worker itself: webdataset's splitters
         # (nodesplitter=, workersplitter=) have nothing to split and are ignored.
         del nodesplitter, workersplitter
         self.loader = CachedMultiLoader(
-            urls, cache_dir=cache_dir, shuffle=bool(shardshuffle), shuffle_buffer=0,
-            seed=0 if seed is None else seed, on_error="raise" if handler is reraise_exception else handler,
-            resampled=resampled, **loader_kwargs)
+            urls,
+            cache_dir=cache_dir,
+            shuffle=bool(shardshuffle),
+            shuffle_buffer=0,
+            seed=0 if seed is None else seed,
+            on_error="raise" if handler is reraise_exception else handler,
+            resampled=resampled,
+            **loader_kwargs,
+        )
         self.append(_Source(self.loader))
         self.empty_check = empty_check
 
-    def _piped(self, urls: str | Sequence[str], *, shardshuffle: bool | int | None, seed: int | None,
-               handler: Callable[[BaseException], bool], empty_check: bool, nodesplitter: Any,
-               workersplitter: Any, unused: dict[str, Any]) -> None:
+    def _piped(
+        self,
+        urls: str | Sequence[str],
+        *,
+        shardshuffle: bool | int | None,
+        seed: int | None,
+        handler: Callable[[BaseException], bool],
+        empty_check: bool,
+        nodesplitter: Any,
+        workersplitter: Any,
+        unused: dict[str, Any],
+    ) -> None:
         """``pipe:`` shards: webdataset's own pipeline over them, in this process (see the module)."""
         items = [urls] if isinstance(urls, str) else list(urls)
         others = [u for u in items if not (isinstance(u, str) and u.startswith(PIPE))]
         if others:
-            raise ConfigError(f"urls= mixes pipe: commands with other shards ({others[0]!r}): pipe: shards are "
-                              "read in this process, uncached, the others through the agent; make a dataset of each")
+            raise ConfigError(
+                f"urls= mixes pipe: commands with other shards ({others[0]!r}): pipe: shards are "
+                "read in this process, uncached, the others through the agent; make a dataset of each"
+            )
         if unused:
-            raise TypeError(f"wdscache.WebDataset({', '.join(f'{k}=' for k in sorted(unused))}...) does not apply to "
-                            "pipe: shards: webdataset reads them in this process, uncached (split them with "
-                            "nodesplitter= and workersplitter=, as in webdataset)")
+            raise TypeError(
+                f"wdscache.WebDataset({', '.join(f'{k}=' for k in sorted(unused))}...) does not apply to "
+                "pipe: shards: webdataset reads them in this process, uncached (split them with "
+                "nodesplitter= and workersplitter=, as in webdataset)"
+            )
         splitters = {"nodesplitter": nodesplitter, "workersplitter": workersplitter}
-        reader = wds.WebDataset(items, handler=handler, shardshuffle=shardshuffle, seed=seed, empty_check=False,
-                                **{k: v for k, v in splitters.items() if v is not None})
+        reader = wds.WebDataset(
+            items,
+            handler=handler,
+            shardshuffle=shardshuffle,
+            seed=seed,
+            empty_check=False,
+            **{k: v for k, v in splitters.items() if v is not None},
+        )
         self.pipeline = reader.pipeline
         self.empty_check = empty_check
 
@@ -153,8 +190,10 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         mix = loader._mix if loader is not None else None
         if loader is not None and mix is not None and mix.replacement and mix.epoch_samples is None:
             if nsamples <= 0:
-                raise ValueError("with resampled=True, with_epoch() takes nsamples (each worker's samples): "
-                                 "the loader draws that many for each; or give epoch_samples=")
+                raise ValueError(
+                    "with resampled=True, with_epoch() takes nsamples (each worker's samples): "
+                    "the loader draws that many for each; or give epoch_samples="
+                )
             loader._mix = dataclasses.replace(mix, per_worker=nsamples)
         return super().with_epoch(nsamples, nbatches)
 
@@ -186,8 +225,10 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
 
     def _loader(self, what: str) -> CachedMultiLoader:
         if self.loader is None:
-            raise TypeError(f"{what} of pipe: shards: webdataset reads them in this process, uncached, with no "
-                            "checkpoint and no length")
+            raise TypeError(
+                f"{what} of pipe: shards: webdataset reads them in this process, uncached, with no "
+                "checkpoint and no length"
+            )
         return self.loader
 
     def close(self) -> None:

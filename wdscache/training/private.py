@@ -77,12 +77,14 @@ def check_cache_dir(cache_dir: str | os.PathLike[str], *, may_start: bool) -> No
         raise ConfigError(
             f"cache_dir={os.fspath(cache_dir)!r} does not exist, so no agent serves it: check the path, start "
             f"one with 'wdscache agent --cache-dir {os.fspath(cache_dir)} --urls FILE', or give urls= to have "
-            "the loader start a private one")
+            "the loader start a private one"
+        )
     parent = path.absolute().parent
     if not parent.is_dir():
         raise ConfigError(
             f"cache_dir={os.fspath(cache_dir)!r} does not exist, nor does its folder {parent}: a loader makes "
-            "a cache directory for a private agent only in a folder that exists; check the path")
+            "a cache directory for a private agent only in a folder that exists; check the path"
+        )
 
 
 class PrivateAgent:
@@ -104,11 +106,11 @@ class PrivateAgent:
             return None
         layout.prepare()  # ours and private before anything is written into it
         deadline = time.monotonic() + timeout
-        start_fd = _lock(layout.root / START_LOCK, fcntl.LOCK_EX, deadline,
-                         "another loader is starting a private agent there")
+        start_fd = _lock(
+            layout.root / START_LOCK, fcntl.LOCK_EX, deadline, "another loader is starting a private agent there"
+        )
         try:
-            users_fd = _lock(layout.root / USERS_FILE, fcntl.LOCK_SH, deadline,
-                             "its private agent is still stopping")
+            users_fd = _lock(layout.root / USERS_FILE, fcntl.LOCK_SH, deadline, "its private agent is still stopping")
             try:
                 proc = None
                 state = _serving(layout)
@@ -153,13 +155,23 @@ def _start(layout: CacheLayout, urls: Sequence[str], deadline: float) -> tuple[s
     list_file = layout.root / "private-urls.txt"
     write_private(list_file, format_url_list(urls).encode())
     log_file = layout.root / "private-agent.log"
-    cmd = [sys.executable, "-m", "wdscache", "agent", "--cache-dir", str(layout.root),
-           "--urls", str(list_file), "--workers", str(min(os.cpu_count() or 1, 4)),
-           "--private-users", str(layout.root / USERS_FILE)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "wdscache",
+        "agent",
+        "--cache-dir",
+        str(layout.root),
+        "--urls",
+        str(list_file),
+        "--workers",
+        str(min(os.cpu_count() or 1, 4)),
+        "--private-users",
+        str(layout.root / USERS_FILE),
+    ]
     log_fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     try:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, start_new_session=True)
     finally:
         os.close(log_fd)
     log.info("started a private wdscache agent (pid %d) on %s", proc.pid, layout.root)
@@ -167,8 +179,7 @@ def _start(layout: CacheLayout, urls: Sequence[str], deadline: float) -> tuple[s
         if proc.poll() is not None or time.monotonic() > deadline:
             _stop(proc)
             raise WdsCacheError(
-                f"could not start a private agent on {layout.root}; its log {log_file} ends with:\n"
-                + _tail(log_file)
+                f"could not start a private agent on {layout.root}; its log {log_file} ends with:\n" + _tail(log_file)
             )
         time.sleep(START_POLL)
     return proc, state

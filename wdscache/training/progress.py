@@ -26,8 +26,9 @@ Waited = tuple[int | None, dict[str, Any] | None]  # the shard waited for (None:
 class ProgressClock:
     """The progress clock of reader ``reader`` (its agent at ``endpoint``)."""
 
-    def __init__(self, conn: AgentConnection, reader: str, urls: Sequence[str], *, endpoint: str,
-                 timeout: float) -> None:
+    def __init__(
+        self, conn: AgentConnection, reader: str, urls: Sequence[str], *, endpoint: str, timeout: float
+    ) -> None:
         self.conn, self.urls, self.endpoint, self.timeout = conn, urls, endpoint, timeout
         self.requests = Requests(reader)
         self.progress_at = time.monotonic()

@@ -179,7 +179,7 @@ def transformations_of(transformations: Any) -> list[Transform]:
         if t in ("PIL", "numpy"):
             t = functools.partial(default_decoder, format=t)
         elif not callable(t):
-            raise TypeError(f"transformations= takes callables (or \"PIL\", \"numpy\"), not {t!r}")
+            raise TypeError(f'transformations= takes callables (or "PIL", "numpy"), not {t!r}')
         result.append(t)
     return result
 
@@ -202,8 +202,10 @@ def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], li
     if isinstance(shards, (str, os.PathLike)):
         path = os.fspath(shards)
         if "://" in path:
-            raise ConfigError(f"ShardListDataset({path!r}): give the shard index as a local JSON file (or its "
-                              "list of {\"url\", \"nsamples\"}); download a remote index first")
+            raise ConfigError(
+                f"ShardListDataset({path!r}): give the shard index as a local JSON file (or its "
+                'list of {"url", "nsamples"}); download a remote index first'
+            )
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
@@ -213,8 +215,10 @@ def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], li
         facts = [(_wids_url(base, url), info) for url, info in parse_shard_index(text, path=path)]
         return [{"url": url, "nsamples": info.nsamples} for url, info in facts], facts
     if isinstance(shards, dict) or not isinstance(shards, Sequence):
-        raise TypeError("ShardListDataset() takes a shard index: a JSON file's path, or its \"shardlist\", "
-                        "a list of {\"url\": ..., \"nsamples\": ...}")
+        raise TypeError(
+            'ShardListDataset() takes a shard index: a JSON file\'s path, or its "shardlist", '
+            'a list of {"url": ..., "nsamples": ...}'
+        )
     entries, facts = [], []
     for i, entry in enumerate(shards):
         url = entry.get("url") if isinstance(entry, dict) else None
@@ -267,10 +271,12 @@ class ShardListDataset:
             raise ValueError("lru_size must be at least 1")
         self.shards, facts = _read_index(shards, base)
         if not self.shards:
-            raise ShardIndexError(str(shards) if isinstance(shards, (str, os.PathLike)) else "shards", None,
-                                  "the index lists no shard")
-        self.dataset_name = dataset_name or str(uuid.uuid5(uuid.NAMESPACE_URL, json.dumps(
-            [e["url"] for e in self.shards])))[:16]
+            raise ShardIndexError(
+                str(shards) if isinstance(shards, (str, os.PathLike)) else "shards", None, "the index lists no shard"
+            )
+        self.dataset_name = (
+            dataset_name or str(uuid.uuid5(uuid.NAMESPACE_URL, json.dumps([e["url"] for e in self.shards])))[:16]
+        )
         self.lengths = [e["nsamples"] for e in self.shards]
         self._ends = list(_cumulative(self.lengths))
         self._starts = [0, *self._ends[:-1]]
@@ -278,8 +284,10 @@ class ShardListDataset:
         self._list = index_list(facts, path="shards", base_dir=os.getcwd())
         # entry -> its shard's position in the agent's list (the list drops a URL listed twice),
         # and the __dataset__ and __shard__ of its samples
-        self._places = [(self._list.index(normalize_url(url, os.getcwd())), e.get("dataset"), e["url"])
-                        for (url, _), e in zip(facts, self.shards)]
+        self._places = [
+            (self._list.index(normalize_url(url, os.getcwd())), e.get("dataset"), e["url"])
+            for (url, _), e in zip(facts, self.shards)
+        ]
         env = _env_defaults()
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else env["cache_dir"]
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
@@ -393,10 +401,14 @@ class _Session:
         self.pid = os.getpid()
         self.ds = ds
         self.urls = ds._list.urls
-        self.private = (PrivateAgent.use(ds.cache_dir, self.urls, timeout=ds.timeout)
-                        if ds._private and ds.cache_dir is not None else None)
-        self.conn = AgentConnection(ds.endpoint, timeout=ds.timeout, hint=start_hint(ds.cache_dir),
-                                    cache_dir=ds.cache_dir, token=ds._token)
+        self.private = (
+            PrivateAgent.use(ds.cache_dir, self.urls, timeout=ds.timeout)
+            if ds._private and ds.cache_dir is not None
+            else None
+        )
+        self.conn = AgentConnection(
+            ds.endpoint, timeout=ds.timeout, hint=start_hint(ds.cache_dir), cache_dir=ds.cache_dir, token=ds._token
+        )
         self.name = f"{ds.dataset_name}/{self.pid}/{uuid.uuid4().hex[:8]}"
         self.requests = Requests(self.name)
         self.pinned: OrderedDict[int, _Open] = OrderedDict()  # shard position -> its pin, least recent first
@@ -417,13 +429,15 @@ class _Session:
         """Join as a reader of our own list (sent first if the agent does not hold it)."""
         urls, infos = self.urls, self.ds._list.shards
         assert infos is not None  # a shard index gives every shard's facts
-        request = self.requests.hello(f"random-access/{self.ds.dataset_name}", 0, 1, process=process_identity(),
-                                      list_id=self.ds._list.key)
+        request = self.requests.hello(
+            f"random-access/{self.ds.dataset_name}", 0, 1, process=process_identity(), list_id=self.ds._list.key
+        )
         hello = self.conn.request(request)
         if hello.get("need_urls"):
             for offset, chunk in pages(urls):
-                page = self.conn.request(self.requests.put_urls(
-                    offset, chunk, [i.to_wire() for i in infos[offset: offset + len(chunk)]]))
+                page = self.conn.request(
+                    self.requests.put_urls(offset, chunk, [i.to_wire() for i in infos[offset : offset + len(chunk)]])
+                )
                 if not page.get("ok"):
                     raise WdsCacheError(f"the agent at {self.ds.endpoint} refused the shard index: {page.get('error')}")
             hello = self.conn.request(request)
@@ -433,7 +447,8 @@ class _Session:
             raise WdsCacheError(
                 f"the agent at {self.ds.endpoint} keeps its cache in {hello.get('cache_dir')}, which this process "
                 "does not see: ShardListDataset reads the cache files itself; run it on the agent's machine, "
-                "with its cache directory visible")
+                "with its cache directory visible"
+            )
         self.hello = hello
         if self.links is not None:
             self.links.close()
@@ -472,7 +487,7 @@ class _Session:
             if len(data) == size:
                 for name in table.names[inner]:
                     k += 2
-                    sample[name] = BytesIO(data[places[k]:places[k + 1]])
+                    sample[name] = BytesIO(data[places[k] : places[k + 1]])
                 sample["__key__"] = table.keys[inner]
                 return sample
         else:  # a read per field: each byte copied once
@@ -489,8 +504,11 @@ class _Session:
         # Cut short behind the agent's back: never served; open it (and walk its table) again.
         self._let_go(shard)
         self.table_samples -= len(self.tables.pop(shard))
-        raise ShardError(self.urls[shard], "its cache file is shorter than when its table was made (changed "
-                         "behind the agent's back); read the sample again")
+        raise ShardError(
+            self.urls[shard],
+            "its cache file is shorter than when its table was made (changed "
+            "behind the agent's back); read the sample again",
+        )
 
     def _pin(self, shard: int) -> _Open:
         """Pin ``shard`` (waiting for its download), open its cache file, know its table."""
@@ -505,9 +523,12 @@ class _Session:
             # Waiting for a download or for room: we hold no other pin meanwhile (see the module).
             for other in list(self.pinned):
                 self._let_go(other)
-            reply = self.conn.request_patiently(self.requests.open(url, ahead=ahead), liveness=self.ds.timeout,
-                                                probe=self.requests.status(url),
-                                                every=min(STATUS_EVERY, self.ds.timeout / 4))
+            reply = self.conn.request_patiently(
+                self.requests.open(url, ahead=ahead),
+                liveness=self.ds.timeout,
+                probe=self.requests.status(url),
+                every=min(STATUS_EVERY, self.ds.timeout / 4),
+            )
         if not reply.get("ok"):
             raise FetchError(url, str(reply.get("error") or "the agent could not cache it"), permanent=True)
         self.seen.add(shard)
@@ -619,20 +640,34 @@ class _Session:
                 self.private.release()
 
 
-def _add_rows(table: _Table, layouts: dict[tuple[str, ...], tuple[str, ...]], header: dict[str, Any],
-              n_frames: int, n_items: int, url: str) -> None:
+def _add_rows(
+    table: _Table,
+    layouts: dict[tuple[str, ...], tuple[str, ...]],
+    header: dict[str, Any],
+    n_frames: int,
+    n_items: int,
+    url: str,
+) -> None:
     """The samples of a worker's direct reply, as places in the cache file of ``table.identity``
     (``layouts``: the tuples of field names the table holds so far)."""
     keys, exts, spans, files = header.get("keys"), header.get("exts"), header.get("spans"), header.get("files")
-    if not (isinstance(keys, list) and isinstance(exts, list) and isinstance(spans, list)
-            and isinstance(files, list) and len(keys) == len(exts) == len(spans) == n_items):
+    if not (
+        isinstance(keys, list)
+        and isinstance(exts, list)
+        and isinstance(spans, list)
+        and isinstance(files, list)
+        and len(keys) == len(exts) == len(spans) == n_items
+    ):
         raise ProtocolError(f"a worker's table of {url} does not match the request")
     size = table.identity[2]
     try:
         for entry in files:
             if [int(x) for x in entry[3:]] != list(table.identity):
-                raise ShardError(url, "the worker read another copy of its cache file than the one pinned (replaced "
-                                 "meanwhile); read the sample again")
+                raise ShardError(
+                    url,
+                    "the worker read another copy of its cache file than the one pinned (replaced "
+                    "meanwhile); read the sample again",
+                )
         for key, names, span in zip(keys, exts, spans):
             entry = files[span[0] - n_frames]
             if span[0] < n_frames or len(span) != 1 + 2 * len(names) or min(span) < 0 or not names:

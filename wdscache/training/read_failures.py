@@ -47,8 +47,9 @@ class ReadFailures:
         stream = self.stream
         items, kind, reads = read.items, header.get("kind"), stream.reads
         if kind == "refused":  # not a shard's fault: never skipped
-            raise NotTrustedError(f"a worker of the agent at {stream.settings.endpoint} refused this consumer: "
-                                  f"{header.get('error')}")
+            raise NotTrustedError(
+                f"a worker of the agent at {stream.settings.endpoint} refused this consumer: {header.get('error')}"
+            )
         if kind == "missing":
             # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
             # which needs the agent, so not here (we may be inside a request to it): see recover.
@@ -145,8 +146,11 @@ class ReadFailures:
                 shards.reopened(shard)
             stream.dispatch(read)
         now = time.monotonic()
-        stuck = [read for read in reads.in_state(ReadState.DELAYED)
-                 if read.pending_since is not None and now - read.pending_since > STATUS_EVERY]
+        stuck = [
+            read
+            for read in reads.in_state(ReadState.DELAYED)
+            if read.pending_since is not None and now - read.pending_since > STATUS_EVERY
+        ]
         if not stuck or now - self.last_status < STATUS_EVERY:
             return
         # Reads waiting this long on a download: is it still going?
@@ -172,8 +176,14 @@ class ReadFailures:
         stream.flush()
         at = stream.seq_next if stop.seq is None else stop.seq
         if stop.shard is not None:
-            at = min((read.seq for read in stream.reads.by_seq.values() if read.state is not ReadState.ANSWERED
-                      and any(sid[0] == stop.shard for _, sid in read.items)), default=at)
+            at = min(
+                (
+                    read.seq
+                    for read in stream.reads.by_seq.values()
+                    if read.state is not ReadState.ANSWERED and any(sid[0] == stop.shard for _, sid in read.items)
+                ),
+                default=at,
+            )
         if end is not None:
             at = min(at, end)
         stream.reads.drop_from(at)

@@ -107,7 +107,13 @@ class ReadTable:
         """``read`` went to ``worker`` as request ``rid`` (any earlier send's reply is ignored)."""
         self._leave(read)
         read.state, read.sent, read.rid, read.worker, read.direct, read.sent_at = (
-            ReadState.SENT, sent, rid, worker, direct, now)
+            ReadState.SENT,
+            sent,
+            rid,
+            worker,
+            direct,
+            now,
+        )
         self._by_rid[rid] = read
 
     def answer(self, read: Read, samples: list[Any], sizes: list[int]) -> None:

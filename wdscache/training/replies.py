@@ -43,8 +43,14 @@ class FileReader(Protocol):
 
 
 def decode_reply(
-    header: dict[str, Any], payload: list[Any], items: list[Item], urls: Sequence[str], *,
-    zero_copy: bool = False, direct: bool = False, files: FileReader | None = None,
+    header: dict[str, Any],
+    payload: list[Any],
+    items: list[Item],
+    urls: Sequence[str],
+    *,
+    zero_copy: bool = False,
+    direct: bool = False,
+    files: FileReader | None = None,
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The samples of a worker's reply to a read of ``items``, and the payload bytes of each.
 
@@ -59,8 +65,12 @@ def decode_reply(
     the received message with ``zero_copy``.
     """
     keys, exts, spans = header.get("keys"), header.get("exts"), header.get("spans")
-    if not (isinstance(keys, list) and isinstance(exts, list) and isinstance(spans, list)
-            and len(keys) == len(exts) == len(spans) == len(items)):
+    if not (
+        isinstance(keys, list)
+        and isinstance(exts, list)
+        and isinstance(spans, list)
+        and len(keys) == len(exts) == len(spans) == len(items)
+    ):
         raise ProtocolError("worker reply does not match the request")
     frames: list[Any] = [memoryview(f.buffer).toreadonly() for f in payload]
     samples: list[dict[str, Any]] = []
@@ -140,8 +150,13 @@ def file_ranges(ranges: Any, items: list[Item], urls: Sequence[str], files: File
     named: dict[int, list[int]] = {}
     for entry in ranges:
         # mtime may be before 1970
-        if not (isinstance(entry, list) and len(entry) == 7 and all(type(x) is int for x in entry)
-                and 0 <= entry[0] < len(named_urls) and min(entry[1:4]) >= 0):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 7
+            and all(type(x) is int for x in entry)
+            and 0 <= entry[0] < len(named_urls)
+            and min(entry[1:4]) >= 0
+        ):
             raise ProtocolError("worker reply has a bad file range")
         k, start, size, *identity = entry
         if named.setdefault(k, identity) != identity:
@@ -150,9 +165,7 @@ def file_ranges(ranges: Any, items: list[Item], urls: Sequence[str], files: File
     return views
 
 
-def with_holes(
-    samples: list[Any], sizes: list[int], sent: Sequence[int], n: int
-) -> tuple[list[Any], list[int]]:
+def with_holes(samples: list[Any], sizes: list[int], sent: Sequence[int], n: int) -> tuple[list[Any], list[int]]:
     """The samples of a read of ``n`` items of which only those at ``sent`` were asked for
     (the others' shard was skipped): a hole (None, 0 bytes) at every other place."""
     got = iter(zip(samples, sizes))

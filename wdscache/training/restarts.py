@@ -68,7 +68,8 @@ class AgentRuns:
             raise WdsCacheError(
                 f"the agent at {self.stream.settings.endpoint} restarted with another URL list than this epoch reads, "
                 "so it cannot go on exactly: start the epoch again, or load the last state_dict() into a loader "
-                "of the new list's job")
+                "of the new list's job"
+            )
         self.new_hello = hello
 
     def relink(self) -> None:
@@ -80,15 +81,18 @@ class AgentRuns:
         stream = self.stream
         old, conn, endpoint = stream.workers, stream.conn, stream.settings.endpoint
         endpoints = hello["workers"]
-        stream.workers = WorkerLinks(endpoints, [conn.worker_key(i) or "" for i in range(len(endpoints))],
-                                     ids=old.ids)
+        stream.workers = WorkerLinks(endpoints, [conn.worker_key(i) or "" for i in range(len(endpoints))], ids=old.ids)
         old.close()
         if not stream.workers:
             raise WdsCacheError(f"the agent at {endpoint} restarted with no workers")
         self.run = conn.run
         sent = stream.reads.in_state(ReadState.SENT)
-        log.warning("the agent at %s restarted: said hello to it again; sending %d reads again and pinning "
-                    "%d shards again", endpoint, len(sent), len(stream.pins.opened))
+        log.warning(
+            "the agent at %s restarted: said hello to it again; sending %d reads again and pinning %d shards again",
+            endpoint,
+            len(sent),
+            len(stream.pins.opened),
+        )
         for read in sent:
             stream.dispatch(read, direct=read.direct)
         self.repinning = set(stream.pins.opened)

@@ -101,8 +101,9 @@ class Session:
     hello_again: Callable[[AgentConnection, str], dict[str, Any]]
 
 
-def epoch_ids(spec: EpochSpec | NodeSpec | MixSpec, share: RankShare | NodeShare, pins: Pins,
-              shards: EpochShards) -> Iterator[SampleId | None]:
+def epoch_ids(
+    spec: EpochSpec | NodeSpec | MixSpec, share: RankShare | NodeShare, pins: Pins, shards: EpochShards
+) -> Iterator[SampleId | None]:
     """The epoch's ids (every rank's), the sequence fed what we learn of each shard (see
     :meth:`EpochShards.arrivals`); None while a downloading shard has no more samples yet.
     Pins of shards no rank needs any more are released as the share settles past them."""
@@ -142,8 +143,15 @@ def epoch_ids(spec: EpochSpec | NodeSpec | MixSpec, share: RankShare | NodeShare
 class EpochStream:
     """One epoch of one rank: the worker sockets, the reads out and the sample pipeline."""
 
-    def __init__(self, settings: StreamSettings, session: Session, epoch: int, start: Resume | JobEpoch,
-                 part: Part = WHOLE, spec: EpochSpec | MixSpec | None = None) -> None:
+    def __init__(
+        self,
+        settings: StreamSettings,
+        session: Session,
+        epoch: int,
+        start: Resume | JobEpoch,
+        part: Part = WHOLE,
+        spec: EpochSpec | MixSpec | None = None,
+    ) -> None:
         self.settings = s = settings
         self.part = part  # this process's part of the rank's share (a DataLoader worker's)
         self.session = session
@@ -170,8 +178,9 @@ class EpochStream:
         # Payloads read from the cache files here (the agent says where they are), if we see
         # its very cache directory, unless a read of them fails: then the workers send them.
         direct = s.direct_reads and same_directory(hello)
-        self.pins = Pins(self.conn, self.name, self.urls, timeout=s.timeout,
-                         files=CacheFiles(hello["cache_dir"]) if direct else None)
+        self.pins = Pins(
+            self.conn, self.name, self.urls, timeout=s.timeout, files=CacheFiles(hello["cache_dir"]) if direct else None
+        )
         # A mixture knows its counts up front: every shard's ids in the epoch are known, so its
         # pins go once the share is past its last (the sequence never asks arrivals()).
         self.labelled = isinstance(self.spec, MixSpec) and self.spec.mixture.labelled
@@ -182,10 +191,20 @@ class EpochStream:
         self.workers = WorkerLinks(endpoints, [self.conn.worker_key(i) or "" for i in range(len(endpoints))])
         if not self.workers:
             raise WdsCacheError(f"the agent at {s.endpoint} has no workers")
-        self.shards = EpochShards(self.conn, self.name, self.urls, spec=self.spec,
-                                  prefetch=int(hello.get("prefetch", 8)), on_error=s.on_error, timeout=s.timeout,
-                                  pins=self.pins, clock=self.clock, workers=len(self.workers),
-                                  call_worker=self._worker_call, hold_nothing=self._hold_nothing)
+        self.shards = EpochShards(
+            self.conn,
+            self.name,
+            self.urls,
+            spec=self.spec,
+            prefetch=int(hello.get("prefetch", 8)),
+            on_error=s.on_error,
+            timeout=s.timeout,
+            pins=self.pins,
+            clock=self.clock,
+            workers=len(self.workers),
+            call_worker=self._worker_call,
+            hold_nothing=self._hold_nothing,
+        )
         self.reads = ReadTable()
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
         self.batch: list[Item] = []  # items of the next read, their shards pinned
@@ -196,8 +215,7 @@ class EpochStream:
         self._out: tuple[Iterator[Any], list[int]] | None = None  # the latest read's samples (see _pipeline)
         self.broken = False  # the epoch ended in an error: close quickly
         self.epoch = epoch
-        self.reporter = Reporter(session.connect, functools.partial(self.requests.report, s.job, s.rank),
-                                 self._figures)
+        self.reporter = Reporter(session.connect, functools.partial(self.requests.report, s.job, s.rank), self._figures)
         self.runs = AgentRuns(self)  # the agent run our links and pins belong to, and a new one taken up
         self.failures = ReadFailures(self)
 
@@ -247,9 +265,11 @@ class EpochStream:
                 raise
             # It served this epoch, then went silent: it died, or restarted and is not back.
             raise AgentUnavailableError(
-                exc.endpoint, exc.timeout,
+                exc.endpoint,
+                exc.timeout,
                 "the agent that served this epoch died or restarted and no run of it answered again in time "
-                f"(a restarted agent is taken up where the epoch stands); {exc.hint}".rstrip("; ")) from None
+                f"(a restarted agent is taken up where the epoch stands); {exc.hint}".rstrip("; "),
+            ) from None
         except WdsCacheError:
             self.broken = True  # the agent may be gone: do not wait for it again on the way out
             raise
@@ -416,8 +436,9 @@ class EpochStream:
         """Send ``read`` (with direct reads if on and ``direct``); its holes are not asked for."""
         items, skipped = read.items, self.shards.skipped
         # Per request, on the hot path: no skipped shard (the usual case), no filtering.
-        sent: Sequence[int] = ([i for i, (_, (shard, _)) in enumerate(items) if shard not in skipped]
-                               if skipped else range(len(items)))
+        sent: Sequence[int] = (
+            [i for i, (_, (shard, _)) in enumerate(items) if shard not in skipped] if skipped else range(len(items))
+        )
         if not sent:
             self.reads.answer(read, [None] * len(items), [0] * len(items))
             return
@@ -521,8 +542,15 @@ class EpochStream:
         else:
             read.pending_since = None  # samples came: its download has them
             try:
-                samples, sizes = decode_reply(header, payload, items, self.urls, zero_copy=self.settings.zero_copy,
-                                              direct=direct, files=self.pins.files)
+                samples, sizes = decode_reply(
+                    header,
+                    payload,
+                    items,
+                    self.urls,
+                    zero_copy=self.settings.zero_copy,
+                    direct=direct,
+                    files=self.pins.files,
+                )
                 self.clock.progress_at = time.monotonic()
                 self._sized(sizes)
                 if len(items) < len(read.items):  # holes where a skipped shard's items were
@@ -558,9 +586,14 @@ class EpochStream:
             it, sizes = out
             left = length_hint(it)
             if left:
-                samples, nbytes = samples - left, nbytes - sum(sizes[len(sizes) - left:])
-        return {"epoch": self.epoch, "position": self.progress, "samples": samples,
-                "bytes": nbytes, "wait_s": round(stats["wait_s"], 3)}
+                samples, nbytes = samples - left, nbytes - sum(sizes[len(sizes) - left :])
+        return {
+            "epoch": self.epoch,
+            "position": self.progress,
+            "samples": samples,
+            "bytes": nbytes,
+            "wait_s": round(stats["wait_s"], 3),
+        }
 
     def close(self) -> None:
         if self.finished:
@@ -572,8 +605,7 @@ class EpochStream:
             if not self.broken:
                 self.shards.await_counts()
             # With our totals: the agent logs and lists them, and its last report may be a second old.
-            self.conn.request(self.requests.bye(**self._figures()),
-                              timeout=0.5 if self.broken else 2.0)
+            self.conn.request(self.requests.bye(**self._figures()), timeout=0.5 if self.broken else 2.0)
         except AgentUnavailableError:
             pass
         self.conn.close()
@@ -585,8 +617,12 @@ class Reporter:
     ``report(**figures(), rate=...)`` builds, with the sample rate. From a
     thread of its own with its own connection (ZeroMQ sockets belong to one thread)."""
 
-    def __init__(self, connect: Callable[[float], AgentConnection], report: Callable[..., ReportMessage],
-                 figures: Callable[[], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        connect: Callable[[float], AgentConnection],
+        report: Callable[..., ReportMessage],
+        figures: Callable[[], dict[str, Any]],
+    ) -> None:
         self.connect, self.report, self.figures = connect, report, figures
         self.run = ""  # the agent run its connection proved last (read by the stream's thread)
         self._stop = threading.Event()
@@ -630,8 +666,13 @@ def same_directory(hello: dict[str, Any]) -> bool:
     return [st.st_dev, st.st_ino] == root
 
 
-def filled(samples: list[Any], sizes: list[int], last: dict[str, Any] | None, owed: int, stats: dict[str, Any],
-           ) -> tuple[list[dict[str, Any]], list[int], dict[str, Any] | None, int]:
+def filled(
+    samples: list[Any],
+    sizes: list[int],
+    last: dict[str, Any] | None,
+    owed: int,
+    stats: dict[str, Any],
+) -> tuple[list[dict[str, Any]], list[int], dict[str, Any] | None, int]:
     """A read's samples (and their payload bytes) with each hole (None) filled by a repeat of
     the sample before it, and ``owed`` holes (before the first sample read) by repeats of the
     first (a repeat counts no bytes); also the latest sample and the holes still owed (none

@@ -62,9 +62,11 @@ def pipe_urls(urls: UrlsArg) -> list[str]:
 
 def pipe_refusal(where: str) -> str:
     """Why a loader refuses the ``pipe:`` command ``where`` names (``urls='pipe:...'``, say)."""
-    return (f"{where}: a loader does not run pipe: commands (the agent runs only those of its own --urls list, "
-            "started with --allow-pipe: give urls=None to read that list); wdscache.WebDataset reads pipe: shards "
-            "in this process, uncached, as webdataset does")
+    return (
+        f"{where}: a loader does not run pipe: commands (the agent runs only those of its own --urls list, "
+        "started with --allow-pipe: give urls=None to read that list); wdscache.WebDataset reads pipe: shards "
+        "in this process, uncached, as webdataset does"
+    )
 
 
 def given_names(urls: UrlsArg) -> dict[str, str]:
@@ -75,8 +77,12 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
     items = [urls] if isinstance(urls, str) else list(urls)
     names: dict[str, str] = {}
     for item in items:
-        if not isinstance(item, str) or _SCHEME.match(item) or item.startswith(PIPE) \
-                or (isinstance(urls, str) and not ("{" in item or item.endswith(_TAR_SUFFIXES))):
+        if (
+            not isinstance(item, str)
+            or _SCHEME.match(item)
+            or item.startswith(PIPE)
+            or (isinstance(urls, str) and not ("{" in item or item.endswith(_TAR_SUFFIXES)))
+        ):
             continue  # a URL, or a list file
         for name in expand_braces(item):
             if ":" in name.split("/", 1)[0]:

@@ -27,6 +27,7 @@ from ..shared.protocol import WorkerProofs, pack, same_secret, unpack
 
 log = get_logger(__name__)
 
+
 class WorkerLinks:
     """Sockets to the workers at ``endpoints``, whose keys are ``keys`` (in the same order)."""
 
@@ -99,8 +100,10 @@ class WorkerLinks:
         """Warn (once) of replies dropped without their proof that no restart of the agent explains."""
         if not self._warned:
             self._warned = True
-            log.warning("a reply from %s without the worker's proof was dropped: another process may hold "
-                        "that port", self._dropped_from)
+            log.warning(
+                "a reply from %s without the worker's proof was dropped: another process may hold that port",
+                self._dropped_from,
+            )
 
     def close(self) -> None:
         for sock in self.sockets:

@@ -35,7 +35,9 @@ class Part:
 WHOLE = Part()  # the whole share: one process reads it all
 
 
-def part_of(pairs: Iterable[tuple[int, SampleId] | None], part: Part, block: int = BLOCK) -> Iterator[tuple[int, SampleId] | None]:
+def part_of(
+    pairs: Iterable[tuple[int, SampleId] | None], part: Part, block: int = BLOCK
+) -> Iterator[tuple[int, SampleId] | None]:
     """The pairs of ``part`` (Nones passed on), its first ``part.skip`` left out."""
     v = 0  # the rank's pair index
     kept = 0
@@ -92,40 +94,61 @@ class Delivered:
 
     @classmethod
     def from_state(cls, d: Any) -> Delivered:
-        ok = (isinstance(d, dict) and all(type(d.get(k)) is int and d[k] >= 1 for k in ("world_size", "num_nodes"))
-              and d["world_size"] % d["num_nodes"] == 0 and isinstance(d.get("runs"), list)
-              and all(isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] < r[1]
-                      for r in d["runs"]))
+        ok = (
+            isinstance(d, dict)
+            and all(type(d.get(k)) is int and d[k] >= 1 for k in ("world_size", "num_nodes"))
+            and d["world_size"] % d["num_nodes"] == 0
+            and isinstance(d.get("runs"), list)
+            and all(
+                isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] < r[1]
+                for r in d["runs"]
+            )
+        )
         if not ok:
-            raise ValueError(f"checkpoint 'delivered' must be {{world_size, num_nodes, runs: [[start, end], ...]}}; "
-                             f"got {d!r}")
+            raise ValueError(
+                f"checkpoint 'delivered' must be {{world_size, num_nodes, runs: [[start, end], ...]}}; got {d!r}"
+            )
         return cls(d["world_size"], d["num_nodes"], tuple((a, b) for a, b in d["runs"]))
 
 
 def job_resume(start: Resume, share: RankShare, counts: list[int]) -> Resume:
     """The job's :class:`Resume`: ``start``, and what the rank's workers delivered since
     (worker ``k`` its first ``counts[k]`` pairs of ``share``, as dealt), on every rank."""
-    return RankShare.dealt(share.world_size, share.full_rows, share.tail, resume=start,
-                           block=share.block).resume_after_runs(delivered_pairs(counts, share.block))
+    return RankShare.dealt(
+        share.world_size, share.full_rows, share.tail, resume=start, block=share.block
+    ).resume_after_runs(delivered_pairs(counts, share.block))
 
 
 def check_worker(w: Any) -> None:
     """Refuse, with a ValueError naming it, a worker's entry of a state that is not one."""
+
     def natural(k: str, least: int = 0) -> bool:
         return type(w.get(k)) is int and w[k] >= least
 
-    ok = (isinstance(w, dict) and natural("part") and natural("of", 1) and w["part"] < w["of"]
-          and natural("world_size", 1) and natural("pairs") and type(w.get("complete")) is bool
-          and (("started" not in w and natural("full_rows") and (w.get("tail") is None or natural("tail")))
-               or (type(w.get("started")) is bool and natural("num_nodes", 1)
-                   and w["world_size"] % w["num_nodes"] == 0)))
+    ok = (
+        isinstance(w, dict)
+        and natural("part")
+        and natural("of", 1)
+        and w["part"] < w["of"]
+        and natural("world_size", 1)
+        and natural("pairs")
+        and type(w.get("complete")) is bool
+        and (
+            ("started" not in w and natural("full_rows") and (w.get("tail") is None or natural("tail")))
+            or (type(w.get("started")) is bool and natural("num_nodes", 1) and w["world_size"] % w["num_nodes"] == 0)
+        )
+    )
     if not ok:
-        raise ValueError("a DataLoader worker's checkpoint entry 'worker' needs whole numbers part < of, "
-                         "world_size, pairs, a boolean complete, and either full_rows and tail (one node) or "
-                         f"started and num_nodes, a divisor of world_size (several); got {w!r}")
+        raise ValueError(
+            "a DataLoader worker's checkpoint entry 'worker' needs whole numbers part < of, "
+            "world_size, pairs, a boolean complete, and either full_rows and tail (one node) or "
+            f"started and num_nodes, a divisor of world_size (several); got {w!r}"
+        )
 
 
-def combine(states: list[dict[str, Any]]) -> tuple[int, Resume, tuple[list[list[int]], tuple[Resume, ...], Delivered | None] | None]:
+def combine(
+    states: list[dict[str, Any]],
+) -> tuple[int, Resume, tuple[list[list[int]], tuple[Resume, ...], Delivered | None] | None]:
     """The epoch and :class:`Resume` of the job from the states of all of one rank's
     workers (``CachedMultiLoader.state_dict()`` taken in each); for a job on several nodes
     also the epoch's parts, their resumes at its start and what was :class:`Delivered` since
@@ -133,8 +156,10 @@ def combine(states: list[dict[str, Any]]) -> tuple[int, Resume, tuple[list[list[
     parts = [s["worker"] for s in states]
     count = parts[0]["of"]
     if sorted(p["part"] for p in parts) != list(range(count)) or any(p["of"] != count for p in parts):
-        raise ValueError(f"need the states of all {count} workers of the loader, one each; got parts "
-                         f"{sorted(p['part'] for p in parts)}")
+        raise ValueError(
+            f"need the states of all {count} workers of the loader, one each; got parts "
+            f"{sorted(p['part'] for p in parts)}"
+        )
     epochs = {s["epoch"] for s in states}
     if len(epochs) != 1:
         raise ValueError(f"the workers' states are of different epochs {sorted(epochs)}")
@@ -156,7 +181,9 @@ def combine(states: list[dict[str, Any]]) -> tuple[int, Resume, tuple[list[list[
     return epoch, job_resume(start, share, counts), None
 
 
-def _nodes_combined(states: list[dict[str, Any]], counts: list[int]) -> tuple[list[list[int]], tuple[Resume, ...], Delivered | None]:
+def _nodes_combined(
+    states: list[dict[str, Any]], counts: list[int]
+) -> tuple[list[list[int]], tuple[Resume, ...], Delivered | None]:
     """The parts, start resumes and :class:`Delivered` of the workers' states of a job on several nodes."""
     # A worker that has not begun this epoch may hold pairs of it all the same: those of the
     # checkpoint it was given (its own state), which it will skip.

@@ -77,8 +77,9 @@ class Source:
         """Size and version of ``url`` now; None when they cannot be known."""
         return None
 
-    def open(self, url: str, start: int, end: int | None, held: str | None,
-             cancel: threading.Event) -> AbstractContextManager[Answer]:
+    def open(
+        self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event
+    ) -> AbstractContextManager[Answer]:
         """Bytes ``start`` to ``end`` (None: to the object's end) of ``url``; from ``start`` > 0,
         only of version ``held`` when the source can ask for that (else it answers from byte 0).
         Raises FetchError (final), Retry, :class:`Unsatisfiable`, :class:`Replaced`,

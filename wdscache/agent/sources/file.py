@@ -27,8 +27,9 @@ class FileSource(Source):
         return Fetched(st.st_size, _tag(st))
 
     @contextmanager
-    def open(self, url: str, start: int, end: int | None, held: str | None,
-             cancel: threading.Event | None = None) -> Iterator[Answer]:
+    def open(
+        self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
+    ) -> Iterator[Answer]:
         src = _path(url)
         try:
             f = open(src, "rb")  # noqa: SIM115 (closed below, after the body is read)

@@ -70,8 +70,9 @@ class HttpSource(Source):
         return None
 
     @contextmanager
-    def open(self, url: str, start: int, end: int | None, held: str | None,
-             cancel: threading.Event | None = None) -> Iterator[Answer]:
+    def open(
+        self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
+    ) -> Iterator[Answer]:
         headers = {"Accept-Encoding": "identity"}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
@@ -98,8 +99,7 @@ class HttpSource(Source):
                 yield Answer(chunks, got, True, total, version, r.close)
             elif status == 200:
                 length = r.headers.get("Content-Length")
-                yield Answer(chunks, 0, False, int(length) if length and length.isdigit() else None, version,
-                             r.close)
+                yield Answer(chunks, 0, False, int(length) if length and length.isdigit() else None, version, r.close)
             else:
                 raise Unexpected(f"unexpected HTTP {status} {r.reason}", status)
 

@@ -21,11 +21,13 @@ EXIT_WAIT = 10.0  # seconds a command gets to exit once its output ends
 
 class PipeSource(Source):
     @contextmanager
-    def open(self, url: str, start: int, end: int | None, held: str | None,
-             cancel: threading.Event | None = None) -> Iterator[Answer]:
+    def open(
+        self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
+    ) -> Iterator[Answer]:
         with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(url[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stderr=err,
-                                    stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                url[len("pipe:") :], shell=True, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
+            )
             stdout = proc.stdout
             assert stdout is not None
             try:

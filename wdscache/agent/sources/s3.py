@@ -24,8 +24,10 @@ class S3Source(Source):
         if client is None:
             try:
                 client = self._local.client = s3.S3Client(
-                    endpoint_url=self.settings.s3_endpoint_url, connect_timeout=self.settings.connect_timeout,
-                    read_timeout=self.settings.read_timeout)
+                    endpoint_url=self.settings.s3_endpoint_url,
+                    connect_timeout=self.settings.connect_timeout,
+                    read_timeout=self.settings.read_timeout,
+                )
             except s3.NoClient as exc:
                 raise FetchError(url, exc.reason, permanent=True) from None
         return client
@@ -43,8 +45,9 @@ class S3Source(Source):
             return None
 
     @contextmanager
-    def open(self, url: str, start: int, end: int | None, held: str | None,
-             cancel: threading.Event | None = None) -> Iterator[Answer]:
+    def open(
+        self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
+    ) -> Iterator[Answer]:
         client = self._client(url)
         try:
             body = client.get(url, offset=start, end=end, if_match=held if start else None, chunk=CHUNK)
@@ -55,8 +58,7 @@ class S3Source(Source):
         except s3.Transient as exc:
             raise Retry(exc.reason) from None
         try:
-            yield Answer(_chunks(body.chunks), body.start, body.ranged, body.total, Version(etag=body.etag),
-                         body.close)
+            yield Answer(_chunks(body.chunks), body.start, body.ranged, body.total, Version(etag=body.etag), body.close)
         finally:
             body.close()
 
