@@ -31,6 +31,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .config import default
 from .errors import FetchError
 
 EXTRA = "s3:// sources need boto3: pip install boto3 (the package's s3 extra)"
@@ -169,8 +170,8 @@ class S3Client:
         self,
         *,
         endpoint_url: str | None = None,
-        connect_timeout: float = 10.0,
-        read_timeout: float = 60.0,
+        connect_timeout: float = default("connect_timeout"),
+        read_timeout: float = default("read_timeout"),
         retries: bool = False,
     ) -> None:
         global _session

@@ -21,11 +21,10 @@ import re
 from collections.abc import Sequence
 
 from ..shared.errors import ConfigError, UrlListError
-from ..shared.s3 import Listing
+from ..shared.s3 import SHARD_SUFFIXES, Listing
 from ..shared.urls import UrlList, expand_braces, parse_url_list, read_url_list
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-_TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 PIPE = "pipe:"
 
 UrlsArg = str | os.PathLike[str] | Sequence[str]
@@ -41,7 +40,7 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
     if isinstance(urls, os.PathLike):
         return _list_file(os.fspath(urls))
     if isinstance(urls, str):
-        if _SCHEME.match(urls) or urls.startswith(PIPE) or "{" in urls or urls.endswith(_TAR_SUFFIXES):
+        if _SCHEME.match(urls) or urls.startswith(PIPE) or "{" in urls or urls.endswith(SHARD_SUFFIXES):
             return _items([urls], single=True)
         return _list_file(urls)
     if isinstance(urls, bytes):
@@ -81,7 +80,7 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
             not isinstance(item, str)
             or _SCHEME.match(item)
             or item.startswith(PIPE)
-            or (isinstance(urls, str) and not ("{" in item or item.endswith(_TAR_SUFFIXES)))
+            or (isinstance(urls, str) and not ("{" in item or item.endswith(SHARD_SUFFIXES)))
         ):
             continue  # a URL, or a list file
         for name in expand_braces(item):
