@@ -65,6 +65,7 @@ def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(
     assert again.running()
 
 
+@pytest.mark.slow
 def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restart(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):
@@ -90,6 +91,7 @@ def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restar
     assert again.running()
 
 
+@pytest.mark.slow
 def test_loader_fails_at_once_when_the_restarted_agent_serves_another_list(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):
@@ -114,6 +116,7 @@ def test_loader_fails_at_once_when_the_restarted_agent_serves_another_list(
     assert again.running()
 
 
+@pytest.mark.slow
 def test_loader_whose_agent_does_not_come_back_fails_within_its_timeout_naming_the_death(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):
@@ -136,6 +139,7 @@ def test_loader_whose_agent_does_not_come_back_fails_within_its_timeout_naming_t
     assert took < 4 + 3, f"the consumer failed {took:.1f}s after the kill, its timeout is 4 s"
 
 
+@pytest.mark.slow
 def test_loader_goes_on_exactly_when_the_agents_workers_alone_are_killed(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):

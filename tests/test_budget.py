@@ -128,6 +128,7 @@ def test_a_download_waiting_for_free_space_says_why_in_stats_status_and_one_log_
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_download_waiting_for_budget_held_by_pins_says_why(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(3, **SHARD_130K)
     cache = tmp_path / "cache"
@@ -167,6 +168,7 @@ def _epoch(agent, consumers, cache: Path, name: str, ref: dict) -> None:
     assert got == sorted(ref), f"{len(got)} samples, {len(ref)} expected\n{agent.stderr_tail()}"
 
 
+@pytest.mark.slow
 def test_readers_needing_more_than_the_budget_are_warned_once_with_the_budget_that_stops_the_thrash(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):

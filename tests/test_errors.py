@@ -87,6 +87,7 @@ except wdscache.AgentUnavailableError as exc:
 """
 
 
+@pytest.mark.slow
 def test_a_dataloader_worker_error_is_caught_by_its_wdscache_class(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
     cache = tmp_path / "cache"  # no agent: the worker waits 1 s for its token and gives up

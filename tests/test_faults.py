@@ -385,6 +385,7 @@ def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_complete
 # -- 3. a worker killed mid-epoch ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_worker_sigkilled_mid_epoch_is_replaced_and_the_epoch_completes(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):

@@ -60,6 +60,7 @@ def test_a_restart_mid_download_resumes_and_sends_each_body_once(tmp_path, shard
     assert partial_bytes(cache) == 0
 
 
+@pytest.mark.slow
 def test_consumers_of_several_jobs_starting_together_fetch_each_shard_once(
     tmp_path, shard_server, dataset, start_agent, consumers
 ):

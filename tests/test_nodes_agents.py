@@ -99,6 +99,7 @@ def test_each_node_downloads_its_part_once_and_every_rank_gets_the_same_count(
     assert [r for r in shard_server.requests if r.method == "GET"] == []
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_two_nodes_resumes_on_three_nodes_and_on_one(
     dataset, shard_server, start_agent, consumers, tmp_path
 ) -> None:

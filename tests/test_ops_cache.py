@@ -12,6 +12,8 @@ import pty
 import re
 import subprocess
 
+import pytest
+
 from scripts.console import wdscache_exe
 from tests.helpers.disks import fill
 from tests.helpers.streaming import samples_of
@@ -26,6 +28,7 @@ def _ls(run_cli, cache) -> dict[str, dict]:
     return {s["url"]: s for s in json.loads(r.stdout)}
 
 
+@pytest.mark.slow
 def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, run_cli):
     data = dataset(3, samples=4, payload=300)
     cache = tmp_path / "cache"
@@ -79,6 +82,7 @@ def _size(data, which=None) -> str:
     return format_size(sum(p.stat().st_size for p in paths))
 
 
+@pytest.mark.slow
 def test_commands_go_through_the_running_agent_and_spare_what_a_reader_holds(tmp_path, dataset, start_agent, run_cli):
     data = dataset(4, samples=4, payload=300)
     cache = tmp_path / "cache"
@@ -217,6 +221,7 @@ def _budget_failures(stdout: str, data, budget: str, held: int, beside: str = ""
     return [line.strip().rsplit(": the cache budget", 1)[0] for line in failed]
 
 
+@pytest.mark.slow
 def test_prefetch_past_the_budget_through_an_agent_downloads_each_shard_once_and_says_so(
     tmp_path, dataset, shard_server, start_agent, run_cli
 ):
@@ -328,6 +333,7 @@ def test_a_cache_whose_file_names_held_a_query_opens_with_every_shard(
         assert layout.shard_path(url).read_bytes() == path.read_bytes()
 
 
+@pytest.mark.slow
 def test_evict_expands_brace_patterns_and_names_what_matched_nothing(tmp_path, dataset, start_agent, run_cli):
     data = dataset(4, samples=4, payload=300)
     cache = tmp_path / "cache"
@@ -385,6 +391,7 @@ def test_a_start_that_fails_leaves_the_cache_directory_as_it_was(tmp_path, datas
     assert sorted(p.name for p in fs.iterdir()) == ["empty"]
 
 
+@pytest.mark.slow
 def test_prefetch_beside_a_reader_gives_way_to_it_downloads_each_shard_once_and_says_so(
     tmp_path, dataset, shard_server, start_agent, run_cli
 ):
@@ -465,6 +472,7 @@ def test_ls_shows_a_shard_read_a_moment_ago_as_read_with_and_without_an_agent(
     assert _ls(run_cli, cache) == read  # without an agent: the index, as the agent left it
 
 
+@pytest.mark.slow
 def test_clear_with_an_agent_running_stays_clear_until_a_reader_asks(
     tmp_path, dataset, shard_server, start_agent, consumers, run_cli
 ):

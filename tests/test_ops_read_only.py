@@ -101,6 +101,7 @@ def test_a_read_only_cache_is_read_by_ls_stats_verify_and_refused_by_the_rest(
     assert sorted(p.name for p in fs.iterdir()) == ["cache", "empty"] and list(empty.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_an_agent_was_killed_on_is_read_with_its_log(tmpfs, dataset, start_agent, run_cli):
     data = dataset(2, samples=4, payload=300)
     fs = tmpfs("16m")

@@ -334,6 +334,7 @@ def test_a_new_shard_read_as_the_agent_restarts_is_read_whole(
         ds.close()
 
 
+@pytest.mark.slow
 def test_a_forked_dataloader_worker_keeps_none_of_its_parents_cache_files_open(
     local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:

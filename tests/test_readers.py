@@ -74,6 +74,7 @@ def test_sigkilled_consumer_is_dropped_at_once_and_its_job_restarts_with_another
     assert sorted((s["url"], s["key"]) for s in got) == sorted(reference(data.paths, data.urls))
 
 
+@pytest.mark.slow
 def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, dataset, start_agent):
     from wdscache.shared.client import AgentConnection
     from wdscache.shared.protocol import process_identity

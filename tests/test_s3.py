@@ -208,6 +208,7 @@ def test_an_epoch_from_a_prefix_is_webdatasets_in_key_order(
     assert all(len(store.proxy.gets(u[len("s3://") :])) == 1 for u in urls)
 
 
+@pytest.mark.slow
 def test_a_glob_lists_its_matches_for_the_agent_and_a_loader(
     store: Store, tmp_path: Path, start_agent, consumers, monkeypatch
 ) -> None:
@@ -250,6 +251,7 @@ def test_listing_follows_every_page_in_key_order(store: Store) -> None:
     assert len([r for r in store.proxy.requests if "list-type=2" in r.query]) == 3
 
 
+@pytest.mark.slow
 def test_prefetch_takes_prefixes_and_globs_on_the_command_line_and_in_a_list_file(
     store: Store, tmp_path: Path, start_agent, run_cli
 ) -> None:

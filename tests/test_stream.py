@@ -202,6 +202,7 @@ def test_lists_too_big_for_one_message_travel_in_pages(tmp_path, dataset, start_
         assert list(got) == (list(read_url_list(big).urls) if urls is None else data.urls + many[::-1])
 
 
+@pytest.mark.slow
 def test_elastic_restart_with_another_world_size_is_accepted_once_old_ranks_are_gone(
     tmp_path, dataset, start_agent, consumers
 ):

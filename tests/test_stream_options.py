@@ -280,6 +280,7 @@ def test_loopback_tcp_endpoint_streams_and_remote_bind_needs_allow_remote(tmp_pa
 # -- 3. back-pressure and bounded memory ----------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", ["keywords", "tuning"])
 def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, start_agent, slow_consumer, spelling):
     data = dataset(8, samples=20, payload=50_000)  # 160 samples, ~8 MB

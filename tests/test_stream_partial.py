@@ -54,6 +54,7 @@ def test_first_sample_arrives_before_its_shard_is_downloaded_and_the_epoch_is_ex
     assert not any(layout.partial_dir.iterdir())
 
 
+@pytest.mark.slow
 def test_a_download_that_starts_over_while_read_still_gives_exact_samples(tmp_path, shard_server, dataset, start_agent):
     data = dataset(1, samples=30, payload=20_000)
     ref = reference(data.paths, data.urls)
