@@ -80,7 +80,7 @@ class Slot:
 
 
 class Downloads:
-    """Download tasks and threads, budget grants, preemption and waits for space."""
+    """Download tasks and threads, preemption and their ends; budget grants through :class:`Grants`."""
 
     def __init__(
         self,
