@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 from typing import Any, Literal, get_type_hints
@@ -124,6 +125,54 @@ def test_every_message_has_a_typed_class_with_the_fields_of_the_table(m: protoco
         assert get_type_hints(reply) == {k: TYPES[v.rstrip("?")] for k, v in m.reply.items()}
     else:
         assert not hasattr(messages, f"{_class_name(m.op)}Reply")
+
+
+# A worker's replies by their op, and the request each answers.
+WORKER_REPLIES = {
+    "samples": messages.SamplesReply,
+    "scanned": messages.ScannedReply,
+    "error": messages.WorkerErrorReply,
+}
+ANSWERS = {"read": "samples", "scan": "scanned"}
+
+
+@pytest.mark.parametrize("op", sorted(ANSWERS))
+def test_a_workers_reply_classes_have_the_fields_the_table_gives_its_reply(op: str):
+    table = protocol.MESSAGE[op].reply
+    ok, error = WORKER_REPLIES[ANSWERS[op]], messages.WorkerErrorReply
+    fields = {k: get_type_hints(c)[k] for c in (ok, error) for k in c.__required_keys__ | c.__optional_keys__}
+    del fields["op"], fields["id"]  # the reply's kind, and the request's id
+    assert set(fields) == set(table)
+    # ``proof`` is added as the reply is sent; ``ok`` and an error's ``kind`` are narrowed to their values.
+    assert {k for k, v in table.items() if not v.endswith("?")} - {"proof"} <= ok.__required_keys__
+    assert {k for k, v in table.items() if not v.endswith("?")} - {"proof", *ok.__required_keys__} == set()
+    assert {k: v for k, v in fields.items() if k not in ("ok", "kind")} == {
+        k: TYPES[v.rstrip("?")] for k, v in table.items() if k not in ("ok", "kind")
+    }
+
+
+def test_every_reply_a_worker_builds_is_of_its_class():
+    tree = ast.parse((SOURCE / "agent" / "worker.py").read_text())
+    built = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Dict) and all(isinstance(k, ast.Constant) for k in node.keys)):
+            continue
+        values = {k.value: v for k, v in zip(node.keys, node.values) if isinstance(k, ast.Constant)}
+        op = values.get("op")
+        if isinstance(op, ast.Constant) and op.value in WORKER_REPLIES:
+            cls = WORKER_REPLIES[op.value]
+            assert cls.__required_keys__ - {"proof"} <= set(values) <= cls.__required_keys__ | cls.__optional_keys__
+            built.add(op.value)
+    assert built == set(WORKER_REPLIES)
+    # Fields set after the literal (a direct read's files, where a corrupt shard failed, the proof).
+    targets = [t for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets]
+    targets += [e for t in targets if isinstance(t, ast.Tuple) for e in t.elts]
+    added = {
+        t.slice.value
+        for t in targets
+        if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)
+    }
+    assert added and added <= {k for c in WORKER_REPLIES.values() for k in c.__optional_keys__}, added
 
 
 def test_every_message_the_code_builds_is_one_its_receiver_accepts():

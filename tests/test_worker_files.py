@@ -101,7 +101,7 @@ def test_a_worker_imports_only_what_serving_needs() -> None:
 def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(
     tmp_path, shard_server, dataset, start_agent
 ):
-    from wdscache.agent.worker import GATHER_BELOW
+    from wdscache.agent.reply_frames import GATHER_BELOW
 
     small = dataset(1, samples=12, payload=3000, prefix="small")
     # payloads vary by up to 10% around the size asked for: each sample is a long run
@@ -134,28 +134,24 @@ def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(
 
 
 def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
-    from wdscache.agent import worker as pool
+    from wdscache.agent import reply_frames
 
-    class Holder:
-        def __init__(self) -> None:
-            self.served: dict = {}
-
-    def frames_of(runs: list, spans: list, room: int = pool.GATHER_MAX) -> list[bytes]:
-        frames, ranges = pool._Worker._frames(Holder(), runs, spans, room, {})
+    def frames_of(runs: list, spans: list, room: int = reply_frames.GATHER_MAX) -> list[bytes]:
+        frames, ranges = reply_frames.ReplyFrames().make(runs, spans, room, {})
         assert ranges == []
         return [bytes(f) for f in frames]
 
-    short = pool.GATHER_BELOW - 1
-    runs = [(bytes([i]) * size, 0, size) for i, size in enumerate([10, pool.GATHER_BELOW, 20, 30])]
+    short = reply_frames.GATHER_BELOW - 1
+    runs = [(bytes([i]) * size, 0, size) for i, size in enumerate([10, reply_frames.GATHER_BELOW, 20, 30])]
     spans = [[0, 0, 10], [1, 5, 100], [2, 0, 20], [3, 1, 29]]
     frames = frames_of(runs, spans)
-    assert [len(f) for f in frames] == [60, pool.GATHER_BELOW]  # the short ones copied together, first
+    assert [len(f) for f in frames] == [60, reply_frames.GATHER_BELOW]  # the short ones copied together, first
     assert spans == [[0, 0, 10], [1, 5, 100], [0, 10, 20], [0, 31, 29]]
     # past the room (GATHER_MAX, or what the worker's budget leaves), runs go as they are
     many = [(bytes([i]) * short, 0, short) for i in range(40)]
     spans = [[i, 3, 1] for i in range(40)]
     frames = frames_of(many, spans)
-    copied = pool.GATHER_MAX // short
+    copied = reply_frames.GATHER_MAX // short
     assert len(frames[0]) == copied * short and len(frames) == 1 + 40 - copied
     assert all(frames[f][off] == i for i, (f, off, _) in enumerate(spans))
     spans = [[i, 3, 1] for i in range(3)]
@@ -168,7 +164,7 @@ def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     files = {mapped: [3, 1, 2, 3, 4]}
     runs = [(mapped, 100, 200), (b"a" * 10, 0, 10), (b"b" * 20, 0, 20)]
     spans = [[0, 7, 9], [1, 0, 10], [2, 0, 20]]
-    frames, ranges = pool._Worker._frames(Holder(), runs, spans, pool.GATHER_MAX, files)
+    frames, ranges = reply_frames.ReplyFrames().make(runs, spans, reply_frames.GATHER_MAX, files)
     assert [bytes(f) for f in frames] == [b"a" * 10 + b"b" * 20] and ranges == [[3, 100, 100, 1, 2, 3, 4]]
     assert spans == [[1, 7, 9], [0, 0, 10], [0, 10, 20]]
 

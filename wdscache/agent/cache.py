@@ -1,5 +1,8 @@
 """The shard cache: index, budget, pins and eviction. Owned by the agent's main loop.
 
+What the cache finds when it opens (a crash, an unreadable index, files of earlier
+names) is made right by :mod:`wdscache.agent.recovery`.
+
 Guarantees (the agent's main thread is the only caller; nothing here is thread-safe):
 
 - Budget: bytes of cached shards plus bytes reserved for downloads in flight plus
@@ -24,31 +27,27 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   :class:`ShardWatcher`, if one is set, as it happens.
 - Index before files: a shard is marked EVICTING in the index before its file is
   deleted, and DOWNLOADING before its partial file exists; :meth:`recover`
-  finishes or undoes both after a crash, and forgets records whose files are gone.
-- File names of earlier versions (a URL's query in them, :func:`~wdscache.shared.layout.former_shard_name`)
-  are renamed to today's when the cache opens, before anything reads them: each rename is atomic,
-  so after a crash every file is under one of its two names and the next open renames the rest;
-  the index, keyed by URL, is not changed.
+  (:mod:`wdscache.agent.recovery`) finishes or undoes both after a crash.
 - A cached file is a plain tar (a gzip'd shard is cached decompressed, and counted at
-  that size): a gzip'd file found under ``shards/`` is forgotten and fetched again.
+  that size).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import sqlite3
 import time
 from collections.abc import Collection, Container, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from ..shared.config import format_size
-from ..shared.index import Index, IndexWriteError, ShardRecord, ShardState
+from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout
 from ..shared.logs import event, get_logger, iso_time
-from ..shared.tarwalk import GZIP_MAGIC, file_problem
-from .parts import owner_name, remove_side_files, side_bytes
+from . import recovery
+from .parts import remove_side_files, side_bytes
+from .recovery import size_or_none
 from .shard_download import Download
 
 log = get_logger(__name__)
@@ -75,9 +74,9 @@ class ShardCache:
         self.limit, self.min_free = limit, min_free
         for folder in (layout.shards_dir, layout.partial_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
-        self.index, self.rebuilt = _open_index(layout)
+        self.index, self.rebuilt = recovery.open_index(layout)
         for rec in self.index:
-            _rename_former(layout, rec.url)
+            recovery.rename_former(layout, rec.url)
         self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
         self.pins: dict[str, int] = {}  # url -> number of open reads
         # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
@@ -114,78 +113,12 @@ class ShardCache:
     # -- start-up ---------------------------------------------------------
 
     def recover(self, keep_partial: Container[str] = ()) -> dict[str, int]:
-        """Make index and disk agree after any kind of stop; returns what was done.
-
-        Complete shards are kept; records whose file is gone are forgotten; a shard
-        renamed into place just before a crash is adopted; partial files are kept
-        for resuming only for ``keep_partial`` URLs whose record has a validator
-        (they count against the budget from now on); half-done evictions are finished.
-        """
-        keep = keep_partial
-        resumable: dict[str, str] = {}  # partial file name -> url
-        done = {"kept": 0, "forgotten": 0, "adopted": 0, "partials_removed": 0, "evictions_finished": 0}
-        for rec in self.index:
-            path = self.layout.shard_path(rec.url)
-            if rec.state is ShardState.CACHED:
-                size = _size_or_none(path)
-                if size == rec.size and not _gzipped(path):
-                    done["kept"] += 1
-                else:
-                    log.warning(
-                        "forgetting %s: its cache file is %s",
-                        rec.url,
-                        "gzip'd (shards are cached decompressed)"
-                        if size == rec.size
-                        else "missing or has the wrong size",
-                    )
-                    _unlink(path)
-                    self.index.delete(rec.url)
-                    done["forgotten"] += 1
-            elif rec.state is ShardState.EVICTING:
-                _unlink(path)
-                self.index.delete(rec.url)
-                done["evictions_finished"] += 1
-            elif rec.state is ShardState.DOWNLOADING:
-                size = _size_or_none(path)
-                if size is not None and (rec.size in (0, size)) and _head_ok(path):
-                    # Renamed into place, then killed before the index said so.
-                    self._set_cached(rec.url, size, rec.etag)
-                    done["adopted"] += 1
-                else:
-                    _unlink(path)
-                    partial = self.layout.partial_path(rec.url)
-                    if rec.url in keep and rec.etag and _size_or_none(partial):
-                        resumable[partial.name] = rec.url
-                    else:
-                        self.index.delete(rec.url)
-            elif rec.state is ShardState.FAILED:
-                # Failures are retried by a new agent: the server or the list may have changed.
-                self.index.delete(rec.url)
-        # Partial files: resume those we were told to keep, remove every other one.
-        # A parted download's side files go with their partial file (wdscache.agent.parts).
-        for entry in os.scandir(self.layout.partial_dir):
-            url = resumable.get(owner_name(entry.name))
-            if url is None:
-                os.unlink(entry.path)
-                done["partials_removed"] += 1
-            else:
-                self.kept[url] = self.kept.get(url, 0) + entry.stat().st_size
-        done["partials_kept"] = len(self.kept)
-        return done
+        """Make index and disk agree after any kind of stop (see :func:`~wdscache.agent.recovery.recover`)."""
+        return recovery.recover(self, keep_partial)
 
     def adopt(self, urls: Iterable[str]) -> int:
         """Take complete shard files of ``urls`` that the index does not know (a rebuilt index)."""
-        adopted = 0
-        for url in urls:
-            if url in self.index.records:
-                continue
-            _rename_former(self.layout, url)
-            path = self.layout.shard_path(url)
-            size = _size_or_none(path)
-            if size is not None and _head_ok(path):
-                self._set_cached(url, size, None)
-                adopted += 1
-        return adopted
+        return recovery.adopt(self, urls)
 
     # -- downloads --------------------------------------------------------
 
@@ -207,7 +140,7 @@ class ShardCache:
     ) -> None:
         """``d`` was published under shards/: it is cached now (``size`` at the source,
         ``stored`` in the cache when not the same; its validators ``etag`` and ``last_modified``)."""
-        self._set_cached(
+        self.set_cached(
             d.url,
             size if stored is None else stored,
             etag,
@@ -221,7 +154,7 @@ class ShardCache:
     def fail(self, d: Download, error: str) -> None:
         self.inflight.pop(d.url, None)
         self.kept.pop(d.url, None)
-        _unlink(d.partial)
+        d.partial.unlink(missing_ok=True)
         remove_side_files(d.partial)
         self.index.put(ShardRecord(d.url, ShardState.FAILED, error=error))
         if self.watcher is not None:
@@ -231,7 +164,7 @@ class ShardCache:
         """A cached shard is unusable (its copy is damaged, as is its source's): FAILED first,
         then its file goes (a reader holding it open keeps what it has)."""
         self.index.put(ShardRecord(url, ShardState.FAILED, error=error))
-        _unlink(self.layout.shard_path(url))
+        self.layout.shard_path(url).unlink(missing_ok=True)
         if self.watcher is not None:
             self.watcher.failed(url, error)
 
@@ -242,7 +175,7 @@ class ShardCache:
         (the DOWNLOADING record keeps the validator) and counts against the budget.
         """
         self.inflight.pop(d.url, None)
-        size = _size_or_none(d.partial)
+        size = size_or_none(d.partial)
         if keep_partial and d.progress.etag and size:
             self.set_validator(d.url, d.progress.etag)
             self.kept[d.url] = size + side_bytes(d.partial)
@@ -252,7 +185,7 @@ class ShardCache:
     def drop_partial(self, url: str) -> None:
         """Remove the partial file kept for ``url`` (and its record), if any."""
         self.kept.pop(url, None)
-        _unlink(self.layout.partial_path(url))
+        self.layout.partial_path(url).unlink(missing_ok=True)
         remove_side_files(self.layout.partial_path(url))
         rec = self.index.get(url)
         if rec is not None and rec.state is ShardState.DOWNLOADING:
@@ -275,7 +208,7 @@ class ShardCache:
         if rec is not None and rec.state is ShardState.FAILED:
             self.index.delete(url)
 
-    def _set_cached(
+    def set_cached(
         self, url: str, size: int, etag: str | None, *, source_size: int | None = None, last_modified: str | None = None
     ) -> None:
         old = self.index.get(url)
@@ -467,7 +400,7 @@ class ShardCache:
             last_read=iso_time(rec.last_read),
         )
         self.index.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
-        _unlink(self.layout.shard_path(url))
+        self.layout.shard_path(url).unlink(missing_ok=True)
         self.index.delete(url)
         if self.watcher is not None and rec.state is ShardState.CACHED:
             self.watcher.gone(url, why)
@@ -484,7 +417,7 @@ class ShardCache:
             if freed >= nbytes:
                 break
             if rec.state is ShardState.CACHED and rec.url not in window and not self.pins.get(rec.url):
-                _unlink(self.layout.shard_path(rec.url))
+                self.layout.shard_path(rec.url).unlink(missing_ok=True)
                 freed += rec.size
                 if self.watcher is not None:
                     self.watcher.gone(rec.url, "removed to free disk space for the index")
@@ -521,64 +454,3 @@ class ShardCache:
         except IndexWriteError as exc:
             log.warning("last counters and read times not saved: %s", exc)
         self.index.close()
-
-
-def _open_index(layout: CacheLayout) -> tuple[Index, bool]:
-    """Open the index; a corrupt one is moved aside and started afresh.
-
-    Nothing is lost for good: a fresh index adopts complete shard files again as
-    the agent's list names them (:meth:`ShardCache.adopt`), since their names
-    derive from their URLs.
-    """
-    try:
-        index = Index(layout.index_dir)
-    except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:
-        aside = layout.root / f"index.corrupt-{int(time.time())}"
-        log.error("the index is unreadable (%s); moved it to %s and starting a new one", exc, aside)
-        os.replace(layout.index_dir, aside)
-        return Index(layout.index_dir), True
-    # An empty index beside shard files: it was deleted; rebuild it from the files.
-    lost = not len(index) and any(True for _ in os.scandir(layout.shards_dir))
-    return index, lost
-
-
-def _rename_former(layout: CacheLayout, url: str) -> None:
-    """Give the file of ``url`` its name of today if it has its earlier one (see the module docstring)."""
-    former = layout.former_shard_path(url)
-    if former is None:
-        return
-    current = layout.shard_path(url)
-    if current.exists():
-        return
-    try:
-        os.rename(former, current)
-    except FileNotFoundError:
-        return
-    log.info("renamed the cache file of %s to %s (names no longer hold a URL's query)", url, current.name)
-
-
-def _size_or_none(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return None
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _gzipped(path: Path) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(2) == GZIP_MAGIC
-    except FileNotFoundError:
-        return False
-
-
-def _head_ok(path: Path) -> bool:
-    """True when ``path`` starts like a plain tar (a cached shard is never gzip'd)."""
-    return file_problem(path) is None and not _gzipped(path)

@@ -19,12 +19,8 @@ Guarantees (threads):
   only after its shard has been out of every window for ``CANCEL_AFTER``
   seconds, or when a shard a reader waits for needs its slot; a cancelled
   download with a validator keeps its partial file and resumes from it.
-- Budget is granted by the main loop in order of urgency (demanded first, then
-  by window rank); a grant is taken or withdrawn, never both (:class:`Grant`).
-- A download only prefetches want (:class:`PrefetchHold`) never evicts a shard a
-  prefetch holds; once it cannot fit beside them and what readers hold (pinned, or in
-  a window), it is cancelled before a byte of its body is written and reported
-  (:meth:`Downloads.no_room`).
+- Budget is granted by the main loop in order of urgency, and a download only prefetches
+  want never evicts a shard a prefetch holds: :mod:`wdscache.agent.grants` says how.
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,29 +53,17 @@ from .events import (
     ValidatorFound,
 )
 from .fetch import Fetcher
+from .grants import NO_HOLD, Grants, NoRoom, PrefetchHold, SpaceWait
 from .shard_download import Budget, Cancelled, DiskFull, Download, Fetched, Progress
 
 log = get_logger(__name__)
 
 RATE_WINDOW = 10.0  # seconds over which download_rate is averaged
 DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long
-SPACE_LOG_AFTER = 5.0  # a download waiting for space this long is logged (short waits are routine)
 # A download out of every window this long is cancelled (windows flicker as readers
 # come, go and say hello; each flicker must not cost a download).
 CANCEL_AFTER = 3.0
-GROWTH_GRACE = 1.0  # seconds every download may wait for room the others hold before one is cancelled
 JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
-
-
-@dataclass(frozen=True)
-class PrefetchHold:
-    """What the prefetches (``wdscache prefetch``) ask of the budget: ``only``, the shards
-    only they want (no reader); ``held``, the cached shards they hold (url -> size, in
-    all ``held_bytes``), which a download of ``only`` never evicts."""
-
-    only: Collection[str] = ()
-    held: Mapping[str, int] = field(default_factory=dict)
-    held_bytes: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -88,27 +72,15 @@ class Slot:
 
     download: Download
     unwanted_since: float | None = None  # when its shard left every window (see Downloads.schedule)
-    space_wait: str | None = None  # why it waits for space now (for stats, status)
-    space_since: float | None = None  # since when it waits for space
-    space_said: str | None = None  # what ran short when that was last logged
+    space: SpaceWait = field(default_factory=SpaceWait)  # why it waits for space, if it does
 
     @property
     def url(self) -> str:
         return self.download.url
 
 
-@dataclass(frozen=True)
-class NoRoom:
-    """A download only prefetches want, given up: ``need`` bytes do not fit in the budget
-    beside the shards prefetches hold and the ``readers`` bytes readers hold (pinned or in a window)."""
-
-    url: str
-    need: int
-    readers: int
-
-
 class Downloads:
-    """Download tasks and threads, budget grants, preemption and waits for space."""
+    """Download tasks and threads, preemption and their ends; budget grants through :class:`Grants`."""
 
     def __init__(
         self,
@@ -125,15 +97,13 @@ class Downloads:
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._active: dict[str, Slot] = {}  # url -> its download (or revalidation), until its end is recorded
-        self._grants: list[Grant] = []  # budget asked for and not granted yet
+        self._grants = Grants(cache)  # budget asked for and not granted yet
         self._paused_until = 0.0
-        self._growth_stuck_since: float | None = None  # since when every download waits for growth room
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
         self._early_counts: dict[str, int] = {}  # url -> samples a worker counted before its end was recorded
         self._finished_bytes = 0  # bytes written by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
-        self._no_room: list[NoRoom] = []  # prefetches given up since no_room() was last called
 
     def start_threads(self) -> None:
         # Twice --download-workers: prefetches use at most half, so a shard a reader waits for
@@ -185,11 +155,11 @@ class Downloads:
     def space_wait(self, url: str) -> str | None:
         """Why the download of ``url`` waits for space, if it does."""
         slot = self._active.get(url)
-        return slot.space_wait if slot is not None else None
+        return slot.space.reason if slot is not None else None
 
     def space_waits(self) -> list[dict[str, str]]:
         return [
-            {"url": u, "reason": slot.space_wait} for u, slot in self._active.items() if slot.space_wait is not None
+            {"url": u, "reason": slot.space.reason} for u, slot in self._active.items() if slot.space.reason is not None
         ]
 
     def _download(self, url: str) -> Download | None:
@@ -230,7 +200,7 @@ class Downloads:
     # -- scheduling -----------------------------------------------------------
 
     def schedule(
-        self, want: list[str], holding: set[str], demanded: Collection[str], hold: PrefetchHold = PrefetchHold()
+        self, want: list[str], holding: set[str], demanded: Collection[str], hold: PrefetchHold = NO_HOLD
     ) -> list[str]:
         """Start downloads for the most urgent of ``want``; cancel those no longer wanted;
         answer budget requests (``hold``: what prefetches ask of it). Returns the shards that
@@ -274,7 +244,8 @@ class Downloads:
                     self._preempt()
                 break
             self._start(url, demanded=url in demanded)
-        readable = self._answer_grants(want, hold)
+        waits = {url: slot.space for url, slot in self._active.items()}
+        readable = self._grants.answer(want, hold, waits, self.readable_partial)
         self._cache.keep_margin(want)
         return readable
 
@@ -329,7 +300,7 @@ class Downloads:
         Such a prefetch holds a slot but may not evict window shards; the demanded
         download may, so without this both could wait for ever.
         """
-        waiting = {g.download.url for g in self._grants}
+        waiting = self._grants.waiting()
         running = [slot.download for slot in self._active.values()]
         if any(d.cancel.is_set() for d in running):
             return  # a slot is being freed already
@@ -343,113 +314,11 @@ class Downloads:
 
     def asked(self, grant: Grant) -> None:
         """A thread's budget request (answered at the next :meth:`schedule`)."""
-        self._grants.append(grant)
-
-    def _answer_grants(self, want: Sequence[str], hold: PrefetchHold) -> list[str]:
-        rank = {u: i for i, u in enumerate(want)}
-        self._grants.sort(key=lambda g: (not g.download.demanded, rank.get(g.download.url, len(rank))))
-        pending, readable = [], []
-        waits: set[str] = set()
-        for g in self._grants:
-            with g.lock:
-                if g.withdrawn:
-                    continue
-                if g.download.cancel.is_set():  # its thread withdraws it: no budget for it meanwhile
-                    pending.append(g)
-                    continue
-                prefetch_only = g.download.url in hold.only and not g.download.demanded
-                try:
-                    granted = self._cache.try_reserve(
-                        g.download, g.total, wanted=want, prefetched=hold.held, spare_prefetched=prefetch_only
-                    )
-                except OverflowError as exc:
-                    g.error = FetchError(g.download.url, str(exc), permanent=True)
-                    granted = True
-                if granted:
-                    g.event.set()
-                    if self.readable_partial(g.download.url):
-                        readable.append(g.download.url)
-                else:
-                    pending.append(g)
-                    no_room = self._never_fits(g, want, hold) if prefetch_only else None
-                    if no_room is not None:
-                        log.info(
-                            "giving up the prefetch of %s: %s do not fit beside the shards prefetches and readers hold",
-                            no_room.url,
-                            format_size(no_room.need),
-                        )
-                        g.download.cancel.set()  # before a byte of its body is written
-                        self._no_room.append(no_room)
-                    elif self._cache.refusal is not None:
-                        self._waits_for_space(g.download.url, *self._cache.refusal, waits)
-        self._grants = pending
-        self._break_growth_deadlock(pending)
-        for url, slot in self._active.items():  # granted downloads wait no more
-            if url not in waits:
-                slot.space_wait = slot.space_since = slot.space_said = None
-        return readable
-
-    def _never_fits(self, g: Grant, want: Sequence[str], hold: PrefetchHold) -> NoRoom | None:
-        """Why a refused download only prefetches want is to be given up, if it is: it cannot fit in
-        the budget beside the shards prefetches hold, those readers hold (pinned, or in their
-        windows: a reader's window wins over a prefetch's wish) and the other downloads' reservations.
-        None: it waits (the file system's free space runs short, or room is being made)."""
-        d, cache = g.download, self._cache
-        readers = 0
-        for url in set(cache.pins).union(want):
-            rec = cache.index.get(url)
-            if url not in hold.held and url not in hold.only and rec is not None and rec.state is ShardState.CACHED:
-                readers += rec.size
-        reserved = sum(o.budget.reserved for u, o in cache.inflight.items() if u != d.url)
-        need = max(g.total, d.budget.needed)
-        if need <= cache.limit - readers - hold.held_bytes - reserved:
-            return None
-        return NoRoom(d.url, need, readers)
+        self._grants.asked(grant)
 
     def no_room(self) -> list[NoRoom]:
-        """The downloads only prefetches wanted given up (cancelled) since the last call (see :meth:`_never_fits`)."""
-        out, self._no_room = self._no_room, []
-        return out
-
-    def _break_growth_deadlock(self, pending: list[Grant]) -> None:
-        """Downloads that grow their reservation as they go (bodies of unknown size, gzip'd shards
-        being decompressed) hold budget while they ask for more: two of them can each wait for
-        the other's. When every download in flight waits so, the one that wrote least is
-        cancelled (it starts over later), and the others can go on."""
-        growing = [g for g in pending if g.download.budget.reserved > 0 and not g.download.cancel.is_set()]
-        if len(growing) < 2 or len(pending) < len(self._active):
-            self._growth_stuck_since = None
-            return  # some download is still moving: it may free space
-        now = time.monotonic()
-        if self._growth_stuck_since is None:
-            self._growth_stuck_since = now
-        if now - self._growth_stuck_since < GROWTH_GRACE:
-            return  # a reader may let go of a pin meanwhile
-        self._growth_stuck_since = None
-        victim = min(
-            growing, key=lambda g: (g.download.demanded, g.download.progress.written + g.download.progress.expanded)
-        )
-        log.info(
-            "cancelling %s: it and %d other download(s) each wait for space the others hold",
-            victim.download.url,
-            len(growing) - 1,
-        )
-        victim.download.cancel.set()
-
-    def _waits_for_space(self, url: str, kind: str, reason: str, waits: set[str]) -> None:
-        """Note why ``url`` waits for space. Logged once it has waited SPACE_LOG_AFTER, and again
-        only when what runs short changes (the budget, or the file system's free space)."""
-        slot = self._active.get(url)
-        if slot is None:
-            return
-        waits.add(url)
-        slot.space_wait = f"waiting for space: {reason}"
-        now = time.monotonic()
-        if slot.space_since is None:
-            slot.space_since = now
-        if slot.space_said != kind and now - slot.space_since >= SPACE_LOG_AFTER:
-            log.warning("%s waits for space: %s", url, reason)
-            slot.space_said = kind
+        """The downloads only prefetches wanted given up (cancelled) since the last call."""
+        return self._grants.no_room()
 
     # -- ends (main loop, from the events) --------------------------------------
 

@@ -73,7 +73,7 @@ from ..shared.errors import FetchError
 from ..shared.logs import get_logger
 from ..shared.tarwalk import GZIP_MAGIC, file_problem
 from .parted import PartedFetch
-from .parts import Part, file_size, remove_side_files
+from .parts import ByteRange, file_size, remove_side_files
 from .shard_download import (
     Backoff,
     Cancelled,
@@ -289,7 +289,7 @@ class Fetcher:
         ):
             return self._parted.fetch(
                 d,
-                Part(offset, end),
+                ByteRange(offset, end),
                 total,
                 answer.chunks,
                 answer.let_go,

@@ -24,7 +24,7 @@ from ..shared.config import format_size
 from ..shared.errors import FetchError
 from ..shared.logs import get_logger
 from ..shared.tarwalk import HEAD_BYTES
-from .parts import Part, Plan, Stopped, append_side, remove_side_files, side_files
+from .parts import ByteRange, Plan, Stopped, append_side, remove_side_files, side_files
 from .shard_download import (
     SYNC_EVERY,
     Backoff,
@@ -85,7 +85,7 @@ class PartedFetch:
     def fetch(
         self,
         d: Download,
-        head: Part,
+        head: ByteRange,
         total: int,
         first: Iterator[bytes],
         let_go: Callable[[], None],
@@ -147,7 +147,7 @@ class PartedFetch:
         return total
 
     def _one_connection(
-        self, d: Download, head: Part, total: int, first: Iterator[bytes], let_go: Callable[[], None]
+        self, d: Download, head: ByteRange, total: int, first: Iterator[bytes], let_go: Callable[[], None]
     ) -> None:
         """Go on over one connection, which needs the shard's size only: the first answer's
         bytes are kept, and the next request asks for the whole rest (raises Retry)."""
@@ -188,7 +188,7 @@ class PartedFetch:
                     return
 
     def _fetch_part(
-        self, d: Download, plan: Plan, part: Part, open_range: OpenRange, first: Iterator[bytes] | None = None
+        self, d: Download, plan: Plan, part: ByteRange, open_range: OpenRange, first: Iterator[bytes] | None = None
     ) -> None:
         """Fetch the rest of ``part`` (from ``first``, an answer already open, then by ranged
         requests), retrying with backoff; only consecutive failures without progress count."""
@@ -232,7 +232,7 @@ class PartedFetch:
                 plan.stop.wait(min(left, 0.1))
                 _check(d, plan)
 
-    def _write_part(self, d: Download, plan: Plan, part: Part, chunks: Iterator[bytes]) -> None:
+    def _write_part(self, d: Download, plan: Plan, part: ByteRange, chunks: Iterator[bytes]) -> None:
         """Append ``chunks`` to ``part``'s file (the partial file, or its side file)."""
         path = d.partial if part.side is None else part.side
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)

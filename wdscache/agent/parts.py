@@ -81,8 +81,9 @@ def remove_side_files(partial: Path) -> None:
 
 
 @dataclass
-class Part:
-    """Bytes ``start`` to ``end`` (exclusive) of the shard; ``have`` of them are written."""
+class ByteRange:
+    """A byte range of a parted download, one part: bytes ``start`` to ``end`` (exclusive) of the
+    shard; ``have`` of them are written."""
 
     start: int
     end: int
@@ -105,15 +106,17 @@ class Plan:
     order of their start by :meth:`take` and handed back by :meth:`finish`.
     """
 
-    def __init__(self, partial: Path, total: int, head: Part, part_size: int, on_bytes: Callable[[int], None]) -> None:
+    def __init__(
+        self, partial: Path, total: int, head: ByteRange, part_size: int, on_bytes: Callable[[int], None]
+    ) -> None:
         self.partial, self.total = partial, total
         self.prefix = head.start
         self.head = head  # the first part, from the request that found the shard's size
         self._head_busy = True
         self._on_bytes = on_bytes
         self._lock = threading.Lock()
-        self._todo: list[Part] = []
-        self._done: dict[int, Part] = {}
+        self._todo: list[ByteRange] = []
+        self._done: dict[int, ByteRange] = {}
         self.stop = threading.Event()
         self.error: BaseException | None = None
         at = head.end
@@ -123,7 +126,7 @@ class Plan:
                 _unlink(path)  # not a part of this plan (overlaps, or of another size): fetched again
                 continue
             self._todo.extend(_split(at, start, part_size))
-            part = Part(start, end, path, have)
+            part = ByteRange(start, end, path, have)
             if have == part.size:
                 self._done[start] = part
             else:
@@ -145,7 +148,7 @@ class Plan:
     def pending(self) -> int:
         return len(self._todo)
 
-    def take(self) -> Part | None:
+    def take(self) -> ByteRange | None:
         """The next part to fetch (None: none left, or the download stops)."""
         with self._lock:
             if self.stop.is_set() or not self._todo:
@@ -158,13 +161,13 @@ class Plan:
                     part.side = side_path(self.partial, part.start, part.end)
             return part
 
-    def wrote(self, part: Part, n: int) -> None:
+    def wrote(self, part: ByteRange, n: int) -> None:
         """``n`` more bytes of ``part`` are written."""
         with self._lock:
             part.have += n
             self._on_bytes(n)
 
-    def finish(self, part: Part) -> None:
+    def finish(self, part: ByteRange) -> None:
         """``part`` is complete: append whatever the prefix now reaches."""
         with self._lock:
             if part.side is None:
@@ -190,8 +193,8 @@ class Plan:
         return self.prefix == self.total
 
 
-def _split(start: int, end: int, size: int) -> Iterable[Part]:
-    return [Part(s, min(s + size, end)) for s in range(start, end, size)]
+def _split(start: int, end: int, size: int) -> Iterable[ByteRange]:
+    return [ByteRange(s, min(s + size, end)) for s in range(start, end, size)]
 
 
 def append_side(partial: Path, side: Path, at: int) -> int:

@@ -17,7 +17,7 @@ Guarantees (main loop only):
 
 - Each shard is downloaded at most once per prefetch: a shard leaves PENDING for good.
 - The shards a prefetch holds (its CACHED ones, whether cached before it began or by it)
-  are never evicted for another shard only prefetches want (:class:`~wdscache.agent.downloads.PrefetchHold`);
+  are never evicted for another shard only prefetches want (:class:`~wdscache.agent.grants.PrefetchHold`);
   readers still come first: their downloads may evict them (after every other shard they may).
 - Once a shard only prefetches want does not fit in the budget beside what the
   prefetches hold and what readers hold (pinned, or in their windows), it fails, and so
@@ -38,7 +38,8 @@ from ..shared.index import ShardState
 from ..shared.logs import get_logger
 from ..shared.protocol import PAGE_BYTES
 from .cache import ShardCache
-from .downloads import Downloads, NoRoom, PrefetchHold
+from .downloads import Downloads
+from .grants import NoRoom, PrefetchHold
 
 log = get_logger(__name__)
 

@@ -19,13 +19,11 @@ Guarantees:
   dropped as soon as that process ends; any other after ``--reader-timeout`` of
   silence. Whoever holds things for a reader is told when it goes (``gone``), so
   its pins go with it.
-- Lists are bounded: at most ``MAX_JOB_LISTS`` kept or being uploaded, each of at
-  most ``MAX_JOB_URLS``; a list nobody reads is freed after ``LIST_GRACE``.
+- Lists are bounded (:mod:`wdscache.agent.job_lists`).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import select
@@ -34,27 +32,24 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..shared.config import AgentConfig, format_size
-from ..shared.errors import ConfigError
-from ..shared.index import ShardState
+from ..shared.config import AgentConfig
 from ..shared.logs import event, get_logger, iso_time
 from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
-from ..shared.protocol import PAGE_BYTES, numbers, process_identity, strings
+from ..shared.protocol import PAGE_BYTES, numbers, process_identity
 from ..shared.protocol import field as get_field
 from ..shared.shard_index import ShardInfo
 from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
-from ..shared.urls import UrlList, index_list, list_id, parse_url_list
+from ..shared.urls import UrlList, list_id
+from .budget_need import BudgetNeed
 from .cache import ShardCache
 from .control import Reply, Request
+from .job_lists import JobLists
 
 log = get_logger(__name__)
 
 STARTUP_READER = "(start-up plan)"
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
-MAX_JOB_LISTS = 16
-MAX_JOB_URLS = 10_000_000
-LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
 ENDED_KEPT = 600.0  # seconds a consumer that left stays in stats with its totals
@@ -155,24 +150,19 @@ class Readers:
         unwatch: Callable[[int], None] = lambda fd: None,
     ) -> None:
         self._config, self._cache = config, cache
-        self._endpoint = endpoint  # over a TCP endpoint peers may be other machines (see _schemes)
         self._processes = ProcessWatch(watch, unwatch)
         self._workers, self._cache_root = workers, cache_root  # told in hello (endpoints; for direct reads)
         self._gone = gone  # told the name of each reader that goes, once it is gone
         self.urls = urls  # the agent's current list (from its list file)
         self.list_id = list_id(urls.urls)
         self._readers: dict[str, ReaderRecord] = {}
-        # list_id -> a list readers read besides the agent's current one: a consumer's own, or
-        # an earlier agent list that readers started their epoch on (kept while read, see _free_lists)
-        self._lists: dict[str, UrlList] = {}
-        self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
+        # the lists readers read besides the agent's current one, and those being uploaded
+        self._lists = JobLists(endpoint)
         self._startup = self._startup_plan(urls)
         self._startup_stopped = False  # by wdscache clear, until the list changes: no refill nobody asked for
-        # reader -> pages of its list received so far: URLs, and their facts for a list from a shard index
-        self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         self._ended: dict[str, dict[str, Any]] = {}  # reader name -> its last report, once it left (for stats)
-        self._warned_need = 0  # the need named by the last warning that readers need more
+        self._need = BudgetNeed(cache, config.prefetch)  # what they need of the budget, and its warning
 
     # -- who reads ------------------------------------------------------------
 
@@ -192,13 +182,13 @@ class Readers:
         reader = record.plan if record is not None else None
         if reader is not None and reader.list_id is not None:
             return url in self._list(reader.list_id)
-        return url in self.urls or any(url in listed for listed in self._lists.values())
+        return url in self.urls or any(url in listed for listed in self._lists)
 
     def shard_info(self, url: str) -> ShardInfo | None:
         """What a shard index says of ``url``: the agent's list's, else that of a job's list."""
         info = self.urls.info(url)
         if info is None:
-            info = next((i for listed in self._lists.values() if (i := listed.info(url)) is not None), None)
+            info = next((i for listed in self._lists if (i := listed.info(url)) is not None), None)
         return info
 
     def samples(self, url: str) -> int | None:
@@ -275,7 +265,7 @@ class Readers:
         if not 0 <= rank < world:
             return {"ok": False, "error": f"rank {rank} is not in [0, {world})"}
         claimed = get_field(header, "list_id", str, None)
-        refused = self._take_list(name, claimed)
+        refused = self._lists.take(name, claimed, {r.list_id for r in self._plans()})
         if refused is not None:
             return refused
         known = self._jobs.get(job)
@@ -328,57 +318,10 @@ class Readers:
             "cache_root": self._cache_root,
         }
 
-    def _take_list(self, name: str, claimed: str | None) -> Reply | None:
-        """Keep the list reader ``name`` uploaded as ``claimed`` (unless kept already); the
-        refusal if it cannot be."""
-        uploaded = self._uploads.pop(name, None)
-        if claimed is None or claimed in self._lists:
-            return None
-        if uploaded is None:
-            return {"ok": False, "need_urls": True, "error": "send the list first (put_urls)"}
-        try:
-            parsed = self._job_list(*uploaded)
-        except ConfigError as exc:
-            return {"ok": False, "error": str(exc)}
-        if parsed.key != claimed:
-            return {"ok": False, "error": "the list sent does not match its list_id"}
-        if len(self._lists) >= MAX_JOB_LISTS:
-            self._free_lists(grace=0.0)  # lists nobody reads make room first
-        if len(self._lists) >= MAX_JOB_LISTS:
-            return {
-                "ok": False,
-                "error": (f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends"),
-            }
-        self._lists[claimed] = parsed
-        return None
-
     def op_put_urls(self, request: Request) -> Reply:
         """A page of a consumer's own list, before its hello names it."""
-        error = self._put_urls(request.header["reader"], request.header)
+        error = self._lists.put_page(request.header["reader"], request.header)
         return {"ok": error is None, "error": error}
-
-    def _put_urls(self, name: str, header: dict[str, Any]) -> str | None:
-        offset = get_field(header, "offset", int)
-        page = strings(header, "urls")
-        facts = header.get("shards")  # a list from a shard index: what it says of each URL of the page
-        if name not in self._uploads and len(self._uploads) >= MAX_JOB_LISTS:
-            return "too many lists being uploaded at once; try again"
-        got, known = self._uploads.setdefault(name, ([], [] if offset == 0 and facts is not None else None))
-        if offset != len(got):
-            self._uploads.pop(name, None)
-            return f"list page at {offset} does not follow the {len(got)} URLs received"
-        if len(got) + len(page) > MAX_JOB_URLS:
-            self._uploads.pop(name, None)
-            return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
-        if (known is None) != (facts is None) or (
-            facts is not None and not (isinstance(facts, list) and len(facts) == len(page))
-        ):
-            self._uploads.pop(name, None)
-            return 'a list from a shard index gives each URL\'s facts, in every page: "shards" as long as "urls"'
-        got.extend(page)
-        if known is not None and facts is not None:
-            known.extend(facts)
-        return None
 
     def op_get_urls(self, request: Request) -> Reply:
         """A page of the list the reader said hello on, even if the file changed since."""
@@ -423,7 +366,7 @@ class Readers:
     def drop(self, name: str, why: str | None = " said bye", *, timed_out: bool = False) -> None:
         """Reader ``name`` goes (said bye, said hello again (``why`` None), or went silent or away);
         ``why`` follows its name in the log line."""
-        self._uploads.pop(name, None)
+        self._lists.drop_upload(name)
         record = self._readers.pop(name, None)
         if record is None:
             return
@@ -474,7 +417,7 @@ class Readers:
             if silent > self._config.reader_timeout:
                 self.drop(name, why=f" silent for {silent:.0f}s (--reader-timeout)", timed_out=True)
         self._ended = {n: c for n, c in self._ended.items() if now - c["_ended"] < ENDED_KEPT}
-        self._free_lists()
+        self._lists.free({r.list_id for r in self._plans()})
 
     def close(self) -> None:
         """Stop watching processes (at shutdown)."""
@@ -496,52 +439,20 @@ class Readers:
         """The consumers (readers that said hello, probes left out) by name: their job, rank and last report."""
         return {n: r.consumer for n, r in self._readers.items() if r.consumer is not None}
 
-    def _schemes(self) -> tuple[str, ...]:
-        # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
-        # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
-        local = self._endpoint.startswith("ipc://")
-        return ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
-
     def fetchable(self, url: str) -> bool:
         """May a client of this endpoint have ``url`` fetched: in the agent's list, or a URL of a scheme
-        its clients may use (see :meth:`_job_list`)."""
-        return url in self.urls or (url.startswith(self._schemes()) and not any(c.isspace() for c in url))
-
-    def _job_list(self, urls: list[Any], facts: list[Any] | None) -> UrlList:
-        """A consumer's own URL list (with what its shard index says of each, if it came from one),
-        held to what this endpoint may fetch for others."""
-        schemes = self._schemes()
-        for u in urls:
-            if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
-                raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
-        if facts is not None:
-            try:
-                return index_list([(u, ShardInfo.from_wire(f)) for u, f in zip(urls, facts)])
-            except ValueError as exc:
-                raise ConfigError(f"a job's shard facts: {exc}") from None
-        return parse_url_list("\n".join(u.replace("{", "\\{").replace("}", "\\}") for u in urls))
+        its clients may use (:attr:`JobLists.schemes`)."""
+        return url in self.urls or (url.startswith(self._lists.schemes) and not any(c.isspace() for c in url))
 
     def _list(self, key: str | None) -> UrlList:
         """The list ``key`` names: one kept in ``_lists``, else the agent's current list."""
         return self._lists.get(key, self.urls) if key is not None else self.urls
 
-    def _free_lists(self, grace: float = LIST_GRACE) -> None:
-        """Forget the lists no reader has read for ``grace`` seconds (a million URLs is
-        about 140 MB); a consumer that comes back sends its list again (``need_urls``)."""
-        now = time.monotonic()
-        read = {r.list_id for r in self._plans()}
-        for key in list(self._lists):
-            if key in read:
-                self._unread_since.pop(key, None)
-            elif now - self._unread_since.setdefault(key, now) >= grace:
-                del self._lists[key]
-                self._unread_since.pop(key)
-
     def replace_list(self, new: UrlList) -> None:
         """The agent's list file changed to ``new``. Epochs under way finish on the list they
         started with; the next ones take the new one."""
         if any(r.list_id == self.list_id for r in self._plans()):
-            self._lists.setdefault(self.list_id, self.urls)
+            self._lists.keep(self.list_id, self.urls)
         self.urls = new
         self.list_id = list_id(new.urls)
         # Positions in the agent's list refer to the old list: those readers start over on
@@ -570,54 +481,17 @@ class Readers:
         Called at each hello and each re-download (``again``); warns once, and again only
         for a larger need.
         """
-        need, why = self.need(held)
-        st = os.statvfs(self._cache.layout.root)
-        usable = min(self._cache.limit, st.f_blocks * st.f_frsize - self._cache.margin)
-        if need <= usable or need <= self._warned_need:
-            return
-        self._warned_need = need
-        seen = f" ({again} was just downloaded again)" if again else ""
-        log.warning(
-            "readers need more than the budget holds: %s; %s of it can be used (--cache-size %s), so shards they "
-            "still need are evicted and downloaded again%s; a budget of %d bytes (%s) stops it, or lower "
-            "shuffle_buffer or --prefetch",
-            why,
-            format_size(usable),
-            format_size(self._cache.limit),
-            seen,
-            need,
-            format_size(need),
-        )
+        self._need.warn(*self.need(held), again=again)
 
     def need(self, held: Callable[[str], int]) -> tuple[int, str]:
-        """Bytes the readers hold at once, and how: a consumer pins every shard whose samples are
-        still in its shuffle buffer (its hello says how many samples that holds, the index how
-        many a shard has), the shard it opens, and its window of --prefetch shards ahead."""
-        index, prefetch = self._cache.index, self._config.prefetch
-        samples = [c for c in itertools.islice(index.counts.values(), 10_000) if c > 0]
-        sizes = [
-            r.size for r in itertools.islice(index.records.values(), 10_000) if r.state is ShardState.CACHED and r.size
+        """Bytes the readers hold at once, and how (:meth:`BudgetNeed.of`)."""
+        readers = [
+            (name, str((record.consumer or {}).get("job", name)), record.buffer)
+            for name, record in self._readers.items()
+            if name != STARTUP_READER
         ]
-        if not samples or not sizes:
-            return 0, "nothing known yet"
-        per_shard = max(1, sum(samples) // len(samples))
-        n_shards = max([len(self.urls), *(len(listed) for listed in self._lists.values())])
-        spans: dict[str, tuple[int, int]] = {}  # job (or reader) -> (shuffle buffer, shards it holds)
-        for name, record in self._readers.items():
-            if name == STARTUP_READER:
-                continue
-            job = str((record.consumer or {}).get("job", name))
-            buffer = record.buffer
-            shards_held = max(-(-buffer // per_shard) + 1, held(name))  # a buffer may end in a shard begun
-            spans[job] = max(spans.get(job, (0, 0)), (buffer, min(n_shards, shards_held + prefetch)))
-        shards = min(n_shards, sum(h for _, h in spans.values()))
-        need = shards * max(sizes)
-        jobs = ", ".join(f"job {j!r} (shuffle_buffer {b}) holds up to {h}" for j, (b, h) in sorted(spans.items()))
-        return need, (
-            f"{jobs} shard(s) at once (the shards its shuffle buffer spans at about {per_shard} samples "
-            f"a shard, the one it opens and --prefetch {prefetch} ahead), of up to "
-            f"{format_size(max(sizes))} each: {format_size(need)}"
-        )
+        n_shards = max([len(self.urls), *(len(listed) for listed in self._lists)])
+        return self._need.of(readers, n_shards, held)
 
     # -- for stats --------------------------------------------------------------------
 

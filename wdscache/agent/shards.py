@@ -35,6 +35,18 @@ FAILED        asked for once ``FAILED_RETRY_AFTER`` passed: downloaded again  WA
 FAILED        downloaded after all (a prefetch retried it)                    IDLE
 ============  ==============================================================  ============
 
+Two facts about a shard are kept beside its record, not in it:
+
+- Its download in flight, with its wait for space, is a :class:`~wdscache.agent.downloads.Slot`
+  that :class:`~wdscache.agent.downloads.Downloads` keys by URL: most downloads are prefetches of
+  shards nobody refers to yet, which have no record (one per prefetch would tie a record's life
+  to a download thread's end), and a record goes once nothing refers to it while the download it
+  asked for may still run (cancelled only ``CANCEL_AFTER`` later, or kept as a prefetch).
+- :attr:`ShardCache.pins <wdscache.agent.cache.ShardCache.pins>` counts every pin of a shard in
+  one number per URL, the readers' (counted here too, by reader) and a revalidation's, which is no
+  reader's: eviction, the ``evict`` op and stats read that number, and the cache commands run on a
+  cache with no agent, so with no records.
+
 Guarantees (main loop only):
 
 - A record in WANTED has ``asked_at`` (when a reader first asked for it); waiters wait

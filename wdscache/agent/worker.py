@@ -20,7 +20,8 @@ which the consumer checks before it uses anything of the reply::
            of GATHER_BELOW bytes or more is a frame of its own (zero-copy from the
            mapped shard); the shorter ones are copied together into one frame (the
            first) while the worker's copy budget lasts, so that a scattered read, as a
-           shuffled epoch makes, costs one frame rather than one per sample.
+           shuffled epoch makes, costs one frame rather than one per sample
+           (:mod:`wdscache.agent.reply_frames`).
            With ``direct`` (a consumer that sees the agent's cache directory), the runs
            of a published, uncompressed shard are not sent at all: ``files`` (absent
            when empty) names each as a byte range of the cache file of ``urls[k]``,
@@ -75,9 +76,10 @@ from ..shared.errors import ProtocolError, ShardError
 from ..shared.layout import CacheLayout, file_identity
 from ..shared.logs import get_logger
 from ..shared.malloc import tune_malloc
-from ..shared.messages import Reports
+from ..shared.messages import ConsumerReply, Reports, SamplesReply, WorkerErrorKind, WorkerErrorReply
 from ..shared.protocol import WorkerProofs, field, pack, same_secret, unpack
 from .growing import GrowingShard, NotYet
+from .reply_frames import ReplyFrames
 from .sampletable import PackedSamples, SampleTables, placed
 from .shardview import ShardView, open_shard
 
@@ -101,17 +103,6 @@ MERGE_GAP = 2048
 # samples cost it nothing, so ranges this close are merged (a rank of four, reading blocks of
 # 8 samples of 1 KB, then gets one range per shard and reply instead of one per block).
 DIRECT_GAP = 1 << 20
-# Runs shorter than this are copied into one frame per reply, at most GATHER_MAX bytes of
-# them; the rest go zero-copy. pyzmq copies a frame under 64 KiB itself, but releases each
-# larger zero-copy frame through its garbage-collector thread (an inproc message and a
-# dict operation under the GIL): with one frame per 110 KB sample of a shuffled read, a
-# worker's CPU per GB doubled. Copying a run this short costs less; a longer one goes zero-copy.
-GATHER_BELOW = 256 << 10
-GATHER_MAX = 8 << 20
-# Copied bytes a worker may have handed to ZeroMQ and not yet seen sent. Copies are private
-# memory (a mapped shard's pages are the kernel's to reclaim): past this, runs go zero-copy,
-# so neither slow consumers nor a peer that never reads can make a worker's memory grow.
-GATHER_BUDGET = 32 << 20
 # A walked table larger than this is not passed on (the agent takes messages up to 1 MiB):
 # about 7,000 samples of three fields; each worker walks a bigger shard itself.
 SHARE_MAX = 768 << 10
@@ -151,15 +142,7 @@ class _Worker:
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
         self.index = SampleTables(INDEX_SAMPLES)
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
-        # Mapped shards served from lately, each with the ranges of it we copied (tracker None)
-        # or that ZeroMQ may still be sending ((tracker, start, end)). Their pages must leave
-        # our RSS, else a worker would keep every shard it served resident, up to OPEN_SHARDS
-        # of them. ZeroMQ's I/O thread faults in what it sends, with many consumers tens of
-        # ms after we hand it over: so a frame's pages are dropped once it has gone (not
-        # before: they would only be faulted in again), a copied range at the next drop, and
-        # the whole shard once none of its frames is left.
-        self.served: dict[Any, list[tuple[zmq.MessageTracker | None, int, int]]] = {}
-        self.copies: list[tuple[zmq.MessageTracker, int]] = []  # replies' copied frames not yet sent
+        self.frames = ReplyFrames()  # replies' frames, and the served pages they were cut from
         self._last_drop = self._last_sweep = time.monotonic()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -193,7 +176,7 @@ class _Worker:
         # frames after we stop handling); open files to sweep.
         if self.to_index:
             idle = 0.0  # shards to index: only a look for requests first
-        elif self.served:
+        elif self.frames.served:
             idle = DROP_EVERY
         elif self.views or self.growing:
             idle = SWEEP_EVERY  # files held open: look for evicted ones on time
@@ -235,18 +218,7 @@ class _Worker:
         if time.monotonic() - self._last_drop < DROP_EVERY:
             return
         self._last_drop = time.monotonic()
-        for view, frames in list(self.served.items()):
-            gone: list[Any] = []
-            sending: list[Any] = []
-            for frame in frames:
-                (sending if frame[0] is not None and not frame[0].done else gone).append(frame)
-            if not sending:  # one call for all of it (a shuffled read copies many scattered runs)
-                view.drop_pages(0, len(view.data))
-                del self.served[view]
-                continue
-            for _, start, end in gone:
-                view.drop_pages(start, end)
-            self.served[view] = sending
+        self.frames.drop_sent()
         if self._last_drop - self._last_sweep >= SWEEP_EVERY:
             self._last_sweep = self._last_drop
             self._sweep()
@@ -267,7 +239,7 @@ class _Worker:
                 # Dropped, not closed: frames still queued in ZeroMQ may point into its mapping,
                 # which goes once they are sent.
                 view = self.views.pop(url)[1]
-                self.served.pop(view, None)
+                self.frames.served.pop(view, None)
 
     def _take_hints(self) -> None:
         while True:
@@ -358,7 +330,7 @@ class _Worker:
             rid = header.get("id")
             op = header["op"]
             if not same_secret(header.get("auth"), self.proofs.request(rid)):
-                self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "refused", "error": REFUSED})
+                self._reply(ident, _error(rid, "refused", REFUSED))
             elif op == "read":
                 self._read(ident, header)
             elif op == "scan":
@@ -366,37 +338,20 @@ class _Worker:
             else:
                 raise ProtocolError(f"unknown op {op!r}")
         except FileNotFoundError as exc:
-            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "missing", "error": str(exc)})
+            self._reply(ident, _error(rid, "missing", str(exc)))
         except NotYet as exc:
-            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "pending", "error": str(exc)})
+            self._reply(ident, _error(rid, "pending", str(exc)))
         except ShardError as exc:
-            self._reply(
-                ident,
-                {
-                    "op": "error",
-                    "id": rid,
-                    "ok": False,
-                    "kind": "corrupt",
-                    "error": str(exc),
-                    "reason": exc.reason,
-                    "offset": exc.offset,
-                    "url": exc.url,
-                },
-            )
+            reply = _error(rid, "corrupt", str(exc))
+            reply["reason"], reply["url"] = exc.reason, exc.url
+            if exc.offset is not None:
+                reply["offset"] = exc.offset
+            self._reply(ident, reply)
         except ProtocolError as exc:
-            self._reply(ident, {"op": "error", "id": rid, "ok": False, "kind": "protocol", "error": str(exc)})
+            self._reply(ident, _error(rid, "protocol", str(exc)))
         except Exception as exc:  # one bad request must never take the worker down
             log.exception("worker %d: error serving a request", self.spec.index)
-            self._reply(
-                ident,
-                {
-                    "op": "error",
-                    "id": rid,
-                    "ok": False,
-                    "kind": "protocol",
-                    "error": f"internal error: {type(exc).__name__}",
-                },
-            )
+            self._reply(ident, _error(rid, "protocol", f"internal error: {type(exc).__name__}"))
 
     def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
         try:
@@ -422,7 +377,7 @@ class _Worker:
         spans: list[list[int]] = []
         # Runs of bytes: (a mapped ShardView or a bytes block, start, end). Samples next to
         # each other in a shard share a run, so a request read in archive order costs one
-        # run, not one per field; _frames makes the runs into frames.
+        # run, not one per field; ReplyFrames makes the runs into frames.
         runs: list[list[Any]] = []  # [source, start, end]
         shards: list[tuple[Any, Any, int, int]] = []  # per URL: its view, placer, sample count, merge gap
         files: dict[Any, list[int]] = {}  # published plain shards the consumer reads: [url index, *identity]
@@ -475,80 +430,21 @@ class _Worker:
             exts.append(names)
             nbytes += sum(place[2::2])
         self.bytes += nbytes
-        self.copies = [(tracker, n) for tracker, n in self.copies if not tracker.done]
-        room = GATHER_BUDGET - sum(n for _, n in self.copies)
-        frames, ranges = self._frames(runs, spans, min(GATHER_MAX, room), files)
-        if frames and isinstance(frames[0], zmq.Frame):
-            self.copies.append((frames[0].tracker, len(frames[0])))
+        frames, ranges = self.frames.of(runs, spans, files)
         self.requests += 1
         self.samples += len(items)
-        reply = {"op": "samples", "id": header.get("id"), "ok": True, "keys": keys, "exts": exts, "spans": spans}
+        reply: SamplesReply = {
+            "op": "samples",
+            "id": header.get("id"),
+            "ok": True,
+            "keys": keys,
+            "exts": exts,
+            "spans": spans,
+        }
         if ranges:
             reply["files"] = ranges
         self._reply(ident, reply, frames)
         self._drop_served()  # after the send, in which pyzmq copies (so maps in) the small frames
-
-    def _zero_copy(self, view: Any, start: int, piece: memoryview) -> Any:
-        """``piece`` (at ``start`` in ``view``) as a frame sent from the mapping, tracked until
-        it has gone (see ``served``)."""
-        if len(piece) < zmq.COPY_THRESHOLD:
-            self.served[view].append((None, start, start + len(piece)))  # pyzmq copies it as we send
-            return piece
-        frame = zmq.Frame(piece, copy=False, track=True)
-        self.served[view].append((frame.tracker, start, start + len(piece)))
-        return frame
-
-    def _frames(
-        self, runs: list[list[Any]], spans: list[list[int]], room: int, files: dict[Any, list[int]]
-    ) -> tuple[list[Any], list[list[int]]]:
-        """The reply's frames and file ranges for ``runs``.
-
-        Runs of ``files`` (views the consumer reads itself) become file ranges; short runs
-        (two or more) are copied together, up to ``room`` bytes, into the first frame (a
-        tracked :class:`zmq.Frame`); the others go as they are (zero-copy, unless pyzmq
-        copies a small one itself). ``spans`` (``[run, offset
-        in run, size, ...]``) are made to name frames (file ranges after them) and offsets.
-        """
-        frames: list[Any] = []
-        ranges: list[list[int]] = []
-        short: list[Any] = []
-        copied = 0
-        where: list[tuple[str, int]] = []  # run -> ("frame", number), ("file", number) or ("short", offset)
-        for source, start, end in runs:
-            mapped = not isinstance(source, bytes)  # else a block of a download: already a copy
-            ref = files.get(source) if mapped and files else None
-            if ref is not None:
-                where.append(("file", len(ranges)))
-                ranges.append([ref[0], start, end - start, *ref[1:]])  # never touched here
-                continue
-            piece = source.data[start:end] if mapped else source
-            if mapped:
-                self.served.setdefault(source, [])  # its pages are mapped in as we copy or send
-            if len(piece) < GATHER_BELOW and copied + len(piece) <= room:
-                where.append(("short", copied))
-                short.append((source if mapped else None, start, piece))
-                copied += len(piece)
-            else:
-                where.append(("frame", len(frames)))
-                frames.append(self._zero_copy(source, start, piece) if mapped else piece)
-        if len(short) == 1:  # nothing to save by copying: it goes as it is
-            where = [("frame", len(frames)) if kind == "short" else (kind, n) for kind, n in where]
-            source, start, piece = short[0]
-            frames.append(piece if source is None else self._zero_copy(source, start, piece))
-        elif short:
-            # Tracked: the copy counts against the budget until ZeroMQ has sent it.
-            frames.insert(0, zmq.Frame(b"".join(piece for _, _, piece in short), track=True))
-            for source, start, piece in short:
-                if source is not None:  # copied from the mapping: its pages can go at the next drop
-                    self.served[source].append((None, start, start + len(piece)))
-        first = {"frame": int(len(short) > 1), "file": len(frames)}
-        for span in spans:
-            kind, n = where[span[0]]
-            span[0], base = (0, n) if kind == "short" else (first[kind] + n, 0)
-            if base:
-                for i in range(1, len(span), 2):
-                    span[i] += base
-        return frames, ranges
 
     def _view(self, url: str) -> Any:
         """The cached shard's view; FileNotFoundError while it is not (or no longer) cached."""
@@ -600,8 +496,8 @@ class _Worker:
         except FileNotFoundError:
             return self._growing(url, refresh=False)
 
-    def _reply(self, ident: bytes, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
-        header["proof"] = self.proofs.reply(header.get("id"))  # every reply, so a consumer can tell ours
+    def _reply(self, ident: bytes, header: ConsumerReply, frames: Sequence[Any] = ()) -> None:
+        header["proof"] = self.proofs.reply(header["id"])  # every reply, so a consumer can tell ours
         try:
             self.sock.send_multipart([ident, *pack(header), *frames], zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -613,10 +509,15 @@ class _Worker:
         self.ctx.term()
 
 
+def _error(rid: Any, kind: WorkerErrorKind, error: str) -> WorkerErrorReply:
+    """The reply to request ``rid`` that failed (``kind``: why, see :data:`WorkerErrorKind`)."""
+    return {"op": "error", "id": rid, "ok": False, "kind": kind, "error": error}
+
+
 def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_key: str) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
-    # Copied replies come and go at up to GATHER_MAX each. glibc's own thresholds adapt to
+    # Copied replies come and go at up to GATHER_MAX (reply_frames.py) each. glibc's own thresholds adapt to
     # that size but still trim the heap, and fault it in again, as they come and go: shuffled
     # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.
     tune_malloc()

@@ -6,6 +6,10 @@ For every entry of :data:`~wdscache.shared.protocol.MESSAGES` there is a ``Typed
 marked ``?`` optional; and, for a message that has one, ``<Op>Reply`` with the
 reply's fields (all optional: an error reply has ``ok`` false and ``error`` only).
 ``tests/test_protocol.py`` checks them against the table, field for field.
+A worker's replies to a consumer have classes of their own in the shape it sends them
+(:class:`SamplesReply`, :class:`ScannedReply`, :class:`WorkerErrorReply`, any of them a
+:data:`ConsumerReply`), checked against the table's ``read`` and ``scan`` replies and against
+every reply ``agent/worker.py`` builds; :mod:`wdscache.training.replies` decodes them.
 
 :class:`Requests` builds every request a client sends (a consumer, a loader, a
 ``ShardClient``, the cache commands) and every report a worker sends; the
@@ -368,6 +372,9 @@ class ReadReply(TypedDict, total=False):
     spans: list[Any]
     files: list[Any]
     kind: str
+    reason: str
+    offset: int
+    url: str
 
 
 class _ScanRequired(TypedDict):
@@ -388,9 +395,75 @@ class ScanReply(TypedDict, total=False):
     count: int
     final: bool
     kind: str
+    reason: str
+    offset: int
+    url: str
 
 
 WorkerRequest = ReadMessage | ScanMessage  # what a consumer sends a worker
+
+
+# -- a worker's replies, as it builds them ---------------------------------------------------
+# Each reply of the table's ``read`` and ``scan`` in the shape a worker sends it: the reply's
+# ``op`` names its kind, ``id`` is the request's, and ``proof`` is added as it is sent.
+# ``tests/test_protocol.py`` checks them against the table and every reply worker.py builds
+# against its class; a worker builds them as plain dict literals (no check per sample).
+
+
+class _SamplesRequired(TypedDict):
+    op: Literal["samples"]
+    id: Any
+    ok: Literal[True]
+    keys: list[str]
+    exts: list[Any]
+    spans: list[Any]
+
+
+class SamplesReply(_SamplesRequired, total=False):
+    """A worker's answer to ``read``: each sample's key, extensions and span; the runs of
+    bytes follow as frames (``files``: the runs a direct consumer reads itself)."""
+
+    files: list[Any]
+    proof: str
+
+
+class _ScannedRequired(TypedDict):
+    op: Literal["scanned"]
+    id: Any
+    ok: Literal[True]
+    count: int
+    final: bool
+
+
+class ScannedReply(_ScannedRequired, total=False):
+    """A worker's answer to ``scan``: the shard's sample count (so far, unless ``final``)."""
+
+    proof: str
+
+
+#: Why a worker could not answer: no proof of the token, no such shard, not in the download so
+#: far (ask again shortly), a damaged shard, a bad request.
+WorkerErrorKind = Literal["refused", "missing", "pending", "corrupt", "protocol"]
+
+
+class _WorkerErrorRequired(TypedDict):
+    op: Literal["error"]
+    id: Any
+    ok: Literal[False]
+    kind: WorkerErrorKind
+    error: str
+
+
+class WorkerErrorReply(_WorkerErrorRequired, total=False):
+    """A worker's answer to ``read`` or ``scan`` that failed; a ``corrupt`` one says where."""
+
+    reason: str
+    offset: int
+    url: str
+    proof: str
+
+
+ConsumerReply = SamplesReply | ScannedReply | WorkerErrorReply  # what a worker answers a consumer
 
 
 # -- building them --------------------------------------------------------------------------

@@ -228,6 +228,8 @@ class Message:
 
 
 _ERROR = {"ok": "bool", "error": "str?"}
+# What a worker's error reply adds: its kind, and for a corrupt shard where reading failed.
+_WORKER_ERROR = {"kind": "str?", "reason": "str?", "offset": "int?", "url": "str?"}
 
 #: Every message: the code is checked against this table (tests/test_protocol.py).
 MESSAGES: tuple[Message, ...] = (
@@ -482,7 +484,7 @@ MESSAGES: tuple[Message, ...] = (
             "exts": "list",
             "spans": "list",
             "files": "list?",
-            "kind": "str?",
+            **_WORKER_ERROR,
         },
         frames="runs of shard bytes the spans point into (none for file ranges: see pool.py)",
         about="samples by [url index, sample index]; the reply's op is 'samples' (or 'error')",
@@ -492,7 +494,7 @@ MESSAGES: tuple[Message, ...] = (
         "consumer",
         "worker",
         {"url": "str", "while_downloading": "bool?"},
-        {**_ERROR, "proof": "str", "count": "int", "final": "bool", "kind": "str?"},
+        {**_ERROR, "proof": "str", "count": "int", "final": "bool", **_WORKER_ERROR},
         about="a shard's sample count (so far, for a download); the reply's op is 'scanned' (or 'error')",
     ),
 )

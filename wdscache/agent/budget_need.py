@@ -1,0 +1,81 @@
+"""What the readers need of the budget at once, and the warning when the budget cannot hold it.
+
+A consumer pins every shard whose samples are still in its shuffle buffer, the shard it
+opens, and its window of ``--prefetch`` shards ahead; the ranks of a job share one shuffle
+buffer's span. When the readers need more than the budget (or the file system, less its
+free-space margin) can hold, shards they still need are evicted and downloaded again: the
+agent says so, with the budget that would stop it.
+
+Guarantees (main loop only): a pure estimate from the index's counts and sizes (nothing is
+changed); the warning is logged once, and again only for a larger need.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterable
+
+from ..shared.config import format_size
+from ..shared.index import ShardState
+from ..shared.logs import get_logger
+from .cache import ShardCache
+
+log = get_logger(__name__)
+
+SAMPLED = 10_000  # shards whose counts and sizes the estimate looks at (a million listed cost no more)
+
+
+class BudgetNeed:
+    """The readers' need of the budget, and its warning (warned once per larger need)."""
+
+    def __init__(self, cache: ShardCache, prefetch: int) -> None:
+        self._cache, self._prefetch = cache, prefetch
+        self._warned_need = 0  # the need named by the last warning that readers need more
+
+    def of(self, readers: Iterable[tuple[str, str, int]], n_shards: int, held: Callable[[str], int]) -> tuple[int, str]:
+        """Bytes the readers hold at once, and how. ``readers``: (name, job, shuffle buffer in samples)
+        of each (a plain client is a job of its own); ``n_shards``: the longest list read;
+        ``held(name)``: how many shards reader ``name`` holds open."""
+        index, prefetch = self._cache.index, self._prefetch
+        samples = [c for c in itertools.islice(index.counts.values(), SAMPLED) if c > 0]
+        sizes = [
+            r.size for r in itertools.islice(index.records.values(), SAMPLED) if r.state is ShardState.CACHED and r.size
+        ]
+        if not samples or not sizes:
+            return 0, "nothing known yet"
+        per_shard = max(1, sum(samples) // len(samples))
+        spans: dict[str, tuple[int, int]] = {}  # job (or reader) -> (shuffle buffer, shards it holds)
+        for name, job, buffer in readers:
+            shards_held = max(-(-buffer // per_shard) + 1, held(name))  # a buffer may end in a shard begun
+            spans[job] = max(spans.get(job, (0, 0)), (buffer, min(n_shards, shards_held + prefetch)))
+        shards = min(n_shards, sum(h for _, h in spans.values()))
+        need = shards * max(sizes)
+        jobs = ", ".join(f"job {j!r} (shuffle_buffer {b}) holds up to {h}" for j, (b, h) in sorted(spans.items()))
+        return need, (
+            f"{jobs} shard(s) at once (the shards its shuffle buffer spans at about {per_shard} samples "
+            f"a shard, the one it opens and --prefetch {prefetch} ahead), of up to "
+            f"{format_size(max(sizes))} each: {format_size(need)}"
+        )
+
+    def warn(self, need: int, why: str, again: str | None = None) -> None:
+        """Warn if ``need`` bytes (``why``: how) are more than the budget holds, unless a warning
+        named as much already (``again``: the shard just downloaded again, if that is the occasion)."""
+        cache = self._cache
+        st = os.statvfs(cache.layout.root)
+        usable = min(cache.limit, st.f_blocks * st.f_frsize - cache.margin)
+        if need <= usable or need <= self._warned_need:
+            return
+        self._warned_need = need
+        seen = f" ({again} was just downloaded again)" if again else ""
+        log.warning(
+            "readers need more than the budget holds: %s; %s of it can be used (--cache-size %s), so shards they "
+            "still need are evicted and downloaded again%s; a budget of %d bytes (%s) stops it, or lower "
+            "shuffle_buffer or --prefetch",
+            why,
+            format_size(usable),
+            format_size(cache.limit),
+            seen,
+            need,
+            format_size(need),
+        )

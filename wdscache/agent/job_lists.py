@@ -1,0 +1,139 @@
+"""The URL lists the agent keeps for its readers besides its own: consumers' own lists, uploaded
+in pages before their hello, and earlier agent lists that readers started their epoch on.
+
+Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
+
+- Lists are bounded: at most ``MAX_JOB_LISTS`` kept, and as many being uploaded, each of at
+  most ``MAX_JOB_URLS``; a list nobody reads is freed after ``LIST_GRACE`` (or at once when a
+  new list needs its room). Nothing here survives the agent: a consumer whose list is gone
+  sends it again (``need_urls``).
+- A list is kept only whole and as it was claimed: its pages in order, each with its facts
+  when it comes from a shard index, and its hash equal to the ``list_id`` its hello names.
+- A client of a TCP endpoint may be another machine: its list may name only http(s) URLs
+  (``file://`` and ``s3://`` only for a peer on this machine, an ``ipc://`` endpoint), so that
+  it never makes the agent read local files or use its S3 credentials.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Iterator
+from typing import Any
+
+from ..shared.errors import ConfigError
+from ..shared.protocol import field as get_field
+from ..shared.protocol import strings
+from ..shared.shard_index import ShardInfo
+from ..shared.urls import UrlList, index_list, parse_url_list
+from .control import Reply
+
+MAX_JOB_LISTS = 16
+MAX_JOB_URLS = 10_000_000
+LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
+
+
+class JobLists:
+    """The lists kept by ``list_id``, and those being uploaded by reader."""
+
+    def __init__(self, endpoint: str) -> None:
+        # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
+        # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
+        local = endpoint.startswith("ipc://")
+        self.schemes = ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
+        self._lists: dict[str, UrlList] = {}  # list_id -> a list readers read besides the agent's current one
+        self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
+        # reader -> pages of its list received so far: URLs, and their facts for a list from a shard index
+        self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._lists)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._lists
+
+    def __iter__(self) -> Iterator[UrlList]:
+        return iter(self._lists.values())
+
+    def get(self, key: str, default: UrlList) -> UrlList:
+        return self._lists.get(key, default)
+
+    def keep(self, key: str, urls: UrlList) -> None:
+        """Keep ``urls`` as ``key`` (an agent list readers still read) unless kept already."""
+        self._lists.setdefault(key, urls)
+
+    def put_page(self, name: str, header: dict[str, Any]) -> str | None:
+        """A page of reader ``name``'s own list (``put_urls``); the error if it is refused."""
+        offset = get_field(header, "offset", int)
+        page = strings(header, "urls")
+        facts = header.get("shards")  # a list from a shard index: what it says of each URL of the page
+        if name not in self._uploads and len(self._uploads) >= MAX_JOB_LISTS:
+            return "too many lists being uploaded at once; try again"
+        got, known = self._uploads.setdefault(name, ([], [] if offset == 0 and facts is not None else None))
+        if offset != len(got):
+            self._uploads.pop(name, None)
+            return f"list page at {offset} does not follow the {len(got)} URLs received"
+        if len(got) + len(page) > MAX_JOB_URLS:
+            self._uploads.pop(name, None)
+            return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
+        if (known is None) != (facts is None) or (
+            facts is not None and not (isinstance(facts, list) and len(facts) == len(page))
+        ):
+            self._uploads.pop(name, None)
+            return 'a list from a shard index gives each URL\'s facts, in every page: "shards" as long as "urls"'
+        got.extend(page)
+        if known is not None and facts is not None:
+            known.extend(facts)
+        return None
+
+    def drop_upload(self, name: str) -> None:
+        """Forget what reader ``name`` uploaded and has not claimed (it goes)."""
+        self._uploads.pop(name, None)
+
+    def take(self, name: str, claimed: str | None, read: Collection[str | None]) -> Reply | None:
+        """Keep the list reader ``name`` uploaded as ``claimed`` (unless kept already); the
+        refusal if it cannot be (``read``: the lists readers read, kept whatever the bound)."""
+        uploaded = self._uploads.pop(name, None)
+        if claimed is None or claimed in self._lists:
+            return None
+        if uploaded is None:
+            return {"ok": False, "need_urls": True, "error": "send the list first (put_urls)"}
+        try:
+            parsed = self._job_list(*uploaded)
+        except ConfigError as exc:
+            return {"ok": False, "error": str(exc)}
+        if parsed.key != claimed:
+            return {"ok": False, "error": "the list sent does not match its list_id"}
+        if len(self._lists) >= MAX_JOB_LISTS:
+            self.free(read, grace=0.0)  # lists nobody reads make room first
+        if len(self._lists) >= MAX_JOB_LISTS:
+            return {
+                "ok": False,
+                "error": (f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends"),
+            }
+        self._lists[claimed] = parsed
+        return None
+
+    def _job_list(self, urls: list[Any], facts: list[Any] | None) -> UrlList:
+        """A consumer's own URL list (with what its shard index says of each, if it came from one),
+        held to what this endpoint may fetch for others."""
+        schemes = self.schemes
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
+                raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
+        if facts is not None:
+            try:
+                return index_list([(u, ShardInfo.from_wire(f)) for u, f in zip(urls, facts)])
+            except ValueError as exc:
+                raise ConfigError(f"a job's shard facts: {exc}") from None
+        return parse_url_list("\n".join(u.replace("{", "\\{").replace("}", "\\}") for u in urls))
+
+    def free(self, read: Collection[str | None], grace: float = LIST_GRACE) -> None:
+        """Forget the lists no reader has read (``read``: those read now) for ``grace`` seconds (a
+        million URLs is about 140 MB); a consumer that comes back sends its list again (``need_urls``)."""
+        now = time.monotonic()
+        for key in list(self._lists):
+            if key in read:
+                self._unread_since.pop(key, None)
+            elif now - self._unread_since.setdefault(key, now) >= grace:
+                del self._lists[key]
+                self._unread_since.pop(key)

@@ -1,0 +1,173 @@
+"""The shard cache made right as it opens: after a crash, an unreadable index, or files of earlier names.
+
+Run by :class:`~wdscache.agent.cache.ShardCache` at start, before anything reads the cache
+(main thread only).
+
+Guarantees:
+
+- Nothing complete is lost: a cached shard whose file has its recorded size is kept; one
+  renamed into place just before a crash (its record still DOWNLOADING) is adopted; with a
+  rebuilt index, complete files the agent's list names are adopted (:func:`adopt`), since
+  their names derive from their URLs.
+- What a crash left half done is finished or undone: a half-done eviction (EVICTING) is
+  finished; a partial file is kept for a Range resume only for a URL the caller names whose
+  DOWNLOADING record has a validator (it counts against the budget from then on), and every
+  other partial file (with its side files, :mod:`wdscache.agent.parts`) is removed; records
+  whose file is missing, has the wrong size, or is gzip'd (shards are cached decompressed)
+  are forgotten, and FAILED records too (a new agent tries again).
+- An unreadable index is moved aside (``index.corrupt-<time>``), never deleted, and a new
+  one started; an empty index beside shard files is taken as deleted, and rebuilt from them.
+- File names of earlier versions (a URL's query in them,
+  :func:`~wdscache.shared.layout.former_shard_name`) are renamed to today's: each rename is
+  atomic, so after a crash every file is under one of its two names and the next open
+  renames the rest; the index, keyed by URL, is not changed.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Container, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..shared.index import Index, ShardState
+from ..shared.layout import CacheLayout
+from ..shared.logs import get_logger
+from ..shared.tarwalk import GZIP_MAGIC, file_problem
+from .parts import owner_name
+
+if TYPE_CHECKING:
+    from .cache import ShardCache
+
+log = get_logger(__name__)
+
+
+def recover(cache: ShardCache, keep_partial: Container[str] = ()) -> dict[str, int]:
+    """Make ``cache``'s index and disk agree after any kind of stop; returns what was done.
+
+    Complete shards are kept; records whose file is gone are forgotten; a shard
+    renamed into place just before a crash is adopted; partial files are kept
+    for resuming only for ``keep_partial`` URLs whose record has a validator
+    (they count against the budget from now on); half-done evictions are finished.
+    """
+    index, layout = cache.index, cache.layout
+    resumable: dict[str, str] = {}  # partial file name -> url
+    done = {"kept": 0, "forgotten": 0, "adopted": 0, "partials_removed": 0, "evictions_finished": 0}
+    for rec in index:
+        path = layout.shard_path(rec.url)
+        if rec.state is ShardState.CACHED:
+            size = size_or_none(path)
+            if size == rec.size and not _gzipped(path):
+                done["kept"] += 1
+            else:
+                log.warning(
+                    "forgetting %s: its cache file is %s",
+                    rec.url,
+                    "gzip'd (shards are cached decompressed)" if size == rec.size else "missing or has the wrong size",
+                )
+                path.unlink(missing_ok=True)
+                index.delete(rec.url)
+                done["forgotten"] += 1
+        elif rec.state is ShardState.EVICTING:
+            path.unlink(missing_ok=True)
+            index.delete(rec.url)
+            done["evictions_finished"] += 1
+        elif rec.state is ShardState.DOWNLOADING:
+            size = size_or_none(path)
+            if size is not None and (rec.size in (0, size)) and _head_ok(path):
+                # Renamed into place, then killed before the index said so.
+                cache.set_cached(rec.url, size, rec.etag)
+                done["adopted"] += 1
+            else:
+                path.unlink(missing_ok=True)
+                partial = layout.partial_path(rec.url)
+                if rec.url in keep_partial and rec.etag and size_or_none(partial):
+                    resumable[partial.name] = rec.url
+                else:
+                    index.delete(rec.url)
+        elif rec.state is ShardState.FAILED:
+            # Failures are retried by a new agent: the server or the list may have changed.
+            index.delete(rec.url)
+    # Partial files: resume those we were told to keep, remove every other one.
+    # A parted download's side files go with their partial file (wdscache.agent.parts).
+    for entry in os.scandir(layout.partial_dir):
+        url = resumable.get(owner_name(entry.name))
+        if url is None:
+            os.unlink(entry.path)
+            done["partials_removed"] += 1
+        else:
+            cache.kept[url] = cache.kept.get(url, 0) + entry.stat().st_size
+    done["partials_kept"] = len(cache.kept)
+    return done
+
+
+def adopt(cache: ShardCache, urls: Iterable[str]) -> int:
+    """Take complete shard files of ``urls`` that ``cache``'s index does not know (a rebuilt index)."""
+    adopted = 0
+    for url in urls:
+        if url in cache.index.records:
+            continue
+        rename_former(cache.layout, url)
+        path = cache.layout.shard_path(url)
+        size = size_or_none(path)
+        if size is not None and _head_ok(path):
+            cache.set_cached(url, size, None)
+            adopted += 1
+    return adopted
+
+
+def open_index(layout: CacheLayout) -> tuple[Index, bool]:
+    """Open the index, and whether it is to be rebuilt from the files (:func:`adopt`);
+    a corrupt one is moved aside and started afresh.
+
+    Nothing is lost for good: a fresh index adopts complete shard files again as
+    the agent's list names them, since their names derive from their URLs.
+    """
+    try:
+        index = Index(layout.index_dir)
+    except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:
+        aside = layout.root / f"index.corrupt-{int(time.time())}"
+        log.error("the index is unreadable (%s); moved it to %s and starting a new one", exc, aside)
+        os.replace(layout.index_dir, aside)
+        return Index(layout.index_dir), True
+    # An empty index beside shard files: it was deleted; rebuild it from the files.
+    lost = not len(index) and any(True for _ in os.scandir(layout.shards_dir))
+    return index, lost
+
+
+def rename_former(layout: CacheLayout, url: str) -> None:
+    """Give the file of ``url`` its name of today if it has its earlier one (see the module docstring)."""
+    former = layout.former_shard_path(url)
+    if former is None:
+        return
+    current = layout.shard_path(url)
+    if current.exists():
+        return
+    try:
+        os.rename(former, current)
+    except FileNotFoundError:
+        return
+    log.info("renamed the cache file of %s to %s (names no longer hold a URL's query)", url, current.name)
+
+
+def size_or_none(path: Path) -> int | None:
+    """``path``'s size, or None if there is no such file."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _gzipped(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == GZIP_MAGIC
+    except FileNotFoundError:
+        return False
+
+
+def _head_ok(path: Path) -> bool:
+    """True when ``path`` starts like a plain tar (a cached shard is never gzip'd)."""
+    return file_problem(path) is None and not _gzipped(path)
