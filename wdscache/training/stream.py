@@ -51,7 +51,7 @@ from .reads import Item, Read, ReadState, ReadTable
 from .replies import decode_reply, with_holes
 from .restarts import AgentRuns
 from .worker_links import WorkerLinks
-from .worker_parts import WHOLE, Part, part_of
+from .worker_slices import WHOLE, WorkerSlice, slice_of
 
 log = get_logger(__name__)
 
@@ -149,11 +149,11 @@ class EpochStream:
         session: Session,
         epoch: int,
         start: Resume | JobEpoch,
-        part: Part = WHOLE,
+        worker_slice: WorkerSlice = WHOLE,
         spec: EpochSpec | MixSpec | None = None,
     ) -> None:
         self.settings = s = settings
-        self.part = part  # this process's part of the rank's share (a DataLoader worker's)
+        self.worker_slice = worker_slice  # this process's slice of the rank's share (a DataLoader worker's)
         self.session = session
         self.name, self.conn, self.urls, self.list_id = session.name, session.conn, session.urls, session.list_id
         self.requests = Requests(self.name)
@@ -237,7 +237,7 @@ class EpochStream:
         (see :class:`~wdscache.shared.sequence.RankShare`); None while a downloading shard has no
         more samples yet. Positions delivered before cost counts only, never payloads."""
         pairs = self.share.pairs(epoch_ids(self.spec, self.share, self.pins, self.shards))
-        yield from part_of(pairs, self.part) if self.part != Part() else pairs
+        yield from slice_of(pairs, self.worker_slice) if self.worker_slice != WHOLE else pairs
         self.pins.release_settled(self.share.settled)
 
     def counts(self) -> dict[int, int]:
