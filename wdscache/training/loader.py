@@ -39,7 +39,7 @@ Guarantees (for the ranks of one job with the same settings):
   (:class:`wdscache.training.stream.EpochStream`, "the agent restarted");
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
   (and, once replies show the sample size, of about 4 MiB of payload:
-  :data:`wdscache.training.stream.REQUEST_BYTES`) are outstanding; a consumer that stops
+  :data:`wdscache.training.read_batches.REQUEST_BYTES`) are outstanding; a consumer that stops
   reading stops asking.
 
 The epoch itself (one rank's requests, pins and reordering) is
