@@ -40,7 +40,7 @@ from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, NotTrustedError, WdsCacheError
 from ..shared.logs import get_logger
 from ..shared.messages import ReportMessage, Requests, WorkerRequest
-from ..shared.mixture import MixSpec, SourcedId
+from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles
@@ -361,10 +361,6 @@ class EpochStream:
             stats = self.stats
             stats["wait_s"] += time.perf_counter() - t0
             samples = read.samples
-            if self.labelled:  # a mixture's: each sample names its source (its id's, a SourcedId)
-                for sample, (_, sid) in zip(samples, read.items):
-                    if sample is not None:
-                        sample["__source__"] = cast(SourcedId, sid).source
             sizes = read.sizes  # from the reply: no pass over each sample
             if owed or None in samples:
                 samples, sizes, last, owed = filled(samples, sizes, last, owed, stats)
@@ -473,6 +469,7 @@ class EpochStream:
                     zero_copy=self.settings.zero_copy,
                     direct=direct,
                     files=self.pins.files,
+                    labelled=self.labelled,
                 )
                 self.clock.progress_at = time.monotonic()
                 self.batches.sized(sizes)
