@@ -120,7 +120,7 @@ def decode_reply(
             sizes.append(nbytes)
     except (TypeError, IndexError):
         raise ProtocolError("worker reply has a bad span") from None
-    if labelled:  # after the payloads, as a key of its own: one pass in C but for each dict's store
+    if labelled:  # the last key, as it always was; map and zip run in C, leaving one store a sample
         for sample, source in zip(samples, map(_SOURCE, map(_ID, items))):
             sample["__source__"] = source
     return samples, sizes
