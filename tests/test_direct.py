@@ -203,7 +203,7 @@ def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them
 
 
 def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_known(tmp_path, dataset, start_agent):
-    from wdscache.training.stream import REQUEST_BYTES
+    from wdscache.training.read_batches import REQUEST_BYTES
 
     big = dataset(1, samples=60, payload=300_000, prefix="big")
     small = dataset(1, samples=300, payload=500, prefix="small", list_name="small.txt")
@@ -218,7 +218,7 @@ def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_know
     ):
         with CachedMultiLoader(urls, cache_dir=cache, shuffle=False, timeout=30, request_size=request_size) as loader:
             got = list(loader)
-            limit = loader._current.request_limit  # what the next request would ask for
+            limit = loader._current.batches.request_limit  # what the next request would ask for
         assert len(got) in (60, 300)
         assert want[0] <= limit <= want[1], (urls, limit)
 

@@ -221,7 +221,7 @@ class JobEpoch:
     def resume_after_runs(self, delivered: Sequence[tuple[int, int]]) -> tuple[Resume, ...]:
         """Each part's :class:`Resume` once every rank of the job delivered the pairs of
         ``delivered`` (half-open runs of pair indexes: its first ``n``, or what its DataLoader
-        workers delivered, see :mod:`wdscache.training.worker_parts`)."""
+        workers delivered, see :mod:`wdscache.training.worker_slices`)."""
         runs: list[list[tuple[int, int]]] = [[] for _ in self.parts]
         for node in range(self.layout.num_nodes):
             local = self._local(node)

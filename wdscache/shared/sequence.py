@@ -319,7 +319,7 @@ class RankShare:
     def resume_after_runs(self, runs: Iterable[tuple[int, int]]) -> Resume:
         """The job's :class:`Resume` once each rank delivered its pairs of ``runs``: half-open
         runs of pair indexes, in the order :meth:`pairs` gave them (the DataLoader workers of
-        a rank deliver blocks of them, see :mod:`wdscache.training.worker_parts`). Padding
+        a rank deliver blocks of them, see :mod:`wdscache.training.worker_slices`). Padding
         repeats count for nothing."""
         real = self.resume.real
         # A run maps to the positions from its first to its last: any between them were

@@ -5,5 +5,5 @@ asks its workers for samples (:mod:`.stream`) and, where it may, copies payloads
 from the cache files itself (:mod:`.direct`). It never writes the cache. With no
 agent running it starts a private one (:mod:`.private`), as a separate process.
 With torch, the loader is an ``IterableDataset`` whose DataLoader workers split the rank's
-share (:mod:`.dataset`, :mod:`.worker_parts`); :mod:`.pipeline` is ``wdscache.WebDataset``.
+share (:mod:`.dataset`, :mod:`.worker_slices`); :mod:`.pipeline` is ``wdscache.WebDataset``.
 """

@@ -3,8 +3,8 @@ process that uses torch is (this module imports torch; :mod:`.loader` imports it
 there). This module does not import :mod:`.loader`: :func:`torch_loader` makes the class
 from the loader's class it is given.
 
-In a ``DataLoader`` with ``num_workers=K``, each worker process reads its own part of the
-rank's share (:mod:`.worker_parts`), found with ``get_worker_info()``: the rank still gets
+In a ``DataLoader`` with ``num_workers=K``, each worker process reads its own slice of the
+rank's share (:mod:`.worker_slices`), found with ``get_worker_info()``: the rank still gets
 its exact share, each sample once, and every rank the same count, whatever ``K``.
 
 - The private agent, when one is needed, starts in the process that makes the dataset, so
@@ -12,7 +12,7 @@ its exact share, each sample once, and every rank the same count, whatever ``K``
 - ``set_epoch`` reaches workers that outlive an epoch (``persistent_workers=True``) through
   a value in shared memory; workers made anew each epoch copy it anyway.
 - ``state_dict()`` in a worker (torchdata's ``StatefulDataLoader`` asks each) is that
-  worker's part; see :meth:`~.loader.CachedMultiLoader.load_state_dict` for resuming with
+  worker's slice; see :meth:`~.loader.CachedMultiLoader.load_state_dict` for resuming with
   another ``num_workers`` or world size.
 """
 
@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .worker_parts import Part
+from .worker_slices import WorkerSlice
 
 L = TypeVar("L")
 
@@ -33,10 +33,10 @@ L = TypeVar("L")
 def torch_loader(loader: type[L], name: str) -> type[L]:
     """``loader`` (the loader's class) as a torch iterable dataset: a class called ``name`` in
     ``loader``'s module (which must hold it under that name, for pickle)."""
-    return type(name, (TorchParts, loader, IterableDataset), {"__module__": loader.__module__, "__qualname__": name})
+    return type(name, (InDataLoader, loader, IterableDataset), {"__module__": loader.__module__, "__qualname__": name})
 
 
-class TorchParts:
+class InDataLoader:
     """What a loader does differently in torch's ``DataLoader`` (mixed in before the loader's class)."""
 
     _epoch_box: Any
@@ -59,9 +59,9 @@ class TorchParts:
         self._epoch_box[0] += 1
         self._box_seen = self._epoch_box[0]
 
-    def _part(self) -> Part:
+    def _worker_slice(self) -> WorkerSlice:
         info = get_worker_info()
-        return Part() if info is None else Part(info.id, info.num_workers)
+        return WorkerSlice() if info is None else WorkerSlice(info.id, info.num_workers)
 
     def _in_worker(self) -> bool:
         return get_worker_info() is not None

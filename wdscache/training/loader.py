@@ -39,12 +39,14 @@ Guarantees (for the ranks of one job with the same settings):
   (:class:`wdscache.training.stream.EpochStream`, "the agent restarted");
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
   (and, once replies show the sample size, of about 4 MiB of payload:
-  :data:`wdscache.training.stream.REQUEST_BYTES`) are outstanding; a consumer that stops
+  :data:`wdscache.training.read_batches.REQUEST_BYTES`) are outstanding; a consumer that stops
   reading stops asking.
 
 The epoch itself (one rank's requests, pins and reordering) is
 :class:`wdscache.training.stream.EpochStream`; this module keeps the user's side:
-settings, checkpoints, ``map=``, batching.
+settings, ``map=``, batching. Checkpoints are taken and read by
+:mod:`wdscache.training.checkpoints`, and a reader's hello to the agent is
+:mod:`wdscache.training.hello`.
 """
 
 from __future__ import annotations
@@ -60,25 +62,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
-from ..shared.errors import ConfigError, WdsCacheError
+from ..shared.errors import ConfigError
 from ..shared.malloc import tune_malloc
 from ..shared.messages import Requests
 from ..shared.mixture import MixSpec
-from ..shared.nodes import JobEpoch, NodeList, NodeShare, RankPlacement, job_epoch, parts_state, read_parts_state
-from ..shared.protocol import pages, process_identity
-from ..shared.sequence import RankShare, Resume, rank_length
+from ..shared.nodes import JobEpoch, NodeList, RankPlacement, job_epoch
+from ..shared.sequence import Resume, rank_length
 from ..shared.urls import UrlList, list_id
+from .checkpoints import Checkpoints, NextEpoch
 from .epoch_shards import agent_counts
+from .hello import Reader, say_hello
 from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree_on_list, check_kept
 from .private import PrivateAgent, check_cache_dir
 from .stream import EpochStream, Session, StreamSettings
 from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls
-from .worker_parts import Delivered, Part, check_worker, combine
+from .worker_slices import WorkerSlice
 
-STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
-# A state with "parts" (a job on several nodes): an older loader, which would not see them, refuses it.
-PARTS_VERSION = 3
 TORCH_LOADER = "TorchCachedMultiLoader"  # the name of the loader's class in a process that uses torch
 
 
@@ -164,22 +164,6 @@ def default_collate(samples: list[dict[str, Any]]) -> Any:
     return out
 
 
-@dataclass(frozen=True)
-class NextEpoch:
-    """Where the loader's next epoch starts: from its beginning, or a checkpoint's position."""
-
-    epoch: int = 0
-    start: Resume = Resume()  # positions delivered already
-    skip: int = 0  # pairs of this DataLoader worker's part delivered already (its own checkpoint's)...
-    full_rows: int = 0  # ...and how the rank's rows were dealt then (on one node, see worker_parts.combine)
-    tail: int | None = None
-    # A job on several nodes: the epoch's parts, with ``start`` empty and each part's positions
-    # delivered already, and what every rank delivered since (a DataLoader's workers' checkpoint).
-    parts: list[list[int]] | None = None
-    part_resumes: tuple[Resume, ...] = ()
-    delivered: Delivered | None = None
-
-
 class CachedMultiLoader:
     """Iterate samples of a WebDataset through the local wdscache agent.
 
@@ -202,7 +186,7 @@ class CachedMultiLoader:
 
     Made in a process that has imported torch, the loader is also a
     ``torch.utils.data.IterableDataset`` (:mod:`wdscache.training.dataset`): in a ``DataLoader``
-    with ``num_workers=K``, each worker reads its own part of the rank's share.
+    with ``num_workers=K``, each worker reads its own slice of the rank's share.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> CachedMultiLoader:
@@ -274,7 +258,7 @@ class CachedMultiLoader:
         self._shards = listed.shards if listed is not None else None
         self._own_list_id = list_id(self.urls) if self.urls is not None else None  # what a checkpoint names
         self._list_key = listed.key if listed is not None else None  # what the agent holds the list by
-        self._agent_lists: dict[str, tuple[str, ...]] = {}
+        self._agent_list: tuple[str, Sequence[str]] | None = None  # the agent's list read last, by its id
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._token = env["token"]
@@ -296,10 +280,10 @@ class CachedMultiLoader:
         """Make the next iteration epoch ``epoch``, from its start."""
         self._next = NextEpoch(epoch)
 
-    def _part(self) -> Part:
-        """This process's part of the rank's share: all of it (a DataLoader worker's: see
+    def _worker_slice(self) -> WorkerSlice:
+        """This process's slice of the rank's share: all of it (a DataLoader worker's: see
         :mod:`wdscache.training.dataset`)."""
-        return Part()
+        return WorkerSlice()
 
     def _in_worker(self) -> bool:
         """Whether this copy reads in a DataLoader worker (see :mod:`wdscache.training.dataset`)."""
@@ -308,203 +292,43 @@ class CachedMultiLoader:
     def state_dict(self) -> dict[str, Any]:
         """The job's position: any one rank's dict resumes every rank, with any world size.
 
-        In a DataLoader worker, the position of this worker's part (``"worker"``): it resumes
+        In a DataLoader worker, the position of this worker's slice (``"worker"``): it resumes
         the same worker of the same layout, and all the workers' states together resume any
         (see :meth:`load_state_dict`)."""
-        part = self._part()
-        if part.count > 1:
-            return self._worker_state(part)
-        if self._current is not None and not self._current.complete:
-            resume = self._current.resume()
-            if isinstance(resume, tuple):  # on several nodes: each part's positions (see wdscache.shared.nodes)
-                share = self._current.share
-                assert isinstance(share, NodeShare)
-                at = NextEpoch(self._current.spec.epoch, parts=[list(p) for p in share.job.parts], part_resumes=resume)
-            else:
-                at = NextEpoch(self._current.spec.epoch, resume)
-            return self._state(at)
-        return self._state(self._next)
-
-    def _worker_state(self, part: Part) -> dict[str, Any]:
-        stream, nxt = self._current, self._next
-        if stream is not None and isinstance(stream.share, NodeShare):
-            # The worker's pairs of its node's share; placed in the parts' positions when the
-            # counts are known (see worker_parts.combine).
-            job = stream.share.job
-            state = self._state(
-                NextEpoch(stream.spec.epoch, parts=[list(p) for p in job.parts], part_resumes=job.resumes)
-            )
-            state["worker"] = {
-                "part": part.index,
-                "of": part.count,
-                "world_size": self.world_size,
-                "num_nodes": self.layout.num_nodes,
-                "pairs": stream.part.skip + stream.delivered,
-                "complete": stream.complete,
-                "started": True,
-            }
-            return state
-        if stream is None and (self.layout.num_nodes > 1 or nxt.parts is not None):  # not begun, on several nodes
-            state = self._state(nxt)
-            state["worker"] = {
-                "part": part.index,
-                "of": part.count,
-                "world_size": self.world_size,
-                "num_nodes": self.layout.num_nodes,
-                "pairs": nxt.skip,
-                "complete": False,
-                "started": False,
-            }
-            return state
-        if stream is None:  # before the first epoch of this worker
-            epoch, start, pairs, complete, full_rows, tail = (
-                nxt.epoch,
-                nxt.start,
-                nxt.skip,
-                False,
-                nxt.full_rows,
-                nxt.tail,
-            )
-        else:
-            share = stream.share
-            assert isinstance(share, RankShare)  # a NodeShare's workers took the branch above
-            epoch, start, complete = stream.spec.epoch, share.resume, stream.complete
-            pairs, full_rows, tail = stream.part.skip + stream.delivered, share.full_rows, share.tail
-        state = self._state(NextEpoch(epoch, start))
-        state["worker"] = {
-            "part": part.index,
-            "of": part.count,
-            "world_size": self.world_size,
-            "pairs": pairs,
-            "complete": complete,
-            "full_rows": full_rows,
-            "tail": tail,
-        }
-        return state
-
-    def _state(self, at: NextEpoch) -> dict[str, Any]:
-        """The checkpoint of ``at`` (its ``skip`` is the caller's, for a worker's state)."""
-        state: dict[str, Any] = {
-            "version": STATE_VERSION if at.parts is None else PARTS_VERSION,
-            "epoch": at.epoch,
-            "position": at.start.position,  # every position before it was delivered...
-            "done": [list(run) for run in at.start.done],  # ...and these runs after it
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "shuffle_buffer": self.shuffle_buffer,
-            "drop_last": self.drop_last,
-            "urls": self._current.list_id if self._current is not None else self._own_list_id,
-        }
-        if self._mix is not None:  # which mixture: another would deal other samples to the positions
-            state["mix"] = self._mix.fingerprint()
-        if at.parts is not None:
-            state.update(parts_state(at.parts, at.part_resumes))
-        if at.delivered is not None:
-            state["delivered"] = at.delivered.to_state()
-        return state
+        return self._checkpoints().taken(self._current, self._next, self._worker_slice())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state``: from :meth:`state_dict` of any rank of the stopped job, or a
         whole ``StatefulDataLoader.state_dict()`` of one (the states of all its workers: then
         any world size and any ``num_workers`` resume it)."""
-        ours = list(_our_states(state))
-        if not ours:
-            raise ValueError(
-                "no wdscache loader state in this dict: pass a CachedMultiLoader.state_dict() "
-                "or a StatefulDataLoader.state_dict() of a loader over one"
-            )
-        if len(ours) > 1 or (ours[0] is not state and "worker" in ours[0]):
-            for one in ours:
-                self._checked(one)
-            if not all("worker" in one for one in ours):
-                raise ValueError("a loader's state holds both whole and per-worker wdscache states")
-            epoch, at, nodes = combine(ours)
-            self._next = (
-                NextEpoch(epoch, at)
-                if nodes is None
-                else NextEpoch(epoch, parts=nodes[0], part_resumes=nodes[1], delivered=nodes[2])
-            )
-            self._resumed_from = ours[0]
-            return
-        state = ours[0]
-        done = self._checked(state)
-        worker = state.get("worker")
-        if worker is not None:
-            part = self._part()
-            theirs = (worker["part"], worker["of"], worker["world_size"], worker.get("num_nodes", 1))
-            if theirs != (part.index, part.count, self.world_size, self.layout.num_nodes):
-                raise ValueError(
-                    f"this state is worker {theirs[0]}'s of {theirs[1]} with world_size {theirs[2]} on {theirs[3]} "
-                    f"node(s), but this is worker {part.index} of {part.count} with world_size {self.world_size} "
-                    f"on {self.layout.num_nodes}: to resume with another num_workers, world size or number of "
-                    "nodes, load the whole StatefulDataLoader.state_dict() into the dataset "
-                    "(dataset.load_state_dict(state)) and give the new DataLoader no state"
-                )
-        if worker is not None and worker["complete"]:
-            self._next = NextEpoch(state["epoch"] + 1)
-        else:
-            parts, resumes = read_parts_state(state) if state["version"] == PARTS_VERSION else (None, ())
-            delivered = state.get("delivered")
-            w = worker or {}
-            self._next = NextEpoch(
-                state["epoch"],
-                Resume.of(state["position"], done),
-                w.get("pairs", 0),
-                w.get("full_rows", 0),
-                w.get("tail"),
-                parts,
-                resumes,
-                Delivered.from_state(delivered) if delivered is not None else None,
-            )
-        self._resumed_from = state
+        self._next, self._resumed_from = self._checkpoints().loaded(state, self._worker_slice())
 
-    def _checked(self, state: dict[str, Any]) -> list[list[int]]:
-        sequence = {name: getattr(self, name) for name in ("seed", "shuffle", "shuffle_buffer", "drop_last")}
-        return check_state(state, sequence, self._mix.fingerprint() if self._mix is not None else None)
+    def _checkpoints(self) -> Checkpoints:
+        """How this loader's checkpoints are taken and read (:mod:`wdscache.training.checkpoints`)."""
+        return Checkpoints(
+            seed=self.seed,
+            shuffle=self.shuffle,
+            shuffle_buffer=self.shuffle_buffer,
+            drop_last=self.drop_last,
+            mix=self._mix.fingerprint() if self._mix is not None else None,
+            world_size=self.world_size,
+            num_nodes=self.layout.num_nodes,
+            list_id=self._current.list_id if self._current is not None else self._own_list_id,
+        )
 
     def _session(
         self, conn: AgentConnection, name: str, *, probe: bool = False
     ) -> tuple[dict[str, Any], Sequence[str]]:
-        """Say hello to the agent as reader ``name``; returns the reply and the URL list in use.
-        ``probe``: only to learn the list and its counts, not as a rank that reads.
-
-        Lists go in pages and are cached by their id, so each is sent once per loader.
-        """
-        # The process, so that an agent on this machine notices at once when it ends (a SIGKILL).
-        requests = Requests(name)
-        request = requests.hello(
-            self.job,
-            self.rank,
-            self.world_size,
-            process=process_identity(),
-            # the agent warns when pins on the shards it spans outgrow the budget
-            shuffle_buffer=self.shuffle_buffer if self.shuffle else 0,
-            probe=probe,
-            list_id=self._list_key if self.urls is not None else None,
+        """Say hello to the agent as reader ``name`` (:mod:`wdscache.training.hello`); returns the
+        reply and the URL list in use. The agent's list is kept, and read again only when it changes."""
+        shuffle_buffer = self.shuffle_buffer if self.shuffle else 0
+        reader = Reader(
+            self.job, self.rank, self.world_size, shuffle_buffer, self.endpoint, self.urls, self._shards, self._list_key
         )
-        hello = conn.request(request)
-        if hello.get("need_urls") and self.urls is not None:
-            for offset, chunk in pages(self.urls):
-                infos = self._shards
-                shards = None if infos is None else [info.to_wire() for info in infos[offset : offset + len(chunk)]]
-                page = conn.request(requests.put_urls(offset, chunk, shards))
-                if not page.get("ok"):
-                    raise WdsCacheError(f"the agent at {self.endpoint} refused the URL list: {page.get('error')}")
-            hello = conn.request(request)
-        if not hello.get("ok"):
-            raise WdsCacheError(f"the agent at {self.endpoint} refused this consumer: {hello.get('error')}")
-        if self.urls is not None:
-            return hello, self.urls
-        key = str(hello.get("list_id"))
-        if key not in self._agent_lists:
-            urls: list[str] = []
-            while len(urls) < int(hello.get("n_urls", 0)):
-                page = conn.request(requests.get_urls(len(urls)))
-                if page.get("list_id") != key or not page.get("urls"):
-                    raise WdsCacheError("the agent's URL list changed while it was being read; try again")
-                urls.extend(page["urls"])
-            self._agent_lists = {key: tuple(urls)}  # the latest list only
-        return hello, self._agent_lists[key]
+        hello, urls = say_hello(conn, name, reader, self._agent_list, probe=probe)
+        if self.urls is None:
+            self._agent_list = (str(hello.get("list_id")), urls)  # the latest list only
+        return hello, urls
 
     # -- iteration ----------------------------------------------------------
 
@@ -543,13 +367,13 @@ class CachedMultiLoader:
         self._ensure_agent()
         if self.tuning.tune_malloc:
             tune_malloc()
-        nxt, part = self._next, self._part()
-        epoch, part = nxt.epoch, Part(part.index, part.count, nxt.skip)
+        nxt, worker = self._next, self._worker_slice()
+        epoch, worker = nxt.epoch, WorkerSlice(worker.index, worker.count, nxt.skip)
         start: Resume | JobEpoch = nxt.start
         self._agree_on_list()
         # A mixture's counts first: counting may read shards for longer than the agent keeps a
         # silent reader, so the epoch's session opens after it.
-        spec = self._mix_spec(epoch, part.count) if self._mix is not None else None
+        spec = self._mix_spec(epoch, worker.count) if self._mix is not None else None
         session = self._open_session()
         try:
             taken_on = self._resumed_from.get("urls") if self._resumed_from is not None else None
@@ -568,7 +392,7 @@ class CachedMultiLoader:
         except BaseException:
             session.conn.close()
             raise
-        stream = EpochStream(self._stream_settings(), session, epoch, start, part, spec=spec)
+        stream = EpochStream(self._stream_settings(), session, epoch, start, worker, spec=spec)
         # Only now the next epoch: an iter() that failed to start leaves the position as it was.
         self._next = NextEpoch(epoch + 1)
         self._current = stream
@@ -700,7 +524,7 @@ class CachedMultiLoader:
                     "samples, and the workers are not known here; give epoch_samples= (the job's "
                     "samples per epoch) for a length"
                 )
-            total = self._mix.total(self.world_size, self._part().count)
+            total = self._mix.total(self.world_size, self._worker_slice().count)
         else:
             urls, counts, _ = self._probe()
             if not urls or any(c is None for c in counts):
@@ -745,49 +569,6 @@ def _read_urls(
     return listed, mixed, given_names(urls) if urls is not None else {}
 
 
-def check_state(state: dict[str, Any], sequence: dict[str, Any], mix: str | None) -> list[list[int]]:
-    """Refuse a checkpoint ``state`` a loader whose sequence settings are ``sequence`` (seed,
-    shuffle, shuffle_buffer, drop_last) and whose mixture's fingerprint is ``mix`` cannot resume
-    exactly, saying why; its runs "done"."""
-    if state.get("version") not in (1, STATE_VERSION, PARTS_VERSION):
-        raise ValueError(f"unsupported wdscache state version {state.get('version')!r}")
-    if "worker" in state:
-        check_worker(state["worker"])
-    for name, ours in sequence.items():
-        if state[name] != ours:
-            raise ValueError(
-                f"checkpoint has {name}={state[name]!r} but this loader {name}={ours!r}; "
-                "the sequence would differ, so resuming would repeat or skip samples"
-            )
-    if (mix is not None or "mix" in state) and state.get("mix") != mix:
-        raise ValueError(
-            "the checkpoint was taken on another mixture (mix=, its weights, epoch_samples "
-            "or resampled=) than this loader reads: resuming would repeat or skip samples"
-        )
-    epoch, position = state.get("epoch"), state.get("position")
-    if not (_natural(epoch) and _natural(position)):
-        raise ValueError(f"checkpoint needs whole numbers >= 0 for 'epoch' and 'position', not {epoch!r}, {position!r}")
-    done = state.get("done", []) if state["version"] > 1 else []
-    if not (
-        isinstance(done, list)
-        and all(isinstance(run, list) and len(run) == 2 and all(map(_natural, run)) and run[0] < run[1] for run in done)
-    ):
-        raise ValueError(f"checkpoint 'done' must be a list of [start, end] position pairs, start < end; got {done!r}")
-    return done
-
-
-def _our_states(state: Any) -> Iterator[dict[str, Any]]:
-    """The wdscache loader states in ``state``: itself, or those nested in a torchdata
-    ``StatefulDataLoader`` state (one per worker, or the dataset's)."""
-    if not isinstance(state, dict):
-        return
-    if "version" in state and "position" in state and "seed" in state:
-        yield state
-        return
-    for value in state.values():
-        yield from _our_states(value)
-
-
 def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str]]:
     """Each local shard's ``__url__`` and ``__local_path__``, as webdataset's samples have them:
     the name the user gave it (else its ``file://`` URL) and its path."""
@@ -802,10 +583,6 @@ def _as_given(items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]]
         if named is not None:
             sample["__url__"], sample["__local_path__"] = named
         yield sample
-
-
-def _natural(x: Any) -> bool:
-    return type(x) is int and x >= 0
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

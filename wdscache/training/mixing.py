@@ -47,8 +47,8 @@ class MixArg:
     per_worker: int | None = None
 
     def total(self, world_size: int, workers: int) -> int:
-        """Samples of an epoch of the job. With ``per_worker`` (``n``), every worker's part holds
-        ``n`` rounded up to whole blocks (a part is whole blocks of the rank's share; the rest of
+        """Samples of an epoch of the job. With ``per_worker`` (``n``), every worker's slice holds
+        ``n`` rounded up to whole blocks (a slice is whole blocks of the rank's share; the rest of
         a block is left undelivered when ``with_epoch`` stops the worker at ``n``)."""
         if self.epoch_samples is not None:
             return self.epoch_samples

@@ -84,7 +84,7 @@ class ReadFailures:
         for _, (other, _) in read.sent_items():
             if other in opened:
                 opened[other] += 1
-        stream.dispatch(read)  # the other shards' samples again; this one's are holes
+        stream.batches.dispatch(read)  # the other shards' samples again; this one's are holes
 
     def direct_failed(self, exc: OSError) -> None:
         """A read of the cache files failed: one file replaced meanwhile costs that read only;
@@ -105,7 +105,7 @@ class ReadFailures:
         if reads.delayed:
             for read in reads.in_state(ReadState.DELAYED):
                 if now >= read.retry_at:
-                    stream.dispatch(read)
+                    stream.batches.dispatch(read)
         patience = min(stream.settings.timeout / 2, 10.0)
         for read in reads.in_state(ReadState.SENT):
             if now - read.sent_at > patience:
@@ -121,7 +121,7 @@ class ReadFailures:
                     url = stream.urls[read.items[read.sent[0]][1][0]]
                     raise ShardError(url, f"no worker answered {MAX_RESENDS + 1} times; a worker may die reading it")
                 log.info("request to worker %d timed out; resending", read.worker)
-                stream.dispatch(read)
+                stream.batches.dispatch(read)
 
     def recover(self) -> None:
         """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
@@ -144,7 +144,7 @@ class ReadFailures:
                 if shard not in shards.skipped:
                     pins.opened[shard] += n
                 shards.reopened(shard)
-            stream.dispatch(read)
+            stream.batches.dispatch(read)
         now = time.monotonic()
         stuck = [
             read
@@ -173,8 +173,8 @@ class ReadFailures:
         log.warning("epoch %d ends at a shard that cannot be read: %s", stream.spec.epoch, stop)
         if stop.shard is not None:
             stream.shards.skipped.add(stop.shard)  # never read again
-        stream.flush()
-        at = stream.seq_next if stop.seq is None else stop.seq
+        stream.batches.flush()
+        at = stream.batches.seq_next if stop.seq is None else stop.seq
         if stop.shard is not None:
             at = min(
                 (

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 from collections.abc import Sequence
+from operator import attrgetter, itemgetter
 from typing import Any, Protocol
 
 from ..shared.errors import ProtocolError
@@ -26,6 +27,8 @@ from .reads import Item
 # Samples of file ranges read whole (see read_dense) are at most this large on average: above
 # it, a syscall per payload costs little next to the bytes, which are then copied once only.
 DENSE_SAMPLE = 8 << 10
+_ID = itemgetter(1)  # an item's sample id
+_SOURCE = attrgetter("source")  # a mixture's id's source (SourcedId.source)
 
 
 class FileSpan(Protocol):
@@ -51,6 +54,7 @@ def decode_reply(
     zero_copy: bool = False,
     direct: bool = False,
     files: FileReader | None = None,
+    labelled: bool = False,
 ) -> tuple[list[dict[str, Any]], list[int]]:
     """The samples of a worker's reply to a read of ``items``, and the payload bytes of each.
 
@@ -62,7 +66,8 @@ def decode_reply(
     the caller then asks for those samples over the socket.
 
     Payloads are ``bytes`` (webdataset's decoders want bytes), or read-only memoryviews into
-    the received message with ``zero_copy``.
+    the received message with ``zero_copy``. With ``labelled`` (a mixture's read: every id a
+    :class:`~wdscache.shared.mixture.SourcedId`), each sample names its source, ``__source__``.
     """
     keys, exts, spans = header.get("keys"), header.get("exts"), header.get("spans")
     if not (
@@ -115,6 +120,9 @@ def decode_reply(
             sizes.append(nbytes)
     except (TypeError, IndexError):
         raise ProtocolError("worker reply has a bad span") from None
+    if labelled:  # the last key, as it always was; map and zip run in C, leaving one store a sample
+        for sample, source in zip(samples, map(_SOURCE, map(_ID, items))):
+            sample["__source__"] = source
     return samples, sizes
 
 

@@ -94,7 +94,7 @@ class AgentRuns:
             len(stream.pins.opened),
         )
         for read in sent:
-            stream.dispatch(read, direct=read.direct)
+            stream.batches.dispatch(read, direct=read.direct)
         self.repinning = set(stream.pins.opened)
 
     def repin(self) -> None:

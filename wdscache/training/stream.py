@@ -2,10 +2,11 @@
 ``CachedMultiLoader``'s iteration (the guarantees are in :mod:`wdscache.training.loader`).
 
 :class:`EpochStream` runs the epoch's sequence (:mod:`wdscache.shared.sequence`), feeding it what
-it learns of each shard (:mod:`wdscache.training.epoch_shards`); batches this rank's share into
-reads (:mod:`wdscache.training.reads`, one record per read) of pinned shards (:mod:`wdscache.training.pins`);
-sends them to the agent's workers and decodes their replies (:mod:`wdscache.training.replies`);
-and hands the samples out in order, every wait bounded by :mod:`wdscache.training.progress`.
+it learns of each shard (:mod:`wdscache.training.epoch_shards`); has this rank's share batched
+into reads (:mod:`wdscache.training.reads`, one record per read) of pinned shards
+(:mod:`wdscache.training.pins`) and sent to the agent's workers (:mod:`wdscache.training.read_batches`);
+decodes their replies (:mod:`wdscache.training.replies`); and hands the samples out in order,
+every wait bounded by :mod:`wdscache.training.progress`.
 
 The loader hands a stream what it needs explicitly: its settings (:class:`StreamSettings`)
 and the session it opened with the agent (:class:`Session`); the stream tells it back
@@ -39,30 +40,26 @@ from ..shared.client import AgentConnection
 from ..shared.errors import AgentUnavailableError, NotTrustedError, WdsCacheError
 from ..shared.logs import get_logger
 from ..shared.messages import ReportMessage, Requests, WorkerRequest
-from ..shared.mixture import MixSpec, SourcedId
+from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles
 from .epoch_shards import EpochShards, OnError, StopEpoch
 from .pins import Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
+from .read_batches import SHARE_ENDED, ReadBatcher
 from .read_failures import ReadFailures
-from .reads import Item, Read, ReadState, ReadTable
+from .reads import Item, ReadState, ReadTable
 from .replies import decode_reply, with_holes
 from .restarts import AgentRuns
 from .worker_links import WorkerLinks
-from .worker_parts import WHOLE, Part, part_of
+from .worker_slices import WHOLE, WorkerSlice, slice_of
 
 log = get_logger(__name__)
 
 REPORT_EVERY = 1.0
 REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped
 STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
-# Payload a request asks for once replies show the sample size: each request costs messaging
-# on both sides, so small samples go many to a request, while the bytes in flight bound a
-# consumer's memory.
-REQUEST_BYTES = 4 << 20
-FIRST_REQUEST = 32  # samples a request asks for before that
 _END = object()
 
 
@@ -149,11 +146,11 @@ class EpochStream:
         session: Session,
         epoch: int,
         start: Resume | JobEpoch,
-        part: Part = WHOLE,
+        worker_slice: WorkerSlice = WHOLE,
         spec: EpochSpec | MixSpec | None = None,
     ) -> None:
         self.settings = s = settings
-        self.part = part  # this process's part of the rank's share (a DataLoader worker's)
+        self.worker_slice = worker_slice  # this process's slice of the rank's share (a DataLoader worker's)
         self.session = session
         self.name, self.conn, self.urls, self.list_id = session.name, session.conn, session.urls, session.list_id
         self.requests = Requests(self.name)
@@ -207,10 +204,7 @@ class EpochStream:
         )
         self.reads = ReadTable()
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
-        self.batch: list[Item] = []  # items of the next read, their shards pinned
-        self.request_limit = min(s.request_size, FIRST_REQUEST)  # samples per request, see _sized
-        self.per_sample = 0.0  # payload bytes per sample of the latest replies, see _sized
-        self.seq_next = 0
+        self.batches = ReadBatcher(self)  # the share batched into reads, sent to the workers
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}  # samples out of _pipeline
         self._out: tuple[Iterator[Any], list[int]] | None = None  # the latest read's samples (see _pipeline)
         self.broken = False  # the epoch ended in an error: close quickly
@@ -237,7 +231,7 @@ class EpochStream:
         (see :class:`~wdscache.shared.sequence.RankShare`); None while a downloading shard has no
         more samples yet. Positions delivered before cost counts only, never payloads."""
         pairs = self.share.pairs(epoch_ids(self.spec, self.share, self.pins, self.shards))
-        yield from part_of(pairs, self.part) if self.part != Part() else pairs
+        yield from slice_of(pairs, self.worker_slice) if self.worker_slice != WHOLE else pairs
         self.pins.release_settled(self.share.settled)
 
     def counts(self) -> dict[int, int]:
@@ -326,6 +320,7 @@ class EpochStream:
         owned = self._owned()
         reads = self.reads
         by_seq = reads.by_seq
+        batches = self.batches
         seq_yield = 0
         exhausted = False
         last: dict[str, Any] | None = None  # the latest sample read, to repeat in a hole
@@ -341,8 +336,8 @@ class EpochStream:
                     self.failures.recover()
                 # Reads waiting to be pinned again do not count: their samples are not here.
                 while not exhausted and len(by_seq) - reads.reopening < limit:
-                    filled_to = self._fill(owned)
-                    if filled_to is _END:
+                    filled_to = batches.fill(owned)
+                    if filled_to is SHARE_ENDED:
                         exhausted = True
                         break
                     if filled_to is None:
@@ -350,7 +345,7 @@ class EpochStream:
                         # (the first sample goes out as soon as it is complete); look again soon.
                         stalled = True
                         break
-                if seq_yield >= (self.seq_next if end is None else end) and exhausted:
+                if seq_yield >= (batches.seq_next if end is None else end) and exhausted:
                     break
                 read = reads.hand_out(seq_yield)
                 if read is None:
@@ -366,10 +361,6 @@ class EpochStream:
             stats = self.stats
             stats["wait_s"] += time.perf_counter() - t0
             samples = read.samples
-            if self.labelled:  # a mixture's: each sample names its source (its id's, a SourcedId)
-                for sample, (_, sid) in zip(samples, read.items):
-                    if sample is not None:
-                        sample["__source__"] = cast(SourcedId, sid).source
             sizes = read.sizes  # from the reply: no pass over each sample
             if owed or None in samples:
                 samples, sizes, last, owed = filled(samples, sizes, last, owed, stats)
@@ -382,79 +373,7 @@ class EpochStream:
             yield it
             self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
 
-    def _fill(self, owned: Iterator[Item | None]) -> object:
-        """Batch items of ``owned`` until a read goes out (returns its sequence number), the
-        share ends (``_END``) or a shard still downloading has no more samples yet (None); at
-        either of those, what was batched goes out."""
-        opened, seq = self.pins.opened, self.seq_next
-        for item in owned:  # per sample: the usual case (its shard pinned) kept to a few operations
-            if item is None:
-                self.flush()
-                return None
-            shard = item[1][0]
-            if shard in opened:
-                opened[shard] += 1
-                batch = self.batch
-                batch.append(item)
-                if len(batch) >= self.request_limit:
-                    self.flush()
-                    return seq
-            else:
-                self._add(item)
-                if self.seq_next != seq:
-                    return seq
-        self.flush()
-        return _END
-
-    def _add(self, item: Item) -> None:
-        """Batch ``item``, its shard pinned; a batch only ever holds pinned shards.
-
-        A request thus never needs more shards at once than are already pinned, so
-        consumers competing for a small budget always make progress.
-        """
-        shard = item[1][0]
-        opened = self.pins.opened
-        if shard in opened:
-            opened[shard] += 1
-        elif shard not in self.shards.skipped:
-            self.shards.open(shard)  # may flush the batch and wait, holding no pins meanwhile
-            if shard not in self.shards.skipped:
-                opened[shard] += 1
-        self.batch.append(item)  # a skipped shard's item is a hole, filled with a repeat
-        if len(self.batch) >= self.request_limit:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.batch:
-            batch, self.batch = self.batch, []
-            self.dispatch(self.reads.add(self.seq_next, batch))
-            self.seq_next += 1
-
     # -- reads --------------------------------------------------------------------
-
-    def dispatch(self, read: Read, direct: bool = True) -> None:
-        """Send ``read`` (with direct reads if on and ``direct``); its holes are not asked for."""
-        items, skipped = read.items, self.shards.skipped
-        # Per request, on the hot path: no skipped shard (the usual case), no filtering.
-        sent: Sequence[int] = (
-            [i for i, (_, (shard, _)) in enumerate(items) if shard not in skipped] if skipped else range(len(items))
-        )
-        if not sent:
-            self.reads.answer(read, [None] * len(items), [0] * len(items))
-            return
-        urls: list[str] = []
-        url_at: dict[int, int] = {}  # shard -> its place in the request's urls
-        wire = []
-        for i in sent:
-            shard, j = items[i][1]
-            if shard not in url_at:
-                url_at[shard] = len(urls)
-                urls.append(self.urls[shard])
-            wire.append([url_at[shard], j])
-        w = self.workers.next_worker()
-        direct = direct and self.pins.files is not None
-        rid = self.workers.send(w, Requests.read(urls, wire, direct=direct), "r")
-        self.reads.send(read, sent, rid, w, direct, time.monotonic())
 
     def _drain(self) -> None:
         """Wait for every read at a worker (their samples stay in the table).
@@ -469,7 +388,7 @@ class EpochStream:
     def _hold_nothing(self) -> None:
         """Before an open waits: what is batched goes out (its shards are pinned) and we wait
         for its answers; reads put off give their pins back, to be pinned again (ReadFailures.recover)."""
-        self.flush()
+        self.batches.flush()
         opened, reads, skipped = self.pins.opened, self.reads, self.shards.skipped
         for read in reads.in_state(ReadState.DELAYED):
             for _, (held, _) in read.items:
@@ -550,9 +469,10 @@ class EpochStream:
                     zero_copy=self.settings.zero_copy,
                     direct=direct,
                     files=self.pins.files,
+                    labelled=self.labelled,
                 )
                 self.clock.progress_at = time.monotonic()
-                self._sized(sizes)
+                self.batches.sized(sizes)
                 if len(items) < len(read.items):  # holes where a skipped shard's items were
                     samples, sizes = with_holes(samples, sizes, read.sent, len(read.items))
                 self.reads.answer(read, samples, sizes)
@@ -563,17 +483,10 @@ class EpochStream:
                 for _, (shard, _) in items:
                     if shard in opened:
                         opened[shard] += 1  # still pinned: asked again, its bytes sent this time
-                self.dispatch(read, direct=False)
+                self.batches.dispatch(read, direct=False)
                 return
         for shard in {sid[0] for _, sid in items}:
             self.pins.release(shard)
-
-    def _sized(self, sizes: list[int]) -> None:
-        """Size the next requests by the payload per sample of the latest replies (about
-        REQUEST_BYTES each): larger samples count at once, smaller ones as the estimate decays."""
-        if sizes:
-            self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
-            self.request_limit = max(1, min(self.settings.request_size, int(REQUEST_BYTES // self.per_sample)))
 
     # -- reports and cleanup -----------------------------------------------------
 

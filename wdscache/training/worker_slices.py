@@ -1,16 +1,17 @@
-"""A rank's share split between the data-loading worker processes of that rank (torch's
-``DataLoader(num_workers=K)``), and the job's position from what each of them delivered.
+"""A rank's share split into slices (:class:`WorkerSlice`), one per data-loading worker process
+of that rank (torch's ``DataLoader(num_workers=K)``), and the job's position from what each of
+them delivered.
 
 Worker ``k`` of ``K`` takes the rank's pairs (:class:`~wdscache.shared.sequence.RankShare`)
 whose block ``v // BLOCK`` is ``k`` modulo ``K``: blocks of neighbouring positions stay
-whole (one read each), the workers' parts are disjoint and together the rank's share,
+whole (one read each), the workers' slices are disjoint and together the rank's share,
 so the rank's count does not depend on ``K`` and every rank's is the same.
 
 A worker knows only its own count; the position of the job is the union of what each
 worker delivered, which :func:`job_resume` computes from all the workers' states (every
 rank is assumed to have delivered as much as this one, as for a single-process loader).
 On several nodes the union is kept as runs of the rank's pairs (:class:`Delivered`) until
-the next epoch starts, when the counts are known and the runs are placed in the parts.
+the next epoch starts, when the counts are known and the runs are placed in the nodes' parts.
 """
 
 from __future__ import annotations
@@ -24,32 +25,33 @@ from ..shared.sequence import BLOCK, RankShare, Resume, SampleId
 
 
 @dataclass(frozen=True)
-class Part:
-    """Worker ``index`` of ``count``; ``skip``: pairs of the part delivered before (a resume)."""
+class WorkerSlice:
+    """A DataLoader worker's slice of a rank's share: worker ``index`` of ``count``; ``skip``:
+    pairs of the slice delivered before (a resume)."""
 
     index: int = 0
     count: int = 1
     skip: int = 0
 
 
-WHOLE = Part()  # the whole share: one process reads it all
+WHOLE = WorkerSlice()  # the whole share: one process reads it all
 
 
-def part_of(
-    pairs: Iterable[tuple[int, SampleId] | None], part: Part, block: int = BLOCK
+def slice_of(
+    pairs: Iterable[tuple[int, SampleId] | None], worker: WorkerSlice, block: int = BLOCK
 ) -> Iterator[tuple[int, SampleId] | None]:
-    """The pairs of ``part`` (Nones passed on), its first ``part.skip`` left out."""
+    """The pairs of ``worker``'s slice (Nones passed on), its first ``worker.skip`` left out."""
     v = 0  # the rank's pair index
     kept = 0
     for pair in pairs:
         if pair is None:
             yield None
             continue
-        mine = (v // block) % part.count == part.index
+        mine = (v // block) % worker.count == worker.index
         v += 1
         if mine:
             kept += 1
-            if kept > part.skip:
+            if kept > worker.skip:
                 yield pair
 
 
@@ -153,31 +155,31 @@ def combine(
     workers (``CachedMultiLoader.state_dict()`` taken in each); for a job on several nodes
     also the epoch's parts, their resumes at its start and what was :class:`Delivered` since
     (the Resume is then empty)."""
-    parts = [s["worker"] for s in states]
-    count = parts[0]["of"]
-    if sorted(p["part"] for p in parts) != list(range(count)) or any(p["of"] != count for p in parts):
+    workers = [s["worker"] for s in states]
+    count = workers[0]["of"]
+    if sorted(w["part"] for w in workers) != list(range(count)) or any(w["of"] != count for w in workers):
         raise ValueError(
             f"need the states of all {count} workers of the loader, one each; got parts "
-            f"{sorted(p['part'] for p in parts)}"
+            f"{sorted(w['part'] for w in workers)}"
         )
     epochs = {s["epoch"] for s in states}
     if len(epochs) != 1:
         raise ValueError(f"the workers' states are of different epochs {sorted(epochs)}")
     epoch = epochs.pop()
-    if all(p["complete"] for p in parts):
+    if all(w["complete"] for w in workers):
         return epoch + 1, Resume(), None
     counts = [0] * count
-    for p in parts:
-        counts[p["part"]] = p["pairs"]
-    if len({"started" in p for p in parts}) > 1:
+    for w in workers:
+        counts[w["part"]] = w["pairs"]
+    if len({"started" in w for w in workers}) > 1:
         raise ValueError("the workers' states mix a job on one node and a job on several")
-    if "started" in parts[0]:  # a job on several nodes
-        if any(p["started"] or p["pairs"] for p in parts) or "parts" in states[0]:
+    if "started" in workers[0]:  # a job on several nodes
+        if any(w["started"] or w["pairs"] for w in workers) or "parts" in states[0]:
             return epoch, Resume(), _nodes_combined(states, counts)
         return epoch, Resume.of(states[0]["position"], states[0]["done"]), None  # none began: as it was given
     start = Resume.of(states[0]["position"], states[0]["done"])
-    tails = [p["tail"] for p in parts if p["tail"] is not None]
-    share = RankShare.dealt(parts[0]["world_size"], max(p["full_rows"] for p in parts), tails[0] if tails else None)
+    tails = [w["tail"] for w in workers if w["tail"] is not None]
+    share = RankShare.dealt(workers[0]["world_size"], max(w["full_rows"] for w in workers), tails[0] if tails else None)
     return epoch, job_resume(start, share, counts), None
 
 

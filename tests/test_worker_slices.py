@@ -1,5 +1,5 @@
-"""A rank's share split between DataLoader workers (wdscache.training.worker_parts), without torch:
-the parts are disjoint and whole, and the job's position from all workers' counts is exact."""
+"""A rank's share split between DataLoader workers (wdscache.training.worker_slices), without torch:
+the slices are disjoint and whole, and the job's position from all workers' counts is exact."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import random
 import pytest
 
 from wdscache.shared.sequence import RankShare, Resume
-from wdscache.training.loader import CachedMultiLoader, NextEpoch
-from wdscache.training.worker_parts import Part, combine, job_resume, part_of
+from wdscache.training.checkpoints import NextEpoch
+from wdscache.training.loader import CachedMultiLoader
+from wdscache.training.worker_slices import WorkerSlice, combine, job_resume, slice_of
 
 
 def _shares(n: int, world: int, start: Resume) -> list[tuple[RankShare, list[tuple[int, tuple[int, int]]]]]:
@@ -23,10 +24,10 @@ def _shares(n: int, world: int, start: Resume) -> list[tuple[RankShare, list[tup
 
 
 @pytest.mark.parametrize("n,world,workers", [(78, 1, 2), (203, 2, 3), (500, 4, 2), (37, 3, 4)])
-def test_parts_are_disjoint_and_make_the_share(n: int, world: int, workers: int) -> None:
+def test_slices_are_disjoint_and_make_the_share(n: int, world: int, workers: int) -> None:
     for _share, pairs in _shares(n, world, Resume()):
-        parts = [list(part_of(iter(pairs), Part(k, workers))) for k in range(workers)]
-        assert sorted(p for part in parts for p in part) == sorted(pairs)
+        slices = [list(slice_of(iter(pairs), WorkerSlice(k, workers))) for k in range(workers)]
+        assert sorted(p for one in slices for p in one) == sorted(pairs)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -35,15 +36,15 @@ def test_job_resume_is_the_union_of_what_every_worker_delivered(seed: int) -> No
     n, world, workers = rng.randrange(1, 400), rng.randrange(1, 5), rng.randrange(1, 5)
     start = Resume.of(rng.randrange(0, 30), [(40, 45), (60, 70)]) if rng.random() < 0.5 else Resume()
     shares = _shares(n, world, start)
-    parts = [[list(part_of(iter(pairs), Part(k, workers))) for k in range(workers)] for _, pairs in shares]
-    lengths = [len(p) for p in parts[0]]
+    slices = [[list(slice_of(iter(pairs), WorkerSlice(k, workers))) for k in range(workers)] for _, pairs in shares]
+    lengths = [len(p) for p in slices[0]]
     # Workers near each other (a DataLoader deals batches round robin), but any counts must work.
     counts = [rng.randrange(0, length + 1) for length in lengths]
     expected = {p for p in range(n) if start.skips(p)}
     left = n - start.delivered(n)  # positions in the share's numbering; those past them are padding
-    for rank_parts in parts:
-        for k, part in enumerate(rank_parts):
-            expected |= {sid[1] for pos, sid in part[: counts[k]] if pos < left}
+    for rank_slices in slices:
+        for k, one in enumerate(rank_slices):
+            expected |= {sid[1] for pos, sid in one[: counts[k]] if pos < left}
     share = shares[0][0]
     got = job_resume(start, share, counts)
     assert {p for p in range(n) if got.skips(p)} == expected
@@ -54,8 +55,8 @@ class _Worker(CachedMultiLoader):
 
     k = 0
 
-    def _part(self) -> Part:
-        return Part(self.k, 2)
+    def _worker_slice(self) -> WorkerSlice:
+        return WorkerSlice(self.k, 2)
 
 
 def _worker(k: int, tmp_path, num_nodes: int = 2) -> _Worker:
@@ -74,7 +75,11 @@ def _worker(k: int, tmp_path, num_nodes: int = 2) -> _Worker:
 
 def _began(k: int, pairs: int, tmp_path) -> dict:
     """Worker ``k``'s state mid-epoch 0 of a job on 2 nodes, ``pairs`` of its part delivered."""
-    state = _worker(k, tmp_path)._state(NextEpoch(0, parts=[[0, 1], [2, 3]], part_resumes=(Resume(), Resume())))
+    state = (
+        _worker(k, tmp_path)
+        ._checkpoints()
+        .state(NextEpoch(0, parts=[[0, 1], [2, 3]], part_resumes=(Resume(), Resume())))
+    )
     state["worker"] = {
         "part": k,
         "of": 2,
@@ -112,7 +117,7 @@ def test_a_workers_own_state_resumes_only_its_layout_and_a_malformed_one_is_a_va
 def test_workers_states_of_one_node_taken_before_they_begin_again_resume_the_same(tmp_path) -> None:
     states = []
     for k, pairs in ((0, 5), (1, 3)):
-        state = _worker(k, tmp_path, num_nodes=1)._state(NextEpoch(0))
+        state = _worker(k, tmp_path, num_nodes=1)._checkpoints().state(NextEpoch(0))
         state["worker"] = {
             "part": k,
             "of": 2,

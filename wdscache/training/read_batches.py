@@ -1,0 +1,129 @@
+"""A rank's share batched into reads and sent to the agent's workers, in the training process
+(one :class:`ReadBatcher` per epoch stream).
+
+The share's items (a position and its sample id) join the batch in order; the batch goes out
+as one read when it holds ``request_limit`` items, when the share has no more items for now
+(a shard still downloading) or has ended, and before an open waits. Guarantees:
+
+- a batch only ever holds items of pinned shards (an item's shard is opened before the item
+  joins, and an open that must wait sends what is batched first, holding no pins meanwhile):
+  a request never needs more shards at once than are already pinned, so consumers competing
+  for a small budget always make progress;
+- reads are numbered 0, 1, 2, ... in the share's order, which is the order the stream hands
+  their samples out in, whatever order the replies arrive in;
+- the size of a read (about :data:`REQUEST_BYTES` of payload, once replies show the sample
+  size) changes how many items go to one read, never which samples the share holds or their
+  order;
+- the items of a shard skipped with ``on_error="skip"`` are not asked for: they stay holes
+  in their read, which the stream fills.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from ..shared.messages import Requests
+from .reads import Item, Read
+
+if TYPE_CHECKING:
+    from .stream import EpochStream
+
+# Payload a request asks for once replies show the sample size: each request costs messaging
+# on both sides, so small samples go many to a request, while the bytes in flight bound a
+# consumer's memory.
+REQUEST_BYTES = 4 << 20
+FIRST_REQUEST = 32  # samples a request asks for before that
+SHARE_ENDED = object()  # what fill() returns once the share has no more items
+
+
+class ReadBatcher:
+    """The reads of one epoch stream as they are made: the batch being filled, the next read's
+    number, and how many samples a read asks for."""
+
+    def __init__(self, stream: EpochStream) -> None:
+        self.stream = stream
+        self.batch: list[Item] = []  # items of the next read, their shards pinned
+        self.seq_next = 0  # the next read's number
+        self.request_limit = min(stream.settings.request_size, FIRST_REQUEST)  # samples per read, see sized
+        self.per_sample = 0.0  # payload bytes per sample of the latest replies, see sized
+
+    def fill(self, owned: Iterator[Item | None]) -> object:
+        """Batch items of ``owned`` until a read goes out (returns its number), the share ends
+        (:data:`SHARE_ENDED`) or a shard still downloading has no more samples yet (None); at
+        either of those, what was batched goes out."""
+        opened, seq = self.stream.pins.opened, self.seq_next
+        for item in owned:  # per sample: the usual case (its shard pinned) kept to a few operations
+            if item is None:
+                self.flush()
+                return None
+            shard = item[1][0]
+            if shard in opened:
+                opened[shard] += 1
+                batch = self.batch
+                batch.append(item)
+                if len(batch) >= self.request_limit:
+                    self.flush()
+                    return seq
+            else:
+                self.add(item)
+                if self.seq_next != seq:
+                    return seq
+        self.flush()
+        return SHARE_ENDED
+
+    def add(self, item: Item) -> None:
+        """Batch ``item``, its shard pinned first (an open may flush the batch and wait, holding
+        no pins meanwhile); a skipped shard's item joins as a hole."""
+        shard = item[1][0]
+        stream = self.stream
+        opened = stream.pins.opened
+        if shard in opened:
+            opened[shard] += 1
+        elif shard not in stream.shards.skipped:
+            stream.shards.open(shard)
+            if shard not in stream.shards.skipped:
+                opened[shard] += 1
+        self.batch.append(item)  # a skipped shard's item is a hole, filled with a repeat
+        if len(self.batch) >= self.request_limit:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what is batched as the next read."""
+        if self.batch:
+            batch, self.batch = self.batch, []
+            self.dispatch(self.stream.reads.add(self.seq_next, batch))
+            self.seq_next += 1
+
+    def dispatch(self, read: Read, direct: bool = True) -> None:
+        """Send ``read`` (with direct reads if on and ``direct``); its holes are not asked for."""
+        stream = self.stream
+        items, skipped = read.items, stream.shards.skipped
+        # Per request, on the hot path: no skipped shard (the usual case), no filtering.
+        sent: Sequence[int] = (
+            [i for i, (_, (shard, _)) in enumerate(items) if shard not in skipped] if skipped else range(len(items))
+        )
+        if not sent:
+            stream.reads.answer(read, [None] * len(items), [0] * len(items))
+            return
+        urls: list[str] = []
+        url_at: dict[int, int] = {}  # shard -> its place in the request's urls
+        wire = []
+        for i in sent:
+            shard, j = items[i][1]
+            if shard not in url_at:
+                url_at[shard] = len(urls)
+                urls.append(stream.urls[shard])
+            wire.append([url_at[shard], j])
+        w = stream.workers.next_worker()
+        direct = direct and stream.pins.files is not None
+        rid = stream.workers.send(w, Requests.read(urls, wire, direct=direct), "r")
+        stream.reads.send(read, sent, rid, w, direct, time.monotonic())
+
+    def sized(self, sizes: list[int]) -> None:
+        """Size the next reads by the payload per sample of the latest replies (about
+        REQUEST_BYTES each): larger samples count at once, smaller ones as the estimate decays."""
+        if sizes:
+            self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
+            self.request_limit = max(1, min(self.stream.settings.request_size, int(REQUEST_BYTES // self.per_sample)))
