@@ -393,7 +393,9 @@ class _Worker:
             shards.append((view, placer, len(samples), DIRECT_GAP if view in files else MERGE_GAP))
         nbytes = 0
         n_urls = len(urls)
-        run: list[Any] = [None, 0, -MERGE_GAP - 1]  # the latest run (none yet)
+        # Each shard's latest run and its index in ``runs``: a request that takes turns between
+        # shards (a mixture's sources) still costs a run per stretch of a shard, not per sample.
+        latest: list[tuple[list[Any], int] | None] = [None] * n_urls
         for item in items:  # per sample: kept to a few C-level calls (see PackedSamples.placed)
             if type(item) is not list or len(item) != 2:
                 raise ProtocolError("read items must be [url index, sample index] pairs")
@@ -410,21 +412,24 @@ class _Worker:
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
                 key, names, place = placed((span,), 0)
-                run = [block, first, first + len(block)]
+                run, at = [block, first, first + len(block)], len(runs)
                 runs.append(run)
             else:
                 if not 0 <= j < count:
                     raise ProtocolError(f"{urls[k]} has no sample {j}")
                 key, names, place = placer(j)
                 first, end = place[0], place[-2] + place[-1]
-                if run[0] is view and 0 <= first - run[2] <= gap:
+                last = latest[k]
+                if last is not None and 0 <= first - last[0][2] <= gap:
+                    run, at = last
                     run[2] = end
                 else:
-                    run = [view, first, end]
+                    run, at = [view, first, end], len(runs)
                     runs.append(run)
+                    latest[k] = (run, at)
             base = run[1]
             place[0::2] = [offset - base for offset in place[0::2]]
-            place.insert(0, len(runs) - 1)
+            place.insert(0, at)
             spans.append(place)
             keys.append(key)
             exts.append(names)
