@@ -181,6 +181,8 @@ class _Worker:
         # Shards the agent just published: walked while no request waits, so that the first
         # read of a shard downloaded ahead does not wait for a walk of its headers.
         self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
+        # The one being walked, a step at a time between requests: a read of it takes the walk over.
+        self.walking: dict[str, GrowingShard] = {}
         self.busy = 0.0
         self.requests = self.samples = self.bytes = 0
         self.walked = self.adopted = 0  # shards walked here; tables taken from another worker
@@ -257,6 +259,9 @@ class _Worker:
         for url, growing in list(self.growing.items()):
             if not growing.current():  # published or abandoned: give its descriptor back
                 self.growing.pop(url).close()
+        for url, walker in list(self.walking.items()):
+            if not walker.current():  # evicted or replaced while walked ahead
+                self.walking.pop(url).close()
         for url, (identity, _) in list(self.views.items()):
             try:
                 gone = file_identity(os.stat(self.layout.shard_path(url))) != identity
@@ -297,6 +302,8 @@ class _Worker:
             return
         self.index.put(url, identity, samples)
         self.adopted += 1
+        if url in self.walking:
+            self.walking.pop(url).close()
         if url in self.to_index:
             self.to_index.remove(url)
 
@@ -328,18 +335,42 @@ class _Worker:
     def _index_ahead(self) -> None:
         """Walk the next shard the agent just published, so that its samples are known
         before it is read (only the rest, if a view of its download walked the start).
-        Only the index keeps it: the views open for reads stay as they are."""
-        url = self.to_index.popleft()
+        Only the index keeps it: the views open for reads stay as they are.
+
+        A shard is walked :data:`~wdscache.agent.growing.WALK_STEP` samples a call, the
+        requests that came meanwhile served between calls: a read never waits for a whole
+        walk of a shard it does not read (a read of this one takes the walk over)."""
+        url = self.to_index[0]
         if url in self.views:
+            self.to_index.popleft()
             return  # open already
         t0 = time.perf_counter()
-        growing = self.growing.pop(url, None)
+        walker = self.walking.get(url)
+        growing = None
         try:
+            if walker is None:
+                growing = self.growing.pop(url, None)
+                if growing is None:
+                    walker = self.walking[url] = GrowingShard(self.layout.shard_path(url), url=url)
+            if walker is not None:
+                before = len(walker.samples)
+                walker.refresh(before)
+                if len(walker.samples) > before:
+                    return  # more next time
+                # Walked but for its last sample, which only the end of the file shows complete.
+                growing = self.walking.pop(url)
+            self.to_index.popleft()
             self._open(self.layout.shard_path(url), url, growing).close()
         except (OSError, ShardError):
-            pass  # evicted meanwhile, or damaged: a read will say so to whoever asks
+            # Evicted meanwhile, or damaged: a read will say so to whoever asks.
+            if self.to_index and self.to_index[0] == url:
+                self.to_index.popleft()
+            if url in self.walking:
+                self.walking.pop(url).close()
         except Exception:  # speculative work must never take the worker down
             log.exception("worker %d: error indexing %s ahead", self.spec.index, url)
+            if self.to_index and self.to_index[0] == url:
+                self.to_index.popleft()
         finally:
             if growing is not None:
                 growing.close()
@@ -558,13 +589,15 @@ class _Worker:
         if cached is not None and cached[0] == identity:
             self.views.move_to_end(url)
             return cached[1]
-        growing = self.growing.pop(url, None)
+        growing, walker = self.growing.pop(url, None), self.walking.pop(url, None)
         try:
-            # Neither what its download showed nor a shard opened before is walked again.
-            view = self._open(path, url, growing)
+            # Neither what its download showed, nor what a walk ahead found, nor a shard
+            # opened before is walked again.
+            view = self._open(path, url, growing or walker)
         finally:
-            if growing is not None:
-                growing.close()  # its payloads went out as copies
+            for seen in (growing, walker):
+                if seen is not None:
+                    seen.close()  # its payloads went out as copies
         # The identity of the file opened, not of the path a moment before: a reply names it.
         self.views[url] = (view.identity, view)
         while len(self.views) > OPEN_SHARDS:
@@ -608,6 +641,9 @@ class _Worker:
             log.warning("worker %d: dropped a reply to a consumer that does not read", self.spec.index)
 
     def close(self) -> None:
+        for walker in self.walking.values():
+            walker.close()
+        self.walking.clear()
         self.sock.close(0)
         self.report.close(0)
         self.ctx.term()
