@@ -354,7 +354,7 @@ class _Worker:
                     walker = self.walking[url] = GrowingShard(self.layout.shard_path(url), url=url)
             if walker is not None:
                 before = len(walker.samples)
-                walker.refresh(before)
+                self._walk(url, walker, before)
                 if len(walker.samples) > before:
                     return  # more next time
                 # Walked but for its last sample, which only the end of the file shows complete.
@@ -431,6 +431,15 @@ class _Worker:
 
     def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
         try:
+            walker = self._unwalked(url) if partial else None
+            if walker is not None:  # asked while downloading, and just published: the walk so far
+                before = len(walker.samples)
+                self._walk(url, walker, before)
+                if len(walker.samples) > before:
+                    reply = {"op": "scanned", "id": rid, "ok": True, "count": len(walker.samples), "final": False}
+                    self._reply(ident, reply)
+                    return
+                # Walked but for the last sample: the view below takes the walk over.
             count, final = len(self._view(url).samples), True
             self._send_report(self.reports.counted(url, count))
         except FileNotFoundError:
@@ -481,7 +490,7 @@ class _Worker:
             view, placer, count, gap = shards[k]
             if placer is None:  # a download under way
                 if j >= len(view.samples):
-                    view.refresh(j)
+                    self._walk(urls[k], view, j)
                 if not 0 <= j < len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
@@ -627,11 +636,46 @@ class _Worker:
         return view
 
     def _readable(self, url: str) -> Any:
-        """The cached shard, or else its download so far."""
+        """The cached shard (the walk of it so far, if it was just published), or else its download so far."""
         try:
-            return self._view(url)
+            walker = self._unwalked(url)
+            return walker if walker is not None else self._view(url)
         except FileNotFoundError:
             return self._growing(url, refresh=False)
+
+    def _walk(self, url: str, view: GrowingShard, needed: int) -> None:
+        """``view.refresh(needed)``; a published shard found damaged is reported, as :meth:`_open` does."""
+        try:
+            view.refresh(needed)
+        except ShardError as exc:
+            if self.walking.get(url) is view:
+                self.walking.pop(url).close()
+                try:
+                    identity = file_identity(os.stat(self.layout.shard_path(url)))
+                except OSError:
+                    raise exc from None
+                self._send_report(self.reports.corrupt_copy(url, list(identity), str(exc)))
+            raise
+
+    def _unwalked(self, url: str) -> GrowingShard | None:
+        """A published shard whose samples are not known here yet, read as its walk so far (a
+        step past the sample asked for), the rest walked next while idle: its first read waits
+        for a step of the walk, not the whole of it. None if its samples are known, or if a
+        view of its download found them so far (opening it walks only the rest).
+        FileNotFoundError if it is not published."""
+        if url in self.views or url in self.growing:
+            return None
+        path = self.layout.shard_path(url)
+        if self.index.get(url, file_identity(os.stat(path))) is not None:
+            return None
+        walker = self.walking.get(url)
+        if walker is None:
+            walker = self.walking[url] = GrowingShard(path, url=url)
+        if not self.to_index or self.to_index[0] != url:
+            if url in self.to_index:
+                self.to_index.remove(url)
+            self.to_index.appendleft(url)
+        return walker
 
     def _reply(self, ident: bytes, header: dict[str, Any], frames: Sequence[Any] = ()) -> None:
         header["proof"] = self.proofs.reply(header.get("id"))  # every reply, so a consumer can tell ours
