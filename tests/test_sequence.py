@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wdscache import CachedMultiLoader
-from wdscache.shared.sequence import BLOCK, RankShare, Resume, SampleId, rank_length
+from wdscache.shared.sequence import BLOCK, IdRun, RankShare, Resume, SampleId, rank_length
 
 
 def ids(n: int) -> list[SampleId]:
@@ -172,3 +172,74 @@ def test_settled_ids_are_those_no_longer_waiting_in_a_row() -> None:
     assert next(pairs) == (3, (0, 3))
     assert list(pairs) == [(5, (0, 5))]
     assert share.settled == 6
+
+
+def dealt_plainly(
+    epoch: list[SampleId], world: int, rank: int, resume: Resume, drop_last: bool, block: int
+) -> list[tuple[int, SampleId]]:
+    """A rank's pairs by the rule itself: the positions not delivered, cut into rows of
+    ``world * block`` (the rank's block of each), the rest one at a time, padded from the start."""
+    left = [sid for p, sid in enumerate(epoch) if not resume.skips(p)]
+    row = world * block
+    full = len(left) // row if world > 1 else 0
+    out = [(k * row + j, left[k * row + j]) for k in range(full) for j in range(rank * block, rank * block + block)]
+    base = full * row
+    tail = left[base:]
+    cut = len(tail) - len(tail) % world
+    out += [(base + j, tail[j]) for j in range(rank, cut, world)]
+    if len(tail) > cut and not drop_last:
+        first = epoch[:world]  # the epoch's first ids, delivered or not
+        fill = tail[cut:] + [first[i % len(first)] for i in range(world - (len(tail) - cut))]
+        out.append((base + cut + rank, fill[rank]))
+    return out
+
+
+@settings(max_examples=300, deadline=timedelta(seconds=2))
+@given(
+    counts=st.lists(st.integers(0, 40), max_size=6),
+    world=st.integers(1, 70),
+    block=st.integers(1, 9),
+    drop_last=st.booleans(),
+    position=st.integers(0, 60),
+    runs=st.lists(st.tuples(st.integers(0, 240), st.integers(1, 30)), max_size=5),
+    cuts=st.lists(st.tuples(st.integers(1, 12), st.booleans()), min_size=1, max_size=8),
+    seed=st.integers(0, 3),
+)
+def test_runs_of_ids_are_dealt_as_the_same_ids_one_by_one(
+    counts: list[int],
+    world: int,
+    block: int,
+    drop_last: bool,
+    position: int,
+    runs: list[tuple[int, int]],
+    cuts: list[tuple[int, bool]],
+    seed: int,
+) -> None:
+    epoch = [(s, j) for s, n in enumerate(counts) for j in range(n)]
+    resume = Resume.of(min(position, len(epoch)), [(a, a + n) for a, n in runs])
+    # The same ids as runs of one shard's neighbouring samples of varied lengths, single
+    # ids and "no more yet", as a shard feed supplies them.
+    fed: list[SampleId | IdRun | None] = []
+    one_by_one: list[SampleId | None] = []
+    step = itertools.cycle(cuts[seed % len(cuts) :] + cuts[: seed % len(cuts)])
+    for s, n in enumerate(counts):
+        j = 0
+        while j < n:
+            size, as_run = next(step)
+            size = min(size, n - j)
+            fed += [IdRun(s, j, j + size)] if as_run else [(s, i) for i in range(j, j + size)]
+            one_by_one += [(s, i) for i in range(j, j + size)]
+            fed.append(None)
+            one_by_one.append(None)
+            j += size
+    for rank in {0, world // 2, world - 1}:
+        want = dealt_plainly(epoch, world, rank, resume, drop_last, block)
+        by_runs = RankShare(world, rank, resume=resume, drop_last=drop_last, block=block)
+        by_ids = RankShare(world, rank, resume=resume, drop_last=drop_last, block=block)
+        seen_runs = [(p, by_runs.settled) for p in by_runs.pairs(fed) if p is not None]
+        seen_ids = [(p, by_ids.settled) for p in by_ids.pairs(one_by_one) if p is not None]
+        assert [p for p, _ in seen_runs] == want
+        assert seen_runs == seen_ids  # what was settled when each pair came out too
+        assert (by_runs.full_rows, by_runs.tail, by_runs.settled) == (by_ids.full_rows, by_ids.tail, len(epoch))
+        for n in {0, 1, len(want) // 2, len(want)}:
+            assert by_runs.resume_after(n) == by_ids.resume_after(n)

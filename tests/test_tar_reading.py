@@ -938,6 +938,20 @@ def test_a_published_download_keeps_the_samples_its_growing_view_found(tmp_path:
     view.close()
 
 
+def test_a_published_shard_walked_a_step_at_a_time_opens_with_the_samples_of_a_whole_walk(tmp_path: Path) -> None:
+    path = make_shard(tmp_path / "s.tar", synth_samples(0, 2 * WALK_STEP + 40, payload=50))
+    full = scan(path.read_bytes(), url="u")
+    view = GrowingShard(path, url="u")  # a finished file, as a worker walks one ahead of its reads
+    steps = []
+    while not steps or steps[-1] > (steps[-2] if len(steps) > 1 else 0):
+        view.refresh(len(view.samples))
+        steps.append(len(view.samples))
+    assert steps[0] < len(full) and steps[-1] == len(full) - 1  # the last is complete only at the end
+    with open_shard(path, url="u", growing=view) as shard:
+        assert shard.samples == full
+    view.close()
+
+
 def test_damage_after_a_growing_view_is_reported_at_its_file_offset(tmp_path: Path) -> None:
     data = bytearray(make_shard(tmp_path / "src.tar", synth_samples(0, 12, payload=1000)).read_bytes())
     late = members(bytes(data), url="u")[30].offset - BLOCK  # a header well after the first half

@@ -18,6 +18,7 @@ from tests.helpers.streaming import reference
 from tests.helpers.waits import wait_for
 from tests.helpers.workers import read_from_worker, worker_socket
 from wdscache import CachedMultiLoader
+from wdscache.agent.growing import WALK_STEP
 
 
 def deleted_files_held(pid: int, under: Path) -> list[str]:
@@ -54,6 +55,30 @@ def test_workers_index_published_shards_before_anyone_reads_them(tmp_path, shard
     )["agent"]["workers"]
     assert sum(w["walked"] for w in after) == 4, after
     assert "not taken" not in agent.stderr_text(), agent.stderr_tail()
+
+
+def test_shards_longer_than_a_walk_step_are_indexed_ahead_and_served_byte_for_byte(
+    tmp_path, shard_server, dataset, start_agent
+):
+    data = dataset(3, samples=WALK_STEP * 2 + 30, payload=100)
+    shard_server.ttfb = 1.0  # the workers are up before any shard is published
+    agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "3", "--workers", "2")
+    s = agent.wait_stats(
+        lambda s: s["shards"]["cached"] == 3 and all(w.get("indexed") == 3 for w in s["agent"]["workers"]),
+        30,
+        "both workers indexing the 3 shards",
+    )
+    # Each walked by the worker a loader asks for it (list position modulo the workers).
+    assert [w["walked"] for w in s["agent"]["workers"]] == [2, 1], s["agent"]["workers"]
+    with CachedMultiLoader(cache_dir=agent.cache_dir, shuffle=False, timeout=30) as loader:
+        got = {
+            (x["__url__"], x["__key__"]): {
+                k: hashlib.sha256(v).hexdigest() for k, v in x.items() if not k.startswith("__")
+            }
+            for x in loader
+        }
+    assert got == reference(data.paths, data.urls)
+    assert sum(w["walked"] for w in agent.stats()["agent"]["workers"]) == 3
 
 
 def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start_agent):

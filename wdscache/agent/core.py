@@ -403,7 +403,7 @@ class Agent:
         if self.downloads.record_download(e.download, e.fetched):
             self.readers.check_need(self.opens.held, again=url)
         self.opens.downloaded(url)
-        self.workers.published(url)
+        self.workers.published(url, self.readers.urls.index(url) if url in self.readers.urls else None)
         self.downloads.ended(e.download)
 
     def _revalidated(self, e: Revalidated) -> None:

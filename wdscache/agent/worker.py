@@ -76,7 +76,7 @@ from ..shared.errors import ProtocolError, ShardError
 from ..shared.layout import CacheLayout, file_identity
 from ..shared.logs import get_logger
 from ..shared.malloc import tune_malloc
-from ..shared.messages import ConsumerReply, Reports, SamplesReply, WorkerErrorKind, WorkerErrorReply
+from ..shared.messages import ConsumerReply, Reports, SamplesReply, ScannedReply, WorkerErrorKind, WorkerErrorReply
 from ..shared.protocol import WorkerProofs, field, pack, same_secret, unpack
 from .growing import GrowingShard, NotYet
 from .reply_frames import ReplyFrames
@@ -164,6 +164,8 @@ class _Worker:
         # Shards the agent just published: walked while no request waits, so that the first
         # read of a shard downloaded ahead does not wait for a walk of its headers.
         self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
+        # The one being walked, a step at a time between requests: a read of it takes the walk over.
+        self.walking: dict[str, GrowingShard] = {}
         self.busy = 0.0
         self.requests = self.samples = self.bytes = 0
         self.walked = self.adopted = 0  # shards walked here; tables taken from another worker
@@ -229,6 +231,9 @@ class _Worker:
         for url, growing in list(self.growing.items()):
             if not growing.current():  # published or abandoned: give its descriptor back
                 self.growing.pop(url).close()
+        for url, walker in list(self.walking.items()):
+            if not walker.current():  # evicted or replaced while walked ahead
+                self.walking.pop(url).close()
         for url, (identity, _) in list(self.views.items()):
             try:
                 gone = file_identity(os.stat(self.layout.shard_path(url))) != identity
@@ -269,6 +274,8 @@ class _Worker:
             return
         self.index.put(url, identity, samples)
         self.adopted += 1
+        if url in self.walking:
+            self.walking.pop(url).close()
         if url in self.to_index:
             self.to_index.remove(url)
 
@@ -300,18 +307,42 @@ class _Worker:
     def _index_ahead(self) -> None:
         """Walk the next shard the agent just published, so that its samples are known
         before it is read (only the rest, if a view of its download walked the start).
-        Only the index keeps it: the views open for reads stay as they are."""
-        url = self.to_index.popleft()
+        Only the index keeps it: the views open for reads stay as they are.
+
+        A shard is walked :data:`~wdscache.agent.growing.WALK_STEP` samples a call, the
+        requests that came meanwhile served between calls: a read never waits for a whole
+        walk of a shard it does not read (a read of this one takes the walk over)."""
+        url = self.to_index[0]
         if url in self.views:
+            self.to_index.popleft()
             return  # open already
         t0 = time.perf_counter()
-        growing = self.growing.pop(url, None)
+        walker = self.walking.get(url)
+        growing = None
         try:
+            if walker is None:
+                growing = self.growing.pop(url, None)
+                if growing is None:
+                    walker = self.walking[url] = GrowingShard(self.layout.shard_path(url), url=url)
+            if walker is not None:
+                before = len(walker.samples)
+                self._walk(url, walker, before)
+                if len(walker.samples) > before:
+                    return  # more next time
+                # Walked but for its last sample, which only the end of the file shows complete.
+                growing = self.walking.pop(url)
+            self.to_index.popleft()
             self._open(self.layout.shard_path(url), url, growing).close()
         except (OSError, ShardError):
-            pass  # evicted meanwhile, or damaged: a read will say so to whoever asks
+            # Evicted meanwhile, or damaged: a read will say so to whoever asks.
+            if self.to_index and self.to_index[0] == url:
+                self.to_index.popleft()
+            if url in self.walking:
+                self.walking.pop(url).close()
         except Exception:  # speculative work must never take the worker down
             log.exception("worker %d: error indexing %s ahead", self.spec.index, url)
+            if self.to_index and self.to_index[0] == url:
+                self.to_index.popleft()
         finally:
             if growing is not None:
                 growing.close()
@@ -355,6 +386,14 @@ class _Worker:
 
     def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
         try:
+            walker = self._unwalked(url) if partial else None
+            if walker is not None:  # asked while downloading, and just published: the walk so far
+                before = len(walker.samples)
+                self._walk(url, walker, before)
+                if len(walker.samples) > before:
+                    self._reply(ident, _scanned(rid, len(walker.samples), False))
+                    return
+                # Walked but for the last sample: the view below takes the walk over.
             count, final = len(self._view(url).samples), True
             self._send_report(self.reports.counted(url, count))
         except FileNotFoundError:
@@ -364,7 +403,7 @@ class _Worker:
                 count, final = len(self._growing(url, refresh=True).samples), False
             except FileNotFoundError:
                 count, final = 0, False  # not started yet, just published, or failed: ask again
-        self._reply(ident, {"op": "scanned", "id": rid, "ok": True, "count": count, "final": final})
+        self._reply(ident, _scanned(rid, count, final))
 
     def _read(self, ident: bytes, header: dict[str, Any]) -> None:
         urls = field(header, "urls", list)
@@ -407,7 +446,7 @@ class _Worker:
             view, placer, count, gap = shards[k]
             if placer is None:  # a download under way
                 if j >= len(view.samples):
-                    view.refresh(j)
+                    self._walk(urls[k], view, j)
                 if not 0 <= j < len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
@@ -459,13 +498,15 @@ class _Worker:
         if cached is not None and cached[0] == identity:
             self.views.move_to_end(url)
             return cached[1]
-        growing = self.growing.pop(url, None)
+        growing, walker = self.growing.pop(url, None), self.walking.pop(url, None)
         try:
-            # Neither what its download showed nor a shard opened before is walked again.
-            view = self._open(path, url, growing)
+            # Neither what its download showed, nor what a walk ahead found, nor a shard
+            # opened before is walked again.
+            view = self._open(path, url, growing or walker)
         finally:
-            if growing is not None:
-                growing.close()  # its payloads went out as copies
+            for seen in (growing, walker):
+                if seen is not None:
+                    seen.close()  # its payloads went out as copies
         # The identity of the file opened, not of the path a moment before: a reply names it.
         self.views[url] = (view.identity, view)
         while len(self.views) > OPEN_SHARDS:
@@ -495,11 +536,46 @@ class _Worker:
         return view
 
     def _readable(self, url: str) -> Any:
-        """The cached shard, or else its download so far."""
+        """The cached shard (the walk of it so far, if it was just published), or else its download so far."""
         try:
-            return self._view(url)
+            walker = self._unwalked(url)
+            return walker if walker is not None else self._view(url)
         except FileNotFoundError:
             return self._growing(url, refresh=False)
+
+    def _walk(self, url: str, view: GrowingShard, needed: int) -> None:
+        """``view.refresh(needed)``; a published shard found damaged is reported, as :meth:`_open` does."""
+        try:
+            view.refresh(needed)
+        except ShardError as exc:
+            if self.walking.get(url) is view:
+                self.walking.pop(url).close()
+                try:
+                    identity = file_identity(os.stat(self.layout.shard_path(url)))
+                except OSError:
+                    raise exc from None
+                self._send_report(self.reports.corrupt_copy(url, list(identity), str(exc)))
+            raise
+
+    def _unwalked(self, url: str) -> GrowingShard | None:
+        """A published shard whose samples are not known here yet, read as its walk so far (a
+        step past the sample asked for), the rest walked next while idle: its first read waits
+        for a step of the walk, not the whole of it. None if its samples are known, or if a
+        view of its download found them so far (opening it walks only the rest).
+        FileNotFoundError if it is not published."""
+        if url in self.views or url in self.growing:
+            return None
+        path = self.layout.shard_path(url)
+        if self.index.get(url, file_identity(os.stat(path))) is not None:
+            return None
+        walker = self.walking.get(url)
+        if walker is None:
+            walker = self.walking[url] = GrowingShard(path, url=url)
+        if not self.to_index or self.to_index[0] != url:
+            if url in self.to_index:
+                self.to_index.remove(url)
+            self.to_index.appendleft(url)
+        return walker
 
     def _reply(self, ident: bytes, header: ConsumerReply, frames: Sequence[Any] = ()) -> None:
         header["proof"] = self.proofs.reply(header["id"])  # every reply, so a consumer can tell ours
@@ -509,9 +585,17 @@ class _Worker:
             log.warning("worker %d: dropped a reply to a consumer that does not read", self.spec.index)
 
     def close(self) -> None:
+        for walker in self.walking.values():
+            walker.close()
+        self.walking.clear()
         self.sock.close(0)
         self.report.close(0)
         self.ctx.term()
+
+
+def _scanned(rid: Any, count: int, final: bool) -> ScannedReply:
+    """The reply to scan request ``rid``: ``count`` samples known, all of them if ``final``."""
+    return {"op": "scanned", "id": rid, "ok": True, "count": count, "final": final}
 
 
 def _error(rid: Any, kind: WorkerErrorKind, error: str) -> WorkerErrorReply:

@@ -68,14 +68,20 @@ class WorkerReports:
         report = {"index": i, **numbers(header, WORKER_FIELDS)}
         self._stats[i] = with_fraction(self._stats.get(i), report, "busy_s", "busy")
 
-    def published(self, url: str) -> None:
-        """``url`` was just published: one worker walks it ahead, and its table goes to the others."""
+    def published(self, url: str, position: int | None = None) -> None:
+        """``url`` was just published: one worker walks it ahead, and its table goes to the others.
+        That is the worker a loader asks for the shard at ``position`` of its list (the agent's list
+        position, if listed there): the one whose answer its first sample of the shard waits for."""
         if url in self._published:
             self._published.remove(url)  # downloaded again: once is enough
         self._published.append(url)
+        n = len(self._pool.endpoints)
+        ident = self._idents.get((position if position is not None else next(self._walker)) % n) if n else None
         idents = list(self._idents.values())
-        if idents:
-            self._hint(idents[next(self._walker) % len(idents)], url)
+        if ident is None and idents:
+            ident = idents[next(self._walker) % len(idents)]
+        if ident is not None:
+            self._hint(ident, url)
 
     def pass_on(self, sender: bytes, header: dict[str, Any], frames: list[Any]) -> None:
         """A worker's table of a shard it walked (``walked``), to the other workers."""

@@ -38,7 +38,7 @@ from typing import Any, cast
 
 from .errors import ConfigError, WdsCacheError
 from .plan import epoch_rng
-from .sequence import BLOCK, EpochSpec, RankShare, Resume, SampleId, rank_length
+from .sequence import BLOCK, EpochSpec, IdRun, RankShare, Resume, SampleId, rank_length
 
 Segment = tuple[int, int, int]  # (part, first, end): a range of a part's undelivered positions
 # (part, offset, start, end): a node reads its part's sequence up to ``end``, numbered from
@@ -310,7 +310,7 @@ class NodeShare:
     def settled(self) -> int:
         return self.inner.settled
 
-    def pairs(self, ids: Iterable[SampleId | None]) -> Iterator[tuple[int, SampleId] | None]:
+    def pairs(self, ids: Iterable[SampleId | IdRun | None]) -> Iterator[tuple[int, SampleId] | None]:
         """The rank's ``per_rank`` pairs: the node's share, cut or padded with repeats of its own
         first samples to the job's count."""
         want = self.job.per_rank

@@ -15,6 +15,10 @@ position at a time (rank ``r`` takes ``r, r + W, ...``): with ``drop_last`` it
 is cut to a multiple of ``W``; otherwise it is padded by wrapping around to the
 start of the sequence. Every rank gets the same count.
 
+An unshuffled sequence comes as runs of a shard's neighbouring samples
+(:meth:`EpochSpec.runs`), which a rank deals by arithmetic: of each row it makes
+only the ids it may take, so its cost per own sample does not grow with ``W``.
+
 A rank learns that a row is full only once all its positions have come out
 of the sequence, so with ``W > 1`` a rank's first sample of a row waits for
 ``W * BLOCK`` ids (no wait on a warm cache, where the counts are known).
@@ -36,11 +40,22 @@ import random
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 from .plan import epoch_rng, shard_order
 
 SampleId = tuple[int, int]  # (shard index in the list, sample index in the shard)
+
+
+class IdRun(NamedTuple):
+    """Neighbouring ids of the sequence: samples ``start`` to ``stop`` (excluded) of ``shard``,
+    in order. Dealt without making an id of each (see :meth:`RankShare.pairs`)."""
+
+    shard: int
+    start: int
+    stop: int
+
+
 INITIAL = 100  # ids in the shuffle buffer before it gives out the first
 # Positions a rank takes at a time. Part of what a job's ranks agree on: changing it
 # changes every rank's share (a checkpoint stays valid: it names positions, not blocks).
@@ -69,6 +84,16 @@ class EpochSpec:
     def ids(self, samples: Callable[[int], Iterable[int | None]]) -> Iterator[SampleId | None]:
         """The epoch's sample ids: :func:`global_sequence`."""
         return global_sequence(self, samples)
+
+    def runs(self, feed: ShardFeed) -> Iterator[SampleId | IdRun | None]:
+        """The epoch's ids, as :meth:`ids` with ``feed.samples`` gives them, but unshuffled
+        ones as one :class:`IdRun` for each piece of a shard that ``feed`` supplies at once."""
+        if self.shuffle and self.shuffle_buffer > 1:
+            yield from global_sequence(self, feed.samples)
+            return
+        for shard in self.order():
+            for got in feed.spans(shard):
+                yield None if got is None else IdRun(shard, got.start, got.stop)
 
     def following(self) -> EpochSpec:
         """The same reading of the next epoch."""
@@ -139,11 +164,19 @@ class ShardFeed:
 
     def samples(self, shard: int) -> Iterator[int | None]:
         """``shard``'s sample indices, as supplied; None whenever the caller has to supply more."""
+        for got in self.spans(shard):
+            if got is None:
+                yield None
+            else:
+                yield from got
+
+    def spans(self, shard: int) -> Iterator[range | None]:
+        """``shard``'s sample indices as :meth:`samples` gives them, those supplied at once as one range."""
         self.wanted, self._count, self._ended = shard, 0, False
         given = 0
         while True:
             if self._count > given:
-                yield from range(given, self._count)
+                yield range(given, self._count)
                 given = self._count
             elif self._ended:
                 self.wanted = None
@@ -219,6 +252,27 @@ class Resume:
         return pos
 
 
+def _pieces(resume: Resume, a: int, b: int) -> Iterator[tuple[int, int, bool]]:
+    """Positions ``[a, b)`` in order, as pieces ``(start, stop, kept)``: kept if not delivered in ``resume``."""
+    if a < resume.position:
+        yield a, min(b, resume.position), False
+        a = min(b, resume.position)
+    i = bisect_right(resume.done, (a, float("inf"))) - 1
+    for x, y in resume.done[max(i, 0) :]:
+        if a >= b:
+            return
+        if y <= a:
+            continue
+        if x > a:
+            yield a, min(x, b), True
+            a = min(x, b)
+        if a < b:
+            yield a, min(y, b), False
+            a = min(y, b)
+    if a < b:
+        yield a, b, True
+
+
 class RankShare:
     """One rank's share of an epoch: ``(position, id)`` pairs from the epoch's ids.
 
@@ -239,16 +293,61 @@ class RankShare:
         # them dealt, and this rank's handed out. What comes later may still be ours.
         self.settled = 0
 
-    def pairs(self, ids: Iterable[SampleId | None]) -> Iterator[tuple[int, SampleId] | None]:
-        """This rank's pairs; a None from ``ids`` (no more yet) is passed on."""
+    def pairs(self, ids: Iterable[SampleId | IdRun | None]) -> Iterator[tuple[int, SampleId] | None]:
+        """This rank's pairs; a None from ``ids`` (no more yet) is passed on. An :class:`IdRun`
+        is dealt arithmetically: of its ids, only this rank's are made."""
         W, r, B = self.world_size, self.rank, self.block
+        WB, lo, hi = W * B, r * B, r * B + B  # a row's length; our block in it
         resume = self.resume
         first: list[SampleId] = []  # the epoch's first ids, for padding
-        row: list[SampleId] = []  # the current row: positions full_rows * W * B onwards
+        # The current row (positions full_rows * WB onwards): how long it is so far, and only
+        # the ids of it this rank may take: those of our block, and those at r, r + W, ...
+        # (ours if the ids end before the row is full).
+        row = 0
+        block: list[SampleId] = []
+        spaced: list[SampleId] = []
+        spaced_at = r  # the row's next index that goes in spaced
         pos = v = 0  # position in the epoch; in the share's numbering
         for sid in ids:
             if sid is None:
                 yield None
+                continue
+            if isinstance(sid, IdRun):
+                shard, start, stop = sid
+                if len(first) < W:
+                    first.extend((shard, j) for j in range(start, min(stop, start + W - len(first))))
+                end = pos + stop - start
+                for a, b, kept in _pieces(resume, pos, end):
+                    if not kept:
+                        if not row:
+                            self.settled = b
+                        continue
+                    j = start + a - pos  # the sample at position a
+                    if W == 1:
+                        for p in range(a, b):
+                            yield v, (shard, j)
+                            v += 1
+                            j += 1
+                            self.settled = p + 1
+                        continue
+                    while a < b:
+                        k = min(b - a, WB - row)  # this many go into the row
+                        mine = range(max(row, lo), min(row + k, hi))
+                        block.extend((shard, j + i - row) for i in mine)
+                        a += k
+                        if row + k < WB:  # the row stays open: the ids at r, r + W, ... may be ours
+                            spaced.extend((shard, j + i - row) for i in range(spaced_at, row + k, W))
+                            spaced_at += W * len(range(spaced_at, row + k, W))
+                            row += k
+                            break
+                        j += k
+                        base = self.full_rows * WB
+                        self.full_rows += 1
+                        for i, own in enumerate(block):
+                            yield base + lo + i, own
+                        row, block, spaced, spaced_at = 0, [], [], r
+                        self.settled = a
+                pos = end
                 continue
             if len(first) < W:
                 first.append(sid)
@@ -262,22 +361,27 @@ class RankShare:
                 v += 1
                 self.settled = pos
                 continue
-            row.append(sid)
-            if len(row) == W * B:
-                base = self.full_rows * W * B
+            if lo <= row < hi:
+                block.append(sid)
+            if row == spaced_at:
+                spaced.append(sid)
+                spaced_at += W
+            row += 1
+            if row == WB:
+                base = self.full_rows * WB
                 self.full_rows += 1
-                for j in range(r * B, r * B + B):
-                    yield base + j, row[j]
-                row = []
+                for i, own in enumerate(block):
+                    yield base + lo + i, own
+                row, block, spaced, spaced_at = 0, [], [], r
                 self.settled = pos
-        self.tail = len(row)
-        base = self.full_rows * W * B
-        cut = len(row) - len(row) % W
-        for j in range(r, cut, W):
-            yield base + j, row[j]
-        if len(row) > cut and not self.drop_last:
-            fill = row[cut:] + [first[i % len(first)] for i in range(W - (len(row) - cut))]
-            yield base + cut + r, fill[r]
+        self.tail = row
+        base = self.full_rows * WB
+        cut = row - row % W
+        yield from zip(range(base + r, base + cut, W), spaced)
+        if row > cut and not self.drop_last:
+            # The row is padded by wrapping around to the start: the ids at cut, cut + 1, ...
+            # then the epoch's first ones again.
+            yield base + cut + r, spaced[-1] if r < row - cut else first[(r - (row - cut)) % len(first)]
         self.settled = pos
 
     @classmethod

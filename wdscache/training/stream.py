@@ -42,7 +42,7 @@ from ..shared.logs import get_logger
 from ..shared.messages import ReportMessage, Requests, WorkerRequest
 from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
-from ..shared.sequence import EpochSpec, RankShare, Resume, SampleId, ShardFeed
+from ..shared.sequence import EpochSpec, IdRun, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles
 from .epoch_shards import EpochShards, OnError, StopEpoch
 from .pins import Pins
@@ -100,16 +100,17 @@ class Session:
 
 def epoch_ids(
     spec: EpochSpec | NodeSpec | MixSpec, share: RankShare | NodeShare, pins: Pins, shards: EpochShards
-) -> Iterator[SampleId | None]:
+) -> Iterator[SampleId | IdRun | None]:
     """The epoch's ids (every rank's), the sequence fed what we learn of each shard (see
     :meth:`EpochShards.arrivals`); None while a downloading shard has no more samples yet.
     Pins of shards no rank needs any more are released as the share settles past them."""
     # Runs once per id of the whole epoch, every rank's (a rank of four sees four ids for
-    # each of its samples): kept to local names.
+    # each of its samples), but once per run of an unshuffled epoch: kept to local names.
     remaining, unneeded = pins.remaining, pins.unneeded
     feed = ShardFeed()
     arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
-    for sid in spec.ids(feed.samples):
+    items = spec.runs(feed) if isinstance(spec, EpochSpec) else spec.ids(feed.samples)
+    for sid in items:
         if sid is None:  # the sequence wants more of a shard
             if arrivals is None:
                 assert feed.wanted is not None  # set whenever the sequence yields None
@@ -127,9 +128,10 @@ def epoch_ids(
             continue
         if unneeded and unneeded[0][0] <= share.settled:  # per id: look before calling
             pins.release_settled(share.settled)
-        pins.given += 1
         shard = sid[0]
-        left = remaining[shard] = remaining.get(shard, 0) - 1
+        n = sid[2] - sid[1] if isinstance(sid, IdRun) else 1
+        pins.given += n
+        left = remaining[shard] = remaining.get(shard, 0) - n
         if not left:
             # No rank needs it once the share has dealt this id: until then ours may
             # wait in a row (and after that, our reads of it hold it: see Pins.release).
