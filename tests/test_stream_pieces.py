@@ -298,7 +298,7 @@ def test_a_shards_count_comes_from_the_agent_the_open_or_a_scan() -> None:
         counts=lambda h: {"ok": True, "counts": [4 if u == URLS[0] else None for u in h["urls"]]},
         open=lambda h: {"ok": True, "samples": 6} if h["url"] == URLS[1] else {"ok": True},
     )
-    shards = epoch_shards(agent, scans=[{"ok": True, "count": 9}])
+    shards = epoch_shards(agent, scans=[{"ok": True, "count": 9, "final": True}])
     assert list(shards.arrivals(0)) == [4]  # the agent's index knew it: not even opened
     assert agent.ops() == [("counts", None)] and len(agent.sent[0]["urls"]) == 4  # asked for the shards ahead too
     assert list(shards.arrivals(1)) == [6] and agent.sent[-1]["ahead"] == [URLS[2], URLS[3]]
@@ -313,6 +313,21 @@ def test_a_downloading_shard_enters_as_its_samples_arrive() -> None:
     shards = epoch_shards(agent, scans)
     assert list(shards.arrivals(0)) == [2, None, None, 5]
     assert 0 not in shards.pins.while_downloading and shards.sample_counts[0] == 5 and shards.pins.remaining[0] == 5
+
+
+def test_a_cached_shards_count_grows_as_its_worker_walks_it() -> None:
+    agent = ScriptedAgent(counts={"ok": True, "counts": [None] * 4}, open={"ok": True})
+    scans = [{"ok": True, "count": 3}, {"ok": True, "count": 7}, {"ok": True, "count": 9, "final": True}]
+    shards = epoch_shards(agent, scans)
+    assert list(shards.arrivals(0)) == [3, 7, 9]  # the first samples before the walk ends
+    assert shards.sample_counts[0] == 9 and shards.pins.remaining[0] == 9 and URLS[0] in shards.learned
+
+
+def test_a_cached_shard_whose_walk_stops_is_counted_by_a_whole_scan() -> None:
+    agent = ScriptedAgent(counts={"ok": True, "counts": [None] * 4}, open={"ok": True})
+    gone = {"ok": True, "count": 0}  # its file went: the worker finds no walk under way
+    shards = epoch_shards(agent, [{"ok": True, "count": 3}, gone, {"ok": True, "count": 9, "final": True}])
+    assert list(shards.arrivals(0)) == [3, 9] and shards.sample_counts[0] == 9
 
 
 def test_a_failed_shard_raises_or_is_skipped_and_let_go() -> None:

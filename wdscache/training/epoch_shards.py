@@ -116,7 +116,8 @@ class EpochShards:
             yield from self._downloading(shard)
             return
         if shard not in counts:
-            counts[shard] = self._scan(shard)
+            yield from self._counting(shard)
+            return
         self.pins.counted(shard, counts[shard])
         yield counts[shard]
 
@@ -169,13 +170,39 @@ class EpochShards:
         self.failed(shard, error)  # raises, or skips the rest of the shard
         self.pins.counted(shard, known)
 
-    def _scan(self, shard: int) -> int:
+    def _counting(self, shard: int) -> Iterator[int]:
+        """How many samples a cached shard holds, as its worker walks it a step at a time:
+        the first samples of a long shard are read before its walk ends. Anything but a walk
+        that moves on (its file gone, damaged, skipped) is left to :meth:`_scan`; the
+        samples already counted stay counted, as they do for a download that fails."""
+        url, known = self.urls[shard], 0
+        while shard not in self.skipped:
+            reply = self.call_worker(Requests.scan(url, while_downloading=True), shard % self.workers)
+            count = int(reply["count"]) if reply.get("ok") else 0
+            if reply.get("ok") and reply.get("final") and count >= known:
+                self.learned[url] = time.monotonic()
+                known = count
+                break
+            if count <= known:
+                known = max(known, self._scan(shard, None if reply.get("ok") else reply))
+                break
+            self.clock.progress_at = time.monotonic()
+            known = count
+            yield known
+        self.sample_counts[shard] = known
+        self.pins.counted(shard, known)
+        yield known
+
+    def _scan(self, shard: int, given: dict[str, Any] | None = None) -> int:
+        """``shard``'s count from a whole walk by its worker (``given``: its answer already at
+        hand), pinned again when its copy went, read once more from a new copy when corrupt."""
         if shard in self.skipped:
             return 0
         url = self.urls[shard]
         repinned = False
         while True:
-            reply = self.call_worker(Requests.scan(url), shard % self.workers)
+            reply = given if given is not None else self.call_worker(Requests.scan(url), shard % self.workers)
+            given = None
             if reply.get("ok"):
                 self.learned[url] = time.monotonic()
                 return int(reply["count"])
