@@ -68,6 +68,7 @@ from ..shared.nodes import JobEpoch, NodeList, NodeShare, RankPlacement, job_epo
 from ..shared.protocol import pages, process_identity
 from ..shared.sequence import RankShare, Resume, rank_length
 from ..shared.urls import UrlList, list_id
+from .agent_list import AgentList, LocalPaths
 from .epoch_shards import agent_counts
 from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree_on_list, check_kept
@@ -274,7 +275,7 @@ class CachedMultiLoader:
         self._shards = listed.shards if listed is not None else None
         self._own_list_id = list_id(self.urls) if self.urls is not None else None  # what a checkpoint names
         self._list_key = listed.key if listed is not None else None  # what the agent holds the list by
-        self._agent_lists: dict[str, tuple[str, ...]] = {}
+        self._agent_lists: dict[str, AgentList] = {}
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._token = env["token"]
@@ -496,15 +497,11 @@ class CachedMultiLoader:
         if self.urls is not None:
             return hello, self.urls
         key = str(hello.get("list_id"))
-        if key not in self._agent_lists:
-            urls: list[str] = []
-            while len(urls) < int(hello.get("n_urls", 0)):
-                page = conn.request(requests.get_urls(len(urls)))
-                if page.get("list_id") != key or not page.get("urls"):
-                    raise WdsCacheError("the agent's URL list changed while it was being read; try again")
-                urls.extend(page["urls"])
-            self._agent_lists = {key: tuple(urls)}  # the latest list only
-        return hello, self._agent_lists[key]
+        listed = self._agent_lists.get(key)
+        if listed is None:  # its URLs asked as the epoch reaches them: the first sample waits for few
+            listed = AgentList(key, int(hello.get("n_urls", 0)))
+            self._agent_lists = {key: listed}  # the latest list only
+        return hello, listed.through(lambda offset: conn.request(requests.get_urls(offset)))
 
     # -- iteration ----------------------------------------------------------
 
@@ -573,7 +570,11 @@ class CachedMultiLoader:
         self._next = NextEpoch(epoch + 1)
         self._current = stream
         self._resumed_from = None
-        local = _local_paths(session.urls, self._given)
+        local = (
+            _local_paths(session.urls, self._given)
+            if not isinstance(session.urls, AgentList)
+            else (LocalPaths() if session.hello.get("local_urls") else {})
+        )
         if not local and self.map_fn is None and self.batch_size is None:
             return stream.delivered_samples()  # counted a read at a time: no Python layer per sample
         items: Iterator[Any] = stream.samples()
@@ -796,7 +797,9 @@ def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[
     }
 
 
-def _as_given(items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]]) -> Iterator[dict[str, Any]]:
+def _as_given(
+    items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]] | LocalPaths
+) -> Iterator[dict[str, Any]]:
     for sample in items:
         named = local.get(sample["__url__"])
         if named is not None:
