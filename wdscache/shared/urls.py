@@ -261,10 +261,9 @@ class Urls(Sequence[str]):
     def distinct(cls, urls: list[str]) -> tuple[Urls, int]:
         """The URLs of ``urls`` without repeats (the first of each kept, in order), and how many were
         dropped; its lookup table made at once, while ``urls`` still hold their hashes."""
-        table = _positions_table(urls, distinct=True)  # None if a URL repeats: then they are dropped first
-        kept = urls if table is not None else list(dict.fromkeys(urls))
+        kept = urls if len(set(urls)) == len(urls) else list(dict.fromkeys(urls))  # (a set is the cheaper check)
         made = cls(kept)
-        made._table = table if table is not None else _positions_table(kept)
+        made._table = _positions_table(kept)
         return made, len(urls) - len(kept)
 
     def __len__(self) -> int:
@@ -312,9 +311,7 @@ class Urls(Sequence[str]):
         """Where ``url`` is (-1: not here)."""
         table = self._table
         if table is None:
-            made = _positions_table(self)
-            assert made is not None  # (not asked to check for repeats)
-            table = self._table = made
+            table = self._table = _positions_table(self)
         mask = len(table) - 1
         slot = hash(url) & mask
         while at := table[slot]:  # position + 1; 0: an empty slot, the end of the probe
@@ -396,18 +393,15 @@ def _restore_urls(text: str, ends: array) -> Urls:
     return made
 
 
-def _positions_table(urls: Sequence[str], *, distinct: bool = False) -> array | None:
+def _positions_table(urls: Sequence[str]) -> array:
     """Open addressing, linear probing: slot ``hash(url) & mask`` or the next free one holds
-    ``position + 1``. At least twice as many slots as URLs keep probes short. With ``distinct``,
-    None if some URL repeats (a repeat probes past its twin, as only a URL of the same hash does)."""
+    ``position + 1``. At least twice as many slots as URLs keep probes short."""
     n = len(urls)
     size = 1 << max(3, (2 * n).bit_length())
     mask, table = size - 1, array("i" if n < 1 << 31 else "q", [0]) * size
     for k, url in enumerate(urls, 1):
         slot = hash(url) & mask
-        while at := table[slot]:
-            if distinct and urls[at - 1] == url:
-                return None
+        while table[slot]:
             slot = (slot + 1) & mask
         table[slot] = k
     return table
@@ -625,12 +619,7 @@ def _plain_lines(text: str, base: str, limit: int) -> list[str] | None:
     """The URLs of a list whose every line is what the line-by-line parse would take as it is
     (an http(s) URL with a host), or a path it would only prefix (all absolute, or all relative,
     none with a part normpath changes), found with substring scans of the whole text; else None."""
-    if (
-        "{" in text
-        or "}" in text
-        or "#" in text
-        or (any(c in text for c in _ASCII_SPACE) if text.isascii() else _SPACE_IN_LINE.search(text) is not None)
-    ):
+    if _not_plain(text):
         return None  # braces, comments, white space in a line: the line-by-line parse
     lines = text.split("\n")
     blank = "\n\n" in text or text.startswith("\n")
@@ -640,8 +629,23 @@ def _plain_lines(text: str, base: str, limit: int) -> list[str] | None:
         lines.pop()
     if len(lines) > limit:
         return None
-    # Every line between two "\n": a pattern at a line's start or end is one substring.
-    joined = "\n" + ("\n".join(lines) if blank else text.removesuffix("\n")) + "\n"
+    return _plain("\n" + ("\n".join(lines) if blank else text.removesuffix("\n")) + "\n", lines, base)
+
+
+def _not_plain(text: str) -> bool:
+    """Whether ``text`` holds a brace, a ``#`` or white space other than ``"\n"``."""
+    return (
+        "{" in text
+        or "}" in text
+        or "#" in text
+        or (any(c in text for c in _ASCII_SPACE) if text.isascii() else _SPACE_IN_LINE.search(text) is not None)
+    )
+
+
+def _plain(joined: str, lines: list[str], base: str) -> list[str] | None:
+    """:func:`_plain_lines` of non-empty ``lines`` that hold no brace, ``#`` or white space, given
+    also as ``joined``: each line between two ``"\n"``, so that a pattern at a line's start or end
+    is one substring."""
     n = len(lines)
     if joined.count("\nhttp://") + joined.count("\nhttps://") == n and not any(
         f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n"
@@ -701,8 +705,12 @@ def _index_list(
     if len(written) > limit:
         raise ShardIndexError(path, None, f"the index lists {len(written)} shards, more than the limit of {limit}")
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
-    urls = _plain_lines("\n".join(written), base, limit)  # each one plain, as a list's lines can be
-    if urls is None or len(urls) != len(written):
+    # Each one plain, as a list's lines can be (none empty, none with a line break)?
+    joined = "\n" + "\n".join(written) + "\n"
+    plain = not _not_plain(joined) and "\n\n" not in joined and joined.count("\n") == len(written) + 1
+    urls = _plain(joined, written, base) if plain else None
+    del joined
+    if urls is None:
         urls = []
         for i, url in enumerate(written):
             try:
