@@ -101,3 +101,40 @@ def test_a_million_entry_shard_index_is_held_with_each_shards_facts(tmp_path, da
         conn.close()
     assert counts == [4 if at < REAL else 7 + at % 3 for at in PROBES]
     assert _first_sample(cache)["__url__"] == real[0]
+
+
+def _anon_mb(pid: int) -> float:
+    """The private memory (RssAnon) of process ``pid``, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no RssAnon in /proc/{pid}/status")
+
+
+EDITS = 5
+
+
+@pytest.mark.slow
+def test_live_edits_of_a_million_line_list_leave_the_agents_memory_steady(tmp_path, start_agent):
+    folder = tmp_path / "big"
+    folder.mkdir()
+    one, listed = folder / "one.txt", folder / "urls.txt"
+    urls = [str(folder / f"missing-{i:07d}.tar") for i in range(MILLION)]
+    one.write_text(urls[0] + "\n")
+    small = _started(start_agent, tmp_path / "one", one)
+    base = _anon_mb(small.pid)  # an agent without a list to speak of
+    small.stop()
+    listed.write_text("\n".join(urls) + "\n")
+    agent = _started(start_agent, tmp_path / "cache", listed)
+    started = _anon_mb(agent.pid)
+    per_list = started - base
+    assert per_list < 250, f"a million listed shards take {per_list:.0f} MB"
+
+    for edit in range(1, EDITS + 1):  # one more URL at the end each time
+        urls.append(str(folder / f"added-{edit}.tar"))
+        _replace(listed, "\n".join(urls) + "\n")
+        taken = MILLION + edit
+        # (stats from the index alone, without "agent", while the agent is busy reading the list)
+        agent.wait_stats(lambda s: (s.get("agent") or {}).get("urls") == taken, READY_TIMEOUT, f"edit {edit} taken")  # noqa: B023
+    grown = _anon_mb(agent.pid) - started
+    assert grown < 0.4 * per_list, f"{EDITS} edits grew the agent by {grown:.0f} MB; the list takes {per_list:.0f} MB"

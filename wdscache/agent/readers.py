@@ -313,6 +313,7 @@ class Readers:
             "prefetch": self._config.prefetch,
             "list_id": self.list_id,
             "n_urls": len(self.urls),
+            "local_urls": self.urls.local,  # (a loader reading it adds each local shard's path to its samples)
             # for direct reads (wdscache.training.direct)
             "cache_dir": str(self._cache.layout.root),
             "cache_root": self._cache_root,

@@ -62,6 +62,7 @@ class HelloReply(TypedDict, total=False):
     prefetch: int
     list_id: str
     n_urls: int
+    local_urls: bool
     cache_dir: str
     cache_root: list[Any]
 

@@ -263,11 +263,13 @@ MESSAGES: tuple[Message, ...] = (
             "prefetch": "int",
             "list_id": "str",
             "n_urls": "int",
+            "local_urls": "bool?",
             "cache_dir": "str",
             "cache_root": "list",
         },
         about="a rank joins its job; list_id names its own list (sent first with put_urls if asked); "
-        "probe: only to learn the list and its counts (a loader's len()), not a rank reading",
+        "probe: only to learn the list and its counts (a loader's len()), not a rank reading; "
+        "the reply's local_urls: the agent's list holds a file:// URL",
     ),
     Message(
         "put_urls",

@@ -75,7 +75,7 @@ class EpochSpec:
     # None reads them all.
     shards: tuple[int, ...] | None = None
 
-    def order(self) -> tuple[int, ...]:
+    def order(self) -> Sequence[int]:
         if self.shards is None:
             return shard_order(self.n_shards, seed=self.seed, epoch=self.epoch, shuffle=self.shuffle)
         mine = self.shards

@@ -113,6 +113,18 @@ class ShardFacts(Sequence[ShardInfo]):
         for info in infos:
             self.append(info)
 
+    @classmethod
+    def of_columns(cls, nsamples: array, filesizes: array, md5s: Sequence[tuple[int, str]] = ()) -> ShardFacts:
+        """The facts of shards whose checked counts and sizes (-1: not given) are ``nsamples`` and
+        ``filesizes`` (taken, not copied), and whose MD5s are ``md5s`` (position, lowercase hex)."""
+        made = cls()
+        made._nsamples, made._filesizes = nsamples, filesizes
+        if md5s:
+            made._md5s = bytearray(_MD5_SLOT * len(nsamples))
+            for at, md5 in md5s:
+                made._md5s[_MD5_SLOT * at : _MD5_SLOT * (at + 1)] = b"\1" + bytes.fromhex(md5)
+        return made
+
     def append(self, info: ShardInfo) -> None:
         self.add(info.nsamples, info.filesize, info.md5)
 
@@ -233,10 +245,11 @@ def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
     and nothing else, in order (anything else, and the caller parses the index again, slowly).
     """
     urls: list[str] = []
-    facts = ShardFacts()
+    nsamples_of, filesizes_of = array("q"), array("q")  # the facts' columns (see ShardFacts)
+    md5s: list[tuple[int, str]] = []  # (position, MD5) of the entries that give one
+    add_url, add_nsamples, add_filesize = urls.append, nsamples_of.append, filesizes_of.append
 
-    def take(pairs: list[tuple[str, Any]]) -> Any:
-        entry = dict(pairs)
+    def take(entry: dict[str, Any]) -> Any:
         url = entry.get("url")
         if url is None:
             return entry
@@ -259,12 +272,15 @@ def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
             and _samples_problem(url, ShardInfo(nsamples, filesize)) is not None
         ):
             raise _NotWellFormed
-        urls.append(url)
-        facts.add(nsamples, filesize, md5.lower() if md5 is not None else None)
+        if md5 is not None:
+            md5s.append((len(urls), md5.lower()))
+        add_url(url)
+        add_nsamples(nsamples)
+        add_filesize(-1 if filesize is None else filesize)
         return _ENTRY
 
     try:
-        doc = json.loads(text, object_pairs_hook=take)
+        doc = json.loads(text, object_hook=take)
     except (_NotWellFormed, ValueError, RecursionError):
         return None
     if not (
@@ -277,7 +293,7 @@ def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
         and all(s is _ENTRY for s in shards)
     ):
         return None
-    return urls, facts
+    return urls, ShardFacts.of_columns(nsamples_of, filesizes_of, md5s)
 
 
 class _NotWellFormed(Exception):

@@ -20,13 +20,14 @@ objects it lists: parsing does no I/O itself, so a list holding one is read with
 from __future__ import annotations
 
 import codecs
+import functools
 import hashlib
 import itertools
 import operator
 import os
 import re
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,14 +71,12 @@ _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 _BRACE_TOKENS = re.compile(r"(\\[{}]|[{},])")
 _COMMENT_START = re.compile(r"\s#")
 _SPACE = re.compile(r"\s")
-# _plain_lines: white space inside a line; a line that is not an http(s) URL with a host; a path
-# normpath would change; a relative path line; an absolute one.
+# _plain_lines: white space inside a line.
 _ASCII_SPACE = " \t\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.split splits an ASCII line at
 _SPACE_IN_LINE = re.compile(r"[^\S\n]")
-_NOT_HTTP = re.compile(r"^(?!https?://[^/?#@:\n])(?=.)", re.MULTILINE)
-_NOT_CLEAN = re.compile(r"//|/\.\.?(/|$)|/$|^\.\.?(/|$)", re.MULTILINE)
-_RELATIVE = re.compile(r"^[^/\n]", re.MULTILINE)
-_ABSOLUTE = re.compile(r"^/", re.MULTILINE)
+# A path with one of these (each line between "\n"s) is not its own os.path.normpath: an empty,
+# "." or ".." part, or a "/" at its end.
+_UNCLEAN = ("/./", "/../", "/.\n", "/..\n", "\n./", "\n../", "\n.\n", "\n..\n")  # and "//", "/\n"
 # Nesting is parsed with an explicit stack, but counting and expanding recurse.
 _MAX_DEPTH = 100
 
@@ -262,7 +261,7 @@ class Urls(Sequence[str]):
     def distinct(cls, urls: list[str]) -> tuple[Urls, int]:
         """The URLs of ``urls`` without repeats (the first of each kept, in order), and how many were
         dropped; its lookup table made at once, while ``urls`` still hold their hashes."""
-        kept = list(dict.fromkeys(urls))
+        kept = urls if len(set(urls)) == len(urls) else list(dict.fromkeys(urls))  # (a set is the cheaper check)
         made = cls(kept)
         made._table = _positions_table(kept)
         return made, len(urls) - len(kept)
@@ -394,10 +393,10 @@ def _restore_urls(text: str, ends: array) -> Urls:
     return made
 
 
-def _positions_table(urls: Iterable[str]) -> array:
+def _positions_table(urls: Sequence[str]) -> array:
     """Open addressing, linear probing: slot ``hash(url) & mask`` or the next free one holds
     ``position + 1``. At least twice as many slots as URLs keep probes short."""
-    n = len(urls) if isinstance(urls, Sized) else 0
+    n = len(urls)
     size = 1 << max(3, (2 * n).bit_length())
     mask, table = size - 1, array("i" if n < 1 << 31 else "q", [0]) * size
     for k, url in enumerate(urls, 1):
@@ -455,6 +454,12 @@ class UrlList:
             return None
         at = self.urls.position(url)
         return None if at < 0 else self.shards[at]
+
+    @functools.cached_property
+    def local(self) -> bool:
+        """Whether some URL names a local file (``file://``)."""
+        text = self.urls.text()
+        return text.startswith("file://") or "\nfile://" in text
 
     @property
     def key(self) -> str:
@@ -613,25 +618,49 @@ def parse_url_list(
 def _plain_lines(text: str, base: str, limit: int) -> list[str] | None:
     """The URLs of a list whose every line is what the line-by-line parse would take as it is
     (an http(s) URL with a host), or a path it would only prefix (all absolute, or all relative,
-    none with a part normpath changes), found with a few scans of the whole text; else None."""
-    if (
+    none with a part normpath changes), found with substring scans of the whole text; else None."""
+    if _not_plain(text):
+        return None  # braces, comments, white space in a line: the line-by-line parse
+    lines = text.split("\n")
+    blank = "\n\n" in text or text.startswith("\n")
+    if blank:
+        lines = [line for line in lines if line]
+    elif lines and not lines[-1]:
+        lines.pop()
+    if len(lines) > limit:
+        return None
+    return _plain("\n" + ("\n".join(lines) if blank else text.removesuffix("\n")) + "\n", lines, base)
+
+
+def _not_plain(text: str) -> bool:
+    """Whether ``text`` holds a brace, a ``#`` or white space other than ``"\n"``."""
+    return (
         "{" in text
         or "}" in text
         or "#" in text
         or (any(c in text for c in _ASCII_SPACE) if text.isascii() else _SPACE_IN_LINE.search(text) is not None)
+    )
+
+
+def _plain(joined: str, lines: list[str], base: str) -> list[str] | None:
+    """:func:`_plain_lines` of non-empty ``lines`` that hold no brace, ``#`` or white space, given
+    also as ``joined``: each line between two ``"\n"``, so that a pattern at a line's start or end
+    is one substring."""
+    n = len(lines)
+    if joined.count("\nhttp://") + joined.count("\nhttps://") == n and not any(
+        f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n"
     ):
-        return None  # braces, comments, white space in a line: the line-by-line parse
-    if _NOT_HTTP.search(text) is None:
-        lines = [line for line in text.split("\n") if line]
-    elif ":" not in text and _NOT_CLEAN.search(text) is None:
-        absolute = _RELATIVE.search(text) is None
-        if not absolute and _ABSOLUTE.search(text) is not None:
-            return None  # some of each: each its own way
-        prefix = "file://" if absolute else "file://" + (base if base != "/" else "") + "/"
-        lines = [prefix + line for line in text.split("\n") if line]
-    else:
+        return lines
+    if ":" in joined or "//" in joined or "/\n" in joined:
         return None
-    return lines if len(lines) <= limit else None
+    if ("/." in joined or "\n." in joined) and any(part in joined for part in _UNCLEAN):
+        return None  # (a dot after a "/" or at a line's start is rare: the exact parts are looked for then)
+    absolute = joined.count("\n/") == n
+    if not absolute and "\n/" in joined:
+        return None  # some of each: each its own way
+    del joined
+    prefix = "file://" if absolute else "file://" + (base if base != "/" else "") + "/"
+    return [prefix + line for line in lines]
 
 
 def index_list(
@@ -676,8 +705,12 @@ def _index_list(
     if len(written) > limit:
         raise ShardIndexError(path, None, f"the index lists {len(written)} shards, more than the limit of {limit}")
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
-    urls = _plain_lines("\n".join(written), base, limit)  # each one plain, as a list's lines can be
-    if urls is None or len(urls) != len(written):
+    # Each one plain, as a list's lines can be (none empty, none with a line break)?
+    joined = "\n" + "\n".join(written) + "\n"
+    plain = not _not_plain(joined) and "\n\n" not in joined and joined.count("\n") == len(written) + 1
+    urls = _plain(joined, written, base) if plain else None
+    del joined
+    if urls is None:
         urls = []
         for i, url in enumerate(written):
             try:

@@ -24,6 +24,7 @@ from ..shared.logs import get_logger
 from ..shared.messages import Requests, WorkerRequest
 from ..shared.mixture import MixSpec
 from ..shared.nodes import NodeSpec
+from ..shared.plan import ShardOrder
 from ..shared.protocol import pages
 from ..shared.sequence import EpochSpec
 from .pins import STATUS_EVERY, Pins
@@ -87,9 +88,9 @@ class EpochShards:
         self.on_error, self.timeout, self.prefetch, self.workers = on_error, timeout, prefetch, workers
         self.pins, self.clock = pins, clock
         self.call_worker, self.hold_nothing = call_worker, hold_nothing
-        self.order = spec.order()
-        self.next_order = spec.following().order()
-        self.order_pos = {shard: i for i, shard in enumerate(self.order)}
+        self.spec = spec
+        self.order = ShardOrder.of(spec.order())  # positions looked up through it, not a dict a shard
+        self._next_order: Sequence[int] | None = None  # the next epoch's, made once the window reaches it
         self.sample_counts: dict[int, int] = {}  # shard -> its samples, once known
         # Shards whose counts our workers found lately (url -> when): they report them to the
         # agent, and we wait for those reports before we say bye, so that len() knows them
@@ -108,7 +109,7 @@ class EpochShards:
         download brought so far), None while no more arrived. Ends once that is final."""
         counts = self.sample_counts
         if shard not in counts:
-            pos = self.order_pos[shard]
+            pos = self.order.position(shard)
             self._known_counts(self.order[pos : pos + COUNTS_AHEAD])
         if shard not in counts:
             self.open(shard, while_downloading=True)
@@ -233,9 +234,14 @@ class EpochShards:
 
     def ahead(self, shard: int) -> list[str]:
         """Our window from ``shard``: the shards we read after it."""
-        pos = self.order_pos.get(shard, len(self.order))  # not ours: a repeat of another node's sample
+        pos = self.order.position(shard)
+        if pos < 0:  # not ours: a repeat of another node's sample
+            pos = len(self.order)
         nxt = self.order[pos + 1 : pos + 1 + self.prefetch]
-        nxt += self.next_order[: self.prefetch - len(nxt)]
+        if len(nxt) < self.prefetch:
+            if self._next_order is None:
+                self._next_order = self.spec.following().order()
+            nxt += tuple(self._next_order[: self.prefetch - len(nxt)])
         return [self.urls[s] for s in nxt]
 
     def open(self, shard: int, *, again: bool = False, while_downloading: bool = False) -> None:

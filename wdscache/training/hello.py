@@ -4,10 +4,10 @@
   only when the agent does not hold it under that key (``need_urls``) is it sent, in pages
   with each shard's facts from a shard index, and the hello asked again. So a list is sent
   once per agent, however many readers and epochs use it.
-- A reader without one reads the agent's list in pages, every page of the same list id:
-  a list that changes while it is read is an error to try again, never a mix of two lists.
-  The caller keeps the list it read by its id and passes it back (``known``): it is read
-  again only when the agent's list changed.
+- A reader without one reads the agent's list a block at a time as its epoch reaches it
+  (:class:`~wdscache.training.agent_list.AgentList`), every page of the same list id: a list
+  that changes while it is read is an error to try again, never a mix of two lists. The
+  caller passes the list back (``known``): its blocks are kept while the agent's list stays.
 - A refusal (of the reader, or of its list) raises :class:`~wdscache.shared.errors.WdsCacheError`
   naming the agent's endpoint and its reason.
 """
@@ -23,6 +23,7 @@ from ..shared.errors import WdsCacheError
 from ..shared.messages import Requests
 from ..shared.protocol import pages, process_identity
 from ..shared.shard_index import ShardFacts
+from .agent_list import AgentList
 
 
 @dataclass(frozen=True)
@@ -45,12 +46,13 @@ def say_hello(
     conn: AgentConnection,
     name: str,
     reader: Reader,
-    known: tuple[str, Sequence[str]] | None = None,
+    known: AgentList | None = None,
     *,
     probe: bool = False,
 ) -> tuple[dict[str, Any], Sequence[str]]:
     """Say hello to the agent as ``reader`` named ``name``; returns the reply and the URL list in
-    use. ``known``: the agent's list read before, with its id (not read again if still in use).
+    use. ``known``: the agent's list as read before (its blocks kept if it is still in use); the
+    agent's list is an :class:`AgentList`, asked a block at a time as the epoch reaches it.
     ``probe``: only to learn the list and its counts, not as a rank that reads."""
     requests = Requests(name)
     request = requests.hello(
@@ -78,12 +80,5 @@ def say_hello(
     if reader.urls is not None:
         return hello, reader.urls
     key = str(hello.get("list_id"))
-    if known is not None and known[0] == key:
-        return hello, known[1]
-    urls: list[str] = []
-    while len(urls) < int(hello.get("n_urls", 0)):
-        page = conn.request(requests.get_urls(len(urls)))
-        if page.get("list_id") != key or not page.get("urls"):
-            raise WdsCacheError("the agent's URL list changed while it was being read; try again")
-        urls.extend(page["urls"])
-    return hello, tuple(urls)
+    listed = known if known is not None and known.list_id == key else AgentList(key, int(hello.get("n_urls", 0)))
+    return hello, listed.through(lambda offset: conn.request(requests.get_urls(offset)))

@@ -69,6 +69,7 @@ from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeList, RankPlacement, job_epoch
 from ..shared.sequence import Resume, rank_length
 from ..shared.urls import UrlList, list_id
+from .agent_list import AgentList, LocalPaths
 from .checkpoints import Checkpoints, NextEpoch
 from .epoch_shards import agent_counts
 from .hello import Reader, say_hello
@@ -258,7 +259,7 @@ class CachedMultiLoader:
         self._shards = listed.shards if listed is not None else None
         self._own_list_id = list_id(self.urls) if self.urls is not None else None  # what a checkpoint names
         self._list_key = listed.key if listed is not None else None  # what the agent holds the list by
-        self._agent_list: tuple[str, Sequence[str]] | None = None  # the agent's list read last, by its id
+        self._agent_list: AgentList | None = None  # the agent's list as read last (its blocks kept)
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
         self._token = env["token"]
@@ -326,8 +327,8 @@ class CachedMultiLoader:
             self.job, self.rank, self.world_size, shuffle_buffer, self.endpoint, self.urls, self._shards, self._list_key
         )
         hello, urls = say_hello(conn, name, reader, self._agent_list, probe=probe)
-        if self.urls is None:
-            self._agent_list = (str(hello.get("list_id")), urls)  # the latest list only
+        if isinstance(urls, AgentList):
+            self._agent_list = urls  # the latest list only
         return hello, urls
 
     # -- iteration ----------------------------------------------------------
@@ -397,7 +398,11 @@ class CachedMultiLoader:
         self._next = NextEpoch(epoch + 1)
         self._current = stream
         self._resumed_from = None
-        local = _local_paths(session.urls, self._given)
+        local = (
+            _local_paths(session.urls, self._given)
+            if not isinstance(session.urls, AgentList)
+            else (LocalPaths() if session.hello.get("local_urls") else {})
+        )
         if not local and self.map_fn is None and self.batch_size is None:
             return stream.delivered_samples()  # counted a read at a time: no Python layer per sample
         items: Iterator[Any] = stream.samples()
@@ -577,7 +582,9 @@ def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[
     }
 
 
-def _as_given(items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]]) -> Iterator[dict[str, Any]]:
+def _as_given(
+    items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]] | LocalPaths
+) -> Iterator[dict[str, Any]]:
     for sample in items:
         named = local.get(sample["__url__"])
         if named is not None:
