@@ -59,6 +59,10 @@ class ReplyFrames:
             self.copies.append((frames[0].tracker, len(frames[0])))
         return frames, ranges
 
+    def forget(self, view: Any) -> None:
+        """``view`` was let go (its file evicted or replaced): its pages go with its mapping."""
+        self.served.pop(view, None)
+
     def drop_sent(self) -> None:
         """Drop from our RSS the served pages whose frames have gone."""
         for view, frames in list(self.served.items()):

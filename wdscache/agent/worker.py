@@ -64,7 +64,6 @@ import os
 import signal
 import sys
 import time
-from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,28 +72,22 @@ from typing import Any
 import zmq
 
 from ..shared.errors import ProtocolError, ShardError
-from ..shared.layout import CacheLayout, file_identity
+from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
 from ..shared.malloc import tune_malloc
 from ..shared.messages import ConsumerReply, Reports, SamplesReply, ScannedReply, WorkerErrorKind, WorkerErrorReply
 from ..shared.protocol import WorkerProofs, field, pack, same_secret, unpack
 from .growing import GrowingShard, NotYet
+from .open_shards import SWEEP_EVERY, OpenShards
 from .reply_frames import ReplyFrames
-from .sampletable import PackedSamples, SampleTables, placed
-from .shardview import ShardView, open_shard
+from .sampletable import PackedSamples, placed
+from .shardview import ShardView
 
 log = get_logger(__name__)
 
-OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RSS until dropped
-# Samples whose place a worker remembers after their shard's view is closed (about 100 bytes
-# each): each epoch would otherwise walk every tar header again, half a worker's time on
-# warm 110 KB samples.
-INDEX_SAMPLES = 250_000
-INDEX_AHEAD = 64  # published shards a worker may have still to walk ahead of their reads
 REPORT_EVERY = 1.0
 MAX_ITEMS = 4096
 DROP_EVERY = 0.005  # seconds between drops of served shard pages from a worker's RSS
-SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still holds open
 # Samples this close in a shard go in one run, the tar headers between them too: enough
 # for the headers between consecutive samples, too little to carry another rank's samples
 # along unless they are tiny.
@@ -103,9 +96,6 @@ MERGE_GAP = 2048
 # samples cost it nothing, so ranges this close are merged (a rank of four, reading blocks of
 # 8 samples of 1 KB, then gets one range per shard and reply instead of one per block).
 DIRECT_GAP = 1 << 20
-# A walked table larger than this is not passed on (the agent takes messages up to 1 MiB):
-# about 7,000 samples of three fields; each worker walks a bigger shard itself.
-SHARE_MAX = 768 << 10
 REFUSED = (
     "refused: this worker serves only consumers that hold the agent's token "
     "(CACHE_DIR/token, readable by the cache directory's owner only); use CachedMultiLoader as that user"
@@ -137,11 +127,7 @@ class _Worker:
         self.reports = Reports(secret)  # our reports to the agent carry the workers' secret
         self.key = key  # for our reports to the agent
         self.proofs = WorkerProofs(serve_key)  # what a consumer's request to us, and our reply, carry
-        self.layout = CacheLayout.of(spec.cache_dir)
         self.stop = False
-        self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
-        self.index = SampleTables(INDEX_SAMPLES)
-        self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
         self.frames = ReplyFrames()  # replies' frames, and the served pages they were cut from
         self._last_drop = self._last_sweep = time.monotonic()
         self.ctx = zmq.Context()
@@ -161,14 +147,15 @@ class _Worker:
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.report, zmq.POLLIN)
-        # Shards the agent just published: walked while no request waits, so that the first
-        # read of a shard downloaded ahead does not wait for a walk of its headers.
-        self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
-        # The one being walked, a step at a time between requests: a read of it takes the walk over.
-        self.walking: dict[str, GrowingShard] = {}
+        self.shards = OpenShards(
+            CacheLayout.of(spec.cache_dir),
+            self.reports,
+            self._send_report,
+            self.frames.forget,
+            spec.index,
+        )
         self.busy = 0.0
         self.requests = self.samples = self.bytes = 0
-        self.walked = self.adopted = 0  # shards walked here; tables taken from another worker
         self._last_report = 0.0  # report at once: the agent learns where to send its hints
 
     def step(self) -> None:
@@ -176,11 +163,11 @@ class _Worker:
         # How long to wait for a request depends on the work due without one: shards to
         # index; served pages to drop (ZeroMQ goes on sending, and faulting in, queued
         # frames after we stop handling); open files to sweep.
-        if self.to_index:
+        if self.shards.to_index:
             idle = 0.0  # shards to index: only a look for requests first
         elif self.frames.served:
             idle = DROP_EVERY
-        elif self.views or self.growing:
+        elif self.shards.held():
             idle = SWEEP_EVERY  # files held open: look for evicted ones on time
         else:
             idle = 0.1
@@ -196,8 +183,10 @@ class _Worker:
                 t0 = time.perf_counter()
                 self._handle(frames[0], frames[1:])
                 self.busy += time.perf_counter() - t0
-        elif self.to_index:
-            self._index_ahead()
+        elif self.shards.to_index:
+            t0 = time.perf_counter()
+            self.shards.index_ahead()
+            self.busy += time.perf_counter() - t0
         now = time.monotonic()
         if now - self._last_report >= REPORT_EVERY:
             self._last_report = now
@@ -208,9 +197,9 @@ class _Worker:
                     requests=self.requests,
                     samples=self.samples,
                     bytes=self.bytes,
-                    indexed=len(self.index),
-                    walked=self.walked,
-                    adopted=self.adopted,
+                    indexed=len(self.shards.index),
+                    walked=self.shards.walked,
+                    adopted=self.shards.adopted,
                 )
             )
             if os.getppid() != self.spec.parent:
@@ -223,28 +212,7 @@ class _Worker:
         self.frames.drop_sent()
         if self._last_drop - self._last_sweep >= SWEEP_EVERY:
             self._last_sweep = self._last_drop
-            self._sweep()
-
-    def _sweep(self) -> None:
-        """Let go of files evicted or replaced: an open descriptor or mapping would keep a
-        deleted shard's disk space in use, and the agent counts on getting it back."""
-        for url, growing in list(self.growing.items()):
-            if not growing.current():  # published or abandoned: give its descriptor back
-                self.growing.pop(url).close()
-        for url, walker in list(self.walking.items()):
-            if not walker.current():  # evicted or replaced while walked ahead
-                self.walking.pop(url).close()
-        for url, (identity, _) in list(self.views.items()):
-            try:
-                gone = file_identity(os.stat(self.layout.shard_path(url))) != identity
-            except OSError:
-                gone = True
-            if gone:
-                self.index.discard(url)
-                # Dropped, not closed: frames still queued in ZeroMQ may point into its mapping,
-                # which goes once they are sent.
-                view = self.views.pop(url)[1]
-                self.frames.served.pop(view, None)
+            self.shards.sweep()
 
     def _take_hints(self) -> None:
         while True:
@@ -256,101 +224,13 @@ class _Worker:
                 continue  # only the agent talks on this socket; a bad hint is not worth more
             url = header.get("url")
             if header.get("op") == "index" and isinstance(url, str):
-                self.to_index.append(url)
+                self.shards.to_index.append(url)
             elif header.get("op") == "walked" and isinstance(url, str):
-                self._adopt(url, header, payload)
+                self.shards.adopt(url, header, payload)
 
-    def _adopt(self, url: str, header: dict[str, Any], frames: list[bytes]) -> None:
-        """Take the table another worker walked, if it is of the file we see now."""
+    def _send_report(self, header: Mapping[str, Any], frames: Sequence[bytes] = ()) -> None:
         try:
-            identity = file_identity(os.stat(self.layout.shard_path(url)))
-            if header.get("identity") != list(identity) or self.index.get(url, identity) is not None:
-                return  # replaced or gone since, or walked here too
-            samples = PackedSamples.from_parts(header.get("layouts"), frames, identity[2])
-        except OSError:
-            return  # evicted meanwhile
-        except ValueError as exc:  # a bug of ours: the walk is done here when first needed
-            log.warning("worker %d: a table passed on for %s was not taken: %s", self.spec.index, url, exc)
-            return
-        self.index.put(url, identity, samples)
-        self.adopted += 1
-        if url in self.walking:
-            self.walking.pop(url).close()
-        if url in self.to_index:
-            self.to_index.remove(url)
-
-    def _open(self, path: Path, url: str, growing: GrowingShard | None) -> Any:
-        """Open the shard at ``path``; a table walked here (not in the index before) is
-        reported, for the agent to pass on to the other workers."""
-        identity = file_identity(os.stat(path))
-        known = self.index.get(url, identity) is not None
-        try:
-            view = open_shard(path, url=url, growing=growing, tables=self.index)
-        except ShardError as exc:
-            # A published file is whole and was checked, so it was damaged on disk (or its
-            # source is bad): the agent fetches it once more, or fails it. The identity says
-            # which copy we read, so a report about a copy replaced since changes nothing.
-            self._send_report(self.reports.corrupt_copy(url, list(identity), str(exc)))
-            raise
-        samples = None if known else self.index.get(url, identity)
-        if isinstance(samples, PackedSamples):
-            self.walked += 1
-            layouts, frames = samples.parts()
-            header = {**self.reports.walked(url, list(identity), layouts), "key": self.key}
-            if sum(map(len, frames)) + len(json.dumps(header)) <= SHARE_MAX:
-                try:  # not _send_report: frames too
-                    self.report.send_multipart(pack(header, *frames), zmq.NOBLOCK)
-                except zmq.Again:
-                    pass  # the others walk it themselves
-        return view
-
-    def _index_ahead(self) -> None:
-        """Walk the next shard the agent just published, so that its samples are known
-        before it is read (only the rest, if a view of its download walked the start).
-        Only the index keeps it: the views open for reads stay as they are.
-
-        A shard is walked :data:`~wdscache.agent.growing.WALK_STEP` samples a call, the
-        requests that came meanwhile served between calls: a read never waits for a whole
-        walk of a shard it does not read (a read of this one takes the walk over)."""
-        url = self.to_index[0]
-        if url in self.views:
-            self.to_index.popleft()
-            return  # open already
-        t0 = time.perf_counter()
-        walker = self.walking.get(url)
-        growing = None
-        try:
-            if walker is None:
-                growing = self.growing.pop(url, None)
-                if growing is None:
-                    walker = self.walking[url] = GrowingShard(self.layout.shard_path(url), url=url)
-            if walker is not None:
-                before = len(walker.samples)
-                self._walk(url, walker, before)
-                if len(walker.samples) > before:
-                    return  # more next time
-                # Walked but for its last sample, which only the end of the file shows complete.
-                growing = self.walking.pop(url)
-            self.to_index.popleft()
-            self._open(self.layout.shard_path(url), url, growing).close()
-        except (OSError, ShardError):
-            # Evicted meanwhile, or damaged: a read will say so to whoever asks.
-            if self.to_index and self.to_index[0] == url:
-                self.to_index.popleft()
-            if url in self.walking:
-                self.walking.pop(url).close()
-        except Exception:  # speculative work must never take the worker down
-            log.exception("worker %d: error indexing %s ahead", self.spec.index, url)
-            if self.to_index and self.to_index[0] == url:
-                self.to_index.popleft()
-        finally:
-            if growing is not None:
-                growing.close()
-            self.busy += time.perf_counter() - t0
-
-    def _send_report(self, header: Mapping[str, Any]) -> None:
-        try:
-            self.report.send_multipart(pack({**header, "key": self.key}), zmq.NOBLOCK)
+            self.report.send_multipart(pack({**header, "key": self.key}, *frames), zmq.NOBLOCK)
         except zmq.Again:
             pass  # reports are advisory; never block serving on them
 
@@ -386,21 +266,21 @@ class _Worker:
 
     def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
         try:
-            walker = self._unwalked(url) if partial else None
+            walker = self.shards.unwalked(url) if partial else None
             if walker is not None:  # asked while downloading, and just published: the walk so far
                 before = len(walker.samples)
-                self._walk(url, walker, before)
+                self.shards.walk(url, walker, before)
                 if len(walker.samples) > before:
                     self._reply(ident, _scanned(rid, len(walker.samples), False))
                     return
                 # Walked but for the last sample: the view below takes the walk over.
-            count, final = len(self._view(url).samples), True
+            count, final = len(self.shards.view(url).samples), True
             self._send_report(self.reports.counted(url, count))
         except FileNotFoundError:
             if not partial:
                 raise
             try:
-                count, final = len(self._growing(url, refresh=True).samples), False
+                count, final = len(self.shards.downloading(url, refresh=True).samples), False
             except FileNotFoundError:
                 count, final = 0, False  # not started yet, just published, or failed: ask again
         self._reply(ident, _scanned(rid, count, final))
@@ -421,7 +301,7 @@ class _Worker:
         shards: list[tuple[Any, Any, int, int]] = []  # per URL: its view, placer, sample count, merge gap
         files: dict[Any, list[int]] = {}  # published plain shards the consumer reads: [url index, *identity]
         for k, url in enumerate(urls):  # once per shard, not per sample
-            view = self._readable(url)
+            view = self.shards.readable(url)
             if isinstance(view, GrowingShard):
                 shards.append((view, None, 0, 0))
                 continue
@@ -446,7 +326,7 @@ class _Worker:
             view, placer, count, gap = shards[k]
             if placer is None:  # a download under way
                 if j >= len(view.samples):
-                    self._walk(urls[k], view, j)
+                    self.shards.walk(urls[k], view, j)
                 if not 0 <= j < len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
@@ -490,93 +370,6 @@ class _Worker:
         self._reply(ident, reply, frames)
         self._drop_served()  # after the send, in which pyzmq copies (so maps in) the small frames
 
-    def _view(self, url: str) -> Any:
-        """The cached shard's view; FileNotFoundError while it is not (or no longer) cached."""
-        path = self.layout.shard_path(url)
-        identity = file_identity(os.stat(path))  # FileNotFoundError: evicted or never cached
-        cached = self.views.get(url)
-        if cached is not None and cached[0] == identity:
-            self.views.move_to_end(url)
-            return cached[1]
-        growing, walker = self.growing.pop(url, None), self.walking.pop(url, None)
-        try:
-            # Neither what its download showed, nor what a walk ahead found, nor a shard
-            # opened before is walked again.
-            view = self._open(path, url, growing or walker)
-        finally:
-            for seen in (growing, walker):
-                if seen is not None:
-                    seen.close()  # its payloads went out as copies
-        # The identity of the file opened, not of the path a moment before: a reply names it.
-        self.views[url] = (view.identity, view)
-        while len(self.views) > OPEN_SHARDS:
-            # Dropped, not closed: frames still queued in ZeroMQ may point into its mmap.
-            self.views.popitem(last=False)
-        return view
-
-    def _growing(self, url: str, *, refresh: bool) -> GrowingShard:
-        """The shard's download so far; FileNotFoundError when none is under way.
-
-        A view whose file was replaced (a new download), published or removed is not
-        used again: it could hold another version's bytes, and its descriptor would
-        keep a deleted file's disk space.
-        """
-        view = self.growing.get(url)
-        if view is not None and not view.current():
-            self.growing.pop(url).close()
-            view = None
-        if view is None:
-            view = self.growing[url] = GrowingShard(self.layout.partial_path(url), url=url)
-            refresh = True
-            while len(self.growing) > OPEN_SHARDS:
-                self.growing.popitem(last=False)[1].close()
-        self.growing.move_to_end(url)
-        if refresh:
-            view.refresh(len(view.samples))  # a step further: a look at the download answers soon
-        return view
-
-    def _readable(self, url: str) -> Any:
-        """The cached shard (the walk of it so far, if it was just published), or else its download so far."""
-        try:
-            walker = self._unwalked(url)
-            return walker if walker is not None else self._view(url)
-        except FileNotFoundError:
-            return self._growing(url, refresh=False)
-
-    def _walk(self, url: str, view: GrowingShard, needed: int) -> None:
-        """``view.refresh(needed)``; a published shard found damaged is reported, as :meth:`_open` does."""
-        try:
-            view.refresh(needed)
-        except ShardError as exc:
-            if self.walking.get(url) is view:
-                self.walking.pop(url).close()
-                try:
-                    identity = file_identity(os.stat(self.layout.shard_path(url)))
-                except OSError:
-                    raise exc from None
-                self._send_report(self.reports.corrupt_copy(url, list(identity), str(exc)))
-            raise
-
-    def _unwalked(self, url: str) -> GrowingShard | None:
-        """A published shard whose samples are not known here yet, read as its walk so far (a
-        step past the sample asked for), the rest walked next while idle: its first read waits
-        for a step of the walk, not the whole of it. None if its samples are known, or if a
-        view of its download found them so far (opening it walks only the rest).
-        FileNotFoundError if it is not published."""
-        if url in self.views or url in self.growing:
-            return None
-        path = self.layout.shard_path(url)
-        if self.index.get(url, file_identity(os.stat(path))) is not None:
-            return None
-        walker = self.walking.get(url)
-        if walker is None:
-            walker = self.walking[url] = GrowingShard(path, url=url)
-        if not self.to_index or self.to_index[0] != url:
-            if url in self.to_index:
-                self.to_index.remove(url)
-            self.to_index.appendleft(url)
-        return walker
-
     def _reply(self, ident: bytes, header: ConsumerReply, frames: Sequence[Any] = ()) -> None:
         header["proof"] = self.proofs.reply(header["id"])  # every reply, so a consumer can tell ours
         try:
@@ -585,9 +378,7 @@ class _Worker:
             log.warning("worker %d: dropped a reply to a consumer that does not read", self.spec.index)
 
     def close(self) -> None:
-        for walker in self.walking.values():
-            walker.close()
-        self.walking.clear()
+        self.shards.close()
         self.sock.close(0)
         self.report.close(0)
         self.ctx.term()
