@@ -218,6 +218,7 @@ def test_budget_never_exceeded_while_three_budgets_of_shards_stream_through(
 # -- restarts and locks ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_restart_downloads_nothing_already_cached(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(5)
     cache = tmp_path / "cache"

@@ -163,6 +163,7 @@ def test_loader_goes_on_exactly_when_the_agents_workers_alone_are_killed(
     assert agent.running()
 
 
+@pytest.mark.slow
 def test_shard_client_pins_its_open_shards_again_at_a_restarted_agent(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(3, samples=5, payload=1000)
     cache = tmp_path / "cache"
@@ -181,6 +182,7 @@ def test_shard_client_pins_its_open_shards_again_at_a_restarted_agent(shard_serv
         assert held.read_bytes() == ds.paths[0].read_bytes() and released.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["kept", "gone"])
 def test_shard_client_at_a_restarted_agent_that_lost_its_shard_gets_it_back_or_fails_at_once(
     shard_server, dataset, start_agent, tmp_path, source
@@ -205,6 +207,7 @@ def test_shard_client_at_a_restarted_agent_that_lost_its_shard_gets_it_back_or_f
             assert client.stats()["agent"]["pinned"] == 0  # told once; the client goes on
 
 
+@pytest.mark.slow
 def test_a_resumed_loader_whose_first_iter_fails_delivers_the_resumed_epoch_exactly_once_the_agent_is_back(
     shard_server, dataset, start_agent, tmp_path
 ):

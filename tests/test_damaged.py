@@ -48,6 +48,7 @@ def gets(server, name: str) -> int:
     return sum(1 for r in server.requests if r.method == "GET" and r.path == name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["second-epoch", "after-restart"])
 def test_a_copy_damaged_on_disk_is_found_by_a_read_fetched_again_and_the_epoch_completes(
     shard_server, dataset, start_agent, tmp_path, when

@@ -497,6 +497,7 @@ def test_a_disk_filled_by_someone_else_does_not_stop_serving_cached_shards(
     assert s["shards"]["cached"] == 2 and s["hits"] == 2, s
 
 
+@pytest.mark.slow
 def test_disk_full_abandons_the_download_keeps_serving_and_recovers(
     small_fs, shard_server, dataset, start_agent, watchers, tmp_path
 ):
@@ -679,6 +680,7 @@ def test_shard_files_deleted_behind_the_agents_back_are_downloaded_again(
     assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths)
 
 
+@pytest.mark.slow
 def test_corrupt_index_is_set_aside_and_cached_shards_are_adopted_not_downloaded(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):
@@ -838,6 +840,7 @@ def _proved(frame: bytes, key: str) -> bytes:
     return _j({**obj, "auth": request_proof(key, obj.get("id"))}) if isinstance(obj, dict) else frame
 
 
+@pytest.mark.slow
 def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(
     shard_server, dataset, start_agent, raw_peers, tmp_path
 ):

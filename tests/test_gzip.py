@@ -82,6 +82,7 @@ def no_leftovers(cache: Path, url: str) -> None:
     assert sorted(p.name for p in layout.partial_dir.iterdir()) == [], "files left in partial/"
 
 
+@pytest.mark.slow
 def test_gzip_shards_stream_cold_byte_equal_to_webdataset_and_are_cached_as_plain_tars(
     tmp_path, shard_server, start_agent, consumers
 ):
@@ -122,6 +123,7 @@ def test_gzip_shards_stream_cold_byte_equal_to_webdataset_and_are_cached_as_plai
     assert s["bytes_used"] == sum(len(layout.shard_path(u).read_bytes()) for u in urls), s
 
 
+@pytest.mark.slow
 def test_a_gzip_bomb_beyond_the_budget_fails_with_the_reason_and_the_others_are_served(
     tmp_path, shard_server, start_agent, consumers
 ):
@@ -238,6 +240,7 @@ def test_a_restart_keeps_a_gzip_shard_it_cached(tmp_path, shard_server, start_ag
     assert "changed on the server" not in agent.stderr_text()
 
 
+@pytest.mark.slow
 def test_recovery_forgets_a_gzip_file_in_the_cache_and_fetches_the_shard_again(tmp_path, shard_server, start_agent):
     path = make_shard(shard_server.root / "old-000000.tar.gz", synth_samples(0, 10, payload=5000), gzip=True)
     url = shard_server.url(path.name)
@@ -262,6 +265,7 @@ def test_recovery_forgets_a_gzip_file_in_the_cache_and_fetches_the_shard_again(t
     assert "gzip" in agent.stderr_text()
 
 
+@pytest.mark.slow
 def test_a_gzip_bomb_from_a_pipe_source_fails_within_the_budget(tmp_path, shard_server, start_agent):
     """A ``pipe:`` body has no size up front: its tar's growth is held to the budget all the same."""
     bomb = zero_bomb(shard_server.root / "pbomb-000000.tar.gz", 1, 120 * MiB)
@@ -283,6 +287,7 @@ def test_a_gzip_bomb_from_a_pipe_source_fails_within_the_budget(tmp_path, shard_
     no_leftovers(cache, line)
 
 
+@pytest.mark.slow
 def test_a_gzip_expansion_that_fits_only_without_a_step_ahead_is_not_held_up(tmp_path, shard_server, start_agent):
     """The tar is granted what it needs when the budget cannot also hold a step ahead: three
     pinned shards leave 65 MiB of 128; the compressed file (8 MiB) and its tar (56 MiB) fit,

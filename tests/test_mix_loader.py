@@ -179,6 +179,7 @@ def test_bad_mixtures_are_refused_naming_the_argument(two_sources: dict[str, Any
         )
 
 
+@pytest.mark.slow
 def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any]) -> None:
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
     pytest.importorskip(
@@ -224,6 +225,7 @@ def test_webdataset_takes_a_mixture_too(two_sources: dict[str, Any]) -> None:
     assert Counter(s for s, _ in got) == {src["a"]: 5, src["b"]: 15} and len(ds) == 20
 
 
+@pytest.mark.slow
 def test_a_cold_mixture_counted_for_longer_than_the_agent_keeps_a_silent_reader_delivers_its_shares(
     dataset: Callable[..., Any], start_agent: Callable[..., Any], shard_server: Any, tmp_path: Path
 ) -> None:

@@ -37,6 +37,7 @@ def partial_bytes(cache: Path) -> int:
     return sum(e.stat().st_size for e in os.scandir(folder)) if folder.exists() else 0
 
 
+@pytest.mark.slow
 def test_a_restart_mid_download_resumes_and_sends_each_body_once(tmp_path, shard_server, dataset, start_agent):
     data = dataset(2, samples=8, payload=150_000)  # ~1.2 MB each
     shard_server.rate = 400_000  # ~3 s a shard: the restart comes in the middle

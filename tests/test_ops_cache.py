@@ -294,6 +294,7 @@ def test_verify_with_a_shard_index_catches_a_same_size_change(tmp_path, dataset,
     assert r.returncode == 2 and f"{data.list_file}: not a shard index" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_a_cache_whose_file_names_held_a_query_opens_with_every_shard(
     tmp_path, dataset, shard_server, start_agent, run_cli
 ):
@@ -455,6 +456,7 @@ def test_prefetch_beside_a_reader_gives_way_to_it_downloads_each_shard_once_and_
     assert sorted(failed) == sorted(data.urls[4:]), failed
 
 
+@pytest.mark.slow
 def test_ls_shows_a_shard_read_a_moment_ago_as_read_with_and_without_an_agent(
     tmp_path, dataset, start_agent, consumers, run_cli
 ):

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from scripts.console import wdscache_exe
 from tests.helpers.streaming import samples_of
 from tests.helpers.waits import stop_process
@@ -120,6 +122,7 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
         ), frame
 
 
+@pytest.mark.slow
 def test_stats_shows_no_download_rate_once_downloads_stop_and_a_jobs_totals_over_its_epochs(
     tmp_path, dataset, start_agent, consumers, run_cli
 ):

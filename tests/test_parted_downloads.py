@@ -211,6 +211,7 @@ def test_a_server_without_range_support_gets_one_connection(shard_server, datase
     assert [(r.status, r.bytes_sent) for r in reqs] == [(200, size)], reqs
 
 
+@pytest.mark.slow
 def test_sigkill_mid_download_then_restart_fetches_only_what_was_not_on_disk(
     shard_server, dataset, start_agent, tmp_path
 ):
@@ -243,6 +244,7 @@ def test_sigkill_mid_download_then_restart_fetches_only_what_was_not_on_disk(
     assert partial_files(cache) == []
 
 
+@pytest.mark.slow
 def test_a_kept_partial_resumed_from_a_server_that_ignores_if_range_is_never_spliced(
     shard_server, dataset, start_agent, tmp_path
 ):
@@ -300,6 +302,7 @@ def test_a_budget_without_room_for_parts_downloads_over_one_connection(shard_ser
 needs_s3 = pytest.mark.skipif(store is None, reason="boto3 and moto are needed for the S3 server")
 
 
+@pytest.mark.slow
 @needs_s3
 def test_an_s3_object_comes_in_parts_each_byte_once(store, tmp_path, start_agent, consumers):
     urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)  # about 2 MB: 8 parts
@@ -317,6 +320,7 @@ def test_an_s3_object_comes_in_parts_each_byte_once(store, tmp_path, start_agent
     assert got[0].if_match is None and all(g.if_match == etag for g in got[1:]), got
 
 
+@pytest.mark.slow
 @needs_s3
 def test_an_s3_object_replaced_mid_download_is_fetched_anew_in_parts(store, tmp_path, start_agent):
     urls, paths = store.put_shards("big/", 1, payload=200_000, samples=10)

@@ -242,6 +242,7 @@ def test_an_index_that_is_not_one_is_refused(tmp_path: Path) -> None:
         ShardListDataset([{"url": "a.tar", "nsamples": 1}, {"url": "b.tar"}], cache_dir=tmp_path)
 
 
+@pytest.mark.slow
 def test_it_reads_on_across_a_restarted_agent(
     local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:
@@ -305,6 +306,7 @@ def test_its_errors_show_no_secret_of_a_url(
         ds.close()
 
 
+@pytest.mark.slow
 def test_a_new_shard_read_as_the_agent_restarts_is_read_whole(
     local_index: Path, start_agent: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

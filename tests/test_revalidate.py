@@ -11,6 +11,7 @@ from wdscache.shared.layout import CacheLayout
 from wdscache.shared.tarwalk import members
 
 
+@pytest.mark.slow
 def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_server, dataset, start_agent):
     data = dataset(2, samples=3, payload=1000)
     cache = tmp_path / "cache"
@@ -50,6 +51,7 @@ SENDS = {
         ("etag", "both", "ETag"),
     ],
 )
+@pytest.mark.slow
 def test_a_server_that_switched_validator_kind_is_compared_by_the_validator_both_have(
     tmp_path, shard_server, dataset, start_agent, cached_with, now, compared
 ):
@@ -76,6 +78,7 @@ def test_a_server_that_switched_validator_kind_is_compared_by_the_validator_both
     assert f"{data.urls[1]} changed on the server ({compared} " in agent.stderr_text(), agent.stderr_tail()
 
 
+@pytest.mark.slow
 def test_a_copy_without_a_validator_in_common_with_its_server_is_fetched_again(
     tmp_path, shard_server, dataset, start_agent
 ):

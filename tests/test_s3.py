@@ -188,6 +188,7 @@ def test_seaweedfs_listens_only_on_loopback_on_the_ports_it_was_given(seaweed: S
 # -- listing ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_an_epoch_from_a_prefix_is_webdatasets_in_key_order(
     store: Store, tmp_path: Path, start_agent, consumers
 ) -> None:
@@ -352,6 +353,7 @@ def test_the_start_up_windows_sizes_are_asked_at_once(moto_store: Store, tmp_pat
     assert max(h.began for h in heads) < min(h.ended for h in heads), heads  # all asked before any answer came
 
 
+@pytest.mark.slow
 def test_a_prefix_that_lists_nothing_or_a_missing_bucket_stops_the_agent_with_the_line(
     store: Store, tmp_path: Path, start_agent
 ) -> None:
@@ -368,6 +370,7 @@ def test_a_prefix_that_lists_nothing_or_a_missing_bucket_stops_the_agent_with_th
 # -- failures ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_missing_denied_and_bucketless_objects_fail_with_bucket_key_and_code(
     moto_store: Store, tmp_path: Path, start_agent, consumers, monkeypatch
 ) -> None:

@@ -101,6 +101,7 @@ def test_cache_file_names_hold_no_query_and_no_user_info() -> None:
     assert shard_name("http://h/data/shard-000011.tar") != name  # the hash is of the whole URL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("log_format", ["text", "json"])
 def test_secrets_in_urls_reach_no_log_output_file_name_or_error(
     tmp_path, dataset, start_agent, shard_server, run_cli, caplog, log_format

@@ -31,6 +31,7 @@ from scripts.shard_maker import (
     write_url_list,
 )
 from scripts.shard_server import ShardServer
+from tests.helpers.waits import wait_for
 
 TIMEOUT = 5.0  # every network wait in this file is bounded
 SIZE = 256 * 1024
@@ -455,6 +456,8 @@ def test_request_log(server: ShardServer, http: requests.Session, root: Path) ->
     assert server.count("/data.tar", method="HEAD") == 1
     assert server.count("data.tar", method=None) == 3
     assert server.ranges("data.tar") == [None, "bytes=0-9"]
+    # The client has the last body once the server wrote it, a moment before the server counts it.
+    wait_for(lambda: server.requests[-1].bytes_sent, TIMEOUT, "the 404's body was never counted as sent")
     log = server.requests
     assert [(r.method, r.path, r.status, r.bytes_sent) for r in log] == [
         ("GET", "data.tar", 200, SIZE),

@@ -183,6 +183,7 @@ def test_an_epoch_from_an_index_with_relative_urls_is_webdatasets(tmp_path, star
     assert list(as_samples(lines).items()) == list(reference(paths, urls).items())  # byte-equal, in order
 
 
+@pytest.mark.slow
 def test_len_is_known_before_any_shard_is_read(tmp_path, shard_server, start_agent, consumers):
     paths = make_dataset(shard_server.root, 3, 5, payload=1000)
     paths += make_dataset(shard_server.root, 1, 4, payload=1000, prefix="other")
@@ -287,6 +288,7 @@ def test_a_shard_replaced_since_indexed_fails_on_the_size_its_first_answer_gives
     assert CacheLayout(cache).shard_path(urls[1]).exists()  # the other shard is left as it was
 
 
+@pytest.mark.slow
 def test_a_copy_cached_before_that_is_unlike_the_index_is_downloaded_again_and_checked(
     tmp_path, shard_server, start_agent
 ):
@@ -490,6 +492,7 @@ def moto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str,
         server.stop()
 
 
+@pytest.mark.slow
 def test_an_s3_index_is_written_and_a_wrong_size_in_it_is_caught(tmp_path, moto, start_agent, consumers):
     endpoint, proxy, client = moto
     paths = make_dataset(tmp_path / "src", 3, 5, payload=1500)

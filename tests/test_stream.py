@@ -61,6 +61,7 @@ def test_equal_counts_per_rank_with_padding_or_drop_last(tmp_path, dataset, star
         assert sum(n - 1 for n in keys.values()) == 3
 
 
+@pytest.mark.slow
 def test_sequence_does_not_depend_on_agent_workers(tmp_path, dataset, start_agent, consumers):
     data = dataset(4, samples=9, payload=800)
     seqs = []
@@ -76,6 +77,7 @@ def test_sequence_does_not_depend_on_agent_workers(tmp_path, dataset, start_agen
     assert seqs[0][0] != seqs[0][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_before,world_after", [(3, 3), (3, 1), (2, 3)])
 def test_resume_mid_epoch_on_same_or_other_world_size(
     tmp_path, dataset, start_agent, consumers, world_before, world_after

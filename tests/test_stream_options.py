@@ -337,6 +337,7 @@ def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, s
 # -- 4. map, batches, collate, len -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_map_batch_collate_and_len(tmp_path, dataset, start_agent):
     data = dataset(3, samples=5, payload=300)  # 15 samples
     cache = tmp_path / "cache"
@@ -391,6 +392,7 @@ def test_counts_a_consumer_found_are_the_agents_when_its_epoch_ends(tmp_path, da
         conn.close()
 
 
+@pytest.mark.slow
 def test_map_workers_start_fresh_not_as_forks_of_the_training_process(tmp_path, dataset, start_agent):
     # The training process has ZeroMQ threads (the loader's sockets): a fork copies their locks
     # in whatever state they are, and a forked worker can hang on one. The pool's processes start
@@ -510,6 +512,7 @@ def _paused_job(tmp_path, dataset, start_agent, slow_consumer, job: str):
     return data, cache, agent, c
 
 
+@pytest.mark.slow
 def test_stats_json_shows_job_ranks_and_worker_busy_time(tmp_path, dataset, start_agent, slow_consumer):
     data, cache, agent, c = _paused_job(tmp_path, dataset, start_agent, slow_consumer, "stats-job")
 
@@ -539,6 +542,7 @@ def test_stats_json_shows_job_ranks_and_worker_busy_time(tmp_path, dataset, star
     agent.wait_stats(lambda s: s["jobs"] == {} and s["agent"]["consumers"] == 0, 10, "the finished job gone from stats")
 
 
+@pytest.mark.slow
 def test_stats_human_readable_names_running_job(tmp_path, dataset, start_agent, slow_consumer):
     data, cache, agent, c = _paused_job(tmp_path, dataset, start_agent, slow_consumer, "human-job")
     agent.wait_stats(

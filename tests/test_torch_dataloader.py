@@ -66,6 +66,7 @@ def test_dataloader_workers_split_each_ranks_share(warm: tuple[Path, set[str]]) 
     assert len(out["spawned"]) == 78 and len(set(out["spawned"])) == 78
 
 
+@pytest.mark.slow
 def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: tuple[Path, set[str]]) -> None:
     cache, _ = warm
     out = _run(cache, "stateful")

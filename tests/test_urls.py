@@ -395,6 +395,7 @@ def test_url_list_protocol() -> None:
     assert hash(result) == hash(UrlList(None, ("http://h/a.tar", "http://h/b.tar")))
 
 
+@pytest.mark.slow
 def test_a_million_line_file_is_read_whole(tmp_path: Path) -> None:
     lines = (f"http://data.example.com/train/shard-{i:07d}.tar\n" for i in range(1_000_000))
     path = write_list(tmp_path, "".join(lines))

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.procs import files_held, rss_kib, worker_pids
 from tests.helpers.streaming import reference
 from tests.helpers.waits import wait_for
@@ -27,6 +29,7 @@ def deleted_files_held(pid: int, under: Path) -> list[str]:
     return [path for path in fds + maps if path.endswith(" (deleted)")]
 
 
+@pytest.mark.slow
 def test_workers_index_published_shards_before_anyone_reads_them(tmp_path, shard_server, dataset, start_agent):
     data = dataset(4, samples=20, payload=2000)
     shard_server.ttfb = 1.0  # the workers are up before any shard is published
@@ -57,6 +60,7 @@ def test_workers_index_published_shards_before_anyone_reads_them(tmp_path, shard
     assert "not taken" not in agent.stderr_text(), agent.stderr_tail()
 
 
+@pytest.mark.slow
 def test_shards_longer_than_a_walk_step_are_indexed_ahead_and_served_byte_for_byte(
     tmp_path, shard_server, dataset, start_agent
 ):
