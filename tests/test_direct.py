@@ -183,21 +183,32 @@ def test_a_file_replaced_under_one_read_costs_that_read_only(tmp_path, dataset, 
     assert len(calls) == 1 + 3 * (24 - 4), len(calls)
 
 
-def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them(tmp_path, dataset, start_agent):
+def test_a_consumer_holds_cache_files_open_only_while_pinned_and_never_maps_them(
+    tmp_path, dataset, start_agent, monkeypatch
+):
     data = dataset(3, samples=40, payload=30_000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "every shard cached")
     layout = CacheLayout.of(cache)
+    opened: list[str] = []
+    real_open = CacheFiles._open
+
+    def counted(self, url, identity):  # a spy: the real method, counted
+        opened.append(url)
+        return real_open(self, url, identity)
+
+    monkeypatch.setattr(CacheFiles, "_open", counted)
     seen: list[tuple[list[str], list[str]]] = []
     with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=4) as loader:
-        for i, _ in enumerate(loader):
-            if i % 4 == 0:
-                seen.append(cache_files_held(cache))
-                pinned = {str(layout.shard_path(data.urls[shard])) for shard in loader._current.pins.opened}
-                assert set(seen[-1][0]) <= pinned, (seen[-1][0], pinned)  # open only while pinned
+        for _ in loader:
+            seen.append(cache_files_held(cache))
+            pinned = {str(layout.shard_path(data.urls[shard])) for shard in loader._current.pins.opened}
+            assert set(seen[-1][0]) <= pinned, (seen[-1][0], pinned)  # open only while pinned
         assert cache_files_held(cache) == ([], [])  # the epoch is over: every pin and file let go
-    assert any(fds for fds, _ in seen), "no cache file was ever open: direct reads were not used"
+    # Each shard pinned and its file opened once: its reads (10 of 4 samples) go out a few at
+    # a time, and the pin outlasts them until the last of its samples is asked for.
+    assert opened == data.urls, opened
     assert max(len(fds) for fds, _ in seen) <= 2, seen  # the shard read, and the next one at a boundary
     assert not any(maps for _, maps in seen), seen  # read, never mapped: a damaged disk cannot SIGBUS us
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from wdscache.training.direct import StaleFile
 from wdscache.training.epoch_shards import EpochShards
 from wdscache.training.pins import Pins
 from wdscache.training.progress import ProgressClock
+from wdscache.training.read_failures import ReadFailures
 from wdscache.training.reads import ReadState, ReadTable
 from wdscache.training.replies import decode_reply, with_holes
 
@@ -253,6 +255,39 @@ def test_an_open_that_must_wait_first_lets_go_of_every_other_pin() -> None:
     assert pins.opened == {2: 0} and statuses == [{"state": "downloading", "written": 10}]
     assert [op for op in agent.ops() if op[0] == "release"] == [("release", URLS[0]), ("release", URLS[1])]
     assert agent.sent[-1].get("wait", True) is True and agent.sent[-1]["while_downloading"] is True
+
+
+def test_an_open_that_must_wait_lets_go_even_of_shards_whose_reads_were_put_off_meanwhile() -> None:
+    # Before the open waits, the stream waits for its reads at the workers; one answered
+    # "pending" then (its shard's download started over) is put off, and must give its
+    # pins back too: else the open waits for room that our own pins keep.
+    answers = iter([{"ok": True}, {"ok": True}, {"ok": False, "cached": False}, {"ok": True}])
+    agent = ScriptedAgent(open=lambda header: next(answers))
+    pins = Pins(agent, "me", URLS, timeout=10, files=None)
+    reads = ReadTable()
+    stream = SimpleNamespace(
+        pins=pins, reads=reads, shards=SimpleNamespace(skipped=set()), batches=SimpleNamespace(flush=lambda: None)
+    )
+    failures = ReadFailures(stream)  # type: ignore[arg-type]
+
+    def drain() -> None:  # the worker answers every read at it: "pending"
+        for read in reads.in_state(ReadState.SENT):
+            assert reads.replied(read.rid) is read
+            for _, (shard, _) in read.sent_items():  # as the stream counts a reply
+                pins.opened[shard] -= 1
+            failures.failed(read, {"ok": False, "kind": "pending"})
+
+    stream.drain = drain
+    for shard in (0, 1):
+        pins.open(shard, [], before_wait=failures.hold_nothing, on_status=lambda s: None)
+        pins.remaining[shard] = 5  # still needed: only a wait lets go of them
+    read = reads.add(0, items(3, shard=0) + items(2, shard=1))
+    reads.send(read, range(5), "r0", 0, False, time.monotonic())
+    pins.opened.update({0: 3, 1: 2})
+    pins.open(2, [], before_wait=failures.hold_nothing, on_status=lambda s: None)
+    assert pins.opened == {2: 0} and pins.waits == 1
+    assert read.state is ReadState.REOPEN and reads.reopening == 1 and not reads.delayed
+    assert [op for op in agent.ops() if op[0] == "release"] == [("release", URLS[0]), ("release", URLS[1])]
 
 
 def test_an_open_again_gives_back_the_pin_held_and_a_failed_shard_is_dropped() -> None:

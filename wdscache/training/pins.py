@@ -4,7 +4,9 @@ cache files it reads of them directly.
 A pinned shard stays in the agent's cache until we release it. ``opened`` maps each pinned
 shard to the number of our reads of it outstanding (items batched or sent); a shard is let
 go once none is and the sequence needs it no more (``remaining``, the ids of it the
-sequence has still to give out, is 0), or when we must wait for another shard.
+sequence has still to give out, is 0, and the share has dealt the last of them: a run of
+ids comes out of the sequence at once, and is batched a read at a time), or when we must
+wait for another shard.
 
 Why pins never deadlock the budget: a consumer that has to wait for a download (or for its
 budget) first lets go of every pin it is not reading (:meth:`Pins.open`), so consumers
@@ -46,6 +48,9 @@ class Pins:
         self.given = 0  # ids the sequence gave out
         # (ids given out, shard) once its last id is out: let go once the share dealt that many
         self.unneeded: deque[tuple[int, int]] = deque()
+        # shard -> its entries in unneeded: its last id is out but the share has not dealt it
+        # yet (a run of ids is given out at once, and dealt an item at a time)
+        self.undealt: dict[int, int] = {}
         self.waits = 0  # opens that had to wait, letting go of our other pins
 
     def open(
@@ -94,8 +99,9 @@ class Pins:
         return reply
 
     def release(self, shard: int, *, force: bool = False) -> None:
-        """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no more."""
-        if self.opened.get(shard) == 0 and (force or self.remaining.get(shard, 1) == 0):
+        """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no
+        more: the sequence gave out its last id and the share dealt it."""
+        if self.opened.get(shard) == 0 and (force or (self.remaining.get(shard, 1) == 0 and shard not in self.undealt)):
             del self.opened[shard]
             self.close_file(shard)  # before the agent may evict it: its space comes back
             self.conn.request(self.requests.release(self.urls[shard]))
@@ -111,12 +117,23 @@ class Pins:
         it can go."""
         left = self.remaining[shard] = self.remaining.get(shard, 0) + count
         if not left:
-            self.unneeded.append((self.given, shard))  # its ids are all out: once dealt, let go
+            self.all_out(shard)
+
+    def all_out(self, shard: int) -> None:
+        """The sequence gave out ``shard``'s last id: once the share dealt it, let go."""
+        self.unneeded.append((self.given, shard))
+        self.undealt[shard] = self.undealt.get(shard, 0) + 1
 
     def release_settled(self, settled: int) -> None:
         """Let go of the shards whose last id was among the first ``settled`` the share dealt."""
+        undealt = self.undealt
         while self.unneeded and self.unneeded[0][0] <= settled:
-            self.release(self.unneeded.popleft()[1])
+            shard = self.unneeded.popleft()[1]
+            if undealt[shard] == 1:
+                del undealt[shard]
+            else:
+                undealt[shard] -= 1
+            self.release(shard)
 
     def close_file(self, shard: int) -> None:
         if self.files is not None:

@@ -123,6 +123,24 @@ class ReadFailures:
                 log.info("request to worker %d timed out; resending", read.worker)
                 stream.batches.dispatch(read)
 
+    def hold_nothing(self) -> None:
+        """Before an open waits: what is batched goes out (its shards are pinned) and we wait for
+        its answers; reads put off ("pending") give their pins back, to be pinned again
+        (:meth:`recover`). That includes a read answered "pending" while we wait: no read holds
+        a pin once this returns, or the open could wait for room that our own pins keep."""
+        stream = self.stream
+        stream.batches.flush()
+        opened, reads, skipped = stream.pins.opened, stream.reads, stream.shards.skipped
+        while True:
+            for read in reads.in_state(ReadState.DELAYED):
+                for _, (held, _) in read.items:
+                    if held in opened and held not in skipped:  # as failed() counted them
+                        opened[held] -= 1
+                reads.reopen(read)
+            if not reads.awaiting():
+                return
+            stream.drain()
+
     def recover(self) -> None:
         """Reads that came back without their samples: pin lost shards again, give up on failed downloads."""
         stream = self.stream

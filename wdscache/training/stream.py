@@ -135,7 +135,7 @@ def epoch_ids(
         if not left:
             # No rank needs it once the share has dealt this id: until then ours may
             # wait in a row (and after that, our reads of it hold it: see Pins.release).
-            unneeded.append((pins.given, shard))
+            pins.all_out(shard)
         yield sid
 
 
@@ -202,7 +202,7 @@ class EpochStream:
             clock=self.clock,
             workers=len(self.workers),
             call_worker=self._worker_call,
-            hold_nothing=self._hold_nothing,
+            hold_nothing=lambda: self.failures.hold_nothing(),  # (failures is made below)
         )
         self.reads = ReadTable()
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
@@ -377,7 +377,7 @@ class EpochStream:
 
     # -- reads --------------------------------------------------------------------
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Wait for every read at a worker (their samples stay in the table).
 
         Reads put aside for :meth:`ReadFailures.recover` are not waited for: that needs the agent,
@@ -386,18 +386,6 @@ class EpochStream:
         while self.reads.awaiting():
             self._receive()
             self.clock.check_stall(self._waited_for)
-
-    def _hold_nothing(self) -> None:
-        """Before an open waits: what is batched goes out (its shards are pinned) and we wait
-        for its answers; reads put off give their pins back, to be pinned again (ReadFailures.recover)."""
-        self.batches.flush()
-        opened, reads, skipped = self.pins.opened, self.reads, self.shards.skipped
-        for read in reads.in_state(ReadState.DELAYED):
-            for _, (held, _) in read.items:
-                if held in opened and held not in skipped:  # as ReadFailures.failed counted them
-                    opened[held] -= 1
-            reads.reopen(read)
-        self._drain()
 
     def _waited_for(self) -> Waited:
         """A shard whose download this stream waits for, if any (for the progress clock)."""
