@@ -35,6 +35,7 @@ def test_the_demo_shows_the_cache_filling_and_the_job_while_it_runs():
     early = _section(r.stdout, "wdscache stats once the first shards are cached")
     assert re.search(r"^shards     [1-9]\d* cached", early, re.M), early
     running = _section(r.stdout, "wdscache stats while the job runs")
-    assert re.search(r"^job demo:\n  rank 0: .*\n  rank 1: ", running, re.M), running
+    # The ranks that are reading at that moment: on a busy machine one may be done already.
+    assert re.search(r"^job demo:\n(  rank [01]: [1-9]\d* samples.*\n)+", running, re.M), running
     after = _section(r.stdout, "wdscache stats after the epoch")
     assert re.search(r"^job demo: ended \S+: 1024 samples, waited", after, re.M), after
