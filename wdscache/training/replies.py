@@ -80,6 +80,8 @@ def decode_reply(
     frames: list[Any] = [memoryview(f.buffer).toreadonly() for f in payload]
     samples: list[dict[str, Any]] = []
     sizes: list[int] = []
+    # Each shard's URL looked up once a reply (a list's lookup is a Python call), a dict's per sample.
+    url_of = {shard: urls[shard] for shard in {sid[0] for _, sid in items}}
     # The per-sample loop: local names only, no call but the copy (or the file read).
     try:
         if "files" in header:
@@ -94,7 +96,7 @@ def decode_reply(
                 raise ProtocolError("worker reply has a bad span")
             frame = frames[span[0]]
             limit = len(frame)
-            sample: dict[str, Any] = {"__key__": key, "__url__": urls[shard]}
+            sample: dict[str, Any] = {"__key__": key, "__url__": url_of[shard]}
             nbytes = 0
             i = 1
             if type(frame) is memoryview:
