@@ -257,6 +257,10 @@ def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale
         ["0,0,10"],
         {"k": 0},
         [[0, 0, 10, *ident], [0, 10, 10, *other]],
+        [[0, 0, 10, *ident], [0, 10, 10, *ident[:3], "1"]],
+        [[0, 0, 10, *ident[:3], -1.5]],
+        [[0, 0, -10, *ident]],
+        [[0, 0, 10, -1, *ident[1:]]],
     ):
         with pytest.raises(ProtocolError):
             file_ranges(bad, items, [url], files)

@@ -157,19 +157,23 @@ def file_ranges(ranges: Any, items: list[Item], urls: Sequence[str], files: File
         raise ProtocolError("worker reply has a bad file range")
     named_urls = [urls[shard] for shard in dict.fromkeys(sid[0] for _, sid in items)]  # as the request named them
     views = []
-    named: dict[int, list[int]] = {}
-    for entry in ranges:
-        # mtime may be before 1970
-        if not (
-            isinstance(entry, list)
-            and len(entry) == 7
-            and all(type(x) is int for x in entry)
-            and 0 <= entry[0] < len(named_urls)
-            and min(entry[1:4]) >= 0
-        ):
+    named: dict[int, list[int]] = {}  # shard (its place in the request) -> its file's identity
+    n_named = len(named_urls)
+    for entry in ranges:  # per range: one per sample of a shuffled read, so kept to a few checks
+        if type(entry) is not list or len(entry) != 7:
             raise ProtocolError("worker reply has a bad file range")
-        k, start, size, *identity = entry
-        if named.setdefault(k, identity) != identity:
+        k, start, size = entry[0], entry[1], entry[2]
+        if not (type(k) is int and type(start) is int and type(size) is int and 0 <= k < n_named):
+            raise ProtocolError("worker reply has a bad file range")
+        if start < 0 or size < 0:
+            raise ProtocolError("worker reply has a bad file range")
+        identity = entry[3:]
+        known = named.get(k)
+        if known is None:  # each shard's identity checked once a reply; mtime may be before 1970
+            if not all(type(x) is int for x in identity) or min(identity[:3]) < 0:
+                raise ProtocolError("worker reply has a bad file range")
+            named[k] = identity
+        elif known != identity:  # equal lists of ints: the same file
             raise ProtocolError("worker reply names two files for one shard")
         views.append(files.range(named_urls[k], identity, start, size))
     return views
