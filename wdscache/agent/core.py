@@ -55,7 +55,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -180,35 +180,14 @@ class Agent:
         return self._stop.is_set()
 
     def start(self) -> None:
-        """Check everything that can be wrong before taking the cache directory, then build the parts."""
-        cfg = self.config
-        urls = self._list_file.read()  # first: a bad line stops us before anything on disk changes
-        made = self.layout.prepare()
-        root = os.stat(self.layout.root)
-        os.umask(0o077)  # every file and socket we create is private to this user
-        before = set(os.listdir(self.layout.root))
-        with contextlib.ExitStack() as undo:
-            self._lock.acquire()
-            undo.callback(self._lock.release)
-            # Undone with the lock still held, after everything below: a directory that was
-            # empty is left empty (and one this start made, gone).
-            undo.callback(self.layout.undo_start, before, made)
-            token = self.layout.ensure_token()
-            # Worker processes take a while to start: they do so while the cache is opened.
-            self.pool = WorkerPool(
-                n=cfg.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root), token=token, run=self._run
-            )
-            self.pool.start()
-            undo.callback(self.pool.stop)
-            self.cache = _open_cache(self.layout, cfg, urls, self.fetcher)
-            undo.callback(self.cache.close)
-            self.mailbox = Mailbox()
-            undo.callback(self.mailbox.close)
-            self.socket = ControlSocket(self.endpoint, token=token, run=self._run)
-            undo.callback(self.socket.close)
-            if cfg.metrics_port is not None:
-                self._metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port)
-            undo.pop_all()
+        """Take the cache directory, read the list, open the cache and build the parts; a start
+        that fails (a bad line of the list, say) leaves the cache directory as it was."""
+        with ThreadPoolExecutor(1, thread_name_prefix="list") as reading:
+            # The list is read (a million lines take a second or two) while the worker processes
+            # start on the other cores; a bad line undoes the start below, so the cache
+            # directory is left as it was.
+            listed = reading.submit(self._list_file.read)
+            urls, root = self._take_cache_dir(listed)
         self._build(urls, cache_root=[root.st_dev, root.st_ino])
         self.downloads.start_threads()
         if self._metrics is not None:
@@ -228,6 +207,41 @@ class Agent:
             format_size(self.cache.used),
             format_size(self.cache.limit),
         )
+
+    def _take_cache_dir(self, listed: Future[UrlList]) -> tuple[UrlList, os.stat_result]:
+        """Take the cache directory, start the workers and open the cache, with the list being
+        read meanwhile (``listed``); returns the list and the directory's stat. Whatever fails (a bad line of the list too)
+        undoes what this start did there, the lock released last."""
+        cfg = self.config
+        made = self.layout.prepare()
+        root = os.stat(self.layout.root)
+        os.umask(0o077)  # every file and socket we create is private to this user
+        before = set(os.listdir(self.layout.root))
+        with contextlib.ExitStack() as undo:
+            self._lock.acquire()
+            undo.callback(self._lock.release)
+            # Undone with the lock still held, after everything below: a directory that was
+            # empty is left empty (and one this start made, gone).
+            undo.callback(self.layout.undo_start, before, made)
+            token = self.layout.ensure_token()
+            # Worker processes take a while to start: they do so while the list is read and
+            # the cache is opened.
+            self.pool = WorkerPool(
+                n=cfg.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root), token=token, run=self._run
+            )
+            self.pool.start()
+            undo.callback(self.pool.stop)
+            urls = listed.result()
+            self.cache = _open_cache(self.layout, cfg, urls, self.fetcher)
+            undo.callback(self.cache.close)
+            self.mailbox = Mailbox()
+            undo.callback(self.mailbox.close)
+            self.socket = ControlSocket(self.endpoint, token=token, run=self._run)
+            undo.callback(self.socket.close)
+            if cfg.metrics_port is not None:
+                self._metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port)
+            undo.pop_all()
+        return urls, root
 
     def _build(self, urls: UrlList, cache_root: list[int]) -> None:
         """The parts, on the open cache, the bound socket and the started workers."""
