@@ -47,7 +47,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -55,12 +54,12 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..shared.config import AgentConfig, format_size, parse_size
-from ..shared.errors import ConfigError, ProtocolError
+from ..shared.config import AgentConfig, format_size
+from ..shared.errors import ProtocolError
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout, write_private
 from ..shared.logs import get_logger
@@ -90,7 +89,8 @@ from .metrics import MetricsServer
 from .opens import Opens
 from .pool import WorkerPool
 from .prefetches import Prefetches
-from .readers import Readers, startup_reader
+from .readers import Readers
+from .startup import take_cache_dir
 from .upkeep import Upkeep
 from .worker_reports import WorkerReports
 
@@ -101,7 +101,6 @@ WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
 USERS_EVERY = 1.0  # seconds between a private agent's looks for a loader still using it
-PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
 
 Handler = Callable[[Request], Reply | None]  # None: no reply now (a one-way report, or a request held)
 
@@ -187,8 +186,10 @@ class Agent:
             # start on the other cores; a bad line undoes the start below, so the cache
             # directory is left as it was.
             listed = reading.submit(self._list_file.read)
-            urls, root = self._take_cache_dir(listed)
-        self._build(urls, cache_root=[root.st_dev, root.st_ino])
+            took = take_cache_dir(self.config, self.layout, self._lock, self.fetcher, listed, self.endpoint, self._run)
+        self.pool, self.cache, self.mailbox, self.socket = took.pool, took.cache, took.mailbox, took.socket
+        self._metrics = took.metrics
+        self._build(took.urls, cache_root=[took.root.st_dev, took.root.st_ino])
         self.downloads.start_threads()
         if self._metrics is not None:
             self._metrics.update(self.stats())
@@ -203,45 +204,10 @@ class Agent:
             os.getpid(),
             self.layout.root,
             self.endpoint,
-            len(urls),
+            len(took.urls),
             format_size(self.cache.used),
             format_size(self.cache.limit),
         )
-
-    def _take_cache_dir(self, listed: Future[UrlList]) -> tuple[UrlList, os.stat_result]:
-        """Take the cache directory, start the workers and open the cache, with the list being
-        read meanwhile (``listed``); returns the list and the directory's stat. Whatever fails (a bad line of the list too)
-        undoes what this start did there, the lock released last."""
-        cfg = self.config
-        made = self.layout.prepare()
-        root = os.stat(self.layout.root)
-        os.umask(0o077)  # every file and socket we create is private to this user
-        before = set(os.listdir(self.layout.root))
-        with contextlib.ExitStack() as undo:
-            self._lock.acquire()
-            undo.callback(self._lock.release)
-            # Undone with the lock still held, after everything below: a directory that was
-            # empty is left empty (and one this start made, gone).
-            undo.callback(self.layout.undo_start, before, made)
-            token = self.layout.ensure_token()
-            # Worker processes take a while to start: they do so while the list is read and
-            # the cache is opened.
-            self.pool = WorkerPool(
-                n=cfg.workers, agent_endpoint=self.endpoint, cache_dir=str(self.layout.root), token=token, run=self._run
-            )
-            self.pool.start()
-            undo.callback(self.pool.stop)
-            urls = listed.result()
-            self.cache = _open_cache(self.layout, cfg, urls, self.fetcher)
-            undo.callback(self.cache.close)
-            self.mailbox = Mailbox()
-            undo.callback(self.mailbox.close)
-            self.socket = ControlSocket(self.endpoint, token=token, run=self._run)
-            undo.callback(self.socket.close)
-            if cfg.metrics_port is not None:
-                self._metrics = MetricsServer(cfg.metrics_host, cfg.metrics_port)
-            undo.pop_all()
-        return urls, root
 
     def _build(self, urls: UrlList, cache_root: list[int]) -> None:
         """The parts, on the open cache, the bound socket and the started workers."""
@@ -597,111 +563,5 @@ class _PrivateUse:
             self._fd = -1
 
 
-# -- opening the cache at start ------------------------------------------------
-
-
 def _failed(rec: ShardRecord | None) -> bool:
     return rec is not None and rec.state is ShardState.FAILED
-
-
-def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: Fetcher) -> ShardCache:
-    """Open the cache: recover it, shrink it to the budget, check the budget can hold a window."""
-    st = os.statvfs(layout.root)
-    fs_total = st.f_blocks * st.f_frsize
-    limit = parse_size(cfg.cache_size, total=fs_total, what="--cache-size")
-    min_free = parse_size(cfg.min_free, total=fs_total, what="--min-free")
-    cache = ShardCache(layout, limit=limit, min_free=min_free)
-    try:
-        first = [urls.urls[i] for i in startup_reader(len(urls), cfg).window(cfg.prefetch)]
-        # Partials with a validator are resumed whichever shard they are (they count against the budget).
-        recovered = cache.recover(keep_partial=urls)
-        if cache.rebuilt:
-            recovered["adopted"] += cache.adopt(urls.urls)
-        if any(recovered.values()):
-            log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
-        if cache.used > cache.limit:
-            # Restarted with a smaller --cache-size: shrink to it before anything else.
-            cache.evict(
-                cache.used - cache.limit,
-                wanted=first,
-                allow_window=True,
-                why="evicted to shrink the cache to --cache-size",
-            )
-        _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total)
-        cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
-    except BaseException:
-        cache.close()
-        raise
-    return cache
-
-
-def _check_budget(
-    cache: ShardCache, prefetch: int, need_shards: int, first: list[str], fetcher: Fetcher, fs_total: int
-) -> None:
-    """Refuse a budget that can never hold a reader's window of the largest shards we know of
-    (those of the start-up window ``first``; a reader holds ``need_shards`` at once).
-
-    What can ever be used is the smaller of --cache-size and the file system's size
-    less --min-free and the index's headroom. Free space taken by other files may
-    come back, so too little of it now is a warning, not a refusal.
-    """
-    room = fs_total - cache.margin  # the most the file system can ever give to shards
-    usable = min(cache.limit, room)
-    where = (
-        f"the file system of {cache.layout.root} is {format_size(fs_total)} in all, --min-free "
-        f"{format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for the index) must stay free, "
-        f"--cache-size {format_size(cache.limit)}"
-    )
-    if usable <= 0:
-        raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
-    sizes = [s for s in _probe_sizes(cache, fetcher, first) if s]
-    if not sizes:
-        return
-    need = need_shards * max(sizes)
-    window = (
-        f"shards here are up to {format_size(max(sizes))} and a reader needs {need_shards} of them "
-        f"on disk (the one it reads and {need_shards - 1} ahead)"
-    )
-    if need > cache.limit:
-        raise ConfigError(
-            f"--cache-size {format_size(cache.limit)} is too small for --prefetch "
-            f"{prefetch}: {window}; the smallest budget that works is {need} bytes "
-            f"({format_size(need)}), or lower --prefetch ({where})"
-        )
-    if need > room:
-        raise ConfigError(
-            f"the file system cannot hold the window: {where}; so at most {format_size(room)} can hold "
-            f"shards; {window}, {format_size(need)}; lower --min-free or --prefetch, or use a file system "
-            f"of at least {format_size(need + cache.margin)}"
-        )
-    free = cache.fs_free() + cache.used - cache.margin  # our own shards can be evicted
-    if need > free:
-        log.warning(
-            "only %s of the file system can hold shards now (%s free, --min-free %s): %s, %s; "
-            "downloads wait for space until other files make room",
-            format_size(max(0, free)),
-            format_size(cache.fs_free()),
-            format_size(cache.min_free),
-            window,
-            format_size(need),
-        )
-
-
-def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str]) -> list[int]:
-    """The size of each of ``urls`` (0: unknown): the index's, else its source's (a HEAD, or a
-    stat), all asked at once, in up to ``PROBE_THREADS`` threads: a start waits for the slowest
-    answer, not for the sum of them."""
-    known = {u: rec.size for u in urls if (rec := cache.index.get(u)) is not None and rec.size}
-    ask = [u for u in urls if u not in known]
-    if ask:
-        with ThreadPoolExecutor(max_workers=min(len(ask), PROBE_THREADS), thread_name_prefix="probe") as pool:
-            known.update(zip(ask, pool.map(lambda u: _source_size(fetcher, u), ask)))
-    return [known[u] for u in urls]
-
-
-def _source_size(fetcher: Fetcher, url: str) -> int:
-    try:
-        described = fetcher.describe(url)
-    finally:
-        fetcher.close_thread()  # a pool thread may ask again: no session lingers past its answer
-    return described.size if described else 0

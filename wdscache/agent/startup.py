@@ -1,0 +1,196 @@
+"""The agent's start-up: taking the cache directory, and opening the cache on it.
+
+:func:`take_cache_dir` takes the cache directory (its lock), starts the worker processes,
+opens the cache (recovered, shrunk to the budget, the budget checked against the start-up
+window's shards), the mailbox, the control socket and the metrics server, while the list is
+read in another thread (a million lines take a second or two, the workers as long to start).
+
+Guarantees:
+
+- A start that fails leaves the cache directory as it was: a bad line of the list, a budget
+  refused, a socket in use, anything; what it took (lock, workers, cache, mailbox, socket) is
+  given back in reverse order, the lock last, and what it made in the directory (lock file,
+  token, index, folders; the directory itself) is removed (:meth:`CacheLayout.undo_start`).
+- Every file and socket the agent makes from here on is private to its user (umask 077).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..shared.config import AgentConfig, format_size, parse_size
+from ..shared.errors import ConfigError
+from ..shared.layout import CacheLayout
+from ..shared.logs import get_logger
+from ..shared.urls import UrlList
+from .cache import INDEX_HEADROOM, ShardCache
+from .control import ControlSocket
+from .events import Mailbox
+from .fetch import Fetcher
+from .lock import AgentLock
+from .metrics import MetricsServer
+from .pool import WorkerPool
+from .readers import startup_reader
+
+log = get_logger(__name__)
+
+PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What a start took: the list, the cache directory's stat, and the open parts."""
+
+    urls: UrlList
+    root: os.stat_result
+    pool: WorkerPool
+    cache: ShardCache
+    mailbox: Mailbox
+    socket: ControlSocket
+    metrics: MetricsServer | None
+
+
+def take_cache_dir(
+    cfg: AgentConfig,
+    layout: CacheLayout,
+    lock: AgentLock,
+    fetcher: Fetcher,
+    listed: Future[UrlList],
+    endpoint: str,
+    run: str,
+) -> Taken:
+    """Take the cache directory of ``layout``, start the workers and open the cache, with the
+    list being read meanwhile (``listed``). Whatever fails (a bad line of the list too) undoes
+    what this start did there, the lock released last."""
+    made = layout.prepare()
+    root = os.stat(layout.root)
+    os.umask(0o077)  # every file and socket we create is private to this user
+    before = set(os.listdir(layout.root))
+    with contextlib.ExitStack() as undo:
+        lock.acquire()
+        undo.callback(lock.release)
+        # Undone with the lock still held, after everything below: a directory that was
+        # empty is left empty (and one this start made, gone).
+        undo.callback(layout.undo_start, before, made)
+        token = layout.ensure_token()
+        # Worker processes take a while to start: they do so while the list is read and
+        # the cache is opened.
+        pool = WorkerPool(n=cfg.workers, agent_endpoint=endpoint, cache_dir=str(layout.root), token=token, run=run)
+        pool.start()
+        undo.callback(pool.stop)
+        urls = listed.result()
+        cache = _open_cache(layout, cfg, urls, fetcher)
+        undo.callback(cache.close)
+        mailbox = Mailbox()
+        undo.callback(mailbox.close)
+        socket = ControlSocket(endpoint, token=token, run=run)
+        undo.callback(socket.close)
+        metrics = None if cfg.metrics_port is None else MetricsServer(cfg.metrics_host, cfg.metrics_port)
+        undo.pop_all()
+    return Taken(urls, root, pool, cache, mailbox, socket, metrics)
+
+
+def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: Fetcher) -> ShardCache:
+    """Open the cache: recover it, shrink it to the budget, check the budget can hold a window."""
+    st = os.statvfs(layout.root)
+    fs_total = st.f_blocks * st.f_frsize
+    limit = parse_size(cfg.cache_size, total=fs_total, what="--cache-size")
+    min_free = parse_size(cfg.min_free, total=fs_total, what="--min-free")
+    cache = ShardCache(layout, limit=limit, min_free=min_free)
+    try:
+        first = [urls.urls[i] for i in startup_reader(len(urls), cfg).window(cfg.prefetch)]
+        # Partials with a validator are resumed whichever shard they are (they count against the budget).
+        recovered = cache.recover(keep_partial=urls)
+        if cache.rebuilt:
+            recovered["adopted"] += cache.adopt(urls.urls)
+        if any(recovered.values()):
+            log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
+        if cache.used > cache.limit:
+            # Restarted with a smaller --cache-size: shrink to it before anything else.
+            cache.evict(
+                cache.used - cache.limit,
+                wanted=first,
+                allow_window=True,
+                why="evicted to shrink the cache to --cache-size",
+            )
+        _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total)
+        cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
+    except BaseException:
+        cache.close()
+        raise
+    return cache
+
+
+def _check_budget(
+    cache: ShardCache, prefetch: int, need_shards: int, first: list[str], fetcher: Fetcher, fs_total: int
+) -> None:
+    """Refuse a budget that can never hold a reader's window of the largest shards we know of
+    (those of the start-up window ``first``; a reader holds ``need_shards`` at once).
+
+    What can ever be used is the smaller of --cache-size and the file system's size
+    less --min-free and the index's headroom. Free space taken by other files may
+    come back, so too little of it now is a warning, not a refusal.
+    """
+    room = fs_total - cache.margin  # the most the file system can ever give to shards
+    usable = min(cache.limit, room)
+    where = (
+        f"the file system of {cache.layout.root} is {format_size(fs_total)} in all, --min-free "
+        f"{format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for the index) must stay free, "
+        f"--cache-size {format_size(cache.limit)}"
+    )
+    if usable <= 0:
+        raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
+    sizes = [s for s in _probe_sizes(cache, fetcher, first) if s]
+    if not sizes:
+        return
+    need = need_shards * max(sizes)
+    window = (
+        f"shards here are up to {format_size(max(sizes))} and a reader needs {need_shards} of them "
+        f"on disk (the one it reads and {need_shards - 1} ahead)"
+    )
+    if need > cache.limit:
+        raise ConfigError(
+            f"--cache-size {format_size(cache.limit)} is too small for --prefetch "
+            f"{prefetch}: {window}; the smallest budget that works is {need} bytes "
+            f"({format_size(need)}), or lower --prefetch ({where})"
+        )
+    if need > room:
+        raise ConfigError(
+            f"the file system cannot hold the window: {where}; so at most {format_size(room)} can hold "
+            f"shards; {window}, {format_size(need)}; lower --min-free or --prefetch, or use a file system "
+            f"of at least {format_size(need + cache.margin)}"
+        )
+    free = cache.fs_free() + cache.used - cache.margin  # our own shards can be evicted
+    if need > free:
+        log.warning(
+            "only %s of the file system can hold shards now (%s free, --min-free %s): %s, %s; "
+            "downloads wait for space until other files make room",
+            format_size(max(0, free)),
+            format_size(cache.fs_free()),
+            format_size(cache.min_free),
+            window,
+            format_size(need),
+        )
+
+
+def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str]) -> list[int]:
+    """The size of each of ``urls`` (0: unknown): the index's, else its source's (a HEAD, or a
+    stat), all asked at once, in up to ``PROBE_THREADS`` threads: a start waits for the slowest
+    answer, not for the sum of them."""
+    known = {u: rec.size for u in urls if (rec := cache.index.get(u)) is not None and rec.size}
+    ask = [u for u in urls if u not in known]
+    if ask:
+        with ThreadPoolExecutor(max_workers=min(len(ask), PROBE_THREADS), thread_name_prefix="probe") as pool:
+            known.update(zip(ask, pool.map(lambda u: _source_size(fetcher, u), ask)))
+    return [known[u] for u in urls]
+
+
+def _source_size(fetcher: Fetcher, url: str) -> int:
+    try:
+        described = fetcher.describe(url)
+    finally:
+        fetcher.close_thread()  # a pool thread may ask again: no session lingers past its answer
+    return described.size if described else 0
