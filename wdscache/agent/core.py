@@ -40,9 +40,8 @@ Guarantees:
 - A reader reads the list it said hello on to its end, and one whose process
   ends is dropped at once, its pins released (:mod:`wdscache.agent.readers`).
 - Only holders of the cache directory's token are served (:mod:`wdscache.agent.control`).
-- A start that fails leaves nothing behind: what it took (lock, workers, cache,
-  socket) is given back in reverse order, and what it made in the cache directory
-  (lock file, token, index, folders; the directory itself) is removed.
+- A start that fails (a bad line of the list too) leaves the cache directory as it
+  was (:mod:`wdscache.agent.startup`).
 """
 
 from __future__ import annotations
@@ -182,9 +181,8 @@ class Agent:
         """Take the cache directory, read the list, open the cache and build the parts; a start
         that fails (a bad line of the list, say) leaves the cache directory as it was."""
         with ThreadPoolExecutor(1, thread_name_prefix="list") as reading:
-            # The list is read (a million lines take a second or two) while the worker processes
-            # start on the other cores; a bad line undoes the start below, so the cache
-            # directory is left as it was.
+            # A million lines take a second or two to read: the directory is taken and the
+            # worker processes start meanwhile (on the other cores).
             listed = reading.submit(self._list_file.read)
             took = take_cache_dir(self.config, self.layout, self._lock, self.fetcher, listed, self.endpoint, self._run)
         self.pool, self.cache, self.mailbox, self.socket = took.pool, took.cache, took.mailbox, took.socket

@@ -3,7 +3,8 @@
 :func:`take_cache_dir` takes the cache directory (its lock), starts the worker processes,
 opens the cache (recovered, shrunk to the budget, the budget checked against the start-up
 window's shards), the mailbox, the control socket and the metrics server, while the list is
-read in another thread (a million lines take a second or two, the workers as long to start).
+read in another thread (a million lines take a second or two): the worker processes start
+meanwhile, and the list is needed only once the cache opens.
 
 Guarantees:
 

@@ -190,6 +190,7 @@ class EpochStream:
         self.workers = WorkerLinks(endpoints, [self.conn.worker_key(i) or "" for i in range(len(endpoints))])
         if not self.workers:
             raise WdsCacheError(f"the agent at {s.endpoint} has no workers")
+        self.failures = ReadFailures(self)
         self.shards = EpochShards(
             self.conn,
             self.name,
@@ -202,7 +203,7 @@ class EpochStream:
             clock=self.clock,
             workers=len(self.workers),
             call_worker=self._worker_call,
-            hold_nothing=lambda: self.failures.hold_nothing(),  # (failures is made below)
+            hold_nothing=self.failures.hold_nothing,
         )
         self.reads = ReadTable()
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
@@ -213,7 +214,6 @@ class EpochStream:
         self.epoch = epoch
         self.reporter = Reporter(session.connect, functools.partial(self.requests.report, s.job, s.rank), self._figures)
         self.runs = AgentRuns(self)  # the agent run our links and pins belong to, and a new one taken up
-        self.failures = ReadFailures(self)
 
     # -- the rank's share -------------------------------------------------------
 
