@@ -161,7 +161,8 @@ def test_a_file_replaced_under_one_read_costs_that_read_only(tmp_path, dataset, 
 
     from wdscache.training.direct import FileRange
 
-    data = dataset(3, samples=8, payload=20_000)
+    # payloads large enough to be read one by one (see replies.read_dense), so each is a call
+    data = dataset(3, samples=8, payload=40_000)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--workers", "2", "--prefetch", "3")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "every shard cached")  # else some are streamed

@@ -204,6 +204,63 @@ def test_a_direct_reply_reads_its_file_ranges_through_the_reader() -> None:
     assert stale.value.errno == errno.ESTALE
 
 
+class CountedFile:
+    """A file reader whose every file holds bytes 0, 1, 2, ... (mod 256), counting the reads."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[int, int]] = []
+
+    def range(self, url: str, identity: Any, start: int, size: int) -> CountedFile:
+        self.size = size
+        return self
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, offset: int, size: int) -> bytes:
+        self.reads.append((offset, size))
+        return bytes(x % 256 for x in range(offset, offset + size))
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("samples", "range_size", "reads"),
+    [
+        # small samples, every other one (one of two DataLoader workers): the range at once
+        ([[(i * 7168, 1000), (i * 7168 + 1536, 3), (i * 7168 + 2048, 60)] for i in range(64)], 64 * 7168, 1),
+        # one small sample of three payloads (a shuffled read): one read, not three
+        ([[(0, 1000), (1536, 3), (2048, 60)]], 2108, 1),
+        # one large sample: each payload copied once, not the range twice
+        ([[(0, 110_000), (110_592, 3), (111_104, 60)]], 111_164, 3),
+        # a few small samples scattered over a long range (a shuffled read): payload by payload
+        ([[(i * MIB, 1000), (i * MIB + 1536, 60)] for i in range(3)], 2 * MIB + 1596, 6),
+        # one payload: nothing to save
+        ([[(0, 500)]], 500, 1),
+    ],
+)
+def test_a_file_range_is_read_whole_only_where_that_saves_syscalls(
+    samples: list[list[tuple[int, int]]], range_size: int, reads: int
+) -> None:
+    header = {
+        "ok": True,
+        "keys": [f"k{i}" for i in range(len(samples))],
+        "exts": [[f"e{j}" for j in range(len(s))] for s in samples],
+        "spans": [[1, *[x for payload in sample for x in payload]] for sample in samples],
+        "files": [[0, 0, range_size, 1, 2, range_size, 7]],
+    }
+    files = CountedFile()
+    got, sizes = decode_reply(header, [zmq.Frame(b"")], items(len(samples)), URLS, direct=True, files=files)
+    assert len(files.reads) == reads
+    for sample, payloads in zip(got, samples):  # the same bytes either way
+        assert [sample[f"e{j}"] for j in range(len(payloads))] == [
+            bytes(x % 256 for x in range(o, o + n)) for o, n in payloads
+        ]
+        assert all(type(v) is bytes for k, v in sample.items() if k[0] != "_")
+    assert sizes == [sum(n for _, n in payloads) for payloads in samples]
+
+
 # -- pins -------------------------------------------------------------------------------
 
 

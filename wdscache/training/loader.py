@@ -52,6 +52,7 @@ settings, ``map=``, batching. Checkpoints are taken and read by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pickle
 import sys
@@ -59,6 +60,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
@@ -403,11 +405,11 @@ class CachedMultiLoader:
             if not isinstance(session.urls, AgentList)
             else (LocalPaths() if session.hello.get("local_urls") else {})
         )
-        if not local and self.map_fn is None and self.batch_size is None:
-            return stream.delivered_samples()  # counted a read at a time: no Python layer per sample
+        if self.map_fn is None and self.batch_size is None:  # counted a read at a time: no Python layer per sample
+            return stream.delivered_samples(functools.partial(_as_given, local=local) if local else None)
         items: Iterator[Any] = stream.samples()
         if local:
-            items = _as_given(items, local)
+            items = chain.from_iterable(map(functools.partial(_as_given, local=local), stream.chunks()))
         if self.map_fn is not None:
             items = _mapped(items, self.map_fn, self.workers)
         if self.batch_size is None:
@@ -583,13 +585,16 @@ def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[
 
 
 def _as_given(
-    items: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]] | LocalPaths
+    samples: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]] | LocalPaths
 ) -> Iterator[dict[str, Any]]:
-    for sample in items:
+    """A read's samples (an iterator over its list), those of local shards named as the user
+    gave them: ``__url__`` and ``__local_path__``, as webdataset's samples have them."""
+    chunk = list(samples)
+    for sample in chunk:
         named = local.get(sample["__url__"])
         if named is not None:
             sample["__url__"], sample["__local_path__"] = named
-        yield sample
+    return iter(chunk)
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

@@ -292,18 +292,25 @@ class EpochStream:
             log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
         self.complete = True  # an epoch a handler stopped is over too: the next one follows
 
-    def delivered_samples(self) -> Iterator[dict[str, Any]]:
+    def delivered_samples(
+        self, each: Callable[[Iterator[dict[str, Any]]], Iterator[dict[str, Any]]] | None = None
+    ) -> Iterator[dict[str, Any]]:
         """The rank's samples as :meth:`delivering` yields them, counted a chunk at a time: no
-        layer of Python per sample (``delivered`` asks the chunk's iterator how far it is)."""
-        handed = self._handed()
+        layer of Python per sample (``delivered`` asks the chunk's iterator how far it is).
+        ``each`` makes a chunk's samples into what is handed out, as many, a read at a time."""
+        handed = self._handed(each)
         try:
             yield from chain.from_iterable(handed)
         finally:
             handed.close()
 
-    def _handed(self) -> Generator[Iterator[dict[str, Any]], None, None]:
+    def _handed(
+        self, each: Callable[[Iterator[dict[str, Any]]], Iterator[dict[str, Any]]] | None
+    ) -> Generator[Iterator[dict[str, Any]], None, None]:
         try:
             for it in self.chunks():
+                if each is not None:
+                    it = each(it)
                 n = length_hint(it)
                 self._handing = (n, it)
                 yield it
