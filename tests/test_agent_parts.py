@@ -26,6 +26,7 @@ from wdscache.agent.events import BudgetAsked, DownloadCancelled, Downloaded, Do
 from wdscache.agent.fetch import Fetcher
 from wdscache.agent.opens import Opens
 from wdscache.agent.readers import Readers
+from wdscache.agent.shards import Shards
 from wdscache.shared.config import AgentConfig
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.protocol import client_key, pack, unpack
@@ -40,13 +41,14 @@ class Parts:
     urls: UrlList
     cache: ShardCache
     mailbox: Mailbox
+    shards: Shards
     downloads: Downloads
 
 
 @pytest.fixture
 def parts(tmp_path: Path) -> Iterator[Parts]:
-    shards = make_dataset(tmp_path / "src", 3, 5)
-    urls = parse_url_list("\n".join(p.as_uri() for p in shards))
+    paths = make_dataset(tmp_path / "src", 3, 5)
+    urls = parse_url_list("\n".join(p.as_uri() for p in paths))
     config = AgentConfig(
         cache_dir=tmp_path / "cache",
         urls=tmp_path / "urls.txt",
@@ -61,10 +63,11 @@ def parts(tmp_path: Path) -> Iterator[Parts]:
     layout.prepare()
     cache = ShardCache(layout, limit=64 << 20, min_free=0)
     mailbox = Mailbox()
-    downloads = Downloads(config, cache, Fetcher(retries=0), mailbox)
+    shards = Shards()
+    downloads = Downloads(config, cache, shards, Fetcher(retries=0), mailbox)
     downloads.start_threads()
     try:
-        yield Parts(config, urls, cache, mailbox, downloads)
+        yield Parts(config, urls, cache, mailbox, shards, downloads)
     finally:
         downloads.stop()
         assert not downloads.threads_alive()
@@ -138,7 +141,7 @@ def test_an_open_waits_for_its_download_and_a_reader_that_goes_lets_go(parts: Pa
         cache_root=[0, 0],
         gone=lambda name: opens[0].release_all(name),
     )
-    opens.append(Opens(parts.config, parts.cache, readers, parts.downloads))
+    opens.append(Opens(parts.config, parts.cache, parts.shards, readers, parts.downloads))
     ctx = zmq.Context()
     client = ctx.socket(zmq.DEALER)
     client.setsockopt(zmq.LINGER, 0)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
 from wdscache.agent import shards
 from wdscache.agent.control import Request
+from wdscache.agent.shard_download import Budget, Download
 from wdscache.agent.shards import TRANSITIONS, IllegalTransition, Phase, Shard, Shards, Waiter
 
 
@@ -59,3 +61,29 @@ def test_demanded_shards_come_oldest_first() -> None:
     for url, at in (("b", 2.0), ("a", 3.0), ("c", 1.0)):
         table.record(url).asked_at = at
     assert table.demanded() == ["c", "b", "a"]
+
+
+def download(url: str) -> Download:
+    return Download(url, partial=Path("/nonexistent/p"), final=Path("/nonexistent/f"), budget=Budget(lambda *a: True))
+
+
+def test_a_download_in_flight_is_in_its_shards_record_until_its_end() -> None:
+    table = Shards()
+    first = download("http://h/a.tar")
+    slot = table.start_download(first)  # a prefetch: nobody refers to the shard otherwise
+    shard = table.get("http://h/a.tar")
+    assert shard is not None and shard.download is slot and slot.download is first
+    table.settle(shard)
+    assert table.get("http://h/a.tar") is shard  # kept: its download runs
+    with pytest.raises(IllegalTransition, match="second download"):
+        table.start_download(download("http://h/a.tar"))
+    other = table.start_download(download("http://h/b.tar"))
+    assert table.slots() == [slot, other] and table.downloads() == 2 and table.slot("http://h/b.tar") is other
+    table.pin(shard, "r")
+    assert table.end_download("http://h/a.tar") is slot and shard.download is None
+    assert table.get("http://h/a.tar") is shard  # still held by its reader
+    assert table.end_download("http://h/a.tar") is None and table.slots() == [other]
+    table.unpin(shard, "r")
+    table.settle(shard)
+    table.end_download("http://h/b.tar")
+    assert len(table) == 0 and table.downloads() == 0

@@ -18,6 +18,7 @@ from wdscache.agent.fetch import Fetcher
 from wdscache.agent.opens import Opens
 from wdscache.agent.readers import Readers
 from wdscache.agent.shard_download import Fetched
+from wdscache.agent.shards import Shards
 from wdscache.shared.config import AgentConfig
 from wdscache.shared.errors import FetchError
 from wdscache.shared.layout import CacheLayout
@@ -45,7 +46,8 @@ class Loop:
         layout.prepare()
         self.cache = ShardCache(layout, limit=limit, min_free=0)
         self.mailbox = Mailbox()
-        self.downloads = Downloads(self.config, self.cache, Fetcher(retries=0), self.mailbox)
+        self.shards = Shards()
+        self.downloads = Downloads(self.config, self.cache, self.shards, Fetcher(retries=0), self.mailbox)
         self.gone: list[str] = []
         self.readers = Readers(
             self.config,
@@ -56,7 +58,7 @@ class Loop:
             cache_root=[0, 0],
             gone=self._gone,
         )
-        self.opens = Opens(self.config, self.cache, self.readers, self.downloads)
+        self.opens = Opens(self.config, self.cache, self.shards, self.readers, self.downloads)
         self._rid = 0
 
     def _gone(self, name: str) -> None:

@@ -89,6 +89,7 @@ from .opens import Opens
 from .pool import WorkerPool
 from .prefetches import Prefetches
 from .readers import Readers
+from .shards import Shards
 from .startup import take_cache_dir
 from .upkeep import Upkeep
 from .worker_reports import WorkerReports
@@ -221,8 +222,11 @@ class Agent:
             watch=self.socket.watch,
             unwatch=self.socket.unwatch,
         )
-        self.downloads = Downloads(cfg, self.cache, self.fetcher, self.mailbox, expected=self.readers.shard_info)
-        self.opens = Opens(cfg, self.cache, self.readers, self.downloads)
+        shards = Shards()  # one record per shard the agent is busy with, for the opens and the downloads
+        self.downloads = Downloads(
+            cfg, self.cache, shards, self.fetcher, self.mailbox, expected=self.readers.shard_info
+        )
+        self.opens = Opens(cfg, self.cache, shards, self.readers, self.downloads)
         self.workers = WorkerReports(self.pool, self.socket)
         self.prefetches = Prefetches(self.cache, self.downloads)
         self.cache.watcher = self.prefetches

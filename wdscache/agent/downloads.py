@@ -10,10 +10,11 @@ Guarantees (threads):
   A download in parallel parts (:mod:`wdscache.agent.parts`) runs its extra
   connections in threads of its own, within its slot: ``--download-parts`` is per
   shard, ``--download-workers`` counts shards.
-- A shard is never downloaded by two threads at once: a URL has a :class:`Slot` in
-  ``_active`` from the moment its task is queued until the main loop has recorded its
-  end. What the policy notes of a download (out of every window since when, why it
-  waits for space) is in its slot, and goes with it.
+- A shard is never downloaded by two threads at once: its record
+  (:class:`~wdscache.agent.shards.Shard`) holds a :class:`~wdscache.agent.shards.Slot` from
+  the moment its task is queued until the main loop has recorded its end. What the policy
+  notes of a download (out of every window since when, why it waits for space) is in its
+  slot, and goes with it.
 - Nothing outside the wanted shards (demanded ones, then the union of readers'
   windows) is started. Bytes cross the network once: a download is cancelled
   only after its shard has been out of every window for ``CANCEL_AFTER``
@@ -31,7 +32,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
@@ -53,8 +53,9 @@ from .events import (
     ValidatorFound,
 )
 from .fetch import Fetcher
-from .grants import NO_HOLD, Grants, NoRoom, PrefetchHold, SpaceWait
+from .grants import NO_HOLD, Grants, NoRoom, PrefetchHold
 from .shard_download import Budget, Cancelled, DiskFull, Download, Fetched, Progress
+from .shards import Shards
 
 log = get_logger(__name__)
 
@@ -66,19 +67,6 @@ CANCEL_AFTER = 3.0
 JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
 
 
-@dataclass(slots=True, eq=False)
-class Slot:
-    """A download (or revalidation) in flight, and what the policy notes of it."""
-
-    download: Download
-    unwanted_since: float | None = None  # when its shard left every window (see Downloads.schedule)
-    space: SpaceWait = field(default_factory=SpaceWait)  # why it waits for space, if it does
-
-    @property
-    def url(self) -> str:
-        return self.download.url
-
-
 class Downloads:
     """Download tasks and threads, preemption and their ends; budget grants through :class:`Grants`."""
 
@@ -86,22 +74,22 @@ class Downloads:
         self,
         config: AgentConfig,
         cache: ShardCache,
+        shards: Shards,
         fetcher: Fetcher,
         mailbox: Mailbox,
         *,
         expected: Callable[[str], ShardInfo | None] = lambda url: None,
     ) -> None:
         self._config, self._cache, self._fetcher, self._mailbox = config, cache, fetcher, mailbox
+        self._shards = shards  # each download in flight is in its shard's record
         self._expected = expected  # what a shard index says of a URL: each download is checked against it
         self._layout = cache.layout
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._active: dict[str, Slot] = {}  # url -> its download (or revalidation), until its end is recorded
         self._grants = Grants(cache)  # budget asked for and not granted yet
         self._paused_until = 0.0
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
-        self._early_counts: dict[str, int] = {}  # url -> samples a worker counted before its end was recorded
         self._finished_bytes = 0  # bytes written by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
 
@@ -117,15 +105,15 @@ class Downloads:
 
     def __contains__(self, url: object) -> bool:
         """True while ``url`` downloads (or is revalidated)."""
-        return url in self._active
+        return isinstance(url, str) and self._shards.slot(url) is not None
 
     def count(self) -> int:
         """Downloads (and revalidations) running or queued."""
-        return len(self._active)
+        return self._shards.downloads()
 
     def running(self) -> list[str]:
         """The shards downloading (revalidations left out)."""
-        return [u for u, slot in self._active.items() if not slot.download.verify]
+        return [slot.download.url for slot in self._shards.slots() if not slot.download.verify]
 
     def readable_partial(self, url: str) -> bool:
         """True when ``url`` is downloading with its whole size reserved: it will finish whatever is pinned."""
@@ -154,16 +142,18 @@ class Downloads:
 
     def space_wait(self, url: str) -> str | None:
         """Why the download of ``url`` waits for space, if it does."""
-        slot = self._active.get(url)
+        slot = self._shards.slot(url)
         return slot.space.reason if slot is not None else None
 
     def space_waits(self) -> list[dict[str, str]]:
         return [
-            {"url": u, "reason": slot.space.reason} for u, slot in self._active.items() if slot.space.reason is not None
+            {"url": slot.download.url, "reason": slot.space.reason}
+            for slot in self._shards.slots()
+            if slot.space.reason is not None
         ]
 
     def _download(self, url: str) -> Download | None:
-        slot = self._active.get(url)
+        slot = self._shards.slot(url)
         return slot.download if slot is not None else None
 
     def demand(self, url: str) -> None:
@@ -192,7 +182,7 @@ class Downloads:
     def sample_rate(self) -> None:
         now = time.monotonic()
         self._rate_samples.append(
-            (now, self._finished_bytes + sum(s.download.progress.written for s in self._active.values()))
+            (now, self._finished_bytes + sum(s.download.progress.written for s in self._shards.slots()))
         )
         while self._rate_samples and now - self._rate_samples[0][0] > RATE_WINDOW:
             self._rate_samples.popleft()
@@ -217,8 +207,8 @@ class Downloads:
         download is out of the wanted set.
         """
         now = time.monotonic()
-        for url, slot in list(self._active.items()):
-            d = slot.download
+        for slot in self._shards.slots():
+            d, url = slot.download, slot.download.url
             if url in holding:
                 slot.unwanted_since = None
                 continue
@@ -233,18 +223,18 @@ class Downloads:
         for url in want:
             if self.paused:
                 break
-            if url in self._active or self._cache.is_cached(url):
+            if self._shards.slot(url) is not None or self._cache.is_cached(url):
                 continue
             rec = self._cache.index.get(url)
             if rec is not None and rec.state is ShardState.FAILED:
                 continue
             slots = self._config.download_workers * (2 if url in demanded else 1)
-            if len(self._active) >= slots:
+            if self._shards.downloads() >= slots:
                 if url in demanded and not self._cancel_unwanted():
                     self._preempt()
                 break
             self._start(url, demanded=url in demanded)
-        waits = {url: slot.space for url, slot in self._active.items()}
+        waits = {slot.download.url: slot.space for slot in self._shards.slots()}
         readable = self._grants.answer(want, hold, waits, self.readable_partial)
         self._cache.keep_margin(want)
         return readable
@@ -262,13 +252,13 @@ class Downloads:
             on_validator=lambda d: self._mailbox.post(ValidatorFound(d, d.progress.etag)),
         )
         self._cache.begin(d)
-        self._active[url] = Slot(d)
+        self._shards.start_download(d)
         self._tasks.put(d)
         log.debug("downloading %s", url)
 
     def revalidate(self, url: str) -> None:
         """Ask the source whether the cached ``url`` is still current (a :class:`Revalidated` comes back)."""
-        if url in self._active:
+        if self._shards.slot(url) is not None:
             return
         self._cache.pin(url)  # not evicted while we ask; unpinned when the answer comes
         d = Download(
@@ -278,15 +268,15 @@ class Downloads:
             budget=Budget(self.reserve),
             verify=True,
         )
-        self._active[url] = Slot(d)
+        self._shards.start_download(d)
         self._tasks.put(d)
 
     def _cancel_unwanted(self) -> bool:
         """Free a slot for a shard someone waits for: cancel a download out of every window
         (it keeps its partial); True if a slot is being freed."""
-        unwanted = [s for s in self._active.values() if s.unwanted_since is not None]
+        unwanted = [s for s in self._shards.slots() if s.unwanted_since is not None]
         for slot in sorted(unwanted, key=lambda s: s.unwanted_since or 0.0):
-            d, url = slot.download, slot.url
+            d, url = slot.download, slot.download.url
             if not d.verify:
                 if not d.cancel.is_set():
                     log.info("abandoning %s (no longer wanted) for a shard a reader waits for", url)
@@ -301,7 +291,7 @@ class Downloads:
         download may, so without this both could wait for ever.
         """
         waiting = self._grants.waiting()
-        running = [slot.download for slot in self._active.values()]
+        running = [slot.download for slot in self._shards.slots()]
         if any(d.cancel.is_set() for d in running):
             return  # a slot is being freed already
         for d in running:
@@ -329,9 +319,9 @@ class Downloads:
         stored = fetched.size if fetched.stored is None else fetched.stored  # what "counted" records too
         index.keep_count(d.url, stored, fetched.etag)  # if the content is what was counted
         self._cache.finish(d, fetched.size, fetched.etag, stored=fetched.stored, last_modified=fetched.last_modified)
-        early = self._early_counts.pop(d.url, None)
-        if early is not None:
-            index.set_count(d.url, early, stored, fetched.etag)
+        slot = self._shards.slot(d.url)
+        if slot is not None and slot.counted is not None:
+            index.set_count(d.url, slot.counted, stored, fetched.etag)
         index.incr("bytes_downloaded", fetched.size)
         index.incr("downloads")
         self._had.add(d.url)
@@ -354,7 +344,9 @@ class Downloads:
 
     def counted_early(self, url: str, samples: int) -> None:
         """A worker counted ``url``'s samples before its end was recorded: the count is kept for then."""
-        self._early_counts[url] = samples
+        slot = self._shards.slot(url)
+        if slot is not None:
+            slot.counted = samples
 
     def record_out_of_space(self, d: Download, error: DiskFull, want: Sequence[str]) -> None:
         """The file system refused a write: not the shard's fault. Drop the partial, make room,
@@ -380,7 +372,7 @@ class Downloads:
     def ended(self, d: Download) -> None:
         """Its end is recorded: the slot is free. Called last, so that a failed index write
         (the event is handled again later) leaves the download active."""
-        self._active.pop(d.url, None)
+        self._shards.end_download(d.url)
         self._finished_bytes += d.progress.written
 
     # -- download threads ---------------------------------------------------------
@@ -434,7 +426,7 @@ class Downloads:
 
     def stop(self) -> None:
         """Cancel every download and end the threads (each gets up to ``JOIN_TIMEOUT`` in all)."""
-        for slot in self._active.values():
+        for slot in self._shards.slots():
             slot.download.cancel.set()
         for _ in self._threads:
             self._tasks.put(None)
@@ -447,7 +439,7 @@ class Downloads:
 
     def abandon_all(self, keep_partial: Callable[[str], bool]) -> None:
         """Record the downloads still unfinished as abandoned (``keep_partial(url)``: keep the partial file)."""
-        for d in [slot.download for slot in self._active.values()]:
+        for d in [slot.download for slot in self._shards.slots()]:
             if not d.verify:  # a revalidation holds a cached shard, not a partial one
                 self._cache.abandon(d, keep_partial=keep_partial(d.url))
-        self._active.clear()
+            self._shards.end_download(d.url)

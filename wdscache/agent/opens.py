@@ -53,10 +53,12 @@ MAX_LISTED = 100  # corrupt or changed shards remembered for stats
 class Opens:
     """Opens, pins, waiters, revalidation, damage and refetch, over the shards' records."""
 
-    def __init__(self, config: AgentConfig, cache: ShardCache, readers: Readers, downloads: Downloads) -> None:
+    def __init__(
+        self, config: AgentConfig, cache: ShardCache, shards: Shards, readers: Readers, downloads: Downloads
+    ) -> None:
         self._config, self._cache = config, cache
         self._readers, self._downloads = readers, downloads
-        self.shards = Shards()
+        self.shards = shards  # shared with the downloads, which keep each one in flight in its record
         # With --revalidate, the cached shards known current (downloaded or checked this run):
         # one fact about idle cached shards, so kept beside the records, not in them.
         self._verified: set[str] = set()

@@ -1,9 +1,9 @@
 """The shards the agent is busy with: one :class:`Shard` record each, in one table by URL.
 
 A shard has a record while something refers to it: a reader holds it pinned, waits for it
-or asked for it, it is being revalidated, a read found its copy damaged (until a copy of
-it reads fine), or it failed. A cached shard nobody holds, with nothing pending, has no
-record (what is on disk is the index's, :class:`~wdscache.shared.index.ShardState`), so a
+or asked for it, it downloads or is being revalidated, a read found its copy damaged (until
+a copy of it reads fine), or it failed. A cached shard nobody holds, with nothing pending,
+has no record (what is on disk is the index's, :class:`~wdscache.shared.index.ShardState`), so a
 million listed shards cost nothing here: :meth:`Shards.settle` drops a record as soon as
 nothing refers to it.
 
@@ -35,22 +35,23 @@ FAILED        asked for once ``FAILED_RETRY_AFTER`` passed: downloaded again  WA
 FAILED        downloaded after all (a prefetch retried it)                    IDLE
 ============  ==============================================================  ============
 
-Two facts about a shard are kept beside its record, not in it:
+A record also holds the shard's download (or revalidation) in flight, with what the download
+policy notes of it and its wait for space: a :class:`Slot`, from the moment its task is queued
+until the main loop has recorded its end (:class:`~wdscache.agent.downloads.Downloads` starts and
+ends them, through :meth:`Shards.start_download` and :meth:`Shards.end_download`). A prefetch of
+a shard nobody asked for has a record for as long as it runs.
 
-- Its download in flight, with its wait for space, is a :class:`~wdscache.agent.downloads.Slot`
-  that :class:`~wdscache.agent.downloads.Downloads` keys by URL: most downloads are prefetches of
-  shards nobody refers to yet, which have no record (one per prefetch would tie a record's life
-  to a download thread's end), and a record goes once nothing refers to it while the download it
-  asked for may still run (cancelled only ``CANCEL_AFTER`` later, or kept as a prefetch).
-- :attr:`ShardCache.pins <wdscache.agent.cache.ShardCache.pins>` counts every pin of a shard in
-  one number per URL, the readers' (counted here too, by reader) and a revalidation's, which is no
-  reader's: eviction, the ``evict`` op and stats read that number, and the cache commands run on a
-  cache with no agent, so with no records.
+One fact about a shard is kept beside its record, not in it:
+:attr:`ShardCache.pins <wdscache.agent.cache.ShardCache.pins>` counts every pin of a shard in
+one number per URL, the readers' (counted here too, by reader) and a revalidation's, which is no
+reader's: eviction, the ``evict`` op and stats read that number, and the cache commands run on a
+cache with no agent, so with no records.
 
 Guarantees (main loop only):
 
 - A record in WANTED has ``asked_at`` (when a reader first asked for it); waiters wait
   only in REVALIDATING, WANTED and SUSPECT: every move out of these answers them.
+- A shard has at most one download in flight: :meth:`Shards.start_download` refuses a second.
 - Pins by reader are counted here and in the cache alike (the caller pins both), and
   :meth:`Shards.held_by` names every shard a reader holds, so letting go of a reader
   gives back every pin it took.
@@ -63,6 +64,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .control import Request
+from .grants import SpaceWait
+from .shard_download import Download
 
 
 class IllegalTransition(RuntimeError):
@@ -110,6 +113,16 @@ class Waiter:
 
 
 @dataclass(slots=True, eq=False)
+class Slot:
+    """A shard's download (or revalidation) in flight, and what the download policy notes of it."""
+
+    download: Download
+    unwanted_since: float | None = None  # when its shard left every window (see Downloads.schedule)
+    space: SpaceWait = field(default_factory=SpaceWait)  # why it waits for space, if it does
+    counted: int | None = None  # samples a worker counted in it once published, before its end was recorded
+
+
+@dataclass(slots=True, eq=False)
 class Shard:
     """One shard the agent is busy with."""
 
@@ -121,6 +134,7 @@ class Shard:
     refetched: bool = False  # downloaded once more for damage, and no copy of it read fine since
     failed_at: float = 0.0  # FAILED: when (its reason is the index's)
     damaged: bool = False  # FAILED: its copies were damaged (the shard is bad, not its download)
+    download: Slot | None = None  # its download (or revalidation), from queued until its end is recorded
 
     def idle(self) -> bool:
         """Nothing refers to it: its record can go."""
@@ -130,6 +144,7 @@ class Shard:
             and not self.waiters
             and self.asked_at is None
             and not self.refetched
+            and self.download is None
         )
 
 
@@ -139,6 +154,7 @@ class Shards:
     def __init__(self) -> None:
         self._by_url: dict[str, Shard] = {}
         self._held: dict[str, dict[str, None]] = {}  # reader -> the shards it holds pinned, in the order pinned
+        self._downloading: dict[str, Shard] = {}  # the records with a download in flight, in the order started
 
     def get(self, url: str) -> Shard | None:
         return self._by_url.get(url)
@@ -172,6 +188,38 @@ class Shards:
         """The shards readers asked for and wait for, oldest first."""
         asked = [s for s in self._by_url.values() if s.asked_at is not None]
         return [s.url for s in sorted(asked, key=lambda s: s.asked_at or 0.0)]
+
+    # -- downloads in flight -------------------------------------------------------------
+
+    def start_download(self, download: Download) -> Slot:
+        """Record ``download`` as its shard's one download in flight."""
+        shard = self.record(download.url)
+        if shard.download is not None:
+            raise IllegalTransition(f"{download.url}: a second download while one is in flight")
+        shard.download = slot = Slot(download)
+        self._downloading[download.url] = shard
+        return slot
+
+    def end_download(self, url: str) -> Slot | None:
+        """The end of ``url``'s download is recorded: its record holds it no more."""
+        shard = self._downloading.pop(url, None)
+        if shard is None:
+            return None
+        slot, shard.download = shard.download, None
+        self.settle(shard)
+        return slot
+
+    def slot(self, url: str) -> Slot | None:
+        """``url``'s download in flight, if any."""
+        shard = self._downloading.get(url)
+        return shard.download if shard is not None else None
+
+    def slots(self) -> list[Slot]:
+        """The downloads in flight, in the order they started."""
+        return [shard.download for shard in self._downloading.values() if shard.download is not None]
+
+    def downloads(self) -> int:
+        return len(self._downloading)
 
     # -- pins -------------------------------------------------------------------------
 
