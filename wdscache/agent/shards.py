@@ -219,6 +219,7 @@ class Shards:
         return [shard.download for shard in self._downloading.values() if shard.download is not None]
 
     def downloads(self) -> int:
+        """How many downloads are in flight."""
         return len(self._downloading)
 
     # -- pins -------------------------------------------------------------------------

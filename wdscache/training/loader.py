@@ -405,11 +405,11 @@ class CachedMultiLoader:
             if not isinstance(session.urls, AgentList)
             else (LocalPaths() if session.hello.get("local_urls") else {})
         )
+        as_given = functools.partial(_as_given, local=local) if local else None
         if self.map_fn is None and self.batch_size is None:  # counted a read at a time: no Python layer per sample
-            return stream.delivered_samples(functools.partial(_as_given, local=local) if local else None)
-        items: Iterator[Any] = stream.samples()
-        if local:
-            items = chain.from_iterable(map(functools.partial(_as_given, local=local), stream.chunks()))
+            return stream.delivered_samples(as_given)
+        chunks = stream.chunks()
+        items: Iterator[Any] = chain.from_iterable(chunks if as_given is None else map(as_given, chunks))
         if self.map_fn is not None:
             items = _mapped(items, self.map_fn, self.workers)
         if self.batch_size is None:

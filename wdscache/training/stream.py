@@ -247,10 +247,6 @@ class EpochStream:
             self.close()
         return dict(self.shards.sample_counts)
 
-    def samples(self) -> Iterator[dict[str, Any]]:
-        """The rank's samples in order, one by one (the chunks of :meth:`chunks`, iterated in C)."""
-        return chain.from_iterable(self.chunks())
-
     def chunks(self) -> Iterator[Iterator[dict[str, Any]]]:
         """The rank's samples in order, an iterator over a list per read (see :meth:`_pipeline`)."""
         try:
