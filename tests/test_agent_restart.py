@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,27 @@ def wait_samples(c: Consumer, n: int, timeout: float = 30.0) -> None:
         return lines_written(c) >= n
 
     wait_for(enough, timeout, lambda: f"the consumer never wrote {n} samples\n{consumer_log(c)}", interval=0.02)
+
+
+def test_a_loader_started_before_its_agent_waits_for_it_and_reads_the_epoch_exactly(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    """A job and its node's agent started together, the job first: the loader waits for the
+    agent's token and socket (an empty cache directory), then reads its epoch exactly."""
+    ds = dataset(4, samples=10, payload=500)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    c = consumers(cache, "early", "--job", "early", "--timeout", "60")
+
+    def waiting() -> bool:  # it has imported the library (ZeroMQ is mapped) and has no agent to talk to
+        assert c.proc.poll() is None, f"the consumer ended without an agent\n{consumer_log(c)}"
+        return "libzmq" in Path(f"/proc/{c.proc.pid}/maps").read_text()
+
+    wait_for(waiting, DEADLINE, lambda: f"the consumer never started\n{consumer_log(c)}", interval=0.02)
+    assert not any(cache.iterdir())
+    start_agent(cache, ds.list_file)
+    lines = c.wait(DEADLINE)
+    assert_epoch_exact(lines, reference(ds.paths, ds.urls))
 
 
 @pytest.mark.slow

@@ -43,6 +43,23 @@ RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
 # with its run id) whether the agent restarted meanwhile: then the request was lost with
 # the run before, and goes again to the new one.
 RUN_CHECK = 1.0
+AGENT_POLL = 0.01  # seconds between looks for the token and socket of an agent not started yet
+# A socket connected before its endpoint is bound (a sample worker still starting, an agent
+# restarting) is tried again by ZeroMQ after RECONNECT_IVL, 100 ms by default, and its first
+# request waits for that tick: here the first try again comes after RECONNECT_FIRST_MS, the
+# interval doubling up to the default while the endpoint stays away.
+RECONNECT_FIRST_MS = 10
+RECONNECT_MOST_MS = 100
+
+
+def connect_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A DEALER socket of ``ctx`` connected to ``endpoint``, bound yet or not (see RECONNECT_FIRST_MS)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_FIRST_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MOST_MS)
+    sock.connect(endpoint)
+    return sock
 
 
 def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> str:
@@ -96,9 +113,7 @@ class AgentConnection:
             self.key = None
             # Created in the process that uses it; a forked child must not touch its parent's.
             self._ctx = zmq.Context()
-            self._sock = self._ctx.socket(zmq.DEALER)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.connect(self.endpoint)
+            self._sock = connect_dealer(self._ctx, self.endpoint)
             self._pid = os.getpid()
         assert self._sock is not None
         return self._sock
@@ -157,10 +172,10 @@ class AgentConnection:
 
     def _proved(self, timeout: float | None) -> zmq.Socket:
         """The socket, once the agent behind it has proved it holds the token (asked once per run)."""
+        if self._token is None and self._cache_dir is not None:  # before connecting: see _wait_agent
+            self._token = self._wait_agent(self.timeout if timeout is None else timeout)
         sock = self._socket()
         if self.key is None:
-            if self._token is None and self._cache_dir is not None:
-                self._token = self._wait_token(self.timeout if timeout is None else timeout)
             if self._token is None:  # we would take anyone's answers, and the agent refuses us anyway
                 raise NotTrustedError(
                     f"no token for the agent at {self.endpoint}: give the cache directory (its token file is "
@@ -187,15 +202,20 @@ class AgentConnection:
         """The agent run proved last ("" before any): a restarted agent is a new run."""
         return self._run
 
-    def _wait_token(self, timeout: float) -> str:
-        """The cache directory's token; an agent makes it as it starts, so without one, no agent runs."""
+    def _wait_agent(self, timeout: float) -> str:
+        """The cache directory's token, once the agent's socket is there too (an ``ipc://`` one).
+
+        An agent makes its token as it starts, so without one, no agent runs; it binds its socket
+        a moment later, and a socket connected before that waits for ZeroMQ's next try.
+        """
         assert self._cache_dir is not None
         layout = CacheLayout.of(self._cache_dir)
+        bound = Path(self.endpoint[len("ipc://") :]) if self.endpoint.startswith("ipc://") else None
         deadline = time.monotonic() + timeout
-        while (token := layout.read_token()) is None:
+        while (token := layout.read_token()) is None or bound is not None and not bound.exists():
             if time.monotonic() >= deadline:
                 raise AgentUnavailableError(self.endpoint, timeout, self.hint)
-            time.sleep(0.05)
+            time.sleep(AGENT_POLL)
         return token
 
     def worker_key(self, index: int) -> str | None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import zmq
 
+from ..shared.client import connect_dealer
 from ..shared.errors import ProtocolError
 from ..shared.logs import get_logger
 from ..shared.messages import WorkerRequest
@@ -37,7 +38,7 @@ class WorkerLinks:
         self.endpoints = list(endpoints)
         self.proofs = [WorkerProofs(key) for key in keys]
         self.ctx = zmq.Context()
-        self.sockets = [self._connect(ep) for ep in self.endpoints]
+        self.sockets = [connect_dealer(self.ctx, ep) for ep in self.endpoints]
         self.poller = zmq.Poller()
         for sock in self.sockets:
             self.poller.register(sock, zmq.POLLIN)
@@ -46,12 +47,6 @@ class WorkerLinks:
         self.dropped = 0  # replies dropped without their proof, since the stream last looked
         self._dropped_from = ""  # the endpoint of the latest
         self._warned = False
-
-    def _connect(self, endpoint: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        return sock
 
     def __len__(self) -> int:
         return len(self.sockets)
