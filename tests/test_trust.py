@@ -22,6 +22,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -43,6 +44,12 @@ from wdscache.shared.layout import CacheLayout
 from wdscache.shared.protocol import reply_proof, request_proof
 from wdscache.shared.urls import list_id
 from wdscache.training.loader import CachedMultiLoader
+
+# tests.helpers.streaming imports webdataset, and so torch where installed: a loader is then a
+# torch dataset, whose modules the child (another user, who cannot read the interpreter's own
+# library under /root) must find imported.
+if sys.modules.get("torch") is not None:
+    import wdscache.training.dataset  # noqa: F401
 
 CHILD_DEADLINE = 60.0
 

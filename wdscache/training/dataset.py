@@ -18,9 +18,9 @@ its exact share, each sample once, and every rank the same count, whatever ``K``
 
 from __future__ import annotations
 
-import multiprocessing
 from collections.abc import Iterator
 from multiprocessing.context import get_spawning_popen
+from multiprocessing.sharedctypes import RawArray
 from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -49,7 +49,7 @@ class InDataLoader:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._loader().__init__(*args, **kwargs)
         # [times set_epoch was called, its epoch]: read by workers made before the call.
-        self._epoch_box = multiprocessing.RawArray("q", 2)
+        self._epoch_box = RawArray("q", 2)
         self._box_seen = 0
         self._loader()._ensure_agent()
 
@@ -83,5 +83,5 @@ class InDataLoader:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if isinstance(state["_epoch_box"], list):
-            state["_epoch_box"] = multiprocessing.RawArray("q", state["_epoch_box"])
+            state["_epoch_box"] = RawArray("q", state["_epoch_box"])
         self.__dict__.update(state)
