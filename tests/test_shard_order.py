@@ -34,3 +34,19 @@ def test_a_nodes_part_is_read_in_the_order_of_its_own_shards():
     reader.advance_to(mine[2])
     assert reader.position == 2
     assert ShardOrder.of(part).position(7) == 2
+
+
+def test_a_window_makes_the_next_epochs_order_only_when_it_reaches_it():
+    """A shuffled order of a million shards takes about half a second: the agent plans its
+    start-up window from one epoch's, and only a window across the epoch's end makes the next."""
+    shard_order.cache_clear()
+    reader = Reader("r", n_shards=1000, seed=3)
+    first = reader.window(8)
+    assert first == list(shard_order(1000, seed=3, epoch=0, shuffle=True)[:8])
+    assert shard_order.cache_info().misses == 1
+    reader.position = 996
+    across = reader.window(8)
+    assert across == list(shard_order(1000, seed=3, epoch=0, shuffle=True)[996:]) + list(
+        shard_order(1000, seed=3, epoch=1, shuffle=True)[:4]
+    )
+    assert shard_order.cache_info().misses == 2

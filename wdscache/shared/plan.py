@@ -150,12 +150,11 @@ class Reader:
         """The next ``prefetch`` shards to read, current one first, across the epoch end."""
         if self.n_shards == 0:
             return []
+        want = min(prefetch, len(self.order(self.epoch)))  # every epoch's order is as long
         out: list[int] = []
         epoch, pos = self.epoch, self.position
-        while len(out) < min(prefetch, len(self.order(epoch))):
-            order = self.order(epoch)
-            take = order[pos : pos + prefetch - len(out)]
-            out.extend(take)
+        while len(out) < want:  # the next epoch's order is made only when the window reaches it
+            out.extend(self.order(epoch)[pos : pos + want - len(out)])
             epoch, pos = epoch + 1, 0
         return out
 
