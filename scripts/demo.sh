@@ -56,10 +56,10 @@ done
 echo "== wdscache stats once the first shards are cached: the cache fills before anyone reads"
 stats_when '^shards +[1-9]' 30 '^shards' "${pids[@]}"
 
-echo "== one epoch to two consumer processes of one job (ranks 0 and 1 of 2)"
+echo "== one epoch to two consumer processes of one job (ranks 0 and 1 of 2; a training step of 0.1 s)"
 for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 TORCHELASTIC_RUN_ID=demo WDSCACHE_CACHE_DIR="$DEMO/cache" \
-        "$PY" scripts/train_example.py --epochs 1 --batch-size 16 &
+        "$PY" scripts/train_example.py --epochs 1 --batch-size 16 --step-sleep 0.1 &
     consumers+=($!)
 done
 echo "== wdscache stats while the job runs"
