@@ -13,6 +13,9 @@ on, the shards it holds (downloaded again if the new run lost one); one it canno
 A client's socket belongs to the process that created it: after a fork the
 child opens its own.
 
+A client made before its agent has started waits (up to its timeout) for the agent's token
+and socket, and connects only then: its first request goes as soon as the agent listens.
+
 A client talks only to an agent that proves it holds the token of the cache
 directory (see :mod:`wdscache.shared.protocol`), and sends its key to no other: a
 cache directory of another user, or an agent that cannot prove itself, is a

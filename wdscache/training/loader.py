@@ -37,6 +37,9 @@ Guarantees (for the ranks of one job with the same settings):
   taken up where the epoch stands: the epoch still delivers each sample once. With
   no agent back within ``timeout``, the error says the agent died or restarted
   (:class:`wdscache.training.stream.EpochStream`, "the agent restarted");
+- a loader made before its node's agent (a job and its agent started together: the cache
+  directory exists, ``urls`` is not given) waits up to ``timeout`` for the agent, and talks
+  to it once its socket is bound (:mod:`wdscache.shared.client`);
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
   (and, once replies show the sample size, of about 4 MiB of payload:
   :data:`wdscache.training.read_batches.REQUEST_BYTES`) are outstanding; a consumer that stops
