@@ -133,7 +133,7 @@ def test_a_copy_damaged_again_after_its_new_download_fails_the_shard(loop: Loop)
     loop.opens.take_answers()
     loop.opens.release("r", url)
     identity = list(file_identity(loop.cache.path(url).stat()))
-    loop.opens.op_damaged(loop.request("corrupt_copy", url=url, error="bad again", identity=identity))
+    loop.opens.op_corrupt_copy(loop.request("corrupt_copy", url=url, error="bad again", identity=identity))
     status = loop.opens.status(url)
     assert status["state"] == "failed" and status["corrupt"] is True and "damaged again" in status["error"]
     _, reply = loop.open("r", url)

@@ -523,7 +523,7 @@ def prefetch(
     """
     import logging
 
-    from .agent.cache_commands import Progress
+    from .agent.cache_commands import PrefetchProgress
     from .agent.cache_commands import prefetch as run_prefetch
     from .shared.s3 import Listing
     from .shared.urls import read_url_list
@@ -541,7 +541,7 @@ def prefetch(
             raise ConfigError("no shards to prefetch: give URLS or --urls FILE")
         bar = sys.stdout.isatty() and not as_json
 
-        def report(p: Progress) -> None:
+        def report(p: PrefetchProgress) -> None:
             if as_json:
                 return
             if bar:

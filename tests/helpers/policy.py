@@ -83,7 +83,7 @@ class Loop:
         asked = self.opens.demanded()
         want = asked + [u for u in want or [] if u not in asked]
         for url in self.downloads.schedule(want, set(want), set(asked)):
-            self.opens.answer_partial(url)
+            self.opens.answer_while_downloading(url)
 
     def finish(self, url: str, data: bytes = b"x" * 1024) -> None:
         """The download of ``url`` (started by :meth:`schedule`) publishes ``data``."""

@@ -260,7 +260,7 @@ def _cached_file(layout: CacheLayout, url: str) -> Path:
 
 
 @dataclass
-class Progress:
+class PrefetchProgress:
     """Where a prefetch stands: shards and bytes done of all, the rate since it began."""
 
     total: int
@@ -287,12 +287,12 @@ def prefetch(
     cache_dir: str | os.PathLike[str],
     urls: Sequence[str],
     *,
-    report: Callable[[Progress], None],
+    report: Callable[[PrefetchProgress], None],
     cache_size: str | None = None,
     download_workers: int | None = None,
     give_up_after: float = PREFETCH_GIVE_UP_AFTER,
     s3_endpoint_url: str | None = None,
-) -> Progress:
+) -> PrefetchProgress:
     """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
     (with ``cache_size``, default the last agent's budget, ``download_workers`` and ``s3_endpoint_url``)
     until done, or
@@ -378,8 +378,8 @@ def _own_agent(
 
 
 def _prefetch_through(
-    conn: AgentConnection, urls: Sequence[str], report: Callable[[Progress], None], give_up_after: float
-) -> Progress:
+    conn: AgentConnection, urls: Sequence[str], report: Callable[[PrefetchProgress], None], give_up_after: float
+) -> PrefetchProgress:
     """Hand ``urls`` to the agent as one prefetch, follow it to its end, then end it there."""
     urls = list(dict.fromkeys(urls))
     name = secrets.token_hex(8)
@@ -403,13 +403,13 @@ def _end(conn: AgentConnection, name: str) -> None:
 
 
 def _follow(
-    conn: AgentConnection, name: str, urls: list[str], report: Callable[[Progress], None], give_up_after: float
-) -> Progress:
+    conn: AgentConnection, name: str, urls: list[str], report: Callable[[PrefetchProgress], None], give_up_after: float
+) -> PrefetchProgress:
     """Poll prefetch ``name`` until every shard is cached or failed (each poll costs the shards that
     changed since the last), or until its downloads wait for space ``give_up_after`` seconds
     with no progress (the rest then fail)."""
     start = time.monotonic()
-    progress = Progress(total=len(urls))
+    progress = PrefetchProgress(total=len(urls))
     cached: set[str] = set()  # the shards cached, as far as the changes told
     base: int | None = None  # bytes done at the start (shards cached already)
     stuck_since = start

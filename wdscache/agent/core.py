@@ -245,7 +245,7 @@ class Agent:
             "open": self.opens.op_open,
             "status": self.opens.op_status,
             "release": self.opens.op_release,
-            "corrupt_copy": self.opens.op_damaged,
+            "corrupt_copy": self.opens.op_corrupt_copy,
             "corrupt": self.opens.op_corrupt,
             "worker": lambda r: self.workers.op_worker(r.ident, r.rid, r.header),
             "evict": self.upkeep.op_evict,
@@ -317,7 +317,7 @@ class Agent:
         for url in self.downloads.schedule(
             want, self.readers.holding(want), set(demanded), self.prefetches.hold(set(warm))
         ):
-            self.opens.answer_partial(url)
+            self.opens.answer_while_downloading(url)
         for given_up in self.downloads.no_room():
             self.prefetches.no_room(given_up)
 

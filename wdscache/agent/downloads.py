@@ -115,7 +115,7 @@ class Downloads:
         """The shards downloading (revalidations left out)."""
         return [slot.download.url for slot in self._shards.slots() if not slot.download.verify]
 
-    def readable_partial(self, url: str) -> bool:
+    def readable_while_downloading(self, url: str) -> bool:
         """True when ``url`` is downloading with its whole size reserved: it will finish whatever is pinned."""
         d = self._download(url)
         # A gzip'd shard is read once decompressed: a reader of its partial file would hold
@@ -235,7 +235,7 @@ class Downloads:
                 break
             self._start(url, demanded=url in demanded)
         waits = {slot.download.url: slot.space for slot in self._shards.slots()}
-        readable = self._grants.answer(want, hold, waits, self.readable_partial)
+        readable = self._grants.answer(want, hold, waits, self.readable_while_downloading)
         self._cache.keep_margin(want)
         return readable
 

@@ -91,7 +91,7 @@ from .shard_download import (
     write_body,
 )
 from .sources import make_sources
-from .sources.base import Answer, Replaced, Settings, Source, Unexpected, Unsatisfiable
+from .sources.base import Replaced, Settings, Source, SourceResponse, Unexpected, Unsatisfiable
 from .validators import strong
 
 log = get_logger(__name__)
@@ -255,7 +255,7 @@ class Fetcher:
         except Unexpected as exc:
             raise FetchError(d.url, exc.reason, status=exc.status, permanent=True) from None
 
-    def _take(self, d: Download, source: Source, answer: Answer, offset: int, end: int | None) -> int:
+    def _take(self, d: Download, source: Source, answer: SourceResponse, offset: int, end: int | None) -> int:
         """Check ``answer`` (to a request from ``offset``) against the partial file, and write its body."""
         total, version = answer.total, answer.version
         if answer.ranged:

@@ -99,12 +99,12 @@ class Grants:
         want: Sequence[str],
         hold: PrefetchHold,
         waits: Mapping[str, SpaceWait],
-        readable_partial: Callable[[str], bool],
+        readable_while_downloading: Callable[[str], bool],
     ) -> list[str]:
         """Grant what the budget can hold, most urgent first (``want``: the wanted shards by
         urgency; ``hold``: what prefetches ask of it); ``waits``: each download in flight's
         wait for space, updated here. Returns the shards granted that became readable while
-        they download (``readable_partial``)."""
+        they download (``readable_while_downloading``)."""
         rank = {u: i for i, u in enumerate(want)}
         self._pending.sort(key=lambda g: (not g.download.demanded, rank.get(g.download.url, len(rank))))
         pending, readable = [], []
@@ -126,7 +126,7 @@ class Grants:
                     granted = True
                 if granted:
                     g.event.set()
-                    if readable_partial(g.download.url):
+                    if readable_while_downloading(g.download.url):
                         readable.append(g.download.url)
                 else:
                     pending.append(g)

@@ -78,8 +78,8 @@ class Opens:
         header = request.header
         ahead = get_field(header, "ahead", list, None)
         wait = get_field(header, "wait", bool, True)
-        partial = get_field(header, "while_downloading", bool, False)
-        return self.open(request, header["reader"], get_field(header, "url", str), ahead, wait, partial)
+        while_downloading = get_field(header, "while_downloading", bool, False)
+        return self.open(request, header["reader"], get_field(header, "url", str), ahead, wait, while_downloading)
 
     def op_status(self, request: Request) -> Reply:
         return {"ok": True, **self.status(get_field(request.header, "url", str))}
@@ -88,15 +88,15 @@ class Opens:
         self.release(request.header["reader"], get_field(request.header, "url", str))
         return {"ok": True}
 
-    def op_damaged(self, request: Request) -> None:
+    def op_corrupt_copy(self, request: Request) -> None:
         """From one of our workers (checked before), naming the copy it read; no reply."""
         header = request.header
         url, error = get_field(header, "url", str), get_field(header, "error", str)
-        self._damaged(url, error, get_field(header, "identity", list), "a worker")
+        self._found_corrupt(url, error, get_field(header, "identity", list), "a worker")
 
     def op_corrupt(self, request: Request) -> Reply:
         url, error = get_field(request.header, "url", str), get_field(request.header, "error", str)
-        self._damaged(url, error, None, "a consumer")
+        self._found_corrupt(url, error, None, "a consumer")
         return {"ok": True}
 
     # -- opening ------------------------------------------------------------------
@@ -108,13 +108,13 @@ class Opens:
         url: str,
         ahead: list[Any] | None = None,
         wait: bool = True,
-        partial: bool = False,
+        while_downloading: bool = False,
     ) -> Reply | None:
         """Pin ``url`` for reader ``name`` once it is cached (``wait``: None now, the answer later),
         or answer that it is not.
 
-        With ``partial``, a shard not cached yet is pinned as soon as its download
-        holds its whole budget (the reply says ``partial``): the reader then reads
+        With ``while_downloading``, a shard not cached yet is pinned as soon as its download
+        holds its whole budget (the reply says ``while_downloading``): the reader then reads
         its complete samples from the workers while it downloads, and the pin holds
         the shard once it is published. Not before (see the module's guarantees):
         until then the answer is "not cached" (or, with ``wait``, comes later).
@@ -124,11 +124,11 @@ class Opens:
         self._readers.opened(name, url, ahead)
         shard = self.shards.record(url)
         try:
-            return self._open(shard, request, name, wait, partial)
+            return self._open(shard, request, name, wait, while_downloading)
         finally:
             self.shards.settle(shard)
 
-    def _open(self, shard: Shard, request: Request, name: str, wait: bool, partial: bool) -> Reply | None:
+    def _open(self, shard: Shard, request: Request, name: str, wait: bool, while_downloading: bool) -> Reply | None:
         cache, url = self._cache, shard.url
         rec = cache.index.get(url)
         if rec is not None and rec.state is ShardState.CACHED and not cache.path(url).exists():
@@ -140,7 +140,7 @@ class Opens:
             # A read found it damaged: it is fetched once more (a bad copy is repaired; a bad source
             # is failed once its new copy is found damaged too, see _damaged), now if nobody
             # holds it, else once they let go; meanwhile it is not cached for this reader.
-            self._refetch_if_damaged(shard)
+            self._refetch_if_corrupt(shard)
             rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             cache.index.incr("hits")
@@ -157,16 +157,16 @@ class Opens:
         cache.index.incr("misses")
         if rec is not None and rec.state is ShardState.FAILED:
             if shard.phase is Phase.FAILED and time.monotonic() - shard.failed_at < FAILED_RETRY_AFTER:
-                return {"ok": False, "error": rec.error or "download failed", "corrupt": shard.damaged}
+                return {"ok": False, "error": rec.error or "download failed", "corrupt": shard.corrupt}
             cache.forget_failure(url)
-            shard.damaged = False
+            shard.corrupt = False
             shard.refetched = False  # a new try from the start: one more download if damaged again
         self._demand(shard)
         self._downloads.demand(url)
-        if partial and self._downloads.readable_partial(url):
-            return self._grant(name, shard, partial=True)
+        if while_downloading and self._downloads.readable_while_downloading(url):
+            return self._grant(name, shard, while_downloading=True)
         if wait:
-            shard.waiters.append(Waiter(request, name, partial))
+            shard.waiters.append(Waiter(request, name, while_downloading))
             return None
         return {"ok": False, "cached": False, "error": "not cached yet"}
 
@@ -177,13 +177,13 @@ class Opens:
         if shard.phase in (Phase.IDLE, Phase.REVALIDATING, Phase.FAILED):
             self.shards.move(shard, Phase.WANTED)
 
-    def _grant(self, name: str, shard: Shard, *, partial: bool = False) -> Reply:
+    def _grant(self, name: str, shard: Shard, *, while_downloading: bool = False) -> Reply:
         if name not in self._readers:
             return {"ok": False, "error": "reader expired while waiting"}
         url = shard.url
         self.shards.pin(shard, name)
         self._cache.pin(url)  # a shard still downloading stays pinned once published
-        if partial:
+        if while_downloading:
             return {"ok": True, "while_downloading": True}
         rec = self._cache.index.get(url)
         assert rec is not None  # cached: the open above found it so
@@ -203,25 +203,25 @@ class Opens:
             return {"state": "cached"}
         progress = self._downloads.progress(url)
         waits = self._downloads.space_wait(url)
-        if waits is not None:  # before "downloading": a partial read that waits for space should say why
+        if waits is not None:  # before "downloading": a read while downloading that waits for space should say why
             return {"state": "queued", "reason": waits, **progress}
-        if self._downloads.readable_partial(url):
+        if self._downloads.readable_while_downloading(url):
             return {"state": "downloading", **progress}
         if rec is not None and rec.state is ShardState.FAILED:
             # "corrupt": its copies were found corrupt (the shard is bad, not its download).
-            damaged = shard is not None and shard.damaged
+            damaged = shard is not None and shard.corrupt
             return {"state": "failed", "error": rec.error or "download failed", "corrupt": damaged}
         asked = shard is not None and shard.asked_at is not None
         return {"state": "queued" if url in self._downloads or asked else "unknown", **progress}
 
-    def answer_partial(self, url: str) -> None:
+    def answer_while_downloading(self, url: str) -> None:
         """The download of ``url`` got its whole budget: readers waiting to read it as it downloads may start."""
         shard = self.shards.get(url)
         if shard is None:
             return
-        for w in [w for w in shard.waiters if w.partial]:
-            self._answers.append(Answer(w.request, self._grant(w.reader, shard, partial=True)))
-        shard.waiters = [w for w in shard.waiters if not w.partial]
+        for w in [w for w in shard.waiters if w.while_downloading]:
+            self._answers.append(Answer(w.request, self._grant(w.reader, shard, while_downloading=True)))
+        shard.waiters = [w for w in shard.waiters if not w.while_downloading]
         self.shards.settle(shard)
 
     def _answer_waiters(self, shard: Shard, error: str | None = None) -> None:
@@ -247,7 +247,7 @@ class Opens:
         if shard is None or not self.shards.unpin(shard, name):
             return
         self._cache.unpin(url)
-        self._refetch_if_damaged(shard)
+        self._refetch_if_corrupt(shard)
         self.shards.settle(shard)
 
     def release_all(self, name: str) -> None:
@@ -255,7 +255,7 @@ class Opens:
         for shard in self.shards.held_by(name):
             while self.shards.unpin(shard, name):
                 self._cache.unpin(shard.url)
-            self._refetch_if_damaged(shard)
+            self._refetch_if_corrupt(shard)
             self.shards.settle(shard)
 
     # -- what the downloads found -----------------------------------------------------
@@ -269,7 +269,7 @@ class Opens:
             return
         if shard.phase is not Phase.IDLE:
             self.shards.move(shard, Phase.IDLE)
-        shard.damaged = False
+        shard.corrupt = False
         self._answer_waiters(shard)
         self.shards.settle(shard)
 
@@ -350,7 +350,7 @@ class Opens:
             shard.refetched = False
             self.shards.settle(shard)
 
-    def _damaged(self, url: str, error: str, identity: list[Any] | None, who: str) -> None:
+    def _found_corrupt(self, url: str, error: str, identity: list[Any] | None, who: str) -> None:
         """A read found ``url``'s cached copy damaged: it is downloaded once more when no reader
         holds it, and failed (with the reason) if that new copy is damaged too.
 
@@ -376,8 +376,8 @@ class Opens:
                 return  # this copy was reported already (SUSPECT), or is being replaced
             event(
                 log,
-                "damaged",
-                "damaged shard reported by %s: %s: %s",
+                "corrupt",
+                "corrupt copy reported by %s: %s: %s",
                 who,
                 url,
                 error[:500],
@@ -393,13 +393,13 @@ class Opens:
                 return
             reason = f"damaged again after it was downloaded once more: {error[:400]}"
             event(log, "failed", "failed %s: %s", url, reason, level=logging.ERROR, url=url, error=reason)
-            shard.damaged = True
+            shard.corrupt = True
             cache.fail_cached(url, reason)
             self.failed(url, reason)
         finally:
             self.shards.settle(shard)
 
-    def _refetch_if_damaged(self, shard: Shard) -> None:
+    def _refetch_if_corrupt(self, shard: Shard) -> None:
         """A damaged copy nobody holds any more is dropped, and downloaded once more for the
         readers waiting for it (see :meth:`_damaged`)."""
         url = shard.url

@@ -105,11 +105,11 @@ TRANSITIONS: frozenset[tuple[Phase, Phase]] = frozenset(
 
 @dataclass(slots=True)
 class Waiter:
-    """A request for a shard held until it is cached (or, with ``partial``, readable as it downloads)."""
+    """A request for a shard held until it is cached (or, with ``while_downloading``, readable as it downloads)."""
 
     request: Request
     reader: str
-    partial: bool = False
+    while_downloading: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -133,7 +133,7 @@ class Shard:
     asked_at: float | None = None  # when a reader first asked for it (time.monotonic()), until answered
     refetched: bool = False  # downloaded once more for damage, and no copy of it read fine since
     failed_at: float = 0.0  # FAILED: when (its reason is the index's)
-    damaged: bool = False  # FAILED: its copies were damaged (the shard is bad, not its download)
+    corrupt: bool = False  # FAILED: its copies were found corrupt (the shard is bad, not its download)
     download: Slot | None = None  # its download (or revalidation), from queued until its end is recorded
 
     def idle(self) -> bool:

@@ -74,11 +74,11 @@ class NoClient(Exception):
         self.reason = reason
 
 
-class Changed(Exception):
+class PreconditionFailed(Exception):
     """The object is no longer the version ``If-Match`` named (HTTP 412)."""
 
 
-class Unsatisfiable(Exception):
+class RangeNotSatisfiable(Exception):
     """The range asked for starts at or past the object's end (HTTP 416)."""
 
 
@@ -214,7 +214,7 @@ class S3Client:
         """GetObject from ``offset`` (a Range past 0) up to ``end`` (exclusive; None: the object's
         end), only while its ETag is ``if_match`` if given.
 
-        Raises FetchError (final), :class:`Transient`, :class:`Changed` or :class:`Unsatisfiable`.
+        Raises FetchError (final), :class:`Transient`, :class:`PreconditionFailed` or :class:`RangeNotSatisfiable`.
         The caller closes the body.
         """
         bucket, key = split(url)
@@ -263,8 +263,8 @@ class S3Client:
         return [f"s3://{bucket}/{k}" for k in sorted(keys)]  # sorted: not every store lists in order
 
     def _problem(self, url: str, exc: BaseException) -> BaseException:
-        """What a botocore exception means for ``url``: FetchError (final), Transient, Changed or
-        Unsatisfiable; any other exception is returned as it is."""
+        """What a botocore exception means for ``url``: FetchError (final), Transient, PreconditionFailed or
+        RangeNotSatisfiable; any other exception is returned as it is."""
         e = self._exc
         bucket, key = split(url)
         if isinstance(exc, e.ClientError):
@@ -272,9 +272,9 @@ class S3Client:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             code = str(err.get("Code") or status)
             if status == 412 or code == "PreconditionFailed":
-                return Changed(url)
+                return PreconditionFailed(url)
             if status == 416 or code == "InvalidRange":
-                return Unsatisfiable(url)
+                return RangeNotSatisfiable(url)
             what = f"S3 {code} (HTTP {status}) for bucket {bucket!r}" + (f", key {key!r}" if key else "")
             message = err.get("Message")
             if code in TRANSIENT_CODES or status in TRANSIENT_STATUS:

@@ -27,7 +27,7 @@ from .agent_list import AgentList
 
 
 @dataclass(frozen=True)
-class Reader:
+class ReaderHello:
     """Who says hello: rank ``rank`` of ``world_size`` of ``job``, the shuffle buffer its reads
     span (0: unshuffled), the agent it talks to, and its own list (None: the agent's) with its
     shards' facts (from a shard index, else None) and the key the agent holds it by."""
@@ -45,7 +45,7 @@ class Reader:
 def say_hello(
     conn: AgentConnection,
     name: str,
-    reader: Reader,
+    reader: ReaderHello,
     known: AgentList | None = None,
     *,
     probe: bool = False,

@@ -77,7 +77,7 @@ from ..shared.urls import UrlList, list_id
 from .agent_list import AgentList, LocalPaths
 from .checkpoints import Checkpoints, NextEpoch
 from .epoch_shards import agent_counts
-from .hello import Reader, say_hello
+from .hello import ReaderHello, say_hello
 from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree_on_list, check_kept
 from .private import PrivateAgent, check_cache_dir
@@ -328,7 +328,7 @@ class CachedMultiLoader:
         """Say hello to the agent as reader ``name`` (:mod:`wdscache.training.hello`); returns the
         reply and the URL list in use. The agent's list is kept, and read again only when it changes."""
         shuffle_buffer = self.shuffle_buffer if self.shuffle else 0
-        reader = Reader(
+        reader = ReaderHello(
             self.job, self.rank, self.world_size, shuffle_buffer, self.endpoint, self.urls, self._shards, self._list_key
         )
         hello, urls = say_hello(conn, name, reader, self._agent_list, probe=probe)

@@ -32,7 +32,7 @@ _ID = itemgetter(1)  # an item's sample id
 _SOURCE = attrgetter("source")  # a mixture's id's source (SourcedId.source)
 
 
-class FileSpan(Protocol):
+class ReadableRange(Protocol):
     """Bytes of a cache file, read on demand (:class:`~wdscache.training.direct.FileRange`)."""
 
     def __len__(self) -> int: ...
@@ -43,7 +43,7 @@ class FileSpan(Protocol):
 class FileReader(Protocol):
     """Where a direct reply's file ranges are read (:class:`~wdscache.training.direct.CacheFiles`)."""
 
-    def range(self, url: str, identity: Sequence[int], start: int, size: int) -> FileSpan: ...
+    def range(self, url: str, identity: Sequence[int], start: int, size: int) -> ReadableRange: ...
 
 
 def decode_reply(
@@ -148,7 +148,7 @@ def read_dense(frames: list[Any], spans: list[Any], first: int) -> None:
             frames[first + k] = memoryview(frames[first + k].read(0, whole))
 
 
-def file_ranges(ranges: Any, items: list[Item], urls: Sequence[str], files: FileReader | None) -> list[FileSpan]:
+def file_ranges(ranges: Any, items: list[Item], urls: Sequence[str], files: FileReader | None) -> list[ReadableRange]:
     """The byte ranges of cache files a reply names (its ``files``: per range the index of
     its shard among the read's shards, in the order the request named them, then start,
     size and the file's identity: device, inode, size, mtime)."""

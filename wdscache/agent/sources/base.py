@@ -1,6 +1,6 @@
 """What every source (HTTP(S), S3, a local file, a ``pipe:`` command) does for the fetcher:
 say an object's size and version (:meth:`Source.probe`), and open a byte range of it
-(:meth:`Source.open`) as an :class:`Answer`. Everything else (retries, resume, the checks
+(:meth:`Source.open`) as a :class:`SourceResponse`. Everything else (retries, resume, the checks
 on each answer, parts, the budget, writes) is the fetcher's, the same for all sources.
 """
 
@@ -31,7 +31,7 @@ class Settings:
 
 
 @dataclass(frozen=True)
-class Answer:
+class SourceResponse:
     """What a source said to a request for bytes ``start`` to ``end`` of an object."""
 
     chunks: Iterator[bytes]  # the body, as stored (a server's Content-Encoding is not undone)
@@ -79,7 +79,7 @@ class Source:
 
     def open(
         self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event
-    ) -> AbstractContextManager[Answer]:
+    ) -> AbstractContextManager[SourceResponse]:
         """Bytes ``start`` to ``end`` (None: to the object's end) of ``url``; from ``start`` > 0,
         only of version ``held`` when the source can ask for that (else it answers from byte 0).
         Raises FetchError (final), Retry, :class:`Unsatisfiable`, :class:`Replaced`,

@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlsplit
 from ...shared.errors import FetchError
 from ..shard_download import Fetched
 from ..validators import Version
-from .base import CHUNK, Answer, Source
+from .base import CHUNK, Source, SourceResponse
 
 
 class FileSource(Source):
@@ -29,7 +29,7 @@ class FileSource(Source):
     @contextmanager
     def open(
         self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
-    ) -> Iterator[Answer]:
+    ) -> Iterator[SourceResponse]:
         src = _path(url)
         try:
             f = open(src, "rb")  # noqa: SIM115 (closed below, after the body is read)
@@ -43,7 +43,7 @@ class FileSource(Source):
             ranged = start <= st.st_size and (not start or held == tag)
             start = start if ranged else 0
             f.seek(start)
-            yield Answer(_chunks(url, f, start, st.st_size), start, ranged, st.st_size, Version(tag=tag))
+            yield SourceResponse(_chunks(url, f, start, st.st_size), start, ranged, st.st_size, Version(tag=tag))
 
 
 def _chunks(url: str, f: BinaryIO, start: int, total: int) -> Iterator[bytes]:

@@ -20,7 +20,7 @@ from ...shared.errors import FetchError
 from ...shared.logs import get_logger
 from ..shard_download import Cancelled, Fetched, Retry
 from ..validators import Version
-from .base import CHUNK, Answer, Settings, Source, Unexpected, Unsatisfiable
+from .base import CHUNK, Settings, Source, SourceResponse, Unexpected, Unsatisfiable
 
 log = get_logger(__name__)
 
@@ -72,7 +72,7 @@ class HttpSource(Source):
     @contextmanager
     def open(
         self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
-    ) -> Iterator[Answer]:
+    ) -> Iterator[SourceResponse]:
         headers = {"Accept-Encoding": "identity"}
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
@@ -96,10 +96,12 @@ class HttpSource(Source):
             chunks = iter(lambda: r.raw.read1(CHUNK, decode_content=False), b"")
             if status == 206 and "Range" in headers:
                 got, total = _content_range(r.headers.get("Content-Range", ""))
-                yield Answer(chunks, got, True, total, version, r.close)
+                yield SourceResponse(chunks, got, True, total, version, r.close)
             elif status == 200:
                 length = r.headers.get("Content-Length")
-                yield Answer(chunks, 0, False, int(length) if length and length.isdigit() else None, version, r.close)
+                yield SourceResponse(
+                    chunks, 0, False, int(length) if length and length.isdigit() else None, version, r.close
+                )
             else:
                 raise Unexpected(f"unexpected HTTP {status} {r.reason}", status)
 

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 from ...shared.errors import FetchError
 from ..validators import Version
-from .base import CHUNK, Answer, Source
+from .base import CHUNK, Source, SourceResponse
 
 STDERR_TAIL = 500  # bytes of a failed command's stderr its error quotes
 EXIT_WAIT = 10.0  # seconds a command gets to exit once its output ends
@@ -23,7 +23,7 @@ class PipeSource(Source):
     @contextmanager
     def open(
         self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
-    ) -> Iterator[Answer]:
+    ) -> Iterator[SourceResponse]:
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(
                 url[len("pipe:") :], shell=True, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
@@ -31,7 +31,7 @@ class PipeSource(Source):
             stdout = proc.stdout
             assert stdout is not None
             try:
-                yield Answer(iter(lambda: stdout.read(CHUNK), b""), 0, False, None, Version())
+                yield SourceResponse(iter(lambda: stdout.read(CHUNK), b""), 0, False, None, Version())
             finally:
                 if proc.poll() is None:
                     proc.kill()

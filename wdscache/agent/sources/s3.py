@@ -12,7 +12,7 @@ from ...shared import s3
 from ...shared.errors import FetchError
 from ..shard_download import Fetched, Retry
 from ..validators import Version
-from .base import CHUNK, Answer, Replaced, Source, Unsatisfiable
+from .base import CHUNK, Replaced, Source, SourceResponse, Unsatisfiable
 
 
 class S3Source(Source):
@@ -47,18 +47,20 @@ class S3Source(Source):
     @contextmanager
     def open(
         self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
-    ) -> Iterator[Answer]:
+    ) -> Iterator[SourceResponse]:
         client = self._client(url)
         try:
             body = client.get(url, offset=start, end=end, if_match=held if start else None, chunk=CHUNK)
-        except s3.Changed:
+        except s3.PreconditionFailed:
             raise Replaced("the object changed since the partial copy was made (If-Match: HTTP 412)") from None
-        except s3.Unsatisfiable:
+        except s3.RangeNotSatisfiable:
             raise Unsatisfiable(lambda: _head_or_none(client, url) == (start, held)) from None
         except s3.Transient as exc:
             raise Retry(exc.reason) from None
         try:
-            yield Answer(_chunks(body.chunks), body.start, body.ranged, body.total, Version(etag=body.etag), body.close)
+            yield SourceResponse(
+                _chunks(body.chunks), body.start, body.ranged, body.total, Version(etag=body.etag), body.close
+            )
         finally:
             body.close()
 
