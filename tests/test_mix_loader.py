@@ -245,7 +245,7 @@ def test_a_cold_mixture_counted_for_longer_than_the_agent_keeps_a_silent_reader_
 def test_a_handler_that_says_stop_while_a_mixture_is_counted_skips_that_shard(
     dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:
-    from tests.test_damaged import clobber_header
+    from tests.test_corrupt_copies import clobber_header
 
     a = dataset(1, samples=PER_SHARD, payload=200, prefix="sa", list_name="sa.txt")
     b = dataset(2, samples=PER_SHARD, payload=200, prefix="sb", list_name="sb.txt")

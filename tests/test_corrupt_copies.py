@@ -1,5 +1,5 @@
-"""Damaged shards: a damaged cached copy is found by reads, fetched once more, then failed;
-``on_error="skip"`` skips only the damaged shard, and the ranks keep equal counts."""
+"""Corrupt copies: a corrupt cached copy is found by reads, fetched once more, then failed;
+``on_error="skip"`` skips only the corrupt shard, and the ranks keep equal counts."""
 
 from __future__ import annotations
 
