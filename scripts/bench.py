@@ -753,6 +753,7 @@ class Bench:
             if status == "ok" and not self.args.no_multi_consumer:
                 for shape in MANY_SHAPES:
                     rows.update(self.run_wdscache_many(prof, ds, agent, cache, True, shape))
+                rows.update(self.run_wdscache_many(prof, ds, agent, cache, True, DL_MADE_SHAPE))
                 rows.update(self.run_wdscache_many(prof, ds, agent, cache, False, MANY_SHAPES[0]))
             hwm, anon = agent.memory()
             for row in rows.values():
@@ -1258,6 +1259,8 @@ class Bench:
         """``shape``'s jobs of ranks (each through a DataLoader's workers, if it says so), all from
         the warm cache at once; aggregate samples/s and MB/s, every process's CPU."""
         what = shape.label if direct else f"{shape.label}, streamed"
+        # The DataLoader reference reads nothing: its workers make samples sized like the profile's.
+        made = ["--made", f"{ds['payload']},3,60", "--made-samples", str(ds["samples"])] if shape.made else []
         found = page_cached(sorted(p for p in (cache / "shards").rglob("*") if p.is_file()))
         if found is not None:
             log(f"  {what}: the page cache holds {100 * found:.0f}% of the cached shards")
@@ -1290,6 +1293,7 @@ class Bench:
                         str(CONSUMER_TIMEOUT),
                         "--log",
                         *([] if direct else ["--no-direct"]),
+                        *made,
                         tag=f"{prof}-wdscache-{shape.tag}{job}-{rank}-{mode}",
                     )
                 )
@@ -2037,6 +2041,7 @@ class ManyShape:
     loader_workers: int
     label: str
     tag: str
+    made: bool = False  # no agent read: the DataLoaders' workers make the samples (the shape's own cost)
 
     @property
     def readers(self) -> int:
@@ -2053,6 +2058,8 @@ MANY_SHAPES = (
     ManyShape(2, 1, 4, "wdscache, 8 consumers (2 jobs x 1 rank x 4 DataLoader workers), warm, aggregate", "d"),
 )
 MANY, MANY_64, MANY_DL = (shape.label for shape in MANY_SHAPES)
+DL_MADE = "2 processes x 4 DataLoader workers, samples made in the workers (no source), batches of 64, aggregate"
+DL_MADE_SHAPE = ManyShape(2, 1, 4, DL_MADE, "m", made=True)
 MANY_STREAMED = MANY_SHAPES[0].streamed_label
 ROW_ORDER = [
     "wds local, in-process",
@@ -2068,6 +2075,7 @@ ROW_ORDER = [
     MANY,
     MANY_64,
     MANY_DL,
+    DL_MADE,
     MANY_STREAMED,
     "wdscache, 2 nodes x 2 ranks (an agent each), warm, aggregate",
     "wdscache, 1 node x 4 ranks, warm, aggregate",
@@ -2441,11 +2449,14 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         for label, raw_label, what in (
             (MANY, RAW_EIGHT, "8 consumers (2 jobs x 4 ranks)"),
             (MANY_64, RAW_64, "64 consumers (8 jobs x 8 ranks)"),
-            (MANY_DL, None, "8 consumers (2 jobs x 1 rank x 4 DataLoader workers)"),
+            (MANY_DL, DL_MADE, "8 consumers (2 jobs x 1 rank x 4 DataLoader workers)"),
         ):
             agg = med(s, prof, label, "samples_s")
             r = ratio(agg, single)
-            raw = ratio(med(s, prof, raw_label, "samples_s"), med(s, prof, RAW_ONE, "samples_s")) if raw_label else None
+            # The limit: raw pyzmq, many receivers against one; for DataLoaders, the same DataLoaders
+            # over samples their workers make, against the one consumer.
+            limit_ref = single if raw_label == DL_MADE else med(s, prof, RAW_ONE, "samples_s")
+            raw = ratio(med(s, prof, raw_label, "samples_s"), limit_ref)
             streamed = (
                 ratio(med(s, prof, MANY_STREAMED, "samples_s"), med(s, prof, STREAMED, "samples_s"))
                 if label == MANY
@@ -2461,7 +2472,12 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
                 + (f"; streamed (direct_reads=False): {streamed:.2f}x" if r and streamed else "")
                 + (
                     f"; raw pyzmq, {raw_label.split('-> ')[1].split(' ')[0]} receivers vs 1: {raw:.2f}x"
-                    if r and raw and raw_label
+                    if r and raw and raw_label != DL_MADE
+                    else ""
+                )
+                + (
+                    f"; the same DataLoaders over samples made in their workers: {raw:.2f}x"
+                    if r and raw and raw_label == DL_MADE
                     else ""
                 ),
             )

@@ -8,7 +8,9 @@ final ``{"report": ...}`` line, as JSON, on stdout):
     serve ROOT --port-file F [--rate B/s] [--ttfb S]   the loopback object store (shard_server.py)
     wds --urls-file F [--cache-dir D] [--epochs N]     webdataset in-process (local paths or http URLs)
     multi --urls-file F --workers N [--flush]          webdataset.multi.MultiLoader over local paths
-    wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent [--no-direct]
+    wdscache --cache-dir D [--job J --rank R ...]      CachedMultiLoader through a running agent [--no-direct];
+                                                        with --made SIZES, DataLoader workers that make
+                                                        samples instead (no source: the DataLoader's cost)
     torch (--urls-file F | --cache-dir D) --workers N  a DataLoader over wds.WebDataset or wdscache.WebDataset:
                                                         decode() of .cls/.json, to_tuple, batched(64);
                                                         with --memory, over the samples each worker read
@@ -283,6 +285,31 @@ def mode_wdscache(args: argparse.Namespace) -> None:
     if args.loader_workers:
         import torch.utils.data  # before the loader: CachedMultiLoader is then a torch IterableDataset
 
+        class MadeBatches(torch.utils.data.IterableDataset):
+            """No source at all: each DataLoader worker makes its part of ``n`` samples with fields
+            of ``sizes`` bytes (each payload a copy, as a read makes one), in lists of
+            TORCH_BATCH. What a DataLoader of this shape costs the machine by itself."""
+
+            def __init__(self, n: int, sizes: list[int]) -> None:
+                self.n, self.sizes = n, sizes
+
+            def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+                info = torch.utils.data.get_worker_info()
+                w, k = (info.id, info.num_workers) if info is not None else (0, 1)
+                mine = range(w, self.n, k)
+                blocks = [os.urandom(size * TORCH_BATCH) for size in self.sizes]
+                for at in range(0, len(mine), TORCH_BATCH):
+                    yield [
+                        {
+                            "__key__": f"{i:09d}",
+                            **{
+                                f"f{j}": b[size * m : size * (m + 1)]
+                                for j, (b, size) in enumerate(zip(blocks, self.sizes))
+                            },
+                        }
+                        for m, i in enumerate(mine[at : at + TORCH_BATCH])
+                    ]
+
     class Unbatched:
         """A DataLoader's batches (lists of samples) as samples."""
 
@@ -296,6 +323,14 @@ def mode_wdscache(args: argparse.Namespace) -> None:
     def build(job: str, shuffle: bool) -> Iterable[dict[str, Any]]:
         # Through a DataLoader, batches of TORCH_BATCH samples (one pickled message each, as a
         # training script's), left as lists: what crosses the DataLoader's queues, not a collate.
+        if args.made:
+            return Unbatched(
+                torch.utils.data.DataLoader(
+                    MadeBatches(args.made_samples, [int(x) for x in args.made.split(",")]),
+                    batch_size=None,
+                    num_workers=args.loader_workers,
+                )
+            )
         batched: dict[str, Any] = {"batch_size": TORCH_BATCH, "collate": list} if args.loader_workers else {}
         loader = CachedMultiLoader(
             cache_dir=args.cache_dir,
@@ -777,6 +812,12 @@ def main() -> None:
         default=0,
         help="read through torch's DataLoader(num_workers=N), each worker a part of the rank's share",
     )
+    p.add_argument(
+        "--made",
+        help="SIZES (comma-separated bytes): with --loader-workers, read nothing; the DataLoader's "
+        "workers make --made-samples samples with fields of these sizes (the DataLoader's own cost)",
+    )
+    p.add_argument("--made-samples", type=int, default=0)
     p = sub.add_parser("mix")
     p.add_argument("--cache-dir", required=True)
     p.add_argument("--urls-file", required=True, help="the one source")
