@@ -39,12 +39,13 @@ What it does:
                           somewhere else in the shards); then one warm epoch streamed
                           (``direct_reads=False``: every byte sent by a worker); then many
                           consumers read one more unshuffled epoch each from the warm cache,
-                          all at once (once every one has read 256 samples as a job of its
-                          own: warm, as the single consumer's epoch 2 is; on a VM the first
-                          touch of fresh memory costs far more than zeroing it): 8 (two jobs
-                          of four ranks), 64 (eight jobs of eight ranks), 8 through DataLoaders
-                          (two jobs of one rank in DataLoader(num_workers=4), batches of 64);
-                          then the first 8 streamed
+                          all at once (once every one has read an epoch of its share as a
+                          job of its own: warm, as the single consumer's epoch 2 is; on a VM
+                          the first touch of fresh memory costs far more than zeroing it): 8
+                          (two jobs of four ranks), 64 (eight jobs of eight ranks), 8 through
+                          DataLoaders (two jobs of one rank in DataLoader(num_workers=4),
+                          batches of 64), and the same DataLoaders whose workers make the
+                          samples (their limit); then the first 8 streamed
   DataLoader              the pipeline of a training script, ``decode()`` (of .cls/.json),
                           ``to_tuple``, ``batched(64)``, in ``DataLoader(num_workers=2)``: over
                           ``wds.WebDataset`` streaming HTTP, over ``wds.WebDataset`` on local
@@ -1261,6 +1262,10 @@ class Bench:
         what = shape.label if direct else f"{shape.label}, streamed"
         # The DataLoader reference reads nothing: its workers make samples sized like the profile's.
         made = ["--made", f"{ds['payload']},3,60", "--made-samples", str(ds["samples"])] if shape.made else []
+        # Each consumer first reads one epoch of its share as a job of its own, as the single
+        # consumer's warm epoch follows its cold one: measured warm, not growing a fresh heap (on
+        # this VM the first touch of a page costs tens of µs, and 64 fresh consumers touch 1 GB).
+        share = -(-ds["samples"] // shape.ranks)
         found = page_cached(sorted(p for p in (cache / "shards").rglob("*") if p.is_file()))
         if found is not None:
             log(f"  {what}: the page cache holds {100 * found:.0f}% of the cached shards")
@@ -1286,7 +1291,7 @@ class Bench:
                         "--start-file",
                         str(go),
                         "--warmup",
-                        str(WARMUP_SAMPLES),
+                        str(share),
                         "--loader-workers",
                         str(shape.loader_workers),
                         "--timeout",
@@ -2103,8 +2108,8 @@ MIX_ONE = "wdscache, one source, warm, shuffled"
 MIX_TWO = "wdscache, mixture of two sources (mix=, same total), warm"
 ONE_NODE_WARM = "wdscache, 1 node x 4 ranks, warm, aggregate"
 REQUEST_SIZE = 32  # samples a message in the raw rows: what the loader's first requests ask for
-# Samples each of the eight consumers reads before the measured epoch (twice what its first
-# four requests ask for), so that it is measured warm, as the single consumer's epoch 2 is.
+# Samples each rank of the nodes rows reads before the measured epoch (twice what its first
+# four requests ask for), so that it is measured warm.
 WARMUP_SAMPLES = 256
 RAW_ONE = f"pyzmq IPC, 2 senders -> 1 receiver, {REQUEST_SIZE} samples a message, copied to bytes"
 RAW_EIGHT = f"pyzmq IPC, 2 senders -> 8 receivers, {REQUEST_SIZE} samples a message, copied to bytes, aggregate"
