@@ -1270,7 +1270,6 @@ class Bench:
         if found is not None:
             log(f"  {what}: the page cache holds {100 * found:.0f}% of the cached shards")
         go = self.work / f"go-{self._seq}-{os.getpid()}"  # the consumers start once it exists
-        cpu0 = agent.cpu()
         kids = []
         mode = "direct" if direct else "streamed"
         for job in range(shape.jobs):
@@ -1308,12 +1307,13 @@ class Bench:
             if time.monotonic() > deadline or any(k.proc.poll() is not None for k in kids):
                 break  # the waits below report the failure
             time.sleep(0.01)
+        cpu0 = agent.cpu()  # from the word on: the warm-ups' reads are not the row's
         t_go = time.time()
         go.touch()
         deadline_s = self.local_deadline(ds) * 2 + 60
         for k in kids:
             k.wait(deadline_s)
-        agent_cpu = agent.cpu() - cpu0  # its warm-ups' too: a small part
+        agent_cpu = agent.cpu() - cpu0
         go.unlink(missing_ok=True)
         for r in ready:
             r.unlink(missing_ok=True)
