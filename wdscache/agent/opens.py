@@ -209,8 +209,8 @@ class Opens:
             return {"state": "downloading", **progress}
         if rec is not None and rec.state is ShardState.FAILED:
             # "corrupt": its copies were found corrupt (the shard is bad, not its download).
-            damaged = shard is not None and shard.corrupt
-            return {"state": "failed", "error": rec.error or "download failed", "corrupt": damaged}
+            corrupt = shard is not None and shard.corrupt
+            return {"state": "failed", "error": rec.error or "download failed", "corrupt": corrupt}
         asked = shard is not None and shard.asked_at is not None
         return {"state": "queued" if url in self._downloads or asked else "unknown", **progress}
 
