@@ -162,6 +162,22 @@ def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(
             assert (key, got) == (want_key, want), (items, k, j)
 
 
+def test_a_direct_reply_names_a_range_per_block_of_a_ranks_samples_not_the_bytes_between(
+    tmp_path, shard_server, dataset, start_agent
+):
+    data = dataset(1, samples=16, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "1")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the shard cached")
+    cases = [
+        ([(0, 0), (0, 2), (0, 4)], 1),  # every other sample (one of two DataLoader workers): one range
+        ([(0, 0), (0, 1), (0, 8), (0, 9)], 2),  # two blocks of a rank, others' samples between: two
+    ]
+    for items, n_ranges in cases:
+        header, frames = read_from_worker(cache, data.urls, items, direct=True)
+        assert header["ok"] and not frames and len(header["files"]) == n_ranges, (items, header.get("files"))
+
+
 def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     from wdscache.agent import reply_frames
 
