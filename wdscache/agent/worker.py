@@ -97,8 +97,8 @@ MERGE_GAP = 2048
 # as much as copying 8 KiB (training.replies.PREAD_BYTES). So ranges are merged across gaps of
 # at most that: the samples in order of one of two DataLoader workers share one range, but
 # a rank of four, reading blocks of 8 small samples, gets one range per block, not one
-# holding the other ranks' blocks too, which it would copy in vain (1 MiB did that: 8 ranks
-# of tiny samples cost 11.6 µs a sample, 10.4 µs with ranges per block).
+# holding the other ranks' blocks too, which it would copy in vain (docs/benchmarks.md
+# measures the difference).
 DIRECT_GAP = 8 << 10
 REFUSED = (
     "refused: this worker serves only consumers that hold the agent's token "
