@@ -16,7 +16,7 @@ which the consumer checks before it uses anything of the reply::
            followed by frames of raw shard bytes: each sample's fields lie in frame
            ``frame`` at the given offsets, one (offset, size) per extension. Samples
            adjacent in their shard share a run of bytes (within MERGE_GAP; within
-           DIRECT_GAP for a file range, whose gaps the consumer never reads). A run
+           DIRECT_GAP for a file range, whose gaps the consumer reads only to save calls). A run
            of GATHER_BELOW bytes or more is a frame of its own (zero-copy from the
            mapped shard); the shorter ones are copied together into one frame (the
            first) while the worker's copy budget lasts, so that a scattered read, as a
@@ -76,7 +76,7 @@ from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
 from ..shared.malloc import tune_malloc
 from ..shared.messages import ConsumerReply, Reports, SamplesReply, ScannedReply, WorkerErrorKind, WorkerErrorReply
-from ..shared.protocol import WorkerProofs, field, pack, same_secret, unpack
+from ..shared.protocol import PREAD_BYTES, WorkerProofs, field, pack, same_secret, unpack
 from .growing import GrowingShard, NotYet
 from .open_shards import SWEEP_EVERY, OpenShards
 from .reply_frames import ReplyFrames
@@ -93,13 +93,12 @@ DROP_EVERY = 0.005  # seconds between drops of served shard pages from a worker'
 # along unless they are tiny.
 MERGE_GAP = 2048
 # For a consumer that reads the file itself a run is only a range, whose gaps it reads only
-# where it reads the range at once: where that saves a pread per payload, which costs about
-# as much as copying 8 KiB (training.replies.PREAD_BYTES). So ranges are merged across gaps of
-# at most that: the samples in order of one of two DataLoader workers share one range, but
-# a rank of four, reading blocks of 8 small samples, gets one range per block, not one
-# holding the other ranks' blocks too, which it would copy in vain (docs/benchmarks.md
-# measures the difference).
-DIRECT_GAP = 8 << 10
+# where it reads the range at once, to save a pread per payload. So ranges are merged across
+# gaps of at most what a pread costs: the samples in order of one of two DataLoader workers
+# share one range, but a rank of four, reading blocks of 8 small samples, gets one range per
+# block, not one holding the other ranks' blocks too, which it would copy in vain
+# (docs/benchmarks.md measures the difference).
+DIRECT_GAP = PREAD_BYTES
 REFUSED = (
     "refused: this worker serves only consumers that hold the agent's token "
     "(CACHE_DIR/token, readable by the cache directory's owner only); use CachedMultiLoader as that user"

@@ -21,13 +21,10 @@ from operator import attrgetter, itemgetter
 from typing import Any, Protocol
 
 from ..shared.errors import ProtocolError
+from ..shared.protocol import PREAD_BYTES
 from .direct import StaleFile
 from .reads import Item
 
-# A ``pread`` called from Python costs about as much as copying this many bytes (0.5 µs
-# against 20 GB/s or more from the page cache): what a file range read whole may copy in
-# vain, per payload it saves a syscall for (see read_dense).
-PREAD_BYTES = 8 << 10
 _ID = itemgetter(1)  # an item's sample id
 _SOURCE = attrgetter("source")  # a mixture's id's source (SourcedId.source)
 
