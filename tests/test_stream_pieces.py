@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from wdscache.shared import protocol
 from wdscache.shared.errors import AgentUnavailableError, FetchError, ProtocolError, ShardError
+from wdscache.shared.protocol import pack_numbers
 from wdscache.shared.sequence import EpochSpec, ShardFeed, global_sequence
 from wdscache.training.direct import StaleFile
 from wdscache.training.epoch_shards import EpochShards
@@ -118,8 +119,24 @@ def test_sent_items_leave_out_the_holes() -> None:
 # -- reply decoding --------------------------------------------------------------------
 
 
+def wire(header: dict[str, Any], frames: list[Any] | None = None) -> tuple[dict[str, Any], list[Any]]:
+    """A reply written with each sample's ``exts`` and ``spans`` as a worker sends it: the
+    distinct tuples of extensions as ``layouts``, and the sample table as the first frame."""
+    header = dict(header)
+    exts, spans = header.pop("exts"), header.pop("spans")
+    layouts = list(dict.fromkeys(tuple(names) for names in exts))
+    table: list[int] = []
+    for names, span in zip(exts, spans):
+        table += [layouts.index(tuple(names)), *span]
+    return {**header, "layouts": [list(names) for names in layouts]}, [
+        zmq.Frame(pack_numbers(table)),
+        *(frames if frames is not None else [zmq.Frame(b"")]),
+    ]
+
+
 def reply(payloads: list[dict[str, bytes]], **extra: Any) -> tuple[dict[str, Any], list[zmq.Frame]]:
-    """A worker's reply with every sample in one frame, as pool.py sends a run."""
+    """A worker's reply with every sample in one frame, as worker.py sends a run (``exts`` and
+    ``spans`` as each sample's: see :func:`wire`)."""
     blob, spans = b"", []
     for sample in payloads:
         span = [0]
@@ -138,7 +155,7 @@ def reply(payloads: list[dict[str, bytes]], **extra: Any) -> tuple[dict[str, Any
 
 
 def test_a_reply_decodes_to_samples_and_their_payload_bytes() -> None:
-    header, frames = reply([{"cls": b"1", "jpg": b"abcd"}, {"cls": b"22", "jpg": b""}])
+    header, frames = wire(*reply([{"cls": b"1", "jpg": b"abcd"}, {"cls": b"22", "jpg": b""}]))
     samples, sizes = decode_reply(header, frames, items(2, shard=2), URLS)
     assert samples == [
         {"__key__": "k0", "__url__": URLS[2], "cls": b"1", "jpg": b"abcd"},
@@ -157,15 +174,25 @@ def test_a_reply_decodes_to_samples_and_their_payload_bytes() -> None:
         {"spans": [[0, 0, 1, 1, 99], [0, 5, 1, 6, 1]]},  # past its frame
         {"spans": [[1, 0, 1, 1, 4], [0, 5, 1, 6, 1]]},  # a frame that is not there
         {"spans": [[0, -1, 1, 1, 4], [0, 5, 1, 6, 1]]},  # negative
-        {"spans": [[0, "0", 1, 1, 4], [0, 5, 1, 6, 1]]},  # not a number
-        {"exts": "cls"},
+        {"spans": [[0, 0, 1, 1, 4], [0, 5, 1, 6, 1, 7]]},  # a number too many
+        {"exts": [["cls", "jpg"], ["cls", "jpg", "txt"]]},  # more extensions than the span has
+        {"layouts": "cls"},
+        {"layouts": [[]]},
+        {"table": b"\0" * 7},  # not a whole number of numbers
         {"files": [[0, 0, 1, 1, 2, 3, 4]]},  # file ranges a read without direct did not ask for
     ],
 )
 def test_a_reply_that_does_not_add_up_is_a_protocol_error(change: dict[str, Any]) -> None:
     header, frames = reply([{"cls": b"1", "jpg": b"abcd"}, {"cls": b"2", "jpg": b"e"}])
+    table = change.pop("table", None)
+    layouts = change.pop("layouts", None)
+    header, frames = wire({**header, **change}, frames)
+    if table is not None:
+        frames[0] = zmq.Frame(table)
+    if layouts is not None:
+        header["layouts"] = layouts
     with pytest.raises(ProtocolError):
-        decode_reply({**header, **change}, frames, items(2), URLS)
+        decode_reply(header, frames, items(2), URLS)
 
 
 class Ranges:
@@ -192,15 +219,16 @@ class Ranges:
 def test_a_direct_reply_reads_its_file_ranges_through_the_reader() -> None:
     ident = [1, 2, 100, 7]
     # shard 3's sample: frame 1 is the first file range (frame 0 the socket's, empty here)
-    header = {"ok": True, "keys": ["k"], "exts": [["bin"]], "spans": [[1, 2, 3]], "files": [[0, 10, 20, *ident]]}
+    written = {"ok": True, "keys": ["k"], "exts": [["bin"]], "spans": [[1, 2, 3]], "files": [[0, 10, 20, *ident]]}
+    header, frames = wire(written)
     files = Ranges()
-    samples, sizes = decode_reply(header, [zmq.Frame(b"")], items(1, shard=3), URLS, direct=True, files=files)
+    samples, sizes = decode_reply(header, frames, items(1, shard=3), URLS, direct=True, files=files)
     assert samples[0]["bin"] == bytes([12, 13, 14]) and sizes == [3]
     assert files.asked == [(URLS[3], tuple(ident), 10, 20)]
     with pytest.raises(ProtocolError):  # past the range's end
-        decode_reply({**header, "spans": [[1, 18, 3]]}, [zmq.Frame(b"")], items(1), URLS, direct=True, files=files)
+        decode_reply(*wire({**written, "spans": [[1, 18, 3]]}), items(1), URLS, direct=True, files=files)
     with pytest.raises(StaleFile) as stale:  # direct reads turned off since the read went out
-        decode_reply(header, [zmq.Frame(b"")], items(1), URLS, direct=True, files=None)
+        decode_reply(header, frames, items(1), URLS, direct=True, files=None)
     assert stale.value.errno == errno.ESTALE
 
 
@@ -251,7 +279,7 @@ def test_a_file_range_is_read_whole_only_where_that_saves_syscalls(
         "files": [[0, 0, range_size, 1, 2, range_size, 7]],
     }
     files = CountedFile()
-    got, sizes = decode_reply(header, [zmq.Frame(b"")], items(len(samples)), URLS, direct=True, files=files)
+    got, sizes = decode_reply(*wire(header), items(len(samples)), URLS, direct=True, files=files)
     assert len(files.reads) == reads
     for sample, payloads in zip(got, samples):  # the same bytes either way
         assert [sample[f"e{j}"] for j in range(len(payloads))] == [
@@ -520,7 +548,7 @@ def test_a_direct_reply_of_small_samples_filling_their_range_reads_it_once() -> 
         "spans": spans,
         "files": [[0, 100, 30, 1, 2, 500, 7]],
     }
-    samples, sizes = decode_reply(header, [zmq.Frame(b"")], items(3), URLS, direct=True, files=Counted())
+    samples, sizes = decode_reply(*wire(header), items(3), URLS, direct=True, files=Counted())
     assert Counted.reads == [(0, 30)]  # one read of the whole range, not one per payload
     assert [s["txt"] for s in samples] == [bytes(range(104, 107)), bytes(range(114, 117)), bytes(range(124, 130))]
     assert all(type(s["cls"]) is bytes for s in samples) and sizes == [5, 5, 8]

@@ -41,7 +41,7 @@ from wdscache import NotTrustedError, WdsCacheError, cli
 from wdscache.agent.pool import worker_endpoints
 from wdscache.shared.client import AgentConnection, ShardClient
 from wdscache.shared.layout import CacheLayout
-from wdscache.shared.protocol import reply_proof, request_proof
+from wdscache.shared.protocol import pack_numbers, reply_proof, request_proof
 from wdscache.shared.urls import list_id
 from wdscache.training.loader import CachedMultiLoader
 
@@ -455,10 +455,10 @@ class Impostor:
                     "id": header.get("id"),
                     "ok": True,
                     "keys": [f"fake_{k}_{j}" for k, j in items],
-                    "exts": [["cls"] for _ in items],
-                    "spans": [[0, 0, len(self.FAKE)] for _ in items],
+                    "layouts": [["cls"]],
                 }
-                self.sock.send_multipart([ident, json.dumps(reply).encode(), self.FAKE])
+                table = pack_numbers([x for _ in items for x in (0, 0, 0, len(self.FAKE))])
+                self.sock.send_multipart([ident, json.dumps(reply).encode(), table, self.FAKE])
             else:
                 reply = {"op": "scanned", "id": header.get("id"), "ok": True, "count": 5, "final": True}
                 self.sock.send_multipart([ident, json.dumps(reply).encode()])

@@ -54,4 +54,24 @@ def read_from_worker(
         assert sock.poll(10_000), "the worker did not answer a read within 10 s"
         header, frames = unpack(sock.recv_multipart())
         assert header.get("proof") == proofs.reply(request["id"]), header
+        return as_written(header, frames)
+
+
+def as_written(header: dict, frames: list) -> tuple[dict, list]:
+    """A ``samples`` reply with its sample table (the first frame) written out in the header,
+    as each sample's ``exts`` and ``spans`` (``[frame, offset, size, ...]``), and the frames
+    after the table."""
+    from wdscache.shared.protocol import unpack_numbers
+
+    if not header.get("ok") or header.get("op") != "samples":
         return header, frames
+    assert "exts" not in header and "spans" not in header, header
+    table, layouts = list(unpack_numbers(frames[0])), header["layouts"]
+    exts, spans, at = [], [], 0
+    for _ in header["keys"]:
+        names = layouts[table[at]]
+        exts.append(names)
+        spans.append(table[at + 1 : at + 2 + 2 * len(names)])
+        at += 2 + 2 * len(names)
+    assert at == len(table)
+    return {**header, "exts": exts, "spans": spans}, frames[1:]

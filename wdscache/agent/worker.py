@@ -10,11 +10,13 @@ that one too, carries ``"proof"``: :func:`~wdscache.shared.protocol.reply_proof`
 which the consumer checks before it uses anything of the reply::
 
     {"op": "read", "id": n, "auth": a, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
-        -> {"op": "samples", "id": n, "proof": p, "ok": true, "keys": [...], "exts": [[...], ...],
-            "spans": [[frame, offset, size, offset, size, ...], ...],
-            "files": [[k, offset, size, dev, inode, file size, mtime_ns], ...]}
-           followed by frames of raw shard bytes: each sample's fields lie in frame
-           ``frame`` at the given offsets, one (offset, size) per extension. Samples
+        -> {"op": "samples", "id": n, "proof": p, "ok": true, "keys": [...],
+            "layouts": [[ext, ...], ...], "files": [[k, offset, size, dev, inode, file size, mtime_ns], ...]}
+           followed by the sample table, one frame of 64-bit numbers
+           (:func:`~wdscache.shared.protocol.pack_numbers`), per sample ``layout, frame,
+           offset, size, offset, size, ...``: its extensions are ``layouts[layout]``, and
+           its fields lie in frame ``frame`` (of those after the table) at the given
+           offsets, one (offset, size) per extension; then frames of raw shard bytes. Samples
            adjacent in their shard share a run of bytes (within MERGE_GAP; within
            DIRECT_GAP for a file range, whose gaps the consumer reads only to save calls). A run
            of GATHER_BELOW bytes or more is a frame of its own (zero-copy from the
@@ -76,7 +78,7 @@ from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
 from ..shared.malloc import tune_malloc
 from ..shared.messages import ConsumerReply, Reports, SamplesReply, ScannedReply, WorkerErrorKind, WorkerErrorReply
-from ..shared.protocol import PREAD_BYTES, WorkerProofs, field, pack, same_secret, unpack
+from ..shared.protocol import PREAD_BYTES, WorkerProofs, field, pack, pack_numbers, same_secret, unpack
 from .growing import GrowingShard, NotYet
 from .open_shards import SWEEP_EVERY, OpenShards
 from .reply_frames import ReplyFrames
@@ -295,7 +297,8 @@ class _Worker:
         if len(items) > MAX_ITEMS or not all(isinstance(u, str) for u in urls):
             raise ProtocolError("bad read request")
         keys: list[str] = []
-        exts: list[tuple[str, ...]] = []
+        layouts: dict[tuple[str, ...], int] = {}  # the distinct tuples of extensions, numbered
+        layout_of: list[int] = []  # per sample
         spans: list[list[int]] = []
         # Runs of bytes: (a mapped ShardView or a bytes block, start, end). Samples next to
         # each other in a shard share a run, so a request read in archive order costs one
@@ -354,10 +357,17 @@ class _Worker:
             place.insert(0, at)
             spans.append(place)
             keys.append(key)
-            exts.append(names)
+            layout = layouts.get(names)
+            if layout is None:
+                layout = layouts[names] = len(layouts)
+            layout_of.append(layout)
             nbytes += sum(place[2::2])
         self.bytes += nbytes
         frames, ranges = self.frames.of(runs, spans, files)
+        table: list[int] = []
+        for layout, span in zip(layout_of, spans):
+            table.append(layout)
+            table += span
         self.requests += 1
         self.samples += len(items)
         reply: SamplesReply = {
@@ -365,12 +375,11 @@ class _Worker:
             "id": header.get("id"),
             "ok": True,
             "keys": keys,
-            "exts": exts,
-            "spans": spans,
+            "layouts": [list(names) for names in layouts],
         }
         if ranges:
             reply["files"] = ranges
-        self._reply(ident, reply, frames)
+        self._reply(ident, reply, [pack_numbers(table), *frames])
         self._drop_served()  # after the send, in which pyzmq copies (so maps in) the small frames
 
     def _reply(self, ident: bytes, header: ConsumerReply, frames: Sequence[Any] = ()) -> None:

@@ -369,8 +369,7 @@ class ReadReply(TypedDict, total=False):
     error: str
     proof: str
     keys: list[str]
-    exts: list[Any]
-    spans: list[Any]
+    layouts: list[Any]
     files: list[Any]
     kind: str
     reason: str
@@ -416,13 +415,13 @@ class _SamplesRequired(TypedDict):
     id: Any
     ok: Literal[True]
     keys: list[str]
-    exts: list[Any]
-    spans: list[Any]
+    layouts: list[Any]
 
 
 class SamplesReply(_SamplesRequired, total=False):
-    """A worker's answer to ``read``: each sample's key, extensions and span; the runs of
-    bytes follow as frames (``files``: the runs a direct consumer reads itself)."""
+    """A worker's answer to ``read``: each sample's key, and the distinct tuples of extensions
+    (``layouts``); the sample table (each sample's layout and span) and the runs of bytes
+    follow as frames (``files``: the runs a direct consumer reads itself)."""
 
     files: list[Any]
     proof: str

@@ -73,6 +73,7 @@ from .epoch_shards import shard_error
 from .loader import _env_defaults
 from .pins import STATUS_EVERY
 from .private import PrivateAgent
+from .replies import reply_layouts, sample_table
 from .stream import same_directory
 from .worker_links import WorkerLinks
 
@@ -602,7 +603,7 @@ class _Session:
                 if header.get("kind") == "corrupt":
                     raise shard_error(url, header)
                 raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
-            _add_rows(table, layouts, header, len(frames), len(items), url)
+            _add_rows(table, layouts, header, frames, len(items), url)
         return table
 
     def _ask(self, worker: int, request: WorkerRequest) -> tuple[dict[str, Any], list[Any]]:
@@ -644,21 +645,18 @@ def _add_rows(
     table: _Table,
     layouts: dict[tuple[str, ...], tuple[str, ...]],
     header: dict[str, Any],
-    n_frames: int,
+    frames: list[Any],
     n_items: int,
     url: str,
 ) -> None:
-    """The samples of a worker's direct reply, as places in the cache file of ``table.identity``
-    (``layouts``: the tuples of field names the table holds so far)."""
-    keys, exts, spans, files = header.get("keys"), header.get("exts"), header.get("spans"), header.get("files")
-    if not (
-        isinstance(keys, list)
-        and isinstance(exts, list)
-        and isinstance(spans, list)
-        and isinstance(files, list)
-        and len(keys) == len(exts) == len(spans) == n_items
-    ):
+    """The samples of a worker's direct reply (its ``frames`` after the header), as places in
+    the cache file of ``table.identity`` (``layouts``: the tuples of field names the table
+    holds so far)."""
+    keys, files = header.get("keys"), header.get("files")
+    numbers, named = sample_table(header, frames), reply_layouts(header)
+    if not (isinstance(keys, list) and isinstance(files, list) and len(keys) == n_items):
         raise ProtocolError(f"a worker's table of {url} does not match the request")
+    n_frames = len(frames) - 1  # the runs sent (none, for a direct reply of a published shard)
     size = table.identity[2]
     try:
         for entry in files:
@@ -668,21 +666,30 @@ def _add_rows(
                     "the worker read another copy of its cache file than the one pinned (replaced "
                     "meanwhile); read the sample again",
                 )
-        for key, names, span in zip(keys, exts, spans):
-            entry = files[span[0] - n_frames]
-            if span[0] < n_frames or len(span) != 1 + 2 * len(names) or min(span) < 0 or not names:
+        at = 0
+        for key in keys:
+            names = named[numbers[at]]
+            frame = numbers[at + 1]
+            if frame < n_frames:
                 raise ProtocolError(f"a worker's table of {url} has a bad span")
-            offsets = [int(entry[1]) + int(span[1 + 2 * i]) for i in range(len(names))]
+            entry = files[frame - n_frames]
+            span = numbers[at + 2 : at + 2 + 2 * len(names)]
+            if len(span) != 2 * len(names):
+                raise ProtocolError(f"a worker's table of {url} has a bad span")
+            at += 2 + len(span)
+            offsets = [int(entry[1]) + span[2 * i] for i in range(len(names))]
             start = offsets[0]
-            ends = [offsets[i] + int(span[2 + 2 * i]) for i in range(len(names))]
+            ends = [offsets[i] + span[2 * i + 1] for i in range(len(names))]
             if max(ends) > size or min(offsets) < start:
                 raise ProtocolError(f"a worker's table of {url} names bytes outside its cache file")
-            fields = tuple("." + str(ext) for ext in names)
+            fields = tuple("." + ext for ext in names)
             table.keys.append(str(key))
             table.names.append(layouts.setdefault(fields, fields))
             table.at.append(len(table.places))
             table.places.extend((start, max(ends) - start))
-            for at, end in zip(offsets, ends):
-                table.places.extend((at - start, end - start))
+            for field_at, end in zip(offsets, ends):
+                table.places.extend((field_at - start, end - start))
+        if at != len(numbers):
+            raise ProtocolError(f"a worker's table of {url} does not match its samples")
     except (TypeError, IndexError, ValueError):
         raise ProtocolError(f"a worker's table of {url} is malformed") from None

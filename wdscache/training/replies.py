@@ -1,8 +1,9 @@
 """Decoding a worker's answer to a read, in the training process: a pure function of the
 reply's header and frames, the items asked for and, for direct reads, a file reader.
 
-A reply (see :mod:`wdscache.agent.worker`) carries, per item asked for, its key, its member
-extensions and a span: the index of the frame that holds it, then an offset and a size per
+A reply (see :mod:`wdscache.agent.worker`) carries, per item asked for, its key and, in its
+sample table (a frame of numbers), its member extensions (an index into the reply's
+``layouts``) and a span: the index of the frame that holds it, then an offset and a size per
 extension. With direct reads some "frames" are byte ranges of the agent's cache files,
 named by the header's ``files`` and read here through the injected reader (a
 :class:`~wdscache.training.direct.CacheFiles` in the loader).
@@ -16,12 +17,13 @@ well-formed number fails the reply as a :class:`~wdscache.shared.errors.Protocol
 from __future__ import annotations
 
 import errno
+from array import array
 from collections.abc import Sequence
 from operator import attrgetter, itemgetter
 from typing import Any, Protocol
 
 from ..shared.errors import ProtocolError
-from ..shared.protocol import PREAD_BYTES
+from ..shared.protocol import PREAD_BYTES, unpack_numbers
 from .direct import StaleFile
 from .reads import Item
 
@@ -57,25 +59,21 @@ def decode_reply(
     """The samples of a worker's reply to a read of ``items``, and the payload bytes of each.
 
     ``payload`` holds the reply's frames after the header (objects with a ``buffer``, as
-    ZeroMQ's frames are); ``urls`` is the list the items' shards index. A reply naming
-    file ranges is accepted only for a read sent with ``direct``, and read through
-    ``files``: None there (direct reads were turned off since the read went out) raises
-    :class:`~wdscache.training.direct.StaleFile`, as a file replaced since the worker read it does;
-    the caller then asks for those samples over the socket.
+    ZeroMQ's frames are): the sample table, then the runs; ``urls`` is the list the items'
+    shards index. A reply naming file ranges is accepted only for a read sent with
+    ``direct``, and read through ``files``: None there (direct reads were turned off since
+    the read went out) raises :class:`~wdscache.training.direct.StaleFile`, as a file
+    replaced since the worker read it does; the caller then asks for those samples over the
+    socket.
 
     Payloads are ``bytes`` (webdataset's decoders want bytes), or read-only memoryviews into
     the received message with ``zero_copy``. With ``labelled`` (a mixture's read: every id a
     :class:`~wdscache.shared.mixture.SourcedId`), each sample names its source, ``__source__``.
     """
-    keys, exts, spans = header.get("keys"), header.get("exts"), header.get("spans")
-    if not (
-        isinstance(keys, list)
-        and isinstance(exts, list)
-        and isinstance(spans, list)
-        and len(keys) == len(exts) == len(spans) == len(items)
-    ):
+    keys, table, layouts = header.get("keys"), sample_table(header, payload), reply_layouts(header)
+    if not (isinstance(keys, list) and len(keys) == len(items)):
         raise ProtocolError("worker reply does not match the request")
-    frames: list[Any] = [memoryview(f.buffer).toreadonly() for f in payload]
+    frames: list[Any] = [memoryview(f.buffer).toreadonly() for f in payload[1:]]
     samples: list[dict[str, Any]] = []
     sizes: list[int] = []
     # Each shard's URL looked up once a reply (a list's lookup is a Python call), a dict's per sample.
@@ -85,22 +83,23 @@ def decode_reply(
         if "files" in header:
             if not direct:
                 raise ProtocolError("worker reply names file ranges this consumer did not ask for")
+            first = len(frames)
             frames += file_ranges(header["files"], items, urls, files)
-            read_dense(frames, spans, len(payload))
-        for (_, (shard, _)), key, names, span in zip(items, keys, exts, spans):
-            # Checked enough that no reply can make us read outside its frames; a
-            # non-number anywhere fails the slicing (TypeError) and so the reply.
-            if len(span) != 1 + 2 * len(names) or min(span) < 0:
-                raise ProtocolError("worker reply has a bad span")
-            frame = frames[span[0]]
+            read_dense(frames, table, layouts, first)
+        at = 0  # where the sample's numbers start in the table (none is negative: see unpack_numbers)
+        for (_, (shard, _)), key in zip(items, keys):
+            # Checked enough that no reply can make us read outside its frames: an index past
+            # a list or the table fails the reply (IndexError).
+            names = layouts[table[at]]
+            frame = frames[table[at + 1]]
             limit = len(frame)
             sample: dict[str, Any] = {"__key__": key, "__url__": url_of[shard]}
             nbytes = 0
-            i = 1
+            i = at + 2
             if type(frame) is memoryview:
                 for ext in names:
-                    offset = span[i]
-                    size = span[i + 1]
+                    offset = table[i]
+                    size = table[i + 1]
                     end = offset + size
                     i += 2
                     if end > limit:
@@ -109,36 +108,60 @@ def decode_reply(
                     nbytes += size
             else:  # a file range read payload by payload: its samples are large, or few and far apart
                 for ext in names:
-                    offset = span[i]
-                    size = span[i + 1]
+                    offset = table[i]
+                    size = table[i + 1]
                     i += 2
                     if offset + size > limit:
                         raise ProtocolError("worker reply has a span past its frame")
                     sample[ext] = frame.read(offset, size)
                     nbytes += size
+            at = i
             samples.append(sample)
             sizes.append(nbytes)
-    except (TypeError, IndexError):
+    except IndexError:
         raise ProtocolError("worker reply has a bad span") from None
+    if at != len(table):
+        raise ProtocolError("worker reply's sample table does not match its samples")
     if labelled:  # the last key, as it always was; map and zip run in C, leaving one store a sample
         for sample, source in zip(samples, map(_SOURCE, map(_ID, items))):
             sample["__source__"] = source
     return samples, sizes
 
 
-def read_dense(frames: list[Any], spans: list[Any], first: int) -> None:
+def sample_table(header: dict[str, Any], payload: list[Any]) -> array[int]:
+    """A ``samples`` reply's sample table, its first frame (see :mod:`wdscache.agent.worker`)."""
+    if not payload:
+        raise ProtocolError("worker reply has no sample table")
+    return unpack_numbers(payload[0])
+
+
+def reply_layouts(header: dict[str, Any]) -> list[tuple[str, ...]]:
+    """A ``samples`` reply's ``layouts``: its samples' distinct tuples of extensions."""
+    layouts = header.get("layouts")
+    if not (
+        isinstance(layouts, list)
+        and all(isinstance(names, list) and names and all(type(e) is str for e in names) for names in layouts)
+    ):
+        raise ProtocolError("worker reply has bad layouts")
+    return [tuple(names) for names in layouts]
+
+
+def read_dense(frames: list[Any], table: array[int], layouts: list[tuple[str, ...]], first: int) -> None:
     """Read whole, with one ``pread`` each, the file ranges among ``frames`` (from ``first``
     on) that are short next to the payloads they hold: at most :data:`PREAD_BYTES` per
     payload but one. One syscall per payload would cost more than copying the range once
     more (small samples in archive order, every other one of them for one of two DataLoader
     workers, or the few payloads of one small sample). The others (large samples, or a few
     scattered over a long range, as a shuffled read makes) stay ranges, read payload by
-    payload. Spans are only counted here; the caller checks each one."""
+    payload. The table is only walked here; the caller checks each sample."""
     members = [0] * (len(frames) - first)
-    for span in spans:
-        k = span[0] - first
+    at, end = 0, len(table)
+    while at + 1 < end:
+        names = len(layouts[table[at]])
+        k = table[at + 1] - first
         if 0 <= k < len(members):
-            members[k] += len(span) // 2
+            members[k] += names
+        at += 2 + 2 * names
     for k, m in enumerate(members):
         whole = len(frames[first + k])
         if m > 1 and whole <= PREAD_BYTES * (m - 1):
