@@ -49,6 +49,8 @@ from ..shared.errors import ConfigError
 from .loader import CachedMultiLoader
 from .urls_arg import PIPE, pipe_urls
 
+_NOTHING = object()  # what an epoch without samples gives first
+
 
 class _Source(wds.PipelineStage):
     """The pipeline's first stage: the loader's samples (works whether torch is there or not)."""
@@ -198,12 +200,14 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         return super().with_epoch(nsamples, nbatches)
 
     def __iter__(self) -> Iterator[Any]:
-        count = 0
-        for sample in super().__iter__():
-            count += 1
-            yield sample
-        if count == 0 and self.empty_check:
-            raise ValueError("no samples found in dataset; perhaps you have fewer shards than workers?")
+        samples = super().__iter__()
+        first = next(samples, _NOTHING)
+        if first is _NOTHING:
+            if self.empty_check:
+                raise ValueError("no samples found in dataset; perhaps you have fewer shards than workers?")
+            return
+        yield first
+        yield from samples  # the rest without a step of Python each
 
     # -- the loader's, for DataLoader, StatefulDataLoader and training loops -------
 
