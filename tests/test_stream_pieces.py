@@ -178,6 +178,7 @@ def test_a_reply_decodes_to_samples_and_their_payload_bytes() -> None:
         {"exts": [["cls", "jpg"], ["cls", "jpg", "txt"]]},  # more extensions than the span has
         {"layouts": "cls"},
         {"layouts": [[]]},
+        {"exts": [["cls", "jpg"], ["jpg", "cls"]], "layouts": [["cls", "jpg"]]},  # a layout not named
         {"table": b"\0" * 7},  # not a whole number of numbers
         {"files": [[0, 0, 1, 1, 2, 3, 4]]},  # file ranges a read without direct did not ask for
     ],

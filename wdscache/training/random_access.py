@@ -653,7 +653,7 @@ def _add_rows(
     the cache file of ``table.identity`` (``layouts``: the tuples of field names the table
     holds so far)."""
     keys, files = header.get("keys"), header.get("files")
-    numbers, named = sample_table(header, frames), reply_layouts(header)
+    numbers, named = sample_table(frames), reply_layouts(header)
     if not (isinstance(keys, list) and isinstance(files, list) and len(keys) == n_items):
         raise ProtocolError(f"a worker's table of {url} does not match the request")
     n_frames = len(frames) - 1  # the runs sent (none, for a direct reply of a published shard)

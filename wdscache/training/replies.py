@@ -70,7 +70,7 @@ def decode_reply(
     the received message with ``zero_copy``. With ``labelled`` (a mixture's read: every id a
     :class:`~wdscache.shared.mixture.SourcedId`), each sample names its source, ``__source__``.
     """
-    keys, table, layouts = header.get("keys"), sample_table(header, payload), reply_layouts(header)
+    keys, table, layouts = header.get("keys"), sample_table(payload), reply_layouts(header)
     if not (isinstance(keys, list) and len(keys) == len(items)):
         raise ProtocolError("worker reply does not match the request")
     frames: list[Any] = [memoryview(f.buffer).toreadonly() for f in payload[1:]]
@@ -128,8 +128,9 @@ def decode_reply(
     return samples, sizes
 
 
-def sample_table(header: dict[str, Any], payload: list[Any]) -> array[int]:
-    """A ``samples`` reply's sample table, its first frame (see :mod:`wdscache.agent.worker`)."""
+def sample_table(payload: list[Any]) -> array[int]:
+    """A ``samples`` reply's sample table, the first of its ``payload`` frames (see
+    :mod:`wdscache.agent.worker`)."""
     if not payload:
         raise ProtocolError("worker reply has no sample table")
     return unpack_numbers(payload[0])
