@@ -61,17 +61,14 @@ def as_written(header: dict, frames: list) -> tuple[dict, list]:
     """A ``samples`` reply with its sample table (the first frame) written out in the header,
     as each sample's ``exts`` and ``spans`` (``[frame, offset, size, ...]``), and the frames
     after the table."""
-    from wdscache.shared.protocol import unpack_numbers
+    from wdscache.training.replies import reply_layouts, sample_table, table_rows
 
     if not header.get("ok") or header.get("op") != "samples":
         return header, frames
     assert "exts" not in header and "spans" not in header, header
-    table, layouts = list(unpack_numbers(frames[0])), header["layouts"]
-    exts, spans, at = [], [], 0
-    for _ in header["keys"]:
-        names = layouts[table[at]]
-        exts.append(names)
-        spans.append(table[at + 1 : at + 2 + 2 * len(names)])
-        at += 2 + 2 * len(names)
-    assert at == len(table)
+    table = sample_table(frames)
+    rows = list(table_rows(table, reply_layouts(header)))
+    assert len(rows) == len(header["keys"]) and rows[-1][2] + 2 * len(rows[-1][0]) == len(table)
+    exts = [list(names) for names, _, _ in rows]
+    spans = [[frame, *table[at : at + 2 * len(names)]] for names, frame, at in rows]
     return {**header, "exts": exts, "spans": spans}, frames[1:]

@@ -73,7 +73,7 @@ from .epoch_shards import shard_error
 from .loader import _env_defaults
 from .pins import STATUS_EVERY
 from .private import PrivateAgent
-from .replies import reply_layouts, sample_table
+from .replies import reply_layouts, sample_table, table_rows
 from .stream import same_directory
 from .worker_links import WorkerLinks
 
@@ -666,17 +666,16 @@ def _add_rows(
                     "the worker read another copy of its cache file than the one pinned (replaced "
                     "meanwhile); read the sample again",
                 )
-        at = 0
-        for key in keys:
-            names = named[numbers[at]]
-            frame = numbers[at + 1]
+        rows = list(table_rows(numbers, named))
+        if len(rows) != len(keys):
+            raise ProtocolError(f"a worker's table of {url} does not match its samples")
+        for key, (names, frame, pairs_at) in zip(keys, rows):
             if frame < n_frames:
                 raise ProtocolError(f"a worker's table of {url} has a bad span")
             entry = files[frame - n_frames]
-            span = numbers[at + 2 : at + 2 + 2 * len(names)]
+            span = numbers[pairs_at : pairs_at + 2 * len(names)]
             if len(span) != 2 * len(names):
                 raise ProtocolError(f"a worker's table of {url} has a bad span")
-            at += 2 + len(span)
             offsets = [int(entry[1]) + span[2 * i] for i in range(len(names))]
             start = offsets[0]
             ends = [offsets[i] + span[2 * i + 1] for i in range(len(names))]
@@ -689,7 +688,5 @@ def _add_rows(
             table.places.extend((start, max(ends) - start))
             for field_at, end in zip(offsets, ends):
                 table.places.extend((field_at - start, end - start))
-        if at != len(numbers):
-            raise ProtocolError(f"a worker's table of {url} does not match its samples")
     except (TypeError, IndexError, ValueError):
         raise ProtocolError(f"a worker's table of {url} is malformed") from None

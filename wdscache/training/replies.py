@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import errno
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any, Protocol
 
@@ -147,6 +147,18 @@ def reply_layouts(header: dict[str, Any]) -> list[tuple[str, ...]]:
     return [tuple(names) for names in layouts]
 
 
+def table_rows(table: array[int], layouts: list[tuple[str, ...]]) -> Iterator[tuple[tuple[str, ...], int, int]]:
+    """Each sample's row of a reply's sample table: its extensions, its frame, and where its
+    ``(offset, size)`` pairs start in ``table`` (a row cut short has fewer: the caller checks).
+    IndexError for a row that names no layout or ends before its frame. :func:`decode_reply`
+    walks the rows inline: a generator's step a sample is what the table saves."""
+    at, end = 0, len(table)
+    while at < end:
+        names = layouts[table[at]]
+        yield names, table[at + 1], at + 2
+        at += 2 + 2 * len(names)
+
+
 def read_dense(frames: list[Any], table: array[int], layouts: list[tuple[str, ...]], first: int) -> None:
     """Read whole, with one ``pread`` each, the file ranges among ``frames`` (from ``first``
     on) that are short next to the payloads they hold: at most :data:`PREAD_BYTES` per
@@ -156,13 +168,10 @@ def read_dense(frames: list[Any], table: array[int], layouts: list[tuple[str, ..
     scattered over a long range, as a shuffled read makes) stay ranges, read payload by
     payload. The table is only walked here; the caller checks each sample."""
     members = [0] * (len(frames) - first)
-    at, end = 0, len(table)
-    while at + 1 < end:
-        names = len(layouts[table[at]])
-        k = table[at + 1] - first
+    for names, frame, _ in table_rows(table, layouts):
+        k = frame - first
         if 0 <= k < len(members):
-            members[k] += names
-        at += 2 + 2 * names
+            members[k] += len(names)
     for k, m in enumerate(members):
         whole = len(frames[first + k])
         if m > 1 and whole <= PREAD_BYTES * (m - 1):
