@@ -45,7 +45,7 @@ from wdscache.agent.pool import worker_endpoints
 from wdscache.shared import errors as wds_errors
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.layout import CacheLayout, shard_name
-from wdscache.shared.protocol import reply_proof, request_proof
+from wdscache.shared.protocol import pack_numbers, reply_proof, request_proof
 from wdscache.shared.tarwalk import tar_problem
 
 SHARD_100K = {"samples": 12, "payload": 8000}  # ~100 KB shards
@@ -880,10 +880,11 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(
     w0 = worker_endpoints(endpoint, 2)[0]
     assert w0.endswith("-w0.sock"), w0
     wpeer = raw_peers(w0)
-    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "items": [[0, 0]], "auth": request_proof(key, 6)}))
+    first = pack_numbers([0, 0])  # a read's items: sample 0 of its first URL
+    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "auth": request_proof(key, 6)}), first)
     assert r["ok"] is False and r["kind"] == "refused" and "keys" not in r, r  # the agent's key is not a worker's
     assert r["proof"] == reply_proof(wkey, 6), r  # a refusal is proved too, else a consumer would not believe it
-    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "items": [[0, 0]], "key": wkey}))
+    r = wpeer.ask(_j({"op": "read", "id": 6, "urls": [ds.urls[0]], "key": wkey}), first)
     assert r["ok"] is False and r["kind"] == "refused" and "keys" not in r, r  # the key itself never travels
     r = wpeer.ask(b"\x00\xffgarbage\x80")
     assert r["ok"] is False and r["kind"] == "protocol" and "not UTF-8 JSON" in r["error"], r
@@ -900,28 +901,36 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(
     }, r
     r = wpeer.ask(pickle.dumps({"op": "read", "id": 9, "urls": ds.urls[:1], "items": [[0, 0]]}))
     assert r["ok"] is False and r["kind"] == "protocol", r
-    r = wpeer.ask(
-        _j({"op": "read", "id": 11, "urls": [ds.urls[0]], "items": [[0, 10**6]], "auth": request_proof(wkey, 11)})
-    )
+    read = {"op": "read", "id": 11, "urls": [ds.urls[0]], "auth": request_proof(wkey, 11)}
+    r = wpeer.ask(_j(read), pack_numbers([0, 10**6]))
     assert r["ok"] is False and r["kind"] == "protocol" and "no sample" in r["error"], r
+    # Items that are not whole (url index, sample index) pairs of numbers, or name no URL.
+    for frames, error in [
+        ((), "one frame"),
+        ((first, first), "one frame"),
+        ((pack_numbers([0, 0, 0]),), "bad read request"),
+        ((first[:-1],), "not a whole number"),
+        ((pack_numbers([0, 0])[:8] + (-1).to_bytes(8, "little", signed=True),), "negative"),
+        ((pack_numbers([1, 0]),), "names no URL"),
+    ]:
+        r = wpeer.ask(_j(read), *frames)
+        assert r["ok"] is False and r["kind"] == "protocol" and error in r["error"], (frames, r)
     r = wpeer.ask(
         _j(
             {
                 "op": "read",
                 "id": 12,
                 "urls": ["http://elsewhere/../../etc/passwd"],
-                "items": [[0, 0]],
                 "auth": request_proof(wkey, 12),
             }
-        )
+        ),
+        first,
     )
     assert r["ok"] is False and r["kind"] == "missing", r
     wpeer.send(b"{" + b" " * (2 << 20) + b"}")
     assert wpeer.reply(1.5) is None, "a 2 MiB message was answered by a worker"
     wfresh = raw_peers(w0)
-    r = wfresh.ask(
-        _j({"op": "read", "id": 13, "urls": [ds.urls[0]], "items": [[0, 0]], "auth": request_proof(wkey, 13)})
-    )
+    r = wfresh.ask(_j({"op": "read", "id": 13, "urls": [ds.urls[0]], "auth": request_proof(wkey, 13)}), first)
     assert r["ok"] is True and r["keys"] == ["s00000_00000"] and r["proof"] == reply_proof(wkey, 13), r
 
     # Service goes on: same processes, a full epoch.
@@ -984,21 +993,21 @@ def test_one_malformed_message_does_not_kill_the_agent(shard_server, dataset, st
 
 
 @pytest.mark.parametrize(
-    "frame",
+    "frames",
     [
-        pytest.param(_DEEP, id="deeply-nested-json"),
+        pytest.param((_DEEP,), id="deeply-nested-json"),
         # layout.shard_name encoded URLs with 'surrogateescape', which cannot encode a lone surrogate
-        pytest.param(_j({"op": "read", "id": 1, "urls": ["\ud800"], "items": [[0, 0]]}), id="lone-surrogate-url"),
+        pytest.param((_j({"op": "read", "id": 1, "urls": ["\ud800"]}), pack_numbers([0, 0])), id="lone-surrogate-url"),
     ],
 )
-def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, start_agent, raw_peers, tmp_path, frame):
+def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, start_agent, raw_peers, tmp_path, frames):
     ds = dataset(1, samples=2, payload=100)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
     workers = wait_for(lambda: worker_pids(agent.pid), 10, "no worker process found")
     endpoint = json.loads((cache / "agent.json").read_text())["endpoint"]
     peer = raw_peers(worker_endpoints(endpoint, 1)[0])
-    peer.send(_proved(frame, client_key(cache, worker=0)))
+    peer.send(_proved(frames[0], client_key(cache, worker=0)), *frames[1:])
     r = peer.reply(3)
     restarts = agent.stats()["agent"]["worker_restarts"]
     assert r is not None and restarts == 0 and worker_pids(agent.pid) == workers, (

@@ -58,7 +58,7 @@ BUILT: dict[str, list[dict[str, Any]]] = {
     "corrupt_copy": [REPORTS.corrupt_copy(URL, [1, 2, 3, 4], "bad tar header")],
     "walked": [REPORTS.walked(URL, [1, 2, 3, 4], [[0, 1]])],
     "index": [Reports.index(URL)],
-    "read": [Requests.read([URL], [[0, 1], [0, 2]]), Requests.read([URL], [[0, 1]], direct=True)],
+    "read": [Requests.read([URL]), Requests.read([URL], direct=True)],
     "scan": [Requests.scan(URL), Requests.scan(URL, while_downloading=True)],
 }
 
@@ -185,7 +185,7 @@ def test_every_message_the_code_builds_is_one_its_receiver_accepts():
     # The builders leave out what is left at its default, and set what is not.
     assert BUILT["open"][0] == {"op": "open", "reader": "reader-1", "url": URL}
     assert BUILT["open"][1]["wait"] is False and BUILT["open"][1]["while_downloading"] is True
-    assert BUILT["read"][0] == {"op": "read", "urls": [URL], "items": [[0, 1], [0, 2]]}
+    assert BUILT["read"][0] == {"op": "read", "urls": [URL]}
     assert BUILT["scan"][1] == {"op": "scan", "url": URL, "while_downloading": True}
 
 

@@ -41,7 +41,7 @@ from wdscache import NotTrustedError, WdsCacheError, cli
 from wdscache.agent.pool import worker_endpoints
 from wdscache.shared.client import AgentConnection, ShardClient
 from wdscache.shared.layout import CacheLayout
-from wdscache.shared.protocol import pack_numbers, reply_proof, request_proof
+from wdscache.shared.protocol import pack_numbers, reply_proof, request_proof, unpack_numbers
 from wdscache.shared.urls import list_id
 from wdscache.training.loader import CachedMultiLoader
 
@@ -132,14 +132,18 @@ def as_user(pw: pwd.struct_passwd, fn: Callable[[], Any], timeout: float = CHILD
     return out["result"]
 
 
-def ask(endpoint: str, header: dict[str, Any], timeout: float = 3.0) -> dict[str, Any] | None:
-    """One raw request (a fresh DEALER socket); the reply's header, or None if none came."""
+FIRST_SAMPLE = pack_numbers([0, 0])  # a read's items: sample 0 of its first URL
+
+
+def ask(endpoint: str, header: dict[str, Any], *frames: bytes, timeout: float = 3.0) -> dict[str, Any] | None:
+    """One raw request (a fresh DEALER socket), with its payload ``frames``; the reply's header,
+    or None if none came."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
-        sock.send_multipart([json.dumps(header).encode()])
+        sock.send_multipart([json.dumps(header).encode(), *frames])
         if not sock.poll(int(timeout * 1000)):
             return None
         return json.loads(sock.recv_multipart()[0])
@@ -160,9 +164,9 @@ def attack(agent_ep: str, worker_eps: list[str], urls: list[str], evil: str, cac
     """Everything another local user tries; runs in the child as that user."""
     out: dict[str, Any] = {"uid": os.getuid()}
     guess = "0" * 64
-    read = {"op": "read", "id": 1, "urls": urls[:1], "items": [[0, 0]]}
+    read = {"op": "read", "id": 1, "urls": urls[:1]}
     guesses: list[dict[str, str]] = [{}, {"key": guess}, {"auth": guess}]
-    out["read"] = [ask(ep, {**read, **guessed}) for ep in worker_eps for guessed in guesses]
+    out["read"] = [ask(ep, {**read, **guessed}, FIRST_SAMPLE) for ep in worker_eps for guessed in guesses]
     out["scan"] = [ask(ep, {"op": "scan", "id": 2, "url": urls[0]}) for ep in worker_eps]
     out["stats"] = ask(agent_ep, {"op": "stats", "id": 3})
     # Anyone may ask the agent to prove itself; what it answers is no key.
@@ -272,14 +276,14 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
         agent_key, w0, w1 = conn.key, conn.worker_key(0), conn.worker_key(1)
     finally:
         conn.close()
-    read = {"op": "read", "id": 1, "urls": ds.urls[:1], "items": [[0, 0]]}
+    read = {"op": "read", "id": 1, "urls": ds.urls[:1]}
     assert len({agent_key, w0, w1}) == 3
-    answer = ask(workers[0], {**read, "auth": request_proof(w0, 1)})
+    answer = ask(workers[0], {**read, "auth": request_proof(w0, 1)}, FIRST_SAMPLE)
     assert answer["keys"] == ["s00000_00000"] and answer["proof"] == reply_proof(w0, 1), answer
     for where, key in ((workers[1], w0), (workers[0], agent_key), (workers[0], w1)):
-        assert refused(ask(where, {**read, "auth": request_proof(key, 1)})), (where, key)
-    assert refused(ask(workers[0], {**read, "auth": request_proof(w0, 2)}))  # the proof of another id
-    assert refused(ask(workers[0], {**read, "key": w0}))  # the key itself is no proof: it never travels
+        assert refused(ask(where, {**read, "auth": request_proof(key, 1)}, FIRST_SAMPLE)), (where, key)
+    assert refused(ask(workers[0], {**read, "auth": request_proof(w0, 2)}, FIRST_SAMPLE))  # the proof of another id
+    assert refused(ask(workers[0], {**read, "key": w0}, FIRST_SAMPLE))  # the key itself is no proof: it never travels
     assert refused(ask(endpoint, {"op": "stats", "id": 1, "key": w0}))
     assert ask(endpoint, {"op": "stats", "id": 1, "key": agent_key})["ok"] is True
 
@@ -445,11 +449,12 @@ class Impostor:
         while not self.stop:
             if not self.sock.poll(50):
                 continue
-            ident, raw, *_ = self.sock.recv_multipart()
+            ident, raw, *frames = self.sock.recv_multipart()
             header = json.loads(raw)
             self.got.append(header)
             if header.get("op") == "read":
-                items = header.get("items", [])
+                numbers = unpack_numbers(frames[0])
+                items = list(zip(numbers[0::2], numbers[1::2]))
                 reply = {
                     "op": "samples",
                     "id": header.get("id"),

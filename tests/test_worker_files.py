@@ -220,7 +220,7 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
     long after the request. They must leave the worker's memory once sent."""
     import time
 
-    from wdscache.shared.protocol import pack, unpack
+    from wdscache.shared.protocol import pack, pack_numbers, unpack
 
     data = dataset(2, samples=12, payload=400_000)  # too large to copy: each reply is one zero-copy run
     cache = tmp_path / "cache"
@@ -243,8 +243,8 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
                             "id": f"{k}-{first}",
                             "auth": proofs.request(f"{k}-{first}"),
                             "urls": [data.urls[k]],
-                            "items": [[0, j] for j in range(first, first + 6)],
-                        }
+                        },
+                        pack_numbers([x for j in range(first, first + 6) for x in (0, j)]),
                     )
                 )
         time.sleep(0.5)  # long after the requests: most of the replies not sent yet

@@ -44,13 +44,14 @@ def read_from_worker(
 ) -> tuple[dict, list[bytes]]:
     """One read request straight to a worker (as the loader sends it), and its reply (checked
     to carry the worker's proof)."""
-    from wdscache.shared.protocol import pack, unpack
+    from wdscache.shared.protocol import pack, pack_numbers, unpack
 
-    request = {"op": "read", "id": "r1", "urls": urls, "items": [list(i) for i in items]}
+    request = {"op": "read", "id": "r1", "urls": urls}
     if direct:
         request["direct"] = True
     with worker_socket(cache, "raw") as (sock, proofs):
-        sock.send_multipart(pack({**request, "auth": proofs.request(request["id"])}))
+        wire = pack_numbers([x for item in items for x in item])
+        sock.send_multipart(pack({**request, "auth": proofs.request(request["id"])}, wire))
         assert sock.poll(10_000), "the worker did not answer a read within 10 s"
         header, frames = unpack(sock.recv_multipart())
         assert header.get("proof") == proofs.reply(request["id"]), header

@@ -9,7 +9,9 @@ to the worker on its stdin). A request without it gets ``{"ok": false, "kind":
 that one too, carries ``"proof"``: :func:`~wdscache.shared.protocol.reply_proof` of its id,
 which the consumer checks before it uses anything of the reply::
 
-    {"op": "read", "id": n, "auth": a, "urls": [u, ...], "items": [[k, j], ...], "direct": bool}
+    {"op": "read", "id": n, "auth": a, "urls": [u, ...], "direct": bool}
+        followed by its items, one frame of 64-bit numbers (:func:`~wdscache.shared.protocol.pack_numbers`),
+        per sample ``k, j``: sample ``j`` of the shard ``urls[k]``
         -> {"op": "samples", "id": n, "proof": p, "ok": true, "keys": [...],
             "layouts": [[ext, ...], ...], "files": [[k, offset, size, dev, inode, file size, mtime_ns], ...]}
            followed by the sample table, one frame of 64-bit numbers
@@ -78,7 +80,16 @@ from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
 from ..shared.malloc import tune_malloc
 from ..shared.messages import ConsumerReply, Reports, SamplesReply, ScannedReply, WorkerErrorKind, WorkerErrorReply
-from ..shared.protocol import PREAD_BYTES, WorkerProofs, field, pack, pack_numbers, same_secret, unpack
+from ..shared.protocol import (
+    PREAD_BYTES,
+    WorkerProofs,
+    field,
+    pack,
+    pack_numbers,
+    same_secret,
+    unpack,
+    unpack_numbers,
+)
 from .growing import GrowingShard, NotYet
 from .open_shards import SWEEP_EVERY, OpenShards
 from .reply_frames import ReplyFrames
@@ -242,13 +253,13 @@ class _Worker:
     def _handle(self, ident: bytes, body: list[bytes]) -> None:
         rid = None
         try:
-            header, _ = unpack(body)
+            header, frames = unpack(body)
             rid = header.get("id")
             op = header["op"]
             if not same_secret(header.get("auth"), self.proofs.request(rid)):
                 self._reply(ident, _error(rid, "refused", REFUSED))
             elif op == "read":
-                self._read(ident, header)
+                self._read(ident, header, frames)
             elif op == "scan":
                 self._scan(ident, rid, field(header, "url", str), field(header, "while_downloading", bool, False))
             else:
@@ -290,11 +301,14 @@ class _Worker:
                 count, final = 0, False  # not started yet, just published, or failed: ask again
         self._reply(ident, _scanned(rid, count, final))
 
-    def _read(self, ident: bytes, header: dict[str, Any]) -> None:
+    def _read(self, ident: bytes, header: dict[str, Any], frames: list[Any]) -> None:
         urls = field(header, "urls", list)
-        items = field(header, "items", list)
         direct = field(header, "direct", bool, False)
-        if len(items) > MAX_ITEMS or not all(isinstance(u, str) for u in urls):
+        if len(frames) != 1:
+            raise ProtocolError("a read carries its items as one frame")
+        numbers = unpack_numbers(frames[0])  # none negative
+        n_items = len(numbers) // 2
+        if len(numbers) % 2 or n_items > MAX_ITEMS or not all(isinstance(u, str) for u in urls):
             raise ProtocolError("bad read request")
         keys: list[str] = []
         layouts: dict[tuple[str, ...], int] = {}  # the distinct tuples of extensions, numbered
@@ -321,26 +335,22 @@ class _Worker:
         # Each shard's latest run and its index in ``runs``: a request that takes turns between
         # shards (a mixture's sources) still costs a run per stretch of a shard, not per sample.
         latest: list[tuple[list[Any], int] | None] = [None] * n_urls
-        for item in items:  # per sample: kept to a few C-level calls (see PackedSamples.placed)
-            if type(item) is not list or len(item) != 2:
-                raise ProtocolError("read items must be [url index, sample index] pairs")
-            k, j = item
-            if type(k) is not int or type(j) is not int:
-                raise ProtocolError("read items must be [url index, sample index] pairs")
-            if not 0 <= k < n_urls:
+        pairs = iter(numbers)
+        for k, j in zip(pairs, pairs):  # per sample: kept to a few C-level calls (see PackedSamples.placed)
+            if k >= n_urls:
                 raise ProtocolError("read item names no URL")
             view, placer, count, gap = shards[k]
             if placer is None:  # a download under way
                 if j >= len(view.samples):
                     self.shards.walk(urls[k], view, j)
-                if not 0 <= j < len(view.samples):
+                if j >= len(view.samples):
                     raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                 span, block, first = view.read(j)
                 key, names, place = placed((span,), 0)
                 run, at = [block, first, first + len(block)], len(runs)
                 runs.append(run)
             else:
-                if not 0 <= j < count:
+                if j >= count:
                     raise ProtocolError(f"{urls[k]} has no sample {j}")
                 key, names, place = placer(j)
                 first, end = place[0], place[-2] + place[-1]
@@ -369,7 +379,7 @@ class _Worker:
             table.append(layout)
             table += span
         self.requests += 1
-        self.samples += len(items)
+        self.samples += n_items
         reply: SamplesReply = {
             "op": "samples",
             "id": header.get("id"),

@@ -355,7 +355,6 @@ class IndexMessage(TypedDict):
 class _ReadRequired(TypedDict):
     op: Literal["read"]
     urls: list[str]
-    items: list[Any]
 
 
 class ReadMessage(_ReadRequired, total=False):
@@ -613,11 +612,13 @@ class Requests:
     # to a worker
 
     @staticmethod
-    def read(urls: list[str], items: list[Any], *, direct: bool = False) -> ReadMessage:
-        """Samples ``items`` ([index into ``urls``, sample index]); ``direct``: file ranges, no bytes."""
+    def read(urls: list[str], *, direct: bool = False) -> ReadMessage:
+        """A read of samples of ``urls``; its items go in a frame of their own, per sample the
+        index of its URL in ``urls`` and its index in the shard (:func:`~wdscache.shared.protocol.pack_numbers`).
+        ``direct``: file ranges, no bytes."""
         if direct:
-            return {"op": "read", "urls": urls, "items": items, "direct": True}
-        return {"op": "read", "urls": urls, "items": items}
+            return {"op": "read", "urls": urls, "direct": True}
+        return {"op": "read", "urls": urls}
 
     @staticmethod
     def scan(url: str, *, while_downloading: bool = False) -> ScanMessage:

@@ -100,8 +100,8 @@ def pack(header: Mapping[str, Any], *payloads: bytes | memoryview) -> list[bytes
 
 
 def pack_numbers(numbers: Sequence[int]) -> bytes:
-    """Whole numbers as one frame, 64-bit little-endian: a reply's sample table, which as JSON
-    would cost its sender and its reader about a microsecond a sample each."""
+    """Whole numbers as one frame, 64-bit little-endian: a read's items and its reply's sample
+    table, which as JSON would cost their senders and readers about a microsecond a sample each."""
     table = array("q", numbers)
     if sys.byteorder == "big":
         table.byteswap()
@@ -115,11 +115,11 @@ def unpack_numbers(frame: Any) -> array[int]:
     try:
         table.frombytes(frame.buffer if hasattr(frame, "buffer") else frame)
     except ValueError:
-        raise ProtocolError("a table frame is not a whole number of 64-bit numbers") from None
+        raise ProtocolError("a frame of numbers is not a whole number of 64-bit numbers") from None
     if sys.byteorder == "big":
         table.byteswap()
     if table and min(table) < 0:
-        raise ProtocolError("a table frame holds a negative number")
+        raise ProtocolError("a frame of numbers holds a negative number")
     return table
 
 
@@ -510,7 +510,7 @@ MESSAGES: tuple[Message, ...] = (
         "read",
         "consumer",
         "worker",
-        {"urls": "list[str]", "items": "list", "direct": "bool?"},
+        {"urls": "list[str]", "direct": "bool?"},
         {
             **_ERROR,
             "proof": "str",
@@ -519,9 +519,10 @@ MESSAGES: tuple[Message, ...] = (
             "files": "list?",
             **_WORKER_ERROR,
         },
-        frames="the sample table (pack_numbers: per sample its layout, frame, then offset and size per "
-        "extension), then the runs of shard bytes it points into (none for file ranges: see worker.py)",
-        about="samples by [url index, sample index]; the reply's op is 'samples' (or 'error')",
+        frames="the read: its items (pack_numbers: per sample the index of its URL in urls, then its index "
+        "in the shard); the reply: the sample table (pack_numbers: per sample its layout, frame, then offset and "
+        "size per extension), then the runs of shard bytes it points into (none for file ranges: see worker.py)",
+        about="samples by url index and sample index; the reply's op is 'samples' (or 'error')",
     ),
     Message(
         "scan",

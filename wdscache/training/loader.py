@@ -587,14 +587,21 @@ def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[
     }
 
 
+_UNSEEN: Any = object()  # a URL not named yet in _as_given (None: not a local shard)
+
+
 def _as_given(
     samples: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]] | LocalPaths
 ) -> Iterator[dict[str, Any]]:
     """A read's samples (an iterator over its list), those of local shards named as the user
     gave them: ``__url__`` and ``__local_path__``, as webdataset's samples have them."""
     chunk = list(samples)
+    seen: dict[str, tuple[str, str] | None] = {}  # each URL of the read named once, not once a sample
     for sample in chunk:
-        named = local.get(sample["__url__"])
+        url = sample["__url__"]
+        named = seen.get(url, _UNSEEN)
+        if named is _UNSEEN:
+            named = seen[url] = local.get(url)
         if named is not None:
             sample["__url__"], sample["__local_path__"] = named
     return iter(chunk)

@@ -66,7 +66,7 @@ from ..shared.errors import (
 )
 from ..shared.layout import file_identity
 from ..shared.messages import Requests, WorkerRequest
-from ..shared.protocol import pages, process_identity
+from ..shared.protocol import pack_numbers, pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_index
 from ..shared.urls import index_list, normalize_url
 from .epoch_shards import shard_error
@@ -597,19 +597,21 @@ class _Session:
         if header.get("count") != n:
             raise ShardError(url, f"{header.get('count')} samples, but the shard index says {n}")
         for first in range(0, n, TABLE_ITEMS):
-            items = [[0, j] for j in range(first, min(n, first + TABLE_ITEMS))]
-            header, frames = self._ask(worker, Requests.read([url], items, direct=True))
+            count = min(n, first + TABLE_ITEMS) - first
+            items = pack_numbers([x for j in range(first, first + count) for x in (0, j)])
+            header, frames = self._ask(worker, Requests.read([url], direct=True), items)
             if not header.get("ok"):
                 if header.get("kind") == "corrupt":
                     raise shard_error(url, header)
                 raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
-            _add_rows(table, layouts, header, frames, len(items), url)
+            _add_rows(table, layouts, header, frames, count, url)
         return table
 
-    def _ask(self, worker: int, request: WorkerRequest) -> tuple[dict[str, Any], list[Any]]:
-        """Send ``request`` to ``worker``; its proved reply, or AgentUnavailableError after the timeout."""
+    def _ask(self, worker: int, request: WorkerRequest, *payload: bytes) -> tuple[dict[str, Any], list[Any]]:
+        """Send ``request`` (and its ``payload`` frames) to ``worker``; its proved reply, or
+        AgentUnavailableError after the timeout."""
         assert self.links is not None
-        rid = self.links.send(worker, request, "t")
+        rid = self.links.send(worker, request, "t", *payload)
         deadline = self.ds.timeout
         waited = 0.0
         while waited < deadline:

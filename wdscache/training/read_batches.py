@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ..shared.messages import Requests
+from ..shared.protocol import pack_numbers
 from .reads import Item, Read
 
 if TYPE_CHECKING:
@@ -109,16 +110,17 @@ class ReadBatcher:
             return
         urls: list[str] = []
         url_at: dict[int, int] = {}  # shard -> its place in the request's urls
-        wire = []
+        wire: list[int] = []  # per item: the place of its URL, its sample index
         for i in sent:
             shard, j = items[i][1]
-            if shard not in url_at:
-                url_at[shard] = len(urls)
+            k = url_at.get(shard)
+            if k is None:
+                k = url_at[shard] = len(urls)
                 urls.append(stream.urls[shard])
-            wire.append([url_at[shard], j])
+            wire += (k, j)
         w = stream.workers.next_worker()
         direct = direct and stream.pins.files is not None
-        rid = stream.workers.send(w, Requests.read(urls, wire, direct=direct), "r")
+        rid = stream.workers.send(w, Requests.read(urls, direct=direct), "r", pack_numbers(wire))
         stream.reads.send(read, sent, rid, w, direct, time.monotonic())
 
     def sized(self, sizes: list[int]) -> None:

@@ -55,13 +55,13 @@ class WorkerLinks:
         """The worker whose turn it is (round robin)."""
         return next(self._turns) % len(self.sockets)
 
-    def send(self, worker: int, request: WorkerRequest, kind: str) -> str:
-        """Send ``request`` to ``worker`` with a new id (``kind`` and a number) and its proof;
-        returns the id."""
+    def send(self, worker: int, request: WorkerRequest, kind: str, *frames: bytes) -> str:
+        """Send ``request`` (and its payload ``frames``) to ``worker`` with a new id (``kind`` and
+        a number) and its proof; returns the id."""
         rid = f"{kind}{next(self.ids)}"
         request["id"] = rid
         request["auth"] = self.proofs[worker].request(rid)
-        self.sockets[worker].send_multipart(pack(request))
+        self.sockets[worker].send_multipart(pack(request, *frames))
         return rid
 
     def replies(self, timeout: float) -> Iterator[tuple[dict[str, Any], list[Any]]]:
