@@ -12,11 +12,15 @@ import pytest
 from tests.helpers.agents import AgentProc
 from wdscache import CachedMultiLoader
 from wdscache.shared.client import AgentConnection, resolve_endpoint
+from wdscache.training.read_batches import FIRST_REQUEST
 
 MILLION = 1_000_000
-# Shards that exist, first in the list: more than a loader reads or opens before its first sample
-# (the rest are missing: a loader that reached one would fail on it).
+# Shards that exist, first in the list (the rest are missing: a loader that reached one would fail
+# on it), with more samples than a loader asks for before its first reply: INFLIGHT reads of
+# FIRST_REQUEST samples, sent at once on a machine slow to answer them.
 REAL = 16
+INFLIGHT = 4
+SAMPLES = INFLIGHT * FIRST_REQUEST // REAL + 1
 # Reading and planning a million URLs takes the agent a second or two on an idle machine; this
 # allows for a machine shared with other test processes.
 READY_TIMEOUT = 60.0
@@ -37,7 +41,9 @@ def _million(real: list[str], url_of) -> list[str]:
 
 
 def _first_sample(cache: Path) -> dict:
-    with CachedMultiLoader(cache_dir=cache, job="million", rank=0, world_size=1, shuffle=False, timeout=30) as loader:
+    with CachedMultiLoader(
+        cache_dir=cache, job="million", rank=0, world_size=1, shuffle=False, timeout=30, inflight=INFLIGHT
+    ) as loader:
         return next(iter(loader))
 
 
@@ -55,7 +61,7 @@ def _started(start_agent, cache: Path, list_file: Path) -> AgentProc:
 
 @pytest.mark.slow
 def test_a_million_line_list_is_held_in_order_served_and_edited_live(tmp_path, dataset, shard_server, start_agent):
-    real, _, _ = dataset(REAL, samples=4)
+    real, _, _ = dataset(REAL, samples=SAMPLES)
     urls = _million(real, shard_server.url)
     list_file = tmp_path / "big" / "urls.txt"
     list_file.parent.mkdir()
@@ -81,12 +87,12 @@ def test_a_million_line_list_is_held_in_order_served_and_edited_live(tmp_path, d
 
 @pytest.mark.slow
 def test_a_million_entry_shard_index_is_held_with_each_shards_facts(tmp_path, dataset, shard_server, start_agent):
-    real, paths, _ = dataset(REAL, samples=4)
+    real, paths, _ = dataset(REAL, samples=SAMPLES)
     urls = _million(real, shard_server.url)
     index = tmp_path / "big" / "shards.json"
     index.parent.mkdir()
     sizes = [p.stat().st_size for p in paths]
-    entries = [{"url": u, "nsamples": 4, "filesize": sizes[i]} for i, u in enumerate(real)]
+    entries = [{"url": u, "nsamples": SAMPLES, "filesize": sizes[i]} for i, u in enumerate(real)]
     entries += [{"url": u, "nsamples": 7 + i % 3, "filesize": 1 << 20} for i, u in enumerate(urls[REAL:], REAL)]
     index.write_text(json.dumps({"__kind__": "wids-shard-index-v1", "wids_version": 1, "shardlist": entries}))
     cache = tmp_path / "cache"
@@ -99,7 +105,7 @@ def test_a_million_entry_shard_index_is_held_with_each_shards_facts(tmp_path, da
         counts = conn.request({"op": "counts", "urls": [urls[at] for at in PROBES]})["counts"]
     finally:
         conn.close()
-    assert counts == [4 if at < REAL else 7 + at % 3 for at in PROBES]
+    assert counts == [SAMPLES if at < REAL else 7 + at % 3 for at in PROBES]
     assert _first_sample(cache)["__url__"] == real[0]
 
 
