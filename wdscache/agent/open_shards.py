@@ -22,7 +22,8 @@ Guarantees:
   version is served from another's bytes.
 - A table walked here is reported to the agent, which passes it on to the other workers; a
   table passed on is taken only if it is of the file this worker sees (same identity, every
-  payload inside it). So a shard is walked once per agent, not once per worker.
+  payload inside it), and then not walked here. A worker reading a shard before that
+  table comes walks it too, as far as its reads need.
 - A published shard found damaged (by a read, a view or a walk) is reported with the identity
   of the copy read (``corrupt_copy``); the agent downloads it once more or fails it.
 """
