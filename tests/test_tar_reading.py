@@ -462,6 +462,30 @@ def test_corrupt_header_checksum(position: int, offset: int) -> None:
     assert info.value.offset == offset
 
 
+def test_headers_summing_past_65521_are_checked_exactly() -> None:
+    """The walk sums a header's bytes with Adler-32, whose remainders wrap at 65521: a header
+    of many high bytes must still match tarfile, and a checksum off by the modulus is refused."""
+    high = raw_header("\uffff".encode() * 33, 3, prefix="\uffff".encode() * 51)
+    heavy = bytearray(high)
+    heavy[265:329] = b"\xff" * 64  # uname and gname: the block now sums to over 65521
+    heavy[500:512] = b"\xfe" * 12
+    heavy_block = with_checksum(heavy)
+    assert sum(heavy_block) > 65521
+    archive = heavy_block + padded(b"abc") + member(b"next.txt", b"x") + END
+    assert (
+        ours_members(archive)
+        == tarfile_regulars(archive)
+        == [("\uffff" * 51 + "/" + "\uffff" * 33, b"abc"), ("next.txt", b"x")]
+    )
+    stored = int(heavy_block[148:154], 8)
+    for wrong in (stored - 65521, stored + 65521):
+        bad = bytearray(heavy_block)
+        bad[148:156] = b"%06o\0 " % wrong
+        with pytest.raises(ShardError, match="checksum") as info:
+            scan(bytes(bad) + padded(b"abc") + END, url="u")
+        assert info.value.offset == 0
+
+
 def test_not_a_tar() -> None:
     with pytest.raises(ShardError, match="checksum") as info:
         scan(b"<!doctype html><p>Not found</p>" + bytes(1000), url="u")

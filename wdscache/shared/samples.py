@@ -102,12 +102,16 @@ def group_samples(
     seen: set[str] = set()
     first_at = 0
     for name, offset, size, at in files:
-        if is_meta_name(name):
-            continue
-        split = split_name(name)
-        if split is None:
-            continue
-        member_key, ext = split[0], split[1].lower()
+        slash = name.rfind("/")
+        dot = name.find(".", slash + 1)
+        if dot > slash + 1 and name[:2] != "__" and "\n" not in name:
+            # The common name, "dir/key.ext": what split_name gives, without its corner cases.
+            member_key, ext = name[:dot], name[dot + 1 :].lower()
+        else:
+            split = None if is_meta_name(name) else split_name(name)
+            if split is None:
+                continue
+            member_key, ext = split[0], split[1].lower()
         if member_key != key:
             if key is not None:
                 yield SampleSpan(key, tuple(fields)), first_at

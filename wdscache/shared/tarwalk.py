@@ -56,8 +56,11 @@ _REGULAR = frozenset((b"0", b"\0", b"7"))
 # Any other unknown type is skipped by its size, as tarfile does.
 _DATALESS = frozenset((b"1", b"2", b"3", b"4", b"5", b"6"))
 _LONG_NAME, _LONG_LINK, _PAX, _PAX_SOLARIS, _PAX_GLOBAL = b"L", b"K", b"x", b"X", b"g"
+_EXTENSIONS = frozenset((_LONG_NAME, _LONG_LINK, _PAX, _PAX_SOLARIS, _PAX_GLOBAL))  # apply to the next header
 _SPARSE = b"S"
 _READ_AHEAD = 8 << 10  # the smallest read of a FileSpan
+_ADLER_MOD = 65521
+_PARSED_MAX = 4096  # number fields a walk keeps parsed (sizes, checksums); more start it over
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,24 +213,52 @@ def walk(
     # Extension headers waiting for their member, and where their chain began.
     chain: list[tuple[bytes, Any]] = []
     chain_at = -1
+    # Headers are sliced from a window read ahead: a FileSpan's reads cost a call each, so
+    # it is read _READ_AHEAD at a time; other buffers slice for nothing, a block at a time.
+    reach = _READ_AHEAD if isinstance(buf, FileSpan) else BLOCK
+    window, window_at = b"", 0
+    # The number fields seen in this walk, parsed once: a shard repeats few sizes and checksums.
+    sums: dict[bytes, tuple[int, int]] = {}  # checksum field -> (its value, the sum of its bytes)
+    sizes: dict[bytes, int] = {}
     while pos < end:
-        block = bytes(buf[pos : pos + BLOCK])
+        i = pos - window_at
+        if i < 0 or i + BLOCK > len(window):
+            window, window_at, i = bytes(buf[pos : pos + reach]), pos, 0
+        block = window[i : i + BLOCK]
         if len(block) < BLOCK:
             if prefix or block.count(0) == len(block):
                 break  # zero padding cut short: the archive had ended anyway
             raise ShardError(url, "truncated: archive ends inside a header", offset=pos)
         raw_name, raw_size, raw_sum, kind, raw_prefix = _HEADER.unpack_from(block)
-        if raw_sum == _NO_CHECKSUM and block == _ZERO_BLOCK:
-            break  # end-of-archive marker; tarfile stops at the first zero block too
-        stored = _octal(raw_sum)
-        if stored is None or not _checksum_matches(block, stored):
+        parsed = sums.get(raw_sum)
+        if parsed is None:
+            if raw_sum == _NO_CHECKSUM and block == _ZERO_BLOCK:
+                break  # end-of-archive marker; tarfile stops at the first zero block too
+            stored = _octal(raw_sum)
+            if stored is None:
+                raise ShardError(url, "bad tar header checksum", offset=pos)
+            if len(sums) >= _PARSED_MAX:
+                sums.clear()
+            parsed = sums[raw_sum] = (stored, sum(raw_sum))
+        # The byte sum: Adler-32's low half is (1 + sum of bytes) mod 65521, exact for the
+        # first 256 bytes (their sum stays below the modulus), and so the rest's sum, also
+        # below it, is the whole block's remainder less theirs.
+        head = zlib.adler32(block[:256]) & 0xFFFF
+        total = head - 1 + ((zlib.adler32(block) & 0xFFFF) - head) % _ADLER_MOD
+        # The checksum field itself counts as eight spaces.
+        if total - parsed[1] + 8 * 32 != parsed[0] and not _checksum_matches(block, parsed[0]):
             raise ShardError(url, "bad tar header checksum", offset=pos)
-        size = _size_field(raw_size)
+        size = sizes.get(raw_size)
         if size is None:
-            raise ShardError(url, f"bad size field {raw_size!r}", offset=pos)
+            size = _size_field(raw_size)
+            if size is None:
+                raise ShardError(url, f"bad size field {raw_size!r}", offset=pos)
+            if len(sizes) >= _PARSED_MAX:
+                sizes.clear()
+            sizes[raw_size] = size
         data = pos + BLOCK
 
-        if kind in (_LONG_NAME, _LONG_LINK, _PAX, _PAX_SOLARIS, _PAX_GLOBAL):
+        if kind in _EXTENSIONS:
             stop = data + _padded(size)
             if stop > end:
                 if prefix:
@@ -251,23 +282,26 @@ def walk(
 
         if kind == _SPARSE:
             raise ShardError(url, "GNU sparse members are not supported", offset=pos)
-        name = _text(raw_name)
+        name = raw_name.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")  # as _text, inline
         if kind == b"\0" and name.endswith("/"):
             kind = b"5"  # the old V7 way of writing a directory
         if raw_prefix[0]:
             name = _text(raw_prefix) + "/" + name
         if "path" in global_pax:
             name = global_pax["path"].rstrip("/")
-        # Innermost first, so the outermost extension header has the last word.
-        for ext_kind, value in reversed(chain):
-            if ext_kind == _LONG_NAME:
-                name = value
-            elif ext_kind == _PAX:
-                if "path" in value:
-                    name = value["path"].rstrip("/")
-                size = value.get("size", size)
-        chain.clear()
-        at, chain_at = (chain_at if chain_at >= 0 else pos), -1
+        if chain:
+            # Innermost first, so the outermost extension header has the last word.
+            for ext_kind, value in reversed(chain):
+                if ext_kind == _LONG_NAME:
+                    name = value
+                elif ext_kind == _PAX:
+                    if "path" in value:
+                        name = value["path"].rstrip("/")
+                    size = value.get("size", size)
+            chain.clear()
+            at, chain_at = chain_at, -1
+        else:
+            at = pos
 
         if kind in _DATALESS:
             pos = data
