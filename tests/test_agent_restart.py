@@ -88,10 +88,12 @@ def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("before", "after"), [(1, 1), (3, 1)])
 def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restart(
-    shard_server, dataset, start_agent, consumers, tmp_path
+    shard_server, dataset, start_agent, consumers, tmp_path, before, after
 ):
-    """A consumer's own list (the new agent is told it again) and shards downloading at the kill."""
+    """A consumer's own list (the new agent is told it again) and shards downloading at the kill;
+    the new run may have fewer workers, whose shards the loader asks others about."""
     ds = dataset(8, samples=30, payload=3000)  # ~100 KB shards, served at 400 KB/s: downloads span the kill
     mine = ds.urls[:6]
     ref = reference(ds.paths[:6], mine)
@@ -99,12 +101,12 @@ def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restar
     own.write_text("\n".join(mine) + "\n")
     shard_server.rate = 400_000
     cache = tmp_path / "cache"
-    args = ("--workers", "1", "--prefetch", "2", "--cache-size", "10M")
-    agent = start_agent(cache, ds.list_file, *args)
+    args = ("--prefetch", "2", "--cache-size", "10M")
+    agent = start_agent(cache, ds.list_file, *args, "--workers", str(before))
     c = consumers(cache, "reader", "--job", "own", "--urls", str(own), "--timeout", "15")
     wait_samples(c, 50)
     kill_agent(agent)
-    again = start_agent(cache, ds.list_file, *args)
+    again = start_agent(cache, ds.list_file, *args, "--workers", str(after))
     lines = c.wait(DEADLINE)
     assert_epoch_exact(lines, ref)
     assert len(samples_of(lines)) == len(ref)

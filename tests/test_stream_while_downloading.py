@@ -91,3 +91,29 @@ def test_a_download_that_fails_while_read_raises_a_clear_error(tmp_path, shard_s
     ref = reference(data.paths, data.urls)
     for s in delivered:
         assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
+
+
+def test_reads_of_a_shard_still_downloading_go_to_one_worker(tmp_path, shard_server, dataset, start_agent):
+    """Each worker asked for samples of a download walks its headers so far: while it
+    downloads, a shard's reads and counts all go to the one worker that walks it."""
+    data = dataset(1, samples=30, payload=20_000)
+    ref = reference(data.paths, data.urls)
+    shard_server.rate = RATE
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle", "--workers", "2")
+    layout = CacheLayout.of(cache)
+    url = data.urls[0]
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=1) as loader:
+        it = iter(loader)
+        got = [next(it) for _ in range(4)]
+        # Every read so far went out before this: with the shard not published yet.
+        assert not layout.shard_path(url).exists()
+    assert [(s["__url__"], s["__key__"]) for s in got] == list(ref)[:4]
+    for s in got:
+        assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
+    stats = agent.wait_stats(
+        lambda s: sum(w.get("samples", 0) for w in s["agent"]["workers"]) >= 4, 30, "the workers' reports of their reads"
+    )
+    workers = {w["index"]: w for w in stats["agent"]["workers"]}
+    assert workers[0]["samples"] >= 4 and workers[0]["requests"] >= 4, workers
+    assert workers[1].get("requests", 0) == 0 and workers[1].get("samples", 0) == 0, workers

@@ -101,6 +101,12 @@ class EpochShards:
         self.renewed: set[int] = set()  # of those, opened again since: corrupt now, they fail
         self.to_report: dict[int, str] = {}  # of those, not yet told to the agent
 
+    def worker_of(self, shard: int) -> int:
+        """The worker that counts ``shard`` and serves its reads while it downloads: one worker
+        walks the headers of a shard it is asked about a step at a time, where each worker asked
+        would walk them all again."""
+        return shard % self.workers
+
     # -- what the sequence is fed -------------------------------------------------
 
     def arrivals(self, shard: int) -> Iterator[int | None]:
@@ -136,7 +142,7 @@ class EpochShards:
         None while no more have arrived. The count is final once the worker finds the
         published file; a failed download ends the shard (``on_error``).
         """
-        url, worker = self.urls[shard], shard % self.workers
+        url, worker = self.urls[shard], self.worker_of(shard)
         known, asked = 0, time.monotonic()
         while True:
             reply = self.call_worker(Requests.scan(url, while_downloading=True), worker)
@@ -178,7 +184,7 @@ class EpochShards:
         samples already counted stay counted, as they do for a download that fails."""
         url, known = self.urls[shard], 0
         while shard not in self.skipped:
-            reply = self.call_worker(Requests.scan(url, while_downloading=True), shard % self.workers)
+            reply = self.call_worker(Requests.scan(url, while_downloading=True), self.worker_of(shard))
             count = int(reply["count"]) if reply.get("ok") else 0
             if reply.get("ok") and reply.get("final") and count >= known:
                 self.learned[url] = time.monotonic()
@@ -202,7 +208,7 @@ class EpochShards:
         url = self.urls[shard]
         repinned = False
         while True:
-            reply = given if given is not None else self.call_worker(Requests.scan(url), shard % self.workers)
+            reply = given if given is not None else self.call_worker(Requests.scan(url), self.worker_of(shard))
             given = None
             if reply.get("ok"):
                 self.learned[url] = time.monotonic()

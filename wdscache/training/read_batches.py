@@ -111,14 +111,18 @@ class ReadBatcher:
         urls: list[str] = []
         url_at: dict[int, int] = {}  # shard -> its place in the request's urls
         wire: list[int] = []  # per item: the place of its URL, its sample index
+        downloading, w = stream.pins.while_downloading, -1
         for i in sent:
             shard, j = items[i][1]
             k = url_at.get(shard)
             if k is None:
                 k = url_at[shard] = len(urls)
                 urls.append(stream.urls[shard])
+                if w < 0 and shard in downloading:
+                    w = stream.shards.worker_of(shard)
             wire += (k, j)
-        w = stream.workers.next_worker()
+        if w < 0:
+            w = stream.workers.next_worker()
         direct = direct and stream.pins.files is not None
         rid = stream.workers.send(w, Requests.read(urls, direct=direct), "r", pack_numbers(wire))
         stream.reads.send(read, sent, rid, w, direct, time.monotonic())
