@@ -100,11 +100,15 @@ class EpochShards:
         self.retried: set[int] = set()  # found corrupt: the agent fetches them once more
         self.renewed: set[int] = set()  # of those, opened again since: corrupt now, they fail
         self.to_report: dict[int, str] = {}  # of those, not yet told to the agent
+        # Shards whose samples their worker (worker_of) is still finding, a download or a cached
+        # shard walked a step at a time: their reads go to that worker too (see worker_of).
+        self.walking: set[int] = set()
 
     def worker_of(self, shard: int) -> int:
-        """The worker that counts ``shard`` and serves its reads while it downloads: one worker
-        walks the headers of a shard it is asked about a step at a time, where each worker asked
-        would walk them all again."""
+        """The worker that counts ``shard``, and serves its reads while it is :attr:`walking`:
+        each worker asked for samples of a shard whose table it lacks walks its headers, so one
+        worker is asked until the count is final (the agent, for its part, asks the worker of the
+        shard's position in its list to walk a shard it publishes, and passes the table on)."""
         return shard % self.workers
 
     # -- what the sequence is fed -------------------------------------------------
@@ -119,11 +123,12 @@ class EpochShards:
             self._known_counts(self.order[pos : pos + COUNTS_AHEAD])
         if shard not in counts:
             self.open(shard, while_downloading=True)
-        if shard in self.pins.while_downloading:
-            yield from self._downloading(shard)
-            return
-        if shard not in counts:
-            yield from self._counting(shard)
+        if shard in self.pins.while_downloading or shard not in counts:
+            self.walking.add(shard)
+            try:
+                yield from self._downloading(shard) if shard in self.pins.while_downloading else self._counting(shard)
+            finally:
+                self.walking.discard(shard)
             return
         self.pins.counted(shard, counts[shard])
         yield counts[shard]

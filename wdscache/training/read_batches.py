@@ -15,7 +15,11 @@ as one read when it holds ``request_limit`` items, when the share has no more it
   size) changes how many items go to one read, never which samples the share holds or their
   order;
 - the items of a shard skipped with ``on_error="skip"`` are not asked for: they stay holes
-  in their read, which the stream fills.
+  in their read, which the stream fills;
+- a read that holds items of a shard whose count is not final yet (still downloading, or
+  walked a step at a time) goes to the worker that counts the shard
+  (:meth:`~wdscache.training.epoch_shards.EpochShards.worker_of`), which walks its headers
+  for them; any other read goes to the workers in turn.
 """
 
 from __future__ import annotations
@@ -111,14 +115,14 @@ class ReadBatcher:
         urls: list[str] = []
         url_at: dict[int, int] = {}  # shard -> its place in the request's urls
         wire: list[int] = []  # per item: the place of its URL, its sample index
-        downloading, w = stream.pins.while_downloading, -1
+        walking, w = stream.shards.walking, -1
         for i in sent:
             shard, j = items[i][1]
             k = url_at.get(shard)
             if k is None:
                 k = url_at[shard] = len(urls)
                 urls.append(stream.urls[shard])
-                if w < 0 and shard in downloading:
+                if w < 0 and shard in walking:
                     w = stream.shards.worker_of(shard)
             wire += (k, j)
         if w < 0:
