@@ -112,7 +112,9 @@ def test_reads_of_a_shard_still_downloading_go_to_one_worker(tmp_path, shard_ser
     for s in got:
         assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
     stats = agent.wait_stats(
-        lambda s: sum(w.get("samples", 0) for w in s["agent"]["workers"]) >= 4, 30, "the workers' reports of their reads"
+        lambda s: sum(w.get("samples", 0) for w in s["agent"]["workers"]) >= 4,
+        30,
+        "the workers' reports of their reads",
     )
     workers = {w["index"]: w for w in stats["agent"]["workers"]}
     assert workers[0]["samples"] >= 4 and workers[0]["requests"] >= 4, workers

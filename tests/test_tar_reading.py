@@ -486,6 +486,17 @@ def test_headers_summing_past_65521_are_checked_exactly() -> None:
         assert info.value.offset == 0
 
 
+def test_a_header_whose_checksum_field_is_all_nuls_still_ends_at_the_end_block() -> None:
+    """A header with an all-NUL checksum field can match (a signed sum of 0 with high bytes in
+    its name): tarfile reads it, and the zero block after it still ends the archive."""
+    block = bytearray(BLOCK)
+    block[0:2] = b"\x80\x80"  # signed: -256, and the checksum field as spaces +256
+    assert sum(b - 256 if b > 127 else b for b in block) + 8 * 32 == 0  # the field counts as 8 spaces
+    archive = bytes(block) + END
+    assert ours_members(archive) == tarfile_regulars(archive) == [("\udc80\udc80", b"")]
+    assert [m.name for m in members(archive + member(b"after.txt", b"x"), url="u")] == ["\udc80\udc80"]
+
+
 def test_not_a_tar() -> None:
     with pytest.raises(ShardError, match="checksum") as info:
         scan(b"<!doctype html><p>Not found</p>" + bytes(1000), url="u")

@@ -213,16 +213,16 @@ def walk(
     # Extension headers waiting for their member, and where their chain began.
     chain: list[tuple[bytes, Any]] = []
     chain_at = -1
-    # Headers are sliced from a window read ahead: a FileSpan's reads cost a call each, so
-    # it is read _READ_AHEAD at a time; other buffers slice for nothing, a block at a time.
+    # Headers are sliced from a window read ahead: a FileSpan's reads cost a system call each,
+    # so it is read _READ_AHEAD at a time; other buffers are sliced a block at a time.
     reach = _READ_AHEAD if isinstance(buf, FileSpan) else BLOCK
     window, window_at = b"", 0
     # The number fields seen in this walk, parsed once: a shard repeats few sizes and checksums.
     sums: dict[bytes, tuple[int, int]] = {}  # checksum field -> (its value, the sum of its bytes)
     sizes: dict[bytes, int] = {}
     while pos < end:
-        i = pos - window_at
-        if i < 0 or i + BLOCK > len(window):
+        i = pos - window_at  # pos only moves on: the window is read again once it is past it
+        if i + BLOCK > len(window):
             window, window_at, i = bytes(buf[pos : pos + reach]), pos, 0
         block = window[i : i + BLOCK]
         if len(block) < BLOCK:
@@ -237,9 +237,11 @@ def walk(
             stored = _octal(raw_sum)
             if stored is None:
                 raise ShardError(url, "bad tar header checksum", offset=pos)
-            if len(sums) >= _PARSED_MAX:
-                sums.clear()
-            parsed = sums[raw_sum] = (stored, sum(raw_sum))
+            parsed = (stored, sum(raw_sum))
+            if raw_sum != _NO_CHECKSUM:  # kept out, so that the end block is always looked for
+                if len(sums) >= _PARSED_MAX:
+                    sums.clear()
+                sums[raw_sum] = parsed
         # The byte sum: Adler-32's low half is (1 + sum of bytes) mod 65521, exact for the
         # first 256 bytes (their sum stays below the modulus), and so the rest's sum, also
         # below it, is the whole block's remainder less theirs.
@@ -282,7 +284,8 @@ def walk(
 
         if kind == _SPARSE:
             raise ShardError(url, "GNU sparse members are not supported", offset=pos)
-        name = raw_name.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")  # as _text, inline
+        # _text, inlined: a call per header counts on shards of small members.
+        name = raw_name.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
         if kind == b"\0" and name.endswith("/"):
             kind = b"5"  # the old V7 way of writing a directory
         if raw_prefix[0]:

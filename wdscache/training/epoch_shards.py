@@ -147,10 +147,11 @@ class EpochShards:
         None while no more have arrived. The count is final once the worker finds the
         published file; a failed download ends the shard (``on_error``).
         """
-        url, worker = self.urls[shard], self.worker_of(shard)
+        url = self.urls[shard]
         known, asked = 0, time.monotonic()
         while True:
-            reply = self.call_worker(Requests.scan(url, while_downloading=True), worker)
+            # Asked each time: an agent restarted meanwhile may run another number of workers.
+            reply = self.call_worker(Requests.scan(url, while_downloading=True), self.worker_of(shard))
             if not reply.get("ok"):
                 error: WdsCacheError = shard_error(url, reply)
                 break

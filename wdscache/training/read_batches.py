@@ -16,10 +16,10 @@ as one read when it holds ``request_limit`` items, when the share has no more it
   order;
 - the items of a shard skipped with ``on_error="skip"`` are not asked for: they stay holes
   in their read, which the stream fills;
-- a read that holds items of a shard whose count is not final yet (still downloading, or
-  walked a step at a time) goes to the worker that counts the shard
-  (:meth:`~wdscache.training.epoch_shards.EpochShards.worker_of`), which walks its headers
-  for them; any other read goes to the workers in turn.
+- a read that holds items of a shard the sequence is still counting (downloading, or walked
+  a step at a time, until the sequence goes past its final count) goes to the worker that
+  counts the shard (:meth:`~wdscache.training.epoch_shards.EpochShards.worker_of`), which
+  walks its headers for them; any other read goes to the workers in turn.
 """
 
 from __future__ import annotations
@@ -115,17 +115,18 @@ class ReadBatcher:
         urls: list[str] = []
         url_at: dict[int, int] = {}  # shard -> its place in the request's urls
         wire: list[int] = []  # per item: the place of its URL, its sample index
-        walking, w = stream.shards.walking, -1
+        walking = stream.shards.walking
+        w: int | None = None  # the worker that counts a shard of the read, if any
         for i in sent:
             shard, j = items[i][1]
             k = url_at.get(shard)
             if k is None:
                 k = url_at[shard] = len(urls)
                 urls.append(stream.urls[shard])
-                if w < 0 and shard in walking:
+                if w is None and shard in walking:
                     w = stream.shards.worker_of(shard)
             wire += (k, j)
-        if w < 0:
+        if w is None:
             w = stream.workers.next_worker()
         direct = direct and stream.pins.files is not None
         rid = stream.workers.send(w, Requests.read(urls, direct=direct), "r", pack_numbers(wire))

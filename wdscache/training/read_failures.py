@@ -109,9 +109,9 @@ class ReadFailures:
         patience = min(stream.settings.timeout / 2, 10.0)
         for read in reads.in_state(ReadState.SENT):
             if now - read.sent_at > patience:
-                # The worker may have died with our request: ask another (or its replacement),
-                # unless the agent itself is gone (then this raises a clear error within the
-                # timeout, no hang).
+                # The worker may have died with our request: ask again (another worker, or for a
+                # shard still counted its worker's replacement), unless the agent itself is gone
+                # (then this raises a clear error within the timeout, no hang).
                 stream.ping()
                 if stream.runs.new_hello is not None:
                     stream.runs.relink()  # the agent restarted: every read went again, to its new workers
