@@ -408,7 +408,7 @@ def epoch_shards(agent: ScriptedAgent, scans: list[dict[str, Any]], on_error: st
         timeout=10,
         pins=pins,
         clock=clock,
-        workers=2,
+        workers=lambda: 2,
         call_worker=lambda header, worker: next(answers),
         hold_nothing=lambda: None,
     )

@@ -63,7 +63,8 @@ COUNTS_AHEAD = 256  # shards whose counts are asked for at once, from the one th
 class EpochShards:
     """The shards of ``urls`` as reader ``reader`` reads them in the epoch of ``spec``.
 
-    ``call_worker(header, worker)`` asks a worker and returns its reply; ``hold_nothing()``
+    ``workers()`` is how many workers the agent runs now (a restarted agent may run another
+    number); ``call_worker(header, worker)`` asks a worker and returns its reply; ``hold_nothing()``
     finishes the stream's reads before an open has to wait (see :meth:`Pins.open`).
     """
 
@@ -79,7 +80,7 @@ class EpochShards:
         timeout: float,
         pins: Pins,
         clock: ProgressClock,
-        workers: int,
+        workers: Callable[[], int],
         call_worker: Callable[[WorkerRequest, int], dict[str, Any]],
         hold_nothing: Callable[[], None],
     ) -> None:
@@ -109,7 +110,7 @@ class EpochShards:
         each worker asked for samples of a shard whose table it lacks walks its headers, so one
         worker is asked until the count is final (the agent, for its part, asks the worker of the
         shard's position in its list to walk a shard it publishes, and passes the table on)."""
-        return shard % self.workers
+        return shard % self.workers()
 
     # -- what the sequence is fed -------------------------------------------------
 

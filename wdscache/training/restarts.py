@@ -85,7 +85,6 @@ class AgentRuns:
         old.close()
         if not stream.workers:
             raise WdsCacheError(f"the agent at {endpoint} restarted with no workers")
-        stream.shards.workers = len(stream.workers)  # it may run another number of them
         self.run = conn.run
         sent = stream.reads.in_state(ReadState.SENT)
         log.warning(

@@ -201,7 +201,7 @@ class EpochStream:
             timeout=s.timeout,
             pins=self.pins,
             clock=self.clock,
-            workers=len(self.workers),
+            workers=lambda: len(self.workers),
             call_worker=self._worker_call,
             hold_nothing=self.failures.hold_nothing,
         )
