@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import threading
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from wdscache.shared.errors import ConfigError, UrlListError
+from wdscache.shared.shard_index import ShardInfo, format_shard_index
 from wdscache.shared.urls import (
     UrlList,
     diff_urls,
@@ -393,6 +397,125 @@ def test_url_list_protocol() -> None:
         result.index("http://h/z.tar")
     assert result == UrlList(None, ("http://h/a.tar", "http://h/b.tar"))
     assert hash(result) == hash(UrlList(None, ("http://h/a.tar", "http://h/b.tar")))
+
+
+def _looked_up(urls: UrlList) -> list[int]:
+    """Each URL's position found by lookup, and that of one not listed (-1)."""
+    return [urls.urls.position(url) for url in urls] + [urls.urls.position("http://h/not-listed.tar")]
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        [f"http://h/train/shard-{i:04d}.tar" for i in range(300)],  # http(s): taken as written
+        [f"https://h/v{i % 3}/shard-{i:04d}.tar" for i in range(300)],
+        [f"/data/train/shard-{i:04d}.tar" for i in range(300)],  # absolute paths: file:// before each
+        [f"train/shard-{i:04d}.tar" for i in range(300)],  # relative: the list's folder too
+        [f"http://h/shard-{i % 7}.tar" for i in range(50)],  # repeats: dropped and counted
+        ["/d/a.tar", "/d/b.tar", "/d/a.tar"],
+        ["http://h/only.tar"],
+    ],
+)
+def test_plain_lists_are_what_the_line_by_line_parse_gives(tmp_path: Path, lines: list[str]) -> None:
+    """A list of plain lines (no brace, comment or space) is made from its text at once; with a
+    comment it goes line by line. Both give the same URLs, repeats, lookups and pickled form."""
+    text = "\n".join(lines) + "\n"
+    fast = parse_url_list(text, base_dir=str(tmp_path))
+    slow = parse_url_list("# a comment: the line-by-line parse\n" + text, base_dir=str(tmp_path))
+    assert list(fast.urls) == list(slow.urls) and fast.duplicates == slow.duplicates
+    assert _looked_up(fast) == _looked_up(slow) == [*range(len(slow)), -1]
+    again = pickle.loads(pickle.dumps(fast))
+    assert list(again.urls) == list(slow.urls) and _looked_up(again) == _looked_up(slow)
+    if lines[0].startswith("/"):
+        assert fast.urls[0] == "file://" + lines[0]
+    elif not lines[0].startswith("http"):
+        assert fast.urls[0] == f"file://{tmp_path}/{lines[0]}"
+
+
+@pytest.mark.parametrize("repeat", [False, True])
+@pytest.mark.parametrize("prefix", ["http://h/", "/data/", "rel/"])
+def test_plain_index_entries_are_what_the_entry_by_entry_parse_gives(tmp_path: Path, prefix: str, repeat: bool) -> None:
+    """An index's URLs, plain or not (a ``./`` or an upper-case scheme makes the check go entry by
+    entry), give the same list, facts and lookups; a URL listed twice with the same facts is a repeat."""
+    names = [f"shard-{i:04d}.tar" for i in range(200)] + (["shard-0003.tar"] if repeat else [])
+    entries = [(prefix + name, ShardInfo(7, 10_240)) for name in names]
+    fast = read_url_list(write_list(tmp_path, format_shard_index(entries), "fast.json"))
+    slow_entries = [
+        (url.replace("shard-0199", "./shard-0199") if not url.startswith("http") else url, info)
+        for url, info in entries
+    ]
+    if prefix.startswith("http"):
+        slow_entries.append(("HTTP://h/not-plain.tar", ShardInfo(7, 10_240)))  # to normalize: one by one
+    slow = read_url_list(write_list(tmp_path, format_shard_index(slow_entries), "slow.json"))
+    n = len(fast)
+    assert list(fast.urls) == list(slow.urls)[:n] and fast.duplicates == slow.duplicates == int(repeat)
+    assert list(fast.shards or ()) == list(slow.shards or ())[:n] == [ShardInfo(7, 10_240)] * n
+    assert _looked_up(fast) == [*range(n), -1] and _looked_up(slow)[:n] == [*range(n)]
+    assert fast.info(fast.urls[5]) == ShardInfo(7, 10_240)
+
+
+def test_a_lookup_table_made_a_step_at_a_time_finds_what_one_made_at_once_finds() -> None:
+    """The agent makes a long list's table a step a turn of its loop; a lookup before the last step
+    finishes it. Either way every URL is found where it is, and one not listed is not."""
+    lines = [f"/data/shard-{i:05d}.tar" for i in range(10_000)]
+    stepped = parse_url_list("\n".join(lines))
+    steps = 0
+    while not stepped.urls.make_lookups(3_000):
+        steps += 1
+    assert steps == 3 and stepped.urls.make_lookups(3_000)
+    early = parse_url_list("\n".join(lines))
+    assert early.urls.make_lookups(4_000) is False
+    assert _looked_up(early) == _looked_up(stepped) == [*range(10_000), -1]
+    assert early.urls.make_lookups(4_000)  # (the lookup made the rest)
+
+
+def test_a_lookup_while_another_thread_makes_the_table_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup (a download thread's, say) while another thread adds to the table waits for it,
+    rather than adding the same URLs again, and finds what a lookup after it finds."""
+    from wdscache.shared import urls as urls_module
+
+    waiting = threading.Event()  # set once a lookup waits for the table being made
+
+    class SeenLock:
+        """The module's lock, noting when a thread has to wait for it."""
+
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            if not self.lock.acquire(blocking=False):
+                waiting.set()
+                assert self.lock.acquire(timeout=10)
+
+        def __exit__(self, *exc: object) -> None:
+            self.lock.release()
+
+    made: list[int] = []
+    making = threading.Event()
+    place = urls_module._place
+
+    def placed_once_the_lookup_waits(table: Any, urls: Sequence[str], first: int) -> None:
+        made.append(len(urls))
+        making.set()
+        assert waiting.wait(10), "the lookup did not wait for the table being made"
+        place(table, urls, first)
+
+    monkeypatch.setattr(urls_module, "_MAKING_TABLE", SeenLock())
+    monkeypatch.setattr(urls_module, "_place", placed_once_the_lookup_waits)
+    listed = parse_url_list("".join(f"http://h/shard-{i:05d}.tar\n" for i in range(20_000)))
+    found: list[int] = []
+    maker = threading.Thread(target=listed.urls.make_lookups)
+    maker.start()
+    looker = threading.Thread(target=lambda: found.append(listed.urls.position("http://h/shard-12345.tar")))
+    try:
+        assert making.wait(10)  # the maker holds the lock: the lookup has to wait for it
+        looker.start()
+        looker.join(10)
+    finally:
+        maker.join(10)
+    assert not maker.is_alive() and not looker.is_alive()
+    assert made == [20_000] and found == [12_345]
+    assert listed.index("http://h/shard-00000.tar") == 0 and "http://h/shard-20000.tar" not in listed
 
 
 @pytest.mark.slow

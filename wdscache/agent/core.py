@@ -66,7 +66,7 @@ from ..shared.metrics import require as require_metrics
 from ..shared.protocol import CONTROL_OPS, READER_OPS, WORKER_OPS, strings
 from ..shared.protocol import field as get_field
 from ..shared.stats import build
-from ..shared.urls import UrlList, diff_urls
+from ..shared.urls import UrlList, Urls, diff_urls
 from ..shared.verdict import starved_by
 from .cache import INDEX_HEADROOM, ShardCache
 from .control import ControlSocket, Reply, Request
@@ -97,6 +97,7 @@ from .worker_reports import WorkerReports
 log = get_logger(__name__)
 
 TICK = 0.05  # seconds the main loop waits for a message before doing its other work
+LOOKUP_STEP = 50_000  # URLs of a list's lookup table made in one turn of the loop (~20 ms)
 WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
@@ -133,6 +134,8 @@ class Agent:
         self._last_metrics = time.monotonic()
         self._metrics: MetricsServer | None = None  # serving /metrics (--metrics-port)
         self._list_file = ListFile(config)
+        # A list whose lookup table (by URL) is not made yet: the loop makes it a step a turn.
+        self._lookups: Urls | None = None
         self._private = _PrivateUse(config.private_users)
         if config.metrics_port is not None:
             require_metrics()  # before anything starts: the missing extra is a bad option
@@ -207,6 +210,7 @@ class Agent:
             format_size(self.cache.used),
             format_size(self.cache.limit),
         )
+        self._lookups = took.urls.urls  # a long list is served before its table is whole
 
     def _build(self, urls: UrlList, cache_root: list[int]) -> None:
         """The parts, on the open cache, the bound socket and the started workers."""
@@ -292,8 +296,11 @@ class Agent:
     # -- the loop -----------------------------------------------------------
 
     def step(self) -> None:
-        """One turn of the main loop: messages, download events, the list, the plan."""
-        self._serve(TICK)
+        """One turn of the main loop: messages, a step of the list's lookup table, download
+        events, the list, the plan."""
+        self._serve(TICK if self._lookups is None else 0.0)
+        if self._lookups is not None and self._lookups.make_lookups(LOOKUP_STEP):
+            self._lookups = None  # whole (or finished by a lookup meanwhile)
         self._drain_events()
         new = self._list_file.changed()
         if new is not None:
@@ -362,6 +369,7 @@ class Agent:
         for url in added:
             self.cache.forget_failure(url)
         self.readers.replace_list(new)
+        self._lookups = new.urls
         for url in removed:
             if url in self.cache.kept and not self.readers.known(url):
                 self.cache.drop_partial(url)  # a partial of a shard no longer listed is garbage
@@ -385,7 +393,7 @@ class Agent:
         if self.downloads.record_download(e.download, e.fetched):
             self.readers.check_need(self.opens.held, again=url)
         self.opens.downloaded(url)
-        self.workers.published(url, self.readers.urls.index(url) if url in self.readers.urls else None)
+        self.workers.published(url, self.readers.position(url))
         self.downloads.ended(e.download)
 
     def _revalidated(self, e: Revalidated) -> None:

@@ -158,6 +158,9 @@ class Readers:
         self._readers: dict[str, ReaderRecord] = {}
         # the lists readers read besides the agent's current one, and those being uploaded
         self._lists = JobLists(endpoint)
+        # The start-up window's URLs and their positions in the list, as last asked: their facts
+        # are read by position, so the downloads that start with the agent need no lookup table.
+        self._window_at: dict[str, int] = {}
         self._startup = self._startup_plan(urls)
         self._startup_stopped = False  # by wdscache clear, until the list changes: no refill nobody asked for
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
@@ -182,11 +185,20 @@ class Readers:
         reader = record.plan if record is not None else None
         if reader is not None and reader.list_id is not None:
             return url in self._list(reader.list_id)
-        return url in self.urls or any(url in listed for listed in self._lists)
+        return self.position(url) is not None or any(url in listed for listed in self._lists)
+
+    def position(self, url: str) -> int | None:
+        """Where ``url`` is in the agent's list (None: not in it). The start-up window's URLs are
+        known without a lookup: a long list's lookup table is whole only a while after the start."""
+        at = self._window_at.get(url)
+        if at is None:
+            at = self.urls.urls.position(url)
+        return at if at >= 0 else None
 
     def shard_info(self, url: str) -> ShardInfo | None:
         """What a shard index says of ``url``: the agent's list's, else that of a job's list."""
-        info = self.urls.info(url)
+        at, facts = self._window_at.get(url), self.urls.shards
+        info = facts[at] if at is not None and facts is not None else self.urls.info(url)
         if info is None:
             info = next((i for listed in self._lists if (i := listed.info(url)) is not None), None)
         return info
@@ -210,8 +222,8 @@ class Readers:
         reader = record.plan
         if ahead is not None:
             reader.ahead = [u for u in ahead[: self._config.prefetch] if isinstance(u, str) and self.known(u, name)]
-        elif reader.ahead is None and url in self.urls:
-            reader.advance_to(self.urls.index(url))
+        elif reader.ahead is None and (at := self.position(url)) is not None:
+            reader.advance_to(at)
 
     def planned(self) -> list[str]:
         """The union of the readers' windows by urgency (the start-up plan while nobody reads)."""
@@ -247,7 +259,8 @@ class Readers:
         if self._startup_stopped:
             return []
         urls = self.urls.urls
-        return [urls[i] for i in self._startup.window(self._config.prefetch) if i < len(urls)]
+        self._window_at = {urls[i]: i for i in self._startup.window(self._config.prefetch) if i < len(urls)}
+        return list(self._window_at)
 
     # -- ops ------------------------------------------------------------------
 
@@ -443,7 +456,9 @@ class Readers:
     def fetchable(self, url: str) -> bool:
         """May a client of this endpoint have ``url`` fetched: in the agent's list, or a URL of a scheme
         its clients may use (:attr:`JobLists.schemes`)."""
-        return url in self.urls or (url.startswith(self._lists.schemes) and not any(c.isspace() for c in url))
+        return self.position(url) is not None or (
+            url.startswith(self._lists.schemes) and not any(c.isspace() for c in url)
+        )
 
     def _list(self, key: str | None) -> UrlList:
         """The list ``key`` names: one kept in ``_lists``, else the agent's current list."""
@@ -454,7 +469,7 @@ class Readers:
         started with; the next ones take the new one."""
         if any(r.list_id == self.list_id for r in self._plans()):
             self._lists.keep(self.list_id, self.urls)
-        self.urls = new
+        self.urls, self._window_at = new, {}
         self.list_id = list_id(new.urls)
         # Positions in the agent's list refer to the old list: those readers start over on
         # the new one. Readers keep their pins and their own windows.

@@ -26,6 +26,7 @@ import itertools
 import operator
 import os
 import re
+import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -242,11 +243,12 @@ class Urls(Sequence[str]):
     A million URLs of 80 characters take about 100 MB here (text, ends, lookup table), against
     about 140 MB as a tuple of strings and 110 MB more for a dict of their positions. Lookups
     (``in``, :meth:`index`, :meth:`position`) go through an open-addressing table of positions
-    by hash, made on the first lookup (or at once, by :meth:`distinct`). Equal to any sequence
-    of the same URLs in the same order.
+    by hash, made on the first lookup, a step at a time by :meth:`make_lookups`, or at once by
+    :meth:`distinct`. Lookups are safe from several threads: one makes (or finishes) the table,
+    the others wait for it. Equal to any sequence of the same URLs in the same order.
     """
 
-    __slots__ = ("_text", "_ends", "_table")
+    __slots__ = ("_text", "_ends", "_table", "_making")
 
     def __init__(self, urls: Iterable[str] = ()) -> None:
         urls = urls if isinstance(urls, (list, tuple)) else list(urls)
@@ -256,6 +258,7 @@ class Urls(Sequence[str]):
         if self._text.count("\n") != len(urls):
             raise ValueError("a URL holds no line break")
         self._table: array | None = None
+        self._making: tuple[array, int] | None = None  # a table being made, and how many URLs it holds
 
     @classmethod
     def distinct(cls, urls: list[str]) -> tuple[Urls, int]:
@@ -265,6 +268,32 @@ class Urls(Sequence[str]):
         made = cls(kept)
         made._table = _positions_table(kept)
         return made, len(urls) - len(kept)
+
+    @classmethod
+    def _of_text(cls, text: str, ends: array) -> Urls:
+        """The URLs of ``text`` (each ended by ``"\\n"``) that end at ``ends`` (as ``_ends`` holds
+        them), their lookup table not made yet."""
+        made = cls.__new__(cls)
+        made._text, made._ends, made._table, made._making = text, ends, None, None
+        return made
+
+    def make_lookups(self, count: int | None = None) -> bool:
+        """Make the lookup table now, as the first lookup would, or only ``count`` more URLs'
+        share of it; True once it is whole. (The agent makes a long list's table a step at a
+        time between requests, so that none waits for all of it.)"""
+        if self._table is not None:
+            return True
+        with _MAKING_TABLE:  # one thread at a time adds to it; another asking meanwhile waits
+            if self._table is not None:
+                return True
+            table, done = self._making or (_empty_table(len(self)), 0)
+            stop = len(self) if count is None else min(len(self), done + count)
+            _place(table, self[done:stop], done)
+            if stop < len(self):
+                self._making = (table, stop)
+                return False
+            self._table, self._making = table, None
+            return True
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -311,7 +340,9 @@ class Urls(Sequence[str]):
         """Where ``url`` is (-1: not here)."""
         table = self._table
         if table is None:
-            table = self._table = _positions_table(self)
+            self.make_lookups()
+            table = self._table
+            assert table is not None
         mask = len(table) - 1
         slot = hash(url) & mask
         while at := table[slot]:  # position + 1; 0: an empty slot, the end of the probe
@@ -384,27 +415,33 @@ class Urls(Sequence[str]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The table holds this process's string hashes: the other side makes its own.
-        return (_restore_urls, (self._text, self._ends))
+        return (Urls._of_text, (self._text, self._ends))
 
 
-def _restore_urls(text: str, ends: array) -> Urls:
-    made = Urls.__new__(Urls)
-    made._text, made._ends, made._table = text, ends, None
-    return made
+_MAKING_TABLE = threading.Lock()  # held while a lookup table is made or added to (rare: a long list's)
 
 
 def _positions_table(urls: Sequence[str]) -> array:
-    """Open addressing, linear probing: slot ``hash(url) & mask`` or the next free one holds
-    ``position + 1``. At least twice as many slots as URLs keep probes short."""
-    n = len(urls)
-    size = 1 << max(3, (2 * n).bit_length())
-    mask, table = size - 1, array("i" if n < 1 << 31 else "q", [0]) * size
-    for k, url in enumerate(urls, 1):
+    """The lookup table of ``urls``: open addressing, linear probing: slot ``hash(url) & mask`` or
+    the next free one holds ``position + 1``."""
+    table = _empty_table(len(urls))
+    _place(table, urls, 0)
+    return table
+
+
+def _empty_table(n: int) -> array:
+    """A lookup table for ``n`` URLs, none placed: at least twice as many slots keep probes short."""
+    return array("i" if n < 1 << 31 else "q", [0]) * (1 << max(3, (2 * n).bit_length()))
+
+
+def _place(table: array, urls: Iterable[str], first: int) -> None:
+    """Place ``urls``, the list's from position ``first`` on, in ``table``."""
+    mask = len(table) - 1
+    for k, url in enumerate(urls, first + 1):
         slot = hash(url) & mask
         while table[slot]:
             slot = (slot + 1) & mask
         table[slot] = k
-    return table
 
 
 # --------------------------------------------------------------------------- lists
@@ -575,7 +612,7 @@ def parse_url_list(
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
     plain = _plain_lines(text, base, limit)
     if plain is not None:
-        distinct, duplicates = Urls.distinct(plain)
+        distinct, duplicates = plain
         return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
     urls: list[str] = []  # with repeats: Urls.distinct drops them
     total = 0
@@ -615,10 +652,11 @@ def parse_url_list(
     return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
 
 
-def _plain_lines(text: str, base: str, limit: int) -> list[str] | None:
+def _plain_lines(text: str, base: str, limit: int) -> tuple[Urls, int] | None:
     """The URLs of a list whose every line is what the line-by-line parse would take as it is
     (an http(s) URL with a host), or a path it would only prefix (all absolute, or all relative,
-    none with a part normpath changes), found with substring scans of the whole text; else None."""
+    none with a part normpath changes), found with substring scans of the whole text, without
+    repeats, and how many were dropped; else None."""
     if _not_plain(text):
         return None  # braces, comments, white space in a line: the line-by-line parse
     lines = text.split("\n")
@@ -629,7 +667,13 @@ def _plain_lines(text: str, base: str, limit: int) -> list[str] | None:
         lines.pop()
     if len(lines) > limit:
         return None
-    return _plain("\n" + ("\n".join(lines) if blank else text.removesuffix("\n")) + "\n", lines, base)
+    joined = "\n" + ("\n".join(lines) if blank else text.removesuffix("\n")) + "\n"
+    prefix = _plain(joined, lines, base)
+    if prefix is None:
+        return None
+    if len(set(lines)) == len(lines):
+        return _prefixed(joined, lines, prefix), 0
+    return Urls.distinct([prefix + line for line in lines])
 
 
 def _not_plain(text: str) -> bool:
@@ -642,15 +686,16 @@ def _not_plain(text: str) -> bool:
     )
 
 
-def _plain(joined: str, lines: list[str], base: str) -> list[str] | None:
-    """:func:`_plain_lines` of non-empty ``lines`` that hold no brace, ``#`` or white space, given
-    also as ``joined``: each line between two ``"\n"``, so that a pattern at a line's start or end
-    is one substring."""
+def _plain(joined: str, lines: list[str], base: str) -> str | None:
+    """What :func:`_plain_lines` puts before each of ``lines`` (non-empty, none holding a brace,
+    ``#`` or white space) to make it its URL: nothing for http(s) URLs, ``file://`` and a folder
+    for paths; None if they are not all of one plain kind. ``lines`` are given also as ``joined``:
+    each line between two ``"\n"``, so that a pattern at a line's start or end is one substring."""
     n = len(lines)
     if joined.count("\nhttp://") + joined.count("\nhttps://") == n and not any(
         f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n"
     ):
-        return lines
+        return ""
     if ":" in joined or "//" in joined or "/\n" in joined:
         return None
     if ("/." in joined or "\n." in joined) and any(part in joined for part in _UNCLEAN):
@@ -658,9 +703,20 @@ def _plain(joined: str, lines: list[str], base: str) -> list[str] | None:
     absolute = joined.count("\n/") == n
     if not absolute and "\n/" in joined:
         return None  # some of each: each its own way
-    del joined
-    prefix = "file://" if absolute else "file://" + (base if base != "/" else "") + "/"
-    return [prefix + line for line in lines]
+    return "file://" if absolute else "file://" + (base if base != "/" else "") + "/"
+
+
+def _prefixed(joined: str, lines: list[str], prefix: str) -> Urls:
+    """The URLs ``prefix`` + line of ``lines`` (distinct, given also as ``joined``, as :func:`_plain`
+    takes them), made from the text at once: no string per URL (its lookup table is made on the
+    first lookup)."""
+    if not lines:
+        return Urls()
+    if not prefix:
+        return Urls._of_text(joined[1:], array("q", itertools.accumulate(map(len, lines))))
+    text = prefix + joined[1:-1].replace("\n", "\n" + prefix) + "\n"
+    lengths = map(operator.add, map(len, lines), itertools.repeat(len(prefix)))
+    return Urls._of_text(text, array("q", itertools.accumulate(lengths)))
 
 
 def index_list(
@@ -708,9 +764,13 @@ def _index_list(
     # Each one plain, as a list's lines can be (none empty, none with a line break)?
     joined = "\n" + "\n".join(written) + "\n"
     plain = not _not_plain(joined) and "\n\n" not in joined and joined.count("\n") == len(written) + 1
-    urls = _plain(joined, written, base) if plain else None
+    prefix = _plain(joined, written, base) if plain else None
+    if prefix is not None and len(set(written)) == len(written):
+        return UrlList(None if path == TEXT_SOURCE else path, _prefixed(joined, written, prefix), 0, facts)
     del joined
-    if urls is None:
+    if prefix is not None:
+        urls = [prefix + url for url in written]
+    else:
         urls = []
         for i, url in enumerate(written):
             try:
