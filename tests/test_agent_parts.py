@@ -176,3 +176,49 @@ def test_an_open_waits_for_its_download_and_a_reader_that_goes_lets_go(parts: Pa
         client.close(0)
         ctx.term()
         socket.close()
+
+
+def test_the_start_up_window_is_known_by_position_before_the_lookup_table(
+    parts: Parts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long list is served before its lookup table is whole: the start-up window's URLs, whose
+    downloads start with the agent, are placed and checked against the index by position. Any other
+    URL is looked up, and a new list's window is its own."""
+    from wdscache.shared import urls as urls_module
+    from wdscache.shared.shard_index import ShardInfo, format_shard_index
+    from wdscache.shared.urls import read_url_list
+
+    placed: list[int] = []
+    place = urls_module._place
+    monkeypatch.setattr(
+        urls_module, "_place", lambda table, urls, first: (placed.append(first), place(table, urls, first))
+    )
+
+    def index(name: str, order: list[int]) -> UrlList:
+        path = tmp_path / name
+        path.write_text(format_shard_index([(f"/data/shard-{i:04d}.tar", ShardInfo(i + 1, 1 << 30)) for i in order]))
+        return read_url_list(path)
+
+    first = index("first.json", list(range(2_000)))
+    readers = Readers(
+        parts.config, parts.cache, first, endpoint="ipc:///nowhere", workers=[], cache_root=[0, 0], gone=lambda n: None
+    )
+    window = readers.planned()
+    as_listed = list(first.urls)
+    assert len(window) == parts.config.prefetch
+    for url in window:
+        at = as_listed.index(url)
+        assert readers.position(url) == at and readers.shard_info(url) == ShardInfo(at + 1, 1 << 30)
+        assert readers.known(url) and readers.fetchable(url)
+    assert placed == []  # no lookup table yet
+    other = next(u for u in as_listed if u not in window)
+    assert readers.position(other) == as_listed.index(other) and placed  # looked up: the table made
+    assert readers.position("file:///data/not-listed.tar") is None and not readers.known("file:///data/not-listed.tar")
+
+    second = index("second.json", list(reversed(range(2_000))))  # the same URLs, other positions and facts
+    readers.replace_list(second)
+    url = window[0]
+    assert readers.position(url) == 1_999 - as_listed.index(url)
+    assert readers.shard_info(url) == ShardInfo(as_listed.index(url) + 1, 1 << 30)
+    readers.planned()
+    assert all(readers.position(u) == list(second.urls).index(u) for u in readers.planned())

@@ -184,8 +184,12 @@ class Readers:
         record = self._readers.get(name) if name is not None else None
         reader = record.plan if record is not None else None
         if reader is not None and reader.list_id is not None:
-            return url in self._list(reader.list_id)
+            return self._in_list(url, reader.list_id)
         return self.position(url) is not None or any(url in listed for listed in self._lists)
+
+    def _in_list(self, url: str, key: str) -> bool:
+        """Whether ``url`` is in the list ``key`` names (the agent's own: by :meth:`position`)."""
+        return self.position(url) is not None if key == self.list_id else url in self._list(key)
 
     def position(self, url: str) -> int | None:
         """Where ``url`` is in the agent's list (None: not in it). The start-up window's URLs are
@@ -486,7 +490,7 @@ class Readers:
 
     def read_by_a_consumer(self, url: str) -> bool:
         """True if a reader that said hello reads a list holding ``url``."""
-        return any(r.list_id is not None and url in self._list(r.list_id) for r in self._plans())
+        return any(r.list_id is not None and self._in_list(url, r.list_id) for r in self._plans())
 
     # -- what they need -------------------------------------------------------------
 

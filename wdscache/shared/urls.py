@@ -288,7 +288,11 @@ class Urls(Sequence[str]):
                 return True
             table, done = self._making or (_empty_table(len(self)), 0)
             stop = len(self) if count is None else min(len(self), done + count)
-            _place(table, self[done:stop], done)
+            try:
+                _place(table, self[done:stop], done)
+            except BaseException:
+                self._making = None  # part of this step placed: the next call starts over
+                raise
             if stop < len(self):
                 self._making = (table, stop)
                 return False
@@ -419,6 +423,14 @@ class Urls(Sequence[str]):
 
 
 _MAKING_TABLE = threading.Lock()  # held while a lookup table is made or added to (rare: a long list's)
+
+
+def _new_lock() -> None:
+    global _MAKING_TABLE
+    _MAKING_TABLE = threading.Lock()  # a child forked while another thread held it would wait forever
+
+
+os.register_at_fork(after_in_child=_new_lock)
 
 
 def _positions_table(urls: Sequence[str]) -> array:
@@ -687,7 +699,7 @@ def _not_plain(text: str) -> bool:
 
 
 def _plain(joined: str, lines: list[str], base: str) -> str | None:
-    """What :func:`_plain_lines` puts before each of ``lines`` (non-empty, none holding a brace,
+    """What goes before each of ``lines`` (a list's or an index's: non-empty, none holding a brace,
     ``#`` or white space) to make it its URL: nothing for http(s) URLs, ``file://`` and a folder
     for paths; None if they are not all of one plain kind. ``lines`` are given also as ``joined``:
     each line between two ``"\n"``, so that a pattern at a line's start or end is one substring."""
@@ -701,15 +713,15 @@ def _plain(joined: str, lines: list[str], base: str) -> str | None:
     if ("/." in joined or "\n." in joined) and any(part in joined for part in _UNCLEAN):
         return None  # (a dot after a "/" or at a line's start is rare: the exact parts are looked for then)
     absolute = joined.count("\n/") == n
-    if not absolute and "\n/" in joined:
-        return None  # some of each: each its own way
+    if not absolute and ("\n/" in joined or "\n" in base):
+        return None  # some of each: each its own way (or a folder no URL can name: refused there)
     return "file://" if absolute else "file://" + (base if base != "/" else "") + "/"
 
 
 def _prefixed(joined: str, lines: list[str], prefix: str) -> Urls:
     """The URLs ``prefix`` + line of ``lines`` (distinct, given also as ``joined``, as :func:`_plain`
-    takes them), made from the text at once: no string per URL (its lookup table is made on the
-    first lookup)."""
+    takes them), made from the text at once rather than from a prefixed copy of each line (their
+    lookup table is made on the first lookup)."""
     if not lines:
         return Urls()
     if not prefix:
