@@ -97,7 +97,7 @@ from .worker_reports import WorkerReports
 log = get_logger(__name__)
 
 TICK = 0.05  # seconds the main loop waits for a message before doing its other work
-LOOKUP_STEP = 50_000  # URLs of a list's lookup table made in one turn of the loop (~20 ms)
+LOOKUP_STEP = 10_000  # URLs of a list's lookup table made in one turn of the loop (~5 ms)
 WORKER_START_TIMEOUT = 30.0
 FLUSH_EVERY = 5.0  # seconds between writes of counters and read times to the index
 METRICS_EVERY = 1.0  # seconds between the stats snapshots /metrics answers from
