@@ -465,8 +465,10 @@ def test_a_lookup_table_made_a_step_at_a_time_finds_what_one_made_at_once_finds(
     assert steps == 3 and stepped.urls.make_lookups(3_000)
     early = parse_url_list("\n".join(lines))
     assert early.urls.make_lookups(4_000) is False
+    assert early.urls.position("file:///data/shard-03999.tar") == 3_999  # placed already
+    assert early.urls.make_lookups(4_000) is False  # (found without finishing the table)
     assert _looked_up(early) == _looked_up(stepped) == [*range(10_000), -1]
-    assert early.urls.make_lookups(4_000)  # (the lookup made the rest)
+    assert early.urls.make_lookups(4_000)  # (a lookup of a URL not placed yet made the rest)
 
 
 def test_a_lookup_while_another_thread_makes_the_table_waits_for_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -341,12 +341,20 @@ class Urls(Sequence[str]):
         return 1 if url in self else 0  # distinct URLs (a list's are)
 
     def position(self, url: str) -> int:
-        """Where ``url`` is (-1: not here)."""
+        """Where ``url`` is (-1: not here). While the table is made a step at a time, a URL it
+        holds already is found there; any other finishes it."""
         table = self._table
         if table is None:
+            making = self._making
+            if making is not None and (at := self._probe(making[0], url)) >= 0:
+                return at  # (a URL found is right even in a table another thread adds to)
             self.make_lookups()
             table = self._table
             assert table is not None
+        return self._probe(table, url)
+
+    def _probe(self, table: array, url: str) -> int:
+        """Where ``url`` is among the URLs placed in ``table`` (-1: not among them)."""
         mask = len(table) - 1
         slot = hash(url) & mask
         while at := table[slot]:  # position + 1; 0: an empty slot, the end of the probe
