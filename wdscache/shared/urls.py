@@ -280,7 +280,7 @@ class Urls(Sequence[str]):
     def make_lookups(self, count: int | None = None) -> bool:
         """Make the lookup table now, as the first lookup would, or only ``count`` more URLs'
         share of it; True once it is whole. (The agent makes a long list's table a step at a
-        time between requests, so that none waits for all of it.)"""
+        time between requests: see :meth:`position` for a lookup meanwhile.)"""
         if self._table is not None:
             return True
         with _MAKING_TABLE:  # one thread at a time adds to it; another asking meanwhile waits
