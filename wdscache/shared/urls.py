@@ -78,6 +78,7 @@ _SPACE_IN_LINE = re.compile(r"[^\S\n]")
 # A path with one of these (each line between "\n"s) is not its own os.path.normpath: an empty,
 # "." or ".." part, or a "/" at its end.
 _UNCLEAN = ("/./", "/../", "/.\n", "/..\n", "\n./", "\n../", "\n.\n", "\n..\n")  # and "//", "/\n"
+_FIRST, _LAST = operator.itemgetter(0), operator.itemgetter(-1)  # a line's first and last character
 # Nesting is parsed with an explicit stack, but counting and expanding recurse.
 _MAX_DEPTH = 100
 
@@ -680,11 +681,11 @@ def _plain_lines(text: str, base: str, limit: int) -> tuple[Urls, int] | None:
     if _not_plain(text):
         return None  # braces, comments, white space in a line: the line-by-line parse
     lines = text.split("\n")
-    blank = "\n\n" in text or text.startswith("\n")
+    if lines and not lines[-1]:
+        lines.pop()  # (the end of the last line)
+    blank = "" in lines  # (a scan of the list for one object: cheaper than one of the text for "\n\n")
     if blank:
         lines = [line for line in lines if line]
-    elif lines and not lines[-1]:
-        lines.pop()
     if len(lines) > limit:
         return None
     joined = "\n" + ("\n".join(lines) if blank else text.removesuffix("\n")) + "\n"
@@ -712,16 +713,22 @@ def _plain(joined: str, lines: list[str], base: str) -> str | None:
     for paths; None if they are not all of one plain kind. ``lines`` are given also as ``joined``:
     each line between two ``"\n"``, so that a pattern at a line's start or end is one substring."""
     n = len(lines)
-    if joined.count("\nhttp://") + joined.count("\nhttps://") == n and not any(
-        f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n"
+    # Each line's first and last character, as strings: one-character scans of these are
+    # memchr's, where a two-character pattern ("\n/") scans the whole text 20 times slower.
+    firsts = "".join(map(_FIRST, lines))
+    lasts = "".join(map(_LAST, lines))
+    if (
+        firsts.count("h") == n
+        and joined.count("\nhttp://") + joined.count("\nhttps://") == n
+        and not any(f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n")
     ):
         return ""
-    if ":" in joined or "//" in joined or "/\n" in joined:
+    if ":" in joined or "//" in joined or "/" in lasts:
         return None
-    if ("/." in joined or "\n." in joined) and any(part in joined for part in _UNCLEAN):
+    if ("/." in joined or "." in firsts) and any(part in joined for part in _UNCLEAN):
         return None  # (a dot after a "/" or at a line's start is rare: the exact parts are looked for then)
-    absolute = joined.count("\n/") == n
-    if not absolute and ("\n/" in joined or "\n" in base):
+    absolute = firsts.count("/") == n
+    if not absolute and ("/" in firsts or "\n" in base):
         return None  # some of each: each its own way (or a folder no URL can name: refused there)
     return "file://" if absolute else "file://" + (base if base != "/" else "") + "/"
 
@@ -783,7 +790,8 @@ def _index_list(
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
     # Each one plain, as a list's lines can be (none empty, none with a line break)?
     joined = "\n" + "\n".join(written) + "\n"
-    plain = not _not_plain(joined) and "\n\n" not in joined and joined.count("\n") == len(written) + 1
+    # (With no line break inside a URL, an empty one is the only way to two in a row.)
+    plain = not _not_plain(joined) and joined.count("\n") == len(written) + 1 and all(written)
     prefix = _plain(joined, written, base) if plain else None
     if prefix is not None and len(set(written)) == len(written):
         return UrlList(None if path == TEXT_SOURCE else path, _prefixed(joined, written, prefix), 0, facts)
