@@ -432,6 +432,37 @@ def test_plain_lists_are_what_the_line_by_line_parse_gives(tmp_path: Path, lines
         assert fast.urls[0] == f"file://{tmp_path}/{lines[0]}"
 
 
+_PART = st.sampled_from(["a", "b", ".", "..", "", "x.tar", ".h", "http:", "é"])
+_LINE = st.one_of(
+    st.lists(_PART, min_size=1, max_size=4).map("/".join),  # relative, or absolute when it starts with ""
+    st.tuples(st.sampled_from(["http://", "https://", "HTTP://", "http:/"]), st.lists(_PART, max_size=3)).map(
+        lambda t: t[0] + "/".join(t[1])
+    ),
+    st.sampled_from(["", "./a", "../b", "a/", "/a/", "//a", "a//b", "/.", "/..", "a/.", "/a/.b"]),
+)
+
+
+@given(
+    st.lists(_LINE, max_size=6),
+    st.sampled_from(["", "\n", "\n\n"]),
+    st.sampled_from(["/tmp/x", "/", "/tmp/a b"]),
+)
+def test_any_plain_list_is_what_the_line_by_line_parse_gives(lines: list[str], end: str, base: str) -> None:
+    """Whatever its lines (blank, relative, absolute, http(s), with "." or ".." parts, a "/" at an
+    end), a list the plain check takes is the list the line-by-line parse gives, and one it does
+    not take goes line by line."""
+
+    def parsed(text: str) -> object:
+        try:
+            urls = parse_url_list(text, base_dir=base)
+        except (UrlListError, ValueError) as exc:
+            return type(exc)
+        return list(urls.urls), urls.duplicates, _looked_up(urls)
+
+    text = "\n".join(lines) + end
+    assert parsed(text) == parsed("# the line-by-line parse\n" + text)
+
+
 @pytest.mark.parametrize("repeat", [False, True])
 @pytest.mark.parametrize("prefix", ["http://h/", "/data/", "rel/"])
 def test_plain_index_entries_are_what_the_entry_by_entry_parse_gives(tmp_path: Path, prefix: str, repeat: bool) -> None:
