@@ -201,8 +201,9 @@ class Readers:
 
     def shard_info(self, url: str) -> ShardInfo | None:
         """What a shard index says of ``url``: the agent's list's, else that of a job's list."""
-        at, facts = self._window_at.get(url), self.urls.shards
-        info = facts[at] if at is not None and facts is not None else self.urls.info(url)
+        facts = self.urls.shards
+        at = self.position(url) if facts is not None else None
+        info = facts[at] if facts is not None and at is not None else None
         if info is None:
             info = next((i for listed in self._lists if (i := listed.info(url)) is not None), None)
         return info
