@@ -19,7 +19,7 @@ from wdscache.shared.errors import ConfigError, WdsCacheError
 from wdscache.shared.nodes import JobEpoch, NodeList, RankPlacement, assign, check_same_list
 from wdscache.shared.sequence import Resume, SampleId
 from wdscache.training.node_lists import check_kept
-from wdscache.training.worker_slices import WorkerSlice, delivered_pairs, slice_of
+from wdscache.training.worker_slices import delivered_pairs
 
 Job = dict[str, object]
 
@@ -296,7 +296,7 @@ def test_dataloader_workers_checkpoint_of_several_nodes_resumes_on_any_layout(
     block: int,
     drop_last: bool,
 ) -> None:
-    """Each rank's workers deliver slices of its share (worker_slices.slice_of), each its own count
+    """Each rank's workers deliver slices of its share (NodeShare.pairs with part and parts), each its own count
     (the same on every rank); their runs placed in the parts resume the rest on another layout."""
     assume(sum(1 for c in counts if c) >= first[0])
     job = JobEpoch.fresh(counts, layouts(*first)[0], seed=3, shuffle_buffer=5, block=block, drop_last=drop_last)
@@ -316,8 +316,10 @@ def test_dataloader_workers_checkpoint_of_several_nodes_resumes_on_any_layout(
             job.reshuffle,
             job.block,
         )
-        pairs = [p for p in mine.share().pairs(mine.ids(lay.node, lambda s: range(counts[s]))) if p is not None]
-        slices = [list(slice_of(iter(pairs), WorkerSlice(k, workers), block)) for k in range(workers)]
+        slices = [
+            [p for p in mine.share().pairs(mine.ids(lay.node, lambda s: range(counts[s])), part=k, parts=workers) if p]
+            for k in range(workers)
+        ]
         done = [int(f * len(p)) for f, p in zip(fractions, slices)]
         real = job.node_length(lay.node)  # positions past the node's are padding repeats
         for k, one in enumerate(slices):

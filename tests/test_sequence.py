@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wdscache import CachedMultiLoader
-from wdscache.shared.sequence import BLOCK, IdRun, RankShare, Resume, SampleId, rank_length
+from wdscache.shared.sequence import BLOCK, IdRun, RankShare, Resume, SampleId, rank_length, slice_of
 
 
 def ids(n: int) -> list[SampleId]:
@@ -243,3 +243,51 @@ def test_runs_of_ids_are_dealt_as_the_same_ids_one_by_one(
         assert (by_runs.full_rows, by_runs.tail, by_runs.settled) == (by_ids.full_rows, by_ids.tail, len(epoch))
         for n in {0, 1, len(want) // 2, len(want)}:
             assert by_runs.resume_after(n) == by_ids.resume_after(n)
+
+
+@settings(max_examples=300, deadline=timedelta(seconds=2))
+@given(
+    counts=st.lists(st.integers(0, 60), max_size=6),
+    world=st.sampled_from([1, 1, 2, 3, 5]),
+    block=st.integers(1, 9),
+    drop_last=st.booleans(),
+    position=st.integers(0, 60),
+    runs=st.lists(st.tuples(st.integers(0, 240), st.integers(1, 30)), max_size=4),
+    cuts=st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1, max_size=6),
+    parts=st.integers(1, 9),
+    skip=st.integers(0, 40),
+)
+def test_a_slice_made_by_the_share_is_the_slice_of_the_whole_share(
+    counts: list[int],
+    world: int,
+    block: int,
+    drop_last: bool,
+    position: int,
+    runs: list[tuple[int, int]],
+    cuts: list[tuple[int, bool]],
+    parts: int,
+    skip: int,
+) -> None:
+    """A DataLoader worker's slice, made by the share (only its pairs, runs by arithmetic), is
+    the slice filter over the whole share: the same pairs, the same Nones between them, the
+    same record of what was settled at each pair and of how the rows were dealt."""
+    epoch = [(s, j) for s, n in enumerate(counts) for j in range(n)]
+    resume = Resume.of(min(position, len(epoch)), [(a, a + n) for a, n in runs])
+    fed: list[SampleId | IdRun | None] = []
+    step = itertools.cycle(cuts)
+    for s, n in enumerate(counts):
+        j = 0
+        while j < n:
+            size, as_run = next(step)
+            size = min(size, n - j)
+            fed += [IdRun(s, j, j + size)] if as_run else [(s, i) for i in range(j, j + size)]
+            fed.append(None)
+            j += size
+    for rank in {0, world - 1}:
+        for part in {0, parts // 2, parts - 1}:
+            made = RankShare(world, rank, resume=resume, drop_last=drop_last, block=block)
+            whole = RankShare(world, rank, resume=resume, drop_last=drop_last, block=block)
+            got = [(p, made.settled) for p in made.pairs(fed, part=part, parts=parts, skip=skip)]
+            want = [(p, whole.settled) for p in slice_of(whole.pairs(fed), part, parts, skip, block)]
+            assert got == want
+            assert (made.full_rows, made.tail, made.settled) == (whole.full_rows, whole.tail, whole.settled)

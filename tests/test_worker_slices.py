@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from wdscache.shared.sequence import RankShare, Resume
+from wdscache.shared.sequence import RankShare, Resume, slice_of
 from wdscache.training.checkpoints import NextEpoch
 from wdscache.training.loader import CachedMultiLoader
-from wdscache.training.worker_slices import WorkerSlice, combine, job_resume, slice_of
+from wdscache.training.worker_slices import WorkerSlice, combine, job_resume
 
 
 def _shares(n: int, world: int, start: Resume) -> list[tuple[RankShare, list[tuple[int, tuple[int, int]]]]]:
@@ -26,7 +26,7 @@ def _shares(n: int, world: int, start: Resume) -> list[tuple[RankShare, list[tup
 @pytest.mark.parametrize("n,world,workers", [(78, 1, 2), (203, 2, 3), (500, 4, 2), (37, 3, 4)])
 def test_slices_are_disjoint_and_make_the_share(n: int, world: int, workers: int) -> None:
     for _share, pairs in _shares(n, world, Resume()):
-        slices = [list(slice_of(iter(pairs), WorkerSlice(k, workers))) for k in range(workers)]
+        slices = [list(slice_of(iter(pairs), k, workers)) for k in range(workers)]
         assert sorted(p for one in slices for p in one) == sorted(pairs)
 
 
@@ -36,7 +36,7 @@ def test_job_resume_is_the_union_of_what_every_worker_delivered(seed: int) -> No
     n, world, workers = rng.randrange(1, 400), rng.randrange(1, 5), rng.randrange(1, 5)
     start = Resume.of(rng.randrange(0, 30), [(40, 45), (60, 70)]) if rng.random() < 0.5 else Resume()
     shares = _shares(n, world, start)
-    slices = [[list(slice_of(iter(pairs), WorkerSlice(k, workers))) for k in range(workers)] for _, pairs in shares]
+    slices = [[list(slice_of(iter(pairs), k, workers)) for k in range(workers)] for _, pairs in shares]
     lengths = [len(p) for p in slices[0]]
     # Workers near each other (a DataLoader deals batches round robin), but any counts must work.
     counts = [rng.randrange(0, length + 1) for length in lengths]

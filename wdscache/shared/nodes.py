@@ -38,7 +38,7 @@ from typing import Any, cast
 
 from .errors import ConfigError, WdsCacheError
 from .plan import epoch_rng
-from .sequence import BLOCK, EpochSpec, IdRun, RankShare, Resume, SampleId, rank_length
+from .sequence import BLOCK, EpochSpec, IdRun, RankShare, Resume, SampleId, rank_length, slice_of
 
 Segment = tuple[int, int, int]  # (part, first, end): a range of a part's undelivered positions
 # (part, offset, start, end): a node reads its part's sequence up to ``end``, numbered from
@@ -310,9 +310,16 @@ class NodeShare:
     def settled(self) -> int:
         return self.inner.settled
 
-    def pairs(self, ids: Iterable[SampleId | IdRun | None]) -> Iterator[tuple[int, SampleId] | None]:
+    def pairs(
+        self, ids: Iterable[SampleId | IdRun | None], *, part: int = 0, parts: int = 1, skip: int = 0
+    ) -> Iterator[tuple[int, SampleId] | None]:
         """The rank's ``per_rank`` pairs: the node's share, cut or padded with repeats of its own
-        first samples to the job's count."""
+        first samples to the job's count; with ``parts`` > 1 or ``skip`` only slice ``part`` of them, its
+        first ``skip`` left out (:func:`~wdscache.shared.sequence.slice_of`)."""
+        mine = self._pairs(ids)
+        return mine if parts == 1 and not skip else slice_of(mine, part, parts, skip, self.job.block)
+
+    def _pairs(self, ids: Iterable[SampleId | IdRun | None]) -> Iterator[tuple[int, SampleId] | None]:
         want = self.job.per_rank
         mine: list[tuple[int, SampleId]] = []
         for pair in self.inner.pairs(ids):

@@ -273,6 +273,39 @@ def _pieces(resume: Resume, a: int, b: int) -> Iterator[tuple[int, int, bool]]:
         yield a, b, True
 
 
+def slice_of(
+    pairs: Iterable[tuple[int, SampleId] | None], part: int, parts: int, skip: int = 0, block: int = BLOCK
+) -> Iterator[tuple[int, SampleId] | None]:
+    """Slice ``part`` of ``parts`` of a share's pairs (Nones passed on), its first ``skip``
+    left out: the pairs whose block ``v // block`` is ``part`` modulo ``parts``, ``v``
+    counting the pairs. Blocks of neighbouring positions stay whole (one read each); the
+    slices are disjoint and together the share. A DataLoader worker reads such a slice
+    (:class:`~wdscache.training.worker_slices.WorkerSlice`)."""
+    v = 0
+    kept = 0
+    for pair in pairs:
+        if pair is None:
+            yield None
+            continue
+        mine = (v // block) % parts == part
+        v += 1
+        if mine:
+            kept += 1
+            if kept > skip:
+                yield pair
+
+
+def _blocks_of(start: int, stop: int, part: int, parts: int, block: int) -> Iterator[tuple[int, int]]:
+    """The runs of ``[start, stop)`` whose block ``v // block`` is ``part`` modulo ``parts``."""
+    period = parts * block
+    x = start - start % period + part * block  # our block in start's period
+    if x + block <= start:
+        x += period
+    while x < stop:
+        yield max(x, start), min(x + block, stop)
+        x += period
+
+
 class RankShare:
     """One rank's share of an epoch: ``(position, id)`` pairs from the epoch's ids.
 
@@ -293,9 +326,17 @@ class RankShare:
         # them dealt, and this rank's handed out. What comes later may still be ours.
         self.settled = 0
 
-    def pairs(self, ids: Iterable[SampleId | IdRun | None]) -> Iterator[tuple[int, SampleId] | None]:
+    def pairs(
+        self, ids: Iterable[SampleId | IdRun | None], *, part: int = 0, parts: int = 1, skip: int = 0
+    ) -> Iterator[tuple[int, SampleId] | None]:
         """This rank's pairs; a None from ``ids`` (no more yet) is passed on. An :class:`IdRun`
-        is dealt arithmetically: of its ids, only this rank's are made."""
+        is dealt arithmetically: of its ids, only this rank's are made.
+
+        With ``parts`` > 1 or a ``skip``, only slice ``part`` of them, its first ``skip``
+        left out: what :func:`slice_of` keeps of them, in blocks of the share's ``block``.
+        The record of the dealing (``full_rows``, ``tail``, ``settled``) is the whole
+        share's, but only the slice's pairs are made (of a row, an :class:`IdRun`): a
+        slice costs about its own pairs, not the share's."""
         W, r, B = self.world_size, self.rank, self.block
         WB, lo, hi = W * B, r * B, r * B + B  # a row's length; our block in it
         resume = self.resume
@@ -308,6 +349,26 @@ class RankShare:
         spaced: list[SampleId] = []
         spaced_at = r  # the row's next index that goes in spaced
         pos = v = 0  # position in the epoch; in the share's numbering
+        whole = parts == 1 and not skip  # every pair of the share
+        left = skip  # the slice's pairs still to leave out
+        # A full row gives the share ``B`` pairs, one block of the slices (a share is
+        # iterated once, from no rows): the row's are ours or none is, so a row not ours is
+        # not even collected.
+        ours = part == 0  # the current row's block is the slice's (always, without slices)
+
+        def sliced(batch: Iterable[tuple[int, SampleId]]) -> list[tuple[int, SampleId]]:
+            """The slice's pairs of ``batch``, the share's next pairs (``v`` counts them)."""
+            nonlocal v, left
+            kept = []
+            for pair in batch:
+                if (v // B) % parts == part:
+                    if left:
+                        left -= 1
+                    else:
+                        kept.append(pair)
+                v += 1
+            return kept
+
         for sid in ids:
             if sid is None:
                 yield None
@@ -323,17 +384,30 @@ class RankShare:
                             self.settled = b
                         continue
                     j = start + a - pos  # the sample at position a
-                    if W == 1:
+                    if W == 1 and whole:
                         for p in range(a, b):
                             yield v, (shard, j)
                             v += 1
                             j += 1
                             self.settled = p + 1
                         continue
+                    if W == 1:  # the slice's blocks of [v, v + b - a), found by arithmetic
+                        v0 = v
+                        for x, y in _blocks_of(v, v + b - a, part, parts, B):
+                            taken = min(left, y - x)
+                            left -= taken
+                            self.settled = a + x + taken - v0
+                            for u in range(x + taken, y):
+                                yield u, (shard, j + u - v0)
+                                self.settled = a + u - v0 + 1
+                        v += b - a
+                        self.settled = b
+                        continue
                     while a < b:
                         k = min(b - a, WB - row)  # this many go into the row
                         mine = range(max(row, lo), min(row + k, hi))
-                        block.extend((shard, j + i - row) for i in mine)
+                        if ours:
+                            block.extend((shard, j + i - row) for i in mine)
                         a += k
                         if row + k < WB:  # the row stays open: the ids at r, r + W, ... may be ours
                             spaced.extend((shard, j + i - row) for i in range(spaced_at, row + k, W))
@@ -343,8 +417,11 @@ class RankShare:
                         j += k
                         base = self.full_rows * WB
                         self.full_rows += 1
-                        for i, own in enumerate(block):
-                            yield base + lo + i, own
+                        for i in range(min(left, len(block)), len(block)):
+                            yield base + lo + i, block[i]
+                        if not whole:
+                            left -= min(left, len(block))
+                            ours = self.full_rows % parts == part
                         row, block, spaced, spaced_at = 0, [], [], r
                         self.settled = a
                 pos = end
@@ -357,11 +434,14 @@ class RankShare:
                     self.settled = pos
                 continue
             if W == 1:  # everything is ours, in order: no row to wait for
-                yield v, sid
-                v += 1
+                if whole:
+                    yield v, sid
+                    v += 1
+                else:
+                    yield from sliced(((v, sid),))
                 self.settled = pos
                 continue
-            if lo <= row < hi:
+            if lo <= row < hi and ours:
                 block.append(sid)
             if row == spaced_at:
                 spaced.append(sid)
@@ -370,18 +450,24 @@ class RankShare:
             if row == WB:
                 base = self.full_rows * WB
                 self.full_rows += 1
-                for i, own in enumerate(block):
-                    yield base + lo + i, own
+                for i in range(min(left, len(block)), len(block)):
+                    yield base + lo + i, block[i]
+                if not whole:
+                    left -= min(left, len(block))
+                    ours = self.full_rows % parts == part
                 row, block, spaced, spaced_at = 0, [], [], r
                 self.settled = pos
         self.tail = row
         base = self.full_rows * WB
         cut = row - row % W
-        yield from zip(range(base + r, base + cut, W), spaced)
+        last = list(zip(range(base + r, base + cut, W), spaced))
         if row > cut and not self.drop_last:
             # The row is padded by wrapping around to the start: the ids at cut, cut + 1, ...
             # then the epoch's first ones again.
-            yield base + cut + r, spaced[-1] if r < row - cut else first[(r - (row - cut)) % len(first)]
+            last.append((base + cut + r, spaced[-1] if r < row - cut else first[(r - (row - cut)) % len(first)]))
+        if not whole and W > 1:
+            v = self.full_rows * B  # the full rows' pairs, counted
+        yield from last if whole else sliced(last)
         self.settled = pos
 
     @classmethod

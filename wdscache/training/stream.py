@@ -53,7 +53,7 @@ from .reads import Item, ReadState, ReadTable
 from .replies import decode_reply, with_holes
 from .restarts import AgentRuns
 from .worker_links import WorkerLinks
-from .worker_slices import WHOLE, WorkerSlice, slice_of
+from .worker_slices import WHOLE, WorkerSlice
 
 log = get_logger(__name__)
 
@@ -232,8 +232,10 @@ class EpochStream:
         """(position, id) of this rank's samples not delivered before, padded or cut at the end
         (see :class:`~wdscache.shared.sequence.RankShare`); None while a downloading shard has no
         more samples yet. Positions delivered before cost counts only, never payloads."""
-        pairs = self.share.pairs(epoch_ids(self.spec, self.share, self.pins, self.shards))
-        yield from slice_of(pairs, self.worker_slice) if self.worker_slice != WHOLE else pairs
+        w = self.worker_slice
+        yield from self.share.pairs(
+            epoch_ids(self.spec, self.share, self.pins, self.shards), part=w.index, parts=w.count, skip=w.skip
+        )
         self.pins.release_settled(self.share.settled)
 
     def counts(self) -> dict[int, int]:

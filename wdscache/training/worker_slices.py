@@ -3,9 +3,11 @@ of that rank (torch's ``DataLoader(num_workers=K)``), and the job's position fro
 them delivered.
 
 Worker ``k`` of ``K`` takes the rank's pairs (:class:`~wdscache.shared.sequence.RankShare`)
-whose block ``v // BLOCK`` is ``k`` modulo ``K``: blocks of neighbouring positions stay
-whole (one read each), the workers' slices are disjoint and together the rank's share,
-so the rank's count does not depend on ``K`` and every rank's is the same.
+whose block ``v // BLOCK`` is ``k`` modulo ``K`` (:func:`~wdscache.shared.sequence.slice_of`):
+blocks of neighbouring positions stay whole (one read each), the workers' slices are
+disjoint and together the rank's share, so the rank's count does not depend on ``K`` and
+every rank's is the same. The share makes only its slice's pairs where it can
+(:meth:`~wdscache.shared.sequence.RankShare.pairs`), so a worker's cost does not grow with ``K``.
 
 A worker knows only its own count; the position of the job is the union of what each
 worker delivered, which :func:`job_resume` computes from all the workers' states (every
@@ -16,12 +18,11 @@ the next epoch starts, when the counts are known and the runs are placed in the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..shared.nodes import read_parts_state
-from ..shared.sequence import BLOCK, RankShare, Resume, SampleId
+from ..shared.sequence import BLOCK, RankShare, Resume
 
 
 @dataclass(frozen=True)
@@ -35,24 +36,6 @@ class WorkerSlice:
 
 
 WHOLE = WorkerSlice()  # the whole share: one process reads it all
-
-
-def slice_of(
-    pairs: Iterable[tuple[int, SampleId] | None], worker: WorkerSlice, block: int = BLOCK
-) -> Iterator[tuple[int, SampleId] | None]:
-    """The pairs of ``worker``'s slice (Nones passed on), its first ``worker.skip`` left out."""
-    v = 0  # the rank's pair index
-    kept = 0
-    for pair in pairs:
-        if pair is None:
-            yield None
-            continue
-        mine = (v // block) % worker.count == worker.index
-        v += 1
-        if mine:
-            kept += 1
-            if kept > worker.skip:
-                yield pair
 
 
 def delivered_pairs(counts: list[int], block: int = BLOCK) -> list[tuple[int, int]]:
