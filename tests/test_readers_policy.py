@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.policy import URLS, Loop
-from wdscache.agent.readers import Readers
+from wdscache.agent.readers import ENDED_KEPT, Readers
 from wdscache.shared.urls import list_id
 
 
@@ -77,6 +77,20 @@ def test_reports_are_kept_for_stats_and_bye_leaves_them_in_ended_jobs(loop: Loop
     assert "c0" not in loop.readers and loop.gone == ["c0"]
     view = loop.readers.view("latency")
     assert view["consumers"] == 0 and view["ended_jobs"]
+
+
+def test_ended_consumers_leave_stats_after_a_while_oldest_first(loop: Loop) -> None:
+    """A consumer that leaves again (it said hello anew) counts from its latest end."""
+    for name, job in (("c0", "a"), ("c1", "b"), ("c0", "a")):
+        hello(loop.readers, name, loop, job=job)
+        loop.readers.op_bye(loop.request("bye", reader=name, samples=1))
+    assert set(loop.readers.view("latency")["ended_jobs"]) == {"a", "b"}
+    loop.readers._ended["c1"]["_ended"] -= ENDED_KEPT  # c1 left long ago; c0 just now
+    loop.readers.expire()
+    assert set(loop.readers.view("latency")["ended_jobs"]) == {"a"}
+    loop.readers._ended["c0"]["_ended"] -= ENDED_KEPT
+    loop.readers.expire()
+    assert not loop.readers.view("latency")["ended_jobs"]
 
 
 def test_a_probe_neither_joins_nor_counts_as_a_consumer(loop: Loop) -> None:

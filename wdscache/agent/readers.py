@@ -164,7 +164,8 @@ class Readers:
         self._startup = self._startup_plan(urls)
         self._startup_stopped = False  # by wdscache clear, until the list changes: no refill nobody asked for
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
-        self._ended: dict[str, dict[str, Any]] = {}  # reader name -> its last report, once it left (for stats)
+        # Reader name -> its last report, once it left (for stats), in the order they left.
+        self._ended: dict[str, dict[str, Any]] = {}
         self._need = BudgetNeed(cache, config.prefetch)  # what they need of the budget, and its warning
 
     # -- who reads ------------------------------------------------------------
@@ -415,7 +416,7 @@ class Readers:
             why=why.strip(" :"),
             samples=samples,
         )
-        # Kept for stats a while (ended_jobs), with its totals.
+        # Kept for stats a while (ended_jobs), with its totals: last of all, as hello took it out.
         self._ended[name] = {
             **consumer,
             "waiting": 0.0,
@@ -435,7 +436,9 @@ class Readers:
             silent = now - record.plan.last_seen
             if silent > self._config.reader_timeout:
                 self.drop(name, why=f" silent for {silent:.0f}s (--reader-timeout)", timed_out=True)
-        self._ended = {n: c for n, c in self._ended.items() if now - c["_ended"] < ENDED_KEPT}
+        # Oldest first (see drop): a look at the first per turn, not a pass over all of them.
+        while self._ended and now - next(iter(self._ended.values()))["_ended"] >= ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
         self._lists.free({r.list_id for r in self._plans()})
 
     def close(self) -> None:
