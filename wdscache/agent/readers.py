@@ -416,7 +416,8 @@ class Readers:
             why=why.strip(" :"),
             samples=samples,
         )
-        # Kept for stats a while (ended_jobs), with its totals: last of all, as hello took it out.
+        # Kept for stats a while (ended_jobs), with its totals; last, so they stay in the order they left.
+        self._ended.pop(name, None)
         self._ended[name] = {
             **consumer,
             "waiting": 0.0,

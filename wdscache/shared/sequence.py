@@ -336,7 +336,8 @@ class RankShare:
         left out: what :func:`slice_of` keeps of them, in blocks of the share's ``block``.
         The record of the dealing (``full_rows``, ``tail``, ``settled``) is the whole
         share's, but only the slice's pairs are made (of a row, an :class:`IdRun`): a
-        slice costs about its own pairs, not the share's."""
+        slice costs about its own pairs, not the share's (the ids of a shuffled epoch
+        still pass one by one)."""
         W, r, B = self.world_size, self.rank, self.block
         WB, lo, hi = W * B, r * B, r * B + B  # a row's length; our block in it
         resume = self.resume
@@ -354,7 +355,7 @@ class RankShare:
         # A full row gives the share ``B`` pairs, one block of the slices (a share is
         # iterated once, from no rows): the row's are ours or none is, so a row not ours is
         # not even collected.
-        ours = part == 0  # the current row's block is the slice's (always, without slices)
+        ours = self.full_rows % parts == part  # the current row's block is the slice's (always, without slices)
 
         def sliced(batch: Iterable[tuple[int, SampleId]]) -> list[tuple[int, SampleId]]:
             """The slice's pairs of ``batch``, the share's next pairs (``v`` counts them)."""
@@ -434,11 +435,11 @@ class RankShare:
                     self.settled = pos
                 continue
             if W == 1:  # everything is ours, in order: no row to wait for
-                if whole:
+                if whole or (v // B) % parts == part and not left:
                     yield v, sid
-                    v += 1
-                else:
-                    yield from sliced(((v, sid),))
+                elif (v // B) % parts == part:
+                    left -= 1
+                v += 1
                 self.settled = pos
                 continue
             if lo <= row < hi and ours:
