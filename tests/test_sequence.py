@@ -194,6 +194,28 @@ def dealt_plainly(
     return out
 
 
+def fed_in_pieces(
+    counts: list[int], cuts: list[tuple[int, bool]]
+) -> tuple[list[SampleId | IdRun | None], list[SampleId | None]]:
+    """The ids of shards of ``counts`` samples as a shard feed supplies them: pieces of the
+    lengths ``cuts`` cycles through, each a run of one shard's neighbouring samples or single
+    ids (as the cut says), then "no more yet"; and the same ids one by one."""
+    fed: list[SampleId | IdRun | None] = []
+    one_by_one: list[SampleId | None] = []
+    step = itertools.cycle(cuts)
+    for s, n in enumerate(counts):
+        j = 0
+        while j < n:
+            size, as_run = next(step)
+            size = min(size, n - j)
+            fed += [IdRun(s, j, j + size)] if as_run else [(s, i) for i in range(j, j + size)]
+            one_by_one += [(s, i) for i in range(j, j + size)]
+            fed.append(None)
+            one_by_one.append(None)
+            j += size
+    return fed, one_by_one
+
+
 @settings(max_examples=300, deadline=timedelta(seconds=2))
 @given(
     counts=st.lists(st.integers(0, 40), max_size=6),
@@ -217,21 +239,7 @@ def test_runs_of_ids_are_dealt_as_the_same_ids_one_by_one(
 ) -> None:
     epoch = [(s, j) for s, n in enumerate(counts) for j in range(n)]
     resume = Resume.of(min(position, len(epoch)), [(a, a + n) for a, n in runs])
-    # The same ids as runs of one shard's neighbouring samples of varied lengths, single
-    # ids and "no more yet", as a shard feed supplies them.
-    fed: list[SampleId | IdRun | None] = []
-    one_by_one: list[SampleId | None] = []
-    step = itertools.cycle(cuts[seed % len(cuts) :] + cuts[: seed % len(cuts)])
-    for s, n in enumerate(counts):
-        j = 0
-        while j < n:
-            size, as_run = next(step)
-            size = min(size, n - j)
-            fed += [IdRun(s, j, j + size)] if as_run else [(s, i) for i in range(j, j + size)]
-            one_by_one += [(s, i) for i in range(j, j + size)]
-            fed.append(None)
-            one_by_one.append(None)
-            j += size
+    fed, one_by_one = fed_in_pieces(counts, cuts[seed % len(cuts) :] + cuts[: seed % len(cuts)])
     for rank in {0, world // 2, world - 1}:
         want = dealt_plainly(epoch, world, rank, resume, drop_last, block)
         by_runs = RankShare(world, rank, resume=resume, drop_last=drop_last, block=block)
@@ -273,16 +281,7 @@ def test_a_slice_made_by_the_share_is_the_slice_of_the_whole_share(
     same record of what was settled at each pair and of how the rows were dealt."""
     epoch = [(s, j) for s, n in enumerate(counts) for j in range(n)]
     resume = Resume.of(min(position, len(epoch)), [(a, a + n) for a, n in runs])
-    fed: list[SampleId | IdRun | None] = []
-    step = itertools.cycle(cuts)
-    for s, n in enumerate(counts):
-        j = 0
-        while j < n:
-            size, as_run = next(step)
-            size = min(size, n - j)
-            fed += [IdRun(s, j, j + size)] if as_run else [(s, i) for i in range(j, j + size)]
-            fed.append(None)
-            j += size
+    fed, _ = fed_in_pieces(counts, cuts)
     for rank in {0, world - 1}:
         for part in {0, parts // 2, parts - 1}:
             made = RankShare(world, rank, resume=resume, drop_last=drop_last, block=block)
