@@ -7,7 +7,8 @@ whose block ``v // BLOCK`` is ``k`` modulo ``K`` (:func:`~wdscache.shared.sequen
 blocks of neighbouring positions stay whole (one read each), the workers' slices are
 disjoint and together the rank's share, so the rank's count does not depend on ``K`` and
 every rank's is the same. The share makes only its slice's pairs where it can
-(:meth:`~wdscache.shared.sequence.RankShare.pairs`), so a worker's cost does not grow with ``K``.
+(:meth:`~wdscache.shared.sequence.RankShare.pairs`), so in an unshuffled epoch on one node
+a worker's cost does not grow with ``K``.
 
 A worker knows only its own count; the position of the job is the union of what each
 worker delivered, which :func:`job_resume` computes from all the workers' states (every
