@@ -28,7 +28,7 @@ def test_an_open_of_a_cached_shard_replies_its_path_and_pins_it_until_released(l
     assert reply is not None and reply["ok"] and reply["size"] == 2048
     assert Path(reply["path"]) == loop.cache.path(url)
     assert loop.cache.pins == {url: 1} and loop.opens.held("r") == 1
-    assert loop.opens.op_release(loop.request("release", reader="r", url=url)) == {"ok": True}
+    assert loop.opens.op_release(loop.request("release", reader="r", urls=[url])) == {"ok": True}
     assert loop.cache.pins == {} and loop.opens.held("r") == 0
     assert loop.opens.take_answers() == []
 

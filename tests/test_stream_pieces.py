@@ -21,6 +21,7 @@ from wdscache.shared.protocol import pack_numbers
 from wdscache.shared.sequence import EpochSpec, ShardFeed, global_sequence
 from wdscache.training.direct import StaleFile
 from wdscache.training.epoch_shards import EpochShards
+from wdscache.training import pins as pins_module
 from wdscache.training.pins import Pins
 from wdscache.training.progress import ProgressClock
 from wdscache.training.read_failures import ReadFailures
@@ -51,7 +52,13 @@ class ScriptedAgent:
         return self.request(header)
 
     def ops(self) -> list[tuple[str, str | None]]:
-        return [(h["op"], h.get("url")) for h in self.sent]
+        """(op, URL) of each request, in order; the pins let go that a request carried come
+        before it, as the agent takes them: ("release", URL) each."""
+        out: list[tuple[str, str | None]] = []
+        for h in self.sent:
+            out += [("release", url) for url in h.get("release", ())]
+            out += [("release", url) for url in h["urls"]] if h["op"] == "release" else [(h["op"], h.get("url"))]
+        return out
 
 
 # -- reads ----------------------------------------------------------------------------
@@ -308,7 +315,26 @@ def test_a_pin_is_let_go_once_no_read_holds_it_and_the_sequence_needs_it_no_more
     assert 0 in pins.opened  # the read still holds it
     pins.opened[0] -= 1
     pins.release(0)
-    assert 0 not in pins.opened and agent.ops()[-1] == ("release", URLS[0])
+    assert 0 not in pins.opened and pins.letting_go == [URLS[0]]
+    pins.open(1, [], before_wait=noop, on_status=noop)  # the agent hears of it with our next open, first
+    assert agent.ops()[-2:] == [("release", URLS[0]), ("open", URLS[1])] and not pins.letting_go
+
+
+def test_a_pin_let_go_is_sent_alone_once_it_waited_for_an_open_long_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    agent = ScriptedAgent(open={"ok": True})
+    pins = Pins(agent, "me", URLS, timeout=10, files=None)
+    noop = lambda *a: None  # noqa: E731
+    for shard in (0, 1):
+        pins.open(shard, [], before_wait=noop, on_status=noop)
+    for shard in (0, 1):
+        pins.release(shard, force=True)
+    pins.flush()
+    assert pins.letting_go == [URLS[0], URLS[1]] and agent.ops()[-1] == ("open", URLS[1])  # not yet due
+    monkeypatch.setattr(pins_module, "RELEASE_AFTER", 0.0)
+    pins.flush()
+    assert agent.sent[-1] == {"op": "release", "reader": "me", "urls": [URLS[0], URLS[1]]} and not pins.letting_go
+    pins.flush()  # nothing left to tell
+    assert len(agent.sent) == 3
 
 
 def test_a_shard_is_let_go_once_the_share_dealt_its_last_id() -> None:
@@ -383,11 +409,12 @@ def test_an_open_again_gives_back_the_pin_held_and_a_failed_shard_is_dropped() -
     pins.opened[3] = 2
     pins.open(3, [], again=True, before_wait=lambda: None, on_status=lambda s: None)
     assert agent.ops() == [("open", URLS[3]), ("release", URLS[3]), ("open", URLS[3])]
+    assert "release" in agent.sent[-1]  # the pin given back rode on the open: one message
     assert pins.opened == {3: 2}  # the reads out still count
     pins.drop(3, timeout=1.0)
     assert pins.opened == {} and agent.ops()[-1] == ("release", URLS[3])
     pins.drop(3, timeout=1.0)  # not pinned: nothing to give back
-    assert len(agent.sent) == 4
+    assert len(agent.sent) == 3
 
 
 # -- the shards of an epoch -----------------------------------------------------------------

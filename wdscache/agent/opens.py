@@ -36,6 +36,7 @@ from ..shared.index import ShardRecord, ShardState
 from ..shared.layout import file_identity
 from ..shared.logs import event, get_logger
 from ..shared.protocol import field as get_field
+from ..shared.protocol import strings
 from .cache import ShardCache
 from .control import Answer, Reply, Request
 from .downloads import Downloads
@@ -76,16 +77,21 @@ class Opens:
     def op_open(self, request: Request) -> Reply | None:
         """The reply, or None: the request waits for its shard (its answer comes through :meth:`take_answers`)."""
         header = request.header
+        url, name = get_field(header, "url", str), header["reader"]
         ahead = get_field(header, "ahead", list, None)
         wait = get_field(header, "wait", bool, True)
         while_downloading = get_field(header, "while_downloading", bool, False)
-        return self.open(request, header["reader"], get_field(header, "url", str), ahead, wait, while_downloading)
+        # Pins the reader let go of since its last request ride on its next open: they go first.
+        for gone in strings(header, "release") if "release" in header else ():
+            self.release(name, gone)
+        return self.open(request, name, url, ahead, wait, while_downloading)
 
     def op_status(self, request: Request) -> Reply:
         return {"ok": True, **self.status(get_field(request.header, "url", str))}
 
     def op_release(self, request: Request) -> Reply:
-        self.release(request.header["reader"], get_field(request.header, "url", str))
+        for url in strings(request.header, "urls"):
+            self.release(request.header["reader"], url)
         return {"ok": True}
 
     def op_corrupt_copy(self, request: Request) -> None:

@@ -106,6 +106,7 @@ class OpenMessage(_OpenRequired, total=False):
     ahead: list[str]
     wait: bool
     while_downloading: bool
+    release: list[str]
 
 
 class OpenReply(TypedDict, total=False):
@@ -139,7 +140,7 @@ class StatusReply(TypedDict, total=False):
 class ReleaseMessage(TypedDict):
     op: Literal["release"]
     reader: str
-    url: str
+    urls: list[str]
 
 
 class ReleaseReply(TypedDict, total=False):
@@ -512,7 +513,13 @@ class Requests:
         return {"op": "get_urls", "reader": self.reader, "offset": offset}
 
     def open(
-        self, url: str, *, ahead: list[str] | None = None, wait: bool = True, while_downloading: bool = False
+        self,
+        url: str,
+        *,
+        ahead: list[str] | None = None,
+        wait: bool = True,
+        while_downloading: bool = False,
+        release: list[str] | None = None,
     ) -> OpenMessage:
         m: OpenMessage = {"op": "open", "reader": self.reader, "url": url}
         if ahead is not None:
@@ -521,13 +528,15 @@ class Requests:
             m["wait"] = False
         if while_downloading:
             m["while_downloading"] = True
+        if release:
+            m["release"] = release
         return m
 
     def status(self, url: str) -> StatusMessage:
         return {"op": "status", "reader": self.reader, "url": url}
 
-    def release(self, url: str) -> ReleaseMessage:
-        return {"op": "release", "reader": self.reader, "url": url}
+    def release(self, *urls: str) -> ReleaseMessage:
+        return {"op": "release", "reader": self.reader, "urls": list(urls)}
 
     def report(
         self, job: str, rank: int, *, epoch: int, position: int, samples: int, bytes: int, rate: float, wait_s: float

@@ -324,7 +324,14 @@ MESSAGES: tuple[Message, ...] = (
         "open",
         "consumer",
         "agent",
-        {"reader": "str", "url": "str", "ahead": "list[str]?", "wait": "bool?", "while_downloading": "bool?"},
+        {
+            "reader": "str",
+            "url": "str",
+            "ahead": "list[str]?",
+            "wait": "bool?",
+            "while_downloading": "bool?",
+            "release": "list[str]?",
+        },
         {
             **_ERROR,
             "cached": "bool?",
@@ -335,7 +342,8 @@ MESSAGES: tuple[Message, ...] = (
             "corrupt": "bool?",
         },
         about="pin a shard (waiting for its download, or, while_downloading, as soon as it can be read while "
-        "it downloads); moves the reader's window; corrupt: it failed because its copies were corrupt",
+        "it downloads); moves the reader's window; release: shards the reader lets go of first; "
+        "corrupt: it failed because its copies were corrupt",
     ),
     Message(
         "status",
@@ -354,7 +362,7 @@ MESSAGES: tuple[Message, ...] = (
         about="where a shard stands: cached, downloading, queued (and why), failed, unknown; "
         "failing: the last attempt's failure while its download retries",
     ),
-    Message("release", "consumer", "agent", {"reader": "str", "url": "str"}, _ERROR, about="unpin a shard"),
+    Message("release", "consumer", "agent", {"reader": "str", "urls": "list[str]"}, _ERROR, about="unpin shards"),
     Message(
         "report",
         "consumer",

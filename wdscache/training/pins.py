@@ -8,10 +8,16 @@ sequence has still to give out, is 0, and the share has dealt the last of them: 
 ids comes out of the sequence at once, and is batched a read at a time), or when we must
 wait for another shard.
 
+The agent hears of a pin let go with our next open (``letting_go`` rides on it, and the
+agent lets go first), or in a release of its own once the oldest has waited
+:data:`RELEASE_AFTER` (:meth:`Pins.flush`, called at each step of the stream), or with our
+bye, which lets go of everything. So a consumer of many shards sends about one message per
+shard, not two; a pin outlives its use by at most :data:`RELEASE_AFTER` while we read.
+
 Why pins never deadlock the budget: a consumer that has to wait for a download (or for its
-budget) first lets go of every pin it is not reading (:meth:`Pins.open`), so consumers
-cannot fill the budget with pins while each waits for room for its next shard. A request
-only ever names shards already pinned, so it never needs more at once.
+budget) first lets go of every pin it is not reading (:meth:`Pins.open`), in the very open
+that waits, so consumers cannot fill the budget with pins while each waits for room for its
+next shard. A request only ever names shards already pinned, so it never needs more at once.
 
 A cache file is open only while its shard is pinned (:mod:`wdscache.training.direct`): each release
 closes it first, so its disk space comes back once the agent evicts it.
@@ -19,6 +25,7 @@ closes it first, so its disk space comes back once the agent evicts it.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,6 +35,9 @@ from ..shared.messages import Requests
 from .direct import CacheFiles
 
 STATUS_EVERY = 1.0  # seconds between asking the agent how a download we wait for is going
+# Seconds a pin let go may wait to ride on our next open before it is sent alone: short next
+# to a download, long next to reading a small shard's share (many ranks or workers).
+RELEASE_AFTER = 0.5
 
 
 class Pins:
@@ -52,6 +62,8 @@ class Pins:
         # yet (a run of ids is given out at once, and dealt an item at a time)
         self.undealt: dict[int, int] = {}
         self.waits = 0  # opens that had to wait, letting go of our other pins
+        self.letting_go: list[str] = []  # pins let go that the agent has not heard of yet, oldest first
+        self._letting_go_since = 0.0  # when the oldest of them was let go
 
     def open(
         self,
@@ -75,8 +87,11 @@ class Pins:
         url = self.urls[shard]
         if again and shard in self.opened:
             self.close_file(shard)  # its file may be replaced before we read it again
-            self.conn.request(self.requests.release(url))
-        reply = self.conn.request(self.requests.open(url, ahead=ahead, wait=False, while_downloading=while_downloading))
+            self._let_go(url)  # the agent lets go first, then pins it afresh
+        request = self.requests.open(
+            url, ahead=ahead, wait=False, while_downloading=while_downloading, release=self._take_letting_go()
+        )
+        reply = self.conn.request(request)
         if not reply.get("ok") and reply.get("cached") is False:
             # We wait, for the download or for its budget: hold no other pins meanwhile (see
             # the module docstring). Once a download holds its budget, pins cannot hold it up.
@@ -86,7 +101,9 @@ class Pins:
                 if held != shard:
                     self.release(held, force=True)
             self.waits += 1
-            request = self.requests.open(url, ahead=ahead, while_downloading=while_downloading)
+            request = self.requests.open(
+                url, ahead=ahead, while_downloading=while_downloading, release=self._take_letting_go()
+            )
             reply = self.conn.request_patiently(
                 request,
                 liveness=self.timeout,
@@ -104,13 +121,29 @@ class Pins:
         if self.opened.get(shard) == 0 and (force or (self.remaining.get(shard, 1) == 0 and shard not in self.undealt)):
             del self.opened[shard]
             self.close_file(shard)  # before the agent may evict it: its space comes back
-            self.conn.request(self.requests.release(self.urls[shard]))
+            self._let_go(self.urls[shard])
 
     def drop(self, shard: int, timeout: float) -> None:
         """Unpin a shard that failed, whatever reads of it are still out (they keep their holes)."""
         self.close_file(shard)
         if self.opened.pop(shard, None) is not None:
-            self.conn.request(self.requests.release(self.urls[shard]), timeout=timeout)
+            self.conn.request(self.requests.release(self.urls[shard], *self._take_letting_go()), timeout=timeout)
+
+    def flush(self) -> None:
+        """Tell the agent of the pins let go, once the oldest has waited :data:`RELEASE_AFTER`
+        for an open to ride on."""
+        if self.letting_go and time.monotonic() - self._letting_go_since >= RELEASE_AFTER:
+            self.conn.request(self.requests.release(*self._take_letting_go()))
+
+    def _let_go(self, url: str) -> None:
+        if not self.letting_go:
+            self._letting_go_since = time.monotonic()
+        self.letting_go.append(url)
+
+    def _take_letting_go(self) -> list[str]:
+        """The pins let go, now told to the agent with the request that takes them."""
+        urls, self.letting_go = self.letting_go, []
+        return urls
 
     def counted(self, shard: int, count: int) -> None:
         """``shard``'s count is final: once the sequence has given out that many of its ids,

@@ -328,6 +328,7 @@ class EpochStream:
         reads = self.reads
         by_seq = reads.by_seq
         batches = self.batches
+        pins = self.pins
         seq_yield = 0
         exhausted = False
         last: dict[str, Any] | None = None  # the latest sample read, to repeat in a hole
@@ -337,6 +338,8 @@ class EpochStream:
             t0 = time.perf_counter()
             stalled = False
             try:
+                if pins.letting_go:
+                    pins.flush()
                 if self.runs.repinning:
                     self.runs.repin()
                 if reads.reopening or reads.delayed:
