@@ -338,7 +338,7 @@ def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset
 def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_completes(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):
-    ds = dataset(12, samples=50, payload=500)  # 600 samples: far more than a consumer holds in flight
+    ds = dataset(12, samples=50, payload=500)  # 600 samples: far more than the victim holds in flight
     ref = reference(ds.paths, ds.urls)
     cache = tmp_path / "cache"
     args = ("--prefetch", "12", "--cache-size", "10M")
@@ -348,7 +348,8 @@ def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_complete
     state = state_of(before)
     assert state["position"] == 25 and state["epoch"] == 0, state
 
-    victim = consumers(cache, "victim", "--job", "victim", "--sleep", "0.01", "--timeout", "3")
+    # Reads of 16 samples: at most 64 of them in flight (inflight 4).
+    victim = consumers(cache, "victim", "--job", "victim", "--sleep", "0.01", "--timeout", "3", "--request-size", "16")
     agent.wait_stats(
         lambda s: s["jobs"].get("victim", {}).get("0", {}).get("samples", 0) >= 20,
         30,

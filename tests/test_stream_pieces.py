@@ -19,9 +19,9 @@ from wdscache.shared import protocol
 from wdscache.shared.errors import AgentUnavailableError, FetchError, ProtocolError, ShardError
 from wdscache.shared.protocol import pack_numbers
 from wdscache.shared.sequence import EpochSpec, ShardFeed, global_sequence
+from wdscache.training import pins as pins_module
 from wdscache.training.direct import StaleFile
 from wdscache.training.epoch_shards import EpochShards
-from wdscache.training import pins as pins_module
 from wdscache.training.pins import Pins
 from wdscache.training.progress import ProgressClock
 from wdscache.training.read_failures import ReadFailures

@@ -44,7 +44,8 @@ def test_a_killed_agent_ends_a_consumer_within_its_timeout(shard_server, dataset
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "4")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, "the 4 shards were not cached")
-    c = consumers(cache, "slow", "--timeout", "4", "--sleep", "0.05")
+    # Reads of 4 samples: the consumer needs its agent again soon, rather than holding all 200 in flight.
+    c = consumers(cache, "slow", "--timeout", "4", "--sleep", "0.05", "--request-size", "4")
     wait_for(lambda: c.out.exists() and len(c.out.read_text().splitlines()) >= 5, 20, "the consumer got no samples")
     agent.stop(signal.SIGKILL)
     t0 = time.monotonic()

@@ -9,10 +9,11 @@ ids comes out of the sequence at once, and is batched a read at a time), or when
 wait for another shard.
 
 The agent hears of a pin let go with our next open (``letting_go`` rides on it, and the
-agent lets go first), or in a release of its own once the oldest has waited
-:data:`RELEASE_AFTER` (:meth:`Pins.flush`, called at each step of the stream), or with our
-bye, which lets go of everything. So a consumer of many shards sends about one message per
-shard, not two; a pin outlives its use by at most :data:`RELEASE_AFTER` while we read.
+agent lets go first), or in a release of its own at the first step of the stream (between
+one read's samples and the next's) once the oldest has waited :data:`RELEASE_AFTER`
+(:meth:`Pins.flush`), or with our bye, which lets go of everything. So a consumer of many
+shards sends about one message per shard, not two, and while we read, a pin is given back
+at most :data:`RELEASE_AFTER` and one read's samples after we let go of it.
 
 Why pins never deadlock the budget: a consumer that has to wait for a download (or for its
 budget) first lets go of every pin it is not reading (:meth:`Pins.open`), in the very open
