@@ -24,6 +24,7 @@ from wdscache.training.direct import StaleFile
 from wdscache.training.epoch_shards import EpochShards
 from wdscache.training.pins import Pins
 from wdscache.training.progress import ProgressClock
+from wdscache.training.read_batches import FIRST_REQUEST, REQUEST_BYTES, ReadBatcher
 from wdscache.training.read_failures import ReadFailures
 from wdscache.training.reads import ReadState, ReadTable
 from wdscache.training.replies import decode_reply, with_holes
@@ -121,6 +122,22 @@ def test_sent_items_leave_out_the_holes() -> None:
     assert read.sent_items() == [(0, (0, 0)), (2, (0, 1))]
     samples, sizes = with_holes(["x", "y"], [5, 6], read.sent, len(read.items))
     assert samples == ["x", None, "y"] and sizes == [5, 0, 6]
+
+
+def test_reads_start_small_and_double_with_each_reply_up_to_request_size_and_about_four_mib() -> None:
+    # Small first reads: a list of small shards whose counts are not known yet is opened and
+    # counted as far as the first window of reads reaches, before the first sample comes.
+    batcher = ReadBatcher(SimpleNamespace(settings=SimpleNamespace(request_size=512)))  # type: ignore[arg-type]
+    limits = [batcher.request_limit]
+    for _ in range(6):
+        batcher.sized([1000] * 8)  # replies of 1 KB samples
+        limits.append(batcher.request_limit)
+    assert limits == [FIRST_REQUEST, 64, 128, 256, 512, 512, 512]
+    batcher.sized([1_000_000])  # 1 MB samples: about 4 MiB a read at once
+    assert batcher.request_limit == REQUEST_BYTES // 1_000_000
+    small = ReadBatcher(SimpleNamespace(settings=SimpleNamespace(request_size=4)))  # type: ignore[arg-type]
+    small.sized([1000])
+    assert small.request_limit == 4
 
 
 # -- reply decoding --------------------------------------------------------------------

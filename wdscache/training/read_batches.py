@@ -13,7 +13,10 @@ as one read when it holds ``request_limit`` items, when the share has no more it
   their samples out in, whatever order the replies arrive in;
 - the size of a read (about :data:`REQUEST_BYTES` of payload, once replies show the sample
   size) changes how many items go to one read, never which samples the share holds or their
-  order;
+  order. Reads start at :data:`FIRST_REQUEST` samples and double with each reply up to
+  ``request_size``: the first sample waits for the stream's first window of reads to be made,
+  which for a list of small shards whose counts are not known yet means opening and counting
+  every shard the window reaches;
 - the items of a shard skipped with ``on_error="skip"`` are not asked for: they stay holes
   in their read, which the stream fills;
 - a read that holds items of a shard the sequence is still counting (downloading, or walked
@@ -52,6 +55,7 @@ class ReadBatcher:
         self.batch: list[Item] = []  # items of the next read, their shards pinned
         self.seq_next = 0  # the next read's number
         self.request_limit = min(stream.settings.request_size, FIRST_REQUEST)  # samples per read, see sized
+        self.ramp = self.request_limit  # samples a read may ask for so far: doubles with each reply
         self.per_sample = 0.0  # payload bytes per sample of the latest replies, see sized
 
     def fill(self, owned: Iterator[Item | None]) -> object:
@@ -134,7 +138,9 @@ class ReadBatcher:
 
     def sized(self, sizes: list[int]) -> None:
         """Size the next reads by the payload per sample of the latest replies (about
-        REQUEST_BYTES each): larger samples count at once, smaller ones as the estimate decays."""
+        REQUEST_BYTES each, and at most twice the samples of the reads so far): larger samples
+        count at once, smaller ones as the estimate decays."""
         if sizes:
             self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
-            self.request_limit = max(1, min(self.stream.settings.request_size, int(REQUEST_BYTES // self.per_sample)))
+            self.ramp = min(2 * self.ramp, self.stream.settings.request_size)
+            self.request_limit = max(1, min(self.ramp, int(REQUEST_BYTES // self.per_sample)))
