@@ -348,7 +348,7 @@ def test_agent_sigkilled_under_a_consumer_fails_it_clearly_and_a_resume_complete
     state = state_of(before)
     assert state["position"] == 25 and state["epoch"] == 0, state
 
-    # Reads of 16 samples: at most 64 of them in flight (inflight 4).
+    # Reads of 16 samples: a few of them in flight, far fewer than the 600 samples.
     victim = consumers(cache, "victim", "--job", "victim", "--sleep", "0.01", "--timeout", "3", "--request-size", "16")
     agent.wait_stats(
         lambda s: s["jobs"].get("victim", {}).get("0", {}).get("samples", 0) >= 20,

@@ -6,6 +6,7 @@ started through the CLI; samples are compared with webdataset's own reader.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -217,3 +218,25 @@ def test_elastic_restart_with_another_world_size_is_accepted_once_old_ranks_are_
     time.sleep(6)  # past the liveness window (5 s), far before the reader timeout
     new = consumers(cache, "new", "--job", "elastic", "--world-size", "1")
     assert len(samples_of(new.wait())) == 30
+
+
+def test_a_consumer_held_at_a_sample_holds_no_pin_it_let_go_of(tmp_path, dataset, start_agent):
+    # Three small shards, one read: once it is answered every shard is let go, and the pins must
+    # be given back before the sample is handed out, though no open follows to carry them: a
+    # training loop may stay at that sample as long as it likes (a collective, a full queue).
+    from wdscache import CachedMultiLoader
+
+    data = dataset(3, samples=8, payload=100)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 30, "the 3 shards were not cached")
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
+        samples = iter(loader)
+        first = next(samples)
+        agent.wait_stats(lambda s: s["agent"]["pinned"] == 0, 10, "pins let go still held while the consumer waits")
+        rest = list(samples)
+    got = {
+        (s["__url__"], s["__key__"]): {k: hashlib.sha256(v).hexdigest() for k, v in s.items() if k[:2] != "__"}
+        for s in [first, *rest]
+    }
+    assert len(rest) == 23 and got == reference(data.paths, data.urls)

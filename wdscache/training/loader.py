@@ -96,7 +96,7 @@ class Tuning:
 
     - ``request_size``: samples at most per request to a worker (fewer once replies show the
       sample size: a request asks for about 4 MiB of payload, so small samples go many
-      to a request and large ones few; the first ask for 32, doubling with each reply).
+      to a request and large ones few; the first ask for at most 32, doubling with each reply).
     - ``inflight``: requests outstanding at most, the consumer's memory bound (None: twice the
       agent's workers, at least 4).
     - ``zero_copy``: payloads as read-only memoryviews instead of ``bytes`` (faster; not for

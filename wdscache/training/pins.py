@@ -9,11 +9,12 @@ ids comes out of the sequence at once, and is batched a read at a time), or when
 wait for another shard.
 
 The agent hears of a pin let go with our next open (``letting_go`` rides on it, and the
-agent lets go first), or in a release of its own at the first step of the stream (between
-one read's samples and the next's) once the oldest has waited :data:`RELEASE_AFTER`
-(:meth:`Pins.flush`), or with our bye, which lets go of everything. So a consumer of many
-shards sends about one message per shard, not two, and while we read, a pin is given back
-at most :data:`RELEASE_AFTER` and one read's samples after we let go of it.
+agent lets go first), or in a release of its own (:meth:`Pins.flush`): before the stream
+hands out a read's samples, since the user may keep it there as long as it likes (a
+DataLoader's full queue, a collective waiting for another rank), and while the stream waits
+for its reads, once the oldest has waited :data:`RELEASE_AFTER`; our bye lets go of
+everything. So the pins let go while the stream batches and sends its reads ride on the
+opens it makes meanwhile, and a stream held by its user holds no pin it let go of.
 
 Why pins never deadlock the budget: a consumer that has to wait for a download (or for its
 budget) first lets go of every pin it is not reading (:meth:`Pins.open`), in the very open
@@ -130,10 +131,10 @@ class Pins:
         if self.opened.pop(shard, None) is not None:
             self.conn.request(self.requests.release(self.urls[shard], *self._take_letting_go()), timeout=timeout)
 
-    def flush(self) -> None:
-        """Tell the agent of the pins let go, once the oldest has waited :data:`RELEASE_AFTER`
-        for an open to ride on."""
-        if self.letting_go and time.monotonic() - self._letting_go_since >= RELEASE_AFTER:
+    def flush(self, *, now: bool = False) -> None:
+        """Tell the agent of the pins let go: ``now``, or once the oldest has waited
+        :data:`RELEASE_AFTER` for an open to ride on."""
+        if self.letting_go and (now or time.monotonic() - self._letting_go_since >= RELEASE_AFTER):
             self.conn.request(self.requests.release(*self._take_letting_go()))
 
     def _let_go(self, url: str) -> None:

@@ -138,8 +138,8 @@ class ReadBatcher:
 
     def sized(self, sizes: list[int]) -> None:
         """Size the next reads by the payload per sample of the latest replies (about
-        REQUEST_BYTES each, and at most twice the samples of the reads so far): larger samples
-        count at once, smaller ones as the estimate decays."""
+        REQUEST_BYTES each, and at most ``FIRST_REQUEST`` samples doubled once per reply so far,
+        up to ``request_size``): larger samples count at once, smaller ones as the estimate decays."""
         if sizes:
             self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
             self.ramp = min(2 * self.ramp, self.stream.settings.request_size)

@@ -244,6 +244,7 @@ class EpochStream:
         try:
             for pair in self._owned():
                 if pair is None:
+                    self.pins.flush()
                     time.sleep(STREAM_POLL)  # a shard still downloading: look again soon
         finally:
             self.close()
@@ -380,6 +381,8 @@ class EpochStream:
             self._out = (it, sizes)
             stats["samples"] += len(samples)
             stats["bytes"] += sum(sizes)
+            if pins.letting_go:  # the user may hold us at the yield for long: no pin let go stays held
+                pins.flush(now=True)
             yield it
             self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
 
