@@ -25,7 +25,7 @@ from scripts.shard_maker import make_shard, synth_samples, write_url_list
 from tests.helpers.agents import run_wdscache
 from tests.helpers.net import free_port_range
 from tests.helpers.procs import alive, children_of, cmdline, rss_kib, worker_pids
-from tests.helpers.streaming import reference
+from tests.helpers.streaming import delivered, reference
 from tests.helpers.waits import stop_process, wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardError, WdsCacheError
 from wdscache.shared.layout import CacheLayout
@@ -69,20 +69,6 @@ with open(out, "w") as f:
 
 
 # -- helpers -----------------------------------------------------------------------
-
-
-def fields_of(sample: dict[str, Any]) -> dict[str, str]:
-    return {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
-
-
-def delivered(samples: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, str]]:
-    """(url, key) -> fields of in-process loader samples; fails on a duplicate."""
-    out: dict[tuple[str, str], dict[str, str]] = {}
-    for s in samples:
-        uk = (s["__url__"], s["__key__"])
-        assert uk not in out, f"sample {uk} delivered twice"
-        out[uk] = fields_of(s)
-    return out
 
 
 def lines_delivered(lines: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, str]]:

@@ -55,6 +55,20 @@ class Consumer:
         stop_process(self.proc, signal.SIGKILL, 5)
 
 
+def fields_of(sample: dict[str, Any]) -> dict[str, str]:
+    return {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+
+
+def delivered(samples: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, str]]:
+    """(url, key) -> fields of in-process loader samples; fails on a duplicate."""
+    out: dict[tuple[str, str], dict[str, str]] = {}
+    for s in samples:
+        uk = (s["__url__"], s["__key__"])
+        assert uk not in out, f"sample {uk} delivered twice"
+        out[uk] = fields_of(s)
+    return out
+
+
 def samples_of(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [line for line in lines if "key" in line]
 
