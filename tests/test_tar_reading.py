@@ -898,6 +898,32 @@ def test_growing_shard_asked_for_a_sample_walks_a_step_past_it(tmp_path: Path) -
         stepped.close()
 
 
+def test_a_damaged_header_is_named_at_its_own_byte_however_far_the_walk_got(tmp_path: Path) -> None:
+    # Walks of a download resume where the last complete sample ended; the error still names the
+    # byte of the shard where the bad header is, as a walk of the whole file does.
+    data = bytearray(make_shard(tmp_path / "src.tar", synth_samples(0, 6, payload=400)).read_bytes())
+    with tarfile.open(fileobj=io.BytesIO(bytes(data))) as tf:
+        bad = tf.getmembers()[8].offset  # the third sample's second member
+    data[bad] ^= 0x01
+    path = tmp_path / "growing.tar"
+    path.write_bytes(data[:bad])  # the download so far stops just before the bad header
+    view = GrowingShard(path, url="u")
+    try:
+        view.refresh()
+        assert len(view.samples) == 2  # the walk resumes at the third sample
+        path.write_bytes(data)
+        with pytest.raises(ShardError) as refreshed:
+            view.refresh()
+        with open(path, "rb") as f, pytest.raises(ShardError) as completed:
+            view.complete(f.fileno(), "u")
+    finally:
+        view.close()
+    with pytest.raises(ShardError) as whole:
+        scan(bytes(data), url="u")
+    assert refreshed.value.offset == completed.value.offset == whole.value.offset == bad
+    assert f"at byte {bad}:" in str(refreshed.value)
+
+
 def test_growing_shard_follows_a_download_that_starts_over(tmp_path: Path) -> None:
     data = make_shard(tmp_path / "src.tar", synth_samples(0, 10, payload=1000)).read_bytes()
     path = tmp_path / "growing.tar"

@@ -13,6 +13,7 @@ the same checks as a finished shard's (:mod:`wdscache.shared.tarwalk`).  A
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
@@ -86,13 +87,11 @@ class GrowingShard:
         if size - start < 2 * BLOCK:
             return
         pax: dict[str, Any] = {}
-        buf = FileSpan(self._fd, start, size)  # headers are read in blocks: payloads are skipped
         # Samples up to needed + WALK_STEP, and one more group: the last one taken may not be complete.
         most = None if needed is None or self._from_start else max(needed - len(self.samples), 0) + WALK_STEP + 2
         try:
-            groups = list(
-                islice(group_samples(walk(buf, self.url, prefix=True, global_pax=pax), self.url, base=start), most)
-            )
+            members = walk_from(self._fd, start, size, self.url, prefix=True, global_pax=pax)
+            groups = list(islice(group_samples(members, self.url, base=start), most))
         except ShardError as exc:
             problem = tar_problem(os.pread(self._fd, HEAD_BYTES, 0)) if start == 0 and exc.offset == 0 else None
             if problem:  # say what came instead of a tar (an HTML page served with status 200, say)
@@ -117,16 +116,8 @@ class GrowingShard:
         of the rest. None if it is another file, or if we kept no usable place to resume."""
         if self._gzip is not False or self._from_start or os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
             return None
-        size = os.fstat(fd).st_size
-        try:
-            rest = [
-                span for span, _ in group_samples(walk(FileSpan(fd, self._resume, size), url), url, base=self._resume)
-            ]
-        except ShardError as exc:  # its offset counted from where this walk began
-            raise ShardError(
-                url, exc.reason, offset=None if exc.offset is None else exc.offset + self._resume
-            ) from None
-        return self.samples + rest
+        members = walk_from(fd, self._resume, os.fstat(fd).st_size, url)
+        return self.samples + [span for span, _ in group_samples(members, url, base=self._resume)]
 
     def read(self, i: int) -> tuple[SampleSpan, bytes, int]:
         """Sample ``i`` (complete by :meth:`refresh`): its span, and the bytes from its first
@@ -143,3 +134,13 @@ class GrowingShard:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def walk_from(fd: int, start: int, end: int, url: str, **options: Any) -> Iterator[tuple[str, int, int, int]]:
+    """:func:`~wdscache.shared.tarwalk.walk` over bytes ``[start, end)`` of the file open as
+    ``fd`` (headers read in blocks, payloads skipped), offsets counted from where that walk
+    began: as ``group_samples(..., base=start)`` counts them, so must an error's offset."""
+    try:
+        yield from walk(FileSpan(fd, start, end), url, **options)
+    except ShardError as exc:
+        raise ShardError(url, exc.reason, offset=None if exc.offset is None else exc.offset + start) from None
