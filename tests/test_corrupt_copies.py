@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import tarfile
@@ -13,7 +14,7 @@ import pytest
 
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
-from wdscache import CachedMultiLoader, ShardClient, ShardError
+from wdscache import CachedMultiLoader, FetchError, ShardClient, ShardError
 from wdscache.shared.layout import CacheLayout
 
 
@@ -180,26 +181,43 @@ def test_a_damaged_copy_another_reader_holds_is_fetched_again_once_it_lets_go(
     assert s["failed"] == [] and gets(shard_server, ds.paths[2].name) == 2, s["failed"]
 
 
-def test_a_handler_that_says_stop_ends_the_epoch_after_every_sample_before_the_failed_shard(
-    shard_server, dataset, start_agent, tmp_path
+@pytest.mark.parametrize("fault", ["damaged", "missing"])
+@pytest.mark.parametrize("on_error", ["stop", "raise"])
+def test_a_failed_shard_ends_the_epoch_after_every_sample_before_it_then_raises_or_stops(
+    shard_server, dataset, start_agent, tmp_path, fault, on_error
 ):
     ds = dataset(5, samples=30, payload=500)
-    last = sorted(k for _, k in reference(ds.paths[4:], ds.urls[4:]))
-    clobber_header(ds.paths[4], member=20)  # damaged at its source: the copy fetched again is too
+    urls = list(ds.urls)
+    if fault == "damaged":
+        clobber_header(ds.paths[3], member=20)  # damaged at its source: the copy fetched again is too
+        last = sorted(k for _, k in reference(ds.paths[3:4], ds.urls[3:4]))
+    else:
+        urls[3] = shard_server.url("missing-000003.tar")  # a 404: its download fails when it is opened
+        last = []
+    list_file = tmp_path / "urls.txt"
+    list_file.write_text("".join(f"{u}\n" for u in urls))
     cache = tmp_path / "cache"
-    start_agent(cache, ds.list_file, "--workers", "2", "--prefetch", "5")
-    ref = reference(ds.paths[:4], ds.urls[:4])
+    start_agent(cache, list_file, "--workers", "2", "--prefetch", "5")
+    ref = reference(ds.paths[:3], ds.urls[:3])
     told: list[Exception] = []
 
     def stop(exc: Exception) -> bool:
         told.append(exc)
         return False
 
-    # Small reads, many at once: those of the shards before it are still out when the damaged one fails.
-    got = list(loader(cache, shuffle=False, on_error=stop, request_size=4, inflight=64))
-    assert told and ds.urls[4] in str(told[0])
+    # Small reads, many at once: the failed shard is opened while reads of the ones before are out.
+    it = iter(
+        loader(cache, shuffle=False, on_error=stop if on_error == "stop" else "raise", request_size=4, inflight=64)
+    )
+    got = []
+    error = ShardError if fault == "damaged" else FetchError
+    with contextlib.ExitStack() as stack:
+        raised = stack.enter_context(pytest.raises(error)) if on_error == "raise" else None
+        got.extend(it)
+    failure = raised.value if raised is not None else told[0]
+    assert isinstance(failure, error) and failure.url == urls[3], failure
     keys = [(s["__url__"], s["__key__"]) for s in got]
     assert keys[: len(ref)] == sorted(ref, key=lambda k: (ds.urls.index(k[0]), k[1]))
     # then at most the failed shard's samples before its damage, in order, and nothing after it
     rest = keys[len(ref) :]
-    assert rest == [(ds.urls[4], key) for key in last[: len(rest)]]
+    assert rest == [(urls[3], key) for key in last[: len(rest)]]

@@ -21,7 +21,7 @@ from wdscache.shared.protocol import pack_numbers
 from wdscache.shared.sequence import EpochSpec, ShardFeed, global_sequence
 from wdscache.training import pins as pins_module
 from wdscache.training.direct import StaleFile
-from wdscache.training.epoch_shards import EpochShards
+from wdscache.training.epoch_shards import EpochShards, StopEpoch
 from wdscache.training.pins import Pins
 from wdscache.training.progress import ProgressClock
 from wdscache.training.read_batches import FIRST_REQUEST, REQUEST_BYTES, ReadBatcher
@@ -498,8 +498,12 @@ def test_a_cached_shard_whose_walk_stops_is_counted_by_a_whole_scan() -> None:
 def test_a_failed_shard_raises_or_is_skipped_and_let_go() -> None:
     agent = ScriptedAgent(counts={"ok": True, "counts": [None] * 4}, open={"ok": True})
     failed = {"ok": False, "kind": "corrupt", "error": "bad header"}
-    with pytest.raises(ShardError, match="bad header"):
-        list(epoch_shards(agent, [failed, failed]).arrivals(0))  # damaged, and damaged again once renewed
+    # Damaged, and damaged again once renewed: the epoch ends there (the stream hands out the
+    # samples before it), then raises the shard's error.
+    with pytest.raises(StopEpoch) as stop:
+        list(epoch_shards(agent, [failed, failed]).arrivals(0))
+    assert stop.value.shard == 0 and isinstance(stop.value.error, ShardError), stop.value
+    assert stop.value.error.url == URLS[0] and "bad header" in str(stop.value.error)
     shards = epoch_shards(agent, [{"ok": False, "kind": "failed", "error": "gone"}], on_error="skip")
     assert list(shards.arrivals(3)) == [0]
     assert shards.skipped == {3} and shards.sample_counts[3] == 0 and 3 not in shards.pins.opened

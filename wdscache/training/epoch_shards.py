@@ -38,21 +38,24 @@ OnError = str | Callable[[BaseException], bool]
 
 
 class StopEpoch(Exception):
-    """A handler (``on_error=fn``) returned False for a shard's error: the epoch ends there,
-    after the samples before it, as webdataset's ``ignore_and_stop`` ends an iteration (caught
-    in the stream, which hands out the reads before the failing one first). ``shard`` is the
-    shard that failed (None: not one shard's fault), ``seq`` the read that failed, if known."""
+    """A shard's error ends the epoch there, after the samples before it: a handler
+    (``on_error=fn``) returned False, as webdataset's ``ignore_and_stop`` ends an iteration, or
+    ``on_error="raise"`` (``error``: raised once those samples are handed out, where webdataset's
+    reader raises it). Caught in the stream, which hands out the reads before the failing one
+    first. ``shard`` is the shard that failed (None: not one shard's fault), ``seq`` the read that
+    failed, if known."""
 
-    def __init__(self, message: str, shard: int | None = None) -> None:
+    def __init__(self, message: str, shard: int | None = None, error: WdsCacheError | None = None) -> None:
         super().__init__(message)
-        self.shard = shard
+        self.shard, self.error = shard, error
         self.seq: int | None = None
 
 
 def judge(on_error: OnError, exc: WdsCacheError, shard: int | None = None) -> None:
-    """What ``on_error`` makes of ``exc`` (of ``shard``): raise it, return (skip the shard), or raise StopEpoch."""
+    """What ``on_error`` makes of ``exc`` (of ``shard``): return (skip the shard), or raise
+    StopEpoch (carrying ``exc`` with "raise")."""
     if on_error == "raise":
-        raise exc
+        raise StopEpoch(str(exc), shard, error=exc)
     if callable(on_error) and not on_error(exc):
         raise StopEpoch(str(exc), shard)
 

@@ -246,6 +246,10 @@ class EpochStream:
                 if pair is None:
                     self.pins.flush()
                     time.sleep(STREAM_POLL)  # a shard still downloading: look again soon
+        except StopEpoch as stop:
+            if stop.error is None:
+                raise
+            raise stop.error from None
         finally:
             self.close()
         return dict(self.shards.sample_counts)
@@ -334,7 +338,8 @@ class EpochStream:
         exhausted = False
         last: dict[str, Any] | None = None  # the latest sample read, to repeat in a hole
         owed = 0  # holes before the first sample read
-        end: int | None = None  # on_error's handler said stop: the first read not handed out
+        end: int | None = None  # a shard's error ends the epoch (StopEpoch): the first read not handed out
+        error: WdsCacheError | None = None  # and with on_error="raise", its error, raised there
         while True:
             t0 = time.perf_counter()
             stalled = False
@@ -366,7 +371,10 @@ class EpochStream:
                     continue
             except StopEpoch as stop:  # the samples before the failing read still come, then the epoch ends
                 exhausted = True
-                end = self.failures.stop_at(stop, end)
+                at = self.failures.stop_at(stop, end)
+                if end is None or at < end:
+                    error = stop.error
+                end = at
                 continue
             seq_yield += 1
             stats = self.stats
@@ -385,6 +393,8 @@ class EpochStream:
                 pins.flush(now=True)
             yield it
             self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
+        if error is not None:
+            raise error
 
     # -- reads --------------------------------------------------------------------
 
