@@ -45,7 +45,7 @@ from wdscache.agent.pool import worker_endpoints
 from wdscache.shared import errors as wds_errors
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.layout import CacheLayout, shard_name
-from wdscache.shared.protocol import pack_numbers, reply_proof, request_proof
+from wdscache.shared.protocol import PROTOCOL, pack_numbers, reply_proof, request_proof
 from wdscache.shared.tarwalk import tar_problem
 
 SHARD_100K = {"samples": 12, "payload": 8000}  # ~100 KB shards
@@ -949,7 +949,7 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(
 # Single messages that took the agent or a worker down up to 0eca1b8 (fixed in 01f59c9) instead of
 # failing alone, as protocol.py promises ("a malformed message is a ProtocolError for that message only").
 
-_HELLO = _j({"op": "hello", "id": 1, "reader": "r", "job": "j", "rank": 0, "world_size": 1})
+_HELLO = _j({"op": "hello", "id": 1, "reader": "r", "job": "j", "rank": 0, "world_size": 1, "protocol": PROTOCOL})
 _STATS = _j({"op": "stats", "id": 99})
 _DEEP = b"[" * 100_000  # 100 KB, well under the 1 MiB limit; json.loads raises RecursionError
 

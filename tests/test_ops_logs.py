@@ -15,6 +15,7 @@ import webdataset as wds
 from wdscache import CachedMultiLoader
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.logs import JsonFormatter, TextFormatter, event, get_logger, iso_time
+from wdscache.shared.messages import Requests
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?[+-]\d\d:\d\d$")
 
@@ -40,7 +41,7 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
     )
     conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
     try:
-        hello = conn.request({"op": "hello", "reader": "r0", "job": "train", "rank": 0, "world_size": 1})
+        hello = conn.request(Requests("r0").hello("train", 0, 1))
         assert hello["ok"], hello
         assert conn.request(
             {
@@ -57,7 +58,7 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
         # A malformed bye is refused as a whole; one without totals leaves the last report's.
         assert not conn.request({"op": "bye", "reader": "r0", "samples": "many"})["ok"]
         assert conn.request({"op": "bye", "reader": "r0"})["ok"]
-        assert conn.request({"op": "hello", "reader": "r1", "job": "quiet", "rank": 0, "world_size": 1})["ok"]
+        assert conn.request(Requests("r1").hello("quiet", 0, 1))["ok"]
     finally:
         conn.close()
     # A real consumer's epoch, over well before its first report: its bye brings its totals.

@@ -11,6 +11,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from wdscache.shared.client import AgentConnection
+from wdscache.shared.messages import Requests
 from wdscache.shared.metrics import exposition
 
 
@@ -32,7 +33,7 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
     assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics"), state
     conn = AgentConnection(state["endpoint"], timeout=10, cache_dir=cache)
     try:
-        assert conn.request({"op": "hello", "reader": "r1", "job": "train", "rank": 1, "world_size": 2})["ok"]
+        assert conn.request(Requests("r1").hello("train", 1, 2))["ok"]
         assert conn.request(
             {
                 "op": "report",

@@ -104,10 +104,11 @@ def _samples_with_a_job(cache: Path, run_cli) -> set[str]:
     import json
 
     from wdscache.shared.client import AgentConnection
+    from wdscache.shared.messages import Requests
 
     conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
     try:
-        assert conn.request({"op": "hello", "reader": "r", "job": "j", "rank": 0, "world_size": 1})["ok"]
+        assert conn.request(Requests("r").hello("j", 0, 1))["ok"]
         assert conn.request(
             {
                 "op": "report",

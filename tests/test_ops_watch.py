@@ -16,6 +16,7 @@ from tests.helpers.streaming import samples_of
 from tests.helpers.waits import stop_process
 from tests.helpers.watch import read_frames
 from wdscache.shared.client import AgentConnection
+from wdscache.shared.messages import Requests
 from wdscache.shared.verdict import verdicts
 
 
@@ -69,7 +70,7 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
     proc = None
     try:
         for reader, job in (("a", "train"), ("b", "done")):
-            assert conn.request({"op": "hello", "reader": reader, "job": job, "rank": 0, "world_size": 1})["ok"]
+            assert conn.request(Requests(reader).hello(job, 0, 1))["ok"]
         report = {"op": "report", "reader": "a", "samples": 10, "bytes": 100, "rate": 10.0, "epoch": 0, "position": 10}
         assert conn.request({**report, "wait_s": 0.0})["ok"]
         assert conn.request(

@@ -11,7 +11,7 @@ import pytest
 
 import wdscache
 from wdscache.agent import core as agent
-from wdscache.shared import messages, protocol
+from wdscache.shared import client, messages, protocol
 from wdscache.shared.errors import ProtocolError
 from wdscache.shared.messages import Reports, Requests
 
@@ -208,3 +208,39 @@ def test_a_count_sent_as_a_flag_and_a_list_of_urls_holding_numbers_are_refused()
         protocol.check({"op": "counts", "urls": [URL, 5]})
     with pytest.raises(ProtocolError, match="unknown op 'nope'"):
         protocol.check({"op": "nope"})
+
+
+# -- versions ------------------------------------------------------------------------------------
+
+
+def test_an_agent_and_a_consumer_of_two_protocols_refuse_each_other_at_the_first_message(
+    tmp_path: Path, dataset: Any, start_agent: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = dataset(1, samples=4)
+    cache = tmp_path / "cache"
+    start_agent(cache, ds.list_file)
+    ours = protocol.PROTOCOL
+
+    # A client of another number (another install of wdscache) refuses the agent at its auth.
+    monkeypatch.setattr(client, "PROTOCOL", ours + 1)
+    with pytest.raises(ProtocolError) as info:
+        list(wdscache.CachedMultiLoader(cache_dir=cache, job="j", timeout=10))
+    assert f"speaks protocol {ours}, this client protocol {ours + 1}; " in str(info.value), info.value
+    assert "must run the same wdscache" in str(info.value)
+    monkeypatch.undo()
+
+    # The agent refuses a consumer that names another number at its hello...
+    monkeypatch.setattr(messages, "PROTOCOL", ours + 1)
+    with pytest.raises(wdscache.WdsCacheError) as info:
+        list(wdscache.CachedMultiLoader(cache_dir=cache, job="j", timeout=10))
+    assert f"refused this consumer: it speaks protocol {ours + 1}, the agent protocol {ours}; " in str(info.value)
+    monkeypatch.undo()
+    # ... or none, as a consumer from before the number does.
+    conn = client.AgentConnection(client.resolve_endpoint(cache, None), cache_dir=cache, timeout=10)
+    try:
+        old = {k: v for k, v in Requests("old").hello("j", 0, 1).items() if k != "protocol"}
+        reply = conn.request(old)
+    finally:
+        conn.close()
+    assert reply["ok"] is False and "it speaks a protocol from before numbered ones" in reply["error"], reply
+    assert len(list(wdscache.CachedMultiLoader(cache_dir=cache, job="j", timeout=10))) == 4  # ours is served

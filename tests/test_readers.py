@@ -77,6 +77,7 @@ def test_sigkilled_consumer_is_dropped_at_once_and_its_job_restarts_with_another
 @pytest.mark.slow
 def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, dataset, start_agent):
     from wdscache.shared.client import AgentConnection
+    from wdscache.shared.messages import Requests
     from wdscache.shared.protocol import process_identity
 
     data = dataset(2, samples=5, payload=200)
@@ -88,9 +89,7 @@ def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, da
         for job, proc, shift in (("seen", procs[0], 0), ("reused", procs[1], 1)):
             claimed = process_identity(proc.pid)
             claimed[1] += shift  # another start time: the pid names another process now
-            hello = conn.request(
-                {"op": "hello", "reader": job, "job": job, "rank": 0, "world_size": 1, "process": claimed}
-            )
+            hello = conn.request(Requests(job).hello(job, 0, 1, process=claimed))
             assert hello["ok"], hello
             assert conn.request({"op": "open", "reader": job, "url": data.urls[0]})["ok"]
         agent.wait_stats(

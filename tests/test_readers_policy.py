@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers.policy import URLS, Loop
 from wdscache.agent.readers import ENDED_KEPT, Readers
+from wdscache.shared.messages import Requests
 from wdscache.shared.urls import list_id
 
 
@@ -22,8 +23,8 @@ def loop(tmp_path: Path) -> Iterator[Loop]:
 
 
 def hello(readers: Readers, name: str, loop: Loop, **fields: object) -> dict[str, object]:
-    header = {"reader": name, "job": "j", "world_size": 2, "rank": 0, **fields}
-    return readers.op_hello(loop.request("hello", **header))
+    header = {**Requests(name).hello("j", 0, 2), **fields}
+    return readers.op_hello(loop.request(**header))
 
 
 def test_hello_answers_the_workers_and_the_agents_list(loop: Loop) -> None:

@@ -14,7 +14,7 @@ from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardClient
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.plan import shard_order
-from wdscache.shared.protocol import client_key, pack, proof, unpack
+from wdscache.shared.protocol import PROTOCOL, client_key, pack, proof, unpack
 
 
 def test_a_download_that_stops_moving_ends_the_wait_after_timeout_naming_the_shard(
@@ -101,7 +101,7 @@ def test_a_reply_the_agent_marks_retry_is_asked_again_within_the_timeout(tmp_pat
             ident, *frames = server.recv_multipart()
             header, _ = unpack(frames)
             if header["op"] == "auth":  # the agent proves it holds the token first
-                body = {"run": run, "proof": proof(token, header["nonce"], run)}
+                body = {"run": run, "proof": proof(token, header["nonce"], run), "protocol": PROTOCOL}
             else:
                 assert header["key"] == client_key(token, run)
                 asked.append(header["op"])

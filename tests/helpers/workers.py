@@ -17,6 +17,7 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
     import zmq
 
     from wdscache.shared.client import AgentConnection, resolve_endpoint
+    from wdscache.shared.messages import Requests
     from wdscache.shared.protocol import WorkerProofs
 
     conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
@@ -26,7 +27,7 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
     for name, value in options.items():
         sock.setsockopt(getattr(zmq, name), value)
     try:
-        hello = conn.request({"op": "hello", "reader": reader, "job": reader, "rank": 0, "world_size": 1})
+        hello = conn.request(Requests(reader).hello(reader, 0, 1))
         assert hello.get("ok"), hello
         sock.connect(hello["workers"][0])
         yield sock, WorkerProofs(conn.worker_key(0))

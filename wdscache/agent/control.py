@@ -31,7 +31,7 @@ import zmq
 
 from ..shared.errors import ProtocolError
 from ..shared.logs import get_logger
-from ..shared.protocol import client_key, pack, proof, same_secret, unpack
+from ..shared.protocol import PROTOCOL, client_key, pack, proof, same_secret, unpack
 
 log = get_logger(__name__)
 
@@ -134,7 +134,9 @@ class ControlSocket:
         if header["op"] == "auth":
             nonce = header.get("nonce")
             if isinstance(nonce, str) and nonce.isascii() and 16 <= len(nonce) <= 256:
-                self.reply(ident, rid, ok=True, run=self._run, proof=proof(self._token, nonce, self._run))
+                self.reply(
+                    ident, rid, ok=True, run=self._run, proof=proof(self._token, nonce, self._run), protocol=PROTOCOL
+                )
             else:
                 self.reply(ident, rid, ok=False, error="'auth' needs a 'nonce' of 16 to 256 ASCII characters")
             return False

@@ -36,7 +36,7 @@ from ..shared.config import AgentConfig
 from ..shared.logs import event, get_logger, iso_time
 from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
-from ..shared.protocol import PAGE_BYTES, numbers, process_identity
+from ..shared.protocol import PAGE_BYTES, PROTOCOL, SAME_INSTALL, numbers, process_identity, speaks
 from ..shared.protocol import field as get_field
 from ..shared.shard_index import ShardInfo
 from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
@@ -283,6 +283,12 @@ class Readers:
         rank = get_field(header, "rank", int)
         if not 0 <= rank < world:
             return {"ok": False, "error": f"rank {rank} is not in [0, {world})"}
+        said = header.get("protocol")
+        if said != PROTOCOL:
+            return {
+                "ok": False,
+                "error": f"it speaks {speaks(said)}, the agent {speaks(PROTOCOL)}; {SAME_INSTALL}",
+            }
         claimed = get_field(header, "list_id", str, None)
         refused = self._lists.take(name, claimed, {r.list_id for r in self._plans()})
         if refused is not None:

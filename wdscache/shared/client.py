@@ -39,7 +39,7 @@ import zmq
 from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError
 from .layout import CacheLayout
 from .messages import Requests
-from .protocol import client_key, pack, proof, same_secret, unpack, worker_key
+from .protocol import PROTOCOL, SAME_INSTALL, client_key, pack, proof, same_secret, speaks, unpack, worker_key
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
 # Seconds a request waits for its reply before asking (an "auth", which any run answers
@@ -193,6 +193,12 @@ class AgentConnection:
                     f"the agent at {self.endpoint} cannot prove it holds the token of "
                     f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
                     "another user's process may listen there; check the endpoint and who runs the agent on it"
+                )
+            said = reply.get("protocol")
+            if said != PROTOCOL:
+                raise ProtocolError(
+                    f"the agent at {self.endpoint} speaks {speaks(said)}, this client {speaks(PROTOCOL)}; "
+                    f"{SAME_INSTALL}"
                 )
             previous = self._run
             self.key, self._run = client_key(self._token, run), run

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
 
+from .protocol import PROTOCOL
+
 # -- the messages and their replies, as MESSAGES lists them ------------------------------------
 
 
@@ -37,6 +39,7 @@ class AuthReply(TypedDict, total=False):
     error: str
     run: str
     proof: str
+    protocol: int
 
 
 class _HelloRequired(TypedDict):
@@ -52,6 +55,7 @@ class HelloMessage(_HelloRequired, total=False):
     process: list[Any]
     shuffle_buffer: int
     probe: bool
+    protocol: int
 
 
 class HelloReply(TypedDict, total=False):
@@ -492,7 +496,14 @@ class Requests:
         shuffle_buffer: int | None = None,
         probe: bool = False,
     ) -> HelloMessage:
-        m: HelloMessage = {"op": "hello", "reader": self.reader, "job": job, "rank": rank, "world_size": world_size}
+        m: HelloMessage = {
+            "op": "hello",
+            "reader": self.reader,
+            "job": job,
+            "rank": rank,
+            "world_size": world_size,
+            "protocol": PROTOCOL,
+        }
         if list_id is not None:
             m["list_id"] = list_id
         if process is not None:

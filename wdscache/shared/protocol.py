@@ -9,6 +9,13 @@ that message only.
 Requests carry an ``id`` chosen by the client; the reply repeats it. Every
 message, its fields, who sends it and its reply are in :data:`MESSAGES`.
 
+Versions: :data:`PROTOCOL` numbers the protocol. The agent names it in its answer to
+``auth``, and a client refuses an agent that names another (or none: one from before the
+number); a consumer names it in its ``hello``, and the agent refuses a consumer that names
+another (or none). So an agent and a training process from two installs of wdscache that
+do not speak alike fail at the first message, with an error that says so, never halfway
+through an epoch on a message one of them does not know.
+
 Who may talk: the agent keeps a token in its cache directory (``CACHE_DIR/token``,
 0600), so only the directory's owner can read it. A client first sends
 ``{"op": "auth", "nonce": N}`` (the one message taken without a key) and accepts
@@ -51,6 +58,9 @@ from typing import Any
 
 from .errors import ProtocolError
 
+# The protocol's number: raised with every change to a message that a peer of the number
+# before would not read the same way (see the module docstring).
+PROTOCOL = 1
 MAX_HEADER = 1 << 20
 # Made once: json.dumps and json.loads with options build a new encoder or decoder per call,
 # a measurable share of a consumer's CPU at tens of thousands of messages a second.
@@ -62,6 +72,17 @@ PAGE_BYTES = 256 << 10  # a page of URLs stays well inside MAX_HEADER, however l
 # loader reads a range at once where that copies at most this much in vain per payload it
 # saves a call for (wdscache.training.replies.read_dense).
 PREAD_BYTES = 8 << 10
+
+
+def speaks(protocol: Any) -> str:
+    """What a peer that named ``protocol`` speaks, for an error saying two peers differ."""
+    return f"protocol {protocol}" if type(protocol) is int else "a protocol from before numbered ones"
+
+
+SAME_INSTALL = (
+    "the agent and the programs that use it must run the same wdscache: restart the agent "
+    "from the install the training uses, or run the training with the agent's"
+)
 
 
 def pages(urls: Sequence[str], start: int = 0) -> Iterator[tuple[int, list[str]]]:
@@ -271,7 +292,7 @@ MESSAGES: tuple[Message, ...] = (
         "client",
         "agent",
         {"nonce": "str"},
-        {**_ERROR, "run": "str", "proof": "str"},
+        {**_ERROR, "run": "str", "proof": "str", "protocol": "int"},
         about="the agent proves it holds the token; the only op taken without a key",
     ),
     Message(
@@ -287,6 +308,7 @@ MESSAGES: tuple[Message, ...] = (
             "process": "list?",
             "shuffle_buffer": "int?",
             "probe": "bool?",
+            "protocol": "int?",
         },
         {
             **_ERROR,
