@@ -33,6 +33,24 @@ def test_an_open_of_a_cached_shard_replies_its_path_and_pins_it_until_released(l
     assert loop.opens.take_answers() == []
 
 
+def test_an_open_pins_the_shards_read_next_that_are_cached_now_and_waits_for_none(loop: Loop) -> None:
+    first, cached, downloading, damaged, unknown = URLS[0], URLS[1], URLS[2], URLS[3], URLS[4]
+    for url in (first, cached, damaged):
+        loop.cached(url)
+    loop.opens.op_corrupt(loop.request("corrupt", url=damaged, error="bad header"))  # its open says why
+    loop.schedule([downloading])
+    also = [cached, downloading, damaged, unknown, "http://127.0.0.1:9/not-listed.tar"]
+    _, reply = loop.open("r", first, also=also)
+    assert reply is not None and reply["ok"] and reply["also"] == [True, False, False, False, False]
+    assert loop.cache.pins == {first: 1, cached: 1} and loop.opens.held("r") == 2
+    assert loop.opens.demanded() == []  # nothing asked for: the ones not cached are opened when reached
+    loop.opens.op_release(loop.request("release", reader="r", urls=[first, cached]))
+    assert loop.cache.pins == {} and loop.opens.held("r") == 0
+    # An open that waits pins nothing more: its answer comes later, alone.
+    _, reply = loop.open("r", unknown, also=[cached])
+    assert reply is None and loop.cache.pins == {}
+
+
 def test_idle_cached_shards_keep_no_record(loop: Loop) -> None:
     for url in URLS:
         loop.cached(url)

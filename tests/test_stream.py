@@ -219,6 +219,38 @@ def test_elastic_restart_with_another_world_size_is_accepted_once_old_ranks_are_
     assert len(samples_of(new.wait())) == 30
 
 
+def test_the_ranks_of_a_large_job_pin_cached_shards_several_an_open_and_hold_none_at_the_end(
+    tmp_path, dataset, start_agent, monkeypatch
+):
+    # Eight ranks over twelve cached shards: each rank reads a few samples of every shard, so an
+    # open pins the next shards too (those cached), and every pin is let go by the epoch's end.
+    from wdscache import CachedMultiLoader
+    from wdscache.shared.client import AgentConnection
+    from wdscache.training.epoch_shards import OPEN_TOGETHER
+
+    data = dataset(12, samples=16, payload=100)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "12")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 12, 30, "the 12 shards were not cached")
+    opens = Counter()
+    request = AgentConnection.request
+
+    def counted(self, header, **kw):
+        opens[header["op"]] += header["op"] == "open"
+        return request(self, header, **kw)
+
+    monkeypatch.setattr(AgentConnection, "request", counted)
+    got = []
+    for rank in range(8):
+        before = opens["open"]
+        with CachedMultiLoader(cache_dir=cache, job="big", rank=rank, world_size=8, shuffle=False, timeout=30) as ld:
+            got += list(ld)
+        # at most one open for each 1 + OPEN_TOGETHER shards (fewer where the rank's share skips some)
+        assert opens["open"] - before <= -(-12 // (1 + OPEN_TOGETHER)), f"rank {rank}: {opens['open'] - before} opens"
+        assert agent.stats()["agent"]["pinned"] == 0
+    assert delivered(got) == reference(data.paths, data.urls)
+
+
 def test_a_consumer_held_at_a_sample_holds_no_pin_it_let_go_of(tmp_path, dataset, start_agent):
     # Three small shards, one read: once it is answered every shard is let go, and the pins must
     # be given back before the sample is handed out, though no open follows to carry them: a

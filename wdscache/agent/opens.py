@@ -84,7 +84,10 @@ class Opens:
         # Pins the reader let go of since its last request ride on its next open: they go first.
         for gone in strings(header, "release") if "release" in header else ():
             self.release(name, gone)
-        return self.open(request, name, url, ahead, wait, while_downloading)
+        reply = self.open(request, name, url, ahead, wait, while_downloading)
+        if "also" in header and reply is not None and reply.get("ok") and not reply.get("while_downloading"):
+            reply["also"] = [self.pin_if_cached(name, also) for also in strings(header, "also")]
+        return reply
 
     def op_status(self, request: Request) -> Reply:
         return {"ok": True, **self.status(get_field(request.header, "url", str))}
@@ -175,6 +178,25 @@ class Opens:
             shard.waiters.append(Waiter(request, name, while_downloading))
             return None
         return {"ok": False, "cached": False, "error": "not cached yet"}
+
+    def pin_if_cached(self, name: str, url: str) -> bool:
+        """Pin ``url`` for reader ``name`` if it can be served now as an open would serve it
+        (cached, its file there, current, not found damaged); never waits, never asks for a
+        download. True if pinned."""
+        cache = self._cache
+        rec = cache.index.get(url)
+        if rec is None or rec.state is not ShardState.CACHED or not self._readers.known(url, name):
+            return False
+        if self._config.revalidate and url not in self._verified:
+            return False
+        shard = self.shards.record(url)
+        try:
+            if shard.phase is Phase.SUSPECT or not cache.path(url).exists():
+                return False  # the open of it says why, and what becomes of it
+            cache.index.incr("hits")
+            return bool(self._grant(name, shard).get("ok"))
+        finally:
+            self.shards.settle(shard)
 
     def _demand(self, shard: Shard) -> None:
         """Readers need ``shard`` downloaded (a damaged copy still held stays SUSPECT until let go)."""

@@ -111,6 +111,7 @@ class OpenMessage(_OpenRequired, total=False):
     wait: bool
     while_downloading: bool
     release: list[str]
+    also: list[str]
 
 
 class OpenReply(TypedDict, total=False):
@@ -122,6 +123,7 @@ class OpenReply(TypedDict, total=False):
     size: int
     samples: int
     corrupt: bool
+    also: list[Any]  # bools, one per shard asked for: pinned or not
 
 
 class StatusMessage(TypedDict):
@@ -531,6 +533,7 @@ class Requests:
         wait: bool = True,
         while_downloading: bool = False,
         release: list[str] | None = None,
+        also: list[str] | None = None,
     ) -> OpenMessage:
         m: OpenMessage = {"op": "open", "reader": self.reader, "url": url}
         if ahead is not None:
@@ -541,6 +544,8 @@ class Requests:
             m["while_downloading"] = True
         if release:
             m["release"] = release
+        if also:
+            m["also"] = also
         return m
 
     def status(self, url: str) -> StatusMessage:

@@ -353,6 +353,7 @@ MESSAGES: tuple[Message, ...] = (
             "wait": "bool?",
             "while_downloading": "bool?",
             "release": "list[str]?",
+            "also": "list[str]?",
         },
         {
             **_ERROR,
@@ -362,10 +363,12 @@ MESSAGES: tuple[Message, ...] = (
             "size": "int?",
             "samples": "int?",
             "corrupt": "bool?",
+            "also": "list?",
         },
         about="pin a shard (waiting for its download, or, while_downloading, as soon as it can be read while "
         "it downloads); moves the reader's window; release: shards the reader lets go of first; "
-        "corrupt: it failed because its copies were corrupt",
+        "corrupt: it failed because its copies were corrupt; also: shards the reader reads next, pinned "
+        "too if they are cached now (never waited for), once the shard is: the reply's also says which were",
     ),
     Message(
         "status",

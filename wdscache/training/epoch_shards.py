@@ -61,6 +61,9 @@ def judge(on_error: OnError, exc: WdsCacheError, shard: int | None = None) -> No
 
 
 COUNTS_AHEAD = 256  # shards whose counts are asked for at once, from the one the sequence reaches
+# Shards after the one opened that its open pins too where they are cached: a rank of many
+# reads a few samples of each shard, and an open a shard costs a request each side.
+OPEN_TOGETHER = 4
 
 
 class EpochShards:
@@ -270,6 +273,7 @@ class EpochShards:
             self.ahead(shard),
             again=again,
             while_downloading=while_downloading,
+            also=() if again else self.soon(shard),
             before_wait=self.hold_nothing,
             on_status=lambda status: self.clock.heard(shard, status),
         )
@@ -281,6 +285,16 @@ class EpochShards:
                 self.pins.while_downloading.add(shard)
         elif isinstance(reply.get("samples"), int):
             self.sample_counts.setdefault(shard, reply["samples"])
+
+    def soon(self, shard: int) -> list[int]:
+        """The shards after ``shard`` in our order that its open pins too if they are cached now
+        (see :meth:`Pins.open`): the next :data:`OPEN_TOGETHER` not pinned nor skipped. One whose
+        count we do not know yet is counted as the sequence reaches it, as any pinned shard is."""
+        pos = self.order.position(shard)
+        if pos < 0:
+            return []
+        opened, skipped = self.pins.opened, self.skipped
+        return [s for s in self.order[pos + 1 : pos + 1 + OPEN_TOGETHER] if s not in opened and s not in skipped]
 
     def check_download(self, shard: int) -> None:
         """Reads wait on ``shard``'s download: is it still going? Failed, it fails here;

@@ -20,6 +20,8 @@ Why pins never deadlock the budget: a consumer that has to wait for a download (
 budget) first lets go of every pin it is not reading (:meth:`Pins.open`), in the very open
 that waits, so consumers cannot fill the budget with pins while each waits for room for its
 next shard. A request only ever names shards already pinned, so it never needs more at once.
+An open may pin the shards we read next too (``also``), only those cached at that moment:
+never a wait, and let go like any other pin.
 
 A cache file is open only while its shard is pinned (:mod:`wdscache.training.direct`): each release
 closes it first, so its disk space comes back once the agent evicts it.
@@ -74,11 +76,15 @@ class Pins:
         *,
         again: bool = False,
         while_downloading: bool = False,
+        also: Sequence[int] = (),
         before_wait: Callable[[], None],
         on_status: Callable[[dict[str, Any]], None],
     ) -> dict[str, Any]:
         """Pin ``shard``, waiting for its download if need be; returns the agent's answer (not
-        ok: the shard failed). ``ahead`` is our window: the shards we read next.
+        ok: the shard failed). ``ahead`` is our window: the shards we read next. ``also``:
+        shards we read soon, pinned in the same request where they are cached now (one request
+        for several shards: a rank of many reads a few samples of each shard); never waited
+        for, and let go with the others before a wait.
 
         ``while_downloading``: a shard not cached yet is pinned as soon as its download holds
         its budget (the answer says ``while_downloading``). ``again``: the agent lost the shard
@@ -91,9 +97,17 @@ class Pins:
             self.close_file(shard)  # its file may be replaced before we read it again
             self._let_go(url)  # the agent lets go first, then pins it afresh
         request = self.requests.open(
-            url, ahead=ahead, wait=False, while_downloading=while_downloading, release=self._take_letting_go()
+            url,
+            ahead=ahead,
+            wait=False,
+            while_downloading=while_downloading,
+            release=self._take_letting_go(),
+            also=[self.urls[s] for s in also],
         )
         reply = self.conn.request(request)
+        for pinned, soon in zip(reply.get("also") or (), also):
+            if pinned is True:
+                self.opened.setdefault(soon, 0)
         if not reply.get("ok") and reply.get("cached") is False:
             # We wait, for the download or for its budget: hold no other pins meanwhile (see
             # the module docstring). Once a download holds its budget, pins cannot hold it up.
