@@ -310,8 +310,9 @@ class EpochShards:
     # -- failures -----------------------------------------------------------------
 
     def failed(self, shard: int, exc: WdsCacheError) -> None:
-        """``shard`` cannot be read: raise ``exc``, or (``on_error="skip"``) skip the shard: its
-        samples not yet read become holes, filled with repeats by the stream."""
+        """``shard`` cannot be read: end the epoch there (:class:`StopEpoch`, carrying ``exc``
+        with ``on_error="raise"``), or (``on_error="skip"``) skip the shard: its samples not yet
+        read become holes, filled with repeats by the stream."""
         self.pins.close_file(shard)
         if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
             self.report_corrupt(shard, str(exc))

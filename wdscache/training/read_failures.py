@@ -5,8 +5,9 @@ a shard that cannot be read), a direct read of the cache files may fail, a reque
 answer in time, and ``on_error``'s handler may say stop. :class:`ReadFailures` moves each read
 concerned on by the transitions of :mod:`wdscache.training.reads` (the read table stays the one
 record of each read's state), keeps the pin counts as the reads hold them, and says when the
-epoch ends. With ``on_error="raise"`` (and for a worker refusing the consumer, whatever
-``on_error``) the failure raises, naming the shard.
+epoch ends. With ``on_error="raise"`` the failure ends the epoch at its read and raises,
+naming the shard, once the reads before it are handed out; a worker refusing the consumer
+raises at once, whatever ``on_error``.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class ReadFailures:
             reads.reopen(read)
             return
         with failing(read):
-            stream.shards.failed(shard, exc)  # raises with on_error="raise"
+            stream.shards.failed(shard, exc)  # StopEpoch unless on_error="skip"
         for _, (other, _) in read.sent_items():
             if other in opened:
                 opened[other] += 1
@@ -153,8 +154,8 @@ class ReadFailures:
             while True:
                 waits = pins.waits
                 for shard in per_shard:
-                    with failing(read):
-                        shards.open(shard, again=shard in again)  # waits until cached; may raise (on_error="raise")
+                    with failing(read):  # waits until cached; StopEpoch if it failed, unless skipped
+                        shards.open(shard, again=shard in again)
                     again.discard(shard)
                 if pins.waits == waits:
                     break  # all pinned at once (an open that had to wait let go of the others)
@@ -182,8 +183,9 @@ class ReadFailures:
                     shards.check_download(shard)
 
     def stop_at(self, stop: StopEpoch, end: int | None) -> int:
-        """The first read not handed out, now that on_error's handler said stop at ``stop``
-        (``end``: where an earlier stop ended it): the read that failed, or an earlier one of
+        """The first read not handed out, now that a shard's error ends the epoch at ``stop`` (a
+        handler said stop, or ``on_error="raise"``: its error comes once the reads before are
+        handed out; ``end``: where an earlier stop ended it): the read that failed, or an earlier one of
         the failing shard whose samples are not here (else the next read: what was batched goes
         out). The reads from there on are forgotten, and the shard is let go, so that no read
         before it fails on it again."""
