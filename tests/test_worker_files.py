@@ -8,6 +8,7 @@ loader reads over real sockets; the workers are looked at through /proc.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from tests.helpers.waits import wait_for
 from tests.helpers.workers import read_from_worker, worker_socket
 from wdscache import CachedMultiLoader
 from wdscache.agent.growing import WALK_STEP
+from wdscache.shared.layout import CacheLayout
 
 
 def deleted_files_held(pid: int, under: Path) -> list[str]:
@@ -178,40 +180,109 @@ def test_a_direct_reply_names_a_range_per_block_of_a_ranks_samples_not_the_bytes
         assert header["ok"] and not frames and len(header["files"]) == n_ranges, (items, header.get("files"))
 
 
+def test_any_mix_of_items_gets_each_samples_exact_bytes_and_neighbours_share_a_run(
+    tmp_path, shard_server, dataset, start_agent
+):
+    """A worker serves a stretch of consecutive samples of one tuple of extensions from
+    slices of the shard's table, and the others sample by sample: whatever a read mixes
+    (stretches, single samples, one sample twice, two shards in turns, a sample with another
+    extension, one behind a long PAX header), each sample is its exact bytes, in either mode,
+    and neighbours in a shard share one run."""
+    import random
+    import tarfile
+
+    rng = random.Random(5)
+    path = shard_server.root / "mixed.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(24):
+            key = "k" * 9000 if i == 11 else f"s{i:03d}"  # its PAX headers: 10 KB before each member
+            for ext in ("cls", "jpg", "json", "txt") if i in (7, 15) else ("cls", "jpg", "json"):
+                data = rng.randbytes(rng.randint(50, 1500))
+                info = tarfile.TarInfo(f"{key}.{ext}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    other = dataset(1, samples=10, payload=800, prefix="plain")
+    urls = [shard_server.url(path.name), other.urls[0]]
+    both = tmp_path / "lists" / "both.txt"
+    both.write_text("\n".join(urls) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, both, "--no-shuffle", "--prefetch", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    ref = [list(reference([p], [u]).items()) for p, u in zip([path, other.paths[0]], urls)]
+    assert [len(r) for r in ref] == [24, 10]
+    paths = [CacheLayout.of(cache).shard_path(u) for u in urls]
+    cases = [
+        [(0, j) for j in range(24)],  # the whole shard in order
+        [*[(0, j) for j in range(7)], *[(1, j) for j in range(5)], (0, 7), (0, 8)],  # in turns
+        [(0, 9), (0, 10), (0, 11), (0, 12), (0, 13), (1, 9), (1, 8)],  # a long header among them
+        [(0, 20), (0, 2), (0, 2), (1, 3), (0, 13), (0, 12), (0, 14)],  # mostly single samples
+        [(1, j) for j in (0, 1, 2, 3, 3, 4, 5, 9)],  # a sample twice in a stretch
+    ]
+    for direct in (False, True):
+        for items in cases:
+            header, frames = read_from_worker(cache, urls, items, direct=direct)
+            assert header["ok"], (items, header)
+            files = header.get("files", [])
+            for (k, j), key, exts, span in zip(items, header["keys"], header["exts"], header["spans"]):
+                if span[0] < len(frames):
+                    source, base = frames[span[0]], 0
+                else:  # a range of the cache file, read here as the consumer reads it
+                    shard, base, _, *_ = files[span[0] - len(frames)]
+                    assert shard == k, (items, files)
+                    source = paths[k].read_bytes()
+                got = {
+                    ext: hashlib.sha256(source[base + off : base + off + size]).hexdigest()
+                    for ext, off, size in zip(exts, span[1::2], span[2::2])
+                }
+                (_, want_key), want = ref[k][j]
+                assert (key, got) == (want_key, want), (direct, items, k, j)
+    # A range per run: shard 0's samples 0-8 are one however they come (7 has another
+    # extension), shard 1's 0-4 another; the long header parts 10 from 11; and a sample
+    # asked for before the one asked last starts a run, as a sample asked twice does.
+    runs = {
+        1: 2,
+        2: 4,  # 9-10, 11-13, shard 1's 9, its 8
+        3: 6,  # 20, 2, 2 again, shard 1's 3, 13, 12 with 14
+    }
+    for case, n in runs.items():
+        header, _ = read_from_worker(cache, urls, cases[case], direct=True)
+        assert len(header["files"]) == n, (cases[case], header["files"])
+    # a sample past the end, alone or at the end of a stretch: the read fails, naming it
+    for items in ([(0, 24)], [(0, 22), (0, 23), (0, 24)], [(1, 8), (1, 9), (1, 10), (1, 11)]):
+        header, _ = read_from_worker(cache, urls, items)
+        assert not header["ok"] and header["kind"] == "protocol", header
+        assert "has no sample" in header["error"], header
+
+
 def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     from wdscache.agent import reply_frames
 
-    def frames_of(runs: list, spans: list, room: int = reply_frames.GATHER_MAX) -> list[bytes]:
-        frames, ranges = reply_frames.ReplyFrames().make(runs, spans, room, {})
+    def frames_of(runs: list, room: int = reply_frames.GATHER_MAX) -> tuple[list[bytes], list[tuple[int, int]]]:
+        frames, ranges, places = reply_frames.ReplyFrames().make(runs, room, {})
         assert ranges == []
-        return [bytes(f) for f in frames]
+        return [bytes(f) for f in frames], places
 
     short = reply_frames.GATHER_BELOW - 1
     runs = [(bytes([i]) * size, 0, size) for i, size in enumerate([10, reply_frames.GATHER_BELOW, 20, 30])]
-    spans = [[0, 0, 10], [1, 5, 100], [2, 0, 20], [3, 1, 29]]
-    frames = frames_of(runs, spans)
+    frames, places = frames_of(runs)
     assert [len(f) for f in frames] == [60, reply_frames.GATHER_BELOW]  # the short ones copied together, first
-    assert spans == [[0, 0, 10], [1, 5, 100], [0, 10, 20], [0, 31, 29]]
+    assert places == [(0, 0), (1, 0), (0, 10), (0, 30)]  # each run's frame, and where in it the run starts
     # past the room (GATHER_MAX, or what the worker's budget leaves), runs go as they are
     many = [(bytes([i]) * short, 0, short) for i in range(40)]
-    spans = [[i, 3, 1] for i in range(40)]
-    frames = frames_of(many, spans)
+    frames, places = frames_of(many)
     copied = reply_frames.GATHER_MAX // short
     assert len(frames[0]) == copied * short and len(frames) == 1 + 40 - copied
-    assert all(frames[f][off] == i for i, (f, off, _) in enumerate(spans))
-    spans = [[i, 3, 1] for i in range(3)]
-    assert len(frames_of(many[:3], spans, room=0)) == 3
+    assert all(frames[f][base + 3] == i for i, (f, base) in enumerate(places))
+    assert len(frames_of(many[:3], room=0)[0]) == 3
     # one short run alone gains nothing from a copy
-    spans = [[0, 0, 5]]
-    assert frames_of(runs[:1], spans) == [runs[0][0]] and spans == [[0, 0, 5]]
+    assert frames_of(runs[:1]) == ([runs[0][0]], [(0, 0)])
     # runs of a file the consumer reads itself are named, never touched, and numbered after the frames
     mapped = object()
     files = {mapped: [3, 1, 2, 3, 4]}
     runs = [(mapped, 100, 200), (b"a" * 10, 0, 10), (b"b" * 20, 0, 20)]
-    spans = [[0, 7, 9], [1, 0, 10], [2, 0, 20]]
-    frames, ranges = reply_frames.ReplyFrames().make(runs, spans, reply_frames.GATHER_MAX, files)
+    frames, ranges, places = reply_frames.ReplyFrames().make(runs, reply_frames.GATHER_MAX, files)
     assert [bytes(f) for f in frames] == [b"a" * 10 + b"b" * 20] and ranges == [[3, 100, 100, 1, 2, 3, 4]]
-    assert spans == [[1, 7, 9], [0, 0, 10], [0, 10, 20]]
+    assert places == [(1, 0), (0, 0), (0, 10)]
 
 
 def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, shard_server, dataset, start_agent):

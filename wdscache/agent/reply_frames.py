@@ -49,15 +49,15 @@ class ReplyFrames:
         self.copies: list[tuple[zmq.MessageTracker, int]] = []  # replies' copied frames not yet sent
 
     def of(
-        self, runs: list[list[Any]], spans: list[list[int]], files: dict[Any, list[int]]
-    ) -> tuple[list[Any], list[list[int]]]:
-        """A reply's frames and file ranges for ``runs`` (see :meth:`make`), within the copy budget left."""
+        self, runs: list[list[Any]], files: dict[Any, list[int]]
+    ) -> tuple[list[Any], list[list[int]], list[tuple[int, int]]]:
+        """A reply's frames, file ranges and runs' places for ``runs`` (see :meth:`make`), within the copy budget left."""
         self.copies = [(tracker, n) for tracker, n in self.copies if not tracker.done]
         room = GATHER_BUDGET - sum(n for _, n in self.copies)
-        frames, ranges = self.make(runs, spans, min(GATHER_MAX, room), files)
+        frames, ranges, places = self.make(runs, min(GATHER_MAX, room), files)
         if frames and isinstance(frames[0], zmq.Frame):
             self.copies.append((frames[0].tracker, len(frames[0])))
-        return frames, ranges
+        return frames, ranges, places
 
     def forget(self, view: Any) -> None:
         """``view`` was let go (its file evicted or replaced): its pages go with its mapping."""
@@ -89,15 +89,16 @@ class ReplyFrames:
         return frame
 
     def make(
-        self, runs: list[list[Any]], spans: list[list[int]], room: int, files: dict[Any, list[int]]
-    ) -> tuple[list[Any], list[list[int]]]:
-        """The reply's frames and file ranges for ``runs``.
+        self, runs: list[list[Any]], room: int, files: dict[Any, list[int]]
+    ) -> tuple[list[Any], list[list[int]], list[tuple[int, int]]]:
+        """The reply's frames and file ranges for ``runs`` (``[source, start, end]``), and
+        each run's place: the number of the frame that holds it (file ranges numbered after
+        the frames) and where in that frame its first byte lies.
 
         Runs of ``files`` (views the consumer reads itself) become file ranges; short runs
         (two or more) are copied together, up to ``room`` bytes, into the first frame (a
         tracked :class:`zmq.Frame`); the others go as they are (zero-copy, unless pyzmq
-        copies a small one itself). ``spans`` (``[run, offset
-        in run, size, ...]``) are made to name frames (file ranges after them) and offsets.
+        copies a small one itself).
         """
         frames: list[Any] = []
         ranges: list[list[int]] = []
@@ -132,10 +133,4 @@ class ReplyFrames:
                 if source is not None:  # copied from the mapping: its pages can go at the next drop
                     self.served[source].append((None, start, start + len(piece)))
         first = {"frame": int(len(short) > 1), "file": len(frames)}
-        for span in spans:
-            kind, n = where[span[0]]
-            span[0], base = (0, n) if kind == "short" else (first[kind] + n, 0)
-            if base:
-                for i in range(1, len(span), 2):
-                    span[i] += base
-        return frames, ranges
+        return frames, ranges, [(0, n) if kind == "short" else (first[kind] + n, 0) for kind, n in where]

@@ -21,6 +21,7 @@ import operator
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any, overload
 
 from ..shared.samples import SampleSpan
@@ -134,6 +135,23 @@ class PackedSamples(Sequence[SampleSpan]):
             self.keys[self.key_ends[i - 1] if i else 0 : self.key_ends[i]],
             exts,
             self.numbers[at : at + 2 * len(exts)].tolist(),
+        )
+
+    def run_of(self, i: int, n: int) -> tuple[list[str], int, array[int]] | None:
+        """Samples ``i`` to ``i + n - 1`` (``0 <= i``, ``i + n <= len(self)``, ``n >= 1``) at
+        once, if they have one tuple of extensions: their keys, its index in ``layouts``, and
+        their ``[offset, size, ...]`` one after another (a worker serving them in archive
+        order builds its reply from these slices, not sample by sample). None if they differ."""
+        layout = self.layout_of[i]
+        if n > 1 and self.layout_of[i : i + n].count(layout) != n:
+            return None
+        ends, keys = self.key_ends, self.keys
+        firsts = ends[i - 1 : i + n - 1] if i else chain((0,), ends[: n - 1])
+        at = self.starts[i]
+        return (
+            [keys[a:b] for a, b in zip(firsts, ends[i : i + n])],
+            layout,
+            self.numbers[at : at + 2 * len(self.layouts[layout]) * n],
         )
 
     def __eq__(self, other: object) -> bool:

@@ -71,8 +71,11 @@ import os
 import signal
 import sys
 import time
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import add, ne, or_, sub
 from pathlib import Path
 from typing import Any
 
@@ -315,72 +318,108 @@ class _Worker:
             raise ProtocolError("bad read request")
         keys: list[str] = []
         layouts: dict[tuple[str, ...], int] = {}  # the distinct tuples of extensions, numbered
-        layout_of: list[int] = []  # per sample
-        spans: list[list[int]] = []
+        # The sample table's rows in item order, a chunk of them at a time: (their run, row
+        # length, rows), each row ``layout, frame, offset, size, ...`` with offsets in the
+        # shard until the runs are made into frames, which then sets both.
+        chunks: list[tuple[int, int, list[int]]] = []
         # Runs of bytes: (a mapped ShardView or a bytes block, start, end). Samples next to
         # each other in a shard share a run, so a request read in archive order costs one
         # run, not one per field; ReplyFrames makes the runs into frames.
         runs: list[list[Any]] = []  # [source, start, end]
-        shards: list[tuple[Any, Any, int, int]] = []  # per URL: its view, placer, sample count, merge gap
+        # Per URL: its view, its samples and their placer (None: a download's), their count, its merge gap.
+        shards: list[tuple[Any, Any, Any, int, int]] = []
         files: dict[Any, list[int]] = {}  # published plain shards the consumer reads: [url index, *identity]
         for k, url in enumerate(urls):  # once per shard, not per sample
             view = self.shards.readable(url)
             if isinstance(view, GrowingShard):
-                shards.append((view, None, 0, 0))
+                shards.append((view, None, None, 0, 0))
                 continue
             if direct and isinstance(view, ShardView):
                 files[view] = [k, *view.identity]
             samples = view.samples
             placer = samples.placed if isinstance(samples, PackedSamples) else functools.partial(placed, samples)
-            shards.append((view, placer, len(samples), DIRECT_GAP if view in files else MERGE_GAP))
+            shards.append((view, samples, placer, len(samples), DIRECT_GAP if view in files else MERGE_GAP))
         nbytes = 0
         n_urls = len(urls)
         # Each shard's latest run and its index in ``runs``: a request that takes turns between
         # shards (a mixture's sources) still costs a run per stretch of a shard, not per sample.
         latest: list[tuple[list[Any], int] | None] = [None] * n_urls
-        pairs = iter(numbers)
-        for k, j in zip(pairs, pairs):  # per sample: kept to a few C-level calls (see PackedSamples.placed)
-            if k >= n_urls:
-                raise ProtocolError("read item names no URL")
-            view, placer, count, gap = shards[k]
-            if placer is None:  # a download under way
-                if j >= len(view.samples):
-                    self.shards.walk(urls[k], view, j)
-                if j >= len(view.samples):
-                    raise NotYet(f"{urls[k]} has no complete sample {j} yet")
-                span, block, first = view.read(j)
-                key, names, place = placed((span,), 0)
-                run, at = [block, first, first + len(block)], len(runs)
-                runs.append(run)
-            else:
-                if j >= count:
-                    raise ProtocolError(f"{urls[k]} has no sample {j}")
-                key, names, place = placer(j)
-                first, end = place[0], place[-2] + place[-1]
-                last = latest[k]
-                if last is not None and 0 <= first - last[0][2] <= gap:
-                    run, at = last
-                    run[2] = end
-                else:
-                    run, at = [view, first, end], len(runs)
+        shard_of, index_of = numbers[0::2], numbers[1::2]
+        if n_items and max(shard_of) >= n_urls:
+            raise ProtocolError("read item names no URL")
+        # Where each stretch of items that are consecutive samples of one shard begins (found in
+        # C): a read in archive order is a few stretches, each served from slices of the table.
+        breaks = map(
+            or_, map(ne, shard_of[1:], shard_of[:-1]), map(ne, map(sub, index_of[1:], index_of[:-1]), repeat(1))
+        )
+        begins = [0, *compress(range(1, n_items), breaks)] if n_items else []
+        by_stretch = 2 * len(begins) <= n_items
+        if not by_stretch:  # mostly single samples (a shuffled read): all in one loop
+            begins = begins[:1]
+        for a, b in zip(begins, [*begins[1:], n_items]):
+            k, j = shard_of[a], index_of[a]
+            view, samples, placer, count, gap = shards[k]
+            one_run = by_stretch and b - a > 1 and placer is not None and j + b - a <= count
+            stretch = samples.run_of(j, b - a) if one_run and isinstance(samples, PackedSamples) else None
+            if stretch is not None:
+                names, row, stride, first, end = _stretch(samples.layouts[stretch[1]], stretch[2], gap)
+                if row is not None:  # one run: a row per sample from slices of the shard's table
+                    last = latest[k]
+                    if last is not None and 0 <= first - last[0][2] <= gap:
+                        run, at = last
+                        run[2] = end
+                    else:
+                        run, at = [view, first, end], len(runs)
+                        runs.append(run)
+                        latest[k] = (run, at)
+                    row[0::stride] = [layouts.setdefault(names, len(layouts))] * (b - a)
+                    chunks.append((at, stride, row))
+                    keys += stretch[0]
+                    nbytes += sum(stretch[2][1::2])
+                    continue
+            for k, j in zip(shard_of[a:b], index_of[a:b]):  # sample by sample
+                view, samples, placer, count, gap = shards[k]
+                if placer is None:  # a download under way
+                    if j >= len(view.samples):
+                        self.shards.walk(urls[k], view, j)
+                    if j >= len(view.samples):
+                        raise NotYet(f"{urls[k]} has no complete sample {j} yet")
+                    span, block, first = view.read(j)
+                    key, names, place = placed((span,), 0)
+                    run, at = [block, first, first + len(block)], len(runs)
                     runs.append(run)
-                    latest[k] = (run, at)
-            base = run[1]
-            place[0::2] = [offset - base for offset in place[0::2]]
-            place.insert(0, at)
-            spans.append(place)
-            keys.append(key)
-            layout = layouts.get(names)
-            if layout is None:
-                layout = layouts[names] = len(layouts)
-            layout_of.append(layout)
-            nbytes += sum(place[2::2])
+                else:
+                    if j >= count:
+                        raise ProtocolError(f"{urls[k]} has no sample {j}")
+                    key, names, place = placer(j)
+                    first, end = place[0], place[-2] + place[-1]
+                    last = latest[k]
+                    if last is not None and 0 <= first - last[0][2] <= gap:
+                        run, at = last
+                        run[2] = end
+                    else:
+                        run, at = [view, first, end], len(runs)
+                        runs.append(run)
+                        latest[k] = (run, at)
+                keys.append(key)
+                place[0:0] = (layouts.setdefault(names, len(layouts)), 0)
+                chunks.append((at, len(place), place))
+                nbytes += sum(place[3::2])
         self.bytes += nbytes
-        frames, ranges = self.frames.of(runs, spans, files)
+        frames, ranges, places = self.frames.of(runs, files)
         table: list[int] = []
-        for layout, span in zip(layout_of, spans):
-            table.append(layout)
-            table += span
+        for at, stride, row in chunks:
+            frame, base = places[at]
+            shift = base - runs[at][1]  # from the shard to the frame
+            if stride == len(row):  # one sample
+                row[1] = frame
+                for i in range(2, stride, 2):
+                    row[i] += shift
+            else:
+                row[1::stride] = [frame] * (len(row) // stride)
+                for i in range(2, stride, 2):
+                    row[i::stride] = [offset + shift for offset in row[i::stride]]
+            table += row
         self.requests += 1
         self.samples += n_items
         reply: SamplesReply = {
@@ -407,6 +446,33 @@ class _Worker:
         self.sock.close(0)
         self.report.close(0)
         self.ctx.term()
+
+
+def _stretch(
+    names: tuple[str, ...], numbers: array[int], gap: int
+) -> tuple[tuple[str, ...], list[int] | None, int, int, int]:
+    """Consecutive samples of a shard, of extensions ``names`` and ``[offset, size, ...]``
+    ``numbers`` (:meth:`PackedSamples.run_of`), as one run of bytes: its extensions, its
+    rows of the sample table (each ``0, 0, offset, size, ...``, ``stride`` long),
+    and where the run starts and ends. The rows are None if the samples lie further apart
+    than ``gap``: then they are not one run."""
+    width = 2 * len(names)
+    stride = width + 2
+    first, end = numbers[0], numbers[-2] + numbers[-1]
+    if len(numbers) > width:  # every sample's first byte, less the end of the one before it
+        gaps = list(
+            map(
+                sub,
+                numbers[width::width],
+                map(add, numbers[width - 2 : -width : width], numbers[width - 1 : -width : width]),
+            )
+        )
+        if min(gaps) < 0 or max(gaps) > gap:
+            return names, None, stride, first, end
+    row = [0] * (len(numbers) // width * stride)
+    for i in range(width):
+        row[2 + i :: stride] = numbers[i::width]
+    return names, row, stride, first, end
 
 
 def _scanned(rid: Any, count: int, final: bool) -> ScannedReply:
