@@ -291,6 +291,14 @@ MIB = 1 << 20
         ([[(i * MIB, 1000), (i * MIB + 1536, 60)] for i in range(3)], 2 * MIB + 1596, 6),
         # one payload: nothing to save
         ([[(0, 500)]], 500, 1),
+        # small samples of two tuples of extensions (rows of two lengths): the range at once
+        (
+            [[(i * 4096, 1000), (i * 4096 + 1536, 3), *([(i * 4096 + 2048, 60)] if i % 2 else [])] for i in range(16)],
+            16 * 4096,
+            1,
+        ),
+        # large samples of two tuples of extensions: payload by payload
+        ([[(i * 120_000, 110_000), *([(i * 120_000 + 110_592, 60)] if i % 2 else [])] for i in range(4)], 480_000, 6),
     ],
 )
 def test_a_file_range_is_read_whole_only_where_that_saves_syscalls(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 from array import array
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from operator import attrgetter, itemgetter
 from typing import Any, Protocol
@@ -166,12 +167,20 @@ def read_dense(frames: list[Any], table: array[int], layouts: list[tuple[str, ..
     more (small samples in archive order, every other one of them for one of two DataLoader
     workers, or the few payloads of one small sample). The others (large samples, or a few
     scattered over a long range, as a shuffled read makes) stay ranges, read payload by
-    payload. The table is only walked here; the caller checks each sample."""
+    payload. The table is only read here (a bad one can only make a range read whole or not):
+    the caller checks each sample."""
     members = [0] * (len(frames) - first)
-    for names, frame, _ in table_rows(table, layouts):
-        k = frame - first
-        if 0 <= k < len(members):
-            members[k] += len(names)
+    widths = {len(names) for names in layouts}
+    if len(widths) == 1:  # rows of one length: the column of frames is a slice, counted in C
+        width = widths.pop()
+        per_frame = Counter(table[1 :: 2 + 2 * width])
+        for k in range(len(members)):
+            members[k] = per_frame[first + k] * width
+    else:
+        for names, frame, _ in table_rows(table, layouts):
+            k = frame - first
+            if 0 <= k < len(members):
+                members[k] += len(names)
     for k, m in enumerate(members):
         whole = len(frames[first + k])
         if m > 1 and whole <= PREAD_BYTES * (m - 1):
