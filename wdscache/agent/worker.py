@@ -362,20 +362,16 @@ class _Worker:
             one_run = by_stretch and b - a > 1 and placer is not None and j + b - a <= count
             stretch = samples.run_of(j, b - a) if one_run and isinstance(samples, PackedSamples) else None
             if stretch is not None:
-                names, row, stride, first, end = _stretch(samples.layouts[stretch[1]], stretch[2], gap)
+                got, layout, fields = stretch
+                names = samples.layouts[layout]
+                row = _rows(fields, 2 * len(names), gap)
                 if row is not None:  # one run: a row per sample from slices of the shard's table
-                    last = latest[k]
-                    if last is not None and 0 <= first - last[0][2] <= gap:
-                        run, at = last
-                        run[2] = end
-                    else:
-                        run, at = [view, first, end], len(runs)
-                        runs.append(run)
-                        latest[k] = (run, at)
+                    at = _joined(runs, latest, k, view, fields[0], fields[-2] + fields[-1], gap)
+                    stride = 2 * len(names) + 2
                     row[0::stride] = [layouts.setdefault(names, len(layouts))] * (b - a)
                     chunks.append((at, stride, row))
-                    keys += stretch[0]
-                    nbytes += sum(stretch[2][1::2])
+                    keys += got
+                    nbytes += sum(fields[1::2])
                     continue
             for k, j in zip(shard_of[a:b], index_of[a:b]):  # sample by sample
                 view, samples, placer, count, gap = shards[k]
@@ -386,21 +382,13 @@ class _Worker:
                         raise NotYet(f"{urls[k]} has no complete sample {j} yet")
                     span, block, first = view.read(j)
                     key, names, place = placed((span,), 0)
-                    run, at = [block, first, first + len(block)], len(runs)
-                    runs.append(run)
+                    at = len(runs)
+                    runs.append([block, first, first + len(block)])
                 else:
                     if j >= count:
                         raise ProtocolError(f"{urls[k]} has no sample {j}")
                     key, names, place = placer(j)
-                    first, end = place[0], place[-2] + place[-1]
-                    last = latest[k]
-                    if last is not None and 0 <= first - last[0][2] <= gap:
-                        run, at = last
-                        run[2] = end
-                    else:
-                        run, at = [view, first, end], len(runs)
-                        runs.append(run)
-                        latest[k] = (run, at)
+                    at = _joined(runs, latest, k, view, place[0], place[-2] + place[-1], gap)
                 keys.append(key)
                 place[0:0] = (layouts.setdefault(names, len(layouts)), 0)
                 chunks.append((at, len(place), place))
@@ -448,31 +436,43 @@ class _Worker:
         self.ctx.term()
 
 
-def _stretch(
-    names: tuple[str, ...], numbers: array[int], gap: int
-) -> tuple[tuple[str, ...], list[int] | None, int, int, int]:
-    """Consecutive samples of a shard, of extensions ``names`` and ``[offset, size, ...]``
-    ``numbers`` (:meth:`PackedSamples.run_of`), as one run of bytes: its extensions, its
-    rows of the sample table (each ``0, 0, offset, size, ...``, ``stride`` long),
-    and where the run starts and ends. The rows are None if the samples lie further apart
-    than ``gap``: then they are not one run."""
-    width = 2 * len(names)
-    stride = width + 2
-    first, end = numbers[0], numbers[-2] + numbers[-1]
-    if len(numbers) > width:  # every sample's first byte, less the end of the one before it
-        gaps = list(
-            map(
-                sub,
-                numbers[width::width],
-                map(add, numbers[width - 2 : -width : width], numbers[width - 1 : -width : width]),
-            )
-        )
+def _joined(
+    runs: list[list[Any]],
+    latest: list[tuple[list[Any], int] | None],
+    k: int,
+    view: Any,
+    first: int,
+    end: int,
+    gap: int,
+) -> int:
+    """The index in ``runs`` of the run that bytes ``[first, end)`` of shard ``k`` (``view``)
+    go in: the shard's latest run if they start at most ``gap`` bytes after its end (it then
+    ends at ``end``), else a new one, which becomes the shard's latest."""
+    last = latest[k]
+    if last is not None and 0 <= first - last[0][2] <= gap:
+        last[0][2] = end
+        return last[1]
+    run = [view, first, end]
+    runs.append(run)
+    latest[k] = (run, len(runs) - 1)
+    return len(runs) - 1
+
+
+def _rows(fields: array[int], width: int, gap: int) -> list[int] | None:
+    """Rows of the sample table for consecutive samples of a shard whose ``width`` numbers
+    each (``offset, size, ...``) are ``fields``, one sample after another
+    (:meth:`PackedSamples.run_of`): each ``0, 0, offset, size, ...``, its layout and frame
+    left for the caller. None unless each sample starts at most ``gap`` bytes after the one
+    before it ends: else they are not one run."""
+    if len(fields) > width:  # every sample's first byte, less the end of the one before it
+        ends = map(add, fields[width - 2 : -width : width], fields[width - 1 : -width : width])
+        gaps = list(map(sub, fields[width::width], ends))
         if min(gaps) < 0 or max(gaps) > gap:
-            return names, None, stride, first, end
-    row = [0] * (len(numbers) // width * stride)
+            return None
+    row = [0] * (len(fields) // width * (width + 2))
     for i in range(width):
-        row[2 + i :: stride] = numbers[i::width]
-    return names, row, stride, first, end
+        row[2 + i :: width + 2] = fields[i::width]
+    return row
 
 
 def _scanned(rid: Any, count: int, final: bool) -> ScannedReply:
