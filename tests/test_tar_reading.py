@@ -898,6 +898,53 @@ def test_growing_shard_asked_for_a_sample_walks_a_step_past_it(tmp_path: Path) -
         stepped.close()
 
 
+def test_a_walk_of_a_published_shard_counts_its_last_sample_once_it_reaches_the_end(tmp_path: Path) -> None:
+    # A worker reads a shard published before it knew its samples as a walk of the file: the file
+    # never grows, so the end of the walk ends the last sample (a download's walk cannot tell).
+    n = 2 * WALK_STEP + 3
+    path = make_shard(tmp_path / "published.tar", synth_samples(0, n, payload=10))
+    full = scan(path.read_bytes(), url="u")
+    view = GrowingShard(path, url="u", published=True)
+    try:
+        view.refresh(n - 1)  # asked for the last sample: the walk reaches the end
+        assert view.samples == full
+        assert view.read(n - 1)[0] == full[-1]
+        view.refresh()
+        assert view.samples == full  # nothing found twice
+        with open(path, "rb") as f:
+            assert view.complete(f.fileno(), "u") == full
+    finally:
+        view.close()
+    stepped = GrowingShard(path, url="u", published=True)
+    try:
+        stepped.refresh(0)  # a step, not the end: its last group may go on
+        assert stepped.samples == full[: WALK_STEP + 1]
+        stepped.refresh()
+        assert stepped.samples == full
+    finally:
+        stepped.close()
+    download = GrowingShard(path, url="u")
+    try:
+        download.refresh()
+        assert download.samples == full[:-1]  # the same bytes as a download so far: the last may grow
+    finally:
+        download.close()
+    # Cut short, a published file is damaged: its walk says so where a download's waits for more.
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(path.read_bytes()[: full[-1].fields[-1][1] + 5])
+    for published in (True, False):
+        walker = GrowingShard(cut, url="u", published=published)
+        try:
+            if published:
+                with pytest.raises(ShardError, match="truncated"):
+                    walker.refresh(n - 1)
+            else:
+                walker.refresh(n - 1)
+                assert walker.samples == full[:-1]
+        finally:
+            walker.close()
+
+
 def test_a_damaged_header_is_named_at_its_own_byte_however_far_the_walk_got(tmp_path: Path) -> None:
     # Walks of a download resume where the last complete sample ended; the error still names the
     # byte of the shard where the bad header is, as a walk of the whole file does.

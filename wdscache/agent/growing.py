@@ -35,15 +35,17 @@ class GrowingShard:
 
     A sample is complete once a member of the next sample has arrived, so the
     last one is known only from the finished file (read that with
-    :func:`~wdscache.agent.shardview.open_shard`).  Each :meth:`refresh` walks only the headers that
+    :func:`~wdscache.agent.shardview.open_shard`), or, for a walk of a file already
+    published (``published``: it never grows, and cut short it is damaged), once
+    the walk reaches its end.  Each :meth:`refresh` walks only the headers that
     arrived since the last complete sample.  Payloads are read with ``pread``,
     never mapped: the download may truncate the file to start over, which would
     fault a mapping; here it only gives a short read (:class:`NotYet`).  A
     gzip'd download shows no samples: it is read once decompressed and published.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, url: str) -> None:
-        self.url, self.path = url, os.fspath(path)
+    def __init__(self, path: str | os.PathLike[str], *, url: str, published: bool = False) -> None:
+        self.url, self.path, self.published = url, os.fspath(path), published
         self._fd = os.open(self.path, os.O_RDONLY)  # FileNotFoundError: no download under way
         self._reset()
 
@@ -90,14 +92,17 @@ class GrowingShard:
         # Samples up to needed + WALK_STEP, and one more group: the last one taken may not be complete.
         most = None if needed is None or self._from_start else max(needed - len(self.samples), 0) + WALK_STEP + 2
         try:
-            members = walk_from(self._fd, start, size, self.url, prefix=True, global_pax=pax)
+            # A published file is whole: cut short, it is damaged (a download's is only not there yet).
+            members = walk_from(self._fd, start, size, self.url, prefix=not self.published, global_pax=pax)
             groups = list(islice(group_samples(members, self.url, base=start), most))
         except ShardError as exc:
             problem = tar_problem(os.pread(self._fd, HEAD_BYTES, 0)) if start == 0 and exc.offset == 0 else None
             if problem:  # say what came instead of a tar (an HTML page served with status 200, say)
                 raise ShardError(self.url, problem, offset=0) from None
             raise
-        complete = [span for span, _ in groups[:-1]]  # the last may not be
+        # The last may not be complete, unless the walk took every member of a published file.
+        ended = self.published and (most is None or len(groups) < most)
+        complete = [span for span, _ in (groups if ended else groups[:-1])]
         if pax or self._from_start:
             # A global PAX header: where exactly it took effect is not tracked, so from now
             # on every look walks from the start (rare in WebDataset shards).
@@ -108,7 +113,7 @@ class GrowingShard:
             self.samples = complete
         elif groups:
             self.samples.extend(complete)
-            self._resume = groups[-1][1]
+            self._resume = size if ended else groups[-1][1]
 
     def complete(self, fd: int, url: str) -> list[SampleSpan] | None:
         """All samples of the finished file open as ``fd``, if it is the file we have been
@@ -116,7 +121,10 @@ class GrowingShard:
         of the rest. None if it is another file, or if we kept no usable place to resume."""
         if self._gzip is not False or self._from_start or os.fstat(fd).st_ino != os.fstat(self._fd).st_ino:
             return None
-        members = walk_from(fd, self._resume, os.fstat(fd).st_size, url)
+        size = os.fstat(fd).st_size
+        if self._resume >= size:  # a published file walked to its end
+            return list(self.samples)
+        members = walk_from(fd, self._resume, size, url)
         return self.samples + [span for span, _ in group_samples(members, url, base=self._resume)]
 
     def read(self, i: int) -> tuple[SampleSpan, bytes, int]:

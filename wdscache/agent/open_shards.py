@@ -165,13 +165,13 @@ class OpenShards:
             if walker is None:
                 growing = self.growing.pop(url, None)
                 if growing is None:
-                    walker = self.walking[url] = GrowingShard(self.layout.shard_path(url), url=url)
+                    walker = self.walking[url] = GrowingShard(self.layout.shard_path(url), url=url, published=True)
             if walker is not None:
                 before = len(walker.samples)
                 self.walk(url, walker, before)
                 if len(walker.samples) > before:
                     return  # more next time
-                # Walked but for its last sample, which only the end of the file shows complete.
+                # Walked to its end: the view takes the samples found over.
                 growing = self.walking.pop(url)
             self.to_index.popleft()
             self._open(self.layout.shard_path(url), url, growing).close()
@@ -269,7 +269,7 @@ class OpenShards:
             return None
         walker = self.walking.get(url)
         if walker is None:
-            walker = self.walking[url] = GrowingShard(path, url=url)
+            walker = self.walking[url] = GrowingShard(path, url=url, published=True)
         if not self.to_index or self.to_index[0] != url:
             if url in self.to_index:
                 self.to_index.remove(url)
