@@ -359,8 +359,8 @@ class _Worker:
         for a, b in zip(begins, [*begins[1:], n_items]):
             k, j = shard_of[a], index_of[a]
             view, samples, placer, count, gap = shards[k]
-            one_run = by_stretch and b - a > 1 and placer is not None and j + b - a <= count
-            stretch = samples.run_of(j, b - a) if one_run and isinstance(samples, PackedSamples) else None
+            one_run = by_stretch and b - a > 1 and j + b - a <= count and isinstance(samples, PackedSamples)
+            stretch = samples.run_of(j, b - a) if one_run else None
             if stretch is not None:
                 got, layout, fields = stretch
                 names = samples.layouts[layout]
