@@ -64,8 +64,9 @@ def test_real_shards_stream_like_webdataset_with_direct_reads_on_and_off(
         ranges.clear()
         with CachedMultiLoader(cache_dir=cache, shuffle=False, direct_reads=direct, timeout=30) as loader:
             got = list(loader)
-        # read from the files: every shard with direct reads (sample.tgz is cached as its tar), none without
-        assert set(ranges) == (set(urls) if direct else set()), direct
+        # read from the files: every shard with direct reads (sample.tgz is cached as its tar) but
+        # compressed.tar, whose three samples are too few bytes for a pread, none without
+        assert set(ranges) == (set(urls[1:]) if direct else set()), direct
         assert [(s["__url__"], s["__key__"]) for s in got] == list(ref), direct
         assert digests(got) == ref, direct
         assert all(isinstance(v, bytes) for s in got for k, v in s.items() if not k.startswith("__"))

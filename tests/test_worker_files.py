@@ -164,20 +164,46 @@ def test_scattered_samples_come_in_one_copied_frame_long_runs_in_their_own(
             assert (key, got) == (want_key, want), (items, k, j)
 
 
-def test_a_direct_reply_names_a_range_per_block_of_a_ranks_samples_not_the_bytes_between(
+def test_a_direct_reply_names_a_range_per_block_of_a_ranks_samples_and_copies_runs_too_short_for_a_pread(
     tmp_path, shard_server, dataset, start_agent
 ):
-    data = dataset(1, samples=16, payload=1000)
+    from wdscache.shared.protocol import PREAD_BYTES
+
+    # samples of about 5.5 KB in the tar: two in a row are a run worth a pread, one between two is a gap to read
+    large = dataset(1, samples=16, payload=3000, prefix="large")
+    small = dataset(1, samples=16, payload=300, prefix="small", list_name="small.txt")  # about 2.8 KB
+    urls = large.urls + small.urls
+    both = tmp_path / "lists" / "both.txt"
+    both.write_text("\n".join(urls) + "\n")
     cache = tmp_path / "cache"
-    agent = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "1")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the shard cached")
+    agent = start_agent(cache, both, "--no-shuffle", "--prefetch", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    ref = [list(reference(d.paths, d.urls).items()) for d in (large, small)]
+    paths = [CacheLayout.of(cache).shard_path(u) for u in urls]
     cases = [
-        ([(0, 0), (0, 2), (0, 4)], 1),  # every other sample (one of two DataLoader workers): one range
-        ([(0, 0), (0, 1), (0, 8), (0, 9)], 2),  # two blocks of a rank, others' samples between: two
+        ([(0, 0), (0, 2), (0, 4)], 1, 0),  # every other sample (one of two DataLoader workers): one range
+        ([(0, 0), (0, 1), (0, 8), (0, 9)], 2, 0),  # two blocks of a rank, others' samples between: two
+        ([(1, 3), (1, 9), (1, 0)], 0, 1),  # small samples shuffled: copied into one frame, no range
+        ([(1, 5), (0, 6), (0, 7), (1, 12), (1, 13)], 1, 1),  # both in one reply
     ]
-    for items, n_ranges in cases:
-        header, frames = read_from_worker(cache, data.urls, items, direct=True)
-        assert header["ok"] and not frames and len(header["files"]) == n_ranges, (items, header.get("files"))
+    for items, n_ranges, n_frames in cases:
+        header, frames = read_from_worker(cache, urls, items, direct=True)
+        files = header.get("files", [])
+        assert header["ok"] and (len(files), len(frames)) == (n_ranges, n_frames), (items, files, len(frames))
+        assert all(size >= PREAD_BYTES for _, _, size, *_ in files), files
+        for (k, j), key, exts, span in zip(items, header["keys"], header["exts"], header["spans"]):
+            if span[0] < len(frames):
+                source, base = frames[span[0]], 0
+            else:
+                shard, base, _, *_ = files[span[0] - len(frames)]
+                assert shard == k, files
+                source = paths[k].read_bytes()
+            got = {
+                ext: hashlib.sha256(source[base + off : base + off + size]).hexdigest()
+                for ext, off, size in zip(exts, span[1::2], span[2::2])
+            }
+            (_, want_key), want = ref[k][j]
+            assert (key, got) == (want_key, want), (items, k, j)
 
 
 def test_any_mix_of_items_gets_each_samples_exact_bytes_and_neighbours_share_a_run(
@@ -197,11 +223,12 @@ def test_any_mix_of_items_gets_each_samples_exact_bytes_and_neighbours_share_a_r
         for i in range(24):
             key = "k" * 9000 if i == 11 else f"s{i:03d}"  # its PAX headers: 10 KB before each member
             for ext in ("cls", "jpg", "json", "txt") if i in (7, 15) else ("cls", "jpg", "json"):
-                data = rng.randbytes(rng.randint(50, 1500))
+                # a sample of 9 KB or more: a file range of its own, however it comes (see the runs below)
+                data = rng.randbytes(rng.randint(2500, 3500))
                 info = tarfile.TarInfo(f"{key}.{ext}")
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-    other = dataset(1, samples=10, payload=800, prefix="plain")
+    other = dataset(1, samples=10, payload=8000, prefix="plain")
     urls = [shard_server.url(path.name), other.urls[0]]
     both = tmp_path / "lists" / "both.txt"
     both.write_text("\n".join(urls) + "\n")
@@ -242,7 +269,7 @@ def test_any_mix_of_items_gets_each_samples_exact_bytes_and_neighbours_share_a_r
     runs = {
         1: 2,
         2: 4,  # 9-10, 11-13, shard 1's 9, its 8
-        3: 6,  # 20, 2, 2 again, shard 1's 3, 13, 12 with 14
+        3: 7,  # 20, 2, 2 again, shard 1's 3, 13, 12, 14 (13 between them is more than a pread's worth)
     }
     for case, n in runs.items():
         header, _ = read_from_worker(cache, urls, cases[case], direct=True)
@@ -256,6 +283,7 @@ def test_any_mix_of_items_gets_each_samples_exact_bytes_and_neighbours_share_a_r
 
 def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     from wdscache.agent import reply_frames
+    from wdscache.shared.protocol import PREAD_BYTES
 
     def frames_of(runs: list, room: int = reply_frames.GATHER_MAX) -> tuple[list[bytes], list[tuple[int, int]]]:
         frames, ranges, places = reply_frames.ReplyFrames().make(runs, room, {})
@@ -276,13 +304,24 @@ def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     assert len(frames_of(many[:3], room=0)[0]) == 3
     # one short run alone gains nothing from a copy
     assert frames_of(runs[:1]) == ([runs[0][0]], [(0, 0)])
-    # runs of a file the consumer reads itself are named, never touched, and numbered after the frames
-    mapped = object()
+
+    # runs of a file the consumer reads itself are named, never touched, and numbered after the
+    # frames; those too short for a pread are copied with the short runs, while there is room
+    class Mapped:
+        data = bytes(range(256)) * 200
+
+    mapped = Mapped()
     files = {mapped: [3, 1, 2, 3, 4]}
-    runs = [(mapped, 100, 200), (b"a" * 10, 0, 10), (b"b" * 20, 0, 20)]
+    long_run = (mapped, 100, 100 + PREAD_BYTES)
+    runs = [long_run, (b"a" * 10, 0, 10), (b"b" * 20, 0, 20), (mapped, 7, 9)]
     frames, ranges, places = reply_frames.ReplyFrames().make(runs, reply_frames.GATHER_MAX, files)
-    assert [bytes(f) for f in frames] == [b"a" * 10 + b"b" * 20] and ranges == [[3, 100, 100, 1, 2, 3, 4]]
-    assert places == [(1, 0), (0, 0), (0, 10)]
+    assert [bytes(f) for f in frames] == [b"a" * 10 + b"b" * 20 + bytes([7, 8])]
+    assert ranges == [[3, 100, PREAD_BYTES, 1, 2, 3, 4]]
+    assert places == [(1, 0), (0, 0), (0, 10), (0, 30)]
+    frames, ranges, places = reply_frames.ReplyFrames().make(runs, 30, files)  # no room left for the last
+    assert [bytes(f) for f in frames] == [b"a" * 10 + b"b" * 20]
+    assert [r[1:3] for r in ranges] == [[100, PREAD_BYTES], [7, 2]]
+    assert places == [(1, 0), (0, 0), (0, 10), (2, 0)]
 
 
 def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, shard_server, dataset, start_agent):

@@ -3,7 +3,10 @@ and the pages of the mapped shards they were cut from.
 
 Runs of ``GATHER_BELOW`` bytes or more go zero-copy from the mapped shard, each a frame of its
 own; shorter ones are copied together into one frame (the first) while the worker's copy
-budget lasts; runs of a file the consumer reads itself become file ranges, never touched.
+budget lasts; runs of a file the consumer reads itself become file ranges, never touched,
+except those shorter than ``PREAD_BYTES``: a range costs the consumer a ``pread`` and its
+checks, more than the copy of so few bytes costs both sides (a shuffled read of small
+samples is a run per sample), so they are copied with the short runs while the budget lasts.
 
 Guarantees (one worker's thread only):
 
@@ -22,6 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import zmq
+
+from ..shared.protocol import PREAD_BYTES
 
 # Runs shorter than this are copied into one frame per reply, at most GATHER_MAX bytes of
 # them; the rest go zero-copy. pyzmq copies a frame under 64 KiB itself, but releases each
@@ -95,10 +100,10 @@ class ReplyFrames:
         each run's place: the number of the frame that holds it (file ranges numbered after
         the frames) and where in that frame its first byte lies.
 
-        Runs of ``files`` (views the consumer reads itself) become file ranges; short runs
-        (two or more) are copied together, up to ``room`` bytes, into the first frame (a
-        tracked :class:`zmq.Frame`); the others go as they are (zero-copy, unless pyzmq
-        copies a small one itself).
+        Runs of ``files`` (views the consumer reads itself) of ``PREAD_BYTES`` or more become
+        file ranges; short runs (two or more) are copied together, up to ``room`` bytes, into
+        the first frame (a tracked :class:`zmq.Frame`); the others go as they are (zero-copy,
+        unless pyzmq copies a small one itself), or as file ranges if of ``files``.
         """
         frames: list[Any] = []
         ranges: list[list[int]] = []
@@ -108,7 +113,8 @@ class ReplyFrames:
         for source, start, end in runs:
             mapped = not isinstance(source, bytes)  # else a block of a download: already a copy
             ref = files.get(source) if mapped and files else None
-            if ref is not None:
+            # A range worth its pread, or one the room left cannot copy.
+            if ref is not None and (end - start >= PREAD_BYTES or copied + end - start > room):
                 where.append(("file", len(ranges)))
                 ranges.append([ref[0], start, end - start, *ref[1:]])  # never touched here
                 continue

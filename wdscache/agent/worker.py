@@ -27,7 +27,8 @@ which the consumer checks before it uses anything of the reply::
            shuffled epoch makes, costs one frame rather than one per sample
            (:mod:`wdscache.agent.reply_frames`).
            With ``direct`` (a consumer that sees the agent's cache directory), the runs
-           of a published, uncompressed shard are not sent at all: ``files`` (absent
+           of a published, uncompressed shard of PREAD_BYTES or more (shorter ones are
+           copied with the short runs while the budget lasts) are not sent at all: ``files`` (absent
            when empty) names each as a byte range of the cache file of ``urls[k]``,
            with the identity of the file the worker opened
            (:func:`~wdscache.shared.layout.file_identity`), and frame numbers past the last frame
