@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from collections import Counter
 from collections.abc import Iterable
 from datetime import timedelta
@@ -18,7 +19,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wdscache import CachedMultiLoader
-from wdscache.shared.sequence import BLOCK, IdRun, RankShare, Resume, SampleId, rank_length, slice_of
+from wdscache.shared.plan import epoch_rng
+from wdscache.shared.sequence import (
+    BLOCK,
+    INITIAL,
+    EpochSpec,
+    IdRun,
+    RankShare,
+    Resume,
+    SampleId,
+    ShardFeed,
+    buffered,
+    rank_length,
+    slice_of,
+)
 
 
 def ids(n: int) -> list[SampleId]:
@@ -194,21 +208,26 @@ def dealt_plainly(
     return out
 
 
+PIECES = st.sampled_from(["ids", "run", "list"])
+
+
 def fed_in_pieces(
-    counts: list[int], cuts: list[tuple[int, bool]]
-) -> tuple[list[SampleId | IdRun | None], list[SampleId | None]]:
+    counts: list[int], cuts: list[tuple[int, str]]
+) -> tuple[list[SampleId | IdRun | list[SampleId] | None], list[SampleId | None]]:
     """The ids of shards of ``counts`` samples as a shard feed supplies them: pieces of the
-    lengths ``cuts`` cycles through, each a run of one shard's neighbouring samples or single
-    ids (as the cut says), then "no more yet"; and the same ids one by one."""
-    fed: list[SampleId | IdRun | None] = []
+    lengths ``cuts`` cycles through, each (as the cut says) single ids, a run of one shard's
+    neighbouring samples, or a list of ids (as the shuffle buffer gives them out), then "no
+    more yet"; and the same ids one by one."""
+    fed: list[SampleId | IdRun | list[SampleId] | None] = []
     one_by_one: list[SampleId | None] = []
     step = itertools.cycle(cuts)
     for s, n in enumerate(counts):
         j = 0
         while j < n:
-            size, as_run = next(step)
+            size, kind = next(step)
             size = min(size, n - j)
-            fed += [IdRun(s, j, j + size)] if as_run else [(s, i) for i in range(j, j + size)]
+            ids = [(s, i) for i in range(j, j + size)]
+            fed += [IdRun(s, j, j + size)] if kind == "run" else [ids] if kind == "list" else ids
             one_by_one += [(s, i) for i in range(j, j + size)]
             fed.append(None)
             one_by_one.append(None)
@@ -224,17 +243,17 @@ def fed_in_pieces(
     drop_last=st.booleans(),
     position=st.integers(0, 60),
     runs=st.lists(st.tuples(st.integers(0, 240), st.integers(1, 30)), max_size=5),
-    cuts=st.lists(st.tuples(st.integers(1, 12), st.booleans()), min_size=1, max_size=8),
+    cuts=st.lists(st.tuples(st.integers(1, 12), PIECES), min_size=1, max_size=8),
     seed=st.integers(0, 3),
 )
-def test_runs_of_ids_are_dealt_as_the_same_ids_one_by_one(
+def test_runs_and_lists_of_ids_are_dealt_as_the_same_ids_one_by_one(
     counts: list[int],
     world: int,
     block: int,
     drop_last: bool,
     position: int,
     runs: list[tuple[int, int]],
-    cuts: list[tuple[int, bool]],
+    cuts: list[tuple[int, str]],
     seed: int,
 ) -> None:
     epoch = [(s, j) for s, n in enumerate(counts) for j in range(n)]
@@ -261,7 +280,7 @@ def test_runs_of_ids_are_dealt_as_the_same_ids_one_by_one(
     drop_last=st.booleans(),
     position=st.integers(0, 60),
     runs=st.lists(st.tuples(st.integers(0, 240), st.integers(1, 30)), max_size=4),
-    cuts=st.lists(st.tuples(st.integers(1, 40), st.booleans()), min_size=1, max_size=6),
+    cuts=st.lists(st.tuples(st.integers(1, 40), PIECES), min_size=1, max_size=6),
     parts=st.integers(1, 9),
     skip=st.integers(0, 40),
 )
@@ -272,7 +291,7 @@ def test_a_slice_made_by_the_share_is_the_slice_of_the_whole_share(
     drop_last: bool,
     position: int,
     runs: list[tuple[int, int]],
-    cuts: list[tuple[int, bool]],
+    cuts: list[tuple[int, str]],
     parts: int,
     skip: int,
 ) -> None:
@@ -290,3 +309,62 @@ def test_a_slice_made_by_the_share_is_the_slice_of_the_whole_share(
             want = [(p, whole.settled) for p in slice_of(whole.pairs(fed), part, parts, skip, block)]
             assert got == want
             assert (made.full_rows, made.tail, made.settled) == (whole.full_rows, whole.tail, whole.settled)
+
+
+def shuffled_one_by_one(ids: Iterable[SampleId], rng: random.Random, size: int) -> Iterable[SampleId]:
+    """The shuffle buffer as :func:`~wdscache.shared.sequence.global_sequence` documents it,
+    an id at a time with ``randrange``: the reference the epochs' sequences must keep to."""
+    initial = min(size, INITIAL)
+    buf: list[SampleId] = []
+    for arrived, sid in enumerate(ids, 1):
+        buf.append(sid)
+        if len(buf) >= size or (len(buf) >= initial and arrived % 2 == 0):
+            k = rng.randrange(len(buf))
+            buf[k], buf[-1] = buf[-1], buf[k]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+@settings(max_examples=200, deadline=timedelta(seconds=2))
+@given(
+    counts=st.lists(st.integers(0, 300), min_size=1, max_size=5),
+    size=st.sampled_from([2, 3, 7, 100, 101, 1000]),
+    cuts=st.lists(st.integers(0, 90), min_size=1, max_size=6).filter(any),
+    seed=st.integers(0, 3),
+)
+def test_the_shuffle_buffer_gives_one_sequence_however_its_ids_arrive(
+    counts: list[int], size: int, cuts: list[int], seed: int
+) -> None:
+    spec = EpochSpec(len(counts), seed=seed, epoch=seed, shuffle=True, shuffle_buffer=size)
+    order = list(spec.order())
+    every = [(s, j) for s in order for j in range(counts[s])]
+    want = list(shuffled_one_by_one(every, epoch_rng(seed, seed, "samples"), size))
+    assert sorted(want) == sorted(every)
+    # in pieces of any length, "no more yet" (None) between them: the same ids, the Nones passed on
+    step = itertools.cycle(cuts)
+    pieces: list[list[SampleId] | None] = []
+    at = 0
+    while at < len(every):
+        n = next(step)
+        pieces += [every[at : at + n], None]
+        at += n
+    out = list(buffered(pieces, epoch_rng(seed, seed, "samples"), size))
+    assert [sid for got in out if got is not None for sid in got] == want
+    assert out.count(None) == pieces.count(None) and len(out) == len(pieces) + 1  # a list per piece, then the rest
+    # the epoch's ids one by one, and as the lists an epoch's stream deals, fed as a shard feed supplies them
+    assert list(spec.ids(lambda s: range(counts[s]))) == want
+    feed, dealt, given = ShardFeed(), [], dict.fromkeys(order, 0)
+    for got in spec.runs(feed):
+        if got is not None:
+            assert isinstance(got, list) and got
+            dealt += got
+            continue
+        shard = feed.wanted
+        assert shard is not None
+        if given[shard] == counts[shard]:
+            feed.end()
+        else:
+            given[shard] = min(counts[shard], given[shard] + next(step))
+            feed.grow(given[shard])
+    assert dealt == want

@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 from .errors import ConfigError
 from .plan import epoch_rng, shard_order
@@ -253,11 +253,14 @@ def _walk(plan: _Plan, cls: type[SourcedId]) -> Iterator[SampleId]:
 
     def group(count: int, rng: random.Random | None) -> Iterator[SampleId]:
         # Per id, map, zip and repeat run in C: making an id costs its class's call only.
-        ids = itertools.chain.from_iterable(
+        runs = [
             map(cls, zip(itertools.repeat(shard), range(first, end)))
             for shard, first, end in [next(pieces) for _ in range(count)]
-        )
-        return ids if rng is None else buffered(ids, rng, plan.buffer)  # type: ignore[return-value]
+        ]
+        if rng is None:
+            return itertools.chain.from_iterable(runs)
+        # no None comes in, so none goes out
+        return itertools.chain.from_iterable(cast(Iterator[list[SampleId]], buffered(runs, rng, plan.buffer)))
 
     return itertools.chain.from_iterable(itertools.starmap(group, plan.groups))
 

@@ -311,7 +311,7 @@ class NodeShare:
         return self.inner.settled
 
     def pairs(
-        self, ids: Iterable[SampleId | IdRun | None], *, part: int = 0, parts: int = 1, skip: int = 0
+        self, ids: Iterable[SampleId | IdRun | list[SampleId] | None], *, part: int = 0, parts: int = 1, skip: int = 0
     ) -> Iterator[tuple[int, SampleId] | None]:
         """The rank's ``per_rank`` pairs: the node's share, cut or padded with repeats of its own
         first samples to the job's count; with ``parts`` > 1 or ``skip`` only slice ``part`` of them, its
@@ -319,7 +319,7 @@ class NodeShare:
         mine = self._pairs(ids)
         return mine if parts == 1 and not skip else slice_of(mine, part, parts, skip, self.job.block)
 
-    def _pairs(self, ids: Iterable[SampleId | IdRun | None]) -> Iterator[tuple[int, SampleId] | None]:
+    def _pairs(self, ids: Iterable[SampleId | IdRun | list[SampleId] | None]) -> Iterator[tuple[int, SampleId] | None]:
         want = self.job.per_rank
         mine: list[tuple[int, SampleId]] = []
         for pair in self.inner.pairs(ids):

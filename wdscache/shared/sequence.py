@@ -18,6 +18,9 @@ start of the sequence. Every rank gets the same count.
 An unshuffled sequence comes as runs of a shard's neighbouring samples
 (:meth:`EpochSpec.runs`), which a rank deals by arithmetic: of each row it makes
 only the ids it may take, so its cost per own sample does not grow with ``W``.
+A shuffled one comes as lists of the ids that left the shuffle buffer together,
+which a rank deals by slicing: each id still passes the buffer, once, but no
+layer above it looks at each.
 
 A rank learns that a row is full only once all its positions have come out
 of the sequence, so with ``W > 1`` a rank's first sample of a row waits for
@@ -40,7 +43,8 @@ import random
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from itertools import repeat
+from typing import NamedTuple
 
 from .plan import epoch_rng, shard_order
 
@@ -85,13 +89,17 @@ class EpochSpec:
         """The epoch's sample ids: :func:`global_sequence`."""
         return global_sequence(self, samples)
 
-    def runs(self, feed: ShardFeed) -> Iterator[SampleId | IdRun | None]:
+    def runs(self, feed: ShardFeed) -> Iterator[IdRun | list[SampleId] | None]:
         """The epoch's ids, as :meth:`ids` with ``feed.samples`` gives them, but unshuffled
-        ones as one :class:`IdRun` for each piece of a shard that ``feed`` supplies at once."""
+        ones as one :class:`IdRun` for each piece of a shard that ``feed`` supplies at once,
+        shuffled ones as lists: those that left the shuffle buffer as a piece arrived."""
+        order = self.order()
         if self.shuffle and self.shuffle_buffer > 1:
-            yield from global_sequence(self, feed.samples)
+            pieces = (None if got is None else zip(repeat(shard), got) for shard in order for got in feed.spans(shard))
+            rng = epoch_rng(self.seed, self.epoch, "samples")
+            yield from (out for out in buffered(pieces, rng, self.shuffle_buffer) if out != [])
             return
-        for shard in self.order():
+        for shard in order:
             for got in feed.spans(shard):
                 yield None if got is None else IdRun(shard, got.start, got.stop)
 
@@ -123,27 +131,48 @@ def global_sequence(spec: EpochSpec, samples: Callable[[int], Iterable[int | Non
                 yield None if j is None else (shard, j)
         return
     rng = epoch_rng(spec.seed, spec.epoch, "samples")
-    yield from buffered(((shard, j) for shard in order for j in samples(shard)), rng, size)
+    pieces = (None if j is None else ((shard, j),) for shard in order for j in samples(shard))
+    for out in buffered(pieces, rng, size):
+        if out is None:
+            yield None
+        else:
+            yield from out
 
 
-def buffered(ids: Iterable[tuple[int, int | None]], rng: random.Random, size: int) -> Iterator[SampleId | None]:
-    """``ids`` through the shuffle buffer of :func:`global_sequence` (``size`` > 1 ids at most,
-    drawn from with ``rng``); an id ``(shard, None)`` is passed on as None. ``ids`` may be endless."""
+def buffered(
+    pieces: Iterable[Iterable[SampleId] | None], rng: random.Random, size: int
+) -> Iterator[list[SampleId] | None]:
+    """Ids through the shuffle buffer of :func:`global_sequence` (``size`` > 1 ids at most,
+    drawn from with ``rng``), as they arrive in ``pieces``: for each piece, the list of ids
+    that left the buffer as its ids went in (maybe empty), and at the end the rest; a None
+    piece is passed on. ``pieces`` may be endless. How the ids are cut into pieces never
+    changes the sequence. Ids are kept as given: a mixture's are tuples of a class naming
+    their source."""
     initial = min(size, INITIAL)
     buf: list[SampleId] = []
+    append, pop, getrandbits = buf.append, buf.pop, rng.getrandbits
     arrived = 0
-    for sid in ids:
-        if sid[1] is None:
+    for piece in pieces:
+        if piece is None:
             yield None
             continue
-        buf.append(cast(SampleId, sid))  # as given: a mixture's ids are tuples of a class naming their source
-        arrived += 1
-        if len(buf) >= size or (len(buf) >= initial and arrived % 2 == 0):
-            k = rng.randrange(len(buf))
-            buf[k], buf[-1] = buf[-1], buf[k]
-            yield buf.pop()
+        out: list[SampleId] = []
+        for sid in piece:
+            append(sid)
+            n = len(buf)
+            arrived += 1
+            if n >= size or (n >= initial and not arrived & 1):
+                # rng.randrange(n), the same draws (CPython's _randbelow_with_getrandbits,
+                # unchanged from 3.10 to 3.13), without its two calls an id
+                bits = n.bit_length()
+                k = getrandbits(bits)
+                while k >= n:
+                    k = getrandbits(bits)
+                buf[k], buf[-1] = buf[-1], buf[k]
+                out.append(pop())
+        yield out
     rng.shuffle(buf)
-    yield from buf
+    yield buf
 
 
 class ShardFeed:
@@ -252,6 +281,14 @@ class Resume:
         return pos
 
 
+def _ids_at(piece: IdRun | list[SampleId], x: int, y: int, step: int = 1) -> list[SampleId]:
+    """The ids at offsets ``range(x, y, step)`` (none negative) of ``piece``."""
+    if isinstance(piece, list):
+        return piece[x:y:step]
+    shard, start = piece.shard, piece.start
+    return [(shard, start + i) for i in range(x, y, step)]
+
+
 def _pieces(resume: Resume, a: int, b: int) -> Iterator[tuple[int, int, bool]]:
     """Positions ``[a, b)`` in order, as pieces ``(start, stop, kept)``: kept if not delivered in ``resume``."""
     if a < resume.position:
@@ -327,17 +364,23 @@ class RankShare:
         self.settled = 0
 
     def pairs(
-        self, ids: Iterable[SampleId | IdRun | None], *, part: int = 0, parts: int = 1, skip: int = 0
+        self,
+        ids: Iterable[SampleId | IdRun | list[SampleId] | None],
+        *,
+        part: int = 0,
+        parts: int = 1,
+        skip: int = 0,
     ) -> Iterator[tuple[int, SampleId] | None]:
         """This rank's pairs; a None from ``ids`` (no more yet) is passed on. An :class:`IdRun`
-        is dealt arithmetically: of its ids, only this rank's are made.
+        is dealt arithmetically: of its ids, only this rank's are made; a list of ids (of a
+        shuffled epoch) the same way, by slicing.
 
         With ``parts`` > 1 or a ``skip``, only slice ``part`` of them, its first ``skip``
         left out: what :func:`slice_of` keeps of them, in blocks of the share's ``block``.
         The record of the dealing (``full_rows``, ``tail``, ``settled``) is the whole
-        share's, but only the slice's pairs are made (of a row, an :class:`IdRun`): a
-        slice costs about its own pairs, not the share's (the ids of a shuffled epoch
-        still pass one by one)."""
+        share's, but only the slice's pairs are made (of a row, an :class:`IdRun` or a
+        list): a slice costs about its own pairs, not the share's. Single ids (a node's
+        or a mixture's sequence) pass one by one."""
         W, r, B = self.world_size, self.rank, self.block
         WB, lo, hi = W * B, r * B, r * B + B  # a row's length; our block in it
         resume = self.resume
@@ -374,22 +417,21 @@ class RankShare:
             if sid is None:
                 yield None
                 continue
-            if isinstance(sid, IdRun):
-                shard, start, stop = sid
+            if isinstance(sid, (IdRun, list)):  # consecutive ids: dealt by arithmetic and slices
+                n = len(sid) if isinstance(sid, list) else sid.stop - sid.start
                 if len(first) < W:
-                    first.extend((shard, j) for j in range(start, min(stop, start + W - len(first))))
-                end = pos + stop - start
+                    first += _ids_at(sid, 0, min(n, W - len(first)))
+                end = pos + n
                 for a, b, kept in _pieces(resume, pos, end):
                     if not kept:
                         if not row:
                             self.settled = b
                         continue
-                    j = start + a - pos  # the sample at position a
+                    o = a - pos  # the offset in the piece of the id at position a
                     if W == 1 and whole:
-                        for p in range(a, b):
-                            yield v, (shard, j)
+                        for p, one in enumerate(_ids_at(sid, o, o + b - a), a):
+                            yield v, one
                             v += 1
-                            j += 1
                             self.settled = p + 1
                         continue
                     if W == 1:  # the slice's blocks of [v, v + b - a), found by arithmetic
@@ -398,8 +440,8 @@ class RankShare:
                             taken = min(left, y - x)
                             left -= taken
                             self.settled = a + x + taken - v0
-                            for u in range(x + taken, y):
-                                yield u, (shard, j + u - v0)
+                            for u, one in zip(range(x + taken, y), _ids_at(sid, o + x + taken - v0, o + y - v0)):
+                                yield u, one
                                 self.settled = a + u - v0 + 1
                         v += b - a
                         self.settled = b
@@ -407,15 +449,15 @@ class RankShare:
                     while a < b:
                         k = min(b - a, WB - row)  # this many go into the row
                         mine = range(max(row, lo), min(row + k, hi))
-                        if ours:
-                            block.extend((shard, j + i - row) for i in mine)
+                        if ours and mine:
+                            block += _ids_at(sid, o + mine.start - row, o + mine.stop - row)
                         a += k
                         if row + k < WB:  # the row stays open: the ids at r, r + W, ... may be ours
-                            spaced.extend((shard, j + i - row) for i in range(spaced_at, row + k, W))
+                            spaced += _ids_at(sid, o + spaced_at - row, o + k, W)
                             spaced_at += W * len(range(spaced_at, row + k, W))
                             row += k
                             break
-                        j += k
+                        o += k
                         base = self.full_rows * WB
                         self.full_rows += 1
                         for i in range(min(left, len(block)), len(block)):

@@ -30,10 +30,11 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from operator import length_hint
+from operator import itemgetter, length_hint
 from typing import Any, cast
 
 from ..shared.client import AgentConnection
@@ -61,6 +62,7 @@ REPORT_EVERY = 1.0
 REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped
 STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
 _END = object()
+_SHARD = itemgetter(0)  # an id's shard
 
 
 @dataclass(frozen=True)
@@ -100,12 +102,13 @@ class Session:
 
 def epoch_ids(
     spec: EpochSpec | NodeSpec | MixSpec, share: RankShare | NodeShare, pins: Pins, shards: EpochShards
-) -> Iterator[SampleId | IdRun | None]:
+) -> Iterator[SampleId | IdRun | list[SampleId] | None]:
     """The epoch's ids (every rank's), the sequence fed what we learn of each shard (see
     :meth:`EpochShards.arrivals`); None while a downloading shard has no more samples yet.
     Pins of shards no rank needs any more are released as the share settles past them."""
     # Runs once per id of the whole epoch, every rank's (a rank of four sees four ids for
-    # each of its samples), but once per run of an unshuffled epoch: kept to local names.
+    # each of its samples) of a node's or a mixture's, but once per run of an unshuffled
+    # epoch and per list of a shuffled one: kept to local names.
     remaining, unneeded = pins.remaining, pins.unneeded
     feed = ShardFeed()
     arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
@@ -128,14 +131,20 @@ def epoch_ids(
             continue
         if unneeded and unneeded[0][0] <= share.settled:  # per id: look before calling
             pins.release_settled(share.settled)
-        shard = sid[0]
-        n = sid[2] - sid[1] if isinstance(sid, IdRun) else 1
-        pins.given += n
-        left = remaining[shard] = remaining.get(shard, 0) - n
-        if not left:
-            # No rank needs it once the share has dealt this id: until then ours may
-            # wait in a row (and after that, our reads of it hold it: see Pins.release).
-            pins.all_out(shard)
+        taken: Iterable[tuple[int, int]]  # (shard, ids of it)
+        if isinstance(sid, list):  # ids that left the shuffle buffer together
+            pins.given += len(sid)
+            taken = Counter(map(_SHARD, sid)).items()
+        else:
+            n = sid.stop - sid.start if isinstance(sid, IdRun) else 1
+            pins.given += n
+            taken = ((sid[0], n),)
+        for shard, n in taken:
+            left = remaining[shard] = remaining.get(shard, 0) - n
+            if not left:
+                # No rank needs it once the share has dealt this id: until then ours may
+                # wait in a row (and after that, our reads of it hold it: see Pins.release).
+                pins.all_out(shard)
         yield sid
 
 
