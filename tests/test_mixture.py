@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wdscache.shared.errors import ConfigError
-from wdscache.shared.mixture import MixSpec, Mixture, check_mix_arg, shares
+from wdscache.shared.mixture import LIST, MixSpec, Mixture, check_mix_arg, shares
 from wdscache.shared.sequence import RankShare, rank_length
 
 
@@ -175,3 +175,16 @@ def test_the_counts_per_shard_and_the_order_name_the_epochs_shards(sizes: list[l
     ids = [x[0] for x in spec.ids()]
     assert spec.totals() == Counter(ids)  # what lets the stream let go of a shard's pin
     assert sorted(spec.order()) == sorted(set(ids))  # the prefetch window's shards, each once
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_mixtures_ids_come_in_lists_that_ranks_deal_as_they_deal_its_ids_one_by_one(shuffle: bool) -> None:
+    spec = _spec([[50, 50, 7], [60, 3]], [2, 1], 1500, shuffle=shuffle)
+    lists = list(spec.runs())
+    assert [len(ids) >= LIST for ids in lists] == [True] * (len(lists) - 1) + [False]  # the rest at the end
+    one_by_one = list(spec.ids())
+    assert [sid for ids in lists for sid in ids] == one_by_one and len(one_by_one) == 1500
+    assert [type(sid) for ids in lists for sid in ids] == [type(sid) for sid in one_by_one]  # each names its source
+    for world in (1, 3, 8):
+        for rank in {0, world - 1}:
+            assert list(RankShare(world, rank).pairs(lists)) == list(RankShare(world, rank).pairs(one_by_one))

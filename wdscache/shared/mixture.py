@@ -52,7 +52,7 @@ from typing import Any, cast
 
 from .errors import ConfigError
 from .plan import epoch_rng, shard_order
-from .sequence import SampleId, buffered
+from .sequence import SampleId, ShardFeed, buffered
 
 
 class SourcedId(tuple):
@@ -139,10 +139,22 @@ class MixSpec:
 
     def ids(self, samples: Callable[[int], Iterable[int | None]] | None = None) -> Iterator[SampleId | None]:
         """The epoch's ``N`` ids (:class:`SourcedId`). ``samples`` is not asked: the counts are known."""
+        return itertools.chain.from_iterable(self.runs())
+
+    def runs(self, feed: ShardFeed | None = None) -> Iterator[list[SampleId]]:
+        """The epoch's ids as :meth:`ids` gives them, in lists of about ``LIST`` ids, which a
+        rank's share deals by slicing (:meth:`~wdscache.shared.sequence.RankShare.pairs`).
+        ``feed`` is not asked: the counts are known."""
         walks = [_walk(p, sourced(name)) for name, p in zip(self.mixture.names, self._plans())]
         whole = [zip(*[walk] * RUN) for walk in walks]  # a source's runs of RUN ids, taken whole (fast)
+        out: list[SampleId] = []
         for i, n in self._runs():
-            yield from next(whole[i]) if n == RUN else itertools.islice(walks[i], n)  # (a share's last run)
+            out += next(whole[i]) if n == RUN else itertools.islice(walks[i], n)  # (a share's last run)
+            if len(out) >= LIST:
+                yield out
+                out = []
+        if out:
+            yield out
 
     def order(self) -> tuple[int, ...]:
         """The shards about in the order the epoch reaches them (for the prefetch window): each
@@ -184,6 +196,7 @@ class MixSpec:
 
 
 RUN = 8  # positions in a row from one source: the interleaving costs a random draw per run, not per sample
+LIST = 512  # ids handed on at once: a rank's share deals them by slicing, not one by one
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def epoch_ids(
     remaining, unneeded = pins.remaining, pins.unneeded
     feed = ShardFeed()
     arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
-    items = spec.runs(feed) if isinstance(spec, EpochSpec) else spec.ids(feed.samples)
+    items = spec.ids(feed.samples) if isinstance(spec, NodeSpec) else spec.runs(feed)
     for sid in items:
         if sid is None:  # the sequence wants more of a shard
             if arrivals is None:
