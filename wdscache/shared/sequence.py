@@ -18,9 +18,9 @@ start of the sequence. Every rank gets the same count.
 An unshuffled sequence comes as runs of a shard's neighbouring samples
 (:meth:`EpochSpec.runs`), which a rank deals by arithmetic: of each row it makes
 only the ids it may take, so its cost per own sample does not grow with ``W``.
-A shuffled one comes as lists of the ids that left the shuffle buffer together,
-which a rank deals by slicing: each id still passes the buffer, once, but no
-layer above it looks at each.
+A shuffled one comes as lists of the ids that left the shuffle buffer together
+(a mixture's as lists too), which a rank deals by slicing: each id still passes
+the buffer, once, but no layer above it looks at each.
 
 A rank learns that a row is full only once all its positions have come out
 of the sequence, so with ``W > 1`` a rank's first sample of a row waits for
@@ -373,14 +373,14 @@ class RankShare:
     ) -> Iterator[tuple[int, SampleId] | None]:
         """This rank's pairs; a None from ``ids`` (no more yet) is passed on. An :class:`IdRun`
         is dealt arithmetically: of its ids, only this rank's are made; a list of ids (of a
-        shuffled epoch) the same way, by slicing.
+        shuffled epoch or a mixture) the same way, by slicing.
 
         With ``parts`` > 1 or a ``skip``, only slice ``part`` of them, its first ``skip``
         left out: what :func:`slice_of` keeps of them, in blocks of the share's ``block``.
         The record of the dealing (``full_rows``, ``tail``, ``settled``) is the whole
         share's, but only the slice's pairs are made (of a row, an :class:`IdRun` or a
         list): a slice costs about its own pairs, not the share's. Single ids (a node's
-        or a mixture's sequence) pass one by one."""
+        sequence) pass one by one."""
         W, r, B = self.world_size, self.rank, self.block
         WB, lo, hi = W * B, r * B, r * B + B  # a row's length; our block in it
         resume = self.resume
@@ -417,7 +417,7 @@ class RankShare:
             if sid is None:
                 yield None
                 continue
-            if isinstance(sid, (IdRun, list)):  # consecutive ids: dealt by arithmetic and slices
+            if isinstance(sid, (IdRun, list)):  # ids of consecutive positions: dealt by arithmetic and slices
                 n = len(sid) if isinstance(sid, list) else sid.stop - sid.start
                 if len(first) < W:
                     first += _ids_at(sid, 0, min(n, W - len(first)))

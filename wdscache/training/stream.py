@@ -106,9 +106,9 @@ def epoch_ids(
     """The epoch's ids (every rank's), the sequence fed what we learn of each shard (see
     :meth:`EpochShards.arrivals`); None while a downloading shard has no more samples yet.
     Pins of shards no rank needs any more are released as the share settles past them."""
-    # Runs once per id of the whole epoch, every rank's (a rank of four sees four ids for
-    # each of its samples) of a node's or a mixture's, but once per run of an unshuffled
-    # epoch and per list of a shuffled one: kept to local names.
+    # Runs once per id of a node's whole epoch, every rank's (a rank of four sees four ids
+    # for each of its samples), but once per run of an unshuffled epoch and per list of a
+    # shuffled one or a mixture's: kept to local names.
     remaining, unneeded = pins.remaining, pins.unneeded
     feed = ShardFeed()
     arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
