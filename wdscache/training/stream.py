@@ -142,8 +142,9 @@ def epoch_ids(
         for shard, n in taken:
             left = remaining[shard] = remaining.get(shard, 0) - n
             if not left:
-                # No rank needs it once the share has dealt this id: until then ours may
-                # wait in a row (and after that, our reads of it hold it: see Pins.release).
+                # No rank needs it once the share has dealt this id (of a list, the whole
+                # list: later than its last id, never sooner): until then ours may wait in a
+                # row (and after that, our reads of it hold it: see Pins.release).
                 pins.all_out(shard)
         yield sid
 
