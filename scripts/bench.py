@@ -130,7 +130,11 @@ What it does:
   had to resend a worker request after its 10 s timeout is flagged.
 - Prints progress on stderr; at the end prints the markdown tables on stdout
   (headed by a line naming the machine) and writes every raw number as JSON to
-  ``--out``. Targets are reported as PASS/FAIL, never asserted.
+  ``--out``. Targets are reported as PASS/FAIL, never asserted. A target that divides
+  two rows measured minutes apart (many consumers by one, the DataLoader pipeline by
+  samples in memory, a mixture by one source) also gives its ratio in each repetition
+  (``per_rep`` in the JSON): the host's speed drifts between repetitions, which moves
+  both rows of one repetition alike.
 
 Nothing here touches the network beyond 127.0.0.1. Data lives under ``--work``
 (default /tmp/wdscache-bench): shards are reused when present, caches are
@@ -2262,21 +2266,38 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
         limit: float | None,
         ok: Callable[[float, float], bool],
         measured: str,
+        per_rep: list[float] | None = None,
     ) -> None:
         passed = None if value is None or limit is None else bool(ok(value, limit))
-        targets.append(
-            {
-                "id": tid,
-                "target": target,
-                "value": value,
-                "limit": limit,
-                "pass": passed,
-                "measured": measured if passed is not None else "not measured",
-            }
-        )
+        if passed is not None and per_rep and len(per_rep) > 1:
+            measured += f"; per repetition {min(per_rep):.2f}–{max(per_rep):.2f}x"
+        entry = {
+            "id": tid,
+            "target": target,
+            "value": value,
+            "limit": limit,
+            "pass": passed,
+            "measured": measured if passed is not None else "not measured",
+        }
+        if per_rep:
+            entry["per_rep"] = per_rep
+        targets.append(entry)
 
     def ratio(x: float | None, y: float | None) -> float | None:
         return x / y if x is not None and y else None
+
+    def per_rep(prof: str, top: str, bottom: str, metric: str) -> list[float]:
+        """Row ``top`` over row ``bottom`` (``metric``) in each repetition that has both: the
+        two were measured minutes apart, so a host whose speed drifts moves both."""
+        got: dict[int, dict[str, float]] = {}
+        for run in bench.runs:
+            if run["profile"] != prof:
+                continue
+            for label in (top, bottom):
+                v = run["rows"].get(label, {}).get(metric)
+                if isinstance(v, (int, float)):
+                    got.setdefault(run["rep"], {})[label] = float(v)
+        return [round(v[top] / v[bottom], 3) for _, v in sorted(got.items()) if top in v and v.get(bottom)]
 
     W = "wdscache, epoch 2 (warm)"
     C = "wdscache, epoch 1 (cold)"
@@ -2485,6 +2506,7 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
                     if r and raw and raw_label == DL_MADE
                     else ""
                 ),
+                per_rep(prof, label, W, "samples_s"),
             )
     par, one = (bench.parts.get(k, {}).get("seconds") for k in ("parallel parts", "one connection"))
     r = ratio(one, par)
@@ -2550,6 +2572,7 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
             1.1,
             le,
             f"{r:.2f}x ({fmt(persistent, 2)} vs {fmt(memory, 2)} s)" if r else "",
+            per_rep(prof, TORCH_PERSISTENT, TORCH_MEMORY, "wall_s"),
         )
         r = ratio(med(s, prof, TORCH_WARM, "mb_s"), local)
         cpu = ratio(med(s, prof, TORCH_WARM, "cpu_s_per_gb"), med(s, prof, TORCH_WDS_LOCAL, "cpu_s_per_gb"))
@@ -2646,6 +2669,7 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
             f"{fmt(med(s, prof, MIX_ONE, 'samples_s'))} samples/s)"
             if r
             else "",
+            per_rep(prof, MIX_TWO, MIX_ONE, "samples_s"),
         )
     return targets
 
