@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import subprocess
 import sys
@@ -85,6 +86,44 @@ def test_shards_longer_than_a_walk_step_are_indexed_ahead_and_served_byte_for_by
         }
     assert got == reference(data.paths, data.urls)
     assert sum(w["walked"] for w in agent.stats()["agent"]["workers"]) == 3
+
+
+def test_a_restarted_agent_walks_the_cached_shards_readers_want_next_before_any_read(
+    tmp_path, shard_server, dataset, start_agent
+):
+    """A cache found at the start holds shards whose tables no worker has: the ones readers
+    want next (the start-up window, while nobody reads) are walked ahead, each once, as a
+    shard just downloaded is, so that a first read does not wait for its walk."""
+    data = dataset(6, samples=20, payload=2000)
+    cache = tmp_path / "cache"
+    first = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "6", "--workers", "2")
+    first.wait_stats(lambda s: s["shards"]["cached"] == 6, 20, "the 6 shards cached")
+    assert first.stop() == 0, first.stderr_tail()
+    again = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "4", "--workers", "2")
+    s = again.wait_stats(
+        lambda s: all(w.get("indexed") == 4 for w in s["agent"]["workers"]),
+        20,
+        "both workers holding the tables of the start-up window's 4 cached shards",
+    )
+    workers = s["agent"]["workers"]
+    assert s["shards"]["cached"] == 6 and s["shards"]["downloading"] == 0, s["shards"]
+    # Walked once each, by the worker a loader asks for it, and passed on; nothing read yet.
+    assert [w["walked"] for w in workers] == [2, 2] and sum(w["adopted"] for w in workers) == 4, workers
+    assert all(w["requests"] == 0 for w in workers), workers
+    digest = lambda x: {k: hashlib.sha256(v).hexdigest() for k, v in x.items() if not k.startswith("__")}  # noqa: E731
+    # A loader that asked for no sample past its third shard (one read of 5 at a time): as its
+    # window moves on, the last two cached shards are walked ahead of its reads, once each.
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=5, inflight=1) as loader:
+        it = iter(loader)
+        got = {(x["__url__"], x["__key__"]): digest(x) for x in itertools.islice(it, 50)}
+        s = again.wait_stats(
+            lambda s: sum(w["walked"] for w in s["agent"]["workers"]) >= 6, 20, "the last two shards walked ahead"
+        )
+        got.update({(x["__url__"], x["__key__"]): digest(x) for x in it})
+    assert got == reference(data.paths, data.urls)
+    s = again.wait_stats(lambda s: all(w["indexed"] == 6 for w in s["agent"]["workers"]), 20, "all 6 tables held")
+    assert sum(w["walked"] for w in s["agent"]["workers"]) == 6, s["agent"]["workers"]
+    assert again.running(), again.stderr_tail()
 
 
 def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start_agent):

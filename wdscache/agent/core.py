@@ -317,6 +317,7 @@ class Agent:
     def _schedule(self) -> None:
         demanded = self.opens.demanded()
         readers = self._readers_want(demanded)
+        self.workers.wanted(readers, self.cache.is_cached, self.readers.position)
         seen = set(readers)
         # The next prefetch wishes only: enough to fill the download slots, whatever the lists' length.
         warm = [u for u in self.prefetches.wanted(self.config.download_workers) if u not in seen]

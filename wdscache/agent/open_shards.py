@@ -9,10 +9,11 @@ A worker reads a URL's cache file in one of three ways:
 - A **download under way**, read from its partial file
   (:class:`~wdscache.agent.growing.GrowingShard`): only its complete samples, never past the
   bytes written.
-- A **walk** of a shard just published and not yet in the index, a
-  :data:`~wdscache.agent.growing.WALK_STEP` of samples at a time: the agent names such shards
-  (its hints), and the worker walks them while no request waits. A read of one takes the walk
-  over, so a first read waits for a step of a walk, never for a whole walk of another shard.
+- A **walk** of a shard not yet in the index, a :data:`~wdscache.agent.growing.WALK_STEP`
+  of samples at a time: the agent names such shards (its hints: each shard it publishes, and
+  each cached shard as readers come to want it), and the worker walks them while no request
+  waits. A read of one takes the walk over, so a first read waits for a step of a walk, never
+  for a whole walk of another shard.
 
 Guarantees:
 
@@ -54,7 +55,7 @@ OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RS
 # each): each epoch would otherwise walk every tar header again, half a worker's time on
 # warm 110 KB samples.
 INDEX_SAMPLES = 250_000
-INDEX_AHEAD = 64  # published shards a worker may have still to walk ahead of their reads
+INDEX_AHEAD = 64  # shards hinted that a worker may have still to walk ahead of their reads
 SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still holds open
 # A walked table larger than this is not passed on (the agent takes messages up to 1 MiB):
 # about 7,000 samples of three fields; each worker walks a bigger shard itself.
@@ -75,8 +76,8 @@ class OpenShards:
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
         self.index = SampleTables(INDEX_SAMPLES)
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
-        # Shards the agent just published: walked while no request waits, so that the first
-        # read of a shard downloaded ahead does not wait for a walk of its headers.
+        # Shards the agent told us of (just published, or cached and wanted next): walked while
+        # no request waits, so that the first read of one does not wait for a walk of its headers.
         self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
         # The one being walked, a step at a time between requests: a read of it takes the walk over.
         self.walking: dict[str, GrowingShard] = {}
@@ -148,8 +149,9 @@ class OpenShards:
         return view
 
     def index_ahead(self) -> None:
-        """Walk the next shard the agent just published, so that its samples are known
-        before it is read (only the rest, if a view of its download walked the start).
+        """Walk the next shard the agent told us of (just published, or cached and wanted
+        next), so that its samples are known before it is read (only the rest, if a view
+        of its download walked the start; none of it, if its table is held already).
         Only the index keeps it: the views open for reads stay as they are.
 
         A shard is walked :data:`~wdscache.agent.growing.WALK_STEP` samples a call, the
@@ -165,7 +167,11 @@ class OpenShards:
             if walker is None:
                 growing = self.growing.pop(url, None)
                 if growing is None:
-                    walker = self.walking[url] = GrowingShard(self.layout.shard_path(url), url=url, published=True)
+                    path = self.layout.shard_path(url)
+                    if self.index.get(url, file_identity(os.stat(path))) is not None:
+                        self.to_index.popleft()
+                        return  # its table is here: walked before, or passed on
+                    walker = self.walking[url] = GrowingShard(path, url=url, published=True)
             if walker is not None:
                 before = len(walker.samples)
                 self.walk(url, walker, before)

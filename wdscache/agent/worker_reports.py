@@ -2,8 +2,10 @@
 
 The workers themselves (processes, restarts) are :class:`~wdscache.agent.pool.WorkerPool`'s;
 this part keeps the report socket each worker registered from, tells the workers
-which shards were lately published (``index`` hints: one worker walks a new shard
-and its table is passed on to the others), and keeps their statistics.
+which shards to walk ahead of their reads (``index`` hints: one worker walks the shard
+and its table is passed on to the others): each shard as it is published, and each
+cached shard as readers come to want it (a cache the agent found at its start, whose
+tables no worker holds yet), and keeps their statistics.
 
 Guarantees:
 
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import hmac
 import itertools
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..shared.errors import ProtocolError
@@ -34,6 +37,9 @@ from .control import ControlSocket
 from .pool import WorkerPool
 
 INDEX_HINTS = 64  # shards lately published that a new worker is told to index
+# Shards lately hinted, not hinted again while remembered: a worker told again about a
+# shard whose table it holds only looks at the file's identity.
+HINTED = 4096
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
 
 
@@ -45,6 +51,7 @@ class WorkerReports:
         self._idents: dict[int, bytes] = {}  # worker number -> its report socket, for hints
         self._published: deque[str] = deque(maxlen=INDEX_HINTS)  # shards lately published
         self._walker = itertools.count()  # which worker walks the next shard published
+        self._hinted: OrderedDict[str, None] = OrderedDict()  # shards lately hinted, oldest first
         self._stats: dict[int, dict[str, Any]] = {}  # worker number -> its last report
 
     def check(self, header: dict[str, Any]) -> None:
@@ -82,6 +89,22 @@ class WorkerReports:
             ident = idents[next(self._walker) % len(idents)]
         if ident is not None:
             self._hint(ident, url)
+        self._hinted[url] = None
+        self._hinted.move_to_end(url)
+        if len(self._hinted) > HINTED:
+            self._hinted.popitem(last=False)
+
+    def wanted(self, urls: Iterable[str], cached: Callable[[str], bool], position: Callable[[str], int | None]) -> None:
+        """Readers want ``urls`` next: those ``cached`` and not lately hinted are walked ahead
+        as a shard just published is. A cache found at the agent's start holds shards whose
+        tables no worker has: without this each would be walked when a read of it waits.
+        Nothing is hinted until every worker registered: each shard is then walked by the
+        worker a loader asks for it, and the walks are shared out."""
+        if len(self._idents) < len(self._pool.endpoints):
+            return
+        for url in urls:
+            if url not in self._hinted and cached(url):
+                self.published(url, position(url))
 
     def pass_on(self, sender: bytes, header: dict[str, Any], frames: list[Any]) -> None:
         """A worker's table of a shard it walked (``walked``), to the other workers."""
