@@ -316,8 +316,10 @@ class Agent:
 
     def _schedule(self) -> None:
         demanded = self.opens.demanded()
-        readers = self._readers_want(demanded)
-        self.workers.wanted(readers, self.cache.is_cached, self.readers.position)
+        planned = self.readers.planned()
+        # Not the shards asked for: a read of one walks it anyway, and they come and go.
+        self.workers.wanted(planned, self.cache.is_cached, self.readers.position)
+        readers = self._readers_want(demanded, planned)
         seen = set(readers)
         # The next prefetch wishes only: enough to fill the download slots, whatever the lists' length.
         warm = [u for u in self.prefetches.wanted(self.config.download_workers) if u not in seen]
@@ -329,11 +331,12 @@ class Agent:
         for given_up in self.downloads.no_room():
             self.prefetches.no_room(given_up)
 
-    def _readers_want(self, demanded: list[str] | None = None) -> list[str]:
+    def _readers_want(self, demanded: list[str] | None = None, planned: list[str] | None = None) -> list[str]:
         """Shards asked for (oldest first), then the union of readers' windows by urgency."""
         demanded = self.opens.demanded() if demanded is None else demanded
+        planned = self.readers.planned() if planned is None else planned
         first = set(demanded)
-        return demanded + [u for u in self.readers.planned() if u not in first]
+        return demanded + [u for u in planned if u not in first]
 
     def _wanted(self) -> list[str]:
         """What readers want (:meth:`_readers_want`), then the next shards to prefetch (``wdscache prefetch``)."""

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import hmac
 import itertools
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ..shared.errors import ProtocolError
@@ -36,10 +36,7 @@ from ..shared.stats import public, with_fraction
 from .control import ControlSocket
 from .pool import WorkerPool
 
-INDEX_HINTS = 64  # shards lately published that a new worker is told to index
-# Shards lately hinted, not hinted again while remembered: a worker told again about a
-# shard whose table it holds only looks at the file's identity.
-HINTED = 4096
+INDEX_HINTS = 64  # shards lately hinted that a new worker is told to index
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
 
 
@@ -51,7 +48,7 @@ class WorkerReports:
         self._idents: dict[int, bytes] = {}  # worker number -> its report socket, for hints
         self._published: deque[str] = deque(maxlen=INDEX_HINTS)  # shards lately published
         self._walker = itertools.count()  # which worker walks the next shard published
-        self._hinted: OrderedDict[str, None] = OrderedDict()  # shards lately hinted, oldest first
+        self._wanted: set[str] = set()  # what readers wanted when last told (see wanted)
         self._stats: dict[int, dict[str, Any]] = {}  # worker number -> its last report
 
     def check(self, header: dict[str, Any]) -> None:
@@ -89,22 +86,21 @@ class WorkerReports:
             ident = idents[next(self._walker) % len(idents)]
         if ident is not None:
             self._hint(ident, url)
-        self._hinted[url] = None
-        self._hinted.move_to_end(url)
-        if len(self._hinted) > HINTED:
-            self._hinted.popitem(last=False)
 
-    def wanted(self, urls: Iterable[str], cached: Callable[[str], bool], position: Callable[[str], int | None]) -> None:
-        """Readers want ``urls`` next: those ``cached`` and not lately hinted are walked ahead
-        as a shard just published is. A cache found at the agent's start holds shards whose
-        tables no worker has: without this each would be walked when a read of it waits.
-        Nothing is hinted until every worker registered: each shard is then walked by the
-        worker a loader asks for it, and the walks are shared out."""
+    def wanted(self, urls: list[str], cached: Callable[[str], bool], position: Callable[[str], int | None]) -> None:
+        """Readers' windows hold ``urls`` now: those that came into them since the last call
+        and are ``cached`` are walked ahead as a shard just published is (one that came in
+        while downloading is, when published). The workers' tables live in their memory,
+        so a cache found at the agent's start, or shards whose tables a worker let go, would
+        otherwise be walked when a read of them waits; a worker told of a shard whose table
+        it holds only looks at the file. Nothing is hinted until every worker registered:
+        each shard is then walked by the worker a loader asks for it, the walks shared out."""
         if len(self._idents) < len(self._pool.endpoints):
             return
         for url in urls:
-            if url not in self._hinted and cached(url):
+            if url not in self._wanted and cached(url):
                 self.published(url, position(url))
+        self._wanted = set(urls)
 
     def pass_on(self, sender: bytes, header: dict[str, Any], frames: list[Any]) -> None:
         """A worker's table of a shard it walked (``walked``), to the other workers."""
