@@ -110,7 +110,10 @@ def test_a_restarted_agent_walks_the_cached_shards_readers_want_next_before_any_
     # Walked once each, by the worker a loader asks for it, and passed on; nothing read yet.
     assert [w["walked"] for w in workers] == [2, 2] and sum(w["adopted"] for w in workers) == 4, workers
     assert all(w["requests"] == 0 for w in workers), workers
-    digest = lambda x: {k: hashlib.sha256(v).hexdigest() for k, v in x.items() if not k.startswith("__")}  # noqa: E731
+
+    def digest(x: dict) -> dict[str, str]:
+        return {k: hashlib.sha256(v).hexdigest() for k, v in x.items() if not k.startswith("__")}
+
     # A loader that asked for no sample past its third shard (one read of 5 at a time): as its
     # window moves on, the last two cached shards are walked ahead of its reads, once each.
     with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=5, inflight=1) as loader:
