@@ -45,7 +45,10 @@ What it does:
                           (two jobs of four ranks), 64 (eight jobs of eight ranks), 8 through
                           DataLoaders (two jobs of one rank in DataLoader(num_workers=4),
                           batches of 64), and the same DataLoaders whose workers make the
-                          samples (their limit); then the first 8 streamed
+                          samples (their limit); then the first 8 streamed; then, the
+                          agent stopped, a new one on the same (warm) cache and one epoch of
+                          a new consumer (the workers' sample tables live in memory: a new
+                          agent walks the cached shards' headers again, ahead of the reads)
   DataLoader              the pipeline of a training script, ``decode()`` (of .cls/.json),
                           ``to_tuple``, ``batched(64)``, in ``DataLoader(num_workers=2)``: over
                           ``wds.WebDataset`` streaming HTTP, over ``wds.WebDataset`` on local
@@ -764,6 +767,9 @@ class Bench:
             for row in rows.values():
                 row["helper_hwm_mb"], row["helper_anon_mb"] = hwm, anon
             extra["agent_stats"] = agent.stats()
+            if status == "ok":
+                agent.stop()  # the cache stays, for an agent started again on it
+                rows.update(self.run_wdscache_restarted(prof, ds, cache, budget))
         finally:
             agent.stop()
             shutil.rmtree(cache, ignore_errors=True)
@@ -1257,6 +1263,36 @@ class Bench:
             return {}
         e = r["epochs"][0]
         return {STREAMED: {**self.epoch_row(e, e["agent_cpu_s"] or 0.0), "resends": resends(c)}}
+
+    def run_wdscache_restarted(self, prof: str, ds: dict[str, Any], cache: Path, budget: int) -> dict[str, Any]:
+        """One epoch of a new consumer from an agent started again on the warm cache: the
+        shards are there, but no worker holds their sample tables (they live in memory)."""
+        agent = Agent(self, cache, Path(ds["http_list"]), budget, tag=f"{prof}-agent-restarted")
+        self.agents.append(agent)
+        try:
+            agent.start()
+            c = self.consumer(
+                "wdscache",
+                "--cache-dir",
+                str(cache),
+                "--job",
+                "restarted",
+                "--agent-pid",
+                str(agent.pid),
+                "--timeout",
+                str(CONSUMER_TIMEOUT),
+                "--log",
+                tag=f"{prof}-wdscache-restarted",
+            )
+            c.wait(self.local_deadline(ds) * 2 + 60)
+            status, r = self.check(c, ds, 1)
+        finally:
+            agent.stop()
+        if status != "ok":
+            log(f"  restarted: {status}")
+            return {}
+        e = r["epochs"][0]
+        return {RESTARTED: self.epoch_row(e, e["agent_cpu_s"] or 0.0)}
 
     def run_wdscache_many(
         self, prof: str, ds: dict[str, Any], agent: Agent, cache: Path, direct: bool, shape: ManyShape
@@ -2038,6 +2074,7 @@ def cell(entry: dict[str, Any], metric: str, digits: int = 0) -> str:
 
 SHUFFLED = "wdscache, epoch 3 (warm, shuffled)"
 STREAMED = "wdscache, warm, streamed (direct_reads=False)"
+RESTARTED = "wdscache, agent started again on the warm cache, its first epoch (a new consumer)"
 
 
 @dataclass(frozen=True)
