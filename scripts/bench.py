@@ -494,6 +494,24 @@ class Bench:
         log_path = self.logs / f"{self._seq:03d}-{tag}.log"
         return Child([self.py, str(CONSUMER), mode, *extra], log_path)
 
+    def wdscache_consumer(self, cache: Path, job: str, agent: Agent, *extra: str, tag: str) -> Child:
+        """One ``CachedMultiLoader`` consumer (bench_consumer's ``wdscache`` mode) of ``agent`` on
+        ``cache``, as job ``job``, wdscache's log on its stderr; ``extra``: more of its options."""
+        return self.consumer(
+            "wdscache",
+            "--cache-dir",
+            str(cache),
+            "--job",
+            job,
+            *extra,
+            "--agent-pid",
+            str(agent.pid),
+            "--timeout",
+            str(CONSUMER_TIMEOUT),
+            "--log",
+            tag=tag,
+        )
+
     def fresh_dir(self, tag: str) -> Path:
         d = self.runs_dir / f"{tag}-{self._seq}-{os.getpid()}"
         shutil.rmtree(d, ignore_errors=True)
@@ -1242,20 +1260,7 @@ class Bench:
 
     def run_wdscache_streamed(self, prof: str, ds: dict[str, Any], agent: Agent, cache: Path) -> dict[str, Any]:
         """One warm epoch with ``direct_reads=False``: the workers send every byte over ZeroMQ."""
-        c = self.consumer(
-            "wdscache",
-            "--cache-dir",
-            str(cache),
-            "--job",
-            "streamed",
-            "--no-direct",
-            "--agent-pid",
-            str(agent.pid),
-            "--timeout",
-            str(CONSUMER_TIMEOUT),
-            "--log",
-            tag=f"{prof}-wdscache-streamed",
-        )
+        c = self.wdscache_consumer(cache, "streamed", agent, "--no-direct", tag=f"{prof}-wdscache-streamed")
         c.wait(self.local_deadline(ds) * 2 + 60)
         status, r = self.check(c, ds, 1)
         if status != "ok":
@@ -1271,19 +1276,7 @@ class Bench:
         self.agents.append(agent)
         try:
             agent.start()
-            c = self.consumer(
-                "wdscache",
-                "--cache-dir",
-                str(cache),
-                "--job",
-                "restarted",
-                "--agent-pid",
-                str(agent.pid),
-                "--timeout",
-                str(CONSUMER_TIMEOUT),
-                "--log",
-                tag=f"{prof}-wdscache-restarted",
-            )
+            c = self.wdscache_consumer(cache, "restarted", agent, tag=f"{prof}-wdscache-restarted")
             c.wait(self.local_deadline(ds) * 2 + 60)
             status, r = self.check(c, ds, 1)
         finally:
@@ -1542,19 +1535,7 @@ class Bench:
         self.agents.append(agent)
         try:
             agent.start()
-            c = self.consumer(
-                "wdscache",
-                "--cache-dir",
-                str(cache),
-                "--job",
-                "s3",
-                "--agent-pid",
-                str(agent.pid),
-                "--timeout",
-                str(CONSUMER_TIMEOUT),
-                "--log",
-                tag=f"{prof}-wdscache-s3",
-            ).wait(self.http_deadline(ds) + 120)
+            c = self.wdscache_consumer(cache, "s3", agent, tag=f"{prof}-wdscache-s3").wait(self.http_deadline(ds) + 120)
             status, r = self.check(c, ds, 1)
             return c, status, ({S3_WDSCACHE: self.epoch_row(r["epochs"][0])} if status == "ok" else {})
         finally:
