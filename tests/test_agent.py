@@ -86,7 +86,7 @@ def test_prefetch_before_any_reader_caches_exactly_the_first_window(shard_server
     time.sleep(1.0)  # time to (wrongly) go on beyond the window
     s = agent.stats()
     assert s["shards"] == {"cached": 3, "downloading": 0, "queued": 0, "failed": 0}, agent.stderr_tail()
-    assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths[:3])
+    assert s["bytes_used"] - s["table_bytes"] == sum(p.stat().st_size for p in ds.paths[:3])
     beyond = {name: shard_server.count(name, method=None) for name in names_of(ds)[3:]}
     assert beyond == {name: 0 for name in beyond}, f"shards beyond the window were requested\n{agent.stderr_tail()}"
     for name in names_of(ds)[:3]:
@@ -295,7 +295,7 @@ def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive
     assert cached_urls(cache, ds) == set(ds.urls)
     assert len(cached_files(cache)) == 6
     assert partial_files(cache) == []
-    assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths)
+    assert s["bytes_used"] - s["table_bytes"] == sum(p.stat().st_size for p in ds.paths)
 
 
 # -- configuration errors ----------------------------------------------------------------
@@ -541,7 +541,7 @@ def test_sigterm_during_a_download_exits_0_and_keeps_only_resumable_partials(
     assert s["shards"]["downloading"] == 0 and s["shards"]["queued"] == 0
     files = cached_files(cache)
     assert s["shards"]["cached"] == len(files), (s, files)
-    assert s["bytes_used"] == sum(p.stat().st_size for p in files.values())
+    assert s["bytes_used"] - s["table_bytes"] == sum(p.stat().st_size for p in files.values())
     assert_cached_identical(cache, ds, sorted(cached_urls(cache, ds)))
 
 
@@ -571,7 +571,7 @@ def test_second_sigterm_exits_at_once_and_the_next_agent_cleans_up(shard_server,
     assert_cached_identical(cache, ds, ds.urls, second)
     assert partial_files(cache) == []
     assert len(cached_files(cache)) == 2
-    assert s["bytes_used"] == sum(p.stat().st_size for p in ds.paths)
+    assert s["bytes_used"] - s["table_bytes"] == sum(p.stat().st_size for p in ds.paths)
 
 
 # -- privacy ----------------------------------------------------------------------------
@@ -670,7 +670,7 @@ def test_stats_on_a_100000_shard_index_answers_fast(run_cli, tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout)
     assert s["shards"]["cached"] == n
-    assert s["bytes_used"] == sum(1000 + i % 7 for i in range(n))
+    assert s["bytes_used"] - s["table_bytes"] == sum(1000 + i % 7 for i in range(n))
     assert s["agent"] is None
     assert took < 3.0, f"wdscache stats took {took:.2f}s on {n} shards"
 

@@ -293,7 +293,8 @@ def test_its_errors_show_no_secret_of_a_url(
     try:
         assert ds[0]["__key__"] == "s00000_00000"
         # Its cache file cut short behind the agent's back, while pinned and open.
-        (cached,) = [Path(d) / n for d, _, names in os.walk(cache) for n in names if n.endswith("-shard-000000.tar")]
+        shards = cache / "shards"
+        (cached,) = [Path(d) / n for d, _, names in os.walk(shards) for n in names if n.endswith("-shard-000000.tar")]
         os.truncate(cached, 0)
         with pytest.raises(ShardError, match="shorter than when its table was made") as info:
             ds[1]

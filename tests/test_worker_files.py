@@ -11,6 +11,7 @@ import hashlib
 import io
 import itertools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,14 +92,16 @@ def test_shards_longer_than_a_walk_step_are_indexed_ahead_and_served_byte_for_by
 def test_a_restarted_agent_walks_the_cached_shards_readers_want_next_before_any_read(
     tmp_path, shard_server, dataset, start_agent
 ):
-    """A cache found at the start holds shards whose tables no worker has: the ones readers
-    want next (the start-up window, while nobody reads) are walked ahead, each once, as a
-    shard just downloaded is, so that a first read does not wait for its walk."""
+    """A cache found at the start holds shards whose tables no worker has and none was kept
+    (the budget had no room for them, say): the ones readers want next (the start-up window,
+    while nobody reads) are walked ahead, each once, as a shard just downloaded is, so that a
+    first read does not wait for its walk."""
     data = dataset(6, samples=20, payload=2000)
     cache = tmp_path / "cache"
     first = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "6", "--workers", "2")
     first.wait_stats(lambda s: s["shards"]["cached"] == 6, 20, "the 6 shards cached")
     assert first.stop() == 0, first.stderr_tail()
+    shutil.rmtree(CacheLayout.of(cache).tables_dir)
     again = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "4", "--workers", "2")
     s = again.wait_stats(
         lambda s: all(w.get("indexed") == 4 for w in s["agent"]["workers"]),

@@ -30,10 +30,16 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   (:mod:`wdscache.agent.recovery`) finishes or undoes both after a crash.
 - A cached file is a plain tar (a gzip'd shard is cached decompressed, and counted at
   that size).
+- A shard's sample table file (:meth:`store_table`) is optional and counted with its shard
+  (``ShardRecord.table_size``): kept only while the budget and the free-space margin have
+  room for it without evicting anything, recorded before it is written, published
+  atomically, and removed with its shard, or as soon as the shard's record changes (a new
+  download, a failure). Losing one costs a walk of the shard's headers, never a wrong byte.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -43,11 +49,12 @@ from typing import Protocol
 
 from ..shared.config import format_size
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
-from ..shared.layout import CacheLayout
+from ..shared.layout import CacheLayout, file_identity, write_private
 from ..shared.logs import event, get_logger, iso_time
 from . import recovery
 from .parts import remove_side_files, side_bytes
 from .recovery import size_or_none
+from .sampletable import table_file, table_file_holds
 from .shard_download import Download
 
 log = get_logger(__name__)
@@ -72,7 +79,7 @@ class ShardCache:
     def __init__(self, layout: CacheLayout, *, limit: int, min_free: int) -> None:
         self.layout = layout
         self.limit, self.min_free = limit, min_free
-        for folder in (layout.shards_dir, layout.partial_dir):
+        for folder in (layout.shards_dir, layout.partial_dir, layout.tables_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
         self.index, self.rebuilt = recovery.open_index(layout)
         for rec in self.index:
@@ -125,7 +132,7 @@ class ShardCache:
     def begin(self, d: Download) -> None:
         """Record that ``d`` starts (index first, then the partial file may be created)."""
         old = self.index.get(d.url)
-        self.index.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.progress.etag))
+        self._put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.progress.etag))
         self.kept.pop(d.url, None)  # counted through the reservation from now on
         self.inflight[d.url] = d
 
@@ -156,14 +163,14 @@ class ShardCache:
         self.kept.pop(d.url, None)
         d.partial.unlink(missing_ok=True)
         remove_side_files(d.partial)
-        self.index.put(ShardRecord(d.url, ShardState.FAILED, error=error))
+        self._put(ShardRecord(d.url, ShardState.FAILED, error=error))
         if self.watcher is not None:
             self.watcher.failed(d.url, error)
 
     def fail_cached(self, url: str, error: str) -> None:
         """A cached shard is unusable (its copy is damaged, as is its source's): FAILED first,
         then its file goes (a reader holding it open keeps what it has)."""
-        self.index.put(ShardRecord(url, ShardState.FAILED, error=error))
+        self._put(ShardRecord(url, ShardState.FAILED, error=error))
         self.layout.shard_path(url).unlink(missing_ok=True)
         if self.watcher is not None:
             self.watcher.failed(url, error)
@@ -212,7 +219,7 @@ class ShardCache:
         self, url: str, size: int, etag: str | None, *, source_size: int | None = None, last_modified: str | None = None
     ) -> None:
         old = self.index.get(url)
-        self.index.put(
+        self._put(
             ShardRecord(
                 url,
                 ShardState.CACHED,
@@ -368,7 +375,7 @@ class ShardCache:
             if freed >= nbytes:
                 break
             chosen.append(rec)
-            freed += rec.size
+            freed += rec.disk_bytes
         if freed < nbytes and allow_window:
             rank = {u: i for i, u in enumerate(wanted)}
             inside = sorted((r for r in candidates if r.url in window), key=lambda r: -rank[r.url])
@@ -376,7 +383,7 @@ class ShardCache:
                 if freed >= nbytes:
                     break
                 chosen.append(rec)
-                freed += rec.size
+                freed += rec.disk_bytes
         if freed < nbytes:
             return False
         for rec in chosen:
@@ -399,7 +406,7 @@ class ShardCache:
             bytes=rec.size,
             last_read=iso_time(rec.last_read),
         )
-        self.index.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
+        self._put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
         self.layout.shard_path(url).unlink(missing_ok=True)
         self.index.delete(url)
         if self.watcher is not None and rec.state is ShardState.CACHED:
@@ -418,7 +425,8 @@ class ShardCache:
                 break
             if rec.state is ShardState.CACHED and rec.url not in window and not self.pins.get(rec.url):
                 self.layout.shard_path(rec.url).unlink(missing_ok=True)
-                freed += rec.size
+                self.layout.table_path(rec.url).unlink(missing_ok=True)
+                freed += rec.disk_bytes
                 if self.watcher is not None:
                     self.watcher.gone(rec.url, "removed to free disk space for the index")
                 try:
@@ -434,6 +442,59 @@ class ShardCache:
             short -= self._drop_kept(short)
         if short > 0:
             self.evict(short, wanted=wanted, allow_window=False, why="evicted to keep --min-free free")
+
+    # -- sample tables ----------------------------------------------------
+
+    def store_table(self, url: str, identity: list[int], layouts: list[list[str]], frames: list[bytes]) -> bool:
+        """Keep the sample table a worker found in ``url``'s cache file (of ``identity``) on
+        disk for agents started later; True if it was written. Only for the file cached now,
+        in place of a table file that is not this file's (of a file moved to another file
+        system, say, or damaged), and only if the budget and the free-space margin hold it without
+        evicting anything: the record counts the larger of old and new first, and is set
+        back if the write fails."""
+        rec = self.index.get(url)
+        if rec is None or rec.state is not ShardState.CACHED:
+            return False
+        path = self.layout.table_path(url)
+        try:
+            if list(file_identity(os.stat(self.layout.shard_path(url)))) != identity:
+                return False  # replaced or gone since the walk
+        except OSError:
+            return False
+        if rec.table_size and table_file_holds(path, tuple(identity)):
+            return False  # kept already
+        data = table_file(identity, layouts, frames)
+        if max(self._shortfall(len(data) - rec.table_size)[:2]) > 0:
+            return False
+        self.index.put(dataclasses.replace(rec, table_size=max(len(data), rec.table_size)))
+        written = False
+        try:
+            path.parent.mkdir(mode=0o700, exist_ok=True)
+            write_private(path, data)
+            written = True
+        except OSError as exc:
+            log.warning(
+                "the sample table of %s was not kept at %s: %s; an agent started later walks the shard again",
+                url,
+                path,
+                exc.strerror or exc,
+            )
+        finally:
+            now = self.index.get(url)
+            if not written:  # a table of another identity (the old one, if any) is of no use either
+                for stale in (path.with_name(f".{path.name}.{os.getpid()}.tmp"), path):
+                    with contextlib.suppress(OSError):
+                        stale.unlink(missing_ok=True)
+            if now is not None and now.table_size != (len(data) if written else 0):
+                self.index.put(dataclasses.replace(now, table_size=len(data) if written else 0))
+        return written
+
+    def _put(self, rec: ShardRecord) -> None:
+        """Write ``rec``; a table file the old record counted and ``rec`` does not goes after it."""
+        old = self.index.get(rec.url)
+        self.index.put(rec)
+        if old is not None and old.table_size and not rec.table_size:
+            self.layout.table_path(rec.url).unlink(missing_ok=True)
 
     # -- reads ------------------------------------------------------------
 

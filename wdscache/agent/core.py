@@ -430,6 +430,7 @@ class Agent:
             try:
                 if header["op"] == "walked":
                     self.workers.pass_on(ident, header, payload)
+                    self._keep_table(header, payload)
                 else:
                     self._handle(ident, header)
             except ProtocolError as exc:
@@ -441,6 +442,14 @@ class Agent:
                 log.exception("error handling a message")
                 self.socket.reply(ident, rid, ok=False, error=f"internal error: {type(exc).__name__}")
         self._send_answers()
+
+    def _keep_table(self, header: dict[str, Any], frames: list[Any]) -> None:
+        """A walked table (checked by ``pass_on``) kept on disk for agents started later, if the
+        cache has room for it; the workers check it again when they read it."""
+        try:
+            self.cache.store_table(header["url"], header["identity"], header["layouts"], [bytes(f) for f in frames])
+        except IndexWriteError as exc:
+            self._index_full(exc)
 
     def _send_answers(self) -> None:
         """Send the replies to held requests that became answerable (waiters whose shard came)."""
@@ -518,7 +527,12 @@ class Agent:
         readers = self.readers.view(starved_by({"bytes_limit": cache.limit, "agent": agent_view}) or "latency")
         return build(
             cache_dir=str(self.layout.root),
-            summary={"counts": by_state, "bytes_used": index.summary.bytes_used, "failed": index.summary.failed},
+            summary={
+                "counts": by_state,
+                "bytes_used": index.summary.bytes_used,
+                "table_bytes": index.summary.table_bytes,
+                "failed": index.summary.failed,
+            },
             counters=index.counters(),
             bytes_limit=cache.limit,
             download_rate=self.downloads.rate(),

@@ -21,10 +21,12 @@ Guarantees:
   a replaced, published or evicted file is let go at the next sweep, within
   :data:`SWEEP_EVERY`, so no deleted shard's disk space stays held, and no sample of one
   version is served from another's bytes.
-- A table walked here is reported to the agent, which passes it on to the other workers; a
-  table passed on is taken only if it is of the file this worker sees (same identity, every
-  payload inside it), and then not walked here. A worker reading a shard before that
-  table comes walks it too, as far as its reads need.
+- A table walked here is reported to the agent, which passes it on to the other workers and
+  keeps it on disk (:meth:`~wdscache.agent.cache.ShardCache.store_table`); a table passed on,
+  or read from the table file the agent kept, is taken only if it is of the file this worker
+  sees (same identity, every payload inside it, a table file's digest matching its bytes),
+  and then not walked here. A worker reading a shard before that table comes walks it too,
+  as far as its reads need.
 - A published shard found damaged (by a read, a view or a walk) is reported with the identity
   of the copy read (``corrupt_copy``); the agent downloads it once more or fails it.
 """
@@ -43,7 +45,7 @@ from ..shared.layout import CacheLayout, file_identity
 from ..shared.logs import get_logger
 from ..shared.messages import Reports
 from .growing import GrowingShard
-from .sampletable import PackedSamples, SampleTables
+from .sampletable import PackedSamples, SampleTables, read_table_file
 from .shardview import open_shard
 
 log = get_logger(__name__)
@@ -81,7 +83,8 @@ class OpenShards:
         self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
         # The one being walked, a step at a time between requests: a read of it takes the walk over.
         self.walking: dict[str, GrowingShard] = {}
-        self.walked = self.adopted = 0  # shards walked here; tables taken from another worker
+        # Shards walked here; tables taken from another worker; tables read from table files.
+        self.walked = self.adopted = self.loaded = 0
 
     def held(self) -> bool:
         """Whether files are held open (to be swept for evicted ones on time)."""
@@ -130,7 +133,8 @@ class OpenShards:
         """Open the shard at ``path``; a table walked here (not in the index before) is
         reported, for the agent to pass on to the other workers."""
         identity = file_identity(os.stat(path))
-        known = self.index.get(url, identity) is not None
+        # A table file is looked for once, before a walk or a download view is made.
+        known = self.index.get(url, identity) is not None if growing is not None else self._known(url, identity)
         try:
             view = open_shard(path, url=url, growing=growing, tables=self.index)
         except ShardError as exc:
@@ -168,7 +172,7 @@ class OpenShards:
                 growing = self.growing.pop(url, None)
                 if growing is None:
                     path = self.layout.shard_path(url)
-                    if self.index.get(url, file_identity(os.stat(path))) is not None:
+                    if self._known(url, file_identity(os.stat(path))):
                         self.to_index.popleft()
                         return  # its table is here: walked before, or passed on
                     walker = self.walking[url] = GrowingShard(path, url=url, published=True)
@@ -271,7 +275,7 @@ class OpenShards:
         if url in self.views or url in self.growing:
             return None
         path = self.layout.shard_path(url)
-        if self.index.get(url, file_identity(os.stat(path))) is not None:
+        if self._known(url, file_identity(os.stat(path))):
             return None
         walker = self.walking.get(url)
         if walker is None:
@@ -281,6 +285,25 @@ class OpenShards:
                 self.to_index.remove(url)
             self.to_index.appendleft(url)
         return walker
+
+    def _known(self, url: str, identity: tuple[int, ...]) -> bool:
+        """Whether the table of ``url``'s file of ``identity`` is in the index: held, or read
+        now from the table file the agent kept (not looked for again while a walk of it runs)."""
+        if self.index.get(url, identity) is not None:
+            return True
+        if url in self.walking:
+            return False
+        try:
+            samples = read_table_file(self.layout.table_path(url), identity)
+        except OSError:
+            return False  # evicted meanwhile, or unreadable: walked
+        except ValueError as exc:
+            log.warning("worker %d: the sample table kept for %s was not used: %s", self.worker, url, exc)
+            return False
+        if samples is None or self.index.put(url, identity, samples) is None:
+            return False
+        self.loaded += 1
+        return True
 
     def close(self) -> None:
         for walker in self.walking.values():

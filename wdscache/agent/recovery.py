@@ -21,10 +21,14 @@ Guarantees:
   :func:`~wdscache.shared.layout.former_shard_name`) are renamed to today's: each rename is
   atomic, so after a crash every file is under one of its two names and the next open
   renames the rest; the index, keyed by URL, is not changed.
+- Sample table files (``tables/``) stay only for a kept shard whose record counts one of
+  that size; every other one (its shard gone, a crash between a record and its file, a temp
+  file) is removed, and a record that counts a table file no longer there counts none.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sqlite3
 import time
@@ -55,12 +59,19 @@ def recover(cache: ShardCache, keep_partial: Container[str] = ()) -> dict[str, i
     index, layout = cache.index, cache.layout
     resumable: dict[str, str] = {}  # partial file name -> url
     done = {"kept": 0, "forgotten": 0, "adopted": 0, "partials_removed": 0, "evictions_finished": 0}
+    tables: set[str] = set()  # table file names a kept record counts
     for rec in index:
         path = layout.shard_path(rec.url)
         if rec.state is ShardState.CACHED:
             size = size_or_none(path)
             if size == rec.size and not _gzipped(path):
                 done["kept"] += 1
+                if rec.table_size:
+                    table = layout.table_path(rec.url)
+                    if size_or_none(table) == rec.table_size:
+                        tables.add(table.name)
+                    else:
+                        index.put(dataclasses.replace(rec, table_size=0))
             else:
                 log.warning(
                     "forgetting %s: its cache file is %s",
@@ -100,7 +111,23 @@ def recover(cache: ShardCache, keep_partial: Container[str] = ()) -> dict[str, i
         else:
             cache.kept[url] = cache.kept.get(url, 0) + entry.stat().st_size
     done["partials_kept"] = len(cache.kept)
+    done["tables_removed"] = _sweep_tables(layout, tables)
     return done
+
+
+def _sweep_tables(layout: CacheLayout, keep: set[str]) -> int:
+    """Remove every file under ``tables/`` but those named in ``keep``; returns how many went."""
+    removed = 0
+    for folder in os.scandir(layout.tables_dir):
+        if not folder.is_dir(follow_symlinks=False):
+            os.unlink(folder.path)
+            removed += 1
+            continue
+        for entry in os.scandir(folder.path):
+            if entry.name not in keep:
+                os.unlink(entry.path)
+                removed += 1
+    return removed
 
 
 def adopt(cache: ShardCache, urls: Iterable[str]) -> int:

@@ -13,11 +13,21 @@ shard.  A kept table is tied to the identity of the file it was found in
 shard downloaded again is never served with another version's offsets.  A
 :class:`PackedSamples` is read-only once built; :class:`SampleTables` is not
 locked: it belongs to one process (a worker's).
+
+A table also outlives the agent in a **table file** (:func:`table_file`, kept by
+:meth:`~wdscache.agent.cache.ShardCache.store_table` under ``CACHE_DIR/tables/``), so an
+agent started again does not walk every cached shard once more. A table file is read
+(:func:`read_table_file`) only if it names the identity of the cache file as it is now and
+its digest matches its bytes, and then checked as a table passed on is: a torn, stale,
+damaged or foreign file is walked again, never served.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import operator
+import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,6 +35,9 @@ from itertools import chain
 from typing import Any, overload
 
 from ..shared.samples import SampleSpan
+
+TABLE_MAGIC = b"wdscache sample table 1\n"
+_HEADER_MAX = 1 << 20  # a table file's JSON line (identity, layouts, frame sizes) is shorter
 
 
 class PackedSamples(Sequence[SampleSpan]):
@@ -221,3 +234,65 @@ class SampleTables:
         while self._held > self.max_samples:
             self._held -= len(self._entries.popitem(last=False)[1][1])
         return packed
+
+
+def table_file(identity: Sequence[int], layouts: Any, frames: Sequence[bytes]) -> bytes:
+    """The bytes of a table file: :data:`TABLE_MAGIC`, a JSON line (the cache file's
+    ``identity``, the ``layouts`` and frame sizes of :meth:`PackedSamples.parts`), the
+    BLAKE2b digest of that line and the frames in hex on a line, then the frames."""
+    line = json.dumps(
+        {"identity": list(identity), "layouts": layouts, "sizes": [len(f) for f in frames]}, separators=(",", ":")
+    ).encode()
+    digest = hashlib.blake2b(line, digest_size=16)
+    for frame in frames:
+        digest.update(frame)
+    return b"".join([TABLE_MAGIC, line, b"\n", digest.hexdigest().encode(), b"\n", *frames])
+
+
+def read_table_file(path: str | os.PathLike[str], identity: tuple[int, ...]) -> PackedSamples | None:
+    """The table kept at ``path`` for the cache file of ``identity``: None if there is
+    none, or if it was written for another file (a copy downloaded since). ValueError if
+    it is not a whole table file, its digest does not match, or its table is not consistent
+    with a file of that size (see :meth:`PackedSamples.from_parts`)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    header, end = _header(data)
+    if header.get("identity") != list(identity):
+        return None
+    line = data[len(TABLE_MAGIC) : end]
+    digest_end = end + 1 + 32
+    sizes = header["sizes"]
+    if not all(type(n) is int and n >= 0 for n in sizes) or sum(sizes) != len(data) - digest_end - 1:
+        raise ValueError("a sample table file cut short, or too long")
+    frames, at = [], digest_end + 1
+    for n in sizes:
+        frames.append(data[at : at + n])
+        at += n
+    digest = hashlib.blake2b(line, digest_size=16)
+    for frame in frames:
+        digest.update(frame)
+    if data[end + 1 : digest_end] != digest.hexdigest().encode() or data[digest_end : digest_end + 1] != b"\n":
+        raise ValueError("a sample table file whose digest does not match its bytes")
+    return PackedSamples.from_parts(header.get("layouts"), frames, identity[2])
+
+
+def table_file_holds(path: str | os.PathLike[str], identity: tuple[int, ...]) -> bool:
+    """Whether the table file at ``path`` is one :func:`read_table_file` takes for ``identity``."""
+    try:
+        return read_table_file(path, identity) is not None
+    except (OSError, ValueError):
+        return False
+
+
+def _header(data: bytes) -> tuple[dict[str, Any], int]:
+    """A table file's JSON line, and where it ends; ValueError if ``data`` is not a table file."""
+    end = data.find(b"\n", len(TABLE_MAGIC), len(TABLE_MAGIC) + _HEADER_MAX)
+    if not data.startswith(TABLE_MAGIC) or end < 0:
+        raise ValueError("not a sample table file")
+    header = json.loads(data[len(TABLE_MAGIC) : end])
+    if not isinstance(header, dict) or not isinstance(header.get("sizes"), list):
+        raise ValueError("not a sample table file")
+    return header, end

@@ -223,6 +223,7 @@ class _Worker:
                     indexed=len(self.shards.index),
                     walked=self.shards.walked,
                     adopted=self.shards.adopted,
+                    loaded=self.shards.loaded,
                 )
             )
             if os.getppid() != self.spec.parent:

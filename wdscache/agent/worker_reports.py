@@ -37,7 +37,7 @@ from .control import ControlSocket
 from .pool import WorkerPool
 
 INDEX_HINTS = 64  # shards lately hinted that a new worker is told to index
-WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted")
+WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted", "loaded")
 
 
 class WorkerReports:

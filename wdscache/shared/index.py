@@ -106,6 +106,14 @@ class ShardRecord:
     # The source's Last-Modified date beside its ETag, when it sent both: a server that later
     # sends only one of them can still be compared (records written without it load as None).
     last_modified: str | None = None
+    # Bytes of the shard's sample table file (CACHE_DIR/tables/), 0 when it has none. Counted
+    # from before the file is written until after it is removed: the budget never misses it.
+    table_size: int = 0
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the budget counts for this record when CACHED: its file and its table file."""
+        return self.size + self.table_size
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -127,6 +135,7 @@ class Summary:
     bytes_used: int = 0
     failed: dict[str, str] = field(default_factory=dict)  # url -> error, at most MAX_FAILED_LISTED
     updated: float = 0.0
+    table_bytes: int = 0  # of ``bytes_used``, the cached shards' sample table files
 
     def apply(self, old: ShardRecord | None, new: ShardRecord | None) -> None:
         for rec, sign in ((old, -1), (new, 1)):
@@ -134,7 +143,8 @@ class Summary:
                 continue
             self.counts[rec.state.value] = self.counts.get(rec.state.value, 0) + sign
             if rec.state is ShardState.CACHED:
-                self.bytes_used += sign * rec.size
+                self.bytes_used += sign * rec.disk_bytes
+                self.table_bytes += sign * rec.table_size
         if old is not None and old.state is ShardState.FAILED:
             self.failed.pop(old.url, None)
         if new is not None and new.state is ShardState.FAILED and len(self.failed) < MAX_FAILED_LISTED:
@@ -236,7 +246,12 @@ class Index:
         del self.records[url]
 
     def _summary_after(self, old: ShardRecord | None, new: ShardRecord | None) -> Summary:
-        summary = Summary(dict(self.summary.counts), self.summary.bytes_used, dict(self.summary.failed))
+        summary = Summary(
+            dict(self.summary.counts),
+            self.summary.bytes_used,
+            dict(self.summary.failed),
+            table_bytes=self.summary.table_bytes,
+        )
         summary.apply(old, new)
         return summary
 

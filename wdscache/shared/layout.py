@@ -6,6 +6,8 @@
       index/                    the diskcache index (SQLite); the only record of what is cached
       shards/ab/<hash>-<name>   complete shards; a file here is always a whole, checked shard
       partial/<hash>-<name>     downloads in progress; never read by anyone
+      tables/ab/<hash>-<name>   the sample table of the shard of the same name, as its workers
+                                found it (wdscache.agent.sampletable); counted in the budget
       partial/<hash>-<name>~tar a gzip'd download's tar, being decompressed
       partial/<hash>-<name>~part-<start>-<end>  a part of a download in parallel parts
       agent.lock                flock held by the running agent; holds its pid
@@ -126,6 +128,14 @@ class CacheLayout:
     def partial_path(self, url: str) -> Path:
         return self.partial_dir / shard_name(url)
 
+    @property
+    def tables_dir(self) -> Path:
+        return self.root / "tables"
+
+    def table_path(self, url: str) -> Path:
+        name = shard_name(url)
+        return self.tables_dir / name[:2] / name
+
     def prepare(self) -> list[Path]:
         """Create the cache directory private (0700), or check that an existing one is ours and
         writable; returns the folders it made (outermost first), for :meth:`undo_start`.
@@ -195,6 +205,7 @@ class CacheLayout:
                 self.index_dir,
                 self.shards_dir,
                 self.partial_dir,
+                self.tables_dir,
                 self.lock_path,
                 self.state_path,
                 self.token_path,

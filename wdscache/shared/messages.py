@@ -329,6 +329,7 @@ class WorkerMessage(TypedDict):
     indexed: int
     walked: int
     adopted: int
+    loaded: int
 
 
 class CountedMessage(TypedDict):
@@ -672,6 +673,7 @@ class Reports:
         indexed: int,
         walked: int,
         adopted: int,
+        loaded: int,
     ) -> WorkerMessage:
         return {
             "op": "worker",
@@ -684,6 +686,7 @@ class Reports:
             "indexed": indexed,
             "walked": walked,
             "adopted": adopted,
+            "loaded": loaded,
         }
 
     def counted(self, url: str, samples: int) -> CountedMessage:

@@ -77,7 +77,8 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
 
     agent = s.get("agent") or {}
     yield gauge("agent_up", "1 while an agent serves this cache", 1 if agent else 0)
-    yield gauge("cache_bytes", "Bytes of cached shards", s["bytes_used"])
+    yield gauge("cache_bytes", "Bytes the budget counts: cached shards and their sample table files", s["bytes_used"])
+    yield gauge("cache_table_bytes", "Of cache_bytes, the sample table files", s.get("table_bytes", 0))
     if s.get("bytes_limit") is not None:
         yield gauge("cache_limit_bytes", "The cache's budget (--cache-size)", s["bytes_limit"])
     shards = GaugeMetricFamily("wdscache_shards", "Shards by state", labels=["state"])

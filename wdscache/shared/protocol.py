@@ -511,6 +511,7 @@ MESSAGES: tuple[Message, ...] = (
             "indexed": "int",
             "walked": "int",
             "adopted": "int",
+            "loaded": "int",
         },
         about="a worker's counters, every second; the agent sends hints back on its socket",
     ),

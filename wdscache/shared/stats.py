@@ -3,7 +3,9 @@
 The object (also ``wdscache stats --json``)::
 
     cache_dir         the cache directory
-    bytes_used        bytes of complete cached shards
+    bytes_used        bytes of complete cached shards and their sample table files
+    table_bytes       of those, the sample table files' (kept so that a restarted agent need
+                      not walk each shard's tar headers again)
     bytes_limit       the budget (of the running agent, else of the last one)
     shards            counts by state: cached, downloading, queued, failed
     failed            [{url, error}] (at most 100 listed)
@@ -18,8 +20,9 @@ The object (also ``wdscache stats --json``)::
                       agent runs)
     agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers,
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
-                      indexed (shards), walked / adopted (shards whose table the worker walked
-                      itself / took from another worker)}],
+                      indexed (shards), walked / adopted / loaded (shards whose table the worker
+                      walked itself / took from another worker / read from the cache's table
+                      files)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
                       waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up),
@@ -71,6 +74,7 @@ def build(
     return {
         "cache_dir": cache_dir,
         "bytes_used": summary.get("bytes_used", 0),
+        "table_bytes": summary.get("table_bytes", 0),
         "bytes_limit": bytes_limit,
         "shards": {s: int(counts.get(s, 0)) for s in STATES},
         "failed": [{"url": u, "error": e} for u, e in summary.get("failed", {}).items()],
@@ -193,7 +197,8 @@ def format_stats(s: dict[str, Any]) -> str:
     hit_rate = f"{100 * s['hits'] / lookups:.0f}%" if lookups else "-"
     lines = [
         f"cache      {s['cache_dir']}",
-        f"used       {format_size(used)} of {format_size(limit) if limit else '?'}{pct}",
+        f"used       {format_size(used)} of {format_size(limit) if limit else '?'}{pct}"
+        + (f", {format_size(s['table_bytes'])} of it sample tables" if s.get("table_bytes") else ""),
         "shards     " + ", ".join(f"{shards[k]} {k}" for k in STATES),
         f"hits       {s['hits']} hits, {s['misses']} misses (hit rate {hit_rate})",
         f"downloaded {format_size(s['bytes_downloaded'])} in all ({s.get('downloads', 0)} shards, "
