@@ -1271,7 +1271,8 @@ class Bench:
 
     def run_wdscache_restarted(self, prof: str, ds: dict[str, Any], cache: Path, budget: int) -> dict[str, Any]:
         """One epoch of a new consumer from an agent started again on the warm cache: the
-        shards are there, but no worker holds their sample tables (they live in memory)."""
+        shards and their table files are there, but each shard is revalidated against its
+        source before it is first served, and no worker has opened it yet."""
         agent = Agent(self, cache, Path(ds["http_list"]), budget, tag=f"{prof}-agent-restarted")
         self.agents.append(agent)
         try:

@@ -206,3 +206,21 @@ def test_a_table_that_cannot_be_written_is_not_counted_and_the_shard_serves(
     assert read_all(cache) == reference(data.paths, data.urls)
     s = agent.wait_stats(lambda s: s["bytes_used"] == disk_bytes(cache), 20, "shards and kept tables counted")
     assert s["shards"]["cached"] == 4 and agent.running(), agent.stderr_tail()
+
+
+def test_the_tables_of_shards_read_while_they_download_are_kept_too(tmp_path, shard_server, dataset, start_agent):
+    """A worker reading a download may see its file published, and report its table, before
+    the agent's main loop has heard the download ended: the table is kept all the same."""
+    data = dataset(6, samples=40, payload=2000)
+    cache = tmp_path / "cache"
+    layout = CacheLayout.of(cache)
+    shard_server.rate = 400_000  # about 0.2 s a shard: each is read while it downloads
+    agent = start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "1", "--workers", "2")
+    assert read_all(cache) == reference(data.paths, data.urls)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 6, 20, "the 6 shards cached")
+    wait_for(
+        lambda: all(read_table_file(layout.table_path(u), identity_of(layout, u)) for u in data.urls),
+        20,
+        lambda: f"the tables of {[u for u in data.urls if not layout.table_path(u).exists()]} not kept",
+    )
+    agent.wait_stats(lambda s: s["bytes_used"] == disk_bytes(cache), 20, "shards and tables counted")

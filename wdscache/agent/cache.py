@@ -60,6 +60,7 @@ from .shard_download import Download
 log = get_logger(__name__)
 
 INDEX_HEADROOM = 1 << 20  # the index shares the file system; a full disk must not stop it
+EARLY_TABLES = 4 << 20  # bytes of walked tables held for downloads not yet finished
 
 
 class ShardWatcher(Protocol):
@@ -89,6 +90,9 @@ class ShardCache:
         # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
         self.refusal: tuple[str, str] | None = None
         self.kept: dict[str, int] = {}  # url -> bytes of its partial file kept for a resume, not in flight
+        # Tables of shards published whose download the main loop has not yet finished (a worker
+        # reading the download saw its file published first): kept by finish(), at most EARLY_TABLES bytes.
+        self.early_tables: dict[str, tuple[list[int], list[list[str]], list[bytes]]] = {}
         self.watcher: ShardWatcher | None = None
 
     # -- queries ----------------------------------------------------------
@@ -155,11 +159,16 @@ class ShardCache:
             last_modified=last_modified,
         )
         self.inflight.pop(d.url, None)
+        early = self.early_tables.pop(d.url, None)
+        if early is not None:
+            with contextlib.suppress(IndexWriteError):  # a table is optional; the shard is cached
+                self.store_table(d.url, *early)
         if self.watcher is not None:
             self.watcher.cached(d.url, size if stored is None else stored)
 
     def fail(self, d: Download, error: str) -> None:
         self.inflight.pop(d.url, None)
+        self.early_tables.pop(d.url, None)
         self.kept.pop(d.url, None)
         d.partial.unlink(missing_ok=True)
         remove_side_files(d.partial)
@@ -182,6 +191,7 @@ class ShardCache:
         (the DOWNLOADING record keeps the validator) and counts against the budget.
         """
         self.inflight.pop(d.url, None)
+        self.early_tables.pop(d.url, None)
         size = size_or_none(d.partial)
         if keep_partial and d.progress.etag and size:
             self.set_validator(d.url, d.progress.etag)
@@ -453,6 +463,12 @@ class ShardCache:
         evicting anything: the record counts the larger of old and new first, and is set
         back if the write fails."""
         rec = self.index.get(url)
+        if url in self.inflight:  # its file was published before the main loop heard of it
+            self.early_tables.pop(url, None)
+            self.early_tables[url] = (identity, layouts, frames)
+            while sum(sum(map(len, t[2])) for t in self.early_tables.values()) > EARLY_TABLES:
+                del self.early_tables[next(iter(self.early_tables))]
+            return False
         if rec is None or rec.state is not ShardState.CACHED:
             return False
         path = self.layout.table_path(url)
