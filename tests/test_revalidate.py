@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import webdataset as wds
 
 from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.versions import another_version, replace
@@ -32,6 +33,39 @@ def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_ser
     assert shard_server.count(data.paths[0].name) == 0  # unchanged: checked by HEAD, not fetched
     assert shard_server.count(data.paths[1].name) == 1
     assert "changed on the server" in agent.stderr_text()
+
+
+def test_a_restarted_agent_asks_about_the_shards_readers_want_next_before_any_open(
+    tmp_path, shard_server, dataset, start_agent
+):
+    """The start-up window's shards cached by an earlier run are revalidated before anyone
+    opens them (one changed on the server is fetched again then), so a loader's first
+    opens wait for no source: its epoch sends no request to the server."""
+    data = dataset(6, samples=5, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "6", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 6, 20, "shards never cached")
+    assert agent.stop() == 0
+    make_shard(data.paths[5], synth_samples(5, 7, payload=1500, seed=99))
+    shard_server.reset_log()
+    agent = start_agent(cache, data.list_file, "--prefetch", "6", "--no-shuffle")
+    s = agent.wait_stats(
+        lambda s: s["changed"] == 1 and s["shards"]["cached"] == 6 and s["redownloads"] == 1,
+        20,
+        "the start-up window revalidated and the changed shard fetched again, with no reader",
+    )
+    assert [shard_server.count(p.name, "HEAD") for p in data.paths] == [1] * 6, shard_server.requests
+    assert [shard_server.count(p.name) for p in data.paths] == [0] * 5 + [1], shard_server.requests
+    shard_server.reset_log()
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20) as loader:
+        got = {(x["__url__"], x["__key__"]): {k: v for k, v in x.items() if not k.startswith("__")} for x in loader}
+    assert shard_server.requests == []
+    assert got == {
+        (url, x["__key__"]): {k: v for k, v in x.items() if not k.startswith("__")}
+        for path, url in zip(data.paths, data.urls)
+        for x in wds.WebDataset(str(path), shardshuffle=False)
+    }
+    assert s["agent"]["changed"][0]["url"] == data.urls[5]
 
 
 # What the test server sends: its ETag and Last-Modified, one of them, or the other.

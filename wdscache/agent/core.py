@@ -319,6 +319,7 @@ class Agent:
         planned = self.readers.planned()
         # Not the shards asked for: a read of one walks it anyway, and they come and go.
         self.workers.wanted(planned, self.cache.is_cached, self.readers.position)
+        self.opens.revalidate_ahead(planned)
         readers = self._readers_want(demanded, planned)
         seen = set(readers)
         # The next prefetch wishes only: enough to fill the download slots, whatever the lists' length.

@@ -108,6 +108,30 @@ class Opens:
         self._found_corrupt(url, error, None, "a consumer")
         return {"ok": True}
 
+    def revalidate_ahead(self, planned: list[str]) -> None:
+        """With ``--revalidate``, ask the sources of the shards an earlier run cached that
+        readers' windows hold next (``planned``, most urgent first; the start-up window
+        while nobody reads) whether they are current, in download slots left free, so that
+        a first open of one does not wait for its source's answer. A shard asked about
+        is pinned until the answer comes, as when an open asks."""
+        if not self._config.revalidate:
+            return
+        room = self._config.download_workers - self.shards.downloads()
+        cache = self._cache
+        for url in planned:
+            if room <= 0:
+                return
+            if url in self._verified or not cache.is_cached(url):
+                continue
+            shard = self.shards.record(url)
+            try:
+                if shard.phase is Phase.IDLE and self.shards.slot(url) is None:
+                    self.shards.move(shard, Phase.REVALIDATING)
+                    self._downloads.revalidate(url)
+                    room -= 1
+            finally:
+                self.shards.settle(shard)
+
     # -- opening ------------------------------------------------------------------
 
     def open(

@@ -15,8 +15,8 @@ through :meth:`Shards.move`, by these transitions (any other raises
 from          on                                                              to
 ============  ==============================================================  ============
 IDLE          opened, not cached: its download is wanted                      WANTED
-IDLE          opened, cached by an earlier run (``--revalidate``): its        REVALIDATING
-              source is asked whether it is still current
+IDLE          opened, or in a reader's window, cached by an earlier run       REVALIDATING
+              (``--revalidate``): its source is asked whether it is current
 IDLE          a read found its cached copy damaged                            SUSPECT
 IDLE          its download failed, or its copy was damaged again after it     FAILED
               was downloaded once more
