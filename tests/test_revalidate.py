@@ -12,17 +12,24 @@ from wdscache.shared.layout import CacheLayout
 from wdscache.shared.tarwalk import members
 
 
+def restarted_after_a_change(tmp_path, shard_server, data, start_agent, changed: int) -> tuple:
+    """(cache, agent): an agent that cached ``data`` and stopped, the server's copy of shard
+    ``changed`` changed since (new content, new size, new ETag), the server's log cleared,
+    and a new agent on the cache (its start-up window: every shard)."""
+    cache = tmp_path / "cache"
+    args = ("--prefetch", str(len(data.urls)), "--no-shuffle")
+    agent = start_agent(cache, data.list_file, *args)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == len(data.urls), 20, "shards never cached")
+    assert agent.stop() == 0
+    make_shard(data.paths[changed], synth_samples(changed, 5 + changed, payload=1500, seed=99))
+    shard_server.reset_log()
+    return cache, start_agent(cache, data.list_file, *args)
+
+
 @pytest.mark.slow
 def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_server, dataset, start_agent):
     data = dataset(2, samples=3, payload=1000)
-    cache = tmp_path / "cache"
-    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "shards never cached")
-    assert agent.stop() == 0
-    # The server's copy of shard 1 changes (new content, new size, new ETag).
-    make_shard(data.paths[1], synth_samples(1, 5, payload=1500, seed=99))
-    shard_server.reset_log()
-    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--no-shuffle")
+    cache, agent = restarted_after_a_change(tmp_path, shard_server, data, start_agent, 1)
     with ShardClient(cache, timeout=20) as client:
         for url, path in zip(data.urls, data.paths):
             assert client.open(url).read_bytes() == path.read_bytes()
@@ -42,13 +49,7 @@ def test_a_restarted_agent_asks_about_the_shards_readers_want_next_before_any_op
     opens them (one changed on the server is fetched again then), so a loader's first
     opens wait for no source: its epoch sends no request to the server."""
     data = dataset(6, samples=5, payload=1000)
-    cache = tmp_path / "cache"
-    agent = start_agent(cache, data.list_file, "--prefetch", "6", "--no-shuffle")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 6, 20, "shards never cached")
-    assert agent.stop() == 0
-    make_shard(data.paths[5], synth_samples(5, 7, payload=1500, seed=99))
-    shard_server.reset_log()
-    agent = start_agent(cache, data.list_file, "--prefetch", "6", "--no-shuffle")
+    cache, agent = restarted_after_a_change(tmp_path, shard_server, data, start_agent, 5)
     s = agent.wait_stats(
         lambda s: s["changed"] == 1 and s["shards"]["cached"] == 6 and s["redownloads"] == 1,
         20,
