@@ -17,6 +17,7 @@ import pytest
 from scripts.console import wdscache_exe
 from tests.helpers.disks import fill
 from tests.helpers.streaming import samples_of
+from tests.helpers.waits import wait_for
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.config import format_size
 from wdscache.shared.layout import CacheLayout
@@ -70,8 +71,9 @@ def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, ru
     )
     assert result["bad"][0]["problem"].startswith("not a valid tar")
     assert data.urls[1] not in _ls(run_cli, cache) and not damaged.exists()
+    freed = _freed(cache, data, [0])
     r = run_cli("evict", data.urls[0], "--cache-dir", cache)
-    assert (r.returncode, r.stdout.splitlines()[0]) == (0, f"evicted 1 shard(s), {_size(data, [0])} freed"), r.stderr
+    assert (r.returncode, r.stdout.splitlines()[0]) == (0, f"evicted 1 shard(s), {freed} freed"), r.stderr
     r = run_cli("clear", "--cache-dir", cache, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["evicted"] == [data.urls[2]], r.stdout
     assert not [s for s in _ls(run_cli, cache).values() if s["state"] == "cached"]
@@ -80,6 +82,15 @@ def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, ru
 def _size(data, which=None) -> str:
     paths = data.paths if which is None else [data.paths[i] for i in which]
     return format_size(sum(p.stat().st_size for p in paths))
+
+
+def _freed(cache, data, which=None) -> str:
+    """What evicting shards ``which`` (all: None) of ``data`` frees: their cache files and
+    the sample table files an agent kept beside them."""
+    layout = CacheLayout.of(cache)
+    urls = data.urls if which is None else [data.urls[i] for i in which]
+    files = [p for u in urls for p in (layout.shard_path(u), layout.table_path(u)) if p.exists()]
+    return format_size(sum(p.stat().st_size for p in files))
 
 
 @pytest.mark.slow
@@ -341,10 +352,11 @@ def test_evict_expands_brace_patterns_and_names_what_matched_nothing(tmp_path, d
     base = data.urls[0].rsplit("/", 1)[0]
     pattern, typo = f"{base}/shard-{{000000..000001}}.tar", f"{base}/shard-00002.tar"
     assert run_cli("prefetch", *data.urls, "--cache-dir", cache).returncode == 0
+    freed = _freed(cache, data, [0, 1])
     r = run_cli("evict", pattern, typo, "--cache-dir", cache)
     assert (r.returncode, r.stdout.splitlines()) == (
         0,
-        [f"evicted 2 shard(s), {_size(data, [0, 1])} freed", f"  not cached: {typo}"],
+        [f"evicted 2 shard(s), {freed} freed", f"  not cached: {typo}"],
     ), r.stderr
     assert sorted(u for u, s in _ls(run_cli, cache).items() if s["state"] == "cached") == data.urls[2:]
     # Nothing asked for is cached: said, and exit 1 (a typo does not pass for done).
@@ -363,10 +375,11 @@ def test_evict_expands_brace_patterns_and_names_what_matched_nothing(tmp_path, d
     # The same through a running agent.
     data.list_file.write_text(data.urls[0] + "\n")  # the agent's own list: a shard not evicted below
     start_agent(cache, data.list_file, "--prefetch", "1")
+    freed = _freed(cache, data, [2, 3])
     r = run_cli("evict", typo, f"{base}/shard-{{000002,000003}}.tar", "--cache-dir", cache)
     assert (r.returncode, r.stdout.splitlines()) == (
         0,
-        [f"evicted 2 shard(s), {_size(data, [2, 3])} freed", f"  not cached: {typo}"],
+        [f"evicted 2 shard(s), {freed} freed", f"  not cached: {typo}"],
     ), r.stderr
     r = run_cli("evict", typo, "--cache-dir", cache)
     assert (r.returncode, r.stdout.splitlines()) == (1, ["evicted 0 shard(s), 0 freed", f"  not cached: {typo}"]), (
@@ -482,11 +495,14 @@ def test_clear_with_an_agent_running_stays_clear_until_a_reader_asks(
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file, "--no-shuffle")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "the start-up prefetch cached the list")
+    layout = CacheLayout.of(cache)
+    wait_for(lambda: all(layout.table_path(u).exists() for u in data.urls), 20, "the 3 sample tables kept")
     shard_server.reset_log()
+    freed = _freed(cache, data)
     r = run_cli("clear", "--cache-dir", cache)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [
-        f"evicted 3 shard(s), {_size(data)} freed",
+        f"evicted 3 shard(s), {freed} freed",
         "the agent fetches again only what its readers ask for",
     ]
     assert json.loads(run_cli("clear", "--cache-dir", cache, "--json").stdout)["agent"] is True

@@ -45,7 +45,7 @@ def evict_shards(cache: ShardCache, urls: Iterable[str], *, force: bool, why: st
             out["refused"].append({"url": url, "reason": f"held by {cache.pins[url]} reader(s); --force evicts it"})
         else:
             out["evicted"].append(url)
-            out["bytes"] += rec.size
+            out["bytes"] += rec.disk_bytes
             cache.remove(url, why)
     return out
 
