@@ -255,9 +255,10 @@ def test_it_reads_on_across_a_restarted_agent(
         again = start_agent(cache, local_index, "--workers", "2")
         assert ds[7]["__key__"] == "s1/001"  # a new shard: the new run is met, hello again
         assert {i: ds[i][".bin"].getvalue() for i in (0, 1)} == before
-        # Shard 0 pinned at the new run (which checks it against its source first: while we wait
-        # for that, we hold no other pin, so shard 1 was let go).
-        assert again.stats()["agent"]["pinned"] == 1
+        # Shard 0 pinned at the new run, and shard 1 too unless an open waited for the new run
+        # to check a shard against its source (it does so ahead of the opens, as it can): while
+        # we wait, we hold no other pin.
+        assert again.stats()["agent"]["pinned"] in (1, 2)
     finally:
         ds.close()
 

@@ -32,9 +32,11 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   that size).
 - A shard's sample table file (:meth:`store_table`) is optional and counted with its shard
   (``ShardRecord.table_size``): kept only while the budget and the free-space margin have
-  room for it without evicting anything, recorded before it is written, published
-  atomically, and removed with its shard, or as soon as the shard's record changes (a new
-  download, a failure). Losing one costs a walk of the shard's headers, never a wrong byte.
+  room for it without evicting anything, and the first thing removed (after kept partials)
+  when a download needs room, before any shard is evicted; recorded before it is written,
+  published atomically, and removed with its shard, or as soon as the shard's record
+  changes (a new download, a failure). Losing one costs a walk of the shard's headers,
+  never a wrong byte.
 """
 
 from __future__ import annotations
@@ -286,6 +288,8 @@ class ShardCache:
         need, margin_need, free = self._shortfall(extra)
         if max(need, margin_need) > 0 and self._drop_kept(max(need, margin_need), spare=d.url):
             need, margin_need, free = self._shortfall(extra)
+        if max(need, margin_need) > 0 and self._drop_tables(max(need, margin_need)):
+            need, margin_need, free = self._shortfall(extra)
         shortfall = max(need, margin_need)
         if shortfall > 0 and not self.evict(
             shortfall,
@@ -451,6 +455,8 @@ class ShardCache:
         if short > 0:
             short -= self._drop_kept(short)
         if short > 0:
+            short -= self._drop_tables(short)
+        if short > 0:
             self.evict(short, wanted=wanted, allow_window=False, why="evicted to keep --min-free free")
 
     # -- sample tables ----------------------------------------------------
@@ -504,6 +510,19 @@ class ShardCache:
             if now is not None and now.table_size != (len(data) if written else 0):
                 self.index.put(dataclasses.replace(now, table_size=len(data) if written else 0))
         return written
+
+    def _drop_tables(self, nbytes: int) -> int:
+        """Remove sample table files, the least recently read shards' first, until ``nbytes``
+        are freed; returns the bytes freed. Room a download needs goes to it before any shard
+        is evicted: losing a table costs a walk of its shard later, evicting a shard a download."""
+        tabled = [r for r in self.index.records.values() if r.table_size and r.state is ShardState.CACHED]
+        freed = 0
+        for rec in sorted(tabled, key=lambda r: r.last_read):
+            if freed >= nbytes:
+                break
+            self._put(dataclasses.replace(rec, table_size=0))  # the record first, then the file
+            freed += rec.table_size
+        return freed
 
     def _put(self, rec: ShardRecord) -> None:
         """Write ``rec``; a table file the old record counted and ``rec`` does not goes after it."""
