@@ -30,18 +30,14 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   (:mod:`wdscache.agent.recovery`) finishes or undoes both after a crash.
 - A cached file is a plain tar (a gzip'd shard is cached decompressed, and counted at
   that size).
-- A shard's sample table file (:meth:`store_table`) is optional and counted with its shard
-  (``ShardRecord.table_size``): kept only while the budget and the free-space margin have
-  room for it without evicting anything, and the first thing removed (after kept partials)
-  when a download needs room, before any shard is evicted; recorded before it is written,
-  published atomically, and removed with its shard, or as soon as the shard's record
-  changes (a new download, a failure). Losing one costs a walk of the shard's headers,
-  never a wrong byte.
+- A shard's sample table file (:mod:`wdscache.agent.table_files`) is counted with its shard
+  (``ShardRecord.table_size``) and removed with it, or as soon as the shard's record changes
+  (a new download, a failure: :meth:`ShardCache.put`); when a reservation needs space, table
+  files go after kept partials and before any shard is evicted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import time
@@ -51,18 +47,17 @@ from typing import Protocol
 
 from ..shared.config import format_size
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
-from ..shared.layout import CacheLayout, file_identity, write_private
+from ..shared.layout import CacheLayout
 from ..shared.logs import event, get_logger, iso_time
 from . import recovery
 from .parts import remove_side_files, side_bytes
 from .recovery import size_or_none
-from .sampletable import table_file, table_file_holds
 from .shard_download import Download
+from .table_files import TableFiles
 
 log = get_logger(__name__)
 
 INDEX_HEADROOM = 1 << 20  # the index shares the file system; a full disk must not stop it
-EARLY_TABLES = 4 << 20  # bytes of walked tables held for downloads not yet finished
 
 
 class ShardWatcher(Protocol):
@@ -92,9 +87,7 @@ class ShardCache:
         # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
         self.refusal: tuple[str, str] | None = None
         self.kept: dict[str, int] = {}  # url -> bytes of its partial file kept for a resume, not in flight
-        # Tables of shards published whose download the main loop has not yet finished (a worker
-        # reading the download saw its file published first): kept by finish(), at most EARLY_TABLES bytes.
-        self.early_tables: dict[str, tuple[list[int], list[list[str]], list[bytes]]] = {}
+        self.tables = TableFiles(self)
         self.watcher: ShardWatcher | None = None
 
     # -- queries ----------------------------------------------------------
@@ -138,7 +131,7 @@ class ShardCache:
     def begin(self, d: Download) -> None:
         """Record that ``d`` starts (index first, then the partial file may be created)."""
         old = self.index.get(d.url)
-        self._put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.progress.etag))
+        self.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.progress.etag))
         self.kept.pop(d.url, None)  # counted through the reservation from now on
         self.inflight[d.url] = d
 
@@ -161,27 +154,24 @@ class ShardCache:
             last_modified=last_modified,
         )
         self.inflight.pop(d.url, None)
-        early = self.early_tables.pop(d.url, None)
-        if early is not None:
-            with contextlib.suppress(IndexWriteError):  # a table is optional; the shard is cached
-                self.store_table(d.url, *early)
+        self.tables.published(d.url)
         if self.watcher is not None:
             self.watcher.cached(d.url, size if stored is None else stored)
 
     def fail(self, d: Download, error: str) -> None:
         self.inflight.pop(d.url, None)
-        self.early_tables.pop(d.url, None)
+        self.tables.forget(d.url)
         self.kept.pop(d.url, None)
         d.partial.unlink(missing_ok=True)
         remove_side_files(d.partial)
-        self._put(ShardRecord(d.url, ShardState.FAILED, error=error))
+        self.put(ShardRecord(d.url, ShardState.FAILED, error=error))
         if self.watcher is not None:
             self.watcher.failed(d.url, error)
 
     def fail_cached(self, url: str, error: str) -> None:
         """A cached shard is unusable (its copy is damaged, as is its source's): FAILED first,
         then its file goes (a reader holding it open keeps what it has)."""
-        self._put(ShardRecord(url, ShardState.FAILED, error=error))
+        self.put(ShardRecord(url, ShardState.FAILED, error=error))
         self.layout.shard_path(url).unlink(missing_ok=True)
         if self.watcher is not None:
             self.watcher.failed(url, error)
@@ -193,7 +183,7 @@ class ShardCache:
         (the DOWNLOADING record keeps the validator) and counts against the budget.
         """
         self.inflight.pop(d.url, None)
-        self.early_tables.pop(d.url, None)
+        self.tables.forget(d.url)
         size = size_or_none(d.partial)
         if keep_partial and d.progress.etag and size:
             self.set_validator(d.url, d.progress.etag)
@@ -231,7 +221,7 @@ class ShardCache:
         self, url: str, size: int, etag: str | None, *, source_size: int | None = None, last_modified: str | None = None
     ) -> None:
         old = self.index.get(url)
-        self._put(
+        self.put(
             ShardRecord(
                 url,
                 ShardState.CACHED,
@@ -285,11 +275,11 @@ class ShardCache:
             raise OverflowError(
                 f"shard of {format_size(total)} is larger than the whole cache (--cache-size {format_size(self.limit)})"
             )
-        need, margin_need, free = self._shortfall(extra)
+        need, margin_need, free = self.shortfall(extra)
         if max(need, margin_need) > 0 and self._drop_kept(max(need, margin_need), spare=d.url):
-            need, margin_need, free = self._shortfall(extra)
-        if max(need, margin_need) > 0 and self._drop_tables(max(need, margin_need)):
-            need, margin_need, free = self._shortfall(extra)
+            need, margin_need, free = self.shortfall(extra)
+        if max(need, margin_need) > 0 and self.tables.drop(max(need, margin_need)):
+            need, margin_need, free = self.shortfall(extra)
         shortfall = max(need, margin_need)
         if shortfall > 0 and not self.evict(
             shortfall,
@@ -345,7 +335,7 @@ class ShardCache:
     def kept_bytes(self) -> int:
         return sum(self.kept.values())
 
-    def _shortfall(self, extra: int) -> tuple[int, int, int]:
+    def shortfall(self, extra: int) -> tuple[int, int, int]:
         """Bytes to free before ``extra`` more may be reserved: (for the budget, for the
         free-space margin, the file system's free bytes now)."""
         need = self.used + self.reserved + self.kept_bytes + extra - self.limit
@@ -420,7 +410,7 @@ class ShardCache:
             bytes=rec.size,
             last_read=iso_time(rec.last_read),
         )
-        self._put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
+        self.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
         self.layout.shard_path(url).unlink(missing_ok=True)
         self.index.delete(url)
         if self.watcher is not None and rec.state is ShardState.CACHED:
@@ -455,77 +445,13 @@ class ShardCache:
         if short > 0:
             short -= self._drop_kept(short)
         if short > 0:
-            short -= self._drop_tables(short)
+            short -= self.tables.drop(short)
         if short > 0:
             self.evict(short, wanted=wanted, allow_window=False, why="evicted to keep --min-free free")
 
-    # -- sample tables ----------------------------------------------------
-
-    def store_table(self, url: str, identity: list[int], layouts: list[list[str]], frames: list[bytes]) -> bool:
-        """Keep the sample table a worker found in ``url``'s cache file (of ``identity``) on
-        disk for agents started later; True if it was written. Only for the file cached now,
-        in place of a table file that is not this file's (of a file moved to another file
-        system, say, or damaged), and only if the budget and the free-space margin hold it without
-        evicting anything: the record counts the larger of old and new first, and is set
-        back if the write fails."""
-        rec = self.index.get(url)
-        if url in self.inflight:  # its file was published before the main loop heard of it
-            self.early_tables.pop(url, None)
-            self.early_tables[url] = (identity, layouts, frames)
-            while sum(sum(map(len, t[2])) for t in self.early_tables.values()) > EARLY_TABLES:
-                del self.early_tables[next(iter(self.early_tables))]
-            return False
-        if rec is None or rec.state is not ShardState.CACHED:
-            return False
-        path = self.layout.table_path(url)
-        try:
-            if list(file_identity(os.stat(self.layout.shard_path(url)))) != identity:
-                return False  # replaced or gone since the walk
-        except OSError:
-            return False
-        if rec.table_size and table_file_holds(path, tuple(identity)):
-            return False  # kept already
-        data = table_file(identity, layouts, frames)
-        if max(self._shortfall(len(data) - rec.table_size)[:2]) > 0:
-            return False
-        self.index.put(dataclasses.replace(rec, table_size=max(len(data), rec.table_size)))
-        written = False
-        try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            write_private(path, data)
-            written = True
-        except OSError as exc:
-            log.warning(
-                "the sample table of %s was not kept at %s: %s; an agent started later walks the shard again",
-                url,
-                path,
-                exc.strerror or exc,
-            )
-        finally:
-            now = self.index.get(url)
-            if not written:  # a table of another identity (the old one, if any) is of no use either
-                for stale in (path.with_name(f".{path.name}.{os.getpid()}.tmp"), path):
-                    with contextlib.suppress(OSError):
-                        stale.unlink(missing_ok=True)
-            if now is not None and now.table_size != (len(data) if written else 0):
-                self.index.put(dataclasses.replace(now, table_size=len(data) if written else 0))
-        return written
-
-    def _drop_tables(self, nbytes: int) -> int:
-        """Remove sample table files, the least recently read shards' first, until ``nbytes``
-        are freed; returns the bytes freed. Room a download needs goes to it before any shard
-        is evicted: losing a table costs a walk of its shard later, evicting a shard a download."""
-        tabled = [r for r in self.index.records.values() if r.table_size and r.state is ShardState.CACHED]
-        freed = 0
-        for rec in sorted(tabled, key=lambda r: r.last_read):
-            if freed >= nbytes:
-                break
-            self._put(dataclasses.replace(rec, table_size=0))  # the record first, then the file
-            freed += rec.table_size
-        return freed
-
-    def _put(self, rec: ShardRecord) -> None:
-        """Write ``rec``; a table file the old record counted and ``rec`` does not goes after it."""
+    def put(self, rec: ShardRecord) -> None:
+        """Write ``rec``; a table file the old record counted and ``rec`` does not goes after it
+        (the record first, then the file)."""
         old = self.index.get(rec.url)
         self.index.put(rec)
         if old is not None and old.table_size and not rec.table_size:

@@ -448,7 +448,7 @@ class Agent:
         """A walked table (checked by ``pass_on``) kept on disk for agents started later, if the
         cache has room for it; the workers check it again when they read it."""
         try:
-            self.cache.store_table(header["url"], header["identity"], header["layouts"], [bytes(f) for f in frames])
+            self.cache.tables.store(header["url"], header["identity"], header["layouts"], [bytes(f) for f in frames])
         except IndexWriteError as exc:
             self._index_full(exc)
 

@@ -22,7 +22,7 @@ Guarantees:
   :data:`SWEEP_EVERY`, so no deleted shard's disk space stays held, and no sample of one
   version is served from another's bytes.
 - A table walked here is reported to the agent, which passes it on to the other workers and
-  keeps it on disk (:meth:`~wdscache.agent.cache.ShardCache.store_table`); a table passed on,
+  keeps it on disk (:mod:`wdscache.agent.table_files`); a table passed on,
   or read from the table file the agent kept, is taken only if it is of the file this worker
   sees (same identity, every payload inside it, a table file's digest matching its bytes),
   and then not walked here. A worker reading a shard before that table comes walks it too,

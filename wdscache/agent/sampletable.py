@@ -15,7 +15,7 @@ shard downloaded again is never served with another version's offsets.  A
 locked: it belongs to one process (a worker's).
 
 A table also outlives the agent in a **table file** (:func:`table_file`, kept by
-:meth:`~wdscache.agent.cache.ShardCache.store_table` under ``CACHE_DIR/tables/``), so an
+:mod:`wdscache.agent.table_files` under ``CACHE_DIR/tables/``), so an
 agent started again does not walk every cached shard once more. A table file is read
 (:func:`read_table_file`) only if it names the identity of the cache file as it is now and
 its digest matches its bytes, and then checked as a table passed on is: a torn, stale,
