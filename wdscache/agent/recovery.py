@@ -124,7 +124,7 @@ def _sweep_tables(layout: CacheLayout, keep: set[str]) -> int:
             removed += 1
             continue
         for entry in os.scandir(folder.path):
-            if entry.name not in keep:
+            if entry.name not in keep and not entry.is_dir(follow_symlinks=False):  # nothing of ours
                 os.unlink(entry.path)
                 removed += 1
     return removed
