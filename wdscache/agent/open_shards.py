@@ -155,7 +155,8 @@ class OpenShards:
     def index_ahead(self) -> None:
         """Walk the next shard the agent told us of (just published, or cached and wanted
         next), so that its samples are known before it is read (only the rest, if a view
-        of its download walked the start; none of it, if its table is held already).
+        of its download walked the start; none of it, if its table is held already or read
+        from its table file).
         Only the index keeps it: the views open for reads stay as they are.
 
         A shard is walked :data:`~wdscache.agent.growing.WALK_STEP` samples a call, the
@@ -174,7 +175,7 @@ class OpenShards:
                     path = self.layout.shard_path(url)
                     if self._known(url, file_identity(os.stat(path))):
                         self.to_index.popleft()
-                        return  # its table is here: walked before, or passed on
+                        return  # its table is here: walked before, passed on, or read from its file
                     walker = self.walking[url] = GrowingShard(path, url=url, published=True)
             if walker is not None:
                 before = len(walker.samples)

@@ -57,6 +57,12 @@ def file_identity(st: os.stat_result) -> tuple[int, ...]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+def _fanned(name: str) -> Path:
+    """Where a file named ``name`` lies in a folder of many: in a subfolder of its first two
+    characters (a hash's), so that no folder holds more than a few thousand of a million."""
+    return Path(name[:2]) / name
+
+
 def shard_name(url: str) -> str:
     """The cache file name of ``url``: unique per URL, readable, filesystem-safe, and free of
     its secrets (see the module docstring)."""
@@ -114,8 +120,7 @@ class CacheLayout:
         return self.root / "token"
 
     def shard_path(self, url: str) -> Path:
-        name = shard_name(url)
-        return self.shards_dir / name[:2] / name
+        return self.shards_dir / _fanned(shard_name(url))
 
     def former_shard_path(self, url: str) -> Path | None:
         """Where a cache written by an earlier version kept the shard of ``url``, when that is not
@@ -123,7 +128,7 @@ class CacheLayout:
         if not any(c in url for c in "?#@="):
             return None  # its name was never cut otherwise
         name = former_shard_name(url)
-        return None if name == shard_name(url) else self.shards_dir / name[:2] / name
+        return None if name == shard_name(url) else self.shards_dir / _fanned(name)
 
     def partial_path(self, url: str) -> Path:
         return self.partial_dir / shard_name(url)
@@ -133,8 +138,7 @@ class CacheLayout:
         return self.root / "tables"
 
     def table_path(self, url: str) -> Path:
-        name = shard_name(url)
-        return self.tables_dir / name[:2] / name
+        return self.tables_dir / _fanned(shard_name(url))
 
     def prepare(self) -> list[Path]:
         """Create the cache directory private (0700), or check that an existing one is ours and
