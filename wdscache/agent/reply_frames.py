@@ -57,12 +57,25 @@ class ReplyFrames:
         self, runs: list[list[Any]], files: dict[Any, list[int]]
     ) -> tuple[list[Any], list[list[int]], list[tuple[int, int]]]:
         """A reply's frames, file ranges and runs' places for ``runs`` (see :meth:`make`), within the copy budget left."""
-        self.copies = [(tracker, n) for tracker, n in self.copies if not tracker.done]
-        room = GATHER_BUDGET - sum(n for _, n in self.copies)
-        frames, ranges, places = self.make(runs, min(GATHER_MAX, room), files)
+        frames, ranges, places = self.make(runs, self.room(), files)
         if frames and isinstance(frames[0], zmq.Frame):
             self.copies.append((frames[0].tracker, len(frames[0])))
         return frames, ranges, places
+
+    def room(self) -> int:
+        """The bytes a reply may copy now: at most ``GATHER_MAX``, within what the copy budget has left."""
+        self.copies = [(tracker, n) for tracker, n in self.copies if not tracker.done]
+        return min(GATHER_MAX, GATHER_BUDGET - sum(n for _, n in self.copies))
+
+    def gathered(self, pieces: list[memoryview], views: list[Any]) -> zmq.Frame:
+        """One frame of ``pieces`` copied together (fitting in :meth:`room`), counted against the
+        copy budget until ZeroMQ has sent it; ``views`` are the mapped shards they were cut
+        from, whose pages go at the next :meth:`drop_sent`."""
+        frame = zmq.Frame(b"".join(pieces), track=True)
+        self.copies.append((frame.tracker, len(frame)))
+        for view in views:
+            self.served.setdefault(view, []).append((None, 0, len(view.data)))
+        return frame
 
     def forget(self, view: Any) -> None:
         """``view`` was let go (its file evicted or replaced): its pages go with its mapping."""

@@ -20,7 +20,8 @@ which the consumer checks before it uses anything of the reply::
            its fields lie in frame ``frame`` (of those after the table) at the given
            offsets, one (offset, size) per extension; then frames of raw shard bytes. Samples
            adjacent in their shard share a run of bytes (within MERGE_GAP; within
-           DIRECT_GAP for a file range, whose gaps the consumer reads only to save calls). A run
+           DIRECT_GAP for a file range, whose gaps the consumer reads only to save calls),
+           but for a read of scattered samples answered by columns (:mod:`wdscache.agent.scattered`). A run
            of GATHER_BELOW bytes or more is a frame of its own (zero-copy from the
            mapped shard); the shorter ones are copied together into one frame (the
            first) while the worker's copy budget lasts, so that a scattered read, as a
@@ -101,6 +102,7 @@ from .growing import GrowingShard, NotYet
 from .open_shards import SWEEP_EVERY, OpenShards
 from .reply_frames import ReplyFrames
 from .sampletable import PackedSamples, placed
+from .scattered import scattered
 from .shardview import ShardView
 
 log = get_logger(__name__)
@@ -356,7 +358,12 @@ class _Worker:
         )
         begins = [0, *compress(range(1, n_items), breaks)] if n_items else []
         by_stretch = 2 * len(begins) <= n_items
-        if not by_stretch:  # mostly single samples (a shuffled read): all in one loop
+        if not by_stretch:  # mostly single samples (a shuffled read): by columns, or all in one loop
+            bulk = scattered(shard_of, index_of, shards, files, self.frames.room())
+            if bulk is not None:
+                copied = self.frames.gathered(bulk.pieces, bulk.views)
+                self._answer(ident, header, n_items, bulk.nbytes, bulk.keys, bulk.layouts, bulk.table, [], [copied])
+                return
             begins = begins[:1]
         for a, b in zip(begins, [*begins[1:], n_items]):
             k, j = shard_of[a], index_of[a]
@@ -395,7 +402,6 @@ class _Worker:
                 place[0:0] = (layouts.setdefault(names, len(layouts)), 0)
                 chunks.append((at, len(place), place))
                 nbytes += sum(place[3::2])
-        self.bytes += nbytes
         frames, ranges, places = self.frames.of(runs, files)
         table: list[int] = []
         for at, stride, row in chunks:
@@ -410,6 +416,23 @@ class _Worker:
                 for i in range(2, stride, 2):
                     row[i::stride] = [offset + shift for offset in row[i::stride]]
             table += row
+        self._answer(ident, header, n_items, nbytes, keys, list(layouts), table, ranges, frames)
+
+    def _answer(
+        self,
+        ident: bytes,
+        header: dict[str, Any],
+        n_items: int,
+        nbytes: int,
+        keys: list[str],
+        layouts: Sequence[tuple[str, ...]],
+        table: list[int],
+        ranges: list[list[int]],
+        frames: Sequence[Any],
+    ) -> None:
+        """Send a read's reply: the samples' ``keys``, ``layouts`` and rows (``table``), the
+        file ranges and the frames of bytes; ``nbytes`` more bytes served."""
+        self.bytes += nbytes
         self.requests += 1
         self.samples += n_items
         reply: SamplesReply = {
