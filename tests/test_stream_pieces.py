@@ -191,6 +191,37 @@ def test_a_reply_decodes_to_samples_and_their_payload_bytes() -> None:
 
 
 @pytest.mark.parametrize(
+    "frame_of, exts",
+    [
+        ([0, 0, 0], [["cls", "jpg"]] * 3),  # one layout, one frame (a shuffled read's copies)
+        ([1, 0, 1], [["cls", "jpg"]] * 3),  # one layout, two frames (runs of two shards)
+        ([0, 0, 1], [["cls", "jpg"], ["jpg"], ["cls", "jpg"]]),  # two layouts
+    ],
+)
+def test_every_sample_gets_its_own_bytes_however_the_reply_lays_them_out(frame_of, exts) -> None:
+    payloads = [{e: f"{e}{i}".encode() * (i + 1) for e in names} for i, names in enumerate(exts)]
+    blobs, spans = [b"xx", b"y"], []  # bytes before each frame's first payload
+    for f, sample in zip(frame_of, payloads):
+        span = [f]
+        for data in sample.values():
+            span += [len(blobs[f]), len(data)]
+            blobs[f] += data
+        spans.append(span)
+    header, frames = wire(
+        {"ok": True, "keys": ["a", "b", "c"], "exts": exts, "spans": spans}, [zmq.Frame(b) for b in blobs]
+    )
+    for zero_copy in (False, True):
+        samples, sizes = decode_reply(header, frames, items(3, shard=1), URLS, zero_copy=zero_copy)
+        assert [{k: bytes(v) if k[0] != "_" else v for k, v in s.items()} for s in samples] == [
+            {"__key__": key, "__url__": URLS[1], **p} for key, p in zip("abc", payloads)
+        ]
+        assert sizes == [sum(map(len, p.values())) for p in payloads]
+        assert all(
+            type(v) is (memoryview if zero_copy else bytes) for s in samples for k, v in s.items() if k[0] != "_"
+        )
+
+
+@pytest.mark.parametrize(
     "change",
     [
         {"keys": ["k0"]},  # does not match the request
