@@ -21,7 +21,8 @@ which the consumer checks before it uses anything of the reply::
            offsets, one (offset, size) per extension; then frames of raw shard bytes. Samples
            adjacent in their shard share a run of bytes (within MERGE_GAP; within
            DIRECT_GAP for a file range, whose gaps the consumer reads only to save calls),
-           but for a read of scattered samples answered by columns (:mod:`wdscache.agent.scattered`). A run
+           except in a read of scattered samples answered by columns
+           (:mod:`wdscache.agent.scattered`: a piece per sample). A run
            of GATHER_BELOW bytes or more is a frame of its own (zero-copy from the
            mapped shard); the shorter ones are copied together into one frame (the
            first) while the worker's copy budget lasts, so that a scattered read, as a
