@@ -3,10 +3,10 @@
 Shards are made by tarfile and GNU tar. The column builder is called on real cached files
 (opened as a worker opens them), and real agents (started through the CLI) answer reads
 sent straight to their worker over ZeroMQ, as the loader sends them. What is checked:
-every sample of a scattered read carries webdataset's bytes, in one copied frame, whether
-the columns build the reply or the general path does (a shard with two layouts, layouts
-of different lengths, a sample worth a file range, too little copy budget); a sample
-number past a shard's end is the error it always was.
+every sample of a scattered read carries webdataset's bytes, whether the columns build
+the reply (one copied frame) or the general path does (a shard with two layouts, layouts
+of different lengths, a sample worth a file range, a run a file range would hold, too
+little copy budget); a sample number past a shard's end is the error it always was.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from tests.helpers.workers import read_from_worker
 from wdscache.agent.sampletable import SampleTables
 from wdscache.agent.scattered import scattered
 from wdscache.agent.shardview import open_shard
+from wdscache.agent.worker import DIRECT_GAP, MERGE_GAP
 from wdscache.shared.layout import CacheLayout, file_identity
 from wdscache.shared.protocol import PREAD_BYTES
 
@@ -36,7 +37,7 @@ def opened(paths: list[Path]) -> list[tuple]:
         walked = open_shard(path, url=str(path))
         tables.put(str(path), file_identity(path.stat()), walked.samples)
         view = open_shard(path, url=str(path), tables=tables)
-        out.append((view, view.samples, view.samples.placed, len(view.samples), 2048))
+        out.append((view, view.samples, view.samples.placed, len(view.samples), MERGE_GAP))
     return out
 
 
@@ -83,7 +84,7 @@ def test_columns_give_each_sample_of_a_scattered_read_the_bytes_webdataset_reads
     items = scattered_items([30, 30, 30], 200, backwards=True)
     shard_of, index_of = [k for k, _ in items], [j for _, j in items]
     direct = {view: [k] for k, (view, *_) in enumerate(shards)}
-    for files, held in (({}, shards), (direct, [(*shard[:4], PREAD_BYTES) for shard in shards])):  # streamed, direct
+    for files, held in (({}, shards), (direct, [(*shard[:4], DIRECT_GAP) for shard in shards])):  # streamed, direct
         got = scattered(shard_of, index_of, held, files, 8 << 20)
         assert got is not None
         frame = b"".join(got.pieces)
@@ -104,7 +105,7 @@ def test_reads_the_columns_cannot_serve_are_left_to_the_general_path(tmp_path):
     paths = [plain, make_shard(tmp_path / "short.tar", short), make_shard(tmp_path / "mixed.tar", mixed), big]
     shards = opened(paths)
     direct = {view: [k] for k, (view, *_) in enumerate(shards)}
-    read_direct = [(*shard[:4], PREAD_BYTES) for shard in shards]  # runs merge as far as a pread saves
+    read_direct = [(*shard[:4], DIRECT_GAP) for shard in shards]  # runs merge as far as a pread saves
     assert scattered([0, 0], [4, 1], shards, {}, 8 << 20) is not None
     assert scattered([0], [4], shards, {}, 8 << 20) is None  # one sample
     assert scattered([0, 1], [4, 1], shards, {}, 8 << 20) is None  # rows of three fields and of two

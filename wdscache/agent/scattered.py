@@ -20,12 +20,14 @@ from bisect import bisect_left
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, repeat
-from operator import add, eq, ge, sub
+from operator import add, and_, eq, ge, sub
 from typing import Any
 
 from ..shared.protocol import PREAD_BYTES
 from .reply_frames import GATHER_BELOW
 from .sampletable import PackedSamples
+
+_CLOSE = range(1, 5)  # samples apart in their shard that a file range likely holds together
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,13 @@ def scattered(
     n = len(shard_of)
     if n < 2:
         return None
+    if files:
+        # Samples a few apart in one shard, one after another (every other sample of a shard, as one
+        # of two DataLoader workers reads it in order): runs the general path names as file ranges.
+        # Such a read is left to it before any column is built (``_ranged`` decides the others).
+        steps = map(_CLOSE.__contains__, map(sub, index_of[1:], index_of[:-1]))
+        if 4 * sum(map(and_, map(eq, shard_of[1:], shard_of[:-1]), steps)) > n:
+            return None
     used = set(shard_of)
     tables: list[PackedSamples | None] = [None] * len(shards)
     for k in used:
