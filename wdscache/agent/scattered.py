@@ -59,7 +59,8 @@ def scattered(
     different lengths across the read; a sample number past a shard's end (the general path
     says which); a sample as long as a file range of ``files`` (``PREAD_BYTES``) or a
     frame of its own (``GATHER_BELOW``), or close enough behind the one before it of a shard
-    of ``files`` to share a file range with it; or more bytes in all than ``room``."""
+    of ``files`` to share a file range with it (samples mostly a few apart in such a shard:
+    told before any column is built); or more bytes in all than ``room``."""
     n = len(shard_of)
     if n < 2:
         return None
