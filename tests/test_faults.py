@@ -832,6 +832,8 @@ def client_key(cache: Path, worker: int | None = None) -> str:
 
 def _keyed(frame: bytes, key: str) -> bytes:
     """``frame`` with the key added, if it is a JSON object."""
+    if not frame.startswith(b"{"):  # not parsed here: the deeply nested frame would recurse to the limit
+        return frame
     try:
         obj = json.loads(frame)
     except (ValueError, RecursionError):
@@ -841,6 +843,8 @@ def _keyed(frame: bytes, key: str) -> bytes:
 
 def _proved(frame: bytes, key: str) -> bytes:
     """``frame`` with the proof of its id under a worker's ``key`` added, if it is a JSON object."""
+    if not frame.startswith(b"{"):  # as _keyed
+        return frame
     try:
         obj = json.loads(frame)
     except (ValueError, RecursionError):
