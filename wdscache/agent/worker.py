@@ -363,7 +363,7 @@ class _Worker:
             bulk = scattered(shard_of, index_of, shards, files, self.frames.room())
             if bulk is not None:
                 copied = self.frames.gathered(bulk.pieces, bulk.views)
-                self._answer(ident, header, n_items, bulk.nbytes, bulk.keys, bulk.layouts, bulk.table, [], [copied])
+                self._answer(ident, header, bulk.nbytes, bulk.keys, bulk.layouts, bulk.table, [], [copied])
                 return
             begins = begins[:1]
         for a, b in zip(begins, [*begins[1:], n_items]):
@@ -417,13 +417,12 @@ class _Worker:
                 for i in range(2, stride, 2):
                     row[i::stride] = [offset + shift for offset in row[i::stride]]
             table += row
-        self._answer(ident, header, n_items, nbytes, keys, list(layouts), table, ranges, frames)
+        self._answer(ident, header, nbytes, keys, list(layouts), table, ranges, frames)
 
     def _answer(
         self,
         ident: bytes,
         header: dict[str, Any],
-        n_items: int,
         nbytes: int,
         keys: list[str],
         layouts: Sequence[tuple[str, ...]],
@@ -431,11 +430,11 @@ class _Worker:
         ranges: list[list[int]],
         frames: Sequence[Any],
     ) -> None:
-        """Send a read's reply: the samples' ``keys``, ``layouts`` and rows (``table``), the
-        file ranges and the frames of bytes; ``nbytes`` more bytes served."""
+        """Send a read's reply: the samples' ``keys`` (one a sample asked for), ``layouts`` and
+        rows (``table``), the file ranges and the frames of bytes; ``nbytes`` more bytes served."""
         self.bytes += nbytes
         self.requests += 1
-        self.samples += n_items
+        self.samples += len(keys)
         reply: SamplesReply = {
             "op": "samples",
             "id": header.get("id"),
