@@ -14,6 +14,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from tests.helpers.procs import files_held, rss_kib, worker_pids
 from tests.helpers.streaming import reference
 from tests.helpers.waits import wait_for
 from tests.helpers.workers import read_from_worker, worker_socket
-from wdscache import CachedMultiLoader
+from wdscache import CachedMultiLoader, ShardClient
 from wdscache.agent.growing import WALK_STEP
 from wdscache.shared.layout import CacheLayout
 
@@ -131,6 +133,39 @@ def test_a_restarted_agent_walks_the_cached_shards_readers_want_next_before_any_
     s = again.wait_stats(lambda s: all(w["indexed"] == 6 for w in s["agent"]["workers"]), 20, "all 6 tables held")
     assert sum(w["walked"] for w in s["agent"]["workers"]) == 6, s["agent"]["workers"]
     assert again.running(), again.stderr_tail()
+
+
+@pytest.mark.slow
+def test_workers_hold_their_walks_ahead_while_a_reader_waits_for_a_shard(tmp_path, shard_server, dataset, start_agent):
+    """Walks ahead are speculative: a shard published while a reader waits for another one's
+    download is walked (its table kept) only once that wait ends."""
+    data = dataset(2, samples=20, payload=2000)
+    waited, published = data.urls[1], data.urls[0]
+    shard_server.fail(data.paths[1].name, "stall", after=1000, seconds=6)  # the shard the reader waits for
+    shard_server.fail(data.paths[0].name, "stall", after=0, seconds=1)  # published once the wait is on
+    agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "1", "--workers", "2")
+    tables = CacheLayout.of(agent.cache_dir)
+    opened: list[str] = []
+    with ShardClient(agent.cache_dir, timeout=30) as client:
+        reader = threading.Thread(target=lambda: opened.append(client.open(waited)), daemon=True)
+        reader.start()
+        agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the start-up shard published")
+        # While the reader still waits, the shard just published is not walked ahead.
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            assert not tables.table_path(published).exists(), "walked ahead while a reader waited"
+            time.sleep(0.05)
+        assert reader.is_alive() and not opened, "the wait ended before the check did: stall the shard longer"
+        reader.join(30)
+        assert opened and not reader.is_alive()
+        # Once it ends, both are walked ahead (the one waited for too), one walk each.
+        wait_for(
+            lambda: tables.table_path(published).exists() and tables.table_path(waited).exists(),
+            20,
+            "both shards walked ahead once the reader has its shard",
+        )
+    s = agent.wait_stats(lambda s: sum(w.get("walked", 0) for w in s["agent"]["workers"]) == 2, 10, "2 walks")
+    assert sum(w["walked"] for w in s["agent"]["workers"]) == 2, s["agent"]["workers"]
 
 
 def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start_agent):

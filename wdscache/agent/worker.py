@@ -109,6 +109,7 @@ from .shardview import ShardView
 log = get_logger(__name__)
 
 REPORT_EVERY = 1.0
+HOLD_MAX = 1.0  # seconds: the longest hold of walks ahead a hint may ask for
 MAX_ITEMS = 4096
 DROP_EVERY = 0.005  # seconds between drops of served shard pages from a worker's RSS
 # Samples this close in a shard go in one run, the tar headers between them too: enough
@@ -156,6 +157,7 @@ class _Worker:
         self.stop = False
         self.frames = ReplyFrames()  # replies' frames, and the served pages they were cut from
         self._last_drop = self._last_sweep = time.monotonic()
+        self._walks_from = 0.0  # no walk ahead before this time (monotonic), as the agent's hold hints ask
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -187,9 +189,10 @@ class _Worker:
     def step(self) -> None:
         self._drop_served()
         # How long to wait for a request depends on the work due without one: shards to
-        # index; served pages to drop (ZeroMQ goes on sending, and faulting in, queued
-        # frames after we stop handling); open files to sweep.
-        if self.shards.to_index:
+        # index (unless the agent holds our walks ahead); served pages to drop (ZeroMQ goes
+        # on sending, and faulting in, queued frames after we stop handling); open files to sweep.
+        held = self._walks_from - time.monotonic()
+        if self.shards.to_index and held <= 0:
             idle = 0.0  # shards to index: only a look for requests first
         elif self.frames.served:
             idle = DROP_EVERY
@@ -197,6 +200,8 @@ class _Worker:
             idle = SWEEP_EVERY  # files held open: look for evicted ones on time
         else:
             idle = 0.1
+        if self.shards.to_index and held > 0:
+            idle = min(idle, held)  # walk again once the hold ends
         ready = dict(self.poller.poll(round(idle * 1000)))
         if self.report in ready:
             self._take_hints()
@@ -209,7 +214,7 @@ class _Worker:
                 t0 = time.perf_counter()
                 self._handle(frames[0], frames[1:])
                 self.busy += time.perf_counter() - t0
-        elif self.shards.to_index:
+        elif self.shards.to_index and time.monotonic() >= self._walks_from:
             t0 = time.perf_counter()
             self.shards.index_ahead()
             self.busy += time.perf_counter() - t0
@@ -254,6 +259,11 @@ class _Worker:
                 self.shards.to_index.append(url)
             elif header.get("op") == "walked" and isinstance(url, str):
                 self.shards.adopt(url, header, payload)
+            elif header.get("op") == "hold":
+                seconds = header.get("seconds")
+                if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                    until = time.monotonic() + min(max(float(seconds), 0.0), HOLD_MAX)
+                    self._walks_from = max(self._walks_from, until)
 
     def _send_report(self, header: Mapping[str, Any], frames: Sequence[bytes] = ()) -> None:
         try:

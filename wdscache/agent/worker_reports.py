@@ -5,7 +5,8 @@ this part keeps the report socket each worker registered from, tells the workers
 which shards to walk ahead of their reads (``index`` hints: one worker walks the shard
 and its table is passed on to the others): each shard as it is published, and each
 cached shard as readers come to want it (a cache the agent found at its start, whose
-tables no worker holds yet), and keeps their statistics.
+tables no worker holds yet); tells them to hold those walks while a reader waits for a
+shard (``hold`` hints); and keeps their statistics.
 
 Guarantees:
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +39,9 @@ from .control import ControlSocket
 from .pool import WorkerPool
 
 INDEX_HINTS = 64  # shards lately hinted that a new worker is told to index
+# While a reader waits for a shard, the workers walk nothing ahead: told to hold for this long,
+# again every half of it while the wait lasts.
+HOLD_WALKS = 0.1
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted", "loaded")
 
 
@@ -50,6 +55,7 @@ class WorkerReports:
         self._walker = itertools.count()  # which worker walks the next shard published
         self._wanted: set[str] = set()  # what readers wanted when last told (see wanted)
         self._stats: dict[int, dict[str, Any]] = {}  # worker number -> its last report
+        self._held_at = float("-inf")  # when the workers were last told to hold their walks ahead
 
     def check(self, header: dict[str, Any]) -> None:
         """Raise :class:`ProtocolError` unless ``header`` is a worker's report, as the protocol's table
@@ -101,6 +107,17 @@ class WorkerReports:
             if url not in self._wanted and cached(url):
                 self.published(url, position(url))
         self._wanted = set(urls)
+
+    def hold_walks(self) -> None:
+        """A reader waits for a shard (its download, or its budget): the workers hold their walks
+        ahead (speculative work) for :data:`HOLD_WALKS`, so that the CPU goes to what it waits for."""
+        now = time.monotonic()
+        if now - self._held_at < HOLD_WALKS / 2:
+            return
+        self._held_at = now
+        message = pack(Reports.hold(HOLD_WALKS))
+        for ident in self._idents.values():
+            self._socket.send(ident, message)
 
     def pass_on(self, sender: bytes, header: dict[str, Any], frames: list[Any]) -> None:
         """A worker's table of a shard it walked (``walked``), to the other workers."""

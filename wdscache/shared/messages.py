@@ -360,6 +360,11 @@ class IndexMessage(TypedDict):
     url: str
 
 
+class HoldMessage(TypedDict):
+    op: Literal["hold"]
+    seconds: float
+
+
 class _ReadRequired(TypedDict):
     op: Literal["read"]
     urls: list[str]
@@ -701,3 +706,7 @@ class Reports:
     @staticmethod
     def index(url: str) -> IndexMessage:
         return {"op": "index", "url": url}
+
+    @staticmethod
+    def hold(seconds: float) -> HoldMessage:
+        return {"op": "hold", "seconds": seconds}

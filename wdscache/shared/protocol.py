@@ -539,6 +539,9 @@ MESSAGES: tuple[Message, ...] = (
     ),
     # the agent to its workers (hints: no reply)
     Message("index", "agent", "worker", {"url": "str"}, about="walk this shard, just published, while idle"),
+    Message(
+        "hold", "agent", "worker", {"seconds": "number"}, about="a reader waits for a shard: no walks ahead meanwhile"
+    ),
     # consumers to a worker
     Message(
         "read",
