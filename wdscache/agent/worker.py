@@ -57,7 +57,8 @@ once more, or fails the shard if the copy it downloaded again is corrupt too.
 A worker that walked a published shard's headers reports the table it found to the
 agent, which passes it on to the other workers, who then do not walk it (the agent asks
 one worker to walk it ahead: for a loader reading the agent's own list, the one it sends
-the shard's reads to until its count is final).
+the shard's reads to until its count is final). Walks ahead wait while the agent holds
+them (a ``hold`` hint: a reader waits for a shard, and the CPU goes to what it waits for).
 A worker that reads a shard before that table comes walks it too, as far as its reads
 need. The report carries a secret
 the agent gave its workers on their stdin, so no other peer can hand a worker a table;
