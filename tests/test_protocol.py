@@ -57,7 +57,7 @@ BUILT: dict[str, list[dict[str, Any]]] = {
     "counted": [REPORTS.counted(URL, 7)],
     "corrupt_copy": [REPORTS.corrupt_copy(URL, [1, 2, 3, 4], "bad tar header")],
     "walked": [REPORTS.walked(URL, [1, 2, 3, 4], [[0, 1]])],
-    "index": [Reports.index(URL)],
+    "index": [Reports.index(URL), Reports.index(URL, now=True)],
     "hold": [Reports.hold(0.1)],
     "read": [Requests.read([URL]), Requests.read([URL], direct=True)],
     "scan": [Requests.scan(URL), Requests.scan(URL, while_downloading=True)],

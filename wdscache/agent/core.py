@@ -400,7 +400,7 @@ class Agent:
         if self.downloads.record_download(e.download, e.fetched):
             self.readers.check_need(self.opens.held, again=url)
         self.opens.downloaded(url)
-        self.workers.published(url, self.readers.position(url))
+        self.workers.published(url, self.readers.position(url), now=self.opens.held_by_any(url))
         self.downloads.ended(e.download)
 
     def _revalidated(self, e: Revalidated) -> None:

@@ -294,6 +294,11 @@ class Opens:
         """How many shards reader ``name`` holds open."""
         return self.shards.holds(name)
 
+    def held_by_any(self, url: str) -> bool:
+        """Whether a reader holds ``url`` open or waits for it."""
+        shard = self.shards.get(url)
+        return shard is not None and bool(shard.pins or shard.waiters)
+
     def release(self, name: str, url: str) -> None:
         shard = self.shards.get(url)
         if shard is None or not self.shards.unpin(shard, name):

@@ -159,6 +159,7 @@ class _Worker:
         self.frames = ReplyFrames()  # replies' frames, and the served pages they were cut from
         self._last_drop = self._last_sweep = time.monotonic()
         self._walks_from = 0.0  # no walk ahead before this time (monotonic), as the agent's hold hints ask
+        self._walk_now: set[str] = set()  # shards to index that readers hold: walked first, never held
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -192,7 +193,7 @@ class _Worker:
         # How long to wait for a request depends on the work due without one: shards to
         # index (unless the agent holds our walks ahead); served pages to drop (ZeroMQ goes
         # on sending, and faulting in, queued frames after we stop handling); open files to sweep.
-        held = self._walks_from - time.monotonic()
+        held = 0.0 if self._walk_next_now() else self._walks_from - time.monotonic()
         if self.shards.to_index and held <= 0:
             idle = 0.0  # shards to index: only a look for requests first
         elif self.frames.served:
@@ -215,10 +216,12 @@ class _Worker:
                 t0 = time.perf_counter()
                 self._handle(frames[0], frames[1:])
                 self.busy += time.perf_counter() - t0
-        elif self.shards.to_index and time.monotonic() >= self._walks_from:
+        elif self.shards.to_index and (self._walk_next_now() or time.monotonic() >= self._walks_from):
             t0 = time.perf_counter()
             self.shards.index_ahead()
             self.busy += time.perf_counter() - t0
+            if self._walk_now:
+                self._walk_now.intersection_update(self.shards.to_index)
         now = time.monotonic()
         if now - self._last_report >= REPORT_EVERY:
             self._last_report = now
@@ -257,7 +260,11 @@ class _Worker:
                 continue  # only the agent talks on this socket; a bad hint is not worth more
             url = header.get("url")
             if header.get("op") == "index" and isinstance(url, str):
-                self.shards.to_index.append(url)
+                if header.get("now") is True:
+                    self.shards.to_index.appendleft(url)
+                    self._walk_now.add(url)
+                else:
+                    self.shards.to_index.append(url)
             elif header.get("op") == "walked" and isinstance(url, str):
                 self.shards.adopt(url, header, payload)
             elif header.get("op") == "hold":
@@ -265,6 +272,10 @@ class _Worker:
                 if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
                     until = time.monotonic() + min(max(float(seconds), 0.0), HOLD_MAX)
                     self._walks_from = max(self._walks_from, until)
+
+    def _walk_next_now(self) -> bool:
+        """Whether the next shard to index is one a reader holds (never held back)."""
+        return bool(self._walk_now) and bool(self.shards.to_index) and self.shards.to_index[0] in self._walk_now
 
     def _send_report(self, header: Mapping[str, Any], frames: Sequence[bytes] = ()) -> None:
         try:

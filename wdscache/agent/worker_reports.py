@@ -78,10 +78,11 @@ class WorkerReports:
         report = {"index": i, **numbers(header, WORKER_FIELDS)}
         self._stats[i] = with_fraction(self._stats.get(i), report, "busy_s", "busy")
 
-    def published(self, url: str, position: int | None = None) -> None:
+    def published(self, url: str, position: int | None = None, *, now: bool = False) -> None:
         """``url`` was just published: one worker walks it ahead, and its table goes to the others.
         That is the worker a loader asks for the shard at ``position`` of its list (the agent's list
-        position, if listed there): the one whose answer its first sample of the shard waits for."""
+        position, if listed there): the one whose answer its first sample of the shard waits for.
+        ``now``: a reader holds it, so its walk is no speculation: first, and never held."""
         if url in self._published:
             self._published.remove(url)  # downloaded again: once is enough
         self._published.append(url)
@@ -91,7 +92,7 @@ class WorkerReports:
         if ident is None and idents:
             ident = idents[next(self._walker) % len(idents)]
         if ident is not None:
-            self._hint(ident, url)
+            self._socket.send(ident, pack(Reports.index(url, now=now)))
 
     def wanted(self, urls: list[str], cached: Callable[[str], bool], position: Callable[[str], int | None]) -> None:
         """Readers' windows hold ``urls`` now: those that came into them since the last call

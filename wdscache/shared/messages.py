@@ -355,9 +355,13 @@ class WalkedMessage(TypedDict):
     layouts: list[Any]
 
 
-class IndexMessage(TypedDict):
+class _IndexRequired(TypedDict):
     op: Literal["index"]
     url: str
+
+
+class IndexMessage(_IndexRequired, total=False):
+    now: bool
 
 
 class HoldMessage(TypedDict):
@@ -704,8 +708,11 @@ class Reports:
         return {"op": "walked", "secret": self.secret, "url": url, "identity": identity, "layouts": layouts}
 
     @staticmethod
-    def index(url: str) -> IndexMessage:
-        return {"op": "index", "url": url}
+    def index(url: str, *, now: bool = False) -> IndexMessage:
+        message: IndexMessage = {"op": "index", "url": url}
+        if now:
+            message["now"] = True
+        return message
 
     @staticmethod
     def hold(seconds: float) -> HoldMessage:

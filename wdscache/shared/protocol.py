@@ -538,7 +538,13 @@ MESSAGES: tuple[Message, ...] = (
         about="a table a worker walked, passed on by the agent to the other workers",
     ),
     # the agent to its workers (hints: no reply)
-    Message("index", "agent", "worker", {"url": "str"}, about="walk this shard, just published, while idle"),
+    Message(
+        "index",
+        "agent",
+        "worker",
+        {"url": "str", "now": "bool?"},
+        about="walk this shard, just published, while idle (now: a reader holds it; first, and never held)",
+    ),
     Message(
         "hold", "agent", "worker", {"seconds": "number"}, about="a reader waits for a shard: no walks ahead meanwhile"
     ),
