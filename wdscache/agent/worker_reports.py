@@ -92,7 +92,7 @@ class WorkerReports:
         if ident is None and idents:
             ident = idents[next(self._walker) % len(idents)]
         if ident is not None:
-            self._socket.send(ident, pack(Reports.index(url, now=now)))
+            self._hint(ident, url, now=now)
 
     def wanted(self, urls: list[str], cached: Callable[[str], bool], position: Callable[[str], int | None]) -> None:
         """Readers' windows hold ``urls`` now: those that came into them since the last call
@@ -128,8 +128,8 @@ class WorkerReports:
             if ident != sender:
                 self._socket.send(ident, message)  # one that misses it walks the shard itself
 
-    def _hint(self, ident: bytes, url: str) -> None:
-        self._socket.send(ident, pack(Reports.index(url)))
+    def _hint(self, ident: bytes, url: str, *, now: bool = False) -> None:
+        self._socket.send(ident, pack(Reports.index(url, now=now)))
 
     def view(self) -> list[dict[str, Any]]:
         """Each worker's last report, for stats (a worker that never reported: its number only)."""
