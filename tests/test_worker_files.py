@@ -138,34 +138,39 @@ def test_a_restarted_agent_walks_the_cached_shards_readers_want_next_before_any_
 @pytest.mark.slow
 def test_workers_hold_their_walks_ahead_while_a_reader_waits_for_a_shard(tmp_path, shard_server, dataset, start_agent):
     """Walks ahead are speculative: a shard published while a reader waits for another one's
-    download is walked (its table kept) only once that wait ends."""
-    data = dataset(2, samples=20, payload=2000)
-    waited, published = data.urls[1], data.urls[0]
-    shard_server.fail(data.paths[1].name, "stall", after=1000, seconds=6)  # the shard the reader waits for
-    shard_server.fail(data.paths[0].name, "stall", after=0, seconds=1)  # published once the wait is on
+    download is walked (its table kept) only once that wait ends; one that a reader holds as
+    it is published is walked at once, wait or not."""
+    data = dataset(3, samples=20, payload=2000)
+    unheld, held, waited = data.urls
+    shard_server.fail(data.paths[2].name, "stall", after=1000, seconds=6)  # the shard a reader waits for
+    for path in data.paths[:2]:  # published once that wait is on
+        shard_server.fail(path.name, "stall", after=0, seconds=1)
     agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "1", "--workers", "2")
     tables = CacheLayout.of(agent.cache_dir)
     opened: list[str] = []
-    with ShardClient(agent.cache_dir, timeout=30) as client:
-        reader = threading.Thread(target=lambda: opened.append(client.open(waited)), daemon=True)
+    with ShardClient(agent.cache_dir, timeout=30) as waiting, ShardClient(agent.cache_dir, timeout=30) as holding:
+        reader = threading.Thread(target=lambda: opened.append(waiting.open(waited)), daemon=True)
         reader.start()
-        agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the start-up shard published")
-        # While the reader still waits, the shard just published is not walked ahead.
+        holding.open(held)  # the start-up plan downloads the unheld one meanwhile
+        wait_for(lambda: tables.table_path(held).exists() or opened, 10, "the shard a reader holds walked")
+        assert not opened, "the shard a reader holds was walked only once the other reader's wait ended"
+        agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the start-up shard published")
+        # While the reader still waits, the shard nobody holds is not walked ahead.
         until = time.monotonic() + 1.0
         while time.monotonic() < until:
-            assert not tables.table_path(published).exists(), "walked ahead while a reader waited"
+            assert not tables.table_path(unheld).exists(), "walked ahead while a reader waited"
             time.sleep(0.05)
         assert reader.is_alive() and not opened, "the wait ended before the check did: stall the shard longer"
         reader.join(30)
         assert opened and not reader.is_alive()
-        # Once it ends, both are walked ahead (the one waited for too), one walk each.
+        # Once it ends, the others are walked too, one walk each.
         wait_for(
-            lambda: tables.table_path(published).exists() and tables.table_path(waited).exists(),
+            lambda: tables.table_path(unheld).exists() and tables.table_path(waited).exists(),
             20,
-            "both shards walked ahead once the reader has its shard",
+            "the other shards walked once the reader has its shard",
         )
-    s = agent.wait_stats(lambda s: sum(w.get("walked", 0) for w in s["agent"]["workers"]) == 2, 10, "2 walks")
-    assert sum(w["walked"] for w in s["agent"]["workers"]) == 2, s["agent"]["workers"]
+    s = agent.wait_stats(lambda s: sum(w.get("walked", 0) for w in s["agent"]["workers"]) == 3, 10, "3 walks")
+    assert sum(w["walked"] for w in s["agent"]["workers"]) == 3, s["agent"]["workers"]
 
 
 def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start_agent):
