@@ -58,7 +58,9 @@ A worker that walked a published shard's headers reports the table it found to t
 agent, which passes it on to the other workers, who then do not walk it (the agent asks
 one worker to walk it ahead: for a loader reading the agent's own list, the one it sends
 the shard's reads to until its count is final). Walks ahead wait while the agent holds
-them (a ``hold`` hint: a reader waits for a shard, and the CPU goes to what it waits for).
+them (a ``hold`` hint: a reader waits for a shard, and the CPU goes to what it waits for),
+but for a shard a reader holds as it is published (an ``index`` hint with ``now``): walked
+first, whatever the hold, since until then the reads of it copy their payloads.
 A worker that reads a shard before that table comes walks it too, as far as its reads
 need. The report carries a secret
 the agent gave its workers on their stdin, so no other peer can hand a worker a table;
@@ -193,8 +195,8 @@ class _Worker:
         # How long to wait for a request depends on the work due without one: shards to
         # index (unless the agent holds our walks ahead); served pages to drop (ZeroMQ goes
         # on sending, and faulting in, queued frames after we stop handling); open files to sweep.
-        held = 0.0 if self._walk_next_now() else self._walks_from - time.monotonic()
-        if self.shards.to_index and held <= 0:
+        walk_in = self._walk_in()
+        if walk_in == 0.0:
             idle = 0.0  # shards to index: only a look for requests first
         elif self.frames.served:
             idle = DROP_EVERY
@@ -202,8 +204,8 @@ class _Worker:
             idle = SWEEP_EVERY  # files held open: look for evicted ones on time
         else:
             idle = 0.1
-        if self.shards.to_index and held > 0:
-            idle = min(idle, held)  # walk again once the hold ends
+        if walk_in:
+            idle = min(idle, walk_in)  # walk again once the hold ends
         ready = dict(self.poller.poll(round(idle * 1000)))
         if self.report in ready:
             self._take_hints()
@@ -216,7 +218,7 @@ class _Worker:
                 t0 = time.perf_counter()
                 self._handle(frames[0], frames[1:])
                 self.busy += time.perf_counter() - t0
-        elif self.shards.to_index and (self._walk_next_now() or time.monotonic() >= self._walks_from):
+        elif self._walk_in() == 0.0:  # (a hint just taken may have asked for a hold)
             t0 = time.perf_counter()
             self.shards.index_ahead()
             self.busy += time.perf_counter() - t0
@@ -273,9 +275,14 @@ class _Worker:
                     until = time.monotonic() + min(max(float(seconds), 0.0), HOLD_MAX)
                     self._walks_from = max(self._walks_from, until)
 
-    def _walk_next_now(self) -> bool:
-        """Whether the next shard to index is one a reader holds (never held back)."""
-        return bool(self._walk_now) and bool(self.shards.to_index) and self.shards.to_index[0] in self._walk_now
+    def _walk_in(self) -> float | None:
+        """Seconds until the next walk ahead may start (0.0: now; a shard a reader holds is
+        never held back); None: no shard to index."""
+        if not self.shards.to_index:
+            return None
+        if self.shards.to_index[0] in self._walk_now:
+            return 0.0
+        return max(0.0, self._walks_from - time.monotonic())
 
     def _send_report(self, header: Mapping[str, Any], frames: Sequence[bytes] = ()) -> None:
         try:
