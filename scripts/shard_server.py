@@ -43,7 +43,7 @@ _FAULT_PARAMS: dict[str, frozenset[str]] = {
     "short": frozenset({"after"}),
     "stall": frozenset({"after", "seconds", "then"}),
     "html": frozenset({"body"}),
-    "no_range": frozenset(),
+    "no_range": frozenset({"after"}),
     "change": frozenset({"after", "content", "etags"}),
 }
 
@@ -219,7 +219,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                     length = end - start + 1
                     status = 206
                     headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-            headers["Content-Length"] = str(length)
+            if status == 206 or owner.lengths:
+                headers["Content-Length"] = str(length)
+            else:
+                headers["Connection"] = "close"  # the body ends with the connection
+                self.close_connection = True
             record = self._begin(owner, method, name, range_header, status, headers, kind)
             if head:
                 return
@@ -233,7 +237,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     ) -> None:
         kind = fault.kind if fault else None
         params = fault.params if fault else {}
-        if kind in ("cut", "short", "change"):
+        if kind in ("cut", "short", "change") or (kind == "no_range" and "after" in params):
             after = _clamp(params.get("after", length // 2), length)
             self._copy(owner, f, after, record)
             self.close_connection = True
@@ -241,7 +245,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 owner._wait_unsent_drained(self.connection)
                 self._reset_on_close = True
             else:
-                # A clean FIN: the client sees EOF before Content-Length is met.
+                # A clean FIN: the client sees EOF before Content-Length (if sent) is met.
                 self.connection.shutdown(socket.SHUT_WR)
             return
         if kind == "stall":
@@ -390,7 +394,9 @@ class ShardServer:
     ``etags=False`` sends no ETag (Last-Modified only, as plain file servers do),
     ``last_modified=False`` sends no Last-Modified, ``if_range=False`` ignores
     If-Range (a Range is served from whatever version the file is now, as some
-    servers do). All of them may be changed while the server runs.  Use as a context manager,
+    servers do), ``lengths=False`` sends no Content-Length with a whole body (200): the body
+    ends where the server closes the connection, as HTTP/1.0 servers and some proxies send
+    it. All of them may be changed while the server runs.  Use as a context manager,
     or call :meth:`start` and :meth:`stop`.  After a stop, :meth:`start` binds
     the same port again, which lets tests simulate an outage.
     """
@@ -405,6 +411,7 @@ class ShardServer:
         etags: bool = True,
         last_modified: bool = True,
         if_range: bool = True,
+        lengths: bool = True,
     ) -> None:
         self.root = Path(root).resolve()
         self.rate = rate
@@ -413,6 +420,7 @@ class ShardServer:
         self.etags = etags
         self.last_modified = last_modified
         self.if_range = if_range
+        self.lengths = lengths
         self._lock = threading.Lock()
         self._faults: dict[str, collections.deque[_Fault]] = {}
         self._requests: list[Request] = []
@@ -506,11 +514,13 @@ class ShardServer:
           The only kind that also applies to (and is consumed by) HEAD.
         - ``cut``: full headers, then a TCP reset after ``after`` body bytes
           (default half the body).
-        - ``short``: full Content-Length but only ``after`` bytes, then a clean close.
+        - ``short``: only ``after`` bytes (of a body its Content-Length, if sent, says is
+          longer), then a clean close.
         - ``stall``: ``after`` bytes (default 0), a pause of ``seconds`` (required),
           then the rest, or a clean close if ``then="close"``.
         - ``html``: a 200 text/html error page (``body`` overrides it).
-        - ``no_range``: ignore Range for this request and send 200 with the full file.
+        - ``no_range``: ignore Range for this request and send 200 with the full file (with
+          ``after``: only that many bytes of it, then a clean close, as ``short``).
         - ``change``: ``after`` body bytes (default half the body), then the file becomes a
           new version, ``content`` (bytes, required; its mtime a second later, so both its
           ETag and its Last-Modified change), the server's ``etags`` becomes ``etags`` if

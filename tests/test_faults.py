@@ -221,6 +221,36 @@ def test_short_body_is_resumed_and_never_enters_the_cache_truncated(
     assert partial_files(cache) == []
 
 
+@pytest.mark.parametrize("ranges", [True, False], ids=["resumed", "from-the-start"])
+def test_a_body_without_its_length_cut_at_a_members_end_is_fetched_again_never_cached_short(
+    shard_server, dataset, start_agent, tmp_path, ranges
+):
+    # A 200 without Content-Length ends with the connection: a close after a whole member looks
+    # like a smaller shard to any tar reader. The body must reach the tar's end-of-archive marker.
+    ds = dataset(1, **SHARD_300K)
+    name, size = ds.paths[0].name, ds.paths[0].stat().st_size
+    with tarfile.open(ds.paths[0]) as tf:
+        cut = tf.getmembers()[20].offset  # a clean close there: 10 whole samples before it
+    shard_server.lengths = False
+    shard_server.accept_ranges = ranges
+    # The first answer is the whole body (200), without its length, closed after `cut` bytes.
+    shard_server.fail(name, "no_range" if ranges else "short", after=cut)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the shard cut short was never cached")
+    assert_identical(cache, ds.urls, ds.paths, agent)
+    reqs = gets(shard_server, name)
+    assert (reqs[0].status, reqs[0].bytes_sent) == (200, cut), reqs
+    assert len(reqs) == 2 and reqs[1].fault is None, reqs
+    if ranges:  # the rest, asked for from where the body ended
+        assert (reqs[1].status, range_start(reqs[1].range), reqs[1].bytes_sent) == (206, cut, size - cut), reqs
+    else:
+        assert (reqs[1].status, reqs[1].bytes_sent) == (200, size), reqs
+    log = agent.stderr_text()
+    assert f"may be cut short: no end-of-archive marker after its last member ({cut} bytes)" in log, agent.stderr_tail()
+    assert agent.stats()["shards"]["failed"] == 0 and partial_files(cache) == []
+
+
 @pytest.mark.parametrize("sends, then", [("etag", "etag"), ("date", "date"), ("etag", "date")])
 def test_a_resume_answered_for_another_version_starts_over_never_spliced(
     shard_server, dataset, start_agent, tmp_path, sends, then

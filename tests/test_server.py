@@ -383,6 +383,23 @@ def test_fault_no_range(server: ShardServer, http: requests.Session, data: bytes
     assert r.status_code == 200 and r.content == data
     r = http.get(server.url("data.tar"), headers={"Range": "bytes=10-19"}, timeout=TIMEOUT)
     assert r.status_code == 206 and r.content == data[10:20]
+    server.fail("data.tar", "no_range", after=3000)  # and cut short, cleanly
+    status, _, body, error = raw_get(server.port, "/data.tar", {"Range": "bytes=10-19"})
+    assert status == 200 and body == data[:3000] and error is None
+
+
+def test_lengths_false_ends_a_whole_body_with_the_connection(
+    server: ShardServer, http: requests.Session, data: bytes
+) -> None:
+    server.lengths = False
+    status, headers, body, error = raw_get(server.port, "/data.tar")
+    assert status == 200 and "content-length" not in headers and headers["connection"] == "close"
+    assert body == data and error is None
+    r = http.get(server.url("data.tar"), headers={"Range": "bytes=10-19"}, timeout=TIMEOUT)
+    assert r.status_code == 206 and r.headers["Content-Length"] == "10" and r.content == data[10:20]
+    server.fail("data.tar", "short", after=4000)  # nothing tells the client it is cut short
+    status, headers, body, error = raw_get(server.port, "/data.tar")
+    assert status == 200 and "content-length" not in headers and body == data[:4000] and error is None
 
 
 def test_fault_change_replaces_the_file_mid_body(

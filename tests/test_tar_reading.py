@@ -38,7 +38,17 @@ from wdscache.agent.sampletable import PackedSamples, SampleTables, placed
 from wdscache.agent.shardview import iter_samples, open_shard
 from wdscache.shared.errors import ShardError
 from wdscache.shared.samples import SampleSpan, is_meta_name, scan, split_name
-from wdscache.shared.tarwalk import BLOCK, GZIP_MAGIC, FileSpan, Member, header_ok, members, tar_problem, walk
+from wdscache.shared.tarwalk import (
+    BLOCK,
+    GZIP_MAGIC,
+    FileSpan,
+    Member,
+    cut_problem,
+    header_ok,
+    members,
+    tar_problem,
+    walk,
+)
 
 FORMATS = {"gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT, "ustar": tarfile.USTAR_FORMAT}
 END = bytes(2 * BLOCK)
@@ -540,6 +550,32 @@ def test_header_ok_and_tar_problem() -> None:
     assert tar_problem(data) is None
     assert tar_problem(gzip.compress(data)) is None
     assert tar_problem(b"<html><body>oops</body></html>" + bytes(600)) == ("got an HTML/XML page, not a tar archive")
+
+
+@pytest.mark.parametrize("tool", ["tarfile", "gnutar"])
+def test_a_tar_cut_at_a_members_end_or_inside_one_is_told_from_a_whole_one(tmp_path: Path, tool: str) -> None:
+    # A body that comes without its length is whole only if it reaches the end-of-archive marker.
+    if tool == "gnutar" and find_gnu_tar() is None:
+        pytest.skip("GNU tar is not installed")
+    path = make_shard(tmp_path / "whole.tar", synth_samples(0, 4, payload=3000), tool=tool)
+    data = path.read_bytes()
+    assert cut_problem(path, url="u") is None
+    with tarfile.open(path) as tf:
+        third = tf.getmembers()[2].offset  # the samples before it are whole, as webdataset reads them
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(data[:third])
+    assert len(wds_read(cut)) == 1  # webdataset reads it as a smaller shard: nothing but this check tells
+    assert cut_problem(cut, url="u") == f"no end-of-archive marker after its last member ({third} bytes)"
+    cut.write_bytes(data[: third + BLOCK + 100])
+    assert "runs past the end" in (cut_problem(cut, url="u") or "")
+    cut.write_bytes(data[: third + 100])
+    assert "ends inside a header" in (cut_problem(cut, url="u") or "")
+    end = len(data.rstrip(b"\0"))  # the last member's data, its padding and part of the marker kept
+    cut.write_bytes(data[: -(-end // BLOCK) * BLOCK + 100])
+    assert cut_problem(cut, url="u") is None  # the marker cut short: the archive had ended
+    packed = tmp_path / "cut.tar.gz"
+    packed.write_bytes(gzip.compress(data[:third]))
+    assert cut_problem(packed, url="u") is None  # a gzip stream has its own end, checked as it is unpacked
 
 
 # --------------------------------------------------------------------------- shard views

@@ -1,7 +1,8 @@
 """Fetching one shard into the cache from any source (:mod:`.sources`), with retries and resume.
 
 A download writes ``partial/<name>`` and, only when the shard is complete, has the
-size it announced and starts like a tar (or gzip'd tar), fsyncs it and renames it
+size it announced (sent without one, its tar reaches its end-of-archive marker) and
+starts like a tar (or gzip'd tar), fsyncs it and renames it
 to ``shards/<xx>/<name>``. So a file under ``shards/`` is always a whole, checked
 shard, whatever happens to the process or the connection meanwhile.
 
@@ -71,7 +72,7 @@ import urllib3
 from ..shared.config import default, parse_size
 from ..shared.errors import FetchError
 from ..shared.logs import get_logger
-from ..shared.tarwalk import GZIP_MAGIC, file_problem
+from ..shared.tarwalk import GZIP_MAGIC, cut_problem, file_problem
 from .parted import PartedFetch
 from .parts import ByteRange, file_size, remove_side_files
 from .shard_download import (
@@ -302,6 +303,12 @@ class Fetcher:
         write_body(d, answer.chunks, total, check_head=offset == 0)
         if total is not None and d.progress.written != total:
             raise Retry(f"got {d.progress.written} of {total} bytes")
+        if total is None:
+            # A body without its length ends where the connection does, cut short or not: asked
+            # again from its end, the source sends the rest, or says there is none (416: whole).
+            problem = cut_problem(d.partial, url=d.url)
+            if problem:
+                raise Retry(f"the body came without its length and may be cut short: {problem}")
         return d.progress.written
 
     @contextlib.contextmanager

@@ -136,6 +136,24 @@ def file_problem(path: str | os.PathLike[str]) -> str | None:
         return tar_problem(f.read(HEAD_BYTES))
 
 
+def cut_problem(path: str | os.PathLike[str], *, url: str) -> str | None:
+    """Why the file at ``path``, a body that came without its length, may be a tar cut short
+    (None: it ends as a whole tar does). Every tar writer ends the archive with zero blocks
+    (the end-of-archive marker), so one whose data runs out at a member's end, or inside a
+    member, lost its end; a gzip'd tar is left to its own check, its stream's end."""
+    with open(path, "rb") as f:
+        if f.read(2) == GZIP_MAGIC:
+            return None
+        size = os.fstat(f.fileno()).st_size
+        ended: list[int] = []
+        try:
+            for _ in walk(FileSpan(f.fileno(), 0, size), url, ended=ended):
+                pass
+        except ShardError as exc:
+            return exc.reason if exc.offset is None else f"{exc.reason} (byte {exc.offset})"
+    return None if ended else f"no end-of-archive marker after its last member ({size} bytes)"
+
+
 def _text(raw: bytes) -> str:
     """A NUL-terminated name field as tarfile decodes it on a UTF-8 file system."""
     return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
@@ -190,7 +208,12 @@ def _pax_records(data: bytes, *, is_global: bool, url: str, offset: int) -> dict
 
 
 def walk(
-    buf: Buffer, url: str, *, prefix: bool = False, global_pax: dict[str, Any] | None = None
+    buf: Buffer,
+    url: str,
+    *,
+    prefix: bool = False,
+    global_pax: dict[str, Any] | None = None,
+    ended: list[int] | None = None,
 ) -> Iterator[tuple[str, int, int, int]]:
     """``(name, payload offset, size, header offset)`` of each regular file, in archive order.
 
@@ -201,7 +224,9 @@ def walk(
 
     With ``prefix``, ``buf`` is the start of a tar still being written: the walk
     stops quietly where the data runs out instead of calling it truncated.
-    ``global_pax``, if given, receives the global PAX records the walk meets.
+    ``global_pax``, if given, receives the global PAX records the walk meets; ``ended``
+    the offset of the end-of-archive marker, if the walk reaches one (a tar whose data
+    runs out at a member's end has none).
     """
     end = len(buf)
     if end == 0:
@@ -227,12 +252,16 @@ def walk(
         block = window[i : i + BLOCK]
         if len(block) < BLOCK:
             if prefix or block.count(0) == len(block):
+                if ended is not None and not prefix:
+                    ended.append(pos)
                 break  # zero padding cut short: the archive had ended anyway
             raise ShardError(url, "truncated: archive ends inside a header", offset=pos)
         raw_name, raw_size, raw_sum, kind, raw_prefix = _HEADER.unpack_from(block)
         parsed = sums.get(raw_sum)
         if parsed is None:
             if raw_sum == _NO_CHECKSUM and block == _ZERO_BLOCK:
+                if ended is not None:
+                    ended.append(pos)
                 break  # end-of-archive marker; tarfile stops at the first zero block too
             stored = _octal(raw_sum)
             if stored is None:
