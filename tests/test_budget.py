@@ -9,6 +9,7 @@ another program filling the disk, consumer processes (tests/consumer.py) and a
 from __future__ import annotations
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -269,3 +270,114 @@ def test_a_count_is_dropped_when_the_copy_downloaded_again_differs(shard_server,
     assert agent.stats()["redownloads"] >= 1
     with pytest.raises(TypeError):
         len(loader)
+
+
+# -- partial downloads kept for a resume count against the budget ------------------------
+
+
+def disk_bytes(cache: Path) -> int:
+    """Bytes of the files the budget counts: cached shards, partial downloads, table files."""
+    return sum(p.stat().st_size for d in ("shards", "partial", "tables") for p in (cache / d).rglob("*") if p.is_file())
+
+
+def keep_a_partial(shard_server, start_agent, cache: Path, url: str, lists: Path, at_least: int) -> int:
+    """Leave ``url`` half downloaded in ``cache``: an agent SIGKILLed mid-body (a partial with its
+    validator, resumed by the next agent); its size."""
+    lists.write_text(url + "\n")
+    shard_server.rate = 100_000
+    agent = start_agent(cache, lists, "--prefetch", "1", "--cache-size", "10M")
+    partial = CacheLayout.of(cache).partial_path(url)
+    wait_for(lambda: partial.exists() and partial.stat().st_size >= at_least, 20, "no partial download")
+    agent.stop(signal.SIGKILL)
+    shard_server.rate = None
+    return partial.stat().st_size
+
+
+def test_a_partial_kept_for_a_resume_counts_while_the_resume_waits_for_its_answer(
+    shard_server, dataset, start_agent, tmp_path
+):
+    ds = dataset(3, **SHARD_130K)
+    (a, b, c), size = ds.urls, ds.paths[0].stat().st_size
+    cache, lists = tmp_path / "cache", tmp_path / "lists"
+    lists.mkdir(exist_ok=True)
+    (lists / "c.txt").write_text(c + "\n")
+    first = start_agent(cache, lists / "c.txt", "--prefetch", "1", "--cache-size", "10M")
+    first.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "c was never cached")
+    first.stop()
+    kept = keep_a_partial(shard_server, start_agent, cache, a, lists / "a.txt", size // 2)
+    # Room for two shards and the partial's half: b fits only once c goes.
+    budget = 2 * size + kept // 2 + 4096
+    # a's resume waits for its answer: its check (HEAD) and its first GET are told to come back in 2 s.
+    shard_server.fail(ds.paths[0].name, "status", status=503, retry_after=2, times=2)
+    (lists / "ab.txt").write_text(f"{a}\n{b}\n")
+    agent = start_agent(
+        cache, lists / "ab.txt", "--prefetch", "2", "--cache-size", str(budget), "--no-shuffle", wait=False
+    )
+    peak = 0
+
+    def both_cached() -> bool:
+        nonlocal peak
+        peak = max(peak, disk_bytes(cache))
+        layout = CacheLayout.of(cache)
+        return layout.shard_path(a).exists() and layout.shard_path(b).exists()
+
+    wait_for(both_cached, 30, lambda: f"a and b were never cached\n{agent.stderr_tail()}")
+    assert peak <= budget, f"{peak} bytes on disk under a budget of {budget}\n{agent.stderr_tail()}"
+    asked = [(r.method, r.status) for r in shard_server.requests if r.path == ds.paths[0].name]
+    assert asked[-3:] == [("HEAD", 503), ("GET", 503), ("GET", 206)], asked
+    assert f"evicted {c}" in agent.stderr_text(), agent.stderr_tail()
+
+
+def test_a_smaller_budget_at_restart_gives_up_kept_partials_first(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(3, **SHARD_130K)
+    (a, c, d), size = ds.urls, ds.paths[0].stat().st_size
+    cache, lists = tmp_path / "cache", tmp_path / "lists"
+    lists.mkdir(exist_ok=True)
+    (lists / "cd.txt").write_text(f"{c}\n{d}\n")
+    first = start_agent(cache, lists / "cd.txt", "--prefetch", "2", "--cache-size", "10M")
+    first.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "c and d were never cached")
+    first.stop()
+    kept = keep_a_partial(shard_server, start_agent, cache, a, lists / "a.txt", size // 2)
+    budget = 2 * size + kept // 2  # c and d fit (a reader's window), with the partial they do not
+    (lists / "cda.txt").write_text(f"{c}\n{d}\n{a}\n")  # a is listed (its partial is kept), not in the window
+    agent = start_agent(cache, lists / "cda.txt", "--prefetch", "1", "--cache-size", str(budget), "--no-shuffle")
+    assert disk_bytes(cache) <= budget, f"{disk_bytes(cache)} bytes on disk under a budget of {budget}"
+    layout = CacheLayout.of(cache)
+    assert layout.shard_path(c).exists() and layout.shard_path(d).exists()  # the partial went, no cached shard
+    assert f"removing the partial download of {a} to make room" in agent.stderr_text(), agent.stderr_tail()
+
+
+def test_a_resume_that_learns_the_size_reserves_all_of_it_after_a_body_of_unknown_size(
+    shard_server, dataset, start_agent, tmp_path
+):
+    # The first answer comes without its length (the reservation grows by steps, a quarter of
+    # what the budget spares at most) and is cut short; the resume's answer gives the size: all
+    # of it is reserved before it is written (c, cached by an earlier run, is evicted for it).
+    ds = dataset(2, **SHARD_130K)
+    (c, b), size = ds.urls, ds.paths[0].stat().st_size
+    big = make_shard(shard_server.root / "big.tar", synth_samples(9, 24, payload=8000))
+    a = shard_server.url(big.name)
+    cache, lists = tmp_path / "cache", tmp_path / "lists"
+    lists.mkdir(exist_ok=True)
+    (lists / "c.txt").write_text(c + "\n")
+    first = start_agent(cache, lists / "c.txt", "--prefetch", "1", "--cache-size", "10M")
+    first.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "c was never cached")
+    first.stop()
+    shard_server.lengths = False
+    shard_server.fail(big.name, "no_range", after=100_000)
+    budget = 2 * size + big.stat().st_size - (64 << 10)  # a, b and c do not fit
+    (lists / "ab.txt").write_text(f"{a}\n{b}\n")
+    agent = start_agent(cache, lists / "ab.txt", "--prefetch", "2", "--cache-size", str(budget), "--no-shuffle")
+    peak = 0
+    layout = CacheLayout.of(cache)
+
+    def both_cached() -> bool:
+        nonlocal peak
+        peak = max(peak, disk_bytes(cache))
+        return layout.shard_path(a).exists() and layout.shard_path(b).exists()
+
+    wait_for(both_cached, 30, lambda: f"a and b were never cached\n{agent.stderr_tail()}")
+    assert peak <= budget, f"{peak} bytes on disk under a budget of {budget}\n{agent.stderr_tail()}"
+    asked = [(r.status, r.range is not None) for r in shard_server.requests if r.method == "GET" and r.path == big.name]
+    assert asked == [(200, True), (206, True)], asked
+    assert not layout.shard_path(c).exists()

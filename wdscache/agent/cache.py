@@ -132,7 +132,9 @@ class ShardCache:
         """Record that ``d`` starts (index first, then the partial file may be created)."""
         old = self.index.get(d.url)
         self.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.progress.etag))
-        self.kept.pop(d.url, None)  # counted through the reservation from now on
+        # A partial kept for this resume is counted through the reservation from now on: held
+        # from the start, not only once the shard's size is granted (which the partial is part of).
+        d.budget.reserved = max(d.budget.reserved, self.kept.pop(d.url, 0))
         self.inflight[d.url] = d
 
     def set_validator(self, url: str, etag: str | None) -> None:
@@ -211,6 +213,18 @@ class ShardCache:
                 log.info("removing the partial download of %s to make room", url)
                 self.drop_partial(url)
         return freed
+
+    def shrink(self, wanted: Sequence[str]) -> None:
+        """Bring what the cache holds within ``limit`` (restarted with a smaller one), giving up
+        what a download needing room would: kept partials, then table files, then shards
+        (those in ``wanted``, the readers' windows, last and from the far end)."""
+        over = self.used + self.kept_bytes - self.limit
+        if over > 0:
+            over -= self._drop_kept(over)
+        if over > 0:
+            over -= self.tables.drop(over)
+        if over > 0:
+            self.evict(over, wanted=wanted, allow_window=True, why="evicted to shrink the cache to --cache-size")
 
     def forget_failure(self, url: str) -> None:
         rec = self.index.get(url)

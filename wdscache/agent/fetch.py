@@ -228,6 +228,9 @@ class Fetcher:
 
     def _attempt(self, d: Download, source: Source) -> int:
         """One request, from where the partial file ends; the bytes written (Retry: another attempt)."""
+        # A reservation grows by steps only while this answer's body is of unknown size (an
+        # earlier answer's may have been): one that gives the size is granted it whole, or waits.
+        d.budget.needed = 0
         offset = d.progress.written
         if offset and not d.progress.etag:
             # Without a validator we cannot tell whether the object changed since these bytes came:

@@ -109,14 +109,7 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
             recovered["adopted"] += cache.adopt(urls.urls)
         if any(recovered.values()):
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
-        if cache.used > cache.limit:
-            # Restarted with a smaller --cache-size: shrink to it before anything else.
-            cache.evict(
-                cache.used - cache.limit,
-                wanted=first,
-                allow_window=True,
-                why="evicted to shrink the cache to --cache-size",
-            )
+        cache.shrink(first)  # restarted with a smaller --cache-size: to it before anything else
         _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total)
         cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
     except BaseException:
