@@ -239,6 +239,9 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
     assert all(map(refused, got["hello"])), got["hello"]
     assert all(map(refused, got["open"])), got["open"]
     assert all(map(refused, got["evil"])), got["evil"]
+    # No refusal proves its id (of the asker's choice): proofs of chosen ids would let a process that
+    # takes a dead worker's port answer the owner's consumers as that worker.
+    assert not [r for r in got["read"] + got["scan"] if r and "proof" in r], got["read"][:2]
     # Each refusal says what to do.
     assert "token" in got["read"][0]["error"] and "token" in got["open"][0]["error"], (got["read"][0], got["open"][0])
     assert got["files"] == {
@@ -282,7 +285,10 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
     assert answer["keys"] == ["s00000_00000"] and answer["proof"] == reply_proof(w0, 1), answer
     for where, key in ((workers[1], w0), (workers[0], agent_key), (workers[0], w1)):
         assert refused(ask(where, {**read, "auth": request_proof(key, 1)}, FIRST_SAMPLE)), (where, key)
-    assert refused(ask(workers[0], {**read, "auth": request_proof(w0, 2)}, FIRST_SAMPLE))  # the proof of another id
+    other = ask(workers[0], {**read, "auth": request_proof(w0, 2)}, FIRST_SAMPLE)  # the proof of another id
+    assert refused(other) and other is not None and "proof" not in other, other
+    odd = ask(workers[0], {"id": "r7", "auth": "00" * 32})  # nor does an error answering a request without it
+    assert odd is not None and odd["ok"] is False and "proof" not in odd, odd
     assert refused(ask(workers[0], {**read, "key": w0}, FIRST_SAMPLE))  # the key itself is no proof: it never travels
     assert refused(ask(endpoint, {"op": "stats", "id": 1, "key": w0}))
     assert ask(endpoint, {"op": "stats", "id": 1, "key": agent_key})["ok"] is True

@@ -291,13 +291,14 @@ class _Worker:
             pass  # reports are advisory; never block serving on them
 
     def _handle(self, ident: bytes, body: list[bytes]) -> None:
-        rid = None
+        rid, proved = None, False
         try:
             header, frames = unpack(body)
             rid = header.get("id")
-            op = header["op"]
-            if not same_secret(header.get("auth"), self.proofs.request(rid)):
-                self._reply(ident, _error(rid, "refused", REFUSED))
+            proved = same_secret(header.get("auth"), self.proofs.request(rid))
+            op = header.get("op")
+            if not proved:
+                self._reply(ident, _error(rid, "refused", REFUSED), proved=False)
             elif op == "read":
                 self._read(ident, header, frames)
             elif op == "scan":
@@ -305,20 +306,20 @@ class _Worker:
             else:
                 raise ProtocolError(f"unknown op {op!r}")
         except FileNotFoundError as exc:
-            self._reply(ident, _error(rid, "missing", str(exc)))
+            self._reply(ident, _error(rid, "missing", str(exc)), proved=proved)
         except NotYet as exc:
-            self._reply(ident, _error(rid, "pending", str(exc)))
+            self._reply(ident, _error(rid, "pending", str(exc)), proved=proved)
         except ShardError as exc:
             reply = _error(rid, "corrupt", str(exc))
             reply["reason"], reply["url"] = exc.reason, exc.url
             if exc.offset is not None:
                 reply["offset"] = exc.offset
-            self._reply(ident, reply)
+            self._reply(ident, reply, proved=proved)
         except ProtocolError as exc:
-            self._reply(ident, _error(rid, "protocol", str(exc)))
+            self._reply(ident, _error(rid, "protocol", str(exc)), proved=proved)
         except Exception as exc:  # one bad request must never take the worker down
             log.exception("worker %d: error serving a request", self.spec.index)
-            self._reply(ident, _error(rid, "protocol", f"internal error: {type(exc).__name__}"))
+            self._reply(ident, _error(rid, "protocol", f"internal error: {type(exc).__name__}"), proved=proved)
 
     def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
         try:
@@ -476,8 +477,13 @@ class _Worker:
         self._reply(ident, reply, [pack_numbers(table), *frames])
         self._drop_served()  # after the send, in which pyzmq copies (so maps in) the small frames
 
-    def _reply(self, ident: bytes, header: ConsumerReply, frames: Sequence[Any] = ()) -> None:
-        header["proof"] = self.proofs.reply(header["id"])  # every reply, so a consumer can tell ours
+    def _reply(self, ident: bytes, header: ConsumerReply, frames: Sequence[Any] = (), *, proved: bool = True) -> None:
+        """Send a reply; to a ``proved`` request (its ``auth`` checked out) with the proof of its
+        id, so that a consumer can tell ours. Never to one without: its id is its sender's
+        choice, and proofs of ids of one's choice would let whoever takes a dead worker's
+        port answer a consumer as that worker."""
+        if proved:
+            header["proof"] = self.proofs.reply(header["id"])
         try:
             self.sock.send_multipart([ident, *pack(header), *frames], zmq.NOBLOCK, copy=False)
         except zmq.Again:

@@ -28,11 +28,13 @@ process has gone.
 
 Workers: a request to worker ``i`` carries no key but ``auth``, the
 :func:`request_proof` of its ``id`` under :func:`worker_key` (token, ``run``,
-``i``), and every reply of the worker (errors and refusals too) carries
+``i``), and every reply of the worker to such a request (errors too) carries
 ``proof``, the :func:`reply_proof` of that ``id``; a consumer drops a reply
-without it as if it never came. So a process that binds a worker's port (first,
-or while the worker is down) gets requests it can neither answer believably nor
-learn a key from, and costs that worker's availability only. A consumer's request
+without it as if it never came. A request without its ``auth`` is refused with no
+proof: its id is its sender's choice, and proofs of chosen ids are what an impostor
+would need. So a process that binds a worker's port (first, or while the worker is
+down) gets requests it can neither answer believably nor learn a key from, and
+costs that worker's availability only. A consumer's request
 ids are unique within its stream, so a recorded reply is no proof for another
 request of that stream. What this does not do: encrypt (anyone who sees the
 traffic reads it); and the proof covers the worker and the request id, not the
