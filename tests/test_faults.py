@@ -861,14 +861,12 @@ def client_key(cache: Path, worker: int | None = None) -> str:
 
 
 def _keyed(frame: bytes, key: str) -> bytes:
-    """``frame`` with the key added, if it is a JSON object."""
-    if not frame.startswith(b"{"):  # not parsed here: the deeply nested frame would recurse to the limit
+    """``frame`` with the key added, if it is a JSON object: added to its text, which is not
+    parsed (the deeply nested frame would recurse to the limit, 1e999 would come back as
+    Infinity)."""
+    if not (frame.startswith(b"{") and frame.endswith(b"}")):
         return frame
-    try:
-        obj = json.loads(frame)
-    except (ValueError, RecursionError):
-        return frame
-    return _j({**obj, "key": key}) if isinstance(obj, dict) else frame
+    return frame[:-1] + b',"key":' + _j(key) + b"}"
 
 
 def _proved(frame: bytes, key: str) -> bytes:
@@ -1008,9 +1006,21 @@ _DEEP = b"[" * 100_000  # 100 KB, well under the 1 MiB limit; json.loads raises 
         ),
         # same for a worker report; the next stats summed 'x' in the agent's _starved_by (now verdict.starved_by)
         pytest.param([_j({"op": "worker", "index": 0, "busy": "x"}), _STATS], id="worker-report-with-text-busy"),
+        # JSON's 1e999 is Python's infinity: kept in the stats, every stats reply held Infinity, which no
+        # client reads ("agent not running"); a number past 64 bits failed `wdscache stats` in format_size.
+        pytest.param(
+            [_HELLO, _j({"op": "report", "id": 2, "reader": "r"})[:-1] + b',"rate":1e999}', _STATS],
+            id="report-with-an-infinite-rate",
+        ),
+        pytest.param(
+            [_HELLO, _j({"op": "report", "id": 2, "reader": "r", "bytes": 10**400}), _STATS],
+            id="report-with-a-number-past-64-bits",
+        ),
     ],
 )
-def test_one_malformed_message_does_not_kill_the_agent(shard_server, dataset, start_agent, raw_peers, tmp_path, frames):
+def test_one_malformed_message_does_not_kill_the_agent(
+    shard_server, dataset, start_agent, raw_peers, run_cli, tmp_path, frames
+):
     ds = dataset(1, samples=2, payload=100)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
@@ -1031,6 +1041,9 @@ def test_one_malformed_message_does_not_kill_the_agent(shard_server, dataset, st
 
     r = wait_for(stats_reply, 5, lambda: f"no stats reply\n{agent.stderr_tail()}")
     assert r["ok"] is True and r["stats"]["agent"]["pid"] == agent.pid
+    assert agent.stats()["agent"]["pid"] == agent.pid  # as `wdscache stats` reads it, and shows it
+    shown = run_cli("stats", "--cache-dir", cache)
+    assert shown.returncode == 0 and f"pid {agent.pid}" in shown.stdout, shown.stdout + shown.stderr
     assert "Traceback" not in agent.stderr_text(), agent.stderr_tail()
 
 

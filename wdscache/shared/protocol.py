@@ -49,6 +49,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import sys
 from array import array
@@ -64,6 +65,7 @@ from .errors import ProtocolError
 # before would not read the same way (see the module docstring).
 PROTOCOL = 1
 MAX_HEADER = 1 << 20
+NUMBER_MAX = (1 << 63) - 1  # the largest figure a report may carry (see numbers)
 # Made once: json.dumps and json.loads with options build a new encoder or decoder per call,
 # a measurable share of a consumer's CPU at tens of thousands of messages a second.
 _ENCODE = json.JSONEncoder(separators=(",", ":")).encode
@@ -167,7 +169,16 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-_DECODE = json.JSONDecoder(parse_constant=_no_constant).decode
+def _finite(text: str) -> float:
+    # 1e999 is valid JSON, and Python reads it as infinity: no count, size or rate is one, and
+    # one kept in the stats would make every later stats reply one that no JSON reader takes.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
+_DECODE = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite).decode
 
 
 def field(header: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -192,11 +203,15 @@ def strings(header: dict[str, Any], name: str) -> list[str]:
 
 
 def numbers(header: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
-    """The fields of ``names`` that ``header`` has, each checked to be a number."""
+    """The fields of ``names`` that ``header`` has, each checked to be a number within 64 bits
+    (figures kept for stats, which add them up and format them as floats)."""
     out = {}
     for name in names:
         if name in header:
-            out[name] = field(header, name, (int, float))
+            value = field(header, name, (int, float))
+            if not -NUMBER_MAX <= value <= NUMBER_MAX:
+                raise ProtocolError(f"{header.get('op')!r} message: {name!r} is out of range")
+            out[name] = value
     return out
 
 
