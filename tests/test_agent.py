@@ -306,8 +306,9 @@ def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive
     [
         ("gs://bucket/x.tar", 3, ["gs"]),
         ("http://127.0.0.1:9/shard-{000..003.tar", 2, ["unclosed", "{"]),
+        ("shards/b\0.tar", 3, ["no NUL character", "'shards/b\\x00.tar'"]),  # the agent crashed at its start
     ],
-    ids=["unsupported-scheme", "malformed-brace"],
+    ids=["unsupported-scheme", "malformed-brace", "nul-in-a-path"],
 )
 def test_bad_url_list_line_is_refused_with_its_line_number(
     shard_server, dataset, run_cli, tmp_path, bad_line, lineno, words
@@ -324,6 +325,30 @@ def test_bad_url_list_line_is_refused_with_its_line_number(
         assert word in r.stderr, r.stderr
     assert not cache.exists(), f"the cache dir was created: {list(cache.rglob('*'))}"
     assert shard_server.requests == []
+
+
+@pytest.mark.parametrize(
+    "option, value, says",
+    [
+        ("--reader-timeout", "nan", "--reader-timeout nan: use a positive number of seconds"),  # was: never timed out
+        ("--read-timeout", "inf", "--read-timeout inf: use a positive number of seconds"),
+        ("--endpoint", "tcp://127.0.0.1:abc", "endpoint 'tcp://127.0.0.1:abc': use tcp://HOST:PORT with a port in"),
+        ("--endpoint", "tcp://127.0.0.1", "endpoint 'tcp://127.0.0.1': use tcp://HOST:PORT with a port in"),
+        # The workers listen on the ports after it: the last one's was 65536, and they crashed in a loop.
+        (
+            "--endpoint",
+            "tcp://127.0.0.1:65535",
+            "endpoint 'tcp://127.0.0.1:65535': use tcp://HOST:PORT with a port in [1, 65534] (its 1 worker(s) listen",
+        ),
+        ("--endpoint", "ipc://", "endpoint 'ipc://': give the socket's path"),
+    ],
+)
+def test_a_bad_option_value_is_refused_naming_it(dataset, run_cli, tmp_path, option, value, says):
+    ds = dataset(1)
+    cache = tmp_path / "cache"
+    r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--workers", "1", option, value, timeout=20)
+    assert r.returncode == 2 and f"wdscache: error: {says}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not cache.exists()
 
 
 def test_budget_too_small_for_the_prefetch_window_is_refused(shard_server, dataset, run_cli, start_agent, tmp_path):

@@ -360,6 +360,15 @@ def test_a_job_index_is_checked_too(tmp_path, shard_server, start_agent, consume
             "shardlist[1] ('./a.tar'): listed before, as shardlist[0], with other facts",
         ),
         ('{"shardlist": [{"url": "ftp://h/a.tar", "nsamples": 1}]}', "shardlist[0] ('ftp://h/a.tar'): unknown scheme"),
+        # JSON escapes give strings no path or URL can hold: the agent crashed naming no entry
+        (
+            '{"shardlist": [{"url": "a.tar", "nsamples": 1}, {"url": "b\\u0000.tar", "nsamples": 1}]}',
+            "shardlist[1] ('b\\x00.tar'): a URL holds no NUL character and no lone surrogate",
+        ),
+        (
+            '{"shardlist": [{"url": "http://h/a\\ud800.tar", "nsamples": 1}]}',
+            "shardlist[0] ('http://h/a\\ud800.tar'): a URL holds no NUL character and no lone surrogate",
+        ),
         ('{"shardlist": [{"url": "s3://b/train/", "nsamples": 1}]}', "names one object, not an s3:// prefix"),
         ('{"__kind__": "wids-dataset-v2", "shardlist": []}', '"__kind__" is "wids-dataset-v2"'),
         ('{"wids_version": 2, "shardlist": []}', '"wids_version" is 2'),

@@ -19,6 +19,7 @@ its ``AWS_*`` credentials, profile, region and endpoint).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import MISSING, dataclass, fields
@@ -105,8 +106,9 @@ class AgentConfig:
         if self.retries < 0:
             raise ConfigError("retries must be >= 0")
         for name in ("connect_timeout", "read_timeout", "backoff", "backoff_max", "reader_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):  # nan compares false to everything: no timeout at all
+                raise ConfigError(f"--{name.replace('_', '-')} {value}: use a positive number of seconds")
         # Validate the syntax now; percentages are resolved against the file system at start.
         parse_size(self.cache_size, total=1, what="--cache-size")
         parse_size(self.min_free, total=1, what="--min-free")
@@ -114,7 +116,7 @@ class AgentConfig:
             raise ConfigError(f"--download-part-size {self.download_part_size!r}: use at least 64K")
         check_s3_endpoint_url(self.s3_endpoint_url)
         if self.endpoint is not None:
-            check_endpoint(self.endpoint, allow_remote=self.allow_remote)
+            check_endpoint(self.endpoint, allow_remote=self.allow_remote, ports=1 + self.workers)
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port {self.metrics_port}: use a port in [0, 65535]")
         if not self.allow_remote and not self.metrics_host.startswith(_LOOPBACK):
@@ -140,13 +142,21 @@ def default(name: str) -> Any:
 _LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
 
-def check_endpoint(endpoint: str, *, allow_remote: bool) -> None:
-    """Refuse endpoints we cannot serve safely: only ipc:// and loopback tcp:// by default."""
+def check_endpoint(endpoint: str, *, allow_remote: bool, ports: int = 1) -> None:
+    """Refuse endpoints we cannot serve, or not safely: only ipc://PATH and loopback
+    tcp://HOST:PORT by default, the port followed by ``ports - 1`` more (the agent's workers
+    listen on the ports after its own)."""
     if endpoint.startswith("ipc://"):
+        if not endpoint[len("ipc://") :].strip("/"):
+            raise ConfigError(f"endpoint {endpoint!r}: give the socket's path, ipc://PATH")
         return
     if not endpoint.startswith("tcp://"):
         raise ConfigError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://127.0.0.1:PORT")
-    host = endpoint[len("tcp://") :].rsplit(":", 1)[0]
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    last = 65535 - (ports - 1)
+    if not (host and port.isascii() and port.isdigit() and 1 <= int(port) <= last):
+        workers = f" (its {ports - 1} worker(s) listen on the ports after it)" if ports > 1 else ""
+        raise ConfigError(f"endpoint {endpoint!r}: use tcp://HOST:PORT with a port in [1, {last}]{workers}")
     if not allow_remote and not host.startswith(_LOOPBACK):
         raise ConfigError(
             f"endpoint {endpoint!r} is reachable from other machines, and the agent "

@@ -74,7 +74,10 @@ _COMMENT_START = re.compile(r"\s#")
 _SPACE = re.compile(r"\s")
 # _plain_lines: white space inside a line.
 _ASCII_SPACE = " \t\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.split splits an ASCII line at
-_SPACE_IN_LINE = re.compile(r"[^\S\n]")
+_SPACE_IN_LINE = re.compile(r"[^\S\n]|[\0\ud800-\udfff]")  # (and what no URL holds: see _normalize)
+# A NUL ends a path where the OS reads it, and a lone surrogate (from a JSON escape) is no text:
+# neither can name a shard.
+_NOT_TEXT = re.compile(r"[\0\ud800-\udfff]")
 # A path with one of these (each line between "\n"s) is not its own os.path.normpath: an empty,
 # "." or ".." part, or a "/" at its end.
 _UNCLEAN = ("/./", "/../", "/.\n", "/..\n", "\n./", "\n../", "\n.\n", "\n..\n")  # and "//", "/\n"
@@ -542,6 +545,8 @@ def normalize_url(url: str, base_dir: str, *, allow_pipe: bool = False) -> str:
 
 def _normalize(url: str, base_dir: str, allow_pipe: bool) -> str:
     """Return the canonical form of one expanded entry; ValueError says why it is unusable."""
+    if "\0" in url or (not url.isascii() and _NOT_TEXT.search(url) is not None):
+        raise ValueError("a URL holds no NUL character and no lone surrogate (\\ud800-\\udfff)")
     # Fast path for the common case: plain string checks, no regex.
     if url.startswith("https://"):
         host_at = 8
@@ -698,11 +703,13 @@ def _plain_lines(text: str, base: str, limit: int) -> tuple[Urls, int] | None:
 
 
 def _not_plain(text: str) -> bool:
-    """Whether ``text`` holds a brace, a ``#`` or white space other than ``"\n"``."""
+    """Whether ``text`` holds a brace, a ``#``, white space other than ``"\n"``, or what no URL
+    holds (a NUL, a lone surrogate)."""
     return (
         "{" in text
         or "}" in text
         or "#" in text
+        or "\0" in text
         or (any(c in text for c in _ASCII_SPACE) if text.isascii() else _SPACE_IN_LINE.search(text) is not None)
     )
 
