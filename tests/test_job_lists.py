@@ -42,6 +42,18 @@ def test_a_peer_over_tcp_may_name_only_http_urls() -> None:
             )
 
 
+def test_a_refused_url_shows_no_part_of_a_long_secret() -> None:
+    # A JWT as the user name: the message is cut at 200 characters, which must not come before
+    # the redaction (the "@" cut off, nothing would say where the secret ends).
+    token = "eyJ" + "x" * 300
+    url = f"file://{token}@host/data/a.tar"
+    lists = JobLists("tcp://127.0.0.1:5555")
+    upload(lists, "c0", [url])
+    refused = lists.take("c0", list_id([url]), read=())
+    assert refused is not None and "must be absolute" in refused["error"], refused
+    assert "xxxxxxxx" not in refused["error"], refused["error"]
+
+
 def test_lists_are_bounded_and_one_nobody_reads_makes_room() -> None:
     lists = JobLists("ipc:///agent")
     keys = []

@@ -23,6 +23,7 @@ from typing import Any
 from ..shared.errors import ConfigError
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
+from ..shared.redact import redact_urls
 from ..shared.shard_index import ShardInfo
 from ..shared.urls import UrlList, index_list, parse_url_list
 from .control import Reply
@@ -119,7 +120,8 @@ class JobLists:
         schemes = self.schemes
         for u in urls:
             if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
-                raise ConfigError(f"{str(u)[:200]!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
+                shown = redact_urls(str(u))[:200]  # redacted before it is cut: a cut may hide a secret's end
+                raise ConfigError(f"{shown!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
         if facts is not None:
             try:
                 return index_list([(u, ShardInfo.from_wire(f)) for u, f in zip(urls, facts)])

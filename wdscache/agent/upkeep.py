@@ -27,6 +27,7 @@ from typing import Any
 from ..shared.index import ShardState
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
+from ..shared.redact import redact_urls
 from .cache import ShardCache
 from .control import Reply, Request
 from .prefetches import MAX_PENDING, Prefetches
@@ -97,7 +98,7 @@ class Upkeep:
         if bad:
             return {
                 "ok": False,
-                "error": f"{bad[0][:200]!r}: not a URL this agent fetches for its clients "
+                "error": f"{redact_urls(bad[0])[:200]!r}: not a URL this agent fetches for its clients "
                 "(http(s)://; file:// and s3:// over an ipc:// endpoint only)",
             }
         if not self._prefetches.room_for(len(urls)):
