@@ -20,6 +20,7 @@ from tests.helpers.procs import children_of, worker_pids
 from tests.helpers.streaming import Consumer, assert_epoch_exact, consumer_log, reference, samples_of, wait_exit
 from tests.helpers.waits import wait_for
 from wdscache import FetchError, ShardClient
+from wdscache.shared.index import Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout
 
 DEADLINE = 60.0
@@ -256,3 +257,28 @@ def test_a_resumed_loader_whose_first_iter_fails_delivers_the_resumed_epoch_exac
     rest = list(resumed)
     key = lambda s: (s["__url__"], s["__key__"])  # noqa: E731
     assert [key(s) for s in head] + [key(s) for s in rest] == [key(s) for s in whole]
+
+
+def test_a_damaged_copy_left_by_a_kill_as_its_shard_failed_is_removed_at_the_next_start(
+    shard_server, dataset, start_agent, tmp_path
+):
+    # ShardCache.fail_cached records FAILED, then removes the file: a kill between the two leaves a
+    # file nothing counts (and a later download record of size 0 would have adopted it as whole).
+    ds = dataset(2, samples=5, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    agent.stop()
+    layout = CacheLayout.of(cache)
+    index = Index(layout.index_dir)
+    try:
+        index.put(ShardRecord(ds.urls[0], ShardState.FAILED, error="its copy was damaged"))
+    finally:
+        index.close()
+    assert layout.shard_path(ds.urls[0]).exists()
+    ds.list_file.write_text(ds.urls[1] + "\n")
+    again = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+    assert not layout.shard_path(ds.urls[0]).exists()
+    s = again.stats()
+    on_disk = sum(p.stat().st_size for p in (cache / "shards").rglob("*") if p.is_file())
+    assert s["shards"]["cached"] == 1 and s["bytes_used"] - s["table_bytes"] == on_disk, s

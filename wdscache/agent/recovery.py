@@ -99,7 +99,10 @@ def recover(cache: ShardCache, keep_partial: Container[str] = ()) -> dict[str, i
                 else:
                     index.delete(rec.url)
         elif rec.state is ShardState.FAILED:
-            # Failures are retried by a new agent: the server or the list may have changed.
+            # Failures are retried by a new agent: the server or the list may have changed. A failed
+            # shard has no cache file: one there is a damaged copy whose removal a kill cut short
+            # (ShardCache.fail_cached), which nothing counts and a new download must not adopt.
+            path.unlink(missing_ok=True)
             index.delete(rec.url)
     # Partial files: resume those we were told to keep, remove every other one.
     # A parted download's side files go with their partial file (wdscache.agent.parts).
