@@ -316,10 +316,13 @@ def test_dataloader_workers_checkpoint_of_several_nodes_resumes_on_any_layout(
             job.reshuffle,
             job.block,
         )
+        shares = [mine.share() for _ in range(workers)]
         slices = [
-            [p for p in mine.share().pairs(mine.ids(lay.node, lambda s: range(counts[s])), part=k, parts=workers) if p]
-            for k in range(workers)
+            [p for p in share.pairs(mine.ids(lay.node, lambda s: range(counts[s])), part=k, parts=workers) if p]
+            for k, share in enumerate(shares)
         ]
+        # Each worker's share counts the rank's pairs, every slice's (an empty slice is no empty share).
+        assert {share.count for share in shares} == {sum(map(len, slices))}
         done = [int(f * len(p)) for f, p in zip(fractions, slices)]
         real = job.node_length(lay.node)  # positions past the node's are padding repeats
         for k, one in enumerate(slices):

@@ -268,6 +268,7 @@ def test_runs_and_lists_of_ids_are_dealt_as_the_same_ids_one_by_one(
         assert [p for p, _ in seen_runs] == want
         assert seen_runs == seen_ids  # what was settled when each pair came out too
         assert (by_runs.full_rows, by_runs.tail, by_runs.settled) == (by_ids.full_rows, by_ids.tail, len(epoch))
+        assert by_runs.count == by_ids.count == len(want)
         for n in {0, 1, len(want) // 2, len(want)}:
             assert by_runs.resume_after(n) == by_ids.resume_after(n)
 
@@ -309,6 +310,7 @@ def test_a_slice_made_by_the_share_is_the_slice_of_the_whole_share(
             want = [(p, whole.settled) for p in slice_of(whole.pairs(fed), part, parts, skip, block)]
             assert got == want
             assert (made.full_rows, made.tail, made.settled) == (whole.full_rows, whole.tail, whole.settled)
+            assert made.count == whole.count  # the whole share's pairs, whichever slice was made
 
 
 def shuffled_one_by_one(ids: Iterable[SampleId], rng: random.Random, size: int) -> Iterable[SampleId]:

@@ -106,6 +106,24 @@ def test_fluid_stages_in_a_dataloader_with_workers(jpeg_shards: tuple[list[str],
     assert len(list(five)) == 50
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
+def test_workers_without_samples_of_their_own_end_quietly_where_webdatasets_have_shards(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # 8 shards of 2 samples over 4 workers: webdataset gives each worker 2 shards; the share's
+    # blocks of 8 samples go to two workers, and the other two have none. An empty worker is no
+    # empty dataset: only a rank whose whole share is empty raises.
+    urls, _, list_file = dataset(8, samples=2, payload=100)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file, "--workers", "2")
+    keys = lambda ds: sorted(s["__key__"] for s in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=4))  # noqa: E731
+    theirs = keys(wds.WebDataset(urls, shardshuffle=False))
+    assert len(theirs) == 16 and keys(wdscache.WebDataset(urls, cache_dir=cache, job="few")) == theirs
+    # A rank with no sample at all still raises, as webdataset's worker without shards does.
+    with pytest.raises(ValueError, match="no samples found in dataset"):
+        list(wdscache.WebDataset(urls, cache_dir=cache, job="none", rank=1, world_size=17, drop_last=True))
+
+
 def test_without_webdataset_the_error_says_what_to_install() -> None:
     code = "import sys; sys.modules['webdataset'] = None\nimport wdscache\nwdscache.WebDataset"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

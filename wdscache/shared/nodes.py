@@ -305,6 +305,7 @@ class NodeShare:
             layout.local_world, layout.local_rank, resume=local.resume, drop_last=job.drop_last, block=job.block
         )
         self.resume = self.inner.resume
+        self.count: int | None = None  # the rank's pairs (every slice's), once the ids ended
 
     @property
     def settled(self) -> int:
@@ -331,8 +332,10 @@ class NodeShare:
             mine.append(pair)
             yield pair
         short = want - len(mine)
+        taken = len(mine)
         if not mine:  # nothing left on this node (fewer positions left than ranks): the list's first sample
             mine = [(0, (min(s for s, c in enumerate(self.job.counts) if c), 0))] if any(self.job.counts) else []
+        self.count = taken + (short if mine else 0)
         base = self.length + self.layout.local_world  # positions past any the node deals
         for i in range(short if mine else 0):
             yield base + i * self.layout.local_world + self.layout.local_rank, mine[i % len(mine)][1]

@@ -359,6 +359,7 @@ class RankShare:
         self.drop_last, self.block = drop_last, block
         self.full_rows = 0  # rows dealt out in blocks
         self.tail: int | None = None  # positions left after the full rows, once the ids ended
+        self.count: int | None = None  # the share's pairs (every slice's), once the ids ended
         # Ids of the sequence (from its start) that no longer wait in a row: every one of
         # them dealt, and this rank's handed out. What comes later may still be ours.
         self.settled = 0
@@ -508,6 +509,7 @@ class RankShare:
             # The row is padded by wrapping around to the start: the ids at cut, cut + 1, ...
             # then the epoch's first ones again.
             last.append((base + cut + r, spaced[-1] if r < row - cut else first[(r - (row - cut)) % len(first)]))
+        self.count = v if W == 1 else self.full_rows * B + len(last)
         if not whole and W > 1:
             v = self.full_rows * B  # the full rows' pairs, counted
         yield from last if whole else sliced(last)

@@ -422,6 +422,13 @@ class CachedMultiLoader:
             return stream.delivering((1, item) for item in items)
         return stream.delivering(_batched(items, self.batch_size, self.collate))
 
+    def _rank_share_empty(self) -> bool:
+        """Whether the rank's share of the epoch last iterated held no sample for any of its
+        DataLoader workers (a worker's own slice may be empty when the share is not: slices are
+        blocks of samples, not shards)."""
+        stream = self._current
+        return stream is None or not stream.share.count
+
     def _mix_spec(self, epoch: int, workers: int) -> MixSpec:
         """The mixture's epoch ``epoch`` (its counts learned first, if need be, through a session of their own)."""
         assert self._mix is not None

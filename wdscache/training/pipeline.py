@@ -203,7 +203,9 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         samples = super().__iter__()
         first = next(samples, _NOTHING)
         if first is _NOTHING:
-            if self.empty_check:
+            # webdataset's check, of a worker's shards: here of the rank's share, which its workers
+            # slice by blocks of samples (one may get none where each would get a shard).
+            if self.empty_check and (self.loader is None or self.loader._rank_share_empty()):
                 raise ValueError("no samples found in dataset; perhaps you have fewer shards than workers?")
             return
         yield first
