@@ -161,6 +161,40 @@ def test_resampled_draws_shards_with_replacement_seeded_per_epoch(two_sources: d
         list(wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True))
 
 
+def test_resampled_with_epoch_resumes_the_rest_of_its_iteration_then_the_next_epoch(
+    two_sources: dict[str, Any],
+) -> None:
+    # with_epoch(25) cuts the loader's epoch, 25 rounded up to whole blocks (32): a checkpoint
+    # names the loader's position, and the cut must be resumed too, or the resumed iteration
+    # gives the 7 samples past the cut and runs on into the next epoch.
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    import wdscache
+
+    src = two_sources
+    pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
+
+    def made() -> Any:
+        return wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True, job="cut").with_epoch(25)
+
+    ds = made()
+    whole = [[_id(s) for s in ds] for _ in range(3)]
+    ds = made()
+    it = iter(ds)
+    first = [_id(next(it)) for _ in range(5)]
+    state = ds.state_dict()
+    it.close()
+    resumed = made()
+    resumed.load_state_dict(state)
+    assert first + [_id(s) for s in resumed] == whole[0]
+    assert [_id(s) for s in resumed] == whole[1]  # then the next epoch, from its start
+    # A checkpoint taken once an iteration's 25 are out resumes at the next epoch.
+    ds = made()
+    assert [_id(s) for s in ds] == whole[0]
+    after = made()
+    after.load_state_dict(ds.state_dict())
+    assert [_id(s) for s in after] == whole[1] and [_id(s) for s in after] == whole[2]
+
+
 def test_bad_mixtures_are_refused_naming_the_argument(two_sources: dict[str, Any]) -> None:
     src = two_sources
     with pytest.raises(ConfigError, match="epoch_samples="):

@@ -306,6 +306,10 @@ class CachedMultiLoader:
         (see :meth:`load_state_dict`)."""
         return self._checkpoints().taken(self._current, self._next, self._worker_slice())
 
+    def _state_after_current(self) -> dict[str, Any]:
+        """The state of the job once the epoch under way is over (the next epoch, from its start)."""
+        return self._checkpoints().taken(None, self._next, self._worker_slice())
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state``: from :meth:`state_dict` of any rank of the stopped job, or a
         whole ``StatefulDataLoader.state_dict()`` of one (the states of all its workers: then

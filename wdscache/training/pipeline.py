@@ -19,7 +19,10 @@ Differences, all where webdataset's behaviour depends on chance:
   worker. ``mix={source: weight}`` with ``epoch_samples=`` mixes several sources.
 - ``state_dict()`` counts what left the source: exact for per-sample stages and batching
   by the DataLoader; samples held in a ``.batched()`` or a later ``.shuffle()`` buffer when
-  the state is taken are counted as delivered.
+  the state is taken are counted as delivered. Under ``resampled=True``, ``with_epoch(n)``'s
+  cut is counted too: an iteration resumed from a checkpoint yields the rest of its ``n``
+  (the loader's epoch, ``n`` rounded up to whole blocks, goes on past it), and one taken
+  once the ``n`` are out resumes at the next epoch, as the iteration would have.
 
 ``pipe:`` URLs are shell commands, which the agent runs only from its own list: given here,
 they run in this process, as webdataset runs them. Such a dataset is webdataset's own
@@ -34,6 +37,7 @@ import copy
 import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 try:
@@ -50,6 +54,9 @@ from .loader import CachedMultiLoader
 from .urls_arg import PIPE, pipe_urls
 
 _NOTHING = object()  # what an epoch without samples gives first
+# A checkpoint's count of the items an iteration cut by with_epoch(n) under resampled=True had
+# yielded (see WebDataset._cut): the loader's state does not know that cut.
+CUT_ITEMS = "with_epoch_items"
 
 
 class _Source(wds.PipelineStage):
@@ -132,6 +139,8 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         )
         self.append(_Source(self.loader))
         self.empty_check = empty_check
+        self._cut_items = 0  # items the iteration cut by with_epoch has yielded (see _cut)
+        self._resumed_items = 0  # ...and, from a checkpoint, before the next one starts
 
     def _piped(
         self,
@@ -200,7 +209,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         return super().with_epoch(nsamples, nbatches)
 
     def __iter__(self) -> Iterator[Any]:
-        samples = super().__iter__()
+        samples = self._cut() if self._cuts() else super().__iter__()
         first = next(samples, _NOTHING)
         if first is _NOTHING:
             # webdataset's check, of a worker's shards: here of the rank's share, which its workers
@@ -211,6 +220,20 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         yield first
         yield from samples  # the rest without a step of Python each
 
+    def _cuts(self) -> bool:
+        """Whether ``with_epoch(n)`` cuts the loader's epochs (``resampled=True`` without
+        ``epoch_samples=``: the loader's epoch is ``n`` rounded up to whole blocks)."""
+        mix = self.loader._mix if self.loader is not None else None
+        return mix is not None and mix.per_worker is not None and self.nsamples > 0
+
+    def _cut(self) -> Iterator[Any]:
+        """webdataset's ``with_epoch(n)`` cut, counted: the ``n`` items of an iteration (their rest,
+        resumed from a checkpoint), so that a checkpoint can say how many are out."""
+        self._cut_items, self._resumed_items = self._resumed_items, 0
+        for item in islice(self.iterator(), max(0, self.nsamples - self._cut_items)):
+            self._cut_items += 1
+            yield item
+
     # -- the loader's, for DataLoader, StatefulDataLoader and training loops -------
 
     def set_epoch(self, epoch: int) -> None:
@@ -220,10 +243,21 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
             self.loader.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._loader("state_dict()").state_dict()
+        loader = self._loader("state_dict()")
+        if not self._cuts():
+            return loader.state_dict()
+        if self._cut_items >= self.nsamples:  # the iteration is whole: the next begins the next epoch
+            return loader._state_after_current()
+        return {**loader.state_dict(), CUT_ITEMS: self._cut_items}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._loader("load_state_dict()").load_state_dict(state)
+        items = state.get(CUT_ITEMS, 0) if isinstance(state, dict) else 0
+        if type(items) is not int or items < 0:
+            raise ValueError(f"a checkpoint's {CUT_ITEMS!r} is a count of items, not {items!r}")
+        self._loader("load_state_dict()").load_state_dict(
+            {k: v for k, v in state.items() if k != CUT_ITEMS} if items else state
+        )
+        self._resumed_items = items
 
     def __len__(self) -> int:
         """Samples per rank in the next epoch (the source's: before any batching or with_epoch)."""
