@@ -40,7 +40,7 @@ from tests.helpers.streaming import (
 )
 from tests.helpers.versions import another_version
 from tests.helpers.waits import wait_for
-from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardError, WdsCacheError
+from wdscache import AgentUnavailableError, CachedMultiLoader, FetchError, ShardClient, ShardError, WdsCacheError
 from wdscache.agent.pool import worker_endpoints
 from wdscache.shared import errors as wds_errors
 from wdscache.shared.client import AgentConnection
@@ -249,6 +249,48 @@ def test_a_body_without_its_length_cut_at_a_members_end_is_fetched_again_never_c
     log = agent.stderr_text()
     assert f"may be cut short: no end-of-archive marker after its last member ({cut} bytes)" in log, agent.stderr_tail()
     assert agent.stats()["shards"]["failed"] == 0 and partial_files(cache) == []
+
+
+def test_a_tar_without_its_end_of_archive_marker_sent_without_its_length_is_cached_once_it_comes_again_as_long(
+    shard_server, dataset, start_agent, tmp_path
+):
+    # A writer may leave out the zero blocks: with neither a length nor Range (each request gets
+    # the whole body again), the only tell of a cut is a second body of another length.
+    ds = dataset(1, **SHARD_300K)
+    name = ds.paths[0].name
+    with tarfile.open(ds.paths[0]) as tf:
+        last = tf.getmembers()[-1]
+    ends = last.offset_data + -(-last.size // 512) * 512
+    ds.paths[0].write_bytes(ds.paths[0].read_bytes()[:ends])  # webdataset reads it all the same
+    shard_server.lengths = False
+    shard_server.accept_ranges = False
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "1", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the shard was never cached")
+    assert_identical(cache, ds.urls, ds.paths, agent)
+    assert [(r.status, r.bytes_sent) for r in gets(shard_server, name)] == [(200, ends), (200, ends)]
+
+
+def test_pipe_sources_without_an_end_of_archive_marker_and_failing_commands(tmp_path, dataset, start_agent):
+    ds = dataset(2, **SHARD_300K)
+    with tarfile.open(ds.paths[0]) as tf:
+        last = tf.getmembers()[-1]
+    ends = last.offset_data + -(-last.size // 512) * 512
+    unended = tmp_path / "unended.tar"
+    unended.write_bytes(ds.paths[0].read_bytes()[:ends])
+    # Part of a tar, then the command fails: its exit status is the error, not the tar cut short.
+    failing = f"pipe:head -c 50000 {ds.paths[1]}; echo 'curl: (18) transfer closed' >&2; exit 18"
+    lines = [f"pipe:cat {unended}", failing]
+    urls_file = tmp_path / "lists" / "pipes.txt"
+    urls_file.parent.mkdir(exist_ok=True)
+    urls_file.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    start_agent(cache, urls_file, "--allow-pipe", "--cache-size", "10M", "--retries", "1", "--no-shuffle")
+    with ShardClient(cache, timeout=30) as client:
+        assert client.open(lines[0], timeout=30).read_bytes() == unended.read_bytes()
+        with pytest.raises(FetchError) as info:
+            client.open(lines[1], timeout=30)
+    assert "exited with status 18" in str(info.value) and "curl: (18)" in str(info.value), info.value
 
 
 @pytest.mark.parametrize("sends, then", [("etag", "etag"), ("date", "date"), ("etag", "date")])

@@ -133,8 +133,11 @@ class ShardCache:
         old = self.index.get(d.url)
         self.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.progress.etag))
         # A partial kept for this resume is counted through the reservation from now on: held
-        # from the start, not only once the shard's size is granted (which the partial is part of).
-        d.budget.reserved = max(d.budget.reserved, self.kept.pop(d.url, 0))
+        # from the start, not only once the shard's size is granted (which the partial is part of),
+        # and written already (not space the file system has yet to give).
+        kept = self.kept.pop(d.url, 0)
+        d.budget.reserved = max(d.budget.reserved, kept)
+        d.progress.written = max(d.progress.written, kept)
         self.inflight[d.url] = d
 
     def set_validator(self, url: str, etag: str | None) -> None:

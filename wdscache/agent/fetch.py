@@ -241,7 +241,10 @@ class Fetcher:
         d.progress.written = offset
         try:
             with source.open(d.url, offset, end, d.progress.etag, d.cancel) as answer:
-                return self._take(d, source, answer, offset, end)
+                written = self._take(d, source, answer, offset, end)
+            if answer.total is None:  # checked once the source closed: a pipe's exit status says more
+                self._check_ended(d)
+            return written
         except Unsatisfiable as exc:
             if offset and exc.whole():
                 # Nothing past our bytes, of the version asked for: the partial kept was whole
@@ -306,13 +309,18 @@ class Fetcher:
         write_body(d, answer.chunks, total, check_head=offset == 0)
         if total is not None and d.progress.written != total:
             raise Retry(f"got {d.progress.written} of {total} bytes")
-        if total is None:
-            # A body without its length ends where the connection does, cut short or not: asked
-            # again from its end, the source sends the rest, or says there is none (416: whole).
-            problem = cut_problem(d.partial, url=d.url)
-            if problem:
-                raise Retry(f"the body came without its length and may be cut short: {problem}")
         return d.progress.written
+
+    def _check_ended(self, d: Download) -> None:
+        """A body without its length ends where the connection does, cut short or not: one that
+        does not end as a whole tar does is asked for again (from its end, where the source
+        sends the rest, or says there is none with a 416; else whole), and taken as it is only
+        when it comes again as long (a tar some writer left without its end-of-archive marker)."""
+        problem = cut_problem(d.partial, url=d.url)
+        if problem is None or d.progress.unended == d.progress.written:
+            return
+        d.progress.unended = d.progress.written
+        raise Retry(f"the body came without its length and may be cut short: {problem}", 0.0)
 
     @contextlib.contextmanager
     def _open_part(self, source: Source, d: Download, start: int, end: int, total: int) -> Iterator[Iterator[bytes]]:

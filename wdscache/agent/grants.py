@@ -14,9 +14,10 @@ Guarantees (main loop only; a grant is shared with its thread under the grant's 
   prefetch holds; once it cannot fit beside them and what readers hold (pinned, or in a
   window), it is cancelled before a byte of its body is written and reported
   (:meth:`Grants.no_room`).
-- Downloads that grow their reservation as they go never wait for each other for ever:
-  when every download in flight has waited so for ``GROWTH_GRACE``, the one that wrote
-  least is cancelled (it starts over later).
+- Downloads that hold budget while they ask for more (growing as they go, or resumed: their
+  kept partial is held) never wait for each other for ever: when every download in flight
+  has waited so for ``GROWTH_GRACE``, the one that wrote least is cancelled (it goes on later,
+  from its partial if it keeps one).
 - A refused download says why it waits for space (:class:`SpaceWait`), for stats and
   status; it is logged once it has waited ``SPACE_LOG_AFTER``, and again only when what
   runs short changes. A granted download waits no more.
@@ -173,9 +174,10 @@ class Grants:
 
     def _break_growth_deadlock(self, pending: list[Grant], in_flight: int) -> None:
         """Downloads that grow their reservation as they go (bodies of unknown size, gzip'd shards
-        being decompressed) hold budget while they ask for more: two of them can each wait for
-        the other's. When every download in flight (``in_flight`` of them) waits so, the one that
-        wrote least is cancelled (it starts over later), and the others can go on."""
+        being decompressed), and resumed ones (their kept partial is held from their start), hold
+        budget while they ask for more: two of them can each wait for the other's. When every
+        download in flight (``in_flight`` of them) waits so, the one that wrote least is cancelled
+        (it goes on later, from its partial if it keeps one), and the others can go on."""
         growing = [g for g in pending if g.download.budget.reserved > 0 and not g.download.cancel.is_set()]
         if len(growing) < 2 or len(pending) < in_flight:
             self._growth_stuck_since = None

@@ -60,6 +60,7 @@ class Progress:
     # A validator the source refused for a part of its own version: parts from it would never end.
     refused: str | None = None
     failing: str | None = None  # the last attempt's failure, while the retries go on (for a reader's status)
+    unended: int | None = None  # the length of a body that came without one, nor its tar's end (see fetch)
 
 
 @dataclass

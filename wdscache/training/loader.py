@@ -307,8 +307,15 @@ class CachedMultiLoader:
         return self._checkpoints().taken(self._current, self._next, self._worker_slice())
 
     def _state_after_current(self) -> dict[str, Any]:
-        """The state of the job once the epoch under way is over (the next epoch, from its start)."""
-        return self._checkpoints().taken(None, self._next, self._worker_slice())
+        """The state once the epoch under way is over, as a cut ends it (``with_epoch``): the next
+        epoch from its start; in a DataLoader worker, its slice complete (so that its fellows'
+        states, of this epoch, combine with it)."""
+        worker = self._worker_slice()
+        if worker.count > 1:
+            state = self.state_dict()
+            state["worker"]["complete"] = True
+            return state
+        return self._checkpoints().taken(None, self._next, worker)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at ``state``: from :meth:`state_dict` of any rank of the stopped job, or a
