@@ -145,6 +145,25 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
     assert ours[0]["__local_path__"] == absolute[0]
 
 
+def test_a_local_name_with_a_percent_or_a_question_mark_names_that_file(served: Any, tmp_path: Path) -> None:
+    # "x%41.tar" is that file, as webdataset opens it, not "xA.tar" (the agent read the other
+    # file's samples); "q?v.tar" is a name, not a query (webdataset's own reader cuts it at "?").
+    data, cache = served
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    named, decoded, queried = folder / "x%41.tar", folder / "xA.tar", folder / "q?v.tar"
+    named.write_bytes(data.paths[0].read_bytes())
+    decoded.write_bytes(data.paths[1].read_bytes())
+    queried.write_bytes(data.paths[2].read_bytes())
+    for path, same in ((named, named), (queried, data.paths[2])):
+        ours = _samples(wdscache.WebDataset(str(path), cache_dir=cache, shardshuffle=False))
+        theirs = _samples(wds.WebDataset(str(same), shardshuffle=False))
+        assert len(ours) == 4 and ours[0]["__local_path__"] == str(path), path
+        assert [{k: v for k, v in s.items() if not k.startswith("__")} for s in ours] == [
+            {k: v for k, v in s.items() if not k.startswith("__")} for s in theirs
+        ], path
+
+
 def test_pipe_shards_run_in_this_process_as_webdataset_runs_them(served: Any, tmp_path: Path) -> None:
     data, cache = served
     cmds = [f"pipe:cat {p}" for p in data.paths]

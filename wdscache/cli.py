@@ -420,9 +420,11 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
 def _stored_url(url: str, folder: Path) -> str:
     """``url`` as an index in ``folder`` stores it: a local shard in that folder (or below) relative to it,
     another local one as its absolute path, anything else as it is."""
+    from .shared.urls import file_path
+
     if not url.startswith("file://"):
         return url
-    path = url[len("file://") :]
+    path = file_path(url)
     rel = os.path.relpath(path, folder)
     return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
 

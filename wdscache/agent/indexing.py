@@ -15,11 +15,11 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 from ..shared.errors import FetchError, ShardError, WdsCacheError
 from ..shared.shard_index import ShardInfo, count_samples, file_facts
 from ..shared.tarwalk import GZIP_MAGIC
+from ..shared.urls import file_path
 from .fetch import Fetcher
 from .shard_download import Budget, Download
 
@@ -86,7 +86,7 @@ def _local_tar(url: str) -> Path | None:
     """The path of a ``file:`` URL naming a plain tar (read in place); None for anything else."""
     if not url.startswith("file://"):
         return None
-    path = Path(unquote(urlsplit(url).path))
+    path = Path(file_path(url))
     try:
         with open(path, "rb") as f:
             return None if f.read(2) == GZIP_MAGIC else path

@@ -537,6 +537,13 @@ def _abs_path(path: str) -> str:
     return path
 
 
+def file_path(url: str) -> str:
+    """The local path a ``file://`` URL of a list names: the rest of it, as written. As webdataset
+    reads it, nothing is percent-decoded: a plain path becomes ``file://`` and its own characters
+    (a ``%41`` in a file's name is that file's, not an ``A``)."""
+    return url[len("file://") :]
+
+
 def normalize_url(url: str, base_dir: str, *, allow_pipe: bool = False) -> str:
     """The canonical form of one URL as a list line gives it (a relative path against ``base_dir``);
     ValueError says why it is unusable."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 from ..shared.errors import WdsCacheError
-from ..shared.urls import Urls
+from ..shared.urls import Urls, file_path
 
 __all__ = ["BLOCK", "AgentList", "LocalPaths"]
 
@@ -98,4 +98,4 @@ class LocalPaths:
     when a sample of it is handed out (the list is not read whole for them)."""
 
     def get(self, url: str) -> tuple[str, str] | None:
-        return (url, url[len("file://") :]) if url.startswith("file://") else None
+        return (url, file_path(url)) if url.startswith("file://") else None

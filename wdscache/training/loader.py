@@ -73,7 +73,7 @@ from ..shared.messages import Requests
 from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeList, RankPlacement, job_epoch
 from ..shared.sequence import Resume, rank_length
-from ..shared.urls import UrlList, list_id
+from ..shared.urls import UrlList, file_path, list_id
 from .agent_list import AgentList, LocalPaths
 from .checkpoints import Checkpoints, NextEpoch
 from .epoch_shards import agent_counts
@@ -603,9 +603,7 @@ def _read_urls(
 def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str]]:
     """Each local shard's ``__url__`` and ``__local_path__``, as webdataset's samples have them:
     the name the user gave it (else its ``file://`` URL) and its path."""
-    return {
-        url: (given.get(url, url), given.get(url) or url[len("file://") :]) for url in urls if url.startswith("file://")
-    }
+    return {url: (given.get(url, url), given.get(url) or file_path(url)) for url in urls if url.startswith("file://")}
 
 
 _UNSEEN: Any = object()  # a URL not named yet in _as_given (None: not a local shard)

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
-from urllib.parse import unquote, urlsplit
 
 from ...shared.errors import FetchError
+from ...shared.urls import file_path
 from ..shard_download import Fetched
 from ..validators import Version
 from .base import CHUNK, Source, SourceResponse
@@ -56,7 +56,7 @@ def _chunks(url: str, f: BinaryIO, start: int, total: int) -> Iterator[bytes]:
 
 
 def _path(url: str) -> Path:
-    return Path(unquote(urlsplit(url).path))
+    return Path(file_path(url))
 
 
 def _tag(st: os.stat_result) -> str:
