@@ -172,3 +172,26 @@ def test_secrets_in_urls_reach_no_log_output_file_name_or_error(
         events = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
         cached = {e["url"] for e in events if e.get("event") == "cached"}
         assert cached >= {redact_urls(u) for u in urls[2:]}, cached
+
+
+SECRET = "SeCrEtInUrl"
+
+
+@pytest.mark.parametrize(
+    "url, says",
+    [
+        # boto3 took the user info for the bucket's name, and quoted it in its errors (log, ls, stats)
+        (f"s3://AKIAUSER:{SECRET}@bkt/train/a.tar", "an s3:// URL holds no credentials"),
+        (f"s3://AKIAUSER:{SECRET}@bkt/train/", "an s3:// URL holds no credentials"),
+        # an item the loader refuses was shown as given
+        (f"http://user:{SECRET}@h/shard-{{000..003.tar", "unclosed"),
+    ],
+)
+def test_a_refused_url_shows_no_credentials_from_the_agent_nor_the_loader(tmp_path, run_cli, url, says) -> None:
+    (tmp_path / "urls.txt").write_text(url + "\n")
+    r = run_cli("agent", "--cache-dir", tmp_path / "cache", "--urls", tmp_path / "urls.txt", timeout=20)
+    assert r.returncode == 2 and says in r.stderr and SECRET not in r.stderr + r.stdout, r.stderr
+    for urls in (url, ["http://h/a.tar", url]):
+        with pytest.raises(ConfigError) as info:
+            CachedMultiLoader(urls, cache_dir=tmp_path / "cache")
+        assert says in str(info.value) and SECRET not in str(info.value) and SECRET not in repr(info.value.args)

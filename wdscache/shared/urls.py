@@ -592,6 +592,11 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
             if scheme == "s3":
                 if not rest or rest[0] in "/?#":
                     raise ValueError("an s3:// URL needs a bucket, like s3://bucket/key")
+                if "@" in rest.split("/", 1)[0]:  # boto3 would take it for the bucket's name, and quote it
+                    raise ValueError(
+                        "an s3:// URL holds no credentials: give them as boto3 takes them "
+                        "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile, an instance role)"
+                    )
                 return "s3://" + rest
             raise ValueError(f"unknown scheme {scheme!r}; {_SUPPORTED}")
     # Anything else is a local path (a "name:" without "//" included, e.g. "a:b.tar").

@@ -21,6 +21,7 @@ import re
 from collections.abc import Sequence
 
 from ..shared.errors import ConfigError, UrlListError
+from ..shared.redact import redact_urls
 from ..shared.s3 import SHARD_SUFFIXES, Listing
 from ..shared.urls import UrlList, expand_braces, parse_url_list, read_url_list
 
@@ -111,7 +112,7 @@ def _items(items: list[str], *, single: bool) -> UrlList:
         # parse_url_list counts lines from 1: line k is item k-1.
         name = _name(exc.lineno - 1, single)
         err = UrlListError(name, exc.lineno, exc.line, exc.reason)
-        err.args = (f"{name}={exc.line!r}: {exc.reason}",)
+        err.args = (redact_urls(f"{name}={exc.line!r}: {exc.reason}"),)  # (args set here skip the redaction)
         raise err from None
 
 
