@@ -514,3 +514,24 @@ def test_clear_with_an_agent_running_stays_clear_until_a_reader_asks(
     lines = consumers(cache, "c", "--no-shuffle").wait()
     assert len(samples_of(lines)) == 12
     assert agent.stats()["shards"]["cached"] == 3
+
+
+def test_evict_with_an_agent_running_keeps_the_shard_out_until_a_reader_asks(
+    tmp_path, dataset, shard_server, start_agent, consumers, run_cli
+):
+    # The start-up plan downloaded an evicted shard again within milliseconds (and counted it a
+    # re-download): "evicted" and exit 0 said none of them is cached any more.
+    data = dataset(3, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "the start-up prefetch cached the list")
+    shard_server.reset_log()
+    r = run_cli("evict", data.urls[0], "--cache-dir", cache)
+    assert r.returncode == 0 and r.stdout.startswith("evicted 1 shard(s)"), r.stdout + r.stderr
+    # A prefetch of another shard runs through the agent's loop to its end: nothing came back meanwhile.
+    assert run_cli("prefetch", data.urls[1], "--cache-dir", cache).returncode == 0
+    s = agent.stats()
+    assert s["shards"]["cached"] == 2 and s["redownloads"] == 0, s
+    assert _prefetch_gets(shard_server, data) == [0, 0, 0]
+    lines = consumers(cache, "c", "--no-shuffle").wait()  # a reader asks: it comes back
+    assert len(samples_of(lines)) == 12 and agent.stats()["shards"]["cached"] == 3

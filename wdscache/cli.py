@@ -697,6 +697,9 @@ def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) ->
     and globs; through the agent when one runs). A prefix or glob stands for the cached shards it
     names: the store is not asked.
 
+    A running agent then leaves them out of its start-up prefetch: it fetches them again
+    only when a reader asks for them, until its URL list changes or it restarts.
+
     Arguments that name no cached shard are listed ("not cached"; ``unmatched`` with --json).
 
     Exit status: 0 none of them is cached any more; 1 some are held by a reader (listed;

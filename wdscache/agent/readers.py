@@ -163,6 +163,7 @@ class Readers:
         self._window_at: dict[str, int] = {}
         self._startup = self._startup_plan(urls)
         self._startup_stopped = False  # by wdscache clear, until the list changes: no refill nobody asked for
+        self._startup_left: set[str] = set()  # evicted by wdscache evict, until the list changes: the same
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         # Reader name -> its last report, once it left (for stats), in the order they left.
         self._ended: dict[str, dict[str, Any]] = {}
@@ -261,11 +262,17 @@ class Readers:
         back only as readers ask for them, until the list file changes."""
         self._startup_stopped = True
 
+    def leave_out_of_startup(self, urls: list[str]) -> None:
+        """The start-up plan prefetches none of ``urls`` (``wdscache evict`` removed them): they come
+        back only as readers ask for them, until the list file changes."""
+        self._startup_left.update(urls)
+
     def _startup_window(self) -> list[str]:
         if self._startup_stopped:
             return []
-        urls = self.urls.urls
-        self._window_at = {urls[i]: i for i in self._startup.window(self._config.prefetch) if i < len(urls)}
+        urls, left = self.urls.urls, self._startup_left
+        window = (i for i in self._startup.window(self._config.prefetch) if i < len(urls))
+        self._window_at = {urls[i]: i for i in window if not left or urls[i] not in left}
         return list(self._window_at)
 
     # -- ops ------------------------------------------------------------------
@@ -493,6 +500,7 @@ class Readers:
                 r.n_shards, r.position = len(new), 0
         self._startup = self._startup_plan(new)
         self._startup_stopped = False
+        self._startup_left = set()
 
     def _startup_plan(self, urls: UrlList) -> Reader:
         """The start-up plan over ``urls`` (on a node of several, from its shards' counts)."""

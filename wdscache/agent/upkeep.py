@@ -60,20 +60,23 @@ class Upkeep:
         prefetches: Prefetches,
         fetchable: Callable[[str], bool],
         stop_startup: Callable[[], None],
+        leave_out_of_startup: Callable[[list[str]], None],
     ) -> None:
         self._cache, self._prefetches = cache, prefetches
         self._fetchable = fetchable  # may this endpoint's peers have this URL fetched
         self._stop_startup = stop_startup  # after a clear: the start-up plan refills nothing
+        self._leave_out_of_startup = leave_out_of_startup  # after an evict: nor what it evicted
 
     def op_evict(self, request: Request) -> Reply:
+        """Evict ``urls``; the start-up plan then prefetches none of them (an operator evicting a
+        shard wants it gone), readers still get what they ask for."""
         header = request.header
         urls = strings(header, "urls")
-        return {
-            "ok": True,
-            **evict_shards(
-                self._cache, urls, force=self._force(header), why="evicted on request (wdscache evict or verify)"
-            ),
-        }
+        out = evict_shards(
+            self._cache, urls, force=self._force(header), why="evicted on request (wdscache evict or verify)"
+        )
+        self._leave_out_of_startup(out["evicted"])
+        return {"ok": True, **out}
 
     def op_clear(self, request: Request) -> Reply:
         """Evict every cached shard; the start-up plan then prefetches nothing (an operator clearing
