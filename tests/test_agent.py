@@ -307,8 +307,9 @@ def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive
         ("gs://bucket/x.tar", 3, ["gs"]),
         ("http://127.0.0.1:9/shard-{000..003.tar", 2, ["unclosed", "{"]),
         ("shards/b\0.tar", 3, ["no NUL character", "'shards/b\\x00.tar'"]),  # the agent crashed at its start
+        ("http://[zz]/x.tar", 1, ["a host in brackets is an IPv6 address"]),  # and so did this one
     ],
-    ids=["unsupported-scheme", "malformed-brace", "nul-in-a-path"],
+    ids=["unsupported-scheme", "malformed-brace", "nul-in-a-path", "bad-ipv6-host"],
 )
 def test_bad_url_list_line_is_refused_with_its_line_number(
     shard_server, dataset, run_cli, tmp_path, bad_line, lineno, words

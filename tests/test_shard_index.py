@@ -161,6 +161,23 @@ def test_index_that_cannot_read_a_shard_writes_nothing(tmp_path, shard_server):
     assert r.returncode == 2 and "needs a host" in r.stderr
 
 
+@pytest.mark.parametrize("endpoint", ["http://", "http://[zz]:5399", "http://h:port"])
+def test_index_refuses_an_s3_endpoint_without_a_usable_host(tmp_path, endpoint):
+    r = run_wdscache("index", "--s3-endpoint-url", endpoint, "s3://bkt/k.tar", "-o", tmp_path / "i.json")
+    assert r.returncode == 2 and f"--s3-endpoint-url {endpoint!r}: use http(s)://HOST[:PORT]" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_index_into_a_folder_it_cannot_write_names_it(tmpfs, shard_server):
+    paths = make_dataset(shard_server.root, 1, 3)
+    fs = tmpfs("1m")
+    r = subprocess.run(["mount", "-o", "remount,ro", str(fs)], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+    r = run_wdscache("index", shard_server.url(paths[0].name), "-o", fs / "i.json")
+    assert r.returncode == 2 and f"cannot write {fs / 'i.json'}: Read-only file system" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
 # -- the agent and the loader on an index -------------------------------------------------------
 
 

@@ -267,6 +267,17 @@ def test_http_needs_a_host(url: str) -> None:
         parse_url_list(url)
 
 
+@pytest.mark.parametrize("url", ["http://[zz]/x.tar", "http://[::1/x.tar", "https://[1.2.3.4]/x.tar"])
+def test_a_host_in_brackets_is_an_ipv6_address(url: str) -> None:
+    for text in (url, f"http://h/a.tar\n{url}"):  # alone, and among plain URLs (their fast path)
+        with pytest.raises(UrlListError, match="a host in brackets is an IPv6 address"):
+            parse_url_list(text)
+    assert parse_url_list("http://[::1]:8000/x.tar\nhttp://h/a.tar").urls == (
+        "http://[::1]:8000/x.tar",
+        "http://h/a.tar",
+    )
+
+
 def test_scheme_case_is_normalized() -> None:
     assert parse_url_list("HTTP://h/a.tar\nHttps://h/b.tar").urls == (
         "http://h/a.tar",

@@ -388,7 +388,10 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
         _fail(exc)
     fetcher = Fetcher(s3_endpoint_url=s3_endpoint_url)
     scratch = folder / f".wdscache-index-{os.getpid()}"
-    scratch.mkdir(mode=0o700)
+    try:
+        scratch.mkdir(mode=0o700)
+    except OSError as exc:
+        _fail(ConfigError(f"cannot write {output}: {exc.strerror} ({folder})"))
     try:
         indexer = Indexer(fetcher, scratch, jobs=jobs)
         if sys.stderr.isatty():
@@ -413,7 +416,10 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     entries = [
         (_stored_url(url, folder), info) for url, info in zip(listed.urls, results) if isinstance(info, ShardInfo)
     ]  # every one, since none failed
-    write_shard_index(output, entries)
+    try:
+        write_shard_index(output, entries)
+    except OSError as exc:
+        _fail(ConfigError(f"cannot write {output}: {exc.strerror}"))
     _echo(f"wrote {output}: {len(entries)} shards, {sum(i.nsamples for _, i in entries)} samples", err=True)
 
 

@@ -25,6 +25,7 @@ import re
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from .errors import ConfigError
 
@@ -166,6 +167,14 @@ def check_endpoint(endpoint: str, *, allow_remote: bool, ports: int = 1) -> None
 
 
 def check_s3_endpoint_url(url: str | None) -> None:
-    """Refuse an ``--s3-endpoint-url`` that is not an http(s) URL (None: botocore's own is used)."""
-    if url is not None and not url.startswith(("http://", "https://")):
+    """Refuse an ``--s3-endpoint-url`` that is not an http(s) URL with a host (None: botocore's
+    own is used)."""
+    if url is None:
+        return
+    try:
+        parts = urlsplit(url)
+        usable = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port is None or parts.port > 0)
+    except ValueError:  # a malformed host in brackets, a port that is no number
+        usable = False
+    if not usable:
         raise ConfigError(f"--s3-endpoint-url {url!r}: use http(s)://HOST[:PORT]")

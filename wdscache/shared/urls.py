@@ -22,6 +22,7 @@ from __future__ import annotations
 import codecs
 import functools
 import hashlib
+import ipaddress
 import itertools
 import operator
 import os
@@ -31,6 +32,7 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.redact import redact_urls
@@ -563,6 +565,11 @@ def _normalize(url: str, base_dir: str, allow_pipe: bool) -> str:
         return _normalize_other(url, base_dir, allow_pipe)
     if len(url) == host_at or url[host_at] in "/?#@:":
         raise ValueError("an http(s) URL needs a host, like http://host/path")
+    if url[host_at] == "[":  # checked here: urllib refuses a malformed one only where it is fetched
+        try:
+            ipaddress.IPv6Address(urlsplit(url).hostname or "")
+        except ValueError:
+            raise ValueError("a host in brackets is an IPv6 address, like http://[::1]:8000/path") from None
     return url
 
 
@@ -739,7 +746,7 @@ def _plain(joined: str, lines: list[str], base: str) -> str | None:
     if (
         firsts.count("h") == n
         and joined.count("\nhttp://") + joined.count("\nhttps://") == n
-        and not any(f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n")
+        and not any(f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n[")
     ):
         return ""
     if ":" in joined or "//" in joined or "/" in lasts:
