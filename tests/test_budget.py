@@ -280,6 +280,15 @@ def disk_bytes(cache: Path) -> int:
     return sum(p.stat().st_size for d in ("shards", "partial", "tables") for p in (cache / d).rglob("*") if p.is_file())
 
 
+def cached_first(start_agent, cache: Path, lists: Path, urls: list[str]) -> None:
+    """``urls`` cached in ``cache`` by an agent of their own, stopped."""
+    lists.mkdir(exist_ok=True)
+    (lists / "first.txt").write_text("".join(f"{u}\n" for u in urls))
+    first = start_agent(cache, lists / "first.txt", "--prefetch", str(len(urls)), "--cache-size", "10M")
+    first.wait_stats(lambda s: s["shards"]["cached"] == len(urls), 20, f"{urls} were never cached")
+    first.stop()
+
+
 def keep_a_partial(shard_server, start_agent, cache: Path, url: str, lists: Path, at_least: int) -> int:
     """Leave ``url`` half downloaded in ``cache``: an agent SIGKILLed mid-body (a partial with its
     validator, resumed by the next agent); its size."""
@@ -299,11 +308,7 @@ def test_a_partial_kept_for_a_resume_counts_while_the_resume_waits_for_its_answe
     ds = dataset(3, **SHARD_130K)
     (a, b, c), size = ds.urls, ds.paths[0].stat().st_size
     cache, lists = tmp_path / "cache", tmp_path / "lists"
-    lists.mkdir(exist_ok=True)
-    (lists / "c.txt").write_text(c + "\n")
-    first = start_agent(cache, lists / "c.txt", "--prefetch", "1", "--cache-size", "10M")
-    first.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "c was never cached")
-    first.stop()
+    cached_first(start_agent, cache, lists, [c])
     kept = keep_a_partial(shard_server, start_agent, cache, a, lists / "a.txt", size // 2)
     # Room for two shards and the partial's half: b fits only once c goes.
     budget = 2 * size + kept // 2 + 4096
@@ -332,11 +337,7 @@ def test_a_smaller_budget_at_restart_gives_up_kept_partials_first(shard_server, 
     ds = dataset(3, **SHARD_130K)
     (a, c, d), size = ds.urls, ds.paths[0].stat().st_size
     cache, lists = tmp_path / "cache", tmp_path / "lists"
-    lists.mkdir(exist_ok=True)
-    (lists / "cd.txt").write_text(f"{c}\n{d}\n")
-    first = start_agent(cache, lists / "cd.txt", "--prefetch", "2", "--cache-size", "10M")
-    first.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "c and d were never cached")
-    first.stop()
+    cached_first(start_agent, cache, lists, [c, d])
     kept = keep_a_partial(shard_server, start_agent, cache, a, lists / "a.txt", size // 2)
     budget = 2 * size + kept // 2  # c and d fit (a reader's window), with the partial they do not
     (lists / "cda.txt").write_text(f"{c}\n{d}\n{a}\n")  # a is listed (its partial is kept), not in the window
@@ -358,11 +359,7 @@ def test_a_resume_that_learns_the_size_reserves_all_of_it_after_a_body_of_unknow
     big = make_shard(shard_server.root / "big.tar", synth_samples(9, 24, payload=8000))
     a = shard_server.url(big.name)
     cache, lists = tmp_path / "cache", tmp_path / "lists"
-    lists.mkdir(exist_ok=True)
-    (lists / "c.txt").write_text(c + "\n")
-    first = start_agent(cache, lists / "c.txt", "--prefetch", "1", "--cache-size", "10M")
-    first.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "c was never cached")
-    first.stop()
+    cached_first(start_agent, cache, lists, [c])
     shard_server.lengths = False
     shard_server.fail(big.name, "no_range", after=100_000)
     budget = 2 * size + big.stat().st_size - (64 << 10)  # a, b and c do not fit

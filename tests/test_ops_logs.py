@@ -12,7 +12,7 @@ import re
 
 import webdataset as wds
 
-from wdscache import CachedMultiLoader
+from wdscache import CachedMultiLoader, ShardClient
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.logs import JsonFormatter, TextFormatter, event, get_logger, iso_time
 from wdscache.shared.messages import Requests
@@ -80,8 +80,10 @@ def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agen
         if not k.startswith("__")
     ), short
     assert s["jobs"] == {}
-    # Evicted by hand, then downloaded again for the agent's start-up plan.
+    # Evicted by hand, then downloaded again for a reader that asks for it.
     assert run_cli("evict", data.urls[0], "--cache-dir", cache).returncode == 0
+    with ShardClient(cache, timeout=20) as client:
+        assert client.open(data.urls[0]).read_bytes() == data.paths[0].read_bytes()
     agent.wait_stats(lambda s: s["redownloads"] == 1, 10, "the evicted shard downloaded again")
     ended = s["ended_jobs"]["train"]["0"]
     assert (ended["samples"], ended["bytes"], ended["wait_s"], ended["starved"]) == (7, 700, 0.5, None)
