@@ -112,7 +112,7 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
         assert lines[3].startswith("workers    1: ") and "0 restart(s)" in lines[3], frame
         assert lines[4] == (
             "job train: 1 rank(s), 10 samples/s: waiting for data, but not for downloads, workers or "
-            "the budget: the consumer's own reads or transforms are slow"
+            "the budget: the consumer's own reads are slow (a machine whose cores are all busy?)"
         ), frame
         assert (
             lines[5].split()
@@ -158,3 +158,30 @@ def test_stats_shows_no_download_rate_once_downloads_stop_and_a_jobs_totals_over
     assert (rank["samples"], rank["epochs"], rank["epoch"]) == (24, 2, 1), rank
     text = run_cli("stats", "--cache-dir", cache).stdout
     assert re.search(r"^job two: ended \S+: 24 samples in 2 epochs, waited [\d.]+s for data in all$", text, re.M), text
+
+
+def test_a_ranks_dataloader_workers_are_one_rank_in_stats(tmp_path, dataset, start_agent, run_cli):
+    # Each DataLoader worker of a rank is a consumer of that rank: stats showed whichever reported last.
+    data = dataset(1, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the shard cached")
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+    try:
+        for reader, samples, waited in (("w0", 10, 0.0), ("w1", 8, 0.25)):
+            assert conn.request(Requests(reader).hello("train", 0, 1))["ok"]
+            report = {"op": "report", "reader": reader, "samples": samples, "bytes": 10 * samples, "rate": 5.0}
+            assert conn.request({**report, "wait_s": waited, "epoch": 0, "position": samples})["ok"]
+        rank = agent.stats()["jobs"]["train"]["0"]
+        assert (rank["readers"], rank["samples"], rank["bytes"], rank["rate"], rank["wait_s"]) == (
+            2,
+            18,
+            180,
+            10.0,
+            0.25,
+        )
+        assert rank["position"] == 18 and rank["epoch"] == 0, rank
+        text = run_cli("stats", "--cache-dir", cache).stdout
+        assert "  rank 0 (2 readers): 18 samples, 180, 10 samples/s, waited 0.2s" in text, text
+    finally:
+        conn.close()

@@ -152,14 +152,39 @@ def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: st
 
 def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str | None) -> dict[str, dict[str, Any]]:
     """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null;
-    always null for consumers that ended, ``starved_by`` None)."""
+    always null for consumers that ended, ``starved_by`` None). The consumers of one rank (its
+    DataLoader workers, each a consumer) make one: their counts, rates and waits added up, the
+    share of time they wait averaged, ``readers`` of them."""
     keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended")
     jobs: dict[str, dict[str, Any]] = {}
     for c in consumers.values():
         view = {k: c[k] for k in keep if k in c}
-        view["starved"] = starved_by if c.get("waiting", 0.0) > STARVED else None
-        jobs.setdefault(str(c.get("job")), {})[str(c.get("rank"))] = view
+        ranks = jobs.setdefault(str(c.get("job")), {})
+        rank = str(c.get("rank"))
+        ranks[rank] = _together(ranks[rank], view) if rank in ranks else {**view, "readers": 1}
+    for ranks in jobs.values():
+        for view in ranks.values():
+            view["starved"] = starved_by if view.get("waiting", 0.0) > STARVED else None
     return jobs
+
+
+_ADDED = ("samples", "bytes", "rate", "wait_s", "position")  # of a rank's readers together
+_LATEST = ("epoch", "seen", "ended")
+
+
+def _together(rank: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
+    """The view of a rank whose readers so far are ``rank``, with reader ``one`` too."""
+    n = rank["readers"]
+    out = {**rank, "readers": n + 1}
+    for k in _ADDED:
+        if k in one:
+            out[k] = round(rank.get(k, 0) + one[k], 3) if isinstance(one[k], float) else rank.get(k, 0) + one[k]
+    for k in _LATEST:
+        if k in one and (k not in rank or (one[k] is not None and (rank[k] is None or one[k] > rank[k]))):
+            out[k] = one[k]
+    if "waiting" in one:
+        out["waiting"] = round((rank.get("waiting", 0.0) * n + one["waiting"]) / (n + 1), 3)
+    return out
 
 
 def ended_jobs_view(ended: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -170,6 +195,7 @@ def ended_jobs_view(ended: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any
     for c in sorted(ended.values(), key=lambda c: str(c.get("ended") or "")):
         job, rank = str(c.get("job")), str(c.get("rank"))
         view = jobs_view({"": c}, None)[job][rank]
+        del view["readers"]  # (a rank's consumers that ended are counted by their totals)
         seen = epochs.setdefault((job, rank), set())
         seen.add(c.get("epoch"))
         earlier = jobs.setdefault(job, {}).get(rank)
@@ -221,8 +247,9 @@ def format_stats(s: dict[str, Any]) -> str:
         lines.append(f"job {job}:")
         for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
             starved = f"STARVED by {r['starved']}" if r.get("starved") else "not starved"
+            readers = f" ({r['readers']} readers)" if r.get("readers", 1) > 1 else ""  # its DataLoader workers
             lines.append(
-                f"  rank {rank}: {r.get('samples', 0)} samples, {format_size(r.get('bytes', 0))}, "
+                f"  rank {rank}{readers}: {r.get('samples', 0)} samples, {format_size(r.get('bytes', 0))}, "
                 f"{r.get('rate', 0):.0f} samples/s, waited {r.get('wait_s', 0):.1f}s "
                 f"({100 * r.get('waiting', 0):.0f}% now), {starved}"
             )

@@ -8,7 +8,8 @@ later ones: a cache that thrashes makes readers wait for downloads, too):
   (``bytes_limit``): shards still needed are evicted and downloaded again;
 - ``downloads``: readers wait for shards that are not cached yet (``agent.demanded``);
 - ``workers``: the sample workers are busy more than :data:`WORKERS_BUSY` of the time;
-- ``latency``: none of these: the consumer's own side (its reads, its transform) is slow.
+- ``latency``: none of these: the consumer's own reads (receiving and decoding samples) are slow,
+  as on a machine whose cores are all busy. A slow transform is no wait: it shows as a low rate.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]]) -> Verd
     return Verdict(
         kind,
         "waiting for data, but not for downloads, workers or the budget: "
-        "the consumer's own reads or transforms are slow",
+        "the consumer's own reads are slow (a machine whose cores are all busy?)",
     )
 
 
