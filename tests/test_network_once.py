@@ -4,6 +4,9 @@ validators without ETags, pipe: reservations under a small budget, Retry-After o
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,8 @@ from tests.helpers.waits import wait_for
 from wdscache import ShardClient
 from wdscache.shared.errors import FetchError
 from wdscache.shared.layout import CacheLayout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # A cancelled connection loses what the server wrote before it saw the close (what was in
 # the sockets' buffers: one paced slice here): bytes no client can keep. Nothing more.
@@ -276,3 +281,59 @@ def test_a_kept_partial_that_is_already_whole_is_published_without_sending_its_b
     assert d.final.read_bytes() == path.read_bytes()
     gets = [r for r in shard_server.requests if r.method == "GET"]
     assert [(r.status, r.bytes_sent) for r in gets] == [(416, 0)], gets
+
+
+_NO_TEMP = """
+import sys, tempfile
+from wdscache.agent.sources.base import Settings
+from wdscache.agent.sources.pipe import PipeSource
+from wdscache.shared.errors import FetchError
+source = PipeSource(Settings(10.0, 10.0))
+try:
+    tempfile.TemporaryFile()
+    sys.exit("a temp folder is writable here")
+except FileNotFoundError:
+    pass  # no usable temporary directory, as under ProtectSystem=strict
+with source.open("pipe:cat " + sys.argv[1], 0, None, None) as answer:
+    body = b"".join(answer.chunks)
+assert body == open(sys.argv[1], "rb").read(), len(body)
+try:
+    with source.open("pipe:echo 'curl: (6) no host' >&2; exit 6", 0, None, None) as answer:
+        b"".join(answer.chunks)
+    sys.exit("a failing command was taken")
+except FetchError as exc:
+    assert "exited with status 6: curl: (6) no host" in str(exc), exc
+print("ok")
+"""
+
+
+def test_a_pipe_source_needs_no_writable_temp_folder(tmp_path, dataset):
+    # systemd's ProtectSystem=strict leaves the agent no writable temp folder: the command's stderr
+    # went to a temp file, and every pipe: shard failed ("No usable temporary directory").
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    data = dataset(1, samples=4, payload=3000)
+    read_only = " && ".join(
+        f"mount --bind {d} {d} && mount -o remount,bind,ro {d}" for d in ("/tmp", "/var/tmp", str(tmp_path))
+    )
+    script = tmp_path / "no_temp.py"
+    script.write_text(_NO_TEMP)
+    r = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f'{read_only} && cd {tmp_path} && exec "$0" "$@"',
+            sys.executable,
+            str(script),
+            str(data.paths[0]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    if r.returncode != 0 and "unshare failed" in r.stderr:
+        pytest.skip(f"cannot make a mount namespace here: {r.stderr.strip()}")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr

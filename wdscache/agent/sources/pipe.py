@@ -5,8 +5,8 @@ than 0 fails the download, with the end of what it wrote to stderr."""
 
 from __future__ import annotations
 
+import os
 import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,21 +24,34 @@ class PipeSource(Source):
     def open(
         self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
     ) -> Iterator[SourceResponse]:
-        with tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(
-                url[len("pipe:") :], shell=True, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
-            )
-            stdout = proc.stdout
-            assert stdout is not None
+        # The command's stderr is drained as it comes (its tail kept for the error), not put in a
+        # temp file: an agent may have no writable temp folder (systemd's ProtectSystem=strict).
+        proc = subprocess.Popen(
+            url[len("pipe:") :], shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+        )
+        stdout, stderr = proc.stdout, proc.stderr
+        assert stdout is not None and stderr is not None
+        tail = bytearray()
+
+        def drain() -> None:  # (its thread closes the pipe once the command, and any child, let go)
             try:
-                yield SourceResponse(iter(lambda: stdout.read(CHUNK), b""), 0, False, None, Version())
+                for chunk in iter(lambda: os.read(stderr.fileno(), CHUNK), b""):
+                    tail.extend(chunk)
+                    del tail[:-STDERR_TAIL]
             finally:
-                if proc.poll() is None:
-                    proc.kill()
-                stdout.close()
-                rc = proc.wait(EXIT_WAIT)
-            # Once its output was taken whole (an error in between is the error).
-            if rc != 0:
-                err.seek(0)
-                msg = err.read()[-STDERR_TAIL:].decode(errors="replace").strip()
-                raise FetchError(url, f"command exited with status {rc}: {msg}")
+                stderr.close()
+
+        drainer = threading.Thread(target=drain, daemon=True, name="pipe-stderr")
+        drainer.start()
+        try:
+            yield SourceResponse(iter(lambda: stdout.read(CHUNK), b""), 0, False, None, Version())
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            stdout.close()
+            rc = proc.wait(EXIT_WAIT)
+            drainer.join(EXIT_WAIT)  # (a child of the command may hold its stderr open: not for ever)
+        # Once its output was taken whole (an error in between is the error).
+        if rc != 0:
+            msg = bytes(tail).decode(errors="replace").strip()
+            raise FetchError(url, f"command exited with status {rc}: {msg}")
