@@ -13,7 +13,7 @@ import pytest
 
 from scripts.console import wdscache_exe
 from tests.helpers.streaming import samples_of
-from tests.helpers.waits import stop_process
+from tests.helpers.waits import stop_process, wait_for
 from tests.helpers.watch import read_frames
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.messages import Requests
@@ -185,3 +185,25 @@ def test_a_ranks_dataloader_workers_are_one_rank_in_stats(tmp_path, dataset, sta
         assert "  rank 0 (2 readers): 18 samples, 180, 10 samples/s, waited 0.2s" in text, text
     finally:
         conn.close()
+
+
+def test_a_rank_in_one_long_wait_is_starved_while_it_waits(tmp_path, dataset, shard_server, start_agent, consumers):
+    # A wait counted only once it ended: a rank blocked opening its shards (the agent asks their
+    # server whether its copies are current, and the server takes 4 s to answer) showed 0% waiting,
+    # "not starved", until they came (and an alert of "5 minutes" never held).
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    first = start_agent(cache, data.list_file, "--prefetch", "2")
+    first.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    first.stop()
+    shard_server.ttfb = 4.0
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--download-workers", "1")
+    consumer = consumers(cache, "slow", "--no-shuffle", "--job", "slow")
+
+    def starved() -> str | None:
+        ranks = agent.stats()["jobs"].get("slow", {})
+        return next((r["starved"] for r in ranks.values() if r.get("starved")), None)
+
+    # ...by downloads: the agent's checks of its copies (HEAD requests) were blamed on the consumer.
+    assert wait_for(starved, 6, lambda: f"never starved while it waited: {agent.stats()['jobs']}") == "downloads"
+    assert len(samples_of(consumer.wait())) == 8

@@ -530,7 +530,7 @@ class Agent:
         )
         agent_view = {
             "workers": self.workers.view(),
-            "demanded": len(self.opens.demanded()),
+            "demanded": len(self.opens.demanded()) + self.opens.checks_waited_for(),
             "need_bytes": self.readers.need(self.opens.held)[0],
         }
         readers = self.readers.view(starved_by({"bytes_limit": cache.limit, "agent": agent_view}) or "latency")

@@ -6,7 +6,8 @@ later ones: a cache that thrashes makes readers wait for downloads, too):
 
 - ``budget``: the readers hold more bytes at once (``agent.need_bytes``) than the budget
   (``bytes_limit``): shards still needed are evicted and downloaded again;
-- ``downloads``: readers wait for shards that are not cached yet (``agent.demanded``);
+- ``downloads``: readers wait for shards that are not cached yet, or for the agent to ask the
+  source whether a copy an earlier run cached is current (``agent.demanded``);
 - ``workers``: the sample workers are busy more than :data:`WORKERS_BUSY` of the time;
 - ``latency``: none of these: the consumer's own reads (receiving and decoding samples) are slow,
   as on a machine whose cores are all busy. A slow transform is no wait: it shows as a low rate.

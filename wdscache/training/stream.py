@@ -219,6 +219,9 @@ class EpochStream:
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
         self.batches = ReadBatcher(self)  # the share batched into reads, sent to the workers
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}  # samples out of _pipeline
+        # Since when the rank has been waiting for its next read (None: it has one, or is away with
+        # the samples): reports count a wait under way too, or one long wait shows only once it ends.
+        self._waiting_from: float | None = None
         self._out: tuple[Iterator[Any], list[int]] | None = None  # the latest read's samples (see _pipeline)
         self.broken = False  # the epoch ended in an error: close quickly
         self.epoch = epoch
@@ -350,59 +353,64 @@ class EpochStream:
         owed = 0  # holes before the first sample read
         end: int | None = None  # a shard's error ends the epoch (StopEpoch): the first read not handed out
         error: WdsCacheError | None = None  # and with on_error="raise", its error, raised there
-        while True:
-            t0 = time.perf_counter()
-            stalled = False
-            try:
-                if pins.letting_go:
-                    pins.flush()
-                if self.runs.repinning:
-                    self.runs.repin()
-                if reads.reopening or reads.delayed:
-                    self.failures.recover()
-                # Reads waiting to be pinned again do not count: their samples are not here.
-                while not exhausted and len(by_seq) - reads.reopening < limit:
-                    filled_to = batches.fill(owned)
-                    if filled_to is SHARE_ENDED:
-                        exhausted = True
+        try:
+            while True:
+                t0 = self._waiting_from = time.perf_counter()
+                stalled = False
+                try:
+                    if pins.letting_go:
+                        pins.flush()
+                    if self.runs.repinning:
+                        self.runs.repin()
+                    if reads.reopening or reads.delayed:
+                        self.failures.recover()
+                    # Reads waiting to be pinned again do not count: their samples are not here.
+                    while not exhausted and len(by_seq) - reads.reopening < limit:
+                        filled_to = batches.fill(owned)
+                        if filled_to is SHARE_ENDED:
+                            exhausted = True
+                            break
+                        if filled_to is None:
+                            # A shard still downloading has no more samples yet: what we have went out
+                            # (the first sample goes out as soon as it is complete); look again soon.
+                            stalled = True
+                            break
+                    if seq_yield >= (batches.seq_next if end is None else end) and exhausted:
                         break
-                    if filled_to is None:
-                        # A shard still downloading has no more samples yet: what we have went out
-                        # (the first sample goes out as soon as it is complete); look again soon.
-                        stalled = True
-                        break
-                if seq_yield >= (batches.seq_next if end is None else end) and exhausted:
-                    break
-                read = reads.hand_out(seq_yield)
-                if read is None:
-                    self._receive(STREAM_POLL if stalled else 0.1)
-                    self.stats["wait_s"] += time.perf_counter() - t0
-                    self.clock.check_stall(self._waited_for)
+                    read = reads.hand_out(seq_yield)
+                    if read is None:
+                        self._receive(STREAM_POLL if stalled else 0.1)
+                        self._waiting_from = None  # (before the wait is added: a report then counts it once)
+                        self.stats["wait_s"] += time.perf_counter() - t0
+                        self.clock.check_stall(self._waited_for)
+                        continue
+                except StopEpoch as stop:  # the samples before the failing read still come, then the epoch ends
+                    exhausted = True
+                    at = self.failures.stop_at(stop, end)
+                    if end is None or at < end:
+                        error = stop.error
+                    end = at
                     continue
-            except StopEpoch as stop:  # the samples before the failing read still come, then the epoch ends
-                exhausted = True
-                at = self.failures.stop_at(stop, end)
-                if end is None or at < end:
-                    error = stop.error
-                end = at
-                continue
-            seq_yield += 1
-            stats = self.stats
-            stats["wait_s"] += time.perf_counter() - t0
-            samples = read.samples
-            sizes = read.sizes  # from the reply: no pass over each sample
-            if owed or None in samples:
-                samples, sizes, last, owed = filled(samples, sizes, last, owed, stats)
-            elif samples:
-                last = samples[-1]
-            it = iter(samples)
-            self._out = (it, sizes)
-            stats["samples"] += len(samples)
-            stats["bytes"] += sum(sizes)
-            if pins.letting_go:  # the user may hold us at the yield for long: no pin let go stays held
-                pins.flush(now=True)
-            yield it
-            self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
+                seq_yield += 1
+                stats = self.stats
+                self._waiting_from = None
+                stats["wait_s"] += time.perf_counter() - t0
+                samples = read.samples
+                sizes = read.sizes  # from the reply: no pass over each sample
+                if owed or None in samples:
+                    samples, sizes, last, owed = filled(samples, sizes, last, owed, stats)
+                elif samples:
+                    last = samples[-1]
+                it = iter(samples)
+                self._out = (it, sizes)
+                stats["samples"] += len(samples)
+                stats["bytes"] += sum(sizes)
+                if pins.letting_go:  # the user may hold us at the yield for long: no pin let go stays held
+                    pins.flush(now=True)
+                yield it
+                self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
+        finally:
+            self._waiting_from = None  # the epoch's end, or its close: no wait goes on
         if error is not None:
             raise error
 
@@ -514,7 +522,8 @@ class EpochStream:
     def _figures(self) -> dict[str, Any]:
         """What a report tells of this stream, and our bye its totals (read from the reporter's
         thread too: a snapshot of numbers, each read at once)."""
-        stats, out = self.stats, self._out
+        stats, out, since = self.stats, self._out, self._waiting_from
+        waited = stats["wait_s"] + (time.perf_counter() - since if since is not None else 0.0)
         samples, nbytes = stats["samples"], stats["bytes"]
         if out is not None:  # the samples of the latest read not handed out yet do not count
             it, sizes = out
@@ -526,7 +535,7 @@ class EpochStream:
             "position": self.progress,
             "samples": samples,
             "bytes": nbytes,
-            "wait_s": round(stats["wait_s"], 3),
+            "wait_s": round(waited, 3),
         }
 
     def close(self) -> None:
