@@ -160,9 +160,9 @@ def check_endpoint(endpoint: str, *, allow_remote: bool, ports: int = 1) -> None
         raise ConfigError(f"endpoint {endpoint!r}: use tcp://HOST:PORT with a port in [1, {last}]{workers}")
     if not allow_remote and not host.startswith(_LOOPBACK):
         raise ConfigError(
-            f"endpoint {endpoint!r} is reachable from other machines, and the agent "
-            "trusts every peer that can connect; bind 127.0.0.1, or pass --allow-remote "
-            "if the network is trusted"
+            f"endpoint {endpoint!r} is reachable from other machines, and its traffic is not "
+            "encrypted (samples and the agent's key would cross the network in the clear); bind "
+            "127.0.0.1, or pass --allow-remote if the network is trusted"
         )
 
 

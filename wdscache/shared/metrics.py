@@ -9,6 +9,7 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
 
     wdscache_agent_up                         1 while an agent runs, else 0
     wdscache_cache_bytes                      bytes of cached shards
+    wdscache_cache_table_bytes                of those, the sample table files
     wdscache_cache_limit_bytes                the budget
     wdscache_cache_reserved_bytes             reserved by downloads in flight
     wdscache_shards{state}                    shards by state: cached, downloading, queued, failed
