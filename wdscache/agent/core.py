@@ -234,13 +234,7 @@ class Agent:
         self.workers = WorkerReports(self.pool, self.socket)
         self.prefetches = Prefetches(self.cache, self.downloads)
         self.cache.watcher = self.prefetches
-        self.upkeep = Upkeep(
-            self.cache,
-            self.prefetches,
-            self.readers.fetchable,
-            self.readers.stop_startup,
-            self.readers.leave_out_of_startup,
-        )
+        self.upkeep = Upkeep(self.cache, self.prefetches, self.readers)
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
             "stats": self._op_stats,

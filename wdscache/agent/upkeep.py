@@ -21,8 +21,8 @@ Guarantees:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from ..shared.index import ShardState
 from ..shared.protocol import field as get_field
@@ -31,6 +31,9 @@ from ..shared.redact import redact_urls
 from .cache import ShardCache
 from .control import Reply, Request
 from .prefetches import MAX_PENDING, Prefetches
+
+if TYPE_CHECKING:
+    from .readers import Readers
 
 
 def evict_shards(cache: ShardCache, urls: Iterable[str], *, force: bool, why: str) -> dict[str, Any]:
@@ -54,18 +57,11 @@ def evict_shards(cache: ShardCache, urls: Iterable[str], *, force: bool, why: st
 class Upkeep:
     """The ``evict``, ``clear`` and ``prefetch`` ops."""
 
-    def __init__(
-        self,
-        cache: ShardCache,
-        prefetches: Prefetches,
-        fetchable: Callable[[str], bool],
-        stop_startup: Callable[[], None],
-        leave_out_of_startup: Callable[[list[str]], None],
-    ) -> None:
+    def __init__(self, cache: ShardCache, prefetches: Prefetches, readers: Readers) -> None:
         self._cache, self._prefetches = cache, prefetches
-        self._fetchable = fetchable  # may this endpoint's peers have this URL fetched
-        self._stop_startup = stop_startup  # after a clear: the start-up plan refills nothing
-        self._leave_out_of_startup = leave_out_of_startup  # after an evict: nor what it evicted
+        # What this endpoint's peers may have fetched, and the start-up plan (after a clear it
+        # refills nothing, after an evict none of what it evicted).
+        self._readers = readers
 
     def op_evict(self, request: Request) -> Reply:
         """Evict ``urls``; the start-up plan then prefetches none of them (an operator evicting a
@@ -75,13 +71,13 @@ class Upkeep:
         out = evict_shards(
             self._cache, urls, force=self._force(header), why="evicted on request (wdscache evict or verify)"
         )
-        self._leave_out_of_startup(out["evicted"])
+        self._readers.leave_out_of_startup(out["evicted"])
         return {"ok": True, **out}
 
     def op_clear(self, request: Request) -> Reply:
         """Evict every cached shard; the start-up plan then prefetches nothing (an operator clearing
         a disk wants it to stay clear), readers still get what they ask for."""
-        self._stop_startup()
+        self._readers.stop_startup()
         cached = [r.url for r in self._cache.index.records.values() if r.state is ShardState.CACHED]
         return {
             "ok": True,
@@ -97,7 +93,7 @@ class Upkeep:
         header = request.header
         name = get_field(header, "prefetch", str)
         urls = strings(header, "urls")
-        bad = [u for u in urls if not self._fetchable(u)]
+        bad = [u for u in urls if not self._readers.fetchable(u)]
         if bad:
             return {
                 "ok": False,
