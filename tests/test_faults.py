@@ -551,6 +551,47 @@ def small_fs(tmpfs):
     return tmpfs("6m")
 
 
+def test_a_disk_filled_as_parts_are_joined_is_a_full_disk_not_a_failed_shard(
+    small_fs, shard_server, dataset, start_agent
+):
+    # A download in parallel parts joins each part's side file to the partial file (a copy): the file
+    # system refusing it was retried as a network error and, its retries spent, failed the shard.
+    ds = dataset(1, **SHARD_300K)  # 5 parts of 64 KiB
+    name, size = ds.paths[0].name, ds.paths[0].stat().st_size
+    # The first part stops one byte short: the other parts wait in their side files meanwhile.
+    shard_server.fail(name, "stall", after=(64 << 10) - 1, seconds=8, range=f"bytes=0-{(64 << 10) - 1}")
+    cache = small_fs / "cache"
+    agent = start_agent(
+        cache,
+        ds.list_file,
+        "--cache-size",
+        "100M",
+        "--min-free",
+        "0",
+        "--prefetch",
+        "1",
+        "--retries",
+        "0",
+        "--download-part-size",
+        "64K",
+        "--download-parts",
+        "4",
+    )
+    partial = CacheLayout.of(cache).partial_dir
+    wait_for(lambda: sum(p.stat().st_size for p in partial.iterdir()) >= size - 1, 20, "the parts never came")
+    filler = small_fs / "filler"
+    assert fill(filler) > 0  # the last byte of the first part fits its page; the joins do not
+    wait_for(
+        lambda: "cannot write the cache: No space left on device" in agent.stderr_text(),
+        20,
+        lambda: f"the full disk was never seen as one\n{agent.stderr_tail()}",
+    )
+    assert agent.stats()["shards"]["failed"] == 0, agent.stderr_tail()
+    filler.unlink()  # room again: the shard comes, whole
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 30, "the shard was not cached once there was room")
+    assert_identical(cache, ds.urls, ds.paths, agent)
+
+
 def test_a_disk_filled_by_someone_else_does_not_stop_serving_cached_shards(
     small_fs, shard_server, dataset, start_agent
 ):

@@ -26,6 +26,7 @@ from ..shared.logs import get_logger
 from ..shared.tarwalk import HEAD_BYTES
 from .parts import ByteRange, Plan, Stopped, append_side, remove_side_files, side_files
 from .shard_download import (
+    DISK_FULL_ERRNOS,
     SYNC_EVERY,
     Backoff,
     Cancelled,
@@ -33,6 +34,7 @@ from .shard_download import (
     Download,
     Retry,
     check_tar_head,
+    disk_full,
     reserve_holding,
     short,
     sync_part,
@@ -75,7 +77,12 @@ class PartedFetch:
         end = None
         for start, stop, path in side_files(d.partial):
             if start == offset and end is None:
-                offset += append_side(d.partial, path, offset)
+                try:
+                    offset += append_side(d.partial, path, offset)
+                except OSError as exc:
+                    if exc.errno in DISK_FULL_ERRNOS:
+                        raise disk_full(d, exc) from exc
+                    raise
                 if offset < stop:
                     end = stop  # the rest of that part comes first
             elif start > offset:
@@ -140,6 +147,8 @@ class PartedFetch:
             raise Retry(f"{error}; the object changed during the download, starting over", 0.0)
         if isinstance(error, Stopped):  # stopped for a reason another thread did not keep
             raise Cancelled(d.url)
+        if isinstance(error, OSError) and not isinstance(error, FetchError) and error.errno in DISK_FULL_ERRNOS:
+            raise disk_full(d, error) from error  # a part appended to the partial file: no room for the copy
         if error is not None:
             raise error
         if not plan.complete:
