@@ -316,8 +316,7 @@ class Agent:
 
     def _schedule(self) -> None:
         demanded = self.opens.demanded()
-        if demanded:  # a reader waits: the CPU goes to what it waits for, not to walks ahead
-            self.workers.hold_walks()
+        self.workers.hold_walks(bool(demanded))  # a reader waits: the CPU goes to what it waits for
         planned = self.readers.planned()
         # Not the shards asked for: a read of one walks it anyway, and they come and go.
         self.workers.wanted(planned, self.cache.is_cached, self.readers.position)

@@ -58,7 +58,8 @@ A worker that walked a published shard's headers reports the table it found to t
 agent, which passes it on to the other workers, who then do not walk it (the agent asks
 one worker to walk it ahead: for a loader reading the agent's own list, the one it sends
 the shard's reads to until its count is final). Walks ahead wait while the agent holds
-them (a ``hold`` hint: a reader waits for a shard, and the CPU goes to what it waits for),
+them (a ``hold`` hint: a reader waits for a shard, and the CPU goes to what it waits for;
+the agent's latest hint holds, one of 0 seconds lets them go),
 but for a shard a reader holds as it is published (an ``index`` hint with ``now``): walked
 first, whatever the hold, since until then the reads of it copy their payloads.
 A worker that reads a shard before that table comes walks it too, as far as its reads
@@ -272,8 +273,8 @@ class _Worker:
             elif header.get("op") == "hold":
                 seconds = header.get("seconds")
                 if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-                    until = time.monotonic() + min(max(float(seconds), 0.0), HOLD_MAX)
-                    self._walks_from = max(self._walks_from, until)
+                    # The agent's latest word holds: 0 lets the walks go at once.
+                    self._walks_from = time.monotonic() + min(max(float(seconds), 0.0), HOLD_MAX)
 
     def _walk_in(self) -> float | None:
         """Seconds until the next walk ahead may start (0.0: now; a shard a reader holds is

@@ -40,8 +40,10 @@ from .pool import WorkerPool
 
 INDEX_HINTS = 64  # shards lately hinted that a new worker is told to index
 # While a reader waits for a shard, the workers walk nothing ahead: told to hold for this long,
-# again every half of it while the wait lasts.
-HOLD_WALKS = 0.1
+# again every quarter of it while the wait lasts, and let go as soon as it ends. Long, so that
+# a main loop slowed by a loaded machine does not let the hold lapse; bounded, so that a worker
+# that missed the release walks again soon.
+HOLD_WALKS = 1.0
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted", "loaded")
 
 
@@ -55,7 +57,7 @@ class WorkerReports:
         self._walker = itertools.count()  # which worker walks the next shard published
         self._wanted: set[str] = set()  # what readers wanted when last told (see wanted)
         self._stats: dict[int, dict[str, Any]] = {}  # worker number -> its last report
-        self._held_at = float("-inf")  # when the workers were last told to hold their walks ahead
+        self._held_at: float | None = None  # when the workers were last told to hold their walks ahead
 
     def check(self, header: dict[str, Any]) -> None:
         """Raise :class:`ProtocolError` unless ``header`` is a worker's report, as the protocol's table
@@ -109,14 +111,21 @@ class WorkerReports:
                 self.published(url, position(url))
         self._wanted = set(urls)
 
-    def hold_walks(self) -> None:
-        """A reader waits for a shard (its download, or its budget): the workers hold their walks
-        ahead (speculative work) for :data:`HOLD_WALKS`, so that the CPU goes to what it waits for."""
+    def hold_walks(self, hold: bool) -> None:
+        """Whether a reader waits for a shard (its download, or its budget), once per step of the
+        agent: while one does, the workers hold their walks ahead (speculative work), so that the
+        CPU goes to what it waits for; once none does, they are let go at once."""
         now = time.monotonic()
-        if now - self._held_at < HOLD_WALKS / 2:
+        if hold:
+            if self._held_at is not None and now - self._held_at < HOLD_WALKS / 4:
+                return
+            self._held_at = now
+            seconds = HOLD_WALKS
+        elif self._held_at is None:
             return
-        self._held_at = now
-        message = pack(Reports.hold(HOLD_WALKS))
+        else:
+            self._held_at, seconds = None, 0.0
+        message = pack(Reports.hold(seconds))
         for ident in self._idents.values():
             self._socket.send(ident, message)
 

@@ -563,7 +563,11 @@ MESSAGES: tuple[Message, ...] = (
         about="walk this shard, just published, while idle (now: a reader holds it; first, and never held)",
     ),
     Message(
-        "hold", "agent", "worker", {"seconds": "number"}, about="a reader waits for a shard: no walks ahead meanwhile"
+        "hold",
+        "agent",
+        "worker",
+        {"seconds": "number"},
+        about="a reader waits for a shard: no walks ahead for seconds (0: walk again)",
     ),
     # consumers to a worker
     Message(
