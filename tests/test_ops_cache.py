@@ -18,8 +18,10 @@ from scripts.console import wdscache_exe
 from tests.helpers.disks import fill
 from tests.helpers.streaming import samples_of
 from tests.helpers.waits import wait_for
+from wdscache.agent.cache_commands import prefetch
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.config import format_size
+from wdscache.shared.errors import ConfigError
 from wdscache.shared.layout import CacheLayout
 
 
@@ -535,3 +537,13 @@ def test_evict_with_an_agent_running_keeps_the_shard_out_until_a_reader_asks(
     assert _prefetch_gets(shard_server, data) == [0, 0, 0]
     lines = consumers(cache, "c", "--no-shuffle").wait()  # a reader asks: it comes back
     assert len(samples_of(lines)) == 12 and agent.stats()["shards"]["cached"] == 3
+
+
+def test_prefetch_refuses_download_workers_below_one_and_leaves_the_cache_directory_alone(tmp_path, dataset, run_cli):
+    data = dataset(1, samples=4, payload=300)
+    r = run_cli("prefetch", data.urls[0], "--cache-dir", tmp_path / "cache", "--download-workers", "0")
+    assert r.returncode == 2 and "'--download-workers': 0 is not in the range x>=1" in r.stderr, r.stderr
+    assert not (tmp_path / "cache").exists()
+    # The prefetch function (the library's) refuses it too, rather than taking the default.
+    with pytest.raises(ConfigError, match="--download-workers must be at least 1"):
+        prefetch(tmp_path / "cache", data.urls, report=lambda progress: None, download_workers=0)

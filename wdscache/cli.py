@@ -492,7 +492,9 @@ def _eta(seconds: float | None) -> str:
     default=None,
     help="Budget when no agent runs [default: the last agent's, else the agent's default].",
 )
-@click.option("--download-workers", type=int, default=None, help="Parallel downloads when no agent runs.")
+@click.option(
+    "--download-workers", type=click.IntRange(min=1), default=None, help="Parallel downloads when no agent runs."
+)
 @click.option(
     "--give-up-after",
     type=click.FloatRange(min=0.5),

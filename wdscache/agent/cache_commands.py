@@ -338,7 +338,7 @@ def _own_agent(
                 workers=1,
                 shuffle=False,
                 s3_endpoint_url=s3_endpoint_url,
-                download_workers=download_workers or default("download_workers"),
+                download_workers=default("download_workers") if download_workers is None else download_workers,
             )
         )
         failure: list[BaseException] = []
