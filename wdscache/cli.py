@@ -384,6 +384,8 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     lines = "".join(f"{u}\n" for u in urls)  # as list lines: braces and s3:// prefixes expand
     try:
         listed = parse_url_list(lines, path="<arguments>", lister=Listing(endpoint_url=s3_endpoint_url))
+        if not listed:  # (only comments): an index of no shard is one no reader can open
+            raise ConfigError(f"no shards to index: the arguments hold no URL; {output} not written")
     except WdsCacheError as exc:
         _fail(exc)
     fetcher = Fetcher(s3_endpoint_url=s3_endpoint_url)
