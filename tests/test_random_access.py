@@ -11,8 +11,10 @@ import json
 import os
 import pickle
 import random
+import shutil
 import subprocess
 import sys
+import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,11 +23,13 @@ import pytest
 
 from scripts.shard_maker import make_shard
 from tests.helpers.agents import kill_agent
+from tests.helpers.testdata import TESTDATA
 from wdscache import FetchError, ShardError, ShardIndexError, ShardListDataset
 from wdscache.shared.stats import collect
 from wdscache.training.random_access import _Session
 
 wids = pytest.importorskip("wids", reason="wids is not installed (scripts/test.sh installs it)")
+webdataset = pytest.importorskip("webdataset", reason="webdataset is not installed (scripts/test.sh installs it)")
 pytest.importorskip("PIL", reason="pillow is not installed (scripts/test.sh installs it)")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,6 +135,48 @@ def test_every_sample_is_what_wids_returns(
             "data/part-0002.tar",
             1,
         )
+    finally:
+        ours.close()
+
+
+def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_small_shards_and_short_runs_are_what_wids_returns(start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    # A table is asked of a worker 2048 samples at a time, as the places of their bytes in the
+    # cache file, however few those bytes: a shard of a few hundred bytes, the last sample of
+    # 2049 tiny ones, and a short run past a member webdataset skips (no extension).
+    data = tmp_path / "data"
+    data.mkdir()
+    shards = [
+        _tar(data / "tiny.tar", [(f"t{i}.txt", f"tiny {i}".encode()) for i in range(3)]),
+        _tar(data / "many.tar", [(f"{i:06d}.txt", b"x" * 10) for i in range(2049)]),
+        _tar(
+            data / "gap.tar",
+            [*((f"{i:03d}.bin", bytes([i]) * 2000) for i in range(10)), ("README", bytes(20000)), ("zzz.txt", b"tail")],
+        ),
+    ]
+    if (TESTDATA / "compressed.tar").is_file():  # webdataset's own: 3 samples of ~100 bytes
+        shards.append(Path(shutil.copy(TESTDATA / "compressed.tar", data / "compressed.tar")))
+    counts = [len(list(webdataset.WebDataset(str(p), shardshuffle=False, empty_check=False))) for p in shards]
+    index = data / "index.json"
+    index.write_text(
+        json.dumps({"wids_version": 1, "shardlist": [{"url": p.name, "nsamples": n} for p, n in zip(shards, counts)]})
+    )
+    cache = tmp_path / "cache"
+    start_agent(cache, index)
+    ours = ShardListDataset(index, cache_dir=cache, transformations=[])
+    reference = wids.ShardListDataset(str(index), cache_dir=str(tmp_path / "wids"), transformations=[])
+    try:
+        assert len(ours) == len(reference) == sum(counts)
+        for i in reversed(range(len(ours))):  # the last shard's table first
+            assert _plain(ours[i]) == _plain(reference[i]), i
     finally:
         ours.close()
 

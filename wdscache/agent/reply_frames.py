@@ -54,10 +54,11 @@ class ReplyFrames:
         self.copies: list[tuple[zmq.MessageTracker, int]] = []  # replies' copied frames not yet sent
 
     def of(
-        self, runs: list[list[Any]], files: dict[Any, list[int]]
+        self, runs: list[list[Any]], files: dict[Any, list[int]], *, ranges_only: bool = False
     ) -> tuple[list[Any], list[list[int]], list[tuple[int, int]]]:
-        """A reply's frames, file ranges and runs' places for ``runs`` (see :meth:`make`), within the copy budget left."""
-        frames, ranges, places = self.make(runs, self.room(), files)
+        """A reply's frames, file ranges and runs' places for ``runs`` (see :meth:`make`), within the copy
+        budget left; with ``ranges_only``, every run of ``files`` a file range, however short."""
+        frames, ranges, places = self.make(runs, self.room(), files, ranges_only=ranges_only)
         if frames and isinstance(frames[0], zmq.Frame):
             self.copies.append((frames[0].tracker, len(frames[0])))
         return frames, ranges, places
@@ -107,7 +108,7 @@ class ReplyFrames:
         return frame
 
     def make(
-        self, runs: list[list[Any]], room: int, files: dict[Any, list[int]]
+        self, runs: list[list[Any]], room: int, files: dict[Any, list[int]], *, ranges_only: bool = False
     ) -> tuple[list[Any], list[list[int]], list[tuple[int, int]]]:
         """The reply's frames and file ranges for ``runs`` (``[source, start, end]``), and
         each run's place: the number of the frame that holds it (file ranges numbered after
@@ -116,7 +117,8 @@ class ReplyFrames:
         Runs of ``files`` (views the consumer reads itself) of ``PREAD_BYTES`` or more become
         file ranges; short runs (two or more) are copied together, up to ``room`` bytes, into
         the first frame (a tracked :class:`zmq.Frame`); the others go as they are (zero-copy,
-        unless pyzmq copies a small one itself), or as file ranges if of ``files``.
+        unless pyzmq copies a small one itself), or as file ranges if of ``files``. With
+        ``ranges_only``, every run of ``files`` is a file range.
         """
         frames: list[Any] = []
         ranges: list[list[int]] = []
@@ -127,7 +129,7 @@ class ReplyFrames:
             mapped = not isinstance(source, bytes)  # else a block of a download: already a copy
             ref = files.get(source) if mapped and files else None
             # A range worth its pread, or one the room left cannot copy.
-            if ref is not None and (end - start >= PREAD_BYTES or copied + end - start > room):
+            if ref is not None and (ranges_only or end - start >= PREAD_BYTES or copied + end - start > room):
                 where.append(("file", len(ranges)))
                 ranges.append([ref[0], start, end - start, *ref[1:]])  # never touched here
                 continue

@@ -9,7 +9,7 @@ to the worker on its stdin). A request without it gets ``{"ok": false, "kind":
 that one too, carries ``"proof"``: :func:`~wdscache.shared.protocol.reply_proof` of its id,
 which the consumer checks before it uses anything of the reply::
 
-    {"op": "read", "id": n, "auth": a, "urls": [u, ...], "direct": bool}
+    {"op": "read", "id": n, "auth": a, "urls": [u, ...], "direct": bool, "places": bool}
         followed by its items, one frame of 64-bit numbers (:func:`~wdscache.shared.protocol.pack_numbers`),
         per sample ``k, j``: sample ``j`` of the shard ``urls[k]``
         -> {"op": "samples", "id": n, "proof": p, "ok": true, "keys": [...],
@@ -36,7 +36,9 @@ which the consumer checks before it uses anything of the reply::
            (:func:`~wdscache.shared.layout.file_identity`), and frame numbers past the last frame
            sent name them, in order. The consumer copies those payloads from the page
            cache itself (:mod:`wdscache.training.direct`): one copy per byte, where a frame costs
-           three (into the socket, out of it, into ``bytes``)
+           three (into the socket, out of it, into ``bytes``). With ``places``, every run of
+           such a shard is a file range, however short: random access's table of where its
+           samples lie (:mod:`wdscache.training.random_access`)
     {"op": "scan", "id": n, "auth": a, "url": u, "while_downloading": bool}
         -> {"op": "scanned", "id": n, "proof": p, "ok": true, "count": c, "final": bool}
 
@@ -346,6 +348,7 @@ class _Worker:
     def _read(self, ident: bytes, header: dict[str, Any], frames: list[Any]) -> None:
         urls = field(header, "urls", list)
         direct = field(header, "direct", bool, False)
+        places = field(header, "places", bool, False)  # file ranges only: a table of where samples lie
         if len(frames) != 1:
             raise ProtocolError("a read carries its items as one frame")
         numbers = unpack_numbers(frames[0])  # none negative
@@ -370,7 +373,7 @@ class _Worker:
             if isinstance(view, GrowingShard):
                 shards.append((view, None, None, 0, 0))
                 continue
-            if direct and isinstance(view, ShardView):
+            if (direct or places) and isinstance(view, ShardView):
                 files[view] = [k, *view.identity]
             samples = view.samples
             placer = samples.placed if isinstance(samples, PackedSamples) else functools.partial(placed, samples)
@@ -390,7 +393,7 @@ class _Worker:
         )
         begins = [0, *compress(range(1, n_items), breaks)] if n_items else []
         by_stretch = 2 * len(begins) <= n_items
-        if not by_stretch:  # mostly single samples (a shuffled read): by columns, or all in one loop
+        if not by_stretch and not places:  # mostly single samples (a shuffled read): by columns, or all in one loop
             bulk = scattered(shard_of, index_of, shards, files, self.frames.room())
             if bulk is not None:
                 copied = self.frames.gathered(bulk.pieces, bulk.views)
@@ -434,10 +437,10 @@ class _Worker:
                 place[0:0] = (layouts.setdefault(names, len(layouts)), 0)
                 chunks.append((at, len(place), place))
                 nbytes += sum(place[3::2])
-        frames, ranges, places = self.frames.of(runs, files)
+        frames, ranges, run_places = self.frames.of(runs, files, ranges_only=places)
         table: list[int] = []
         for at, stride, row in chunks:
-            frame, base = places[at]
+            frame, base = run_places[at]
             shift = base - runs[at][1]  # from the shard to the frame
             if stride == len(row):  # one sample
                 row[1] = frame

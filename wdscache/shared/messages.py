@@ -376,6 +376,7 @@ class _ReadRequired(TypedDict):
 
 class ReadMessage(_ReadRequired, total=False):
     direct: bool
+    places: bool
     id: str  # id and auth: added by the link that sends it, in place (no copy on the hot path)
     auth: str
 
@@ -647,10 +648,13 @@ class Requests:
     # to a worker
 
     @staticmethod
-    def read(urls: list[str], *, direct: bool = False) -> ReadMessage:
+    def read(urls: list[str], *, direct: bool = False, places: bool = False) -> ReadMessage:
         """A read of samples of ``urls``; its items go in a frame of their own, per sample the
         index of its URL in ``urls`` and its index in the shard (:func:`~wdscache.shared.protocol.pack_numbers`).
-        ``direct``: file ranges, no bytes."""
+        ``direct``: file ranges, no bytes (but for short runs); ``places``: file ranges only, whatever
+        their length (a random-access table of where the samples lie)."""
+        if places:
+            return {"op": "read", "urls": urls, "direct": True, "places": True}
         if direct:
             return {"op": "read", "urls": urls, "direct": True}
         return {"op": "read", "urls": urls}

@@ -574,7 +574,7 @@ MESSAGES: tuple[Message, ...] = (
         "read",
         "consumer",
         "worker",
-        {"urls": "list[str]", "direct": "bool?"},
+        {"urls": "list[str]", "direct": "bool?", "places": "bool?"},
         {
             **_ERROR,
             "proof": "str",

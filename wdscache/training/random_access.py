@@ -599,7 +599,7 @@ class _Session:
         for first in range(0, n, TABLE_ITEMS):
             count = min(n, first + TABLE_ITEMS) - first
             items = pack_numbers([x for j in range(first, first + count) for x in (0, j)])
-            header, frames = self._ask(worker, Requests.read([url], direct=True), items)
+            header, frames = self._ask(worker, Requests.read([url], places=True), items)
             if not header.get("ok"):
                 if header.get("kind") == "corrupt":
                     raise shard_error(url, header)
