@@ -79,6 +79,8 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
     assert sorted(together.values()) == [1] * 77 + [2] or sorted(together.values()) == [1] * 78
     head, tail = out["single"]
     assert len(head) == 15 and len(tail) == 63 and len(set(head + tail)) == 78
+    head, tail = out["near_end"]
+    assert len(head) == 77 and len(tail) == 1 and len(set(head + tail)) == 78
     assert (
         "to resume with another num_workers, world size or number of nodes, load the whole StatefulDataLoader"
         in out["mismatch"]

@@ -5,6 +5,7 @@ a real agent, compared with webdataset reading the same shards over HTTP."""
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import subprocess
 import sys
@@ -132,3 +133,46 @@ def test_without_webdataset_the_error_says_what_to_install() -> None:
         "ImportError: wdscache.WebDataset builds on webdataset, which is not installed: "
         "pip install webdataset (the package's wds extra)"
     )
+
+
+def test_a_checkpoint_taken_after_the_epochs_last_sample_resumes_an_empty_rest(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # A per-step save after the last step, before the loop meets the epoch's end: its rest is
+    # empty, which is no empty dataset (empty_check), and the next iteration is the next epoch.
+    urls, _, list_file = dataset(3, samples=10, payload=100)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file)
+    ds = wdscache.WebDataset(urls, cache_dir=cache, job="ends")
+    it = iter(ds)
+    first = [next(it)["__key__"] for _ in range(30)]
+    state = ds.state_dict()
+    it.close()
+    resumed = wdscache.WebDataset(urls, cache_dir=cache, job="ends")
+    resumed.load_state_dict(state)
+    assert list(resumed) == []
+    again = [s["__key__"] for s in resumed]
+    assert sorted(again) == sorted(first)  # epoch 1, whole
+    assert resumed.state_dict()["epoch"] == 2
+
+
+def test_set_epoch_and_load_state_dict_name_the_next_epoch_in_a_checkpoint(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # A loop that stops its epochs early (a fixed number of steps), then sets the next one and
+    # saves: the checkpoint is that epoch's start, not the rest of the one left unfinished.
+    urls, _, list_file = dataset(3, samples=10, payload=100)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file)
+    loader = wdscache.CachedMultiLoader(urls, cache_dir=cache, job="steps")
+    assert len(list(itertools.islice(loader, 12))) == 12
+    loader.set_epoch(1)
+    state = loader.state_dict()
+    assert (state["epoch"], state["position"], state["done"]) == (1, 0, [])
+    resumed = wdscache.CachedMultiLoader(urls, cache_dir=cache, job="steps")
+    resumed.load_state_dict(state)
+    assert len(list(resumed)) == 30
+    # And once a checkpoint is loaded, it is the position, whatever was read before.
+    assert len(list(itertools.islice(loader, 5))) == 5
+    loader.load_state_dict({**state, "epoch": 3})
+    assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (3, 0)

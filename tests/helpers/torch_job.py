@@ -100,6 +100,14 @@ def stateful(cache: str) -> dict[str, Any]:
         for batch in StatefulDataLoader(ds, batch_size=2, num_workers=3):
             got += ids(batch)
         out["rest"].append(got)
+    # Near the end: worker 1's slice (38 samples) is over at its short 13th batch (batch 26),
+    # while worker 0 (40) has one sample left: its fellow's rest is none, not the next epoch.
+    dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2)
+    head = [i for _, batch in zip(range(26), dl) for i in ids(batch)]
+    state = dl.state_dict()
+    dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2)
+    dl.load_state_dict(state)
+    out["near_end"] = [head, [i for batch in dl for i in ids(batch)]]
     # A worker's own state does not resume another layout: the error says what does.
     dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=3)
     dl.load_state_dict(state)

@@ -51,6 +51,9 @@ class NextEpoch:
     parts: list[list[int]] | None = None
     part_resumes: tuple[Resume, ...] = ()
     delivered: Delivered | None = None
+    # A DataLoader worker's own checkpoint of a slice that was over: the epoch's iteration gives
+    # nothing of it (its fellows give their rests), and the next is the next epoch.
+    over: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,7 @@ class Checkpoints:
                 "world_size": self.world_size,
                 "num_nodes": self.num_nodes,
                 "pairs": stream.worker_slice.skip + stream.delivered,
-                "complete": stream.complete,
+                "complete": stream.complete or stream.worker_slice.over,
                 "started": True,
             }
             return state
@@ -109,7 +112,7 @@ class Checkpoints:
                 "world_size": self.world_size,
                 "num_nodes": self.num_nodes,
                 "pairs": nxt.skip,
-                "complete": False,
+                "complete": nxt.over,
                 "started": False,
             }
             return state
@@ -118,14 +121,14 @@ class Checkpoints:
                 nxt.epoch,
                 nxt.start,
                 nxt.skip,
-                False,
+                nxt.over,
                 nxt.full_rows,
                 nxt.tail,
             )
         else:
             share = stream.share
             assert isinstance(share, RankShare)  # a NodeShare's workers took the branch above
-            epoch, start, complete = stream.spec.epoch, share.resume, stream.complete
+            epoch, start, complete = stream.spec.epoch, share.resume, stream.complete or stream.worker_slice.over
             pairs, full_rows, tail = stream.worker_slice.skip + stream.delivered, share.full_rows, share.tail
         state = self.state(NextEpoch(epoch, start))
         state["worker"] = {
@@ -192,8 +195,6 @@ class Checkpoints:
                     "number of nodes, load the whole StatefulDataLoader.state_dict() into the dataset "
                     "(dataset.load_state_dict(state)) and give the new DataLoader no state"
                 )
-        if entry is not None and entry["complete"]:
-            return NextEpoch(state["epoch"] + 1), state
         parts, resumes = read_parts_state(state) if state["version"] == PARTS_VERSION else (None, ())
         delivered = state.get("delivered")
         w = entry or {}
@@ -206,6 +207,7 @@ class Checkpoints:
             parts,
             resumes,
             Delivered.from_state(delivered) if delivered is not None else None,
+            over=entry is not None and entry["complete"],
         )
         return nxt, state
 

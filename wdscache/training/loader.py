@@ -71,7 +71,7 @@ from ..shared.errors import ConfigError
 from ..shared.malloc import tune_malloc
 from ..shared.messages import Requests
 from ..shared.mixture import MixSpec
-from ..shared.nodes import JobEpoch, NodeList, RankPlacement, job_epoch
+from ..shared.nodes import JobEpoch, NodeList, NodeShare, RankPlacement, job_epoch
 from ..shared.sequence import Resume, rank_length
 from ..shared.urls import UrlList, file_path, list_id
 from .agent_list import AgentList, LocalPaths
@@ -274,7 +274,10 @@ class CachedMultiLoader:
         if self._own_endpoint and self._token is None and self.cache_dir is not None:
             check_cache_dir(self.cache_dir, may_start=self.urls is not None)
         self._next = NextEpoch()
+        # The epoch under way (its checkpoint is the loader's, until it ends or set_epoch or
+        # load_state_dict says where the next starts), and the list id of the last one begun.
         self._current: EpochStream | None = None
+        self._current_list: str | None = None
         self._resumed_from: dict[str, Any] | None = None
         self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
         # On several nodes, the list every rank of the job had when they last compared theirs (over
@@ -286,8 +289,14 @@ class CachedMultiLoader:
     # -- epochs and checkpoints ---------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch``, from its start."""
+        """Make the next iteration epoch ``epoch``, from its start (a checkpoint taken from now on
+        says so, not where an epoch left unfinished stands)."""
+        self._let_go_of_current()
         self._next = NextEpoch(epoch)
+
+    def _let_go_of_current(self) -> None:
+        """The epoch under way is over for checkpoints: the next iteration's start is the position."""
+        self._current = None
 
     def _worker_slice(self) -> WorkerSlice:
         """This process's slice of the rank's share: all of it (a DataLoader worker's: see
@@ -322,6 +331,7 @@ class CachedMultiLoader:
         whole ``StatefulDataLoader.state_dict()`` of one (the states of all its workers: then
         any world size and any ``num_workers`` resume it)."""
         self._next, self._resumed_from = self._checkpoints().loaded(state, self._worker_slice())
+        self._let_go_of_current()
 
     def _checkpoints(self) -> Checkpoints:
         """How this loader's checkpoints are taken and read (:mod:`wdscache.training.checkpoints`)."""
@@ -333,7 +343,7 @@ class CachedMultiLoader:
             mix=self._mix.fingerprint() if self._mix is not None else None,
             world_size=self.world_size,
             num_nodes=self.layout.num_nodes,
-            list_id=self._current.list_id if self._current is not None else self._own_list_id,
+            list_id=self._current_list if self._current_list is not None else self._own_list_id,
         )
 
     def _session(
@@ -365,7 +375,7 @@ class CachedMultiLoader:
         # itself when it reads. Its next epoch is the one this loader's next would be.
         state = self.__dict__.copy()
         state["_private_agent"] = None
-        state["_current"] = None
+        state["_current"] = state["_current_list"] = None
         return state
 
     def __enter__(self) -> CachedMultiLoader:
@@ -388,7 +398,7 @@ class CachedMultiLoader:
         if self.tuning.tune_malloc:
             tune_malloc()
         nxt, worker = self._next, self._worker_slice()
-        epoch, worker = nxt.epoch, WorkerSlice(worker.index, worker.count, nxt.skip)
+        epoch, worker = nxt.epoch, WorkerSlice(worker.index, worker.count, nxt.skip, nxt.over)
         start: Resume | JobEpoch = nxt.start
         self._agree_on_list()
         # A mixture's counts first: counting may read shards for longer than the agent keeps a
@@ -415,7 +425,7 @@ class CachedMultiLoader:
         stream = EpochStream(self._stream_settings(), session, epoch, start, worker, spec=spec)
         # Only now the next epoch: an iter() that failed to start leaves the position as it was.
         self._next = NextEpoch(epoch + 1)
-        self._current = stream
+        self._current, self._current_list = stream, stream.list_id
         self._resumed_from = None
         local = (
             _local_paths(session.urls, self._given)
@@ -436,9 +446,14 @@ class CachedMultiLoader:
     def _rank_share_empty(self) -> bool:
         """Whether the rank's share of the epoch last iterated held no sample for any of its
         DataLoader workers (a worker's own slice may be empty when the share is not: slices are
-        blocks of samples, not shards)."""
+        blocks of samples, not shards). A resumed epoch's share is the rest of it: empty once
+        its samples were all delivered before the checkpoint, which is no empty dataset."""
         stream = self._current
-        return stream is None or not stream.share.count
+        if stream is None:
+            return True
+        share = stream.share
+        resumes = share.job.resumes if isinstance(share, NodeShare) else (share.resume,)
+        return not share.count and not any(r.delivered() for r in resumes)
 
     def _mix_spec(self, epoch: int, workers: int) -> MixSpec:
         """The mixture's epoch ``epoch`` (its counts learned first, if need be, through a session of their own)."""

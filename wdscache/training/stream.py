@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
 import time
 from collections import Counter
@@ -247,7 +248,10 @@ class EpochStream:
         more samples yet. Positions delivered before cost counts only, never payloads."""
         w = self.worker_slice
         yield from self.share.pairs(
-            epoch_ids(self.spec, self.share, self.pins, self.shards), part=w.index, parts=w.count, skip=w.skip
+            epoch_ids(self.spec, self.share, self.pins, self.shards),
+            part=w.index,
+            parts=w.count,
+            skip=sys.maxsize if w.over else w.skip,  # (the share's pairs still counted: see RankShare.count)
         )
         self.pins.release_settled(self.share.settled)
 

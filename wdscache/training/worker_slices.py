@@ -29,11 +29,13 @@ from ..shared.sequence import BLOCK, RankShare, Resume
 @dataclass(frozen=True)
 class WorkerSlice:
     """A DataLoader worker's slice of a rank's share: worker ``index`` of ``count``; ``skip``:
-    pairs of the slice delivered before (a resume)."""
+    pairs of the slice delivered before (a resume); ``over``: the slice was over before (its
+    worker's checkpoint says complete), so it yields nothing, however many pairs it has."""
 
     index: int = 0
     count: int = 1
     skip: int = 0
+    over: bool = False
 
 
 WHOLE = WorkerSlice()  # the whole share: one process reads it all
