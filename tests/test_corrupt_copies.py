@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import tarfile
 from collections import Counter
@@ -221,3 +222,24 @@ def test_a_failed_shard_ends_the_epoch_after_every_sample_before_it_then_raises_
     # then at most the failed shard's samples before its damage, in order, and nothing after it
     rest = keys[len(ref) :]
     assert rest == [(urls[3], key) for key in last[: len(rest)]]
+
+
+def test_skip_raises_on_a_rank_whose_every_sample_lies_in_failed_shards(shard_server, dataset, start_agent, tmp_path):
+    # 40 samples in a shard that fails (gone from the server: its count is known from the index),
+    # 1 in a healthy one, over 2 ranks in order: rank 0 reads the healthy sample and repeats it in
+    # its holes; rank 1's 20 positions are all holes, with no sample to repeat. It must not end
+    # quietly with fewer samples (the other rank would wait on it forever): it raises, naming why.
+    big = dataset(1, samples=40, payload=200, prefix="big")
+    small = dataset(1, samples=1, payload=200, prefix="small", list_name="small.txt")
+    index = tmp_path / "lists" / "index.json"
+    entries = [{"url": big.urls[0], "nsamples": 40}, {"url": small.urls[0], "nsamples": 1}]
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    big.paths[0].unlink()
+    cache = tmp_path / "cache"
+    start_agent(cache, index)
+    ranks = [loader(cache, job="holes", rank=r, world_size=2, on_error="skip", shuffle=False) for r in range(2)]
+    assert [s["__url__"] for s in ranks[0]] == [small.urls[0]] * 21 and len(ranks[0]) == 21
+    with pytest.raises(ShardError) as info:
+        list(ranks[1])
+    assert info.value.url == big.urls[0]
+    assert "every sample rank 1 reads here in epoch 0 lies in shards that failed" in str(info.value), info.value

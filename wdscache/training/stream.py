@@ -39,7 +39,7 @@ from operator import itemgetter, length_hint
 from typing import Any, cast
 
 from ..shared.client import AgentConnection
-from ..shared.errors import AgentUnavailableError, NotTrustedError, WdsCacheError
+from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
 from ..shared.messages import ReportMessage, Requests, WorkerRequest
 from ..shared.mixture import MixSpec
@@ -413,10 +413,26 @@ class EpochStream:
                     pins.flush(now=True)
                 yield it
                 self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
+            if owed and error is None:
+                raise self._nothing_to_repeat(owed)
         finally:
             self._waiting_from = None  # the epoch's end, or its close: no wait goes on
         if error is not None:
             raise error
+
+    def _nothing_to_repeat(self, holes: int) -> ShardError:
+        """The error of a share whose every sample lay in shards skipped (``on_error="skip"``):
+        no sample read to repeat in their ``holes``, so it cannot keep the count every rank gets,
+        and a data-parallel job would wait forever on the ranks that got theirs."""
+        skipped = sorted(self.shards.skipped)
+        url = self.urls[skipped[0]] if skipped else "?"
+        more = f" and {len(skipped) - 1} other shard(s)" if len(skipped) > 1 else ""
+        return ShardError(
+            url,
+            f"every sample rank {self.settings.rank} reads here in epoch {self.spec.epoch} lies in shards that "
+            f"failed (this one{more}): none was read to repeat in the {holes} places skipped, so its count "
+            "cannot equal the other ranks'; fix or drop the failed shards",
+        )
 
     # -- reads --------------------------------------------------------------------
 
