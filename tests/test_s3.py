@@ -244,6 +244,29 @@ def test_keys_are_taken_literally_spaces_and_percent_signs_included(store: Store
     assert cached_bytes(tmp_path / "cache", percent) == paths[1].read_bytes()
 
 
+def test_a_command_lines_argument_is_one_url_whatever_hash_sign_its_key_holds(
+    moto_store: Store, tmp_path: Path, start_agent, run_cli
+) -> None:
+    # In a list file " #" starts a comment; an argument is one URL, as the shell gave it.
+    paths = make_dataset(tmp_path / "src", 1, 4, payload=500)
+    url = moto_store.put("train/x #1.tar", paths[0])
+    cache = tmp_path / "cache"
+    endpoint = ("--s3-endpoint-url", moto_store.proxy.url)
+    r = run_cli("index", url, "-o", tmp_path / "index.json", *endpoint)
+    assert r.returncode == 0, r.stderr
+    assert [e["url"] for e in json.loads((tmp_path / "index.json").read_text())["shardlist"]] == [url]
+    # A prefetch's own agent takes a list, which cannot hold it: refused, naming it (not s3://.../train/x fetched).
+    r = run_cli("prefetch", url, "--cache-dir", cache, "--cache-size", "10M", *endpoint)
+    assert r.returncode == 2 and f"{url!r} cannot go in a URL list" in r.stderr, r.stderr
+    assert "train/x'" not in r.stderr and not (cache / "shards").exists()
+    # An agent whose list names the prefix caches it; evict takes the URL as ls shows it.
+    agent = start_on(start_agent, moto_store, tmp_path, [f"s3://{moto_store.bucket}/train/"])
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the shard was not cached")
+    assert cached_bytes(cache, url) == paths[0].read_bytes()
+    r = run_cli("evict", url, "--cache-dir", cache, "--json")
+    assert (r.returncode, json.loads(r.stdout)["evicted"]) == (0, [url]), r.stderr
+
+
 def test_listing_follows_every_page_in_key_order(store: Store) -> None:
     urls, _ = store.put_shards("p/", 5, order=[4, 1, 3, 0, 2], samples=1, payload=10)
     store.proxy.requests.clear()

@@ -360,7 +360,7 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     """Write a shard index (webdataset's wids JSON) of the shards URLS name.
 
     URLS are written as URL list lines are: URLs, brace patterns, s3:// prefixes or globs,
-    local paths. Each shard is read once (its size, MD5 and samples, counted as the agent
+    local paths (each argument one, whatever "#" it holds). Each shard is read once (its size, MD5 and samples, counted as the agent
     counts them). A local shard in OUTPUT's folder or below is stored relative to it (wids
     and wdscache resolve it against the index's folder, so the two can move together); any
     other URL or path is stored absolute. A progress bar shows on a terminal, one line per
@@ -372,7 +372,6 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     from .agent.indexing import Indexer
     from .shared.s3 import Listing
     from .shared.shard_index import ShardInfo, write_shard_index
-    from .shared.urls import parse_url_list
 
     try:
         check_s3_endpoint_url(s3_endpoint_url)
@@ -381,10 +380,10 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     folder = output.parent.resolve()
     if not folder.is_dir():
         _fail(ConfigError(f"cannot write {output}: no folder {folder}"))
-    lines = "".join(f"{u}\n" for u in urls)  # as list lines: braces and s3:// prefixes expand
     try:
-        listed = parse_url_list(lines, path="<arguments>", lister=Listing(endpoint_url=s3_endpoint_url))
-        if not listed:  # (only comments): an index of no shard is one no reader can open
+        arguments = _argument_urls(urls, Listing(endpoint_url=s3_endpoint_url))
+        listed = list(dict.fromkeys(url for _, expanded in arguments for url in expanded))  # each once, in order
+        if not listed:  # (blank arguments): an index of no shard is one no reader can open
             raise ConfigError(f"no shards to index: the arguments hold no URL; {output} not written")
     except WdsCacheError as exc:
         _fail(exc)
@@ -398,7 +397,7 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
         indexer = Indexer(fetcher, scratch, jobs=jobs)
         if sys.stderr.isatty():
             with click.progressbar(length=len(listed), label="indexing", file=sys.stderr, show_pos=True) as bar:
-                results = indexer.shards(listed.urls, lambda url, info, error: bar.update(1))
+                results = indexer.shards(listed, lambda url, info, error: bar.update(1))
         else:
             done = itertools.count(1)
 
@@ -406,7 +405,7 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
                 what = error if info is None else f"{info.nsamples} samples, {info.filesize} bytes"
                 _echo(f"[{next(done)}/{len(listed)}] {url}: {what}", err=True)
 
-            results = indexer.shards(listed.urls, said)
+            results = indexer.shards(listed, said)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     failed = [r for r in results if not isinstance(r, ShardInfo)]
@@ -416,7 +415,7 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
         _echo(f"wdscache: {len(failed)} of {len(listed)} shards could not be read; {output} not written", err=True)
         sys.exit(1)
     entries = [
-        (_stored_url(url, folder), info) for url, info in zip(listed.urls, results) if isinstance(info, ShardInfo)
+        (_stored_url(url, folder), info) for url, info in zip(listed, results) if isinstance(info, ShardInfo)
     ]  # every one, since none failed
     try:
         write_shard_index(output, entries)
@@ -455,15 +454,17 @@ def _argument_urls(
     args: tuple[str, ...], lister: Lister | None = None, *, allow_pipe: bool = False
 ) -> list[tuple[str, Sequence[str]]]:
     """Each argument with the URLs it stands for, read as a URL list line is (braces expanded, paths
-    made ``file://`` URLs, ``s3://`` prefixes and globs listed by ``lister`` when given): UrlListError
-    names argument k as line k of "the command line"."""
+    made ``file://`` URLs, ``s3://`` prefixes and globs listed by ``lister`` when given), but for
+    comments: an argument is one entry, whatever ``#`` it holds. UrlListError names argument k as
+    line k of "the command line"."""
     from .shared.errors import UrlListError
     from .shared.urls import parse_url_list
 
     out: list[tuple[str, Sequence[str]]] = []
     for k, arg in enumerate(args, 1):
         try:
-            out.append((arg, parse_url_list(arg, path="the command line", lister=lister, allow_pipe=allow_pipe).urls))
+            listed = parse_url_list(arg, path="the command line", lister=lister, allow_pipe=allow_pipe, comments=False)
+            out.append((arg, listed.urls))
         except UrlListError as exc:
             raise UrlListError("the command line", k, exc.line, exc.reason) from None
     return out

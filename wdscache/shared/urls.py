@@ -623,14 +623,14 @@ def _clean_path(path: str) -> bool:
     )
 
 
-def _line_entry(raw: str, parts: list[str]) -> str:
-    """The entry of a line whose first word is followed by a non-comment word."""
+def _line_entry(raw: str, parts: list[str], comments: bool = True) -> str:
+    """The entry of a line whose first word is followed by another (not a comment's, with ``comments``)."""
     # Only a shell command and an S3 key (taken literally, as `aws s3` takes it) may contain
     # whitespace; the comment starts at " #". An S3 line with a second URL is two entries on one line.
     first = parts[0][:5].lower()
     if first == "pipe:" or (first == "s3://" and not any("://" in word for word in parts[1:])):
         line = raw.strip()
-        match = _COMMENT_START.search(line)
+        match = _COMMENT_START.search(line) if comments else None
         return line[: match.start()].rstrip() if match else line
     raise ValueError(
         "a line holds one URL, but this one has whitespace inside (percent-encode a space in an http(s) URL: %20)"
@@ -645,17 +645,20 @@ def parse_url_list(
     allow_pipe: bool = False,
     limit: int = DEFAULT_LIMIT,
     lister: Lister | None = None,
+    comments: bool = True,
 ) -> UrlList:
     """Parse the text of a URL list.
 
     Relative paths resolve against ``base_dir`` (default: the current directory).
+    Without ``comments`` (a command line's argument: one entry, as the shell gave it), ``#``
+    starts no comment.
     ``limit`` bounds the entries after brace and prefix expansion, counted before
     duplicates are dropped.  Every ``s3://`` entry goes through ``lister``, when given,
     and becomes the URLs it returns; without one, an ``s3://`` prefix or glob is refused.
     Any unusable line raises UrlListError naming ``path`` and the line.
     """
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
-    plain = _plain_lines(text, base, limit)
+    plain = _plain_lines(text, base, limit)  # (none with a "#": see _not_plain)
     if plain is not None:
         distinct, duplicates = plain
         return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
@@ -664,12 +667,12 @@ def parse_url_list(
     # Split on "\n" only so line numbers match what an editor shows.
     for lineno, raw in enumerate(text.split("\n"), 1):
         parts = raw.split()
-        if not parts or parts[0][0] == "#":
+        if not parts or (comments and parts[0][0] == "#"):
             continue
         try:
             entry = parts[0]
-            if len(parts) > 1 and parts[1][0] != "#":
-                entry = _line_entry(raw, parts)
+            if len(parts) > 1 and not (comments and parts[1][0] == "#"):
+                entry = _line_entry(raw, parts, comments)
             if "{" in entry or "}" in entry:
                 tree = _parse(entry)
                 total += _count(tree)
@@ -997,5 +1000,14 @@ def _long_suffix(x: str, y: str) -> int:
 
 
 def format_url_list(urls: Iterable[str]) -> str:
-    """Write URLs one per line, escaping braces, so that parse_url_list reads them back."""
-    return "".join(url.replace("{", "\\{").replace("}", "\\}") + "\n" for url in urls)
+    """Write URLs one per line, escaping braces, so that parse_url_list reads them back. Raises
+    ConfigError for one it cannot write so (an S3 key whose " #" a list reads as a comment's start)."""
+    text = "".join(url.replace("{", "\\{").replace("}", "\\}") + "\n" for url in urls)
+    cut = _COMMENT_START.search(text)  # one scan of the text (no URL begins with "#" after its "\n")
+    if cut is not None:
+        line = text[text.rfind("\n", 0, cut.start()) + 1 : text.find("\n", cut.start())]
+        raise ConfigError(
+            f'{line!r} cannot go in a URL list, where a line\'s " #" starts a comment: '
+            "fetch it through a running agent whose own list names its prefix"
+        )
+    return text
