@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import webdataset as wds
 
@@ -67,6 +69,41 @@ def test_a_restarted_agent_asks_about_the_shards_readers_want_next_before_any_op
         for x in wds.WebDataset(str(path), shardshuffle=False)
     }
     assert s["agent"]["changed"][0]["url"] == data.urls[5]
+
+
+def test_revalidating_at_start_up_is_not_a_read(tmp_path, shard_server, dataset, start_agent, run_cli):
+    """Restarts revalidate every cached shard, yet count no read: a shard nobody read shows no
+    reads and no last-read time, and one read before keeps its count and time (eviction's order)."""
+    data = dataset(3, samples=3, payload=500)
+    cache = tmp_path / "cache"
+    args = ("--prefetch", "3", "--no-shuffle")
+    agent = start_agent(cache, data.list_file, *args)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "shards never cached")
+    with ShardClient(cache, timeout=20) as client:
+        client.open(data.urls[0])
+        client.release(data.urls[0])
+    assert agent.stop() == 0
+    before = _reads(run_cli, cache)
+    assert [(before[u][0], before[u][1] is None) for u in data.urls] == [(1, False), (0, True), (0, True)]
+    for restart in (1, 2):
+        shard_server.reset_log()
+        agent = start_agent(cache, data.list_file, *args)
+        # Each HEAD is sent once its shard is held for it (which the old code counted as a read).
+        agent.wait_stats(
+            lambda _: all(shard_server.count(p.name, "HEAD") == 1 for p in data.paths),
+            20,
+            f"restart {restart}: every shard revalidated",
+        )
+        assert _reads(run_cli, cache) == before, restart  # the running agent writes its read times for ls
+        assert agent.stop() == 0
+    assert _reads(run_cli, cache) == before
+
+
+def _reads(run_cli, cache) -> dict[str, tuple[int, str | None]]:
+    """``wdscache ls``: each shard's (reads, last read)."""
+    r = run_cli("ls", "--cache-dir", cache, "--json")
+    assert r.returncode == 0, r.stderr
+    return {s["url"]: (s["reads"], s["last_read"]) for s in json.loads(r.stdout)}
 
 
 # What the test server sends: its ETag and Last-Modified, one of them, or the other.

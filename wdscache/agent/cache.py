@@ -476,9 +476,12 @@ class ShardCache:
 
     # -- reads ------------------------------------------------------------
 
-    def pin(self, url: str) -> None:
+    def pin(self, url: str, *, read: bool) -> None:
+        """Keep ``url`` from eviction until :meth:`unpin`; ``read``: a reader opens it, which
+        counts as a read of it (its reads and last-read time, by which eviction orders)."""
         self.pins[url] = self.pins.get(url, 0) + 1
-        self.index.touch(url, time.time())
+        if read:
+            self.index.touch(url, time.time())
 
     def unpin(self, url: str) -> None:
         n = self.pins.get(url, 0) - 1

@@ -260,7 +260,9 @@ class Downloads:
         """Ask the source whether the cached ``url`` is still current (a :class:`Revalidated` comes back)."""
         if self._shards.slot(url) is not None:
             return
-        self._cache.pin(url)  # not evicted while we ask; unpinned when the answer comes
+        # Not evicted while we ask; unpinned when the answer comes. No reader reads it, so no
+        # read is counted: a restart must not make every cached shard look recently read.
+        self._cache.pin(url, read=False)
         d = Download(
             url,
             partial=self._layout.partial_path(url),

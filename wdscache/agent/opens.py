@@ -234,7 +234,7 @@ class Opens:
             return {"ok": False, "error": "reader expired while waiting"}
         url = shard.url
         self.shards.pin(shard, name)
-        self._cache.pin(url)  # a shard still downloading stays pinned once published
+        self._cache.pin(url, read=True)  # a shard still downloading stays pinned once published
         if while_downloading:
             return {"ok": True, "while_downloading": True}
         rec = self._cache.index.get(url)
