@@ -547,3 +547,21 @@ def test_prefetch_refuses_download_workers_below_one_and_leaves_the_cache_direct
     # The prefetch function (the library's) refuses it too, rather than taking the default.
     with pytest.raises(ConfigError, match="--download-workers must be at least 1"):
         prefetch(tmp_path / "cache", data.urls, report=lambda progress: None, download_workers=0)
+
+
+def test_prefetch_refuses_options_for_its_own_agent_when_an_agent_runs_too(
+    tmp_path, dataset, shard_server, start_agent, run_cli
+):
+    """--cache-size and --download-workers are used only when no agent runs, yet a wrong one is
+    refused either way (exit 2, naming it), rather than ignored because an agent runs."""
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    data.list_file.write_text(data.urls[0] + "\n")
+    agent = start_agent(cache, data.list_file, "--prefetch", "1", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the listed shard cached")
+    shard_server.reset_log()
+    r = run_cli("prefetch", data.urls[1], "--cache-dir", cache, "--cache-size", "bogus")
+    assert r.returncode == 2 and "--cache-size 'bogus' is not a size" in r.stderr, r.stdout + r.stderr
+    with pytest.raises(ConfigError, match="--download-workers must be at least 1"):
+        prefetch(cache, data.urls[1:], report=lambda progress: None, download_workers=0)
+    assert shard_server.requests == [] and agent.stats()["shards"]["cached"] == 1

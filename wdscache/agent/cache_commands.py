@@ -30,8 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from ..shared.client import AgentConnection
-from ..shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, default
-from ..shared.errors import AgentUnavailableError, NoCacheError, ProtocolError, ShardError, WdsCacheError
+from ..shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, default, parse_size
+from ..shared.errors import (
+    AgentUnavailableError,
+    ConfigError,
+    NoCacheError,
+    ProtocolError,
+    ShardError,
+    WdsCacheError,
+)
 from ..shared.index import Index, ShardState, read_summary
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger, iso_time
@@ -301,7 +308,14 @@ def prefetch(
     Each shard is downloaded at most once, and never evicted for another of ``urls``: once the
     budget (less what readers hold) is full of them, the rest fail with a reason naming it
     (:mod:`wdscache.agent.prefetches`). ``report`` is called with the progress about every
-    :data:`POLL` seconds; the last one is returned, its ``cached`` the shards cached at the end."""
+    :data:`POLL` seconds; the last one is returned, its ``cached`` the shards cached at the end.
+
+    Raises :class:`ConfigError` for a ``cache_size`` or ``download_workers`` the agent would
+    refuse, whether or not an agent runs (a running one does not use them)."""
+    if cache_size is not None:
+        parse_size(cache_size, total=1, what="--cache-size")  # the syntax; a percentage is resolved at start
+    if download_workers is not None and download_workers < 1:
+        raise ConfigError("--download-workers must be at least 1")
     layout = CacheLayout.of(cache_dir)
     if layout.is_cache():
         with _agent(layout) as conn:
