@@ -267,6 +267,50 @@ def test_a_command_lines_argument_is_one_url_whatever_hash_sign_its_key_holds(
     assert (r.returncode, json.loads(r.stdout)["evicted"]) == (0, [url]), r.stderr
 
 
+def test_an_index_of_keys_with_spaces_is_read_as_wdscache_index_wrote_it(
+    store: Store, tmp_path: Path, start_agent, consumers, run_cli
+) -> None:
+    """`wdscache index` writes each key as it is (a space, a " #" that a list would take for a
+    comment), and the agent, a loader and verify read that index."""
+    paths = make_dataset(tmp_path / "src" / "spaced", 2, 3, payload=100)
+    urls = [store.put("train/a b.tar", paths[0]), store.put("train/c #1.tar", paths[1])]
+    index = tmp_path / "lists" / "index.json"
+    index.parent.mkdir()
+    r = run_cli("index", "-o", index, f"s3://{store.bucket}/train/", "--s3-endpoint-url", store.proxy.url)
+    assert r.returncode == 0, r.stderr
+    assert [e["url"] for e in json.loads(index.read_text())["shardlist"]] == urls
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, index, "--s3-endpoint-url", store.proxy.url)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, CACHED_IN, "the index's shards were not cached")
+    lines = consumers(cache, "c", "--urls", str(index), "--no-shuffle").wait()
+    assert as_samples(lines) == reference(paths, urls)
+    for url, path in zip(urls, paths):
+        assert cached_bytes(cache, url) == path.read_bytes()
+    r = run_cli("verify", "--cache-dir", cache, "--index", index)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_loader_and_a_prefetch_have_keys_with_spaces_fetched_by_an_agent_of_another_list(
+    store: Store, tmp_path: Path, start_agent, consumers, run_cli, monkeypatch
+) -> None:
+    """A job's own list (a prefix the loader lists) and a prefetch may name keys with spaces that
+    the agent's list does not hold; the agent fetches them, byte for byte."""
+    own, _ = store.put_shards("own/", 1)
+    paths = make_dataset(tmp_path / "src" / "spaced", 3, 3, payload=100)
+    urls = [store.put("train/a b.tar", paths[0]), store.put("train/c #1.tar", paths[1])]
+    extra = store.put("more/e f.tar", paths[2])
+    cache = tmp_path / "cache"
+    agent = start_on(start_agent, store, tmp_path, own, "--prefetch", "1")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, CACHED_IN, "the agent's own shard was not cached")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.proxy.url)  # where the loader lists its prefix
+    lines = consumers(cache, "c", "--urls", f"s3://{store.bucket}/train/", "--no-shuffle").wait()
+    assert as_samples(lines) == reference(paths[:2], urls)
+    r = run_cli("prefetch", extra, "--cache-dir", cache, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["cached"] == 1
+    assert cached_bytes(cache, extra) == paths[2].read_bytes()
+
+
 def test_listing_follows_every_page_in_key_order(store: Store) -> None:
     urls, _ = store.put_shards("p/", 5, order=[4, 1, 3, 0, 2], samples=1, payload=10)
     store.proxy.requests.clear()

@@ -15,13 +15,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wdscache.shared.errors import ConfigError, UrlListError
+from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.shard_index import ShardInfo, format_shard_index
 from wdscache.shared.urls import (
     UrlList,
     diff_urls,
     expand_braces,
     format_url_list,
+    given_list,
     parse_url_list,
     read_url_list,
 )
@@ -172,6 +173,26 @@ def test_an_s3_key_with_spaces_is_one_entry_taken_literally() -> None:
     for line in ("s3://b/a.tar s3://b/b.tar", "http://h/a b.tar"):
         with pytest.raises(UrlListError, match="one URL"):
             parse_url_list(line, lister=lambda url: (url,))
+
+
+def test_an_s3_key_with_spaces_given_alone_is_taken_as_written(tmp_path: Path) -> None:
+    """In a shard index and a job's own list each URL stands alone: an s3:// key keeps its spaces
+    and its " #" (no comment there). White space in another URL, and a line break in any, are
+    still refused, naming the URL."""
+    urls = ["s3://b/key with space.tar", "s3://b/c #1.tar", "s3://b/{x}.tar"]
+    index = write_list(tmp_path, format_shard_index((u, ShardInfo(3)) for u in urls), "index.json")
+    assert read_url_list(index).urls == tuple(urls)
+    assert given_list(urls).urls == tuple(urls)
+    for url, reason in (
+        ("http://h/a b.tar", "a URL holds no whitespace"),
+        ("file:///data/a b.tar", "a URL holds no whitespace"),
+        ("s3://b/a\nb.tar", "an s3:// key holds no line break"),
+    ):
+        with pytest.raises(ShardIndexError, match=reason) as info:
+            given_list([urls[0], url])
+        assert (info.value.entry, info.value.url) == (1, url)
+        with pytest.raises(ShardIndexError, match=reason):
+            read_url_list(write_list(tmp_path, format_shard_index([(url, ShardInfo(3))]), "bad.json"))
 
 
 def test_braces_expand_in_order_with_line_errors() -> None:

@@ -20,12 +20,12 @@ import time
 from collections.abc import Collection, Iterator
 from typing import Any
 
-from ..shared.errors import ConfigError
+from ..shared.errors import ConfigError, ShardIndexError
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
 from ..shared.redact import redact_urls
 from ..shared.shard_index import ShardInfo
-from ..shared.urls import UrlList, index_list, parse_url_list
+from ..shared.urls import UrlList, given_list, index_list
 from .control import Reply
 
 MAX_JOB_LISTS = 16
@@ -119,15 +119,17 @@ class JobLists:
         held to what this endpoint may fetch for others."""
         schemes = self.schemes
         for u in urls:
-            if not isinstance(u, str) or not u.startswith(schemes) or any(c.isspace() for c in u):
-                shown = redact_urls(str(u))[:200]  # redacted before it is cut: a cut may hide a secret's end
-                raise ConfigError(f"{shown!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
+            if not isinstance(u, str) or not u.startswith(schemes):
+                raise ConfigError(f"{_shown(u)!r}: a job's URLs must be absolute {'/'.join(schemes)} URLs")
         if facts is not None:
             try:
                 return index_list([(u, ShardInfo.from_wire(f)) for u, f in zip(urls, facts)])
             except ValueError as exc:
                 raise ConfigError(f"a job's shard facts: {exc}") from None
-        return parse_url_list("\n".join(u.replace("{", "\\{").replace("}", "\\}") for u in urls))
+        try:
+            return given_list(urls)
+        except ShardIndexError as exc:
+            raise ConfigError(f"{_shown(exc.url)!r}: {exc.reason}" if exc.url else exc.reason) from None
 
     def free(self, read: Collection[str | None], grace: float = LIST_GRACE) -> None:
         """Forget the lists no reader has read (``read``: those read now) for ``grace`` seconds (a
@@ -139,3 +141,8 @@ class JobLists:
             elif now - self._unread_since.setdefault(key, now) >= grace:
                 del self._lists[key]
                 self._unread_since.pop(key)
+
+
+def _shown(url: object) -> str:
+    """``url`` as an error shows it: redacted before it is cut, as a cut may hide a secret's end."""
+    return redact_urls(str(url))[:200]

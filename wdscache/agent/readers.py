@@ -40,7 +40,7 @@ from ..shared.protocol import PAGE_BYTES, PROTOCOL, SAME_INSTALL, numbers, proce
 from ..shared.protocol import field as get_field
 from ..shared.shard_index import ShardInfo
 from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
-from ..shared.urls import UrlList, list_id
+from ..shared.urls import UrlList, list_id, whitespace_problem
 from .budget_need import BudgetNeed
 from .cache import ShardCache
 from .control import Reply, Request
@@ -477,9 +477,9 @@ class Readers:
 
     def fetchable(self, url: str) -> bool:
         """May a client of this endpoint have ``url`` fetched: in the agent's list, or a URL of a scheme
-        its clients may use (:attr:`JobLists.schemes`)."""
+        its clients may use (:attr:`JobLists.schemes`) that holds no white space but an ``s3://`` key's."""
         return self.position(url) is not None or (
-            url.startswith(self._lists.schemes) and not any(c.isspace() for c in url)
+            url.startswith(self._lists.schemes) and whitespace_problem(url) is None
         )
 
     def _list(self, key: str | None) -> UrlList:

@@ -47,6 +47,7 @@ __all__ = [
     "diff_urls",
     "expand_braces",
     "format_url_list",
+    "given_list",
     "index_list",
     "list_id",
     "list_of_bytes",
@@ -54,6 +55,7 @@ __all__ = [
     "parse_url_list",
     "read_list_bytes",
     "read_url_list",
+    "whitespace_problem",
 ]
 
 DEFAULT_LIMIT = 10_000_000
@@ -803,9 +805,17 @@ def index_list(
     )
 
 
+def given_list(urls: Sequence[str], *, limit: int = DEFAULT_LIMIT) -> UrlList:
+    """The list of absolute ``urls`` given one by one (a job's own list), not as a list's text:
+    each taken as written and normalized as a shard index's URLs are (:func:`index_list`), so
+    that no brace or ``#`` in an ``s3://`` key is read as a pattern or a comment. Raises
+    ShardIndexError naming the URL at fault (its ``url`` and ``reason``)."""
+    return _index_list(list(urls), None, path=TEXT_SOURCE, base_dir="/", allow_pipe=False, limit=limit, lister=None)
+
+
 def _index_list(
     written: list[str],
-    facts: ShardFacts,
+    facts: ShardFacts | None,
     *,
     path: str,
     base_dir: str | None,
@@ -813,7 +823,7 @@ def _index_list(
     limit: int,
     lister: Lister | None,
 ) -> UrlList:
-    """:func:`index_list` of the URLs ``written`` with their ``facts`` (by position)."""
+    """:func:`index_list` of the URLs ``written`` with their ``facts`` (by position; None: none known)."""
     if len(written) > limit:
         raise ShardIndexError(path, None, f"the index lists {len(written)} shards, more than the limit of {limit}")
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
@@ -835,24 +845,38 @@ def _index_list(
             except ValueError as exc:
                 raise ShardIndexError(path, i, str(exc), url=url) from None
     distinct, duplicates = Urls.distinct(urls)
-    if duplicates:
+    if duplicates and facts is not None:
         facts = _distinct_facts(urls, facts, distinct, path, written)
     return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates, facts)
 
 
 def _index_url(written: str, base: str, allow_pipe: bool, lister: Lister | None) -> str:
     """The canonical form of an index entry's URL other than http(s); ValueError says why it is unusable."""
-    if _SPACE.search(written) is not None and (not written.startswith("pipe:") or "\n" in written):
-        raise ValueError(
-            "a URL holds no whitespace" if not written.startswith("pipe:") else "a pipe: command holds no line break"
-        )
+    problem = whitespace_problem(written)
+    if problem is not None:
+        raise ValueError(problem)
     url = _normalize(written, base, allow_pipe)
     if url.startswith("s3://"):
         if is_listing(url):
-            raise ValueError("an index entry names one object, not an s3:// prefix or glob")
+            raise ValueError("a URL given alone names one object, not an s3:// prefix or glob")
         if lister is not None:
             lister(url)  # the agent checks here that it can fetch from S3 at all
     return url
+
+
+def whitespace_problem(url: str) -> str | None:
+    """Why ``url``, given alone (an index's entry, a job's URL, a prefetch's), may not hold the
+    white space it holds; None if it holds none or may. An ``s3://`` key is taken literally (as a
+    list's line takes it: keys may hold spaces) and a ``pipe:`` command is a shell's; neither
+    holds a line break, which ends a URL in a list."""
+    if _SPACE.search(url) is None:
+        return None
+    kind = url[:5].lower()
+    if kind not in ("s3://", "pipe:"):
+        return "a URL holds no whitespace (percent-encode a space in an http(s) URL: %20)"
+    if "\n" in url:
+        return "an s3:// key holds no line break" if kind == "s3://" else "a pipe: command holds no line break"
+    return None
 
 
 def _distinct_facts(urls: list[str], facts: ShardFacts, distinct: Urls, path: str, written: list[str]) -> ShardFacts:
