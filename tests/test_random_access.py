@@ -139,6 +139,28 @@ def test_every_sample_is_what_wids_returns(
         ours.close()
 
 
+def test_an_index_file_keeps_each_entrys_own_keys_as_wids_does(start_agent: Callable[..., Any], tmp_path: Path) -> None:
+    # An entry's "dataset" is its samples' __dataset__ in wids, read from a file as from a list.
+    data = tmp_path / "data"
+    data.mkdir()
+    paths = _shards(data, 2, 3)
+    entries = [
+        {"url": paths[0].name, "nsamples": 3, "dataset": "laion", "split": "train"},
+        {"split": "val", "url": paths[1].name, "dataset": "coco", "nsamples": 3},
+    ]
+    index = data / "index.json"
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    cache = tmp_path / "cache"
+    start_agent(cache, index)
+    reference = wids.ShardListDataset(str(index), cache_dir=str(tmp_path / "wids"), transformations=[])
+    with ShardListDataset(index, cache_dir=cache, transformations=[]) as ours:
+        assert ours.shards == reference.shards
+        assert [list(e) for e in ours.shards] == [list(e) for e in reference.shards]  # keys in their order
+        assert ours.shards[1] == {**entries[1], "url": str(paths[1])}
+        datasets = [ours[i]["__dataset__"] for i in range(6)]
+        assert datasets == [reference[i]["__dataset__"] for i in range(6)] == ["laion"] * 3 + ["coco"] * 3
+
+
 def _tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
     with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
         for name, data in members:

@@ -45,6 +45,7 @@ __all__ = [
     "file_facts",
     "format_shard_index",
     "looks_like_index",
+    "parse_shard_entries",
     "parse_shard_index",
     "read_shard_index",
     "write_shard_index",
@@ -306,6 +307,12 @@ def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
     Raises :class:`ShardIndexError` naming ``path`` (and the entry at fault) for text that is
     not JSON, another kind of file, or an entry without a usable ``url`` or ``nsamples``.
     """
+    return [(entry["url"], info) for entry, info in parse_shard_entries(text, path=path)]
+
+
+def parse_shard_entries(text: str, *, path: str) -> list[tuple[dict[str, Any], ShardInfo]]:
+    """:func:`parse_shard_index`, each entry given as its whole JSON object (every key as
+    written, such as wids' ``dataset``) rather than its ``url``."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -349,7 +356,7 @@ def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
             problem = _samples_problem(url, info)
             if problem is not None:
                 raise ValueError(problem)
-            entries.append((url, info))
+            entries.append((entry, info))
         except ValueError as exc:
             raise ShardIndexError(path, i, str(exc), url=url if isinstance(url, str) else None) from None
     return entries

@@ -67,7 +67,7 @@ from ..shared.errors import (
 from ..shared.layout import file_identity
 from ..shared.messages import Requests, WorkerRequest
 from ..shared.protocol import pack_numbers, pages, process_identity
-from ..shared.shard_index import ShardInfo, parse_shard_index
+from ..shared.shard_index import ShardInfo, parse_shard_entries
 from ..shared.urls import index_list, normalize_url
 from .epoch_shards import shard_error
 from .loader import _env_defaults
@@ -213,8 +213,13 @@ def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], li
         except OSError as exc:
             raise ConfigError(f"cannot read the shard index {path}: {exc.strerror or exc}") from None
         base = os.path.dirname(path) if base is None else base  # wids: the index's folder, as written
-        facts = [(_wids_url(base, url), info) for url, info in parse_shard_index(text, path=path)]
-        return [{"url": url, "nsamples": info.nsamples} for url, info in facts], facts
+        entries: list[dict[str, Any]] = []
+        facts: list[tuple[str, ShardInfo]] = []
+        for entry, info in parse_shard_entries(text, path=path):
+            resolved = _wids_url(base, entry["url"])
+            entries.append({**entry, "url": resolved})  # wids keeps every key (its "dataset" is __dataset__)
+            facts.append((resolved, info))
+        return entries, facts
     if isinstance(shards, dict) or not isinstance(shards, Sequence):
         raise TypeError(
             'ShardListDataset() takes a shard index: a JSON file\'s path, or its "shardlist", '
