@@ -5,6 +5,7 @@ workers under torch's samplers; wids 0.1.11 is the byte reference."""
 from __future__ import annotations
 
 import contextlib
+import fractions
 import gzip
 import io
 import json
@@ -308,6 +309,34 @@ def test_an_index_that_is_not_one_is_refused(tmp_path: Path) -> None:
         ShardListDataset({"shardlist": []}, cache_dir=tmp_path)
     with pytest.raises(ShardIndexError, match=r"shardlist\[1\] \('b.tar'\): \"nsamples\" is missing"):
         ShardListDataset([{"url": "a.tar", "nsamples": 1}, {"url": "b.tar"}], cache_dir=tmp_path)
+
+
+def test_a_shard_list_of_numpy_integers_reads_as_wids_reads_it(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    import numpy as np
+
+    # As pandas' to_dict("records") gives a table's counts and sizes.
+    paths = sorted(local_index.parent.glob("*.tar"))
+    shards = [{"url": str(p), "nsamples": np.int64(6), "filesize": np.uint64(p.stat().st_size)} for p in paths]
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    reference = wids.ShardListDataset(shards, cache_dir=str(tmp_path / "wids"), transformations=[])
+    with ShardListDataset(shards, cache_dir=cache, transformations=[]) as ours:
+        assert len(ours) == len(reference) == 18
+        assert ours.lengths == [6, 6, 6]
+        for i in (0, 7, 17):
+            assert _plain(ours[i]) == _plain(reference[i]), i
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"), [(2.5, "2.5"), ("3", '"3"'), (True, "true"), (fractions.Fraction(5, 2), "Fraction(5, 2)")]
+)
+def test_a_shard_list_entry_whose_count_is_no_whole_number_is_named(tmp_path: Path, value: Any, shown: str) -> None:
+    shards = [{"url": "a.tar", "nsamples": 1}, {"url": "b.tar", "nsamples": value}]
+    with pytest.raises(ShardIndexError) as info:
+        ShardListDataset(shards, cache_dir=tmp_path)
+    assert str(info.value) == f"shards: shardlist[1] ('b.tar'): \"nsamples\" must be a whole number >= 0, not {shown}"
 
 
 @pytest.mark.slow

@@ -179,17 +179,31 @@ class ShardFacts(Sequence[ShardInfo]):
         return f"ShardFacts({list(self[:3])}{'...' if len(self) > 3 else ''}, {len(self)} shards)"
 
 
+def _shown(value: Any) -> str:
+    """``value`` as an index file spells it (JSON), or its repr when JSON has no spelling for it
+    (a shard list given as Python objects may hold anything)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _whole(value: Any, name: str) -> int:
-    if type(value) is not int or value < 0:
-        raise ValueError(f'"{name}" must be a whole number >= 0, not {json.dumps(value)}')
-    if value > _MAX_WHOLE:
-        raise ValueError(f'"{name}" is {value}, more than any shard holds')
-    return value
+    """``value`` as an int: an integer of any type (numpy's, as pandas gives them) but a bool."""
+    try:
+        whole = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        whole = None
+    if whole is None or whole < 0:
+        raise ValueError(f'"{name}" must be a whole number >= 0, not {_shown(value)}')
+    if whole > _MAX_WHOLE:
+        raise ValueError(f'"{name}" is {whole}, more than any shard holds')
+    return whole
 
 
 def _info(nsamples: Any, filesize: Any, md5: Any) -> ShardInfo:
     if md5 is not None and not (isinstance(md5, str) and _MD5.fullmatch(md5)):
-        raise ValueError(f'"md5sum" must be 32 hexadecimal digits, not {json.dumps(md5)}')
+        raise ValueError(f'"md5sum" must be 32 hexadecimal digits, not {_shown(md5)}')
     return ShardInfo(
         _whole(nsamples, "nsamples"),
         None if filesize is None else _whole(filesize, "filesize"),

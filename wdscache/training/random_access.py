@@ -283,7 +283,7 @@ class ShardListDataset:
         self.dataset_name = (
             dataset_name or str(uuid.uuid5(uuid.NAMESPACE_URL, json.dumps([e["url"] for e in self.shards])))[:16]
         )
-        self.lengths = [e["nsamples"] for e in self.shards]
+        self.lengths = [info.nsamples for _, info in facts]  # checked ints, whatever integer type an entry gave
         self._ends = list(_cumulative(self.lengths))
         self._starts = [0, *self._ends[:-1]]
         self.total_length = self._ends[-1]
