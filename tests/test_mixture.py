@@ -160,6 +160,25 @@ def test_a_source_without_samples_and_bad_weights_are_refused() -> None:
         check_mix_arg({})
 
 
+def test_a_weight_is_any_real_number_but_a_bool() -> None:
+    np = pytest.importorskip("numpy")
+    read = np.array([3, 1])  # weights a config gave as numpy's
+    assert check_mix_arg({"a.txt": read[0], "b.txt": read[1]}) == [("a.txt", 3.0), ("b.txt", 1.0)]
+    pairs = check_mix_arg({"a.txt": np.float32(0.75), "b.txt": Fraction(1, 4)})
+    assert pairs == [("a.txt", 0.75), ("b.txt", 0.25)] and all(type(w) is float for _, w in pairs)
+    mixture = Mixture(("a", "b", "c"), (np.int64(2), np.float32(1.5), Fraction(1, 2)), ((0,), (1,), (2,)), 8)
+    assert mixture.weights == (2.0, 1.5, 0.5)
+    assert mixture.shares() == [4, 3, 1]
+    with pytest.raises(ConfigError, match="positive finite"):
+        check_mix_arg({"a.txt": np.bool_(True)})
+    # Real numbers that no float holds: refused, naming the source, not an OverflowError.
+    for bad in (10**400, Fraction(10**400, 3), Fraction(1, 10**400)):
+        with pytest.raises(ConfigError, match=r"mix\['a.txt'\]=.*within a float's range"):
+            check_mix_arg({"a.txt": bad})
+        with pytest.raises(ConfigError, match=r"mix\['a'\]=.*within a float's range"):
+            Mixture(("a",), (bad,), ((0,),), 8)
+
+
 @settings(max_examples=50, deadline=None)
 @given(sizes=sources, data=st.data())
 def test_the_counts_per_shard_and_the_order_name_the_epochs_shards(sizes: list[list[int]], data: st.DataObject) -> None:

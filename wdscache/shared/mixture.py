@@ -43,7 +43,9 @@ import functools
 import hashlib
 import itertools
 import math
+import numbers
 import random
+import reprlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -101,9 +103,8 @@ class Mixture:
             raise ConfigError("mix= needs at least one source")
         if len(set(self.names)) != len(self.names):
             raise ConfigError(f"mix= names a source twice: {self.names}")
-        for name, w in zip(self.names, self.weights):
-            if not (isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 and w != float("inf")):
-                raise ConfigError(f"mix[{name!r}]={w!r}: a weight must be a positive finite number")
+        # (frozen: the checked floats stand in for the numbers given, once)
+        object.__setattr__(self, "weights", tuple(mix_weight(n, w) for n, w in zip(self.names, self.weights)))
         if type(self.epoch_samples) is not int or self.epoch_samples < 1:
             raise ConfigError(f"epoch_samples={self.epoch_samples!r} must be a whole number >= 1")
 
@@ -282,6 +283,24 @@ def _source_seed(seed: int, source: int) -> int:
     return int.from_bytes(hashlib.sha256(f"wdscache:mix:{seed}:{source}".encode()).digest()[:8], "big")
 
 
+def mix_weight(name: str, w: Any) -> float:
+    """The weight ``w`` of source ``name`` as the float the shares are worked from: any real
+    number but a bool (numpy's, a Fraction: its nearest float), positive and finite."""
+    real = isinstance(w, numbers.Real) and not isinstance(w, bool)
+    if not (real and 0 < w < math.inf):
+        raise ConfigError(f"mix[{name!r}]={reprlib.repr(w)}: a weight must be a positive finite number")
+    try:
+        weight = float(w)
+    except OverflowError:
+        weight = math.inf
+    if not 0 < weight < math.inf:
+        raise ConfigError(
+            f"mix[{name!r}]={reprlib.repr(w)}: a weight must be within a float's range "
+            "(the weights are normalised: scale them all alike)"
+        )
+    return weight
+
+
 def check_mix_arg(mix: Any) -> list[tuple[str, float]]:
     """The ``mix=`` argument as (source, weight) pairs, in the order given; refused with its reason."""
     if not hasattr(mix, "items"):
@@ -292,12 +311,10 @@ def check_mix_arg(mix: Any) -> list[tuple[str, float]]:
     pairs = list(mix.items())
     if not pairs:
         raise ConfigError("mix= needs at least one source")
-    for key, w in pairs:
+    for key, _ in pairs:
         if not isinstance(key, str):
             raise ConfigError(
                 f"mix= keys are what urls= takes as a string (a list file, a pattern, an s3:// "
                 f"prefix, a shard index); got {key!r}"
             )
-        if not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")):
-            raise ConfigError(f"mix[{key!r}]={w!r}: a weight must be a positive finite number")
-    return [(k, float(w)) for k, w in pairs]
+    return [(k, mix_weight(k, w)) for k, w in pairs]
