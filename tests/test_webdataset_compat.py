@@ -145,6 +145,30 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
     assert ours[0]["__local_path__"] == absolute[0]
 
 
+def test_a_shard_listed_twice_is_refused_naming_it_where_webdataset_reads_it_again(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, cache = served
+    root = data.paths[0].parent
+    monkeypatch.chdir(root.parent)
+    a, b = (f"{root.name}/{p.name}" for p in data.paths[:2])
+    urls = [a] * 2 + [b]  # webdataset's way to weight a source
+    assert len(_samples(wds.WebDataset(urls, shardshuffle=False))) == 12  # a's 4 samples twice, then b's
+    for make, shown in (
+        (lambda: wdscache.WebDataset(urls, cache_dir=cache), a),
+        (lambda: wdscache.CachedMultiLoader(urls=urls, cache_dir=cache), a),
+        (lambda: wdscache.WebDataset([data.urls[1], data.urls[0], data.urls[1]], cache_dir=cache), data.urls[1]),
+    ):
+        with pytest.raises(wdscache.ConfigError) as info:
+            make()
+        message = str(info.value)
+        assert message.startswith(f"urls= names the shard {shown!r} more than once: "), message
+        assert "mix={source: weight, ...}" in message and "docs/mixtures.md" in message, message
+    # Without a repeat, the samples are webdataset's.
+    ours = _samples(wdscache.WebDataset([a, b], cache_dir=cache, shardshuffle=False))
+    assert ours == _samples(wds.WebDataset([a, b], shardshuffle=False)) and len(ours) == 8
+
+
 def test_a_local_name_with_a_percent_or_a_question_mark_names_that_file(served: Any, tmp_path: Path) -> None:
     # "x%41.tar" is that file, as webdataset opens it, not "xA.tar" (the agent read the other
     # file's samples); "q?v.tar" is a name, not a query (webdataset's own reader cuts it at "?").

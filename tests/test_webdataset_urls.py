@@ -29,11 +29,42 @@ def test_a_tar_path_is_one_shard(tmp_path: Path) -> None:
 
 
 def test_list_items_are_expanded_too() -> None:
-    assert resolve_urls(["http://h/a-{0..1}.tar", "http://h/b.tar", "http://h/a-1.tar"]) == (
+    assert resolve_urls(["http://h/a-{0..1}.tar", "http://h/b.tar", "http://h/a-2.tar"]) == (
         "http://h/a-0.tar",
         "http://h/a-1.tar",
         "http://h/b.tar",
+        "http://h/a-2.tar",
     )
+
+
+WEIGHT_WITH_MIX = (
+    "wdscache reads each shard of a list once, where webdataset reads a repeat again; to weight a "
+    "source, give mix={source: weight, ...} with epoch_samples= (see docs/mixtures.md)"
+)
+
+
+def test_a_shard_named_twice_is_refused_naming_it_but_a_list_files_repeats_are_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # webdataset reads a repeated shard again (urls_a * 2 + urls_b weights a source); the loader
+    # reads each shard once, so a repeat would lose samples without a word.
+    monkeypatch.chdir(tmp_path)
+    for urls, shown in (
+        (["data/a.tar", "data/a.tar", "data/b.tar"], "'data/a.tar'"),  # as the user wrote it
+        (("http://h/a-{0..1}.tar", "http://h/b.tar", "http://h/a-1.tar"), "'http://h/a-1.tar'"),
+        (["data/b.tar", "./data/b.tar"], "'data/b.tar'"),  # one file
+    ):
+        with pytest.raises(ConfigError) as info:
+            resolve_urls(urls)
+        assert str(info.value) == f"urls= names the shard {shown} more than once: {WEIGHT_WITH_MIX}", urls
+    with pytest.raises(ConfigError) as info:
+        resolve_urls("http://h/x-{a,b,a}.tar")  # braceexpand repeats it, as webdataset expands it
+    assert str(info.value) == (
+        f"urls='http://h/x-{{a,b,a}}.tar' names the shard 'http://h/x-a.tar' more than once: {WEIGHT_WITH_MIX}"
+    )
+    listing = tmp_path / "train.txt"
+    listing.write_text("http://h/a.tar\nhttp://h/b.tar\nhttp://h/a.tar\n")
+    assert resolve_urls(str(listing)) == ("http://h/a.tar", "http://h/b.tar")
 
 
 def test_other_strings_and_paths_are_list_files(tmp_path: Path) -> None:

@@ -55,6 +55,7 @@ __all__ = [
     "parse_url_list",
     "read_list_bytes",
     "read_url_list",
+    "repeated_urls",
     "whitespace_problem",
 ]
 
@@ -664,7 +665,31 @@ def parse_url_list(
     if plain is not None:
         distinct, duplicates = plain
         return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
-    urls: list[str] = []  # with repeats: Urls.distinct drops them
+    distinct, duplicates = Urls.distinct(_listed(text, path, base, allow_pipe, limit, lister, comments))
+    return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
+
+
+def repeated_urls(
+    text: str, *, base_dir: str | None = None, allow_pipe: bool = False, lister: Lister | None = None
+) -> list[str]:
+    """The URLs that the list ``text`` names more than once (those :func:`parse_url_list` drops
+    the repeats of), each once, in the order of their first repeat. Its ``s3://`` prefixes are
+    listed again."""
+    base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
+    seen: set[str] = set()
+    repeated: dict[str, None] = {}
+    for url in _listed(text, TEXT_SOURCE, base, allow_pipe, DEFAULT_LIMIT, lister):
+        if url in seen:
+            repeated[url] = None
+        seen.add(url)
+    return list(repeated)
+
+
+def _listed(
+    text: str, path: str, base: str, allow_pipe: bool, limit: int, lister: Lister | None, comments: bool = True
+) -> list[str]:
+    """The URLs of the list ``text``, line by line, with their repeats (see :func:`parse_url_list`)."""
+    urls: list[str] = []
     total = 0
     # Split on "\n" only so line numbers match what an editor shows.
     for lineno, raw in enumerate(text.split("\n"), 1):
@@ -698,8 +723,7 @@ def parse_url_list(
                     urls.append(url)
         except ValueError as exc:
             raise UrlListError(path, lineno, raw.strip(), str(exc)) from None
-    distinct, duplicates = Urls.distinct(urls)
-    return UrlList(None if path == TEXT_SOURCE else path, distinct, duplicates)
+    return urls
 
 
 def _plain_lines(text: str, base: str, limit: int) -> tuple[Urls, int] | None:

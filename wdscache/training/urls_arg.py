@@ -8,6 +8,10 @@
 - any other string, or a path object, is a list file (or a shard index, wids JSON);
 - a list's items are expanded like the lines of a list file.
 
+A shard named more than once (a list's item repeated, say) is refused with a
+:class:`~wdscache.shared.errors.ConfigError`, where a list file drops the repeats: webdataset
+would read it again, and the loader reads each shard once (``mix=`` weights a source).
+
 Errors name the Python argument (``urls=``, ``urls[3]``), not the command line's flags.
 
 A local path keeps the name it was given in samples (``__url__``), as webdataset keeps it,
@@ -23,7 +27,7 @@ from collections.abc import Sequence
 from ..shared.errors import ConfigError, UrlListError
 from ..shared.redact import redact_urls
 from ..shared.s3 import SHARD_SUFFIXES, Listing
-from ..shared.urls import UrlList, expand_braces, parse_url_list, read_url_list
+from ..shared.urls import UrlList, expand_braces, parse_url_list, read_url_list, repeated_urls
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 PIPE = "pipe:"
@@ -106,14 +110,27 @@ def _items(items: list[str], *, single: bool) -> UrlList:
     for i, item in enumerate(items):
         if "\n" in item or not item.strip():
             raise ConfigError(f"{_name(i, single)}={item!r} must be one URL or pattern, on one line")
+    text = "\n".join(items)
     try:
-        return parse_url_list("\n".join(items), base_dir=os.getcwd(), lister=Listing())
+        listed = parse_url_list(text, base_dir=os.getcwd(), lister=Listing())
     except UrlListError as exc:
         # parse_url_list counts lines from 1: line k is item k-1.
         name = _name(exc.lineno - 1, single)
         err = UrlListError(name, exc.lineno, exc.line, exc.reason)
         err.args = (redact_urls(f"{name}={exc.line!r}: {exc.reason}"),)  # (args set here skip the redaction)
         raise err from None
+    if listed.duplicates:
+        # webdataset reads a shard listed twice twice (a way to weight it); the agent keys shards
+        # by URL and reads each once, so a repeat would silently lose those samples.
+        url = repeated_urls(text, base_dir=os.getcwd(), lister=Listing())[0]
+        shown = given_names(items).get(url, url)
+        where = f"urls={items[0]!r}" if single else "urls="
+        raise ConfigError(
+            f"{where} names the shard {shown!r} more than once: wdscache reads each "
+            "shard of a list once, where webdataset reads a repeat again; to weight a source, give "
+            "mix={source: weight, ...} with epoch_samples= (see docs/mixtures.md)"
+        )
+    return listed
 
 
 def _name(index: int, single: bool) -> str:
