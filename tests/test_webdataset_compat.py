@@ -145,6 +145,19 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
     assert ours[0]["__local_path__"] == absolute[0]
 
 
+def test_patterns_joined_by_double_colons_are_read_as_webdataset_splits_them(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, cache = served
+    root = data.paths[0].parent
+    monkeypatch.chdir(root.parent)
+    http = data.urls[2]
+    for urls in (f"{root.name}/shard-000002.tar::{root.name}/shard-{{000000..000001}}.tar", f"{http}::{data.paths[0]}"):
+        ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))
+        theirs = _samples(wds.WebDataset(urls, shardshuffle=False))
+        assert ours == theirs and len(ours) in (12, 8), urls
+
+
 def test_a_shard_listed_twice_is_refused_naming_it_where_webdataset_reads_it_again(
     served: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,7 +6,9 @@
 - a string naming a tar file (``.tar``, ``.tar.gz``, ``.tgz``) is that one local shard, as
   webdataset takes it;
 - any other string, or a path object, is a list file (or a shard index, wids JSON);
-- a list's items are expanded like the lines of a list file.
+- a list's items are expanded like the lines of a list file;
+- a string of patterns joined by ``::`` is those patterns, in order, as webdataset splits it
+  (not inside an IPv6 host's brackets).
 
 A shard named more than once (a list's item repeated, say) is refused with a
 :class:`~wdscache.shared.errors.ConfigError`, where a list file drops the repeats: webdataset
@@ -30,6 +32,7 @@ from ..shared.s3 import SHARD_SUFFIXES, Listing
 from ..shared.urls import UrlList, expand_braces, parse_url_list, read_url_list, repeated_urls
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_JOINED = re.compile(r"::(?![^\[]*\])")  # webdataset's "a.tar::b-{0..9}.tar", but not "http://[::1]/"
 PIPE = "pipe:"
 
 UrlsArg = str | os.PathLike[str] | Sequence[str]
@@ -45,6 +48,8 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
     if isinstance(urls, os.PathLike):
         return _list_file(os.fspath(urls))
     if isinstance(urls, str):
+        if _JOINED.search(urls):
+            return _items(_JOINED.split(urls), single=False)
         if _SCHEME.match(urls) or urls.startswith(PIPE) or "{" in urls or urls.endswith(SHARD_SUFFIXES):
             return _items([urls], single=True)
         return _list_file(urls)
@@ -60,7 +65,9 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
 def pipe_urls(urls: UrlsArg) -> list[str]:
     """The ``pipe:`` commands among ``urls=`` given as a string or a list of them (a list
     file's are its own business: the agent's ``--allow-pipe``)."""
-    items = [urls] if isinstance(urls, str) else [] if isinstance(urls, (os.PathLike, bytes)) else list(urls)
+    items = (
+        _JOINED.split(urls) if isinstance(urls, str) else [] if isinstance(urls, (os.PathLike, bytes)) else list(urls)
+    )
     return [item for item in items if isinstance(item, str) and item.startswith(PIPE)]
 
 
@@ -78,14 +85,14 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
     stand for: a sample's ``__url__`` is the name the user wrote, as in webdataset."""
     if isinstance(urls, os.PathLike) or isinstance(urls, bytes):
         return {}
-    items = [urls] if isinstance(urls, str) else list(urls)
+    items = _JOINED.split(urls) if isinstance(urls, str) else list(urls)
     names: dict[str, str] = {}
     for item in items:
         if (
             not isinstance(item, str)
             or _SCHEME.match(item)
             or item.startswith(PIPE)
-            or (isinstance(urls, str) and not ("{" in item or item.endswith(SHARD_SUFFIXES)))
+            or (len(items) == 1 and isinstance(urls, str) and not ("{" in item or item.endswith(SHARD_SUFFIXES)))
         ):
             continue  # a URL, or a list file
         for name in expand_braces(item):
