@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from wdscache.shared.errors import ConfigError
 from wdscache.shared.mixture import LIST, MixSpec, Mixture, check_mix_arg, shares
 from wdscache.shared.sequence import RankShare, rank_length
+from wdscache.training.mixing import read_mix_arg
 
 
 def test_shares_round_by_largest_remainder() -> None:
@@ -177,6 +178,15 @@ def test_a_weight_is_any_real_number_but_a_bool() -> None:
             check_mix_arg({"a.txt": bad})
         with pytest.raises(ConfigError, match=r"mix\['a'\]=.*within a float's range"):
             Mixture(("a",), (bad,), ((0,),), 8)
+
+
+def test_epoch_samples_is_any_integer_but_a_bool() -> None:
+    np = pytest.importorskip("numpy")
+    _, arg = read_mix_arg("http://h/a-{0..1}.tar", None, np.int64(10), True)
+    assert arg is not None and arg.epoch_samples == 10 and type(arg.epoch_samples) is int
+    for bad in (True, 2.5, np.float64(10), 0):
+        with pytest.raises(ConfigError, match=r"epoch_samples=.* must be a whole number >= 1"):
+            read_mix_arg("http://h/a-{0..1}.tar", None, bad, True)
 
 
 @settings(max_examples=50, deadline=None)

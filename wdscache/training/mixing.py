@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -74,8 +75,10 @@ def read_mix_arg(
     urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_samples: int | None, resampled: bool
 ) -> tuple[UrlList | None, MixArg | None]:
     """The loader's list (None: the agent's) and its mixture (None: no ``mix=`` nor ``resampled=``)."""
-    if epoch_samples is not None and (type(epoch_samples) is not int or epoch_samples < 1):
-        raise ConfigError(f"epoch_samples={epoch_samples!r} must be a whole number >= 1")
+    if epoch_samples is not None:  # any integer type (numpy's too), as a plain int
+        if isinstance(epoch_samples, bool) or not isinstance(epoch_samples, numbers.Integral) or epoch_samples < 1:
+            raise ConfigError(f"epoch_samples={epoch_samples!r} must be a whole number >= 1")
+        epoch_samples = int(epoch_samples)
     if mix is None and not resampled:
         if epoch_samples is not None:
             raise ConfigError(
