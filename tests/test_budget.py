@@ -302,6 +302,7 @@ def keep_a_partial(shard_server, start_agent, cache: Path, url: str, lists: Path
     return partial.stat().st_size
 
 
+@pytest.mark.slow
 def test_a_partial_kept_for_a_resume_counts_while_the_resume_waits_for_its_answer(
     shard_server, dataset, start_agent, tmp_path
 ):

@@ -551,6 +551,7 @@ def small_fs(tmpfs):
     return tmpfs("6m")
 
 
+@pytest.mark.slow
 def test_a_disk_filled_as_parts_are_joined_is_a_full_disk_not_a_failed_shard(
     small_fs, shard_server, dataset, start_agent
 ):

@@ -187,6 +187,7 @@ def test_a_ranks_dataloader_workers_are_one_rank_in_stats(tmp_path, dataset, sta
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_rank_in_one_long_wait_is_starved_while_it_waits(tmp_path, dataset, shard_server, start_agent, consumers):
     # A wait counted only once it ended: a rank blocked opening its shards (the agent asks their
     # server whether its copies are current, and the server takes 4 s to answer) showed 0% waiting,

@@ -267,6 +267,7 @@ def test_a_command_lines_argument_is_one_url_whatever_hash_sign_its_key_holds(
     assert (r.returncode, json.loads(r.stdout)["evicted"]) == (0, [url]), r.stderr
 
 
+@pytest.mark.slow
 def test_an_index_of_keys_with_spaces_is_read_as_wdscache_index_wrote_it(
     store: Store, tmp_path: Path, start_agent, consumers, run_cli
 ) -> None:
@@ -290,6 +291,7 @@ def test_an_index_of_keys_with_spaces_is_read_as_wdscache_index_wrote_it(
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_a_loader_and_a_prefetch_have_keys_with_spaces_fetched_by_an_agent_of_another_list(
     store: Store, tmp_path: Path, start_agent, consumers, run_cli, monkeypatch
 ) -> None:
