@@ -360,8 +360,8 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
     """Write a shard index (webdataset's wids JSON) of the shards URLS name.
 
     URLS are written as URL list lines are: URLs, brace patterns, s3:// prefixes or globs,
-    local paths (each argument one, whatever "#" it holds). Each shard is read once (its size, MD5 and samples, counted as the agent
-    counts them). A local shard in OUTPUT's folder or below is stored relative to it (wids
+    local paths (each argument one, whatever "#" it holds). Each shard is read once (its
+    size, MD5 and samples, counted as the agent counts them). A local shard in OUTPUT's folder or below is stored relative to it (wids
     and wdscache resolve it against the index's folder, so the two can move together); any
     other URL or path is stored absolute. A progress bar shows on a terminal, one line per
     shard otherwise.
