@@ -187,12 +187,16 @@ def test_an_s3_key_with_spaces_given_alone_is_taken_as_written(tmp_path: Path) -
         ("http://h/a b.tar", "a URL holds no whitespace"),
         ("file:///data/a b.tar", "a URL holds no whitespace"),
         ("s3://b/a\nb.tar", "an s3:// key holds no line break"),
+        ("s3://my bucket/k.tar", "an S3 bucket's name holds no whitespace"),
     ):
         with pytest.raises(ShardIndexError, match=reason) as info:
             given_list([urls[0], url])
         assert (info.value.entry, info.value.url) == (1, url)
         with pytest.raises(ShardIndexError, match=reason):
             read_url_list(write_list(tmp_path, format_shard_index([(url, ShardInfo(3))]), "bad.json"))
+    # In a list's line too: a bucket with a space is refused when the list is read, not when fetched.
+    with pytest.raises(UrlListError, match="an S3 bucket's name holds no whitespace"):
+        parse_url_list("s3://my bucket/k.tar\n", lister=lambda url: [url])
 
 
 def test_braces_expand_in_order_with_line_errors() -> None:

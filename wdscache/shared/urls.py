@@ -602,6 +602,8 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
             if scheme == "s3":
                 if not rest or rest[0] in "/?#":
                     raise ValueError("an s3:// URL needs a bucket, like s3://bucket/key")
+                if _SPACE.search(rest.split("/", 1)[0]):
+                    raise ValueError("an S3 bucket's name holds no whitespace (a key may: s3://bucket/a key.tar)")
                 if "@" in rest.split("/", 1)[0]:  # boto3 would take it for the bucket's name, and quote it
                     raise ValueError(
                         "an s3:// URL holds no credentials: give them as boto3 takes them "
