@@ -147,17 +147,19 @@ def test_an_index_file_keeps_each_entrys_own_keys_as_wids_does(start_agent: Call
     paths = _shards(data, 2, 3)
     entries = [
         {"url": paths[0].name, "nsamples": 3, "dataset": "laion", "split": "train"},
-        {"split": "val", "url": paths[1].name, "dataset": "coco", "nsamples": 3},
+        {"split": "val", "url": paths[1].name, "dataset": "coco", "nsamples": 3, "weight": 0.5},
     ]
     index = data / "index.json"
-    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    # The index's own name and weight go to each entry without its own, and name the dataset.
+    index.write_text(json.dumps({"wids_version": 1, "name": "mixed", "weight": 2.0, "shardlist": entries}))
     cache = tmp_path / "cache"
     start_agent(cache, index)
     reference = wids.ShardListDataset(str(index), cache_dir=str(tmp_path / "wids"), transformations=[])
     with ShardListDataset(index, cache_dir=cache, transformations=[]) as ours:
         assert ours.shards == reference.shards
         assert [list(e) for e in ours.shards] == [list(e) for e in reference.shards]  # keys in their order
-        assert ours.shards[1] == {**entries[1], "url": str(paths[1])}
+        assert ours.shards[0]["weight"] == 2.0 and ours.dataset_name == reference.dataset_name == "mixed"
+        assert ours.shards[1] == {**entries[1], "url": str(paths[1]), "name": "mixed"}  # its own weight kept
         datasets = [ours[i]["__dataset__"] for i in range(6)]
         assert datasets == [reference[i]["__dataset__"] for i in range(6)] == ["laion"] * 3 + ["coco"] * 3
 

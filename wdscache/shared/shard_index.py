@@ -321,12 +321,13 @@ def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
     Raises :class:`ShardIndexError` naming ``path`` (and the entry at fault) for text that is
     not JSON, another kind of file, or an entry without a usable ``url`` or ``nsamples``.
     """
-    return [(entry["url"], info) for entry, info in parse_shard_entries(text, path=path)]
+    return [(entry["url"], info) for entry, info in parse_shard_entries(text, path=path)[1]]
 
 
-def parse_shard_entries(text: str, *, path: str) -> list[tuple[dict[str, Any], ShardInfo]]:
+def parse_shard_entries(text: str, *, path: str) -> tuple[dict[str, Any], list[tuple[dict[str, Any], ShardInfo]]]:
     """:func:`parse_shard_index`, each entry given as its whole JSON object (every key as
-    written, such as wids' ``dataset``) rather than its ``url``."""
+    written, such as wids' ``dataset``) rather than its ``url``; and first the index's own
+    fields but its ``shardlist`` (wids' ``name`` and ``weight``, say)."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -373,7 +374,7 @@ def parse_shard_entries(text: str, *, path: str) -> list[tuple[dict[str, Any], S
             entries.append((entry, info))
         except ValueError as exc:
             raise ShardIndexError(path, i, str(exc), url=url if isinstance(url, str) else None) from None
-    return entries
+    return {k: v for k, v in doc.items() if k != "shardlist"}, entries
 
 
 def format_shard_index(entries: Iterable[tuple[str, ShardInfo]]) -> str:

@@ -197,9 +197,9 @@ def _wids_url(base: str | None, url: str) -> str:
     return urlunparse((u.scheme or b.scheme, u.netloc or b.netloc, path, u.params, u.query, u.fragment))
 
 
-def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], list[tuple[str, ShardInfo]]]:
-    """The index's entries as wids keeps them (each ``url`` resolved as wids resolves it), and
-    each one's URL and facts for the agent."""
+def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], list[tuple[str, ShardInfo]], str | None]:
+    """The index's entries as wids keeps them (each ``url`` resolved as wids resolves it), each
+    one's URL and facts for the agent, and an index file's ``name``."""
     if isinstance(shards, (str, os.PathLike)):
         path = os.fspath(shards)
         if "://" in path:
@@ -215,11 +215,17 @@ def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], li
         base = os.path.dirname(path) if base is None else base  # wids: the index's folder, as written
         entries: list[dict[str, Any]] = []
         facts: list[tuple[str, ShardInfo]] = []
-        for entry, info in parse_shard_entries(text, path=path):
+        top, listed = parse_shard_entries(text, path=path)
+        for entry, info in listed:
             resolved = _wids_url(base, entry["url"])
-            entries.append({**entry, "url": resolved})  # wids keeps every key (its "dataset" is __dataset__)
+            kept = {**entry, "url": resolved}  # wids keeps every key (its "dataset" is __dataset__)
+            for key in ("weight", "name"):  # and gives each the index's own where it has none
+                if key not in kept and top.get(key) is not None:
+                    kept[key] = top[key]
+            entries.append(kept)
             facts.append((resolved, info))
-        return entries, facts
+        name = top.get("name")
+        return entries, facts, name if isinstance(name, str) else None
     if isinstance(shards, dict) or not isinstance(shards, Sequence):
         raise TypeError(
             'ShardListDataset() takes a shard index: a JSON file\'s path, or its "shardlist", '
@@ -238,7 +244,7 @@ def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], li
             raise ShardIndexError("shards", i, str(exc), url=url) from None
         entries.append(dict(entry))  # wids keeps the caller's dicts; a copy, so ours cannot change
         facts.append((url, info))
-    return entries, facts
+    return entries, facts, None
 
 
 # -- the dataset ----------------------------------------------------------------------------------
@@ -275,13 +281,15 @@ class ShardListDataset:
         del cache_size, keep  # wids' own download folder; the agent's budget governs here
         if lru_size < 1:
             raise ValueError("lru_size must be at least 1")
-        self.shards, facts = _read_index(shards, base)
+        self.shards, facts, name = _read_index(shards, base)
         if not self.shards:
             raise ShardIndexError(
                 str(shards) if isinstance(shards, (str, os.PathLike)) else "shards", None, "the index lists no shard"
             )
         self.dataset_name = (
-            dataset_name or str(uuid.uuid5(uuid.NAMESPACE_URL, json.dumps([e["url"] for e in self.shards])))[:16]
+            dataset_name
+            or name  # an index file's own, as wids takes it
+            or str(uuid.uuid5(uuid.NAMESPACE_URL, json.dumps([e["url"] for e in self.shards])))[:16]
         )
         self.lengths = [info.nsamples for _, info in facts]  # checked ints, whatever integer type an entry gave
         self._ends = list(_cumulative(self.lengths))
