@@ -193,6 +193,19 @@ def test_resampled_with_epoch_resumes_the_rest_of_its_iteration_then_the_next_ep
     after = made()
     after.load_state_dict(ds.state_dict())
     assert [_id(s) for s in after] == whole[1] and [_id(s) for s in after] == whole[2]
+    # set_epoch names that epoch's start, none of it out; a checkpoint loaded is the position as it says.
+    ds = made()
+    it = iter(ds)
+    assert [_id(next(it)) for _ in range(5)] == whole[0][:5]
+    it.close()
+    ds.set_epoch(1)
+    resumed = made()
+    resumed.load_state_dict(ds.state_dict())
+    assert [_id(s) for s in resumed] == whole[1]
+    ds.load_state_dict(state)  # (5 of epoch 0 out)
+    resumed = made()
+    resumed.load_state_dict(ds.state_dict())
+    assert [_id(s) for s in resumed] == whole[0][5:]
 
 
 def test_bad_mixtures_are_refused_naming_the_argument(two_sources: dict[str, Any]) -> None:

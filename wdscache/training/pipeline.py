@@ -241,6 +241,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         shards: nothing, as webdataset has no epochs)."""
         if self.loader is not None:
             self.loader.set_epoch(epoch)
+        self._cut_items = self._resumed_items = 0  # a checkpoint now names that epoch's start, none of it out
 
     def state_dict(self) -> dict[str, Any]:
         loader = self._loader("state_dict()")
@@ -257,7 +258,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self._loader("load_state_dict()").load_state_dict(
             {k: v for k, v in state.items() if k != CUT_ITEMS} if items else state
         )
-        self._resumed_items = items
+        self._cut_items = self._resumed_items = items  # the checkpoint is the position until the next iteration
 
     def __len__(self) -> int:
         """Samples per rank in the next epoch (the source's: before any batching or with_epoch)."""
