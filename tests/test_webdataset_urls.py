@@ -109,3 +109,15 @@ def test_without_torch_the_loader_is_a_plain_class(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "CachedMultiLoader ('http://h/a-0.tar', 'http://h/a-1.tar') False"
+
+
+def test_patterns_joined_by_double_colons_are_split_but_not_inside_an_ipv6_host() -> None:
+    assert resolve_urls("http://h/a-{0..1}.tar::http://[::1]:8080/b.tar::http://h/c.tar") == (
+        "http://h/a-0.tar",
+        "http://h/a-1.tar",
+        "http://[::1]:8080/b.tar",
+        "http://h/c.tar",
+    )
+    assert resolve_urls("http://[::1]/x.tar") == ("http://[::1]/x.tar",)
+    many = [f"http://h/s-{i}.tar" for i in range(20_000)]  # "::".join of a long list: split in one pass
+    assert resolve_urls("::".join([*many, "http://[::1]/x.tar"])) == (*many, "http://[::1]/x.tar")

@@ -32,7 +32,7 @@ from ..shared.s3 import SHARD_SUFFIXES, Listing
 from ..shared.urls import UrlList, expand_braces, parse_url_list, read_url_list, repeated_urls
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-_JOINED = re.compile(r"::(?![^\[]*\])")  # webdataset's "a.tar::b-{0..9}.tar", but not "http://[::1]/"
+_BRACKETED_OR_JOIN = re.compile(r"\[[^\]]*\]|::")  # an IPv6 host's brackets (kept whole), or a "::"
 PIPE = "pipe:"
 
 UrlsArg = str | os.PathLike[str] | Sequence[str]
@@ -48,8 +48,9 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
     if isinstance(urls, os.PathLike):
         return _list_file(os.fspath(urls))
     if isinstance(urls, str):
-        if _JOINED.search(urls):
-            return _items(_JOINED.split(urls), single=False)
+        parts = _joined(urls) if "::" in urls else [urls]
+        if len(parts) > 1:
+            return _items(parts, single=False)
         if _SCHEME.match(urls) or urls.startswith(PIPE) or "{" in urls or urls.endswith(SHARD_SUFFIXES):
             return _items([urls], single=True)
         return _list_file(urls)
@@ -65,9 +66,7 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
 def pipe_urls(urls: UrlsArg) -> list[str]:
     """The ``pipe:`` commands among ``urls=`` given as a string or a list of them (a list
     file's are its own business: the agent's ``--allow-pipe``)."""
-    items = (
-        _JOINED.split(urls) if isinstance(urls, str) else [] if isinstance(urls, (os.PathLike, bytes)) else list(urls)
-    )
+    items = _joined(urls) if isinstance(urls, str) else [] if isinstance(urls, (os.PathLike, bytes)) else list(urls)
     return [item for item in items if isinstance(item, str) and item.startswith(PIPE)]
 
 
@@ -85,7 +84,7 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
     stand for: a sample's ``__url__`` is the name the user wrote, as in webdataset."""
     if isinstance(urls, os.PathLike) or isinstance(urls, bytes):
         return {}
-    items = _JOINED.split(urls) if isinstance(urls, str) else list(urls)
+    items = _joined(urls) if isinstance(urls, str) else list(urls)
     names: dict[str, str] = {}
     for item in items:
         if (
@@ -101,6 +100,21 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
             for url in parse_url_list(name, base_dir=os.getcwd()).urls:
                 names.setdefault(url, name)
     return names
+
+
+def _joined(urls: str) -> list[str]:
+    """The patterns of a string, as webdataset splits it at each ``::`` (webdataset's
+    ``"a.tar::b-{0..9}.tar"``), but for one inside an IPv6 host's brackets (``http://[::1]/``);
+    in one pass, however long the string."""
+    if "[" not in urls:
+        return urls.split("::")
+    parts, start = [], 0
+    for token in _BRACKETED_OR_JOIN.finditer(urls):
+        if token.group() == "::":
+            parts.append(urls[start : token.start()])
+            start = token.end()
+    parts.append(urls[start:])
+    return parts
 
 
 def _list_file(path: str) -> UrlList:
