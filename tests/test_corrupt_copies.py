@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import tarfile
 from collections import Counter
@@ -224,7 +225,9 @@ def test_a_failed_shard_ends_the_epoch_after_every_sample_before_it_then_raises_
     assert rest == [(urls[3], key) for key in last[: len(rest)]]
 
 
-def test_skip_raises_on_a_rank_whose_every_sample_lies_in_failed_shards(shard_server, dataset, start_agent, tmp_path):
+def test_skip_raises_on_a_rank_whose_every_sample_lies_in_failed_shards(
+    shard_server, dataset, start_agent, tmp_path, caplog
+):
     # 40 samples in a shard that fails (gone from the server: its count is known from the index),
     # 1 in a healthy one, over 2 ranks in order: rank 0 reads the healthy sample and repeats it in
     # its holes; rank 1's 20 positions are all holes, with no sample to repeat. It must not end
@@ -243,3 +246,17 @@ def test_skip_raises_on_a_rank_whose_every_sample_lies_in_failed_shards(shard_se
         list(ranks[1])
     assert info.value.url == big.urls[0]
     assert "every sample rank 1 reads here in epoch 0 lies in shards that failed" in str(info.value), info.value
+    # A rest resumed from a checkpoint whose samples since lie in failed shards: its samples before
+    # were read then, so that is no empty share; it ends short, saying so, rather than raising.
+    healthy_first = tmp_path / "lists" / "healthy-first.json"
+    healthy_first.write_text(json.dumps({"wids_version": 1, "shardlist": entries[::-1]}))
+    one = loader(cache, urls=str(healthy_first), job="rest", on_error="skip", shuffle=False)
+    it = iter(one)
+    assert next(it)["__url__"] == small.urls[0]
+    state = one.state_dict()
+    it.close()
+    rest = loader(cache, urls=str(healthy_first), job="rest", on_error="skip", shuffle=False)
+    rest.load_state_dict(state)
+    with caplog.at_level(logging.WARNING, logger="wdscache"):
+        assert list(rest) == []  # 40 holes, and nothing read since the checkpoint to repeat
+    assert "rest of epoch 0 since its checkpoint lies in shards that failed" in caplog.text, caplog.text

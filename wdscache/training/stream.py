@@ -414,20 +414,36 @@ class EpochStream:
                 yield it
                 self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
             if owed and error is None:
-                raise self._nothing_to_repeat(owed)
+                self._nothing_to_repeat(owed)
         finally:
             self._waiting_from = None  # the epoch's end, or its close: no wait goes on
         if error is not None:
             raise error
 
-    def _nothing_to_repeat(self, holes: int) -> ShardError:
-        """The error of a share whose every sample lay in shards skipped (``on_error="skip"``):
-        no sample read to repeat in their ``holes``, so it cannot keep the count every rank gets,
-        and a data-parallel job would wait forever on the ranks that got theirs."""
+    def _nothing_to_repeat(self, holes: int) -> None:
+        """A share whose every sample here lay in shards skipped (``on_error="skip"``) has none
+        read to repeat in their ``holes``, so it cannot keep the count every rank gets, and a
+        data-parallel job would wait forever on the ranks that got theirs: ShardError, when the
+        whole share is so. The rest of a share resumed from a checkpoint (its samples before it
+        were read then) ends short instead, with a warning that says so."""
         skipped = sorted(self.shards.skipped)
         url = self.urls[skipped[0]] if skipped else "?"
         more = f" and {len(skipped) - 1} other shard(s)" if len(skipped) > 1 else ""
-        return ShardError(
+        share = self.share
+        resumes = share.job.resumes if isinstance(share, NodeShare) else (share.resume,)
+        if self.worker_slice.skip or any(r.delivered() for r in resumes):
+            log.warning(
+                "rank %d's rest of epoch %d since its checkpoint lies in shards that failed (%s%s): no sample "
+                "read since to repeat in the %d places skipped, so it ends %d short of the other ranks",
+                self.settings.rank,
+                self.spec.epoch,
+                url,
+                more,
+                holes,
+                holes,
+            )
+            return
+        raise ShardError(
             url,
             f"every sample rank {self.settings.rank} reads here in epoch {self.spec.epoch} lies in shards that "
             f"failed (this one{more}): none was read to repeat in the {holes} places skipped, so its count "
