@@ -41,7 +41,7 @@ _FAULT_PARAMS: dict[str, frozenset[str]] = {
     "status": frozenset({"status", "retry_after", "body", "headers"}),
     "cut": frozenset({"after"}),
     "short": frozenset({"after"}),
-    "stall": frozenset({"after", "seconds", "then"}),
+    "stall": frozenset({"after", "seconds", "then", "until"}),
     "html": frozenset({"body"}),
     "no_range": frozenset({"after"}),
     "change": frozenset({"after", "content", "etags"}),
@@ -251,7 +251,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if kind == "stall":
             after = _clamp(params.get("after", 0), length)
             self._copy(owner, f, after, record)
-            owner._sleep(float(params["seconds"]))
+            owner._stall(float(params["seconds"]), params.get("until"))
             if params.get("then", "continue") == "close":
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_WR)
@@ -516,8 +516,9 @@ class ShardServer:
           (default half the body).
         - ``short``: only ``after`` bytes (of a body its Content-Length, if sent, says is
           longer), then a clean close.
-        - ``stall``: ``after`` bytes (default 0), a pause of ``seconds`` (required),
-          then the rest, or a clean close if ``then="close"``.
+        - ``stall``: ``after`` bytes (default 0), a pause of ``seconds`` (required; ended
+          sooner once ``until``, a :class:`threading.Event`, is set), then the rest, or a
+          clean close if ``then="close"``.
         - ``html``: a 200 text/html error page (``body`` overrides it).
         - ``no_range``: ignore Range for this request and send 200 with the full file (with
           ``after``: only that many bytes of it, then a clean close, as ``short``).
@@ -655,6 +656,17 @@ class ShardServer:
     def _record_error(self, exc: BaseException) -> None:
         with self._lock:
             self._errors.append(exc)
+
+    def _stall(self, seconds: float, until: threading.Event | None) -> None:
+        """Pause ``seconds``, or until ``until`` is set if that comes first (a test's say-so)."""
+        if until is None:
+            self._sleep(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while not until.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                return
+            self._sleep(0)  # (raises if the server is stopping)
 
     def _sleep(self, seconds: float | None) -> None:
         """Sleep, but raise _Abort at once if the server is stopping."""

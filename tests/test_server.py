@@ -364,6 +364,17 @@ def test_fault_stall(server: ShardServer, http: requests.Session, data: bytes) -
     server.fail("data.tar", "stall", after=2000, seconds=0.05, then="close")
     _, _, body, error = raw_get(server.port, "/data.tar")
     assert body == data[:2000] and error is None
+    # until= ends the stall when the test sets it (seconds stays its bound).
+    go, before = threading.Event(), server.count("data.tar")
+    server.fail("data.tar", "stall", after=1000, seconds=60, until=go)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(http.get(server.url("data.tar"), timeout=TIMEOUT).content))
+    reader.start()
+    wait_for(lambda: server.count("data.tar") > before, 10, "the GET arrived")
+    assert reader.is_alive() and not got
+    go.set()
+    reader.join(TIMEOUT)
+    assert got == [data]
 
 
 def test_fault_html(server: ShardServer, http: requests.Session, data: bytes) -> None:

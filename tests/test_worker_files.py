@@ -142,33 +142,43 @@ def test_workers_hold_their_walks_ahead_while_a_reader_waits_for_a_shard(tmp_pat
     it is published is walked at once, wait or not."""
     data = dataset(3, samples=20, payload=2000)
     unheld, held, waited = data.urls
-    shard_server.fail(data.paths[2].name, "stall", after=1000, seconds=6)  # the shard a reader waits for
-    for path in data.paths[:2]:  # published once that wait is on
-        shard_server.fail(path.name, "stall", after=0, seconds=1)
+    # The downloads go on when the test says (each stall is also bounded): first the two shards
+    # published while the wait is on, then the one the reader waits for.
+    publish, end_wait = threading.Event(), threading.Event()
+    shard_server.fail(data.paths[2].name, "stall", after=1000, seconds=60, until=end_wait)
+    for path in data.paths[:2]:
+        shard_server.fail(path.name, "stall", after=0, seconds=60, until=publish)
     agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "1", "--workers", "2")
     tables = CacheLayout.of(agent.cache_dir)
     opened: list[str] = []
-    with ShardClient(agent.cache_dir, timeout=30) as waiting, ShardClient(agent.cache_dir, timeout=30) as holding:
-        reader = threading.Thread(target=lambda: opened.append(waiting.open(waited)), daemon=True)
-        reader.start()
-        holding.open(held)  # the start-up plan downloads the unheld one meanwhile
-        wait_for(lambda: tables.table_path(held).exists() or opened, 10, "the shard a reader holds walked")
-        assert not opened, "the shard a reader holds was walked only once the other reader's wait ended"
-        agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the start-up shard published")
-        # While the reader still waits, the shard nobody holds is not walked ahead.
-        until = time.monotonic() + 1.0
-        while time.monotonic() < until:
-            assert not tables.table_path(unheld).exists(), "walked ahead while a reader waited"
-            time.sleep(0.05)
-        assert reader.is_alive() and not opened, "the wait ended before the check did: stall the shard longer"
-        reader.join(30)
-        assert opened and not reader.is_alive()
-        # Once it ends, the others are walked too, one walk each.
-        wait_for(
-            lambda: tables.table_path(unheld).exists() and tables.table_path(waited).exists(),
-            20,
-            "the other shards walked once the reader has its shard",
-        )
+    try:
+        with ShardClient(agent.cache_dir, timeout=30) as waiting, ShardClient(agent.cache_dir, timeout=30) as holding:
+            reader = threading.Thread(target=lambda: opened.append(waiting.open(waited)), daemon=True)
+            reader.start()
+            agent.wait_stats(lambda s: s["agent"]["demanded"] >= 1, 20, "the reader's wait registered")
+            publish.set()
+            holding.open(held)  # the start-up plan publishes the unheld one meanwhile
+            wait_for(lambda: tables.table_path(held).exists() or opened, 10, "the shard a reader holds walked")
+            assert not opened, "the shard a reader holds was walked only once the other reader's wait ended"
+            agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the start-up shard published")
+            # While the reader still waits, the shard nobody holds is not walked ahead.
+            until = time.monotonic() + 1.0
+            while time.monotonic() < until:
+                assert not tables.table_path(unheld).exists(), "walked ahead while a reader waited"
+                time.sleep(0.05)
+            assert reader.is_alive() and not opened
+            end_wait.set()
+            reader.join(30)
+            assert opened and not reader.is_alive()
+            # Once it ends, the others are walked too, one walk each.
+            wait_for(
+                lambda: tables.table_path(unheld).exists() and tables.table_path(waited).exists(),
+                20,
+                "the other shards walked once the reader has its shard",
+            )
+    finally:
+        publish.set()
+        end_wait.set()
     s = agent.wait_stats(lambda s: sum(w.get("walked", 0) for w in s["agent"]["workers"]) == 3, 10, "3 walks")
     assert sum(w["walked"] for w in s["agent"]["workers"]) == 3, s["agent"]["workers"]
 
