@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from ..shared.client import AgentConnection
-from ..shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, default, parse_size
+from ..shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, check_count, default, parse_size
 from ..shared.errors import (
     AgentUnavailableError,
-    ConfigError,
     NoCacheError,
     ProtocolError,
     ShardError,
@@ -314,8 +313,8 @@ def prefetch(
     refuse, whether or not an agent runs (a running one does not use them)."""
     if cache_size is not None:
         parse_size(cache_size, total=1, what="--cache-size")  # the syntax; a percentage is resolved at start
-    if download_workers is not None and download_workers < 1:
-        raise ConfigError("--download-workers must be at least 1")
+    if download_workers is not None:
+        check_count("download_workers", download_workers)
     layout = CacheLayout.of(cache_dir)
     if layout.is_cache():
         with _agent(layout) as conn:

@@ -100,8 +100,7 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "download_workers", "download_parts", "workers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+            check_count(name, getattr(self, name))
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
             raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --num-nodes={self.num_nodes})")
         if self.retries < 0:
@@ -130,6 +129,12 @@ class AgentConfig:
 # `wdscache prefetch --give-up-after`: seconds downloads may wait for space with no progress
 # before the prefetch gives the rest up.
 PREFETCH_GIVE_UP_AFTER = 10.0
+
+
+def check_count(name: str, value: int) -> None:
+    """Refuse a count of option ``name`` (``download_workers``, say) below 1, naming the option."""
+    if value < 1:
+        raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
 
 
 def default(name: str) -> Any:
