@@ -234,6 +234,27 @@ def test_redownloads_count_a_shard_evicted_and_fetched_again(shard_server, datas
     assert f"(4 shards, 1 re-download(s) of {ds.paths[0].stat().st_size / 1024:.1f}K)" in text, text
 
 
+def test_a_shard_held_open_is_read_until_its_reader_lets_it_go(shard_server, dataset, start_agent, tmp_path):
+    # Eviction goes by the last read: for a shard held open, the time its reader let it go,
+    # not the time it opened it (a long read of a big shard is no old read).
+    ds = dataset(4, **SHARD_130K)
+    x, y, z, w = ds.urls[1], ds.urls[2], ds.urls[0], ds.urls[3]
+    cache = tmp_path / "cache"
+    start_agent(cache, ds.list_file, "--cache-size", "420K", "--prefetch", "1", "--no-shuffle", "--min-free", "0")
+    layout = CacheLayout.of(cache)
+    with ShardClient(cache, timeout=20, name="long") as long:
+        long.open(x)  # read first, and held
+        with ShardClient(cache, timeout=20, name="short") as short:
+            for url in (y, z):  # read and let go, in this order, while x is held
+                short.open(url)
+                short.release(url)
+        long.release(x)  # x was read until now
+    with ShardClient(cache, timeout=20, name="next") as client:
+        client.open(w)  # no room for a fourth: the least recently read goes
+        wait_for(lambda: not all(layout.shard_path(u).exists() for u in (x, y, z)), 20, "no shard evicted for w")
+    assert [u for u in (x, y, z) if not layout.shard_path(u).exists()] == [y]
+
+
 def test_len_is_known_after_one_epoch_under_a_budget_that_evicts(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(4, **SHARD_130K)
     cache = tmp_path / "cache"

@@ -20,7 +20,7 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   ``min_free`` bytes (plus 1 MiB for the index) free after every in-flight
   download completes.
 - Never evicted: a pinned shard (being read). Eviction prefers the least recently
-  *read* shard outside every reader's window (shards a prefetch holds last); a demanded
+  *read* shard (read until its reader let it go) outside every reader's window (shards a prefetch holds last); a demanded
   download may also take window shards, farthest-ahead first, but never pinned ones.
   A download only prefetches want never evicts a shard a prefetch holds.
 - Every change of a shard's state made here (cached, failed, removed) is told to the
@@ -483,7 +483,11 @@ class ShardCache:
         if read:
             self.index.touch(url, time.time())
 
-    def unpin(self, url: str) -> None:
+    def unpin(self, url: str, *, read: bool) -> None:
+        """Let go of a :meth:`pin`; ``read``: a reader's, who read it until now (its last-read time:
+        a shard held open for long is not the least recently read one)."""
+        if read:
+            self.index.read_until(url, time.time())
         n = self.pins.get(url, 0) - 1
         if n > 0:
             self.pins[url] = n

@@ -308,7 +308,7 @@ class Opens:
         shard = self.shards.get(url)
         if shard is None or not self.shards.unpin(shard, name):
             return
-        self._cache.unpin(url)
+        self._cache.unpin(url, read=True)
         self._refetch_if_corrupt(shard)
         self.shards.settle(shard)
 
@@ -316,7 +316,7 @@ class Opens:
         """Reader ``name`` is gone: everything it held is let go."""
         for shard in self.shards.held_by(name):
             while self.shards.unpin(shard, name):
-                self._cache.unpin(shard.url)
+                self._cache.unpin(shard.url, read=True)
             self._refetch_if_corrupt(shard)
             self.shards.settle(shard)
 
@@ -356,7 +356,7 @@ class Opens:
     def revalidated(self, url: str, now: Fetched | None) -> None:
         """A cached shard from an earlier run was compared with its source (``now``: what it holds)."""
         cache = self._cache
-        cache.unpin(url)
+        cache.unpin(url, read=False)
         shard = self.shards.record(url)
         try:
             self._revalidated(shard, now)

@@ -275,6 +275,14 @@ class Index:
             rec.reads += 1
             self._unsaved_reads.add(url)
 
+    def read_until(self, url: str, now: float) -> None:
+        """A reader let go of ``url`` at ``now``: it was read until then, so that is its last read
+        time (no read more is counted). In memory, as :meth:`touch`."""
+        rec = self.records.get(url)
+        if rec is not None:
+            rec.last_read = now
+            self._unsaved_reads.add(url)
+
     def set_count(self, url: str, samples: int, size: int, etag: str | None) -> None:
         """``url`` holds ``samples`` samples in its copy of ``size`` bytes and ``etag``."""
         if self.counts.get(url) != samples or self.counted_from.get(url) != (size, etag):
