@@ -91,11 +91,15 @@ def torch_loop(args: argparse.Namespace) -> None:
     start_epoch, step = 0, 0
     ckpt = torch.load(args.checkpoint, weights_only=True) if args.checkpoint and args.checkpoint.exists() else None
     if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
+        # Saved unwrapped (see save): it loads with or without DDP, so with any number of ranks.
+        getattr(model, "module", model).load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         start_epoch, step = ckpt["epoch"], ckpt["step"]
         if ckpt["data"]:  # stopped inside the epoch: the loader's state, from any number of ranks and
             dataset.load_state_dict(json.loads(ckpt["data"]))  # workers, into the dataset itself
+            # The epoch the next iteration reads, as the state says: one taken once the epoch's last
+            # sample was out (before the save after the loop) may already name the next epoch.
+            start_epoch = dataset.state_dict()["epoch"]
     resumed_inside = ckpt is not None and bool(ckpt["data"])
     log = _Log(args.seen_log, rank, step) if args.seen_log else None
     for epoch in range(start_epoch, args.epochs):
@@ -135,7 +139,7 @@ def save(path: Path, model: Any, opt: Any, epoch: int, step: int, data_state: di
     buf = io.BytesIO()
     torch.save(
         {
-            "model": model.state_dict(),
+            "model": getattr(model, "module", model).state_dict(),  # without DDP's "module." prefix
             "opt": opt.state_dict(),
             "epoch": epoch,
             "step": step,
