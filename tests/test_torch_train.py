@@ -58,9 +58,7 @@ def _kill_job(proc: subprocess.Popen[bytes]) -> None:
     )
 
 
-def _torchrun(
-    tmp: Path, cache: Path, name: str, *extra: str, ranks: int = 2
-) -> tuple[subprocess.Popen[bytes], Path]:
+def _torchrun(tmp: Path, cache: Path, name: str, *extra: str, ranks: int = 2) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp / f"{name}.log"
     cmd = [
         str(TORCHRUN),
