@@ -20,8 +20,9 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   ``min_free`` bytes (plus 1 MiB for the index) free after every in-flight
   download completes.
 - Never evicted: a pinned shard (being read). Eviction prefers the least recently
-  *read* shard (read until its reader let it go) outside every reader's window (shards a prefetch holds last); a demanded
-  download may also take window shards, farthest-ahead first, but never pinned ones.
+  *read* shard (read until its reader let it go) outside every reader's window (shards
+  a prefetch holds last); a demanded download may also take window shards,
+  farthest-ahead first, but never pinned ones.
   A download only prefetches want never evicts a shard a prefetch holds.
 - Every change of a shard's state made here (cached, failed, removed) is told to the
   :class:`ShardWatcher`, if one is set, as it happens.
