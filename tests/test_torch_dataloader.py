@@ -81,6 +81,8 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
     assert len(head) == 15 and len(tail) == 63 and len(set(head + tail)) == 78
     head, tail = out["near_end"]
     assert len(head) == 77 and len(tail) == 1 and len(set(head + tail)) == 78
+    named, following = out["at_end"]  # (docs/api.md: a state at an epoch's end may name the next one)
+    assert named == 1 and following == out["epoch_1"] and len(set(following)) == 78
     assert (
         "to resume with another num_workers, world size or number of nodes, load the whole StatefulDataLoader"
         in out["mismatch"]

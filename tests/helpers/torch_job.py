@@ -108,6 +108,19 @@ def stateful(cache: str) -> dict[str, Any]:
     dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2)
     dl.load_state_dict(state)
     out["near_end"] = [head, [i for batch in dl for i in ids(batch)]]
+    # At the end: both workers' last batches short (40 and 38 samples), their fetchers met the end
+    # before the last batch came out: the state names the next epoch, as loaded into a dataset.
+    dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2)
+    assert len([i for _, batch in zip(range(27), dl) for i in ids(batch)]) == 78
+    ds = loader(cache, 0, 1)
+    ds.load_state_dict(dl.state_dict())
+    out["at_end"] = [
+        ds.state_dict()["epoch"],
+        [i for batch in StatefulDataLoader(ds, batch_size=3) for i in ids(batch)],
+    ]
+    ds = loader(cache, 0, 1)
+    ds.set_epoch(1)
+    out["epoch_1"] = [i for batch in StatefulDataLoader(ds, batch_size=3) for i in ids(batch)]
     # A worker's own state does not resume another layout: the error says what does.
     dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=3)
     dl.load_state_dict(state)
