@@ -11,7 +11,9 @@ import hashlib
 import io
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -181,6 +183,47 @@ def test_workers_hold_their_walks_ahead_while_a_reader_waits_for_a_shard(tmp_pat
         end_wait.set()
     s = agent.wait_stats(lambda s: sum(w.get("walked", 0) for w in s["agent"]["workers"]) == 3, 10, "3 walks")
     assert sum(w["walked"] for w in s["agent"]["workers"]) == 3, s["agent"]["workers"]
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_while_a_reader_waits_holds_its_walks_ahead_too(
+    tmp_path, shard_server, dataset, start_agent
+):
+    """A worker that registers while the others hold their walks ahead (one restarted after a
+    crash) is told to hold before it is told of the shards published meanwhile: it does not
+    walk them ahead of what the reader waits for."""
+    data = dataset(2, samples=20, payload=2000)
+    unheld, waited = data.urls
+    publish, end_wait = threading.Event(), threading.Event()
+    shard_server.fail(data.paths[0].name, "stall", after=0, seconds=60, until=publish)
+    shard_server.fail(data.paths[1].name, "stall", after=1000, seconds=60, until=end_wait)
+    agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "1", "--workers", "1")
+    tables = CacheLayout.of(agent.cache_dir)
+    try:
+        with ShardClient(agent.cache_dir, timeout=30) as waiting:
+            reader = threading.Thread(target=lambda: waiting.open(waited), daemon=True)
+            reader.start()
+            agent.wait_stats(lambda s: s["agent"]["demanded"] >= 1, 20, "the reader's wait registered")
+            publish.set()
+            agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the other shard published")
+            (old,) = worker_pids(agent.pid)
+            os.kill(old, signal.SIGKILL)
+            wait_for(lambda: worker_pids(agent.pid) not in ([], [old]), 20, "the worker never restarted")
+            # Once it answers a read (of the shard still downloading: "pending"), it has sent its
+            # first report, which registers it; the agent then tells it of the published shard.
+            header, _ = read_from_worker(agent.cache_dir, [waited], [(0, 0)])
+            assert header.get("kind") == "pending", header
+            until = time.monotonic() + 1.0
+            while time.monotonic() < until:
+                assert not tables.table_path(unheld).exists(), "the restarted worker walked ahead while a reader waited"
+                time.sleep(0.05)
+            assert reader.is_alive(), "the wait ended too soon: the test shows nothing"
+            end_wait.set()
+            reader.join(30)
+        wait_for(lambda: tables.table_path(unheld).exists(), 20, "the shard walked once the wait ended")
+    finally:
+        publish.set()
+        end_wait.set()
 
 
 def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start_agent):

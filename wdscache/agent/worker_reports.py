@@ -75,6 +75,8 @@ class WorkerReports:
             return
         if self._idents.get(i) != ident:
             self._idents[i] = ident
+            if self._held_at is not None:  # it missed the hold too, which must come before its hints
+                self._socket.send(ident, pack(Reports.hold(HOLD_WALKS)))
             for url in self._published:  # it missed these hints (and the tables of them)
                 self._hint(ident, url)
         report = {"index": i, **numbers(header, WORKER_FIELDS)}
