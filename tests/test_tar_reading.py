@@ -847,6 +847,14 @@ def grow(path: Path, data: bytes, cuts: Iterable[int]) -> Iterable[int]:
         yield done
 
 
+def sample_bytes(view: GrowingShard, i: int) -> tuple[SampleSpan, bytes, int]:
+    """Sample ``i`` of ``view``: its span, and its bytes from its first field's start to its last
+    field's end as a worker serves them (from the view's mapping), with the offset they start at."""
+    span = view.samples[i]
+    first, end = span.fields[0][1], span.fields[-1][1] + span.fields[-1][2]
+    return span, bytes(view.mapped(end).data[first:end]), first
+
+
 def assert_growing_matches(path: Path, data: bytes, cuts: Iterable[int]) -> None:
     """At every size, the growing view holds exactly the complete samples of the whole shard."""
     full = scan(data, url="u")
@@ -862,7 +870,7 @@ def assert_growing_matches(path: Path, data: bytes, cuts: Iterable[int]) -> None
             known = n
             assert n == len(full) - 1 or size < len(data)  # the last one waits for the finished file
             for i in range(n):
-                span, block, first = view.read(i)
+                span, block, first = sample_bytes(view, i)
                 assert block == data[first : span.fields[-1][1] + span.fields[-1][2]]
         assert len(view.samples) == len(full) - 1
     finally:
@@ -944,7 +952,7 @@ def test_a_walk_of_a_published_shard_counts_its_last_sample_once_it_reaches_the_
     try:
         view.refresh(n - 1)  # asked for the last sample: the walk reaches the end
         assert view.samples == full
-        assert view.read(n - 1)[0] == full[-1]
+        assert sample_bytes(view, n - 1)[0] == full[-1]
         view.refresh()
         assert view.samples == full  # nothing found twice
         with open(path, "rb") as f:
@@ -1015,10 +1023,11 @@ def test_growing_shard_follows_a_download_that_starts_over(tmp_path: Path) -> No
     view.refresh()
     known = len(view.samples)
     assert known > 2
-    # Truncated and written again: what is not there any more is "not yet", never other bytes.
+    # Cut short behind the agent and written again: what is not there any more is "not yet",
+    # never other bytes (nothing of it was mapped: the agent never cuts a file it maps).
     path.write_bytes(data[:1000])
     with pytest.raises(NotYet):
-        view.read(known - 1)
+        sample_bytes(view, known - 1)
     view.refresh()
     assert len(view.samples) < known
     # A new file in its place (a new download): followed, from its start.
@@ -1028,7 +1037,7 @@ def test_growing_shard_follows_a_download_that_starts_over(tmp_path: Path) -> No
     assert view.samples == scan(data, url="u")[: len(view.samples)] and len(view.samples) >= known
     # Published (renamed away): what was found stays readable, no more comes.
     os.rename(path, tmp_path / "final.tar")
-    span, block, first = view.read(0)
+    span, block, first = sample_bytes(view, 0)
     assert block == data[first : span.fields[-1][1] + span.fields[-1][2]]
     with pytest.raises(FileNotFoundError):
         view.refresh()

@@ -25,7 +25,7 @@ import pytest
 from tests.helpers.procs import files_held, rss_kib, worker_pids
 from tests.helpers.streaming import reference
 from tests.helpers.waits import wait_for
-from tests.helpers.workers import read_from_worker, worker_socket
+from tests.helpers.workers import as_written, read_from_worker, worker_socket
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.agent.growing import WALK_STEP
 from wdscache.shared.layout import CacheLayout
@@ -226,6 +226,52 @@ def test_a_worker_restarted_while_a_reader_waits_holds_its_walks_ahead_too(
         end_wait.set()
 
 
+def test_a_published_shard_read_before_it_is_walked_is_served_from_its_file_not_copied(
+    tmp_path, shard_server, dataset, start_agent
+):
+    """A shard read between its publication and its walk (here: walks held while a reader
+    waits for another shard) is served as a walked one is: a consumer that sees the cache
+    reads its payloads from the file itself, the worker copies none of them (a worker once
+    copied up to a read's 32 samples, 320 MB of 10 MB samples, into its own memory)."""
+    data = dataset(2, samples=20, payload=20_000)
+    unheld, waited = data.urls
+    publish, end_wait = threading.Event(), threading.Event()
+    shard_server.fail(data.paths[0].name, "stall", after=0, seconds=60, until=publish)
+    shard_server.fail(data.paths[1].name, "stall", after=1000, seconds=60, until=end_wait)
+    agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "1", "--workers", "1")
+    layout = CacheLayout.of(agent.cache_dir)
+    try:
+        with ShardClient(agent.cache_dir, timeout=30) as waiting:
+            reader = threading.Thread(target=lambda: waiting.open(waited), daemon=True)
+            reader.start()
+            agent.wait_stats(lambda s: s["agent"]["demanded"] >= 1, 20, "the reader's wait registered")
+            publish.set()
+            agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the other shard published")
+            header, frames = read_from_worker(agent.cache_dir, [unheld], [(0, j) for j in range(20)], direct=True)
+            assert not layout.table_path(unheld).exists(), "walked before the read: the test shows nothing"
+            assert reader.is_alive(), "the wait ended before the read: walks were not held"
+            end_wait.set()
+            reader.join(30)
+    finally:
+        publish.set()
+        end_wait.set()
+    assert header.get("ok") and len(header["keys"]) == 20, header
+    assert sum(len(f) for f in frames) < 20 * 20_000 // 10, "the worker sent payloads it copied"
+    cache_file = layout.shard_path(unheld).read_bytes()
+    ranges = header["files"]
+    got = {}
+    for key, exts, span in zip(header["keys"], header["exts"], header["spans"]):
+        frame, places = span[0], span[1:]
+        assert frame >= len(frames), f"{key}: its payloads came in a frame"
+        _, start, size, *_ = ranges[frame - len(frames)]
+        assert all(offset + n <= size for offset, n in zip(places[0::2], places[1::2]))
+        got[(unheld, key)] = {
+            ext: hashlib.sha256(cache_file[start + offset : start + offset + n]).hexdigest()
+            for ext, offset, n in zip(exts, places[0::2], places[1::2])
+        }
+    assert got == reference(data.paths[:1], [unheld])
+
+
 def test_workers_let_go_of_evicted_shards(tmp_path, shard_server, dataset, start_agent):
     data = dataset(8, samples=20, payload=2500)
     size = max(p.stat().st_size for p in data.paths)
@@ -420,9 +466,71 @@ def test_any_mix_of_items_gets_each_samples_exact_bytes_and_neighbours_share_a_r
         assert "has no sample" in header["error"], header
 
 
+def test_a_shard_read_as_it_downloads_is_sent_from_its_file_not_copied(tmp_path, shard_server, dataset, start_agent):
+    """A worker serves a download's complete samples from a mapping of its partial file, as
+    it serves a cached shard: a reply its consumer has not taken yet holds no copy of them
+    in the worker's own memory (it once held a read's 32 samples, 320 MB of 10 MB ones),
+    and the pages it sent leave the worker's memory."""
+    from wdscache.shared.protocol import pack, pack_numbers, unpack
+
+    data = dataset(1, samples=12, payload=2_000_000)
+    (url,) = data.urls
+    resume = threading.Event()
+    shard_server.fail(data.paths[0].name, "stall", after=20_000_000, seconds=60, until=resume)
+    cache = tmp_path / "cache"
+    # One connection: the stall then holds the partial file at 20 MB.
+    agent = start_agent(
+        cache, data.list_file, "--no-shuffle", "--workers", "1", "--prefetch", "1", "--download-parts", "1"
+    )
+    partial = CacheLayout.of(cache).partial_path(url)
+    try:
+        wait_for(lambda: partial.exists() and partial.stat().st_size >= 20_000_000, 20, "the download never got far")
+        worker = worker_pids(agent.pid)[0]
+        before, file_pages = rss_kib(worker, "RssAnon"), rss_kib(worker, "RssFile")
+        # It takes in little until we read: the reply waits in the worker.
+        with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as (sock, proofs):
+            request = {"op": "read", "id": "r1", "auth": proofs.request("r1"), "urls": [url]}
+            sock.send_multipart(pack(request, pack_numbers([x for j in range(8) for x in (0, j)])))
+            time.sleep(0.5)  # long after the request: most of the reply not sent yet
+            held = rss_kib(worker, "RssAnon") - before
+            assert sock.poll(10_000), "no reply from the worker within 10 s"
+            header, frames = as_written(*unpack(sock.recv_multipart()))
+        assert header.get("ok") and header["proof"] == proofs.reply("r1"), header
+        assert held < 4 * 1024, f"the worker held {held} KiB of its own memory for a 16 MB reply"
+        got = {
+            (url, key): {
+                ext: hashlib.sha256(frames[span[0]][offset : offset + n]).hexdigest()
+                for ext, offset, n in zip(exts, span[1::2], span[2::2])
+            }
+            for key, exts, span in zip(header["keys"], header["exts"], header["spans"])
+        }
+        want = reference(data.paths, data.urls)
+        assert got == {k: want[k] for k in list(want)[:8]}
+        wait_for(
+            lambda: rss_kib(worker, "RssFile") - file_pages < 2 * 1024,
+            5,
+            lambda: f"the worker kept {rss_kib(worker, 'RssFile') - file_pages} KiB of file pages it had sent",
+        )
+    finally:
+        resume.set()
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the download never ended")
+
+
 def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     from wdscache.agent import reply_frames
     from wdscache.shared.protocol import PREAD_BYTES
+
+    class Mapped:
+        """A mapped shard's stand-in: its bytes, and pages to drop."""
+
+        def __init__(self, data: bytes) -> None:
+            self.data = memoryview(data)
+
+        def drop_pages(self, start: int, end: int) -> None:
+            pass
+
+    def run(data: bytes) -> tuple[Mapped, int, int]:
+        return Mapped(data), 0, len(data)
 
     def frames_of(runs: list, room: int = reply_frames.GATHER_MAX) -> tuple[list[bytes], list[tuple[int, int]]]:
         frames, ranges, places = reply_frames.ReplyFrames().make(runs, room, {})
@@ -430,29 +538,26 @@ def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
         return [bytes(f) for f in frames], places
 
     short = reply_frames.GATHER_BELOW - 1
-    runs = [(bytes([i]) * size, 0, size) for i, size in enumerate([10, reply_frames.GATHER_BELOW, 20, 30])]
+    runs = [run(bytes([i]) * size) for i, size in enumerate([10, reply_frames.GATHER_BELOW, 20, 30])]
     frames, places = frames_of(runs)
     assert [len(f) for f in frames] == [60, reply_frames.GATHER_BELOW]  # the short ones copied together, first
     assert places == [(0, 0), (1, 0), (0, 10), (0, 30)]  # each run's frame, and where in it the run starts
     # past the room (GATHER_MAX, or what the worker's budget leaves), runs go as they are
-    many = [(bytes([i]) * short, 0, short) for i in range(40)]
+    many = [run(bytes([i]) * short) for i in range(40)]
     frames, places = frames_of(many)
     copied = reply_frames.GATHER_MAX // short
     assert len(frames[0]) == copied * short and len(frames) == 1 + 40 - copied
     assert all(frames[f][base + 3] == i for i, (f, base) in enumerate(places))
     assert len(frames_of(many[:3], room=0)[0]) == 3
     # one short run alone gains nothing from a copy
-    assert frames_of(runs[:1]) == ([runs[0][0]], [(0, 0)])
+    assert frames_of(runs[:1]) == ([bytes(10)], [(0, 0)])
 
     # runs of a file the consumer reads itself are named, never touched, and numbered after the
     # frames; those too short for a pread are copied with the short runs, while there is room
-    class Mapped:
-        data = bytes(range(256)) * 200
-
-    mapped = Mapped()
+    mapped = Mapped(bytes(range(256)) * 200)
     files = {mapped: [3, 1, 2, 3, 4]}
     long_run = (mapped, 100, 100 + PREAD_BYTES)
-    runs = [long_run, (b"a" * 10, 0, 10), (b"b" * 20, 0, 20), (mapped, 7, 9)]
+    runs = [long_run, run(b"a" * 10), run(b"b" * 20), (mapped, 7, 9)]
     frames, ranges, places = reply_frames.ReplyFrames().make(runs, reply_frames.GATHER_MAX, files)
     assert [bytes(f) for f in frames] == [b"a" * 10 + b"b" * 20 + bytes([7, 8])]
     assert ranges == [[3, 100, PREAD_BYTES, 1, 2, 3, 4]]

@@ -2,24 +2,30 @@
 
 Lets a worker serve a shard's first samples before its download ends.  The file
 belongs to the download and changes under the reader: it grows, and it may be
-truncated (the download started over), replaced by a new file or renamed away
-(published).  So only complete samples are shown; the file is never mapped (a
-truncation gives a short read, :class:`NotYet`, never a fault); a replaced file
-is followed, its samples never mixed with the old one's; and its headers get
-the same checks as a finished shard's (:mod:`wdscache.shared.tarwalk`).  A
-:class:`GrowingShard` is not locked: it belongs to one thread.
+replaced by a new file (the download started over) or renamed away (published).  So only complete samples are shown; a replaced file is followed,
+its samples never mixed with the old one's; and its headers get the same checks
+as a finished shard's (:mod:`wdscache.shared.tarwalk`).  The same class walks a
+published shard a step at a time (``published``).  Payloads are served from a
+mapping of the file (:meth:`GrowingShard.mapped`), never copied: the agent never
+shortens a file in place (a download that starts over does so in a new file,
+:func:`~wdscache.agent.shard_download.truncate`; a parted download's partial file
+only ever grows, :mod:`wdscache.agent.parts`), so bytes below the size a mapping was
+made at stay there.  A :class:`GrowingShard` is not locked: it belongs to one thread.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Iterator
 from itertools import islice
 from typing import Any
 
 from ..shared.errors import ShardError
+from ..shared.layout import file_identity
 from ..shared.samples import SampleSpan, group_samples
 from ..shared.tarwalk import BLOCK, GZIP_MAGIC, HEAD_BYTES, FileSpan, tar_problem, walk
+from .shardview import ShardView
 
 # Samples a look walks past the one it needs: a download well under way is taken in a step
 # at a time, so the first reads of it wait for a short walk, not for all its headers so far.
@@ -38,15 +44,14 @@ class GrowingShard:
     :func:`~wdscache.agent.shardview.open_shard`), or, for a walk of a file already
     published (``published``: it never grows, and cut short it is damaged), once
     the walk reaches its end.  Each :meth:`refresh` walks only the headers that
-    arrived since the last complete sample.  Payloads are read with ``pread``,
-    never mapped: the download may truncate the file to start over, which would
-    fault a mapping; here it only gives a short read (:class:`NotYet`).  A
-    gzip'd download shows no samples: it is read once decompressed and published.
+    arrived since the last complete sample.  Headers are read with ``pread``;
+    payloads from :meth:`mapped`.  A gzip'd download shows no samples: it is read once decompressed and published.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, url: str, published: bool = False) -> None:
         self.url, self.path, self.published = url, os.fspath(path), published
         self._fd = os.open(self.path, os.O_RDONLY)  # FileNotFoundError: no download under way
+        self._map: ShardView | None = None  # the file's latest mapping, made by mapped()
         self._reset()
 
     def _reset(self) -> None:
@@ -75,11 +80,12 @@ class GrowingShard:
             # A new download of the shard started in a new file: follow it.
             fd = os.open(self.path, os.O_RDONLY)
             os.close(self._fd)
-            self._fd = fd
+            self._fd, self._map = fd, None
             self._reset()
         size = os.fstat(self._fd).st_size
-        if size < self._size:
-            self._reset()  # truncated: the download started over
+        if size < self._size:  # cut short behind the agent: what we knew of it is gone
+            self._map = None
+            self._reset()
         self._size = size
         if self._gzip is None and size >= 2:
             self._gzip = os.pread(self._fd, 2, 0) == GZIP_MAGIC
@@ -127,21 +133,30 @@ class GrowingShard:
         members = walk_from(fd, self._resume, size, url)
         return self.samples + [span for span, _ in group_samples(members, url, base=self._resume)]
 
-    def read(self, i: int) -> tuple[SampleSpan, bytes, int]:
-        """Sample ``i`` (complete by :meth:`refresh`): its span, and the bytes from its first
-        field's start to its last field's end, read in one call, with the offset they start at."""
-        span = self.samples[i]
-        first = span.fields[0][1]
-        last = span.fields[-1][1] + span.fields[-1][2]
-        data = os.pread(self._fd, last - first, first)
-        if len(data) < last - first:
-            raise NotYet(f"{self.url}: sample {i} is not in the file any more (its download started over)")
-        return span, data, first
+    def mapped(self, end: int) -> ShardView:
+        """The file read, mapped read-only as long as it is now, and at least ``end`` bytes
+        (the end of a sample :meth:`refresh` found complete): a sample's payloads lie at their
+        offsets in it. One mapping while it holds what is asked, a new one past it (a download
+        grows); a published file's is the whole file. NotYet if the file is shorter than
+        ``end``: it was cut short behind the agent (which starts a download over in a new file)."""
+        if self._map is None or len(self._map.data) < end:
+            try:
+                data = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            except ValueError:  # an empty file cannot be mapped
+                data = None
+            if data is None or len(data) < end:
+                if data is not None:
+                    data.close()
+                raise NotYet(f"{self.url}: {end} bytes are not in the file any more")
+            self._map = ShardView(data, url=self.url, samples=(), identity=file_identity(os.fstat(self._fd)))
+        return self._map
 
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        # Dropped, not closed: frames still queued in ZeroMQ may point into the mapping.
+        self._map = None
 
 
 def walk_from(fd: int, start: int, end: int, url: str, **options: Any) -> Iterator[tuple[str, int, int, int]]:

@@ -110,7 +110,8 @@ class ReplyFrames:
     def make(
         self, runs: list[list[Any]], room: int, files: dict[Any, list[int]], *, ranges_only: bool = False
     ) -> tuple[list[Any], list[list[int]], list[tuple[int, int]]]:
-        """The reply's frames and file ranges for ``runs`` (``[source, start, end]``), and
+        """The reply's frames and file ranges for ``runs`` (``[view, start, end]``: bytes of a
+        mapped shard, :class:`~wdscache.agent.shardview.ShardView`), and
         each run's place: the number of the frame that holds it (file ranges numbered after
         the frames) and where in that frame its first byte lies.
 
@@ -126,32 +127,29 @@ class ReplyFrames:
         copied = 0
         where: list[tuple[str, int]] = []  # run -> ("frame", number), ("file", number) or ("short", offset)
         for source, start, end in runs:
-            mapped = not isinstance(source, bytes)  # else a block of a download: already a copy
-            ref = files.get(source) if mapped and files else None
+            ref = files.get(source) if files else None
             # A range worth its pread, or one the room left cannot copy.
             if ref is not None and (ranges_only or end - start >= PREAD_BYTES or copied + end - start > room):
                 where.append(("file", len(ranges)))
                 ranges.append([ref[0], start, end - start, *ref[1:]])  # never touched here
                 continue
-            piece = source.data[start:end] if mapped else source
-            if mapped:
-                self.served.setdefault(source, [])  # its pages are mapped in as we copy or send
+            piece = source.data[start:end]
+            self.served.setdefault(source, [])  # its pages are mapped in as we copy or send
             if len(piece) < GATHER_BELOW and copied + len(piece) <= room:
                 where.append(("short", copied))
-                short.append((source if mapped else None, start, piece))
+                short.append((source, start, piece))
                 copied += len(piece)
             else:
                 where.append(("frame", len(frames)))
-                frames.append(self.zero_copy(source, start, piece) if mapped else piece)
+                frames.append(self.zero_copy(source, start, piece))
         if len(short) == 1:  # nothing to save by copying: it goes as it is
             where = [("frame", len(frames)) if kind == "short" else (kind, n) for kind, n in where]
             source, start, piece = short[0]
-            frames.append(piece if source is None else self.zero_copy(source, start, piece))
+            frames.append(self.zero_copy(source, start, piece))
         elif short:
             # Tracked: the copy counts against the budget until ZeroMQ has sent it.
             frames.insert(0, zmq.Frame(b"".join(piece for _, _, piece in short), track=True))
-            for source, start, piece in short:
-                if source is not None:  # copied from the mapping: its pages can go at the next drop
-                    self.served[source].append((None, start, start + len(piece)))
+            for source, start, piece in short:  # copied from the mapping: its pages can go at the next drop
+                self.served[source].append((None, start, start + len(piece)))
         first = {"frame": int(len(short) > 1), "file": len(frames)}
         return frames, ranges, [(0, n) if kind == "short" else (first[kind] + n, 0) for kind, n in where]

@@ -63,9 +63,10 @@ the shard's reads to until its count is final). Walks ahead wait while the agent
 them (a ``hold`` hint: a reader waits for a shard, and the CPU goes to what it waits for;
 the agent's latest hint holds, one of 0 seconds lets them go),
 but for a shard a reader holds as it is published (an ``index`` hint with ``now``): walked
-first, whatever the hold, since until then the reads of it copy their payloads.
+first, whatever the hold, since until then each read of it walks its headers further.
 A worker that reads a shard before that table comes walks it too, as far as its reads
-need. The report carries a secret
+need, and serves its payloads from the mapped file as a walked shard's (never copied:
+``GrowingShard.mapped``). The report carries a secret
 the agent gave its workers on their stdin, so no other peer can hand a worker a table;
 the one receiving it checks it against the file it has (same identity, every payload
 inside it).
@@ -368,10 +369,14 @@ class _Worker:
         # Per URL: its view, its samples and their placer (None: a download's), their count, its merge gap.
         shards: list[tuple[Any, Any, Any, int, int]] = []
         files: dict[Any, list[int]] = {}  # published plain shards the consumer reads: [url index, *identity]
+        # A download's (or a published shard's walk's) latest mapping served from: its payloads
+        # go as a view's do (zero-copy, or file ranges of a published file), never copied.
+        growing_maps: list[ShardView | None] = [None] * len(urls)
         for k, url in enumerate(urls):  # once per shard, not per sample
             view = self.shards.readable(url)
             if isinstance(view, GrowingShard):
-                shards.append((view, None, None, 0, 0))
+                ranged = view.published and (direct or places)  # a download's file is not the consumer's to read
+                shards.append((view, None, None, 0, DIRECT_GAP if ranged else MERGE_GAP))
                 continue
             if (direct or places) and isinstance(view, ShardView):
                 files[view] = [k, *view.identity]
@@ -419,15 +424,18 @@ class _Worker:
                     continue
             for k, j in zip(shard_of[a:b], index_of[a:b]):  # sample by sample
                 view, samples, placer, count, gap = shards[k]
-                if placer is None:  # a download under way
+                if placer is None:  # a download under way, or a walk of a published shard
                     if j >= len(view.samples):
                         self.shards.walk(urls[k], view, j)
                     if j >= len(view.samples):
                         raise NotYet(f"{urls[k]} has no complete sample {j} yet")
-                    span, block, first = view.read(j)
-                    key, names, place = placed((span,), 0)
-                    at = len(runs)
-                    runs.append([block, first, first + len(block)])
+                    key, names, place = placed(view.samples, j)
+                    mapped = view.mapped(place[-2] + place[-1])
+                    if mapped is not growing_maps[k]:  # a new mapping: no run of the old one grows into it
+                        growing_maps[k], latest[k] = mapped, None
+                        if view.published and (direct or places):
+                            files[mapped] = [k, *mapped.identity]
+                    at = _joined(runs, latest, k, mapped, place[0], place[-2] + place[-1], gap)
                 else:
                     if j >= count:
                         raise ProtocolError(f"{urls[k]} has no sample {j}")
