@@ -516,6 +516,114 @@ def test_a_shard_read_as_it_downloads_is_sent_from_its_file_not_copied(tmp_path,
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the download never ended")
 
 
+@pytest.mark.slow
+def test_a_download_that_starts_over_under_a_waiting_reply_leaves_it_whole_then_goes(
+    tmp_path, shard_server, dataset, start_agent
+):
+    """A download starts over (its source changed) while a reply sent from its mapped file
+    waits for its consumer: the worker goes on, the reply holds the bytes it named (the
+    old version's: the new download is a new file), and the deleted file's mapping, so its
+    disk space, goes once the reply is taken."""
+    from tests.helpers.versions import another_version, replace
+    from wdscache.shared.protocol import pack, pack_numbers, unpack
+
+    data = dataset(1, samples=12, payload=2_000_000)
+    (url,) = data.urls
+    want = reference(data.paths, data.urls)
+    first, second = threading.Event(), threading.Event()
+    name = data.paths[0].name
+    shard_server.fail(name, "stall", after=20_000_000, seconds=60, until=first, then="close")
+    cache = tmp_path / "cache"
+    agent = start_agent(
+        cache, data.list_file, "--no-shuffle", "--workers", "1", "--prefetch", "1", "--download-parts", "1"
+    )
+    partial = CacheLayout.of(cache).partial_path(url)
+    try:
+        wait_for(lambda: partial.exists() and partial.stat().st_size >= 20_000_000, 20, "the download never got far")
+        old = partial.stat().st_ino
+        (worker,) = worker_pids(agent.pid)
+        with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as (sock, proofs):
+            # Three replies of 16 MB: the socket takes in the first whole, the others wait in the worker.
+            for rid in ("r1", "r2", "r3"):
+                request = {"op": "read", "id": rid, "auth": proofs.request(rid), "urls": [url]}
+                sock.send_multipart(pack(request, pack_numbers([x for j in range(8) for x in (0, j)])))
+            wait_for(
+                lambda: any(m.startswith(str(partial)) for m in files_held(worker, cache)[1]),
+                10,
+                "the worker never mapped the download",
+            )
+            # The source changes: the resume meets another version and starts over in a new file.
+            replace(data.paths[0], another_version(data.paths[0].read_bytes()))
+            shard_server.fail(name, "stall", after=1_000_000, seconds=60, until=second)
+            first.set()
+            wait_for(lambda: partial.exists() and partial.stat().st_ino != old, 20, "the download never started over")
+            assert deleted_files_held(worker, cache), "the replies were sent already: the test shows nothing"
+            replies = []
+            for _ in range(3):
+                assert sock.poll(10_000), "no reply from the worker within 10 s"
+                replies.append(as_written(*unpack(sock.recv_multipart())))
+        for header, frames in replies:
+            assert header.get("ok"), header
+            got = {
+                (url, key): {
+                    ext: hashlib.sha256(frames[span[0]][offset : offset + n]).hexdigest()
+                    for ext, offset, n in zip(exts, span[1::2], span[2::2])
+                }
+                for key, exts, span in zip(header["keys"], header["exts"], header["spans"])
+            }
+            assert got == {k: want[k] for k in list(want)[:8]}
+        assert worker_pids(agent.pid) == [worker], "the worker died"
+        wait_for(
+            lambda: not deleted_files_held(worker, cache),
+            5,
+            lambda: f"the worker still holds {deleted_files_held(worker, cache)}",
+        )
+    finally:
+        first.set()
+        second.set()
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the download never ended")
+
+
+def test_a_read_of_more_downloads_than_a_worker_keeps_open_is_served(tmp_path, shard_server, dataset, start_agent):
+    """A read may name more shards still downloading than a worker keeps open (a shuffled
+    read while many download): the ones it lets go of meanwhile still serve that read."""
+    from wdscache.agent.open_shards import OPEN_SHARDS
+
+    n = OPEN_SHARDS + 2
+    data = dataset(n, samples=20, payload=2000)
+    resume = threading.Event()
+    for path in data.paths:
+        shard_server.fail(path.name, "stall", after=20_000, seconds=60, until=resume)
+    cache = tmp_path / "cache"
+    layout = CacheLayout.of(cache)
+    args = ("--no-shuffle", "--workers", "1", "--prefetch", str(n), "--download-workers", str(n))
+    agent = start_agent(cache, data.list_file, *args)
+    try:
+        wait_for(
+            lambda: all(
+                layout.partial_path(u).exists() and layout.partial_path(u).stat().st_size >= 20_000 for u in data.urls
+            ),
+            20,
+            "the downloads never got far",
+        )
+        items = [(k, j) for j in range(3) for k in range(n)]  # shards in turn, as a shuffled read takes them
+        header, frames = read_from_worker(cache, data.urls, items)
+    finally:
+        resume.set()
+    assert header.get("ok"), header
+    want = reference(data.paths, data.urls)
+    got = {
+        (data.urls[k], key): {
+            ext: hashlib.sha256(frames[span[0]][offset : offset + size]).hexdigest()
+            for ext, offset, size in zip(exts, span[1::2], span[2::2])
+        }
+        for (k, _), key, exts, span in zip(items, header["keys"], header["exts"], header["spans"])
+    }
+    assert got == {(data.urls[k], key): want[(data.urls[k], key)] for (k, _), key in zip(items, header["keys"])}
+    assert len(got) == len(items)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == n, 20, "the downloads never ended")
+
+
 def test_reply_frames_copy_short_runs_within_the_room_left() -> None:
     from wdscache.agent import reply_frames
     from wdscache.shared.protocol import PREAD_BYTES

@@ -33,7 +33,7 @@ WALK_STEP = 256
 
 
 class NotYet(Exception):
-    """A growing shard does not hold the sample asked for (its download started over)."""
+    """A growing shard does not hold the sample asked for (its file was cut short)."""
 
 
 class GrowingShard:
@@ -138,7 +138,8 @@ class GrowingShard:
         (the end of a sample :meth:`refresh` found complete): a sample's payloads lie at their
         offsets in it. One mapping while it holds what is asked, a new one past it (a download
         grows); a published file's is the whole file. NotYet if the file is shorter than
-        ``end``: it was cut short behind the agent (which starts a download over in a new file)."""
+        ``end``: cut short behind the agent, which starts a download over in a new file. A
+        file cut short in place while mapped would fault (SIGBUS) wherever its mapping is read."""
         if self._map is None or len(self._map.data) < end:
             try:
                 data = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)

@@ -19,8 +19,9 @@ Guarantees:
 
 - A view, download or walk is used only while its file is the one it opened (same identity):
   a replaced, published or evicted file is let go at the next sweep, within
-  :data:`SWEEP_EVERY`, so no deleted shard's disk space stays held, and no sample of one
-  version is served from another's bytes.
+  :data:`SWEEP_EVERY` (its mapping once ZeroMQ has sent the frames still queued from it),
+  so no deleted shard's disk space stays held past what consumers have yet to take, and
+  no sample of one version is served from another's bytes.
 - A table walked here is reported to the agent, which passes it on to the other workers and
   keeps it on disk (:mod:`wdscache.agent.table_files`); a table passed on,
   or read from the table file the agent kept, is taken only if it is of the file this worker
@@ -78,6 +79,9 @@ class OpenShards:
         self.views: OrderedDict[str, tuple[tuple[int, ...], Any]] = OrderedDict()
         self.index = SampleTables(INDEX_SAMPLES)
         self.growing: OrderedDict[str, GrowingShard] = OrderedDict()  # downloads being read
+        # Downloads let go of past OPEN_SHARDS, closed at the next sweep: the read that let go
+        # of one (it names more downloads than that) may still be serving it.
+        self.let_go: list[GrowingShard] = []
         # Shards the agent told us of (just published, or cached and wanted next): walked while
         # no request waits, so that the first read of one does not wait for a walk of its headers.
         self.to_index: deque[str] = deque(maxlen=INDEX_AHEAD)
@@ -88,11 +92,14 @@ class OpenShards:
 
     def held(self) -> bool:
         """Whether files are held open (to be swept for evicted ones on time)."""
-        return bool(self.views or self.growing)
+        return bool(self.views or self.growing or self.let_go)
 
     def sweep(self) -> None:
         """Let go of files evicted or replaced: an open descriptor or mapping would keep a
         deleted shard's disk space in use, and the agent counts on getting it back."""
+        for growing in self.let_go:
+            growing.close()
+        self.let_go.clear()
         for url, growing in list(self.growing.items()):
             if not growing.current():  # published or abandoned: give its descriptor back
                 self.growing.pop(url).close()
@@ -216,7 +223,7 @@ class OpenShards:
         finally:
             for seen in (growing, walker):
                 if seen is not None:
-                    seen.close()  # its payloads went out as copies
+                    seen.close()  # its mapping stays while frames of it are queued
         # The identity of the file opened, not of the path a moment before: a reply names it.
         self.views[url] = (view.identity, view)
         while len(self.views) > OPEN_SHARDS:
@@ -239,7 +246,7 @@ class OpenShards:
             view = self.growing[url] = GrowingShard(self.layout.partial_path(url), url=url)
             refresh = True
             while len(self.growing) > OPEN_SHARDS:
-                self.growing.popitem(last=False)[1].close()
+                self.let_go.append(self.growing.popitem(last=False)[1])
         self.growing.move_to_end(url)
         if refresh:
             view.refresh(len(view.samples))  # a step further: a look at the download answers soon
@@ -307,6 +314,8 @@ class OpenShards:
         return True
 
     def close(self) -> None:
-        for walker in self.walking.values():
+        for walker in [*self.walking.values(), *self.growing.values(), *self.let_go]:
             walker.close()
         self.walking.clear()
+        self.growing.clear()
+        self.let_go.clear()
