@@ -432,6 +432,9 @@ class _Worker:
                     key, names, place = placed(view.samples, j)
                     mapped = view.mapped(place[-2] + place[-1])
                     if mapped is not growing_maps[k]:  # a new mapping: no run of the old one grows into it
+                        if view.published and growing_maps[k] is not None:
+                            # The walk followed a new file at that path: one reply names one file a shard.
+                            raise NotYet(f"{urls[k]} was replaced while it was read")
                         growing_maps[k], latest[k] = mapped, None
                         if view.published and (direct or places):
                             files[mapped] = [k, *mapped.identity]
