@@ -14,6 +14,7 @@ import os
 import pty
 import select
 import shutil
+import socket
 import subprocess
 import tarfile
 import time
@@ -165,6 +166,19 @@ def test_index_that_cannot_read_a_shard_writes_nothing(tmp_path, shard_server):
         f"wdscache: error: no shards to index: the arguments hold no URL; {out} not written\n",
     )
     assert not out.exists()
+
+
+def test_index_gives_up_on_a_host_that_refuses_after_its_retries(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/a.tar"
+    out = tmp_path / "index.json"
+    r = run_wdscache("index", url, "-o", out, "--retries", "0")
+    assert r.returncode == 1, r.stderr
+    assert f"cannot fetch {url}" in r.stderr and "1 of 1 shards could not be read" in r.stderr, r.stderr
+    assert not out.exists()
+    r = run_wdscache("index", url, "-o", out, "--retries", "-1")
+    assert r.returncode == 2 and "--retries" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("endpoint", ["http://", "http://[zz]:5399", "http://h:port"])

@@ -355,8 +355,16 @@ def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None
     help="The index file to write (replaced atomically).",
 )
 @click.option("-j", "--jobs", default=4, type=click.IntRange(1, 64), help="Shards read at once.")
+@click.option(
+    "--retries",
+    envvar="WDSCACHE_RETRIES",
+    default=default("retries"),
+    type=click.IntRange(0),
+    show_envvar=True,
+    help="Retries of a shard that fails to download (with the agent's backoff) before it counts as not read.",
+)
 @_S3_ENDPOINT_URL
-def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str | None) -> None:
+def index(urls: tuple[str, ...], output: Path, jobs: int, retries: int, s3_endpoint_url: str | None) -> None:
     """Write a shard index (webdataset's wids JSON) of the shards URLS name.
 
     URLS are written as URL list lines are: URLs, brace patterns, s3:// prefixes or globs,
@@ -387,7 +395,7 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, s3_endpoint_url: str |
             raise ConfigError(f"no shards to index: the arguments hold no URL; {output} not written")
     except WdsCacheError as exc:
         _fail(exc)
-    fetcher = Fetcher(s3_endpoint_url=s3_endpoint_url)
+    fetcher = Fetcher(s3_endpoint_url=s3_endpoint_url, retries=retries)
     scratch = folder / f".wdscache-index-{os.getpid()}"
     try:
         scratch.mkdir(mode=0o700)
