@@ -100,11 +100,9 @@ def torch_loop(args: argparse.Namespace) -> None:
             # The epoch the next iteration reads, as the state says: one taken once the epoch's last
             # sample was out (before the save after the loop) may already name the next epoch.
             start_epoch = dataset.state_dict()["epoch"]
-    resumed_inside = ckpt is not None and bool(ckpt["data"])
     log = _Log(args.seen_log, rank, step) if args.seen_log else None
     for epoch in range(start_epoch, args.epochs):
-        if not (resumed_inside and epoch == start_epoch):
-            dataset.set_epoch(epoch)
+        dataset.set_epoch(epoch)  # the resumed epoch's too: a state just loaded keeps its rest
         loader = data_loader(dataset, args)
         t0, seen, steps = time.monotonic(), 0, 0
         for urls, keys, labels in loader:

@@ -79,6 +79,10 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
     assert sorted(together.values()) == [1] * 77 + [2] or sorted(together.values()) == [1] * 78
     head, tail = out["single"]
     assert len(head) == 15 and len(tail) == 63 and len(set(head + tail)) == 78
+    for taken, rest_after_set in zip(
+        [first, head], out["set_resumed"]
+    ):  # set_epoch of the resumed epoch keeps its rest
+        assert len(rest_after_set) == 63 and len(set(taken + rest_after_set)) == 78
     head, tail = out["near_end"]
     assert len(head) == 77 and len(tail) == 1 and len(set(head + tail)) == 78
     named, following = out["at_end"]  # (docs/api.md: a state at an epoch's end may name the next one)

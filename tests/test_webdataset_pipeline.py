@@ -156,6 +156,40 @@ def test_a_checkpoint_taken_after_the_epochs_last_sample_resumes_an_empty_rest(
     assert resumed.state_dict()["epoch"] == 2
 
 
+def test_set_epoch_of_the_epoch_a_loaded_state_resumes_keeps_its_rest(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # The usual loop sets every epoch at its top, the resumed one too (as DistributedSampler's
+    # set_epoch leaves torchdata's resumed sampler): that epoch's rest, not the whole of it again.
+    urls, _, list_file = dataset(3, samples=10, payload=100)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file)
+    for make in (
+        lambda: wdscache.CachedMultiLoader(urls, cache_dir=cache, job="loop"),
+        lambda: wdscache.WebDataset(urls, cache_dir=cache, job="loop"),
+    ):
+        first = make()
+        first.set_epoch(0)
+        it = iter(first)
+        out = [next(it)["__key__"] for _ in range(12)]
+        state = first.state_dict()
+        it.close()
+        whole = [s["__key__"] for s in first]  # epoch 1, after the first left unfinished
+        resumed = make()
+        resumed.load_state_dict(state)
+        seen = []
+        for epoch in range(state["epoch"], 2):
+            resumed.set_epoch(epoch)
+            seen.append([s["__key__"] for s in resumed])
+        assert len(seen[0]) == 18 and sorted(out + seen[0]) == sorted(whole)  # the rest of epoch 0, each once
+        assert len(seen[1]) == 30 and seen[1] == whole  # then epoch 1, whole, in its order
+        # Another epoch set after the load is that epoch from its start, as before.
+        other = make()
+        other.load_state_dict(state)
+        other.set_epoch(1)
+        assert [s["__key__"] for s in other] == whole
+
+
 def test_set_epoch_and_load_state_dict_name_the_next_epoch_in_a_checkpoint(
     dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -83,6 +83,14 @@ def stateful(cache: str) -> dict[str, Any]:
     dl0 = StatefulDataLoader(loader(cache, 0, 1), batch_size=5)
     dl0.load_state_dict(state0)
     out["single"] = [head, [i for batch in dl0 for i in ids(batch)]]
+    # The usual loop sets the resumed epoch at its top too: its rest, with workers or without.
+    out["set_resumed"] = []
+    for workers_, state_ in ((2, state), (0, state0)):
+        ds = loader(cache, 0, 1)
+        resumed = StatefulDataLoader(ds, batch_size=3 if workers_ else 5, num_workers=workers_)
+        resumed.load_state_dict(state_)
+        ds.set_epoch(0)
+        out["set_resumed"].append([i for batch in resumed for i in ids(batch)])
     dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2)
     dl.load_state_dict(state)
     second: list[str] = []

@@ -290,9 +290,19 @@ class CachedMultiLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration epoch ``epoch``, from its start (a checkpoint taken from now on
-        says so, not where an epoch left unfinished stands)."""
+        says so, not where an epoch left unfinished stands); but a state just loaded that resumes
+        epoch ``epoch`` stays as it is (as ``DistributedSampler.set_epoch`` leaves torchdata's
+        resumed sampler), so that a loop that sets every epoch, the resumed one too, reads its
+        rest, not the whole of it again."""
+        if self._resumes(epoch):
+            return
         self._let_go_of_current()
         self._next = NextEpoch(epoch)
+        self._resumed_from = None
+
+    def _resumes(self, epoch: int) -> bool:
+        """Whether the next iteration resumes epoch ``epoch`` from a state loaded since the last one began."""
+        return self._resumed_from is not None and self._next.epoch == epoch
 
     def _let_go_of_current(self) -> None:
         """The epoch under way is over for checkpoints: the next iteration's start is the position."""

@@ -237,11 +237,15 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     # -- the loader's, for DataLoader, StatefulDataLoader and training loops -------
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (its seeded order), from its start (pipe:
-        shards: nothing, as webdataset has no epochs)."""
-        if self.loader is not None:
-            self.loader.set_epoch(epoch)
-        self._cut_items = self._resumed_items = 0  # a checkpoint now names that epoch's start, none of it out
+        """Make the next iteration epoch ``epoch`` (its seeded order), from its start, unless a
+        state just loaded resumes that epoch (see the loader's ``set_epoch``); pipe: shards:
+        nothing, as webdataset has no epochs."""
+        if self.loader is None:
+            return
+        kept = self.loader._resumes(epoch)
+        self.loader.set_epoch(epoch)
+        if not kept:
+            self._cut_items = self._resumed_items = 0  # a checkpoint now names that epoch's start, none of it out
 
     def state_dict(self) -> dict[str, Any]:
         loader = self._loader("state_dict()")
