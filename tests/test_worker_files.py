@@ -18,7 +18,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -185,20 +188,19 @@ def test_workers_hold_their_walks_ahead_while_a_reader_waits_for_a_shard(tmp_pat
     assert sum(w["walked"] for w in s["agent"]["workers"]) == 3, s["agent"]["workers"]
 
 
-@pytest.mark.slow
-def test_a_worker_restarted_while_a_reader_waits_holds_its_walks_ahead_too(
-    tmp_path, shard_server, dataset, start_agent
-):
-    """A worker that registers while the others hold their walks ahead (one restarted after a
-    crash) is told to hold before it is told of the shards published meanwhile: it does not
-    walk them ahead of what the reader waits for."""
-    data = dataset(2, samples=20, payload=2000)
-    unheld, waited = data.urls
+@contextmanager
+def published_while_a_reader_waits(
+    tmp_path: Path, shard_server: Any, dataset: Any, start_agent: Any, payload: int
+) -> Iterator[tuple[Any, Any]]:
+    """An agent with one worker whose first shard is published while a reader waits for the
+    second one's download, which goes on when the block ends: walks ahead are held meanwhile.
+    Yields the agent and the dataset (``urls``: the published shard's, the awaited one's)."""
+    data = dataset(2, samples=20, payload=payload)
+    waited = data.urls[1]
     publish, end_wait = threading.Event(), threading.Event()
     shard_server.fail(data.paths[0].name, "stall", after=0, seconds=60, until=publish)
     shard_server.fail(data.paths[1].name, "stall", after=1000, seconds=60, until=end_wait)
     agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "1", "--workers", "1")
-    tables = CacheLayout.of(agent.cache_dir)
     try:
         with ShardClient(agent.cache_dir, timeout=30) as waiting:
             reader = threading.Thread(target=lambda: waiting.open(waited), daemon=True)
@@ -206,24 +208,37 @@ def test_a_worker_restarted_while_a_reader_waits_holds_its_walks_ahead_too(
             agent.wait_stats(lambda s: s["agent"]["demanded"] >= 1, 20, "the reader's wait registered")
             publish.set()
             agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the other shard published")
-            (old,) = worker_pids(agent.pid)
-            os.kill(old, signal.SIGKILL)
-            wait_for(lambda: worker_pids(agent.pid) not in ([], [old]), 20, "the worker never restarted")
-            # Once it answers a read (of the shard still downloading: "pending"), it has sent its
-            # first report, which registers it; the agent then tells it of the published shard.
-            header, _ = read_from_worker(agent.cache_dir, [waited], [(0, 0)])
-            assert header.get("kind") == "pending", header
-            until = time.monotonic() + 1.0
-            while time.monotonic() < until:
-                assert not tables.table_path(unheld).exists(), "the restarted worker walked ahead while a reader waited"
-                time.sleep(0.05)
+            yield agent, data
             assert reader.is_alive(), "the wait ended too soon: the test shows nothing"
             end_wait.set()
             reader.join(30)
-        wait_for(lambda: tables.table_path(unheld).exists(), 20, "the shard walked once the wait ended")
     finally:
         publish.set()
         end_wait.set()
+
+
+@pytest.mark.slow
+def test_a_worker_restarted_while_a_reader_waits_holds_its_walks_ahead_too(
+    tmp_path, shard_server, dataset, start_agent
+):
+    """A worker that registers while the others hold their walks ahead (one restarted after a
+    crash) is told to hold before it is told of the shards published meanwhile: it does not
+    walk them ahead of what the reader waits for."""
+    with published_while_a_reader_waits(tmp_path, shard_server, dataset, start_agent, 2000) as (agent, data):
+        unheld, waited = data.urls
+        tables = CacheLayout.of(agent.cache_dir)
+        (old,) = worker_pids(agent.pid)
+        os.kill(old, signal.SIGKILL)
+        wait_for(lambda: worker_pids(agent.pid) not in ([], [old]), 20, "the worker never restarted")
+        # Once it answers a read (of the shard still downloading: "pending"), it has sent its
+        # first report, which registers it; the agent then tells it of the published shard.
+        header, _ = read_from_worker(agent.cache_dir, [waited], [(0, 0)])
+        assert header.get("kind") == "pending", header
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            assert not tables.table_path(unheld).exists(), "the restarted worker walked ahead while a reader waited"
+            time.sleep(0.05)
+    wait_for(lambda: tables.table_path(unheld).exists(), 20, "the shard walked once the wait ended")
 
 
 def test_a_published_shard_read_before_it_is_walked_is_served_from_its_file_not_copied(
@@ -233,28 +248,11 @@ def test_a_published_shard_read_before_it_is_walked_is_served_from_its_file_not_
     waits for another shard) is served as a walked one is: a consumer that sees the cache
     reads its payloads from the file itself, the worker copies none of them (a worker once
     copied up to a read's 32 samples, 320 MB of 10 MB samples, into its own memory)."""
-    data = dataset(2, samples=20, payload=20_000)
-    unheld, waited = data.urls
-    publish, end_wait = threading.Event(), threading.Event()
-    shard_server.fail(data.paths[0].name, "stall", after=0, seconds=60, until=publish)
-    shard_server.fail(data.paths[1].name, "stall", after=1000, seconds=60, until=end_wait)
-    agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "1", "--workers", "1")
-    layout = CacheLayout.of(agent.cache_dir)
-    try:
-        with ShardClient(agent.cache_dir, timeout=30) as waiting:
-            reader = threading.Thread(target=lambda: waiting.open(waited), daemon=True)
-            reader.start()
-            agent.wait_stats(lambda s: s["agent"]["demanded"] >= 1, 20, "the reader's wait registered")
-            publish.set()
-            agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the other shard published")
-            header, frames = read_from_worker(agent.cache_dir, [unheld], [(0, j) for j in range(20)], direct=True)
-            assert not layout.table_path(unheld).exists(), "walked before the read: the test shows nothing"
-            assert reader.is_alive(), "the wait ended before the read: walks were not held"
-            end_wait.set()
-            reader.join(30)
-    finally:
-        publish.set()
-        end_wait.set()
+    with published_while_a_reader_waits(tmp_path, shard_server, dataset, start_agent, 20_000) as (agent, data):
+        unheld = data.urls[0]
+        layout = CacheLayout.of(agent.cache_dir)
+        header, frames = read_from_worker(agent.cache_dir, [unheld], [(0, j) for j in range(20)], direct=True)
+        assert not layout.table_path(unheld).exists(), "walked before the read: the test shows nothing"
     assert header.get("ok") and len(header["keys"]) == 20, header
     assert sum(len(f) for f in frames) < 20 * 20_000 // 10, "the worker sent payloads it copied"
     cache_file = layout.shard_path(unheld).read_bytes()
