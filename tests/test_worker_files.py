@@ -464,6 +464,35 @@ def test_any_mix_of_items_gets_each_samples_exact_bytes_and_neighbours_share_a_r
         assert "has no sample" in header["error"], header
 
 
+def replied_fields(header: dict, frames: list, urls: list[str]) -> dict[tuple[str, str], dict[str, str]]:
+    """(url, key) -> {ext: sha256} of a reply written out (``as_written``) whose payloads all came
+    in its frames, the URL of each sample as ``urls`` names it, in order."""
+    return {
+        (url, key): {
+            ext: hashlib.sha256(frames[span[0]][offset : offset + n]).hexdigest()
+            for ext, offset, n in zip(exts, span[1::2], span[2::2])
+        }
+        for url, key, exts, span in zip(urls, header["keys"], header["exts"], header["spans"])
+    }
+
+
+def download_held_at_20_mb(
+    tmp_path: Path, shard_server: Any, dataset: Any, start_agent: Any, until: threading.Event, **stall: Any
+) -> tuple[Any, Any, Path]:
+    """An agent (one worker, one connection a download) downloading a shard of 12 samples of
+    2 MB, held at 20 MB until ``until`` is set (``stall``: more of the fault's parameters):
+    the agent, the dataset and the partial file, once it holds those 20 MB."""
+    data = dataset(1, samples=12, payload=2_000_000)
+    shard_server.fail(data.paths[0].name, "stall", after=20_000_000, seconds=60, until=until, **stall)
+    cache = tmp_path / "cache"
+    agent = start_agent(
+        cache, data.list_file, "--no-shuffle", "--workers", "1", "--prefetch", "1", "--download-parts", "1"
+    )
+    partial = CacheLayout.of(cache).partial_path(data.urls[0])
+    wait_for(lambda: partial.exists() and partial.stat().st_size >= 20_000_000, 20, "the download never got far")
+    return agent, data, partial
+
+
 def test_a_shard_read_as_it_downloads_is_sent_from_its_file_not_copied(tmp_path, shard_server, dataset, start_agent):
     """A worker serves a download's complete samples from a mapping of its partial file, as
     it serves a cached shard: a reply its consumer has not taken yet holds no copy of them
@@ -471,18 +500,10 @@ def test_a_shard_read_as_it_downloads_is_sent_from_its_file_not_copied(tmp_path,
     and the pages it sent leave the worker's memory."""
     from wdscache.shared.protocol import pack, pack_numbers, unpack
 
-    data = dataset(1, samples=12, payload=2_000_000)
-    (url,) = data.urls
     resume = threading.Event()
-    shard_server.fail(data.paths[0].name, "stall", after=20_000_000, seconds=60, until=resume)
-    cache = tmp_path / "cache"
-    # One connection: the stall then holds the partial file at 20 MB.
-    agent = start_agent(
-        cache, data.list_file, "--no-shuffle", "--workers", "1", "--prefetch", "1", "--download-parts", "1"
-    )
-    partial = CacheLayout.of(cache).partial_path(url)
     try:
-        wait_for(lambda: partial.exists() and partial.stat().st_size >= 20_000_000, 20, "the download never got far")
+        agent, data, _ = download_held_at_20_mb(tmp_path, shard_server, dataset, start_agent, resume)
+        ((url,), cache) = data.urls, agent.cache_dir
         worker = worker_pids(agent.pid)[0]
         before, file_pages = rss_kib(worker, "RssAnon"), rss_kib(worker, "RssFile")
         # It takes in little until we read: the reply waits in the worker.
@@ -495,15 +516,8 @@ def test_a_shard_read_as_it_downloads_is_sent_from_its_file_not_copied(tmp_path,
             header, frames = as_written(*unpack(sock.recv_multipart()))
         assert header.get("ok") and header["proof"] == proofs.reply("r1"), header
         assert held < 4 * 1024, f"the worker held {held} KiB of its own memory for a 16 MB reply"
-        got = {
-            (url, key): {
-                ext: hashlib.sha256(frames[span[0]][offset : offset + n]).hexdigest()
-                for ext, offset, n in zip(exts, span[1::2], span[2::2])
-            }
-            for key, exts, span in zip(header["keys"], header["exts"], header["spans"])
-        }
         want = reference(data.paths, data.urls)
-        assert got == {k: want[k] for k in list(want)[:8]}
+        assert replied_fields(header, frames, [url] * 8) == {k: want[k] for k in list(want)[:8]}
         wait_for(
             lambda: rss_kib(worker, "RssFile") - file_pages < 2 * 1024,
             5,
@@ -525,19 +539,11 @@ def test_a_download_that_starts_over_under_a_waiting_reply_leaves_it_whole_then_
     from tests.helpers.versions import another_version, replace
     from wdscache.shared.protocol import pack, pack_numbers, unpack
 
-    data = dataset(1, samples=12, payload=2_000_000)
-    (url,) = data.urls
-    want = reference(data.paths, data.urls)
     first, second = threading.Event(), threading.Event()
-    name = data.paths[0].name
-    shard_server.fail(name, "stall", after=20_000_000, seconds=60, until=first, then="close")
-    cache = tmp_path / "cache"
-    agent = start_agent(
-        cache, data.list_file, "--no-shuffle", "--workers", "1", "--prefetch", "1", "--download-parts", "1"
-    )
-    partial = CacheLayout.of(cache).partial_path(url)
     try:
-        wait_for(lambda: partial.exists() and partial.stat().st_size >= 20_000_000, 20, "the download never got far")
+        agent, data, partial = download_held_at_20_mb(tmp_path, shard_server, dataset, start_agent, first, then="close")
+        ((url,), cache, name) = data.urls, agent.cache_dir, data.paths[0].name
+        want = reference(data.paths, data.urls)
         old = partial.stat().st_ino
         (worker,) = worker_pids(agent.pid)
         with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as (sock, proofs):
@@ -562,14 +568,7 @@ def test_a_download_that_starts_over_under_a_waiting_reply_leaves_it_whole_then_
                 replies.append(as_written(*unpack(sock.recv_multipart())))
         for header, frames in replies:
             assert header.get("ok"), header
-            got = {
-                (url, key): {
-                    ext: hashlib.sha256(frames[span[0]][offset : offset + n]).hexdigest()
-                    for ext, offset, n in zip(exts, span[1::2], span[2::2])
-                }
-                for key, exts, span in zip(header["keys"], header["exts"], header["spans"])
-            }
-            assert got == {k: want[k] for k in list(want)[:8]}
+            assert replied_fields(header, frames, [url] * 8) == {k: want[k] for k in list(want)[:8]}
         assert worker_pids(agent.pid) == [worker], "the worker died"
         wait_for(
             lambda: not deleted_files_held(worker, cache),
@@ -610,15 +609,8 @@ def test_a_read_of_more_downloads_than_a_worker_keeps_open_is_served(tmp_path, s
         resume.set()
     assert header.get("ok"), header
     want = reference(data.paths, data.urls)
-    got = {
-        (data.urls[k], key): {
-            ext: hashlib.sha256(frames[span[0]][offset : offset + size]).hexdigest()
-            for ext, offset, size in zip(exts, span[1::2], span[2::2])
-        }
-        for (k, _), key, exts, span in zip(items, header["keys"], header["exts"], header["spans"])
-    }
-    assert got == {(data.urls[k], key): want[(data.urls[k], key)] for (k, _), key in zip(items, header["keys"])}
-    assert len(got) == len(items)
+    got = replied_fields(header, frames, [data.urls[k] for k, _ in items])
+    assert len(got) == len(items) and got == {uk: want[uk] for uk in got}
     agent.wait_stats(lambda s: s["shards"]["cached"] == n, 20, "the downloads never ended")
 
 
