@@ -2,15 +2,17 @@
 
 Lets a worker serve a shard's first samples before its download ends.  The file
 belongs to the download and changes under the reader: it grows, and it may be
-replaced by a new file (the download started over) or renamed away (published).  So only complete samples are shown; a replaced file is followed,
-its samples never mixed with the old one's; and its headers get the same checks
-as a finished shard's (:mod:`wdscache.shared.tarwalk`).  The same class walks a
+replaced by a new file (the download started over) or renamed away (published).
+So only complete samples are shown; a replaced file is followed, its samples
+never mixed with the old one's; and its headers get the same checks as a
+finished shard's (:mod:`wdscache.shared.tarwalk`).  The same class walks a
 published shard a step at a time (``published``).  Payloads are served from a
 mapping of the file (:meth:`GrowingShard.mapped`), never copied: the agent never
 shortens a file in place (a download that starts over does so in a new file,
 :func:`~wdscache.agent.shard_download.truncate`; a parted download's partial file
-only ever grows, :mod:`wdscache.agent.parts`), so bytes below the size a mapping was
-made at stay there.  A :class:`GrowingShard` is not locked: it belongs to one thread.
+only ever grows, :mod:`wdscache.agent.parts`), so bytes below the size a mapping
+was made at stay there.  A :class:`GrowingShard` is not locked: it belongs to one
+thread.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class GrowingShard:
     published (``published``: it never grows, and cut short it is damaged), once
     the walk reaches its end.  Each :meth:`refresh` walks only the headers that
     arrived since the last complete sample.  Headers are read with ``pread``;
-    payloads from :meth:`mapped`.  A gzip'd download shows no samples: it is read once decompressed and published.
+    payloads from :meth:`mapped`.  A gzip'd download shows no samples: it is read
+    once decompressed and published.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, url: str, published: bool = False) -> None:
