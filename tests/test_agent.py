@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -350,6 +351,27 @@ def test_a_bad_option_value_is_refused_naming_it(dataset, run_cli, tmp_path, opt
     r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--workers", "1", option, value, timeout=20)
     assert r.returncode == 2 and f"wdscache: error: {says}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not cache.exists()
+
+
+def test_an_endpoint_that_cannot_be_bound_is_refused_naming_it(dataset, run_cli, tmp_path):
+    ds = dataset(1)
+    with socket.socket() as taken:  # a port someone else listens on
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for endpoint, says in [
+            (f"tcp://127.0.0.1:{port}", f"cannot listen on tcp://127.0.0.1:{port} (Address already in use)"),
+            # A folder that is not there; user info and a signature in it are never printed.
+            (
+                "ipc://u:SECRET@none/agent.sock?sig=SIGNED",
+                "cannot listen on ipc://***@none/agent.sock?sig=*** (No such file",
+            ),
+        ]:
+            cache = tmp_path / "cache"
+            r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--endpoint", endpoint, timeout=20)
+            assert r.returncode == 2, r.stderr
+            assert f"wdscache: error: {says}" in r.stderr and "choose another --endpoint" in r.stderr, r.stderr
+            assert not any(word in r.stderr for word in ("Traceback", "SECRET", "SIGNED")), r.stderr
 
 
 def test_budget_too_small_for_the_prefetch_window_is_refused(shard_server, dataset, run_cli, start_agent, tmp_path):

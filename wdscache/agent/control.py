@@ -22,6 +22,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,10 @@ from typing import Any
 
 import zmq
 
-from ..shared.errors import ProtocolError
+from ..shared.errors import ConfigError, ProtocolError
 from ..shared.logs import get_logger
 from ..shared.protocol import PROTOCOL, client_key, pack, proof, same_secret, unpack
+from ..shared.redact import redact_urls
 
 log = get_logger(__name__)
 
@@ -84,9 +86,14 @@ class ControlSocket:
                 path.chmod(0o600)
             else:
                 sock.bind(endpoint)
-        except BaseException:
+        except BaseException as exc:
             sock.close(0)
             self._ctx.term()
+            if isinstance(exc, zmq.ZMQError):  # in use, or a folder that is not there: the option's fault
+                # os.strerror: ZeroMQ's own message repeats the endpoint, unredacted.
+                raise ConfigError(
+                    f"cannot listen on {redact_urls(endpoint)} ({os.strerror(exc.errno or 0)}): choose another --endpoint"
+                ) from None
             raise
         self._sock = sock
         self._poller = zmq.Poller()
