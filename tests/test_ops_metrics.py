@@ -88,6 +88,34 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
     assert down[("wdscache_cache_bytes", ())] - down[("wdscache_cache_table_bytes", ())] == size
 
 
+def test_a_job_named_by_a_url_shows_in_metrics_redacted(tmp_path, dataset, start_agent, run_cli):
+    from tests.helpers.waits import wait_for
+
+    data = dataset(1, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--metrics-port", "0")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the shard cached")
+    state = json.loads((cache / "agent.json").read_text())
+    job = "http://u:SECRET@h/a?sig=SIGNED"
+    conn = AgentConnection(state["endpoint"], timeout=10, cache_dir=cache)
+    try:
+        assert conn.request(Requests("r1").hello(job, 0, 1))["ok"]
+        assert conn.request({"op": "report", "reader": "r1", "samples": 3, "epoch": 0, "position": 3})["ok"]
+
+        def scraped() -> str:
+            with urllib.request.urlopen(state["metrics"], timeout=5) as reply:
+                return reply.read().decode()
+
+        text = wait_for(lambda: "wdscache_consumer_samples_total{" in (t := scraped()) and t, 10, "no rank on /metrics")
+        printed = run_cli("stats", "--cache-dir", cache, "--prometheus").stdout
+    finally:
+        conn.close()
+    redacted = (("job", "http://***@h/a?sig=***"), ("rank", "0"))
+    for metrics in (text, printed):  # the same text, whoever shows it
+        assert "SECRET" not in metrics and "SIGNED" not in metrics, metrics
+        assert _samples(metrics)[("wdscache_consumer_samples_total", redacted)] == 3
+
+
 def test_metrics_bind_loopback_unless_allow_remote(tmp_path, dataset, run_cli):
     data = dataset(1)
     r = run_cli(

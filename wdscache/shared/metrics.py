@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import ConfigError
+from .redact import redact_urls
 from .verdict import KINDS, verdicts
 
 EXTRA = "pip install prometheus_client (the package's metrics extra)"
@@ -129,7 +130,7 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     for job, ranks in sorted(s.get("jobs", {}).items()):
         for rank, r in sorted(ranks.items()):
             for key, rank_family in per_rank.items():
-                rank_family.add_metric([job, rank], r.get(key, 0))
+                rank_family.add_metric([redact_urls(job), rank], r.get(key, 0))  # a name is the user's choice
     yield from per_rank.values()
     starved = GaugeMetricFamily(
         "wdscache_job_starved", "1 if the job is starved, by its reason", labels=["job", "reason"]
@@ -137,7 +138,7 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     for job, v in sorted(verdicts(s).items()):
         if job in s.get("jobs", {}):
             for kind in KINDS:
-                starved.add_metric([job, kind], 1 if v.kind == kind else 0)
+                starved.add_metric([redact_urls(job), kind], 1 if v.kind == kind else 0)
     yield starved
 
 
