@@ -804,7 +804,7 @@ def test_shard_files_deleted_behind_the_agents_back_are_downloaded_again(
 
 @pytest.mark.slow
 def test_corrupt_index_is_set_aside_and_cached_shards_are_adopted_not_downloaded(
-    shard_server, dataset, start_agent, consumers, tmp_path
+    shard_server, dataset, start_agent, consumers, run_cli, tmp_path
 ):
     ds = dataset(4, samples=10, payload=2000)
     cache = tmp_path / "cache"
@@ -816,6 +816,12 @@ def test_corrupt_index_is_set_aside_and_cached_shards_are_adopted_not_downloaded
     assert db.is_file()
     db.write_bytes(b"this is not an SQLite database \x00\xff" * 512)
     requests_before = len(shard_server.requests)
+    # Without an agent, the commands that read the index say what is wrong, and what happens next.
+    for command in (["stats"], ["stats", "--json"], ["stats", "--prometheus"], ["ls"]):
+        r = run_cli(*command, "--cache-dir", cache, timeout=20)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert f"wdscache: error: cannot read the index in {db.parent} (file is not a database)" in r.stderr, r.stderr
+        assert "the agent moves it aside at its next start" in r.stderr, r.stderr
 
     # An adopted copy's version is unknown (its record went with the index): revalidated, it would
     # be downloaded again; without revalidation it is served as it is.

@@ -38,7 +38,7 @@ from ..shared.errors import (
     ShardError,
     WdsCacheError,
 )
-from ..shared.index import Index, ShardState, read_summary
+from ..shared.index import ShardState, read_index, read_summary
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger, iso_time
 from ..shared.messages import Requests
@@ -131,7 +131,7 @@ def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     layout = _layout(cache_dir)
     with _agent(layout, flush=True):
         pass
-    index = Index(layout.index_dir, read_only=_read_only(layout))
+    index = read_index(layout.index_dir, read_only=_read_only(layout))
     try:
         return [
             {

@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sqlite3
 import time
 from collections.abc import Container, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..shared.index import Index, ShardState
+from ..shared.index import DAMAGED, Index, ShardState
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
 from ..shared.tarwalk import GZIP_MAGIC, file_problem
@@ -157,7 +156,7 @@ def open_index(layout: CacheLayout) -> tuple[Index, bool]:
     """
     try:
         index = Index(layout.index_dir)
-    except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:
+    except DAMAGED as exc:
         aside = layout.root / f"index.corrupt-{int(time.time())}"
         log.error("the index is unreadable (%s); moved it to %s and starting a new one", exc, aside)
         os.replace(layout.index_dir, aside)

@@ -60,6 +60,21 @@ class IndexWriteError(WdsCacheError):
     """The index could not be written (its file system is full, say); nothing changed."""
 
 
+class IndexReadError(WdsCacheError):
+    """The index cannot be read: it is damaged (the agent's next start moves it aside)."""
+
+
+# What opening or reading a damaged index raises (sqlite's own error, or values that are not ours).
+DAMAGED = (sqlite3.DatabaseError, ValueError, TypeError, KeyError)
+
+
+def _damaged(directory: Path, exc: BaseException) -> IndexReadError:
+    return IndexReadError(
+        f"cannot read the index in {directory} ({exc}): it is damaged; the agent moves it aside at its "
+        "next start and finds the cached shards again"
+    )
+
+
 class ShardState(str, enum.Enum):
     """Where a shard is in its life. Only CACHED shards are ever read.
 
@@ -331,20 +346,32 @@ class Index:
 
 
 def read_summary(directory: Path, *, read_only: bool = False) -> tuple[dict, dict[str, int], dict]:
-    """The stored summary, counters and meta of an index, without loading its records."""
+    """The stored summary, counters and meta of an index, without loading its records;
+    IndexReadError if it is damaged."""
     db: diskcache.Cache | _ReadOnlyStore
-    if read_only:
-        db = _ReadOnlyStore(directory, keys=(_SUMMARY, _META, *COUNTERS))
-    else:
-        db = diskcache.Cache(str(directory), eviction_policy="none", size_limit=1 << 62)
     try:
-        text = db.get(_SUMMARY)
-        summary = json.loads(text) if isinstance(text, str) else asdict(Summary())
-        meta = db.get(_META)
-        meta = json.loads(meta) if isinstance(meta, str) else {}
-        return summary, {name: int(db.get(name, 0)) for name in COUNTERS}, meta
-    finally:
-        db.close()
+        if read_only:
+            db = _ReadOnlyStore(directory, keys=(_SUMMARY, _META, *COUNTERS))
+        else:
+            db = diskcache.Cache(str(directory), eviction_policy="none", size_limit=1 << 62)
+        try:
+            text = db.get(_SUMMARY)
+            summary = json.loads(text) if isinstance(text, str) else asdict(Summary())
+            meta = db.get(_META)
+            meta = json.loads(meta) if isinstance(meta, str) else {}
+            return summary, {name: int(db.get(name, 0)) for name in COUNTERS}, meta
+        finally:
+            db.close()
+    except DAMAGED as exc:
+        raise _damaged(directory, exc) from None
+
+
+def read_index(directory: Path, *, read_only: bool = False) -> Index:
+    """The index in ``directory``, for a command that only reads it; IndexReadError if it is damaged."""
+    try:
+        return Index(directory, read_only=read_only)
+    except DAMAGED as exc:
+        raise _damaged(directory, exc) from None
 
 
 class _ReadOnlyStore:
