@@ -16,7 +16,7 @@ import pytest
 import wdscache
 from wdscache.agent.shard_download import DiskFull
 from wdscache.shared import errors
-from wdscache.shared.index import IndexWriteError
+from wdscache.shared.index import IndexReadError, IndexWriteError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,7 @@ EXAMPLES: list[errors.WdsCacheError] = [
     errors.NotTrustedError("the agent cannot prove it holds the token"),
     errors.NoCacheError(cache_dir="/cache"),
     IndexWriteError("cannot write the index: disk full"),
+    IndexReadError("cannot read the index in /cache/index (file is not a database): it is damaged"),
 ]
 
 
