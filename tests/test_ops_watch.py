@@ -20,12 +20,23 @@ from wdscache.shared.messages import Requests
 from wdscache.shared.verdict import verdicts
 
 
-def _stats(*, waiting: float, demanded: int = 0, need: int = 0, busy: float = 0.1) -> dict:
+def _stats(
+    *,
+    waiting: float,
+    demanded: int = 0,
+    need: int = 0,
+    busy: float = 0.1,
+    queued: int = 0,
+    retrying: tuple[dict, ...] = (),
+) -> dict:
     return {
         "bytes_limit": 1000,
+        "shards": {"cached": 1, "downloading": 2, "queued": queued, "failed": 0},
+        "download_rate": 3 * 1024,
         "agent": {
             "pid": 1,
             "demanded": demanded,
+            "retrying": list(retrying),
             "need_bytes": need,
             "workers": [{"index": 0, "busy": busy}, {"index": 1, "busy": busy}],
         },
@@ -49,7 +60,20 @@ def test_each_verdict_names_its_cause_and_what_to_do():
         line(waiting=0.5, need=2048, demanded=3)
         == "starved by the budget: the cache thrashes, needs 2.0K (--cache-size 2048)"
     )
-    assert line(waiting=0.5, demanded=1, busy=1.0) == "starved by downloads: raise --download-workers or --prefetch"
+    error = {"url": "http://h/a.tar", "error": "attempt 3 of 9 failed: HTTP 503 Service Unavailable", "demanded": True}
+    prefetch = {**error, "url": "http://h/b.tar", "demanded": False}
+    assert line(waiting=0.5, demanded=1, queued=2, retrying=(prefetch, error)) == (
+        "starved by a failing source: 1 download(s) waited for fail and are retried "
+        "(http://h/a.tar: attempt 3 of 9 failed: HTTP 503 Service Unavailable): check the source"
+    )
+    # Downloads a reader does not wait for fail: not what it waits for.
+    assert line(waiting=0.5, demanded=1, queued=2, retrying=(prefetch,)) == (
+        "starved by downloads: shards wait for a download slot: raise --download-workers"
+    )
+    assert line(waiting=0.5, demanded=1, busy=1.0) == (
+        "starved by a slow source: no shard waits for a download slot, downloads get 3.0K/s in all: "
+        "raise --prefetch to download further ahead, or check the source"
+    )
     assert line(waiting=0.5, busy=0.9) == "starved by workers: raise --workers"
     assert line(waiting=0.5).startswith("waiting for data, but not for downloads, workers or the budget")
     # A job that ended stays with its totals; a live job of that name wins.
@@ -205,6 +229,56 @@ def test_a_rank_in_one_long_wait_is_starved_while_it_waits(tmp_path, dataset, sh
         ranks = agent.stats()["jobs"].get("slow", {})
         return next((r["starved"] for r in ranks.values() if r.get("starved")), None)
 
-    # ...by downloads: the agent's checks of its copies (HEAD requests) were blamed on the consumer.
-    assert wait_for(starved, 6, lambda: f"never starved while it waited: {agent.stats()['jobs']}") == "downloads"
+    # ...by the source: the agent's checks of its copies (HEAD requests) were blamed on the consumer.
+    assert wait_for(starved, 6, lambda: f"never starved while it waited: {agent.stats()['jobs']}") == "slow_source"
     assert len(samples_of(consumer.wait())) == 8
+
+
+def test_a_rank_waiting_on_a_failing_source_is_told_so_with_the_retries_and_their_error(
+    tmp_path, dataset, shard_server, start_agent, consumers, run_cli
+):
+    # A source answering 503 to every request: the rank was "starved by downloads: raise
+    # --download-workers or --prefetch", and no view showed the retries or the 503s.
+    data = dataset(2, samples=4, payload=300)
+    urls = [f"{u}?token=TOKENSECRET" for u in data.urls]
+    shown = [f"{u}?token=***" for u in data.urls]
+    data.list_file.write_text("\n".join(urls) + "\n")
+    for p in data.paths:
+        shard_server.fail(p.name, "status", status=503, times=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--retries", "50", "--no-shuffle")
+    consumers(cache, "c", "--job", "train", "--no-shuffle", "--timeout", "60")
+    agent.wait_stats(
+        lambda s: s["jobs"].get("train", {}).get("0", {}).get("starved"), 20, "the rank starved while it waited"
+    )
+    failure = r"attempt \d+ of 51 failed: HTTP 503 Service Unavailable"
+    s = json.loads(run_cli("stats", "--cache-dir", cache, "--json").stdout)
+    assert s["jobs"]["train"]["0"]["starved"] == "failing_source", s["jobs"]
+    retrying = {r["url"]: r for r in s["agent"]["retrying"]}
+    assert sorted(retrying) == shown, retrying  # every shard's download, the secret left out
+    assert all(re.fullmatch(failure, r["error"]) for r in retrying.values()), retrying
+    assert retrying[shown[0]]["demanded"] is True, retrying  # the shard the rank waits for
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert re.search(r"^  rank 0: 0 samples, .*, STARVED by failing source$", text, re.M), text
+    for url in shown:
+        assert re.search(rf"^retrying   {re.escape(url)}: {failure}$", text, re.M), text
+    proc = subprocess.Popen(
+        [wdscache_exe(), "stats", "--cache-dir", cache, "--watch"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    try:
+        frame = read_frames(proc, 1, 20)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0, proc.stderr.read()
+    finally:
+        stop_process(proc)
+    lines = frame.splitlines()
+    assert re.match(r"downloads  0/s, 2 running, 0 queued, 0 failed, 2 retrying; ", lines[2]), frame
+    assert re.fullmatch(
+        r"job train: 1 rank\(s\), 0 samples/s: starved by a failing source: 1 download\(s\) waited for fail "
+        rf"and are retried \({re.escape(shown[0])}: {failure}\): check the source",
+        lines[4],
+    ), frame
+    assert "TOKENSECRET" not in text + frame

@@ -828,7 +828,7 @@ def _live_view(s: dict) -> str:
         f"cache      {format_size(used)} of {format_size(limit) if limit else '?'}{bar}, "
         f"{shards['cached']} shards, {agent.get('pinned', 0)} being read",
         f"downloads  {_rate(s['download_rate'])}, {shards['downloading']} running, {shards['queued']} queued, "
-        f"{shards['failed']} failed; hit rate {hit_rate}, "
+        f"{shards['failed']} failed, {len(agent.get('retrying', []))} retrying; hit rate {hit_rate}, "
         f"{s.get('redownloads', 0)} re-download(s)",
     ]
     if agent.get("workers"):

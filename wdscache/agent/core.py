@@ -521,12 +521,15 @@ class Agent:
             and not _failed(index.get(u))
             and not self.prefetches.asks_for(u)
         )
+        demanded = self.opens.demanded()
         agent_view = {
             "workers": self.workers.view(),
-            "demanded": len(self.opens.demanded()) + self.opens.checks_waited_for(),
+            "demanded": len(demanded) + self.opens.checks_waited_for(),
+            "retrying": self.downloads.retrying(set(demanded)),
             "need_bytes": self.readers.need(self.opens.held)[0],
         }
-        readers = self.readers.view(starved_by({"bytes_limit": cache.limit, "agent": agent_view}) or "latency")
+        state = {"bytes_limit": cache.limit, "shards": by_state, "agent": agent_view}
+        readers = self.readers.view(starved_by(state) or "latency")
         return build(
             cache_dir=str(self.layout.root),
             summary={

@@ -152,6 +152,15 @@ class Downloads:
             if slot.space.reason is not None
         ]
 
+    def retrying(self, demanded: Collection[str]) -> list[dict[str, Any]]:
+        """The downloads whose last attempt failed, retried after a backoff: each with that failure,
+        and whether a reader waits for it (in ``demanded``)."""
+        return [
+            {"url": d.url, "error": d.progress.failing, "demanded": d.url in demanded}
+            for d in (slot.download for slot in self._shards.slots())
+            if d.progress.failing is not None
+        ]
+
     def _download(self, url: str) -> Download | None:
         slot = self._shards.slot(url)
         return slot.download if slot is not None else None

@@ -32,7 +32,8 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
     wdscache_consumer_samples_per_second{job,rank}  its recent sample rate
     wdscache_consumer_waiting_ratio{job,rank} the share of its recent time spent waiting for data
     wdscache_job_starved{job,reason}          1 for a live job that is starved, by its reason
-                                              (budget, downloads, workers, latency), else 0
+                                              (budget, failing_source, downloads, slow_source,
+                                              workers, latency), else 0
 """
 
 from __future__ import annotations

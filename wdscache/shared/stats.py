@@ -26,11 +26,13 @@ The object (also ``wdscache stats --json``)::
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
                       waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up),
+                      retrying: [{url, error, demanded}] (downloads whose last attempt failed, retried
+                      after a backoff: that attempt's failure, and whether a reader waits for the shard),
                       demanded (shards readers wait for), need_bytes (bytes the readers hold at once)}
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
                       epoch, position (samples of the epoch the job delivered, counted from
-                      this rank's), starved: null | "budget" | "downloads" | "workers" | "latency"
-                      (see :mod:`wdscache.shared.verdict`)}}}
+                      this rank's), starved: null | "budget" | "failing_source" | "downloads" |
+                      "slow_source" | "workers" | "latency" (see :mod:`wdscache.shared.verdict`)}}}
     ended_jobs        the same of consumers that left in the last 10 minutes, with their totals
                       over every epoch of the rank that ended then (samples, bytes, wait_s summed;
                       epochs: how many; epoch and position: the last one's) and ``ended``
@@ -246,7 +248,7 @@ def format_stats(s: dict[str, Any]) -> str:
     for job, ranks in sorted(s.get("jobs", {}).items()):
         lines.append(f"job {job}:")
         for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
-            starved = f"STARVED by {r['starved']}" if r.get("starved") else "not starved"
+            starved = f"STARVED by {r['starved'].replace('_', ' ')}" if r.get("starved") else "not starved"
             readers = f" ({r['readers']} readers)" if r.get("readers", 1) > 1 else ""  # its DataLoader workers
             lines.append(
                 f"  rank {rank}{readers}: {r.get('samples', 0)} samples, {format_size(r.get('bytes', 0))}, "
@@ -258,6 +260,8 @@ def format_stats(s: dict[str, Any]) -> str:
             lines.append(f"job {job}: {ended_verdict(ranks).text}")
     for w in (agent or {}).get("waiting_for_space", [])[:20]:
         lines.append(f"waiting    {w['url']}: {w['reason']}")
+    for r in (agent or {}).get("retrying", [])[:20]:
+        lines.append(f"retrying   {r['url']}: {r['error']}")
     if s["failed"]:
         lines.append(f"failed     {shards['failed']} shard(s):")
         lines.extend(f"  {f['url']}: {f['error']}" for f in s["failed"][:20])

@@ -6,8 +6,12 @@ later ones: a cache that thrashes makes readers wait for downloads, too):
 
 - ``budget``: the readers hold more bytes at once (``agent.need_bytes``) than the budget
   (``bytes_limit``): shards still needed are evicted and downloaded again;
-- ``downloads``: readers wait for shards that are not cached yet, or for the agent to ask the
-  source whether a copy an earlier run cached is current (``agent.demanded``);
+- ``failing_source``: readers wait for shards (``agent.demanded``) whose downloads fail and are
+  retried (``agent.retrying``);
+- ``downloads``: readers wait for shards while others wait for a download slot (``shards.queued``):
+  more download workers would start them;
+- ``slow_source``: readers wait for shards downloading, or for the agent to ask the source whether
+  a copy an earlier run cached is current, and no shard waits for a slot: the source is slow;
 - ``workers``: the sample workers are busy more than :data:`WORKERS_BUSY` of the time;
 - ``latency``: none of these: the consumer's own reads (receiving and decoding samples) are slow,
   as on a machine whose cores are all busy. A slow transform is no wait: it shows as a low rate.
@@ -22,7 +26,7 @@ from .config import format_size
 
 STARVED = 0.2  # a rank waiting more than this fraction of its time is starved
 WORKERS_BUSY = 0.8  # workers busy more than this fraction of the time are the bottleneck
-KINDS = ("budget", "downloads", "workers", "latency")
+KINDS = ("budget", "failing_source", "downloads", "slow_source", "workers", "latency")
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,9 @@ def starved_by(stats: dict[str, Any]) -> str | None:
     if limit and agent.get("need_bytes", 0) > limit:
         return "budget"
     if agent.get("demanded", 0) > 0:
-        return "downloads"
+        if any(r.get("demanded") for r in agent.get("retrying", [])):
+            return "failing_source"
+        return "downloads" if stats.get("shards", {}).get("queued", 0) > 0 else "slow_source"
     busy = [w["busy"] for w in agent.get("workers", []) if isinstance(w.get("busy"), (int, float))]
     if busy and sum(busy) / len(busy) > WORKERS_BUSY:
         return "workers"
@@ -61,8 +67,22 @@ def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]]) -> Verd
         return Verdict(
             kind, f"starved by the budget: the cache thrashes, needs {format_size(need)} (--cache-size {need})"
         )
+    if kind == "failing_source":
+        failing = [r for r in stats["agent"]["retrying"] if r.get("demanded")]
+        return Verdict(
+            kind,
+            f"starved by a failing source: {len(failing)} download(s) waited for fail and are retried "
+            f"({failing[0]['url']}: {failing[0]['error']}): check the source",
+        )
     if kind == "downloads":
-        return Verdict(kind, "starved by downloads: raise --download-workers or --prefetch")
+        return Verdict(kind, "starved by downloads: shards wait for a download slot: raise --download-workers")
+    if kind == "slow_source":
+        return Verdict(
+            kind,
+            f"starved by a slow source: no shard waits for a download slot, downloads get "
+            f"{format_size(stats.get('download_rate', 0))}/s in all: raise --prefetch to download further ahead, "
+            "or check the source",
+        )
     if kind == "workers":
         return Verdict(kind, "starved by workers: raise --workers")
     return Verdict(
