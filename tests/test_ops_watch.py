@@ -7,6 +7,7 @@ import json
 import re
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -282,3 +283,30 @@ def test_a_rank_waiting_on_a_failing_source_is_told_so_with_the_retries_and_thei
         lines[4],
     ), frame
     assert "TOKENSECRET" not in text + frame
+
+
+def test_a_rank_waiting_from_its_first_report_on_is_starved_at_that_report(
+    tmp_path, dataset, shard_server, start_agent, consumers
+):
+    # The first report of an epoch had no earlier one to measure from: the rank showed no share of
+    # time waiting, "not starved", for the first second or two of every epoch (all of a short one).
+    data = dataset(1, samples=4, payload=300)
+    release = threading.Event()
+    shard_server.fail(data.paths[0].name, "stall", seconds=30, until=release)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file)
+    consumer = consumers(cache, "c", "--job", "train", "--no-shuffle")
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+    try:
+
+        def first_report() -> dict | None:
+            rank = conn.request(Requests.stats())["stats"]["jobs"].get("train", {}).get("0", {})
+            return rank if "wait_s" in rank else None  # (a rank that said hello and no more has none)
+
+        rank = wait_for(first_report, 20, "the consumer never reported")
+    finally:
+        conn.close()
+        release.set()
+    # It waited for the stalled download all along: the share counts from its hello.
+    assert rank.get("waiting", 0) > 0.5 and rank["starved"] == "slow_source", rank
+    assert len(samples_of(consumer.wait())) == 4

@@ -321,7 +321,8 @@ class Readers:
         if header.get("probe") is True:  # not a rank reading: neither joins nor leaves the job
             record.probe = True
         else:
-            record.consumer = {"job": job, "rank": rank, "seen": time.time()}
+            # Stamped: its first report's share of time spent waiting counts from here.
+            record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
             record.buffer = max(0, get_field(header, "shuffle_buffer", int, 0))
             self._ended.pop(name, None)
         record.plan.pidfd = self._processes.start(name, header.get("process"))

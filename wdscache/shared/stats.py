@@ -142,7 +142,9 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
 
 
 def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: str, name: str) -> dict[str, Any]:
-    """``report`` plus ``name``: the fraction of time since ``prev`` spent in ``total`` (seconds)."""
+    """``report`` with when it came (``seen``; ``_mono`` for the next call) and ``name``: the fraction
+    of the time since ``prev`` (an earlier result; one without ``total``, made at a start, counts
+    from 0) spent in ``total`` (seconds). Without ``prev``, no fraction: the result marks a start."""
     now = time.monotonic()
     out = {**report, "seen": time.time(), "_mono": now}
     if prev is not None and "_mono" in prev and isinstance(report.get(total), (int, float)):
