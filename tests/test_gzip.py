@@ -28,7 +28,7 @@ from tests.helpers.streaming import reference, samples_of
 from tests.helpers.testdata import TESTDATA
 from tests.helpers.waits import wait_for
 from wdscache import ShardClient
-from wdscache.shared.index import Index
+from wdscache.shared.index import Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout
 
 DEADLINE = 60.0
@@ -263,6 +263,37 @@ def test_recovery_forgets_a_gzip_file_in_the_cache_and_fetches_the_shard_again(t
         client.release(url)
     assert shard_server.count(path.name) == 1, agent.stderr_tail()
     assert "gzip" in agent.stderr_text()
+
+
+def test_a_gzip_shard_published_just_before_a_crash_is_kept_not_downloaded_again(tmp_path, shard_server, start_agent):
+    """Killed after the tar is renamed into place and before the index says so: the restart
+    adopts the tar with the gzip'd file's size as its source's (the gzip'd file stays until the
+    index records the shard), so revalidation finds the source unchanged; with the tar's size it
+    called the shard changed on the server and downloaded it again."""
+    path = make_shard(shard_server.root / "kept-000000.tar.gz", synth_samples(0, 10, payload=5000), gzip=True)
+    url = shard_server.url(path.name)
+    cache = tmp_path / "cache"
+    lists = write_url_list(tmp_path / "lists" / "urls.txt", [url])
+    agent = start_agent(cache, lists)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "never cached")
+    assert agent.stop() == 0
+    # What the kill leaves: the tar in shards/, the gzip'd file in partial/, the DOWNLOADING record.
+    layout = CacheLayout.of(cache)
+    index = Index(layout.index_dir)
+    rec = index.get(url)
+    index.put(ShardRecord(url, ShardState.DOWNLOADING, etag=rec.etag))
+    index.close()
+    shutil.copyfile(path, layout.partial_path(url))
+    shard_server.reset_log()
+    agent = start_agent(cache, lists)  # revalidates every cached shard at its start
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "the adopted shard not cached")
+    with ShardClient(cache, timeout=20) as client:
+        assert client.open(url).read_bytes() == gunzipped(path)
+        client.release(url)
+    assert "adopted 1" in agent.stderr_text(), agent.stderr_tail()
+    assert "changed on the server" not in agent.stderr_text(), agent.stderr_tail()
+    assert shard_server.count(path.name) == 0, agent.stderr_tail()  # a HEAD at most, no GET
+    assert not layout.partial_path(url).exists()
 
 
 @pytest.mark.slow

@@ -159,6 +159,7 @@ class ShardCache:
             source_size=None if stored is None else size,
             last_modified=last_modified,
         )
+        d.partial.unlink(missing_ok=True)  # a gzip'd source's file, kept until now (publish_gunzipped)
         self.inflight.pop(d.url, None)
         self.tables.published(d.url)
         if self.watcher is not None:

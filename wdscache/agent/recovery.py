@@ -87,8 +87,12 @@ def recover(cache: ShardCache, keep_partial: Container[str] = ()) -> dict[str, i
         elif rec.state is ShardState.DOWNLOADING:
             size = size_or_none(path)
             if size is not None and (rec.size in (0, size)) and _head_ok(path):
-                # Renamed into place, then killed before the index said so.
-                cache.set_cached(rec.url, size, rec.etag)
+                # Renamed into place, then killed before the index said so. A gzip'd source's
+                # file is still there (removed once the index says so): its size is the source's,
+                # which revalidation compares (the partial sweep below removes it).
+                packed = layout.partial_path(rec.url)
+                source_size = size_or_none(packed) if _gzipped(packed) else None
+                cache.set_cached(rec.url, size, rec.etag, source_size=source_size)
                 done["adopted"] += 1
             else:
                 path.unlink(missing_ok=True)

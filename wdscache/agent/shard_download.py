@@ -291,7 +291,8 @@ def publish_gunzipped(d: Download) -> int:
 
     The download's reservation covers the compressed file and the tar while both
     exist. Raises FetchError (permanent) for damaged gzip data, a tar that is not
-    one, or a tar beyond what may be reserved; the tar's file is removed then.
+    one, or a tar beyond what may be reserved; the tar's file is removed then. The
+    gzip'd file stays: :meth:`~wdscache.agent.cache.ShardCache.finish` removes it.
     """
     tar = d.partial.with_name(d.partial.name + "~tar")  # "~" is in no partial file's name
     packed, d.progress.expanded = d.progress.written, 0
@@ -320,7 +321,8 @@ def publish_gunzipped(d: Download) -> int:
         raise FetchError(d.url, f"{exc.reason} (at byte {exc.offset} of the gzip'd file)", permanent=True) from None
     finally:
         tar.unlink(missing_ok=True)  # gone already once published
-    d.partial.unlink()  # after the rename: a crash in between leaves a published shard
+    # The gzip'd file stays until the index records the shard (ShardCache.finish): a crash in
+    # between leaves it beside the tar, and a restart learns the source's size from it.
     return d.progress.expanded
 
 
