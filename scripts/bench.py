@@ -1929,7 +1929,7 @@ class Agent:
             if self.child.proc.poll() is not None:
                 raise RuntimeError(f"the agent exited: {self.child.stderr_tail()}")
             try:
-                if collect(self.cache, timeout=0.5).get("agent"):
+                if (collect(self.cache, timeout=0.5).get("agent") or {}).get("answering"):
                     return
             except WdsCacheError:
                 pass

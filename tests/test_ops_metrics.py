@@ -65,7 +65,7 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
     size = sum(p.stat().st_size for p in data.paths)
     rank = (("job", "train"), ("rank", "1"))
     for metrics in (got, printed):
-        assert metrics[("wdscache_agent_up", ())] == 1
+        assert metrics[("wdscache_agent_up", ())] == metrics[("wdscache_agent_answering", ())] == 1
         assert metrics[("wdscache_cache_bytes", ())] - metrics[("wdscache_cache_table_bytes", ())] == size
         assert metrics[("wdscache_cache_limit_bytes", ())] == s["bytes_limit"]
         assert metrics[("wdscache_download_bytes_total", ())] == size
@@ -85,7 +85,7 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
     assert agent.stop() == 0
     # Without an agent, the cache's numbers are still there, and the agent is down.
     down = _samples(run_cli("stats", "--cache-dir", cache, "--prometheus").stdout)
-    assert down[("wdscache_agent_up", ())] == 0
+    assert down[("wdscache_agent_up", ())] == down[("wdscache_agent_answering", ())] == 0
     assert down[("wdscache_cache_bytes", ())] - down[("wdscache_cache_table_bytes", ())] == size
 
 
@@ -143,7 +143,13 @@ def test_a_starved_job_is_reported_by_its_reason():
         "misses": 2,
         "bytes_downloaded": 10,
         "download_rate": 0.0,
-        "agent": {"pid": 1, "demanded": 0, "need_bytes": 250, "workers": [{"index": 0, "busy": 0.1}]},
+        "agent": {
+            "pid": 1,
+            "answering": True,
+            "demanded": 0,
+            "need_bytes": 250,
+            "workers": [{"index": 0, "busy": 0.1}],
+        },
         "jobs": {"j": {"0": {"samples": 5, "bytes": 50, "rate": 1.0, "wait_s": 4.0, "waiting": 0.9}}},
         "ended_jobs": {"old": {"0": {"samples": 9, "wait_s": 0.0, "ended": "2026-12-02T01:00:00+00:00"}}},
     }

@@ -822,9 +822,13 @@ def _live_view(s: dict) -> str:
     hit_rate = f"{100 * s['hits'] / lookups:.0f}%" if lookups else "-"
     shards = s["shards"]
     now = datetime.now().astimezone().isoformat(timespec="seconds")
+    who = "agent not running"
+    if agent:
+        who = f"agent pid {agent['pid']}, up {agent['uptime_s']:.0f}s" + (
+            "" if agent.get("answering") else ", not answering"
+        )
     lines = [
-        f"wdscache {s['cache_dir']}  {now}  "
-        + (f"agent pid {agent['pid']}, up {agent['uptime_s']:.0f}s" if agent else "agent not running"),
+        f"wdscache {s['cache_dir']}  {now}  {who}",
         f"cache      {format_size(used)} of {format_size(limit) if limit else '?'}{bar}, "
         f"{shards['cached']} shards, {agent.get('pinned', 0)} being read",
         f"downloads  {_rate(s['download_rate'])}, {shards['downloading']} running, {shards['queued']} queued, "

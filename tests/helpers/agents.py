@@ -121,7 +121,8 @@ class AgentProc:
                     pytrace=False,
                 )
             s = self.try_stats()
-            return s if s is not None and s.get("agent") and s["agent"].get("pid") == self.pid else None
+            agent = (s or {}).get("agent") or {}
+            return s if agent.get("pid") == self.pid and agent.get("answering") else None
 
         return wait_for(up, timeout, lambda: f"agent never answered stats\n{self.stderr_tail()}", interval=0.1)
 

@@ -545,6 +545,7 @@ class Agent:
                 "pid": os.getpid(),
                 "uptime_s": round(time.time() - self._started, 1),
                 "endpoint": self.endpoint,
+                "answering": True,  # (stats shows an agent that gives no reply in time with False)
                 "consumers": readers["consumers"],
                 "bytes_reserved": cache.reserved,
                 "urls": len(self.readers.urls),

@@ -4,7 +4,10 @@ The lock is an ``flock`` on ``agent.lock``. The kernel drops it when the holding
 process dies, however it dies, so a lock left by a killed agent never blocks the
 next one. A failed start removes the file it made (with the lock held): one that
 took the lock meanwhile on the removed file sees so and locks the new one. The
-file also holds the pid, to name the running agent in errors.
+file also holds the pid, to name the running agent in errors, and for ``wdscache stats`` to
+tell whether the agent of agent.json runs (:meth:`CacheLayout.agent_holds_lock`). Stats takes
+a shared lock for a moment to look, so a start that finds the lock held tries again for
+:data:`LOOK_GRACE` before it says another agent runs.
 Worker processes are fresh interpreters that inherit no descriptor of the
 agent's but their standard streams and ready pipe, never the lock's, so a
 lingering worker cannot keep the lock either.
@@ -14,9 +17,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from ..shared.errors import AgentRunningError, ConfigError
+from ..shared.layout import read_pid
+
+LOOK_GRACE = 0.5  # seconds a start retries a held lock: a look by stats holds it a moment only
+LOOK_RETRY = 0.01  # seconds between those tries
 
 
 class AgentLock:
@@ -27,6 +35,7 @@ class AgentLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        deadline = time.monotonic() + LOOK_GRACE
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -37,9 +46,11 @@ class AgentLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                pid = read_pid(self.path)
                 os.close(fd)
-                raise AgentRunningError(str(self.path.parent), pid) from None
+                if time.monotonic() < deadline:
+                    time.sleep(LOOK_RETRY)
+                    continue
+                raise AgentRunningError(str(self.path.parent), read_pid(self.path)) from None
             if _same_file(fd, self.path):
                 break
             # Removed (a failed start undone) between our open and our lock: lock the file there now.
@@ -71,12 +82,3 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
     held = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
-
-
-def read_pid(path: Path) -> int | None:
-    """The pid written in a lock file, if any."""
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None

@@ -10,7 +10,7 @@
                                 found it (wdscache.agent.sampletable); counted in the budget
       partial/<hash>-<name>~tar a gzip'd download's tar, being decompressed
       partial/<hash>-<name>~part-<start>-<end>  a part of a download in parallel parts
-      agent.lock                flock held by the running agent; holds its pid
+      agent.lock                flock held by the running agent; holds its pid (read_pid)
       agent.json                the running agent's pid, start time and endpoint
       token                     0600: the secret a client must hold to talk to the agent and its
                                 workers (see wdscache.shared.protocol); made once, kept across restarts
@@ -34,6 +34,7 @@ included (:func:`former_shard_name`); the cache renames such files when it opens
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -266,6 +267,26 @@ class CacheLayout:
             os.close(fd)
         return token or None
 
+    def agent_holds_lock(self, pid: int) -> bool | None:
+        """Whether process ``pid`` (the agent agent.json names) holds the directory's lock: the kernel
+        drops an flock when its holder dies, however it dies, and the lock file names the holder (any
+        other is an agent starting, or a cache command working without one). None: cannot be told
+        (no lock file to open). It only looks: a shared lock taken and dropped at once, which an agent
+        starting meanwhile waits out (:mod:`wdscache.agent.lock`)."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return read_pid(self.lock_path) == pid
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # drops our shared lock, if we took it
+        return False
+
     def is_cache(self) -> bool:
         """True when this directory holds a wdscache index."""
         return (self.index_dir / "cache.db").is_file()
@@ -282,6 +303,15 @@ class CacheLayout:
             return f"ipc://{path}"
         digest = hashlib.sha256(os.fsencode(self.root)).hexdigest()[:24]
         return f"ipc://{short_socket_dir()}/{digest}.sock"
+
+
+def read_pid(path: Path) -> int | None:
+    """The pid written in a lock file, if any."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def write_private(path: Path, data: bytes) -> None:

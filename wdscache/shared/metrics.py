@@ -8,6 +8,8 @@ counted twice: the agent's ``/metrics`` (``wdscache agent --metrics-port``) and
 The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
 
     wdscache_agent_up                         1 while an agent runs, else 0
+    wdscache_agent_answering                  1 while it answers; 0 when it runs but gave stats no reply
+                                              in time (busy, or stuck), or none runs
     wdscache_cache_bytes                      bytes of cached shards
     wdscache_cache_table_bytes                of those, the sample table files
     wdscache_cache_limit_bytes                the budget
@@ -79,7 +81,12 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
         return CounterMetricFamily(f"wdscache_{name}", doc, value=value)
 
     agent = s.get("agent") or {}
-    yield gauge("agent_up", "1 while an agent serves this cache", 1 if agent else 0)
+    yield gauge("agent_up", "1 while an agent runs on this cache", 1 if agent else 0)
+    yield gauge(
+        "agent_answering",
+        "1 while the agent answers (0: it runs but gave no reply in time)",
+        1 if agent.get("answering") else 0,
+    )
     yield gauge("cache_bytes", "Bytes the budget counts: cached shards and their sample table files", s["bytes_used"])
     yield gauge("cache_table_bytes", "Of cache_bytes, the sample table files", s.get("table_bytes", 0))
     if s.get("bytes_limit") is not None:
@@ -97,8 +104,8 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     yield counter("corrupt", "Shards found damaged by readers", s.get("corrupt", 0))
     yield counter("changed", "Cached shards found changed at their source", s.get("changed", 0))
     yield gauge("download_rate_bytes_per_second", "Download rate over the last 10 s", s.get("download_rate", 0.0))
-    if not agent:
-        return
+    if not agent.get("answering"):
+        return  # what only its answer tells
     yield gauge("cache_reserved_bytes", "Bytes reserved by downloads in flight", agent.get("bytes_reserved", 0))
     yield gauge("need_bytes", "Bytes the readers hold at once", agent.get("need_bytes", 0))
     yield gauge("demanded_shards", "Shards readers wait for", agent.get("demanded", 0))

@@ -18,7 +18,7 @@ The object (also ``wdscache stats --json``)::
     changed           cached shards found changed on the server and fetched again (agent.changed)
     download_rate     bytes/s over the last 10 s while downloads run; 0 once none runs (or no
                       agent runs)
-    agent             null when no agent runs, else {pid, uptime_s, endpoint, consumers,
+    agent             null when no agent runs, else {pid, uptime_s, endpoint, answering (true), consumers,
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
                       indexed (shards), walked / adopted / loaded (shards whose table the worker
                       walked itself / took from another worker / read from the cache's table
@@ -28,7 +28,10 @@ The object (also ``wdscache stats --json``)::
                       waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up),
                       retrying: [{url, error, demanded}] (downloads whose last attempt failed, retried
                       after a backoff: that attempt's failure, and whether a reader waits for the shard),
-                      demanded (shards readers wait for), need_bytes (bytes the readers hold at once)}
+                      demanded (shards readers wait for), need_bytes (bytes the readers hold at once)};
+                      {pid, uptime_s, endpoint, answering: false} when it runs (holds the directory's
+                      lock) but gave no reply within ANSWER_TIMEOUT (busy, or stuck): the other fields
+                      are then the index's, as with no agent
     jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
                       epoch, position (samples of the epoch the job delivered, counted from
                       this rank's), starved: null | "budget" | "failing_source" | "downloads" |
@@ -58,6 +61,7 @@ from .messages import Requests
 from .verdict import STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
+ANSWER_TIMEOUT = 5.0  # seconds a running agent gets to answer stats before it is shown as not answering
 
 
 def build(
@@ -95,29 +99,57 @@ def build(
     }
 
 
-def collect(cache_dir: str | os.PathLike[str], *, timeout: float = 0.5) -> dict[str, Any]:
-    """Live stats from the running agent, else from the index; NoCacheError if there is no cache."""
+def collect(cache_dir: str | os.PathLike[str], *, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
+    """Live stats from the running agent, else from the index, with an agent that runs but gave no
+    reply within ``timeout`` shown as not answering; NoCacheError if there is no cache."""
     layout = CacheLayout.of(cache_dir)
     if not layout.is_cache():
         raise NoCacheError(cache_dir=str(layout.root), read_only=layout.read_only())
-    live = ask_agent(layout, timeout)
-    if live is not None:
-        return live
+    state = agent_state(layout)
+    runs = False if state is None else layout.agent_holds_lock(state["pid"])
+    if runs is not False:  # (not for a dead agent's state file: no reply would come)
+        live = ask_agent(layout, timeout)
+        if live is not None:
+            return live
     summary, counters, meta = read_summary(layout.index_dir, read_only=layout.read_only() is not None)
-    # Without an agent nothing is in flight, whatever the last one recorded.
+    # Without an agent's answer, what is in flight is not known: none, as when none runs.
     counts = dict(summary.get("counts", {}))
     counts["downloading"] = counts["queued"] = 0
     summary["counts"] = counts
-    return build(cache_dir=str(layout.root), summary=summary, counters=counters, bytes_limit=meta.get("bytes_limit"))
+    agent = None
+    if state is not None and runs:
+        agent = {
+            "pid": state["pid"],
+            "uptime_s": round(time.time() - state["started"], 1),
+            "endpoint": state["endpoint"],
+            "answering": False,
+        }
+    return build(
+        cache_dir=str(layout.root), summary=summary, counters=counters, bytes_limit=meta.get("bytes_limit"), agent=agent
+    )
+
+
+def agent_state(layout: CacheLayout) -> dict[str, Any] | None:
+    """The state file an agent serving ``layout`` wrote (agent.json: pid, started, endpoint), if
+    there is one as an agent writes it; it may be a dead agent's."""
+    try:
+        state = json.loads(layout.state_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict):
+        return None
+    pid, started, endpoint = state.get("pid"), state.get("started"), state.get("endpoint")
+    if type(pid) is not int or not isinstance(started, (int, float)) or not isinstance(endpoint, str):
+        return None
+    return state
 
 
 def agent_connection(layout: CacheLayout, timeout: float) -> AgentConnection | None:
     """A connection to the agent that seems to serve ``layout`` (its first request tells), else None."""
-    try:
-        state = json.loads(layout.state_path.read_text())
-        endpoint = str(state["endpoint"])
-    except (OSError, ValueError, KeyError, TypeError):
+    state = agent_state(layout)
+    if state is None:
         return None
+    endpoint = state["endpoint"]
     if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
         return None
     if not layout.token_path.exists():
@@ -237,9 +269,9 @@ def format_stats(s: dict[str, Any]) -> str:
     ]
     agent = s.get("agent")
     if agent:
+        doing = f"{agent.get('consumers', 0)} consumer(s)" if agent.get("answering") else "running but not answering"
         lines.append(
-            f"agent      pid {agent['pid']}, up {agent['uptime_s']:.0f}s, "
-            f"{agent.get('consumers', 0)} consumer(s), endpoint {agent.get('endpoint', '?')}"
+            f"agent      pid {agent['pid']}, up {agent['uptime_s']:.0f}s, {doing}, endpoint {agent.get('endpoint', '?')}"
         )
     else:
         lines.append("agent      not running")
