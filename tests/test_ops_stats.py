@@ -1,5 +1,6 @@
 """``wdscache stats`` on an agent that runs but does not answer (busy, or stuck): shown running, with its
-pid, and not answering, never as not running."""
+pid, and not answering, never as not running; the Kubernetes readiness probe calls it unready only
+while it does not answer."""
 
 from __future__ import annotations
 
@@ -7,17 +8,31 @@ import json
 import os
 import re
 import signal
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from scripts.console import wdscache_exe
 from tests.helpers.procs import stat_fields
 from tests.helpers.waits import wait_for
+
+DAEMONSET = Path(__file__).resolve().parent.parent / "agent" / "kubernetes" / "daemonset.yaml"
 
 
 def _metrics(text: str) -> dict[str, float]:
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def _ready(cache: Path) -> bool:
+    """Whether the DaemonSet's readiness probe, run as written on ``cache``, says ready."""
+    found = re.search(r"readinessProbe:.*?- \|-\n\s*(.*?)\n", DAEMONSET.read_text(), re.S)
+    assert found, "no readiness probe command in daemonset.yaml"
+    command = found.group(1).replace("/mnt/wdscache", str(cache))
+    env = {**os.environ, "PATH": f"{os.path.dirname(wdscache_exe())}:{os.environ['PATH']}"}
+    return subprocess.run(["sh", "-c", command], env=env, timeout=30, stdin=subprocess.DEVNULL).returncode == 0
 
 
 def _at_once(calls: dict[str, tuple]) -> dict[str, object]:
@@ -42,6 +57,7 @@ def test_an_agent_that_does_not_answer_is_shown_running_but_not_answering(tmp_pa
                 "json": (run_cli, "stats", "--cache-dir", cache, "--json"),
                 "text": (run_cli, "stats", "--cache-dir", cache),
                 "prometheus": (run_cli, "stats", "--cache-dir", cache, "--prometheus"),
+                "ready": (_ready, cache),
             }
         )
     finally:
@@ -60,7 +76,18 @@ def test_an_agent_that_does_not_answer_is_shown_running_but_not_answering(tmp_pa
     ), got["text"].stdout
     metrics = _metrics(got["prometheus"].stdout)
     assert (metrics["wdscache_agent_up"], metrics["wdscache_agent_answering"]) == (1, 0)
+    assert got["ready"] is False  # (the kubelet turns it unready after failureThreshold such probes)
 
     # Going on, it answers again: running and answering, with what only its answer tells.
-    again = agent.stats()["agent"]
+    got = _at_once({"json": (run_cli, "stats", "--cache-dir", cache, "--json"), "ready": (_ready, cache)})
+    again = json.loads(got["json"].stdout)["agent"]
     assert (again["pid"], again["answering"], len(again["workers"])) == (agent.pid, True, 1)
+    assert got["ready"] is True
+
+
+def test_the_readiness_probe_is_ready_while_the_agent_answers_and_not_once_it_stopped(tmp_path, dataset, start_agent):
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, dataset(1).list_file)
+    assert _ready(cache)
+    assert agent.stop() == 0
+    assert not _ready(cache)  # the cache is there ("agent": null), the agent is not

@@ -4,9 +4,9 @@
 #
 #   1. starts `wdscache agent` once on every node of the allocation (a
 #      background job step that overlaps the training step),
-#   2. waits until `wdscache stats --cache-dir DIR --json` succeeds and shows a
-#      running agent on every node, or fails after a deadline, naming the nodes
-#      that were not ready,
+#   2. waits until `wdscache stats --cache-dir DIR --json` succeeds and shows an
+#      agent that answers on every node, or fails after a deadline, naming the
+#      nodes that were not ready,
 #   3. runs the training command with srun, WDSCACHE_CACHE_DIR exported,
 #   4. on exit (normal end, error, SIGINT/SIGTERM) stops the agents with
 #      SIGTERM to each agent process, then forcibly after a grace period.
@@ -308,14 +308,16 @@ agent_srun_pid=$!
 log "waiting up to ${ready_timeout}s for the agents"
 # One step, one task per node, each polling its own node's agent until the
 # deadline. A node that is not ready prints its name and the last output.
-# `wdscache stats` also succeeds on a cache left by an earlier agent, so
-# "ready" means: it succeeds AND reports a running agent ("agent" is not null).
+# `wdscache stats` also succeeds on a cache left by an earlier agent ("agent":
+# null), and on an agent that runs but gave no reply in time ("answering": false;
+# busy, say, re-reading a huge URL list), so "ready" means: it succeeds AND the
+# agent answers ("answering": true). A busy agent is waited for, as a starting one.
 # shellcheck disable=SC2016  # expanded by the inner bash, not here
 srun --job-name=wdscache-wait --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 \
     --overlap --export=ALL --kill-on-bad-exit=0 bash -c '
     deadline=$((SECONDS + $3))
     until out=$("$1" stats --cache-dir "$2" --json 2>&1) &&
-        grep -Eq "\"agent\": *\{" <<<"$out"; do
+        grep -Eq "\"answering\": *true" <<<"$out"; do
         if ((SECONDS >= deadline)); then
             printf "wdscache agent on %s not ready after %ss; last \"wdscache stats\" output:\n%s\n" \
                 "$(hostname)" "$3" "$out" >&2
