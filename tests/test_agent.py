@@ -8,6 +8,7 @@ budget, exit codes and messages.  Fixtures live in conftest.py.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -752,6 +753,51 @@ def test_url_file_is_watched_and_added_shards_are_cached(shard_server, dataset, 
     agent.wait_stats(lambda s: s["shards"]["cached"] == 6, 15, "a shard added by a rename was not cached")
     assert CacheLayout.of(cache).shard_path(late).read_bytes() == extra.read_bytes()
     assert "URL list changed: 1 added, 0 removed" in agent.stderr_text(), agent.stderr_tail()
+
+
+def _writer(fifo: Path) -> int | None:
+    """The write end of ``fifo`` if a reader has it open, else None."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # (ENXIO: no reader)
+            raise
+        return None
+
+
+def test_the_agent_answers_while_it_reads_an_edited_list(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2)
+    write_url_list(ds.list_file, ds.urls[:1])
+    agent = start_agent(tmp_path / "cache", ds.list_file)
+    # The edit: a list whose read lasts until the test writes it (a FIFO), as a read of a huge
+    # list, or on a stalled network file system, lasts.
+    fifo = ds.list_file.with_name(".urls.fifo")
+    os.mkfifo(fifo)
+    os.replace(fifo, ds.list_file)
+    data = "".join(f"{url}\n" for url in ds.urls).encode()
+
+    fd = wait_for(lambda: _writer(ds.list_file), 15, lambda: f"the edit never read\n{agent.stderr_tail()}")
+    try:  # the agent reads the list now, and waits for its bytes
+        s = agent.stats()
+        assert s["agent"]["answering"] is True, f"an agent reading its list does not answer: {s['agent']}"
+        assert s["agent"]["urls"] == 1  # (its list so far)
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+    def taken() -> bool:  # each further read of the list gets the same bytes
+        fed = _writer(ds.list_file)
+        if fed is not None:
+            os.write(fed, data)
+            os.close(fed)
+        s = agent.try_stats()
+        return s is not None and (s["agent"] or {}).get("urls") == 2
+
+    wait_for(taken, 15, lambda: f"the edit never taken\n{agent.stderr_tail()}")
+    write_url_list(ds.list_file.with_name(".urls.tmp"), ds.urls)
+    os.replace(ds.list_file.with_name(".urls.tmp"), ds.list_file)  # a plain file again
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 15, "the added shard cached")
+    assert "URL list changed: 1 added, 0 removed (2 shards now)" in agent.stderr_text(), agent.stderr_tail()
 
 
 def test_gnu_tar_shards_are_cached_byte_identical(shard_server, dataset, start_agent, tmp_path):

@@ -8,7 +8,10 @@ Guarantees:
   mounted ConfigMap by swapping a ``..data`` symlink, never touching the file's
   name); the file is read again only if its stat (through symlinks) changed, and
   parsed again only if its bytes did (their SHA-256 differs).
-- The watchdog thread only sets a flag; the main loop reads the file.
+- The watchdog thread only sets a flag; the main loop sees it and has the file read in another
+  thread, and takes the new list once it is read: while a long list is parsed (a million lines
+  take a second or two), or a read hangs (a stalled network file system), the agent goes on
+  serving on the list it has.
 - What a parse freed goes back to the kernel after it (glibc's malloc_trim).
 - A change is logged as one record (event ``list_changed``): how many URLs were added and
   removed, and the first :data:`LIST_SAMPLE` of each, redacted as every log record is.
@@ -21,6 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +54,7 @@ class ListFile:
         self._digest: bytes | None = None  # of the bytes last parsed, if they name no prefix or glob
         self._touched = threading.Event()  # set by the watchdog thread
         self._observer: Any = None
+        self._reading: Future[UrlList | None] | None = None  # the file's read in another thread, if one runs
 
     def read(self) -> UrlList:
         """Read the list now (raises :class:`ConfigError` for a list that is empty or wrong)."""
@@ -72,12 +77,34 @@ class ListFile:
         return urls
 
     def changed(self) -> UrlList | None:
-        """The list as it is now, if the file changed since it was last read; else None."""
+        """The list as it is now, if the file changed since it was last read; else None. The file is
+        read in another thread, so the caller goes on meanwhile: a later call, the first after the
+        read ended, returns the list (or raises what the read raised)."""
+        if self._reading is not None:
+            if not self._reading.done():
+                return None
+            done, self._reading = self._reading, None
+            return done.result()
         if not self._touched.is_set():
             return None
         self._touched.clear()
         if _stat_signature(self._path) == self._signature:
             return None
+        reading: Future[UrlList | None] = Future()
+        self._reading = reading
+
+        def read() -> None:
+            try:
+                reading.set_result(self._read_edited())
+            except Exception as exc:  # raised by changed(), in the caller's thread
+                reading.set_exception(exc)
+
+        # A daemon: a read that hangs must not keep the stopped agent from exiting.
+        threading.Thread(target=read, name="list-read", daemon=True).start()
+        return None
+
+    def _read_edited(self) -> UrlList | None:
+        """The edited file's list; None if its bytes are those last parsed, or wrong (logged)."""
         time.sleep(SETTLE)
         signature, digest = _stat_signature(self._path), _digest(self._path)
         if digest is not None and digest == self._digest:
