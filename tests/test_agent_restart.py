@@ -117,6 +117,34 @@ def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restar
 
 
 @pytest.mark.slow
+def test_loader_reading_its_own_list_goes_on_exactly_when_the_agent_restarts_on_another_list(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    """The agent's own list changed across the restart, the loader's did not: the loader sends
+    its list to the new run, which serves it, so the epoch goes on."""
+    ds = dataset(8, samples=40, payload=1000)
+    mine = ds.urls[:6]
+    ref = reference(ds.paths[:6], mine)
+    own = tmp_path / "own.txt"
+    own.write_text("\n".join(mine) + "\n")
+    cache = tmp_path / "cache"
+    args = ("--prefetch", "8", "--cache-size", "10M")
+    agent = start_agent(cache, ds.list_file, *args)
+    c = consumers(
+        cache, "reader", "--job", "own", "--urls", str(own), "--sleep", "0.02", "--timeout", "15", "--request-size", "4"
+    )
+    wait_samples(c, 40)
+    kill_agent(agent)
+    ds.list_file.write_text("\n".join(ds.urls[:3]) + "\n")
+    again = start_agent(cache, ds.list_file, *args)
+    lines = c.wait(DEADLINE)
+    assert_epoch_exact(lines, ref)
+    assert len(samples_of(lines)) == len(ref)
+    assert "restarted" in c.log.read_text(errors="replace"), consumer_log(c)
+    assert again.running()
+
+
+@pytest.mark.slow
 def test_loader_fails_at_once_when_the_restarted_agent_serves_another_list(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):

@@ -541,11 +541,20 @@ class CachedMultiLoader:
             conn=conn,
             hello=hello,
             urls=urls,
-            list_id=self._own_list_id or str(hello.get("list_id")),
+            list_id=self._list_read(hello),
             connect=self._connection,
             direct_failed=self._direct_failed,
-            hello_again=lambda conn, who: self._session(conn, who)[0],
+            hello_again=self._hello_again,
         )
+
+    def _list_read(self, hello: dict[str, Any]) -> str:
+        """The id of the list this loader reads at the agent that answered ``hello``: its own, else the agent's."""
+        return self._own_list_id or str(hello.get("list_id"))
+
+    def _hello_again(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], str]:
+        """Hello again as reader ``name`` (to a new run of the agent): its answer, and the list read there."""
+        hello = self._session(conn, name)[0]
+        return hello, self._list_read(hello)
 
     def _direct_failed(self, why: str) -> None:
         """A stream could not read the cache files: later epochs do not try again."""
@@ -569,7 +578,7 @@ class CachedMultiLoader:
             counts = agent_counts(conn, urls)
         finally:
             conn.close()
-        return urls, counts, self._own_list_id or str(hello.get("list_id"))
+        return urls, counts, self._list_read(hello)
 
     def __len__(self) -> int:
         """Samples (or batches) per rank in the next epoch; TypeError while some shard was never read."""

@@ -63,8 +63,8 @@ class AgentRuns:
         hello again as the same reader (at once, before the request that found it goes on) and
         check that it serves the list we read; the links move later (:meth:`relink`)."""
         session = self.stream.session
-        hello = session.hello_again(self.stream.conn, self.stream.name)
-        if hello.get("list_id") != session.hello.get("list_id"):
+        hello, listed = session.hello_again(self.stream.conn, self.stream.name)
+        if listed != session.list_id:  # (a loader's own list is sent again: only the agent's can change)
             raise WdsCacheError(
                 f"the agent at {self.stream.settings.endpoint} restarted with another URL list than this epoch reads, "
                 "so it cannot go on exactly: start the epoch again, or load the last state_dict() into a loader "

@@ -97,8 +97,9 @@ class Session:
     list_id: str
     connect: Callable[[float], AgentConnection]  # another connection (the reporter thread's own)
     direct_failed: Callable[[str], None]  # why direct reads failed: the loader does not try them again
-    # The hello again, as the same reader, to a new run of the agent (it restarted); returns its answer.
-    hello_again: Callable[[AgentConnection, str], dict[str, Any]]
+    # The hello again, as the same reader, to a new run of the agent (it restarted); returns its
+    # answer and the id of the list read there (the loader's own, else the new run's).
+    hello_again: Callable[[AgentConnection, str], tuple[dict[str, Any], str]]
 
 
 def epoch_ids(
