@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -142,6 +144,38 @@ def test_loader_reading_its_own_list_goes_on_exactly_when_the_agent_restarts_on_
     assert len(samples_of(lines)) == len(ref)
     assert "restarted" in c.log.read_text(errors="replace"), consumer_log(c)
     assert again.running()
+
+
+@pytest.mark.slow
+def test_loader_goes_on_exactly_when_the_agent_restarts_twice_while_it_waits_in_one_open(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    """Each new run's refusal of the key before is answered by proving that run and asking it
+    again, however many runs come while one request waits."""
+    ds = dataset(2, samples=10, payload=2000)
+    ref = reference(ds.paths, ds.urls)
+    # Sizes untold (so no shard is read while it downloads: the open waits), and no body until go.
+    shard_server.accept_ranges = shard_server.lengths = False
+    go = threading.Event()
+    for path in ds.paths:
+        shard_server.fail(path.name, "stall", seconds=2 * DEADLINE, until=go, times=10)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file)
+    c = consumers(cache, "reader", "--job", "twice", "--no-shuffle", "--timeout", "30")
+
+    def open_waiting(stats: dict[str, Any]) -> bool:
+        assert c.proc.poll() is None, f"the consumer ended\n{consumer_log(c)}"
+        return stats["agent"]["demanded"] >= 1
+
+    for n in (1, 2):
+        agent.wait_stats(open_waiting, 20, f"the consumer's open waiting at run {n}")
+        kill_agent(agent)
+        agent = start_agent(cache, ds.list_file)
+    agent.wait_stats(open_waiting, 20, "the consumer's open waiting at run 3")
+    go.set()
+    lines = c.wait(DEADLINE)
+    assert_epoch_exact(lines, ref)
+    assert len(samples_of(lines)) == len(ref)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -41,7 +42,17 @@ from wdscache import NotTrustedError, WdsCacheError, cli
 from wdscache.agent.pool import worker_endpoints
 from wdscache.shared.client import AgentConnection, ShardClient
 from wdscache.shared.layout import CacheLayout
-from wdscache.shared.protocol import pack_numbers, reply_proof, request_proof, unpack_numbers
+from wdscache.shared.messages import Requests
+from wdscache.shared.protocol import (
+    PROTOCOL,
+    pack,
+    pack_numbers,
+    proof,
+    reply_proof,
+    request_proof,
+    unpack,
+    unpack_numbers,
+)
 from wdscache.shared.urls import list_id
 from wdscache.training.loader import CachedMultiLoader
 
@@ -511,3 +522,44 @@ def test_a_process_on_a_workers_port_cannot_hand_a_consumer_samples(open_base, d
     token = (cache / "token").read_text().strip()
     assert impostor.got and all("key" not in h and "auth" in h for h in impostor.got), impostor.got
     assert token not in json.dumps(impostor.got)
+
+
+def test_an_agent_that_refuses_the_key_it_just_gave_is_not_asked_again_and_again(tmp_path: Path) -> None:
+    """A run that proved itself and refuses the key of its own proof is a NotTrustedError at once
+    (a refusal by a new run is answered by proving that run; this one is the same run)."""
+    token, run, endpoint = secrets.token_hex(32), secrets.token_hex(16), f"ipc://{tmp_path}/fake.sock"
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    asked: list[str] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not sock.poll(50):
+                continue
+            ident, *frames = sock.recv_multipart()
+            header, _ = unpack(frames)
+            asked.append(header["op"])
+            if header["op"] == "auth":
+                reply = {"ok": True, "run": run, "proof": proof(token, header["nonce"], run), "protocol": PROTOCOL}
+            else:
+                reply = {"ok": False, "need_token": True, "error": "refused: no"}
+            sock.send_multipart([ident, *pack({"op": "reply", "id": header["id"], **reply})])
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    conn = AgentConnection(endpoint, timeout=10, token=token)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(NotTrustedError, match="refused this client: refused: no"):
+            conn.request(Requests.stats())
+        assert time.monotonic() - t0 < 5
+        assert asked == ["auth", "stats", "auth"], asked
+    finally:
+        conn.close()
+        stop.set()
+        server.join(5)
+        sock.close(0)
+        ctx.term()

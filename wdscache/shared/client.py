@@ -137,14 +137,13 @@ class AgentConnection:
             time.sleep(min(RETRY_PAUSE, left))
 
     def _exchange(self, header: Mapping[str, Any], deadline: float) -> dict[str, Any]:
-        for again in (False, True):
+        while True:
             sock = self._proved(max(0.0, deadline - time.monotonic()))
-            rid = next(self._ids)
+            run, rid = self._run, next(self._ids)
             sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
             reply = self._reply(sock, rid, max(0.0, deadline - time.monotonic()))
-            if not self._refused(reply, again):
+            if not self._refused(reply, run, max(0.0, deadline - time.monotonic())):
                 return reply
-        raise AssertionError("unreachable")
 
     def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None, *, check_run: bool = True) -> dict[str, Any]:
         """The reply to ``rid``. While it does not come, every RUN_CHECK seconds (``check_run``)
@@ -234,14 +233,16 @@ class AgentConnection:
             return None
         return worker_key(self._token, self._run, index)
 
-    def _refused(self, reply: dict[str, Any], again: bool) -> bool:
-        """True when the agent refused our key as that of its previous run (ask it to prove itself
-        again); raises when it refuses a key it has just accepted."""
+    def _refused(self, reply: dict[str, Any], run: str, timeout: float) -> bool:
+        """True when the agent refused our key, made for run ``run``, because it is a new run (it
+        restarted, once or more): the new run has proved itself now, so ask again. Raises when
+        run ``run`` itself refuses the key it gave us."""
         if not reply.get("need_token"):
             return False
-        if again:
+        self.key = None  # whichever run listens now proves itself, and so names itself
+        self._proved(timeout)
+        if self._run == run:
             raise NotTrustedError(f"the agent at {self.endpoint} refused this client: {reply.get('error')}")
-        self.key = None  # a new agent on the endpoint: a new run, so a new key
         return True
 
     def request_patiently(
@@ -263,13 +264,12 @@ class AgentConnection:
         """
         retry_until = time.monotonic() + liveness  # replies marked "retry" are asked again this long
         while True:
-            for again in (False, True):
-                sock = self._proved(liveness)
-                rid = next(self._ids)
-                sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
-                reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
-                if not self._refused(reply, again):
-                    break
+            sock = self._proved(liveness)
+            run, rid = self._run, next(self._ids)
+            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+            reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
+            if self._refused(reply, run, liveness):
+                continue  # a new run, which never got the request
             if not reply.get("retry") or time.monotonic() >= retry_until:
                 return reply
             time.sleep(RETRY_PAUSE)
