@@ -19,6 +19,7 @@ import tarfile
 import threading
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -240,15 +241,22 @@ def test_a_restart_keeps_a_gzip_shard_it_cached(tmp_path, shard_server, start_ag
     assert "changed on the server" not in agent.stderr_text()
 
 
-@pytest.mark.slow
-def test_recovery_forgets_a_gzip_file_in_the_cache_and_fetches_the_shard_again(tmp_path, shard_server, start_agent):
-    path = make_shard(shard_server.root / "old-000000.tar.gz", synth_samples(0, 10, payload=5000), gzip=True)
+def cached_and_stopped(tmp_path: Path, shard_server: Any, start_agent: Any, name: str) -> tuple[Path, str, Path, Path]:
+    """A gzip'd shard ``name`` of 10 samples, cached by an agent that then stopped: its source
+    file, URL, cache directory and URL list."""
+    path = make_shard(shard_server.root / name, synth_samples(0, 10, payload=5000), gzip=True)
     url = shard_server.url(path.name)
     cache = tmp_path / "cache"
     lists = write_url_list(tmp_path / "lists" / "urls.txt", [url])
     agent = start_agent(cache, lists)
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "never cached")
     assert agent.stop() == 0
+    return path, url, cache, lists
+
+
+@pytest.mark.slow
+def test_recovery_forgets_a_gzip_file_in_the_cache_and_fetches_the_shard_again(tmp_path, shard_server, start_agent):
+    path, url, cache, lists = cached_and_stopped(tmp_path, shard_server, start_agent, "old-000000.tar.gz")
     # What an agent that kept shards compressed left: the .tar.gz itself, recorded at its size.
     layout = CacheLayout.of(cache)
     layout.shard_path(url).write_bytes(path.read_bytes())
@@ -270,13 +278,7 @@ def test_a_gzip_shard_published_just_before_a_crash_is_kept_not_downloaded_again
     adopts the tar with the gzip'd file's size as its source's (the gzip'd file stays until the
     index records the shard), so revalidation finds the source unchanged; with the tar's size it
     called the shard changed on the server and downloaded it again."""
-    path = make_shard(shard_server.root / "kept-000000.tar.gz", synth_samples(0, 10, payload=5000), gzip=True)
-    url = shard_server.url(path.name)
-    cache = tmp_path / "cache"
-    lists = write_url_list(tmp_path / "lists" / "urls.txt", [url])
-    agent = start_agent(cache, lists)
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "never cached")
-    assert agent.stop() == 0
+    path, url, cache, lists = cached_and_stopped(tmp_path, shard_server, start_agent, "kept-000000.tar.gz")
     # What the kill leaves: the tar in shards/, the gzip'd file in partial/, the DOWNLOADING record.
     layout = CacheLayout.of(cache)
     index = Index(layout.index_dir)

@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
 import threading
 import time
 
 import pytest
 
-from scripts.console import wdscache_exe
 from tests.helpers.streaming import samples_of
-from tests.helpers.waits import stop_process, wait_for
-from tests.helpers.watch import read_frames
+from tests.helpers.waits import wait_for
+from tests.helpers.watch import watch_frames
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.messages import Requests
 from wdscache.shared.verdict import verdicts
@@ -92,7 +89,6 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
     agent = start_agent(cache, data.list_file, "--prefetch", "2")
     agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
     conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
-    proc = None
     try:
         for reader, job in (("a", "train"), ("b", "done")):
             assert conn.request(Requests(reader).hello(job, 0, 1))["ok"]
@@ -113,19 +109,9 @@ def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, st
         assert conn.request({"op": "bye", "reader": "b"})["ok"]
         time.sleep(0.5)
         assert conn.request({**report, "wait_s": 0.4})["ok"]  # waited 0.4 s of the last 0.5: starved
-        proc = subprocess.Popen(
-            [wdscache_exe(), "stats", "--cache-dir", cache, "--watch"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-        )
-        text = read_frames(proc, 2, 20)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(10) == 0, proc.stderr.read()
+        text = watch_frames(cache, 2, 20)
     finally:
         conn.close()
-        if proc is not None:
-            stop_process(proc)
     frames = [f for f in text.split("\n\n") if f]
     assert len(frames) >= 2
     for frame in frames[:2]:
@@ -162,18 +148,7 @@ def test_stats_shows_no_download_rate_once_downloads_stop_and_a_jobs_totals_over
     )
     assert s["download_rate"] == 0, s
     assert "now 0/s" in run_cli("stats", "--cache-dir", cache).stdout
-    proc = subprocess.Popen(
-        [wdscache_exe(), "stats", "--cache-dir", cache, "--watch"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        frame = read_frames(proc, 1, 20)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(10) == 0, proc.stderr.read()
-    finally:
-        stop_process(proc)
+    frame = watch_frames(cache, 1, 20)
     assert "\ndownloads  0/s, 0 running" in frame, frame
     # A job of two epochs: its ended line counts the samples of both.
     lines = consumers(cache, "c", "--job", "two", "--no-shuffle", "--epochs", "2").wait()
@@ -263,18 +238,7 @@ def test_a_rank_waiting_on_a_failing_source_is_told_so_with_the_retries_and_thei
     assert re.search(r"^  rank 0: 0 samples, .*, STARVED by failing source$", text, re.M), text
     for url in shown:
         assert re.search(rf"^retrying   {re.escape(url)}: {failure}$", text, re.M), text
-    proc = subprocess.Popen(
-        [wdscache_exe(), "stats", "--cache-dir", cache, "--watch"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-    try:
-        frame = read_frames(proc, 1, 20)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(10) == 0, proc.stderr.read()
-    finally:
-        stop_process(proc)
+    frame = watch_frames(cache, 1, 20)
     lines = frame.splitlines()
     assert re.match(r"downloads  0/s, 2 running, 0 queued, 0 failed, 2 retrying; ", lines[2]), frame
     assert re.fullmatch(
