@@ -511,16 +511,7 @@ class Agent:
     def stats(self) -> dict[str, Any]:
         """The live statistics object (see :mod:`wdscache.shared.stats` for its fields)."""
         cache, index = self.cache, self.cache.index
-        by_state = dict(index.summary.counts)
-        by_state["downloading"] = self.downloads.count()
-        by_state["queued"] = self.prefetches.queued() + sum(
-            1
-            for u in self._readers_want()
-            if u not in self.downloads
-            and not cache.is_cached(u)
-            and not _failed(index.get(u))
-            and not self.prefetches.asks_for(u)
-        )
+        by_state = _shard_counts(cache, self.downloads, self.prefetches, self._readers_want())
         demanded = self.opens.demanded()
         agent_view = {
             "workers": self.workers.view(),
@@ -595,6 +586,20 @@ class _PrivateUse:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _shard_counts(cache: ShardCache, downloads: Downloads, prefetches: Prefetches, wanted: list[str]) -> dict[str, int]:
+    """Shards by state, as stats shows them: the index's, with those downloading now and those
+    queued (prefetches asked for, and shards the readers' windows want that nothing fetches yet)."""
+    index = cache.index
+    by_state = dict(index.summary.counts)
+    by_state["downloading"] = downloads.count()
+    by_state["queued"] = prefetches.queued() + sum(
+        1
+        for u in wanted
+        if u not in downloads and not cache.is_cached(u) and not _failed(index.get(u)) and not prefetches.asks_for(u)
+    )
+    return by_state
 
 
 def _failed(rec: ShardRecord | None) -> bool:
