@@ -69,6 +69,15 @@ _S3_ENDPOINT_URL = click.option(
     help="Endpoint of an S3-compatible store for s3:// URLs [default: boto3's, e.g. AWS_ENDPOINT_URL].",
 )
 
+_RETRIES = click.option(
+    "--retries",
+    envvar="WDSCACHE_RETRIES",
+    default=default("retries"),
+    type=click.IntRange(0),
+    show_envvar=True,
+    help="Retries of a failing download (with backoff) before the shard is given up.",
+)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="wdscache")
@@ -200,14 +209,7 @@ def main() -> None:
     show_envvar=True,
     help="Nodes of the job, one agent each (its part needs the shards' counts).",
 )
-@click.option(
-    "--retries",
-    envvar="WDSCACHE_RETRIES",
-    default=default("retries"),
-    type=int,
-    show_envvar=True,
-    help="Retries of a failing download before it is marked failed.",
-)
+@_RETRIES
 @click.option(
     "--read-timeout",
     envvar="WDSCACHE_READ_TIMEOUT",
@@ -355,14 +357,7 @@ def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None
     help="The index file to write (replaced atomically).",
 )
 @click.option("-j", "--jobs", default=4, type=click.IntRange(1, 64), help="Shards read at once.")
-@click.option(
-    "--retries",
-    envvar="WDSCACHE_RETRIES",
-    default=default("retries"),
-    type=click.IntRange(0),
-    show_envvar=True,
-    help="Retries of a shard that fails to download (with the agent's backoff) before it counts as not read.",
-)
+@_RETRIES
 @_S3_ENDPOINT_URL
 def index(urls: tuple[str, ...], output: Path, jobs: int, retries: int, s3_endpoint_url: str | None) -> None:
     """Write a shard index (webdataset's wids JSON) of the shards URLS name.
