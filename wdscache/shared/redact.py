@@ -11,7 +11,8 @@ What is replaced, in a URL alone or in any text that holds URLs (an exception's 
   ``token``, ``secret``, ``pass``, ``pwd``, ``credential``, ``auth``, ``key``, ``policy`` or
   ``session``: ``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``, Azure SAS
   ``sig``, CloudFront ``Signature``, ``Policy`` and ``Key-Pair-Id``, ``token``, ``access_token``,
-  ``apikey``, ``api_key``, ``password``... Other parameters (``X-Amz-Expires``, SAS ``se``,
+  ``apikey``, ``api_key``, ``password``... A name is matched as the server reads it, its
+  percent-escapes decoded (``%74oken`` is ``token``). Other parameters (``X-Amz-Expires``, SAS ``se``,
   ``sp``, ``sv``) stay, as they help tell why a signed URL was refused.
 
 A ``pipe:`` command is text like any other: the URLs in it are redacted, the rest is shown as
@@ -21,6 +22,7 @@ written (keep secrets of a command in its environment, not in the list).
 from __future__ import annotations
 
 import re
+from urllib.parse import unquote_plus
 
 __all__ = ["MASK", "redact_urls"]
 
@@ -35,7 +37,7 @@ _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy
 
 def _parameter(match: re.Match[str]) -> str:
     sep, name, value = match.groups()
-    if not _SECRET_NAME.search(name):
+    if not _SECRET_NAME.search(unquote_plus(name)):
         return match.group(0)
     # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") is the sentence's.
     after = value[len(value.rstrip(":,.)")) :]
