@@ -10,12 +10,15 @@ import json
 import os
 import pty
 import re
+import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from scripts.console import wdscache_exe
 from tests.helpers.disks import fill
+from tests.helpers.procs import stat_fields
 from tests.helpers.streaming import samples_of
 from tests.helpers.waits import wait_for
 from wdscache.agent.cache_commands import prefetch
@@ -565,3 +568,39 @@ def test_prefetch_refuses_options_for_its_own_agent_when_an_agent_runs_too(
     with pytest.raises(ConfigError, match="--download-workers must be at least 1"):
         prefetch(cache, data.urls[1:], report=lambda progress: None, download_workers=0)
     assert shard_server.requests == [] and agent.stats()["shards"]["cached"] == 1
+
+
+@pytest.mark.slow  # each command waits out the answer that does not come (5 s)
+def test_a_busy_agent_is_not_taken_for_absent_by_the_cache_commands(tmp_path, dataset, start_agent, run_cli):
+    # A change through an agent silent for 2 s tried the directory's lock and said "an agent is already
+    # running; stop it first": the agent was running, only busy (as re-reading a huge list).
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the start-up prefetch cached the list")
+    os.kill(agent.pid, signal.SIGSTOP)  # it keeps its lock and answers nothing
+    try:
+        wait_for(lambda: stat_fields(agent.pid)[0] == "T", 10, "the agent never stopped")
+        with ThreadPoolExecutor(4) as pool:
+            runs = {
+                what: pool.submit(run_cli, *args, "--cache-dir", cache)
+                for what, args in {
+                    "evict": ("evict", data.urls[0]),
+                    "clear": ("clear",),
+                    "prefetch": ("prefetch", data.urls[1]),
+                    "ls": ("ls", "--json"),
+                }.items()
+            }
+            got = {what: run.result() for what, run in runs.items()}
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    for what in ("evict", "clear", "prefetch"):
+        r = got[what]
+        assert r.returncode == 1, (what, r.stdout, r.stderr)
+        assert f"the agent (pid {agent.pid}) runs on {cache} but did not answer" in r.stderr, (what, r.stderr)
+        assert "already running" not in r.stderr, (what, r.stderr)
+    assert got["ls"].returncode == 0, got["ls"].stderr  # a read takes the index as it is
+    assert {s["url"]: s["state"] for s in json.loads(got["ls"].stdout)} == dict.fromkeys(data.urls, "cached")
+    assert agent.stats()["shards"]["cached"] == 2  # nothing was changed behind its back
+    r = run_cli("evict", data.urls[0], "--cache-dir", cache)  # answering again, it takes the change
+    assert r.returncode == 0 and r.stdout.startswith("evicted 1 shard(s)"), r.stdout + r.stderr

@@ -4,7 +4,9 @@ Each one works with or without an agent: with one running, every change goes thr
 control socket (:mod:`wdscache.agent.upkeep`), never behind its back, since the agent owns
 the index, the pins and the budget; without one, the command holds the cache directory's
 lock (an agent starting meanwhile waits for it) and changes the cache itself. ``prefetch``
-without an agent runs one in this process for as long as it takes.
+without an agent runs one in this process for as long as it takes. An agent that runs but does
+not answer (busy) is never taken for absent: a change waits a while for it, then fails saying
+so; ``ls`` reads the index as it is.
 
 A cache directory that cannot be written (a read-only file system): ``ls`` and ``verify``
 read it (``verify`` lists the bad shards it cannot evict), the others refuse it with one line
@@ -44,7 +46,7 @@ from ..shared.logs import get_logger, iso_time
 from ..shared.messages import Requests
 from ..shared.protocol import pages
 from ..shared.redact import redact_urls
-from ..shared.stats import agent_connection
+from ..shared.stats import ANSWER_TIMEOUT, agent_connection, agent_state
 from ..shared.tarwalk import walk
 from ..shared.urls import format_url_list
 from .cache import ShardCache
@@ -53,7 +55,7 @@ from .upkeep import evict_shards
 
 log = get_logger(__name__)
 
-CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs
+CONNECT_TIMEOUT = 2.0  # seconds to tell whether an agent runs, where its lock cannot tell
 REQUEST_TIMEOUT = 30.0
 POLL = 0.25  # seconds between prefetch progress reports (each costs what changed since the last)
 AGENT_START_TIMEOUT = 60.0
@@ -83,16 +85,32 @@ def _read_only(layout: CacheLayout) -> bool:
 
 
 @contextmanager
-def _agent(layout: CacheLayout, *, flush: bool = False) -> Iterator[AgentConnection | None]:
+def _agent(layout: CacheLayout, *, flush: bool = False, needed: bool = True) -> Iterator[AgentConnection | None]:
     """The running agent's connection (proved with a first request, which with ``flush`` has it write
-    the read times and counters it holds to the index), or None when none runs."""
-    conn = agent_connection(layout, CONNECT_TIMEOUT)
+    the read times and counters it holds to the index), or None when none runs.
+
+    An agent that runs (it holds the directory's lock) gets :data:`ANSWER_TIMEOUT` to answer: a
+    busy one (re-reading a huge list) is not taken for absent. If it stays silent, with ``needed``
+    (a change, which only it may make while it runs) AgentUnavailableError says so; without, None:
+    a read then takes the index as it is."""
+    state = agent_state(layout)
+    runs = None if state is None else layout.agent_holds_lock(state["pid"])
+    conn = None
+    if runs is not False:  # (no reply would come from a dead agent's socket)
+        conn = agent_connection(layout, ANSWER_TIMEOUT if runs else CONNECT_TIMEOUT)
     if conn is not None:
         try:
             conn.request(Requests.stats(flush=flush))
-        except (AgentUnavailableError, ProtocolError):
+        except (AgentUnavailableError, ProtocolError) as exc:
             conn.close()
             conn = None
+            if runs and needed and state is not None:
+                raise AgentUnavailableError(
+                    state["endpoint"],
+                    ANSWER_TIMEOUT,
+                    f"the agent (pid {state['pid']}) runs on {layout.root} but did not answer: it may be "
+                    "busy (see 'wdscache stats'); try again",
+                ) from exc
     try:
         yield conn
     finally:
@@ -129,7 +147,7 @@ def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     error (of a failed one)}, by URL. A running agent first writes the read times it holds in
     memory to the index, so a shard read a moment ago shows as read."""
     layout = _layout(cache_dir)
-    with _agent(layout, flush=True):
+    with _agent(layout, flush=True, needed=False):
         pass
     index = read_index(layout.index_dir, read_only=_read_only(layout))
     try:
