@@ -29,6 +29,7 @@ from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
 from tests.helpers.agents import FIRST_PART, AgentProc, Dataset
 from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
+from wdscache.shared.client import AgentConnection, resolve_endpoint
 from wdscache.shared.index import _SHARD, Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout, shard_name
 
@@ -875,3 +876,40 @@ def test_the_agent_defaults_are_stated_once_in_agent_config(run_cli):
     # ...and the help shows them as the agent uses them.
     shown = run_cli("agent", "--help").stdout
     assert f"[env var: WDSCACHE_PREFETCH; default: {defaults['prefetch']}]" in " ".join(shown.split())
+
+
+def test_a_list_edit_answers_who_waits_for_a_removed_shard_and_retries_a_failed_one_listed_again(
+    shard_server, dataset, start_agent, tmp_path
+):
+    ds = dataset(4)
+    a, b, c, d = ds.urls
+    shard_server.fail(ds.paths[1].name, "status", status=404, times=50)  # b fails for good
+    released = threading.Event()
+    shard_server.fail(ds.paths[2].name, "stall", seconds=60, until=released)  # c never comes
+    write_url_list(ds.list_file, [a, b, c])
+    agent = start_agent(tmp_path / "cache", ds.list_file, "--no-shuffle")
+    conn = None
+    try:
+        agent.wait_stats(lambda s: (s["shards"]["cached"], s["shards"]["failed"]) == (1, 1), 20, "a cached, b failed")
+        conn = AgentConnection(resolve_endpoint(tmp_path / "cache", None), timeout=30, cache_dir=tmp_path / "cache")
+        replies: list[dict] = []
+        opening = threading.Thread(target=lambda: replies.append(conn.request({"op": "open", "reader": "r", "url": c})))
+        opening.start()
+        agent.wait_stats(lambda s: s["misses"] == 1, 20, "the open of c waiting")
+
+        write_url_list(ds.list_file.with_name(".urls.tmp"), [a, d])  # b and c removed
+        os.replace(ds.list_file.with_name(".urls.tmp"), ds.list_file)
+        opening.join(20)
+        assert not opening.is_alive(), "the open of a removed shard is never answered"
+        assert replies[0]["ok"] is False and "removed from the agent's URL list" in replies[0]["error"], replies
+        assert "URL list changed: 1 added, 2 removed (2 shards now)" in agent.stderr_text(), agent.stderr_tail()
+
+        shard_server.clear_faults()  # b is served now: listed again, it is fetched again
+        write_url_list(ds.list_file.with_name(".urls.tmp"), [a, b, d])
+        os.replace(ds.list_file.with_name(".urls.tmp"), ds.list_file)
+        agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "b listed again and cached, d cached")
+        assert shard_server.count(ds.paths[1].name) >= 2
+    finally:
+        released.set()
+        if conn is not None:
+            conn.close()

@@ -236,6 +236,15 @@ class ShardCache:
         if rec is not None and rec.state is ShardState.FAILED:
             self.index.delete(url)
 
+    def forget_failures(self, urls: Iterable[str]) -> None:
+        """:meth:`forget_failure` of each of ``urls`` (a million, for an edit of a long list: the
+        failed records are looked up among them, not each of them in the index)."""
+        if not self.index.summary.counts.get(ShardState.FAILED.value):
+            return
+        failed = {rec.url for rec in self.index.records.values() if rec.state is ShardState.FAILED}
+        for url in failed.intersection(urls):
+            self.index.delete(url)
+
     def set_cached(
         self, url: str, size: int, etag: str | None, *, source_size: int | None = None, last_modified: str | None = None
     ) -> None:

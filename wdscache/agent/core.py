@@ -66,7 +66,7 @@ from ..shared.metrics import require as require_metrics
 from ..shared.protocol import CONTROL_OPS, READER_OPS, WORKER_OPS, strings
 from ..shared.protocol import field as get_field
 from ..shared.stats import build
-from ..shared.urls import UrlList, Urls, diff_urls
+from ..shared.urls import UrlList, Urls
 from ..shared.verdict import starved_by
 from .cache import INDEX_HEADROOM, ShardCache
 from .control import ControlSocket, Reply, Request
@@ -82,7 +82,7 @@ from .events import (
     ValidatorFound,
 )
 from .fetch import Fetcher
-from .list_file import ListFile
+from .list_file import ListChange, ListFile
 from .lock import AgentLock
 from .metrics import MetricsServer
 from .opens import Opens
@@ -366,20 +366,24 @@ class Agent:
     def _reader_gone(self, name: str) -> None:
         self.opens.release_all(name)
 
-    def _take_list(self, new: UrlList) -> None:
-        """The list file changed: readers that started an epoch finish it on their list."""
-        added, removed = diff_urls(self.readers.urls, new)
-        if not added and not removed and new.urls == self.readers.urls.urls and new.shards == self.readers.urls.shards:
+    def _take_list(self, change: ListChange) -> None:
+        """The list file changed: readers that started an epoch finish it on their list. What
+        changed was worked out in the reading thread (:class:`ListChange`): here, only what
+        the cache and the waiting readers hold of it is looked at, not every URL."""
+        old, new = self.readers.urls, change.urls
+        if not change.added and not change.removed and new.urls == old.urls and new.shards == old.shards:
             return
-        self._list_file.log_change(added, removed, len(new))
-        for url in added:
-            self.cache.forget_failure(url)
+        self._list_file.log_change(change.added, change.removed, len(new))
+        self.cache.forget_failures(change.added)
         self.readers.replace_list(new)
         self._lookups = new.urls
-        for url in removed:
-            if url in self.cache.kept and not self.readers.known(url):
+        kept, asked = list(self.cache.kept), self.opens.demanded()
+        removed = set(change.removed) if kept or asked else set()
+        for url in kept:
+            if url in removed and not self.readers.known(url):
                 self.cache.drop_partial(url)  # a partial of a shard no longer listed is garbage
-            if not self.readers.read_by_a_consumer(url):
+        for url in asked:
+            if url in removed and not self.readers.read_by_a_consumer(url):
                 self.opens.unlisted(url)
 
     # -- download events ------------------------------------------------------

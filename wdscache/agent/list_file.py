@@ -11,7 +11,9 @@ Guarantees:
 - The watchdog thread only sets a flag; the main loop sees it and has the file read in another
   thread, and takes the new list once it is read: while a long list is parsed (a million lines
   take a second or two), or a read hangs (a stalled network file system), the agent goes on
-  serving on the list it has.
+  serving on the list it has. That thread also works out what the edit added and removed and
+  makes the new list's lookup table (:class:`ListChange`), which for a rewrite of a million
+  lines take as long again: the loop takes the change in milliseconds.
 - What a parse freed goes back to the kernel after it (glibc's malloc_trim).
 - A change is logged as one record (event ``list_changed``): how many URLs were added and
   removed, and the first :data:`LIST_SAMPLE` of each, redacted as every log record is.
@@ -25,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +39,23 @@ from ..shared.errors import ConfigError
 from ..shared.logs import event, get_logger
 from ..shared.malloc import release_freed
 from ..shared.s3 import Listing
-from ..shared.urls import UrlList, list_of_bytes, read_list_bytes
+from ..shared.urls import UrlList, diff_urls, list_id, list_of_bytes, read_list_bytes
 
 log = get_logger(__name__)
 
 SETTLE = 0.1  # seconds editors get to finish writing a file in several steps
 LIST_SAMPLE = 5  # URLs added, and removed, that a list change's log record names
+
+
+@dataclass(frozen=True)
+class ListChange:
+    """An edit of the list file, as the reading thread found it: the new list (its lookup table
+    and id made) and the URLs only it holds (``added``) and only the list before it held (``removed``),
+    each in list order."""
+
+    urls: UrlList
+    added: list[str]
+    removed: list[str]
 
 
 class ListFile:
@@ -54,10 +68,12 @@ class ListFile:
         self._digest: bytes | None = None  # of the bytes last parsed, if they name no prefix or glob
         self._touched = threading.Event()  # set by the watchdog thread
         self._observer: Any = None
-        self._reading: Future[UrlList | None] | None = None  # the file's read in another thread, if one runs
+        self._reading: Future[ListChange | None] | None = None  # the file's read in another thread, if one runs
+        self._listed: UrlList | None = None  # the list last read, which the agent serves
 
     def read(self) -> UrlList:
-        """Read the list now (raises :class:`ConfigError` for a list that is empty or wrong)."""
+        """Read the list now (raises :class:`ConfigError` for a list that is empty or wrong); the
+        agent serves what this returns."""
         self._signature = _stat_signature(self._path)
         data = read_list_bytes(str(self._path))
         digest = hashlib.sha256(data).digest()
@@ -74,12 +90,13 @@ class ListFile:
         # A list naming an s3:// prefix or glob is read again whenever the file is touched, even
         # alike: touching it is how an operator says the prefix's objects changed.
         self._digest = digest if self._lister.listed == listed else None
+        self._listed = urls
         return urls
 
-    def changed(self) -> UrlList | None:
-        """The list as it is now, if the file changed since it was last read; else None. The file is
-        read in another thread, so the caller goes on meanwhile: a later call, the first after the
-        read ended, returns the list (or raises what the read raised)."""
+    def changed(self) -> ListChange | None:
+        """The list as it is now and how it changed, if the file changed since it was last read;
+        else None. The file is read in another thread, so the caller goes on meanwhile: a later
+        call, the first after the read ended, returns the change (or raises what the read raised)."""
         if self._reading is not None:
             if not self._reading.done():
                 return None
@@ -90,7 +107,7 @@ class ListFile:
         self._touched.clear()
         if _stat_signature(self._path) == self._signature:
             return None
-        reading: Future[UrlList | None] = Future()
+        reading: Future[ListChange | None] = Future()
         self._reading = reading
 
         def read() -> None:
@@ -103,18 +120,24 @@ class ListFile:
         threading.Thread(target=read, name="list-read", daemon=True).start()
         return None
 
-    def _read_edited(self) -> UrlList | None:
-        """The edited file's list; None if its bytes are those last parsed, or wrong (logged)."""
+    def _read_edited(self) -> ListChange | None:
+        """The edited file's list and what changed; None if its bytes are those last parsed, or
+        wrong (logged)."""
         time.sleep(SETTLE)
         signature, digest = _stat_signature(self._path), _digest(self._path)
         if digest is not None and digest == self._digest:
             self._signature = signature  # touched, or written again alike: nothing to parse
             return None  # (a change after this stat shows in the next one)
+        before = self._listed
         try:
-            return self.read()
+            urls = self.read()
         except ConfigError as exc:
             log.error("keeping the current URL list: %s", exc)
             return None
+        added, removed = diff_urls(before, urls) if before is not None else (list(urls.urls), [])
+        urls.urls.make_lookups()
+        list_id(urls.urls)  # (kept with them: the readers name the list by it)
+        return ListChange(urls, added, removed)
 
     def log_change(self, added: Sequence[str], removed: Sequence[str], shards: int) -> None:
         """Log that the list now holds ``shards`` URLs, ``added`` and ``removed`` (one record)."""
