@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from wdscache.shared.client import AgentConnection
@@ -21,6 +22,11 @@ def _samples(text: str) -> dict[tuple[str, tuple], float]:
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
+
+
+def _changes(values: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
+    """``values`` without repeats of the one before."""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
 def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path, dataset, start_agent, run_cli):
@@ -89,6 +95,53 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
     assert down[("wdscache_cache_bytes", ())] - down[("wdscache_cache_table_bytes", ())] == size
 
 
+def test_a_ranks_counters_add_up_its_epochs_and_never_go_down(tmp_path, dataset, start_agent, consumers, run_cli):
+    """Each epoch of a rank is a new consumer, whose own figures start at zero: scraped while the
+    rank reads three epochs, its counters only grow, and end at what all three delivered."""
+    from tests.helpers.streaming import samples_of
+    from tests.helpers.waits import wait_for
+
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--metrics-port", "0")
+    url = json.loads((cache / "agent.json").read_text())["metrics"]
+    rank = (("job", "epochs"), ("rank", "0"))
+    names = ("samples", "bytes", "wait_seconds")
+    scraped: list[tuple[float, ...]] = []  # the rank's (samples, bytes, wait_seconds), scrape by scrape
+
+    def scrape() -> tuple[float, ...] | None:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            metrics = _samples(reply.read().decode())
+        if ("wdscache_consumer_samples_total", rank) in metrics:
+            scraped.append(tuple(metrics[(f"wdscache_consumer_{n}_total", rank)] for n in names))
+        return scraped[-1] if scraped else None
+
+    # Sleeps after each sample spread its epochs over several of the agent's snapshots (one a second).
+    consumer = consumers(cache, "c", "--job", "epochs", "--epochs", "3", "--sleep", "0.1")
+
+    def ended() -> bool:
+        scrape()  # (while it reads)
+        return consumer.proc.poll() is not None
+
+    wait_for(ended, 60, "the consumer did not end")
+    delivered = len(samples_of(consumer.wait()))
+    assert delivered == 3 * 8
+    wait_for(
+        lambda: (got := scrape()) is not None and got[0] == delivered,
+        10,
+        lambda: f"the counter never reached the {delivered} samples of all epochs: {_changes(scraped)}",
+    )
+    for before, after in zip(scraped, scraped[1:], strict=False):
+        assert all(b <= a for b, a in zip(before, after, strict=True)), f"a counter went down: {before} -> {after}"
+    # stats --json: the totals over the agent's life, as the epochs that ended add up to.
+    s = json.loads(run_cli("stats", "--cache-dir", cache, "--json").stdout)
+    totals, ended = s["rank_totals"]["epochs"]["0"], s["ended_jobs"]["epochs"]["0"]
+    assert ended["epochs"] == 3 and "epochs" not in s["jobs"]
+    assert totals["samples"] == ended["samples"] == delivered
+    assert totals["bytes"] == ended["bytes"] == scraped[-1][1] > 0
+    assert totals["wait_s"] == pytest.approx(ended["wait_s"], abs=1e-3) == scraped[-1][2]
+
+
 def test_a_job_named_by_a_url_shows_in_metrics_redacted(tmp_path, dataset, start_agent, run_cli):
     from tests.helpers.waits import wait_for
 
@@ -152,12 +205,24 @@ def test_a_starved_job_is_reported_by_its_reason():
         },
         "jobs": {"j": {"0": {"samples": 5, "bytes": 50, "rate": 1.0, "wait_s": 4.0, "waiting": 0.9}}},
         "ended_jobs": {"old": {"0": {"samples": 9, "wait_s": 0.0, "ended": "2026-12-02T01:00:00+00:00"}}},
+        "rank_totals": {
+            "j": {"0": {"samples": 15, "bytes": 150, "wait_s": 6.0}},
+            "old": {"0": {"samples": 9, "bytes": 90, "wait_s": 0.0}},
+        },
     }
     m = _samples(exposition(stats))
     assert m[("wdscache_job_starved", (("job", "j"), ("reason", "budget")))] == 1
     assert m[("wdscache_job_starved", (("job", "j"), ("reason", "downloads")))] == 0
     assert m[("wdscache_need_bytes", ())] == 250
-    assert not any(dict(k[1]).get("job") == "old" for k in m)  # ended jobs are in stats, not in metrics
+    # Counters are the totals over the agent's life (the live rank's earlier epochs too); a job that
+    # ended keeps its counters a while, but is neither rated nor judged.
+    assert m[("wdscache_consumer_samples_total", (("job", "j"), ("rank", "0")))] == 15
+    assert m[("wdscache_consumer_samples_per_second", (("job", "j"), ("rank", "0")))] == 1.0
+    assert {k[0] for k in m if dict(k[1]).get("job") == "old"} == {
+        "wdscache_consumer_samples_total",
+        "wdscache_consumer_bytes_total",
+        "wdscache_consumer_wait_seconds_total",
+    }
 
 
 def test_missing_extra_is_named():

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.policy import URLS, Loop
+from wdscache.agent.rank_totals import RANK_TOTALS_KEPT
 from wdscache.agent.readers import ENDED_KEPT, Readers
 from wdscache.shared.messages import Requests
 from wdscache.shared.urls import list_id
@@ -92,6 +93,46 @@ def test_ended_consumers_leave_stats_after_a_while_oldest_first(loop: Loop) -> N
     loop.readers._ended["c0"]["_ended"] -= ENDED_KEPT
     loop.readers.expire()
     assert not loop.readers.view("latency")["ended_jobs"]
+
+
+def test_a_ranks_totals_add_up_its_epochs_and_readers_and_never_go_down(loop: Loop) -> None:
+    """Each epoch is a new consumer (a new name, or a hello again under its name) whose figures
+    start at zero; a rank's readers add up; a report lower than its consumer's last adds nothing."""
+    readers = loop.readers
+
+    def totals() -> dict[str, object]:
+        return dict(readers.view("latency")["rank_totals"])
+
+    def report(name: str, op: str = "report", **figures: float) -> None:
+        getattr(readers, f"op_{op}")(loop.request(op, reader=name, **figures))
+
+    hello(readers, "e0", loop)
+    assert totals() == {"j": {"0": {"samples": 0, "bytes": 0, "wait_s": 0.0}}}  # shown from its hello
+    report("e0", samples=5, bytes=50, wait_s=0.5)
+    report("e0", samples=4, bytes=40)  # lower: nothing (and wait_s absent: nothing either)
+    report("e0", "bye", samples=8, bytes=80, wait_s=0.75)  # its last figures come with its bye
+    hello(readers, "e1", loop)  # the next epoch, with a second reader of the rank
+    hello(readers, "e1w", loop)
+    report("e1", samples=3, bytes=30, wait_s=0.25)
+    report("e1w", samples=2, bytes=20)
+    hello(readers, "e1", loop)  # a hello again: its figures start again
+    report("e1", samples=1, bytes=10)
+    hello(readers, "p", loop, probe=True)
+    report("p", samples=100)  # a probe's report is no rank's
+    assert totals() == {"j": {"0": {"samples": 14, "bytes": 140, "wait_s": 1.0}}}
+    assert readers.view("latency")["jobs"]["j"]["0"]["samples"] == 3  # the current epoch's, its readers together
+
+
+def test_a_ranks_totals_go_an_hour_after_its_last_consumer_left(loop: Loop) -> None:
+    readers = loop.readers
+    for name, job in (("a0", "a"), ("b0", "b")):
+        hello(readers, name, loop, job=job)
+        readers.op_report(loop.request("report", reader=name, samples=1))
+    readers.op_bye(loop.request("bye", reader="a0"))
+    for totals in readers._totals._ranks.values():
+        totals.touched -= RANK_TOTALS_KEPT  # both silent an hour: b0 still connected, a0 gone
+    readers.expire()
+    assert set(readers.view("latency")["rank_totals"]) == {"b"}
 
 
 def test_a_probe_neither_joins_nor_counts_as_a_consumer(loop: Loop) -> None:

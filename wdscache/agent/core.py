@@ -553,6 +553,7 @@ class Agent:
             },
             jobs=readers["jobs"],
             ended_jobs=readers["ended_jobs"],
+            rank_totals=readers["rank_totals"],
         )
 
 

@@ -29,7 +29,7 @@ import os
 import select
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared.config import AgentConfig
@@ -45,6 +45,7 @@ from .budget_need import BudgetNeed
 from .cache import ShardCache
 from .control import Reply, Request
 from .job_lists import JobLists
+from .rank_totals import RankTotals
 
 log = get_logger(__name__)
 
@@ -131,6 +132,7 @@ class ReaderRecord:
     consumer: dict[str, Any] | None = None  # {"job", "rank", "seen", and the last report's figures}
     probe: bool = False  # said hello only to learn the list (a loader's len()): neither joins nor leaves a job
     buffer: int = 0
+    counted: dict[str, float] = field(default_factory=dict)  # its reports' figures its rank's totals hold
 
 
 class Readers:
@@ -167,6 +169,7 @@ class Readers:
         self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
         # Reader name -> its last report, once it left (for stats), in the order they left.
         self._ended: dict[str, dict[str, Any]] = {}
+        self._totals = RankTotals()  # each rank's over the agent's life (the metrics' counters)
         self._need = BudgetNeed(cache, config.prefetch)  # what they need of the budget, and its warning
 
     # -- who reads ------------------------------------------------------------
@@ -324,6 +327,7 @@ class Readers:
             # Stamped: its first report's share of time spent waiting counts from here.
             record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
             record.buffer = max(0, get_field(header, "shuffle_buffer", int, 0))
+            self._totals.add((job, str(rank)), record.counted, {})  # its rank is shown from now on
             self._ended.pop(name, None)
         record.plan.pidfd = self._processes.start(name, header.get("process"))
         if not again and not record.probe:
@@ -388,11 +392,12 @@ class Readers:
         self.drop(name)
         return {"ok": True}
 
-    @staticmethod
-    def _record(record: ReaderRecord, figures: dict[str, float]) -> None:
-        """A report's ``figures`` as the stats of the reader's consumer."""
+    def _record(self, record: ReaderRecord, figures: dict[str, float]) -> None:
+        """A report's ``figures`` as the stats of the reader's consumer, and counted in its rank's totals."""
         known = record.consumer or {}
         report = {"job": known.get("job"), "rank": known.get("rank"), **figures}
+        if known.get("job") is not None:  # (not a probe's, nor a plain client's: they said no job)
+            self._totals.add((str(known["job"]), str(known.get("rank"))), record.counted, figures)
         record.consumer = with_fraction(known, report, "wait_s", "waiting")
 
     # -- going ------------------------------------------------------------------
@@ -454,6 +459,7 @@ class Readers:
         # Oldest first (see drop): a look at the first per turn, not a pass over all of them.
         while self._ended and now - next(iter(self._ended.values()))["_ended"] >= ENDED_KEPT:
             del self._ended[next(iter(self._ended))]
+        self._totals.expire(lambda: {(str(c.get("job")), str(c.get("rank"))) for c in self._consumers().values()})
         self._lists.free({r.list_id for r in self._plans()})
 
     def close(self) -> None:
@@ -543,4 +549,5 @@ class Readers:
             "job_lists": len(self._lists),
             "jobs": jobs_view(consumers, starved_by),
             "ended_jobs": ended_jobs_view(self._ended),
+            "rank_totals": self._totals.view(),
         }

@@ -30,9 +30,11 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
     wdscache_worker_bytes_total{worker}       the sample workers' work
     wdscache_worker_restarts_total            sample workers restarted
     wdscache_consumer_samples_total{job,rank}, wdscache_consumer_bytes_total{job,rank},
-    wdscache_consumer_wait_seconds_total{job,rank}  what each rank of each live job got, and waited
-    wdscache_consumer_samples_per_second{job,rank}  its recent sample rate
-    wdscache_consumer_waiting_ratio{job,rank} the share of its recent time spent waiting for data
+    wdscache_consumer_wait_seconds_total{job,rank}  what each rank got, and waited, over the agent's life:
+                                              every epoch of it (stats' rank_totals), kept an hour
+                                              after its last consumer left
+    wdscache_consumer_samples_per_second{job,rank}  a rank of a live job: its recent sample rate
+    wdscache_consumer_waiting_ratio{job,rank} and the share of its recent time spent waiting for data
     wdscache_job_starved{job,reason}          1 for a live job that is starved, by its reason
                                               (budget, failing_source, downloads, slow_source,
                                               workers, latency), else 0
@@ -124,22 +126,27 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
             family.add_metric([str(w["index"])], w.get(key, 0))
     yield from per_worker.values()
     labels = ["job", "rank"]
-    per_rank: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+    # Counters from the totals over all of a rank's epochs (each epoch is a new consumer, whose own
+    # figures start at zero), gauges from the ranks read now.
+    totals = {
         "samples": CounterMetricFamily("wdscache_consumer_samples", "Samples a rank received", labels=labels),
         "bytes": CounterMetricFamily("wdscache_consumer_bytes", "Bytes of samples a rank received", labels=labels),
         "wait_s": CounterMetricFamily(
             "wdscache_consumer_wait_seconds", "Seconds a rank waited for data", labels=labels
         ),
+    }
+    gauges = {
         "rate": GaugeMetricFamily("wdscache_consumer_samples_per_second", "A rank's recent sample rate", labels=labels),
         "waiting": GaugeMetricFamily(
             "wdscache_consumer_waiting_ratio", "Share of a rank's recent time spent waiting for data", labels=labels
         ),
     }
-    for job, ranks in sorted(s.get("jobs", {}).items()):
-        for rank, r in sorted(ranks.items()):
-            for key, rank_family in per_rank.items():
-                rank_family.add_metric([redact_urls(job), rank], r.get(key, 0))  # a name is the user's choice
-    yield from per_rank.values()
+    for families_of, ranks_by_job in ((totals, s.get("rank_totals", {})), (gauges, s.get("jobs", {}))):
+        for job, ranks in sorted(ranks_by_job.items()):
+            for rank, r in sorted(ranks.items()):
+                for key, rank_family in families_of.items():
+                    rank_family.add_metric([redact_urls(job), rank], r.get(key, 0))  # a name is the user's choice
+        yield from families_of.values()
     starved = GaugeMetricFamily(
         "wdscache_job_starved", "1 if the job is starved, by its reason", labels=["job", "reason"]
     )

@@ -32,7 +32,9 @@ The object (also ``wdscache stats --json``)::
                       {pid, uptime_s, endpoint, answering: false} when it runs (holds the directory's
                       lock) but gave no reply within ANSWER_TIMEOUT (busy, or stuck): the other fields
                       are then the index's, as with no agent
-    jobs              {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent),
+    jobs              the ranks consumers read now, of their current epoch (each epoch of a rank is a
+                      consumer of its own; its DataLoader workers' added up, ``readers`` of them):
+                      {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent), readers,
                       epoch, position (samples of the epoch the job delivered, counted from
                       this rank's), starved: null | "budget" | "failing_source" | "downloads" |
                       "slow_source" | "workers" | "latency" (see :mod:`wdscache.shared.verdict`)}}}
@@ -40,6 +42,11 @@ The object (also ``wdscache stats --json``)::
                       over every epoch of the rank that ended then (samples, bytes, wait_s summed;
                       epochs: how many; epoch and position: the last one's) and ``ended``
                       (an ISO 8601 date)
+    rank_totals       {job: {rank: {samples, bytes, wait_s}}}: what each rank received, and waited, over
+                      the agent's life, every epoch and reader of it together (``jobs`` shows the
+                      current epoch's); never decreasing while the agent runs (the metrics' counters).
+                      A rank is dropped an hour after its last report once no consumer of it is
+                      connected (:mod:`wdscache.agent.rank_totals`); {} when no agent answers
 
 With an agent running it answers live over the agent's socket; otherwise it
 reads the index summary, which costs the same on 10 or 100,000 shards.
@@ -74,6 +81,7 @@ def build(
     agent: dict[str, Any] | None = None,
     jobs: dict[str, Any] | None = None,
     ended_jobs: dict[str, Any] | None = None,
+    rank_totals: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The stats object from an index summary and counters (shared by agent and reader)."""
     counts = summary.get("counts", {})
@@ -96,6 +104,7 @@ def build(
         "agent": agent,
         "jobs": jobs or {},
         "ended_jobs": ended_jobs or {},
+        "rank_totals": rank_totals or {},
     }
 
 
