@@ -1770,9 +1770,17 @@ class Bench:
                             return {**row, "error": f"edit {edit} not taken within 60 s"}
                         time.sleep(0.1)
                     after.append(status_kb(agent.pid, "RssAnon")["RssAnon"] / 1024)
-                path.write_text(index_text(urls) if index_text else "\n".join(urls) + "\n")  # as it was
                 row["anon_mb_after_edits"] = after
                 row["anon_mb_after_3_edits"] = after[-1]
+                # A rewrite of every line (each missing shard renamed, one more added): how long the
+                # agent's answers wait while it takes the new list.
+                rewritten = [u.replace("missing-", "moved-") for u in urls] + [str(path.parent / "rewrite.tar")]
+                row["rewrite_stall_s"] = _longest_answer_while(
+                    cache,
+                    lambda: _replace_text(path, index_text(rewritten) if index_text else "\n".join(rewritten) + "\n"),
+                    len(rewritten),
+                )
+                path.write_text(index_text(urls) if index_text else "\n".join(urls) + "\n")  # as it was
             return row
         except Exception as exc:
             return {"error": repr(exc)}
@@ -1859,6 +1867,34 @@ class Bench:
             shutil.rmtree(self.work / "data", ignore_errors=True)
             for f in self.work.glob("urls-*.txt"):
                 f.unlink()
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` at once (a temporary file renamed over it), as an operator's tool does."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _longest_answer_while(cache: Path, edit: Callable[[], None], urls: int) -> float:
+    """The longest a ``stats`` request to the agent of ``cache`` waited for its answer (one every 20 ms)
+    from ``edit()`` until the agent lists ``urls`` URLs (its edited list taken), in seconds."""
+    from wdscache.shared.client import AgentConnection, resolve_endpoint
+
+    conn = AgentConnection(resolve_endpoint(cache, None), timeout=60, cache_dir=cache)
+    try:
+        edit()
+        longest, deadline = 0.0, time.monotonic() + 120
+        while time.monotonic() < deadline:
+            t = time.perf_counter()
+            reply = conn.request({"op": "stats"})
+            longest = max(longest, time.perf_counter() - t)
+            if (reply["stats"].get("agent") or {}).get("urls") == urls:
+                return longest
+            time.sleep(0.02)
+        raise RuntimeError(f"the rewritten list ({urls} URLs) not taken within 120 s")
+    finally:
+        conn.close()
 
 
 class Agent:
