@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.agents import kill_agent
 from tests.helpers.procs import children_of, worker_pids
 from tests.helpers.streaming import Consumer, assert_epoch_exact, consumer_log, reference, samples_of, wait_exit
@@ -26,6 +27,9 @@ from wdscache.shared.index import Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout
 
 DEADLINE = 60.0
+IN_FLIGHT = 256 << 10  # bytes a killed agent may leave unread in the kernel's buffers (sent, never written)
+# One connection per shard (no parts): the resume is one Range request from where the partial ends.
+JOB_SHARD_ARGS = ("--prefetch", "1", "--cache-size", "10M", "--download-parts", "1")
 
 
 def lines_written(c: Consumer) -> int:
@@ -116,6 +120,95 @@ def test_loader_goes_on_exactly_when_its_own_list_and_a_download_span_the_restar
     assert "restarted" in c.log.read_text(errors="replace"), consumer_log(c)
     assert any(f"downloading {u}" in again.stderr_text() for u in mine), again.stderr_tail()  # spanned the kill
     assert again.running()
+
+
+def kill_mid_jobs_own_shard(
+    shard_server, dataset, start_agent, consumers, tmp_path
+) -> tuple[Consumer, Path, int, Path]:
+    """An agent SIGKILLed a third of the way into a shard only a job's own list names (the
+    agent's list names another), the job reading it; the job (its consumer), the shard's
+    file on the server, the bytes its partial file holds, and the agent's list. The server is
+    uncapped again."""
+    ds = dataset(2, samples=40, payload=20_000)  # ~800 KB shards, at 200 KB/s: the kill comes mid-body
+    ds.list_file.write_text(ds.urls[0] + "\n")  # the agent's own list does not name the job's shard
+    url, path = ds.urls[1], ds.paths[1]
+    own = tmp_path / "own.txt"
+    own.write_text(url + "\n")
+    cache = tmp_path / "cache"
+    partial = CacheLayout.of(cache).partial_path(url)
+    shard_server.rate = 200_000
+    agent = start_agent(cache, ds.list_file, *JOB_SHARD_ARGS)
+    c = consumers(cache, "reader", "--job", "own", "--urls", str(own), "--timeout", "30")
+    wait_for(
+        lambda: partial.exists() and partial.stat().st_size >= path.stat().st_size // 3,
+        DEADLINE,
+        lambda: f"the job's shard never got a third of the way\n{consumer_log(c)}\n{agent.stderr_tail()}",
+        interval=0.02,
+    )
+    kill_agent(agent)
+    kept = partial.stat().st_size
+    assert kept < path.stat().st_size, "the shard was whole before the kill: nothing to resume"
+    shard_server.rate = None
+    return c, path, kept, ds.list_file
+
+
+def the_two_gets(shard_server, path: Path) -> tuple[Any, Any]:
+    """The GETs of ``path``: the killed agent's and the restarted one's; asserts there were two."""
+    gets = [r for r in shard_server.requests if r.method == "GET" and r.path == path.name]
+    assert len(gets) == 2, gets
+    return gets[0], gets[1]
+
+
+def range_start(request: Any) -> int:
+    m = re.fullmatch(r"bytes=(\d+)-\d*", request.range or "")
+    return int(m.group(1)) if m else 0
+
+
+def test_a_shard_only_a_jobs_own_list_names_half_downloaded_at_a_kill_is_resumed_from_its_partial(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    """The agent is SIGKILLed mid-body of a shard that only the job's own list names: the new
+    run keeps the partial (the job's list died with the old run), and when the job names the
+    shard again its download goes on with a Range from where the partial ends. The shard's
+    bytes cross the network once (but what was in flight at the kill), and the job gets them all."""
+    c, path, kept, listed = kill_mid_jobs_own_shard(shard_server, dataset, start_agent, consumers, tmp_path)
+    url, size, cache = shard_server.url(path.name), path.stat().st_size, tmp_path / "cache"
+    again = start_agent(cache, listed, *JOB_SHARD_ARGS)
+    lines = c.wait(DEADLINE)
+    assert_epoch_exact(lines, reference([path], [url]))
+    assert len(samples_of(lines)) == len(reference([path], [url]))
+    shard = CacheLayout.of(cache).shard_path(url)
+    wait_for(shard.exists, DEADLINE, lambda: f"the job's shard was never cached\n{again.stderr_tail()}")
+    assert shard.read_bytes() == path.read_bytes()
+    first, resumed = the_two_gets(shard_server, path)
+    assert (range_start(first), range_start(resumed)) == (0, kept), f"not resumed from {kept}: {first}, {resumed}"
+    assert resumed.status == 206 and resumed.if_range, resumed
+    # (the server counts a slice once sent: the agent may have had it a moment before)
+    wait_for(lambda: resumed.bytes_sent == size - kept, 10, lambda: f"the rest was not sent once: {resumed}")
+    assert kept <= first.bytes_sent <= kept + IN_FLIGHT, (first, kept)  # sent in all: the shard, and what was in flight
+
+
+def test_a_jobs_own_shard_replaced_on_its_server_while_the_agent_was_down_starts_over_never_spliced(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    """The same kill, then the job's shard is replaced on its server: the resume names the
+    partial's version (If-Range), is answered with the whole new version, and what is cached
+    is that version alone; the job gets each sample once, of one version or the other."""
+    c, path, kept, listed = kill_mid_jobs_own_shard(shard_server, dataset, start_agent, consumers, tmp_path)
+    url, cache = shard_server.url(path.name), tmp_path / "cache"
+    old = reference([path], [url])
+    make_shard(path, synth_samples(1, 40, payload=20_000, seed=7))  # a new mtime, so a new ETag
+    new = reference([path], [url])
+    again = start_agent(cache, listed, *JOB_SHARD_ARGS)
+    lines = c.wait(DEADLINE)
+    got = [((s["url"], s["key"]), s["fields"]) for s in samples_of(lines)]
+    assert sorted(k for k, _ in got) == sorted(new), "not each sample once"
+    assert all(fields in (old[k], new[k]) for k, fields in got), "a sample of neither version"
+    shard = CacheLayout.of(cache).shard_path(url)
+    wait_for(shard.exists, DEADLINE, lambda: f"the job's shard was never cached\n{again.stderr_tail()}")
+    assert shard.read_bytes() == path.read_bytes()
+    _, resumed = the_two_gets(shard_server, path)
+    assert range_start(resumed) == kept and resumed.if_range and resumed.status == 200, resumed
 
 
 @pytest.mark.slow

@@ -14,8 +14,10 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   A reservation of unknown size (``pipe:``) grows in steps of at most a quarter
   of what the budget can spare (at least the bytes at hand). The index database itself is not counted.
 - Kept partials: only with a validator (ETag, Last-Modified or file mtime) in their
-  DOWNLOADING record; removed when space is needed, when their shard leaves the
-  list (:meth:`drop_partial`), or at the next start if not resumable.
+  DOWNLOADING record; kept across a restart whichever list named them; removed when
+  space is needed, when their shard leaves the agent's list and no reader's list names
+  it (:meth:`drop_partial`), after ``UNNAMED_GRACE`` of the agent's run with no list
+  naming them (:mod:`wdscache.agent.unnamed_partials`), or at the next start if not resumable.
 - Free-space margin: a reservation is granted only if the file system keeps
   ``min_free`` bytes (plus 1 MiB for the index) free after every in-flight
   download completes.
@@ -42,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Collection, Container, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -119,9 +121,9 @@ class ShardCache:
 
     # -- start-up ---------------------------------------------------------
 
-    def recover(self, keep_partial: Container[str] = ()) -> dict[str, int]:
+    def recover(self) -> dict[str, int]:
         """Make index and disk agree after any kind of stop (see :func:`~wdscache.agent.recovery.recover`)."""
-        return recovery.recover(self, keep_partial)
+        return recovery.recover(self)
 
     def adopt(self, urls: Iterable[str]) -> int:
         """Take complete shard files of ``urls`` that the index does not know (a rebuilt index)."""
@@ -200,6 +202,8 @@ class ShardCache:
 
     def drop_partial(self, url: str) -> None:
         """Remove the partial file kept for ``url`` (and its record), if any."""
+        # The files first: on a full disk the index may refuse to change until they are gone. A crash
+        # between leaves a DOWNLOADING record with no partial file, which the next start forgets.
         self.kept.pop(url, None)
         self.layout.partial_path(url).unlink(missing_ok=True)
         remove_side_files(self.layout.partial_path(url))

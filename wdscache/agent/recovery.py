@@ -10,9 +10,11 @@ Guarantees:
   rebuilt index, complete files the agent's list names are adopted (:func:`adopt`), since
   their names derive from their URLs.
 - What a crash left half done is finished or undone: a half-done eviction (EVICTING) is
-  finished; a partial file is kept for a Range resume only for a URL the caller names whose
-  DOWNLOADING record has a validator (it counts against the budget from then on), and every
-  other partial file (with its side files, :mod:`wdscache.agent.parts`) is removed; records
+  finished; a partial file is kept for a Range resume when its DOWNLOADING record has a
+  validator, whichever list named its shard (a job's own list does not outlive the agent:
+  :mod:`wdscache.agent.unnamed_partials` removes those no list names again in time); it counts
+  against the budget from then on. Every other partial file (with its side files,
+  :mod:`wdscache.agent.parts`) is removed, its record first; records
   whose file is missing, has the wrong size, or is gzip'd (shards are cached decompressed)
   are forgotten, and FAILED records too (a new agent tries again).
 - An unreadable index is moved aside (``index.corrupt-<time>``), never deleted, and a new
@@ -31,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Container, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,13 +49,13 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-def recover(cache: ShardCache, keep_partial: Container[str] = ()) -> dict[str, int]:
+def recover(cache: ShardCache) -> dict[str, int]:
     """Make ``cache``'s index and disk agree after any kind of stop; returns what was done.
 
     Complete shards are kept; records whose file is gone are forgotten; a shard
     renamed into place just before a crash is adopted; partial files are kept
-    for resuming only for ``keep_partial`` URLs whose record has a validator
-    (they count against the budget from now on); half-done evictions are finished.
+    for resuming when their record has a validator (they count against the
+    budget from now on); half-done evictions are finished.
     """
     index, layout = cache.index, cache.layout
     resumable: dict[str, str] = {}  # partial file name -> url
@@ -97,7 +99,7 @@ def recover(cache: ShardCache, keep_partial: Container[str] = ()) -> dict[str, i
             else:
                 path.unlink(missing_ok=True)
                 partial = layout.partial_path(rec.url)
-                if rec.url in keep_partial and rec.etag and size_or_none(partial):
+                if rec.etag and size_or_none(partial):
                     resumable[partial.name] = rec.url
                 else:
                     index.delete(rec.url)

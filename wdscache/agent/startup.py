@@ -103,8 +103,9 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
     cache = ShardCache(layout, limit=limit, min_free=min_free)
     try:
         first = [urls.urls[i] for i in startup_reader(len(urls), cfg).window(cfg.prefetch)]
-        # Partials with a validator are resumed whichever shard they are (they count against the budget).
-        recovered = cache.recover(keep_partial=urls)
+        # Partials with a validator are resumed whichever shard they are, a job's own list's too
+        # (they count against the budget; wdscache.agent.unnamed_partials removes those nobody names).
+        recovered = cache.recover()
         if cache.rebuilt:
             recovered["adopted"] += cache.adopt(urls.urls)
         if any(recovered.values()):
