@@ -33,7 +33,7 @@ Guarantees:
   list names: the next agent resumes them with a Range request, a job's own
   list's too when the job names them again (a crash keeps every one with a
   validator). Other partial files are removed; so are kept ones no list names for
-  ``UNNAMED_GRACE`` (:mod:`wdscache.agent.unnamed_partials`).
+  ``UNNAMED_GRACE`` (:mod:`wdscache.agent.unnamed_partials`, checked as readers expire).
 - A crash or SIGKILL loses no complete shard: the next agent adopts or
   re-checks every record (:meth:`ShardCache.recover`) and downloads nothing
   that is already cached.
@@ -94,7 +94,6 @@ from .prefetches import Prefetches
 from .readers import Readers
 from .shards import Shards
 from .startup import take_cache_dir
-from .unnamed_partials import UnnamedPartials
 from .upkeep import Upkeep
 from .worker_reports import WorkerReports
 
@@ -124,7 +123,6 @@ class Agent:
     workers: WorkerReports
     upkeep: Upkeep
     prefetches: Prefetches
-    unnamed: UnnamedPartials
     _ops: dict[str, Handler]
 
     def __init__(self, config: AgentConfig) -> None:
@@ -240,7 +238,6 @@ class Agent:
         self.prefetches = Prefetches(self.cache, self.downloads)
         self.cache.watcher = self.prefetches
         self.upkeep = Upkeep(self.cache, self.prefetches, self.readers)
-        self.unnamed = UnnamedPartials(self.cache, self.readers.known, time.monotonic())
         self.socket.watch(self.mailbox.fileno())
         handlers: dict[str, Handler] = {
             "stats": self._op_stats,
@@ -355,7 +352,6 @@ class Agent:
     def _periodic(self) -> None:
         self.downloads.sample_rate()
         now = time.monotonic()
-        self.unnamed.check(now)  # kept partials no list names for long (a job's that never came back)
         if self._metrics is not None and now - self._last_metrics >= METRICS_EVERY:
             self._last_metrics = now
             self._metrics.update(self.stats())

@@ -19,7 +19,8 @@ Guarantees:
   dropped as soon as that process ends; any other after ``--reader-timeout`` of
   silence. Whoever holds things for a reader is told when it goes (``gone``), so
   its pins go with it.
-- Lists are bounded (:mod:`wdscache.agent.job_lists`).
+- Lists are bounded (:mod:`wdscache.agent.job_lists`). A partial download kept for a resume
+  that no list names for ``UNNAMED_GRACE`` is removed (:mod:`wdscache.agent.unnamed_partials`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from .cache import ShardCache
 from .control import Reply, Request
 from .job_lists import JobLists
 from .rank_totals import RankTotals
+from .unnamed_partials import UnnamedPartials
 
 log = get_logger(__name__)
 
@@ -160,6 +162,8 @@ class Readers:
         self._readers: dict[str, ReaderRecord] = {}
         # the lists readers read besides the agent's current one, and those being uploaded
         self._lists = JobLists(endpoint)
+        # Kept partial downloads no list names (a job's that never came back) go in time.
+        self._unnamed = UnnamedPartials(cache, self.known, time.monotonic())
         # The start-up window's URLs and their positions in the list, as last asked: their facts
         # are read by position, so the downloads that start with the agent need no lookup table.
         self._window_at: dict[str, int] = {}
@@ -448,7 +452,8 @@ class Readers:
             del self._ended[next(iter(self._ended))]
 
     def expire(self) -> None:
-        """Drop readers whose process ended or that went silent; free the lists nobody reads."""
+        """Drop readers whose process ended or that went silent; free the lists nobody reads, and
+        the kept partials no list names."""
         for name in self._processes.ended():
             self.drop(name, why=": its process ended")
         now = time.monotonic()
@@ -461,6 +466,7 @@ class Readers:
             del self._ended[next(iter(self._ended))]
         self._totals.expire(lambda: {(str(c.get("job")), str(c.get("rank"))) for c in self._consumers().values()})
         self._lists.free({r.list_id for r in self._plans()})
+        self._unnamed.check(now)
 
     def close(self) -> None:
         """Stop watching processes (at shutdown)."""

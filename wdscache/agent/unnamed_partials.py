@@ -6,7 +6,7 @@ first thing removed when a reservation needs room. A restart keeps every one wit
 whatever shard it is: a job's own list does not outlive the agent, so the new run cannot tell
 which of them a job will name again when it comes back.
 
-Guarantees (main loop only; the agent owns one):
+Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
 - A kept partial that no list the agent holds names (its own, or one a reader reads) for
   ``UNNAMED_GRACE`` seconds of the agent's run is removed
