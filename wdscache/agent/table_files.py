@@ -14,7 +14,10 @@ Guarantees:
 - Counted: the shard's record counts the table file (``ShardRecord.table_size``) from before
   it is written until after it is removed; a write that fails sets the record back (in
   ``finally``) and leaves no file behind.
-- Atomic: published by a temp file in the same folder, fsync and rename.
+- Atomic: published by a temp file in the same folder and a rename. Not fsynced: the main
+  loop writes it, and an fsync while downloads write waited up to a tenth of a second, which
+  every request waited with it. A file a power loss left short or empty fails the digest it
+  holds (:func:`~wdscache.agent.sampletable.read_table_file`): it costs a walk, never a wrong byte.
 - Given up first: when a download needs room, table files go (the least recently read
   shards' first) before any shard is evicted.
 """
@@ -81,7 +84,7 @@ class TableFiles:
         written = False
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            write_private(path, data)
+            write_private(path, data, durable=False)  # (see the module's guarantees)
             written = True
         except OSError as exc:
             log.warning(

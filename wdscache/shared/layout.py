@@ -314,18 +314,21 @@ def read_pid(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def write_private(path: Path, data: bytes) -> None:
+def write_private(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Publish ``data`` at ``path`` atomically (temp file, fsync, rename), mode 0600.
 
     The temp file is created exclusively and links are not followed, so a link
-    planted at its name cannot redirect the write.
+    planted at its name cannot redirect the write. Without ``durable``, no fsync: for a
+    file that checks itself when read (a power loss may leave it short or empty), written
+    where waiting on the disk would hold up more than the write.
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, data)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
     os.replace(tmp, path)
