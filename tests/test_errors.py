@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import wdscache
-from wdscache.agent.shard_download import DiskFull
+from wdscache.agent.shard_download import BadShard, DiskFull
 from wdscache.shared import errors
 from wdscache.shared.index import IndexReadError, IndexWriteError
 
@@ -29,6 +29,7 @@ EXAMPLES: list[errors.WdsCacheError] = [
     errors.ShardIndexError("index.json", None, "not valid JSON"),
     errors.FetchError("http://h/a.tar", "HTTP 404 Not Found", status=404, permanent=True),
     DiskFull("http://h/a.tar", "no space left on the cache's file system"),
+    BadShard("http://h/a.tar", "4 samples, but the shard index says 5", permanent=True),
     errors.ShardError("http://h/a.tar", "bad tar header checksum", offset=1024),
     errors.AgentRunningError("/cache", 1234),
     errors.AgentUnavailableError("ipc:///tmp/x", 2.5, "start one with 'wdscache agent ...'"),

@@ -25,7 +25,7 @@ import pytest
 from scripts.shard_maker import make_shard
 from tests.helpers.agents import kill_agent
 from tests.helpers.testdata import TESTDATA
-from wdscache import FetchError, ShardError, ShardIndexError, ShardListDataset
+from wdscache import CachedMultiLoader, ConfigError, FetchError, ShardError, ShardIndexError, ShardListDataset
 from wdscache.shared.stats import collect
 from wdscache.training.random_access import _Session
 
@@ -379,6 +379,81 @@ def test_a_shard_that_does_not_hold_the_samples_the_index_says_is_named(
         assert urls[1] in str(info.value)
     finally:
         ds.close()
+
+
+@pytest.mark.parametrize("where", ["file", "http"])
+def test_a_download_whose_count_is_not_the_indexs_is_a_shard_error_naming_both(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path, where: str
+) -> None:
+    # The agent reads the index too, so it counts the download against it before publishing
+    # it, and fails the shard: readers hear the shard is bad (ShardError), not that it could
+    # not be fetched (FetchError, an OSError).
+    urls, paths, _ = dataset(2, samples=4, payload=300)
+    if where == "file":
+        urls = [p.as_uri() for p in paths]
+    entries = [{"url": urls[0], "nsamples": 4}, {"url": urls[1], "nsamples": 5}]
+    index = tmp_path / "lists" / "index.json"
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    cache = tmp_path / "cache"
+    start_agent(cache, index, "--no-shuffle")
+    expected = f"bad shard {urls[1]}: 4 samples, but the shard index says 5"
+    with ShardListDataset(entries, cache_dir=cache, transformations=[]) as ds:
+        assert ds[3]["__key__"] == "s00000_00003"
+        for _ in range(2):  # as the agent fails it, and as it answers for a failed shard
+            with pytest.raises(ShardError) as info:
+                ds[6]
+            assert type(info.value) is ShardError and not isinstance(info.value, OSError)
+            assert (str(info.value), info.value.url) == (expected, urls[1])
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20) as loader:
+        with pytest.raises(ShardError) as caught:
+            list(loader)
+    assert type(caught.value) is ShardError and str(caught.value) == expected
+
+
+def test_a_cache_dir_whose_folder_does_not_exist_is_refused_at_once(local_index: Path, tmp_path: Path) -> None:
+    typo = tmp_path / "scrach" / "wdscache"
+    with pytest.raises(ConfigError, match=f"cache_dir='{typo}' does not exist, nor does its folder"):
+        ShardListDataset(local_index, cache_dir=typo, transformations=[])
+    assert not (tmp_path / "scrach").exists()  # no agent was started, no folder made
+
+
+def _unclosed(mode: str, index: Path, cache: Path) -> list[str]:
+    """Run :mod:`tests.helpers.unclosed_job`; its lines. It must end well within its deadline:
+    a context collected with sockets left open waits in ZeroMQ's term() forever."""
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "tests.helpers.unclosed_job", mode, str(index), str(cache), "30"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{mode}: still running after 60 s: {exc.stdout!r} {exc.stderr!r}")
+    assert r.returncode == 0, f"{mode}: {r.stdout}\n{r.stderr[-4000:]}"
+    return r.stdout.splitlines()
+
+
+def test_datasets_dropped_without_close_are_collected_without_a_hang(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index, "--workers", "2")
+    lines = _unclosed("dataset", local_index, cache)
+    assert lines == ["0 s0/000", "collected", "1 s0/001", "collected", "2 s0/002", "collected", "done"]
+    # A forked child drops its copy of the parent's session (whose sockets it must not close)
+    # and its own; the parent reads on over its sockets.
+    lines = _unclosed("fork", local_index, cache)
+    assert lines == ["parent s0/000", "child s1/001", "parent s0/001", "collected", "done"]
+
+
+def test_a_loader_left_mid_epoch_in_a_reference_cycle_is_collected_without_a_hang(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index, "--no-shuffle")
+    lines = _unclosed("loader", local_index, cache)
+    assert lines == ["0 s0/000", "collected", "1 s0/000", "collected", "done"]
 
 
 def test_its_errors_show_no_secret_of_a_url(

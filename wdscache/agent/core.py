@@ -92,6 +92,7 @@ from .opens import Opens
 from .pool import WorkerPool
 from .prefetches import Prefetches
 from .readers import Readers
+from .shard_download import BadShard
 from .shards import Shards
 from .startup import take_cache_dir
 from .upkeep import Upkeep
@@ -415,7 +416,7 @@ class Agent:
 
     def _failed(self, e: DownloadFailed) -> None:
         self.downloads.record_failure(e.download, e.error)
-        self.opens.failed(e.download.url, e.error.reason)
+        self.opens.failed(e.download.url, e.error.reason, corrupt=isinstance(e.error, BadShard))
         self.downloads.ended(e.download)
 
     def _out_of_space(self, e: OutOfSpace) -> None:

@@ -260,7 +260,7 @@ class Opens:
         if self._downloads.readable_while_downloading(url):
             return {"state": "downloading", **progress}
         if rec is not None and rec.state is ShardState.FAILED:
-            # "corrupt": its copies were found corrupt (the shard is bad, not its download).
+            # "corrupt": the shard is bad (its copies found corrupt, or unlike its index), not its download.
             corrupt = shard is not None and shard.corrupt
             return {"state": "failed", "error": rec.error or "download failed", "corrupt": corrupt}
         asked = shard is not None and shard.asked_at is not None
@@ -281,7 +281,11 @@ class Opens:
         shard.asked_at = None
         waiting, shard.waiters = shard.waiters, []
         for w in waiting:
-            body = self._grant(w.reader, shard) if error is None else {"ok": False, "error": error}
+            body = (
+                self._grant(w.reader, shard)
+                if error is None
+                else {"ok": False, "error": error, "corrupt": shard.corrupt}
+            )
             self._answers.append(Answer(w.request, body))
 
     def demanded(self) -> list[str]:
@@ -335,12 +339,14 @@ class Opens:
         self._answer_waiters(shard)
         self.shards.settle(shard)
 
-    def failed(self, url: str, reason: str) -> None:
-        """The download of ``url`` failed for good (or its copies are damaged): its waiters are told why."""
+    def failed(self, url: str, reason: str, *, corrupt: bool = False) -> None:
+        """The download of ``url`` failed for good, or (``corrupt``) its bytes are a bad shard:
+        its waiters are told why, and which."""
         shard = self.shards.record(url)
         if shard.phase is not Phase.FAILED:
             self.shards.move(shard, Phase.FAILED)
         shard.failed_at = time.monotonic()
+        shard.corrupt = corrupt
         self._answer_waiters(shard, error=reason)
 
     def unlisted(self, url: str) -> None:
@@ -455,9 +461,8 @@ class Opens:
                 return
             reason = f"damaged again after it was downloaded once more: {error[:400]}"
             event(log, "failed", "failed %s: %s", url, reason, level=logging.ERROR, url=url, error=reason)
-            shard.corrupt = True
             cache.fail_cached(url, reason)
-            self.failed(url, reason)
+            self.failed(url, reason, corrupt=True)
         finally:
             self.shards.settle(shard)
 

@@ -107,6 +107,12 @@ class DiskFull(FetchError):
     """The cache's file system refused a write (ENOSPC, quota, file size limit)."""
 
 
+class BadShard(FetchError):
+    """The downloaded bytes are no shard its index describes, or not readable as one (another
+    sample count, a tar or gzip stream damaged): the shard is bad, not its download, so its
+    readers hear a ShardError (the agent's replies say ``corrupt``)."""
+
+
 class Changed(Exception):
     """A ranged request of a parted download was answered for another version of the object."""
 
@@ -153,7 +159,7 @@ def _check_count(d: Download, tar: Path) -> None:
     except ShardError as exc:
         problem = f"not a readable tar: {exc.reason}" + (f" (at byte {exc.offset})" if exc.offset is not None else "")
     if problem:
-        raise FetchError(d.url, problem, permanent=True)
+        raise BadShard(d.url, problem, permanent=True)
 
 
 def check_announced(d: Download, total: int) -> None:
@@ -290,8 +296,8 @@ def publish_gunzipped(d: Download) -> int:
     """Publish the tar inside ``d``'s complete, gzip'd partial file as the shard; its size.
 
     The download's reservation covers the compressed file and the tar while both
-    exist. Raises FetchError (permanent) for damaged gzip data, a tar that is not
-    one, or a tar beyond what may be reserved; the tar's file is removed then. The
+    exist. Raises BadShard for damaged gzip data, FetchError (permanent) for a tar that is
+    not one, or a tar beyond what may be reserved; the tar's file is removed then. The
     gzip'd file stays: :meth:`~wdscache.agent.cache.ShardCache.finish` removes it.
     """
     tar = d.partial.with_name(d.partial.name + "~tar")  # "~" is in no partial file's name
@@ -318,7 +324,7 @@ def publish_gunzipped(d: Download) -> int:
                 os.close(fd)
         publish(d, tar)
     except ShardError as exc:
-        raise FetchError(d.url, f"{exc.reason} (at byte {exc.offset} of the gzip'd file)", permanent=True) from None
+        raise BadShard(d.url, f"{exc.reason} (at byte {exc.offset} of the gzip'd file)", permanent=True) from None
     finally:
         tar.unlink(missing_ok=True)  # gone already once published
     # The gzip'd file stays until the index records the shard (ShardCache.finish): a crash in
@@ -342,7 +348,7 @@ def _grow_for_tar(d: Download, packed: int, piece: int) -> None:
 
 def publish(d: Download, path: Path | None = None) -> None:
     """Rename ``path`` (the partial file by default) into place as the shard's file; one whose
-    shard index gives another sample count is refused (FetchError, permanent)."""
+    shard index gives another sample count is refused (BadShard)."""
     if d.expected is not None:
         _check_count(d, path or d.partial)
     d.final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

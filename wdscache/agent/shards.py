@@ -133,7 +133,7 @@ class Shard:
     asked_at: float | None = None  # when a reader first asked for it (time.monotonic()), until answered
     refetched: bool = False  # downloaded once more for damage, and no copy of it read fine since
     failed_at: float = 0.0  # FAILED: when (its reason is the index's)
-    corrupt: bool = False  # FAILED: its copies were found corrupt (the shard is bad, not its download)
+    corrupt: bool = False  # FAILED: the shard is bad (copies found corrupt, or unlike its index), not its download
     download: Slot | None = None  # its download (or revalidation), from queued until its end is recorded
 
     def idle(self) -> bool:

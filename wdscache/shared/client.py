@@ -11,7 +11,8 @@ on, the shards it holds (downloaded again if the new run lost one); one it canno
 :class:`~wdscache.shared.errors.FetchError` at once (its path may be gone).
 
 A client's socket belongs to the process that created it: after a fork the
-child opens its own.
+child opens its own. A client dropped without ``close()`` closes its socket when it is
+collected (see :func:`zmq_closer`).
 
 A client made before its agent has started waits (up to its timeout) for the agent's token
 and socket, and connects only then: its first request goes as soon as the agent listens.
@@ -29,6 +30,7 @@ import os
 import secrets
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -63,6 +65,24 @@ def connect_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MOST_MS)
     sock.connect(endpoint)
     return sock
+
+
+def _close_zmq(pid: int, ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+    if os.getpid() != pid:
+        return  # a forked child's copies: they are its parent's
+    for sock in sockets:
+        sock.close(0)
+    ctx.term()
+
+
+def zmq_closer(owner: object, ctx: zmq.Context, sockets: list[zmq.Socket]) -> weakref.finalize:
+    """Closes ``sockets`` (the list as it is then) and terminates ``ctx`` once called, or once
+    ``owner`` is collected, in the process that called this only. Left to ZeroMQ, a context
+    collected in a reference cycle may see its sockets' Python objects cleared first, and its
+    ``__del__`` then waits forever in ``term()`` for sockets nobody closed."""
+    closer = weakref.finalize(owner, _close_zmq, os.getpid(), ctx, sockets)
+    closer.atexit = False  # at exit a daemon thread may still use them: the process's end closes them
+    return closer
 
 
 def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> str:
@@ -108,15 +128,19 @@ class AgentConnection:
         self._pid = -1
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._closer: weakref.finalize | None = None
 
     def _socket(self) -> zmq.Socket:
-        if self._pid != os.getpid():
+        # Closed already when collected in a cycle whose other objects' finalizers still use us:
+        # opened again, as after close().
+        if self._pid != os.getpid() or self._closer is None or not self._closer.alive:
             if self._cache_dir is not None:  # before connecting: never to another user's agent
                 CacheLayout.of(self._cache_dir).check_owner()
             self.key = None
             # Created in the process that uses it; a forked child must not touch its parent's.
             self._ctx = zmq.Context()
             self._sock = connect_dealer(self._ctx, self.endpoint)
+            self._closer = zmq_closer(self, self._ctx, [self._sock])
             self._pid = os.getpid()
         assert self._sock is not None
         return self._sock
@@ -315,11 +339,9 @@ class AgentConnection:
                 sock.send_multipart(pack({**probe, "id": probe_id, "key": self.key}))
 
     def close(self) -> None:
-        if self._sock is not None and self._pid == os.getpid():
-            self._sock.close(0)
-            assert self._ctx is not None
-            self._ctx.term()
-        self._sock = self._ctx = None
+        if self._closer is not None:
+            self._closer()  # closes nothing in a forked child: the socket is its parent's
+        self._sock = self._ctx = self._closer = None
         self._pid = -1
 
 

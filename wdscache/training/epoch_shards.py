@@ -323,12 +323,8 @@ class EpochShards:
         self.pins.drop(shard, timeout=self.clock.left())  # reads of it still out keep their holes
 
     def failure(self, shard: int, reply: dict[str, Any]) -> WdsCacheError:
-        """The error of a shard the agent failed: a ShardError once its copies were found
-        corrupt (the shard itself is bad), else a FetchError (its download failed)."""
-        error = str(reply.get("error") or "download failed")
-        if reply.get("corrupt") is True:
-            return ShardError(self.urls[shard], error)
-        return FetchError(self.urls[shard], error)
+        """The error of a shard the agent failed (see :func:`failed_shard`)."""
+        return failed_shard(self.urls[shard], reply)
 
     def found_corrupt(self, shard: int, exc: ShardError) -> bool:
         """A read found ``shard``'s copy corrupt. True: read it again once the shard is opened
@@ -382,6 +378,17 @@ def agent_counts(conn: AgentConnection, urls: Sequence[str], timeout: float | No
     for _, chunk in pages(urls):
         counts.extend(conn.request(Requests.counts(chunk), timeout=timeout).get("counts", []))
     return counts
+
+
+def failed_shard(url: str, reply: dict[str, Any], *, permanent: bool = False) -> WdsCacheError:
+    """The error of a shard the agent failed (its answer to an open, or a status): a
+    ShardError when the shard itself is bad (``corrupt``: its copies found damaged, or its
+    bytes not what its index says, such as another sample count), else a FetchError (its
+    download failed)."""
+    error = str(reply.get("error") or "download failed")
+    if reply.get("corrupt") is True:
+        return ShardError(url, error)
+    return FetchError(url, error, permanent=permanent)
 
 
 def shard_error(url: str, reply: dict[str, Any]) -> ShardError:

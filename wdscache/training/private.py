@@ -82,8 +82,8 @@ def check_cache_dir(cache_dir: str | os.PathLike[str], *, may_start: bool) -> No
     parent = path.absolute().parent
     if not parent.is_dir():
         raise ConfigError(
-            f"cache_dir={os.fspath(cache_dir)!r} does not exist, nor does its folder {parent}: a loader makes "
-            "a cache directory for a private agent only in a folder that exists; check the path"
+            f"cache_dir={os.fspath(cache_dir)!r} does not exist, nor does its folder {parent}: a cache "
+            "directory for a private agent is made only in a folder that exists; check the path"
         )
 
 

@@ -27,8 +27,9 @@ Guarantees:
   budget with pins while each waits for room for another shard.
 - When the agent restarts, the session says hello again and opens its shards again.
 - A bad index is an :class:`IndexError`; a shard that cannot be fetched a
-  :class:`~wdscache.shared.errors.FetchError` naming it; a damaged one, or one whose cache file
-  changed behind the agent's back (read the sample again), a
+  :class:`~wdscache.shared.errors.FetchError` naming it; a damaged one, one holding another
+  count than the index says, or one whose cache file changed behind the agent's back (read
+  the sample again), a
   :class:`~wdscache.shared.errors.ShardError`; an agent that does not answer an
   :class:`~wdscache.shared.errors.AgentUnavailableError`. Every error of ours is a
   :class:`~wdscache.shared.errors.WdsCacheError`, whose messages show no URL's user info or tokens.
@@ -46,6 +47,7 @@ import json
 import operator
 import os
 import uuid
+import weakref
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -69,10 +71,10 @@ from ..shared.messages import Requests, WorkerRequest
 from ..shared.protocol import pack_numbers, pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_entries
 from ..shared.urls import index_list, normalize_url
-from .epoch_shards import shard_error
+from .epoch_shards import failed_shard, shard_error
 from .loader import _env_defaults
 from .pins import STATUS_EVERY
-from .private import PrivateAgent
+from .private import PrivateAgent, check_cache_dir
 from .replies import reply_layouts, sample_table, table_rows
 from .stream import same_directory
 from .worker_links import WorkerLinks
@@ -307,6 +309,10 @@ class ShardListDataset:
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
         self._private = endpoint is None and env["endpoint"] is None and self.cache_dir is not None
         self._token = env["token"]
+        if self._private and self._token is None and self.cache_dir is not None:
+            # The index lists the shards, so a private agent may start in a new folder, as a
+            # loader's with urls=; a typo'd path whose folder does not exist is refused here.
+            check_cache_dir(self.cache_dir, may_start=True)
         self.lru_size, self.timeout = lru_size, timeout
         self.transformations = transformations_of(transformations)
         self._session: _Session | None = None
@@ -426,6 +432,10 @@ class _Session:
         self.name = f"{ds.dataset_name}/{self.pid}/{uuid.uuid4().hex[:8]}"
         self.requests = Requests(self.name)
         self.pinned: OrderedDict[int, _Open] = OrderedDict()  # shard position -> its pin, least recent first
+        # A dataset dropped without close() (wids needs none) closes its files when collected;
+        # the connection and the worker links close their sockets so too, and the agent drops
+        # the pins of a silent reader.
+        weakref.finalize(self, _close_files, self.pinned).atexit = False
         self.tables: OrderedDict[int, _Table] = OrderedDict()
         self.table_samples = 0
         self.last = -1  # the shard read last (at the end of the LRU order already)
@@ -475,8 +485,7 @@ class _Session:
     def _agent_restarted(self) -> None:
         """A new run knows nothing of us: hello again; our pins are gone, so our files close
         (shards are opened again when read; the tables stay, checked against each file)."""
-        for shard in list(self.pinned):
-            os.close(self.pinned.pop(shard).fd)
+        _close_files(self.pinned)
         self.last = -1
         self._say_hello()
 
@@ -544,7 +553,7 @@ class _Session:
                 every=min(STATUS_EVERY, self.ds.timeout / 4),
             )
         if not reply.get("ok"):
-            raise FetchError(url, str(reply.get("error") or "the agent could not cache it"), permanent=True)
+            raise failed_shard(url, reply, permanent=True)
         self.seen.add(shard)
         try:
             fd = os.open(reply["path"], os.O_RDONLY | os.O_CLOEXEC)
@@ -638,12 +647,10 @@ class _Session:
         """In a forked child: close the cache files inherited from the parent, without a word to
         the agent (the pins are the parent's, as are the sockets), so that no file the agent
         evicts stays open here."""
-        for shard in list(self.pinned):
-            os.close(self.pinned.pop(shard).fd)
+        _close_files(self.pinned)
 
     def close(self) -> None:
-        for shard in list(self.pinned):
-            os.close(self.pinned.pop(shard).fd)
+        _close_files(self.pinned)
         try:
             self.conn.request(self.requests.bye(), timeout=2.0)
         except WdsCacheError:
@@ -654,6 +661,11 @@ class _Session:
                 self.links.close()
             if self.private is not None:
                 self.private.release()
+
+
+def _close_files(pinned: OrderedDict[int, _Open]) -> None:
+    while pinned:
+        os.close(pinned.popitem()[1].fd)
 
 
 def _add_rows(

@@ -588,8 +588,9 @@ class EpochStream:
             self.conn.request(self.requests.bye(**self._figures()), timeout=0.5 if self.broken else 2.0)
         except AgentUnavailableError:
             pass
-        self.conn.close()
-        self.workers.close()
+        finally:  # whatever the agent answered: no socket is left to the garbage collector
+            self.conn.close()
+            self.workers.close()
 
 
 class Reporter:

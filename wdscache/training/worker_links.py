@@ -9,7 +9,8 @@ asks the agent then whether it restarted (its new workers prove with new keys), 
 has it warned of once (:meth:`WorkerLinks.warn_dropped`): another process may hold that port. Request ids are unique within the
 links (their own sockets).
 
-The links belong to the thread that made them, as ZeroMQ sockets do.
+The links belong to the thread that made them, as ZeroMQ sockets do. Links dropped without
+``close()`` close their sockets when collected (see :func:`~wdscache.shared.client.zmq_closer`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from ..shared.client import connect_dealer
+from ..shared.client import connect_dealer, zmq_closer
 from ..shared.errors import ProtocolError
 from ..shared.logs import get_logger
 from ..shared.messages import WorkerRequest
@@ -38,7 +39,9 @@ class WorkerLinks:
         self.endpoints = list(endpoints)
         self.proofs = [WorkerProofs(key) for key in keys]
         self.ctx = zmq.Context()
-        self.sockets = [connect_dealer(self.ctx, ep) for ep in self.endpoints]
+        self.sockets: list[zmq.Socket] = []
+        self._closer = zmq_closer(self, self.ctx, self.sockets)  # closes those in the list when called
+        self.sockets.extend(connect_dealer(self.ctx, ep) for ep in self.endpoints)
         self.poller = zmq.Poller()
         for sock in self.sockets:
             self.poller.register(sock, zmq.POLLIN)
@@ -101,6 +104,4 @@ class WorkerLinks:
             )
 
     def close(self) -> None:
-        for sock in self.sockets:
-            sock.close(0)
-        self.ctx.term()
+        self._closer()
