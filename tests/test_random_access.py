@@ -456,6 +456,15 @@ def test_a_loader_left_mid_epoch_in_a_reference_cycle_is_collected_without_a_han
     assert lines == ["0 s0/000", "collected", "1 s0/000", "collected", "done"]
 
 
+def test_an_iterator_dropped_before_its_first_sample_stops_reporting(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # Its report thread held the stream: it reported on forever, and the agent kept its reader.
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index, "--no-shuffle")
+    assert _unclosed("unstarted", local_index, cache) == ["samples 18", "reporters 0", "done"]  # (3 shards of 6)
+
+
 def test_its_errors_show_no_secret_of_a_url(
     dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:

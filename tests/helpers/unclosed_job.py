@@ -1,13 +1,15 @@
 """Readers dropped without ``close()`` and collected by the cycle collector, in a process of
 its own (a hang must not take the pytest process with it):
 
-    python -m tests.helpers.unclosed_job dataset|fork|loader INDEX_JSON CACHE_DIR SECONDS
+    python -m tests.helpers.unclosed_job dataset|fork|loader|unstarted INDEX_JSON CACHE_DIR SECONDS
 
 ``dataset``: three ``ShardListDataset``s, each read once, then dropped and collected (as code
 written for wids, which needs no close()). ``fork``: a dataset read in this process and
 in a forked child, which drops its copy of the parent's session and its own; the parent reads
 on. ``loader``: two ``CachedMultiLoader`` epochs left after their first sample, the
-iterator held in a reference cycle. Prints a line per step; after SECONDS, faulthandler
+iterator held in a reference cycle. ``unstarted``: an ``iter(loader)`` dropped before its first
+sample (its generator's ``finally`` never runs), then a whole epoch of the same loader: how
+many report threads are left once it is read and collected. Prints a line per step; after SECONDS, faulthandler
 prints every thread's stack and the process exits with status 1.
 """
 
@@ -17,6 +19,7 @@ import faulthandler
 import gc
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -75,12 +78,30 @@ def _loader(cache: str) -> None:
         print("collected", flush=True)
 
 
+def _unstarted(cache: str) -> None:
+    loader = CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20)
+    iter(loader)  # dropped at once: its stream is the loader's current one until the next iter()
+    print("samples", sum(1 for _ in loader), flush=True)
+    gc.collect()
+    deadline = time.monotonic() + 10  # a reporter sees its stream gone at its next report (1 s)
+    while time.monotonic() < deadline and _reporters():
+        time.sleep(0.05)
+    print("reporters", len(_reporters()), flush=True)
+    loader.close()
+
+
+def _reporters() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "wdscache-report"]
+
+
 def main(mode: str, index: str, cache: str, seconds: str) -> None:
     faulthandler.dump_traceback_later(float(seconds), exit=True)
     if mode == "dataset":
         _dataset(index, cache)
     elif mode == "fork":
         _fork(index, cache, float(seconds))
+    elif mode == "unstarted":
+        _unstarted(cache)
     else:
         _loader(cache)
     print("done", flush=True)

@@ -31,6 +31,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -596,7 +597,11 @@ class EpochStream:
 class Reporter:
     """Tells the agent how a stream goes, every REPORT_EVERY seconds, for its stats: the report
     ``report(**figures(), rate=...)`` builds, with the sample rate. From a
-    thread of its own with its own connection (ZeroMQ sockets belong to one thread)."""
+    thread of its own with its own connection (ZeroMQ sockets belong to one thread).
+
+    ``figures`` (a stream's method) is held weakly: a stream nobody holds any more (an
+    ``iter(loader)`` dropped before its first sample, whose ``finally`` never runs) is
+    collected, and its reports end with it, so the agent lets its reader go."""
 
     def __init__(
         self,
@@ -604,7 +609,8 @@ class Reporter:
         report: Callable[..., ReportMessage],
         figures: Callable[[], dict[str, Any]],
     ) -> None:
-        self.connect, self.report, self.figures = connect, report, figures
+        self.connect, self.report = connect, report
+        self.figures = weakref.WeakMethod(figures)
         self.run = ""  # the agent run its connection proved last (read by the stream's thread)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="wdscache-report", daemon=True)
@@ -615,7 +621,11 @@ class Reporter:
         last = (time.monotonic(), 0)
         try:
             while not self._stop.wait(REPORT_EVERY):
-                figures = self.figures()
+                of = self.figures()
+                if of is None:
+                    return  # the stream was dropped unclosed
+                figures = of()
+                del of  # (not held across the wait: the stream may go meanwhile)
                 now, n = time.monotonic(), figures["samples"]
                 rate = (n - last[1]) / (now - last[0])
                 last = (now, n)
