@@ -63,6 +63,9 @@ log = get_logger(__name__)
 REPORT_EVERY = 1.0
 REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped
 STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
+# ...the first look of a wait (doubled at each look up to STREAM_POLL): a download's first
+# samples are looked for as soon as they may be there, a slow one no more often than every STREAM_POLL.
+STREAM_POLL_FIRST = 0.001
 _END = object()
 _SHARD = itemgetter(0)  # an id's shard
 
@@ -359,6 +362,7 @@ class EpochStream:
         owed = 0  # holes before the first sample read
         end: int | None = None  # a shard's error ends the epoch (StopEpoch): the first read not handed out
         error: WdsCacheError | None = None  # and with on_error="raise", its error, raised there
+        poll = STREAM_POLL_FIRST  # the next wait for a shard still downloading
         try:
             while True:
                 t0 = self._waiting_from = time.perf_counter()
@@ -385,7 +389,8 @@ class EpochStream:
                         break
                     read = reads.hand_out(seq_yield)
                     if read is None:
-                        self._receive(STREAM_POLL if stalled else 0.1)
+                        self._receive(poll if stalled else 0.1)
+                        poll = min(STREAM_POLL, 2 * poll) if stalled else STREAM_POLL_FIRST
                         self._waiting_from = None  # (before the wait is added: a report then counts it once)
                         self.stats["wait_s"] += time.perf_counter() - t0
                         self.clock.check_stall(self._waited_for)
@@ -398,6 +403,7 @@ class EpochStream:
                     end = at
                     continue
                 seq_yield += 1
+                poll = STREAM_POLL_FIRST
                 stats = self.stats
                 self._waiting_from = None
                 stats["wait_s"] += time.perf_counter() - t0
