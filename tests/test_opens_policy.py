@@ -95,7 +95,9 @@ def test_a_failed_download_tells_its_waiters_and_later_opens_until_the_retry_tim
     loop.schedule()
     loop.fail(url, "404 Not Found")
     answers = loop.opens.take_answers()
-    assert [(a.request, a.body) for a in answers] == [(request, {"ok": False, "error": "404 Not Found"})]
+    assert [(a.request, a.body) for a in answers] == [
+        (request, {"ok": False, "error": "404 Not Found", "corrupt": False})  # (a download's failure: a FetchError)
+    ]
     _, reply = loop.open("r", url)
     assert reply == {"ok": False, "error": "404 Not Found", "corrupt": False}
     assert loop.opens.status(url) == {"state": "failed", "error": "404 Not Found", "corrupt": False}
