@@ -249,6 +249,39 @@ def test_a_rank_waiting_on_a_failing_source_is_told_so_with_the_retries_and_thei
     assert "TOKENSECRET" not in text + frame
 
 
+def test_each_job_is_told_what_it_waits_for_not_what_another_job_does(
+    tmp_path, dataset, shard_server, start_agent, consumers
+):
+    # The verdict was the agent's: a job waiting on a slow source was "starved by a failing
+    # source" because another job waited on one.
+    data = dataset(2, samples=4, payload=300)
+    shard_server.fail(data.paths[0].name, "status", status=503, times=1000)
+    released = threading.Event()
+    shard_server.fail(data.paths[1].name, "stall", seconds=60, until=released)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--retries", "50", "--no-shuffle")
+    try:
+        for job, url in (("train", data.urls[0]), ("other", data.urls[1])):
+            consumers(cache, job, "--job", job, "--urls", url, "--no-shuffle", "--timeout", "60")
+
+        def both_starved(s: dict) -> bool:
+            return all(s["jobs"].get(job, {}).get("0", {}).get("starved") for job in ("train", "other"))
+
+        s = agent.wait_stats(both_starved, 20, "both jobs starved")
+        assert {job: s["jobs"][job]["0"]["starved"] for job in ("train", "other")} == {
+            "train": "failing_source",
+            "other": "slow_source",
+        }, s["jobs"]
+        assert s["agent"]["demanded_by_job"] == {"train": 1, "other": 1}, s["agent"]
+        retrying = {r["url"]: r for r in s["agent"]["retrying"]}
+        assert retrying[data.urls[0]]["jobs"] == ["train"], retrying
+        lines = {job: v.text for job, v in verdicts(s).items()}
+        assert lines["train"].startswith("starved by a failing source: 1 download(s)"), lines
+        assert lines["other"].startswith("starved by a slow source"), lines
+    finally:
+        released.set()
+
+
 def test_a_rank_waiting_from_its_first_report_on_is_starved_at_that_report(
     tmp_path, dataset, shard_server, start_agent, consumers
 ):

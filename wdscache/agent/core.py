@@ -70,7 +70,7 @@ from ..shared.protocol import CONTROL_OPS, READER_OPS, WORKER_OPS, strings
 from ..shared.protocol import field as get_field
 from ..shared.stats import build
 from ..shared.urls import UrlList, Urls
-from ..shared.verdict import starved_by
+from ..shared.verdict import job_counts, starved_by
 from .cache import INDEX_HEADROOM, ShardCache
 from .control import ControlSocket, Reply, Request
 from .downloads import Downloads
@@ -520,15 +520,16 @@ class Agent:
         """The live statistics object (see :mod:`wdscache.shared.stats` for its fields)."""
         cache, index = self.cache, self.cache.index
         by_state = _shard_counts(cache, self.downloads, self.prefetches, self._readers_want())
-        demanded = self.opens.demanded()
+        waited = self.opens.shards.waited_for_by(self.readers.job_of)
         agent_view = {
             "workers": self.workers.view(),
-            "demanded": len(demanded) + self.opens.checks_waited_for(),
-            "retrying": self.downloads.retrying(set(demanded)),
+            "demanded": len(waited),
+            "demanded_by_job": job_counts(waited),
+            "retrying": self.downloads.retrying(waited),
             "need_bytes": self.readers.need(self.opens.held)[0],
         }
         state = {"bytes_limit": cache.limit, "shards": by_state, "agent": agent_view}
-        readers = self.readers.view(starved_by(state) or "latency")
+        readers = self.readers.view(lambda job: starved_by(state, job) or "latency")
         return build(
             cache_dir=str(self.layout.root),
             summary={

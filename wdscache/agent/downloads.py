@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
@@ -152,11 +152,17 @@ class Downloads:
             if slot.space.reason is not None
         ]
 
-    def retrying(self, demanded: Collection[str]) -> list[dict[str, Any]]:
+    def retrying(self, waited_for: Mapping[str, Collection[str]]) -> list[dict[str, Any]]:
         """The downloads whose last attempt failed, retried after a backoff: each with that failure,
-        and whether a reader waits for it (in ``demanded``)."""
+        whether a reader waits for it (``waited_for``: url -> the jobs of the readers that wait)
+        and the jobs whose readers wait."""
         return [
-            {"url": d.url, "error": d.progress.failing, "demanded": d.url in demanded}
+            {
+                "url": d.url,
+                "error": d.progress.failing,
+                "demanded": d.url in waited_for,
+                "jobs": sorted(waited_for.get(d.url, ())),
+            }
             for d in (slot.download for slot in self._shards.slots())
             if d.progress.failing is not None
         ]

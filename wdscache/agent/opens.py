@@ -194,7 +194,7 @@ class Opens:
             cache.forget_failure(url)
             shard.corrupt = False
             shard.refetched = False  # a new try from the start: one more download if damaged again
-        self._demand(shard)
+        self._demand(shard, name)
         self._downloads.demand(url)
         if while_downloading and self._downloads.readable_while_downloading(url):
             return self._grant(name, shard, while_downloading=True)
@@ -222,10 +222,13 @@ class Opens:
         finally:
             self.shards.settle(shard)
 
-    def _demand(self, shard: Shard) -> None:
-        """Readers need ``shard`` downloaded (a damaged copy still held stays SUSPECT until let go)."""
+    def _demand(self, shard: Shard, reader: str | None = None) -> None:
+        """Readers (``reader``, or its waiters) need ``shard`` downloaded (a damaged copy still held
+        stays SUSPECT until let go)."""
         if shard.asked_at is None:
             shard.asked_at = time.monotonic()
+        if reader is not None:  # (a waiter is known by its Waiter)
+            shard.asked_by.add(reader)
         if shard.phase in (Phase.IDLE, Phase.REVALIDATING, Phase.FAILED):
             self.shards.move(shard, Phase.WANTED)
 
@@ -279,6 +282,7 @@ class Opens:
     def _answer_waiters(self, shard: Shard, error: str | None = None) -> None:
         """Its waiters get it (``error``: are told why not); nobody waits for it any more."""
         shard.asked_at = None
+        shard.asked_by.clear()
         waiting, shard.waiters = shard.waiters, []
         for w in waiting:
             body = (

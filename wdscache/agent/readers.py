@@ -547,8 +547,15 @@ class Readers:
 
     # -- for stats --------------------------------------------------------------------
 
-    def view(self, starved_by: str) -> dict[str, Any]:
-        """The consumers, their jobs and the lists kept, for the stats reply."""
+    def job_of(self, name: str) -> str | None:
+        """The job reader ``name`` said it reads for (None: none, or no such reader)."""
+        record = self._readers.get(name)
+        job = (record.consumer or {}).get("job") if record is not None else None
+        return None if job is None else str(job)
+
+    def view(self, starved_by: Callable[[str], str]) -> dict[str, Any]:
+        """The consumers, their jobs and the lists kept, for the stats reply (``starved_by(job)``:
+        what a starved rank of ``job`` waits for)."""
         consumers = self._consumers()
         return {
             "consumers": len(consumers),

@@ -60,7 +60,7 @@ Guarantees (main loop only):
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .control import Request
@@ -131,6 +131,7 @@ class Shard:
     pins: dict[str, int] = field(default_factory=dict)  # reader -> how many times it holds it open
     waiters: list[Waiter] = field(default_factory=list)
     asked_at: float | None = None  # when a reader first asked for it (time.monotonic()), until answered
+    asked_by: set[str] = field(default_factory=set)  # the readers that asked for it, while asked_at is set
     refetched: bool = False  # downloaded once more for damage, and no copy of it read fine since
     failed_at: float = 0.0  # FAILED: when (its reason is the index's)
     corrupt: bool = False  # FAILED: the shard is bad (copies found corrupt, or unlike its index), not its download
@@ -183,6 +184,16 @@ class Shards:
         if (shard.phase, to) not in TRANSITIONS:
             raise IllegalTransition(f"{shard.url}: no transition from {shard.phase.name} to {to.name}")
         shard.phase = to
+
+    def waited_for_by(self, job_of: Callable[[str], str | None]) -> dict[str, set[str]]:
+        """The shards readers wait for (asked for, or checked against their source with readers
+        waiting), each with the jobs of those readers (``job_of``: a reader's job; None: it said none)."""
+        out: dict[str, set[str]] = {}
+        for shard in self._by_url.values():
+            if shard.asked_at is not None or (shard.phase is Phase.REVALIDATING and shard.waiters):
+                readers = shard.asked_by | {w.reader for w in shard.waiters}
+                out[shard.url] = {job for job in map(job_of, readers) if job is not None}
+        return out
 
     def demanded(self) -> list[str]:
         """The shards readers asked for and wait for, oldest first."""

@@ -26,9 +26,11 @@ The object (also ``wdscache stats --json``)::
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
                       waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up),
-                      retrying: [{url, error, demanded}] (downloads whose last attempt failed, retried
-                      after a backoff: that attempt's failure, and whether a reader waits for the shard),
-                      demanded (shards readers wait for), need_bytes (bytes the readers hold at once)};
+                      retrying: [{url, error, demanded, jobs}] (downloads whose last attempt failed,
+                      retried after a backoff: that attempt's failure, whether a reader waits for the
+                      shard, and the jobs whose readers do), demanded (shards readers wait for),
+                      demanded_by_job ({job: how many of them its readers wait for}), need_bytes
+                      (bytes the readers hold at once)};
                       {pid, uptime_s, endpoint, answering: false} when it runs (holds the directory's
                       lock) but gave no reply within ANSWER_TIMEOUT (busy, or stuck): the other fields
                       are then the index's, as with no agent
@@ -57,6 +59,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .client import AgentConnection
@@ -195,9 +198,11 @@ def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: st
     return out
 
 
-def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str | None) -> dict[str, dict[str, Any]]:
+def jobs_view(
+    consumers: dict[str, dict[str, Any]], starved_by: Callable[[str], str] | None
+) -> dict[str, dict[str, Any]]:
     """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null;
-    always null for consumers that ended, ``starved_by`` None). The consumers of one rank (its
+    always null for consumers that ended, ``starved_by`` None; else ``starved_by(job)``). The consumers of one rank (its
     DataLoader workers, each a consumer) make one: their counts, rates and waits added up, the
     share of time they wait averaged, ``readers`` of them."""
     keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended")
@@ -207,9 +212,10 @@ def jobs_view(consumers: dict[str, dict[str, Any]], starved_by: str | None) -> d
         ranks = jobs.setdefault(str(c.get("job")), {})
         rank = str(c.get("rank"))
         ranks[rank] = _together(ranks[rank], view) if rank in ranks else {**view, "readers": 1}
-    for ranks in jobs.values():
+    for job, ranks in jobs.items():
         for view in ranks.values():
-            view["starved"] = starved_by if view.get("waiting", 0.0) > STARVED else None
+            starved = starved_by is not None and view.get("waiting", 0.0) > STARVED
+            view["starved"] = starved_by(job) if starved_by is not None and starved else None
     return jobs
 
 

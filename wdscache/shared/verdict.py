@@ -2,7 +2,9 @@
 
 A job is starved when one of its ranks spent more than :data:`STARVED` of its recent
 time waiting for data. What starves it, checked in this order (the first cause hides the
-later ones: a cache that thrashes makes readers wait for downloads, too):
+later ones: a cache that thrashes makes readers wait for downloads, too), each of the job's
+own waits where the agent says whose they are (``agent.demanded_by_job``, ``retrying[].jobs``;
+another job waiting for downloads does not make this one's wait a download's):
 
 - ``budget``: the readers hold more bytes at once (``agent.need_bytes``) than the budget
   (``bytes_limit``): shards still needed are evicted and downloaded again;
@@ -37,17 +39,28 @@ class Verdict:
     text: str
 
 
-def starved_by(stats: dict[str, Any]) -> str | None:
-    """What a rank that waits for data waits for, in this agent's state (one of :data:`KINDS`; None
-    without an agent)."""
+def job_counts(waited_for: dict[str, set[str]]) -> dict[str, int]:
+    """``agent.demanded_by_job`` of the shards waited for (url -> the jobs whose readers wait)."""
+    counts: dict[str, int] = {}
+    for jobs in waited_for.values():
+        for job in jobs:
+            counts[job] = counts.get(job, 0) + 1
+    return counts
+
+
+def starved_by(stats: dict[str, Any], job: str | None = None) -> str | None:
+    """What a rank (of ``job``; None: of any) that waits for data waits for, in this agent's state
+    (one of :data:`KINDS`; None without an agent)."""
     agent = stats.get("agent")
     if not agent:
         return None
     limit = stats.get("bytes_limit") or 0
     if limit and agent.get("need_bytes", 0) > limit:
         return "budget"
-    if agent.get("demanded", 0) > 0:
-        if any(r.get("demanded") for r in agent.get("retrying", [])):
+    mine = job is not None and "demanded_by_job" in agent  # (an agent that says whose waits they are)
+    if (agent["demanded_by_job"].get(job, 0) if mine else agent.get("demanded", 0)) > 0:
+        failing = [r for r in agent.get("retrying", []) if r.get("demanded")]
+        if any(not mine or job in r.get("jobs", ()) for r in failing):  # (mine: every entry names its jobs)
             return "failing_source"
         return "downloads" if stats.get("shards", {}).get("queued", 0) > 0 else "slow_source"
     busy = [w["busy"] for w in agent.get("workers", []) if isinstance(w.get("busy"), (int, float))]
@@ -56,19 +69,23 @@ def starved_by(stats: dict[str, Any]) -> str | None:
     return "latency"
 
 
-def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]]) -> Verdict:
-    """The verdict on one live job (``ranks``: its entry of ``stats["jobs"]``)."""
+def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: str | None = None) -> Verdict:
+    """The verdict on one live job (``job``; ``ranks``: its entry of ``stats["jobs"]``)."""
     waiting = max((r.get("waiting", 0.0) for r in ranks.values()), default=0.0)
     if waiting <= STARVED:
         return Verdict(None, "not starved")
-    kind = starved_by(stats) or "latency"
+    kind = starved_by(stats, job) or "latency"
     if kind == "budget":
         need = stats["agent"]["need_bytes"]
         return Verdict(
             kind, f"starved by the budget: the cache thrashes, needs {format_size(need)} (--cache-size {need})"
         )
     if kind == "failing_source":
-        failing = [r for r in stats["agent"]["retrying"] if r.get("demanded")]
+        failing = [
+            r
+            for r in stats["agent"]["retrying"]
+            if r.get("demanded") and (job is None or "jobs" not in r or job in r["jobs"])
+        ]
         return Verdict(
             kind,
             f"starved by a failing source: {len(failing)} download(s) waited for fail and are retried "
@@ -105,7 +122,7 @@ def ended_verdict(ranks: dict[str, dict[str, Any]]) -> Verdict:
 
 def verdicts(stats: dict[str, Any]) -> dict[str, Verdict]:
     """Every job's verdict: live jobs', and ended jobs' (their totals) when no rank of theirs is live."""
-    out = {job: job_verdict(stats, ranks) for job, ranks in stats.get("jobs", {}).items()}
+    out = {job: job_verdict(stats, ranks, job) for job, ranks in stats.get("jobs", {}).items()}
     for job, ranks in stats.get("ended_jobs", {}).items():
         out.setdefault(job, ended_verdict(ranks))
     return out
