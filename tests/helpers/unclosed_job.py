@@ -8,8 +8,8 @@ written for wids, which needs no close()). ``fork``: a dataset read in this proc
 in a forked child, which drops its copy of the parent's session and its own; the parent reads
 on. ``loader``: two ``CachedMultiLoader`` epochs left after their first sample, the
 iterator held in a reference cycle. ``unstarted``: an ``iter(loader)`` dropped before its first
-sample (its generator's ``finally`` never runs), then a whole epoch of the same loader: how
-many report threads are left once it is read and collected. Prints a line per step; after SECONDS, faulthandler
+sample (its generator's ``finally`` never runs), then a whole epoch of the same loader; then a
+loader and its iterator dropped before a sample: how many report threads are left after each. Prints a line per step; after SECONDS, faulthandler
 prints every thread's stack and the process exits with status 1.
 """
 
@@ -82,12 +82,24 @@ def _unstarted(cache: str) -> None:
     loader = CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20)
     iter(loader)  # dropped at once: its stream is the loader's current one until the next iter()
     print("samples", sum(1 for _ in loader), flush=True)
+    print("reporters", _reporters_left(), flush=True)
+    loader.close()
+
+    def dropped() -> None:  # a loader and its iterator, both dropped before a sample
+        iter(CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20))
+
+    dropped()
+    print("reporters", _reporters_left(), flush=True)
+
+
+def _reporters_left() -> int:
+    """The report threads still running once the garbage is collected (a reporter sees its stream
+    gone at its next report, a second at most)."""
     gc.collect()
-    deadline = time.monotonic() + 10  # a reporter sees its stream gone at its next report (1 s)
+    deadline = time.monotonic() + 10
     while time.monotonic() < deadline and _reporters():
         time.sleep(0.05)
-    print("reporters", len(_reporters()), flush=True)
-    loader.close()
+    return len(_reporters())
 
 
 def _reporters() -> list[threading.Thread]:

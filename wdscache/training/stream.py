@@ -63,8 +63,8 @@ log = get_logger(__name__)
 REPORT_EVERY = 1.0
 REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped
 STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
-# ...the first look of a wait (doubled at each look up to STREAM_POLL): a download's first
-# samples are looked for as soon as they may be there, a slow one no more often than every STREAM_POLL.
+# ...the epoch's first look (doubled at each look up to STREAM_POLL): its first sample, from a
+# shard nobody prefetched, is looked for as soon as it may be there; later waits as ever.
 STREAM_POLL_FIRST = 0.001
 _END = object()
 _SHARD = itemgetter(0)  # an id's shard
@@ -390,7 +390,7 @@ class EpochStream:
                     read = reads.hand_out(seq_yield)
                     if read is None:
                         self._receive(poll if stalled else 0.1)
-                        poll = min(STREAM_POLL, 2 * poll) if stalled else STREAM_POLL_FIRST
+                        poll = min(STREAM_POLL, 2 * poll) if stalled else poll
                         self._waiting_from = None  # (before the wait is added: a report then counts it once)
                         self.stats["wait_s"] += time.perf_counter() - t0
                         self.clock.check_stall(self._waited_for)
@@ -403,7 +403,7 @@ class EpochStream:
                     end = at
                     continue
                 seq_yield += 1
-                poll = STREAM_POLL_FIRST
+                poll = STREAM_POLL
                 stats = self.stats
                 self._waiting_from = None
                 stats["wait_s"] += time.perf_counter() - t0
@@ -605,8 +605,9 @@ class Reporter:
     ``report(**figures(), rate=...)`` builds, with the sample rate. From a
     thread of its own with its own connection (ZeroMQ sockets belong to one thread).
 
-    ``figures`` (a stream's method) is held weakly: a stream nobody holds any more (an
-    ``iter(loader)`` dropped before its first sample, whose ``finally`` never runs) is
+    ``figures`` (a stream's method) is held weakly, and ``connect`` only until the thread has
+    connected: a stream nobody holds any more (an ``iter(loader)`` dropped before its first
+    sample, whose ``finally`` never runs, once its loader is dropped too or iterated again) is
     collected, and its reports end with it, so the agent lets its reader go."""
 
     def __init__(
@@ -615,7 +616,8 @@ class Reporter:
         report: Callable[..., ReportMessage],
         figures: Callable[[], dict[str, Any]],
     ) -> None:
-        self.connect, self.report = connect, report
+        self.report = report
+        self._connect: Callable[[float], AgentConnection] | None = connect  # until the thread has connected
         self.figures = weakref.WeakMethod(figures)
         self.run = ""  # the agent run its connection proved last (read by the stream's thread)
         self._stop = threading.Event()
@@ -623,7 +625,10 @@ class Reporter:
         self._thread.start()
 
     def _loop(self) -> None:
-        conn = self.connect(REPORT_TIMEOUT)
+        connect, self._connect = self._connect, None
+        assert connect is not None
+        conn = connect(REPORT_TIMEOUT)
+        del connect  # (a loader's method: held on, it would hold the loader, and so the stream, alive)
         last = (time.monotonic(), 0)
         try:
             while not self._stop.wait(REPORT_EVERY):
