@@ -378,9 +378,9 @@ class Agent:
         if not change.added and not change.removed and new.urls == old.urls and new.shards == old.shards:
             return
         self._list_file.log_change(change.added, change.removed, len(new))
-        self.cache.forget_failures(change.added)
-        self.readers.replace_list(new)
+        self.readers.replace_list(new)  # first: the list file's reader takes it for served now
         self._lookups = new.urls
+        self.cache.forget_failures(change.added)
         kept, asked = list(self.cache.kept), self.opens.demanded()
         removed = set(change.removed) if kept or asked else set()
         for url in kept:

@@ -69,11 +69,15 @@ class ListFile:
         self._touched = threading.Event()  # set by the watchdog thread
         self._observer: Any = None
         self._reading: Future[ListChange | None] | None = None  # the file's read in another thread, if one runs
-        self._listed: UrlList | None = None  # the list last read, which the agent serves
+        self._listed: UrlList | None = None  # the list the agent serves: read at start, or the last change taken
 
     def read(self) -> UrlList:
-        """Read the list now (raises :class:`ConfigError` for a list that is empty or wrong); the
-        agent serves what this returns."""
+        """Read the list now (raises :class:`ConfigError` for a list that is empty or wrong): the
+        list the agent starts with."""
+        self._listed = self._parse()
+        return self._listed
+
+    def _parse(self) -> UrlList:
         self._signature = _stat_signature(self._path)
         data = read_list_bytes(str(self._path))
         digest = hashlib.sha256(data).digest()
@@ -90,7 +94,6 @@ class ListFile:
         # A list naming an s3:// prefix or glob is read again whenever the file is touched, even
         # alike: touching it is how an operator says the prefix's objects changed.
         self._digest = digest if self._lister.listed == listed else None
-        self._listed = urls
         return urls
 
     def changed(self) -> ListChange | None:
@@ -101,7 +104,10 @@ class ListFile:
             if not self._reading.done():
                 return None
             done, self._reading = self._reading, None
-            return done.result()
+            change = done.result()
+            if change is not None:  # taken: the next edit is told against it
+                self._listed = change.urls
+            return change
         if not self._touched.is_set():
             return None
         self._touched.clear()
@@ -128,9 +134,9 @@ class ListFile:
         if digest is not None and digest == self._digest:
             self._signature = signature  # touched, or written again alike: nothing to parse
             return None  # (a change after this stat shows in the next one)
-        before = self._listed
+        before = self._listed  # (set by the caller's thread only, and not while this runs)
         try:
-            urls = self.read()
+            urls = self._parse()
         except ConfigError as exc:
             log.error("keeping the current URL list: %s", exc)
             return None
