@@ -149,6 +149,11 @@ def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     layout = _layout(cache_dir)
     with _agent(layout, flush=True, needed=False):
         pass
+    return _listed(layout)
+
+
+def _listed(layout: CacheLayout) -> list[dict[str, Any]]:
+    """:func:`list_shards` as the index holds them now."""
     index = read_index(layout.index_dir, read_only=_read_only(layout))
     try:
         return [
@@ -173,8 +178,8 @@ def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool
 
     A URL may be given as ``ls`` shows it, redacted, when it shows only one URL the index knows."""
     layout = _layout(cache_dir)
-    urls = _as_known(cache_dir, urls)
-    with _agent(layout) as conn:
+    with _agent(layout, flush=True) as conn:  # (one wait for a busy agent, not one for ls and one here)
+        urls = _as_known(layout, urls)
         if conn is not None:
             out: dict[str, Any] = {"evicted": [], "bytes": 0, "refused": [], "absent": []}
             for _, page in pages(list(urls)):
@@ -186,10 +191,10 @@ def evict(cache_dir: str | os.PathLike[str], urls: Sequence[str], *, force: bool
         return evict_shards(cache, urls, force=force, why="evicted on request")
 
 
-def _as_known(cache_dir: str | os.PathLike[str], urls: Sequence[str]) -> list[str]:
+def _as_known(layout: CacheLayout, urls: Sequence[str]) -> list[str]:
     """``urls``, each shown redacted (:func:`~wdscache.shared.redact.redact_urls`) replaced by the one
     URL of the index it shows; one the index knows, or that shows several, stays as given."""
-    known = [s["url"] for s in list_shards(cache_dir)]
+    known = [s["url"] for s in _listed(layout)]
     shows: dict[str, list[str]] = {}
     for url in known:
         shows.setdefault(redact_urls(url), []).append(url)
