@@ -25,7 +25,15 @@ import pytest
 from scripts.shard_maker import make_shard
 from tests.helpers.agents import kill_agent
 from tests.helpers.testdata import TESTDATA
-from wdscache import CachedMultiLoader, ConfigError, FetchError, ShardError, ShardIndexError, ShardListDataset
+from wdscache import (
+    CachedMultiLoader,
+    ConfigError,
+    FetchError,
+    ShardClient,
+    ShardError,
+    ShardIndexError,
+    ShardListDataset,
+)
 from wdscache.shared.stats import collect
 from wdscache.training.random_access import _Session
 
@@ -407,6 +415,10 @@ def test_a_download_whose_count_is_not_the_indexs_is_a_shard_error_naming_both(
     with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20) as loader:
         with pytest.raises(ShardError) as caught:
             list(loader)
+    assert type(caught.value) is ShardError and str(caught.value) == expected
+    with ShardClient(cache, timeout=20) as client:  # shard by shard, the same
+        with pytest.raises(ShardError) as caught:
+            client.open(urls[1])
     assert type(caught.value) is ShardError and str(caught.value) == expected
 
 

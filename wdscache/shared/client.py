@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError
+from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError, failed_shard
 from .layout import CacheLayout
 from .messages import Requests
 from .protocol import PROTOCOL, SAME_INSTALL, client_key, pack, proof, same_secret, speaks, unpack, worker_key
@@ -371,7 +371,9 @@ class ShardClient:
         self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
-        """Wait until ``url`` is cached and pin it; returns the shard's local path."""
+        """Wait until ``url`` is cached and pin it; returns the shard's local path. Raises
+        FetchError if it cannot be downloaded, ShardError if it is bad itself (damaged, or
+        unlike its shard index)."""
         header = self._requests.open(url)
         if timeout is None:
             # A download may take long; the agent's answers to pings show it is alive (and keep us).
@@ -379,7 +381,7 @@ class ShardClient:
         else:
             reply = self._conn.request(header, timeout=timeout)
         if not reply.get("ok"):
-            raise FetchError(url, str(reply.get("error", "unknown error")), permanent=True)
+            raise failed_shard(url, reply, permanent=True)  # (a ShardError for a shard that is bad itself)
         self._held[url] += 1
         return Path(reply["path"])
 

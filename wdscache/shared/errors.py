@@ -187,3 +187,14 @@ for _cls in (
 ):
     _cls.__module__ = "wdscache"
 del _cls
+
+
+def failed_shard(url: str, reply: dict[str, Any], *, permanent: bool = False) -> WdsCacheError:
+    """The error of a shard the agent failed (its answer to an open, or a status): a
+    ShardError when the shard itself is bad (``corrupt``: its copies found damaged, or its
+    bytes not what its index says, such as another sample count), else a FetchError (its
+    download failed)."""
+    error = str(reply.get("error") or "download failed")
+    if reply.get("corrupt") is True:
+        return ShardError(url, error)
+    return FetchError(url, error, permanent=permanent)

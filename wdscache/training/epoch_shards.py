@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..shared.client import AgentConnection
-from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
+from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError, failed_shard
 from ..shared.logs import get_logger
 from ..shared.messages import Requests, WorkerRequest
 from ..shared.mixture import MixSpec
@@ -378,17 +378,6 @@ def agent_counts(conn: AgentConnection, urls: Sequence[str], timeout: float | No
     for _, chunk in pages(urls):
         counts.extend(conn.request(Requests.counts(chunk), timeout=timeout).get("counts", []))
     return counts
-
-
-def failed_shard(url: str, reply: dict[str, Any], *, permanent: bool = False) -> WdsCacheError:
-    """The error of a shard the agent failed (its answer to an open, or a status): a
-    ShardError when the shard itself is bad (``corrupt``: its copies found damaged, or its
-    bytes not what its index says, such as another sample count), else a FetchError (its
-    download failed)."""
-    error = str(reply.get("error") or "download failed")
-    if reply.get("corrupt") is True:
-        return ShardError(url, error)
-    return FetchError(url, error, permanent=permanent)
 
 
 def shard_error(url: str, reply: dict[str, Any]) -> ShardError:

@@ -65,13 +65,14 @@ from ..shared.errors import (
     ShardError,
     ShardIndexError,
     WdsCacheError,
+    failed_shard,
 )
 from ..shared.layout import file_identity
 from ..shared.messages import Requests, WorkerRequest
 from ..shared.protocol import pack_numbers, pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_entries
 from ..shared.urls import index_list, normalize_url
-from .epoch_shards import failed_shard, shard_error
+from .epoch_shards import shard_error
 from .loader import _env_defaults
 from .pins import STATUS_EVERY
 from .private import PrivateAgent, check_cache_dir
