@@ -459,23 +459,22 @@ def test_datasets_dropped_without_close_are_collected_without_a_hang(
     assert lines == ["parent s0/000", "child s1/001", "parent s0/001", "collected", "done"]
 
 
-def test_a_loader_left_mid_epoch_in_a_reference_cycle_is_collected_without_a_hang(
-    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        # An epoch left after its first sample, its iterator held in a reference cycle.
+        ("loader", ["0 s0/000", "collected", "1 s0/000", "collected", "done"]),
+        # An iterator dropped before its first sample: its report thread held the stream, reported
+        # on forever, and the agent kept its reader. Then a loader dropped with it. (3 shards of 6)
+        ("unstarted", ["samples 18", "reporters 0", "reporters 0", "done"]),
+    ],
+)
+def test_a_loader_left_unclosed_is_collected_without_a_hang_and_stops_reporting(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path, mode: str, expected: list[str]
 ) -> None:
     cache = tmp_path / "cache"
     start_agent(cache, local_index, "--no-shuffle")
-    lines = _unclosed("loader", local_index, cache)
-    assert lines == ["0 s0/000", "collected", "1 s0/000", "collected", "done"]
-
-
-def test_an_iterator_dropped_before_its_first_sample_stops_reporting(
-    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
-) -> None:
-    # Its report thread held the stream: it reported on forever, and the agent kept its reader.
-    cache = tmp_path / "cache"
-    start_agent(cache, local_index, "--no-shuffle")
-    lines = _unclosed("unstarted", local_index, cache)
-    assert lines == ["samples 18", "reporters 0", "reporters 0", "done"]  # (3 shards of 6)
+    assert _unclosed(mode, local_index, cache) == expected
 
 
 def test_its_errors_show_no_secret_of_a_url(
