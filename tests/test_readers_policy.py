@@ -23,6 +23,11 @@ def loop(tmp_path: Path) -> Iterator[Loop]:
         loop.close()
 
 
+def _latency(job: str) -> str:
+    """What the agent tells a starved rank of ``job`` waits for, when nothing else holds it up."""
+    return "latency"
+
+
 def hello(readers: Readers, name: str, loop: Loop, **fields: object) -> dict[str, object]:
     header = {**Requests(name).hello("j", 0, 2), **fields}
     return readers.op_hello(loop.request(**header))
@@ -33,7 +38,7 @@ def test_hello_answers_the_workers_and_the_agents_list(loop: Loop) -> None:
     assert reply["ok"] and reply["workers"] == ["ipc:///w0"] and reply["n_urls"] == len(URLS)
     assert reply["list_id"] == list_id(URLS) and reply["prefetch"] == 2
     assert "c0" in loop.readers
-    assert loop.readers.view("latency")["consumers"] == 1
+    assert loop.readers.view(_latency)["consumers"] == 1
 
 
 def test_hello_with_a_rank_outside_the_world_is_refused(loop: Loop) -> None:
@@ -74,10 +79,10 @@ def test_reports_are_kept_for_stats_and_bye_leaves_them_in_ended_jobs(loop: Loop
     }
     hello(loop.readers, "c0", loop)
     loop.readers.op_report(loop.request("report", reader="c0", samples=10, bytes=100))
-    assert list(loop.readers.view("latency")["jobs"]) == ["j"]
+    assert list(loop.readers.view(_latency)["jobs"]) == ["j"]
     assert loop.readers.op_bye(loop.request("bye", reader="c0", samples=12)) == {"ok": True}
     assert "c0" not in loop.readers and loop.gone == ["c0"]
-    view = loop.readers.view("latency")
+    view = loop.readers.view(_latency)
     assert view["consumers"] == 0 and view["ended_jobs"]
 
 
@@ -86,13 +91,13 @@ def test_ended_consumers_leave_stats_after_a_while_oldest_first(loop: Loop) -> N
     for name, job in (("c0", "a"), ("c1", "b"), ("c0", "a")):
         hello(loop.readers, name, loop, job=job)
         loop.readers.op_bye(loop.request("bye", reader=name, samples=1))
-    assert set(loop.readers.view("latency")["ended_jobs"]) == {"a", "b"}
+    assert set(loop.readers.view(_latency)["ended_jobs"]) == {"a", "b"}
     loop.readers._ended["c1"]["_ended"] -= ENDED_KEPT  # c1 left long ago; c0 just now
     loop.readers.expire()
-    assert set(loop.readers.view("latency")["ended_jobs"]) == {"a"}
+    assert set(loop.readers.view(_latency)["ended_jobs"]) == {"a"}
     loop.readers._ended["c0"]["_ended"] -= ENDED_KEPT
     loop.readers.expire()
-    assert not loop.readers.view("latency")["ended_jobs"]
+    assert not loop.readers.view(_latency)["ended_jobs"]
 
 
 def test_a_ranks_totals_add_up_its_epochs_and_readers_and_never_go_down(loop: Loop) -> None:
@@ -101,7 +106,7 @@ def test_a_ranks_totals_add_up_its_epochs_and_readers_and_never_go_down(loop: Lo
     readers = loop.readers
 
     def totals() -> dict[str, object]:
-        return dict(readers.view("latency")["rank_totals"])
+        return dict(readers.view(_latency)["rank_totals"])
 
     def report(name: str, op: str = "report", **figures: float) -> None:
         getattr(readers, f"op_{op}")(loop.request(op, reader=name, **figures))
@@ -120,7 +125,7 @@ def test_a_ranks_totals_add_up_its_epochs_and_readers_and_never_go_down(loop: Lo
     hello(readers, "p", loop, probe=True)
     report("p", samples=100)  # a probe's report is no rank's
     assert totals() == {"j": {"0": {"samples": 14, "bytes": 140, "wait_s": 1.0}}}
-    assert readers.view("latency")["jobs"]["j"]["0"]["samples"] == 3  # the current epoch's, its readers together
+    assert readers.view(_latency)["jobs"]["j"]["0"]["samples"] == 3  # the current epoch's, its readers together
 
 
 def test_a_ranks_totals_go_an_hour_after_its_last_consumer_left(loop: Loop) -> None:
@@ -132,14 +137,14 @@ def test_a_ranks_totals_go_an_hour_after_its_last_consumer_left(loop: Loop) -> N
     for totals in readers._totals._ranks.values():
         totals.touched -= RANK_TOTALS_KEPT  # both silent an hour: b0 still connected, a0 gone
     readers.expire()
-    assert set(readers.view("latency")["rank_totals"]) == {"b"}
+    assert set(readers.view(_latency)["rank_totals"]) == {"b"}
 
 
 def test_a_probe_neither_joins_nor_counts_as_a_consumer(loop: Loop) -> None:
     assert hello(loop.readers, "p", loop, probe=True)["ok"]
-    assert "p" in loop.readers and loop.readers.view("latency")["consumers"] == 0
+    assert "p" in loop.readers and loop.readers.view(_latency)["consumers"] == 0
     loop.readers.drop("p")
-    assert not loop.readers.view("latency")["ended_jobs"]
+    assert not loop.readers.view(_latency)["ended_jobs"]
 
 
 def test_a_silent_reader_is_dropped_and_its_pins_go_with_it(loop: Loop) -> None:

@@ -380,7 +380,6 @@ class Agent:
         self._list_file.log_change(change.added, change.removed, len(new))
         self.readers.replace_list(new)  # first: the list file's reader takes it for served now
         self._lookups = new.urls
-        self.cache.forget_failures(change.added)
         kept, asked = list(self.cache.kept), self.opens.demanded()
         removed = set(change.removed) if kept or asked else set()
         for url in kept:
@@ -389,6 +388,7 @@ class Agent:
         for url in asked:
             if url in removed and not self.readers.read_by_a_consumer(url):
                 self.opens.unlisted(url)
+        self.cache.forget_failures(change.added)  # last: a full index (IndexWriteError) leaves the rest done
 
     # -- download events ------------------------------------------------------
 
