@@ -11,8 +11,8 @@ Guarantees:
 - The watchdog thread only sets a flag; the main loop sees it and has the file read in another
   thread, and takes the new list once it is read: while a long list is parsed (a million lines
   take a second or two), or a read hangs (a stalled network file system), the agent goes on
-  serving on the list it has. That thread also works out what the edit added and removed and
-  makes the new list's lookup table (:class:`ListChange`), which for a rewrite of a million
+  serving on the list it has. That thread also works out what the edit added and removed, and
+  the new list's lookup table and id (:class:`ListChange`), which for a rewrite of a million
   lines take as long again: the loop takes the change in milliseconds.
 - What a parse freed goes back to the kernel after it (glibc's malloc_trim).
 - A change is logged as one record (event ``list_changed``): how many URLs were added and
@@ -140,7 +140,8 @@ class ListFile:
         except ConfigError as exc:
             log.error("keeping the current URL list: %s", exc)
             return None
-        added, removed = diff_urls(before, urls) if before is not None else (list(urls.urls), [])
+        assert before is not None  # (read() made it before the file was watched)
+        added, removed = diff_urls(before, urls)
         urls.urls.make_lookups()
         list_id(urls.urls)  # (kept with them: the readers name the list by it)
         return ListChange(urls, added, removed)

@@ -296,11 +296,6 @@ class Opens:
         """The shards readers wait for, oldest first."""
         return self.shards.demanded()
 
-    def checks_waited_for(self) -> int:
-        """Shards readers wait for while the agent asks their source whether the copy it
-        cached in an earlier run is still current (for stats: a wait on the network too)."""
-        return sum(1 for s in self.shards if s.phase is Phase.REVALIDATING and s.waiters)
-
     # -- holding ------------------------------------------------------------------
 
     def held(self, name: str) -> int:
