@@ -371,9 +371,8 @@ class Agent:
         self.opens.release_all(name)
 
     def _take_list(self, change: ListChange) -> None:
-        """The list file changed: readers that started an epoch finish it on their list. What
-        changed was worked out in the reading thread (:class:`ListChange`): here, only what
-        the cache and the waiting readers hold of it is looked at, not every URL."""
+        """The list file changed: epochs under way finish on their list. What changed came from the
+        list's thread (:class:`ListChange`): only the cache's and waiting readers' part is looked at."""
         old, new = self.readers.urls, change.urls
         if not change.added and not change.removed and new.urls == old.urls and new.shards == old.shards:
             return
