@@ -214,8 +214,7 @@ def jobs_view(
         ranks[rank] = _together(ranks[rank], view) if rank in ranks else {**view, "readers": 1}
     for job, ranks in jobs.items():
         for view in ranks.values():
-            starved = starved_by is not None and view.get("waiting", 0.0) > STARVED
-            view["starved"] = starved_by(job) if starved_by is not None and starved else None
+            view["starved"] = starved_by(job) if starved_by is not None and view.get("waiting", 0.0) > STARVED else None
     return jobs
 
 

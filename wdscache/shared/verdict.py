@@ -59,14 +59,20 @@ def starved_by(stats: dict[str, Any], job: str | None = None) -> str | None:
         return "budget"
     mine = job is not None and "demanded_by_job" in agent  # (an agent that says whose waits they are)
     if (agent["demanded_by_job"].get(job, 0) if mine else agent.get("demanded", 0)) > 0:
-        failing = [r for r in agent.get("retrying", []) if r.get("demanded")]
-        if any(not mine or job in r.get("jobs", ()) for r in failing):  # (mine: every entry names its jobs)
+        if _failing(agent, job):
             return "failing_source"
         return "downloads" if stats.get("shards", {}).get("queued", 0) > 0 else "slow_source"
     busy = [w["busy"] for w in agent.get("workers", []) if isinstance(w.get("busy"), (int, float))]
     if busy and sum(busy) / len(busy) > WORKERS_BUSY:
         return "workers"
     return "latency"
+
+
+def _failing(agent: dict[str, Any], job: str | None) -> list[dict[str, Any]]:
+    """The retrying downloads (``agent.retrying``) that readers of ``job`` wait for: of any job for
+    None, or from an agent that does not say whose waits they are."""
+    mine = job is not None and "demanded_by_job" in agent
+    return [r for r in agent.get("retrying", []) if r.get("demanded") and (not mine or job in r.get("jobs", ()))]
 
 
 def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: str | None = None) -> Verdict:
@@ -81,11 +87,7 @@ def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: st
             kind, f"starved by the budget: the cache thrashes, needs {format_size(need)} (--cache-size {need})"
         )
     if kind == "failing_source":
-        failing = [
-            r
-            for r in stats["agent"]["retrying"]
-            if r.get("demanded") and (job is None or "jobs" not in r or job in r["jobs"])
-        ]
+        failing = _failing(stats["agent"], job)
         return Verdict(
             kind,
             f"starved by a failing source: {len(failing)} download(s) waited for fail and are retried "
