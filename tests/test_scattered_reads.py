@@ -19,12 +19,12 @@ import pytest
 
 from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.streaming import reference
-from tests.helpers.workers import read_from_worker
+from tests.helpers.workers import read_from_worker, reply_digests
 from wdscache.agent.sampletable import SampleTables
 from wdscache.agent.scattered import scattered
 from wdscache.agent.shardview import open_shard
 from wdscache.agent.worker import DIRECT_GAP, MERGE_GAP
-from wdscache.shared.layout import CacheLayout, file_identity
+from wdscache.shared.layout import file_identity
 from wdscache.shared.protocol import PREAD_BYTES
 
 
@@ -145,7 +145,6 @@ def test_a_worker_answers_scattered_reads_with_webdatasets_bytes_whichever_way_i
     ref = list(reference(paths, urls).items())
     counts = [len(s) for s in specs.values()]
     first = [sum(counts[:k]) for k in range(len(counts))]  # each shard's first sample in ref
-    layout = CacheLayout.of(cache)
     reads = {
         "columns": scattered_items(counts[:2], 120, seed=1, backwards=True),
         "rows of two lengths": scattered_items(counts[:3], 120, seed=2),
@@ -156,18 +155,9 @@ def test_a_worker_answers_scattered_reads_with_webdatasets_bytes_whichever_way_i
         for direct in (False, True):
             header, frames = read_from_worker(cache, urls, items, direct=direct)
             assert header["ok"], (what, header)
-            got = []
-            for (k, _), key, exts, (frame_no, *fields) in zip(items, header["keys"], header["exts"], header["spans"]):
-                if frame_no < len(frames):
-                    data = bytes(frames[frame_no])
-                else:  # a file range: only for direct reads (of a large sample, or a run of samples)
-                    assert direct, (what, k)
-                    shard, start, size, *_ = header["files"][frame_no - len(frames)]
-                    with open(layout.shard_path(urls[shard]), "rb") as f:
-                        f.seek(start)
-                        data = f.read(size)
-                payloads = [data[o : o + n] for o, n in zip(fields[::2], fields[1::2])]
-                got.append(((urls[k], key), {e: hashlib.sha256(p).hexdigest() for e, p in zip(exts, payloads)}))
+            # File ranges only for direct reads (of a large sample, or a run of samples).
+            assert direct or "files" not in header, what
+            got = reply_digests(cache, urls, items, header, frames)
             assert got == [ref[first[k] + j] for k, j in items], (what, direct)
             if what == "columns" or not direct:  # copied, into one frame
                 assert {span[0] for span in header["spans"]} == {0} and len(frames) == 1, (what, direct)

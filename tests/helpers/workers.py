@@ -74,3 +74,28 @@ def as_written(header: dict, frames: list) -> tuple[dict, list]:
     exts = [list(names) for names, _, _ in rows]
     spans = [[frame, *table[at : at + 2 * len(names)]] for names, frame, at in rows]
     return {**header, "exts": exts, "spans": spans}, frames[1:]
+
+
+def reply_digests(
+    cache: Path, urls: list[str], items: list[tuple[int, int]], header: dict, frames: list
+) -> list[tuple[tuple[str, str], dict[str, str]]]:
+    """Each sample of a worker's reply to a read of ``items`` (as :func:`read_from_worker` gives
+    it): ``((url, key), {ext: sha256})``, its bytes read from its frame, or from the cache file
+    for a file range, as webdataset's reader keys them (:func:`tests.helpers.streaming.reference`)."""
+    import hashlib
+
+    from wdscache.shared.layout import CacheLayout
+
+    layout = CacheLayout.of(cache)
+    got = []
+    for (k, _), key, exts, (frame_no, *fields) in zip(items, header["keys"], header["exts"], header["spans"]):
+        if frame_no < len(frames):
+            data = bytes(frames[frame_no])
+        else:  # a file range (of a direct read)
+            shard, start, size, *_ = header["files"][frame_no - len(frames)]
+            with open(layout.shard_path(urls[shard]), "rb") as f:
+                f.seek(start)
+                data = f.read(size)
+        payloads = [data[o : o + n] for o, n in zip(fields[::2], fields[1::2])]
+        got.append(((urls[k], key), {e: hashlib.sha256(p).hexdigest() for e, p in zip(exts, payloads)}))
+    return got

@@ -84,7 +84,7 @@ import time
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import add, ne, or_, sub
 from pathlib import Path
 from typing import Any
@@ -358,10 +358,11 @@ class _Worker:
             raise ProtocolError("bad read request")
         keys: list[str] = []
         layouts: dict[tuple[str, ...], int] = {}  # the distinct tuples of extensions, numbered
-        # The sample table's rows in item order, a chunk of them at a time: (their run, row
-        # length, rows), each row ``layout, frame, offset, size, ...`` with offsets in the
+        # The sample table's rows in item order, a chunk of them at a time: (their run, None, row
+        # length, rows), or for a group of stretches (their runs, each one's count of rows, row
+        # length, rows); each row ``layout, frame, offset, size, ...`` with offsets in the
         # shard until the runs are made into frames, which then sets both.
-        chunks: list[tuple[int, int, list[int]]] = []
+        chunks: list[tuple[Any, list[int] | None, int, list[int]]] = []
         # Runs of bytes: (a mapped ShardView or a bytes block, start, end). Samples next to
         # each other in a shard share a run, so a request read in archive order costs one
         # run, not one per field; ReplyFrames makes the runs into frames.
@@ -405,9 +406,31 @@ class _Worker:
                 self._answer(ident, header, bulk.nbytes, bulk.keys, bulk.layouts, bulk.table, [], [copied])
                 return
             begins = begins[:1]
-        for a, b in zip(begins, [*begins[1:], n_items]):
+        stretches = list(zip(begins, [*begins[1:], n_items]))
+        done_until = plain_until = 0  # stretches before these: served as a group; to serve one by one
+        for s, (a, b) in enumerate(stretches):
+            if s < done_until:
+                continue
             k, j = shard_of[a], index_of[a]
             view, samples, placer, count, gap = shards[k]
+            if s >= plain_until and by_stretch and isinstance(samples, PackedSamples) and len(samples.layouts) == 1:
+                # This stretch and those after it of the same shard at once (a rank's blocks of 8
+                # every W * 8 samples): one pass over their numbers, a run each.
+                done_until = s + 1
+                while done_until < len(stretches) and shard_of[stretches[done_until][0]] == k:
+                    done_until += 1
+                # One stretch (a read in archive order) costs less through run_of.
+                group = _group(samples, index_of, stretches[s:done_until], count, gap) if done_until > s + 1 else None
+                if group is not None:
+                    rows, got, spans, size = group
+                    stride = 2 * len(samples.layouts[0]) + 2
+                    rows[0::stride] = [layouts.setdefault(samples.layouts[0], len(layouts))] * len(got)
+                    ats = [_joined(runs, latest, k, view, first, end, gap) for first, end, _ in spans]
+                    chunks.append((ats, [n for _, _, n in spans], stride, rows))
+                    keys += got
+                    nbytes += size
+                    continue
+                done_until, plain_until = s, done_until  # one, or a gap too wide, or past the shard's end
             one_run = by_stretch and b - a > 1 and j + b - a <= count and isinstance(samples, PackedSamples)
             stretch = samples.run_of(j, b - a) if one_run else None
             if stretch is not None:
@@ -418,7 +441,7 @@ class _Worker:
                     at = _joined(runs, latest, k, view, fields[0], fields[-2] + fields[-1], gap)
                     stride = 2 * len(names) + 2
                     row[0::stride] = [layouts.setdefault(names, len(layouts))] * (b - a)
-                    chunks.append((at, stride, row))
+                    chunks.append((at, None, stride, row))
                     keys += got
                     nbytes += sum(fields[1::2])
                     continue
@@ -446,11 +469,23 @@ class _Worker:
                     at = _joined(runs, latest, k, view, place[0], place[-2] + place[-1], gap)
                 keys.append(key)
                 place[0:0] = (layouts.setdefault(names, len(layouts)), 0)
-                chunks.append((at, len(place), place))
+                chunks.append((at, None, len(place), place))
                 nbytes += sum(place[3::2])
         frames, ranges, run_places = self.frames.of(runs, files, ranges_only=places)
         table: list[int] = []
-        for at, stride, row in chunks:
+        for at, counts, stride, row in chunks:
+            if counts is not None:  # a group of stretches, each a run of its own (or of one before it)
+                places_of = [run_places[x] for x in at]
+                row[1::stride] = list(chain.from_iterable(map(repeat, [frame for frame, _ in places_of], counts)))
+                shifts = list(
+                    chain.from_iterable(
+                        map(repeat, map(sub, [b for _, b in places_of], [runs[x][1] for x in at]), counts)
+                    )
+                )
+                for i in range(2, stride, 2):
+                    row[i::stride] = list(map(add, row[i::stride], shifts))
+                table += row
+                continue
             frame, base = run_places[at]
             shift = base - runs[at][1]  # from the shard to the frame
             if stride == len(row):  # one sample
@@ -531,6 +566,48 @@ def _joined(
     runs.append(run)
     latest[k] = (run, len(runs) - 1)
     return len(runs) - 1
+
+
+def _group(
+    samples: PackedSamples, index_of: Sequence[int], stretches: list[tuple[int, int]], count: int, gap: int
+) -> tuple[list[int], list[str], list[tuple[int, int, int]], int] | None:
+    """Stretches ``[a, b)`` of a read's items, each samples ``index_of[a]`` on of one shard whose
+    samples have one tuple of extensions, served at once: their rows of the sample table (as
+    :func:`_rows` makes them), keys, each stretch's ``(first byte, end, samples)`` and their
+    payload bytes. None if a stretch passes ``count`` or its samples are not one run (a gap
+    past ``gap``): the caller then serves them stretch by stretch, which says why."""
+    width = 2 * len(samples.layouts[0])
+    numbers, key_ends = samples.numbers, samples.key_ends
+    fields, firsts, lasts = array("q"), array("q"), array("q")
+    cuts = []  # per stretch, the index of its last sample
+    for a, b in stretches:
+        j, n = index_of[a], b - a
+        if j + n > count:
+            return None
+        fields += numbers[j * width : (j + n) * width]
+        if j:
+            firsts += key_ends[j - 1 : j + n - 1]
+        else:
+            firsts.append(0)
+            firsts += key_ends[: n - 1]
+        lasts += key_ends[j : j + n]
+        cuts.append(len(lasts) - 1)
+    starts = fields[0::width]
+    ends = list(map(add, fields[width - 2 :: width], fields[width - 1 :: width]))
+    gaps = list(map(sub, starts[1:], ends))
+    for cut in cuts[:-1]:  # between two stretches: not a gap of a run
+        gaps[cut] = 0
+    if gaps and (min(gaps) < 0 or max(gaps) > gap):
+        return None
+    row = [0] * (len(lasts) * (width + 2))
+    for i in range(width):
+        row[2 + i :: width + 2] = fields[i::width]
+    heads = [0, *(cut + 1 for cut in cuts[:-1])]
+    spans = list(
+        zip(map(starts.__getitem__, heads), map(ends.__getitem__, cuts), map(sub, cuts, [h - 1 for h in heads]))
+    )
+    text = samples.keys
+    return row, [text[x:y] for x, y in zip(firsts, lasts)], spans, sum(fields[1::2])
 
 
 def _rows(fields: array[int], width: int, gap: int) -> list[int] | None:
