@@ -110,9 +110,10 @@ class Tuning:
     """
 
     # A request costs messaging on both sides beside its samples (on 2 cores, warm 1 KB
-    # samples: a worker's CPU per epoch fell by a third from 128 samples a request to 512, and
-    # no further at 1,024 or 2,048); larger samples are held to about 4 MiB a request anyway.
-    request_size: int = 512
+    # samples: a worker's CPU per epoch fell by a third from 128 samples a request to 512; from
+    # 512 to 2,048, by a tenth for a rank of 8, whose reads are 64 blocks of 8 at 512);
+    # larger samples are held to about 4 MiB a request anyway.
+    request_size: int = 2048
     inflight: int | None = None
     zero_copy: bool = False
     direct_reads: bool = True
