@@ -338,3 +338,20 @@ def test_an_s3_object_replaced_mid_download_is_fetched_anew_in_parts(store, tmp_
     restart = max(i for i, g in enumerate(got) if g.range == f"bytes=0-{PART - 1}")
     assert got[restart].if_match is None and all(g.if_match == new for g in got[restart + 1 :]), got
     assert_tiles(spans([g.range for g in got[restart:]]), replacement.stat().st_size)
+
+
+def test_a_shard_whose_parts_cannot_name_its_version_comes_over_one_connection_without_a_retry(
+    shard_server, dataset, start_agent, tmp_path
+):
+    ds = dataset(1, **SHAPE)
+    name, size = ds.paths[0].name, ds.paths[0].stat().st_size
+    # A server that honours Range but names no version (some object stores and proxies): no
+    # part could be asked for the first answer's version, so none is asked for.
+    shard_server.etags = shard_server.last_modified = False
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, *PARTS, "--prefetch", "1", "--cache-size", "20M", "--retries", "0")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "the shard was never cached")
+    assert cached(cache, ds.urls[0]) == ds.paths[0].read_bytes()
+    reqs = gets(shard_server, name)
+    assert len(reqs) == 2 and reqs[-1].range in (None, "bytes=0-") and reqs[-1].bytes_sent == size, reqs
+    assert partial_files(cache) == []

@@ -287,13 +287,13 @@ class Fetcher:
         if version.validator and version.validator != d.progress.etag:
             d.progress.etag = version.validator
             d.on_validator(d)  # recorded in the index, so a restart can resume safely
-        if (
-            end is not None
-            and answer.ranged
-            and _parts_can_name(version.validator, d)
-            and total is not None
-            and total > end
-        ):
+        if end is not None and answer.ranged and total is not None and total > end:
+            if not _parts_can_name(version.validator, d):
+                # No version the other parts could name (no validator, a weak one, or one a part
+                # was answered without): the rest of this part's bytes would have to come as
+                # attempts of their own, so the whole comes over one connection instead.
+                d.progress.single = True
+                raise Retry("no version the parts could name; using one connection", 0.0, counts=False)
             return self._parted.fetch(
                 d,
                 ByteRange(offset, end),
