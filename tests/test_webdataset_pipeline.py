@@ -210,3 +210,91 @@ def test_set_epoch_and_load_state_dict_name_the_next_epoch_in_a_checkpoint(
     assert len(list(itertools.islice(loader, 5))) == 5
     loader.load_state_dict({**state, "epoch": 3})
     assert (loader.state_dict()["epoch"], loader.state_dict()["position"]) == (3, 0)
+
+
+def _cut_source(kind: str) -> dict[str, Any]:
+    """A plain list in the loader's seeded order (each epoch another), or resampled=True with an
+    epoch of 40 samples: with_epoch(n) cuts the loader's epochs, it does not make them."""
+    return {"shardshuffle": True} if kind == "list" else {"resampled": True, "epoch_samples": 40}
+
+
+@pytest.mark.parametrize("kind", ["list", "resampled"])
+def test_with_epoch_resumes_from_a_checkpoint_as_the_uninterrupted_run_goes_on(
+    kind: str, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # with_epoch(n) cuts each iteration at n, and the next iteration is the loader's next epoch,
+    # whether n is shorter than the epoch (40 samples) or runs past its end into the next one. A
+    # checkpoint taken after a whole iteration resumes at that next epoch; one taken in the middle
+    # resumes the rest of its n (an empty rest once the n are out), then the next epoch.
+    urls, _, list_file = dataset(8, samples=5, payload=100)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file)
+
+    def made(n: int) -> Any:
+        return wdscache.WebDataset(urls, cache_dir=cache, job=f"cut{n}", **_cut_source(kind)).with_epoch(n)
+
+    def keys(ds: Any) -> list[str]:
+        return [s["__key__"] for s in ds]
+
+    for n, middles in ((6, (1, 3, 5, 6)), (50, (1, 25, 40, 45, 50))):  # 40: the end of the loader's epoch
+        ds = made(n)
+        whole = [keys(ds) for _ in range(3)]
+        assert [len(w) for w in whole] == [n] * 3 and whole[0] != whole[1] != whole[2]
+        ds = made(n)
+        assert keys(ds) == whole[0]
+        after = made(n)
+        after.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+        assert [keys(after), keys(after)] == whole[1:], n
+        for k in middles:
+            ds = made(n)
+            it = iter(ds)
+            first = [next(it)["__key__"] for _ in range(k)]
+            state = json.loads(json.dumps(ds.state_dict()))
+            it.close()
+            resumed = made(n)
+            resumed.load_state_dict(state)
+            assert first + keys(resumed) == whole[0], (n, k)
+            assert keys(resumed) == whole[1], (n, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["list", "resampled"])
+def test_with_epoch_in_stateful_dataloader_workers_resumes_as_the_uninterrupted_run_goes_on(
+    kind: str, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # In DataLoader(num_workers=2) each worker cuts its own iteration at n: a per-step checkpoint
+    # (StatefulDataLoader's, of each worker) resumes the rest of each worker's n, an empty rest
+    # after the last batch, and then the next epoch, as the uninterrupted loop goes on. n=25 runs
+    # past the end of a worker's slice of the epoch (20 samples) into the next epoch's.
+    stateful = pytest.importorskip(
+        "torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)"
+    )
+    urls, _, list_file = dataset(8, samples=5, payload=100)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file)
+
+    def made(n: int) -> tuple[Any, Any]:
+        ds = wdscache.WebDataset(urls, cache_dir=cache, job=f"dl{n}", **_cut_source(kind)).with_epoch(n)
+        return ds, stateful.StatefulDataLoader(ds, batch_size=2, num_workers=2)
+
+    def epochs(ds: Any, dl: Any) -> list[list[list[str]]]:
+        out = []
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            out.append([list(batch["__key__"]) for batch in dl])
+        return out
+
+    for n, steps in ((6, (3, 6)), (25, (11, 20, 26))):  # 6 and 26: after the last batch (each worker's 13th)
+        whole = epochs(*made(n))
+        assert sum(map(len, whole[0])) == 2 * n and whole[0] != whole[1]  # each worker its n
+        for step in steps:
+            ds, dl = made(n)
+            ds.set_epoch(0)
+            it = iter(dl)
+            first = [list(next(it)["__key__"]) for _ in range(step)]
+            state = dl.state_dict()
+            del it
+            resumed, resumed_dl = made(n)
+            resumed_dl.load_state_dict(state)
+            rest, then = epochs(resumed, resumed_dl)
+            assert first + rest == whole[0] and then == whole[1], (n, step)

@@ -19,10 +19,13 @@ Differences, all where webdataset's behaviour depends on chance:
   worker. ``mix={source: weight}`` with ``epoch_samples=`` mixes several sources.
 - ``state_dict()`` counts what left the source: exact for per-sample stages and batching
   by the DataLoader; samples held in a ``.batched()`` or a later ``.shuffle()`` buffer when
-  the state is taken are counted as delivered. Under ``resampled=True``, ``with_epoch(n)``'s
-  cut is counted too: an iteration resumed from a checkpoint yields the rest of its ``n``
-  (the loader's epoch, ``n`` rounded up to whole blocks, goes on past it), and one taken
-  once the ``n`` are out resumes at the next epoch, as the iteration would have.
+  the state is taken are counted as delivered. ``with_epoch(n)``'s cut is counted too (each
+  DataLoader worker's its own): the next iteration after a cut is the loader's next epoch,
+  whether the cut came before the loader's epoch ended (under ``resampled=True`` without
+  ``epoch_samples=``, that epoch is ``n`` rounded up to whole blocks) or ran on into the
+  next one. An iteration resumed from a checkpoint yields the rest of its ``n`` (none, if the
+  ``n`` were out before its end was met), and one taken once the iteration is over resumes
+  at the next epoch, as the run would have gone on.
 
 ``pipe:`` URLs are shell commands, which the agent runs only from its own list: given here,
 they run in this process, as webdataset runs them. Such a dataset is webdataset's own
@@ -54,8 +57,8 @@ from .loader import CachedMultiLoader
 from .urls_arg import PIPE, pipe_urls
 
 _NOTHING = object()  # what an epoch without samples gives first
-# A checkpoint's count of the items an iteration cut by with_epoch(n) under resampled=True had
-# yielded (see WebDataset._cut): the loader's state does not know that cut.
+# A checkpoint's count of the items an iteration cut by with_epoch(n) had yielded (see
+# WebDataset._cut): the loader's state does not know that cut.
 CUT_ITEMS = "with_epoch_items"
 
 
@@ -140,6 +143,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self.append(_Source(self.loader))
         self.empty_check = empty_check
         self._cut_items = 0  # items the iteration cut by with_epoch has yielded (see _cut)
+        self._cut_over = False  # ...and whether it is over (the next iteration is the next epoch)
         self._resumed_items = 0  # ...and, from a checkpoint, before the next one starts
 
     def _piped(
@@ -194,7 +198,8 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         return super().shuffle(size, **kw)
 
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> WebDataset:
-        """webdataset's: each DataLoader worker yields ``nsamples`` (or ``nbatches``) an epoch. Under
+        """webdataset's: each DataLoader worker yields ``nsamples`` (or ``nbatches``) an epoch, and
+        its next iteration is the loader's next epoch (a checkpoint counts the cut). Under
         ``resampled=True`` without ``epoch_samples=``, it is also the length of the loader's epoch:
         each worker draws its ``nsamples``."""
         loader = self.loader
@@ -209,30 +214,51 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         return super().with_epoch(nsamples, nbatches)
 
     def __iter__(self) -> Iterator[Any]:
-        samples = self._cut() if self._cuts() else super().__iter__()
+        cuts = self._cuts()
+        rest_empty = cuts and self._resumed_items >= self.nsamples  # resumed once its n were out
+        samples = self._cut() if cuts else super().__iter__()
         first = next(samples, _NOTHING)
         if first is _NOTHING:
             # webdataset's check, of a worker's shards: here of the rank's share, which its workers
             # slice by blocks of samples (one may get none where each would get a shard).
-            if self.empty_check and (self.loader is None or self.loader._rank_share_empty()):
+            if self.empty_check and not rest_empty and (self.loader is None or self.loader._rank_share_empty()):
                 raise ValueError("no samples found in dataset; perhaps you have fewer shards than workers?")
             return
         yield first
         yield from samples  # the rest without a step of Python each
 
     def _cuts(self) -> bool:
-        """Whether ``with_epoch(n)`` cuts the loader's epochs (``resampled=True`` without
-        ``epoch_samples=``: the loader's epoch is ``n`` rounded up to whole blocks)."""
-        mix = self.loader._mix if self.loader is not None else None
-        return mix is not None and mix.per_worker is not None and self.nsamples > 0
+        """Whether ``with_epoch(n)`` (or ``repeat(nbatches=n)``) cuts the iterations: the cut is
+        counted, for checkpoints, whatever the loader's epoch (under ``resampled=True`` without
+        ``epoch_samples=``, ``n`` rounded up to whole blocks; otherwise its own length, which the
+        cut may end early or run past into the next epoch)."""
+        return self.loader is not None and self.nsamples > 0
 
     def _cut(self) -> Iterator[Any]:
         """webdataset's ``with_epoch(n)`` cut, counted: the ``n`` items of an iteration (their rest,
-        resumed from a checkpoint), so that a checkpoint can say how many are out."""
-        self._cut_items, self._resumed_items = self._resumed_items, 0
-        for item in islice(self.iterator(), max(0, self.nsamples - self._cut_items)):
+        resumed from a checkpoint), so that a checkpoint can say how many are out, and whether
+        the iteration is over (its ``n`` out, or its epochs ended before)."""
+        self._cut_items, self._resumed_items, self._cut_over = self._resumed_items, 0, False
+        for item in islice(self._epochs(), max(0, self.nsamples - self._cut_items)):
             self._cut_items += 1
             yield item
+        self._cut_over = True
+
+    def _epochs(self) -> Iterator[Any]:
+        """webdataset's ``iterator()``: the loader's epochs one after another, until one is empty;
+        but the rest of an epoch resumed from a checkpoint may be empty (all of it was out before
+        it was taken), and the next epoch follows. (A DataLoader worker's slice that was over
+        when the checkpoint was taken is that worker's iteration over: it gives nothing.)"""
+        assert self.loader is not None
+        resumed = self.loader._resumed_from is not None and not self.loader._next.over
+        for _ in range(self.repetitions):
+            count = 0
+            for item in self.iterator1():
+                count += 1
+                yield item
+            if count == 0 and not resumed:
+                break
+            resumed = False
 
     # -- the loader's, for DataLoader, StatefulDataLoader and training loops -------
 
@@ -246,13 +272,16 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self.loader.set_epoch(epoch)
         if not kept:
             self._cut_items = self._resumed_items = 0  # a checkpoint now names that epoch's start, none of it out
+            self._cut_over = False
 
     def state_dict(self) -> dict[str, Any]:
         loader = self._loader("state_dict()")
         if not self._cuts():
             return loader.state_dict()
-        if self._cut_items >= self.nsamples:  # the iteration is whole: the next begins the next epoch
+        if self._cut_over:  # the iteration is over: the next begins the next epoch
             return loader._state_after_current()
+        if self._cut_items >= self.nsamples:  # its n are out, its end not met: an empty rest, then the next epoch
+            return {**loader._state_after_current(), CUT_ITEMS: self._cut_items}
         return {**loader.state_dict(), CUT_ITEMS: self._cut_items}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -263,6 +292,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
             {k: v for k, v in state.items() if k != CUT_ITEMS} if items else state
         )
         self._cut_items = self._resumed_items = items  # the checkpoint is the position until the next iteration
+        self._cut_over = False
 
     def __len__(self) -> int:
         """Samples per rank in the next epoch (the source's: before any batching or with_epoch)."""
