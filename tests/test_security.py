@@ -92,6 +92,15 @@ def _leaks(text: str) -> list[str]:
             "http://h/a.tar?%74oken=x&X%2DAmz%2DSignature=y&api+key=z&page=2",
             "http://h/a.tar?%74oken=***&X%2DAmz%2DSignature=***&api+key=***&page=2",
         ),
+        # "'" and ";" are legal in user info and in a value: they end neither.
+        ("http://oauth2:SEK'RET@h/a.tar", "http://***@h/a.tar"),
+        ("http://u:p@ss;w'rd@h/a.tar?x", "http://***@h/a.tar?x"),
+        ("http://h/a.tar?token=A;B&page=2", "http://h/a.tar?token=***&page=2"),
+        ("http://h/a.tar?sig=A'B#f", "http://h/a.tar?sig=***#f"),
+        ("http://h/a.tar?page=1;token=A;B", "http://h/a.tar?page=1;token=***"),
+        # Quotes and sentence punctuation around a whole URL are the text's.
+        ("fetch 'http://h/a.tar?token=A', then", "fetch 'http://h/a.tar?token=***', then"),
+        ('{"url": "http://u:p@h/a.tar?sig=A"}', '{"url": "http://***@h/a.tar?sig=***"}'),
     ],
 )
 def test_a_url_is_shown_without_user_info_or_secret_parameters(url: str, shown: str) -> None:

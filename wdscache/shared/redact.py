@@ -5,14 +5,15 @@ command's output. Internally the full URL is kept: it is what is fetched and the
 
 What is replaced, in a URL alone or in any text that holds URLs (an exception's message, say):
 
-- the user info, whole: ``http://user:password@host/a.tar`` is shown ``http://***@host/a.tar``
-  (a user name may be a token itself, as in ``https://TOKEN@host/``);
+- the user info, whole (up to the last ``@`` before the host): ``http://user:password@host/a.tar``
+  is shown ``http://***@host/a.tar`` (a user name may be a token itself, as in ``https://TOKEN@host/``);
 - the value of every query (or fragment) parameter whose name, in any case, contains ``sig``,
   ``token``, ``secret``, ``pass``, ``pwd``, ``credential``, ``auth``, ``key``, ``policy`` or
   ``session``: ``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``, Azure SAS
   ``sig``, CloudFront ``Signature``, ``Policy`` and ``Key-Pair-Id``, ``token``, ``access_token``,
   ``apikey``, ``api_key``, ``password``... A name is matched as the server reads it, its
-  percent-escapes decoded (``%74oken`` is ``token``). Other parameters (``X-Amz-Expires``, SAS ``se``,
+  percent-escapes decoded (``%74oken`` is ``token``); its value runs to the next ``&``, ``#`` or space
+  (``;`` and ``'`` are part of it). Other parameters (``X-Amz-Expires``, SAS ``se``,
   ``sp``, ``sv``) stay, as they help tell why a signed URL was refused.
 
 A ``pipe:`` command is text like any other: the URLs in it are redacted, the rest is shown as
@@ -28,19 +29,23 @@ __all__ = ["MASK", "redact_urls"]
 
 MASK = "***"
 # A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
-_USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"'<>]*@")
+# "'" and ";" are legal in user info and query values (RFC 3986 sub-delims), so they end neither;
+# '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
+_USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
 # path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``).
-_PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&;#\s\"'<>]+)")
+_PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&#\s\"<>]+)")
 _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session", re.IGNORECASE)
 
 
 def _parameter(match: re.Match[str]) -> str:
     sep, name, value = match.groups()
     if not _SECRET_NAME.search(unquote_plus(name)):
-        return match.group(0)
-    # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") is the sentence's.
-    after = value[len(value.rstrip(":,.)")) :]
+        # Its value may hold more parameters after a ";" (``?a=1;token=x``).
+        return f"{sep}{name}={_PARAMETER.sub(_parameter, value)}"
+    # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") or a quote around it
+    # ('...?token=abc') is the text's.
+    after = value[len(value.rstrip(":,.)]}'")) :]
     return f"{sep}{name}={MASK}{after}"
 
 
