@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ..shared.config import format_size
 from ..shared.errors import FetchError, ShardError
+from ..shared.redact import redact_urls
 from ..shared.shard_index import ShardInfo, count_samples, file_facts
 from ..shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, file_problem, tar_problem
 from .gunzip import gunzip
@@ -288,7 +289,9 @@ def truncate(path: Path) -> None:
 
 
 def short(exc: BaseException) -> str:
-    text = str(exc)
+    """``exc``'s text, its URLs redacted, cut to 200 characters (after the redaction: a cut before
+    it may drop the "@" that ends a URL's user info, and the secret would show)."""
+    text = redact_urls(str(exc))
     return text if len(text) < 200 else text[:197] + "..."
 
 
