@@ -11,7 +11,7 @@ import os
 import pytest
 
 from tests.helpers.streaming import reference
-from wdscache import CachedMultiLoader, ConfigError, FetchError
+from wdscache import CachedMultiLoader, ConfigError, FetchError, ShardClient
 from wdscache.shared.layout import shard_name
 from wdscache.shared.redact import redact_urls
 
@@ -240,3 +240,39 @@ def test_a_redirect_to_a_url_with_a_long_token_as_user_info_shows_no_part_of_it(
     assert agent.stop() == 0
     shown = [r.stdout + r.stderr for r in outputs] + [str(info.value), agent.stderr_text()]
     assert [t for t in shown if "SECRET" in t or "AAAAAAAA" in t] == []
+
+
+PIPE_JWT = "eyJhbGciOiJIUzI1NiJ9.PIPEJWTSECRET.PIPEJWTSIG"
+
+
+@pytest.mark.slow
+def test_a_failed_pipe_commands_stderr_is_quoted_without_a_url_cut_before_its_user_info(
+    tmp_path, dataset, start_agent, run_cli
+) -> None:
+    # The command's stderr is cut to its end for the error: after its URLs are redacted, or the cut
+    # drops the "https://" and the token (from the agent's environment) shows.
+    data = dataset(1, samples=1, payload=100)
+    said = f'cat {data.paths[0]}; echo "GET https://oauth2:$PIPE_JWT@store.example/a.tar failed" >&2'
+    lines = [
+        f"pipe:{said}; head -c 440 /dev/zero | tr '\\0' . >&2; exit 3",
+        f"pipe:{said}; head -c 65500 /dev/zero | tr '\\0' . >&2; exit 4",  # beyond what is kept of it
+    ]
+    urls_file = tmp_path / "pipes.txt"
+    urls_file.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, urls_file, "--allow-pipe", "--retries", "0", env={"PIPE_JWT": PIPE_JWT})
+    agent.wait_stats(lambda s: s["shards"]["failed"] == 2, 20, "both commands failed")
+    errors = []
+    with ShardClient(cache, timeout=30) as client:
+        for line in lines:
+            with pytest.raises(FetchError) as info:
+                client.open(line, timeout=30)
+            errors.append(str(info.value))
+    assert errors[0].endswith(
+        "command exited with status 3: GET https://***@store.example/a.tar failed\n" + "." * 440
+    ), errors[0]
+    assert errors[1].endswith("command exited with status 4: ..." + "." * 500), errors[1]
+    ls = run_cli("ls", "--cache-dir", cache)
+    assert agent.stop() == 0
+    shown = [*errors, ls.stdout + ls.stderr, agent.stderr_text()]
+    assert [t for t in shown if "PIPEJWT" in t or "eyJ" in t] == []

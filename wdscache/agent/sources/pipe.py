@@ -12,10 +12,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ...shared.errors import FetchError
+from ...shared.redact import redact_urls
 from ..validators import Version
 from .base import CHUNK, Source, SourceResponse
 
-STDERR_TAIL = 500  # bytes of a failed command's stderr its error quotes
+STDERR_TAIL = 500  # characters of a failed command's stderr its error quotes (redacted)
+STDERR_KEPT = 65536  # bytes of its stderr kept to find them in
 EXIT_WAIT = 10.0  # seconds a command gets to exit once its output ends
 
 
@@ -32,12 +34,16 @@ class PipeSource(Source):
         stdout, stderr = proc.stdout, proc.stderr
         assert stdout is not None and stderr is not None
         tail = bytearray()
+        cut = False
 
         def drain() -> None:  # (its thread closes the pipe once the command, and any child, let go)
+            nonlocal cut
             try:
                 for chunk in iter(lambda: os.read(stderr.fileno(), CHUNK), b""):
                     tail.extend(chunk)
-                    del tail[:-STDERR_TAIL]
+                    if len(tail) > STDERR_KEPT:
+                        del tail[:-STDERR_KEPT]
+                        cut = True
             finally:
                 stderr.close()
 
@@ -53,5 +59,15 @@ class PipeSource(Source):
             drainer.join(EXIT_WAIT)  # (a child of the command may hold its stderr open: not for ever)
         # Once its output was taken whole (an error in between is the error).
         if rc != 0:
-            msg = bytes(tail).decode(errors="replace").strip()
-            raise FetchError(url, f"command exited with status {rc}: {msg}")
+            raise FetchError(url, f"command exited with status {rc}: {_stderr_tail(bytes(tail), cut)}")
+
+
+def _stderr_tail(kept: bytes, cut: bool) -> str:
+    """The end of a command's stderr, as its error quotes it: redacted before it is cut, since a
+    cut inside a URL drops the scheme the redaction knows the URL's user info by. A line whose
+    start was not ``kept`` is left out, for the same reason."""
+    text = kept.decode(errors="replace")
+    if cut:
+        text = text.partition("\n")[2]
+    text = redact_urls(text).strip()
+    return text if len(text) <= STDERR_TAIL else "..." + text[-STDERR_TAIL:]
