@@ -6,6 +6,7 @@ control socket.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pty
@@ -21,6 +22,7 @@ from tests.helpers.disks import fill
 from tests.helpers.procs import stat_fields
 from tests.helpers.streaming import samples_of
 from tests.helpers.waits import wait_for
+from wdscache import CachedMultiLoader
 from wdscache.agent.cache_commands import prefetch
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.config import format_size
@@ -327,8 +329,7 @@ def test_a_cache_whose_file_names_held_a_query_opens_with_every_shard(
     def as_written_before() -> None:
         """The files renamed as an earlier version named them (a URL's query and user info in the name)."""
         for url in urls:
-            former = layout.former_shard_path(url)
-            if former is not None:
+            for former in layout.former_shard_paths(url)[:1]:
                 layout.shard_path(url).rename(former)
         assert any("SECRET" in p.name for p in layout.shards_dir.rglob("*"))
 
@@ -348,6 +349,35 @@ def test_a_cache_whose_file_names_held_a_query_opens_with_every_shard(
     named_today()
     for url, path in zip(urls, data.paths):
         assert layout.shard_path(url).read_bytes() == path.read_bytes()
+
+
+@pytest.mark.slow
+def test_a_cache_whose_pipe_file_names_held_the_commands_words_opens_with_its_shard_renamed(
+    tmp_path, dataset, shard_server, start_agent
+):
+    data = dataset(1, samples=4, payload=300)
+    url = f"pipe:curl -s -f {data.urls[0]} -H 'Authorization: Bearer PIPEBEARERSECRET'"
+    (tmp_path / "pipes.txt").write_text(url + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, tmp_path / "pipes.txt", "--allow-pipe")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the pipe: shard cached")
+    with CachedMultiLoader(None, cache_dir=cache, shuffle=False, timeout=30) as loader:
+        assert len(list(loader)) == 4  # its sample table written too
+    assert agent.stop() == 0
+    # Named as an earlier version named them: the command's text after its last "/".
+    layout = CacheLayout.of(cache)
+    former = (
+        f"{hashlib.sha256(url.encode()).hexdigest()[:32]}-shard-000000.tar_-H_Authorization_Bearer_PIPEBEARERSECRET_"
+    )
+    for path in (layout.shard_path(url), layout.table_path(url)):
+        path.rename(path.with_name(former))
+
+    agent = start_agent(cache, tmp_path / "pipes.txt", "--allow-pipe")
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 10, "the pipe: shard still cached")
+    assert s["redownloads"] == 0 and shard_server.count(data.paths[0].name) == 1
+    assert layout.shard_path(url).read_bytes() == data.paths[0].read_bytes()
+    names = [p.name for p in cache.rglob("*")]
+    assert not [n for n in names if "Bearer" in n], names
 
 
 @pytest.mark.slow

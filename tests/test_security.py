@@ -276,3 +276,28 @@ def test_a_failed_pipe_commands_stderr_is_quoted_without_a_url_cut_before_its_us
     assert agent.stop() == 0
     shown = [*errors, ls.stdout + ls.stderr, agent.stderr_text()]
     assert [t for t in shown if "PIPEJWT" in t or "eyJ" in t] == []
+
+
+BEARER = "PIPEBEARERSECRET"
+
+
+@pytest.mark.slow
+def test_a_pipe_commands_words_after_its_url_reach_no_file_name(tmp_path, dataset, shard_server, start_agent) -> None:
+    data = dataset(1, samples=4, payload=300)
+    url = f"pipe:curl -s -f {data.urls[0]} -H 'Authorization: Bearer {BEARER}'"
+    urls_file = tmp_path / "pipes.txt"
+    urls_file.write_text(url + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, urls_file, "--allow-pipe")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the pipe: shard cached")
+    with CachedMultiLoader(None, cache_dir=cache, shuffle=False, timeout=30) as loader:
+        assert len(list(loader)) == 4  # its workers read it: its sample table is written too
+    names = sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file())
+    digest = hashlib.sha256(url.encode()).hexdigest()[:32]
+    assert f"shards/{digest[:2]}/{digest}-shard-000000.tar" in names, names
+    assert f"tables/{digest[:2]}/{digest}-shard-000000.tar" in names, names
+    assert [n for n in names if BEARER in n or "Bearer" in n] == []
+    assert (
+        shard_name("pipe:cat /data/a.tar # Bearer X")
+        == hashlib.sha256(b"pipe:cat /data/a.tar # Bearer X").hexdigest()[:32] + "-pipe"
+    )

@@ -281,8 +281,9 @@ def _cached_file(layout: CacheLayout, url: str) -> Path:
     """Where ``url``'s cached copy is: under the name an earlier version gave it, on a read-only
     cache no agent has opened since (its files cannot be renamed)."""
     path = layout.shard_path(url)
-    former = layout.former_shard_path(url)
-    return former if not path.exists() and former is not None and former.exists() else path
+    if path.exists():
+        return path
+    return next((former for former in layout.former_shard_paths(url) if former.exists()), path)
 
 
 # -- prefetch -----------------------------------------------------------------------------------

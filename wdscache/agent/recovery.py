@@ -20,7 +20,7 @@ Guarantees:
 - An unreadable index is moved aside (``index.corrupt-<time>``), never deleted, and a new
   one started; an empty index beside shard files is taken as deleted, and rebuilt from them.
 - File names of earlier versions (a URL's query in them,
-  :func:`~wdscache.shared.layout.former_shard_name`) are renamed to today's: each rename is
+  :func:`~wdscache.shared.layout.former_shard_names`) are renamed to today's: each rename is
   atomic, so after a crash every file is under one of its two names and the next open
   renames the rest; the index, keyed by URL, is not changed.
 - Sample table files (``tables/``) stay only for a kept shard whose record counts one of
@@ -173,18 +173,20 @@ def open_index(layout: CacheLayout) -> tuple[Index, bool]:
 
 
 def rename_former(layout: CacheLayout, url: str) -> None:
-    """Give the file of ``url`` its name of today if it has its earlier one (see the module docstring)."""
-    former = layout.former_shard_path(url)
-    if former is None:
+    """Give the file of ``url`` its name of today if it has an earlier one (see the module docstring)."""
+    formers = layout.former_shard_paths(url)
+    if not formers:
         return
     current = layout.shard_path(url)
     if current.exists():
         return
-    try:
-        os.rename(former, current)
-    except FileNotFoundError:
+    for former in formers:
+        try:
+            os.rename(former, current)
+        except FileNotFoundError:
+            continue
+        log.info("renamed the cache file of %s to %s (a name holds no URL query or command words)", url, current.name)
         return
-    log.info("renamed the cache file of %s to %s (names no longer hold a URL's query)", url, current.name)
 
 
 def size_or_none(path: Path) -> int | None:

@@ -25,11 +25,14 @@ A shard's file name is derived from its whole URL (a hash plus a readable tail),
 so two ``shard-000000.tar`` in different folders never collide, and the name of
 any URL's file is known without looking at the disk. The tail is the last segment of the
 URL's path as :func:`~wdscache.shared.redact.redact_urls` shows it, without an http(s) query
-or fragment: no user info, query value or token reaches a file name.
+or fragment; a ``pipe:`` command's is that of the first URL in it (without query or fragment),
+or ``pipe`` when it has none, never the command's other words (a header it sends, say): no
+user info, query value or token reaches a file name.
 
-Names of caches written by earlier versions: their tail was cut from the URL as written, query
-included (:func:`former_shard_name`); the cache renames such files when it opens
-(:meth:`wdscache.agent.cache.ShardCache`), and only those URLs' names differ.
+Names of caches written by earlier versions (:func:`former_shard_names`): a tail cut from the
+URL as written, query included, or a ``pipe:`` command's cut after its last "/", whatever came
+there; the cache renames such files when it opens (:meth:`wdscache.agent.cache.ShardCache`),
+and only those URLs' names differ.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from .redact import redact_urls
 # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin for "ipc://".
 _MAX_SOCKET_PATH = 100
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+# A URL in a shell command: up to a space, a quote or a shell operator, so none of the command's
+# other words is part of it.
+_URL_IN_COMMAND = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://[^\s'\"`<>;|&()]*")
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
@@ -68,15 +74,23 @@ def shard_name(url: str) -> str:
     """The cache file name of ``url``: unique per URL, readable, filesystem-safe, and free of
     its secrets (see the module docstring)."""
     shown = redact_urls(url)
-    if shown.startswith(("http://", "https://")):
+    if shown.startswith("pipe:"):
+        found = _URL_IN_COMMAND.search(shown)
+        shown = found.group(0).split("#", 1)[0].split("?", 1)[0] if found else "pipe"
+    elif shown.startswith(("http://", "https://")):
         shown = shown.split("#", 1)[0].split("?", 1)[0]
     return _name(url, shown)
 
 
-def former_shard_name(url: str) -> str:
-    """The name earlier versions gave the cache file of ``url`` (its tail cut from the URL as
-    written); the same as :func:`shard_name` but for URLs with a query, user info or a secret."""
-    return _name(url, url)
+def former_shard_names(url: str) -> list[str]:
+    """The names earlier versions gave the cache file of ``url`` that are not :func:`shard_name`'s
+    (none for most URLs): its tail cut from the URL as written, and for a ``pipe:`` command
+    also from the command as redacted, each after its last "/"."""
+    today = shard_name(url)
+    names = [_name(url, url)]
+    if url.startswith("pipe:"):
+        names.append(_name(url, redact_urls(url)))
+    return [n for i, n in enumerate(names) if n != today and n not in names[:i]]
 
 
 def _name(url: str, shown: str) -> str:
@@ -123,13 +137,12 @@ class CacheLayout:
     def shard_path(self, url: str) -> Path:
         return self.shards_dir / _fanned(shard_name(url))
 
-    def former_shard_path(self, url: str) -> Path | None:
-        """Where a cache written by an earlier version kept the shard of ``url``, when that is not
-        :meth:`shard_path` (None: the same path)."""
-        if not any(c in url for c in "?#@="):
-            return None  # its name was never cut otherwise
-        name = former_shard_name(url)
-        return None if name == shard_name(url) else self.shards_dir / _fanned(name)
+    def former_shard_paths(self, url: str) -> list[Path]:
+        """Where caches written by earlier versions kept the shard of ``url``, when that is not
+        :meth:`shard_path` (none for most URLs)."""
+        if not url.startswith("pipe:") and not any(c in url for c in "?#@="):
+            return []  # its name was never cut otherwise
+        return [self.shards_dir / _fanned(name) for name in former_shard_names(url)]
 
     def partial_path(self, url: str) -> Path:
         return self.partial_dir / shard_name(url)
