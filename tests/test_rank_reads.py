@@ -11,9 +11,9 @@ are no run); a block past a shard's end is the error it always was.
 
 from __future__ import annotations
 
-from scripts.shard_maker import make_shard, synth_samples
+from scripts.shard_maker import synth_samples
 from tests.helpers.streaming import reference
-from tests.helpers.workers import read_from_worker, reply_digests
+from tests.helpers.workers import cached_shards, read_from_worker, reply_digests
 from wdscache.agent.worker import DIRECT_GAP
 
 
@@ -25,7 +25,6 @@ def blocks(counts: list[int], world: int, rank: int, start: int = 0, n: int = 40
 
 
 def test_a_worker_answers_a_ranks_blocks_with_webdatasets_bytes(tmp_path, shard_server, start_agent):
-    root = shard_server.root
     far = synth_samples(3, 60, payload=500)
     for sample in far[20:24]:  # a long key: a header of its own between samples, wider than a run's gaps
         sample["__key__"] = sample["__key__"] + "-" + "k" * (DIRECT_GAP + 1000)
@@ -33,18 +32,9 @@ def test_a_worker_answers_a_ranks_blocks_with_webdatasets_bytes(tmp_path, shard_
     del mixed[13]["cls"]
     specs = {"a.tar": synth_samples(0, 100, payload=500), "b.tar": synth_samples(1, 100, payload=500)}
     specs |= {"two-layouts.tar": mixed, "far.tar": far}
-    paths = [
-        make_shard(
-            root / name, samples, tool="gnutar" if name == "b.tar" else "tarfile"
-        )  # (GNU tar: names of 255 bytes)
-        for name, samples in specs.items()
-    ]
-    urls = [shard_server.url(p.name) for p in paths]
-    list_file = tmp_path / "urls.txt"
-    list_file.write_text("".join(f"{u}\n" for u in urls))
-    cache = tmp_path / "cache"
-    agent = start_agent(cache, list_file, "--prefetch", str(len(urls)))
-    agent.wait_stats(lambda s: s["shards"]["cached"] == len(urls), 30, "every shard cached")
+    # (GNU tar: names of 255 bytes at most)
+    tools = ["gnutar" if name == "b.tar" else "tarfile" for name in specs]
+    paths, urls, cache = cached_shards(shard_server, start_agent, tmp_path, specs, tools)
     ref = reference(paths, urls)
     counts = [len(s) for s in specs.values()]
     tail = [(0, 96), (0, 98), (1, 0), (1, 2), (1, 4)]  # single samples, as an epoch's tail deals them

@@ -19,7 +19,7 @@ import pytest
 
 from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.streaming import reference
-from tests.helpers.workers import read_from_worker, reply_digests
+from tests.helpers.workers import cached_shards, read_from_worker, reply_digests
 from wdscache.agent.sampletable import SampleTables
 from wdscache.agent.scattered import scattered
 from wdscache.agent.shardview import open_shard
@@ -122,7 +122,6 @@ def test_reads_the_columns_cannot_serve_are_left_to_the_general_path(tmp_path):
 def test_a_worker_answers_scattered_reads_with_webdatasets_bytes_whichever_way_it_builds_them(
     tmp_path, shard_server, start_agent
 ):
-    root = shard_server.root
     specs = {
         "a.tar": synth_samples(0, 40, payload=600),
         "b.tar": synth_samples(1, 40, payload=600),
@@ -132,16 +131,8 @@ def test_a_worker_answers_scattered_reads_with_webdatasets_bytes_whichever_way_i
     mixed = synth_samples(4, 40, payload=600)
     del mixed[5]["cls"]
     specs["two-layouts.tar"] = mixed
-    paths = [
-        make_shard(root / name, samples, tool="gnutar" if i % 2 else "tarfile")
-        for i, (name, samples) in enumerate(specs.items())
-    ]
-    urls = [shard_server.url(p.name) for p in paths]
-    list_file = tmp_path / "urls.txt"
-    list_file.write_text("".join(f"{u}\n" for u in urls))
-    cache = tmp_path / "cache"
-    agent = start_agent(cache, list_file, "--prefetch", str(len(urls)))
-    agent.wait_stats(lambda s: s["shards"]["cached"] == len(urls), 30, "every shard cached")
+    tools = ["gnutar" if i % 2 else "tarfile" for i in range(len(specs))]
+    paths, urls, cache = cached_shards(shard_server, start_agent, tmp_path, specs, tools)
     ref = list(reference(paths, urls).items())
     counts = [len(s) for s in specs.values()]
     first = [sum(counts[:k]) for k in range(len(counts))]  # each shard's first sample in ref

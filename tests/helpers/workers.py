@@ -99,3 +99,21 @@ def reply_digests(
         payloads = [data[o : o + n] for o, n in zip(fields[::2], fields[1::2])]
         got.append(((urls[k], key), {e: hashlib.sha256(p).hexdigest() for e, p in zip(exts, payloads)}))
     return got
+
+
+def cached_shards(shard_server: Any, start_agent: Any, tmp_path: Path, specs: dict, tools: list[str]) -> tuple:
+    """Shards ``specs`` (name -> samples) made by ``tools`` (one each: "tarfile" or "gnutar")
+    and served by ``shard_server``, every one cached by an agent started on their list:
+    (paths, urls, cache directory)."""
+    from scripts.shard_maker import make_shard
+
+    paths = [
+        make_shard(shard_server.root / name, samples, tool=tool) for (name, samples), tool in zip(specs.items(), tools)
+    ]
+    urls = [shard_server.url(p.name) for p in paths]
+    list_file = tmp_path / "urls.txt"
+    list_file.write_text("".join(f"{u}\n" for u in urls))
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, list_file, "--prefetch", str(len(urls)))
+    agent.wait_stats(lambda s: s["shards"]["cached"] == len(urls), 30, "every shard cached")
+    return paths, urls, cache
