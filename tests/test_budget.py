@@ -400,3 +400,21 @@ def test_a_resume_that_learns_the_size_reserves_all_of_it_after_a_body_of_unknow
     asked = [(r.status, r.range is not None) for r in shard_server.requests if r.method == "GET" and r.path == big.name]
     assert asked == [(200, True), (206, True)], asked
     assert not layout.shard_path(c).exists()
+
+
+@pytest.mark.slow
+def test_a_download_never_writes_into_the_space_of_an_evicted_shard_a_worker_still_has_open(
+    tmpfs, shard_server, dataset, start_agent, consumers
+):
+    # A budget of two 21 MB shards on a 60 MB file system kept with no free margin: each
+    # download evicts a shard the workers have just served, and map, until their sweep.
+    fs = tmpfs("60m")
+    ds = dataset(5, samples=20, payload=1 << 20)
+    cache = fs / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "45M", "--min-free", "0", "--prefetch", "1")
+    c = consumers(cache, "reader", "--shuffle-buffer", "40", "--timeout", "60")
+    lines = c.wait(120)
+    assert {(s["url"], s["key"]): s["fields"] for s in samples_of(lines)} == reference(ds.paths, ds.urls)
+    evicted = agent.stderr_text().count(" evicted ")
+    assert evicted >= 3, agent.stderr_tail()
+    assert "No space left on device" not in agent.stderr_text(), agent.stderr_tail()

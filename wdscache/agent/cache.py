@@ -20,7 +20,12 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   naming them (:mod:`wdscache.agent.unnamed_partials`), or at the next start if not resumable.
 - Free-space margin: a reservation is granted only if the file system keeps
   ``min_free`` bytes (plus 1 MiB for the index) free after every in-flight
-  download completes.
+  download completes, as the file system counts its free space at that moment: a
+  shard evicted for free space whose file another process still has open (a worker
+  lets go of the files it maps within its sweep, ``SWEEP_EVERY``) frees nothing yet,
+  so the reservation waits for that space to come back (up to ``AWAIT_FREED``,
+  evicting nothing more for it meanwhile) instead of writing into space the disk
+  does not have.
 - Never evicted: a pinned shard (being read). Eviction prefers the least recently
   *read* shard (read until its reader let it go) outside every reader's window (shards
   a prefetch holds last); a demanded download may also take window shards,
@@ -61,6 +66,9 @@ from .table_files import TableFiles
 log = get_logger(__name__)
 
 INDEX_HEADROOM = 1 << 20  # the index shares the file system; a full disk must not stop it
+# Seconds the space of a shard evicted for free space is awaited before more is evicted for it:
+# a worker lets go of a file it maps within its sweep (SWEEP_EVERY, 0.05 s) of the delete.
+AWAIT_FREED = 0.5
 
 
 class ShardWatcher(Protocol):
@@ -90,6 +98,9 @@ class ShardCache:
         # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
         self.refusal: tuple[str, str] | None = None
         self.kept: dict[str, int] = {}  # url -> bytes of its partial file kept for a resume, not in flight
+        # Bytes evicted for free space that the file system did not show free (still open
+        # elsewhere), and until when (monotonic) they are awaited rather than evicted for again.
+        self._freeing = (0, 0.0)
         self.tables = TableFiles(self)
         self.watcher: ShardWatcher | None = None
 
@@ -312,20 +323,41 @@ class ShardCache:
             need, margin_need, free = self.shortfall(extra)
         if max(need, margin_need) > 0 and self.tables.drop(max(need, margin_need)):
             need, margin_need, free = self.shortfall(extra)
-        shortfall = max(need, margin_need)
-        if shortfall > 0 and not self.evict(
-            shortfall,
-            wanted=wanted,
-            allow_window=d.demanded,
-            spare=d.url,
-            prefetched=prefetched,
-            spare_prefetched=spare_prefetched,
-            why="evicted to make room for a shard readers need",
-        ):
-            self.refusal = self._why_refused(d, extra, need >= margin_need, free, wanted)
+        awaited = self._awaited(margin_need)
+        shortfall = max(need, margin_need - awaited)
+        if shortfall > 0:
+            if not self.evict(
+                shortfall,
+                wanted=wanted,
+                allow_window=d.demanded,
+                spare=d.url,
+                prefetched=prefetched,
+                spare_prefetched=spare_prefetched,
+                why="evicted to make room for a shard readers need",
+            ):
+                self.refusal = self._why_refused(d, extra, need >= margin_need, free, wanted)
+                return False
+            need, margin_need, free = self.shortfall(extra)
+            if margin_need > 0:  # evicted, but not free yet: the files are open elsewhere
+                self._freeing = (margin_need, time.monotonic() + AWAIT_FREED)
+        if margin_need > 0:
+            self.refusal = (
+                "min-free",
+                f"waiting for the space of evicted shards to come back ({format_size(margin_need)} short of "
+                f"--min-free on the file system; a worker still has their files open)",
+            )
             return False
         d.budget.reserved = total
         return True
+
+    def _awaited(self, margin_need: int) -> int:
+        """Bytes of the free-space shortfall ``margin_need`` that evicted shards will free once
+        the processes that have their files open let go (see the module docstring)."""
+        held, until = self._freeing
+        if margin_need <= 0 or time.monotonic() >= until:
+            self._freeing = (0, 0.0)  # come back, or awaited long enough: evict for it again
+            return 0
+        return held
 
     def _why_refused(
         self,
