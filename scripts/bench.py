@@ -1345,12 +1345,21 @@ class Bench:
         t_go = time.time()
         go.touch()
         deadline_s = self.local_deadline(ds) * 2 + 60
+        # Each consumer, its epoch ended, waits for the word to exit (a rank's process outlives
+        # its epoch): no exit's CPU falls in the timed window of the others.
+        done = [Path(f"{go}.{k.pid}.done") for k in kids]
+        deadline = time.monotonic() + deadline_s
+        while not all(d.exists() for d in done):
+            if time.monotonic() > deadline or any(k.proc.poll() is not None for k in kids):
+                break  # the waits below report the failure
+            time.sleep(0.01)
+        agent_cpu = agent.cpu() - cpu0
+        end = Path(f"{go}.end")
+        end.touch()
         for k in kids:
             k.wait(deadline_s)
-        agent_cpu = agent.cpu() - cpu0
-        go.unlink(missing_ok=True)
-        for r in ready:
-            r.unlink(missing_ok=True)
+        for path in (go, end, *ready, *done):
+            path.unlink(missing_ok=True)
         reports = [k.report() for k in kids]
         bad = [k for k, r in zip(kids, reports) if k.timed_out or k.returncode != 0 or r is None]
         if bad:

@@ -366,11 +366,7 @@ def mode_wdscache(args: argparse.Namespace) -> None:
         # Several consumers start together once every one has imported and warmed up, however
         # long that took on a loaded machine: each says it is ready, then waits for the word.
         Path(f"{args.start_file}.{os.getpid()}.ready").touch()
-        deadline = time.monotonic() + 600
-        while not os.path.exists(args.start_file):
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{args.start_file} did not appear within 600 s")
-            time.sleep(0.005)
+        wait_for_file(args.start_file)
     if args.start_at:
         # Several ranks start together, once all have imported: wait for the shared start time.
         time.sleep(max(0.0, args.start_at - time.time()))
@@ -390,6 +386,22 @@ def mode_wdscache(args: argparse.Namespace) -> None:
             for e in range(args.epochs + args.shuffled_epochs)
         ]
     )
+    if args.start_file:
+        # In training a rank's process outlives its epoch: held until every consumer started
+        # with it has ended its epoch, so that no process's exit (its interpreter's teardown,
+        # some 20-30 ms of CPU) falls in the others' timed window.
+        Path(f"{args.start_file}.{os.getpid()}.done").touch()
+        wait_for_file(f"{args.start_file}.end", every=0.1)  # seldom: the others' window is still open
+
+
+def wait_for_file(path: str, seconds: float = 600.0, every: float = 0.005) -> None:
+    """Wait until ``path`` exists (the bench's word to the consumers it started together),
+    looking ``every`` seconds."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} did not appear within {seconds:.0f} s")
+        time.sleep(every)
 
 
 def mode_mix(args: argparse.Namespace) -> None:
