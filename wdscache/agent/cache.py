@@ -98,9 +98,7 @@ class ShardCache:
         # Why the last refused try_reserve was refused: (what ran short, a sentence for users).
         self.refusal: tuple[str, str] | None = None
         self.kept: dict[str, int] = {}  # url -> bytes of its partial file kept for a resume, not in flight
-        # Bytes evicted for free space that the file system did not show free (still open
-        # elsewhere), and until when (monotonic) they are awaited rather than evicted for again.
-        self._freeing = (0, 0.0)
+        self._freeing = Freeing()
         self.tables = TableFiles(self)
         self.watcher: ShardWatcher | None = None
 
@@ -323,8 +321,7 @@ class ShardCache:
             need, margin_need, free = self.shortfall(extra)
         if max(need, margin_need) > 0 and self.tables.drop(max(need, margin_need)):
             need, margin_need, free = self.shortfall(extra)
-        awaited = self._awaited(margin_need)
-        shortfall = max(need, margin_need - awaited)
+        shortfall = max(need, margin_need - self._freeing.awaited(margin_need))
         if shortfall > 0:
             if not self.evict(
                 shortfall,
@@ -335,65 +332,16 @@ class ShardCache:
                 spare_prefetched=spare_prefetched,
                 why="evicted to make room for a shard readers need",
             ):
-                self.refusal = self._why_refused(d, extra, need >= margin_need, free, wanted)
+                self.refusal = _why_refused(self, d, extra, need >= margin_need, free, wanted)
                 return False
             need, margin_need, free = self.shortfall(extra)
             if margin_need > 0:  # evicted, but not free yet: the files are open elsewhere
-                self._freeing = (margin_need, time.monotonic() + AWAIT_FREED)
+                self._freeing.evicted(margin_need)
         if margin_need > 0:
-            self.refusal = (
-                "min-free",
-                f"waiting for the space of evicted shards to come back ({format_size(margin_need)} short of "
-                f"--min-free on the file system; a worker still has their files open)",
-            )
+            self.refusal = Freeing.refusal(margin_need)
             return False
         d.budget.reserved = total
         return True
-
-    def _awaited(self, margin_need: int) -> int:
-        """Bytes of the free-space shortfall ``margin_need`` that evicted shards will free once
-        the processes that have their files open let go (see the module docstring)."""
-        held, until = self._freeing
-        if margin_need <= 0 or time.monotonic() >= until:
-            self._freeing = (0, 0.0)  # come back, or awaited long enough: evict for it again
-            return 0
-        return held
-
-    def _why_refused(
-        self,
-        d: Download,
-        extra: int,
-        budget: bool,
-        free: int,
-        wanted: Sequence[str],
-    ) -> tuple[str, str]:
-        """(kind, sentence): why ``extra`` more bytes for ``d`` cannot be had by evicting."""
-        window = set(wanted)
-        pinned = in_window = evictable = 0
-        for r in self.index.records.values():
-            if r.state is not ShardState.CACHED or r.url == d.url:
-                continue
-            if self.pins.get(r.url):
-                pinned += 1
-            elif r.url in window and not d.demanded:
-                in_window += 1
-            else:
-                evictable += r.size
-        held = f"{pinned} other shard(s) pinned by readers"
-        if not d.demanded:
-            held += f", {in_window} in a reader's window"
-        held += f", {format_size(evictable)} evictable"
-        if budget:
-            return "budget", (
-                f"the budget (--cache-size {format_size(self.limit)}) holds {format_size(self.used)} cached and "
-                f"{format_size(self.reserved + self.kept_bytes)} reserved or kept for resuming, and "
-                f"{format_size(extra)} more cannot be freed ({held})"
-            )
-        return "min-free", (
-            f"the file system keeps --min-free {format_size(self.min_free)} (+{format_size(INDEX_HEADROOM)} for "
-            f"the index) free and has {format_size(free)} free ({format_size(self._unwritten())} of it promised "
-            f"to downloads in flight); {format_size(extra)} more cannot be freed ({held})"
-        )
 
     @property
     def kept_bytes(self) -> int:
@@ -547,3 +495,69 @@ class ShardCache:
         except IndexWriteError as exc:
             log.warning("last counters and read times not saved: %s", exc)
         self.index.close()
+
+
+def _why_refused(
+    cache: ShardCache,
+    d: Download,
+    extra: int,
+    budget: bool,
+    free: int,
+    wanted: Sequence[str],
+) -> tuple[str, str]:
+    """(kind, sentence): why ``extra`` more bytes for ``d`` cannot be had by evicting from ``cache``."""
+    window = set(wanted)
+    pinned = in_window = evictable = 0
+    for r in cache.index.records.values():
+        if r.state is not ShardState.CACHED or r.url == d.url:
+            continue
+        if cache.pins.get(r.url):
+            pinned += 1
+        elif r.url in window and not d.demanded:
+            in_window += 1
+        else:
+            evictable += r.size
+    held = f"{pinned} other shard(s) pinned by readers"
+    if not d.demanded:
+        held += f", {in_window} in a reader's window"
+    held += f", {format_size(evictable)} evictable"
+    if budget:
+        return "budget", (
+            f"the budget (--cache-size {format_size(cache.limit)}) holds {format_size(cache.used)} cached and "
+            f"{format_size(cache.reserved + cache.kept_bytes)} reserved or kept for resuming, and "
+            f"{format_size(extra)} more cannot be freed ({held})"
+        )
+    return "min-free", (
+        f"the file system keeps --min-free {format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for "
+        f"the index) free and has {format_size(free)} free ({format_size(cache._unwritten())} of it promised "
+        f"to downloads in flight); {format_size(extra)} more cannot be freed ({held})"
+    )
+
+
+class Freeing:
+    """The space of shards evicted for free space that the file system did not show free
+    yet (another process still has their files open), awaited for up to ``AWAIT_FREED``
+    rather than evicted for again (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._held, self._until = 0, 0.0
+
+    def evicted(self, still_short: int) -> None:
+        """Shards were just evicted, and the file system is still ``still_short`` bytes short."""
+        self._held, self._until = still_short, time.monotonic() + AWAIT_FREED
+
+    def awaited(self, margin_need: int) -> int:
+        """Bytes of the free-space shortfall ``margin_need`` that evicted shards will free once
+        the processes that have their files open let go."""
+        if margin_need <= 0 or time.monotonic() >= self._until:
+            self._held = 0  # come back, or awaited long enough: evict for it again
+            return 0
+        return self._held
+
+    @staticmethod
+    def refusal(margin_need: int) -> tuple[str, str]:
+        """A reservation's refusal while the space is awaited: (kind, sentence)."""
+        return "min-free", (
+            f"waiting for the space of evicted shards to come back ({format_size(margin_need)} short of "
+            f"--min-free on the file system; a worker still has their files open)"
+        )
