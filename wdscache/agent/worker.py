@@ -572,8 +572,8 @@ def _group(
     samples: PackedSamples, index_of: Sequence[int], stretches: list[tuple[int, int]], count: int, gap: int
 ) -> tuple[list[int], list[str], list[tuple[int, int, int]], int] | None:
     """Stretches ``[a, b)`` of a read's items, each samples ``index_of[a]`` on of one shard whose
-    samples have one tuple of extensions, served at once: their rows of the sample table (as
-    :func:`_rows` makes them), keys, each stretch's ``(first byte, end, samples)`` and their
+    samples have one tuple of extensions, served at once: their rows of the sample table
+    (:func:`_table_rows`), keys, each stretch's ``(first byte, end, samples)`` and their
     payload bytes. None if a stretch passes ``count`` or its samples are not one run (a gap
     past ``gap``): the caller then serves them stretch by stretch, which says why."""
     width = 2 * len(samples.layouts[0])
@@ -599,15 +599,12 @@ def _group(
         gaps[cut] = 0
     if gaps and (min(gaps) < 0 or max(gaps) > gap):
         return None
-    row = [0] * (len(lasts) * (width + 2))
-    for i in range(width):
-        row[2 + i :: width + 2] = fields[i::width]
     heads = [0, *(cut + 1 for cut in cuts[:-1])]
     spans = list(
         zip(map(starts.__getitem__, heads), map(ends.__getitem__, cuts), map(sub, cuts, [h - 1 for h in heads]))
     )
     text = samples.keys
-    return row, [text[x:y] for x, y in zip(firsts, lasts)], spans, sum(fields[1::2])
+    return _table_rows(fields, width), [text[x:y] for x, y in zip(firsts, lasts)], spans, sum(fields[1::2])
 
 
 def _rows(fields: array[int], width: int, gap: int) -> list[int] | None:
@@ -621,6 +618,12 @@ def _rows(fields: array[int], width: int, gap: int) -> list[int] | None:
         gaps = list(map(sub, fields[width::width], ends))
         if min(gaps) < 0 or max(gaps) > gap:
             return None
+    return _table_rows(fields, width)
+
+
+def _table_rows(fields: array[int], width: int) -> list[int]:
+    """Each sample's ``width`` numbers of ``fields`` as its row of the sample table,
+    ``0, 0, offset, size, ...`` (its layout and frame left for the caller)."""
     row = [0] * (len(fields) // width * (width + 2))
     for i in range(width):
         row[2 + i :: width + 2] = fields[i::width]
