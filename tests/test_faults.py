@@ -45,7 +45,7 @@ from wdscache.agent.pool import worker_endpoints
 from wdscache.shared import errors as wds_errors
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.layout import CacheLayout, shard_name
-from wdscache.shared.protocol import PROTOCOL, pack_numbers, reply_proof, request_proof
+from wdscache.shared.protocol import PROTOCOL, agent_key, pack_numbers, reply_proof, request_proof
 from wdscache.shared.tarwalk import tar_problem
 
 SHARD_100K = {"samples": 12, "payload": 8000}  # ~100 KB shards
@@ -988,12 +988,16 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(
     for anon in ({"op": "stats", "id": 5}, {"op": "stats", "id": 5, "key": 7}, {"op": "stats", "id": 5, "key": "é"}):
         r = peer.ask(_j(anon))  # the same user, but no key: refused on IPC as on TCP (tests/test_trust.py)
         assert r["ok"] is False and r["need_token"] is True and "token" in r["error"] and "stats" not in r, r
+        assert "proof" not in r, r  # a refusal proves nothing: its id is the sender's choice
     r = peer.ask(b"\x00\xffgarbage\x80")
     assert r["ok"] is False and "not UTF-8 JSON" in r["error"], r
     r = peer.ask(b"[1, 2, 3]")
     assert r["ok"] is False and "JSON object" in r["error"], r
+    run = peer.ask(_j({"op": "auth", "id": 4, "nonce": "n" * 16}))["run"]
+    replies = agent_key((cache / "token").read_text().strip(), run)
     r = peer.ask(_j({"op": "frobnicate", "reader": "x", "id": 7, "key": key}))
-    assert r == {"op": "reply", "id": 7, "ok": False, "error": "unknown op 'frobnicate'"}, r
+    proved = reply_proof(replies, 7)  # every reply to a keyed message, errors too
+    assert r == {"op": "reply", "id": 7, "ok": False, "error": "unknown op 'frobnicate'", "proof": proved}, r
     r = peer.ask(_j({"op": "frobnicate", "id": 8, "key": key}))
     assert r["ok"] is False and r["id"] == 8 and "frobnicate" in r["error"], r
     for proto in (0, pickle.HIGHEST_PROTOCOL):

@@ -305,8 +305,9 @@ def test_another_user_gets_no_sample_no_pin_no_fetch_and_no_file_over_tcp(
     assert ask(endpoint, {"op": "stats", "id": 1, "key": agent_key})["ok"] is True
 
 
-def fake_agent(endpoint: str, seconds: float) -> list[dict[str, Any]]:
-    """Another user's process on a port a loader is told to use: answers everything; returns what it got."""
+def fake_agent(endpoint: str, seconds: float, run: str = "ab" * 16) -> list[dict[str, Any]]:
+    """Another user's process on a port a loader is told to use: answers everything, naming ``run``
+    as its own; returns what it got."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -327,7 +328,7 @@ def fake_agent(endpoint: str, seconds: float) -> list[dict[str, Any]]:
                 "id": header.get("id"),
                 "ok": True,
                 "proof": "00" * 32,
-                "run": "ab" * 16,
+                "run": run,
                 "path": "/etc/hostname",
                 "size": 1,
                 "workers": [],
@@ -382,6 +383,56 @@ def test_a_loader_never_talks_to_another_users_agent(other_user, open_base, tmp_
     # It was asked to prove itself, and learnt nothing it could use against the real agent.
     assert seen and all(h["op"] == "auth" for h in seen), seen
     assert token not in json.dumps(seen) and not any("key" in h for h in seen), seen
+
+
+def test_a_process_on_a_stopped_agents_port_cannot_answer_a_client_for_it(other_user, open_base, dataset, start_agent):
+    """Over TCP a port is anyone's once the agent is gone. A client that proved the agent keeps
+    its key, and its next requests reach whoever binds the port: that process knows the run's
+    name (any peer may ask) but not the agent's proof of a reply, so the client takes none of
+    its answers (a path it names, above all) and says who may be listening."""
+    ds = dataset(2, samples=3, payload=100)
+    cache = open_base / "cache"
+    endpoint = f"tcp://127.0.0.1:{free_port_range(2)}"
+    agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "1")
+    client = ShardClient(cache, endpoint=endpoint, timeout=5)
+    pid = r = None
+    try:
+        assert cache in client.open(ds.urls[0], timeout=10).parents
+        hello = ask(endpoint, {"op": "auth", "id": 1, "nonce": "n" * 16})
+        assert hello is not None and hello["run"] == client._conn.run
+        agent.stop(signal.SIGKILL)
+        pid, r = fork_as(other_user, lambda: fake_agent(endpoint, 30.0, run=hello["run"]))
+        host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+
+        def bound() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex((host, int(port))) == 0
+
+        wait_for(bound, 10, f"the impostor never bound {endpoint}")
+        for ask_it in (lambda: client.open(ds.urls[1], timeout=5), lambda: client.open(ds.urls[1]), client.stats):
+            with pytest.raises(NotTrustedError) as info:
+                ask_it()
+            assert endpoint in str(info.value) and "another process taken its endpoint" in str(info.value)
+        client.close()
+        assert ask(endpoint, {"op": "quit"}, timeout=0.2) is None
+        if not select.select([r], [], [], 20)[0]:
+            pytest.fail("the impostor did not report", pytrace=False)
+        chunks = []
+        while chunk := os.read(r, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        client.close()
+        if r is not None:
+            os.close(r)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    out = json.loads(b"".join(chunks))
+    assert "result" in out, out.get("error")
+    seen = out["result"]
+    assert {h["op"] for h in seen} >= {"open", "stats"}, seen  # it was asked: the client's key of a dead run
+    assert (cache / "token").read_text().strip() not in json.dumps(seen)
 
 
 def test_a_socket_folder_under_tmp_that_is_not_ours_is_a_clear_error(other_user, open_base, dataset):

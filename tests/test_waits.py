@@ -14,7 +14,7 @@ from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardClient
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.plan import shard_order
-from wdscache.shared.protocol import PROTOCOL, client_key, pack, proof, unpack
+from wdscache.shared.protocol import PROTOCOL, agent_key, client_key, pack, proof, reply_proof, unpack
 
 
 def test_a_download_that_stops_moving_ends_the_wait_after_timeout_naming_the_shard(
@@ -105,7 +105,7 @@ def test_a_reply_the_agent_marks_retry_is_asked_again_within_the_timeout(tmp_pat
             else:
                 assert header["key"] == client_key(token, run)
                 asked.append(header["op"])
-                body = next(answers)
+                body = {**next(answers), "proof": reply_proof(agent_key(token, run), header["id"])}
             server.send_multipart([ident, *pack({"op": "reply", "id": header["id"], **body})])
 
     t = threading.Thread(target=serve, daemon=True)

@@ -12,13 +12,13 @@ from typing import Any
 def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
     """A DEALER socket connected to the agent's first worker, as a consumer named ``reader``
     would have one (``options``: socket options by name), and the worker's
-    :class:`~wdscache.shared.protocol.WorkerProofs` (requests carry its ``request``, replies its
+    :class:`~wdscache.shared.protocol.Proofs` (requests carry its ``request``, replies its
     ``reply``); closed, and the reader gone, after."""
     import zmq
 
     from wdscache.shared.client import AgentConnection, resolve_endpoint
     from wdscache.shared.messages import Requests
-    from wdscache.shared.protocol import WorkerProofs
+    from wdscache.shared.protocol import Proofs
 
     conn = AgentConnection(resolve_endpoint(cache, None), timeout=10, cache_dir=cache)
     ctx = zmq.Context()
@@ -30,7 +30,7 @@ def worker_socket(cache: Path, reader: str, **options: int) -> Iterator[Any]:
         hello = conn.request(Requests(reader).hello(reader, 0, 1))
         assert hello.get("ok"), hello
         sock.connect(hello["workers"][0])
-        yield sock, WorkerProofs(conn.worker_key(0))
+        yield sock, Proofs(conn.worker_key(0))
     finally:
         sock.close()
         ctx.term()

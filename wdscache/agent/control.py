@@ -15,6 +15,8 @@ Guarantees:
   what to do; the only op taken without it, ``auth``, answers a proof and runs
   nothing else. The key is taken out of the header before any handler sees it, so
   it is never passed on to workers.
+- Every reply to a message with the key carries this run's proof of the message's id;
+  a refusal carries none (its id is the sender's choice).
 - A peer that sends more than ``MAX_MESSAGE`` bytes is disconnected; one that does
   not read its replies loses them rather than blocking the agent.
 - An ``ipc://`` socket file is created 0600 and removed on close.
@@ -32,7 +34,7 @@ import zmq
 
 from ..shared.errors import ConfigError, ProtocolError
 from ..shared.logs import get_logger
-from ..shared.protocol import PROTOCOL, client_key, pack, proof, same_secret, unpack
+from ..shared.protocol import PROTOCOL, Proofs, agent_key, client_key, pack, proof, same_secret, unpack
 from ..shared.redact import redact_urls
 
 log = get_logger(__name__)
@@ -72,6 +74,7 @@ class ControlSocket:
         self.endpoint = endpoint
         self._token, self._run = token, run
         self._key = client_key(token, run)
+        self._proofs = Proofs(agent_key(token, run))  # on every reply to a message with the key
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -130,7 +133,7 @@ class ControlSocket:
             try:
                 header, payload = unpack(body)
             except ProtocolError as exc:
-                self.reply(ident, None, ok=False, error=str(exc))
+                self._send_reply(ident, None, ok=False, error=str(exc))
                 continue
             if self._admitted(ident, header):
                 yield ident, header, payload
@@ -141,19 +144,23 @@ class ControlSocket:
         if header["op"] == "auth":
             nonce = header.get("nonce")
             if isinstance(nonce, str) and nonce.isascii() and 16 <= len(nonce) <= 256:
-                self.reply(
+                self._send_reply(
                     ident, rid, ok=True, run=self._run, proof=proof(self._token, nonce, self._run), protocol=PROTOCOL
                 )
             else:
-                self.reply(ident, rid, ok=False, error="'auth' needs a 'nonce' of 16 to 256 ASCII characters")
+                self._send_reply(ident, rid, ok=False, error="'auth' needs a 'nonce' of 16 to 256 ASCII characters")
             return False
         if same_secret(header.pop("key", None), self._key):  # popped: never passed on to workers
             return True
-        self.reply(ident, rid, ok=False, need_token=True, error=REFUSED)
+        # No proof: the id is the sender's choice, and proofs of chosen ids are what an impostor needs.
+        self._send_reply(ident, rid, ok=False, need_token=True, error=REFUSED)
         return False
 
     def reply(self, ident: bytes, rid: Any, **body: Any) -> None:
-        """Answer request ``rid`` of ``ident``."""
+        """Answer request ``rid`` of ``ident``, an admitted message, with this run's proof of ``rid``."""
+        self._send_reply(ident, rid, **body, proof=self._proofs.reply(rid))
+
+    def _send_reply(self, ident: bytes, rid: Any, **body: Any) -> None:
         try:
             self._sock.send_multipart([ident, *pack({"op": "reply", "id": rid, **body})], zmq.NOBLOCK)
         except zmq.Again:

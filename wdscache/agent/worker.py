@@ -98,7 +98,7 @@ from ..shared.malloc import tune_malloc
 from ..shared.messages import ConsumerReply, Reports, SamplesReply, ScannedReply, WorkerErrorKind, WorkerErrorReply
 from ..shared.protocol import (
     PREAD_BYTES,
-    WorkerProofs,
+    Proofs,
     field,
     pack,
     pack_numbers,
@@ -160,7 +160,7 @@ class _Worker:
         self.spec = spec
         self.reports = Reports(secret)  # our reports to the agent carry the workers' secret
         self.key = key  # for our reports to the agent
-        self.proofs = WorkerProofs(serve_key)  # what a consumer's request to us, and our reply, carry
+        self.proofs = Proofs(serve_key)  # what a consumer's request to us, and our reply, carry
         self.stop = False
         self.frames = ReplyFrames()  # replies' frames, and the served pages they were cut from
         self._last_drop = self._last_sweep = time.monotonic()

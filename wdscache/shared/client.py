@@ -21,6 +21,9 @@ A client talks only to an agent that proves it holds the token of the cache
 directory (see :mod:`wdscache.shared.protocol`), and sends its key to no other: a
 cache directory of another user, or an agent that cannot prove itself, is a
 :class:`~wdscache.shared.errors.ConfigError` or :class:`~wdscache.shared.errors.NotTrustedError`.
+It takes a reply only with the proof of the agent it proved (or a refusal, which makes
+whoever listens prove itself again): a process that takes the endpoint after the agent
+stopped answers nothing a client uses.
 """
 
 from __future__ import annotations
@@ -41,7 +44,19 @@ import zmq
 from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError, failed_shard
 from .layout import CacheLayout
 from .messages import Requests
-from .protocol import PROTOCOL, SAME_INSTALL, client_key, pack, proof, same_secret, speaks, unpack, worker_key
+from .protocol import (
+    PROTOCOL,
+    SAME_INSTALL,
+    Proofs,
+    agent_key,
+    client_key,
+    pack,
+    proof,
+    same_secret,
+    speaks,
+    unpack,
+    worker_key,
+)
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
 # Seconds a request waits for its reply before asking (an "auth", which any run answers
@@ -120,6 +135,7 @@ class AgentConnection:
         self._cache_dir, self._token = cache_dir, token
         self.key: str | None = None  # our requests' key, once the agent proved it holds the token
         self._run = ""
+        self._replies: Proofs | None = None  # the proofs of the agent run proved last, on its replies
         # Called once a new run of the agent has proved itself on this connection (it restarted:
         # it knows nothing of us), before the request that found it goes again; it may send
         # requests of its own (a hello) and raise to give up.
@@ -169,10 +185,11 @@ class AgentConnection:
             if not self._refused(reply, run, max(0.0, deadline - time.monotonic())):
                 return reply
 
-    def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None, *, check_run: bool = True) -> dict[str, Any]:
-        """The reply to ``rid``. While it does not come, every RUN_CHECK seconds (``check_run``)
-        we ask which run the agent is: a new one (it restarted) never got the request, which is
-        answered then as refused for the run's key (see :meth:`_refused`)."""
+    def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None, *, keyed: bool = True) -> dict[str, Any]:
+        """The reply to ``rid``, one with our key (``keyed``: :meth:`_genuine`) or an ``auth``.
+        While a keyed request's reply does not come, every RUN_CHECK seconds we ask which run the
+        agent is: a new one (it restarted) never got the request, which is answered then as
+        refused for the run's key (see :meth:`_refused`)."""
         wait = self.timeout if timeout is None else timeout
         now = time.monotonic()
         deadline, check_at = now + wait, now + RUN_CHECK
@@ -182,7 +199,7 @@ class AgentConnection:
             left = deadline - now
             if left <= 0:
                 raise AgentUnavailableError(self.endpoint, wait, self.hint)
-            if check_run and self._run and now >= check_at:
+            if keyed and self._run and now >= check_at:
                 check_at = now + RUN_CHECK
                 check = next(self._ids)
                 checks.add(check)
@@ -191,7 +208,7 @@ class AgentConnection:
                 continue
             reply, _ = unpack(sock.recv_multipart())
             if reply.get("id") == rid:
-                return reply
+                return self._genuine(reply, rid) if keyed else reply
             if reply.get("id") in checks and isinstance(reply.get("run"), str) and reply["run"] != self._run:
                 return {"id": rid, "ok": False, "need_token": True, "error": "the agent restarted"}
             # A late reply to an earlier request that timed out, or the same run's answer: skip it.
@@ -209,7 +226,7 @@ class AgentConnection:
                 )
             nonce, rid = secrets.token_hex(16), next(self._ids)
             sock.send_multipart(pack({**Requests.auth(nonce), "id": rid}))  # no key: not proved yet
-            reply = self._reply(sock, rid, timeout, check_run=False)
+            reply = self._reply(sock, rid, timeout, keyed=False)
             run = reply.get("run")
             if not (isinstance(run, str) and same_secret(reply.get("proof"), proof(self._token, nonce, run))):
                 raise NotTrustedError(
@@ -225,9 +242,23 @@ class AgentConnection:
                 )
             previous = self._run
             self.key, self._run = client_key(self._token, run), run
+            self._replies = Proofs(agent_key(self._token, run))
             if previous and previous != run and self.on_new_run is not None:
                 self.on_new_run()
         return sock
+
+    def _genuine(self, reply: dict[str, Any], rid: int) -> dict[str, Any]:
+        """``reply`` to our keyed request ``rid``, if the agent we proved sent it: it carries that
+        run's proof of ``rid``, or refuses our key (answered by proving whoever listens again, see
+        :meth:`_refused`). Anything else comes from a process that took the endpoint."""
+        if reply.get("need_token") or (
+            self._replies is not None and same_secret(reply.get("proof"), self._replies.reply(rid))
+        ):
+            return reply
+        raise NotTrustedError(
+            f"a process at {self.endpoint} answered without the proof of the agent this client proved: "
+            "the agent may have stopped and another process taken its endpoint; check who listens there"
+        )
 
     @property
     def run(self) -> str:
@@ -252,7 +283,7 @@ class AgentConnection:
 
     def worker_key(self, index: int) -> str | None:
         """The key of worker ``index`` of the agent run proved last (None before): requests and
-        replies carry proofs made with it (:class:`~wdscache.shared.protocol.WorkerProofs`), never the key."""
+        replies carry proofs made with it (:class:`~wdscache.shared.protocol.Proofs`), never the key."""
         if self.key is None or self._token is None:
             return None
         return worker_key(self._token, self._run, index)
@@ -319,8 +350,9 @@ class AgentConnection:
             if sock.poll(int(min(every, liveness) * 1000 / 4) + 1):
                 reply, _ = unpack(sock.recv_multipart())
                 if reply.get("id") == rid:
-                    return reply
+                    return self._genuine(reply, rid)
                 if reply.get("id") in probes:
+                    reply = self._genuine(reply, reply["id"])
                     if reply.get("need_token"):
                         return reply  # a new run of the agent: it never got our request (see _refused)
                     probes.clear()

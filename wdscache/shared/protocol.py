@@ -24,7 +24,12 @@ agent's ``run`` (a random string per agent process): another user's process
 listening on that endpoint cannot answer it, and learns nothing from the
 client. Every other message to the agent then carries ``key``, :func:`client_key`
 of the token and ``run``. A key seen by someone else is of no use once that agent
-process has gone.
+process has gone. Every reply to a message with the key (errors too) carries ``proof``,
+the :func:`reply_proof` of its ``id`` under :func:`agent_key` (token, ``run``), a key that
+never travels; a client takes a reply without it only as a refusal of its key, which it
+answers by asking whoever listens to prove itself again. So a process that takes the
+endpoint of an agent that has stopped (over TCP, a port is anyone's once it is free) gets
+a key of no use and cannot answer a request believably.
 
 Workers: a request to worker ``i`` carries no key but ``auth``, the
 :func:`request_proof` of its ``id`` under :func:`worker_key` (token, ``run``,
@@ -63,7 +68,7 @@ from .errors import ProtocolError
 
 # The protocol's number: raised with every change to a message that a peer of the number
 # before would not read the same way (see the module docstring).
-PROTOCOL = 1
+PROTOCOL = 2
 MAX_HEADER = 1 << 20
 NUMBER_MAX = (1 << 63) - 1  # the largest figure a report may carry (see numbers)
 # Made once: json.dumps and json.loads with options build a new encoder or decoder per call,
@@ -225,15 +230,22 @@ def client_key(token: str, run: str) -> str:
     return hmac.new(token.encode(), f"wdscache client {run}".encode(), hashlib.sha256).hexdigest()
 
 
+def agent_key(token: str, run: str) -> str:
+    """The key of the agent run ``run``'s replies: it never travels, replies carry proofs made
+    with it (:class:`Proofs`)."""
+    return hmac.new(token.encode(), f"wdscache agent replies {run}".encode(), hashlib.sha256).hexdigest()
+
+
 def worker_key(token: str, run: str, index: int) -> str:
     """The key of worker ``index`` of the agent run ``run``: it never travels, requests and
-    replies carry proofs made with it (:class:`WorkerProofs`)."""
+    replies carry proofs made with it (:class:`Proofs`)."""
     return hmac.new(token.encode(), f"wdscache worker {index} {run}".encode(), hashlib.sha256).hexdigest()
 
 
-class WorkerProofs:
-    """The request and reply proofs of one worker key (see the module docstring): the HMAC
-    is keyed once, and copied per message (a consumer sends tens of thousands a second)."""
+class Proofs:
+    """The request and reply proofs of one key, a worker's or the agent's (see the module
+    docstring): the HMAC is keyed once, and copied per message (a consumer sends tens of
+    thousands a second)."""
 
     __slots__ = ("_mac",)
 
@@ -256,12 +268,12 @@ class WorkerProofs:
 
 def request_proof(key: str, rid: Any) -> str:
     """The ``auth`` a request of id ``rid`` to the worker of ``key`` carries."""
-    return WorkerProofs(key).request(rid)
+    return Proofs(key).request(rid)
 
 
 def reply_proof(key: str, rid: Any) -> str:
-    """The ``proof`` the worker of ``key`` puts on its reply to the request ``rid``."""
-    return WorkerProofs(key).reply(rid)
+    """The ``proof`` the worker or agent of ``key`` puts on its reply to the request ``rid``."""
+    return Proofs(key).reply(rid)
 
 
 def same_secret(value: Any, secret: str) -> bool:

@@ -25,7 +25,7 @@ from ..shared.client import connect_dealer, zmq_closer
 from ..shared.errors import ProtocolError
 from ..shared.logs import get_logger
 from ..shared.messages import WorkerRequest
-from ..shared.protocol import WorkerProofs, pack, same_secret, unpack
+from ..shared.protocol import Proofs, pack, same_secret, unpack
 
 log = get_logger(__name__)
 
@@ -37,7 +37,7 @@ class WorkerLinks:
         """``ids``: the request numbers to go on with (the links replaced, as when the agent
         restarted), so that no id repeats within the stream."""
         self.endpoints = list(endpoints)
-        self.proofs = [WorkerProofs(key) for key in keys]
+        self.proofs = [Proofs(key) for key in keys]
         self.ctx = zmq.Context()
         self.sockets: list[zmq.Socket] = []
         self._closer = zmq_closer(self, self.ctx, self.sockets)  # closes those in the list when called
