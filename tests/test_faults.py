@@ -1000,6 +1000,20 @@ def test_hostile_messages_get_errors_or_a_dropped_peer_and_service_goes_on(
     assert r == {"op": "reply", "id": 7, "ok": False, "error": "unknown op 'frobnicate'", "proof": proved}, r
     r = peer.ask(_j({"op": "frobnicate", "id": 8, "key": key}))
     assert r["ok"] is False and r["id"] == 8 and "frobnicate" in r["error"], r
+    # Ids no client sends (a lone surrogate, nested about as deep as the JSON decoder goes, a
+    # list, a float, too long): an error, with or without the key, and the agent goes on.
+    for depth in range(970, 1000, 3):
+        deep = b'{"op": "stats", "id": ' + b"[" * depth + b"]" * depth + b"}"
+        r = peer.ask(_keyed(deep, key))
+        assert r["ok"] is False and r["id"] is None and "proof" not in r, r
+        assert "'id'" in r["error"] or "not UTF-8 JSON" in r["error"], r
+    for odd in (_j({"op": "stats", "id": "\ud800", "key": key}), _j({"op": "stats", "id": [1], "key": key})):
+        for message in (odd, odd.replace(b'"key"', b'"nokey"')):
+            r = peer.ask(message)
+            assert r["ok"] is False and r["id"] is None and "'id'" in r["error"] and "proof" not in r, r
+    for odd_id in (1.5, True, "x" * 65):
+        r = peer.ask(_j({"op": "stats", "id": odd_id, "key": key}))
+        assert r["ok"] is False and r["id"] is None and "'id'" in r["error"], r
     for proto in (0, pickle.HIGHEST_PROTOCOL):
         r = peer.ask(pickle.dumps({"op": "stats", "id": 9}, protocol=proto))
         assert r["ok"] is False and "not UTF-8 JSON" in r["error"], r

@@ -328,6 +328,7 @@ def fake_agent(endpoint: str, seconds: float, run: str = "ab" * 16) -> list[dict
                 "id": header.get("id"),
                 "ok": True,
                 "proof": "00" * 32,
+                "protocol": PROTOCOL,  # as the agent's: only the proof gives it away
                 "run": run,
                 "path": "/etc/hostname",
                 "size": 1,
@@ -433,6 +434,103 @@ def test_a_process_on_a_stopped_agents_port_cannot_answer_a_client_for_it(other_
     seen = out["result"]
     assert {h["op"] for h in seen} >= {"open", "stats"}, seen  # it was asked: the client's key of a dead run
     assert (cache / "token").read_text().strip() not in json.dumps(seen)
+
+
+def relay(listen: str, upstream: str, seconds: float) -> list[dict[str, Any]]:
+    """Another user's process on a port a client dials, the agent listening on ``upstream``:
+    passes every message on to it and its answer back, but answers an ``open`` with a path of
+    its own under the agent's proof of the client's id (asked with the client's key, in a
+    ``ping`` of that id). Returns the headers it got from the client."""
+    ctx = zmq.Context()
+    front, back = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    for sock in (front, back):
+        sock.setsockopt(zmq.LINGER, 0)
+    front.bind(listen)
+    back.connect(upstream)
+    got: list[dict[str, Any]] = []
+
+    def passed(header: dict[str, Any]) -> dict[str, Any]:
+        back.send_multipart(pack(header))
+        return unpack(back.recv_multipart())[0] if back.poll(5000) else {}
+
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            if not front.poll(100):
+                continue
+            ident, *frames = front.recv_multipart()
+            header, _ = unpack(frames)
+            if header["op"] == "quit":
+                break
+            got.append(header)
+            answer = passed(header)
+            if header["op"] == "open" and "key" in header:
+                pinged = passed({"op": "ping", "reader": "r", "id": header["id"], "key": header["key"]})
+                if "proof" in pinged:
+                    answer = {"op": "reply", "id": header["id"], "ok": True, "path": "/etc/hostname", "size": 1}
+                    answer["proof"] = pinged["proof"]
+            front.send_multipart([ident, *pack(answer)])
+    finally:
+        front.close(0)
+        back.close(0)
+        ctx.term()
+    return got
+
+
+def test_a_process_on_a_port_a_client_dials_cannot_pass_its_proof_on_from_the_agent_on_another(
+    other_user, open_base, dataset, start_agent
+):
+    """The agent restarted on another port (its old one was taken, say): whoever holds the old
+    port and passes a client's ``auth`` on to the agent gets back a proof, but one naming the
+    agent's port, which the client did not dial. So the client sends it no key of the live run
+    (with which it could get the agent's proof of any id) and takes none of its answers."""
+    ds = dataset(2, samples=3, payload=100)
+    cache = open_base / "cache"
+    old, new = (f"tcp://127.0.0.1:{port}" for port in (free_port_range(2), free_port_range(2)))
+    agent = start_agent(cache, ds.list_file, "--endpoint", old, "--workers", "1")
+    client = ShardClient(cache, endpoint=old, timeout=5)
+    pid = r = None
+    try:
+        assert cache in client.open(ds.urls[0], timeout=10).parents
+        agent.stop()
+        start_agent(cache, ds.list_file, "--endpoint", new, "--workers", "1")
+        pid, r = fork_as(other_user, lambda: relay(old, new, 30.0))
+        host, port = old[len("tcp://") :].rsplit(":", 1)
+
+        def bound() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex((host, int(port))) == 0
+
+        wait_for(bound, 10, f"the relay never bound {old}")
+        with pytest.raises(NotTrustedError) as info:
+            client.open(ds.urls[1], timeout=5)
+        assert f"answering at {old} proved it listens on {new}" in str(info.value), str(info.value)
+        client.close()
+        assert ask(old, {"op": "quit"}, timeout=0.2) is None
+        if not select.select([r], [], [], 20)[0]:
+            pytest.fail("the relay did not report", pytrace=False)
+        chunks = []
+        while chunk := os.read(r, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        client.close()
+        if r is not None:
+            os.close(r)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    out = json.loads(b"".join(chunks))
+    assert "result" in out, out.get("error")
+    live = AgentConnection(new, timeout=5, cache_dir=cache)
+    try:
+        live.request(Requests.stats())
+        live_key = live.key
+    finally:
+        live.close()
+    seen = out["result"]
+    assert [h["op"] for h in seen][:2] == ["open", "auth"], seen  # the dead run's key, then its proof asked
+    assert live_key is not None and live_key not in json.dumps(seen), seen
 
 
 def test_a_socket_folder_under_tmp_that_is_not_ours_is_a_clear_error(other_user, open_base, dataset):
@@ -594,7 +692,8 @@ def test_an_agent_that_refuses_the_key_it_just_gave_is_not_asked_again_and_again
             header, _ = unpack(frames)
             asked.append(header["op"])
             if header["op"] == "auth":
-                reply = {"ok": True, "run": run, "proof": proof(token, header["nonce"], run), "protocol": PROTOCOL}
+                reply = {"ok": True, "run": run, "endpoint": endpoint, "protocol": PROTOCOL}
+                reply["proof"] = proof(token, header["nonce"], run, endpoint)
             else:
                 reply = {"ok": False, "need_token": True, "error": "refused: no"}
             sock.send_multipart([ident, *pack({"op": "reply", "id": header["id"], **reply})])

@@ -101,7 +101,8 @@ def test_a_reply_the_agent_marks_retry_is_asked_again_within_the_timeout(tmp_pat
             ident, *frames = server.recv_multipart()
             header, _ = unpack(frames)
             if header["op"] == "auth":  # the agent proves it holds the token first
-                body = {"run": run, "proof": proof(token, header["nonce"], run), "protocol": PROTOCOL}
+                body = {"run": run, "endpoint": endpoint, "proof": proof(token, header["nonce"], run, endpoint)}
+                body["protocol"] = PROTOCOL
             else:
                 assert header["key"] == client_key(token, run)
                 asked.append(header["op"])

@@ -99,6 +99,7 @@ class ControlSocket:
                 ) from None
             raise
         self._sock = sock
+        self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # as bound: a TCP port chosen by the system too
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
 
@@ -145,7 +146,13 @@ class ControlSocket:
             nonce = header.get("nonce")
             if isinstance(nonce, str) and nonce.isascii() and 16 <= len(nonce) <= 256:
                 self._send_reply(
-                    ident, rid, ok=True, run=self._run, proof=proof(self._token, nonce, self._run), protocol=PROTOCOL
+                    ident,
+                    rid,
+                    ok=True,
+                    run=self._run,
+                    endpoint=self._bound,
+                    proof=proof(self._token, nonce, self._run, self._bound),
+                    protocol=PROTOCOL,
                 )
             else:
                 self._send_reply(ident, rid, ok=False, error="'auth' needs a 'nonce' of 16 to 256 ASCII characters")

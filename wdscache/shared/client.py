@@ -52,6 +52,7 @@ from .protocol import (
     client_key,
     pack,
     proof,
+    same_endpoint,
     same_secret,
     speaks,
     unpack,
@@ -112,6 +113,15 @@ def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | N
 def start_hint(cache_dir: str | os.PathLike[str] | None) -> str:
     where = cache_dir if cache_dir is not None else "DIR"
     return f"start one with 'wdscache agent --cache-dir {where} --urls URLS.txt'"
+
+
+def _received(sock: zmq.Socket) -> dict[str, Any] | None:
+    """The header of the message waiting on ``sock``; None if it cannot be read (no agent sends
+    such: it is not a reply to anything of ours)."""
+    try:
+        return unpack(sock.recv_multipart())[0]
+    except ProtocolError:
+        return None
 
 
 class AgentConnection:
@@ -206,7 +216,9 @@ class AgentConnection:
                 sock.send_multipart(pack({**Requests.auth(secrets.token_hex(16)), "id": check}))
             if not sock.poll(int(min(left, max(0.0, check_at - now)) * 1000) + 1):
                 continue
-            reply, _ = unpack(sock.recv_multipart())
+            reply = _received(sock)
+            if reply is None:
+                continue
             if reply.get("id") == rid:
                 return self._genuine(reply, rid) if keyed else reply
             if reply.get("id") in checks and isinstance(reply.get("run"), str) and reply["run"] != self._run:
@@ -227,18 +239,28 @@ class AgentConnection:
             nonce, rid = secrets.token_hex(16), next(self._ids)
             sock.send_multipart(pack({**Requests.auth(nonce), "id": rid}))  # no key: not proved yet
             reply = self._reply(sock, rid, timeout, keyed=False)
-            run = reply.get("run")
-            if not (isinstance(run, str) and same_secret(reply.get("proof"), proof(self._token, nonce, run))):
+            said = reply.get("protocol")  # first: an agent of another protocol proves itself otherwise
+            if said != PROTOCOL:
+                raise ProtocolError(
+                    f"the agent at {self.endpoint} speaks {speaks(said)}, this client {speaks(PROTOCOL)}; "
+                    f"{SAME_INSTALL}"
+                )
+            run, bound = reply.get("run"), reply.get("endpoint")
+            if not (
+                isinstance(run, str)
+                and isinstance(bound, str)
+                and same_secret(reply.get("proof"), proof(self._token, nonce, run, bound))
+            ):
                 raise NotTrustedError(
                     f"the agent at {self.endpoint} cannot prove it holds the token of "
                     f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
                     "another user's process may listen there; check the endpoint and who runs the agent on it"
                 )
-            said = reply.get("protocol")
-            if said != PROTOCOL:
-                raise ProtocolError(
-                    f"the agent at {self.endpoint} speaks {speaks(said)}, this client {speaks(PROTOCOL)}; "
-                    f"{SAME_INSTALL}"
+            if not same_endpoint(self.endpoint, bound):
+                raise NotTrustedError(
+                    f"the agent answering at {self.endpoint} proved it listens on {bound}: a process on "
+                    f"{self.endpoint} passes messages on to it; connect to {bound}, and check who listens on "
+                    f"{self.endpoint}"
                 )
             previous = self._run
             self.key, self._run = client_key(self._token, run), run
@@ -348,7 +370,9 @@ class AgentConnection:
         probe_sent = time.monotonic()
         while True:
             if sock.poll(int(min(every, liveness) * 1000 / 4) + 1):
-                reply, _ = unpack(sock.recv_multipart())
+                reply = _received(sock)
+                if reply is None:
+                    continue
                 if reply.get("id") == rid:
                     return self._genuine(reply, rid)
                 if reply.get("id") in probes:

@@ -38,6 +38,7 @@ class AuthReply(TypedDict, total=False):
     ok: bool
     error: str
     run: str
+    endpoint: str
     proof: str
     protocol: int
 

@@ -19,10 +19,12 @@ through an epoch on a message one of them does not know.
 Who may talk: the agent keeps a token in its cache directory (``CACHE_DIR/token``,
 0600), so only the directory's owner can read it. A client first sends
 ``{"op": "auth", "nonce": N}`` (the one message taken without a key) and accepts
-the agent only if the reply's ``proof`` is :func:`proof` of the token, N and the
-agent's ``run`` (a random string per agent process): another user's process
-listening on that endpoint cannot answer it, and learns nothing from the
-client. Every other message to the agent then carries ``key``, :func:`client_key`
+the agent only if the reply's ``proof`` is :func:`proof` of the token, N, the
+agent's ``run`` (a random string per agent process) and the ``endpoint`` it listens
+on, which on a loopback TCP address must be the port the client dialled
+(:func:`same_endpoint`): another user's process listening on that endpoint cannot
+answer it, nor pass it on to the agent on another port and its answer back, and
+learns nothing from the client. Every other message to the agent then carries ``key``, :func:`client_key`
 of the token and ``run``. A key seen by someone else is of no use once that agent
 process has gone. Every reply to a message with the key (errors too) carries ``proof``,
 the :func:`reply_proof` of its ``id`` under :func:`agent_key` (token, ``run``), a key that
@@ -68,8 +70,9 @@ from .errors import ProtocolError
 
 # The protocol's number: raised with every change to a message that a peer of the number
 # before would not read the same way (see the module docstring).
-PROTOCOL = 2
+PROTOCOL = 3
 MAX_HEADER = 1 << 20
+MAX_ID = 64  # ASCII characters of a string ``id``
 NUMBER_MAX = (1 << 63) - 1  # the largest figure a report may carry (see numbers)
 # Made once: json.dumps and json.loads with options build a new encoder or decoder per call,
 # a measurable share of a consumer's CPU at tens of thousands of messages a second.
@@ -167,6 +170,9 @@ def unpack(frames: Sequence[Any]) -> tuple[dict[str, Any], list[Any]]:
         raise ProtocolError(f"header is not UTF-8 JSON: {type(exc).__name__}") from None
     if not isinstance(header, dict) or not isinstance(header.get("op"), str):
         raise ProtocolError("header must be a JSON object with an 'op' string")
+    rid = header.get("id")
+    if not (rid is None or type(rid) is int or type(rid) is str and len(rid) <= MAX_ID and rid.isascii()):
+        raise ProtocolError(f"a message's 'id' is a whole number or a string of at most {MAX_ID} ASCII characters")
     return header, list(frames[1:])
 
 
@@ -220,9 +226,26 @@ def numbers(header: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def proof(token: str, nonce: str, run: str) -> str:
-    """What the agent answers to a client's ``auth`` nonce: only a holder of the token can."""
-    return hmac.new(token.encode(), f"wdscache agent {nonce} {run}".encode(), hashlib.sha256).hexdigest()
+def proof(token: str, nonce: str, run: str, endpoint: str) -> str:
+    """What the agent listening on ``endpoint`` answers to a client's ``auth`` nonce: only a
+    holder of the token can, and only for that endpoint (see :func:`same_endpoint`)."""
+    return hmac.new(token.encode(), f"wdscache agent {nonce} {run} {endpoint}".encode(), hashlib.sha256).hexdigest()
+
+
+def same_endpoint(dialled: str, named: str) -> bool:
+    """False when ``named``, the endpoint an agent proved it listens on, cannot be the one a
+    client ``dialled``: on a loopback TCP address, another port. There any local user may
+    listen on a port first, and pass a client's ``auth`` on to the agent's port and its answer
+    back; this refuses such a relay. Elsewhere the endpoint is not compared: an IPC socket
+    lies in the user's own folder (and may be mounted at another path in a container), and a
+    remote TCP endpoint may be reached through a port mapping, its path trusted as it is for
+    the rest of the traffic."""
+    scheme, _, rest = dialled.partition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme != "tcp" or not (host.strip("[]") in ("localhost", "::1") or host.startswith("127.")):
+        return True
+    named_scheme, _, named_rest = named.partition("://")
+    return named_scheme == "tcp" and named_rest.rpartition(":")[2] == port
 
 
 def client_key(token: str, run: str) -> str:
@@ -233,7 +256,7 @@ def client_key(token: str, run: str) -> str:
 def agent_key(token: str, run: str) -> str:
     """The key of the agent run ``run``'s replies: it never travels, replies carry proofs made
     with it (:class:`Proofs`)."""
-    return hmac.new(token.encode(), f"wdscache agent replies {run}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(token.encode(), f"wdscache replies {run}".encode(), hashlib.sha256).hexdigest()
 
 
 def worker_key(token: str, run: str, index: int) -> str:
@@ -252,18 +275,19 @@ class Proofs:
     def __init__(self, key: str) -> None:
         self._mac = hmac.new(key.encode(), digestmod=hashlib.sha256)
 
-    def _of(self, text: str) -> str:
+    def _of(self, kind: str, rid: Any) -> str:
         mac = self._mac.copy()
-        mac.update(text.encode())
+        # The id as JSON (ASCII): ``1`` and ``"1"`` differ, and any string it holds encodes.
+        mac.update(f"{kind} {_ENCODE(rid)}".encode())
         return mac.hexdigest()
 
     def request(self, rid: Any) -> str:
         """The ``auth`` of the request ``rid``."""
-        return self._of(f"req {rid}")
+        return self._of("req", rid)
 
     def reply(self, rid: Any) -> str:
         """The ``proof`` of the reply to the request ``rid``."""
-        return self._of(f"reply {rid}")
+        return self._of("reply", rid)
 
 
 def request_proof(key: str, rid: Any) -> str:
@@ -294,9 +318,9 @@ class Message:
 
     Field types are JSON's, written as in Python (``str``, ``int``, ``bool``,
     ``number``, ``list[str]``, ``list``, ``object``); a ``?`` marks a field that
-    may be left out. Every request also carries ``id`` (repeated in its reply) and,
-    but for ``auth``, the ``key`` of the agent, or to a worker ``auth`` (its reply
-    then ``proof``; see the module docstring).
+    may be left out. Every request also carries ``id`` (a whole number or a short ASCII
+    string, repeated in its reply) and, but for ``auth``, the ``key`` of the agent, or to a worker
+    ``auth``; a reply to either carries ``proof`` (see the module docstring).
     ``frames`` says what the payload frames hold, if any.
     """
 
@@ -321,8 +345,8 @@ MESSAGES: tuple[Message, ...] = (
         "client",
         "agent",
         {"nonce": "str"},
-        {**_ERROR, "run": "str", "proof": "str", "protocol": "int"},
-        about="the agent proves it holds the token; the only op taken without a key",
+        {**_ERROR, "run": "str", "endpoint": "str", "proof": "str", "protocol": "int"},
+        about="the agent proves it holds the token and listens on ``endpoint``; the only op taken without a key",
     ),
     Message(
         "hello",
