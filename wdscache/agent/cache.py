@@ -305,7 +305,7 @@ class ShardCache:
                 )
             spare = min(
                 self.limit - self.used - self.reserved - self.kept_bytes,
-                self.fs_free() - self.margin - self._unwritten(),
+                self.fs_free() - self.margin - self.unwritten,
             )
             # A quarter of what is spare at most, so that downloads beside it find room too.
             total = max(d.budget.needed, min(total, d.budget.reserved + spare // 4))
@@ -352,9 +352,12 @@ class ShardCache:
         free-space margin, the file system's free bytes now)."""
         need = self.used + self.reserved + self.kept_bytes + extra - self.limit
         free = self.fs_free()
-        return need, self.margin + self._unwritten() + extra - free, free
+        return need, self.margin + self.unwritten + extra - free, free
 
-    def _unwritten(self) -> int:
+    @property
+    def unwritten(self) -> int:
+        """Bytes reserved by downloads in flight and not written yet: free on the file system
+        now, but promised."""
         return sum(max(0, d.budget.reserved - d.progress.written - d.progress.expanded) for d in self.inflight.values())
 
     def evict(
@@ -453,7 +456,7 @@ class ShardCache:
 
     def keep_margin(self, wanted: Sequence[str]) -> None:
         """Evict (outside windows only) if something else ate into the free-space margin."""
-        short = self.margin + self._unwritten() - self.fs_free()
+        short = self.margin + self.unwritten - self.fs_free()
         if short > 0:
             short -= self._drop_kept(short)
         if short > 0:
@@ -529,7 +532,7 @@ def _why_refused(
         )
     return "min-free", (
         f"the file system keeps --min-free {format_size(cache.min_free)} (+{format_size(INDEX_HEADROOM)} for "
-        f"the index) free and has {format_size(free)} free ({format_size(cache._unwritten())} of it promised "
+        f"the index) free and has {format_size(free)} free ({format_size(cache.unwritten)} of it promised "
         f"to downloads in flight); {format_size(extra)} more cannot be freed ({held})"
     )
 

@@ -38,6 +38,7 @@ and only those URLs' names differ.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -56,6 +57,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # A URL in a shell command: up to a space, a quote or a shell operator, so none of the command's
 # other words is part of it.
 _URL_IN_COMMAND = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://[^\s'\"`<>;|&()]*")
+NAMES_KEPT = 8192  # shard names remembered (a URL and its name: a few hundred bytes each)
 
 
 def file_identity(st: os.stat_result) -> tuple[int, ...]:
@@ -70,9 +72,11 @@ def _fanned(name: str) -> Path:
     return Path(name[:2]) / name
 
 
+@functools.lru_cache(maxsize=NAMES_KEPT)
 def shard_name(url: str) -> str:
     """The cache file name of ``url``: unique per URL, readable, filesystem-safe, and free of
-    its secrets (see the module docstring)."""
+    its secrets (see the module docstring). The latest are kept: the agent names a shard at
+    every open, a consumer at every read of its file."""
     shown = redact_urls(url)
     if shown.startswith("pipe:"):
         found = _URL_IN_COMMAND.search(shown)
