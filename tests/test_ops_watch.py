@@ -307,3 +307,20 @@ def test_a_rank_waiting_from_its_first_report_on_is_starved_at_that_report(
     # It waited for the stalled download all along: the share counts from its hello.
     assert rank.get("waiting", 0) > 0.5 and rank["starved"] == "slow_source", rank
     assert len(samples_of(consumer.wait())) == 4
+
+
+def test_of_many_jobs_that_ended_the_text_shows_the_latest_and_counts_the_rest():
+    from wdscache.cli import _live_view
+    from wdscache.shared.stats import ENDED_SHOWN, format_stats
+
+    s = _stats(waiting=0.0)
+    ended = {f"e{i}": {"0": {"samples": i, "ended": f"2026-12-02T01:00:{i:02d}+00:00"}} for i in range(ENDED_SHOWN + 3)}
+    s["ended_jobs"] = {**ended, "j": {"0": {"samples": 1, "ended": "2026-12-02T02:00:00+00:00"}}}  # j is live
+    s.update(cache_dir="/c", bytes_used=1, hits=0, misses=0, bytes_downloaded=0, failed=[])
+    s["agent"].update(uptime_s=1, worker_restarts=0)
+    latest_first = [f"e{i}" for i in range(ENDED_SHOWN + 2, 2, -1)]
+    for text in (format_stats(s), _live_view(s)):
+        shown = re.findall(r"^job (e\d+): ", text, re.M)
+        assert shown == latest_first, text
+        assert "\nand 3 more job(s) ended lately (--json lists them)" in text, text
+        assert re.search(r"^job j:", text, re.M), text  # a live job is always shown

@@ -801,10 +801,12 @@ def _watch(cache_dir: Path) -> None:
 
 
 def _live_view(s: dict) -> str:
-    """The compact live view of a stats object: cache against budget, downloads, workers, every job
-    with its ranks and its verdict (:func:`wdscache.shared.verdict.verdicts`)."""
+    """The compact live view of a stats object: cache against budget, downloads, workers, every live
+    job with its ranks and its verdict (:func:`wdscache.shared.verdict.verdicts`), the latest jobs
+    that ended (:func:`wdscache.shared.stats.latest_ended`)."""
     from datetime import datetime
 
+    from .shared.stats import latest_ended
     from .shared.verdict import verdicts
 
     used, limit = s["bytes_used"], s.get("bytes_limit")
@@ -848,9 +850,10 @@ def _live_view(s: dict) -> str:
                 f"{100 * r.get('waiting', 0):3.0f}%  {r.get('samples', 0)} samples, "
                 f"waited {r.get('wait_s', 0):.1f}s"
             )
-    for job, ranks in sorted(s.get("ended_jobs", {}).items()):
-        if job not in s.get("jobs", {}):
-            lines.append(f"job {job}: {len(ranks)} rank(s), {judged[job].text}")
+    shown, more = latest_ended(s)
+    lines.extend(f"job {job}: {len(ranks)} rank(s), {judged[job].text}" for job, ranks in shown)
+    if more:
+        lines.append(more)
     if not s.get("jobs") and not s.get("ended_jobs"):
         lines.append("jobs       none")
     return "\n".join(lines)

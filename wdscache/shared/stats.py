@@ -72,6 +72,7 @@ from .verdict import STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
 ANSWER_TIMEOUT = 5.0  # seconds a running agent gets to answer stats before it is shown as not answering
+ENDED_SHOWN = 5  # jobs that ended lately shown in the text, the latest first (--json has them all)
 
 
 def build(
@@ -263,6 +264,17 @@ def public(report: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in report.items() if not k.startswith("_") and k not in ("op", "id")}
 
 
+def latest_ended(s: dict[str, Any]) -> tuple[list[tuple[str, dict[str, Any]]], str]:
+    """The jobs of ``s`` that ended lately and have no live rank, the ENDED_SHOWN latest first, as
+    (job, ranks); and a line that counts the others ("" if none): shown as text, a machine where
+    many short jobs ran would list them all."""
+    live = s.get("jobs", {})
+    ended = [(job, ranks) for job, ranks in s.get("ended_jobs", {}).items() if job not in live]
+    ended.sort(key=lambda jr: max((str(r.get("ended") or "") for r in jr[1].values()), default=""), reverse=True)
+    more = len(ended) - ENDED_SHOWN
+    return ended[:ENDED_SHOWN], f"and {more} more job(s) ended lately (--json lists them)" if more > 0 else ""
+
+
 def format_stats(s: dict[str, Any]) -> str:
     """A human-readable summary of a stats object."""
     limit = s.get("bytes_limit")
@@ -303,9 +315,10 @@ def format_stats(s: dict[str, Any]) -> str:
                 f"{r.get('rate', 0):.0f} samples/s, waited {r.get('wait_s', 0):.1f}s "
                 f"({100 * r.get('waiting', 0):.0f}% now), {starved}"
             )
-    for job, ranks in sorted(s.get("ended_jobs", {}).items()):
-        if job not in s.get("jobs", {}):
-            lines.append(f"job {job}: {ended_verdict(ranks).text}")
+    shown, more = latest_ended(s)
+    lines.extend(f"job {job}: {ended_verdict(ranks).text}" for job, ranks in shown)
+    if more:
+        lines.append(more)
     for w in (agent or {}).get("waiting_for_space", [])[:20]:
         lines.append(f"waiting    {w['url']}: {w['reason']}")
     for r in (agent or {}).get("retrying", [])[:20]:
