@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -343,20 +343,44 @@ def fake_agent(endpoint: str, seconds: float, run: str = "ab" * 16) -> list[dict
     return got
 
 
-def test_a_loader_never_talks_to_another_users_agent(other_user, open_base, tmp_path, dataset, start_agent):
-    ds = dataset(1, samples=3, payload=100)
-    cache = open_base / "cache"
-    start_agent(cache, ds.list_file)
-    fake = f"tcp://127.0.0.1:{free_port_range(1)}"
-    pid, r = fork_as(other_user, lambda: fake_agent(fake, 30.0))
+@contextlib.contextmanager
+def listening_as(pw: pwd.struct_passwd, endpoint: str, serve: Callable[[], list[Any]]) -> Iterator[list[Any]]:
+    """``serve`` in a child as user ``pw``, once it listens on TCP ``endpoint``; on leaving the block
+    it is asked to quit (an ``op`` of "quit"), and the list yielded gets what it returned (the
+    messages it was sent)."""
+    pid, r = fork_as(pw, serve)
     try:
-        host, port = fake[len("tcp://") :].rsplit(":", 1)
+        host, port = endpoint[len("tcp://") :].rsplit(":", 1)
 
         def bound() -> bool:
             with socket.socket() as s:
                 return s.connect_ex((host, int(port))) == 0
 
-        wait_for(bound, 10, f"the fake agent never bound {fake}")
+        wait_for(bound, 10, f"the other user's process never bound {endpoint}")
+        got: list[Any] = []
+        yield got
+        assert ask(endpoint, {"op": "quit"}, timeout=0.2) is None
+        if not select.select([r], [], [], 20)[0]:
+            pytest.fail("the other user's process did not report", pytrace=False)
+        chunks = []
+        while chunk := os.read(r, 1 << 16):
+            chunks.append(chunk)
+        out = json.loads(b"".join(chunks))
+        assert "result" in out, out.get("error")
+        got.extend(out["result"])
+    finally:
+        os.close(r)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_a_loader_never_talks_to_another_users_agent(other_user, open_base, tmp_path, dataset, start_agent):
+    ds = dataset(1, samples=3, payload=100)
+    cache = open_base / "cache"
+    start_agent(cache, ds.list_file)
+    fake = f"tcp://127.0.0.1:{free_port_range(1)}"
+    with listening_as(other_user, fake, lambda: fake_agent(fake, 30.0)) as seen:
         with pytest.raises(NotTrustedError) as info:
             with ShardClient(cache, endpoint=fake, timeout=5) as client:
                 client.open(ds.urls[0], timeout=5)
@@ -364,22 +388,6 @@ def test_a_loader_never_talks_to_another_users_agent(other_user, open_base, tmp_
         with pytest.raises(NotTrustedError) as info:
             iter(CachedMultiLoader(cache_dir=cache, endpoint=fake, rank=0, world_size=1, timeout=5))
         assert fake in str(info.value), str(info.value)
-        assert ask(fake, {"op": "quit"}, timeout=0.2) is None
-        if not select.select([r], [], [], 20)[0]:
-            pytest.fail("the fake agent did not report", pytrace=False)
-        chunks = []
-        while chunk := os.read(r, 1 << 16):
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        os.waitpid(pid, 0)
-    out = json.loads(b"".join(chunks))
-    assert "result" in out, out.get("error")
-    seen = out["result"]
     token = (cache / "token").read_text().strip()
     # It was asked to prove itself, and learnt nothing it could use against the real agent.
     assert seen and all(h["op"] == "auth" for h in seen), seen
@@ -395,43 +403,17 @@ def test_a_process_on_a_stopped_agents_port_cannot_answer_a_client_for_it(other_
     cache = open_base / "cache"
     endpoint = f"tcp://127.0.0.1:{free_port_range(2)}"
     agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "1")
-    client = ShardClient(cache, endpoint=endpoint, timeout=5)
-    pid = r = None
-    try:
+    with ShardClient(cache, endpoint=endpoint, timeout=5) as client:
         assert cache in client.open(ds.urls[0], timeout=10).parents
         hello = ask(endpoint, {"op": "auth", "id": 1, "nonce": "n" * 16})
         assert hello is not None and hello["run"] == client._conn.run
         agent.stop(signal.SIGKILL)
-        pid, r = fork_as(other_user, lambda: fake_agent(endpoint, 30.0, run=hello["run"]))
-        host, port = endpoint[len("tcp://") :].rsplit(":", 1)
-
-        def bound() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex((host, int(port))) == 0
-
-        wait_for(bound, 10, f"the impostor never bound {endpoint}")
-        for ask_it in (lambda: client.open(ds.urls[1], timeout=5), lambda: client.open(ds.urls[1]), client.stats):
-            with pytest.raises(NotTrustedError) as info:
-                ask_it()
-            assert endpoint in str(info.value) and "another process taken its endpoint" in str(info.value)
-        client.close()
-        assert ask(endpoint, {"op": "quit"}, timeout=0.2) is None
-        if not select.select([r], [], [], 20)[0]:
-            pytest.fail("the impostor did not report", pytrace=False)
-        chunks = []
-        while chunk := os.read(r, 1 << 16):
-            chunks.append(chunk)
-    finally:
-        client.close()
-        if r is not None:
-            os.close(r)
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    out = json.loads(b"".join(chunks))
-    assert "result" in out, out.get("error")
-    seen = out["result"]
+        with listening_as(other_user, endpoint, lambda: fake_agent(endpoint, 30.0, run=hello["run"])) as seen:
+            for ask_it in (lambda: client.open(ds.urls[1], timeout=5), lambda: client.open(ds.urls[1]), client.stats):
+                with pytest.raises(NotTrustedError) as info:
+                    ask_it()
+                assert endpoint in str(info.value) and "another process taken its endpoint" in str(info.value)
+            client.close()
     assert {h["op"] for h in seen} >= {"open", "stats"}, seen  # it was asked: the client's key of a dead run
     assert (cache / "token").read_text().strip() not in json.dumps(seen)
 
@@ -488,47 +470,21 @@ def test_a_process_on_a_port_a_client_dials_cannot_pass_its_proof_on_from_the_ag
     cache = open_base / "cache"
     old, new = (f"tcp://127.0.0.1:{port}" for port in (free_port_range(2), free_port_range(2)))
     agent = start_agent(cache, ds.list_file, "--endpoint", old, "--workers", "1")
-    client = ShardClient(cache, endpoint=old, timeout=5)
-    pid = r = None
-    try:
+    with ShardClient(cache, endpoint=old, timeout=5) as client:
         assert cache in client.open(ds.urls[0], timeout=10).parents
         agent.stop()
         start_agent(cache, ds.list_file, "--endpoint", new, "--workers", "1")
-        pid, r = fork_as(other_user, lambda: relay(old, new, 30.0))
-        host, port = old[len("tcp://") :].rsplit(":", 1)
-
-        def bound() -> bool:
-            with socket.socket() as s:
-                return s.connect_ex((host, int(port))) == 0
-
-        wait_for(bound, 10, f"the relay never bound {old}")
-        with pytest.raises(NotTrustedError) as info:
-            client.open(ds.urls[1], timeout=5)
-        assert f"answering at {old} proved it listens on {new}" in str(info.value), str(info.value)
-        client.close()
-        assert ask(old, {"op": "quit"}, timeout=0.2) is None
-        if not select.select([r], [], [], 20)[0]:
-            pytest.fail("the relay did not report", pytrace=False)
-        chunks = []
-        while chunk := os.read(r, 1 << 16):
-            chunks.append(chunk)
-    finally:
-        client.close()
-        if r is not None:
-            os.close(r)
-        if pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    out = json.loads(b"".join(chunks))
-    assert "result" in out, out.get("error")
+        with listening_as(other_user, old, lambda: relay(old, new, 30.0)) as seen:
+            with pytest.raises(NotTrustedError) as info:
+                client.open(ds.urls[1], timeout=5)
+            assert f"answering at {old} proved it listens on {new}" in str(info.value), str(info.value)
+            client.close()
     live = AgentConnection(new, timeout=5, cache_dir=cache)
     try:
         live.request(Requests.stats())
         live_key = live.key
     finally:
         live.close()
-    seen = out["result"]
     assert [h["op"] for h in seen][:2] == ["open", "auth"], seen  # the dead run's key, then its proof asked
     assert live_key is not None and live_key not in json.dumps(seen), seen
 

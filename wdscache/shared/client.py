@@ -425,6 +425,7 @@ class ShardClient:
         self._conn.on_new_run = self._pin_again
         self._requests = Requests(self.name)
         self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
+        self._closed = False
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
         """Wait until ``url`` is cached and pin it; returns the shard's local path. Raises
@@ -468,7 +469,10 @@ class ShardClient:
         return self._check(self._conn.request(Requests.stats(), timeout=timeout))["stats"]
 
     def close(self) -> None:
-        """Say goodbye (the agent drops this client's pins) and close the socket."""
+        """Say goodbye (the agent drops this client's pins) and close the socket; once."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._conn.request(self._requests.bye(), timeout=2.0)
         except (AgentUnavailableError, NotTrustedError):
