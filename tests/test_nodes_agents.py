@@ -340,3 +340,51 @@ def test_a_checkpoint_resumed_on_a_node_whose_list_changed_is_refused_naming_bot
         rf"{list_id(urls[:3])}.*checkpoint's list",
     ):
         next(iter(later))
+
+
+def test_a_checkpoint_of_three_nodes_resumed_on_one_reads_each_parts_shards_to_their_end(tmp_path) -> None:
+    """Resumed on fewer nodes, a node reads several parts one after the other; a part may end with
+    its last id before its shard's end is known, and the next part's shard must be read from its
+    own start (it was taken for empty, its samples never delivered, the ranks padded instead)."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from shard_maker import make_shard, synth_samples
+
+    paths = []
+    for i, n in enumerate((6, 2, 0, 6)):  # parts [[0], [3], [1, 2]]: node 0's part ends where shard 0 does
+        paths.append(tmp_path / f"s{i}.tar")
+        make_shard(paths[-1], synth_samples(i, n, payload=50))
+    index = tmp_path / "shards.json"
+    r = run_wdscache("index", *map(str, paths), "-o", index)
+    assert r.returncode == 0, r.stderr
+    everything = {(i, k) for i, n in enumerate((6, 2, 0, 6)) for k in range(n)}
+    cache = tmp_path / "cache"  # a private agent
+
+    def loader(rank: int, world: int, nodes: int, job: str) -> CachedMultiLoader:
+        node = rank * nodes // world
+        return CachedMultiLoader(
+            str(index), cache_dir=cache, rank=rank, world_size=world, node=node, num_nodes=nodes, job=job, **opts
+        )
+
+    def sid(sample: dict) -> tuple[int, int]:
+        return int(sample["__url__"].rsplit("/s", 1)[1].split(".")[0]), int(sample["__key__"].rsplit("_", 1)[1])
+
+    for drop_last in (False, True):
+        opts = {"shuffle": False, "drop_last": drop_last, "timeout": 30}
+        first, state = Counter(), None
+        # 3 nodes of 2 ranks: each rank two samples of its three (with drop_last one of one: the
+        # last node has two samples), then a checkpoint.
+        for rank in range(6):
+            one = loader(rank, 6, 3, f"first-{drop_last}")
+            it = iter(one)
+            first.update(sid(next(it)) for _ in range(1 if drop_last else 2))
+            state = one.state_dict()
+        rest = []
+        for rank in range(2):  # resumed on 1 node of 2 ranks
+            one = loader(rank, 2, 1, f"rest-{drop_last}")
+            one.load_state_dict(state)
+            rest.append([sid(s) for s in one])
+        assert len(rest[0]) == len(rest[1]), rest
+        after = Counter(s for r in rest for s in r)
+        assert set(first) | set(after) == everything, (drop_last, sorted(everything - set(first) - set(after)))
+        if drop_last:
+            assert not set(first) & set(after) and max(after.values()) == 1, (first, after)

@@ -188,6 +188,9 @@ class ShardFeed:
 
     def __init__(self) -> None:
         self.wanted: int | None = None
+        # Shards asked for so far (the same one again counts too: a node's next part may start
+        # one the part before left unfinished): what is learnt of a shard is for one ask of it.
+        self.asks = 0
         self._count = 0
         self._ended = False
 
@@ -202,6 +205,7 @@ class ShardFeed:
     def spans(self, shard: int) -> Iterator[range | None]:
         """``shard``'s sample indices as :meth:`samples` gives them, those supplied at once as one range."""
         self.wanted, self._count, self._ended = shard, 0, False
+        self.asks += 1
         given = 0
         while True:
             if self._count > given:

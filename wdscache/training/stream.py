@@ -118,12 +118,15 @@ def epoch_ids(
     remaining, unneeded = pins.remaining, pins.unneeded
     feed = ShardFeed()
     arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
+    ask = 0  # the feed's ask that ``arrivals`` answers
     items = spec.ids(feed.samples) if isinstance(spec, NodeSpec) else spec.runs(feed)
     for sid in items:
         if sid is None:  # the sequence wants more of a shard
-            if arrivals is None:
+            if arrivals is None or ask != feed.asks:
+                # A new ask: a node's part may stop with its last id before its shard's end came,
+                # and the next part ask for another shard (or that one from its start again).
                 assert feed.wanted is not None  # set whenever the sequence yields None
-                arrivals = shards.arrivals(feed.wanted)
+                arrivals, ask = shards.arrivals(feed.wanted), feed.asks
             got = next(arrivals, _END)
             if got is _END:
                 feed.end()
