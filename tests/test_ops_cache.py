@@ -634,3 +634,29 @@ def test_a_busy_agent_is_not_taken_for_absent_by_the_cache_commands(tmp_path, da
     assert agent.stats()["shards"]["cached"] == 2  # nothing was changed behind its back
     r = run_cli("evict", data.urls[0], "--cache-dir", cache)  # answering again, it takes the change
     assert r.returncode == 0 and r.stdout.startswith("evicted 1 shard(s)"), r.stdout + r.stderr
+
+
+def test_prefetch_without_an_agent_keeps_the_last_agents_free_space_or_the_one_given(
+    tmp_path, dataset, run_cli, start_agent, tmpfs
+):
+    """On a 40 MB file system an agent keeps --min-free 1M; a prefetch run after it, with no agent,
+    keeps the same (the agent's default, 1G, is more than the file system holds), or what it is given."""
+    data = dataset(3, samples=4, payload=300)
+    disk = tmpfs("40m")
+    cache = disk / "cache"
+    first = tmp_path / "first.txt"
+    first.write_text(data.urls[0] + "\n")
+    agent = start_agent(cache, first, "--cache-size", "20M", "--min-free", "1M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "its list cached")
+    agent.stop()
+    r = run_cli("prefetch", data.urls[1], "--cache-dir", cache, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert _cached_of(run_cli, cache, data.urls) == data.urls[:2]
+    fresh = disk / "fresh"
+    r = run_cli("prefetch", data.urls[2], "--cache-dir", fresh, "--min-free", "2M", timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert _cached_of(run_cli, fresh, data.urls) == data.urls[2:]
+    r = run_cli("prefetch", data.urls[0], "--cache-dir", fresh, "--min-free", "39M", timeout=60)
+    assert r.returncode == 2 and "--min-free 39.0M" in r.stderr, (r.stdout, r.stderr)
+    r = run_cli("prefetch", data.urls[0], "--cache-dir", fresh, "--min-free", "lots", timeout=60)
+    assert r.returncode == 2 and "--min-free" in r.stderr, r.stderr

@@ -499,6 +499,11 @@ def _eta(seconds: float | None) -> str:
     help="Budget when no agent runs [default: the last agent's, else the agent's default].",
 )
 @click.option(
+    "--min-free",
+    default=None,
+    help="Free space left on the file system when no agent runs [default: the last agent's, else the agent's default].",
+)
+@click.option(
     "--download-workers", type=click.IntRange(min=1), default=None, help="Parallel downloads when no agent runs."
 )
 @click.option(
@@ -518,6 +523,7 @@ def prefetch(
     cache_dir: Path,
     list_file: Path | None,
     cache_size: str | None,
+    min_free: str | None,
     download_workers: int | None,
     give_up_after: float,
     s3_endpoint_url: str | None,
@@ -579,6 +585,7 @@ def prefetch(
             wanted,
             report=report,
             cache_size=cache_size,
+            min_free=min_free,
             download_workers=download_workers,
             give_up_after=give_up_after,
             s3_endpoint_url=s3_endpoint_url,

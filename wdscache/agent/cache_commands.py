@@ -319,13 +319,14 @@ def prefetch(
     *,
     report: Callable[[PrefetchProgress], None],
     cache_size: str | None = None,
+    min_free: str | None = None,
     download_workers: int | None = None,
     give_up_after: float = PREFETCH_GIVE_UP_AFTER,
     s3_endpoint_url: str | None = None,
 ) -> PrefetchProgress:
     """Fetch ``urls`` into the cache: through the running agent, else through one run in this process
-    (with ``cache_size``, default the last agent's budget, ``download_workers`` and ``s3_endpoint_url``)
-    until done, or
+    (with ``cache_size`` and ``min_free``, default the last agent's, ``download_workers`` and
+    ``s3_endpoint_url``) until done, or
     until downloads wait for space ``give_up_after`` seconds with no progress (the rest then fail).
 
     Each shard is downloaded at most once, and never evicted for another of ``urls``: once the
@@ -333,10 +334,12 @@ def prefetch(
     (:mod:`wdscache.agent.prefetches`). ``report`` is called with the progress about every
     :data:`POLL` seconds; the last one is returned, its ``cached`` the shards cached at the end.
 
-    Raises :class:`ConfigError` for a ``cache_size`` or ``download_workers`` the agent would
-    refuse, whether or not an agent runs (a running one does not use them)."""
+    Raises :class:`ConfigError` for a ``cache_size``, ``min_free`` or ``download_workers`` the agent
+    would refuse, whether or not an agent runs (a running one does not use them)."""
     if cache_size is not None:
         parse_size(cache_size, total=1, what="--cache-size")  # the syntax; a percentage is resolved at start
+    if min_free is not None:
+        parse_size(min_free, total=1, what="--min-free")
     if download_workers is not None:
         check_count("download_workers", download_workers)
     layout = CacheLayout.of(cache_dir)
@@ -344,7 +347,7 @@ def prefetch(
         with _agent(layout) as conn:
             if conn is not None:
                 return _prefetch_through(conn, urls, report, give_up_after)
-    with _own_agent(layout, urls, cache_size, download_workers, s3_endpoint_url) as conn:
+    with _own_agent(layout, urls, cache_size, min_free, download_workers, s3_endpoint_url) as conn:
         return _prefetch_through(conn, urls, report, give_up_after)
 
 
@@ -353,16 +356,22 @@ def _own_agent(
     layout: CacheLayout,
     urls: Sequence[str],
     cache_size: str | None,
+    min_free: str | None,
     download_workers: int | None,
     s3_endpoint_url: str | None,
 ) -> Iterator[AgentConnection]:
-    """An agent run in this process (a thread) on ``layout``, for a prefetch; stopped at the end."""
+    """An agent run in this process (a thread) on ``layout``, for a prefetch; stopped at the end.
+    Its budget and free space kept are the last agent's unless given (else the agent's defaults)."""
     from .core import Agent
 
     layout.check_writable("'wdscache prefetch'")
+    last = read_summary(layout.index_dir)[2] if layout.is_cache() else {}
     if cache_size is None:
-        limit = read_summary(layout.index_dir)[2].get("bytes_limit") if layout.is_cache() else None
-        cache_size = str(limit) if limit else default("cache_size")
+        limit = last.get("bytes_limit")
+        cache_size = str(limit) if isinstance(limit, int) and limit > 0 else default("cache_size")
+    if min_free is None:
+        kept = last.get("min_free")
+        min_free = str(kept) if isinstance(kept, int) and kept >= 0 else default("min_free")
     with tempfile.TemporaryDirectory(prefix="wdscache-prefetch-") as folder:
         list_file = Path(folder) / "urls.txt"
         list_file.write_text(format_url_list(urls))  # its list: what it may fetch (the prefetch op says when)
@@ -371,6 +380,7 @@ def _own_agent(
                 cache_dir=layout.root,
                 urls=list_file,
                 cache_size=cache_size,
+                min_free=min_free,
                 prefetch=1,
                 workers=1,
                 shuffle=False,

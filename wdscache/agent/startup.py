@@ -112,7 +112,9 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
         cache.shrink(first)  # restarted with a smaller --cache-size: to it before anything else
         _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total)
-        cache.index.set_meta({"bytes_limit": limit, "prefetch": cfg.prefetch, "urls": str(cfg.urls)})
+        cache.index.set_meta(
+            {"bytes_limit": limit, "min_free": min_free, "prefetch": cfg.prefetch, "urls": str(cfg.urls)}
+        )
     except BaseException:
         cache.close()
         raise
