@@ -913,3 +913,29 @@ def test_a_list_edit_answers_who_waits_for_a_removed_shard_and_retries_a_failed_
         released.set()
         if conn is not None:
             conn.close()
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_cache_directory_removed_under_the_agent_stops_it_with_a_line_saying_so(
+    shard_server, dataset, start_agent, tmp_path, how
+):
+    """A cleaner of old files removes the cache directory (or it is replaced by a new, empty one):
+    the agent stops within seconds, exit status 1, with one line that says what happened and what
+    to do, not a traceback; downloads in flight go with it."""
+    ds = dataset(3, samples=20, payload=50_000)
+    shard_server.rate = 200_000  # downloads still running when the directory goes
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file)
+    if how == "removed":
+        subprocess.run(["rm", "-rf", str(cache)], check=True, timeout=30)
+    else:
+        cache.rename(tmp_path / "old")
+        cache.mkdir()
+    try:
+        rc = agent.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the agent kept running without its cache directory\n{agent.stderr_tail()}")
+    err = agent.stderr_text()
+    assert rc == 1, err
+    assert f"wdscache: error: {cache} was removed or replaced while the agent ran on it" in err, err
+    assert "Traceback" not in err, err

@@ -38,6 +38,9 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   (:mod:`wdscache.agent.recovery`) finishes or undoes both after a crash.
 - A cached file is a plain tar (a gzip'd shard is cached decompressed, and counted at
   that size).
+- The cache directory removed or replaced behind the agent's back (a cleaner of /tmp, say)
+  is a :class:`~wdscache.shared.errors.NoCacheError` at the next look (:meth:`flush`, every
+  few seconds, or a look at its free space), which stops the agent with a line that says so.
 - A shard's sample table file (:mod:`wdscache.agent.table_files`) is counted with its shard
   (``ShardRecord.table_size``) and removed with it, or as soon as the shard's record changes
   (a new download, a failure: :meth:`ShardCache.put`); when a reservation needs space, table
@@ -54,6 +57,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..shared.config import format_size
+from ..shared.errors import NoCacheError
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout
 from ..shared.logs import event, get_logger, iso_time
@@ -90,6 +94,8 @@ class ShardCache:
         self.limit, self.min_free = limit, min_free
         for folder in (layout.shards_dir, layout.partial_dir, layout.tables_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
+        root = os.stat(layout.root)
+        self._root = (root.st_dev, root.st_ino)  # the directory opened (see flush)
         self.index, self.rebuilt = recovery.open_index(layout)
         for rec in self.index:
             recovery.rename_former(layout, rec.url)
@@ -125,8 +131,22 @@ class ShardCache:
         return self.layout.shard_path(url)
 
     def fs_free(self) -> int:
-        st = os.statvfs(self.layout.root)
+        try:
+            st = os.statvfs(self.layout.root)
+        except FileNotFoundError:
+            raise NoCacheError(cache_dir=str(self.layout.root), removed=True) from None
         return st.f_bavail * st.f_frsize
+
+    def flush(self) -> None:
+        """Write the index's counters and read times, once the cache directory is found to be
+        the one opened: NoCacheError if it was removed or replaced."""
+        try:
+            root = os.stat(self.layout.root)
+        except FileNotFoundError:
+            root = None
+        if root is None or (root.st_dev, root.st_ino) != self._root:
+            raise NoCacheError(cache_dir=str(self.layout.root), removed=True)
+        self.index.flush()
 
     # -- start-up ---------------------------------------------------------
 

@@ -358,7 +358,7 @@ class Agent:
             self._metrics.update(self.stats())
         if now - self._last_flush > FLUSH_EVERY:
             self._last_flush = now
-            self.cache.index.flush()
+            self.cache.flush()
 
     def _index_full(self, exc: IndexWriteError) -> None:
         """The index could not be written: pause downloads and free disk space without it."""

@@ -157,8 +157,14 @@ class NotTrustedError(WdsCacheError):
 class NoCacheError(WdsCacheError):
     """A directory holds no wdscache cache."""
 
-    def __init__(self, *, cache_dir: str, read_only: str | None = None) -> None:
-        self.cache_dir, self.read_only = cache_dir, read_only
+    def __init__(self, *, cache_dir: str, read_only: str | None = None, removed: bool = False) -> None:
+        self.cache_dir, self.read_only, self.removed = cache_dir, read_only, removed
+        if removed:  # while an agent ran on it
+            super().__init__(
+                f"{cache_dir} was removed or replaced while the agent ran on it: its cache is gone; "
+                f"start the agent again to make a new one there (and keep cleaners of old files out of it)"
+            )
+            return
         if read_only is not None:  # why it cannot be written, as CacheLayout.read_only says it
             super().__init__(
                 f"{cache_dir} holds no wdscache cache, and it {read_only}: no agent can make "
