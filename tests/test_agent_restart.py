@@ -209,6 +209,8 @@ def test_a_jobs_own_shard_replaced_on_its_server_while_the_agent_was_down_starts
     assert shard.read_bytes() == path.read_bytes()
     _, resumed = the_two_gets(shard_server, path)
     assert range_start(resumed) == kept and resumed.if_range and resumed.status == 200, resumed
+    said = f"{url}: the source changed since the partial was written; downloading from the start"
+    assert said in again.stderr_text(), again.stderr_tail()
 
 
 @pytest.mark.slow

@@ -278,7 +278,10 @@ class Fetcher:
         else:
             remove_side_files(d.partial)  # an answer from byte 0: the object may have changed
             if offset:
-                log.info("%s: the source ignored the Range request; downloading from the start", d.url)
+                # A whole answer to a Range with If-Range: the source changed, or ignores ranges.
+                changed = bool(version.validator and d.progress.etag and version.validator != d.progress.etag)
+                why = "the source changed since the partial was written" if changed else "the source ignored the Range"
+                log.info("%s: %s; downloading from the start", d.url, why)
                 truncate(d.partial)
                 offset = d.progress.written = 0
         if total is not None:
