@@ -25,6 +25,7 @@ import pytest
 from scripts.shard_maker import make_shard
 from tests.helpers.agents import kill_agent
 from tests.helpers.testdata import TESTDATA
+from tests.helpers.waits import wait_for
 from wdscache import (
     CachedMultiLoader,
     ConfigError,
@@ -555,3 +556,31 @@ def test_a_forked_dataloader_worker_keeps_none_of_its_parents_cache_files_open(
     assert [Path(f).name.endswith("-part-0000.tar") for f in parent["files"]] == [True]
     # The worker holds its own shard's file alone: the parent's pin stays the parent's.
     assert [Path(f).name.endswith("-part-0001.tar") for f in worker["files"]] == [True], worker["files"]
+
+
+def test_a_process_reading_only_shards_it_holds_keeps_them_and_one_dropped_as_silent_pins_anew(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The agent drops a reader silent for --reader-timeout and lets go of its pins. One that
+    reads only the shards it holds pins no other, but says it is there (a ping every PING_EVERY),
+    so it keeps them; one that read nothing for that long is dropped, and at its next read it
+    pins its shard again rather than read a file the agent may have evicted meanwhile."""
+    import time
+
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, local_index, "--reader-timeout", "2")
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[])
+    try:
+        first = [ds[i][".bin"].getvalue() for i in range(6)]
+        until = time.monotonic() + 3.0  # longer than the timeout, on shard 0 alone
+        while time.monotonic() < until:
+            assert [ds[i][".bin"].getvalue() for i in range(6)] == first
+            time.sleep(0.05)
+        assert "silent for" not in agent.stderr_text(), agent.stderr_tail()
+        assert agent.stats()["agent"]["pinned"] == 1
+        wait_for(lambda: "silent for" in agent.stderr_text(), 20, "the idle reader was never dropped")
+        wait_for(lambda: agent.stats()["agent"]["pinned"] == 0, 10, "its pin was kept")
+        assert [ds[i][".bin"].getvalue() for i in range(6)] == first
+        assert agent.stats()["agent"]["pinned"] == 1  # pinned again, its file opened anew
+    finally:
+        ds.close()

@@ -509,9 +509,8 @@ class Agent:
             self.readers.check_need(self.opens.held)
         return reply
 
-    @staticmethod
-    def _op_ping(request: Request) -> Reply:
-        return {"ok": True}
+    def _op_ping(self, request: Request) -> Reply:
+        return {"ok": True, "known": request.header.get("reader") in self.readers}
 
     # -- statistics -----------------------------------------------------------
 

@@ -181,6 +181,7 @@ class PingMessage(TypedDict):
 class PingReply(TypedDict, total=False):
     ok: bool
     error: str
+    known: bool
 
 
 class _ByeRequired(TypedDict):

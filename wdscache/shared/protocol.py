@@ -459,7 +459,14 @@ MESSAGES: tuple[Message, ...] = (
         _ERROR,
         about="a consumer's progress, every second, for stats",
     ),
-    Message("ping", "consumer", "agent", {"reader": "str"}, _ERROR, about="is the agent there"),
+    Message(
+        "ping",
+        "consumer",
+        "agent",
+        {"reader": "str"},
+        {**_ERROR, "known": "bool?"},
+        about="is the agent there, and does it know the reader (not dropped as silent)",
+    ),
     Message(
         "bye",
         "consumer",

@@ -25,6 +25,12 @@ Guarantees:
   again, and a replaced one is refused (and its table fetched again).
 - A process waiting for a download holds no other pin meanwhile, so processes cannot fill the
   budget with pins while each waits for room for another shard.
+- A process that reads only the shards it holds says it is there every ``PING_EVERY``, so the
+  agent keeps its pins; one that read nothing for ``--reader-timeout`` was dropped (its pins
+  let go, its shards evictable): at its next read it closes its files and says hello again.
+  Until then (and while it reads nothing) it keeps its files open, and up to ``lru_size``
+  shards pinned: with a budget that holds fewer shards than the processes' pins together, a
+  read by another waits for them.
 - When the agent restarts, the session says hello again and opens its shards again.
 - A bad index is an :class:`IndexError`; a shard that cannot be fetched a
   :class:`~wdscache.shared.errors.FetchError` naming it; a damaged one, one holding another
@@ -46,6 +52,7 @@ import io
 import json
 import operator
 import os
+import time
 import uuid
 import weakref
 from array import array
@@ -89,6 +96,9 @@ TABLE_SAMPLES = 250_000
 # A sample spanning at most this many bytes of its shard is read with one pread and sliced (the
 # slices copy it again, which costs less than a system call per field); a larger one per field.
 ONE_READ = 64 << 10
+# Seconds a process reads only shards it holds before it says it is there (a ping), as a stream's
+# reports do: the agent drops a reader silent for --reader-timeout, and lets go of its pins.
+PING_EVERY = 1.0
 IMAGE_EXTENSIONS = ("jpg", "png", "ppm", "pgm", "pbm", "pnm")
 
 Sample = dict[str, Any]
@@ -443,6 +453,7 @@ class _Session:
         self.seen: set[int] = set()  # shards opened once: downloaded, not worth a place in the window
         self.links: WorkerLinks | None = None
         self.hello: dict[str, Any] = {}
+        self.contact = 0.0  # when we last had a word with the agent (see _still_known)
         try:
             self._say_hello()
         except BaseException:
@@ -474,7 +485,7 @@ class _Session:
                 "does not see: ShardListDataset reads the cache files itself; run it on the agent's machine, "
                 "with its cache directory visible"
             )
-        self.hello = hello
+        self.hello, self.contact = hello, time.monotonic()
         if self.links is not None:
             self.links.close()
         workers = hello.get("workers") or []
@@ -490,11 +501,22 @@ class _Session:
         self.last = -1
         self._say_hello()
 
+    def _still_known(self) -> None:
+        """A ping after ``PING_EVERY`` without a word to the agent: it keeps our pins, or finds
+        that the agent dropped us as silent and let them go (their shards may be evicted, whose
+        space must come back): then as after a restart."""
+        known = self.conn.request(self.requests.ping()).get("known")
+        self.contact = time.monotonic()
+        if known is False:
+            self._agent_restarted()
+
     # -- reading ------------------------------------------------------------------------------------
 
     def sample(self, shard: int, inner: int) -> Sample:
         """Sample ``inner`` of the shard at ``shard`` in our list, its fields as ``io.BytesIO``
         (which takes a ``bytes`` without copying it)."""
+        if time.monotonic() - self.contact > PING_EVERY:
+            self._still_known()
         held = self.pinned.get(shard)
         if held is None:
             held = self._pin(shard)
@@ -553,6 +575,7 @@ class _Session:
                 probe=self.requests.status(url),
                 every=min(STATUS_EVERY, self.ds.timeout / 4),
             )
+        self.contact = time.monotonic()
         if not reply.get("ok"):
             raise failed_shard(url, reply, permanent=True)
         self.seen.add(shard)
@@ -596,6 +619,7 @@ class _Session:
             self.last = -1
         os.close(held.fd)  # before the agent may evict it: its space comes back
         self.conn.request(self.requests.release(self.urls[shard]))
+        self.contact = time.monotonic()
         self.tables[shard] = held.table
         self.tables.move_to_end(shard)
         self.table_samples += len(held.table)
