@@ -584,3 +584,29 @@ def test_a_process_reading_only_shards_it_holds_keeps_them_and_one_dropped_as_si
         assert agent.stats()["agent"]["pinned"] == 1  # pinned again, its file opened anew
     finally:
         ds.close()
+
+
+def test_threads_of_a_process_read_at_once_each_over_a_session_of_its_own(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    """A thread pool reading one dataset: each thread has its own sockets (ZeroMQ's are one
+    thread's), pins and files, so every sample is its bytes; close() ends them all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, local_index)
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[], lru_size=1)
+    try:
+        want = [ds[i][".bin"].getvalue() for i in range(len(ds))]
+
+        def read(seed: int) -> list[int]:
+            rng = random.Random(seed)
+            order = [rng.randrange(len(ds)) for _ in range(200)]
+            return [i for i in order if ds[i][".bin"].getvalue() != want[i]]
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(read, range(8))) == [[]] * 8
+        assert agent.stats()["agent"]["pinned"] >= 1
+    finally:
+        ds.close()
+    wait_for(lambda: agent.stats()["agent"]["pinned"] == 0, 10, "the threads' pins outlived close()")

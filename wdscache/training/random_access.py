@@ -8,9 +8,9 @@ returns the dict ``wids`` returns for ``i``: each member's extension with its le
 ``__index__``, ``__shard__`` (the URL as wids resolves it) and ``__shardindex__``, passed
 through the transformations (by default wids' own decoder, ``"PIL"``: see :func:`default_decoder`).
 
-How a sample is read: each process that indexes the dataset has its own session with the agent
-(made in that process on first use, so a ``DataLoader`` worker, forked or spawned, talks
-over its own sockets). It pins the shard (waiting for its download, which the agent makes
+How a sample is read: each process that indexes the dataset, and each thread of it, has its own
+session with the agent (made there on first use, so a ``DataLoader`` worker, forked or spawned,
+or a thread of a pool talks over its own sockets). It pins the shard (waiting for its download, which the agent makes
 once per node), asks one of the agent's sample workers once for the shard's sample table (the
 byte ranges of every sample in the cache file, which the worker already walked), and then
 copies each sample out of the cache file with one ``pread``. Up to ``lru_size`` shards stay
@@ -52,6 +52,7 @@ import io
 import json
 import operator
 import os
+import threading
 import time
 import uuid
 import weakref
@@ -326,7 +327,9 @@ class ShardListDataset:
             check_cache_dir(self.cache_dir, may_start=True)
         self.lru_size, self.timeout = lru_size, timeout
         self.transformations = transformations_of(transformations)
-        self._session: _Session | None = None
+        # Each thread's session (its sockets, pins and files), by thread: ZeroMQ sockets are
+        # used by one thread at a time, and threads read at once.
+        self._sessions: dict[int, _Session] = {}
 
     def add_transform(self, transform: Transform) -> ShardListDataset:
         """Apply ``transform`` after the others."""
@@ -353,11 +356,12 @@ class ShardListDataset:
         entry = bisect.bisect_right(self._ends, i)
         inner = i - self._starts[entry]
         shard, dataset, url = self._places[entry]
-        session = self._session
+        thread = threading.get_ident()
+        session = self._sessions.get(thread)
         if session is None or session.forks != _forks:  # a forked child never uses its parent's sockets
             if session is not None:
-                session.forget()
-            session = self._session = _Session(self)
+                self._forget_parents()
+            session = self._sessions[thread] = _Session(self)
         sample = session.sample(shard, inner)
         sample["__dataset__"] = dataset
         sample["__index__"] = index
@@ -367,19 +371,23 @@ class ShardListDataset:
             sample = transform(sample)
         return sample
 
+    def _forget_parents(self) -> None:
+        """In a forked child: close the files of the parent's sessions, without a word to the agent."""
+        for session in [s for s in self._sessions.values() if s.forks != _forks]:
+            session.forget()
+        self._sessions = {t: s for t, s in self._sessions.items() if s.forks == _forks}
+
     def close(self) -> None:
-        """Say goodbye to the agent (our pins go) and close this process's sockets and files; a
-        later ``ds[i]`` starts again."""
-        if self._session is not None:
-            if self._session.forks == _forks:
-                self._session.close()
-            else:
-                self._session.forget()
-        self._session = None
+        """Say goodbye to the agent (our pins go) and close this process's sockets and files (every
+        thread's: call it once the threads that read are done); a later ``ds[i]`` starts again."""
+        self._forget_parents()
+        sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            session.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_session"] = None  # sockets and files belong to the process that made them
+        state["_sessions"] = {}  # sockets and files belong to the process that made them
         return state
 
     def __enter__(self) -> ShardListDataset:
