@@ -939,3 +939,17 @@ def test_a_cache_directory_removed_under_the_agent_stops_it_with_a_line_saying_s
     assert rc == 1, err
     assert f"wdscache: error: {cache} was removed or replaced while the agent ran on it" in err, err
     assert "Traceback" not in err, err
+
+
+def test_a_shard_client_used_again_after_close_lets_go_at_its_next_close(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(2, samples=3, payload=100)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file)
+    client = ShardClient(cache, timeout=10)
+    client.close()  # never connected: nothing to say
+    for url in ds.urls:  # open, close; open again (a new connection), close again
+        client.open(url)
+        assert agent.stats()["agent"]["pinned"] == 1
+        client.close()
+        wait_for(lambda: agent.stats()["agent"]["pinned"] == 0, 10, "a pin outlived close()")
+    client.close()  # closed already: nothing to say

@@ -245,3 +245,19 @@ def test_an_agent_and_a_consumer_of_two_protocols_refuse_each_other_at_the_first
         conn.close()
     assert reply["ok"] is False and "it speaks a protocol from before numbered ones" in reply["error"], reply
     assert len(list(wdscache.CachedMultiLoader(cache_dir=cache, job="j", timeout=10))) == 4  # ours is served
+
+
+@pytest.mark.parametrize(
+    "dialled", ["127.0.0.1", "127.1.2.3", "localhost", "LOCALHOST", "0.0.0.0", "[::1]", "[::ffff:127.0.0.1]"]
+)
+def test_an_agent_on_this_machine_must_name_the_port_dialled(dialled: str) -> None:
+    """On this machine's own addresses, however written, another local user may hold the port a
+    client dials and relay to the agent's: the agent's proof must name the dialled port."""
+    assert protocol.same_endpoint(f"tcp://{dialled}:5555", "tcp://127.0.0.1:5555")
+    assert not protocol.same_endpoint(f"tcp://{dialled}:5555", "tcp://127.0.0.1:6666")
+    assert not protocol.same_endpoint(f"tcp://{dialled}:5555", "ipc:///run/agent.sock")
+
+
+@pytest.mark.parametrize("dialled", ["tcp://10.1.2.3:5555", "tcp://no-such-host.invalid:5555", "ipc:///a/agent.sock"])
+def test_an_agent_elsewhere_or_over_ipc_is_not_held_to_the_port(dialled: str) -> None:
+    assert protocol.same_endpoint(dialled, "tcp://0.0.0.0:6666")

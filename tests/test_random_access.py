@@ -535,14 +535,16 @@ def test_a_new_shard_read_as_the_agent_restarts_is_read_whole(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parent_read_in", ["main", "thread"])
 def test_a_forked_dataloader_worker_keeps_none_of_its_parents_cache_files_open(
-    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path, parent_read_in: str
 ) -> None:
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
     cache = tmp_path / "cache"
     start_agent(cache, local_index, "--workers", "2")
+    job = [sys.executable, "-m", "tests.helpers.random_access_fork_job", str(local_index), str(cache), "0", "7"]
     r = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.random_access_fork_job", str(local_index), str(cache), "0", "7"],
+        job + ([] if parent_read_in == "main" else ["thread"]),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -590,7 +592,8 @@ def test_threads_of_a_process_read_at_once_each_over_a_session_of_its_own(
     local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:
     """A thread pool reading one dataset: each thread has its own sockets (ZeroMQ's are one
-    thread's), pins and files, so every sample is its bytes; close() ends them all."""
+    thread's), pins and files, so every sample is its bytes; those of threads that ended go at
+    the next thread's first read, and close() ends them all."""
     from concurrent.futures import ThreadPoolExecutor
 
     cache = tmp_path / "cache"
@@ -606,7 +609,18 @@ def test_threads_of_a_process_read_at_once_each_over_a_session_of_its_own(
 
         with ThreadPoolExecutor(8) as pool:
             assert list(pool.map(read, range(8))) == [[]] * 8
-        assert agent.stats()["agent"]["pinned"] >= 1
+        # The pool's threads ended: a new thread's first read lets go of their pins and files.
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(read, 9).result() == []
+        held = [f for f in os.listdir("/proc/self/fd") if _target(f).startswith(f"{cache}{os.sep}shards")]
+        assert 1 <= len(held) <= 2, held  # the main thread's file, and the new thread's
     finally:
         ds.close()
     wait_for(lambda: agent.stats()["agent"]["pinned"] == 0, 10, "the threads' pins outlived close()")
+
+
+def _target(fd: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the listing's own descriptor, closed by now
+        return ""

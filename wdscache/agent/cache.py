@@ -50,6 +50,7 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -86,6 +87,10 @@ class ShardWatcher(Protocol):
 
     def gone(self, url: str, why: str) -> None:
         """The cached ``url`` was removed (``why``: "evicted to ...")."""
+
+
+# What a look at the cache directory's path gets once it was removed or replaced (on NFS too).
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ESTALE)
 
 
 class ShardCache:
@@ -133,18 +138,27 @@ class ShardCache:
     def fs_free(self) -> int:
         try:
             st = os.statvfs(self.layout.root)
-        except FileNotFoundError:
-            raise NoCacheError(cache_dir=str(self.layout.root), removed=True) from None
+        except OSError as exc:
+            if exc.errno in _GONE:
+                raise NoCacheError(cache_dir=str(self.layout.root), removed=True) from None
+            raise
         return st.f_bavail * st.f_frsize
+
+    @property
+    def opened_dir(self) -> bool:
+        """Whether the cache directory's path still leads to the directory opened."""
+        try:
+            root = os.stat(self.layout.root)
+        except OSError as exc:
+            if exc.errno in _GONE:
+                return False
+            raise
+        return (root.st_dev, root.st_ino) == self._root
 
     def flush(self) -> None:
         """Write the index's counters and read times, once the cache directory is found to be
         the one opened: NoCacheError if it was removed or replaced."""
-        try:
-            root = os.stat(self.layout.root)
-        except FileNotFoundError:
-            root = None
-        if root is None or (root.st_dev, root.st_ino) != self._root:
+        if not self.opened_dir:
             raise NoCacheError(cache_dir=str(self.layout.root), removed=True)
         self.index.flush()
 

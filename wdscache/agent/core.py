@@ -292,7 +292,8 @@ class Agent:
         if not self.downloads.threads_alive():  # else it could write to a descriptor number reused meanwhile
             self.mailbox.close()
         self.cache.close()
-        self.layout.state_path.unlink(missing_ok=True)
+        if self.cache.opened_dir:  # (else the state file there may be another agent's)
+            self.layout.state_path.unlink(missing_ok=True)
         self._lock.release()
         self._private.release()  # a loader waiting to use a private agent may now start a new one
         log.info("stopped")

@@ -279,7 +279,7 @@ class Fetcher:
             remove_side_files(d.partial)  # an answer from byte 0: the object may have changed
             if offset:
                 # A whole answer to a Range with If-Range: the source changed, or ignores ranges.
-                changed = bool(version.validator and d.progress.etag and version.validator != d.progress.etag)
+                changed = bool(d.progress.etag) and version.unlike(d.progress.etag) is not None
                 why = "the source changed since the partial was written" if changed else "the source ignored the Range"
                 log.info("%s: %s; downloading from the start", d.url, why)
                 truncate(d.partial)

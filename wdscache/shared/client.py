@@ -283,6 +283,11 @@ class AgentConnection:
         )
 
     @property
+    def connected(self) -> bool:
+        """Whether this process has the connection's socket open (made at the first request)."""
+        return self._sock is not None and self._pid == os.getpid()
+
+    @property
     def run(self) -> str:
         """The agent run proved last ("" before any): a restarted agent is a new run."""
         return self._run
@@ -425,7 +430,6 @@ class ShardClient:
         self._conn.on_new_run = self._pin_again
         self._requests = Requests(self.name)
         self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
-        self._closed = False
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
         """Wait until ``url`` is cached and pin it; returns the shard's local path. Raises
@@ -469,10 +473,9 @@ class ShardClient:
         return self._check(self._conn.request(Requests.stats(), timeout=timeout))["stats"]
 
     def close(self) -> None:
-        """Say goodbye (the agent drops this client's pins) and close the socket; once."""
-        if self._closed:
-            return
-        self._closed = True
+        """Say goodbye (the agent drops this client's pins) and close the socket, if open."""
+        if not self._conn.connected:
+            return  # never asked anything, or closed already: the agent holds nothing of ours
         try:
             self._conn.request(self._requests.bye(), timeout=2.0)
         except (AgentUnavailableError, NotTrustedError):

@@ -21,7 +21,7 @@ Who may talk: the agent keeps a token in its cache directory (``CACHE_DIR/token`
 ``{"op": "auth", "nonce": N}`` (the one message taken without a key) and accepts
 the agent only if the reply's ``proof`` is :func:`proof` of the token, N, the
 agent's ``run`` (a random string per agent process) and the ``endpoint`` it listens
-on, which on a loopback TCP address must be the port the client dialled
+on, which on this machine's own TCP addresses must be the port the client dialled
 (:func:`same_endpoint`): another user's process listening on that endpoint cannot
 answer it, nor pass it on to the agent on another port and its answer back, and
 learns nothing from the client. Every other message to the agent then carries ``key``, :func:`client_key`
@@ -55,9 +55,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 import math
 import os
+import socket
 import sys
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
@@ -234,18 +236,35 @@ def proof(token: str, nonce: str, run: str, endpoint: str) -> str:
 
 def same_endpoint(dialled: str, named: str) -> bool:
     """False when ``named``, the endpoint an agent proved it listens on, cannot be the one a
-    client ``dialled``: on a loopback TCP address, another port. There any local user may
-    listen on a port first, and pass a client's ``auth`` on to the agent's port and its answer
-    back; this refuses such a relay. Elsewhere the endpoint is not compared: an IPC socket
-    lies in the user's own folder (and may be mounted at another path in a container), and a
-    remote TCP endpoint may be reached through a port mapping, its path trusted as it is for
-    the rest of the traffic."""
+    client ``dialled``: on this machine's own TCP addresses (loopback, by any name, or
+    ``0.0.0.0``), another port. There any local user may listen on a port first, and pass a
+    client's ``auth`` on to the agent's port and its answer back; this refuses such a relay
+    (and so a forward from one local port to the agent's: dial the agent's port). Elsewhere
+    the endpoint is not compared: an IPC socket lies in the user's own folder (and may be
+    mounted at another path in a container), and a remote TCP endpoint may be reached through
+    a port mapping, its path trusted as it is for the rest of the traffic."""
     scheme, _, rest = dialled.partition("://")
     host, _, port = rest.rpartition(":")
-    if scheme != "tcp" or not (host.strip("[]") in ("localhost", "::1") or host.startswith("127.")):
+    if scheme != "tcp" or not _local_host(host.strip("[]")):
         return True
     named_scheme, _, named_rest = named.partition("://")
     return named_scheme == "tcp" and named_rest.rpartition(":")[2] == port
+
+
+def _local_host(host: str) -> bool:
+    """Whether TCP to ``host`` reaches this machine by a loopback or unspecified address (a name
+    resolved as the system resolves it, /etc/hosts first: a name that does not resolve is not)."""
+    try:
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    for text in addresses:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        if address.is_loopback or address.is_unspecified:
+            return True
+    return False
 
 
 def client_key(token: str, run: str) -> str:

@@ -60,6 +60,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 from .client import AgentConnection
@@ -270,9 +271,17 @@ def latest_ended(s: dict[str, Any]) -> tuple[list[tuple[str, dict[str, Any]]], s
     many short jobs ran would list them all."""
     live = s.get("jobs", {})
     ended = [(job, ranks) for job, ranks in s.get("ended_jobs", {}).items() if job not in live]
-    ended.sort(key=lambda jr: max((str(r.get("ended") or "") for r in jr[1].values()), default=""), reverse=True)
+    ended.sort(key=lambda jr: max((_moment(r.get("ended")) for r in jr[1].values()), default=0.0), reverse=True)
     more = len(ended) - ENDED_SHOWN
     return ended[:ENDED_SHOWN], f"and {more} more job(s) ended lately (--json lists them)" if more > 0 else ""
+
+
+def _moment(when: Any) -> float:
+    """Seconds since the epoch of an ISO 8601 date with its offset (0 for anything else)."""
+    try:
+        return datetime.fromisoformat(str(when)).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def format_stats(s: dict[str, Any]) -> str:

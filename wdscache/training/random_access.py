@@ -330,6 +330,7 @@ class ShardListDataset:
         # Each thread's session (its sockets, pins and files), by thread: ZeroMQ sockets are
         # used by one thread at a time, and threads read at once.
         self._sessions: dict[int, _Session] = {}
+        self._forks = _forks  # the process's forks its sessions were made after
 
     def add_transform(self, transform: Transform) -> ShardListDataset:
         """Apply ``transform`` after the others."""
@@ -356,12 +357,11 @@ class ShardListDataset:
         entry = bisect.bisect_right(self._ends, i)
         inner = i - self._starts[entry]
         shard, dataset, url = self._places[entry]
-        thread = threading.get_ident()
-        session = self._sessions.get(thread)
-        if session is None or session.forks != _forks:  # a forked child never uses its parent's sockets
-            if session is not None:
-                self._forget_parents()
-            session = self._sessions[thread] = _Session(self)
+        if self._forks != _forks:  # a forked child never uses its parent's sockets (any thread's)
+            self._forget_parents()
+        session = self._sessions.get(threading.get_ident())
+        if session is None or session.thread is not threading.current_thread():  # (an id is reused)
+            session = self._new_session()
         sample = session.sample(shard, inner)
         sample["__dataset__"] = dataset
         sample["__index__"] = index
@@ -373,14 +373,25 @@ class ShardListDataset:
 
     def _forget_parents(self) -> None:
         """In a forked child: close the files of the parent's sessions, without a word to the agent."""
-        for session in [s for s in self._sessions.values() if s.forks != _forks]:
+        sessions, self._sessions, self._forks = list(self._sessions.values()), {}, _forks
+        for session in sessions:
             session.forget()
-        self._sessions = {t: s for t, s in self._sessions.items() if s.forks == _forks}
+
+    def _new_session(self) -> _Session:
+        """This thread's session; those of threads that ended go first (their pins and files,
+        which would hold evicted shards' space)."""
+        alive = set(threading.enumerate())
+        for ident, gone in [(i, s) for i, s in self._sessions.items() if s.thread not in alive]:
+            del self._sessions[ident]
+            gone.close()  # (its thread ended: no other uses its sockets)
+        session = self._sessions[threading.get_ident()] = _Session(self)
+        return session
 
     def close(self) -> None:
         """Say goodbye to the agent (our pins go) and close this process's sockets and files (every
         thread's: call it once the threads that read are done); a later ``ds[i]`` starts again."""
-        self._forget_parents()
+        if self._forks != _forks:
+            self._forget_parents()
         sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             session.close()
@@ -437,6 +448,7 @@ class _Session:
 
     def __init__(self, ds: ShardListDataset) -> None:
         self.forks = _forks
+        self.thread = threading.current_thread()  # the one thread that uses our sockets
         self.pid = os.getpid()
         self.ds = ds
         self.urls = ds._list.urls
@@ -505,6 +517,8 @@ class _Session:
     def _agent_restarted(self) -> None:
         """A new run knows nothing of us: hello again; our pins are gone, so our files close
         (shards are opened again when read; the tables stay, checked against each file)."""
+        for shard, held in self.pinned.items():
+            self._keep_table(shard, held.table)
         _close_files(self.pinned)
         self.last = -1
         self._say_hello()
@@ -512,9 +526,14 @@ class _Session:
     def _still_known(self) -> None:
         """A ping after ``PING_EVERY`` without a word to the agent: it keeps our pins, or finds
         that the agent dropped us as silent and let them go (their shards may be evicted, whose
-        space must come back): then as after a restart."""
-        known = self.conn.request(self.requests.ping()).get("known")
+        space must come back): then as after a restart. Waited for ``PING_EVERY`` at most: the
+        files we hold stay right to read whether the agent answers or not (a read of another
+        shard finds out)."""
         self.contact = time.monotonic()
+        try:
+            known = self.conn.request(self.requests.ping(), timeout=PING_EVERY).get("known")
+        except AgentUnavailableError:
+            return
         if known is False:
             self._agent_restarted()
 
@@ -628,9 +647,13 @@ class _Session:
         os.close(held.fd)  # before the agent may evict it: its space comes back
         self.conn.request(self.requests.release(self.urls[shard]))
         self.contact = time.monotonic()
-        self.tables[shard] = held.table
+        self._keep_table(shard, held.table)
+
+    def _keep_table(self, shard: int, table: _Table) -> None:
+        """Keep the table of a shard we let go (the latest, within ``TABLE_SAMPLES``)."""
+        self.tables[shard] = table
         self.tables.move_to_end(shard)
-        self.table_samples += len(held.table)
+        self.table_samples += len(table)
         while self.table_samples > TABLE_SAMPLES and self.tables:
             self.table_samples -= len(self.tables.popitem(last=False)[1])
 
