@@ -99,7 +99,13 @@ def test_fluid_stages_in_a_dataloader_with_workers(jpeg_shards: tuple[list[str],
         labels += batch_labels.tolist()
     expected = {1000 + s * 10 + i for s in range(SHARDS) for i in range(PER_SHARD)} - {1011}
     assert Counter(labels) == Counter(expected)
-    assert len(ds) == SHARDS * PER_SHARD  # the source's, known once every shard was read
+    # One that batches and filters has no length, as webdataset's (a schedule sized by it would
+    # be wrong); its source alone has, and with_length gives one.
+    with pytest.raises(TypeError, match="stages after its source"):
+        len(ds)
+    assert len(ds.with_length(7)) == 7
+    source = wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, job="fluid")
+    assert len(source) == SHARDS * PER_SHARD  # known once every shard was read
     in_order = [x for x in sorted(expected)]
     assert labels != in_order  # shuffled
     # with_epoch is webdataset's: epochs of a fixed length, the source running on into the next epoch

@@ -295,7 +295,15 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self._cut_over = False
 
     def __len__(self) -> int:
-        """Samples per rank in the next epoch (the source's: before any batching or with_epoch)."""
+        """Samples per rank in the next epoch, of a dataset with no stage after its source: one
+        with stages (a batching, a filter, with_epoch) may yield another count, and has no
+        length, as webdataset's has none (``with_length(n)`` gives one)."""
+        if len(self.pipeline) > 1:
+            raise TypeError(
+                "len() of a WebDataset with stages after its source: they may change the count, as "
+                "batched(), select() or with_epoch() do; take len() before adding them, or give one "
+                "with with_length(n)"
+            )
         return len(self._loader("len()"))
 
     def _loader(self, what: str) -> CachedMultiLoader:
