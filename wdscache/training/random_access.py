@@ -10,13 +10,13 @@ through the transformations (by default wids' own decoder, ``"PIL"``: see :func:
 
 How a sample is read: each process that indexes the dataset, and each thread of it, has its own
 session with the agent (made there on first use, so a ``DataLoader`` worker, forked or spawned,
-or a thread of a pool talks over its own sockets). It pins the shard (waiting for its download, which the agent makes
-once per node), asks one of the agent's sample workers once for the shard's sample table (the
-byte ranges of every sample in the cache file, which the worker already walked), and then
-copies each sample out of the cache file with one ``pread``. Up to ``lru_size`` shards stay
-pinned and open per process, the least recently read let go first; the tables of shards let
-go are kept (bounded), tied to the identity of the file they describe, so indexing a shard
-again costs one request to the agent, not another table.
+or a thread of a pool talks over its own sockets). It pins the shard (waiting for its download,
+which the agent makes once per node), asks one of the agent's sample workers once for the
+shard's sample table (the byte ranges of every sample in the cache file, which the worker
+already walked), and then copies each sample out of the cache file with one ``pread``. Up to
+``lru_size`` shards stay pinned and open per session, the least recently read let go first;
+the tables of shards let go are kept (bounded), tied to the identity of the file they
+describe, so indexing a shard again costs one request to the agent, not another table.
 
 Guarantees:
 
@@ -271,8 +271,8 @@ class ShardListDataset:
     ``shards``: a wids shard index (the path of its JSON file) or its list of ``{"url": ...,
     "nsamples": ...}``; relative URLs in a file resolve against its folder (or ``base``), as in
     wids. ``cache_dir``/``endpoint`` find the agent as for ``CachedMultiLoader`` (a private agent
-    is started on ``cache_dir`` when none runs there). ``lru_size``: shards each process keeps
-    pinned and open. ``transformations``: as in wids. ``cache_size`` and ``keep`` are wids'
+    is started on ``cache_dir`` when none runs there). ``lru_size``: shards each process (each
+    thread that reads) keeps pinned and open. ``transformations``: as in wids. ``cache_size`` and ``keep`` are wids'
     options for its own download folder: the agent's budget (``--cache-size``) decides here, so
     they change nothing. ``timeout``: seconds without an answer from the agent before giving up
     (a download in progress answers).
