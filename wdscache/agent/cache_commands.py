@@ -365,7 +365,8 @@ def _own_agent(
     from .core import Agent
 
     layout.check_writable("'wdscache prefetch'")
-    last = read_summary(layout.index_dir)[2] if layout.is_cache() else {}
+    need_last = (cache_size is None or min_free is None) and layout.is_cache()
+    last = read_summary(layout.index_dir)[2] if need_last else {}
     if cache_size is None:
         limit = last.get("bytes_limit")
         cache_size = str(limit) if isinstance(limit, int) and limit > 0 else default("cache_size")

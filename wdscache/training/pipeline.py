@@ -298,13 +298,14 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         """Samples per rank in the next epoch, of a dataset with no stage after its source: one
         with stages (a batching, a filter, with_epoch) may yield another count, and has no
         length, as webdataset's has none (``with_length(n)`` gives one)."""
+        loader = self._loader("len()")
         if len(self.pipeline) > 1:
             raise TypeError(
                 "len() of a WebDataset with stages after its source: they may change the count, as "
                 "batched(), select() or with_epoch() do; take len() before adding them, or give one "
                 "with with_length(n)"
             )
-        return len(self._loader("len()"))
+        return len(loader)
 
     def _loader(self, what: str) -> CachedMultiLoader:
         if self.loader is None:
