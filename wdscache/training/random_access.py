@@ -327,9 +327,9 @@ class ShardListDataset:
             check_cache_dir(self.cache_dir, may_start=True)
         self.lru_size, self.timeout = lru_size, timeout
         self.transformations = transformations_of(transformations)
-        # Each thread's session (its sockets, pins and files), by thread: ZeroMQ sockets are
-        # used by one thread at a time, and threads read at once.
-        self._sessions: dict[int, _Session] = {}
+        # Each thread's session (its sockets, pins and files): ZeroMQ sockets are used by one
+        # thread at a time, and threads read at once.
+        self._sessions: dict[threading.Thread, _Session] = {}
         self._forks = _forks  # the process's forks its sessions were made after
 
     def add_transform(self, transform: Transform) -> ShardListDataset:
@@ -359,8 +359,8 @@ class ShardListDataset:
         shard, dataset, url = self._places[entry]
         if self._forks != _forks:  # a forked child never uses its parent's sockets (any thread's)
             self._forget_parents()
-        session = self._sessions.get(threading.get_ident())
-        if session is None or session.thread is not threading.current_thread():  # (an id is reused)
+        session = self._sessions.get(threading.current_thread())
+        if session is None:
             session = self._new_session()
         sample = session.sample(shard, inner)
         sample["__dataset__"] = dataset
@@ -381,10 +381,9 @@ class ShardListDataset:
         """This thread's session; those of threads that ended go first (their pins and files,
         which would hold evicted shards' space)."""
         alive = set(threading.enumerate())
-        for ident, gone in [(i, s) for i, s in self._sessions.items() if s.thread not in alive]:
-            del self._sessions[ident]
-            gone.close()  # (its thread ended: no other uses its sockets)
-        session = self._sessions[threading.get_ident()] = _Session(self)
+        for thread in [t for t in self._sessions if t not in alive]:
+            self._sessions.pop(thread).close()  # (its thread ended: no other uses its sockets)
+        session = self._sessions[threading.current_thread()] = _Session(self)
         return session
 
     def close(self) -> None:
@@ -448,7 +447,6 @@ class _Session:
 
     def __init__(self, ds: ShardListDataset) -> None:
         self.forks = _forks
-        self.thread = threading.current_thread()  # the one thread that uses our sockets
         self.pid = os.getpid()
         self.ds = ds
         self.urls = ds._list.urls
