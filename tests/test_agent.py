@@ -903,6 +903,8 @@ def test_a_list_edit_answers_who_waits_for_a_removed_shard_and_retries_a_failed_
         assert not opening.is_alive(), "the open of a removed shard is never answered"
         assert replies[0]["ok"] is False and "removed from the agent's URL list" in replies[0]["error"], replies
         assert "URL list changed: 1 added, 2 removed (2 shards now)" in agent.stderr_text(), agent.stderr_tail()
+        shown = agent.stats()
+        assert shown["shards"]["failed"] == 0 and not shown["failed"], "a shard no list names is shown failed"
 
         shard_server.clear_faults()  # b is served now: listed again, it is fetched again
         write_url_list(ds.list_file.with_name(".urls.tmp"), [a, b, d])

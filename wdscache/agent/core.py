@@ -57,6 +57,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -388,7 +389,9 @@ class Agent:
         for url in asked:
             if url in removed and not self.readers.read_by_a_consumer(url):
                 self.opens.unlisted(url)
-        self.cache.forget_failures(change.added)  # last: a full index (IndexWriteError) leaves the rest done
+        # Last: a full index (IndexWriteError) leaves the rest done. A shard listed again is tried
+        # again; one no list names any more is no failure of anyone's.
+        self.cache.forget_failures(chain(change.added, (u for u in change.removed if not self.readers.known(u))))
 
     # -- download events ------------------------------------------------------
 

@@ -55,6 +55,10 @@ class JobLists:
     def __iter__(self) -> Iterator[UrlList]:
         return iter(self._lists.values())
 
+    def __reversed__(self) -> Iterator[UrlList]:
+        """The lists, the latest kept first."""
+        return reversed(self._lists.values())
+
     def get(self, key: str, default: UrlList) -> UrlList:
         return self._lists.get(key, default)
 

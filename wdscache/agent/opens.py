@@ -66,6 +66,7 @@ class Opens:
         self._answers: list[Answer] = []  # replies to held requests, for the core to send
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read (for stats)
         self._changed: dict[str, str] = {}  # url -> how it changed on the server (for stats)
+        self._refetch_why: dict[str, str] = {}  # url -> how its copy is unlike its index (SUSPECT for that)
 
     def take_answers(self) -> list[Answer]:
         """The replies to requests held earlier (waiters) that became answerable since the last call."""
@@ -175,6 +176,11 @@ class Opens:
             # holds it, else once they let go; meanwhile it is not cached for this reader.
             self._refetch_if_corrupt(shard)
             rec = None
+        if rec is not None and rec.state is ShardState.CACHED and shard.phase in (Phase.IDLE, Phase.REVALIDATING):
+            unlike = self._unlike_index(url, rec.source_size or rec.size, name)
+            if unlike is not None:  # its shard index was written anew since the copy was made
+                self._outdated(shard, unlike)
+                rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             cache.index.incr("hits")
             if url in self._verified or not self._config.revalidate:
@@ -213,6 +219,8 @@ class Opens:
             return False
         if self._config.revalidate and url not in self._verified:
             return False
+        if self._unlike_index(url, rec.source_size or rec.size, name) is not None:
+            return False  # the open of it has it downloaded again
         shard = self.shards.record(url)
         try:
             if shard.phase is Phase.SUSPECT or not cache.path(url).exists():
@@ -394,11 +402,11 @@ class Opens:
         cache.index.drop_count(url)
         self._demand(shard)  # its waiters get the new copy
 
-    def _unlike_index(self, url: str, size: int) -> str | None:
-        """How a copy cached by an earlier run (its source was ``size`` bytes) differs from what
-        its shard index says now (None: it does not, or there is no index): it is downloaded
-        again then, and that download is checked."""
-        info = self._readers.shard_info(url)
+    def _unlike_index(self, url: str, size: int, name: str | None = None) -> str | None:
+        """How a cached copy (its source was ``size`` bytes) differs from what its shard index says
+        now, the one of the list reader ``name`` reads if given (None: it does not, or there is no
+        index): it is downloaded again then, and that download is checked."""
+        info = self._readers.shard_info(url, name)
         if info is None:
             return None
         counted = self._cache.index.counts.get(url)
@@ -465,20 +473,36 @@ class Opens:
         finally:
             self.shards.settle(shard)
 
+    def _outdated(self, shard: Shard, why: str) -> None:
+        """A reader's shard index says other things of the shard than its cached copy holds (the
+        index was written anew, for a new version of the shard): the copy is downloaded again as a
+        damaged one is, once no reader holds it (readers of the list it was made for may)."""
+        url = shard.url
+        log.error("%s %s; downloading it again once no reader holds it", url, why)
+        _remember(self._changed, url, why)
+        self._cache.index.incr("changed")
+        _remember(self._refetch_why, url, why)
+        self.shards.move(shard, Phase.SUSPECT)
+        self._refetch_if_corrupt(shard)
+
     def _refetch_if_corrupt(self, shard: Shard) -> None:
         """A damaged copy nobody holds any more is dropped, and downloaded once more for the
         readers waiting for it (see :meth:`_damaged`)."""
         url = shard.url
         if shard.phase is not Phase.SUSPECT or self._cache.pins.get(url):
             return
-        log.warning("downloading %s again: %s", url, self._corrupt.get(url, "found damaged"))
+        outdated = self._refetch_why.pop(url, None)
+        log.warning("downloading %s again: %s", url, outdated or self._corrupt.get(url, "found damaged"))
         self.shards.move(shard, Phase.WANTED)
         shard.refetched = True
         if shard.asked_at is None:
             shard.asked_at = time.monotonic()
-        # Its sample count stays: it was found in a copy of this very version, and the ranks
-        # of a job that ask for it meanwhile must all get the same answer.
-        self._cache.remove(url, "found damaged, to be downloaded once more")
+        # A damaged copy's sample count stays: it was found in a copy of this very version, and
+        # the ranks of a job that ask for it meanwhile must all get the same answer. An outdated
+        # copy's goes: its index's count holds until the new version is counted.
+        self._cache.remove(url, "found damaged, to be downloaded once more" if outdated is None else f"it {outdated}")
+        if outdated is not None:
+            self._cache.index.drop_count(url)
 
     def view(self) -> dict[str, Any]:
         """The damaged and changed shards, for the stats reply."""

@@ -46,6 +46,7 @@ from .budget_need import BudgetNeed
 from .cache import ShardCache
 from .control import Reply, Request
 from .job_lists import JobLists
+from .jobs import Jobs
 from .rank_totals import RankTotals
 from .unnamed_partials import UnnamedPartials
 
@@ -170,7 +171,7 @@ class Readers:
         self._startup = self._startup_plan(urls)
         self._startup_stopped = False  # by wdscache clear, until the list changes: no refill nobody asked for
         self._startup_left: set[str] = set()  # evicted by wdscache evict, until the list changes: the same
-        self._jobs: dict[str, dict[str, Any]] = {}  # job -> {"world_size"}, to check its ranks agree
+        self._jobs = Jobs()  # their world sizes (its ranks must agree), and the list each of their epochs reads
         # Reader name -> its last report, once it left (for stats), in the order they left.
         self._ended: dict[str, dict[str, Any]] = {}
         self._totals = RankTotals()  # each rank's over the agent's life (the metrics' counters)
@@ -208,13 +209,19 @@ class Readers:
             at = self.urls.urls.position(url)
         return at if at >= 0 else None
 
-    def shard_info(self, url: str) -> ShardInfo | None:
-        """What a shard index says of ``url``: the agent's list's, else that of a job's list."""
+    def shard_info(self, url: str, name: str | None = None) -> ShardInfo | None:
+        """What a shard index says of ``url``: the one of the list reader ``name`` reads, if it
+        reads one kept besides the agent's; else the agent's list's, else that of the latest
+        job's list that holds it."""
+        record = self._readers.get(name) if name is not None else None
+        key = record.plan.list_id if record is not None else None
+        if key is not None and key != self.list_id and key in self._lists:
+            return self._lists.get(key, self.urls).info(url)
         facts = self.urls.shards
         at = self.position(url) if facts is not None else None
         info = facts[at] if facts is not None and at is not None else None
         if info is None:
-            info = next((i for listed in self._lists if (i := listed.info(url)) is not None), None)
+            info = next((i for listed in reversed(self._lists) if (i := listed.info(url)) is not None), None)
         return info
 
     def samples(self, url: str) -> int | None:
@@ -304,28 +311,35 @@ class Readers:
                 "error": f"it speaks {speaks(said)}, the agent {speaks(PROTOCOL)}; {SAME_INSTALL}",
             }
         claimed = get_field(header, "list_id", str, None)
-        refused = self._lists.take(name, claimed, {r.list_id for r in self._plans()})
+        epoch = get_field(header, "epoch", int, None)
+        probe = header.get("probe") is True  # not a rank reading: neither joins nor leaves the job
+        refused = self._lists.take(name, claimed, self._read_lists())
         if refused is not None:
             return refused
         known = self._jobs.get(job)
-        if known is not None and known["world_size"] != world and self._job_ranks(job):
+        if known is not None and known.world_size != world and self._job_ranks(job):
             return {
                 "ok": False,
                 "error": (
-                    f"job {job!r} runs with world_size {known['world_size']}, but rank {rank} says {world}; "
+                    f"job {job!r} runs with world_size {known.world_size}, but rank {rank} says {world}; "
                     "give each launch its own job name"
                 ),
             }
-        self._jobs[job] = {"world_size": world}
+        self._jobs.join(job, world)
+        # It reads the list it named; else the one its job's epoch reads (the first of its readers
+        # took the agent's list as it was then), to that epoch's end, whatever edits come.
+        if claimed is not None:
+            key = claimed
+        elif epoch is not None and not probe:
+            key = self._jobs.list_for(job, epoch, self.list_id, lambda k: k == self.list_id or k in self._lists)
+        else:
+            key = self.list_id
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
         before = self._readers.get(name)
         again = before is not None and before.consumer is not None  # its next epoch: it did not leave, nor join anew
         self.drop(name, why=None)
-        # It reads the list it named, or the agent's list as it is now until its epoch ends.
-        record = self._readers[name] = ReaderRecord(
-            Reader(name, ahead=[], list_id=claimed if claimed is not None else self.list_id)
-        )
-        if header.get("probe") is True:  # not a rank reading: neither joins nor leaves the job
+        record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key))
+        if probe:
             record.probe = True
         else:
             # Stamped: its first report's share of time spent waiting counts from here.
@@ -348,13 +362,15 @@ class Readers:
                 rank=rank,
                 world_size=world,
             )
+        agents = self.list_id if claimed is not None else key  # the agent's list it reads, if it reads one
+        listed = self._list(agents)
         return {
             "ok": True,
             "workers": self._workers,
             "prefetch": self._config.prefetch,
-            "list_id": self.list_id,
-            "n_urls": len(self.urls),
-            "local_urls": self.urls.local,  # (a loader reading it adds each local shard's path to its samples)
+            "list_id": agents,
+            "n_urls": len(listed),
+            "local_urls": listed.local,  # (a loader reading it adds each local shard's path to its samples)
             # for direct reads (wdscache.training.direct)
             "cache_dir": str(self._cache.layout.root),
             "cache_root": self._cache_root,
@@ -465,7 +481,8 @@ class Readers:
         while self._ended and now - next(iter(self._ended.values()))["_ended"] >= ENDED_KEPT:
             del self._ended[next(iter(self._ended))]
         self._totals.expire(lambda: {(str(c.get("job")), str(c.get("rank"))) for c in self._consumers().values()})
-        self._lists.free({r.list_id for r in self._plans()})
+        self._jobs.expire({str(c.get("job")) for c in self._consumers().values()}, now)
+        self._lists.free(self._read_lists())
         self._unnamed.check(now)
 
     def close(self) -> None:
@@ -473,6 +490,10 @@ class Readers:
         self._processes.close()
 
     # -- jobs and lists -----------------------------------------------------------
+
+    def _read_lists(self) -> set[str | None]:
+        """The ids of the lists read: by a reader, or by a job's epoch that more readers may join."""
+        return {r.list_id for r in self._plans()} | self._jobs.lists()
 
     def _job_ranks(self, job: str) -> list[int]:
         """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
@@ -502,7 +523,7 @@ class Readers:
     def replace_list(self, new: UrlList) -> None:
         """The agent's list file changed to ``new``. Epochs under way finish on the list they
         started with; the next ones take the new one."""
-        if any(r.list_id == self.list_id for r in self._plans()):
+        if self.list_id in self._read_lists():
             self._lists.keep(self.list_id, self.urls)
         self.urls, self._window_at = new, {}
         self.list_id = list_id(new.urls)

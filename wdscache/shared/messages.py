@@ -53,6 +53,7 @@ class _HelloRequired(TypedDict):
 
 class HelloMessage(_HelloRequired, total=False):
     list_id: str
+    epoch: int
     process: list[Any]
     shuffle_buffer: int
     probe: bool
@@ -507,6 +508,7 @@ class Requests:
         world_size: int,
         *,
         list_id: str | None = None,
+        epoch: int | None = None,
         process: list[Any] | None = None,
         shuffle_buffer: int | None = None,
         probe: bool = False,
@@ -521,6 +523,8 @@ class Requests:
         }
         if list_id is not None:
             m["list_id"] = list_id
+        if epoch is not None:
+            m["epoch"] = epoch
         if process is not None:
             m["process"] = process
         if shuffle_buffer is not None:

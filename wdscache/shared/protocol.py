@@ -377,6 +377,7 @@ MESSAGES: tuple[Message, ...] = (
             "rank": "int",
             "world_size": "int",
             "list_id": "str?",
+            "epoch": "int?",
             "process": "list?",
             "shuffle_buffer": "int?",
             "probe": "bool?",
@@ -394,6 +395,7 @@ MESSAGES: tuple[Message, ...] = (
             "cache_root": "list",
         },
         about="a rank joins its job; list_id names its own list (sent first with put_urls if asked); "
+        "epoch: the job's epoch it starts (its readers of one epoch read one agent list); "
         "probe: only to learn the list and its counts (a loader's len()), not a rank reading; "
         "the reply's local_urls: the agent's list holds a file:// URL",
     ),

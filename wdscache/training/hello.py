@@ -48,11 +48,13 @@ def say_hello(
     reader: ReaderHello,
     known: AgentList | None = None,
     *,
+    epoch: int | None = None,
     probe: bool = False,
 ) -> tuple[dict[str, Any], Sequence[str]]:
     """Say hello to the agent as ``reader`` named ``name``; returns the reply and the URL list in
     use. ``known``: the agent's list as read before (its blocks kept if it is still in use); the
     agent's list is an :class:`AgentList`, asked a block at a time as the epoch reaches it.
+    ``epoch``: the job's epoch it starts (the agent gives every reader of a job's epoch one list);
     ``probe``: only to learn the list and its counts, not as a rank that reads."""
     requests = Requests(name)
     request = requests.hello(
@@ -65,6 +67,7 @@ def say_hello(
         shuffle_buffer=reader.shuffle_buffer,
         probe=probe,
         list_id=reader.list_key if reader.urls is not None else None,
+        epoch=epoch,
     )
     hello = conn.request(request)
     if hello.get("need_urls") and reader.urls is not None:

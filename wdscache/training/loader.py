@@ -358,15 +358,16 @@ class CachedMultiLoader:
         )
 
     def _session(
-        self, conn: AgentConnection, name: str, *, probe: bool = False
+        self, conn: AgentConnection, name: str, *, epoch: int | None = None, probe: bool = False
     ) -> tuple[dict[str, Any], Sequence[str]]:
-        """Say hello to the agent as reader ``name`` (:mod:`wdscache.training.hello`); returns the
-        reply and the URL list in use. The agent's list is kept, and read again only when it changes."""
+        """Say hello to the agent as reader ``name`` (:mod:`wdscache.training.hello`), starting
+        ``epoch`` (None: not as a rank reading an epoch); returns the reply and the URL list in
+        use. The agent's list is kept, and read again only when it changes."""
         shuffle_buffer = self.shuffle_buffer if self.shuffle else 0
         reader = ReaderHello(
             self.job, self.rank, self.world_size, shuffle_buffer, self.endpoint, self.urls, self._shards, self._list_key
         )
-        hello, urls = say_hello(conn, name, reader, self._agent_list, probe=probe)
+        hello, urls = say_hello(conn, name, reader, self._agent_list, epoch=epoch, probe=probe)
         if isinstance(urls, AgentList):
             self._agent_list = urls  # the latest list only
         return hello, urls
@@ -415,7 +416,7 @@ class CachedMultiLoader:
         # A mixture's counts first: counting may read shards for longer than the agent keeps a
         # silent reader, so the epoch's session opens after it.
         spec = self._mix_spec(epoch, worker.count) if self._mix is not None else None
-        session = self._open_session()
+        session = self._open_session(epoch)
         try:
             taken_on = self._resumed_from.get("urls") if self._resumed_from is not None else None
             if taken_on not in (None, session.list_id):
@@ -528,12 +529,13 @@ class CachedMultiLoader:
             direct_reads=t.direct_reads and not t.zero_copy and self._direct_off is None,
         )
 
-    def _open_session(self) -> Session:
-        """A new reader's session with the agent, for one epoch's stream."""
+    def _open_session(self, epoch: int | None = None) -> Session:
+        """A new reader's session with the agent, for one stream: of the job's epoch ``epoch``
+        (None: a mixture's shards counted)."""
         name = f"{self.job}/{self.rank}/{uuid.uuid4().hex[:8]}"
         conn = self._connection(self.timeout)
         try:
-            hello, urls = self._session(conn, name)
+            hello, urls = self._session(conn, name, epoch=epoch)
         except BaseException:
             conn.close()
             raise
@@ -545,16 +547,16 @@ class CachedMultiLoader:
             list_id=self._list_read(hello),
             connect=self._connection,
             direct_failed=self._direct_failed,
-            hello_again=self._hello_again,
+            hello_again=functools.partial(self._hello_again, epoch=epoch),
         )
 
     def _list_read(self, hello: dict[str, Any]) -> str:
         """The id of the list this loader reads at the agent that answered ``hello``: its own, else the agent's."""
         return self._own_list_id or str(hello.get("list_id"))
 
-    def _hello_again(self, conn: AgentConnection, name: str) -> tuple[dict[str, Any], str]:
-        """Hello again as reader ``name`` (to a new run of the agent): its answer, and the list read there."""
-        hello = self._session(conn, name)[0]
+    def _hello_again(self, conn: AgentConnection, name: str, epoch: int | None) -> tuple[dict[str, Any], str]:
+        """Hello again as reader ``name`` of ``epoch`` (to a new run of the agent): its answer, and the list read there."""
+        hello = self._session(conn, name, epoch=epoch)[0]
         return hello, self._list_read(hello)
 
     def _direct_failed(self, why: str) -> None:
