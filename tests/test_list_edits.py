@@ -92,3 +92,20 @@ def test_a_shard_index_written_anew_for_a_new_version_of_a_shard_has_its_copy_do
     assert all({f".{k}": v for k, v in s.items() if not k.startswith("__")} == want[_keys([s])[0]] for s in got)
     assert "is 51200 bytes in the cache, but the shard index says" in agent.stderr_text(), agent.stderr_tail()
 
+
+def test_a_configmap_update_by_the_kubelets_symlink_swap_is_taken_up_live(shard_server, dataset, start_agent, tmp_path):
+    ds = dataset(4)
+    mount = tmp_path / "configmap"  # as the kubelet lays out a mounted ConfigMap
+    (mount / "..v1").mkdir(parents=True)
+    write_url_list(mount / "..v1" / "urls.txt", ds.urls[:2])
+    (mount / "..data").symlink_to("..v1")
+    (mount / "urls.txt").symlink_to("..data/urls.txt")
+    agent = start_agent(tmp_path / "cache", mount / "urls.txt", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 15, "the first list cached")
+
+    (mount / "..v2").mkdir()
+    write_url_list(mount / "..v2" / "urls.txt", ds.urls)
+    (mount / "..data_tmp").symlink_to("..v2")
+    os.replace(mount / "..data_tmp", mount / "..data")  # the kubelet's atomic swap: urls.txt itself never changes
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 15, "the swapped list taken up")
+    assert s["agent"]["urls"] == 4 and "URL list changed: 2 added, 0 removed" in agent.stderr_text()
