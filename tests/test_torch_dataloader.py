@@ -91,6 +91,7 @@ def test_stateful_dataloader_resumes_exactly_with_other_workers_and_ranks(warm: 
         "to resume with another num_workers, world size or number of nodes, load the whole StatefulDataLoader"
         in out["mismatch"]
     )
+    assert "taken 2 batch(es) after its workers' last snapshot" in out["behind"]
 
 
 @pytest.mark.slow

@@ -263,6 +263,34 @@ def test_with_epoch_resumes_from_a_checkpoint_as_the_uninterrupted_run_goes_on(
             assert keys(resumed) == whole[1], (n, k)
 
 
+def test_with_epoch_state_of_a_stateful_dataloader_without_workers_loaded_into_the_dataset_keeps_its_cut(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # Without workers the StatefulDataLoader holds the dataset's own state (its "dataset_state"):
+    # loaded into the dataset, as train_example.py loads every state, the cut resumes too.
+    stateful = pytest.importorskip(
+        "torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)"
+    )
+    urls, _, list_file = dataset(8, samples=5, payload=100)
+    cache = tmp_path / "cache"
+    start_agent(cache, list_file)
+
+    def made() -> Any:
+        return wdscache.WebDataset(urls, cache_dir=cache, job="sdl0").with_epoch(10)
+
+    def batches(dl: Any) -> list[list[str]]:
+        return [list(batch["__key__"]) for batch in dl]
+
+    dl = stateful.StatefulDataLoader(made(), batch_size=5)
+    whole = [batches(dl), batches(dl)]
+    dl = stateful.StatefulDataLoader(made(), batch_size=5)
+    first = [list(next(iter(dl))["__key__"])]
+    resumed = made()
+    resumed.load_state_dict(json.loads(json.dumps(dl.state_dict())))
+    dl = stateful.StatefulDataLoader(resumed, batch_size=5)
+    assert [first + batches(dl), batches(dl)] == whole
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["list", "resampled"])
 def test_with_epoch_in_stateful_dataloader_workers_resumes_as_the_uninterrupted_run_goes_on(

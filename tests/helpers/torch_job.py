@@ -136,6 +136,14 @@ def stateful(cache: str) -> dict[str, Any]:
         next(iter(dl))
     except Exception as exc:  # noqa: BLE001 (the DataLoader re-raises the worker's error as its own type)
         out["mismatch"] = str(exc)
+    # Workers' states snapshot every 4 batches, the state taken 2 batches after one: loaded into
+    # the dataset it would deliver those 2 again, so it is refused.
+    dl = StatefulDataLoader(loader(cache, 0, 1), batch_size=3, num_workers=2, snapshot_every_n_steps=4)
+    assert len([i for _, batch in zip(range(6), dl) for i in ids(batch)]) == 18
+    try:
+        loader(cache, 0, 1).load_state_dict(dl.state_dict())
+    except ValueError as exc:
+        out["behind"] = str(exc)
     return out
 
 

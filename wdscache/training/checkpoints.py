@@ -35,6 +35,8 @@ from .worker_slices import Delivered, WorkerSlice, check_worker, combine
 STATE_VERSION = 2  # 2 added "done"; a version 1 state is read as one without it
 # A state with "parts" (a job on several nodes): an older loader, which would not see them, refuses it.
 PARTS_VERSION = 3
+# A StatefulDataLoader state's count of batches delivered since its workers' states were taken.
+STEPS_SINCE_SNAPSHOT = "_steps_since_snapshot"
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,14 @@ class Checkpoints:
         """Where the next epoch of a loader given ``state`` starts (``worker``: its slice), and the
         state it came from (whose list the epoch checks): from ``state_dict()`` of any rank, or a
         whole ``StatefulDataLoader.state_dict()`` (all its workers' states)."""
+        behind = state.get(STEPS_SINCE_SNAPSHOT) if isinstance(state, dict) else None
+        if type(behind) is int and behind > 0:
+            raise ValueError(
+                f"this StatefulDataLoader state was taken {behind} batch(es) after its workers' last snapshot "
+                "(snapshot_every_n_steps > 1): their states do not count those batches, which a load into the "
+                "dataset would deliver again. Load it into a StatefulDataLoader of the same num_workers "
+                "(dl.load_state_dict(state)), or take states with snapshot_every_n_steps=1"
+            )
         ours = list(_our_states(state))
         if not ours:
             raise ValueError(

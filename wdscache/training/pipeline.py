@@ -285,7 +285,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         return {**loader.state_dict(), CUT_ITEMS: self._cut_items}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        items = state.get(CUT_ITEMS, 0) if isinstance(state, dict) else 0
+        items = _cut_items(state)
         if type(items) is not int or items < 0:
             raise ValueError(f"a checkpoint's {CUT_ITEMS!r} is a count of items, not {items!r}")
         self._loader("load_state_dict()").load_state_dict(
@@ -325,3 +325,15 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cut_items(state: Any) -> Any:
+    """The items of a ``with_epoch`` cut out before ``state``: in our own state, or in the
+    dataset's state a ``StatefulDataLoader`` without workers holds (``dataset_state``: the
+    same layout, so the cut resumes too); 0 if neither has one."""
+    if not isinstance(state, dict):
+        return 0
+    if CUT_ITEMS in state:
+        return state[CUT_ITEMS]
+    nested = state.get("dataset_state")
+    return nested.get(CUT_ITEMS, 0) if isinstance(nested, dict) else 0
