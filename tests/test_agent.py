@@ -376,6 +376,20 @@ def test_an_endpoint_that_cannot_be_bound_is_refused_naming_it(dataset, run_cli,
             assert not any(word in r.stderr for word in ("Traceback", "SECRET", "SIGNED")), r.stderr
 
 
+def test_a_socket_file_left_in_a_read_only_folder_is_refused_naming_the_endpoint(dataset, run_cli, tmpfs, tmp_path):
+    # As under a service's sandbox (systemd's ProtectSystem=strict) with an earlier run's socket left.
+    ds = dataset(1)
+    folder = tmpfs("1m")
+    (folder / "agent.sock").touch()
+    r = subprocess.run(["mount", "-o", "remount,ro", str(folder)], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+    endpoint = f"ipc://{folder}/agent.sock"
+    r = run_cli("agent", "--cache-dir", tmp_path / "cache", "--urls", ds.list_file, "--endpoint", endpoint, timeout=20)
+    assert r.returncode == 2, r.stderr
+    assert f"wdscache: error: cannot listen on {endpoint} (Read-only file system)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+
+
 def test_budget_too_small_for_the_prefetch_window_is_refused(shard_server, dataset, run_cli, start_agent, tmp_path):
     ds = dataset(6, **SHARD_100K)
     shard_size = max(p.stat().st_size for p in ds.paths)

@@ -92,10 +92,13 @@ class ControlSocket:
         except BaseException as exc:
             sock.close(0)
             self._ctx.term()
-            if isinstance(exc, zmq.ZMQError):  # in use, or a folder that is not there: the option's fault
+            # In use, a folder that is not there, or a socket file that cannot be replaced (a folder
+            # read-only in a service's sandbox): the option's fault, or the folder's.
+            if isinstance(exc, (zmq.ZMQError, OSError)):
                 # os.strerror: ZeroMQ's own message repeats the endpoint, unredacted.
                 raise ConfigError(
-                    f"cannot listen on {redact_urls(endpoint)} ({os.strerror(exc.errno or 0)}): choose another --endpoint"
+                    f"cannot listen on {redact_urls(endpoint)} ({os.strerror(exc.errno or 0)}): choose another "
+                    "--endpoint, or let the agent write to its folder"
                 ) from None
             raise
         self._sock = sock

@@ -14,6 +14,7 @@ parent dies (Linux), and also exit when their parent's pid changes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -182,4 +183,5 @@ class WorkerPool:
             self._close_ready(i)
         for ep in self.endpoints:
             if ep.startswith("ipc://"):
-                Path(ep[len("ipc://") :]).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # (a folder we may not write: nothing of ours to remove)
+                    Path(ep[len("ipc://") :]).unlink(missing_ok=True)
