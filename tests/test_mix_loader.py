@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from wdscache import CachedMultiLoader
-from wdscache.shared.errors import ConfigError
+from wdscache.shared.errors import ConfigError, WdsCacheError
 from wdscache.shared.mixture import shares
 
 PER_SHARD = 10
@@ -335,3 +335,18 @@ def test_a_pipe_source_in_a_mixture_is_refused_as_a_loader_refuses_it(two_source
     src = two_sources
     with pytest.raises(ConfigError, match=r"mix\['pipe:cat x.tar'\]: a loader does not run pipe: commands"):
         CachedMultiLoader(mix={src["a"]: 1, "pipe:cat x.tar": 1}, epoch_samples=10, cache_dir=src["cache"])
+
+
+def test_an_indexed_source_mixed_with_a_plain_list_keeps_its_index_checked(
+    two_sources: dict[str, Any], dataset: Callable[..., Any], run_cli: Callable[..., Any], tmp_path: Path
+) -> None:
+    src = two_sources
+    c = dataset(2, samples=PER_SHARD, payload=200, prefix="c", list_name="c-own.txt")
+    index = tmp_path / "lists" / "c.json"
+    assert run_cli("index", *c.urls, "-o", index).returncode == 0
+    doc = json.loads(index.read_text())
+    doc["shardlist"][1]["nsamples"] += 1  # the index says one sample more than the shard holds
+    index.write_text(json.dumps(doc))
+    with pytest.raises(WdsCacheError) as raised:
+        list(_loader(src, mix={str(index): 1, src["b"]: 1}, epoch_samples=20))
+    assert c.urls[1] in str(raised.value) and "but the shard index says" in str(raised.value), raised.value

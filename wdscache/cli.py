@@ -424,7 +424,7 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, retries: int, s3_endpo
         write_shard_index(output, entries)
     except OSError as exc:
         _fail(ConfigError(f"cannot write {output}: {exc.strerror}"))
-    _echo(f"wrote {output}: {len(entries)} shards, {sum(i.nsamples for _, i in entries)} samples", err=True)
+    _echo(f"wrote {output}: {len(entries)} shards, {sum(i.nsamples or 0 for _, i in entries)} samples", err=True)
 
 
 def _stored_url(url: str, folder: Path) -> str:

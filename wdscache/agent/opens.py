@@ -412,7 +412,7 @@ class Opens:
         counted = self._cache.index.counts.get(url)
         if info.filesize is not None and size != info.filesize:
             return f"is {size} bytes in the cache, but the shard index says {info.filesize}"
-        if counted is not None and counted != info.nsamples:
+        if counted is not None and info.nsamples is not None and counted != info.nsamples:
             return f"holds {counted} samples in the cache, but the shard index says {info.nsamples}"
         return None
 

@@ -69,9 +69,10 @@ _ENTRY = object()  # what read_shard_index's parsing leaves of an entry it took
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """What an index says of one shard: its samples, and its size and MD5 when it gives them."""
+    """What an index says of one shard: its samples, and its size and MD5 when it gives them.
+    ``nsamples`` is None only in a mixture's list, for a shard of a source given without an index."""
 
-    nsamples: int
+    nsamples: int | None
     filesize: int | None = None
     md5: str | None = None  # lowercase hex
 
@@ -84,8 +85,8 @@ class ShardInfo:
         return None
 
     def count_mismatch(self, samples: int) -> str | None:
-        """Why a tar of ``samples`` samples is not this shard (None: it is)."""
-        if samples != self.nsamples:
+        """Why a tar of ``samples`` samples is not this shard (None: it is, or no count is given)."""
+        if self.nsamples is not None and samples != self.nsamples:
             return f"{samples} samples, but the shard index says {self.nsamples}"
         return None
 
@@ -98,6 +99,8 @@ class ShardInfo:
         """The inverse of :meth:`to_wire`; ValueError for anything else."""
         if not (isinstance(value, list) and len(value) == 3):
             raise ValueError("a shard's facts are [nsamples, filesize, md5]")
+        if value == [None, None, None]:  # a mixture's shard from a source without an index
+            return UNKNOWN
         return _info(*value)
 
 
@@ -129,11 +132,11 @@ class ShardFacts(Sequence[ShardInfo]):
     def append(self, info: ShardInfo) -> None:
         self.add(info.nsamples, info.filesize, info.md5)
 
-    def add(self, nsamples: int, filesize: int | None, md5: str | None) -> None:
+    def add(self, nsamples: int | None, filesize: int | None, md5: str | None) -> None:
         """Append a shard's checked facts (see :func:`_info`)."""
         if md5 is not None and self._md5s is None:
             self._md5s = bytearray(_MD5_SLOT * len(self._nsamples))
-        self._nsamples.append(nsamples)
+        self._nsamples.append(-1 if nsamples is None else nsamples)
         self._filesizes.append(-1 if filesize is None else filesize)
         if self._md5s is not None:
             self._md5s += b"\1" + bytes.fromhex(md5) if md5 is not None else bytes(_MD5_SLOT)
@@ -149,7 +152,7 @@ class ShardFacts(Sequence[ShardInfo]):
         filesize = self._filesizes[i]
         md5s, at = self._md5s, _MD5_SLOT * i
         md5 = md5s[at + 1 : at + _MD5_SLOT].hex() if md5s is not None and md5s[at] else None
-        return ShardInfo(nsamples, None if filesize < 0 else filesize, md5)
+        return ShardInfo(None if nsamples < 0 else nsamples, None if filesize < 0 else filesize, md5)
 
     def described(self) -> Iterator[str]:
         """``"nsamples filesize md5\\n"`` of each shard (``None`` for what is not given), as a list's
@@ -161,7 +164,7 @@ class ShardFacts(Sequence[ShardInfo]):
                 if md5s is not None and md5s[_MD5_SLOT * i]
                 else None
             )
-            yield f"{nsamples} {filesize if filesize >= 0 else None} {md5}\n"
+            yield f"{nsamples if nsamples >= 0 else None} {filesize if filesize >= 0 else None} {md5}\n"
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, ShardFacts):  # (MD5s are held only once one is given)
@@ -201,6 +204,10 @@ def _whole(value: Any, name: str) -> int:
     return whole
 
 
+#: A shard nothing is known of: in a mixture's list, one of a source given without an index.
+UNKNOWN = ShardInfo(None)
+
+
 def _info(nsamples: Any, filesize: Any, md5: Any) -> ShardInfo:
     if md5 is not None and not (isinstance(md5, str) and _MD5.fullmatch(md5)):
         raise ValueError(f'"md5sum" must be 32 hexadecimal digits, not {_shown(md5)}')
@@ -224,7 +231,9 @@ def looks_like_index(text: str) -> bool:
 
 
 def _samples_problem(url: str, info: ShardInfo) -> str | None:
-    """Why ``info.nsamples`` cannot be the count of the shard at ``url`` (None: it can be)."""
+    """Why ``info.nsamples`` cannot be the count of the shard at ``url`` (None: it can be, or none is given)."""
+    if info.nsamples is None:
+        return None
     if info.nsamples > MAX_SAMPLES:
         return (
             f'"nsamples" is {info.nsamples}, more than any shard holds (at most {MAX_SAMPLES}: '

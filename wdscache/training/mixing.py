@@ -27,7 +27,7 @@ from typing import Any
 from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.mixture import MixSpec, Mixture, check_mix_arg
 from ..shared.sequence import BLOCK, EpochSpec, Resume
-from ..shared.shard_index import ShardFacts, ShardInfo
+from ..shared.shard_index import UNKNOWN, ShardFacts, ShardInfo
 from ..shared.urls import UrlList, Urls
 from .stream import EpochStream, Session, StreamSettings
 from .urls_arg import UrlsArg, pipe_refusal, pipe_urls, read_urls_arg
@@ -142,8 +142,8 @@ def _combined(lists: Sequence[UrlList], names: Sequence[str]) -> tuple[UrlList, 
                 facts[at[url]] = info
             mine.append(at[url])
         places.append(tuple(mine))
-    known = [f for f in facts if f is not None]
-    shards = ShardFacts(known) if len(known) == len(facts) else None
+    # A source given without an index leaves its shards' facts unknown, not the other sources'.
+    shards = ShardFacts(f or UNKNOWN for f in facts) if any(facts) else None
     return UrlList(None, Urls(at), shards=shards), tuple(places)
 
 

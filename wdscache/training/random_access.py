@@ -305,7 +305,8 @@ class ShardListDataset:
             or name  # an index file's own, as wids takes it
             or str(uuid.uuid5(uuid.NAMESPACE_URL, json.dumps([e["url"] for e in self.shards])))[:16]
         )
-        self.lengths = [info.nsamples for _, info in facts]  # checked ints, whatever integer type an entry gave
+        # checked ints, whatever integer type an entry gave (an index file gives every count)
+        self.lengths = [info.nsamples or 0 for _, info in facts]
         self._ends = list(_cumulative(self.lengths))
         self._starts = [0, *self._ends[:-1]]
         self.total_length = self._ends[-1]
