@@ -106,7 +106,7 @@ cleanup() {
         done
     fi
     if ((rc != 0)); then
-        for f in job.out slurmctld.log slurmd.log; do
+        for f in job.out job2.out slurmctld.log slurmd.log; do
             [[ -s $WORK/$f ]] || continue
             log "last lines of $f:"
             tail -n 25 "$WORK/$f" >&2
@@ -117,7 +117,7 @@ cleanup() {
             tail -n 15 "$f" >&2
         done
     fi
-    for name in server slurmd slurmctld munged; do stop_pid "$name"; done
+    for name in foreign server slurmd slurmctld munged; do stop_pid "$name"; done
     rm -rf -- "$WORK"
     # The agent's socket folder, if this run made it (rmdir: only while empty).
     [[ -n $SOCKET_FOLDER_WAS_THERE ]] || rmdir -- "$SOCKET_FOLDER" 2>/dev/null || true
@@ -218,7 +218,7 @@ set -euo pipefail
 head_node=\$(scontrol show hostnames "\$SLURM_JOB_NODELIST" | head -n 1)
 "$REPO/agent/slurm/wdscache-launch.sh" \\
     --urls "$WORK/urls.txt" \\
-    --cache-dir "$CACHE" \\
+    --cache-dir "\${CHECK_CACHE:-$CACHE}" \\
     --ready-timeout 120 \\
     --stop-timeout 30 \\
     --log-dir "$WORK/logs" \\
@@ -235,18 +235,21 @@ EOF
 log "sbatch: the launcher, then one epoch of $TOTAL samples on 2 ranks"
 JOB_START=$SECONDS
 # Not `sbatch --wait`: it polls at 2, 10 and 42 s, which would triple this check's time.
-JOB=$(PATH=$VENV_BIN:$PATH sbatch --parsable --chdir="$WORK" "$WORK/check.sbatch") || fail "sbatch refused the job"
-job_queued() { squeue -h -j "$JOB" -o %i 2>/dev/null | grep -q .; }
-WAIT_SECONDS=300
-deadline=$((SECONDS + WAIT_SECONDS))
-while job_queued; do
-    ((SECONDS < deadline)) || fail "job $JOB did not end within ${WAIT_SECONDS} s"
-    sleep 0.5
-done
+# Submit check.sbatch (sbatch options: "$@") and wait for its end: sets JOB, state and exit_code.
+run_job() {
+    JOB=$(PATH=$VENV_BIN:$PATH sbatch --parsable --chdir="$WORK" "$@" "$WORK/check.sbatch") || fail "sbatch refused the job"
+    local deadline=$((SECONDS + 300))
+    while squeue -h -j "$JOB" -o %i 2>/dev/null | grep -q .; do
+        ((SECONDS < deadline)) || fail "job $JOB did not end within 300 s"
+        sleep 0.5
+    done
+    local job_info
+    job_info=$(scontrol -o show job "$JOB") || fail "scontrol does not know job $JOB any more"
+    state=$(grep -o 'JobState=[A-Z_]*' <<<"$job_info")
+    exit_code=$(grep -o ' ExitCode=[0-9:]*' <<<"$job_info")
+}
+run_job
 JOB_END=$SECONDS
-job_info=$(scontrol -o show job "$JOB") || fail "scontrol does not know job $JOB any more"
-state=$(grep -o 'JobState=[A-Z_]*' <<<"$job_info")
-exit_code=$(grep -o ' ExitCode=[0-9:]*' <<<"$job_info")
 [[ $state == JobState=COMPLETED && $exit_code == " ExitCode=0:0" ]] ||
     fail "job $JOB ended with $state$exit_code (job output above)"
 
@@ -288,5 +291,26 @@ stats=$(PATH=$VENV_BIN:$PATH wdscache stats --cache-dir "$CACHE" --json 2>&1) ||
 if grep -Eq '"agent": *\{' <<<"$stats"; then
     fail "wdscache stats still shows a running agent on $CACHE"
 fi
-log "OK: agent ready before the training, $TOTAL samples on 2 ranks, agent stopped after, none left"
+
+# --- 6. another job's agent on the cache dir -----------------------------------------------
+# A launch whose cache dir already has an agent (another job's; here one started by hand)
+# fails before its training, saying why, and leaves that agent running.
+FOREIGN=$WORK/foreign-cache
+mkdir -p -m 0700 "$FOREIGN"
+PATH=$VENV_BIN:$PATH wdscache agent --cache-dir "$FOREIGN" --urls "$WORK/urls.txt" --min-free 1M \
+    >"$WORK/foreign.log" 2>&1 &
+PIDS[foreign]=$!
+foreign_ready() { PATH=$VENV_BIN:$PATH wdscache stats --cache-dir "$FOREIGN" --json 2>/dev/null | grep -Eq '"answering": *true'; }
+WAIT_SECONDS=60 wait_for foreign_ready || fail "the agent started by hand is not ready after 60 s: $(tail -n 5 "$WORK/foreign.log")"
+log "sbatch: the launcher on a cache dir another agent serves"
+run_job --output="$WORK/job2.out" --export=ALL,CHECK_CACHE="$FOREIGN"
+[[ $state == JobState=FAILED && $exit_code == " ExitCode=1:0" ]] ||
+    fail "job $JOB on a cache dir another agent serves ended with $state$exit_code; want FAILED, exit code 1: $(cat "$WORK/job2.out")"
+grep -Eq "exited.* before .*ready" "$WORK/job2.out" ||
+    fail "the launcher did not say its agent exited before it was ready: $(cat "$WORK/job2.out")"
+if grep -q "wdscache-launch.sh: running:" "$WORK/job2.out"; then
+    fail "the launcher ran the training on another job's agent"
+fi
+kill -0 "${PIDS[foreign]}" 2>/dev/null || fail "the launcher stopped the other job's agent"
+log "OK: agent ready before the training, $TOTAL samples on 2 ranks, agent stopped after, none left; a launch on another agent's cache dir failed before its training and left that agent running"
 log "times: install $((INSTALLED - START))s, cluster up $((CLUSTER_UP - INSTALLED))s, job $((JOB_END - JOB_START))s, after install $((SECONDS - INSTALLED))s"

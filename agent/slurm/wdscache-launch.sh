@@ -161,6 +161,12 @@ nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 
 export WDSCACHE_CACHE_DIR=$cache_dir
 export WDSCACHE_URLS=$urls
+# Each node's agent writes its pid here (a node-local file): the launcher waits for that
+# agent and stops that one, never another job's agent on the same cache dir.
+readonly PID_FILE="${TMPDIR:-/tmp}/wdscache-agent-${SLURM_JOB_ID}-$$.pid"
+# The pid of the agent `wdscache stats --json` shows (read from stdin), else nothing.
+# shellcheck disable=SC2016  # expanded by the inner bash, not here
+readonly STATS_PID='sed -n "/\"agent\": *{/,/\"pid\"/ s/.*\"pid\": *\([0-9][0-9]*\).*/\1/p"'
 
 # --- Stopping the agents (runs at exit) -----------------------------------------------
 
@@ -201,21 +207,22 @@ stop_training() {
     train_pid=""
 }
 
-# SIGTERM to the agent process on every node (its pid from `wdscache stats`), in
-# a short step; status 0 if every node's agent got it. Not `scancel --signal`:
-# that signals every process of the step, the agent's worker processes too, and
-# the agent would log them as died and start new ones while it stops.
+# SIGTERM to this job's agent process on every node (the pid it wrote, if `wdscache
+# stats` shows it running), in a short step; status 0 if every node's agent got it.
+# Not `scancel --signal`: that signals every process of the step, the agent's worker
+# processes too, and the agent would log them as died and start new ones while it stops.
 signal_agents() {
     # shellcheck disable=SC2016  # expanded by the inner bash, not here
     timeout 60 srun --job-name=wdscache-stop --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 \
         --overlap --export=ALL --kill-on-bad-exit=0 bash -c '
-        pid=$("$1" stats --cache-dir "$2" --json 2>/dev/null |
-            sed -n "/\"agent\": *{/,/\"pid\"/ s/.*\"pid\": *\([0-9][0-9]*\).*/\1/p")
-        if [[ -z $pid ]] || ! kill -TERM "$pid"; then
-            printf "no running wdscache agent on %s to stop\n" "$(hostname)" >&2
+        mine=$(cat "$3" 2>/dev/null) || mine=""
+        pid=$("$1" stats --cache-dir "$2" --json 2>/dev/null | eval "$4")
+        if [[ -z $mine || $pid != "$mine" ]] || ! kill -TERM "$pid"; then
+            printf "no running wdscache agent of this job on %s to stop\n" "$(hostname)" >&2
             exit 1
         fi
-    ' wdscache-stop "$wdscache_bin" "$cache_dir"
+        rm -f -- "$3"
+    ' wdscache-stop "$wdscache_bin" "$cache_dir" "$PID_FILE" "$STATS_PID"
 }
 
 stop_agents() {
@@ -294,13 +301,15 @@ fi
 
 log "starting $nnodes agent(s): cache dir $cache_dir, URL list $urls"
 # The inner script runs on each node: create the private cache dir if needed,
-# then become the agent (one task per node: its --node-rank and --num-nodes
-# default from the task's SLURM_NODEID and SLURM_NNODES). Its arguments are $1 (wdscache) $2 (dir) $3 (urls).
+# write its pid (exec keeps it), then become the agent (one task per node: its --node-rank
+# and --num-nodes default from the task's SLURM_NODEID and SLURM_NNODES). Its arguments
+# are $1 (wdscache) $2 (dir) $3 (urls) $4 (the pid file).
 # shellcheck disable=SC2016  # expanded by the inner bash, not here
 srun "${agent_srun_opts[@]}" bash -c '
     mkdir -p -m 0700 -- "$2" || exit 1
+    printf "%s\n" "$$" >"$4" || exit 1
     exec "$1" agent --cache-dir "$2" --urls "$3"
-' wdscache-agent "$wdscache_bin" "$cache_dir" "$urls" &
+' wdscache-agent "$wdscache_bin" "$cache_dir" "$urls" "$PID_FILE" &
 agent_srun_pid=$!
 
 # --- Wait until every node answers --------------------------------------------------
@@ -310,14 +319,23 @@ log "waiting up to ${ready_timeout}s for the agents"
 # deadline. A node that is not ready prints its name and the last output.
 # `wdscache stats` also succeeds on a cache left by an earlier agent ("agent":
 # null), and on an agent that runs but gave no reply in time ("answering": false;
-# busy, say, re-reading a huge URL list), so "ready" means: it succeeds AND the
-# agent answers ("answering": true). A busy agent is waited for, as a starting one.
+# busy, say, re-reading a huge URL list), so "ready" means: it succeeds, the agent
+# answers ("answering": true), and it is the one this job started (its pid; another
+# job's agent on the same cache dir would serve that job's list). A busy agent is
+# waited for, as a starting one; this job's agent that exited fails the wait at once.
 # shellcheck disable=SC2016  # expanded by the inner bash, not here
 srun --job-name=wdscache-wait --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 \
     --overlap --export=ALL --kill-on-bad-exit=0 bash -c '
     deadline=$((SECONDS + $3))
     until out=$("$1" stats --cache-dir "$2" --json 2>&1) &&
-        grep -Eq "\"answering\": *true" <<<"$out"; do
+        grep -Eq "\"answering\": *true" <<<"$out" &&
+        mine=$(cat "$4" 2>/dev/null) && [[ $(eval "$5" <<<"$out") == "$mine" ]]; do
+        mine=$(cat "$4" 2>/dev/null) || mine=""
+        if [[ -n $mine ]] && ! kill -0 "$mine" 2>/dev/null; then
+            printf "the wdscache agent this job started on %s (pid %s) exited before it was ready (see its log); \"wdscache stats\" shows:\n%s\n" \
+                "$(hostname)" "$mine" "$out" >&2
+            exit 1
+        fi
         if ((SECONDS >= deadline)); then
             printf "wdscache agent on %s not ready after %ss; last \"wdscache stats\" output:\n%s\n" \
                 "$(hostname)" "$3" "$out" >&2
@@ -325,7 +343,7 @@ srun --job-name=wdscache-wait --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-
         fi
         sleep 2
     done
-' wdscache-wait "$wdscache_bin" "$cache_dir" "$ready_timeout" &
+' wdscache-wait "$wdscache_bin" "$cache_dir" "$ready_timeout" "$PID_FILE" "$STATS_PID" &
 check_srun_pid=$!
 
 # Also watch the agents: if their step ends (every agent failed), stop waiting.
