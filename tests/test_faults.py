@@ -293,6 +293,50 @@ def test_pipe_sources_without_an_end_of_archive_marker_and_failing_commands(tmp_
     assert "exited with status 18" in str(info.value) and "curl: (18)" in str(info.value), info.value
 
 
+def _commands_running(marker: str) -> list[int]:
+    """Pids of processes whose command line holds ``marker``."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and marker in cmdline(int(p))]
+
+
+def test_pipe_commands_that_fail_without_output_stall_or_close_their_output_early(tmp_path, dataset, start_agent):
+    ds = dataset(1, **SHARD_300K)
+    shard, tried = ds.paths[0], tmp_path / "tried"
+    lines = [
+        # No output: its status and stderr are the error, not "too short for a tar archive".
+        "pipe:echo 'fatal error: (404) Key \"x.tar\" does not exist' >&2; exit 1",
+        # Fails once, then works: the attempt is retried, the command run anew.
+        f"pipe:if [ -e {tried} ]; then cat {shard}; else touch {tried}; echo reset >&2; exit 56; fi",
+        # Its output ends before it exits: cached, not killed for the moment between.
+        f"pipe:cat {shard}; exec 1>&-; sleep 0.3",
+        # Silent past --read-timeout: killed, with what it started.
+        f"pipe:head -c 20480 {shard}; sleep 61.25",
+    ]
+    urls_file = tmp_path / "lists" / "pipes.txt"
+    urls_file.parent.mkdir(exist_ok=True)
+    urls_file.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, urls_file, "--allow-pipe", "--retries", "1", "--read-timeout", "2", "--no-shuffle")
+    with ShardClient(cache, timeout=60) as client:
+        with pytest.raises(FetchError) as info:
+            client.open(lines[0], timeout=60)
+        assert str(info.value).endswith('command exited with status 1: fatal error: (404) Key "x.tar" does not exist')
+        assert client.open(lines[1], timeout=60).read_bytes() == shard.read_bytes()
+        assert client.open(lines[2], timeout=60).read_bytes() == shard.read_bytes()
+        with pytest.raises(FetchError) as info:
+            client.open(lines[3], timeout=60)
+        assert "the command wrote nothing for 2s (--read-timeout)" in str(info.value)
+    assert _commands_running("sleep 61.25") == []
+
+    assert agent.stop() == 0
+
+    # A command running when the agent stops is killed with what it started.
+    write_url_list(urls_file, [f"pipe:head -c 20480 {shard}; sleep 61.5"])
+    agent = start_agent(cache, urls_file, "--allow-pipe", "--prefetch", "1")
+    wait_for(lambda: _commands_running("sleep 61.5"), 15, "the command started")
+    assert agent.stop() == 0
+    assert _commands_running("sleep 61.5") == []
+
+
 @pytest.mark.parametrize("sends, then", [("etag", "etag"), ("date", "date"), ("etag", "date")])
 def test_a_resume_answered_for_another_version_starts_over_never_spliced(
     shard_server, dataset, start_agent, tmp_path, sends, then

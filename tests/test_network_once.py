@@ -287,7 +287,7 @@ _NO_TEMP = """
 import sys, tempfile
 from wdscache.agent.sources.base import Settings
 from wdscache.agent.sources.pipe import PipeSource
-from wdscache.shared.errors import FetchError
+from wdscache.agent.shard_download import Retry
 source = PipeSource(Settings(10.0, 10.0))
 try:
     tempfile.TemporaryFile()
@@ -301,7 +301,7 @@ try:
     with source.open("pipe:echo 'curl: (6) no host' >&2; exit 6", 0, None, None) as answer:
         b"".join(answer.chunks)
     sys.exit("a failing command was taken")
-except FetchError as exc:
+except Retry as exc:  # (the download's attempts run it again)
     assert "exited with status 6: curl: (6) no host" in str(exc), exc
 print("ok")
 """

@@ -37,6 +37,10 @@ class FileSource(Source):
             raise FetchError(url, f"no such file: {src}", permanent=True) from None
         except PermissionError:
             raise FetchError(url, f"permission denied: {src}", permanent=True) from None
+        except IsADirectoryError:
+            raise FetchError(url, f"a folder, not a shard file: {src}", permanent=True) from None
+        except NotADirectoryError:
+            raise FetchError(url, f"no such file: {src} (a part of its path is a file)", permanent=True) from None
         with f:
             st = os.fstat(f.fileno())
             tag = _tag(st)

@@ -1,24 +1,41 @@
 """``pipe:`` sources: a shell command's output (listed only when the agent runs with
 ``--allow-pipe``). Its size is unknown until it ends and it cannot be resumed: every
-request runs the command again, from byte 0. A command that exits with another status
-than 0 fails the download, with the end of what it wrote to stderr."""
+request runs the command again, from byte 0.
+
+Guarantees:
+
+- A command that exits with another status than 0 fails the attempt, with the end of what
+  it wrote to stderr, whether its output was long, short or no tar at all; the attempt is
+  retried as a failed connection is (``--retries``, with backoff), the command run anew.
+- A command that writes nothing for ``--read-timeout`` seconds, or whose download is
+  cancelled (the agent stops), is killed with every process it started (its own process
+  group), and the attempt fails (retried as above, unless cancelled).
+- A command whose output ended gets ``EXIT_WAIT`` seconds to exit before it is killed.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import select
+import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ...shared.errors import FetchError
 from ...shared.redact import redact_urls
+from ..shard_download import Cancelled, Retry
 from ..validators import Version
 from .base import CHUNK, Source, SourceResponse
 
 STDERR_TAIL = 500  # characters of a failed command's stderr its error quotes (redacted)
 STDERR_KEPT = 65536  # bytes of its stderr kept to find them in
 EXIT_WAIT = 10.0  # seconds a command gets to exit once its output ends
+FAILED_EXIT_WAIT = 1.0  # seconds a command whose output was refused gets to exit (and say why)
+LOOK_EVERY = 0.5  # seconds between looks at the cancel flag while a command is silent
 
 
 class PipeSource(Source):
@@ -28,8 +45,14 @@ class PipeSource(Source):
     ) -> Iterator[SourceResponse]:
         # The command's stderr is drained as it comes (its tail kept for the error), not put in a
         # temp file: an agent may have no writable temp folder (systemd's ProtectSystem=strict).
+        # Its own session: the command and whatever it starts are killed together.
         proc = subprocess.Popen(
-            url[len("pipe:") :], shell=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL
+            url[len("pipe:") :],
+            shell=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
         stdout, stderr = proc.stdout, proc.stderr
         assert stdout is not None and stderr is not None
@@ -49,17 +72,70 @@ class PipeSource(Source):
 
         drainer = threading.Thread(target=drain, daemon=True, name="pipe-stderr")
         drainer.start()
+        output = _output(url, stdout.fileno(), self.settings.read_timeout, cancel)
         try:
-            yield SourceResponse(iter(lambda: stdout.read(CHUNK), b""), 0, False, None, Version())
+            yield SourceResponse(output, 0, False, None, Version())
+            rc = _ended(proc, EXIT_WAIT)  # its output taken whole: its status says whether it was
+        except FetchError:
+            # Its output was refused (none, short, a page): a failed command's status and stderr say more.
+            rc = _ended(proc, FAILED_EXIT_WAIT)
+            if rc is None or rc == 0:
+                raise
+            raise Retry(_exit_reason(rc, tail, cut, drainer)) from None
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            if proc.poll() is None:  # (not once reaped: its process group's id may be another's then)
+                _kill(proc)
             stdout.close()
-            rc = proc.wait(EXIT_WAIT)
             drainer.join(EXIT_WAIT)  # (a child of the command may hold its stderr open: not for ever)
-        # Once its output was taken whole (an error in between is the error).
+        if rc is None:
+            raise Retry(f"command did not exit within {EXIT_WAIT:g}s of its output's end")
         if rc != 0:
-            raise FetchError(url, f"command exited with status {rc}: {_stderr_tail(bytes(tail), cut)}")
+            raise Retry(_exit_reason(rc, tail, cut, drainer))
+
+
+def _output(url: str, fd: int, read_timeout: float, cancel: threading.Event | None) -> Iterator[bytes]:
+    """The command's stdout, a chunk at a time; Cancelled once ``cancel`` is set, TimeoutError after
+    ``read_timeout`` seconds without a byte."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    last = time.monotonic()
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(url)
+        if not poller.poll(int(LOOK_EVERY * 1000)):
+            if time.monotonic() - last > read_timeout:
+                raise TimeoutError(f"the command wrote nothing for {read_timeout:g}s (--read-timeout)")
+            continue
+        chunk = os.read(fd, CHUNK)
+        if not chunk:
+            return
+        last = time.monotonic()
+        yield chunk
+
+
+def _ended(proc: subprocess.Popen[bytes], wait: float) -> int | None:
+    """The command's exit status once it exits within ``wait`` seconds; else None (it is killed)."""
+    try:
+        return proc.wait(wait)
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        return None
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the command and every process of its session (what it started), and reap it."""
+    with contextlib.suppress(ProcessLookupError):  # (every one of them gone already)
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):  # (stuck in the kernel: a hung mount, say)
+        proc.wait(EXIT_WAIT)
+
+
+def _exit_reason(rc: int, tail: bytearray, cut: bool, drainer: threading.Thread) -> str:
+    """Why the attempt failed: the command's status, and the end of its stderr."""
+    drainer.join(EXIT_WAIT)
+    how = f"killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+    said = _stderr_tail(bytes(tail), cut)
+    return f"command {how}" + (f": {said}" if said else "")
 
 
 def _stderr_tail(kept: bytes, cut: bool) -> str:
