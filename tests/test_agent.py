@@ -374,6 +374,14 @@ def test_an_endpoint_that_cannot_be_bound_is_refused_naming_it(dataset, run_cli,
             assert r.returncode == 2, r.stderr
             assert f"wdscache: error: {says}" in r.stderr and "choose another --endpoint" in r.stderr, r.stderr
             assert not any(word in r.stderr for word in ("Traceback", "SECRET", "SIGNED")), r.stderr
+        # The port after the agent's, where its first sample worker listens.
+        endpoint = f"tcp://127.0.0.1:{port - 1}"
+        r = run_cli(
+            "agent", "--cache-dir", tmp_path / "cache", "--urls", ds.list_file, "--endpoint", endpoint, timeout=20
+        )
+        assert r.returncode == 2, r.stderr
+        says = f"wdscache: error: cannot listen on tcp://127.0.0.1:{port} for a sample worker (Address already in use)"
+        assert says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_socket_file_left_in_a_read_only_folder_is_refused_naming_the_endpoint(dataset, run_cli, tmpfs, tmp_path):

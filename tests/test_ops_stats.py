@@ -76,6 +76,8 @@ def test_an_agent_that_does_not_answer_is_shown_running_but_not_answering(tmp_pa
     ), got["text"].stdout
     metrics = _metrics(got["prometheus"].stdout)
     assert (metrics["wdscache_agent_up"], metrics["wdscache_agent_answering"]) == (1, 0)
+    # Its counters are ahead of the index's: none shown, rather than lower ones (a "reset").
+    assert not [name for name in metrics if name.endswith("_total")], metrics
     assert got["ready"] is False  # (the kubelet turns it unready after failureThreshold such probes)
 
     # Going on, it answers again: running and answering, with what only its answer tells.

@@ -26,8 +26,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import zmq
+
+from ..shared.errors import ConfigError
 from ..shared.logs import event, get_logger
 from ..shared.protocol import client_key, worker_key
+from ..shared.redact import redact_urls
 from .worker import WorkerSpec
 
 log = get_logger(__name__)
@@ -37,6 +41,30 @@ _BOOT = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); import wdscache.agent.worker as w; w.main(sys.argv[1:])"
 )
 RESTART_BACKOFF_MAX = 5.0  # seconds
+
+
+def check_endpoints(endpoints: list[str]) -> None:
+    """Refuse TCP endpoints another process listens on (ConfigError), before the workers that bind
+    them start: each is bound and let go here, as ZeroMQ binds it. An IPC endpoint is the agent's
+    own file, which a worker replaces."""
+    ctx = zmq.Context()
+    try:
+        for endpoint in endpoints:
+            if endpoint.startswith("ipc://"):
+                continue
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                raise ConfigError(
+                    f"cannot listen on {redact_urls(endpoint)} for a sample worker ({os.strerror(exc.errno or 0)}): "
+                    "choose another --endpoint (its workers listen on the ports after its own)"
+                ) from None
+            finally:
+                sock.close(0)
+    finally:
+        ctx.term()
 
 
 def worker_endpoints(agent_endpoint: str, n: int) -> list[str]:

@@ -33,7 +33,7 @@ from .events import Mailbox
 from .fetch import Fetcher
 from .lock import AgentLock
 from .metrics import MetricsServer
-from .pool import WorkerPool
+from .pool import WorkerPool, check_endpoints
 from .readers import startup_reader
 
 log = get_logger(__name__)
@@ -80,6 +80,7 @@ def take_cache_dir(
         # Worker processes take a while to start: they do so while the list is read and
         # the cache is opened.
         pool = WorkerPool(n=cfg.workers, agent_endpoint=endpoint, cache_dir=str(layout.root), token=token, run=run)
+        check_endpoints(pool.endpoints)
         pool.start()
         undo.callback(pool.stop)
         urls = listed.result()

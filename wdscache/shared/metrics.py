@@ -9,7 +9,9 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
 
     wdscache_agent_up                         1 while an agent runs, else 0
     wdscache_agent_answering                  1 while it answers; 0 when it runs but gave stats no reply
-                                              in time (busy, or stuck), or none runs
+                                              in time (busy, or stuck), or none runs. An agent that
+                                              runs but does not answer gives only these two and the
+                                              cache's gauges: its counters are not known then
     wdscache_cache_bytes                      bytes of cached shards
     wdscache_cache_table_bytes                of those, the sample table files
     wdscache_cache_limit_bytes                the budget
@@ -97,6 +99,10 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     for state, n in s["shards"].items():
         shards.add_metric([state], n)
     yield shards
+    if agent and not agent.get("answering"):
+        # A running agent's counters are ahead of those its index holds (written every few
+        # seconds): none rather than lower ones, which Prometheus would take for a reset.
+        return
     yield counter("hits", "Shard opens that found the shard cached", s["hits"])
     yield counter("misses", "Shard opens that had to wait for a download", s["misses"])
     yield counter("download_bytes", "Bytes downloaded over the cache's life", s["bytes_downloaded"])
@@ -106,8 +112,8 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     yield counter("corrupt", "Shards found damaged by readers", s.get("corrupt", 0))
     yield counter("changed", "Cached shards found changed at their source", s.get("changed", 0))
     yield gauge("download_rate_bytes_per_second", "Download rate over the last 10 s", s.get("download_rate", 0.0))
-    if not agent.get("answering"):
-        return  # what only its answer tells
+    if not agent:
+        return  # what only an agent's answer tells
     yield gauge("cache_reserved_bytes", "Bytes reserved by downloads in flight", agent.get("bytes_reserved", 0))
     yield gauge("need_bytes", "Bytes the readers hold at once", agent.get("need_bytes", 0))
     yield gauge("demanded_shards", "Shards readers wait for", agent.get("demanded", 0))
