@@ -100,6 +100,24 @@ def _freed(cache, data, which=None) -> str:
     return format_size(sum(p.stat().st_size for p in files))
 
 
+def test_verify_and_clear_on_a_cache_whose_index_is_damaged_say_so_and_clear_every_file(tmp_path, dataset, run_cli):
+    data = dataset(3, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    assert run_cli("prefetch", *data.urls, "--cache-dir", cache, "--cache-size", "10M").returncode == 0
+    layout = CacheLayout.of(cache)
+    (layout.index_dir / "cache.db").write_bytes(b"garbage")  # (an index no agent can read)
+    for extra in layout.index_dir.glob("cache.db-*"):
+        extra.unlink()
+    r = run_cli("verify", "--cache-dir", cache)
+    assert r.returncode == 1 and "no shard file there can be named" in r.stderr, r.stdout + r.stderr
+    r = run_cli("clear", "--cache-dir", cache, "--json")
+    assert r.returncode == 0, r.stderr
+    cleared = json.loads(r.stdout)
+    assert len(cleared["evicted"]) == 3 and cleared["bytes"] >= sum(p.stat().st_size for p in data.paths)
+    assert [p for p in layout.shards_dir.rglob("*") if p.is_file()] == []
+    assert run_cli("verify", "--cache-dir", cache).stdout.startswith("checked 0 shard(s)")
+
+
 @pytest.mark.slow
 def test_commands_go_through_the_running_agent_and_spare_what_a_reader_holds(tmp_path, dataset, start_agent, run_cli):
     data = dataset(4, samples=4, payload=300)

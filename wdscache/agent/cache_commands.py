@@ -212,8 +212,24 @@ def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str
             reply = _ask(conn, Requests.clear(force=force))
             return {**{k: reply[k] for k in ("evicted", "bytes", "refused", "absent")}, "agent": True}
     with _locked_cache(layout, "clear") as cache:
+        if cache.rebuilt:  # its index unreadable or gone: no file under it can be named, all go
+            return {**_remove_unnamed(layout), "agent": False}
         cached = [r.url for r in cache.index.records.values() if r.state is ShardState.CACHED]
         return {**evict_shards(cache, cached, force=force, why="evicted on request"), "agent": False}
+
+
+def _remove_unnamed(layout: CacheLayout) -> dict[str, Any]:
+    """Remove every shard and sample table file (an index that names none of them): the result of
+    :func:`evict_shards`, with the shard files' paths for URLs (their tables' bytes freed too)."""
+    removed, freed = [], 0
+    for folder in (layout.shards_dir, layout.tables_dir):
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            freed += path.stat().st_size
+            path.unlink()
+            if folder == layout.shards_dir:
+                removed.append(str(path))
+    log.info("removed %d files of %s (%d bytes): its index named none of them", len(removed), layout.root, freed)
+    return {"evicted": removed, "bytes": freed, "refused": [], "absent": []}
 
 
 # -- verify -----------------------------------------------------------------------------------
@@ -258,8 +274,13 @@ def verify(
     layout = _layout(cache_dir)
     with _agent(layout) as conn:
         if conn is None and layout.read_only() is None:
-            with _locked_cache(layout, "verify"):
-                pass  # opened once: files an earlier version named are renamed before they are read
+            with _locked_cache(layout, "verify") as cache:  # opened once: files named by an earlier version are renamed
+                if cache.rebuilt:
+                    raise WdsCacheError(
+                        f"the index of {layout.root} was unreadable or gone (a new one is started; a damaged one "
+                        "is kept as index.corrupt-*), so no shard file there can be named: the next agent names "
+                        "them again from its URL list as it starts; verify after that, or clear the cache"
+                    )
     for shard in list_shards(cache_dir):
         if shard["state"] != "cached":
             continue

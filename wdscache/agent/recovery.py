@@ -168,7 +168,7 @@ def open_index(layout: CacheLayout) -> tuple[Index, bool]:
         os.replace(layout.index_dir, aside)
         return Index(layout.index_dir), True
     # An empty index beside shard files: it was deleted; rebuild it from the files.
-    lost = not len(index) and any(True for _ in os.scandir(layout.shards_dir))
+    lost = not len(index) and any(p.is_file() for p in layout.shards_dir.rglob("*"))
     return index, lost
 
 
