@@ -598,6 +598,14 @@ def test_prefetch_refuses_download_workers_below_one_and_leaves_the_cache_direct
     # The prefetch function (the library's) refuses it too, rather than taking the default.
     with pytest.raises(ConfigError, match="--download-workers must be at least 1"):
         prefetch(tmp_path / "cache", data.urls, report=lambda progress: None, download_workers=0)
+    # A wait that never gives up (nan compares false to every time).
+    r = run_cli("prefetch", data.urls[0], "--cache-dir", tmp_path / "cache", "--give-up-after", "nan")
+    assert r.returncode == 2 and "--give-up-after nan: use a number of seconds" in r.stderr, r.stderr
+    assert not (tmp_path / "cache").exists()
+    # No option of prefetch's would allow a pipe: command (it said to start the agent with --allow-pipe).
+    r = run_cli("prefetch", "pipe:cat x.tar", "--cache-dir", tmp_path / "cache")
+    assert r.returncode == 2 and "this command takes no pipe: command; list it in the agent's --urls file" in r.stderr
+    assert not (tmp_path / "cache").exists()
 
 
 def test_prefetch_refuses_options_for_its_own_agent_when_an_agent_runs_too(

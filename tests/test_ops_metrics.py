@@ -170,21 +170,21 @@ def test_a_job_named_by_a_url_shows_in_metrics_redacted(tmp_path, dataset, start
         assert _samples(metrics)[("wdscache_consumer_samples_total", redacted)] == 3
 
 
-def test_metrics_bind_loopback_unless_allow_remote(tmp_path, dataset, run_cli):
+@pytest.mark.parametrize("host", ["0.0.0.0", "localhost.example.com", "127.example.com"])  # names, not prefixes
+def test_metrics_bind_loopback_unless_allow_remote(tmp_path, dataset, run_cli, host):
     data = dataset(1)
-    r = run_cli(
-        "agent",
-        "--cache-dir",
-        tmp_path / "c",
-        "--urls",
-        data.list_file,
-        "--metrics-port",
-        "0",
-        "--metrics-host",
-        "0.0.0.0",
-    )
-    assert r.returncode == 2 and "--metrics-host '0.0.0.0' is reachable from other machines" in r.stderr, r.stderr
+    args = ["agent", "--cache-dir", tmp_path / "c", "--urls", data.list_file, "--metrics-port", "0"]
+    r = run_cli(*args, "--metrics-host", host)
+    assert r.returncode == 2 and f"--metrics-host '{host}' is reachable from other machines" in r.stderr, r.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_a_metrics_host_that_does_not_resolve_is_named(tmp_path, dataset, run_cli):
+    data = dataset(1)
+    args = ["agent", "--cache-dir", tmp_path / "c", "--urls", data.list_file, "--metrics-port", "0"]
+    r = run_cli(*args, "--metrics-host", "no-such-host.invalid", "--allow-remote")
+    assert r.returncode == 2 and "cannot serve metrics on no-such-host.invalid:0" in r.stderr, r.stderr
+    assert r.stderr.rstrip().endswith("choose another --metrics-host"), r.stderr
 
 
 def test_a_starved_job_is_reported_by_its_reason():

@@ -196,6 +196,10 @@ def test_index_into_a_folder_it_cannot_write_names_it(tmpfs, shard_server):
     r = run_wdscache("index", shard_server.url(paths[0].name), "-o", fs / "i.json")
     assert r.returncode == 2 and f"cannot write {fs / 'i.json'}: Read-only file system" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+    # An empty -o (the current folder) is refused before any shard is read, not after.
+    r = run_wdscache("index", shard_server.url(paths[0].name), "-o", "")
+    assert r.returncode == 2 and "give a file's name (-o FILE), not a folder" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and shard_server.count(paths[0].name) == 0
 
 
 # -- the agent and the loader on an index -------------------------------------------------------

@@ -380,6 +380,8 @@ def index(urls: tuple[str, ...], output: Path, jobs: int, retries: int, s3_endpo
         check_s3_endpoint_url(s3_endpoint_url)
     except ConfigError as exc:
         _fail(exc)
+    if not output.name or output.is_dir():  # (-o '' is the current folder)
+        _fail(ConfigError(f"cannot write the index to {str(output)!r}: give a file's name (-o FILE), not a folder"))
     folder = output.parent.resolve()
     if not folder.is_dir():
         _fail(ConfigError(f"cannot write {output}: no folder {folder}"))
@@ -465,6 +467,9 @@ def _argument_urls(
 
     out: list[tuple[str, Sequence[str]]] = []
     for k, arg in enumerate(args, 1):
+        if not allow_pipe and arg.startswith("pipe:"):  # (no option of this command would allow it)
+            reason = "this command takes no pipe: command; list it in the agent's --urls file, with --allow-pipe"
+            raise UrlListError("the command line", k, arg, reason)
         try:
             listed = parse_url_list(arg, path="the command line", lister=lister, allow_pipe=allow_pipe, comments=False)
             out.append((arg, listed.urls))

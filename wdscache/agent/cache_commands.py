@@ -19,6 +19,7 @@ prints it and turns it into an exit status.
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import secrets
@@ -35,6 +36,7 @@ from ..shared.client import AgentConnection
 from ..shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, check_count, default, parse_size
 from ..shared.errors import (
     AgentUnavailableError,
+    ConfigError,
     NoCacheError,
     ProtocolError,
     ShardError,
@@ -363,6 +365,8 @@ def prefetch(
         parse_size(min_free, total=1, what="--min-free")
     if download_workers is not None:
         check_count("download_workers", download_workers)
+    if math.isnan(give_up_after):
+        raise ConfigError(f"--give-up-after {give_up_after}: use a number of seconds")
     layout = CacheLayout.of(cache_dir)
     if layout.is_cache():
         with _agent(layout) as conn:

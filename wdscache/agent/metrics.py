@@ -8,6 +8,7 @@ second), never from the agent's live state, which is the main loop's alone. Boun
 
 from __future__ import annotations
 
+import errno
 import threading
 from typing import Any
 
@@ -29,8 +30,10 @@ class MetricsServer:
         try:
             self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
         except OSError as exc:
+            taken = exc.errno == errno.EADDRINUSE  # else the host: a name that does not resolve, say
             raise ConfigError(
-                f"cannot serve metrics on {host}:{port} ({exc.strerror}): choose another --metrics-port"
+                f"cannot serve metrics on {host}:{port} ({exc.strerror}): choose another "
+                f"{'--metrics-port' if taken else '--metrics-host'}"
             ) from None
         self.host, self.port = host, self._httpd.server_address[1]
 

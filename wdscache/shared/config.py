@@ -19,6 +19,7 @@ its ``AWS_*`` credentials, profile, region and endpoint).
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -119,7 +120,7 @@ class AgentConfig:
             check_endpoint(self.endpoint, allow_remote=self.allow_remote, ports=1 + self.workers)
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port {self.metrics_port}: use a port in [0, 65535]")
-        if not self.allow_remote and not self.metrics_host.startswith(_LOOPBACK):
+        if not self.allow_remote and not is_loopback(self.metrics_host):
             raise ConfigError(
                 f"--metrics-host {self.metrics_host!r} is reachable from other machines; bind 127.0.0.1, "
                 "or pass --allow-remote if the network is trusted"
@@ -131,10 +132,19 @@ class AgentConfig:
 PREFETCH_GIVE_UP_AFTER = 10.0
 
 
+# The most of each count an agent takes: far past any machine's need, short of what would stall
+# its start (threads, processes) or its every turn (a window's shards).
+MAX_COUNTS = {"prefetch": 100_000, "download_workers": 1024, "download_parts": 1024, "workers": 1024}
+
+
 def check_count(name: str, value: int) -> None:
-    """Refuse a count of option ``name`` (``download_workers``, say) below 1, naming the option."""
+    """Refuse a count of option ``name`` (``download_workers``, say) below 1 or above its
+    :data:`MAX_COUNTS`, naming the option."""
     if value < 1:
         raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    most = MAX_COUNTS.get(name)
+    if most is not None and value > most:
+        raise ConfigError(f"--{name.replace('_', '-')} {value}: use at most {most}")
 
 
 def default(name: str) -> Any:
@@ -145,7 +155,17 @@ def default(name: str) -> Any:
     raise KeyError(f"AgentConfig has no field {name!r} with a default")
 
 
-_LOOPBACK = ("127.", "localhost", "[::1]", "::1")
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, an IPv6 one in brackets or not) is this machine's
+    loopback: ``localhost``, or an address in 127.0.0.0/8 or ::1 (no lookup: names resolve
+    elsewhere to anything)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False
 
 
 def check_endpoint(endpoint: str, *, allow_remote: bool, ports: int = 1) -> None:
@@ -163,7 +183,7 @@ def check_endpoint(endpoint: str, *, allow_remote: bool, ports: int = 1) -> None
     if not (host and port.isascii() and port.isdigit() and 1 <= int(port) <= last):
         workers = f" (its {ports - 1} worker(s) listen on the ports after it)" if ports > 1 else ""
         raise ConfigError(f"endpoint {endpoint!r}: use tcp://HOST:PORT with a port in [1, {last}]{workers}")
-    if not allow_remote and not host.startswith(_LOOPBACK):
+    if not allow_remote and not is_loopback(host):
         raise ConfigError(
             f"endpoint {endpoint!r} is reachable from other machines, and its traffic is not "
             "encrypted (samples and the agent's key would cross the network in the clear); bind "

@@ -177,7 +177,7 @@ def wanted(windows: Sequence[Sequence[T]], prefetch: int) -> list[T]:
     """Shards to have on disk, by priority: each reader's next shard, then the one after, ..."""
     seen: set[T] = set()
     out: list[T] = []
-    for rank in range(prefetch):
+    for rank in range(min(prefetch, max(map(len, windows), default=0))):
         for w in windows:
             if rank < len(w) and w[rank] not in seen:
                 seen.add(w[rank])
