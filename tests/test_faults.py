@@ -310,6 +310,8 @@ def test_pipe_commands_that_fail_without_output_stall_or_close_their_output_earl
         f"pipe:cat {shard}; exec 1>&-; sleep 0.3",
         # Silent past --read-timeout: killed, with what it started.
         f"pipe:head -c 20480 {shard}; sleep 61.25",
+        # Its shell exits, what it started holds its output open: killed too.
+        f"pipe:cat {shard}; sleep 61.75 &",
     ]
     urls_file = tmp_path / "lists" / "pipes.txt"
     urls_file.parent.mkdir(exist_ok=True)
@@ -325,7 +327,10 @@ def test_pipe_commands_that_fail_without_output_stall_or_close_their_output_earl
         with pytest.raises(FetchError) as info:
             client.open(lines[3], timeout=60)
         assert "the command wrote nothing for 2s (--read-timeout)" in str(info.value)
-    assert _commands_running("sleep 61.25") == []
+        with pytest.raises(FetchError) as info:
+            client.open(lines[4], timeout=60)
+        assert "the command wrote nothing for 2s (--read-timeout)" in str(info.value)
+    assert _commands_running("sleep 61.25") == [] and _commands_running("sleep 61.75") == []
 
     assert agent.stop() == 0
 

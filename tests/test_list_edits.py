@@ -6,8 +6,10 @@ import os
 import tarfile
 from collections import Counter
 
+import pytest
+
 from scripts.shard_maker import make_shard, synth_samples, write_url_list
-from wdscache import CachedMultiLoader, ShardListDataset
+from wdscache import CachedMultiLoader, ShardError, ShardListDataset
 
 
 def _replace_list(list_file, urls) -> None:
@@ -39,25 +41,29 @@ def _contents(ds, urls) -> dict[tuple[str, str], dict[str, bytes]]:
 def test_ranks_that_start_an_epoch_across_an_edit_read_the_list_its_first_rank_read(
     shard_server, dataset, start_agent, tmp_path
 ):
-    ds = dataset(8, samples=10)
+    ds = dataset(10, samples=10)
     old, new = ds.urls[:4], ds.urls[4:]
-    write_url_list(ds.list_file, old)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, "--cache-size", "10M")
+    assert len(list(CachedMultiLoader(cache_dir=cache, job="warm"))) == 100  # every shard counted: len() known
+    _replace_list(ds.list_file, old)
+    agent.wait_stats(lambda s: s["agent"]["urls"] == 4, 15, "the old list")
     ranks = [CachedMultiLoader(cache_dir=cache, job="j", rank=r, world_size=2, shuffle=False) for r in range(2)]
 
     first = iter(ranks[0])
     got = [_keys([next(first)])]  # rank 0 has started epoch 0 on the old list
     _replace_list(ds.list_file, new)
-    agent.wait_stats(lambda s: s["agent"]["urls"] == 4 and "URL list changed" in agent.stderr_text(), 15, "the edit")
+    agent.wait_stats(lambda s: "URL list changed: 6 added, 4 removed" in agent.stderr_text(), 15, "the edit")
+    assert len(ranks[1]) == 20  # its epoch 0's share, of the old list
     got.append(_keys(ranks[1]))  # rank 1 starts epoch 0 after the edit
     got[0] += _keys(first)
     assert [len(g) for g in got] == [20, 20]
     assert Counter(k for g in got for k in g) == _samples_of(ds, old)
 
     # The next epoch, whoever starts it first, reads the edited list.
+    assert len(ranks[1]) == 30
     later = [_keys(rank) for rank in reversed(ranks)]
-    assert [len(g) for g in later] == [20, 20]
+    assert [len(g) for g in later] == [30, 30]
     assert Counter(k for g in later for k in g) == _samples_of(ds, new)
 
 
@@ -71,6 +77,8 @@ def test_a_shard_index_written_anew_for_a_new_version_of_a_shard_has_its_copy_do
     agent = start_agent(cache, index, "--cache-size", "10M")
     assert len(list(CachedMultiLoader(cache_dir=cache, shuffle=False))) == 30  # every shard cached, counted
 
+    stale = index.with_name("stale.json")
+    stale.write_bytes(index.read_bytes())
     make_shard(ds.paths[1], synth_samples(1, 15, payload=2000, seed=7))  # a new version, 15 samples
     st = ds.paths[1].stat()
     os.utime(ds.paths[1], ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
@@ -91,6 +99,18 @@ def test_a_shard_index_written_anew_for_a_new_version_of_a_shard_has_its_copy_do
     assert Counter(_keys(got)) == Counter(list(want))
     assert all({f".{k}": v for k, v in s.items() if not k.startswith("__")} == want[_keys([s])[0]] for s in got)
     assert "is 51200 bytes in the cache, but the shard index says" in agent.stderr_text(), agent.stderr_tail()
+
+    # A reader of the index as it was: its own check fails the shard, which is not downloaded again
+    # for it (a new copy would be checked against the agent's index, and be as unlike its own).
+    fetched = shard_server.count(ds.paths[1].name)
+    by_stale = ShardListDataset(str(stale), cache_dir=cache, timeout=20, transformations=[])
+    try:
+        for _ in range(3):
+            with pytest.raises(ShardError, match="15 samples, but the shard index says 10"):
+                by_stale[12]
+    finally:
+        by_stale.close()
+    assert shard_server.count(ds.paths[1].name) == fetched
 
 
 def test_a_configmap_update_by_the_kubelets_symlink_swap_is_taken_up_live(shard_server, dataset, start_agent, tmp_path):

@@ -36,6 +36,7 @@ import zmq
 
 import wdscache.agent.core  # noqa: F401 (imported before the fork: the child runs the CLI without reading the disk)
 from tests.helpers.net import free_port_range
+from tests.helpers.procs import worker_pids
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
 from wdscache import NotTrustedError, WdsCacheError, cli
@@ -548,7 +549,7 @@ def _endpoint_error(cache: Path) -> str:
 
 
 class Impostor:
-    """A process's socket bound on a worker's port before the agent starts (the worker then
+    """A process's socket bound on a worker's port while the worker is down (its new one then
     cannot bind it): answers every read with fake samples and every scan with a count, in a
     thread of this test; keeps the headers it was sent."""
 
@@ -563,7 +564,12 @@ class Impostor:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)  # here, before the agent: the test fails at once if it cannot
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError:
+            self.sock.close(0)
+            self.ctx.term()
+            raise
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -597,17 +603,32 @@ class Impostor:
         self.ctx.term()
 
 
+def _bound(endpoint: str) -> Impostor | None:
+    """An impostor on ``endpoint`` once it is free (a killed worker's port a moment after)."""
+    try:
+        return Impostor(endpoint)
+    except zmq.ZMQError:
+        return None
+
+
 def test_a_process_on_a_workers_port_cannot_hand_a_consumer_samples(open_base, dataset, start_agent, caplog):
-    """Whoever binds a worker's port first gets that worker's requests: no key in them, and a
-    consumer drops its replies (they lack the worker's proof), so it never yields a fake sample."""
+    """Whoever binds a worker's port while its worker is down gets that worker's requests: no key
+    in them, and a consumer drops its replies (they lack the worker's proof), so it never yields a
+    fake sample. (A port taken before the agent starts is refused at its start.)"""
     ds = dataset(2, samples=5, payload=100)
     cache = open_base / "cache"
     port = free_port_range(2)
     endpoint = f"tcp://127.0.0.1:{port}"
-    impostor = Impostor(worker_endpoints(endpoint, 1)[0])
+    agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "1")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "2 shards cached")
+    (worker,) = worker_pids(agent.pid)
+    os.kill(agent.pid, signal.SIGSTOP)  # so that it starts no new worker before the impostor binds
     try:
-        agent = start_agent(cache, ds.list_file, "--endpoint", endpoint, "--workers", "1")
-        agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "2 shards cached")
+        os.kill(worker, signal.SIGKILL)
+        impostor = wait_for(lambda: _bound(worker_endpoints(endpoint, 1)[0]), 10, "the worker's port free")
+    finally:
+        os.kill(agent.pid, signal.SIGCONT)
+    try:
         loader = CachedMultiLoader(cache_dir=cache, endpoint=endpoint, rank=0, world_size=1, shuffle=False, timeout=4)
         got: list[dict[str, Any]] = []
         error: WdsCacheError | None = None

@@ -69,6 +69,12 @@ class Jobs:
             del job.epochs[min(job.epochs)]
         return current
 
+    def pinned(self, name: str, epoch: int) -> str | None:
+        """The list id epoch ``epoch`` of job ``name`` reads, if one of its readers started it (a
+        loader's ``len()`` of that epoch counts it); None: none did."""
+        job = self._jobs.get(name)
+        return job.epochs.get(epoch) if job is not None else None
+
     def lists(self) -> set[str]:
         """The list ids some job's epoch reads."""
         return {key for job in self._jobs.values() for key in job.epochs.values()}

@@ -178,7 +178,10 @@ class Opens:
             rec = None
         if rec is not None and rec.state is ShardState.CACHED and shard.phase in (Phase.IDLE, Phase.REVALIDATING):
             unlike = self._unlike_index(url, rec.source_size or rec.size, name)
-            if unlike is not None:  # its shard index was written anew since the copy was made
+            # Its shard index was written anew since the copy was made: downloaded again, if the new
+            # copy is checked against the same facts (else a reader of an older index would have
+            # it downloaded at every open, to no avail: it is served, and its own check says why).
+            if unlike is not None and self._readers.shard_info(url, name) == self._readers.shard_info(url):
                 self._outdated(shard, unlike)
                 rec = None
         if rec is not None and rec.state is ShardState.CACHED:
@@ -220,7 +223,7 @@ class Opens:
         if self._config.revalidate and url not in self._verified:
             return False
         if self._unlike_index(url, rec.source_size or rec.size, name) is not None:
-            return False  # the open of it has it downloaded again
+            return False  # the open of it says what becomes of it
         shard = self.shards.record(url)
         try:
             if shard.phase is Phase.SUSPECT or not cache.path(url).exists():

@@ -330,10 +330,13 @@ class Readers:
         # took the agent's list as it was then), to that epoch's end, whatever edits come.
         if claimed is not None:
             key = claimed
-        elif epoch is not None and not probe:
-            key = self._jobs.list_for(job, epoch, self.list_id, lambda k: k == self.list_id or k in self._lists)
-        else:
+        elif epoch is None:
             key = self.list_id
+        elif probe:  # a len() of that epoch: its list, without starting it
+            pinned = self._jobs.pinned(job, epoch)
+            key = pinned if pinned is not None and self._holds(pinned) else self.list_id
+        else:
+            key = self._jobs.list_for(job, epoch, self.list_id, self._holds)
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
         before = self._readers.get(name)
         again = before is not None and before.consumer is not None  # its next epoch: it did not leave, nor join anew
@@ -386,7 +389,8 @@ class Readers:
         header = request.header
         record = self._readers.get(header["reader"])
         offset = get_field(header, "offset", int)
-        claimed = record.plan.list_id if record is not None else None
+        named = get_field(header, "list_id", str, None)  # (a len() reads its list after its bye)
+        claimed = record.plan.list_id if record is not None else named if named and self._holds(named) else None
         listed = claimed if claimed is not None else self.list_id
         page = self._list(listed).urls.page(max(0, offset), PAGE_BYTES)
         return {"ok": True, "list_id": listed, "urls": page}
@@ -490,6 +494,10 @@ class Readers:
         self._processes.close()
 
     # -- jobs and lists -----------------------------------------------------------
+
+    def _holds(self, key: str) -> bool:
+        """Whether the list ``key`` names is the agent's or one it keeps."""
+        return key == self.list_id or key in self._lists
 
     def _read_lists(self) -> set[str | None]:
         """The ids of the lists read: by a reader, or by a job's epoch that more readers may join."""

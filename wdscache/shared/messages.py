@@ -89,10 +89,14 @@ class PutUrlsReply(TypedDict, total=False):
     error: str
 
 
-class GetUrlsMessage(TypedDict):
+class _GetUrlsRequired(TypedDict):
     op: Literal["get_urls"]
     reader: str
     offset: int
+
+
+class GetUrlsMessage(_GetUrlsRequired, total=False):
+    list_id: str
 
 
 class GetUrlsReply(TypedDict, total=False):
@@ -539,8 +543,11 @@ class Requests:
             m["shards"] = shards
         return m
 
-    def get_urls(self, offset: int) -> GetUrlsMessage:
-        return {"op": "get_urls", "reader": self.reader, "offset": offset}
+    def get_urls(self, offset: int, list_id: str | None = None) -> GetUrlsMessage:
+        m: GetUrlsMessage = {"op": "get_urls", "reader": self.reader, "offset": offset}
+        if list_id is not None:
+            m["list_id"] = list_id
+        return m
 
     def open(
         self,

@@ -412,9 +412,10 @@ MESSAGES: tuple[Message, ...] = (
         "get_urls",
         "consumer",
         "agent",
-        {"reader": "str", "offset": "int"},
+        {"reader": "str", "offset": "int", "list_id": "str?"},
         {**_ERROR, "list_id": "str", "urls": "list[str]"},
-        about="a page of the list the reader said hello on",
+        about="a page of the list the reader said hello on (list_id: that list, while the agent holds it, "
+        "also once the reader said bye)",
     ),
     Message(
         "open",

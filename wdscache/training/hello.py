@@ -84,4 +84,4 @@ def say_hello(
         return hello, reader.urls
     key = str(hello.get("list_id"))
     listed = known if known is not None and known.list_id == key else AgentList(key, int(hello.get("n_urls", 0)))
-    return hello, listed.through(lambda offset: conn.request(requests.get_urls(offset)))
+    return hello, listed.through(lambda offset: conn.request(requests.get_urls(offset, key)))

@@ -576,7 +576,7 @@ class CachedMultiLoader:
         conn = self._connection(self.timeout)
         name = f"len-{uuid.uuid4().hex[:8]}"
         try:
-            hello, urls = self._session(conn, name, probe=True)
+            hello, urls = self._session(conn, name, epoch=self._next.epoch, probe=True)
             conn.request(Requests(name).bye())
             counts = agent_counts(conn, urls)
         finally:

@@ -77,14 +77,15 @@ class PipeSource(Source):
             yield SourceResponse(output, 0, False, None, Version())
             rc = _ended(proc, EXIT_WAIT)  # its output taken whole: its status says whether it was
         except FetchError:
-            # Its output was refused (none, short, a page): a failed command's status and stderr say more.
+            # Its output was refused (none, short, a page): a failed command's status and stderr,
+            # raised below, say more.
             rc = _ended(proc, FAILED_EXIT_WAIT)
             if rc is None or rc == 0:
                 raise
-            raise Retry(_exit_reason(rc, tail, cut, drainer)) from None
         finally:
-            if proc.poll() is None:  # (not once reaped: its process group's id may be another's then)
-                _kill(proc)
+            # What it started goes too, even once the shell exited (a "cmd &"): the group's id is
+            # not given to another process while one of the group lives.
+            _kill(proc)
             stdout.close()
             drainer.join(EXIT_WAIT)  # (a child of the command may hold its stderr open: not for ever)
         if rc is None:
@@ -123,7 +124,8 @@ def _ended(proc: subprocess.Popen[bytes], wait: float) -> int | None:
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the command and every process of its session (what it started), and reap it."""
+    """Kill the command and every process of its session (what it started), and reap it (once it
+    ended, what it started)."""
     with contextlib.suppress(ProcessLookupError):  # (every one of them gone already)
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):  # (stuck in the kernel: a hung mount, say)
