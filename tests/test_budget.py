@@ -20,7 +20,7 @@ from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.shared.client import AgentConnection, resolve_endpoint
-from wdscache.shared.layout import CacheLayout
+from wdscache.shared.layout import CacheLayout, write_private
 
 SHARD_130K = {"samples": 12, "payload": 8000}  # 133,120-byte shards
 SHARD_1M = {"samples": 10, "payload": 100_000}  # ~1.0-1.06 MB shards
@@ -418,3 +418,43 @@ def test_a_download_never_writes_into_the_space_of_an_evicted_shard_a_worker_sti
     evicted = agent.stderr_text().count(" evicted ")
     assert evicted >= 3, agent.stderr_tail()
     assert "No space left on device" not in agent.stderr_text(), agent.stderr_tail()
+
+
+def test_an_agent_started_on_a_full_disk_keeps_the_index_and_every_cached_shard(
+    shard_server, dataset, start_agent, run_cli, tmpfs
+):
+    data = dataset(2, samples=4, payload=300)
+    fs = tmpfs("4m")
+    cache = fs / "cache"
+    agent = start_agent(cache, data.list_file, "--min-free", "0")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    assert agent.stop() == 0
+    (fs / "pad").write_bytes(bytes(8192))
+    fill(fs / "other-program")  # another program took the rest of the disk
+    r = run_cli("agent", "--cache-dir", cache, "--urls", data.list_file, "--min-free", "0", timeout=30)
+    assert r.returncode == 2 and "cannot write the lock file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    (fs / "pad").unlink()  # 8K free: the lock is written, the index cannot be opened
+    r = run_cli("agent", "--cache-dir", cache, "--urls", data.list_file, "--min-free", "0", timeout=30)
+    assert r.returncode == 1 and "free space on its file system (the index is not damaged, and is kept)" in r.stderr
+    assert not list(cache.glob("index.corrupt-*")), "a full disk taken for a damaged index"
+    (fs / "other-program").unlink()
+    fetched = [shard_server.count(p.name) for p in data.paths]
+    agent = start_agent(cache, data.list_file, "--min-free", "0", "--no-revalidate")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards kept")
+    assert [shard_server.count(p.name) for p in data.paths] == fetched
+    assert "moved it to" not in agent.stderr_text()
+
+
+def test_a_private_file_written_on_a_full_disk_is_all_or_nothing_and_names_itself(tmpfs):
+    fs = tmpfs("1m")
+    target = fs / "private-urls.txt"
+    write_private(target, b"old\n")
+    (fs / "pad").write_bytes(bytes(8192))
+    fill(fs / "other-program")
+    (fs / "pad").unlink()  # room for part of what follows, not all of it
+    with pytest.raises(OSError, match=f"No space left on device: '{target}'"):
+        write_private(target, b"x" * 100_000)
+    assert target.read_bytes() == b"old\n" and sorted(p.name for p in fs.iterdir()) == [
+        "other-program",
+        "private-urls.txt",
+    ]

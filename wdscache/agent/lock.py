@@ -55,9 +55,15 @@ class AgentLock:
                 break
             # Removed (a failed start undone) between our open and our lock: lock the file there now.
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            os.fsync(fd)
+        except OSError as exc:  # (a full disk, say: its pid is how others name the holder)
+            os.close(fd)
+            raise ConfigError(
+                f"cannot write the lock file {self.path}: {exc.strerror}; free space on its file system"
+            ) from None
         self._fd = fd
 
     def release(self) -> None:

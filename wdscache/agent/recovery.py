@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sqlite3
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..shared.index import DAMAGED, Index, ShardState
+from ..shared.index import DAMAGED, Index, IndexWriteError, ShardState
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
 from ..shared.tarwalk import GZIP_MAGIC, file_problem
@@ -163,6 +164,11 @@ def open_index(layout: CacheLayout) -> tuple[Index, bool]:
     try:
         index = Index(layout.index_dir)
     except DAMAGED as exc:
+        if _no_room(exc):  # a full (or failing) disk, not a damaged index: kept as it is
+            raise IndexWriteError(
+                f"cannot open the index in {layout.index_dir} ({exc}): free space on its file system "
+                "(the index is not damaged, and is kept)"
+            ) from None
         aside = layout.root / f"index.corrupt-{int(time.time())}"
         log.error("the index is unreadable (%s); moved it to %s and starting a new one", exc, aside)
         os.replace(layout.index_dir, aside)
@@ -170,6 +176,19 @@ def open_index(layout: CacheLayout) -> tuple[Index, bool]:
     # An empty index beside shard files: it was deleted; rebuild it from the files.
     lost = not len(index) and any(p.is_file() for p in layout.shards_dir.rglob("*"))
     return index, lost
+
+
+_SQLITE_IOERR, _SQLITE_FULL = 10, 13  # sqlite's primary result codes (an extended one's low byte)
+
+
+def _no_room(exc: BaseException) -> bool:
+    """Whether sqlite failed for want of disk space or for an I/O error, not for what the file holds."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)  # (Python 3.11+; the message before)
+    if code is not None:
+        return code & 0xFF in (_SQLITE_IOERR, _SQLITE_FULL)
+    return str(exc) in ("database or disk is full", "disk I/O error")
 
 
 def rename_former(layout: CacheLayout, url: str) -> None:

@@ -332,7 +332,8 @@ def read_pid(path: Path) -> int | None:
 
 
 def write_private(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Publish ``data`` at ``path`` atomically (temp file, fsync, rename), mode 0600.
+    """Publish ``data`` at ``path`` atomically (temp file, fsync, rename), mode 0600: all of it,
+    or nothing and an OSError naming ``path``.
 
     The temp file is created exclusively and links are not followed, so a link
     planted at its name cannot redirect the write. Without ``durable``, no fsync: for a
@@ -341,14 +342,20 @@ def write_private(path: Path, data: bytes, *, durable: bool = True) -> None:
     """
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, data)
-        if durable:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            left = memoryview(data)
+            while left:  # (a write may take less than all: a full disk's last blocks, say)
+                left = left[os.write(fd, left) :]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None  # named: the file it was for
 
 
 def short_socket_dir() -> Path:
