@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,3 +196,41 @@ def test_a_loader_dropped_without_close_lets_its_private_agent_stop(tmp_path, da
         STOP_WITHIN,
         lambda: f"the private agent of a dropped loader kept running\n{_agent_log(cache)}",
     )
+
+
+def test_a_loader_whose_private_agent_was_killed_starts_a_new_one_at_its_next_epoch(tmp_path, dataset, private_agents):
+    from wdscache import CachedMultiLoader
+
+    data = dataset(2, samples=4, payload=500)
+    ref = sorted(reference(data.paths, data.urls))
+    cache = tmp_path / "cache"
+    with CachedMultiLoader(data.urls, cache_dir=cache, job="k", rank=0, world_size=1, timeout=30) as loader:
+        assert sorted((s["__url__"], s["__key__"]) for s in loader) == ref
+        old = _state(cache)["pid"]
+        private_agents.append(old)
+        os.kill(old, signal.SIGKILL)  # the OOM killer, say
+        wait_for(lambda: not _running(old), 10, "the agent never died")
+        assert sorted((s["__url__"], s["__key__"]) for s in loader) == ref  # it said "start one" every epoch after
+        new = _state(cache)["pid"]
+        private_agents.append(new)
+    assert new != old
+
+
+def test_a_loader_with_urls_waits_for_a_running_agent_that_is_slow_to_answer(
+    tmp_path, dataset, start_agent, private_agents
+):
+    from wdscache import CachedMultiLoader
+
+    data = dataset(2, samples=4, payload=500)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    os.kill(agent.pid, signal.SIGSTOP)  # busy: it answers nothing for a while
+    going_on = threading.Timer(2.5, os.kill, (agent.pid, signal.SIGCONT))
+    going_on.start()
+    try:
+        loader = CachedMultiLoader(data.urls, cache_dir=cache, job="s", rank=0, world_size=1, timeout=30)
+        reading = iter(loader)  # (it tried to start a private agent, which found this one and failed)
+    finally:
+        going_on.join()
+    assert sorted((s["__url__"], s["__key__"]) for s in reading) == sorted(reference(data.paths, data.urls))
+    assert _state(cache)["pid"] == agent.pid and not (cache / "private-agent.log").exists()

@@ -220,6 +220,10 @@ def test_long_cache_dir_gets_private_socket_under_tmp(tmp_path, dataset, start_a
     got = delivered(list(loader(cache, "long")))
     assert got == reference(data.paths, data.urls)
     assert len(got) == 12
+    # Through a short symlink to it, the same agent (its socket is named by the real path).
+    link = tmp_path / "c"
+    link.symlink_to(cache)
+    assert delivered(list(loader(link, "link"))) == got
 
 
 # -- 2. TCP endpoints ------------------------------------------------------------------------

@@ -313,12 +313,14 @@ class CacheLayout:
 
         Unix socket paths are short (108 bytes); a deep cache directory gets a
         socket in a private per-user folder under /tmp instead,
-        named by a hash of the cache path so that agent and consumers agree.
+        named by a hash of the cache path so that agent and consumers agree. The
+        path is the directory's real one: a symlink to it names the same socket.
         """
-        path = self.root / "agent.sock"
+        real = Path(os.path.realpath(self.root))
+        path = real / "agent.sock"
         if len(os.fsencode(path)) <= _MAX_SOCKET_PATH:
             return f"ipc://{path}"
-        digest = hashlib.sha256(os.fsencode(self.root)).hexdigest()[:24]
+        digest = hashlib.sha256(os.fsencode(real)).hexdigest()[:24]
         return f"ipc://{short_socket_dir()}/{digest}.sock"
 
 

@@ -399,6 +399,9 @@ class CachedMultiLoader:
     def _ensure_agent(self) -> None:
         """With a list and a cache directory but no real agent there, use a private one (a notebook):
         join the one another loader started, or start it (see :mod:`wdscache.training.private`)."""
+        if self._private_agent is not None and not self._private_agent.alive():
+            self._private_agent.release()  # it died (killed): the next one is started or joined below
+            self._private_agent = None
         if self._private_agent is not None or self.urls is None or self.cache_dir is None:
             return
         if not self._own_endpoint:

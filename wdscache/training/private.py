@@ -40,7 +40,7 @@ from typing import Any
 from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.layout import CacheLayout, write_private
 from ..shared.logs import get_logger
-from ..shared.stats import ask_agent
+from ..shared.stats import agent_state, ask_agent
 from ..shared.urls import format_url_list
 
 log = get_logger(__name__)
@@ -113,7 +113,7 @@ class PrivateAgent:
             users_fd = _lock(layout.root / USERS_FILE, fcntl.LOCK_SH, deadline, "its private agent is still stopping")
             try:
                 proc = None
-                state = _serving(layout)
+                state = _serving(layout) or _answer_of_running(layout, deadline)
                 if state is None:
                     proc, state = _start(layout, urls, deadline)
                 if not state.get("private_users"):  # a real agent came up meanwhile
@@ -125,6 +125,17 @@ class PrivateAgent:
                 raise
         finally:
             os.close(start_fd)  # drops the lock
+
+    def alive(self) -> bool:
+        """Whether the agent still runs (one killed, by the OOM killer say, is started anew by the
+        next use): not once it is a zombie, which it is while its threads end, before it can be reaped."""
+        if self.proc is not None and self.proc.poll() is not None:
+            return False
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
 
     def release(self) -> None:
         """Stop using the agent; it stops by itself once no other loader uses it."""
@@ -148,6 +159,24 @@ def _lock(path: Path, how: int, deadline: float, busy: str) -> int:
                     "for the loader's whole timeout); try again, or start 'wdscache agent' there yourself"
                 ) from None
             time.sleep(LOCK_POLL)
+
+
+def _answer_of_running(layout: CacheLayout, deadline: float) -> dict[str, Any] | None:
+    """The state of an agent that runs on ``layout`` but has not answered yet (busy, or starting),
+    once it answers; None if none runs. An agent that still has not answered at ``deadline`` is a
+    WdsCacheError: a second one could not start there anyway."""
+    state = agent_state(layout)
+    if state is None or not layout.agent_holds_lock(state["pid"]):
+        return None
+    while (answered := _serving(layout, 0.5)) is None:
+        if time.monotonic() > deadline:
+            raise WdsCacheError(
+                f"the agent (pid {state['pid']}) on {layout.root} runs but did not answer within the loader's "
+                "timeout; try again, or give the loader a longer timeout="
+            )
+        if not layout.agent_holds_lock(state["pid"]):
+            return None  # it stopped meanwhile
+    return answered
 
 
 def _start(layout: CacheLayout, urls: Sequence[str], deadline: float) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
