@@ -433,8 +433,9 @@ class ShardClient:
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
         """Wait until ``url`` is cached and pin it; returns the shard's local path. Raises
-        FetchError if it cannot be downloaded, ShardError if it is bad itself (damaged, or
-        unlike its shard index)."""
+        FetchError if it cannot be downloaded, ShardError if it is known bad itself (unlike its
+        shard index, or damaged again after one more download): its tar headers are not all
+        checked before it is served."""
         header = self._requests.open(url)
         if timeout is None:
             # A download may take long; the agent's answers to pings show it is alive (and keep us).
