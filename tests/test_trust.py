@@ -648,6 +648,9 @@ def test_a_process_on_a_workers_port_cannot_hand_a_consumer_samples(open_base, d
     token = (cache / "token").read_text().strip()
     assert impostor.got and all("key" not in h and "auth" in h for h in impostor.got), impostor.got
     assert token not in json.dumps(impostor.got)
+    # The agent's new worker, which cannot bind, says so in one line each time, no traceback.
+    log = agent.stderr_text()
+    assert "worker 0 cannot listen on tcp://127.0.0.1" in log and "Traceback" not in log, agent.stderr_tail()
 
 
 def test_an_agent_that_refuses_the_key_it_just_gave_is_not_asked_again_and_again(tmp_path: Path) -> None:

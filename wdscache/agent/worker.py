@@ -106,6 +106,7 @@ from ..shared.protocol import (
     unpack,
     unpack_numbers,
 )
+from ..shared.redact import redact_urls
 from .growing import GrowingShard, NotYet
 from .open_shards import SWEEP_EVERY, OpenShards
 from .reply_frames import ReplyFrames
@@ -648,7 +649,13 @@ def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_ke
     # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.
     tune_malloc()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
-    worker = _Worker(spec, secret, key, serve_key)
+    try:
+        worker = _Worker(spec, secret, key, serve_key)
+    except zmq.ZMQError as exc:  # its endpoint taken since the agent's start: one line, and the agent retries
+        log.error(
+            "worker %d cannot listen on %s (%s)", spec.index, redact_urls(spec.endpoint), os.strerror(exc.errno or 0)
+        )
+        sys.exit(1)
     os.write(ready_fd, b"r")
     os.close(ready_fd)
     signal.signal(signal.SIGTERM, lambda *_: setattr(worker, "stop", True))
