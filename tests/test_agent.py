@@ -345,6 +345,8 @@ def test_bad_url_list_line_is_refused_with_its_line_number(
             "endpoint 'tcp://127.0.0.1:65535': use tcp://HOST:PORT with a port in [1, 65534] (its 1 worker(s) listen",
         ),
         ("--endpoint", "ipc://", "endpoint 'ipc://': give the socket's path"),
+        # ZeroMQ binds "*" but dials nothing there: the workers' reports to the agent failed for ever.
+        ("--endpoint", "tcp://*:5555", "endpoint 'tcp://*:5555': name an address, tcp://0.0.0.0:5555"),
         # Past any need: the agent spun on a window of 10**12 and ignored SIGTERM; threads ran out.
         ("--prefetch", "1000000000000", "--prefetch 1000000000000: use at most 100000"),
         ("--download-workers", "100000000000", "--download-workers 100000000000: use at most 1024"),

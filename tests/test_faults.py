@@ -334,12 +334,13 @@ def test_pipe_commands_that_fail_without_output_stall_or_close_their_output_earl
 
     assert agent.stop() == 0
 
-    # A command running when the agent stops is killed with what it started.
-    write_url_list(urls_file, [f"pipe:head -c 20480 {shard}; sleep 61.5"])
-    agent = start_agent(cache, urls_file, "--allow-pipe", "--prefetch", "1")
-    wait_for(lambda: _commands_running("sleep 61.5"), 15, "the command started")
+    # A command running when the agent stops is killed with what it started: silent, or with its
+    # output ended and not exited yet.
+    write_url_list(urls_file, [f"pipe:head -c 20480 {shard}; sleep 61.5", f"pipe:cat {shard}; exec 1>&-; sleep 61.6"])
+    agent = start_agent(cache, urls_file, "--allow-pipe", "--prefetch", "2", "--read-timeout", "60")
+    wait_for(lambda: _commands_running("sleep 61.5") and _commands_running("sleep 61.6"), 15, "the commands started")
     assert agent.stop() == 0
-    assert _commands_running("sleep 61.5") == []
+    assert _commands_running("sleep 61.5") == [] and _commands_running("sleep 61.6") == []
 
 
 @pytest.mark.parametrize("sends, then", [("etag", "etag"), ("date", "date"), ("etag", "date")])

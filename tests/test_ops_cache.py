@@ -603,8 +603,11 @@ def test_prefetch_refuses_download_workers_below_one_and_leaves_the_cache_direct
     assert r.returncode == 2 and "--give-up-after nan: use a number of seconds" in r.stderr, r.stderr
     assert not (tmp_path / "cache").exists()
     # No option of prefetch's would allow a pipe: command (it said to start the agent with --allow-pipe).
-    r = run_cli("prefetch", "pipe:cat x.tar", "--cache-dir", tmp_path / "cache")
-    assert r.returncode == 2 and "this command takes no pipe: command; list it in the agent's --urls file" in r.stderr
+    listed = tmp_path / "pipes.txt"
+    listed.write_text("pipe:cat x.tar\n")
+    for given in (["pipe:cat x.tar"], ["--urls", listed]):
+        r = run_cli("prefetch", *given, "--cache-dir", tmp_path / "cache")
+        assert r.returncode == 2 and "this command takes no pipe: command: only the agent runs them" in r.stderr
     assert not (tmp_path / "cache").exists()
 
 

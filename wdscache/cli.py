@@ -463,13 +463,12 @@ def _argument_urls(
     comments: an argument is one entry, whatever ``#`` it holds. UrlListError names argument k as
     line k of "the command line"."""
     from .shared.errors import UrlListError
-    from .shared.urls import parse_url_list
+    from .shared.urls import PIPE_AGENT_ONLY, parse_url_list
 
     out: list[tuple[str, Sequence[str]]] = []
     for k, arg in enumerate(args, 1):
         if not allow_pipe and arg.startswith("pipe:"):  # (no option of this command would allow it)
-            reason = "this command takes no pipe: command; list it in the agent's --urls file, with --allow-pipe"
-            raise UrlListError("the command line", k, arg, reason)
+            raise UrlListError("the command line", k, arg, PIPE_AGENT_ONLY)
         try:
             listed = parse_url_list(arg, path="the command line", lister=lister, allow_pipe=allow_pipe, comments=False)
             out.append((arg, listed.urls))
@@ -552,8 +551,9 @@ def prefetch(
 
     from .agent.cache_commands import PrefetchProgress
     from .agent.cache_commands import prefetch as run_prefetch
+    from .shared.errors import UrlListError
     from .shared.s3 import Listing
-    from .shared.urls import read_url_list
+    from .shared.urls import PIPE_AGENT_ONLY, PIPE_REFUSED, read_url_list
 
     setup_logging(sys.stderr, fmt=log_format, verbose=False)
     if not verbose:
@@ -563,7 +563,12 @@ def prefetch(
         lister = Listing(endpoint_url=s3_endpoint_url)
         wanted = [url for _, expanded in _argument_urls(urls, lister) for url in expanded]
         if list_file is not None:
-            wanted += read_url_list(list_file, lister=lister).urls
+            try:
+                wanted += read_url_list(list_file, lister=lister).urls
+            except UrlListError as exc:
+                if exc.reason != PIPE_REFUSED:
+                    raise
+                raise UrlListError(exc.path, exc.lineno, exc.line, PIPE_AGENT_ONLY) from None
         if not wanted:
             raise ConfigError("no shards to prefetch: give URLS or --urls FILE")
         bar = sys.stdout.isatty() and not as_json

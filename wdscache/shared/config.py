@@ -183,6 +183,8 @@ def check_endpoint(endpoint: str, *, allow_remote: bool, ports: int = 1) -> None
     if not (host and port.isascii() and port.isdigit() and 1 <= int(port) <= last):
         workers = f" (its {ports - 1} worker(s) listen on the ports after it)" if ports > 1 else ""
         raise ConfigError(f"endpoint {endpoint!r}: use tcp://HOST:PORT with a port in [1, {last}]{workers}")
+    if host == "*":  # (its workers and consumers dial the endpoint the agent names, and "*" dials nothing)
+        raise ConfigError(f"endpoint {endpoint!r}: name an address, tcp://0.0.0.0:{port} for every interface")
     if not allow_remote and not is_loopback(host):
         raise ConfigError(
             f"endpoint {endpoint!r} is reachable from other machines, and its traffic is not "

@@ -64,7 +64,11 @@ _HASHED = 1 << 20  # characters of a list's text encoded at once to fingerprint 
 TEXT_SOURCE = "<urls>"
 """The ``path`` shown in errors for a list that did not come from a file."""
 
-_PIPE_REFUSED = "pipe: sources run a shell command; start the agent with --allow-pipe to allow them"
+PIPE_REFUSED = "pipe: sources run a shell command; start the agent with --allow-pipe to allow them"
+#: The same, where no option allows one (a cache command's URLs, a loader's own list).
+PIPE_AGENT_ONLY = (
+    "this command takes no pipe: command: only the agent runs them, for its --urls file's lines (with --allow-pipe)"
+)
 _SUPPORTED = (
     "supported: http://, https://, s3://bucket/key (or a prefix or glob), file:///path, a plain path, "
     "pipe:CMD (with --allow-pipe)"
@@ -585,7 +589,7 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
         scheme = url[:colon].lower()
         if scheme == "pipe":
             if not allow_pipe:
-                raise ValueError(_PIPE_REFUSED)
+                raise ValueError(PIPE_REFUSED)
             if not url[colon + 1 :].strip():
                 raise ValueError("pipe: needs a shell command after the colon")
             return "pipe:" + url[colon + 1 :]

@@ -75,11 +75,11 @@ class PipeSource(Source):
         output = _output(url, stdout.fileno(), self.settings.read_timeout, cancel)
         try:
             yield SourceResponse(output, 0, False, None, Version())
-            rc = _ended(proc, EXIT_WAIT)  # its output taken whole: its status says whether it was
+            rc = _ended(url, proc, EXIT_WAIT, cancel)  # its output taken whole: its status says whether it was
         except FetchError:
             # Its output was refused (none, short, a page): a failed command's status and stderr,
             # raised below, say more.
-            rc = _ended(proc, FAILED_EXIT_WAIT)
+            rc = _ended(url, proc, FAILED_EXIT_WAIT, cancel)
             if rc is None or rc == 0:
                 raise
         finally:
@@ -114,13 +114,19 @@ def _output(url: str, fd: int, read_timeout: float, cancel: threading.Event | No
         yield chunk
 
 
-def _ended(proc: subprocess.Popen[bytes], wait: float) -> int | None:
-    """The command's exit status once it exits within ``wait`` seconds; else None (it is killed)."""
-    try:
-        return proc.wait(wait)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        return None
+def _ended(url: str, proc: subprocess.Popen[bytes], wait: float, cancel: threading.Event | None) -> int | None:
+    """The command's exit status once it exits within ``wait`` seconds; else None (it is killed).
+    Cancelled once ``cancel`` is set meanwhile (the agent stops: its caller kills the command)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return proc.wait(max(0.0, min(LOOK_EVERY, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(url) from None
+            if time.monotonic() >= deadline:
+                _kill(proc)
+                return None
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
