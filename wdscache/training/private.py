@@ -93,6 +93,7 @@ class PrivateAgent:
     def __init__(self, users_fd: int, pid: int, proc: subprocess.Popen[bytes] | None) -> None:
         self.pid = pid  # the agent's
         self.proc = proc  # when this loader started it
+        self._started = _stat(pid)[19:20]  # its start time: a pid reused later is another process
         # Closing the descriptor drops our shared lock; also when this object is garbage, or at exit.
         self._release = weakref.finalize(self, os.close, users_fd)
 
@@ -131,17 +132,24 @@ class PrivateAgent:
         next use): not once it is a zombie, which it is while its threads end, before it can be reaped."""
         if self.proc is not None and self.proc.poll() is not None:
             return False
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat[stat.rindex(")") + 2 :][:1] not in ("Z", "X")
+        fields = _stat(self.pid)
+        return bool(fields) and fields[0] not in ("Z", "X") and fields[19:20] == self._started
 
     def release(self) -> None:
         """Stop using the agent; it stops by itself once no other loader uses it."""
         self._release()
         if self.proc is not None:
             self.proc.poll()  # reap it if it has already exited
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name (state first, start time 20th); none
+    for a process that is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return text[text.rindex(")") + 2 :].split()
 
 
 def _lock(path: Path, how: int, deadline: float, busy: str) -> int:
