@@ -263,17 +263,27 @@ def test_with_epoch_resumes_from_a_checkpoint_as_the_uninterrupted_run_goes_on(
             assert keys(resumed) == whole[1], (n, k)
 
 
-def test_with_epoch_state_of_a_stateful_dataloader_without_workers_loaded_into_the_dataset_keeps_its_cut(
+@pytest.fixture
+def stateful_source(
     dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
-) -> None:
-    # Without workers the StatefulDataLoader holds the dataset's own state (its "dataset_state"):
-    # loaded into the dataset, as train_example.py loads every state, the cut resumes too.
+) -> tuple[Any, Any, Path]:
+    """torchdata's stateful_dataloader module, and the URLs of 8 shards of 5 samples with the cache
+    of an agent serving them."""
     stateful = pytest.importorskip(
         "torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)"
     )
     urls, _, list_file = dataset(8, samples=5, payload=100)
     cache = tmp_path / "cache"
     start_agent(cache, list_file)
+    return stateful, urls, cache
+
+
+def test_with_epoch_state_of_a_stateful_dataloader_without_workers_loaded_into_the_dataset_keeps_its_cut(
+    stateful_source: tuple[Any, Any, Path],
+) -> None:
+    # Without workers the StatefulDataLoader holds the dataset's own state (its "dataset_state"):
+    # loaded into the dataset, as train_example.py loads every state, the cut resumes too.
+    stateful, urls, cache = stateful_source
 
     def made() -> Any:
         return wdscache.WebDataset(urls, cache_dir=cache, job="sdl0").with_epoch(10)
@@ -294,18 +304,13 @@ def test_with_epoch_state_of_a_stateful_dataloader_without_workers_loaded_into_t
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["list", "resampled"])
 def test_with_epoch_in_stateful_dataloader_workers_resumes_as_the_uninterrupted_run_goes_on(
-    kind: str, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+    kind: str, stateful_source: tuple[Any, Any, Path]
 ) -> None:
     # In DataLoader(num_workers=2) each worker cuts its own iteration at n: a per-step checkpoint
     # (StatefulDataLoader's, of each worker) resumes the rest of each worker's n, an empty rest
     # after the last batch, and then the next epoch, as the uninterrupted loop goes on. n=25 runs
     # past the end of a worker's slice of the epoch (20 samples) into the next epoch's.
-    stateful = pytest.importorskip(
-        "torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)"
-    )
-    urls, _, list_file = dataset(8, samples=5, payload=100)
-    cache = tmp_path / "cache"
-    start_agent(cache, list_file)
+    stateful, urls, cache = stateful_source
 
     def made(n: int) -> tuple[Any, Any]:
         ds = wdscache.WebDataset(urls, cache_dir=cache, job=f"dl{n}", **_cut_source(kind)).with_epoch(n)
