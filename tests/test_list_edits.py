@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import tarfile
 from collections import Counter
@@ -9,7 +11,7 @@ from collections import Counter
 import pytest
 
 from scripts.shard_maker import make_shard, synth_samples, write_url_list
-from wdscache import CachedMultiLoader, ShardError, ShardListDataset
+from wdscache import CachedMultiLoader, ShardError, ShardListDataset, WdsCacheError
 
 
 def _replace_list(list_file, urls) -> None:
@@ -129,3 +131,24 @@ def test_a_configmap_update_by_the_kubelets_symlink_swap_is_taken_up_live(shard_
     os.replace(mount / "..data_tmp", mount / "..data")  # the kubelet's atomic swap: urls.txt itself never changes
     s = agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 15, "the swapped list taken up")
     assert s["agent"]["urls"] == 4 and "URL list changed: 2 added, 0 removed" in agent.stderr_text()
+
+
+def test_a_jobs_own_wrong_shard_index_changes_nothing_for_the_other_jobs(
+    shard_server, dataset, start_agent, run_cli, tmp_path
+):
+    ds = dataset(2, samples=10)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", "10M")  # a plain list: no facts of its own
+    assert len(list(CachedMultiLoader(cache_dir=cache, job="a", shuffle=False))) == 20
+    wrong = tmp_path / "wrong.json"
+    assert run_cli("index", *ds.urls, "-o", wrong).returncode == 0
+    doc = json.loads(wrong.read_text())
+    doc["shardlist"][1]["nsamples"], doc["shardlist"][1]["filesize"] = 12, None  # a job's index, wrong
+    wrong.write_text(json.dumps(doc))
+    fetched = [shard_server.count(p.name) for p in ds.paths]
+    with contextlib.suppress(WdsCacheError):  # (what it gets is its own affair)
+        list(CachedMultiLoader(str(wrong), cache_dir=cache, job="b", shuffle=False, timeout=20))
+    got = list(CachedMultiLoader(cache_dir=cache, job="c", shuffle=False, timeout=20))
+    assert Counter(_keys(got)) == _samples_of(ds, ds.urls)
+    assert [shard_server.count(p.name) for p in ds.paths] == fetched
+    assert agent.stats()["shards"] == {"cached": 2, "downloading": 0, "queued": 0, "failed": 0}

@@ -178,10 +178,11 @@ class Opens:
             rec = None
         if rec is not None and rec.state is ShardState.CACHED and shard.phase in (Phase.IDLE, Phase.REVALIDATING):
             unlike = self._unlike_index(url, rec.source_size or rec.size, name)
-            # Its shard index was written anew since the copy was made: downloaded again, if the new
-            # copy is checked against the same facts (else a reader of an older index would have
-            # it downloaded at every open, to no avail: it is served, and its own check says why).
-            if unlike is not None and self._readers.shard_info(url, name) == self._readers.shard_info(url):
+            # The agent's own shard index (its list file) was written anew since the copy was made,
+            # and the reader reads that version: downloaded again. A reader whose own index differs
+            # (older, or wrong) changes nothing for the others: it is served, and its check fails it.
+            listed = self._readers.list_info(url)
+            if unlike is not None and listed is not None and self._readers.shard_info(url, name) == listed:
                 self._outdated(shard, unlike)
                 rec = None
         if rec is not None and rec.state is ShardState.CACHED:

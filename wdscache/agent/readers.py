@@ -217,12 +217,16 @@ class Readers:
         key = record.plan.list_id if record is not None else None
         if key is not None and key != self.list_id and key in self._lists:
             return self._lists.get(key, self.urls).info(url)
-        facts = self.urls.shards
-        at = self.position(url) if facts is not None else None
-        info = facts[at] if facts is not None and at is not None else None
+        info = self.list_info(url)
         if info is None:
             info = next((i for listed in reversed(self._lists) if (i := listed.info(url)) is not None), None)
         return info
+
+    def list_info(self, url: str) -> ShardInfo | None:
+        """What the agent's own list (its list file, a shard index) says of ``url`` (None: nothing)."""
+        facts = self.urls.shards
+        at = self.position(url) if facts is not None else None
+        return facts[at] if facts is not None and at is not None else None
 
     def samples(self, url: str) -> int | None:
         """``url``'s sample count: the one counted in a copy of it, else its shard index's (None: neither).
