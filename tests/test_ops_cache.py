@@ -689,3 +689,15 @@ def test_prefetch_without_an_agent_keeps_the_last_agents_free_space_or_the_one_g
     assert r.returncode == 2 and "--min-free 39.0M" in r.stderr, (r.stdout, r.stderr)
     r = run_cli("prefetch", data.urls[0], "--cache-dir", fresh, "--min-free", "lots", timeout=60)
     assert r.returncode == 2 and "--min-free" in r.stderr, r.stderr
+
+
+def test_evict_of_a_redacted_url_that_shows_two_cached_urls_says_to_give_the_whole_url(tmp_path, dataset, run_cli):
+    data = dataset(1, samples=4, payload=300)
+    urls = [f"{data.urls[0]}?token=ONE", f"{data.urls[0]}?token=TWO"]  # ls shows both alike
+    cache = tmp_path / "cache"
+    assert run_cli("prefetch", *urls, "--cache-dir", cache, "--cache-size", "10M").returncode == 0
+    shown = [s["url"] for s in json.loads(run_cli("ls", "--cache-dir", cache, "--json").stdout)]
+    assert shown == [f"{data.urls[0]}?token=***"] * 2
+    r = run_cli("evict", f"{data.urls[0]}?token=***", "--cache-dir", cache)
+    assert r.returncode == 1 and "as shown redacted it names no single cached URL: give the whole URL" in r.stdout
+    assert "ONE" not in r.stdout + r.stderr and "TWO" not in r.stdout + r.stderr

@@ -707,7 +707,9 @@ def _freed(result: dict, as_json: bool, *, unmatched: list[str] | None = None, n
         for r in result["refused"]:
             _echo(f"  refused {r['url']}: {r['reason']}")
         for arg in unmatched or ():
-            _echo(f"  not cached: {arg}")
+            # (a URL shown redacted stands for the one cached URL it shows: not for several)
+            why = " (as shown redacted it names no single cached URL: give the whole URL)" if "***" in arg else ""
+            _echo(f"  not cached: {arg}{why}")
         if note:
             _echo(note)
     if unmatched and not result["evicted"] and not result["refused"]:
