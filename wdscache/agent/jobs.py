@@ -42,8 +42,10 @@ class Jobs:
     def __init__(self) -> None:
         self._jobs: dict[str, Job] = {}
 
-    def get(self, name: str) -> Job | None:
-        return self._jobs.get(name)
+    def other_world_size(self, name: str, world_size: int) -> int | None:
+        """The world size job ``name`` said, if another than ``world_size`` (None: the same, or no such job)."""
+        job = self._jobs.get(name)
+        return job.world_size if job is not None and job.world_size != world_size else None
 
     def join(self, name: str, world_size: int) -> None:
         """A reader of job ``name`` says hello with ``world_size``: another world size than the
@@ -69,11 +71,18 @@ class Jobs:
             del job.epochs[min(job.epochs)]
         return current
 
-    def pinned(self, name: str, epoch: int) -> str | None:
-        """The list id epoch ``epoch`` of job ``name`` reads, if one of its readers started it (a
-        loader's ``len()`` of that epoch counts it); None: none did."""
-        job = self._jobs.get(name)
-        return job.epochs.get(epoch) if job is not None else None
+    def list_of(
+        self, name: str, epoch: int | None, current: str, held: Callable[[str], bool], *, probe: bool = False
+    ) -> str:
+        """The list id a reader of job ``name`` (joined) starting ``epoch`` reads (:meth:`list_for`);
+        ``current`` for a reader of no epoch. A ``probe`` (a loader's ``len()`` of that epoch) gets
+        the epoch's list if one of its readers started it, and starts it on none."""
+        if epoch is None:
+            return current
+        if probe:
+            pinned = self._jobs[name].epochs.get(epoch)
+            return pinned if pinned is not None and held(pinned) else current
+        return self.list_for(name, epoch, current, held)
 
     def lists(self) -> set[str]:
         """The list ids some job's epoch reads."""

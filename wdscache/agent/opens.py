@@ -37,6 +37,7 @@ from ..shared.layout import file_identity
 from ..shared.logs import event, get_logger
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
+from ..shared.shard_index import ShardInfo
 from .cache import ShardCache
 from .control import Answer, Reply, Request
 from .downloads import Downloads
@@ -183,7 +184,14 @@ class Opens:
             # (older, or wrong) changes nothing for the others: it is served, and its check fails it.
             listed = self._readers.list_info(url)
             if unlike is not None and listed is not None and self._readers.shard_info(url, name) == listed:
-                self._outdated(shard, unlike)
+                # As a damaged copy: downloaded again once no reader holds it (readers of the list
+                # it was made for may), its count dropped then.
+                log.error("%s %s; downloading it again once no reader holds it", url, unlike)
+                _remember(self._changed, url, unlike)
+                _remember(self._refetch_why, url, unlike)
+                cache.index.incr("changed")
+                self.shards.move(shard, Phase.SUSPECT)
+                self._refetch_if_corrupt(shard)
                 rec = None
         if rec is not None and rec.state is ShardState.CACHED:
             cache.index.incr("hits")
@@ -407,18 +415,9 @@ class Opens:
         self._demand(shard)  # its waiters get the new copy
 
     def _unlike_index(self, url: str, size: int, name: str | None = None) -> str | None:
-        """How a cached copy (its source was ``size`` bytes) differs from what its shard index says
-        now, the one of the list reader ``name`` reads if given (None: it does not, or there is no
-        index): it is downloaded again then, and that download is checked."""
-        info = self._readers.shard_info(url, name)
-        if info is None:
-            return None
-        counted = self._cache.index.counts.get(url)
-        if info.filesize is not None and size != info.filesize:
-            return f"is {size} bytes in the cache, but the shard index says {info.filesize}"
-        if counted is not None and info.nsamples is not None and counted != info.nsamples:
-            return f"holds {counted} samples in the cache, but the shard index says {info.nsamples}"
-        return None
+        """:func:`unlike_index` of ``url``'s copy (its source was ``size`` bytes) and the shard index
+        of the list reader ``name`` reads (if given, else the agent's)."""
+        return unlike_index(self._readers.shard_info(url, name), size, self._cache.index.counts.get(url))
 
     # -- damage -----------------------------------------------------------------------
 
@@ -477,18 +476,6 @@ class Opens:
         finally:
             self.shards.settle(shard)
 
-    def _outdated(self, shard: Shard, why: str) -> None:
-        """A reader's shard index says other things of the shard than its cached copy holds (the
-        index was written anew, for a new version of the shard): the copy is downloaded again as a
-        damaged one is, once no reader holds it (readers of the list it was made for may)."""
-        url = shard.url
-        log.error("%s %s; downloading it again once no reader holds it", url, why)
-        _remember(self._changed, url, why)
-        self._cache.index.incr("changed")
-        _remember(self._refetch_why, url, why)
-        self.shards.move(shard, Phase.SUSPECT)
-        self._refetch_if_corrupt(shard)
-
     def _refetch_if_corrupt(self, shard: Shard) -> None:
         """A damaged copy nobody holds any more is dropped, and downloaded once more for the
         readers waiting for it (see :meth:`_damaged`)."""
@@ -514,6 +501,19 @@ class Opens:
             "corrupt": [{"url": u, "error": e} for u, e in self._corrupt.items()],
             "changed": [{"url": u, "error": e} for u, e in self._changed.items()],
         }
+
+
+def unlike_index(info: ShardInfo | None, size: int, counted: int | None) -> str | None:
+    """How a cached copy of ``size`` bytes holding ``counted`` samples (None: not counted) differs
+    from what a shard index says of it, ``info`` (None: it does not, or there is no index): it is
+    downloaded again then, and that download is checked."""
+    if info is None:
+        return None
+    if info.filesize is not None and size != info.filesize:
+        return f"is {size} bytes in the cache, but the shard index says {info.filesize}"
+    if counted is not None and info.nsamples is not None and counted != info.nsamples:
+        return f"holds {counted} samples in the cache, but the shard index says {info.nsamples}"
+    return None
 
 
 def _unlike_source(url: str, rec: ShardRecord, now: Fetched | None) -> str | None:

@@ -320,27 +320,17 @@ class Readers:
         refused = self._lists.take(name, claimed, self._read_lists())
         if refused is not None:
             return refused
-        known = self._jobs.get(job)
-        if known is not None and known.world_size != world and self._job_ranks(job):
+        other = self._jobs.other_world_size(job, world)
+        if other is not None and self._job_ranks(job):
             return {
                 "ok": False,
-                "error": (
-                    f"job {job!r} runs with world_size {known.world_size}, but rank {rank} says {world}; "
-                    "give each launch its own job name"
-                ),
+                "error": f"job {job!r} runs with world_size {other}, but rank {rank} says {world}; "
+                "give each launch its own job name",
             }
         self._jobs.join(job, world)
         # It reads the list it named; else the one its job's epoch reads (the first of its readers
         # took the agent's list as it was then), to that epoch's end, whatever edits come.
-        if claimed is not None:
-            key = claimed
-        elif epoch is None:
-            key = self.list_id
-        elif probe:  # a len() of that epoch: its list, without starting it
-            pinned = self._jobs.pinned(job, epoch)
-            key = pinned if pinned is not None and self._holds(pinned) else self.list_id
-        else:
-            key = self._jobs.list_for(job, epoch, self.list_id, self._holds)
+        key = claimed if claimed is not None else self._jobs.list_of(job, epoch, self.list_id, self._holds, probe=probe)
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
         before = self._readers.get(name)
         again = before is not None and before.consumer is not None  # its next epoch: it did not leave, nor join anew
