@@ -320,21 +320,18 @@ class Readers:
         refused = self._lists.take(name, claimed, self._read_lists())
         if refused is not None:
             return refused
-        other = self._jobs.other_world_size(job, world)
-        if other is not None and self._job_ranks(job):
-            return {
-                "ok": False,
-                "error": f"job {job!r} runs with world_size {other}, but rank {rank} says {world}; "
-                "give each launch its own job name",
-            }
-        self._jobs.join(job, world)
-        # It reads the list it named; else the one its job's epoch reads (the first of its readers
-        # took the agent's list as it was then), to that epoch's end, whatever edits come.
-        key = claimed if claimed is not None else self._jobs.list_of(job, epoch, self.list_id, self._holds, probe=probe)
+        refusal = self._jobs.refusal(job, world, rank, lambda: bool(self._job_ranks(job)))
+        if refusal is not None:
+            return {"ok": False, "error": refusal}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
         before = self._readers.get(name)
         again = before is not None and before.consumer is not None  # its next epoch: it did not leave, nor join anew
         self.drop(name, why=None)
+        # It reads the list it named; else the one its job's epoch reads (the first of its readers
+        # took the agent's list as it was then), to that epoch's end, whatever edits come.
+        key = claimed
+        if key is None:
+            key = self._jobs.list_of(job, world, epoch, self.list_id, self._holds, reader=name, probe=probe)
         record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key))
         if probe:
             record.probe = True
@@ -424,6 +421,7 @@ class Readers:
         """Reader ``name`` goes (said bye, said hello again (``why`` None), or went silent or away);
         ``why`` follows its name in the log line."""
         self._lists.drop_upload(name)
+        self._jobs.leave(name)
         record = self._readers.pop(name, None)
         if record is None:
             return
@@ -479,7 +477,7 @@ class Readers:
         while self._ended and now - next(iter(self._ended.values()))["_ended"] >= ENDED_KEPT:
             del self._ended[next(iter(self._ended))]
         self._totals.expire(lambda: {(str(c.get("job")), str(c.get("rank"))) for c in self._consumers().values()})
-        self._jobs.expire({str(c.get("job")) for c in self._consumers().values()}, now)
+        self._jobs.forget({str(c.get("job")) for c in self._consumers().values()})
         self._lists.free(self._read_lists())
         self._unnamed.check(now)
 
