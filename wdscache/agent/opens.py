@@ -178,12 +178,8 @@ class Opens:
             self._refetch_if_corrupt(shard)
             rec = None
         if rec is not None and rec.state is ShardState.CACHED and shard.phase in (Phase.IDLE, Phase.REVALIDATING):
-            unlike = self._unlike_index(url, rec.source_size or rec.size, name)
-            # The agent's own shard index (its list file) was written anew since the copy was made,
-            # and the reader reads that version: downloaded again. A reader whose own index differs
-            # (older, or wrong) changes nothing for the others: it is served, and its check fails it.
-            listed = self._readers.list_info(url)
-            if unlike is not None and listed is not None and self._readers.shard_info(url, name) == listed:
+            unlike = self._outdated(url, rec, name)
+            if unlike is not None:
                 # As a damaged copy: downloaded again once no reader holds it (readers of the list
                 # it was made for may), its count dropped then.
                 log.error("%s %s; downloading it again once no reader holds it", url, unlike)
@@ -231,8 +227,8 @@ class Opens:
             return False
         if self._config.revalidate and url not in self._verified:
             return False
-        if self._unlike_index(url, rec.source_size or rec.size, name) is not None:
-            return False  # the open of it says what becomes of it
+        if self._outdated(url, rec, name) is not None:
+            return False  # the open of it has it downloaded again
         shard = self.shards.record(url)
         try:
             if shard.phase is Phase.SUSPECT or not cache.path(url).exists():
@@ -394,7 +390,8 @@ class Opens:
         if rec is None or rec.state is not ShardState.CACHED:
             self._demand(shard)  # gone meanwhile: its waiters need it
             return
-        changed = self._unlike_index(url, rec.source_size or rec.size) or _unlike_source(url, rec, now)
+        size, counted = rec.source_size or rec.size, cache.index.counts.get(url)
+        changed = unlike_index(self._readers.shard_info(url), size, counted) or _unlike_source(url, rec, now)
         unknown = None if changed else _not_comparable(rec, now)
         if changed is None and unknown is None:
             if self._config.revalidate:
@@ -414,10 +411,15 @@ class Opens:
         cache.index.drop_count(url)
         self._demand(shard)  # its waiters get the new copy
 
-    def _unlike_index(self, url: str, size: int, name: str | None = None) -> str | None:
-        """:func:`unlike_index` of ``url``'s copy (its source was ``size`` bytes) and the shard index
-        of the list reader ``name`` reads (if given, else the agent's)."""
-        return unlike_index(self._readers.shard_info(url, name), size, self._cache.index.counts.get(url))
+    def _outdated(self, url: str, rec: ShardRecord, name: str) -> str | None:
+        """How ``url``'s copy (``rec``) differs from what the agent's own shard index (its list
+        file, written anew since the copy was made) says of it, when reader ``name`` reads that
+        version; None: it does not. A reader whose own index differs (older, or wrong) changes
+        nothing for the others: it is served, and its own check fails it."""
+        listed = self._readers.list_info(url)
+        if listed is None or self._readers.shard_info(url, name) != listed:
+            return None
+        return unlike_index(listed, rec.source_size or rec.size, self._cache.index.counts.get(url))
 
     # -- damage -----------------------------------------------------------------------
 
