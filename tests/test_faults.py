@@ -592,6 +592,31 @@ def test_killed_consumer_expires_and_a_concurrent_job_completes(
     assert agent.running()
 
 
+@pytest.mark.slow  # waits out --reader-timeout and the 10 s an unread job list is kept
+def test_a_consumer_stopped_past_the_reader_timeout_says_hello_again_and_completes(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    # SIGSTOP (Slurm's suspend, a frozen container) past --reader-timeout: the agent drops the reader,
+    # its pins, and then its own list. Resumed, it went on as an unknown plain client: its own list's
+    # shards were refused as "not in the agent's URL list", and the agent's as a rank of job None.
+    agents_list = dataset(2, samples=4, list_name="agent.txt")
+    own = dataset(10, samples=3, payload=1500, prefix="own", list_name="own.txt")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, agents_list.list_file, "--reader-timeout", "2", "--prefetch", "1")
+    victim = consumers(cache, "stopped", "--urls", str(own.list_file), "--job", "own", "--no-shuffle", "--sleep", "0.1")
+    wait_for(lambda: victim.out.exists() and len(victim.out.read_text().splitlines()) >= 3, 30, "no samples read")
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        agent.wait_stats(lambda s: "own" not in s["jobs"] and s["agent"]["job_lists"] == 0, 40, "its list kept")
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    lines = victim.wait(PROC_DEADLINE)
+    assert_epoch_exact(lines, reference(own.paths, own.urls))
+    assert "dropped this reader after its --reader-timeout" in victim.log.read_text(), victim.log.read_text()[-2000:]
+    left = [line for line in agent.stderr_text().splitlines() if " said bye; releasing its shards" in line]
+    assert len(left) == 1 and "(job 'own', rank 0," in left[0], agent.stderr_tail()
+
+
 # -- 5. the disk fills up --------------------------------------------------------------------
 
 

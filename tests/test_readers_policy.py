@@ -10,6 +10,7 @@ import pytest
 from tests.helpers.policy import URLS, Loop
 from wdscache.agent.rank_totals import RANK_TOTALS_KEPT
 from wdscache.agent.readers import ENDED_KEPT, Readers
+from wdscache.shared.errors import ProtocolError
 from wdscache.shared.messages import Requests
 from wdscache.shared.urls import list_id
 
@@ -44,6 +45,34 @@ def test_hello_answers_the_workers_and_the_agents_list(loop: Loop) -> None:
 def test_hello_with_a_rank_outside_the_world_is_refused(loop: Loop) -> None:
     reply = hello(loop.readers, "c0", loop, rank=2)
     assert reply == {"ok": False, "error": "rank 2 is not in [0, 2)"} and "c0" not in loop.readers
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"world_size": 10**30, "rank": 0}, f"world_size {10**30} is not in [0, 2147483647]"),
+        ({"epoch": -5}, "epoch -5 is not in [0, 2147483647]"),
+        ({"shuffle_buffer": 10**40}, f"shuffle_buffer {10**40} is not in [0, 2147483647]"),
+    ],
+)
+def test_hello_with_figures_out_of_range_is_refused(loop: Loop, fields: dict[str, int], error: str) -> None:
+    # They were taken, and logged as given ("rank 0 of 1000000000000000000000000000000").
+    reply = hello(loop.readers, "c0", loop, **fields)
+    assert reply == {"ok": False, "error": error} and "c0" not in loop.readers
+    assert hello(loop.readers, "", loop) == {"ok": False, "error": "a reader's name is empty"}
+
+
+def test_a_report_is_answered_ok_alone_and_one_of_negative_figures_refused(loop: Loop) -> None:
+    # A known reader's report was answered {"ok": True, "error": "unknown reader; ..."}, and negative
+    # figures were taken into stats ("samples": -7).
+    hello(loop.readers, "c0", loop)
+    assert loop.readers.op_report(loop.request("report", reader="c0", samples=1)) == {"ok": True}
+    with pytest.raises(ProtocolError, match="'samples' is out of range"):
+        loop.readers.op_report(loop.request("report", reader="c0", samples=-7))
+    assert loop.readers.op_report(loop.request("report", reader="c9", samples=1)) == {
+        "ok": False,
+        "error": "unknown reader; say hello first",
+    }
 
 
 def test_a_job_list_is_sent_in_pages_before_hello_and_read_back_in_pages(loop: Loop) -> None:

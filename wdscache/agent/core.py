@@ -67,7 +67,7 @@ from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout, write_private
 from ..shared.logs import get_logger
 from ..shared.metrics import require as require_metrics
-from ..shared.protocol import CONTROL_OPS, READER_OPS, WORKER_OPS, strings
+from ..shared.protocol import CONTROL_OPS, GREETED_OPS, READER_OPS, WORKER_OPS, strings
 from ..shared.protocol import field as get_field
 from ..shared.stats import build
 from ..shared.urls import UrlList, Urls
@@ -479,7 +479,16 @@ class Agent:
             self.workers.check(header)
         if op in READER_OPS:
             self.readers.seen(get_field(header, "reader", str))
-        body = handler(Request(ident, header.get("id"), header))
+        if op in GREETED_OPS and get_field(header, "said_hello", bool, False) and header["reader"] not in self.readers:
+            # Dropped (silent past --reader-timeout: a process stopped, say): served as a plain client it
+            # would lose its job, its rank and its own list. It says hello again and asks once more.
+            body: Reply | None = {
+                "ok": False,
+                "need_hello": True,
+                "error": f"reader {header['reader']} was dropped after --reader-timeout of silence: say hello again",
+            }
+        else:
+            body = handler(Request(ident, header.get("id"), header))
         if body is not None:
             self.socket.reply(ident, header.get("id"), **body)
 

@@ -53,6 +53,7 @@ from .unnamed_partials import UnnamedPartials
 log = get_logger(__name__)
 
 STARTUP_READER = "(start-up plan)"
+HELLO_MAX = (1 << 31) - 1  # the most a hello's world size, epoch or shuffle buffer may be (torch's ranks are int32)
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
 LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
@@ -308,6 +309,13 @@ class Readers:
         rank = get_field(header, "rank", int)
         if not 0 <= rank < world:
             return {"ok": False, "error": f"rank {rank} is not in [0, {world})"}
+        epoch = get_field(header, "epoch", int, None)
+        buffer = get_field(header, "shuffle_buffer", int, 0)
+        for what, value in (("world_size", world), ("epoch", epoch or 0), ("shuffle_buffer", buffer)):
+            if not 0 <= value <= HELLO_MAX:
+                return {"ok": False, "error": f"{what} {value} is not in [0, {HELLO_MAX}]"}
+        if not name:
+            return {"ok": False, "error": "a reader's name is empty"}
         said = header.get("protocol")
         if said != PROTOCOL:
             return {
@@ -315,7 +323,6 @@ class Readers:
                 "error": f"it speaks {speaks(said)}, the agent {speaks(PROTOCOL)}; {SAME_INSTALL}",
             }
         claimed = get_field(header, "list_id", str, None)
-        epoch = get_field(header, "epoch", int, None)
         probe = header.get("probe") is True  # not a rank reading: neither joins nor leaves the job
         refused = self._lists.take(name, claimed, self._read_lists())
         if refused is not None:
@@ -338,7 +345,7 @@ class Readers:
         else:
             # Stamped: its first report's share of time spent waiting counts from here.
             record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
-            record.buffer = max(0, get_field(header, "shuffle_buffer", int, 0))
+            record.buffer = buffer
             self._totals.add((job, str(rank)), record.counted, {})  # its rank is shown from now on
             self._ended.pop(name, None)
         record.plan.pidfd = self._processes.start(name, header.get("process"))
@@ -393,7 +400,7 @@ class Readers:
         record = self._readers.get(name)
         if record is not None:
             self._record(record, figures)
-        return {"ok": record is not None, "error": "unknown reader; say hello first"}
+        return {"ok": True} if record is not None else {"ok": False, "error": "unknown reader; say hello first"}
 
     def op_bye(self, request: Request) -> Reply:
         """A reader leaves. A consumer's bye carries its report's fields, so that the totals it

@@ -150,6 +150,10 @@ class AgentConnection:
         # it knows nothing of us), before the request that found it goes again; it may send
         # requests of its own (a hello) and raise to give up.
         self.on_new_run: Callable[[], None] | None = None
+        # Called when the agent answers ``need_hello``: it dropped our reader (silent past its
+        # --reader-timeout: this process was stopped, say); it says hello again, and the request
+        # that found it goes again, once.
+        self.on_forgotten: Callable[[], None] | None = None
         self._ids = itertools.count(1)
         self._pid = -1
         self._ctx: zmq.Context | None = None
@@ -187,13 +191,19 @@ class AgentConnection:
             time.sleep(min(RETRY_PAUSE, left))
 
     def _exchange(self, header: Mapping[str, Any], deadline: float) -> dict[str, Any]:
+        greeted = False  # said hello again since the request first went
         while True:
             sock = self._proved(max(0.0, deadline - time.monotonic()))
             run, rid = self._run, next(self._ids)
             sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
             reply = self._reply(sock, rid, max(0.0, deadline - time.monotonic()))
-            if not self._refused(reply, run, max(0.0, deadline - time.monotonic())):
-                return reply
+            if self._refused(reply, run, max(0.0, deadline - time.monotonic())):
+                continue
+            if reply.get("need_hello") is True and self.on_forgotten is not None and not greeted:
+                greeted = True
+                self.on_forgotten()
+                continue
+            return reply
 
     def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None, *, keyed: bool = True) -> dict[str, Any]:
         """The reply to ``rid``, one with our key (``keyed``: :meth:`_genuine`) or an ``auth``.

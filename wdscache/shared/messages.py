@@ -118,11 +118,13 @@ class OpenMessage(_OpenRequired, total=False):
     while_downloading: bool
     release: list[str]
     also: list[str]
+    said_hello: bool
 
 
 class OpenReply(TypedDict, total=False):
     ok: bool
     error: str
+    need_hello: bool
     cached: bool
     while_downloading: bool
     path: str
@@ -160,7 +162,7 @@ class ReleaseReply(TypedDict, total=False):
     error: str
 
 
-class ReportMessage(TypedDict):
+class _ReportRequired(TypedDict):
     op: Literal["report"]
     reader: str
     job: str
@@ -173,19 +175,29 @@ class ReportMessage(TypedDict):
     wait_s: float
 
 
+class ReportMessage(_ReportRequired, total=False):
+    said_hello: bool
+
+
 class ReportReply(TypedDict, total=False):
     ok: bool
     error: str
+    need_hello: bool
 
 
-class PingMessage(TypedDict):
+class _PingRequired(TypedDict):
     op: Literal["ping"]
     reader: str
+
+
+class PingMessage(_PingRequired, total=False):
+    said_hello: bool
 
 
 class PingReply(TypedDict, total=False):
     ok: bool
     error: str
+    need_hello: bool
     known: bool
 
 
@@ -496,12 +508,15 @@ ConsumerReply = SamplesReply | ScannedReply | WorkerErrorReply  # what a worker 
 class Requests:
     """The requests of one client, as reader ``reader`` (the name the agent knows it by:
     requests that name no reader ignore it). Arguments left at their default are left out
-    of the message, where the receiver takes the same default."""
+    of the message, where the receiver takes the same default. ``said_hello``: the reader
+    said hello (a consumer's stream), so its opens, pings and reports say so, and an agent
+    that dropped it since answers them ``need_hello``."""
 
-    __slots__ = ("reader",)
+    __slots__ = ("reader", "said_hello")
 
-    def __init__(self, reader: str = "") -> None:
+    def __init__(self, reader: str = "", *, said_hello: bool = False) -> None:
         self.reader = reader
+        self.said_hello = said_hello
 
     # to the agent, as a reader
 
@@ -570,6 +585,8 @@ class Requests:
             m["release"] = release
         if also:
             m["also"] = also
+        if self.said_hello:
+            m["said_hello"] = True
         return m
 
     def status(self, url: str) -> StatusMessage:
@@ -581,7 +598,7 @@ class Requests:
     def report(
         self, job: str, rank: int, *, epoch: int, position: int, samples: int, bytes: int, rate: float, wait_s: float
     ) -> ReportMessage:
-        return {
+        m: ReportMessage = {
             "op": "report",
             "reader": self.reader,
             "job": job,
@@ -593,9 +610,15 @@ class Requests:
             "rate": rate,
             "wait_s": wait_s,
         }
+        if self.said_hello:
+            m["said_hello"] = True
+        return m
 
     def ping(self) -> PingMessage:
-        return {"op": "ping", "reader": self.reader}
+        m: PingMessage = {"op": "ping", "reader": self.reader}
+        if self.said_hello:
+            m["said_hello"] = True
+        return m
 
     def bye(
         self,

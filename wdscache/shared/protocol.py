@@ -216,13 +216,14 @@ def strings(header: dict[str, Any], name: str) -> list[str]:
 
 
 def numbers(header: dict[str, Any], names: tuple[str, ...]) -> dict[str, float]:
-    """The fields of ``names`` that ``header`` has, each checked to be a number within 64 bits
-    (figures kept for stats, which add them up and format them as floats)."""
+    """The fields of ``names`` that ``header`` has, each checked to be a count, a rate or a
+    time: a number from 0 to the largest of 64 bits (figures kept for stats, which add them up
+    and format them as floats)."""
     out = {}
     for name in names:
         if name in header:
             value = field(header, name, (int, float))
-            if not -NUMBER_MAX <= value <= NUMBER_MAX:
+            if not 0 <= value <= NUMBER_MAX:
                 raise ProtocolError(f"{header.get('op')!r} message: {name!r} is out of range")
             out[name] = value
     return out
@@ -353,6 +354,11 @@ class Message:
 
 
 _ERROR = {"ok": "bool", "error": "str?"}
+# A reader that said hello marks its opens, pings and reports (said_hello); the agent refuses
+# them with need_hello once it dropped the reader (silent past --reader-timeout), so that the
+# reader says hello again rather than go on unknown, as a plain client.
+_GREETED = {"said_hello": "bool?"}
+_FORGOTTEN = {"need_hello": "bool?"}
 # What a worker's error reply adds: its kind, and for a corrupt shard where reading failed.
 _WORKER_ERROR = {"kind": "str?", "reason": "str?", "offset": "int?", "url": "str?"}
 
@@ -429,9 +435,11 @@ MESSAGES: tuple[Message, ...] = (
             "while_downloading": "bool?",
             "release": "list[str]?",
             "also": "list[str]?",
+            **_GREETED,
         },
         {
             **_ERROR,
+            **_FORGOTTEN,
             "cached": "bool?",
             "while_downloading": "bool?",
             "path": "str?",
@@ -477,16 +485,17 @@ MESSAGES: tuple[Message, ...] = (
             "bytes": "int",
             "rate": "number",
             "wait_s": "number",
+            **_GREETED,
         },
-        _ERROR,
+        {**_ERROR, **_FORGOTTEN},
         about="a consumer's progress, every second, for stats",
     ),
     Message(
         "ping",
         "consumer",
         "agent",
-        {"reader": "str"},
-        {**_ERROR, "known": "bool?"},
+        {"reader": "str", **_GREETED},
+        {**_ERROR, **_FORGOTTEN, "known": "bool?"},
         about="is the agent there, and does it know the reader (not dropped as silent)",
     ),
     Message(
@@ -674,6 +683,8 @@ CONTROL_OPS: tuple[str, ...] = tuple(
 WORKER_OPS: tuple[str, ...] = tuple(m.op for m in MESSAGES if m.sender == "worker" and m.op in CONTROL_OPS)
 #: Ops of a reader, which name it (``reader``): each one counts as a sign of life.
 READER_OPS: tuple[str, ...] = tuple(m.op for m in MESSAGES if "reader" in m.fields and m.op in CONTROL_OPS)
+#: Ops refused with ``need_hello`` when marked ``said_hello`` by a reader the agent does not know.
+GREETED_OPS: tuple[str, ...] = tuple(m.op for m in MESSAGES if "said_hello" in m.fields)
 
 MESSAGE = {m.op: m for m in MESSAGES}
 _JSON_TYPES: dict[str, type | tuple[type, ...]] = {

@@ -91,7 +91,7 @@ class EpochShards:
         hold_nothing: Callable[[], None],
     ) -> None:
         self.conn, self.urls = conn, urls
-        self.requests = Requests(reader)
+        self.requests = Requests(reader, said_hello=True)
         self.on_error, self.timeout, self.prefetch, self.workers = on_error, timeout, prefetch, workers
         self.pins, self.clock = pins, clock
         self.call_worker, self.hold_nothing = call_worker, hold_nothing

@@ -52,7 +52,7 @@ class Pins:
         self, conn: AgentConnection, reader: str, urls: Sequence[str], *, timeout: float, files: CacheFiles | None
     ) -> None:
         self.conn, self.urls, self.timeout = conn, urls, timeout
-        self.requests = Requests(reader)
+        self.requests = Requests(reader, said_hello=True)
         self.files = files
         self.opened: dict[int, int] = {}  # pinned shard -> our reads of it outstanding
         self.while_downloading: set[int] = set()  # pinned while downloading: read as the download goes

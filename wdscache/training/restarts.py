@@ -7,6 +7,11 @@ error). Then the stream's links move to the new run's workers, every read that w
 worker going again (:meth:`AgentRuns.relink`), and its shards are pinned again at the main
 loop's next turn (:meth:`AgentRuns.repin`).
 
+An agent that dropped the reader (silent past its ``--reader-timeout``: this process was
+stopped, say) knows nothing of it either, and had let its pins go: it answers the reader's
+open, ping or report ``need_hello`` (the report's on the reporter's connection, which has us
+ping), and the stream takes it up the same way (``on_forgotten``, :meth:`AgentRuns.forgotten`).
+
 Nothing here keeps a copy of what the stream read: the read table
 (:mod:`wdscache.training.reads`) stays the one record of each read's state, and what was
 delivered or received stays, so the epoch goes on at exactly the samples not here yet and
@@ -40,7 +45,9 @@ class AgentRuns:
         self.new_hello: dict[str, Any] | None = None  # a new run's answer to our hello, not linked yet
         self.repinning: set[int] = set()  # shards pinned at an earlier run, to pin at this one
         self.checked_at = 0.0  # when we last asked the agent because a worker's reply was not proved
+        self.why = ""  # what the agent did that had us say hello again, for the log
         stream.conn.on_new_run = self.new_run
+        stream.conn.on_forgotten = self.forgotten
 
     def check(self) -> None:
         """Take up a new run of the agent, if one proved itself (on our connection, or on the
@@ -48,10 +55,11 @@ class AgentRuns:
         run's worker, say) has us ask the agent at once."""
         stream = self.stream
         if self.new_hello is None and time.monotonic() - self.checked_at > CHECK_EVERY:
-            dropped, seen = stream.workers.dropped, stream.reporter.run
-            if dropped or (seen and seen != self.run):
+            dropped, seen, forgotten = stream.workers.dropped, stream.reporter.run, stream.reporter.forgotten
+            if dropped or (seen and seen != self.run) or forgotten:
                 self.checked_at = time.monotonic()
                 stream.workers.dropped = 0
+                stream.reporter.forgotten = False
                 stream.ping()
                 if self.new_hello is None and dropped:
                     stream.workers.warn_dropped()
@@ -62,15 +70,22 @@ class AgentRuns:
         """A new run of the agent proved itself on our connection: it knows nothing of us. Say
         hello again as the same reader (at once, before the request that found it goes on) and
         check that it serves the list we read; the links move later (:meth:`relink`)."""
+        self._hello_again("restarted")
+
+    def forgotten(self) -> None:
+        """The agent answered ``need_hello``: it dropped us and our pins. As after a restart."""
+        self._hello_again("dropped this reader after its --reader-timeout of silence (was this process stopped?)")
+
+    def _hello_again(self, why: str) -> None:
         session = self.stream.session
         hello, listed = session.hello_again(self.stream.conn, self.stream.name)
         if listed != session.list_id:  # (a loader's own list is sent again: only the agent's can change)
             raise WdsCacheError(
-                f"the agent at {self.stream.settings.endpoint} restarted with another URL list than this epoch reads, "
-                "so it cannot go on exactly: start the epoch again, or load the last state_dict() into a loader "
-                "of the new list's job"
+                f"the agent at {self.stream.settings.endpoint} {why}, and serves another URL list now than this "
+                "epoch reads, so it cannot go on exactly: start the epoch again, or load the last state_dict() "
+                "into a loader of the new list's job"
             )
-        self.new_hello = hello
+        self.new_hello, self.why = hello, why
 
     def relink(self) -> None:
         """Move to the new run's workers: every read at an earlier run's worker goes again (the
@@ -88,8 +103,9 @@ class AgentRuns:
         self.run = conn.run
         sent = stream.reads.in_state(ReadState.SENT)
         log.warning(
-            "the agent at %s restarted: said hello to it again; sending %d reads again and pinning %d shards again",
+            "the agent at %s %s: said hello to it again; sending %d reads again and pinning %d shards again",
             endpoint,
+            self.why,
             len(sent),
             len(stream.pins.opened),
         )

@@ -174,7 +174,7 @@ class EpochStream:
         self.worker_slice = worker_slice  # this process's slice of the rank's share (a DataLoader worker's)
         self.session = session
         self.name, self.conn, self.urls, self.list_id = session.name, session.conn, session.urls, session.list_id
-        self.requests = Requests(self.name)
+        self.requests = Requests(self.name, said_hello=True)
         hello = session.hello
         self.finished = False  # resources released
         self.complete = False  # every sample of the rank's share was delivered
@@ -623,6 +623,7 @@ class Reporter:
         self._connect: Callable[[float], AgentConnection] | None = connect  # until the thread has connected
         self.figures = weakref.WeakMethod(figures)
         self.run = ""  # the agent run its connection proved last (read by the stream's thread)
+        self.forgotten = False  # the agent answered need_hello: it dropped the reader (the stream's thread pings)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="wdscache-report", daemon=True)
         self._thread.start()
@@ -644,9 +645,11 @@ class Reporter:
                 rate = (n - last[1]) / (now - last[0])
                 last = (now, n)
                 try:
-                    conn.request(self.report(**figures, rate=round(rate, 1)))
+                    reply = conn.request(self.report(**figures, rate=round(rate, 1)))
                 except (AgentUnavailableError, NotTrustedError):
                     continue
+                else:
+                    self.forgotten = self.forgotten or reply.get("need_hello") is True
                 finally:
                     self.run = conn.run
         finally:
