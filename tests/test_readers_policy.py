@@ -75,6 +75,20 @@ def test_a_report_is_answered_ok_alone_and_one_of_negative_figures_refused(loop:
     }
 
 
+def test_the_need_of_a_cache_that_thrashes_is_known_while_nothing_is_cached(loop: Loop) -> None:
+    # A thrashing cache is often empty at the moment stats asks: the need fell to 0 ("nothing known
+    # yet"), stats blamed downloads or the source, and the thrash alert (need > budget) never held.
+    hello(loop.readers, "c0", loop, shuffle_buffer=100)
+    for url in URLS[:2]:
+        loop.cached(url, b"x" * 4096)
+        loop.cache.index.set_count(url, 10, 4096, None)
+    known = loop.readers.need(lambda name: 0)
+    for url in URLS[:2]:
+        loop.cache.remove(url, "evicted for another")
+    assert loop.cache.index.get(URLS[0]) is None
+    assert loop.readers.need(lambda name: 0) == known and known[0] == len(URLS) * 4096, known  # all 8 at once
+
+
 def test_a_job_list_is_sent_in_pages_before_hello_and_read_back_in_pages(loop: Loop) -> None:
     mine = [f"http://127.0.0.1:9/mine-{i}.tar" for i in range(5)]
     key = list_id(mine)

@@ -6,8 +6,8 @@ buffer's span. When the readers need more than the budget (or the file system, l
 free-space margin) can hold, shards they still need are evicted and downloaded again: the
 agent says so, with the budget that would stop it.
 
-Guarantees (main loop only): a pure estimate from the index's counts and sizes (nothing is
-changed); the warning is logged once, and again only for a larger need.
+Guarantees (main loop only): a pure estimate from the index's counts and sizes, of copies
+cached or counted before (nothing is changed); the warning is logged once, and again only for a larger need.
 """
 
 from __future__ import annotations
@@ -39,9 +39,12 @@ class BudgetNeed:
         ``held(name)``: how many shards reader ``name`` holds open."""
         index, prefetch = self._cache.index, self._prefetch
         samples = [c for c in itertools.islice(index.counts.values(), SAMPLED) if c > 0]
+        # The copies cached now, and those counted before (a count keeps its copy's size): a cache
+        # that thrashes is often empty, and its need must not drop to nothing then.
         sizes = [
             r.size for r in itertools.islice(index.records.values(), SAMPLED) if r.state is ShardState.CACHED and r.size
         ]
+        sizes += [size for size, _ in itertools.islice(index.counted_from.values(), SAMPLED) if size > 0]
         if not samples or not sizes:
             return 0, "nothing known yet"
         per_shard = max(1, sum(samples) // len(samples))
