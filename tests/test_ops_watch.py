@@ -4,12 +4,15 @@ on each job is a pure function of the stats (wdscache.shared.verdict)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import threading
 import time
 
 import pytest
 
+from tests.helpers.procs import worker_pids
 from tests.helpers.streaming import samples_of
 from tests.helpers.waits import wait_for
 from tests.helpers.watch import watch_frames
@@ -208,6 +211,50 @@ def test_a_rank_in_one_long_wait_is_starved_while_it_waits(tmp_path, dataset, sh
     # ...by the source: the agent's checks of its copies (HEAD requests) were blamed on the consumer.
     assert wait_for(starved, 6, lambda: f"never starved while it waited: {agent.stats()['jobs']}") == "slow_source"
     assert len(samples_of(consumer.wait())) == 8
+
+
+@pytest.mark.slow  # a rank and then a worker are stopped past SILENT_AFTER (5 s)
+def test_a_stopped_rank_and_a_stopped_worker_are_shown_silent_not_at_their_last_report(
+    tmp_path, dataset, start_agent, consumers, run_cli
+):
+    # A rank stopped (SIGSTOP) showed its last rate and "not starved" until --reader-timeout; a worker
+    # stuck or stopped showed its last "busy", and ranks waiting for it were told their own machine
+    # was slow.
+    data = dataset(2, samples=40, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    slow = consumers(cache, "slow", "--no-shuffle", "--job", "j", "--sleep", "0.1", "--epochs", "50")
+    agent.wait_stats(lambda s: s["jobs"].get("j", {}).get("0", {}).get("rate", 0) > 0, 20, "a rate reported")
+    os.kill(slow.proc.pid, signal.SIGSTOP)
+    try:
+        s = agent.wait_stats(lambda s: s["jobs"]["j"]["0"].get("silent_s"), 20, "the stopped rank never silent")
+        assert s["jobs"]["j"]["0"]["rate"] == 0.0 and s["jobs"]["j"]["0"]["starved"] is None, s["jobs"]
+        text = run_cli("stats", "--cache-dir", cache).stdout
+        assert re.search(r"rank 0: .*, silent for \d+s \(its process stopped or hung\?\)", text), text
+        assert re.search(r"rank 0 silent for \d+s", verdicts(s)["j"].text), verdicts(s)["j"].text
+    finally:
+        os.kill(slow.proc.pid, signal.SIGCONT)
+    slow.kill()
+
+    [worker] = worker_pids(agent.pid)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        reader = consumers(cache, "waits", "--no-shuffle", "--job", "w", "--timeout", "120")
+        s = agent.wait_stats(
+            lambda s: s["agent"]["workers"][0].get("silent_s") and s["jobs"].get("w", {}).get("0", {}).get("starved"),
+            30,
+            "the stopped worker never silent, or the rank waiting for it never starved",
+        )
+        assert s["agent"]["workers"][0]["busy"] == 1.0 and s["jobs"]["w"]["0"]["starved"] == "workers", s["agent"]
+        assert re.match(r"starved by workers: worker 0 has not reported for \d+s", verdicts(s)["w"].text)
+        assert re.search(
+            r"workers    1 \(100% busy\), 0 restart\(s\), worker 0 silent for \d+s",
+            run_cli("stats", "--cache-dir", cache).stdout,
+        )
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert len(samples_of(reader.wait())) == 80
 
 
 def test_a_rank_waiting_on_a_failing_source_is_told_so_with_the_retries_and_their_error(

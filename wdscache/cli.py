@@ -825,7 +825,7 @@ def _live_view(s: dict) -> str:
     that ended (:func:`wdscache.shared.stats.latest_ended`)."""
     from datetime import datetime
 
-    from .shared.stats import latest_ended
+    from .shared.stats import latest_ended, silent_workers
     from .shared.verdict import verdicts
 
     used, limit = s["bytes_used"], s.get("bytes_limit")
@@ -857,7 +857,7 @@ def _live_view(s: dict) -> str:
         lines.append(
             f"workers    {len(workers)}: {100 * sum(busy) / len(busy) if busy else 0:.0f}% busy now, "
             f"{sum(w.get('busy_s', 0) for w in workers):.1f}s busy in all, "
-            f"{agent.get('worker_restarts', 0)} restart(s)"
+            f"{agent.get('worker_restarts', 0)} restart(s)" + silent_workers(workers)
         )
     judged = verdicts(s)
     for job, ranks in sorted(s.get("jobs", {}).items()):
@@ -867,7 +867,7 @@ def _live_view(s: dict) -> str:
             lines.append(
                 f"  rank {rank:>3}  {r.get('rate', 0):8.0f} samples/s  waiting "
                 f"{100 * r.get('waiting', 0):3.0f}%  {r.get('samples', 0)} samples, "
-                f"waited {r.get('wait_s', 0):.1f}s"
+                f"waited {r.get('wait_s', 0):.1f}s" + (f", silent {r['silent_s']:.0f}s" if r.get("silent_s") else "")
             )
     shown, more = latest_ended(s)
     lines.extend(f"job {job}: {len(ranks)} rank(s), {judged[job].text}" for job, ranks in shown)

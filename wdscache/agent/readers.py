@@ -42,6 +42,7 @@ from ..shared.protocol import field as get_field
 from ..shared.shard_index import ShardInfo
 from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
 from ..shared.urls import UrlList, list_id, whitespace_problem
+from ..shared.verdict import SILENT_AFTER
 from .budget_need import BudgetNeed
 from .cache import ShardCache
 from .control import Reply, Request
@@ -56,7 +57,6 @@ STARTUP_READER = "(start-up plan)"
 HELLO_MAX = (1 << 31) - 1  # the most a hello's world size, epoch or shuffle buffer may be (torch's ranks are int32)
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
-LIVE_WITHIN = 5.0  # a consumer reports every second; silent this long, it no longer holds its job's shape
 ENDED_KEPT = 600.0  # seconds a consumer that left stays in stats with its totals
 MAX_ENDED = 256  # consumers that left kept at most (the oldest go first)
 
@@ -509,7 +509,7 @@ class Readers:
         return [
             c["rank"]
             for c in self._consumers().values()
-            if c.get("job") == job and now - c.get("seen", 0.0) < LIVE_WITHIN
+            if c.get("job") == job and now - c.get("seen", 0.0) < SILENT_AFTER
         ]
 
     def _consumers(self) -> dict[str, dict[str, Any]]:

@@ -35,6 +35,7 @@ from ..shared.protocol import check as check_message
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pack
 from ..shared.stats import public, with_fraction
+from ..shared.verdict import SILENT_AFTER
 from .control import ControlSocket
 from .pool import WorkerPool
 
@@ -143,5 +144,13 @@ class WorkerReports:
         self._socket.send(ident, pack(Reports.index(url, now=now)))
 
     def view(self) -> list[dict[str, Any]]:
-        """Each worker's last report, for stats (a worker that never reported: its number only)."""
-        return [public(self._stats.get(i, {"index": i})) for i in range(len(self._pool.endpoints))]
+        """Each worker's last report, for stats (a worker that never reported: its number only); one
+        silent for SILENT_AFTER (stuck on a request, or stopped) is ``silent_s`` and counted busy."""
+        now, out = time.time(), []
+        for i in range(len(self._pool.endpoints)):
+            view = public(self._stats.get(i, {"index": i}))
+            silent = now - view.get("seen", now)
+            if silent > SILENT_AFTER:
+                view.update(busy=1.0, silent_s=round(silent, 1))
+            out.append(view)
+        return out

@@ -22,7 +22,8 @@ The object (also ``wdscache stats --json``)::
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
                       indexed (shards), walked / adopted / loaded (shards whose table the worker
                       walked itself / took from another worker / read from the cache's table
-                      files)}],
+                      files), silent_s (no report for that long, over SILENT_AFTER: stuck or
+                      stopped, and counted busy 1.0)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
                       waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up),
@@ -39,7 +40,8 @@ The object (also ``wdscache stats --json``)::
                       {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent), readers,
                       epoch, position (samples of the epoch the job delivered, counted from
                       this rank's), starved: null | "budget" | "failing_source" | "downloads" |
-                      "slow_source" | "workers" | "latency" (see :mod:`wdscache.shared.verdict`)}}}
+                      "slow_source" | "workers" | "latency" (see :mod:`wdscache.shared.verdict`),
+                      silent_s (no report for that long, over SILENT_AFTER: rate and waiting 0)}}}
     ended_jobs        the same of consumers that left in the last 10 minutes, with their totals
                       over every epoch of the rank that ended then (samples, bytes, wait_s summed;
                       epochs: how many; epoch and position: the last one's) and ``ended``
@@ -69,7 +71,7 @@ from .errors import AgentUnavailableError, NoCacheError, ProtocolError
 from .index import read_summary
 from .layout import CacheLayout
 from .messages import Requests
-from .verdict import STARVED, ended_verdict
+from .verdict import SILENT_AFTER, STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
 ANSWER_TIMEOUT = 5.0  # seconds a running agent gets to answer stats before it is shown as not answering
@@ -200,13 +202,19 @@ def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: st
     return out
 
 
+def silent_workers(workers: list[dict[str, Any]]) -> str:
+    """``, worker I silent for Ns`` for each worker that stopped reporting (``silent_s``), for the text."""
+    return "".join(f", worker {w.get('index')} silent for {w['silent_s']:.0f}s" for w in workers if w.get("silent_s"))
+
+
 def jobs_view(
     consumers: dict[str, dict[str, Any]], starved_by: Callable[[str], str] | None
 ) -> dict[str, dict[str, Any]]:
     """Consumer reports grouped as {job: {rank: {...}}}, each with what it is starved by (or null;
     always null for consumers that ended, ``starved_by`` None; else ``starved_by(job)``). The consumers of one rank (its
     DataLoader workers, each a consumer) make one: their counts, rates and waits added up, the
-    share of time they wait averaged, ``readers`` of them."""
+    share of time they wait averaged, ``readers`` of them. A live rank whose latest report is
+    older than :data:`~wdscache.shared.verdict.SILENT_AFTER` is ``silent_s``: rate and wait 0."""
     keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended")
     jobs: dict[str, dict[str, Any]] = {}
     for c in consumers.values():
@@ -214,8 +222,12 @@ def jobs_view(
         ranks = jobs.setdefault(str(c.get("job")), {})
         rank = str(c.get("rank"))
         ranks[rank] = _together(ranks[rank], view) if rank in ranks else {**view, "readers": 1}
+    now = time.time()
     for job, ranks in jobs.items():
         for view in ranks.values():
+            silent = now - view.get("seen", now)
+            if starved_by is not None and silent > SILENT_AFTER:  # stopped or hung: its last report no longer holds
+                view.update(silent_s=round(silent, 1), rate=0.0, waiting=0.0)
             view["starved"] = starved_by(job) if starved_by is not None and view.get("waiting", 0.0) > STARVED else None
     return jobs
 
@@ -313,11 +325,16 @@ def format_stats(s: dict[str, Any]) -> str:
     if agent and agent.get("workers"):
         busy = [w.get("busy") for w in agent["workers"] if w.get("busy") is not None]
         load = f"{100 * sum(busy) / len(busy):.0f}% busy" if busy else "starting"
-        lines.append(f"workers    {len(agent['workers'])} ({load}), {agent.get('worker_restarts', 0)} restart(s)")
+        lines.append(
+            f"workers    {len(agent['workers'])} ({load}), {agent.get('worker_restarts', 0)} restart(s)"
+            + silent_workers(agent["workers"])
+        )
     for job, ranks in sorted(s.get("jobs", {}).items()):
         lines.append(f"job {job}:")
         for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
             starved = f"STARVED by {r['starved'].replace('_', ' ')}" if r.get("starved") else "not starved"
+            if r.get("silent_s"):
+                starved = f"silent for {r['silent_s']:.0f}s (its process stopped or hung?)"
             readers = f" ({r['readers']} readers)" if r.get("readers", 1) > 1 else ""  # its DataLoader workers
             lines.append(
                 f"  rank {rank}{readers}: {r.get('samples', 0)} samples, {format_size(r.get('bytes', 0))}, "

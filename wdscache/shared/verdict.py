@@ -14,7 +14,8 @@ another job waiting for downloads does not make this one's wait a download's):
   more download workers would start them;
 - ``slow_source``: readers wait for shards downloading, or for the agent to ask the source whether
   a copy an earlier run cached is current, and no shard waits for a slot: the source is slow;
-- ``workers``: the sample workers are busy more than :data:`WORKERS_BUSY` of the time;
+- ``workers``: the sample workers are busy more than :data:`WORKERS_BUSY` of the time, or one
+  has not reported for :data:`SILENT_AFTER` seconds (stuck on a request, or stopped);
 - ``latency``: none of these: the consumer's own reads (receiving and decoding samples) are slow,
   as on a machine whose cores are all busy. A slow transform is no wait: it shows as a low rate.
 """
@@ -28,6 +29,9 @@ from .config import format_size
 
 STARVED = 0.2  # a rank waiting more than this fraction of its time is starved
 WORKERS_BUSY = 0.8  # workers busy more than this fraction of the time are the bottleneck
+# Consumers and workers report every second: one silent this long is stopped or hung, its last
+# report no longer holds (a rank's rate and wait; a worker is counted busy).
+SILENT_AFTER = 5.0
 KINDS = ("budget", "failing_source", "downloads", "slow_source", "workers", "latency")
 
 
@@ -63,7 +67,7 @@ def starved_by(stats: dict[str, Any], job: str | None = None) -> str | None:
             return "failing_source"
         return "downloads" if stats.get("shards", {}).get("queued", 0) > 0 else "slow_source"
     busy = [w["busy"] for w in agent.get("workers", []) if isinstance(w.get("busy"), (int, float))]
-    if busy and sum(busy) / len(busy) > WORKERS_BUSY:
+    if (busy and sum(busy) / len(busy) > WORKERS_BUSY) or _silent_workers(agent):
         return "workers"
     return "latency"
 
@@ -75,8 +79,26 @@ def _failing(agent: dict[str, Any], job: str | None) -> list[dict[str, Any]]:
     return [r for r in agent.get("retrying", []) if r.get("demanded") and (not mine or job in r.get("jobs", ()))]
 
 
+def _silent_workers(agent: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workers that have not reported for :data:`SILENT_AFTER` seconds (``silent_s``)."""
+    return [w for w in agent.get("workers", []) if w.get("silent_s")]
+
+
 def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: str | None = None) -> Verdict:
-    """The verdict on one live job (``job``; ``ranks``: its entry of ``stats["jobs"]``)."""
+    """The verdict on one live job (``job``; ``ranks``: its entry of ``stats["jobs"]``); ranks that
+    stopped reporting (``silent_s``) are named after it."""
+    verdict = _live_verdict(stats, ranks, job)
+    silent = sorted((r["silent_s"], rank) for rank, r in ranks.items() if r.get("silent_s"))
+    if not silent:
+        return verdict
+    named = ", ".join(rank for _, rank in silent)
+    return Verdict(
+        verdict.kind,
+        f"{verdict.text}; rank {named} silent for {silent[-1][0]:.0f}s (its process stopped or hung?)",
+    )
+
+
+def _live_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: str | None) -> Verdict:
     waiting = max((r.get("waiting", 0.0) for r in ranks.values()), default=0.0)
     if waiting <= STARVED:
         return Verdict(None, "not starved")
@@ -103,6 +125,13 @@ def job_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: st
             "or check the source",
         )
     if kind == "workers":
+        stuck = _silent_workers(stats["agent"])
+        if stuck:
+            return Verdict(
+                kind,
+                f"starved by workers: worker {stuck[0].get('index')} has not reported for "
+                f"{stuck[0]['silent_s']:.0f}s (stuck on a request, or stopped): see the agent's log",
+            )
         return Verdict(kind, "starved by workers: raise --workers")
     return Verdict(
         kind,
