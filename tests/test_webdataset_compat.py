@@ -182,6 +182,51 @@ def test_a_shard_listed_twice_is_refused_naming_it_where_webdataset_reads_it_aga
     assert ours == _samples(wds.WebDataset([a, b], shardshuffle=False)) and len(ours) == 8
 
 
+def test_urls_given_as_a_generator_or_map_are_read_as_webdataset_reads_them(served: Any) -> None:
+    # A one-pass iterable was used up by the loader's first look at it (for pipe: commands): the agent
+    # then got an empty list and refused "send the list first (put_urls)". An empty list did too.
+    data, cache = served
+    theirs = _samples(wds.WebDataset(iter(data.urls), shardshuffle=False))
+    assert len(theirs) == 12
+    for given in ((u for u in data.urls), map(str, data.urls), iter(data.urls)):
+        assert _samples(wdscache.WebDataset(given, cache_dir=cache, shardshuffle=False)) == theirs
+    assert len(_samples(wdscache.CachedMultiLoader(iter(data.urls), cache_dir=cache, shuffle=False))) == 12
+    for empty in ([], iter(())):
+        with pytest.raises(wdscache.ConfigError, match=r"^urls= is empty: give it at least one URL"):
+            wdscache.WebDataset(empty, cache_dir=cache)
+    # A path object naming a tar file is that shard (webdataset takes no path object).
+    assert len(_samples(wdscache.WebDataset(data.paths[0], cache_dir=cache, shardshuffle=False))) == 4
+
+
+def test_webdatasets_other_constructor_keywords_are_taken_or_refused_by_name(served: Any) -> None:
+    # They were all refused as "CachedMultiLoader() got unexpected keyword arguments".
+    data, cache = served
+    theirs = _samples(wds.WebDataset(data.urls, wds.reraise_exception, shardshuffle=False, verbose=True))
+    ours = wdscache.WebDataset(
+        data.urls,
+        wds.reraise_exception,  # webdataset's second positional argument
+        cache_dir=cache,
+        shardshuffle=False,
+        repeat=True,
+        verbose=True,
+        detshuffle=True,
+        cache_size=10**9,
+        url_to_name=lambda url: "x",
+    )
+    assert _samples(ours) == theirs
+    resampled = wdscache.WebDataset(data.urls, mode="resampled", cache_dir=cache).with_epoch(8)
+    assert len(_samples(resampled)) == 8
+    for name in ("select_files", "rename_files"):
+        with pytest.raises(ValueError, match=rf"^wdscache.WebDataset\({name}=...\): the agent serves whole samples"):
+            wdscache.WebDataset(data.urls, cache_dir=cache, **{name: lambda f: f})
+    with pytest.raises(ValueError, match=r"mode='stream'\): the one mode is 'resampled'"):
+        wdscache.WebDataset(data.urls, mode="stream", cache_dir=cache)
+    # with_epoch(nbatches=N) is with_epoch(N), as in webdataset: it was refused under resampled=True.
+    batches = wdscache.WebDataset(data.urls, cache_dir=cache, resampled=True).batched(4).with_epoch(nbatches=5)
+    theirs_batches = wds.WebDataset(data.urls, resampled=True, shardshuffle=False).batched(4).with_epoch(nbatches=5)
+    assert [len(b["__key__"]) for b in batches] == [len(b["__key__"]) for b in theirs_batches] == [4] * 5
+
+
 def test_a_local_name_with_a_percent_or_a_question_mark_names_that_file(served: Any, tmp_path: Path) -> None:
     # "x%41.tar" is that file, as webdataset opens it, not "xA.tar" (the agent read the other
     # file's samples); "q?v.tar" is a name, not a query (webdataset's own reader cuts it at "?").

@@ -82,7 +82,7 @@ from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree_on_list, check_kept
 from .private import PrivateAgent, check_cache_dir
 from .stream import EpochStream, Session, StreamSettings
-from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls
+from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls, taken_once
 from .worker_slices import WorkerSlice
 
 TORCH_LOADER = "TorchCachedMultiLoader"  # the name of the loader's class in a process that uses torch
@@ -256,7 +256,7 @@ class CachedMultiLoader:
         self.batch_size, self.collate = batch_size, collate or default_collate
         self.map_fn, self.workers = map, workers
         self.drop_last, self.timeout, self.on_error = drop_last, timeout, on_error
-        listed, self._mix, self._given = _read_urls(urls, mix, epoch_samples, resampled)
+        listed, self._mix, self._given = _read_urls(taken_once(urls), mix, epoch_samples, resampled)
         if self._mix is not None and self.layout.num_nodes > 1:
             raise ConfigError(
                 f"mix= and resampled=True read on one node only, and this job has num_nodes="

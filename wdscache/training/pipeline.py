@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -54,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 from ..shared.errors import ConfigError
 from .loader import CachedMultiLoader
-from .urls_arg import PIPE, pipe_urls
+from .urls_arg import PIPE, pipe_urls, taken_once
 
 _NOTHING = object()  # what an epoch without samples gives first
 # A checkpoint's count of the items an iteration cut by with_epoch(n) had yielded (see
@@ -85,31 +85,56 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     ``handler``: as webdataset's, called with the error (a ``FetchError`` or ``ShardError``)
     of a shard that cannot be read: True (``warn_and_continue``, ``ignore_and_continue``)
     skips the shard, False (``ignore_and_stop``, ``warn_and_stop``) ends the epoch there,
-    raising (``reraise_exception``) raises. Other keywords go to
-    :class:`~.loader.CachedMultiLoader` (``rank``, ``world_size``, ``job``, ``timeout``, ...).
+    raising (``reraise_exception``) raises. ``mode="resampled"`` is ``resampled=True``.
+    webdataset's keywords that change nothing here are taken: ``repeat`` and ``verbose`` (no
+    effect in webdataset 1.0.2 either), ``detshuffle`` (the loader's shuffles are seeded),
+    ``cache_size`` and ``url_to_name`` (webdataset's own cache's: the agent's ``--cache-size``
+    and names decide); ``select_files`` and ``rename_files`` are refused (the agent serves
+    whole samples). Other keywords go to :class:`~.loader.CachedMultiLoader` (``rank``,
+    ``world_size``, ``job``, ``timeout``, ...).
     """
 
     def __init__(
         self,
-        urls: str | os.PathLike[str] | Sequence[str] | None = None,
+        urls: str | os.PathLike[str] | Iterable[str] | None = None,
+        handler: Callable[[BaseException], bool] = reraise_exception,
+        mode: str | None = None,
         *,
         cache_dir: str | os.PathLike[str] | None = None,
         shardshuffle: bool | int | None = None,
         seed: int | None = None,
         resampled: bool = False,
-        handler: Callable[[BaseException], bool] = reraise_exception,
         empty_check: bool = True,
         nodesplitter: Any = None,
         workersplitter: Any = None,
+        repeat: bool = False,
+        verbose: bool = False,
+        detshuffle: bool = False,
+        cache_size: int = -1,
+        url_to_name: Any = None,
+        select_files: Callable[[str], bool] | None = None,
+        rename_files: Callable[[str], str] | None = None,
         **loader_kwargs: Any,
     ) -> None:
         super().__init__()
+        del repeat, verbose, detshuffle, cache_size, url_to_name  # see the docstring: nothing to do here
+        for name, chooser in (("select_files", select_files), ("rename_files", rename_files)):
+            if chooser is not None:
+                raise ValueError(
+                    f"wdscache.WebDataset({name}=...): the agent serves whole samples, so tar members are "
+                    "not chosen or renamed as they are read; drop or rename fields in a stage after the "
+                    "source instead (.map_dict, .rename, .map)"
+                )
+        if mode not in (None, "resampled"):
+            raise ValueError(f"wdscache.WebDataset(mode={mode!r}): the one mode is 'resampled', as in webdataset")
+        resampled = resampled or mode == "resampled"
+        given = taken_once(urls)
         if not callable(handler):
             raise TypeError(
                 f"wdscache.WebDataset(handler={handler!r}): a handler is a function of the error, "
                 "as webdataset's (reraise_exception, warn_and_continue, ignore_and_stop, ...)"
             )
-        if isinstance(urls, (str, Sequence)) and pipe_urls(urls):
+        if isinstance(given, (str, Sequence)) and pipe_urls(given):
             if resampled:
                 raise ValueError(
                     "wdscache.WebDataset(resampled=True) takes shards the agent caches, not pipe: "
@@ -117,7 +142,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
                 )
             self.loader = None
             self._piped(
-                urls,
+                given,
                 shardshuffle=shardshuffle,
                 seed=seed,
                 handler=handler,
@@ -131,7 +156,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         # (nodesplitter=, workersplitter=) have nothing to split and are ignored.
         del nodesplitter, workersplitter
         self.loader = CachedMultiLoader(
-            urls,
+            given,
             cache_dir=cache_dir,
             shuffle=bool(shardshuffle),
             shuffle_buffer=0,
@@ -204,13 +229,14 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         each worker draws its ``nsamples``."""
         loader = self.loader
         mix = loader._mix if loader is not None else None
+        cut = max(nsamples, nbatches)  # webdataset's: either names the items an iteration yields
         if loader is not None and mix is not None and mix.replacement and mix.epoch_samples is None:
-            if nsamples <= 0:
+            if cut <= 0:
                 raise ValueError(
                     "with resampled=True, with_epoch() takes nsamples (each worker's samples): "
                     "the loader draws that many for each; or give epoch_samples="
                 )
-            loader._mix = dataclasses.replace(mix, per_worker=nsamples)
+            loader._mix = dataclasses.replace(mix, per_worker=cut)
         return super().with_epoch(nsamples, nbatches)
 
     def __iter__(self) -> Iterator[Any]:

@@ -5,8 +5,10 @@
   ``"http://h/shard-{000..099}.tar"``;
 - a string naming a tar file (``.tar``, ``.tar.gz``, ``.tgz``) is that one local shard, as
   webdataset takes it;
-- any other string, or a path object, is a list file (or a shard index, wids JSON);
-- a list's items are expanded like the lines of a list file;
+- any other string, or a path object that names no tar file, is a list file (or a shard
+  index, wids JSON);
+- a list's items are expanded like the lines of a list file; any other iterable of strings
+  (a generator, ``map(...)``) is read once, as a list (:func:`taken_once`); an empty one is refused;
 - a string of patterns joined by ``::`` is those patterns, in order, as webdataset splits it
   (not inside an IPv6 host's brackets).
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ..shared.errors import ConfigError, UrlListError
 from ..shared.redact import redact_urls
@@ -38,6 +40,14 @@ PIPE = "pipe:"
 UrlsArg = str | os.PathLike[str] | Sequence[str]
 
 
+def taken_once(urls: str | os.PathLike[str] | Iterable[str] | None) -> UrlsArg | None:
+    """``urls=`` as given, but an iterator or another one-pass iterable of URLs made a list, so that
+    each later look at it sees every URL (webdataset takes any iterable)."""
+    if urls is None or isinstance(urls, (str, os.PathLike, Sequence)):
+        return urls
+    return list(urls)
+
+
 def resolve_urls(urls: UrlsArg) -> Sequence[str]:
     """The URLs that ``urls=`` stands for (see the module's rules)."""
     return read_urls_arg(urls).urls
@@ -46,7 +56,8 @@ def resolve_urls(urls: UrlsArg) -> Sequence[str]:
 def read_urls_arg(urls: UrlsArg) -> UrlList:
     """The list that ``urls=`` stands for, with a shard index's facts when it names one."""
     if isinstance(urls, os.PathLike):
-        return _list_file(os.fspath(urls))
+        path = os.fspath(urls)
+        return _items([path], single=True) if path.endswith(SHARD_SUFFIXES) else _list_file(path)
     if isinstance(urls, str):
         parts = _joined(urls) if "::" in urls else [urls]
         if len(parts) > 1:
@@ -57,6 +68,8 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
     if isinstance(urls, bytes):
         raise TypeError("urls= takes str, not bytes: decode it first")
     items = list(urls)
+    if not items:
+        raise ConfigError("urls= is empty: give it at least one URL, or leave it out to read the agent's list")
     for i, item in enumerate(items):
         if not isinstance(item, str):
             raise TypeError(f"urls[{i}] is a {type(item).__name__}; the items of urls= are URL strings")
