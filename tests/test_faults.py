@@ -41,6 +41,7 @@ from tests.helpers.streaming import (
 from tests.helpers.versions import another_version
 from tests.helpers.waits import wait_for
 from wdscache import AgentUnavailableError, CachedMultiLoader, FetchError, ShardClient, ShardError, WdsCacheError
+from wdscache.agent.job_lists import LIST_GRACE
 from wdscache.agent.pool import worker_endpoints
 from wdscache.shared import errors as wds_errors
 from wdscache.shared.client import AgentConnection
@@ -617,6 +618,41 @@ def test_a_consumer_stopped_past_the_reader_timeout_says_hello_again_and_complet
     assert len(left) == 1 and "(job 'own', rank 0," in left[0], agent.stderr_tail()
 
 
+@pytest.mark.slow  # waits out --reader-timeout and the 10 s an unread list is kept
+def test_a_consumer_stopped_while_its_open_waits_finishes_on_its_list_and_is_counted_once(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    # Stopped while its open waited for a download: the agent answered that open "reader expired"
+    # once the shard came, failing the epoch (or skipping the shard); an edit of the agent's list
+    # meanwhile failed it too ("serves another URL list now"); and the rank's totals counted the
+    # reports before the stop twice.
+    data = dataset(4, samples=10, payload=500)
+    released = threading.Event()
+    shard_server.fail(data.paths[1].name, "stall", seconds=60, until=released)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--reader-timeout", "2", "--no-shuffle")
+    victim = consumers(cache, "stopped", "--job", "j", "--no-shuffle", "--timeout", "60")
+    wait_for(lambda: victim.out.exists() and len(victim.out.read_text().splitlines()) >= 10, 30, "shard 0 unread")
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: "silent for" in agent.stderr_text(), 20, lambda: f"never dropped\n{agent.stderr_tail()}")
+        extra = dataset(1, samples=3, prefix="extra", list_name="extra.txt")
+        data.list_file.write_text(data.list_file.read_text() + extra.urls[0] + "\n")
+        agent.wait_stats(lambda s: s["agent"]["urls"] == 5, 20, "the edit not taken")
+        time.sleep(LIST_GRACE + 1)  # past the time an unread list is kept
+        released.set()
+        agent.wait_stats(lambda s: s["shards"]["cached"] >= 2, 30, "the stalled shard never cached")
+    finally:
+        released.set()
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    lines = victim.wait(PROC_DEADLINE)
+    assert_epoch_exact(lines, reference(data.paths, data.urls))  # the list it started with, every sample once
+    totals = agent.stats()["rank_totals"]["j"]["0"]
+    assert totals["samples"] == 40, totals
+    assert "dropped this reader after its --reader-timeout" in victim.log.read_text()
+
+
+# -- 5. the disk fills up --------------------------------------------------------------------
 # -- 5. the disk fills up --------------------------------------------------------------------
 
 

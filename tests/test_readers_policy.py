@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.policy import URLS, Loop
+from wdscache.agent.ended import ENDED_KEPT
 from wdscache.agent.rank_totals import RANK_TOTALS_KEPT
-from wdscache.agent.readers import ENDED_KEPT, Readers
+from wdscache.agent.readers import Readers
 from wdscache.shared.errors import ProtocolError
 from wdscache.shared.messages import Requests
 from wdscache.shared.urls import list_id
@@ -87,6 +88,9 @@ def test_the_need_of_a_cache_that_thrashes_is_known_while_nothing_is_cached(loop
         loop.cache.remove(url, "evicted for another")
     assert loop.cache.index.get(URLS[0]) is None
     assert loop.readers.need(lambda name: 0) == known and known[0] == len(URLS) * 4096, known  # all 8 at once
+    # A shard no list read names (an earlier job's) says nothing of these shards' size.
+    loop.cache.index.set_count("http://127.0.0.1:9/other-job-big.tar", 10, 3 << 20, None)
+    assert loop.readers.need(lambda name: 0) == known
 
 
 def test_a_job_list_is_sent_in_pages_before_hello_and_read_back_in_pages(loop: Loop) -> None:
@@ -135,10 +139,10 @@ def test_ended_consumers_leave_stats_after_a_while_oldest_first(loop: Loop) -> N
         hello(loop.readers, name, loop, job=job)
         loop.readers.op_bye(loop.request("bye", reader=name, samples=1))
     assert set(loop.readers.view(_latency)["ended_jobs"]) == {"a", "b"}
-    loop.readers._ended["c1"]["_ended"] -= ENDED_KEPT  # c1 left long ago; c0 just now
+    loop.readers._ended.consumers["c1"]["_ended"] -= ENDED_KEPT  # c1 left long ago; c0 just now
     loop.readers.expire()
     assert set(loop.readers.view(_latency)["ended_jobs"]) == {"a"}
-    loop.readers._ended["c0"]["_ended"] -= ENDED_KEPT
+    loop.readers._ended.consumers["c0"]["_ended"] -= ENDED_KEPT
     loop.readers.expire()
     assert not loop.readers.view(_latency)["ended_jobs"]
 

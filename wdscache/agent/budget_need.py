@@ -7,7 +7,7 @@ free-space margin) can hold, shards they still need are evicted and downloaded a
 agent says so, with the budget that would stop it.
 
 Guarantees (main loop only): a pure estimate from the index's counts and sizes, of copies
-cached or counted before (nothing is changed); the warning is logged once, and again only for a larger need.
+cached or counted before, of shards a list read names (nothing is changed); the warning is logged once, and again only for a larger need.
 """
 
 from __future__ import annotations
@@ -33,18 +33,25 @@ class BudgetNeed:
         self._cache, self._prefetch = cache, prefetch
         self._warned_need = 0  # the need named by the last warning that readers need more
 
-    def of(self, readers: Iterable[tuple[str, str, int]], n_shards: int, held: Callable[[str], int]) -> tuple[int, str]:
+    def of(
+        self,
+        readers: Iterable[tuple[str, str, int]],
+        n_shards: int,
+        held: Callable[[str], int],
+        listed: Callable[[str], bool],
+    ) -> tuple[int, str]:
         """Bytes the readers hold at once, and how. ``readers``: (name, job, shuffle buffer in samples)
         of each (a plain client is a job of its own); ``n_shards``: the longest list read;
-        ``held(name)``: how many shards reader ``name`` holds open."""
+        ``held(name)``: how many shards reader ``name`` holds open; ``listed(url)``: a list read
+        names it (the cache may hold, and its counts name, shards of lists nobody reads now)."""
         index, prefetch = self._cache.index, self._prefetch
-        samples = [c for c in itertools.islice(index.counts.values(), SAMPLED) if c > 0]
+        samples = [c for u, c in itertools.islice(index.counts.items(), SAMPLED) if c > 0 and listed(u)]
         # The copies cached now, and those counted before (a count keeps its copy's size): a cache
         # that thrashes is often empty, and its need must not drop to nothing then.
-        sizes = [
-            r.size for r in itertools.islice(index.records.values(), SAMPLED) if r.state is ShardState.CACHED and r.size
-        ]
-        sizes += [size for size, _ in itertools.islice(index.counted_from.values(), SAMPLED) if size > 0]
+        records = itertools.islice(index.records.values(), SAMPLED)
+        sizes = [r.size for r in records if r.state is ShardState.CACHED and r.size and listed(r.url)]
+        counted = itertools.islice(index.counted_from.items(), SAMPLED)
+        sizes += [size for u, (size, _) in counted if size > 0 and listed(u)]
         if not samples or not sizes:
             return 0, "nothing known yet"
         per_shard = max(1, sum(samples) // len(samples))

@@ -92,7 +92,7 @@ from .metrics import MetricsServer
 from .opens import Opens
 from .pool import WorkerPool
 from .prefetches import Prefetches
-from .readers import Readers
+from .readers import Readers, dropped_reply
 from .shard_download import BadShard
 from .shards import Shards
 from .startup import take_cache_dir
@@ -482,11 +482,7 @@ class Agent:
         if op in GREETED_OPS and get_field(header, "said_hello", bool, False) and header["reader"] not in self.readers:
             # Dropped (silent past --reader-timeout: a process stopped, say): served as a plain client it
             # would lose its job, its rank and its own list. It says hello again and asks once more.
-            body: Reply | None = {
-                "ok": False,
-                "need_hello": True,
-                "error": f"reader {header['reader']} was dropped after --reader-timeout of silence: say hello again",
-            }
+            body: Reply | None = dropped_reply(header["reader"])
         else:
             body = handler(Request(ident, header.get("id"), header))
         if body is not None:

@@ -41,7 +41,7 @@ from ..shared.shard_index import ShardInfo
 from .cache import ShardCache
 from .control import Answer, Reply, Request
 from .downloads import Downloads
-from .readers import Readers
+from .readers import Readers, dropped_reply
 from .shard_download import Fetched
 from .shards import Phase, Shard, Shards, Waiter
 from .validators import common_validator, validator_kind
@@ -50,6 +50,7 @@ log = get_logger(__name__)
 
 FAILED_RETRY_AFTER = 60.0  # a failed shard asked for again after this long is retried
 MAX_LISTED = 100  # corrupt or changed shards remembered for stats
+EXPIRED: Reply = {"ok": False, "error": "reader expired while waiting"}  # a plain client's held open, once it is gone
 
 
 class Opens:
@@ -250,7 +251,7 @@ class Opens:
 
     def _grant(self, name: str, shard: Shard, *, while_downloading: bool = False) -> Reply:
         if name not in self._readers:
-            return {"ok": False, "error": "reader expired while waiting"}
+            return EXPIRED
         url = shard.url
         self.shards.pin(shard, name)
         self._cache.pin(url, read=True)  # a shard still downloading stays pinned once published
@@ -332,11 +333,19 @@ class Opens:
         self.shards.settle(shard)
 
     def release_all(self, name: str) -> None:
-        """Reader ``name`` is gone: everything it held is let go."""
+        """Reader ``name`` is gone: everything it held is let go, and the opens it waits on are
+        answered now: ``need_hello`` to a reader that said hello (dropped as silent, it says hello
+        again and opens once more), else that it expired."""
         for shard in self.shards.held_by(name):
             while self.shards.unpin(shard, name):
                 self._cache.unpin(shard.url, read=True)
             self._refetch_if_corrupt(shard)
+            self.shards.settle(shard)
+        for shard in [s for s in self.shards if any(w.reader == name for w in s.waiters)]:
+            for w in [w for w in shard.waiters if w.reader == name]:
+                said_hello = w.request.header.get("said_hello") is True
+                self._answers.append(Answer(w.request, dropped_reply(name) if said_hello else EXPIRED))
+            shard.waiters = [w for w in shard.waiters if w.reader != name]
             self.shards.settle(shard)
 
     # -- what the downloads found -----------------------------------------------------

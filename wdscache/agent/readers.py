@@ -34,18 +34,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared.config import AgentConfig
-from ..shared.logs import event, get_logger, iso_time
+from ..shared.logs import event, get_logger
 from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
 from ..shared.protocol import PAGE_BYTES, PROTOCOL, SAME_INSTALL, numbers, process_identity, speaks
 from ..shared.protocol import field as get_field
 from ..shared.shard_index import ShardInfo
-from ..shared.stats import ended_jobs_view, jobs_view, with_fraction
+from ..shared.stats import jobs_view, with_fraction
 from ..shared.urls import UrlList, list_id, whitespace_problem
 from ..shared.verdict import SILENT_AFTER
 from .budget_need import BudgetNeed
 from .cache import ShardCache
 from .control import Reply, Request
+from .ended import Dropped, EndedConsumers
 from .job_lists import JobLists
 from .jobs import Jobs
 from .rank_totals import RankTotals
@@ -57,8 +58,6 @@ STARTUP_READER = "(start-up plan)"
 HELLO_MAX = (1 << 31) - 1  # the most a hello's world size, epoch or shuffle buffer may be (torch's ranks are int32)
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
-ENDED_KEPT = 600.0  # seconds a consumer that left stays in stats with its totals
-MAX_ENDED = 256  # consumers that left kept at most (the oldest go first)
 
 
 def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | None] | None = None) -> Reader:
@@ -127,6 +126,16 @@ class ProcessWatch:
             self.stop(fd)
 
 
+def dropped_reply(name: str) -> Reply:
+    """The answer to an open, ping or report of reader ``name`` that said hello, once the agent
+    dropped it (silent past --reader-timeout, see GREETED_OPS): it says hello again and asks once more."""
+    return {
+        "ok": False,
+        "need_hello": True,
+        "error": f"reader {name} was dropped after --reader-timeout of silence: say hello again",
+    }
+
+
 @dataclass(slots=True, eq=False)
 class ReaderRecord:
     """One reader: its window (``plan``); for a consumer (said hello), its job, rank and last
@@ -137,6 +146,7 @@ class ReaderRecord:
     probe: bool = False  # said hello only to learn the list (a loader's len()): neither joins nor leaves a job
     buffer: int = 0
     counted: dict[str, float] = field(default_factory=dict)  # its reports' figures its rank's totals hold
+    own_list: bool = False  # reads a list of its own (else the agent's, as it was when its epoch started)
 
 
 class Readers:
@@ -174,7 +184,7 @@ class Readers:
         self._startup_left: set[str] = set()  # evicted by wdscache evict, until the list changes: the same
         self._jobs = Jobs()  # their world sizes (its ranks must agree), and the list each of their epochs reads
         # Reader name -> its last report, once it left (for stats), in the order they left.
-        self._ended: dict[str, dict[str, Any]] = {}
+        self._ended = EndedConsumers()  # consumers that left lately, and those dropped as silent
         self._totals = RankTotals()  # each rank's over the agent's life (the metrics' counters)
         self._need = BudgetNeed(cache, config.prefetch)  # what they need of the budget, and its warning
 
@@ -310,7 +320,7 @@ class Readers:
         if not 0 <= rank < world:
             return {"ok": False, "error": f"rank {rank} is not in [0, {world})"}
         epoch = get_field(header, "epoch", int, None)
-        buffer = get_field(header, "shuffle_buffer", int, 0)
+        buffer = max(0, get_field(header, "shuffle_buffer", int, 0))  # (a loader's -1 is none, as ever)
         for what, value in (("world_size", world), ("epoch", epoch or 0), ("shuffle_buffer", buffer)):
             if not 0 <= value <= HELLO_MAX:
                 return {"ok": False, "error": f"{what} {value} is not in [0, {HELLO_MAX}]"}
@@ -334,20 +344,23 @@ class Readers:
         before = self._readers.get(name)
         again = before is not None and before.consumer is not None  # its next epoch: it did not leave, nor join anew
         self.drop(name, why=None)
+        back = self._ended.back(name) if not probe else None  # dropped as silent, it comes back
         # It reads the list it named; else the one its job's epoch reads (the first of its readers
         # took the agent's list as it was then), to that epoch's end, whatever edits come.
         key = claimed
         if key is None:
-            key = self._jobs.list_of(job, world, epoch, self.list_id, self._holds, reader=name, probe=probe)
-        record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key))
+            read = back.list_id if back is not None and back.list_id and self._holds(back.list_id) else self.list_id
+            key = self._jobs.list_of(job, world, epoch, read, self._holds, reader=name, probe=probe)
+        record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key), own_list=claimed is not None)
         if probe:
             record.probe = True
         else:
             # Stamped: its first report's share of time spent waiting counts from here.
             record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
             record.buffer = buffer
+            if back is not None:
+                record.counted = dict(back.counted)  # its reports go on from there: nothing counted twice
             self._totals.add((job, str(rank)), record.counted, {})  # its rank is shown from now on
-            self._ended.pop(name, None)
         record.plan.pidfd = self._processes.start(name, header.get("process"))
         if not again and not record.probe:
             event(
@@ -458,17 +471,9 @@ class Readers:
             why=why.strip(" :"),
             samples=samples,
         )
-        # Kept for stats a while (ended_jobs), with its totals; last, so they stay in the order they left.
-        self._ended.pop(name, None)
-        self._ended[name] = {
-            **consumer,
-            "waiting": 0.0,
-            "rate": 0.0,
-            "ended": iso_time(time.time()),
-            "_ended": time.monotonic(),
-        }
-        while len(self._ended) > MAX_ENDED:
-            del self._ended[next(iter(self._ended))]
+        # Kept for stats a while (ended_jobs), with its totals; one dropped as silent may come back.
+        dropped = Dropped(record.counted, None if record.own_list else record.plan.list_id) if timed_out else None
+        self._ended.left(name, consumer, dropped)
 
     def expire(self) -> None:
         """Drop readers whose process ended or that went silent; free the lists nobody reads, and
@@ -480,9 +485,7 @@ class Readers:
             silent = now - record.plan.last_seen
             if silent > self._config.reader_timeout:
                 self.drop(name, why=f" silent for {silent:.0f}s (--reader-timeout)", timed_out=True)
-        # Oldest first (see drop): a look at the first per turn, not a pass over all of them.
-        while self._ended and now - next(iter(self._ended.values()))["_ended"] >= ENDED_KEPT:
-            del self._ended[next(iter(self._ended))]
+        self._ended.expire(now)
         self._totals.expire(lambda: {(str(c.get("job")), str(c.get("rank"))) for c in self._consumers().values()})
         self._jobs.forget({str(c.get("job")) for c in self._consumers().values()})
         self._lists.free(self._read_lists())
@@ -500,7 +503,7 @@ class Readers:
 
     def _read_lists(self) -> set[str | None]:
         """The ids of the lists read: by a reader, or by a job's epoch that more readers may join."""
-        return {r.list_id for r in self._plans()} | self._jobs.lists()
+        return {r.list_id for r in self._plans()} | self._jobs.lists() | self._ended.lists()
 
     def _job_ranks(self, job: str) -> list[int]:
         """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
@@ -571,7 +574,7 @@ class Readers:
             if name != STARTUP_READER
         ]
         n_shards = max([len(self.urls), *(len(listed) for listed in self._lists)])
-        return self._need.of(readers, n_shards, held)
+        return self._need.of(readers, n_shards, held, self.known)
 
     # -- for stats --------------------------------------------------------------------
 
@@ -589,6 +592,6 @@ class Readers:
             "consumers": len(consumers),
             "job_lists": len(self._lists),
             "jobs": jobs_view(consumers, starved_by),
-            "ended_jobs": ended_jobs_view(self._ended),
+            "ended_jobs": self._ended.view(),
             "rank_totals": self._totals.view(),
         }

@@ -199,11 +199,18 @@ class AgentConnection:
             reply = self._reply(sock, rid, max(0.0, deadline - time.monotonic()))
             if self._refused(reply, run, max(0.0, deadline - time.monotonic())):
                 continue
-            if reply.get("need_hello") is True and self.on_forgotten is not None and not greeted:
+            if self._greeted_again(reply, greeted):
                 greeted = True
-                self.on_forgotten()
                 continue
             return reply
+
+    def _greeted_again(self, reply: dict[str, Any], greeted: bool) -> bool:
+        """True when ``reply`` says the agent dropped our reader (``need_hello``) and we said hello
+        again (:attr:`on_forgotten`), so the request goes again: once a request (``greeted``: done)."""
+        if reply.get("need_hello") is not True or self.on_forgotten is None or greeted:
+            return False
+        self.on_forgotten()
+        return True
 
     def _reply(self, sock: zmq.Socket, rid: int, timeout: float | None, *, keyed: bool = True) -> dict[str, Any]:
         """The reply to ``rid``, one with our key (``keyed``: :meth:`_genuine`) or an ``auth``.
@@ -355,6 +362,7 @@ class AgentConnection:
         up to ``liveness`` seconds.
         """
         retry_until = time.monotonic() + liveness  # replies marked "retry" are asked again this long
+        greeted = False  # said hello again since the request first went
         while True:
             sock = self._proved(liveness)
             run, rid = self._run, next(self._ids)
@@ -362,6 +370,9 @@ class AgentConnection:
             reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
             if self._refused(reply, run, liveness):
                 continue  # a new run, which never got the request
+            if self._greeted_again(reply, greeted):
+                greeted = True  # dropped while it waited: the agent let the request go
+                continue
             if not reply.get("retry") or time.monotonic() >= retry_until:
                 return reply
             time.sleep(RETRY_PAUSE)
