@@ -67,7 +67,7 @@ def test_an_open_of_a_shard_not_cached_waits_and_is_answered_once_it_is_download
     request, reply = loop.open("r", url)
     assert reply is None  # held: answered later
     assert loop.opens.demanded() == [url]
-    assert loop.opens.status(url)["state"] == "queued"
+    assert loop.status(url)["state"] == "queued"
     loop.schedule()
     assert url in loop.downloads
     loop.finish(url)
@@ -100,7 +100,7 @@ def test_a_failed_download_tells_its_waiters_and_later_opens_until_the_retry_tim
     ]
     _, reply = loop.open("r", url)
     assert reply == {"ok": False, "error": "404 Not Found", "corrupt": False}
-    assert loop.opens.status(url) == {"state": "failed", "error": "404 Not Found", "corrupt": False}
+    assert loop.status(url) == {"state": "failed", "error": "404 Not Found", "corrupt": False}
     assert url not in loop.downloads and loop.opens.demanded() == []
 
 
@@ -123,7 +123,7 @@ def test_a_damaged_copy_is_downloaded_once_more_after_its_readers_let_go_then_fa
     loop.open("r", url)
     assert loop.opens.op_corrupt(loop.request("corrupt", url=url, error="bad header")) == {"ok": True}
     assert loop.opens.shards.get(url).phase is Phase.SUSPECT  # type: ignore[union-attr]
-    assert loop.opens.status(url)["state"] == "queued" and "damaged" in loop.opens.status(url)["reason"]
+    assert loop.status(url)["state"] == "queued" and "damaged" in loop.status(url)["reason"]
     assert loop.cache.is_cached(url)  # held: not replaced under its reader
     request, reply = loop.open("other", url)
     assert reply is None  # waits for the new copy
@@ -154,7 +154,7 @@ def test_a_copy_damaged_again_after_its_new_download_fails_the_shard(loop: Loop)
     loop.opens.release("r", url)
     identity = list(file_identity(loop.cache.path(url).stat()))
     loop.opens.op_corrupt_copy(loop.request("corrupt_copy", url=url, error="bad again", identity=identity))
-    status = loop.opens.status(url)
+    status = loop.status(url)
     assert status["state"] == "failed" and status["corrupt"] is True and "damaged again" in status["error"]
     _, reply = loop.open("r", url)
     assert reply is not None and reply["corrupt"] is True

@@ -15,7 +15,7 @@ from wdscache.agent.control import Reply, Request
 from wdscache.agent.downloads import Downloads
 from wdscache.agent.events import Mailbox
 from wdscache.agent.fetch import Fetcher
-from wdscache.agent.opens import Opens
+from wdscache.agent.opens import Opens, shard_status
 from wdscache.agent.readers import Readers
 from wdscache.agent.shard_download import Fetched
 from wdscache.agent.shards import Shards
@@ -73,6 +73,10 @@ class Loop:
     def request(self, op: str, **header: Any) -> Request:
         self._rid += 1
         return Request(b"client", self._rid, {"op": op, **header})
+
+    def status(self, url: str) -> dict[str, Any]:
+        """What a ``status`` request of ``url`` is answered."""
+        return shard_status(self.cache, self.shards, self.downloads, url)
 
     def open(self, reader: str, url: str, **header: Any) -> tuple[Request, Reply | None]:
         request = self.request("open", reader=reader, url=url, **header)

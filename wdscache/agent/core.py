@@ -245,7 +245,7 @@ class Agent:
             "stats": self._op_stats,
             "counts": self._op_counts,
             "counted": self._op_counted,
-            "ping": self._op_ping,
+            "ping": self.readers.op_ping,
             "hello": self._op_hello,
             "put_urls": self.readers.op_put_urls,
             "get_urls": self.readers.op_get_urls,
@@ -479,12 +479,10 @@ class Agent:
             self.workers.check(header)
         if op in READER_OPS:
             self.readers.seen(get_field(header, "reader", str))
-        if op in GREETED_OPS and get_field(header, "said_hello", bool, False) and header["reader"] not in self.readers:
-            # Dropped (silent past --reader-timeout: a process stopped, say): served as a plain client it
-            # would lose its job, its rank and its own list. It says hello again and asks once more.
-            body: Reply | None = dropped_reply(header["reader"])
-        else:
-            body = handler(Request(ident, header.get("id"), header))
+        dropped = (
+            op in GREETED_OPS and get_field(header, "said_hello", bool, False) and header["reader"] not in self.readers
+        )
+        body = dropped_reply(header["reader"]) if dropped else handler(Request(ident, header.get("id"), header))
         if body is not None:
             self.socket.reply(ident, header.get("id"), **body)
 
@@ -517,9 +515,6 @@ class Agent:
         if request.header["reader"] in self.readers:
             self.readers.check_need(self.opens.held)
         return reply
-
-    def _op_ping(self, request: Request) -> Reply:
-        return {"ok": True, "known": request.header.get("reader") in self.readers}
 
     # -- statistics -----------------------------------------------------------
 

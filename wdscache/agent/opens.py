@@ -93,7 +93,10 @@ class Opens:
         return reply
 
     def op_status(self, request: Request) -> Reply:
-        return {"ok": True, **self.status(get_field(request.header, "url", str))}
+        return {
+            "ok": True,
+            **shard_status(self._cache, self.shards, self._downloads, get_field(request.header, "url", str)),
+        }
 
     def op_release(self, request: Request) -> Reply:
         for url in strings(request.header, "urls"):
@@ -260,31 +263,6 @@ class Opens:
         rec = self._cache.index.get(url)
         assert rec is not None  # cached: the open above found it so
         return {"ok": True, "path": str(self._cache.path(url)), "size": rec.size, "samples": self._readers.samples(url)}
-
-    def status(self, url: str) -> dict[str, Any]:
-        """Where ``url`` stands: cached; downloading (with its budget); queued (for a download
-        slot or budget); failed (with the error); or unknown (nobody asked for it)."""
-        rec = self._cache.index.get(url)
-        shard = self.shards.get(url)
-        if shard is not None and shard.phase is Phase.SUSPECT:
-            return {
-                "state": "queued",
-                "reason": "its cached copy is damaged: it is downloaded again once the readers that hold it let go",
-            }
-        if rec is not None and rec.state is ShardState.CACHED:
-            return {"state": "cached"}
-        progress = self._downloads.progress(url)
-        waits = self._downloads.space_wait(url)
-        if waits is not None:  # before "downloading": a read while downloading that waits for space should say why
-            return {"state": "queued", "reason": waits, **progress}
-        if self._downloads.readable_while_downloading(url):
-            return {"state": "downloading", **progress}
-        if rec is not None and rec.state is ShardState.FAILED:
-            # "corrupt": the shard is bad (its copies found corrupt, or unlike its index), not its download.
-            corrupt = shard is not None and shard.corrupt
-            return {"state": "failed", "error": rec.error or "download failed", "corrupt": corrupt}
-        asked = shard is not None and shard.asked_at is not None
-        return {"state": "queued" if url in self._downloads or asked else "unknown", **progress}
 
     def answer_while_downloading(self, url: str) -> None:
         """The download of ``url`` got its whole budget: readers waiting to read it as it downloads may start."""
@@ -512,6 +490,32 @@ class Opens:
             "corrupt": [{"url": u, "error": e} for u, e in self._corrupt.items()],
             "changed": [{"url": u, "error": e} for u, e in self._changed.items()],
         }
+
+
+def shard_status(cache: ShardCache, shards: Shards, downloads: Downloads, url: str) -> dict[str, Any]:
+    """Where ``url`` stands: cached; downloading (with its budget); queued (for a download
+    slot or budget); failed (with the error); or unknown (nobody asked for it)."""
+    rec = cache.index.get(url)
+    shard = shards.get(url)
+    if shard is not None and shard.phase is Phase.SUSPECT:
+        return {
+            "state": "queued",
+            "reason": "its cached copy is damaged: it is downloaded again once the readers that hold it let go",
+        }
+    if rec is not None and rec.state is ShardState.CACHED:
+        return {"state": "cached"}
+    progress = downloads.progress(url)
+    waits = downloads.space_wait(url)
+    if waits is not None:  # before "downloading": a read while downloading that waits for space should say why
+        return {"state": "queued", "reason": waits, **progress}
+    if downloads.readable_while_downloading(url):
+        return {"state": "downloading", **progress}
+    if rec is not None and rec.state is ShardState.FAILED:
+        # "corrupt": the shard is bad (its copies found corrupt, or unlike its index), not its download.
+        corrupt = shard is not None and shard.corrupt
+        return {"state": "failed", "error": rec.error or "download failed", "corrupt": corrupt}
+    asked = shard is not None and shard.asked_at is not None
+    return {"state": "queued" if url in downloads or asked else "unknown", **progress}
 
 
 def unlike_index(info: ShardInfo | None, size: int, counted: int | None) -> str | None:

@@ -415,6 +415,9 @@ class Readers:
             self._record(record, figures)
         return {"ok": True} if record is not None else {"ok": False, "error": "unknown reader; say hello first"}
 
+    def op_ping(self, request: Request) -> Reply:
+        return {"ok": True, "known": request.header.get("reader") in self._readers}
+
     def op_bye(self, request: Request) -> Reply:
         """A reader leaves. A consumer's bye carries its report's fields, so that the totals it
         leaves with are final even where its last stretch (or all of a short epoch) fell between
