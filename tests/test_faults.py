@@ -647,8 +647,8 @@ def test_a_consumer_stopped_while_its_open_waits_finishes_on_its_list_and_is_cou
         os.kill(victim.proc.pid, signal.SIGCONT)
     lines = victim.wait(PROC_DEADLINE)
     assert_epoch_exact(lines, reference(data.paths, data.urls))  # the list it started with, every sample once
-    totals = agent.stats()["rank_totals"]["j"]["0"]
-    assert totals["samples"] == 40, totals
+    s = agent.wait_stats(lambda s: "j" in s["ended_jobs"], 10, "the job never ended")
+    assert s["rank_totals"]["j"]["0"]["samples"] == s["ended_jobs"]["j"]["0"]["samples"] == 40, s
     assert "dropped this reader after its --reader-timeout" in victim.log.read_text()
 
 

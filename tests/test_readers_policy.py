@@ -133,18 +133,31 @@ def test_reports_are_kept_for_stats_and_bye_leaves_them_in_ended_jobs(loop: Loop
     assert view["consumers"] == 0 and view["ended_jobs"]
 
 
-def test_ended_consumers_leave_stats_after_a_while_oldest_first(loop: Loop) -> None:
-    """A consumer that leaves again (it said hello anew) counts from its latest end."""
-    for name, job in (("c0", "a"), ("c1", "b"), ("c0", "a")):
+def test_ended_ranks_leave_stats_a_while_after_their_latest_exit_oldest_first(loop: Loop) -> None:
+    """A rank whose consumer leaves again (its next epoch) counts from its latest end."""
+    for name, job in (("c0", "a"), ("c1", "b"), ("c2", "a")):
         hello(loop.readers, name, loop, job=job)
         loop.readers.op_bye(loop.request("bye", reader=name, samples=1))
     assert set(loop.readers.view(_latency)["ended_jobs"]) == {"a", "b"}
-    loop.readers._ended.consumers["c1"]["_ended"] -= ENDED_KEPT  # c1 left long ago; c0 just now
+    loop.readers._ended.ranks[("b", "0")]["_ended"] -= ENDED_KEPT  # b's rank left long ago; a's just now
     loop.readers.expire()
     assert set(loop.readers.view(_latency)["ended_jobs"]) == {"a"}
-    loop.readers._ended.consumers["c0"]["_ended"] -= ENDED_KEPT
+    loop.readers._ended.ranks[("a", "0")]["_ended"] -= ENDED_KEPT
     loop.readers.expire()
     assert not loop.readers.view(_latency)["ended_jobs"]
+
+
+def test_an_ended_ranks_totals_hold_every_epoch_however_many(loop: Loop) -> None:
+    # Kept per consumer (each epoch, each DataLoader worker is one), the 256 kept were 256 epochs:
+    # a long job's totals were its last 256 epochs', and every other job that ended was gone.
+    hello(loop.readers, "other", loop, job="other")
+    loop.readers.op_bye(loop.request("bye", reader="other", samples=5))
+    for epoch in range(300):
+        hello(loop.readers, f"e{epoch}", loop, job="long", epoch=epoch)
+        loop.readers.op_bye(loop.request("bye", reader=f"e{epoch}", samples=128, epoch=epoch))
+    ended = loop.readers.view(_latency)["ended_jobs"]
+    assert ended["long"]["0"]["samples"] == 300 * 128 and ended["long"]["0"]["epochs"] == 300
+    assert ended["other"]["0"]["samples"] == 5
 
 
 def test_a_ranks_totals_add_up_its_epochs_and_readers_and_never_go_down(loop: Loop) -> None:

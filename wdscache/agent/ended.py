@@ -1,15 +1,20 @@
-"""Consumers that left: kept a while for stats (``ended_jobs``), and what a consumer dropped as
-silent takes up again when it comes back.
+"""Consumers that left: their ranks kept a while for stats (``ended_jobs``), and what a consumer
+dropped as silent takes up again when it comes back.
 
-A consumer that said bye, or whose process ended, never comes back under its name (each epoch
-of a loader is a reader of a new name). One dropped as silent (``--reader-timeout``) may: a
-process stopped (SIGSTOP, ``scontrol suspend``) runs again and says hello again under the
-same name (see :mod:`wdscache.training.restarts`).
+Each epoch of a loader, and each of its DataLoader workers, is a consumer of its own; what stats
+shows of a job that ended is per rank: the totals of every consumer of that rank that left (its
+epochs and workers), kept :data:`ENDED_KEPT` seconds from the rank's latest exit.
+
+A consumer that said bye, or whose process ended, never comes back under its name. One dropped
+as silent (``--reader-timeout``) may: a process stopped (SIGSTOP, ``scontrol suspend``) runs
+again and says hello again under the same name (see :mod:`wdscache.training.restarts`).
 
 Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
-- at most :data:`MAX_ENDED` consumers are kept, each for :data:`ENDED_KEPT` seconds, the
-  oldest going first;
+- a rank's ended totals add up each of its consumers that left once: one dropped as silent
+  that comes back is taken out of them again (it leaves again later with all its figures);
+- at most :data:`MAX_ENDED` ranks are kept, and as many consumers dropped as silent, each for
+  :data:`ENDED_KEPT` seconds, the oldest going first;
 - a consumer dropped as silent keeps, as long as it is kept, what its rank's totals counted of
   its reports, and the agent's list it read (:meth:`EndedConsumers.lists`: the readers keep
   that list meanwhile). Back under its name, it counts on from there (its reports are
@@ -20,14 +25,14 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared.logs import iso_time
-from ..shared.stats import ended_jobs_view
 
-ENDED_KEPT = 600.0  # seconds a consumer that left stays in stats with its totals
-MAX_ENDED = 256  # consumers that left kept at most (the oldest go first)
+ENDED_KEPT = 600.0  # seconds a rank whose consumers left stays in stats with its totals
+MAX_ENDED = 256  # ranks that ended kept at most, and consumers dropped as silent (the oldest go first)
+_TOTALS = ("samples", "bytes", "wait_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,50 +42,84 @@ class Dropped:
 
     counted: dict[str, float]
     list_id: str | None
+    consumer: dict[str, Any] = field(default_factory=dict)  # its stats as it was dropped (in its rank's ended totals)
+    at: float = 0.0  # when (monotonic)
 
 
 class EndedConsumers:
-    """The consumers that left lately, by reader name, oldest first."""
+    """The ranks whose consumers left lately, by (job, rank), the latest exit last."""
 
     def __init__(self) -> None:
-        self.consumers: dict[str, dict[str, Any]] = {}  # name -> its last stats, "ended", "_ended"
-        self._dropped: dict[str, Dropped] = {}  # of those, the ones dropped as silent
+        # (job, rank) -> its view: totals, the latest consumer's epoch and position, "ended" (ISO
+        # date); "_ended" (monotonic), "_epochs" (the epochs its consumers read), "_consumers" (how many)
+        self.ranks: dict[tuple[str, str], dict[str, Any]] = {}
+        self._dropped: dict[str, Dropped] = {}  # reader name -> what it comes back to, the oldest first
 
     def left(self, name: str, consumer: dict[str, Any], dropped: Dropped | None) -> None:
-        """Consumer ``name`` left, its last stats ``consumer``; ``dropped``: as silent."""
-        self.back(name)
-        # Last, so that they stay in the order they left.
-        self.consumers[name] = {
-            **consumer,
-            "waiting": 0.0,
-            "rate": 0.0,
-            "ended": iso_time(time.time()),
-            "_ended": time.monotonic(),
-        }
+        """Consumer ``name`` left, its last stats ``consumer``; ``dropped`` (its counted figures and
+        list): as silent."""
+        self._dropped.pop(name, None)
+        key = (str(consumer.get("job")), str(consumer.get("rank")))
+        rank = self.ranks.pop(key, None) or {"_epochs": set(), "_consumers": 0}
+        for total in _TOTALS:
+            rank[total] = rank.get(total, 0) + consumer.get(total, 0)
+        rank["wait_s"] = round(rank["wait_s"], 3)
+        rank["_epochs"].add(consumer.get("epoch"))
+        rank["_consumers"] += 1
+        rank.update(
+            epoch=consumer.get("epoch"),
+            position=consumer.get("position"),
+            seen=consumer.get("seen"),
+            ended=iso_time(time.time()),
+            _ended=time.monotonic(),
+        )
+        self.ranks[key] = rank  # last: the latest exit
         if dropped is not None:
-            self._dropped[name] = dropped
-        while len(self.consumers) > MAX_ENDED:
-            self._forget(next(iter(self.consumers)))
+            self._dropped[name] = Dropped(dropped.counted, dropped.list_id, consumer, time.monotonic())
+        while len(self.ranks) > MAX_ENDED:
+            del self.ranks[next(iter(self.ranks))]
+        while len(self._dropped) > MAX_ENDED:
+            del self._dropped[next(iter(self._dropped))]
 
     def back(self, name: str) -> Dropped | None:
-        """Consumer ``name`` said hello again: no longer ended; what it comes back to, if it was
-        dropped as silent."""
-        self.consumers.pop(name, None)
-        return self._dropped.pop(name, None)
+        """Consumer ``name`` said hello again: what it comes back to, if it was dropped as silent
+        (and is taken out of its rank's ended totals: it counts as live again)."""
+        dropped = self._dropped.pop(name, None)
+        if dropped is None:
+            return None
+        key = (str(dropped.consumer.get("job")), str(dropped.consumer.get("rank")))
+        rank = self.ranks.get(key)
+        if rank is not None:
+            rank["_consumers"] -= 1
+            if rank["_consumers"] <= 0:
+                del self.ranks[key]
+            else:
+                for total in _TOTALS:
+                    rank[total] = round(rank[total] - dropped.consumer.get(total, 0), 3)
+        return dropped
 
     def expire(self, now: float) -> None:
-        """Forget those that left ENDED_KEPT before ``now`` (monotonic): a look at the oldest per call."""
-        while self.consumers and now - next(iter(self.consumers.values()))["_ended"] >= ENDED_KEPT:
-            self._forget(next(iter(self.consumers)))
+        """Forget what ended ENDED_KEPT before ``now`` (monotonic): looks at the oldest only."""
+        while self.ranks and now - next(iter(self.ranks.values()))["_ended"] >= ENDED_KEPT:
+            del self.ranks[next(iter(self.ranks))]
+        while self._dropped and now - next(iter(self._dropped.values())).at >= ENDED_KEPT:
+            del self._dropped[next(iter(self._dropped))]
 
     def lists(self) -> set[str]:
         """The agent's lists that consumers dropped as silent read (kept for their return)."""
         return {d.list_id for d in self._dropped.values() if d.list_id is not None}
 
     def view(self) -> dict[str, dict[str, Any]]:
-        """``ended_jobs`` of the stats (:func:`~wdscache.shared.stats.ended_jobs_view`)."""
-        return ended_jobs_view(self.consumers)
-
-    def _forget(self, name: str) -> None:
-        del self.consumers[name]
-        self._dropped.pop(name, None)
+        """``ended_jobs`` of the stats: {job: {rank: {samples, bytes, wait_s (over its consumers that
+        left), epochs (how many they read), epoch and position (the latest's), ended, ...}}}."""
+        jobs: dict[str, dict[str, Any]] = {}
+        for (job, rank), kept in self.ranks.items():
+            view = {k: v for k, v in kept.items() if not k.startswith("_")}
+            jobs.setdefault(job, {})[rank] = {
+                **view,
+                "rate": 0.0,
+                "waiting": 0.0,
+                "starved": None,
+                "epochs": len(kept["_epochs"]),
+            }
+        return jobs

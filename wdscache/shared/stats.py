@@ -42,10 +42,11 @@ The object (also ``wdscache stats --json``)::
                       this rank's), starved: null | "budget" | "failing_source" | "downloads" |
                       "slow_source" | "workers" | "latency" (see :mod:`wdscache.shared.verdict`),
                       silent_s (no report for that long, over SILENT_AFTER: rate and waiting 0)}}}
-    ended_jobs        the same of consumers that left in the last 10 minutes, with their totals
-                      over every epoch of the rank that ended then (samples, bytes, wait_s summed;
-                      epochs: how many; epoch and position: the last one's) and ``ended``
-                      (an ISO 8601 date)
+    ended_jobs        the same of the ranks whose consumers left in the last 10 minutes (counted
+                      from each rank's latest exit), with their totals over every consumer of the
+                      rank that left (its epochs and DataLoader workers: samples, bytes, wait_s
+                      summed; epochs: how many; epoch and position: the latest's) and ``ended``
+                      (an ISO 8601 date); see :mod:`wdscache.agent.ended`
     rank_totals       {job: {rank: {samples, bytes, wait_s}}}: what each rank received, and waited, over
                       the agent's life, every epoch and reader of it together (``jobs`` shows the
                       current epoch's); never decreasing while the agent runs (the metrics' counters).
@@ -249,27 +250,6 @@ def _together(rank: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
     if "waiting" in one:
         out["waiting"] = round((rank.get("waiting", 0.0) * n + one["waiting"]) / (n + 1), 3)
     return out
-
-
-def ended_jobs_view(ended: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """The consumers that left, as :func:`jobs_view` groups them, each rank with its totals over
-    all its epochs (a loader says hello as a new consumer every epoch)."""
-    jobs: dict[str, dict[str, Any]] = {}
-    epochs: dict[tuple[str, str], set[Any]] = {}
-    for c in sorted(ended.values(), key=lambda c: str(c.get("ended") or "")):
-        job, rank = str(c.get("job")), str(c.get("rank"))
-        view = jobs_view({"": c}, None)[job][rank]
-        del view["readers"]  # (a rank's consumers that ended are counted by their totals)
-        seen = epochs.setdefault((job, rank), set())
-        seen.add(c.get("epoch"))
-        earlier = jobs.setdefault(job, {}).get(rank)
-        if earlier is not None:
-            for total in ("samples", "bytes", "wait_s"):
-                view[total] = earlier.get(total, 0) + view.get(total, 0)
-            view["wait_s"] = round(view["wait_s"], 3)
-        view["epochs"] = len(seen)
-        jobs[job][rank] = view
-    return jobs
 
 
 def public(report: dict[str, Any]) -> dict[str, Any]:
