@@ -183,8 +183,7 @@ class Readers:
         self._startup_stopped = False  # by wdscache clear, until the list changes: no refill nobody asked for
         self._startup_left: set[str] = set()  # evicted by wdscache evict, until the list changes: the same
         self._jobs = Jobs()  # their world sizes (its ranks must agree), and the list each of their epochs reads
-        # Reader name -> its last report, once it left (for stats), in the order they left.
-        self._ended = EndedConsumers()  # consumers that left lately, and those dropped as silent
+        self._ended = EndedConsumers()  # the ranks of consumers that left lately, and those dropped as silent
         self._totals = RankTotals()  # each rank's over the agent's life (the metrics' counters)
         self._need = BudgetNeed(cache, config.prefetch)  # what they need of the budget, and its warning
 

@@ -417,9 +417,9 @@ class EpochStream:
                 elif samples:
                     last = samples[-1]
                 it = iter(samples)
-                self._out = (it, sizes)
                 stats["samples"] += len(samples)
                 stats["bytes"] += sum(sizes)
+                self._out = (it, sizes)  # after the counts: the reporter's thread subtracts what is left of it
                 if pins.letting_go:  # the user may hold us at the yield for long: no pin let go stays held
                     pins.flush(now=True)
                 yield it
