@@ -54,7 +54,7 @@ def test_budget_goes_to_the_demanded_download_first_and_the_other_waits_saying_w
     assert readable == []  # its size is not known yet (no partial reads)
     (wait,) = loop.downloads.space_waits()
     assert wait["url"] == U0 and wait["reason"].startswith("waiting for space")
-    assert loop.opens.status(U0)["state"] == "queued"
+    assert loop.status(U0)["state"] == "queued"
 
 
 def test_a_grant_too_large_for_the_whole_cache_fails_the_download_at_once(loop: Loop) -> None:
