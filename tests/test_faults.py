@@ -624,7 +624,7 @@ def test_a_consumer_stopped_while_its_open_waits_finishes_on_its_list_and_is_cou
 ):
     # Stopped while its open waited for a download: the agent answered that open "reader expired"
     # once the shard came, failing the epoch (or skipping the shard); an edit of the agent's list
-    # meanwhile failed it too ("serves another URL list now"); and the rank's totals counted the
+    # meanwhile failed it too ("now serves a URL list other than the one this epoch reads"); and the rank's totals counted the
     # reports before the stop twice.
     data = dataset(4, samples=10, payload=500)
     released = threading.Event()

@@ -81,8 +81,8 @@ class AgentRuns:
         hello, listed = session.hello_again(self.stream.conn, self.stream.name)
         if listed != session.list_id:  # (a loader's own list is sent again: only the agent's can change)
             raise WdsCacheError(
-                f"the agent at {self.stream.settings.endpoint} {why}, and serves another URL list now than this "
-                "epoch reads, so it cannot go on exactly: start the epoch again, or load the last state_dict() "
+                f"the agent at {self.stream.settings.endpoint} {why}, and now serves a URL list other than the one "
+                "this epoch reads, so it cannot go on exactly: start the epoch again, or load the last state_dict() "
                 "into a loader of the new list's job"
             )
         self.new_hello, self.why = hello, why
