@@ -200,6 +200,29 @@ def test_a_ranks_totals_go_an_hour_after_its_last_consumer_left(loop: Loop) -> N
     assert set(readers.view(_latency)["rank_totals"]) == {"b"}
 
 
+@pytest.mark.parametrize("comes_back", [True, False])
+def test_a_consumer_dropped_as_silent_counts_each_sample_once_whether_it_says_hello_again_or_not(
+    loop: Loop, comes_back: bool
+) -> None:
+    # Stopped past --reader-timeout, it reports cumulative figures: said hello again, its totals
+    # counted the reports before the stop twice; gone straight to its bye (it held what it had left
+    # to hand out), its bye counted nothing.
+    readers = loop.readers
+    hello(readers, "c0", loop, job="j")
+    readers.op_report(loop.request("report", reader="c0", samples=10, epoch=0))
+    readers._readers["c0"].plan.last_seen -= 10.0  # silent longer than --reader-timeout
+    readers.expire()
+    assert "c0" not in readers and readers.view(_latency)["ended_jobs"]["j"]["0"]["samples"] == 10
+    if comes_back:
+        hello(readers, "c0", loop, job="j")
+        assert "j" not in readers.view(_latency)["ended_jobs"]  # live again
+        readers.op_report(loop.request("report", reader="c0", samples=30, epoch=0))
+    readers.op_bye(loop.request("bye", reader="c0", samples=40, epoch=0))
+    view = readers.view(_latency)
+    assert view["rank_totals"]["j"]["0"]["samples"] == 40 and view["ended_jobs"]["j"]["0"]["samples"] == 40, view
+    assert view["ended_jobs"]["j"]["0"]["epochs"] == 1
+
+
 def test_a_probe_neither_joins_nor_counts_as_a_consumer(loop: Loop) -> None:
     assert hello(loop.readers, "p", loop, probe=True)["ok"]
     assert "p" in loop.readers and loop.readers.view(_latency)["consumers"] == 0

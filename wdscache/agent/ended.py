@@ -25,10 +25,12 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared.logs import iso_time
+from .rank_totals import Rank
 
 ENDED_KEPT = 600.0  # seconds a rank whose consumers left stays in stats with its totals
 MAX_ENDED = 256  # ranks that ended kept at most, and consumers dropped as silent (the oldest go first)
@@ -64,11 +66,11 @@ class EndedConsumers:
         for total in _TOTALS:
             rank[total] = rank.get(total, 0) + consumer.get(total, 0)
         rank["wait_s"] = round(rank["wait_s"], 3)
-        rank["_epochs"].add(consumer.get("epoch"))
+        if consumer.get("epoch") is not None:  # (one dropped before its first report names none)
+            rank["_epochs"].add(consumer["epoch"])
         rank["_consumers"] += 1
+        rank.update({k: consumer[k] for k in ("epoch", "position") if consumer.get(k) is not None})
         rank.update(
-            epoch=consumer.get("epoch"),
-            position=consumer.get("position"),
             seen=consumer.get("seen"),
             ended=iso_time(time.time()),
             _ended=time.monotonic(),
@@ -97,6 +99,19 @@ class EndedConsumers:
                 for total in _TOTALS:
                     rank[total] = round(rank[total] - dropped.consumer.get(total, 0), 3)
         return dropped
+
+    def said_bye(
+        self, name: str, figures: dict[str, float], count: Callable[[Rank, dict[str, float], dict[str, float]], None]
+    ) -> None:
+        """Consumer ``name``, dropped as silent, said bye with its final ``figures`` without saying
+        hello again (it held all it still had to hand out): they ``count`` for its rank (as
+        :meth:`~wdscache.agent.rank_totals.RankTotals.add`), from what was counted of it, once."""
+        dropped = self.back(name)
+        if dropped is None or not figures:
+            return
+        consumer = {**dropped.consumer, **figures}
+        count((str(consumer.get("job")), str(consumer.get("rank"))), dict(dropped.counted), figures)
+        self.left(name, consumer, None)
 
     def expire(self, now: float) -> None:
         """Forget what ended ENDED_KEPT before ``now`` (monotonic): looks at the oldest only."""

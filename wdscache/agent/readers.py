@@ -426,6 +426,8 @@ class Readers:
         record = self._readers.get(name)
         if figures and record is not None and record.consumer is not None:
             self._record(record, figures)
+        elif record is None:  # dropped as silent, it never said hello again: its totals still count
+            self._ended.said_bye(name, figures, self._totals.add)
         self.drop(name)
         return {"ok": True}
 

@@ -45,8 +45,10 @@ The object (also ``wdscache stats --json``)::
     ended_jobs        the same of the ranks whose consumers left in the last 10 minutes (counted
                       from each rank's latest exit), with their totals over every consumer of the
                       rank that left (its epochs and DataLoader workers: samples, bytes, wait_s
-                      summed; epochs: how many; epoch and position: the latest's) and ``ended``
-                      (an ISO 8601 date); see :mod:`wdscache.agent.ended`
+                      summed; epochs: how many distinct epoch numbers; epoch and position: the
+                      latest's) and ``ended`` (an ISO 8601 date); a job launched again under the
+                      same name within those minutes adds to the same totals (as rank_totals
+                      does); see :mod:`wdscache.agent.ended`
     rank_totals       {job: {rank: {samples, bytes, wait_s}}}: what each rank received, and waited, over
                       the agent's life, every epoch and reader of it together (``jobs`` shows the
                       current epoch's); never decreasing while the agent runs (the metrics' counters).

@@ -422,6 +422,8 @@ class EpochStream:
                 self._out = (it, sizes)  # after the counts: the reporter's thread subtracts what is left of it
                 if pins.letting_go:  # the user may hold us at the yield for long: no pin let go stays held
                     pins.flush(now=True)
+                if self.reporter.forgotten:  # dropped while stopped: pinned again before more is handed out
+                    self.runs.check()
                 yield it
                 self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
             if owed and error is None:
