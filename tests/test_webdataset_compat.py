@@ -250,10 +250,13 @@ def test_pipe_shards_run_in_this_process_as_webdataset_runs_them(served: Any, tm
     data, cache = served
     cmds = [f"pipe:cat {p}" for p in data.paths]
     whole = f"pipe:dd if={data.paths[1]} bs=1M count=10 status=none"  # no .tar at the end
-    for urls in (cmds, whole):
+    # A string is split at "::" and its braces expanded, as webdataset does: they were run as one command.
+    braces = f"pipe:cat {data.paths[0].parent}/shard-{{000000..000002}}.tar"
+    joined = f"{cmds[0]}::{cmds[2]}"
+    for urls, n in ((cmds, 12), (whole, 4), (braces, 12), (joined, 8)):
         ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False).map(_with_size))
         theirs = _samples(wds.WebDataset(urls, shardshuffle=False).map(_with_size))
-        assert ours == theirs and len(ours) == (12 if urls is cmds else 4), urls
+        assert ours == theirs and len(ours) == n, urls
     failing = ["pipe:echo this is no tar", cmds[0]]
     exc, theirs_exc = (
         _raised(lambda make=make: make(failing, shardshuffle=False)) for make in (wdscache.WebDataset, wds.WebDataset)

@@ -54,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 
 from ..shared.errors import ConfigError
 from .loader import CachedMultiLoader
-from .urls_arg import PIPE, pipe_urls, taken_once
+from .urls_arg import PIPE, pipe_urls, split_patterns, taken_once
 
 _NOTHING = object()  # what an epoch without samples gives first
 # A checkpoint's count of the items an iteration cut by with_epoch(n) had yielded (see
@@ -183,8 +183,9 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         workersplitter: Any,
         unused: dict[str, Any],
     ) -> None:
-        """``pipe:`` shards: webdataset's own pipeline over them, in this process (see the module)."""
-        items = [urls] if isinstance(urls, str) else list(urls)
+        """``pipe:`` shards: webdataset's own pipeline over them, in this process (see the module).
+        A string goes to webdataset whole: it splits it at ``::`` and expands its braces."""
+        items = split_patterns(urls) if isinstance(urls, str) else list(urls)
         others = [u for u in items if not (isinstance(u, str) and u.startswith(PIPE))]
         if others:
             raise ConfigError(
@@ -199,7 +200,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
             )
         splitters = {"nodesplitter": nodesplitter, "workersplitter": workersplitter}
         reader = wds.WebDataset(
-            items,
+            urls if isinstance(urls, str) else items,
             handler=handler,
             shardshuffle=shardshuffle,
             seed=seed,

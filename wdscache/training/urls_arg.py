@@ -59,7 +59,7 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
         path = os.fspath(urls)
         return _items([path], single=True) if path.endswith(SHARD_SUFFIXES) else _list_file(path)
     if isinstance(urls, str):
-        parts = _joined(urls) if "::" in urls else [urls]
+        parts = split_patterns(urls) if "::" in urls else [urls]
         if len(parts) > 1:
             return _items(parts, single=False)
         if _SCHEME.match(urls) or urls.startswith(PIPE) or "{" in urls or urls.endswith(SHARD_SUFFIXES):
@@ -79,7 +79,9 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
 def pipe_urls(urls: UrlsArg) -> list[str]:
     """The ``pipe:`` commands among ``urls=`` given as a string or a list of them (a list
     file's are its own business: the agent's ``--allow-pipe``)."""
-    items = _joined(urls) if isinstance(urls, str) else [] if isinstance(urls, (os.PathLike, bytes)) else list(urls)
+    items = (
+        split_patterns(urls) if isinstance(urls, str) else [] if isinstance(urls, (os.PathLike, bytes)) else list(urls)
+    )
     return [item for item in items if isinstance(item, str) and item.startswith(PIPE)]
 
 
@@ -97,7 +99,7 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
     stand for: a sample's ``__url__`` is the name the user wrote, as in webdataset."""
     if isinstance(urls, os.PathLike) or isinstance(urls, bytes):
         return {}
-    items = _joined(urls) if isinstance(urls, str) else list(urls)
+    items = split_patterns(urls) if isinstance(urls, str) else list(urls)
     names: dict[str, str] = {}
     for item in items:
         if (
@@ -115,7 +117,7 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
     return names
 
 
-def _joined(urls: str) -> list[str]:
+def split_patterns(urls: str) -> list[str]:
     """The patterns of a string, as webdataset splits it at each ``::`` (webdataset's
     ``"a.tar::b-{0..9}.tar"``), but for one inside an IPv6 host's brackets (``http://[::1]/``);
     in one pass, however long the string."""
