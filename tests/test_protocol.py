@@ -11,9 +11,11 @@ import pytest
 
 import wdscache
 from wdscache.agent import core as agent
+from wdscache.agent.cache_commands import evict, verify
 from wdscache.shared import client, messages, protocol
 from wdscache.shared.errors import ProtocolError
 from wdscache.shared.messages import Reports, Requests
+from wdscache.shared.stats import collect
 
 SOURCE = Path(wdscache.__file__).parent
 REPLY_OPS = {"reply", "samples", "scanned", "error"}  # the op of a reply names its kind, not a request
@@ -245,6 +247,13 @@ def test_an_agent_and_a_consumer_of_two_protocols_refuse_each_other_at_the_first
         conn.close()
     assert reply["ok"] is False and "it speaks a protocol from before numbered ones" in reply["error"], reply
     assert len(list(wdscache.CachedMultiLoader(cache_dir=cache, job="j", timeout=10))) == 4  # ours is served
+
+    # The commands of another install name both protocols too: they took the refusal for no answer
+    # (stats: "running but not answering"; verify, evict, clear: "it may be busy; try again").
+    monkeypatch.setattr(client, "PROTOCOL", ours + 1)
+    for command in (lambda: collect(cache), lambda: verify(cache), lambda: evict(cache, ds.urls[:1])):
+        with pytest.raises(ProtocolError, match=f"speaks protocol {ours}, this client protocol {ours + 1}; "):
+            command()
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,7 @@ def _agent(layout: CacheLayout, *, flush: bool = False, needed: bool = True) -> 
     if conn is not None:
         try:
             conn.request(Requests.stats(flush=flush))
-        except (AgentUnavailableError, ProtocolError) as exc:
+        except AgentUnavailableError as exc:  # (an agent of another protocol says so: ProtocolError, raised)
             conn.close()
             conn = None
             if runs and needed and state is not None:

@@ -70,7 +70,7 @@ from typing import Any
 
 from .client import AgentConnection
 from .config import format_size
-from .errors import AgentUnavailableError, NoCacheError, ProtocolError
+from .errors import AgentUnavailableError, NoCacheError
 from .index import read_summary
 from .layout import CacheLayout
 from .messages import Requests
@@ -179,14 +179,15 @@ def agent_connection(layout: CacheLayout, timeout: float) -> AgentConnection | N
 
 
 def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
-    """The running agent's stats, or None when none answers."""
+    """The running agent's stats, or None when none answers; an agent of another wire protocol is a
+    ProtocolError that names both (it answers, but nothing this install asks of it)."""
     conn = agent_connection(layout, timeout)
     if conn is None:
         return None
     try:
         reply = conn.request(Requests.stats())
         return reply["stats"] if reply.get("ok") else None
-    except (AgentUnavailableError, ProtocolError, KeyError):
+    except (AgentUnavailableError, KeyError):
         return None
     finally:
         conn.close()
