@@ -7,6 +7,7 @@ the kill comes once the consumer has written samples (an event), never after a s
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -439,3 +440,28 @@ def test_a_damaged_copy_left_by_a_kill_as_its_shard_failed_is_removed_at_the_nex
     s = again.stats()
     on_disk = sum(p.stat().st_size for p in (cache / "shards").rglob("*") if p.is_file())
     assert s["shards"]["cached"] == 1 and s["bytes_used"] - s["table_bytes"] == on_disk, s
+
+
+def test_an_index_a_later_version_wrote_keeps_every_cached_shard_after_a_rollback(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    # A record field this version does not know (a later release's, as table_size and
+    # last_modified were once added) made the whole index "unreadable": it was moved aside and
+    # every shard downloaded again.
+    ds = dataset(3, samples=4, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "the shards cached")
+    agent.stop()
+    index = Index(CacheLayout.of(cache).index_dir)
+    try:
+        for url in ds.urls:
+            later = {**json.loads(index.records[url].to_json()), "a_later_field": [1, "x"]}
+            index._db.set("shard:" + url, json.dumps(later))
+    finally:
+        index.close()
+    shard_server.reset_log()
+    again = start_agent(cache, ds.list_file, "--prefetch", "3")
+    assert_epoch_exact(consumers(cache, "after", "--no-shuffle").wait(), reference(ds.paths, ds.urls))
+    assert [r for r in shard_server.requests if r.method == "GET"] == [], shard_server.requests
+    assert "unreadable" not in again.stderr_text() and not list(cache.glob("index.corrupt*")), again.stderr_tail()

@@ -28,7 +28,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -137,9 +137,14 @@ class ShardRecord:
 
     @classmethod
     def from_json(cls, text: str) -> ShardRecord:
+        """A record as :meth:`to_json` wrote it. Fields this version does not know (a later one's,
+        after a rollback) are left out, not taken for damage: the cache and its validators stay."""
         d = json.loads(text)
         d["state"] = ShardState(d["state"])
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if k in _RECORD_FIELDS})
+
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(ShardRecord))
 
 
 @dataclass
