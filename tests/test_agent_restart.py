@@ -11,6 +11,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from tests.helpers.procs import children_of, worker_pids
 from tests.helpers.streaming import Consumer, assert_epoch_exact, consumer_log, reference, samples_of, wait_exit
 from tests.helpers.waits import wait_for
 from wdscache import FetchError, ShardClient
+from wdscache.agent.cache_commands import evict
 from wdscache.shared.index import Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout
 
@@ -465,3 +468,45 @@ def test_an_index_a_later_version_wrote_keeps_every_cached_shard_after_a_rollbac
     assert_epoch_exact(consumers(cache, "after", "--no-shuffle").wait(), reference(ds.paths, ds.urls))
     assert [r for r in shard_server.requests if r.method == "GET"] == [], shard_server.requests
     assert "unreadable" not in again.stderr_text() and not list(cache.glob("index.corrupt*")), again.stderr_tail()
+
+
+@pytest.mark.slow  # idles past --reader-timeout on purpose
+def test_a_shard_client_keeps_its_pins_while_idle_and_takes_them_again_after_a_stop(
+    shard_server, dataset, start_agent, tmp_path
+):
+    # A program that worked on a shard longer than --reader-timeout without a request lost its pin:
+    # the shard could be evicted (and downloaded anew) under its path, and release() said nothing.
+    ds = dataset(2, samples=4, payload=1000)
+    cache = tmp_path / "cache"
+    # A stop past it is longer than the keepalive's pings leave unheard (2 of them).
+    agent = start_agent(cache, ds.list_file, "--prefetch", "2", "--reader-timeout", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the shards cached")
+    with ShardClient(cache, timeout=10) as client:
+        path = client.open(ds.urls[0])
+        time.sleep(7)  # two reader timeouts without a request of ours: the keepalive speaks for us
+        assert [r["url"] for r in evict(cache, [ds.urls[0]])["refused"]] == [ds.urls[0]] and path.exists()
+        client.release(ds.urls[0])
+    # Stopped past the timeout, the client takes its pins again at its next request.
+    script = (
+        "import os, sys, signal; from wdscache import ShardClient\n"
+        "c = ShardClient(sys.argv[1], timeout=20); p = c.open(sys.argv[2]); print(p, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "c.open(sys.argv[3]); print(open(p, 'rb').read() == open(sys.argv[4], 'rb').read(), flush=True); c.close()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(cache), ds.urls[0], ds.urls[1], str(ds.paths[0])],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == str(
+            CacheLayout.of(cache).shard_path(ds.urls[0])
+        )
+        wait_for(lambda: "silent for" in agent.stderr_text(), 20, lambda: f"never dropped\n{agent.stderr_tail()}")
+        assert evict(cache, [ds.urls[0]])["evicted"] == [ds.urls[0]]  # its pin went with it
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    assert proc.returncode == 0 and out.strip() == "True", out

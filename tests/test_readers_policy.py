@@ -223,6 +223,16 @@ def test_a_consumer_dropped_as_silent_counts_each_sample_once_whether_it_says_he
     assert view["ended_jobs"]["j"]["0"]["epochs"] == 1
 
 
+def test_a_consumer_dropped_as_silent_whose_bye_has_no_figures_stays_in_ended_jobs(loop: Loop) -> None:
+    readers = loop.readers
+    hello(readers, "c0", loop, job="j")
+    readers.op_report(loop.request("report", reader="c0", samples=10, epoch=0))
+    readers._readers["c0"].plan.last_seen -= 10.0
+    readers.expire()
+    readers.op_bye(loop.request("bye", reader="c0"))  # a random-access reader's bye names no totals
+    assert readers.view(_latency)["ended_jobs"]["j"]["0"]["samples"] == 10
+
+
 def test_a_probe_neither_joins_nor_counts_as_a_consumer(loop: Loop) -> None:
     assert hello(loop.readers, "p", loop, probe=True)["ok"]
     assert "p" in loop.readers and loop.readers.view(_latency)["consumers"] == 0

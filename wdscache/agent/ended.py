@@ -106,8 +106,10 @@ class EndedConsumers:
         """Consumer ``name``, dropped as silent, said bye with its final ``figures`` without saying
         hello again (it held all it still had to hand out): they ``count`` for its rank (as
         :meth:`~wdscache.agent.rank_totals.RankTotals.add`), from what was counted of it, once."""
+        if not figures:  # (a bye without totals leaves it as it was dropped, in its rank's ended totals)
+            return
         dropped = self.back(name)
-        if dropped is None or not figures:
+        if dropped is None:
             return
         consumer = {**dropped.consumer, **figures}
         count((str(consumer.get("job")), str(consumer.get("rank"))), dict(dropped.counted), figures)

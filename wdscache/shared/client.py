@@ -2,8 +2,11 @@
 
 ``ShardClient.open(url)`` returns the local path of a complete cached shard and
 pins it (the agent will not evict it) until ``release(url)``; the agent moves
-this client's prefetch window to the shards after it. Pins of a client that
-stops talking to the agent are dropped after the agent's reader timeout.
+this client's prefetch window to the shards after it. While it holds pins, a thread of
+the client (with a connection of its own) pings the agent every :data:`KEEPALIVE`
+seconds, so that they last however long the program works on a shard; a process stopped
+past the agent's reader timeout loses them (the agent drops silent readers), and the
+client takes them again at its next request, as after a restart (below).
 
 When the agent restarts (a new run proves itself on the connection: see
 :attr:`AgentConnection.on_new_run`), a client pins again, before its next request goes
@@ -31,6 +34,7 @@ from __future__ import annotations
 import itertools
 import os
 import secrets
+import threading
 import time
 import uuid
 import weakref
@@ -60,6 +64,7 @@ from .protocol import (
 )
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
+KEEPALIVE = 1.0  # seconds between a ShardClient's pings while it holds pins (a reader timeout is longer)
 # Seconds a request waits for its reply before asking (an "auth", which any run answers
 # with its run id) whether the agent restarted meanwhile: then the request was lost with
 # the run before, and goes again to the new one.
@@ -71,6 +76,30 @@ AGENT_POLL = 0.01  # seconds between looks for the token and socket of an agent 
 # interval doubling up to the default while the endpoint stays away.
 RECONNECT_FIRST_MS = 10
 RECONNECT_MOST_MS = 100
+
+
+def _ping_while_held(client: weakref.ref[ShardClient], conn: AgentConnection, stop: threading.Event) -> None:
+    """A ShardClient's keepalive: ping as it every KEEPALIVE seconds while it holds pins, on a
+    connection of this thread (ZeroMQ sockets belong to one thread); each answer that knows it
+    is noted (``_heard_at``), so that its next request asks the agent only when none came for a
+    while. Ends once none is held, at close, or once the client is gone."""
+    try:
+        while not stop.wait(KEEPALIVE):
+            held = client()
+            if held is None or not held._held:
+                return
+            ping, run = held._requests.ping(), held._conn.run
+            del held  # (not held across the wait)
+            try:
+                known = conn.request(ping).get("known")
+            except (AgentUnavailableError, NotTrustedError):
+                continue  # a restart is the client's own connection's to take up
+            held = client()
+            if held is not None and conn.run == run:  # (a new run's answer: the client's connection sees it)
+                held._heard_at = time.monotonic() if known is True else 0.0  # not known: its next request asks
+            del held
+    finally:
+        conn.close()
 
 
 def connect_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
@@ -451,12 +480,17 @@ class ShardClient:
         self._conn.on_new_run = self._pin_again
         self._requests = Requests(self.name)
         self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
+        self._endpoint, self._cache_dir, self._token = self._conn.endpoint, cache_dir, token
+        self._keepalive: threading.Thread | None = None  # pings while we hold pins (see the module)
+        self._stop = threading.Event()
+        self._heard_at = 0.0  # when the agent last showed it knows us (monotonic; the keepalive's pings too)
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
         """Wait until ``url`` is cached and pin it; returns the shard's local path. Raises
         FetchError if it cannot be downloaded, ShardError if it is known bad itself (unlike its
         shard index, or damaged again after one more download): its tar headers are not all
         checked before it is served."""
+        self._take_up_drop()
         header = self._requests.open(url)
         if timeout is None:
             # A download may take long; the agent's answers to pings show it is alive (and keep us).
@@ -466,18 +500,21 @@ class ShardClient:
         if not reply.get("ok"):
             raise failed_shard(url, reply, permanent=True)  # (a ShardError for a shard that is bad itself)
         self._held[url] += 1
+        self._heard_at = time.monotonic()
+        self._keep_alive()
         return Path(reply["path"])
 
     def release(self, url: str) -> None:
         """Unpin ``url``: the agent may evict it again."""
+        self._take_up_drop()
         self._check(self._conn.request(self._requests.release(url)))
         self._held[url] -= 1
         if self._held[url] <= 0:
             del self._held[url]
 
-    def _pin_again(self) -> None:
-        """The agent restarted and holds none of our pins: take them again (a new run checks
-        a shard against its source first, and downloads again one it no longer holds)."""
+    def _pin_again(self, why: str = "restarted") -> None:
+        """The agent restarted (or dropped us, ``why``) and holds none of our pins: take them again
+        (a new run checks a shard against its source first, and downloads again one it no longer holds)."""
         for url, n in list(self._held.items()):
             for _ in range(n):
                 reply = self._conn.request(self._requests.open(url))
@@ -485,10 +522,34 @@ class ShardClient:
                     del self._held[url]
                     raise FetchError(
                         url,
-                        f"the agent at {self._conn.endpoint} restarted and cannot pin it again "
+                        f"the agent at {self._conn.endpoint} {why} and cannot pin it again "
                         f"({reply.get('error')}); its path may be gone",
                         permanent=True,
                     )
+
+    def _take_up_drop(self) -> None:
+        """Holding pins, with no word from the agent that it knows us for a while (this process
+        was stopped, say, past its reader timeout: it dropped us and our pins), ask it; dropped,
+        take our pins again before anything else."""
+        if not self._held or time.monotonic() - self._heard_at <= 2 * KEEPALIVE:
+            return
+        if self._conn.request(self._requests.ping()).get("known") is False:
+            self._pin_again("dropped this client after its --reader-timeout of silence")
+        self._heard_at = time.monotonic()
+
+    def _keep_alive(self) -> None:
+        """Start the keepalive thread of this process, if it does not run (it holds the client
+        weakly: a client dropped unclosed is collected, and the agent then lets its pins go)."""
+        if self._keepalive is None or not self._keepalive.is_alive():
+            self._stop.clear()
+            conn = AgentConnection(self._endpoint, timeout=KEEPALIVE * 5, cache_dir=self._cache_dir, token=self._token)
+            self._keepalive = threading.Thread(
+                target=_ping_while_held,
+                args=(weakref.ref(self), conn, self._stop),
+                name="wdscache-keepalive",
+                daemon=True,
+            )
+            self._keepalive.start()
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The agent's live statistics (the object ``wdscache stats --json`` prints)."""
@@ -496,6 +557,9 @@ class ShardClient:
 
     def close(self) -> None:
         """Say goodbye (the agent drops this client's pins) and close the socket, if open."""
+        self._stop.set()
+        if self._keepalive is not None:
+            self._keepalive.join(KEEPALIVE * 5 + 1.0)
         if not self._conn.connected:
             return  # never asked anything, or closed already: the agent holds nothing of ours
         try:
