@@ -205,27 +205,38 @@ class Index:
         # The copy each count was taken from (size, ETag): a copy downloaded again keeps the
         # count only if it is the same (see keep_count).
         self.counted_from: dict[str, tuple[int, str | None]] = {}
+        self.unreadable = 0  # entries left out as this version cannot read them (see _load)
         self._load()
 
     def _load(self) -> None:
+        # A record or count this version cannot read (a later release's state, a value of another
+        # shape, after a rollback) is left out, alone: its shard is one the cache does not know
+        # (adopted, or downloaded again), while the others keep their validators.
+        self.unreadable = 0
         for key in self._db.iterkeys():
-            if isinstance(key, str) and key.startswith(_SHARD):
-                text = self._db.get(key)
-                if isinstance(text, str):
-                    rec = ShardRecord.from_json(text)
-                    self.records[rec.url] = rec
-            elif isinstance(key, str) and key.startswith(_COUNT):
-                value = self._db.get(key)
-                url = key[len(_COUNT) :]
-                if isinstance(value, int):  # written before counts named their copy
-                    self.counts[url] = value
-                elif isinstance(value, str):
-                    samples, size, etag = json.loads(value)
-                    self.counts[url], self.counted_from[url] = int(samples), (int(size), etag)
+            try:
+                self._load_entry(key)
+            except (ValueError, TypeError, KeyError):
+                self.unreadable += 1
         # Rebuilt from the records rather than trusted: cheap at start, and self-healing.
         self.summary = Summary()
         for rec in self.records.values():
             self.summary.apply(None, rec)
+
+    def _load_entry(self, key: object) -> None:
+        if isinstance(key, str) and key.startswith(_SHARD):
+            text = self._db.get(key)
+            if isinstance(text, str):
+                rec = ShardRecord.from_json(text)
+                self.records[rec.url] = rec
+        elif isinstance(key, str) and key.startswith(_COUNT):
+            value = self._db.get(key)
+            url = key[len(_COUNT) :]
+            if isinstance(value, int):  # written before counts named their copy
+                self.counts[url] = value
+            elif isinstance(value, str):
+                samples, size, etag = json.loads(value)
+                self.counts[url], self.counted_from[url] = int(samples), (int(size), etag)
 
     def close(self) -> None:
         self._db.close()
