@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -26,7 +27,7 @@ from tests.helpers.procs import children_of, worker_pids
 from tests.helpers.streaming import Consumer, assert_epoch_exact, consumer_log, reference, samples_of, wait_exit
 from tests.helpers.waits import wait_for
 from wdscache import FetchError, ShardClient
-from wdscache.agent.cache_commands import evict
+from wdscache.agent.cache_commands import evict, verify
 from wdscache.shared.index import Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout
 
@@ -461,18 +462,22 @@ def test_an_index_a_later_version_wrote_keeps_every_cached_shard_after_a_rollbac
         for url in ds.urls:
             later = {**json.loads(index.records[url].to_json()), "a_later_field": [1, "x"]}
             index._db.set("shard:" + url, json.dumps(later))
-        # A state this version does not know, and a count of another shape: those entries alone are left out.
+        # A state this version does not know, a value of another type, and a count of another shape:
+        # those entries alone are left out (the first two shards' files are adopted).
         index._db.set("shard:" + ds.urls[0], json.dumps({**later, "url": ds.urls[0], "state": "verifying"}))
-        index._db.set("count:" + ds.urls[1], json.dumps({"samples": 4, "size": 1}))
+        index._db.set("shard:" + ds.urls[1], json.dumps({**later, "url": ds.urls[1], "size": {"bytes": 1}}))
+        index._db.set("count:" + ds.urls[2], json.dumps({"samples": 4, "size": 1}))
     finally:
         index.close()
+    # Without an agent, verify checks the entries it reads (it took such an index for a lost one).
+    assert verify(cache)["checked"] == 1
     shard_server.reset_log()
     again = start_agent(cache, ds.list_file, "--prefetch", "3")
     assert_epoch_exact(consumers(cache, "after", "--no-shuffle").wait(), reference(ds.paths, ds.urls))
     fetched = {r.path for r in shard_server.requests if r.method == "GET"}
-    assert fetched <= {ds.paths[0].name}, shard_server.requests  # (the one whose record was left out, at most)
+    assert fetched <= {p.name for p in ds.paths[:2]}, shard_server.requests  # (those left out, at most)
     assert "unreadable" not in again.stderr_text() and not list(cache.glob("index.corrupt*")), again.stderr_tail()
-    assert "2 entries this version cannot read" in again.stderr_text(), again.stderr_tail()
+    assert "3 entries this version cannot read" in again.stderr_text(), again.stderr_tail()
 
 
 @pytest.mark.slow  # idles past --reader-timeout on purpose
@@ -491,6 +496,18 @@ def test_a_shard_client_keeps_its_pins_while_idle_and_takes_them_again_after_a_s
         time.sleep(7)  # two reader timeouts without a request of ours: the keepalive speaks for us
         assert [r["url"] for r in evict(cache, [ds.urls[0]])["refused"]] == [ds.urls[0]] and path.exists()
         client.release(ds.urls[0])
+        # Closed, it holds nothing: used again, it takes none of its old pins.
+        client.open(ds.urls[1])
+        client.close()
+        client.open(ds.urls[0])
+        client.release(ds.urls[0])
+        assert agent.stats()["agent"]["pinned"] == 0
+    # Dropped unclosed, it is collected at once (no cycle keeps its keepalive alive), and its pins go.
+    dropped = ShardClient(cache, timeout=10)
+    dropped.open(ds.urls[0])
+    del dropped
+    agent.wait_stats(lambda s: s["agent"]["pinned"] == 0, 15, "the dropped client's pin kept")
+    assert pickle.loads(pickle.dumps(ShardClient(cache))).name  # a fresh client still pickles
     # Stopped past the timeout, the client takes its pins again at its next request.
     script = (
         "import os, sys, signal; from wdscache import ShardClient\n"
@@ -498,6 +515,7 @@ def test_a_shard_client_keeps_its_pins_while_idle_and_takes_them_again_after_a_s
         "os.kill(os.getpid(), signal.SIGSTOP)\n"
         "c.open(sys.argv[3]); print(open(p, 'rb').read() == open(sys.argv[4], 'rb').read(), flush=True); c.close()\n"
     )
+    silent = agent.stderr_text().count("silent for")  # (the dropped client's went so)
     proc = subprocess.Popen(
         [sys.executable, "-c", script, str(cache), ds.urls[0], ds.urls[1], str(ds.paths[0])],
         stdout=subprocess.PIPE,
@@ -507,7 +525,7 @@ def test_a_shard_client_keeps_its_pins_while_idle_and_takes_them_again_after_a_s
         assert proc.stdout is not None and proc.stdout.readline().strip() == str(
             CacheLayout.of(cache).shard_path(ds.urls[0])
         )
-        wait_for(lambda: "silent for" in agent.stderr_text(), 20, lambda: f"never dropped\n{agent.stderr_tail()}")
+        wait_for(lambda: agent.stderr_text().count("silent for") > silent, 20, lambda: agent.stderr_tail())
         assert evict(cache, [ds.urls[0]])["evicted"] == [ds.urls[0]]  # its pin went with it
         os.kill(proc.pid, signal.SIGCONT)
         out, _ = proc.communicate(timeout=60)

@@ -173,13 +173,12 @@ def open_index(layout: CacheLayout) -> tuple[Index, bool]:
         log.error("the index is unreadable (%s); moved it to %s and starting a new one", exc, aside)
         os.replace(layout.index_dir, aside)
         return Index(layout.index_dir), True
-    if index.unreadable:  # (a later release's entries, after a rollback): their shards are adopted
+    if index.unreadable:  # (a later release's entries, after a rollback): the agent adopts their shards
         log.warning(
             "the index holds %d entries this version cannot read (written by a later wdscache?): they are left "
             "out, and their shards taken as found",
             index.unreadable,
         )
-        return index, True
     # An empty index beside shard files: it was deleted; rebuild it from the files.
     lost = not len(index) and any(p.is_file() for p in layout.shards_dir.rglob("*"))
     return index, lost

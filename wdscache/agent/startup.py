@@ -107,7 +107,7 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
         # Partials with a validator are resumed whichever shard they are, a job's own list's too
         # (they count against the budget; wdscache.agent.unnamed_partials removes those nobody names).
         recovered = cache.recover()
-        if cache.rebuilt:
+        if cache.rebuilt or cache.index.unreadable:  # (files the index does not name: see recovery.open_index)
             recovered["adopted"] += cache.adopt(urls.urls)
         if any(recovered.values()):
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))

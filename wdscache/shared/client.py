@@ -78,6 +78,19 @@ RECONNECT_FIRST_MS = 10
 RECONNECT_MOST_MS = 100
 
 
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called only while its object lives: held by the object's own parts, it
+    keeps the object from being collected as soon as it is dropped."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
+
+
 def _ping_while_held(client: weakref.ref[ShardClient], conn: AgentConnection, stop: threading.Event) -> None:
     """A ShardClient's keepalive: ping as it every KEEPALIVE seconds while it holds pins, on a
     connection of this thread (ZeroMQ sockets belong to one thread); each answer that knows it
@@ -188,6 +201,10 @@ class AgentConnection:
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._closer: weakref.finalize | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The callbacks belong to the owner, which sets them again on its copy.
+        return {**self.__dict__, "on_new_run": None, "on_forgotten": None}
 
     def _socket(self) -> zmq.Socket:
         # Closed already when collected in a cycle whose other objects' finalizers still use us:
@@ -477,7 +494,7 @@ class ShardClient:
             cache_dir=cache_dir,
             token=token,
         )
-        self._conn.on_new_run = self._pin_again
+        self._conn.on_new_run = _weakly(self._pin_again)  # (a bound method would make a cycle: see _keep_alive)
         self._requests = Requests(self.name)
         self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
         self._endpoint, self._cache_dir, self._token = self._conn.endpoint, cache_dir, token
@@ -560,6 +577,7 @@ class ShardClient:
         self._stop.set()
         if self._keepalive is not None:
             self._keepalive.join(KEEPALIVE * 5 + 1.0)
+        self._held.clear()  # the bye lets them go: a request after close() pins none of them again
         if not self._conn.connected:
             return  # never asked anything, or closed already: the agent holds nothing of ours
         try:
@@ -571,6 +589,14 @@ class ShardClient:
 
     def __enter__(self) -> ShardClient:
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (pickled for another process, say) has no keepalive of its own until it pins.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_keepalive", "_stop")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _keepalive=None, _stop=threading.Event())
+        self._conn.on_new_run = _weakly(self._pin_again)
 
     def __exit__(self, *exc: object) -> None:
         self.close()

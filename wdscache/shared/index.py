@@ -28,7 +28,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -141,10 +141,27 @@ class ShardRecord:
         after a rollback) are left out, not taken for damage: the cache and its validators stay."""
         d = json.loads(text)
         d["state"] = ShardState(d["state"])
-        return cls(**{k: v for k, v in d.items() if k in _RECORD_FIELDS})
+        known = {k: v for k, v in d.items() if k in _RECORD_TYPES}
+        for k, v in known.items():  # a value of another type is the entry's damage, not the index's
+            if not isinstance(v, _RECORD_TYPES[k]) or isinstance(v, bool):
+                raise TypeError(f"index record of {d.get('url')!r}: {k} is a {type(v).__name__}")
+        return cls(**known)
 
 
-_RECORD_FIELDS = frozenset(f.name for f in fields(ShardRecord))
+_OPTIONAL_STR = (str, type(None))
+_RECORD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "url": str,
+    "state": ShardState,
+    "size": int,
+    "etag": _OPTIONAL_STR,
+    "source_size": (int, type(None)),
+    "cached_at": (int, float),
+    "last_read": (int, float),
+    "reads": int,
+    "error": _OPTIONAL_STR,
+    "last_modified": _OPTIONAL_STR,
+    "table_size": int,
+}
 
 
 @dataclass
