@@ -559,7 +559,7 @@ class ShardClient:
         weakly: a client dropped unclosed is collected, and the agent then lets its pins go)."""
         if self._keepalive is None or not self._keepalive.is_alive():
             self._stop.clear()
-            conn = AgentConnection(self._endpoint, timeout=KEEPALIVE * 5, cache_dir=self._cache_dir, token=self._token)
+            conn = AgentConnection(self._endpoint, timeout=KEEPALIVE * 2, cache_dir=self._cache_dir, token=self._token)
             self._keepalive = threading.Thread(
                 target=_ping_while_held,
                 args=(weakref.ref(self), conn, self._stop),
@@ -576,7 +576,7 @@ class ShardClient:
         """Say goodbye (the agent drops this client's pins) and close the socket, if open."""
         self._stop.set()
         if self._keepalive is not None:
-            self._keepalive.join(KEEPALIVE * 5 + 1.0)
+            self._keepalive.join(KEEPALIVE * 2 + 1.0)
         self._held.clear()  # the bye lets them go: a request after close() pins none of them again
         if not self._conn.connected:
             return  # never asked anything, or closed already: the agent holds nothing of ours
