@@ -95,14 +95,16 @@ def _ping_while_held(client: weakref.ref[ShardClient], conn: AgentConnection, st
     """A ShardClient's keepalive: ping as it every KEEPALIVE seconds while it holds pins, on a
     connection of this thread (ZeroMQ sockets belong to one thread); each answer that knows it
     is noted (``_heard_at``), so that its next request asks the agent only when none came for a
-    while. Ends once none is held, at close, or once the client is gone."""
+    while. Ends at close, or once the client is gone."""
     try:
         while not stop.wait(KEEPALIVE):
             held = client()
-            if held is None or not held._held:
+            if held is None:
                 return
-            ping, run = held._requests.ping(), held._conn.run
+            idle, ping, run = not held._held, held._requests.ping(), held._conn.run
             del held  # (not held across the wait)
+            if idle:  # (it runs on, idle, rather than end just as an open counts on it)
+                continue
             try:
                 known = conn.request(ping).get("known")
             except (AgentUnavailableError, NotTrustedError):
