@@ -641,15 +641,16 @@ def test_a_consumer_stopped_while_its_open_waits_finishes_on_its_list_and_is_cou
         agent.wait_stats(lambda s: s["agent"]["urls"] == 5, 20, "the edit not taken")
         time.sleep(LIST_GRACE + 1)  # past the time an unread list is kept
         released.set()
-        agent.wait_stats(lambda s: s["shards"]["cached"] >= 2, 30, "the stalled shard never cached")
+        agent.wait_stats(lambda s: s["shards"]["cached"] == 5, 30, "the stalled shard never cached")  # 4 + extra
     finally:
         released.set()
         os.kill(victim.proc.pid, signal.SIGCONT)
     lines = victim.wait(PROC_DEADLINE)
     assert_epoch_exact(lines, reference(data.paths, data.urls))  # the list it started with, every sample once
+    # (It said hello again, or, its open answered while the shard downloaded, read on from the
+    # workers to its bye: either way each sample counts once.)
     s = agent.wait_stats(lambda s: "j" in s["ended_jobs"], 10, "the job never ended")
     assert s["rank_totals"]["j"]["0"]["samples"] == s["ended_jobs"]["j"]["0"]["samples"] == 40, s
-    assert "dropped this reader after its --reader-timeout" in victim.log.read_text()
 
 
 # -- 5. the disk fills up --------------------------------------------------------------------
