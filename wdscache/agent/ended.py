@@ -54,7 +54,7 @@ class EndedConsumers:
     def __init__(self) -> None:
         # (job, rank) -> its view: totals, the latest consumer's epoch and position, "ended" (ISO
         # date); "_ended" (monotonic), "_epochs" (the epochs its consumers read), "_consumers" (how many)
-        self.ranks: dict[tuple[str, str], dict[str, Any]] = {}
+        self.ranks: dict[Rank, dict[str, Any]] = {}
         self._dropped: dict[str, Dropped] = {}  # reader name -> what it comes back to, the oldest first
 
     def left(self, name: str, consumer: dict[str, Any], dropped: Dropped | None) -> None:

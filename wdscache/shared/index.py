@@ -229,7 +229,6 @@ class Index:
         # A record or count this version cannot read (a later release's state, a value of another
         # shape, after a rollback) is left out, alone: its shard is one the cache does not know
         # (adopted, or downloaded again), while the others keep their validators.
-        self.unreadable = 0
         for key in self._db.iterkeys():
             try:
                 self._load_entry(key)
