@@ -363,6 +363,16 @@ def test_file_urls_are_normalized() -> None:
         parse_url_list("file://")
 
 
+def test_a_file_url_without_slashes_is_its_path_as_webdataset_opens_it() -> None:
+    assert parse_url_list("file:shards/a.tar\nFILE:/data/b.tar\nfile:../c.tar", base_dir="/d/e").urls == (
+        "file:///d/e/shards/a.tar",
+        "file:///data/b.tar",
+        "file:///d/c.tar",
+    )
+    with pytest.raises(UrlListError, match="needs a path"):
+        parse_url_list("file:")
+
+
 def test_colon_without_slashes_is_a_path() -> None:
     assert parse_url_list("data/a:b.tar\nabc:def.tar", base_dir="/d").urls == (
         "file:///d/data/a:b.tar",

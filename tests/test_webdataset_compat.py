@@ -133,16 +133,17 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
     monkeypatch.chdir(root.parent)
     rel = f"{root.name}/shard-{{000000..000002}}.tar"
     absolute = [str(p) for p in data.paths]
-    for urls in (rel, absolute, [f"file://{p}" for p in absolute]):
+    opaque = [f"file:{root.name}/{data.paths[0].name}"] + [
+        f"file:{p}" for p in absolute[1:]
+    ]  # as webdataset opens them
+    for urls in (rel, absolute, [f"file://{p}" for p in absolute], opaque):
         ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))
         theirs = _samples(wds.WebDataset(urls, shardshuffle=False))
         assert ours == theirs and len(ours) == 12, urls
         assert (
-            "__local_path__" in ours[0]
-            and not ours[0]["__url__"].startswith("file://")
-            or urls[0].startswith("file://")
+            "__local_path__" in ours[0] and not ours[0]["__url__"].startswith("file://") or urls[0].startswith("file:")
         ), ours[0]["__url__"]
-    assert ours[0]["__local_path__"] == absolute[0]
+        assert ours[-1]["__local_path__"] == (f"{root.name}/{data.paths[2].name}" if urls is rel else absolute[2])
 
 
 def test_patterns_joined_by_double_colons_are_read_as_webdataset_splits_them(

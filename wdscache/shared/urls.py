@@ -616,6 +616,10 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
                     )
                 return "s3://" + rest
             raise ValueError(f"unknown scheme {scheme!r}; {_SUPPORTED}")
+        if scheme == "file":  # file:rel/a.tar, file:/abs/a.tar: the path after the colon, as webdataset opens it
+            if not url[colon + 1 :]:
+                raise ValueError("a file: URL needs a path, like file:///data/shard.tar")
+            return "file://" + _abs_path(os.path.join(base_dir, url[colon + 1 :]))
     # Anything else is a local path (a "name:" without "//" included, e.g. "a:b.tar").
     return "file://" + _abs_path(os.path.join(base_dir, url))
 

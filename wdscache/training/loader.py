@@ -642,8 +642,17 @@ def _read_urls(
 
 def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str]]:
     """Each local shard's ``__url__`` and ``__local_path__``, as webdataset's samples have them:
-    the name the user gave it (else its ``file://`` URL) and its path."""
-    return {url: (given.get(url, url), given.get(url) or file_path(url)) for url in urls if url.startswith("file://")}
+    the name the user gave it (else its ``file://`` URL) and its path (of ``file:rel/a.tar``, the part
+    after the colon)."""
+    return {
+        url: (given.get(url, url), _given_path(given.get(url)) or file_path(url))
+        for url in urls
+        if url.startswith("file://")
+    }
+
+
+def _given_path(name: str | None) -> str | None:
+    return name[5:] if name is not None and name[:5].lower() == "file:" else name
 
 
 _UNSEEN: Any = object()  # a URL not named yet in _as_given (None: not a local shard)
