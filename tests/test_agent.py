@@ -29,6 +29,7 @@ from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
 from tests.helpers.agents import FIRST_PART, AgentProc, Dataset
 from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
+from wdscache.agent.cache_commands import evict
 from wdscache.shared.client import AgentConnection, resolve_endpoint
 from wdscache.shared.index import _SHARD, Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout, shard_name
@@ -982,3 +983,49 @@ def test_a_shard_client_used_again_after_close_lets_go_at_its_next_close(shard_s
         client.close()
         wait_for(lambda: agent.stats()["agent"]["pinned"] == 0, 10, "a pin outlived close()")
     client.close()  # closed already: nothing to say
+
+
+def test_a_shard_client_shared_by_threads_or_copied_by_fork_keeps_each_ones_pins(
+    shard_server, dataset, start_agent, tmp_path
+):
+    ds = dataset(3, samples=2, payload=100)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "the shards cached")
+    expected = [CacheLayout.of(cache).shard_path(url) for url in ds.urls]
+    with ShardClient(cache, timeout=10) as client:
+        # Threads share one client: their requests take turns, each answered as its own.
+        urls = ds.urls * 8
+        got: list[Path | BaseException] = [RuntimeError("not run")] * len(urls)
+
+        def open_at(k: int) -> None:
+            try:
+                got[k] = client.open(urls[k])
+            except BaseException as exc:
+                got[k] = exc
+
+        threads = [threading.Thread(target=open_at, args=(k,)) for k in range(len(urls))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert got == expected * 8
+        for url in urls[1:]:
+            client.release(url)
+        assert agent.stats()["agent"]["pinned"] == 1  # the first shard's one pin left
+        # A forked child's copy is a client of its own: its close() lets go of its own pins, not ours.
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                assert client.open(ds.urls[1]) == expected[1]
+                client.close()
+                code = 0
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+        wait_for(lambda: agent.stats()["agent"]["pinned"] == 1, 10, "the child's pin outlived its close()")
+        evicted = evict(cache, [ds.urls[0], ds.urls[1]])
+        assert [r["url"] for r in evicted["refused"]] == [ds.urls[0]] and evicted["evicted"] == [ds.urls[1]]
+        client.release(ds.urls[0])  # still ours to let go
+        assert agent.stats()["agent"]["pinned"] == 0

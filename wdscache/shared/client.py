@@ -476,7 +476,11 @@ class AgentConnection:
 
 
 class ShardClient:
-    """Open cached shards by URL through the agent of ``cache_dir`` (or at ``endpoint``)."""
+    """Open cached shards by URL through the agent of ``cache_dir`` (or at ``endpoint``).
+
+    Threads may share a client: its requests take turns (a lock). A forked child's copy, or an
+    unpickled one, is a client of its own, under a name of its own: it holds none of the
+    original's pins, and its ``close()`` lets go of none of them."""
 
     def __init__(
         self,
@@ -487,6 +491,7 @@ class ShardClient:
         name: str | None = None,
         token: str | None = None,
     ) -> None:
+        self._given_name = name
         self.name = name or f"client-{uuid.uuid4().hex[:12]}"
         # token: the agent's (CACHE_DIR/token), for a client that cannot read cache_dir.
         self._conn = AgentConnection(
@@ -503,33 +508,52 @@ class ShardClient:
         self._keepalive: threading.Thread | None = None  # pings while we hold pins (see the module)
         self._stop = threading.Event()
         self._heard_at = 0.0  # when the agent last showed it knows us (monotonic; the keepalive's pings too)
+        self._lock = threading.RLock()  # one request at a time (a ZeroMQ socket is not for two threads)
+        self._pid = os.getpid()
 
     def open(self, url: str, *, timeout: float | None = None) -> Path:
         """Wait until ``url`` is cached and pin it; returns the shard's local path. Raises
         FetchError if it cannot be downloaded, ShardError if it is known bad itself (unlike its
         shard index, or damaged again after one more download): its tar headers are not all
         checked before it is served."""
-        self._take_up_drop()
-        header = self._requests.open(url)
-        if timeout is None:
-            # A download may take long; the agent's answers to pings show it is alive (and keep us).
-            reply = self._conn.request_patiently(header, liveness=min(self._conn.timeout, 30.0))
-        else:
-            reply = self._conn.request(header, timeout=timeout)
-        if not reply.get("ok"):
-            raise failed_shard(url, reply, permanent=True)  # (a ShardError for a shard that is bad itself)
-        self._held[url] += 1
-        self._heard_at = time.monotonic()
-        self._keep_alive()
-        return Path(reply["path"])
+        with self._own():
+            self._take_up_drop()
+            header = self._requests.open(url)
+            if timeout is None:
+                # A download may take long; the agent's answers to pings show it is alive (and keep us).
+                reply = self._conn.request_patiently(header, liveness=min(self._conn.timeout, 30.0))
+            else:
+                reply = self._conn.request(header, timeout=timeout)
+            if not reply.get("ok"):
+                raise failed_shard(url, reply, permanent=True)  # (a ShardError for a shard that is bad itself)
+            self._held[url] += 1
+            self._heard_at = time.monotonic()
+            self._keep_alive()
+            return Path(reply["path"])
 
     def release(self, url: str) -> None:
         """Unpin ``url``: the agent may evict it again."""
-        self._take_up_drop()
-        self._check(self._conn.request(self._requests.release(url)))
-        self._held[url] -= 1
-        if self._held[url] <= 0:
-            del self._held[url]
+        with self._own():
+            self._take_up_drop()
+            self._check(self._conn.request(self._requests.release(url)))
+            self._held[url] -= 1
+            if self._held[url] <= 0:
+                del self._held[url]
+
+    def _own(self) -> threading.RLock:
+        """This client's lock, taken for a request; in a forked child, first made a client of its own."""
+        if self._pid != os.getpid():
+            self._renew()
+        return self._lock
+
+    def _renew(self) -> None:
+        """Make this copy (a forked child's, or unpickled) a client of its own: a name of its own,
+        no pins, no keepalive; its connection opens anew at its first request."""
+        self.name = f"{self._given_name or 'client'}-{uuid.uuid4().hex[:12]}"
+        self._requests = Requests(self.name)
+        self._held = Counter()
+        self._keepalive, self._stop, self._heard_at = None, threading.Event(), 0.0
+        self._lock, self._pid = threading.RLock(), os.getpid()
 
     def _pin_again(self, why: str = "restarted") -> None:
         """The agent restarted (or dropped us, ``why``) and holds none of our pins: take them again
@@ -572,32 +596,35 @@ class ShardClient:
 
     def stats(self, *, timeout: float | None = None) -> dict[str, Any]:
         """The agent's live statistics (the object ``wdscache stats --json`` prints)."""
-        return self._check(self._conn.request(Requests.stats(), timeout=timeout))["stats"]
+        with self._own():
+            return self._check(self._conn.request(Requests.stats(), timeout=timeout))["stats"]
 
     def close(self) -> None:
         """Say goodbye (the agent drops this client's pins) and close the socket, if open."""
-        self._stop.set()
-        if self._keepalive is not None:
-            self._keepalive.join(KEEPALIVE * 2 + 1.0)
-        self._held.clear()  # the bye lets them go: a request after close() pins none of them again
-        if not self._conn.connected:
-            return  # never asked anything, or closed already: the agent holds nothing of ours
-        try:
-            self._conn.request(self._requests.bye(), timeout=2.0)
-        except (AgentUnavailableError, NotTrustedError):
-            pass
-        finally:
-            self._conn.close()
+        with self._own():
+            self._stop.set()
+            if self._keepalive is not None:
+                self._keepalive.join(KEEPALIVE * 2 + 1.0)
+            self._held.clear()  # the bye lets them go: a request after close() pins none of them again
+            if not self._conn.connected:
+                return  # never asked anything, or closed already: the agent holds nothing of ours
+            try:
+                self._conn.request(self._requests.bye(), timeout=2.0)
+            except (AgentUnavailableError, NotTrustedError):
+                pass
+            finally:
+                self._conn.close()
 
     def __enter__(self) -> ShardClient:
         return self
 
     def __getstate__(self) -> dict[str, Any]:
-        # A copy (pickled for another process, say) has no keepalive of its own until it pins.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_keepalive", "_stop")}
+        # A copy (pickled for another process, say) is a client of its own: see _renew.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_keepalive", "_stop", "_lock", "_held")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _keepalive=None, _stop=threading.Event())
+        self.__dict__.update(state)
+        self._renew()
         self._conn.on_new_run = _weakly(self._pin_again)
 
     def __exit__(self, *exc: object) -> None:
