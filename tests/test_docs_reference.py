@@ -102,3 +102,14 @@ def test_the_readme_is_a_short_guide_whose_install_line_does_not_hide_the_packag
     for page in PAGES:
         for named in re.findall(r"\.\[([\w,]+)\]", page.read_text()):
             assert set(named.split(",")) <= extras, (page.name, named)
+
+
+def test_every_exported_name_is_on_the_api_page():
+    page = (ROOT / "docs" / "api.md").read_text()
+    missing = [name for name in wdscache.__all__ + ["WebDataset"] if f"`{name}" not in page]
+    assert not missing, f"names in wdscache.__all__ that docs/api.md does not mention: {missing}"
+
+
+def test_help_shows_the_loaders_keywords_not_its_constructors_catch_all():
+    shown = inspect.signature(wdscache.CachedMultiLoader)
+    assert list(shown.parameters)[:2] == ["urls", "cache_dir"] and "args" not in shown.parameters

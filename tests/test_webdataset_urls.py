@@ -121,3 +121,39 @@ def test_patterns_joined_by_double_colons_are_split_but_not_inside_an_ipv6_host(
     assert resolve_urls("http://[::1]/x.tar") == ("http://[::1]/x.tar",)
     many = [f"http://h/s-{i}.tar" for i in range(20_000)]  # "::".join of a long list: split in one pass
     assert resolve_urls("::".join([*many, "http://[::1]/x.tar"])) == (*many, "http://[::1]/x.tar")
+
+
+def test_without_webdataset_star_import_and_help_work_and_webdataset_says_what_to_install() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pydoc; sys.modules['webdataset'] = None\n"
+        "from wdscache import *\n"
+        "import wdscache\n"
+        "assert 'CachedMultiLoader' in pydoc.render_doc(wdscache)\n"
+        "try:\n"
+        "    wdscache.WebDataset\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "pip install" in r.stdout and "webdataset" in r.stdout, r.stdout
+
+
+def test_without_pillow_the_random_access_decoder_reads_other_fields_and_names_pillow_for_an_image() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['PIL'] = None\n"
+        "from wdscache.training.random_access import default_decoder\n"
+        "print(default_decoder({'__key__': 'k', '.txt': b'hi', '.cls': b'3'}))\n"
+        "default_decoder({'__key__': 'k', '.jpg': b'not read'})\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "{'__key__': 'k', '.txt': 'hi', '.cls': 3}" in r.stdout, r.stdout + r.stderr
+    assert "ImportError: ShardListDataset's default decoder opens the image '.jpg' with Pillow: pip install pillow" in (
+        r.stderr
+    )

@@ -4,6 +4,7 @@ The public surface is what ``__all__`` lists; modules are importable but their
 other names may change.
 """
 
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 # Names resolve on first use (PEP 562): a process that needs one module of the package
@@ -92,3 +93,5 @@ __all__ = [
     "collect_stats",
     "read_url_list",
 ]
+if importlib.util.find_spec("webdataset") is None:  # the wds extra's: `import *` and help() leave it out
+    __all__.remove("WebDataset")

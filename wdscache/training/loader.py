@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import pickle
 import sys
@@ -608,6 +609,13 @@ class CachedMultiLoader:
         if self.batch_size is None:
             return per_rank
         return -(-per_rank // self.batch_size)
+
+
+# help() and IDEs show __init__'s keywords, not __new__'s (*args, **kwargs).
+_INIT = inspect.signature(CachedMultiLoader.__init__)
+CachedMultiLoader.__signature__ = _INIT.replace(  # type: ignore[attr-defined]
+    parameters=list(_INIT.parameters.values())[1:], return_annotation=inspect.Signature.empty
+)
 
 
 def _check_arguments(knobs: dict[str, Any], on_error: Any, batch_size: int | None) -> None:

@@ -167,12 +167,17 @@ def default_decoder(sample: Sample, format: str = "PIL") -> Sample:  # noqa: A00
             result[key] = torch.load(stream)
     if format.lower() not in ("pil", "numpy"):
         raise ValueError(f"Unknown format: {format}")
-    import PIL.Image
-
     for key, stream in result.items():
         parts = key.split(".")
         if key.startswith("__") or len(parts) == 1 or parts[-1].lower() not in IMAGE_EXTENSIONS:
             continue
+        try:
+            import PIL.Image
+        except ImportError as exc:  # (wids imports it for every sample; here only for an image)
+            raise ImportError(
+                f"ShardListDataset's default decoder opens the image {key!r} with Pillow: pip install pillow, "
+                "or give transformations=[] for the raw bytes"
+            ) from exc
         if isinstance(stream, bytes):
             stream = io.BytesIO(stream)
         image = PIL.Image.open(stream)
