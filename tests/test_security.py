@@ -101,6 +101,13 @@ def _leaks(text: str) -> list[str]:
         # Quotes and sentence punctuation around a whole URL are the text's.
         ("fetch 'http://h/a.tar?token=A', then", "fetch 'http://h/a.tar?token=***', then"),
         ('{"url": "http://u:p@h/a.tar?sig=A"}', '{"url": "http://***@h/a.tar?sig=***"}'),
+        # A password with "/" or "#" written as it is: its "port" is no number, up to the last "@".
+        ("http://AKIA:wJalr/XUtn+K7@127.0.0.1:8000/x.tar", "http://***@127.0.0.1:8000/x.tar"),
+        ("failed: 'http://bob:pa#SECRET@h/x.tar' (InvalidURL)", "failed: 'http://***@h/x.tar' (InvalidURL)"),
+        ("http://h:8080/m@v2.tar http://[::1]:80/a@b.tar", "http://h:8080/m@v2.tar http://[::1]:80/a@b.tar"),
+        # Signatures by other names: Akamai's token (whose value holds more "="), an hmac.
+        ("http://h/a.tar?hdnts=exp=1~acl=/*~hmac=abc&page=2", "http://h/a.tar?hdnts=***&page=2"),
+        ("http://h/z.tar?HMAC=S1", "http://h/z.tar?HMAC=***"),
     ],
 )
 def test_a_url_is_shown_without_user_info_or_secret_parameters(url: str, shown: str) -> None:

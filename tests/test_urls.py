@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import braceexpand
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -59,11 +60,25 @@ def write_list(tmp_path: Path, text: str | bytes, name: str = "urls.txt") -> Pat
         (r"\{{a,b}\}", ["{a}", "{b}"]),
         (r"p\}q", ["p}q"]),
         ("a,b", ["a,b"]),
-        (r"a\b{1,2}", [r"a\b1", r"a\b2"]),
+        (r"a\b{1,2}", ["ab1", "ab2"]),
+        (r"a{1,2\,3}", ["a1", "a2,3"]),
+        (r"a\,{1,2}", ["a,1", "a,2"]),
+        (r"a\\{1,2}", [r"a\1", r"a\2"]),
+        (r"a{1,2}\\", ["a1\\", "a2\\"]),
     ],
 )
 def test_expand_braces(pattern: str, expected: list[str]) -> None:
     assert expand_braces(pattern) == expected
+    assert list(braceexpand.braceexpand(pattern)) == expected  # webdataset's reading
+
+
+def test_a_pattern_without_braces_keeps_its_backslashes() -> None:
+    # (braceexpand drops them: a pipe: command's, a path's, are taken as written)
+    assert expand_braces(r"pipe:sed 's/\./x/' a.tar") == [r"pipe:sed 's/\./x/' a.tar"]
+    assert parse_url_list(format_url_list([r"http://h/a\{b}.tar", r"http://h/c\d.tar"])).urls == (
+        r"http://h/a\{b}.tar",
+        r"http://h/c\d.tar",
+    )
 
 
 def test_expand_braces_keeps_duplicates() -> None:
@@ -185,7 +200,7 @@ def test_an_s3_key_with_spaces_given_alone_is_taken_as_written(tmp_path: Path) -
     assert given_list(urls).urls == tuple(urls)
     for url, reason in (
         ("http://h/a b.tar", "a URL holds no whitespace"),
-        ("file:///data/a b.tar", "a URL holds no whitespace"),
+        ("file:///data/a\nb.tar", "a path holds no line break"),
         ("s3://b/a\nb.tar", "an s3:// key holds no line break"),
         ("s3://my bucket/k.tar", "an S3 bucket's name holds no whitespace"),
     ):
@@ -371,6 +386,47 @@ def test_a_file_url_without_slashes_is_its_path_as_webdataset_opens_it() -> None
     )
     with pytest.raises(UrlListError, match="needs a path"):
         parse_url_list("file:")
+
+
+def test_a_local_path_may_hold_spaces_as_a_file_name_may(tmp_path: Path) -> None:
+    text = "my data/a b.tar\nfile:///d/c  d.tar # a comment\n/d/e\tf.tar\n"
+    assert parse_url_list(text, base_dir="/base").urls == (
+        "file:///base/my data/a b.tar",
+        "file:///d/c  d.tar",
+        "file:///d/e\tf.tar",
+    )
+    index = write_list(tmp_path, format_shard_index([("/d/g h.tar", ShardInfo(3))]), "index.json")
+    assert read_url_list(index).urls == ("file:///d/g h.tar",)
+    with pytest.raises(UrlListError, match="one URL"):  # two entries on one line
+        parse_url_list("a.tar http://h/b.tar")
+
+
+def test_a_dotdot_after_a_symlink_is_the_folder_above_its_target(tmp_path: Path) -> None:
+    (tmp_path / "other" / "deep").mkdir(parents=True)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "link").symlink_to(tmp_path / "other" / "deep")
+    real = os.path.realpath(tmp_path)
+    assert parse_url_list("data/link/../x.tar", base_dir=str(tmp_path)).urls == (f"file://{real}/other/x.tar",)
+    assert parse_url_list("data/none/../x.tar", base_dir=str(tmp_path)).urls == (f"file://{real}/data/x.tar",)
+
+
+def test_a_password_with_a_slash_or_hash_as_it_is_is_refused_and_never_shown() -> None:
+    for line in ("http://AKIAUSER:wJalr/XUtnFEMI+K7@127.0.0.1:8000/x.tar", "http://bob:pa#SECRETTAIL@h/x.tar"):
+        with pytest.raises(UrlListError, match="must be percent-encoded") as info:
+            parse_url_list(line)
+        assert "wJalr" not in str(info.value) and "XUtnFEMI" not in str(info.value) and "SECRET" not in str(info.value)
+        assert "pa#" not in str(info.value), str(info.value)
+    assert parse_url_list("http://u:p%2Fq@h:80/x.tar\nhttp://[::1]/y@z.tar\nhttp://h/m@v2.tar").urls == (
+        "http://u:p%2Fq@h:80/x.tar",
+        "http://[::1]/y@z.tar",
+        "http://h/m@v2.tar",
+    )
+
+
+def test_a_line_with_an_invisible_character_before_its_scheme_is_refused_showing_it() -> None:
+    with pytest.raises(UrlListError, match="scheme") as info:
+        parse_url_list("http://h/a.tar\n\ufeffhttp://h/b.tar\n")
+    assert info.value.lineno == 2 and "\\ufeff" in str(info.value)
 
 
 def test_colon_without_slashes_is_a_path() -> None:

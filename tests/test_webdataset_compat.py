@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -144,6 +145,20 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
             "__local_path__" in ours[0] and not ours[0]["__url__"].startswith("file://") or urls[0].startswith("file:")
         ), ours[0]["__url__"]
         assert ours[-1]["__local_path__"] == (f"{root.name}/{data.paths[2].name}" if urls is rel else absolute[2])
+
+
+def test_a_local_shard_whose_name_holds_spaces_is_read_as_webdataset_reads_it(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data, cache = served
+    folder = data.paths[0].parent.parent / "my data"
+    folder.mkdir()
+    shutil.copy(data.paths[0], folder / "a b.tar")
+    monkeypatch.chdir(folder.parent)
+    for urls in ("my data/a b.tar", ["my data/a b.tar"], [f"file://{folder}/a b.tar"]):
+        ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))
+        theirs = _samples(wds.WebDataset(urls, shardshuffle=False))
+        assert ours == theirs and len(ours) == 4, urls
 
 
 def test_patterns_joined_by_double_colons_are_read_as_webdataset_splits_them(

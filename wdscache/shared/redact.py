@@ -6,11 +6,13 @@ command's output. Internally the full URL is kept: it is what is fetched and the
 What is replaced, in a URL alone or in any text that holds URLs (an exception's message, say):
 
 - the user info, whole (up to the last ``@`` before the host): ``http://user:password@host/a.tar``
-  is shown ``http://***@host/a.tar`` (a user name may be a token itself, as in ``https://TOKEN@host/``);
+  is shown ``http://***@host/a.tar`` (a user name may be a token itself, as in ``https://TOKEN@host/``),
+  and so is a password written with a ``/``, ``?`` or ``#`` as it is (``http://user:pa/ss@host/``:
+  a "port" that is no number, then up to the last ``@``);
 - the value of every query (or fragment) parameter whose name, in any case, contains ``sig``,
-  ``token``, ``secret``, ``pass``, ``pwd``, ``credential``, ``auth``, ``key``, ``policy`` or
-  ``session``: ``X-Amz-Signature``, ``X-Amz-Credential``, ``X-Amz-Security-Token``, Azure SAS
-  ``sig``, CloudFront ``Signature``, ``Policy`` and ``Key-Pair-Id``, ``token``, ``access_token``,
+  ``token``, ``secret``, ``pass``, ``pwd``, ``credential``, ``auth``, ``key``, ``policy``,
+  ``session``, ``hmac`` or ``hdnts`` (Akamai's tokens): ``X-Amz-Signature``, ``X-Amz-Credential``,
+  ``X-Amz-Security-Token``, Azure SAS ``sig``, CloudFront ``Signature``, ``Policy`` and ``Key-Pair-Id``, ``token``, ``access_token``,
   ``apikey``, ``api_key``, ``password``... A name is matched as the server reads it, its
   percent-escapes decoded (``%74oken`` is ``token``); its value runs to the next ``&``, ``#`` or space
   (``;`` and ``'`` are part of it). Other parameters (``X-Amz-Expires``, SAS ``se``,
@@ -32,10 +34,15 @@ MASK = "***"
 # "'" and ";" are legal in user info and query values (RFC 3986 sub-delims), so they end neither;
 # '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
 _USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
+# A password written with a "/", "?" or "#" as it is (which a list refuses, but a text may quote):
+# a "port" that is no number, then everything up to the last "@" before the URL ends.
+_BROKEN_USER_INFO = re.compile(
+    r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))[^\s\"<>]*@"
+)
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
 # path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``).
 _PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&#\s\"<>]+)")
-_SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session", re.IGNORECASE)
+_SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session|hmac|hdnts", re.IGNORECASE)
 
 
 def _parameter(match: re.Match[str]) -> str:
@@ -53,7 +60,7 @@ def redact_urls(text: str) -> str:
     """``text`` (a URL, or any text with URLs in it) with user info and secret parameter values
     replaced by ``***`` (see the module docstring); text without them is returned unchanged."""
     if "@" in text:
-        text = _USER_INFO.sub(rf"\1{MASK}@", text)
+        text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
     if "=" in text:
         text = _PARAMETER.sub(_parameter, text)
     return text

@@ -77,9 +77,11 @@ _UNLISTED = "an s3:// prefix or glob is listed only where a list is read: give i
 Lister = Callable[[str], Sequence[str]]
 """Given an ``s3://`` entry, the URLs it stands for; raises ValueError saying why it cannot."""
 _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
-# Capturing split keeps the delimiters; escapes come first so "\{" never opens a group.
-_BRACE_TOKENS = re.compile(r"(\\[{}]|[{},])")
+# Capturing split keeps the delimiters; escapes come first so "\{" never opens a group. As
+# braceexpand (webdataset's) reads a pattern, a backslash makes any character after it literal.
+_BRACE_TOKENS = re.compile(r"(\\.|[{},])", re.DOTALL)
 _COMMENT_START = re.compile(r"\s#")
+_AUTHORITY_END = re.compile(r"[/?#]")
 _SPACE = re.compile(r"\s")
 # _plain_lines: white space inside a line.
 _ASCII_SPACE = " \t\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.split splits an ASCII line at
@@ -181,7 +183,7 @@ def _parse(pattern: str) -> _Seq:
             alts.append(current)
             parent.append(_make_group(alts, pattern[opened : pos + 1]))
             current = parent
-        elif len(token) == 2 and token[0] == "\\" and token[1] in "{}":
+        elif len(token) == 2 and token[0] == "\\":
             literal.append(token[1])
         elif token:
             literal.append(token)
@@ -230,8 +232,9 @@ def _too_many(count: int, limit: int) -> str:
 def expand_braces(pattern: str, *, limit: int = DEFAULT_LIMIT) -> list[str]:
     """Expand WebDataset-style braces: ``{000..099}`` ranges, ``{a,b}`` lists, nesting.
 
-    Groups multiply out with the leftmost varying slowest; ``\\{`` and ``\\}`` are
-    literal braces.  Raises ValueError for malformed braces, or - before building
+    Groups multiply out with the leftmost varying slowest; in a pattern with braces a
+    backslash makes the character after it literal (``\\{``, ``\\,``, ``\\\\``), as braceexpand
+    reads it; a text without braces is taken as it is.  Raises ValueError for malformed braces, or - before building
     anything - when the result would hold more than ``limit`` entries.
     """
     if "{" not in pattern and "}" not in pattern:
@@ -540,6 +543,9 @@ class UrlList:
 
 
 def _abs_path(path: str) -> str:
+    if "/.." in path:  # "link/..": the folder above the link's target, as the OS opens it, not the text
+        folder, name = os.path.split(path)
+        path = os.path.join(os.path.realpath(folder), name)
     path = os.path.normpath(path)
     # POSIX keeps a leading "//" as implementation-defined; make it one slash.
     if path.startswith("//"):
@@ -578,7 +584,22 @@ def _normalize(url: str, base_dir: str, allow_pipe: bool) -> str:
             ipaddress.IPv6Address(urlsplit(url).hostname or "")
         except ValueError:
             raise ValueError("a host in brackets is an IPv6 address, like http://[::1]:8000/path") from None
+    if "@" in url:
+        _check_user_info(url, host_at)
     return url
+
+
+def _check_user_info(url: str, host_at: int) -> None:
+    """Refuse a URL whose password holds a ``/``, ``?`` or ``#`` as it is: the host would end
+    there, and the rest of the password would show in logs as the URL's port and path."""
+    end = _AUTHORITY_END.search(url, host_at)
+    host = url[host_at : end.start() if end else len(url)].rpartition("@")[2]
+    port = "" if host.endswith("]") else host.rpartition(":")[2] if ":" in host else ""
+    if port and not port.isdigit():
+        raise ValueError(
+            "the host's port is not a number: a user name or password with '/', '?' or '#' in it "
+            "must be percent-encoded (%2F, %3F, %23)"
+        )
 
 
 def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
@@ -620,6 +641,8 @@ def _normalize_other(url: str, base_dir: str, allow_pipe: bool) -> str:
             if not url[colon + 1 :]:
                 raise ValueError("a file: URL needs a path, like file:///data/shard.tar")
             return "file://" + _abs_path(os.path.join(base_dir, url[colon + 1 :]))
+    if "://" in url:  # (not a path anyone means: an invisible character before a scheme, say)
+        raise ValueError("a URL's scheme is letters, digits, '+', '-' and '.' only, at the line's start")
     # Anything else is a local path (a "name:" without "//" included, e.g. "a:b.tar").
     return "file://" + _abs_path(os.path.join(base_dir, url))
 
@@ -639,10 +662,11 @@ def _clean_path(path: str) -> bool:
 
 def _line_entry(raw: str, parts: list[str], comments: bool = True) -> str:
     """The entry of a line whose first word is followed by another (not a comment's, with ``comments``)."""
-    # Only a shell command and an S3 key (taken literally, as `aws s3` takes it) may contain
-    # whitespace; the comment starts at " #". An S3 line with a second URL is two entries on one line.
-    first = parts[0][:5].lower()
-    if first == "pipe:" or (first == "s3://" and not any("://" in word for word in parts[1:])):
+    # Only a shell command, an S3 key (taken literally, as `aws s3` takes it) and a local path may
+    # contain whitespace; the comment starts at " #". A line with a second URL is two entries on one line.
+    first = parts[0][:7].lower()
+    literal = first.startswith(("s3://", "file://")) or "://" not in parts[0]
+    if first.startswith("pipe:") or (literal and not any("://" in word for word in parts[1:])):
         line = raw.strip()
         match = _COMMENT_START.search(line) if comments else None
         return line[: match.start()].rstrip() if match else line
@@ -787,6 +811,7 @@ def _plain(joined: str, lines: list[str], base: str) -> str | None:
         firsts.count("h") == n
         and joined.count("\nhttp://") + joined.count("\nhttps://") == n
         and not any(f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n[")
+        and "@" not in joined  # (user info: checked line by line)
     ):
         return ""
     if ":" in joined or "//" in joined or "/" in lasts:
@@ -907,10 +932,11 @@ def whitespace_problem(url: str) -> str | None:
     if _SPACE.search(url) is None:
         return None
     kind = url[:5].lower()
-    if kind not in ("s3://", "pipe:"):
+    if kind in ("http:", "https") or (kind not in ("s3://", "pipe:", "file:") and "://" in url):
         return "a URL holds no whitespace (percent-encode a space in an http(s) URL: %20)"
     if "\n" in url:
-        return "an s3:// key holds no line break" if kind == "s3://" else "a pipe: command holds no line break"
+        held = {"s3://": "an s3:// key", "pipe:": "a pipe: command"}.get(kind, "a path")
+        return f"{held} holds no line break"
     return None
 
 
@@ -1088,10 +1114,17 @@ def _long_suffix(x: str, y: str) -> int:
     return at + _common_prefix(x[len(x) - at - rest : len(x) - at][::-1], y[len(y) - at - rest : len(y) - at][::-1])
 
 
+def _literal(url: str) -> str:
+    """``url`` as a list line that :func:`expand_braces` gives back whole."""
+    if "{" not in url and "}" not in url:
+        return url  # (taken as it is)
+    return url.replace("\\", "\\\\").replace("{", "\\{").replace("}", "\\}")
+
+
 def format_url_list(urls: Iterable[str]) -> str:
     """Write URLs one per line, escaping braces, so that parse_url_list reads them back. Raises
     ConfigError for one it cannot write so (an S3 key whose " #" a list reads as a comment's start)."""
-    text = "".join(url.replace("{", "\\{").replace("}", "\\}") + "\n" for url in urls)
+    text = "".join(_literal(url) + "\n" for url in urls)
     cut = _COMMENT_START.search(text)  # one scan of the text (no URL begins with "#" after its "\n")
     if cut is not None:
         line = text[text.rfind("\n", 0, cut.start()) + 1 : text.find("\n", cut.start())]
