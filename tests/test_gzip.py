@@ -14,6 +14,7 @@ cache by an agent that kept shards compressed is forgotten and fetched again.
 from __future__ import annotations
 
 import gzip
+import json
 import shutil
 import tarfile
 import threading
@@ -354,4 +355,25 @@ def test_a_gzip_expansion_that_fits_only_without_a_step_ahead_is_not_held_up(tmp
             client.open(u)  # pinned: not evictable while the tar grows
         path = client.open(url, timeout=30)
         assert path.stat().st_size == 56 * MiB + 4 * 512  # two headers, two end blocks
+    assert agent.running()
+
+
+def test_an_index_of_a_gzip_shard_under_a_tar_name_loads_and_serves_it(tmp_path, shard_server, start_agent, run_cli):
+    # Gzip is told by a shard's bytes, not its name: the index's "filesize" is then of the
+    # compressed bytes, which hold far more samples than a plain tar of that size could.
+    plain = tmp_path / "plain.tar"
+    make_shard(plain, [{"__key__": f"k{i:03d}", "txt": b"0" * 100} for i in range(200)])
+    data = tmp_path / "srv"
+    (data / "z.tar").write_bytes(gzip.compress(plain.read_bytes(), mtime=0))
+    url = shard_server.url("z.tar")
+    index = tmp_path / "index.json"
+    done = run_cli("index", url, "-o", str(index))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(index.read_text())["shardlist"][0]["nsamples"] == 200
+    assert (data / "z.tar").stat().st_size < 200 * 512  # more samples than a plain tar of this size holds
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, index)
+    with ShardClient(cache, timeout=DEADLINE) as client:
+        path = client.open(url)
+        assert path.read_bytes() == plain.read_bytes()
     assert agent.running()

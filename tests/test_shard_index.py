@@ -422,9 +422,8 @@ def test_a_job_index_is_checked_too(tmp_path, shard_server, start_agent, consume
             "shardlist[0] ('a.tar'): \"nsamples\" is 1000000000000000, more than any shard holds (at most 8589934592",
         ),
         (
-            '{"shardlist": [{"url": "a.tar", "nsamples": 21, "filesize": 10240}]}',
-            'shardlist[0] (\'a.tar\'): "nsamples" is 21, but a tar of 10240 bytes ("filesize") holds at most 20 '
-            "samples",
+            '{"shardlist": [{"url": "a.tar", "nsamples": 21, "filesize": 10}]}',
+            'shardlist[0] (\'a.tar\'): "nsamples" is 21, but a shard of 10 bytes ("filesize") holds at most 20 samples',
         ),
     ],
 )

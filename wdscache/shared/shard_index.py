@@ -59,9 +59,9 @@ _STARTS_LIKE_JSON = re.compile(r'\s*(\{(\s|"|\}|$)|\[(\s|"|\{|\[|\]|$))')
 MIN_SAMPLE_BYTES = 512  # a sample's least bytes in a tar: one member's header (an empty member has no data block)
 MAX_SHARD_BYTES = 1 << 42  # 4 TiB: more than any shard; bounds "nsamples" when no "filesize" does
 MAX_SAMPLES = MAX_SHARD_BYTES // MIN_SAMPLE_BYTES
-# A shard whose URL ends so may be gzip'd: its "filesize" is of its compressed bytes, and bounds
-# nothing (a sample of zeros compresses a thousandfold).
-_GZIP_SUFFIXES = (".gz", ".tgz")
+# Any shard may be gzip'd (it is told by its bytes, whatever its name): its "filesize" is then of its
+# compressed bytes, which deflate makes at most 1032 times fewer (a sample of zeros comes close).
+DEFLATE_MOST = 1032
 _MAX_WHOLE = (1 << 63) - 1  # what an array of shards' sizes holds
 _MD5_SLOT = 17  # bytes of a shard's MD5 in ShardFacts: given or not, and the digest
 _ENTRY = object()  # what read_shard_index's parsing leaves of an entry it took
@@ -239,13 +239,14 @@ def _samples_problem(url: str, info: ShardInfo) -> str | None:
             f'"nsamples" is {info.nsamples}, more than any shard holds (at most {MAX_SAMPLES}: '
             f"{MIN_SAMPLE_BYTES} bytes a sample in a shard of {MAX_SHARD_BYTES >> 40} TiB)"
         )
-    if info.filesize is None or url.lower().split("?", 1)[0].endswith(_GZIP_SUFFIXES):
-        return None  # no size, or a gzip'd shard's size: that of its compressed bytes
-    most = info.filesize // MIN_SAMPLE_BYTES
+    if info.filesize is None:
+        return None
+    most = info.filesize * DEFLATE_MOST // MIN_SAMPLE_BYTES
     if info.nsamples > most:
         return (
-            f'"nsamples" is {info.nsamples}, but a tar of {info.filesize} bytes ("filesize") holds at most '
-            f"{most} samples ({MIN_SAMPLE_BYTES} bytes each at the least)"
+            f'"nsamples" is {info.nsamples}, but a shard of {info.filesize} bytes ("filesize") holds at most '
+            f"{most} samples ({MIN_SAMPLE_BYTES} bytes of tar each at the least, gzip'd {DEFLATE_MOST} times "
+            "smaller at the most)"
         )
     return None
 
@@ -290,11 +291,7 @@ def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
             and (type(md5) is not str or not _MD5.fullmatch(md5))
         ):
             raise _NotWellFormed
-        if (
-            filesize is not None
-            and nsamples > filesize // MIN_SAMPLE_BYTES
-            and _samples_problem(url, ShardInfo(nsamples, filesize)) is not None
-        ):
+        if filesize is not None and nsamples > filesize * DEFLATE_MOST // MIN_SAMPLE_BYTES:
             raise _NotWellFormed
         if md5 is not None:
             md5s.append((len(urls), md5.lower()))
