@@ -69,11 +69,12 @@ def dataset(shard_server: ShardServer, tmp_path: Path) -> Callable[..., Dataset]
 
 @pytest.fixture
 def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProc]]:
-    """Factory ``start_agent(cache_dir, urls_file, *extra_args, env=None, wait=True, cwd=None) -> AgentProc``.
+    """Factory ``start_agent(cache_dir, urls_file, *extra_args, env=None, wait=True, cwd=None, exe=None) -> AgentProc``.
 
     Runs ``wdscache agent --cache-dir DIR --urls FILE --min-free 1M --workers 1 -v EXTRA...``
     (later options win, so EXTRA may override the defaults) with stderr in
-    ``tmp_path/agent-N.log``; with ``wait`` it returns once stats shows the agent.
+    ``tmp_path/agent-N.log``; with ``wait`` it returns once stats shows the agent. ``exe``: the
+    command run in place of ``wdscache`` (a wrapper that runs the CLI, as tests/helpers/clock_shift.py).
     Every agent started is stopped and reaped at teardown.
     """
     started: list[AgentProc] = []
@@ -85,11 +86,12 @@ def start_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProc]]:
         env: dict[str, str] | None = None,
         wait: bool = True,
         cwd: str | os.PathLike[str] | None = None,
+        exe: list[str] | None = None,
     ) -> AgentProc:
         n = len(started)
         log_path = tmp_path / f"agent-{n}.log"
         args = [
-            wdscache_exe(),
+            *(exe or [wdscache_exe()]),
             "agent",
             "--cache-dir",
             os.fspath(cache_dir),

@@ -536,6 +536,28 @@ def test_stats_json_shows_job_ranks_and_worker_busy_time(tmp_path, dataset, star
     agent.wait_stats(lambda s: s["jobs"] == {} and s["agent"]["consumers"] == 0, 10, "the finished job gone from stats")
 
 
+def test_a_rank_reading_local_shards_counts_the_samples_it_took_not_whole_reads(
+    tmp_path, dataset, start_agent, slow_consumer
+):
+    # file:// shards' samples are named as given (__url__, __local_path__) a read at a time; the
+    # rank's count still follows what it took, as over http, not each read whole as it comes.
+    data = dataset(2, samples=20, payload=1000)
+    uris = [p.as_uri() for p in data.paths]
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, write_url_list(tmp_path / "local" / "urls.txt", uris))
+    c = slow_consumer("local", cache_dir=str(cache), job="local", timeout=LOADER_TIMEOUT, pause_after=7)
+    c.wait_paused()
+
+    s = agent.wait_stats(
+        lambda s: s["jobs"].get("local", {}).get("0", {}).get("samples", 0) >= 7, 15, "rank 0 of job local reported"
+    )
+    lines = [json.loads(line) for line in c.out.read_text().splitlines()]
+    r = s["jobs"]["local"]["0"]
+    assert (r["samples"], r["position"], r["bytes"]) == (7, 7, sum(line["nbytes"] for line in lines)), r
+    assert {line["url"] for line in lines} <= set(uris)
+    assert len(lines_delivered(c.finish())) == 40
+
+
 @pytest.mark.slow
 def test_stats_human_readable_names_running_job(tmp_path, dataset, start_agent, slow_consumer):
     data, cache, agent, c = _paused_job(tmp_path, dataset, start_agent, slow_consumer, "human-job")

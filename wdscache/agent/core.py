@@ -67,7 +67,7 @@ from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout, write_private
 from ..shared.logs import get_logger
 from ..shared.metrics import require as require_metrics
-from ..shared.protocol import CONTROL_OPS, GREETED_OPS, READER_OPS, WORKER_OPS, strings
+from ..shared.protocol import CONTROL_OPS, GREETED_OPS, READER_OPS, WORKER_OPS, process_identity, strings
 from ..shared.protocol import field as get_field
 from ..shared.stats import build
 from ..shared.urls import UrlList, Urls
@@ -134,7 +134,8 @@ class Agent:
         self._stop = threading.Event()
         self._lock = AgentLock(self.layout.lock_path)
         self._run = secrets.token_hex(16)  # names this agent process: a key seen by others dies with it
-        self._started = time.time()
+        self._started = time.time()  # (agent.json's; uptime is by the monotonic clock, which no NTP step moves)
+        self._started_mono = time.monotonic()
         self._last_flush = time.monotonic()
         self._last_metrics = time.monotonic()
         self._metrics: MetricsServer | None = None  # serving /metrics (--metrics-port)
@@ -266,7 +267,7 @@ class Agent:
         self._ops = {op: handlers[op] for op in CONTROL_OPS}
 
     def _write_state(self) -> None:
-        state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint}
+        state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint, "process": process_identity()}
         if self._metrics is not None:
             state["metrics"] = self._metrics.url
         if self.config.private_users is not None:
@@ -545,7 +546,7 @@ class Agent:
             download_rate=self.downloads.rate(),
             agent={
                 "pid": os.getpid(),
-                "uptime_s": round(time.time() - self._started, 1),
+                "uptime_s": round(time.monotonic() - self._started_mono, 1),
                 "endpoint": self.endpoint,
                 "answering": True,  # (stats shows an agent that gives no reply in time with False)
                 "consumers": readers["consumers"],

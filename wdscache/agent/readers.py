@@ -40,7 +40,7 @@ from ..shared.plan import Reader, wanted
 from ..shared.protocol import PAGE_BYTES, PROTOCOL, SAME_INSTALL, numbers, process_identity, speaks
 from ..shared.protocol import field as get_field
 from ..shared.shard_index import ShardInfo
-from ..shared.stats import jobs_view, with_fraction
+from ..shared.stats import jobs_view, silent_for, with_fraction
 from ..shared.urls import UrlList, list_id, whitespace_problem
 from ..shared.verdict import SILENT_AFTER
 from .budget_need import BudgetNeed
@@ -512,11 +512,9 @@ class Readers:
     def _job_ranks(self, job: str) -> list[int]:
         """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
         --reader-timeout, and must not block an elastic restart with another world size)."""
-        now = time.time()
+        now = time.monotonic()
         return [
-            c["rank"]
-            for c in self._consumers().values()
-            if c.get("job") == job and now - c.get("seen", 0.0) < SILENT_AFTER
+            c["rank"] for c in self._consumers().values() if c.get("job") == job and silent_for(c, now) < SILENT_AFTER
         ]
 
     def _consumers(self) -> dict[str, dict[str, Any]]:

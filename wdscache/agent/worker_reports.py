@@ -34,7 +34,7 @@ from ..shared.messages import Reports
 from ..shared.protocol import check as check_message
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pack
-from ..shared.stats import public, with_fraction
+from ..shared.stats import public, silent_for, with_fraction
 from ..shared.verdict import SILENT_AFTER
 from .control import ControlSocket
 from .pool import WorkerPool
@@ -146,10 +146,10 @@ class WorkerReports:
     def view(self) -> list[dict[str, Any]]:
         """Each worker's last report, for stats (a worker that never reported: its number only); one
         silent for SILENT_AFTER (stuck on a request, or stopped) is ``silent_s`` and counted busy."""
-        now, out = time.time(), []
+        now, out = time.monotonic(), []
         for i in range(len(self._pool.endpoints)):
-            view = public(self._stats.get(i, {"index": i}))
-            silent = now - view.get("seen", now)
+            report = self._stats.get(i, {"index": i})
+            view, silent = public(report), silent_for(report, now)
             if silent > SILENT_AFTER:
                 view.update(busy=1.0, silent_s=round(silent, 1))
             out.append(view)

@@ -11,7 +11,7 @@
       partial/<hash>-<name>~tar a gzip'd download's tar, being decompressed
       partial/<hash>-<name>~part-<start>-<end>  a part of a download in parallel parts
       agent.lock                flock held by the running agent; holds its pid (read_pid)
-      agent.json                the running agent's pid, start time and endpoint
+      agent.json                the running agent's pid, start time (and its process's identity) and endpoint
       token                     0600: the secret a client must hold to talk to the agent and its
                                 workers (see wdscache.shared.protocol); made once, kept across restarts
       agent.sock                the agent's private IPC socket (moved to /tmp when the path is too long)

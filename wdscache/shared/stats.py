@@ -66,6 +66,7 @@ import os
 import time
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from .client import AgentConnection
@@ -74,6 +75,7 @@ from .errors import AgentUnavailableError, NoCacheError
 from .index import read_summary
 from .layout import CacheLayout
 from .messages import Requests
+from .protocol import process_identity
 from .verdict import SILENT_AFTER, STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
@@ -139,7 +141,7 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = ANSWER_TIMEOU
     if state is not None and runs:
         agent = {
             "pid": state["pid"],
-            "uptime_s": round(time.time() - state["started"], 1),
+            "uptime_s": round(_uptime(state), 1),
             "endpoint": state["endpoint"],
             "answering": False,
         }
@@ -148,8 +150,23 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = ANSWER_TIMEOU
     )
 
 
+def _uptime(state: dict[str, Any]) -> float:
+    """Seconds the agent of ``state`` (agent.json) has run: by the boot clock from its process's
+    start when we see that very process (a step of the wall clock since it started, by NTP say,
+    would make the wall clock's count wrong, even negative); else (another machine or pid
+    namespace: the agent is no process here) by the wall clock."""
+    identity = process_identity(state["pid"])
+    if identity is None or identity != state.get("process"):
+        return time.time() - state["started"]
+    try:
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.time() - state["started"]
+    return since_boot - identity[1] / os.sysconf("SC_CLK_TCK")
+
+
 def agent_state(layout: CacheLayout) -> dict[str, Any] | None:
-    """The state file an agent serving ``layout`` wrote (agent.json: pid, started, endpoint), if
+    """The state file an agent serving ``layout`` wrote (agent.json: pid, started, endpoint, process), if
     there is one as an agent writes it; it may be a dead agent's."""
     try:
         state = json.loads(layout.state_path.read_text())
@@ -194,7 +211,8 @@ def ask_agent(layout: CacheLayout, timeout: float) -> dict[str, Any] | None:
 
 
 def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: str, name: str) -> dict[str, Any]:
-    """``report`` with when it came (``seen``; ``_mono`` for the next call) and ``name``: the fraction
+    """``report`` with when it came (``seen``, shown; ``_mono``, for the next call and
+    :func:`silent_for`) and ``name``: the fraction
     of the time since ``prev`` (an earlier result; one without ``total``, made at a start, counts
     from 0) spent in ``total`` (seconds). Without ``prev``, no fraction: the result marks a start."""
     now = time.monotonic()
@@ -204,6 +222,13 @@ def with_fraction(prev: dict[str, Any] | None, report: dict[str, Any], total: st
         done = report[total] - prev.get(total, 0.0)
         out[name] = round(min(1.0, max(0.0, done / dt)), 3) if dt > 0 else 0.0
     return out
+
+
+def silent_for(report: dict[str, Any], now: float) -> float:
+    """Seconds since ``report`` (of :func:`with_fraction`) came, at ``now`` (``time.monotonic()``).
+    Not by the wall clock (``seen``): a step of it (NTP, a VM resumed) would hide a stopped
+    reporter, or show every live one silent for the step."""
+    return now - report.get("_mono", now)
 
 
 def silent_workers(workers: list[dict[str, Any]]) -> str:
@@ -219,17 +244,18 @@ def jobs_view(
     DataLoader workers, each a consumer) make one: their counts, rates and waits added up, the
     share of time they wait averaged, ``readers`` of them. A live rank whose latest report is
     older than :data:`~wdscache.shared.verdict.SILENT_AFTER` is ``silent_s``: rate and wait 0."""
-    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended")
+    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended", "_mono")
     jobs: dict[str, dict[str, Any]] = {}
     for c in consumers.values():
         view = {k: c[k] for k in keep if k in c}
         ranks = jobs.setdefault(str(c.get("job")), {})
         rank = str(c.get("rank"))
         ranks[rank] = _together(ranks[rank], view) if rank in ranks else {**view, "readers": 1}
-    now = time.time()
+    now = time.monotonic()
     for job, ranks in jobs.items():
         for view in ranks.values():
-            silent = now - view.get("seen", now)
+            silent = silent_for(view, now)
+            view.pop("_mono", None)  # (bookkeeping: not shown)
             if starved_by is not None and silent > SILENT_AFTER:  # stopped or hung: its last report no longer holds
                 view.update(silent_s=round(silent, 1), rate=0.0, waiting=0.0)
             view["starved"] = starved_by(job) if starved_by is not None and view.get("waiting", 0.0) > STARVED else None
@@ -237,7 +263,7 @@ def jobs_view(
 
 
 _ADDED = ("samples", "bytes", "rate", "wait_s", "position")  # of a rank's readers together
-_LATEST = ("epoch", "seen", "ended")
+_LATEST = ("epoch", "seen", "ended", "_mono")
 
 
 def _together(rank: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:

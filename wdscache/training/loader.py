@@ -438,21 +438,20 @@ class CachedMultiLoader:
         except BaseException:
             session.conn.close()
             raise
-        stream = EpochStream(self._stream_settings(), session, epoch, start, worker, spec=spec)
-        # Only now the next epoch: an iter() that failed to start leaves the position as it was.
-        self._next = NextEpoch(epoch + 1)
-        self._current, self._current_list = stream, stream.list_id
-        self._resumed_from = None
         local = (
             _local_paths(session.urls, self._given)
             if not isinstance(session.urls, AgentList)
             else (LocalPaths() if session.hello.get("local_urls") else {})
         )
-        as_given = functools.partial(_as_given, local=local) if local else None
+        rename = functools.partial(_as_given, local=local) if local else None
+        stream = EpochStream(self._stream_settings(), session, epoch, start, worker, spec=spec, rename=rename)
+        # Only now the next epoch: an iter() that failed to start leaves the position as it was.
+        self._next = NextEpoch(epoch + 1)
+        self._current, self._current_list = stream, stream.list_id
+        self._resumed_from = None
         if self.map_fn is None and self.batch_size is None:  # counted a read at a time: no Python layer per sample
-            return stream.delivered_samples(as_given)
-        chunks = stream.chunks()
-        items: Iterator[Any] = chain.from_iterable(chunks if as_given is None else map(as_given, chunks))
+            return stream.delivered_samples()
+        items: Iterator[Any] = chain.from_iterable(stream.chunks())
         if self.map_fn is not None:
             items = _mapped(items, self.map_fn, self.workers)
         if self.batch_size is None:
@@ -666,21 +665,18 @@ def _given_path(name: str | None) -> str | None:
 _UNSEEN: Any = object()  # a URL not named yet in _as_given (None: not a local shard)
 
 
-def _as_given(
-    samples: Iterator[dict[str, Any]], local: dict[str, tuple[str, str]] | LocalPaths
-) -> Iterator[dict[str, Any]]:
-    """A read's samples (an iterator over its list), those of local shards named as the user
-    gave them: ``__url__`` and ``__local_path__``, as webdataset's samples have them."""
-    chunk = list(samples)
+def _as_given(samples: list[dict[str, Any]], local: dict[str, tuple[str, str]] | LocalPaths) -> None:
+    """A read's samples, those of local shards named in place as the user gave them: ``__url__``
+    and ``__local_path__``, as webdataset's samples have them (the list is what goes out: the
+    stream counts what was handed out by its iterator)."""
     seen: dict[str, tuple[str, str] | None] = {}  # each URL of the read named once, not once a sample
-    for sample in chunk:
+    for sample in samples:
         url = sample["__url__"]
         named = seen.get(url, _UNSEEN)
         if named is _UNSEEN:
             named = seen[url] = local.get(url)
         if named is not None:
             sample["__url__"], sample["__local_path__"] = named
-    return iter(chunk)
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

@@ -169,8 +169,10 @@ class EpochStream:
         start: Resume | JobEpoch,
         worker_slice: WorkerSlice = WHOLE,
         spec: EpochSpec | MixSpec | None = None,
+        rename: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         self.settings = s = settings
+        self.rename = rename  # what a read's samples get in place before they go out (see _pipeline)
         self.worker_slice = worker_slice  # this process's slice of the rank's share (a DataLoader worker's)
         self.session = session
         self.name, self.conn, self.urls, self.list_id = session.name, session.conn, session.urls, session.list_id
@@ -320,25 +322,18 @@ class EpochStream:
             log.warning("epoch %d ends at a shard that cannot be read: %s", self.spec.epoch, stop)
         self.complete = True  # an epoch a handler stopped is over too: the next one follows
 
-    def delivered_samples(
-        self, each: Callable[[Iterator[dict[str, Any]]], Iterator[dict[str, Any]]] | None = None
-    ) -> Iterator[dict[str, Any]]:
+    def delivered_samples(self) -> Iterator[dict[str, Any]]:
         """The rank's samples as :meth:`delivering` yields them, counted a chunk at a time: no
-        layer of Python per sample (``delivered`` asks the chunk's iterator how far it is).
-        ``each`` makes a chunk's samples into what is handed out, as many, a read at a time."""
-        handed = self._handed(each)
+        layer of Python per sample (``delivered`` asks the chunk's iterator how far it is)."""
+        handed = self._handed()
         try:
             yield from chain.from_iterable(handed)
         finally:
             handed.close()
 
-    def _handed(
-        self, each: Callable[[Iterator[dict[str, Any]]], Iterator[dict[str, Any]]] | None
-    ) -> Generator[Iterator[dict[str, Any]], None, None]:
+    def _handed(self) -> Generator[Iterator[dict[str, Any]], None, None]:
         try:
             for it in self.chunks():
-                if each is not None:
-                    it = each(it)
                 n = length_hint(it)
                 self._handing = (n, it)
                 yield it
@@ -350,9 +345,10 @@ class EpochStream:
 
     def _pipeline(self) -> Iterator[Iterator[dict[str, Any]]]:
         """The rank's samples in order, an iterator over a list per read (``_out``: that one,
-        and the payload bytes of each sample in it). A hole (a sample of a shard skipped with
-        ``on_error="skip"``) is filled with a repeat of the sample before it (of the first
-        one read, for holes before it), so every rank keeps its count."""
+        and the payload bytes of each sample in it), each list renamed in place first
+        (``rename``): the reporter counts what went out by that very iterator. A hole (a sample
+        of a shard skipped with ``on_error="skip"``) is filled with a repeat of the sample
+        before it (of the first one read, for holes before it), so every rank keeps its count."""
         limit = self.settings.inflight or max(4, 2 * len(self.workers))
         owned = self._owned()
         reads = self.reads
@@ -416,6 +412,8 @@ class EpochStream:
                     samples, sizes, last, owed = filled(samples, sizes, last, owed, stats)
                 elif samples:
                     last = samples[-1]
+                if self.rename is not None:
+                    self.rename(samples)
                 it = iter(samples)
                 stats["samples"] += len(samples)
                 stats["bytes"] += sum(sizes)
