@@ -134,8 +134,8 @@ class Agent:
         self._stop = threading.Event()
         self._lock = AgentLock(self.layout.lock_path)
         self._run = secrets.token_hex(16)  # names this agent process: a key seen by others dies with it
-        self._started = time.time()  # (agent.json's; uptime is by the monotonic clock, which no NTP step moves)
-        self._started_mono = time.monotonic()
+        # agent.json's start; uptime is by the monotonic clock, which no NTP step moves
+        self._started, self._started_mono = time.time(), time.monotonic()
         self._last_flush = time.monotonic()
         self._last_metrics = time.monotonic()
         self._metrics: MetricsServer | None = None  # serving /metrics (--metrics-port)
@@ -268,10 +268,9 @@ class Agent:
 
     def _write_state(self) -> None:
         state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint, "process": process_identity()}
-        if self._metrics is not None:
-            state["metrics"] = self._metrics.url
-        if self.config.private_users is not None:
-            state["private_users"] = str(self.config.private_users)  # loaders joining us lock it
+        state |= {"metrics": self._metrics.url} if self._metrics is not None else {}
+        if self.config.private_users is not None:  # loaders joining us lock it
+            state["private_users"] = str(self.config.private_users)
         write_private(self.layout.state_path, json.dumps(state).encode())
 
     def shutdown(self) -> None:
