@@ -4,7 +4,7 @@ Tests and benchmarks point wdscache at :class:`ShardServer` instead of a cloud
 bucket.  It speaks enough of HTTP to exercise a real client (keep-alive, byte
 ranges, validators) and can be told to misbehave on purpose: throttle
 bandwidth, delay the first byte, or inject faults into the next requests of a
-given file.  Everything it did is kept in a request log for assertions.
+given file (a broken body, an error status, a response head that never ends).  Everything it did is kept in a request log for assertions.
 
 Only the standard library is used, and it binds to 127.0.0.1 only.  It lives in
 scripts/ because the benchmark and demo scripts serve their shards with it too:
@@ -34,7 +34,9 @@ from typing import Any, BinaryIO
 __all__ = ["FAULT_KINDS", "Request", "ShardServer"]
 
 #: Fault kinds accepted by :meth:`ShardServer.fail`.
-FAULT_KINDS = frozenset({"status", "cut", "short", "stall", "html", "no_range", "change"})
+FAULT_KINDS = frozenset({"status", "cut", "short", "stall", "html", "no_range", "change", "trickle"})
+# The kinds that also apply to (and are consumed by) HEAD requests.
+_HEAD_FAULTS = frozenset({"status", "trickle"})
 
 # Which keyword parameters each fault kind understands; anything else is a typo.
 _FAULT_PARAMS: dict[str, frozenset[str]] = {
@@ -45,6 +47,7 @@ _FAULT_PARAMS: dict[str, frozenset[str]] = {
     "html": frozenset({"body"}),
     "no_range": frozenset({"after"}),
     "change": frozenset({"after", "content", "etags"}),
+    "trickle": frozenset({"every"}),
 }
 
 _RANGE_RE = re.compile(r"\s*bytes\s*=\s*([0-9]*)\s*-\s*([0-9]*)\s*", re.IGNORECASE)
@@ -116,7 +119,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._respond(head=False)
 
     def do_HEAD(self) -> None:  # noqa: N802
-        """Serve the headers a GET would get (only "status" faults apply)."""
+        """Serve the headers a GET would get ("status" and "trickle" faults apply)."""
         self._respond(head=True)
 
     def finish(self) -> None:
@@ -163,6 +166,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if params.get("retry_after") is not None:
                 extra["Retry-After"] = str(params["retry_after"])
             self._simple(owner, method, name, range_header, status, body, head, extra, kind)
+            return
+        if fault is not None and kind == "trickle":
+            self._trickle(owner, method, name, range_header, float(fault.params.get("every", 0.5)))
             return
         if fault is not None and kind == "html":
             body = fault.params.get("body", _DEFAULT_HTML)
@@ -286,6 +292,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             remaining -= len(data)
             record.bytes_sent += len(data)
             record.sent_at = time.monotonic()
+
+    def _trickle(self, owner: ShardServer, method: str, name: str, range_header: str | None, every: float) -> None:
+        """A status line, then one byte of a header every ``every`` seconds, never ending (until
+        the client hangs up or the server stops): a broken server or proxy no read timeout sees."""
+        owner._log(
+            Request(method, name, range_header, 200, 0, "trickle", time.monotonic(), self.headers.get("If-Range"))
+        )
+        self.close_connection = True
+        self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Trickle: ")
+        while True:
+            owner._sleep(every)
+            self.wfile.write(b"a")
 
     def _begin(
         self,
@@ -511,7 +529,7 @@ class ShardServer:
         Kinds and their parameters:
 
         - ``status``: ``status`` (required), ``retry_after``, ``body``, ``headers``.
-          The only kind that also applies to (and is consumed by) HEAD.
+          Also applies to (and is consumed by) HEAD.
         - ``cut``: full headers, then a TCP reset after ``after`` body bytes
           (default half the body).
         - ``short``: only ``after`` bytes (of a body its Content-Length, if sent, says is
@@ -526,6 +544,9 @@ class ShardServer:
           new version, ``content`` (bytes, required; its mtime a second later, so both its
           ETag and its Last-Modified change), the server's ``etags`` becomes ``etags`` if
           given, and the connection is reset: an object replaced mid-download.
+        - ``trickle``: a status line, then one byte of a header every ``every`` seconds
+          (default 0.5), until the client hangs up or the server stops: a head that never
+          ends, though the connection is never silent. Also applies to (and is consumed by) HEAD.
 
         Any kind also takes ``range``: it then applies only to a GET whose Range header is
         exactly that (say, one part of a download in parallel parts).
@@ -631,7 +652,7 @@ class ShardServer:
                 return None
             # A fault for one Range waits for that request; the others pass it by.
             fault = next((f for f in queue if f.params.get("range") in (None, range_header)), None)
-            if fault is None or (head and fault.kind != "status"):
+            if fault is None or (head and fault.kind not in _HEAD_FAULTS):
                 return None
             queue.remove(fault)
             if not queue:

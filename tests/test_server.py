@@ -377,6 +377,24 @@ def test_fault_stall(server: ShardServer, http: requests.Session, data: bytes) -
     assert got == [data]
 
 
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_fault_trickle_sends_a_head_that_never_ends_yet_is_never_silent(
+    server: ShardServer, data: bytes, method: str
+) -> None:
+    server.fail("data.tar", "trickle", every=0.05)
+    got = bytearray()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as sock:
+        sock.sendall(f"{method} /data.tar HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        until = time.monotonic() + 0.5
+        while time.monotonic() < until:
+            got += sock.recv(100)  # (each read within TIMEOUT: a read timeout never fires)
+    start = b"HTTP/1.1 200 OK\r\nX-Trickle: "
+    assert got.startswith(start) and set(got[len(start) :]) == {ord("a")} and len(got) >= len(start) + 3, got
+    assert [(r.method, r.fault) for r in server.requests] == [(method, "trickle")]
+    _, _, body, error = raw_get(server.port, "/data.tar")  # consumed: the next request is served
+    assert body == data and error is None
+
+
 def test_fault_html(server: ShardServer, http: requests.Session, data: bytes) -> None:
     server.fail("data.tar", "html")
     # HEAD neither sees nor consumes a non-status fault.

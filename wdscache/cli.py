@@ -216,7 +216,7 @@ def main() -> None:
     default=default("read_timeout"),
     type=float,
     show_envvar=True,
-    help="Seconds without data before a download is retried.",
+    help="Seconds without data, or for a whole HTTP response head, before a download is retried.",
 )
 @click.option(
     "--revalidate/--no-revalidate",

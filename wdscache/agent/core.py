@@ -194,7 +194,9 @@ class Agent:
             # A million lines take a second or two to read: the directory is taken and the
             # worker processes start meanwhile (on the other cores).
             listed = reading.submit(self._list_file.read)
-            took = take_cache_dir(self.config, self.layout, self._lock, self.fetcher, listed, self.endpoint, self._run)
+            took = take_cache_dir(
+                self.config, self.layout, self._lock, self.fetcher, listed, self.endpoint, self._run, self._stop
+            )
         self.pool, self.cache, self.mailbox, self.socket = took.pool, took.cache, took.mailbox, took.socket
         self._metrics = took.metrics
         self._build(took.urls, cache_root=[took.root.st_dev, took.root.st_ino])

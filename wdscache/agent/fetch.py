@@ -129,7 +129,8 @@ class Fetcher:
         download_parts: int = default("download_parts"),
         download_part_size: str = default("download_part_size"),
     ) -> None:
-        self._sources = make_sources(Settings(connect_timeout, read_timeout, s3_endpoint_url))
+        self.settings = Settings(connect_timeout, read_timeout, s3_endpoint_url)
+        self._sources = make_sources(self.settings)
         self._backoff = Backoff(retries, backoff, backoff_max)
         self._parted = PartedFetch(
             download_parts,

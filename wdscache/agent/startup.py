@@ -13,13 +13,20 @@ Guarantees:
   given back in reverse order, the lock last, and what it made in the directory (lock file,
   token, index, folders; the directory itself) is removed (:meth:`CacheLayout.undo_start`).
 - Every file and socket the agent makes from here on is private to its user (umask 077).
+- The start-up window's sizes are asked of their sources for at most the time an answer may take
+  to begin (``Settings.answer_timeout``: the connect timeout, 10 s, and ``--read-timeout``), and
+  no longer once the agent is told to stop: a size not known by then is unknown, as one a server
+  does not give.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..shared.config import AgentConfig, format_size, parse_size
@@ -39,6 +46,7 @@ from .readers import startup_reader
 log = get_logger(__name__)
 
 PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
+LOOK_EVERY = 0.25  # seconds between looks at the stop flag while sizes are asked
 
 
 @dataclass(frozen=True)
@@ -62,10 +70,12 @@ def take_cache_dir(
     listed: Future[UrlList],
     endpoint: str,
     run: str,
+    stop: threading.Event,
 ) -> Taken:
     """Take the cache directory of ``layout``, start the workers and open the cache, with the
     list being read meanwhile (``listed``). Whatever fails (a bad line of the list too) undoes
-    what this start did there, the lock released last."""
+    what this start did there, the lock released last. Once ``stop`` is set, sizes still asked
+    of sources are not waited for (the start ends soon, for the agent to stop)."""
     made = layout.prepare()
     root = os.stat(layout.root)
     os.umask(0o077)  # every file and socket we create is private to this user
@@ -84,7 +94,7 @@ def take_cache_dir(
         pool.start()
         undo.callback(pool.stop)
         urls = listed.result()
-        cache = _open_cache(layout, cfg, urls, fetcher)
+        cache = _open_cache(layout, cfg, urls, fetcher, stop)
         undo.callback(cache.close)
         mailbox = Mailbox()
         undo.callback(mailbox.close)
@@ -95,7 +105,9 @@ def take_cache_dir(
     return Taken(urls, root, pool, cache, mailbox, socket, metrics)
 
 
-def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: Fetcher) -> ShardCache:
+def _open_cache(
+    layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: Fetcher, stop: threading.Event
+) -> ShardCache:
     """Open the cache: recover it, shrink it to the budget, check the budget can hold a window."""
     st = os.statvfs(layout.root)
     fs_total = st.f_blocks * st.f_frsize
@@ -112,7 +124,7 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
         if any(recovered.values()):
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
         cache.shrink(first)  # restarted with a smaller --cache-size: to it before anything else
-        _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total)
+        _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total, stop)
         cache.index.set_meta(
             {"bytes_limit": limit, "min_free": min_free, "prefetch": cfg.prefetch, "urls": str(cfg.urls)}
         )
@@ -123,7 +135,13 @@ def _open_cache(layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: F
 
 
 def _check_budget(
-    cache: ShardCache, prefetch: int, need_shards: int, first: list[str], fetcher: Fetcher, fs_total: int
+    cache: ShardCache,
+    prefetch: int,
+    need_shards: int,
+    first: list[str],
+    fetcher: Fetcher,
+    fs_total: int,
+    stop: threading.Event,
 ) -> None:
     """Refuse a budget that can never hold a reader's window of the largest shards we know of
     (those of the start-up window ``first``; a reader holds ``need_shards`` at once).
@@ -141,7 +159,7 @@ def _check_budget(
     )
     if usable <= 0:
         raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
-    sizes = [s for s in _probe_sizes(cache, fetcher, first) if s]
+    sizes = [s for s in _probe_sizes(cache, fetcher, first, stop) if s]
     if not sizes:
         return
     need = need_shards * max(sizes)
@@ -174,21 +192,62 @@ def _check_budget(
         )
 
 
-def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str]) -> list[int]:
+def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str], stop: threading.Event) -> list[int]:
     """The size of each of ``urls`` (0: unknown): the index's, else its source's (a HEAD, or a
-    stat), all asked at once, in up to ``PROBE_THREADS`` threads: a start waits for the slowest
-    answer, not for the sum of them."""
+    stat), all asked at once (a start waits for the slowest answer, not for the sum of them), for
+    at most an answer's time and until ``stop`` is set (see the module's guarantees)."""
     known = {u: rec.size for u in urls if (rec := cache.index.get(u)) is not None and rec.size}
     ask = [u for u in urls if u not in known]
     if ask:
-        with ThreadPoolExecutor(max_workers=min(len(ask), PROBE_THREADS), thread_name_prefix="probe") as pool:
-            known.update(zip(ask, pool.map(lambda u: _source_size(fetcher, u), ask)))
-    return [known[u] for u in urls]
+        known.update(_ask_sizes(fetcher, ask, stop))
+    return [known.get(u, 0) for u in urls]
+
+
+def _ask_sizes(fetcher: Fetcher, urls: list[str], stop: threading.Event) -> dict[str, int]:
+    """The sizes of ``urls`` their sources give within ``fetcher.settings.answer_timeout``, asked in
+    up to ``PROBE_THREADS`` threads; none more once ``stop`` is set. The threads are daemons: one
+    still waiting for its source (a hung mount, say) is left to end by itself, and never holds
+    the agent's exit."""
+    todo, got = deque(urls), {}
+    lock, done = threading.Lock(), threading.Event()
+
+    def ask() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                url = todo.popleft()
+            size = _source_size(fetcher, url)
+            with lock:
+                got[url] = size
+                if len(got) == len(urls):
+                    done.set()
+
+    for i in range(min(len(urls), PROBE_THREADS)):
+        threading.Thread(target=ask, name=f"probe-{i}", daemon=True).start()
+    seconds = fetcher.settings.answer_timeout
+    deadline = time.monotonic() + seconds
+    while not done.wait(max(0.0, min(LOOK_EVERY, deadline - time.monotonic()))):
+        if stop.is_set() or time.monotonic() >= deadline:
+            break
+    with lock:
+        todo.clear()  # (a thread still asking asks no more)
+        sizes = dict(got)
+    if len(sizes) < len(urls) and not stop.is_set():
+        log.warning(
+            "%d of the first %d shards' sizes not known within %gs (the connect timeout + --read-timeout): "
+            "the budget is checked against the others; slow or unreachable source, e.g. %s",
+            len(urls) - len(sizes),
+            len(urls),
+            seconds,
+            next(u for u in urls if u not in sizes),
+        )
+    return sizes
 
 
 def _source_size(fetcher: Fetcher, url: str) -> int:
     try:
         described = fetcher.describe(url)
     finally:
-        fetcher.close_thread()  # a pool thread may ask again: no session lingers past its answer
+        fetcher.close_thread()  # a probe thread may ask again: no session lingers past its answer
     return described.size if described else 0

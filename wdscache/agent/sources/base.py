@@ -29,6 +29,13 @@ class Settings:
     def timeout(self) -> tuple[float, float]:
         return self.connect_timeout, self.read_timeout
 
+    @property
+    def answer_timeout(self) -> float:
+        """Seconds a source's answer may take to begin (an HTTP response's head; a size asked at
+        start-up), from its request's start: its connection, then its whole head (HTTP's is bounded
+        whole, not only each read of it: :mod:`.http_head`)."""
+        return self.connect_timeout + self.read_timeout
+
 
 @dataclass(frozen=True)
 class SourceResponse:

@@ -2,7 +2,10 @@
 
 A resume sends ``If-Range`` with the version its bytes came with. A 429 or 503 with
 ``Retry-After`` (on a GET or a HEAD) holds every next request to that URL, from any
-thread, until the time it names.
+thread, until the time it names. An answer's head (of a GET or a HEAD) not whole within the
+read timeout of its request (not only no read that long), or a GET's once its download is
+cancelled, ends the request (:mod:`.http_head`): a GET's attempt fails (TimeoutError: retried as a
+read timeout is), a HEAD knows no size.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ...shared.logs import get_logger
 from ..shard_download import Cancelled, Fetched, Retry
 from ..validators import Version
 from .base import CHUNK, Settings, Source, SourceResponse, Unexpected, Unsatisfiable
+from .http_head import WatchedAdapter, send_watched
 
 log = get_logger(__name__)
 
@@ -44,6 +48,9 @@ class HttpSource(Source):
         if session is None:
             session = self._local.session = requests.Session()
             session.headers["User-Agent"] = "wdscache"
+            adapter = WatchedAdapter()
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
         return session
 
     def close_thread(self) -> None:
@@ -58,7 +65,12 @@ class HttpSource(Source):
     def probe(self, url: str) -> Fetched | None:
         try:
             self._wait_turn(url)
-            r = self._session().head(url, timeout=self.settings.timeout, allow_redirects=True)
+            session = self._session()
+            r = send_watched(
+                lambda: session.head(url, timeout=self.settings.timeout, allow_redirects=True),
+                url,
+                self.settings.read_timeout,
+            )
         except (OSError, requests.RequestException):
             return None
         self._answered.add(_host(url))
@@ -79,7 +91,14 @@ class HttpSource(Source):
         if start and held:
             headers["If-Range"] = held  # an ETag or an HTTP date: both are valid here
         self._wait_turn(url, cancel)
-        with self._session().get(url, headers=headers, stream=True, timeout=self.settings.timeout) as r:
+        session = self._session()
+        answer = send_watched(
+            lambda: session.get(url, headers=headers, stream=True, timeout=self.settings.timeout),
+            url,
+            self.settings.read_timeout,
+            cancel,
+        )
+        with answer as r:
             self._answered.add(_host(url))
             status = r.status_code
             if status in PERMANENT_STATUS:
