@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import re
 import signal
 import socket
@@ -1013,6 +1014,11 @@ def test_a_shard_client_shared_by_threads_or_copied_by_fork_keeps_each_ones_pins
         for url in urls[1:]:
             client.release(url)
         assert agent.stats()["agent"]["pinned"] == 1  # the first shard's one pin left
+        # So is an unpickled copy of a client that has asked the agent things (its connection's proofs).
+        copy = pickle.loads(pickle.dumps(client))
+        assert copy.name != client.name and copy.open(ds.urls[2]) == expected[2]
+        copy.close()
+        assert agent.stats()["agent"]["pinned"] == 1
         # A forked child's copy is a client of its own: its close() lets go of its own pins, not ours.
         pid = os.fork()
         if pid == 0:

@@ -105,6 +105,9 @@ def _leaks(text: str) -> list[str]:
         ("http://AKIA:wJalr/XUtn+K7@127.0.0.1:8000/x.tar", "http://***@127.0.0.1:8000/x.tar"),
         ("failed: 'http://bob:pa#SECRET@h/x.tar' (InvalidURL)", "failed: 'http://***@h/x.tar' (InvalidURL)"),
         ("http://h:8080/m@v2.tar http://[::1]:80/a@b.tar", "http://h:8080/m@v2.tar http://[::1]:80/a@b.tar"),
+        # Whole user info before the host: masked alone, the host and path shown (an "@" after them too).
+        ("http://u:pw@h:81/s@v2.tar?owner=ann@corp.example", "http://***@h:81/s@v2.tar?owner=ann@corp.example"),
+        ("http://u:secret@h/a.tar,other=x@y", "http://***@h/a.tar,other=x@y"),
         # Signatures by other names: Akamai's token (whose value holds more "="), an hmac.
         ("http://h/a.tar?hdnts=exp=1~acl=/*~hmac=abc&page=2", "http://h/a.tar?hdnts=***&page=2"),
         ("http://h/z.tar?HMAC=S1", "http://h/z.tar?HMAC=***"),

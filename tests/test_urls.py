@@ -407,7 +407,18 @@ def test_a_dotdot_after_a_symlink_is_the_folder_above_its_target(tmp_path: Path)
     (tmp_path / "data" / "link").symlink_to(tmp_path / "other" / "deep")
     real = os.path.realpath(tmp_path)
     assert parse_url_list("data/link/../x.tar", base_dir=str(tmp_path)).urls == (f"file://{real}/other/x.tar",)
-    assert parse_url_list("data/none/../x.tar", base_dir=str(tmp_path)).urls == (f"file://{real}/data/x.tar",)
+    assert parse_url_list("data/none/../x.tar", base_dir=str(tmp_path)).urls == (f"file://{tmp_path}/data/x.tar",)
+    # A link before any other part keeps its spelling: one file, one URL, however it is written.
+    (tmp_path / "top").symlink_to(tmp_path / "data")
+    (tmp_path / "data" / "sub").mkdir()
+    assert parse_url_list("top/x.tar\ntop/sub/../x.tar\ntop/./sub/../../top/x.tar", base_dir=str(tmp_path)).urls == (
+        f"file://{tmp_path}/top/x.tar",
+    )
+    # The list's own folder as it was opened: its lines relative to where the list is.
+    (tmp_path / "other" / "deep" / "urls.txt").write_text("a.tar\n")
+    assert read_url_list(tmp_path / "data" / "link" / ".." / "deep" / "urls.txt").urls == (
+        f"file://{real}/other/deep/a.tar",
+    )
 
 
 def test_a_password_with_a_slash_or_hash_as_it_is_is_refused_and_never_shown() -> None:

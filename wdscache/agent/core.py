@@ -145,16 +145,7 @@ class Agent:
         self._private = _PrivateUse(config.private_users)
         if config.metrics_port is not None:
             require_metrics()  # before anything starts: the missing extra is a bad option
-        self.fetcher = Fetcher(
-            connect_timeout=config.connect_timeout,
-            read_timeout=config.read_timeout,
-            retries=config.retries,
-            backoff=config.backoff,
-            backoff_max=config.backoff_max,
-            s3_endpoint_url=config.s3_endpoint_url,
-            download_parts=config.download_parts,
-            download_part_size=config.download_part_size,
-        )
+        self.fetcher = Fetcher.of(config)
         self._on_event: dict[type, Callable[[Any], None]] = {
             BudgetAsked: lambda e: self.downloads.asked(e.grant),
             ValidatorFound: lambda e: self.cache.set_validator(e.download.url, e.etag),

@@ -69,7 +69,7 @@ from urllib.parse import urlsplit
 import requests
 import urllib3
 
-from ..shared.config import default, parse_size
+from ..shared.config import AgentConfig, default, parse_size
 from ..shared.errors import FetchError
 from ..shared.logs import get_logger
 from ..shared.tarwalk import GZIP_MAGIC, cut_problem, file_problem
@@ -138,6 +138,20 @@ class Fetcher:
             self._backoff,
             read_timeout,
             self.close_thread,
+        )
+
+    @classmethod
+    def of(cls, config: AgentConfig) -> Fetcher:
+        """The fetcher of an agent with ``config``."""
+        return cls(
+            connect_timeout=config.connect_timeout,
+            read_timeout=config.read_timeout,
+            retries=config.retries,
+            backoff=config.backoff,
+            backoff_max=config.backoff_max,
+            s3_endpoint_url=config.s3_endpoint_url,
+            download_parts=config.download_parts,
+            download_part_size=config.download_part_size,
         )
 
     def close_thread(self) -> None:

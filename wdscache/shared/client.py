@@ -205,8 +205,13 @@ class AgentConnection:
         self._closer: weakref.finalize | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        # The callbacks belong to the owner, which sets them again on its copy.
-        return {**self.__dict__, "on_new_run": None, "on_forgotten": None}
+        # A copy (in another process, say) connects and proves the agent anew at its first request;
+        # the callbacks belong to the owner, which sets them again on its copy.
+        kept = {k: v for k, v in self.__dict__.items() if k not in ("_ids", "_replies", "_ctx", "_sock", "_closer")}
+        return {**kept, "key": None, "_pid": -1, "on_new_run": None, "on_forgotten": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _ids=itertools.count(1), _replies=None, _ctx=None, _sock=None, _closer=None)
 
     def _socket(self) -> zmq.Socket:
         # Closed already when collected in a cycle whose other objects' finalizers still use us:

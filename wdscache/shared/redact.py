@@ -35,9 +35,10 @@ MASK = "***"
 # '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
 _USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
 # A password written with a "/", "?" or "#" as it is (which a list refuses, but a text may quote):
-# a "port" that is no number, then everything up to the last "@" before the URL ends.
+# a "port" that is no number, then everything up to the last "@" before the URL ends; only where
+# the user info is not whole before the host ("(?!...@)": then _USER_INFO masks it alone).
 _BROKEN_USER_INFO = re.compile(
-    r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))[^\s\"<>]*@"
+    r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))[^\s\"<>]*@"
 )
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
 # path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``).

@@ -543,14 +543,30 @@ class UrlList:
 
 
 def _abs_path(path: str) -> str:
-    if "/.." in path:  # "link/..": the folder above the link's target, as the OS opens it, not the text
-        folder, name = os.path.split(path)
-        path = os.path.join(os.path.realpath(folder), name)
+    if "/.." in path:
+        return _up_as_the_system_goes(path)
     path = os.path.normpath(path)
     # POSIX keeps a leading "//" as implementation-defined; make it one slash.
     if path.startswith("//"):
         path = "/" + path.lstrip("/")
     return path
+
+
+def _up_as_the_system_goes(path: str) -> str:
+    """The absolute ``path`` without ``.``, ``..`` and empty parts: a ``..`` after a symbolic link
+    is the folder above the link's target, as the system opens it (not the folder the text names);
+    any other part keeps its spelling (``top/sub/..`` is ``top``, a link or not), so that two
+    spellings of one file stay one URL. One look at the file system for each ``..``."""
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part == "..":
+            if parts and os.path.islink(here := "/" + "/".join(parts)):
+                parts = [p for p in os.path.realpath(here).split("/") if p]
+            if parts:
+                parts.pop()
+        elif part not in ("", "."):
+            parts.append(part)
+    return "/" + "/".join(parts)
 
 
 def file_path(url: str) -> str:
@@ -1005,7 +1021,7 @@ def list_of_bytes(
         reason = f"not valid UTF-8 (bad byte at offset {exc.start}); save the list as UTF-8"
         raise UrlListError(path, lineno, line, reason) from None
     del data  # (a copy, without its BOM): the text is enough
-    base_dir = os.path.dirname(os.path.abspath(path))
+    base_dir = os.path.dirname(_abs_path(os.path.join(os.getcwd(), path)))  # (its "..": as it was opened)
     if looks_like_index(text):
         written, facts = read_shard_index(text, path=path)
         del text
