@@ -82,6 +82,8 @@ _SCHEME_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 _BRACE_TOKENS = re.compile(r"(\\.|[{},])", re.DOTALL)
 _COMMENT_START = re.compile(r"\s#")
 _AUTHORITY_END = re.compile(r"[/?#]")
+# An http(s) line of a list whose host, with no user info before it, has a port that is no number.
+_PORT_NOT_A_NUMBER = re.compile(r"\nhttps?://(?=[^/?#\n@]*[/?#\n])[^/?#\n:]*:[0-9]*[^0-9/?#\n]")
 _SPACE = re.compile(r"\s")
 # _plain_lines: white space inside a line.
 _ASCII_SPACE = " \t\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.split splits an ASCII line at
@@ -827,7 +829,7 @@ def _plain(joined: str, lines: list[str], base: str) -> str | None:
         firsts.count("h") == n
         and joined.count("\nhttp://") + joined.count("\nhttps://") == n
         and not any(f"\n{scheme}://{c}" in joined for scheme in ("http", "https") for c in "/?#@:\n[")
-        and "@" not in joined  # (user info: checked line by line)
+        and ("@" not in joined or _PORT_NOT_A_NUMBER.search(joined) is None)  # (see _check_user_info)
     ):
         return ""
     if ":" in joined or "//" in joined or "/" in lasts:
