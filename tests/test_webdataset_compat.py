@@ -134,10 +134,11 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
     monkeypatch.chdir(root.parent)
     rel = f"{root.name}/shard-{{000000..000002}}.tar"
     absolute = [str(p) for p in data.paths]
-    opaque = [f"file:{root.name}/{data.paths[0].name}"] + [
-        f"file:{p}" for p in absolute[1:]
-    ]  # as webdataset opens them
-    for urls in (rel, absolute, [f"file://{p}" for p in absolute], opaque):
+    # webdataset's file: URLs as written: its own forms, and spellings the agent's canonical URL cleans up
+    opaque = [f"file:{root.name}/{data.paths[0].name}"] + [f"file:{p}" for p in absolute[1:]]
+    unclean = [f"file://{root}/./{data.paths[0].name}", f"file://{root}//{data.paths[1].name}"]
+    unclean.append(f"file://localhost{absolute[2]}")
+    for urls in (rel, absolute, [f"file://{p}" for p in absolute], opaque, unclean):
         ours = _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))
         theirs = _samples(wds.WebDataset(urls, shardshuffle=False))
         assert ours == theirs and len(ours) == 12, urls

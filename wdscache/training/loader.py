@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
+from urllib.parse import urlsplit
 
 from ..shared.client import AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import ConfigError
@@ -659,7 +660,7 @@ def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[
 
 
 def _given_path(name: str | None) -> str | None:
-    return name[5:] if name is not None and name[:5].lower() == "file:" else name
+    return urlsplit(name).path if name is not None and name[:5].lower() == "file:" else name  # (as webdataset)
 
 
 _UNSEEN: Any = object()  # a URL not named yet in _as_given (None: not a local shard)

@@ -104,7 +104,7 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
     for item in items:
         if (
             not isinstance(item, str)
-            or _SCHEME.match(item)
+            or (_SCHEME.match(item) and item[:5].lower() != "file:")
             or item.startswith(PIPE)
             or (len(items) == 1 and isinstance(urls, str) and not ("{" in item or item.endswith(SHARD_SUFFIXES)))
         ):
