@@ -15,8 +15,10 @@ final ``{"report": ...}`` line, as JSON, on stdout):
                                                         decode() of .cls/.json, to_tuple, batched(64);
                                                         with --memory, over the samples each worker read
                                                         into its own memory in epoch 1 (the pipeline's own
-                                                        cost, from epoch 2 on); with --persistent,
-                                                        persistent_workers=True
+                                                        cost, from epoch 2 on); with --pread, over the
+                                                        least reader of the page cache (offsets found in
+                                                        epoch 1, each payload pread into new bytes after);
+                                                        with --persistent, persistent_workers=True
     random --system wids|wdscache --index F --cache-dir D   ds[i] over a random permutation of every index
                                                         (its first --max-samples)
     zmq --samples N --sizes A,B,C                       raw pyzmq IPC PUSH/PULL, multipart, copy=False
@@ -481,10 +483,35 @@ def mode_torch(args: argparse.Namespace) -> None:
                 self.held = list(wds.WebDataset(self.urls, shardshuffle=False))
             return iter(self.held)
 
+    class Pread(torch.utils.data.IterableDataset):
+        """Each worker's shards (the same split), their members' offsets found in its first epoch
+        (with tarfile); each epoch then reads every payload with one pread into new bytes, as a
+        source with its offsets known costs at the least: the limit of any reader of the page cache."""
+
+        def __init__(self, paths: list[str]) -> None:
+            self.paths, self.tables = paths, None
+
+        def __iter__(self) -> Iterable[dict[str, Any]]:
+            info = torch.utils.data.get_worker_info()
+            mine = self.paths[info.id :: info.num_workers] if info is not None else self.paths
+            if self.tables is None:
+                self.tables = [(path, _member_table(path)) for path in mine]
+            for path, table in self.tables:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    for key, fields in table:
+                        sample: dict[str, Any] = {"__key__": key, "__url__": path}
+                        for ext, offset, size in fields:
+                            sample[ext] = os.pread(fd, size, offset)
+                        yield sample
+                finally:
+                    os.close(fd)
+
     def samples() -> Iterable[dict[str, Any]]:
         if "dl" not in holder:
-            if args.memory:
-                ds = type("Pipeline", (wds.DataPipeline, wds.FluidInterface), {})(Held(read_urls(args.urls_file)))
+            if args.memory or args.pread:
+                source = Held(read_urls(args.urls_file)) if args.memory else Pread(read_urls(args.urls_file))
+                ds = type("Pipeline", (wds.DataPipeline, wds.FluidInterface), {})(source)
             elif args.cache_dir:
                 import wdscache
 
@@ -495,13 +522,37 @@ def mode_torch(args: argparse.Namespace) -> None:
                 ds = wds.WebDataset(read_urls(args.urls_file), shardshuffle=False)
             ds = ds.decode().to_tuple("jpg", "cls", "json").batched(TORCH_BATCH)
             holder["dl"] = torch.utils.data.DataLoader(
-                ds, batch_size=None, num_workers=args.workers, persistent_workers=args.memory or args.persistent
+                ds,
+                batch_size=None,
+                num_workers=args.workers,
+                persistent_workers=args.memory or args.pread or args.persistent,
             )
         for jpgs, _, _ in holder["dl"]:
             for jpg in jpgs:  # run_epoch counts samples and payload bytes: the images'
                 yield {"jpg": jpg}
 
     final([run_epoch(e, samples, agent_pid=args.agent_pid) for e in range(args.epochs)])
+
+
+def _member_table(path: str) -> list[tuple[str, list[tuple[str, int, int]]]]:
+    """A tar's samples as webdataset groups them (key: the name to its basename's first dot),
+    each with its fields: extension, offset of the data, size."""
+    import tarfile
+
+    table: list[tuple[str, list[tuple[str, int, int]]]] = []
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            folder, _, base = member.name.rpartition("/")
+            stem, dot, ext = base.partition(".")
+            if not dot:
+                continue
+            key = f"{folder}/{stem}" if folder else stem
+            if not table or table[-1][0] != key:
+                table.append((key, []))
+            table[-1][1].append((ext, member.offset_data, member.size))
+    return table
 
 
 def mode_zmq(args: argparse.Namespace) -> None:
@@ -855,6 +906,11 @@ def main() -> None:
         "--memory",
         action="store_true",
         help="each worker's --urls-file shards read into its memory in epoch 1, served from it after",
+    )
+    p.add_argument(
+        "--pread",
+        action="store_true",
+        help="each worker's --urls-file shards indexed in epoch 1, each payload pread from the page cache after",
     )
     p = sub.add_parser("random")
     p.add_argument("--system", choices=("wids", "wdscache"), required=True)
