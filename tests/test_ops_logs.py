@@ -193,3 +193,17 @@ def test_a_url_list_change_is_one_json_record_with_counts_and_a_redacted_sample(
     # One record for the change: none per URL.
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     assert not [r for r in records if r["message"].lstrip().startswith(("+ ", "- "))], records
+
+
+def test_an_agent_that_cannot_start_says_why_in_one_json_record(tmp_path, dataset, start_agent, run_cli):
+    data = dataset(1, samples=2)
+    cache = tmp_path / "cache"
+    running = start_agent(cache, data.list_file)
+    for args, code, says in (
+        (("--cache-dir", str(cache), "--urls", str(data.list_file)), 1, f"pid {running.pid}"),
+        (("--cache-dir", str(tmp_path / "other"), "--urls", str(tmp_path / "none.txt")), 2, "none.txt"),
+    ):
+        done = run_cli("agent", *args, "--log-format", "json")
+        assert done.returncode == code, done.stderr
+        (record,) = (json.loads(line) for line in done.stderr.splitlines())
+        assert record["level"] == "ERROR" and says in record["message"] and ISO.match(record["time"]), record

@@ -5,6 +5,7 @@ and go with their shards."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -115,7 +116,7 @@ def test_a_restarted_agent_reads_the_tables_it_kept_and_walks_only_those_not_who
     st = os.stat(layout.shard_path(moved))
     os.utime(layout.shard_path(moved), ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # the same bytes, another file
 
-    again = start_agent(cache, data.list_file, *args)
+    again = start_agent(cache, data.list_file, *args, "--log-format", "json")
     s = again.wait_stats(
         lambda s: (
             sum(w["loaded"] for w in s["agent"]["workers"]) == 4
@@ -125,7 +126,11 @@ def test_a_restarted_agent_reads_the_tables_it_kept_and_walks_only_those_not_who
         "the 4 whole tables read, the 2 others walked",
     )
     assert all(w["requests"] == 0 for w in s["agent"]["workers"]), s["agent"]["workers"]
-    assert "the sample table kept for" in again.stderr_text() and "digest does not match" in again.stderr_text()
+    # Every line of the log one JSON record, the sample workers' too (their stderr is the agent's).
+    records = [json.loads(line) for line in again.stderr_text().splitlines()]
+    damaged_table = [r for r in records if r["message"].startswith("worker") and "sample table kept" in r["message"]]
+    assert damaged_table and "digest does not match" in damaged_table[0]["message"], again.stderr_tail()
+    assert damaged_table[0]["level"] == "WARNING" and damaged_table[0]["logger"] == "wdscache.agent.open_shards"
     assert read_all(cache) == reference(data.paths, data.urls)
     s = again.wait_stats(
         lambda s: all(w["requests"] for w in s["agent"]["workers"]), 20, "the reads counted by both workers"

@@ -26,7 +26,7 @@ import click
 
 from .shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, check_s3_endpoint_url, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
-from .shared.logs import FORMATS
+from .shared.logs import FORMATS, get_logger
 from .shared.logs import setup as setup_logging
 from .shared.redact import redact_urls
 
@@ -54,8 +54,11 @@ def _redacted(obj: Any) -> Any:
     return obj
 
 
-def _fail(exc: WdsCacheError) -> NoReturn:
-    _echo(f"wdscache: error: {exc}", err=True)
+def _fail(exc: WdsCacheError, log_format: str = "text") -> NoReturn:
+    if log_format == "json":  # a log shipper reads every line of the agent's log as a record
+        get_logger("wdscache.cli").error("%s", exc)
+    else:
+        _echo(f"wdscache: error: {exc}", err=True)
     sys.exit(2 if isinstance(exc, ConfigError) else 1)
 
 
@@ -283,9 +286,9 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
 
     setup_logging(sys.stderr, fmt=log_format, verbose=verbose)
     try:
-        agent = Agent(AgentConfig(**options))  # type: ignore[arg-type]
+        agent = Agent(AgentConfig(**options, log_format=log_format))  # type: ignore[arg-type]
     except WdsCacheError as exc:
-        _fail(exc)
+        _fail(exc, log_format)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if agent.stopping:
@@ -297,7 +300,7 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
     try:
         agent.run()
     except WdsCacheError as exc:
-        _fail(exc)
+        _fail(exc, log_format)
 
 
 @main.command()

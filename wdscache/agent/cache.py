@@ -451,13 +451,15 @@ class ShardCache:
         event(
             log,
             "evicted",
-            "evicted %s (%s, last read %s)",
+            "evicted %s (%s, last read %s): %s",
             url,
             format_size(rec.size),
             iso_time(rec.last_read) or "never",
+            why.removeprefix("evicted").removeprefix(":").strip(),
             url=url,
             bytes=rec.size,
             last_read=iso_time(rec.last_read),
+            why=why,
         )
         self.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
         self.layout.shard_path(url).unlink(missing_ok=True)

@@ -71,7 +71,7 @@ import urllib3
 
 from ..shared.config import AgentConfig, default, parse_size
 from ..shared.errors import FetchError
-from ..shared.logs import get_logger
+from ..shared.logs import event, get_logger
 from ..shared.tarwalk import GZIP_MAGIC, cut_problem, file_problem
 from .parted import PartedFetch
 from .parts import ByteRange, file_size, remove_side_files
@@ -237,7 +237,18 @@ class Fetcher:
                 raise FetchError(d.url, f"gave up after {budget} retries{never}: {reason}")
             if delay is None:
                 delay = self._backoff.delay(failures)
-            log.info("retrying %s in %.1fs (%s)", d.url, delay, reason)
+            event(
+                log,
+                "retrying",
+                "retrying %s in %.1fs (%s)",
+                d.url,
+                delay,
+                reason,
+                url=d.url,
+                delay_s=round(delay, 1),
+                attempt=failures,
+                reason=reason,
+            )
             if d.cancel.wait(delay):
                 raise Cancelled(d.url)
 

@@ -86,9 +86,13 @@ class WorkerPool:
     It writes a byte to its ready pipe once its socket is bound.
     """
 
-    def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str, token: str, run: str) -> None:
+    def __init__(
+        self, *, n: int, agent_endpoint: str, cache_dir: str, token: str, run: str, log_format: str = "text"
+    ) -> None:
         self.endpoints = worker_endpoints(agent_endpoint, n)
-        self._specs = [WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid()) for i, ep in enumerate(self.endpoints)]
+        self._specs = [
+            WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid(), log_format) for i, ep in enumerate(self.endpoints)
+        ]
         self._procs: list[subprocess.Popen[bytes] | None] = [None] * n
         self._ready: list[int | None] = [None] * n  # the read end of each worker's ready pipe, until it says so
         self._started = [0.0] * n

@@ -89,7 +89,14 @@ def take_cache_dir(
         token = layout.ensure_token()
         # Worker processes take a while to start: they do so while the list is read and
         # the cache is opened.
-        pool = WorkerPool(n=cfg.workers, agent_endpoint=endpoint, cache_dir=str(layout.root), token=token, run=run)
+        pool = WorkerPool(
+            n=cfg.workers,
+            agent_endpoint=endpoint,
+            cache_dir=str(layout.root),
+            token=token,
+            run=run,
+            log_format=cfg.log_format,
+        )
         check_endpoints(pool.endpoints)
         pool.start()
         undo.callback(pool.stop)

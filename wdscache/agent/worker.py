@@ -94,6 +94,7 @@ import zmq
 from ..shared.errors import ProtocolError, ShardError
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
+from ..shared.logs import setup as setup_logs
 from ..shared.malloc import tune_malloc
 from ..shared.messages import ConsumerReply, Reports, SamplesReply, ScannedReply, WorkerErrorKind, WorkerErrorReply
 from ..shared.protocol import (
@@ -144,6 +145,7 @@ class WorkerSpec:
     cache_dir: str
     control: str  # the agent's endpoint, for reports
     parent: int
+    log_format: str = "text"  # the agent's: one format for every line of its log
 
 
 def _die_with_parent(parent: int) -> None:
@@ -644,6 +646,7 @@ def _error(rid: Any, kind: WorkerErrorKind, error: str) -> WorkerErrorReply:
 def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_key: str) -> None:
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
+    setup_logs(sys.stderr, fmt=spec.log_format)  # (its stderr is the agent's)
     # Copied replies come and go at up to GATHER_MAX (reply_frames.py) each. glibc's own thresholds adapt to
     # that size but still trim the heap, and fault it in again, as they come and go: shuffled
     # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.

@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
+from .logs import FORMATS
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -98,6 +99,8 @@ class AgentConfig:
     num_nodes: int = 1
     # A private agent's users file (see wdscache.training.private): it stops once no loader holds a lock on it.
     private_users: Path | None = None
+    # How its sample worker processes write their log lines (the agent's own: the CLI sets them up).
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "download_workers", "download_parts", "workers"):
@@ -116,6 +119,8 @@ class AgentConfig:
         if parse_size(self.download_part_size, what="--download-part-size") < 64 << 10:
             raise ConfigError(f"--download-part-size {self.download_part_size!r}: use at least 64K")
         check_s3_endpoint_url(self.s3_endpoint_url)
+        if self.log_format not in FORMATS:
+            raise ConfigError(f"--log-format {self.log_format!r}: use one of {', '.join(FORMATS)}")
         if self.endpoint is not None:
             check_endpoint(self.endpoint, allow_remote=self.allow_remote, ports=1 + self.workers)
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
