@@ -458,3 +458,26 @@ def test_a_private_file_written_on_a_full_disk_is_all_or_nothing_and_names_itsel
         "other-program",
         "private-urls.txt",
     ]
+
+
+@pytest.mark.slow
+def test_a_budget_below_the_shuffle_buffers_span_does_not_refetch_for_windows_moved_back(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    # The reviewer's case scaled down: 12 shards of 200 samples, a shuffle buffer of 1000 (its
+    # samples of every shard linger to the epoch's end) and a budget of 5 shards. The consumer
+    # lets its pins go before each wait and opens those shards again later: its window must stay
+    # where it reads, or each such open moves it back and the agent fetches shards read already,
+    # evicting for them the ones fetched for where it reads (about 175 GETs a shard before).
+    ds = dataset(12, samples=200, payload=600)
+    names = {p.name for p in ds.paths}
+    biggest = max(p.stat().st_size for p in ds.paths)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--cache-size", str(5 * biggest + biggest // 3), "--prefetch", "2")
+    lines = consumers(cache, "starved", "--timeout", "60", "--shuffle-buffer", "1000").wait()
+    assert len(samples_of(lines)) == 12 * 200, agent.stderr_tail()
+    # No policy fetches each shard once here: the buffer reads all 12 at random to the end, and
+    # even evicting the shard needed last (Belady) costs about 440 GETs for 5 shards of room,
+    # plain LRU on demand about 800. Windows moved back cost about 2,100.
+    fetched = gets(shard_server, names)
+    assert fetched <= 1500, (fetched, agent.stats())

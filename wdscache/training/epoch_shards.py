@@ -98,6 +98,7 @@ class EpochShards:
         self.spec = spec
         self.order = ShardOrder.of(spec.order())  # positions looked up through it, not a dict a shard
         self._next_order: Sequence[int] | None = None  # the next epoch's, made once the window reaches it
+        self.farthest = -1  # the farthest position of our order opened: our window runs from it (see ahead)
         self.sample_counts: dict[int, int] = {}  # shard -> its samples, once known
         # Shards whose counts our workers found lately (url -> when): they report them to the
         # agent, and we wait for those reports before we say bye, so that len() knows them
@@ -252,10 +253,16 @@ class EpochShards:
     # -- pins ---------------------------------------------------------------------
 
     def ahead(self, shard: int) -> list[str]:
-        """Our window from ``shard``: the shards we read after it."""
+        """Our window from ``shard``: the shards we read after it, or after the farthest shard
+        of our order opened before it. A shard opened again (its pin let go before a wait, its
+        copy evicted) is one the shuffle buffer still holds samples of, behind where we read:
+        a window from it would move back over shards read already, and the agent would fetch
+        those again and evict for them the shards fetched for where we read."""
         pos = self.order.position(shard)
         if pos < 0:  # not ours: a repeat of another node's sample
             pos = len(self.order)
+        else:
+            pos = self.farthest = max(pos, self.farthest)
         nxt = self.order[pos + 1 : pos + 1 + self.prefetch]
         if len(nxt) < self.prefetch:
             if self._next_order is None:
