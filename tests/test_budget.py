@@ -481,3 +481,26 @@ def test_a_budget_below_the_shuffle_buffers_span_does_not_refetch_for_windows_mo
     # plain LRU on demand about 800. Windows moved back cost about 2,100.
     fetched = gets(shard_server, names)
     assert fetched <= 1500, (fetched, agent.stats())
+
+
+@pytest.mark.parametrize(("buffer", "per_shard"), [(1000, 200), (1000, 1000), (300, 10), (100, 30), (500, 2000)])
+def test_the_budget_need_counts_the_shards_the_epochs_own_shuffle_buffer_holds_ids_of(buffer, per_shard):
+    # A shard's last ids linger in the buffer long after it was read, pinned all that while: the
+    # need named in the thrash warning is the span the sequence really has (within 10%), not buffer/per_shard.
+    from wdscache.agent.budget_need import buffer_span
+    from wdscache.shared.sequence import EpochSpec, global_sequence
+
+    n_shards = max(40, 12 * buffer // per_shard)
+    spec = EpochSpec(n_shards=n_shards, shuffle_buffer=buffer)
+    order = {shard: k for k, shard in enumerate(spec.order())}
+    last_out = [0] * n_shards  # by place in the order: when each shard's last id left the buffer
+    for t, (shard, _) in enumerate(global_sequence(spec, lambda s: range(per_shard))):
+        last_out[order[shard]] = t
+    # At step t the reader holds each shard whose first id is in (its place times per_shard,
+    # give or take the buffer it is ahead by) and whose last id has not come out.
+    steps = range(n_shards * per_shard // 3, 2 * n_shards * per_shard // 3)  # the steady middle
+    held = [sum(1 for k in range(n_shards) if k * per_shard <= t + buffer and last_out[k] >= t) for t in steps[::97]]
+    assert abs(buffer_span(buffer, per_shard) - sum(held) / len(held)) <= 0.1 * sum(held) / len(held) + 1, (
+        buffer_span(buffer, per_shard),
+        sum(held) / len(held),
+    )
