@@ -438,6 +438,13 @@ def test_budget_too_small_for_the_prefetch_window_is_refused(shard_server, datas
     assert s["bytes_limit"] == need
     assert cached_urls(cache, ds) == set(ds.urls[:4])
 
+    # Restarted with a budget it refuses (too small, or 0 taken for "no limit"): nothing is evicted first.
+    assert agent.stop() == 0
+    for size, says in (("200K", "smallest budget"), ("0", "give --cache-size a size above 0")):
+        r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--prefetch", "4", "--cache-size", size)
+        assert r.returncode == 2 and says in r.stderr and "evicted" not in r.stderr, r.stderr
+        assert cached_urls(cache, ds) == set(ds.urls[:4]), r.stderr
+
 
 # -- download failures ----------------------------------------------------------------
 

@@ -130,8 +130,9 @@ def _open_cache(
             recovered["adopted"] += cache.adopt(urls.urls)
         if any(recovered.values()):
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
-        cache.shrink(first)  # restarted with a smaller --cache-size: to it before anything else
+        # A budget refused leaves the cache as it was: checked before it shrinks to it.
         _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total, stop)
+        cache.shrink(first)  # restarted with a smaller --cache-size: to it before anything else
         cache.index.set_meta(
             {"bytes_limit": limit, "min_free": min_free, "prefetch": cfg.prefetch, "urls": str(cfg.urls)}
         )
@@ -165,7 +166,8 @@ def _check_budget(
         f"--cache-size {format_size(cache.limit)}"
     )
     if usable <= 0:
-        raise ConfigError(f"no shard can ever be cached: {where}; lower --min-free or use a larger file system")
+        fix = "give --cache-size a size above 0" if cache.limit <= 0 else "lower --min-free or use a larger file system"
+        raise ConfigError(f"no shard can ever be cached: {where}; {fix}")
     sizes = [s for s in _probe_sizes(cache, fetcher, first, stop) if s]
     if not sizes:
         return
