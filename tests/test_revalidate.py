@@ -9,7 +9,7 @@ import webdataset as wds
 
 from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.versions import another_version, replace
-from wdscache import CachedMultiLoader, ShardClient
+from wdscache import CachedMultiLoader, FetchError, ShardClient
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.tarwalk import members
 
@@ -170,7 +170,7 @@ def test_a_copy_without_a_validator_in_common_with_its_server_is_fetched_again(
             client.release(url)
     assert [shard_server.count(p.name) for p in data.paths] == [1, 1]  # neither served unchecked
     log = agent.stderr_text()
-    assert log.count("cannot tell whether") == 2, log
+    assert sum("WARNING" in line and "cannot tell whether" in line for line in log.splitlines()) == 2, log
     assert "cached with ETag, the server now sends Last-Modified: no validator in common" in log
 
 
@@ -192,3 +192,25 @@ def test_a_damaged_cached_copy_is_fetched_again_and_the_epoch_reads_the_new_copy
     assert len(epoch("first")) == 12  # the read that found the damage waited for a good copy
     assert "downloading " + data.urls[1] + " again" in agent.stderr_text()
     assert copy.read_bytes() == data.paths[1].read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["http", "file"])
+def test_a_shard_gone_from_its_source_is_not_served_from_the_cache(tmp_path, shard_server, dataset, start_agent, kind):
+    # Its source says there is no such object now (HTTP 404, no such file): a final answer, not a
+    # source that cannot be asked, so the cached copy is no longer the source's.
+    data = dataset(2, samples=3, payload=1000)
+    urls = data.urls if kind == "http" else [f"file://{p}" for p in data.paths]
+    listed = tmp_path / "urls.txt"
+    listed.write_text("".join(u + "\n" for u in urls))
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, listed, "--prefetch", "2", "--no-shuffle", "--retries", "0")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "shards never cached")
+    assert agent.stop() == 0
+    data.paths[1].unlink()
+    again = start_agent(cache, listed, "--prefetch", "2", "--no-shuffle", "--retries", "0")
+    with ShardClient(cache, timeout=20) as client:
+        assert client.open(urls[0]).read_bytes() == data.paths[0].read_bytes()
+        with pytest.raises(FetchError) as info:
+            client.open(urls[1])
+    assert info.value.url == urls[1] and ("404" in str(info.value) or "no such file" in str(info.value))
+    assert "is gone from its source" in again.stderr_text(), again.stderr_tail()

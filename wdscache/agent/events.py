@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..shared.errors import FetchError
-from .shard_download import DiskFull, Download, Fetched
+from .shard_download import DiskFull, Download, Fetched, Gone
 
 
 @dataclass
@@ -62,10 +62,11 @@ class Downloaded:
 
 @dataclass(frozen=True)
 class Revalidated:
-    """A cached shard's source was asked for its size and version (None: it could not say)."""
+    """A cached shard's source was asked for its size and version (Gone: it has no such object;
+    None: it could not say)."""
 
     download: Download
-    now: Fetched | None
+    now: Fetched | Gone | None
 
 
 @dataclass(frozen=True)

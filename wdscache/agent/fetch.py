@@ -81,6 +81,7 @@ from .shard_download import (
     Changed,
     Download,
     Fetched,
+    Gone,
     Retry,
     check_announced,
     expected_problem,
@@ -159,8 +160,9 @@ class Fetcher:
         for source in set(self._sources.values()):
             source.close_thread()
 
-    def describe(self, url: str) -> Fetched | None:
-        """Size and version tag of ``url`` now (HEAD or stat); None when it cannot be known.
+    def describe(self, url: str) -> Fetched | Gone | None:
+        """Size and version tag of ``url`` now (HEAD or stat); Gone when its source has no such
+        object; None when they cannot be known.
 
         The tag is what :meth:`fetch` records: the ETag or else the Last-Modified date
         (kept beside an ETag too), or size and mtime for a file.

@@ -104,6 +104,15 @@ class Fetched:
     last_modified: str | None = None  # the Last-Modified date, when the source gave one
 
 
+@dataclass(frozen=True)
+class Gone:
+    """The source answered that the object is not there (HTTP 404 or 410, S3's NoSuchKey, no such
+    file): a final answer, unlike one that could not be had. A cached copy of it is no longer the
+    source's (never served once known: see :mod:`wdscache.agent.opens`)."""
+
+    reason: str
+
+
 class DiskFull(FetchError):
     """The cache's file system refused a write (ENOSPC, quota, file size limit)."""
 

@@ -42,6 +42,7 @@ from .lock import AgentLock
 from .metrics import MetricsServer
 from .pool import WorkerPool, check_endpoints
 from .readers import startup_reader
+from .shard_download import Fetched
 
 log = get_logger(__name__)
 
@@ -259,4 +260,4 @@ def _source_size(fetcher: Fetcher, url: str) -> int:
         described = fetcher.describe(url)
     finally:
         fetcher.close_thread()  # a probe thread may ask again: no session lingers past its answer
-    return described.size if described else 0
+    return described.size if isinstance(described, Fetched) else 0

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from ..shard_download import Fetched
+from ..shard_download import Fetched, Gone
 from ..validators import Version
 
 CHUNK = 64 << 10  # small reads: bytes received before a connection breaks are kept
@@ -80,8 +80,9 @@ class Source:
         self.settings = settings
         self._local = threading.local()
 
-    def probe(self, url: str) -> Fetched | None:
-        """Size and version of ``url`` now; None when they cannot be known."""
+    def probe(self, url: str) -> Fetched | Gone | None:
+        """Size and version of ``url`` now; Gone when the source says it has no such object; None
+        when they cannot be known."""
         return None
 
     def open(

@@ -13,15 +13,17 @@ from typing import BinaryIO
 
 from ...shared.errors import FetchError
 from ...shared.urls import file_path
-from ..shard_download import Fetched
+from ..shard_download import Fetched, Gone
 from ..validators import Version
 from .base import CHUNK, Source, SourceResponse
 
 
 class FileSource(Source):
-    def probe(self, url: str) -> Fetched | None:
+    def probe(self, url: str) -> Fetched | Gone | None:
         try:
             st = os.stat(_path(url))
+        except FileNotFoundError:
+            return Gone("no such file")
         except OSError:
             return None
         return Fetched(st.st_size, _tag(st))

@@ -21,7 +21,7 @@ import requests
 
 from ...shared.errors import FetchError
 from ...shared.logs import get_logger
-from ..shard_download import Cancelled, Fetched, Retry
+from ..shard_download import Cancelled, Fetched, Gone, Retry
 from ..validators import Version
 from .base import CHUNK, Settings, Source, SourceResponse, Unexpected, Unsatisfiable
 from .http_head import WatchedAdapter, send_watched
@@ -29,6 +29,7 @@ from .http_head import WatchedAdapter, send_watched
 log = get_logger(__name__)
 
 PERMANENT_STATUS = {400, 401, 403, 404, 405, 410, 451}
+GONE_STATUS = {404, 410}  # a final "no such object" (a 403 may be an expired signature of an object still there)
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 RETRY_AFTER_MAX = 600.0  # seconds: a longer Retry-After is held to this
 
@@ -62,7 +63,7 @@ class HttpSource(Source):
     def answered(self, url: str) -> bool:
         return _host(url) in self._answered
 
-    def probe(self, url: str) -> Fetched | None:
+    def probe(self, url: str) -> Fetched | Gone | None:
         try:
             self._wait_turn(url)
             session = self._session()
@@ -76,6 +77,8 @@ class HttpSource(Source):
         self._answered.add(_host(url))
         if r.status_code in RETRY_STATUS:
             self._hold(url, _retry_after(r.headers.get("Retry-After")))
+        if r.status_code in GONE_STATUS:
+            return Gone(f"HTTP {r.status_code} {r.reason}")
         length = r.headers.get("Content-Length", "")
         if r.ok and length.isdigit():
             return Fetched(int(length), _version(r.headers).validator, last_modified=r.headers.get("Last-Modified"))

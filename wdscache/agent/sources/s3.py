@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from ...shared import s3
 from ...shared.errors import FetchError
-from ..shard_download import Fetched, Retry
+from ..shard_download import Fetched, Gone, Retry
 from ..validators import Version
 from .base import CHUNK, Replaced, Source, SourceResponse, Unsatisfiable
 
@@ -38,10 +38,12 @@ class S3Source(Source):
             client.close()
             self._local.client = None
 
-    def probe(self, url: str) -> Fetched | None:
+    def probe(self, url: str) -> Fetched | Gone | None:
         try:
             return Fetched(*self._client(url).head(url))
-        except (OSError, FetchError, s3.Transient):
+        except FetchError as exc:
+            return Gone(exc.reason) if exc.status == 404 else None
+        except (OSError, s3.Transient):
             return None
 
     @contextmanager
