@@ -8,6 +8,7 @@ delivering the rest once.
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter
 from datetime import timedelta
 
@@ -210,6 +211,38 @@ def test_the_layout_defaults_from_torchruns_environment_and_from_slurms(monkeypa
         monkeypatch.setenv(name, value)
     assert CachedMultiLoader(url, cache_dir=tmp_path).layout == RankPlacement(5, 8, 1, 2)
     assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, node=0).layout == RankPlacement(1, 8, 0, 2)
+
+
+def test_a_rank_or_world_size_that_is_no_whole_number_is_refused_naming_it(monkeypatch, tmp_path) -> None:
+    import numpy as np
+
+    from wdscache import CachedMultiLoader, ConfigError, ShardListDataset
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    url = ["http://127.0.0.1:9/a.tar"]
+    for args, says in (
+        ({"rank": "1", "world_size": 2}, "rank='1': give a whole number"),
+        ({"world_size": 2.0}, "2.0"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            CachedMultiLoader(url, cache_dir=tmp_path, **args)
+    assert CachedMultiLoader(url, cache_dir=tmp_path, rank=np.int64(1), world_size=2).layout.rank == 1
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match=re.escape("WORLD_SIZE is not set in the environment: pass world_size=")):
+        CachedMultiLoader(url, cache_dir=tmp_path)
+    for name, value in (("RANK", "abc"), ("LOCAL_WORLD_SIZE", "0")):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ConfigError, match=re.escape(f"the environment's {name}={value!r} is no whole number")):
+            CachedMultiLoader(url, cache_dir=tmp_path)
+        # Given explicitly, or not needed at all (random access has no ranks): the variable is not read.
+        assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, world_size=2, node=0, num_nodes=1).layout.rank == 1
+        index = tmp_path / "index.json"
+        index.write_text('{"shardlist": [{"url": "http://127.0.0.1:9/a.tar", "nsamples": 1}]}')
+        assert len(ShardListDataset(str(index), cache_dir=tmp_path)) == 1
+        monkeypatch.delenv(name)
 
 
 @settings(max_examples=150, deadline=timedelta(seconds=5), derandomize=True)

@@ -57,6 +57,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 import os
 import pickle
 import sys
@@ -130,34 +131,72 @@ class Tuning:
 _TUNING_KNOBS = frozenset(f.name for f in dataclasses.fields(Tuning))
 
 
-def _env_defaults() -> dict[str, Any]:
-    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, GROUP_RANK,
-    LOCAL_WORLD_SIZE, TORCHELASTIC_RUN_ID; Slurm sets SLURM_PROCID, SLURM_NTASKS, SLURM_NODEID,
-    SLURM_NNODES). torchrun's win where both are set: it runs inside a Slurm step."""
+def _env_places() -> dict[str, Any]:
+    """Defaults of where the agent is, and the job's name, from the environment (torchrun sets
+    TORCHELASTIC_RUN_ID)."""
     env = os.environ
-    # Slurm's only in a task of a step (srun sets SLURM_STEP_ID): a batch script is one process,
-    # although it sees the job's SLURM_NTASKS and SLURM_PROCID=0.
-    slurm = (
-        {k: env.get(k) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_NODEID", "SLURM_NNODES")}
-        if env.get("SLURM_STEP_ID")
-        else {}
-    )
-    world_size = int(env.get("WORLD_SIZE") or slurm.get("SLURM_NTASKS") or 1)
-    if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
-        num_nodes = max(1, world_size // int(env["LOCAL_WORLD_SIZE"]))
-    else:
-        num_nodes = int(slurm.get("SLURM_NNODES") or 1)
     return {
-        "rank": int(env.get("RANK") or slurm.get("SLURM_PROCID") or 0),
-        "world_size": world_size,
-        "node": int(env.get("GROUP_RANK") or slurm.get("SLURM_NODEID") or 0),
-        "num_nodes": num_nodes,
         "job": env.get("TORCHELASTIC_RUN_ID") or "default",
         "cache_dir": env.get("WDSCACHE_CACHE_DIR"),
         "endpoint": env.get("WDSCACHE_ENDPOINT"),
         # The agent's token (CACHE_DIR/token), for a consumer that cannot read the cache directory.
         "token": env.get("WDSCACHE_TOKEN") or None,
     }
+
+
+def _env_ranks() -> dict[str, int]:
+    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, GROUP_RANK,
+    LOCAL_WORLD_SIZE; Slurm sets SLURM_PROCID, SLURM_NTASKS, SLURM_NODEID, SLURM_NNODES).
+    torchrun's win where both are set: it runs inside a Slurm step. A value that is no whole
+    number (or a LOCAL_WORLD_SIZE below 1) is a ConfigError naming the variable."""
+    env = os.environ
+    # Slurm's only in a task of a step (srun sets SLURM_STEP_ID): a batch script is one process,
+    # although it sees the job's SLURM_NTASKS and SLURM_PROCID=0.
+    slurm = bool(env.get("SLURM_STEP_ID"))
+
+    def whole(name: str, slurm_name: str | None, default: int, least: int = 0) -> int:
+        for var in (name, slurm_name if slurm else None):
+            if var and env.get(var):
+                try:
+                    value = int(env[var])
+                except ValueError:
+                    value = least - 1
+                if value < least:
+                    raise ConfigError(
+                        f"the environment's {var}={env[var]!r} is no whole number of at least {least}: "
+                        "check what the launcher sets, or pass rank= and world_size= to the loader"
+                    )
+                return value
+        return default
+
+    world_size = whole("WORLD_SIZE", "SLURM_NTASKS", 1, least=1)
+    if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
+        num_nodes = max(1, world_size // whole("LOCAL_WORLD_SIZE", None, 1, least=1))
+    else:
+        num_nodes = whole("SLURM_NNODES", None, 1, least=1) if slurm else 1
+    return {
+        "rank": whole("RANK", "SLURM_PROCID", 0),
+        "world_size": world_size,
+        "node": whole("GROUP_RANK", "SLURM_NODEID", 0),
+        "num_nodes": num_nodes,
+    }
+
+
+def _checked_ranks(rank: Any, world_size: Any, from_env: bool) -> tuple[int, int]:
+    """``rank`` and ``world_size`` as ints (numpy's too); a ConfigError naming one that is no whole
+    number, a ValueError for a rank outside the world."""
+    both = []
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        try:
+            both.append(operator.index(value))
+        except TypeError:
+            raise ConfigError(
+                f"{name}={value!r}: give a whole number (a launcher's variable is a string: int(os.environ[...]))"
+            ) from None
+    if not 0 <= both[0] < both[1]:
+        unset = " (WORLD_SIZE is not set in the environment: pass world_size=)" if from_env and both[1] == 1 else ""
+        raise ValueError(f"rank {both[0]} is not in [0, world_size={both[1]}){unset}")
+    return both[0], both[1]
 
 
 def default_collate(samples: list[dict[str, Any]]) -> Any:
@@ -238,14 +277,17 @@ class CachedMultiLoader:
         self.tuning = dataclasses.replace(tuning or Tuning(), **knobs)
         if map is not None and workers > 0:
             _check_picklable(map)
-        env = _env_defaults()
+        env = _env_places()
+        if None in (rank, world_size, node, num_nodes):
+            env |= _env_ranks()
         self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
         self.job = job or env["job"]
-        self.rank = env["rank"] if rank is None else rank
-        self.world_size = env["world_size"] if world_size is None else world_size
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        self.rank, self.world_size = _checked_ranks(
+            env["rank"] if rank is None else rank,
+            env["world_size"] if world_size is None else world_size,
+            from_env=world_size is None and not os.environ.get("WORLD_SIZE"),
+        )
         # Several nodes, each with its own agent, read a part of the shards each (wdscache.shared.nodes).
         self.layout = RankPlacement(
             self.rank,

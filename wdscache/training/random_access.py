@@ -81,7 +81,7 @@ from ..shared.protocol import pack_numbers, pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_entries
 from ..shared.urls import index_list, normalize_url
 from .epoch_shards import shard_error
-from .loader import _env_defaults
+from .loader import _env_places
 from .pins import STATUS_EVERY
 from .private import PrivateAgent, check_cache_dir
 from .replies import reply_layouts, sample_table, table_rows
@@ -322,7 +322,7 @@ class ShardListDataset:
             (self._list.index(normalize_url(url, os.getcwd())), e.get("dataset"), e["url"])
             for (url, _), e in zip(facts, self.shards)
         ]
-        env = _env_defaults()
+        env = _env_places()
         self.cache_dir = os.fspath(cache_dir) if cache_dir is not None else env["cache_dir"]
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
         self._private = endpoint is None and env["endpoint"] is None and self.cache_dir is not None
