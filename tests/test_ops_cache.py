@@ -701,3 +701,11 @@ def test_evict_of_a_redacted_url_that_shows_two_cached_urls_says_to_give_the_who
     r = run_cli("evict", f"{data.urls[0]}?token=***", "--cache-dir", cache)
     assert r.returncode == 1 and "as shown redacted it names no single cached URL: give the whole URL" in r.stdout
     assert "ONE" not in r.stdout + r.stderr and "TWO" not in r.stdout + r.stderr
+
+
+def test_prefetch_without_an_agent_names_its_argument_not_its_own_list_file(tmp_path, run_cli):
+    pytest.importorskip("boto3", reason="boto3 is not installed (scripts/test.sh installs it)")
+    env = {**os.environ, "AWS_PROFILE": "no-such-profile"}
+    r = run_cli("prefetch", "--cache-dir", tmp_path / "cache", "s3://b/k.tar", env=env)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("wdscache: error: the command line:1: cannot make an S3 client"), r.stderr

@@ -40,6 +40,7 @@ from ..shared.errors import (
     NoCacheError,
     ProtocolError,
     ShardError,
+    UrlListError,
     WdsCacheError,
 )
 from ..shared.index import ShardState, read_index, read_summary
@@ -428,7 +429,7 @@ def _own_agent(
             deadline = time.monotonic() + AGENT_START_TIMEOUT
             while True:
                 if failure:
-                    raise failure[0]
+                    raise _as_given(failure[0], list_file)
                 conn = agent_connection(layout, CONNECT_TIMEOUT) if layout.state_path.exists() else None
                 if conn is not None:
                     try:
@@ -447,7 +448,15 @@ def _own_agent(
             agent.stop()
             thread.join(REQUEST_TIMEOUT)
         if failure:
-            raise failure[0]
+            raise _as_given(failure[0], list_file)
+
+
+def _as_given(exc: BaseException, list_file: Path) -> BaseException:
+    """``exc``, a line of the prefetch's own list file (a temporary file the user never wrote)
+    named as the command line's."""
+    if isinstance(exc, UrlListError) and exc.path == str(list_file):
+        return UrlListError("the command line", exc.lineno, exc.line, exc.reason)
+    return exc
 
 
 def _prefetch_through(
