@@ -236,8 +236,9 @@ def expand_braces(pattern: str, *, limit: int = DEFAULT_LIMIT) -> list[str]:
 
     Groups multiply out with the leftmost varying slowest; in a pattern with braces a
     backslash makes the character after it literal (``\\{``, ``\\,``, ``\\\\``), as braceexpand
-    reads it; a text without braces is taken as it is.  Raises ValueError for malformed braces, or - before building
-    anything - when the result would hold more than ``limit`` entries.
+    reads it; a text without braces is taken as it is.  Raises ValueError for malformed
+    braces, or - before building anything - when the result would hold more than ``limit``
+    entries.
     """
     if "{" not in pattern and "}" not in pattern:
         return [pattern]

@@ -110,7 +110,7 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
         ):
             continue  # a URL, or a list file
         for name in expand_braces(item):
-            if ":" in name.split("/", 1)[0] and not name[:5].lower() == "file:":
+            if ":" in name.split("/", 1)[0] and name[:5].lower() != "file:":
                 continue  # "name:..." is some scheme, not a path (file:rel/a.tar is one)
             for url in parse_url_list(name, base_dir=os.getcwd()).urls:
                 names.setdefault(url, name)
