@@ -313,6 +313,46 @@ def test_a_loader_and_a_prefetch_have_keys_with_spaces_fetched_by_an_agent_of_an
     assert cached_bytes(cache, extra) == paths[2].read_bytes()
 
 
+def test_keys_with_glob_characters_listed_from_a_prefix_are_read_where_each_url_stands_alone(
+    store: Store, tmp_path: Path, start_agent, consumers, run_cli, monkeypatch
+) -> None:
+    """Keys holding [, * and ? under a prefix: `wdscache index` writes them and an agent reads that
+    index; a loader given the prefix sends them to a running agent as its job's list, or writes
+    them into its private agent's list file; a prefetch's own agent reads them too. Each is the
+    object of that key, byte for byte (not a glob read back from it)."""
+    paths = make_dataset(tmp_path / "src" / "glob", 4, 3, payload=100)
+    keys = ("g/a.tar", "g/b[1].tar", "g/c*?.tar", "g/d[2].tar")  # (as a glob, d[2].tar matches no key)
+    urls = [store.put(key, path) for key, path in zip(keys, paths)]
+    store.put("g/b1.tar", make_shard(tmp_path / "decoy.tar", synth_samples(9, 2)))  # what b[1] matches as a glob
+    urls.insert(1, f"s3://{store.bucket}/g/b1.tar")  # (in key order)
+    paths.insert(1, tmp_path / "decoy.tar")
+    prefix, endpoint = f"s3://{store.bucket}/g/", ("--s3-endpoint-url", store.proxy.url)
+    index = tmp_path / "lists" / "index.json"
+    index.parent.mkdir()
+    r = run_cli("index", "-o", index, prefix, *endpoint)
+    assert r.returncode == 0, r.stderr
+    assert [e["url"] for e in json.loads(index.read_text())["shardlist"]] == urls
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, index, *endpoint)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 5, CACHED_IN, "the index's shards were not cached")
+    for url, path in zip(urls, paths):
+        assert cached_bytes(cache, url) == path.read_bytes()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", store.proxy.url)  # where the loader lists its prefix
+    lines = consumers(cache, "running", "--urls", prefix, "--no-shuffle").wait()  # through the running agent
+    assert as_samples(lines) == reference(paths, urls)
+    agent.stop()
+    private = tmp_path / "private"
+    private.mkdir()
+    lines = consumers(private, "private", "--urls", prefix, "--no-shuffle").wait()  # its private agent's list
+    assert as_samples(lines) == reference(paths, urls)
+    for url, path in zip(urls, paths):
+        assert cached_bytes(private, url) == path.read_bytes()
+    r = run_cli("prefetch", prefix, "--cache-dir", tmp_path / "own", "--cache-size", "10M", *endpoint, "--json")
+    assert (r.returncode, json.loads(r.stdout)["cached"] if r.returncode == 0 else None) == (0, 5), r.stderr
+    for url, path in zip(urls, paths):
+        assert cached_bytes(tmp_path / "own", url) == path.read_bytes()
+
+
 def test_listing_follows_every_page_in_key_order(store: Store) -> None:
     urls, _ = store.put_shards("p/", 5, order=[4, 1, 3, 0, 2], samples=1, payload=10)
     store.proxy.requests.clear()

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
+from wdscache.shared.s3 import Listing, is_listing, listed_by
 from wdscache.shared.shard_index import ShardInfo, format_shard_index
 from wdscache.shared.urls import (
     UrlList,
@@ -699,6 +700,49 @@ def test_format_url_list_escapes_braces() -> None:
     assert text.count("\n") == 4
     assert parse_url_list(text).urls == urls
     assert format_url_list([]) == ""
+
+
+def test_s3_keys_with_glob_characters_read_back_as_the_objects_format_url_list_wrote() -> None:
+    """A key holding [, * or ? is written with each escaped in a class of its own, which names
+    that one object (no listing: a lister is not needed); a glob a user writes stays a glob."""
+    urls = ("s3://b/p/b[1].tar", "s3://b/p/a*?.tar", "s3://b/[[]]{x}.tar", "s3://b/p/a.tar")
+    text = format_url_list(urls)
+    assert text == "s3://b/p/b[[]1].tar\ns3://b/p/a[*][?].tar\ns3://b/[[][[]]]\\{x\\}.tar\ns3://b/p/a.tar\n"
+    assert parse_url_list(text).urls == urls
+    assert Listing()("s3://b/p/b[[]1].tar") == ("s3://b/p/b[1].tar",)  # (no client: none is made)
+    for line in ("s3://b/p/b[1].tar", "s3://b/p/*.tar", "s3://b/p/[[]*"):
+        assert is_listing(line)
+        with pytest.raises(UrlListError, match="prefix or glob is listed only where"):
+            parse_url_list(line)
+    assert [k for k in ("p/b[1].tar", "p/b1.tar", "p/b[[]1].tar") if listed_by("s3://b/p/b[[]1].tar")(k)] == [
+        "p/b[1].tar"
+    ]
+    assert [k for k in ("p/b[1].tar", "p/b1.tar") if listed_by("s3://b/p/b[1].tar")(k)] == ["p/b1.tar"]
+
+
+def test_an_s3_url_given_alone_names_one_object_whatever_glob_characters_its_key_holds(tmp_path: Path) -> None:
+    """In a shard index and a job's own list a key is taken literally; only a prefix is refused."""
+    urls = ["s3://b/p/b[1].tar", "s3://b/p/*.tar", "s3://b/p/a?.tar"]
+    seen: list[str] = []
+    index = write_list(tmp_path, format_shard_index((u, ShardInfo(3)) for u in urls), "index.json")
+    assert read_url_list(index, lister=lambda entry: seen.append(entry) or Listing()(entry)).urls == tuple(urls)
+    assert seen == ["s3://b/p/b[[]1].tar", "s3://b/p/[*].tar", "s3://b/p/a[?].tar"]  # each names its one object
+    assert given_list(urls).urls == tuple(urls)
+    for prefix in ("s3://b/p/", "s3://b"):
+        with pytest.raises(ShardIndexError, match="names one object, not an s3:// prefix") as info:
+            given_list([urls[0], prefix])
+        assert (info.value.entry, info.value.url) == (1, prefix)
+
+
+_S3_KEYS = st.text(alphabet="abc019-._~%!$&'()+,;=:@/{}\\[]*?# ", min_size=1, max_size=30).filter(
+    lambda key: not key.endswith("/") and " #" not in key and key.strip() == key
+)
+
+
+@given(st.lists(_S3_KEYS, unique=True, max_size=20))
+def test_format_parse_round_trip_of_s3_keys(keys: list[str]) -> None:
+    urls = [f"s3://b/{key}" for key in keys]
+    assert parse_url_list(format_url_list(urls)).urls == tuple(urls)
 
 
 _URL_CHARS = st.text(

@@ -756,13 +756,14 @@ def evict(urls: tuple[str, ...], cache_dir: Path, force: bool, as_json: bool) ->
 def _cached_lister(cache_dir: Path) -> Lister:
     """An ``s3://`` prefix or glob as the cached shards it names (the index read on first need)."""
     from .agent.cache_commands import list_shards
-    from .shared.s3 import is_listing, listed_by, split
+    from .shared.s3 import listed_by, named_object, split
 
     cached: list[str] = []
 
     def lister(url: str) -> tuple[str, ...]:
-        if not is_listing(url):
-            return (url,)
+        named = named_object(url)
+        if named is not None:
+            return (named,)
         if not cached:
             cached.extend(s["url"] for s in list_shards(cache_dir) if s["url"].startswith("s3://"))
         bucket, matches = split(url)[0], listed_by(url)

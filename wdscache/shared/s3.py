@@ -52,6 +52,9 @@ TRANSIENT_CODES = frozenset(
 )
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 _GLOB = re.compile(r"[*?\[]")
+_ESCAPED = re.compile(r"\[([*?\[])\]")  # a glob character taken literally: alone in its class
+# What a regex's class reads otherwise than a glob's: an escape, and a nested set or set operation to be.
+_CLASS_SPECIAL = re.compile(r"[\\\[&~|]")
 # Connections a shared client keeps for reuse: more than the agent's download threads and their
 # parts use at once (2 x --download-workers x --download-parts, 32 by default); one beyond it is
 # opened and closed after its request.
@@ -88,10 +91,39 @@ def split(url: str) -> tuple[str, str]:
     return bucket, key
 
 
-def is_listing(url: str) -> bool:
-    """Whether ``url`` names several objects: a prefix (empty or ending in ``/``) or a glob."""
+def is_prefix(url: str) -> bool:
+    """Whether ``url`` given alone (an index's entry, a job's URL) names a prefix, not one object:
+    its key is empty or ends in ``/``. Alone, a key is taken literally, glob characters included."""
     key = split(url)[1]
-    return not key or key.endswith("/") or _GLOB.search(key) is not None
+    return not key or key.endswith("/")
+
+
+def named_object(url: str) -> str | None:
+    """The URL of the one object the list entry ``url`` names: ``url`` itself when its key holds
+    no glob character, the key read literally when each of them is escaped in a class of its own
+    (``[[]``, ``[*]``, ``[?]``, as :func:`literal_entry` writes them); None for a prefix or a
+    glob, which stand for what a listing finds."""
+    bucket, key = split(url)
+    if not key or key.endswith("/"):
+        return None
+    if _GLOB.search(key) is None:
+        return url
+    if _GLOB.search(_ESCAPED.sub("", key)) is not None:
+        return None
+    return f"s3://{bucket}/" + _ESCAPED.sub(r"\1", key)
+
+
+def is_listing(url: str) -> bool:
+    """Whether the list entry ``url`` names several objects: a prefix (empty or ending in ``/``)
+    or a glob (see :func:`named_object` for a key whose glob characters are all escaped)."""
+    return named_object(url) is None
+
+
+def literal_entry(url: str) -> str:
+    """The list entry that names the object ``url`` (a key taken literally) and nothing else: each
+    glob character of its key escaped in a class of its own, as fnmatch's ``[*]``."""
+    bucket, key = split(url)
+    return f"s3://{bucket}/" + _GLOB.sub(r"[\g<0>]", key) if _GLOB.search(key) else url
 
 
 def listed_by(url: str) -> Callable[[str], bool]:
@@ -121,7 +153,7 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
         elif c == "[" and (end := pattern.find("]", i + 2)) > 0:
             body = pattern[i + 1 : end]
             body = "^" + body[1:] if body.startswith("!") else body
-            out.append("[" + body.replace("\\", "\\\\") + "]")
+            out.append("[" + _CLASS_SPECIAL.sub(r"\\\g<0>", body) + "]")
             i = end + 1
             continue
         else:
@@ -300,7 +332,7 @@ def _content_range(value: str) -> tuple[int, int]:
 class Listing:
     """The ``lister`` a URL list is read with (:func:`wdscache.shared.urls.parse_url_list`): the URLs
     each ``s3://`` entry stands for. A prefix or glob is listed (ListObjectsV2, every page) by a
-    client made on first need, in the calling thread; a single object stands for itself.
+    client made on first need, in the calling thread; a single object (:func:`named_object`) stands for itself.
 
     ``fetching`` (the agent): a single object too needs boto3, so a list the agent cannot
     fetch is refused when it is read, not shard by shard later.
@@ -313,10 +345,11 @@ class Listing:
 
     def __call__(self, url: str) -> Sequence[str]:
         """Raises ValueError saying why ``url`` cannot be listed (or, ``fetching``, fetched)."""
-        if not is_listing(url):
+        named = named_object(url)
+        if named is not None:
             if self.fetching:
                 self._connect()
-            return (url,)
+            return (named,)
         self.listed += 1
         try:
             urls = self._connect().list(url)

@@ -15,6 +15,10 @@ line's comment, if any, starts at `` #``). Spaces in an http(s) URL are percent-
 An ``s3://`` prefix or glob (``s3://b/train/``, ``s3://b/train/shard-*.tar``) stands for the
 objects it lists: parsing does no I/O itself, so a list holding one is read with a ``lister``
 (:class:`wdscache.shared.s3.Listing`) that lists it when the list is read, and without one is refused.
+A line whose glob characters are each escaped in a class of their own (``s3://b/x[[]1].tar``,
+``[*]``, ``[?]``: how :func:`format_url_list` writes a key holding them) names that one object.
+Where a URL stands alone (an index's entry, a job's URL) its key is taken literally, glob
+characters included: only an empty key or one ending in ``/`` is a prefix there.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from urllib.parse import urlsplit
 
 from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.redact import redact_urls
-from wdscache.shared.s3 import is_listing
+from wdscache.shared.s3 import is_prefix, literal_entry, named_object
 from wdscache.shared.shard_index import ShardFacts, ShardInfo, looks_like_index, read_shard_index
 
 __all__ = [
@@ -869,7 +873,8 @@ def index_list(
 
     Each URL is taken as written (no brace expansion) and normalized as a list line is, a
     relative one against ``base_dir`` (the index's folder); an ``s3://`` object goes through
-    ``lister`` when given, and a prefix or glob is refused (an entry names one shard). A URL
+    ``lister`` when given (its key taken literally, glob characters included), and a prefix is
+    refused (an entry names one shard). A URL
     listed twice with the same facts counts as a duplicate; with other facts it is an error.
     Raises ShardIndexError naming ``path`` and the entry.
     """
@@ -936,10 +941,13 @@ def _index_url(written: str, base: str, allow_pipe: bool, lister: Lister | None)
         raise ValueError(problem)
     url = _normalize(written, base, allow_pipe)
     if url.startswith("s3://"):
-        if is_listing(url):
-            raise ValueError("a URL given alone names one object, not an s3:// prefix or glob")
+        if is_prefix(url):
+            raise ValueError(
+                "a URL given alone names one object, not an s3:// prefix (its key is taken literally, "
+                "glob characters included): give the prefix in a URL list instead"
+            )
         if lister is not None:
-            lister(url)  # the agent checks here that it can fetch from S3 at all
+            lister(literal_entry(url))  # the agent checks here that it can fetch from S3 at all
     return url
 
 
@@ -974,9 +982,10 @@ def _distinct_facts(urls: list[str], facts: ShardFacts, distinct: Urls, path: st
 
 
 def _unlisted(url: str) -> tuple[str]:
-    if is_listing(url):
+    named = named_object(url)
+    if named is None:
         raise ValueError(_UNLISTED)
-    return (url,)
+    return (named,)
 
 
 def read_url_list(
@@ -1134,14 +1143,18 @@ def _long_suffix(x: str, y: str) -> int:
 
 
 def _literal(url: str) -> str:
-    """``url`` as a list line that :func:`expand_braces` gives back whole."""
+    """``url`` as a list line that :func:`expand_braces` gives back whole, and an ``s3://`` key's
+    glob characters escaped so that the line names that one object."""
+    if url.startswith("s3://"):
+        url = literal_entry(url)
     if "{" not in url and "}" not in url:
         return url  # (taken as it is)
     return url.replace("\\", "\\\\").replace("{", "\\{").replace("}", "\\}")
 
 
 def format_url_list(urls: Iterable[str]) -> str:
-    """Write URLs one per line, escaping braces, so that parse_url_list reads them back. Raises
+    """Write URLs one per line, escaping braces (and an ``s3://`` key's glob characters), so that
+    parse_url_list reads them back. Raises
     ConfigError for one it cannot write so (an S3 key whose " #" a list reads as a comment's start)."""
     text = "".join(_literal(url) + "\n" for url in urls)
     cut = _COMMENT_START.search(text)  # one scan of the text (no URL begins with "#" after its "\n")
