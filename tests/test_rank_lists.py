@@ -70,9 +70,12 @@ NESTED = """
 import sys
 from itertools import islice
 from wdscache import CachedMultiLoader
-cache, rank, train, val = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+cache, rank, train, val, val_first = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1"
 kw = dict(cache_dir=cache, job="j", rank=rank, world_size=2, timeout=20)
-train_loader, val_loader = CachedMultiLoader(train, **kw), CachedMultiLoader(val, **kw)
+if val_first:  # loaders numbered otherwise than the other rank's
+    val_loader, train_loader = CachedMultiLoader(val, **kw), CachedMultiLoader(train, **kw)
+else:
+    train_loader, val_loader = CachedMultiLoader(train, **kw), CachedMultiLoader(val, **kw)
 it = iter(train_loader)
 n = len(list(islice(it, 2)))
 m = len(list(val_loader))  # validation within the training epoch: another list, the same epoch number
@@ -80,9 +83,13 @@ print(n + len(list(it)), m)
 """
 
 
-def test_a_validation_loader_reads_its_list_within_a_training_epoch(tmp_path: Path, dataset, start_agent) -> None:
+@pytest.mark.parametrize("rank0_val_first", [False, True])
+def test_a_validation_loader_reads_its_list_within_a_training_epoch(
+    tmp_path: Path, dataset, start_agent, rank0_val_first: bool
+) -> None:
     # Loaders of one job are told apart by their number in their process: the ranks' validation
-    # loaders (list B) are compared with each other, not with the training loaders (list A).
+    # loaders (list B) are compared with each other, not with the training loaders (list A); and
+    # lists that share no shard are no mismatch, however the ranks numbered their loaders.
     data = dataset(4, samples=5, payload=300)
     cache = tmp_path / "cache"
     start_agent(cache, data.list_file)
@@ -91,7 +98,7 @@ def test_a_validation_loader_reads_its_list_within_a_training_epoch(tmp_path: Pa
     )
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-c", NESTED, str(cache), str(r), train, val],
+            [sys.executable, "-c", NESTED, str(cache), str(r), train, val, str(int(rank0_val_first and r == 0))],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

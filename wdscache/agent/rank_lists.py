@@ -17,18 +17,33 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
   notebooks with the default name) each read their own list.
 - ``loader``: the loader's number in its process. A job's ranks make their loaders in the
   same order, so a training and a validation loader of one job read their lists side by side.
+- Only lists that share a shard are a mismatch (``overlap``): lists with none in common are
+  another loader's of the job (a validation set), however the ranks numbered their loaders
+  (one that only rank 0 makes, say).
 - Bounded by the readers: a reader's record goes when it goes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..shared.stats import silent_for
+from ..shared.urls import Urls
 from ..shared.verdict import SILENT_AFTER
+
+OVERLAP_SAMPLED = 1000  # URLs of a list looked up in another's to tell whether they share shards
+
+
+def share_a_shard(a: Urls, b: Urls) -> bool:
+    """Whether lists ``a`` and ``b`` share a shard: some of OVERLAP_SAMPLED URLs spread over the
+    shorter is in the longer (a bounded look, in the main loop; a list in another order, or a part
+    of the other, is found)."""
+    short, long = sorted((a, b), key=len)
+    step = max(1, len(short) // OVERLAP_SAMPLED)
+    return any(long.position(short[i]) >= 0 for i in range(0, len(short), step))
 
 
 def live(consumer: dict[str, Any]) -> bool:
@@ -73,9 +88,16 @@ class RankLists:
     def __init__(self) -> None:
         self._readers: dict[str, Reading] = {}
 
-    def refusal(self, name: str, mine: Reading, consumers: Mapping[str, dict[str, Any]]) -> str | None:
+    def refusal(
+        self,
+        name: str,
+        mine: Reading,
+        consumers: Mapping[str, dict[str, Any]],
+        overlap: Callable[[str, str], bool],
+    ) -> str | None:
         """Why reader ``name`` cannot read ``mine``: a live reader of another rank of its job's epoch
-        (``consumers``: their hellos and last reports, by name) reads another list. None: it may."""
+        (``consumers``: their hellos and last reports, by name) reads another list that shares a shard
+        with it (``overlap`` of two list ids). None: it may."""
         for other, theirs in self._readers.items():
             if (
                 other != name
@@ -84,6 +106,7 @@ class RankLists:
                 and theirs.listed.list_id != mine.listed.list_id
                 and other in consumers
                 and live(consumers[other])
+                and overlap(theirs.listed.list_id, mine.listed.list_id)
             ):
                 return (
                     f"job {mine.job!r}, epoch {mine.epoch}: rank {mine.rank} reads {mine.listed}, but rank "
