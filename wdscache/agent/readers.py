@@ -40,15 +40,15 @@ from ..shared.plan import Reader, wanted
 from ..shared.protocol import PAGE_BYTES, PROTOCOL, SAME_INSTALL, numbers, process_identity, speaks
 from ..shared.protocol import field as get_field
 from ..shared.shard_index import ShardInfo
-from ..shared.stats import jobs_view, silent_for, with_fraction
+from ..shared.stats import jobs_view, with_fraction
 from ..shared.urls import UrlList, list_id, whitespace_problem
-from ..shared.verdict import SILENT_AFTER
 from .budget_need import BudgetNeed
 from .cache import ShardCache
 from .control import Reply, Request
 from .ended import Dropped, EndedConsumers
 from .job_lists import JobLists
 from .jobs import Jobs
+from .rank_lists import Listed, RankLists, Reading, job_live, share_a_shard
 from .rank_totals import RankTotals
 from .unnamed_partials import UnnamedPartials
 
@@ -183,6 +183,7 @@ class Readers:
         self._startup_stopped = False  # by wdscache clear, until the list changes: no refill nobody asked for
         self._startup_left: set[str] = set()  # evicted by wdscache evict, until the list changes: the same
         self._jobs = Jobs()  # their world sizes (its ranks must agree), and the list each of their epochs reads
+        self._ranks = RankLists()  # the list each rank of an epoch reads (its ranks must agree)
         self._ended = EndedConsumers()  # the ranks of consumers that left lately, and those dropped as silent
         self._totals = RankTotals()  # each rank's over the agent's life (the metrics' counters)
         self._need = BudgetNeed(cache, config.prefetch)  # what they need of the budget, and its warning
@@ -336,7 +337,13 @@ class Readers:
         refused = self._lists.take(name, claimed, self._read_lists())
         if refused is not None:
             return refused
-        refusal = self._jobs.refusal(job, world, rank, lambda: bool(self._job_ranks(job)))
+        consumers, loader = self._consumers(), get_field(header, "loader", int, 0)
+        refusal = self._jobs.refusal(job, world, rank, lambda: job_live(consumers, job))
+        if refusal is None and epoch is not None:  # its list, as those of the other ranks of its epoch
+            mine = claimed or self._jobs.list_of(job, world, epoch, self.list_id, self._holds, reader=name, probe=True)
+            ours = Listed(mine, len(self._list(mine)), own=claimed is not None)
+            overlap = lambda a, b: share_a_shard(self._list(a).urls, self._list(b).urls)  # noqa: E731
+            refusal = self._ranks.refusal(name, Reading(job, loader, epoch, rank, ours), consumers, overlap)
         if refusal is not None:
             return {"ok": False, "error": refusal}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
@@ -354,6 +361,8 @@ class Readers:
         if probe:
             record.probe = True
         else:
+            if epoch is not None:
+                self._ranks.join(name, Reading(job, loader, epoch, rank, Listed(key, len(self._list(key)), ours.own)))
             # Stamped: its first report's share of time spent waiting counts from here.
             record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
             record.buffer = buffer
@@ -446,6 +455,7 @@ class Readers:
         ``why`` follows its name in the log line."""
         self._lists.drop_upload(name)
         self._jobs.leave(name)
+        self._ranks.leave(name)
         record = self._readers.pop(name, None)
         if record is None:
             return
@@ -508,14 +518,6 @@ class Readers:
     def _read_lists(self) -> set[str | None]:
         """The ids of the lists read: by a reader, or by a job's epoch that more readers may join."""
         return {r.list_id for r in self._plans()} | self._jobs.lists() | self._ended.lists()
-
-    def _job_ranks(self, job: str) -> list[int]:
-        """Ranks of ``job`` alive now: reporting recently (a killed rank's reader lingers until
-        --reader-timeout, and must not block an elastic restart with another world size)."""
-        now = time.monotonic()
-        return [
-            c["rank"] for c in self._consumers().values() if c.get("job") == job and silent_for(c, now) < SILENT_AFTER
-        ]
 
     def _consumers(self) -> dict[str, dict[str, Any]]:
         """The consumers (readers that said hello, probes left out) by name: their job, rank and last report."""

@@ -57,6 +57,7 @@ class HelloMessage(_HelloRequired, total=False):
     process: list[Any]
     shuffle_buffer: int
     probe: bool
+    loader: int
     protocol: int
 
 
@@ -531,6 +532,7 @@ class Requests:
         process: list[Any] | None = None,
         shuffle_buffer: int | None = None,
         probe: bool = False,
+        loader: int | None = None,
     ) -> HelloMessage:
         m: HelloMessage = {
             "op": "hello",
@@ -550,6 +552,8 @@ class Requests:
             m["shuffle_buffer"] = shuffle_buffer
         if probe:
             m["probe"] = True
+        if loader is not None:
+            m["loader"] = loader
         return m
 
     def put_urls(self, offset: int, urls: list[str], shards: list[Any] | None = None) -> PutUrlsMessage:

@@ -387,6 +387,7 @@ MESSAGES: tuple[Message, ...] = (
             "process": "list?",
             "shuffle_buffer": "int?",
             "probe": "bool?",
+            "loader": "int?",
             "protocol": "int?",
         },
         {
@@ -403,6 +404,8 @@ MESSAGES: tuple[Message, ...] = (
         about="a rank joins its job; list_id names its own list (sent first with put_urls if asked); "
         "epoch: the job's epoch it starts (its readers of one epoch read one agent list); "
         "probe: only to learn the list and its counts (a loader's len()), not a rank reading; "
+        "loader: the loader's number in its process (a rank whose list differs from a live rank's of its "
+        "job, epoch and loader is refused); "
         "the reply's local_urls: the agent's list holds a file:// URL",
     ),
     Message(

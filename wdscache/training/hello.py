@@ -30,7 +30,8 @@ from .agent_list import AgentList
 class ReaderHello:
     """Who says hello: rank ``rank`` of ``world_size`` of ``job``, the shuffle buffer its reads
     span (0: unshuffled), the agent it talks to, and its own list (None: the agent's) with its
-    shards' facts (from a shard index, else None) and the key the agent holds it by."""
+    shards' facts (from a shard index, else None) and the key the agent holds it by; ``loader``:
+    the loader's number in its process (the agent compares the lists of ranks of one loader)."""
 
     job: str
     rank: int
@@ -40,6 +41,7 @@ class ReaderHello:
     urls: Sequence[str] | None = None
     shards: ShardFacts | None = None
     list_key: str | None = None
+    loader: int = 0
 
 
 def say_hello(
@@ -68,6 +70,7 @@ def say_hello(
         probe=probe,
         list_id=reader.list_key if reader.urls is not None else None,
         epoch=epoch,
+        loader=reader.loader,
     )
     hello = conn.request(request)
     if hello.get("need_urls") and reader.urls is not None:

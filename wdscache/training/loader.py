@@ -62,7 +62,7 @@ import os
 import pickle
 import sys
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
@@ -89,6 +89,10 @@ from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls, taken_once
 from .worker_slices import WorkerSlice
 
 TORCH_LOADER = "TorchCachedMultiLoader"  # the name of the loader's class in a process that uses torch
+# Loaders made in this process, by job: a loader's number among its job's. The ranks of a job make
+# theirs in the same order, so the agent compares the lists of the ranks' loaders of one number
+# (a training and a validation loader read different lists at once).
+_MADE: Counter[str] = Counter()
 
 
 @dataclass(frozen=True)
@@ -283,6 +287,7 @@ class CachedMultiLoader:
         self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
         self.job = job or env["job"]
+        self._number, _MADE[self.job] = _MADE[self.job], _MADE[self.job] + 1
         self.rank, self.world_size = _checked_ranks(
             env["rank"] if rank is None else rank,
             env["world_size"] if world_size is None else world_size,
@@ -409,7 +414,15 @@ class CachedMultiLoader:
         use. The agent's list is kept, and read again only when it changes."""
         shuffle_buffer = self.shuffle_buffer if self.shuffle else 0
         reader = ReaderHello(
-            self.job, self.rank, self.world_size, shuffle_buffer, self.endpoint, self.urls, self._shards, self._list_key
+            self.job,
+            self.rank,
+            self.world_size,
+            shuffle_buffer,
+            self.endpoint,
+            self.urls,
+            self._shards,
+            self._list_key,
+            self._number,
         )
         hello, urls = say_hello(conn, name, reader, self._agent_list, epoch=epoch, probe=probe)
         if isinstance(urls, AgentList):

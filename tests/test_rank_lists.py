@@ -1,0 +1,110 @@
+"""Ranks of one job on one node must read one list: the agent refuses a rank whose list differs from a live rank's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.shard_maker import write_url_list
+from tests.helpers.streaming import samples_of
+from tests.helpers.waits import wait_for
+from wdscache.shared.urls import list_id
+
+DEADLINE = 60.0
+
+
+@pytest.mark.slow  # rank 0 reads on for 6 s, while three more ranks start and say hello
+def test_a_rank_whose_list_differs_from_a_live_ranks_is_refused_and_the_same_list_reads(
+    tmp_path: Path, dataset, start_agent, consumers
+) -> None:
+    # Each rank took its share of its own list: 80 of 300 samples repeated and 80 never read,
+    # or one rank's count unequal to the other's (a DDP job hangs), with no error.
+    data = dataset(4, samples=10, payload=300)  # 40 samples
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--prefetch", "4")
+    backwards = write_url_list(tmp_path / "own" / "backwards.txt", data.urls[::-1])
+    forwards = write_url_list(tmp_path / "own" / "forwards.txt", data.urls)
+    rank = ("--job", "j", "--world-size", "2", "--timeout", "20")
+    first = consumers(cache, "r0", *rank, "--rank", "0", "--urls", str(backwards), "--sleep", "0.3")
+    wait_for(lambda: first.out.exists() and first.out.read_text(), DEADLINE, "rank 0 never read a sample")
+
+    other_order = consumers(cache, "order", *rank, "--rank", "1", "--urls", str(forwards))
+    agents = consumers(cache, "agents", *rank, "--rank", "1")  # the agent's list: the same URLs, forwards
+    same = consumers(cache, "same", *rank, "--rank", "1", "--urls", str(backwards))
+    for refused, theirs in ((other_order, "its urls="), (agents, "the agent's list")):
+        assert refused.proc.wait(DEADLINE) != 0
+        log = refused.log.read_text()
+        assert (
+            f"job 'j', epoch 0: rank 1 reads {theirs} (list {list_id(data.urls)}, 4 URLs), but rank 0 reads "
+            f"its urls= (list {list_id(data.urls[::-1])}, 4 URLs)" in log
+        ), log
+        assert "Give every rank the same urls=" in log, log
+
+    # The first rank read on undisturbed; with the rank of the same list, every sample once.
+    got = [samples_of(c.wait(DEADLINE)) for c in (first, same)]
+    keys = [{(s["url"], s["key"]) for s in g} for g in got]
+    assert [len(g) for g in got] == [20, 20] and not keys[0] & keys[1]
+    assert len(keys[0] | keys[1]) == 40
+
+
+def test_a_rank_of_a_job_whose_ranks_ended_reads_another_list(tmp_path: Path, dataset, start_agent, consumers) -> None:
+    # A relaunch of the job (an elastic restart, a new list after an edit) is no mismatch.
+    data = dataset(2, samples=5, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file)
+    rank = ("--job", "j", "--world-size", "2")
+    before = consumers(
+        cache, "before", *rank, "--rank", "0", "--urls", str(write_url_list(tmp_path / "a.txt", data.urls))
+    )
+    assert len(samples_of(before.wait(DEADLINE))) == 5
+    backwards = write_url_list(tmp_path / "b.txt", data.urls[::-1])
+    assert (
+        len(samples_of(consumers(cache, "after", *rank, "--rank", "1", "--urls", str(backwards)).wait(DEADLINE))) == 5
+    )
+
+
+NESTED = """
+import sys
+from itertools import islice
+from wdscache import CachedMultiLoader
+cache, rank, train, val, val_first = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1"
+kw = dict(cache_dir=cache, job="j", rank=rank, world_size=2, timeout=20)
+if val_first:  # loaders numbered otherwise than the other rank's
+    val_loader, train_loader = CachedMultiLoader(val, **kw), CachedMultiLoader(train, **kw)
+else:
+    train_loader, val_loader = CachedMultiLoader(train, **kw), CachedMultiLoader(val, **kw)
+it = iter(train_loader)
+n = len(list(islice(it, 2)))
+m = len(list(val_loader))  # validation within the training epoch: another list, the same epoch number
+print(n + len(list(it)), m)
+"""
+
+
+@pytest.mark.parametrize("rank0_val_first", [False, True])
+def test_a_validation_loader_reads_its_list_within_a_training_epoch(
+    tmp_path: Path, dataset, start_agent, rank0_val_first: bool
+) -> None:
+    # Loaders of one job are told apart by their number in their process: the ranks' validation
+    # loaders (list B) are compared with each other, not with the training loaders (list A); and
+    # lists that share no shard are no mismatch, however the ranks numbered their loaders.
+    data = dataset(4, samples=5, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file)
+    train, val = (
+        str(write_url_list(tmp_path / f"{n}.txt", u)) for n, u in (("a", data.urls[:2]), ("b", data.urls[2:]))
+    )
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", NESTED, str(cache), str(r), train, val, str(int(rank0_val_first and r == 0))],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    for p in ranks:
+        out, err = p.communicate(timeout=DEADLINE)
+        assert p.returncode == 0 and out.split() == ["5", "5"], err
