@@ -2171,7 +2171,7 @@ TORCH_COLD = _TORCH + "wdscache.WebDataset, epoch 1 (cold)"
 TORCH_WARM = _TORCH + "wdscache.WebDataset, epoch 2 (warm)"
 TORCH_PERSISTENT = _TORCH + "wdscache.WebDataset, warm, persistent workers (started in an untimed epoch)"
 TORCH_MEMORY = _TORCH + "samples held in each worker's memory (the pipeline's own cost)"
-TORCH_PREAD = _TORCH + "each payload pread from the page cache, offsets known (the least any reader costs)"
+TORCH_PREAD = _TORCH + "read from the page cache by pread, offsets known (the least any reader costs)"
 ROW_ORDER += [TORCH_WDS_HTTP, TORCH_WDS_LOCAL, TORCH_COLD, TORCH_WARM, TORCH_PERSISTENT, TORCH_MEMORY, TORCH_PREAD]
 NODES_WARM = "wdscache, 2 nodes x 2 ranks (an agent each), warm, aggregate"
 MIX_ONE = "wdscache, one source, warm, shuffled"
@@ -2639,7 +2639,7 @@ def evaluate(bench: Bench, summary: dict) -> list[dict[str, Any]]:
             1.1,
             le,
             f"{r:.2f}x ({fmt(persistent, 2)} vs {fmt(memory, 2)} s)"
-            + (f"; each payload pread from the page cache: {least:.2f}x" if least else "")
+            + (f"; the least reader of the page cache: {least:.2f}x" if least else "")
             if r
             else "",
             per_rep(prof, TORCH_PERSISTENT, TORCH_MEMORY, "wall_s"),

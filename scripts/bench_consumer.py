@@ -485,8 +485,9 @@ def mode_torch(args: argparse.Namespace) -> None:
 
     class Pread(torch.utils.data.IterableDataset):
         """Each worker's shards (the same split), their members' offsets found in its first epoch
-        (with tarfile); each epoch then reads every payload with one pread into new bytes, as a
-        source with its offsets known costs at the least: the limit of any reader of the page cache."""
+        (with tarfile); each epoch then reads each small sample with one pread and slices its payloads
+        into new bytes (a large one's payloads a pread each), as a source with its offsets known costs
+        at the least: the limit of any reader of the page cache."""
 
         def __init__(self, paths: list[str]) -> None:
             self.paths, self.tables = paths, None
@@ -501,8 +502,15 @@ def mode_torch(args: argparse.Namespace) -> None:
                 try:
                     for key, fields in table:
                         sample: dict[str, Any] = {"__key__": key, "__url__": path}
-                        for ext, offset, size in fields:
-                            sample[ext] = os.pread(fd, size, offset)
+                        start = fields[0][1]
+                        span = fields[-1][1] + fields[-1][2] - start
+                        if span <= SAMPLE_PREAD:  # one read a small sample, sliced (a syscall costs more)
+                            data = os.pread(fd, span, start)
+                            for ext, offset, size in fields:
+                                sample[ext] = data[offset - start : offset - start + size]
+                        else:
+                            for ext, offset, size in fields:
+                                sample[ext] = os.pread(fd, size, offset)
                         yield sample
                 finally:
                     os.close(fd)
@@ -532,6 +540,9 @@ def mode_torch(args: argparse.Namespace) -> None:
                 yield {"jpg": jpg}
 
     final([run_epoch(e, samples, agent_pid=args.agent_pid) for e in range(args.epochs)])
+
+
+SAMPLE_PREAD = 64 << 10  # a sample spanning at most this is read with one pread, its payloads sliced
 
 
 def _member_table(path: str) -> list[tuple[str, list[tuple[str, int, int]]]]:
