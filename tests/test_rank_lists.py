@@ -1,4 +1,4 @@
-"""Ranks of one job on one node must read one list: the agent refuses a rank whose list differs from a live rank's."""
+"""Ranks of one job on one node must read one list: the agent warns of a rank whose list differs from a live rank's."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ DEADLINE = 60.0
 
 
 @pytest.mark.slow  # rank 0 reads on for 6 s, while three more ranks start and say hello
-def test_a_rank_whose_list_differs_from_a_live_ranks_is_refused_and_the_same_list_reads(
+def test_a_rank_whose_list_differs_from_a_live_ranks_is_warned_about_and_the_same_list_reads(
     tmp_path: Path, dataset, start_agent, consumers
 ) -> None:
     # Each rank took its share of its own list: 80 of 300 samples repeated and 80 never read,
-    # or one rank's count unequal to the other's (a DDP job hangs), with no error.
+    # or one rank's count unequal to the other's (a DDP job hangs), with no word of it. The agent
+    # warns (it cannot refuse: two launches of one job name look the same to it).
     data = dataset(4, samples=10, payload=300)  # 40 samples
     cache = tmp_path / "cache"
-    start_agent(cache, data.list_file, "--prefetch", "4")
+    agent = start_agent(cache, data.list_file, "--prefetch", "4")
     backwards = write_url_list(tmp_path / "own" / "backwards.txt", data.urls[::-1])
     forwards = write_url_list(tmp_path / "own" / "forwards.txt", data.urls)
     rank = ("--job", "j", "--world-size", "2", "--timeout", "20")
@@ -34,14 +35,12 @@ def test_a_rank_whose_list_differs_from_a_live_ranks_is_refused_and_the_same_lis
     other_order = consumers(cache, "order", *rank, "--rank", "1", "--urls", str(forwards))
     agents = consumers(cache, "agents", *rank, "--rank", "1")  # the agent's list: the same URLs, forwards
     same = consumers(cache, "same", *rank, "--rank", "1", "--urls", str(backwards))
-    for refused, theirs in ((other_order, "its urls="), (agents, "the agent's list")):
-        assert refused.proc.wait(DEADLINE) != 0
-        log = refused.log.read_text()
-        assert (
-            f"job 'j', epoch 0: rank 1 reads {theirs} (list {list_id(data.urls)}, 4 URLs), but rank 0 reads "
-            f"its urls= (list {list_id(data.urls[::-1])}, 4 URLs)" in log
-        ), log
-        assert "Give every rank the same urls=" in log, log
+    for c in (other_order, agents):
+        assert len(samples_of(c.wait(DEADLINE))) == 20
+    warnings = [line for line in agent.stderr_text().splitlines() if "ranks of one job reading different" in line]
+    theirs = f"rank 0 reads its urls= (list {list_id(data.urls[::-1])}, 4 URLs)"
+    assert len(warnings) == 1 and "job 'j', epoch 0: rank 1 reads" in warnings[0] and theirs in warnings[0], warnings
+    assert f"(list {list_id(data.urls)}, 4 URLs)" in warnings[0] and "Give every rank the same urls=" in warnings[0]
 
     # The first rank read on undisturbed; with the rank of the same list, every sample once.
     got = [samples_of(c.wait(DEADLINE)) for c in (first, same)]

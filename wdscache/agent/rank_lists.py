@@ -1,16 +1,18 @@
-"""The list each rank of a job reads in an epoch: a rank whose list differs from its fellows' is refused.
+"""The list each rank of a job reads in an epoch: a rank whose list differs from its fellows' is told.
 
 The ranks of a job split each epoch between them, every rank from the list it reads. Ranks
 that read different lists (one its ``urls=``, another the agent's list; ``urls=`` in another
 order) would each take their share of another sequence: samples repeated and samples never
 seen, and unequal counts, on which a data-parallel job hangs. On one node nothing else
 compares them (several nodes compare over the process group, see
-:mod:`wdscache.training.node_lists`), so the agent does, at hello.
+:mod:`wdscache.training.node_lists`), so the agent does, at hello, and warns: it cannot refuse
+them, since two launches of one job name (torchrun's default run id, ``none``, is every
+non-standalone launch's) or loaders the ranks make in another order look the same to it.
 
 Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
-- A hello of rank R of job J starting epoch E with loader L, to read list X, is refused
-  while a live reader (one that reported within ``SILENT_AFTER``, as the world-size check
+- A hello of rank R of job J starting epoch E with loader L, to read list X, is warned about
+  (once for each two lists) while a live reader (one that reported within ``SILENT_AFTER``, as the world-size check
   counts ranks) of another rank of J, E and L reads another list. One whose ranks ended,
   were killed or hang is a job launched anew: its next launch reads any list.
 - Readers of one rank are not compared: two processes as rank 0 of the same job name (two
@@ -25,15 +27,20 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..shared.logs import event, get_logger
 from ..shared.stats import silent_for
 from ..shared.urls import Urls
 from ..shared.verdict import SILENT_AFTER
 
+log = get_logger(__name__)
+
+MAX_WARNED = 1024  # pairs of lists warned about, kept so as not to warn again
 OVERLAP_SAMPLED = 1000  # URLs of a list looked up in another's to tell whether they share shards
 
 
@@ -87,17 +94,18 @@ class RankLists:
 
     def __init__(self) -> None:
         self._readers: dict[str, Reading] = {}
+        self._warned: set[frozenset[str]] = set()  # the two lists of each warning given
 
-    def refusal(
+    def check(
         self,
         name: str,
         mine: Reading,
         consumers: Mapping[str, dict[str, Any]],
         overlap: Callable[[str, str], bool],
-    ) -> str | None:
-        """Why reader ``name`` cannot read ``mine``: a live reader of another rank of its job's epoch
-        (``consumers``: their hellos and last reports, by name) reads another list that shares a shard
-        with it (``overlap`` of two list ids). None: it may."""
+    ) -> None:
+        """Warn if reader ``name``, to read ``mine``, reads another list than a live reader of another
+        rank of its job's epoch (``consumers``: their hellos and last reports, by name), one that
+        shares a shard with it (``overlap`` of two list ids): once for each two lists."""
         for other, theirs in self._readers.items():
             if (
                 other != name
@@ -106,15 +114,29 @@ class RankLists:
                 and theirs.listed.list_id != mine.listed.list_id
                 and other in consumers
                 and live(consumers[other])
+                and frozenset((theirs.listed.list_id, mine.listed.list_id)) not in self._warned
                 and overlap(theirs.listed.list_id, mine.listed.list_id)
             ):
-                return (
-                    f"job {mine.job!r}, epoch {mine.epoch}: rank {mine.rank} reads {mine.listed}, but rank "
-                    f"{theirs.rank} reads {theirs.listed}; ranks reading different lists would get repeated "
-                    "and missing samples and unequal counts. Give every rank the same urls= (or none, for the "
-                    "agent's list), or give this launch its own job name"
+                if len(self._warned) >= MAX_WARNED:
+                    self._warned.clear()
+                self._warned.add(frozenset((theirs.listed.list_id, mine.listed.list_id)))
+                event(
+                    log,
+                    "rank_lists_differ",
+                    "job %r, epoch %d: rank %d reads %s, but rank %d reads %s; ranks of one job reading different "
+                    "lists get repeated and missing samples and unequal counts. Give every rank the same urls= "
+                    "(or none, for the agent's list), or give each launch its own job name",
+                    mine.job,
+                    mine.epoch,
+                    mine.rank,
+                    mine.listed,
+                    theirs.rank,
+                    theirs.listed,
+                    level=logging.WARNING,
+                    job=mine.job,
+                    epoch=mine.epoch,
                 )
-        return None
+                return
 
     def join(self, name: str, reading: Reading) -> None:
         self._readers[name] = reading

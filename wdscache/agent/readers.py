@@ -343,7 +343,7 @@ class Readers:
             mine = claimed or self._jobs.list_of(job, world, epoch, self.list_id, self._holds, reader=name, probe=True)
             ours = Listed(mine, len(self._list(mine)), own=claimed is not None)
             overlap = lambda a, b: share_a_shard(self._list(a).urls, self._list(b).urls)  # noqa: E731
-            refusal = self._ranks.refusal(name, Reading(job, loader, epoch, rank, ours), consumers, overlap)
+            self._ranks.check(name, Reading(job, loader, epoch, rank, ours), consumers, overlap)
         if refusal is not None:
             return {"ok": False, "error": refusal}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
