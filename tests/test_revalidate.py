@@ -214,3 +214,22 @@ def test_a_shard_gone_from_its_source_is_not_served_from_the_cache(tmp_path, sha
             client.open(urls[1])
     assert info.value.url == urls[1] and ("404" in str(info.value) or "no such file" in str(info.value))
     assert "is gone from its source" in again.stderr_text(), again.stderr_tail()
+
+
+def test_local_shards_whose_folder_is_missing_are_served_as_cached(tmp_path, dataset, start_agent):
+    # A folder missing (a file system not mounted yet) is no answer about its files: their copies stay.
+    data = dataset(2, samples=3, payload=1000)
+    urls = [f"file://{p}" for p in data.paths]
+    listed = tmp_path / "urls.txt"
+    listed.write_text("".join(u + "\n" for u in urls))
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, listed, "--prefetch", "2", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "shards never cached")
+    assert agent.stop() == 0
+    wanted = [p.read_bytes() for p in data.paths]
+    folder = data.paths[0].parent
+    folder.rename(folder.with_name(folder.name + "-unmounted"))
+    again = start_agent(cache, listed, "--prefetch", "2", "--no-shuffle")
+    with ShardClient(cache, timeout=20) as client:
+        assert [client.open(u).read_bytes() for u in urls] == wanted
+    assert "gone from its source" not in again.stderr_text() and "could not revalidate" in again.stderr_text()

@@ -34,6 +34,7 @@ from tests.helpers.seaweed import ACCESS_KEY, SECRET_KEY, Seaweed, listening_add
 from tests.helpers.streaming import Consumer, reference, samples_of  # noqa: E402
 from tests.helpers.versions import another_version  # noqa: E402
 from tests.helpers.waits import wait_for  # noqa: E402
+from wdscache import FetchError, ShardClient  # noqa: E402
 from wdscache.shared.layout import CacheLayout  # noqa: E402
 from wdscache.shared.s3 import S3Client, glob_regex, is_listing  # noqa: E402
 
@@ -688,3 +689,32 @@ def test_without_boto3_the_agent_names_the_extra(moto_store: Store, tmp_path: Pa
     rc = agent.proc.wait(30)
     assert rc == 2 and "pip install boto3 (the package's s3 extra)" in agent.stderr_text(), agent.stderr_text()
     wait_for(lambda: not agent.running(), 5, "the agent did not exit")
+
+
+@NO_WEED
+@pytest.mark.slow  # three agents in turn on each server
+def test_an_object_deleted_from_its_bucket_is_not_served_but_a_bucket_missing_keeps_the_copies(
+    store: Store, tmp_path: Path, start_agent
+) -> None:
+    paths = make_dataset(tmp_path / "src" / "gone", 3, 3, payload=100)
+    urls = [store.put(f"train/{p.name}", p) for p in paths]
+    agent = start_on(start_agent, store, tmp_path, urls, "--prefetch", "3", "--retries", "0")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, CACHED_IN, "the objects were not cached")
+    assert agent.stop() == 0
+    store.client.delete_object(Bucket=store.bucket, Key=f"train/{paths[1].name}")  # type: ignore[attr-defined]
+    again = start_on(start_agent, store, tmp_path, urls, "--prefetch", "3", "--retries", "0")
+    with ShardClient(tmp_path / "cache", timeout=CACHED_IN) as client:
+        assert client.open(urls[0]).read_bytes() == paths[0].read_bytes()
+        with pytest.raises(FetchError):
+            client.open(urls[1])
+    assert "is gone from its source" in again.stderr_text(), again.stderr_tail()
+    assert again.stop() == 0
+    # The bucket gone too (another endpoint's, a misconfiguration): no answer about its objects, so
+    # their copies stay, served as cached.
+    for key in (f"train/{paths[0].name}", f"train/{paths[2].name}"):
+        store.client.delete_object(Bucket=store.bucket, Key=key)  # type: ignore[attr-defined]
+    store.client.delete_bucket(Bucket=store.bucket)  # type: ignore[attr-defined]
+    last = start_on(start_agent, store, tmp_path, urls, "--prefetch", "3", "--retries", "0")
+    with ShardClient(tmp_path / "cache", timeout=CACHED_IN) as client:
+        assert client.open(urls[2]).read_bytes() == paths[2].read_bytes()
+    assert "could not revalidate" in last.stderr_text(), last.stderr_tail()

@@ -231,6 +231,15 @@ class S3Client:
     def close(self) -> None:
         """Nothing to let go: the shared client, and its idle connections, stay for other threads."""
 
+    def bucket_exists(self, url: str) -> bool | None:
+        """Whether ``url``'s bucket is there (HeadBucket); None when that cannot be told."""
+        try:
+            self._client.head_bucket(Bucket=split(url)[0])
+        except Exception as exc:
+            problem = self._problem(url, exc)
+            return False if isinstance(problem, FetchError) and problem.status == 404 else None
+        return True
+
     def head(self, url: str) -> tuple[int, str | None]:
         """The object's size and ETag. Raises FetchError or :class:`Transient`."""
         bucket, key = split(url)

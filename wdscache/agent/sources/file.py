@@ -20,10 +20,13 @@ from .base import CHUNK, Source, SourceResponse
 
 class FileSource(Source):
     def probe(self, url: str) -> Fetched | Gone | None:
+        path = _path(url)
         try:
-            st = os.stat(_path(url))
+            st = os.stat(path)
         except FileNotFoundError:
-            return Gone("no such file")
+            # Gone from a folder that holds others; a folder missing or empty may be a file
+            # system not mounted yet: that is no answer about the file.
+            return Gone("no such file") if _holds_others(os.path.dirname(path)) else None
         except OSError:
             return None
         return Fetched(st.st_size, _tag(st))
@@ -67,3 +70,11 @@ def _path(url: str) -> Path:
 
 def _tag(st: os.stat_result) -> str:
     return f"{st.st_size}-{st.st_mtime_ns}"
+
+
+def _holds_others(folder: str) -> bool:
+    try:
+        with os.scandir(folder) as entries:
+            return any(True for _ in entries)
+    except OSError:
+        return False

@@ -40,11 +40,16 @@ class S3Source(Source):
 
     def probe(self, url: str) -> Fetched | Gone | None:
         try:
-            return Fetched(*self._client(url).head(url))
+            client = self._client(url)
+            return Fetched(*client.head(url))
         except FetchError as exc:
-            return Gone(exc.reason) if exc.status == 404 else None
+            if exc.status != 404:
+                return None
+            reason = exc.reason
         except (OSError, s3.Transient):
             return None
+        # Gone from a bucket that is there: a bucket missing is another endpoint's, or a misconfiguration.
+        return Gone(reason) if client.bucket_exists(url) is True else None
 
     @contextmanager
     def open(
