@@ -239,6 +239,8 @@ def test_a_rank_or_world_size_that_is_no_whole_number_is_refused_naming_it(monke
             CachedMultiLoader(url, cache_dir=tmp_path)
         # Given explicitly, or not needed at all (random access has no ranks): the variable is not read.
         assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, world_size=2, node=0, num_nodes=1).layout.rank == 1
+        if name == "RANK":  # (node and num_nodes from the environment: RANK is not theirs)
+            assert CachedMultiLoader(url, cache_dir=tmp_path, rank=1, world_size=2).layout.rank == 1
         index = tmp_path / "index.json"
         index.write_text('{"shardlist": [{"url": "http://127.0.0.1:9/a.tar", "nsamples": 1}]}')
         assert len(ShardListDataset(str(index), cache_dir=tmp_path)) == 1

@@ -63,7 +63,7 @@ import pickle
 import sys
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -148,11 +148,12 @@ def _env_places() -> dict[str, Any]:
     }
 
 
-def _env_ranks() -> dict[str, int]:
-    """Defaults a training launcher provides (torchrun sets RANK, WORLD_SIZE, GROUP_RANK,
-    LOCAL_WORLD_SIZE; Slurm sets SLURM_PROCID, SLURM_NTASKS, SLURM_NODEID, SLURM_NNODES).
-    torchrun's win where both are set: it runs inside a Slurm step. A value that is no whole
-    number (or a LOCAL_WORLD_SIZE below 1) is a ConfigError naming the variable."""
+def _env_ranks(wanted: Collection[str]) -> dict[str, int]:
+    """The defaults a training launcher provides of ``wanted`` (of rank, world_size, node,
+    num_nodes): torchrun sets RANK, WORLD_SIZE, GROUP_RANK, LOCAL_WORLD_SIZE; Slurm sets
+    SLURM_PROCID, SLURM_NTASKS, SLURM_NODEID, SLURM_NNODES. torchrun's win where both are set:
+    it runs inside a Slurm step. A variable read that is no whole number (or a LOCAL_WORLD_SIZE
+    below 1) is a ConfigError naming it; one for a value given is not read."""
     env = os.environ
     # Slurm's only in a task of a step (srun sets SLURM_STEP_ID): a batch script is one process,
     # although it sees the job's SLURM_NTASKS and SLURM_PROCID=0.
@@ -168,22 +169,25 @@ def _env_ranks() -> dict[str, int]:
                 if value < least:
                     raise ConfigError(
                         f"the environment's {var}={env[var]!r} is no whole number of at least {least}: "
-                        "check what the launcher sets, or pass rank= and world_size= to the loader"
+                        "check what the launcher sets, or pass the value to the loader"
                     )
                 return value
         return default
 
-    world_size = whole("WORLD_SIZE", "SLURM_NTASKS", 1, least=1)
-    if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
-        num_nodes = max(1, world_size // whole("LOCAL_WORLD_SIZE", None, 1, least=1))
-    else:
-        num_nodes = whole("SLURM_NNODES", None, 1, least=1) if slurm else 1
-    return {
-        "rank": whole("RANK", "SLURM_PROCID", 0),
-        "world_size": world_size,
-        "node": whole("GROUP_RANK", "SLURM_NODEID", 0),
+    def num_nodes() -> int:
+        if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
+            return max(
+                1, whole("WORLD_SIZE", "SLURM_NTASKS", 1, least=1) // whole("LOCAL_WORLD_SIZE", None, 1, least=1)
+            )
+        return whole("SLURM_NNODES", None, 1, least=1) if slurm else 1
+
+    read: dict[str, Callable[[], int]] = {
+        "rank": lambda: whole("RANK", "SLURM_PROCID", 0),
+        "world_size": lambda: whole("WORLD_SIZE", "SLURM_NTASKS", 1, least=1),
+        "node": lambda: whole("GROUP_RANK", "SLURM_NODEID", 0),
         "num_nodes": num_nodes,
     }
+    return {name: read[name]() for name in wanted}
 
 
 def _checked_ranks(rank: Any, world_size: Any, from_env: bool) -> tuple[int, int]:
@@ -281,9 +285,8 @@ class CachedMultiLoader:
         self.tuning = dataclasses.replace(tuning or Tuning(), **knobs)
         if map is not None and workers > 0:
             _check_picklable(map)
-        env = _env_places()
-        if None in (rank, world_size, node, num_nodes):
-            env |= _env_ranks()
+        given = {"rank": rank, "world_size": world_size, "node": node, "num_nodes": num_nodes}
+        env = _env_places() | _env_ranks([name for name, value in given.items() if value is None])
         self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
         self.job = job or env["job"]
