@@ -12,9 +12,10 @@ non-standalone launch's) or loaders the ranks make in another order look the sam
 Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
 - A hello of rank R of job J starting epoch E with loader L, to read list X, is warned about
-  (once for each two lists) while a live reader (one that reported within ``SILENT_AFTER``, as the world-size check
-  counts ranks) of another rank of J, E and L reads another list. One whose ranks ended,
-  were killed or hang is a job launched anew: its next launch reads any list.
+  (once for each two lists; the hello is answered as before) while a live reader (one that
+  reported within ``SILENT_AFTER``, as the world-size check counts ranks) of another rank of
+  J, E and L reads another list. A job whose ranks ended, were killed or hang is launched anew:
+  its next launch may read any list.
 - Readers of one rank are not compared: two processes as rank 0 of the same job name (two
   notebooks with the default name) each read their own list.
 - ``loader``: the loader's number in its process. A job's ranks make their loaders in the
@@ -22,7 +23,7 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 - Only lists that share a shard are a mismatch (``overlap``): lists with none in common are
   another loader's of the job (a validation set), however the ranks numbered their loaders
   (one that only rank 0 makes, say).
-- Bounded by the readers: a reader's record goes when it goes.
+- Bounded: a reader's record goes when it goes; at most MAX_WARNED pairs of lists are remembered.
 """
 
 from __future__ import annotations
