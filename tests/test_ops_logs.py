@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 
 import webdataset as wds
@@ -207,3 +208,10 @@ def test_an_agent_that_cannot_start_says_why_in_one_json_record(tmp_path, datase
         assert done.returncode == code, done.stderr
         (record,) = (json.loads(line) for line in done.stderr.splitlines())
         assert record["level"] == "ERROR" and says in record["message"] and ISO.match(record["time"]), record
+    # An option's value click refuses, the format asked on the command line or in the environment.
+    bad = ("--cache-dir", str(tmp_path / "other"), "--urls", str(data.list_file), "--prefetch", "abc")
+    for args, env in (((*bad, "--log-format=json"), None), (bad, {**os.environ, "WDSCACHE_LOG_FORMAT": "json"})):
+        done = run_cli("agent", *args, env=env)
+        assert done.returncode == 2, done.stderr
+        (record,) = (json.loads(line) for line in done.stderr.splitlines())
+        assert record["level"] == "ERROR" and "--prefetch" in record["message"] and "abc" in record["message"], record

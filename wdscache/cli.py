@@ -88,7 +88,33 @@ def main() -> None:
     """Keep WebDataset shards on local disk ahead of demand and stream them to training jobs."""
 
 
-@main.command()
+class _AgentCommand(click.Command):
+    """``wdscache agent``: a bad option's error, under ``--log-format json``, is a JSON record as
+    every other line of the agent's log (click's own parse would print its usage text)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        wants_json = _json_asked(args)
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            if not wants_json:
+                raise
+            setup_logging(sys.stderr, fmt="json")
+            get_logger("wdscache.cli").error("%s", exc.format_message())
+            ctx.exit(exc.exit_code)
+
+
+def _json_asked(args: list[str]) -> bool:
+    """Whether the agent's command line (else its environment) asks for JSON log lines."""
+    for k, arg in enumerate(args):
+        if arg.startswith("--log-format="):
+            return arg.endswith("=json")
+        if arg == "--log-format":
+            return args[k + 1 : k + 2] == ["json"]
+    return os.environ.get("WDSCACHE_LOG_FORMAT") == "json"
+
+
+@main.command(cls=_AgentCommand)
 @click.option(
     "--cache-dir",
     envvar="WDSCACHE_CACHE_DIR",
