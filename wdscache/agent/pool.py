@@ -86,9 +86,7 @@ class WorkerPool:
     It writes a byte to its ready pipe once its socket is bound.
     """
 
-    def __init__(
-        self, *, n: int, agent_endpoint: str, cache_dir: str, token: str, run: str, log_format: str = "text"
-    ) -> None:
+    def __init__(self, *, n: int, agent_endpoint: str, cache_dir: str, token: str, run: str, log_format: str) -> None:
         self.endpoints = worker_endpoints(agent_endpoint, n)
         self._specs = [
             WorkerSpec(i, ep, cache_dir, agent_endpoint, os.getpid(), log_format) for i, ep in enumerate(self.endpoints)

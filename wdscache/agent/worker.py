@@ -145,7 +145,7 @@ class WorkerSpec:
     cache_dir: str
     control: str  # the agent's endpoint, for reports
     parent: int
-    log_format: str = "text"  # the agent's: one format for every line of its log
+    log_format: str  # the agent's (AgentConfig.log_format): one format for every line of its log
 
 
 def _die_with_parent(parent: int) -> None:
