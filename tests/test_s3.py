@@ -314,6 +314,7 @@ def test_a_loader_and_a_prefetch_have_keys_with_spaces_fetched_by_an_agent_of_an
     assert cached_bytes(cache, extra) == paths[2].read_bytes()
 
 
+@pytest.mark.slow  # an index, a running agent, a private agent and a prefetch on each server: 6-7 s
 def test_keys_with_glob_characters_listed_from_a_prefix_are_read_where_each_url_stands_alone(
     store: Store, tmp_path: Path, start_agent, consumers, run_cli, monkeypatch
 ) -> None:
