@@ -63,7 +63,7 @@ from typing import Any
 from ..shared.config import AgentConfig, format_size
 from ..shared.errors import ProtocolError
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
-from ..shared.layout import CacheLayout, write_private
+from ..shared.layout import CacheLayout, write_atomic
 from ..shared.logs import get_logger
 from ..shared.metrics import require as require_metrics
 from ..shared.protocol import CONTROL_OPS, GREETED_OPS, READER_OPS, WORKER_OPS, process_identity, strings
@@ -266,7 +266,7 @@ class Agent:
         state |= {"metrics": self._metrics.url} if self._metrics is not None else {}
         if self.config.private_users is not None:  # loaders joining us lock it
             state["private_users"] = str(self.config.private_users)
-        write_private(self.layout.state_path, json.dumps(state).encode())
+        write_atomic(self.layout.state_path, json.dumps(state).encode())
 
     def shutdown(self) -> None:
         """Abandon downloads (keeping resumable partial files), close the index, free the lock."""
