@@ -45,7 +45,7 @@ from typing import Any
 
 import zmq
 
-from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError, failed_shard
+from .errors import AgentUnavailableError, ConfigError, FetchError, NotTrustedError, ProtocolError, failed_shard
 from .layout import CacheLayout
 from .messages import Requests
 from .protocol import (
@@ -150,7 +150,7 @@ def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | N
     if endpoint:
         return endpoint
     if cache_dir is None:
-        raise ValueError("give cache_dir (or endpoint) to find the agent")
+        raise ConfigError("give cache_dir (or endpoint) to find the agent")
     return CacheLayout.of(cache_dir).default_endpoint()
 
 

@@ -108,7 +108,7 @@ class AgentConfig:
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
             raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --num-nodes={self.num_nodes})")
         if self.retries < 0:
-            raise ConfigError("retries must be >= 0")
+            raise ConfigError(f"--retries {self.retries}: use 0 or more")
         for name in ("connect_timeout", "read_timeout", "backoff", "backoff_max", "reader_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # nan compares false to everything: no timeout at all
@@ -146,7 +146,7 @@ def check_count(name: str, value: int) -> None:
     """Refuse a count of option ``name`` (``download_workers``, say) below 1 or above its
     :data:`MAX_COUNTS`, naming the option."""
     if value < 1:
-        raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        raise ConfigError(f"--{name.replace('_', '-')} {value}: use at least 1")
     most = MAX_COUNTS.get(name)
     if most is not None and value > most:
         raise ConfigError(f"--{name.replace('_', '-')} {value}: use at most {most}")

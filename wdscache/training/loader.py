@@ -192,7 +192,7 @@ def _env_ranks(wanted: Collection[str]) -> dict[str, int]:
 
 def _checked_ranks(rank: Any, world_size: Any, from_env: bool) -> tuple[int, int]:
     """``rank`` and ``world_size`` as ints (numpy's too); a ConfigError naming one that is no whole
-    number, a ValueError for a rank outside the world."""
+    number, or a rank outside the world."""
     both = []
     for name, value in (("rank", rank), ("world_size", world_size)):
         try:
@@ -203,7 +203,7 @@ def _checked_ranks(rank: Any, world_size: Any, from_env: bool) -> tuple[int, int
             ) from None
     if not 0 <= both[0] < both[1]:
         unset = " (WORLD_SIZE is not set in the environment: pass world_size=)" if from_env and both[1] == 1 else ""
-        raise ValueError(f"rank {both[0]} is not in [0, world_size={both[1]}){unset}")
+        raise ConfigError(f"rank {both[0]} is not in [0, world_size={both[1]}){unset}")
     return both[0], both[1]
 
 
