@@ -231,8 +231,8 @@ def looks_like_index(text: str) -> bool:
     return _STARTS_LIKE_JSON.match(text) is not None
 
 
-def _samples_problem(url: str, info: ShardInfo) -> str | None:
-    """Why ``info.nsamples`` cannot be the count of the shard at ``url`` (None: it can be, or none is given)."""
+def _samples_problem(info: ShardInfo) -> str | None:
+    """Why ``info.nsamples`` cannot be the count of the shard ``info`` describes (None: it can be, or none is given)."""
     if info.nsamples is None:
         return None
     if info.nsamples > MAX_SAMPLES:
@@ -375,7 +375,7 @@ def parse_shard_entries(text: str, *, path: str) -> tuple[dict[str, Any], list[t
             if "nsamples" not in entry:
                 raise ValueError('"nsamples" is missing')
             info = _info(entry["nsamples"], entry.get("filesize"), entry.get("md5sum"))
-            problem = _samples_problem(url, info)
+            problem = _samples_problem(info)
             if problem is not None:
                 raise ValueError(problem)
             entries.append((entry, info))
