@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
-from .logs import FORMATS
+from .logs import DEFAULT_FORMAT, FORMATS
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -100,7 +100,7 @@ class AgentConfig:
     # A private agent's users file (see wdscache.training.private): it stops once no loader holds a lock on it.
     private_users: Path | None = None
     # How its sample worker processes write their log lines (the agent's own: the CLI sets them up).
-    log_format: str = "text"
+    log_format: str = DEFAULT_FORMAT
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "download_workers", "download_parts", "workers"):

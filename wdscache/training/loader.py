@@ -69,7 +69,7 @@ from itertools import chain
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..shared.client import AgentConnection, resolve_endpoint, start_hint
+from ..shared.client import CONSUMER_TIMEOUT, AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import ConfigError
 from ..shared.malloc import tune_malloc
 from ..shared.messages import Requests
@@ -273,7 +273,7 @@ class CachedMultiLoader:
         map: Callable[[dict[str, Any]], Any] | None = None,  # noqa: A002 (the documented name)
         workers: int = 0,
         drop_last: bool = False,
-        timeout: float = 60.0,
+        timeout: float = CONSUMER_TIMEOUT,
         on_error: str | Callable[[BaseException], bool] = "raise",
         mix: Mapping[str, float] | None = None,
         epoch_samples: int | None = None,
