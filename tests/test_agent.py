@@ -28,6 +28,7 @@ import pytest
 
 from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
 from tests.helpers.agents import FIRST_PART, AgentProc, Dataset
+from tests.helpers.procs import worker_pids
 from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
 from wdscache.agent.cache_commands import evict
@@ -629,6 +630,25 @@ def test_sigterm_during_a_download_exits_0_and_keeps_only_resumable_partials(
     assert s["shards"]["cached"] == len(files), (s, files)
     assert s["bytes_used"] - s["table_bytes"] == sum(p.stat().st_size for p in files.values())
     assert_cached_identical(cache, ds, sorted(cached_urls(cache, ds)))
+
+
+def test_sigterm_while_the_list_file_cannot_be_read_exits_0_and_leaves_the_cache_dir_as_it_was(start_agent, tmp_path):
+    """A list on a hung mount (here a FIFO nobody writes to: its open never returns) blocks the
+    start: one SIGTERM still stops the agent, promptly and cleanly."""
+    fifo = tmp_path / "urls.txt"
+    os.mkfifo(fifo)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, fifo, wait=False)
+    # Its workers start while the list is read: once they run, the agent waits for the list.
+    wait_for(lambda: worker_pids(agent.pid), 20, lambda: f"no worker started\n{agent.stderr_tail()}")
+    t0 = time.monotonic()
+    rc = agent.stop(signal.SIGTERM, timeout=10)
+    took = time.monotonic() - t0
+    assert not agent.killed, f"SIGTERM did not stop the agent\n{agent.stderr_tail()}"
+    assert rc == 0, f"exit {rc} after SIGTERM\n{agent.stderr_tail()}"
+    assert took < 5.0, f"SIGTERM took {took:.1f}s to stop the agent\n{agent.stderr_tail()}"
+    assert "stopped before the URL list was read" in agent.stderr_text(), agent.stderr_tail()
+    assert not cache.exists()  # made by this start, removed as it ended
 
 
 def test_second_sigterm_exits_at_once_and_the_next_agent_cleans_up(shard_server, dataset, start_agent, tmp_path):

@@ -20,7 +20,7 @@ from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.shared.client import AgentConnection, resolve_endpoint
-from wdscache.shared.layout import CacheLayout, write_private
+from wdscache.shared.layout import CacheLayout, write_atomic
 
 SHARD_130K = {"samples": 12, "payload": 8000}  # 133,120-byte shards
 SHARD_1M = {"samples": 10, "payload": 100_000}  # ~1.0-1.06 MB shards
@@ -448,12 +448,12 @@ def test_an_agent_started_on_a_full_disk_keeps_the_index_and_every_cached_shard(
 def test_a_private_file_written_on_a_full_disk_is_all_or_nothing_and_names_itself(tmpfs):
     fs = tmpfs("1m")
     target = fs / "private-urls.txt"
-    write_private(target, b"old\n")
+    write_atomic(target, b"old\n")
     (fs / "pad").write_bytes(bytes(8192))
     fill(fs / "other-program")
     (fs / "pad").unlink()  # room for part of what follows, not all of it
     with pytest.raises(OSError, match=f"No space left on device: '{target}'"):
-        write_private(target, b"x" * 100_000)
+        write_atomic(target, b"x" * 100_000)
     assert target.read_bytes() == b"old\n" and sorted(p.name for p in fs.iterdir()) == [
         "other-program",
         "private-urls.txt",

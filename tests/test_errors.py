@@ -105,3 +105,8 @@ def test_a_dataloader_worker_error_is_caught_by_its_wdscache_class(tmp_path: Pat
     assert got["message"].startswith("Caught AgentUnavailableError in DataLoader worker process 0.")
     assert f"no wdscache agent answered at {endpoint}" in got["message"], got["message"]
     assert got["endpoint"] is None  # the context is in the message: torch passes nothing else
+
+
+def test_a_client_given_no_cache_dir_and_no_endpoint_is_a_config_error_saying_what_to_give() -> None:
+    with pytest.raises(errors.ConfigError, match=r"give cache_dir \(or endpoint\) to find the agent"):
+        wdscache.ShardClient()

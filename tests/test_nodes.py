@@ -174,10 +174,12 @@ def test_a_checkpoint_inside_a_resumed_epoch_resumes_again() -> None:
 
 
 def test_a_layout_must_put_the_same_ranks_on_every_node() -> None:
-    with pytest.raises(ValueError, match="multiple of num_nodes"):
+    with pytest.raises(ConfigError, match="multiple of num_nodes"):
         RankPlacement(0, 5, 0, 2)
-    with pytest.raises(ValueError, match="not on node 1"):
+    with pytest.raises(ConfigError, match="not on node 1"):
         RankPlacement(0, 4, 1, 2)
+    with pytest.raises(ConfigError, match=re.escape("node 2 is not in [0, num_nodes=2)")):
+        RankPlacement(0, 4, 2, 2)
     with pytest.raises(WdsCacheError, match="1 shards with samples for 2 nodes: every node needs at least one"):
         JobEpoch.fresh([5, 0], layouts(2, 1)[0])
 
@@ -229,7 +231,7 @@ def test_a_rank_or_world_size_that_is_no_whole_number_is_refused_naming_it(monke
             CachedMultiLoader(url, cache_dir=tmp_path, **args)
     assert CachedMultiLoader(url, cache_dir=tmp_path, rank=np.int64(1), world_size=2).layout.rank == 1
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ValueError, match=re.escape("WORLD_SIZE is not set in the environment: pass world_size=")):
+    with pytest.raises(ConfigError, match=re.escape("WORLD_SIZE is not set in the environment: pass world_size=")):
         CachedMultiLoader(url, cache_dir=tmp_path)
     for name, value in (("RANK", "abc"), ("LOCAL_WORLD_SIZE", "0")):
         monkeypatch.setenv("WORLD_SIZE", "2")

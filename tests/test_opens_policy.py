@@ -10,6 +10,7 @@ import pytest
 from tests.helpers.policy import URLS, Loop
 from wdscache.agent.shards import Phase
 from wdscache.shared.layout import file_identity
+from wdscache.shared.shard_index import ShardInfo
 
 
 @pytest.fixture
@@ -180,3 +181,36 @@ def test_an_unlisted_shard_answers_its_waiters(loop: Loop) -> None:
         (request, "removed from the agent's URL list")
     ]
     assert loop.opens.demanded() == [] and len(loop.opens.shards) == 0
+
+
+def test_a_copy_found_unlike_its_index_then_downloaded_anew_leaves_no_reason_for_a_later_damage(
+    tmp_path: Path,
+) -> None:
+    """A copy found unlike its index while held is downloaded anew another way (its file vanished):
+    the reason goes with it. Found damaged later, that copy is downloaded once more keeping the count
+    a worker took of it (a damaged copy's count stays), not dropped as an outdated copy's is."""
+    loop = Loop(tmp_path, index=[ShardInfo(3) for _ in URLS])
+    try:
+        url = URLS[0]
+        loop.cached(url)
+        _, reply = loop.open("r", url)
+        assert reply is not None and reply["ok"]
+        loop.cache.index.set_count(url, 5, 1024, '"v1"')  # a worker counted 5: unlike the index's 3
+        _, reply = loop.open("other", url)
+        assert reply is None and loop.opens.shards.get(url).phase is Phase.SUSPECT  # type: ignore[union-attr]
+        loop.cache.path(url).unlink()  # (its file vanished: the next open has it downloaded anew)
+        loop.open("third", url)
+        loop.schedule()
+        loop.finish(url, b"x" * 2048)
+        assert loop.opens.shards.get(url).phase is Phase.IDLE  # type: ignore[union-attr]
+        loop.opens.take_answers()
+        for reader in ("r", "other", "third"):
+            loop.opens.release(reader, url)
+        loop.cache.index.set_count(url, 3, 2048, '"v1"')  # the new copy holds what the index says
+        loop.opens.op_corrupt(loop.request("corrupt", url=url, error="bad header"))
+        _, reply = loop.open("r", url, wait=False)
+        assert reply == {"ok": False, "cached": False, "error": "not cached yet"}
+        assert loop.opens.demanded() == [url] and not loop.cache.is_cached(url)
+        assert loop.cache.index.counts.get(url) == 3
+    finally:
+        loop.close()

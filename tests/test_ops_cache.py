@@ -25,7 +25,7 @@ from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader
 from wdscache.agent.cache_commands import prefetch
 from wdscache.shared.client import AgentConnection
-from wdscache.shared.config import format_size
+from wdscache.shared.config import AgentConfig, format_size
 from wdscache.shared.errors import ConfigError
 from wdscache.shared.layout import CacheLayout
 
@@ -596,8 +596,10 @@ def test_prefetch_refuses_download_workers_below_one_and_leaves_the_cache_direct
     assert r.returncode == 2 and "'--download-workers': 0 is not in the range x>=1" in r.stderr, r.stderr
     assert not (tmp_path / "cache").exists()
     # The prefetch function (the library's) refuses it too, rather than taking the default.
-    with pytest.raises(ConfigError, match="--download-workers must be at least 1"):
+    with pytest.raises(ConfigError, match="--download-workers 0: use at least 1"):
         prefetch(tmp_path / "cache", data.urls, report=lambda progress: None, download_workers=0)
+    with pytest.raises(ConfigError, match="--retries -1: use 0 or more"):  # (an agent's configuration)
+        AgentConfig(cache_dir=tmp_path / "cache", urls=data.list_file, retries=-1)
     # A wait that never gives up (nan compares false to every time).
     r = run_cli("prefetch", data.urls[0], "--cache-dir", tmp_path / "cache", "--give-up-after", "nan")
     assert r.returncode == 2 and "--give-up-after nan: use a number of seconds" in r.stderr, r.stderr
@@ -624,7 +626,7 @@ def test_prefetch_refuses_options_for_its_own_agent_when_an_agent_runs_too(
     shard_server.reset_log()
     r = run_cli("prefetch", data.urls[1], "--cache-dir", cache, "--cache-size", "bogus")
     assert r.returncode == 2 and "--cache-size 'bogus' is not a size" in r.stderr, r.stdout + r.stderr
-    with pytest.raises(ConfigError, match="--download-workers must be at least 1"):
+    with pytest.raises(ConfigError, match="--download-workers 0: use at least 1"):
         prefetch(cache, data.urls[1:], report=lambda progress: None, download_workers=0)
     assert shard_server.requests == [] and agent.stats()["shards"]["cached"] == 1
 

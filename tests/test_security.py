@@ -14,6 +14,7 @@ from tests.helpers.streaming import reference
 from wdscache import CachedMultiLoader, ConfigError, FetchError, ShardClient
 from wdscache.shared.layout import shard_name
 from wdscache.shared.redact import redact_urls
+from wdscache.shared.urls import parse_url_list
 
 NOBODY = 65534
 
@@ -115,6 +116,16 @@ def _leaks(text: str) -> list[str]:
 )
 def test_a_url_is_shown_without_user_info_or_secret_parameters(url: str, shown: str) -> None:
     assert redact_urls(url) == shown
+
+
+def test_a_url_not_in_a_list_is_named_redacted() -> None:
+    listed = parse_url_list("http://h/a.tar")
+    secret = "http://u:PASSWORD@h/x.tar?X-Amz-Signature=SIGNATURE"
+    for where in (listed, listed.urls):  # the list, and its URLs as a sequence
+        with pytest.raises(ValueError) as raised:
+            where.index(secret)
+        assert "'http://***@h/x.tar?X-Amz-Signature=***' is not in the" in str(raised.value), raised.value
+        assert "PASSWORD" not in str(raised.value) and "SIGNATURE" not in str(raised.value)
 
 
 def test_cache_file_names_hold_no_query_and_no_user_info() -> None:

@@ -33,7 +33,7 @@ from tests.helpers.streaming import reference, samples_of
 from tests.helpers.testdata import NEEDS_TESTDATA, REAL_SHARDS, TESTDATA
 from wdscache import CachedMultiLoader, FetchError, ShardIndexError
 from wdscache.shared.layout import CacheLayout
-from wdscache.shared.shard_index import KIND
+from wdscache.shared.shard_index import KIND, ShardInfo, write_shard_index
 from wdscache.shared.urls import read_url_list
 
 CACHED_IN = 30.0
@@ -166,6 +166,14 @@ def test_index_that_cannot_read_a_shard_writes_nothing(tmp_path, shard_server):
         f"wdscache: error: no shards to index: the arguments hold no URL; {out} not written\n",
     )
     assert not out.exists()
+
+
+def test_an_index_that_cannot_be_put_in_place_names_it_and_leaves_no_temp_file(tmp_path):
+    out = tmp_path / "index.json"
+    out.mkdir()  # a folder where the index goes: its rename over it fails
+    with pytest.raises(IsADirectoryError, match=f"Is a directory: '{out}'"):
+        write_shard_index(out, [("a.tar", ShardInfo(3))])
+    assert [p.name for p in tmp_path.iterdir()] == ["index.json"] and not any(out.iterdir())
 
 
 def test_index_gives_up_on_a_host_that_refuses_after_its_retries(tmp_path):

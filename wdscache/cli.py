@@ -26,7 +26,7 @@ import click
 
 from .shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, check_s3_endpoint_url, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
-from .shared.logs import FORMATS, get_logger
+from .shared.logs import DEFAULT_FORMAT, FORMATS, get_logger
 from .shared.logs import setup as setup_logging
 from .shared.redact import redact_urls
 
@@ -54,7 +54,7 @@ def _redacted(obj: Any) -> Any:
     return obj
 
 
-def _fail(exc: WdsCacheError, log_format: str = "text") -> NoReturn:
+def _fail(exc: WdsCacheError, log_format: str = DEFAULT_FORMAT) -> NoReturn:
     if log_format == "json":  # a log shipper reads every line of the agent's log as a record
         get_logger("wdscache.cli").error("%s", exc)
     else:
@@ -290,7 +290,7 @@ def _json_asked(args: list[str]) -> bool:
     "--log-format",
     envvar="WDSCACHE_LOG_FORMAT",
     type=click.Choice(FORMATS),
-    default="text",
+    default=default("log_format"),
     show_envvar=True,
     help="Log lines as text, or one JSON object a line for log shippers.",
 )
@@ -548,7 +548,9 @@ def _eta(seconds: float | None) -> str:
     "(shards the budget cannot take fail at once).",
 )
 @_S3_ENDPOINT_URL
-@click.option("--log-format", type=click.Choice(FORMATS), default="text", help="Log lines as text or JSON.")
+@click.option(
+    "--log-format", type=click.Choice(FORMATS), default=default("log_format"), help="Log lines as text or JSON."
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log each event (shard cached, failed...), not only warnings.")
 @_JSON
 def prefetch(

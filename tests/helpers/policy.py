@@ -7,6 +7,7 @@ publish it), so every step is deterministic and fast.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from wdscache.agent.shards import Shards
 from wdscache.shared.config import AgentConfig
 from wdscache.shared.errors import FetchError
 from wdscache.shared.layout import CacheLayout
-from wdscache.shared.urls import parse_url_list
+from wdscache.shared.shard_index import ShardInfo
+from wdscache.shared.urls import UrlList
 
 # Never fetched: no download thread runs; the test ends each download itself.
 URLS = [f"http://127.0.0.1:9/shard-{i:03d}.tar" for i in range(8)]
@@ -31,7 +33,10 @@ URLS = [f"http://127.0.0.1:9/shard-{i:03d}.tar" for i in range(8)]
 class Loop:
     """The parts of one agent, driven by hand."""
 
-    def __init__(self, root: Path, *, limit: int = 64 << 20, **settings: Any) -> None:
+    def __init__(
+        self, root: Path, *, limit: int = 64 << 20, index: Sequence[ShardInfo] | None = None, **settings: Any
+    ) -> None:
+        """``index``: what the agent's list (a shard index, then) says of each of :data:`URLS`."""
         options: dict[str, Any] = {
             "cache_size": str(limit),
             "min_free": "0",
@@ -52,7 +57,7 @@ class Loop:
         self.readers = Readers(
             self.config,
             self.cache,
-            parse_url_list("\n".join(URLS)),
+            UrlList(None, tuple(URLS), shards=None if index is None else tuple(index)),
             endpoint="ipc:///none",
             workers=["ipc:///w0"],
             cache_root=[0, 0],

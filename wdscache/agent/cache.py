@@ -501,12 +501,17 @@ class ShardCache:
             self.evict(short, wanted=wanted, allow_window=False, why="evicted to keep --min-free free")
 
     def put(self, rec: ShardRecord) -> None:
-        """Write ``rec``; a table file the old record counted and ``rec`` does not goes after it
-        (the record first, then the file)."""
+        """Write ``rec``; a table file the old record counted and ``rec`` does not goes with it.
+        The record changes first (index before files), still counting the table's bytes; its
+        count of them drops once the file is gone, so the budget never misses bytes on disk (a
+        crash between leaves a count of a missing file, which recovery drops)."""
         old = self.index.get(rec.url)
-        self.index.put(rec)
         if old is not None and old.table_size and not rec.table_size:
+            counted = dataclasses.replace(rec, table_size=old.table_size)
+            if counted != old:
+                self.index.put(counted)
             self.layout.table_path(rec.url).unlink(missing_ok=True)
+        self.index.put(rec)
 
     # -- reads ------------------------------------------------------------
 

@@ -56,7 +56,6 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -64,7 +63,7 @@ from typing import Any
 from ..shared.config import AgentConfig, format_size
 from ..shared.errors import ProtocolError
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
-from ..shared.layout import CacheLayout, write_private
+from ..shared.layout import CacheLayout, write_atomic
 from ..shared.logs import get_logger
 from ..shared.metrics import require as require_metrics
 from ..shared.protocol import CONTROL_OPS, GREETED_OPS, READER_OPS, WORKER_OPS, process_identity, strings
@@ -95,7 +94,7 @@ from .prefetches import Prefetches
 from .readers import Readers, dropped_reply
 from .shard_download import BadShard
 from .shards import Shards
-from .startup import take_cache_dir
+from .startup import StoppedStarting, in_thread, take_cache_dir
 from .upkeep import Upkeep
 from .worker_reports import WorkerReports
 
@@ -160,7 +159,11 @@ class Agent:
 
     def run(self) -> None:
         """Start, serve until :meth:`stop`, shut down cleanly."""
-        self.start()
+        try:
+            self.start()
+        except StoppedStarting as exc:  # (the start undid what it did)
+            log.info("%s; exiting", exc)
+            return
         try:
             while not self._stop.is_set():
                 try:
@@ -181,13 +184,12 @@ class Agent:
     def start(self) -> None:
         """Take the cache directory, read the list, open the cache and build the parts; a start
         that fails (a bad line of the list, say) leaves the cache directory as it was."""
-        with ThreadPoolExecutor(1, thread_name_prefix="list") as reading:
-            # A million lines take a second or two to read: the directory is taken and the
-            # worker processes start meanwhile (on the other cores).
-            listed = reading.submit(self._list_file.read)
-            took = take_cache_dir(
-                self.config, self.layout, self._lock, self.fetcher, listed, self.endpoint, self._run, self._stop
-            )
+        # A million lines take a second or two to read: the directory is taken and the
+        # worker processes start meanwhile (on the other cores).
+        listed = in_thread(self._list_file.read)
+        took = take_cache_dir(
+            self.config, self.layout, self._lock, self.fetcher, listed, self.endpoint, self._run, self._stop
+        )
         self.pool, self.cache, self.mailbox, self.socket = took.pool, took.cache, took.mailbox, took.socket
         self._metrics = took.metrics
         self._build(took.urls, cache_root=[took.root.st_dev, took.root.st_ino])
@@ -264,7 +266,7 @@ class Agent:
         state |= {"metrics": self._metrics.url} if self._metrics is not None else {}
         if self.config.private_users is not None:  # loaders joining us lock it
             state["private_users"] = str(self.config.private_users)
-        write_private(self.layout.state_path, json.dumps(state).encode())
+        write_atomic(self.layout.state_path, json.dumps(state).encode())
 
     def shutdown(self) -> None:
         """Abandon downloads (keeping resumable partial files), close the index, free the lock."""

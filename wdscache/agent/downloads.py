@@ -416,7 +416,7 @@ class Downloads:
     def _thread(self) -> None:
         """A download thread: runs tasks until it takes None."""
         while True:
-            d = self._tasks.get()
+            d = self._tasks.get()  # (no timeout: stop() puts one None for each thread, after its tasks cancelled)
             if d is None:
                 break
             self._mailbox.post(self._run(d))

@@ -14,8 +14,8 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
   the next reader of E (a new launch of J, or the next pass of DataLoader workers started
   afresh) reads the agent's list as it is then.
 - The lists named here (:meth:`Jobs.lists`) are kept by :class:`Readers` while they are named.
-- Bounded by the readers: an epoch's record goes with its last reader, a job's with its last
-  epoch, and its world size once it has no reader.
+- Bounded by the readers: an epoch's record goes with its last reader, a job's (its world size)
+  once it has no epoch read and no reader.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class Epoch:
 
 @dataclass(slots=True)
 class Job:
-    """A job: the world size its ranks said, and its epochs being read."""
+    """A job: the world size its latest hello said, and its epochs being read."""
 
     world_size: int
     epochs: dict[int, Epoch] = field(default_factory=dict)
@@ -46,24 +46,26 @@ class Jobs:
     def __init__(self) -> None:
         self._jobs: dict[str, Job] = {}
         self._reading: dict[str, tuple[str, int]] = {}  # reader -> (job, epoch)
-        self._world: dict[str, int] = {}  # job -> the world size its latest hello said
 
     def refusal(self, name: str, world_size: int, rank: int, live: Callable[[], bool]) -> str | None:
         """Why rank ``rank`` of job ``name`` cannot join with ``world_size``: the job said another,
         and ranks of it are ``live`` (else that is a new launch of the name). None: it joins."""
-        said = self._world.get(name)
-        if said is not None and said != world_size and live():
-            return (
-                f"job {name!r} runs with world_size {said}, but rank {rank} says {world_size}; "
-                "give each launch its own job name"
-            )
-        self._world[name] = world_size
+        job = self._jobs.get(name)
+        if job is not None and job.world_size != world_size:
+            if live():
+                return (
+                    f"job {name!r} runs with world_size {job.world_size}, but rank {rank} says {world_size}; "
+                    "give each launch its own job name"
+                )
+            job = None  # a new launch of that name: it starts anew
+        if job is None:
+            self._jobs[name] = Job(world_size)
         return None
 
     def forget(self, live: Collection[str]) -> None:
-        """Forget the world size of the jobs with no reader (``live``: those that have one)."""
-        for name in [n for n in self._world if n not in live and n not in self._jobs]:
-            del self._world[name]
+        """Forget the jobs with no epoch read and no reader (``live``: the jobs that have one)."""
+        for name in [n for n, job in self._jobs.items() if n not in live and not job.epochs]:
+            del self._jobs[name]
 
     def list_of(
         self,
@@ -99,17 +101,16 @@ class Jobs:
         return read.list_id
 
     def leave(self, reader: str) -> None:
-        """``reader`` goes: its epoch's record goes with its last reader, a job's with its last epoch."""
+        """``reader`` goes: its epoch's record goes with its last reader (the job's, with its world
+        size, stays until :meth:`forget`)."""
         where = self._reading.pop(reader, None)
         job = self._jobs.get(where[0]) if where is not None else None
         if where is None or job is None or where[1] not in job.epochs:
             return
-        name, epoch = where
+        epoch = where[1]
         job.epochs[epoch].readers.discard(reader)
         if not job.epochs[epoch].readers:
             del job.epochs[epoch]
-            if not job.epochs:
-                del self._jobs[name]
 
     def lists(self) -> set[str]:
         """The list ids some job's epoch reads."""

@@ -68,7 +68,6 @@ class Opens:
         self._answers: list[Answer] = []  # replies to held requests, for the core to send
         self._corrupt: dict[str, str] = {}  # url -> why it could not be read (for stats)
         self._changed: dict[str, str] = {}  # url -> how it changed on the server (for stats)
-        self._refetch_why: dict[str, str] = {}  # url -> how its copy is unlike its index (SUSPECT for that)
 
     def take_answers(self) -> list[Answer]:
         """The replies to requests held earlier (waiters) that became answerable since the last call."""
@@ -188,9 +187,9 @@ class Opens:
                 # it was made for may), its count dropped then.
                 log.error("%s %s; downloading it again once no reader holds it", url, unlike)
                 _remember(self._changed, url, unlike)
-                _remember(self._refetch_why, url, unlike)
                 cache.index.incr("changed")
                 self.shards.move(shard, Phase.SUSPECT)
+                shard.outdated = unlike
                 self._refetch_if_corrupt(shard)
                 rec = None
         if rec is not None and rec.state is ShardState.CACHED:
@@ -471,7 +470,7 @@ class Opens:
         url = shard.url
         if shard.phase is not Phase.SUSPECT or self._cache.pins.get(url):
             return
-        outdated = self._refetch_why.pop(url, None)
+        outdated = shard.outdated
         log.warning("downloading %s again: %s", url, outdated or self._corrupt.get(url, "found damaged"))
         self.shards.move(shard, Phase.WANTED)
         shard.refetched = True

@@ -133,6 +133,7 @@ class Shard:
     asked_at: float | None = None  # when a reader first asked for it (time.monotonic()), until answered
     asked_by: set[str] = field(default_factory=set)  # the readers that asked for it, while asked_at is set
     refetched: bool = False  # downloaded once more for damage, and no copy of it read fine since
+    outdated: str | None = None  # SUSPECT: how its copy is unlike its index (None: found damaged)
     failed_at: float = 0.0  # FAILED: when (its reason is the index's)
     corrupt: bool = False  # FAILED: the shard is bad (copies found corrupt, or unlike its index), not its download
     download: Slot | None = None  # its download (or revalidation), from queued until its end is recorded
@@ -184,6 +185,8 @@ class Shards:
         if (shard.phase, to) not in TRANSITIONS:
             raise IllegalTransition(f"{shard.url}: no transition from {shard.phase.name} to {to.name}")
         shard.phase = to
+        if to is not Phase.SUSPECT:
+            shard.outdated = None  # (a fact of the SUSPECT phase: it goes with it, however it is left)
 
     def waited_for_by(self, job_of: Callable[[str], str | None]) -> dict[str, set[str]]:
         """The shards readers wait for (asked for, or checked against their source with readers

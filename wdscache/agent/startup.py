@@ -17,6 +17,8 @@ Guarantees:
   to begin (``Settings.answer_timeout``: the connect timeout, 10 s, and ``--read-timeout``), and
   no longer once the agent is told to stop: a size not known by then is unknown, as one a server
   does not give.
+- A list that cannot be read (a hung mount) does not keep the agent from stopping: once told to,
+  the start ends (:class:`StoppedStarting`) without waiting for it, its reading thread a daemon.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ import os
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 from ..shared.config import AgentConfig, format_size, parse_size
@@ -48,6 +51,33 @@ log = get_logger(__name__)
 
 PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
 LOOK_EVERY = 0.25  # seconds between looks at the stop flag while sizes are asked
+
+
+class StoppedStarting(Exception):
+    """The agent was told to stop before its start was done: it stops, having started nothing."""
+
+
+def in_thread(read: Callable[[], UrlList]) -> Future[UrlList]:
+    """What ``read`` returns (or raises), got in a daemon thread: one hung on a mount must not
+    keep the stopped agent from exiting, as an executor's thread would (it is joined at exit)."""
+    listed: Future[UrlList] = Future()
+
+    def run() -> None:
+        try:
+            listed.set_result(read())
+        except BaseException as exc:  # raised by the .result() of whoever waits for it
+            listed.set_exception(exc)
+
+    threading.Thread(target=run, name="list", daemon=True).start()
+    return listed
+
+
+def _wait_list(listed: Future[UrlList], stop: threading.Event) -> UrlList:
+    """The list ``listed`` gives, or :class:`StoppedStarting` once ``stop`` is set before it came."""
+    while not wait([listed], timeout=LOOK_EVERY).done:
+        if stop.is_set():
+            raise StoppedStarting("stopped before the URL list was read")
+    return listed.result()
 
 
 @dataclass(frozen=True)
@@ -75,8 +105,9 @@ def take_cache_dir(
 ) -> Taken:
     """Take the cache directory of ``layout``, start the workers and open the cache, with the
     list being read meanwhile (``listed``). Whatever fails (a bad line of the list too) undoes
-    what this start did there, the lock released last. Once ``stop`` is set, sizes still asked
-    of sources are not waited for (the start ends soon, for the agent to stop)."""
+    what this start did there, the lock released last. Once ``stop`` is set, a list still being
+    read is not waited for (:class:`StoppedStarting`), nor sizes still asked of sources (the start
+    ends soon, for the agent to stop)."""
     made = layout.prepare()
     root = os.stat(layout.root)
     os.umask(0o077)  # every file and socket we create is private to this user
@@ -101,7 +132,7 @@ def take_cache_dir(
         check_endpoints(pool.endpoints)
         pool.start()
         undo.callback(pool.stop)
-        urls = listed.result()
+        urls = _wait_list(listed, stop)
         cache = _open_cache(layout, cfg, urls, fetcher, stop)
         undo.callback(cache.close)
         mailbox = Mailbox()

@@ -12,8 +12,11 @@ Guarantees:
   found), and only into room the budget and the free-space margin have without evicting
   anything; losing one costs a walk of its shard, never a wrong byte.
 - Counted: the shard's record counts the table file (``ShardRecord.table_size``) from before
-  it is written until after it is removed; a write that fails sets the record back (in
-  ``finally``) and leaves no file behind.
+  it is written until after it is removed, so the budget never misses bytes on disk: a table
+  that goes (:meth:`TableFiles.drop`, :meth:`ShardCache.put
+  <wdscache.agent.cache.ShardCache.put>`, a write that fails, in ``finally``, leaving no file)
+  is deleted first, its count dropped after. A crash between leaves a count of a missing
+  file, which recovery drops (and a file no record counts, which recovery removes).
 - Atomic: published by a temp file in the same folder and a rename. Not fsynced: the main
   loop writes it, and an fsync while downloads write waited up to a tenth of a second, which
   every request waited with it. A file a power loss left short or empty fails the digest it
@@ -30,7 +33,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..shared.index import IndexWriteError, ShardState
-from ..shared.layout import file_identity, write_private
+from ..shared.layout import file_identity, write_atomic
 from ..shared.logs import get_logger
 from .sampletable import table_file, table_file_holds
 
@@ -84,7 +87,7 @@ class TableFiles:
         written = False
         try:
             path.parent.mkdir(mode=0o700, exist_ok=True)
-            write_private(path, data, durable=False)  # (see the module's guarantees)
+            write_atomic(path, data, durable=False)  # (see the module's guarantees)
             written = True
         except OSError as exc:
             log.warning(

@@ -38,13 +38,14 @@ from ..shared.stats import public, silent_for, with_fraction
 from ..shared.verdict import SILENT_AFTER
 from .control import ControlSocket
 from .pool import WorkerPool
+from .worker import HOLD_MAX
 
 INDEX_HINTS = 64  # shards lately hinted that a new worker is told to index
 # While a reader waits for a shard, the workers walk nothing ahead: told to hold for this long,
 # again every quarter of it while the wait lasts, and let go as soon as it ends. Long, so that
 # a main loop slowed by a loaded machine does not let the hold lapse; bounded, so that a worker
-# that missed the release walks again soon.
-HOLD_WALKS = 1.0
+# that missed the release walks again soon. The longest a worker takes: one quantity, one home.
+HOLD_WALKS = HOLD_MAX
 WORKER_FIELDS = ("busy_s", "requests", "samples", "bytes", "indexed", "walked", "adopted", "loaded")
 
 

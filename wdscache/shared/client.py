@@ -45,7 +45,7 @@ from typing import Any
 
 import zmq
 
-from .errors import AgentUnavailableError, FetchError, NotTrustedError, ProtocolError, failed_shard
+from .errors import AgentUnavailableError, ConfigError, FetchError, NotTrustedError, ProtocolError, failed_shard
 from .layout import CacheLayout
 from .messages import Requests
 from .protocol import (
@@ -64,6 +64,9 @@ from .protocol import (
 )
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
+BYE_TIMEOUT = 2.0  # seconds a goodbye waits for the agent's answer (it lets our pins go either way, in time)
+# Seconds a consumer (a loader, a random-access dataset) waits with no progress by default.
+CONSUMER_TIMEOUT = 60.0
 KEEPALIVE = 1.0  # seconds between a ShardClient's pings while it holds pins (a reader timeout is longer)
 # Seconds a request waits for its reply before asking (an "auth", which any run answers
 # with its run id) whether the agent restarted meanwhile: then the request was lost with
@@ -150,7 +153,7 @@ def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | N
     if endpoint:
         return endpoint
     if cache_dir is None:
-        raise ValueError("give cache_dir (or endpoint) to find the agent")
+        raise ConfigError("give cache_dir (or endpoint) to find the agent")
     return CacheLayout.of(cache_dir).default_endpoint()
 
 
@@ -614,7 +617,7 @@ class ShardClient:
             if not self._conn.connected:
                 return  # never asked anything, or closed already: the agent holds nothing of ours
             try:
-                self._conn.request(self._requests.bye(), timeout=2.0)
+                self._conn.request(self._requests.bye(), timeout=BYE_TIMEOUT)
             except (AgentUnavailableError, NotTrustedError):
                 pass
             finally:

@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import ConfigError
-from .logs import FORMATS
+from .logs import DEFAULT_FORMAT, FORMATS
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -100,7 +100,7 @@ class AgentConfig:
     # A private agent's users file (see wdscache.training.private): it stops once no loader holds a lock on it.
     private_users: Path | None = None
     # How its sample worker processes write their log lines (the agent's own: the CLI sets them up).
-    log_format: str = "text"
+    log_format: str = DEFAULT_FORMAT
 
     def __post_init__(self) -> None:
         for name in ("prefetch", "download_workers", "download_parts", "workers"):
@@ -108,7 +108,7 @@ class AgentConfig:
         if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
             raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --num-nodes={self.num_nodes})")
         if self.retries < 0:
-            raise ConfigError("retries must be >= 0")
+            raise ConfigError(f"--retries {self.retries}: use 0 or more")
         for name in ("connect_timeout", "read_timeout", "backoff", "backoff_max", "reader_timeout"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):  # nan compares false to everything: no timeout at all
@@ -146,7 +146,7 @@ def check_count(name: str, value: int) -> None:
     """Refuse a count of option ``name`` (``download_workers``, say) below 1 or above its
     :data:`MAX_COUNTS`, naming the option."""
     if value < 1:
-        raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        raise ConfigError(f"--{name.replace('_', '-')} {value}: use at least 1")
     most = MAX_COUNTS.get(name)
     if most is not None and value > most:
         raise ConfigError(f"--{name.replace('_', '-')} {value}: use at most {most}")

@@ -251,7 +251,7 @@ class CacheLayout:
         token = self.read_token()
         if token is None:
             token = secrets.token_hex(32)
-            write_private(self.token_path, token.encode())
+            write_atomic(self.token_path, token.encode())
         return token
 
     def check_owner(self) -> None:
@@ -333,9 +333,10 @@ def read_pid(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-def write_private(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Publish ``data`` at ``path`` atomically (temp file, fsync, rename), mode 0600: all of it,
-    or nothing and an OSError naming ``path``.
+def write_atomic(path: Path, data: bytes, *, mode: int = 0o600, durable: bool = True) -> None:
+    """Publish ``data`` at ``path`` atomically (temp file in its folder, fsync, rename, the
+    folder fsynced), ``mode`` (less the umask; private by default): a reader sees the old file
+    or the new one, all of it; a failure leaves no temp file and raises an OSError naming ``path``.
 
     The temp file is created exclusively and links are not followed, so a link
     planted at its name cannot redirect the write. Without ``durable``, no fsync: for a
@@ -345,7 +346,7 @@ def write_private(path: Path, data: bytes, *, durable: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
         try:
             left = memoryview(data)
             while left:  # (a write may take less than all: a full disk's last blocks, say)
@@ -355,6 +356,12 @@ def write_private(path: Path, data: bytes, *, durable: bool = True) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)
+        if durable:  # the rename too survives a power loss
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise OSError(exc.errno, exc.strerror, str(path)) from None  # named: the file it was for

@@ -23,7 +23,8 @@ from typing import Any, TextIO
 
 from .redact import redact_urls
 
-FORMATS = ("text", "json")
+DEFAULT_FORMAT = "text"
+FORMATS = (DEFAULT_FORMAT, "json")
 _EVENT = "wdscache_event"  # the LogRecord attribute that holds an event's name and fields
 
 
@@ -109,7 +110,7 @@ def _iso_ms(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).astimezone().isoformat(timespec="milliseconds")
 
 
-def setup(stream: TextIO, *, fmt: str = "text", verbose: bool = False) -> None:
+def setup(stream: TextIO, *, fmt: str = DEFAULT_FORMAT, verbose: bool = False) -> None:
     """Send the package's logs to ``stream`` in format ``fmt`` (one of :data:`FORMATS`)."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())

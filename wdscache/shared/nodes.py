@@ -79,15 +79,15 @@ class RankPlacement:
 
     def __post_init__(self) -> None:
         if self.num_nodes < 1 or self.world_size % self.num_nodes:
-            raise ValueError(
+            raise ConfigError(
                 f"world_size={self.world_size} is not a multiple of num_nodes={self.num_nodes}: "
                 "every node must run the same number of ranks (pass the loader node= and "
                 "num_nodes= if the launcher's environment does not describe this job)"
             )
         if not 0 <= self.node < self.num_nodes:
-            raise ValueError(f"node {self.node} is not in [0, num_nodes={self.num_nodes})")
+            raise ConfigError(f"node {self.node} is not in [0, num_nodes={self.num_nodes})")
         if self.rank // self.local_world != self.node:
-            raise ValueError(
+            raise ConfigError(
                 f"rank {self.rank} of {self.world_size} is not on node {self.node} of {self.num_nodes} "
                 f"(node k runs ranks k*{self.local_world} to (k+1)*{self.local_world}-1, as torchrun "
                 "numbers them; pass the loader node= and num_nodes= if the launcher's environment does "

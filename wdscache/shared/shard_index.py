@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ShardIndexError
+from .layout import write_atomic
 from .samples import scan
 from .tarwalk import FileSpan
 
@@ -230,8 +231,8 @@ def looks_like_index(text: str) -> bool:
     return _STARTS_LIKE_JSON.match(text) is not None
 
 
-def _samples_problem(url: str, info: ShardInfo) -> str | None:
-    """Why ``info.nsamples`` cannot be the count of the shard at ``url`` (None: it can be, or none is given)."""
+def _samples_problem(info: ShardInfo) -> str | None:
+    """Why ``info.nsamples`` cannot be the count of the shard ``info`` describes (None: it can be, or none is given)."""
     if info.nsamples is None:
         return None
     if info.nsamples > MAX_SAMPLES:
@@ -374,7 +375,7 @@ def parse_shard_entries(text: str, *, path: str) -> tuple[dict[str, Any], list[t
             if "nsamples" not in entry:
                 raise ValueError('"nsamples" is missing')
             info = _info(entry["nsamples"], entry.get("filesize"), entry.get("md5sum"))
-            problem = _samples_problem(url, info)
+            problem = _samples_problem(info)
             if problem is not None:
                 raise ValueError(problem)
             entries.append((entry, info))
@@ -402,28 +403,9 @@ def format_shard_index(entries: Iterable[tuple[str, ShardInfo]]) -> str:
 
 
 def write_shard_index(path: Path, entries: Iterable[tuple[str, ShardInfo]]) -> None:
-    """Publish the index of ``entries`` at ``path`` atomically: a temp file in its folder,
-    fsynced, renamed over it, the folder fsynced; a reader sees the old file or the new one."""
-    data = format_shard_index(entries).encode()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    """Publish the index of ``entries`` at ``path`` atomically (:func:`~wdscache.shared.layout.write_atomic`,
+    as readable as the umask lets a new file be): a reader sees the old file or the new one."""
+    write_atomic(path, format_shard_index(entries).encode(), mode=0o666)
 
 
 def file_facts(path: str | os.PathLike[str], *, md5: bool) -> tuple[int, str | None]:

@@ -358,7 +358,8 @@ class Urls(Sequence[str]):
         """The position of ``url``; ValueError if it is not here."""
         at = self.position(url) if isinstance(url, str) else -1
         if at < 0 or not start <= at < (len(self) if stop is None else stop):
-            raise ValueError(f"{url!r} is not in the list")
+            shown = redact_urls(url) if isinstance(url, str) else url  # (a URL may hold a secret)
+            raise ValueError(f"{shown!r} is not in the list")
         return at
 
     def count(self, url: Any) -> int:

@@ -69,7 +69,7 @@ from itertools import chain
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..shared.client import AgentConnection, resolve_endpoint, start_hint
+from ..shared.client import CONSUMER_TIMEOUT, AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import ConfigError
 from ..shared.malloc import tune_malloc
 from ..shared.messages import Requests
@@ -192,7 +192,7 @@ def _env_ranks(wanted: Collection[str]) -> dict[str, int]:
 
 def _checked_ranks(rank: Any, world_size: Any, from_env: bool) -> tuple[int, int]:
     """``rank`` and ``world_size`` as ints (numpy's too); a ConfigError naming one that is no whole
-    number, a ValueError for a rank outside the world."""
+    number, or a rank outside the world."""
     both = []
     for name, value in (("rank", rank), ("world_size", world_size)):
         try:
@@ -203,7 +203,7 @@ def _checked_ranks(rank: Any, world_size: Any, from_env: bool) -> tuple[int, int
             ) from None
     if not 0 <= both[0] < both[1]:
         unset = " (WORLD_SIZE is not set in the environment: pass world_size=)" if from_env and both[1] == 1 else ""
-        raise ValueError(f"rank {both[0]} is not in [0, world_size={both[1]}){unset}")
+        raise ConfigError(f"rank {both[0]} is not in [0, world_size={both[1]}){unset}")
     return both[0], both[1]
 
 
@@ -273,7 +273,7 @@ class CachedMultiLoader:
         map: Callable[[dict[str, Any]], Any] | None = None,  # noqa: A002 (the documented name)
         workers: int = 0,
         drop_last: bool = False,
-        timeout: float = 60.0,
+        timeout: float = CONSUMER_TIMEOUT,
         on_error: str | Callable[[BaseException], bool] = "raise",
         mix: Mapping[str, float] | None = None,
         epoch_samples: int | None = None,

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..shared.errors import ConfigError, WdsCacheError
-from ..shared.layout import CacheLayout, write_private
+from ..shared.layout import CacheLayout, write_atomic
 from ..shared.logs import get_logger
 from ..shared.stats import agent_state, ask_agent
 from ..shared.urls import format_url_list
@@ -190,7 +190,7 @@ def _answer_of_running(layout: CacheLayout, deadline: float) -> dict[str, Any] |
 def _start(layout: CacheLayout, urls: Sequence[str], deadline: float) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """Start a private agent (the caller holds the start lock and a shared users lock); its state once it answers."""
     list_file = layout.root / "private-urls.txt"
-    write_private(list_file, format_url_list(urls).encode())
+    write_atomic(list_file, format_url_list(urls).encode())
     log_file = layout.root / "private-agent.log"
     cmd = [
         sys.executable,

@@ -64,7 +64,7 @@ from io import BytesIO
 from typing import Any, NamedTuple
 from urllib.parse import urlparse, urlunparse
 
-from ..shared.client import AgentConnection, resolve_endpoint, start_hint
+from ..shared.client import BYE_TIMEOUT, CONSUMER_TIMEOUT, AgentConnection, resolve_endpoint, start_hint
 from ..shared.errors import (
     AgentUnavailableError,
     ConfigError,
@@ -295,7 +295,7 @@ class ShardListDataset:
         base: str | None = None,
         cache_size: int | None = None,
         keep: bool = False,
-        timeout: float = 60.0,
+        timeout: float = CONSUMER_TIMEOUT,
     ) -> None:
         del cache_size, keep  # wids' own download folder; the agent's budget governs here
         if lru_size < 1:
@@ -712,7 +712,7 @@ class _Session:
     def close(self) -> None:
         _close_files(self.pinned)
         try:
-            self.conn.request(self.requests.bye(), timeout=2.0)
+            self.conn.request(self.requests.bye(), timeout=BYE_TIMEOUT)
         except WdsCacheError:
             pass
         finally:

@@ -39,7 +39,7 @@ from itertools import chain
 from operator import itemgetter, length_hint
 from typing import Any, cast
 
-from ..shared.client import AgentConnection
+from ..shared.client import BYE_TIMEOUT, AgentConnection
 from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
 from ..shared.messages import ReportMessage, Requests, WorkerRequest
@@ -595,7 +595,7 @@ class EpochStream:
             if not self.broken:
                 self.shards.await_counts()
             # With our totals: the agent logs and lists them, and its last report may be a second old.
-            self.conn.request(self.requests.bye(**self._figures()), timeout=0.5 if self.broken else 2.0)
+            self.conn.request(self.requests.bye(**self._figures()), timeout=0.5 if self.broken else BYE_TIMEOUT)
         except AgentUnavailableError:
             pass
         finally:  # whatever the agent answered: no socket is left to the garbage collector
