@@ -106,7 +106,7 @@ class JobLists:
             parsed = self._job_list(*uploaded)
         except ConfigError as exc:
             return {"ok": False, "error": str(exc)}
-        if parsed.key != claimed:
+        if parsed.list_id != claimed:
             return {"ok": False, "error": "the list sent does not match its list_id"}
         if len(self._lists) >= MAX_JOB_LISTS:
             self.free(read, grace=0.0)  # lists nobody reads make room first

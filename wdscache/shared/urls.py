@@ -544,7 +544,7 @@ class UrlList:
         return text.startswith("file://") or "\nfile://" in text
 
     @property
-    def key(self) -> str:
+    def list_id(self) -> str:
         """The list's identity for an agent that holds it: its :func:`list_id`, which covers the
         shards' facts too when it came from an index (the same URLs with other facts are another list)."""
         return list_id(self.urls, self.shards)

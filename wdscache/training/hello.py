@@ -40,7 +40,7 @@ class ReaderHello:
     endpoint: str
     urls: Sequence[str] | None = None
     shards: ShardFacts | None = None
-    list_key: str | None = None
+    list_id: str | None = None
     loader: int = 0
 
 
@@ -68,7 +68,7 @@ def say_hello(
         # the agent warns when pins on the shards it spans outgrow the budget
         shuffle_buffer=reader.shuffle_buffer,
         probe=probe,
-        list_id=reader.list_key if reader.urls is not None else None,
+        list_id=reader.list_id if reader.urls is not None else None,
         epoch=epoch,
         loader=reader.loader,
     )

@@ -319,7 +319,7 @@ class CachedMultiLoader:
         # download against them, and knows the counts, so len() is known before the first epoch).
         self._shards = listed.shards if listed is not None else None
         self._own_list_id = list_id(self.urls) if self.urls is not None else None  # what a checkpoint names
-        self._list_key = listed.key if listed is not None else None  # what the agent holds the list by
+        self._list_id = listed.list_id if listed is not None else None  # what the agent holds the list by
         self._agent_list: AgentList | None = None  # the agent's list as read last (its blocks kept)
         self._private_agent: PrivateAgent | None = None
         self._own_endpoint = endpoint is None and env["endpoint"] is None
@@ -424,7 +424,7 @@ class CachedMultiLoader:
             self.endpoint,
             self.urls,
             self._shards,
-            self._list_key,
+            self._list_id,
             self._number,
         )
         hello, urls = say_hello(conn, name, reader, self._agent_list, epoch=epoch, probe=probe)

@@ -490,7 +490,7 @@ class _Session:
         urls, infos = self.urls, self.ds._list.shards
         assert infos is not None  # a shard index gives every shard's facts
         request = self.requests.hello(
-            f"random-access/{self.ds.dataset_name}", 0, 1, process=process_identity(), list_id=self.ds._list.key
+            f"random-access/{self.ds.dataset_name}", 0, 1, process=process_identity(), list_id=self.ds._list.list_id
         )
         hello = self.conn.request(request)
         if hello.get("need_urls"):
