@@ -9,7 +9,9 @@ budget and enters the sequence sample by sample as the worker finds them.
 
 A failed shard raises its error, or with ``on_error="skip"`` is skipped: its samples not
 read become holes. A corrupt copy is fetched once more: the agent is told, the shard is
-opened again (``renewed``), and only a new copy that is corrupt too fails the shard.
+opened again (``renewed``), and only a new copy that is corrupt too fails the shard. A copy
+pinned that holds another count than the sequence took for its shard (its source overwritten,
+the copy downloaded again) fails the shard too: its samples are never read by the old count.
 """
 
 from __future__ import annotations
