@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import re
 
 import pytest
 import webdataset as wds
 
 from scripts.shard_maker import make_shard, synth_samples
+from tests.helpers.streaming import reference
 from tests.helpers.versions import another_version, replace
-from wdscache import CachedMultiLoader, FetchError, ShardClient
+from wdscache import CachedMultiLoader, FetchError, ShardClient, ShardError
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.tarwalk import members
 
@@ -233,3 +237,54 @@ def test_local_shards_whose_folder_is_missing_are_served_as_cached(tmp_path, dat
     with ShardClient(cache, timeout=20) as client:
         assert [client.open(u).read_bytes() for u in urls] == wanted
     assert "gone from its source" not in again.stderr_text() and "could not revalidate" in again.stderr_text()
+
+
+@pytest.mark.parametrize(
+    "now, on_error",
+    [
+        pytest.param(2, "raise", id="fewer-samples-raise"),
+        pytest.param(7, "skip", id="more-samples-skip"),
+    ],
+)
+def test_a_shard_overwritten_at_its_source_mid_epoch_fails_that_epoch_and_the_next_reads_it_whole(
+    tmp_path, shard_server, dataset, start_agent, run_cli, caplog, now, on_error
+):
+    """A shard whose source gets another sample count while an epoch is under way, its copy
+    evicted and downloaded again, cannot be read by the plan that epoch made: it fails there
+    (naming the URL and both counts) and no sample of the new content is served under the old
+    plan; the next epoch reads exactly the new content."""
+    data = dataset(6, samples=4, payload=1000)
+    changed, url = data.paths[5], data.urls[5]
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "6", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 6, 20, "shards never cached")
+    old = reference(data.paths, data.urls)
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20, request_size=1, on_error=on_error) as loader:
+        assert {(s["__url__"], s["__key__"]): fields(s) for s in loader} == old  # every shard counted
+        it = iter(loader)
+        got = [next(it)]  # the epoch is planned with 4 samples in the last shard, not pinned yet
+        replace(changed, make_shard(tmp_path / "new.tar", synth_samples(5, now, payload=1000, seed=7)).read_bytes())
+        r = run_cli("evict", url, "--cache-dir", cache)
+        assert r.returncode == 0, r.stdout + r.stderr
+        expected = f"changed at its source since this epoch was planned: it holds {now} samples now, 4 then"
+        if on_error == "raise":
+            with pytest.raises(ShardError, match=re.escape(expected)) as info:
+                got.extend(it)
+            assert info.value.url == url and url in str(info.value)
+        else:
+            with caplog.at_level(logging.WARNING, logger="wdscache"):
+                got.extend(it)
+            assert any(url in r.getMessage() and expected in r.getMessage() for r in caplog.records)
+            assert len(got) == 24  # the planned count, its samples repeats of others
+        new = reference([changed], [url])
+        assert not [
+            s for s in got if (s["__url__"], s["__key__"]) in new and fields(s) == new[s["__url__"], s["__key__"]]
+        ]
+        assert {(s["__url__"], s["__key__"]): fields(s) for s in got} == {k: v for k, v in old.items() if k[0] != url}
+        again = [(s["__url__"], s["__key__"], fields(s)) for s in loader]  # the next epoch: the new content, whole
+    assert again == [(u, k, f) for (u, k), f in {**{k: v for k, v in old.items() if k[0] != url}, **new}.items()]
+
+
+def fields(sample: dict) -> dict[str, str]:
+    """A sample's fields as :func:`reference` gives them."""
+    return {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}

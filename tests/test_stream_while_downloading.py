@@ -13,9 +13,10 @@ import hashlib
 
 import pytest
 
+from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.streaming import reference
 from tests.helpers.waits import wait_for
-from wdscache import CachedMultiLoader, FetchError
+from wdscache import CachedMultiLoader, FetchError, ShardError
 from wdscache.shared.layout import CacheLayout
 
 RATE = 120_000  # bytes/s per connection: a ~600 KB shard takes about 5 s
@@ -119,3 +120,28 @@ def test_reads_of_a_shard_still_downloading_go_to_one_worker(tmp_path, shard_ser
     workers = {w["index"]: w for w in stats["agent"]["workers"]}
     assert workers[0]["samples"] >= 4 and workers[0]["requests"] >= 4, workers
     assert workers[1].get("requests", 0) == 0 and workers[1].get("samples", 0) == 0, workers
+
+
+@pytest.mark.slow
+def test_a_shard_that_starts_over_on_a_shorter_version_while_read_fails_naming_both_counts(
+    tmp_path, shard_server, dataset, start_agent
+):
+    """Its source replaced mid-download by a version of fewer samples than the epoch gave out
+    already: the epoch cannot end that shard where it planned to, so it fails there, saying why."""
+    data = dataset(1, samples=30, payload=20_000)
+    url = data.urls[0]
+    new = make_shard(tmp_path / "new.tar", synth_samples(0, 3, payload=20_000, seed=7)).read_bytes()
+    shard_server.rate = RATE
+    shard_server.fail(data.paths[0].name, "change", after=400_000, content=new)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "1")
+    old = reference(data.paths, data.urls)
+    delivered = []
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30, request_size=1) as loader:
+        with pytest.raises(ShardError) as info:
+            delivered.extend(loader)
+    message = str(info.value)
+    assert url in message and "changed at its source since this epoch was planned: it holds 3 samples now" in message
+    planned = int(message.split("samples now, ")[1].split(" then")[0])
+    assert planned > 3 and len(delivered) <= planned
+    assert all(fields_of(s) == old[(s["__url__"], s["__key__"])] for s in delivered[:3])

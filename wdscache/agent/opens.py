@@ -88,7 +88,10 @@ class Opens:
             self.release(name, gone)
         reply = self.open(request, name, url, ahead, wait, while_downloading)
         if "also" in header and reply is not None and reply.get("ok") and not reply.get("while_downloading"):
-            reply["also"] = [self.pin_if_cached(name, also) for also in strings(header, "also")]
+            also = strings(header, "also")
+            reply["also"] = pinned = [self.pin_if_cached(name, u) for u in also]
+            # Each one's count, as "samples" for the shard opened: the reader checks its plan by it.
+            reply["also_samples"] = [self._readers.samples(u) if p else None for u, p in zip(also, pinned)]
         return reply
 
     def op_status(self, request: Request) -> Reply:

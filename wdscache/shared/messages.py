@@ -133,6 +133,7 @@ class OpenReply(TypedDict, total=False):
     samples: int
     corrupt: bool
     also: list[Any]  # bools, one per shard asked for: pinned or not
+    also_samples: list[Any]  # their counts (None: not pinned, or not known)
 
 
 class StatusMessage(TypedDict):

@@ -450,11 +450,13 @@ MESSAGES: tuple[Message, ...] = (
             "samples": "int?",
             "corrupt": "bool?",
             "also": "list?",
+            "also_samples": "list?",
         },
         about="pin a shard (waiting for its download, or, while_downloading, as soon as it can be read while "
         "it downloads); moves the reader's window; release: shards the reader lets go of first; "
         "corrupt: it failed because its copies were corrupt; also: shards the reader reads next, pinned "
-        "too if they are cached now (never waited for), once the shard is: the reply's also says which were",
+        "too if they are cached now (never waited for), once the shard is: the reply's also says which were, "
+        "also_samples their counts as samples gives the shard's (null: not counted)",
     ),
     Message(
         "status",

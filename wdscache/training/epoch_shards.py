@@ -9,7 +9,9 @@ budget and enters the sequence sample by sample as the worker finds them.
 
 A failed shard raises its error, or with ``on_error="skip"`` is skipped: its samples not
 read become holes. A corrupt copy is fetched once more: the agent is told, the shard is
-opened again (``renewed``), and only a new copy that is corrupt too fails the shard.
+opened again (``renewed``), and only a new copy that is corrupt too fails the shard. A copy
+pinned that holds another count than the sequence took for its shard (its source overwritten,
+the copy downloaded again) fails the shard too: its samples are never read by the old count.
 """
 
 from __future__ import annotations
@@ -156,7 +158,7 @@ class EpochShards:
         published file; a failed download ends the shard (``on_error``).
         """
         url = self.urls[shard]
-        known, asked = 0, time.monotonic()
+        known, asked, changed = 0, time.monotonic(), False
         while True:
             # Asked each time: an agent restarted meanwhile may run another number of workers.
             reply = self.call_worker(Requests.scan(url, while_downloading=True), self.worker_of(shard))
@@ -168,6 +170,10 @@ class EpochShards:
                 self.clock.progress_at = time.monotonic()
                 known = count
                 yield known
+            if reply.get("final") and count < known:
+                # It started over on a new version at its source, of fewer samples than we gave out.
+                error, changed = changed_error(url, known, count), True
+                break
             if reply.get("final"):
                 self.pins.while_downloading.discard(shard)
                 self.sample_counts[shard] = known
@@ -188,7 +194,7 @@ class EpochShards:
                     self.open(shard, again=True, while_downloading=True)
             yield None
         self.pins.while_downloading.discard(shard)
-        self.failed(shard, error)  # raises, or skips the rest of the shard
+        self.failed(shard, error, corrupt=not changed)  # raises, or skips the rest of the shard
         self.pins.counted(shard, known)
 
     def _counting(self, shard: int) -> Iterator[int]:
@@ -275,23 +281,58 @@ class EpochShards:
         raised or skipped (:meth:`failed`)."""
         if shard in self.skipped or (shard in self.pins.opened and not again):
             return
+        also = () if again else self.soon(shard)
         reply = self.pins.open(
             shard,
             self.ahead(shard),
             again=again,
             while_downloading=while_downloading,
-            also=() if again else self.soon(shard),
+            also=also,
             before_wait=self.hold_nothing,
             on_status=lambda status: self.clock.heard(shard, status),
         )
         if not reply.get("ok"):
             self.failed(shard, self.failure(shard, reply))
             return
+        for soon, pinned, count in zip(also, reply.get("also") or (), reply.get("also_samples") or [None] * len(also)):
+            if pinned is True and not self._count_holds(soon, count):
+                self.pins.release(soon, force=True)  # its open, when reads reach it, checks its copy
         if reply.get("while_downloading"):
             if shard not in self.sample_counts:
                 self.pins.while_downloading.add(shard)
-        elif isinstance(reply.get("samples"), int):
-            self.sample_counts.setdefault(shard, reply["samples"])
+            return
+        count = reply.get("samples")
+        if not self._count_holds(shard, count if isinstance(count, int) else None):
+            if count is None:
+                count = self._walked(shard)
+            if count is not None and count != self.sample_counts[shard]:
+                self.failed(shard, changed_error(self.urls[shard], self.sample_counts[shard], count), corrupt=False)
+
+    def _count_holds(self, shard: int, count: int | None) -> bool:
+        """Whether the copy of ``shard`` just pinned, which the agent says holds ``count`` samples
+        (None: not counted), may be read by our plan: the sequence took no count of it yet (the
+        copy's count becomes it, or with None is learned when the sequence reaches it), or took
+        this one. False: our plan holds another count, or one the copy must be walked for."""
+        planned = self.sample_counts.get(shard)
+        if planned == count:
+            return True
+        if planned is not None and shard in self.pins.remaining:
+            return False
+        if count is None:
+            self.sample_counts.pop(shard, None)
+        else:
+            self.sample_counts[shard] = count
+        return True
+
+    def _walked(self, shard: int) -> int | None:
+        """``shard``'s count from a whole walk of the copy pinned (None: the walk failed; our reads
+        of it fail alike, and are handled as they come)."""
+        url = self.urls[shard]
+        reply = self.call_worker(Requests.scan(url), self.worker_of(shard))
+        if not reply.get("ok"):
+            return None
+        self.learned[url] = time.monotonic()
+        return int(reply["count"])
 
     def soon(self, shard: int) -> list[int]:
         """The shards after ``shard`` in our order that its open pins too if they are cached now
@@ -316,12 +357,13 @@ class EpochShards:
 
     # -- failures -----------------------------------------------------------------
 
-    def failed(self, shard: int, exc: WdsCacheError) -> None:
+    def failed(self, shard: int, exc: WdsCacheError, *, corrupt: bool = True) -> None:
         """``shard`` cannot be read: end the epoch there (:class:`StopEpoch`, carrying ``exc``
         with ``on_error="raise"``), or (``on_error="skip"``) skip the shard: its samples not yet
-        read become holes, filled with repeats by the stream."""
+        read become holes, filled with repeats by the stream. ``corrupt=False``: a ShardError
+        that is no fault of the copy (the agent is not told of it)."""
         self.pins.close_file(shard)
-        if isinstance(exc, ShardError):  # a failed download is already in the agent's stats
+        if corrupt and isinstance(exc, ShardError):  # a failed download is already in the agent's stats
             self.report_corrupt(shard, str(exc))
         judge(self.on_error, exc, shard)
         log.warning("skipping %s: %s", self.urls[shard], exc)
@@ -385,6 +427,15 @@ def agent_counts(conn: AgentConnection, urls: Sequence[str], timeout: float | No
     for _, chunk in pages(urls):
         counts.extend(conn.request(Requests.counts(chunk), timeout=timeout).get("counts", []))
     return counts
+
+
+def changed_error(url: str, planned: int, count: int) -> ShardError:
+    """The error of a shard whose copy holds ``count`` samples where the epoch planned ``planned``."""
+    return ShardError(
+        url,
+        f"it changed at its source since this epoch was planned: it holds {count} samples now, {planned} then; "
+        "this epoch cannot read it by its plan, the next epoch reads it as it is now",
+    )
 
 
 def shard_error(url: str, reply: dict[str, Any]) -> ShardError:
