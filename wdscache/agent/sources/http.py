@@ -106,6 +106,10 @@ class HttpSource(Source):
         with answer as r:
             self._answered.add(_host(url))
             status = r.status_code
+            if status in GONE_STATUS:
+                raise FetchError(
+                    url, f"HTTP {status} {r.reason}: the source does not have it", status=status, permanent=True
+                )
             if status in PERMANENT_STATUS:
                 raise FetchError(url, f"HTTP {status} {r.reason}", status=status, permanent=True)
             if status in RETRY_STATUS:
