@@ -926,7 +926,7 @@ def test_the_agent_defaults_are_stated_once_in_agent_config(run_cli):
     options = {p.name: p.default for p in cli.agent.params if p.name in defaults}
     # Every option that sets a field has that field's default; the others are not options.
     assert options == {name: defaults[name] for name in options}
-    assert set(defaults) - set(options) == {"connect_timeout", "backoff", "backoff_max"}
+    assert set(defaults) - set(options) == {"connect_timeout", "backoff", "backoff_max", "startup_prefetch"}
     fetcher = {name: p.default for name, p in inspect.signature(Fetcher).parameters.items()}
     assert fetcher == {name: defaults[name] for name in fetcher}
     # ...and the help shows them as the agent uses them.

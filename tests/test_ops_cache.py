@@ -36,6 +36,21 @@ def _ls(run_cli, cache) -> dict[str, dict]:
     return {s["url"]: s for s in json.loads(r.stdout)}
 
 
+def test_a_prefetch_without_an_agent_asks_a_source_that_lacks_a_shard_once(tmp_path, dataset, shard_server, run_cli):
+    # A 404 is a final answer: its URL is asked once (the command's own agent fetches nothing
+    # on its own first, and nothing twice), and the command says the source does not have it.
+    data = dataset(1, samples=2, payload=300)
+    missing = shard_server.url("missing.tar")
+    r = run_cli("prefetch", missing, data.urls[0], "--cache-dir", tmp_path / "cache", "--cache-size", "10M")
+    assert r.returncode == 1, r.stderr
+    assert sorted((q.method, q.path) for q in shard_server.requests) == [
+        ("GET", "missing.tar"),
+        ("GET", data.paths[0].name),
+    ], shard_server.requests
+    error = f"{missing}: HTTP 404 Not Found: the source does not have it"
+    assert f"failed {error}" in r.stdout.splitlines() and r.stdout.splitlines()[-1] == f"  {error}", r.stdout
+
+
 @pytest.mark.slow
 def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, run_cli):
     data = dataset(3, samples=4, payload=300)

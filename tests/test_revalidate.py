@@ -288,3 +288,27 @@ def test_a_shard_overwritten_at_its_source_mid_epoch_fails_that_epoch_and_the_ne
 def fields(sample: dict) -> dict[str, str]:
     """A sample's fields as :func:`reference` gives them."""
     return {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}
+
+
+@pytest.mark.parametrize("status", [403, 500])
+def test_a_failed_revalidation_logs_its_cause(tmp_path, shard_server, dataset, start_agent, status):
+    # An expired signature (403) or a failing server (500) on the restart's HEAD: the cached copy
+    # is served, and the log says why the source could not tell, its URL's secrets masked.
+    data = dataset(1, samples=3, payload=500)
+    url = f"{data.urls[0]}?X-Amz-Signature=SIGSECRET&X-Amz-Expires=60"
+    listed = tmp_path / "urls.txt"
+    listed.write_text(url + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, listed, "--prefetch", "1", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 20, "the shard never cached")
+    assert agent.stop() == 0
+    shard_server.fail(data.paths[0].name, "status", status=status)
+    again = start_agent(cache, listed, "--prefetch", "1", "--no-shuffle")
+    with ShardClient(cache, timeout=20) as client:
+        assert client.open(url).read_bytes() == data.paths[0].read_bytes()
+    assert shard_server.pending_faults(data.paths[0].name) == []  # the restart's HEAD got it
+    reason = {403: "HTTP 403 Forbidden", 500: "HTTP 500 Internal Server Error"}[status]
+    shown = f"{data.urls[0]}?X-Amz-Signature=***&X-Amz-Expires=60"
+    log = again.stderr_text()
+    assert f"could not revalidate {shown} ({reason}); serving the cached copy" in log, again.stderr_tail()
+    assert "SIGSECRET" not in log

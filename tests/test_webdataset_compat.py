@@ -148,6 +148,21 @@ def test_local_paths_keep_their_names_in_url_and_local_path(served: Any, monkeyp
         assert ours[-1]["__local_path__"] == (f"{root.name}/{data.paths[2].name}" if urls is rel else absolute[2])
 
 
+def test_a_url_with_an_upper_case_scheme_keeps_its_spelling_in_url(served: Any) -> None:
+    # The agent knows the shard by its canonical URL (http://...): a sample names it as written.
+    data, cache = served
+    written = ["HTTP" + data.urls[0][4:], "Http" + data.urls[1][4:]]
+    pattern = "HTTP" + data.urls[0][4:].replace("000000", "{000000..000001}")
+    for urls in (written, pattern):
+        theirs = _samples(wds.WebDataset(urls, shardshuffle=False))
+        assert _samples(wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False)) == theirs, urls
+        with wdscache.CachedMultiLoader(urls, cache_dir=cache, shuffle=False) as loader:
+            assert [dict(s) for s in loader] == theirs, urls
+        assert {s["__url__"] for s in theirs} == set(
+            written if urls is written else [pattern.replace("{000000..000001}", n) for n in ("000000", "000001")]
+        )
+
+
 def test_a_local_shard_whose_name_holds_spaces_is_read_as_webdataset_reads_it(
     served: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

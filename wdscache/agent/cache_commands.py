@@ -411,6 +411,7 @@ def _own_agent(
                 prefetch=1,
                 workers=1,
                 shuffle=False,
+                startup_prefetch=False,  # the prefetch op says what to fetch: no shard twice, nor one not asked
                 s3_endpoint_url=s3_endpoint_url,
                 download_workers=default("download_workers") if download_workers is None else download_workers,
             )

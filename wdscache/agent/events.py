@@ -22,7 +22,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..shared.errors import FetchError
-from .shard_download import DiskFull, Download, Fetched, Gone
+from .shard_download import DiskFull, Download, Fetched, Gone, Unknown
 
 
 @dataclass
@@ -63,10 +63,10 @@ class Downloaded:
 @dataclass(frozen=True)
 class Revalidated:
     """A cached shard's source was asked for its size and version (Gone: it has no such object;
-    None: it could not say)."""
+    Unknown: it could not say)."""
 
     download: Download
-    now: Fetched | Gone | None
+    now: Fetched | Gone | Unknown
 
 
 @dataclass(frozen=True)

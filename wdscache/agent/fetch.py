@@ -83,6 +83,7 @@ from .shard_download import (
     Fetched,
     Gone,
     Retry,
+    Unknown,
     check_announced,
     expected_problem,
     publish,
@@ -160,15 +161,16 @@ class Fetcher:
         for source in set(self._sources.values()):
             source.close_thread()
 
-    def describe(self, url: str) -> Fetched | Gone | None:
+    def describe(self, url: str) -> Fetched | Gone | Unknown:
         """Size and version tag of ``url`` now (HEAD or stat); Gone when its source has no such
-        object; None when they cannot be known.
+        object; Unknown (with why) when they cannot be known.
 
         The tag is what :meth:`fetch` records: the ETag or else the Last-Modified date
         (kept beside an ETag too), or size and mtime for a file.
         """
-        source = self._sources.get(urlsplit(url).scheme)
-        return source.probe(url) if source is not None else None
+        scheme = urlsplit(url).scheme
+        source = self._sources.get(scheme)
+        return source.probe(url) if source is not None else Unknown(f"cannot fetch scheme {scheme!r}")
 
     def fetch(self, d: Download) -> Fetched:
         """Fetch ``d.url`` into ``d.final``. Raises FetchError or Cancelled.

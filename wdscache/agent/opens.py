@@ -42,7 +42,7 @@ from .cache import ShardCache
 from .control import Answer, Reply, Request
 from .downloads import Downloads
 from .readers import Readers, dropped_reply
-from .shard_download import Fetched, Gone
+from .shard_download import Fetched, Gone, Unknown
 from .shards import Phase, Shard, Shards, Waiter
 from .validators import common_validator, validator_kind
 
@@ -363,7 +363,7 @@ class Opens:
         self._answer_waiters(shard, error="removed from the agent's URL list")
         self.shards.settle(shard)
 
-    def revalidated(self, url: str, now: Fetched | Gone | None) -> None:
+    def revalidated(self, url: str, now: Fetched | Gone | Unknown) -> None:
         """A cached shard from an earlier run was compared with its source (``now``: what it holds)."""
         cache = self._cache
         cache.unpin(url, read=False)
@@ -373,7 +373,7 @@ class Opens:
         finally:
             self.shards.settle(shard)
 
-    def _revalidated(self, shard: Shard, now: Fetched | Gone | None) -> None:
+    def _revalidated(self, shard: Shard, now: Fetched | Gone | Unknown) -> None:
         cache, url = self._cache, shard.url
         rec = cache.index.get(url)
         if rec is None or rec.state is not ShardState.CACHED:
@@ -533,12 +533,12 @@ def unlike_index(info: ShardInfo | None, size: int, counted: int | None) -> str 
     return None
 
 
-def _unlike_source(url: str, rec: ShardRecord, now: Fetched | Gone | None) -> str | None:
+def _unlike_source(url: str, rec: ShardRecord, now: Fetched | Gone | Unknown) -> str | None:
     """How the source of a cached copy changed since (None: it did not, or cannot be asked)."""
     if isinstance(now, Gone):
         return f"is gone from its source ({now.reason})"
-    if now is None:
-        log.info("could not revalidate %s; serving the cached copy", url)
+    if isinstance(now, Unknown):
+        log.info("could not revalidate %s (%s); serving the cached copy", url, now.reason)
         return None
     if now.size != (rec.source_size or rec.size):
         return f"size changed on the server ({rec.source_size or rec.size} -> {now.size} bytes)"
@@ -548,7 +548,7 @@ def _unlike_source(url: str, rec: ShardRecord, now: Fetched | Gone | None) -> st
     return None
 
 
-def _not_comparable(rec: ShardRecord, now: Fetched | Gone | None) -> str | None:
+def _not_comparable(rec: ShardRecord, now: Fetched | Gone | Unknown) -> str | None:
     """Why a cached copy cannot be told current although its source answered (None: it can,
     or the source could not be asked): the copy and the source have no validator in common,
     so the copy is downloaded again rather than served unchecked."""

@@ -297,7 +297,7 @@ class Readers:
         self._startup_left.update(urls)
 
     def _startup_window(self) -> list[str]:
-        if self._startup_stopped:
+        if self._startup_stopped or not self._config.startup_prefetch:
             return []
         urls, left = self.urls.urls, self._startup_left
         window = (i for i in self._startup.window(self._config.prefetch) if i < len(urls))

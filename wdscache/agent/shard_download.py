@@ -113,6 +113,14 @@ class Gone:
     reason: str
 
 
+@dataclass(frozen=True)
+class Unknown:
+    """The source could not say what it holds now (no answer, an error status such as an expired
+    signature's 403, no size): ``reason`` says why, for the operator."""
+
+    reason: str
+
+
 class DiskFull(FetchError):
     """The cache's file system refused a write (ENOSPC, quota, file size limit)."""
 

@@ -154,7 +154,8 @@ def _open_cache(
     min_free = parse_size(cfg.min_free, total=fs_total, what="--min-free")
     cache = ShardCache(layout, limit=limit, min_free=min_free)
     try:
-        first = [urls.urls[i] for i in startup_reader(len(urls), cfg).window(cfg.prefetch)]
+        window = startup_reader(len(urls), cfg).window(cfg.prefetch) if cfg.startup_prefetch else []
+        first = [urls.urls[i] for i in window]
         # Partials with a validator are resumed whichever shard they are, a job's own list's too
         # (they count against the budget; wdscache.agent.unnamed_partials removes those nobody names).
         recovered = cache.recover()

@@ -90,6 +90,9 @@ class AgentConfig:
     backoff_max: float = 30.0
     reader_timeout: float = 60.0
     revalidate: bool = True
+    # False: no start-up window (nothing fetched, no size asked, until a client asks): the agent
+    # of a `wdscache prefetch` run without one, whose prefetch says what to fetch, and once.
+    startup_prefetch: bool = True
     s3_endpoint_url: str | None = None  # None: botocore's own (AWS_ENDPOINT_URL, the profile's)
     metrics_port: int | None = None  # None: no /metrics endpoint; 0: any free port
     metrics_host: str = "127.0.0.1"

@@ -498,7 +498,7 @@ class CachedMultiLoader:
             session.conn.close()
             raise
         local = (
-            _local_paths(session.urls, self._given)
+            _named_as_given(session.urls, self._given)
             if not isinstance(session.urls, AgentList)
             else (LocalPaths() if session.hello.get("local_urls") else {})
         )
@@ -697,8 +697,9 @@ def _read_urls(
     urls: UrlsArg | None, mix: Mapping[str, float] | None, epoch_samples: int | None, resampled: bool
 ) -> tuple[UrlList | None, MixArg | None, dict[str, str]]:
     """The loader's list (None: the agent's), its mixture (mix= / resampled=: the sources' lists
-    as one, see wdscache.training.mixing) and the local paths as the user wrote them, by their
-    file:// URLs (samples name them so, in __url__). pipe: commands are refused."""
+    as one, see wdscache.training.mixing) and the shards the user named otherwise than their URLs
+    (local paths, ``HTTP://``) as written, by their URLs (samples name them so, in __url__).
+    pipe: commands are refused."""
     piped = pipe_urls(urls) if urls is not None else []
     if piped:
         raise ConfigError(pipe_refusal(f"urls={piped[0]!r}"))
@@ -706,36 +707,42 @@ def _read_urls(
     return listed, mixed, given_names(urls) if urls is not None else {}
 
 
-def _local_paths(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str]]:
+def _named_as_given(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str | None]]:
     """Each local shard's ``__url__`` and ``__local_path__``, as webdataset's samples have them:
     the name the user gave it (else its ``file://`` URL) and its path (of ``file:rel/a.tar``, the part
-    after the colon)."""
-    return {
+    after the colon); and the ``__url__`` of each other shard the user wrote otherwise than its
+    URL (``HTTP://``), with no ``__local_path__`` (None)."""
+    named: dict[str, tuple[str, str | None]] = {
         url: (given.get(url, url), _given_path(given.get(url)) or file_path(url))
         for url in urls
         if url.startswith("file://")
     }
+    named.update((url, (name, None)) for url, name in given.items() if not url.startswith("file://"))
+    return named
 
 
 def _given_path(name: str | None) -> str | None:
     return urlsplit(name).path if name is not None and name[:5].lower() == "file:" else name  # (as webdataset)
 
 
-_UNSEEN: Any = object()  # a URL not named yet in _as_given (None: not a local shard)
+_UNSEEN: Any = object()  # a URL not named yet in _as_given (None: named by its URL)
 
 
-def _as_given(samples: list[dict[str, Any]], local: dict[str, tuple[str, str]] | LocalPaths) -> None:
-    """A read's samples, those of local shards named in place as the user gave them: ``__url__``
-    and ``__local_path__``, as webdataset's samples have them (the list is what goes out: the
+def _as_given(samples: list[dict[str, Any]], local: dict[str, tuple[str, str | None]] | LocalPaths) -> None:
+    """A read's samples, those of shards the user named otherwise than their URLs (local ones,
+    ``HTTP://``) named in place as the user gave them: ``__url__`` and, of a local shard,
+    ``__local_path__``, as webdataset's samples have them (the list is what goes out: the
     stream counts what was handed out by its iterator)."""
-    seen: dict[str, tuple[str, str] | None] = {}  # each URL of the read named once, not once a sample
+    seen: dict[str, tuple[str, str | None] | None] = {}  # each URL of the read named once, not once a sample
     for sample in samples:
         url = sample["__url__"]
         named = seen.get(url, _UNSEEN)
         if named is _UNSEEN:
             named = seen[url] = local.get(url)
         if named is not None:
-            sample["__url__"], sample["__local_path__"] = named
+            sample["__url__"], path = named
+            if path is not None:
+                sample["__local_path__"] = path
 
 
 def _batched(items: Iterator[Any], size: int, collate: Callable[[list[Any]], Any]) -> Iterator[tuple[int, Any]]:

@@ -19,7 +19,8 @@ would read it again, and the loader reads each shard once (``mix=`` weights a so
 Errors name the Python argument (``urls=``, ``urls[3]``), not the command line's flags.
 
 A local path keeps the name it was given in samples (``__url__``), as webdataset keeps it,
-beside the ``file://`` URL the agent knows it by: :func:`given_names`.
+beside the ``file://`` URL the agent knows it by, and so does a URL whose scheme is not in lower
+case (``HTTP://h/a.tar``, which the agent knows as ``http://h/a.tar``): :func:`given_names`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from ..shared.errors import ConfigError, UrlListError
 from ..shared.redact import redact_urls
 from ..shared.s3 import SHARD_SUFFIXES, Listing
-from ..shared.urls import UrlList, expand_braces, parse_url_list, read_url_list, repeated_urls
+from ..shared.urls import UrlList, expand_braces, normalize_url, parse_url_list, read_url_list, repeated_urls
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _BRACKETED_OR_JOIN = re.compile(r"\[[^\]]*\]|::")  # an IPv6 host's brackets (kept whole), or a "::"
@@ -96,19 +97,24 @@ def pipe_refusal(where: str) -> str:
 
 def given_names(urls: UrlsArg) -> dict[str, str]:
     """The local paths among ``urls=`` as given (braces expanded), by the ``file://`` URL they
-    stand for: a sample's ``__url__`` is the name the user wrote, as in webdataset."""
+    stand for, and the URLs written with a scheme not in lower case, by their canonical URL: a
+    sample's ``__url__`` is the name the user wrote, as in webdataset. (The shards an ``s3://``
+    prefix or glob stands for are named by their URLs: webdataset reads no such pattern.)"""
     if isinstance(urls, os.PathLike) or isinstance(urls, bytes):
         return {}
     items = split_patterns(urls) if isinstance(urls, str) else list(urls)
     names: dict[str, str] = {}
     for item in items:
-        if (
-            not isinstance(item, str)
-            or (_SCHEME.match(item) and item[:5].lower() != "file:")
-            or item.startswith(PIPE)
-            or (len(items) == 1 and isinstance(urls, str) and not ("{" in item or item.endswith(SHARD_SUFFIXES)))
-        ):
-            continue  # a URL, or a list file
+        if not isinstance(item, str) or item.startswith(PIPE):
+            continue
+        scheme = _SCHEME.match(item)
+        if scheme is not None and item[:5].lower() != "file:":
+            if not scheme.group().islower():
+                for name in expand_braces(item):
+                    names.setdefault(normalize_url(name, os.getcwd()), name)
+            continue
+        if len(items) == 1 and isinstance(urls, str) and not ("{" in item or item.endswith(SHARD_SUFFIXES)):
+            continue  # a list file
         for name in expand_braces(item):
             if ":" in name.split("/", 1)[0] and name[:5].lower() != "file:":
                 continue  # "name:..." is some scheme, not a path (file:rel/a.tar is one)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from ..shard_download import Fetched, Gone
+from ..shard_download import Fetched, Gone, Unknown
 from ..validators import Version
 
 CHUNK = 64 << 10  # small reads: bytes received before a connection breaks are kept
@@ -80,10 +80,10 @@ class Source:
         self.settings = settings
         self._local = threading.local()
 
-    def probe(self, url: str) -> Fetched | Gone | None:
-        """Size and version of ``url`` now; Gone when the source says it has no such object; None
-        when they cannot be known."""
-        return None
+    def probe(self, url: str) -> Fetched | Gone | Unknown:
+        """Size and version of ``url`` now; Gone when the source says it has no such object;
+        Unknown (with why) when they cannot be known."""
+        return Unknown("its source cannot tell an object's size and version")
 
     def open(
         self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event

@@ -13,22 +13,25 @@ from typing import BinaryIO
 
 from ...shared.errors import FetchError
 from ...shared.urls import file_path
-from ..shard_download import Fetched, Gone
+from ..shard_download import Fetched, Gone, Unknown, short
 from ..validators import Version
 from .base import CHUNK, Source, SourceResponse
 
 
 class FileSource(Source):
-    def probe(self, url: str) -> Fetched | Gone | None:
+    def probe(self, url: str) -> Fetched | Gone | Unknown:
         path = _path(url)
         try:
             st = os.stat(path)
         except FileNotFoundError:
             # Gone from a folder that holds others; a folder missing or empty may be a file
             # system not mounted yet: that is no answer about the file.
-            return Gone("no such file") if _holds_others(os.path.dirname(path)) else None
-        except OSError:
-            return None
+            folder = os.path.dirname(path)
+            if _holds_others(folder):
+                return Gone("no such file")
+            return Unknown(f"no such file, and its folder {folder} is missing or empty (not mounted yet?)")
+        except OSError as exc:
+            return Unknown(short(exc))
         return Fetched(st.st_size, _tag(st))
 
     @contextmanager

@@ -21,7 +21,7 @@ import requests
 
 from ...shared.errors import FetchError
 from ...shared.logs import get_logger
-from ..shard_download import Cancelled, Fetched, Gone, Retry
+from ..shard_download import Cancelled, Fetched, Gone, Retry, Unknown, short
 from ..validators import Version
 from .base import CHUNK, Settings, Source, SourceResponse, Unexpected, Unsatisfiable
 from .http_head import WatchedAdapter, send_watched
@@ -63,7 +63,7 @@ class HttpSource(Source):
     def answered(self, url: str) -> bool:
         return _host(url) in self._answered
 
-    def probe(self, url: str) -> Fetched | Gone | None:
+    def probe(self, url: str) -> Fetched | Gone | Unknown:
         try:
             self._wait_turn(url)
             session = self._session()
@@ -72,17 +72,19 @@ class HttpSource(Source):
                 url,
                 self.settings.read_timeout,
             )
-        except (OSError, requests.RequestException):
-            return None
+        except (OSError, requests.RequestException) as exc:
+            return Unknown(f"{type(exc).__name__}: {short(exc)}")
         self._answered.add(_host(url))
         if r.status_code in RETRY_STATUS:
             self._hold(url, _retry_after(r.headers.get("Retry-After")))
         if r.status_code in GONE_STATUS:
             return Gone(f"HTTP {r.status_code} {r.reason}")
         length = r.headers.get("Content-Length", "")
-        if r.ok and length.isdigit():
-            return Fetched(int(length), _version(r.headers).validator, last_modified=r.headers.get("Last-Modified"))
-        return None
+        if not r.ok:
+            return Unknown(f"HTTP {r.status_code} {r.reason}")
+        if not length.isdigit():
+            return Unknown(f"HTTP {r.status_code} {r.reason} without a Content-Length")
+        return Fetched(int(length), _version(r.headers).validator, last_modified=r.headers.get("Last-Modified"))
 
     @contextmanager
     def open(
@@ -104,6 +106,10 @@ class HttpSource(Source):
         with answer as r:
             self._answered.add(_host(url))
             status = r.status_code
+            if status in GONE_STATUS:
+                raise FetchError(
+                    url, f"HTTP {status} {r.reason}: the source does not have it", status=status, permanent=True
+                )
             if status in PERMANENT_STATUS:
                 raise FetchError(url, f"HTTP {status} {r.reason}", status=status, permanent=True)
             if status in RETRY_STATUS:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 from ...shared import s3
 from ...shared.errors import FetchError
-from ..shard_download import Fetched, Gone, Retry
+from ..shard_download import Fetched, Gone, Retry, Unknown, short
 from ..validators import Version
 from .base import CHUNK, Replaced, Source, SourceResponse, Unsatisfiable
 
@@ -38,18 +38,22 @@ class S3Source(Source):
             client.close()
             self._local.client = None
 
-    def probe(self, url: str) -> Fetched | Gone | None:
+    def probe(self, url: str) -> Fetched | Gone | Unknown:
         try:
             client = self._client(url)
             return Fetched(*client.head(url))
         except FetchError as exc:
             if exc.status != 404:
-                return None
+                return Unknown(exc.reason)
             reason = exc.reason
-        except (OSError, s3.Transient):
-            return None
+        except s3.Transient as exc:
+            return Unknown(exc.reason)
+        except OSError as exc:
+            return Unknown(short(exc))
         # Gone from a bucket that is there: a bucket missing is another endpoint's, or a misconfiguration.
-        return Gone(reason) if client.bucket_exists(url) is True else None
+        if client.bucket_exists(url) is True:
+            return Gone(reason)
+        return Unknown(f"{reason}, and its bucket is not there or cannot be asked")
 
     @contextmanager
     def open(
