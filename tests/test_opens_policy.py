@@ -214,3 +214,19 @@ def test_a_copy_found_unlike_its_index_then_downloaded_anew_leaves_no_reason_for
         assert loop.cache.index.counts.get(url) == 3
     finally:
         loop.close()
+
+
+def test_a_count_of_a_copy_replaced_since_is_not_taken_for_the_new_copy(loop: Loop) -> None:
+    # A worker counts the copy it read; by the time its report comes the shard may have been
+    # evicted and downloaded again from a source that changed: that count is not the new copy's.
+    url = URLS[0]
+    loop.cached(url, b"a" * 1024)
+    old = list(file_identity(loop.cache.path(url).stat()))
+    loop.cache.remove(url, "evicted for the test")
+    loop.cached(url, b"b" * 2048)
+    assert loop.readers.samples(url) is None
+    loop.opens.op_counted(loop.request("counted", url=url, samples=4, identity=old))
+    assert loop.readers.samples(url) is None
+    new = list(file_identity(loop.cache.path(url).stat()))
+    loop.opens.op_counted(loop.request("counted", url=url, samples=7, identity=new))
+    assert loop.readers.samples(url) == 7

@@ -56,7 +56,7 @@ BUILT: dict[str, list[dict[str, Any]]] = {
     "prefetch_status": [Requests.prefetch_status("p")],
     "prefetch_end": [Requests.prefetch_end("p")],
     "worker": [REPORTS.worker(0, busy_s=0.5, requests=1, samples=2, bytes=3, indexed=4, walked=5, adopted=6, loaded=7)],
-    "counted": [REPORTS.counted(URL, 7)],
+    "counted": [REPORTS.counted(URL, 7, [1, 2, 3, 4])],
     "corrupt_copy": [REPORTS.corrupt_copy(URL, [1, 2, 3, 4], "bad tar header")],
     "walked": [REPORTS.walked(URL, [1, 2, 3, 4], [[0, 1]])],
     "index": [Reports.index(URL), Reports.index(URL, now=True)],

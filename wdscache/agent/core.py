@@ -240,7 +240,7 @@ class Agent:
         handlers: dict[str, Handler] = {
             "stats": self._op_stats,
             "counts": self._op_counts,
-            "counted": self._op_counted,
+            "counted": self.opens.op_counted,
             "ping": self.readers.op_ping,
             "hello": self._op_hello,
             "put_urls": self.readers.op_put_urls,
@@ -490,20 +490,6 @@ class Agent:
     def _op_counts(self, request: Request) -> Reply:
         samples = self.readers.samples  # counted in a copy, else from a shard index
         return {"ok": True, "counts": [samples(u) for u in strings(request.header, "urls")]}
-
-    def _op_counted(self, request: Request) -> None:
-        header = request.header
-        url, samples = get_field(header, "url", str), get_field(header, "samples", int)
-        # Only for shards cached here (a worker just scanned it), whose copy we know; anything else is noise.
-        rec = self.cache.index.get(url)
-        if samples < 0 or rec is None:
-            return
-        if rec.state is ShardState.CACHED:
-            self.cache.index.set_count(url, samples, rec.size, rec.etag)
-            self.opens.read_fine(url)
-        elif url in self.downloads and self.cache.path(url).exists():
-            # Published a moment ago (a worker saw the file): its Downloaded event, still queued, records it.
-            self.downloads.counted_early(url, samples)
 
     def _op_hello(self, request: Request) -> Reply:
         reply = self.readers.op_hello(request)

@@ -27,13 +27,12 @@ Guarantees:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
 from ..shared.config import AgentConfig
 from ..shared.index import ShardRecord, ShardState
-from ..shared.layout import file_identity
+from ..shared.layout import is_file
 from ..shared.logs import event, get_logger
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
@@ -110,6 +109,21 @@ class Opens:
         header = request.header
         url, error = get_field(header, "url", str), get_field(header, "error", str)
         self._found_corrupt(url, error, get_field(header, "identity", list), "a worker")
+
+    def op_counted(self, request: Request) -> None:
+        """From one of our workers (checked before): the count it found in the copy it read; no reply."""
+        header, cache = request.header, self._cache
+        url, samples = get_field(header, "url", str), get_field(header, "samples", int)
+        rec, identity = cache.index.get(url), get_field(header, "identity", list)
+        # Only of a copy cached here, the one the worker read (a new download may have replaced it since).
+        if samples < 0 or rec is None or not is_file(cache.path(url), identity):
+            return
+        if rec.state is ShardState.CACHED:
+            cache.index.set_count(url, samples, rec.size, rec.etag)
+            self.read_fine(url)
+        elif url in self._downloads and cache.path(url).exists():
+            # Published a moment ago (a worker saw the file): its Downloaded event, still queued, records it.
+            self._downloads.counted_early(url, samples)
 
     def op_corrupt(self, request: Request) -> Reply:
         url, error = get_field(request.header, "url", str), get_field(request.header, "error", str)
@@ -431,12 +445,8 @@ class Opens:
         rec = cache.index.get(url)
         if rec is None or rec.state is not ShardState.CACHED:
             return
-        if identity is not None:
-            try:
-                if list(file_identity(os.stat(cache.path(url)))) != identity:
-                    return
-            except OSError:
-                return
+        if identity is not None and not is_file(cache.path(url), identity):
+            return
         shard = self.shards.record(url)
         try:
             if identity is None and shard.refetched:

@@ -338,8 +338,9 @@ class _Worker:
                     self._reply(ident, _scanned(rid, len(walker.samples), False))
                     return
                 # Walked but for the last sample: the view below takes the walk over.
-            count, final = len(self.shards.view(url).samples), True
-            self._send_report(self.reports.counted(url, count))
+            view = self.shards.view(url)
+            count, final = len(view.samples), True
+            self._send_report(self.reports.counted(url, count, view.identity))
         except FileNotFoundError:
             if not partial:
                 raise

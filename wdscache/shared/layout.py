@@ -45,6 +45,7 @@ import re
 import secrets
 import shutil
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,15 @@ def file_identity(st: os.stat_result) -> tuple[int, ...]:
     """What tells one file from another at the same path: a new download is a new inode
     (an inode number can be reused after a delete, so size and mtime count too)."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def is_file(path: Path, identity: Sequence[int]) -> bool:
+    """Whether ``path`` is still the file of ``identity`` (:func:`file_identity`): a worker's
+    report names the copy it read, which a new download may have replaced since."""
+    try:
+        return list(file_identity(os.stat(path))) == list(identity)
+    except OSError:  # (gone: evicted)
+        return False
 
 
 def _fanned(name: str) -> Path:

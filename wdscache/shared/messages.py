@@ -22,6 +22,7 @@ A message is a plain dict, built once: a request to a worker is on the hot path
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
 from .protocol import PROTOCOL
@@ -358,6 +359,7 @@ class CountedMessage(TypedDict):
     secret: str
     url: str
     samples: int
+    identity: list[Any]
 
 
 class CorruptCopyMessage(TypedDict):
@@ -743,8 +745,8 @@ class Reports:
             "loaded": loaded,
         }
 
-    def counted(self, url: str, samples: int) -> CountedMessage:
-        return {"op": "counted", "secret": self.secret, "url": url, "samples": samples}
+    def counted(self, url: str, samples: int, identity: Sequence[int]) -> CountedMessage:
+        return {"op": "counted", "secret": self.secret, "url": url, "samples": samples, "identity": list(identity)}
 
     def corrupt_copy(self, url: str, identity: list[Any], error: str) -> CorruptCopyMessage:
         return {"op": "corrupt_copy", "secret": self.secret, "url": url, "identity": identity, "error": error}

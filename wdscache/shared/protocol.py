@@ -615,8 +615,8 @@ MESSAGES: tuple[Message, ...] = (
         "counted",
         "worker",
         "agent",
-        {"secret": "str", "url": "str", "samples": "int"},
-        about="the sample count a worker found in a cached shard",
+        {"secret": "str", "url": "str", "samples": "int", "identity": "list"},
+        about="the sample count a worker found in a cached shard (identity: of the file it read)",
     ),
     Message(
         "corrupt_copy",
