@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from ..shared.errors import AgentRunningError, ConfigError
+from ..shared.errors import AgentRunningError, ConfigError, WdsCacheError
 from ..shared.layout import read_pid
 
 LOOK_GRACE = 0.5  # seconds a start retries a held lock: a look by stats holds it a moment only
@@ -61,7 +61,7 @@ class AgentLock:
             os.fsync(fd)
         except OSError as exc:  # (a full disk, say: its pid is how others name the holder)
             os.close(fd)
-            raise ConfigError(
+            raise WdsCacheError(  # a state of the machine, not of the options: exit 1, as a full index's
                 f"cannot write the lock file {self.path}: {exc.strerror}; free space on its file system"
             ) from None
         self._fd = fd
