@@ -6,7 +6,7 @@ from wdscache.agent.job_lists import MAX_JOB_LISTS, JobLists
 from wdscache.shared.urls import list_id
 
 
-def upload(lists: JobLists, name: str, urls: list[str]) -> str | None:
+def upload(lists: JobLists, name: str, urls: list[str]) -> dict[str, object] | None:
     return lists.put_page(name, {"offset": 0, "urls": urls})
 
 
@@ -15,7 +15,7 @@ def urls_of(n: int, scheme: str = "http://127.0.0.1:9/") -> list[str]:
 
 
 def test_a_list_is_kept_only_as_the_list_id_its_hello_claims() -> None:
-    lists = JobLists("ipc:///agent")
+    lists = JobLists("ipc:///agent", idle=60.0)
     urls = urls_of(0)
     assert upload(lists, "c0", urls) is None
     assert lists.take("c0", "another-id", read=()) == {
@@ -32,7 +32,7 @@ def test_a_list_is_kept_only_as_the_list_id_its_hello_claims() -> None:
 def test_a_peer_over_tcp_may_name_only_http_urls() -> None:
     local = urls_of(0, "file:///data/")
     for endpoint, kept in (("tcp://127.0.0.1:5555", False), ("ipc:///agent", True)):
-        lists = JobLists(endpoint)
+        lists = JobLists(endpoint, idle=60.0)
         upload(lists, "c0", local)
         refused = lists.take("c0", list_id(local), read=())
         assert (refused is None) == kept, refused
@@ -47,7 +47,7 @@ def test_a_refused_url_shows_no_part_of_a_long_secret() -> None:
     # the redaction (the "@" cut off, nothing would say where the secret ends).
     token = "eyJ" + "x" * 300
     url = f"file://{token}@host/data/a.tar"
-    lists = JobLists("tcp://127.0.0.1:5555")
+    lists = JobLists("tcp://127.0.0.1:5555", idle=60.0)
     upload(lists, "c0", [url])
     refused = lists.take("c0", list_id([url]), read=())
     assert refused is not None and "must be absolute" in refused["error"], refused
@@ -55,7 +55,7 @@ def test_a_refused_url_shows_no_part_of_a_long_secret() -> None:
 
 
 def test_lists_are_bounded_and_one_nobody_reads_makes_room() -> None:
-    lists = JobLists("ipc:///agent")
+    lists = JobLists("ipc:///agent", idle=60.0)
     keys = []
     for n in range(MAX_JOB_LISTS):
         upload(lists, f"c{n}", urls_of(n))
@@ -71,7 +71,7 @@ def test_lists_are_bounded_and_one_nobody_reads_makes_room() -> None:
 
 
 def test_a_list_nobody_reads_is_freed_after_the_grace() -> None:
-    lists = JobLists("ipc:///agent")
+    lists = JobLists("ipc:///agent", idle=60.0)
     a, b = urls_of(0), urls_of(1)
     for name, urls in (("c0", a), ("c1", b)):
         upload(lists, name, urls)

@@ -3,10 +3,12 @@ in pages before their hello, and earlier agent lists that readers started their 
 
 Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
-- Lists are bounded: at most ``MAX_JOB_LISTS`` kept, and as many being uploaded, each of at
-  most ``MAX_JOB_URLS``; a list nobody reads is freed after ``LIST_GRACE`` (or at once when a
-  new list needs its room). Nothing here survives the agent: a consumer whose list is gone
-  sends it again (``need_urls``).
+- Lists are bounded: at most ``MAX_JOB_LISTS`` kept, and ``MAX_UPLOADS`` being uploaded, each of
+  at most ``MAX_JOB_URLS``; a list nobody reads is freed after ``LIST_GRACE`` (or at once when a
+  new list needs its room). An upload that gets no page for ``idle`` seconds (the agent's
+  ``--reader-timeout``: its consumer died before its hello, which no reader timeout covers) is
+  forgotten, at the latest when a new upload needs its room. Nothing here survives the agent: a
+  consumer whose list is gone sends it again (``need_urls``).
 - A list is kept only whole and as it was claimed: its pages in order, each with its facts
   when it comes from a shard index, and its hash equal to the ``list_id`` its hello names.
 - A client of a TCP endpoint may be another machine: its list may name only http(s) URLs
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..shared.errors import ConfigError, ShardIndexError
@@ -29,22 +32,34 @@ from ..shared.urls import UrlList, given_list, index_list
 from .control import Reply
 
 MAX_JOB_LISTS = 16
+MAX_UPLOADS = 16  # lists being uploaded at once (their pages are held as Python strings until the hello)
 MAX_JOB_URLS = 10_000_000
 LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
 
 
-class JobLists:
-    """The lists kept by ``list_id``, and those being uploaded by reader."""
+@dataclass(slots=True)
+class _Upload:
+    """The pages of a reader's own list received so far: URLs, their facts for a list from a shard
+    index (else None), and when the last page came (monotonic)."""
 
-    def __init__(self, endpoint: str) -> None:
+    urls: list[Any]
+    facts: list[Any] | None
+    at: float
+
+
+class JobLists:
+    """The lists kept by ``list_id``, and those being uploaded by reader; ``idle``: seconds an
+    upload that gets no page is kept (``--reader-timeout``)."""
+
+    def __init__(self, endpoint: str, idle: float) -> None:
         # Over a TCP endpoint a peer may be another machine: it must not make us read local files,
         # nor fetch from S3 with our credentials: file:// and s3:// only for a peer on this machine.
         local = endpoint.startswith("ipc://")
         self.schemes = ("http://", "https://", "file://", "s3://") if local else ("http://", "https://")
         self._lists: dict[str, UrlList] = {}  # list_id -> a list readers read besides the agent's current one
         self._unread_since: dict[str, float] = {}  # list_id -> when its last reader left
-        # reader -> pages of its list received so far: URLs, and their facts for a list from a shard index
-        self._uploads: dict[str, tuple[list[Any], list[Any] | None]] = {}
+        self._uploads: dict[str, _Upload] = {}  # reader -> its list as received so far
+        self._idle = idle
 
     def __len__(self) -> int:
         return len(self._lists)
@@ -66,14 +81,23 @@ class JobLists:
         """Keep ``urls`` as ``key`` (an agent list readers still read) unless kept already."""
         self._lists.setdefault(key, urls)
 
-    def put_page(self, name: str, header: dict[str, Any]) -> str | None:
-        """A page of reader ``name``'s own list (``put_urls``); the error if it is refused."""
+    def put_page(self, name: str, header: dict[str, Any]) -> Reply | None:
+        """A page of reader ``name``'s own list (``put_urls``); the refusal if it is refused."""
+        error = self._put_page(name, header)
+        return None if error is None else {"ok": False, "error": error}
+
+    def _put_page(self, name: str, header: dict[str, Any]) -> str | None:
         offset = get_field(header, "offset", int)
         page = strings(header, "urls")
         facts = header.get("shards")  # a list from a shard index: what it says of each URL of the page
-        if name not in self._uploads and len(self._uploads) >= MAX_JOB_LISTS:
-            return "too many lists being uploaded at once; try again"
-        got, known = self._uploads.setdefault(name, ([], [] if offset == 0 and facts is not None else None))
+        now = time.monotonic()
+        if name not in self._uploads and len(self._uploads) >= MAX_UPLOADS:
+            self._forget_idle(now)
+            if len(self._uploads) >= MAX_UPLOADS:
+                return "too many lists being uploaded at once; try again"
+        upload = self._uploads.setdefault(name, _Upload([], [] if offset == 0 and facts is not None else None, now))
+        upload.at = now
+        got, known = upload.urls, upload.facts
         if offset != len(got):
             self._uploads.pop(name, None)
             return f"list page at {offset} does not follow the {len(got)} URLs received"
@@ -94,6 +118,12 @@ class JobLists:
         """Forget what reader ``name`` uploaded and has not claimed (it goes)."""
         self._uploads.pop(name, None)
 
+    def _forget_idle(self, now: float) -> None:
+        """Forget the uploads that got no page for ``idle`` seconds: a consumer that died while it
+        sent its list never says hello, so no reader timeout drops its upload."""
+        for name in [n for n, upload in self._uploads.items() if now - upload.at > self._idle]:
+            del self._uploads[name]
+
     def take(self, name: str, claimed: str | None, read: Collection[str | None]) -> Reply | None:
         """Keep the list reader ``name`` uploaded as ``claimed`` (unless kept already); the
         refusal if it cannot be (``read``: the lists readers read, kept whatever the bound)."""
@@ -103,7 +133,7 @@ class JobLists:
         if uploaded is None:
             return {"ok": False, "need_urls": True, "error": "send the list first (put_urls)"}
         try:
-            parsed = self._job_list(*uploaded)
+            parsed = self._job_list(uploaded.urls, uploaded.facts)
         except ConfigError as exc:
             return {"ok": False, "error": str(exc)}
         if parsed.list_id != claimed:
@@ -137,8 +167,10 @@ class JobLists:
 
     def free(self, read: Collection[str | None], grace: float = LIST_GRACE) -> None:
         """Forget the lists no reader has read (``read``: those read now) for ``grace`` seconds (a
-        million URLs is about 140 MB); a consumer that comes back sends its list again (``need_urls``)."""
+        million URLs is about 140 MB), and the idle uploads; a consumer that comes back sends its
+        list again (``need_urls``)."""
         now = time.monotonic()
+        self._forget_idle(now)
         for key in list(self._lists):
             if key in read:
                 self._unread_since.pop(key, None)

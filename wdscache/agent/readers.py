@@ -173,7 +173,7 @@ class Readers:
         self.list_id = list_id(urls.urls)
         self._readers: dict[str, ReaderRecord] = {}
         # the lists readers read besides the agent's current one, and those being uploaded
-        self._lists = JobLists(endpoint)
+        self._lists = JobLists(endpoint, idle=config.reader_timeout)
         # Kept partial downloads no list names (a job's that never came back) go in time.
         self._unnamed = UnnamedPartials(cache, self.known, time.monotonic())
         # The start-up window's URLs and their positions in the list, as last asked: their facts
@@ -400,8 +400,7 @@ class Readers:
 
     def op_put_urls(self, request: Request) -> Reply:
         """A page of a consumer's own list, before its hello names it."""
-        error = self._lists.put_page(request.header["reader"], request.header)
-        return {"ok": error is None, "error": error}
+        return self._lists.put_page(request.header["reader"], request.header) or {"ok": True, "error": None}
 
     def op_get_urls(self, request: Request) -> Reply:
         """A page of the list the reader said hello on, even if the file changed since."""
