@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from tests.helpers.streaming import reference, samples_of
-from tests.helpers.waits import wait_for
+from tests.helpers.streaming import delivered, reference, samples_of
+from wdscache import CachedMultiLoader
 from wdscache.agent.job_lists import MAX_UPLOADS
 from wdscache.shared.client import AgentConnection, resolve_endpoint
 from wdscache.shared.messages import Requests
@@ -38,11 +38,27 @@ def test_uploads_of_consumers_that_died_before_their_hello_are_forgotten(
     for n in range(MAX_UPLOADS):
         reply = _put_first_page(cache, f"dead/{n}", never)
         assert reply["ok"] is True, reply
-    # Idle past --reader-timeout, they make room for a new upload.
-    wait_for(
-        lambda: _put_first_page(cache, "late", never)["ok"],
-        15,
-        "a new upload is still refused after the dead ones were idle past --reader-timeout",
-    )
-    got = samples_of(consumers(cache, "own", "--job", "own", "--urls", str(own.list_file)).wait())
+    # Told to try again, the job's loader does (within its timeout) until the dead ones, idle past
+    # --reader-timeout, make room for its list.
+    job = consumers(cache, "own", "--job", "own", "--urls", str(own.list_file), "--timeout", "30")
+    got = samples_of(job.wait())
     assert Counter((s["url"], s["key"]) for s in got) == Counter(reference(own.paths, own.urls).keys())
+
+
+def test_more_jobs_with_lists_of_their_own_than_there_once_were_places_all_read_their_epochs(
+    tmp_path, dataset, start_agent
+):
+    # The agent held 16 such lists at most: the 17th job was refused "the agent holds 16 URL lists
+    # of running jobs", although any number of jobs share one agent.
+    data = dataset(1, samples=2, payload=200)
+    jobs = [dataset(1, samples=3, payload=200, prefix=f"j{n}", list_name=f"j{n}.txt") for n in range(20)]
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "1")
+    loaders = [
+        CachedMultiLoader(ds.urls, cache_dir=cache, job=f"j{n}", timeout=30, shuffle=False) for n, ds in enumerate(jobs)
+    ]
+    streams = [iter(loader) for loader in loaders]
+    firsts = [next(stream) for stream in streams]  # every job reads at once, none has ended
+    agent.wait_stats(lambda s: s["agent"]["job_lists"] == len(jobs), 10, "every job's list held at once")
+    for ds, first, stream in zip(jobs, firsts, streams):
+        assert delivered([first, *stream]) == reference(ds.paths, ds.urls)

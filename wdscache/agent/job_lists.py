@@ -3,12 +3,15 @@ in pages before their hello, and earlier agent lists that readers started their 
 
 Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
-- Lists are bounded: at most ``MAX_JOB_LISTS`` kept, and ``MAX_UPLOADS`` being uploaded, each of
-  at most ``MAX_JOB_URLS``; a list nobody reads is freed after ``LIST_GRACE`` (or at once when a
-  new list needs its room). An upload that gets no page for ``idle`` seconds (the agent's
-  ``--reader-timeout``: its consumer died before its hello, which no reader timeout covers) is
-  forgotten, at the latest when a new upload needs its room. Nothing here survives the agent: a
-  consumer whose list is gone sends it again (``need_urls``).
+- Lists are bounded: those kept hold at most ``MAX_JOB_LIST_BYTES`` of URLs together (one list
+  longer than that is kept alone), and ``MAX_UPLOADS`` are being uploaded, each of at most
+  ``MAX_JOB_URLS``; a list nobody reads is freed after ``LIST_GRACE`` (or at once when a new list
+  needs its room). A hello whose list finds no room yet is refused with ``retry``: its client asks
+  again (within its timeout), its upload kept meanwhile, until a job ends. An upload that gets
+  no page (nor hello) for ``idle`` seconds (the agent's ``--reader-timeout``: its consumer died
+  before its hello, which no reader timeout covers) is forgotten, at the latest when a new
+  upload needs its room. Nothing here survives the agent: a consumer whose list is gone sends
+  it again (``need_urls``).
 - A list is kept only whole and as it was claimed: its pages in order, each with its facts
   when it comes from a shard index, and its hash equal to the ``list_id`` its hello names.
 - A client of a TCP endpoint may be another machine: its list may name only http(s) URLs
@@ -23,6 +26,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..shared.config import format_size
 from ..shared.errors import ConfigError, ShardIndexError
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
@@ -31,7 +35,9 @@ from ..shared.shard_index import ShardInfo
 from ..shared.urls import UrlList, given_list, index_list
 from .control import Reply
 
-MAX_JOB_LISTS = 16
+# The URLs (their text) of the lists kept together: about 800,000 of 80 characters, some 80 MB
+# as held (:class:`~wdscache.shared.urls.Urls`): a few hundred jobs of lists of thousands of shards.
+MAX_JOB_LIST_BYTES = 64 << 20
 MAX_UPLOADS = 16  # lists being uploaded at once (their pages are held as Python strings until the hello)
 MAX_JOB_URLS = 10_000_000
 LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
@@ -45,6 +51,7 @@ class _Upload:
     urls: list[Any]
     facts: list[Any] | None
     at: float
+    checked: tuple[str, UrlList] | None = None  # its list_id and list, parsed once, while its hello waits for room
 
 
 class JobLists:
@@ -82,32 +89,34 @@ class JobLists:
         self._lists.setdefault(key, urls)
 
     def put_page(self, name: str, header: dict[str, Any]) -> Reply | None:
-        """A page of reader ``name``'s own list (``put_urls``); the refusal if it is refused."""
-        error = self._put_page(name, header)
-        return None if error is None else {"ok": False, "error": error}
-
-    def _put_page(self, name: str, header: dict[str, Any]) -> str | None:
-        offset = get_field(header, "offset", int)
-        page = strings(header, "urls")
-        facts = header.get("shards")  # a list from a shard index: what it says of each URL of the page
+        """A page of reader ``name``'s own list (``put_urls``); the refusal if it is refused (with
+        ``retry`` when others' uploads fill every place: its client asks again)."""
         now = time.monotonic()
         if name not in self._uploads and len(self._uploads) >= MAX_UPLOADS:
             self._forget_idle(now)
             if len(self._uploads) >= MAX_UPLOADS:
-                return "too many lists being uploaded at once; try again"
+                return {"ok": False, "retry": True, "error": "too many lists being uploaded at once; try again"}
+        error = self._add_page(name, header, now)
+        if error is None:
+            return None
+        self._uploads.pop(name, None)
+        return {"ok": False, "error": error}
+
+    def _add_page(self, name: str, header: dict[str, Any], now: float) -> str | None:
+        """Add a page to reader ``name``'s upload; the error if it does not fit it."""
+        offset = get_field(header, "offset", int)
+        page = strings(header, "urls")
+        facts = header.get("shards")  # a list from a shard index: what it says of each URL of the page
         upload = self._uploads.setdefault(name, _Upload([], [] if offset == 0 and facts is not None else None, now))
         upload.at = now
         got, known = upload.urls, upload.facts
         if offset != len(got):
-            self._uploads.pop(name, None)
             return f"list page at {offset} does not follow the {len(got)} URLs received"
         if len(got) + len(page) > MAX_JOB_URLS:
-            self._uploads.pop(name, None)
             return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
         if (known is None) != (facts is None) or (
             facts is not None and not (isinstance(facts, list) and len(facts) == len(page))
         ):
-            self._uploads.pop(name, None)
             return 'a list from a shard index gives each URL\'s facts, in every page: "shards" as long as "urls"'
         got.extend(page)
         if known is not None and facts is not None:
@@ -132,21 +141,38 @@ class JobLists:
             return None
         if uploaded is None:
             return {"ok": False, "need_urls": True, "error": "send the list first (put_urls)"}
-        try:
-            parsed = self._job_list(uploaded.urls, uploaded.facts)
-        except ConfigError as exc:
-            return {"ok": False, "error": str(exc)}
-        if parsed.list_id != claimed:
+        if uploaded.checked is not None:
+            key, parsed = uploaded.checked
+        else:
+            try:
+                parsed = self._job_list(uploaded.urls, uploaded.facts)
+            except ConfigError as exc:
+                return {"ok": False, "error": str(exc)}
+            key = parsed.list_id
+        if key != claimed:
             return {"ok": False, "error": "the list sent does not match its list_id"}
-        if len(self._lists) >= MAX_JOB_LISTS:
+        size = _size(parsed)
+        if self._held() + size > MAX_JOB_LIST_BYTES:
             self.free(read, grace=0.0)  # lists nobody reads make room first
-        if len(self._lists) >= MAX_JOB_LISTS:
+        held = self._held()
+        if self._lists and held + size > MAX_JOB_LIST_BYTES:
+            # Kept (checked) for the hello asked again; idle past the timeout once its client gives up.
+            self._uploads[name] = _Upload([], None, time.monotonic(), (key, parsed))
             return {
                 "ok": False,
-                "error": (f"the agent holds {MAX_JOB_LISTS} URL lists of running jobs; try again once one ends"),
+                "retry": True,
+                "error": (
+                    f"the agent holds {format_size(held)} of URL lists of running jobs and this one's "
+                    f"{format_size(size)} would take them past {format_size(MAX_JOB_LIST_BYTES)}; "
+                    "try again once one ends"
+                ),
             }
         self._lists[claimed] = parsed
         return None
+
+    def _held(self) -> int:
+        """The URLs' text the lists kept hold together."""
+        return sum(_size(listed) for listed in self._lists.values())
 
     def _job_list(self, urls: list[Any], facts: list[Any] | None) -> UrlList:
         """A consumer's own URL list (with what its shard index says of each, if it came from one),
@@ -177,6 +203,11 @@ class JobLists:
             elif now - self._unread_since.setdefault(key, now) >= grace:
                 del self._lists[key]
                 self._unread_since.pop(key)
+
+
+def _size(listed: UrlList) -> int:
+    """What ``listed`` counts for against ``MAX_JOB_LIST_BYTES``: its URLs' text."""
+    return len(listed.urls.text())
 
 
 def _shown(url: object) -> str:
