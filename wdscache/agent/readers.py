@@ -572,12 +572,11 @@ class Readers:
     def need(self, held: Callable[[str], int]) -> tuple[int, str]:
         """Bytes the readers hold at once, and how (:meth:`BudgetNeed.of`)."""
         readers = [
-            (name, str((record.consumer or {}).get("job", name)), record.buffer)
+            (name, str((record.consumer or {}).get("job", name)), record.buffer, record.plan.list_id or self.list_id)
             for name, record in self._readers.items()
             if name != STARTUP_READER
         ]
-        n_shards = max([len(self.urls), *(len(listed) for listed in self._lists)])
-        return self._need.of(readers, n_shards, held, self.known)
+        return self._need.of(readers, {key: self._list(key).urls for *_, key in readers}, held, self.known)
 
     # -- for stats --------------------------------------------------------------------
 
