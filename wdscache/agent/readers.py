@@ -77,6 +77,11 @@ def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | No
     return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle, shards=part)
 
 
+def _rank_live(consumers: dict[str, dict[str, Any]], job: str, rank: int) -> bool:
+    """Whether some consumer of ``consumers`` reads as ``rank`` of ``job``."""
+    return any(c.get("job") == job and c.get("rank") == rank for c in consumers.values())
+
+
 class ProcessWatch:
     """The consumers' processes the agent sees, each watched through a pidfd, so that its
     reader is dropped the moment it ends. Another's (another machine or container, no
@@ -351,6 +356,8 @@ class Readers:
         again = before is not None and before.consumer is not None  # its next epoch: it did not leave, nor join anew
         self.drop(name, why=None)
         back = self._ended.back(name) if not probe else None  # dropped as silent, it comes back
+        if back is None and not probe and not _rank_live(consumers, job, rank):
+            self._ended.joined(job, rank, epoch)  # (another launch of the job starts its ranks' totals over)
         # It reads the list it named; else the one its job's epoch reads (the first of its readers
         # took the agent's list as it was then), to that epoch's end, whatever edits come.
         key = claimed
