@@ -218,6 +218,34 @@ def test_readers_needing_more_than_the_budget_are_warned_once_with_the_budget_th
     assert THRASH_WARNING not in agent2.stderr_text(), agent2.stderr_tail()
 
 
+def test_jobs_on_lists_of_their_own_are_told_the_budget_cannot_hold_their_spans_together(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    # The need was capped at the longest single list: three jobs on three lists of 8 shards, each
+    # job's shuffle buffer spanning its whole list, "needed" 8 shards of a budget of 10. The cache
+    # thrashed (hundreds of re-downloads) without a warning, and stats blamed the source or latency.
+    sets = {j: dataset(8, samples=10, payload=20000, prefix=j, list_name=f"{j}.txt") for j in "abc"}
+    biggest = max(p.stat().st_size for ds in sets.values() for p in ds.paths)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, sets["a"].list_file, "--cache-size", str(10 * biggest + 4096), "--prefetch", "2")
+    for j, ds in sets.items():
+        own = [] if j == "a" else ["--urls", str(ds.list_file)]
+        consumers(cache, j, "--job", j, "--shuffle-buffer", "40", "--epochs", "20", "--timeout", "60", *own)
+    s = agent.wait_stats(
+        lambda s: any(r["starved"] == "budget" for ranks in s["jobs"].values() for r in ranks.values()),
+        30,
+        "no job starved by the budget",
+    )
+    assert s["agent"]["need_bytes"] >= 3 * 8 * min(p.stat().st_size for p in sets["a"].paths) > s["bytes_limit"], s
+    warning = wait_for(
+        lambda: [line for line in agent.stderr_text().splitlines() if THRASH_WARNING in line and "job 'c'" in line],
+        10,
+        lambda: f"no warning naming the three jobs\n{agent.stderr_tail()}",
+    )[-1]
+    for j in "abc":
+        assert f"job {j!r} (shuffle_buffer 40) holds up to 8" in warning, warning
+
+
 def test_redownloads_count_a_shard_evicted_and_fetched_again(shard_server, dataset, start_agent, run_cli, tmp_path):
     ds = dataset(3, **SHARD_130K)
     cache = tmp_path / "cache"

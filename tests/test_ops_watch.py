@@ -163,6 +163,24 @@ def test_stats_shows_no_download_rate_once_downloads_stop_and_a_jobs_totals_over
     assert re.search(r"^job two: ended \S+: 24 samples in 2 epochs, waited [\d.]+s for data in all$", text, re.M), text
 
 
+def test_a_job_run_again_under_its_name_shows_its_own_run_as_ended(tmp_path, dataset, start_agent, consumers, run_cli):
+    # Both launches of a script (every run without torchrun is job "default") were added up in one
+    # record: "16 samples" of one epoch of 8.
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    for run in range(2):
+        assert len(samples_of(consumers(cache, f"run{run}", "--job", "default").wait())) == 8
+        s = agent.wait_stats(
+            lambda s: "default" in s["ended_jobs"] and "default" not in s["jobs"], 10, "the run listed as ended"
+        )
+        rank = s["ended_jobs"]["default"]["0"]
+        assert (rank["samples"], rank["epochs"], rank["epoch"]) == (8, 1, 0), (run, rank)
+    assert s["rank_totals"]["default"]["0"]["samples"] == 16, s  # the agent's life: both runs
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert re.search(r"^job default: ended \S+: 8 samples, waited", text, re.M), text
+
+
 def test_a_ranks_dataloader_workers_are_one_rank_in_stats(tmp_path, dataset, start_agent, run_cli):
     # Each DataLoader worker of a rank is a consumer of that rank: stats showed whichever reported last.
     data = dataset(1, samples=4, payload=300)

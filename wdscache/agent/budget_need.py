@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from ..shared.config import format_size
 from ..shared.index import ShardState
@@ -40,6 +40,15 @@ def buffer_span(buffer: int, per_shard: int) -> int:
     return max(-(-buffer // per_shard), math.ceil(buffer / per_shard * (math.log(a) + EULER))) + 1
 
 
+def distinct_shards(lists: Collection[Sequence[str]], enough: int) -> int:
+    """How many shards ``lists`` name together, or at least ``enough``: counted one by one only
+    when every list is shorter than that (a few shards each), else the longest list's length."""
+    longest = max((len(urls) for urls in lists), default=0)
+    if longest >= enough or len(lists) <= 1:
+        return longest
+    return len(set().union(*lists))
+
+
 class BudgetNeed:
     """The readers' need of the budget, and its warning (warned once per larger need)."""
 
@@ -49,15 +58,15 @@ class BudgetNeed:
 
     def of(
         self,
-        readers: Iterable[tuple[str, str, int]],
-        n_shards: int,
+        readers: Iterable[tuple[str, str, int, str]],
+        lists: Mapping[str, Sequence[str]],
         held: Callable[[str], int],
         listed: Callable[[str], bool],
     ) -> tuple[int, str]:
-        """Bytes the readers hold at once, and how. ``readers``: (name, job, shuffle buffer in samples)
-        of each (a plain client is a job of its own); ``n_shards``: the longest list read;
-        ``held(name)``: how many shards reader ``name`` holds open; ``listed(url)``: a list read
-        names it (the cache may hold, and its counts name, shards of lists nobody reads now)."""
+        """Bytes the readers hold at once, and how. ``readers``: (name, job, shuffle buffer in samples,
+        the id of the list it reads) of each (a plain client is a job of its own); ``lists``: those
+        lists by id; ``held(name)``: how many shards reader ``name`` holds open; ``listed(url)``: a
+        list read names it (the cache may hold, and its counts name, shards of lists nobody reads now)."""
         index, prefetch = self._cache.index, self._prefetch
         samples = [c for u, c in itertools.islice(index.counts.items(), SAMPLED) if c > 0 and listed(u)]
         # The copies cached now, and those counted before (a count keeps its copy's size): a cache
@@ -70,10 +79,12 @@ class BudgetNeed:
             return 0, "nothing known yet"
         per_shard = max(1, sum(samples) // len(samples))
         spans: dict[str, tuple[int, int]] = {}  # job (or reader) -> (shuffle buffer, shards it holds)
-        for name, job, buffer in readers:
+        for name, job, buffer, key in readers:
             shards_held = max(buffer_span(buffer, per_shard) if buffer > 1 else 1, held(name))
-            spans[job] = max(spans.get(job, (0, 0)), (buffer, min(n_shards, shards_held + prefetch)))
-        shards = min(n_shards, sum(h for _, h in spans.values()))
+            spans[job] = max(spans.get(job, (0, 0)), (buffer, min(len(lists[key]), shards_held + prefetch)))
+        # Jobs on other lists hold other shards: together, as many as those lists name.
+        wanted = sum(h for _, h in spans.values())
+        shards = min(wanted, distinct_shards(lists.values(), wanted))
         need = shards * max(sizes)
         jobs = ", ".join(f"job {j!r} (shuffle_buffer {b}) holds up to {h}" for j, (b, h) in sorted(spans.items()))
         return need, (

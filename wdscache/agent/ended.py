@@ -12,7 +12,9 @@ again and says hello again under the same name (see :mod:`wdscache.training.rest
 Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
 - a rank's ended totals add up each of its consumers that left once: one dropped as silent
-  that comes back is taken out of them again (it leaves again later with all its figures);
+  that comes back is taken out of them again (it leaves again later with all its figures); a
+  launch of the job again (a rank coming back, none of its consumers live, for an epoch its
+  totals hold already) starts them over;
 - at most :data:`MAX_ENDED` ranks are kept, and as many consumers dropped as silent, each for
   :data:`ENDED_KEPT` seconds, the oldest going first;
 - a consumer dropped as silent keeps, as long as it is kept, what its rank's totals counted of
@@ -99,6 +101,16 @@ class EndedConsumers:
                 for total in _TOTALS:
                     rank[total] = round(rank[total] - dropped.consumer.get(total, 0), 3)
         return dropped
+
+    def joined(self, job: str, rank: int, epoch: int | None) -> None:
+        """A consumer joins as ``rank`` of ``job`` for ``epoch`` while none of that rank is live. If
+        the rank's ended totals already hold that epoch, it is another launch (a script run again
+        under the same name, as every run without torchrun is job ``default``): the totals of the
+        launch before are let go, and this one's make a record of their own as its consumers leave."""
+        key = (job, str(rank))
+        kept = self.ranks.get(key)
+        if kept is not None and epoch is not None and epoch in kept["_epochs"]:
+            del self.ranks[key]
 
     def said_bye(
         self, name: str, figures: dict[str, float], count: Callable[[Rank, dict[str, float], dict[str, float]], None]

@@ -77,6 +77,11 @@ def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | No
     return Reader(STARTUP_READER, n_shards, seed=config.seed, shuffle=config.shuffle, shards=part)
 
 
+def _rank_live(consumers: dict[str, dict[str, Any]], job: str, rank: int) -> bool:
+    """Whether some consumer of ``consumers`` reads as ``rank`` of ``job``."""
+    return any(c.get("job") == job and c.get("rank") == rank for c in consumers.values())
+
+
 class ProcessWatch:
     """The consumers' processes the agent sees, each watched through a pidfd, so that its
     reader is dropped the moment it ends. Another's (another machine or container, no
@@ -173,7 +178,7 @@ class Readers:
         self.list_id = list_id(urls.urls)
         self._readers: dict[str, ReaderRecord] = {}
         # the lists readers read besides the agent's current one, and those being uploaded
-        self._lists = JobLists(endpoint)
+        self._lists = JobLists(endpoint, idle=config.reader_timeout)
         # Kept partial downloads no list names (a job's that never came back) go in time.
         self._unnamed = UnnamedPartials(cache, self.known, time.monotonic())
         # The start-up window's URLs and their positions in the list, as last asked: their facts
@@ -351,6 +356,8 @@ class Readers:
         again = before is not None and before.consumer is not None  # its next epoch: it did not leave, nor join anew
         self.drop(name, why=None)
         back = self._ended.back(name) if not probe else None  # dropped as silent, it comes back
+        if back is None and not probe and not _rank_live(consumers, job, rank):
+            self._ended.joined(job, rank, epoch)  # (another launch of the job starts its ranks' totals over)
         # It reads the list it named; else the one its job's epoch reads (the first of its readers
         # took the agent's list as it was then), to that epoch's end, whatever edits come.
         key = claimed
@@ -400,8 +407,7 @@ class Readers:
 
     def op_put_urls(self, request: Request) -> Reply:
         """A page of a consumer's own list, before its hello names it."""
-        error = self._lists.put_page(request.header["reader"], request.header)
-        return {"ok": error is None, "error": error}
+        return self._lists.put_page(request.header["reader"], request.header) or {"ok": True, "error": None}
 
     def op_get_urls(self, request: Request) -> Reply:
         """A page of the list the reader said hello on, even if the file changed since."""
@@ -573,12 +579,11 @@ class Readers:
     def need(self, held: Callable[[str], int]) -> tuple[int, str]:
         """Bytes the readers hold at once, and how (:meth:`BudgetNeed.of`)."""
         readers = [
-            (name, str((record.consumer or {}).get("job", name)), record.buffer)
+            (name, str((record.consumer or {}).get("job", name)), record.buffer, record.plan.list_id or self.list_id)
             for name, record in self._readers.items()
             if name != STARTUP_READER
         ]
-        n_shards = max([len(self.urls), *(len(listed) for listed in self._lists)])
-        return self._need.of(readers, n_shards, held, self.known)
+        return self._need.of(readers, {key: self._list(key).urls for *_, key in readers}, held, self.known)
 
     # -- for stats --------------------------------------------------------------------
 

@@ -234,8 +234,9 @@ class AgentConnection:
     def request(self, header: Mapping[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
         """Send ``header`` and return the reply's header; raises if none comes in time.
 
-        A reply marked ``retry`` (the agent could not write its index for a moment) is
-        asked again until the timeout; the last such reply is returned then.
+        A reply marked ``retry`` (the agent could not write its index for a moment, or has no
+        room yet for a job's own list) is asked again until the timeout; the last such reply is
+        returned then.
         """
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait

@@ -47,8 +47,9 @@ The object (also ``wdscache stats --json``)::
                       rank that left (its epochs and DataLoader workers: samples, bytes, wait_s
                       summed; epochs: how many distinct epoch numbers; epoch and position: the
                       latest's) and ``ended`` (an ISO 8601 date); a job launched again under the
-                      same name within those minutes adds to the same totals (as rank_totals
-                      does); see :mod:`wdscache.agent.ended`
+                      same name (a rank of it back for an epoch it read already, none of its
+                      consumers live) starts its ranks' totals over (rank_totals adds them up);
+                      see :mod:`wdscache.agent.ended`
     rank_totals       {job: {rank: {samples, bytes, wait_s}}}: what each rank received, and waited, over
                       the agent's life, every epoch and reader of it together (``jobs`` shows the
                       current epoch's); never decreasing while the agent runs (the metrics' counters).

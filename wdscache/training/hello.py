@@ -9,7 +9,8 @@
   that changes while it is read is an error to try again, never a mix of two lists. The
   caller passes the list back (``known``): its blocks are kept while the agent's list stays.
 - A refusal (of the reader, or of its list) raises :class:`~wdscache.shared.errors.WdsCacheError`
-  naming the agent's endpoint and its reason.
+  naming the agent's endpoint and its reason; one marked ``retry`` (no room yet for the list) is
+  asked again first, within the connection's timeout (:meth:`AgentConnection.request`).
 """
 
 from __future__ import annotations
