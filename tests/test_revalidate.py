@@ -285,6 +285,63 @@ def test_a_shard_overwritten_at_its_source_mid_epoch_fails_that_epoch_and_the_ne
     assert again == [(u, k, f) for (u, k), f in {**{k: v for k, v in old.items() if k[0] != url}, **new}.items()]
 
 
+@pytest.mark.parametrize("mode", ["mix", "resampled"])
+@pytest.mark.parametrize(
+    "now, on_error",
+    [
+        pytest.param(2, "raise", id="fewer-samples-raise"),
+        pytest.param(7, "skip", id="more-samples-skip"),
+    ],
+)
+def test_a_shard_overwritten_at_its_source_mid_epoch_fails_a_mixtures_epoch_too(
+    tmp_path, shard_server, dataset, start_agent, run_cli, caplog, mode, now, on_error
+):
+    """A mixture's epoch (mix=, resampled=True) is planned with every shard's count up front: a
+    shard overwritten at its source with another count while it runs, its copy evicted and
+    downloaded again, fails it as in a plain epoch (naming both counts, the new copy not
+    reported corrupt), none of its new samples served by the old plan; the next epoch plans
+    with the new count."""
+    data = dataset(8, samples=4, payload=1000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "8", "--no-shuffle")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 8, 20, "shards never cached")
+    halves = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for half, urls in zip(halves, (data.urls[:4], data.urls[4:])):
+        half.write_text("\n".join(urls) + "\n")
+    kw: dict = {"mix": {str(h): 1 for h in halves}} if mode == "mix" else {"urls": data.urls, "resampled": True}
+    old = reference(data.paths, data.urls)
+    with CachedMultiLoader(
+        cache_dir=cache, epoch_samples=32, shuffle=False, timeout=20, request_size=1, on_error=on_error, **kw
+    ) as loader:
+        first = [s["__url__"] for s in loader]
+        url = list(dict.fromkeys(first))[-1]  # the shard the epoch reaches last: pinned only as reads reach it
+        assert first.index(url) >= 24, first
+        changed = data.paths[data.urls.index(url)]
+        loader.set_epoch(0)  # that epoch again, planned by the counts it was planned with
+        it = iter(loader)
+        got = [next(it)]
+        replace(changed, make_shard(tmp_path / "new.tar", synth_samples(5, now, payload=1000, seed=7)).read_bytes())
+        r = run_cli("evict", url, "--cache-dir", cache)
+        assert r.returncode == 0, r.stdout + r.stderr
+        expected = f"changed at its source since this epoch was planned: it holds {now} samples now, 4 then"
+        if on_error == "raise":
+            with pytest.raises(ShardError, match=re.escape(expected)) as info:
+                got.extend(it)
+            assert info.value.url == url
+        else:
+            with caplog.at_level(logging.WARNING, logger="wdscache"):
+                got.extend(it)
+            assert any(url in r.getMessage() and expected in r.getMessage() for r in caplog.records)
+            assert len(got) == 32  # the planned count, its samples repeats of others
+        assert all(s["__url__"] != url and fields(s) == old[s["__url__"], s["__key__"]] for s in got)
+        again = list(loader)  # the next epoch, planned with the new count
+    new = reference([changed], [url])
+    assert all(fields(s) == {**old, **new}[s["__url__"], s["__key__"]] for s in again)
+    read_now = {s["__key__"] for s in again if s["__url__"] == url}
+    assert read_now and read_now <= {k for _, k in new}
+    assert agent.stats()["agent"]["corrupt"] == []
+
+
 def fields(sample: dict) -> dict[str, str]:
     """A sample's fields as :func:`reference` gives them."""
     return {k: hashlib.sha256(v).hexdigest() for k, v in sample.items() if not k.startswith("__")}

@@ -163,6 +163,24 @@ def test_a_url_with_an_upper_case_scheme_keeps_its_spelling_in_url(served: Any) 
         )
 
 
+def test_a_mixtures_samples_name_their_shards_as_webdatasets_reader_of_each_source_does(
+    served: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A mix= source is anything urls= takes: a shard written with an upper-case scheme, or as a
+    # local path (relative, absolute), keeps that name, not the agent's canonical URL.
+    data, cache = served
+    root = data.paths[0].parent
+    monkeypatch.chdir(root.parent)
+    sources = ["HTTP" + data.urls[0][4:], f"{root.name}/{data.paths[1].name}", str(data.paths[2])]
+    named = ("__url__", "__local_path__")
+    theirs = {
+        s["__key__"]: [s.get(k) for k in named] for src in sources for s in wds.WebDataset(src, shardshuffle=False)
+    }
+    with wdscache.CachedMultiLoader(mix=dict.fromkeys(sources, 1), epoch_samples=12, cache_dir=cache) as loader:
+        ours = {s["__key__"]: [s.get(k) for k in named] for s in loader}
+    assert ours == theirs and len(ours) == 12
+
+
 def test_a_local_shard_whose_name_holds_spaces_is_read_as_webdataset_reads_it(
     served: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

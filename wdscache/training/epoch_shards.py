@@ -101,7 +101,9 @@ class EpochShards:
         self.order = ShardOrder.of(spec.order())  # positions looked up through it, not a dict a shard
         self._next_order: Sequence[int] | None = None  # the next epoch's, made once the window reaches it
         self.farthest = -1  # the farthest position of our order opened: our window runs from it (see ahead)
-        self.sample_counts: dict[int, int] = {}  # shard -> its samples, once known
+        # shard -> its samples, once known. A mixture's epoch was planned with every shard's count
+        # (its sequence never asks arrivals()): a copy pinned holding another is checked against it.
+        self.sample_counts: dict[int, int] = dict(enumerate(spec.counts)) if isinstance(spec, MixSpec) else {}
         # Shards whose counts our workers found lately (url -> when): they report them to the
         # agent, and we wait for those reports before we say bye, so that len() knows them
         # once the epoch ends.

@@ -698,13 +698,18 @@ def _read_urls(
 ) -> tuple[UrlList | None, MixArg | None, dict[str, str]]:
     """The loader's list (None: the agent's), its mixture (mix= / resampled=: the sources' lists
     as one, see wdscache.training.mixing) and the shards the user named otherwise than their URLs
-    (local paths, ``HTTP://``) as written, by their URLs (samples name them so, in __url__).
+    (local paths, ``HTTP://``) as written, by their URLs (samples name them so, in __url__), of
+    ``urls=`` or of every ``mix=`` source (a shard two sources name: as the first names it).
     pipe: commands are refused."""
     piped = pipe_urls(urls) if urls is not None else []
     if piped:
         raise ConfigError(pipe_refusal(f"urls={piped[0]!r}"))
     listed, mixed = read_mix_arg(urls, mix, epoch_samples, resampled)
-    return listed, mixed, given_names(urls) if urls is not None else {}
+    given: dict[str, str] = {}
+    for source in [urls] if urls is not None else list(mix or ()):
+        for url, name in given_names(source).items():
+            given.setdefault(url, name)
+    return listed, mixed, given
 
 
 def _named_as_given(urls: Sequence[str], given: dict[str, str]) -> dict[str, tuple[str, str | None]]:
