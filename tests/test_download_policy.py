@@ -9,6 +9,7 @@ import pytest
 
 from tests.helpers.policy import URLS, Loop
 from wdscache.agent import downloads as downloads_module
+from wdscache.agent import grants as grants_module
 from wdscache.agent.events import Grant
 
 U0, U1, U2, U3 = URLS[:4]
@@ -112,3 +113,42 @@ def test_a_reader_waiting_to_read_as_it_downloads_is_answered_once_the_whole_siz
     (answer,) = loop.opens.take_answers()
     assert answer.request == request and answer.body == {"ok": True, "while_downloading": True}
     assert loop.cache.pins == {U3: 1}
+
+
+def test_a_download_cancelled_for_a_growth_deadlock_waits_until_another_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two downloads each hold budget and wait for more the other holds (gzip'd shards to decompress):
+    the one that wrote least is cancelled, and neither it nor a newcomer no reader waits for takes its
+    space back (a demanded shard may start); once the other ends, it starts again."""
+    monkeypatch.setattr(grants_module, "GROWTH_GRACE", 0.0)
+    loop = Loop(tmp_path, limit=10_000, download_workers=2)
+    try:
+        want = [U0, U1, U2]
+        loop.downloads.schedule(want, set(want), set())
+        assert sorted(loop.downloads.running()) == [U0, U1]
+        for url, written in ((U0, 4000), (U1, 3000)):
+            ask(loop, url, 4000)
+            loop.cache.inflight[url].progress.written = written
+        loop.downloads.schedule(want, set(want), set())  # both granted their bodies
+        grants = []
+        for url in (U0, U1):
+            loop.cache.inflight[url].budget.needed = 8000  # the tar beside the compressed file
+            grants.append(ask(loop, url, 8000))
+        loop.downloads.schedule(want, set(want), set())  # both wait: the deadlock is seen
+        loop.downloads.schedule(want, set(want), set())  # ... and broken
+        victim = loop.cache.inflight[U1]
+        assert victim.cancel.is_set() and not loop.cache.inflight[U0].cancel.is_set()
+        grants[1].withdrawn = True  # as its thread does, then posts that it was cancelled
+        loop.downloads.record_cancel(victim, keep_partial=False)
+        loop.downloads.ended(victim)
+        loop.downloads.schedule(want, set(want), set())
+        assert grants[0].event.is_set()  # the space it held goes to the other
+        assert loop.downloads.running() == [U0]  # neither it nor U2 started in its place
+        loop.downloads.schedule([U3, *want], {U3, *want}, {U3})
+        assert sorted(loop.downloads.running()) == [U0, U3]  # a shard a reader waits for starts
+        loop.finish(U0)
+        loop.downloads.schedule(want, set(want), set())
+        assert sorted(loop.downloads.running()) == [U1, U3]  # another ended: it starts again
+    finally:
+        loop.close()

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from scripts.shard_maker import make_shard, synth_samples, write_url_list
+from scripts.shard_maker import make_dataset, make_shard, synth_samples, write_url_list
 from tests.helpers.procs import rss_kib, worker_pids
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.testdata import TESTDATA
@@ -159,6 +159,38 @@ def test_a_gzip_bomb_beyond_the_budget_fails_with_the_reason_and_the_others_are_
         )
     )
     assert {(line["url"], line["key"]): line["fields"] for line in lines} == reference(good, urls)
+    assert agent.running()
+
+
+def test_gzip_shards_that_each_wait_for_room_the_others_hold_to_decompress_are_all_served(
+    tmp_path, shard_server, start_agent, consumers
+):
+    """Four gzip'd shards download at once (the one read and --prefetch 3) into a budget that holds
+    their compressed files but not one tar more beside them: each waits for room the others hold to
+    decompress. One gives way (cancelled, and not started again until another download ends, so its
+    space goes to the others) and the epoch is exactly webdataset's."""
+    paths = make_dataset(shard_server.root, 5, 10, payload=50_000, gzip=True)  # ~0.5M, a little less than the tar
+    urls = [shard_server.url(p.name) for p in paths]
+    packed = max(p.stat().st_size for p in paths)
+    cache = tmp_path / "cache"
+    shard_server.rate = 100_000  # bytes/s: no body ends before all four downloads hold theirs
+    agent = start_agent(
+        cache,
+        write_url_list(tmp_path / "lists" / "urls.txt", urls),
+        "--cache-size",
+        str(4 * packed + 400_000),  # four compressed files, and less than a tar beside them
+        "--prefetch",
+        "3",
+        "--download-workers",
+        "4",
+    )
+    consumer = consumers(cache, "epoch", "--shuffle-buffer", "1", "--timeout", "10")
+    agent.wait_stats(lambda s: s["shards"]["downloading"] == 4, 10, "four downloads at once")
+    shard_server.rate = None
+    lines = samples_of(consumer.wait(30))
+    got = {(line["url"], line["key"]): line["fields"] for line in lines}
+    assert len(got) == len(lines), "a sample came twice"
+    assert got == reference(paths, urls), agent.stderr_tail()
     assert agent.running()
 
 

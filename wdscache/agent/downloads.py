@@ -21,7 +21,9 @@ Guarantees (threads):
   seconds, or when a shard a reader waits for needs its slot; a cancelled
   download with a validator keeps its partial file and resumes from it.
 - Budget is granted by the main loop in order of urgency, and a download only prefetches
-  want never evicts a shard a prefetch holds: :mod:`wdscache.agent.grants` says how.
+  want never evicts a shard a prefetch holds: :mod:`wdscache.agent.grants` says how. A
+  download cancelled there to break a growth deadlock starts again only once another
+  download has ended; until then, only shards a reader waits for start.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class Downloads:
         self._threads: list[threading.Thread] = []
         self._grants = Grants(cache)  # budget asked for and not granted yet
         self._paused_until = 0.0
+        # Downloads cancelled to break a growth deadlock (Grants.gave_way): until another download
+        # ends, neither they nor any download no reader waits for start, so that the space they let
+        # go of goes to the downloads left, not straight back to them or to a newcomer.
+        self._gave_way: set[str] = set()
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
         self._finished_bytes = 0  # bytes written by downloads that ended, for the rate
@@ -240,6 +246,8 @@ class Downloads:
                 break
             if self._shards.slot(url) is not None or self._cache.is_cached(url):
                 continue
+            if url in self._gave_way or (self._gave_way and url not in demanded):
+                continue
             rec = self._cache.index.get(url)
             if rec is not None and rec.state is ShardState.FAILED:
                 continue
@@ -251,6 +259,7 @@ class Downloads:
             self._start(url, demanded=url in demanded)
         waits = {slot.download.url: slot.space for slot in self._shards.slots()}
         readable = self._grants.answer(want, hold, waits, self.readable_while_downloading)
+        self._gave_way.update(self._grants.gave_way())
         self._cache.keep_margin(want)
         return readable
 
@@ -391,6 +400,8 @@ class Downloads:
         (the event is handled again later) leaves the download active."""
         self._shards.end_download(d.url)
         self._finished_bytes += d.progress.written
+        if not d.verify and d.url not in self._gave_way:
+            self._gave_way.clear()  # its space is free: the downloads that gave way may start again
 
     # -- download threads ---------------------------------------------------------
 

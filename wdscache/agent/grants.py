@@ -16,8 +16,10 @@ Guarantees (main loop only; a grant is shared with its thread under the grant's 
   (:meth:`Grants.no_room`).
 - Downloads that hold budget while they ask for more (growing as they go, or resumed: their
   kept partial is held) never wait for each other for ever: when every download in flight
-  has waited so for ``GROWTH_GRACE``, the one that wrote least is cancelled (it goes on later,
-  from its partial if it keeps one).
+  has waited so for ``GROWTH_GRACE``, the one that wrote least is cancelled, and its space
+  goes to the others: it is not started again until another download ends (see
+  :meth:`Grants.gave_way`), and the partial it keeps is removed as soon as a reservation
+  needs the room (else it goes on from it later).
 - A refused download says why it waits for space (:class:`SpaceWait`), for stats and
   status; it is logged once it has waited ``SPACE_LOG_AFTER``, and again only when what
   runs short changes. A granted download waits no more.
@@ -86,6 +88,7 @@ class Grants:
         self._pending: list[Grant] = []
         self._growth_stuck_since: float | None = None  # since when every download waits for growth room
         self._no_room: list[NoRoom] = []  # prefetches given up since no_room() was last called
+        self._gave_way: list[str] = []  # downloads cancelled for a growth deadlock since gave_way() was last called
 
     def asked(self, grant: Grant) -> None:
         """A thread's budget request (answered at the next :meth:`answer`)."""
@@ -172,12 +175,20 @@ class Grants:
         out, self._no_room = self._no_room, []
         return out
 
+    def gave_way(self) -> list[str]:
+        """The downloads cancelled to break a growth deadlock since the last call: not to be
+        started again until another download ends, or the space they let go of would go straight
+        back to them (see :meth:`_break_growth_deadlock`)."""
+        out, self._gave_way = self._gave_way, []
+        return out
+
     def _break_growth_deadlock(self, pending: list[Grant], in_flight: int) -> None:
         """Downloads that grow their reservation as they go (bodies of unknown size, gzip'd shards
         being decompressed), and resumed ones (their kept partial is held from their start), hold
         budget while they ask for more: two of them can each wait for the other's. When every
         download in flight (``in_flight`` of them) waits so, the one that wrote least is cancelled
-        (it goes on later, from its partial if it keeps one), and the others can go on."""
+        and named by :meth:`gave_way`; the others can go on in the space it held (the partial it
+        keeps is the first thing removed when they need room)."""
         growing = [g for g in pending if g.download.budget.reserved > 0 and not g.download.cancel.is_set()]
         if len(growing) < 2 or len(pending) < in_flight:
             self._growth_stuck_since = None
@@ -192,11 +203,13 @@ class Grants:
             growing, key=lambda g: (g.download.demanded, g.download.progress.written + g.download.progress.expanded)
         )
         log.info(
-            "cancelling %s: it and %d other download(s) each wait for space the others hold",
+            "cancelling %s: it and %d other download(s) each wait for space the others hold; "
+            "it starts again once another download ends",
             victim.download.url,
             len(growing) - 1,
         )
         victim.download.cancel.set()
+        self._gave_way.append(victim.download.url)
 
 
 def _note_wait(wait: SpaceWait, url: str, kind: str, reason: str) -> None:
