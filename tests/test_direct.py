@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from tests.helpers.workers import read_from_worker
 from wdscache import CachedMultiLoader
 from wdscache.shared.errors import ProtocolError
 from wdscache.shared.layout import CacheLayout, file_identity
-from wdscache.training.direct import CacheFiles, StaleFile
+from wdscache.training import direct as direct_reads
+from wdscache.training.direct import CacheFiles, FileRange, StaleFile
 
 
 def digests(samples: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
@@ -270,6 +272,39 @@ def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale
     with pytest.raises(StaleFile, match="short read"):
         whole.read(4_990, 20)
     files.close()
+
+
+def test_a_payload_longer_than_one_pread_is_read_whole_and_a_file_cut_short_is_stale(tmp_path, monkeypatch):
+    # Linux returns at most 2,147,479,552 bytes a pread: the bound made small here, the real one below.
+    monkeypatch.setattr(direct_reads, "PREAD_MAX", 1 << 20)
+    path = tmp_path / "big"
+    data = random.Random(1).randbytes(10_000_000)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert FileRange(fd, 1_000, 9_999_000).read(3, 9_500_000) == data[1_003:9_501_003]
+        assert direct_reads.pread_whole(fd, 3_000_000, 8_000_000) == data[8_000_000:]  # the file ends first
+        os.truncate(path, 5_000_000)  # behind the agent's back
+        with pytest.raises(StaleFile, match="short read: 4000000 of 9000000 bytes at 1000000"):
+            FileRange(fd, 1_000_000, 9_000_000).read(0, 9_000_000)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_a_payload_of_two_gib_or_more_is_read_whole(tmp_path):
+    path = tmp_path / "sparse"  # its holes take no disk
+    size = 2_200_000_000
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.seek(size - 10)
+        f.write(b"0123456789")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = FileRange(fd, 0, size).read(0, size)
+        assert len(data) == size and data[-10:] == b"0123456789" and data[:10] == bytes(10)
+    finally:
+        os.close(fd)
 
 
 def test_an_agent_whose_cache_directory_we_do_not_see_is_streamed_from(tmp_path):
