@@ -15,6 +15,8 @@ import logging
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -236,6 +238,48 @@ def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_know
             limit = loader._current.batches.request_limit  # what the next request would ask for
         assert len(got) in (60, 300)
         assert want[0] <= limit <= want[1], (urls, limit)
+
+
+# A consumer's peak memory growth (VmHWM, reset first) until its first sample, in MB, on stdout.
+FIRST_SAMPLE_MEMORY = """
+import sys
+from wdscache import CachedMultiLoader
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+urls, cache, direct = sys.argv[1].split(","), sys.argv[2], sys.argv[3] == "1"
+with CachedMultiLoader(urls, cache_dir=cache, shuffle=False, direct_reads=direct, timeout=30) as loader:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from what is in use now
+    before = kib("VmRSS")
+    it = iter(loader)
+    first = next(it)
+    grown = (kib("VmHWM") - before) / 1024
+    keys = [first["__key__"]] + [s["__key__"] for s in it]
+print(round(grown), len(keys), keys[0])
+"""
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_consumer_of_large_samples_holds_a_few_of_them_before_its_first(tmp_path, dataset, start_agent, direct):
+    # 24 samples of about 3 MB: reads are sized by the bytes of the shards opened from the
+    # first one on (about 4 MiB a read, a few reads out), not 32 samples whatever their size.
+    data = dataset(3, samples=8, payload=3_000_000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 30, "every shard cached")
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_SAMPLE_MEMORY, ",".join(data.urls), str(cache), "1" if direct else "0"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    grown, n, first = out.stdout.split()
+    assert (int(n), first) == (24, "s00000_00000")
+    assert int(grown) < 8 * 3, f"the consumer grew by {grown} MB before its first sample of 3 MB"
 
 
 def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale(tmp_path):

@@ -41,8 +41,8 @@ Guarantees (for the ranks of one job with the same settings):
   directory exists, ``urls`` is not given) waits up to ``timeout`` for the agent, and talks
   to it once its socket is bound (:mod:`wdscache.shared.client`);
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
-  (and, once replies show the sample size, of about 4 MiB of payload:
-  :data:`wdscache.training.read_batches.REQUEST_BYTES`) are outstanding; a consumer that stops
+  (and of about 4 MiB of payload, :data:`wdscache.training.read_batches.REQUEST_BYTES`, from
+  the first request on where the shard read is cached) are outstanding; a consumer that stops
   reading stops asking.
 
 The epoch itself (one rank's requests, pins and reordering) is
@@ -101,8 +101,9 @@ class Tuning:
     delivers, their order or a checkpoint (``zero_copy`` changes the payloads' type only).
     Pass ``CachedMultiLoader(tuning=Tuning(...))``, or a knob by name as a keyword of its own.
 
-    - ``request_size``: samples at most per request to a worker (fewer once replies show the
-      sample size: a request asks for about 4 MiB of payload, so small samples go many
+    - ``request_size``: samples at most per request to a worker (fewer for large samples: a
+      request asks for about 4 MiB of payload, the sample size taken from the replies, and
+      before them from the size and count of each cached shard opened, so small samples go many
       to a request and large ones few; the first ask for at most 32, doubling with each reply).
     - ``inflight``: requests outstanding at most, the consumer's memory bound (None: twice the
       agent's workers, at least 4).

@@ -212,6 +212,7 @@ class EpochStream:
         if not self.workers:
             raise WdsCacheError(f"the agent at {s.endpoint} has no workers")
         self.failures = ReadFailures(self)
+        self.batches = ReadBatcher(self)  # the share batched into reads, sent to the workers
         self.shards = EpochShards(
             self.conn,
             self.name,
@@ -225,10 +226,10 @@ class EpochStream:
             workers=lambda: len(self.workers),
             call_worker=self._worker_call,
             hold_nothing=self.failures.hold_nothing,
+            sample_size=self.batches.presized,
         )
         self.reads = ReadTable()
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
-        self.batches = ReadBatcher(self)  # the share batched into reads, sent to the workers
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}  # samples out of _pipeline
         # Since when the rank has been waiting for its next read (None: it has one, or is away with
         # the samples): reports count a wait under way too, or one long wait shows only once it ends.
