@@ -84,7 +84,7 @@ from .hello import ReaderHello, say_hello
 from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree_on_list, check_kept
 from .private import PrivateAgent, check_cache_dir
-from .stream import EpochStream, Session, StreamSettings
+from .stream import EpochStream, ReportClock, Session, StreamSettings
 from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls, taken_once
 from .worker_slices import WorkerSlice
 
@@ -334,6 +334,7 @@ class CachedMultiLoader:
         self._current_list: str | None = None
         self._resumed_from: dict[str, Any] | None = None
         self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
+        self._reports = ReportClock()  # when its streams report, across its epochs
         # On several nodes, the list every rank of the job had when they last compared theirs (over
         # torch.distributed's process group: see wdscache.training.node_lists); None if they never did.
         # Compared here, it reaches DataLoader workers with the rest of the loader, which check theirs by it.
@@ -610,6 +611,7 @@ class CachedMultiLoader:
             list_id=self._list_read(hello),
             connect=self._connection,
             direct_failed=self._direct_failed,
+            reports=self._reports,
             hello_again=functools.partial(self._hello_again, epoch=epoch),
         )
 
