@@ -13,7 +13,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +29,8 @@ from tests.helpers.workers import read_from_worker
 from wdscache import CachedMultiLoader
 from wdscache.shared.errors import ProtocolError
 from wdscache.shared.layout import CacheLayout, file_identity
-from wdscache.training.direct import CacheFiles, StaleFile
+from wdscache.training import direct as direct_reads
+from wdscache.training.direct import CacheFiles, FileRange, StaleFile
 
 
 def digests(samples: list[dict]) -> dict[tuple[str, str], dict[str, str]]:
@@ -236,6 +240,48 @@ def test_requests_ask_for_about_four_mib_of_payload_once_the_sample_size_is_know
         assert want[0] <= limit <= want[1], (urls, limit)
 
 
+# A consumer's peak memory growth (VmHWM, reset first) until its first sample, in MB, on stdout.
+FIRST_SAMPLE_MEMORY = """
+import sys
+from wdscache import CachedMultiLoader
+
+def kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+urls, cache, direct = sys.argv[1].split(","), sys.argv[2], sys.argv[3] == "1"
+with CachedMultiLoader(urls, cache_dir=cache, shuffle=False, direct_reads=direct, timeout=30) as loader:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak starts again from what is in use now
+    before = kib("VmRSS")
+    it = iter(loader)
+    first = next(it)
+    grown = (kib("VmHWM") - before) / 1024
+    keys = [first["__key__"]] + [s["__key__"] for s in it]
+print(round(grown), len(keys), keys[0])
+"""
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_consumer_of_large_samples_holds_a_few_of_them_before_its_first(tmp_path, dataset, start_agent, direct):
+    # 24 samples of about 3 MB: reads are sized by the bytes of the shards opened from the
+    # first one on (about 4 MiB a read, a few reads out), not 32 samples whatever their size.
+    data = dataset(3, samples=8, payload=3_000_000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 30, "every shard cached")
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_SAMPLE_MEMORY, ",".join(data.urls), str(cache), "1" if direct else "0"],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    grown, n, first = out.stdout.split()
+    assert (int(n), first) == (24, "s00000_00000")
+    assert int(grown) < 8 * 3, f"the consumer grew by {grown} MB before its first sample of 3 MB"
+
+
 def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale(tmp_path):
     from wdscache.training.replies import file_ranges
 
@@ -270,6 +316,39 @@ def test_malformed_file_ranges_are_protocol_errors_and_a_file_cut_short_is_stale
     with pytest.raises(StaleFile, match="short read"):
         whole.read(4_990, 20)
     files.close()
+
+
+def test_a_payload_longer_than_one_pread_is_read_whole_and_a_file_cut_short_is_stale(tmp_path, monkeypatch):
+    # Linux returns at most 2,147,479,552 bytes a pread: the bound made small here, the real one below.
+    monkeypatch.setattr(direct_reads, "PREAD_MAX", 1 << 20)
+    path = tmp_path / "big"
+    data = random.Random(1).randbytes(10_000_000)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert FileRange(fd, 1_000, 9_999_000).read(3, 9_500_000) == data[1_003:9_501_003]
+        assert direct_reads.pread_whole(fd, 3_000_000, 8_000_000) == data[8_000_000:]  # the file ends first
+        os.truncate(path, 5_000_000)  # behind the agent's back
+        with pytest.raises(StaleFile, match="short read: 4000000 of 9000000 bytes at 1000000"):
+            FileRange(fd, 1_000_000, 9_000_000).read(0, 9_000_000)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.slow
+def test_a_payload_of_two_gib_or_more_is_read_whole(tmp_path):
+    path = tmp_path / "sparse"  # its holes take no disk
+    size = 2_200_000_000
+    with open(path, "wb") as f:
+        f.truncate(size)
+        f.seek(size - 10)
+        f.write(b"0123456789")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = FileRange(fd, 0, size).read(0, size)
+        assert len(data) == size and data[-10:] == b"0123456789" and data[:10] == bytes(10)
+    finally:
+        os.close(fd)
 
 
 def test_an_agent_whose_cache_directory_we_do_not_see_is_streamed_from(tmp_path):

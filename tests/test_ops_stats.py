@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,3 +94,33 @@ def test_the_readiness_probe_is_ready_while_the_agent_answers_and_not_once_it_st
     assert _ready(cache)
     assert agent.stop() == 0
     assert not _ready(cache)  # the cache is there ("agent": null), the agent is not
+
+
+def test_a_job_of_epochs_shorter_than_a_report_shows_its_rate_while_it_reads(tmp_path, dataset, start_agent):
+    # Each epoch is a consumer of its own, over in well under the second between reports: the
+    # loader's reports keep their clock across its epochs, and each epoch shows the latest rate.
+    from wdscache import CachedMultiLoader
+
+    data = dataset(2, samples=50, payload=500)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "every shard cached")
+    stop, epochs = threading.Event(), [0]
+
+    def read() -> None:
+        with CachedMultiLoader(data.urls, cache_dir=cache, job="short", shuffle=False, timeout=30) as loader:
+            while not stop.is_set():
+                assert sum(1 for _ in loader) == 100
+                epochs[0] += 1
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        s = agent.wait_stats(lambda s: s["jobs"].get("short", {}).get("0", {}).get("rate", 0) > 0, 20, "a rate shown")
+    finally:
+        stop.set()
+        reader.join(30)
+    assert not reader.is_alive()
+    rank = s["jobs"]["short"]["0"]
+    assert rank["rate"] > 100 and "samples" in rank, rank
+    assert epochs[0] > 2, epochs  # epochs shorter than a report did go by

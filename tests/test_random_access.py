@@ -36,6 +36,7 @@ from wdscache import (
     ShardListDataset,
 )
 from wdscache.shared.stats import collect
+from wdscache.training import direct
 from wdscache.training.random_access import _Session
 
 wids = pytest.importorskip("wids", reason="wids is not installed (scripts/test.sh installs it)")
@@ -500,6 +501,29 @@ def test_its_errors_show_no_secret_of_a_url(
         assert not [s for s in ("USERSECRET", "PASSWORDSECRET", "TOKENSECRET") if s in shown], shown
         assert info.value.url == urls[0]  # the attribute keeps the full URL
         assert ds[5]["__key__"] == "s00001_00001"  # the other shard reads on
+    finally:
+        ds.close()
+
+
+def test_a_field_longer_than_one_pread_is_read_whole_and_a_file_cut_short_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Linux returns at most 2,147,479,552 bytes a pread: the bound made small here (tests/test_direct.py reads 2.2 GB).
+    monkeypatch.setattr(direct, "PREAD_MAX", 100_000)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = random.Random(2)
+    fields = [rng.randbytes(1_000_000 + i) for i in range(3)]
+    shard = make_shard(data / "big.tar", [{"__key__": f"k{i}", "bin": f, "txt": b"t"} for i, f in enumerate(fields)])
+    ds = ShardListDataset(
+        _index(data / "index.json", [shard.name], 3), cache_dir=tmp_path / "cache", transformations=[]
+    )
+    try:
+        assert [ds[i][".bin"].getvalue() for i in (2, 0, 1)] == [fields[2], fields[0], fields[1]]
+        (cached,) = [Path(d) / n for d, _, names in os.walk(tmp_path / "cache" / "shards") for n in names]
+        os.truncate(cached, 1_500_000)  # behind the agent's back, while pinned and open
+        with pytest.raises(ShardError, match="shorter than when its table was made"):
+            ds[1]
     finally:
         ds.close()
 

@@ -494,6 +494,7 @@ def epoch_shards(agent: ScriptedAgent, scans: list[dict[str, Any]], on_error: st
         workers=lambda: 2,
         call_worker=lambda header, worker: next(answers),
         hold_nothing=lambda: None,
+        sample_size=lambda size: None,
     )
 
 

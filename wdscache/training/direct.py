@@ -30,13 +30,40 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Sequence
+from io import BytesIO
 
 from ..shared.errors import ProtocolError
 from ..shared.layout import CacheLayout, file_identity
 
+# Bytes one pread asks for: Linux returns at most 2,147,479,552 bytes a call, so a field of
+# 2 GiB or more takes several.
+PREAD_MAX = 1 << 30
+
 
 class StaleFile(OSError):
     """The cache file is not the one the worker read (replaced, or gone)."""
+
+
+def pread_whole(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes of ``fd`` at ``offset``, read in calls of at most :data:`PREAD_MAX` bytes;
+    fewer only if the file ends first (the caller checks the length)."""
+    chunk = PREAD_MAX
+    if size <= chunk:
+        return os.pread(fd, size, offset)
+    # Read into a BytesIO's own buffer, which getvalue() then hands out as the bytes returned
+    # (CPython copies none of it): a payload's size once in memory, not twice.
+    out = BytesIO()
+    out.seek(size - 1)
+    out.write(b"\0")
+    got = 0
+    with out.getbuffer() as view:
+        while got < size:
+            n = os.preadv(fd, [view[got : got + chunk]], offset + got)
+            if n == 0:  # the end of the file
+                break
+            got += n
+    out.truncate(got)
+    return out.getvalue()
 
 
 class FileRange:
@@ -52,7 +79,7 @@ class FileRange:
 
     def read(self, offset: int, size: int) -> bytes:
         """``size`` bytes at ``offset`` in the range (the caller checked they lie inside it)."""
-        data = os.pread(self.fd, size, self.start + offset)
+        data = pread_whole(self.fd, size, self.start + offset)
         if len(data) != size:  # the file was cut short behind the agent's back
             raise StaleFile(errno.ESTALE, f"short read: {len(data)} of {size} bytes at {self.start + offset}")
         return data

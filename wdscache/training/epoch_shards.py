@@ -73,7 +73,9 @@ class EpochShards:
 
     ``workers()`` is how many workers the agent runs now (a restarted agent may run another
     number); ``call_worker(header, worker)`` asks a worker and returns its reply; ``hold_nothing()``
-    finishes the stream's reads before an open has to wait (see :meth:`Pins.open`).
+    finishes the stream's reads before an open has to wait (see :meth:`Pins.open`);
+    ``sample_size(n)`` hears the bytes per sample of each copy pinned whose size and count are
+    known (its file's size over its count, tar headers and all), before any of it is read.
     """
 
     def __init__(
@@ -91,12 +93,13 @@ class EpochShards:
         workers: Callable[[], int],
         call_worker: Callable[[WorkerRequest, int], dict[str, Any]],
         hold_nothing: Callable[[], None],
+        sample_size: Callable[[float], None],
     ) -> None:
         self.conn, self.urls = conn, urls
         self.requests = Requests(reader, said_hello=True)
         self.on_error, self.timeout, self.prefetch, self.workers = on_error, timeout, prefetch, workers
         self.pins, self.clock = pins, clock
-        self.call_worker, self.hold_nothing = call_worker, hold_nothing
+        self.call_worker, self.hold_nothing, self.sample_size = call_worker, hold_nothing, sample_size
         self.spec = spec
         self.order = ShardOrder.of(spec.order())  # positions looked up through it, not a dict a shard
         self._next_order: Sequence[int] | None = None  # the next epoch's, made once the window reaches it
@@ -104,6 +107,7 @@ class EpochShards:
         # shard -> its samples, once known. A mixture's epoch was planned with every shard's count
         # (its sequence never asks arrivals()): a copy pinned holding another is checked against it.
         self.sample_counts: dict[int, int] = dict(enumerate(spec.counts)) if isinstance(spec, MixSpec) else {}
+        self.file_sizes: dict[int, int] = {}  # shard -> its cache file's size, from its open until counted
         # Shards whose counts our workers found lately (url -> when): they report them to the
         # agent, and we wait for those reports before we say bye, so that len() knows them
         # once the epoch ends.
@@ -220,6 +224,7 @@ class EpochShards:
             yield known
         self.sample_counts[shard] = known
         self.pins.counted(shard, known)
+        self._tell_size(shard)
         yield known
 
     def _scan(self, shard: int, given: dict[str, Any] | None = None) -> int:
@@ -309,6 +314,17 @@ class EpochShards:
                 count = self._walked(shard)
             if count is not None and count != self.sample_counts[shard]:
                 self.failed(shard, changed_error(self.urls[shard], self.sample_counts[shard], count), corrupt=False)
+        size = reply.get("size")
+        if type(size) is int:
+            self.file_sizes[shard] = size
+            self._tell_size(shard)
+
+    def _tell_size(self, shard: int) -> None:
+        """Tell ``sample_size`` the bytes per sample of ``shard``'s copy pinned, once its file's
+        size and its count are both known (a cached shard's count may come after its open)."""
+        count = self.sample_counts.get(shard)
+        if count and shard in self.file_sizes:
+            self.sample_size(self.file_sizes.pop(shard) / count)
 
     def _count_holds(self, shard: int, count: int | None) -> bool:
         """Whether the copy of ``shard`` just pinned, which the agent says holds ``count`` samples

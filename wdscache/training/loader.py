@@ -41,8 +41,8 @@ Guarantees (for the ranks of one job with the same settings):
   directory exists, ``urls`` is not given) waits up to ``timeout`` for the agent, and talks
   to it once its socket is bound (:mod:`wdscache.shared.client`);
 - memory is bounded: at most ``inflight`` requests of ``request_size`` samples
-  (and, once replies show the sample size, of about 4 MiB of payload:
-  :data:`wdscache.training.read_batches.REQUEST_BYTES`) are outstanding; a consumer that stops
+  (and of about 4 MiB of payload, :data:`wdscache.training.read_batches.REQUEST_BYTES`, from
+  the first request on where the shard read is cached) are outstanding; a consumer that stops
   reading stops asking.
 
 The epoch itself (one rank's requests, pins and reordering) is
@@ -84,7 +84,7 @@ from .hello import ReaderHello, say_hello
 from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree_on_list, check_kept
 from .private import PrivateAgent, check_cache_dir
-from .stream import EpochStream, Session, StreamSettings
+from .stream import EpochStream, ReportClock, Session, StreamSettings
 from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls, taken_once
 from .worker_slices import WorkerSlice
 
@@ -101,8 +101,9 @@ class Tuning:
     delivers, their order or a checkpoint (``zero_copy`` changes the payloads' type only).
     Pass ``CachedMultiLoader(tuning=Tuning(...))``, or a knob by name as a keyword of its own.
 
-    - ``request_size``: samples at most per request to a worker (fewer once replies show the
-      sample size: a request asks for about 4 MiB of payload, so small samples go many
+    - ``request_size``: samples at most per request to a worker (fewer for large samples: a
+      request asks for about 4 MiB of payload, the sample size taken from the replies, and
+      before them from the size and count of each cached shard opened, so small samples go many
       to a request and large ones few; the first ask for at most 32, doubling with each reply).
     - ``inflight``: requests outstanding at most, the consumer's memory bound (None: twice the
       agent's workers, at least 4).
@@ -333,6 +334,7 @@ class CachedMultiLoader:
         self._current_list: str | None = None
         self._resumed_from: dict[str, Any] | None = None
         self._direct_off: str | None = None  # why direct reads failed, once they did: not tried again
+        self._reports = ReportClock()  # when its streams report, across its epochs
         # On several nodes, the list every rank of the job had when they last compared theirs (over
         # torch.distributed's process group: see wdscache.training.node_lists); None if they never did.
         # Compared here, it reaches DataLoader workers with the rest of the loader, which check theirs by it.
@@ -609,6 +611,7 @@ class CachedMultiLoader:
             list_id=self._list_read(hello),
             connect=self._connection,
             direct_failed=self._direct_failed,
+            reports=self._reports,
             hello_again=functools.partial(self._hello_again, epoch=epoch),
         )
 

@@ -80,6 +80,7 @@ from ..shared.messages import Requests, WorkerRequest
 from ..shared.protocol import pack_numbers, pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_entries
 from ..shared.urls import index_list, normalize_url
+from .direct import pread_whole
 from .epoch_shards import shard_error
 from .loader import _env_places
 from .pins import STATUS_EVERY
@@ -571,7 +572,7 @@ class _Session:
             for name in table.names[inner]:
                 k += 2
                 a, b = places[k], places[k + 1]
-                data = os.pread(fd, b - a, start + a)
+                data = pread_whole(fd, b - a, start + a)
                 if len(data) != b - a:
                     break
                 sample[name] = BytesIO(data)

@@ -11,12 +11,14 @@ as one read when it holds ``request_limit`` items, when the share has no more it
   for a small budget always make progress;
 - reads are numbered 0, 1, 2, ... in the share's order, which is the order the stream hands
   their samples out in, whatever order the replies arrive in;
-- the size of a read (about :data:`REQUEST_BYTES` of payload, once replies show the sample
-  size) changes how many items go to one read, never which samples the share holds or their
-  order. Reads start at :data:`FIRST_REQUEST` samples and double with each reply up to
-  ``request_size``: the first sample waits for the stream's first window of reads to be made,
-  which for a list of small shards whose counts are not known yet means opening and counting
-  every shard the window reaches;
+- the size of a read (about :data:`REQUEST_BYTES` of payload) changes how many items go to
+  one read, never which samples the share holds or their order. The sample size is the
+  replies' once there are some, before that the largest of the shards opened so far (a cached
+  file's size over its count): a consumer of large samples holds a few of them, not
+  :data:`FIRST_REQUEST`, before its first sample. Reads start at :data:`FIRST_REQUEST`
+  samples at most and double with each reply up to ``request_size``: the first sample waits
+  for the stream's first window of reads to be made, which for a list of small shards whose
+  counts are not known yet means opening and counting every shard the window reaches;
 - the items of a shard skipped with ``on_error="skip"`` are not asked for: they stay holes
   in their read, which the stream fills;
 - a read that holds items of a shard the sequence is still counting (downloading, or walked
@@ -38,11 +40,10 @@ from .reads import Item, Read
 if TYPE_CHECKING:
     from .stream import EpochStream
 
-# Payload a request asks for once replies show the sample size: each request costs messaging
-# on both sides, so small samples go many to a request, while the bytes in flight bound a
-# consumer's memory.
+# Payload a request asks for: each request costs messaging on both sides, so small samples go
+# many to a request, while the bytes in flight bound a consumer's memory.
 REQUEST_BYTES = 4 << 20
-FIRST_REQUEST = 32  # samples a request asks for before that
+FIRST_REQUEST = 32  # samples a request asks for at most before any reply
 SHARE_ENDED = object()  # what fill() returns once the share has no more items
 
 
@@ -57,6 +58,7 @@ class ReadBatcher:
         self.request_limit = min(stream.settings.request_size, FIRST_REQUEST)  # samples per read, see sized
         self.ramp = self.request_limit  # samples a read may ask for so far: doubles with each reply
         self.per_sample = 0.0  # payload bytes per sample of the latest replies, see sized
+        self.measured = False  # a reply sized the reads (before that, the shards opened do: presized)
 
     def fill(self, owned: Iterator[Item | None]) -> object:
         """Batch items of ``owned`` until a read goes out (returns its number), the share ends
@@ -136,11 +138,19 @@ class ReadBatcher:
         rid = stream.workers.send(w, Requests.read(urls, direct=direct), "r", pack_numbers(wire))
         stream.reads.send(read, sent, rid, w, direct, time.monotonic())
 
+    def presized(self, per_sample: float) -> None:
+        """Size the reads by a shard just opened whose samples span ``per_sample`` bytes of its
+        cache file, until a reply shows their payloads (see :meth:`sized`)."""
+        if not self.measured and per_sample > self.per_sample:
+            self.per_sample = per_sample
+            self.request_limit = max(1, min(self.ramp, int(REQUEST_BYTES // per_sample)))
+
     def sized(self, sizes: list[int]) -> None:
         """Size the next reads by the payload per sample of the latest replies (about
         REQUEST_BYTES each, and at most ``FIRST_REQUEST`` samples doubled once per reply so far,
         up to ``request_size``): larger samples count at once, smaller ones as the estimate decays."""
         if sizes:
+            self.measured = True
             self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
             self.ramp = min(2 * self.ramp, self.stream.settings.request_size)
             self.request_limit = max(1, min(self.ramp, int(REQUEST_BYTES // self.per_sample)))

@@ -101,6 +101,7 @@ class Session:
     list_id: str
     connect: Callable[[float], AgentConnection]  # another connection (the reporter thread's own)
     direct_failed: Callable[[str], None]  # why direct reads failed: the loader does not try them again
+    reports: ReportClock  # the loader's, across its streams
     # The hello again, as the same reader, to a new run of the agent (it restarted); returns its
     # answer and the id of the list read there (the loader's own, else the new run's).
     hello_again: Callable[[AgentConnection, str], tuple[dict[str, Any], str]]
@@ -212,6 +213,7 @@ class EpochStream:
         if not self.workers:
             raise WdsCacheError(f"the agent at {s.endpoint} has no workers")
         self.failures = ReadFailures(self)
+        self.batches = ReadBatcher(self)  # the share batched into reads, sent to the workers
         self.shards = EpochShards(
             self.conn,
             self.name,
@@ -225,10 +227,10 @@ class EpochStream:
             workers=lambda: len(self.workers),
             call_worker=self._worker_call,
             hold_nothing=self.failures.hold_nothing,
+            sample_size=self.batches.presized,
         )
         self.reads = ReadTable()
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
-        self.batches = ReadBatcher(self)  # the share batched into reads, sent to the workers
         self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}  # samples out of _pipeline
         # Since when the rank has been waiting for its next read (None: it has one, or is away with
         # the samples): reports count a wait under way too, or one long wait shows only once it ends.
@@ -236,7 +238,8 @@ class EpochStream:
         self._out: tuple[Iterator[Any], list[int]] | None = None  # the latest read's samples (see _pipeline)
         self.broken = False  # the epoch ended in an error: close quickly
         self.epoch = epoch
-        self.reporter = Reporter(session.connect, functools.partial(self.requests.report, s.job, s.rank), self._figures)
+        report = functools.partial(self.requests.report, s.job, s.rank)
+        self.reporter = Reporter(session.connect, report, self._figures, session.reports)
         self.runs = AgentRuns(self)  # the agent run our links and pins belong to, and a new one taken up
 
     # -- the rank's share -------------------------------------------------------
@@ -591,11 +594,13 @@ class EpochStream:
         self.finished = True
         self.pins.stop_direct()  # before bye lets go of our pins
         self.reporter.stop()
+        figures = self._figures()
+        self.session.reports.ended(figures["samples"])
         try:
             if not self.broken:
                 self.shards.await_counts()
             # With our totals: the agent logs and lists them, and its last report may be a second old.
-            self.conn.request(self.requests.bye(**self._figures()), timeout=0.5 if self.broken else BYE_TIMEOUT)
+            self.conn.request(self.requests.bye(**figures), timeout=0.5 if self.broken else BYE_TIMEOUT)
         except AgentUnavailableError:
             pass
         finally:  # whatever the agent answered: no socket is left to the garbage collector
@@ -603,10 +608,51 @@ class EpochStream:
             self.workers.close()
 
 
+class ReportClock:
+    """When a loader's streams report, across its epochs: each epoch is a stream, and a consumer
+    of its own at the agent, and one shorter than REPORT_EVERY would never report, and show its
+    job idle however fast it reads. So a report is due every REPORT_EVERY seconds whatever the
+    epochs' bounds, its rate the samples of all the loader's streams since the last one due; and
+    a new stream reports at once the latest rate. A process's own: a DataLoader worker (a copy of
+    the loader, forked or unpickled) starts it anew."""
+
+    def __init__(self) -> None:
+        self.pid = 0  # the process it counts for
+        self.at = 0.0  # time.monotonic() of the latest report due
+        self.samples = 0  # samples the loader's streams had handed out then
+        self.done = 0  # samples of the loader's streams that ended
+        self.rate: float | None = None  # the latest report's rate (None: none due yet)
+
+    def start(self) -> float:
+        """Seconds until a new stream reports: 0 where a rate is known (the stream is a consumer the
+        agent knows nothing of yet), else until the next report is due."""
+        if self.pid != os.getpid():
+            self.pid, self.at, self.samples, self.done, self.rate = os.getpid(), time.monotonic(), 0, 0, None
+        return 0.0 if self.rate is not None else self.due()
+
+    def due(self) -> float:
+        """Seconds until the next report is due."""
+        return max(0.0, self.at + REPORT_EVERY - time.monotonic())
+
+    def tick(self, samples: int) -> float:
+        """The rate to report, the current stream having handed out ``samples``: of every stream
+        since the latest report due if this one is due too (it starts the next), else that one's."""
+        now = time.monotonic()
+        if self.rate is None or now - self.at >= REPORT_EVERY:
+            total = self.done + samples
+            self.rate = (total - self.samples) / (now - self.at) if now > self.at else 0.0
+            self.at, self.samples = now, total
+        return self.rate
+
+    def ended(self, samples: int) -> None:
+        """A stream ended, having handed out ``samples``."""
+        self.done += samples
+
+
 class Reporter:
-    """Tells the agent how a stream goes, every REPORT_EVERY seconds, for its stats: the report
-    ``report(**figures(), rate=...)`` builds, with the sample rate. From a
-    thread of its own with its own connection (ZeroMQ sockets belong to one thread).
+    """Tells the agent how a stream goes, for its stats, when ``clock`` (the loader's
+    :class:`ReportClock`) says: the report ``report(**figures(), rate=...)`` builds, with the
+    sample rate. From a thread of its own with its own connection (ZeroMQ sockets belong to one thread).
 
     ``figures`` (a stream's method) is held weakly, and ``connect`` only until the thread has
     connected: a stream nobody holds any more (an ``iter(loader)`` dropped before its first
@@ -618,8 +664,9 @@ class Reporter:
         connect: Callable[[float], AgentConnection],
         report: Callable[..., ReportMessage],
         figures: Callable[[], dict[str, Any]],
+        clock: ReportClock,
     ) -> None:
-        self.report = report
+        self.report, self.clock = report, clock
         self._connect: Callable[[float], AgentConnection] | None = connect  # until the thread has connected
         self.figures = weakref.WeakMethod(figures)
         self.run = ""  # the agent run its connection proved last (read by the stream's thread)
@@ -633,17 +680,17 @@ class Reporter:
         assert connect is not None
         conn = connect(REPORT_TIMEOUT)
         del connect  # (a loader's method: held on, it would hold the loader, and so the stream, alive)
-        last = (time.monotonic(), 0)
+        clock = self.clock
+        wait = clock.start()
         try:
-            while not self._stop.wait(REPORT_EVERY):
+            while not self._stop.wait(wait):
                 of = self.figures()
                 if of is None:
                     return  # the stream was dropped unclosed
                 figures = of()
                 del of  # (not held across the wait: the stream may go meanwhile)
-                now, n = time.monotonic(), figures["samples"]
-                rate = (n - last[1]) / (now - last[0])
-                last = (now, n)
+                rate = clock.tick(figures["samples"])
+                wait = clock.due()
                 try:
                     reply = conn.request(self.report(**figures, rate=round(rate, 1)))
                 except (AgentUnavailableError, NotTrustedError):
