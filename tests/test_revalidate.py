@@ -263,19 +263,7 @@ def test_a_shard_overwritten_at_its_source_mid_epoch_fails_that_epoch_and_the_ne
         assert {(s["__url__"], s["__key__"]): fields(s) for s in loader} == old  # every shard counted
         it = iter(loader)
         got = [next(it)]  # the epoch is planned with 4 samples in the last shard, not pinned yet
-        replace(changed, make_shard(tmp_path / "new.tar", synth_samples(5, now, payload=1000, seed=7)).read_bytes())
-        r = run_cli("evict", url, "--cache-dir", cache)
-        assert r.returncode == 0, r.stdout + r.stderr
-        expected = f"changed at its source since this epoch was planned: it holds {now} samples now, 4 then"
-        if on_error == "raise":
-            with pytest.raises(ShardError, match=re.escape(expected)) as info:
-                got.extend(it)
-            assert info.value.url == url and url in str(info.value)
-        else:
-            with caplog.at_level(logging.WARNING, logger="wdscache"):
-                got.extend(it)
-            assert any(url in r.getMessage() and expected in r.getMessage() for r in caplog.records)
-            assert len(got) == 24  # the planned count, its samples repeats of others
+        overwrite_and_read_on(it, got, (changed, url, now), cache, on_error, 24, tmp_path, run_cli, caplog)
         new = reference([changed], [url])
         assert not [
             s for s in got if (s["__url__"], s["__key__"]) in new and fields(s) == new[s["__url__"], s["__key__"]]
@@ -320,19 +308,7 @@ def test_a_shard_overwritten_at_its_source_mid_epoch_fails_a_mixtures_epoch_too(
         loader.set_epoch(0)  # that epoch again, planned by the counts it was planned with
         it = iter(loader)
         got = [next(it)]
-        replace(changed, make_shard(tmp_path / "new.tar", synth_samples(5, now, payload=1000, seed=7)).read_bytes())
-        r = run_cli("evict", url, "--cache-dir", cache)
-        assert r.returncode == 0, r.stdout + r.stderr
-        expected = f"changed at its source since this epoch was planned: it holds {now} samples now, 4 then"
-        if on_error == "raise":
-            with pytest.raises(ShardError, match=re.escape(expected)) as info:
-                got.extend(it)
-            assert info.value.url == url
-        else:
-            with caplog.at_level(logging.WARNING, logger="wdscache"):
-                got.extend(it)
-            assert any(url in r.getMessage() and expected in r.getMessage() for r in caplog.records)
-            assert len(got) == 32  # the planned count, its samples repeats of others
+        overwrite_and_read_on(it, got, (changed, url, now), cache, on_error, 32, tmp_path, run_cli, caplog)
         assert all(s["__url__"] != url and fields(s) == old[s["__url__"], s["__key__"]] for s in got)
         again = list(loader)  # the next epoch, planned with the new count
     new = reference([changed], [url])
@@ -340,6 +316,26 @@ def test_a_shard_overwritten_at_its_source_mid_epoch_fails_a_mixtures_epoch_too(
     read_now = {s["__key__"] for s in again if s["__url__"] == url}
     assert read_now and read_now <= {k for _, k in new}
     assert agent.stats()["agent"]["corrupt"] == []
+
+
+def overwrite_and_read_on(it, got, change, cache, on_error, planned, tmp_path, run_cli, caplog) -> None:
+    """Overwrite a shard of 4 samples at its source (``change``: its path, URL and new count) and
+    evict its copy, then read the rest of the epoch from ``it`` into ``got``: the shard fails
+    naming both counts, raised or (``on_error="skip"``) skipped, the epoch ``planned`` samples."""
+    changed, url, now = change
+    replace(changed, make_shard(tmp_path / "new.tar", synth_samples(5, now, payload=1000, seed=7)).read_bytes())
+    r = run_cli("evict", url, "--cache-dir", cache)
+    assert r.returncode == 0, r.stdout + r.stderr
+    expected = f"changed at its source since this epoch was planned: it holds {now} samples now, 4 then"
+    if on_error == "raise":
+        with pytest.raises(ShardError, match=re.escape(expected)) as info:
+            got.extend(it)
+        assert info.value.url == url and url in str(info.value)
+    else:
+        with caplog.at_level(logging.WARNING, logger="wdscache"):
+            got.extend(it)
+        assert any(url in r.getMessage() and expected in r.getMessage() for r in caplog.records)
+        assert len(got) == planned  # its samples repeats of others
 
 
 def fields(sample: dict) -> dict[str, str]:
