@@ -84,7 +84,8 @@ from .hello import ReaderHello, say_hello
 from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree_on_list, check_kept
 from .private import PrivateAgent, check_cache_dir
-from .stream import EpochStream, ReportClock, Session, StreamSettings
+from .reporter import ReportClock
+from .stream import EpochStream, Session, StreamSettings
 from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls, taken_once
 from .worker_slices import WorkerSlice
 

@@ -29,9 +29,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,9 +38,9 @@ from operator import itemgetter, length_hint
 from typing import Any, cast
 
 from ..shared.client import BYE_TIMEOUT, AgentConnection
-from ..shared.errors import AgentUnavailableError, NotTrustedError, ShardError, WdsCacheError
+from ..shared.errors import AgentUnavailableError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
-from ..shared.messages import ReportMessage, Requests, WorkerRequest
+from ..shared.messages import Requests, WorkerRequest
 from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, IdRun, RankShare, Resume, SampleId, ShardFeed
@@ -54,14 +52,13 @@ from .read_batches import SHARE_ENDED, ReadBatcher
 from .read_failures import ReadFailures
 from .reads import Item, ReadState, ReadTable
 from .replies import decode_reply, with_holes
+from .reporter import ReportClock, Reporter
 from .restarts import AgentRuns
 from .worker_links import WorkerLinks
 from .worker_slices import WHOLE, WorkerSlice
 
 log = get_logger(__name__)
 
-REPORT_EVERY = 1.0
-REPORT_TIMEOUT = 1.0  # reports are advisory: one the agent does not answer soon is skipped
 STREAM_POLL = 0.005  # seconds between looks at a shard still downloading, while nothing else arrives
 # ...the epoch's first look (doubled at each look up to STREAM_POLL): its first sample, from a
 # shard nobody prefetched, is looked for as soon as it may be there; later waits as ever.
@@ -594,117 +591,16 @@ class EpochStream:
         self.finished = True
         self.pins.stop_direct()  # before bye lets go of our pins
         self.reporter.stop()
-        figures = self._figures()
-        self.session.reports.ended(figures["samples"])
         try:
             if not self.broken:
                 self.shards.await_counts()
             # With our totals: the agent logs and lists them, and its last report may be a second old.
-            self.conn.request(self.requests.bye(**figures), timeout=0.5 if self.broken else BYE_TIMEOUT)
+            self.conn.request(self.requests.bye(**self._figures()), timeout=0.5 if self.broken else BYE_TIMEOUT)
         except AgentUnavailableError:
             pass
         finally:  # whatever the agent answered: no socket is left to the garbage collector
             self.conn.close()
             self.workers.close()
-
-
-class ReportClock:
-    """When a loader's streams report, across its epochs: each epoch is a stream, and a consumer
-    of its own at the agent, and one shorter than REPORT_EVERY would never report, and show its
-    job idle however fast it reads. So a report is due every REPORT_EVERY seconds whatever the
-    epochs' bounds, its rate the samples of all the loader's streams since the last one due; and
-    a new stream reports at once the latest rate. A process's own: a DataLoader worker (a copy of
-    the loader, forked or unpickled) starts it anew."""
-
-    def __init__(self) -> None:
-        self.pid = 0  # the process it counts for
-        self.at = 0.0  # time.monotonic() of the latest report due
-        self.samples = 0  # samples the loader's streams had handed out then
-        self.done = 0  # samples of the loader's streams that ended
-        self.rate: float | None = None  # the latest report's rate (None: none due yet)
-
-    def start(self) -> float:
-        """Seconds until a new stream reports: 0 where a rate is known (the stream is a consumer the
-        agent knows nothing of yet), else until the next report is due."""
-        if self.pid != os.getpid():
-            self.pid, self.at, self.samples, self.done, self.rate = os.getpid(), time.monotonic(), 0, 0, None
-        return 0.0 if self.rate is not None else self.due()
-
-    def due(self) -> float:
-        """Seconds until the next report is due."""
-        return max(0.0, self.at + REPORT_EVERY - time.monotonic())
-
-    def tick(self, samples: int) -> float:
-        """The rate to report, the current stream having handed out ``samples``: of every stream
-        since the latest report due if this one is due too (it starts the next), else that one's."""
-        now = time.monotonic()
-        if self.rate is None or now - self.at >= REPORT_EVERY:
-            total = self.done + samples
-            self.rate = (total - self.samples) / (now - self.at) if now > self.at else 0.0
-            self.at, self.samples = now, total
-        return self.rate
-
-    def ended(self, samples: int) -> None:
-        """A stream ended, having handed out ``samples``."""
-        self.done += samples
-
-
-class Reporter:
-    """Tells the agent how a stream goes, for its stats, when ``clock`` (the loader's
-    :class:`ReportClock`) says: the report ``report(**figures(), rate=...)`` builds, with the
-    sample rate. From a thread of its own with its own connection (ZeroMQ sockets belong to one thread).
-
-    ``figures`` (a stream's method) is held weakly, and ``connect`` only until the thread has
-    connected: a stream nobody holds any more (an ``iter(loader)`` dropped before its first
-    sample, whose ``finally`` never runs, once its loader is dropped too or iterated again) is
-    collected, and its reports end with it, so the agent lets its reader go."""
-
-    def __init__(
-        self,
-        connect: Callable[[float], AgentConnection],
-        report: Callable[..., ReportMessage],
-        figures: Callable[[], dict[str, Any]],
-        clock: ReportClock,
-    ) -> None:
-        self.report, self.clock = report, clock
-        self._connect: Callable[[float], AgentConnection] | None = connect  # until the thread has connected
-        self.figures = weakref.WeakMethod(figures)
-        self.run = ""  # the agent run its connection proved last (read by the stream's thread)
-        self.forgotten = False  # the agent answered need_hello: it dropped the reader (the stream's thread pings)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="wdscache-report", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        connect, self._connect = self._connect, None
-        assert connect is not None
-        conn = connect(REPORT_TIMEOUT)
-        del connect  # (a loader's method: held on, it would hold the loader, and so the stream, alive)
-        clock = self.clock
-        wait = clock.start()
-        try:
-            while not self._stop.wait(wait):
-                of = self.figures()
-                if of is None:
-                    return  # the stream was dropped unclosed
-                figures = of()
-                del of  # (not held across the wait: the stream may go meanwhile)
-                rate = clock.tick(figures["samples"])
-                wait = clock.due()
-                try:
-                    reply = conn.request(self.report(**figures, rate=round(rate, 1)))
-                except (AgentUnavailableError, NotTrustedError):
-                    continue
-                else:
-                    self.forgotten = self.forgotten or reply.get("need_hello") is True
-                finally:
-                    self.run = conn.run
-        finally:
-            conn.close()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(REPORT_EVERY + REPORT_TIMEOUT + 1.0)
 
 
 def same_directory(hello: dict[str, Any]) -> bool:
