@@ -181,6 +181,30 @@ def test_a_job_run_again_under_its_name_shows_its_own_run_as_ended(tmp_path, dat
     assert re.search(r"^job default: ended \S+: 8 samples, waited", text, re.M), text
 
 
+def test_dataloader_workers_of_one_run_are_one_run_in_ended_jobs(tmp_path, dataset, start_agent):
+    # A DataLoader worker that says hello after the rank's other worker left (a slow worker_init_fn)
+    # was taken for another run of the job: its rank's ended totals started over (16 of 40 samples).
+    data = dataset(1, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
+
+    def run(reader: str, launch: str | None, samples: int) -> dict:
+        requests = Requests(reader)
+        assert conn.request(requests.hello("train", 0, 1, epoch=0, launch=launch))["ok"]
+        assert conn.request(requests.bye(epoch=0, position=samples, samples=samples, bytes=samples, wait_s=0.0))["ok"]
+        return agent.stats()["ended_jobs"]["train"]["0"]
+
+    try:
+        assert run("w0", "script-1", 24)["samples"] == 24
+        assert run("w1", "script-1", 16)["samples"] == 40  # the same run's other worker
+        assert run("w2", None, 2)["samples"] == 42  # a consumer that does not say its run: the same
+        assert run("again", "script-2", 40)["samples"] == 40  # the script run again: a record of its own
+        assert agent.stats()["rank_totals"]["train"]["0"]["samples"] == 82  # the agent's life: both runs
+    finally:
+        conn.close()
+
+
 def test_a_ranks_dataloader_workers_are_one_rank_in_stats(tmp_path, dataset, start_agent, run_cli):
     # Each DataLoader worker of a rank is a consumer of that rank: stats showed whichever reported last.
     data = dataset(1, samples=4, payload=300)

@@ -13,8 +13,8 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
 - a rank's ended totals add up each of its consumers that left once: one dropped as silent
   that comes back is taken out of them again (it leaves again later with all its figures); a
-  launch of the job again (a rank coming back, none of its consumers live, for an epoch its
-  totals hold already) starts them over;
+  launch of the job again (a rank coming back, none of its consumers live, from another run of
+  the script: its hello's ``launch``) starts them over;
 - at most :data:`MAX_ENDED` ranks are kept, and as many consumers dropped as silent, each for
   :data:`ENDED_KEPT` seconds, the oldest going first;
 - a consumer dropped as silent keeps, as long as it is kept, what its rank's totals counted of
@@ -55,7 +55,8 @@ class EndedConsumers:
 
     def __init__(self) -> None:
         # (job, rank) -> its view: totals, the latest consumer's epoch and position, "ended" (ISO
-        # date); "_ended" (monotonic), "_epochs" (the epochs its consumers read), "_consumers" (how many)
+        # date); "_ended" (monotonic), "_epochs" (the epochs its consumers read), "_consumers" (how many),
+        # "_launch" (the script's run of the latest)
         self.ranks: dict[Rank, dict[str, Any]] = {}
         self._dropped: dict[str, Dropped] = {}  # reader name -> what it comes back to, the oldest first
 
@@ -71,6 +72,7 @@ class EndedConsumers:
         if consumer.get("epoch") is not None:  # (one dropped before its first report names none)
             rank["_epochs"].add(consumer["epoch"])
         rank["_consumers"] += 1
+        rank["_launch"] = consumer.get("_launch") or rank.get("_launch")  # the script's run (see joined)
         rank.update({k: consumer[k] for k in ("epoch", "position") if consumer.get(k) is not None})
         rank.update(
             seen=consumer.get("seen"),
@@ -102,14 +104,15 @@ class EndedConsumers:
                     rank[total] = round(rank[total] - dropped.consumer.get(total, 0), 3)
         return dropped
 
-    def joined(self, job: str, rank: int, epoch: int | None) -> None:
-        """A consumer joins as ``rank`` of ``job`` for ``epoch`` while none of that rank is live. If
-        the rank's ended totals already hold that epoch, it is another launch (a script run again
-        under the same name, as every run without torchrun is job ``default``): the totals of the
-        launch before are let go, and this one's make a record of their own as its consumers leave."""
+    def joined(self, job: str, rank: int, launch: str | None) -> None:
+        """A consumer of the script's run ``launch`` (its hello's: None, not told) joins as ``rank``
+        of ``job`` while none of that rank is live. If the rank's ended totals are of another run
+        (a script run again under the same name, as every run without torchrun is job
+        ``default``), they are let go, and this run's make a record of their own as its consumers
+        leave. DataLoader workers of one run, one after another, are one run."""
         key = (job, str(rank))
         kept = self.ranks.get(key)
-        if kept is not None and epoch is not None and epoch in kept["_epochs"]:
+        if kept is not None and launch is not None and kept.get("_launch") not in (None, launch):
             del self.ranks[key]
 
     def said_bye(

@@ -152,6 +152,7 @@ class ReaderRecord:
     buffer: int = 0
     counted: dict[str, float] = field(default_factory=dict)  # its reports' figures its rank's totals hold
     own_list: bool = False  # reads a list of its own (else the agent's, as it was when its epoch started)
+    launch: str | None = None  # the run of the training script it is part of (its hello's launch)
 
 
 class Readers:
@@ -357,7 +358,7 @@ class Readers:
         self.drop(name, why=None)
         back = self._ended.back(name) if not probe else None  # dropped as silent, it comes back
         if back is None and not probe and not _rank_live(consumers, job, rank):
-            self._ended.joined(job, rank, epoch)  # (another launch of the job starts its ranks' totals over)
+            self._ended.joined(job, rank, get_field(header, "launch", str, None))  # (a new run of the job?)
         # It reads the list it named; else the one its job's epoch reads (the first of its readers
         # took the agent's list as it was then), to that epoch's end, whatever edits come.
         key = claimed
@@ -365,6 +366,7 @@ class Readers:
             read = back.list_id if back is not None and back.list_id and self._holds(back.list_id) else self.list_id
             key = self._jobs.list_of(job, world, epoch, read, self._holds, reader=name, probe=probe)
         record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key), own_list=claimed is not None)
+        record.launch = get_field(header, "launch", str, None)
         if probe:
             record.probe = True
         else:
@@ -493,7 +495,7 @@ class Readers:
         )
         # Kept for stats a while (ended_jobs), with its totals; one dropped as silent may come back.
         dropped = Dropped(record.counted, None if record.own_list else record.plan.list_id) if timed_out else None
-        self._ended.left(name, consumer, dropped)
+        self._ended.left(name, {**consumer, "_launch": record.launch}, dropped)
 
     def expire(self) -> None:
         """Drop readers whose process ended or that went silent; free the lists nobody reads, and

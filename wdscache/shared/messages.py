@@ -59,6 +59,7 @@ class HelloMessage(_HelloRequired, total=False):
     shuffle_buffer: int
     probe: bool
     loader: int
+    launch: str
     protocol: int
 
 
@@ -536,6 +537,7 @@ class Requests:
         shuffle_buffer: int | None = None,
         probe: bool = False,
         loader: int | None = None,
+        launch: str | None = None,
     ) -> HelloMessage:
         m: HelloMessage = {
             "op": "hello",
@@ -557,6 +559,8 @@ class Requests:
             m["probe"] = True
         if loader is not None:
             m["loader"] = loader
+        if launch is not None:
+            m["launch"] = launch
         return m
 
     def put_urls(self, offset: int, urls: list[str], shards: list[Any] | None = None) -> PutUrlsMessage:

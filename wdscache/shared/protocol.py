@@ -129,6 +129,15 @@ def process_identity(pid: int | None = None) -> list[Any] | None:
     return [pid, int(stat[stat.rindex(")") + 2 :].split()[19]), boot, namespace]
 
 
+def launch_id() -> str | None:
+    """The run of a training script this process is (its pid, start time and boot id): a
+    loader made here names it in its hello, and its DataLoader workers (copies of it) too, so
+    that the agent tells the script run again under the same job name from the workers of one
+    run. None where /proc does not tell."""
+    ident = process_identity()
+    return None if ident is None else ":".join(map(str, ident[:3]))
+
+
 def pack(header: Mapping[str, Any], *payloads: bytes | memoryview) -> list[bytes | memoryview]:
     """Frames for ``header`` and ``payloads``."""
     return [_ENCODE(header).encode(), *payloads]
@@ -388,6 +397,7 @@ MESSAGES: tuple[Message, ...] = (
             "shuffle_buffer": "int?",
             "probe": "bool?",
             "loader": "int?",
+            "launch": "str?",
             "protocol": "int?",
         },
         {

@@ -43,6 +43,7 @@ class ReaderHello:
     shards: ShardFacts | None = None
     list_id: str | None = None
     loader: int = 0
+    launch: str | None = None  # the script's run the loader was made in (shared.protocol.launch_id)
 
 
 def say_hello(
@@ -72,6 +73,7 @@ def say_hello(
         list_id=reader.list_id if reader.urls is not None else None,
         epoch=epoch,
         loader=reader.loader,
+        launch=reader.launch,
     )
     hello = conn.request(request)
     if hello.get("need_urls") and reader.urls is not None:

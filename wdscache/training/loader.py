@@ -75,6 +75,7 @@ from ..shared.malloc import tune_malloc
 from ..shared.messages import Requests
 from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeList, NodeShare, RankPlacement, job_epoch
+from ..shared.protocol import launch_id
 from ..shared.sequence import Resume, rank_length
 from ..shared.urls import UrlList, file_path, list_id
 from .agent_list import AgentList, LocalPaths
@@ -293,6 +294,7 @@ class CachedMultiLoader:
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
         self.job = job or env["job"]
         self._number, _MADE[self.job] = _MADE[self.job], _MADE[self.job] + 1
+        self._launch = launch_id()  # (made here, in the script's process: its DataLoader workers keep it)
         self.rank, self.world_size = _checked_ranks(
             env["rank"] if rank is None else rank,
             env["world_size"] if world_size is None else world_size,
@@ -429,6 +431,7 @@ class CachedMultiLoader:
             self._shards,
             self._list_id,
             self._number,
+            self._launch,
         )
         hello, urls = say_hello(conn, name, reader, self._agent_list, epoch=epoch, probe=probe)
         if isinstance(urls, AgentList):
