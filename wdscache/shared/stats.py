@@ -46,10 +46,11 @@ The object (also ``wdscache stats --json``)::
                       from each rank's latest exit), with their totals over every consumer of the
                       rank that left (its epochs and DataLoader workers: samples, bytes, wait_s
                       summed; epochs: how many distinct epoch numbers; epoch and position: the
-                      latest's) and ``ended`` (an ISO 8601 date); a job launched again under the
-                      same name (a rank of it back for an epoch it read already, none of its
-                      consumers live) starts its ranks' totals over (rank_totals adds them up);
-                      see :mod:`wdscache.agent.ended`
+                      latest's) and ``ended`` (an ISO 8601 date); a job run again under the
+                      same name (a rank of it saying hello from another run of the script,
+                      named by its hello's ``launch``, while none of its consumers is live)
+                      starts its ranks' totals over (rank_totals adds them up); see
+                      :mod:`wdscache.agent.ended`
     rank_totals       {job: {rank: {samples, bytes, wait_s}}}: what each rank received, and waited, over
                       the agent's life, every epoch and reader of it together (``jobs`` shows the
                       current epoch's); never decreasing while the agent runs (the metrics' counters).
