@@ -413,8 +413,9 @@ def test_a_resumed_loader_whose_first_iter_fails_delivers_the_resumed_epoch_exac
     agent.stop()
     resumed = CachedMultiLoader(cache_dir=cache, job="resume", timeout=2, seed=5)
     resumed.load_state_dict(state)
-    with pytest.raises(AgentUnavailableError):
+    with pytest.raises(AgentUnavailableError):  # after 2 s of no agent
         iter(resumed)
+    resumed.timeout = 30  # (read at each iter) the agent back: the resumed epoch gets time on a busy machine
     start_agent(cache, ds.list_file, *args)
     rest = list(resumed)
     key = lambda s: (s["__url__"], s["__key__"])  # noqa: E731

@@ -9,6 +9,7 @@ and a message; every process started here is stopped and reaped by a fixture.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -16,6 +17,7 @@ import os
 import pickle
 import re
 import signal
+import subprocess
 import tarfile
 import threading
 import time
@@ -179,14 +181,13 @@ def test_stall_longer_than_read_timeout_is_retried_and_cached_identical(shard_se
     name = ds.paths[0].name
     shard_server.fail(name, "stall", after=100_000, seconds=30)  # far beyond the agent's patience
     cache = tmp_path / "cache"
-    t0 = time.monotonic()
     agent = start_agent(cache, ds.list_file, "--read-timeout", "1", "--prefetch", "1", "--cache-size", "10M")
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 15, "the stalled shard was never cached")
-    took = time.monotonic() - t0
-    assert took < 15, f"caching took {took:.1f}s: the agent waited out the 30 s stall"
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 25, "the stalled shard was never cached")
     assert_identical(cache, ds.urls, ds.paths, agent)
     reqs = gets(shard_server, name)
     assert reqs[0].fault == "stall" and reqs[0].range == FIRST_PART, reqs
+    gap = reqs[1].at - reqs[0].sent_at  # from the stall's start to the retry, by the server's clock
+    assert gap < 15, f"the retry came {gap:.1f}s into the stall: the agent waited out the 30 s stall"
     assert len(reqs) == 2 and reqs[1].fault is None, reqs
     start = range_start(reqs[1].range)
     assert start is not None and 0 < start <= 100_000, f"no resume from what arrived before the stall: {reqs}"
@@ -714,13 +715,16 @@ def test_a_disk_filled_by_someone_else_does_not_stop_serving_cached_shards(
     agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 15, "the 2 shards were not cached")
     assert fill(small_fs / "filler") > 0  # another program takes every free byte
     try:
-        with ShardClient(cache, timeout=2, name="reader") as client:
+        # timeout: how long the client waits for the agent to answer at all (its pings included). An
+        # agent blocked on the full disk never answers; a live one on a busy machine may take seconds.
+        with ShardClient(cache, timeout=10, name="reader") as client:
             for url, src in zip(ds.urls, ds.paths):
                 path = client.open(url)
                 assert path.read_bytes() == src.read_bytes()
                 client.release(url)
     except AgentUnavailableError as exc:
-        time.sleep(0.5)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.proc.wait(2)  # an agent dying of the full disk: its exit status for the message
         state = "still runs" if agent.running() else f"exited {agent.proc.returncode}"
         pytest.fail(
             f"opening a cached shard on a full disk got no answer (the agent {state}): {exc}\n{agent.stderr_tail()}",

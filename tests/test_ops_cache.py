@@ -21,7 +21,7 @@ from scripts.console import wdscache_exe
 from tests.helpers.disks import fill
 from tests.helpers.procs import stat_fields
 from tests.helpers.streaming import samples_of
-from tests.helpers.waits import wait_for
+from tests.helpers.waits import read_terminal, stop_process, wait_for
 from wdscache import CachedMultiLoader
 from wdscache.agent.cache_commands import prefetch
 from wdscache.shared.client import AgentConnection
@@ -168,26 +168,20 @@ def test_commands_go_through_the_running_agent_and_spare_what_a_reader_holds(tmp
 def test_prefetch_draws_a_progress_bar_on_a_terminal(tmp_path, dataset):
     data = dataset(2, samples=4, payload=300)
     main, sub = pty.openpty()
+    proc = subprocess.Popen(
+        [wdscache_exe(), "prefetch", *data.urls, "--cache-dir", tmp_path / "cache", "--cache-size", "10M"],
+        stdout=sub,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    os.close(sub)
     try:
-        proc = subprocess.Popen(
-            [wdscache_exe(), "prefetch", *data.urls, "--cache-dir", tmp_path / "cache", "--cache-size", "10M"],
-            stdout=sub,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-        )
-        os.close(sub)
-        out = b""
-        while True:
-            try:
-                chunk = os.read(main, 4096)
-            except OSError:  # the other side closed
-                break
-            if not chunk:
-                break
-            out += chunk
-        assert proc.wait(60) == 0, proc.stderr.read()
+        out = read_terminal(main, proc, 60)
+        err = proc.communicate(timeout=60)[1]
     finally:
         os.close(main)
+        stop_process(proc)
+    assert proc.returncode == 0, err
     text = out.decode()
     assert "\r[" in text and f"2/2 shards, {_size(data)}/{_size(data)}," in text and "ETA" in text, text
     assert text.rstrip().endswith(f"2 of 2 shard(s) cached ({_size(data)})"), text

@@ -54,7 +54,7 @@ def test_every_command_in_the_readme_and_the_docs_runs_as_shown(tmp_path, datase
         "train.json": str(tmp_path / "train.json"),
     }
     commands = [c for page in PAGES for c in _commands(page)]
-    agent: AgentProc | None = None
+    agents: list[AgentProc] = []  # every agent a page starts, each stopped below whatever happens
     try:
         for i, line in enumerate(commands):
             for old, new in swap.items():
@@ -65,14 +65,15 @@ def test_every_command_in_the_readme_and_the_docs_runs_as_shown(tmp_path, datase
                 out_file = Path(args[args.index(">") + 1])
                 args = args[: args.index(">")]
             if args[0] == "agent":
-                if agent is not None:
-                    assert agent.stop() == 0, agent.stderr_tail()
+                if agents:
+                    assert agents[-1].stop() == 0, agents[-1].stderr_tail()
                 log = tmp_path / f"agent-{i}.log"
                 with open(log, "wb") as f:
                     proc = subprocess.Popen(
                         [wdscache_exe(), *args], stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
                     )
                 agent = AgentProc(proc, cache, log, args)
+                agents.append(agent)
                 agent.wait_up()
                 agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, f"{line}: the shards cached")
             elif "--watch" in args:
@@ -90,11 +91,11 @@ def test_every_command_in_the_readme_and_the_docs_runs_as_shown(tmp_path, datase
                 assert r.returncode == 0, (line, r.stdout, r.stderr)
                 if out_file is not None:
                     out_file.write_text(r.stdout)
-        assert agent is not None
+        assert agents
         # With the last agent shown still running: every metric a page names is exported.
         with_job = _samples_with_a_job(cache, run_cli)
     finally:
-        if agent is not None:
+        for agent in agents:
             agent.stop()
     named = set(re.findall(r"\b(wdscache_[a-z_]+)", "".join(page.read_text() for page in PAGES)))
     assert named and named <= with_job, sorted(named - with_job)

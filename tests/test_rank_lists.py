@@ -10,7 +10,7 @@ import pytest
 
 from scripts.shard_maker import write_url_list
 from tests.helpers.streaming import samples_of
-from tests.helpers.waits import wait_for
+from tests.helpers.waits import stop_process, wait_for
 from wdscache.shared.urls import list_id
 
 DEADLINE = 60.0
@@ -104,6 +104,10 @@ def test_a_validation_loader_reads_its_list_within_a_training_epoch(
         )
         for r in range(2)
     ]
-    for p in ranks:
-        out, err = p.communicate(timeout=DEADLINE)
-        assert p.returncode == 0 and out.split() == ["5", "5"], err
+    try:
+        for p in ranks:
+            out, err = p.communicate(timeout=DEADLINE)
+            assert p.returncode == 0 and out.split() == ["5", "5"], err
+    finally:  # a rank left over by a failure (or a hang past DEADLINE) is killed and reaped
+        for p in ranks:
+            stop_process(p)

@@ -82,7 +82,8 @@ def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, da
 
     data = dataset(2, samples=5, payload=200)
     cache = tmp_path / "cache"
-    agent = start_agent(cache, data.list_file, "--prefetch", "1", "--reader-timeout", "8")
+    # A silence long enough that the reader of the reused pid outlives the wait for the other's drop.
+    agent = start_agent(cache, data.list_file, "--prefetch", "1", "--reader-timeout", "20")
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     conn = AgentConnection(json.loads((cache / "agent.json").read_text())["endpoint"], timeout=10, cache_dir=cache)
     try:
@@ -99,10 +100,10 @@ def test_a_reader_is_watched_only_through_the_very_process_it_names(tmp_path, da
         )
         for proc in procs:
             stop_process(proc)
-        agent.wait_stats(lambda s: set(s["jobs"]) == {"reused"}, 3, "the reader of the very process was not dropped")
+        agent.wait_stats(lambda s: set(s["jobs"]) == {"reused"}, 15, "the reader of the very process was not dropped")
         # The other claimed a process the agent could not confirm: only its silence ends it.
         agent.wait_stats(
-            lambda s: not s["jobs"] and s["agent"]["pinned"] == 0, 15, "the silent reader was not timed out"
+            lambda s: not s["jobs"] and s["agent"]["pinned"] == 0, 30, "the silent reader was not timed out"
         )
     finally:
         conn.close()

@@ -273,16 +273,15 @@ def test_ranges_match_a_model(tmp_path: Path) -> None:
 
 
 def test_rate_cap(root: Path, data: bytes, http: requests.Session) -> None:
-    with ShardServer(root, rate=1_000_000) as srv:
+    with ShardServer(root, rate=10_000) as srv:
         t0 = time.monotonic()
-        r = http.get(srv.url("data.tar"), headers={"Range": "bytes=0-199999"}, timeout=TIMEOUT)
-        elapsed = time.monotonic() - t0
-        assert r.content == data[:200_000]
-        assert elapsed >= 0.15  # 200 KB at 1 MB/s: the cap held it back
+        r = http.get(srv.url("data.tar"), headers={"Range": "bytes=0-3999"}, timeout=TIMEOUT)
+        assert r.content == data[:4000]
+        assert time.monotonic() - t0 >= 0.25  # 4 KB in 1 KB slices at 10 KB/s: the cap held it back
         srv.rate = None  # settable while running
         t0 = time.monotonic()
         assert http.get(srv.url("data.tar"), timeout=TIMEOUT).content == data
-        assert time.monotonic() - t0 < elapsed
+        assert time.monotonic() - t0 < SIZE / 10_000 / 2  # uncapped: not the 26 s the cap would take
 
 
 def test_ttfb(server: ShardServer, http: requests.Session) -> None:
@@ -560,7 +559,7 @@ def test_stop_releases_sockets_and_threads(root: Path, data: bytes) -> None:
 
     t0 = time.monotonic()
     srv.stop()
-    assert time.monotonic() - t0 < 2.0  # the 30 s stall was interrupted
+    assert time.monotonic() - t0 < 15  # the 30 s stall was interrupted
     srv.stop()  # idempotent
     assert not srv.running
 

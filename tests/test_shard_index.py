@@ -12,12 +12,10 @@ import hashlib
 import json
 import os
 import pty
-import select
 import shutil
 import socket
 import subprocess
 import tarfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from tests.helpers.agents import run_wdscache
 from tests.helpers.net import free_port_range
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.testdata import NEEDS_TESTDATA, REAL_SHARDS, TESTDATA
+from tests.helpers.waits import read_terminal, stop_process
 from wdscache import CachedMultiLoader, FetchError, ShardIndexError
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.shard_index import KIND, ShardInfo, write_shard_index
@@ -129,23 +128,13 @@ def test_index_shows_a_progress_bar_on_a_terminal(tmp_path, shard_server):
         stderr=secondary,
     )
     os.close(secondary)
-    out, deadline = b"", time.monotonic() + 30
     try:
-        while time.monotonic() < deadline:
-            if not select.select([primary], [], [], 1)[0]:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                chunk = os.read(primary, 4096)
-            except OSError:  # EIO: the terminal's other side closed
-                break
-            if not chunk:
-                break
-            out += chunk
+        out = read_terminal(primary, proc, 30)
+        proc.wait(10)
     finally:
         os.close(primary)
-        assert proc.wait(10) == 0, out
+        stop_process(proc)
+    assert proc.returncode == 0, out
     text = out.decode()
     assert "indexing" in text and "3/3" in text and "[1/3]" not in text  # the bar, not the plain lines
     assert len(json.loads((tmp_path / "index.json").read_text())["shardlist"]) == 3

@@ -26,12 +26,13 @@ def test_an_agent_whose_sources_trickle_their_heads_comes_up_and_stops_on_one_si
     ds = dataset(2, **SHARD)
     for path in ds.paths:
         shard_server.fail(path.name, "trickle", times=50)  # the HEADs at start-up, and every GET
-    t0 = time.monotonic()
     agent = start_agent(tmp_path / "cache", ds.list_file, *TIMEOUTS, wait=False)
-    agent.wait_up(timeout=15)
-    assert time.monotonic() - t0 < 10, agent.stderr_tail()
+    agent.wait_up(timeout=30)
     heads = sorted((r.path, r.fault) for r in shard_server.requests if r.method == "HEAD")
     assert heads == [(p.name, "trickle") for p in ds.paths], heads
+    # Up once the heads were given up, not at their end (never): timed from the first HEAD, not the start.
+    up_after = time.monotonic() - min(r.at for r in shard_server.requests if r.method == "HEAD")
+    assert up_after < 15, f"up {up_after:.1f}s after its first HEAD\n{agent.stderr_tail()}"
     # Its downloads are stuck in a head too: the SIGTERM cancels them at once.
     wait_for(lambda: shard_server.count(ds.paths[0].name) >= 1, 10, lambda: agent.stderr_tail())
     t = time.monotonic()
@@ -69,12 +70,13 @@ def test_a_get_whose_head_trickles_is_retried_then_cached_or_failed_naming_its_u
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, *TIMEOUTS, "--retries", "1", "--prefetch", "2")
     s = agent.wait_stats(
-        lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1, 15, "neither cached nor failed"
+        lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1, 30, "neither cached nor failed"
     )
     assert CacheLayout.of(cache).shard_path(ds.urls[0]).read_bytes() == healed.read_bytes()
     tried = [r for r in shard_server.requests if r.path == healed.name and r.method == "GET"]
     assert [r.fault for r in tried] == ["trickle", None], tried
-    assert HEAD_BOUND - 0.5 < tried[1].at - tried[0].at < HEAD_BOUND + 3, tried
+    # Given up at --read-timeout, not at the trickle's end (never): a busy machine may retry seconds later.
+    assert HEAD_BOUND - 0.5 < tried[1].at - tried[0].at < HEAD_BOUND + 10, tried
     why = f"no whole response head within {HEAD_BOUND:g}s of the request (--read-timeout)"
     assert [f["url"] for f in s["failed"]] == [ds.urls[1]], s["failed"]
     assert s["failed"][0]["error"].startswith("gave up after 1 retries: timed out") and why in s["failed"][0]["error"]

@@ -28,6 +28,7 @@ from tests.helpers.procs import alive, children_of, cmdline, rss_kib, worker_pid
 from tests.helpers.streaming import delivered, reference
 from tests.helpers.waits import stop_process, wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardError, WdsCacheError
+from wdscache.agent.worker import REPORT_EVERY
 from wdscache.shared.layout import CacheLayout
 
 LOADER_TIMEOUT = 20.0
@@ -298,8 +299,17 @@ def test_paused_consumer_stops_asking_and_memory_stays_flat(tmp_path, dataset, s
     def served(s: dict[str, Any]) -> int:
         return sum(w.get("samples", 0) for w in s["agent"]["workers"])
 
-    time.sleep(1.5)  # a worker report period and more: the counts below are settled
-    before = agent.stats()
+    # Settled: two snapshots a worker report period apart count the same samples (no report was in transit).
+    last: list[Any] = [None, 0.0]  # the oldest snapshot with the latest count, and when it was taken
+
+    def settled(s: dict[str, Any]) -> bool:
+        now = time.monotonic()
+        if last[0] is None or served(s) != served(last[0]):
+            last[:] = [s, now]
+            return False
+        return now - last[1] >= REPORT_EVERY
+
+    before = agent.wait_stats(settled, 20, "the workers' counts of samples served did not settle")
     rss: dict[str, list[int]] = {name: [] for name in watched}
     for _ in range(7):  # ~3 s
         for name, pid in watched.items():

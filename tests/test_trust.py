@@ -683,12 +683,12 @@ def test_an_agent_that_refuses_the_key_it_just_gave_is_not_asked_again_and_again
 
     server = threading.Thread(target=serve, daemon=True)
     server.start()
-    conn = AgentConnection(endpoint, timeout=10, token=token)
+    conn = AgentConnection(endpoint, timeout=60, token=token)
     try:
         t0 = time.monotonic()
         with pytest.raises(NotTrustedError, match="refused this client: refused: no"):
             conn.request(Requests.stats())
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30  # at once: not after the 60 s a client waits for an answer
         assert asked == ["auth", "stats", "auth"], asked
     finally:
         conn.close()

@@ -476,6 +476,15 @@ def replied_fields(header: dict, frames: list, urls: list[str]) -> dict[tuple[st
     }
 
 
+def reads_answered(agent: Any, n: int) -> None:
+    """Wait until the agent's one worker reports ``n`` reads answered (counted as each reply is queued)."""
+    agent.wait_stats(
+        lambda s: s["agent"]["workers"] and s["agent"]["workers"][0].get("requests", 0) >= n,
+        20,
+        f"the worker answering {n} read(s)",
+    )
+
+
 def download_held_at_20_mb(
     tmp_path: Path, shard_server: Any, dataset: Any, start_agent: Any, until: threading.Event, **stall: Any
 ) -> tuple[Any, Any, Path]:
@@ -510,7 +519,7 @@ def test_a_shard_read_as_it_downloads_is_sent_from_its_file_not_copied(tmp_path,
         with worker_socket(cache, "late", RCVHWM=1, RCVBUF=64 << 10) as (sock, proofs):
             request = {"op": "read", "id": "r1", "auth": proofs.request("r1"), "urls": [url]}
             sock.send_multipart(pack(request, pack_numbers([x for j in range(8) for x in (0, j)])))
-            time.sleep(0.5)  # long after the request: most of the reply not sent yet
+            reads_answered(agent, 1)  # the reply made and queued; most of it not sent yet
             held = rss_kib(worker, "RssAnon") - before
             assert sock.poll(10_000), "no reply from the worker within 10 s"
             header, frames = as_written(*unpack(sock.recv_multipart()))
@@ -670,7 +679,6 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
     """A worker sends zero-copy from its mapped shards, and ZeroMQ faults those pages into
     its memory as it sends: with a consumer that takes its replies late (a busy machine),
     long after the request. They must leave the worker's memory once sent."""
-    import time
 
     from wdscache.shared.protocol import pack, pack_numbers, unpack
 
@@ -699,7 +707,7 @@ def test_shard_pages_leave_a_workers_memory_once_sent_however_late(tmp_path, sha
                         pack_numbers([x for j in range(first, first + 6) for x in (0, j)]),
                     )
                 )
-        time.sleep(0.5)  # long after the requests: most of the replies not sent yet
+        reads_answered(agent, 4)  # the replies made and queued; most of them not sent yet
         got = 0
         for _ in range(4):
             assert sock.poll(10_000), "no reply from the worker within 10 s"

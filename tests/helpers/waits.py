@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import subprocess
 import time
@@ -54,3 +56,23 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: flo
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait(10), True
+
+
+def read_terminal(primary: int, proc: subprocess.Popen, timeout: float) -> bytes:
+    """What ``proc`` wrote to the pseudo-terminal whose primary side is ``primary``, read until the other side
+    closes (or ``proc`` has exited and nothing more comes); fails the test after ``timeout``."""
+    out, deadline = b"", time.monotonic() + timeout
+    while True:
+        if time.monotonic() >= deadline:
+            pytest.fail(f"the terminal's output did not end within {timeout:g}s: {out[-2000:]!r}", pytrace=False)
+        if not select.select([primary], [], [], 0.5)[0]:
+            if proc.poll() is not None:
+                return out
+            continue
+        try:
+            chunk = os.read(primary, 4096)
+        except OSError:  # EIO: the terminal's other side closed
+            return out
+        if not chunk:
+            return out
+        out += chunk
