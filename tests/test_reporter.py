@@ -3,7 +3,9 @@ streams (epochs) of it are read at once, and never goes below zero as streams en
 
 from __future__ import annotations
 
+import os
 import pickle
+import threading
 import time
 
 import pytest
@@ -54,3 +56,18 @@ def test_a_copy_of_the_clock_in_another_process_starts_anew() -> None:
     clock.start(object(), lambda: 7)
     copy = pickle.loads(pickle.dumps(clock))
     assert copy.rate is None and copy.done == 0 and copy.pid == 0
+
+
+def test_a_clock_forked_while_a_thread_held_its_lock_starts_in_the_child() -> None:
+    # A DataLoader forks its workers while the parent's reporter thread may hold the clock's lock:
+    # the child's copy of that lock stays held, and its reports would wait for it for ever.
+    clock = ReportClock()
+    clock.start(object(), lambda: 0)
+    with clock._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: its first stream's reporter starts
+            done = threading.Event()
+            threading.Thread(target=lambda: (clock.start(object(), lambda: 0), done.set()), daemon=True).start()
+            os._exit(0 if done.wait(10) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -56,10 +56,11 @@ class ReportClock:
         """A stream's ``reporter`` starts (``samples()``: what its stream handed out so far);
         seconds until it reports: 0 where a rate is known (the stream is a consumer the agent
         knows nothing of yet), else until the next report is due."""
+        if self.pid != os.getpid():  # a copy forked into a DataLoader worker: anew, with a lock of
+            # its own (a thread of the parent may have held the parent's as it forked: held for ever here)
+            self.__init__()  # type: ignore[misc]
+            self.pid, self.at = os.getpid(), time.monotonic()
         with self._lock:
-            if self.pid != os.getpid():
-                self.pid, self.at, self.samples, self.done, self.rate = os.getpid(), time.monotonic(), 0, 0, None
-                self._live.clear()
             self._live[id(reporter)] = samples
             return 0.0 if self.rate is not None else self._due()
 
