@@ -143,7 +143,7 @@ class ReadBatcher:
         cache file, until a reply shows their payloads (see :meth:`sized`)."""
         if not self.measured and per_sample > self.per_sample:
             self.per_sample = per_sample
-            self.request_limit = max(1, min(self.ramp, int(REQUEST_BYTES // per_sample)))
+            self.request_limit = self._by_bytes()
 
     def sized(self, sizes: list[int]) -> None:
         """Size the next reads by the payload per sample of the latest replies (about
@@ -153,4 +153,8 @@ class ReadBatcher:
             self.measured = True
             self.per_sample = max(sum(sizes) / len(sizes), 0.75 * self.per_sample, 1.0)
             self.ramp = min(2 * self.ramp, self.stream.settings.request_size)
-            self.request_limit = max(1, min(self.ramp, int(REQUEST_BYTES // self.per_sample)))
+            self.request_limit = self._by_bytes()
+
+    def _by_bytes(self) -> int:
+        """Samples a read may ask for: about REQUEST_BYTES of ``per_sample`` each, at most ``ramp``."""
+        return max(1, min(self.ramp, int(REQUEST_BYTES // self.per_sample)))
