@@ -534,3 +534,39 @@ def test_a_shard_client_keeps_its_pins_while_idle_and_takes_them_again_after_a_s
         proc.kill()
         proc.wait(10)
     assert proc.returncode == 0 and out.strip() == "True", out
+
+
+@pytest.mark.slow
+def test_reads_across_more_shards_than_a_restarted_agents_budget_holds_go_on_a_shard_at_a_time(
+    shard_server, dataset, start_agent, consumers, tmp_path
+):
+    """A read spans the shards pinned together when it was made (here 8 of 4 samples each). An agent
+    that comes back with a budget for 3 of them lost those copies: the read cannot have its
+    shards pinned again all at once, and each download for one evicted another. It is asked
+    for a shard at a time instead, and the epoch ends exact."""
+    ds = dataset(12, samples=4, payload=1000)
+    ref = reference(ds.paths, ds.urls)
+    cache = tmp_path / "cache"
+    size = max(p.stat().st_size for p in ds.paths)
+    agent = start_agent(
+        cache, ds.list_file, "--no-shuffle", "--workers", "2", "--prefetch", "12", "--cache-size", "10M"
+    )
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 12, 20, "not all 12 shards cached")
+    first = consumers(cache, "first", "--job", "wide", "--no-shuffle", "--timeout", "20")
+    assert_epoch_exact(first.wait(DEADLINE), ref)  # the agent knows each shard's count now
+    workers = wait_for(
+        lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)),
+        10,
+        lambda: f"2 workers not found among {children_of(agent.pid)}",
+    )
+    for w in workers:
+        os.kill(w, signal.SIGSTOP)  # the reads stay unanswered
+    c = consumers(cache, "reader", "--job", "wide", "--no-shuffle", "--timeout", "20")
+    agent.wait_stats(lambda s: s["agent"]["pinned"] >= 8, 20, "the first read's shards pinned")
+    kill_agent(agent)
+    budget = 3 * size + (16 << 10)  # the least --prefetch 2 takes, and room for tables
+    small = ("--no-shuffle", "--workers", "2", "--prefetch", "2", "--cache-size", str(budget), "--min-free", "0")
+    start_agent(cache, ds.list_file, *small)
+    lines = c.wait(DEADLINE)
+    assert_epoch_exact(lines, ref)
+    assert len(samples_of(lines)) == len(ref)

@@ -27,7 +27,7 @@ from wdscache.training.progress import ProgressClock
 from wdscache.training.read_batches import FIRST_REQUEST, REQUEST_BYTES, ReadBatcher
 from wdscache.training.read_failures import ReadFailures
 from wdscache.training.reads import ReadState, ReadTable
-from wdscache.training.replies import decode_reply, with_holes
+from wdscache.training.replies import decode_reply
 
 URLS = [f"http://example.invalid/shard-{i}.tar" for i in range(4)]
 
@@ -120,8 +120,26 @@ def test_sent_items_leave_out_the_holes() -> None:
     read = table.add(0, [(0, (0, 0)), (1, (1, 0)), (2, (0, 1))])
     table.send(read, [0, 2], "r0", 0, False, now=0.0)
     assert read.sent_items() == [(0, (0, 0)), (2, (0, 1))]
-    samples, sizes = with_holes(["x", "y"], [5, 6], read.sent, len(read.items))
+    samples, sizes = read.whole(["x", "y"], [5, 6])
     assert samples == ["x", None, "y"] and sizes == [5, 0, 6]
+
+
+def test_a_read_that_goes_a_part_at_a_time_keeps_each_parts_samples_until_the_last() -> None:
+    table = ReadTable()
+    read = table.add(0, [(0, (0, 0)), (1, (1, 0)), (2, (2, 0)), (3, (1, 1))])
+    table.send(read, [0, 1, 2, 3], "r0", 0, False, now=0.0)
+    table.replied("r0")
+    table.reopen(read)  # "missing": its shards are pinned again, but shard 1 could not be with the others
+    read.later = {1}
+    assert read.to_ask(skipped={2}) == [0]  # shard 2 skipped meanwhile: a hole
+    table.send(read, [0], "r1", 0, False, now=1.0)
+    table.replied("r1")
+    table.part_answered(read, ["a"], [5])
+    assert (read.state, read.later, table.reopening) == (ReadState.REOPEN, set(), 1)
+    assert read.to_ask(skipped={2}) == [1, 3]
+    table.send(read, [1, 3], "r2", 0, False, now=2.0)
+    table.replied("r2")
+    assert read.whole(["b", "d"], [6, 7]) == (["a", "b", None, "d"], [5, 6, 0, 7])
 
 
 def test_reads_start_small_and_double_with_each_reply_up_to_request_size_and_about_four_mib() -> None:

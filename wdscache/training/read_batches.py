@@ -108,15 +108,17 @@ class ReadBatcher:
             self.seq_next += 1
 
     def dispatch(self, read: Read, direct: bool = True) -> None:
-        """Send ``read`` (with direct reads if on and ``direct``); its holes are not asked for."""
+        """Send ``read`` (with direct reads if on and ``direct``); its holes, and the items of its
+        other parts if it goes a part at a time, are not asked for."""
         stream = self.stream
         items, skipped = read.items, stream.shards.skipped
-        # Per request, on the hot path: no skipped shard (the usual case), no filtering.
-        sent: Sequence[int] = (
-            [i for i, (_, (shard, _)) in enumerate(items) if shard not in skipped] if skipped else range(len(items))
-        )
+        # Per request, on the hot path: no skipped shard and a whole read (the usual case), no filtering.
+        sent: Sequence[int] = read.to_ask(skipped) if skipped or read.later or read.got else range(len(items))
         if not sent:
-            stream.reads.answer(read, [None] * len(items), [0] * len(items))
+            if read.later:  # the shards of this part were skipped: the rest go once pinned
+                stream.reads.reopen(read)
+            else:
+                stream.reads.answer(read, *read.whole([], []))
             return
         urls: list[str] = []
         url_at: dict[int, int] = {}  # shard -> its place in the request's urls

@@ -72,8 +72,8 @@ class ReadFailures:
             exc = shard_error(urls[read.sent_items()[0][1][0]], header)
             with failing(read):
                 judge(stream.settings.on_error, exc)
-            log.warning("skipping %d samples: %s", len(items), exc)
-            reads.answer(read, [None] * len(items), [0] * len(items))
+            log.warning("skipping %d samples: %s", len(items) - len(read.got), exc)
+            reads.answer(read, *read.whole([], []))  # the samples of its earlier parts stay
             return
         exc = shard_error(urls[shard], header)
         if kind == "corrupt" and stream.shards.found_corrupt(shard, exc):
@@ -134,7 +134,7 @@ class ReadFailures:
         opened, reads, skipped = stream.pins.opened, stream.reads, stream.shards.skipped
         while True:
             for read in reads.in_state(ReadState.DELAYED):
-                for _, (held, _) in read.items:
+                for _, (held, _) in read.sent_items():
                     if held in opened and held not in skipped:  # as failed() counted them
                         opened[held] -= 1
                 reads.reopen(read)
@@ -149,20 +149,19 @@ class ReadFailures:
         shards.tell_corrupt()
         while reads.reopening:
             read = reads.in_state(ReadState.REOPEN)[0]
-            per_shard = Counter(sid[0] for _, sid in read.items if sid[0] not in shards.skipped)
-            again = set(per_shard)
-            while True:
-                waits = pins.waits
-                for shard in per_shard:
-                    with failing(read):  # waits until cached; StopEpoch if it failed, unless skipped
-                        shards.open(shard, again=shard in again)
-                    again.discard(shard)
-                if pins.waits == waits:
-                    break  # all pinned at once (an open that had to wait let go of the others)
+            per_shard = Counter(read.items[i][1][0] for i in read.to_ask(shards.skipped))
+            waits = pins.waits
+            for shard in per_shard:
+                with failing(read):  # waits until cached; StopEpoch if it failed, unless skipped
+                    shards.open(shard, again=True)
+            if pins.waits != waits:
+                # An open had to wait, letting go of the others: those opened before it go in a
+                # later part (pinning them again could evict the one waited for, and so on for ever).
+                read.later = {s for s in per_shard if s not in pins.opened and s not in shards.skipped}
             for shard, n in per_shard.items():
-                if shard not in shards.skipped:
+                if shard not in shards.skipped and shard not in read.later:
                     pins.opened[shard] += n
-                shards.reopened(shard)
+                    shards.reopened(shard)
             stream.batches.dispatch(read)
         now = time.monotonic()
         stuck = [

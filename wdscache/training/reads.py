@@ -16,15 +16,22 @@ SENT      no reply in time: sent again (``resends`` + 1)                SENT
 SENT      the agent restarted: sent again to its new run's workers      SENT
 SENT      a direct read failed: sent again, the bytes over the socket   SENT
 SENT      one of its shards failed, skipped: the rest sent again        SENT
+SENT      the samples of a part of its shards came; the rest wait       REOPEN
 SENT      "pending": its shard's download started over, lacks them yet  DELAYED
 SENT      "missing" (the agent lost our pin), "corrupt" (first time)    REOPEN
 DELAYED   its time to ask again (``retry_at``) came                     SENT
 DELAYED   an open has to wait, holding no pins                          REOPEN
-REOPEN    its shards pinned again                                       SENT
+REOPEN    its shards pinned again (all at once, or those that could be) SENT
 any       to be sent, but every item is a hole (its shard skipped)      ANSWERED
 ANSWERED  its samples handed out (:meth:`ReadTable.hand_out`)           (gone)
 any       at or after the read the epoch stops at (``drop_from``)      (gone)
 ========  ============================================================  ========
+
+A read goes to a worker whole, but for one reopened whose shards could not all be pinned
+again at once (each open that had to wait let go of the others, as it must, and the budget
+holds fewer of them than the read spans): it goes a part at a time, each part the items of
+the shards pinned then (the others its ``later``), and the samples of each part are kept
+(``got``) until the last comes. So a read always moves on, whatever the budget holds.
 
 Any failure with ``on_error="raise"`` (and a worker refusing the consumer, whatever
 ``on_error``) ends the epoch, whatever the states. Only a SENT read has a request id
@@ -34,7 +41,7 @@ Any failure with ``on_error="raise"`` (and a worker refusing the consumer, whate
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +61,9 @@ class ReadState(enum.Enum):
 @dataclass(slots=True, eq=False)
 class Read:
     """One read of ``items``. ``sent`` indexes the items asked for; the others are holes
-    (their shard was skipped), filled with repeats when the samples are handed out."""
+    (their shard was skipped), filled with repeats when the samples are handed out, or, for a
+    read that goes a part at a time, items of an earlier part (``got``) or of a later one (their
+    shards in ``later``)."""
 
     seq: int
     items: list[Item]
@@ -69,12 +78,32 @@ class Read:
     resends: int = 0  # sends after no reply in time
     samples: list[Any] = field(default_factory=list)  # ANSWERED: None for a hole
     sizes: list[int] = field(default_factory=list)  # payload bytes of each
+    later: set[int] = field(default_factory=set)  # shards whose items wait for a later part
+    got: dict[int, tuple[Any, int]] = field(default_factory=dict)  # item index -> (sample, size) of earlier parts
 
     def sent_items(self) -> list[Item]:
         """The items asked for (all but the holes)."""
         if len(self.sent) == len(self.items):
             return self.items
         return [self.items[i] for i in self.sent]
+
+    def to_ask(self, skipped: Collection[int]) -> list[int]:
+        """The items to ask for now: all but the holes (shards ``skipped``), and but those of
+        earlier parts and of later ones."""
+        later, got = self.later, self.got
+        return [
+            i
+            for i, (_, (shard, _)) in enumerate(self.items)
+            if shard not in skipped and shard not in later and i not in got
+        ]
+
+    def whole(self, samples: list[Any], sizes: list[int]) -> tuple[list[Any], list[int]]:
+        """The samples (and sizes) of every item, from those of the latest send (of the items
+        at ``sent``) and those of earlier parts: a hole (None, 0 bytes) at every other place."""
+        placed = dict(self.got)
+        placed.update(zip(self.sent, zip(samples, sizes)))
+        pairs = [placed.get(i, (None, 0)) for i in range(len(self.items))]
+        return [s for s, _ in pairs], [b for _, b in pairs]
 
 
 class ReadTable:
@@ -131,8 +160,14 @@ class ReadTable:
 
     def reopen(self, read: Read) -> None:
         self._leave(read)
-        read.state = ReadState.REOPEN
+        read.state, read.later = ReadState.REOPEN, set()  # its shards to pin are worked out anew
         self.reopening += 1
+
+    def part_answered(self, read: Read, samples: list[Any], sizes: list[int]) -> None:
+        """A part of ``read`` came (its items at ``sent``): kept, and the read reopened for the rest."""
+        read.got.update(zip(read.sent, zip(samples, sizes)))
+        read.pending_since = None
+        self.reopen(read)
 
     def replied(self, rid: Any) -> Read | None:
         """The SENT read whose latest send was ``rid``, its reply taken (no other reply finds

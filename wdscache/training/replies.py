@@ -217,11 +217,3 @@ def file_ranges(ranges: Any, items: list[Item], urls: Sequence[str], files: File
             raise ProtocolError("worker reply names two files for one shard")
         views.append(files.range(named_urls[k], identity, start, size))
     return views
-
-
-def with_holes(samples: list[Any], sizes: list[int], sent: Sequence[int], n: int) -> tuple[list[Any], list[int]]:
-    """The samples of a read of ``n`` items of which only those at ``sent`` were asked for
-    (the others' shard was skipped): a hole (None, 0 bytes) at every other place."""
-    got = iter(zip(samples, sizes))
-    placed = [next(got) if i in sent else (None, 0) for i in range(n)]
-    return [s for s, _ in placed], [b for _, b in placed]

@@ -51,7 +51,7 @@ from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .read_batches import SHARE_ENDED, ReadBatcher
 from .read_failures import ReadFailures
 from .reads import Item, ReadState, ReadTable
-from .replies import decode_reply, with_holes
+from .replies import decode_reply
 from .reporter import ReportClock, Reporter
 from .restarts import AgentRuns
 from .worker_links import WorkerLinks
@@ -549,9 +549,12 @@ class EpochStream:
                 )
                 self.clock.progress_at = time.monotonic()
                 self.batches.sized(sizes)
-                if len(items) < len(read.items):  # holes where a skipped shard's items were
-                    samples, sizes = with_holes(samples, sizes, read.sent, len(read.items))
-                self.reads.answer(read, samples, sizes)
+                if read.later:  # a part of a read that goes a part at a time: the rest go next
+                    self.reads.part_answered(read, samples, sizes)
+                else:
+                    if len(items) < len(read.items):  # holes where a skipped shard's items were, or earlier parts
+                        samples, sizes = read.whole(samples, sizes)
+                    self.reads.answer(read, samples, sizes)
                 if direct:
                     self.failures.stale = 0
             except OSError as exc:  # from a direct read only
