@@ -89,7 +89,9 @@ def test_prefetch_before_any_reader_caches_exactly_the_first_window(shard_server
     agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--no-shuffle", "--cache-size", "10M")
 
     agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 15, "the first 3 shards were never all cached")
-    time.sleep(1.0)  # time to (wrongly) go on beyond the window
+    # The agent answers stats between turns of its loop, each of which schedules downloads: this
+    # answer comes after a turn that saw the window cached, and a download it started would be
+    # downloading now, or have reached the server.
     s = agent.stats()
     assert s["shards"] == {"cached": 3, "downloading": 0, "queued": 0, "failed": 0}, agent.stderr_tail()
     assert s["bytes_used"] - s["table_bytes"] == sum(p.stat().st_size for p in ds.paths[:3])
@@ -235,10 +237,11 @@ def test_restart_downloads_nothing_already_cached(shard_server, dataset, start_a
 
     before = len(shard_server.requests)
     second = start_agent(cache, ds.list_file, *args)
-    time.sleep(1.0)
-    assert new_requests(shard_server, before) == [], f"the restarted agent downloaded again\n{second.stderr_tail()}"
+    # Answered after a turn of its loop that scheduled downloads: one it started would be
+    # downloading or queued now, or have reached the server.
     s = second.stats()
-    assert s["shards"]["cached"] == 5 and s["shards"]["downloading"] == 0, s
+    assert s["shards"]["cached"] == 5 and s["shards"]["downloading"] == s["shards"]["queued"] == 0, s
+    assert new_requests(shard_server, before) == [], f"the restarted agent downloaded again\n{second.stderr_tail()}"
     hits, misses = s["hits"], s["misses"]
     with ShardClient(cache, timeout=10) as client:
         for url in ds.urls:

@@ -532,7 +532,9 @@ def test_missing_denied_and_bucketless_objects_fail_with_bucket_key_and_code(
             assert f"bucket '{moto_store.bucket}'" in errors[url], errors
     lines = consumers(tmp_path / "cache", "c", "--no-shuffle", "--on-error", "skip").wait()
     assert as_samples(lines) == reference(paths, urls)
-    time.sleep(2.0)  # no retry storm: nothing more is asked for them meanwhile
+    # No retry storm: none of them waits to be tried again, and nothing more was asked for them.
+    s = agent.stats()
+    assert s["agent"]["retrying"] == [] and s["shards"]["downloading"] == s["shards"]["queued"] == 0, s
     for url in bad:
         assert len(moto_store.proxy.gets(url[len("s3://") :])) == 1, moto_store.proxy.of(url[len("s3://") :])
         assert len(moto_store.proxy.of(url[len("s3://") :])) <= 2  # and at most the start-up HEAD
