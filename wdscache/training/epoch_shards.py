@@ -283,12 +283,16 @@ class EpochShards:
             nxt += tuple(self._next_order[: self.prefetch - len(nxt)])
         return [self.urls[s] for s in nxt]
 
-    def open(self, shard: int, *, again: bool = False, while_downloading: bool = False) -> None:
+    def open(
+        self, shard: int, *, again: bool = False, while_downloading: bool = False, also: Sequence[int] | None = None
+    ) -> None:
         """Pin ``shard`` (see :meth:`Pins.open`), our window moving with it; one that fails is
-        raised or skipped (:meth:`failed`)."""
+        raised or skipped (:meth:`failed`). ``also``: the shards its open pins too if they are
+        cached now (by default the next of our order, :meth:`soon`; none when opened ``again``)."""
         if shard in self.skipped or (shard in self.pins.opened and not again):
             return
-        also = () if again else self.soon(shard)
+        if also is None:
+            also = () if again else self.soon(shard)
         reply = self.pins.open(
             shard,
             self.ahead(shard),

@@ -150,14 +150,18 @@ class ReadFailures:
         while reads.reopening:
             read = reads.in_state(ReadState.REOPEN)[0]
             per_shard = Counter(read.items[i][1][0] for i in read.to_ask(shards.skipped))
-            waits = pins.waits
-            for shard in per_shard:
-                with failing(read):  # waits until cached; StopEpoch if it failed, unless skipped
-                    shards.open(shard, again=True)
-            if pins.waits != waits:
-                # An open had to wait, letting go of the others: those opened before it go in a
-                # later part (pinning them again could evict the one waited for, and so on for ever).
-                read.later = {s for s in per_shard if s not in pins.opened and s not in shards.skipped}
+            held = [s for s in per_shard if s in pins.opened]  # for other reads too
+            free = [s for s in per_shard if s not in pins.opened]
+            with failing(read):  # an open waits until cached; StopEpoch if it failed, unless skipped
+                for shard in held:
+                    shards.open(shard, again=True)  # its copy may have gone: pinned afresh
+                if free:
+                    # The rest are pinned with it only if cached now, never waited for: waiting for
+                    # each in turn, each download could evict one pinned before (each wait lets go
+                    # of our other pins), and with a budget of fewer shards than the read spans,
+                    # that would go on for ever. What is not pinned goes in a later part.
+                    shards.open(free[0], again=True, also=free[1:])
+            read.later = {s for s in per_shard if s not in pins.opened and s not in shards.skipped}
             for shard, n in per_shard.items():
                 if shard not in shards.skipped and shard not in read.later:
                     pins.opened[shard] += n

@@ -28,9 +28,9 @@ any       at or after the read the epoch stops at (``drop_from``)      (gone)
 ========  ============================================================  ========
 
 A read goes to a worker whole, but for one reopened whose shards could not all be pinned
-again at once (each open that had to wait let go of the others, as it must, and the budget
-holds fewer of them than the read spans): it goes a part at a time, each part the items of
-the shards pinned then (the others its ``later``), and the samples of each part are kept
+again at once (an open that has to wait lets go of the others, as it must, and the budget
+may hold fewer of them than the read spans): it goes a part at a time, each part the items
+of the shards pinned then (the others its ``later``), and the samples of each part are kept
 (``got``) until the last comes. So a read always moves on, whatever the budget holds.
 
 Any failure with ``on_error="raise"`` (and a worker refusing the consumer, whatever
