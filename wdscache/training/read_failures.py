@@ -181,7 +181,7 @@ class ReadFailures:
             if read.state is not ReadState.DELAYED:
                 continue  # an open that had to wait put it back for reopening
             # A shard that fails here is let go; its items become holes.
-            for shard in {sid[0] for _, sid in read.items if sid[0] not in shards.skipped}:
+            for shard in {sid[0] for _, sid in read.sent_items() if sid[0] not in shards.skipped}:
                 with failing(read):
                     shards.check_download(shard)
 
