@@ -532,3 +532,26 @@ def test_the_budget_need_counts_the_shards_the_epochs_own_shuffle_buffer_holds_i
         buffer_span(buffer, per_shard),
         sum(held) / len(held),
     )
+
+
+def test_ranks_in_lockstep_under_a_budget_of_two_shards_read_their_epoch(shard_server, dataset, start_agent, tmp_path):
+    """Ranks that wait for each other every step (as a data-parallel job's all-reduce makes them;
+    here two ranks' loaders in one process, a sample of each in turn): a rank held at its user's
+    hands kept the pins of shards it reads later, while the other waited for room those pins
+    held, for ever. Told by the agent, a held rank lets go of every pin no read of its needs."""
+    data = dataset(8, samples=4, payload=1000)
+    size = max(p.stat().st_size for p in data.paths)
+    cache = tmp_path / "cache"
+    args = ("--no-shuffle", "--prefetch", "1", "--cache-size", str(2 * size + (8 << 10)), "--min-free", "0")
+    start_agent(cache, data.list_file, *args)
+    loaders = [
+        CachedMultiLoader(cache_dir=cache, job="lockstep", rank=r, world_size=2, shuffle=False, timeout=20)
+        for r in range(2)
+    ]
+    got = {}
+    for pair in zip(*loaders):
+        for x in pair:
+            assert (x["__url__"], x["__key__"]) not in got
+            got[(x["__url__"], x["__key__"])] = x
+    ref = reference(data.paths, data.urls)
+    assert set(got) == set(ref)

@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.streaming import reference
+
 pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
 pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)")
 
@@ -110,3 +112,19 @@ def test_stateful_dataloader_workers_of_a_job_on_several_nodes_resume_exactly_on
     assert len(rest[0]) == len(rest[1]) == 33
     together = Counter(first[0] + first[1] + rest[0] + rest[1])
     assert set(together) == everything and set(together.values()) == {1}
+
+
+@pytest.mark.slow
+def test_dataloader_workers_read_their_epoch_under_a_budget_of_two_shards(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The DataLoader takes its workers' batches in turn: a worker whose batch is not asked for
+    yet is held, and kept the pins of the shards it reads next while the worker asked waited
+    for room they held, until its timeout. Asked by the agent, a held worker lets them go."""
+    ds = dataset(8, samples=4, payload=1000)
+    size = max(p.stat().st_size for p in ds.paths)
+    cache = tmp_path / "cache"
+    budget = str(2 * size + (8 << 10))
+    start_agent(cache, ds.list_file, "--no-shuffle", "--prefetch", "1", "--cache-size", budget, "--min-free", "0")
+    got = _run(cache, "small_budget")["got"]
+    assert sorted(got) == sorted(f"{u}#{key}" for u, key in reference(ds.paths, ds.urls))

@@ -60,6 +60,18 @@ def workers(cache: str) -> dict[str, Any]:
     return out
 
 
+def small_budget(cache: str) -> dict[str, Any]:
+    """One rank in DataLoader(num_workers=3), a sample at a time in list order, of an agent whose
+    budget holds two shards."""
+    ds = CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20)
+    dl = DataLoader(ds, batch_size=None, num_workers=3, collate_fn=as_is)
+    return {"got": [f"{x['__url__']}#{x['__key__']}" for x in dl]}
+
+
+def as_is(sample: dict[str, Any]) -> dict[str, Any]:
+    return sample
+
+
 def tensor_of(sample: dict[str, Any]) -> dict[str, Any]:
     return {"n": int(sample["cls"]), "x": torch.ones(2)}
 
@@ -178,4 +190,5 @@ def nodes(cache: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     cache_dir, scenario = sys.argv[1], sys.argv[2]
-    print(json.dumps({"workers": workers, "stateful": stateful, "nodes": nodes}[scenario](cache_dir)))
+    scenarios = {"workers": workers, "stateful": stateful, "nodes": nodes, "small_budget": small_budget}
+    print(json.dumps(scenarios[scenario](cache_dir)))

@@ -141,6 +141,7 @@ class Agent:
         self._list_file = ListFile(config)
         # A list whose lookup table (by URL) is not made yet: the loop makes it a step a turn.
         self._lookups: Urls | None = None
+        self._held_up = False  # a reader waits for room that pins hold (see _op_report)
         self._private = _PrivateUse(config.private_users)
         if config.metrics_port is not None:
             require_metrics()  # before anything starts: the missing extra is a bad option
@@ -245,7 +246,7 @@ class Agent:
             "hello": self._op_hello,
             "put_urls": self.readers.op_put_urls,
             "get_urls": self.readers.op_get_urls,
-            "report": self.readers.op_report,
+            "report": self._op_report,
             "bye": self.readers.op_bye,
             "open": self.opens.op_open,
             "status": self.opens.op_status,
@@ -331,6 +332,7 @@ class Agent:
             want, self.readers.holding(want), set(demanded), self.prefetches.hold(set(warm))
         ):
             self.opens.answer_while_downloading(url)
+        self._held_up = any(self.downloads.space_wait(u) for u in demanded) and any(self.cache.pins.values())
         for given_up in self.downloads.no_room():
             self.prefetches.no_room(given_up)
 
@@ -486,6 +488,16 @@ class Agent:
             self._last_flush = time.monotonic()
             self.cache.index.flush()
         return {"ok": True, "stats": self.stats()}
+
+    def _op_report(self, request: Request) -> Reply:
+        """A consumer's report (:meth:`Readers.op_report`). While a reader waits for room that pins
+        hold, each consumer is asked to let go of the pins it does not read now: one held by its
+        user (a rank in a collective, a DataLoader worker whose batch is not asked for yet) may be
+        what the waiting reader's own job waits for, and its pins would hold that room for ever."""
+        reply = self.readers.op_report(request)
+        if self._held_up and reply.get("ok"):
+            reply["let_go"] = True
+        return reply
 
     def _op_counts(self, request: Request) -> Reply:
         samples = self.readers.samples  # counted in a copy, else from a shard index

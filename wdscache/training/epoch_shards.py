@@ -168,6 +168,10 @@ class EpochShards:
         while True:
             # Asked each time: an agent restarted meanwhile may run another number of workers.
             reply = self.call_worker(Requests.scan(url, while_downloading=True), self.worker_of(shard))
+            if reply.get("kind") == "missing" and shard not in self.pins.opened:
+                # We let go of it, held by our user (Pins.let_go_parked), and it went: pin it again.
+                self.open(shard, again=True, while_downloading=True)
+                continue
             if not reply.get("ok"):
                 error: WdsCacheError = shard_error(url, reply)
                 break

@@ -21,7 +21,11 @@ budget) first lets go of every pin it is not reading (:meth:`Pins.open`), in the
 that waits, so consumers cannot fill the budget with pins while each waits for room for its
 next shard. A request only ever names shards already pinned, so it never needs more at once.
 An open may pin the shards we read next too (``also``), only those cached at that moment:
-never a wait, and let go like any other pin.
+never a wait, and let go like any other pin. A stream held by its user keeps the pins of
+shards it reads later, though, and a rank held there may wait for another rank (a collective,
+a DataLoader taking its workers' batches in turn) that waits for room those pins hold: so while
+a reader waits for room that pins hold, the agent asks every consumer to let go of the pins it
+does not read now, and a stream held by its user does (:meth:`Pins.let_go_parked`).
 
 A cache file is open only while its shard is pinned (:mod:`wdscache.training.direct`): each release
 closes it first, so its disk space comes back once the agent evicts it.
@@ -29,12 +33,14 @@ closes it first, so its disk space comes back once the agent evicts it.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..shared.client import AgentConnection
+from ..shared.errors import AgentUnavailableError
 from ..shared.messages import Requests
 from .direct import CacheFiles
 
@@ -42,6 +48,7 @@ STATUS_EVERY = 1.0  # seconds between asking the agent how a download we wait fo
 # Seconds a pin let go may wait to ride on our next open before it is sent alone: short next
 # to a download, long next to reading a small shard's share (many ranks or workers).
 RELEASE_AFTER = 0.5
+LET_GO_TIMEOUT = 1.0  # seconds the release of a held stream's pins waits for the agent (else it goes later)
 
 
 class Pins:
@@ -68,6 +75,10 @@ class Pins:
         self.waits = 0  # opens that had to wait, letting go of our other pins
         self.letting_go: list[str] = []  # pins let go that the agent has not heard of yet, oldest first
         self._letting_go_since = 0.0  # when the oldest of them was let go
+        # Held at its user's hands (set by the stream's thread before it hands out samples, cleared
+        # through unpark): the reporter's thread may let go of our pins meanwhile, under _parking.
+        self.parked = False
+        self._parking = threading.Lock()
 
     def open(
         self,
@@ -135,9 +146,37 @@ class Pins:
         """Unpin ``shard`` once we have no read of it outstanding and (unless forced) need it no
         more: the sequence gave out its last id and the share dealt it."""
         if self.opened.get(shard) == 0 and (force or (self.remaining.get(shard, 1) == 0 and shard not in self.undealt)):
-            del self.opened[shard]
-            self.close_file(shard)  # before the agent may evict it: its space comes back
-            self._let_go(self.urls[shard])
+            self._unpin(shard)
+
+    def _unpin(self, shard: int) -> None:
+        del self.opened[shard]
+        self.close_file(shard)  # before the agent may evict it: its space comes back
+        self._let_go(self.urls[shard])
+
+    def unpark(self) -> None:
+        """The stream reads on: its pins are its thread's alone again (once a let-go under way ends)."""
+        with self._parking:
+            self.parked = False
+
+    def let_go_parked(self, conn: AgentConnection) -> None:
+        """If the stream is held at its user's hands (``parked``), let go of all its pins and tell
+        the agent over ``conn`` (the reporter's; not told in time, they go with our next request).
+        A read of them batched or out still gets its samples if their copy stays; else it comes
+        back "missing" (or a direct read finds the file gone, and is sent again) and is pinned and
+        asked again, as after a restart of the agent; a shard being counted (as it downloads, or
+        walked) is pinned again when its worker finds it gone; a shard read later is pinned as it
+        comes. From the reporter's thread, when the agent asks."""
+        with self._parking:
+            if not self.parked:
+                return
+            for shard in list(self.opened):
+                self._unpin(shard)
+            urls = self._take_letting_go()
+            if urls:
+                try:
+                    conn.request(self.requests.release(*urls), timeout=LET_GO_TIMEOUT)
+                except AgentUnavailableError:
+                    self.letting_go[:0] = urls
 
     def drop(self, shard: int, timeout: float) -> None:
         """Unpin a shard that failed, whatever reads of it are still out (they keep their holes)."""

@@ -94,6 +94,7 @@ class Reporter:
     """Tells the agent how a stream goes, for its stats, when ``clock`` (the loader's
     :class:`ReportClock`) says: the report ``report(**figures(), rate=...)`` builds, with the
     sample rate. From a thread of its own with its own connection (ZeroMQ sockets belong to one thread).
+    A reply that asks the stream to let go of its pins (``let_go``) gets ``let_go(connection)`` called.
 
     ``figures`` (a stream's method) is held weakly, and ``connect`` only until the thread has
     connected: a stream nobody holds any more (an ``iter(loader)`` dropped before its first
@@ -106,10 +107,12 @@ class Reporter:
         report: Callable[..., ReportMessage],
         figures: Callable[[], dict[str, Any]],
         clock: ReportClock,
+        let_go: Callable[[AgentConnection], None],
     ) -> None:
         self.report, self.clock = report, clock
         self._connect: Callable[[float], AgentConnection] | None = connect  # until the thread has connected
         self.figures = weakref.WeakMethod(figures)
+        self.let_go = weakref.WeakMethod(let_go)  # when the agent asks (a stream's method, as figures)
         self.run = ""  # the agent run its connection proved last (read by the stream's thread)
         self._handed_out = 0  # samples the stream had handed out when last asked (see _samples)
         self.forgotten = False  # the agent answered need_hello: it dropped the reader (the stream's thread pings)
@@ -139,6 +142,9 @@ class Reporter:
                     continue
                 else:
                     self.forgotten = self.forgotten or reply.get("need_hello") is True
+                    if reply.get("let_go") is True and (let_go := self.let_go()) is not None:
+                        let_go(conn)
+                        del let_go
                 finally:
                     self.run = conn.run
         finally:  # (the stream's close() joins us: its samples are all handed out by then)

@@ -236,7 +236,7 @@ class EpochStream:
         self.broken = False  # the epoch ended in an error: close quickly
         self.epoch = epoch
         report = functools.partial(self.requests.report, s.job, s.rank)
-        self.reporter = Reporter(session.connect, report, self._figures, session.reports)
+        self.reporter = Reporter(session.connect, report, self._figures, session.reports, self.pins.let_go_parked)
         self.runs = AgentRuns(self)  # the agent run our links and pins belong to, and a new one taken up
 
     # -- the rank's share -------------------------------------------------------
@@ -422,44 +422,16 @@ class EpochStream:
                     pins.flush(now=True)
                 if self.reporter.forgotten:  # dropped while stopped: pinned again before more is handed out
                     self.runs.check()
+                pins.parked = True  # held at its user's hands: see Pins.let_go_parked
                 yield it
+                pins.unpark()
                 self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
             if owed and error is None:
-                self._nothing_to_repeat(owed)
+                nothing_to_repeat(self, owed)
         finally:
             self._waiting_from = None  # the epoch's end, or its close: no wait goes on
         if error is not None:
             raise error
-
-    def _nothing_to_repeat(self, holes: int) -> None:
-        """A share whose every sample here lay in shards skipped (``on_error="skip"``) has none
-        read to repeat in their ``holes``, so it cannot keep the count every rank gets, and a
-        data-parallel job would wait forever on the ranks that got theirs: ShardError, when the
-        whole share is so. The rest of a share resumed from a checkpoint (its samples before it
-        were read then) ends short instead, with a warning that says so."""
-        skipped = sorted(self.shards.skipped)
-        url = self.urls[skipped[0]] if skipped else "?"
-        more = f" and {len(skipped) - 1} other shard(s)" if len(skipped) > 1 else ""
-        share = self.share
-        resumes = share.job.resumes if isinstance(share, NodeShare) else (share.resume,)
-        if self.worker_slice.skip or any(r.delivered() for r in resumes):
-            log.warning(
-                "rank %d's rest of epoch %d since its checkpoint lies in shards that failed (%s%s): no sample "
-                "read since to repeat in the %d places skipped, so it ends %d short of the other ranks",
-                self.settings.rank,
-                self.spec.epoch,
-                url,
-                more,
-                holes,
-                holes,
-            )
-            return
-        raise ShardError(
-            url,
-            f"every sample rank {self.settings.rank} reads here in epoch {self.spec.epoch} lies in shards that "
-            f"failed (this one{more}): none was read to repeat in the {holes} places skipped, so its count "
-            "cannot equal the other ranks'; fix or drop the failed shards",
-        )
 
     # -- reads --------------------------------------------------------------------
 
@@ -592,8 +564,8 @@ class EpochStream:
         if self.finished:
             return
         self.finished = True
+        self.reporter.stop()  # first: its thread may be letting go of our pins
         self.pins.stop_direct()  # before bye lets go of our pins
-        self.reporter.stop()
         try:
             if not self.broken:
                 self.shards.await_counts()
@@ -604,6 +576,37 @@ class EpochStream:
         finally:  # whatever the agent answered: no socket is left to the garbage collector
             self.conn.close()
             self.workers.close()
+
+
+def nothing_to_repeat(stream: EpochStream, holes: int) -> None:
+    """A share whose every sample here lay in shards skipped (``on_error="skip"``) has none
+    read to repeat in their ``holes``, so it cannot keep the count every rank gets, and a
+    data-parallel job would wait forever on the ranks that got theirs: ShardError, when the
+    whole share is so. The rest of a share resumed from a checkpoint (its samples before it
+    were read then) ends short instead, with a warning that says so."""
+    skipped = sorted(stream.shards.skipped)
+    url = stream.urls[skipped[0]] if skipped else "?"
+    more = f" and {len(skipped) - 1} other shard(s)" if len(skipped) > 1 else ""
+    share = stream.share
+    resumes = share.job.resumes if isinstance(share, NodeShare) else (share.resume,)
+    if stream.worker_slice.skip or any(r.delivered() for r in resumes):
+        log.warning(
+            "rank %d's rest of epoch %d since its checkpoint lies in shards that failed (%s%s): no sample "
+            "read since to repeat in the %d places skipped, so it ends %d short of the other ranks",
+            stream.settings.rank,
+            stream.spec.epoch,
+            url,
+            more,
+            holes,
+            holes,
+        )
+        return
+    raise ShardError(
+        url,
+        f"every sample rank {stream.settings.rank} reads here in epoch {stream.spec.epoch} lies in shards that "
+        f"failed (this one{more}): none was read to repeat in the {holes} places skipped, so its count "
+        "cannot equal the other ranks'; fix or drop the failed shards",
+    )
 
 
 def same_directory(hello: dict[str, Any]) -> bool:
