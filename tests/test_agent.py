@@ -970,6 +970,7 @@ def test_a_list_edit_answers_who_waits_for_a_removed_shard_and_retries_a_failed_
             conn.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["removed", "replaced"])
 def test_a_cache_directory_removed_under_the_agent_stops_it_with_a_line_saying_so(
     shard_server, dataset, start_agent, tmp_path, how

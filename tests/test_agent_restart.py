@@ -169,6 +169,7 @@ def range_start(request: Any) -> int:
     return int(m.group(1)) if m else 0
 
 
+@pytest.mark.slow
 def test_a_shard_only_a_jobs_own_list_names_half_downloaded_at_a_kill_is_resumed_from_its_partial(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):
@@ -193,6 +194,7 @@ def test_a_shard_only_a_jobs_own_list_names_half_downloaded_at_a_kill_is_resumed
     assert kept <= first.bytes_sent <= kept + IN_FLIGHT, (first, kept)  # sent in all: the shard, and what was in flight
 
 
+@pytest.mark.slow
 def test_a_jobs_own_shard_replaced_on_its_server_while_the_agent_was_down_starts_over_never_spliced(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):

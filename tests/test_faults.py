@@ -300,6 +300,7 @@ def _commands_running(marker: str) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and marker in cmdline(int(p))]
 
 
+@pytest.mark.slow
 def test_pipe_commands_that_fail_without_output_stall_or_close_their_output_early(tmp_path, dataset, start_agent):
     ds = dataset(1, **SHARD_300K)
     shard, tried = ds.paths[0], tmp_path / "tried"

@@ -676,6 +676,7 @@ def test_a_busy_agent_is_not_taken_for_absent_by_the_cache_commands(tmp_path, da
     assert r.returncode == 0 and r.stdout.startswith("evicted 1 shard(s)"), r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_prefetch_without_an_agent_keeps_the_last_agents_free_space_or_the_one_given(
     tmp_path, dataset, run_cli, start_agent, tmpfs
 ):

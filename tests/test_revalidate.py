@@ -75,6 +75,7 @@ def test_a_restarted_agent_asks_about_the_shards_readers_want_next_before_any_op
     assert s["agent"]["changed"][0]["url"] == data.urls[5]
 
 
+@pytest.mark.slow
 def test_revalidating_at_start_up_is_not_a_read(tmp_path, shard_server, dataset, start_agent, run_cli):
     """Restarts revalidate every cached shard, yet count no read: a shard nobody read shows no
     reads and no last-read time, and one read before keeps its count and time (eviction's order)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from tests.helpers.agents import FIRST_PART
 from tests.helpers.waits import wait_for
 from wdscache.shared.layout import CacheLayout
@@ -58,6 +60,7 @@ def test_one_sigterm_during_the_start_up_size_checks_stops_the_agent(shard_serve
     assert agent.stderr_text().rstrip().endswith("stopped"), agent.stderr_tail()
 
 
+@pytest.mark.slow
 def test_a_get_whose_head_trickles_is_retried_then_cached_or_failed_naming_its_url(
     shard_server, dataset, start_agent, tmp_path
 ):

@@ -168,6 +168,7 @@ def test_webdataset_decoder_on_delivered_samples(tmp_path, dataset, start_agent)
     assert all(isinstance(s["cls"], int) and isinstance(s["json"], (dict, list)) for s in decoded)
 
 
+@pytest.mark.slow
 def test_loader_without_agent_starts_a_private_one_and_stops_it(tmp_path, dataset):
     from wdscache import CachedMultiLoader, collect_stats
 

@@ -89,6 +89,7 @@ def test_a_table_file_is_read_back_only_whole_and_for_its_file(tmp_path: Path) -
         read_table_file(path, identity)
 
 
+@pytest.mark.slow
 def test_a_restarted_agent_reads_the_tables_it_kept_and_walks_only_those_not_whole(
     tmp_path, shard_server, dataset, start_agent
 ):

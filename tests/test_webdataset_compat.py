@@ -345,6 +345,7 @@ def test_https_to_a_plain_http_port_fails_at_once_naming_tls(served: Any) -> Non
     assert time.monotonic() - t0 < FAST
 
 
+@pytest.mark.slow
 def test_a_server_down_after_it_answered_is_named_when_the_wait_runs_out(
     shard_server: Any, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:

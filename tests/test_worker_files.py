@@ -96,6 +96,7 @@ def test_shards_longer_than_a_walk_step_are_indexed_ahead_and_served_byte_for_by
     assert sum(w["walked"] for w in agent.stats()["agent"]["workers"]) == 3
 
 
+@pytest.mark.slow
 def test_a_restarted_agent_walks_the_cached_shards_readers_want_next_before_any_read(
     tmp_path, shard_server, dataset, start_agent
 ):
