@@ -16,7 +16,8 @@ import pytest
 
 from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.disks import fill
-from tests.helpers.streaming import reference, samples_of
+from tests.helpers.procs import files_held
+from tests.helpers.streaming import fields_of, reference, samples_of
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.shared.client import AgentConnection, resolve_endpoint
@@ -534,24 +535,31 @@ def test_the_budget_need_counts_the_shards_the_epochs_own_shuffle_buffer_holds_i
     )
 
 
-def test_ranks_in_lockstep_under_a_budget_of_two_shards_read_their_epoch(shard_server, dataset, start_agent, tmp_path):
+@pytest.mark.parametrize("shuffle", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_ranks_in_lockstep_under_a_budget_of_two_shards_read_their_epoch(
+    shard_server, dataset, start_agent, tmp_path, shuffle
+):
     """Ranks that wait for each other every step (as a data-parallel job's all-reduce makes them;
-    here two ranks' loaders in one process, a sample of each in turn): a rank held at its user's
-    hands kept the pins of shards it reads later, while the other waited for room those pins
-    held, for ever. Told by the agent, a held rank lets go of every pin no read of its needs."""
-    data = dataset(8, samples=4, payload=1000)
+    here three ranks' loaders in one process, a sample of each in turn): a rank held at its user's
+    hands kept the pins of shards it reads later, while another waited for room those pins
+    held, for ever. Told by the agent, a held rank lets go of its pins; a cache file it reads
+    after (a read of it was out) is not kept open once evicted."""
+    data = dataset(8, samples=8, payload=8000)
     size = max(p.stat().st_size for p in data.paths)
     cache = tmp_path / "cache"
-    args = ("--no-shuffle", "--prefetch", "1", "--cache-size", str(2 * size + (8 << 10)), "--min-free", "0")
-    start_agent(cache, data.list_file, *args)
+    args = ("--prefetch", "1", "--cache-size", str(2 * size + (8 << 10)), "--min-free", "0")
+    start_agent(cache, data.list_file, *args, *(() if shuffle else ("--no-shuffle",)))
     loaders = [
-        CachedMultiLoader(cache_dir=cache, job="lockstep", rank=r, world_size=2, shuffle=False, timeout=20)
-        for r in range(2)
+        CachedMultiLoader(cache_dir=cache, job="lockstep", rank=r, world_size=3, shuffle=shuffle, timeout=20)
+        for r in range(3)
     ]
-    got = {}
-    for pair in zip(*loaders):
-        for x in pair:
-            assert (x["__url__"], x["__key__"]) not in got
-            got[(x["__url__"], x["__key__"])] = x
+    got: dict[tuple[str, str], list[dict[str, str]]] = {}
+    held: list[str] = []
+    for step in zip(*loaders):
+        for x in step:
+            got.setdefault((x["__url__"], x["__key__"]), []).append(fields_of(x))
+        held += [f for f in files_held("self", cache)[0] if f.endswith(" (deleted)")]
     ref = reference(data.paths, data.urls)
-    assert set(got) == set(ref)
+    assert {k: v[0] for k, v in got.items()} == ref
+    assert all(v == [v[0]] * len(v) for v in got.values())  # (64 samples over 3 ranks: 2 repeated)
+    assert not held, held

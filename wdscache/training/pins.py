@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..shared.client import AgentConnection
-from ..shared.errors import AgentUnavailableError
+from ..shared.errors import AgentUnavailableError, NotTrustedError
 from ..shared.messages import Requests
 from .direct import CacheFiles
 
@@ -147,6 +147,8 @@ class Pins:
         more: the sequence gave out its last id and the share dealt it."""
         if self.opened.get(shard) == 0 and (force or (self.remaining.get(shard, 1) == 0 and shard not in self.undealt)):
             self._unpin(shard)
+        elif shard not in self.opened:
+            self.close_file(shard)  # let go of while a read of it was out (let_go_parked), which opened it
 
     def _unpin(self, shard: int) -> None:
         del self.opened[shard]
@@ -175,7 +177,7 @@ class Pins:
             if urls:
                 try:
                     conn.request(self.requests.release(*urls), timeout=LET_GO_TIMEOUT)
-                except AgentUnavailableError:
+                except (AgentUnavailableError, NotTrustedError):
                     self.letting_go[:0] = urls
 
     def drop(self, shard: int, timeout: float) -> None:
