@@ -51,6 +51,26 @@ def warm(dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path:
 
 
 @pytest.mark.slow
+def test_dataloader_workers_made_anew_each_epoch_read_the_next_epoch_without_set_epoch(
+    warm: tuple[Path, set[str]],
+) -> None:
+    """torch's default workers are copies of the dataset made each epoch: without set_epoch
+    each iteration is still the next epoch, the same epochs set_epoch(0), (1), (2) give."""
+    cache, _ = warm
+    out = _run(cache, "fresh_workers")
+    told = out["told"]
+    assert len({tuple(e) for e in told}) == 3  # three orders
+    for epoch in told:
+        assert len(epoch) == 39 and len(set(epoch)) == 39  # the rank's share of 78, each once
+    assert out["fresh"] == told
+    assert out["spawned"] == told
+    assert out["persistent"] == told
+    assert out["set_then_not"] == told
+    first, second = out["webdataset"]
+    assert first != second and sorted(first) == sorted(second) and len(set(first)) == len(first) == 78
+
+
+@pytest.mark.slow
 def test_dataloader_workers_split_each_ranks_share(warm: tuple[Path, set[str]]) -> None:
     cache, _ = warm
     out = _run(cache, "workers")

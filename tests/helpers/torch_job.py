@@ -60,6 +60,47 @@ def workers(cache: str) -> dict[str, Any]:
     return out
 
 
+def epochs_of(ds: Any, dl: Any, n: int, *, set_each: bool) -> list[list[str]]:
+    """What ``n`` iterations of ``dl`` over ``ds`` give, each an epoch (``set_each``: told by set_epoch)."""
+    out = []
+    for epoch in range(n):
+        if set_each:
+            ds.set_epoch(epoch)
+        out.append([i for batch in dl for i in ids(batch)])
+    return out
+
+
+def fresh_workers(cache: str) -> dict[str, Any]:
+    """Three epochs of DataLoader(num_workers=2) over a rank of two: torch's default workers
+    (made anew each epoch, "fork" and "spawn") without set_epoch, and as references the same
+    told by set_epoch and persistent workers without it; then a wdscache.WebDataset's."""
+    import webdataset as wds
+
+    import wdscache
+
+    def run(set_each: bool, **kw: Any) -> list[list[str]]:
+        ds = loader(cache, 0, 2)
+        return epochs_of(ds, DataLoader(ds, batch_size=4, num_workers=2, **kw), 3, set_each=set_each)
+
+    out: dict[str, Any] = {
+        "fresh": run(False),
+        "spawned": run(False, multiprocessing_context="spawn"),
+        "told": run(True),
+        "persistent": run(False, persistent_workers=True),
+    }
+    # set_epoch once, then none: the iterations after it move on from that epoch.
+    ds = loader(cache, 0, 2)
+    dl = DataLoader(ds, batch_size=4, num_workers=2)
+    first = epochs_of(ds, dl, 1, set_each=True)
+    ds.set_epoch(1)
+    out["set_then_not"] = first + epochs_of(ds, dl, 2, set_each=False)
+    pipeline = wdscache.WebDataset(
+        None, cache_dir=cache, shardshuffle=True, job="torch-wds", timeout=60, rank=0, world_size=1
+    ).map(lambda s: {"__url__": s["__url__"], "__key__": s["__key__"]})
+    out["webdataset"] = epochs_of(pipeline, wds.WebLoader(pipeline, batch_size=4, num_workers=2), 2, set_each=False)
+    return out
+
+
 def small_budget(cache: str) -> dict[str, Any]:
     """One rank in DataLoader(num_workers=3), a sample at a time in list order, of an agent whose
     budget holds two shards."""
@@ -190,5 +231,11 @@ def nodes(cache: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     cache_dir, scenario = sys.argv[1], sys.argv[2]
-    scenarios = {"workers": workers, "stateful": stateful, "nodes": nodes, "small_budget": small_budget}
+    scenarios = {
+        "workers": workers,
+        "stateful": stateful,
+        "nodes": nodes,
+        "small_budget": small_budget,
+        "fresh_workers": fresh_workers,
+    }
     print(json.dumps(scenarios[scenario](cache_dir)))

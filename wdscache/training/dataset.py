@@ -11,6 +11,11 @@ its exact share, each sample once, and every rank the same count, whatever ``K``
   that it outlives the workers of one epoch.
 - ``set_epoch`` reaches workers that outlive an epoch (``persistent_workers=True``) through
   a value in shared memory; workers made anew each epoch copy it anyway.
+- Without ``set_epoch``, each iteration of a ``DataLoader`` is the next epoch, whatever its
+  workers: torch's default workers are made anew each epoch from the dataset, whose epoch
+  does not move (it is not iterated in this process), so each worker keeps the epoch after
+  the one it read last in the same shared memory, and a copy made anew reads that one.
+  ``set_epoch`` and ``load_state_dict`` in this process say again where the next starts.
 - ``state_dict()`` in a worker (torchdata's ``StatefulDataLoader`` asks each) is that
   worker's slice; see :meth:`~.loader.CachedMultiLoader.load_state_dict` for resuming with
   another ``num_workers`` or world size.
@@ -18,6 +23,7 @@ its exact share, each sample once, and every rank the same count, whatever ``K``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from multiprocessing.context import get_spawning_popen
 from multiprocessing.sharedctypes import RawArray
@@ -28,6 +34,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .worker_slices import WorkerSlice
 
 L = TypeVar("L")
+
+# DataLoader workers whose next epoch the box keeps (a worker of a higher id reads the epoch
+# its copy was made with, as before set_epoch is called).
+BOX_WORKERS = 1024
+_SET, _EPOCH = 0, 1  # the box: times set_epoch was called here, its epoch, then one slot a worker
 
 
 def torch_loader(loader: type[L], name: str) -> type[L]:
@@ -41,6 +52,9 @@ class InDataLoader:
 
     _epoch_box: Any
     _box_seen: int
+    _chosen_in: int  # the process in which this copy's epoch was last set (set_epoch, load_state_dict)
+    _read_in: int  # the process in which this copy last began an epoch
+    _next: Any  # the loader's next epoch (see checkpoints.NextEpoch)
 
     def _loader(self) -> Any:
         """The loader's own methods (the class after this one)."""
@@ -48,16 +62,30 @@ class InDataLoader:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._loader().__init__(*args, **kwargs)
-        # [times set_epoch was called, its epoch]: read by workers made before the call.
-        self._epoch_box = RawArray("q", 2)
+        # [times set_epoch was called, its epoch, then for each worker id 1 + the epoch its next
+        # copy begins (0: none read yet)]: shared with the workers, made before or after a call.
+        self._epoch_box = RawArray("q", 2 + BOX_WORKERS)
         self._box_seen = 0
+        self._chosen_in = self._read_in = 0
         self._loader()._ensure_agent()
 
     def set_epoch(self, epoch: int) -> None:
         self._loader().set_epoch(epoch)
-        self._epoch_box[1] = epoch
-        self._epoch_box[0] += 1
-        self._box_seen = self._epoch_box[0]
+        self._chose()
+        self._epoch_box[_EPOCH] = epoch
+        self._epoch_box[_SET] += 1
+        self._box_seen = self._epoch_box[_SET]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loader().load_state_dict(state)
+        self._chose()
+
+    def _chose(self) -> None:
+        """This copy's next epoch was said here: copies made from now on in workers begin it
+        (they forget what earlier copies read)."""
+        self._chosen_in = os.getpid()
+        if get_worker_info() is None:
+            self._epoch_box[2:] = [0] * BOX_WORKERS
 
     def _worker_slice(self) -> WorkerSlice:
         info = get_worker_info()
@@ -67,11 +95,23 @@ class InDataLoader:
         return get_worker_info() is not None
 
     def __iter__(self) -> Iterator[Any]:
-        told = self._epoch_box[0]
+        told = self._epoch_box[_SET]
         if told != self._box_seen:  # set_epoch was called in the main process since this copy was made
             self._box_seen = told
-            self._loader().set_epoch(self._epoch_box[1])
-        return self._loader().__iter__()
+            self._loader().set_epoch(self._epoch_box[_EPOCH])
+            self._chosen_in = os.getpid()
+        info = get_worker_info()
+        slot = None if info is None or info.id >= BOX_WORKERS else 2 + info.id
+        pid = os.getpid()
+        if slot is not None and pid not in (self._chosen_in, self._read_in) and self._epoch_box[slot]:
+            # A copy made anew for this worker (torch's default workers), its epoch not said
+            # here: the epoch after the one this worker's last copy began.
+            self._loader().set_epoch(self._epoch_box[slot] - 1)
+        self._read_in = pid
+        samples = self._loader().__iter__()
+        if slot is not None:
+            self._epoch_box[slot] = self._next.epoch + 1  # the next epoch, as begun now
+        return samples
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to a worker started by "spawn" or "forkserver", the box goes along (multiprocessing
