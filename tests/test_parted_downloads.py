@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -151,14 +152,20 @@ def test_an_object_changed_mid_download_is_fetched_whole_never_spliced(shard_ser
         tmp_path / "v2" / name, synth_samples(0, SHAPE["samples"], payload=SHAPE["payload"], seed=7)
     )
     assert replacement.read_bytes() != src.read_bytes()
-    shard_server.rate = 300_000
+    # The first part stops after 100 KB until the object is replaced, then its answer ends short:
+    # its rest is asked for again, of a version the server no longer has, whatever the other
+    # parts did meanwhile.
+    replaced, first = threading.Event(), f"bytes=0-{PART - 1}"
+    shard_server.fail(name, "stall", after=100_000, seconds=DEADLINE, until=replaced, then="close", range=first)
     cache = tmp_path / "cache"
     agent = start_agent(cache, ds.list_file, *PARTS, "--download-parts", "2", "--prefetch", "1", "--cache-size", "20M")
     wait_for(
-        lambda: len(gets(shard_server, name)) >= 2, DEADLINE, lambda: f"the parts never started\n{agent.stderr_tail()}"
+        lambda: any(r.range == first for r in gets(shard_server, name)),
+        DEADLINE,
+        lambda: f"the first part never started\n{agent.stderr_tail()}",
     )
     os.replace(replacement, src)  # bodies under way go on with the old file; new requests see the new one
-    shard_server.rate = None
+    replaced.set()
     agent.wait_stats(lambda s: s["shards"]["cached"] == 1, DEADLINE, "the changed shard was never cached")
     assert cached(cache, ds.urls[0]) == src.read_bytes()  # the new version, whole
     reqs = gets(shard_server, name)
