@@ -39,7 +39,12 @@ def main() -> int:
     ap.add_argument("--resume", default=None, help="a JSON state dict to load")
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to sleep after each sample")
     ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--on-error", default="raise", choices=("raise", "skip"))
+    ap.add_argument(
+        "--on-error",
+        default="raise",
+        choices=("raise", "skip", "stop"),
+        help="stop: a handler that returns False (the epoch ends where a shard fails, no error)",
+    )
     ap.add_argument("--request-size", type=int, default=None, help="the loader's, unless given")
     ap.add_argument(
         "--linger-until",
@@ -62,7 +67,7 @@ def main() -> int:
         shuffle_buffer=args.shuffle_buffer,
         drop_last=args.drop_last,
         timeout=args.timeout,
-        on_error=args.on_error,
+        on_error=(lambda exc: False) if args.on_error == "stop" else args.on_error,
         **({} if args.request_size is None else {"request_size": args.request_size}),
     )
     n = 0

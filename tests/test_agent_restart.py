@@ -577,3 +577,64 @@ def test_reads_across_more_shards_than_a_restarted_agents_budget_holds_go_on_a_s
     # prefetch of 2 shards aside, which may be evicted before the read reaches them).
     again = {p.name: shard_server.count(p.name) - got[p.name] for p in ds.paths}
     assert sum(again.values()) <= len(ds.paths) + 2, again
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefetch", ["4", "1"])
+@pytest.mark.parametrize("on_error", ["raise", "stop"])
+def test_a_shard_failing_when_a_read_into_it_is_asked_again_ends_the_epoch_after_every_sample_before_it(
+    shard_server, dataset, start_agent, consumers, tmp_path, on_error, prefetch
+):
+    """Reads of 6 samples over shards of 4: the second read holds shard 1's last 2 samples and
+    shard 2's first 4. Its workers stopped, it is out when the agent is killed; shard 2's copy
+    goes and its source answers 404, so when the restarted agent has the read asked again, shard
+    2 fails then: at once if the new run's start-up prefetch (``prefetch``: 4) failed it already,
+    while the read is still out; else (1) the read's shard-1 part comes first (the new workers
+    lack shard 2's copy) and shard 2's download fails as it is pinned again. The samples before
+    shard 2's first, the read's own 2 of shard 1 among them, are all handed out, then the error
+    is raised naming shard 2 (a handler that returns False ends the epoch at the same place)."""
+    ds = dataset(4, samples=4, payload=1000)
+    order = sorted(reference(ds.paths, ds.urls), key=lambda k: (ds.urls.index(k[0]), k[1]))
+    failing = ds.urls[2]
+    cache = tmp_path / "cache"
+    args = ("--no-shuffle", "--workers", "2", "--prefetch", "4", "--cache-size", "10M")
+    agent = start_agent(cache, ds.list_file, *args)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, "not all 4 shards cached")
+    first = consumers(cache, "first", "--job", "cut", "--no-shuffle", "--timeout", "20")
+    assert len(samples_of(first.wait(DEADLINE))) == len(order)  # the agent knows each shard's count now
+    workers = wait_for(
+        lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)),
+        10,
+        lambda: f"2 workers not found among {children_of(agent.pid)}",
+    )
+    for w in workers:
+        os.kill(w, signal.SIGSTOP)  # the reads stay unanswered
+    c = consumers(
+        cache,
+        "reader",
+        "--job",
+        "cut",
+        "--no-shuffle",
+        "--timeout",
+        "20",
+        "--request-size",
+        "6",
+        "--on-error",
+        on_error,
+    )
+    agent.wait_stats(lambda s: s["agent"]["pinned"] >= 4, 20, "the reads' shards pinned")
+    kill_agent(agent)
+    assert evict(cache, [failing])["evicted"] == [failing]
+    shard_server.fail(ds.paths[2].name, "status", status=404, times=1000)
+    start_agent(cache, ds.list_file, *args, "--prefetch", prefetch)
+    rc = wait_exit(c.proc, DEADLINE, "the consumer")
+    log = c.log.read_text(errors="replace")
+    assert re.search(r"restarted: said hello to it again; sending [1-9]\d* reads again", log), consumer_log(c)
+    lines = [json.loads(line) for line in c.out.read_text().splitlines()]
+    keys = [(s["url"], s["key"]) for s in samples_of(lines)]
+    assert keys == [k for k in order if k[0] in ds.urls[:2]], consumer_log(c)
+    assert f"epoch 0 ends at a shard that cannot be read: cannot fetch {failing}" in log, consumer_log(c)
+    if on_error == "raise":
+        assert rc == 1 and f"FetchError: cannot fetch {failing}" in log, consumer_log(c)
+    else:
+        assert rc == 0, consumer_log(c)

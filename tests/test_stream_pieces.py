@@ -142,6 +142,24 @@ def test_a_read_that_goes_a_part_at_a_time_keeps_each_parts_samples_until_the_la
     assert read.whole(["b", "d"], [6, 7]) == (["a", "b", None, "d"], [5, 6, 0, 7])
 
 
+def test_a_read_cut_where_the_epoch_stops_keeps_the_items_before_and_is_asked_for_them_again() -> None:
+    table = ReadTable()
+    sent, delayed = table.add(0, [(0, (0, 3)), (1, (1, 0)), (2, (1, 1))]), table.add(1, [(3, (0, 0)), (4, (1, 0))])
+    table.send(sent, range(3), "r0", 0, False, now=0.0)
+    table.send(delayed, range(2), "r1", 0, False, now=0.0)
+    table.replied("r1")
+    table.delay(delayed, until=1.0, now=0.0)
+    table.cut(sent, 1)  # shard 1 fails: the epoch stops at its first item
+    table.cut(delayed, 1)
+    assert [r.items for r in (sent, delayed)] == [[(0, (0, 3))], [(3, (0, 0))]]
+    assert (sent.state, delayed.state, table.reopening, table.delayed) == (ReadState.REOPEN, ReadState.REOPEN, 2, 0)
+    assert table.awaiting() == 0 and table.replied("r0") is None  # the reply to the whole read finds none
+    parts = table.add(2, [(5, (0, 1)), (6, (2, 0)), (7, (1, 2)), (8, (2, 1))])
+    parts.got = {0: ("a", 5), 1: ("b", 6), 3: ("d", 7)}  # parts came; shard 1's waits for its pin
+    table.cut(parts, 2)
+    assert parts.got == {0: ("a", 5), 1: ("b", 6)} and parts.to_ask(skipped={1}) == []
+
+
 def test_reads_start_small_and_double_with_each_reply_up_to_request_size_and_about_four_mib() -> None:
     # Small first reads: a list of small shards whose counts are not known yet is opened and
     # counted as far as the first window of reads reaches, before the first sample comes.

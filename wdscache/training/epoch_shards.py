@@ -43,9 +43,9 @@ class StopEpoch(Exception):
     """A shard's error ends the epoch there, after the samples before it: a handler
     (``on_error=fn``) returned False, as webdataset's ``ignore_and_stop`` ends an iteration, or
     ``on_error="raise"`` (``error``: raised once those samples are handed out, where webdataset's
-    reader raises it). Caught in the stream, which hands out the reads before the failing one
-    first. ``shard`` is the shard that failed (None: not one shard's fault), ``seq`` the read that
-    failed, if known."""
+    reader raises it). Caught in the stream, which hands out the samples before the failing
+    shard's first one first. ``shard`` is the shard that failed (None: not one shard's fault),
+    ``seq`` the read that failed, if known."""
 
     def __init__(self, message: str, shard: int | None = None, error: WdsCacheError | None = None) -> None:
         super().__init__(message)

@@ -5,9 +5,10 @@ a shard that cannot be read), a direct read of the cache files may fail, a reque
 answer in time, and ``on_error``'s handler may say stop. :class:`ReadFailures` moves each read
 concerned on by the transitions of :mod:`wdscache.training.reads` (the read table stays the one
 record of each read's state), keeps the pin counts as the reads hold them, and says when the
-epoch ends. With ``on_error="raise"`` the failure ends the epoch at its read and raises,
-naming the shard, once the reads before it are handed out; a worker refusing the consumer
-raises at once, whatever ``on_error``.
+epoch ends. With ``on_error="raise"`` a shard's failure ends the epoch at the shard's first
+sample not handed out and raises, naming the shard, once every sample before it is handed out
+(a read that holds some of them and items of the shard is cut and asked again for them: see
+:meth:`ReadFailures.stop_at`); a worker refusing the consumer raises at once, whatever ``on_error``.
 """
 
 from __future__ import annotations
@@ -80,11 +81,11 @@ class ReadFailures:
             # The read goes again once the shard is opened again, from a new copy (recover).
             reads.reopen(read)
             return
-        with failing(read):
-            stream.shards.failed(shard, exc)  # StopEpoch unless on_error="skip"
         for _, (other, _) in read.sent_items():
             if other in opened:
-                opened[other] += 1
+                opened[other] += 1  # held again, as a SENT read's are: sent again, or cut by stop_at
+        with failing(read):
+            stream.shards.failed(shard, exc)  # StopEpoch unless on_error="skip"
         stream.batches.dispatch(read)  # the other shards' samples again; this one's are holes
 
     def direct_failed(self, exc: OSError) -> None:
@@ -187,12 +188,16 @@ class ReadFailures:
 
     def stop_at(self, stop: StopEpoch, end: int | None) -> int:
         """The first read not handed out, now that a shard's error ends the epoch at ``stop`` (a
-        handler said stop, or ``on_error="raise"``: its error comes once the reads before are
-        handed out; ``end``: where an earlier stop ended it): the read that failed, or an earlier one of
-        the failing shard whose samples are not here (else the next read: what was batched goes
-        out). The reads from there on are forgotten, and the shard is let go, so that no read
-        before it fails on it again."""
+        handler said stop, or ``on_error="raise"``: its error comes once the samples before are
+        handed out; ``end``: where an earlier stop ended it). The epoch stops at the read that
+        failed, or an earlier one of the failing shard whose samples are not here (else the next
+        read: what was batched goes out); that read, if it holds items before the shard's first,
+        is cut there and asked again for them (its samples may be lost: the agent restarted, say),
+        so that every sample before the shard is handed out, and the epoch stops after it. The
+        reads from there on are forgotten, and the shard is let go, so that no read before it fails
+        on it again."""
         stream = self.stream
+        reads = stream.reads
         log.warning("epoch %d ends at a shard that cannot be read: %s", stream.spec.epoch, stop)
         if stop.shard is not None:
             stream.shards.skipped.add(stop.shard)  # never read again
@@ -202,20 +207,36 @@ class ReadFailures:
             at = min(
                 (
                     read.seq
-                    for read in stream.reads.by_seq.values()
+                    for read in reads.by_seq.values()
                     if read.state is not ReadState.ANSWERED and any(sid[0] == stop.shard for _, sid in read.items)
                 ),
                 default=at,
             )
+        read = reads.by_seq.get(at)
+        if (end is None or at < end) and read is not None and read.state is not ReadState.ANSWERED:
+            first = next((i for i, (_, sid) in enumerate(read.items) if sid[0] == stop.shard), 0)
+            if first:
+                self.give_back(read)
+                reads.cut(read, first)
+                at += 1
         if end is not None:
             at = min(at, end)
-        stream.reads.drop_from(at)
+        reads.drop_from(at)
         return at
+
+    def give_back(self, read: Read) -> None:
+        """The pin counts ``read`` holds given back: one per item asked for, while SENT or DELAYED."""
+        if read.state in (ReadState.SENT, ReadState.DELAYED):
+            opened = self.stream.pins.opened
+            for _, (shard, _) in read.sent_items():
+                if shard in opened:
+                    opened[shard] -= 1
 
 
 @contextlib.contextmanager
 def failing(read: Read) -> Iterator[None]:
-    """A StopEpoch raised here ends the epoch at ``read`` (the reads before it are handed out)."""
+    """A StopEpoch raised here ends the epoch at ``read`` (the samples before the failing shard's
+    first in it are handed out, and the reads before it)."""
     try:
         yield
     except StopEpoch as stop:

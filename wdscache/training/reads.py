@@ -24,6 +24,10 @@ DELAYED   an open has to wait, holding no pins                          REOPEN
 REOPEN    its shards pinned again (all at once, or those that could be) SENT
 any       to be sent, but every item is a hole (its shard skipped)      ANSWERED
 ANSWERED  its samples handed out (:meth:`ReadTable.hand_out`)           (gone)
+SENT      the epoch stops at a shard's first item, which it holds after REOPEN
+          items of others: cut there, the items before it kept (``cut``)
+DELAYED   the same                                                      REOPEN
+REOPEN    the same                                                      REOPEN
 any       at or after the read the epoch stops at (``drop_from``)      (gone)
 ========  ============================================================  ========
 
@@ -34,8 +38,11 @@ of the shards pinned then (the others its ``later``), and the samples of each pa
 (``got``) until the last comes. So a read always moves on, whatever the budget holds.
 
 Any failure with ``on_error="raise"`` (and a worker refusing the consumer, whatever
-``on_error``) ends the epoch, whatever the states. Only a SENT read has a request id
-(``rid``), a new one each time it is sent: a late reply to an earlier send finds no read.
+``on_error``) ends the epoch, whatever the states; a shard's failure ends it at the shard's first
+item not handed out, so a read that holds items before it is cut and asked again for them.
+Only a SENT read has a request id (``rid``), a new one each time it is sent: a late reply to an
+earlier send finds no read. A SENT or DELAYED read holds a pin count (:mod:`~wdscache.training.pins`)
+for each item it asked for; a REOPEN read holds none.
 """
 
 from __future__ import annotations
@@ -182,6 +189,14 @@ class ReadTable:
     def in_state(self, state: ReadState) -> list[Read]:
         """The reads in ``state``, oldest first (a copy: the caller may move them)."""
         return [read for read in self.by_seq.values() if read.state is state]
+
+    def cut(self, read: Read, stop: int) -> None:
+        """Keep ``read``'s items before ``stop`` (the epoch ends there), reopened: asked for again
+        (those of earlier parts, in ``got``, stay), its shards pinned anew. The caller gives back the
+        pin counts the read held (while SENT or DELAYED)."""
+        read.items = read.items[:stop]
+        read.got = {i: got for i, got in read.got.items() if i < stop}
+        self.reopen(read)
 
     def drop_from(self, seq: int) -> None:
         """Forget every read from ``seq`` on (the epoch ends before them); late replies find none."""

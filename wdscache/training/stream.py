@@ -394,7 +394,7 @@ class EpochStream:
                         self.stats["wait_s"] += time.perf_counter() - t0
                         self.clock.check_stall(self._waited_for)
                         continue
-                except StopEpoch as stop:  # the samples before the failing read still come, then the epoch ends
+                except StopEpoch as stop:  # the samples before the failing shard still come, then the epoch ends
                     exhausted = True
                     at = self.failures.stop_at(stop, end)
                     if end is None or at < end:
