@@ -5,6 +5,7 @@ downloaded once, resume on another world size, webdataset's ``with_epoch`` and `
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -329,6 +330,28 @@ def test_len_under_resampled_with_epoch_is_unknown_outside_a_worker(two_sources:
         len(ds)
     both = wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True, epoch_samples=40, job="len")
     assert len(both) == 40
+
+
+def test_with_epoch_on_an_outer_pipeline_is_refused_saying_where_it_belongs(two_sources: dict[str, Any]) -> None:
+    # OpenCLIP's way: the resampled source inside webdataset's DataPipeline (or WebLoader), the
+    # cut on the outer one. The cut never reaches the source, whose epoch has no length: the
+    # error must say on what to call with_epoch, not just to call it.
+    wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    import wdscache
+
+    src = two_sources
+    says = "call .with_epoch(n) (each DataLoader worker's samples, as in webdataset) on the wdscache.WebDataset itself"
+    outer = [
+        wds.DataPipeline(wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True), wds.to_tuple("cls")),
+        wds.WebLoader(wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True), batch_size=None),
+    ]
+    for pipeline in outer:
+        with pytest.raises(ConfigError, match=re.escape(says)) as raised:
+            next(iter(pipeline.with_epoch(25)))
+        assert "give epoch_samples=N" in str(raised.value)
+    # as the message says: with_epoch on the source itself
+    inner = wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True).with_epoch(25)
+    assert len(list(wds.DataPipeline(inner, wds.to_tuple("cls")))) == 25
 
 
 def test_a_pipe_source_in_a_mixture_is_refused_as_a_loader_refuses_it(two_sources: dict[str, Any]) -> None:

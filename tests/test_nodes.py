@@ -231,7 +231,12 @@ def test_a_rank_or_world_size_that_is_no_whole_number_is_refused_naming_it(monke
             CachedMultiLoader(url, cache_dir=tmp_path, **args)
     assert CachedMultiLoader(url, cache_dir=tmp_path, rank=np.int64(1), world_size=2).layout.rank == 1
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ConfigError, match=re.escape("WORLD_SIZE is not set in the environment: pass world_size=")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "WORLD_SIZE is not set in the environment, nor a torch.distributed process group initialised: pass world_size="
+        ),
+    ):
         CachedMultiLoader(url, cache_dir=tmp_path)
     for name, value in (("RANK", "abc"), ("LOCAL_WORLD_SIZE", "0")):
         monkeypatch.setenv("WORLD_SIZE", "2")

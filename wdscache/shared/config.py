@@ -10,7 +10,8 @@ environment; nothing under it (the agent, its workers) reads the environment
 again. On the training side :func:`wdscache.training.loader._env_ranks` (and ``_env_places``) reads what a
 launcher sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RUN_ID``, and
 Slurm's ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODEID``, ``SLURM_NNODES`` in a task of
-an ``srun`` step) and
+an ``srun`` step; without them, the rank and size of torch.distributed's process group when
+the script initialised it) and
 ``WDSCACHE_CACHE_DIR``, ``WDSCACHE_ENDPOINT``, ``WDSCACHE_TOKEN``, for the
 loader arguments left unset. No other module of the package reads it (the
 libraries used do read their own: requests its proxy and CA variables, boto3

@@ -116,6 +116,8 @@ class InDataLoader:
     def __getstate__(self) -> dict[str, Any]:
         # Sent to a worker started by "spawn" or "forkserver", the box goes along (multiprocessing
         # shares it); any other copy (pickle.dumps, copy.deepcopy) takes its values, in a box of its own.
+        if get_spawning_popen() is not None:
+            self._loader()._check_world()  # the last place the rank's process group is seen
         state = self._loader().__getstate__()
         if get_spawning_popen() is None:
             state["_epoch_box"] = list(self._epoch_box)

@@ -55,8 +55,10 @@ class MixArg:
             return self.epoch_samples
         if self.per_worker is None:
             raise ConfigError(
-                "resampled=True needs an epoch length: epoch_samples=N (the job's samples per "
-                "epoch), or .with_epoch(n) (each DataLoader worker's, as in webdataset)"
+                "resampled=True needs an epoch length: give epoch_samples=N (the job's samples per "
+                "epoch), or call .with_epoch(n) (each DataLoader worker's samples, as in webdataset) on "
+                "the wdscache.WebDataset itself: a with_epoch of a wds.DataPipeline or wds.WebLoader "
+                "around it cuts that pipeline's iteration but does not reach the source"
             )
         return -(-self.per_worker // BLOCK) * BLOCK * workers * world_size
 
