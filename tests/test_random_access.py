@@ -248,6 +248,8 @@ def test_dataloader_workers_under_torch_samplers_read_what_wids_reads(
     assert len(check(out["weighted"])) == 40
     assert sorted(check(out["chunked"])) == list(range(44))
     assert sorted(check(out["spawned"])) == list(range(44))
+    assert out["is_dataset"] is True
+    assert out["concat"][0] == 88 and out["concat"][1] == out["concat"][2]
     # Every shard downloaded once, however many processes indexed it (and wids once more for itself).
     for url in urls:
         name = url.rsplit("/", 1)[1]

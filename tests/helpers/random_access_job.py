@@ -58,6 +58,9 @@ def main(index: str, cache: str, wids_dir: str) -> None:
     out["spawned"] = read(
         ds, DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=4), multiprocessing_context="spawn"
     )
+    out["is_dataset"] = isinstance(ds, torch.utils.data.Dataset)
+    both = ds + ds  # torch's ConcatDataset, as of two wids datasets
+    out["concat"] = [len(both), digest(both[len(ds) + 5]), digest(ds[5])]
     reference = wids.ShardListDataset(index, cache_dir=wids_dir, transformations=[])
     out["wids"] = [digest(reference[i]) for i in range(len(reference))]
     print(json.dumps(out))

@@ -41,6 +41,10 @@ Guarantees:
   :class:`~wdscache.shared.errors.WdsCacheError`, whose messages show no URL's user info or tokens.
 - A forked process (a DataLoader worker) closes the cache files it inherited, without a word to
   the agent: they are its parent's pins.
+
+Made in a process that has imported torch, the dataset is also a ``torch.utils.data.Dataset``,
+as wids' is (``isinstance`` checks, ``ds1 + ds2`` a ``ConcatDataset``); the package never
+imports torch itself.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import io
 import json
 import operator
 import os
+import sys
 import threading
 import time
 import uuid
@@ -102,6 +107,7 @@ ONE_READ = 64 << 10
 # reports do: the agent drops a reader silent for --reader-timeout, and lets go of its pins.
 PING_EVERY = 1.0
 IMAGE_EXTENSIONS = ("jpg", "png", "ppm", "pgm", "pbm", "pnm")
+TORCH_DATASET = "TorchShardListDataset"  # the name of the dataset's class in a process that uses torch
 
 Sample = dict[str, Any]
 Transform = Callable[[Sample], Any]
@@ -284,6 +290,11 @@ class ShardListDataset:
     (a download in progress answers).
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ShardListDataset:
+        if cls is ShardListDataset and sys.modules.get("torch") is not None:
+            cls = _torch_dataset()
+        return super().__new__(cls)
+
     def __init__(
         self,
         shards: str | os.PathLike[str] | Sequence[dict[str, Any]],
@@ -412,6 +423,26 @@ class ShardListDataset:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _torch_dataset() -> type[ShardListDataset]:
+    """:class:`ShardListDataset` as a ``torch.utils.data.Dataset``, made once, on first use."""
+    made = globals().get(TORCH_DATASET)
+    if made is None:
+        from torch.utils.data import Dataset  # only in a process that imported torch
+
+        made = globals()[TORCH_DATASET] = type(
+            TORCH_DATASET, (ShardListDataset, Dataset), {"__module__": __name__, "__qualname__": TORCH_DATASET}
+        )
+    return made
+
+
+def __getattr__(name: str) -> Any:
+    # Pickle finds the torch dataset's class here, in a process that has not made it yet (a
+    # DataLoader worker started by "spawn").
+    if name == TORCH_DATASET:
+        return _torch_dataset()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _cumulative(lengths: list[int]) -> Any:
