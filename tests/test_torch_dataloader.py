@@ -66,6 +66,9 @@ def test_dataloader_workers_made_anew_each_epoch_read_the_next_epoch_without_set
     assert out["spawned"] == told
     assert out["persistent"] == told
     assert out["set_then_not"] == told
+    for name in ("widths", "here_and_there"):  # another number of workers each epoch
+        assert out[name] == out[f"{name}_told"], name
+        assert all(len(e) == len(set(e)) == 39 for e in out[name]) and len({tuple(e) for e in out[name]}) == 5
     first, second = out["webdataset"]
     assert first != second and sorted(first) == sorted(second) and len(set(first)) == len(first) == 78
 

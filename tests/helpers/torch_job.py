@@ -94,6 +94,16 @@ def fresh_workers(cache: str) -> dict[str, Any]:
     first = epochs_of(ds, dl, 1, set_each=True)
     ds.set_epoch(1)
     out["set_then_not"] = first + epochs_of(ds, dl, 2, set_each=False)
+    # A DataLoader of another number of workers each epoch (0: the dataset iterated here).
+    for name, layout in (("widths", [2, 2, 4, 2, 4]), ("here_and_there", [0, 2, 2, 0, 2])):
+        got, told = loader(cache, 0, 2), loader(cache, 0, 2)
+        out[name] = [[i for batch in DataLoader(got, batch_size=4, num_workers=k) for i in ids(batch)] for k in layout]
+        out[f"{name}_told"] = []
+        for epoch, k in enumerate(layout):
+            told.set_epoch(epoch)
+            out[f"{name}_told"].append(
+                [i for batch in DataLoader(told, batch_size=4, num_workers=k) for i in ids(batch)]
+            )
     pipeline = wdscache.WebDataset(
         None, cache_dir=cache, shardshuffle=True, job="torch-wds", timeout=60, rank=0, world_size=1
     ).map(lambda s: {"__url__": s["__url__"], "__key__": s["__key__"]})

@@ -11,10 +11,12 @@ its exact share, each sample once, and every rank the same count, whatever ``K``
   that it outlives the workers of one epoch.
 - ``set_epoch`` reaches workers that outlive an epoch (``persistent_workers=True``) through
   a value in shared memory; workers made anew each epoch copy it anyway.
-- Without ``set_epoch``, each iteration of a ``DataLoader`` is the next epoch, whatever its
-  workers: torch's default workers are made anew each epoch from the dataset, whose epoch
-  does not move (it is not iterated in this process), so each worker keeps the epoch after
-  the one it read last in the same shared memory, and a copy made anew reads that one.
+- Without ``set_epoch``, each iteration is the next epoch, in this process or in a
+  ``DataLoader``'s workers, whatever their number: torch's default workers are made anew each
+  epoch from the dataset, whose epoch does not move (it is not iterated in this process), so
+  each worker keeps, in the same shared memory, the epoch after the one it began, and a copy
+  made anew begins that one; a DataLoader of another number of workers than the last (or an
+  iteration in this process) begins the epoch after the latest any copy began.
   ``set_epoch`` and ``load_state_dict`` in this process say again where the next starts.
 - ``state_dict()`` in a worker (torchdata's ``StatefulDataLoader`` asks each) is that
   worker's slice; see :meth:`~.loader.CachedMultiLoader.load_state_dict` for resuming with
@@ -25,8 +27,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from multiprocessing import get_context
 from multiprocessing.context import get_spawning_popen
-from multiprocessing.sharedctypes import RawArray
 from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -35,10 +37,23 @@ from .worker_slices import WorkerSlice
 
 L = TypeVar("L")
 
-# DataLoader workers whose next epoch the box keeps (a worker of a higher id reads the epoch
+# DataLoader worker ids whose next epoch the box keeps (a worker of a higher id begins the epoch
 # its copy was made with, as before set_epoch is called).
 BOX_WORKERS = 1024
-_SET, _EPOCH = 0, 1  # the box: times set_epoch was called here, its epoch, then one slot a worker
+# The box: times set_epoch was called here, its epoch; the number of workers of the DataLoader
+# that read last (0: this process itself, -1: none yet); then, for each worker id and last for this process's own
+# iterations, 1 + the epoch the next copy begins (0: none begun since the epoch was last said).
+_SET, _EPOCH, _LAYOUT, _SLOTS = 0, 1, 2, 3
+_MAIN = _SLOTS + BOX_WORKERS
+_BOX = (0, 0, -1) + (0,) * (BOX_WORKERS + 1)
+
+
+def _new_box(values: Any) -> Any:
+    """The box (see _BOX), shared with the workers made before or after a call. Its lock orders
+    the workers of a DataLoader of another number of them than the last; made in the "spawn"
+    context, it goes to workers started by any method (a lock of the "fork" context refuses to
+    be sent to a process started afresh)."""
+    return get_context("spawn").Array("q", values)
 
 
 def torch_loader(loader: type[L], name: str) -> type[L]:
@@ -62,9 +77,7 @@ class InDataLoader:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._loader().__init__(*args, **kwargs)
-        # [times set_epoch was called, its epoch, then for each worker id 1 + the epoch its next
-        # copy begins (0: none read yet)]: shared with the workers, made before or after a call.
-        self._epoch_box = RawArray("q", 2 + BOX_WORKERS)
+        self._epoch_box = _new_box(_BOX)
         self._box_seen = 0
         self._chosen_in = self._read_in = 0
         self._loader()._ensure_agent()
@@ -85,7 +98,7 @@ class InDataLoader:
         (they forget what earlier copies read)."""
         self._chosen_in = os.getpid()
         if get_worker_info() is None:
-            self._epoch_box[2:] = [0] * BOX_WORKERS
+            self._epoch_box[_LAYOUT:] = _BOX[_LAYOUT:]
 
     def _worker_slice(self) -> WorkerSlice:
         info = get_worker_info()
@@ -95,22 +108,33 @@ class InDataLoader:
         return get_worker_info() is not None
 
     def __iter__(self) -> Iterator[Any]:
-        told = self._epoch_box[_SET]
+        box = self._epoch_box
+        told = box[_SET]
         if told != self._box_seen:  # set_epoch was called in the main process since this copy was made
             self._box_seen = told
-            self._loader().set_epoch(self._epoch_box[_EPOCH])
+            self._loader().set_epoch(box[_EPOCH])
             self._chosen_in = os.getpid()
         info = get_worker_info()
-        slot = None if info is None or info.id >= BOX_WORKERS else 2 + info.id
+        slot = _MAIN if info is None else _SLOTS + info.id if info.id < BOX_WORKERS else None
         pid = os.getpid()
-        if slot is not None and pid not in (self._chosen_in, self._read_in) and self._epoch_box[slot]:
-            # A copy made anew for this worker (torch's default workers), its epoch not said
-            # here: the epoch after the one this worker's last copy began.
-            self._loader().set_epoch(self._epoch_box[slot] - 1)
+        if slot is not None and (info is None or pid not in (self._chosen_in, self._read_in)):
+            # This process's own iteration, or a copy made anew for a worker (torch's default
+            # workers) whose epoch was not said there: the epoch after the latest one begun.
+            with box.get_lock():
+                layout = 0 if info is None else info.num_workers
+                if box[_LAYOUT] != layout:
+                    # Not the workers that read last (another number of them, or this process):
+                    # each begins the epoch after the latest any copy began (epochs only move
+                    # on between two set_epoch calls, which start the box again).
+                    latest, box[_LAYOUT] = max(box[_SLOTS:]), layout
+                    for k in [_MAIN] if info is None else range(_SLOTS, _SLOTS + min(layout, BOX_WORKERS)):
+                        box[k] = latest
+                if box[slot] - 1 > self._next.epoch:
+                    self._loader().set_epoch(box[slot] - 1)
         self._read_in = pid
         samples = self._loader().__iter__()
         if slot is not None:
-            self._epoch_box[slot] = self._next.epoch + 1  # the next epoch, as begun now
+            box[slot] = self._next.epoch + 1  # the next epoch, as begun now
         return samples
 
     def __getstate__(self) -> dict[str, Any]:
@@ -125,5 +149,5 @@ class InDataLoader:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if isinstance(state["_epoch_box"], list):
-            state["_epoch_box"] = RawArray("q", state["_epoch_box"])
+            state["_epoch_box"] = _new_box(state["_epoch_box"])
         self.__dict__.update(state)
