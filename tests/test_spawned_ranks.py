@@ -75,6 +75,7 @@ def test_ranks_of_a_group_the_script_initialised_split_the_data_and_an_earlier_l
         assert [len(s) for s in shares] == [len(every) // 2] * 2, read
         assert not set(shares[0]) & set(shares[1]), read
         assert sorted(shares[0] + shares[1]) == every, read
+    assert [sorted(out["whole"].get("ids", [])) for out in outs] == [every, every], [o["whole"] for o in outs]
     for rank, out in enumerate(outs):
         for how, got in out["early"].items():  # alone, in a wdscache.WebDataset, in a forked or spawned worker
             assert got.get("error") == "ConfigError", (rank, how, got)

@@ -71,6 +71,8 @@ def main(cache: str, rank: int, world: int, port: int) -> dict[str, Any]:
         out["loader"] = ids(loader)
         out["dataloader"] = in_workers(loader, 2, "fork")
         out["wds"] = ids(wdscache.WebDataset(cache_dir=cache, shardshuffle=True, job="late-wds", timeout=30))
+        # world_size=1 given: this rank reads everything (an evaluation on every rank, say).
+        out["whole"] = first_iteration(lambda: ids(CachedMultiLoader(cache_dir=cache, job="whole", world_size=1)))
         return out
     finally:
         dist.destroy_process_group()

@@ -330,6 +330,8 @@ class CachedMultiLoader:
         self.tuning = dataclasses.replace(tuning or Tuning(), **knobs)
         if map is not None and workers > 0:
             _check_picklable(map)
+        if rank is None and world_size == 1:
+            rank = 0  # the one rank of its own world (every rank reading everything): no launcher's rank
         given = {"rank": rank, "world_size": world_size, "node": node, "num_nodes": num_nodes}
         ranks, self._world_from = _env_ranks([name for name, value in given.items() if value is None])
         env = _env_places() | ranks
