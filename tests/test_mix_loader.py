@@ -5,11 +5,11 @@ downloaded once, resume on another world size, webdataset's ``with_epoch`` and `
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from collections import Counter
 from collections.abc import Callable
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +158,9 @@ def test_resampled_draws_shards_with_replacement_seeded_per_epoch(two_sources: d
         for r in range(2)
     ]
     assert [len(r) for r in ranks] == [20, 20]
-    with pytest.raises(ConfigError, match="epoch length"):
-        list(wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True))
+    # a loader's iteration is one epoch: it needs the epoch's length (the WebDataset is endless)
+    with pytest.raises(ConfigError, match="needs an epoch length: give epoch_samples=N"):
+        list(CachedMultiLoader(pattern, cache_dir=src["cache"], resampled=True, job="resampled"))
 
 
 def test_resampled_with_epoch_resumes_the_rest_of_its_iteration_then_the_next_epoch(
@@ -332,26 +333,110 @@ def test_len_under_resampled_with_epoch_is_unknown_outside_a_worker(two_sources:
     assert len(both) == 40
 
 
-def test_with_epoch_on_an_outer_pipeline_is_refused_saying_where_it_belongs(two_sources: dict[str, Any]) -> None:
+def test_resampled_without_an_epoch_length_is_endless_cut_outside_as_in_webdataset(
+    two_sources: dict[str, Any],
+) -> None:
     # OpenCLIP's way: the resampled source inside webdataset's DataPipeline (or WebLoader), the
-    # cut on the outer one. The cut never reaches the source, whose epoch has no length: the
-    # error must say on what to call with_epoch, not just to call it.
+    # cut on the outer one, or a loop that stops after its steps. The source is endless: the
+    # loader's epochs of ENDLESS_EPOCH samples one after another, each another draw.
     wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
     import wdscache
+    from wdscache.training.pipeline import ENDLESS_EPOCH
 
     src = two_sources
-    says = "call .with_epoch(n) (each DataLoader worker's samples, as in webdataset) on the wdscache.WebDataset itself"
-    outer = [
-        wds.DataPipeline(wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True), wds.to_tuple("cls")),
-        wds.WebLoader(wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True), batch_size=None),
-    ]
-    for pipeline in outer:
-        with pytest.raises(ConfigError, match=re.escape(says)) as raised:
-            next(iter(pipeline.with_epoch(25)))
-        assert "give epoch_samples=N" in str(raised.value)
-    # as the message says: with_epoch on the source itself
-    inner = wdscache.WebDataset(src["a"], cache_dir=src["cache"], resampled=True).with_epoch(25)
-    assert len(list(wds.DataPipeline(inner, wds.to_tuple("cls")))) == 25
+    pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
+
+    def made(**kw: Any) -> Any:
+        return wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True, job="endless", **kw)
+
+    chunks = made().with_epoch(ENDLESS_EPOCH)
+    epochs = [[_id(s) for s in chunks] for _ in range(2)]  # epochs 0 and 1, ENDLESS_EPOCH each
+    assert [len(e) for e in epochs] == [ENDLESS_EPOCH] * 2 and epochs[0] != epochs[1]
+    whole = epochs[0] + epochs[1]
+    assert [_id(s) for s in islice(made(), 2 * ENDLESS_EPOCH)] == whole
+    with pytest.raises(TypeError, match="endless"):  # webdataset's resampled dataset has no length either
+        len(made())
+    # An outer cut yields its n; the next iteration begins the epoch after the last one begun.
+    n = 100
+    loader = wds.WebLoader(made(), batch_size=None).with_epoch(n)
+    assert [[_id(s) for s in loader] for _ in range(2)] == [whole[:n], epochs[1][:n]]
+    outer = wds.DataPipeline(made(), wds.shuffle(100), wds.to_tuple("__url__", "__key__")).with_epoch(n)
+    runs = [[f"{u}#{k}" for u, k in outer] for _ in range(2)]
+    assert [len(r) for r in runs] == [n, n]
+    for run, epoch in zip(runs, epochs):  # (webdataset's shuffle of 100: from the first n + 100 of its epoch)
+        assert not Counter(run) - Counter(epoch[: n + 100])
+    assert [_id(s) for s in islice(made(), n)] == whole[:n]
+    # every rank the same counts: its share of epochs of ENDLESS_EPOCH for each rank
+    ranks = [[_id(s) for s in islice(made(rank=r, world_size=2), ENDLESS_EPOCH + 8)] for r in range(2)]
+    for r, got in enumerate(ranks):
+        share = made(rank=r, world_size=2).with_epoch(ENDLESS_EPOCH)
+        assert got == [_id(s) for _ in range(2) for s in share][: ENDLESS_EPOCH + 8]
+    assert ranks[0] != ranks[1]
+
+
+@pytest.mark.slow
+def test_an_endless_resampled_dataset_in_dataloader_workers_cut_outside(two_sources: dict[str, Any]) -> None:
+    # OpenCLIP's pipeline in a DataLoader of 2 workers: each worker yields its cut, and the next
+    # DataLoader epoch is the loader's next epoch in each worker (another draw), whether the
+    # workers persist or are made anew from the dataset each epoch; two ranks, equal counts.
+    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    pytest.importorskip(
+        "torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)"
+    )
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    src = two_sources
+    pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.torch_endless_job", str(src["cache"]), pattern],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    cut = 40
+    ranks = out["persistent=True"]
+    assert out["persistent=False"] == ranks  # workers made anew begin the epoch after their last one too
+    for epochs in ranks:
+        for got in epochs:
+            assert Counter(i.rsplit("@", 1)[1] for i in got) == {"0": cut, "1": cut}
+            assert all(i.split("#")[0] in src["a_urls"] for i in got)
+        assert len({tuple(e) for e in epochs}) == 3  # each DataLoader epoch another draw
+    assert ranks[0] != ranks[1]
+    first, second = out["webloader"]
+    assert len(first) == len(second) == cut and first != second
+    # a StatefulDataLoader's state, loaded into a new one with the same workers, resumes exactly
+    # (taken in each worker's second epoch; the rest runs into their third)
+    from wdscache.training.pipeline import ENDLESS_EPOCH
+
+    assert len(out["stateful_first"]) == 2 * ENDLESS_EPOCH + 16
+    assert len(out["stateful_then"]) == 2 * ENDLESS_EPOCH and out["stateful_resumed"] == out["stateful_then"]
+
+
+def test_an_endless_resampled_dataset_resumes_the_rest_of_its_epoch_then_the_next_ones(
+    two_sources: dict[str, Any],
+) -> None:
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    import wdscache
+    from wdscache.training.pipeline import ENDLESS_EPOCH
+
+    src = two_sources
+    pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
+
+    def made() -> Any:
+        return wdscache.WebDataset(pattern, cache_dir=src["cache"], resampled=True, job="endless-resume")
+
+    whole = [_id(s) for s in islice(made(), 2 * ENDLESS_EPOCH + 50)]
+    for stop in (100, ENDLESS_EPOCH):  # in an epoch; at its end, before the next one began
+        ds = made()
+        it = iter(ds)
+        first = [_id(next(it)) for _ in range(stop)]
+        state = ds.state_dict()
+        it.close()
+        resumed = made()
+        resumed.load_state_dict(state)
+        assert first + [_id(s) for s in islice(resumed, len(whole) - stop)] == whole, stop
 
 
 def test_a_pipe_source_in_a_mixture_is_refused_as_a_loader_refuses_it(two_sources: dict[str, Any]) -> None:

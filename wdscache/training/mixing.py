@@ -36,8 +36,9 @@ from .urls_arg import UrlsArg, pipe_refusal, pipe_urls, read_urls_arg
 @dataclass(frozen=True)
 class MixArg:
     """What ``mix=`` / ``resampled=`` asked for: the sources' names, weights and shards (places in
-    the combined list), and the epoch's length: ``epoch_samples``, or (webdataset's
-    ``with_epoch(n)`` under ``resampled=True``) ``per_worker`` samples for every DataLoader worker."""
+    the combined list), and the epoch's length: ``epoch_samples``, or ``per_worker`` samples for
+    every DataLoader worker (under ``resampled=True``, webdataset's ``with_epoch(n)``, or the
+    epochs of an endless ``wdscache.WebDataset``)."""
 
     names: tuple[str, ...]
     weights: tuple[float, ...]
@@ -56,9 +57,9 @@ class MixArg:
         if self.per_worker is None:
             raise ConfigError(
                 "resampled=True needs an epoch length: give epoch_samples=N (the job's samples per "
-                "epoch), or call .with_epoch(n) (each DataLoader worker's samples, as in webdataset) on "
-                "the wdscache.WebDataset itself: a with_epoch of a wds.DataPipeline or wds.WebLoader "
-                "around it cuts that pipeline's iteration but does not reach the source"
+                "epoch), as each iteration of a loader is one epoch; wdscache.WebDataset(urls, "
+                "resampled=True) is endless without one, as webdataset's, and cut by with_epoch(n) or "
+                "the steps of a training loop"
             )
         return -(-self.per_worker // BLOCK) * BLOCK * workers * world_size
 

@@ -16,7 +16,11 @@ Differences, all where webdataset's behaviour depends on chance:
 - ``resampled=True`` draws shards with replacement, seeded per epoch (``set_epoch`` gives
   another draw): the one-source mixture with replacement (:mod:`wdscache.shared.mixture`),
   its epoch ``epoch_samples=`` samples of the job, or ``with_epoch(n)`` for each DataLoader
-  worker. ``mix={source: weight}`` with ``epoch_samples=`` mixes several sources.
+  worker. With neither, an iteration is endless, as webdataset's: the loader's epochs one
+  after another, each :data:`ENDLESS_EPOCH` samples of each DataLoader worker (so a cut
+  outside, by a ``wds.DataPipeline``'s or ``wds.WebLoader``'s ``with_epoch`` or by
+  ``islice``, takes what it needs, and the next iteration begins the epoch after the last
+  one begun: another draw). ``mix={source: weight}`` with ``epoch_samples=`` mixes several sources.
 - ``state_dict()`` counts what left the source: exact for per-sample stages and batching
   by the DataLoader; samples held in a ``.batched()`` or a later ``.shuffle()`` buffer when
   the state is taken are counted as delivered. ``with_epoch(n)``'s cut is counted too (each
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
@@ -60,6 +65,12 @@ _NOTHING = object()  # what an epoch without samples gives first
 # A checkpoint's count of the items an iteration cut by with_epoch(n) had yielded (see
 # WebDataset._cut): the loader's state does not know that cut.
 CUT_ITEMS = "with_epoch_items"
+# Samples of each DataLoader worker (of each rank, without workers) in each epoch of an endless
+# resampled dataset (resampled=True with neither epoch_samples= nor its own with_epoch(n)): whole
+# blocks (8), so every rank and worker gets exactly as many. Long enough that an epoch's start
+# (its shard counts asked of the agent, a session opened) costs little per sample; short enough
+# that a cut outside, which leaves the rest of an epoch unread, leaves little.
+ENDLESS_EPOCH = 8192
 
 
 class _Source(wds.PipelineStage):
@@ -166,6 +177,13 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
             **loader_kwargs,
         )
         self.append(_Source(self.loader))
+        mix = self.loader._mix
+        # webdataset's resampled dataset is endless: here the loader's epochs, of ENDLESS_EPOCH
+        # samples a worker each, one after another (with_epoch(n) makes them n, and cuts).
+        self._endless_source = mix is not None and mix.replacement and mix.epoch_samples is None
+        if self._endless_source:
+            assert mix is not None
+            self.loader._mix = dataclasses.replace(mix, per_worker=ENDLESS_EPOCH)
         self.empty_check = empty_check
         self._cut_items = 0  # items the iteration cut by with_epoch has yielded (see _cut)
         self._cut_over = False  # ...and whether it is over (the next iteration is the next epoch)
@@ -226,8 +244,9 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     def with_epoch(self, nsamples: int = -1, nbatches: int = -1) -> WebDataset:
         """webdataset's: each DataLoader worker yields ``nsamples`` (or ``nbatches``) an epoch, and
         its next iteration is the loader's next epoch (a checkpoint counts the cut). Under
-        ``resampled=True`` without ``epoch_samples=``, it is also the length of the loader's epoch:
-        each worker draws its ``nsamples``."""
+        ``resampled=True`` without ``epoch_samples=``, it is also the length of the loader's epoch
+        (in place of :data:`ENDLESS_EPOCH`): each worker draws its ``nsamples``, and an iteration
+        ends after them."""
         loader = self.loader
         mix = loader._mix if loader is not None else None
         cut = max(nsamples, nbatches)  # webdataset's: either names the items an iteration yields
@@ -243,7 +262,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     def __iter__(self) -> Iterator[Any]:
         cuts = self._cuts()
         rest_empty = cuts and self._resumed_items >= self.nsamples  # resumed once its n were out
-        samples = self._cut() if cuts else super().__iter__()
+        samples = self._cut() if cuts else self._epochs() if self._endless() else super().__iter__()
         first = next(samples, _NOTHING)
         if first is _NOTHING:
             # webdataset's check, of a worker's shards: here of the rank's share, which its workers
@@ -261,6 +280,11 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         cut may end early or run past into the next epoch)."""
         return self.loader is not None and self.nsamples > 0
 
+    def _endless(self) -> bool:
+        """Whether an iteration runs the loader's epochs without end (``resampled=True`` with neither
+        ``epoch_samples=`` nor a cut): each the epoch after the last one begun, so each another draw."""
+        return self.loader is not None and self._endless_source and not self._cuts()
+
     def _cut(self) -> Iterator[Any]:
         """webdataset's ``with_epoch(n)`` cut, counted: the ``n`` items of an iteration (their rest,
         resumed from a checkpoint), so that a checkpoint can say how many are out, and whether
@@ -272,13 +296,14 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self._cut_over = True
 
     def _epochs(self) -> Iterator[Any]:
-        """webdataset's ``iterator()``: the loader's epochs one after another, until one is empty;
-        but the rest of an epoch resumed from a checkpoint may be empty (all of it was out before
-        it was taken), and the next epoch follows. (A DataLoader worker's slice that was over
-        when the checkpoint was taken is that worker's iteration over: it gives nothing.)"""
+        """webdataset's ``iterator()``: the loader's epochs one after another (``repetitions`` of
+        them, or without end: see :meth:`_endless`), until one is empty; but the rest of an epoch
+        resumed from a checkpoint may be empty (all of it was out before it was taken), and the
+        next epoch follows. (A DataLoader worker's slice that was over when the checkpoint was
+        taken is that worker's iteration over: it gives nothing.)"""
         assert self.loader is not None
         resumed = self.loader._resumed_from is not None and not self.loader._next.over
-        for _ in range(self.repetitions):
+        for _ in itertools.count() if self._endless() else range(self.repetitions):
             count = 0
             for item in self.iterator1():
                 count += 1
@@ -326,6 +351,12 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         with stages (a batching, a filter, with_epoch) may yield another count, and has no
         length, as webdataset's has none (``with_length(n)`` gives one)."""
         loader = self._loader("len()")
+        if self._endless():
+            raise TypeError(
+                "len() of an endless dataset: resampled=True with neither epoch_samples= nor with_epoch(n) "
+                "has no length, as webdataset's has none; give epoch_samples= (the job's samples per epoch) "
+                "for one, or with_length(n)"
+            )
         if len(self.pipeline) > 1:
             raise TypeError(
                 "len() of a WebDataset with stages after its source: they may change the count, as "
