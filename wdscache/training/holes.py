@@ -62,6 +62,22 @@ class Recent:
 
 
 @dataclass(slots=True)
+class Pool:
+    """FILL: the samples a hole's repeat is chosen among (oldest first) and their payload."""
+
+    entries: deque[Pooled] = field(default_factory=deque)
+    nbytes: int = 0
+
+    def add(self, entry: Pooled) -> None:
+        """``entry`` joins; the oldest go past POOL_SAMPLES or POOL_BYTES (one stays)."""
+        entries = self.entries
+        entries.append(entry)
+        self.nbytes += entry[2]
+        while len(entries) > POOL_SAMPLES or (len(entries) > 1 and self.nbytes > POOL_BYTES):
+            self.nbytes -= entries.popleft()[2]
+
+
+@dataclass(slots=True)
 class Held:
     """FILL: what is held back until the rank read a pool's worth: the samples to hand out
     (None at a hole) and their sizes, and each hole's (index there, position in the epoch)."""
@@ -141,7 +157,7 @@ class Holes:
             out_sizes.append(nbytes)
             got.append(sample)
             got_sizes.append(nbytes)
-            _pooled(pool, (self.real, sample, nbytes))
+            pool.add((self.real, sample, nbytes))
             if self.warm:
                 self.real += 1
                 continue
@@ -223,7 +239,7 @@ class Holes:
             self.held_samples -= len(old.samples)
             self.held_bytes -= old.nbytes
 
-    def _pool(self) -> deque[Pooled]:
+    def _pool(self) -> Pool:
         """The pool now: the latest samples read, oldest first, at most POOL_SAMPLES and about
         POOL_BYTES of payload (at least one, if any was read)."""
         latest: list[Pooled] = []
@@ -240,29 +256,22 @@ class Holes:
         if latest and self.uses and min(self.uses) < latest[-1][0]:  # forget counts of samples gone from it
             oldest = latest[-1][0]
             self.uses = {n: c for n, c in self.uses.items() if n >= oldest}
-        return deque(reversed(latest))
+        return Pool(deque(reversed(latest)), nbytes=sum(b for _, _, b in latest))
 
-    def _fill(self, held: Held, pool: deque[Pooled]) -> None:
+    def _fill(self, held: Held, pool: Pool) -> None:
         """Fill the holes ``held`` waits with, from ``pool``."""
         for at, pos in held.holes:
             held.samples[at] = self._repeat(pool, pos)
         held.holes.clear()
 
-    def _repeat(self, pool: deque[Pooled], pos: int) -> dict[str, Any]:
+    def _repeat(self, pool: Pool, pos: int) -> dict[str, Any]:
         """A copy of the least repeated sample of ``pool``, ties broken by the hash of the hole's position."""
         uses = self.uses
-        least = min(uses.get(n, 0) for n, _, _ in pool)
-        ties = [(n, s) for n, s, _ in pool if uses.get(n, 0) == least]
+        least = min(uses.get(n, 0) for n, _, _ in pool.entries)
+        ties = [(n, s) for n, s, _ in pool.entries if uses.get(n, 0) == least]
         n, sample = ties[_mix(self.seed, self.epoch, pos) % len(ties)]
         uses[n] = least + 1
         return dict(sample)
-
-
-def _pooled(pool: deque[Pooled], entry: Pooled) -> None:
-    """``entry`` joins ``pool``, whose oldest go past POOL_SAMPLES or POOL_BYTES (one stays)."""
-    pool.append(entry)
-    while len(pool) > POOL_SAMPLES or (len(pool) > 1 and sum(b for _, _, b in pool) > POOL_BYTES):
-        pool.popleft()
 
 
 def _mix(*values: int) -> int:
