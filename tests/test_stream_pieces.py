@@ -679,13 +679,46 @@ def test_a_direct_reply_of_small_samples_filling_their_range_reads_it_once() -> 
     assert all(type(s["cls"]) is bytes for s in samples) and sizes == [5, 5, 8]
 
 
-def test_holes_are_filled_with_repeats_and_count_no_bytes() -> None:
-    from wdscache.training.stream import filled
+def test_holes_are_dropped_with_one_rank_and_counted_as_positions() -> None:
+    from wdscache.training.holes import Holes
 
-    a, b = {"__key__": "a"}, {"__key__": "b"}
-    stats = {"repeated": 0}
-    out, sizes, last, owed = filled([None, a, None, b], [0, 5, 0, 7], None, 0, stats)
-    assert out == [a, a, a, b] and out[0] is a and out[1] is not a and sizes == [5, 0, 0, 7]
-    assert (last, owed, stats["repeated"]) == (b, 0, 2)
-    out, sizes, last, owed = filled([None, None], [0, 0], None, 0, stats)
-    assert (out, sizes, last, owed) == ([], [], None, 2)  # nothing read yet: owed to the first sample
+    a, b, c = {"__key__": "a"}, {"__key__": "b"}, {"__key__": "c"}
+    holes = Holes.of(1, seed=0, epoch=0)
+    items = [(p, (0, p)) for p in range(5)]
+    assert holes.take(items[:4], [None, a, None, b], [0, 5, 0, 7]) == ([a, b], [5, 7])
+    holes.whole([c], [3], 3)
+    assert [holes.positions(k) for k in range(4)] == [0, 2, 4, 5]  # a hole counts with the sample after it
+    assert holes.unfilled() == 0
+    empty = Holes.of(1, seed=0, epoch=0)
+    assert empty.take(items[:2], [None, None], [0, 0]) == ([], [])
+    assert empty.unfilled() == 2 and empty.positions(0) == 0
+
+
+def test_holes_are_filled_with_the_least_repeated_of_a_pool_and_count_no_bytes() -> None:
+    from wdscache.training.holes import POOL_SAMPLES, Holes
+
+    def run() -> list:
+        holes = Holes.of(2, seed=3, epoch=1)
+        samples = [{"__key__": str(i)} for i in range(POOL_SAMPLES + 4)]
+        got = []
+        # holes first: held back until a pool's worth is read, then filled from it
+        assert holes.take([(0, (0, 0)), (1, (0, 1))], [None, None], [0, 0]) is None
+        assert holes.take([(2, (1, 0))], [samples[0]], [5]) is None
+        held = holes.take(
+            [(3 + i, (1, 1 + i)) for i in range(POOL_SAMPLES - 1)], samples[1:POOL_SAMPLES], [5] * (POOL_SAMPLES - 1)
+        )
+        assert held is not None
+        out, sizes = held
+        assert len(out) == POOL_SAMPLES + 2 and sizes[:3] == [0, 0, 5] and out[2] is samples[0]
+        assert out[0] is not out[1] and out[0]["__key__"] != out[1]["__key__"]  # two repeats, two samples
+        got += out
+        n = 3 * POOL_SAMPLES
+        filled = holes.take([(100 + i, (2, i)) for i in range(n)], [None] * n, [0] * n)
+        assert filled is not None and filled[1] == [0] * n
+        got += filled[0]
+        return [s["__key__"] for s in got]
+
+    keys = run()
+    counts = {k: keys.count(k) for k in set(keys)}
+    assert len(counts) == POOL_SAMPLES and max(counts.values()) <= 1 + 3 + 1  # spread over the pool
+    assert run() == keys  # the same inputs, the same repeats

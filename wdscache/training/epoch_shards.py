@@ -386,8 +386,8 @@ class EpochShards:
     def failed(self, shard: int, exc: WdsCacheError, *, corrupt: bool = True) -> None:
         """``shard`` cannot be read: end the epoch there (:class:`StopEpoch`, carrying ``exc``
         with ``on_error="raise"``), or (``on_error="skip"``) skip the shard: its samples not yet
-        read become holes, filled with repeats by the stream. ``corrupt=False``: a ShardError
-        that is no fault of the copy (the agent is not told of it)."""
+        read become holes, dropped or filled with repeats by the stream (:mod:`.holes`).
+        ``corrupt=False``: a ShardError that is no fault of the copy (the agent is not told of it)."""
         self.pins.close_file(shard)
         if corrupt and isinstance(exc, ShardError):  # a failed download is already in the agent's stats
             self.report_corrupt(shard, str(exc))

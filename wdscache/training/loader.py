@@ -18,8 +18,10 @@ Guarantees (for the ranks of one job with the same settings):
   (or ``resampled=True``) an epoch is ``epoch_samples`` samples instead, each source its
   exact share (:mod:`wdscache.shared.mixture`), shared and resumed the same way. With
   ``on_error="skip"`` a sample that cannot be read (its shard failed or is
-  damaged) is replaced by a repeat of one the rank did read, so the counts stay
-  equal; every sample of every healthy shard is still delivered. A shard whose
+  damaged) is left out with one rank, and with several replaced by a repeat of one
+  of the rank's recent samples, so the counts stay equal
+  (:mod:`wdscache.training.holes`); every sample of every healthy shard is still
+  delivered. A shard whose
   download fails while it is streamed ends where it failed, which can differ
   between ranks (only then can their counts differ);
 - no wait lasts longer than ``timeout`` seconds without progress (a sample, or

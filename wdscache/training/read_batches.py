@@ -96,7 +96,7 @@ class ReadBatcher:
             stream.shards.open(shard)
             if shard not in stream.shards.skipped:
                 opened[shard] += 1
-        self.batch.append(item)  # a skipped shard's item is a hole, filled with a repeat
+        self.batch.append(item)  # a skipped shard's item is a hole (see holes.py)
         if len(self.batch) >= self.request_limit:
             self.flush()
 

@@ -68,7 +68,8 @@ class ReadState(enum.Enum):
 @dataclass(slots=True, eq=False)
 class Read:
     """One read of ``items``. ``sent`` indexes the items asked for; the others are holes
-    (their shard was skipped), filled with repeats when the samples are handed out, or, for a
+    (their shard was skipped), dropped or filled when the samples are handed out (see
+    :mod:`~wdscache.training.holes`), or, for a
     read that goes a part at a time, items of an earlier part (``got``) or of a later one (their
     shards in ``later``)."""
 

@@ -46,6 +46,7 @@ from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, IdRun, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles
 from .epoch_shards import EpochShards, OnError, StopEpoch
+from .holes import HoleMode, Holes
 from .pins import Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .read_batches import SHARE_ENDED, ReadBatcher
@@ -228,7 +229,8 @@ class EpochStream:
         )
         self.reads = ReadTable()
         self.call_replies: dict[str, dict[str, Any] | None] = {}  # rid -> reply of a _worker_call
-        self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0, "repeated": 0}  # samples out of _pipeline
+        self.stats = {"samples": 0, "bytes": 0, "wait_s": 0.0}  # samples out of _pipeline
+        self.holes = Holes.of(s.world_size, s.seed, epoch)  # skipped shards' samples: dropped or filled
         # Since when the rank has been waiting for its next read (None: it has one, or is away with
         # the samples): reports count a wait under way too, or one long wait shows only once it ends.
         self._waiting_from: float | None = None
@@ -304,13 +306,14 @@ class EpochStream:
 
     @property
     def delivered(self) -> int:
-        """Samples handed to the user (not merely received: map/batch look ahead); of a chunk
-        being handed out (:meth:`delivered_samples`), those its iterator gave out."""
+        """Positions of the share handed to the user (not merely received: map/batch look ahead);
+        of a chunk being handed out (:meth:`delivered_samples`), those its iterator gave out.
+        One per sample, but for holes dropped (see :mod:`wdscache.training.holes`)."""
         handing = self._handing
         if handing is None:
-            return self._delivered
+            return self.holes.positions(self._delivered)
         n, it = handing
-        return self._delivered + n - length_hint(it)
+        return self.holes.positions(self._delivered + n - length_hint(it))
 
     def delivering(self, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:
         """Yield items, counting the samples in each once the user has it (for :meth:`resume`)."""
@@ -347,8 +350,9 @@ class EpochStream:
         """The rank's samples in order, an iterator over a list per read (``_out``: that one,
         and the payload bytes of each sample in it), each list renamed in place first
         (``rename``): the reporter counts what went out by that very iterator. A hole (a sample
-        of a shard skipped with ``on_error="skip"``) is filled with a repeat of the sample
-        before it (of the first one read, for holes before it), so every rank keeps its count."""
+        of a shard skipped with ``on_error="skip"``) is dropped with one rank, and filled with a
+        repeat of a recent sample with several, so that every rank keeps its count
+        (:mod:`wdscache.training.holes`)."""
         limit = self.settings.inflight or max(4, 2 * len(self.workers))
         owned = self._owned()
         reads = self.reads
@@ -357,8 +361,7 @@ class EpochStream:
         pins = self.pins
         seq_yield = 0
         exhausted = False
-        last: dict[str, Any] | None = None  # the latest sample read, to repeat in a hole
-        owed = 0  # holes before the first sample read
+        holes = self.holes
         end: int | None = None  # a shard's error ends the epoch (StopEpoch): the first read not handed out
         error: WdsCacheError | None = None  # and with on_error="raise", its error, raised there
         poll = STREAM_POLL_FIRST  # the next wait for a shard still downloading
@@ -408,30 +411,46 @@ class EpochStream:
                 stats["wait_s"] += time.perf_counter() - t0
                 samples = read.samples
                 sizes = read.sizes  # from the reply: no pass over each sample
-                if owed or None in samples:
-                    samples, sizes, last, owed = filled(samples, sizes, last, owed, stats)
-                elif samples:
-                    last = samples[-1]
-                if self.rename is not None:
-                    self.rename(samples)
-                it = iter(samples)
-                stats["samples"] += len(samples)
-                stats["bytes"] += sum(sizes)
-                self._out = (it, sizes)  # after the counts: the reporter's thread subtracts what is left of it
-                if pins.letting_go:  # the user may hold us at the yield for long: no pin let go stays held
-                    pins.flush(now=True)
-                if self.reporter.forgotten:  # dropped while stopped: pinned again before more is handed out
-                    self.runs.check()
-                pins.parked = True  # held at its user's hands: see Pins.let_go_parked
-                yield it
+                if holes.held is not None or None in samples:
+                    out = holes.take(read.items, samples, sizes)
+                    if out is None:  # held back until the rank read a pool's worth to fill the holes from
+                        continue
+                    samples, sizes = out
+                    nbytes = sum(sizes)
+                else:
+                    nbytes = sum(sizes)
+                    holes.whole(samples, sizes, nbytes)
+                yield self._handed_out(samples, sizes, nbytes)
                 pins.unpark()
                 self.clock.progress_at = time.monotonic()  # the user's time between samples is no stall
-            if owed and error is None:
-                nothing_to_repeat(self, owed)
+            rest = holes.rest()
+            if rest is not None:
+                yield self._handed_out(*rest, sum(rest[1]))
+                pins.unpark()
+            unfilled = holes.unfilled()
+            if unfilled and error is None:
+                nothing_to_repeat(self, unfilled)
         finally:
             self._waiting_from = None  # the epoch's end, or its close: no wait goes on
         if error is not None:
             raise error
+
+    def _handed_out(self, samples: list[dict[str, Any]], sizes: list[int], nbytes: int) -> Iterator[dict[str, Any]]:
+        """The iterator of a read's samples (``nbytes`` of payload), renamed and counted, its
+        pins let go as they must be while the user holds it (:meth:`_pipeline` yields it)."""
+        if self.rename is not None:
+            self.rename(samples)
+        it = iter(samples)
+        self.stats["samples"] += len(samples)
+        self.stats["bytes"] += nbytes
+        self._out = (it, sizes)  # after the counts: the reporter's thread subtracts what is left of it
+        pins = self.pins
+        if pins.letting_go:  # the user may hold us at the yield for long: no pin let go stays held
+            pins.flush(now=True)
+        if self.reporter.forgotten:  # dropped while stopped: pinned again before more is handed out
+            self.runs.check()
+        pins.parked = True  # held at its user's hands: see Pins.let_go_parked
+        return it
 
     # -- reads --------------------------------------------------------------------
 
@@ -579,31 +598,51 @@ class EpochStream:
 
 
 def nothing_to_repeat(stream: EpochStream, holes: int) -> None:
-    """A share whose every sample here lay in shards skipped (``on_error="skip"``) has none
-    read to repeat in their ``holes``, so it cannot keep the count every rank gets, and a
-    data-parallel job would wait forever on the ranks that got theirs: ShardError, when the
-    whole share is so. The rest of a share resumed from a checkpoint (its samples before it
-    were read then) ends short instead, with a warning that says so."""
+    """A share whose every sample here lay in shards skipped (``on_error="skip"``) read none:
+    ShardError, when the whole share is so. With several ranks there is none to repeat in
+    their ``holes``, so the rank cannot keep the count every rank gets, and a data-parallel
+    job would wait forever on the ranks that got theirs; with one rank the epoch would be
+    empty, which webdataset's readers refuse too. The rest of a share resumed from a
+    checkpoint (its samples before it were read then), and with one rank a DataLoader
+    worker's slice (its fellows may have samples), end short instead, with a warning."""
     skipped = sorted(stream.shards.skipped)
     url = stream.urls[skipped[0]] if skipped else "?"
     more = f" and {len(skipped) - 1} other shard(s)" if len(skipped) > 1 else ""
     share = stream.share
     resumes = share.job.resumes if isinstance(share, NodeShare) else (share.resume,)
+    rank, epoch, dropping = stream.settings.rank, stream.spec.epoch, stream.holes.mode is HoleMode.DROP
     if stream.worker_slice.skip or any(r.delivered() for r in resumes):
+        since = f"rank {rank}'s rest of epoch {epoch} since its checkpoint lies in shards that failed ({url}{more})"
+        if dropping:
+            log.warning("%s: it yields none of its %d samples", since, holes)
+        else:
+            log.warning(
+                "%s: no sample read since to repeat in the %d places skipped, so it ends %d short of the other ranks",
+                since,
+                holes,
+                holes,
+            )
+        return
+    if dropping and stream.worker_slice.count > 1:
         log.warning(
-            "rank %d's rest of epoch %d since its checkpoint lies in shards that failed (%s%s): no sample "
-            "read since to repeat in the %d places skipped, so it ends %d short of the other ranks",
-            stream.settings.rank,
-            stream.spec.epoch,
+            "DataLoader worker %d's part of epoch %d lies in shards that failed (%s%s): it yields none of its %d "
+            "samples",
+            stream.worker_slice.index,
+            epoch,
             url,
             more,
             holes,
-            holes,
         )
         return
+    if dropping:
+        raise ShardError(
+            url,
+            f"every sample of epoch {epoch} lies in shards that failed (this one{more}): all {holes} were "
+            "skipped, so the epoch has none to yield; fix or drop the failed shards",
+        )
     raise ShardError(
         url,
-        f"every sample rank {stream.settings.rank} reads here in epoch {stream.spec.epoch} lies in shards that "
+        f"every sample rank {rank} reads here in epoch {epoch} lies in shards that "
         f"failed (this one{more}): none was read to repeat in the {holes} places skipped, so its count "
         "cannot equal the other ranks'; fix or drop the failed shards",
     )
@@ -621,33 +660,3 @@ def same_directory(hello: dict[str, Any]) -> bool:
     except OSError:
         return False
     return [st.st_dev, st.st_ino] == root
-
-
-def filled(
-    samples: list[Any],
-    sizes: list[int],
-    last: dict[str, Any] | None,
-    owed: int,
-    stats: dict[str, Any],
-) -> tuple[list[dict[str, Any]], list[int], dict[str, Any] | None, int]:
-    """A read's samples (and their payload bytes) with each hole (None) filled by a repeat of
-    the sample before it, and ``owed`` holes (before the first sample read) by repeats of the
-    first (a repeat counts no bytes); also the latest sample and the holes still owed (none
-    read yet)."""
-    out: list[dict[str, Any]] = []
-    out_sizes: list[int] = []
-    for sample, nbytes in zip(samples, sizes):
-        if sample is None:
-            stats["repeated"] += 1
-            if last is None:
-                owed += 1
-                continue
-            sample = dict(last)
-        out.append(sample)
-        out_sizes.append(nbytes)
-        last = sample
-        for _ in range(owed):
-            out.append(dict(last))
-            out_sizes.append(0)
-        owed = 0
-    return out, out_sizes, last, owed

@@ -1,0 +1,144 @@
+"""The holes a skipped shard leaves (``on_error="skip"``, or a webdataset handler that goes on):
+one rank drops them, as webdataset does; several ranks fill them with repeats spread over
+their recent samples, keeping the planned count. Real agent, real HTTP server (the skipped
+shard answers 404, its count known from the index), real loaders."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+
+import wdscache  # noqa: E402
+from tests.helpers.streaming import delivered, fields_of, reference  # noqa: E402
+from wdscache import CachedMultiLoader  # noqa: E402
+from wdscache.training.holes import POOL_SAMPLES  # noqa: E402
+
+GONE = 500  # samples the index declares for the shard that answers 404
+
+
+@pytest.fixture
+def holed(dataset: Any, start_agent: Any, shard_server: Any, tmp_path: Path) -> Any:
+    """An index of two healthy shards of 20 samples with a 404 shard of 500 between them, an
+    agent serving it; returns (index, cache, reference of the healthy shards, their paths, URLs)."""
+    data = dataset(2, samples=20, payload=300, prefix="a")
+    gone = shard_server.url("gone.tar")  # never written: 404
+    index = tmp_path / "lists" / "gone.json"
+    entries = [
+        {"url": data.urls[0], "nsamples": 20},
+        {"url": gone, "nsamples": GONE},
+        {"url": data.urls[1], "nsamples": 20},
+    ]
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    cache = tmp_path / "cache"
+    start_agent(cache, index)
+    return index, cache, reference(data.paths, data.urls), data
+
+
+def _loader(cache: Path, **kw: Any) -> CachedMultiLoader:
+    kw.setdefault("timeout", 30)
+    kw.setdefault("on_error", "skip")
+    return CachedMultiLoader(cache_dir=cache, job=kw.pop("job", "j"), **kw)
+
+
+def _keys(samples: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    return [(s["__url__"], s["__key__"]) for s in samples]
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_one_rank_drops_the_holes_and_yields_each_real_sample_once_as_webdataset(holed: Any, shuffled: bool) -> None:
+    index, cache, ref, data = holed
+    theirs = {(data.urls[i], s["__key__"]) for i, p in enumerate(data.paths) for s in wds.WebDataset(str(p))}
+    assert theirs == set(ref) and len(theirs) == 40
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds = wdscache.WebDataset(str(index), cache_dir=cache, handler=wds.warn_and_continue, shardshuffle=shuffled)
+        ours = list(ds.shuffle(100) if shuffled else ds)
+    assert Counter(_keys(ours)) == Counter(theirs)  # each once: no repeat in place of the 500
+    assert delivered(ours) == ref  # and their bytes
+    with _loader(cache, shuffle=shuffled, shuffle_buffer=100) as loader:
+        assert delivered(list(loader)) == ref
+
+
+def test_one_rank_resumed_after_the_hole_yields_exactly_the_rest(holed: Any) -> None:
+    _, cache, ref, _ = holed
+    for shuffle, taken in ((False, 25), (True, 7), (True, 33)):
+        first = _loader(cache, job=f"r{shuffle}{taken}", shuffle=shuffle, shuffle_buffer=100, request_size=4)
+        it = iter(first)
+        head = [next(it) for _ in range(taken)]
+        state = first.state_dict()
+        it.close()
+        rest = _loader(cache, job=f"r{shuffle}{taken}", shuffle=shuffle, shuffle_buffer=100)
+        rest.load_state_dict(state)
+        tail = list(rest)
+        assert delivered(head + tail) == ref, (shuffle, taken, len(head), len(tail))
+        if not shuffle:  # in order: the hole lies between the two shards, behind the 25th sample
+            assert _keys(tail) == sorted(_keys(tail)) and len(tail) == 15
+        # The state once the rest is out: the next epoch, from its start.
+        again = rest.state_dict()
+        assert again["epoch"] == 1 and again["position"] == 0, again
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_two_ranks_keep_the_planned_count_with_repeats_spread_over_their_samples(holed: Any, shuffled: bool) -> None:
+    _, cache, ref, _ = holed
+    planned = (40 + GONE) // 2
+    ranks = [
+        _loader(cache, job=f"two{shuffled}", rank=r, world_size=2, shuffle=shuffled, shuffle_buffer=100)
+        for r in range(2)
+    ]
+    got = [list(loader) for loader in ranks]
+    assert [len(g) for g in got] == [planned, planned]
+    counts = [Counter(_keys(g)) for g in got]
+    assert not set(counts[0]) & set(counts[1])  # a rank repeats only samples it read
+    assert set(counts[0]) | set(counts[1]) == set(ref)  # every real sample, on one rank
+    for g, c in zip(got, counts):
+        real, holes = len(c), planned - len(c)
+        bound = math.ceil(holes / min(POOL_SAMPLES, real)) + 1
+        assert max(c.values()) <= bound, (c.most_common(3), bound)
+        for s in g:  # a repeat is the sample's own bytes
+            assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
+    # The same inputs, the same repeats.
+    again = [
+        list(_loader(cache, job=f"again{shuffled}", rank=r, world_size=2, shuffle=shuffled, shuffle_buffer=100))
+        for r in range(2)
+    ]
+    assert [_keys(g) for g in again] == [_keys(g) for g in got]
+
+
+def test_one_rank_whose_every_sample_failed_raises_and_a_resumed_empty_rest_warns(
+    dataset: Any, start_agent: Any, shard_server: Any, tmp_path: Path, caplog: Any
+) -> None:
+    data = dataset(1, samples=4, payload=300, prefix="a")
+    gone = shard_server.url("gone.tar")
+    index = tmp_path / "lists" / "gone.json"
+    entries = [{"url": data.urls[0], "nsamples": 4}, {"url": gone, "nsamples": 30}]
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    only_gone = tmp_path / "lists" / "only.json"
+    only_gone.write_text(json.dumps({"wids_version": 1, "shardlist": entries[1:]}))
+    cache = tmp_path / "cache"
+    start_agent(cache, index)
+    with pytest.raises(wdscache.ShardError, match="every sample of epoch 0 lies in shards that failed") as info:
+        list(_loader(cache, urls=str(only_gone)))
+    assert info.value.url == gone
+    one = _loader(cache, urls=str(index), shuffle=False)
+    it = iter(one)
+    assert [s["__key__"] for s in (next(it) for _ in range(4))] == sorted(
+        k for _, k in reference(data.paths, data.urls)
+    )
+    state = one.state_dict()  # the 30 holes after the last sample are not out yet
+    it.close()
+    rest = _loader(cache, urls=str(index), shuffle=False)
+    rest.load_state_dict(state)
+    with caplog.at_level(logging.WARNING, logger="wdscache"):
+        assert list(rest) == []
+    assert "rest of epoch 0 since its checkpoint lies in shards that failed" in caplog.text, caplog.text
+    assert "it yields none of its 30 samples" in caplog.text, caplog.text
