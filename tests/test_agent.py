@@ -271,6 +271,7 @@ def test_second_agent_on_same_cache_dir_is_refused_naming_the_running_pid(shard_
     assert s["agent"]["pid"] == first.pid
 
 
+@pytest.mark.slow
 def test_stale_lock_of_a_killed_agent_does_not_block_and_complete_shards_survive(
     shard_server, dataset, start_agent, tmp_path
 ):
@@ -366,6 +367,7 @@ def test_a_bad_option_value_is_refused_naming_it(dataset, run_cli, tmp_path, opt
     assert "Traceback" not in r.stderr and not cache.exists()
 
 
+@pytest.mark.slow
 def test_an_endpoint_that_cannot_be_bound_is_refused_naming_it(dataset, run_cli, tmp_path):
     ds = dataset(1)
     with socket.socket() as taken:  # a port someone else listens on
@@ -409,6 +411,7 @@ def test_a_socket_file_left_in_a_read_only_folder_is_refused_naming_the_endpoint
     assert "Traceback" not in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_budget_too_small_for_the_prefetch_window_is_refused(shard_server, dataset, run_cli, start_agent, tmp_path):
     ds = dataset(6, **SHARD_100K)
     shard_size = max(p.stat().st_size for p in ds.paths)
@@ -573,6 +576,7 @@ def test_no_partial_shard_is_ever_visible_under_shards(shard_server, dataset, st
 
 
 @pytest.mark.parametrize("status", [503, 429])
+@pytest.mark.slow
 def test_retry_after_is_honoured_and_the_download_succeeds(shard_server, dataset, start_agent, tmp_path, status):
     ds = dataset(3)
     cache = tmp_path / "cache"
@@ -649,6 +653,7 @@ def test_sigterm_while_the_list_file_cannot_be_read_exits_0_and_leaves_the_cache
     assert not cache.exists()  # made by this start, removed as it ended
 
 
+@pytest.mark.slow
 def test_second_sigterm_exits_at_once_and_the_next_agent_cleans_up(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(2, **SHARD_300K)
     for p in ds.paths:  # a body that stops coming: the first SIGTERM's shutdown waits for its thread
@@ -722,6 +727,7 @@ def test_cache_is_private_and_a_world_writable_cache_dir_is_refused(
 # -- stats ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stats_without_a_cache_exits_1_and_without_an_agent_shows_agent_null(
     shard_server, dataset, start_agent, run_cli, tmp_path
 ):

@@ -424,6 +424,7 @@ def test_a_resumed_loader_whose_first_iter_fails_delivers_the_resumed_epoch_exac
     assert [key(s) for s in head] + [key(s) for s in rest] == [key(s) for s in whole]
 
 
+@pytest.mark.slow
 def test_a_damaged_copy_left_by_a_kill_as_its_shard_failed_is_removed_at_the_next_start(
     shard_server, dataset, start_agent, tmp_path
 ):
@@ -449,6 +450,7 @@ def test_a_damaged_copy_left_by_a_kill_as_its_shard_failed_is_removed_at_the_nex
     assert s["shards"]["cached"] == 1 and s["bytes_used"] - s["table_bytes"] == on_disk, s
 
 
+@pytest.mark.slow
 def test_an_index_a_later_version_wrote_keeps_every_cached_shard_after_a_rollback(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):

@@ -384,6 +384,7 @@ def test_a_partial_kept_for_a_resume_counts_while_the_resume_waits_for_its_answe
     assert f"evicted {c}" in agent.stderr_text(), agent.stderr_tail()
 
 
+@pytest.mark.slow
 def test_a_smaller_budget_at_restart_gives_up_kept_partials_first(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(3, **SHARD_130K)
     (a, c, d), size = ds.urls, ds.paths[0].stat().st_size
@@ -399,6 +400,7 @@ def test_a_smaller_budget_at_restart_gives_up_kept_partials_first(shard_server, 
     assert f"removing the partial download of {a} to make room" in agent.stderr_text(), agent.stderr_tail()
 
 
+@pytest.mark.slow
 def test_a_resume_that_learns_the_size_reserves_all_of_it_after_a_body_of_unknown_size(
     shard_server, dataset, start_agent, tmp_path
 ):
@@ -449,6 +451,7 @@ def test_a_download_never_writes_into_the_space_of_an_evicted_shard_a_worker_sti
     assert "No space left on device" not in agent.stderr_text(), agent.stderr_tail()
 
 
+@pytest.mark.slow
 def test_an_agent_started_on_a_full_disk_keeps_the_index_and_every_cached_shard(
     shard_server, dataset, start_agent, run_cli, tmpfs
 ):

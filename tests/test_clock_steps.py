@@ -73,6 +73,7 @@ def test_after_a_step_back_stopped_ranks_show_silent_and_a_smaller_relaunch_is_l
     assert 0 <= shown["uptime_s"] <= time.monotonic() - began + LEEWAY, shown
 
 
+@pytest.mark.slow
 def test_after_a_step_forward_no_live_rank_or_worker_shows_silent(tmp_path, dataset, start_agent, consumers):
     data = dataset(4, samples=50, payload=500)
     cache = tmp_path / "cache"

@@ -102,6 +102,7 @@ def test_a_shard_damaged_at_its_source_fails_after_one_more_download_with_the_re
 
 
 @pytest.mark.parametrize("counts", ["known", "unknown"])
+@pytest.mark.slow
 def test_skip_delivers_every_sample_of_every_healthy_shard_and_the_ranks_keep_equal_counts(
     shard_server, dataset, start_agent, consumers, tmp_path, counts
 ):

@@ -263,6 +263,7 @@ print(round(grown), len(keys), keys[0])
 
 
 @pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.slow
 def test_a_consumer_of_large_samples_holds_a_few_of_them_before_its_first(tmp_path, dataset, start_agent, direct):
     # 24 samples of about 3 MB: reads are sized by the bytes of the shards opened from the
     # first one on (about 4 MiB a read, a few reads out), not 32 samples whatever their size.

@@ -176,6 +176,7 @@ def in_process_loader(cache: Path, job: str, **kw: Any) -> CachedMultiLoader:
 # -- 1. server faults during downloads ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_stall_longer_than_read_timeout_is_retried_and_cached_identical(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(1, **SHARD_300K)
     name = ds.paths[0].name
@@ -370,6 +371,7 @@ def test_a_resume_answered_for_another_version_starts_over_never_spliced(
     assert partial_files(cache) == []
 
 
+@pytest.mark.slow
 def test_resets_mid_body_during_a_streaming_epoch_change_nothing_delivered(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):
@@ -401,6 +403,7 @@ def test_resets_mid_body_during_a_streaming_epoch_change_nothing_delivered(
 # -- 2. the agent killed with SIGKILL ------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_agent_sigkilled_during_downloads_restarts_cleanly(shard_server, dataset, start_agent, watchers, tmp_path):
     ds = dataset(6, **SHARD_200K)
     size = {u: p.stat().st_size for u, p in zip(ds.urls, ds.paths)}
@@ -897,6 +900,7 @@ def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_nev
 # -- 6. files and index damaged behind the agent's back -----------------------------------------
 
 
+@pytest.mark.slow
 def test_shard_files_deleted_behind_the_agents_back_are_downloaded_again(
     shard_server, dataset, start_agent, consumers, tmp_path
 ):
@@ -974,6 +978,7 @@ def _tar_truncated(root: Path) -> tuple[Path, str]:
 
 # (Damaged gzip data fails its download: tests/test_gzip.py.)
 @pytest.mark.parametrize("damage", [_tar_truncated], ids=["truncated-tar"])
+@pytest.mark.slow
 def test_corrupt_shard_raises_shard_error_naming_it_and_shows_in_stats(
     shard_server, dataset, start_agent, tmp_path, damage
 ):
@@ -1298,6 +1303,7 @@ def test_one_malformed_message_does_not_kill_a_worker(shard_server, dataset, sta
     assert r["ok"] is False and r["kind"] in ("protocol", "missing"), r  # refused, or simply not cached
 
 
+@pytest.mark.slow
 def test_a_shard_table_from_anyone_but_our_workers_is_not_passed_on(
     shard_server, dataset, start_agent, raw_peers, tmp_path
 ):

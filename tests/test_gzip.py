@@ -162,6 +162,7 @@ def test_a_gzip_bomb_beyond_the_budget_fails_with_the_reason_and_the_others_are_
     assert agent.running()
 
 
+@pytest.mark.slow
 def test_gzip_shards_that_each_wait_for_room_the_others_hold_to_decompress_are_all_served(
     tmp_path, shard_server, start_agent, consumers
 ):
@@ -306,6 +307,7 @@ def test_recovery_forgets_a_gzip_file_in_the_cache_and_fetches_the_shard_again(t
     assert "gzip" in agent.stderr_text()
 
 
+@pytest.mark.slow
 def test_a_gzip_shard_published_just_before_a_crash_is_kept_not_downloaded_again(tmp_path, shard_server, start_agent):
     """Killed after the tar is renamed into place and before the index says so: the restart
     adopts the tar with the gzip'd file's size as its source's (the gzip'd file stays until the

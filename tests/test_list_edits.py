@@ -69,6 +69,7 @@ def test_ranks_that_start_an_epoch_across_an_edit_read_the_list_its_first_rank_r
     assert Counter(k for g in later for k in g) == _samples_of(ds, new)
 
 
+@pytest.mark.slow
 def test_a_shard_index_written_anew_for_a_new_version_of_a_shard_has_its_copy_downloaded_again(
     shard_server, dataset, start_agent, run_cli, tmp_path
 ):

@@ -333,6 +333,7 @@ def test_len_under_resampled_with_epoch_is_unknown_outside_a_worker(two_sources:
     assert len(both) == 40
 
 
+@pytest.mark.slow
 def test_resampled_without_an_epoch_length_is_endless_cut_outside_as_in_webdataset(
     two_sources: dict[str, Any],
 ) -> None:

@@ -127,6 +127,7 @@ def test_a_cancelled_download_resumes_from_its_partial(tmp_path, shard_server, d
     assert sent_once(shard_server, data.paths[0]), body_bytes(shard_server, data.paths[0])
 
 
+@pytest.mark.slow
 def test_a_server_without_etags_is_revalidated_by_last_modified(tmp_path, shard_server, dataset, start_agent):
     shard_server.etags = False
     data = dataset(2, samples=3, payload=1000)
@@ -184,6 +185,7 @@ def test_retry_after_on_a_size_probe_holds_the_next_request(tmp_path, shard_serv
     assert log[1].at - log[0].at >= 2.0, log
 
 
+@pytest.mark.slow
 def test_a_kept_partial_counts_against_the_budget_and_is_removed_first_for_space(
     tmp_path, shard_server, dataset, start_agent
 ):
@@ -230,6 +232,7 @@ def test_the_partial_of_a_shard_removed_from_the_list_is_removed(tmp_path, shard
     assert f"no longer wanted, abandoning {data.urls[0]}" in agent.stderr_text()
 
 
+@pytest.mark.slow
 def test_two_pipe_shards_that_do_not_fit_together_do_not_wait_for_each_other(tmp_path, dataset, start_agent):
     data = dataset(2, samples=8, payload=190_000)  # ~1.5 MB each: one fits a 2M budget, both do not
     # Half of each, a pause, the rest: both downloads hold part of the budget when they need more.

@@ -301,6 +301,7 @@ def test_nodes_on_the_same_list_in_a_process_group_get_every_sample_once_in_equa
     assert len(set(got[0])) == 20 and not set(got[0]) & set(got[1])  # once (node 1's 5 repeats its own)
 
 
+@pytest.mark.slow
 def test_nodes_whose_loaders_are_given_the_list_read_it_whatever_their_agents_hold(
     dataset, start_agent, consumers, tmp_path
 ) -> None:
@@ -320,6 +321,7 @@ def test_nodes_whose_loaders_are_given_the_list_read_it_whatever_their_agents_ho
     assert len(set(got)) == len(got) and {u for u, _ in got} == set(urls)  # every sample once
 
 
+@pytest.mark.slow
 def test_a_checkpoint_resumed_on_a_node_whose_list_changed_is_refused_naming_both_lists(
     dataset, start_agent, tmp_path
 ) -> None:

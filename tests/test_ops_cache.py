@@ -115,6 +115,7 @@ def _freed(cache, data, which=None) -> str:
     return format_size(sum(p.stat().st_size for p in files))
 
 
+@pytest.mark.slow
 def test_verify_and_clear_on_a_cache_whose_index_is_damaged_say_so_and_clear_every_file(tmp_path, dataset, run_cli):
     data = dataset(3, samples=4, payload=300)
     cache = tmp_path / "cache"
@@ -187,6 +188,7 @@ def test_prefetch_draws_a_progress_bar_on_a_terminal(tmp_path, dataset):
     assert text.rstrip().endswith(f"2 of 2 shard(s) cached ({_size(data)})"), text
 
 
+@pytest.mark.slow
 def test_prefetch_fails_at_once_a_shard_the_budget_cannot_take_beside_what_readers_hold(
     tmp_path, dataset, start_agent, run_cli
 ):
@@ -315,6 +317,7 @@ def test_prefetch_past_the_budget_without_an_agent_downloads_each_shard_once_and
     assert sorted(_budget_failures(r.stdout, data, format_size(budget), 5)) == sorted(data.urls[5:])
 
 
+@pytest.mark.slow
 def test_verify_with_a_shard_index_catches_a_same_size_change(tmp_path, dataset, run_cli):
     data = dataset(2, samples=4, payload=300)
     cache = tmp_path / "cache"
@@ -578,6 +581,7 @@ def test_clear_with_an_agent_running_stays_clear_until_a_reader_asks(
     assert agent.stats()["shards"]["cached"] == 3
 
 
+@pytest.mark.slow
 def test_evict_with_an_agent_running_keeps_the_shard_out_until_a_reader_asks(
     tmp_path, dataset, shard_server, start_agent, consumers, run_cli
 ):
@@ -703,6 +707,7 @@ def test_prefetch_without_an_agent_keeps_the_last_agents_free_space_or_the_one_g
     assert r.returncode == 2 and "--min-free" in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_evict_of_a_redacted_url_that_shows_two_cached_urls_says_to_give_the_whole_url(tmp_path, dataset, run_cli):
     data = dataset(1, samples=4, payload=300)
     urls = [f"{data.urls[0]}?token=ONE", f"{data.urls[0]}?token=TWO"]  # ls shows both alike

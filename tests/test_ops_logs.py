@@ -11,6 +11,7 @@ import logging
 import os
 import re
 
+import pytest
 import webdataset as wds
 
 from wdscache import CachedMultiLoader, ShardClient
@@ -29,6 +30,7 @@ def _events(text: str) -> list[dict]:
     return [line for line in lines if "event" in line]
 
 
+@pytest.mark.slow
 def test_json_logs_name_each_event_with_its_fields(tmp_path, dataset, start_agent, shard_server, run_cli):
     data = dataset(3, samples=4, payload=300)
     missing = shard_server.url("missing.tar")
@@ -196,6 +198,7 @@ def test_a_url_list_change_is_one_json_record_with_counts_and_a_redacted_sample(
     assert not [r for r in records if r["message"].lstrip().startswith(("+ ", "- "))], records
 
 
+@pytest.mark.slow
 def test_an_agent_that_cannot_start_says_why_in_one_json_record(tmp_path, dataset, start_agent, run_cli):
     data = dataset(1, samples=2)
     cache = tmp_path / "cache"

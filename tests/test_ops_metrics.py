@@ -29,6 +29,7 @@ def _changes(values: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
     return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
 
 
+@pytest.mark.slow
 def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path, dataset, start_agent, run_cli):
     data = dataset(3, samples=4, payload=300)
     cache = tmp_path / "cache"
@@ -95,6 +96,7 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
     assert down[("wdscache_cache_bytes", ())] - down[("wdscache_cache_table_bytes", ())] == size
 
 
+@pytest.mark.slow
 def test_a_ranks_counters_add_up_its_epochs_and_never_go_down(tmp_path, dataset, start_agent, consumers, run_cli):
     """Each epoch of a rank is a new consumer, whose own figures start at zero: scraped while the
     rank reads three epochs, its counters only grow, and end at what all three delivered."""

@@ -96,6 +96,7 @@ def test_the_readiness_probe_is_ready_while_the_agent_answers_and_not_once_it_st
     assert not _ready(cache)  # the cache is there ("agent": null), the agent is not
 
 
+@pytest.mark.slow
 def test_a_job_of_epochs_shorter_than_a_report_shows_its_rate_while_it_reads(tmp_path, dataset, start_agent):
     # Each epoch is a consumer of its own, over in well under the second between reports: the
     # loader's reports keep their clock across its epochs, and each epoch shows the latest rate.

@@ -86,6 +86,7 @@ def test_each_verdict_names_its_cause_and_what_to_do():
     assert got["j"].text == "not starved"
 
 
+@pytest.mark.slow
 def test_watch_redraws_until_ctrl_c_with_a_verdict_per_job(tmp_path, dataset, start_agent):
     data = dataset(2, samples=4, payload=300)
     cache = tmp_path / "cache"
@@ -176,6 +177,7 @@ def test_stats_shows_no_download_rate_once_downloads_stop_and_a_jobs_totals_over
     assert re.search(r"^job two: ended \S+: 24 samples in 2 epochs, waited [\d.]+s for data in all$", text, re.M), text
 
 
+@pytest.mark.slow
 def test_a_job_run_again_under_its_name_shows_its_own_run_as_ended(tmp_path, dataset, start_agent, consumers, run_cli):
     # Both launches of a script (every run without torchrun is job "default") were added up in one
     # record: "16 samples" of one epoch of 8.
@@ -194,6 +196,7 @@ def test_a_job_run_again_under_its_name_shows_its_own_run_as_ended(tmp_path, dat
     assert re.search(r"^job default: ended \S+: 8 samples, waited", text, re.M), text
 
 
+@pytest.mark.slow
 def test_dataloader_workers_of_one_run_are_one_run_in_ended_jobs(tmp_path, dataset, start_agent):
     # A DataLoader worker that says hello after the rank's other worker left (a slow worker_init_fn)
     # was taken for another run of the job: its rank's ended totals started over (16 of 40 samples).
@@ -218,6 +221,7 @@ def test_dataloader_workers_of_one_run_are_one_run_in_ended_jobs(tmp_path, datas
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_ranks_dataloader_workers_are_one_rank_in_stats(tmp_path, dataset, start_agent, run_cli):
     # Each DataLoader worker of a rank is a consumer of that rank: stats showed whichever reported last.
     data = dataset(1, samples=4, payload=300)
@@ -312,6 +316,7 @@ def test_a_stopped_rank_and_a_stopped_worker_are_shown_silent_not_at_their_last_
     assert len(samples_of(reader.wait())) == 80
 
 
+@pytest.mark.slow
 def test_a_rank_waiting_on_a_failing_source_is_told_so_with_the_retries_and_their_error(
     tmp_path, dataset, shard_server, start_agent, consumers, run_cli
 ):
@@ -351,6 +356,7 @@ def test_a_rank_waiting_on_a_failing_source_is_told_so_with_the_retries_and_thei
     assert "TOKENSECRET" not in text + frame
 
 
+@pytest.mark.slow
 def test_each_job_is_told_what_it_waits_for_not_what_another_job_does(
     tmp_path, dataset, shard_server, start_agent, consumers
 ):

@@ -149,6 +149,7 @@ def test_two_loaders_starting_at_once_share_one_private_agent(tmp_path, dataset,
     assert log.count(" serving ") == 1 and "wdscache: error" not in log, log  # one agent started, none refused
 
 
+@pytest.mark.slow
 def test_loader_arriving_while_the_private_agent_stops_starts_a_new_one(tmp_path, dataset, private_agents):
     from wdscache import CachedMultiLoader
 

@@ -616,6 +616,7 @@ def test_a_process_reading_only_shards_it_holds_keeps_them_and_one_dropped_as_si
         ds.close()
 
 
+@pytest.mark.slow
 def test_threads_of_a_process_read_at_once_each_over_a_session_of_its_own(
     local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:

@@ -53,6 +53,7 @@ def test_list_edit_mid_epoch_lets_the_epoch_finish_on_its_list_and_the_next_take
     assert sorted((s["url"], s["key"]) for s in nxt) == sorted(reference(data.paths[:4], kept))
 
 
+@pytest.mark.slow
 def test_sigkilled_consumer_is_dropped_at_once_and_its_job_restarts_with_another_world_size(
     tmp_path, dataset, start_agent, consumers
 ):

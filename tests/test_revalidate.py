@@ -48,6 +48,7 @@ def test_changed_shard_is_fetched_again_unchanged_one_is_not(tmp_path, shard_ser
     assert "changed on the server" in agent.stderr_text()
 
 
+@pytest.mark.slow
 def test_a_restarted_agent_asks_about_the_shards_readers_want_next_before_any_open(
     tmp_path, shard_server, dataset, start_agent
 ):
@@ -221,6 +222,7 @@ def test_a_shard_gone_from_its_source_is_not_served_from_the_cache(tmp_path, sha
     assert "is gone from its source" in again.stderr_text(), again.stderr_tail()
 
 
+@pytest.mark.slow
 def test_local_shards_whose_folder_is_missing_are_served_as_cached(tmp_path, dataset, start_agent):
     # A folder missing (a file system not mounted yet) is no answer about its files: their copies stay.
     data = dataset(2, samples=3, payload=1000)
@@ -282,6 +284,7 @@ def test_a_shard_overwritten_at_its_source_mid_epoch_fails_that_epoch_and_the_ne
         pytest.param(7, "skip", id="more-samples-skip"),
     ],
 )
+@pytest.mark.slow
 def test_a_shard_overwritten_at_its_source_mid_epoch_fails_a_mixtures_epoch_too(
     tmp_path, shard_server, dataset, start_agent, run_cli, caplog, mode, now, on_error
 ):
@@ -347,6 +350,7 @@ def fields(sample: dict) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("status", [403, 500])
+@pytest.mark.slow
 def test_a_failed_revalidation_logs_its_cause(tmp_path, shard_server, dataset, start_agent, status):
     # An expired signature (403) or a failing server (500) on the restart's HEAD: the cached copy
     # is served, and the log says why the source could not tell, its URL's secrets masked.

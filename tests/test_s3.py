@@ -245,6 +245,7 @@ def test_keys_are_taken_literally_spaces_and_percent_signs_included(store: Store
     assert cached_bytes(tmp_path / "cache", percent) == paths[1].read_bytes()
 
 
+@pytest.mark.slow
 def test_a_command_lines_argument_is_one_url_whatever_hash_sign_its_key_holds(
     moto_store: Store, tmp_path: Path, start_agent, run_cli
 ) -> None:
@@ -616,6 +617,7 @@ def test_a_resume_from_a_store_that_ignores_if_match_is_never_spliced(
     assert as_samples(lines) == reference([replacement], urls)
 
 
+@pytest.mark.slow
 def test_an_object_replaced_while_an_epoch_streams_it_gives_whole_samples_old_ones_first(
     moto_store: Store, tmp_path: Path, start_agent, consumers
 ) -> None:

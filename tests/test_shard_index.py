@@ -81,6 +81,7 @@ def test_index_gives_webdatasets_counts_and_the_files_sizes_reading_each_shard_o
 
 
 @NEEDS_TESTDATA
+@pytest.mark.slow
 def test_index_of_webdatasets_own_shards_stores_local_ones_relative_to_the_index(
     tmp_path, shard_server, start_agent, consumers
 ):

@@ -19,6 +19,7 @@ from tests.helpers.streaming import CONSUMER, delivered, reference, samples_of, 
 from tests.helpers.waits import wait_for
 
 
+@pytest.mark.slow
 def test_ranks_of_two_jobs_get_exact_shares_byte_identical_to_webdataset(tmp_path, dataset, start_agent, consumers):
     data = dataset(6, samples=7, payload=3000)
     cache = tmp_path / "cache"
@@ -42,6 +43,7 @@ def test_ranks_of_two_jobs_get_exact_shares_byte_identical_to_webdataset(tmp_pat
 
 
 @pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.slow
 def test_equal_counts_per_rank_with_padding_or_drop_last(tmp_path, dataset, start_agent, consumers, drop_last):
     data = dataset(5, samples=5, payload=500)  # 25 samples over 4 ranks
     cache = tmp_path / "cache"
@@ -123,6 +125,7 @@ def test_resume_mid_epoch_on_same_or_other_world_size(
     assert len({len(a) for a in after}) == 1  # equal counts
 
 
+@pytest.mark.slow
 def test_killed_consumer_does_not_disturb_other_job(tmp_path, dataset, start_agent, consumers):
     data = dataset(6, samples=8, payload=2000)
     cache = tmp_path / "cache"
@@ -220,6 +223,7 @@ def test_elastic_restart_with_another_world_size_is_accepted_once_old_ranks_are_
     assert len(samples_of(new.wait())) == 30
 
 
+@pytest.mark.slow
 def test_the_ranks_of_a_large_job_pin_cached_shards_several_an_open_and_hold_none_at_the_end(
     tmp_path, dataset, start_agent, monkeypatch
 ):

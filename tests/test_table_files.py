@@ -175,6 +175,7 @@ def test_table_files_count_in_the_budget_and_go_with_their_shards(tmp_path, shar
     assert set(table_files(cache)) <= cached, (table_files(cache), cached)
 
 
+@pytest.mark.slow
 def test_a_start_removes_table_files_no_record_counts(tmp_path, shard_server, dataset, start_agent):
     """At the next start a table left without its shard, a temp file of a write cut short, and
     a record counting a table file that is gone are made right."""

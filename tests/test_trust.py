@@ -461,6 +461,7 @@ def relay(listen: str, upstream: str, seconds: float) -> list[dict[str, Any]]:
     return got
 
 
+@pytest.mark.slow
 def test_a_process_on_a_port_a_client_dials_cannot_pass_its_proof_on_from_the_agent_on_another(
     other_user, open_base, dataset, start_agent
 ):
@@ -615,6 +616,7 @@ def _bound(endpoint: str) -> Impostor | None:
         return None
 
 
+@pytest.mark.slow
 def test_a_process_on_a_workers_port_cannot_hand_a_consumer_samples(open_base, dataset, start_agent, caplog):
     """Whoever binds a worker's port while its worker is down gets that worker's requests: no key
     in them, and a consumer drops its replies (they lack the worker's proof), so it never yields a

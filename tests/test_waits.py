@@ -17,6 +17,7 @@ from wdscache.shared.plan import shard_order
 from wdscache.shared.protocol import PROTOCOL, agent_key, client_key, pack, proof, reply_proof, unpack
 
 
+@pytest.mark.slow
 def test_a_download_that_stops_moving_ends_the_wait_after_timeout_naming_the_shard(
     shard_server, dataset, start_agent, tmp_path
 ):
@@ -61,6 +62,7 @@ def test_a_killed_agent_ends_a_consumer_within_its_timeout(shard_server, dataset
     assert "no wdscache agent answered" in c.log.read_text(), c.log.read_text()[-2000:]
 
 
+@pytest.mark.slow
 def test_a_consumer_that_waits_for_cache_space_gives_up_after_timeout_saying_so(
     shard_server, dataset, start_agent, tmp_path
 ):

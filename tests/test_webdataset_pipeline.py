@@ -225,6 +225,7 @@ def _cut_source(kind: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("kind", ["list", "resampled"])
+@pytest.mark.slow
 def test_with_epoch_resumes_from_a_checkpoint_as_the_uninterrupted_run_goes_on(
     kind: str, dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:

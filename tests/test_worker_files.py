@@ -503,6 +503,7 @@ def download_held_at_20_mb(
     return agent, data, partial
 
 
+@pytest.mark.slow
 def test_a_shard_read_as_it_downloads_is_sent_from_its_file_not_copied(tmp_path, shard_server, dataset, start_agent):
     """A worker serves a download's complete samples from a mapping of its partial file, as
     it serves a cached shard: a reply its consumer has not taken yet holds no copy of them
