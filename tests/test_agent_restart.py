@@ -37,6 +37,18 @@ IN_FLIGHT = 256 << 10  # bytes a killed agent may leave unread in the kernel's b
 JOB_SHARD_ARGS = ("--prefetch", "1", "--cache-size", "10M", "--download-parts", "1")
 
 
+def stop_workers(agent: Any) -> list[int]:
+    """Stop the agent's 2 sample workers (SIGSTOP): reads sent to them stay unanswered."""
+    workers = wait_for(
+        lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)),
+        10,
+        lambda: f"2 workers not found among {children_of(agent.pid)}",
+    )
+    for w in workers:
+        os.kill(w, signal.SIGSTOP)
+    return workers
+
+
 def lines_written(c: Consumer) -> int:
     """Samples the consumer has written so far (it writes line by line)."""
     try:
@@ -558,13 +570,7 @@ def test_reads_across_more_shards_than_a_restarted_agents_budget_holds_go_on_a_s
     agent.wait_stats(lambda s: s["shards"]["cached"] == 12, 20, "not all 12 shards cached")
     first = consumers(cache, "first", "--job", "wide", "--no-shuffle", "--timeout", "20")
     assert_epoch_exact(first.wait(DEADLINE), ref)  # the agent knows each shard's count now
-    workers = wait_for(
-        lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)),
-        10,
-        lambda: f"2 workers not found among {children_of(agent.pid)}",
-    )
-    for w in workers:
-        os.kill(w, signal.SIGSTOP)  # the reads stay unanswered
+    stop_workers(agent)  # the reads stay unanswered
     c = consumers(cache, "reader", "--job", "wide", "--no-shuffle", "--timeout", "20")
     agent.wait_stats(lambda s: s["agent"]["pinned"] >= 8, 20, "the first read's shards pinned")
     kill_agent(agent)
@@ -604,13 +610,7 @@ def test_a_shard_failing_when_a_read_into_it_is_asked_again_ends_the_epoch_after
     agent.wait_stats(lambda s: s["shards"]["cached"] == 4, 20, "not all 4 shards cached")
     first = consumers(cache, "first", "--job", "cut", "--no-shuffle", "--timeout", "20")
     assert len(samples_of(first.wait(DEADLINE))) == len(order)  # the agent knows each shard's count now
-    workers = wait_for(
-        lambda: (lambda w: w if len(w) == 2 else None)(worker_pids(agent.pid)),
-        10,
-        lambda: f"2 workers not found among {children_of(agent.pid)}",
-    )
-    for w in workers:
-        os.kill(w, signal.SIGSTOP)  # the reads stay unanswered
+    stop_workers(agent)  # the reads stay unanswered
     c = consumers(
         cache,
         "reader",

@@ -5,8 +5,6 @@ downloaded once, resume on another world size, webdataset's ``with_epoch`` and `
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable
 from itertools import islice
@@ -15,12 +13,12 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.procs import run_json_job
 from wdscache import CachedMultiLoader
 from wdscache.shared.errors import ConfigError, WdsCacheError
 from wdscache.shared.mixture import shares
 
 PER_SHARD = 10
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _id(sample: dict[str, Any]) -> str:
@@ -237,15 +235,7 @@ def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any
     pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
     src = two_sources
     pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
-    r = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.torch_mix_job", str(src["cache"]), src["a"], src["b"], pattern],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_json_job("tests.helpers.torch_mix_job", str(src["cache"]), src["a"], src["b"], pattern)
     a_share, b_share = shares(61, [3, 1])
     for epoch in range(2):
         ranks = [out["ranks"][rank][epoch] for rank in range(2)]
@@ -387,15 +377,7 @@ def test_an_endless_resampled_dataset_in_dataloader_workers_cut_outside(two_sour
     pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
     src = two_sources
     pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
-    r = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.torch_endless_job", str(src["cache"]), pattern],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_json_job("tests.helpers.torch_endless_job", str(src["cache"]), pattern)
     cut = 40
     ranks = out["persistent=True"]
     assert out["persistent=False"] == ranks  # workers made anew begin the epoch after their last one too

@@ -24,6 +24,7 @@ import pytest
 
 from scripts.shard_maker import make_shard
 from tests.helpers.agents import kill_agent
+from tests.helpers.procs import run_json_job
 from tests.helpers.testdata import TESTDATA
 from tests.helpers.waits import wait_for
 from wdscache import (
@@ -225,15 +226,7 @@ def test_dataloader_workers_under_torch_samplers_read_what_wids_reads(
     index = _index(tmp_path / "index.json", urls, 11)
     cache = tmp_path / "cache"
     start_agent(cache, list_file, "--workers", "2")
-    r = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.random_access_job", str(index), str(cache), str(tmp_path / "wids")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out = run_json_job("tests.helpers.random_access_job", str(index), str(cache), str(tmp_path / "wids"))
     reference = out["wids"]
     assert out["len"] == len(reference) == 44
 

@@ -7,9 +7,6 @@ a real agent over the real HTTP shard server.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -17,25 +14,17 @@ from typing import Any
 
 import pytest
 
+from tests.helpers.procs import run_json_job
 from tests.helpers.streaming import reference
 
 pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
 pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)")
 
-ROOT = Path(__file__).resolve().parents[1]
 SHARDS, PER_SHARD = 6, 13  # 78 samples: not a multiple of the ranks, workers or batches
 
 
 def _run(cache: Path, scenario: str) -> dict[str, Any]:
-    r = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.torch_job", str(cache), scenario],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_json_job("tests.helpers.torch_job", str(cache), scenario)
 
 
 @pytest.fixture

@@ -1,9 +1,14 @@
-"""Looking at processes through /proc, for tests that kill agents, workers and consumers."""
+"""Looking at processes through /proc, for tests that kill agents, workers and consumers; and
+running a scenario in a process of its own (:func:`run_json_job`)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 
 def stat_fields(pid: int) -> list[str] | None:
@@ -74,3 +79,18 @@ def files_held(pid: int | str, under: Path) -> tuple[list[str], list[str]]:
     except FileNotFoundError:
         return [], []
     return fds, maps
+
+
+def run_json_job(module: str, *args: str, timeout: float = 240) -> dict[str, Any]:
+    """Run ``python -m module args...`` from the repository (a torch scenario in a process of its
+    own: torch's import is slow, and must not leak into the pytest process); its last line of
+    output, a JSON object. Fails the test with its stderr's end if it exits non-zero."""
+    r = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
