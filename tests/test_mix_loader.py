@@ -226,13 +226,18 @@ def test_bad_mixtures_are_refused_naming_the_argument(two_sources: dict[str, Any
         )
 
 
-@pytest.mark.slow
-def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any]) -> None:
+def _need_torch_jobs() -> None:
+    """Skip a test whose torch scenario needs torch, torchdata and webdataset, if one is missing."""
     pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
     pytest.importorskip(
         "torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)"
     )
     pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+
+
+@pytest.mark.slow
+def test_mixtures_and_resampled_in_dataloader_workers(two_sources: dict[str, Any]) -> None:
+    _need_torch_jobs()
     src = two_sources
     pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
     out = run_json_job("tests.helpers.torch_mix_job", str(src["cache"]), src["a"], src["b"], pattern)
@@ -370,11 +375,7 @@ def test_an_endless_resampled_dataset_in_dataloader_workers_cut_outside(two_sour
     # OpenCLIP's pipeline in a DataLoader of 2 workers: each worker yields its cut, and the next
     # DataLoader epoch is the loader's next epoch in each worker (another draw), whether the
     # workers persist or are made anew from the dataset each epoch; two ranks, equal counts.
-    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
-    pytest.importorskip(
-        "torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)"
-    )
-    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    _need_torch_jobs()
     src = two_sources
     pattern = src["a_urls"][0].replace("a-000000", "a-{000000..000002}")
     out = run_json_job("tests.helpers.torch_endless_job", str(src["cache"]), pattern)

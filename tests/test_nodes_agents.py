@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.agents import run_wdscache
+from tests.helpers.procs import json_outputs, kill_left
 from tests.helpers.streaming import samples_of, state_of
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader
@@ -195,7 +196,6 @@ def gloo_job(caches: list[Path], tmp_path: Path, workers: int, between: Callable
         )
         for rank, cache in enumerate(caches)
     ]
-    outs = []
     try:
         if between is not None:
             wait_for(
@@ -208,16 +208,9 @@ def gloo_job(caches: list[Path], tmp_path: Path, workers: int, between: Callable
             )
             between()
             go.touch()
-        for p in procs:
-            out, err = p.communicate(timeout=90)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+        return json_outputs(procs, 90)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    return outs
+        kill_left(procs)
 
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")

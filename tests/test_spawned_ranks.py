@@ -7,7 +7,6 @@ give every rank the whole dataset."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.net import free_port_range
+from tests.helpers.procs import json_outputs, kill_left
 from wdscache import CachedMultiLoader
 
 SHARDS, PER_SHARD = 6, 10
@@ -43,18 +43,10 @@ def spawned_ranks(cache: Path, world: int) -> list[dict[str, Any]]:
         )
         for rank in range(world)
     ]
-    outs = []
     try:
-        for p in procs:
-            out, err = p.communicate(timeout=150)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out.strip().splitlines()[-1]))
+        return json_outputs(procs, 150)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    return outs
+        kill_left(procs)
 
 
 @pytest.mark.slow

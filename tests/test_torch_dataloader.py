@@ -63,6 +63,17 @@ def test_dataloader_workers_made_anew_each_epoch_read_the_next_epoch_without_set
 
 
 @pytest.mark.slow
+def test_an_epoch_lock_left_held_by_a_killed_process_does_not_stop_the_next_epochs(
+    warm: tuple[Path, set[str]],
+) -> None:
+    cache, _ = warm
+    out = _run(cache, "dead_lock_holder")
+    for read in (out["workers"], out["here"]):
+        assert len(read) == len(set(read)) == SHARDS * PER_SHARD
+    assert out["workers"] != out["here"]  # epochs 0 and 1
+
+
+@pytest.mark.slow
 def test_dataloader_workers_split_each_ranks_share(warm: tuple[Path, set[str]]) -> None:
     cache, _ = warm
     out = _run(cache, "workers")

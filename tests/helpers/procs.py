@@ -94,3 +94,22 @@ def run_json_job(module: str, *args: str, timeout: float = 240) -> dict[str, Any
     )
     assert r.returncode == 0, r.stderr[-4000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def json_outputs(procs: list[subprocess.Popen[str]], timeout: float) -> list[dict[str, Any]]:
+    """Each process's last line of output, a JSON object, once it exits (within ``timeout`` each);
+    fails the test with a process's stderr's end if it exits non-zero."""
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
+def kill_left(procs: list[subprocess.Popen[str]]) -> None:
+    """Kill (and reap) those of ``procs`` still running: none is left behind by a failed test."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)

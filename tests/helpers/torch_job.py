@@ -111,6 +111,23 @@ def fresh_workers(cache: str) -> dict[str, Any]:
     return out
 
 
+def dead_lock_holder(cache: str) -> dict[str, Any]:
+    """A process killed while it held the dataset's epoch lock (forked, SIGKILLed), then a
+    DataLoader of 2 workers and an iteration here, which take that lock: both read their epoch."""
+    import os
+    import signal
+
+    ds = loader(cache, 0, 1)
+    pid = os.fork()
+    if pid == 0:  # the child takes the lock and dies holding it
+        ds._epoch_box.get_lock().acquire()
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    workers = [i for batch in DataLoader(ds, batch_size=4, num_workers=2) for i in ids(batch)]
+    here = [f"{s['__url__']}#{s['__key__']}" for s in ds]
+    return {"workers": workers, "here": here}
+
+
 def small_budget(cache: str) -> dict[str, Any]:
     """One rank in DataLoader(num_workers=3), a sample at a time in list order, of an agent whose
     budget holds two shards."""
@@ -247,5 +264,6 @@ if __name__ == "__main__":
         "nodes": nodes,
         "small_budget": small_budget,
         "fresh_workers": fresh_workers,
+        "dead_lock_holder": dead_lock_holder,
     }
     print(json.dumps(scenarios[scenario](cache_dir)))

@@ -33,13 +33,19 @@ from typing import Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from ..shared.logs import get_logger
 from .worker_slices import WorkerSlice
+
+log = get_logger(__name__)
 
 L = TypeVar("L")
 
 # DataLoader worker ids whose next epoch the box keeps (a worker of a higher id begins the epoch
 # its copy was made with, as before set_epoch is called).
 BOX_WORKERS = 1024
+# Seconds a start waits for the box's lock (held for microseconds): a process killed while it
+# held it must not hang every later start.
+BOX_LOCK_WAIT = 5.0
 # The box: times set_epoch was called here, its epoch; the number of workers of the DataLoader
 # that read last (0: this process itself, -1: none yet); then, for each worker id and last for this process's own
 # iterations, 1 + the epoch the next copy begins (0: none begun since the epoch was last said).
@@ -85,9 +91,10 @@ class InDataLoader:
     def set_epoch(self, epoch: int) -> None:
         self._loader().set_epoch(epoch)
         self._chose()
-        self._epoch_box[_EPOCH] = epoch
-        self._epoch_box[_SET] += 1
-        self._box_seen = self._epoch_box[_SET]
+        box = self._epoch_box.get_obj()
+        box[_EPOCH] = epoch
+        box[_SET] += 1  # (this process alone writes it)
+        self._box_seen = box[_SET]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._loader().load_state_dict(state)
@@ -98,7 +105,7 @@ class InDataLoader:
         (they forget what earlier copies read)."""
         self._chosen_in = os.getpid()
         if get_worker_info() is None:
-            self._epoch_box[_LAYOUT:] = _BOX[_LAYOUT:]
+            self._epoch_box.get_obj()[_LAYOUT:] = _BOX[_LAYOUT:]
 
     def _worker_slice(self) -> WorkerSlice:
         info = get_worker_info()
@@ -108,7 +115,7 @@ class InDataLoader:
         return get_worker_info() is not None
 
     def __iter__(self) -> Iterator[Any]:
-        box = self._epoch_box
+        box = self._epoch_box.get_obj()  # its values, without the lock each access of the box itself takes
         told = box[_SET]
         if told != self._box_seen:  # set_epoch was called in the main process since this copy was made
             self._box_seen = told
@@ -120,7 +127,11 @@ class InDataLoader:
         if slot is not None and (info is None or pid not in (self._chosen_in, self._read_in)):
             # This process's own iteration, or a copy made anew for a worker (torch's default
             # workers) whose epoch was not said there: the epoch after the latest one begun.
-            with box.get_lock():
+            lock = self._epoch_box.get_lock()
+            locked = lock.acquire(timeout=BOX_LOCK_WAIT)
+            if not locked:  # held by a process killed while it held it (for microseconds, at a start)
+                log.warning("the epoch box's lock was not free in %.0f s: going on without it", BOX_LOCK_WAIT)
+            try:
                 layout = 0 if info is None else info.num_workers
                 if box[_LAYOUT] != layout:
                     # Not the workers that read last (another number of them, or this process):
@@ -131,6 +142,9 @@ class InDataLoader:
                         box[k] = latest
                 if box[slot] - 1 > self._next.epoch:
                     self._loader().set_epoch(box[slot] - 1)
+            finally:
+                if locked:
+                    lock.release()
         self._read_in = pid
         samples = self._loader().__iter__()
         if slot is not None:
