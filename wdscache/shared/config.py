@@ -7,7 +7,7 @@ theirs from :func:`default`.
 Where the environment is read: :mod:`wdscache.cli` (each option's ``WDSCACHE_*``
 variable, through click) builds an :class:`AgentConfig` from options and
 environment; nothing under it (the agent, its workers) reads the environment
-again. On the training side :func:`wdscache.training.loader._env_ranks` (and ``_env_places``) reads what a
+again. On the training side :func:`wdscache.training.ranks.env_ranks` (and ``loader._env_places``) reads what a
 launcher sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RUN_ID``, and
 Slurm's ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_NODEID``, ``SLURM_NNODES`` in a task of
 an ``srun`` step; without them, the rank and size of torch.distributed's process group when

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..shared.logs import get_logger
+from .ranks import RankSource, check_world
 from .worker_slices import WorkerSlice
 
 log = get_logger(__name__)
@@ -76,6 +77,7 @@ class InDataLoader:
     _chosen_in: int  # the process in which this copy's epoch was last set (set_epoch, load_state_dict)
     _read_in: int  # the process in which this copy last began an epoch
     _next: Any  # the loader's next epoch (see checkpoints.NextEpoch)
+    _world_from: RankSource  # where the loader's world size came from
 
     def _loader(self) -> Any:
         """The loader's own methods (the class after this one)."""
@@ -155,7 +157,7 @@ class InDataLoader:
         # Sent to a worker started by "spawn" or "forkserver", the box goes along (multiprocessing
         # shares it); any other copy (pickle.dumps, copy.deepcopy) takes its values, in a box of its own.
         if get_spawning_popen() is not None:
-            self._loader()._check_world()  # the last place the rank's process group is seen
+            check_world(self._world_from)  # the last place the rank's process group is seen
         state = self._loader().__getstate__()
         if get_spawning_popen() is None:
             state["_epoch_box"] = list(self._epoch_box)

@@ -57,16 +57,14 @@ settings, ``map=``, batching. Checkpoints are taken and read by
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import inspect
-import operator
 import os
 import pickle
 import sys
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -88,6 +86,7 @@ from .hello import ReaderHello, say_hello
 from .mixing import MixArg, mix_spec, read_mix_arg, shard_counts
 from .node_lists import agree_on_list, check_kept
 from .private import PrivateAgent, check_cache_dir
+from .ranks import check_world, placement
 from .reporter import ReportClock
 from .stream import EpochStream, Session, StreamSettings
 from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls, taken_once
@@ -152,106 +151,6 @@ def _env_places() -> dict[str, Any]:
         # The agent's token (CACHE_DIR/token), for a consumer that cannot read the cache directory.
         "token": env.get("WDSCACHE_TOKEN") or None,
     }
-
-
-class RankSource(enum.Enum):
-    """Where a loader's ``world_size`` came from (a loader made before its job's process group
-    has the default, and must not read the whole dataset on every rank: see
-    :meth:`CachedMultiLoader._check_world`)."""
-
-    ARGUMENT = "argument"  # world_size= given
-    ENVIRONMENT = "environment"  # WORLD_SIZE (torchrun) or SLURM_NTASKS (srun)
-    GROUP = "process group"  # torch.distributed's default group, initialised by the script
-    DEFAULT = "default"  # none of them: 1
-
-
-def _group_ranks() -> tuple[int, int] | None:
-    """This process's rank and world size in torch.distributed's default process group, when
-    this process imported torch.distributed and the group is initialised (a script that calls
-    ``init_process_group(rank=..., world_size=...)`` itself, as under ``torch.multiprocessing.spawn``,
-    sets no launcher's variable); else None. torch is never imported here: a process without
-    it does not pay for it. A DataLoader worker forked from a rank sees the rank's group too
-    (reading its rank and size uses no collective)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return int(dist.get_rank()), int(dist.get_world_size())
-
-
-def _env_ranks(wanted: Collection[str]) -> tuple[dict[str, int], RankSource]:
-    """The defaults a training launcher provides of ``wanted`` (of rank, world_size, node,
-    num_nodes), and where world_size's came from: torchrun sets RANK, WORLD_SIZE, GROUP_RANK,
-    LOCAL_WORLD_SIZE; Slurm sets SLURM_PROCID, SLURM_NTASKS, SLURM_NODEID, SLURM_NNODES.
-    torchrun's win where both are set: it runs inside a Slurm step. Without either, rank and
-    world_size are torch.distributed's default process group's when the script initialised it
-    (:func:`_group_ranks`), else 0 and 1. A variable read that is no whole number (or a
-    LOCAL_WORLD_SIZE below 1) is a ConfigError naming it; one for a value given is not read."""
-    env = os.environ
-    # Slurm's only in a task of a step (srun sets SLURM_STEP_ID): a batch script is one process,
-    # although it sees the job's SLURM_NTASKS and SLURM_PROCID=0.
-    slurm = bool(env.get("SLURM_STEP_ID"))
-
-    def whole(name: str, slurm_name: str | None, least: int = 0) -> int | None:
-        for var in (name, slurm_name if slurm else None):
-            if var and env.get(var):
-                try:
-                    value = int(env[var])
-                except ValueError:
-                    value = least - 1
-                if value < least:
-                    raise ConfigError(
-                        f"the environment's {var}={env[var]!r} is no whole number of at least {least}: "
-                        "check what the launcher sets, or pass the value to the loader"
-                    )
-                return value
-        return None
-
-    def or_default(value: int | None, default: int) -> int:
-        return default if value is None else value
-
-    def num_nodes() -> int:
-        if env.get("LOCAL_WORLD_SIZE"):  # torchrun: nodes of LOCAL_WORLD_SIZE ranks
-            ranks = or_default(whole("WORLD_SIZE", "SLURM_NTASKS", least=1), 1)
-            return max(1, ranks // or_default(whole("LOCAL_WORLD_SIZE", None, least=1), 1))
-        return or_default(whole("SLURM_NNODES", None, least=1), 1) if slurm else 1
-
-    group = _group_ranks() if {"rank", "world_size"} & set(wanted) else None
-    world = whole("WORLD_SIZE", "SLURM_NTASKS", least=1) if "world_size" in wanted else None
-    read: dict[str, Callable[[], int]] = {
-        "rank": lambda: or_default(whole("RANK", "SLURM_PROCID"), group[0] if group else 0),
-        "world_size": lambda: or_default(world, group[1] if group else 1),
-        "node": lambda: or_default(whole("GROUP_RANK", "SLURM_NODEID"), 0),
-        "num_nodes": num_nodes,
-    }
-    if "world_size" not in wanted:
-        source = RankSource.ARGUMENT
-    elif world is not None:
-        source = RankSource.ENVIRONMENT
-    else:
-        source = RankSource.GROUP if group else RankSource.DEFAULT
-    return {name: read[name]() for name in wanted}, source
-
-
-def _checked_ranks(rank: Any, world_size: Any, world_from: RankSource) -> tuple[int, int]:
-    """``rank`` and ``world_size`` as ints (numpy's too); a ConfigError naming one that is no whole
-    number, or a rank outside the world."""
-    both = []
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        try:
-            both.append(operator.index(value))
-        except TypeError:
-            raise ConfigError(
-                f"{name}={value!r}: give a whole number (a launcher's variable is a string: int(os.environ[...]))"
-            ) from None
-    if not 0 <= both[0] < both[1]:
-        unset = (
-            " (WORLD_SIZE is not set in the environment, nor a torch.distributed process group "
-            "initialised: pass world_size=)"
-            if world_from is RankSource.DEFAULT
-            else ""
-        )
-        raise ConfigError(f"rank {both[0]} is not in [0, world_size={both[1]}){unset}")
-    return both[0], both[1]
 
 
 def default_collate(samples: list[dict[str, Any]]) -> Any:
@@ -332,28 +231,15 @@ class CachedMultiLoader:
         self.tuning = dataclasses.replace(tuning or Tuning(), **knobs)
         if map is not None and workers > 0:
             _check_picklable(map)
-        if rank is None and world_size == 1:
-            rank = 0  # the one rank of its own world (every rank reading everything): no launcher's rank
-        given = {"rank": rank, "world_size": world_size, "node": node, "num_nodes": num_nodes}
-        ranks, self._world_from = _env_ranks([name for name, value in given.items() if value is None])
-        env = _env_places() | ranks
+        # Several nodes, each with its own agent, read a part of the shards each (wdscache.shared.nodes).
+        self.layout, self._world_from = placement(rank, world_size, node, num_nodes)
+        self.rank, self.world_size = self.layout.rank, self.layout.world_size
+        env = _env_places()
         self.cache_dir = cache_dir if cache_dir is not None else env["cache_dir"]
         self.endpoint = resolve_endpoint(self.cache_dir, endpoint or env["endpoint"])
         self.job = job or env["job"]
         self._number, _MADE[self.job] = _MADE[self.job], _MADE[self.job] + 1
         self._launch = launch_id()  # (made here, in the script's process: its DataLoader workers keep it)
-        self.rank, self.world_size = _checked_ranks(
-            env["rank"] if rank is None else rank,
-            env["world_size"] if world_size is None else world_size,
-            self._world_from,
-        )
-        # Several nodes, each with its own agent, read a part of the shards each (wdscache.shared.nodes).
-        self.layout = RankPlacement(
-            self.rank,
-            self.world_size,
-            env["node"] if node is None else node,
-            env["num_nodes"] if num_nodes is None else num_nodes,
-        )
         self.reshuffle_nodes = reshuffle_nodes
         self.shuffle, self.seed, self.shuffle_buffer = shuffle, seed, shuffle_buffer
         self.batch_size, self.collate = batch_size, collate or default_collate
@@ -521,24 +407,8 @@ class CachedMultiLoader:
             return
         self._private_agent = PrivateAgent.use(self.cache_dir, self.urls, timeout=self.timeout)
 
-    def _check_world(self) -> None:
-        """Refuse to read when this loader's ``world_size`` is the default 1 (no argument, no
-        launcher's variable, no process group when it was made) while torch.distributed's
-        default group, initialised since, has several ranks: every rank would read the whole
-        dataset. Checked where the group is seen: the rank's process, a DataLoader worker forked
-        from it, and as the loader is sent to a worker started afresh (which has no group)."""
-        group = _group_ranks() if self._world_from is RankSource.DEFAULT else None
-        if group is not None and group[1] > 1:
-            raise ConfigError(
-                f"this loader was made before torch.distributed.init_process_group, so it reads as the "
-                f"one rank of the job (world_size=1), but the process group now has {group[1]} ranks "
-                f"(this is rank {group[0]}): every rank would read the whole dataset. Make the loader "
-                "after init_process_group (it then takes the group's rank and world size), or pass "
-                "rank= and world_size="
-            )
-
     def __iter__(self) -> Iterator[Any]:
-        self._check_world()
+        check_world(self._world_from)
         self._ensure_agent()
         if self.tuning.tune_malloc:
             tune_malloc()
