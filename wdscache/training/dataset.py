@@ -160,7 +160,7 @@ class InDataLoader:
             check_world(self._world_from)  # the last place the rank's process group is seen
         state = self._loader().__getstate__()
         if get_spawning_popen() is None:
-            state["_epoch_box"] = list(self._epoch_box)
+            state["_epoch_box"] = list(self._epoch_box.get_obj())  # (the box's own items wait for its lock)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
