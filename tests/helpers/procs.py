@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -84,16 +85,24 @@ def files_held(pid: int | str, under: Path) -> tuple[list[str], list[str]]:
 def run_json_job(module: str, *args: str, timeout: float = 240) -> dict[str, Any]:
     """Run ``python -m module args...`` from the repository (a torch scenario in a process of its
     own: torch's import is slow, and must not leak into the pytest process); its last line of
-    output, a JSON object. Fails the test with its stderr's end if it exits non-zero."""
-    r = subprocess.run(
+    output, a JSON object. Fails the test with its stderr's end if it exits non-zero. It runs in
+    a session of its own, killed whole past ``timeout``: DataLoader workers go with it."""
+    p = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
+        start_new_session=True,
     )
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    try:
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def json_outputs(procs: list[subprocess.Popen[str]], timeout: float) -> list[dict[str, Any]]:
