@@ -162,11 +162,16 @@ def test_a_job_named_by_a_url_shows_in_metrics_redacted(tmp_path, dataset, start
             with urllib.request.urlopen(state["metrics"], timeout=5) as reply:
                 return reply.read().decode()
 
-        text = wait_for(lambda: "wdscache_consumer_samples_total{" in (t := scraped()) and t, 10, "no rank on /metrics")
+        redacted = (("job", "http://***@h/a?sig=***"), ("rank", "0"))
+        # The series shows at the hello, its count once the report is taken into the metrics.
+        text = wait_for(
+            lambda: _samples(t := scraped()).get(("wdscache_consumer_samples_total", redacted)) == 3 and t,
+            10,
+            "the rank's 3 samples never on /metrics",
+        )
         printed = run_cli("stats", "--cache-dir", cache, "--prometheus").stdout
     finally:
         conn.close()
-    redacted = (("job", "http://***@h/a?sig=***"), ("rank", "0"))
     for metrics in (text, printed):  # the same text, whoever shows it
         assert "SECRET" not in metrics and "SIGNED" not in metrics, metrics
         assert _samples(metrics)[("wdscache_consumer_samples_total", redacted)] == 3
