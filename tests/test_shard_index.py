@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 import webdataset as wds
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from scripts.console import wdscache_exe
 from scripts.shard_maker import make_dataset, write_url_list
@@ -32,7 +34,14 @@ from tests.helpers.testdata import NEEDS_TESTDATA, REAL_SHARDS, TESTDATA
 from tests.helpers.waits import read_terminal, stop_process
 from wdscache import CachedMultiLoader, FetchError, ShardIndexError
 from wdscache.shared.layout import CacheLayout
-from wdscache.shared.shard_index import KIND, ShardInfo, write_shard_index
+from wdscache.shared.shard_index import (
+    KIND,
+    MAX_SAMPLES,
+    ShardInfo,
+    _take_entries,
+    parse_shard_index,
+    write_shard_index,
+)
 from wdscache.shared.urls import read_url_list
 
 CACHED_IN = 30.0
@@ -567,3 +576,47 @@ def test_an_s3_index_is_written_and_a_wrong_size_in_it_is_caught(tmp_path, moto,
     assert [len(proxy.gets(u[len("s3://") :])) for u in urls] == [2, 2, 2]
     lines = consumers(cache, "c", "--on-error", "skip", "--no-shuffle").wait()
     assert as_samples(lines) == reference(paths[1:], urls[1:])
+
+
+_WHOLE = st.one_of(
+    st.integers(min_value=0, max_value=40),
+    st.sampled_from([10_000, MAX_SAMPLES, (1 << 63) - 1]),
+)
+_ENTRIES = st.lists(  # entries the parse takes, mostly (a count too many for its size now and then)
+    st.fixed_dictionaries(
+        {"url": st.sampled_from(["a.tar", "b.tar", "x/c.tar", "s3://b/d.tar"]), "nsamples": _WHOLE},
+        optional={
+            "filesize": st.one_of(st.none(), _WHOLE),
+            "md5sum": st.one_of(st.none(), st.sampled_from(["0" * 32, "aB" * 16])),
+            "other": st.text(max_size=2),
+        },
+    ),
+    max_size=4,
+)
+_WRONG = {  # values of each key the parse refuses
+    "url": [" ", "\t", "", None, 3, []],
+    "nsamples": [True, False, 3.0, -1, MAX_SAMPLES + 1, 1 << 64, "3", None],
+    "filesize": [True, False, 1.0, -1, 1 << 63, "3", []],
+    "md5sum": ["g" * 32, "ab" * 15, "", 3, True],
+}
+
+
+@settings(max_examples=600, deadline=None)
+@given(entries=_ENTRIES, data=st.data())
+def test_a_well_formed_index_is_read_a_column_at_a_time_as_entry_by_entry(entries, data):
+    """The quick read of an index (its values checked a column at a time) takes exactly what the
+    entry-by-entry parse takes, and refuses what that parse refuses (which then says why)."""
+    if entries and data.draw(st.booleans()):
+        key = data.draw(st.sampled_from(sorted(_WRONG)))
+        entries[data.draw(st.integers(0, len(entries) - 1))][key] = data.draw(st.sampled_from(_WRONG[key]))
+    text = json.dumps({"__kind__": KIND, "shardlist": entries})
+    try:
+        slow = parse_shard_index(text, path="index.json")
+    except ShardIndexError:
+        slow = None
+    quick = _take_entries(text)
+    event("taken" if quick is not None else "refused")
+    if slow is None:
+        assert quick is None
+    else:
+        assert quick is not None and quick[0] == [url for url, _ in slow] and list(quick[1]) == [i for _, i in slow]

@@ -254,7 +254,7 @@ def _samples_problem(info: ShardInfo) -> str | None:
 
 def read_shard_index(text: str, *, path: str) -> tuple[list[str], ShardFacts]:
     """The entries of a shard index, as :func:`parse_shard_index` gives them: each ``url`` as
-    written, and their facts, held compactly (no object per entry is kept while parsing).
+    written, and their facts, held compactly (as arrays, not an object each).
     Raises :class:`ShardIndexError` as :func:`parse_shard_index` does."""
     taken = _take_entries(text)
     if taken is not None:
@@ -266,44 +266,33 @@ def read_shard_index(text: str, *, path: str) -> tuple[list[str], ShardFacts]:
 def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
     """:func:`read_shard_index` of an index that is well formed in every way, else None.
 
-    Each object with a ``url`` is checked and taken (its URL and facts appended) as the parser
-    meets it, and stands in the document as a marker: then ``shardlist`` must be those markers
-    and nothing else, in order (anything else, and the caller parses the index again, slowly).
+    Each object with a ``url`` has its values appended to columns as the parser meets it, and
+    stands in the document as a marker: then ``shardlist`` must be those markers and nothing
+    else, in order, and the columns must pass :func:`_well_formed` (anything else, and the caller
+    parses the index again, slowly). The entries are checked a column at a time, in C loops,
+    after the parse rather than one by one in it: on a million entries that halves the Python
+    work per entry, the larger part of the parse.
     """
-    urls: list[str] = []
-    nsamples_of, filesizes_of = array("q"), array("q")  # the facts' columns (see ShardFacts)
-    md5s: list[tuple[int, str]] = []  # (position, MD5) of the entries that give one
-    add_url, add_nsamples, add_filesize = urls.append, nsamples_of.append, filesizes_of.append
+    urls: list[Any] = []
+    nsamples: list[Any] = []
+    filesizes: list[Any] = []
+    md5s: list[tuple[int, Any]] = []  # (position, value) of the entries that name an MD5
+    add_url, add_nsamples, add_filesize = urls.append, nsamples.append, filesizes.append
 
     def take(entry: dict[str, Any]) -> Any:
         url = entry.get("url")
         if url is None:
             return entry
-        nsamples, filesize, md5 = entry.get("nsamples"), entry.get("filesize"), entry.get("md5sum")
-        if (
-            type(url) is not str
-            or not url
-            or url.isspace()
-            or type(nsamples) is not int
-            or not 0 <= nsamples <= MAX_SAMPLES
-            or filesize is not None
-            and (type(filesize) is not int or not 0 <= filesize <= _MAX_WHOLE)
-            or md5 is not None
-            and (type(md5) is not str or not _MD5.fullmatch(md5))
-        ):
-            raise _NotWellFormed
-        if filesize is not None and nsamples > filesize * DEFLATE_MOST // MIN_SAMPLE_BYTES:
-            raise _NotWellFormed
-        if md5 is not None:
-            md5s.append((len(urls), md5.lower()))
+        if "md5sum" in entry:
+            md5s.append((len(urls), entry["md5sum"]))
         add_url(url)
-        add_nsamples(nsamples)
-        add_filesize(-1 if filesize is None else filesize)
+        add_nsamples(entry.get("nsamples"))
+        add_filesize(entry.get("filesize"))
         return _ENTRY
 
     try:
         doc = json.loads(text, object_hook=take)
-    except (_NotWellFormed, ValueError, RecursionError):
+    except (ValueError, RecursionError):
         return None
     if not (
         isinstance(doc, dict)
@@ -315,11 +304,46 @@ def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
         and all(s is _ENTRY for s in shards)
     ):
         return None
-    return urls, ShardFacts.of_columns(nsamples_of, filesizes_of, md5s)
+    del doc, shards
+    columns = _well_formed(urls, nsamples, filesizes, md5s)
+    if columns is None:
+        return None
+    return urls, ShardFacts.of_columns(*columns)
 
 
-class _NotWellFormed(Exception):
-    """An index entry that :func:`parse_shard_index` would refuse (it says why)."""
+def _well_formed(
+    urls: list[Any], nsamples: list[Any], filesizes: list[Any], md5s: list[tuple[int, Any]]
+) -> tuple[array, array, list[tuple[int, str]]] | None:
+    """The facts' columns (see :meth:`ShardFacts.of_columns`) of entries whose every value
+    :func:`parse_shard_index` takes as it is, else None: each URL a string with something other
+    than white space, each ``nsamples`` a whole number no shard exceeds (a ``bool`` is not one),
+    each ``filesize`` absent, null or such a number that can hold as many samples, each
+    ``md5sum`` null or 32 hexadecimal digits."""
+    if not urls:
+        return array("q"), array("q"), []
+    if set(map(type, urls)) != {str} or not all(urls) or any(map(str.isspace, urls)):
+        return None
+    if set(map(type, nsamples)) != {int} or min(nsamples) < 0 or max(nsamples) > MAX_SAMPLES:
+        return None
+    kinds = set(map(type, filesizes))
+    if kinds == {int}:
+        given = filesizes
+    elif kinds <= {int, type(None)}:
+        given = [size for size in filesizes if size is not None]
+    else:
+        return None
+    if given and (min(given) < 0 or max(given) > _MAX_WHOLE):
+        return None
+    # Enough room for the most samples in the smallest shard: then every entry has it.
+    if given and max(nsamples) > min(given) * DEFLATE_MOST // MIN_SAMPLE_BYTES:
+        for count, size in zip(nsamples, filesizes):
+            if size is not None and count > size * DEFLATE_MOST // MIN_SAMPLE_BYTES:
+                return None
+    md5s = [(at, md5) for at, md5 in md5s if md5 is not None]
+    if not all(type(md5) is str and _MD5.fullmatch(md5) for _, md5 in md5s):
+        return None
+    sizes = array("q", filesizes) if given is filesizes else array("q", [-1 if s is None else s for s in filesizes])
+    return array("q", nsamples), sizes, [(at, md5.lower()) for at, md5 in md5s]
 
 
 def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
