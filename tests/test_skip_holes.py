@@ -18,6 +18,7 @@ import pytest
 wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
 
 import wdscache  # noqa: E402
+from tests.helpers.procs import run_json_job  # noqa: E402
 from tests.helpers.streaming import delivered, fields_of, reference  # noqa: E402
 from wdscache import CachedMultiLoader  # noqa: E402
 from wdscache.training.holes import POOL_SAMPLES  # noqa: E402
@@ -142,3 +143,89 @@ def test_one_rank_whose_every_sample_failed_raises_and_a_resumed_empty_rest_warn
         assert list(rest) == []
     assert "rest of epoch 0 since its checkpoint lies in shards that failed" in caplog.text, caplog.text
     assert "it yields none of its 30 samples" in caplog.text, caplog.text
+
+
+@pytest.fixture
+def tailed(dataset: Any, start_agent: Any, shard_server: Any, tmp_path: Path) -> Any:
+    """As ``holed``, but the 404 shard of GONE samples comes last: the tail of every rank's
+    share is holes. Returns (cache, reference of the healthy shards)."""
+    data = dataset(2, samples=20, payload=300, prefix="t")
+    index = tmp_path / "lists" / "tail.json"
+    entries = [{"url": u, "nsamples": 20} for u in data.urls] + [
+        {"url": shard_server.url("gone.tar"), "nsamples": GONE}
+    ]
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    cache = tmp_path / "cache"
+    start_agent(cache, index)
+    return cache, reference(data.paths, data.urls)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_two_ranks_resumed_where_the_rest_is_all_holes_keep_the_planned_count(tailed: Any, shuffled: bool) -> None:
+    """A checkpoint taken where a rank's rest lies in the failed shard: the rank fills its rest
+    with repeats of its own samples from before the checkpoint (read again), so both ranks
+    yield the count the epoch planned, with the same repeats each time; every real sample is
+    still handed out once, before the checkpoint or after it."""
+    cache, ref = tailed
+    kw: dict[str, Any] = {"world_size": 2, "shuffle": shuffled, "shuffle_buffer": 100, "request_size": 4}
+    planned = (40 + GONE) // 2
+    # Unshuffled, rank 0's first 24 samples are positions 0-7, 16-23 and 32-39 (blocks of 8 in
+    # rows of 16), rank 1's are 8-15 and 24-31, and 40-47 is the first hole: from the
+    # checkpoint after 24, each rank's rest is the failed shard's alone. Shuffled, a rest may
+    # hold a few real samples too.
+    heads = []
+    for r in range(2):
+        loader = _loader(cache, job=f"b{shuffled}", rank=r, **kw)
+        it = iter(loader)
+        heads.append([next(it) for _ in range(24)])
+        if r == 0:
+            state = loader.state_dict()
+        it.close()
+    runs = []
+    for attempt in range(2):
+        rests = [_loader(cache, job=f"r{shuffled}{attempt}", rank=r, **kw) for r in range(2)]
+        for loader in rests:
+            loader.load_state_dict(state)
+        runs.append([list(loader) for loader in rests])
+    tails = runs[0]
+    assert [len(t) for t in tails] == [planned - 24] * 2
+    mine = [set(_keys(head + tail)) for head, tail in zip(heads, tails)]
+    assert not mine[0] & mine[1]  # a rank repeats only samples it read
+    assert mine[0] | mine[1] == set(ref)  # every real sample, on one rank
+    for tail in tails:
+        for s in tail:  # a repeat is the sample's own bytes
+            assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
+        counts = Counter(_keys(tail))
+        assert max(counts.values()) <= math.ceil(len(tail) / min(POOL_SAMPLES, len(counts))) + 1, counts.most_common(3)
+    if not shuffled:  # nothing real since: every real sample of the rank before the checkpoint comes back
+        assert set(_keys(tails[0])) == set(_keys(heads[0])) and len(set(_keys(heads[0]))) == 24
+        assert set(_keys(tails[1])) == set(_keys(heads[1][:16]))  # (its last 8 are repeats of those)
+    assert [_keys(t) for t in runs[1]] == [_keys(t) for t in tails]  # the same repeats
+
+
+@pytest.mark.slow
+def test_dataloader_workers_resumed_where_their_rest_is_all_holes_keep_the_ranks_counts(tailed: Any) -> None:
+    """The same in StatefulDataLoaders of 2 workers: a worker resumed from its own state whose
+    rest is all holes repeats its samples before it; resumed from a rank's whole state, every
+    worker whose rest is all holes repeats the rank's. Each rank yields the planned count."""
+    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed")
+    cache, ref = tailed
+    out = run_json_job("tests.helpers.torch_job", str(cache), "holes_resumed")
+    planned = (40 + GONE) // 2
+    real = {f"{u}#{k}" for u, k in ref}
+    first, rest, whole = out["first"], out["rest"], out["whole"]
+    assert [len(f) for f in first] == [16, 16]
+    # Unshuffled, each rank's first 16 samples are 8 of each worker (blocks of 8 positions); after
+    # them, rank 0's worker 1 and both of rank 1's have holes alone.
+    assert [len(f) + len(r) for f, r in zip(first, rest)] == [planned, planned]
+    assert [len(w) for w in whole] == [planned - 16] * 2
+    since = real - set(first[0]) - set(first[1])  # rank 0's 8 real samples after the first 16
+    assert len(since) == 8
+    # Each worker repeats its own samples: rank 0's worker 1 (batches 1 and 3) those before its
+    # checkpoint, worker 0 those it read since; rank 1's two workers those before theirs.
+    assert set(rest[0]) == since | set(first[0][4:8] + first[0][12:16])
+    assert set(rest[1]) == set(first[1])
+    # From rank 0's whole state, the job delivered 32 positions: rank 0's rest holds 8 real ones
+    # since, all in its worker 0's slice; its worker 1 and rank 1's workers hold holes alone, and
+    # repeat their rank's samples before the checkpoint.
+    assert set(whole[0]) == since | set(first[0]) and set(whole[1]) == set(first[1])

@@ -256,6 +256,32 @@ def nodes(cache: str) -> dict[str, Any]:
     return out
 
 
+def holes_resumed(cache: str) -> dict[str, Any]:
+    """Two ranks over a list whose last shard fails (tests/test_skip_holes.py's ``tailed``),
+    unshuffled, on_error="skip", in StatefulDataLoaders of 2 workers: 4 batches of 4 each (8
+    samples of each worker), then the rest resumed from each rank's own state (each worker
+    from its own), and from rank 0's whole state loaded into the dataset."""
+
+    def make(rank: int, ds: CachedMultiLoader | None = None) -> StatefulDataLoader:
+        ds = ds if ds is not None else loader(cache, rank, 2, shuffle=False, on_error="skip", request_size=4)
+        return StatefulDataLoader(ds, batch_size=4, num_workers=2)
+
+    out: dict[str, Any] = {"first": [], "rest": [], "whole": []}
+    states = []
+    for rank in range(2):
+        dl = make(rank)
+        out["first"].append([i for _, batch in zip(range(4), dl) for i in ids(batch)])
+        states.append(dl.state_dict())
+        dl = make(rank)
+        dl.load_state_dict(states[rank])
+        out["rest"].append([i for batch in dl for i in ids(batch)])
+    for rank in range(2):
+        ds = loader(cache, rank, 2, shuffle=False, on_error="skip", request_size=4)
+        ds.load_state_dict(states[0])
+        out["whole"].append([i for batch in make(rank, ds) for i in ids(batch)])
+    return out
+
+
 if __name__ == "__main__":
     cache_dir, scenario = sys.argv[1], sys.argv[2]
     scenarios = {
@@ -265,5 +291,6 @@ if __name__ == "__main__":
         "small_budget": small_budget,
         "fresh_workers": fresh_workers,
         "dead_lock_holder": dead_lock_holder,
+        "holes_resumed": holes_resumed,
     }
     print(json.dumps(scenarios[scenario](cache_dir)))

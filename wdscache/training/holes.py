@@ -20,7 +20,11 @@ samples out (:class:`Holes`, one per epoch stream).
   (:data:`POOL_SAMPLES` samples or :data:`POOL_BYTES`) wait for it, and the reads from the
   first of them on are held back until then (or the share's end): filled from those first
   samples, not from the few read before. Samples and positions stay one for one (every rank's
-  checkpoint counts its samples handed out as positions, and the ranks' must agree).
+  checkpoint counts its samples handed out as positions, and the ranks' must agree). A rank
+  (or a DataLoader worker) resumed from a checkpoint whose rest holds holes alone has read
+  nothing to repeat: its latest samples before the checkpoint are read again for the pool
+  (:meth:`Holes.prime`, :meth:`~wdscache.training.stream.EpochStream.before`), none of them
+  handed out, so it still keeps the count.
 
 The pool keeps whole reads' lists (no step of Python per sample on the way out of a read
 without holes): the latest reads holding :data:`POOL_SAMPLES` samples, fewer if they pass
@@ -183,6 +187,22 @@ class Holes:
         self._fill(held, self._pool())
         self.held = None
         return held.samples, held.sizes
+
+    @property
+    def starved(self) -> bool:
+        """FILL: holes wait and no sample was read to fill them with (the share is over: a
+        resumed rank's rest all holes, see :meth:`prime`)."""
+        return self.held is not None and bool(self.held.holes) and not self.real
+
+    def prime(self, samples: list[Any], sizes: list[int]) -> None:
+        """FILL: samples read only to fill the holes a :attr:`starved` rank holds back (a
+        resumed rank's latest samples before its checkpoint; None for one whose shard fails
+        now): they join the pool, and :meth:`rest` fills from them; none is handed out."""
+        got = [i for i, sample in enumerate(samples) if sample is not None]
+        if got:
+            kept = [sizes[i] for i in got]
+            self._keep(Recent(self.real, [samples[i] for i in got], kept, sum(kept)))
+            self.real += len(got)
 
     def unfilled(self) -> int:
         """Holes with no sample read to show for them once the share is over (and :meth:`rest`

@@ -30,10 +30,10 @@ import functools
 import os
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, islice
 from operator import itemgetter, length_hint
 from typing import Any, cast
 
@@ -46,7 +46,7 @@ from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, IdRun, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles
 from .epoch_shards import EpochShards, OnError, StopEpoch
-from .holes import HoleMode, Holes
+from .holes import POOL_SAMPLES, HoleMode, Holes
 from .pins import Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .read_batches import SHARE_ENDED, ReadBatcher
@@ -117,6 +117,7 @@ def epoch_ids(
     remaining, unneeded = pins.remaining, pins.unneeded
     feed = ShardFeed()
     arrivals: Iterator[int | None] | None = None  # of the shard the sequence wants
+    wanted = -1  # that shard
     ask = 0  # the feed's ask that ``arrivals`` answers
     items = spec.ids(feed.samples) if isinstance(spec, NodeSpec) else spec.runs(feed)
     for sid in items:
@@ -125,13 +126,15 @@ def epoch_ids(
                 # A new ask: a node's part may stop with its last id before its shard's end came,
                 # and the next part ask for another shard (or that one from its start again).
                 assert feed.wanted is not None  # set whenever the sequence yields None
-                arrivals, ask = shards.arrivals(feed.wanted), feed.asks
+                wanted = feed.wanted
+                arrivals, ask = shards.arrivals(wanted), feed.asks
             got = next(arrivals, _END)
             if got is _END:
                 feed.end()
                 arrivals = None
             elif got is not None:
                 feed.grow(cast(int, got))
+                shards.sequenced[wanted] = cast(int, got)
             else:  # nothing new yet
                 if unneeded and unneeded[0][0] <= share.settled:
                     pins.release_settled(share.settled)
@@ -267,6 +270,50 @@ class EpochStream:
         )
         self.pins.release_settled(self.share.settled)
 
+    def before(self) -> list[Item]:
+        """Up to :data:`POOL_SAMPLES` of the rank's latest samples before its checkpoint, as
+        items (their position in the epoch, id), in order, none of a shard skipped: what a
+        resumed rank whose rest is all holes fills them with (:attr:`Holes.starved`). They are
+        this rank's of the epoch dealt from its start to as many ranks, at the positions the
+        checkpoint delivered; and a DataLoader worker's first pairs of its slice that its own
+        checkpoint delivered (``skip``). The epoch is dealt again from the counts its sequence
+        was fed (ids only, no payload). Empty on several nodes (their parts are dealt anew)."""
+        spec, share, skipped = self.spec, self.share, self.shards.skipped
+        if isinstance(spec, NodeSpec) or isinstance(share, NodeShare):
+            return []
+        s, w, resume = self.settings, self.worker_slice, share.resume
+        latest: deque[Item] = deque(maxlen=POOL_SAMPLES)
+        if resume.delivered():
+            fresh = RankShare(s.world_size, s.rank, drop_last=s.drop_last, block=share.block)
+            for pair in fresh.pairs(self._dealt_again()):
+                if pair is not None and resume.skips(pair[0]) and pair[1][0] not in skipped:
+                    latest.append(pair)
+        if w.skip:
+            again = RankShare(s.world_size, s.rank, resume=resume, drop_last=s.drop_last, block=share.block)
+            pairs = again.pairs(self._dealt_again(), part=w.index, parts=w.count)
+            for pair in islice((p for p in pairs if p is not None), w.skip):
+                if pair[1][0] not in skipped:
+                    latest.append((resume.real(pair[0]), pair[1]))
+            latest = deque(sorted(latest), maxlen=POOL_SAMPLES)
+        return list(latest)
+
+    def _dealt_again(self) -> Iterator[SampleId | IdRun | list[SampleId]]:
+        """The epoch's ids again, from the counts its sequence was fed (see :meth:`before`)."""
+        spec = self.spec
+        if isinstance(spec, MixSpec):
+            yield from spec.runs()  # planned with every count
+            return
+        assert isinstance(spec, EpochSpec)
+        counts = self.shards.sequenced
+        feed = ShardFeed()
+        for sid in spec.runs(feed):
+            if sid is None:  # every count is final: fed whole at once
+                assert feed.wanted is not None
+                feed.grow(counts.get(feed.wanted, 0))
+                feed.end()
+                continue
+            yield sid
+
     def counts(self) -> dict[int, int]:
         """Run the epoch's sequence without reading a payload, and close: what it learned of each
         shard's count (a mixture's epoch needs them all before it starts)."""
@@ -363,6 +410,7 @@ class EpochStream:
         exhausted = False
         holes = self.holes
         end: int | None = None  # a shard's error ends the epoch (StopEpoch): the first read not handed out
+        looked_back: int | None = None  # the first read of samples before a checkpoint (see before)
         error: WdsCacheError | None = None  # and with on_error="raise", its error, raised there
         poll = STREAM_POLL_FIRST  # the next wait for a shard still downloading
         try:
@@ -388,7 +436,12 @@ class EpochStream:
                             stalled = True
                             break
                     if seq_yield >= (batches.seq_next if end is None else end) and exhausted:
-                        break
+                        if looked_back is not None or end is not None or not holes.starved:
+                            break
+                        # A resumed rank whose rest was all holes: its samples before the checkpoint
+                        # are read again to fill them (reads from ``looked_back`` on fill, none goes out).
+                        looked_back, owned, exhausted = batches.seq_next, iter(self.before()), False
+                        continue
                     read = reads.hand_out(seq_yield)
                     if read is None:
                         self._receive(poll if stalled else 0.1)
@@ -411,6 +464,9 @@ class EpochStream:
                 stats["wait_s"] += time.perf_counter() - t0
                 samples = read.samples
                 sizes = read.sizes  # from the reply: no pass over each sample
+                if looked_back is not None:
+                    holes.prime(samples, sizes)
+                    continue
                 if holes.held is not None or None in samples:
                     out = holes.take(read.items, samples, sizes)
                     if out is None:  # held back until the rank read a pool's worth to fill the holes from
@@ -602,16 +658,20 @@ def nothing_to_repeat(stream: EpochStream, holes: int) -> None:
     ShardError, when the whole share is so. With several ranks there is none to repeat in
     their ``holes``, so the rank cannot keep the count every rank gets, and a data-parallel
     job would wait forever on the ranks that got theirs; with one rank the epoch would be
-    empty, which webdataset's readers refuse too. The rest of a share resumed from a
-    checkpoint (its samples before it were read then), and with one rank a DataLoader
-    worker's slice (its fellows may have samples), end short instead, with a warning."""
+    empty, which webdataset's readers refuse too. A rest resumed from a checkpoint with
+    several ranks was filled from the rank's samples before it (:meth:`EpochStream.before`):
+    it comes here only when those failed too. With one rank, the rest of a share resumed from
+    a checkpoint (its samples before it were read then) and a DataLoader worker's slice (its
+    fellows may have samples) end short instead, with a warning; so does a rest resumed on
+    several nodes, whose samples before the checkpoint are not read again."""
     skipped = sorted(stream.shards.skipped)
     url = stream.urls[skipped[0]] if skipped else "?"
     more = f" and {len(skipped) - 1} other shard(s)" if len(skipped) > 1 else ""
     share = stream.share
     resumes = share.job.resumes if isinstance(share, NodeShare) else (share.resume,)
     rank, epoch, dropping = stream.settings.rank, stream.spec.epoch, stream.holes.mode is HoleMode.DROP
-    if stream.worker_slice.skip or any(r.delivered() for r in resumes):
+    resumed = bool(stream.worker_slice.skip or any(r.delivered() for r in resumes))
+    if resumed and (dropping or isinstance(share, NodeShare)):
         since = f"rank {rank}'s rest of epoch {epoch} since its checkpoint lies in shards that failed ({url}{more})"
         if dropping:
             log.warning("%s: it yields none of its %d samples", since, holes)
@@ -640,9 +700,10 @@ def nothing_to_repeat(stream: EpochStream, holes: int) -> None:
             f"every sample of epoch {epoch} lies in shards that failed (this one{more}): all {holes} were "
             "skipped, so the epoch has none to yield; fix or drop the failed shards",
         )
+    where = "since its checkpoint, and before it," if resumed else "here"
     raise ShardError(
         url,
-        f"every sample rank {rank} reads here in epoch {epoch} lies in shards that "
+        f"every sample rank {rank} reads {where} in epoch {epoch} lies in shards that "
         f"failed (this one{more}): none was read to repeat in the {holes} places skipped, so its count "
         "cannot equal the other ranks'; fix or drop the failed shards",
     )
