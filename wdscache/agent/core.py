@@ -65,6 +65,7 @@ from ..shared.errors import ProtocolError
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout, write_atomic
 from ..shared.logs import get_logger
+from ..shared.malloc import release_freed
 from ..shared.metrics import require as require_metrics
 from ..shared.protocol import CONTROL_OPS, GREETED_OPS, READER_OPS, WORKER_OPS, process_identity, strings
 from ..shared.protocol import field as get_field
@@ -304,9 +305,11 @@ class Agent:
         if self._lookups is not None and self._lookups.make_lookups(LOOKUP_STEP):
             self._lookups = None  # whole (or finished by a lookup meanwhile)
         self._drain_events()
-        new = self._list_file.changed()
-        if new is not None:
-            self._take_list(new)
+        change = self._list_file.changed()
+        if change is not None:
+            self._take_list(change)
+            del change  # the list before it goes with it (unless an epoch under way reads it)
+            release_freed()  # else its arrays, freed between live blocks, stay in the process
         self.readers.expire()
         self.prefetches.expire()
         self.pool.check()
