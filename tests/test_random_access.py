@@ -140,6 +140,8 @@ def test_every_sample_is_what_wids_returns(
             mine, theirs = ours[i], reference[i]
             assert list(mine) == list(theirs)  # the same keys, in the same order
             assert _plain(mine) == _plain(theirs), i
+        assert ours.get_stats() == reference.get_stats() == (18, 3)  # each shard opened once
+        assert ours.cum_lengths == list(reference.cum_lengths) == [6, 12, 18]
         sample = ours[13]
         assert (sample["__key__"], sample["__index__"], sample["__shard__"], sample["__shardindex__"]) == (
             "s2/001",

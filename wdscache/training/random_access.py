@@ -324,8 +324,9 @@ class ShardListDataset:
         )
         # checked ints, whatever integer type an entry gave (an index file gives every count)
         self.lengths = [info.nsamples or 0 for _, info in facts]
-        self._ends = list(_cumulative(self.lengths))
+        self.cum_lengths = self._ends = list(_cumulative(self.lengths))  # (wids' name: the ends)
         self._starts = [0, *self._ends[:-1]]
+        self.accesses = self.misses = 0  # samples read and shards opened for them, in this process
         self.total_length = self._ends[-1]
         self._list = index_list(facts, path="shards", base_dir=os.getcwd())
         # entry -> its shard's position in the agent's list (the list drops a URL listed twice),
@@ -358,6 +359,12 @@ class ShardListDataset:
     def __len__(self) -> int:
         return self.total_length
 
+    def get_stats(self) -> tuple[int, int]:
+        """``(accesses, misses)``, as wids gives them: the samples this process read, and how
+        many times it opened a shard for them (pinned it, waiting for its download if need be)
+        that its sessions did not hold open."""
+        return self.accesses, self.misses
+
     def locate(self, index: int) -> tuple[int, int]:
         """``(entry, sample in its shard)`` of sample ``index``; IndexError outside ``[0, len)``."""
         i = operator.index(index)
@@ -381,6 +388,7 @@ class ShardListDataset:
         if session is None:
             session = self._new_session()
         sample = session.sample(shard, inner)
+        self.accesses += 1
         sample["__dataset__"] = dataset
         sample["__index__"] = index
         sample["__shard__"] = url
@@ -622,6 +630,7 @@ class _Session:
     def _pin(self, shard: int) -> _Open:
         """Pin ``shard`` (waiting for its download), open its cache file, know its table."""
         url = self.urls[shard]
+        self.ds.misses += 1
         # Room first: a release may be the request that finds a restarted agent, which closes
         # every pinned file; so it comes before our open, which the new run then answers.
         while len(self.pinned) >= self.ds.lru_size:
