@@ -21,7 +21,7 @@ import wdscache  # noqa: E402
 from tests.helpers.procs import run_json_job  # noqa: E402
 from tests.helpers.streaming import delivered, fields_of, reference  # noqa: E402
 from wdscache import CachedMultiLoader  # noqa: E402
-from wdscache.training.holes import POOL_SAMPLES  # noqa: E402
+from wdscache.training.holes import LOOK_BACK_SHARDS, POOL_SAMPLES  # noqa: E402
 
 GONE = 500  # samples the index declares for the shard that answers 404
 
@@ -160,24 +160,27 @@ def tailed(dataset: Any, start_agent: Any, shard_server: Any, tmp_path: Path) ->
     return cache, reference(data.paths, data.urls)
 
 
-@pytest.mark.parametrize("shuffled", [False, True])
-def test_two_ranks_resumed_where_the_rest_is_all_holes_keep_the_planned_count(tailed: Any, shuffled: bool) -> None:
-    """A checkpoint taken where a rank's rest lies in the failed shard: the rank fills its rest
-    with repeats of its own samples from before the checkpoint (read again), so both ranks
-    yield the count the epoch planned, with the same repeats each time; every real sample is
-    still handed out once, before the checkpoint or after it."""
+@pytest.mark.parametrize("shuffled, at", [(False, 24), (True, 24), (False, 23)])
+def test_two_ranks_resumed_where_the_rest_is_all_holes_keep_the_planned_count(
+    tailed: Any, shuffled: bool, at: int
+) -> None:
+    """A checkpoint taken where a rank's rest lies in the failed shard (or but one sample of it,
+    ``at`` 23): the rank fills its rest with repeats of its own samples from before the
+    checkpoint (read again) too, so both ranks yield the count the epoch planned, with the same
+    repeats each time, spread over all the rank's samples; every real sample is still handed
+    out once, before the checkpoint or after it."""
     cache, ref = tailed
     kw: dict[str, Any] = {"world_size": 2, "shuffle": shuffled, "shuffle_buffer": 100, "request_size": 4}
     planned = (40 + GONE) // 2
     # Unshuffled, rank 0's first 24 samples are positions 0-7, 16-23 and 32-39 (blocks of 8 in
     # rows of 16), rank 1's are 8-15 and 24-31, and 40-47 is the first hole: from the
-    # checkpoint after 24, each rank's rest is the failed shard's alone. Shuffled, a rest may
-    # hold a few real samples too.
+    # checkpoint after 24, each rank's rest is the failed shard's alone (after 23, rank 0's holds
+    # position 39 too). Shuffled, a rest may hold a few real samples too.
     heads = []
     for r in range(2):
         loader = _loader(cache, job=f"b{shuffled}", rank=r, **kw)
         it = iter(loader)
-        heads.append([next(it) for _ in range(24)])
+        heads.append([next(it) for _ in range(at)])
         if r == 0:
             state = loader.state_dict()
         it.close()
@@ -188,7 +191,7 @@ def test_two_ranks_resumed_where_the_rest_is_all_holes_keep_the_planned_count(ta
             loader.load_state_dict(state)
         runs.append([list(loader) for loader in rests])
     tails = runs[0]
-    assert [len(t) for t in tails] == [planned - 24] * 2
+    assert [len(t) for t in tails] == [planned - at] * 2
     mine = [set(_keys(head + tail)) for head, tail in zip(heads, tails)]
     assert not mine[0] & mine[1]  # a rank repeats only samples it read
     assert mine[0] | mine[1] == set(ref)  # every real sample, on one rank
@@ -197,10 +200,39 @@ def test_two_ranks_resumed_where_the_rest_is_all_holes_keep_the_planned_count(ta
             assert fields_of(s) == ref[(s["__url__"], s["__key__"])]
         counts = Counter(_keys(tail))
         assert max(counts.values()) <= math.ceil(len(tail) / min(POOL_SAMPLES, len(counts))) + 1, counts.most_common(3)
-    if not shuffled:  # nothing real since: every real sample of the rank before the checkpoint comes back
-        assert set(_keys(tails[0])) == set(_keys(heads[0])) and len(set(_keys(heads[0]))) == 24
-        assert set(_keys(tails[1])) == set(_keys(heads[1][:16]))  # (its last 8 are repeats of those)
+    if not shuffled:  # every real sample of the rank comes back in its rest
+        assert [len(m) for m in mine] == [24, 16]
+        assert [set(_keys(t)) for t in tails] == mine
     assert [_keys(t) for t in runs[1]] == [_keys(t) for t in tails]  # the same repeats
+
+
+def test_a_resumed_rank_reads_again_the_samples_of_its_latest_shards_only(
+    dataset: Any, start_agent: Any, shard_server: Any, tmp_path: Path
+) -> None:
+    """Each shard read again for a resumed rank's repeats may need a download of its own: the
+    look-back takes the rank's latest samples in LOOK_BACK_SHARDS shards at most."""
+    data = dataset(20, samples=4, payload=300, prefix="m")
+    index = tmp_path / "lists" / "many.json"
+    entries = [{"url": u, "nsamples": 4} for u in data.urls] + [{"url": shard_server.url("gone.tar"), "nsamples": GONE}]
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    cache = tmp_path / "cache"
+    start_agent(cache, index)
+    kw: dict[str, Any] = {"world_size": 2, "shuffle": False, "request_size": 4}
+    heads = []
+    for r in range(2):  # each rank's 40 samples: blocks of 8 positions (2 shards) in rows of 16
+        loader = _loader(cache, job="m", rank=r, **kw)
+        it = iter(loader)
+        heads.append([next(it) for _ in range(40)])
+        if r == 0:
+            state = loader.state_dict()
+        it.close()
+    rests = [_loader(cache, job="mr", rank=r, **kw) for r in range(2)]
+    for loader in rests:
+        loader.load_state_dict(state)
+    tails = [list(loader) for loader in rests]
+    assert [len(t) for t in tails] == [(80 + GONE) // 2 - 40] * 2
+    for head, tail in zip(heads, tails):  # the latest 8 of the rank's 10 shards, all their samples
+        assert set(_keys(tail)) == set(_keys(head[8:])) and len({url for url, _ in _keys(tail)}) == LOOK_BACK_SHARDS
 
 
 @pytest.mark.slow
@@ -221,9 +253,10 @@ def test_dataloader_workers_resumed_where_their_rest_is_all_holes_keep_the_ranks
     assert [len(w) for w in whole] == [planned - 16] * 2
     since = real - set(first[0]) - set(first[1])  # rank 0's 8 real samples after the first 16
     assert len(since) == 8
-    # Each worker repeats its own samples: rank 0's worker 1 (batches 1 and 3) those before its
-    # checkpoint, worker 0 those it read since; rank 1's two workers those before theirs.
-    assert set(rest[0]) == since | set(first[0][4:8] + first[0][12:16])
+    # Each worker repeats its own samples: rank 0's worker 1 those before its checkpoint, worker 0
+    # those it read since (8, fewer than a pool's worth) and those before it too; rank 1's two
+    # workers those before theirs.
+    assert set(rest[0]) == since | set(first[0])
     assert set(rest[1]) == set(first[1])
     # From rank 0's whole state, the job delivered 32 positions: rank 0's rest holds 8 real ones
     # since, all in its worker 0's slice; its worker 1 and rank 1's workers hold holes alone, and

@@ -21,10 +21,10 @@ samples out (:class:`Holes`, one per epoch stream).
   first of them on are held back until then (or the share's end): filled from those first
   samples, not from the few read before. Samples and positions stay one for one (every rank's
   checkpoint counts its samples handed out as positions, and the ranks' must agree). A rank
-  (or a DataLoader worker) resumed from a checkpoint whose rest holds holes alone has read
-  nothing to repeat: its latest samples before the checkpoint are read again for the pool
-  (:meth:`Holes.prime`, :meth:`~wdscache.training.stream.EpochStream.before`), none of them
-  handed out, so it still keeps the count.
+  (or a DataLoader worker) resumed from a checkpoint whose rest holds holes and fewer than a
+  pool's worth of samples has read too few to spread the repeats over: samples of its share
+  before the checkpoint are read again for the pool (:meth:`Holes.prime`,
+  :meth:`~wdscache.training.stream.EpochStream.before`), none of them handed out.
 
 The pool keeps whole reads' lists (no step of Python per sample on the way out of a read
 without holes): the latest reads holding :data:`POOL_SAMPLES` samples, fewer if they pass
@@ -44,7 +44,12 @@ from .reads import Item
 
 POOL_SAMPLES = 64  # recent samples a hole's repeat is chosen among, at most...
 POOL_BYTES = 32 << 20  # ...and about this much of their payload
+# Shards a resumed rank's look-back (see Holes.prime) reads again at most: each may have to be
+# downloaded again for the few of its samples it gives (a shuffled share's latest 64 samples
+# lie in dozens of shards).
+LOOK_BACK_SHARDS = 8
 _MASK = (1 << 64) - 1
+PRIMED_BELOW = 1 << 62  # a primed sample's number is its count among them less this
 
 Pooled = tuple[int, dict[str, Any], int]  # (number of the sample among those read, sample, payload bytes)
 
@@ -111,6 +116,8 @@ class Holes:
     marks_at: list[int] = field(default_factory=list)
     marks_holes: list[int] = field(default_factory=list)
     _pending: bool = False  # DROP: holes dropped since the latest sample
+    primed: int = 0  # FILL: samples read before a checkpoint for the pool (see prime)...
+    primed_reads: int = 0  # ...and the reads of ``recent`` that hold them (its first)
 
     @classmethod
     def of(cls, world_size: int, seed: int, epoch: int) -> Holes:
@@ -189,19 +196,27 @@ class Holes:
         return held.samples, held.sizes
 
     @property
-    def starved(self) -> bool:
-        """FILL: holes wait and no sample was read to fill them with (the share is over: a
-        resumed rank's rest all holes, see :meth:`prime`)."""
-        return self.held is not None and bool(self.held.holes) and not self.real
+    def short(self) -> bool:
+        """FILL: holes wait and fewer than a pool's worth was read to fill them with (the share
+        is over: a resumed rank's rest, its samples before the checkpoint not read, see :meth:`prime`)."""
+        return self.held is not None and bool(self.held.holes) and not self.warm
 
     def prime(self, samples: list[Any], sizes: list[int]) -> None:
-        """FILL: samples read only to fill the holes a :attr:`starved` rank holds back (a
-        resumed rank's latest samples before its checkpoint; None for one whose shard fails
-        now): they join the pool, and :meth:`rest` fills from them; none is handed out."""
+        """FILL: samples read only to fill the holes a :attr:`short` rank holds back (a resumed
+        rank's samples before its checkpoint, oldest first; None for one whose shard fails now):
+        they join the pool as older than every sample read since, and :meth:`rest` fills from
+        them too; none is handed out."""
         got = [i for i, sample in enumerate(samples) if sample is not None]
         if got:
             kept = [sizes[i] for i in got]
-            self._keep(Recent(self.real, [samples[i] for i in got], kept, sum(kept)))
+            # Numbered below every sample read (from 0), in the order they come: the pool takes
+            # the latest samples first, so those read since the checkpoint stay in it.
+            read = Recent(self.primed - PRIMED_BELOW, [samples[i] for i in got], kept, sum(kept))
+            self.recent.insert(self.primed_reads, read)
+            self.primed_reads += 1
+            self.primed += len(got)
+            self.held_samples += len(got)
+            self.held_bytes += read.nbytes
             self.real += len(got)
 
     def unfilled(self) -> int:

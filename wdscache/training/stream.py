@@ -46,7 +46,7 @@ from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, IdRun, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles
 from .epoch_shards import EpochShards, OnError, StopEpoch
-from .holes import POOL_SAMPLES, HoleMode, Holes
+from .holes import LOOK_BACK_SHARDS, POOL_SAMPLES, HoleMode, Holes
 from .pins import Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .read_batches import SHARE_ENDED, ReadBatcher
@@ -271,13 +271,15 @@ class EpochStream:
         self.pins.release_settled(self.share.settled)
 
     def before(self) -> list[Item]:
-        """Up to :data:`POOL_SAMPLES` of the rank's latest samples before its checkpoint, as
-        items (their position in the epoch, id), in order, none of a shard skipped: what a
-        resumed rank whose rest is all holes fills them with (:attr:`Holes.starved`). They are
-        this rank's of the epoch dealt from its start to as many ranks, at the positions the
+        """Up to :data:`POOL_SAMPLES` of the rank's latest samples before its checkpoint, in at
+        most :data:`LOOK_BACK_SHARDS` shards, as items (their position in the epoch, id), in
+        order, none of a shard skipped: what a resumed rank whose rest holds holes and fewer than
+        a pool's worth of samples fills them with too (:attr:`Holes.short`). They are this
+        rank's of the epoch dealt from its start to as many ranks, at the positions the
         checkpoint delivered; and a DataLoader worker's first pairs of its slice that its own
         checkpoint delivered (``skip``). The epoch is dealt again from the counts its sequence
-        was fed (ids only, no payload). Empty on several nodes (their parts are dealt anew)."""
+        was fed (ids only, no payload). Empty unless resumed, and on several nodes (their
+        parts are dealt anew)."""
         spec, share, skipped = self.spec, self.share, self.shards.skipped
         if isinstance(spec, NodeSpec) or isinstance(share, NodeShare):
             return []
@@ -295,7 +297,13 @@ class EpochStream:
                 if pair[1][0] not in skipped:
                     latest.append((resume.real(pair[0]), pair[1]))
             latest = deque(sorted(latest), maxlen=POOL_SAMPLES)
-        return list(latest)
+        shards: set[int] = set()
+        kept: list[Item] = []
+        for item in reversed(latest):  # the latest first: their shards are the likeliest still cached
+            if item[1][0] in shards or len(shards) < LOOK_BACK_SHARDS:
+                shards.add(item[1][0])
+                kept.append(item)
+        return kept[::-1]
 
     def _dealt_again(self) -> Iterator[SampleId | IdRun | list[SampleId]]:
         """The epoch's ids again, from the counts its sequence was fed (see :meth:`before`)."""
@@ -436,10 +444,11 @@ class EpochStream:
                             stalled = True
                             break
                     if seq_yield >= (batches.seq_next if end is None else end) and exhausted:
-                        if looked_back is not None or end is not None or not holes.starved:
+                        if looked_back is not None or end is not None or not holes.short:
                             break
-                        # A resumed rank whose rest was all holes: its samples before the checkpoint
-                        # are read again to fill them (reads from ``looked_back`` on fill, none goes out).
+                        # Holes wait and too few samples were read to spread their repeats over: a
+                        # resumed rank's samples before the checkpoint are read again for the pool
+                        # (reads from ``looked_back`` on only fill it, none goes out).
                         looked_back, owned, exhausted = batches.seq_next, iter(self.before()), False
                         continue
                     read = reads.hand_out(seq_yield)
