@@ -29,7 +29,8 @@ samples out (:class:`Holes`, one per epoch stream).
 The pool keeps whole reads' lists (no step of Python per sample on the way out of a read
 without holes): the latest reads holding :data:`POOL_SAMPLES` samples, fewer if they pass
 :data:`POOL_BYTES`, so it holds at most about that plus one read (about 4 MiB: see
-:mod:`wdscache.training.read_batches`); reads held back hold a pool's worth of samples at most.
+:mod:`wdscache.training.read_batches`); reads held back hold a pool's worth of samples at most,
+and a place (a None) for each hole met meanwhile.
 """
 
 from __future__ import annotations
