@@ -262,3 +262,20 @@ def test_dataloader_workers_resumed_where_their_rest_is_all_holes_keep_the_ranks
     # since, all in its worker 0's slice; its worker 1 and rank 1's workers hold holes alone, and
     # repeat their rank's samples before the checkpoint.
     assert set(whole[0]) == since | set(first[0]) and set(whole[1]) == set(first[1])
+
+
+@pytest.mark.slow
+def test_a_dataloader_worker_whose_slice_is_holes_alone_repeats_its_fellows_samples(tailed: Any) -> None:
+    """Three ranks of DataLoaders of 2 workers, unshuffled: rank 2's 8 real samples lie in its
+    worker 0's slice, its worker 1's slice is holes alone. That worker repeats its fellow's first
+    samples (read again), so every rank yields the planned count, as ``on_error="skip"`` asks."""
+    pytest.importorskip("torch", reason="torch is not installed")
+    cache, ref = tailed
+    out = run_json_job("tests.helpers.torch_job", str(cache), "holes_workers")
+    ranks = out["ranks"]
+    assert [len(r) for r in ranks] == [(40 + GONE) // 3] * 3
+    mine = [set(r) for r in ranks]
+    assert [len(m) for m in mine] == [16, 16, 8]  # each rank's own real samples, and only those
+    assert set().union(*mine) == {f"{u}#{k}" for u, k in ref} and not (
+        mine[0] & mine[1] or mine[2] & (mine[0] | mine[1])
+    )

@@ -282,6 +282,16 @@ def holes_resumed(cache: str) -> dict[str, Any]:
     return out
 
 
+def holes_workers(cache: str) -> dict[str, Any]:
+    """Three ranks over ``tailed``'s list, unshuffled, on_error="skip", in DataLoaders of 2
+    workers: rank 2's worker 1 gets holes alone. Each rank's epoch."""
+    out: dict[str, Any] = {"ranks": []}
+    for rank in range(3):
+        ds = loader(cache, rank, 3, shuffle=False, on_error="skip", request_size=4)
+        out["ranks"].append([i for batch in DataLoader(ds, batch_size=4, num_workers=2) for i in ids(batch)])
+    return out
+
+
 if __name__ == "__main__":
     cache_dir, scenario = sys.argv[1], sys.argv[2]
     scenarios = {
@@ -292,5 +302,6 @@ if __name__ == "__main__":
         "fresh_workers": fresh_workers,
         "dead_lock_holder": dead_lock_holder,
         "holes_resumed": holes_resumed,
+        "holes_workers": holes_workers,
     }
     print(json.dumps(scenarios[scenario](cache_dir)))

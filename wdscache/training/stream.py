@@ -271,15 +271,15 @@ class EpochStream:
         self.pins.release_settled(self.share.settled)
 
     def before(self) -> list[Item]:
-        """Up to :data:`POOL_SAMPLES` of the rank's latest samples before its checkpoint, in at
-        most :data:`LOOK_BACK_SHARDS` shards, as items (their position in the epoch, id), in
-        order, none of a shard skipped: what a resumed rank whose rest holds holes and fewer than
-        a pool's worth of samples fills them with too (:attr:`Holes.short`). They are this
-        rank's of the epoch dealt from its start to as many ranks, at the positions the
-        checkpoint delivered; and a DataLoader worker's first pairs of its slice that its own
-        checkpoint delivered (``skip``). The epoch is dealt again from the counts its sequence
-        was fed (ids only, no payload). Empty unless resumed, and on several nodes (their
-        parts are dealt anew)."""
+        """Samples of the rank read again only for the pool of a stream whose share ended
+        :attr:`Holes.short` (up to :data:`POOL_SAMPLES`, in at most :data:`LOOK_BACK_SHARDS`
+        shards, the latest kept; none of a shard skipped), as items (position in the epoch, id),
+        in order: a resumed rank's latest before its checkpoint (its samples of the epoch dealt
+        from its start to as many ranks, at the positions the checkpoint delivered; a DataLoader
+        worker's, the first pairs of its slice its own checkpoint delivered, ``skip``); failing
+        those, a DataLoader worker's fellow workers' first pairs (they read those too). The epoch
+        is dealt again from the counts its sequence was fed (ids only, no payload). Empty on
+        several nodes (their parts are dealt anew)."""
         spec, share, skipped = self.spec, self.share, self.shards.skipped
         if isinstance(spec, NodeSpec) or isinstance(share, NodeShare):
             return []
@@ -296,6 +296,15 @@ class EpochStream:
             for pair in islice((p for p in pairs if p is not None), w.skip):
                 if pair[1][0] not in skipped:
                     latest.append((resume.real(pair[0]), pair[1]))
+            latest = deque(sorted(latest), maxlen=POOL_SAMPLES)
+        if not latest and w.count > 1:  # a worker with too few samples: its fellows' first ones
+            for part in range(w.count):
+                if part == w.index:
+                    continue
+                again = RankShare(s.world_size, s.rank, resume=resume, drop_last=s.drop_last, block=share.block)
+                theirs = (p for p in again.pairs(self._dealt_again(), part=part, parts=w.count) if p is not None)
+                mapped = ((resume.real(pos), sid) for pos, sid in theirs if sid[0] not in skipped)
+                latest.extend(islice(mapped, POOL_SAMPLES - len(latest)))
             latest = deque(sorted(latest), maxlen=POOL_SAMPLES)
         shards: set[int] = set()
         kept: list[Item] = []
@@ -667,9 +676,10 @@ def nothing_to_repeat(stream: EpochStream, holes: int) -> None:
     ShardError, when the whole share is so. With several ranks there is none to repeat in
     their ``holes``, so the rank cannot keep the count every rank gets, and a data-parallel
     job would wait forever on the ranks that got theirs; with one rank the epoch would be
-    empty, which webdataset's readers refuse too. A rest resumed from a checkpoint with
-    several ranks was filled from the rank's samples before it (:meth:`EpochStream.before`):
-    it comes here only when those failed too. With one rank, the rest of a share resumed from
+    empty, which webdataset's readers refuse too. With several ranks, a rest resumed from a
+    checkpoint and a DataLoader worker's slice were filled from the rank's other samples (those
+    before the checkpoint, its fellow workers': :meth:`EpochStream.before`): they come here only
+    when there were none, or those failed too. With one rank, the rest of a share resumed from
     a checkpoint (its samples before it were read then) and a DataLoader worker's slice (its
     fellows may have samples) end short instead, with a warning; so does a rest resumed on
     several nodes, whose samples before the checkpoint are not read again."""
