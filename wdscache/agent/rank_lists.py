@@ -20,14 +20,18 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
   notebooks with the default name) each read their own list.
 - ``loader``: the loader's number in its process. A job's ranks make their loaders in the
   same order, so a training and a validation loader of one job read their lists side by side.
-- Only lists that share a shard are a mismatch (``overlap``): lists with none in common are
+- Only lists that share a shard are a mismatch (:func:`relation`): lists with none in common are
   another loader's of the job (a validation set), however the ranks numbered their loaders
-  (one that only rank 0 makes, say).
+  (one that only rank 0 makes, say); unless both are the loaders' own, as long (give or take a
+  URL) and interleaved in URL order: then they are one list split by rank before the loader
+  (``urls[rank::world_size]``, as webdataset's ``split_by_node`` does), which the loader splits
+  again, so each rank reads a part of its part; that is warned about too.
 - Bounded: a reader's record goes when it goes; at most MAX_WARNED pairs of lists are remembered.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -45,13 +49,36 @@ MAX_WARNED = 1024  # pairs of lists warned about, kept so as not to warn again
 OVERLAP_SAMPLED = 1000  # URLs of a list looked up in another's to tell whether they share shards
 
 
-def share_a_shard(a: Urls, b: Urls) -> bool:
-    """Whether lists ``a`` and ``b`` share a shard: some of OVERLAP_SAMPLED URLs spread over the
-    shorter is in the longer (a bounded look, in the main loop; a list in another order, or a part
-    of the other, is found)."""
+class Relation(enum.Enum):
+    """How two ranks' lists stand to each other."""
+
+    SHARE = "share"  # some shard in both: they must be one list
+    SPLIT = "split"  # none in common, as long, interleaved: one list split by rank before the loader
+    APART = "apart"  # none in common: another loader's list (a validation set)
+
+
+def relation(a: Urls, b: Urls, *, own: bool) -> Relation:
+    """How lists ``a`` and ``b`` stand (``own``: both are loaders' ``urls=``): a bounded look in the
+    main loop, at OVERLAP_SAMPLED URLs spread over the shorter (a list in another order, or a part
+    of the other, shares a shard)."""
     short, long = sorted((a, b), key=len)
     step = max(1, len(short) // OVERLAP_SAMPLED)
-    return any(long.position(short[i]) >= 0 for i in range(0, len(short), step))
+    if any(long.position(short[i]) >= 0 for i in range(0, len(short), step)):
+        return Relation.SHARE
+    if own and len(long) - len(short) <= 1 and _interleaved(a, b, step):
+        return Relation.SPLIT
+    return Relation.APART
+
+
+def _interleaved(a: Urls, b: Urls, step: int) -> bool:
+    """Whether ``a`` and ``b`` alternate in URL order as they stand (``a``'s i-th before ``b``'s
+    before ``a``'s next, or the other way round), looked at every ``step``: what taking every other
+    URL of a sorted list gives."""
+    if not len(a) or not len(b):
+        return False
+    first, second = (a, b) if a[0] < b[0] else (b, a)
+    n = min(len(first), len(second))
+    return all(first[i] < second[i] and (i + 1 >= len(first) or second[i] < first[i + 1]) for i in range(0, n, step))
 
 
 def live(consumer: dict[str, Any]) -> bool:
@@ -102,42 +129,55 @@ class RankLists:
         name: str,
         mine: Reading,
         consumers: Mapping[str, dict[str, Any]],
-        overlap: Callable[[str, str], bool],
+        related: Callable[[str, str, bool], Relation],
     ) -> None:
         """Warn if reader ``name``, to read ``mine``, reads another list than a live reader of another
         rank of its job's epoch (``consumers``: their hellos and last reports, by name), one that
-        shares a shard with it (``overlap`` of two list ids): once for each two lists."""
+        shares a shard with it or is another part of one list split by rank (``related`` of two
+        list ids, and whether both are the loaders' own): once for each two lists."""
         for other, theirs in self._readers.items():
-            if (
+            pair = frozenset((theirs.listed.list_id, mine.listed.list_id))
+            if not (
                 other != name
                 and (theirs.job, theirs.loader, theirs.epoch) == (mine.job, mine.loader, mine.epoch)
                 and theirs.rank != mine.rank
                 and theirs.listed.list_id != mine.listed.list_id
                 and other in consumers
                 and live(consumers[other])
-                and frozenset((theirs.listed.list_id, mine.listed.list_id)) not in self._warned
-                and overlap(theirs.listed.list_id, mine.listed.list_id)
+                and pair not in self._warned
             ):
-                if len(self._warned) >= MAX_WARNED:
-                    self._warned.clear()
-                self._warned.add(frozenset((theirs.listed.list_id, mine.listed.list_id)))
-                event(
-                    log,
-                    "rank_lists_differ",
-                    "job %r, epoch %d: rank %d reads %s, but rank %d reads %s; ranks of one job reading different "
-                    "lists get repeated and missing samples and unequal counts. Give every rank the same urls= "
-                    "(or none, for the agent's list), or give each launch its own job name",
-                    mine.job,
-                    mine.epoch,
-                    mine.rank,
-                    mine.listed,
-                    theirs.rank,
-                    theirs.listed,
-                    level=logging.WARNING,
-                    job=mine.job,
-                    epoch=mine.epoch,
-                )
-                return
+                continue
+            how = related(theirs.listed.list_id, mine.listed.list_id, theirs.listed.own and mine.listed.own)
+            if how is Relation.APART:
+                continue
+            if len(self._warned) >= MAX_WARNED:
+                self._warned.clear()
+            self._warned.add(pair)
+            said = (
+                "ranks of one job reading different lists get repeated and missing samples and unequal counts. "
+                "Give every rank the same urls= (or none, for the agent's list), or give each launch its own job name"
+                if how is Relation.SHARE
+                else "they share no shard and interleave, as one list split by rank before the loader makes them "
+                "(urls[rank::world_size]); the loader splits each epoch by rank itself, so each rank would read a "
+                "part of its part. Give every rank the whole list"
+            )
+            event(
+                log,
+                "rank_lists_differ",
+                "job %r, epoch %d: rank %d reads %s, but rank %d reads %s; %s",
+                mine.job,
+                mine.epoch,
+                mine.rank,
+                mine.listed,
+                theirs.rank,
+                theirs.listed,
+                said,
+                level=logging.WARNING,
+                job=mine.job,
+                epoch=mine.epoch,
+                split=how is Relation.SPLIT,
+            )
+            return
 
     def join(self, name: str, reading: Reading) -> None:
         self._readers[name] = reading

@@ -48,7 +48,7 @@ from .control import Reply, Request
 from .ended import Dropped, EndedConsumers
 from .job_lists import JobLists
 from .jobs import Jobs
-from .rank_lists import Listed, RankLists, Reading, job_live, share_a_shard
+from .rank_lists import Listed, RankLists, Reading, job_live, relation
 from .rank_totals import RankTotals
 from .unnamed_partials import UnnamedPartials
 
@@ -348,8 +348,8 @@ class Readers:
         if refusal is None and epoch is not None:  # its list, as those of the other ranks of its epoch
             mine = claimed or self._jobs.list_of(job, world, epoch, self.list_id, self._holds, reader=name, probe=True)
             ours = Listed(mine, len(self._list(mine)), own=claimed is not None)
-            overlap = lambda a, b: share_a_shard(self._list(a).urls, self._list(b).urls)  # noqa: E731
-            self._ranks.check(name, Reading(job, loader, epoch, rank, ours), consumers, overlap)
+            related = lambda a, b, own: relation(self._list(a).urls, self._list(b).urls, own=own)  # noqa: E731
+            self._ranks.check(name, Reading(job, loader, epoch, rank, ours), consumers, related)
         if refusal is not None:
             return {"ok": False, "error": refusal}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
