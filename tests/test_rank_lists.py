@@ -67,6 +67,8 @@ def test_ranks_given_a_list_split_by_rank_before_the_loader_are_warned_about(
     warnings = [line for line in agent.stderr_text().splitlines() if "as one list split by rank" in line]
     assert len(warnings) == 1 and "job 'j', epoch 0: rank 1 reads its urls=" in warnings[0], warnings
     assert "Give every rank the whole list" in warnings[0]
+    said = [line for line in second.log.read_text().splitlines() if "as one list split by rank" in line]
+    assert len(said) == 1 and "the agent at " in said[0], said  # rank 1's process is told too
 
 
 def test_a_rank_of_a_job_whose_ranks_ended_reads_another_list(tmp_path: Path, dataset, start_agent, consumers) -> None:

@@ -130,11 +130,12 @@ class RankLists:
         mine: Reading,
         consumers: Mapping[str, dict[str, Any]],
         related: Callable[[str, str, bool], Relation],
-    ) -> None:
+    ) -> str | None:
         """Warn if reader ``name``, to read ``mine``, reads another list than a live reader of another
         rank of its job's epoch (``consumers``: their hellos and last reports, by name), one that
         shares a shard with it or is another part of one list split by rank (``related`` of two
-        list ids, and whether both are the loaders' own): once for each two lists."""
+        list ids, and whether both are the loaders' own): once for each two lists. Returns the
+        warning (None: none), which the hello's reply carries to the rank's process too."""
         for other, theirs in self._readers.items():
             pair = frozenset((theirs.listed.list_id, mine.listed.list_id))
             if not (
@@ -161,23 +162,22 @@ class RankLists:
                 "(urls[rank::world_size]); the loader splits each epoch by rank itself, so each rank would read a "
                 "part of its part. Give every rank the whole list"
             )
+            text = (
+                f"job {mine.job!r}, epoch {mine.epoch}: rank {mine.rank} reads {mine.listed}, "
+                f"but rank {theirs.rank} reads {theirs.listed}; {said}"
+            )
             event(
                 log,
                 "rank_lists_differ",
-                "job %r, epoch %d: rank %d reads %s, but rank %d reads %s; %s",
-                mine.job,
-                mine.epoch,
-                mine.rank,
-                mine.listed,
-                theirs.rank,
-                theirs.listed,
-                said,
+                "%s",
+                text,
                 level=logging.WARNING,
                 job=mine.job,
                 epoch=mine.epoch,
                 split=how is Relation.SPLIT,
             )
-            return
+            return text
+        return None
 
     def join(self, name: str, reading: Reading) -> None:
         self._readers[name] = reading

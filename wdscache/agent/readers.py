@@ -345,11 +345,12 @@ class Readers:
             return refused
         consumers, loader = self._consumers(), get_field(header, "loader", int, 0)
         refusal = self._jobs.refusal(job, world, rank, lambda: job_live(consumers, job))
+        warning = None  # of its list against its fellow ranks', for its process to log too
         if refusal is None and epoch is not None:  # its list, as those of the other ranks of its epoch
             mine = claimed or self._jobs.list_of(job, world, epoch, self.list_id, self._holds, reader=name, probe=True)
             ours = Listed(mine, len(self._list(mine)), own=claimed is not None)
             related = lambda a, b, own: relation(self._list(a).urls, self._list(b).urls, own=own)  # noqa: E731
-            self._ranks.check(name, Reading(job, loader, epoch, rank, ours), consumers, related)
+            warning = self._ranks.check(name, Reading(job, loader, epoch, rank, ours), consumers, related)
         if refusal is not None:
             return {"ok": False, "error": refusal}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
@@ -405,6 +406,7 @@ class Readers:
             # for direct reads (wdscache.training.direct)
             "cache_dir": str(self._cache.layout.root),
             "cache_root": self._cache_root,
+            "warning": warning,
         }
 
     def op_put_urls(self, request: Request) -> Reply:

@@ -21,10 +21,13 @@ from typing import Any
 
 from ..shared.client import AgentConnection
 from ..shared.errors import WdsCacheError
+from ..shared.logs import get_logger
 from ..shared.messages import Requests
 from ..shared.protocol import pages, process_identity
 from ..shared.shard_index import ShardFacts
 from .agent_list import AgentList
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ def say_hello(
         hello = conn.request(request)
     if not hello.get("ok"):
         raise WdsCacheError(f"the agent at {reader.endpoint} refused this consumer: {hello.get('error')}")
+    if isinstance(hello.get("warning"), str):  # (the agent logs it too, where the job may not look)
+        log.warning("the agent at %s warns: %s", reader.endpoint, hello["warning"])
     if reader.urls is not None:
         return hello, reader.urls
     key = str(hello.get("list_id"))
