@@ -28,7 +28,7 @@ from .shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, check_s3_endpoin
 from .shared.errors import ConfigError, WdsCacheError
 from .shared.logs import DEFAULT_FORMAT, FORMATS, get_logger
 from .shared.logs import setup as setup_logging
-from .shared.redact import redact_urls
+from .shared.redact import redact_urls, redacted
 
 if TYPE_CHECKING:
     from .shared.urls import Lister
@@ -41,17 +41,7 @@ def _echo(text: str = "", **kwargs: Any) -> None:
 
 def _echo_json(obj: object) -> None:
     """Print ``obj`` as JSON, every string in it (keys too) with its URLs redacted."""
-    click.echo(json.dumps(_redacted(obj), indent=2))
-
-
-def _redacted(obj: Any) -> Any:
-    if isinstance(obj, str):
-        return redact_urls(obj)
-    if isinstance(obj, dict):
-        return {_redacted(k): _redacted(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_redacted(v) for v in obj]
-    return obj
+    click.echo(json.dumps(redacted(obj), indent=2))
 
 
 def _fail(exc: WdsCacheError, log_format: str = DEFAULT_FORMAT) -> NoReturn:

@@ -21,7 +21,7 @@ import logging
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
-from .redact import redact_urls
+from .redact import redact_urls, redacted
 
 DEFAULT_FORMAT = "text"
 FORMATS = (DEFAULT_FORMAT, "json")
@@ -44,20 +44,11 @@ class _Redacting(logging.Filter):
         record.msg, record.args = redact_urls(record.getMessage()), None
         fields = getattr(record, _EVENT, None)
         if fields:
-            setattr(record, _EVENT, {k: _redacted(v) for k, v in fields.items()})
+            setattr(record, _EVENT, {k: redacted(v) for k, v in fields.items()})
         if record.exc_info:
             record.exc_text = redact_urls(record.exc_text or self._traceback.formatException(record.exc_info))
             record.exc_info = None  # a handler would format it again, secrets included
         return True
-
-
-def _redacted(value: Any) -> Any:
-    """An event's field with its URLs redacted: a string, or each string of a list (a sample of URLs)."""
-    if isinstance(value, str):
-        return redact_urls(value)
-    if isinstance(value, (list, tuple)):
-        return [_redacted(v) for v in value]
-    return value
 
 
 _REDACTING = _Redacting()

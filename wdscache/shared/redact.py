@@ -25,9 +25,10 @@ written (keep secrets of a command in its environment, not in the list).
 from __future__ import annotations
 
 import re
+from typing import Any
 from urllib.parse import unquote_plus
 
-__all__ = ["MASK", "redact_urls"]
+__all__ = ["MASK", "redact_urls", "redacted"]
 
 MASK = "***"
 # A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
@@ -65,3 +66,15 @@ def redact_urls(text: str) -> str:
     if "=" in text:
         text = _PARAMETER.sub(_parameter, text)
     return text
+
+
+def redacted(obj: Any) -> Any:
+    """``obj`` (a JSON-like object: dicts, lists, strings...) with every string in it, keys too,
+    through :func:`redact_urls`; tuples become lists, other values stay."""
+    if isinstance(obj, str):
+        return redact_urls(obj)
+    if isinstance(obj, dict):
+        return {redacted(k): redacted(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redacted(v) for v in obj]
+    return obj
