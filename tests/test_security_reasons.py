@@ -1,9 +1,10 @@
 """Secrets a source's own text carries (a library's error quoting the endpoint's user info, a server's
-reason phrase quoting a signed query) reach no error's ``reason``, no failure the agent records or
-answers, no stats object and no log."""
+reason phrase quoting a signed query, a verbose command's headers) reach no error's ``reason``, no
+failure the agent records or answers, no stats object and no log."""
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 import wdscache
 from wdscache import FetchError, ShardClient
+from wdscache.shared.redact import redact_urls
 
 
 def _index_bytes(cache: Path) -> str:
@@ -74,3 +76,58 @@ def test_a_reason_phrase_quoting_a_signed_query_reaches_no_reason_record_or_stat
     assert wdscache.collect_stats(cache)["failed"] == failed  # from the index, no agent running
     assert [t for t in [*shown, agent.stderr_text()] if secret in t or token in t] == []
     assert secret not in _index_bytes(cache)  # (which keys the shard by its full URL, token included)
+
+
+@pytest.mark.slow
+def test_a_verbose_pipe_commands_headers_reach_no_error_log_or_stats(
+    tmp_path, dataset, shard_server, start_agent, run_cli
+) -> None:
+    token, password = "SECRETBEARERTOKEN", "SECRETBASICPASS"
+    basic = base64.b64encode(f"eu:{password}".encode()).decode()
+    missing = shard_server.url("missing.tar")  # the server answers 404: curl -f fails, after -v told its headers
+    lines = [
+        f'pipe:curl -sfv -H "Authorization: Bearer $FAKE_TOKEN" {missing}',
+        f'pipe:curl -sfv -u "eu:$FAKE_PASS" {missing}',
+    ]
+    urls_file = tmp_path / "pipes.txt"
+    urls_file.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(
+        cache, urls_file, "--allow-pipe", "--retries", "0", env={"FAKE_TOKEN": token, "FAKE_PASS": password}
+    )
+    agent.wait_stats(lambda s: s["shards"]["failed"] == 2, 30, "both commands failed")
+    errors = []
+    with ShardClient(cache, timeout=30) as client:
+        for line in lines:
+            with pytest.raises(FetchError) as info:
+                client.open(line, timeout=30)
+            errors.append(info.value.reason)
+    assert "> Authorization: Bearer ***" in errors[0] and "404" in errors[0], errors[0]
+    assert "> Authorization: Basic ***" in errors[1], errors[1]
+    stats = run_cli("stats", "--cache-dir", cache)
+    stats_json = run_cli("stats", "--json", "--cache-dir", cache)
+    assert agent.stop() == 0
+    shown = [*errors, stats.stdout + stats.stderr, stats_json.stdout, _index_bytes(cache), agent.stderr_text()]
+    assert [t for t in shown if token in t or password in t or basic in t] == []
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("> Authorization: Bearer abc.def\r\n< HTTP/1.1 404", "> Authorization: Bearer ***\r\n< HTTP/1.1 404"),
+        (
+            "curl -H 'proxy-authorization: Basic dXNlcjpwYXNz' http://h/a",
+            "curl -H 'proxy-authorization: Basic ***' http://h/a",
+        ),
+        ('{"Cookie": "a=1; b=2", "X-Api-Key": "k"}', '{"Cookie": "***", "X-Api-Key": "***"}'),
+        ("< Set-Cookie: sid=abc; Path=/", "< Set-Cookie: ***"),
+        ("X-Amz-Security-Token: FwoG", "X-Amz-Security-Token: ***"),
+        ("token was Bearer abc.def, refused", "token was Bearer ***, refused"),
+        ("sent Basic dXNlcjpwYXNz", "sent Basic ***"),
+        # Prose stays: "Basic" before a word that is no base64 of user:password, "bearer" in lower case.
+        ("Basic usage, the bearer of news", "Basic usage, the bearer of news"),
+    ],
+)
+def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:
+    assert redact_urls(text) == shown
+    assert redact_urls(shown) == shown
