@@ -1,11 +1,15 @@
 """Secrets a source's own text carries (a library's error quoting the endpoint's user info, a server's
 reason phrase quoting a signed query, a verbose command's headers) reach no error's ``reason``, no
-failure the agent records or answers, no stats object and no log."""
+failure the agent records or answers, no stats object and no log; nor does an uncaught exception's
+traceback in a process of ours."""
 
 from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -109,6 +113,37 @@ def test_a_verbose_pipe_commands_headers_reach_no_error_log_or_stats(
     assert agent.stop() == 0
     shown = [*errors, stats.stdout + stats.stderr, stats_json.stdout, _index_bytes(cache), agent.stderr_text()]
     assert [t for t in shown if token in t or password in t or basic in t] == []
+
+
+_UNCAUGHT = textwrap.dedent(
+    """
+    import sys, threading
+    from wdscache.shared.logs import log_uncaught, setup
+    setup(sys.stderr, fmt=sys.argv[1])
+    log_uncaught()
+    def fail():
+        raise OSError("GET http://eu:SECRETTHREAD@store.example/a.tar failed")
+    t = threading.Thread(target=fail, name="downloader")
+    t.start()
+    t.join()
+    raise ValueError("Authorization: Bearer SECRETMAIN")
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> None:
+    # As the agent and its workers install it. (The agent catches what its own code raises: no
+    # uncaught exception of it can be made to happen on purpose.)
+    r = subprocess.run([sys.executable, "-c", _UNCAUGHT, fmt], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1, r.stderr
+    assert "SECRET" not in r.stderr, r.stderr
+    assert "OSError: GET http://***@store.example/a.tar failed" in r.stderr, r.stderr
+    assert "ValueError: Authorization: Bearer ***" in r.stderr, r.stderr
+    assert "uncaught exception in downloader" in r.stderr, r.stderr
+    if fmt == "json":
+        records = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+        assert [x["message"] for x in records] == ["uncaught exception in downloader", "uncaught exception"], records
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ import click
 
 from .shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, check_s3_endpoint_url, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
-from .shared.logs import DEFAULT_FORMAT, FORMATS, get_logger
+from .shared.logs import DEFAULT_FORMAT, FORMATS, get_logger, log_uncaught
 from .shared.logs import setup as setup_logging
 from .shared.redact import redact_urls, redacted
 
@@ -301,6 +301,7 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
     from .agent.core import Agent
 
     setup_logging(sys.stderr, fmt=log_format, verbose=verbose)
+    log_uncaught()  # beyond WdsCacheError (caught below): a bug's traceback, any thread's, redacted too
     try:
         agent = Agent(AgentConfig(**options, log_format=log_format))  # type: ignore[arg-type]
     except WdsCacheError as exc:

@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+import threading
 from datetime import datetime, timezone
+from types import TracebackType
 from typing import Any, TextIO
 
 from .redact import redact_urls, redacted
@@ -108,3 +111,23 @@ def setup(stream: TextIO, *, fmt: str = DEFAULT_FORMAT, verbose: bool = False) -
     root = logging.getLogger("wdscache")
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def log_uncaught() -> None:
+    """Log an exception no code catches, in the main thread or any other, through this package's
+    redacting logger (in the format :func:`setup` chose), where Python's own hooks would print its
+    traceback as it is, a URL's secrets included. For a process of ours (the agent, its workers),
+    never a training script's."""
+    log = get_logger("wdscache.uncaught")
+
+    def main_hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        log.critical("uncaught exception", exc_info=(kind, exc, tb))
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit or args.exc_value is None:  # (Python's own hook is silent on SystemExit too)
+            return
+        where = args.thread.name if args.thread is not None else "a thread"
+        log.critical("uncaught exception in %s", where, exc_info=args.exc_value)
+
+    sys.excepthook = main_hook
+    threading.excepthook = thread_hook
