@@ -40,7 +40,7 @@ _HEAD_FAULTS = frozenset({"status", "trickle"})
 
 # Which keyword parameters each fault kind understands; anything else is a typo.
 _FAULT_PARAMS: dict[str, frozenset[str]] = {
-    "status": frozenset({"status", "retry_after", "body", "headers"}),
+    "status": frozenset({"status", "retry_after", "body", "headers", "reason"}),
     "cut": frozenset({"after"}),
     "short": frozenset({"after"}),
     "stall": frozenset({"after", "seconds", "then", "until"}),
@@ -165,7 +165,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             extra = dict(params.get("headers") or {})
             if params.get("retry_after") is not None:
                 extra["Retry-After"] = str(params["retry_after"])
-            self._simple(owner, method, name, range_header, status, body, head, extra, kind)
+            self._simple(owner, method, name, range_header, status, body, head, extra, kind, params.get("reason"))
             return
         if fault is not None and kind == "trickle":
             self._trickle(owner, method, name, range_header, float(fault.params.get("every", 0.5)))
@@ -314,12 +314,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         status: int,
         headers: dict[str, str],
         fault: str | None,
+        reason: str | None = None,
     ) -> Request:
-        """Wait out ttfb, log the request, and send status line and headers."""
+        """Wait out ttfb, log the request, and send status line (``reason``: its phrase, else the
+        status's own) and headers."""
         owner._sleep(owner.ttfb)
         record = Request(method, name, range_header, status, 0, fault, time.monotonic(), self.headers.get("If-Range"))
         owner._log(record)
-        self.send_response(status)
+        self.send_response(status, reason)
         for key, value in headers.items():
             self.send_header(key, value)
         self.end_headers()
@@ -336,12 +338,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         head: bool,
         headers: dict[str, str] | None = None,
         fault: str | None = None,
+        reason: str | None = None,
     ) -> None:
         """Send a small in-memory response (errors, injected pages)."""
         all_headers = {"Content-Type": "text/plain; charset=utf-8"}
         all_headers.update(headers or {})
         all_headers["Content-Length"] = str(len(body))
-        record = self._begin(owner, method, name, range_header, status, all_headers, fault)
+        record = self._begin(owner, method, name, range_header, status, all_headers, fault, reason)
         if not head and body:
             self.wfile.write(body)
             record.bytes_sent = len(body)
@@ -528,7 +531,8 @@ class ShardServer:
 
         Kinds and their parameters:
 
-        - ``status``: ``status`` (required), ``retry_after``, ``body``, ``headers``.
+        - ``status``: ``status`` (required), ``retry_after``, ``body``, ``headers``, ``reason`` (the
+          status line's reason phrase, else the status's own).
           Also applies to (and is consumed by) HEAD.
         - ``cut``: full headers, then a TCP reset after ``after`` body bytes
           (default half the body).

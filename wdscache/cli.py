@@ -26,9 +26,9 @@ import click
 
 from .shared.config import PREFETCH_GIVE_UP_AFTER, AgentConfig, check_s3_endpoint_url, default, format_size
 from .shared.errors import ConfigError, WdsCacheError
-from .shared.logs import DEFAULT_FORMAT, FORMATS, get_logger
+from .shared.logs import DEFAULT_FORMAT, FORMATS, get_logger, log_uncaught
 from .shared.logs import setup as setup_logging
-from .shared.redact import redact_urls
+from .shared.redact import redact_urls, redacted
 
 if TYPE_CHECKING:
     from .shared.urls import Lister
@@ -41,17 +41,7 @@ def _echo(text: str = "", **kwargs: Any) -> None:
 
 def _echo_json(obj: object) -> None:
     """Print ``obj`` as JSON, every string in it (keys too) with its URLs redacted."""
-    click.echo(json.dumps(_redacted(obj), indent=2))
-
-
-def _redacted(obj: Any) -> Any:
-    if isinstance(obj, str):
-        return redact_urls(obj)
-    if isinstance(obj, dict):
-        return {_redacted(k): _redacted(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_redacted(v) for v in obj]
-    return obj
+    click.echo(json.dumps(redacted(obj), indent=2))
 
 
 def _fail(exc: WdsCacheError, log_format: str = DEFAULT_FORMAT) -> NoReturn:
@@ -311,6 +301,7 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
     from .agent.core import Agent
 
     setup_logging(sys.stderr, fmt=log_format, verbose=verbose)
+    log_uncaught()  # beyond WdsCacheError (caught below): a bug's traceback, any thread's, redacted too
     try:
         agent = Agent(AgentConfig(**options, log_format=log_format))  # type: ignore[arg-type]
     except WdsCacheError as exc:

@@ -62,6 +62,7 @@ from ..shared.errors import NoCacheError
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout
 from ..shared.logs import event, get_logger, iso_time
+from ..shared.redact import redact_urls
 from . import recovery
 from .parts import remove_side_files, side_bytes
 from .recovery import size_or_none
@@ -211,6 +212,8 @@ class ShardCache:
             self.watcher.cached(d.url, size if stored is None else stored)
 
     def fail(self, d: Download, error: str) -> None:
+        """``d`` failed for good, ``error`` saying why: recorded redacted, as consumers and stats show it."""
+        error = redact_urls(error)
         self.inflight.pop(d.url, None)
         self.tables.forget(d.url)
         self.kept.pop(d.url, None)
@@ -222,7 +225,8 @@ class ShardCache:
 
     def fail_cached(self, url: str, error: str) -> None:
         """A cached shard is unusable (its copy is damaged, as is its source's): FAILED first,
-        then its file goes (a reader holding it open keeps what it has)."""
+        then its file goes (a reader holding it open keeps what it has); ``error`` recorded redacted."""
+        error = redact_urls(error)
         self.put(ShardRecord(url, ShardState.FAILED, error=error))
         self.layout.shard_path(url).unlink(missing_ok=True)
         if self.watcher is not None:

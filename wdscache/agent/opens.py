@@ -36,6 +36,7 @@ from ..shared.layout import is_file
 from ..shared.logs import event, get_logger
 from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
+from ..shared.redact import redact_urls
 from ..shared.shard_index import ShardInfo
 from .cache import ShardCache
 from .control import Answer, Reply, Request
@@ -359,7 +360,8 @@ class Opens:
 
     def failed(self, url: str, reason: str, *, corrupt: bool = False) -> None:
         """The download of ``url`` failed for good, or (``corrupt``) its bytes are a bad shard:
-        its waiters are told why, and which."""
+        its waiters are told why (redacted: a reason may quote a source's text), and which."""
+        reason = redact_urls(reason)
         shard = self.shards.record(url)
         if shard.phase is not Phase.FAILED:
             self.shards.move(shard, Phase.FAILED)
@@ -441,6 +443,7 @@ class Opens:
         (None), so its report only ever asks for the one new download. A report about a copy
         replaced since changes nothing.
         """
+        error = redact_urls(error)  # a peer's text, before it is cut (a cut may drop a URL's scheme)
         cache = self._cache
         rec = cache.index.get(url)
         if rec is None or rec.state is not ShardState.CACHED:

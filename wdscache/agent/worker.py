@@ -93,7 +93,7 @@ import zmq
 
 from ..shared.errors import ProtocolError, ShardError
 from ..shared.layout import CacheLayout
-from ..shared.logs import get_logger
+from ..shared.logs import get_logger, log_uncaught
 from ..shared.logs import setup as setup_logs
 from ..shared.malloc import tune_malloc
 from ..shared.messages import ConsumerReply, Reports, SamplesReply, ScannedReply, WorkerErrorKind, WorkerErrorReply
@@ -648,6 +648,7 @@ def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_ke
     """Entry point of a worker process: serve until SIGTERM or until the agent is gone."""
     _die_with_parent(spec.parent)
     setup_logs(sys.stderr, fmt=spec.log_format)  # (its stderr is the agent's)
+    log_uncaught()
     # Copied replies come and go at up to GATHER_MAX (reply_frames.py) each. glibc's own thresholds adapt to
     # that size but still trim the heap, and fault it in again, as they come and go: shuffled
     # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.

@@ -15,8 +15,9 @@ What survives a trip to another process: the class and the message, always, so t
   context attributes are None (or their constructor default, ``permanent=False`` say).
 
 Messages show URLs through :func:`wdscache.shared.redact.redact_urls` (every message, whatever
-built it: a reason quoting a library's error included): no user info, no signature or token. The
-context attributes keep the full URL, for the code that handles the error.
+built it: a reason quoting a library's error included): no user info, no signature or token. So
+does a ``reason`` attribute, which is prose (it may quote a server's or a library's text). The
+``url`` (and ``line``, ``path``) attributes keep the full URL, for the code that handles the error.
 
 Hence the rules for subclasses (:class:`WdsCacheError` wraps each one's ``__init__`` to
 follow them): a call with one positional argument and no keywords is the message form, so
@@ -80,7 +81,7 @@ class UrlListError(ConfigError):
     """
 
     def __init__(self, path: str, lineno: int, line: str, reason: str) -> None:
-        self.path, self.lineno, self.line, self.reason = path, lineno, line, reason
+        self.path, self.lineno, self.line, self.reason = path, lineno, line, redact_urls(reason)
         shown = redact_urls(line)  # before it is cut, so that no part of a secret is left
         shown = shown if len(shown) <= 120 else shown[:117] + "..."
         super().__init__(f"{path}:{lineno}: {reason}: {shown!r}")
@@ -94,7 +95,7 @@ class ShardIndexError(ConfigError):
     """
 
     def __init__(self, path: str, entry: int | None, reason: str, *, url: str | None = None) -> None:
-        self.path, self.entry, self.url, self.reason = path, entry, url, reason
+        self.path, self.entry, self.url, self.reason = path, entry, url, redact_urls(reason)
         where = "" if entry is None else f" shardlist[{entry}]" + (f" ({redact_urls(url)[:200]!r})" if url else "")
         super().__init__(f"{path}:{where}: {reason}" if where else f"{path}: {reason}")
 
@@ -110,7 +111,7 @@ class FetchError(WdsCacheError, OSError):
     """
 
     def __init__(self, url: str, reason: str, *, status: int | None = None, permanent: bool = False) -> None:
-        self.url, self.reason, self.status, self.permanent = url, reason, status, permanent
+        self.url, self.reason, self.status, self.permanent = url, redact_urls(reason), status, permanent
         super().__init__(f"cannot fetch {url}: {reason}")
 
 
@@ -121,7 +122,7 @@ class ShardError(WdsCacheError):
     """
 
     def __init__(self, url: str, reason: str, *, offset: int | None = None) -> None:
-        self.url, self.reason, self.offset = url, reason, offset
+        self.url, self.reason, self.offset = url, redact_urls(reason), offset
         where = f" at byte {offset}" if offset is not None else ""
         super().__init__(f"bad shard {url}{where}: {reason}")
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
+import threading
 from datetime import datetime, timezone
+from types import TracebackType
 from typing import Any, TextIO
 
-from .redact import redact_urls
+from .redact import redact_urls, redacted
 
 DEFAULT_FORMAT = "text"
 FORMATS = (DEFAULT_FORMAT, "json")
@@ -44,20 +47,11 @@ class _Redacting(logging.Filter):
         record.msg, record.args = redact_urls(record.getMessage()), None
         fields = getattr(record, _EVENT, None)
         if fields:
-            setattr(record, _EVENT, {k: _redacted(v) for k, v in fields.items()})
+            setattr(record, _EVENT, {k: redacted(v) for k, v in fields.items()})
         if record.exc_info:
             record.exc_text = redact_urls(record.exc_text or self._traceback.formatException(record.exc_info))
             record.exc_info = None  # a handler would format it again, secrets included
         return True
-
-
-def _redacted(value: Any) -> Any:
-    """An event's field with its URLs redacted: a string, or each string of a list (a sample of URLs)."""
-    if isinstance(value, str):
-        return redact_urls(value)
-    if isinstance(value, (list, tuple)):
-        return [_redacted(v) for v in value]
-    return value
 
 
 _REDACTING = _Redacting()
@@ -117,3 +111,23 @@ def setup(stream: TextIO, *, fmt: str = DEFAULT_FORMAT, verbose: bool = False) -
     root = logging.getLogger("wdscache")
     root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def log_uncaught() -> None:
+    """Log an exception no code catches, in the main thread or any other, through this package's
+    redacting logger (in the format :func:`setup` chose), where Python's own hooks would print its
+    traceback as it is, a URL's secrets included. For a process of ours (the agent, its workers),
+    never a training script's."""
+    log = get_logger("wdscache.uncaught")
+
+    def main_hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        log.critical("uncaught exception", exc_info=(kind, exc, tb))
+
+    def thread_hook(args: threading.ExceptHookArgs) -> None:
+        if args.exc_type is SystemExit or args.exc_value is None:  # (Python's own hook is silent on SystemExit too)
+            return
+        where = args.thread.name if args.thread is not None else "a thread"
+        log.critical("uncaught exception in %s", where, exc_info=args.exc_value)
+
+    sys.excepthook = main_hook
+    threading.excepthook = thread_hook

@@ -18,16 +18,27 @@ What is replaced, in a URL alone or in any text that holds URLs (an exception's 
   (``;`` and ``'`` are part of it). Other parameters (``X-Amz-Expires``, SAS ``se``,
   ``sp``, ``sv``) stay, as they help tell why a signed URL was refused.
 
-A ``pipe:`` command is text like any other: the URLs in it are redacted, the rest is shown as
-written (keep secrets of a command in its environment, not in the list).
+And in any text, the credentials of an HTTP header as a verbose tool prints it (``curl -v``'s
+``> Authorization: Bearer ...``) or a command line passes it (``-H 'Cookie: ...'``):
+
+- the value of an ``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``Set-Cookie``,
+  ``X-Amz-Security-Token`` or ``X-Api-Key`` header (its name in any case), to the end of its line
+  or to a quote; of the first two, the scheme word stays (``Authorization: Bearer ***``);
+- a ``Bearer`` token, and ``Basic`` credentials (base64 of ``user:password``), wherever they stand.
+
+A ``pipe:`` command is text like any other: the URLs and headers in it are redacted, the rest is
+shown as written (keep secrets of a command in its environment, not in the list).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
+from typing import Any
 from urllib.parse import unquote_plus
 
-__all__ = ["MASK", "redact_urls"]
+__all__ = ["MASK", "redact_urls", "redacted"]
 
 MASK = "***"
 # A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
@@ -46,6 +57,38 @@ _PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&#\s\"<>]+)")
 _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session|hmac|hdnts", re.IGNORECASE)
 
 
+# A header with credentials, its name then ":" (a quote around the name: JSON); its value runs to the
+# end of its line or to a quote (a command line's ``-H '...'``). An Authorization's scheme word stays.
+_HEADER = re.compile(
+    r"\b((?:proxy-)?authorization|set-cookie|cookie|x-amz-security-token|x-api-key)"
+    r"([\"']?[ \t]*:[ \t]*[\"']?)((?:bearer|basic|digest|negotiate|aws4-hmac-sha256|token)[ \t]+)?([^\r\n\"']+)",
+    re.IGNORECASE,
+)
+# Credentials of an Authorization scheme where no header name precedes them (token68, RFC 7235).
+# Case-sensitive, as tools write them: "the bearer of" is prose.
+_CREDENTIALS = re.compile(r"\b(Bearer|Basic)([ \t]+)([A-Za-z0-9._~+/-]+=*)")
+
+
+def _header(match: re.Match[str]) -> str:
+    name, sep, scheme, value = match.groups()
+    return f"{name}{sep}{scheme or ''}{MASK if value.strip() else value}"
+
+
+def _credentials(match: re.Match[str]) -> str:
+    scheme, space, value = match.groups()
+    if scheme == "Basic" and not _is_basic(value):
+        return match.group(0)  # a word after "basic" in prose ("basic usage"), not credentials
+    return f"{scheme}{space}{MASK}"
+
+
+def _is_basic(value: str) -> bool:
+    """Whether ``value`` reads as Basic credentials: base64 of ``user:password``."""
+    try:
+        return b":" in base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+
+
 def _parameter(match: re.Match[str]) -> str:
     sep, name, value = match.groups()
     if not _SECRET_NAME.search(unquote_plus(name)):
@@ -58,10 +101,23 @@ def _parameter(match: re.Match[str]) -> str:
 
 
 def redact_urls(text: str) -> str:
-    """``text`` (a URL, or any text with URLs in it) with user info and secret parameter values
-    replaced by ``***`` (see the module docstring); text without them is returned unchanged."""
+    """``text`` (a URL, or any text with URLs in it) with user info, secret parameter values and
+    header credentials replaced by ``***`` (see the module docstring); text without them is
+    returned unchanged."""
     if "@" in text:
         text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
     if "=" in text:
         text = _PARAMETER.sub(_parameter, text)
-    return text
+    return _CREDENTIALS.sub(_credentials, _HEADER.sub(_header, text))
+
+
+def redacted(obj: Any) -> Any:
+    """``obj`` (a JSON-like object: dicts, lists, strings...) with every string in it, keys too,
+    through :func:`redact_urls`; tuples become lists, other values stay."""
+    if isinstance(obj, str):
+        return redact_urls(obj)
+    if isinstance(obj, dict):
+        return {redacted(k): redacted(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [redacted(v) for v in obj]
+    return obj

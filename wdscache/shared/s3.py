@@ -33,6 +33,7 @@ from typing import Any
 
 from .config import default
 from .errors import FetchError
+from .redact import redact_urls
 
 EXTRA = "s3:// sources need boto3: pip install boto3 (the package's s3 extra)"
 # What a prefix stands for: the shards under it, by the names webdataset reads as tars.
@@ -226,7 +227,7 @@ class S3Client:
                     )
                 self._client = _clients[settings]
         except self._exc.BotoCoreError as exc:  # an unknown profile, a bad endpoint, no region
-            raise NoClient(f"cannot make an S3 client: {exc}") from None
+            raise NoClient(f"cannot make an S3 client: {redact_urls(str(exc))}") from None
 
     def close(self) -> None:
         """Nothing to let go: the shared client, and its idle connections, stay for other threads."""
@@ -322,14 +323,20 @@ class S3Client:
                 return Transient(what)
             return FetchError(url, f"{what}: {message}" if message else what, status=status, permanent=True)
         if isinstance(exc, (e.HTTPClientError, e.ConnectionError, e.IncompleteReadError)):
-            return Transient(f"{type(exc).__name__}: {exc}")
+            return Transient(_said(exc))
         if isinstance(exc, e.NoCredentialsError):
             return FetchError(
                 url, "no AWS credentials found (environment, AWS_PROFILE, ~/.aws, instance role)", permanent=True
             )
         if isinstance(exc, e.BotoCoreError):
-            return FetchError(url, f"{type(exc).__name__}: {exc}", permanent=True)
+            return FetchError(url, _said(exc), permanent=True)
         return exc
+
+
+def _said(exc: BaseException) -> str:
+    """A botocore exception as a reason: its class and its text, redacted (botocore's text holds the
+    endpoint URL it asked, user info included)."""
+    return f"{type(exc).__name__}: {redact_urls(str(exc))}"
 
 
 def _content_range(value: str) -> tuple[int, int]:

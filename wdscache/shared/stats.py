@@ -57,6 +57,9 @@ The object (also ``wdscache stats --json``)::
                       A rank is dropped an hour after its last report once no consumer of it is
                       connected (:mod:`wdscache.agent.rank_totals`); {} when no agent answers
 
+Every string in it (keys too: job names) is shown redacted (:mod:`wdscache.shared.redact`): a
+failure's URL and error, a job's name.
+
 With an agent running it answers live over the agent's socket; otherwise it
 reads the index summary, which costs the same on 10 or 100,000 shards.
 """
@@ -78,6 +81,7 @@ from .index import read_summary
 from .layout import CacheLayout
 from .messages import Requests
 from .protocol import process_identity
+from .redact import redacted
 from .verdict import SILENT_AFTER, STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
@@ -97,29 +101,33 @@ def build(
     ended_jobs: dict[str, Any] | None = None,
     rank_totals: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The stats object from an index summary and counters (shared by agent and reader)."""
+    """The stats object from an index summary and counters (shared by agent and reader), every
+    string in it redacted (:func:`~wdscache.shared.redact.redacted`): it reaches people (``wdscache
+    stats``, ``collect_stats``, ``ShardClient.stats``) and scripts' logs as it is."""
     counts = summary.get("counts", {})
-    return {
-        "cache_dir": cache_dir,
-        "bytes_used": summary.get("bytes_used", 0),
-        "table_bytes": summary.get("table_bytes", 0),
-        "bytes_limit": bytes_limit,
-        "shards": {s: int(counts.get(s, 0)) for s in STATES},
-        "failed": [{"url": u, "error": e} for u, e in summary.get("failed", {}).items()],
-        "hits": counters.get("hits", 0),
-        "misses": counters.get("misses", 0),
-        "bytes_downloaded": counters.get("bytes_downloaded", 0),
-        "downloads": counters.get("downloads", 0),
-        "redownloads": counters.get("redownloads", 0),
-        "bytes_redownloaded": counters.get("bytes_redownloaded", 0),
-        "corrupt": counters.get("corrupt", 0),
-        "changed": counters.get("changed", 0),
-        "download_rate": round(download_rate, 1),
-        "agent": agent,
-        "jobs": jobs or {},
-        "ended_jobs": ended_jobs or {},
-        "rank_totals": rank_totals or {},
-    }
+    return redacted(
+        {
+            "cache_dir": cache_dir,
+            "bytes_used": summary.get("bytes_used", 0),
+            "table_bytes": summary.get("table_bytes", 0),
+            "bytes_limit": bytes_limit,
+            "shards": {s: int(counts.get(s, 0)) for s in STATES},
+            "failed": [{"url": u, "error": e} for u, e in summary.get("failed", {}).items()],
+            "hits": counters.get("hits", 0),
+            "misses": counters.get("misses", 0),
+            "bytes_downloaded": counters.get("bytes_downloaded", 0),
+            "downloads": counters.get("downloads", 0),
+            "redownloads": counters.get("redownloads", 0),
+            "bytes_redownloaded": counters.get("bytes_redownloaded", 0),
+            "corrupt": counters.get("corrupt", 0),
+            "changed": counters.get("changed", 0),
+            "download_rate": round(download_rate, 1),
+            "agent": agent,
+            "jobs": jobs or {},
+            "ended_jobs": ended_jobs or {},
+            "rank_totals": rank_totals or {},
+        }
+    )
 
 
 def collect(cache_dir: str | os.PathLike[str], *, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:

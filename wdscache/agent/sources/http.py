@@ -21,6 +21,7 @@ import requests
 
 from ...shared.errors import FetchError
 from ...shared.logs import get_logger
+from ...shared.redact import redact_urls
 from ..shard_download import Cancelled, Fetched, Gone, Retry, Unknown, short
 from ..validators import Version
 from .base import CHUNK, Settings, Source, SourceResponse, Unexpected, Unsatisfiable
@@ -78,12 +79,12 @@ class HttpSource(Source):
         if r.status_code in RETRY_STATUS:
             self._hold(url, _retry_after(r.headers.get("Retry-After")))
         if r.status_code in GONE_STATUS:
-            return Gone(f"HTTP {r.status_code} {r.reason}")
+            return Gone(_answer(r))
         length = r.headers.get("Content-Length", "")
         if not r.ok:
-            return Unknown(f"HTTP {r.status_code} {r.reason}")
+            return Unknown(_answer(r))
         if not length.isdigit():
-            return Unknown(f"HTTP {r.status_code} {r.reason} without a Content-Length")
+            return Unknown(f"{_answer(r)} without a Content-Length")
         return Fetched(int(length), _version(r.headers).validator, last_modified=r.headers.get("Last-Modified"))
 
     @contextmanager
@@ -107,15 +108,13 @@ class HttpSource(Source):
             self._answered.add(_host(url))
             status = r.status_code
             if status in GONE_STATUS:
-                raise FetchError(
-                    url, f"HTTP {status} {r.reason}: the source does not have it", status=status, permanent=True
-                )
+                raise FetchError(url, f"{_answer(r)}: the source does not have it", status=status, permanent=True)
             if status in PERMANENT_STATUS:
-                raise FetchError(url, f"HTTP {status} {r.reason}", status=status, permanent=True)
+                raise FetchError(url, _answer(r), status=status, permanent=True)
             if status in RETRY_STATUS:
                 delay = _retry_after(r.headers.get("Retry-After"))
                 self._hold(url, delay)
-                raise Retry(f"HTTP {status} {r.reason}", delay)
+                raise Retry(_answer(r), delay)
             version = _version(r.headers)
             if status == 416 and start:
                 size = _unsatisfiable_size(r.headers.get("Content-Range", ""))
@@ -131,7 +130,7 @@ class HttpSource(Source):
                     chunks, 0, False, int(length) if length and length.isdigit() else None, version, r.close
                 )
             else:
-                raise Unexpected(f"unexpected HTTP {status} {r.reason}", status)
+                raise Unexpected(f"unexpected {_answer(r)}", status)
 
     def _hold(self, url: str, delay: float | None) -> None:
         """A Retry-After of ``delay`` seconds: no request to ``url`` before then."""
@@ -152,6 +151,12 @@ class HttpSource(Source):
             time.sleep(delay)
         elif cancel.wait(delay):
             raise Cancelled(url)
+
+
+def _answer(r: requests.Response) -> str:
+    """``HTTP 403 Forbidden``: the status and the server's reason phrase, redacted (a server may
+    echo the request's path there, a signed URL's query included)."""
+    return f"HTTP {r.status_code} {redact_urls(r.reason or '')}".rstrip()
 
 
 def _host(url: str) -> str:

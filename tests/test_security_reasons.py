@@ -1,0 +1,168 @@
+"""Secrets a source's own text carries (a library's error quoting the endpoint's user info, a server's
+reason phrase quoting a signed query, a verbose command's headers) reach no error's ``reason``, no
+failure the agent records or answers, no stats object and no log; nor does an uncaught exception's
+traceback in a process of ours."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import wdscache
+from wdscache import FetchError, ShardClient
+from wdscache.shared.redact import redact_urls
+
+
+def _index_bytes(cache: Path) -> str:
+    """Every file of the cache's index (the database and its journal), as text: what it records."""
+    return "".join(p.read_bytes().decode("latin-1") for p in (cache / "index").rglob("*") if p.is_file())
+
+
+@pytest.mark.slow
+def test_an_s3_endpoints_user_info_reaches_no_reason_record_or_stats(tmp_path, start_agent, run_cli) -> None:
+    pytest.importorskip("boto3")
+    secret = "SECRETXYZEP"
+    urls_file = tmp_path / "s3.txt"
+    urls_file.write_text("s3://bkt/train/a.tar\n")
+    cache = tmp_path / "cache"
+    # Nothing listens on port 1: botocore's error quotes the endpoint URL it could not reach.
+    agent = start_agent(
+        cache,
+        urls_file,
+        "--s3-endpoint-url",
+        f"http://eu:{secret}@127.0.0.1:1",
+        "--retries",
+        "1",
+        env={"AWS_ACCESS_KEY_ID": "AKIAFAKE", "AWS_SECRET_ACCESS_KEY": "FAKEKEY", "AWS_DEFAULT_REGION": "us-east-1"},
+    )
+    agent.wait_stats(lambda s: s["shards"]["failed"] == 1, 60, "the s3:// shard failed")
+    with ShardClient(cache, timeout=30) as client:
+        with pytest.raises(FetchError) as info:
+            client.open("s3://bkt/train/a.tar", timeout=30)
+        live = client.stats()
+    assert "http://***@127.0.0.1:1" in info.value.reason, info.value.reason
+    shown = [info.value.reason, str(info.value), json.dumps(live), json.dumps(wdscache.collect_stats(cache))]
+    assert agent.stop() == 0
+    shown += [json.dumps(wdscache.collect_stats(cache)), _index_bytes(cache), agent.stderr_text()]
+    assert [t for t in shown if secret in t] == []
+
+
+@pytest.mark.slow
+def test_a_reason_phrase_quoting_a_signed_query_reaches_no_reason_record_or_stats(
+    tmp_path, dataset, shard_server, start_agent
+) -> None:
+    secret, token = "SECRETXYZ9", "SECRETTOKENQ"
+    data = dataset(1, samples=1, payload=100)
+    name = data.paths[0].name
+    url = f"{data.urls[0]}?token={token}"  # (the server ignores the query)
+    data.list_file.write_text(url + "\n")
+    shard_server.fail(name, "status", status=403, reason=f"Denied /{name}?X-Amz-Signature={secret}", times=50)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--retries", "0")
+    agent.wait_stats(lambda s: s["shards"]["failed"] == 1, 20, "the refused shard failed")
+    with ShardClient(cache, timeout=30) as client:
+        with pytest.raises(FetchError) as info:
+            client.open(url, timeout=30)
+        live = client.stats()
+    assert info.value.reason == f"HTTP 403 Denied /{name}?X-Amz-Signature=***", info.value.reason
+    # The stats object as `wdscache stats --json` prints it: the URL redacted too.
+    failed = [{"url": f"{data.urls[0]}?token=***", "error": info.value.reason}]
+    assert live["failed"] == failed, live["failed"]
+    assert wdscache.collect_stats(cache)["failed"] == failed
+    shown = [str(info.value), json.dumps(live)]
+    assert agent.stop() == 0
+    assert wdscache.collect_stats(cache)["failed"] == failed  # from the index, no agent running
+    assert [t for t in [*shown, agent.stderr_text()] if secret in t or token in t] == []
+    assert secret not in _index_bytes(cache)  # (which keys the shard by its full URL, token included)
+
+
+@pytest.mark.slow
+def test_a_verbose_pipe_commands_headers_reach_no_error_log_or_stats(
+    tmp_path, dataset, shard_server, start_agent, run_cli
+) -> None:
+    token, password = "SECRETBEARERTOKEN", "SECRETBASICPASS"
+    basic = base64.b64encode(f"eu:{password}".encode()).decode()
+    missing = shard_server.url("missing.tar")  # the server answers 404: curl -f fails, after -v told its headers
+    lines = [
+        f'pipe:curl -sfv -H "Authorization: Bearer $FAKE_TOKEN" {missing}',
+        f'pipe:curl -sfv -u "eu:$FAKE_PASS" {missing}',
+    ]
+    urls_file = tmp_path / "pipes.txt"
+    urls_file.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(
+        cache, urls_file, "--allow-pipe", "--retries", "0", env={"FAKE_TOKEN": token, "FAKE_PASS": password}
+    )
+    agent.wait_stats(lambda s: s["shards"]["failed"] == 2, 30, "both commands failed")
+    errors = []
+    with ShardClient(cache, timeout=30) as client:
+        for line in lines:
+            with pytest.raises(FetchError) as info:
+                client.open(line, timeout=30)
+            errors.append(info.value.reason)
+    assert "> Authorization: Bearer ***" in errors[0] and "404" in errors[0], errors[0]
+    assert "> Authorization: Basic ***" in errors[1], errors[1]
+    stats = run_cli("stats", "--cache-dir", cache)
+    stats_json = run_cli("stats", "--json", "--cache-dir", cache)
+    assert agent.stop() == 0
+    shown = [*errors, stats.stdout + stats.stderr, stats_json.stdout, _index_bytes(cache), agent.stderr_text()]
+    assert [t for t in shown if token in t or password in t or basic in t] == []
+
+
+_UNCAUGHT = textwrap.dedent(
+    """
+    import sys, threading
+    from wdscache.shared.logs import log_uncaught, setup
+    setup(sys.stderr, fmt=sys.argv[1])
+    log_uncaught()
+    def fail():
+        raise OSError("GET http://eu:SECRETTHREAD@store.example/a.tar failed")
+    t = threading.Thread(target=fail, name="downloader")
+    t.start()
+    t.join()
+    raise ValueError("Authorization: Bearer SECRETMAIN")
+    """
+)
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> None:
+    # As the agent and its workers install it. (The agent catches what its own code raises: no
+    # uncaught exception of it can be made to happen on purpose.)
+    r = subprocess.run([sys.executable, "-c", _UNCAUGHT, fmt], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1, r.stderr
+    assert "SECRET" not in r.stderr, r.stderr
+    assert "OSError: GET http://***@store.example/a.tar failed" in r.stderr, r.stderr
+    assert "ValueError: Authorization: Bearer ***" in r.stderr, r.stderr
+    assert "uncaught exception in downloader" in r.stderr, r.stderr
+    if fmt == "json":
+        records = [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+        assert [x["message"] for x in records] == ["uncaught exception in downloader", "uncaught exception"], records
+
+
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("> Authorization: Bearer abc.def\r\n< HTTP/1.1 404", "> Authorization: Bearer ***\r\n< HTTP/1.1 404"),
+        (
+            "curl -H 'proxy-authorization: Basic dXNlcjpwYXNz' http://h/a",
+            "curl -H 'proxy-authorization: Basic ***' http://h/a",
+        ),
+        ('{"Cookie": "a=1; b=2", "X-Api-Key": "k"}', '{"Cookie": "***", "X-Api-Key": "***"}'),
+        ("< Set-Cookie: sid=abc; Path=/", "< Set-Cookie: ***"),
+        ("X-Amz-Security-Token: FwoG", "X-Amz-Security-Token: ***"),
+        ("token was Bearer abc.def, refused", "token was Bearer ***, refused"),
+        ("sent Basic dXNlcjpwYXNz", "sent Basic ***"),
+        # Prose stays: "Basic" before a word that is no base64 of user:password, "bearer" in lower case.
+        ("Basic usage, the bearer of news", "Basic usage, the bearer of news"),
+    ],
+)
+def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:
+    assert redact_urls(text) == shown
+    assert redact_urls(shown) == shown
