@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -233,6 +234,74 @@ def test_a_resumed_rank_reads_again_the_samples_of_its_latest_shards_only(
     assert [len(t) for t in tails] == [(80 + GONE) // 2 - 40] * 2
     for head, tail in zip(heads, tails):  # the latest 8 of the rank's 10 shards, all their samples
         assert set(_keys(tail)) == set(_keys(head[8:])) and len({url for url, _ in _keys(tail)}) == LOOK_BACK_SHARDS
+
+
+def test_a_resumed_ranks_look_back_goes_past_shards_that_failed_before_its_checkpoint(
+    dataset: Any, start_agent: Any, shard_server: Any, tmp_path: Path
+) -> None:
+    """A shard that failed before the checkpoint is not known to the resumed run: the look-back's
+    reads of it fail too, and it looks further back, to the rank's samples before it."""
+    data = dataset(1, samples=100, payload=300, prefix="f")
+    index = tmp_path / "lists" / "failed.json"
+    gone = [{"url": shard_server.url(f"gone{i}.tar"), "nsamples": 200} for i in range(2)]
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": [{"url": data.urls[0], "nsamples": 100}, *gone]}))
+    cache = tmp_path / "cache"
+    start_agent(cache, index)
+    kw: dict[str, Any] = {"world_size": 2, "shuffle": False, "request_size": 4}
+    heads = []
+    for r in range(2):  # the rank's real samples, then repeats of them; the rest: the second 404 shard's
+        loader = _loader(cache, job="f", rank=r, **kw)
+        it = iter(loader)
+        heads.append([next(it) for _ in range(170)])
+        if r == 0:
+            state = loader.state_dict()
+        it.close()
+    rests = [_loader(cache, job="fr", rank=r, **kw) for r in range(2)]
+    for loader in rests:
+        loader.load_state_dict(state)
+    tails = [list(loader) for loader in rests]
+    assert [len(t) for t in tails] == [250 - 170] * 2
+    assert [len(set(_keys(h))) for h in heads] == [52, 48]  # blocks of 8 in rows of 16 over 100 samples
+    for head, tail in zip(heads, tails):  # every one of the rank's real samples, repeated
+        assert set(_keys(tail)) == set(_keys(head))
+
+
+@pytest.mark.slow  # the look-back waits out the loaders' timeout
+def test_a_look_back_whose_shard_stalls_gives_up_and_the_rest_fills_from_what_it_read(
+    dataset: Any, start_agent: Any, shard_server: Any, tmp_path: Path
+) -> None:
+    """The look-back's reads only widen the pool: one whose shard makes no progress is given up
+    after the loader's timeout, and the holes are filled from the samples read since."""
+    sizes = [16, 8, 8]  # shard 0 holds what each rank read before the checkpoint
+    data = dataset(1, samples=16, payload=300, prefix="s0"), dataset(2, samples=8, payload=300, prefix="s1")
+    urls = data[0].urls + data[1].urls
+    index = tmp_path / "lists" / "stalled.json"
+    entries = [{"url": u, "nsamples": n} for u, n in zip(urls, sizes)]
+    entries.append({"url": shard_server.url("gone.tar"), "nsamples": GONE})
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
+    kw: dict[str, Any] = {"world_size": 2, "shuffle": False, "request_size": 4}
+    start_agent(tmp_path / "cache", index)
+    heads = []
+    for r in range(2):  # rank 0: shard 0's 0-7, then shard 1; rank 1: shard 0's 8-15, then shard 2
+        loader = _loader(tmp_path / "cache", job="s", rank=r, **kw)
+        it = iter(loader)
+        heads.append([next(it) for _ in range(8)])
+        if r == 0:
+            state = loader.state_dict()
+        it.close()
+    released = threading.Event()
+    shard_server.fail(data[0].paths[0].name, "stall", seconds=60, until=released, times=50)
+    try:
+        start_agent(tmp_path / "fresh", index)  # shard 0 must be downloaded again: it stalls
+        rests = [_loader(tmp_path / "fresh", job="s", rank=r, **{**kw, "timeout": 4}) for r in range(2)]
+        for loader in rests:
+            loader.load_state_dict(state)
+        tails = [list(loader) for loader in rests]
+    finally:
+        released.set()
+    assert [len(t) for t in tails] == [(32 + GONE) // 2 - 8] * 2
+    assert [{url for url, _ in _keys(t)} for t in tails] == [{urls[1]}, {urls[2]}]  # the 8 read since, repeated
+    assert [len(set(_keys(t))) for t in tails] == [8, 8]
 
 
 @pytest.mark.slow

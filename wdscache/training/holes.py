@@ -198,9 +198,9 @@ class Holes:
 
     @property
     def short(self) -> bool:
-        """FILL: holes wait and fewer than a pool's worth was read to fill them with (the share
-        is over: a resumed rank's rest, its samples before the checkpoint not read, see :meth:`prime`)."""
-        return self.held is not None and bool(self.held.holes) and not self.warm
+        """FILL: more holes wait than samples were read to fill them with, fewer than a pool's
+        worth (the share is over: a resumed rank's rest, a DataLoader worker's slice; see :meth:`prime`)."""
+        return self.held is not None and len(self.held.holes) > self.real and not self.warm
 
     def prime(self, samples: list[Any], sizes: list[int]) -> None:
         """FILL: samples read only to fill the holes a :attr:`short` rank holds back (a resumed

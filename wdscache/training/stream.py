@@ -38,7 +38,7 @@ from operator import itemgetter, length_hint
 from typing import Any, cast
 
 from ..shared.client import BYE_TIMEOUT, AgentConnection
-from ..shared.errors import AgentUnavailableError, ShardError, WdsCacheError
+from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
 from ..shared.messages import Requests, WorkerRequest
 from ..shared.mixture import MixSpec
@@ -297,7 +297,7 @@ class EpochStream:
                 if pair[1][0] not in skipped:
                     latest.append((resume.real(pair[0]), pair[1]))
             latest = deque(sorted(latest), maxlen=POOL_SAMPLES)
-        if not latest and w.count > 1:  # a worker with too few samples: its fellows' first ones
+        if len(latest) < POOL_SAMPLES and w.count > 1:  # a worker with too few samples: its fellows' first ones
             for part in range(w.count):
                 if part == w.index:
                     continue
@@ -427,7 +427,9 @@ class EpochStream:
         exhausted = False
         holes = self.holes
         end: int | None = None  # a shard's error ends the epoch (StopEpoch): the first read not handed out
-        looked_back: int | None = None  # the first read of samples before a checkpoint (see before)
+        looked_back: int | None = None  # the first read of samples only for the pool (see before)
+        looked_at: set[SampleId] = set()  # what the look-back read so far...
+        skipped_before = -1  # ...and how many shards were skipped when its latest pass began
         error: WdsCacheError | None = None  # and with on_error="raise", its error, raised there
         poll = STREAM_POLL_FIRST  # the next wait for a shard still downloading
         try:
@@ -453,12 +455,17 @@ class EpochStream:
                             stalled = True
                             break
                     if seq_yield >= (batches.seq_next if end is None else end) and exhausted:
-                        if looked_back is not None or end is not None or not holes.short:
+                        skipped = len(self.shards.skipped)
+                        if end is not None or not holes.short or skipped == skipped_before:
                             break
-                        # Holes wait and too few samples were read to spread their repeats over: a
-                        # resumed rank's samples before the checkpoint are read again for the pool
-                        # (reads from ``looked_back`` on only fill it, none goes out).
-                        looked_back, owned, exhausted = batches.seq_next, iter(self.before()), False
+                        # Holes wait and too few samples were read to spread their repeats over: other
+                        # samples of the rank are read again for the pool (reads from ``looked_back``
+                        # on only fill it, none goes out). Another pass only if one failed in shards
+                        # not known to fail before (it looks further back, past them).
+                        again = [item for item in self.before() if item[1] not in looked_at]
+                        looked_at.update(item[1] for item in again)
+                        skipped_before, looked_back = skipped, batches.seq_next
+                        owned, exhausted = iter(again), False
                         continue
                     read = reads.hand_out(seq_yield)
                     if read is None:
@@ -469,12 +476,18 @@ class EpochStream:
                         self.clock.check_stall(self._waited_for)
                         continue
                 except StopEpoch as stop:  # the samples before the failing shard still come, then the epoch ends
+                    if looked_back is not None:
+                        break  # a read only for the pool: the epoch's own are out; it fills from what came
                     exhausted = True
                     at = self.failures.stop_at(stop, end)
                     if end is None or at < end:
                         error = stop.error
                     end = at
                     continue
+                except (FetchError, AgentUnavailableError):
+                    if looked_back is None:
+                        raise
+                    break  # a read only for the pool stalls: the epoch fills from what came
                 seq_yield += 1
                 poll = STREAM_POLL
                 stats = self.stats
