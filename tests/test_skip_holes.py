@@ -55,6 +55,28 @@ def _keys(samples: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return [(s["__url__"], s["__key__"]) for s in samples]
 
 
+def _heads(cache: Path, job: str, at: int, **kw: Any) -> tuple[list[list[dict[str, Any]]], dict[str, Any]]:
+    """Each of two ranks' first ``at`` samples (rank 0's loader, then rank 1's), and rank 0's
+    state then (the job's: every rank delivered as many)."""
+    heads = []
+    for r in range(2):
+        loader = _loader(cache, job=job, rank=r, **kw)
+        it = iter(loader)
+        heads.append([next(it) for _ in range(at)])
+        if r == 0:
+            state = loader.state_dict()
+        it.close()
+    return heads, state
+
+
+def _rests(cache: Path, job: str, state: dict[str, Any], **kw: Any) -> list[list[dict[str, Any]]]:
+    """Each of two ranks' rest of the epoch, resumed from ``state`` on new loaders."""
+    rests = [_loader(cache, job=job, rank=r, **kw) for r in range(2)]
+    for loader in rests:
+        loader.load_state_dict(state)
+    return [list(loader) for loader in rests]
+
+
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_one_rank_drops_the_holes_and_yields_each_real_sample_once_as_webdataset(holed: Any, shuffled: bool) -> None:
     index, cache, ref, data = holed
@@ -177,20 +199,8 @@ def test_two_ranks_resumed_where_the_rest_is_all_holes_keep_the_planned_count(
     # rows of 16), rank 1's are 8-15 and 24-31, and 40-47 is the first hole: from the
     # checkpoint after 24, each rank's rest is the failed shard's alone (after 23, rank 0's holds
     # position 39 too). Shuffled, a rest may hold a few real samples too.
-    heads = []
-    for r in range(2):
-        loader = _loader(cache, job=f"b{shuffled}", rank=r, **kw)
-        it = iter(loader)
-        heads.append([next(it) for _ in range(at)])
-        if r == 0:
-            state = loader.state_dict()
-        it.close()
-    runs = []
-    for attempt in range(2):
-        rests = [_loader(cache, job=f"r{shuffled}{attempt}", rank=r, **kw) for r in range(2)]
-        for loader in rests:
-            loader.load_state_dict(state)
-        runs.append([list(loader) for loader in rests])
+    heads, state = _heads(cache, f"b{shuffled}", at, **kw)
+    runs = [_rests(cache, f"r{shuffled}{attempt}", state, **kw) for attempt in range(2)]
     tails = runs[0]
     assert [len(t) for t in tails] == [planned - at] * 2
     mine = [set(_keys(head + tail)) for head, tail in zip(heads, tails)]
@@ -219,18 +229,9 @@ def test_a_resumed_rank_reads_again_the_samples_of_its_latest_shards_only(
     cache = tmp_path / "cache"
     start_agent(cache, index)
     kw: dict[str, Any] = {"world_size": 2, "shuffle": False, "request_size": 4}
-    heads = []
-    for r in range(2):  # each rank's 40 samples: blocks of 8 positions (2 shards) in rows of 16
-        loader = _loader(cache, job="m", rank=r, **kw)
-        it = iter(loader)
-        heads.append([next(it) for _ in range(40)])
-        if r == 0:
-            state = loader.state_dict()
-        it.close()
-    rests = [_loader(cache, job="mr", rank=r, **kw) for r in range(2)]
-    for loader in rests:
-        loader.load_state_dict(state)
-    tails = [list(loader) for loader in rests]
+    # each rank's 40 samples: blocks of 8 positions (2 shards) in rows of 16
+    heads, state = _heads(cache, "m", 40, **kw)
+    tails = _rests(cache, "mr", state, **kw)
     assert [len(t) for t in tails] == [(80 + GONE) // 2 - 40] * 2
     for head, tail in zip(heads, tails):  # the latest 8 of the rank's 10 shards, all their samples
         assert set(_keys(tail)) == set(_keys(head[8:])) and len({url for url, _ in _keys(tail)}) == LOOK_BACK_SHARDS
@@ -248,18 +249,8 @@ def test_a_resumed_ranks_look_back_goes_past_shards_that_failed_before_its_check
     cache = tmp_path / "cache"
     start_agent(cache, index)
     kw: dict[str, Any] = {"world_size": 2, "shuffle": False, "request_size": 4}
-    heads = []
-    for r in range(2):  # the rank's real samples, then repeats of them; the rest: the second 404 shard's
-        loader = _loader(cache, job="f", rank=r, **kw)
-        it = iter(loader)
-        heads.append([next(it) for _ in range(170)])
-        if r == 0:
-            state = loader.state_dict()
-        it.close()
-    rests = [_loader(cache, job="fr", rank=r, **kw) for r in range(2)]
-    for loader in rests:
-        loader.load_state_dict(state)
-    tails = [list(loader) for loader in rests]
+    heads, state = _heads(cache, "f", 170, **kw)  # the rank's real samples, then repeats of them
+    tails = _rests(cache, "fr", state, **kw)  # the rest: the second 404 shard's
     assert [len(t) for t in tails] == [250 - 170] * 2
     assert [len(set(_keys(h))) for h in heads] == [52, 48]  # blocks of 8 in rows of 16 over 100 samples
     for head, tail in zip(heads, tails):  # every one of the rank's real samples, repeated
@@ -281,22 +272,13 @@ def test_a_look_back_whose_shard_stalls_gives_up_and_the_rest_fills_from_what_it
     index.write_text(json.dumps({"wids_version": 1, "shardlist": entries}))
     kw: dict[str, Any] = {"world_size": 2, "shuffle": False, "request_size": 4}
     start_agent(tmp_path / "cache", index)
-    heads = []
-    for r in range(2):  # rank 0: shard 0's 0-7, then shard 1; rank 1: shard 0's 8-15, then shard 2
-        loader = _loader(tmp_path / "cache", job="s", rank=r, **kw)
-        it = iter(loader)
-        heads.append([next(it) for _ in range(8)])
-        if r == 0:
-            state = loader.state_dict()
-        it.close()
+    # rank 0 reads shard 0's 0-7, then shard 1; rank 1 shard 0's 8-15, then shard 2
+    heads, state = _heads(tmp_path / "cache", "s", 8, **kw)
     released = threading.Event()
     shard_server.fail(data[0].paths[0].name, "stall", seconds=60, until=released, times=50)
     try:
         start_agent(tmp_path / "fresh", index)  # shard 0 must be downloaded again: it stalls
-        rests = [_loader(tmp_path / "fresh", job="s", rank=r, **{**kw, "timeout": 4}) for r in range(2)]
-        for loader in rests:
-            loader.load_state_dict(state)
-        tails = [list(loader) for loader in rests]
+        tails = _rests(tmp_path / "fresh", "s", state, **{**kw, "timeout": 4})
     finally:
         released.set()
     assert [len(t) for t in tails] == [(32 + GONE) // 2 - 8] * 2
