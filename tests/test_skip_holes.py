@@ -22,7 +22,8 @@ import wdscache  # noqa: E402
 from tests.helpers.procs import run_json_job  # noqa: E402
 from tests.helpers.streaming import delivered, fields_of, reference  # noqa: E402
 from wdscache import CachedMultiLoader  # noqa: E402
-from wdscache.training.holes import LOOK_BACK_SHARDS, POOL_SAMPLES  # noqa: E402
+from wdscache.training.holes import POOL_SAMPLES  # noqa: E402
+from wdscache.training.look_back import LOOK_BACK_SHARDS  # noqa: E402
 
 GONE = 500  # samples the index declares for the shard that answers 404
 

@@ -108,7 +108,7 @@ class EpochShards:
         # (its sequence never asks arrivals()): a copy pinned holding another is checked against it.
         self.sample_counts: dict[int, int] = dict(enumerate(spec.counts)) if isinstance(spec, MixSpec) else {}
         # shard -> the samples the epoch's sequence holds of it (what it was fed: a shard skipped
-        # keeps the count its holes were dealt by), to deal the epoch again (EpochStream.before)
+        # keeps the count its holes were dealt by), to deal the epoch again (training.look_back)
         self.sequenced: dict[int, int] = {}
         self.file_sizes: dict[int, int] = {}  # shard -> its cache file's size, from its open until counted
         # Shards whose counts our workers found lately (url -> when): they report them to the

@@ -24,7 +24,7 @@ samples out (:class:`Holes`, one per epoch stream).
   (or a DataLoader worker) resumed from a checkpoint whose rest holds holes and fewer than a
   pool's worth of samples has read too few to spread the repeats over: samples of its share
   before the checkpoint are read again for the pool (:meth:`Holes.prime`,
-  :meth:`~wdscache.training.stream.EpochStream.before`), none of them handed out.
+  :func:`~wdscache.training.look_back.look_back`), none of them handed out.
 
 The pool keeps whole reads' lists (no step of Python per sample on the way out of a read
 without holes): the latest reads holding :data:`POOL_SAMPLES` samples, fewer if they pass
@@ -45,10 +45,6 @@ from .reads import Item
 
 POOL_SAMPLES = 64  # recent samples a hole's repeat is chosen among, at most...
 POOL_BYTES = 32 << 20  # ...and about this much of their payload
-# Shards a resumed rank's look-back (see Holes.prime) reads again at most: each may have to be
-# downloaded again for the few of its samples it gives (a shuffled share's latest 64 samples
-# lie in dozens of shards).
-LOOK_BACK_SHARDS = 8
 _MASK = (1 << 64) - 1
 PRIMED_BELOW = 1 << 62  # a primed sample's number is its count among them less this
 

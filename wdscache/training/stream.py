@@ -30,10 +30,10 @@ import functools
 import os
 import sys
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, islice
+from itertools import chain
 from operator import itemgetter, length_hint
 from typing import Any, cast
 
@@ -46,7 +46,8 @@ from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.sequence import EpochSpec, IdRun, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles
 from .epoch_shards import EpochShards, OnError, StopEpoch
-from .holes import LOOK_BACK_SHARDS, POOL_SAMPLES, HoleMode, Holes
+from .holes import HoleMode, Holes
+from .look_back import look_back
 from .pins import Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .read_batches import SHARE_ENDED, ReadBatcher
@@ -270,67 +271,6 @@ class EpochStream:
         )
         self.pins.release_settled(self.share.settled)
 
-    def before(self) -> list[Item]:
-        """Samples of the rank read again only for the pool of a stream whose share ended
-        :attr:`Holes.short` (up to :data:`POOL_SAMPLES`, in at most :data:`LOOK_BACK_SHARDS`
-        shards, the latest kept; none of a shard skipped), as items (position in the epoch, id),
-        in order: a resumed rank's latest before its checkpoint (its samples of the epoch dealt
-        from its start to as many ranks, at the positions the checkpoint delivered; a DataLoader
-        worker's, the first pairs of its slice its own checkpoint delivered, ``skip``); failing
-        those, a DataLoader worker's fellow workers' first pairs (they read those too). The epoch
-        is dealt again from the counts its sequence was fed (ids only, no payload). Empty on
-        several nodes (their parts are dealt anew)."""
-        spec, share, skipped = self.spec, self.share, self.shards.skipped
-        if isinstance(spec, NodeSpec) or isinstance(share, NodeShare):
-            return []
-        s, w, resume = self.settings, self.worker_slice, share.resume
-        latest: deque[Item] = deque(maxlen=POOL_SAMPLES)
-        if resume.delivered():
-            fresh = RankShare(s.world_size, s.rank, drop_last=s.drop_last, block=share.block)
-            for pair in fresh.pairs(self._dealt_again()):
-                if pair is not None and resume.skips(pair[0]) and pair[1][0] not in skipped:
-                    latest.append(pair)
-        if w.skip:
-            again = RankShare(s.world_size, s.rank, resume=resume, drop_last=s.drop_last, block=share.block)
-            pairs = again.pairs(self._dealt_again(), part=w.index, parts=w.count)
-            for pair in islice((p for p in pairs if p is not None), w.skip):
-                if pair[1][0] not in skipped:
-                    latest.append((resume.real(pair[0]), pair[1]))
-            latest = deque(sorted(latest), maxlen=POOL_SAMPLES)
-        if len(latest) < POOL_SAMPLES and w.count > 1:  # a worker with too few samples: its fellows' first ones
-            for part in range(w.count):
-                if part == w.index:
-                    continue
-                again = RankShare(s.world_size, s.rank, resume=resume, drop_last=s.drop_last, block=share.block)
-                theirs = (p for p in again.pairs(self._dealt_again(), part=part, parts=w.count) if p is not None)
-                mapped = ((resume.real(pos), sid) for pos, sid in theirs if sid[0] not in skipped)
-                latest.extend(islice(mapped, POOL_SAMPLES - len(latest)))
-            latest = deque(sorted(latest), maxlen=POOL_SAMPLES)
-        shards: set[int] = set()
-        kept: list[Item] = []
-        for item in reversed(latest):  # the latest first: their shards are the likeliest still cached
-            if item[1][0] in shards or len(shards) < LOOK_BACK_SHARDS:
-                shards.add(item[1][0])
-                kept.append(item)
-        return kept[::-1]
-
-    def _dealt_again(self) -> Iterator[SampleId | IdRun | list[SampleId]]:
-        """The epoch's ids again, from the counts its sequence was fed (see :meth:`before`)."""
-        spec = self.spec
-        if isinstance(spec, MixSpec):
-            yield from spec.runs()  # planned with every count
-            return
-        assert isinstance(spec, EpochSpec)
-        counts = self.shards.sequenced
-        feed = ShardFeed()
-        for sid in spec.runs(feed):
-            if sid is None:  # every count is final: fed whole at once
-                assert feed.wanted is not None
-                feed.grow(counts.get(feed.wanted, 0))
-                feed.end()
-                continue
-            yield sid
-
     def counts(self) -> dict[int, int]:
         """Run the epoch's sequence without reading a payload, and close: what it learned of each
         shard's count (a mixture's epoch needs them all before it starts)."""
@@ -462,7 +402,20 @@ class EpochStream:
                         # samples of the rank are read again for the pool (reads from ``looked_back``
                         # on only fill it, none goes out). Another pass only if one failed in shards
                         # not known to fail before (it looks further back, past them).
-                        again = [item for item in self.before() if item[1] not in looked_at]
+                        st = self.settings
+                        again = [
+                            item
+                            for item in look_back(
+                                self.spec,
+                                self.share,
+                                self.shards,
+                                world_size=st.world_size,
+                                rank=st.rank,
+                                drop_last=st.drop_last,
+                                worker=self.worker_slice,
+                            )
+                            if item[1] not in looked_at
+                        ]
                         looked_at.update(item[1] for item in again)
                         skipped_before, looked_back = skipped, batches.seq_next
                         owned, exhausted = iter(again), False
@@ -691,7 +644,7 @@ def nothing_to_repeat(stream: EpochStream, holes: int) -> None:
     job would wait forever on the ranks that got theirs; with one rank the epoch would be
     empty, which webdataset's readers refuse too. With several ranks, a rest resumed from a
     checkpoint and a DataLoader worker's slice were filled from the rank's other samples (those
-    before the checkpoint, its fellow workers': :meth:`EpochStream.before`): they come here only
+    before the checkpoint, its fellow workers': :func:`~wdscache.training.look_back.look_back`): they come here only
     when there were none, or those failed too. With one rank, the rest of a share resumed from
     a checkpoint (its samples before it were read then) and a DataLoader worker's slice (its
     fellows may have samples) end short instead, with a warning; so does a rest resumed on
