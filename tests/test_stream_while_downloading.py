@@ -10,6 +10,7 @@ later is the source, byte for byte.
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import pytest
 
@@ -77,14 +78,21 @@ def test_a_download_that_starts_over_while_read_still_gives_exact_samples(tmp_pa
 def test_a_download_that_fails_while_read_raises_a_clear_error(tmp_path, shard_server, dataset, start_agent):
     data = dataset(1, samples=30, payload=20_000)
     shard_server.rate = RATE
-    shard_server.fail(data.paths[0].name, "cut", after=200_000)
+    # The download stops short after 200 KB, once the loader has a sample of it (on a busy
+    # machine the loader may start later than a fixed cut would come).
+    first = threading.Event()
+    shard_server.fail(data.paths[0].name, "stall", after=200_000, seconds=60, until=first, then="close")
     cache = tmp_path / "cache"
     start_agent(cache, data.list_file, "--no-shuffle", "--prefetch", "1", "--retries", "0")
     delivered = []
-    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
-        with pytest.raises(FetchError) as info:
-            for sample in loader:
-                delivered.append(sample)
+    try:
+        with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=30) as loader:
+            with pytest.raises(FetchError) as info:
+                for sample in loader:
+                    delivered.append(sample)
+                    first.set()
+    finally:
+        first.set()
     assert data.urls[0] in str(info.value)
     assert "gave up" in str(info.value)
     # Samples came while the shard downloaded, before the failure, and they were right.
