@@ -11,7 +11,8 @@ import pytest
 from scripts.shard_maker import write_url_list
 from tests.helpers.streaming import samples_of
 from tests.helpers.waits import stop_process, wait_for
-from wdscache.shared.urls import list_id
+from wdscache.agent.rank_lists import Relation, relation
+from wdscache.shared.urls import Urls, list_id
 
 DEADLINE = 60.0
 
@@ -134,3 +135,14 @@ def test_a_validation_loader_reads_its_list_within_a_training_epoch(
         for p in ranks:
             stop_process(p)
     assert "ranks of one job" not in agent.stderr_text() and "split by rank" not in agent.stderr_text()
+
+
+def test_a_list_split_by_rank_is_told_from_another_loaders_list() -> None:
+    u = [f"http://h/s-{i:02d}.tar" for i in range(12)]
+    assert relation(Urls(u[0::2]), Urls(u[1::2]), own=True) is Relation.SPLIT
+    assert relation(Urls(u[1::2]), Urls(u[0:-1:2]), own=True) is Relation.SPLIT
+    assert relation(Urls(u[:6]), Urls(u[6:]), own=True) is Relation.APART  # a training and a validation list
+    assert relation(Urls(u[:1]), Urls(u[1:2]), own=True) is Relation.APART  # a URL each: no telling
+    assert relation(Urls(u[:1]), Urls(u[1:3]), own=True) is Relation.APART
+    assert relation(Urls(u[0::2]), Urls(u[1::2]), own=False) is Relation.APART  # not both the loaders' own
+    assert relation(Urls(u), Urls(u[::-1]), own=True) is Relation.SHARE

@@ -161,6 +161,16 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
         ("sent Basic dXNlcjpwYXNz", "sent Basic ***"),
         # Prose stays: "Basic" before a word that is no base64 of user:password, "bearer" in lower case.
         ("Basic usage, the bearer of news", "Basic usage, the bearer of news"),
+        # A value no quote opens ends with its word (a command line), its JSON literal, or its line;
+        # a name within a path is no header (an s3:// key).
+        (
+            "pipe:curl -sf -H Cookie:sid=1 http://127.0.0.1:8/missing-0.tar",
+            "pipe:curl -sf -H Cookie:*** http://127.0.0.1:8/missing-0.tar",
+        ),
+        ("wget --header=Cookie:sid=1 http://h/a.tar", "wget --header=Cookie:*** http://h/a.tar"),
+        ('curl -H "Cookie: a=1; b=2" http://h/x.tar', 'curl -H "Cookie: ***" http://h/x.tar'),
+        ('{"cookie": 5, "x": 1}', '{"cookie": ***, "x": 1}'),
+        ("s3://b/cookie:jar/shard-0001.tar", "s3://b/cookie:jar/shard-0001.tar"),
     ],
 )
 def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:

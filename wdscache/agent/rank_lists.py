@@ -25,7 +25,8 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
   (one that only rank 0 makes, say); unless both are the loaders' own, as long (give or take a
   URL) and interleaved in URL order: then they are one list split by rank before the loader
   (``urls[rank::world_size]``, as webdataset's ``split_by_node`` does), which the loader splits
-  again, so each rank reads a part of its part; that is warned about too.
+  again, so each rank reads a part of its part; that is warned about too (lists of two URLs or
+  more; a split of an unsorted list, or into runs, is not recognised).
 - Bounded: a reader's record goes when it goes; at most MAX_WARNED pairs of lists are remembered.
 """
 
@@ -74,8 +75,8 @@ def _interleaved(a: Urls, b: Urls, step: int) -> bool:
     """Whether ``a`` and ``b`` alternate in URL order as they stand (``a``'s i-th before ``b``'s
     before ``a``'s next, or the other way round), looked at every ``step``: what taking every other
     URL of a sorted list gives."""
-    if not len(a) or not len(b):
-        return False
+    if min(len(a), len(b)) < 2:
+        return False  # (any two disjoint lists of one URL "alternate": a train and a validation list)
     first, second = (a, b) if a[0] < b[0] else (b, a)
     n = min(len(first), len(second))
     return all(first[i] < second[i] and (i + 1 >= len(first) or second[i] < first[i + 1]) for i in range(0, n, step))

@@ -57,21 +57,50 @@ _PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&#\s\"<>]+)")
 _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session|hmac|hdnts", re.IGNORECASE)
 
 
-# A header with credentials, its name then ":" (a quote around the name: JSON); its value runs to the
-# end of its line or to a quote (a command line's ``-H '...'``). An Authorization's scheme word stays.
+# A header with credentials: its name (not inside a path or a word: "s3://b/cookie:jar" is a key),
+# ":" (a quote after the name: JSON's), then a quote that opens its value, if any; an
+# Authorization's scheme word stays. Where its value ends, see _value_end.
 _HEADER = re.compile(
-    r"\b((?:proxy-)?authorization|set-cookie|cookie|x-amz-security-token|x-api-key)"
-    r"([\"']?[ \t]*:[ \t]*[\"']?)((?:bearer|basic|digest|negotiate|aws4-hmac-sha256|token)[ \t]+)?([^\r\n\"']+)",
+    r"(?<![\w/.-])((?:proxy-)?authorization|set-cookie|cookie|x-amz-security-token|x-api-key)"
+    r"([\"']?)([ \t]*:[ \t]*)([\"']?)((?:bearer|basic|digest|negotiate|aws4-hmac-sha256|token)[ \t]+)?",
     re.IGNORECASE,
 )
+_VALUE_ENDS = {  # what ends a header's value that no quote opened
+    "json": re.compile(r"[,}\]\s\"']"),  # a JSON literal (its name was quoted)
+    "line": re.compile(r"[\r\n\"']"),  # "Name: value" as a tool prints it, or a quoted "-H 'Name: value'"
+    "word": re.compile(r"[\s\"']"),  # "Name:value" in a command line
+}
 # Credentials of an Authorization scheme where no header name precedes them (token68, RFC 7235).
 # Case-sensitive, as tools write them: "the bearer of" is prose.
 _CREDENTIALS = re.compile(r"\b(Bearer|Basic)([ \t]+)([A-Za-z0-9._~+/-]+=*)")
 
 
-def _header(match: re.Match[str]) -> str:
-    name, sep, scheme, value = match.groups()
-    return f"{name}{sep}{scheme or ''}{MASK if value.strip() else value}"
+def _headers(text: str) -> str:
+    """``text`` with the values of credential headers in it masked (see the module docstring)."""
+    out: list[str] = []
+    at = 0
+    for match in _HEADER.finditer(text):
+        if match.start() < at:
+            continue  # (within a value masked already)
+        start = match.end()
+        end = _value_end(text, start, match)
+        if text[start:end].strip():
+            out += (text[at:start], MASK)
+            at = end
+    return "".join(out) + text[at:] if out else text
+
+
+def _value_end(text: str, start: int, match: re.Match[str]) -> int:
+    """Where the value of the header ``match`` found, from ``start``, ends: at the quote that opened
+    it; else at the end of a JSON literal (a quoted name), of its line ("Name: value"), or of its
+    word ("Name:value", as a command line writes it)."""
+    _, name_quote, colon, value_quote, _ = match.groups()
+    if value_quote:
+        stop = text.find(value_quote, start)
+        return len(text) if stop < 0 else stop
+    kind = "json" if name_quote else "line" if colon[-1] in " \t" else "word"
+    found = _VALUE_ENDS[kind].search(text, start)
+    return len(text) if found is None else found.start()
 
 
 def _credentials(match: re.Match[str]) -> str:
@@ -108,7 +137,13 @@ def redact_urls(text: str) -> str:
         text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
     if "=" in text:
         text = _PARAMETER.sub(_parameter, text)
-    return _CREDENTIALS.sub(_credentials, _HEADER.sub(_header, text))
+    if ":" in text:
+        lower = text.lower()  # (a check of each name, not a generator: this runs for every log line)
+        if "authorization" in lower or "cookie" in lower or "x-amz-security-token" in lower or "x-api-key" in lower:
+            text = _headers(text)
+    if "Bearer" in text or "Basic" in text:
+        text = _CREDENTIALS.sub(_credentials, text)
+    return text
 
 
 def redacted(obj: Any) -> Any:

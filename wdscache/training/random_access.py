@@ -324,9 +324,13 @@ class ShardListDataset:
         )
         # checked ints, whatever integer type an entry gave (an index file gives every count)
         self.lengths = [info.nsamples or 0 for _, info in facts]
-        self.cum_lengths = self._ends = list(_cumulative(self.lengths))  # (wids' name: the ends)
+        self._ends = list(_cumulative(self.lengths))
+        self.cum_lengths = list(self._ends)  # wids' name for them (its own list: a caller may change it)
         self._starts = [0, *self._ends[:-1]]
-        self.accesses = self.misses = 0  # samples read and shards opened for them, in this process
+        # get_stats(): samples read in this process, and shards read that were not among its
+        # lru_size latest (wids' LRU misses: pins let go while a download waits do not count)
+        self.accesses = self.misses = 0
+        self._latest: OrderedDict[int, None] = OrderedDict()
         self.total_length = self._ends[-1]
         self._list = index_list(facts, path="shards", base_dir=os.getcwd())
         # entry -> its shard's position in the agent's list (the list drops a URL listed twice),
@@ -361,8 +365,7 @@ class ShardListDataset:
 
     def get_stats(self) -> tuple[int, int]:
         """``(accesses, misses)``, as wids gives them: the samples this process read, and how
-        many times it opened a shard for them (pinned it, waiting for its download if need be)
-        that its sessions did not hold open."""
+        many of them were of a shard not among the ``lru_size`` it read latest."""
         return self.accesses, self.misses
 
     def locate(self, index: int) -> tuple[int, int]:
@@ -389,6 +392,14 @@ class ShardListDataset:
             session = self._new_session()
         sample = session.sample(shard, inner)
         self.accesses += 1
+        latest = self._latest
+        if shard in latest:
+            latest.move_to_end(shard)
+        else:
+            self.misses += 1
+            latest[shard] = None
+            if len(latest) > self.lru_size:
+                latest.popitem(last=False)
         sample["__dataset__"] = dataset
         sample["__index__"] = index
         sample["__shard__"] = url
@@ -630,7 +641,6 @@ class _Session:
     def _pin(self, shard: int) -> _Open:
         """Pin ``shard`` (waiting for its download), open its cache file, know its table."""
         url = self.urls[shard]
-        self.ds.misses += 1
         # Room first: a release may be the request that finds a restarted agent, which closes
         # every pinned file; so it comes before our open, which the new run then answers.
         while len(self.pinned) >= self.ds.lru_size:
