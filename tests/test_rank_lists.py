@@ -50,13 +50,13 @@ def test_a_rank_whose_list_differs_from_a_live_ranks_is_warned_about_and_the_sam
     assert len(keys[0] | keys[1]) == 40
 
 
-@pytest.mark.slow  # rank 0 reads on for 3 s, while rank 1 starts and says hello
+@pytest.mark.slow  # rank 0 reads on for 6 s, while rank 1 starts and says hello
 def test_ranks_given_a_list_split_by_rank_before_the_loader_are_warned_about(
     tmp_path: Path, dataset, start_agent, consumers
 ) -> None:
     # urls[rank::world_size] (webdataset's split_by_node, done by hand) before a loader that splits
     # by rank itself: each rank reads half of its half, 10 of 20 samples, silently.
-    data = dataset(4, samples=5, payload=300)
+    data = dataset(4, samples=20, payload=300)  # rank 0 reads its 20 for 6 s: still live at rank 1's hello
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file)
     parts = [write_url_list(tmp_path / "own" / f"part{r}.txt", data.urls[r::2]) for r in range(2)]
@@ -64,7 +64,7 @@ def test_ranks_given_a_list_split_by_rank_before_the_loader_are_warned_about(
     first = consumers(cache, "r0", *rank, "--rank", "0", "--urls", str(parts[0]), "--sleep", "0.3")
     wait_for(lambda: first.out.exists() and first.out.read_text(), DEADLINE, "rank 0 never read a sample")
     second = consumers(cache, "r1", *rank, "--rank", "1", "--urls", str(parts[1]))
-    assert [len(samples_of(c.wait(DEADLINE))) for c in (first, second)] == [5, 5]  # half of each half
+    assert [len(samples_of(c.wait(DEADLINE))) for c in (first, second)] == [20, 20]  # half of each half
     warnings = [line for line in agent.stderr_text().splitlines() if "as one list split by rank" in line]
     assert len(warnings) == 1 and "job 'j', epoch 0: rank 1 reads its urls=" in warnings[0], warnings
     assert "Give every rank the whole list" in warnings[0]

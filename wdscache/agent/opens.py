@@ -360,8 +360,7 @@ class Opens:
 
     def failed(self, url: str, reason: str, *, corrupt: bool = False) -> None:
         """The download of ``url`` failed for good, or (``corrupt``) its bytes are a bad shard:
-        its waiters are told why (redacted: a reason may quote a source's text), and which."""
-        reason = redact_urls(reason)
+        its waiters are told why (a FetchError's reason, redacted), and which."""
         shard = self.shards.record(url)
         if shard.phase is not Phase.FAILED:
             self.shards.move(shard, Phase.FAILED)

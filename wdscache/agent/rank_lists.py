@@ -130,12 +130,12 @@ class RankLists:
         name: str,
         mine: Reading,
         consumers: Mapping[str, dict[str, Any]],
-        related: Callable[[str, str, bool], Relation],
+        urls_of: Callable[[str], Urls],
     ) -> str | None:
         """Warn if reader ``name``, to read ``mine``, reads another list than a live reader of another
         rank of its job's epoch (``consumers``: their hellos and last reports, by name), one that
-        shares a shard with it or is another part of one list split by rank (``related`` of two
-        list ids, and whether both are the loaders' own): once for each two lists. Returns the
+        shares a shard with it or is another part of one list split by rank (:func:`relation` of
+        the lists ``urls_of`` gives for their ids): once for each two lists. Returns the
         warning (None: none), which the hello's reply carries to the rank's process too."""
         for other, theirs in self._readers.items():
             pair = frozenset((theirs.listed.list_id, mine.listed.list_id))
@@ -149,7 +149,9 @@ class RankLists:
                 and pair not in self._warned
             ):
                 continue
-            how = related(theirs.listed.list_id, mine.listed.list_id, theirs.listed.own and mine.listed.own)
+            how = relation(
+                urls_of(theirs.listed.list_id), urls_of(mine.listed.list_id), own=theirs.listed.own and mine.listed.own
+            )
             if how is Relation.APART:
                 continue
             if len(self._warned) >= MAX_WARNED:

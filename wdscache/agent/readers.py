@@ -48,7 +48,7 @@ from .control import Reply, Request
 from .ended import Dropped, EndedConsumers
 from .job_lists import JobLists
 from .jobs import Jobs
-from .rank_lists import Listed, RankLists, Reading, job_live, relation
+from .rank_lists import Listed, RankLists, Reading, job_live
 from .rank_totals import RankTotals
 from .unnamed_partials import UnnamedPartials
 
@@ -334,23 +334,19 @@ class Readers:
             return {"ok": False, "error": "a reader's name is empty"}
         said = header.get("protocol")
         if said != PROTOCOL:
-            return {
-                "ok": False,
-                "error": f"it speaks {speaks(said)}, the agent {speaks(PROTOCOL)}; {SAME_INSTALL}",
-            }
+            return {"ok": False, "error": f"it speaks {speaks(said)}, the agent {speaks(PROTOCOL)}; {SAME_INSTALL}"}
         claimed = get_field(header, "list_id", str, None)
         probe = header.get("probe") is True  # not a rank reading: neither joins nor leaves the job
         refused = self._lists.take(name, claimed, self._read_lists())
         if refused is not None:
             return refused
-        consumers, loader = self._consumers(), get_field(header, "loader", int, 0)
+        consumers, loader, own = self._consumers(), get_field(header, "loader", int, 0), claimed is not None
         refusal = self._jobs.refusal(job, world, rank, lambda: job_live(consumers, job))
         warning = None  # of its list against its fellow ranks', for its process to log too
         if refusal is None and epoch is not None:  # its list, as those of the other ranks of its epoch
             mine = claimed or self._jobs.list_of(job, world, epoch, self.list_id, self._holds, reader=name, probe=True)
-            ours = Listed(mine, len(self._list(mine)), own=claimed is not None)
-            related = lambda a, b, own: relation(self._list(a).urls, self._list(b).urls, own=own)  # noqa: E731
-            warning = self._ranks.check(name, Reading(job, loader, epoch, rank, ours), consumers, related)
+            reading = Reading(job, loader, epoch, rank, Listed(mine, len(self._list(mine)), own))
+            warning = self._ranks.check(name, reading, consumers, lambda key: self._list(key).urls)
         if refusal is not None:
             return {"ok": False, "error": refusal}
         # No window until the consumer opens its first shard: the start-up plan stays meanwhile.
@@ -366,13 +362,13 @@ class Readers:
         if key is None:
             read = back.list_id if back is not None and back.list_id and self._holds(back.list_id) else self.list_id
             key = self._jobs.list_of(job, world, epoch, read, self._holds, reader=name, probe=probe)
-        record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key), own_list=claimed is not None)
+        record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key), own_list=own)
         record.launch = get_field(header, "launch", str, None)
         if probe:
             record.probe = True
         else:
             if epoch is not None:
-                self._ranks.join(name, Reading(job, loader, epoch, rank, Listed(key, len(self._list(key)), ours.own)))
+                self._ranks.join(name, Reading(job, loader, epoch, rank, Listed(key, len(self._list(key)), own)))
             # Stamped: its first report's share of time spent waiting counts from here.
             record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
             record.buffer = buffer

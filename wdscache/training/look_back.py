@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from itertools import islice
+from typing import TYPE_CHECKING
 
 from ..shared.mixture import MixSpec
 from ..shared.nodes import NodeShare, NodeSpec
@@ -27,16 +28,54 @@ from .holes import POOL_SAMPLES
 from .reads import Item
 from .worker_slices import WorkerSlice
 
+if TYPE_CHECKING:
+    from .stream import StreamSettings
+
 # Shards read again at most: each may have to be downloaded again for the few of its samples it
 # gives (a shuffled share's latest 64 samples lie in dozens of shards).
 LOOK_BACK_SHARDS = 8
+
+
+class LookBack:
+    """The look-back of one stream, in passes: each gives the items (position in the epoch, id)
+    to read that no pass gave before. A pass whose reads fail in shards not known to fail when it
+    began (a shard that failed before a checkpoint, which the resumed run did not meet) is
+    followed by another, which looks past them; after one whose reads failed in none, none."""
+
+    def __init__(
+        self,
+        spec: EpochSpec | NodeSpec | MixSpec,
+        share: RankShare | NodeShare,
+        shards: EpochShards,
+        settings: StreamSettings,
+        worker: WorkerSlice,
+    ) -> None:
+        self.spec, self.share, self.shards, self.settings, self.worker = spec, share, shards, settings, worker
+        self.looked_at: set[SampleId] = set()  # what the passes gave so far...
+        self.skipped_at = -1  # ...and how many shards were skipped when the latest began
+
+    @property
+    def began(self) -> bool:
+        """Whether a pass began: reads from then on only fill the pool."""
+        return self.skipped_at >= 0
+
+    def next_pass(self) -> list[Item] | None:
+        """The next pass's items (maybe none), or None: no other pass."""
+        skipped = len(self.shards.skipped)
+        if skipped == self.skipped_at:
+            return None
+        self.skipped_at = skipped
+        s = self.settings
+        items = look_back(self.spec, self.share, self.shards, s.world_size, s.rank, s.drop_last, self.worker)
+        again = [item for item in items if item[1] not in self.looked_at]
+        self.looked_at.update(item[1] for item in again)
+        return again
 
 
 def look_back(
     spec: EpochSpec | NodeSpec | MixSpec,
     share: RankShare | NodeShare,
     shards: EpochShards,
-    *,
     world_size: int,
     rank: int,
     drop_last: bool,

@@ -47,7 +47,7 @@ from ..shared.sequence import EpochSpec, IdRun, RankShare, Resume, SampleId, Sha
 from .direct import CacheFiles
 from .epoch_shards import EpochShards, OnError, StopEpoch
 from .holes import HoleMode, Holes
-from .look_back import look_back
+from .look_back import LookBack
 from .pins import Pins
 from .progress import WORKERS_SILENT, ProgressClock, Waited
 from .read_batches import SHARE_ENDED, ReadBatcher
@@ -367,9 +367,7 @@ class EpochStream:
         exhausted = False
         holes = self.holes
         end: int | None = None  # a shard's error ends the epoch (StopEpoch): the first read not handed out
-        looked_back: int | None = None  # the first read of samples only for the pool (see before)
-        looked_at: set[SampleId] = set()  # what the look-back read so far...
-        skipped_before = -1  # ...and how many shards were skipped when its latest pass began
+        look = LookBack(self.spec, self.share, self.shards, self.settings, self.worker_slice)  # (see holes.py)
         error: WdsCacheError | None = None  # and with on_error="raise", its error, raised there
         poll = STREAM_POLL_FIRST  # the next wait for a shard still downloading
         try:
@@ -395,29 +393,9 @@ class EpochStream:
                             stalled = True
                             break
                     if seq_yield >= (batches.seq_next if end is None else end) and exhausted:
-                        skipped = len(self.shards.skipped)
-                        if end is not None or not holes.short or skipped == skipped_before:
+                        # Too few samples read for the holes waiting: others of the rank, for the pool only
+                        if end is not None or not holes.short or (again := look.next_pass()) is None:
                             break
-                        # Holes wait and too few samples were read to spread their repeats over: other
-                        # samples of the rank are read again for the pool (reads from ``looked_back``
-                        # on only fill it, none goes out). Another pass only if one failed in shards
-                        # not known to fail before (it looks further back, past them).
-                        st = self.settings
-                        again = [
-                            item
-                            for item in look_back(
-                                self.spec,
-                                self.share,
-                                self.shards,
-                                world_size=st.world_size,
-                                rank=st.rank,
-                                drop_last=st.drop_last,
-                                worker=self.worker_slice,
-                            )
-                            if item[1] not in looked_at
-                        ]
-                        looked_at.update(item[1] for item in again)
-                        skipped_before, looked_back = skipped, batches.seq_next
                         owned, exhausted = iter(again), False
                         continue
                     read = reads.hand_out(seq_yield)
@@ -428,19 +406,17 @@ class EpochStream:
                         self.stats["wait_s"] += time.perf_counter() - t0
                         self.clock.check_stall(self._waited_for)
                         continue
-                except StopEpoch as stop:  # the samples before the failing shard still come, then the epoch ends
-                    if looked_back is not None:
-                        break  # a read only for the pool: the epoch's own are out; it fills from what came
-                    exhausted = True
+                except (StopEpoch, FetchError, AgentUnavailableError) as stop:
+                    if look.began:
+                        break  # a read only for the pool failed or stalls: the epoch fills from what came
+                    if not isinstance(stop, StopEpoch):
+                        raise
+                    exhausted = True  # the samples before the failing shard still come, then the epoch ends
                     at = self.failures.stop_at(stop, end)
                     if end is None or at < end:
                         error = stop.error
                     end = at
                     continue
-                except (FetchError, AgentUnavailableError):
-                    if looked_back is None:
-                        raise
-                    break  # a read only for the pool stalls: the epoch fills from what came
                 seq_yield += 1
                 poll = STREAM_POLL
                 stats = self.stats
@@ -448,7 +424,7 @@ class EpochStream:
                 stats["wait_s"] += time.perf_counter() - t0
                 samples = read.samples
                 sizes = read.sizes  # from the reply: no pass over each sample
-                if looked_back is not None:
+                if look.began:
                     holes.prime(samples, sizes)
                     continue
                 if holes.held is not None or None in samples:
