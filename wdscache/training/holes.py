@@ -20,11 +20,11 @@ samples out (:class:`Holes`, one per epoch stream).
   (:data:`POOL_SAMPLES` samples or :data:`POOL_BYTES`) wait for it, and the reads from the
   first of them on are held back until then (or the share's end): filled from those first
   samples, not from the few read before. Samples and positions stay one for one (every rank's
-  checkpoint counts its samples handed out as positions, and the ranks' must agree). A rank
-  (or a DataLoader worker) resumed from a checkpoint whose rest holds holes and fewer than a
-  pool's worth of samples has read too few to spread the repeats over: samples of its share
-  before the checkpoint are read again for the pool (:meth:`Holes.prime`,
-  :func:`~wdscache.training.look_back.look_back`), none of them handed out.
+  checkpoint counts its samples handed out as positions, and the ranks' must agree). A stream
+  whose share ends with more holes waiting than samples read, fewer than a pool's worth (a
+  resumed rank's rest, a DataLoader worker's slice), has too few to spread the repeats over:
+  other samples of the rank are read again for the pool (:meth:`Holes.prime`,
+  :mod:`wdscache.training.look_back`), none of them handed out.
 
 The pool keeps whole reads' lists (no step of Python per sample on the way out of a read
 without holes): the latest reads holding :data:`POOL_SAMPLES` samples, fewer if they pass
