@@ -195,7 +195,8 @@ class Holes:
     @property
     def short(self) -> bool:
         """FILL: more holes wait than samples were read to fill them with, fewer than a pool's
-        worth (the share is over: a resumed rank's rest, a DataLoader worker's slice; see :meth:`prime`)."""
+        worth (the share is over: a resumed rank's rest, a DataLoader worker's slice; see
+        :meth:`prime`)."""
         return self.held is not None and len(self.held.holes) > self.real and not self.warm
 
     def prime(self, samples: list[Any], sizes: list[int]) -> None:

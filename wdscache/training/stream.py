@@ -620,8 +620,8 @@ def nothing_to_repeat(stream: EpochStream, holes: int) -> None:
     job would wait forever on the ranks that got theirs; with one rank the epoch would be
     empty, which webdataset's readers refuse too. With several ranks, a rest resumed from a
     checkpoint and a DataLoader worker's slice were filled from the rank's other samples (those
-    before the checkpoint, its fellow workers': :func:`~wdscache.training.look_back.look_back`): they come here only
-    when there were none, or those failed too. With one rank, the rest of a share resumed from
+    before the checkpoint, its fellow workers': :mod:`~wdscache.training.look_back`): they come
+    here only when there were none, or those failed too. With one rank, the rest of a share resumed from
     a checkpoint (its samples before it were read then) and a DataLoader worker's slice (its
     fellows may have samples) end short instead, with a warning; so does a rest resumed on
     several nodes, whose samples before the checkpoint are not read again."""
