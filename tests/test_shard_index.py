@@ -620,3 +620,67 @@ def test_a_well_formed_index_is_read_a_column_at_a_time_as_entry_by_entry(entrie
         assert quick is None
     else:
         assert quick is not None and quick[0] == [url for url, _ in slow] and list(quick[1]) == [i for _, i in slow]
+
+
+def _spelled(value: object, ascii_only: bool) -> str:
+    """``value`` as JSON text; NaN and the infinities as Python's json spells them."""
+    return json.dumps(value, ensure_ascii=ascii_only)
+
+
+def _object(pairs: list[tuple[str, str]], gap: str) -> str:
+    """A JSON object of ``pairs`` (key, value's text), a key repeated as written."""
+    return "{" + f",{gap}".join(f"{json.dumps(k)}:{gap}{v}" for k, v in pairs) + "}"
+
+
+_ANY_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=2) | st.dictionaries(st.text(max_size=2), inner, max_size=2),
+    max_leaves=4,
+)
+_ENTRY_VALUES = {  # what an entry's key may hold: mostly what the parse takes, sometimes not
+    "url": st.sampled_from(["a.tar", "b c.tar", "é.tar", "\ud800.tar", "x\\y.tar", " ", ""]) | st.text(max_size=4),
+    "nsamples": st.sampled_from([0, 3, 1.0, 3e0, -0.0, True, MAX_SAMPLES, MAX_SAMPLES + 1, 1 << 64, None]),
+    "filesize": st.sampled_from([None, 0, 512, 1 << 30, 1.5, False, (1 << 63) - 1, 1 << 63]),
+    "md5sum": st.sampled_from([None, "0" * 32, "aB" * 16, "0" * 31 + "\n", "g" * 32, 3]),
+    "other": _ANY_VALUE,
+}
+
+
+@st.composite
+def _index_texts(draw: st.DrawFn) -> str:
+    """Index texts spelled every way JSON allows: keys repeated, escapes or not, any spacing,
+    values of any type in and around the entries, the index's own fields of any value."""
+    ascii_only = draw(st.booleans())
+    gap = draw(st.sampled_from(["", " ", "\n  ", "\t"]))
+    entries = []
+    for _ in range(draw(st.integers(0, 3))):
+        keys = draw(st.lists(st.sampled_from(["url", "nsamples", "filesize", "md5sum", "other"]), max_size=6))
+        keys = draw(st.permutations(["url", "nsamples", *keys]))
+        pairs = [(k, _spelled(draw(_ENTRY_VALUES[k]), ascii_only)) for k in keys]
+        entries.append(_object(pairs, gap) if draw(st.integers(0, 9)) else _spelled(draw(_ANY_VALUE), ascii_only))
+    top = [("shardlist", "[" + f",{gap}".join(entries) + "]")]
+    for key, values in (
+        ("__kind__", st.sampled_from([KIND, "other", True])),
+        ("wids_version", st.sampled_from([1, 1.0, True, 2])),
+        ("datasets", st.sampled_from([None, []])),
+        ("name", _ANY_VALUE),
+        ("shardlist", st.sampled_from([[], None])),
+    ):
+        if draw(st.integers(0, 4)) == 0:
+            top.append((key, _spelled(draw(values), ascii_only)))
+    return gap + _object(draw(st.permutations(top)), gap) + gap
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=_index_texts())
+def test_the_quick_read_of_an_index_takes_only_what_the_standard_parse_takes_alike(text):
+    """Whatever JSON spelling an index uses, the quick read (msgspec) either takes exactly what
+    the standard library's parse takes, or gives way to it; it never takes what the parse refuses."""
+    try:
+        slow = parse_shard_index(text, path="index.json")
+    except ShardIndexError:
+        slow = None
+    quick = _take_entries(text)
+    event("refused" if slow is None else "taken quickly" if quick is not None else "taken by the parse")
+    if quick is not None:
+        assert slow is not None and quick[0] == [url for url, _ in slow] and list(quick[1]) == [i for _, i in slow]

@@ -31,7 +31,9 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+import msgspec
 
 from .errors import ShardIndexError
 from .layout import write_atomic
@@ -65,7 +67,6 @@ MAX_SAMPLES = MAX_SHARD_BYTES // MIN_SAMPLE_BYTES
 DEFLATE_MOST = 1032
 _MAX_WHOLE = (1 << 63) - 1  # what an array of shards' sizes holds
 _MD5_SLOT = 17  # bytes of a shard's MD5 in ShardFacts: given or not, and the digest
-_ENTRY = object()  # what read_shard_index's parsing leaves of an entry it took
 
 
 @dataclass(frozen=True)
@@ -263,75 +264,71 @@ def read_shard_index(text: str, *, path: str) -> tuple[list[str], ShardFacts]:
     return [url for url, _ in entries], ShardFacts(info for _, info in entries)
 
 
+class _Entry(msgspec.Struct, gc=False):
+    """An entry as :func:`_take_entries` decodes it: each value of the type the parse takes (a
+    value of another type, and the quick read gives way to the parse), other keys skipped."""
+
+    url: str
+    nsamples: int
+    filesize: int | None = None
+    md5sum: str | None = None
+
+
+class _Index(msgspec.Struct, gc=False):
+    """An index as :func:`_take_entries` decodes it: its entries, and the fields it is checked by."""
+
+    shardlist: list[_Entry]
+    kind: Any = msgspec.field(default=KIND, name="__kind__")
+    wids_version: Any = WIDS_VERSION
+    datasets: Any = msgspec.UNSET  # (refused by the parse whatever its value, null too)
+
+
+_DECODER = msgspec.json.Decoder(_Index)
+_URL, _NSAMPLES = operator.attrgetter("url"), operator.attrgetter("nsamples")
+_FILESIZE, _MD5SUM = operator.attrgetter("filesize"), operator.attrgetter("md5sum")
+
+
 def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
     """:func:`read_shard_index` of an index that is well formed in every way, else None.
 
-    Each object with a ``url`` has its values appended to columns as the parser meets it, and
-    stands in the document as a marker: then ``shardlist`` must be those markers and nothing
-    else, in order, and the columns must pass :func:`_well_formed` (anything else, and the caller
-    parses the index again, slowly). The entries are checked a column at a time, in C loops,
-    after the parse rather than one by one in it: on a million entries that halves the Python
-    work per entry, the larger part of the parse.
+    msgspec decodes the index into typed records in C (a third of the time the standard
+    library's parser takes, with Python called for each entry), the entries are checked a
+    column at a time (:func:`_well_formed`), and anything else (a value of another type, a JSON
+    spelling msgspec refuses such as ``NaN`` or a lone surrogate) gives way to the parse, which
+    takes what it takes and says what is wrong. What msgspec takes the standard library's parser
+    takes alike: the same JSON grammar, the last of a repeated key, the same strings.
     """
-    urls: list[Any] = []
-    nsamples: list[Any] = []
-    filesizes: list[Any] = []
-    md5s: list[tuple[int, Any]] = []  # (position, value) of the entries that name an MD5
-    add_url, add_nsamples, add_filesize = urls.append, nsamples.append, filesizes.append
-
-    def take(entry: dict[str, Any]) -> Any:
-        url = entry.get("url")
-        if url is None:
-            return entry
-        if "md5sum" in entry:
-            md5s.append((len(urls), entry["md5sum"]))
-        add_url(url)
-        add_nsamples(entry.get("nsamples"))
-        add_filesize(entry.get("filesize"))
-        return _ENTRY
-
     try:
-        doc = json.loads(text, object_hook=take)
-    except (ValueError, RecursionError):
+        index = _DECODER.decode(text)
+    except (msgspec.MsgspecError, UnicodeEncodeError):  # (a lone surrogate: msgspec reads the text as UTF-8)
         return None
-    if not (
-        isinstance(doc, dict)
-        and doc.get("__kind__", KIND) == KIND
-        and doc.get("wids_version", WIDS_VERSION) == WIDS_VERSION
-        and "datasets" not in doc
-        and isinstance(shards := doc.get("shardlist"), list)
-        and len(shards) == len(urls)
-        and all(s is _ENTRY for s in shards)
-    ):
+    if index.kind != KIND or index.wids_version != WIDS_VERSION or index.datasets is not msgspec.UNSET:
         return None
-    del doc, shards
-    columns = _well_formed(urls, nsamples, filesizes, md5s)
+    shards = index.shardlist
+    del index
+    urls = list(map(_URL, shards))
+    columns = _well_formed(urls, list(map(_NSAMPLES, shards)), list(map(_FILESIZE, shards)), list(map(_MD5SUM, shards)))
     if columns is None:
         return None
     return urls, ShardFacts.of_columns(*columns)
 
 
 def _well_formed(
-    urls: list[Any], nsamples: list[Any], filesizes: list[Any], md5s: list[tuple[int, Any]]
+    urls: list[str], nsamples: list[int], filesizes: list[int | None], md5s: list[str | None]
 ) -> tuple[array, array, list[tuple[int, str]]] | None:
     """The facts' columns (see :meth:`ShardFacts.of_columns`) of entries whose every value
-    :func:`parse_shard_index` takes as it is, else None: each URL a string with something other
-    than white space, each ``nsamples`` a whole number no shard exceeds (a ``bool`` is not one),
-    each ``filesize`` absent, null or such a number that can hold as many samples, each
-    ``md5sum`` null or 32 hexadecimal digits."""
+    :func:`parse_shard_index` takes as it is, else None: each URL with something other than
+    white space, each ``nsamples`` a whole number no shard exceeds, each ``filesize`` absent or
+    such a number that can hold as many samples, each ``md5sum`` absent or 32 hexadecimal digits."""
     if not urls:
         return array("q"), array("q"), []
-    if set(map(type, urls)) != {str} or not all(urls) or any(map(str.isspace, urls)):
+    if not all(urls) or any(map(str.isspace, urls)):
         return None
-    if set(map(type, nsamples)) != {int} or min(nsamples) < 0 or max(nsamples) > MAX_SAMPLES:
+    if min(nsamples) < 0 or max(nsamples) > MAX_SAMPLES:
         return None
-    kinds = set(map(type, filesizes))
-    if kinds == {int}:
-        given = filesizes
-    elif kinds <= {int, type(None)}:
-        given = [size for size in filesizes if size is not None]
-    else:
-        return None
+    given: list[int] = (
+        cast("list[int]", filesizes) if None not in filesizes else [size for size in filesizes if size is not None]
+    )
     if given and (min(given) < 0 or max(given) > _MAX_WHOLE):
         return None
     # Enough room for the most samples in the smallest shard: then every entry has it.
@@ -339,11 +336,11 @@ def _well_formed(
         for count, size in zip(nsamples, filesizes):
             if size is not None and count > size * DEFLATE_MOST // MIN_SAMPLE_BYTES:
                 return None
-    md5s = [(at, md5) for at, md5 in md5s if md5 is not None]
-    if not all(type(md5) is str and _MD5.fullmatch(md5) for _, md5 in md5s):
+    named = [] if md5s.count(None) == len(md5s) else [(at, md5) for at, md5 in enumerate(md5s) if md5 is not None]
+    if not all(_MD5.fullmatch(md5) for _, md5 in named):
         return None
-    sizes = array("q", filesizes) if given is filesizes else array("q", [-1 if s is None else s for s in filesizes])
-    return array("q", nsamples), sizes, [(at, md5.lower()) for at, md5 in md5s]
+    sizes = array("q", given) if given is filesizes else array("q", [-1 if s is None else s for s in filesizes])
+    return array("q", nsamples), sizes, [(at, md5.lower()) for at, md5 in named]
 
 
 def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
