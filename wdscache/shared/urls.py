@@ -804,9 +804,15 @@ def _plain_lines(text: str, base: str, limit: int) -> tuple[Urls, int] | None:
     prefix = _plain(joined, lines, base)
     if prefix is None:
         return None
-    if len(set(lines)) == len(lines):
+    if _distinct(lines):
         return _prefixed(joined, lines, prefix), 0
     return Urls.distinct([prefix + line for line in lines])
+
+
+def _distinct(lines: list[str]) -> bool:
+    """Whether no two of ``lines`` are alike: at once if they are in strictly increasing order, as
+    a list or an index of numbered shards usually is (a quarter of the time a set of them takes)."""
+    return all(map(operator.lt, lines, itertools.islice(lines, 1, None))) or len(set(lines)) == len(lines)
 
 
 def _not_plain(text: str) -> bool:
@@ -917,7 +923,7 @@ def _index_list(
     # (With no line break inside a URL, an empty one is the only way to two in a row.)
     plain = not _not_plain(joined) and joined.count("\n") == len(written) + 1 and all(written)
     prefix = _plain(joined, written, base) if plain else None
-    if prefix is not None and len(set(written)) == len(written):
+    if prefix is not None and _distinct(written):
         return UrlList(None if path == TEXT_SOURCE else path, _prefixed(joined, written, prefix), 0, facts)
     del joined
     if prefix is not None:
