@@ -345,7 +345,7 @@ class Readers:
         warning = None  # of its list against its fellow ranks', for its process to log too
         if refusal is None and epoch is not None:  # its list, as those of the other ranks of its epoch
             mine = claimed or self._jobs.list_of(job, world, epoch, self.list_id, self._holds, reader=name, probe=True)
-            reading = Reading(job, loader, epoch, rank, Listed(mine, len(self._list(mine)), own))
+            reading = Reading(job, loader, epoch, rank, world, Listed(mine, len(self._list(mine)), own))
             warning = self._ranks.check(name, reading, consumers, lambda key: self._list(key).urls)
         if refusal is not None:
             return {"ok": False, "error": refusal}
@@ -368,7 +368,7 @@ class Readers:
             record.probe = True
         else:
             if epoch is not None:
-                self._ranks.join(name, Reading(job, loader, epoch, rank, Listed(key, len(self._list(key)), own)))
+                self._ranks.join(name, Reading(job, loader, epoch, rank, world, Listed(key, len(self._list(key)), own)))
             # Stamped: its first report's share of time spent waiting counts from here.
             record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
             record.buffer = buffer
