@@ -167,6 +167,7 @@ print(*(1 + len(list(it)) for it in its))
 """
 
 
+@pytest.mark.slow
 def test_halves_of_a_list_that_ranks_read_with_loaders_numbered_otherwise_are_no_split(
     tmp_path: Path, dataset, start_agent
 ) -> None:
