@@ -614,6 +614,7 @@ def test_a_process_reading_only_shards_it_holds_keeps_them_and_one_dropped_as_si
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ShardListDataset.*read latest")  # random reads, lru_size=1: as meant
 def test_threads_of_a_process_read_at_once_each_over_a_session_of_its_own(
     local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:
@@ -650,3 +651,146 @@ def _target(fd: str) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:  # the listing's own descriptor, closed by now
         return ""
+
+
+def test_get_shard_gives_the_shard_the_place_and_the_entry_wids_gives(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    ours = ShardListDataset(local_index, cache_dir=cache, transformations=[], lru_size=2)
+    reference = wids.ShardListDataset(
+        str(local_index), cache_dir=str(tmp_path / "wids"), transformations=[], lru_size=2
+    )
+    try:
+        for index in (7, 0, 17, 6, 12, 5):
+            mine, inner, entry = ours.get_shard(index)
+            theirs, their_inner, their_entry = reference.get_shard(index)
+            assert (inner, entry) == (their_inner, their_entry) and entry is ours.shards[index // 6]
+            assert len(mine) == len(theirs) == 6
+            assert [_plain(mine[j]) for j in range(6)] == [_plain(theirs[j]) for j in range(6)]
+            assert _plain(mine[-1]) == _plain(theirs[-1]) and mine[-1]["__key__"] == f"s{index // 6}/005"
+            assert ours.get_stats() == reference.get_stats()  # one access a call; the reads count none
+            with pytest.raises(IndexError):
+                theirs[6]
+            with pytest.raises(IndexError, match=r"index 6 is out of range: the shard .*part-000\d.tar has 6 samples"):
+                mine[6]
+        assert ours.get_stats() == reference.get_stats() == (6, 5)
+        assert _plain(ours[13]) == _plain(reference[13]) and ours.get_stats() == reference.get_stats() == (7, 5)
+        with pytest.raises(IndexError):
+            reference.get_shard(18)
+        with pytest.raises(IndexError, match="index 18 is out of range: the dataset has 18 samples"):
+            ours.get_shard(18)
+    finally:
+        ours.close()
+        reference.close()
+
+
+def test_a_negative_index_is_refused_saying_where_indexes_count_from(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # wids reads ds[-1] from the end of its first shard (np.searchsorted gives shard 0, inner -1):
+    # neither that nor the dataset's last sample can be what a script meant, so it is refused.
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    reference = wids.ShardListDataset(str(local_index), cache_dir=str(tmp_path / "wids"), transformations=[])
+    assert (reference[-1]["__key__"], reference[-1]["__index__"]) == ("s0/005", -1)
+    with ShardListDataset(local_index, cache_dir=cache, transformations=[]) as ours:
+        for call in (ours.__getitem__, ours.get_shard):
+            with pytest.raises(IndexError, match=r"index -1 is out of range: .* count from 0, .* the last is 17\)"):
+                call(-1)
+        assert ours[17]["__key__"] == "s2/005"
+
+
+def test_a_high_miss_rate_is_warned_of_once_at_the_read_wids_warns_at(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import warnings
+
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    ours = ShardListDataset(local_index, cache_dir=cache, transformations=[], lru_size=1)
+    reference = wids.ShardListDataset(
+        str(local_index), cache_dir=str(tmp_path / "wids"), transformations=[], lru_size=1
+    )
+    capsys.readouterr()
+    theirs, mine = [], []
+    try:
+        for n in range(1, 121):
+            index = (n % 3) * 6 + n % 6  # every read of another shard than the last: a miss
+            reference[index]
+            if "cache miss rate" in capsys.readouterr().out:
+                theirs.append(n)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ours[index]
+            mine += [n for w in caught if "were of a shard not among the 1 read latest" in str(w.message)]
+        assert mine == theirs == [101]
+        assert ours.get_stats() == reference.get_stats() == (120, 120)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ours.check_cache_misses()  # once only, as wids
+    finally:
+        ours.close()
+        reference.close()
+
+
+def test_the_attributes_and_options_of_wids_are_wids_values(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    data = local_index.parent
+    listed = json.loads(local_index.read_text())["shardlist"]
+    absolute = [{**e, "url": str(data / e["url"])} for e in listed]
+    wdir = str(tmp_path / "wids")
+    monkeypatch.chdir(data)  # an open file's relative URLs resolve here, in wids and in ours
+    cases: list[tuple[Any, Any, dict[str, Any]]] = [
+        (local_index, str(local_index), {}),
+        (local_index, str(local_index), {"options": {"name": "renamed", "weight": 3.0}}),
+        (local_index, str(local_index), {"localname": lambda url: str(tmp_path / "elsewhere"), "keep": True}),
+        (absolute, absolute, {"options": {"note": 1}}),
+        (absolute, absolute, {"dataset_name": "mine"}),
+        (open(local_index), open(local_index), {}),  # noqa: SIM115 (read whole by both)
+        (open(local_index, "rb"), open(local_index, "rb"), {"base": str(data)}),  # noqa: SIM115
+    ]
+    for shards, their_shards, kw in cases:
+        reference = wids.ShardListDataset(their_shards, cache_dir=wdir, transformations=[], **kw)
+        with ShardListDataset(shards, cache_dir=cache, transformations=[], **kw) as ours:
+            seen = {a: getattr(ours, a) for a in ("shards", "spec", "base", "dataset_name", "lengths", "total_length")}
+            want = {a: getattr(reference, a) for a in seen}
+            assert seen == want, kw
+            assert ours.cum_lengths == list(reference.cum_lengths) == [6, 12, 18]
+            assert ours.transformations == reference.transformations == []
+            assert _plain(ours[8]) == _plain(reference[8]), kw
+            ours.close()  # as in wids, a closed dataset reads on
+            reference.close()
+            assert _plain(ours[9]) == _plain(reference[9]), kw
+        reference.close()
+
+
+def test_wids_samplers_give_the_same_indexes_over_it_as_over_wids(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    import warnings
+
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    reference = wids.ShardListDataset(str(local_index), cache_dir=str(tmp_path / "wids"), transformations=[])
+
+    def orders(ds: Any) -> list[list[int]]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "called without distributed initialized"
+            samplers = [
+                wids.ShardedSampler(ds, seed=3),
+                wids.ChunkedSampler(ds, chunksize=5, seed=2),
+                wids.DistributedChunkedSampler(ds, chunksize=4, seed=1),
+            ]
+        return [[int(i) for i in sampler] for sampler in samplers for _ in range(2)]  # two epochs each
+
+    with ShardListDataset(local_index, cache_dir=cache, transformations=[]) as ours:
+        got = orders(ours)
+        assert got == orders(reference)
+        assert all(sorted(order) == list(range(18)) for order in got) and got[0] != got[1]
+        assert [ours[i]["__key__"] for i in got[2]] == [reference[i]["__key__"] for i in got[2]]
+    reference.close()

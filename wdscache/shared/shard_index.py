@@ -352,10 +352,13 @@ def parse_shard_index(text: str, *, path: str) -> list[tuple[str, ShardInfo]]:
     return [(entry["url"], info) for entry, info in parse_shard_entries(text, path=path)[1]]
 
 
-def parse_shard_entries(text: str, *, path: str) -> tuple[dict[str, Any], list[tuple[dict[str, Any], ShardInfo]]]:
+def parse_shard_entries(
+    text: str, *, path: str, overrides: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[tuple[dict[str, Any], ShardInfo]]]:
     """:func:`parse_shard_index`, each entry given as its whole JSON object (every key as
     written, such as wids' ``dataset``) rather than its ``url``; and first the index's own
-    fields but its ``shardlist`` (wids' ``name`` and ``weight``, say)."""
+    fields but its ``shardlist`` (wids' ``name`` and ``weight``, say). ``overrides`` replace the
+    index's own fields before they are read, as wids' ``options=`` do."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -369,6 +372,7 @@ def parse_shard_entries(text: str, *, path: str) -> tuple[dict[str, Any], list[t
         raise ShardIndexError(path, None, f"malformed JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise ShardIndexError(path, None, 'a shard index is a JSON object with a "shardlist"')
+    doc.update(overrides or {})
     kind, version = doc.get("__kind__", KIND), doc.get("wids_version", WIDS_VERSION)
     if kind != KIND:
         raise ShardIndexError(path, None, f'"__kind__" is {json.dumps(kind)}; wdscache reads {KIND!r}')

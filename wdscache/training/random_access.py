@@ -49,9 +49,11 @@ imports torch itself.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import functools
 import gzip
+import hashlib
 import io
 import json
 import operator
@@ -60,6 +62,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from array import array
 from collections import OrderedDict
@@ -223,25 +226,43 @@ def _wids_url(base: str | None, url: str) -> str:
     return urlunparse((u.scheme or b.scheme, u.netloc or b.netloc, path, u.params, u.query, u.fragment))
 
 
-def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], list[tuple[str, ShardInfo]], str | None]:
-    """The index's entries as wids keeps them (each ``url`` resolved as wids resolves it), each
-    one's URL and facts for the agent, and an index file's ``name``."""
-    if isinstance(shards, (str, os.PathLike)):
-        path = os.fspath(shards)
-        if "://" in path:
-            raise ConfigError(
-                f"ShardListDataset({path!r}): give the shard index as a local JSON file (or its "
-                'list of {"url", "nsamples"}); download a remote index first'
-            )
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as exc:
-            raise ConfigError(f"cannot read the shard index {path}: {exc.strerror or exc}") from None
-        base = os.path.dirname(path) if base is None else base  # wids: the index's folder, as written
+class _Index(NamedTuple):
+    """A shard index as read: its entries as wids keeps them (each ``url`` resolved as wids
+    resolves it), each one's URL and facts for the agent, and wids' ``spec`` and ``base``."""
+
+    entries: list[dict[str, Any]]
+    facts: list[tuple[str, ShardInfo]]
+    spec: dict[str, Any]
+    base: str | None
+
+
+def _read_index(shards: Any, base: str | None, options: dict[str, Any] | None) -> _Index:
+    """``shards`` read as wids reads it: a JSON file (its path, or the file open), whose fields
+    ``options`` replace, or a list of entries (``options`` then is the ``spec``, as in wids)."""
+    if isinstance(shards, (str, os.PathLike, io.IOBase)):
+        if isinstance(shards, io.IOBase):  # wids reads an open file; its URLs resolve against base alone
+            path = str(getattr(shards, "name", "the shard index"))
+            try:
+                data = shards.read()
+                text = data.decode("utf-8") if isinstance(data, bytes) else str(data)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"cannot read the shard index {path}: {exc}") from None
+        else:
+            path = os.fspath(shards)
+            if "://" in path:
+                raise ConfigError(
+                    f"ShardListDataset({path!r}): give the shard index as a local JSON file (or its "
+                    'list of {"url", "nsamples"}); download a remote index first'
+                )
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except OSError as exc:
+                raise ConfigError(f"cannot read the shard index {path}: {exc.strerror or exc}") from None
+            base = os.path.dirname(path) if base is None else base  # wids: the index's folder, as written
         entries: list[dict[str, Any]] = []
         facts: list[tuple[str, ShardInfo]] = []
-        top, listed = parse_shard_entries(text, path=path)
+        top, listed = parse_shard_entries(text, path=path, overrides=options)
         for entry, info in listed:
             resolved = _wids_url(base, entry["url"])
             kept = {**entry, "url": resolved}  # wids keeps every key (its "dataset" is __dataset__)
@@ -250,12 +271,11 @@ def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], li
                     kept[key] = top[key]
             entries.append(kept)
             facts.append((resolved, info))
-        name = top.get("name")
-        return entries, facts, name if isinstance(name, str) else None
+        return _Index(entries, facts, {**top, "shardlist": entries}, base)
     if isinstance(shards, dict) or not isinstance(shards, Sequence):
         raise TypeError(
-            'ShardListDataset() takes a shard index: a JSON file\'s path, or its "shardlist", '
-            'a list of {"url": ..., "nsamples": ...}'
+            "ShardListDataset() takes a shard index: a JSON file's path (or the file open), or its "
+            '"shardlist", a list of {"url": ..., "nsamples": ...}'
         )
     entries, facts = [], []
     for i, entry in enumerate(shards):
@@ -270,7 +290,7 @@ def _read_index(shards: Any, base: str | None) -> tuple[list[dict[str, Any]], li
             raise ShardIndexError("shards", i, str(exc), url=url) from None
         entries.append(dict(entry))  # wids keeps the caller's dicts; a copy, so ours cannot change
         facts.append((url, info))
-    return entries, facts, None
+    return _Index(entries, facts, {} if options is None else options, None)  # wids: base given is unused
 
 
 # -- the dataset ----------------------------------------------------------------------------------
@@ -280,12 +300,13 @@ class ShardListDataset:
     """Samples of a shard index by index, read through the node's wdscache agent: a drop-in for
     ``wids.ShardListDataset`` (see the module docstring for what ``ds[i]`` holds).
 
-    ``shards``: a wids shard index (the path of its JSON file) or its list of ``{"url": ...,
-    "nsamples": ...}``; relative URLs in a file resolve against its folder (or ``base``), as in
-    wids. ``cache_dir``/``endpoint`` find the agent as for ``CachedMultiLoader`` (a private agent
-    is started on ``cache_dir`` when none runs there). ``lru_size``: shards each process (each
-    thread that reads) keeps pinned and open. ``transformations``: as in wids. ``cache_size`` and ``keep`` are wids'
-    options for its own download folder: the agent's budget (``--cache-size``) decides here, so
+    ``shards``: a wids shard index (the path of its JSON file, or the file open) or its list of
+    ``{"url": ..., "nsamples": ...}``; relative URLs in a file resolve against its folder (or
+    ``base``), and ``options`` replace the file's own fields, as in wids. ``cache_dir``/``endpoint``
+    find the agent as for ``CachedMultiLoader`` (a private agent is started on ``cache_dir`` when
+    none runs there). ``lru_size``: shards each process (each thread that reads) keeps pinned and
+    open. ``transformations``: as in wids. ``cache_size``, ``keep`` and ``localname`` are wids'
+    options for its own download folder: the agent's cache (``--cache-size``) decides here, so
     they change nothing. ``timeout``: seconds without an answer from the agent before giving up
     (a download in progress answers).
     """
@@ -297,7 +318,7 @@ class ShardListDataset:
 
     def __init__(
         self,
-        shards: str | os.PathLike[str] | Sequence[dict[str, Any]],
+        shards: str | os.PathLike[str] | io.IOBase | Sequence[dict[str, Any]],
         *,
         cache_dir: str | os.PathLike[str] | None = None,
         endpoint: str | None = None,
@@ -307,20 +328,24 @@ class ShardListDataset:
         base: str | None = None,
         cache_size: int | None = None,
         keep: bool = False,
+        localname: Callable[[str], str] | None = None,
+        options: dict[str, Any] | None = None,
         timeout: float = CONSUMER_TIMEOUT,
     ) -> None:
-        del cache_size, keep  # wids' own download folder; the agent's budget governs here
+        del cache_size, keep, localname  # wids' own download folder; the agent's cache governs here
         if lru_size < 1:
             raise ValueError("lru_size must be at least 1")
-        self.shards, facts, name = _read_index(shards, base)
+        index = _read_index(shards, base, options)
+        self.shards, facts, self.spec, self.base = index.entries, index.facts, index.spec, index.base
         if not self.shards:
             raise ShardIndexError(
                 str(shards) if isinstance(shards, (str, os.PathLike)) else "shards", None, "the index lists no shard"
             )
+        name = self.spec.get("name") if isinstance(shards, (str, os.PathLike, io.IOBase)) else None
         self.dataset_name = (
             dataset_name
-            or name  # an index file's own, as wids takes it
-            or str(uuid.uuid5(uuid.NAMESPACE_URL, json.dumps([e["url"] for e in self.shards])))[:16]
+            or (name if isinstance(name, str) else None)  # an index file's own, as wids takes it
+            or _wids_name(shards)
         )
         # checked ints, whatever integer type an entry gave (an index file gives every count)
         self.lengths = [info.nsamples or 0 for _, info in facts]
@@ -331,6 +356,7 @@ class ShardListDataset:
         # lru_size latest (wids' LRU misses: pins let go while a download waits do not count)
         self.accesses = self.misses = 0
         self._latest: OrderedDict[int, None] = OrderedDict()
+        self._warned_misses = False  # check_cache_misses() warns once, as wids' does
         self.total_length = self._ends[-1]
         self._list = index_list(facts, path="shards", base_dir=os.getcwd())
         # entry -> its shard's position in the agent's list (the list drops a URL listed twice),
@@ -364,24 +390,75 @@ class ShardListDataset:
         return self.total_length
 
     def get_stats(self) -> tuple[int, int]:
-        """``(accesses, misses)``, as wids gives them: the samples this process read, and how
-        many of them were of a shard not among the ``lru_size`` it read latest."""
+        """``(accesses, misses)``, as wids gives them: the samples (and ``get_shard`` calls) of this
+        process, and how many of them were of a shard not among the ``lru_size`` it read latest."""
         return self.accesses, self.misses
+
+    def check_cache_misses(self) -> None:
+        """Warn (once) when more than 30% of over 100 reads were misses (see :meth:`get_stats`), as
+        wids does at every read (it prints; this is a ``UserWarning``): each miss pins a shard
+        anew, so reads out of shard order are slow."""
+        accesses, misses = self.accesses, self.misses
+        if accesses > 100 and misses * 10 > accesses * 3 and not self._warned_misses:
+            self._warned_misses = True
+            warnings.warn(
+                f"ShardListDataset: {misses} of {accesses} reads ({misses / accesses:.1%}) were of a shard "
+                f"not among the {self.lru_size} read latest; read in shard order (wids.ShardedSampler, "
+                "wids.ChunkedSampler) or raise lru_size",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def _count(self, shard: int) -> None:
+        """One access to ``shard`` (the agent's list position) in :meth:`get_stats`, as wids' LRU
+        counts it (in line in ``__getitem__``)."""
+        self.accesses += 1
+        if shard in self._latest:
+            self._latest.move_to_end(shard)
+        else:
+            self._miss(shard)
+
+    def _miss(self, shard: int) -> None:
+        self.misses += 1
+        latest = self._latest
+        latest[shard] = None
+        if len(latest) > self.lru_size:
+            latest.popitem(last=False)
+
+    def get_shard(self, index: int) -> tuple[ShardSamples, int, dict[str, Any]]:
+        """wids' ``get_shard``: ``(shard, inner, entry)`` of sample ``index``: its shard's samples
+        (``len(shard)``, and ``shard[inner]`` the sample without the fields ``ds[index]`` adds or
+        its transformations), its place there and its entry of ``shards``. The shard is pinned
+        and opened here (waiting for its download), as wids downloads and opens it; one access
+        in :meth:`get_stats`."""
+        entry, inner = self.locate(index)
+        shard = self._places[entry][0]
+        self._session().hold(shard)
+        self._count(shard)
+        return ShardSamples(self, shard, self.shards[entry]["url"], self.lengths[entry]), inner, self.shards[entry]
 
     def locate(self, index: int) -> tuple[int, int]:
         """``(entry, sample in its shard)`` of sample ``index``; IndexError outside ``[0, len)``."""
         i = operator.index(index)
         if not 0 <= i < self.total_length:
-            raise IndexError(f"index {i} is out of range: the dataset has {self.total_length} samples")
+            raise self._out_of_range(i)
         entry = bisect.bisect_right(self._ends, i)
         return entry, i - self._starts[entry]
+
+    def _out_of_range(self, i: int) -> IndexError:
+        # wids reads a negative index from the end of its first shard; counting it from the end
+        # of the dataset would be another sample: neither is what a script that passes one meant.
+        return IndexError(
+            f"index {i} is out of range: the dataset has {self.total_length} samples"
+            + (f" (indexes count from 0, not from the end: the last is {self.total_length - 1})" if i < 0 else "")
+        )
 
     def __getitem__(self, index: int) -> Any:
         # The per-sample path, in line (each call and attribute lookup shows at a few µs a sample):
         # locate, the session's pinned shard, one pread (a few for a large sample), the slices.
         i = operator.index(index)
         if not 0 <= i < self.total_length:
-            raise IndexError(f"index {i} is out of range: the dataset has {self.total_length} samples")
+            raise self._out_of_range(i)
         entry = bisect.bisect_right(self._ends, i)
         inner = i - self._starts[entry]
         shard, dataset, url = self._places[entry]
@@ -391,15 +468,13 @@ class ShardListDataset:
         if session is None:
             session = self._new_session()
         sample = session.sample(shard, inner)
-        self.accesses += 1
-        latest = self._latest
-        if shard in latest:
-            latest.move_to_end(shard)
+        self.accesses += 1  # (_count, in line)
+        if shard in self._latest:
+            self._latest.move_to_end(shard)
         else:
-            self.misses += 1
-            latest[shard] = None
-            if len(latest) > self.lru_size:
-                latest.popitem(last=False)
+            self._miss(shard)
+        if self.misses * 10 > self.accesses * 3 > 300:  # wids checks at every read; a call costs more
+            self.check_cache_misses()
         sample["__dataset__"] = dataset
         sample["__index__"] = index
         sample["__shard__"] = url
@@ -407,6 +482,13 @@ class ShardListDataset:
         for transform in self.transformations:
             sample = transform(sample)
         return sample
+
+    def _session(self) -> _Session:
+        """This thread's session (as ``__getitem__`` finds it, in line)."""
+        if self._forks != _forks:
+            self._forget_parents()
+        session = self._sessions.get(threading.current_thread())
+        return session if session is not None else self._new_session()
 
     def _forget_parents(self) -> None:
         """In a forked child: close the files of the parent's sessions, without a word to the agent."""
@@ -462,6 +544,35 @@ def __getattr__(name: str) -> Any:
     if name == TORCH_DATASET:
         return _torch_dataset()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _wids_name(shards: Any) -> str:
+    """wids' name of a dataset given none: its ``hash_dataset_name`` of ``str(shards)``."""
+    return base64.urlsafe_b64encode(hashlib.sha256(str(shards).encode()).digest())[:16].decode("ascii")
+
+
+class ShardSamples:
+    """One shard's samples, as :meth:`ShardListDataset.get_shard` gives them (wids gives its
+    ``IndexedTarSamples``): ``len(shard)``, and ``shard[i]`` the ``i``-th sample (from the end for
+    a negative ``i``, as a list counts) with its fields as ``io.BytesIO`` and ``__key__``, read
+    through the dataset's session of the thread that reads (pinning the shard again if it was
+    let go). ``url``: the shard's URL as the index gives it (wids' ``path`` is its download)."""
+
+    def __init__(self, ds: ShardListDataset, shard: int, url: str, length: int) -> None:
+        self._ds, self._shard, self.url, self._length = ds, shard, url, length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Sample:
+        i = operator.index(index)
+        inner = i + self._length if i < 0 else i
+        if not 0 <= inner < self._length:
+            raise IndexError(f"index {i} is out of range: the shard {self.url} has {self._length} samples")
+        return self._ds._session().sample(self._shard, inner)
+
+    def __repr__(self) -> str:
+        return f"<ShardSamples {self.url} ({self._length} samples)>"
 
 
 def _cumulative(lengths: list[int]) -> Any:
@@ -594,9 +705,8 @@ class _Session:
 
     # -- reading ------------------------------------------------------------------------------------
 
-    def sample(self, shard: int, inner: int) -> Sample:
-        """Sample ``inner`` of the shard at ``shard`` in our list, its fields as ``io.BytesIO``
-        (which takes a ``bytes`` without copying it)."""
+    def hold(self, shard: int) -> _Open:
+        """The shard at ``shard`` in our list pinned and open, the latest read in our LRU order."""
         if time.monotonic() - self.contact > PING_EVERY:
             self._still_known()
         held = self.pinned.get(shard)
@@ -605,6 +715,14 @@ class _Session:
         elif shard != self.last:
             self.pinned.move_to_end(shard)
         self.last = shard
+        return held
+
+    def sample(self, shard: int, inner: int) -> Sample:
+        """Sample ``inner`` of the shard at ``shard`` in our list, its fields as ``io.BytesIO``
+        (which takes a ``bytes`` without copying it)."""
+        held = self.pinned.get(shard)
+        if held is None or shard != self.last or time.monotonic() - self.contact > PING_EVERY:
+            held = self.hold(shard)  # (the common case, the shard read last, needs no call)
         fd, table = held
         places = table.places
         k = table.at[inner]
