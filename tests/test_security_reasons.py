@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import wdscache
+from tests.helpers.streaming import samples_of
 from wdscache import FetchError, ShardClient
 from wdscache.shared.redact import redact_urls
 
@@ -150,6 +152,38 @@ def test_digest_and_aws4_credentials_of_a_verbose_pipe_command_reach_no_error_lo
     assert agent.stop() == 0
     shown = [*errors, stats.stdout + stats.stderr, stats_json.stdout, _index_bytes(cache), agent.stderr_text()]
     assert [t for t in shown if "SECRET" in t or "response=" in t] == []
+
+
+@pytest.mark.slow
+def test_jobs_whose_names_differ_only_by_a_secret_stay_apart_in_stats(
+    tmp_path, dataset, start_agent, consumers, run_cli
+) -> None:
+    # The stats object is keyed by job names as shown: two jobs named by URLs with different
+    # passwords were one entry once redacted, their ranks' readers and samples added up.
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    names = [f"train-http://eu:SECRETJOB{x}@store.example/run" for x in "AB"]
+    # (a second per sample: both read at once, whenever each one starts)
+    started = [consumers(cache, f"c{i}", "--job", name, "--no-shuffle", "--sleep", "1") for i, name in enumerate(names)]
+    live = agent.wait_stats(lambda s: s["agent"]["consumers"] == 2, 30, "both reading")
+    shown = sorted(live["jobs"])
+    assert len(shown) == 2 and all(
+        re.fullmatch(r"train-http://\*\*\*@store\.example/run #[0-9a-f]{4}", j) for j in shown
+    ), shown
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert all(f"job {job}" in text for job in shown), text
+    for c in started:
+        assert len(samples_of(c.wait())) == 8
+    ended = agent.wait_stats(lambda s: len(s["ended_jobs"]) == 2, 20, "both jobs listed as ended")
+    # Each job by its own tag, the same as while it read, with its own samples.
+    assert {job: ranks["0"]["samples"] for job, ranks in ended["ended_jobs"].items()} == dict.fromkeys(shown, 8)
+    assert {job: ranks["0"]["samples"] for job, ranks in ended["rank_totals"].items()} == dict.fromkeys(shown, 8)
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert all(f"job {job}: ended" in text for job in shown), text
+    stats_json = run_cli("stats", "--json", "--cache-dir", cache).stdout
+    assert agent.stop() == 0
+    assert [t for t in [json.dumps(live), text, stats_json, agent.stderr_text()] if "SECRET" in t] == []
 
 
 _UNCAUGHT = textwrap.dedent(

@@ -35,19 +35,29 @@ And in any text, the credentials of an HTTP header as a verbose tool prints it (
 
 A ``pipe:`` command is text like any other: the URLs and headers in it are redacted, the rest is
 shown as written (keep secrets of a command in its environment, not in the list).
+
+Names that differ only by their secrets (two jobs named by URLs with different passwords) would
+be one once redacted: :func:`shown_names` keeps them apart.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import re
+import secrets
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote_plus
 
-__all__ = ["MASK", "redact_urls", "redacted"]
+__all__ = ["MASK", "redact_urls", "redacted", "shown_names"]
 
 MASK = "***"
+# The key of the tags that tell apart names alike once redacted (shown_names): this process's own,
+# so that a tag is the same for a name while the process runs and tells nothing of its secret.
+_TAG_KEY = secrets.token_bytes(16)
 # A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
 # "'" and ";" are legal in user info and query values (RFC 3986 sub-delims), so they end neither;
 # '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
@@ -202,3 +212,23 @@ def redacted(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [redacted(v) for v in obj]
     return obj
+
+
+def shown_names(names: Iterable[str]) -> dict[str, str]:
+    """Each of ``names`` (job names, say) as shown: redacted (:func:`redact_urls`), and where
+    names differ only by what that masks, each of them with `` #`` and a tag appended: a few hex
+    digits of a hash keyed by this process's random key, so the tag tells nothing of the secret
+    and stays the same for the name while this process runs (``train-http://***@h/x #3fa1``)."""
+    alike: dict[str, set[str]] = {}
+    for name in names:
+        alike.setdefault(redact_urls(name), set()).add(name)
+    out: dict[str, str] = {}
+    for shown, group in alike.items():
+        if len(group) == 1:
+            out[next(iter(group))] = shown
+            continue
+        tags = {name: hmac.new(_TAG_KEY, name.encode(), hashlib.sha256).hexdigest() for name in group}
+        # 4 digits: 2 names of a group have the same ones once in 65,536; then as many as tell them apart.
+        digits = next(n for n in (4, 8, 16, 64) if len({tag[:n] for tag in tags.values()}) == len(group))
+        out.update({name: f"{shown} #{tag[:digits]}" for name, tag in tags.items()})
+    return out
