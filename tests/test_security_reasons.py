@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import wdscache
+from tests.helpers.streaming import samples_of
 from wdscache import FetchError, ShardClient
 from wdscache.shared.redact import redact_urls
 
@@ -115,6 +117,75 @@ def test_a_verbose_pipe_commands_headers_reach_no_error_log_or_stats(
     assert [t for t in shown if token in t or password in t or basic in t] == []
 
 
+@pytest.mark.slow
+def test_digest_and_aws4_credentials_of_a_verbose_pipe_command_reach_no_error_log_or_stats(
+    tmp_path, dataset, shard_server, start_agent, run_cli
+) -> None:
+    # curl -v's Digest header was masked up to its first quote only: its user name, the server's
+    # nonce and the response hash (an offline guess of the password checks against it) all showed.
+    user, password, nonce = "SECRETDIGESTUSER", "SECRETDIGESTPASS", "SECRETNONCE"
+    key_id, signature = "SECRETAKID", "SECRETSIGNATURE"
+    data = dataset(1, samples=1, payload=100)
+    challenge = f'Digest realm="shards", nonce="{nonce}", qop="auth", opaque="SECRETOPAQUE"'
+    shard_server.fail(data.paths[0].name, "status", status=401, headers={"WWW-Authenticate": challenge}, times=50)
+    aws4 = "AWS4-HMAC-SHA256 Credential=$FAKE_AKID/20240101/us-east-1/s3/aws4_request, SignedHeaders=host"
+    lines = [
+        f'pipe:curl -sfv --digest -u "$FAKE_USER:$FAKE_PASS" {data.urls[0]}',
+        f'pipe:curl -sfv -H "Authorization: {aws4}, Signature=$FAKE_SIG" {shard_server.url("missing.tar")}',
+    ]
+    urls_file = tmp_path / "pipes.txt"
+    urls_file.write_text("\n".join(lines) + "\n")
+    cache = tmp_path / "cache"
+    env = {"FAKE_USER": user, "FAKE_PASS": password, "FAKE_AKID": key_id, "FAKE_SIG": signature}
+    agent = start_agent(cache, urls_file, "--allow-pipe", "--retries", "0", env=env)
+    agent.wait_stats(lambda s: s["shards"]["failed"] == 2, 30, "both commands failed")
+    errors = []
+    with ShardClient(cache, timeout=30) as client:
+        for line in lines:
+            with pytest.raises(FetchError) as info:
+                client.open(line, timeout=30)
+            errors.append(info.value.reason)
+    assert "> Authorization: Digest ***" in errors[0] and "< WWW-Authenticate: Digest ***" in errors[0], errors[0]
+    assert "> Authorization: AWS4-HMAC-SHA256 ***" in errors[1] and "404" in errors[1], errors[1]
+    stats = run_cli("stats", "--cache-dir", cache)
+    stats_json = run_cli("stats", "--json", "--cache-dir", cache)
+    assert agent.stop() == 0
+    shown = [*errors, stats.stdout + stats.stderr, stats_json.stdout, _index_bytes(cache), agent.stderr_text()]
+    assert [t for t in shown if "SECRET" in t or "response=" in t] == []
+
+
+@pytest.mark.slow
+def test_jobs_whose_names_differ_only_by_a_secret_stay_apart_in_stats(
+    tmp_path, dataset, start_agent, consumers, run_cli
+) -> None:
+    # The stats object is keyed by job names as shown: two jobs named by URLs with different
+    # passwords were one entry once redacted, their ranks' readers and samples added up.
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    names = [f"train-http://eu:SECRETJOB{x}@store.example/run" for x in "AB"]
+    # (a second per sample: both read at once, whenever each one starts)
+    started = [consumers(cache, f"c{i}", "--job", name, "--no-shuffle", "--sleep", "1") for i, name in enumerate(names)]
+    live = agent.wait_stats(lambda s: s["agent"]["consumers"] == 2, 30, "both reading")
+    shown = sorted(live["jobs"])
+    assert len(shown) == 2 and all(
+        re.fullmatch(r"train-http://\*\*\*@store\.example/run #[0-9a-f]{4}", j) for j in shown
+    ), shown
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert all(f"job {job}" in text for job in shown), text
+    for c in started:
+        assert len(samples_of(c.wait())) == 8
+    ended = agent.wait_stats(lambda s: len(s["ended_jobs"]) == 2, 20, "both jobs listed as ended")
+    # Each job by its own tag, the same as while it read, with its own samples.
+    assert {job: ranks["0"]["samples"] for job, ranks in ended["ended_jobs"].items()} == dict.fromkeys(shown, 8)
+    assert {job: ranks["0"]["samples"] for job, ranks in ended["rank_totals"].items()} == dict.fromkeys(shown, 8)
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert all(f"job {job}: ended" in text for job in shown), text
+    stats_json = run_cli("stats", "--json", "--cache-dir", cache).stdout
+    assert agent.stop() == 0
+    assert [t for t in [json.dumps(live), text, stats_json, agent.stderr_text()] if "SECRET" in t] == []
+
+
 _UNCAUGHT = textwrap.dedent(
     """
     import sys, threading
@@ -171,6 +242,56 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
         ('curl -H "Cookie: a=1; b=2" http://h/x.tar', 'curl -H "Cookie: ***" http://h/x.tar'),
         ('{"cookie": 5, "x": 1}', '{"cookie": ***, "x": 1}'),
         ("s3://b/cookie:jar/shard-0001.tar", "s3://b/cookie:jar/shard-0001.tar"),
+        # Auth-params: a quote within one (a quoted string, or its escaped quotes in a quoted
+        # argument or a JSON string) ends no value; the scheme word stays.
+        (
+            '> Authorization: Digest username="bob", realm="r", nonce="n1", uri="/a.tar", nc=00000001, '
+            'response="6629fae49393a05397450978507c4ef1", opaque="o"\r\n> Accept: */*',
+            "> Authorization: Digest ***\r\n> Accept: */*",
+        ),
+        ('< Proxy-Authenticate: Digest realm="r", nonce="n1"\r\n< X: 1', "< Proxy-Authenticate: Digest ***\r\n< X: 1"),
+        ('< WWW-Authenticate: Basic realm="r"\r\n', "< WWW-Authenticate: Basic ***\r\n"),
+        ("> Proxy-Authorization: NTLM TlRMTVNTUAABAAAAB4II\r\n", "> Proxy-Authorization: NTLM ***\r\n"),
+        ("< WWW-Authenticate: Negotiate oYIBJDCCASCgAwoB\r\n", "< WWW-Authenticate: Negotiate ***\r\n"),
+        (
+            "< WWW-Authenticate: Negotiate\r\n< WWW-Authenticate: NTLM",
+            "< WWW-Authenticate: Negotiate\r\n< WWW-Authenticate: NTLM",
+        ),
+        (
+            "Authorization: AWS4-HMAC-SHA256 Credential=AKIA/20240101/us-east-1/s3/aws4_request, "
+            "SignedHeaders=host;x-amz-date, Signature=fe5f80f77d5fa3beca038a248ff027d0445342fe2855ddc963176630326f1024",
+            "Authorization: AWS4-HMAC-SHA256 ***",
+        ),
+        (
+            'curl -H "Authorization: Digest username=\\"bob\\", response=\\"abc\\"" http://h/a.tar',
+            'curl -H "Authorization: Digest ***" http://h/a.tar',
+        ),
+        (
+            'curl -H \'Authorization: Digest username="bob", response="abc"\' http://h/a.tar',
+            "curl -H 'Authorization: Digest ***' http://h/a.tar",
+        ),
+        (
+            '{"Authorization": "Digest username=\\"bob\\", response=\\"abc\\"", "x": 1}',
+            '{"Authorization": "Digest ***", "x": 1}',
+        ),
+        ('< Set-Cookie: sid="a b"; Path=/\r\n< X: 1', "< Set-Cookie: ***\r\n< X: 1"),
+        # A token68's last "=" opens no quoted string: the quote after it ends the argument.
+        (
+            "curl -H 'Authorization: Bearer abc=' -H 'X: y' http://h/a",
+            "curl -H 'Authorization: Bearer ***' -H 'X: y' http://h/a",
+        ),
+        # Without a header name: the auth-param list of Digest and AWS4-HMAC-SHA256 credentials.
+        ('sent Digest username="bob", response="abc" and got 401', "sent Digest *** and got 401"),
+        (
+            "signed AWS4-HMAC-SHA256 Credential=AKIA/x/aws4_request, SignedHeaders=host, Signature=abc: refused",
+            "signed AWS4-HMAC-SHA256 ***: refused",
+        ),
+        ("Digest mismatch: expected 3 bytes", "Digest mismatch: expected 3 bytes"),
+        # curl -v's note of the user it sends credentials of, beside the header.
+        (
+            "* Server auth using Digest with user 'bob'\n> Authorization: Digest username=\"bob\"",
+            "* Server auth using Digest with user '***'\n> Authorization: Digest ***",
+        ),
     ],
 )
 def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:

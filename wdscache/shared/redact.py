@@ -21,26 +21,43 @@ What is replaced, in a URL alone or in any text that holds URLs (an exception's 
 And in any text, the credentials of an HTTP header as a verbose tool prints it (``curl -v``'s
 ``> Authorization: Bearer ...``) or a command line passes it (``-H 'Cookie: ...'``):
 
-- the value of an ``Authorization``, ``Proxy-Authorization``, ``Cookie``, ``Set-Cookie``,
-  ``X-Amz-Security-Token`` or ``X-Api-Key`` header (its name in any case), to the end of its line
-  or to a quote; of the first two, the scheme word stays (``Authorization: Bearer ***``);
-- a ``Bearer`` token, and ``Basic`` credentials (base64 of ``user:password``), wherever they stand.
+- the value of an ``Authorization``, ``Proxy-Authorization``, ``WWW-Authenticate``,
+  ``Proxy-Authenticate``, ``Cookie``, ``Set-Cookie``, ``X-Amz-Security-Token`` or ``X-Api-Key``
+  header (its name in any case), to the end of its line or to a quote that is not one of its
+  quoted strings (``Digest username="bob", ..., response="..."`` is masked whole); of the first
+  four, a known scheme word stays (``Authorization: Bearer ***``, ``Digest ***``, ``NTLM ***``,
+  ``AWS4-HMAC-SHA256 ***``);
+- a ``Bearer`` token, ``Basic`` credentials (base64 of ``user:password``), and the parameter list
+  of ``Digest`` and ``AWS4-HMAC-SHA256`` credentials (``Credential=..., Signature=...``), wherever
+  they stand;
+- in a text with such a header, the user name of curl's ``-v`` note ``Server auth using Digest
+  with user '...'``.
 
 A ``pipe:`` command is text like any other: the URLs and headers in it are redacted, the rest is
 shown as written (keep secrets of a command in its environment, not in the list).
+
+Names that differ only by their secrets (two jobs named by URLs with different passwords) would
+be one once redacted: :func:`shown_names` keeps them apart.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import re
+import secrets
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote_plus
 
-__all__ = ["MASK", "redact_urls", "redacted"]
+__all__ = ["MASK", "redact_urls", "redacted", "shown_names"]
 
 MASK = "***"
+# The key of the tags that tell apart names alike once redacted (shown_names): this process's own,
+# so that a tag is the same for a name while the process runs and tells nothing of its secret.
+_TAG_KEY = secrets.token_bytes(16)
 # A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
 # "'" and ";" are legal in user info and query values (RFC 3986 sub-delims), so they end neither;
 # '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
@@ -58,11 +75,14 @@ _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy
 
 
 # A header with credentials: its name (not inside a path or a word: "s3://b/cookie:jar" is a key),
-# ":" (a quote after the name: JSON's), then a quote that opens its value, if any; an
-# Authorization's scheme word stays. Where its value ends, see _value_end.
+# ":" (a quote after the name: JSON's), then a quote that opens its value, if any; the scheme word
+# of credentials or a challenge stays (those of IANA's registry, AWS's and Azure's, as a word of its
+# own: "tokenXYZ" is a token). Where its value ends, see _value_end.
 _HEADER = re.compile(
-    r"(?<![\w/.-])((?:proxy-)?authorization|set-cookie|cookie|x-amz-security-token|x-api-key)"
-    r"([\"']?)([ \t]*:[ \t]*)([\"']?)((?:bearer|basic|digest|negotiate|aws4-hmac-sha256|token)[ \t]+)?",
+    r"(?<![\w/.-])((?:proxy-)?authorization|(?:www|proxy)-authenticate|set-cookie|cookie|x-amz-security-token|x-api-key)"
+    r"([\"']?)([ \t]*:[ \t]*)([\"']?)"
+    r"((?:bearer|basic|digest|negotiate|ntlm|aws4-hmac-sha256|aws|token|oauth|hoba|mutual|scram-sha-1|scram-sha-256"
+    r"|vapid|sharedkey|sharedkeylite|sharedaccesssignature)(?:[ \t]+|(?=[\r\n\"',]|$)))?",
     re.IGNORECASE,
 )
 _VALUE_ENDS = {  # what ends a header's value that no quote opened
@@ -70,9 +90,32 @@ _VALUE_ENDS = {  # what ends a header's value that no quote opened
     "line": re.compile(r"[\r\n\"']"),  # "Name: value" as a tool prints it, or a quoted "-H 'Name: value'"
     "word": re.compile(r"[\s\"']"),  # "Name:value" in a command line
 }
+# Schemes whose credentials are one token68 (RFC 7235), which may end with "=": after them a quote
+# ends the value, even one after a "=" ("-H 'Authorization: Bearer abc=' -H 'X: y'").
+_TOKEN68_SCHEMES = frozenset({"bearer", "basic", "negotiate", "ntlm", "token"})
+# A quoted string (RFC 7230), or one whose quotes are escaped as they are within a quoted command
+# line argument or a JSON string (-H "Authorization: Digest username=\"bob\"").
+_QUOTED = r'"(?:[^"\\\r\n]|\\[^\r\n])*"|\\"(?:[^"\\\r\n]|\\[^"\r\n])*\\"'
+# The value of a header "Name: value" up to its line's end, or to a quote that is no auth-param's
+# quoted string (its name after a space, "," or ";", and a "," ";", quote, line end or next
+# auth-param after it): the quote that ends a quoted command line argument.
+_PARAMS_LINE = re.compile(
+    rf"(?:(?<![^\s,;])[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED})"
+    rf"(?=[ \t]*(?:[,;\r\n\"']|$)|[ \t]+[A-Za-z][\w.-]*[ \t]*=)|[^\r\n\"'])*"
+)
+# A value opened by a quote ends at the same quote, unless escaped ("Digest username=\"bob\"").
+_UNESCAPED = {q: re.compile(rf"(?:[^{q}\\]|\\.)*{q}", re.DOTALL) for q in "\"'"}
 # Credentials of an Authorization scheme where no header name precedes them (token68, RFC 7235).
 # Case-sensitive, as tools write them: "the bearer of" is prose.
 _CREDENTIALS = re.compile(r"\b(Bearer|Basic)([ \t]+)([A-Za-z0-9._~+/-]+=*)")
+# Credentials of a scheme whose credentials are auth-params ("name=value, ..."), where no header
+# name precedes them: the list is masked, the text after it stays.
+# (A token's last ":", "." or ")" is the sentence's: "..., Signature=abc: refused".)
+_AUTH_PARAM = rf"[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED}|[^\s,\"'\\]*[^\s,\"'\\:.)])"
+_PARAM_CREDENTIALS = re.compile(rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)({_AUTH_PARAM}(?:[ \t]*,[ \t]*{_AUTH_PARAM})*)")
+# curl -v's note of who it authenticates as ("* Server auth using Digest with user 'bob'"): a user
+# name may be a token itself (-u TOKEN:x-oauth-basic).
+_CURL_USER = re.compile(r"(auth using [\w-]+ with user ')[^'\r\n]*'")
 
 
 def _headers(text: str) -> str:
@@ -92,13 +135,21 @@ def _headers(text: str) -> str:
 
 def _value_end(text: str, start: int, match: re.Match[str]) -> int:
     """Where the value of the header ``match`` found, from ``start``, ends: at the quote that opened
-    it; else at the end of a JSON literal (a quoted name), of its line ("Name: value"), or of its
-    word ("Name:value", as a command line writes it)."""
-    _, name_quote, colon, value_quote, _ = match.groups()
+    it; else at the end of a JSON literal (a quoted name), of its line ("Name: value", past the
+    quoted strings of its auth-params or cookies), or of its word ("Name:value", as a command line
+    writes it)."""
+    name, name_quote, colon, value_quote, scheme = match.groups()
     if value_quote:
+        closed = _UNESCAPED[value_quote].match(text, start)
+        if closed is not None:
+            return closed.end() - 1
         stop = text.find(value_quote, start)
         return len(text) if stop < 0 else stop
     kind = "json" if name_quote else "line" if colon[-1] in " \t" else "word"
+    token68 = (scheme or "").strip().lower() in _TOKEN68_SCHEMES and "authenticate" not in name.lower()
+    if kind == "line" and not token68:  # (a challenge's auth-params follow any scheme: Basic realm="r")
+        params = _PARAMS_LINE.match(text, start)  # (never None: it matches "")
+        return start if params is None else params.end()
     found = _VALUE_ENDS[kind].search(text, start)
     return len(text) if found is None else found.start()
 
@@ -137,10 +188,15 @@ def redact_urls(text: str) -> str:
         text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
     if "=" in text:
         text = _PARAMETER.sub(_parameter, text)
+        if "Digest" in text or "AWS4-HMAC-SHA256" in text:  # (their credentials are "name=value" lists)
+            text = _PARAM_CREDENTIALS.sub(rf"\1\2{MASK}", text)
     if ":" in text:
         lower = text.lower()  # (a check of each name, not a generator: this runs for every log line)
-        if "authorization" in lower or "cookie" in lower or "x-amz-security-token" in lower or "x-api-key" in lower:
+        # ("auth": Authorization, WWW-Authenticate and Proxy-Authenticate in one look)
+        if "auth" in lower or "cookie" in lower or "x-amz-security-token" in lower or "x-api-key" in lower:
             text = _headers(text)
+            if " with user '" in text:  # (curl -v notes the user before it sends the header)
+                text = _CURL_USER.sub(rf"\1{MASK}'", text)
     if "Bearer" in text or "Basic" in text:
         text = _CREDENTIALS.sub(_credentials, text)
     return text
@@ -156,3 +212,23 @@ def redacted(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [redacted(v) for v in obj]
     return obj
+
+
+def shown_names(names: Iterable[str]) -> dict[str, str]:
+    """Each of ``names`` (job names, say) as shown: redacted (:func:`redact_urls`), and where
+    names differ only by what that masks, each of them with `` #`` and a tag appended: a few hex
+    digits of a hash keyed by this process's random key, so the tag tells nothing of the secret
+    and stays the same for the name while this process runs (``train-http://***@h/x #3fa1``)."""
+    alike: dict[str, set[str]] = {}
+    for name in names:
+        alike.setdefault(redact_urls(name), set()).add(name)
+    out: dict[str, str] = {}
+    for shown, group in alike.items():
+        if len(group) == 1:
+            out[next(iter(group))] = shown
+            continue
+        tags = {name: hmac.new(_TAG_KEY, name.encode(), hashlib.sha256).hexdigest() for name in group}
+        # 4 digits: 2 names of a group have the same ones once in 65,536; then as many as tell them apart.
+        digits = next(n for n in (4, 8, 16, 64) if len({tag[:n] for tag in tags.values()}) == len(group))
+        out.update({name: f"{shown} #{tag[:digits]}" for name, tag in tags.items()})
+    return out

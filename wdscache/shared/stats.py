@@ -58,7 +58,9 @@ The object (also ``wdscache stats --json``)::
                       connected (:mod:`wdscache.agent.rank_totals`); {} when no agent answers
 
 Every string in it (keys too: job names) is shown redacted (:mod:`wdscache.shared.redact`): a
-failure's URL and error, a job's name.
+failure's URL and error, a job's name. Jobs whose names differ only by a secret stay apart: each
+name gets a tag (``#3fa1``) that tells nothing of it
+(:func:`~wdscache.shared.redact.shown_names`), the same in every field that names the job.
 
 With an agent running it answers live over the agent's socket; otherwise it
 reads the index summary, which costs the same on 10 or 100,000 shards.
@@ -81,7 +83,7 @@ from .index import read_summary
 from .layout import CacheLayout
 from .messages import Requests
 from .protocol import process_identity
-from .redact import redacted
+from .redact import redacted, shown_names
 from .verdict import SILENT_AFTER, STARVED, ended_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
@@ -103,8 +105,10 @@ def build(
 ) -> dict[str, Any]:
     """The stats object from an index summary and counters (shared by agent and reader), every
     string in it redacted (:func:`~wdscache.shared.redact.redacted`): it reaches people (``wdscache
-    stats``, ``collect_stats``, ``ShardClient.stats``) and scripts' logs as it is."""
+    stats``, ``collect_stats``, ``ShardClient.stats``) and scripts' logs as it is; jobs named
+    alike once redacted are told apart (:func:`~wdscache.shared.redact.shown_names`)."""
     counts = summary.get("counts", {})
+    shown = shown_names(_job_names(agent, jobs, ended_jobs, rank_totals))
     return redacted(
         {
             "cache_dir": cache_dir,
@@ -122,12 +126,36 @@ def build(
             "corrupt": counters.get("corrupt", 0),
             "changed": counters.get("changed", 0),
             "download_rate": round(download_rate, 1),
-            "agent": agent,
-            "jobs": jobs or {},
-            "ended_jobs": ended_jobs or {},
-            "rank_totals": rank_totals or {},
+            "agent": None if agent is None else _agent_named(agent, shown),
+            "jobs": _named(jobs, shown),
+            "ended_jobs": _named(ended_jobs, shown),
+            "rank_totals": _named(rank_totals, shown),
         }
     )
+
+
+def _job_names(agent: dict[str, Any] | None, *tables: dict[str, Any] | None) -> list[str]:
+    """Every job name in the stats: keys of ``tables`` (``jobs``...) and the agent's fields."""
+    names = [job for table in tables for job in table or {}]
+    if agent is not None:
+        names += agent.get("demanded_by_job", {})
+        names += (job for r in agent.get("retrying", []) for job in r.get("jobs", ()))
+    return names
+
+
+def _named(table: dict[str, Any] | None, shown: dict[str, str]) -> dict[str, Any]:
+    """``table`` ({job: ...}) keyed by its jobs' names as shown."""
+    return {shown[job]: value for job, value in (table or {}).items()}
+
+
+def _agent_named(agent: dict[str, Any], shown: dict[str, str]) -> dict[str, Any]:
+    """The ``agent`` field with the jobs it names (demanded_by_job, retrying[].jobs) as shown."""
+    out = dict(agent)
+    if "demanded_by_job" in agent:
+        out["demanded_by_job"] = _named(agent["demanded_by_job"], shown)
+    if "retrying" in agent:
+        out["retrying"] = [{**r, "jobs": [shown[job] for job in r.get("jobs", ())]} for r in agent["retrying"]]
+    return out
 
 
 def collect(cache_dir: str | os.PathLike[str], *, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
