@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 import webdataset as wds
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from scripts.console import wdscache_exe
@@ -32,7 +32,7 @@ from tests.helpers.net import free_port_range
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.testdata import NEEDS_TESTDATA, REAL_SHARDS, TESTDATA
 from tests.helpers.waits import read_terminal, stop_process
-from wdscache import CachedMultiLoader, FetchError, ShardIndexError
+from wdscache import CachedMultiLoader, FetchError, ShardIndexError, UrlListError
 from wdscache.shared.layout import CacheLayout
 from wdscache.shared.shard_index import (
     KIND,
@@ -40,6 +40,7 @@ from wdscache.shared.shard_index import (
     ShardInfo,
     _take_entries,
     parse_shard_index,
+    quick_shard_index,
     write_shard_index,
 )
 from wdscache.shared.urls import read_url_list
@@ -638,10 +639,11 @@ _ANY_VALUE = st.recursive(
     max_leaves=4,
 )
 _ENTRY_VALUES = {  # what an entry's key may hold: mostly what the parse takes, sometimes not
-    "url": st.sampled_from(["a.tar", "b c.tar", "é.tar", "\ud800.tar", "x\\y.tar", " ", ""]) | st.text(max_size=4),
+    "url": st.sampled_from(["a.tar", "b c.tar", "é.tar", "\ud800.tar", "x\\y.tar", " ", "\u2003", ""])
+    | st.text(max_size=4),
     "nsamples": st.sampled_from([0, 3, 1.0, 3e0, -0.0, True, MAX_SAMPLES, MAX_SAMPLES + 1, 1 << 64, None]),
     "filesize": st.sampled_from([None, 0, 512, 1 << 30, 1.5, False, (1 << 63) - 1, 1 << 63]),
-    "md5sum": st.sampled_from([None, "0" * 32, "aB" * 16, "0" * 31 + "\n", "g" * 32, 3]),
+    "md5sum": st.sampled_from([None, "0" * 32, "aB" * 16, "0" * 31 + "\n", "0" * 32 + "\n", "g" * 32, 3]),
     "other": _ANY_VALUE,
 }
 
@@ -671,8 +673,17 @@ def _index_texts(draw: st.DrawFn) -> str:
     return gap + _object(draw(st.permutations(top)), gap) + gap
 
 
+def _one_entry(entry: str) -> str:
+    return '{"shardlist": [' + entry + "]}"
+
+
 @settings(max_examples=500, deadline=None)
 @given(text=_index_texts())
+@example(text=_one_entry('{"url": "a", "nsamples": 1, "md5sum": "' + "0" * 32 + '\\n"}'))  # ("$" before a "\n")
+@example(text=_one_entry('{"url": "\\u2003", "nsamples": 1}'))  # (white space of Unicode's)
+@example(text=_one_entry('{"url": "a", "nsamples": 1, "nsamples": -1}'))  # (the last of a key counts)
+@example(text=_one_entry('{"url": "a", "nsamples": 1}], "x": [NaN'))
+@example(text=_one_entry('{"url": "a", "nsamples": 2000, "filesize": 512}'))  # (more than its size holds)
 def test_the_quick_read_of_an_index_takes_only_what_the_standard_parse_takes_alike(text):
     """Whatever JSON spelling an index uses, the quick read (msgspec) either takes exactly what
     the standard library's parse takes, or gives way to it; it never takes what the parse refuses."""
@@ -684,3 +695,15 @@ def test_the_quick_read_of_an_index_takes_only_what_the_standard_parse_takes_ali
     event("refused" if slow is None else "taken quickly" if quick is not None else "taken by the parse")
     if quick is not None:
         assert slow is not None and quick[0] == [url for url, _ in slow] and list(quick[1]) == [i for _, i in slow]
+    of_bytes = quick_shard_index(text.encode("utf-8", "surrogatepass"))  # (the read of a file's bytes)
+    assert of_bytes == (quick if text.isascii() else None)
+
+
+def test_an_index_with_a_byte_that_is_not_utf8_where_no_entry_reads_it_is_refused_all_the_same(tmp_path):
+    """A file's bytes are read as an index without their text only when ASCII: msgspec skips the
+    strings of fields no entry has without checking their UTF-8, which the text's read refuses."""
+    data = b'{"name": "caf\xe9", "shardlist": [{"url": "a.tar", "nsamples": 1}]}'
+    (tmp_path / "index.json").write_bytes(data)
+    assert quick_shard_index(data) is None
+    with pytest.raises(UrlListError, match=r"index.json:1: not valid UTF-8 \(bad byte at offset 13\)"):
+        read_url_list(tmp_path / "index.json")

@@ -31,7 +31,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import msgspec
 
@@ -50,6 +50,7 @@ __all__ = [
     "looks_like_index",
     "parse_shard_entries",
     "parse_shard_index",
+    "quick_shard_index",
     "read_shard_index",
     "write_shard_index",
 ]
@@ -265,13 +266,13 @@ def read_shard_index(text: str, *, path: str) -> tuple[list[str], ShardFacts]:
 
 
 class _Entry(msgspec.Struct, gc=False):
-    """An entry as :func:`_take_entries` decodes it: each value of the type the parse takes (a
-    value of another type, and the quick read gives way to the parse), other keys skipped."""
+    """An entry as :func:`_take_entries` decodes it: each value of the type and within the bounds
+    the parse takes (else the quick read gives way to the parse), other keys skipped."""
 
-    url: str
-    nsamples: int
-    filesize: int | None = None
-    md5sum: str | None = None
+    url: Annotated[str, msgspec.Meta(min_length=1)]
+    nsamples: Annotated[int, msgspec.Meta(ge=0, le=MAX_SAMPLES)]
+    filesize: Annotated[int, msgspec.Meta(ge=0, le=_MAX_WHOLE)] | None = None
+    md5sum: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-fA-F]{32}\Z")] | None = None
 
 
 class _Index(msgspec.Struct, gc=False):
@@ -288,7 +289,14 @@ _URL, _NSAMPLES = operator.attrgetter("url"), operator.attrgetter("nsamples")
 _FILESIZE, _MD5SUM = operator.attrgetter("filesize"), operator.attrgetter("md5sum")
 
 
-def _take_entries(text: str) -> tuple[list[str], ShardFacts] | None:
+def quick_shard_index(data: bytes) -> tuple[list[str], ShardFacts] | None:
+    """:func:`read_shard_index` of the bytes of an index, without their text, when it is ASCII
+    and well formed in every way; else None (then read its text). (msgspec does not check the
+    UTF-8 of the strings it skips, which the text's decoding refuses: ASCII has none to check.)"""
+    return _take_entries(data) if data.isascii() else None
+
+
+def _take_entries(text: str | bytes) -> tuple[list[str], ShardFacts] | None:
     """:func:`read_shard_index` of an index that is well formed in every way, else None.
 
     msgspec decodes the index into typed records in C (a third of the time the standard
@@ -317,28 +325,22 @@ def _well_formed(
     urls: list[str], nsamples: list[int], filesizes: list[int | None], md5s: list[str | None]
 ) -> tuple[array, array, list[tuple[int, str]]] | None:
     """The facts' columns (see :meth:`ShardFacts.of_columns`) of entries whose every value
-    :func:`parse_shard_index` takes as it is, else None: each URL with something other than
-    white space, each ``nsamples`` a whole number no shard exceeds, each ``filesize`` absent or
-    such a number that can hold as many samples, each ``md5sum`` absent or 32 hexadecimal digits."""
+    :func:`parse_shard_index` takes as it is (each as :class:`_Entry` bounds it), else None: each
+    URL with something other than white space, each ``filesize`` given large enough for its
+    ``nsamples``."""
     if not urls:
         return array("q"), array("q"), []
-    if not all(urls) or any(map(str.isspace, urls)):
-        return None
-    if min(nsamples) < 0 or max(nsamples) > MAX_SAMPLES:
+    if any(map(str.isspace, urls)):
         return None
     given: list[int] = (
         cast("list[int]", filesizes) if None not in filesizes else [size for size in filesizes if size is not None]
     )
-    if given and (min(given) < 0 or max(given) > _MAX_WHOLE):
-        return None
     # Enough room for the most samples in the smallest shard: then every entry has it.
     if given and max(nsamples) > min(given) * DEFLATE_MOST // MIN_SAMPLE_BYTES:
         for count, size in zip(nsamples, filesizes):
             if size is not None and count > size * DEFLATE_MOST // MIN_SAMPLE_BYTES:
                 return None
     named = [] if md5s.count(None) == len(md5s) else [(at, md5) for at, md5 in enumerate(md5s) if md5 is not None]
-    if not all(_MD5.fullmatch(md5) for _, md5 in named):
-        return None
     sizes = array("q", given) if given is filesizes else array("q", [-1 if s is None else s for s in filesizes])
     return array("q", nsamples), sizes, [(at, md5.lower()) for at, md5 in named]
 

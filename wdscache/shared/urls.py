@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.redact import redact_urls
 from wdscache.shared.s3 import is_prefix, literal_entry, named_object
-from wdscache.shared.shard_index import ShardFacts, ShardInfo, looks_like_index, read_shard_index
+from wdscache.shared.shard_index import ShardFacts, ShardInfo, looks_like_index, quick_shard_index, read_shard_index
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -800,7 +800,8 @@ def _plain_lines(text: str, base: str, limit: int) -> tuple[Urls, int] | None:
         lines = [line for line in lines if line]
     if len(lines) > limit:
         return None
-    joined = "\n" + ("\n".join(lines) if blank else text.removesuffix("\n")) + "\n"
+    # (each a copy of the text made once: a million lines' texts are tens of MB)
+    joined = "\n".join(["", *lines, ""]) if blank else "\n" + text if text.endswith("\n") else f"\n{text}\n"
     prefix = _plain(joined, lines, base)
     if prefix is None:
         return None
@@ -862,7 +863,7 @@ def _prefixed(joined: str, lines: list[str], prefix: str) -> Urls:
         return Urls()
     if not prefix:
         return Urls._of_text(joined[1:], array("q", itertools.accumulate(map(len, lines))))
-    text = prefix + joined[1:-1].replace("\n", "\n" + prefix) + "\n"
+    text = joined.replace("\n", "\n" + prefix)[1 : -len(prefix)]  # ("\nP" + a + ... + "\nP": two copies, not four)
     lengths = map(operator.add, map(len, lines), itertools.repeat(len(prefix)))
     return Urls._of_text(text, array("q", itertools.accumulate(lengths)))
 
@@ -919,7 +920,7 @@ def _index_list(
         raise ShardIndexError(path, None, f"the index lists {len(written)} shards, more than the limit of {limit}")
     base = os.path.abspath(base_dir) if base_dir is not None else os.getcwd()
     # Each one plain, as a list's lines can be (none empty, none with a line break)?
-    joined = "\n" + "\n".join(written) + "\n"
+    joined = "\n".join(["", *written, ""])
     # (With no line break inside a URL, an empty one is the only way to two in a row.)
     plain = not _not_plain(joined) and joined.count("\n") == len(written) + 1 and all(written)
     prefix = _plain(joined, written, base) if plain else None
@@ -1030,8 +1031,23 @@ def list_of_bytes(
     """:func:`read_url_list` of the bytes ``data`` read from the file ``path``."""
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
+    base_dir = os.path.dirname(_abs_path(os.path.join(os.getcwd(), path)))  # (its "..": as it was opened)
+    # An index well formed in every way is read from its bytes: a text of them is one more copy.
+    taken = quick_shard_index(data)
+    if taken is None:
+        text = _text_of(data, path)
+        if not looks_like_index(text):
+            return parse_url_list(text, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
+        taken = read_shard_index(text, path=path)
+        del text
+    return _index_list(*taken, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
+
+
+def _text_of(data: bytes, path: str) -> str:
+    """The text of the list file ``path``'s bytes ``data``; UrlListError naming the line of a byte
+    that is not UTF-8."""
     try:
-        text = data.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         lineno = data.count(b"\n", 0, exc.start) + 1
         start = data.rfind(b"\n", 0, exc.start) + 1
@@ -1039,15 +1055,6 @@ def list_of_bytes(
         line = data[start : end if end >= 0 else len(data)].decode("utf-8", "replace").strip()
         reason = f"not valid UTF-8 (bad byte at offset {exc.start}); save the list as UTF-8"
         raise UrlListError(path, lineno, line, reason) from None
-    del data  # (a copy, without its BOM): the text is enough
-    base_dir = os.path.dirname(_abs_path(os.path.join(os.getcwd(), path)))  # (its "..": as it was opened)
-    if looks_like_index(text):
-        written, facts = read_shard_index(text, path=path)
-        del text
-        return _index_list(
-            written, facts, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister
-        )
-    return parse_url_list(text, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
 
 
 def list_id(urls: Iterable[str], shards: Iterable[ShardInfo] | None = None) -> str:
