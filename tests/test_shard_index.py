@@ -699,6 +699,16 @@ def test_the_quick_read_of_an_index_takes_only_what_the_standard_parse_takes_ali
     assert of_bytes == (quick if text.isascii() else None)
 
 
+def test_an_index_nested_deeper_than_a_parser_goes_is_a_malformed_index(tmp_path):
+    """Values nested 5,000 deep (deeper than msgspec and json go) are an index error naming the
+    file, not a RecursionError: a live edit to such a file would otherwise stop the agent."""
+    deep = 5000
+    index = tmp_path / "index.json"
+    index.write_text('{"shardlist": [{"url": "a.tar", "nsamples": 1, "info": ' + "[" * deep + "]" * deep + "}]}")
+    with pytest.raises(ShardIndexError, match=r"index.json: malformed JSON"):
+        read_url_list(index)
+
+
 def test_an_index_with_a_byte_that_is_not_utf8_where_no_entry_reads_it_is_refused_all_the_same(tmp_path):
     """A file's bytes are read as an index without their text only when ASCII: msgspec skips the
     strings of fields no entry has without checking their UTF-8, which the text's read refuses."""

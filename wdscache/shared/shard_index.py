@@ -308,7 +308,8 @@ def _take_entries(text: str | bytes) -> tuple[list[str], ShardFacts] | None:
     """
     try:
         index = _DECODER.decode(text)
-    except (msgspec.MsgspecError, UnicodeEncodeError):  # (a lone surrogate: msgspec reads the text as UTF-8)
+    # (a lone surrogate: msgspec reads the text as UTF-8; nesting deeper than it goes: RecursionError)
+    except (msgspec.MsgspecError, UnicodeEncodeError, RecursionError):
         return None
     if index.kind != KIND or index.wids_version != WIDS_VERSION or index.datasets is not msgspec.UNSET:
         return None
