@@ -114,6 +114,16 @@ print(n + len(list(it)), m)
 """
 
 
+def _halves(tmp_path: Path, urls: list[str]) -> tuple[str, str]:
+    """List files of the first and the second half of ``urls`` (a training and a validation list)."""
+    half = len(urls) // 2
+    return str(write_url_list(tmp_path / "a.txt", urls[:half])), str(write_url_list(tmp_path / "b.txt", urls[half:]))
+
+
+def _assert_no_list_warning(agent) -> None:
+    assert "ranks of one job" not in agent.stderr_text() and "split by rank" not in agent.stderr_text()
+
+
 @pytest.mark.parametrize("rank0_val_first", [False, True])
 def test_a_validation_loader_reads_its_list_within_a_training_epoch(
     tmp_path: Path, dataset, start_agent, rank0_val_first: bool
@@ -124,9 +134,7 @@ def test_a_validation_loader_reads_its_list_within_a_training_epoch(
     data = dataset(4, samples=5, payload=300)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file)
-    train, val = (
-        str(write_url_list(tmp_path / f"{n}.txt", u)) for n, u in (("a", data.urls[:2]), ("b", data.urls[2:]))
-    )
+    train, val = _halves(tmp_path, data.urls)
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", NESTED, str(cache), str(r), train, val, str(int(rank0_val_first and r == 0))],
@@ -143,7 +151,7 @@ def test_a_validation_loader_reads_its_list_within_a_training_epoch(
     finally:  # a rank left over by a failure (or a hang past DEADLINE) is killed and reaped
         for p in ranks:
             stop_process(p)
-    assert "ranks of one job" not in agent.stderr_text() and "split by rank" not in agent.stderr_text()
+    _assert_no_list_warning(agent)
 
 
 HELD = """
@@ -177,9 +185,7 @@ def test_halves_of_a_list_that_ranks_read_with_loaders_numbered_otherwise_are_no
     data = dataset(4, samples=5, payload=300)
     cache = tmp_path / "cache"
     agent = start_agent(cache, data.list_file)
-    train, val = (
-        str(write_url_list(tmp_path / f"{n}.txt", u)) for n, u in (("a", data.urls[:2]), ("b", data.urls[2:]))
-    )
+    train, val = _halves(tmp_path, data.urls)
     ranks: list[subprocess.Popen[str]] = []
     try:
         for r in range(2):  # rank 0's loaders both live before rank 1's say hello
@@ -199,7 +205,7 @@ def test_halves_of_a_list_that_ranks_read_with_loaders_numbered_otherwise_are_no
     finally:  # a rank left over by a failure (or a hang past DEADLINE) is killed and reaped
         for p in ranks:
             stop_process(p)
-    assert "split by rank" not in agent.stderr_text() and "ranks of one job" not in agent.stderr_text()
+    _assert_no_list_warning(agent)
 
 
 def split_or_not(a: list[str], b: list[str], ranks: tuple[int, int] = (0, 1), world: int = 2, own: bool = True) -> str:
