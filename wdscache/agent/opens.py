@@ -15,6 +15,10 @@ Guarantees:
 - A reader is answered with a path only for a shard that is cached and, when it
   was cached by an earlier run and ``--revalidate`` is on, found current; a file
   deleted behind the agent's back is downloaded again, never served missing.
+- Current means: of the source's size and validator (the strongest both have); or, for a
+  copy of no validator in common with its source (one adopted into a rebuilt index), of
+  the source's size and of the MD5 its shard index gives or the source's ETag is, its bytes
+  hashed once (:mod:`wdscache.agent.downloads`). A size, or a source's validator, alone never is.
 - Every pin a reader holds is one pin in the cache (:meth:`Opens.release_all`
   gives them all back when it goes), so nothing a reader holds is evicted.
 - A shard still downloading is pinned for a reader (``while_downloading``) only once its
