@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -674,6 +675,35 @@ def test_an_object_overwritten_between_two_runs_is_fetched_again(
     assert s["changed"] == 1 and s["shards"]["cached"] == 2, s
     assert cached_bytes(tmp_path / "cache", urls[0]) == replacement.read_bytes()
     assert len(store.proxy.gets(urls[1][len("s3://") :])) == 1  # the unchanged one: asked by HEAD only
+
+
+# -- a lost index -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # two agents in turn on each server
+def test_copies_adopted_into_a_lost_index_are_kept_when_their_bytes_are_the_objects_etag(
+    store: Store, tmp_path: Path, start_agent
+) -> None:
+    """An object uploaded whole has its MD5 as its ETag: an adopted copy (the index deleted) of
+    that MD5 is that very object, kept without a GET; one replaced at its source by other bytes of
+    the same size is downloaded again, and the new bytes are served."""
+    urls, paths = store.put_shards("adopt/", 3)
+    agent = start_on(start_agent, store, tmp_path, urls, "--prefetch", "3")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, CACHED_IN, "the objects were not cached")
+    assert agent.stop() == 0
+    shutil.rmtree(CacheLayout(tmp_path / "cache").index_dir)
+    paths[1].write_bytes(another_version(paths[1].read_bytes()))  # the same size, other bytes
+    store.put(f"adopt/{paths[1].name}", paths[1])
+    store.proxy.requests.clear()
+    again = start_on(start_agent, store, tmp_path, urls, "--prefetch", "3")
+    with ShardClient(tmp_path / "cache", timeout=CACHED_IN) as client:
+        for url, path in zip(urls, paths):
+            assert client.open(url).read_bytes() == path.read_bytes(), again.stderr_tail()
+            client.release(url)
+    log = again.stderr_text()
+    assert "adopted 3" in log, again.stderr_tail()
+    assert [len(store.proxy.gets(u[len("s3://") :])) for u in urls] == [0, 1, 0], again.stderr_tail()
+    assert log.count("the cached copy has the MD5 its source's ETag names") == 2, again.stderr_tail()
 
 
 # -- set-up errors --------------------------------------------------------------------------

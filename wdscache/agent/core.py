@@ -414,7 +414,7 @@ class Agent:
         self.downloads.ended(e.download)
 
     def _revalidated(self, e: Revalidated) -> None:
-        self.opens.revalidated(e.download.url, e.now)
+        self.opens.revalidated(e.download.url, e.now, e.download.progress.md5)
         self.downloads.ended(e.download)
 
     def _failed(self, e: DownloadFailed) -> None:

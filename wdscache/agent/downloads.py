@@ -40,7 +40,7 @@ from ..shared.config import AgentConfig, format_size
 from ..shared.errors import FetchError
 from ..shared.index import ShardState
 from ..shared.logs import event, get_logger
-from ..shared.shard_index import ShardInfo
+from ..shared.shard_index import ShardInfo, file_facts
 from .cache import ShardCache
 from .events import (
     BudgetAsked,
@@ -58,6 +58,7 @@ from .fetch import Fetcher
 from .grants import NO_HOLD, Grants, NoRoom, PrefetchHold
 from .shard_download import Budget, Cancelled, DiskFull, Download, Fetched, Progress
 from .shards import Shards
+from .validators import common_validator, etag_md5
 
 log = get_logger(__name__)
 
@@ -287,15 +288,33 @@ class Downloads:
         # Not evicted while we ask; unpinned when the answer comes. No reader reads it, so no
         # read is counted: a restart must not make every cached shard look recently read.
         self._cache.pin(url, read=False)
+        rec = self._cache.index.get(url)
         d = Download(
             url,
             partial=self._layout.partial_path(url),
             final=self._layout.shard_path(url),
             budget=Budget(self.reserve),
+            # The version the copy holds, and whether its bytes may prove it (see _revalidate).
+            progress=Progress(
+                etag=rec.etag if rec else None,
+                last_modified=rec.last_modified if rec else None,
+                total=(rec.source_size or rec.size) if rec else None,
+            ),
+            expected=self._expected(url),
             verify=True,
+            digest=self._may_digest(url),
         )
         self._shards.start_download(d)
         self._tasks.put(d)
+
+    def _may_digest(self, url: str) -> bool:
+        """Whether the cached copy of ``url`` may be hashed at its revalidation: it holds the bytes
+        of its source as they are (not decompressed from gzip), and is not known already to have
+        the MD5 its shard index gives."""
+        info, rec = self._expected(url), self._cache.index.get(url)
+        if rec is None or rec.source_size is not None:
+            return False
+        return rec.md5 is None or info is None or rec.md5 != info.md5
 
     def _cancel_unwanted(self) -> bool:
         """Free a slot for a shard someone waits for: cancel a download out of every window
@@ -436,7 +455,7 @@ class Downloads:
     def _run(self, d: Download) -> Event:
         try:
             if d.verify:
-                return Revalidated(d, self._fetcher.describe(d.url))
+                return self._revalidate(d)
             if d.cancel.is_set():
                 raise Cancelled(d.url)
             return Downloaded(d, self._fetcher.fetch(d))
@@ -449,6 +468,29 @@ class Downloads:
         except Exception as exc:  # a bug must not kill the thread and hang the agent
             log.exception("unexpected error downloading %s", d.url)
             return DownloadFailed(d, FetchError(d.url, f"internal error: {exc!r}"))
+
+    def _revalidate(self, d: Download) -> Revalidated:
+        """Ask the source of the cached ``d.url`` what it holds now. When that has no validator in
+        common with the copy's (an adopted copy has none) but is of the copy's size, and an MD5
+        could prove the copy (its shard index's, or an ETag that is one), the copy is hashed too
+        (``d.progress.md5``), once, in this download slot: :mod:`wdscache.agent.opens` decides."""
+        now = self._fetcher.describe(d.url)
+        p = d.progress
+        if (
+            d.digest
+            and isinstance(now, Fetched)
+            and now.size == p.total
+            and common_validator(p.etag, p.last_modified, now.etag, now.last_modified) is None
+            and ((d.expected is not None and d.expected.md5 is not None) or etag_md5(now.etag) is not None)
+        ):
+            try:
+                size, p.md5 = file_facts(d.final, md5=True)
+            except OSError as exc:  # (gone behind our back: the open that needs it downloads it again)
+                log.warning("could not read the cached copy of %s to check its MD5: %s", d.url, exc)
+            else:
+                if size != p.total:  # changed behind our back while hashed: proves nothing
+                    p.md5 = None
+        return Revalidated(d, now)
 
     # -- shutdown ---------------------------------------------------------------
 

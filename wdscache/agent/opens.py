@@ -15,6 +15,10 @@ Guarantees:
 - A reader is answered with a path only for a shard that is cached and, when it
   was cached by an earlier run and ``--revalidate`` is on, found current; a file
   deleted behind the agent's back is downloaded again, never served missing.
+- Current means: of the source's size and validator (the strongest both have); or, for a
+  copy of no validator in common with its source (one adopted into a rebuilt index), of
+  the source's size and of the MD5 its shard index gives or the source's ETag is, its bytes
+  hashed once (:mod:`wdscache.agent.downloads`). A size, or a source's validator, alone never is.
 - Every pin a reader holds is one pin in the cache (:meth:`Opens.release_all`
   gives them all back when it goes), so nothing a reader holds is evicted.
 - A shard still downloading is pinned for a reader (``while_downloading``) only once its
@@ -26,6 +30,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -44,7 +49,7 @@ from .downloads import Downloads
 from .readers import Readers, dropped_reply
 from .shard_download import Fetched, Gone, Unknown
 from .shards import Phase, Shard, Shards, Waiter
-from .validators import common_validator, validator_kind
+from .validators import common_validator, etag_md5, validator_kind
 
 log = get_logger(__name__)
 
@@ -378,25 +383,37 @@ class Opens:
         self._answer_waiters(shard, error="removed from the agent's URL list")
         self.shards.settle(shard)
 
-    def revalidated(self, url: str, now: Fetched | Gone | Unknown) -> None:
-        """A cached shard from an earlier run was compared with its source (``now``: what it holds)."""
+    def revalidated(self, url: str, now: Fetched | Gone | Unknown, md5: str | None = None) -> None:
+        """A cached shard from an earlier run was compared with its source (``now``: what it holds;
+        ``md5``: the copy's MD5, when it was hashed for want of a validator in common)."""
         cache = self._cache
         cache.unpin(url, read=False)
         shard = self.shards.record(url)
         try:
-            self._revalidated(shard, now)
+            self._revalidated(shard, now, md5)
         finally:
             self.shards.settle(shard)
 
-    def _revalidated(self, shard: Shard, now: Fetched | Gone | Unknown) -> None:
+    def _revalidated(self, shard: Shard, now: Fetched | Gone | Unknown, md5: str | None) -> None:
         cache, url = self._cache, shard.url
         rec = cache.index.get(url)
         if rec is None or rec.state is not ShardState.CACHED:
             self._demand(shard)  # gone meanwhile: its waiters need it
             return
-        size, counted = rec.source_size or rec.size, cache.index.counts.get(url)
-        changed = unlike_index(self._readers.shard_info(url), size, counted) or _unlike_source(url, rec, now)
-        unknown = None if changed else _not_comparable(rec, now)
+        size, counted, info = rec.source_size or rec.size, cache.index.counts.get(url), self._readers.shard_info(url)
+        if md5 is not None and isinstance(now, Fetched):
+            proof = _proof(md5, info, now)
+            if proof is not None:
+                # Its bytes are the shard its index names, or the very object the source's ETag names,
+                # as a download's are: kept with that and the source's validators now (as a download
+                # keeps those it got), so that later runs need no hash and see the source change.
+                log.info("%s: the cached copy has the MD5 %s; kept without downloading it", url, proof)
+                rec = dataclasses.replace(rec, md5=md5, etag=now.etag, last_modified=now.last_modified)
+                cache.put(rec)
+            elif info is not None and info.md5 is not None:
+                rec = dataclasses.replace(rec, md5=md5)  # (unlike its index: see unlike_index below)
+        changed = unlike_index(info, size, counted, rec.md5) or _unlike_source(url, rec, now)
+        unknown = None if changed else _not_comparable(rec, now, info)
         if changed is None and unknown is None:
             if self._config.revalidate:
                 self._verified.add(url)
@@ -423,7 +440,7 @@ class Opens:
         listed = self._readers.list_info(url)
         if listed is None or self._readers.shard_info(url, name) != listed:
             return None
-        return unlike_index(listed, rec.source_size or rec.size, self._cache.index.counts.get(url))
+        return unlike_index(listed, rec.source_size or rec.size, self._cache.index.counts.get(url), rec.md5)
 
     # -- damage -----------------------------------------------------------------------
 
@@ -532,16 +549,18 @@ def shard_status(cache: ShardCache, shards: Shards, downloads: Downloads, url: s
     return {"state": "queued" if url in downloads or asked else "unknown", **progress}
 
 
-def unlike_index(info: ShardInfo | None, size: int, counted: int | None) -> str | None:
-    """How a cached copy of ``size`` bytes holding ``counted`` samples (None: not counted) differs
-    from what a shard index says of it, ``info`` (None: it does not, or there is no index): it is
-    downloaded again then, and that download is checked."""
+def unlike_index(info: ShardInfo | None, size: int, counted: int | None, md5: str | None = None) -> str | None:
+    """How a cached copy of ``size`` bytes holding ``counted`` samples (None: not counted) and of
+    MD5 ``md5`` (None: not known) differs from what a shard index says of it, ``info`` (None: it
+    does not, or there is no index): it is downloaded again then, and that download is checked."""
     if info is None:
         return None
     if info.filesize is not None and size != info.filesize:
         return f"is {size} bytes in the cache, but the shard index says {info.filesize}"
     if counted is not None and info.nsamples is not None and counted != info.nsamples:
         return f"holds {counted} samples in the cache, but the shard index says {info.nsamples}"
+    if md5 is not None and info.md5 is not None and md5 != info.md5:
+        return f"has MD5 {md5} in the cache, but the shard index says {info.md5}"
     return None
 
 
@@ -560,11 +579,23 @@ def _unlike_source(url: str, rec: ShardRecord, now: Fetched | Gone | Unknown) ->
     return None
 
 
-def _not_comparable(rec: ShardRecord, now: Fetched | Gone | Unknown) -> str | None:
+def _proof(md5: str, info: ShardInfo | None, now: Fetched) -> str | None:
+    """What a cached copy of MD5 ``md5`` is proved by (None: nothing): the shard index ``info``
+    giving that MD5, or the source's ETag being it (an S3 object uploaded whole: the copy is that
+    very object). Its size was found the source's before it was hashed."""
+    if info is not None and info.md5 is not None:
+        return "its shard index gives" if md5 == info.md5 else None
+    return "its source's ETag names" if md5 == etag_md5(now.etag) else None
+
+
+def _not_comparable(rec: ShardRecord, now: Fetched | Gone | Unknown, info: ShardInfo | None) -> str | None:
     """Why a cached copy cannot be told current although its source answered (None: it can,
     or the source could not be asked): the copy and the source have no validator in common,
-    so the copy is downloaded again rather than served unchecked."""
+    and the copy is not known to have the MD5 its shard index (``info``) gives, so it is
+    downloaded again rather than served unchecked. (The source's size was compared before.)"""
     if not isinstance(now, Fetched) or common_validator(rec.etag, rec.last_modified, now.etag, now.last_modified):
+        return None
+    if rec.md5 is not None and info is not None and info.md5 == rec.md5:
         return None
     return (
         f"its copy was cached with {_kinds(rec.etag, rec.last_modified)}, the server now sends "

@@ -8,7 +8,9 @@ Guarantees:
 - Nothing complete is lost: a cached shard whose file has its recorded size is kept; one
   renamed into place just before a crash (its record still DOWNLOADING) is adopted; with a
   rebuilt index, complete files the agent's list names are adopted (:func:`adopt`), since
-  their names derive from their URLs.
+  their names derive from their URLs. An adopted copy's version is unknown (its record has no
+  validator): revalidation serves it only once its bytes are proved the source's shard
+  (:mod:`wdscache.agent.opens`), else downloads it again.
 - What a crash left half done is finished or undone: a half-done eviction (EVICTING) is
   finished; a partial file is kept for a Range resume when its DOWNLOADING record has a
   validator, whichever list named its shard (a job's own list does not outlive the agent:

@@ -90,7 +90,9 @@ class Download:
     progress: Progress = field(default_factory=Progress)
     expected: ShardInfo | None = None  # what a shard index says of the file (checked before publish)
     verify: bool = False  # only ask the source whether the cached copy is still current
-    digest: bool = False  # hash the source bytes (``md5``) even without an expected MD5
+    # Hash the source bytes (``md5``) even without an expected MD5; for a revalidation, hash the
+    # cached copy when an MD5 may prove it current (wdscache.agent.downloads).
+    digest: bool = False
     on_validator: Callable[[Download], None] = lambda d: None  # the thread found the source's validator
     demanded: bool = False  # a reader waits for it
     cancel: threading.Event = field(default_factory=threading.Event)

@@ -5,7 +5,8 @@ A shard's version is its ETag, or, from a server that sends none, its Last-Modif
 A resumed answer is continued only when it carries the very validator the partial file's
 bytes came with (:meth:`Version.unlike`): so bytes of two versions are never spliced.
 Revalidation (:func:`common_validator`) compares the strongest validator both the cached
-copy and the source have.
+copy and the source have; an ETag that is an MD5 (:func:`etag_md5`) can name a copy of no
+validator by its bytes.
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def validator_kind(value: str) -> str:
         return "Last-Modified"
     except (TypeError, ValueError):
         return "size-mtime"
+
+
+def etag_md5(tag: str | None) -> str | None:
+    """The MD5 (lowercase hex) an ETag of 32 hex digits may be (S3's, and other stores', for an
+    object uploaded whole), else None. Not proof by itself: only bytes whose MD5 it equals are
+    known to be the object it names."""
+    if tag is None or len(tag) != 34 or not (tag[0] == tag[-1] == '"'):
+        return None
+    digits = tag[1:-1].lower()
+    return digits if all(c in "0123456789abcdef" for c in digits) else None
 
 
 def is_etag(value: str) -> bool:

@@ -124,6 +124,10 @@ class ShardRecord:
     # Bytes of the shard's sample table file (CACHE_DIR/tables/), 0 when it has none. Counted
     # from before the file is written until after it is removed: the budget never misses it.
     table_size: int = 0
+    # The MD5 (lowercase hex) a check of the cached file found equal to its shard index's, for a
+    # copy whose version no validator names (one adopted into a rebuilt index): what makes it
+    # current at a revalidation (wdscache.agent.opens). None: not checked so.
+    md5: str | None = None
 
     @property
     def disk_bytes(self) -> int:
@@ -161,6 +165,7 @@ _RECORD_TYPES: dict[str, type | tuple[type, ...]] = {
     "error": _OPTIONAL_STR,
     "last_modified": _OPTIONAL_STR,
     "table_size": int,
+    "md5": _OPTIONAL_STR,
 }
 
 
