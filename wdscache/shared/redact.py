@@ -69,8 +69,10 @@ _BROKEN_USER_INFO = re.compile(
     r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))[^\s\"<>]*@"
 )
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
-# path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``).
-_PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&#\s\"<>]+)")
+# path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``): its
+# name and "=" here, then its value (_VALUE, at least a character), scanned only where masked.
+_PARAMETER = re.compile(r"[?&;#]([^=&;#?\s\"'<>]+)=")
+_VALUE = re.compile(r"[^&#\s\"<>]+")
 _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session|hmac|hdnts", re.IGNORECASE)
 
 
@@ -169,15 +171,25 @@ def _is_basic(value: str) -> bool:
         return False
 
 
-def _parameter(match: re.Match[str]) -> str:
-    sep, name, value = match.groups()
-    if not _SECRET_NAME.search(unquote_plus(name)):
-        # Its value may hold more parameters after a ";" (``?a=1;token=x``).
-        return f"{sep}{name}={_PARAMETER.sub(_parameter, value)}"
-    # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") or a quote around it
-    # ('...?token=abc') is the text's.
-    after = value[len(value.rstrip(":,.)]}'")) :]
-    return f"{sep}{name}={MASK}{after}"
+def _parameters(text: str) -> str:
+    """``text`` with the value of every parameter of a secret name masked. One pass, left to right
+    (a line may hold thousands of parameters): after a parameter of another name the scan goes on
+    within its value, which may hold more after a ";" (``?a=1;token=x``), and only a masked value
+    is read to its end, once."""
+    out: list[str] = []
+    at = pos = 0
+    while (match := _PARAMETER.search(text, pos)) is not None:
+        pos = match.end()
+        if not _SECRET_NAME.search(unquote_plus(match.group(1))):
+            continue
+        value = _VALUE.match(text, pos)
+        if value is None:
+            continue
+        # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") or a quote around it
+        # ('...?token=abc') is the text's.
+        out += (text[at:pos], MASK)
+        at, pos = pos + len(value.group().rstrip(":,.)]}'")), value.end()
+    return "".join(out) + text[at:] if out else text
 
 
 def redact_urls(text: str) -> str:
@@ -187,7 +199,7 @@ def redact_urls(text: str) -> str:
     if "@" in text:
         text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
     if "=" in text:
-        text = _PARAMETER.sub(_parameter, text)
+        text = _parameters(text)
         if "Digest" in text or "AWS4-HMAC-SHA256" in text:  # (their credentials are "name=value" lists)
             text = _PARAM_CREDENTIALS.sub(rf"\1\2{MASK}", text)
     if ":" in text:
