@@ -280,8 +280,23 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
             "curl -H 'Authorization: Bearer abc=' -H 'X: y' http://h/a",
             "curl -H 'Authorization: Bearer ***' -H 'X: y' http://h/a",
         ),
-        # Without a header name: the auth-param list of Digest and AWS4-HMAC-SHA256 credentials.
+        # A quoted auth-param is one whatever follows it but a token: a bracket, a sentence's "." or
+        # a word (the quote after it was taken for a command line's: the last value showed).
+        (
+            '(Authorization: OAuth oauth_token="t", oauth_signature="SECRETSIG")',
+            "(Authorization: OAuth ***",
+        ),
+        ('AUTHORIZATION: DIGEST username="bob", response="SECRETRESP")', "AUTHORIZATION: DIGEST ***"),
+        ('authorization: digest username="bob", response="SECRETRESP".', "authorization: digest ***"),
+        ('[Authorization: HOBA result="SECRETRESULT"]', "[Authorization: HOBA ***"),
+        ('{Cookie: session="SECRETSESSION"}', "{Cookie: ***"),
+        ('Cookie: session="SECRETSESSION" sent', "Cookie: ***"),
+        # ...while a quote directly followed by a word is a command line's next argument's.
+        ('curl -H "Cookie: a=" -H "X: y" http://h/a', 'curl -H "Cookie: ***" -H "X: y" http://h/a'),
+        # Without a header name: the auth-param list of Digest and AWS4-HMAC-SHA256 credentials (the
+        # scheme in any case).
         ('sent Digest username="bob", response="abc" and got 401', "sent Digest *** and got 401"),
+        ('sent digest username="bob", response="SECRETRESP" and got 401', "sent digest *** and got 401"),
         (
             "signed AWS4-HMAC-SHA256 Credential=AKIA/x/aws4_request, SignedHeaders=host, Signature=abc: refused",
             "signed AWS4-HMAC-SHA256 ***: refused",

@@ -24,12 +24,13 @@ And in any text, the credentials of an HTTP header as a verbose tool prints it (
 - the value of an ``Authorization``, ``Proxy-Authorization``, ``WWW-Authenticate``,
   ``Proxy-Authenticate``, ``Cookie``, ``Set-Cookie``, ``X-Amz-Security-Token`` or ``X-Api-Key``
   header (its name in any case), to the end of its line or to a quote that is not one of its
-  quoted strings (``Digest username="bob", ..., response="..."`` is masked whole); of the first
+  quoted strings (``Digest username="bob", ..., response="..."`` is masked whole, whatever
+  follows the last one: ``")``, ``".`` or a word); of the first
   four, a known scheme word stays (``Authorization: Bearer ***``, ``Digest ***``, ``NTLM ***``,
   ``AWS4-HMAC-SHA256 ***``);
 - a ``Bearer`` token, ``Basic`` credentials (base64 of ``user:password``), and the parameter list
-  of ``Digest`` and ``AWS4-HMAC-SHA256`` credentials (``Credential=..., Signature=...``), wherever
-  they stand;
+  of ``Digest`` and ``AWS4-HMAC-SHA256`` credentials (``Credential=..., Signature=...``; those two
+  scheme words in any case), wherever they stand;
 - in a text with such a header, the user name of curl's ``-v`` note ``Server auth using Digest
   with user '...'``.
 
@@ -99,11 +100,13 @@ _TOKEN68_SCHEMES = frozenset({"bearer", "basic", "negotiate", "ntlm", "token"})
 # line argument or a JSON string (-H "Authorization: Digest username=\"bob\"").
 _QUOTED = r'"(?:[^"\\\r\n]|\\[^\r\n])*"|\\"(?:[^"\\\r\n]|\\[^"\r\n])*\\"'
 # The value of a header "Name: value" up to its line's end, or to a quote that is no auth-param's
-# quoted string (its name after a space, "," or ";", and a "," ";", quote, line end or next
-# auth-param after it): the quote that ends a quoted command line argument.
+# quoted string (its name after a space, "," or ";", and after it what cannot go on with a token:
+# a space, "," ";", a quote, a closing bracket, a sentence's "." or ":", the line's end): the quote
+# that ends a quoted command line argument (-H "Cookie: a=" -H "X: y", where '" -H "' is followed
+# by "X").
 _PARAMS_LINE = re.compile(
     rf"(?:(?<![^\s,;])[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED})"
-    rf"(?=[ \t]*(?:[,;\r\n\"']|$)|[ \t]+[A-Za-z][\w.-]*[ \t]*=)|[^\r\n\"'])*"
+    rf"(?=[\s,;\"')\]}}]|[.:](?!\S)|$)|[^\r\n\"'])*"
 )
 # A value opened by a quote ends at the same quote, unless escaped ("Digest username=\"bob\"").
 _UNESCAPED = {q: re.compile(rf"(?:[^{q}\\]|\\.)*{q}", re.DOTALL) for q in "\"'"}
@@ -111,10 +114,13 @@ _UNESCAPED = {q: re.compile(rf"(?:[^{q}\\]|\\.)*{q}", re.DOTALL) for q in "\"'"}
 # Case-sensitive, as tools write them: "the bearer of" is prose.
 _CREDENTIALS = re.compile(r"\b(Bearer|Basic)([ \t]+)([A-Za-z0-9._~+/-]+=*)")
 # Credentials of a scheme whose credentials are auth-params ("name=value, ..."), where no header
-# name precedes them: the list is masked, the text after it stays.
+# name precedes them: the list is masked, the text after it stays. The scheme in any case, as a
+# server reads it ("digest username=..."): a list of "name=value" after it is no prose.
 # (A token's last ":", "." or ")" is the sentence's: "..., Signature=abc: refused".)
 _AUTH_PARAM = rf"[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED}|[^\s,\"'\\]*[^\s,\"'\\:.)])"
-_PARAM_CREDENTIALS = re.compile(rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)({_AUTH_PARAM}(?:[ \t]*,[ \t]*{_AUTH_PARAM})*)")
+_PARAM_CREDENTIALS = re.compile(
+    rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)({_AUTH_PARAM}(?:[ \t]*,[ \t]*{_AUTH_PARAM})*)", re.IGNORECASE
+)
 # curl -v's note of who it authenticates as ("* Server auth using Digest with user 'bob'"): a user
 # name may be a token itself (-u TOKEN:x-oauth-basic).
 _CURL_USER = re.compile(r"(auth using [\w-]+ with user ')[^'\r\n]*'")
@@ -198,13 +204,16 @@ def redact_urls(text: str) -> str:
     returned unchanged."""
     if "@" in text:
         text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
+    # Names in any case are looked for in one lower-case copy (this runs for every log line): of the
+    # text before the masking below, which leaves no name that was not there.
+    lower = text.lower() if "=" in text or ":" in text else ""
     if "=" in text:
         text = _parameters(text)
-        if "Digest" in text or "AWS4-HMAC-SHA256" in text:  # (their credentials are "name=value" lists)
+        if "digest" in lower or "aws4-hmac-sha256" in lower:  # (their credentials are "name=value" lists)
             text = _PARAM_CREDENTIALS.sub(rf"\1\2{MASK}", text)
     if ":" in text:
-        lower = text.lower()  # (a check of each name, not a generator: this runs for every log line)
-        # ("auth": Authorization, WWW-Authenticate and Proxy-Authenticate in one look)
+        # (a check of each name, not a generator; "auth": Authorization, WWW-Authenticate and
+        # Proxy-Authenticate in one look)
         if "auth" in lower or "cookie" in lower or "x-amz-security-token" in lower or "x-api-key" in lower:
             text = _headers(text)
             if " with user '" in text:  # (curl -v notes the user before it sends the header)
