@@ -237,9 +237,12 @@ def redacted(obj: Any) -> Any:
 
 def shown_names(names: Iterable[str]) -> dict[str, str]:
     """Each of ``names`` (job names, say) as shown: redacted (:func:`redact_urls`), and where
-    names differ only by what that masks, each of them with `` #`` and a tag appended: a few hex
-    digits of a hash keyed by this process's random key, so the tag tells nothing of the secret
-    and stays the same for the name while this process runs (``train-http://***@h/x #3fa1``)."""
+    names differ only by what that masks, each of them with a tag: a few hex digits of a hash
+    keyed by this process's random key, so the tag tells nothing of the secret and stays the same
+    for the name while this process runs. The tag follows the name (``train-http://***@h/x #3fa1``)
+    or, where what is masked runs to the name's end (a header's value runs to its line's), comes
+    first (``#3fa1 train Authorization: Bearer ***``): a name as shown is redacted again wherever
+    it is shown (``redacted``, a command's output), which must leave its tag."""
     alike: dict[str, set[str]] = {}
     for name in names:
         alike.setdefault(redact_urls(name), set()).add(name)
@@ -251,5 +254,11 @@ def shown_names(names: Iterable[str]) -> dict[str, str]:
         tags = {name: hmac.new(_TAG_KEY, name.encode(), hashlib.sha256).hexdigest() for name in group}
         # 4 digits: 2 names of a group have the same ones once in 65,536; then as many as tell them apart.
         digits = next(n for n in (4, 8, 16, 64) if len({tag[:n] for tag in tags.values()}) == len(group))
-        out.update({name: f"{shown} #{tag[:digits]}" for name, tag in tags.items()})
+        out.update({name: _tagged(shown, tag[:digits]) for name, tag in tags.items()})
     return out
+
+
+def _tagged(shown: str, tag: str) -> str:
+    """The name ``shown`` with its ``tag``: after it, unless a redaction would mask it there."""
+    after = f"{shown} #{tag}"
+    return after if redact_urls(after) == after else f"#{tag} {shown}"
