@@ -118,6 +118,15 @@ def test_a_url_is_shown_without_user_info_or_secret_parameters(url: str, shown: 
     assert redact_urls(url) == shown
 
 
+@pytest.mark.parametrize("pieces", [5_000, 250_000])  # a 20 KB URL; a 1 MB one
+def test_a_url_whose_value_holds_thousands_of_parameters_makes_its_error(pieces: int) -> None:
+    # Each ";a=" within a value was redacted by one more nested call: a thousand of them raised
+    # RecursionError in an error's constructor (and the log filter), and the time grew as their square.
+    url = "http://h/x.tar?a=" + "x;a=" * pieces + "&token=SECRET"
+    error = FetchError(url, f"GET {url}: HTTP 403")
+    assert error.reason == "GET http://h/x.tar?a=" + "x;a=" * pieces + "&token=***: HTTP 403"
+
+
 def test_a_url_not_in_a_list_is_named_redacted() -> None:
     listed = parse_url_list("http://h/a.tar")
     secret = "http://u:PASSWORD@h/x.tar?X-Amz-Signature=SIGNATURE"

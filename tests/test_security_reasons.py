@@ -18,7 +18,8 @@ import pytest
 import wdscache
 from tests.helpers.streaming import samples_of
 from wdscache import FetchError, ShardClient
-from wdscache.shared.redact import redact_urls
+from wdscache.shared.redact import redact_urls, redacted
+from wdscache.shared.stats import build, format_stats
 
 
 def _index_bytes(cache: Path) -> str:
@@ -186,6 +187,77 @@ def test_jobs_whose_names_differ_only_by_a_secret_stay_apart_in_stats(
     assert [t for t in [json.dumps(live), text, stats_json, agent.stderr_text()] if "SECRET" in t] == []
 
 
+# A name whose secret runs to its end (a header's value runs to its line's) had its tag masked
+# with it: the stats object was redacted after the tags were added (and a command redacts what it
+# prints again), so the two jobs were one entry again, one's figures dropped.
+_HEADER_SHAPED = [
+    ("train Authorization: Bearer SECRETA", "train Authorization: Bearer SECRETB"),
+    ("x-api-key: SECRETA", "x-api-key: SECRETB"),
+    ("job Cookie: a=SECRETA", "job Cookie: a=SECRETB"),
+]
+
+
+@pytest.mark.parametrize(
+    "names",
+    [*_HEADER_SHAPED, ("run-http://u:SECRETA@h/x", "run-http://u:SECRETB@h/x")],
+    ids=["bearer", "api-key", "cookie", "url"],
+)
+def test_jobs_named_alike_once_redacted_stay_apart_wherever_their_stats_are_shown(names: tuple[str, str]) -> None:
+    a, b = names
+    stats = build(
+        cache_dir="/c",
+        summary={},
+        counters={},
+        bytes_limit=None,
+        agent={
+            "pid": 1,
+            "uptime_s": 1.0,
+            "answering": True,
+            "endpoint": "ipc:///c/agent.sock",
+            "demanded_by_job": {a: 1, b: 2},
+            "retrying": [{"url": "http://h/x.tar", "error": "HTTP 503", "jobs": [a, b]}],
+        },
+        jobs={a: {"0": {"samples": 1}}, b: {"0": {"samples": 2}}},
+        rank_totals={a: {"0": {"samples": 10}}, b: {"0": {"samples": 20}}},
+    )
+    by_samples = {ranks["0"]["samples"]: job for job, ranks in stats["jobs"].items()}
+    assert sorted(by_samples) == [1, 2], stats["jobs"]
+    shown_a, shown_b = by_samples[1], by_samples[2]
+    assert {job: ranks["0"]["samples"] for job, ranks in stats["rank_totals"].items()} == {shown_a: 10, shown_b: 20}
+    assert stats["agent"]["demanded_by_job"] == {shown_a: 1, shown_b: 2}
+    assert stats["agent"]["retrying"][0]["jobs"] == [shown_a, shown_b]
+    # As `stats --json`, `ShardClient.stats()` in a redacting log and `stats` print them: redacted again.
+    assert redacted(stats) == stats
+    text = redact_urls(format_stats(stats))
+    assert [line for line in text.splitlines() if line.startswith("job ")] == sorted(
+        f"job {job}" if job.startswith("#") else f"job {job}:" for job in (shown_a, shown_b)
+    ), text
+    assert "SECRET" not in json.dumps(stats) + text
+
+
+@pytest.mark.slow
+def test_jobs_whose_header_shaped_names_differ_only_by_a_secret_stay_apart_in_stats(
+    tmp_path, dataset, start_agent, consumers, run_cli
+) -> None:
+    data = dataset(2, samples=4, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file)
+    names = _HEADER_SHAPED[2]
+    started = [consumers(cache, f"c{i}", "--job", name, "--no-shuffle") for i, name in enumerate(names)]
+    for c in started:
+        assert len(samples_of(c.wait())) == 8
+    ended = agent.wait_stats(lambda s: len(s["ended_jobs"]) == 2, 20, "both jobs listed as ended")
+    shown = sorted(ended["rank_totals"])
+    assert len(shown) == 2 and all(re.fullmatch(r"#[0-9a-f]{4} job Cookie: \*\*\*", j) for j in shown), shown
+    assert {job: ranks["0"]["samples"] for job, ranks in ended["rank_totals"].items()} == dict.fromkeys(shown, 8)
+    stats_json = run_cli("stats", "--json", "--cache-dir", cache).stdout
+    assert sorted(json.loads(stats_json)["ended_jobs"]) == shown, stats_json
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert sorted(line for line in text.splitlines() if line.startswith("job ")) == [f"job {j}" for j in shown], text
+    assert agent.stop() == 0
+    assert [t for t in [stats_json, text, agent.stderr_text()] if "SECRET" in t] == []
+
+
 _UNCAUGHT = textwrap.dedent(
     """
     import sys, threading
@@ -280,8 +352,23 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
             "curl -H 'Authorization: Bearer abc=' -H 'X: y' http://h/a",
             "curl -H 'Authorization: Bearer ***' -H 'X: y' http://h/a",
         ),
-        # Without a header name: the auth-param list of Digest and AWS4-HMAC-SHA256 credentials.
+        # A quoted auth-param is one whatever follows it but a token: a bracket, a sentence's "." or
+        # a word (the quote after it was taken for a command line's: the last value showed).
+        (
+            '(Authorization: OAuth oauth_token="t", oauth_signature="SECRETSIG")',
+            "(Authorization: OAuth ***",
+        ),
+        ('AUTHORIZATION: DIGEST username="bob", response="SECRETRESP")', "AUTHORIZATION: DIGEST ***"),
+        ('authorization: digest username="bob", response="SECRETRESP".', "authorization: digest ***"),
+        ('[Authorization: HOBA result="SECRETRESULT"]', "[Authorization: HOBA ***"),
+        ('{Cookie: session="SECRETSESSION"}', "{Cookie: ***"),
+        ('Cookie: session="SECRETSESSION" sent', "Cookie: ***"),
+        # ...while a quote directly followed by a word is a command line's next argument's.
+        ('curl -H "Cookie: a=" -H "X: y" http://h/a', 'curl -H "Cookie: ***" -H "X: y" http://h/a'),
+        # Without a header name: the auth-param list of Digest and AWS4-HMAC-SHA256 credentials (the
+        # scheme in any case).
         ('sent Digest username="bob", response="abc" and got 401', "sent Digest *** and got 401"),
+        ('sent digest username="bob", response="SECRETRESP" and got 401', "sent digest *** and got 401"),
         (
             "signed AWS4-HMAC-SHA256 Credential=AKIA/x/aws4_request, SignedHeaders=host, Signature=abc: refused",
             "signed AWS4-HMAC-SHA256 ***: refused",

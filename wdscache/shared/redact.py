@@ -24,12 +24,13 @@ And in any text, the credentials of an HTTP header as a verbose tool prints it (
 - the value of an ``Authorization``, ``Proxy-Authorization``, ``WWW-Authenticate``,
   ``Proxy-Authenticate``, ``Cookie``, ``Set-Cookie``, ``X-Amz-Security-Token`` or ``X-Api-Key``
   header (its name in any case), to the end of its line or to a quote that is not one of its
-  quoted strings (``Digest username="bob", ..., response="..."`` is masked whole); of the first
+  quoted strings (``Digest username="bob", ..., response="..."`` is masked whole, whatever
+  follows the last one: ``")``, ``".`` or a word); of the first
   four, a known scheme word stays (``Authorization: Bearer ***``, ``Digest ***``, ``NTLM ***``,
   ``AWS4-HMAC-SHA256 ***``);
 - a ``Bearer`` token, ``Basic`` credentials (base64 of ``user:password``), and the parameter list
-  of ``Digest`` and ``AWS4-HMAC-SHA256`` credentials (``Credential=..., Signature=...``), wherever
-  they stand;
+  of ``Digest`` and ``AWS4-HMAC-SHA256`` credentials (``Credential=..., Signature=...``; those two
+  scheme words in any case), wherever they stand;
 - in a text with such a header, the user name of curl's ``-v`` note ``Server auth using Digest
   with user '...'``.
 
@@ -69,8 +70,10 @@ _BROKEN_USER_INFO = re.compile(
     r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))[^\s\"<>]*@"
 )
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
-# path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``).
-_PARAMETER = re.compile(r"([?&;#])([^=&;#?\s\"'<>]+)=([^&#\s\"<>]+)")
+# path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``): its
+# name and "=" here, then its value (_VALUE, at least a character), scanned only where masked.
+_PARAMETER = re.compile(r"[?&;#]([^=&;#?\s\"'<>]+)=")
+_VALUE = re.compile(r"[^&#\s\"<>]+")
 _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session|hmac|hdnts", re.IGNORECASE)
 
 
@@ -97,11 +100,13 @@ _TOKEN68_SCHEMES = frozenset({"bearer", "basic", "negotiate", "ntlm", "token"})
 # line argument or a JSON string (-H "Authorization: Digest username=\"bob\"").
 _QUOTED = r'"(?:[^"\\\r\n]|\\[^\r\n])*"|\\"(?:[^"\\\r\n]|\\[^"\r\n])*\\"'
 # The value of a header "Name: value" up to its line's end, or to a quote that is no auth-param's
-# quoted string (its name after a space, "," or ";", and a "," ";", quote, line end or next
-# auth-param after it): the quote that ends a quoted command line argument.
+# quoted string (its name after a space, "," or ";", and after it what cannot go on with a token:
+# a space, "," ";", a quote, a closing bracket, a sentence's "." or ":", the line's end): the quote
+# that ends a quoted command line argument (-H "Cookie: a=" -H "X: y", where '" -H "' is followed
+# by "X").
 _PARAMS_LINE = re.compile(
     rf"(?:(?<![^\s,;])[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED})"
-    rf"(?=[ \t]*(?:[,;\r\n\"']|$)|[ \t]+[A-Za-z][\w.-]*[ \t]*=)|[^\r\n\"'])*"
+    rf"(?=[\s,;\"')\]}}]|[.:](?!\S)|$)|[^\r\n\"'])*"
 )
 # A value opened by a quote ends at the same quote, unless escaped ("Digest username=\"bob\"").
 _UNESCAPED = {q: re.compile(rf"(?:[^{q}\\]|\\.)*{q}", re.DOTALL) for q in "\"'"}
@@ -109,10 +114,13 @@ _UNESCAPED = {q: re.compile(rf"(?:[^{q}\\]|\\.)*{q}", re.DOTALL) for q in "\"'"}
 # Case-sensitive, as tools write them: "the bearer of" is prose.
 _CREDENTIALS = re.compile(r"\b(Bearer|Basic)([ \t]+)([A-Za-z0-9._~+/-]+=*)")
 # Credentials of a scheme whose credentials are auth-params ("name=value, ..."), where no header
-# name precedes them: the list is masked, the text after it stays.
+# name precedes them: the list is masked, the text after it stays. The scheme in any case, as a
+# server reads it ("digest username=..."): a list of "name=value" after it is no prose.
 # (A token's last ":", "." or ")" is the sentence's: "..., Signature=abc: refused".)
 _AUTH_PARAM = rf"[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED}|[^\s,\"'\\]*[^\s,\"'\\:.)])"
-_PARAM_CREDENTIALS = re.compile(rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)({_AUTH_PARAM}(?:[ \t]*,[ \t]*{_AUTH_PARAM})*)")
+_PARAM_CREDENTIALS = re.compile(
+    rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)({_AUTH_PARAM}(?:[ \t]*,[ \t]*{_AUTH_PARAM})*)", re.IGNORECASE
+)
 # curl -v's note of who it authenticates as ("* Server auth using Digest with user 'bob'"): a user
 # name may be a token itself (-u TOKEN:x-oauth-basic).
 _CURL_USER = re.compile(r"(auth using [\w-]+ with user ')[^'\r\n]*'")
@@ -169,15 +177,25 @@ def _is_basic(value: str) -> bool:
         return False
 
 
-def _parameter(match: re.Match[str]) -> str:
-    sep, name, value = match.groups()
-    if not _SECRET_NAME.search(unquote_plus(name)):
-        # Its value may hold more parameters after a ";" (``?a=1;token=x``).
-        return f"{sep}{name}={_PARAMETER.sub(_parameter, value)}"
-    # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") or a quote around it
-    # ('...?token=abc') is the text's.
-    after = value[len(value.rstrip(":,.)]}'")) :]
-    return f"{sep}{name}={MASK}{after}"
+def _parameters(text: str) -> str:
+    """``text`` with the value of every parameter of a secret name masked. One pass, left to right
+    (a line may hold thousands of parameters): after a parameter of another name the scan goes on
+    within its value, which may hold more after a ";" (``?a=1;token=x``), and only a masked value
+    is read to its end, once."""
+    out: list[str] = []
+    at = pos = 0
+    while (match := _PARAMETER.search(text, pos)) is not None:
+        pos = match.end()
+        if not _SECRET_NAME.search(unquote_plus(match.group(1))):
+            continue
+        value = _VALUE.match(text, pos)
+        if value is None:
+            continue
+        # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") or a quote around it
+        # ('...?token=abc') is the text's.
+        out += (text[at:pos], MASK)
+        at, pos = pos + len(value.group().rstrip(":,.)]}'")), value.end()
+    return "".join(out) + text[at:] if out else text
 
 
 def redact_urls(text: str) -> str:
@@ -186,13 +204,16 @@ def redact_urls(text: str) -> str:
     returned unchanged."""
     if "@" in text:
         text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
+    # Names in any case are looked for in one lower-case copy (this runs for every log line): of the
+    # text before the masking below, which leaves no name that was not there.
+    lower = text.lower() if "=" in text or ":" in text else ""
     if "=" in text:
-        text = _PARAMETER.sub(_parameter, text)
-        if "Digest" in text or "AWS4-HMAC-SHA256" in text:  # (their credentials are "name=value" lists)
+        text = _parameters(text)
+        if "digest" in lower or "aws4-hmac-sha256" in lower:  # (their credentials are "name=value" lists)
             text = _PARAM_CREDENTIALS.sub(rf"\1\2{MASK}", text)
     if ":" in text:
-        lower = text.lower()  # (a check of each name, not a generator: this runs for every log line)
-        # ("auth": Authorization, WWW-Authenticate and Proxy-Authenticate in one look)
+        # (a check of each name, not a generator; "auth": Authorization, WWW-Authenticate and
+        # Proxy-Authenticate in one look)
         if "auth" in lower or "cookie" in lower or "x-amz-security-token" in lower or "x-api-key" in lower:
             text = _headers(text)
             if " with user '" in text:  # (curl -v notes the user before it sends the header)
@@ -216,9 +237,12 @@ def redacted(obj: Any) -> Any:
 
 def shown_names(names: Iterable[str]) -> dict[str, str]:
     """Each of ``names`` (job names, say) as shown: redacted (:func:`redact_urls`), and where
-    names differ only by what that masks, each of them with `` #`` and a tag appended: a few hex
-    digits of a hash keyed by this process's random key, so the tag tells nothing of the secret
-    and stays the same for the name while this process runs (``train-http://***@h/x #3fa1``)."""
+    names differ only by what that masks, each of them with a tag: a few hex digits of a hash
+    keyed by this process's random key, so the tag tells nothing of the secret and stays the same
+    for the name while this process runs. The tag follows the name (``train-http://***@h/x #3fa1``)
+    or, where what is masked runs to the name's end (a header's value runs to its line's), comes
+    first (``#3fa1 train Authorization: Bearer ***``): a name as shown is redacted again wherever
+    it is shown (``redacted``, a command's output), which must leave its tag."""
     alike: dict[str, set[str]] = {}
     for name in names:
         alike.setdefault(redact_urls(name), set()).add(name)
@@ -230,5 +254,11 @@ def shown_names(names: Iterable[str]) -> dict[str, str]:
         tags = {name: hmac.new(_TAG_KEY, name.encode(), hashlib.sha256).hexdigest() for name in group}
         # 4 digits: 2 names of a group have the same ones once in 65,536; then as many as tell them apart.
         digits = next(n for n in (4, 8, 16, 64) if len({tag[:n] for tag in tags.values()}) == len(group))
-        out.update({name: f"{shown} #{tag[:digits]}" for name, tag in tags.items()})
+        out.update({name: _tagged(shown, tag[:digits]) for name, tag in tags.items()})
     return out
+
+
+def _tagged(shown: str, tag: str) -> str:
+    """The name ``shown`` with its ``tag``: after it, unless a redaction would mask it there."""
+    after = f"{shown} #{tag}"
+    return after if redact_urls(after) == after else f"#{tag} {shown}"
