@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import wdscache
+from tests.helpers.agents import AgentProc
 from tests.helpers.streaming import samples_of
 from wdscache import FetchError, ShardClient
 from wdscache.shared.redact import redact_urls, redacted
@@ -85,6 +86,31 @@ def test_a_reason_phrase_quoting_a_signed_query_reaches_no_reason_record_or_stat
     assert secret not in _index_bytes(cache)  # (which keys the shard by its full URL, token included)
 
 
+def _failed_pipes(tmp_path: Path, start_agent, lines: list[str], env: dict[str, str]) -> tuple[AgentProc, list[str]]:
+    """An agent on the ``pipe:`` commands ``lines`` (each failing) run with ``env``, once all have
+    failed, and the reason of each one's FetchError as a client is told it."""
+    urls_file = tmp_path / "pipes.txt"
+    urls_file.write_text("\n".join(lines) + "\n")
+    agent = start_agent(tmp_path / "cache", urls_file, "--allow-pipe", "--retries", "0", env=env)
+    agent.wait_stats(lambda s: s["shards"]["failed"] == len(lines), 30, "every command failed")
+    errors = []
+    with ShardClient(tmp_path / "cache", timeout=30) as client:
+        for line in lines:
+            with pytest.raises(FetchError) as info:
+                client.open(line, timeout=30)
+            errors.append(info.value.reason)
+    return agent, errors
+
+
+def _all_shown(agent: AgentProc, run_cli, errors: list[str]) -> list[str]:
+    """What people see of ``errors``: themselves, `stats` and `stats --json`, the index's bytes,
+    and the agent's log (the agent stopped, its exit checked)."""
+    stats = run_cli("stats", "--cache-dir", agent.cache_dir)
+    stats_json = run_cli("stats", "--json", "--cache-dir", agent.cache_dir)
+    assert agent.stop() == 0
+    return [*errors, stats.stdout + stats.stderr, stats_json.stdout, _index_bytes(agent.cache_dir), agent.stderr_text()]
+
+
 @pytest.mark.slow
 def test_a_verbose_pipe_commands_headers_reach_no_error_log_or_stats(
     tmp_path, dataset, shard_server, start_agent, run_cli
@@ -96,25 +122,10 @@ def test_a_verbose_pipe_commands_headers_reach_no_error_log_or_stats(
         f'pipe:curl -sfv -H "Authorization: Bearer $FAKE_TOKEN" {missing}',
         f'pipe:curl -sfv -u "eu:$FAKE_PASS" {missing}',
     ]
-    urls_file = tmp_path / "pipes.txt"
-    urls_file.write_text("\n".join(lines) + "\n")
-    cache = tmp_path / "cache"
-    agent = start_agent(
-        cache, urls_file, "--allow-pipe", "--retries", "0", env={"FAKE_TOKEN": token, "FAKE_PASS": password}
-    )
-    agent.wait_stats(lambda s: s["shards"]["failed"] == 2, 30, "both commands failed")
-    errors = []
-    with ShardClient(cache, timeout=30) as client:
-        for line in lines:
-            with pytest.raises(FetchError) as info:
-                client.open(line, timeout=30)
-            errors.append(info.value.reason)
+    agent, errors = _failed_pipes(tmp_path, start_agent, lines, {"FAKE_TOKEN": token, "FAKE_PASS": password})
     assert "> Authorization: Bearer ***" in errors[0] and "404" in errors[0], errors[0]
     assert "> Authorization: Basic ***" in errors[1], errors[1]
-    stats = run_cli("stats", "--cache-dir", cache)
-    stats_json = run_cli("stats", "--json", "--cache-dir", cache)
-    assert agent.stop() == 0
-    shown = [*errors, stats.stdout + stats.stderr, stats_json.stdout, _index_bytes(cache), agent.stderr_text()]
+    shown = _all_shown(agent, run_cli, errors)
     assert [t for t in shown if token in t or password in t or basic in t] == []
 
 
@@ -134,24 +145,11 @@ def test_digest_and_aws4_credentials_of_a_verbose_pipe_command_reach_no_error_lo
         f'pipe:curl -sfv --digest -u "$FAKE_USER:$FAKE_PASS" {data.urls[0]}',
         f'pipe:curl -sfv -H "Authorization: {aws4}, Signature=$FAKE_SIG" {shard_server.url("missing.tar")}',
     ]
-    urls_file = tmp_path / "pipes.txt"
-    urls_file.write_text("\n".join(lines) + "\n")
-    cache = tmp_path / "cache"
     env = {"FAKE_USER": user, "FAKE_PASS": password, "FAKE_AKID": key_id, "FAKE_SIG": signature}
-    agent = start_agent(cache, urls_file, "--allow-pipe", "--retries", "0", env=env)
-    agent.wait_stats(lambda s: s["shards"]["failed"] == 2, 30, "both commands failed")
-    errors = []
-    with ShardClient(cache, timeout=30) as client:
-        for line in lines:
-            with pytest.raises(FetchError) as info:
-                client.open(line, timeout=30)
-            errors.append(info.value.reason)
+    agent, errors = _failed_pipes(tmp_path, start_agent, lines, env)
     assert "> Authorization: Digest ***" in errors[0] and "< WWW-Authenticate: Digest ***" in errors[0], errors[0]
     assert "> Authorization: AWS4-HMAC-SHA256 ***" in errors[1] and "404" in errors[1], errors[1]
-    stats = run_cli("stats", "--cache-dir", cache)
-    stats_json = run_cli("stats", "--json", "--cache-dir", cache)
-    assert agent.stop() == 0
-    shown = [*errors, stats.stdout + stats.stderr, stats_json.stdout, _index_bytes(cache), agent.stderr_text()]
+    shown = _all_shown(agent, run_cli, errors)
     assert [t for t in shown if "SECRET" in t or "response=" in t] == []
 
 
