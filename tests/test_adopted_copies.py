@@ -115,3 +115,37 @@ def test_an_adopted_copy_whose_source_changed_at_the_same_size_is_downloaded_aga
     # What a consumer reads of it is the new version, as webdataset reads it from the source.
     lines = consumers(cache, "reader", "--job", "changed").wait()
     assert_epoch_exact(lines, reference(ds.paths, ds.urls))
+
+
+@pytest.mark.slow
+def test_a_copy_kept_by_a_stale_indexs_md5_is_downloaded_again_once_no_index_vouches_for_it(
+    shard_server, dataset, start_agent, run_cli, tmp_path
+):
+    """A shard index older than the source (which now holds other bytes of the same size) keeps the
+    adopted copy with the index's bytes, as documented; that proves the copy the index's shard, not
+    the source's object: once the list is a plain one, the copy is the source's no longer and the
+    source's bytes are downloaded (the record took the source's validators then, and served the
+    old bytes as current for good)."""
+    ds = dataset(2, samples=5, payload=2000)
+    index = _index(run_cli, ds.urls, tmp_path / "lists" / "index.json")
+    cache = tmp_path / "cache"
+    _cached_then_index_lost(shard_server, start_agent, cache, index, 2, "deleted")
+    old = ds.paths[1].read_bytes()
+    replace(ds.paths[1], another_version(old))  # the index (now stale) still gives the old bytes' MD5
+
+    stale = start_agent(cache, index, *ARGS)
+    with ShardClient(cache, timeout=CACHED_IN) as client:
+        assert client.open(ds.urls[1]).read_bytes() == old, stale.stderr_tail()
+        client.release(ds.urls[1])
+    assert stale.stderr_text().count(KEPT) == 2, stale.stderr_tail()
+    assert stale.stop() == 0
+
+    index.write_text("\n".join(ds.urls) + "\n")  # the same file, now a plain list
+    shard_server.reset_log()
+    plain = start_agent(cache, index, *ARGS)
+    with ShardClient(cache, timeout=CACHED_IN) as client:
+        for url, path in zip(ds.urls, ds.paths):
+            assert client.open(url).read_bytes() == path.read_bytes(), plain.stderr_tail()
+            client.release(url)
+    assert [shard_server.count(p.name) for p in ds.paths] == [1, 1], plain.stderr_tail()
+    assert plain.stop() == 0

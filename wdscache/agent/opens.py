@@ -405,10 +405,15 @@ class Opens:
             proof = _proof(md5, info, now)
             if proof is not None:
                 # Its bytes are the shard its index names, or the very object the source's ETag names,
-                # as a download's are: kept with that and the source's validators now (as a download
-                # keeps those it got), so that later runs need no hash and see the source change.
+                # as a download's are: kept with its MD5 (later runs hash nothing while the index gives
+                # it). The source's validators join it only when they name these bytes (its ETag is
+                # their MD5): an index's MD5 proves the copy its shard, not the source's object now,
+                # which may be another (a stale index); tied to it, the copy would stay served once
+                # the index no longer gives the MD5.
                 log.info("%s: the cached copy has the MD5 %s; kept without downloading it", url, proof)
-                rec = dataclasses.replace(rec, md5=md5, etag=now.etag, last_modified=now.last_modified)
+                rec = dataclasses.replace(rec, md5=md5)
+                if etag_md5(now.etag) == md5:
+                    rec = dataclasses.replace(rec, etag=now.etag, last_modified=now.last_modified)
                 cache.put(rec)
             elif info is not None and info.md5 is not None:
                 rec = dataclasses.replace(rec, md5=md5)  # (unlike its index: see unlike_index below)
