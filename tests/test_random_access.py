@@ -646,6 +646,60 @@ def test_threads_of_a_process_read_at_once_each_over_a_session_of_its_own(
     wait_for(lambda: agent.stats()["agent"]["pinned"] == 0, 10, "the threads' pins outlived close()")
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:ShardListDataset.*read latest")  # random reads, lru_size=1: as meant
+def test_threads_switching_at_every_step_share_the_datasets_bookkeeping_without_an_error(
+    local_index: Path, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The LRU count of get_stats() and the sessions by thread are the dataset's, shared by its
+    threads: with the interpreter switching threads as often as it can, new threads starting while
+    others read, no read raises (a check-then-act on them raised KeyError or "dictionary changed
+    size during iteration" when another thread changed them in between)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = tmp_path / "cache"
+    start_agent(cache, local_index)
+    ds = ShardListDataset(local_index, cache_dir=cache, transformations=[], lru_size=1)
+    interval = sys.getswitchinterval()
+    try:
+        want = [ds[i][".bin"].getvalue() for i in range(len(ds))]
+
+        def read(seed: int) -> int:
+            rng = random.Random(seed)
+            return sum(ds[i][".bin"].getvalue() == want[i] for i in (rng.randrange(len(ds)) for _ in range(300)))
+
+        sys.setswitchinterval(1e-6)
+        for round_ in range(4):  # new threads each round: their first reads make sessions while others read
+            with ThreadPoolExecutor(6) as pool:
+                assert list(pool.map(read, range(6 * round_, 6 * round_ + 6))) == [300] * 6
+    finally:
+        sys.setswitchinterval(interval)
+        ds.close()
+
+
+def test_a_dataset_of_an_unnamed_open_index_has_one_name_in_every_process(local_index: Path, tmp_path: Path) -> None:
+    """An io.BytesIO's str is its address, another in each process: named by it, the ranks of a
+    job (a process each) would be a dataset each in stats. Its name comes from its URLs."""
+    data = local_index.read_bytes()
+    names = [
+        ShardListDataset(io.BytesIO(data), cache_dir=tmp_path, base=str(local_index.parent)).dataset_name
+        for _ in range(2)
+    ]
+    code = (
+        "import io, sys; from wdscache import ShardListDataset; "
+        "print(ShardListDataset(io.BytesIO(open(sys.argv[1], 'rb').read()), cache_dir=sys.argv[2], "
+        "base=sys.argv[3]).dataset_name)"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code, str(local_index), str(tmp_path), str(local_index.parent)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
+    assert names[0] == names[1] == other, (names, other)
+
+
 def _target(fd: str) -> str:
     try:
         return os.readlink(f"/proc/self/fd/{fd}")

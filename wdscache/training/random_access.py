@@ -345,7 +345,7 @@ class ShardListDataset:
         self.dataset_name = (
             dataset_name
             or (name if isinstance(name, str) else None)  # an index file's own, as wids takes it
-            or _wids_name(shards)
+            or _wids_name(shards, [entry["url"] for entry in self.shards])
         )
         # checked ints, whatever integer type an entry gave (an index file gives every count)
         self.lengths = [info.nsamples or 0 for _, info in facts]
@@ -413,9 +413,9 @@ class ShardListDataset:
         """One access to ``shard`` (the agent's list position) in :meth:`get_stats`, as wids' LRU
         counts it (in line in ``__getitem__``)."""
         self.accesses += 1
-        if shard in self._latest:
+        try:  # (one step, not a look then a move: another thread may let it go in between)
             self._latest.move_to_end(shard)
-        else:
+        except KeyError:
             self._miss(shard)
 
     def _miss(self, shard: int) -> None:
@@ -469,9 +469,9 @@ class ShardListDataset:
             session = self._new_session()
         sample = session.sample(shard, inner)
         self.accesses += 1  # (_count, in line)
-        if shard in self._latest:
+        try:
             self._latest.move_to_end(shard)
-        else:
+        except KeyError:
             self._miss(shard)
         if self.misses * 10 > self.accesses * 3 > 300:  # wids checks at every read; a call costs more
             self.check_cache_misses()
@@ -499,9 +499,13 @@ class ShardListDataset:
     def _new_session(self) -> _Session:
         """This thread's session; those of threads that ended go first (their pins and files,
         which would hold evicted shards' space)."""
+        # (Threads make theirs at once: the dict is copied whole before a look through it, and a
+        # session another thread took away first is not taken again.)
         alive = set(threading.enumerate())
-        for thread in [t for t in self._sessions if t not in alive]:
-            self._sessions.pop(thread).close()  # (its thread ended: no other uses its sockets)
+        for thread in [t for t in list(self._sessions) if t not in alive]:
+            ended = self._sessions.pop(thread, None)
+            if ended is not None:
+                ended.close()  # (its thread ended: no other uses its sockets)
         session = self._sessions[threading.current_thread()] = _Session(self)
         return session
 
@@ -546,9 +550,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _wids_name(shards: Any) -> str:
-    """wids' name of a dataset given none: its ``hash_dataset_name`` of ``str(shards)``."""
-    return base64.urlsafe_b64encode(hashlib.sha256(str(shards).encode()).digest())[:16].decode("ascii")
+def _wids_name(shards: Any, urls: list[str]) -> str:
+    """wids' name of a dataset given none: its ``hash_dataset_name`` of ``str(shards)``; of its
+    ``urls`` for an open file without a name (``io.BytesIO``, whose ``str`` is its address: another
+    in each process, where the ranks of a job name one dataset alike)."""
+    named = urls if isinstance(shards, io.IOBase) and not hasattr(shards, "name") else shards
+    return base64.urlsafe_b64encode(hashlib.sha256(str(named).encode()).digest())[:16].decode("ascii")
 
 
 class ShardSamples:
