@@ -402,21 +402,7 @@ class Opens:
             return
         size, counted, info = rec.source_size or rec.size, cache.index.counts.get(url), self._readers.shard_info(url)
         if md5 is not None and isinstance(now, Fetched):
-            proof = _proof(md5, info, now)
-            if proof is not None:
-                # Its bytes are the shard its index names, or the very object the source's ETag names,
-                # as a download's are: kept with its MD5 (later runs hash nothing while the index gives
-                # it). The source's validators join it only when they name these bytes (its ETag is
-                # their MD5): an index's MD5 proves the copy its shard, not the source's object now,
-                # which may be another (a stale index); tied to it, the copy would stay served once
-                # the index no longer gives the MD5.
-                log.info("%s: the cached copy has the MD5 %s; kept without downloading it", url, proof)
-                rec = dataclasses.replace(rec, md5=md5)
-                if etag_md5(now.etag) == md5:
-                    rec = dataclasses.replace(rec, etag=now.etag, last_modified=now.last_modified)
-                cache.put(rec)
-            elif info is not None and info.md5 is not None:
-                rec = dataclasses.replace(rec, md5=md5)  # (unlike its index: see unlike_index below)
+            rec = _hashed(cache, rec, md5, info, now)
         changed = unlike_index(info, size, counted, rec.md5) or _unlike_source(url, rec, now)
         unknown = None if changed else _not_comparable(rec, now, info)
         if changed is None and unknown is None:
@@ -426,15 +412,7 @@ class Opens:
                 self.shards.move(shard, Phase.IDLE)
             self._answer_waiters(shard)
             return
-        if changed is not None:
-            log.error("%s %s; downloading it again", url, changed)
-            _remember(self._changed, url, changed)
-            cache.index.incr("changed")
-            cache.remove(url, f"evicted: it {changed}")
-        else:
-            log.warning("cannot tell whether %s changed on the server: %s; downloading it again", url, unknown)
-            cache.remove(url, f"evicted: cannot tell whether it changed on the server ({unknown})")
-        cache.index.drop_count(url)
+        _evict_unproven(cache, self._changed, url, changed, unknown)
         self._demand(shard)  # its waiters get the new copy
 
     def _outdated(self, url: str, rec: ShardRecord, name: str) -> str | None:
@@ -582,6 +560,41 @@ def _unlike_source(url: str, rec: ShardRecord, now: Fetched | Gone | Unknown) ->
     if common is not None and common[1] != common[2]:
         return f"changed on the server ({common[0]} {common[1]} -> {common[2]})"
     return None
+
+
+def _evict_unproven(
+    cache: ShardCache, changes: dict[str, str], url: str, changed: str | None, unknown: str | None
+) -> None:
+    """Evict the cached copy of ``url`` that revalidation found ``changed`` (how; remembered in
+    ``changes`` and counted) or could not tell current (``unknown``: why), to be downloaded again."""
+    if changed is not None:
+        log.error("%s %s; downloading it again", url, changed)
+        _remember(changes, url, changed)
+        cache.index.incr("changed")
+        cache.remove(url, f"evicted: it {changed}")
+    else:
+        log.warning("cannot tell whether %s changed on the server: %s; downloading it again", url, unknown)
+        cache.remove(url, f"evicted: cannot tell whether it changed on the server ({unknown})")
+    cache.index.drop_count(url)
+
+
+def _hashed(cache: ShardCache, rec: ShardRecord, md5: str, info: ShardInfo | None, now: Fetched) -> ShardRecord:
+    """The record of the cached copy ``rec`` once its bytes were found of MD5 ``md5``, the source
+    (``now``) of its size: proved its shard (:func:`_proof`), it is kept with its MD5 (later runs
+    hash nothing while the index gives it), stored; else, unlike its index's MD5, it carries its
+    own for :func:`unlike_index` to tell."""
+    proof = _proof(md5, info, now)
+    if proof is None:
+        return dataclasses.replace(rec, md5=md5) if info is not None and info.md5 is not None else rec
+    log.info("%s: the cached copy has the MD5 %s; kept without downloading it", rec.url, proof)
+    rec = dataclasses.replace(rec, md5=md5)
+    # The source's validators join it only when they name these bytes (its ETag is their MD5): an
+    # index's MD5 proves the copy its shard, not the source's object now, which may be another (a
+    # stale index); tied to it, the copy would stay served once the index no longer gives the MD5.
+    if etag_md5(now.etag) == md5:
+        rec = dataclasses.replace(rec, etag=now.etag, last_modified=now.last_modified)
+    cache.put(rec)
+    return rec
 
 
 def _proof(md5: str, info: ShardInfo | None, now: Fetched) -> str | None:
