@@ -38,7 +38,7 @@ from typing import Any
 
 from ..shared.config import AgentConfig, format_size
 from ..shared.errors import FetchError
-from ..shared.index import ShardState
+from ..shared.index import ShardRecord, ShardState
 from ..shared.logs import event, get_logger
 from ..shared.shard_index import ShardInfo, file_facts
 from .cache import ShardCache
@@ -288,7 +288,7 @@ class Downloads:
         # Not evicted while we ask; unpinned when the answer comes. No reader reads it, so no
         # read is counted: a restart must not make every cached shard look recently read.
         self._cache.pin(url, read=False)
-        rec = self._cache.index.get(url)
+        rec, info = self._cache.index.get(url), self._expected(url)
         d = Download(
             url,
             partial=self._layout.partial_path(url),
@@ -300,21 +300,12 @@ class Downloads:
                 last_modified=rec.last_modified if rec else None,
                 total=(rec.source_size or rec.size) if rec else None,
             ),
-            expected=self._expected(url),
+            expected=info,
             verify=True,
-            digest=self._may_digest(url),
+            digest=_may_digest(rec, info),
         )
         self._shards.start_download(d)
         self._tasks.put(d)
-
-    def _may_digest(self, url: str) -> bool:
-        """Whether the cached copy of ``url`` may be hashed at its revalidation: it holds the bytes
-        of its source as they are (not decompressed from gzip), and is not known already to have
-        the MD5 its shard index gives."""
-        info, rec = self._expected(url), self._cache.index.get(url)
-        if rec is None or rec.source_size is not None:
-            return False
-        return rec.md5 is None or info is None or rec.md5 != info.md5
 
     def _cancel_unwanted(self) -> bool:
         """Free a slot for a shard someone waits for: cancel a download out of every window
@@ -513,3 +504,12 @@ class Downloads:
             if not d.verify:  # a revalidation holds a cached shard, not a partial one
                 self._cache.abandon(d, keep_partial=keep_partial(d.url))
             self._shards.end_download(d.url)
+
+
+def _may_digest(rec: ShardRecord | None, info: ShardInfo | None) -> bool:
+    """Whether the cached copy ``rec`` may be hashed at its revalidation: it holds the bytes of its
+    source as they are (not decompressed from gzip), and is not known already to have the MD5 its
+    shard index (``info``) gives."""
+    if rec is None or rec.source_size is not None:
+        return False
+    return rec.md5 is None or info is None or rec.md5 != info.md5

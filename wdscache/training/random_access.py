@@ -17,6 +17,9 @@ already walked), and then copies each sample out of the cache file with one ``pr
 ``lru_size`` shards stay pinned and open per session, the least recently read let go first;
 the tables of shards let go are kept (bounded), tied to the identity of the file they
 describe, so indexing a shard again costs one request to the agent, not another table.
+Threads of a process may index one dataset at once: what they share (the sessions by thread,
+``get_stats()``'s LRU count) is changed a step at a time, never looked at then changed, so no
+read fails for another thread's (the counts themselves may miss a read two threads made at once).
 
 Guarantees:
 
