@@ -15,6 +15,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -185,6 +186,21 @@ def test_seaweedfs_listens_only_on_loopback_on_the_ports_it_was_given(seaweed: S
     assert ("127.0.0.1", seaweed.ports["s3.port"]) in listening, listening
     assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
     assert {port for _, port in listening} <= set(seaweed.ports.values()), (listening, seaweed.ports)
+
+
+@NO_WEED
+@pytest.mark.slow
+def test_a_killed_seaweedfs_leaves_no_socket_or_log_in_tmp(tmp_path: Path) -> None:
+    server = Seaweed(tmp_path / "seaweedfs").start()
+    try:
+        logs = [p for p in Path("/tmp").glob("weed.*") if p.name.endswith(f".{server.pid}")]
+        assert logs == [], logs
+        assert server.grpc_sockets(), "weed made none of its gRPC sockets where they are looked for"
+        os.killpg(server.pid, signal.SIGKILL)  # as a crashed run or a timed-out teardown leaves it
+        server.proc.wait(30)
+    finally:
+        server.stop()
+    assert server.grpc_sockets() == []
 
 
 # -- listing ------------------------------------------------------------------------------

@@ -80,9 +80,17 @@ def _torchrun(tmp: Path, cache: Path, name: str, *extra: str, ranks: int = 2) ->
         str(tmp / "seen"),
         *extra,
     ]
+    temp = tmp / f"{name}-tmp"  # torchrun's log folders and multiprocessing's sockets: a killed job leaves them
+    temp.mkdir()
     with open(out, "wb") as f:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+            cmd,
+            env={**os.environ, "TMPDIR": str(temp)},
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            start_new_session=True,
         )
     return proc, out
 

@@ -2,8 +2,9 @@
 for the tests and the benchmark.
 
 Every port it opens is chosen here and bound to 127.0.0.1 (``-ip.bind``); the WebDAV gateway
-and the admin UI are off, the telemetry report too, and its Unix sockets live in its own
-folder. One access key is allowed everything (an ``-s3.config`` identities file), so every
+and the admin UI are off, the telemetry report too; its logs and the Unix sockets it lets
+us place live in its own folder (its gRPC sockets are always ``/tmp/seaweedfs-*-grpc-PORT.sock``:
+:meth:`Seaweed.stop` removes any a killed weed left). One access key is allowed everything (an ``-s3.config`` identities file), so every
 request is signed and checked as by a real store.
 
 :meth:`Seaweed.start` returns once the S3 endpoint answers a signed request; :meth:`Seaweed.stop`
@@ -203,8 +204,10 @@ class Seaweed:
                 }
             )
         )
+        (self.root / "tmp").mkdir(exist_ok=True)
         self.proc = subprocess.Popen(
             self.command(weed),
+            env={**os.environ, "TMPDIR": str(self.root / "tmp")},  # its log files, else in /tmp
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -261,7 +264,8 @@ class Seaweed:
         self.client().upload_file(str(path), bucket, key)
 
     def stop(self) -> None:
-        """End weed's whole process group (SIGTERM, then SIGKILL) and remove its folder."""
+        """End weed's whole process group (SIGTERM, then SIGKILL), remove its folder and any gRPC
+        socket it left in /tmp."""
         if self.proc is not None:
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -280,4 +284,15 @@ class Seaweed:
                 self._reader.join(STOP_TIMEOUT)
             if self.proc.stdout is not None:
                 self.proc.stdout.close()
+        for path in self.grpc_sockets():  # weed removes them on SIGTERM, not when killed
+            path.unlink(missing_ok=True)
         shutil.rmtree(self.root, ignore_errors=True)
+
+    def grpc_sockets(self) -> list[Path]:
+        """The gRPC sockets weed makes in /tmp, whatever TMPDIR says, that exist now."""
+        ports = set(self.ports.values())
+        return [
+            path
+            for path in Path("/tmp").glob("seaweedfs-*-grpc-*.sock")
+            if path.stem.rpartition("-")[2].isdigit() and int(path.stem.rpartition("-")[2]) in ports
+        ]
