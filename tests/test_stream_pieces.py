@@ -494,6 +494,38 @@ def test_an_open_that_must_wait_lets_go_even_of_shards_whose_reads_were_put_off_
     assert [op for op in agent.ops() if op[0] == "release"] == [("release", URLS[0]), ("release", URLS[1])]
 
 
+def test_reads_dropped_where_a_shard_error_ends_the_epoch_give_their_pins_back() -> None:
+    # The samples before the failing shard may still need an open that waits (a read asked
+    # again after an agent restart): the pins of the reads dropped past the stop must not
+    # keep the room that open waits for.
+    answers = iter([{"ok": True}, {"ok": True}, {"ok": False, "cached": False}, {"ok": True}])
+    agent = ScriptedAgent(open=lambda header: next(answers))
+    pins = Pins(agent, "me", URLS, timeout=10, files=None)
+    reads = ReadTable()
+    stream = SimpleNamespace(
+        pins=pins,
+        reads=reads,
+        spec=SimpleNamespace(epoch=0),
+        shards=SimpleNamespace(skipped=set()),
+        batches=SimpleNamespace(flush=lambda: None, seq_next=2),
+    )
+    failures = ReadFailures(stream)  # type: ignore[arg-type]
+    for shard in (0, 1):
+        pins.open(shard, [], before_wait=failures.hold_nothing, on_status=lambda s: None)
+        pins.remaining[shard] = 5  # still needed: only a wait lets go of them
+    first, second = reads.add(0, items(3, shard=0)), reads.add(1, items(2, shard=1))
+    for read, rid in ((first, "r0"), (second, "r1")):
+        reads.send(read, range(len(read.items)), rid, 0, False, time.monotonic())
+    pins.opened.update({0: 3, 1: 2})
+    stop = StopEpoch("shard 3 failed", 3)
+    stop.seq = 1
+    assert failures.stop_at(stop, None) == 1
+    assert list(reads.by_seq) == [0] and pins.opened == {0: 3, 1: 0}
+    pins.open(2, [], before_wait=lambda: None, on_status=lambda s: None)
+    assert pins.opened == {0: 3, 2: 0}  # shard 1 let go before the wait; shard 0 is still read
+    assert [op for op in agent.ops() if op[0] == "release"] == [("release", URLS[1])]
+
+
 def test_an_open_again_gives_back_the_pin_held_and_a_failed_shard_is_dropped() -> None:
     agent = ScriptedAgent(open={"ok": True})
     pins = Pins(agent, "me", URLS, timeout=10, files=None)

@@ -194,8 +194,8 @@ class ReadFailures:
         read: what was batched goes out); that read, if it holds items before the shard's first,
         is cut there and asked again for them (its samples may be lost: the agent restarted, say),
         so that every sample before the shard is handed out, and the epoch stops after it. The
-        reads from there on are forgotten, and the shard is let go, so that no read before it fails
-        on it again."""
+        reads from there on are forgotten (their pin counts given back), and the shard is let go,
+        so that no read before it fails on it again."""
         stream = self.stream
         reads = stream.reads
         log.warning("epoch %d ends at a shard that cannot be read: %s", stream.spec.epoch, stop)
@@ -221,6 +221,9 @@ class ReadFailures:
                 at += 1
         if end is not None:
             at = min(at, end)
+        for dropped in reads.by_seq.values():  # else their shards stay pinned while an open waits for room
+            if dropped.seq >= at:
+                self.give_back(dropped)
         reads.drop_from(at)
         return at
 
