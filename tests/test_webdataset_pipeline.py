@@ -113,6 +113,37 @@ def test_fluid_stages_in_a_dataloader_with_workers(jpeg_shards: tuple[list[str],
     assert len(list(five)) == 50
 
 
+@pytest.mark.parametrize("partial", [True, False])
+def test_a_resampled_source_batched_then_cut_yields_webdatasets_batches(
+    jpeg_shards: tuple[list[str], Path], partial: bool
+) -> None:
+    # webdataset's resampled source is endless within an iteration: its batches never end short
+    # where one of the loader's epochs (of with_epoch's n samples) ends and the next begins.
+    urls, cache = jpeg_shards
+
+    def sizes(module: Any, **kw: Any) -> list[list[int]]:
+        ds = module.WebDataset(urls, resampled=True, **kw).to_tuple("__key__").batched(6, partial=partial)
+        ds = ds.with_epoch(5)  # 5 batches, 30 samples, each iteration (the loader's epochs: 8 samples)
+        return [[len(keys) for (keys,) in ds] for _ in range(2)]
+
+    assert sizes(wds, shardshuffle=False) == [[6] * 5] * 2
+    assert sizes(wdscache, cache_dir=cache, job=f"batched-{partial}") == [[6] * 5] * 2
+    endless = wdscache.WebDataset(urls, resampled=True, cache_dir=cache, job="endless-batched")
+    batches = itertools.islice(endless.to_tuple("__key__").batched(100), 84)  # past ENDLESS_EPOCH samples
+    assert [len(keys) for (keys,) in batches] == [100] * 84
+
+
+def test_a_cut_or_repeated_dataset_has_no_length_as_webdatasets(jpeg_shards: tuple[list[str], Path]) -> None:
+    urls, cache = jpeg_shards
+    for module, kw in ((wds, {"shardshuffle": False}), (wdscache, {"cache_dir": cache, "job": "len-cut"})):
+        for ds in (module.WebDataset(urls, **kw).with_epoch(5), module.WebDataset(urls, **kw).repeat(2)):
+            with pytest.raises(TypeError):
+                len(ds)
+    with pytest.raises(TypeError, match="with_epoch"):
+        len(wdscache.WebDataset(urls, cache_dir=cache, job="len-cut").repeat(nbatches=25))
+    assert len(list(wdscache.WebDataset(urls, cache_dir=cache, job="len-cut").repeat(2))) == 2 * SHARDS * PER_SHARD
+
+
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
 def test_workers_without_samples_of_their_own_end_quietly_where_webdatasets_have_shards(
     dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path

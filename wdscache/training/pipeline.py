@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
@@ -74,13 +73,34 @@ ENDLESS_EPOCH = 8192
 
 
 class _Source(wds.PipelineStage):
-    """The pipeline's first stage: the loader's samples (works whether torch is there or not)."""
+    """The pipeline's first stage: the loader's samples (works whether torch is there or not).
+    ``endless``: the loader's epochs one after another, in one run of the pipeline, as
+    webdataset's resampled source is endless; so the stages after it (a ``batched``) see one
+    stream, with no end between two epochs (which would flush a short batch, or, with
+    ``partial=False``, drop it)."""
 
-    def __init__(self, loader: CachedMultiLoader) -> None:
-        self.loader = loader
+    def __init__(self, loader: CachedMultiLoader, *, endless: bool) -> None:
+        self.loader, self.endless = loader, endless
 
     def run(self) -> Iterator[dict[str, Any]]:
-        return iter(self.loader)
+        return self._chained() if self.endless else iter(self.loader)
+
+    def _chained(self) -> Iterator[dict[str, Any]]:
+        """Each epoch the one after the last begun, until one is empty; but the rest of an epoch
+        resumed from a checkpoint may be empty (all of it was out before it was taken)."""
+        loader = self.loader
+        resumed = loader._resumed_from is not None and not loader._next.over
+        while True:
+            samples = iter(loader)
+            first = next(samples, None)  # (a sample is a dict)
+            if first is None:
+                if resumed:
+                    resumed = False
+                    continue
+                return
+            resumed = False
+            yield first
+            yield from samples  # the rest without a step of Python each
 
     def close(self) -> None:
         self.loader.close()
@@ -176,7 +196,6 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
             resampled=resampled,
             **loader_kwargs,
         )
-        self.append(_Source(self.loader))
         mix = self.loader._mix
         # webdataset's resampled dataset is endless: here the loader's epochs, of ENDLESS_EPOCH
         # samples a worker each, one after another (with_epoch(n) makes them n, and cuts).
@@ -184,6 +203,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         if self._endless_source:
             assert mix is not None
             self.loader._mix = dataclasses.replace(mix, per_worker=ENDLESS_EPOCH)
+        self.append(_Source(self.loader, endless=self._endless_source))
         self.empty_check = empty_check
         self._cut_items = 0  # items the iteration cut by with_epoch has yielded (see _cut)
         self._cut_over = False  # ...and whether it is over (the next iteration is the next epoch)
@@ -237,7 +257,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
             loader.shuffle, loader.shuffle_buffer = True, size
             if self.loader._private_agent is not None:
                 loader._ensure_agent()  # a copy holds no use of it (see __getstate__): its own, as the original's
-            result.pipeline = [_Source(loader)]
+            result.pipeline = [_Source(loader, endless=self._endless_source)]
             return result
         return super().shuffle(size, **kw)
 
@@ -246,7 +266,10 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         its next iteration is the loader's next epoch (a checkpoint counts the cut). Under
         ``resampled=True`` without ``epoch_samples=``, it is also the length of the loader's epoch
         (in place of :data:`ENDLESS_EPOCH`): each worker draws its ``nsamples``, and an iteration
-        ends after them."""
+        ends after them. The cut counts the pipeline's items: after a ``batched(b)`` an iteration
+        takes ``n * b`` samples, from as many of the loader's epochs of ``n`` as that needs (each a
+        few milliseconds to begin); a cut on a ``WebLoader``, as webdataset's examples make it,
+        leaves the loader's epochs at :data:`ENDLESS_EPOCH`."""
         loader = self.loader
         mix = loader._mix if loader is not None else None
         cut = max(nsamples, nbatches)  # webdataset's: either names the items an iteration yields
@@ -262,7 +285,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     def __iter__(self) -> Iterator[Any]:
         cuts = self._cuts()
         rest_empty = cuts and self._resumed_items >= self.nsamples  # resumed once its n were out
-        samples = self._cut() if cuts else self._epochs() if self._endless() else super().__iter__()
+        samples = self._cut() if cuts else super().__iter__()
         first = next(samples, _NOTHING)
         if first is _NOTHING:
             # webdataset's check, of a worker's shards: here of the rank's share, which its workers
@@ -296,14 +319,15 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self._cut_over = True
 
     def _epochs(self) -> Iterator[Any]:
-        """webdataset's ``iterator()``: the loader's epochs one after another (``repetitions`` of
-        them, or without end: see :meth:`_endless`), until one is empty; but the rest of an epoch
-        resumed from a checkpoint may be empty (all of it was out before it was taken), and the
-        next epoch follows. (A DataLoader worker's slice that was over when the checkpoint was
-        taken is that worker's iteration over: it gives nothing.)"""
+        """webdataset's ``iterator()``: runs of the pipeline one after another (``repetitions`` of
+        them; each the loader's next epoch, or, from an endless source, its epochs without end),
+        until one is empty; but the rest of an epoch resumed from a checkpoint may be empty (all of
+        it was out before it was taken), and the next epoch follows. (A DataLoader worker's slice
+        that was over when the checkpoint was taken is that worker's iteration over: it gives
+        nothing.)"""
         assert self.loader is not None
         resumed = self.loader._resumed_from is not None and not self.loader._next.over
-        for _ in itertools.count() if self._endless() else range(self.repetitions):
+        for _ in range(self.repetitions):
             count = 0
             for item in self.iterator1():
                 count += 1
@@ -348,14 +372,21 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
 
     def __len__(self) -> int:
         """Samples per rank in the next epoch, of a dataset with no stage after its source: one
-        with stages (a batching, a filter, with_epoch) may yield another count, and has no
-        length, as webdataset's has none (``with_length(n)`` gives one)."""
+        with stages (a batching, a filter), cut (``with_epoch``) or repeated (``repeat``) may
+        yield another count, and has no length, as webdataset's has none (``with_length(n)``
+        gives one)."""
         loader = self._loader("len()")
         if self._endless():
             raise TypeError(
                 "len() of an endless dataset: resampled=True with neither epoch_samples= nor with_epoch(n) "
                 "has no length, as webdataset's has none; give epoch_samples= (the job's samples per epoch) "
                 "for one, or with_length(n)"
+            )
+        if self.nsamples > 0 or self.repetitions != 1:
+            raise TypeError(
+                "len() of a WebDataset cut by with_epoch(n) or repeated by repeat(): each iteration yields "
+                "another count than the epoch's, and webdataset's has no length either; give one with "
+                "with_length(n)"
             )
         if len(self.pipeline) > 1:
             raise TypeError(
