@@ -377,6 +377,45 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
             "* Server auth using Digest with user 'bob'\n> Authorization: Digest username=\"bob\"",
             "* Server auth using Digest with user '***'\n> Authorization: Digest ***",
         ),
+        # ...and alone (curl notes it before the server asks for credentials).
+        (
+            "* Server auth using Basic with user 'SECRETUSER'\n> GET /a.tar",
+            "* Server auth using Basic with user '***'\n> GET /a.tar",
+        ),
+        # A value that runs over the start of the next secret leaves that one masked all the same.
+        ("X-Api-Key:NTLM abc}Bearer SECRETTOKEN", "X-Api-Key:NTLM *** ***"),
+        ("Basic usage/+/Bearer SECRETTOKEN", "Basic usage/+/Bearer ***"),
+        ("authorization:NTLM a<X-Amz-Security-Token:Negotiate SECRETTOKEN ok", "authorization:NTLM *** *** ok"),
+        # Auth-params without "," between them, in single quotes, or going on on the next line.
+        ('sent Digest username="bob" realm="r" response="SECRETRESP" and got 401', "sent Digest *** and got 401"),
+        (
+            "> Authorization: Digest username='bob', response='SECRETRESP'\r\n> Accept: */*",
+            "> Authorization: Digest ***\r\n> Accept: */*",
+        ),
+        ('sent Digest username="bob", realm="r",\n    response="SECRETRESP"\nthen', "sent Digest ***\nthen"),
+        (
+            '> Authorization: Digest username="bob", realm="r",\r\n>     response="SECRETRESP"\r\n> Accept: */*',
+            "> Authorization: Digest ***\r\n> Accept: */*",
+        ),
+        (
+            '> Authorization: OAuth oauth_token="t",\r\n  oauth_signature="SECRETSIG"\r\n> Accept: */*',
+            "> Authorization: OAuth ***\r\n> Accept: */*",
+        ),
+        # Python's reprs of headers: bytes, tuples, an http.client "send:" line's escaped line ends.
+        (
+            "[(b'Authorization', b'Bearer SECRETTOKEN'), (b'Cookie', b'sid=SECRETSID'), (b'Host', b'h')]",
+            "[(b'Authorization', b'Bearer ***'), (b'Cookie', b'***'), (b'Host', b'h')]",
+        ),
+        ("{b'Cookie': b'sid=SECRETSID', b'Host': b'h'}", "{b'Cookie': b'***', b'Host': b'h'}"),
+        (
+            "send: b'GET /a.tar HTTP/1.1\\r\\nHost: h\\r\\nCookie: sid=SECRETSID\\r\\nAccept: */*\\r\\n\\r\\n'",
+            "send: b'GET /a.tar HTTP/1.1\\r\\nHost: h\\r\\nCookie: ***\\r\\nAccept: */*\\r\\n\\r\\n'",
+        ),
+        # A quote within a masked query value ends no header value ("-H 'Cookie: ...'" would).
+        (
+            "Cookie: a=1 https://h/x.tar?token=ab'cd sid=SECRETSID\n< HTTP/1.1 403",
+            "Cookie: ***\n< HTTP/1.1 403",
+        ),
     ],
 )
 def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:

@@ -23,16 +23,22 @@ And in any text, the credentials of an HTTP header as a verbose tool prints it (
 
 - the value of an ``Authorization``, ``Proxy-Authorization``, ``WWW-Authenticate``,
   ``Proxy-Authenticate``, ``Cookie``, ``Set-Cookie``, ``X-Amz-Security-Token`` or ``X-Api-Key``
-  header (its name in any case), to the end of its line or to a quote that is not one of its
+  header (its name in any case), to the end of its line (a line ending with ``,`` goes on on the
+  next one if that one is folded) or to a quote that is not one of its
   quoted strings (``Digest username="bob", ..., response="..."`` is masked whole, whatever
-  follows the last one: ``")``, ``".`` or a word); of the first
+  follows the last one: ``")``, ``".`` or a word); as Python shows headers too
+  (``(b'Cookie', b'sid=...')``, ``{b'Cookie': b'...'}``, ``b'...\r\nCookie: ...\r\n'``); of the first
   four, a known scheme word stays (``Authorization: Bearer ***``, ``Digest ***``, ``NTLM ***``,
   ``AWS4-HMAC-SHA256 ***``);
 - a ``Bearer`` token, ``Basic`` credentials (base64 of ``user:password``), and the parameter list
   of ``Digest`` and ``AWS4-HMAC-SHA256`` credentials (``Credential=..., Signature=...``; those two
-  scheme words in any case), wherever they stand;
-- in a text with such a header, the user name of curl's ``-v`` note ``Server auth using Digest
-  with user '...'``.
+  scheme words in any case; parameters parted by ``,``, also at a line's end, or by spaces; values
+  in double or single quotes), wherever they stand;
+- the user name of curl's ``-v`` note ``Server auth using Digest with user '...'``.
+
+Each rule reads the text as written (after the user info is masked) and all they find is masked
+at once: a value that one rule masks to its end cannot hide the start of the next secret from
+another (``X-Api-Key:NTLM abc}Bearer ...``).
 
 A ``pipe:`` command is text like any other: the URLs and headers in it are redacted, the rest is
 shown as written (keep secrets of a command in its environment, not in the list).
@@ -45,12 +51,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import bisect
 import hashlib
 import hmac
 import re
 import secrets
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote_plus
 
 __all__ = ["MASK", "redact_urls", "redacted", "shown_names"]
@@ -77,96 +84,167 @@ _VALUE = re.compile(r"[^&#\s\"<>]+")
 _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy|session|hmac|hdnts", re.IGNORECASE)
 
 
-# A header with credentials: its name (not inside a path or a word: "s3://b/cookie:jar" is a key),
-# ":" (a quote after the name: JSON's), then a quote that opens its value, if any; the scheme word
-# of credentials or a challenge stays (those of IANA's registry, AWS's and Azure's, as a word of its
-# own: "tokenXYZ" is a token). Where its value ends, see _value_end.
+# A header with credentials: its name (not inside a path or a word: "s3://b/cookie:jar" is a key;
+# after a repr's or a JSON string's escaped line end: b'...\r\nCookie: ...'), ":" (a quote after the
+# name: JSON's), or "," between quoted name and value (a tuple: ('Cookie', 'sid=...')), then a quote
+# that opens its value, if any (a bytes repr's b'...' too); the scheme word of credentials or a
+# challenge stays (those of IANA's registry, AWS's and Azure's, as a word of its own: "tokenXYZ" is a
+# token). Where its value ends, see _value_end.
 _HEADER = re.compile(
-    r"(?<![\w/.-])((?:proxy-)?authorization|(?:www|proxy)-authenticate|set-cookie|cookie|x-amz-security-token|x-api-key)"
-    r"([\"']?)([ \t]*:[ \t]*)([\"']?)"
+    r"(?:(?<![\w/.-])|(?<=\\[rn]))"
+    r"((?:proxy-)?authorization|(?:www|proxy)-authenticate|set-cookie|cookie|x-amz-security-token|x-api-key)"
+    r"([\"']?)([ \t]*:[ \t]*|(?<=[\"'])[ \t]*,[ \t]*(?=b?[\"']))(?:b(?=[\"']))?([\"']?)"
     r"((?:bearer|basic|digest|negotiate|ntlm|aws4-hmac-sha256|aws|token|oauth|hoba|mutual|scram-sha-1|scram-sha-256"
     r"|vapid|sharedkey|sharedkeylite|sharedaccesssignature)(?:[ \t]+|(?=[\r\n\"',]|$)))?",
     re.IGNORECASE,
 )
+# A word of each of their names, in lower case.
+_NAME_WORDS = ("auth", "cookie", "x-amz-security-token", "x-api-key")
 _VALUE_ENDS = {  # what ends a header's value that no quote opened
     "json": re.compile(r"[,}\]\s\"']"),  # a JSON literal (its name was quoted)
-    "line": re.compile(r"[\r\n\"']"),  # "Name: value" as a tool prints it, or a quoted "-H 'Name: value'"
-    "word": re.compile(r"[\s\"']"),  # "Name:value" in a command line
+    "line": re.compile(r"[\r\n\"']|\\[rn]"),  # "Name: value" as a tool prints it, or a quoted "-H 'Name: value'"
+    "word": re.compile(r"[\s\"']|\\[rn]"),  # "Name:value" in a command line
 }
+# (An escaped line end, \r\n as a repr or a JSON string writes it, ends a value no quote opened:
+# no cookie or token68 holds a backslash.)
 # Schemes whose credentials are one token68 (RFC 7235), which may end with "=": after them a quote
 # ends the value, even one after a "=" ("-H 'Authorization: Bearer abc=' -H 'X: y'").
 _TOKEN68_SCHEMES = frozenset({"bearer", "basic", "negotiate", "ntlm", "token"})
 # A quoted string (RFC 7230), or one whose quotes are escaped as they are within a quoted command
 # line argument or a JSON string (-H "Authorization: Digest username=\"bob\"").
 _QUOTED = r'"(?:[^"\\\r\n]|\\[^\r\n])*"|\\"(?:[^"\\\r\n]|\\[^"\r\n])*\\"'
+# A value in single quotes, as some clients and logs write an auth-param (response='...'). (Not in a
+# header's line, _PARAMS_LINE: there a "'" ends a quoted command line argument.)
+_SQUOTED = r"'(?:[^'\\\r\n]|\\[^\r\n])*'"
 # The value of a header "Name: value" up to its line's end, or to a quote that is no auth-param's
 # quoted string (its name after a space, "," or ";", and after it what cannot go on with a token:
 # a space, "," ";", a quote, a closing bracket, a sentence's "." or ":", the line's end): the quote
 # that ends a quoted command line argument (-H "Cookie: a=" -H "X: y", where '" -H "' is followed
-# by "X").
+# by "X"). A list whose line ends with "," goes on on the next line if that one is folded (begins
+# with a space, then "name="; after curl -v's "> " or "< "); an escaped line end (\r\n in a repr)
+# ends it.
 _PARAMS_LINE = re.compile(
     rf"(?:(?<![^\s,;])[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED})"
-    rf"(?=[\s,;\"')\]}}]|[.:](?!\S)|$)|[^\r\n\"'])*"
+    rf"(?=[\s,;\"')\]}}]|[.:](?!\S)|$)"
+    r"|,[ \t]*\r?\n(?:[<>] )?(?=[ \t]+[A-Za-z][\w.-]*[ \t]*=)"
+    r"|[^\r\n\"'\\]|\\(?![rn]))*"
 )
 # A value opened by a quote ends at the same quote, unless escaped ("Digest username=\"bob\"").
 _UNESCAPED = {q: re.compile(rf"(?:[^{q}\\]|\\.)*{q}", re.DOTALL) for q in "\"'"}
 # Credentials of an Authorization scheme where no header name precedes them (token68, RFC 7235).
-# Case-sensitive, as tools write them: "the bearer of" is prose.
-_CREDENTIALS = re.compile(r"\b(Bearer|Basic)([ \t]+)([A-Za-z0-9._~+/-]+=*)")
+# Case-sensitive, as tools write them: "the bearer of" is prose. The credentials are looked ahead
+# at, not taken: a word after "Basic" that is no credentials may hold the next "Bearer". (That the
+# scheme is a word of its own, _WORD before it, is checked after: a pattern that begins with a
+# word is searched for 5 times faster than one that begins with "\b".)
+_CREDENTIALS = re.compile(r"(Bearer|Basic)[ \t]+(?=([A-Za-z0-9._~+/-]+=*))")
+_WORD = re.compile(r"\w")
 # Credentials of a scheme whose credentials are auth-params ("name=value, ..."), where no header
 # name precedes them: the list is masked, the text after it stays. The scheme in any case, as a
-# server reads it ("digest username=..."): a list of "name=value" after it is no prose.
+# server reads it ("digest username=..."): a list of "name=value" after it is no prose. Its
+# auth-params are parted by "," (the list may go on on the next line after one, after curl -v's "> "
+# too) or by spaces alone, as some clients write them.
 # (A token's last ":", "." or ")" is the sentence's: "..., Signature=abc: refused".)
-_AUTH_PARAM = rf"[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED}|[^\s,\"'\\]*[^\s,\"'\\:.)])"
+_AUTH_PARAM = rf"[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED}|{_SQUOTED}|[^\s,\"'\\]*[^\s,\"'\\:.)])"
 _PARAM_CREDENTIALS = re.compile(
-    rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)({_AUTH_PARAM}(?:[ \t]*,[ \t]*{_AUTH_PARAM})*)", re.IGNORECASE
+    rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)({_AUTH_PARAM}(?:(?:[ \t]*,\s*(?:[<>][ \t]+)?|[ \t]+){_AUTH_PARAM})*)",
+    re.IGNORECASE,
 )
 # curl -v's note of who it authenticates as ("* Server auth using Digest with user 'bob'"): a user
 # name may be a token itself (-u TOKEN:x-oauth-basic).
 _CURL_USER = re.compile(r"(auth using [\w-]+ with user ')[^'\r\n]*'")
 
 
-def _headers(text: str) -> str:
-    """``text`` with the values of credential headers in it masked (see the module docstring)."""
-    out: list[str] = []
+Span = tuple[int, int]  # what to mask of a text: [start, end), an empty one marks where a value was
+
+
+def _header_spans(text: str, lower: str, masked: list[Span]) -> list[Span]:
+    """The values of credential headers in ``text`` (``lower``: in lower case; see the module
+    docstring). What ends a value within a span of ``masked`` (merged, in order) ends none: a quote
+    in a URL's masked query value (``...?token=a'b``) is the URL's, not one that closes a command
+    line argument."""
+    spans: list[Span] = []
     at = 0
-    for match in _HEADER.finditer(text):
-        if match.start() < at:
-            continue  # (within a value masked already)
+    past: dict[tuple[_Ending, int], int] = {}
+    # The search begins at the first name (str.find is many times faster than the pattern's search),
+    # "proxy-" or "www-" before "auth", "set-" before "cookie".
+    first = min(i for i in map(lower.find, _NAME_WORDS) if i >= 0)
+    for match in _HEADER.finditer(text, max(0, first - len("proxy-"))):
         start = match.end()
-        end = _value_end(text, start, match)
-        if text[start:end].strip():
-            out += (text[at:start], MASK)
-            at = end
-    return "".join(out) + text[at:] if out else text
+        if start < at and not match.group(4):
+            continue  # (a value that begins within one read already; each part of the text is read once)
+        # A name within the value read before is looked at if its own value begins after that one's
+        # end (past a scheme word and its space: "X-Api-Key:NTLM a<Cookie:Token SECRET"), or if a quote
+        # opens it: it ends at the next such quote, which may be past that one's end. ("end" is where
+        # the reading ended, before a value that goes on past a masked span is read on.)
+        ending = _ending(match)
+        end = _value_end(text, start, ending)
+        last = _past_masked(text, end, ending, masked, past)
+        if last > end or text[start:end].strip():  # (not text[start:last]: many values may read on to one end)
+            spans.append((start, last))
+            at = max(at, end)
+    return spans
 
 
-def _value_end(text: str, start: int, match: re.Match[str]) -> int:
-    """Where the value of the header ``match`` found, from ``start``, ends: at the quote that opened
-    it; else at the end of a JSON literal (a quoted name), of its line ("Name: value", past the
-    quoted strings of its auth-params or cookies), or of its word ("Name:value", as a command line
-    writes it)."""
+class _Ending(NamedTuple):
+    """What ends a header's value: the quote that opened it (``quote``); else the end of a JSON
+    literal, a line or a word (``kind``), and on a line, past the quoted strings of auth-params or
+    cookies unless its credentials are a token68 (``params``)."""
+
+    quote: str
+    kind: str
+    params: bool
+
+
+def _ending(match: re.Match[str]) -> _Ending:
+    """What ends the value of the header ``match`` found."""
     name, name_quote, colon, value_quote, scheme = match.groups()
-    if value_quote:
-        closed = _UNESCAPED[value_quote].match(text, start)
-        if closed is not None:
-            return closed.end() - 1
-        stop = text.find(value_quote, start)
-        return len(text) if stop < 0 else stop
     kind = "json" if name_quote else "line" if colon[-1] in " \t" else "word"
     token68 = (scheme or "").strip().lower() in _TOKEN68_SCHEMES and "authenticate" not in name.lower()
-    if kind == "line" and not token68:  # (a challenge's auth-params follow any scheme: Basic realm="r")
+    # (a challenge's auth-params follow any scheme: Basic realm="r")
+    return _Ending(value_quote, kind, kind == "line" and not token68)
+
+
+def _value_end(text: str, start: int, ending: _Ending) -> int:
+    """Where a header's value read from ``start`` ends: at the quote that opened it; else at the end
+    of a JSON literal (a quoted name), of its line ("Name: value", past the quoted strings of its
+    auth-params or cookies), or of its word ("Name:value", as a command line writes it)."""
+    if ending.quote:
+        closed = _UNESCAPED[ending.quote].match(text, start)
+        if closed is not None:
+            return closed.end() - 1
+        stop = text.find(ending.quote, start)
+        return len(text) if stop < 0 else stop
+    if ending.params:
         params = _PARAMS_LINE.match(text, start)  # (never None: it matches "")
         return start if params is None else params.end()
-    found = _VALUE_ENDS[kind].search(text, start)
+    found = _VALUE_ENDS[ending.kind].search(text, start)
     return len(text) if found is None else found.start()
 
 
-def _credentials(match: re.Match[str]) -> str:
-    scheme, space, value = match.groups()
-    if scheme == "Basic" and not _is_basic(value):
-        return match.group(0)  # a word after "basic" in prose ("basic usage"), not credentials
-    return f"{scheme}{space}{MASK}"
+def _past_masked(text: str, end: int, ending: _Ending, masked: list[Span], past: dict[tuple[_Ending, int], int]) -> int:
+    """Where a value ends that ``end`` would end but for the spans of ``masked``: read on from the
+    end of the span ``end`` is in, until an end outside them. ``past`` keeps where a value read on
+    from a span's end ends, so that many headers before one span read what follows it once."""
+    resumed: list[int] = []
+    while (i := bisect.bisect_right(masked, (end, len(text)))) and masked[i - 1][1] > end:
+        resume = masked[i - 1][1]
+        if (ending, resume) in past:
+            end = past[ending, resume]
+            break
+        resumed.append(resume)
+        end = _value_end(text, resume, ending)
+    past.update(((ending, resume), end) for resume in resumed)
+    return end
+
+
+def _credential_spans(text: str) -> list[Span]:
+    """The ``Bearer`` and ``Basic`` credentials in ``text``: after "Basic", only a word that reads as
+    base64 of ``user:password`` (not "basic usage")."""
+    return [
+        m.span(2)
+        for m in _CREDENTIALS.finditer(text)
+        if not (m.start() and _WORD.match(text, m.start() - 1)) and (m.group(1) == "Bearer" or _is_basic(m.group(2)))
+    ]
 
 
 def _is_basic(value: str) -> bool:
@@ -177,13 +255,13 @@ def _is_basic(value: str) -> bool:
         return False
 
 
-def _parameters(text: str) -> str:
-    """``text`` with the value of every parameter of a secret name masked. One pass, left to right
-    (a line may hold thousands of parameters): after a parameter of another name the scan goes on
-    within its value, which may hold more after a ";" (``?a=1;token=x``), and only a masked value
-    is read to its end, once."""
-    out: list[str] = []
-    at = pos = 0
+def _parameter_spans(text: str) -> list[Span]:
+    """The value of every parameter of a secret name in ``text``. One pass, left to right (a line
+    may hold thousands of parameters): after a parameter of another name the scan goes on within its
+    value, which may hold more after a ";" (``?a=1;token=x``), and only a secret value is read to
+    its end, once."""
+    spans: list[Span] = []
+    pos = 0
     while (match := _PARAMETER.search(text, pos)) is not None:
         pos = match.end()
         if not _SECRET_NAME.search(unquote_plus(match.group(1))):
@@ -193,8 +271,56 @@ def _parameters(text: str) -> str:
             continue
         # Punctuation after a URL in a sentence ("...?token=abc: HTTP 403") or a quote around it
         # ('...?token=abc') is the text's.
-        out += (text[at:pos], MASK)
-        at, pos = pos + len(value.group().rstrip(":,.)]}'")), value.end()
+        spans.append((pos, pos + len(value.group().rstrip(":,.)]}'"))))
+        pos = value.end()
+    return spans
+
+
+def _param_credential_spans(text: str, parameters: list[Span]) -> list[Span]:
+    """The auth-param lists of Digest and AWS4-HMAC-SHA256 credentials in ``text``, and in it with
+    the secret ``parameters`` of URLs in it masked: a list may hold a URL whose masked value held
+    what would end a quoted string (``response="a\\" ...?token=b\\"``)."""
+    spans = [m.span(3) for m in _PARAM_CREDENTIALS.finditer(text)]
+    if not parameters:
+        return spans
+    masked = _masked(text, parameters)
+    # Where each mask of "masked" begins, and the span of "text" it stands for.
+    begins: list[int] = []
+    shift = 0
+    for start, end in parameters:
+        begins.append(start + shift)
+        shift += len(MASK) - (end - start)
+
+    def within_text(at: int, end: bool) -> int:
+        i = bisect.bisect_right(begins, at - 1 if end else at) - 1
+        if i < 0:
+            return at
+        start, stop = parameters[i]
+        return (stop if end else start) if at < begins[i] + len(MASK) + end else at - begins[i] - len(MASK) + stop
+
+    return spans + [
+        (within_text(m.start(3), False), within_text(m.end(3), True)) for m in _PARAM_CREDENTIALS.finditer(masked)
+    ]
+
+
+def _merged(spans: list[Span]) -> list[Span]:
+    """``spans`` in order, those that overlap or touch made one."""
+    out: list[Span] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _masked(text: str, spans: list[Span]) -> str:
+    """``text`` with each of ``spans`` (merged, in order) replaced by ``***``."""
+    out: list[str] = []
+    at = 0
+    for start, end in spans:
+        out += (text[at:start], MASK)
+        at = end
     return "".join(out) + text[at:] if out else text
 
 
@@ -204,23 +330,27 @@ def redact_urls(text: str) -> str:
     returned unchanged."""
     if "@" in text:
         text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
-    # Names in any case are looked for in one lower-case copy (this runs for every log line): of the
-    # text before the masking below, which leaves no name that was not there.
-    lower = text.lower() if "=" in text or ":" in text else ""
+    # Every other rule reads the same text and what they find is masked at once: masked one after
+    # another, a value masked to its end (a header's, to its word's) could take the start of the next
+    # secret ("X-Api-Key:NTLM abc}Bearer SECRET") and leave the secret shown.
+    spans: list[Span] = []
+    # Names in any case are looked for in one lower-case copy (this runs for every log line).
+    lower = text.lower() if "=" in text or ":" in text or "," in text else ""
     if "=" in text:
-        text = _parameters(text)
+        spans += _parameter_spans(text)
         if "digest" in lower or "aws4-hmac-sha256" in lower:  # (their credentials are "name=value" lists)
-            text = _PARAM_CREDENTIALS.sub(rf"\1\2{MASK}", text)
-    if ":" in text:
-        # (a check of each name, not a generator; "auth": Authorization, WWW-Authenticate and
-        # Proxy-Authenticate in one look)
-        if "auth" in lower or "cookie" in lower or "x-amz-security-token" in lower or "x-api-key" in lower:
-            text = _headers(text)
-            if " with user '" in text:  # (curl -v notes the user before it sends the header)
-                text = _CURL_USER.sub(rf"\1{MASK}'", text)
+            spans += _param_credential_spans(text, spans)
+    # (a check of each name, not a generator; "auth": Authorization, WWW-Authenticate and
+    # Proxy-Authenticate in one look)
+    if "auth" in lower or "cookie" in lower or "x-amz-security-token" in lower or "x-api-key" in lower:
+        spans += _header_spans(text, lower, _merged(spans))
+    # (curl -v notes the user it sends credentials of, with or without a header; "'" first: a text
+    # without quotes is told 2 times faster)
+    if "'" in text and " with user '" in text:
+        spans += [(m.end(1), m.end() - 1) for m in _CURL_USER.finditer(text)]
     if "Bearer" in text or "Basic" in text:
-        text = _CREDENTIALS.sub(_credentials, text)
-    return text
+        spans += _credential_spans(text)
+    return _masked(text, _merged(spans)) if spans else text
 
 
 def redacted(obj: Any) -> Any:
