@@ -10,7 +10,7 @@ import pytest
 from tests.helpers.policy import URLS, Loop
 from wdscache.agent.ended import ENDED_KEPT
 from wdscache.agent.rank_totals import RANK_TOTALS_KEPT
-from wdscache.agent.readers import Readers
+from wdscache.agent.readers import IDLE_LET_GO, Readers
 from wdscache.shared.errors import ProtocolError
 from wdscache.shared.messages import Requests
 from wdscache.shared.urls import list_id
@@ -250,6 +250,32 @@ def test_a_silent_reader_is_dropped_and_its_pins_go_with_it(loop: Loop) -> None:
     loop.readers._readers["plain"].plan.last_seen -= 10.0  # silent longer than --reader-timeout
     loop.readers.expire()
     assert "plain" not in loop.readers and loop.gone == ["plain"] and loop.cache.pins == {}
+
+
+def test_only_random_access_readers_idle_past_the_grace_and_holding_pins_are_let_go(loop: Loop) -> None:
+    # While a reader waits for room pins hold: a stream answers the agent's ask itself (its
+    # reporter), and a random-access session that read lately may be reading its pins now.
+    for name, url, random_access in [("ra-idle", 0, True), ("ra-reading", 1, True), ("stream", 2, False)]:
+        hello(loop.readers, name, loop, job=name, rank=0, world_size=1, random_access=random_access)
+        loop.cached(URLS[url])
+        _, reply = loop.open(name, URLS[url], said_hello=True)
+        assert reply is not None and reply["ok"], reply
+    hello(loop.readers, "ra-pinless", loop, job="ra-pinless", rank=0, world_size=1, random_access=True)
+    for name in ("ra-idle", "stream", "ra-pinless"):
+        loop.readers._readers[name].plan.last_seen -= IDLE_LET_GO + 1
+    loop.readers._readers["ra-reading"].plan.last_seen -= IDLE_LET_GO - 1
+    loop.readers.let_go_idle(loop.opens.held)
+    assert loop.gone == ["ra-idle"] and loop.cache.pins == {URLS[1]: 1, URLS[2]: 1}
+    assert {"ra-reading", "stream", "ra-pinless"} <= set(loop.readers._readers)
+    assert loop.readers.view(_latency)["ended_jobs"]["ra-idle"]  # kept as one dropped as silent
+    hello(loop.readers, "ra-idle", loop, job="ra-idle", rank=0, world_size=1, random_access=True)
+    assert "ra-idle" not in loop.readers.view(_latency)["ended_jobs"]  # back as the same reader
+
+
+def test_a_hello_whose_random_access_is_no_flag_is_refused_unchanged(loop: Loop) -> None:
+    with pytest.raises(ProtocolError, match="random_access"):
+        hello(loop.readers, "c0", loop, random_access="yes")
+    assert "c0" not in loop.readers
 
 
 def test_an_open_moves_a_plain_clients_window(loop: Loop) -> None:

@@ -336,6 +336,8 @@ class Agent:
         ):
             self.opens.answer_while_downloading(url)
         self._held_up = any(self.downloads.space_wait(u) for u in demanded) and any(self.cache.pins.values())
+        if self._held_up:  # streams are asked to let go of their parked pins (_op_report); idle sessions are let go of
+            self.readers.let_go_idle(self.opens.held)
         for given_up in self.downloads.no_room():
             self.prefetches.no_room(given_up)
 

@@ -19,12 +19,19 @@ Guarantees:
   dropped as soon as that process ends; any other after ``--reader-timeout`` of
   silence. Whoever holds things for a reader is told when it goes (``gone``), so
   its pins go with it.
+- While a reader waits for room that pins hold, a random-access reader (a
+  ``ShardListDataset`` session, said so in its hello) silent for :data:`IDLE_LET_GO`
+  and holding pins is dropped as after ``--reader-timeout`` (:meth:`Readers.let_go_idle`):
+  a stream held by its user lets go of its pins when asked, but such a session has no
+  thread to answer while its process reads nothing, and would hold them until the timeout.
+  One that reads pings every second, so it is never taken for idle.
 - Lists are bounded (:mod:`wdscache.agent.job_lists`). A partial download kept for a resume
   that no list names for ``UNNAMED_GRACE`` is removed (:mod:`wdscache.agent.unnamed_partials`).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import select
@@ -58,6 +65,11 @@ STARTUP_READER = "(start-up plan)"
 HELLO_MAX = (1 << 31) - 1  # the most a hello's world size, epoch or shuffle buffer may be (torch's ranks are int32)
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
+# Seconds of silence after which a random-access reader holding pins is dropped while a reader
+# waits for room they hold: several of its pings (one a second while it reads, with the shards
+# it holds pinned or a worker's table of one awaited), so a reader that reads is never taken for
+# idle even on a loaded machine; short next to --reader-timeout, which it would wait for else.
+IDLE_LET_GO = 5.0
 
 
 def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | None] | None = None) -> Reader:
@@ -141,6 +153,14 @@ def dropped_reply(name: str) -> Reply:
     }
 
 
+class Silence(enum.Enum):
+    """Why a reader that said nothing for a while is dropped (it comes back with a hello, as
+    the same reader): the value is the event logged."""
+
+    TIMED_OUT = "consumer_timed_out"  # silent for --reader-timeout
+    IDLE = "consumer_idle_let_go"  # a random-access reader idle while a reader waits for room its pins hold
+
+
 @dataclass(slots=True, eq=False)
 class ReaderRecord:
     """One reader: its window (``plan``); for a consumer (said hello), its job, rank and last
@@ -153,6 +173,7 @@ class ReaderRecord:
     counted: dict[str, float] = field(default_factory=dict)  # its reports' figures its rank's totals hold
     own_list: bool = False  # reads a list of its own (else the agent's, as it was when its epoch started)
     launch: str | None = None  # the run of the training script it is part of (its hello's launch)
+    random_access: bool = False  # a ShardListDataset's session: no thread lets go of its pins while it is idle
 
 
 class Readers:
@@ -337,6 +358,7 @@ class Readers:
             return {"ok": False, "error": f"it speaks {speaks(said)}, the agent {speaks(PROTOCOL)}; {SAME_INSTALL}"}
         claimed = get_field(header, "list_id", str, None)
         probe = header.get("probe") is True  # not a rank reading: neither joins nor leaves the job
+        random_access = get_field(header, "random_access", bool, False)  # (checked before anything changes)
         refused = self._lists.take(name, claimed, self._read_lists())
         if refused is not None:
             return refused
@@ -364,6 +386,7 @@ class Readers:
             key = self._jobs.list_of(job, world, epoch, read, self._holds, reader=name, probe=probe)
         record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key), own_list=own)
         record.launch = get_field(header, "launch", str, None)
+        record.random_access = random_access
         if probe:
             record.probe = True
         else:
@@ -456,9 +479,9 @@ class Readers:
 
     # -- going ------------------------------------------------------------------
 
-    def drop(self, name: str, why: str | None = " said bye", *, timed_out: bool = False) -> None:
-        """Reader ``name`` goes (said bye, said hello again (``why`` None), or went silent or away);
-        ``why`` follows its name in the log line."""
+    def drop(self, name: str, why: str | None = " said bye", *, silent: Silence | None = None) -> None:
+        """Reader ``name`` goes (said bye, said hello again (``why`` None), or went away, or
+        ``silent``: then it may come back); ``why`` follows its name in the log line."""
         self._lists.drop_upload(name)
         self._jobs.leave(name)
         self._ranks.leave(name)
@@ -471,20 +494,22 @@ class Readers:
         consumer = record.consumer
         if why is None or record.probe:
             return
+        # A timeout is news (a process stopped or hung); an idle reader let go of is routine.
+        level = logging.WARNING if silent is Silence.TIMED_OUT else logging.INFO
         if consumer is None:  # a plain client
-            log.log(logging.WARNING if timed_out else logging.INFO, "reader %s%s; releasing its shards", name, why)
+            log.log(level, "reader %s%s; releasing its shards", name, why)
             return
         samples = int(consumer.get("samples", 0))
         event(
             log,
-            "consumer_timed_out" if timed_out else "consumer_left",
+            "consumer_left" if silent is None else silent.value,
             "reader %s%s; releasing its shards (job %r, rank %s, %d samples)",
             name,
             why,
             consumer.get("job"),
             consumer.get("rank"),
             samples,
-            level=logging.WARNING if timed_out else logging.INFO,
+            level=level,
             reader=name,
             job=consumer.get("job"),
             rank=consumer.get("rank"),
@@ -492,7 +517,9 @@ class Readers:
             samples=samples,
         )
         # Kept for stats a while (ended_jobs), with its totals; one dropped as silent may come back.
-        dropped = Dropped(record.counted, None if record.own_list else record.plan.list_id) if timed_out else None
+        dropped = (
+            Dropped(record.counted, None if record.own_list else record.plan.list_id) if silent is not None else None
+        )
         self._ended.left(name, {**consumer, "_launch": record.launch}, dropped)
 
     def expire(self) -> None:
@@ -502,14 +529,27 @@ class Readers:
             self.drop(name, why=": its process ended")
         now = time.monotonic()
         for name, record in list(self._readers.items()):
-            silent = now - record.plan.last_seen
-            if silent > self._config.reader_timeout:
-                self.drop(name, why=f" silent for {silent:.0f}s (--reader-timeout)", timed_out=True)
+            quiet = now - record.plan.last_seen
+            if quiet > self._config.reader_timeout:
+                self.drop(name, why=f" silent for {quiet:.0f}s (--reader-timeout)", silent=Silence.TIMED_OUT)
         self._ended.expire(now)
         self._totals.expire(lambda: {(str(c.get("job")), str(c.get("rank"))) for c in self._consumers().values()})
         self._jobs.forget({str(c.get("job")) for c in self._consumers().values()})
         self._lists.free(self._read_lists())
         self._unnamed.check(now)
+
+    def let_go_idle(self, held: Callable[[str], int]) -> None:
+        """A reader waits for room that pins hold: drop the random-access readers silent for
+        :data:`IDLE_LET_GO` that hold pins (``held(name)``: how many shards reader ``name`` holds
+        open), as after ``--reader-timeout``. Each pins its shards again at its next read (its
+        ping finds it dropped: it closes its files and says hello again)."""
+        now = time.monotonic()
+        for name, record in list(self._readers.items()):
+            idle = now - record.plan.last_seen
+            if record.random_access and idle > IDLE_LET_GO and held(name):
+                self.drop(
+                    name, why=f" idle for {idle:.0f}s while a reader waits for room its pins hold", silent=Silence.IDLE
+                )
 
     def close(self) -> None:
         """Stop watching processes (at shutdown)."""

@@ -60,6 +60,7 @@ class HelloMessage(_HelloRequired, total=False):
     probe: bool
     loader: int
     launch: str
+    random_access: bool
     protocol: int
 
 
@@ -538,6 +539,7 @@ class Requests:
         probe: bool = False,
         loader: int | None = None,
         launch: str | None = None,
+        random_access: bool = False,
     ) -> HelloMessage:
         m: HelloMessage = {
             "op": "hello",
@@ -561,6 +563,8 @@ class Requests:
             m["loader"] = loader
         if launch is not None:
             m["launch"] = launch
+        if random_access:
+            m["random_access"] = True
         return m
 
     def put_urls(self, offset: int, urls: list[str], shards: list[Any] | None = None) -> PutUrlsMessage:

@@ -398,6 +398,7 @@ MESSAGES: tuple[Message, ...] = (
             "probe": "bool?",
             "loader": "int?",
             "launch": "str?",
+            "random_access": "bool?",
             "protocol": "int?",
         },
         {
@@ -416,6 +417,8 @@ MESSAGES: tuple[Message, ...] = (
         "probe: only to learn the list and its counts (a loader's len()), not a rank reading; "
         "loader: the loader's number in its process (a rank whose list differs from a live rank's of its "
         "job, epoch and loader is refused); "
+        "random_access: a ShardListDataset's session, whose pins no thread lets go of while it is idle "
+        "(the agent drops it once idle for IDLE_LET_GO while a reader waits for room that pins hold); "
         "the reply's local_urls: the agent's list holds a file:// URL",
     ),
     Message(

@@ -28,12 +28,18 @@ Guarantees:
   again, and a replaced one is refused (and its table fetched again).
 - A process waiting for a download holds no other pin meanwhile, so processes cannot fill the
   budget with pins while each waits for room for another shard.
-- A process that reads only the shards it holds says it is there every ``PING_EVERY``, so the
-  agent keeps its pins; one that read nothing for ``--reader-timeout`` was dropped (its pins
-  let go, its shards evictable): at its next read it closes its files and says hello again.
-  Until then (and while it reads nothing) it keeps its files open, and up to ``lru_size``
-  shards pinned: with a budget that holds fewer shards than the processes' pins together, a
-  read by another waits for them.
+- A process that reads only the shards it holds says it is there every ``PING_EVERY`` (and
+  while it waits for a worker's table), so the agent keeps its pins. One that reads nothing
+  keeps up to ``lru_size`` shards pinned, until the agent drops it: after ``--reader-timeout``,
+  or sooner while another reader (a stream, another process's session) waits for room that
+  pins hold, once it has said nothing for the agent's ``IDLE_LET_GO`` (5 s; a session has no
+  thread to let go of its pins when asked, as a stream does). So a read by another waits that
+  long at most for them. Dropped, its pins are let go and its shards evictable; at its next
+  read its ping finds that out, and it closes its files, says hello again and pins each shard
+  it reads anew (its file opened again, the table checked against its identity). Until then
+  it keeps its files open: a shard evicted meanwhile keeps its disk space (counted out of the
+  budget, not out of the file system's free space, which ``--min-free`` goes by) until that
+  read, or ``close()``.
 - When the agent restarts, the session says hello again and opens its shards again.
 - A bad index is an :class:`IndexError`; a shard that cannot be fetched a
   :class:`~wdscache.shared.errors.FetchError` naming it; a damaged one, one holding another
@@ -662,7 +668,12 @@ class _Session:
         urls, infos = self.urls, self.ds._list.shards
         assert infos is not None  # a shard index gives every shard's facts
         request = self.requests.hello(
-            f"random-access/{self.ds.dataset_name}", 0, 1, process=process_identity(), list_id=self.ds._list.list_id
+            f"random-access/{self.ds.dataset_name}",
+            0,
+            1,
+            process=process_identity(),
+            list_id=self.ds._list.list_id,
+            random_access=True,  # no thread lets go of our pins while we read nothing: the agent may (see the module)
         )
         hello = self.conn.request(request)
         if hello.get("need_urls"):
@@ -712,6 +723,19 @@ class _Session:
             return
         if known is False:
             self._agent_restarted()
+
+    def _here(self) -> None:
+        """A ping while we wait for a worker (the table of a large shard): a session that asks is
+        not idle, and the agent must not let go of the pin whose table we are making. An agent
+        that forgot us is for the next read to act on (its ping, :meth:`_still_known`, comes at
+        once): a hello again now would replace the links we wait on."""
+        self.contact = time.monotonic()
+        try:
+            known = self.conn.request(self.requests.ping(), timeout=PING_EVERY).get("known")
+        except AgentUnavailableError:
+            return
+        if known is False:
+            self.contact = 0.0
 
     # -- reading ------------------------------------------------------------------------------------
 
@@ -880,6 +904,8 @@ class _Session:
                 if header.get("id") == rid:
                     return header, frames
             waited += 0.25
+            if time.monotonic() - self.contact > PING_EVERY:
+                self._here()
         raise AgentUnavailableError(self.links.endpoints[worker], deadline, "the agent's sample worker did not answer")
 
     def forget(self) -> None:
