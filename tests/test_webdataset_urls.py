@@ -157,3 +157,18 @@ def test_without_pillow_the_random_access_decoder_reads_other_fields_and_names_p
     assert "ImportError: ShardListDataset's default decoder opens the image '.jpg' with Pillow: pip install pillow" in (
         r.stderr
     )
+
+
+@pytest.mark.parametrize("spec", ["dict", "mix.yaml", "MIX.YML"])
+def test_webdatasets_mixture_spec_is_refused_naming_mix(tmp_path: Path, spec: str) -> None:
+    pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    import wdscache
+
+    given: object = {"prefix": "http://h/", "datasets": [{"shards": "a-{0..3}.tar"}]}
+    if spec != "dict":
+        given = tmp_path / spec
+        given.write_text("prefix: http://h/\ndatasets:\n  - shards: a-{0..3}.tar\n")
+    for make in (wdscache.CachedMultiLoader, wdscache.WebDataset):
+        for urls in (given, str(given)) if spec != "dict" else (given,):
+            with pytest.raises(ConfigError, match=r"^urls=.*webdataset's mixture spec .* give mix=\{"):
+                make(urls, cache_dir=tmp_path / "cache")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..shared.errors import ConfigError, UrlListError
 from ..shared.redact import redact_urls
@@ -37,13 +37,24 @@ from ..shared.urls import UrlList, expand_braces, normalize_url, parse_url_list,
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _BRACKETED_OR_JOIN = re.compile(r"\[[^\]]*\]|::")  # an IPv6 host's brackets (kept whole), or a "::"
 PIPE = "pipe:"
+_SPEC_SUFFIXES = (".yaml", ".yml")  # webdataset's mixture spec files
 
 UrlsArg = str | os.PathLike[str] | Sequence[str]
 
 
 def taken_once(urls: str | os.PathLike[str] | Iterable[str] | None) -> UrlsArg | None:
     """``urls=`` as given, but an iterator or another one-pass iterable of URLs made a list, so that
-    each later look at it sees every URL (webdataset takes any iterable)."""
+    each later look at it sees every URL (webdataset takes any iterable). webdataset's mixture spec,
+    a dict or a YAML file (which webdataset 1.0 refuses as obsolete too), is refused, naming ``mix=``."""
+    if isinstance(urls, Mapping) or (
+        isinstance(urls, (str, os.PathLike)) and os.fspath(urls).lower().endswith(_SPEC_SUFFIXES)
+    ):
+        shown = f"a {type(urls).__name__}" if isinstance(urls, Mapping) else repr(redact_urls(os.fspath(urls)))
+        raise ConfigError(
+            f"urls= is {shown}: webdataset's mixture spec (a dict or YAML of datasets) is not read here; "
+            "give mix={urls_or_list_file: weight, ...} with epoch_samples= (see docs/mixtures.md), or a "
+            "URL list file, one URL a line"
+        )
     if urls is None or isinstance(urls, (str, os.PathLike, Sequence)):
         return urls
     return list(urls)
