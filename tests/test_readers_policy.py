@@ -10,7 +10,7 @@ import pytest
 from tests.helpers.policy import URLS, Loop
 from wdscache.agent.ended import ENDED_KEPT
 from wdscache.agent.rank_totals import RANK_TOTALS_KEPT
-from wdscache.agent.readers import IDLE_LET_GO, Readers
+from wdscache.agent.readers import IDLE_LET_GO, IDLE_LET_GO_EVERY, Readers
 from wdscache.shared.errors import ProtocolError
 from wdscache.shared.messages import Requests
 from wdscache.shared.urls import list_id
@@ -270,6 +270,23 @@ def test_only_random_access_readers_idle_past_the_grace_and_holding_pins_are_let
     assert loop.readers.view(_latency)["ended_jobs"]["ra-idle"]  # kept as one dropped as silent
     hello(loop.readers, "ra-idle", loop, job="ra-idle", rank=0, world_size=1, random_access=True)
     assert "ra-idle" not in loop.readers.view(_latency)["ended_jobs"]  # back as the same reader
+
+
+def test_idle_random_access_readers_are_let_go_of_the_longest_silent_first_one_at_a_time(loop: Loop) -> None:
+    # A dataset read to its end goes before a DataLoader worker silent between its batches: the
+    # room one frees may be enough.
+    for name, url, silent in [("ra-worker", 0, IDLE_LET_GO + 2), ("ra-done", 1, IDLE_LET_GO + 30)]:
+        hello(loop.readers, name, loop, job=name, rank=0, world_size=1, random_access=True)
+        loop.cached(URLS[url])
+        _, reply = loop.open(name, URLS[url], said_hello=True)
+        assert reply is not None and reply["ok"], reply
+        loop.readers._readers[name].plan.last_seen -= silent
+    loop.readers.let_go_idle(loop.opens.held)
+    loop.readers.let_go_idle(loop.opens.held)  # at once again: none more
+    assert loop.gone == ["ra-done"] and loop.cache.pins == {URLS[0]: 1}
+    loop.readers._idle_dropped_at -= IDLE_LET_GO_EVERY  # the wait lasts
+    loop.readers.let_go_idle(loop.opens.held)
+    assert loop.gone == ["ra-done", "ra-worker"] and loop.cache.pins == {}
 
 
 def test_a_hello_whose_random_access_is_no_flag_is_refused_unchanged(loop: Loop) -> None:

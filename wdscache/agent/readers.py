@@ -24,7 +24,9 @@ Guarantees:
   and holding pins is dropped as after ``--reader-timeout`` (:meth:`Readers.let_go_idle`):
   a stream held by its user lets go of its pins when asked, but such a session has no
   thread to answer while its process reads nothing, and would hold them until the timeout.
-  One that reads pings every second, so it is never taken for idle.
+  The one silent longest goes first, one every :data:`IDLE_LET_GO_EVERY`, while the wait
+  lasts: one that reads steadily pings every second and is not taken for idle, but one
+  silent between bursts of reads (a DataLoader worker waiting for its turn) may be.
 - Lists are bounded (:mod:`wdscache.agent.job_lists`). A partial download kept for a resume
   that no list names for ``UNNAMED_GRACE`` is removed (:mod:`wdscache.agent.unnamed_partials`).
 """
@@ -65,11 +67,16 @@ STARTUP_READER = "(start-up plan)"
 HELLO_MAX = (1 << 31) - 1  # the most a hello's world size, epoch or shuffle buffer may be (torch's ranks are int32)
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
-# Seconds of silence after which a random-access reader holding pins is dropped while a reader
-# waits for room they hold: several of its pings (one a second while it reads, with the shards
-# it holds pinned or a worker's table of one awaited), so a reader that reads is never taken for
-# idle even on a loaded machine; short next to --reader-timeout, which it would wait for else.
+# Seconds of silence after which a random-access reader holding pins may be dropped while a
+# reader waits for room they hold: several of its pings (one a second while it reads, with the
+# shards it holds pinned or a worker's table of one awaited), so a reader that reads steadily is
+# not taken for idle even on a loaded machine; short next to --reader-timeout, which it would
+# wait for else.
 IDLE_LET_GO = 5.0
+# Seconds between two such drops: the room one frees is often enough, and a session silent only
+# between bursts of reads (a DataLoader worker waiting for its turn) pays for a drop with pinning
+# its shards again; so the one silent longest goes first (a dataset read to its end), one at a time.
+IDLE_LET_GO_EVERY = 1.0
 
 
 def startup_reader(n_shards: int, config: AgentConfig, counts: Sequence[int | None] | None = None) -> Reader:
@@ -212,6 +219,7 @@ class Readers:
         self._jobs = Jobs()  # their world sizes (its ranks must agree), and the list each of their epochs reads
         self._ranks = RankLists()  # the list each rank of an epoch reads (its ranks must agree)
         self._ended = EndedConsumers()  # the ranks of consumers that left lately, and those dropped as silent
+        self._idle_dropped_at = 0.0  # when let_go_idle last dropped a reader
         self._totals = RankTotals()  # each rank's over the agent's life (the metrics' counters)
         self._need = BudgetNeed(cache, config.prefetch)  # what they need of the budget, and its warning
 
@@ -539,17 +547,25 @@ class Readers:
         self._unnamed.check(now)
 
     def let_go_idle(self, held: Callable[[str], int]) -> None:
-        """A reader waits for room that pins hold: drop the random-access readers silent for
-        :data:`IDLE_LET_GO` that hold pins (``held(name)``: how many shards reader ``name`` holds
-        open), as after ``--reader-timeout``. Each pins its shards again at its next read (its
-        ping finds it dropped: it closes its files and says hello again)."""
+        """A reader waits for room that pins hold: drop, as after ``--reader-timeout``, the
+        random-access reader silent longest of those silent for :data:`IDLE_LET_GO` that hold pins
+        (``held(name)``: how many shards reader ``name`` holds open); none if one was dropped less
+        than :data:`IDLE_LET_GO_EVERY` ago. It pins its shards again at its next read (its ping
+        finds it dropped: it closes its files and says hello again)."""
         now = time.monotonic()
-        for name, record in list(self._readers.items()):
-            idle = now - record.plan.last_seen
-            if record.random_access and idle > IDLE_LET_GO and held(name):
-                self.drop(
-                    name, why=f" idle for {idle:.0f}s while a reader waits for room its pins hold", silent=Silence.IDLE
-                )
+        if now - self._idle_dropped_at < IDLE_LET_GO_EVERY:
+            return
+        idle = [
+            (now - record.plan.last_seen, name)
+            for name, record in self._readers.items()
+            if record.random_access and now - record.plan.last_seen > IDLE_LET_GO and held(name)
+        ]
+        if idle:
+            quiet, name = max(idle)
+            self._idle_dropped_at = now
+            self.drop(
+                name, why=f" idle for {quiet:.0f}s while a reader waits for room its pins hold", silent=Silence.IDLE
+            )
 
     def close(self) -> None:
         """Stop watching processes (at shutdown)."""

@@ -33,8 +33,9 @@ Guarantees:
   keeps up to ``lru_size`` shards pinned, until the agent drops it: after ``--reader-timeout``,
   or sooner while another reader (a stream, another process's session) waits for room that
   pins hold, once it has said nothing for the agent's ``IDLE_LET_GO`` (5 s; a session has no
-  thread to let go of its pins when asked, as a stream does). So a read by another waits that
-  long at most for them. Dropped, its pins are let go and its shards evictable; at its next
+  thread to let go of its pins when asked, as a stream does; the one silent longest goes first,
+  one a second). So a read by another waits about that long for them; a process silent that
+  long between its reads (a DataLoader worker waiting for its turn) may lose its pins too. Dropped, its pins are let go and its shards evictable; at its next
   read its ping finds that out, and it closes its files, says hello again and pins each shard
   it reads anew (its file opened again, the table checked against its identity). Until then
   it keeps its files open: a shard evicted meanwhile keeps its disk space (counted out of the
