@@ -28,6 +28,7 @@ def _stats(
     need: int = 0,
     busy: float = 0.1,
     queued: int = 0,
+    demanded_queued: int = 0,
     retrying: tuple[dict, ...] = (),
 ) -> dict:
     return {
@@ -37,6 +38,7 @@ def _stats(
         "agent": {
             "pid": 1,
             "demanded": demanded,
+            "demanded_queued": demanded_queued,
             "retrying": list(retrying),
             "need_bytes": need,
             "workers": [{"index": 0, "busy": busy}, {"index": 1, "busy": busy}],
@@ -68,13 +70,16 @@ def test_each_verdict_names_its_cause_and_what_to_do():
         "(http://h/a.tar: attempt 3 of 9 failed: HTTP 503 Service Unavailable): check the source"
     )
     # Downloads a reader does not wait for fail: not what it waits for.
-    assert line(waiting=0.5, demanded=1, queued=2, retrying=(prefetch,)) == (
-        "starved by downloads: shards wait for a download slot: raise --download-workers"
+    assert line(waiting=0.5, demanded=1, queued=2, demanded_queued=1, retrying=(prefetch,)) == (
+        "starved by downloads: shards waited for wait for a download slot: raise --download-workers"
     )
-    assert line(waiting=0.5, demanded=1, busy=1.0) == (
-        "starved by a slow source: no shard waits for a download slot, downloads get 3.0K/s in all: "
+    slow = (
+        "starved by a slow source: no shard waited for waits for a download slot, downloads get 3.0K/s in all: "
         "raise --prefetch to download further ahead, or check the source"
     )
+    assert line(waiting=0.5, demanded=1, busy=1.0) == slow
+    # Prefetches queued while the shard waited for downloads: more downloads would share its link.
+    assert line(waiting=0.5, demanded=1, queued=3, demanded_queued=0) == slow
     assert line(waiting=0.5, busy=0.9) == "starved by workers: raise --workers"
     assert line(waiting=0.5).startswith("waiting for data, but not for downloads, workers or the budget")
     # A job that ended stays with its totals; a live job of that name wins.
@@ -386,6 +391,31 @@ def test_each_job_is_told_what_it_waits_for_not_what_another_job_does(
         lines = {job: v.text for job, v in verdicts(s).items()}
         assert lines["train"].startswith("starved by a failing source: 1 download(s)"), lines
         assert lines["other"].startswith("starved by a slow source"), lines
+    finally:
+        released.set()
+
+
+def test_a_rank_waiting_for_a_shard_downloading_while_prefetches_queue_is_told_the_source_is_slow(
+    tmp_path, dataset, shard_server, start_agent, consumers
+):
+    # A saturated link: the shard waited for downloads while prefetches wait for a slot. The rank
+    # was told "starved by downloads: raise --download-workers", and more downloads sharing the
+    # link made the job slower.
+    data = dataset(4, samples=4, payload=300)
+    released = threading.Event()
+    shard_server.fail(data.paths[0].name, "stall", seconds=60, until=released)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--download-workers", "1", "--prefetch", "4", "--no-shuffle")
+    try:
+        consumers(cache, "c", "--job", "train", "--no-shuffle", "--timeout", "60")
+        s = agent.wait_stats(
+            lambda s: s["jobs"].get("train", {}).get("0", {}).get("starved") and s["shards"]["queued"],
+            20,
+            "the rank starved while prefetches queued",
+        )
+        assert s["jobs"]["train"]["0"]["starved"] == "slow_source", (s["jobs"], s["shards"])
+        assert s["agent"]["demanded"] == 1 and s["agent"]["demanded_queued"] == 0, s["agent"]
+        assert verdicts(s)["train"].text.startswith("starved by a slow source"), verdicts(s)
     finally:
         released.set()
 

@@ -521,10 +521,13 @@ class Agent:
         cache, index = self.cache, self.cache.index
         by_state = _shard_counts(cache, self.downloads, self.prefetches, self._readers_want())
         waited = self.opens.shards.waited_for_by(self.readers.job_of)
+        unstarted = {url: jobs for url, jobs in waited.items() if url not in self.downloads}  # waiting for a slot
         agent_view = {
             "workers": self.workers.view(),
             "demanded": len(waited),
             "demanded_by_job": job_counts(waited),
+            "demanded_queued": len(unstarted),
+            "demanded_queued_by_job": job_counts(unstarted),
             "retrying": self.downloads.retrying(waited),
             "need_bytes": self.readers.need(self.opens.held)[0],
         }

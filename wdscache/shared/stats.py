@@ -30,7 +30,9 @@ The object (also ``wdscache stats --json``)::
                       retrying: [{url, error, demanded, jobs}] (downloads whose last attempt failed,
                       retried after a backoff: that attempt's failure, whether a reader waits for the
                       shard, and the jobs whose readers do), demanded (shards readers wait for),
-                      demanded_by_job ({job: how many of them its readers wait for}), need_bytes
+                      demanded_by_job ({job: how many of them its readers wait for}),
+                      demanded_queued and demanded_queued_by_job (of those, the ones whose download
+                      has not started: they wait for a download slot), need_bytes
                       (bytes the readers hold at once)};
                       {pid, uptime_s, endpoint, answering: false} when it runs (holds the directory's
                       lock) but gave no reply within ANSWER_TIMEOUT (busy, or stuck): the other fields
@@ -139,6 +141,7 @@ def _job_names(agent: dict[str, Any] | None, *tables: dict[str, Any] | None) -> 
     names = [job for table in tables for job in table or {}]
     if agent is not None:
         names += agent.get("demanded_by_job", {})
+        names += agent.get("demanded_queued_by_job", {})
         names += (job for r in agent.get("retrying", []) for job in r.get("jobs", ()))
     return names
 
@@ -151,8 +154,9 @@ def _named(table: dict[str, Any] | None, shown: dict[str, str]) -> dict[str, Any
 def _agent_named(agent: dict[str, Any], shown: dict[str, str]) -> dict[str, Any]:
     """The ``agent`` field with the jobs it names (demanded_by_job, retrying[].jobs) as shown."""
     out = dict(agent)
-    if "demanded_by_job" in agent:
-        out["demanded_by_job"] = _named(agent["demanded_by_job"], shown)
+    for table in ("demanded_by_job", "demanded_queued_by_job"):
+        if table in agent:
+            out[table] = _named(agent[table], shown)
     if "retrying" in agent:
         out["retrying"] = [{**r, "jobs": [shown[job] for job in r.get("jobs", ())]} for r in agent["retrying"]]
     return out

@@ -10,10 +10,12 @@ another job waiting for downloads does not make this one's wait a download's):
   (``bytes_limit``): shards still needed are evicted and downloaded again;
 - ``failing_source``: readers wait for shards (``agent.demanded``) whose downloads fail and are
   retried (``agent.retrying``);
-- ``downloads``: readers wait for shards while others wait for a download slot (``shards.queued``):
-  more download workers would start them;
+- ``downloads``: readers wait for shards whose downloads wait for a slot themselves
+  (``agent.demanded_queued``): more download workers would start them;
 - ``slow_source``: readers wait for shards downloading, or for the agent to ask the source whether
-  a copy an earlier run cached is current, and no shard waits for a slot: the source is slow;
+  a copy an earlier run cached is current, and none of those waits for a slot: the source (or the
+  link) is slow. Prefetches queued meanwhile do not make it a wait for slots: a shard a reader
+  waits for takes a slot of its own, and more downloads would share the same link;
 - ``workers``: the sample workers are busy more than :data:`WORKERS_BUSY` of the time, or one
   has not reported for :data:`SILENT_AFTER` seconds (stuck on a request, or stopped);
 - ``latency``: none of these: the consumer's own reads (receiving and decoding samples) are slow,
@@ -65,11 +67,22 @@ def starved_by(stats: dict[str, Any], job: str | None = None) -> str | None:
     if (agent["demanded_by_job"].get(job, 0) if mine else agent.get("demanded", 0)) > 0:
         if _failing(agent, job):
             return "failing_source"
-        return "downloads" if stats.get("shards", {}).get("queued", 0) > 0 else "slow_source"
+        return "downloads" if _queued_waits(stats, job) > 0 else "slow_source"
     busy = [w["busy"] for w in agent.get("workers", []) if isinstance(w.get("busy"), (int, float))]
     if (busy and sum(busy) / len(busy) > WORKERS_BUSY) or _silent_workers(agent):
         return "workers"
     return "latency"
+
+
+def _queued_waits(stats: dict[str, Any], job: str | None) -> int:
+    """How many of the shards readers (of ``job``) wait for wait for a download slot; from an agent
+    that does not say (an older one), every queued shard is taken for one."""
+    agent = stats["agent"]
+    if job is not None and "demanded_queued_by_job" in agent:
+        return int(agent["demanded_queued_by_job"].get(job, 0))
+    if "demanded_queued" in agent:
+        return int(agent["demanded_queued"])
+    return int(stats.get("shards", {}).get("queued", 0))
 
 
 def _failing(agent: dict[str, Any], job: str | None) -> list[dict[str, Any]]:
@@ -116,11 +129,13 @@ def _live_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: 
             f"({failing[0]['url']}: {failing[0]['error']}): check the source",
         )
     if kind == "downloads":
-        return Verdict(kind, "starved by downloads: shards wait for a download slot: raise --download-workers")
+        return Verdict(
+            kind, "starved by downloads: shards waited for wait for a download slot: raise --download-workers"
+        )
     if kind == "slow_source":
         return Verdict(
             kind,
-            f"starved by a slow source: no shard waits for a download slot, downloads get "
+            f"starved by a slow source: no shard waited for waits for a download slot, downloads get "
             f"{format_size(stats.get('download_rate', 0))}/s in all: raise --prefetch to download further ahead, "
             "or check the source",
         )
