@@ -714,15 +714,8 @@ class _Session:
     def _still_known(self) -> None:
         """A ping after ``PING_EVERY`` without a word to the agent: it keeps our pins, or finds
         that the agent dropped us as silent and let them go (their shards may be evicted, whose
-        space must come back): then as after a restart. Waited for ``PING_EVERY`` at most: the
-        files we hold stay right to read whether the agent answers or not (a read of another
-        shard finds out)."""
-        self.contact = time.monotonic()
-        try:
-            known = self.conn.request(self.requests.ping(), timeout=PING_EVERY).get("known")
-        except AgentUnavailableError:
-            return
-        if known is False:
+        space must come back): then as after a restart."""
+        if not self._ping():
             self._agent_restarted()
 
     def _here(self) -> None:
@@ -730,13 +723,18 @@ class _Session:
         not idle, and the agent must not let go of the pin whose table we are making. An agent
         that forgot us is for the next read to act on (its ping, :meth:`_still_known`, comes at
         once): a hello again now would replace the links we wait on."""
+        if not self._ping():
+            self.contact = 0.0
+
+    def _ping(self) -> bool:
+        """Whether the agent still knows us. Waited for ``PING_EVERY`` at most: an agent that does
+        not answer is taken to (the files we hold stay right to read whether it answers or not; a
+        read of another shard finds out)."""
         self.contact = time.monotonic()
         try:
-            known = self.conn.request(self.requests.ping(), timeout=PING_EVERY).get("known")
+            return self.conn.request(self.requests.ping(), timeout=PING_EVERY).get("known") is not False
         except AgentUnavailableError:
-            return
-        if known is False:
-            self.contact = 0.0
+            return True
 
     # -- reading ------------------------------------------------------------------------------------
 
