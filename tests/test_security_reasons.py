@@ -228,7 +228,7 @@ def test_jobs_named_alike_once_redacted_stay_apart_wherever_their_stats_are_show
     assert redacted(stats) == stats
     text = redact_urls(format_stats(stats))
     assert [line for line in text.splitlines() if line.startswith("job ")] == sorted(
-        f"job {job}" if job.startswith("#") else f"job {job}:" for job in (shown_a, shown_b)
+        f"job {job}" if job.startswith("#") else f"job {job}: not starved" for job in (shown_a, shown_b)
     ), text
     assert "SECRET" not in json.dumps(stats) + text
 

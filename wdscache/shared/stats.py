@@ -86,7 +86,7 @@ from .layout import CacheLayout
 from .messages import Requests
 from .protocol import process_identity
 from .redact import redacted, shown_names
-from .verdict import SILENT_AFTER, STARVED, ended_verdict
+from .verdict import SILENT_AFTER, STARVED, ended_verdict, job_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
 ANSWER_TIMEOUT = 5.0  # seconds a running agent gets to answer stats before it is shown as not answering
@@ -381,7 +381,7 @@ def format_stats(s: dict[str, Any]) -> str:
             + silent_workers(agent["workers"])
         )
     for job, ranks in sorted(s.get("jobs", {}).items()):
-        lines.append(f"job {job}:")
+        lines.append(f"job {job}: {job_verdict(s, ranks, job).text}")  # the cause, and what to do
         for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):
             starved = f"STARVED by {r['starved'].replace('_', ' ')}" if r.get("starved") else "not starved"
             if r.get("silent_s"):
