@@ -80,7 +80,7 @@ def test_each_verdict_names_its_cause_and_what_to_do():
     assert line(waiting=0.5, demanded=1, busy=1.0) == slow
     # Prefetches queued while the shard waited for downloads: more downloads would share its link.
     assert line(waiting=0.5, demanded=1, queued=3, demanded_queued=0) == slow
-    assert line(waiting=0.5, busy=0.9) == "starved by workers: raise --workers"
+    assert line(waiting=0.5, busy=0.9) == "starved by workers: raise --workers, if the machine has idle cores"
     assert line(waiting=0.5).startswith("waiting for data, but not for downloads, workers or the budget")
     # A job that ended stays with its totals; a live job of that name wins.
     got = verdicts(_stats(waiting=0.0))

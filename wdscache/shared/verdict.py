@@ -147,7 +147,7 @@ def _live_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: 
                 f"starved by workers: worker {stuck[0].get('index')} has not reported for "
                 f"{stuck[0]['silent_s']:.0f}s (stuck on a request, or stopped): see the agent's log",
             )
-        return Verdict(kind, "starved by workers: raise --workers")
+        return Verdict(kind, "starved by workers: raise --workers, if the machine has idle cores")
     return Verdict(
         kind,
         "waiting for data, but not for downloads, workers or the budget: "
