@@ -71,11 +71,16 @@ _TAG_KEY = secrets.token_bytes(16)
 # '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
 _USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
 # A password written with a "/", "?" or "#" as it is (which a list refuses, but a text may quote):
-# a "port" that is no number, then everything up to the last "@" before the URL ends; only where
-# the user info is not whole before the host ("(?!...@)": then _USER_INFO masks it alone).
+# a "port" that is no number, then everything up to the last "@" before the URL ends (a space, '"',
+# "<" or ">"; _URL_END); only where the user info is not whole before the host ("(?!...@)": then
+# _USER_INFO masks it alone). This pattern finds what comes before that "@": where the URL ends and
+# its last "@" are looked for once per URL (_mask_broken_user_info), as a pattern that went on to the
+# last "@" would read to the URL's end from each "scheme://a:x" in it: a time that grows as the
+# square of the URL's length.
 _BROKEN_USER_INFO = re.compile(
-    r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))[^\s\"<>]*@"
+    r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))"
 )
+_URL_END = re.compile(r"[\s\"<>]")
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
 # path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``): its
 # name and "=" here, then its value (_VALUE, at least a character), scanned only where masked.
@@ -303,6 +308,26 @@ def _param_credential_spans(text: str, parameters: list[Span]) -> list[Span]:
     ]
 
 
+def _mask_broken_user_info(text: str) -> str:
+    """``text`` with each user info that _BROKEN_USER_INFO begins masked up to the last "@" before
+    its URL ends (where there is one), left to right as a pattern's ``sub`` masks: each URL's end
+    and last "@" are looked for once, however many schemes it holds."""
+    out: list[str] = []
+    at = pos = 0
+    end = last = -1  # where the URL read last ends, and its last "@" (-1: none)
+    while (match := _BROKEN_USER_INFO.search(text, pos)) is not None:
+        if match.end() >= end:  # (else it is within the URL read last: the same end, the same last "@")
+            found = _URL_END.search(text, match.end())
+            end = len(text) if found is None else found.start()
+            last = text.rfind("@", match.end(), end)
+        if last < match.end():
+            pos = match.start() + 1  # no "@" after it: the next scheme may be its own URL's
+            continue
+        out += (text[at : match.start()], match.group(1), MASK, "@")
+        at = pos = last + 1
+    return "".join(out) + text[at:] if out else text
+
+
 def _merged(spans: list[Span]) -> list[Span]:
     """``spans`` in order, those that overlap or touch made one."""
     out: list[Span] = []
@@ -329,7 +354,7 @@ def redact_urls(text: str) -> str:
     header credentials replaced by ``***`` (see the module docstring); text without them is
     returned unchanged."""
     if "@" in text:
-        text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
+        text = _USER_INFO.sub(rf"\1{MASK}@", _mask_broken_user_info(text))
     # Every other rule reads the same text and what they find is masked at once: masked one after
     # another, a value masked to its end (a header's, to its word's) could take the start of the next
     # secret ("X-Api-Key:NTLM abc}Bearer SECRET") and leave the secret shown.
