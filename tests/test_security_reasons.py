@@ -416,6 +416,29 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
             "Cookie: a=1 https://h/x.tar?token=ab'cd sid=SECRETSID\n< HTTP/1.1 403",
             "Cookie: ***\n< HTTP/1.1 403",
         ),
+        # Text before a header whose lower case is longer ("İ" is two characters in lower case): the
+        # search for it began that much past the header's name.
+        ("İ" * 7 + " Cookie: sid=SECRETSID", "İ" * 7 + " Cookie: ***"),
+        ("İ" * 9 + " X-Api-Key: SECRETKEY", "İ" * 9 + " X-Api-Key: ***"),
+        ("İ" * 9 + " Set-Cookie:sid=SECRETSID", "İ" * 9 + " Set-Cookie:***"),
+        ("İ" * 9 + " Authorization: Token SECRETTOKEN", "İ" * 9 + " Authorization: Token ***"),
+        # After spaces alone, a Digest list goes on only up to one of its scheme's parameters: the
+        # words after a checksum are text.
+        (
+            "verify failed: digest md5=abc size=10 url=http://h/data/shard-000017.tar",
+            "verify failed: digest *** size=10 url=http://h/data/shard-000017.tar",
+        ),
+        ('sent Digest username="bob" x=1 response="SECRETRESP" and got 401', "sent Digest *** and got 401"),
+        # A quoted name and value are a header only as the first items of a tuple or a list.
+        ("key='cookie', 'shards/shard-01.tar'", "key='cookie', 'shards/shard-01.tar'"),
+        ("[('cookie', 'sid=SECRETSID')]", "[('cookie', '***')]"),
+        # A command line's word goes on past an escaped space; Basic credentials without their padding.
+        (
+            "pipe:curl -sf -H Authorization:Bearer\\ SECRETTOKEN http://h/a.tar",
+            "pipe:curl -sf -H Authorization:Bearer\\ *** http://h/a.tar",
+        ),
+        ("pipe:curl -sf -H Cookie:a=1\\ sid=SECRETSID http://h/a.tar", "pipe:curl -sf -H Cookie:*** http://h/a.tar"),
+        (f"sent Basic {base64.b64encode(b'bob:SECRET').decode().rstrip('=')}", "sent Basic ***"),
     ],
 )
 def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:

@@ -27,21 +27,26 @@ And in any text, the credentials of an HTTP header as a verbose tool prints it (
   next one if that one is folded) or to a quote that is not one of its
   quoted strings (``Digest username="bob", ..., response="..."`` is masked whole, whatever
   follows the last one: ``")``, ``".`` or a word); as Python shows headers too
-  (``(b'Cookie', b'sid=...')``, ``{b'Cookie': b'...'}``, ``b'...\r\nCookie: ...\r\n'``); of the first
+  (``(b'Cookie', b'sid=...')``: the name first in a tuple or a list, ``{b'Cookie': b'...'}``,
+  ``b'...\r\nCookie: ...\r\n'``); of the first
   four, a known scheme word stays (``Authorization: Bearer ***``, ``Digest ***``, ``NTLM ***``,
   ``AWS4-HMAC-SHA256 ***``);
-- a ``Bearer`` token, ``Basic`` credentials (base64 of ``user:password``), and the parameter list
-  of ``Digest`` and ``AWS4-HMAC-SHA256`` credentials (``Credential=..., Signature=...``; those two
-  scheme words in any case; parameters parted by ``,``, also at a line's end, or by spaces; values
-  in double or single quotes), wherever they stand;
+- a ``Bearer`` token, ``Basic`` credentials (base64 of ``user:password``, its ``=`` padding written
+  or not), and the parameter list of ``Digest`` and ``AWS4-HMAC-SHA256`` credentials
+  (``Credential=..., Signature=...``; those two scheme words in any case; parameters parted by
+  ``,``, also at a line's end, or by spaces up to one of those schemes' own parameters:
+  ``username``, ``realm``, ``nonce``, ``uri``, ``response``, ``algorithm``, ``cnonce``, ``opaque``,
+  ``qop``, ``nc``, ``userhash``, ``charset``, ``domain``, ``stale``, ``Credential``,
+  ``SignedHeaders``, ``Signature``; values in double or single quotes), wherever they stand;
 - the user name of curl's ``-v`` note ``Server auth using Digest with user '...'``.
 
 Each rule reads the text as written (after the user info is masked) and all they find is masked
 at once: a value that one rule masks to its end cannot hide the start of the next secret from
 another (``X-Api-Key:NTLM abc}Bearer ...``).
 
-A ``pipe:`` command is text like any other: the URLs and headers in it are redacted, the rest is
-shown as written (keep secrets of a command in its environment, not in the list).
+A ``pipe:`` command is text like any other: the URLs and headers in it are redacted (a header's
+word goes on past a space escaped by ``\\``: ``-H Authorization:Bearer\\ ...``), the rest is shown
+as written (keep secrets of a command in its environment, not in the list).
 
 Names that differ only by their secrets (two jobs named by URLs with different passwords) would
 be one once redacted: :func:`shown_names` keeps them apart.
@@ -71,11 +76,16 @@ _TAG_KEY = secrets.token_bytes(16)
 # '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
 _USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
 # A password written with a "/", "?" or "#" as it is (which a list refuses, but a text may quote):
-# a "port" that is no number, then everything up to the last "@" before the URL ends; only where
-# the user info is not whole before the host ("(?!...@)": then _USER_INFO masks it alone).
+# a "port" that is no number, then everything up to the last "@" before the URL ends (a space, '"',
+# "<" or ">"; _URL_END); only where the user info is not whole before the host ("(?!...@)": then
+# _USER_INFO masks it alone). This pattern finds what comes before that "@": where the URL ends and
+# its last "@" are looked for once per URL (_mask_broken_user_info), as a pattern that went on to the
+# last "@" would read to the URL's end from each "scheme://a:x" in it: a time that grows as the
+# square of the URL's length.
 _BROKEN_USER_INFO = re.compile(
-    r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))[^\s\"<>]*@"
+    r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))"
 )
+_URL_END = re.compile(r"[\s\"<>]")
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
 # path and query without its scheme (``Max retries exceeded with url: /a.tar?token=...``): its
 # name and "=" here, then its value (_VALUE, at least a character), scanned only where masked.
@@ -95,7 +105,7 @@ _HEADER = re.compile(
     r"((?:proxy-)?authorization|(?:www|proxy)-authenticate|set-cookie|cookie|x-amz-security-token|x-api-key)"
     r"([\"']?)([ \t]*:[ \t]*|(?<=[\"'])[ \t]*,[ \t]*(?=b?[\"']))(?:b(?=[\"']))?([\"']?)"
     r"((?:bearer|basic|digest|negotiate|ntlm|aws4-hmac-sha256|aws|token|oauth|hoba|mutual|scram-sha-1|scram-sha-256"
-    r"|vapid|sharedkey|sharedkeylite|sharedaccesssignature)(?:[ \t]+|(?=[\r\n\"',]|$)))?",
+    r"|vapid|sharedkey|sharedkeylite|sharedaccesssignature)(?:\\?[ \t]+|(?=[\r\n\"',]|$)))?",
     re.IGNORECASE,
 )
 # A word of each of their names, in lower case.
@@ -103,7 +113,7 @@ _NAME_WORDS = ("auth", "cookie", "x-amz-security-token", "x-api-key")
 _VALUE_ENDS = {  # what ends a header's value that no quote opened
     "json": re.compile(r"[,}\]\s\"']"),  # a JSON literal (its name was quoted)
     "line": re.compile(r"[\r\n\"']|\\[rn]"),  # "Name: value" as a tool prints it, or a quoted "-H 'Name: value'"
-    "word": re.compile(r"[\s\"']|\\[rn]"),  # "Name:value" in a command line
+    "word": re.compile(r"(?<!\\)\s|[\"']|\\[rn]"),  # "Name:value" in a command line (a "\ " is a shell's)
 }
 # (An escaped line end, \r\n as a repr or a JSON string writes it, ends a value no quote opened:
 # no cookie or token68 holds a backslash.)
@@ -136,17 +146,25 @@ _UNESCAPED = {q: re.compile(rf"(?:[^{q}\\]|\\.)*{q}", re.DOTALL) for q in "\"'"}
 # at, not taken: a word after "Basic" that is no credentials may hold the next "Bearer". (That the
 # scheme is a word of its own, _WORD before it, is checked after: a pattern that begins with a
 # word is searched for 5 times faster than one that begins with "\b".)
-_CREDENTIALS = re.compile(r"(Bearer|Basic)[ \t]+(?=([A-Za-z0-9._~+/-]+=*))")
+_CREDENTIALS = re.compile(r"(Bearer|Basic)\\?[ \t]+(?=([A-Za-z0-9._~+/-]+=*))")
 _WORD = re.compile(r"\w")
 # Credentials of a scheme whose credentials are auth-params ("name=value, ..."), where no header
 # name precedes them: the list is masked, the text after it stays. The scheme in any case, as a
 # server reads it ("digest username=..."): a list of "name=value" after it is no prose. Its
 # auth-params are parted by "," (the list may go on on the next line after one, after curl -v's "> "
-# too) or by spaces alone, as some clients write them.
+# too) or by spaces alone, as some clients write them: then only up to a parameter of those schemes
+# (RFC 7616's names and AWS's, in any case; "username=bob x=1 response=..." is one list):
+# "digest md5=abc size=10 url=..." is a checksum's, and the words after it are text.
 # (A token's last ":", "." or ")" is the sentence's: "..., Signature=abc: refused".)
-_AUTH_PARAM = rf"[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED}|{_SQUOTED}|[^\s,\"'\\]*[^\s,\"'\\:.)])"
+_AUTH_VALUE = rf"[ \t]*=[ \t]*(?:{_QUOTED}|{_SQUOTED}|[^\s,\"'\\]*[^\s,\"'\\:.)])"
+_SCHEME_PARAM = (
+    r"(?:username|realm|nonce|uri|response|algorithm|cnonce|opaque|qop|nc|userhash|charset|domain|stale"
+    r"|credential|signedheaders|signature)"
+)
 _PARAM_CREDENTIALS = re.compile(
-    rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)({_AUTH_PARAM}(?:(?:[ \t]*,\s*(?:[<>][ \t]+)?|[ \t]+){_AUTH_PARAM})*)",
+    rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)([A-Za-z][\w.-]*{_AUTH_VALUE}"
+    rf"(?:[ \t]*,\s*(?:[<>][ \t]+)?[A-Za-z][\w.-]*{_AUTH_VALUE}"
+    rf"|(?:[ \t]+[A-Za-z][\w.-]*{_AUTH_VALUE})*?[ \t]+{_SCHEME_PARAM}{_AUTH_VALUE})*)",
     re.IGNORECASE,
 )
 # curl -v's note of who it authenticates as ("* Server auth using Digest with user 'bob'"): a user
@@ -166,9 +184,12 @@ def _header_spans(text: str, lower: str, masked: list[Span]) -> list[Span]:
     at = 0
     past: dict[tuple[_Ending, int], int] = {}
     # The search begins at the first name (str.find is many times faster than the pattern's search),
-    # "proxy-" or "www-" before "auth", "set-" before "cookie".
-    first = min(i for i in map(lower.find, _NAME_WORDS) if i >= 0)
+    # "proxy-" or "www-" before "auth", "set-" before "cookie"; at the start where "lower" is longer
+    # than "text" (a character lower-cased to two, as "İ": its indexes are no longer those of "text").
+    first = min(i for i in map(lower.find, _NAME_WORDS) if i >= 0) if len(lower) == len(text) else 0
     for match in _HEADER.finditer(text, max(0, first - len("proxy-"))):
+        if "," in match.group(3) and not _starts_tuple(text, match.start(), match.group(2)):
+            continue  # ("key='cookie', 'shards/a.tar'": a name and a value in quotes, but no header's)
         start = match.end()
         if start < at and not match.group(4):
             continue  # (a value that begins within one read already; each part of the text is read once)
@@ -183,6 +204,20 @@ def _header_spans(text: str, lower: str, masked: list[Span]) -> list[Span]:
             spans.append((start, last))
             at = max(at, end)
     return spans
+
+
+def _starts_tuple(text: str, name: int, quote: str) -> bool:
+    """Whether the name at ``name``, in ``quote`` quotes, is a tuple's or a list's first item, as
+    Python shows a header: after "(", "[" or "{", and spaces and a bytes' "b" (``(b'Cookie', ...``),
+    or at the text's start."""
+    if text[name - 1 : name] != quote:
+        return False
+    at = name - 1
+    if text[at - 1 : at] == "b":
+        at -= 1
+    while at and text[at - 1] in " \t":
+        at -= 1
+    return not at or text[at - 1] in "([{"
 
 
 class _Ending(NamedTuple):
@@ -250,7 +285,7 @@ def _credential_spans(text: str) -> list[Span]:
 def _is_basic(value: str) -> bool:
     """Whether ``value`` reads as Basic credentials: base64 of ``user:password``."""
     try:
-        return b":" in base64.b64decode(value, validate=True)
+        return b":" in base64.b64decode(value + "=" * (-len(value) % 4), validate=True)  # (its padding may be left off)
     except (binascii.Error, ValueError):
         return False
 
@@ -303,6 +338,26 @@ def _param_credential_spans(text: str, parameters: list[Span]) -> list[Span]:
     ]
 
 
+def _mask_broken_user_info(text: str) -> str:
+    """``text`` with each user info that _BROKEN_USER_INFO begins masked up to the last "@" before
+    its URL ends (where there is one), left to right as a pattern's ``sub`` masks: each URL's end
+    and last "@" are looked for once, however many schemes it holds."""
+    out: list[str] = []
+    at = pos = 0
+    end = last = -1  # where the URL read last ends, and its last "@" (-1: none)
+    while (match := _BROKEN_USER_INFO.search(text, pos)) is not None:
+        if match.end() >= end:  # (else it is within the URL read last: the same end, the same last "@")
+            found = _URL_END.search(text, match.end())
+            end = len(text) if found is None else found.start()
+            last = text.rfind("@", match.end(), end)
+        if last < match.end():
+            pos = match.start() + 1  # no "@" after it: the next scheme may be its own URL's
+            continue
+        out += (text[at : match.start()], match.group(1), MASK, "@")
+        at = pos = last + 1
+    return "".join(out) + text[at:] if out else text
+
+
 def _merged(spans: list[Span]) -> list[Span]:
     """``spans`` in order, those that overlap or touch made one."""
     out: list[Span] = []
@@ -329,7 +384,7 @@ def redact_urls(text: str) -> str:
     header credentials replaced by ``***`` (see the module docstring); text without them is
     returned unchanged."""
     if "@" in text:
-        text = _USER_INFO.sub(rf"\1{MASK}@", _BROKEN_USER_INFO.sub(rf"\1{MASK}@", text))
+        text = _USER_INFO.sub(rf"\1{MASK}@", _mask_broken_user_info(text))
     # Every other rule reads the same text and what they find is masked at once: masked one after
     # another, a value masked to its end (a header's, to its word's) could take the start of the next
     # secret ("X-Api-Key:NTLM abc}Bearer SECRET") and leave the secret shown.
