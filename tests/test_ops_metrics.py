@@ -144,6 +144,49 @@ def test_a_ranks_counters_add_up_its_epochs_and_never_go_down(tmp_path, dataset,
     assert totals["wait_s"] == pytest.approx(ended["wait_s"], abs=1e-3) == scraped[-1][2]
 
 
+@pytest.mark.slow  # a rank is stopped past SILENT_AFTER (5 s)
+def test_a_stopped_rank_is_marked_silent_in_the_metrics(tmp_path, dataset, start_agent, consumers, run_cli):
+    # A rank stopped (SIGSTOP) was named in stats' text ("rank 1 silent for 6s") but nothing in the
+    # metrics marked it: its rate gauge read 0, as for a rank that waits.
+    import os
+    import signal
+
+    from tests.helpers.waits import wait_for
+
+    data = dataset(2, samples=40, payload=300)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "2", "--metrics-port", "0")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    url = json.loads((cache / "agent.json").read_text())["metrics"]
+    ranks = [
+        consumers(
+            cache, f"r{r}", "--job", "j", "--rank", str(r), "--world-size", "2", "--sleep", "0.1", "--epochs", "50"
+        )
+        for r in (0, 1)
+    ]
+    silent = [("wdscache_consumer_silent_seconds", (("job", "j"), ("rank", str(r)))) for r in (0, 1)]
+
+    def scraped() -> dict:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return _samples(reply.read().decode())
+
+    agent.wait_stats(lambda s: all(s["jobs"].get("j", {}).get(r, {}).get("rate", 0) > 0 for r in "01"), 30, "rates")
+    both = wait_for(lambda: (m := scraped()).get(silent[1]) is not None and m, 10, "no silent gauge for the ranks")
+    assert (both[silent[0]], both[silent[1]]) == (0, 0), both
+    os.kill(ranks[1].proc.pid, signal.SIGSTOP)
+    try:
+        got = wait_for(lambda: (m := scraped()).get(silent[1], 0) > 0 and m, 20, "the stopped rank never silent")
+        printed = _samples(run_cli("stats", "--cache-dir", cache, "--prometheus").stdout)
+    finally:
+        os.kill(ranks[1].proc.pid, signal.SIGCONT)
+    assert got[silent[1]] >= 5 and got[silent[0]] == 0, got  # SILENT_AFTER; the other rank reads on
+    assert printed[silent[1]] >= got[silent[1]] and printed[silent[0]] == 0, printed
+    rank1 = (("job", "j"), ("rank", "1"))
+    assert got[("wdscache_consumer_samples_per_second", rank1)] == 0
+    for c in ranks:
+        c.kill()
+
+
 def test_a_job_named_by_a_url_shows_in_metrics_redacted(tmp_path, dataset, start_agent, run_cli):
     from tests.helpers.waits import wait_for
 

@@ -1,6 +1,7 @@
 """``wdscache stats`` on an agent that runs but does not answer (busy, or stuck): shown running, with its
 pid, and not answering, never as not running; the Kubernetes readiness probe calls it unready only
-while it does not answer."""
+while it does not answer. And its figures of now: a rate shown while epochs are short, a download
+rate that is what the source sends after a restart."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import re
 import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.console import wdscache_exe
 from tests.helpers.procs import stat_fields
+from tests.helpers.streaming import assert_epoch_exact, reference
 from tests.helpers.waits import wait_for
+from wdscache.shared.layout import CacheLayout
 
 DAEMONSET = Path(__file__).resolve().parent.parent / "agent" / "kubernetes" / "daemonset.yaml"
 
@@ -125,3 +129,48 @@ def test_a_job_of_epochs_shorter_than_a_report_shows_its_rate_while_it_reads(tmp
     rank = s["jobs"]["short"]["0"]
     assert rank["rate"] > 100 and "samples" in rank, rank
     assert epochs[0] > 2, epochs  # epochs shorter than a report did go by
+
+
+@pytest.mark.slow  # partial files built at 400 KB/s, then resumed at 50 KB/s for a few seconds
+def test_downloads_resumed_from_partial_files_count_only_the_bytes_fetched_in_the_rate(
+    tmp_path, shard_server, dataset, start_agent, consumers
+):
+    # After a restart the rate counted each resumed download's partial file as bytes of the last
+    # seconds: "now 7.7M/s" where the source sent 0.4 MB/s. The server paces each connection to
+    # its rate from the first byte of the body, so no honest figure exceeds it per download.
+    data = dataset(3, samples=30, payload=100_000)
+    data.list_file.write_text(data.urls[0] + "\n")  # the agent's own list; the job reads the two others
+    own = tmp_path / "own.txt"
+    own.write_text("".join(u + "\n" for u in data.urls[1:]))
+    cache = tmp_path / "cache"
+    args = ("--prefetch", "1", "--download-parts", "1", "--cache-size", "100M")
+    shard_server.rate = 400_000
+    agent = start_agent(cache, data.list_file, *args)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 1, 30, "the agent's own shard cached")
+    reader = consumers(cache, "reader", "--job", "resumed", "--urls", str(own), "--no-shuffle", "--timeout", "60")
+    layout = CacheLayout.of(cache)
+    partials = [layout.partial_path(u) for u in data.urls[1:]]
+
+    def held() -> int:
+        return sum(p.stat().st_size for p in partials if p.exists())
+
+    size = data.paths[1].stat().st_size
+    wait_for(lambda: held() >= size, 60, lambda: f"partials never grew: {held()} bytes\n{agent.stderr_tail()}")
+    assert agent.stop() == 0
+    kept = held()
+    assert kept >= size, kept
+
+    per_connection = shard_server.rate = 50_000
+    agent = start_agent(cache, data.list_file, *args)
+    agent.wait_stats(lambda s: s["shards"]["downloading"] > 0, 30, "the job's shards resumed")
+    rates = []
+    deadline = time.monotonic() + 4.0  # the first seconds of the window: the partials' bytes would dominate
+    while time.monotonic() < deadline:
+        s = agent.stats()
+        rates.append((s["download_rate"], s["shards"]["downloading"]))
+    assert all(rate <= 1.3 * per_connection * max(1, n) for rate, n in rates), (kept, rates)
+    assert any(rate > 0 for rate, _ in rates), rates  # the bytes that do come are counted
+    resumed = [r for r in shard_server.requests if r.method == "GET" and r.range and not r.range.startswith("bytes=0-")]
+    assert resumed, "no download was resumed from its partial file"
+    shard_server.rate = None
+    assert_epoch_exact(reader.wait(), reference(data.paths[1:], data.urls[1:]))

@@ -202,6 +202,47 @@ def test_a_job_run_again_under_its_name_shows_its_own_run_as_ended(tmp_path, dat
 
 
 @pytest.mark.slow
+def test_an_ended_job_says_whether_it_failed_stopped_early_or_read_its_epoch(
+    tmp_path, shard_server, dataset, start_agent, consumers, run_cli
+):
+    # A consumer that died of an error (on_error="raise": a ShardError, a FetchError) showed in
+    # ended_jobs exactly like one that read its epoch: "ended ...: 101 samples". Its bye now says
+    # how its epoch ended.
+    data = dataset(2, samples=4, payload=300)
+    secret = "0123456789abcdef0123456789abcdef"
+    gone = shard_server.url("gone-000000.tar") + f"?X-Amz-Signature={secret}"
+    failing = tmp_path / "failing.txt"
+    failing.write_text(f"{data.urls[0]}\n{gone}\n")
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--prefetch", "2")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "both shards cached")
+    assert len(samples_of(consumers(cache, "done", "--job", "done").wait())) == 8
+    stopped = consumers(cache, "stopped", "--job", "stopped", "--no-shuffle", "--stop-after", "3").wait()
+    assert len(samples_of(stopped)) == 3
+    raised = consumers(cache, "raised", "--job", "raised", "--no-shuffle", "--urls", str(failing))
+    assert raised.proc.wait(60) != 0, raised.log.read_text()
+    assert "wdscache.FetchError: cannot fetch" in raised.log.read_text(), raised.log.read_text()
+    s = agent.wait_stats(
+        lambda s: {"done", "stopped", "raised"} <= set(s["ended_jobs"]), 10, "the three jobs listed as ended"
+    )
+    ended = s["ended_jobs"]
+    assert (ended["done"]["0"]["end"], ended["stopped"]["0"]["end"], ended["raised"]["0"]["end"]) == (
+        "complete",
+        "stopped",
+        "error",
+    ), ended
+    error = ended["raised"]["0"]["end_error"]
+    assert error.startswith("FetchError: cannot fetch ") and "gone-000000.tar" in error and secret not in error, error
+    text = run_cli("stats", "--cache-dir", cache).stdout
+    assert re.search(r"^job done: ended \S+: 8 samples, waited", text, re.M), text
+    assert re.search(r"^job stopped: ended \S+, stopped before the end of an epoch \(rank 0\): 3 samples", text, re.M)
+    assert re.search(
+        r"^job raised: ended \S+ with an error \(rank 0: FetchError: .*gone-000000\.tar.*\): 4 samples", text, re.M
+    ), text
+    assert secret not in text
+
+
+@pytest.mark.slow
 def test_dataloader_workers_of_one_run_are_one_run_in_ended_jobs(tmp_path, dataset, start_agent):
     # A DataLoader worker that says hello after the rank's other worker left (a slow worker_init_fn)
     # was taken for another run of the job: its rank's ended totals started over (16 of 40 samples).

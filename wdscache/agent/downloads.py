@@ -97,7 +97,7 @@ class Downloads:
         self._gave_way: set[str] = set()
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
-        self._finished_bytes = 0  # bytes written by downloads that ended, for the rate
+        self._finished_bytes = 0  # bytes fetched by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
 
     def start_threads(self) -> None:
@@ -194,7 +194,8 @@ class Downloads:
 
     def rate(self) -> float:
         """Bytes a second downloaded over the last ``RATE_WINDOW`` seconds, up to now; 0 once no
-        download runs (a figure for what happens now, not an average that lingers)."""
+        download runs (a figure for what happens now, not an average that lingers). Only bytes
+        that came from the source count: a resumed download's partial file came before."""
         self.sample_rate()
         if not self.running() or len(self._rate_samples) < 2:
             return 0.0
@@ -204,7 +205,7 @@ class Downloads:
     def sample_rate(self) -> None:
         now = time.monotonic()
         self._rate_samples.append(
-            (now, self._finished_bytes + sum(s.download.progress.written for s in self._shards.slots()))
+            (now, self._finished_bytes + sum(s.download.progress.fetched for s in self._shards.slots()))
         )
         while self._rate_samples and now - self._rate_samples[0][0] > RATE_WINDOW:
             self._rate_samples.popleft()
@@ -409,7 +410,7 @@ class Downloads:
         """Its end is recorded: the slot is free. Called last, so that a failed index write
         (the event is handled again later) leaves the download active."""
         self._shards.end_download(d.url)
-        self._finished_bytes += d.progress.written
+        self._finished_bytes += d.progress.fetched
         if not d.verify and d.url not in self._gave_way:
             self._gave_way.clear()  # its space is free: the downloads that gave way may start again
 

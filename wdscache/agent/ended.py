@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared.logs import iso_time
+from ..shared.messages import EpochEnd
 from .rank_totals import Rank
 
 ENDED_KEPT = 600.0  # seconds a rank whose consumers left stays in stats with its totals
@@ -74,6 +75,11 @@ class EndedConsumers:
         rank["_consumers"] += 1
         rank["_launch"] = consumer.get("_launch") or rank.get("_launch")  # the script's run (see joined)
         rank.update({k: consumer[k] for k in ("epoch", "position") if consumer.get(k) is not None})
+        # How the latest epoch ended, as its bye said; an error stays: the job's end is what it was.
+        if consumer.get("end") is not None and rank.get("end") != EpochEnd.ERROR.value:
+            rank["end"] = consumer["end"]
+            if consumer.get("end_error") is not None:
+                rank["end_error"] = consumer["end_error"]
         rank.update(
             seen=consumer.get("seen"),
             ended=iso_time(time.time()),
@@ -116,17 +122,22 @@ class EndedConsumers:
             del self.ranks[key]
 
     def said_bye(
-        self, name: str, figures: dict[str, float], count: Callable[[Rank, dict[str, float], dict[str, float]], None]
+        self,
+        name: str,
+        figures: dict[str, float],
+        count: Callable[[Rank, dict[str, float], dict[str, float]], None],
+        end: dict[str, str],
     ) -> None:
-        """Consumer ``name``, dropped as silent, said bye with its final ``figures`` without saying
-        hello again (it held all it still had to hand out): they ``count`` for its rank (as
-        :meth:`~wdscache.agent.rank_totals.RankTotals.add`), from what was counted of it, once."""
+        """Consumer ``name``, dropped as silent, said bye with its final ``figures`` and how its
+        epoch ended (``end``) without saying hello again (it held all it still had to hand out):
+        they ``count`` for its rank (as :meth:`~wdscache.agent.rank_totals.RankTotals.add`), from
+        what was counted of it, once."""
         if not figures:  # (a bye without totals leaves it as it was dropped, in its rank's ended totals)
             return
         dropped = self.back(name)
         if dropped is None:
             return
-        consumer = {**dropped.consumer, **figures}
+        consumer = {**dropped.consumer, **figures, **end}
         count((str(consumer.get("job")), str(consumer.get("rank"))), dict(dropped.counted), figures)
         self.left(name, consumer, None)
 
@@ -143,7 +154,8 @@ class EndedConsumers:
 
     def view(self) -> dict[str, dict[str, Any]]:
         """``ended_jobs`` of the stats: {job: {rank: {samples, bytes, wait_s (over its consumers that
-        left), epochs (how many they read), epoch and position (the latest's), ended, ...}}}."""
+        left), epochs (how many they read), epoch and position (the latest's), ended, end and
+        end_error (how its latest epoch ended, an error kept, when the byes said), ...}}}."""
         jobs: dict[str, dict[str, Any]] = {}
         for (job, rank), kept in self.ranks.items():
             view = {k: v for k, v in kept.items() if not k.startswith("_")}

@@ -32,6 +32,7 @@ from .shard_download import (
     Cancelled,
     Changed,
     Download,
+    Progress,
     Retry,
     check_tar_head,
     disk_full,
@@ -101,9 +102,7 @@ class PartedFetch:
         """Fetch ``d`` as parts, the first (``head``) from the answer ``first`` that gave its size."""
         d.progress.total = total
         progress = d.progress
-        plan = Plan(
-            d.partial, total, head, self.part_size, lambda n: setattr(progress, "written", progress.written + n)
-        )
+        plan = Plan(d.partial, total, head, self.part_size, lambda n: _wrote(progress, n))
         d.progress.written = plan.held
         need = total + plan.largest  # an append holds a part's bytes twice for a moment
         try:
@@ -272,3 +271,9 @@ def _check(d: Download, plan: Plan) -> None:
         raise Cancelled(d.url)
     if plan.stop.is_set():
         raise Stopped(d.url)
+
+
+def _wrote(progress: Progress, n: int) -> None:
+    """``n`` more bytes of a part came from the source and are on disk (under the plan's lock)."""
+    progress.written += n
+    progress.fetched += n

@@ -44,10 +44,12 @@ from typing import Any
 
 from ..shared.config import AgentConfig
 from ..shared.logs import event, get_logger
+from ..shared.messages import END_ERROR_MAX, EpochEnd
 from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
 from ..shared.protocol import PAGE_BYTES, PROTOCOL, SAME_INSTALL, numbers, process_identity, speaks
 from ..shared.protocol import field as get_field
+from ..shared.redact import redact_urls
 from ..shared.shard_index import ShardInfo
 from ..shared.stats import jobs_view, with_fraction
 from ..shared.urls import UrlList, list_id, whitespace_problem
@@ -466,14 +468,18 @@ class Readers:
     def op_bye(self, request: Request) -> Reply:
         """A reader leaves. A consumer's bye carries its report's fields, so that the totals it
         leaves with are final even where its last stretch (or all of a short epoch) fell between
-        reports; a bye without them leaves the last report's."""
+        reports; a bye without them leaves the last report's. It may say how its epoch ended
+        (kept with its rank in ``ended_jobs``); an older consumer's does not."""
         name = request.header["reader"]
         figures = numbers(request.header, REPORT_FIELDS)  # checked first: a malformed bye changes nothing
+        end = _epoch_end(request.header)
         record = self._readers.get(name)
         if figures and record is not None and record.consumer is not None:
             self._record(record, figures)
+        if record is not None and record.consumer is not None:
+            record.consumer.update(end)
         elif record is None:  # dropped as silent, it never said hello again: its totals still count
-            self._ended.said_bye(name, figures, self._totals.add)
+            self._ended.said_bye(name, figures, self._totals.add, end)
         self.drop(name)
         return {"ok": True}
 
@@ -660,3 +666,17 @@ class Readers:
             "ended_jobs": self._ended.view(),
             "rank_totals": self._totals.view(),
         }
+
+
+def _epoch_end(header: dict[str, Any]) -> dict[str, str]:
+    """How a bye says its consumer's epoch ended: ``end`` (an :class:`EpochEnd` value) and, for an
+    error, ``end_error`` (redacted again: the agent's stats are shown to anyone on the machine);
+    {} when it does not say, or says what this agent does not know (a later version's)."""
+    said = get_field(header, "end", str, None)
+    if said not in {e.value for e in EpochEnd}:
+        return {}
+    end = {"end": said}
+    error = get_field(header, "end_error", str, None)
+    if said == EpochEnd.ERROR.value and error is not None:
+        end["end_error"] = redact_urls(error)[:END_ERROR_MAX]
+    return end

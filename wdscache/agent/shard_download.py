@@ -54,6 +54,9 @@ class Progress:
     last_modified: str | None = None  # the source's Last-Modified date, when it gave one (beside an ETag)
     total: int | None = None  # the shard's size, once the source has said it
     written: int = 0  # bytes in the partial file (and, in a parted download, its parts' files)
+    # Bytes this download took from the source, over all its attempts: the agent's download rate
+    # counts these, not ``written``, which starts at what a resumed partial held already.
+    fetched: int = 0
     expanded: int = 0  # bytes of a gzip'd shard's tar written so far (beside ``written``)
     gzipped: bool = False  # its body starts like gzip: readers wait for the tar, never stream it
     md5: str | None = None  # the MD5 of the source bytes, once hashed
@@ -276,7 +279,9 @@ def write_body(d: Download, chunks: Iterable[bytes], total: int | None, *, check
                 d.budget.reserve(d, d.budget.needed + GROW, None)
             if check_head and d.progress.written < HEAD_BYTES <= d.progress.written + len(chunk):
                 check_tar_head(d, fd, chunk)
-            d.progress.written += write_all(d, fd, chunk)
+            n = write_all(d, fd, chunk)
+            d.progress.written += n
+            d.progress.fetched += n
             if d.cancel.is_set():  # checked after the write: bytes received are kept for a resume
                 raise Cancelled(d.url)
             if d.progress.written - synced >= SYNC_EVERY:

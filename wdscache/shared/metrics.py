@@ -37,6 +37,9 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
                                               after its last consumer left
     wdscache_consumer_samples_per_second{job,rank}  a rank of a live job: its recent sample rate
     wdscache_consumer_waiting_ratio{job,rank} and the share of its recent time spent waiting for data
+    wdscache_consumer_silent_seconds{job,rank}  seconds since the rank's last report once over 5 s (its
+                                              process stopped or hung: then its rate and waiting are 0),
+                                              0 while it reports
     wdscache_job_starved{job,reason}          1 for a live job that is starved, by its reason
                                               (budget, failing_source, downloads, slow_source,
                                               workers, latency), else 0
@@ -145,6 +148,11 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
         "rate": GaugeMetricFamily("wdscache_consumer_samples_per_second", "A rank's recent sample rate", labels=labels),
         "waiting": GaugeMetricFamily(
             "wdscache_consumer_waiting_ratio", "Share of a rank's recent time spent waiting for data", labels=labels
+        ),
+        "silent_s": GaugeMetricFamily(
+            "wdscache_consumer_silent_seconds",
+            "Seconds since a rank's last report, once it is silent (stopped or hung), else 0",
+            labels=labels,
         ),
     }
     for families_of, ranks_by_job in ((totals, s.get("rank_totals", {})), (gauges, s.get("jobs", {}))):

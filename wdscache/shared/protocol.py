@@ -520,10 +520,20 @@ MESSAGES: tuple[Message, ...] = (
         "bye",
         "consumer",
         "agent",
-        {"reader": "str", "epoch": "int?", "position": "int?", "samples": "int?", "bytes": "int?", "wait_s": "number?"},
+        {
+            "reader": "str",
+            "epoch": "int?",
+            "position": "int?",
+            "samples": "int?",
+            "bytes": "int?",
+            "wait_s": "number?",
+            "end": "str?",
+            "end_error": "str?",
+        },
         _ERROR,
         about="a reader leaves: its pins go; a consumer's bye carries its report's fields, its final totals "
-        "(logged, and kept in stats' ended_jobs)",
+        "(logged, and kept in stats' ended_jobs), and how its epoch ended (end: complete, error (end_error: "
+        "the error, redacted) or stopped: closed before its end)",
     ),
     Message(
         "counts",

@@ -163,7 +163,21 @@ def ended_verdict(ranks: dict[str, dict[str, Any]]) -> Verdict:
     last = max((str(r.get("ended") or "") for r in ranks.values()), default="")
     epochs = max((int(r.get("epochs", 1)) for r in ranks.values()), default=1)
     over = f" in {epochs} epochs" if epochs > 1 else ""
-    return Verdict(None, f"ended {last}: {samples} samples{over}, waited {waited:.1f}s for data in all")
+    return Verdict(None, f"ended {last}{_how(ranks)}: {samples} samples{over}, waited {waited:.1f}s for data in all")
+
+
+def _how(ranks: dict[str, dict[str, Any]]) -> str:
+    """How a job ended, as its ranks' byes said: with an error (the first rank's that had one),
+    or stopped before the end of an epoch; nothing for epochs read to their end (or byes that
+    did not say: a consumer older than the ``end`` field)."""
+    failed = sorted((rank, r) for rank, r in ranks.items() if r.get("end") == "error")
+    if failed:
+        rank, r = failed[0]
+        return f" with an error (rank {rank}: {r.get('end_error') or 'not told'})"
+    stopped = sorted(rank for rank, r in ranks.items() if r.get("end") == "stopped")
+    if stopped:
+        return f", stopped before the end of an epoch (rank {', '.join(stopped)})"
+    return ""
 
 
 def verdicts(stats: dict[str, Any]) -> dict[str, Verdict]:

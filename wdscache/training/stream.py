@@ -40,9 +40,10 @@ from typing import Any, cast
 from ..shared.client import BYE_TIMEOUT, AgentConnection
 from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
-from ..shared.messages import Requests, WorkerRequest
+from ..shared.messages import END_ERROR_MAX, EpochEnd, Requests, WorkerRequest
 from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
+from ..shared.redact import redact_urls
 from ..shared.sequence import EpochSpec, IdRun, RankShare, Resume, SampleId, ShardFeed
 from .direct import CacheFiles
 from .epoch_shards import EpochShards, OnError, StopEpoch
@@ -240,6 +241,9 @@ class EpochStream:
         self._waiting_from: float | None = None
         self._out: tuple[Iterator[Any], list[int]] | None = None  # the latest read's samples (see _pipeline)
         self.broken = False  # the epoch ended in an error: close quickly
+        # How the epoch ended, for our bye (stats' ended_jobs): closed before its end unless it got there.
+        self.end = EpochEnd.STOPPED
+        self.end_error: str | None = None  # the error that ended it (END_ERROR_MAX characters, redacted)
         self.epoch = epoch
         report = functools.partial(self.requests.report, s.job, s.rank)
         self.reporter = Reporter(session.connect, report, self._figures, session.reports, self.pins.let_go_parked)
@@ -279,10 +283,15 @@ class EpochStream:
                 if pair is None:
                     self.pins.flush()
                     time.sleep(STREAM_POLL)  # a shard still downloading: look again soon
+            self.end = EpochEnd.COMPLETE
         except StopEpoch as stop:
             if stop.error is None:
                 raise
+            self._ended_by(stop.error)
             raise stop.error from None
+        except WdsCacheError as exc:
+            self._ended_by(exc)
+            raise
         finally:
             self.close()
         return dict(self.shards.sample_counts)
@@ -291,8 +300,10 @@ class EpochStream:
         """The rank's samples in order, an iterator over a list per read (see :meth:`_pipeline`)."""
         try:
             yield from self._pipeline()
+            self.end = EpochEnd.COMPLETE
         except AgentUnavailableError as exc:
             self.broken = True
+            self._ended_by(exc)
             if exc.hint == WORKERS_SILENT:  # the agent answered: not gone
                 raise
             # It served this epoch, then went silent: it died, or restarted and is not back.
@@ -302,11 +313,17 @@ class EpochStream:
                 "the agent that served this epoch died or restarted and no run of it answered again in time "
                 f"(a restarted agent is taken up where the epoch stands); {exc.hint}".rstrip("; "),
             ) from None
-        except WdsCacheError:
+        except WdsCacheError as exc:
             self.broken = True  # the agent may be gone: do not wait for it again on the way out
+            self._ended_by(exc)
             raise
         finally:
             self.close()
+
+    def _ended_by(self, error: BaseException) -> None:
+        """The epoch ends in ``error``, raised to the user: our bye says so, redacted (its URLs' secrets)."""
+        self.end = EpochEnd.ERROR
+        self.end_error = redact_urls(f"{type(error).__name__}: {error}")[:END_ERROR_MAX]
 
     @property
     def delivered(self) -> int:
@@ -605,7 +622,8 @@ class EpochStream:
             if not self.broken:
                 self.shards.await_counts()
             # With our totals: the agent logs and lists them, and its last report may be a second old.
-            self.conn.request(self.requests.bye(**self._figures()), timeout=0.5 if self.broken else BYE_TIMEOUT)
+            bye = self.requests.bye(**self._figures(), end=self.end, end_error=self.end_error)
+            self.conn.request(bye, timeout=0.5 if self.broken else BYE_TIMEOUT)
         except AgentUnavailableError:
             pass
         finally:  # whatever the agent answered: no socket is left to the garbage collector
