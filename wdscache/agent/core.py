@@ -521,13 +521,9 @@ class Agent:
         cache, index = self.cache, self.cache.index
         by_state = _shard_counts(cache, self.downloads, self.prefetches, self._readers_want())
         waited = self.opens.shards.waited_for_by(self.readers.job_of)
-        unstarted = {url: jobs for url, jobs in waited.items() if url not in self.downloads}  # waiting for a slot
         agent_view = {
             "workers": self.workers.view(),
-            "demanded": len(waited),
-            "demanded_by_job": job_counts(waited),
-            "demanded_queued": len(unstarted),
-            "demanded_queued_by_job": job_counts(unstarted),
+            **_waits(waited, self.downloads),
             "retrying": self.downloads.retrying(waited),
             "need_bytes": self.readers.need(self.opens.held)[0],
         }
@@ -599,6 +595,19 @@ class _PrivateUse:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _waits(waited: dict[str, set[str]], downloads: Downloads) -> dict[str, Any]:
+    """The shards readers wait for (``waited``: url -> the jobs whose readers do), as stats' agent
+    view counts them: in all and by job, and those whose download has not started (waiting for a
+    download slot)."""
+    unstarted = {url: jobs for url, jobs in waited.items() if url not in downloads}
+    return {
+        "demanded": len(waited),
+        "demanded_by_job": job_counts(waited),
+        "demanded_queued": len(unstarted),
+        "demanded_queued_by_job": job_counts(unstarted),
+    }
 
 
 def _shard_counts(cache: ShardCache, downloads: Downloads, prefetches: Prefetches, wanted: list[str]) -> dict[str, int]:

@@ -349,30 +349,22 @@ class Readers:
         Lists travel in pages (``put_urls`` / ``get_urls``), never in one message, and
         are known by ``list_id`` (a hash), so a list is sent once, not every epoch.
         """
-        header = request.header
-        name = header["reader"]
-        job = get_field(header, "job", str)
-        world = get_field(header, "world_size", int)
-        rank = get_field(header, "rank", int)
-        if not 0 <= rank < world:
-            return {"ok": False, "error": f"rank {rank} is not in [0, {world})"}
-        epoch = get_field(header, "epoch", int, None)
-        buffer = max(0, get_field(header, "shuffle_buffer", int, 0))  # (a loader's -1 is none, as ever)
-        for what, value in (("world_size", world), ("epoch", epoch or 0), ("shuffle_buffer", buffer)):
-            if not 0 <= value <= HELLO_MAX:
-                return {"ok": False, "error": f"{what} {value} is not in [0, {HELLO_MAX}]"}
-        if not name:
-            return {"ok": False, "error": "a reader's name is empty"}
-        said = header.get("protocol")
-        if said != PROTOCOL:
-            return {"ok": False, "error": f"it speaks {speaks(said)}, the agent {speaks(PROTOCOL)}; {SAME_INSTALL}"}
-        claimed = get_field(header, "list_id", str, None)
-        probe = header.get("probe") is True  # not a rank reading: neither joins nor leaves the job
-        random_access = get_field(header, "random_access", bool, False)  # (checked before anything changes)
+        hello = _hello_of(request.header)
+        if not isinstance(hello, _Hello):
+            return hello
+        name, job, world, rank, epoch, claimed, probe = (
+            hello.name,
+            hello.job,
+            hello.world,
+            hello.rank,
+            hello.epoch,
+            hello.claimed,
+            hello.probe,
+        )
         refused = self._lists.take(name, claimed, self._read_lists())
         if refused is not None:
             return refused
-        consumers, loader, own = self._consumers(), get_field(header, "loader", int, 0), claimed is not None
+        consumers, loader, own = self._consumers(), hello.loader, claimed is not None
         refusal = self._jobs.refusal(job, world, rank, lambda: job_live(consumers, job))
         warning = None  # of its list against its fellow ranks', for its process to log too
         if refusal is None and epoch is not None:  # its list, as those of the other ranks of its epoch
@@ -387,7 +379,7 @@ class Readers:
         self.drop(name, why=None)
         back = self._ended.back(name) if not probe else None  # dropped as silent, it comes back
         if back is None and not probe and not _rank_live(consumers, job, rank):
-            self._ended.joined(job, rank, get_field(header, "launch", str, None))  # (a new run of the job?)
+            self._ended.joined(job, rank, hello.launch)  # (a new run of the job?)
         # It reads the list it named; else the one its job's epoch reads (the first of its readers
         # took the agent's list as it was then), to that epoch's end, whatever edits come.
         key = claimed
@@ -395,8 +387,7 @@ class Readers:
             read = back.list_id if back is not None and back.list_id and self._holds(back.list_id) else self.list_id
             key = self._jobs.list_of(job, world, epoch, read, self._holds, reader=name, probe=probe)
         record = self._readers[name] = ReaderRecord(Reader(name, ahead=[], list_id=key), own_list=own)
-        record.launch = get_field(header, "launch", str, None)
-        record.random_access = random_access
+        record.launch, record.random_access = hello.launch, hello.random_access
         if probe:
             record.probe = True
         else:
@@ -404,11 +395,11 @@ class Readers:
                 self._ranks.join(name, Reading(job, loader, epoch, rank, world, Listed(key, len(self._list(key)), own)))
             # Stamped: its first report's share of time spent waiting counts from here.
             record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
-            record.buffer = buffer
+            record.buffer = hello.buffer
             if back is not None:
                 record.counted = dict(back.counted)  # its reports go on from there: nothing counted twice
             self._totals.add((job, str(rank)), record.counted, {})  # its rank is shown from now on
-        record.plan.pidfd = self._processes.start(name, header.get("process"))
+        record.plan.pidfd = self._processes.start(name, request.header.get("process"))
         if not again and not record.probe:
             event(
                 log,
@@ -508,28 +499,9 @@ class Readers:
         consumer = record.consumer
         if why is None or record.probe:
             return
-        # A timeout is news (a process stopped or hung); an idle reader let go of is routine.
-        level = logging.WARNING if silent is Silence.TIMED_OUT else logging.INFO
+        _log_gone(name, why, consumer, silent)
         if consumer is None:  # a plain client
-            log.log(level, "reader %s%s; releasing its shards", name, why)
             return
-        samples = int(consumer.get("samples", 0))
-        event(
-            log,
-            "consumer_left" if silent is None else silent.value,
-            "reader %s%s; releasing its shards (job %r, rank %s, %d samples)",
-            name,
-            why,
-            consumer.get("job"),
-            consumer.get("rank"),
-            samples,
-            level=level,
-            reader=name,
-            job=consumer.get("job"),
-            rank=consumer.get("rank"),
-            why=why.strip(" :"),
-            samples=samples,
-        )
         # Kept for stats a while (ended_jobs), with its totals; one dropped as silent may come back.
         dropped = (
             Dropped(record.counted, None if record.own_list else record.plan.list_id) if silent is not None else None
@@ -559,19 +531,11 @@ class Readers:
         than :data:`IDLE_LET_GO_EVERY` ago. It pins its shards again at its next read (its ping
         finds it dropped: it closes its files and says hello again)."""
         now = time.monotonic()
-        if now - self._idle_dropped_at < IDLE_LET_GO_EVERY:
-            return
-        idle = [
-            (now - record.plan.last_seen, name)
-            for name, record in self._readers.items()
-            if record.random_access and now - record.plan.last_seen > IDLE_LET_GO and held(name)
-        ]
-        if idle:
-            quiet, name = max(idle)
+        if now - self._idle_dropped_at >= IDLE_LET_GO_EVERY and (idle := _longest_idle(self._readers, held, now)):
+            quiet, name = idle
             self._idle_dropped_at = now
-            self.drop(
-                name, why=f" idle for {quiet:.0f}s while a reader waits for room its pins hold", silent=Silence.IDLE
-            )
+            why = f" idle for {quiet:.0f}s while a reader waits for room its pins hold"
+            self.drop(name, why=why, silent=Silence.IDLE)
 
     def close(self) -> None:
         """Stop watching processes (at shutdown)."""
@@ -666,6 +630,92 @@ class Readers:
             "ended_jobs": self._ended.view(),
             "rank_totals": self._totals.view(),
         }
+
+
+def _log_gone(name: str, why: str, consumer: dict[str, Any] | None, silent: Silence | None) -> None:
+    """Log that reader ``name`` (a consumer, or a plain client) went, ``why`` after its name."""
+    # A timeout is news (a process stopped or hung); an idle reader let go of is routine.
+    level = logging.WARNING if silent is Silence.TIMED_OUT else logging.INFO
+    if consumer is None:
+        log.log(level, "reader %s%s; releasing its shards", name, why)
+        return
+    samples = int(consumer.get("samples", 0))
+    event(
+        log,
+        "consumer_left" if silent is None else silent.value,
+        "reader %s%s; releasing its shards (job %r, rank %s, %d samples)",
+        name,
+        why,
+        consumer.get("job"),
+        consumer.get("rank"),
+        samples,
+        level=level,
+        reader=name,
+        job=consumer.get("job"),
+        rank=consumer.get("rank"),
+        why=why.strip(" :"),
+        samples=samples,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Hello:
+    """A hello's fields, checked before anything changes (:func:`_hello_of`)."""
+
+    name: str
+    job: str
+    world: int
+    rank: int
+    epoch: int | None
+    buffer: int  # its shuffle buffer (a loader's -1 is none, as ever)
+    claimed: str | None  # the list it names (its own), if any
+    probe: bool  # not a rank reading: neither joins nor leaves the job
+    random_access: bool  # a ShardListDataset's session (see let_go_idle)
+    loader: int  # the loader's number in its process
+    launch: str | None  # the run of the training script it is part of
+
+
+def _hello_of(header: dict[str, Any]) -> _Hello | Reply:
+    """The fields of a hello, or the reply that refuses it (a value out of bounds, another
+    protocol); ProtocolError for a field of the wrong type."""
+    name, world, rank = header["reader"], get_field(header, "world_size", int), get_field(header, "rank", int)
+    job = get_field(header, "job", str)
+    if not 0 <= rank < world:
+        return {"ok": False, "error": f"rank {rank} is not in [0, {world})"}
+    epoch = get_field(header, "epoch", int, None)
+    buffer = max(0, get_field(header, "shuffle_buffer", int, 0))
+    for what, value in (("world_size", world), ("epoch", epoch or 0), ("shuffle_buffer", buffer)):
+        if not 0 <= value <= HELLO_MAX:
+            return {"ok": False, "error": f"{what} {value} is not in [0, {HELLO_MAX}]"}
+    if not name:
+        return {"ok": False, "error": "a reader's name is empty"}
+    said = header.get("protocol")
+    if said != PROTOCOL:
+        return {"ok": False, "error": f"it speaks {speaks(said)}, the agent {speaks(PROTOCOL)}; {SAME_INSTALL}"}
+    return _Hello(
+        name,
+        job,
+        world,
+        rank,
+        epoch,
+        buffer,
+        claimed=get_field(header, "list_id", str, None),
+        probe=header.get("probe") is True,
+        random_access=get_field(header, "random_access", bool, False),
+        loader=get_field(header, "loader", int, 0),
+        launch=get_field(header, "launch", str, None),
+    )
+
+
+def _longest_idle(readers: dict[str, ReaderRecord], held: Callable[[str], int], now: float) -> tuple[float, str] | None:
+    """(seconds silent, name) of the random-access reader silent longest of those silent for
+    :data:`IDLE_LET_GO` that hold pins (``held``); None if there is none."""
+    idle = [
+        (now - record.plan.last_seen, name)
+        for name, record in readers.items()
+        if record.random_access and now - record.plan.last_seen > IDLE_LET_GO and held(name)
+    ]
+    return max(idle) if idle else None
 
 
 def _epoch_end(header: dict[str, Any]) -> dict[str, str]:

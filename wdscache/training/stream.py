@@ -184,18 +184,7 @@ class EpochStream:
         hello = session.hello
         self.finished = False  # resources released
         self.complete = False  # every sample of the rank's share was delivered
-        self.spec: EpochSpec | NodeSpec | MixSpec
-        self.share: RankShare | NodeShare
-        if spec is not None:  # a mixture's epoch (wdscache.shared.mixture), or some of the list's shards
-            self.spec = spec
-            assert isinstance(start, Resume)
-            self.share = RankShare(s.world_size, s.rank, resume=start, drop_last=s.drop_last)
-        elif isinstance(start, JobEpoch):  # a job on several nodes: this node's part (wdscache.shared.nodes)
-            self.spec, self.share = NodeSpec(start, start.layout.node), start.share()
-        else:
-            self.spec = EpochSpec(len(self.urls), s.seed, epoch, s.shuffle, s.shuffle_buffer)
-            # A checkpoint's positions, from any world size: the rest are dealt to this job's ranks.
-            self.share = RankShare(s.world_size, s.rank, resume=start, drop_last=s.drop_last)
+        self.spec, self.share = _spec_and_share(s, len(self.urls), epoch, start, spec)
         self._delivered = 0  # samples handed to the user, but for the chunk being handed out (see delivered)
         self._handing: tuple[int, Iterator[Any]] | None = None  # that chunk: its length and iterator
         self.clock = ProgressClock(self.conn, self.name, self.urls, endpoint=s.endpoint, timeout=s.timeout)
@@ -241,9 +230,7 @@ class EpochStream:
         self._waiting_from: float | None = None
         self._out: tuple[Iterator[Any], list[int]] | None = None  # the latest read's samples (see _pipeline)
         self.broken = False  # the epoch ended in an error: close quickly
-        # How the epoch ended, for our bye (stats' ended_jobs): closed before its end unless it got there.
-        self.end = EpochEnd.STOPPED
-        self.end_error: str | None = None  # the error that ended it (END_ERROR_MAX characters, redacted)
+        self.ending = Ending()  # how the epoch ended, for our bye
         self.epoch = epoch
         report = functools.partial(self.requests.report, s.job, s.rank)
         self.reporter = Reporter(session.connect, report, self._figures, session.reports, self.pins.let_go_parked)
@@ -283,14 +270,14 @@ class EpochStream:
                 if pair is None:
                     self.pins.flush()
                     time.sleep(STREAM_POLL)  # a shard still downloading: look again soon
-            self.end = EpochEnd.COMPLETE
+            self.ending.how = EpochEnd.COMPLETE
         except StopEpoch as stop:
             if stop.error is None:
                 raise
-            self._ended_by(stop.error)
+            self.ending.by(stop.error)
             raise stop.error from None
         except WdsCacheError as exc:
-            self._ended_by(exc)
+            self.ending.by(exc)
             raise
         finally:
             self.close()
@@ -300,10 +287,10 @@ class EpochStream:
         """The rank's samples in order, an iterator over a list per read (see :meth:`_pipeline`)."""
         try:
             yield from self._pipeline()
-            self.end = EpochEnd.COMPLETE
+            self.ending.how = EpochEnd.COMPLETE
         except AgentUnavailableError as exc:
             self.broken = True
-            self._ended_by(exc)
+            self.ending.by(exc)
             if exc.hint == WORKERS_SILENT:  # the agent answered: not gone
                 raise
             # It served this epoch, then went silent: it died, or restarted and is not back.
@@ -315,15 +302,10 @@ class EpochStream:
             ) from None
         except WdsCacheError as exc:
             self.broken = True  # the agent may be gone: do not wait for it again on the way out
-            self._ended_by(exc)
+            self.ending.by(exc)
             raise
         finally:
             self.close()
-
-    def _ended_by(self, error: BaseException) -> None:
-        """The epoch ends in ``error``, raised to the user: our bye says so, redacted (its URLs' secrets)."""
-        self.end = EpochEnd.ERROR
-        self.end_error = redact_urls(f"{type(error).__name__}: {error}")[:END_ERROR_MAX]
 
     @property
     def delivered(self) -> int:
@@ -622,13 +604,40 @@ class EpochStream:
             if not self.broken:
                 self.shards.await_counts()
             # With our totals: the agent logs and lists them, and its last report may be a second old.
-            bye = self.requests.bye(**self._figures(), end=self.end, end_error=self.end_error)
+            bye = self.requests.bye(**self._figures(), end=self.ending.how, end_error=self.ending.error)
             self.conn.request(bye, timeout=0.5 if self.broken else BYE_TIMEOUT)
         except AgentUnavailableError:
             pass
         finally:  # whatever the agent answered: no socket is left to the garbage collector
             self.conn.close()
             self.workers.close()
+
+
+@dataclass(slots=True)
+class Ending:
+    """How an epoch ended, for its bye (stats' ``ended_jobs``): closed before its end unless it got
+    there (``how`` set to COMPLETE) or an error raised to the user ended it (:meth:`by`)."""
+
+    how: EpochEnd = EpochEnd.STOPPED
+    error: str | None = None  # that error (END_ERROR_MAX characters, redacted: its URLs' secrets)
+
+    def by(self, error: BaseException) -> None:
+        self.how = EpochEnd.ERROR
+        self.error = redact_urls(f"{type(error).__name__}: {error}")[:END_ERROR_MAX]
+
+
+def _spec_and_share(
+    s: StreamSettings, n_urls: int, epoch: int, start: Resume | JobEpoch, spec: EpochSpec | MixSpec | None
+) -> tuple[EpochSpec | NodeSpec | MixSpec, RankShare | NodeShare]:
+    """The epoch's sequence and this rank's share of it: of a mixture's epoch or some of the list's
+    shards (``spec``), of a job on several nodes (this node's part, :mod:`wdscache.shared.nodes`),
+    or of the list's epoch ``epoch`` (a checkpoint's positions, from any world size: the rest are
+    dealt to this job's ranks)."""
+    if isinstance(start, JobEpoch):
+        assert spec is None
+        return NodeSpec(start, start.layout.node), start.share()
+    share = RankShare(s.world_size, s.rank, resume=start, drop_last=s.drop_last)
+    return (spec if spec is not None else EpochSpec(n_urls, s.seed, epoch, s.shuffle, s.shuffle_buffer)), share
 
 
 def nothing_to_repeat(stream: EpochStream, holes: int) -> None:
