@@ -439,6 +439,10 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
         ),
         ("pipe:curl -sf -H Cookie:a=1\\ sid=SECRETSID http://h/a.tar", "pipe:curl -sf -H Cookie:*** http://h/a.tar"),
         (f"sent Basic {base64.b64encode(b'bob:SECRET').decode().rstrip('=')}", "sent Basic ***"),
+        # pprint wraps a header list's tuple after its comma
+        ("[('Host', 'h'),\n ('Cookie',\n  'session=SECRET')]", "[('Host', 'h'),\n ('Cookie',\n  '***')]"),
+        # a URL glued to a word of a script without spaces
+        ("下载失败http://bob:SECRET@h/a.tar", "下载失败http://***@h/a.tar"),
     ],
 )
 def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:

@@ -74,7 +74,7 @@ _TAG_KEY = secrets.token_bytes(16)
 # A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
 # "'" and ";" are legal in user info and query values (RFC 3986 sub-delims), so they end neither;
 # '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
-_USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
+_USER_INFO = re.compile(r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
 # A password written with a "/", "?" or "#" as it is (which a list refuses, but a text may quote):
 # a "port" that is no number, then everything up to the last "@" before the URL ends (a space, '"',
 # "<" or ">"; _URL_END); only where the user info is not whole before the host ("(?!...@)": then
@@ -83,7 +83,7 @@ _USER_INFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
 # last "@" would read to the URL's end from each "scheme://a:x" in it: a time that grows as the
 # square of the URL's length.
 _BROKEN_USER_INFO = re.compile(
-    r"\b([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))"
+    r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]{0,31}://)(?![^\s/?#\"<>]*@)[^\s/?#\"<>@:\[]*:(?![0-9]*(?:[/?#\s\"<>]|$))"
 )
 _URL_END = re.compile(r"[\s\"<>]")
 # A parameter after "?", "&", ";" or "#": anywhere in a text, since a message may quote a URL's
@@ -103,7 +103,7 @@ _SECRET_NAME = re.compile(r"sig|token|secret|pass|pwd|credential|auth|key|policy
 _HEADER = re.compile(
     r"(?:(?<![\w/.-])|(?<=\\[rn]))"
     r"((?:proxy-)?authorization|(?:www|proxy)-authenticate|set-cookie|cookie|x-amz-security-token|x-api-key)"
-    r"([\"']?)([ \t]*:[ \t]*|(?<=[\"'])[ \t]*,[ \t]*(?=b?[\"']))(?:b(?=[\"']))?([\"']?)"
+    r"([\"']?)([ \t]*:[ \t]*|(?<=[\"'])[ \t]*,\s*(?=b?[\"']))(?:b(?=[\"']))?([\"']?)"
     r"((?:bearer|basic|digest|negotiate|ntlm|aws4-hmac-sha256|aws|token|oauth|hoba|mutual|scram-sha-1|scram-sha-256"
     r"|vapid|sharedkey|sharedkeylite|sharedaccesssignature)(?:\\?[ \t]+|(?=[\r\n\"',]|$)))?",
     re.IGNORECASE,
@@ -155,7 +155,10 @@ _WORD = re.compile(r"\w")
 # too) or by spaces alone, as some clients write them: then only up to a parameter of those schemes
 # (RFC 7616's names and AWS's, in any case; "username=bob x=1 response=..." is one list):
 # "digest md5=abc size=10 url=..." is a checksum's, and the words after it are text.
-# (A token's last ":", "." or ")" is the sentence's: "..., Signature=abc: refused".)
+# (A token's last ":", "." or ")" is the sentence's: "..., Signature=abc: refused".) At most
+# _OTHER_PARAMS others stand between two of those: a search that read on through every "name=value"
+# after each "digest" of a line would take a time that grows as the square of the line.
+_OTHER_PARAMS = 8
 _AUTH_VALUE = rf"[ \t]*=[ \t]*(?:{_QUOTED}|{_SQUOTED}|[^\s,\"'\\]*[^\s,\"'\\:.)])"
 _SCHEME_PARAM = (
     r"(?:username|realm|nonce|uri|response|algorithm|cnonce|opaque|qop|nc|userhash|charset|domain|stale"
@@ -164,7 +167,7 @@ _SCHEME_PARAM = (
 _PARAM_CREDENTIALS = re.compile(
     rf"\b(Digest|AWS4-HMAC-SHA256)([ \t]+)([A-Za-z][\w.-]*{_AUTH_VALUE}"
     rf"(?:[ \t]*,\s*(?:[<>][ \t]+)?[A-Za-z][\w.-]*{_AUTH_VALUE}"
-    rf"|(?:[ \t]+[A-Za-z][\w.-]*{_AUTH_VALUE})*?[ \t]+{_SCHEME_PARAM}{_AUTH_VALUE})*)",
+    rf"|(?:[ \t]+[A-Za-z][\w.-]*{_AUTH_VALUE}){{0,{_OTHER_PARAMS}}}?[ \t]+{_SCHEME_PARAM}{_AUTH_VALUE})*)",
     re.IGNORECASE,
 )
 # curl -v's note of who it authenticates as ("* Server auth using Digest with user 'bob'"): a user
