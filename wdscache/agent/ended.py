@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..shared.logs import iso_time
-from ..shared.messages import EpochEnd
 from .rank_totals import Rank
 
 ENDED_KEPT = 600.0  # seconds a rank whose consumers left stays in stats with its totals
@@ -75,11 +74,9 @@ class EndedConsumers:
         rank["_consumers"] += 1
         rank["_launch"] = consumer.get("_launch") or rank.get("_launch")  # the script's run (see joined)
         rank.update({k: consumer[k] for k in ("epoch", "position") if consumer.get(k) is not None})
-        # How the latest epoch ended, as its bye said; an error stays: the job's end is what it was.
-        if consumer.get("end") is not None and rank.get("end") != EpochEnd.ERROR.value:
-            rank["end"] = consumer["end"]
-            if consumer.get("end_error") is not None:
-                rank["end_error"] = consumer["end_error"]
+        # The error a bye said ended its epoch: the first stays (the job's end is what it was).
+        if consumer.get("end_error") is not None and rank.get("end_error") is None:
+            rank["end_error"] = consumer["end_error"]
         rank.update(
             seen=consumer.get("seen"),
             ended=iso_time(time.time()),
@@ -155,7 +152,7 @@ class EndedConsumers:
     def view(self) -> dict[str, dict[str, Any]]:
         """``ended_jobs`` of the stats: {job: {rank: {samples, bytes, wait_s (over its consumers that
         left), epochs (how many they read), epoch and position (the latest's), ended, end and
-        end_error (how its latest epoch ended, an error kept, when the byes said), ...}}}."""
+        end_error (the first error a bye said ended an epoch), ...}}}."""
         jobs: dict[str, dict[str, Any]] = {}
         for (job, rank), kept in self.ranks.items():
             view = {k: v for k, v in kept.items() if not k.startswith("_")}

@@ -44,7 +44,7 @@ from typing import Any
 
 from ..shared.config import AgentConfig
 from ..shared.logs import event, get_logger
-from ..shared.messages import END_ERROR_MAX, EpochEnd
+from ..shared.messages import END_ERROR_MAX
 from ..shared.nodes import assign
 from ..shared.plan import Reader, wanted
 from ..shared.protocol import PAGE_BYTES, PROTOCOL, SAME_INSTALL, numbers, process_identity, speaks
@@ -719,16 +719,8 @@ def _longest_idle(readers: dict[str, ReaderRecord], held: Callable[[str], int], 
 
 
 def _epoch_end(header: dict[str, Any]) -> dict[str, str]:
-    """How a bye says its consumer's epoch ended: ``end`` (an :class:`EpochEnd` value) and, for an
-    error, ``end_error`` (redacted again: the agent's stats are shown to anyone on the machine);
-    {} when it does not say, or says what this agent does not know (a later version's)."""
-    said = get_field(header, "end", str, None)
-    if said not in {e.value for e in EpochEnd}:
-        return {}
-    end = {"end": said}
+    """The error a bye says ended its consumer's epoch (``end_error``), redacted again (the agent's
+    stats are shown to anyone on the machine); {} when it says none."""
     error = get_field(header, "end_error", str, None)
-    if said == EpochEnd.ERROR.value and error is not None:
-        end["end_error"] = redact_urls(
-            error[:END_ERROR_MAX]
-        )  # (ours send no more: cut first, a long one costs no time)
-    return end
+    # (Ours send no more than END_ERROR_MAX: cut first, so that a long one costs the loop no time.)
+    return {} if error is None else {"end_error": redact_urls(error[:END_ERROR_MAX])}

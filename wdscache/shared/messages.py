@@ -23,7 +23,6 @@ A message is a plain dict, built once: a request to a worker is on the hot path
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum
 from typing import Any, Literal, TypedDict
 
 from .protocol import PROTOCOL
@@ -32,14 +31,6 @@ from .protocol import PROTOCOL
 
 
 END_ERROR_MAX = 500  # characters of the error a bye carries, and the agent keeps, at most
-
-
-class EpochEnd(Enum):
-    """How a consumer's epoch ended, as its bye tells (stats' ``ended_jobs`` shows it)."""
-
-    COMPLETE = "complete"  # its share handed out to its end (or to where an on_error handler stopped it)
-    ERROR = "error"  # an error raised to the user (a ShardError with on_error="raise", the agent gone...)
-    STOPPED = "stopped"  # closed before its end: the user stopped iterating (a break, max steps)
 
 
 class AuthMessage(TypedDict):
@@ -229,8 +220,7 @@ class ByeMessage(_ByeRequired, total=False):
     samples: int
     bytes: int
     wait_s: float
-    end: str  # an EpochEnd's value
-    end_error: str
+    end_error: str  # the error of ours that ended its epoch, raised to the script (redacted)
 
 
 class ByeReply(TypedDict, total=False):
@@ -657,14 +647,12 @@ class Requests:
         samples: int | None = None,
         bytes: int | None = None,
         wait_s: float | None = None,
-        end: EpochEnd | None = None,
         end_error: str | None = None,
     ) -> ByeMessage:
         """A consumer's bye carries its final totals (see :meth:`report`) and how its epoch ended
-        (``end``; with ``end_error``, already redacted, when an error ended it); any other reader's, none."""
+        (``end_error``, already redacted, when an error of ours raised to the script ended it); any
+        other reader's, none."""
         m: ByeMessage = {"op": "bye", "reader": self.reader}
-        if end is not None:
-            m["end"] = end.value
         if end_error is not None:
             m["end_error"] = end_error
         if epoch is not None:

@@ -527,13 +527,12 @@ MESSAGES: tuple[Message, ...] = (
             "samples": "int?",
             "bytes": "int?",
             "wait_s": "number?",
-            "end": "str?",
             "end_error": "str?",
         },
         _ERROR,
         about="a reader leaves: its pins go; a consumer's bye carries its report's fields, its final totals "
-        "(logged, and kept in stats' ended_jobs), and how its epoch ended (end: complete, error (end_error: "
-        "the error, redacted) or stopped: closed before its end)",
+        "(logged, and kept in stats' ended_jobs), and end_error: the error of ours that ended its epoch, "
+        "raised to the script (redacted)",
     ),
     Message(
         "counts",

@@ -48,10 +48,9 @@ The object (also ``wdscache stats --json``)::
                       from each rank's latest exit), with their totals over every consumer of the
                       rank that left (its epochs and DataLoader workers: samples, bytes, wait_s
                       summed; epochs: how many distinct epoch numbers; epoch and position: the
-                      latest's), ``ended`` (an ISO 8601 date), and when the consumers' byes said
-                      it, ``end``: how the latest epoch ended ("complete", "stopped": closed
-                      before its end, "error", kept once one was, with ``end_error``: the
-                      error, redacted); a job run again under the
+                      latest's), ``ended`` (an ISO 8601 date), and ``end_error`` when a bye said
+                      an error of wdscache's raised to the script ended an epoch (the first,
+                      redacted); a job run again under the
                       same name (a rank of it saying hello from another run of the script,
                       named by its hello's ``launch``, while none of its consumers is live)
                       starts its ranks' totals over (rank_totals adds them up); see

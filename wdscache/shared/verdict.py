@@ -167,17 +167,10 @@ def ended_verdict(ranks: dict[str, dict[str, Any]]) -> Verdict:
 
 
 def _how(ranks: dict[str, dict[str, Any]]) -> str:
-    """How a job ended, as its ranks' byes said: with an error (the first rank's that had one),
-    or stopped before the end of an epoch; nothing for epochs read to their end (or byes that
-    did not say: a consumer older than the ``end`` field)."""
-    failed = sorted((rank, r) for rank, r in ranks.items() if r.get("end") == "error")
-    if failed:
-        rank, r = failed[0]
-        return f" with an error (rank {rank}: {r.get('end_error') or 'not told'})"
-    stopped = sorted(rank for rank, r in ranks.items() if r.get("end") == "stopped")
-    if stopped:
-        return f", stopped before the end of an epoch (rank {', '.join(stopped)})"
-    return ""
+    """How a job ended, as its ranks' byes said: with an error of ours raised to the script (the
+    first rank's that had one); nothing otherwise."""
+    failed = sorted((rank, r["end_error"]) for rank, r in ranks.items() if r.get("end_error"))
+    return f" with an error (rank {failed[0][0]}: {failed[0][1]})" if failed else ""
 
 
 def verdicts(stats: dict[str, Any]) -> dict[str, Verdict]:

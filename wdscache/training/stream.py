@@ -40,7 +40,7 @@ from typing import Any, cast
 from ..shared.client import BYE_TIMEOUT, AgentConnection
 from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
 from ..shared.logs import get_logger
-from ..shared.messages import END_ERROR_MAX, EpochEnd, Requests, WorkerRequest
+from ..shared.messages import END_ERROR_MAX, Requests, WorkerRequest
 from ..shared.mixture import MixSpec
 from ..shared.nodes import JobEpoch, NodeShare, NodeSpec
 from ..shared.redact import redact_urls
@@ -230,7 +230,7 @@ class EpochStream:
         self._waiting_from: float | None = None
         self._out: tuple[Iterator[Any], list[int]] | None = None  # the latest read's samples (see _pipeline)
         self.broken = False  # the epoch ended in an error: close quickly
-        self.ending = Ending()  # how the epoch ended, for our bye
+        self.end_error: str | None = None  # the error of ours that ended the epoch, for our bye
         self.epoch = epoch
         report = functools.partial(self.requests.report, s.job, s.rank)
         self.reporter = Reporter(session.connect, report, self._figures, session.reports, self.pins.let_go_parked)
@@ -270,14 +270,13 @@ class EpochStream:
                 if pair is None:
                     self.pins.flush()
                     time.sleep(STREAM_POLL)  # a shard still downloading: look again soon
-            self.ending.how = EpochEnd.COMPLETE
         except StopEpoch as stop:
             if stop.error is None:
                 raise
-            self.ending.by(stop.error)
+            self.end_error = told(stop.error)
             raise stop.error from None
         except WdsCacheError as exc:
-            self.ending.by(exc)
+            self.end_error = told(exc)
             raise
         finally:
             self.close()
@@ -287,10 +286,9 @@ class EpochStream:
         """The rank's samples in order, an iterator over a list per read (see :meth:`_pipeline`)."""
         try:
             yield from self._pipeline()
-            self.ending.how = EpochEnd.COMPLETE
         except AgentUnavailableError as exc:
             self.broken = True
-            self.ending.by(exc)
+            self.end_error = told(exc)
             if exc.hint == WORKERS_SILENT:  # the agent answered: not gone
                 raise
             # It served this epoch, then went silent: it died, or restarted and is not back.
@@ -302,7 +300,7 @@ class EpochStream:
             ) from None
         except WdsCacheError as exc:
             self.broken = True  # the agent may be gone: do not wait for it again on the way out
-            self.ending.by(exc)
+            self.end_error = told(exc)
             raise
         finally:
             self.close()
@@ -604,7 +602,7 @@ class EpochStream:
             if not self.broken:
                 self.shards.await_counts()
             # With our totals: the agent logs and lists them, and its last report may be a second old.
-            bye = self.requests.bye(**self._figures(), end=self.ending.how, end_error=self.ending.error)
+            bye = self.requests.bye(**self._figures(), end_error=self.end_error)
             self.conn.request(bye, timeout=0.5 if self.broken else BYE_TIMEOUT)
         except AgentUnavailableError:
             pass
@@ -613,17 +611,11 @@ class EpochStream:
             self.workers.close()
 
 
-@dataclass(slots=True)
-class Ending:
-    """How an epoch ended, for its bye (stats' ``ended_jobs``): closed before its end unless it got
-    there (``how`` set to COMPLETE) or an error raised to the user ended it (:meth:`by`)."""
-
-    how: EpochEnd = EpochEnd.STOPPED
-    error: str | None = None  # that error (END_ERROR_MAX characters, redacted: its URLs' secrets)
-
-    def by(self, error: BaseException) -> None:
-        self.how = EpochEnd.ERROR
-        self.error = redact_urls(f"{type(error).__name__}: {error}")[:END_ERROR_MAX]
+def told(error: BaseException) -> str:
+    """An error of ours that ends an epoch, as the bye tells it (stats' ``ended_jobs``): named,
+    redacted (its URLs' secrets), at most END_ERROR_MAX characters. (An error of the script's own
+    stages passes outside the stream, which only sees itself closed, as after a ``break``.)"""
+    return redact_urls(f"{type(error).__name__}: {error}")[:END_ERROR_MAX]
 
 
 def _spec_and_share(
