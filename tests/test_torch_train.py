@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,20 @@ def _kill_job(proc: subprocess.Popen[bytes]) -> None:
     )
 
 
-def _torchrun(tmp: Path, cache: Path, name: str, *extra: str, ranks: int = 2) -> tuple[subprocess.Popen[bytes], Path]:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A folder for the jobs' temporary files (torchrun's log folders, multiprocessing's sockets,
+    which a killed job leaves): short, as a socket's path must be (the test's folder is too long)."""
+    folder = Path(tempfile.mkdtemp(prefix="wdscache-torchrun-", dir="/tmp"))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _torchrun(
+    tmp: Path, cache: Path, name: str, *extra: str, ranks: int = 2, temp: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
     out = tmp / f"{name}.log"
     cmd = [
         str(TORCHRUN),
@@ -80,8 +95,6 @@ def _torchrun(tmp: Path, cache: Path, name: str, *extra: str, ranks: int = 2) ->
         str(tmp / "seen"),
         *extra,
     ]
-    temp = tmp / f"{name}-tmp"  # torchrun's log folders and multiprocessing's sockets: a killed job leaves them
-    temp.mkdir()
     with open(out, "wb") as f:
         proc = subprocess.Popen(
             cmd,
@@ -97,7 +110,7 @@ def _torchrun(tmp: Path, cache: Path, name: str, *extra: str, ranks: int = 2) ->
 
 @pytest.mark.slow
 def test_torchrun_job_killed_and_restarted_sees_every_sample_once_per_epoch(
-    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path, short_tmp: Path
 ) -> None:
     if not TORCHRUN.exists():
         pytest.skip(f"no torchrun beside {sys.executable}")
@@ -105,7 +118,7 @@ def test_torchrun_job_killed_and_restarted_sees_every_sample_once_per_epoch(
     cache = tmp_path / "cache"
     start_agent(cache, list_file, "--workers", "2")
     seen = tmp_path / "seen"
-    proc, out = _torchrun(tmp_path, cache, "first", "--step-sleep", "0.3")
+    proc, out = _torchrun(tmp_path, cache, "first", "--step-sleep", "0.3", temp=short_tmp)
     try:
         # Inside epoch 1 (epoch 0 takes 8 steps a rank), once a checkpoint of it was written.
         wait_for(
@@ -118,7 +131,7 @@ def test_torchrun_job_killed_and_restarted_sees_every_sample_once_per_epoch(
         _kill_job(proc)
     assert "epoch 1:" not in out.read_text()  # killed inside epoch 1
     # Resumed on one rank (the model saved without DDP's wrapper loads there) with another num_workers.
-    proc, out = _torchrun(tmp_path, cache, "second", "--num-workers", "1", ranks=1)
+    proc, out = _torchrun(tmp_path, cache, "second", "--num-workers", "1", ranks=1, temp=short_tmp)
     try:
         assert proc.wait(180) == 0, out.read_text()[-4000:]
     finally:
