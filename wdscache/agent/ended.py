@@ -125,8 +125,8 @@ class EndedConsumers:
         count: Callable[[Rank, dict[str, float], dict[str, float]], None],
         end: dict[str, str],
     ) -> None:
-        """Consumer ``name``, dropped as silent, said bye with its final ``figures`` and how its
-        epoch ended (``end``) without saying hello again (it held all it still had to hand out):
+        """Consumer ``name``, dropped as silent, said bye with its final ``figures`` (and ``end``: the
+        error that ended its epoch, if one did) without saying hello again (it held all it still had to hand out):
         they ``count`` for its rank (as :meth:`~wdscache.agent.rank_totals.RankTotals.add`), from
         what was counted of it, once."""
         if not figures:  # (a bye without totals leaves it as it was dropped, in its rank's ended totals)
@@ -151,8 +151,8 @@ class EndedConsumers:
 
     def view(self) -> dict[str, dict[str, Any]]:
         """``ended_jobs`` of the stats: {job: {rank: {samples, bytes, wait_s (over its consumers that
-        left), epochs (how many they read), epoch and position (the latest's), ended, end and
-        end_error (the first error a bye said ended an epoch), ...}}}."""
+        left), epochs (how many they read), epoch and position (the latest's), ended, end_error
+        (the first error a bye said ended an epoch), ...}}}."""
         jobs: dict[str, dict[str, Any]] = {}
         for (job, rank), kept in self.ranks.items():
             view = {k: v for k, v in kept.items() if not k.startswith("_")}

@@ -459,11 +459,11 @@ class Readers:
     def op_bye(self, request: Request) -> Reply:
         """A reader leaves. A consumer's bye carries its report's fields, so that the totals it
         leaves with are final even where its last stretch (or all of a short epoch) fell between
-        reports; a bye without them leaves the last report's. It may say how its epoch ended
-        (kept with its rank in ``ended_jobs``); an older consumer's does not."""
+        reports; a bye without them leaves the last report's. It may say the error that ended its
+        epoch (kept with its rank in ``ended_jobs``)."""
         name = request.header["reader"]
         figures = numbers(request.header, REPORT_FIELDS)  # checked first: a malformed bye changes nothing
-        end = _epoch_end(request.header)
+        end = _end_error(request.header)
         record = self._readers.get(name)
         if figures and record is not None and record.consumer is not None:
             self._record(record, figures)
@@ -718,7 +718,7 @@ def _longest_idle(readers: dict[str, ReaderRecord], held: Callable[[str], int], 
     return max(idle) if idle else None
 
 
-def _epoch_end(header: dict[str, Any]) -> dict[str, str]:
+def _end_error(header: dict[str, Any]) -> dict[str, str]:
     """The error a bye says ended its consumer's epoch (``end_error``), redacted again (the agent's
     stats are shown to anyone on the machine); {} when it says none."""
     error = get_field(header, "end_error", str, None)
