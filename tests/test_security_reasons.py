@@ -443,6 +443,15 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
         ("[('Host', 'h'),\n ('Cookie',\n  'session=SECRET')]", "[('Host', 'h'),\n ('Cookie',\n  '***')]"),
         # a URL glued to a word of a script without spaces
         ("下载失败http://bob:SECRET@h/a.tar", "下载失败http://***@h/a.tar"),
+        # A "'" in a value that no quote opened is the value's (a cookie's octets may hold one), unless
+        # it closes a quoted argument or string: followed by a space, a bracket, "," or the end.
+        ("Cookie: a=x'SECRET", "Cookie: ***"),
+        ("< Set-Cookie: a=x'SECRET; Path=/\r\n< X: 1", "< Set-Cookie: ***\r\n< X: 1"),
+        ("X-Api-Key: ab'SECRET", "X-Api-Key: ***"),
+        ("pipe:curl -sf -H Cookie:a=x'SECRET http://h/a.tar", "pipe:curl -sf -H Cookie:*** http://h/a.tar"),
+        ("curl -H 'Cookie: a=x'\\''SECRET' -H 'X: y' http://h/a", "curl -H 'Cookie: ***' -H 'X: y' http://h/a"),
+        ("curl -H 'Cookie: a=x' -H 'X: y' http://h/a", "curl -H 'Cookie: ***' -H 'X: y' http://h/a"),
+        ("('Cookie: a=x', 1)", "('Cookie: ***', 1)"),
     ],
 )
 def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:

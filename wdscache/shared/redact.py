@@ -26,7 +26,9 @@ And in any text, the credentials of an HTTP header as a verbose tool prints it (
   header (its name in any case), to the end of its line (a line ending with ``,`` goes on on the
   next one if that one is folded) or to a quote that is not one of its
   quoted strings (``Digest username="bob", ..., response="..."`` is masked whole, whatever
-  follows the last one: ``")``, ``".`` or a word); as Python shows headers too
+  follows the last one: ``")``, ``".`` or a word); a ``'`` ends it only where it closes a quoted
+  argument or string (``-H 'Cookie: a=x' -H ...``), not followed by more of a word
+  (``Cookie: a=x'y``, a cookie's octets may hold one); as Python shows headers too
   (``(b'Cookie', b'sid=...')``: the name first in a tuple or a list, ``{b'Cookie': b'...'}``,
   ``b'...\r\nCookie: ...\r\n'``); of the first
   four, a known scheme word stays (``Authorization: Bearer ***``, ``Digest ***``, ``NTLM ***``,
@@ -110,10 +112,18 @@ _HEADER = re.compile(
 )
 # A word of each of their names, in lower case.
 _NAME_WORDS = ("auth", "cookie", "x-amz-security-token", "x-api-key")
+# A "'" that ends a value no quote opened: one that closes a quoted argument or string
+# ("-H 'Cookie: a=x' -H ...", "('Cookie: a=x',)"), so followed by what cannot go on with the value.
+# A "'" followed by more of a word is the value's own: a cookie's octets and an API key may hold one
+# ("Cookie: a=x'SECRET"; a shell's "'\''" in "-H 'Cookie: a=x'\''SECRET'").
+_CLOSES = r"[\s)\]},]|\\[rn]|$"
+_CLOSING_QUOTE = rf"'(?={_CLOSES})"
 _VALUE_ENDS = {  # what ends a header's value that no quote opened
     "json": re.compile(r"[,}\]\s\"']"),  # a JSON literal (its name was quoted)
-    "line": re.compile(r"[\r\n\"']|\\[rn]"),  # "Name: value" as a tool prints it, or a quoted "-H 'Name: value'"
-    "word": re.compile(r"(?<!\\)\s|[\"']|\\[rn]"),  # "Name:value" in a command line (a "\ " is a shell's)
+    # "Name: value" as a tool prints it, or a quoted "-H 'Name: value'"
+    "line": re.compile(rf"[\r\n\"]|{_CLOSING_QUOTE}|\\[rn]"),
+    # "Name:value" in a command line (a "\ " is a shell's)
+    "word": re.compile(rf"(?<!\\)\s|\"|{_CLOSING_QUOTE}|\\[rn]"),
 }
 # (An escaped line end, \r\n as a repr or a JSON string writes it, ends a value no quote opened:
 # no cookie or token68 holds a backslash.)
@@ -124,7 +134,7 @@ _TOKEN68_SCHEMES = frozenset({"bearer", "basic", "negotiate", "ntlm", "token"})
 # line argument or a JSON string (-H "Authorization: Digest username=\"bob\"").
 _QUOTED = r'"(?:[^"\\\r\n]|\\[^\r\n])*"|\\"(?:[^"\\\r\n]|\\[^"\r\n])*\\"'
 # A value in single quotes, as some clients and logs write an auth-param (response='...'). (Not in a
-# header's line, _PARAMS_LINE: there a "'" ends a quoted command line argument.)
+# header's line, _PARAMS_LINE: there a closing "'" ends a quoted command line argument.)
 _SQUOTED = r"'(?:[^'\\\r\n]|\\[^\r\n])*'"
 # The value of a header "Name: value" up to its line's end, or to a quote that is no auth-param's
 # quoted string (its name after a space, "," or ";", and after it what cannot go on with a token:
@@ -137,7 +147,7 @@ _PARAMS_LINE = re.compile(
     rf"(?:(?<![^\s,;])[A-Za-z][\w.-]*[ \t]*=[ \t]*(?:{_QUOTED})"
     rf"(?=[\s,;\"')\]}}]|[.:](?!\S)|$)"
     r"|,[ \t]*\r?\n(?:[<>] )?(?=[ \t]+[A-Za-z][\w.-]*[ \t]*=)"
-    r"|[^\r\n\"'\\]|\\(?![rn]))*"
+    rf"|[^\r\n\"'\\]|'(?!{_CLOSES})|\\(?![rn]))*"
 )
 # A value opened by a quote ends at the same quote, unless escaped ("Digest username=\"bob\"").
 _UNESCAPED = {q: re.compile(rf"(?:[^{q}\\]|\\.)*{q}", re.DOTALL) for q in "\"'"}
