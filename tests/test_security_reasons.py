@@ -452,6 +452,9 @@ def test_an_uncaught_exception_in_a_process_of_ours_is_logged_redacted(fmt) -> N
         ("curl -H 'Cookie: a=x'\\''SECRET' -H 'X: y' http://h/a", "curl -H 'Cookie: ***' -H 'X: y' http://h/a"),
         ("curl -H 'Cookie: a=x' -H 'X: y' http://h/a", "curl -H 'Cookie: ***' -H 'X: y' http://h/a"),
         ("('Cookie: a=x', 1)", "('Cookie: ***', 1)"),
+        # A header within another's value, that one ending at the quoted string of its auth-params.
+        ('X-Api-Key: NTLM abc Authorization: Digest response="SECRET" x', "X-Api-Key: NTLM ***"),
+        ("> Cookie: NTLM a=b.-H 'Authorization: response=\"SECRET:\"'?", "> Cookie: NTLM ***"),
     ],
 )
 def test_header_credentials_are_redacted_in_any_text(text: str, shown: str) -> None:

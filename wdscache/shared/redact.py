@@ -196,6 +196,7 @@ def _header_spans(text: str, lower: str, masked: list[Span]) -> list[Span]:
     spans: list[Span] = []
     at = 0
     past: dict[tuple[_Ending, int], int] = {}
+    reread = -1  # the end of a value that a name within it was read past (see below)
     # The search begins at the first name (str.find is many times faster than the pattern's search),
     # "proxy-" or "www-" before "auth", "set-" before "cookie"; at the start where "lower" is longer
     # than "text" (a character lower-cased to two, as "İ": its indexes are no longer those of "text").
@@ -205,7 +206,13 @@ def _header_spans(text: str, lower: str, masked: list[Span]) -> list[Span]:
             continue  # ("key='cookie', 'shards/a.tar'": a name and a value in quotes, but no header's)
         start = match.end()
         if start < at and not match.group(4):
-            continue  # (a value that begins within one read already; each part of the text is read once)
+            # A value that begins within one read already is not read again (each part of the text
+            # is read once), but where that one ended at a '"' its auth-params may take as a quoted
+            # string's ("X-Api-Key: NTLM a Authorization: response="SECRET""): then the first name
+            # within it is read, once for each such end.
+            if not (text[at : at + 1] == '"' and reread != at and _ending(match).params):
+                continue
+            reread = at
         # A name within the value read before is looked at if its own value begins after that one's
         # end (past a scheme word and its space: "X-Api-Key:NTLM a<Cookie:Token SECRET"), or if a quote
         # opens it: it ends at the next such quote, which may be past that one's end. ("end" is where
