@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import email.utils
+import gzip
 import http.server
 import os
 import re
@@ -203,6 +204,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 headers["Last-Modified"] = last_modified
             if owner.etags:
                 headers["ETag"] = etag
+            if owner.gzip and "gzip" in (self.headers.get("Accept-Encoding") or ""):
+                body = gzip.compress(f.read(), mtime=0)
+                headers.update({"Content-Encoding": "gzip", "ETag": f'"{len(body):x}-gz"'})
+                self._simple(owner, method, name, range_header, 200, body, head, headers, kind)
+                return
             # If-Range names the version the client holds bytes of: any other gets the whole body
             # (unless the server ignores If-Range, as some do).
             if_range = self.headers.get("If-Range") if owner.if_range else None
@@ -417,7 +423,9 @@ class ShardServer:
     If-Range (a Range is served from whatever version the file is now, as some
     servers do), ``lengths=False`` sends no Content-Length with a whole body (200): the body
     ends where the server closes the connection, as HTTP/1.0 servers and some proxies send
-    it. All of them may be changed while the server runs.  Use as a context manager,
+    it. ``gzip=True`` answers a client whose Accept-Encoding names gzip with the whole file gzip'd
+    (``Content-Encoding: gzip``, the compressed size and an ETag of its own, no Range), as a server
+    that negotiates compression does. All of them may be changed while the server runs.  Use as a context manager,
     or call :meth:`start` and :meth:`stop`.  After a stop, :meth:`start` binds
     the same port again, which lets tests simulate an outage.
     """
@@ -433,6 +441,7 @@ class ShardServer:
         last_modified: bool = True,
         if_range: bool = True,
         lengths: bool = True,
+        gzip: bool = False,
     ) -> None:
         self.root = Path(root).resolve()
         self.rate = rate
@@ -442,6 +451,7 @@ class ShardServer:
         self.last_modified = last_modified
         self.if_range = if_range
         self.lengths = lengths
+        self.gzip = gzip
         self._lock = threading.Lock()
         self._faults: dict[str, collections.deque[_Fault]] = {}
         self._requests: list[Request] = []

@@ -371,6 +371,50 @@ def test_a_resume_answered_for_another_version_starts_over_never_spliced(
     assert partial_files(cache) == []
 
 
+def test_a_redirect_loop_fails_its_shard_at_once_saying_what_to_check(shard_server, dataset, start_agent, tmp_path):
+    """A redirect no attempt can follow (a loop) is a permanent failure of its shard, not one
+    retried through the whole budget while a reader waits out its timeout."""
+    ds = dataset(2, samples=3, payload=1000)
+    name = ds.paths[1].name
+    shard_server.fail(name, "status", status=302, headers={"Location": shard_server.url(name)}, times=10_000)
+    agent = start_agent(tmp_path / "cache", ds.list_file, "--no-shuffle")
+    s = agent.wait_stats(lambda s: s["shards"]["cached"] == 1 and s["shards"]["failed"] == 1, 20, "the loop failed")
+    error = s["failed"][0]["error"]
+    assert "TooManyRedirects" in error and "check the URL and where its server redirects it" in error, error
+    assert "retrying" not in agent.stderr_text(), agent.stderr_tail()
+    with CachedMultiLoader(cache_dir=tmp_path / "cache", shuffle=False, timeout=20) as loader:
+        start = time.monotonic()
+        with pytest.raises(FetchError, match="TooManyRedirects"):
+            for _ in loader:
+                pass
+    assert time.monotonic() - start < 15  # told at once, not after the loader's timeout
+
+
+def test_a_server_that_negotiates_gzip_describes_the_shards_bytes_to_a_restarted_agent(
+    shard_server, dataset, start_agent, tmp_path
+):
+    """A server that gzips a body for a client that accepts it would describe the gzip'd body
+    to a HEAD that accepts it (its size, its ETag): every copy would look changed after a restart
+    and be downloaded again. The agent asks for the bytes themselves, HEAD and GET alike."""
+    shard_server.gzip = True
+    data = dataset(3, samples=4, payload=2000)
+    cache = tmp_path / "cache"
+    args = ("--prefetch", "3", "--no-shuffle")
+    agent = start_agent(cache, data.list_file, *args)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "shards never cached")
+    assert agent.stop() == 0
+    shard_server.reset_log()
+    agent = start_agent(cache, data.list_file, *args)
+    wait_for(lambda: [shard_server.count(p.name, "HEAD") for p in data.paths] == [1] * 3, 20, "the copies revalidated")
+    with CachedMultiLoader(cache_dir=cache, shuffle=False, timeout=20) as loader:
+        got = sorted((x["__url__"], x["__key__"]) for x in loader)
+    assert got == sorted(reference(data.paths, data.urls))
+    assert [shard_server.count(p.name) for p in data.paths] == [0] * 3, shard_server.requests
+    s = agent.stats()
+    assert (s["changed"], s["redownloads"]) == (0, 0), s
+    assert "changed on the server" not in agent.stderr_text(), agent.stderr_tail()
+
+
 @pytest.mark.slow
 def test_resets_mid_body_during_a_streaming_epoch_change_nothing_delivered(
     shard_server, dataset, start_agent, consumers, tmp_path

@@ -33,6 +33,17 @@ PERMANENT_STATUS = {400, 401, 403, 404, 405, 410, 451}
 GONE_STATUS = {404, 410}  # a final "no such object" (a 403 may be an expired signature of an object still there)
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 RETRY_AFTER_MAX = 600.0  # seconds: a longer Retry-After is held to this
+# Asked of every request: a server that negotiates an encoding would otherwise describe the encoded
+# body to a HEAD (its size and ETag), not the bytes a download gets.
+_IDENTITY = {"Accept-Encoding": "identity"}
+# Redirects that cannot be followed, however often asked: a loop (more than the session's
+# max_redirects), or to a URL of another scheme or none.
+UNFOLLOWED = (
+    requests.TooManyRedirects,
+    requests.exceptions.InvalidSchema,
+    requests.exceptions.MissingSchema,
+    requests.exceptions.InvalidURL,
+)
 
 
 class HttpSource(Source):
@@ -69,7 +80,7 @@ class HttpSource(Source):
             self._wait_turn(url)
             session = self._session()
             r = send_watched(
-                lambda: session.head(url, timeout=self.settings.timeout, allow_redirects=True),
+                lambda: session.head(url, headers=_IDENTITY, timeout=self.settings.timeout, allow_redirects=True),
                 url,
                 self.settings.read_timeout,
             )
@@ -83,6 +94,9 @@ class HttpSource(Source):
         length = r.headers.get("Content-Length", "")
         if not r.ok:
             return Unknown(_answer(r))
+        encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):  # the size and validator of an encoded body, not of the shard's bytes
+            return Unknown(f"{_answer(r)} with Content-Encoding {encoding!r}")
         if not length.isdigit():
             return Unknown(f"{_answer(r)} without a Content-Length")
         return Fetched(int(length), _version(r.headers).validator, last_modified=r.headers.get("Last-Modified"))
@@ -91,19 +105,26 @@ class HttpSource(Source):
     def open(
         self, url: str, start: int, end: int | None, held: str | None, cancel: threading.Event | None = None
     ) -> Iterator[SourceResponse]:
-        headers = {"Accept-Encoding": "identity"}
+        headers = dict(_IDENTITY)
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         if start and held:
             headers["If-Range"] = held  # an ETag or an HTTP date: both are valid here
         self._wait_turn(url, cancel)
         session = self._session()
-        answer = send_watched(
-            lambda: session.get(url, headers=headers, stream=True, timeout=self.settings.timeout),
-            url,
-            self.settings.read_timeout,
-            cancel,
-        )
+        try:
+            answer = send_watched(
+                lambda: session.get(url, headers=headers, stream=True, timeout=self.settings.timeout),
+                url,
+                self.settings.read_timeout,
+                cancel,
+            )
+        except UNFOLLOWED as exc:  # no other attempt can get further: the server sends every one there
+            raise FetchError(
+                url,
+                f"{type(exc).__name__}: {short(exc)}: check the URL and where its server redirects it",
+                permanent=True,
+            ) from None
         with answer as r:
             self._answered.add(_host(url))
             status = r.status_code
