@@ -383,11 +383,10 @@ def test_a_redirect_loop_fails_its_shard_at_once_saying_what_to_check(shard_serv
     assert "TooManyRedirects" in error and "check the URL and where its server redirects it" in error, error
     assert "retrying" not in agent.stderr_text(), agent.stderr_tail()
     with CachedMultiLoader(cache_dir=tmp_path / "cache", shuffle=False, timeout=20) as loader:
-        start = time.monotonic()
-        with pytest.raises(FetchError, match="TooManyRedirects"):
+        with pytest.raises(FetchError, match="TooManyRedirects") as raised:
             for _ in loader:
                 pass
-    assert time.monotonic() - start < 15  # told at once, not after the loader's timeout
+    assert "no progress" not in str(raised.value)  # the shard's own error, not the loader's timeout
 
 
 def test_a_server_that_negotiates_gzip_describes_the_shards_bytes_to_a_restarted_agent(
