@@ -47,6 +47,7 @@ BOX_WORKERS = 1024
 # Seconds a start waits for the box's lock (held for microseconds): a process killed while it
 # held it must not hang every later start.
 BOX_LOCK_WAIT = 5.0
+
 # The box: times set_epoch was called here, its epoch; the number of workers of the DataLoader
 # that read last (0: this process itself, -1: none yet); then, for each worker id and last for this process's own
 # iterations, 1 + the epoch the next copy begins (0: none begun since the epoch was last said).
@@ -116,7 +117,15 @@ class InDataLoader:
     def _in_worker(self) -> bool:
         return get_worker_info() is not None
 
-    def __iter__(self) -> Iterator[Any]:
+    def _settle_next(self) -> None:
+        self._choose_epoch()
+        self._loader()._settle_next()
+
+    def _choose_epoch(self) -> int | None:
+        """Say this copy's next epoch as its iteration begins: the one set_epoch said in the main
+        process since this copy was made, or, unsaid here, the epoch after the latest one begun.
+        Begins nothing, and once said, saying it again changes nothing. Its slot in the box (None:
+        a worker id beyond BOX_WORKERS)."""
         box = self._epoch_box.get_obj()  # its values, without the lock each access of the box itself takes
         told = box[_SET]
         if told != self._box_seen:  # set_epoch was called in the main process since this copy was made
@@ -125,8 +134,7 @@ class InDataLoader:
             self._chosen_in = os.getpid()
         info = get_worker_info()
         slot = _MAIN if info is None else _SLOTS + info.id if info.id < BOX_WORKERS else None
-        pid = os.getpid()
-        if slot is not None and (info is None or pid not in (self._chosen_in, self._read_in)):
+        if slot is not None and (info is None or os.getpid() not in (self._chosen_in, self._read_in)):
             # This process's own iteration, or a copy made anew for a worker (torch's default
             # workers) whose epoch was not said there: the epoch after the latest one begun.
             lock = self._epoch_box.get_lock()
@@ -147,8 +155,13 @@ class InDataLoader:
             finally:
                 if locked:
                     lock.release()
-        self._read_in = pid
+        return slot
+
+    def __iter__(self) -> Iterator[Any]:
+        slot = self._choose_epoch()
+        self._read_in = os.getpid()
         samples = self._loader().__iter__()
+        box = self._epoch_box.get_obj()
         if slot is not None:
             box[slot] = self._next.epoch + 1  # the next epoch, as begun now
         return samples
