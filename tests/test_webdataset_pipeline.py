@@ -460,3 +460,33 @@ def test_a_state_taken_before_a_fresh_worker_handed_out_a_batch_resumes_the_next
     resumed = made()
     resumed.load_state_dict(state)
     assert first + [i for batch in resumed for i in _ids(batch)] == reference[1]
+
+
+@pytest.mark.slow
+def test_the_dataset_state_in_the_main_process_is_refused_once_plain_dataloader_workers_read_its_epoch(
+    stateful_source: tuple[Any, Any, Path],
+) -> None:
+    # torch's DataLoader keeps no state: what its workers delivered is theirs, and the dataset in
+    # this process still names the epoch before (or its start). Its state_dict() says so rather
+    # than send a resumed job back over the epoch; set_epoch(e) names epoch e's start again.
+    _, urls, cache = stateful_source
+    for ds in (
+        wdscache.CachedMultiLoader(urls, cache_dir=cache, job="plain"),
+        wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, job="plain"),
+        wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, job="plain").with_epoch(15),
+    ):
+        dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+        ds.set_epoch(0)
+        assert ds.state_dict()["epoch"] == 0
+        assert len([i for batch in dl for i in _ids(batch)]) == (
+            40 if isinstance(ds, wdscache.CachedMultiLoader) or ds.nsamples < 0 else 30
+        )
+        with pytest.raises(RuntimeError, match="StatefulDataLoader"):
+            ds.state_dict()
+        ds.set_epoch(1)
+        assert (ds.state_dict()["epoch"], ds.state_dict()["position"]) == (1, 0)
+        batches = iter(dl)
+        next(batches)
+        with pytest.raises(RuntimeError, match="DataLoader workers read"):
+            ds.state_dict()
+        del batches
