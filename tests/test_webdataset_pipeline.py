@@ -369,3 +369,124 @@ def test_with_epoch_in_stateful_dataloader_workers_resumes_as_the_uninterrupted_
             resumed_dl.load_state_dict(state)
             rest, then = epochs(resumed, resumed_dl)
             assert first + rest == whole[0] and then == whole[1], (n, step)
+
+
+def _ids(batch: dict[str, Any]) -> list[str]:
+    return [f"{url}#{key}" for url, key in zip(batch["__url__"], batch["__key__"])]
+
+
+def _persistent_source(kind: str, urls: Any, cache: Path, job: str) -> Any:
+    """The shards in the loader's seeded order, or resampled=True cut by with_epoch(10) (each of
+    the two workers' 10 an epoch)."""
+    if kind == "list":
+        return wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, seed=5, job=job)
+    return wdscache.WebDataset(urls, cache_dir=cache, resampled=True, seed=5, job=job).with_epoch(10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["list", "cut"])
+def test_a_state_taken_before_every_persistent_worker_handed_out_a_batch_of_the_epoch_resumes_it_exactly(
+    kind: str, stateful_source: tuple[Any, Any, Path]
+) -> None:
+    # The README's loop: set_epoch at the top of every epoch, persistent workers. At step 1 of
+    # epoch 1 only worker 0 has handed out a batch; torchdata took worker 1's state right after
+    # its iter(), before its first item: it must name epoch 1 (not "epoch 0, complete"), so that
+    # the state resumes the rest of epoch 1, in a new StatefulDataLoader or loaded into the dataset.
+    stateful, urls, cache = stateful_source
+
+    def made() -> tuple[Any, Any]:
+        ds = _persistent_source(kind, urls, cache, f"pers-{kind}")
+        return ds, stateful.StatefulDataLoader(ds, batch_size=3, num_workers=2, persistent_workers=True)
+
+    ds, dl = made()
+    reference = []
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        reference.append([i for batch in dl for i in _ids(batch)])
+    if kind == "list":
+        assert Counter(reference[1]) == Counter(reference[0]) and len(set(reference[1])) == 40  # every sample once
+    assert reference[0] != reference[1] and len(reference[1]) == (40 if kind == "list" else 20)
+
+    ds, dl = made()
+    ds.set_epoch(0)
+    assert [i for batch in dl for i in _ids(batch)] == reference[0]
+    ds.set_epoch(1)
+    it = iter(dl)
+    first = _ids(next(it))
+    state = json.loads(json.dumps(dl.state_dict()))
+    del it
+    assert first == reference[1][:3]
+
+    resumed, resumed_dl = made()
+    resumed_dl.load_state_dict(state)
+    resumed.set_epoch(1)
+    rest = [i for batch in resumed_dl for i in _ids(batch)]
+    assert first + rest == reference[1]
+
+    into = _persistent_source(kind, urls, cache, f"pers-{kind}")
+    into.load_state_dict(state)  # the workers' states, of one epoch
+    assert into.state_dict()["epoch"] == 1
+    if kind == "cut":  # loaded whole into the dataset, workers' states resume without their cuts (docs/api.md)
+        return
+    into.set_epoch(1)
+    rest = [i for batch in stateful.StatefulDataLoader(into, batch_size=3, num_workers=2) for i in _ids(batch)]
+    assert Counter(first + rest) == Counter(reference[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["list", "cut"])
+def test_a_state_taken_before_a_fresh_worker_handed_out_a_batch_resumes_the_next_epoch_without_set_epoch(
+    kind: str, stateful_source: tuple[Any, Any, Path]
+) -> None:
+    # Without set_epoch, workers made anew each iteration: the second iteration is epoch 1. A state
+    # at its first batch, before worker 1 handed out one, resumes epoch 1's rest, not worker 1's
+    # slice of epoch 0 again.
+    stateful, urls, cache = stateful_source
+
+    def made() -> Any:
+        ds = _persistent_source(kind, urls, cache, f"fresh-{kind}")
+        return stateful.StatefulDataLoader(ds, batch_size=3, num_workers=2)
+
+    dl = made()
+    reference = [[i for batch in dl for i in _ids(batch)] for _ in range(2)]
+    assert reference[0] != reference[1]
+    dl = made()
+    assert [i for batch in dl for i in _ids(batch)] == reference[0]
+    it = iter(dl)
+    first = _ids(next(it))
+    state = json.loads(json.dumps(dl.state_dict()))
+    del it
+    assert first == reference[1][:3]
+    resumed = made()
+    resumed.load_state_dict(state)
+    assert first + [i for batch in resumed for i in _ids(batch)] == reference[1]
+
+
+@pytest.mark.slow
+def test_the_dataset_state_in_the_main_process_is_refused_once_plain_dataloader_workers_read_its_epoch(
+    stateful_source: tuple[Any, Any, Path],
+) -> None:
+    # torch's DataLoader keeps no state: what its workers delivered is theirs, and the dataset in
+    # this process still names the epoch before (or its start). Its state_dict() says so rather
+    # than send a resumed job back over the epoch; set_epoch(e) names epoch e's start again.
+    _, urls, cache = stateful_source
+    for ds in (
+        wdscache.CachedMultiLoader(urls, cache_dir=cache, job="plain"),
+        wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, job="plain"),
+        wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=True, job="plain").with_epoch(15),
+    ):
+        dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True)
+        ds.set_epoch(0)
+        assert ds.state_dict()["epoch"] == 0
+        assert len([i for batch in dl for i in _ids(batch)]) == (
+            40 if isinstance(ds, wdscache.CachedMultiLoader) or ds.nsamples < 0 else 30
+        )
+        with pytest.raises(RuntimeError, match="StatefulDataLoader"):
+            ds.state_dict()
+        ds.set_epoch(1)
+        assert (ds.state_dict()["epoch"], ds.state_dict()["position"]) == (1, 0)
+        batches = iter(dl)
+        next(batches)
+        with pytest.raises(RuntimeError, match="DataLoader workers read"):
+            ds.state_dict()
+        del batches

@@ -20,13 +20,17 @@ its exact share, each sample once, and every rank the same count, whatever ``K``
   ``set_epoch`` and ``load_state_dict`` in this process say again where the next starts.
 - ``state_dict()`` in a worker (torchdata's ``StatefulDataLoader`` asks each) is that
   worker's slice; see :meth:`~.loader.CachedMultiLoader.load_state_dict` for resuming with
-  another ``num_workers`` or world size.
+  another ``num_workers`` or world size. In the process that made the dataset, once
+  DataLoader workers began an epoch since ``set_epoch`` or ``load_state_dict`` last said
+  where the next starts, it raises: what they delivered is theirs, and this copy's state
+  would name a position they left behind.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from enum import IntEnum
 from multiprocessing import get_context
 from multiprocessing.context import get_spawning_popen
 from typing import Any, TypeVar
@@ -47,12 +51,23 @@ BOX_WORKERS = 1024
 # Seconds a start waits for the box's lock (held for microseconds): a process killed while it
 # held it must not hang every later start.
 BOX_LOCK_WAIT = 5.0
+
+
+class Began(IntEnum):
+    """Where an epoch was last begun since this process last said where the next one starts."""
+
+    NOWHERE = 0
+    HERE = 1  # in the process that made the dataset
+    IN_WORKERS = 2  # in DataLoader workers
+
+
 # The box: times set_epoch was called here, its epoch; the number of workers of the DataLoader
-# that read last (0: this process itself, -1: none yet); then, for each worker id and last for this process's own
-# iterations, 1 + the epoch the next copy begins (0: none begun since the epoch was last said).
-_SET, _EPOCH, _LAYOUT, _SLOTS = 0, 1, 2, 3
+# that read last (0: this process itself, -1: none yet); where an epoch was last begun (a Began);
+# then, for each worker id and last for this process's own iterations, 1 + the epoch the next
+# copy begins (0: none begun since the epoch was last said).
+_SET, _EPOCH, _LAYOUT, _BEGAN, _SLOTS = 0, 1, 2, 3, 4
 _MAIN = _SLOTS + BOX_WORKERS
-_BOX = (0, 0, -1) + (0,) * (BOX_WORKERS + 1)
+_BOX = (0, 0, -1, Began.NOWHERE) + (0,) * (BOX_WORKERS + 1)
 
 
 def _new_box(values: Any) -> Any:
@@ -116,7 +131,15 @@ class InDataLoader:
     def _in_worker(self) -> bool:
         return get_worker_info() is not None
 
-    def __iter__(self) -> Iterator[Any]:
+    def _settle_next(self) -> None:
+        self._choose_epoch()
+        self._loader()._settle_next()
+
+    def _choose_epoch(self) -> int | None:
+        """Say this copy's next epoch as its iteration begins: the one set_epoch said in the main
+        process since this copy was made, or, unsaid here, the epoch after the latest one begun.
+        Begins nothing, and once said, saying it again changes nothing. Its slot in the box (None:
+        a worker id beyond BOX_WORKERS)."""
         box = self._epoch_box.get_obj()  # its values, without the lock each access of the box itself takes
         told = box[_SET]
         if told != self._box_seen:  # set_epoch was called in the main process since this copy was made
@@ -125,8 +148,7 @@ class InDataLoader:
             self._chosen_in = os.getpid()
         info = get_worker_info()
         slot = _MAIN if info is None else _SLOTS + info.id if info.id < BOX_WORKERS else None
-        pid = os.getpid()
-        if slot is not None and (info is None or pid not in (self._chosen_in, self._read_in)):
+        if slot is not None and (info is None or os.getpid() not in (self._chosen_in, self._read_in)):
             # This process's own iteration, or a copy made anew for a worker (torch's default
             # workers) whose epoch was not said there: the epoch after the latest one begun.
             lock = self._epoch_box.get_lock()
@@ -147,11 +169,38 @@ class InDataLoader:
             finally:
                 if locked:
                     lock.release()
-        self._read_in = pid
+        return slot
+
+    def __iter__(self) -> Iterator[Any]:
+        slot = self._choose_epoch()
+        self._read_in = os.getpid()
         samples = self._loader().__iter__()
+        box = self._epoch_box.get_obj()
         if slot is not None:
             box[slot] = self._next.epoch + 1  # the next epoch, as begun now
+        box[_BEGAN] = Began.HERE if get_worker_info() is None else Began.IN_WORKERS
         return samples
+
+    def state_dict(self) -> dict[str, Any]:
+        self._check_state_here()
+        return self._loader().state_dict()
+
+    def _state_after_current(self) -> dict[str, Any]:
+        self._check_state_here()
+        return self._loader()._state_after_current()
+
+    def _check_state_here(self) -> None:
+        """Refuse a state in the process that made the dataset once DataLoader workers began an
+        epoch since it last said where the next starts: this copy does not know what they
+        delivered (its own position would send a resumed job back over what they read)."""
+        if get_worker_info() is None and self._epoch_box.get_obj()[_BEGAN] == Began.IN_WORKERS:
+            raise RuntimeError(
+                "state_dict() of a dataset whose epoch DataLoader workers read: what they delivered is "
+                "theirs, and this process's copy does not know it. Take the state of torchdata's "
+                "StatefulDataLoader (dl.state_dict(), which asks each worker; load it into the dataset "
+                "to resume), or say the next epoch first (dataset.set_epoch(e): the state is then "
+                "epoch e from its start)"
+            )
 
     def __getstate__(self) -> dict[str, Any]:
         # Sent to a worker started by "spawn" or "forkserver", the box goes along (multiprocessing

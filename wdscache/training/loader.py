@@ -295,6 +295,15 @@ class CachedMultiLoader:
         """Whether the next iteration resumes epoch ``epoch`` from a state loaded since the last one began."""
         return self._resumed_from is not None and self._next.epoch == epoch
 
+    def _settle_next(self) -> None:
+        """Say where the next iteration starts, as :meth:`__iter__` would, and begin nothing (no
+        agent, no session): for a wrapper whose iteration calls ``iter()`` on the loader only at its
+        first item (``wdscache.WebDataset``'s), so that a state taken between its ``iter()`` and
+        that item (torchdata's ``StatefulDataLoader`` takes each worker's right after ``iter()``)
+        names where the iteration starts, not the epoch before it. In a DataLoader worker, the
+        epoch is its own (see :mod:`wdscache.training.dataset`)."""
+        self._let_go_of_current()
+
     def _let_go_of_current(self) -> None:
         """The epoch under way is over for checkpoints: the next iteration's start is the position."""
         self._current = None

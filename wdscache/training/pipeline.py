@@ -283,7 +283,19 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         return super().with_epoch(nsamples, nbatches)
 
     def __iter__(self) -> Iterator[Any]:
+        """An iteration, its start said at once (as ``CachedMultiLoader``'s ``iter()`` says it): the
+        loader's next epoch (a DataLoader worker's, see :mod:`wdscache.training.dataset`) and the
+        count of its cut, so that a state taken before its first item (torchdata takes each
+        worker's right after ``iter()``) names where it starts; the agent is asked for nothing
+        until that item."""
         cuts = self._cuts()
+        if self.loader is not None:
+            self.loader._settle_next()
+        if cuts:  # (its rest, resumed from a checkpoint; kept until the first item, should iter() be called again)
+            self._cut_items, self._cut_over = self._resumed_items, False
+        return self._iteration(cuts)
+
+    def _iteration(self, cuts: bool) -> Iterator[Any]:
         rest_empty = cuts and self._resumed_items >= self.nsamples  # resumed once its n were out
         samples = self._cut() if cuts else super().__iter__()
         first = next(samples, _NOTHING)
@@ -312,7 +324,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         """webdataset's ``with_epoch(n)`` cut, counted: the ``n`` items of an iteration (their rest,
         resumed from a checkpoint), so that a checkpoint can say how many are out, and whether
         the iteration is over (its ``n`` out, or its epochs ended before)."""
-        self._cut_items, self._resumed_items, self._cut_over = self._resumed_items, 0, False
+        self._resumed_items = 0  # the rest resumed is this iteration's now (__iter__ counted it in _cut_items)
         for item in islice(self._epochs(), max(0, self.nsamples - self._cut_items)):
             self._cut_items += 1
             yield item
