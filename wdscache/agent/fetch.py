@@ -288,7 +288,7 @@ class Fetcher:
             raise Retry("HTTP 416 on resume; starting over", 0.0) from None
         except Replaced as exc:
             truncate(d.partial)
-            raise Retry(f"{exc}; starting over", 0.0) from None
+            raise Retry(f"{exc}; starting over", None if exc.backoff else 0.0) from None
         except Unexpected as exc:
             raise FetchError(d.url, exc.reason, status=exc.status, permanent=True) from None
 

@@ -59,7 +59,13 @@ class Unsatisfiable(Exception):
 
 
 class Replaced(Exception):
-    """The object was replaced since the version the request named (S3's If-Match: HTTP 412)."""
+    """The object was replaced since the version the request named (S3's If-Match: HTTP 412), or
+    while its body was read (a local file). ``backoff``: start over after the retries' backoff, not
+    at once (a file may still be being written), the attempt counted as a failed one either way."""
+
+    def __init__(self, reason: str, *, backoff: bool = False) -> None:
+        super().__init__(reason)
+        self.backoff = backoff
 
 
 class Unexpected(Exception):
