@@ -27,7 +27,7 @@ only sets a flag. Signal handlers (installed by the CLI) only call :meth:`Agent.
 
 Guarantees:
 
-- A clean stop (first SIGTERM/SIGINT) abandons in-flight downloads and leaves
+- A clean stop (first SIGTERM/SIGINT/SIGHUP) abandons in-flight downloads and leaves
   the index consistent; the cache is kept, and so are the partial files of
   downloads whose server gave a validator (ETag or Last-Modified) of shards a
   list names: the next agent resumes them with a Range request, a job's own
