@@ -865,9 +865,10 @@ def _live_view(s: dict) -> str:
     now = datetime.now().astimezone().isoformat(timespec="seconds")
     who = "agent not running"
     if agent:
-        who = f"agent pid {agent['pid']}, up {agent['uptime_s']:.0f}s" + (
-            "" if agent.get("answering") else ", not answering"
-        )
+        doing = "" if agent.get("answering") else ", not answering"
+        if agent.get("starting"):
+            doing = f", starting: {agent['starting']}"
+        who = f"agent pid {agent['pid']}, up {agent['uptime_s']:.0f}s{doing}"
     lines = [
         f"wdscache {s['cache_dir']}  {now}  {who}",
         f"cache      {format_size(used)} of {format_size(limit) if limit else '?'}{bar}, "
