@@ -167,7 +167,9 @@ def _agent_named(agent: dict[str, Any], shown: dict[str, str]) -> dict[str, Any]
 
 def collect(cache_dir: str | os.PathLike[str], *, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
     """Live stats from the running agent, else from the index, with an agent that runs but gave no
-    reply within ``timeout`` shown as not answering; NoCacheError if there is no cache."""
+    reply within ``timeout`` shown as not answering, and one still starting (not asked: it answers
+    once started) as starting, with what it does; NoCacheError if there is no cache, nor an agent
+    starting to make one."""
     layout = CacheLayout.of(cache_dir)
     starting = layout.starting_agent()
     if not layout.is_cache() and starting is None:  # (an agent starting on a new directory makes its index soon)
