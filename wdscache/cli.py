@@ -292,7 +292,7 @@ def _json_asked(args: list[str]) -> bool:
     help="Run as a loader's private agent: stop once no loader holds a lock on this file.",
 )
 def agent(verbose: bool, log_format: str, **options: object) -> None:
-    """Run the agent in the foreground until SIGINT or SIGTERM (a second one exits at once).
+    """Run the agent in the foreground until SIGINT, SIGTERM or SIGHUP (a second one exits at once).
 
     Exit status: 0 after a clean stop; 1 a runtime error (another agent owns the cache
     directory: the message names its pid); 2 bad options or input (a URL list line, a
@@ -312,8 +312,10 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
             os._exit(128 + signum)  # the second signal: no more cleanup
         agent.stop()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # A hang-up (the SSH session of an agent in its foreground closed) stops it as cleanly, not
+    # at once by default: no agent.json or socket left behind, partial files kept.
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
     try:
         agent.run()
     except WdsCacheError as exc:
@@ -863,9 +865,10 @@ def _live_view(s: dict) -> str:
     now = datetime.now().astimezone().isoformat(timespec="seconds")
     who = "agent not running"
     if agent:
-        who = f"agent pid {agent['pid']}, up {agent['uptime_s']:.0f}s" + (
-            "" if agent.get("answering") else ", not answering"
-        )
+        doing = "" if agent.get("answering") else ", not answering"
+        if agent.get("starting"):
+            doing = f", starting: {agent['starting']}"
+        who = f"agent pid {agent['pid']}, up {agent['uptime_s']:.0f}s{doing}"
     lines = [
         f"wdscache {s['cache_dir']}  {now}  {who}",
         f"cache      {format_size(used)} of {format_size(limit) if limit else '?'}{bar}, "

@@ -49,7 +49,7 @@ from ..shared.logs import get_logger, iso_time
 from ..shared.messages import Requests
 from ..shared.protocol import pages
 from ..shared.redact import redact_urls
-from ..shared.stats import ANSWER_TIMEOUT, agent_connection, agent_state
+from ..shared.stats import ANSWER_TIMEOUT, agent_connection
 from ..shared.tarwalk import walk
 from ..shared.urls import format_url_list
 from .cache import ShardCache
@@ -95,11 +95,18 @@ def _agent(layout: CacheLayout, *, flush: bool = False, needed: bool = True) -> 
     An agent that runs (it holds the directory's lock) gets :data:`ANSWER_TIMEOUT` to answer: a
     busy one (re-reading a huge list) is not taken for absent. If it stays silent, with ``needed``
     (a change, which only it may make while it runs) AgentUnavailableError says so; without, None:
-    a read then takes the index as it is."""
-    state = agent_state(layout)
+    a read then takes the index as it is. One still starting answers nothing yet: with ``needed``
+    a WdsCacheError says so at once; without, None."""
+    state = layout.agent_state()
     runs = None if state is None else layout.agent_holds_lock(state["pid"])
+    starting = layout.starting_agent()
+    if starting is not None and needed:  # (it holds the lock: nothing can be done without it either)
+        raise WdsCacheError(
+            f"the agent (pid {starting['pid']}) on {layout.root} is still starting ({starting['starting']}): "
+            "try again once it answers (see 'wdscache stats')"
+        )
     conn = None
-    if runs is not False:  # (no reply would come from a dead agent's socket)
+    if runs is not False and starting is None:  # (no reply would come from a dead or starting agent's socket)
         conn = agent_connection(layout, ANSWER_TIMEOUT if runs else CONNECT_TIMEOUT)
     if conn is not None:
         try:

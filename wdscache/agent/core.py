@@ -27,7 +27,7 @@ only sets a flag. Signal handlers (installed by the CLI) only call :meth:`Agent.
 
 Guarantees:
 
-- A clean stop (first SIGTERM/SIGINT) abandons in-flight downloads and leaves
+- A clean stop (first SIGTERM/SIGINT/SIGHUP) abandons in-flight downloads and leaves
   the index consistent; the cache is kept, and so are the partial files of
   downloads whose server gave a validator (ETag or Last-Modified) of shards a
   list names: the next agent resumes them with a Range request, a job's own
@@ -95,7 +95,7 @@ from .prefetches import Prefetches
 from .readers import Readers, dropped_reply
 from .shard_download import BadShard
 from .shards import Shards
-from .startup import StoppedStarting, in_thread, take_cache_dir
+from .startup import StartStep, StoppedStarting, in_thread, take_cache_dir
 from .upkeep import Upkeep
 from .worker_reports import WorkerReports
 
@@ -190,7 +190,15 @@ class Agent:
         # worker processes start meanwhile (on the other cores).
         listed = in_thread(self._list_file.read)
         took = take_cache_dir(
-            self.config, self.layout, self._lock, self.fetcher, listed, self.endpoint, self._run, self._stop
+            self.config,
+            self.layout,
+            self._lock,
+            self.fetcher,
+            listed,
+            self.endpoint,
+            self._run,
+            self._stop,
+            self._write_state,
         )
         self.pool, self.cache, self.mailbox, self.socket = took.pool, took.cache, took.mailbox, took.socket
         self._metrics = took.metrics
@@ -200,6 +208,7 @@ class Agent:
             self._metrics.update(self.stats())
             log.info("serving metrics on %s", self._metrics.url)
         # Ready means ready to serve samples: a consumer's first request should not wait for a process start.
+        self._write_state(StartStep.WORKERS)
         if not self.pool.wait_ready(WORKER_START_TIMEOUT):
             log.warning("sample workers not up after %.0f s; serving anyway", WORKER_START_TIMEOUT)
         self._write_state()
@@ -263,12 +272,23 @@ class Agent:
         }
         self._ops = {op: handlers[op] for op in CONTROL_OPS}
 
-    def _write_state(self) -> None:
+    def _write_state(self, starting: StartStep | None = None) -> None:
+        """agent.json: who serves the directory, and where; while it starts (``starting``), what it does."""
         state = {"pid": os.getpid(), "started": self._started, "endpoint": self.endpoint, "process": process_identity()}
         state |= {"metrics": self._metrics.url} if self._metrics is not None else {}
+        if starting is not None:  # (stats and loaders wait for it, rather than take it for no agent)
+            state["starting"] = starting.value
         if self.config.private_users is not None:  # loaders joining us lock it
             state["private_users"] = str(self.config.private_users)
-        write_atomic(self.layout.state_path, json.dumps(state).encode())
+        if starting is None:
+            write_atomic(self.layout.state_path, json.dumps(state).encode())
+            return
+        # A step is only shown: not synced (a short file after a power loss is no state), and one
+        # that cannot be written (a full disk) holds up no start, which fails where it must, saying why.
+        try:
+            write_atomic(self.layout.state_path, json.dumps(state).encode(), durable=False)
+        except OSError as exc:
+            log.debug("could not say the start's step in %s: %s", self.layout.state_path, exc.strerror)
 
     def shutdown(self) -> None:
         """Abandon downloads (keeping resumable partial files), close the index, free the lock."""

@@ -16,14 +16,20 @@ Guarantees:
 - The start-up window's sizes are asked of their sources for at most the time an answer may take
   to begin (``Settings.answer_timeout``: the connect timeout, 10 s, and ``--read-timeout``), and
   no longer once the agent is told to stop: a size not known by then is unknown, as one a server
-  does not give.
+  does not give (a failed HEAD, a timed-out one); a start that has unknown sizes says so, in a
+  warning naming one such URL and why (redacted, as every log line).
 - A list that cannot be read (a hung mount) does not keep the agent from stopping: once told to,
   the start ends (:class:`StoppedStarting`) without waiting for it, its reading thread a daemon.
+- From the moment it holds the lock the agent says it is starting, and what it is doing
+  (a :class:`StartStep`, through the ``doing`` its caller gives: agent.json, which ``wdscache
+  stats`` and loaders read), so that a start that takes a while (a long list, many cached shards,
+  slow sources) shows as one, never as no agent; a start that fails removes what it said.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -31,6 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
+from enum import Enum
 
 from ..shared.config import AgentConfig, format_size, parse_size
 from ..shared.errors import ConfigError
@@ -45,12 +52,21 @@ from .lock import AgentLock
 from .metrics import MetricsServer
 from .pool import WorkerPool, check_endpoints
 from .readers import startup_reader
-from .shard_download import Fetched
+from .shard_download import Fetched, Gone, Unknown
 
 log = get_logger(__name__)
 
 PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
 LOOK_EVERY = 0.25  # seconds between looks at the stop flag while sizes are asked
+
+
+class StartStep(Enum):
+    """What a starting agent is doing, as ``wdscache stats`` shows it (``starting: ...``)."""
+
+    LIST = "reading the URL list"
+    CACHE = "checking the cached shards"
+    SIZES = "asking sources for the first shards' sizes"
+    WORKERS = "waiting for its sample workers"
 
 
 class StoppedStarting(Exception):
@@ -102,10 +118,12 @@ def take_cache_dir(
     endpoint: str,
     run: str,
     stop: threading.Event,
+    doing: Callable[[StartStep], None],
 ) -> Taken:
     """Take the cache directory of ``layout``, start the workers and open the cache, with the
-    list being read meanwhile (``listed``). Whatever fails (a bad line of the list too) undoes
-    what this start did there, the lock released last. Once ``stop`` is set, a list still being
+    list being read meanwhile (``listed``), saying each step with ``doing`` (it writes agent.json)
+    once the lock is held. Whatever fails (a bad line of the list too) undoes what this start did
+    there (agent.json removed), the lock released last. Once ``stop`` is set, a list still being
     read is not waited for (:class:`StoppedStarting`), nor sizes still asked of sources (the start
     ends soon, for the agent to stop)."""
     made = layout.prepare()
@@ -118,6 +136,9 @@ def take_cache_dir(
         # Undone with the lock still held, after everything below: a directory that was
         # empty is left empty (and one this start made, gone).
         undo.callback(layout.undo_start, before, made)
+        # Ours now, whatever an agent that died left there: removed by a start that fails.
+        undo.callback(layout.state_path.unlink, missing_ok=True)
+        doing(StartStep.LIST)
         token = layout.ensure_token()
         # Worker processes take a while to start: they do so while the list is read and
         # the cache is opened.
@@ -133,7 +154,8 @@ def take_cache_dir(
         pool.start()
         undo.callback(pool.stop)
         urls = _wait_list(listed, stop)
-        cache = _open_cache(layout, cfg, urls, fetcher, stop)
+        doing(StartStep.CACHE)
+        cache = _open_cache(layout, cfg, urls, fetcher, stop, doing)
         undo.callback(cache.close)
         mailbox = Mailbox()
         undo.callback(mailbox.close)
@@ -145,7 +167,12 @@ def take_cache_dir(
 
 
 def _open_cache(
-    layout: CacheLayout, cfg: AgentConfig, urls: UrlList, fetcher: Fetcher, stop: threading.Event
+    layout: CacheLayout,
+    cfg: AgentConfig,
+    urls: UrlList,
+    fetcher: Fetcher,
+    stop: threading.Event,
+    doing: Callable[[StartStep], None],
 ) -> ShardCache:
     """Open the cache: recover it, shrink it to the budget, check the budget can hold a window."""
     st = os.statvfs(layout.root)
@@ -164,7 +191,8 @@ def _open_cache(
         if any(recovered.values()):
             log.info("recovered the cache: %s", ", ".join(f"{k} {v}" for k, v in recovered.items() if v))
         # A budget refused leaves the cache as it was: checked before it shrinks to it.
-        _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), first, fetcher, fs_total, stop)
+        probe = functools.partial(_probe_sizes, cache, fetcher, first, stop, doing)
+        _check_budget(cache, cfg.prefetch, min(cfg.prefetch + 1, len(urls)), probe, fs_total)
         cache.shrink(first)  # restarted with a smaller --cache-size: to it before anything else
         cache.index.set_meta(
             {"bytes_limit": limit, "min_free": min_free, "prefetch": cfg.prefetch, "urls": str(cfg.urls)}
@@ -176,16 +204,11 @@ def _open_cache(
 
 
 def _check_budget(
-    cache: ShardCache,
-    prefetch: int,
-    need_shards: int,
-    first: list[str],
-    fetcher: Fetcher,
-    fs_total: int,
-    stop: threading.Event,
+    cache: ShardCache, prefetch: int, need_shards: int, probe: Callable[[], list[int]], fs_total: int
 ) -> None:
     """Refuse a budget that can never hold a reader's window of the largest shards we know of
-    (those of the start-up window ``first``; a reader holds ``need_shards`` at once).
+    (the start-up window's sizes ``probe`` gives, 0 for one not known, asked only of a budget that
+    can hold any shard; a reader holds ``need_shards`` at once).
 
     What can ever be used is the smaller of --cache-size and the file system's size
     less --min-free and the index's headroom. Free space taken by other files may
@@ -201,7 +224,7 @@ def _check_budget(
     if usable <= 0:
         fix = "give --cache-size a size above 0" if cache.limit <= 0 else "lower --min-free or use a larger file system"
         raise ConfigError(f"no shard can ever be cached: {where}; {fix}")
-    sizes = [s for s in _probe_sizes(cache, fetcher, first, stop) if s]
+    sizes = [s for s in probe() if s]
     if not sizes:
         return
     need = need_shards * max(sizes)
@@ -234,23 +257,32 @@ def _check_budget(
         )
 
 
-def _probe_sizes(cache: ShardCache, fetcher: Fetcher, urls: list[str], stop: threading.Event) -> list[int]:
+def _probe_sizes(
+    cache: ShardCache,
+    fetcher: Fetcher,
+    urls: list[str],
+    stop: threading.Event,
+    doing: Callable[[StartStep], None],
+) -> list[int]:
     """The size of each of ``urls`` (0: unknown): the index's, else its source's (a HEAD, or a
     stat), all asked at once (a start waits for the slowest answer, not for the sum of them), for
     at most an answer's time and until ``stop`` is set (see the module's guarantees)."""
     known = {u: rec.size for u in urls if (rec := cache.index.get(u)) is not None and rec.size}
     ask = [u for u in urls if u not in known]
     if ask:
-        known.update(_ask_sizes(fetcher, ask, stop))
+        doing(StartStep.SIZES)
+        known.update(_ask_sizes(fetcher, ask, len(urls), stop))
     return [known.get(u, 0) for u in urls]
 
 
-def _ask_sizes(fetcher: Fetcher, urls: list[str], stop: threading.Event) -> dict[str, int]:
-    """The sizes of ``urls`` their sources give within ``fetcher.settings.answer_timeout``, asked in
-    up to ``PROBE_THREADS`` threads; none more once ``stop`` is set. The threads are daemons: one
-    still waiting for its source (a hung mount, say) is left to end by itself, and never holds
-    the agent's exit."""
-    todo, got = deque(urls), {}
+def _ask_sizes(fetcher: Fetcher, urls: list[str], window: int, stop: threading.Event) -> dict[str, int]:
+    """The sizes of ``urls`` (of the ``window`` first shards) their sources give within
+    ``fetcher.settings.answer_timeout``, asked in up to ``PROBE_THREADS`` threads; none more once
+    ``stop`` is set. One not given (no answer in time, or one without a size: a failed HEAD, a
+    404) is left out, and warned about. The threads are daemons: one still waiting for its
+    source (a hung mount, say) is left to end by itself, and never holds the agent's exit."""
+    todo: deque[str] = deque(urls)
+    got: dict[str, Fetched | Gone | Unknown] = {}
     lock, done = threading.Lock(), threading.Event()
 
     def ask() -> None:
@@ -259,37 +291,57 @@ def _ask_sizes(fetcher: Fetcher, urls: list[str], stop: threading.Event) -> dict
                 if not todo:
                     return
                 url = todo.popleft()
-            size = _source_size(fetcher, url)
+            answer = _describe(fetcher, url)
             with lock:
-                got[url] = size
+                got[url] = answer
                 if len(got) == len(urls):
                     done.set()
 
+    seconds = fetcher.settings.answer_timeout
+    # (a silent source holds the start this long: said now, not only once it is over)
+    log.info(
+        "asking the sources of %d of the first %d shards for their sizes, for at most %gs "
+        "(the connect timeout + --read-timeout)",
+        len(urls),
+        window,
+        seconds,
+    )
     for i in range(min(len(urls), PROBE_THREADS)):
         threading.Thread(target=ask, name=f"probe-{i}", daemon=True).start()
-    seconds = fetcher.settings.answer_timeout
     deadline = time.monotonic() + seconds
     while not done.wait(max(0.0, min(LOOK_EVERY, deadline - time.monotonic()))):
         if stop.is_set() or time.monotonic() >= deadline:
             break
     with lock:
         todo.clear()  # (a thread still asking asks no more)
-        sizes = dict(got)
-    if len(sizes) < len(urls) and not stop.is_set():
+        answers = dict(got)
+    unknown = {}
+    for url in urls:
+        answer = answers.get(url)
+        if not isinstance(answer, Fetched):
+            unknown[url] = _why_unknown(answer, seconds)
+    if unknown and not stop.is_set():
+        url, why = next(iter(unknown.items()))
         log.warning(
-            "%d of the first %d shards' sizes not known within %gs (the connect timeout + --read-timeout): "
-            "the budget is checked against the others; slow or unreachable source, e.g. %s",
-            len(urls) - len(sizes),
-            len(urls),
-            seconds,
-            next(u for u in urls if u not in sizes),
+            "%d of the first %d shards' sizes not known (the budget is checked against the others): "
+            "a slow, unreachable or failing source? e.g. %s: %s",
+            len(unknown),
+            window,
+            url,
+            why,
         )
-    return sizes
+    return {u: a.size for u, a in answers.items() if isinstance(a, Fetched)}
 
 
-def _source_size(fetcher: Fetcher, url: str) -> int:
+def _why_unknown(answer: Gone | Unknown | None, seconds: float) -> str:
+    """Why a size is not known: its source's answer without one, or none within ``seconds``."""
+    if answer is None:
+        return f"no answer within {seconds:g}s (the connect timeout + --read-timeout)"
+    return answer.reason
+
+
+def _describe(fetcher: Fetcher, url: str) -> Fetched | Gone | Unknown:
     try:
-        described = fetcher.describe(url)
+        return fetcher.describe(url)
     finally:
         fetcher.close_thread()  # a probe thread may ask again: no session lingers past its answer
-    return described.size if isinstance(described, Fetched) else 0

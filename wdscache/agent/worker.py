@@ -653,7 +653,9 @@ def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_ke
     # that size but still trim the heap, and fault it in again, as they come and go: shuffled
     # warm images, one consumer, 1.75 GB/s untuned against 2.1 tuned.
     tune_malloc()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the agent decides
+    # Ctrl-C, and a hang-up (a terminal or SSH session closed), reach the whole group; the agent decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         worker = _Worker(spec, secret, key, serve_key)
     except zmq.ZMQError as exc:  # its endpoint taken since the agent's start: one line, and the agent retries

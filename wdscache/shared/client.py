@@ -282,7 +282,7 @@ class AgentConnection:
             now = time.monotonic()
             left = deadline - now
             if left <= 0:
-                raise AgentUnavailableError(self.endpoint, wait, self.hint)
+                raise AgentUnavailableError(self.endpoint, wait, self._why_silent())
             if keyed and self._run and now >= check_at:
                 check_at = now + RUN_CHECK
                 check = next(self._ids)
@@ -378,9 +378,24 @@ class AgentConnection:
         deadline = time.monotonic() + timeout
         while (token := layout.read_token()) is None or bound is not None and not bound.exists():
             if time.monotonic() >= deadline:
-                raise AgentUnavailableError(self.endpoint, timeout, self.hint)
+                raise AgentUnavailableError(self.endpoint, timeout, self._why_silent())
             time.sleep(AGENT_POLL)
         return token
+
+    def _why_silent(self) -> str:
+        """What to tell of an agent that did not answer in time: that it is still starting, when
+        the agent of our cache directory is (not to be started again), else :attr:`hint`."""
+        if self._cache_dir is None:
+            return self.hint
+        layout = CacheLayout.of(self._cache_dir)
+        state = layout.starting_agent()
+        if state is None:
+            return self.hint
+        return (
+            f"the agent (pid {state['pid']}) on {layout.root} is still starting ({state['starting']}, for "
+            f"{max(0.0, time.time() - state['started']):.0f}s); it answers once started: wait for it (see "
+            "'wdscache stats'), or give a longer timeout"
+        )
 
     def worker_key(self, index: int) -> str | None:
         """The key of worker ``index`` of the agent run proved last (None before): requests and
@@ -469,7 +484,7 @@ class AgentConnection:
                 continue
             now = time.monotonic()
             if unanswered_since is not None and now - unanswered_since > liveness:
-                raise AgentUnavailableError(self.endpoint, liveness, self.hint)
+                raise AgentUnavailableError(self.endpoint, liveness, self._why_silent())
             if now - probe_sent > every:
                 probe_id, probe_sent = next(self._ids), now
                 probes.add(probe_id)

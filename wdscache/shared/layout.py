@@ -11,7 +11,8 @@
       partial/<hash>-<name>~tar a gzip'd download's tar, being decompressed
       partial/<hash>-<name>~part-<start>-<end>  a part of a download in parallel parts
       agent.lock                flock held by the running agent; holds its pid (read_pid)
-      agent.json                the running agent's pid, start time (and its process's identity) and endpoint
+      agent.json                the running agent's pid, start time (and its process's identity) and endpoint;
+                                while it starts, what it is doing (``starting``): written once it holds the lock
       token                     0600: the secret a client must hold to talk to the agent and its
                                 workers (see wdscache.shared.protocol); made once, kept across restarts
       agent.sock                the agent's private IPC socket (moved to /tmp when the path is too long)
@@ -40,6 +41,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -48,6 +50,7 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError
 from .redact import redact_urls
@@ -313,6 +316,29 @@ class CacheLayout:
         finally:
             os.close(fd)  # drops our shared lock, if we took it
         return False
+
+    def agent_state(self) -> dict[str, Any] | None:
+        """The state file an agent serving this directory wrote (agent.json: pid, started, endpoint,
+        process; ``starting`` while it starts), if there is one as an agent writes it; it may be a
+        dead agent's (see :meth:`agent_holds_lock`)."""
+        try:
+            state = json.loads(self.state_path.read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(state, dict):
+            return None
+        pid, started, endpoint = state.get("pid"), state.get("started"), state.get("endpoint")
+        if type(pid) is not int or not isinstance(started, (int, float)) or not isinstance(endpoint, str):
+            return None
+        return state
+
+    def starting_agent(self) -> dict[str, Any] | None:
+        """The state (:meth:`agent_state`) of the agent starting on this directory now: it holds the
+        lock and has not answered yet (its ``starting`` says what it is doing); None when none is."""
+        state = self.agent_state()
+        if state is None or not isinstance(state.get("starting"), str):
+            return None
+        return state if self.agent_holds_lock(state["pid"]) else None
 
     def is_cache(self) -> bool:
         """True when this directory holds a wdscache index."""

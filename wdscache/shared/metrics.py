@@ -10,8 +10,10 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
     wdscache_agent_up                         1 while an agent runs, else 0
     wdscache_agent_answering                  1 while it answers; 0 when it runs but gave stats no reply
                                               in time (busy, or stuck), or none runs. An agent that
-                                              runs but does not answer gives only these two and the
+                                              runs but does not answer gives only these three and the
                                               cache's gauges: its counters are not known then
+    wdscache_agent_starting                   1 while the agent starts (it holds the cache directory but
+                                              answers only once started: up 1, answering 0), else 0
     wdscache_cache_bytes                      bytes of cached shards
     wdscache_cache_table_bytes                of those, the sample table files
     wdscache_cache_limit_bytes                the budget
@@ -93,6 +95,9 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
         "agent_answering",
         "1 while the agent answers (0: it runs but gave no reply in time)",
         1 if agent.get("answering") else 0,
+    )
+    yield gauge(
+        "agent_starting", "1 while the agent starts (it answers once started)", 1 if agent.get("starting") else 0
     )
     yield gauge("cache_bytes", "Bytes the budget counts: cached shards and their sample table files", s["bytes_used"])
     yield gauge("cache_table_bytes", "Of cache_bytes, the sample table files", s.get("table_bytes", 0))

@@ -36,7 +36,9 @@ The object (also ``wdscache stats --json``)::
                       (bytes the readers hold at once)};
                       {pid, uptime_s, endpoint, answering: false} when it runs (holds the directory's
                       lock) but gave no reply within ANSWER_TIMEOUT (busy, or stuck): the other fields
-                      are then the index's, as with no agent
+                      are then the index's, as with no agent; with ``starting`` (what it is doing:
+                      reading its list, checking the cached shards, asking sources for sizes, waiting
+                      for its workers) while it starts, not asked then (it answers once started)
     jobs              the ranks consumers read now, of their current epoch (each epoch of a rank is a
                       consumer of its own; its DataLoader workers' added up, ``readers`` of them):
                       {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent), readers,
@@ -72,7 +74,6 @@ reads the index summary, which costs the same on 10 or 100,000 shards.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -166,17 +167,24 @@ def _agent_named(agent: dict[str, Any], shown: dict[str, str]) -> dict[str, Any]
 
 def collect(cache_dir: str | os.PathLike[str], *, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
     """Live stats from the running agent, else from the index, with an agent that runs but gave no
-    reply within ``timeout`` shown as not answering; NoCacheError if there is no cache."""
+    reply within ``timeout`` shown as not answering, and one still starting (not asked: it answers
+    once started) as starting, with what it does; NoCacheError if there is no cache, nor an agent
+    starting to make one."""
     layout = CacheLayout.of(cache_dir)
-    if not layout.is_cache():
+    starting = layout.starting_agent()
+    if not layout.is_cache() and starting is None:  # (an agent starting on a new directory makes its index soon)
         raise NoCacheError(cache_dir=str(layout.root), read_only=layout.read_only())
-    state = agent_state(layout)
+    state = starting or layout.agent_state()
     runs = False if state is None else layout.agent_holds_lock(state["pid"])
-    if runs is not False:  # (not for a dead agent's state file: no reply would come)
+    if runs is not False and starting is None:  # (a dead agent's or a starting one's socket would not reply)
         live = ask_agent(layout, timeout)
         if live is not None:
             return live
-    summary, counters, meta = read_summary(layout.index_dir, read_only=layout.read_only() is not None)
+    summary: dict[str, Any] = {}
+    counters: dict[str, int] = {}
+    meta: dict[str, Any] = {}
+    if layout.is_cache():
+        summary, counters, meta = read_summary(layout.index_dir, read_only=layout.read_only() is not None)
     # Without an agent's answer, what is in flight is not known: none, as when none runs.
     counts = dict(summary.get("counts", {}))
     counts["downloading"] = counts["queued"] = 0
@@ -189,6 +197,8 @@ def collect(cache_dir: str | os.PathLike[str], *, timeout: float = ANSWER_TIMEOU
             "endpoint": state["endpoint"],
             "answering": False,
         }
+        if starting is not None:
+            agent["starting"] = starting["starting"]
     return build(
         cache_dir=str(layout.root), summary=summary, counters=counters, bytes_limit=meta.get("bytes_limit"), agent=agent
     )
@@ -209,24 +219,9 @@ def _uptime(state: dict[str, Any]) -> float:
     return since_boot - identity[1] / os.sysconf("SC_CLK_TCK")
 
 
-def agent_state(layout: CacheLayout) -> dict[str, Any] | None:
-    """The state file an agent serving ``layout`` wrote (agent.json: pid, started, endpoint, process), if
-    there is one as an agent writes it; it may be a dead agent's."""
-    try:
-        state = json.loads(layout.state_path.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(state, dict):
-        return None
-    pid, started, endpoint = state.get("pid"), state.get("started"), state.get("endpoint")
-    if type(pid) is not int or not isinstance(started, (int, float)) or not isinstance(endpoint, str):
-        return None
-    return state
-
-
 def agent_connection(layout: CacheLayout, timeout: float) -> AgentConnection | None:
     """A connection to the agent that seems to serve ``layout`` (its first request tells), else None."""
-    state = agent_state(layout)
+    state = layout.agent_state()
     if state is None:
         return None
     endpoint = state["endpoint"]
@@ -370,6 +365,8 @@ def format_stats(s: dict[str, Any]) -> str:
     agent = s.get("agent")
     if agent:
         doing = f"{agent.get('consumers', 0)} consumer(s)" if agent.get("answering") else "running but not answering"
+        if agent.get("starting"):
+            doing = f"starting: {agent['starting']}"
         lines.append(
             f"agent      pid {agent['pid']}, up {agent['uptime_s']:.0f}s, {doing}, endpoint {agent.get('endpoint', '?')}"
         )

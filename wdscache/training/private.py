@@ -40,7 +40,7 @@ from typing import Any
 from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.layout import CacheLayout, write_atomic
 from ..shared.logs import get_logger
-from ..shared.stats import agent_state, ask_agent
+from ..shared.stats import ask_agent
 from ..shared.urls import format_url_list
 
 log = get_logger(__name__)
@@ -173,13 +173,15 @@ def _answer_of_running(layout: CacheLayout, deadline: float) -> dict[str, Any] |
     """The state of an agent that runs on ``layout`` but has not answered yet (busy, or starting),
     once it answers; None if none runs. An agent that still has not answered at ``deadline`` is a
     WdsCacheError: a second one could not start there anyway."""
-    state = agent_state(layout)
+    state = layout.agent_state()
     if state is None or not layout.agent_holds_lock(state["pid"]):
         return None
     while (answered := _serving(layout, 0.5)) is None:
         if time.monotonic() > deadline:
+            starting = layout.starting_agent()
+            doing = "runs" if starting is None else f"is still starting ({starting['starting']})"
             raise WdsCacheError(
-                f"the agent (pid {state['pid']}) on {layout.root} runs but did not answer within the loader's "
+                f"the agent (pid {state['pid']}) on {layout.root} {doing} but did not answer within the loader's "
                 "timeout; try again, or give the loader a longer timeout="
             )
         if not layout.agent_holds_lock(state["pid"]):
