@@ -53,7 +53,7 @@ def test_budget_goes_to_the_demanded_download_first_and_the_other_waits_saying_w
     readable = loop.downloads.schedule([U1, U0], {U0, U1}, {U1})
     assert demanded.event.is_set() and not prefetch.event.is_set()
     assert readable == []  # its size is not known yet (no partial reads)
-    (wait,) = loop.downloads.space_waits()
+    (wait,) = loop.downloads.space_waits({U1})
     assert wait["url"] == U0 and wait["reason"].startswith("waiting for space")
     assert loop.status(U0)["state"] == "queued"
 
@@ -152,3 +152,34 @@ def test_a_download_cancelled_for_a_growth_deadlock_waits_until_another_ends(
         assert sorted(loop.downloads.running()) == [U1, U3]  # another ended: it starts again
     finally:
         loop.close()
+
+
+def test_the_disk_is_short_while_a_shard_waited_for_waits_for_min_free_or_starts_are_paused(loop: Loop) -> None:
+    # Stats named no full disk: a rank waiting for it was told to raise --download-workers.
+    loop.cache.min_free = loop.cache.fs_free() + (1 << 40)  # more than the file system has free
+    loop.downloads.schedule([U0], {U0}, set())
+    prefetch = ask(loop, U0, 6000)
+    loop.downloads.schedule([U0], {U0}, set())
+    assert not prefetch.event.is_set()
+    # A prefetch waiting for space: listed, but no reader waits for it.
+    assert [w["url"] for w in loop.downloads.space_waits(())] == [U0]
+    assert loop.downloads.disk()["short"] is None
+    loop.downloads.schedule([U1, U0], {U0, U1}, {U1})
+    demanded = ask(loop, U1, 6000)
+    loop.downloads.schedule([U1, U0], {U0, U1}, {U1})
+    assert not demanded.event.is_set()
+    disk = loop.downloads.disk()
+    assert disk["short"] == "min_free" and disk["min_free"] == loop.cache.min_free, disk
+    assert disk["error"].startswith("waiting for space: the file system keeps --min-free"), disk
+    assert 0 <= disk["free_bytes"] < loop.cache.min_free, disk
+
+    # A refused write pauses every start: the shards readers wait for that have no download wait for it.
+    loop.downloads.pause("cannot write the index: database or disk is full")
+    disk = loop.downloads.disk()
+    assert (disk["short"], disk["error"]) == ("full", "cannot write the index: database or disk is full"), disk
+    waits = {w["url"]: w["reason"] for w in loop.downloads.space_waits({U1, U2})}
+    assert waits[U2] == (
+        "waiting for space: the file system refused a write (cannot write the index: database or disk is full); "
+        "no download starts until it has room"
+    ), waits
+    assert waits[U1].startswith("waiting for space: the file system keeps --min-free"), waits  # its own wait

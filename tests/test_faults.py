@@ -881,6 +881,92 @@ def test_disk_full_abandons_the_download_keeps_serving_and_recovers(
     wait_for(lambda: partial_files(cache) == [] or None, 10, lambda: f"partial files left: {partial_files(cache)}")
 
 
+@pytest.mark.slow
+def test_a_rank_starved_by_a_full_disk_is_told_so_and_its_epoch_completes_once_there_is_room(
+    tmpfs, shard_server, dataset, start_agent, consumers, run_cli
+):
+    # Another program kept the cache's file system full under a reading rank: downloads were paused,
+    # the agent evicted all it could, and `stats` said "starved by downloads: raise
+    # --download-workers", with `waiting_for_space`, `retrying` and `failed` all empty; only the log
+    # named the full disk.
+    fs = tmpfs("8m")
+    ds = dataset(10, **SHARD_1M)  # 10 MB of shards for an 8 MB file system
+    cache = fs / "cache"
+    shard_server.rate = 2_000_000  # ~0.5 s a shard: downloads still run when the disk fills
+    agent = start_agent(cache, ds.list_file, "--cache-size", "100M", "--min-free", "1M", "--prefetch", "3")
+    consumer = consumers(cache, "c", "--job", "train", "--no-shuffle", "--timeout", "120", "--sleep", "0.01")
+    wait_for(
+        lambda: consumer.out.exists() and samples_of([json.loads(x) for x in consumer.out.read_text().splitlines()]),
+        PROC_DEADLINE,
+        lambda: f"the rank got no sample\n{consumer_log(consumer)}\n{agent.stderr_tail()}",
+    )
+    filler, stop, problems = fs / "filler", threading.Event(), []
+
+    def keep_full() -> None:
+        # Something else writes whatever the agent frees: the file system stays full.
+        while not stop.is_set():
+            try:
+                fill(filler)
+            except BaseException as exc:  # reported by the main thread
+                problems.append(exc)
+                return
+            stop.wait(0.02)
+
+    filling = threading.Thread(target=keep_full, daemon=True)
+    filling.start()
+    seen: list[Any] = []  # what stats said last, for a failure's message
+    try:
+
+        def starved_by_disk() -> dict | None:
+            r = run_cli("stats", "--cache-dir", cache, "--json")
+            s = json.loads(r.stdout) if r.returncode == 0 else {}
+            seen.append(s)
+            return s if s.get("jobs", {}).get("train", {}).get("0", {}).get("starved") == "disk" else None
+
+        s = wait_for(
+            starved_by_disk,
+            30,
+            lambda: f"the rank was never starved by the disk: last stats {seen[-1:]}\n{agent.stderr_tail()}",
+            interval=0.2,
+        )
+        assert not problems, problems
+        disk = s["agent"]["disk"]
+        assert disk["short"] in ("full", "min_free") and disk["free_bytes"] < (1 << 20) + (1 << 20), disk
+        assert disk["min_free"] == 1 << 20, disk
+        # The text and the metrics are asked later: the disk must still be the verdict then (a turn of
+        # the agent's loop may fall between a pause's end and the next refused write).
+        where = rf"the file system of {re.escape(str(cache))} has (\d+ bytes|[\d.]+[KM]) free"
+        fix = ": free space on it, or lower --min-free or --cache-size$"
+
+        def told(args: tuple[str, ...], *patterns: str) -> str | None:
+            out = run_cli("stats", "--cache-dir", cache, *args).stdout
+            seen.append(out)
+            return out if all(re.search(p, out, re.M) for p in patterns) else None
+
+        text = wait_for(
+            lambda: told((), rf"^job train: starved by the disk: {where}.*{fix}", rf"^disk       {where}.*{fix}"),
+            20,
+            lambda: f"stats never named the disk:\n{seen[-1]}",
+            interval=0.2,
+        )
+        assert "--download-workers" not in text, text
+        starved = r'^wdscache_job_starved\{job="train",reason="disk"\} 1\.0$'
+        wait_for(
+            lambda: told(("--prometheus",), starved, r"^wdscache_disk_short 1\.0$", r"^wdscache_disk_free_bytes "),
+            20,
+            lambda: f"the metrics never named the disk:\n{seen[-1]}",
+            interval=0.2,
+        )
+    finally:
+        stop.set()
+        filling.join(10)
+        filler.unlink(missing_ok=True)
+    # Room again: the epoch completes, exactly.
+    assert_epoch_exact(consumer.wait(PROC_DEADLINE), reference(ds.paths, ds.urls))
+    s = agent.stats()
+    assert s["agent"]["disk"]["short"] is None and s["shards"]["failed"] == 0, s["agent"]["disk"]
+
+
 def test_a_download_is_written_back_as_it_arrives_and_a_failed_write_back_is_never_resumed(
     shard_server, tmp_path, monkeypatch
 ):

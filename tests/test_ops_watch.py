@@ -30,8 +30,10 @@ def _stats(
     queued: int = 0,
     demanded_queued: int = 0,
     retrying: tuple[dict, ...] = (),
+    disk: dict | None = None,
 ) -> dict:
     return {
+        "cache_dir": "/scratch/wdscache",
         "bytes_limit": 1000,
         "shards": {"cached": 1, "downloading": 2, "queued": queued, "failed": 0},
         "download_rate": 3 * 1024,
@@ -42,6 +44,7 @@ def _stats(
             "retrying": list(retrying),
             "need_bytes": need,
             "workers": [{"index": 0, "busy": busy}, {"index": 1, "busy": busy}],
+            "disk": disk or {"free_bytes": 1 << 30, "min_free": 1 << 20, "short": None, "error": None},
         },
         "jobs": {"j": {"0": {"waiting": 0.05}, "1": {"waiting": waiting}}},
         "ended_jobs": {
@@ -78,6 +81,21 @@ def test_each_verdict_names_its_cause_and_what_to_do():
         "raise --prefetch to download further ahead, or check the source"
     )
     assert line(waiting=0.5, demanded=1, busy=1.0) == slow
+    # A full disk stops every download: neither slots nor the source are what the rank waits for.
+    full = {"free_bytes": 0, "min_free": 8 << 20, "short": "full", "error": "cannot write the index: disk is full"}
+    assert line(waiting=0.5, demanded=1, queued=2, demanded_queued=1, retrying=(error,), disk=full) == (
+        "starved by the disk: the file system of /scratch/wdscache has 0 bytes free and refused a write "
+        "(cannot write the index: disk is full): no download starts until it has room: "
+        "free space on it, or lower --min-free or --cache-size"
+    )
+    low = {**full, "free_bytes": 5 << 20, "short": "min_free", "error": "waiting for space: ..."}
+    assert line(waiting=0.5, demanded=1, disk=low) == (
+        "starved by the disk: the file system of /scratch/wdscache has 5.0M free, less than --min-free 8.0M "
+        "(and room for the index): the shards readers wait for wait for space: "
+        "free space on it, or lower --min-free or --cache-size"
+    )
+    assert line(waiting=0.5, need=2048, demanded=1, disk=full).startswith("starved by the budget")
+    assert line(waiting=0.5, busy=0.9, disk=full).startswith("starved by workers")  # it waits for no shard
     # Prefetches queued while the shard waited for downloads: more downloads would share its link.
     assert line(waiting=0.5, demanded=1, queued=3, demanded_queued=0) == slow
     assert line(waiting=0.5, busy=0.9) == "starved by workers: raise --workers, if the machine has idle cores"

@@ -845,13 +845,13 @@ def _watch(cache_dir: Path) -> None:
 
 
 def _live_view(s: dict) -> str:
-    """The compact live view of a stats object: cache against budget, downloads, workers, every live
-    job with its ranks and its verdict (:func:`wdscache.shared.verdict.verdicts`), the latest jobs
+    """The compact live view of a stats object: cache against budget, downloads, workers, the disk
+    while downloads wait for it, every live job with its ranks and its verdict (:func:`wdscache.shared.verdict.verdicts`), the latest jobs
     that ended (:func:`wdscache.shared.stats.latest_ended`)."""
     from datetime import datetime
 
     from .shared.stats import latest_ended, silent_workers
-    from .shared.verdict import verdicts
+    from .shared.verdict import disk_short, verdicts
 
     used, limit = s["bytes_used"], s.get("bytes_limit")
     agent = s.get("agent") or {}
@@ -885,6 +885,9 @@ def _live_view(s: dict) -> str:
             f"{sum(w.get('busy_s', 0) for w in workers):.1f}s busy in all, "
             f"{agent.get('worker_restarts', 0)} restart(s)" + silent_workers(workers)
         )
+    short = disk_short(s)
+    if short:
+        lines.append(f"disk       {short}")
     judged = verdicts(s)
     for job, ranks in sorted(s.get("jobs", {}).items()):
         rate = sum(r.get("rate", 0) for r in ranks.values())

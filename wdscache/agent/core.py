@@ -388,7 +388,7 @@ class Agent:
         """The index could not be written: pause downloads and free disk space without it."""
         if not self.downloads.paused:
             log.error("%s; pausing downloads and freeing space", exc)
-        self.downloads.pause()
+        self.downloads.pause(str(exc))
         self.cache.free_files(INDEX_HEADROOM, self._wanted())
 
     def _reader_gone(self, name: str) -> None:
@@ -546,6 +546,7 @@ class Agent:
             **_waits(waited, self.downloads),
             "retrying": self.downloads.retrying(waited),
             "need_bytes": self.readers.need(self.opens.held)[0],
+            "disk": self.downloads.disk(),
         }
         state = {"bytes_limit": cache.limit, "shards": by_state, "agent": agent_view}
         readers = self.readers.view(lambda job: starved_by(state, job) or "latency")
@@ -573,7 +574,7 @@ class Agent:
                 **agent_view,
                 "worker_restarts": self.pool.restarts,
                 **self.opens.view(),
-                "waiting_for_space": self.downloads.space_waits(),
+                "waiting_for_space": self.downloads.space_waits(waited),
             },
             jobs=readers["jobs"],
             ended_jobs=readers["ended_jobs"],

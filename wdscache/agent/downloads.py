@@ -24,16 +24,22 @@ Guarantees (threads):
   want never evicts a shard a prefetch holds: :mod:`wdscache.agent.grants` says how. A
   download cancelled there to break a growth deadlock starts again only once another
   download has ended; until then, only shards a reader waits for start.
+- A full file system (a write of a shard or of the index refused) pauses every start for
+  ``DISK_FULL_PAUSE`` after the last refusal; while paused, or while a shard a reader waits for
+  waits for space below ``--min-free``, stats say the disk is short (:meth:`Downloads.disk`),
+  with the file system's free bytes and the refusal.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
@@ -70,6 +76,21 @@ CANCEL_AFTER = 3.0
 JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
 
 
+class DiskShort(enum.Enum):
+    """Why downloads wait for the cache's file system (stats' ``agent.disk.short``)."""
+
+    FULL = "full"  # it refused a write (of a shard, or of the index): starts are paused
+    MIN_FREE = "min_free"  # a shard a reader waits for waits for space: less than --min-free is free
+
+
+@dataclass(frozen=True)
+class DiskPause:
+    """No download starts until ``until`` (``time.monotonic()``): the file system refused ``error``."""
+
+    until: float
+    error: str
+
+
 class Downloads:
     """Download tasks and threads, preemption and their ends; budget grants through :class:`Grants`."""
 
@@ -90,7 +111,7 @@ class Downloads:
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._grants = Grants(cache)  # budget asked for and not granted yet
-        self._paused_until = 0.0
+        self._pause: DiskPause | None = None  # the last pause for a full disk (over once its time passed)
         # Downloads cancelled to break a growth deadlock (Grants.gave_way): until another download
         # ends, neither they nor any download no reader waits for start, so that the space they let
         # go of goes to the downloads left, not straight back to them or to a newcomer.
@@ -152,12 +173,43 @@ class Downloads:
         slot = self._shards.slot(url)
         return slot.space.reason if slot is not None else None
 
-    def space_waits(self) -> list[dict[str, str]]:
-        return [
+    def space_waits(self, waited_for: Collection[str]) -> list[dict[str, str]]:
+        """The downloads that wait for space, each with why; while starts are paused for a full
+        disk, the shards readers wait for (``waited_for``) that have no download yet too."""
+        waits = [
             {"url": slot.download.url, "reason": slot.space.reason}
             for slot in self._shards.slots()
             if slot.space.reason is not None
         ]
+        pause = self._pause if self.paused else None
+        if pause is not None:
+            reason = (
+                f"waiting for space: the file system refused a write ({pause.error}); "
+                "no download starts until it has room"
+            )
+            waits += [{"url": url, "reason": reason} for url in waited_for if self._shards.slot(url) is None]
+        return waits
+
+    def disk(self) -> dict[str, Any]:
+        """The cache's file system as stats show it: its free bytes, ``--min-free``, and whether
+        downloads wait for it (``short``, a :class:`DiskShort` value, and ``error``: the write it
+        refused, or why the shard waited for waits for space), else ``short`` null."""
+        short: DiskShort | None = None
+        error: str | None = None
+        pause = self._pause if self.paused else None
+        if pause is not None:
+            short, error = DiskShort.FULL, pause.error
+        else:
+            for slot in self._shards.slots():
+                if slot.download.demanded and slot.space.kind == "min-free":
+                    short, error = DiskShort.MIN_FREE, slot.space.reason
+                    break
+        return {
+            "free_bytes": self._cache.fs_free(),
+            "min_free": self._cache.min_free,
+            "short": None if short is None else short.value,
+            "error": error,
+        }
 
     def retrying(self, waited_for: Mapping[str, Collection[str]]) -> list[dict[str, Any]]:
         """The downloads whose last attempt failed, retried after a backoff: each with that failure,
@@ -184,13 +236,14 @@ class Downloads:
         if d is not None:
             d.demanded = True
 
-    def pause(self) -> None:
-        """Start no download for a while (the disk or the index is full)."""
-        self._paused_until = time.monotonic() + DISK_FULL_PAUSE
+    def pause(self, error: str) -> None:
+        """Start no download for a while: the file system refused ``error`` (a write of a shard, or
+        of the index: the disk is full)."""
+        self._pause = DiskPause(time.monotonic() + DISK_FULL_PAUSE, error)
 
     @property
     def paused(self) -> bool:
-        return time.monotonic() < self._paused_until
+        return self._pause is not None and time.monotonic() < self._pause.until
 
     def rate(self) -> float:
         """Bytes a second downloaded over the last ``RATE_WINDOW`` seconds, up to now; 0 once no
@@ -389,7 +442,7 @@ class Downloads:
         """The file system refused a write: not the shard's fault. Drop the partial, make room,
         start nothing for a while; the shard is tried again then."""
         self._cache.abandon(d)
-        self.pause()
+        self.pause(error.reason)
         log.warning("%s; abandoned %s, will retry after making room", error.reason, d.url)
         self._cache.evict(
             d.progress.written + self._cache.margin,

@@ -73,11 +73,12 @@ class SpaceWait:
     """Why a download waits for space now (all None while it does not)."""
 
     reason: str | None = None  # for stats and status
+    kind: str | None = None  # what runs short: "budget", or "min-free" (the file system's free space)
     since: float | None = None  # since when it waits
     said: str | None = None  # what ran short when that was last logged
 
     def clear(self) -> None:
-        self.reason = self.since = self.said = None
+        self.reason = self.kind = self.since = self.said = None
 
 
 class Grants:
@@ -215,7 +216,7 @@ class Grants:
 def _note_wait(wait: SpaceWait, url: str, kind: str, reason: str) -> None:
     """Note why ``url`` waits for space. Logged once it has waited SPACE_LOG_AFTER, and again
     only when what runs short changes (the budget, or the file system's free space)."""
-    wait.reason = f"waiting for space: {reason}"
+    wait.reason, wait.kind = f"waiting for space: {reason}", kind
     now = time.monotonic()
     if wait.since is None:
         wait.since = now

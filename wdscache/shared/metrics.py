@@ -28,6 +28,10 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
     wdscache_download_rate_bytes_per_second   over the last 10 s while downloads run, else 0
     wdscache_need_bytes                       bytes the readers hold at once (above the budget: thrashing)
     wdscache_demanded_shards                  shards readers wait for now
+    wdscache_disk_free_bytes                  free bytes of the cache's file system
+    wdscache_disk_short                       1 while downloads wait for that file system: full (it
+                                              refused a write), or a shard readers wait for waits for
+                                              space with less than --min-free free; else 0
     wdscache_pinned_shards                    shards being read
     wdscache_consumers                        consumers connected
     wdscache_worker_busy_seconds_total{worker}, wdscache_worker_samples_total{worker},
@@ -43,8 +47,8 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
                                               process stopped or hung: then its rate and waiting are 0),
                                               0 while it reports
     wdscache_job_starved{job,reason}          1 for a live job that is starved, by its reason
-                                              (budget, failing_source, downloads, slow_source,
-                                              workers, latency), else 0
+                                              (budget, disk, failing_source, downloads,
+                                              slow_source, workers, latency), else 0
 """
 
 from __future__ import annotations
@@ -125,6 +129,14 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     yield gauge("cache_reserved_bytes", "Bytes reserved by downloads in flight", agent.get("bytes_reserved", 0))
     yield gauge("need_bytes", "Bytes the readers hold at once", agent.get("need_bytes", 0))
     yield gauge("demanded_shards", "Shards readers wait for", agent.get("demanded", 0))
+    if "disk" in agent:
+        disk = agent["disk"]
+        yield gauge("disk_free_bytes", "Free bytes of the cache's file system", disk.get("free_bytes", 0))
+        yield gauge(
+            "disk_short",
+            "1 while downloads wait for the cache's file system (full, or below --min-free)",
+            1 if disk.get("short") else 0,
+        )
     yield gauge("pinned_shards", "Shards being read", agent.get("pinned", 0))
     yield gauge("consumers", "Consumers connected", agent.get("consumers", 0))
     yield counter("worker_restarts", "Sample workers restarted", agent.get("worker_restarts", 0))

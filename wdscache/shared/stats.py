@@ -26,7 +26,12 @@ The object (also ``wdscache stats --json``)::
                       stopped, and counted busy 1.0)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
-                      waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up),
+                      waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up,
+                      and while the file system is full the shards readers wait for that it keeps
+                      from starting), disk: {free_bytes (of the cache's file system), min_free
+                      (--min-free), short: null | "full" (it refused a write: no download starts
+                      until it has room) | "min_free" (a shard a reader waits for waits for space:
+                      less than --min-free is free), error (the write refused, or why it waits)},
                       retrying: [{url, error, demanded, jobs}] (downloads whose last attempt failed,
                       retried after a backoff: that attempt's failure, whether a reader waits for the
                       shard, and the jobs whose readers do), demanded (shards readers wait for),
@@ -43,8 +48,8 @@ The object (also ``wdscache stats --json``)::
                       consumer of its own; its DataLoader workers' added up, ``readers`` of them):
                       {job: {rank: {samples, bytes, rate, wait_s, waiting (fraction, recent), readers,
                       epoch, position (samples of the epoch the job delivered, counted from
-                      this rank's), starved: null | "budget" | "failing_source" | "downloads" |
-                      "slow_source" | "workers" | "latency" (see :mod:`wdscache.shared.verdict`),
+                      this rank's), starved: null | "budget" | "disk" | "failing_source" |
+                      "downloads" | "slow_source" | "workers" | "latency" (see :mod:`wdscache.shared.verdict`),
                       silent_s (no report for that long, over SILENT_AFTER: rate and waiting 0)}}}
     ended_jobs        the same of the ranks whose consumers left in the last 10 minutes (counted
                       from each rank's latest exit), with their totals over every consumer of the
@@ -89,7 +94,7 @@ from .layout import CacheLayout
 from .messages import Requests
 from .protocol import process_identity
 from .redact import redacted, shown_names
-from .verdict import SILENT_AFTER, STARVED, ended_verdict, job_verdict
+from .verdict import SILENT_AFTER, STARVED, disk_short, ended_verdict, job_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
 ANSWER_TIMEOUT = 5.0  # seconds a running agent gets to answer stats before it is shown as not answering
@@ -379,6 +384,9 @@ def format_stats(s: dict[str, Any]) -> str:
             f"workers    {len(agent['workers'])} ({load}), {agent.get('worker_restarts', 0)} restart(s)"
             + silent_workers(agent["workers"])
         )
+    short = disk_short(s)
+    if short:
+        lines.append(f"disk       {short}")
     for job, ranks in sorted(s.get("jobs", {}).items()):
         lines.append(f"job {job}: {job_verdict(s, ranks, job).text}")  # the cause, and what to do
         for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):

@@ -8,6 +8,10 @@ another job waiting for downloads does not make this one's wait a download's):
 
 - ``budget``: the readers hold more bytes at once (``agent.need_bytes``) than the budget
   (``bytes_limit``): shards still needed are evicted and downloaded again;
+- ``disk``: readers wait for shards (``agent.demanded``) while the cache's file system is short
+  (``agent.disk.short``): full (it refused a write, and no download starts until it has room), or
+  with less than ``--min-free`` free (a shard a reader waits for waits for space). A full disk
+  stops every download: more download workers or a better source would not help;
 - ``failing_source``: readers wait for shards (``agent.demanded``) whose downloads fail and are
   retried (``agent.retrying``);
 - ``downloads``: readers wait for shards whose downloads wait for a slot themselves
@@ -34,7 +38,7 @@ WORKERS_BUSY = 0.8  # workers busy more than this fraction of the time are the b
 # Consumers and workers report every second: one silent this long is stopped or hung, its last
 # report no longer holds (a rank's rate and wait; a worker is counted busy).
 SILENT_AFTER = 5.0
-KINDS = ("budget", "failing_source", "downloads", "slow_source", "workers", "latency")
+KINDS = ("budget", "disk", "failing_source", "downloads", "slow_source", "workers", "latency")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ def starved_by(stats: dict[str, Any], job: str | None = None) -> str | None:
         return "budget"
     mine = job is not None and "demanded_by_job" in agent  # (an agent that says whose waits they are)
     if (agent["demanded_by_job"].get(job, 0) if mine else agent.get("demanded", 0)) > 0:
+        if (agent.get("disk") or {}).get("short"):
+            return "disk"
         if _failing(agent, job):
             return "failing_source"
         return "downloads" if _queued_waits(stats, job) > 0 else "slow_source"
@@ -72,6 +78,27 @@ def starved_by(stats: dict[str, Any], job: str | None = None) -> str | None:
     if (busy and sum(busy) / len(busy) > WORKERS_BUSY) or _silent_workers(agent):
         return "workers"
     return "latency"
+
+
+def disk_short(stats: dict[str, Any]) -> str | None:
+    """What the cache's file system lacks, as a sentence that says what to do (``agent.disk``), while
+    downloads wait for it; None while they do not, or without an agent that says."""
+    disk = (stats.get("agent") or {}).get("disk") or {}
+    short = disk.get("short")
+    if not short:
+        return None
+    free = disk.get("free_bytes", 0)
+    where = (
+        f"the file system of {stats.get('cache_dir')} has {format_size(free) if free >= 1024 else f'{free} bytes'} free"
+    )
+    if short == "full":
+        state = f"{where} and refused a write ({disk.get('error')}): no download starts until it has room"
+    else:
+        state = (
+            f"{where}, less than --min-free {format_size(disk.get('min_free', 0))} (and room for the index): "
+            "the shards readers wait for wait for space"
+        )
+    return f"{state}: free space on it, or lower --min-free or --cache-size"
 
 
 def _queued_waits(stats: dict[str, Any], job: str | None) -> int:
@@ -121,6 +148,8 @@ def _live_verdict(stats: dict[str, Any], ranks: dict[str, dict[str, Any]], job: 
         return Verdict(
             kind, f"starved by the budget: the cache thrashes, needs {format_size(need)} (--cache-size {need})"
         )
+    if kind == "disk":
+        return Verdict(kind, f"starved by the disk: {disk_short(stats)}")
     if kind == "failing_source":
         failing = _failing(stats["agent"], job)
         return Verdict(
