@@ -61,6 +61,10 @@ from wdscache.training.loader import CachedMultiLoader
 # torch dataset, whose modules the child (another user, who cannot read the interpreter's own
 # library under /root) must find imported.
 if sys.modules.get("torch") is not None:
+    # (and a loader's epoch box: an Array and its lock, whose modules its first one imports)
+    import multiprocessing.sharedctypes  # noqa: F401
+    import multiprocessing.synchronize  # noqa: F401
+
     import wdscache.training.dataset  # noqa: F401
 
 CHILD_DEADLINE = 60.0
