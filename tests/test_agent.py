@@ -401,7 +401,8 @@ def test_a_socket_file_left_in_a_read_only_folder_is_refused_naming_the_endpoint
     # As under a service's sandbox (systemd's ProtectSystem=strict) with an earlier run's socket left.
     ds = dataset(1)
     folder = tmpfs("1m")
-    (folder / "agent.sock").touch()
+    with socket.socket(socket.AF_UNIX) as dead:  # its agent gone: a socket file nobody listens on
+        dead.bind(str(folder / "agent.sock"))
     r = subprocess.run(["mount", "-o", "remount,ro", str(folder)], capture_output=True, text=True, timeout=20)
     assert r.returncode == 0, r.stderr
     endpoint = f"ipc://{folder}/agent.sock"

@@ -48,7 +48,16 @@ def test_a_sample_worker_imports_only_what_serving_needs():
         {"wdscache", "wdscache.agent", "wdscache.shared"}
         | {
             f"wdscache.agent.{m}"
-            for m in ("worker", "open_shards", "reply_frames", "scattered", "shardview", "sampletable", "growing")
+            for m in (
+                "worker",
+                "open_shards",
+                "reply_frames",
+                "scattered",
+                "shardview",
+                "sampletable",
+                "growing",
+                "ipc_files",
+            )
         }
         | {
             f"wdscache.shared.{m}"

@@ -19,7 +19,8 @@ Guarantees:
   a refusal carries none (its id is the sender's choice).
 - A peer that sends more than ``MAX_MESSAGE`` bytes is disconnected; one that does
   not read its replies loses them rather than blocking the agent.
-- An ``ipc://`` socket file is created 0600 and removed on close.
+- An ``ipc://`` socket file is created 0600 where no process listens (a stale one is replaced, a live
+  one refused), and removed on close if it is still the one bound (:mod:`wdscache.agent.ipc_files`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -36,6 +36,8 @@ from ..shared.errors import ConfigError, ProtocolError
 from ..shared.logs import get_logger
 from ..shared.protocol import PROTOCOL, Proofs, agent_key, client_key, pack, proof, same_secret, unpack
 from ..shared.redact import redact_urls
+from .ipc_files import BoundFile, ipc_path
+from .ipc_files import bind as bind_ipc
 
 log = get_logger(__name__)
 
@@ -80,20 +82,18 @@ class ControlSocket:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # a peer sending more is disconnected
         sock.setsockopt(zmq.SNDHWM, 10_000)
+        self._file: BoundFile | None = None
         try:
-            if endpoint.startswith("ipc://"):
-                path = Path(endpoint[len("ipc://") :])
-                # The caller holds the cache directory's lock, so a socket file left here is a dead agent's.
-                path.unlink(missing_ok=True)
-                sock.bind(endpoint)
-                path.chmod(0o600)
+            if ipc_path(endpoint) is not None:
+                # Not only under the cache directory's lock: --endpoint may name another agent's socket.
+                self._file = bind_ipc(sock, endpoint)
             else:
                 sock.bind(endpoint)
         except BaseException as exc:
             sock.close(0)
             self._ctx.term()
-            # In use, a folder that is not there, or a socket file that cannot be replaced (a folder
-            # read-only in a service's sandbox): the option's fault, or the folder's.
+            # In use, a folder that is not there, or a stale socket file that cannot be replaced (a
+            # folder read-only in a service's sandbox): the option's fault, or the folder's.
             if isinstance(exc, (zmq.ZMQError, OSError)):
                 # os.strerror: ZeroMQ's own message repeats the endpoint, unredacted.
                 raise ConfigError(
@@ -189,7 +189,7 @@ class ControlSocket:
         return True
 
     def close(self) -> None:
+        if self._file is not None:
+            self._file.remove()  # while it still listens (see wdscache.agent.ipc_files)
         self._sock.close(0)
-        if self.endpoint.startswith("ipc://"):
-            Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)
         self._ctx.term()

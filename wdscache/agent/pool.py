@@ -24,7 +24,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
-from pathlib import Path
 
 import zmq
 
@@ -32,6 +31,7 @@ from ..shared.errors import ConfigError
 from ..shared.logs import event, get_logger
 from ..shared.protocol import client_key, worker_key
 from ..shared.redact import redact_urls
+from .ipc_files import ipc_path, refuse_taken, remove_stale
 from .worker import WorkerSpec
 
 log = get_logger(__name__)
@@ -41,16 +41,24 @@ _BOOT = (
     "import json, sys; sys.path[:] = json.loads(sys.argv[1]); import wdscache.agent.worker as w; w.main(sys.argv[1:])"
 )
 RESTART_BACKOFF_MAX = 5.0  # seconds
+WORKER_ADVICE = (
+    "choose another --endpoint (its workers listen on the ports after its own, or on PATH-wN.sock "
+    "beside ipc://PATH.sock)"
+)
 
 
-def check_endpoints(endpoints: list[str]) -> None:
-    """Refuse TCP endpoints another process listens on (ConfigError), before the workers that bind
-    them start: each is bound and let go here, as ZeroMQ binds it. An IPC endpoint is the agent's
-    own file, which a worker replaces."""
+def check_endpoints(agent_endpoint: str, endpoints: list[str]) -> None:
+    """Refuse (ConfigError) the agent's ``ipc://`` endpoint and its workers' ``endpoints`` where another
+    process listens, before the workers that bind them start. A TCP endpoint is bound and let go here,
+    as ZeroMQ binds it; an IPC one is looked at as :mod:`wdscache.agent.ipc_files` binds it (a stale
+    socket file passes: it is replaced)."""
+    if ipc_path(agent_endpoint) is not None:
+        refuse_taken(agent_endpoint)  # first: the message names the endpoint given, not a worker's
     ctx = zmq.Context()
     try:
         for endpoint in endpoints:
-            if endpoint.startswith("ipc://"):
+            if ipc_path(endpoint) is not None:
+                refuse_taken(endpoint, role=" for a sample worker", advice=WORKER_ADVICE)
                 continue
             sock = ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -59,7 +67,7 @@ def check_endpoints(endpoints: list[str]) -> None:
             except zmq.ZMQError as exc:
                 raise ConfigError(
                     f"cannot listen on {redact_urls(endpoint)} for a sample worker ({os.strerror(exc.errno or 0)}): "
-                    "choose another --endpoint (its workers listen on the ports after its own)"
+                    f"{WORKER_ADVICE}"
                 ) from None
             finally:
                 sock.close(0)
@@ -212,6 +220,8 @@ class WorkerPool:
         for i in range(len(self._ready)):
             self._close_ready(i)
         for ep in self.endpoints:
-            if ep.startswith("ipc://"):
+            if ipc_path(ep) is not None:
+                # A worker removes its own file as it exits; one killed leaves it, stale now that its
+                # process is gone. Another process's socket (one listens there) is left alone.
                 with contextlib.suppress(OSError):  # (a folder we may not write: nothing of ours to remove)
-                    Path(ep[len("ipc://") :]).unlink(missing_ok=True)
+                    remove_stale(ep)

@@ -150,7 +150,7 @@ def take_cache_dir(
             run=run,
             log_format=cfg.log_format,
         )
-        check_endpoints(pool.endpoints)
+        check_endpoints(endpoint, pool.endpoints)
         pool.start()
         undo.callback(pool.stop)
         urls = _wait_list(listed, stop)

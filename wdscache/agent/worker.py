@@ -86,12 +86,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import add, ne, or_, sub
-from pathlib import Path
 from typing import Any
 
 import zmq
 
-from ..shared.errors import ProtocolError, ShardError
+from ..shared.errors import ConfigError, ProtocolError, ShardError
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger, log_uncaught
 from ..shared.logs import setup as setup_logs
@@ -109,6 +108,8 @@ from ..shared.protocol import (
 )
 from ..shared.redact import redact_urls
 from .growing import GrowingShard, NotYet
+from .ipc_files import BoundFile, ipc_path
+from .ipc_files import bind as bind_ipc
 from .open_shards import SWEEP_EVERY, OpenShards
 from .reply_frames import ReplyFrames
 from .sampletable import PackedSamples, placed
@@ -174,11 +175,21 @@ class _Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
         self.sock.setsockopt(zmq.SNDHWM, 1000)
-        if spec.endpoint.startswith("ipc://"):
-            Path(spec.endpoint[len("ipc://") :]).unlink(missing_ok=True)
-        self.sock.bind(spec.endpoint)
-        if spec.endpoint.startswith("ipc://"):
-            os.chmod(spec.endpoint[len("ipc://") :], 0o600)
+        self.file: BoundFile | None = None
+        try:
+            if ipc_path(spec.endpoint) is not None:
+                # A stale file (our predecessor's, killed) is replaced; a live socket is refused.
+                self.file = bind_ipc(self.sock, spec.endpoint, role=f" for sample worker {spec.index}")
+            else:
+                self.sock.bind(spec.endpoint)
+        except BaseException as exc:
+            self.sock.close(0)
+            self.ctx.term()
+            if isinstance(exc, (zmq.ZMQError, OSError)):
+                raise ConfigError(
+                    f"worker {spec.index} cannot listen on {redact_urls(spec.endpoint)} ({os.strerror(exc.errno or 0)})"
+                ) from None
+            raise
         self.report = self.ctx.socket(zmq.DEALER)
         self.report.setsockopt(zmq.LINGER, 0)
         self.report.setsockopt(zmq.SNDHWM, 100)
@@ -545,6 +556,8 @@ class _Worker:
 
     def close(self) -> None:
         self.shards.close()
+        if self.file is not None:
+            self.file.remove()  # while it still listens (see wdscache.agent.ipc_files)
         self.sock.close(0)
         self.report.close(0)
         self.ctx.term()
@@ -658,10 +671,8 @@ def worker_main(spec: WorkerSpec, ready_fd: int, secret: str, key: str, serve_ke
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         worker = _Worker(spec, secret, key, serve_key)
-    except zmq.ZMQError as exc:  # its endpoint taken since the agent's start: one line, and the agent retries
-        log.error(
-            "worker %d cannot listen on %s (%s)", spec.index, redact_urls(spec.endpoint), os.strerror(exc.errno or 0)
-        )
+    except ConfigError as exc:  # its endpoint taken since the agent's start: one line, and the agent retries
+        log.error("%s", exc)
         sys.exit(1)
     os.write(ready_fd, b"r")
     os.close(ready_fd)
