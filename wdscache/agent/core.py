@@ -280,15 +280,7 @@ class Agent:
             state["starting"] = starting.value
         if self.config.private_users is not None:  # loaders joining us lock it
             state["private_users"] = str(self.config.private_users)
-        if starting is None:
-            write_atomic(self.layout.state_path, json.dumps(state).encode())
-            return
-        # A step is only shown: not synced (a short file after a power loss is no state), and one
-        # that cannot be written (a full disk) holds up no start, which fails where it must, saying why.
-        try:
-            write_atomic(self.layout.state_path, json.dumps(state).encode(), durable=False)
-        except OSError as exc:
-            log.debug("could not say the start's step in %s: %s", self.layout.state_path, exc.strerror)
+        _publish_state(self.layout.state_path, state, starting is not None)
 
     def shutdown(self) -> None:
         """Abandon downloads (keeping resumable partial files), close the index, free the lock."""
@@ -538,48 +530,66 @@ class Agent:
 
     def stats(self) -> dict[str, Any]:
         """The live statistics object (see :mod:`wdscache.shared.stats` for its fields)."""
-        cache, index = self.cache, self.cache.index
-        by_state = _shard_counts(cache, self.downloads, self.prefetches, self._readers_want())
-        waited = self.opens.shards.waited_for_by(self.readers.job_of)
-        agent_view = {
-            "workers": self.workers.view(),
-            **_waits(waited, self.downloads),
-            "retrying": self.downloads.retrying(waited),
-            "need_bytes": self.readers.need(self.opens.held)[0],
-            "disk": self.downloads.disk(),
-        }
-        state = {"bytes_limit": cache.limit, "shards": by_state, "agent": agent_view}
-        readers = self.readers.view(lambda job: starved_by(state, job) or "latency")
-        return build(
-            cache_dir=str(self.layout.root),
-            summary={
-                "counts": by_state,
-                "bytes_used": index.summary.bytes_used,
-                "table_bytes": index.summary.table_bytes,
-                "failed": index.summary.failed,
-            },
-            counters=index.counters(),
-            bytes_limit=cache.limit,
-            download_rate=self.downloads.rate(),
-            agent={
-                "pid": os.getpid(),
-                "uptime_s": round(time.monotonic() - self._started_mono, 1),
-                "endpoint": self.endpoint,
-                "answering": True,  # (stats shows an agent that gives no reply in time with False)
-                "consumers": readers["consumers"],
-                "bytes_reserved": cache.reserved,
-                "urls": len(self.readers.urls),
-                "job_lists": readers["job_lists"],
-                "pinned": sum(1 for n in cache.pins.values() if n > 0),
-                **agent_view,
-                "worker_restarts": self.pool.restarts,
-                **self.opens.view(),
-                "waiting_for_space": self.downloads.space_waits(waited),
-            },
-            jobs=readers["jobs"],
-            ended_jobs=readers["ended_jobs"],
-            rank_totals=readers["rank_totals"],
-        )
+        return _live_stats(self)
+
+
+def _live_stats(agent: Agent) -> dict[str, Any]:
+    """``agent``'s live statistics object (see :mod:`wdscache.shared.stats` for its fields)."""
+    cache, index = agent.cache, agent.cache.index
+    by_state = _shard_counts(cache, agent.downloads, agent.prefetches, agent._readers_want())
+    waited = agent.opens.shards.waited_for_by(agent.readers.job_of)
+    agent_view = {
+        "workers": agent.workers.view(),
+        **_waits(waited, agent.downloads),
+        "retrying": agent.downloads.retrying(waited),
+        "need_bytes": agent.readers.need(agent.opens.held)[0],
+        "disk": agent.downloads.disk(),
+    }
+    state = {"bytes_limit": cache.limit, "shards": by_state, "agent": agent_view}
+    readers = agent.readers.view(lambda job: starved_by(state, job) or "latency")
+    return build(
+        cache_dir=str(agent.layout.root),
+        summary={
+            "counts": by_state,
+            "bytes_used": index.summary.bytes_used,
+            "table_bytes": index.summary.table_bytes,
+            "failed": index.summary.failed,
+        },
+        counters=index.counters(),
+        bytes_limit=cache.limit,
+        download_rate=agent.downloads.rate(),
+        agent={
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - agent._started_mono, 1),
+            "endpoint": agent.endpoint,
+            "answering": True,  # (stats shows an agent that gives no reply in time with False)
+            "consumers": readers["consumers"],
+            "bytes_reserved": cache.reserved,
+            "urls": len(agent.readers.urls),
+            "job_lists": readers["job_lists"],
+            "pinned": sum(1 for n in cache.pins.values() if n > 0),
+            **agent_view,
+            "worker_restarts": agent.pool.restarts,
+            **agent.opens.view(),
+            "waiting_for_space": agent.downloads.space_waits(waited),
+        },
+        jobs=readers["jobs"],
+        ended_jobs=readers["ended_jobs"],
+        rank_totals=readers["rank_totals"],
+    )
+
+
+def _publish_state(path: Path, state: dict[str, Any], starting: bool) -> None:
+    """Write agent.json: synced once started; while ``starting`` a step is only shown, not synced
+    (a short file after a power loss is no state), and one that cannot be written (a full disk)
+    holds up no start, which fails where it must, saying why."""
+    if not starting:
+        write_atomic(path, json.dumps(state).encode())
+        return
+    try:
+        write_atomic(path, json.dumps(state).encode(), durable=False)
+    except OSError as exc:
+        log.debug("could not say the start's step in %s: %s", path, exc.strerror)
 
 
 class _PrivateUse:

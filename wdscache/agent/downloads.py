@@ -39,7 +39,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
@@ -83,12 +82,51 @@ class DiskShort(enum.Enum):
     MIN_FREE = "min_free"  # a shard a reader waits for waits for space: less than --min-free is free
 
 
-@dataclass(frozen=True)
-class DiskPause:
-    """No download starts until ``until`` (``time.monotonic()``): the file system refused ``error``."""
+class DiskRoom:
+    """The cache's file system as downloads meet it: a write it refused (of a shard, or of the
+    index) starts no download for ``DISK_FULL_PAUSE`` after it; stats say so (:meth:`view`)."""
 
-    until: float
-    error: str
+    def __init__(self, cache: ShardCache, shards: Shards) -> None:
+        self._cache, self._shards = cache, shards
+        self._until = 0.0  # time.monotonic() of the pause's end
+        self._error = ""  # the write refused last
+
+    def pause(self, error: str) -> None:
+        """Start no download for a while: the file system refused ``error``."""
+        self._until, self._error = time.monotonic() + DISK_FULL_PAUSE, error
+
+    @property
+    def paused(self) -> bool:
+        return time.monotonic() < self._until
+
+    def waits(self, waited_for: Collection[str]) -> list[dict[str, str]]:
+        """While paused, the shards readers wait for (``waited_for``) that no download has yet, each with why."""
+        if not self.paused:
+            return []
+        reason = (
+            f"waiting for space: the file system refused a write ({self._error}); no download starts until it has room"
+        )
+        return [{"url": url, "reason": reason} for url in waited_for if self._shards.slot(url) is None]
+
+    def view(self) -> dict[str, Any]:
+        """Its free bytes, ``--min-free``, and whether downloads wait for it (``short``, a
+        :class:`DiskShort` value, and ``error``: the write it refused, or why the shard waited for
+        waits for space), else ``short`` null."""
+        short: DiskShort | None = None
+        error: str | None = None
+        if self.paused:
+            short, error = DiskShort.FULL, self._error
+        else:
+            for slot in self._shards.slots():
+                if slot.download.demanded and slot.space.kind == "min-free":
+                    short, error = DiskShort.MIN_FREE, slot.space.reason
+                    break
+        return {
+            "free_bytes": self._cache.fs_free(),
+            "min_free": self._cache.min_free,
+            "short": None if short is None else short.value,
+            "error": error,
+        }
 
 
 class Downloads:
@@ -111,7 +149,7 @@ class Downloads:
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._grants = Grants(cache)  # budget asked for and not granted yet
-        self._pause: DiskPause | None = None  # the last pause for a full disk (over once its time passed)
+        self._disk = DiskRoom(cache, shards)
         # Downloads cancelled to break a growth deadlock (Grants.gave_way): until another download
         # ends, neither they nor any download no reader waits for start, so that the space they let
         # go of goes to the downloads left, not straight back to them or to a newcomer.
@@ -181,35 +219,11 @@ class Downloads:
             for slot in self._shards.slots()
             if slot.space.reason is not None
         ]
-        pause = self._pause if self.paused else None
-        if pause is not None:
-            reason = (
-                f"waiting for space: the file system refused a write ({pause.error}); "
-                "no download starts until it has room"
-            )
-            waits += [{"url": url, "reason": reason} for url in waited_for if self._shards.slot(url) is None]
-        return waits
+        return waits + self._disk.waits(waited_for)
 
     def disk(self) -> dict[str, Any]:
-        """The cache's file system as stats show it: its free bytes, ``--min-free``, and whether
-        downloads wait for it (``short``, a :class:`DiskShort` value, and ``error``: the write it
-        refused, or why the shard waited for waits for space), else ``short`` null."""
-        short: DiskShort | None = None
-        error: str | None = None
-        pause = self._pause if self.paused else None
-        if pause is not None:
-            short, error = DiskShort.FULL, pause.error
-        else:
-            for slot in self._shards.slots():
-                if slot.download.demanded and slot.space.kind == "min-free":
-                    short, error = DiskShort.MIN_FREE, slot.space.reason
-                    break
-        return {
-            "free_bytes": self._cache.fs_free(),
-            "min_free": self._cache.min_free,
-            "short": None if short is None else short.value,
-            "error": error,
-        }
+        """The cache's file system as stats show it (:meth:`DiskRoom.view`)."""
+        return self._disk.view()
 
     def retrying(self, waited_for: Mapping[str, Collection[str]]) -> list[dict[str, Any]]:
         """The downloads whose last attempt failed, retried after a backoff: each with that failure,
@@ -237,13 +251,12 @@ class Downloads:
             d.demanded = True
 
     def pause(self, error: str) -> None:
-        """Start no download for a while: the file system refused ``error`` (a write of a shard, or
-        of the index: the disk is full)."""
-        self._pause = DiskPause(time.monotonic() + DISK_FULL_PAUSE, error)
+        """Start no download for a while: the file system refused ``error`` (the disk is full)."""
+        self._disk.pause(error)
 
     @property
     def paused(self) -> bool:
-        return self._pause is not None and time.monotonic() < self._pause.until
+        return self._disk.paused
 
     def rate(self) -> float:
         """Bytes a second downloaded over the last ``RATE_WINDOW`` seconds, up to now; 0 once no
