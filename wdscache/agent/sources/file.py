@@ -25,6 +25,7 @@ from .base import CHUNK, Replaced, Source, SourceResponse
 # system that keeps whole seconds (FAT keeps two) shows it in the times it gives.
 FINE_TICK_NS = 100_000_000
 COARSE_TICK_NS = 2_000_000_000
+CHECK_EVERY = 4 << 20  # bytes read between two looks at the file's stat
 
 
 class FileSource(Source):
@@ -87,17 +88,23 @@ def _settled(url: str, f: BinaryIO, st: os.stat_result, cancel: threading.Event 
 
 def _chunks(f: BinaryIO, start: int, opened: os.stat_result) -> Iterator[bytes]:
     """The file's bytes from ``start`` to the size it had when opened. Its stat is taken again
-    after each read, before that read's bytes are given: a write() changes the file's times before
-    its bytes land, so the bytes given were all of the version opened (:func:`_settled` makes even
-    a write within the tick of the file's last change show)."""
+    after each run of reads (:data:`CHECK_EVERY` bytes), before that run's bytes are given: a
+    write() changes the file's times before its bytes land, so the bytes given were all of the
+    version opened (:func:`_settled` makes even a write within the tick of the file's last change
+    show). A stat a run, not a read: on a network file system each may ask its server."""
     at, total = start, opened.st_size
     while at < total:
-        chunk = f.read(min(CHUNK, total - at))
+        run: list[bytes] = []
+        end = min(total, at + CHECK_EVERY)
+        got = at
+        while got < end and (chunk := f.read(min(CHUNK, end - got))):
+            run.append(chunk)
+            got += len(chunk)
         _check_unchanged(f, opened, at)
-        if not chunk:  # shorter, its stat the same: a network file system's stale attributes
+        if not run:  # shorter, its stat the same: a network file system's stale attributes
             raise Replaced(f"{f.name} ended at byte {at} of {total} while it was copied", backoff=True)
-        at += len(chunk)
-        yield chunk
+        at = got
+        yield from run
 
 
 def _check_unchanged(f: BinaryIO, opened: os.stat_result, at: int | None) -> None:
