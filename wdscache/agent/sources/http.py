@@ -33,8 +33,9 @@ PERMANENT_STATUS = {400, 401, 403, 404, 405, 410, 451}
 GONE_STATUS = {404, 410}  # a final "no such object" (a 403 may be an expired signature of an object still there)
 RETRY_STATUS = {408, 425, 429, 500, 502, 503, 504}
 RETRY_AFTER_MAX = 600.0  # seconds: a longer Retry-After is held to this
-# Asked of every request: a server that negotiates an encoding would otherwise describe the encoded
-# body to a HEAD (its size and ETag), not the bytes a download gets.
+# Asked of every request: a server that negotiates an encoding would otherwise describe an encoded
+# body to a HEAD (its size and ETag) and send the GET the bytes as stored. (One that encodes whatever
+# is asked sends both the same body: the agent keeps it as sent, and gunzips a gzip'd tar itself.)
 _IDENTITY = {"Accept-Encoding": "identity"}
 # Redirects that cannot be followed, however often asked: a loop (more than the session's
 # max_redirects), or to a URL of another scheme or none.
@@ -94,9 +95,6 @@ class HttpSource(Source):
         length = r.headers.get("Content-Length", "")
         if not r.ok:
             return Unknown(_answer(r))
-        encoding = r.headers.get("Content-Encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):  # the size and validator of an encoded body, not of the shard's bytes
-            return Unknown(f"{_answer(r)} with Content-Encoding {encoding!r}")
         if not length.isdigit():
             return Unknown(f"{_answer(r)} without a Content-Length")
         return Fetched(int(length), _version(r.headers).validator, last_modified=r.headers.get("Last-Modified"))
@@ -120,6 +118,8 @@ class HttpSource(Source):
                 cancel,
             )
         except UNFOLLOWED as exc:  # no other attempt can get further: the server sends every one there
+            if isinstance(exc, requests.exceptions.InvalidProxyURL) or "SOCKS" in str(exc):
+                raise  # (the same errors of a proxy's setting: retried, as any error of a connection)
             raise FetchError(
                 url,
                 f"{type(exc).__name__}: {short(exc)}: check the URL and where its server redirects it",
