@@ -10,6 +10,7 @@ Real agents through the CLI, against a real local server that accepts connection
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import socket
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers.agents import wdscache_exe
 from tests.helpers.waits import wait_for
 from wdscache.shared.errors import AgentUnavailableError
 
@@ -162,3 +164,23 @@ def test_a_hang_up_stops_the_agent_cleanly(tmp_path, dataset, start_agent):
     logged = agent.stderr_text()
     assert "stopping" in logged and logged.rstrip().endswith("stopped"), logged
     assert not (cache / "agent.json").exists() and not (cache / "agent.sock").exists()
+
+
+def _ignores_hang_up(pid: int) -> bool:
+    """Whether process ``pid`` ignores SIGHUP (its bit in /proc's SigIgn mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    ignored = int(re.search(r"^SigIgn:\s*([0-9a-f]+)$", status, re.MULTILINE).group(1), 16)
+    return bool(ignored >> (signal.SIGHUP - 1) & 1)
+
+
+def test_an_agent_started_under_nohup_outlives_a_hang_up(tmp_path, dataset, start_agent):
+    """nohup ignores SIGHUP so that the agent outlives the session that started it: the agent
+    leaves it ignored (a hang-up stops only an agent whose session may end it)."""
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, dataset(1).list_file, exe=["nohup", wdscache_exe()])
+    assert _ignores_hang_up(agent.pid)
+    os.kill(agent.pid, signal.SIGHUP)
+    agent.stats()  # (a round trip of the agent's loop since the hang-up)
+    assert agent.running() and "stopping" not in agent.stderr_text(), agent.stderr_tail()
+    plain = start_agent(tmp_path / "other", dataset(1, list_name="other.txt").list_file)
+    assert not _ignores_hang_up(plain.pid)

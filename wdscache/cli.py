@@ -312,10 +312,13 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
             os._exit(128 + signum)  # the second signal: no more cleanup
         agent.stop()
 
-    # A hang-up (the SSH session of an agent in its foreground closed) stops it as cleanly, not
-    # at once by default: no agent.json or socket left behind, partial files kept.
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    # A hang-up (the SSH session of an agent in its foreground closed) stops it as cleanly, not at
+    # once by default: no agent.json or socket left behind, partial files kept. Under nohup (the
+    # hang-up ignored) it is ignored still: the agent was meant to outlive the session.
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, on_signal)
     try:
         agent.run()
     except WdsCacheError as exc:
