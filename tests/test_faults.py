@@ -936,7 +936,7 @@ def test_a_rank_starved_by_a_full_disk_is_told_so_and_its_epoch_completes_once_t
         # The text and the metrics are asked later: the disk must still be the verdict then (a turn of
         # the agent's loop may fall between a pause's end and the next refused write).
         where = rf"the file system of {re.escape(str(cache))} has (\d+ bytes|[\d.]+[KM]) free"
-        fix = ": free space on it, or lower --min-free or --cache-size$"
+        fix = r": free space on it, or lower (--cache-size and raise --min-free \(the agent then keeps room free\)|--min-free)$"
 
         def told(args: tuple[str, ...], *patterns: str) -> str | None:
             out = run_cli("stats", "--cache-dir", cache, *args).stdout

@@ -86,13 +86,13 @@ def test_each_verdict_names_its_cause_and_what_to_do():
     assert line(waiting=0.5, demanded=1, queued=2, demanded_queued=1, retrying=(error,), disk=full) == (
         "starved by the disk: the file system of /scratch/wdscache has 0 bytes free and refused a write "
         "(cannot write the index: disk is full): no download starts until it has room: "
-        "free space on it, or lower --min-free or --cache-size"
+        "free space on it, or lower --cache-size and raise --min-free (the agent then keeps room free)"
     )
     low = {**full, "free_bytes": 5 << 20, "short": "min_free", "error": "waiting for space: ..."}
     assert line(waiting=0.5, demanded=1, disk=low) == (
         "starved by the disk: the file system of /scratch/wdscache has 5.0M free, less than --min-free 8.0M "
         "(and room for the index): the shards readers wait for wait for space: "
-        "free space on it, or lower --min-free or --cache-size"
+        "free space on it, or lower --min-free"
     )
     assert line(waiting=0.5, need=2048, demanded=1, disk=full).startswith("starved by the budget")
     assert line(waiting=0.5, busy=0.9, disk=full).startswith("starved by workers")  # it waits for no shard

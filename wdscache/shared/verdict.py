@@ -92,13 +92,14 @@ def disk_short(stats: dict[str, Any]) -> str | None:
         f"the file system of {stats.get('cache_dir')} has {format_size(free) if free >= 1024 else f'{free} bytes'} free"
     )
     if short == "full":
-        state = f"{where} and refused a write ({disk.get('error')}): no download starts until it has room"
-    else:
-        state = (
-            f"{where}, less than --min-free {format_size(disk.get('min_free', 0))} (and room for the index): "
-            "the shards readers wait for wait for space"
+        return (
+            f"{where} and refused a write ({disk.get('error')}): no download starts until it has room: "
+            "free space on it, or lower --cache-size and raise --min-free (the agent then keeps room free)"
         )
-    return f"{state}: free space on it, or lower --min-free or --cache-size"
+    return (
+        f"{where}, less than --min-free {format_size(disk.get('min_free', 0))} (and room for the index): "
+        "the shards readers wait for wait for space: free space on it, or lower --min-free"
+    )
 
 
 def _queued_waits(stats: dict[str, Any], job: str | None) -> int:
