@@ -133,3 +133,14 @@ def test_a_file_that_is_not_a_socket_at_the_endpoint_is_refused_and_kept(dataset
     assert r.returncode == 2, r.stderr
     assert f"wdscache: error: cannot listen on {endpoint}: a file that is not a socket is there" in r.stderr, r.stderr
     assert kept.read_text() == "mine\n"
+
+
+def test_an_abstract_socket_endpoint_is_refused_naming_it(dataset, run_cli, tmp_path):
+    # Python's bind() would make a file "@NAME" in the folder the agent runs in, which ZeroMQ's
+    # clients never look at (they connect to the abstract name): an agent nobody reaches.
+    endpoint = "ipc://@wdscache-test"
+    r = run_cli(
+        "agent", "--cache-dir", tmp_path / "cache", "--urls", dataset(1).list_file, "--endpoint", endpoint, timeout=30
+    )
+    assert r.returncode == 2, r.stderr
+    assert f"cannot listen on {endpoint}: an abstract socket (ipc://@NAME) is not supported" in r.stderr, r.stderr

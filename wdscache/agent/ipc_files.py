@@ -124,6 +124,8 @@ def refuse_taken(endpoint: str, *, role: str = "", advice: str = "choose another
     path = ipc_path(endpoint)
     assert path is not None, endpoint
     where = f"cannot listen on {redact_urls(endpoint)}{role}"
+    if path.startswith("@"):  # ZeroMQ's abstract namespace, where no file is: bind(2) would make "./@NAME"
+        raise ConfigError(f"{where}: an abstract socket (ipc://@NAME) is not supported: give ipc:// a file's path")
     try:
         found = probe(path)
     except OSError as exc:  # a folder on the way that is not one, or that we may not search; a path too long

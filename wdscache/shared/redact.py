@@ -74,9 +74,10 @@ MASK = "***"
 # so that a tag is the same for a name while the process runs and tells nothing of its secret.
 _TAG_KEY = secrets.token_bytes(16)
 # A scheme, then the user info up to its last "@" before the host ends ("/", "?", "#" or a space).
+# (An empty one is no secret: "ipc://@NAME", ZeroMQ's abstract socket, stays as it is.)
 # "'" and ";" are legal in user info and query values (RFC 3986 sub-delims), so they end neither;
 # '"', "<" and ">" are not legal in a URL and end one quoted in a text (JSON, HTML).
-_USER_INFO = re.compile(r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]*@")
+_USER_INFO = re.compile(r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#\"<>]+@")
 # A password written with a "/", "?" or "#" as it is (which a list refuses, but a text may quote):
 # a "port" that is no number, then everything up to the last "@" before the URL ends (a space, '"',
 # "<" or ">"; _URL_END); only where the user info is not whole before the host ("(?!...@)": then
