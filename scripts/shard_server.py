@@ -204,6 +204,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 headers["Last-Modified"] = last_modified
             if owner.etags:
                 headers["ETag"] = etag
+            if owner.encoding:
+                headers["Content-Encoding"] = owner.encoding
             if owner.gzip and "gzip" in (self.headers.get("Accept-Encoding") or ""):
                 body = gzip.compress(f.read(), mtime=0)
                 headers.update({"Content-Encoding": "gzip", "ETag": f'"{len(body):x}-gz"'})
@@ -425,7 +427,9 @@ class ShardServer:
     ends where the server closes the connection, as HTTP/1.0 servers and some proxies send
     it. ``gzip=True`` answers a client whose Accept-Encoding names gzip with the whole file gzip'd
     (``Content-Encoding: gzip``, the compressed size and an ETag of its own, no Range), as a server
-    that negotiates compression does. All of them may be changed while the server runs.  Use as a context manager,
+    that negotiates compression does; ``encoding="gzip"`` labels every file's answer ``Content-Encoding:
+    gzip`` whatever was asked, as a server told that ``.gz`` files are gzip-encoded does (Apache's
+    AddEncoding; an object stored with that metadata). All of them may be changed while the server runs.  Use as a context manager,
     or call :meth:`start` and :meth:`stop`.  After a stop, :meth:`start` binds
     the same port again, which lets tests simulate an outage.
     """
@@ -442,6 +446,7 @@ class ShardServer:
         if_range: bool = True,
         lengths: bool = True,
         gzip: bool = False,
+        encoding: str | None = None,
     ) -> None:
         self.root = Path(root).resolve()
         self.rate = rate
@@ -452,6 +457,7 @@ class ShardServer:
         self.if_range = if_range
         self.lengths = lengths
         self.gzip = gzip
+        self.encoding = encoding
         self._lock = threading.Lock()
         self._faults: dict[str, collections.deque[_Fault]] = {}
         self._requests: list[Request] = []

@@ -275,6 +275,22 @@ def test_a_restart_keeps_a_gzip_shard_it_cached(tmp_path, shard_server, start_ag
     assert "changed on the server" not in agent.stderr_text()
 
 
+def test_a_gzip_shard_its_server_labels_gzip_encoded_is_checked_and_fetched_again_once_changed(
+    tmp_path, shard_server, start_agent
+):
+    """A server that sends ``Content-Encoding: gzip`` with a .tar.gz whatever is asked: its HEAD
+    describes the body the GET gets (kept as sent, gunzipped by the agent), so a restarted agent
+    checks its copy by it, and serves the new version once the file changed."""
+    shard_server.encoding = "gzip"
+    path, url, cache, lists = cached_and_stopped(tmp_path, shard_server, start_agent, "label-000000.tar.gz")
+    make_shard(path, synth_samples(0, 12, payload=5000, seed=7), gzip=True)
+    agent = start_agent(cache, lists)
+    with ShardClient(cache, timeout=20) as client:
+        assert client.open(url).read_bytes() == gunzipped(path)
+        client.release(url)
+    assert "changed on the server" in agent.stderr_text(), agent.stderr_tail()
+
+
 def cached_and_stopped(tmp_path: Path, shard_server: Any, start_agent: Any, name: str) -> tuple[Path, str, Path, Path]:
     """A gzip'd shard ``name`` of 10 samples, cached by an agent that then stopped: its source
     file, URL, cache directory and URL list."""
