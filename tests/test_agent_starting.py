@@ -184,3 +184,14 @@ def test_an_agent_started_under_nohup_outlives_a_hang_up(tmp_path, dataset, star
     assert agent.running() and "stopping" not in agent.stderr_text(), agent.stderr_tail()
     plain = start_agent(tmp_path / "other", dataset(1, list_name="other.txt").list_file)
     assert not _ignores_hang_up(plain.pid)
+
+
+def test_a_start_on_pipe_sources_asks_them_no_size_and_warns_of_none(tmp_path, dataset, start_agent):
+    # A pipe's command cannot tell a size: not asked, it is not a source that failed to answer.
+    ds = dataset(2)
+    lists = tmp_path / "pipes" / "urls.txt"
+    lists.parent.mkdir()
+    lists.write_text("".join(f"pipe:cat {p}\n" for p in ds.paths))
+    agent = start_agent(tmp_path / "cache", lists, "--allow-pipe")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the pipes' shards cached")
+    assert "sizes not known" not in agent.stderr_text() and "asking the sources" not in agent.stderr_text()

@@ -172,6 +172,11 @@ class Fetcher:
         source = self._sources.get(scheme)
         return source.probe(url) if source is not None else Unknown(f"cannot fetch scheme {scheme!r}")
 
+    def describes(self, url: str) -> bool:
+        """Whether :meth:`describe` may tell ``url``'s size (not for a ``pipe:`` command)."""
+        source = self._sources.get(urlsplit(url).scheme)
+        return source is not None and source.describes
+
     def fetch(self, d: Download) -> Fetched:
         """Fetch ``d.url`` into ``d.final``. Raises FetchError or Cancelled.
 

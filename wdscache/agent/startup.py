@@ -268,7 +268,7 @@ def _probe_sizes(
     stat), all asked at once (a start waits for the slowest answer, not for the sum of them), for
     at most an answer's time and until ``stop`` is set (see the module's guarantees)."""
     known = {u: rec.size for u in urls if (rec := cache.index.get(u)) is not None and rec.size}
-    ask = [u for u in urls if u not in known]
+    ask = [u for u in urls if u not in known and fetcher.describes(u)]  # (a pipe's command tells none: not asked)
     if ask:
         doing(StartStep.SIZES)
         known.update(_ask_sizes(fetcher, ask, len(urls), stop))

@@ -81,6 +81,7 @@ class Source:
     clients) is its own, made on first use and closed by :meth:`close_thread`."""
 
     parts = False  # whether a shard may come as several ranged parts at once
+    describes = False  # whether probe() can tell an object's size (a pipe's command cannot)
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings

@@ -29,6 +29,8 @@ CHECK_EVERY = 4 << 20  # bytes read between two looks at the file's stat
 
 
 class FileSource(Source):
+    describes = True
+
     def probe(self, url: str) -> Fetched | Gone | Unknown:
         path = _path(url)
         try:

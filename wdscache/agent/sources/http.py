@@ -49,6 +49,7 @@ UNFOLLOWED = (
 
 class HttpSource(Source):
     parts = True
+    describes = True
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)

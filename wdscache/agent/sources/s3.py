@@ -17,6 +17,7 @@ from .base import CHUNK, Replaced, Source, SourceResponse, Unsatisfiable
 
 class S3Source(Source):
     parts = True
+    describes = True
 
     def _client(self, url: str) -> s3.S3Client:
         # Like a requests session: one per thread, made in the thread that uses it.
