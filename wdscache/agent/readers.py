@@ -454,7 +454,13 @@ class Readers:
         return {"ok": True} if record is not None else {"ok": False, "error": "unknown reader; say hello first"}
 
     def op_ping(self, request: Request) -> Reply:
-        return {"ok": True, "known": request.header.get("reader") in self._readers}
+        """A sign of life; one with a report's fields (a ``ShardListDataset`` session's, which
+        has no report thread) is its consumer's report too, so stats show it reading."""
+        figures = numbers(request.header, REPORT_FIELDS)  # checked first: a malformed ping changes nothing
+        record = self._readers.get(request.header["reader"])
+        if figures and record is not None and record.consumer is not None:
+            self._record(record, figures)
+        return {"ok": True, "known": record is not None}
 
     def op_bye(self, request: Request) -> Reply:
         """A reader leaves. A consumer's bye carries its report's fields, so that the totals it

@@ -200,6 +200,11 @@ class _PingRequired(TypedDict):
 
 class PingMessage(_PingRequired, total=False):
     said_hello: bool
+    # a ShardListDataset session's progress, for stats (as a report's: see Requests.ping)
+    samples: int
+    bytes: int
+    rate: float
+    wait_s: float
 
 
 class PingReply(TypedDict, total=False):
@@ -633,10 +638,28 @@ class Requests:
             m["said_hello"] = True
         return m
 
-    def ping(self) -> PingMessage:
+    def ping(
+        self,
+        *,
+        samples: int | None = None,
+        bytes: int | None = None,
+        rate: float | None = None,
+        wait_s: float | None = None,
+    ) -> PingMessage:
+        """A sign of life. A ``ShardListDataset`` session's (it has no report thread; it pings
+        about once a second while it reads) carries its totals so far and its rate, which the
+        agent takes as a report for stats."""
         m: PingMessage = {"op": "ping", "reader": self.reader}
         if self.said_hello:
             m["said_hello"] = True
+        if samples is not None:
+            m["samples"] = samples
+        if bytes is not None:
+            m["bytes"] = bytes
+        if rate is not None:
+            m["rate"] = rate
+        if wait_s is not None:
+            m["wait_s"] = wait_s
         return m
 
     def bye(

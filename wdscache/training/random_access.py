@@ -28,8 +28,11 @@ Guarantees:
   again, and a replaced one is refused (and its table fetched again).
 - A process waiting for a download holds no other pin meanwhile, so processes cannot fill the
   budget with pins while each waits for room for another shard.
-- A process that reads only the shards it holds says it is there every ``PING_EVERY`` (and
-  while it waits for a worker's table), so the agent keeps its pins. One that reads nothing
+- A process that reads says it is there every ``PING_EVERY`` (and while it waits for a
+  worker's table), so the agent keeps its pins; the ping carries its samples, bytes, rate and
+  time waiting to pin shards so far, as a stream's report does (its bye its totals), so the
+  agent's stats show it reading, as rank 0 of job ``random-access/<dataset name>``, and count
+  its samples. One that reads nothing
   keeps up to ``lru_size`` shards pinned, until the agent drops it: after ``--reader-timeout``,
   or sooner while another reader (a stream, another process's session) waits for room that
   pins hold, once it has said nothing for the agent's ``IDLE_LET_GO`` (5 s; a session has no
@@ -656,7 +659,14 @@ class _Session:
         self.seen: set[int] = set()  # shards opened once: downloaded, not worth a place in the window
         self.links: WorkerLinks | None = None
         self.hello: dict[str, Any] = {}
-        self.contact = 0.0  # when we last had a word with the agent (see _still_known)
+        self.contact = 0.0  # when we last said hello or pinged (see _still_known)
+        # For the agent's stats, carried by our pings (we have no report thread) and our bye:
+        # the samples this session read, their payload bytes, the seconds its reads waited to
+        # pin a shard (a download, room, the shard's table); and when we last pinged and our
+        # samples then (our rate is of the samples since).
+        self.samples = self.bytes = 0
+        self.wait_s = 0.0
+        self.pinged_at, self.pinged_samples = time.monotonic(), 0
         try:
             self._say_hello()
         except BaseException:
@@ -712,9 +722,10 @@ class _Session:
         self._say_hello()
 
     def _still_known(self) -> None:
-        """A ping after ``PING_EVERY`` without a word to the agent: it keeps our pins, or finds
-        that the agent dropped us as silent and let them go (their shards may be evicted, whose
-        space must come back): then as after a restart."""
+        """A ping ``PING_EVERY`` after the last (or our hello), whatever requests came between:
+        stats take it for our report, due about every second while we read. It keeps our pins,
+        or finds that the agent dropped us as silent and let them go (their shards may be
+        evicted, whose space must come back): then as after a restart."""
         if not self._ping():
             self._agent_restarted()
 
@@ -729,10 +740,15 @@ class _Session:
     def _ping(self) -> bool:
         """Whether the agent still knows us. Waited for ``PING_EVERY`` at most: an agent that does
         not answer is taken to (the files we hold stay right to read whether it answers or not; a
-        read of another shard finds out)."""
-        self.contact = time.monotonic()
+        read of another shard finds out). The ping carries our figures, as a stream's report
+        does: the agent shows us reading, not silent, and counts our samples."""
+        now = self.contact = time.monotonic()
+        samples, since = self.samples, now - self.pinged_at
+        rate = (samples - self.pinged_samples) / since if since > 0 else 0.0
+        self.pinged_at, self.pinged_samples = now, samples
+        ping = self.requests.ping(samples=samples, bytes=self.bytes, rate=round(rate, 1), wait_s=round(self.wait_s, 3))
         try:
-            return self.conn.request(self.requests.ping(), timeout=PING_EVERY).get("known") is not False
+            return self.conn.request(ping, timeout=PING_EVERY).get("known") is not False
         except AgentUnavailableError:
             return True
 
@@ -744,7 +760,11 @@ class _Session:
             self._still_known()
         held = self.pinned.get(shard)
         if held is None:
-            held = self._pin(shard)
+            started = time.monotonic()
+            try:
+                held = self._pin(shard)
+            finally:
+                self.wait_s += time.monotonic() - started
         elif shard != self.last:
             self.pinned.move_to_end(shard)
         self.last = shard
@@ -761,13 +781,18 @@ class _Session:
         k = table.at[inner]
         start, size = places[k], places[k + 1]
         sample: dict[str, Any] = {}  # filled by a loop: a comprehension costs a call more
+        payload = 0  # the fields' bytes, counted for stats as a stream counts them
         if size <= ONE_READ:  # one read of the span, tar headers and all, sliced
             data = os.pread(fd, size, start)
             if len(data) == size:
                 for name in table.names[inner]:
                     k += 2
-                    sample[name] = BytesIO(data[places[k] : places[k + 1]])
+                    a, b = places[k], places[k + 1]
+                    sample[name] = BytesIO(data[a:b])
+                    payload += b - a
                 sample["__key__"] = table.keys[inner]
+                self.samples += 1
+                self.bytes += payload
                 return sample
         else:  # a read per field: each byte copied once
             for name in table.names[inner]:
@@ -777,8 +802,11 @@ class _Session:
                 if len(data) != b - a:
                     break
                 sample[name] = BytesIO(data)
+                payload += b - a
             else:
                 sample["__key__"] = table.keys[inner]
+                self.samples += 1
+                self.bytes += payload
                 return sample
         # Cut short behind the agent's back: never served; open it (and walk its table) again.
         self._let_go(shard)
@@ -808,7 +836,6 @@ class _Session:
                 probe=self.requests.status(url),
                 every=min(STATUS_EVERY, self.ds.timeout / 4),
             )
-        self.contact = time.monotonic()
         if not reply.get("ok"):
             raise failed_shard(url, reply, permanent=True)
         self.seen.add(shard)
@@ -852,7 +879,6 @@ class _Session:
             self.last = -1
         os.close(held.fd)  # before the agent may evict it: its space comes back
         self.conn.request(self.requests.release(self.urls[shard]))
-        self.contact = time.monotonic()
         self._keep_table(shard, held.table)
 
     def _keep_table(self, shard: int, table: _Table) -> None:
@@ -916,7 +942,8 @@ class _Session:
     def close(self) -> None:
         _close_files(self.pinned)
         try:
-            self.conn.request(self.requests.bye(), timeout=BYE_TIMEOUT)
+            bye = self.requests.bye(samples=self.samples, bytes=self.bytes, wait_s=round(self.wait_s, 3))
+            self.conn.request(bye, timeout=BYE_TIMEOUT)
         except WdsCacheError:
             pass
         finally:
