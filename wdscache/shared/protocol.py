@@ -512,9 +512,10 @@ MESSAGES: tuple[Message, ...] = (
         "ping",
         "consumer",
         "agent",
-        {"reader": "str", **_GREETED},
+        {"reader": "str", "samples": "int?", "bytes": "int?", "rate": "number?", "wait_s": "number?", **_GREETED},
         {**_ERROR, **_FORGOTTEN, "known": "bool?"},
-        about="is the agent there, and does it know the reader (not dropped as silent)",
+        about="is the agent there, and does it know the reader (not dropped as silent); a random-access "
+        "session's carries its progress, as a report does",
     ),
     Message(
         "bye",
