@@ -14,7 +14,9 @@ import re
 import pytest
 import webdataset as wds
 
+from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, ShardClient
+from wdscache.agent.churn_log import LOUD, WINDOW, Churn, ChurnLog
 from wdscache.shared.client import AgentConnection
 from wdscache.shared.logs import JsonFormatter, TextFormatter, event, get_logger, iso_time
 from wdscache.shared.messages import Requests
@@ -218,3 +220,73 @@ def test_an_agent_that_cannot_start_says_why_in_one_json_record(tmp_path, datase
         assert done.returncode == 2, done.stderr
         (record,) = (json.loads(line) for line in done.stderr.splitlines())
         assert record["level"] == "ERROR" and "--prefetch" in record["message"] and "abc" in record["message"], record
+
+
+@pytest.mark.slow
+def test_a_thrashing_cache_logs_a_few_lines_a_minute_and_a_summary_that_counts_them_all(
+    tmp_path, dataset, start_agent, consumers
+):
+    # A shuffled job whose buffer spans 8 shards of 130K, on a budget of 3: shards still in the
+    # buffer are evicted and downloaded again, hundreds a minute. Each was an INFO line, a pair a
+    # shard (~500 lines a minute in a soak), burying the rest of the log.
+    data = dataset(8, samples=12, payload=8000)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, data.list_file, "--cache-size", "420K", "--prefetch", "2", "--log-format", "json")
+    job = consumers(cache, "thrash", "--epochs", "100000", "--timeout", "60")
+
+    def info(kind: str) -> list[dict]:
+        return [e for e in _events(agent.stderr_text()) if e["event"] == kind and e["level"] == "INFO"]
+
+    def made_room() -> list[dict]:
+        return [e for e in info("evicted") if e["why"] == "evicted to make room for a shard readers need"]
+
+    started = agent.wait_stats(lambda s: s["redownloads"] > 3 * LOUD, 60, "the cache thrashing")
+    # Well into the first minute: a few lines of each kind, the rest at DEBUG (-v shows them).
+    assert len(info("redownloaded")) == LOUD and len(made_room()) == LOUD, (started, agent.stderr_tail())
+    quiet = [e for e in _events(agent.stderr_text()) if e["event"] == "redownloaded" and e["level"] == "DEBUG"]
+    assert quiet, agent.stderr_tail()
+    # At the minute's end, one INFO line counts them all, with what the readers need and the budget.
+    wait_for(lambda: info("churn"), WINDOW + 30, lambda: f"no summary after a minute\n{agent.stderr_tail()}")
+    job.kill()
+    # No download left in flight: the counts are final.
+    final = agent.wait_stats(lambda s: s["shards"]["downloading"] == s["shards"]["queued"] == 0, 30, "downloads over")
+    assert agent.stop() == 0
+    summaries = info("churn")
+    first = summaries[0]
+    assert first["message"].startswith("the cache thrashes: "), first
+    assert first["budget"] == 420 * 1024 and first["need"] > first["budget"], first
+    assert first["redownloaded"] > LOUD and first["quiet_redownloaded"] == first["redownloaded"] - LOUD, first
+    assert first["quiet_evicted"] == first["evicted"] - LOUD, first
+    assert WINDOW <= first["seconds"] < WINDOW + 10, first
+    assert f"{first['redownloaded']} shard(s) downloaded again and {first['evicted']} evicted" in first["message"]
+    # Each window has at most LOUD lines of a kind (the last one, cut short by the stop, is
+    # summarised only if some of its lines went to DEBUG).
+    assert len(info("redownloaded")) <= LOUD * (len(summaries) + 1), summaries
+    assert len(made_room()) <= LOUD * (len(summaries) + 1), summaries
+    # The INFO lines and the summaries' quiet counts add up to every re-download stats counted.
+    quiet_total = sum(e["quiet_redownloaded"] for e in summaries)
+    assert len(info("redownloaded")) + quiet_total == final["redownloads"], (summaries, final["redownloads"])
+
+
+def test_churn_lines_past_a_few_a_minute_go_to_debug_and_a_quiet_minute_is_not_summarised(caplog):
+    now = [0.0]
+    churn = ChurnLog(clock=lambda: now[0])
+    caplog.set_level(logging.DEBUG, logger="wdscache")
+    # A few a minute: every one at INFO, no summary.
+    assert [churn.level(Churn.REDOWNLOADED) for _ in range(LOUD)] == [logging.INFO] * LOUD
+    now[0] = WINDOW
+    churn.tick(lambda: 0, 1000)
+    assert not [r for r in caplog.records if r.name == "wdscache.agent.churn_log"], caplog.text
+    # The next minute starts at its first event: past LOUD of a kind, DEBUG; the other kind keeps its own count.
+    levels = [churn.level(Churn.EVICTED) for _ in range(LOUD + 2)]
+    assert levels == [logging.INFO] * LOUD + [logging.DEBUG] * 2
+    assert churn.level(Churn.REDOWNLOADED) == logging.INFO
+    now[0] = 2 * WINDOW - 1
+    churn.tick(lambda: 0, 1000)  # not a minute since that first event
+    assert not [r for r in caplog.records if r.name == "wdscache.agent.churn_log"], caplog.text
+    churn.tick(lambda: 5000, 1000, last=True)  # the stop: the minute under way, cut short
+    [summary] = [r for r in caplog.records if r.name == "wdscache.agent.churn_log"]
+    assert summary.getMessage() == (
+        "the cache thrashes: 1 shard(s) downloaded again and 12 evicted to make room for a shard readers need "
+        "in the last 59 s (0 and 2 of those lines at DEBUG); readers need 4.9K at once, --cache-size 1000"
+    ), summary.getMessage()

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -64,6 +65,7 @@ from ..shared.layout import CacheLayout
 from ..shared.logs import event, get_logger, iso_time
 from ..shared.redact import redact_urls
 from . import recovery
+from .churn_log import Churn, ChurnLog
 from .parts import remove_side_files, side_bytes
 from .recovery import size_or_none
 from .shard_download import Download
@@ -113,6 +115,7 @@ class ShardCache:
         self._freeing = Freeing()
         self.tables = TableFiles(self)
         self.watcher: ShardWatcher | None = None
+        self.churn = ChurnLog()  # the level of each eviction to make room, a flood when the budget thrashes
 
     # -- queries ----------------------------------------------------------
 
@@ -369,6 +372,7 @@ class ShardCache:
                 prefetched=prefetched,
                 spare_prefetched=spare_prefetched,
                 why="evicted to make room for a shard readers need",
+                churn=True,
             ):
                 self.refusal = _why_refused(self, d, extra, need >= margin_need, free, wanted)
                 return False
@@ -408,12 +412,14 @@ class ShardCache:
         spare: str | None = None,
         prefetched: Collection[str] = (),
         spare_prefetched: bool = False,
+        churn: bool = False,
     ) -> bool:
         """Free ``nbytes`` of cached shards if possible (all or nothing); True on success.
 
         Outside the windows of ``wanted``, the least recently read go first, and shards
         ``prefetched`` (held by a prefetch) after every other, or never with ``spare_prefetched``.
-        ``why`` is told to the watcher for each shard removed."""
+        ``why`` is told to the watcher for each shard removed; ``churn``: room made for a download,
+        logged as :class:`~.churn_log.ChurnLog` decides."""
         window = set(wanted)
         candidates = [
             r
@@ -444,11 +450,12 @@ class ShardCache:
         if freed < nbytes:
             return False
         for rec in chosen:
-            self.remove(rec.url, why)
+            self.remove(rec.url, why, churn=churn)
         return True
 
-    def remove(self, url: str, why: str) -> None:
-        """Evict one shard (``why``, for the watcher): mark it EVICTING, delete the file, drop the record."""
+    def remove(self, url: str, why: str, *, churn: bool = False) -> None:
+        """Evict one shard (``why``, for the watcher): mark it EVICTING, delete the file, drop the
+        record. ``churn``: room made for a download, logged at the level :attr:`churn` says."""
         rec = self.index.get(url)
         if rec is None:
             return
@@ -464,6 +471,7 @@ class ShardCache:
             bytes=rec.size,
             last_read=iso_time(rec.last_read),
             why=why,
+            level=self.churn.level(Churn.EVICTED) if churn else logging.INFO,
         )
         self.put(ShardRecord(url, ShardState.EVICTING, size=rec.size))
         self.layout.shard_path(url).unlink(missing_ok=True)

@@ -293,6 +293,7 @@ class Agent:
         except IndexWriteError as exc:
             log.warning("could not record the last downloads: %s", exc)
         self.downloads.abandon_all(keep_partial=self.readers.known)  # resumed from when wanted again
+        self._churn_summary(last=True)  # before the readers go: it names what they need
         self.fetcher.close_thread()
         self._list_file.join(2.0)
         self.readers.close()
@@ -375,6 +376,12 @@ class Agent:
         if now - self._last_flush > FLUSH_EVERY:
             self._last_flush = now
             self.cache.flush()
+        self._churn_summary()
+
+    def _churn_summary(self, last: bool = False) -> None:
+        """The summary of a minute's re-downloads and evictions to make room, when past a few
+        they went to DEBUG (:class:`~.churn_log.ChurnLog`); ``last``: at the stop, however short the minute."""
+        self.cache.churn.tick(lambda: self.readers.need(self.opens.held)[0], self.cache.limit, last=last)
 
     def _index_full(self, exc: IndexWriteError) -> None:
         """The index could not be written: pause downloads and free disk space without it."""

@@ -47,6 +47,7 @@ from ..shared.index import ShardRecord, ShardState
 from ..shared.logs import event, get_logger
 from ..shared.shard_index import ShardInfo, file_facts
 from .cache import ShardCache
+from .churn_log import Churn
 from .events import (
     BudgetAsked,
     DownloadCancelled,
@@ -440,6 +441,7 @@ class Downloads:
                 format_size(fetched.size),
                 url=d.url,
                 bytes=fetched.size,
+                level=self._cache.churn.level(Churn.REDOWNLOADED),
             )
         else:
             event(log, "cached", "cached %s (%s)", d.url, format_size(fetched.size), url=d.url, bytes=fetched.size)
