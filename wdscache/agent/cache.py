@@ -420,7 +420,6 @@ class ShardCache:
         ``prefetched`` (held by a prefetch) after every other, or never with ``spare_prefetched``.
         ``why`` is told to the watcher for each shard removed; ``churn``: room made for a download,
         logged as :class:`~.churn_log.ChurnLog` decides."""
-        window = set(wanted)
         candidates = [
             r
             for r in self.index.records.values()
@@ -429,25 +428,8 @@ class ShardCache:
             and r.url != spare
             and not (spare_prefetched and r.url in prefetched)
         ]
-        outside = sorted(
-            (r for r in candidates if r.url not in window), key=lambda r: (r.url in prefetched, r.last_read)
-        )
-        chosen: list[ShardRecord] = []
-        freed = 0
-        for rec in outside:
-            if freed >= nbytes:
-                break
-            chosen.append(rec)
-            freed += rec.disk_bytes
-        if freed < nbytes and allow_window:
-            rank = {u: i for i, u in enumerate(wanted)}
-            inside = sorted((r for r in candidates if r.url in window), key=lambda r: -rank[r.url])
-            for rec in inside:
-                if freed >= nbytes:
-                    break
-                chosen.append(rec)
-                freed += rec.disk_bytes
-        if freed < nbytes:
+        chosen = _victims(candidates, nbytes, wanted, allow_window, prefetched)
+        if chosen is None:
             return False
         for rec in chosen:
             self.remove(rec.url, why, churn=churn)
@@ -551,6 +533,31 @@ class ShardCache:
         except IndexWriteError as exc:
             log.warning("last counters and read times not saved: %s", exc)
         self.index.close()
+
+
+def _victims(
+    candidates: list[ShardRecord], nbytes: int, wanted: Sequence[str], allow_window: bool, prefetched: Collection[str]
+) -> list[ShardRecord] | None:
+    """The ``candidates`` (evictable records) to evict to free ``nbytes``, in order, or None when
+    they cannot: outside the windows of ``wanted`` first, the least recently read first and those
+    ``prefetched`` last; then, with ``allow_window``, inside them, the latest wanted first."""
+    window = set(wanted)
+    outside = sorted((r for r in candidates if r.url not in window), key=lambda r: (r.url in prefetched, r.last_read))
+    chosen: list[ShardRecord] = []
+    freed = 0
+    for rec in outside:
+        if freed >= nbytes:
+            break
+        chosen.append(rec)
+        freed += rec.disk_bytes
+    if freed < nbytes and allow_window:
+        rank = {u: i for i, u in enumerate(wanted)}
+        for rec in sorted((r for r in candidates if r.url in window), key=lambda r: -rank[r.url]):
+            if freed >= nbytes:
+                break
+            chosen.append(rec)
+            freed += rec.disk_bytes
+    return chosen if freed >= nbytes else None
 
 
 def _why_refused(
