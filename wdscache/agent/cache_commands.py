@@ -99,12 +99,9 @@ def _agent(layout: CacheLayout, *, flush: bool = False, needed: bool = True) -> 
     a WdsCacheError says so at once; without, None."""
     state = layout.agent_state()
     runs = None if state is None else layout.agent_holds_lock(state["pid"])
-    starting = layout.starting_agent()
+    starting = layout.starting_note()
     if starting is not None and needed:  # (it holds the lock: nothing can be done without it either)
-        raise WdsCacheError(
-            f"the agent (pid {starting['pid']}) on {layout.root} is still starting ({starting['starting']}): "
-            "try again once it answers (see 'wdscache stats')"
-        )
+        raise WdsCacheError(f"{starting}: try again once it answers (see 'wdscache stats')")
     conn = None
     if runs is not False and starting is None:  # (no reply would come from a dead or starting agent's socket)
         conn = agent_connection(layout, ANSWER_TIMEOUT if runs else CONNECT_TIMEOUT)

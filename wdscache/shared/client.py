@@ -387,15 +387,10 @@ class AgentConnection:
         the agent of our cache directory is (not to be started again), else :attr:`hint`."""
         if self._cache_dir is None:
             return self.hint
-        layout = CacheLayout.of(self._cache_dir)
-        state = layout.starting_agent()
-        if state is None:
+        note = CacheLayout.of(self._cache_dir).starting_note()
+        if note is None:
             return self.hint
-        return (
-            f"the agent (pid {state['pid']}) on {layout.root} is still starting ({state['starting']}, for "
-            f"{max(0.0, time.time() - state['started']):.0f}s); it answers once started: wait for it (see "
-            "'wdscache stats'), or give a longer timeout"
-        )
+        return f"{note}; it answers once started: wait for it (see 'wdscache stats'), or give a longer timeout"
 
     def worker_key(self, index: int) -> str | None:
         """The key of worker ``index`` of the agent run proved last (None before): requests and

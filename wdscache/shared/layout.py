@@ -47,6 +47,7 @@ import re
 import secrets
 import shutil
 import stat
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -339,6 +340,17 @@ class CacheLayout:
         if state is None or not isinstance(state.get("starting"), str):
             return None
         return state if self.agent_holds_lock(state["pid"]) else None
+
+    def starting_note(self) -> str | None:
+        """``the agent (pid N) on DIR is still starting (what it does, for Ns)``, while one starts
+        (:meth:`starting_agent`); None when none does. (Who finds it silent says what to do.)"""
+        state = self.starting_agent()
+        if state is None:
+            return None
+        since = max(0.0, time.time() - state["started"])
+        return (
+            f"the agent (pid {state['pid']}) on {self.root} is still starting ({state['starting']}, for {since:.0f}s)"
+        )
 
     def is_cache(self) -> bool:
         """True when this directory holds a wdscache index."""

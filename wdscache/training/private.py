@@ -178,11 +178,9 @@ def _answer_of_running(layout: CacheLayout, deadline: float) -> dict[str, Any] |
         return None
     while (answered := _serving(layout, 0.5)) is None:
         if time.monotonic() > deadline:
-            starting = layout.starting_agent()
-            doing = "runs" if starting is None else f"is still starting ({starting['starting']})"
+            who = layout.starting_note() or f"the agent (pid {state['pid']}) on {layout.root} runs"
             raise WdsCacheError(
-                f"the agent (pid {state['pid']}) on {layout.root} {doing} but did not answer within the loader's "
-                "timeout; try again, or give the loader a longer timeout="
+                f"{who} but did not answer within the loader's timeout; try again, or give the loader a longer timeout="
             )
         if not layout.agent_holds_lock(state["pid"]):
             return None  # it stopped meanwhile
