@@ -135,6 +135,7 @@ def test_an_agent_asking_silent_sources_for_sizes_shows_as_starting_and_a_loader
     assert not (cache / "agent.json").exists()
 
 
+@pytest.mark.slow  # (about 3 s: kept out of the default suite's 5 minutes)
 def test_sizes_a_start_could_not_get_are_warned_about_naming_a_url_redacted(tmp_path, silent_source, start_agent):
     list_file, urls = _list_of(tmp_path, silent_source, 2, query="?sig=SECRET")
     # Each HEAD times out after --read-timeout (1 s), well before the start-up's bound (10 s more).
@@ -173,6 +174,7 @@ def _ignores_hang_up(pid: int) -> bool:
     return bool(ignored >> (signal.SIGHUP - 1) & 1)
 
 
+@pytest.mark.slow  # (about 3 s: kept out of the default suite's 5 minutes)
 def test_an_agent_started_under_nohup_outlives_a_hang_up(tmp_path, dataset, start_agent):
     """nohup ignores SIGHUP so that the agent outlives the session that started it: the agent
     leaves it ignored (a hang-up stops only an agent whose session may end it)."""

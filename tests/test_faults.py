@@ -389,6 +389,7 @@ def test_a_redirect_loop_fails_its_shard_at_once_saying_what_to_check(shard_serv
     assert "no progress" not in str(raised.value)  # the shard's own error, not the loader's timeout
 
 
+@pytest.mark.slow  # (about 3 s: kept out of the default suite's 5 minutes)
 def test_a_server_that_negotiates_gzip_describes_the_shards_bytes_to_a_restarted_agent(
     shard_server, dataset, start_agent, tmp_path
 ):
