@@ -52,6 +52,25 @@ def test_a_prefetch_without_an_agent_asks_a_source_that_lacks_a_shard_once(tmp_p
 
 
 @pytest.mark.slow
+def test_ls_without_an_agent_shows_an_interrupted_download_as_partial_and_with_one_as_downloading(
+    tmp_path, dataset, shard_server, start_agent, run_cli
+):
+    # A download stopped midway keeps its partial copy for the next start to resume: with no
+    # agent running nothing downloads it, and ls says what is there.
+    data = dataset(1, samples=20, payload=20_000)  # ~400 KB at 100 KB/s: the stop comes mid-body
+    cache = tmp_path / "cache"
+    partial = CacheLayout.of(cache).partial_path(data.urls[0])
+    shard_server.rate = 100_000
+    agent = start_agent(cache, data.list_file)
+    wait_for(lambda: partial.exists() and partial.stat().st_size > 0, 30, agent.stderr_tail, interval=0.02)
+    assert _ls(run_cli, cache)[data.urls[0]]["state"] == "downloading"
+    assert agent.stop() == 0
+    assert partial.exists() and partial.stat().st_size < data.paths[0].stat().st_size
+    assert _ls(run_cli, cache)[data.urls[0]]["state"] == "partial"
+    assert run_cli("ls", "--cache-dir", cache).stdout.splitlines()[1].split()[0] == "partial"
+
+
+@pytest.mark.slow
 def test_commands_on_a_cache_no_agent_serves(tmp_path, dataset, shard_server, run_cli):
     data = dataset(3, samples=4, payload=300)
     cache = tmp_path / "cache"

@@ -181,6 +181,11 @@ def _run_time_mark(sample: dict[str, Any]) -> tuple[str, str | None]:
     return sample["__key__"], _SET_AT_RUN_TIME
 
 
+def _dies(sample: dict[str, Any]) -> None:
+    """A map function whose process dies (as one killed for memory): its item never comes back."""
+    os._exit(9)
+
+
 def _keys_collate(batch: list[dict[str, Any]]) -> tuple[str, ...]:
     return tuple(s["__key__"] for s in batch)
 
@@ -413,6 +418,20 @@ def test_map_workers_start_fresh_not_as_forks_of_the_training_process(tmp_path, 
     with pytest.raises(TypeError, match=r"map=<function .*<lambda>.* picklable callable"):
         loader(cache, "lambda", map=lambda sample: sample, workers=2)
     assert len(list(loader(cache, "inline", map=lambda sample: sample, workers=0))) == 6  # in this process
+
+
+@pytest.mark.slow
+def test_a_map_worker_that_dies_ends_the_epoch_with_an_error_naming_map(tmp_path, dataset, start_agent, monkeypatch):
+    # multiprocessing.Pool replaces a dead process but loses its item: waited for with a bound,
+    # the user is told what happened and where, not left with a bare multiprocessing.TimeoutError.
+    from wdscache.training import loader as loader_module
+
+    data = dataset(1, samples=2, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file)
+    monkeypatch.setattr(loader_module, "MAP_TIMEOUT", 2.0)
+    with pytest.raises(TimeoutError, match=r"^map=<function _dies .*> gave no result for an item within 2 s: .*died"):
+        list(loader(cache, "dies", shuffle=False, map=_dies, workers=1))
 
 
 def test_tuning_knobs_are_one_record_and_keywords_still_work(tmp_path):

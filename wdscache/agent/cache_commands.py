@@ -152,21 +152,28 @@ def list_shards(cache_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every shard the index knows: {url, state, size, source_size (a gzip'd source's size; None:
     cached as it came), last_read (ISO 8601 or None), reads, samples (None: never counted),
     error (of a failed one)}, by URL. A running agent first writes the read times it holds in
-    memory to the index, so a shard read a moment ago shows as read."""
+    memory to the index, so a shard read a moment ago shows as read. With no agent running, a
+    shard whose download was interrupted (its partial copy kept, resumed at the next start)
+    shows as ``partial``, not ``downloading``."""
     layout = _layout(cache_dir)
     with _agent(layout, flush=True, needed=False):
         pass
-    return _listed(layout)
+    state = layout.agent_state()
+    return _listed(layout, downloads_run=state is not None and layout.agent_holds_lock(state["pid"]) is not False)
 
 
-def _listed(layout: CacheLayout) -> list[dict[str, Any]]:
-    """:func:`list_shards` as the index holds them now."""
+PARTIAL = "partial"  # (ls's state of a download interrupted with its partial copy kept, while no agent runs)
+
+
+def _listed(layout: CacheLayout, *, downloads_run: bool = True) -> list[dict[str, Any]]:
+    """:func:`list_shards` as the index holds them now (``downloads_run``: an agent may be
+    downloading the shards the index has as downloading)."""
     index = read_index(layout.index_dir, read_only=_read_only(layout))
     try:
         return [
             {
                 "url": r.url,
-                "state": r.state.value,
+                "state": r.state.value if downloads_run or r.state is not ShardState.DOWNLOADING else PARTIAL,
                 "size": r.size,
                 "source_size": r.source_size,
                 "last_read": iso_time(r.last_read),

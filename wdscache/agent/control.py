@@ -17,7 +17,8 @@ Guarantees:
   it is never passed on to workers.
 - Every reply to a message with the key carries this run's proof of the message's id;
   a refusal carries none (its id is the sender's choice).
-- A peer that sends more than ``MAX_MESSAGE`` bytes is disconnected; one that does
+- A peer that sends a frame of more than ``MAX_HEADER`` bytes (no message part may be larger than
+  a header can be) is disconnected; one that does
   not read its replies loses them rather than blocking the agent.
 - An ``ipc://`` socket file is created 0600 where no process listens (a stale one is replaced, a live
   one refused), and removed on close if it is still the one bound (:mod:`wdscache.agent.ipc_files`).
@@ -34,14 +35,13 @@ import zmq
 
 from ..shared.errors import ConfigError, ProtocolError
 from ..shared.logs import get_logger
-from ..shared.protocol import PROTOCOL, Proofs, agent_key, client_key, pack, proof, same_secret, unpack
+from ..shared.protocol import MAX_HEADER, PROTOCOL, Proofs, agent_key, client_key, pack, proof, same_secret, unpack
 from ..shared.redact import redact_urls
 from .ipc_files import BoundFile, ipc_path
 from .ipc_files import bind as bind_ipc
 
 log = get_logger(__name__)
 
-MAX_MESSAGE = 1 << 20
 MAX_BATCH = 1000  # messages taken per turn, so a flood cannot starve the rest of the loop
 REFUSED = (
     "refused: this agent serves only clients that hold the token in its cache directory "
@@ -80,7 +80,7 @@ class ControlSocket:
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)  # a peer sending more is disconnected
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER)  # a peer sending more is disconnected
         sock.setsockopt(zmq.SNDHWM, 10_000)
         self._file: BoundFile | None = None
         try:

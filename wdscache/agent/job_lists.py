@@ -5,7 +5,7 @@ Guarantees (main loop only; :class:`~wdscache.agent.readers.Readers` owns one):
 
 - Lists are bounded: those kept hold at most ``MAX_JOB_LIST_BYTES`` of URLs together (one list
   longer than that is kept alone), and ``MAX_UPLOADS`` are being uploaded, each of at most
-  ``MAX_JOB_URLS``; a list nobody reads is freed after ``LIST_GRACE`` (or at once when a new list
+  ``DEFAULT_LIMIT``; a list nobody reads is freed after ``LIST_GRACE`` (or at once when a new list
   needs its room). A hello whose list finds no room yet is refused with ``retry``: its client asks
   again (within its timeout), its upload kept meanwhile, until a job ends. An upload that gets
   no page (nor hello) for ``idle`` seconds (the agent's ``--reader-timeout``: its consumer died
@@ -32,14 +32,13 @@ from ..shared.protocol import field as get_field
 from ..shared.protocol import strings
 from ..shared.redact import redact_urls
 from ..shared.shard_index import ShardInfo
-from ..shared.urls import UrlList, given_list, index_list
+from ..shared.urls import DEFAULT_LIMIT, UrlList, given_list, index_list
 from .control import Reply
 
 # The URLs (their text) of the lists kept together: about 800,000 of 80 characters, some 80 MB
 # as held (:class:`~wdscache.shared.urls.Urls`): a few hundred jobs of lists of thousands of shards.
 MAX_JOB_LIST_BYTES = 64 << 20
 MAX_UPLOADS = 16  # lists being uploaded at once (their pages are held as Python strings until the hello)
-MAX_JOB_URLS = 10_000_000
 LIST_GRACE = 10.0  # seconds a list nobody reads is kept: the next epoch (or len()) need not send it again
 
 
@@ -112,8 +111,8 @@ class JobLists:
         got, known = upload.urls, upload.facts
         if offset != len(got):
             return f"list page at {offset} does not follow the {len(got)} URLs received"
-        if len(got) + len(page) > MAX_JOB_URLS:
-            return f"a job's list may hold at most {MAX_JOB_URLS} URLs"
+        if len(got) + len(page) > DEFAULT_LIMIT:
+            return f"a job's list may hold at most {DEFAULT_LIMIT} URLs"
         if (known is None) != (facts is None) or (
             facts is not None and not (isinstance(facts, list) and len(facts) == len(page))
         ):

@@ -63,7 +63,7 @@ __all__ = [
     "whitespace_problem",
 ]
 
-DEFAULT_LIMIT = 10_000_000
+DEFAULT_LIMIT = 10_000_000  # URLs a list may hold: the agent's, a job's own, an index's
 _HASHED = 1 << 20  # characters of a list's text encoded at once to fingerprint it
 TEXT_SOURCE = "<urls>"
 """The ``path`` shown in errors for a list that did not come from a file."""

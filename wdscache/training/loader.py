@@ -92,6 +92,7 @@ from .stream import EpochStream, Session, StreamSettings
 from .urls_arg import UrlsArg, given_names, pipe_refusal, pipe_urls, taken_once
 from .worker_slices import WorkerSlice
 
+MAP_TIMEOUT = 600.0  # seconds for one item of map=: a pool process killed (OOM) never answers
 TORCH_LOADER = "TorchCachedMultiLoader"  # the name of the loader's class in a process that uses torch
 # Loaders made in this process, by job: a loader's number among its job's. The ranks of a job make
 # theirs in the same order, so the agent compares the lists of the ranks' loaders of one number
@@ -748,12 +749,25 @@ def _mapped(items: Iterator[Any], fn: Callable[[Any], Any], workers: int) -> Ite
         for item in items:
             ahead.append(pool.apply_async(fn, (item,)))
             if len(ahead) >= 4 * workers:
-                yield ahead.popleft().get(timeout=600)
+                yield _result(ahead.popleft(), fn)
         while ahead:
-            yield ahead.popleft().get(timeout=600)
+            yield _result(ahead.popleft(), fn)
     finally:
         pool.terminate()
         pool.join()
+
+
+def _result(pending: Any, fn: Callable[[Any], Any]) -> Any:
+    """``pending``'s result (an ``AsyncResult`` of the ``map=`` pool), or TimeoutError naming ``map=``."""
+    import multiprocessing
+
+    try:
+        return pending.get(timeout=MAP_TIMEOUT)
+    except multiprocessing.TimeoutError:
+        raise TimeoutError(
+            f"map={fn!r} gave no result for an item within {MAP_TIMEOUT:.0f} s: one of its worker processes "
+            "may have died (killed for memory?) or the function hangs; run it with workers=0 to see"
+        ) from None
 
 
 def _torch_loader() -> type[CachedMultiLoader]:
