@@ -4,9 +4,11 @@ validators without ETags, pipe: reservations under a small budget, Retry-After o
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -183,6 +185,28 @@ def test_retry_after_on_a_size_probe_holds_the_next_request(tmp_path, shard_serv
     log = [r for r in shard_server.requests if r.path == name]
     assert [(r.method, r.status) for r in log][:2] == [("HEAD", 503), ("GET", 206)], log
     assert log[1].at - log[0].at >= 2.0, log
+
+
+def test_a_head_held_by_a_retry_after_is_not_sent_and_knows_nothing_at_once(shard_server, dataset):
+    """A revalidation's HEAD (a download slot, and maybe a reader's open, wait on it) to a URL a
+    Retry-After holds is not sent: it knows nothing now (the cached copy is served), rather than
+    an answer once the hold is over (up to 600 s, deaf to the agent's stop)."""
+    from wdscache.agent.fetch import Fetcher
+    from wdscache.agent.shard_download import Unknown
+
+    data = dataset(1, samples=3, payload=1000)
+    name = data.paths[0].name
+    shard_server.fail(name, "status", status=503, retry_after=30, times=2)
+    fetcher = Fetcher()
+    assert fetcher.describe(data.urls[0]) == Unknown("HTTP 503 Service Unavailable")
+    t = time.monotonic()
+    held = fetcher.describe(data.urls[0])
+    took = time.monotonic() - t
+    assert isinstance(held, Unknown) and took < 5.0, (held, took)
+    m = re.fullmatch(r"not asked: its source's Retry-After holds it (\d+\.\d)s more", held.reason)
+    assert m is not None and 20.0 < float(m[1]) <= 30.0, held.reason
+    assert [(r.method, r.status) for r in shard_server.requests] == [("HEAD", 503)], shard_server.requests
+    assert shard_server.pending_faults(name) == ["status"]
 
 
 @pytest.mark.slow

@@ -2,10 +2,11 @@
 
 A resume sends ``If-Range`` with the version its bytes came with. A 429 or 503 with
 ``Retry-After`` (on a GET or a HEAD) holds every next request to that URL, from any
-thread, until the time it names. An answer's head (of a GET or a HEAD) not whole within the
-read timeout of its request (not only no read that long), or a GET's once its download is
-cancelled, ends the request (:mod:`.http_head`): a GET's attempt fails (TimeoutError: retried as a
-read timeout is), a HEAD knows no size.
+thread, until the time it names: a GET waits for it (or its download's cancel), a HEAD
+(:meth:`HttpSource.probe`) is not sent and knows nothing, at once. An answer's head (of a
+GET or a HEAD) not whole within the read timeout of its request (not only no read that
+long), or a GET's once its download is cancelled, ends the request (:mod:`.http_head`): a
+GET's attempt fails (TimeoutError: retried as a read timeout is), a HEAD knows no size.
 """
 
 from __future__ import annotations
@@ -53,9 +54,10 @@ class HttpSource(Source):
 
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
+        # Both changed by every download thread: guarded by _lock.
         self._not_before: dict[str, float] = {}  # url -> monotonic time a Retry-After holds it until
-        self._not_before_lock = threading.Lock()
         self._answered: set[str] = set()  # hosts (scheme://netloc) that answered a request
+        self._lock = threading.Lock()
 
     def _session(self) -> requests.Session:
         # Created lazily in the thread that uses it: sessions are not shared.
@@ -75,11 +77,17 @@ class HttpSource(Source):
             self._local.session = None
 
     def answered(self, url: str) -> bool:
-        return _host(url) in self._answered
+        with self._lock:
+            return _host(url) in self._answered
 
     def probe(self, url: str) -> Fetched | Gone | Unknown:
+        """What ``url`` is now, by HEAD. Never waits for a Retry-After: its callers (a revalidation,
+        which holds a download slot and maybe a reader's open; the start-up's size checks) do
+        better with no answer now (the cached copy served, the size unknown) than with one later."""
+        held = self._held_for(url)
+        if held > 0:
+            return Unknown(f"not asked: its source's Retry-After holds it {held:.1f}s more")
         try:
-            self._wait_turn(url)
             session = self._session()
             r = send_watched(
                 lambda: session.head(url, headers=_IDENTITY, timeout=self.settings.timeout, allow_redirects=True),
@@ -88,7 +96,7 @@ class HttpSource(Source):
             )
         except (OSError, requests.RequestException) as exc:
             return Unknown(f"{type(exc).__name__}: {short(exc)}")
-        self._answered.add(_host(url))
+        self._heard_from(url)
         if r.status_code in RETRY_STATUS:
             self._hold(url, _retry_after(r.headers.get("Retry-After")))
         if r.status_code in GONE_STATUS:
@@ -127,7 +135,7 @@ class HttpSource(Source):
                 permanent=True,
             ) from None
         with answer as r:
-            self._answered.add(_host(url))
+            self._heard_from(url)
             status = r.status_code
             if status in GONE_STATUS:
                 raise FetchError(url, f"{_answer(r)}: the source does not have it", status=status, permanent=True)
@@ -154,20 +162,31 @@ class HttpSource(Source):
             else:
                 raise Unexpected(f"unexpected {_answer(r)}", status)
 
+    def _heard_from(self, url: str) -> None:
+        with self._lock:
+            self._answered.add(_host(url))
+
     def _hold(self, url: str, delay: float | None) -> None:
         """A Retry-After of ``delay`` seconds: no request to ``url`` before then."""
         if delay:
-            with self._not_before_lock:
+            with self._lock:
                 until = time.monotonic() + delay
                 self._not_before[url] = max(until, self._not_before.get(url, 0.0))
 
-    def _wait_turn(self, url: str, cancel: threading.Event | None = None) -> None:
-        """Wait until a Retry-After that ``url`` gave has passed (raises Cancelled if cancelled)."""
-        with self._not_before_lock:
+    def _held_for(self, url: str) -> float:
+        """The seconds a Retry-After that ``url`` gave still holds it (0: none does)."""
+        with self._lock:
             delay = self._not_before.get(url, 0.0) - time.monotonic()
             if delay <= 0:
                 self._not_before.pop(url, None)
-                return
+                return 0.0
+            return delay
+
+    def _wait_turn(self, url: str, cancel: threading.Event | None) -> None:
+        """Wait until a Retry-After that ``url`` gave has passed (raises Cancelled if cancelled)."""
+        delay = self._held_for(url)
+        if delay <= 0:
+            return
         log.info("waiting %.1fs before asking %s again (Retry-After)", delay, url)
         if cancel is None:
             time.sleep(delay)
