@@ -1004,6 +1004,66 @@ def test_a_cache_directory_removed_under_the_agent_stops_it_with_a_line_saying_s
     assert "Traceback" not in err, err
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("removed", "named"),
+    [
+        (["agent.lock", "index", "shards", "token"], "agent.lock and index/cache.db in {cache} were"),
+        (["index"], "index/cache.db in {cache} was"),
+    ],
+    ids=["lock-index-shards-token", "index"],
+)
+def test_the_files_of_a_cache_directory_removed_under_the_agent_stop_it_with_a_line_saying_so(
+    shard_server, dataset, start_agent, tmp_path, removed, named
+):
+    """A cleaner of old files removes the files in the cache directory but not the directory (an
+    ``rm -rf`` that fails on one folder, systemd-tmpfiles): the lock file a new agent could lock
+    anew, the index's database a new agent would write. The agent stops within seconds, exit
+    status 1, with one line naming what went, not a traceback; a new agent then starts there."""
+    ds = dataset(3, samples=20, payload=50_000)
+    shard_server.rate = 200_000  # downloads still running when the files go
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file)
+    subprocess.run(["rm", "-rf", *(str(cache / name) for name in removed)], check=True, timeout=30)
+    try:
+        rc = agent.proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the agent kept running with its cache directory's files removed\n{agent.stderr_tail()}")
+    err = agent.stderr_text()
+    assert rc == 1, err
+    said = f"wdscache: error: {named.format(cache=cache)} removed or replaced while the agent ran on it: "
+    assert said + "the cache directory's files were removed under it" in err, err
+    assert "Traceback" not in err, err
+    again = start_agent(cache, ds.list_file)  # the directory is free again: a new cache there
+    assert again.stats()["agent"]["pid"] == again.pid
+
+
+@pytest.mark.slow
+def test_an_agent_started_where_the_running_agents_lock_file_was_removed_waits_for_it_to_stop(
+    shard_server, dataset, start_agent, tmp_path
+):
+    """A cleaner removed the lock file (and more) under a running agent, and a second agent starts
+    on the directory before the first has found so (it is held stopped here): the second locks a
+    new lock file, but waits for the first (which agent.json names) to stop before it takes the
+    cache, saying so; it serves once the first is gone."""
+    ds = dataset(3, samples=20, payload=50_000)
+    shard_server.rate = 200_000  # downloads still running when the files go
+    cache = tmp_path / "cache"
+    first = start_agent(cache, ds.list_file)
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        subprocess.run(["rm", "-rf", *(str(cache / n) for n in ("agent.lock", "index", "shards", "token"))], timeout=30)
+        second = start_agent(cache, ds.list_file, "--endpoint", f"ipc://{tmp_path}/second.sock", wait=False)
+        waiting = f"the agent (pid {first.pid}) on {cache} still runs though its lock file was removed under it"
+        wait_for(lambda: waiting in second.stderr_text(), 30, lambda: f"no wait said\n{second.stderr_tail()}")
+        assert second.running() and " serving " not in second.stderr_text(), second.stderr_tail()
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    assert first.proc.wait(30) == 1, first.stderr_tail()
+    assert "the cache directory's files were removed under it" in first.stderr_text(), first.stderr_tail()
+    assert second.wait_up()["agent"]["pid"] == second.pid
+
+
 def test_a_shard_client_used_again_after_close_lets_go_at_its_next_close(shard_server, dataset, start_agent, tmp_path):
     ds = dataset(2, samples=3, payload=100)
     cache = tmp_path / "cache"

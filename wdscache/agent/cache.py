@@ -40,7 +40,9 @@ Guarantees (the agent's main thread is the only caller; nothing here is thread-s
   that size).
 - The cache directory removed or replaced behind the agent's back (a cleaner of /tmp, say)
   is a :class:`~wdscache.shared.errors.NoCacheError` at the next look (:meth:`flush`, every
-  few seconds, or a look at its free space), which stops the agent with a line that says so.
+  few seconds, or a look at its free space), which stops the agent with a line that says so;
+  so are the files the agent holds in it removed or replaced while the directory stays (its lock
+  file, which another agent could then lock anew, or the index's database), at :meth:`flush`.
 - A shard's sample table file (:mod:`wdscache.agent.table_files`) is counted with its shard
   (``ShardRecord.table_size``) and removed with it, or as soon as the shard's record changes
   (a new download, a failure: :meth:`ShardCache.put`); when a reservation needs space, table
@@ -66,6 +68,7 @@ from ..shared.logs import event, get_logger, iso_time
 from ..shared.redact import redact_urls
 from . import recovery
 from .churn_log import Churn, ChurnLog
+from .lock import AgentLock
 from .parts import remove_side_files, side_bytes
 from .recovery import size_or_none
 from .shard_download import Download
@@ -94,17 +97,33 @@ class ShardWatcher(Protocol):
 
 # What a look at the cache directory's path gets once it was removed or replaced (on NFS too).
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ESTALE)
+INDEX_FILE = "cache.db"  # the index's SQLite database, in layout.index_dir
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file at ``path`` (device, inode), None when there is none."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
+    return (st.st_dev, st.st_ino)
 
 
 class ShardCache:
-    def __init__(self, layout: CacheLayout, *, limit: int, min_free: int) -> None:
+    def __init__(self, layout: CacheLayout, *, limit: int, min_free: int, lock: AgentLock | None = None) -> None:
+        """Open the cache of ``layout``; ``lock``: the directory's lock, held by this process (an
+        agent's), which :meth:`flush` finds still at its path."""
         self.layout = layout
         self.limit, self.min_free = limit, min_free
+        self._lock = lock
         for folder in (layout.shards_dir, layout.partial_dir, layout.tables_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
         root = os.stat(layout.root)
         self._root = (root.st_dev, root.st_ino)  # the directory opened (see flush)
         self.index, self.rebuilt = recovery.open_index(layout)
+        self._index_file = _identity(self._index_path)  # the database opened (see flush)
         for rec in self.index:
             recovery.rename_former(layout, rec.url)
         self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
@@ -159,11 +178,31 @@ class ShardCache:
             raise
         return (root.st_dev, root.st_ino) == self._root
 
-    def flush(self) -> None:
-        """Write the index's counters and read times, once the cache directory is found to be
-        the one opened: NoCacheError if it was removed or replaced."""
+    @property
+    def _index_path(self) -> Path:
+        return self.layout.index_dir / INDEX_FILE
+
+    def lost(self) -> NoCacheError | None:
+        """Why the cache directory is no longer the agent's, None while it is: the directory
+        removed or replaced, or (the directory staying) its lock file or the index's database,
+        each of which the agent holds open, no longer the file at its path (a cleaner of old files
+        removed them: another agent could lock a new lock file there, and write a new index)."""
+        root = str(self.layout.root)
         if not self.opened_dir:
-            raise NoCacheError(cache_dir=str(self.layout.root), removed=True)
+            return NoCacheError(cache_dir=root, removed=True)
+        files = []
+        if self._lock is not None and not self._lock.holds():
+            files.append(self.layout.lock_path.name)
+        if _identity(self._index_path) != self._index_file:
+            files.append(f"{self.layout.index_dir.name}/{INDEX_FILE}")
+        return NoCacheError(cache_dir=root, removed=True, files=files) if files else None
+
+    def flush(self) -> None:
+        """Write the index's counters and read times, once the cache directory and the files the
+        agent holds in it are found to be the ones opened: NoCacheError if not (:meth:`lost`)."""
+        lost = self.lost()
+        if lost is not None:
+            raise lost
         self.index.flush()
 
     # -- start-up ---------------------------------------------------------

@@ -292,7 +292,11 @@ class Agent:
             self._drain_events()  # a download that completed meanwhile is recorded, not orphaned
         except IndexWriteError as exc:
             log.warning("could not record the last downloads: %s", exc)
-        self.downloads.abandon_all(keep_partial=self.readers.known)  # resumed from when wanted again
+        # Once the cache directory or its files were removed or replaced under us, what is at their
+        # paths may be another agent's: no partial file is removed or kept there, nor agent.json removed.
+        ours = self.cache.lost() is None
+        if ours:
+            self.downloads.abandon_all(keep_partial=self.readers.known)  # resumed from when wanted again
         self._churn_summary(last=True)  # before the readers go: it names what they need
         self.fetcher.close_thread()
         self._list_file.join(2.0)
@@ -303,7 +307,7 @@ class Agent:
         if not self.downloads.threads_alive():  # else it could write to a descriptor number reused meanwhile
             self.mailbox.close()
         self.cache.close()
-        if self.cache.opened_dir:  # (else the state file there may be another agent's)
+        if ours:
             self.layout.state_path.unlink(missing_ok=True)
         self._lock.release()
         self._private.release()  # a loader waiting to use a private agent may now start a new one

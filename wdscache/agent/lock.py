@@ -8,6 +8,8 @@ file also holds the pid, to name the running agent in errors, and for ``wdscache
 tell whether the agent of agent.json runs (:meth:`CacheLayout.agent_holds_lock`). Stats takes
 a shared lock for a moment to look, so a start that finds the lock held tries again for
 :data:`LOOK_GRACE` before it says another agent runs.
+A cleaner of old files may remove the lock file under the running agent: :meth:`AgentLock.holds`
+tells (the agent stops once it finds so, :meth:`wdscache.agent.cache.ShardCache.lost`).
 Worker processes are fresh interpreters that inherit no descriptor of the
 agent's but their standard streams and ready pipe, never the lock's, so a
 lingering worker cannot keep the lock either.
@@ -15,6 +17,7 @@ lingering worker cannot keep the lock either.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -66,6 +69,11 @@ class AgentLock:
             ) from None
         self._fd = fd
 
+    def holds(self) -> bool:
+        """Whether the file at :attr:`path` is still the one this process holds locked: a cleaner
+        of old files that removed it lets another agent lock a new one there."""
+        return self._fd is not None and _same_file(self._fd, self.path)
+
     def release(self) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)
@@ -84,7 +92,9 @@ def _same_file(fd: int, path: Path) -> bool:
     """Whether ``fd`` is still the file at ``path``."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        return False
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ESTALE):  # (its directory gone too, on NFS too)
+            return False
+        raise
     held = os.fstat(fd)
     return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)

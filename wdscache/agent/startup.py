@@ -40,9 +40,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ..shared.config import AgentConfig, format_size, parse_size
-from ..shared.errors import ConfigError
+from ..shared.errors import AgentRunningError, ConfigError
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
+from ..shared.protocol import process_identity
 from ..shared.urls import UrlList
 from .cache import INDEX_HEADROOM, ShardCache
 from .control import ControlSocket
@@ -58,6 +59,10 @@ log = get_logger(__name__)
 
 PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
 LOOK_EVERY = 0.25  # seconds between looks at the stop flag while sizes are asked
+# Seconds a start waits for an agent still running on the directory whose lock file was removed
+# under it (it stops at its next look, within FLUSH_EVERY and its shutdown), and between looks.
+UNLOCKED_GRACE = 20.0
+UNLOCKED_LOOK = 0.05
 
 
 class StartStep(Enum):
@@ -133,6 +138,7 @@ def take_cache_dir(
     with contextlib.ExitStack() as undo:
         lock.acquire()
         undo.callback(lock.release)
+        _await_unlocked_agent(layout, stop)
         # Undone with the lock still held, after everything below: a directory that was
         # empty is left empty (and one this start made, gone).
         undo.callback(layout.undo_start, before, made)
@@ -155,7 +161,7 @@ def take_cache_dir(
         undo.callback(pool.stop)
         urls = _wait_list(listed, stop)
         doing(StartStep.CACHE)
-        cache = _open_cache(layout, cfg, urls, fetcher, stop, doing)
+        cache = _open_cache(layout, lock, cfg, urls, fetcher, stop, doing)
         undo.callback(cache.close)
         mailbox = Mailbox()
         undo.callback(mailbox.close)
@@ -166,8 +172,36 @@ def take_cache_dir(
     return Taken(urls, root, pool, cache, mailbox, socket, metrics)
 
 
+def _await_unlocked_agent(layout: CacheLayout, stop: threading.Event) -> None:
+    """Wait for the agent agent.json names to be gone, should it still run here though we hold the
+    lock: a cleaner of old files removed its lock file (we locked a new one), and it stops once it
+    finds so (at its next flush, every few seconds: :meth:`ShardCache.lost`). Until then it may
+    still write at the cache's paths. AgentRunningError if it runs on past :data:`UNLOCKED_GRACE`
+    (a wdscache that does not look), :class:`StoppedStarting` once ``stop`` is set."""
+    state = layout.agent_state()
+    if state is None or state["pid"] == os.getpid() or state.get("process") is None:
+        return
+    deadline = time.monotonic() + UNLOCKED_GRACE
+    said = False
+    while process_identity(state["pid"]) == state["process"]:  # that very process, not a pid reused
+        if time.monotonic() >= deadline:
+            raise AgentRunningError(str(layout.root), state["pid"])
+        if not said:
+            log.warning(
+                "the agent (pid %d) on %s still runs though its lock file was removed under it: "
+                "waiting for it to stop (for at most %.0fs)",
+                state["pid"],
+                layout.root,
+                UNLOCKED_GRACE,
+            )
+            said = True
+        if stop.wait(UNLOCKED_LOOK):
+            raise StoppedStarting("stopped while the agent before still ran")
+
+
 def _open_cache(
     layout: CacheLayout,
+    lock: AgentLock,
     cfg: AgentConfig,
     urls: UrlList,
     fetcher: Fetcher,
@@ -179,7 +213,7 @@ def _open_cache(
     fs_total = st.f_blocks * st.f_frsize
     limit = parse_size(cfg.cache_size, total=fs_total, what="--cache-size")
     min_free = parse_size(cfg.min_free, total=fs_total, what="--min-free")
-    cache = ShardCache(layout, limit=limit, min_free=min_free)
+    cache = ShardCache(layout, limit=limit, min_free=min_free, lock=lock)
     try:
         window = startup_reader(len(urls), cfg).window(cfg.prefetch) if cfg.startup_prefetch else []
         first = [urls.urls[i] for i in window]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .redact import redact_urls
@@ -156,10 +156,22 @@ class NotTrustedError(WdsCacheError):
 
 
 class NoCacheError(WdsCacheError):
-    """A directory holds no wdscache cache."""
+    """A directory holds no wdscache cache: none was made there, or (``removed``) it was removed
+    under the agent running on it, the directory itself or (``files``, named in it) the files the
+    agent holds there."""
 
-    def __init__(self, *, cache_dir: str, read_only: str | None = None, removed: bool = False) -> None:
-        self.cache_dir, self.read_only, self.removed = cache_dir, read_only, removed
+    def __init__(
+        self, *, cache_dir: str, read_only: str | None = None, removed: bool = False, files: Sequence[str] = ()
+    ) -> None:
+        self.cache_dir, self.read_only, self.removed, self.files = cache_dir, read_only, removed, tuple(files)
+        if removed and self.files:  # the directory stayed; files the agent holds in it went
+            were = "were" if len(self.files) > 1 else "was"
+            super().__init__(
+                f"{' and '.join(self.files)} in {cache_dir} {were} removed or replaced while the agent ran on it: "
+                "the cache directory's files were removed under it, and its cache is gone; start the agent "
+                "again to make a new one there (and keep cleaners of old files out of it)"
+            )
+            return
         if removed:  # while an agent ran on it
             super().__init__(
                 f"{cache_dir} was removed or replaced while the agent ran on it: its cache is gone; "
