@@ -1127,3 +1127,15 @@ def test_a_shard_client_shared_by_threads_or_copied_by_fork_keeps_each_ones_pins
         assert [r["url"] for r in evicted["refused"]] == [ds.urls[0]] and evicted["evicted"] == [ds.urls[1]]
         client.release(ds.urls[0])  # still ours to let go
         assert agent.stats()["agent"]["pinned"] == 0
+
+
+def test_the_index_database_the_agent_watches_is_the_one_diskcache_writes(tmp_path):
+    import diskcache.core
+
+    from wdscache.shared.index import Index
+    from wdscache.shared.layout import INDEX_DB, CacheLayout
+
+    layout = CacheLayout.of(tmp_path / "cache")
+    layout.index_dir.mkdir(parents=True)
+    Index(layout.index_dir).close()
+    assert INDEX_DB == diskcache.core.DBNAME and layout.index_db.is_file()

@@ -63,7 +63,7 @@ from typing import Protocol
 from ..shared.config import format_size
 from ..shared.errors import NoCacheError
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
-from ..shared.layout import CacheLayout
+from ..shared.layout import INDEX_DB, CacheLayout
 from ..shared.logs import event, get_logger, iso_time
 from ..shared.redact import redact_urls
 from . import recovery
@@ -97,7 +97,6 @@ class ShardWatcher(Protocol):
 
 # What a look at the cache directory's path gets once it was removed or replaced (on NFS too).
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ESTALE)
-INDEX_FILE = "cache.db"  # the index's SQLite database, in layout.index_dir
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -123,7 +122,7 @@ class ShardCache:
         root = os.stat(layout.root)
         self._root = (root.st_dev, root.st_ino)  # the directory opened (see flush)
         self.index, self.rebuilt = recovery.open_index(layout)
-        self._index_file = _identity(self._index_path)  # the database opened (see flush)
+        self._index_file = _identity(self.layout.index_db)  # the database opened (see flush)
         for rec in self.index:
             recovery.rename_former(layout, rec.url)
         self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
@@ -178,10 +177,6 @@ class ShardCache:
             raise
         return (root.st_dev, root.st_ino) == self._root
 
-    @property
-    def _index_path(self) -> Path:
-        return self.layout.index_dir / INDEX_FILE
-
     def lost(self) -> NoCacheError | None:
         """Why the cache directory is no longer the agent's, None while it is: the directory
         removed or replaced, or (the directory staying) its lock file or the index's database,
@@ -193,8 +188,8 @@ class ShardCache:
         files = []
         if self._lock is not None and not self._lock.holds():
             files.append(self.layout.lock_path.name)
-        if _identity(self._index_path) != self._index_file:
-            files.append(f"{self.layout.index_dir.name}/{INDEX_FILE}")
+        if _identity(self.layout.index_db) != self._index_file:
+            files.append(f"{self.layout.index_dir.name}/{INDEX_DB}")
         return NoCacheError(cache_dir=root, removed=True, files=files) if files else None
 
     def flush(self) -> None:

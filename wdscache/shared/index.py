@@ -37,6 +37,7 @@ import diskcache
 from diskcache.core import MODE_RAW, MODE_TEXT
 
 from .errors import WdsCacheError
+from .layout import INDEX_DB
 
 # Failed shards listed in the summary; the rest are counted, not listed.
 MAX_FAILED_LISTED = 100
@@ -418,8 +419,8 @@ class _ReadOnlyStore:
     def __init__(self, directory: Path, *, keys: tuple[str, ...] | None = None) -> None:
         # immutable reads the database file alone: right only when no write-ahead log holds
         # transactions not yet copied into it (one an agent that was killed left).
-        immutable = bool(os.statvfs(directory).f_flag & os.ST_RDONLY) and not (directory / "cache.db-wal").exists()
-        uri = f"file:{quote(str(directory / 'cache.db'))}?{'immutable=1' if immutable else 'mode=ro'}"
+        immutable = bool(os.statvfs(directory).f_flag & os.ST_RDONLY) and not (directory / f"{INDEX_DB}-wal").exists()
+        uri = f"file:{quote(str(directory / INDEX_DB))}?{'immutable=1' if immutable else 'mode=ro'}"
         query = "SELECT key, mode, filename, value FROM Cache WHERE raw = 1 AND mode IN (?, ?)"
         args: tuple[Any, ...] = (MODE_RAW, MODE_TEXT)
         if keys is not None:

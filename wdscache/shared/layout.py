@@ -62,6 +62,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # A URL in a shell command: up to a space, a quote or a shell operator, so none of the command's
 # other words is part of it.
 _URL_IN_COMMAND = re.compile(r"[A-Za-z][A-Za-z0-9+.-]{0,31}://[^\s'\"`<>;|&()]*")
+INDEX_DB = "cache.db"  # the index's SQLite database in index/: diskcache's DBNAME (the index is a diskcache)
 NAMES_KEPT = 8192  # shard names remembered (a URL and its name: a few hundred bytes each)
 
 
@@ -354,7 +355,12 @@ class CacheLayout:
 
     def is_cache(self) -> bool:
         """True when this directory holds a wdscache index."""
-        return (self.index_dir / "cache.db").is_file()
+        return self.index_db.is_file()
+
+    @property
+    def index_db(self) -> Path:
+        """The index's SQLite database (diskcache's ``DBNAME`` in :attr:`index_dir`)."""
+        return self.index_dir / INDEX_DB
 
     def default_endpoint(self) -> str:
         """The agent's private IPC endpoint, derived from the cache directory alone.
