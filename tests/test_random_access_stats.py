@@ -21,6 +21,7 @@ import pytest
 from scripts.shard_maker import make_dataset, write_url_list
 from scripts.shard_server import ShardServer
 from tests.helpers.agents import run_wdscache
+from tests.helpers.procs import run_json_job
 from tests.helpers.waits import wait_for
 from wdscache import ShardListDataset
 from wdscache.shared.verdict import SILENT_AFTER
@@ -103,3 +104,29 @@ def test_a_random_access_reader_is_counted_and_not_silent_while_it_reads(
     assert (ended["samples"], ended["bytes"]) == (reads.samples, reads.bytes), ended
     totals = stats["rank_totals"][job]["0"]
     assert (totals["samples"], totals["bytes"]) == (reads.samples, reads.bytes), totals
+
+
+@pytest.mark.slow
+def test_readers_that_never_close_are_counted_whole_as_their_processes_exit(
+    shard_server: ShardServer, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # DataLoader workers never call close(), and read a small dataset well within a ping's second:
+    # their samples reach the agent with their processes' exit, before the epoch's loop ends.
+    pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
+    paths = make_dataset(shard_server.root, SHARDS, PER_SHARD, payload=2000)
+    urls = [shard_server.url(p.name) for p in paths]
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": [{"url": u, "nsamples": PER_SHARD} for u in urls]}))
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", urls))
+    out = run_json_job("tests.helpers.random_access_counts_job", str(index), str(cache))
+    for context in ("fork", "spawn"):
+        read = out[context]
+        assert read["samples"] == SHARDS * PER_SHARD, read
+        assert read["totals"]["0"]["samples"] == read["samples"], (context, read)
+        assert read["totals"]["0"]["bytes"] == read["bytes"], (context, read)
+    # A plain process that exits without close() says its totals too.
+    read = out["main"]
+    totals = agent.stats()["rank_totals"]["random-access/main"]["0"]
+    assert read["samples"] == SHARDS * PER_SHARD, read
+    assert (totals["samples"], totals["bytes"]) == (read["samples"], read["bytes"]), totals

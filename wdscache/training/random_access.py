@@ -30,9 +30,11 @@ Guarantees:
   budget with pins while each waits for room for another shard.
 - A process that reads says it is there every ``PING_EVERY`` (and while it waits for a
   worker's table), so the agent keeps its pins; the ping carries its samples, bytes, rate and
-  time waiting to pin shards so far, as a stream's report does (its bye its totals), so the
-  agent's stats show it reading, as rank 0 of job ``random-access/<dataset name>``, and count
-  its samples. One that reads nothing
+  time waiting to pin shards so far, as a stream's report does, so the agent's stats show it
+  reading, as rank 0 of job ``random-access/<dataset name>``, and count its samples. Its bye
+  carries its totals: at ``close()``, or, never closed (a DataLoader worker's), as its process
+  exits normally (within ``EXIT_BYE_TIMEOUT`` for all its sessions; not one of a daemon thread
+  still running then). One that reads nothing
   keeps up to ``lru_size`` shards pinned, until the agent drops it: after ``--reader-timeout``,
   or sooner while another reader (a stream, another process's session) waits for room that
   pins hold, once it has said nothing for the agent's ``IDLE_LET_GO`` (5 s; a session has no
@@ -69,6 +71,7 @@ import gzip
 import hashlib
 import io
 import json
+import multiprocessing.util
 import operator
 import os
 import sys
@@ -122,6 +125,10 @@ ONE_READ = 64 << 10
 # Seconds a process reads only shards it holds before it says it is there (a ping), as a stream's
 # reports do: the agent drops a reader silent for --reader-timeout, and lets go of its pins.
 PING_EVERY = 1.0
+# Seconds a process's exit waits, all its sessions together, for the agent to take the byes of
+# those never closed (a DataLoader worker's): the agent may be gone, and torch gives a worker
+# 5 s to exit before it kills it.
+EXIT_BYE_TIMEOUT = BYE_TIMEOUT
 IMAGE_EXTENSIONS = ("jpg", "png", "ppm", "pgm", "pbm", "pnm")
 TORCH_DATASET = "TorchShardListDataset"  # the name of the dataset's class in a process that uses torch
 
@@ -673,6 +680,11 @@ class _Session:
             self.conn.close()
             raise
         self.conn.on_new_run = self._agent_restarted
+        self.thread = threading.current_thread()  # the one that uses our sockets (see _bye_at_exit)
+        # One never closed (a DataLoader worker's: torch calls no close() there) says its bye as
+        # its process exits normally: multiprocessing runs these finalizers as its children end,
+        # where atexit handlers do not run, and from an atexit hook in any other process.
+        self._at_exit = multiprocessing.util.Finalize(self, _bye_at_exit, args=(weakref.ref(self),), exitpriority=0)
 
     def _say_hello(self) -> None:
         """Join as a reader of our own list (sent first if the agent does not hold it)."""
@@ -939,11 +951,14 @@ class _Session:
         evicts stays open here."""
         _close_files(self.pinned)
 
-    def close(self) -> None:
+    def close(self, timeout: float = BYE_TIMEOUT) -> None:
+        """Say bye, with our totals (waiting ``timeout`` at most for the agent), and close our
+        files and sockets."""
+        self._at_exit.cancel()
         _close_files(self.pinned)
         try:
             bye = self.requests.bye(samples=self.samples, bytes=self.bytes, wait_s=round(self.wait_s, 3))
-            self.conn.request(bye, timeout=BYE_TIMEOUT)
+            self.conn.request(bye, timeout=timeout)
         except WdsCacheError:
             pass
         finally:
@@ -952,6 +967,26 @@ class _Session:
                 self.links.close()
             if self.private is not None:
                 self.private.release()
+
+
+_exit_deadline = 0.0  # time.monotonic() by which this process's exit byes end (0: not exiting yet)
+
+
+def _bye_at_exit(session_ref: weakref.ReferenceType[_Session]) -> None:
+    """At the normal exit of the process that made it (a :class:`multiprocessing.util.Finalize`
+    runs in no other), the bye of a session never closed: its pings count its samples up to a
+    second before, its bye all of them. The byes of a process's sessions wait
+    ``EXIT_BYE_TIMEOUT`` at most all together (the agent may be gone)."""
+    global _exit_deadline
+    session = session_ref()
+    if session is None:  # (collected: the finalizer runs then too, and has nothing to say)
+        return
+    if session.thread is not threading.current_thread() and session.thread.is_alive():
+        return  # a daemon thread that reads on may be using its sockets
+    if not _exit_deadline:
+        _exit_deadline = time.monotonic() + EXIT_BYE_TIMEOUT
+    session.conn.on_new_run = None  # a restarted agent knows nothing of us: no hello again at exit
+    session.close(timeout=max(0.0, _exit_deadline - time.monotonic()))
 
 
 def _close_files(pinned: OrderedDict[int, _Open]) -> None:
