@@ -39,7 +39,7 @@ import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,17 @@ def connect_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
+def send_now(sock: zmq.Socket, frames: Sequence[bytes | memoryview]) -> None:
+    """Queue ``frames`` on ``sock`` without waiting. A DEALER queues up to SNDHWM messages for a
+    peer that is gone (or stopped), and a send past that blocks until the peer takes one, which
+    may be never: such a message is dropped here instead, as one the peer died with would be, and
+    the sender's wait for its answer ends at its own deadline."""
+    try:
+        sock.send_multipart(frames, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
 def _close_zmq(pid: int, ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
     if os.getpid() != pid:
         return  # a forked child's copies: they are its parent's
@@ -172,7 +183,8 @@ def _received(sock: zmq.Socket) -> dict[str, Any] | None:
 
 
 class AgentConnection:
-    """Request/reply over a DEALER socket; every wait is bounded by ``timeout``.
+    """Request/reply over a DEALER socket; every wait is bounded by ``timeout``, sends included
+    (:func:`send_now`), and a request that goes unanswered leaves a new socket to the next.
 
     The token comes from ``cache_dir`` (refused if another user owns it), or is
     given (a consumer that cannot see the cache directory). Before the first
@@ -205,16 +217,23 @@ class AgentConnection:
         self._pid = -1
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
+        self._sockets: list[zmq.Socket] = []  # [_sock], as the closer closes it (see _renew_socket)
         self._closer: weakref.finalize | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (in another process, say) connects and proves the agent anew at its first request;
         # the callbacks belong to the owner, which sets them again on its copy.
-        kept = {k: v for k, v in self.__dict__.items() if k not in ("_ids", "_replies", "_ctx", "_sock", "_closer")}
+        kept = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("_ids", "_replies", "_ctx", "_sock", "_sockets", "_closer")
+        }
         return {**kept, "key": None, "_pid": -1, "on_new_run": None, "on_forgotten": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _ids=itertools.count(1), _replies=None, _ctx=None, _sock=None, _closer=None)
+        self.__dict__.update(
+            state, _ids=itertools.count(1), _replies=None, _ctx=None, _sock=None, _sockets=[], _closer=None
+        )
 
     def _socket(self) -> zmq.Socket:
         # Closed already when collected in a cycle whose other objects' finalizers still use us:
@@ -226,7 +245,8 @@ class AgentConnection:
             # Created in the process that uses it; a forked child must not touch its parent's.
             self._ctx = zmq.Context()
             self._sock = connect_dealer(self._ctx, self.endpoint)
-            self._closer = zmq_closer(self, self._ctx, [self._sock])
+            self._sockets = [self._sock]
+            self._closer = zmq_closer(self, self._ctx, self._sockets)
             self._pid = os.getpid()
         assert self._sock is not None
         return self._sock
@@ -240,19 +260,36 @@ class AgentConnection:
         """
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
-        while True:
-            reply = self._exchange(header, deadline)
-            left = deadline - time.monotonic()
-            if not reply.get("retry") or left <= 0:
-                return reply
-            time.sleep(min(RETRY_PAUSE, left))
+        try:
+            while True:
+                reply = self._exchange(header, deadline)
+                left = deadline - time.monotonic()
+                if not reply.get("retry") or left <= 0:
+                    return reply
+                time.sleep(min(RETRY_PAUSE, left))
+        except AgentUnavailableError:
+            self._renew_socket()
+            raise
+
+    def _renew_socket(self) -> None:
+        """A new socket in place of ours, after a request went unanswered: what ours still queued
+        for an agent that is gone or stopped (that request, its run checks or probes) goes with
+        it, so that requests in a row to an agent that is away do not fill a queue (see
+        :func:`send_now`), and an agent that comes back is not sent requests their senders gave
+        up on. The key stays: it is the run's, not the socket's."""
+        if not self.connected:
+            return
+        assert self._ctx is not None and self._sock is not None
+        old, self._sock = self._sock, connect_dealer(self._ctx, self.endpoint)
+        self._sockets[:] = [self._sock]
+        old.close(0)
 
     def _exchange(self, header: Mapping[str, Any], deadline: float) -> dict[str, Any]:
         greeted = False  # said hello again since the request first went
         while True:
             sock = self._proved(max(0.0, deadline - time.monotonic()))
             run, rid = self._run, next(self._ids)
-            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
+            send_now(sock, pack({**header, "id": rid, "key": self.key}))
             reply = self._reply(sock, rid, max(0.0, deadline - time.monotonic()))
             if self._refused(reply, run, max(0.0, deadline - time.monotonic())):
                 continue
@@ -287,7 +324,7 @@ class AgentConnection:
                 check_at = now + RUN_CHECK
                 check = next(self._ids)
                 checks.add(check)
-                sock.send_multipart(pack({**Requests.auth(secrets.token_hex(16)), "id": check}))
+                send_now(sock, pack({**Requests.auth(secrets.token_hex(16)), "id": check}))
             if not sock.poll(int(min(left, max(0.0, check_at - now)) * 1000) + 1):
                 continue
             reply = _received(sock)
@@ -311,7 +348,7 @@ class AgentConnection:
                     "read there, by its owner) or, where it cannot be seen, WDSCACHE_TOKEN (ShardClient: token=)"
                 )
             nonce, rid = secrets.token_hex(16), next(self._ids)
-            sock.send_multipart(pack({**Requests.auth(nonce), "id": rid}))  # no key: not proved yet
+            send_now(sock, pack({**Requests.auth(nonce), "id": rid}))  # no key: not proved yet
             reply = self._reply(sock, rid, timeout, keyed=False)
             said = reply.get("protocol")  # first: an agent of another protocol proves itself otherwise
             if said != PROTOCOL:
@@ -430,19 +467,23 @@ class AgentConnection:
         """
         retry_until = time.monotonic() + liveness  # replies marked "retry" are asked again this long
         greeted = False  # said hello again since the request first went
-        while True:
-            sock = self._proved(liveness)
-            run, rid = self._run, next(self._ids)
-            sock.send_multipart(pack({**header, "id": rid, "key": self.key}))
-            reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
-            if self._refused(reply, run, liveness):
-                continue  # a new run, which never got the request
-            if self._greeted_again(reply, greeted):
-                greeted = True  # dropped while it waited: the agent let the request go
-                continue
-            if not reply.get("retry") or time.monotonic() >= retry_until:
-                return reply
-            time.sleep(RETRY_PAUSE)
+        try:
+            while True:
+                sock = self._proved(liveness)
+                run, rid = self._run, next(self._ids)
+                send_now(sock, pack({**header, "id": rid, "key": self.key}))
+                reply = self._wait_patiently(sock, rid, header, liveness, probe, on_probe, every)
+                if self._refused(reply, run, liveness):
+                    continue  # a new run, which never got the request
+                if self._greeted_again(reply, greeted):
+                    greeted = True  # dropped while it waited: the agent let the request go
+                    continue
+                if not reply.get("retry") or time.monotonic() >= retry_until:
+                    return reply
+                time.sleep(RETRY_PAUSE)
+        except AgentUnavailableError:
+            self._renew_socket()
+            raise
 
     def _wait_patiently(
         self,
@@ -485,12 +526,13 @@ class AgentConnection:
                 probes.add(probe_id)
                 if unanswered_since is None:
                     unanswered_since = now
-                sock.send_multipart(pack({**probe, "id": probe_id, "key": self.key}))
+                send_now(sock, pack({**probe, "id": probe_id, "key": self.key}))
 
     def close(self) -> None:
         if self._closer is not None:
             self._closer()  # closes nothing in a forked child: the socket is its parent's
         self._sock = self._ctx = self._closer = None
+        self._sockets = []
         self._pid = -1
 
 

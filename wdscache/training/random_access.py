@@ -741,16 +741,17 @@ class _Session:
         if not self._ping():
             self._agent_restarted()
 
-    def _here(self) -> None:
-        """A ping while we wait for a worker (the table of a large shard): a session that asks is
+    def _here(self, timeout: float) -> None:
+        """A ping while we wait for a worker (the table of a large shard), waited for ``timeout`` at
+        most (the time our wait has left): a session that asks is
         not idle, and the agent must not let go of the pin whose table we are making. An agent
         that forgot us is for the next read to act on (its ping, :meth:`_still_known`, comes at
         once): a hello again now would replace the links we wait on."""
-        if not self._ping():
+        if not self._ping(timeout):
             self.contact = 0.0
 
-    def _ping(self) -> bool:
-        """Whether the agent still knows us. Waited for ``PING_EVERY`` at most: an agent that does
+    def _ping(self, timeout: float = PING_EVERY) -> bool:
+        """Whether the agent still knows us. Waited for ``timeout`` at most: an agent that does
         not answer is taken to (the files we hold stay right to read whether it answers or not; a
         read of another shard finds out). The ping carries our figures, as a stream's report
         does: the agent shows us reading, not silent, and counts our samples."""
@@ -760,7 +761,7 @@ class _Session:
         self.pinged_at, self.pinged_samples = now, samples
         ping = self.requests.ping(samples=samples, bytes=self.bytes, rate=round(rate, 1), wait_s=round(self.wait_s, 3))
         try:
-            return self.conn.request(ping, timeout=PING_EVERY).get("known") is not False
+            return self.conn.request(ping, timeout=timeout).get("known") is not False
         except AgentUnavailableError:
             return True
 
@@ -863,12 +864,25 @@ class _Session:
                 self.table_samples -= len(table)
             if table is None or table.identity != identity:
                 table = self._table(shard, identity)
-        except BaseException:
+        except BaseException as exc:
             os.close(fd)
-            self.conn.request(self.requests.release(url))
+            self._release_after(url, exc)
             raise
         held = self.pinned[shard] = _Open(fd, table)
         return held
+
+    def _release_after(self, url: str, error: BaseException) -> None:
+        """Give back the pin of ``url``, whose table ``error`` kept us from making. After a worker
+        that did not answer (``AgentUnavailableError``), the agent may be as silent: the release
+        waits ``PING_EVERY`` at most, and unanswered, goes with our bye (or our silence), so
+        that the error told is the worker's, within our timeout."""
+        if not isinstance(error, AgentUnavailableError):
+            self.conn.request(self.requests.release(url))
+            return
+        try:
+            self.conn.request(self.requests.release(url), timeout=PING_EVERY)
+        except AgentUnavailableError:
+            pass
 
     def _ahead(self, shard: int) -> list[str]:
         """Our window: the shards after ``shard`` in the list (from its start again) not opened yet,
@@ -913,9 +927,7 @@ class _Session:
         worker = shard % len(self.links)
         header, _ = self._ask(worker, Requests.scan(url))
         if not header.get("ok"):
-            if header.get("kind") == "corrupt":
-                raise shard_error(url, header)
-            raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
+            raise _unread(url, header)
         if header.get("count") != n:
             raise ShardError(url, f"{header.get('count')} samples, but the shard index says {n}")
         for first in range(0, n, TABLE_ITEMS):
@@ -923,9 +935,7 @@ class _Session:
             items = pack_numbers([x for j in range(first, first + count) for x in (0, j)])
             header, frames = self._ask(worker, Requests.read([url], places=True), items)
             if not header.get("ok"):
-                if header.get("kind") == "corrupt":
-                    raise shard_error(url, header)
-                raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
+                raise _unread(url, header)
             _add_rows(table, layouts, header, frames, count, url)
         return table
 
@@ -934,16 +944,17 @@ class _Session:
         AgentUnavailableError after the timeout."""
         assert self.links is not None
         rid = self.links.send(worker, request, "t", *payload)
-        deadline = self.ds.timeout
-        waited = 0.0
-        while waited < deadline:
-            for header, frames in self.links.replies(0.25):
+        deadline = time.monotonic() + self.ds.timeout
+        while (left := deadline - time.monotonic()) > 0:
+            for header, frames in self.links.replies(min(0.25, left)):
                 if header.get("id") == rid:
                     return header, frames
-            waited += 0.25
-            if time.monotonic() - self.contact > PING_EVERY:
-                self._here()
-        raise AgentUnavailableError(self.links.endpoints[worker], deadline, "the agent's sample worker did not answer")
+            left = deadline - time.monotonic()
+            if left > 0 and time.monotonic() - self.contact > PING_EVERY:
+                self._here(min(PING_EVERY, left))
+        raise AgentUnavailableError(
+            self.links.endpoints[worker], self.ds.timeout, "the agent's sample worker did not answer"
+        )
 
     def forget(self) -> None:
         """In a forked child: close the cache files inherited from the parent, without a word to
@@ -987,6 +998,16 @@ def _bye_at_exit(session_ref: weakref.ReferenceType[_Session]) -> None:
         _exit_deadline = time.monotonic() + EXIT_BYE_TIMEOUT
     session.conn.on_new_run = None  # a restarted agent knows nothing of us: no hello again at exit
     session.close(timeout=max(0.0, _exit_deadline - time.monotonic()))
+
+
+def _unread(url: str, reply: dict[str, Any]) -> WdsCacheError:
+    """The error of a worker's failed answer about ``url``: a ShardError when the shard itself is
+    bad (``corrupt``), else a FetchError, as for any shard its source cannot give us."""
+    if reply.get("kind") == "corrupt":
+        return shard_error(url, reply)
+    return FetchError(
+        url, f"a sample worker of the agent could not read its cache file ({reply.get('error')}); see the agent's log"
+    )
 
 
 def _close_files(pinned: OrderedDict[int, _Open]) -> None:

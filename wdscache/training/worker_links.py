@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from ..shared.client import connect_dealer, zmq_closer
+from ..shared.client import connect_dealer, send_now, zmq_closer
 from ..shared.errors import ProtocolError
 from ..shared.logs import get_logger
 from ..shared.messages import WorkerRequest
@@ -60,11 +60,13 @@ class WorkerLinks:
 
     def send(self, worker: int, request: WorkerRequest, kind: str, *frames: bytes) -> str:
         """Send ``request`` (and its payload ``frames``) to ``worker`` with a new id (``kind`` and
-        a number) and its proof; returns the id."""
+        a number) and its proof; returns the id. Never waits: a worker that takes no request (gone,
+        or stopped) loses it once its queue is full (see :func:`~wdscache.shared.client.send_now`),
+        and its sender's wait for the reply ends as for any request not answered."""
         rid = f"{kind}{next(self.ids)}"
         request["id"] = rid
         request["auth"] = self.proofs[worker].request(rid)
-        self.sockets[worker].send_multipart(pack(request, *frames))
+        send_now(self.sockets[worker], pack(request, *frames))
         return rid
 
     def replies(self, timeout: float) -> Iterator[tuple[dict[str, Any], list[Any]]]:
