@@ -38,6 +38,8 @@ and only those URLs' names differ.
 
 from __future__ import annotations
 
+import enum
+import errno
 import fcntl
 import functools
 import hashlib
@@ -55,6 +57,37 @@ from typing import Any
 
 from .errors import ConfigError
 from .redact import redact_urls
+
+
+class WriteFault(enum.Enum):
+    """Why a cache's file system refuses writes, when it is not for want of space."""
+
+    READ_ONLY = "read-only"  # mounted read-only, or turned so after an error (ext4's errors=remount-ro)
+    IO_ERROR = "I/O error"  # the device fails
+
+    def describe(self, root: Path) -> str:
+        """The fault as the first words of a message."""
+        if self is WriteFault.READ_ONLY:
+            return f"the file system of {root} became read-only"
+        return f"an I/O error on the file system of {root}"
+
+
+def write_fault(folder: Path) -> WriteFault | None:
+    """Whether ``folder``'s file system refuses a write for a reason other than space: read-only
+    (mounted so, or turned so after an error: since Linux 6.x ext4 then refuses writes with EROFS
+    while its mount still says ``rw``, so a probe file is made and removed to tell), or failing
+    with I/O errors. None when the probe file can be made, and for any other refusal (no space
+    left, a folder gone, or not ours)."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return WriteFault.READ_ONLY
+        probe = folder / f".write-probe-{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        return {errno.EROFS: WriteFault.READ_ONLY, errno.EIO: WriteFault.IO_ERROR}.get(exc.errno or 0)
+    return None
+
 
 # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin for "ipc://".
 _MAX_SOCKET_PATH = 100
@@ -223,8 +256,16 @@ class CacheLayout:
         return None
 
     def check_writable(self, who: str) -> None:
-        """Raise ConfigError, one line naming the directory, if ``who`` (a command) cannot write it."""
+        """Raise ConfigError, one line naming the directory, if ``who`` (a command) cannot write it:
+        :meth:`read_only`, or a file system that refuses writes while mounted read-write
+        (:func:`write_fault`; checked by a probe file, as a command that writes may)."""
         why = self.read_only()
+        if why is None and os.path.isdir(self.root):
+            fault = write_fault(self.root)
+            if fault is WriteFault.READ_ONLY:
+                why = "is on a file system that turned read-only (it refuses writes)"
+            elif fault is WriteFault.IO_ERROR:
+                why = "cannot be written (its file system fails with I/O errors)"
         if why is not None:
             raise ConfigError(
                 f"cache directory {self.root} {why}: {who} needs to write to it; make it writable "
