@@ -15,6 +15,21 @@ import pytest
 from scripts.console import wdscache_exe
 
 
+def test_a_cache_directory_given_as_a_symbolic_link_is_refused_naming_its_target(tmp_path, dataset, run_cli):
+    data = dataset(1, samples=2, payload=100)
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    r = run_cli("agent", "--cache-dir", link, "--urls", data.list_file, "--min-free", "1M")
+    assert (r.returncode, r.stderr) == (
+        2,
+        f"wdscache: error: cache directory {link} is a symbolic link to {real}, not a directory: give the "
+        f"directory itself (--cache-dir {real})\n",
+    )
+    assert os.listdir(real) == []
+
+
 def _into_a_closed_pipe(*args: str | os.PathLike[str]) -> subprocess.CompletedProcess[str]:
     """The command run with its standard output a pipe nobody reads any more (as ``| head -1``
     once head has exited): its first write fails with EPIPE."""

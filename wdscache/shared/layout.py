@@ -209,10 +209,17 @@ class CacheLayout:
         """Create the cache directory private (0700), or check that an existing one is ours and
         writable; returns the folders it made (outermost first), for :meth:`undo_start`.
 
-        Refused: a directory owned by another user, or writable by group or others
-        (someone else could plant files or links in it), or one that cannot be written.
+        Refused: a symbolic link (the error names its target), a directory owned by another
+        user, or writable by group or others (someone else could plant files or links in it),
+        or one that cannot be written.
         """
         root = self.root
+        if root.is_symlink():  # (refused as any link: give the directory itself)
+            real = os.path.realpath(root)
+            raise ConfigError(
+                f"cache directory {root} is a symbolic link to {real}, not a directory: give the directory "
+                f"itself (--cache-dir {real})"
+            )
         made: list[Path] = []
         folder = root
         while not os.path.lexists(folder):
@@ -224,7 +231,7 @@ class CacheLayout:
             raise ConfigError(f"cannot make cache directory {root}: {exc.strerror}; use a writable directory") from None
         st = os.lstat(root)
         if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"cache directory {root} is not a directory (a link?); use a real directory")
+            raise ConfigError(f"cache directory {root} is not a directory; use a directory")
         if st.st_uid != os.getuid():
             raise ConfigError(
                 f"cache directory {root} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
