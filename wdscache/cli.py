@@ -72,10 +72,38 @@ _RETRIES = click.option(
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+# The exit status of a command whose output's reader went away: a shell's for a command killed by SIGPIPE.
+BROKEN_PIPE_EXIT = 128 + signal.SIGPIPE
+
+
+class _Main(click.Group):
+    """The ``wdscache`` group: a command whose standard output's reader goes away (``wdscache ls |
+    head -1``) stops quietly with :data:`BROKEN_PIPE_EXIT`, as ``cat`` killed by SIGPIPE does
+    (click's own exit 1 would read as "no cache there", or as some shard failing)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            try:
+                return super().invoke(ctx)
+            finally:  # (what is still buffered: else the interpreter's last flush meets the broken pipe)
+                if sys.stdout is not None:
+                    sys.stdout.flush()
+        except BrokenPipeError:
+            # Nothing more can be written there, and nothing left buffered should be tried at exit.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            sys.exit(BROKEN_PIPE_EXIT)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="wdscache")
 def main() -> None:
-    """Keep WebDataset shards on local disk ahead of demand and stream them to training jobs."""
+    """Keep WebDataset shards on local disk ahead of demand and stream them to training jobs.
+
+    A command whose output's reader goes away (wdscache ls | head -1) stops quietly with exit
+    status 141, as a command killed by SIGPIPE.
+    """
 
 
 class _AgentCommand(click.Command):
@@ -343,8 +371,9 @@ def agent(verbose: bool, log_format: str, **options: object) -> None:
 def stats(cache_dir: Path, as_json: bool, prometheus: bool, watch: bool) -> None:
     """Show the cache and, when an agent runs, what it is doing.
 
-    Exit status: 0 shown (--watch: stopped with Ctrl-C); 1 no cache there;
-    2 bad options, or --prometheus without wdscache[metrics].
+    Exit status: 0 shown (--watch: stopped with Ctrl-C); 1 no cache there, or it
+    cannot be read (the error on stderr); 2 bad options, or --prometheus without
+    wdscache[metrics].
     """
     from .shared.stats import collect, format_stats
 
@@ -656,7 +685,7 @@ def prefetch(
 def ls_command(cache_dir: Path, as_json: bool) -> None:
     """List the shards the cache knows: state, size, last read (a date), reads, URL.
 
-    Exit status: 0 listed; 1 no cache there.
+    Exit status: 0 listed; 1 no cache there, or it cannot be read (the error on stderr).
     """
     from .agent.cache_commands import list_shards
 

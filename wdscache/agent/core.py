@@ -61,9 +61,9 @@ from pathlib import Path
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
-from ..shared.errors import ProtocolError
+from ..shared.errors import ProtocolError, WdsCacheError
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
-from ..shared.layout import CacheLayout, write_atomic
+from ..shared.layout import CacheLayout, write_atomic, write_fault
 from ..shared.logs import get_logger
 from ..shared.malloc import release_freed
 from ..shared.metrics import require as require_metrics
@@ -308,7 +308,10 @@ class Agent:
             self.mailbox.close()
         self.cache.close()
         if ours:
-            self.layout.state_path.unlink(missing_ok=True)
+            try:
+                self.layout.state_path.unlink(missing_ok=True)
+            except OSError as exc:  # its file system turned read-only: readers check the lock, not the file alone
+                log.warning("left %s behind: cannot remove it (%s)", self.layout.state_path, exc.strerror)
         self._lock.release()
         self._private.release()  # a loader waiting to use a private agent may now start a new one
         log.info("stopped")
@@ -388,7 +391,15 @@ class Agent:
         self.cache.churn.tick(lambda: self.readers.need(self.opens.held)[0], self.cache.limit, last=last)
 
     def _index_full(self, exc: IndexWriteError) -> None:
-        """The index could not be written: pause downloads and free disk space without it."""
+        """The index could not be written: pause downloads and free disk space without it; or,
+        when its file system refuses writes for another reason (read-only, I/O errors), stop
+        (WdsCacheError naming it): freeing space would not help, and nothing could be recorded."""
+        fault = write_fault(self.layout.index_dir)
+        if fault is not None:
+            raise WdsCacheError(
+                f"{fault.describe(self.layout.root)} ({exc}): the agent stops, as it can record nothing "
+                "more; the cached shards stay: start it again once the file system is writable"
+            )
         if not self.downloads.paused:
             log.error("%s; pausing downloads and freeing space", exc)
         self.downloads.pause(str(exc))

@@ -33,7 +33,10 @@ from dataclasses import dataclass
 import zmq
 
 from ..shared.errors import ConfigError
+from ..shared.logs import get_logger
 from ..shared.redact import redact_urls
+
+log = get_logger(__name__)
 
 PREFIX = "ipc://"
 CONNECT_TIMEOUT = 1.0  # seconds: a listener whose backlog is full counts as listening
@@ -151,8 +154,13 @@ class BoundFile:
     file: FileId
 
     def remove(self) -> None:
-        """Unlink the path if it still holds this file; call before the socket stops listening."""
-        _unlink_if(self.path, self.file)
+        """Unlink the path if it still holds this file; call before the socket stops listening.
+        A file that cannot be removed (its file system turned read-only) is left, with a warning:
+        at a stop, nothing is left to do about it, and the next bind replaces it (stale)."""
+        try:
+            _unlink_if(self.path, self.file)
+        except OSError as exc:
+            log.warning("left the socket file %s behind: cannot remove it (%s)", self.path, exc.strerror)
 
 
 def _unlink_if(path: str, file: FileId) -> None:

@@ -76,7 +76,10 @@ class AgentLock:
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:  # (its file system turned read-only) a pid left in a file nobody locks names no holder
+                pass
             os.close(self._fd)  # closing drops the flock
             self._fd = None
 

@@ -202,6 +202,7 @@ class AgentConnection:
     ) -> None:
         self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
         self._cache_dir, self._token = cache_dir, token
+        self._token_given = token is not None  # (else read from cache_dir: which the NotTrustedError names)
         self.key: str | None = None  # our requests' key, once the agent proved it holds the token
         self._run = ""
         self._replies: Proofs | None = None  # the proofs of the agent run proved last, on its replies
@@ -336,6 +337,23 @@ class AgentConnection:
                 return {"id": rid, "ok": False, "need_token": True, "error": "the agent restarted"}
             # A late reply to an earlier request that timed out, or the same run's answer: skip it.
 
+    def _untrusted(self) -> str:
+        """Why an agent's proof of the token may have failed, for the NotTrustedError: the likely
+        mistakes first (a token or endpoint of another cache), then someone else's process."""
+        where = f"the agent at {self.endpoint}"
+        if self._token_given or self._cache_dir is None:  # (WDSCACHE_TOKEN, ShardClient: token=)
+            return (
+                f"{where} cannot prove it holds the token given (WDSCACHE_TOKEN): the token may be wrong (not "
+                "the token file of the cache directory that agent serves), the endpoint that of another cache's "
+                "agent, or another user's process may listen there; check the token, the endpoint and who runs "
+                "the agent on it"
+            )
+        return (
+            f"{where} cannot prove it holds the token of {self._cache_dir}: the endpoint may be that of another "
+            "cache directory's agent (WDSCACHE_ENDPOINT, or endpoint=, not the one this directory's agent.json "
+            "names), or another user's process may listen there; check the endpoint and who runs the agent on it"
+        )
+
     def _proved(self, timeout: float | None) -> zmq.Socket:
         """The socket, once the agent behind it has proved it holds the token (asked once per run)."""
         if self._token is None and self._cache_dir is not None:  # before connecting: see _wait_agent
@@ -362,11 +380,7 @@ class AgentConnection:
                 and isinstance(bound, str)
                 and same_secret(reply.get("proof"), proof(self._token, nonce, run, bound))
             ):
-                raise NotTrustedError(
-                    f"the agent at {self.endpoint} cannot prove it holds the token of "
-                    f"{self._cache_dir if self._cache_dir is not None else 'the cache directory (WDSCACHE_TOKEN)'}: "
-                    "another user's process may listen there; check the endpoint and who runs the agent on it"
-                )
+                raise NotTrustedError(self._untrusted())
             if not same_endpoint(self.endpoint, bound):
                 raise NotTrustedError(
                     f"the agent answering at {self.endpoint} proved it listens on {bound}: a process on "

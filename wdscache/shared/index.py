@@ -17,12 +17,15 @@ An index in a folder that cannot be written (a read-only file system) is still r
 ``immutable`` on a read-only file system with no write-ahead log beside the database (nothing
 can change it, and SQLite needs no ``-shm`` file), else ``mode=ro``, which reads the log a killed
 agent left but needs its ``-shm`` file too (without one the read fails with an error that says so).
+:func:`read_summary` and :func:`read_index` fall back to it when the index cannot be opened to
+write (a file system that turned read-only while its mount says ``rw``): not a damaged index.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import errno
 import json
 import os
 import sqlite3
@@ -37,7 +40,7 @@ import diskcache
 from diskcache.core import MODE_RAW, MODE_TEXT
 
 from .errors import WdsCacheError
-from .layout import INDEX_DB
+from .layout import INDEX_DB, write_fault
 
 # Failed shards listed in the summary; the rest are counted, not listed.
 MAX_FAILED_LISTED = 100
@@ -67,6 +70,24 @@ class IndexReadError(WdsCacheError):
 
 # What opening or reading a damaged index raises (sqlite's own error, or values that are not ours).
 DAMAGED = (sqlite3.DatabaseError, ValueError, TypeError, KeyError)
+
+
+_SQLITE_READONLY, _SQLITE_IOERR, _SQLITE_CANTOPEN = 8, 10, 14  # sqlite's primary result codes
+
+
+def _write_refused(directory: Path, exc: BaseException) -> bool:
+    """Whether opening the index to write failed as its file or folder cannot be written (sqlite's
+    "attempt to write a readonly database", or an I/O error or failed open on a file system that
+    refuses writes: one that turned read-only under an agent), not for what the index holds."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)  # (Python 3.11+; the message before)
+    primary = code & 0xFF if code is not None else (_SQLITE_READONLY if "readonly" in str(exc) else None)
+    if primary == _SQLITE_READONLY:
+        return True
+    return primary in (_SQLITE_IOERR, _SQLITE_CANTOPEN, None) and write_fault(directory.parent) is not None
 
 
 def _damaged(directory: Path, exc: BaseException) -> IndexReadError:
@@ -400,7 +421,11 @@ def read_summary(directory: Path, *, read_only: bool = False) -> tuple[dict, dic
             return summary, {name: int(db.get(name, 0)) for name in COUNTERS}, meta
         finally:
             db.close()
-    except DAMAGED as exc:
+    except (*DAMAGED, OSError) as exc:
+        if not read_only and _write_refused(directory, exc):  # read as a read-only file system's
+            return read_summary(directory, read_only=True)
+        if isinstance(exc, OSError):
+            raise
         raise _damaged(directory, exc) from None
 
 
@@ -408,7 +433,11 @@ def read_index(directory: Path, *, read_only: bool = False) -> Index:
     """The index in ``directory``, for a command that only reads it; IndexReadError if it is damaged."""
     try:
         return Index(directory, read_only=read_only)
-    except DAMAGED as exc:
+    except (*DAMAGED, OSError) as exc:
+        if not read_only and _write_refused(directory, exc):  # read as a read-only file system's
+            return Index(directory, read_only=True)
+        if isinstance(exc, OSError):
+            raise
         raise _damaged(directory, exc) from None
 
 

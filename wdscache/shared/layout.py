@@ -38,6 +38,8 @@ and only those URLs' names differ.
 
 from __future__ import annotations
 
+import enum
+import errno
 import fcntl
 import functools
 import hashlib
@@ -55,6 +57,37 @@ from typing import Any
 
 from .errors import ConfigError
 from .redact import redact_urls
+
+
+class WriteFault(enum.Enum):
+    """Why a cache's file system refuses writes, when it is not for want of space."""
+
+    READ_ONLY = "read-only"  # mounted read-only, or turned so after an error (ext4's errors=remount-ro)
+    IO_ERROR = "I/O error"  # the device fails
+
+    def describe(self, root: Path) -> str:
+        """The fault as the first words of a message."""
+        if self is WriteFault.READ_ONLY:
+            return f"the file system of {root} became read-only"
+        return f"an I/O error on the file system of {root}"
+
+
+def write_fault(folder: Path) -> WriteFault | None:
+    """Whether ``folder``'s file system refuses a write for a reason other than space: read-only
+    (mounted so, or turned so after an error: since Linux 6.x ext4 then refuses writes with EROFS
+    while its mount still says ``rw``, so a probe file is made and removed to tell), or failing
+    with I/O errors. None when the probe file can be made, and for any other refusal (no space
+    left, a folder gone, or not ours)."""
+    try:
+        if os.statvfs(folder).f_flag & os.ST_RDONLY:
+            return WriteFault.READ_ONLY
+        probe = folder / f".write-probe-{os.getpid()}"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        return {errno.EROFS: WriteFault.READ_ONLY, errno.EIO: WriteFault.IO_ERROR}.get(exc.errno or 0)
+    return None
+
 
 # sun_path holds 108 bytes on Linux (104 on macOS); keep a margin for "ipc://".
 _MAX_SOCKET_PATH = 100
@@ -177,10 +210,17 @@ class CacheLayout:
         """Create the cache directory private (0700), or check that an existing one is ours and
         writable; returns the folders it made (outermost first), for :meth:`undo_start`.
 
-        Refused: a directory owned by another user, or writable by group or others
-        (someone else could plant files or links in it), or one that cannot be written.
+        Refused: a symbolic link (the error names its target), a directory owned by another
+        user, or writable by group or others (someone else could plant files or links in it),
+        or one that cannot be written.
         """
         root = self.root
+        if root.is_symlink():  # (refused as any link: give the directory itself)
+            real = os.path.realpath(root)
+            raise ConfigError(
+                f"cache directory {root} is a symbolic link to {real}, not a directory: give the directory "
+                f"itself (--cache-dir {real})"
+            )
         made: list[Path] = []
         folder = root
         while not os.path.lexists(folder):
@@ -192,7 +232,7 @@ class CacheLayout:
             raise ConfigError(f"cannot make cache directory {root}: {exc.strerror}; use a writable directory") from None
         st = os.lstat(root)
         if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"cache directory {root} is not a directory (a link?); use a real directory")
+            raise ConfigError(f"cache directory {root} is not a directory; use a directory")
         if st.st_uid != os.getuid():
             raise ConfigError(
                 f"cache directory {root} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
@@ -224,8 +264,16 @@ class CacheLayout:
         return None
 
     def check_writable(self, who: str) -> None:
-        """Raise ConfigError, one line naming the directory, if ``who`` (a command) cannot write it."""
+        """Raise ConfigError, one line naming the directory, if ``who`` (a command) cannot write it:
+        :meth:`read_only`, or a file system that refuses writes while mounted read-write
+        (:func:`write_fault`; checked by a probe file, as a command that writes may)."""
         why = self.read_only()
+        if why is None and os.path.isdir(self.root):
+            fault = write_fault(self.root)
+            if fault is WriteFault.READ_ONLY:
+                why = "is on a file system that turned read-only (it refuses writes)"
+            elif fault is WriteFault.IO_ERROR:
+                why = "cannot be written (its file system fails with I/O errors)"
         if why is not None:
             raise ConfigError(
                 f"cache directory {self.root} {why}: {who} needs to write to it; make it writable "
