@@ -1,6 +1,7 @@
 """``--endpoint`` as a user gives it: consumers given only the cache directory find an agent on a
-TCP port (or an IPC socket of its own) through agent.json. Real agents through the CLI, real
-loaders, clients and cache commands."""
+TCP port (or an IPC socket of its own) through agent.json; an IPv6 loopback address works; a
+relative socket path is made absolute; a TCP port in use is refused before the slow steps of a
+start. Real agents through the CLI, real loaders, clients and cache commands."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import hashlib
 import io
 import os
 import signal
+import socket
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +86,91 @@ def test_a_consumer_at_another_endpoint_is_told_where_the_agent_listens(dataset,
     says = str(raised.value)
     assert f"no wdscache agent answered at {endpoint} within 1s; the agent (pid {agent.pid}) on " in says
     assert "runs there but did not answer: it may be busy" in says and "start one" not in says
+
+
+@pytest.mark.slow
+def test_an_agent_on_an_ipv6_loopback_address_serves(dataset, start_agent, tmp_path):
+    # It exited 2: "cannot listen on tcp://[::1]:PORT for a sample worker (No such device)".
+    ds = dataset(2)
+    endpoint = f"tcp://[::1]:{_free_ipv6_ports(2)}"
+    agent = start_agent(tmp_path / "cache", ds.list_file, "--endpoint", endpoint)
+    assert agent.stats()["agent"]["endpoint"] == endpoint
+    _assert_consumers_find(agent, ds)
+
+
+def _free_ipv6_ports(n: int) -> int:
+    """A port P with P..P+n-1 free on ::1 now (and on 127.0.0.1: free_port_range's pick)."""
+    for _ in range(50):
+        base = free_port_range(n)
+        socks = [socket.socket(socket.AF_INET6) for _ in range(n)]
+        try:
+            for i, s in enumerate(socks):
+                s.bind(("::1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    pytest.fail(f"found no {n} consecutive free ports on ::1", pytrace=False)
+
+
+@pytest.mark.slow
+def test_a_relative_socket_path_is_the_agents_working_directorys(dataset, start_agent, tmp_path, monkeypatch):
+    # Stored as given, it named a socket in each reader's own working directory: 'wdscache stats'
+    # from another one said "running but not answering, endpoint ipc://rel.sock".
+    ds = dataset(1)
+    (tmp_path / "there").mkdir()
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    agent = start_agent(tmp_path / "cache", ds.list_file, "--endpoint", "ipc://rel.sock", cwd=tmp_path / "there")
+    assert agent.stats()["agent"]["endpoint"] == f"ipc://{tmp_path / 'there' / 'rel.sock'}"
+    with CachedMultiLoader(cache_dir=agent.cache_dir, shuffle=False, timeout=TIMEOUT) as loader:
+        assert delivered(list(loader)) == reference(ds.paths, ds.urls), agent.stderr_tail()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_an_endpoint_that_cannot_be_bound_is_refused_before_the_sizes_are_asked(run_cli, tmp_path: Path, transport):
+    # It was found only as the control socket bound, after the start-up window's sizes were asked
+    # (up to the connect and read timeouts, 70 s), a TCP port in use with advice for a folder ("let
+    # the agent write to its folder"). Here the source accepts connections and never answers: a
+    # HEAD waits its --read-timeout.
+    with socket.socket() as taken, socket.socket() as silent:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        urls = tmp_path / "lists" / "urls.txt"
+        urls.parent.mkdir()
+        urls.write_text(f"http://127.0.0.1:{silent.getsockname()[1]}/shard-0.tar\n")
+        if transport == "tcp":
+            endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+            says = (
+                f"cannot listen on {endpoint} (Address already in use): choose another --endpoint: "
+                "a port no other process listens on, at an address of this machine"
+            )
+        else:
+            endpoint = f"ipc://{tmp_path}/none/agent.sock"
+            says = (
+                f"cannot listen on {endpoint} (No such file or directory): choose another --endpoint, "
+                "or let the agent write to its folder"
+            )
+        r = run_cli(
+            "agent",
+            "--cache-dir",
+            tmp_path / "cache",
+            "--urls",
+            urls,
+            "--endpoint",
+            endpoint,
+            "--min-free",
+            "1M",
+            "--workers",
+            "1",
+            "--read-timeout",
+            "60",
+            timeout=30,
+        )
+    assert r.returncode == 2, r.stderr
+    assert f"wdscache: error: {says}\n" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "cache").exists()

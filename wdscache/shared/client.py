@@ -61,6 +61,7 @@ from .protocol import (
     speaks,
     unpack,
     worker_key,
+    zmq_context,
 )
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
@@ -231,7 +232,7 @@ class AgentConnection:
             self.key = None
             self._find_agent()
             # Created in the process that uses it; a forked child must not touch its parent's.
-            self._ctx = zmq.Context()
+            self._ctx = zmq_context(self.endpoint)
             self._sock = connect_dealer(self._ctx, self.endpoint)
             self._closer = zmq_closer(self, self._ctx, [self._sock])
             self._pid = os.getpid()
