@@ -352,6 +352,8 @@ def test_bad_url_list_line_is_refused_with_its_line_number(
             "endpoint 'tcp://127.0.0.1:65535': use tcp://HOST:PORT with a port in [1, 65534] (its 1 worker(s) listen",
         ),
         ("--endpoint", "ipc://", "endpoint 'ipc://': give the socket's path"),
+        # ZeroMQ took "::1" for an interface's name, and the agent exited as it bound ("No such device").
+        ("--endpoint", "tcp://::1:5555", "endpoint 'tcp://::1:5555': write an IPv6 address in brackets"),
         # ZeroMQ binds "*" but dials nothing there: the workers' reports to the agent failed for ever.
         ("--endpoint", "tcp://*:5555", "endpoint 'tcp://*:5555': name an address, tcp://0.0.0.0:5555"),
         # Past any need: the agent spun on a window of 10**12 and ignored SIGTERM; threads ran out.
@@ -376,17 +378,17 @@ def test_an_endpoint_that_cannot_be_bound_is_refused_naming_it(dataset, run_cli,
         port = taken.getsockname()[1]
         for endpoint, says in [
             (f"tcp://127.0.0.1:{port}", f"cannot listen on tcp://127.0.0.1:{port} (Address already in use)"),
-            # A folder that is not there; user info and a signature in it are never printed.
+            # A folder that is not there; a signature in it is never printed.
             (
-                "ipc://u:SECRET@none/agent.sock?sig=SIGNED",
-                "cannot listen on ipc://***@none/agent.sock?sig=*** (No such file",
+                f"ipc://{tmp_path}/none/agent.sock?sig=SIGNED",
+                f"cannot listen on ipc://{tmp_path}/none/agent.sock?sig=*** (No such file",
             ),
         ]:
             cache = tmp_path / "cache"
             r = run_cli("agent", "--cache-dir", cache, "--urls", ds.list_file, "--endpoint", endpoint, timeout=20)
             assert r.returncode == 2, r.stderr
             assert f"wdscache: error: {says}" in r.stderr and "choose another --endpoint" in r.stderr, r.stderr
-            assert not any(word in r.stderr for word in ("Traceback", "SECRET", "SIGNED")), r.stderr
+            assert not any(word in r.stderr for word in ("Traceback", "SIGNED")), r.stderr
         # The port after the agent's, where its first sample worker listens.
         endpoint = f"tcp://127.0.0.1:{port - 1}"
         r = run_cli(

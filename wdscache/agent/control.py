@@ -35,7 +35,18 @@ import zmq
 
 from ..shared.errors import ConfigError, ProtocolError
 from ..shared.logs import get_logger
-from ..shared.protocol import MAX_HEADER, PROTOCOL, Proofs, agent_key, client_key, pack, proof, same_secret, unpack
+from ..shared.protocol import (
+    MAX_HEADER,
+    PROTOCOL,
+    Proofs,
+    agent_key,
+    client_key,
+    pack,
+    proof,
+    same_secret,
+    unpack,
+    zmq_context,
+)
 from ..shared.redact import redact_urls
 from .ipc_files import BoundFile, ipc_path
 from .ipc_files import bind as bind_ipc
@@ -50,6 +61,18 @@ REFUSED = (
 )
 
 Reply = dict[str, Any]  # a reply's body: "ok" and the fields of the op's reply
+
+
+def cannot_listen(endpoint: str, exc: zmq.ZMQError | OSError) -> ConfigError:
+    """The error of an agent that cannot bind ``endpoint``, and what to do: over TCP a port in use
+    (or an address not this machine's), over IPC also a folder that is not there, or a stale
+    socket file that cannot be replaced (a folder read-only in a service's sandbox)."""
+    if ipc_path(endpoint) is not None:
+        advice = "choose another --endpoint, or let the agent write to its folder"
+    else:
+        advice = "choose another --endpoint: a port no other process listens on, at an address of this machine"
+    # os.strerror: ZeroMQ's own message repeats the endpoint, unredacted.
+    return ConfigError(f"cannot listen on {redact_urls(endpoint)} ({os.strerror(exc.errno or 0)}): {advice}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +100,7 @@ class ControlSocket:
         self._token, self._run = token, run
         self._key = client_key(token, run)
         self._proofs = Proofs(agent_key(token, run))  # on every reply to a message with the key
-        self._ctx = zmq.Context()
+        self._ctx = zmq_context(endpoint)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_HEADER)  # a peer sending more is disconnected
@@ -92,14 +115,8 @@ class ControlSocket:
         except BaseException as exc:
             sock.close(0)
             self._ctx.term()
-            # In use, a folder that is not there, or a stale socket file that cannot be replaced (a
-            # folder read-only in a service's sandbox): the option's fault, or the folder's.
-            if isinstance(exc, (zmq.ZMQError, OSError)):
-                # os.strerror: ZeroMQ's own message repeats the endpoint, unredacted.
-                raise ConfigError(
-                    f"cannot listen on {redact_urls(endpoint)} ({os.strerror(exc.errno or 0)}): choose another "
-                    "--endpoint, or let the agent write to its folder"
-                ) from None
+            if isinstance(exc, (zmq.ZMQError, OSError)):  # the option's fault, or the folder's
+                raise cannot_listen(endpoint, exc) from None
             raise
         self._sock = sock
         self._bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # as bound: a TCP port chosen by the system too

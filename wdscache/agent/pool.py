@@ -15,6 +15,8 @@ parent dies (Linux), and also exit when their parent's pid changes.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import json
 import logging
 import os
@@ -23,14 +25,16 @@ import select
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 import zmq
 
 from ..shared.errors import ConfigError
 from ..shared.logs import event, get_logger
-from ..shared.protocol import client_key, worker_key
+from ..shared.protocol import client_key, worker_key, zmq_context
 from ..shared.redact import redact_urls
+from .control import cannot_listen
 from .ipc_files import ipc_path, refuse_taken, remove_stale
 from .worker import WorkerSpec
 
@@ -48,31 +52,44 @@ WORKER_ADVICE = (
 
 
 def check_endpoints(agent_endpoint: str, endpoints: list[str]) -> None:
-    """Refuse (ConfigError) the agent's ``ipc://`` endpoint and its workers' ``endpoints`` where another
-    process listens, before the workers that bind them start. A TCP endpoint is bound and let go here,
-    as ZeroMQ binds it; an IPC one is looked at as :mod:`wdscache.agent.ipc_files` binds it (a stale
-    socket file passes: it is replaced)."""
-    if ipc_path(agent_endpoint) is not None:
-        refuse_taken(agent_endpoint)  # first: the message names the endpoint given, not a worker's
-    ctx = zmq.Context()
+    """Refuse (ConfigError) the agent's endpoint and its workers' ``endpoints`` where another
+    process listens, before the workers that bind them start, and before the slow steps of a start
+    (the sizes asked of sources). A TCP endpoint is bound and let go here, as ZeroMQ binds it; an
+    IPC one is looked at as :mod:`wdscache.agent.ipc_files` binds it (a stale socket file passes:
+    it is replaced). The agent's first: the message names the endpoint given, not a worker's."""
+    ctx = zmq_context(agent_endpoint)
     try:
+        if (path := ipc_path(agent_endpoint)) is not None:
+            refuse_taken(agent_endpoint)
+            if not os.path.isdir(os.path.dirname(path) or "."):  # (else found only as the socket binds)
+                raise cannot_listen(agent_endpoint, FileNotFoundError(errno.ENOENT, "no such folder"))
+        else:
+            _bind_and_let_go(ctx, agent_endpoint, lambda exc: cannot_listen(agent_endpoint, exc))
         for endpoint in endpoints:
             if ipc_path(endpoint) is not None:
                 refuse_taken(endpoint, role=" for a sample worker", advice=WORKER_ADVICE)
-                continue
-            sock = ctx.socket(zmq.ROUTER)
-            sock.setsockopt(zmq.LINGER, 0)
-            try:
-                sock.bind(endpoint)
-            except zmq.ZMQError as exc:
-                raise ConfigError(
-                    f"cannot listen on {redact_urls(endpoint)} for a sample worker ({os.strerror(exc.errno or 0)}): "
-                    f"{WORKER_ADVICE}"
-                ) from None
-            finally:
-                sock.close(0)
+            else:
+                _bind_and_let_go(ctx, endpoint, functools.partial(_worker_cannot_listen, endpoint))
     finally:
         ctx.term()
+
+
+def _bind_and_let_go(ctx: zmq.Context, endpoint: str, error: Callable[[zmq.ZMQError], ConfigError]) -> None:
+    """Bind a socket of ``ctx`` to TCP ``endpoint`` and close it; ``error(exc)`` raised if it cannot be bound."""
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise error(exc) from None
+    finally:
+        sock.close(0)
+
+
+def _worker_cannot_listen(endpoint: str, exc: zmq.ZMQError) -> ConfigError:
+    return ConfigError(
+        f"cannot listen on {redact_urls(endpoint)} for a sample worker ({os.strerror(exc.errno or 0)}): {WORKER_ADVICE}"
+    )
 
 
 def worker_endpoints(agent_endpoint: str, n: int) -> list[str]:

@@ -105,6 +105,7 @@ from ..shared.protocol import (
     same_secret,
     unpack,
     unpack_numbers,
+    zmq_context,
 )
 from ..shared.redact import redact_urls
 from .growing import GrowingShard, NotYet
@@ -170,7 +171,7 @@ class _Worker:
         self._last_drop = self._last_sweep = time.monotonic()
         self._walks_from = 0.0  # no walk ahead before this time (monotonic), as the agent's hold hints ask
         self._walk_now: set[str] = set()  # shards to index that readers hold: walked first, never held
-        self.ctx = zmq.Context()
+        self.ctx = zmq_context(spec.endpoint)  # (its reports' socket dials the agent on the same host)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)

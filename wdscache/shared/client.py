@@ -61,6 +61,7 @@ from .protocol import (
     speaks,
     unpack,
     worker_key,
+    zmq_context,
 )
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
@@ -160,12 +161,13 @@ def zmq_closer(owner: object, ctx: zmq.Context, sockets: list[zmq.Socket]) -> we
 
 
 def resolve_endpoint(cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> str:
-    """The endpoint to talk to: given, or the private socket of ``cache_dir``."""
+    """The endpoint to talk to: given, or where the agent of ``cache_dir`` listens now
+    (:meth:`CacheLayout.agent_endpoint`: the ``--endpoint`` it was given, else the directory's socket)."""
     if endpoint:
         return endpoint
     if cache_dir is None:
         raise ConfigError("give cache_dir (or endpoint) to find the agent")
-    return CacheLayout.of(cache_dir).default_endpoint()
+    return CacheLayout.of(cache_dir).agent_endpoint()
 
 
 def start_hint(cache_dir: str | os.PathLike[str] | None) -> str:
@@ -189,18 +191,23 @@ class AgentConnection:
     The token comes from ``cache_dir`` (refused if another user owns it), or is
     given (a consumer that cannot see the cache directory). Before the first
     request the agent must prove it holds it; every request then carries the key.
+
+    ``endpoint`` None: the agent of ``cache_dir``, wherever it listens (its ``--endpoint``, which
+    agent.json names), looked up each time the socket opens (after a fork too), and while the
+    first request waits for an agent to start.
     """
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | None,
         *,
         timeout: float = 30.0,
         hint: str = "",
         cache_dir: str | os.PathLike[str] | None = None,
         token: str | None = None,
     ) -> None:
-        self.endpoint, self.timeout, self.hint = endpoint, timeout, hint
+        self._follow = endpoint is None  # (then the endpoint is the cache directory's agent's)
+        self.endpoint, self.timeout, self.hint = resolve_endpoint(cache_dir, endpoint), timeout, hint
         self._cache_dir, self._token = cache_dir, token
         self._token_given = token is not None  # (else read from cache_dir: which the NotTrustedError names)
         self.key: str | None = None  # our requests' key, once the agent proved it holds the token
@@ -243,8 +250,9 @@ class AgentConnection:
             if self._cache_dir is not None:  # before connecting: never to another user's agent
                 CacheLayout.of(self._cache_dir).check_owner()
             self.key = None
+            self._find_agent()
             # Created in the process that uses it; a forked child must not touch its parent's.
-            self._ctx = zmq.Context()
+            self._ctx = zmq_context(self.endpoint)
             self._sock = connect_dealer(self._ctx, self.endpoint)
             self._sockets = [self._sock]
             self._closer = zmq_closer(self, self._ctx, self._sockets)
@@ -425,23 +433,43 @@ class AgentConnection:
         """
         assert self._cache_dir is not None
         layout = CacheLayout.of(self._cache_dir)
-        bound = Path(self.endpoint[len("ipc://") :]) if self.endpoint.startswith("ipc://") else None
         deadline = time.monotonic() + timeout
-        while (token := layout.read_token()) is None or bound is not None and not bound.exists():
+        while True:
+            token = layout.read_token()
+            if token is not None:
+                self._find_agent()  # (an agent starting names its endpoint in agent.json)
+                bound = Path(self.endpoint[len("ipc://") :]) if self.endpoint.startswith("ipc://") else None
+                if bound is None or bound.exists():
+                    return token
             if time.monotonic() >= deadline:
                 raise AgentUnavailableError(self.endpoint, timeout, self._why_silent())
             time.sleep(AGENT_POLL)
-        return token
+
+    def _find_agent(self) -> None:
+        """Following the cache directory's agent (no endpoint given): take the endpoint it listens on now."""
+        if self._follow and self._cache_dir is not None:
+            self.endpoint = CacheLayout.of(self._cache_dir).agent_endpoint()
 
     def _why_silent(self) -> str:
         """What to tell of an agent that did not answer in time: that it is still starting, when
-        the agent of our cache directory is (not to be started again), else :attr:`hint`."""
+        the agent of our cache directory is (not to be started again); that it runs (its pid and
+        endpoint), when it does, another endpoint than ours named; else :attr:`hint`."""
         if self._cache_dir is None:
             return self.hint
-        note = CacheLayout.of(self._cache_dir).starting_note()
-        if note is None:
+        layout = CacheLayout.of(self._cache_dir)
+        note = layout.starting_note()
+        if note is not None:
+            return f"{note}; it answers once started: wait for it (see 'wdscache stats'), or give a longer timeout"
+        running = layout.running_agent()
+        if running is None:
             return self.hint
-        return f"{note}; it answers once started: wait for it (see 'wdscache stats'), or give a longer timeout"
+        agent, named = f"the agent (pid {running['pid']}) on {layout.root}", running["endpoint"]
+        if named == self.endpoint:
+            return f"{agent} runs there but did not answer: it may be busy (see 'wdscache stats'); try again"
+        return (
+            f"{agent} listens on {named}, not on {self.endpoint}: give endpoint={named!r} (or set "
+            "WDSCACHE_ENDPOINT to it), or neither, to reach the cache directory's agent wherever it listens"
+        )
 
     def worker_key(self, index: int) -> str | None:
         """The key of worker ``index`` of the agent run proved last (None before): requests and
@@ -570,7 +598,7 @@ class ShardClient:
         self.name = name or f"client-{uuid.uuid4().hex[:12]}"
         # token: the agent's (CACHE_DIR/token), for a client that cannot read cache_dir.
         self._conn = AgentConnection(
-            resolve_endpoint(cache_dir, endpoint),
+            endpoint,  # None: the agent of cache_dir, wherever it listens
             timeout=timeout,
             hint=start_hint(cache_dir),
             cache_dir=cache_dir,
@@ -579,7 +607,7 @@ class ShardClient:
         self._conn.on_new_run = _weakly(self._pin_again)  # (a bound method would make a cycle: see _keep_alive)
         self._requests = Requests(self.name)
         self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
-        self._endpoint, self._cache_dir, self._token = self._conn.endpoint, cache_dir, token
+        self._endpoint, self._cache_dir, self._token = endpoint, cache_dir, token
         self._keepalive: threading.Thread | None = None  # pings while we hold pins (see the module)
         self._stop = threading.Event()
         self._heard_at = 0.0  # when the agent last showed it knows us (monotonic; the keepalive's pings too)

@@ -127,6 +127,9 @@ class AgentConfig:
             raise ConfigError(f"--log-format {self.log_format!r}: use one of {', '.join(FORMATS)}")
         if self.endpoint is not None:
             check_endpoint(self.endpoint, allow_remote=self.allow_remote, ports=1 + self.workers)
+            # The agent names its endpoint to consumers and cache commands (agent.json), whose
+            # working directory is another: a relative socket path is made absolute here.
+            object.__setattr__(self, "endpoint", absolute_endpoint(self.endpoint))
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port {self.metrics_port}: use a port in [0, 65535]")
         if not self.allow_remote and not is_loopback(self.metrics_host):
@@ -192,6 +195,8 @@ def check_endpoint(endpoint: str, *, allow_remote: bool, ports: int = 1) -> None
     if not (host and port.isascii() and port.isdigit() and 1 <= int(port) <= last):
         workers = f" (its {ports - 1} worker(s) listen on the ports after it)" if ports > 1 else ""
         raise ConfigError(f"endpoint {endpoint!r}: use tcp://HOST:PORT with a port in [1, {last}]{workers}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ConfigError(f"endpoint {endpoint!r}: write an IPv6 address in brackets, tcp://[ADDRESS]:PORT")
     if host == "*":  # (its workers and consumers dial the endpoint the agent names, and "*" dials nothing)
         raise ConfigError(f"endpoint {endpoint!r}: name an address, tcp://0.0.0.0:{port} for every interface")
     if not allow_remote and not is_loopback(host):
@@ -200,6 +205,15 @@ def check_endpoint(endpoint: str, *, allow_remote: bool, ports: int = 1) -> None
             "encrypted (samples and the agent's key would cross the network in the clear); bind "
             "127.0.0.1, or pass --allow-remote if the network is trusted"
         )
+
+
+def absolute_endpoint(endpoint: str) -> str:
+    """``endpoint`` with an ``ipc://`` socket's relative path made absolute (from the working
+    directory); any other as it is (an abstract ``ipc://@NAME`` has no path)."""
+    path = endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+    if path is None or path.startswith(("/", "@")):
+        return endpoint
+    return f"ipc://{os.path.abspath(path)}"
 
 
 def check_s3_endpoint_url(url: str | None) -> None:

@@ -382,6 +382,12 @@ class CacheLayout:
             return None
         return state
 
+    def running_agent(self) -> dict[str, Any] | None:
+        """The state (:meth:`agent_state`) of the agent that runs on this directory now, started or
+        starting: the one agent.json names, while it holds the lock; None when none does."""
+        state = self.agent_state()
+        return state if state is not None and self.agent_holds_lock(state["pid"]) else None
+
     def starting_agent(self) -> dict[str, Any] | None:
         """The state (:meth:`agent_state`) of the agent starting on this directory now: it holds the
         lock and has not answered yet (its ``starting`` says what it is doing); None when none is."""
@@ -409,6 +415,20 @@ class CacheLayout:
     def index_db(self) -> Path:
         """The index's SQLite database (diskcache's ``DBNAME`` in :attr:`index_dir`)."""
         return self.index_dir / INDEX_DB
+
+    def agent_endpoint(self) -> str:
+        """Where the agent of this directory listens, as seen from here: the endpoint agent.json
+        names while its agent runs (:meth:`running_agent`; an ``--endpoint`` of its own, TCP say),
+        else the directory's own socket (:meth:`default_endpoint`). An ``ipc://`` socket of the
+        agent's that is not to be seen here counts as none: the directory may be mounted at another
+        path here (a container), or the agent not listen yet."""
+        running = self.running_agent()
+        if running is None:
+            return self.default_endpoint()
+        named: str = running["endpoint"]
+        if named.startswith("ipc://") and not os.path.exists(named[len("ipc://") :]):
+            return self.default_endpoint()
+        return named
 
     def default_endpoint(self) -> str:
         """The agent's private IPC endpoint, derived from the cache directory alone.

@@ -68,6 +68,8 @@ from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
+import zmq
+
 from .errors import ProtocolError
 
 # The protocol's number: raised with every change to a message that a peer of the number
@@ -259,6 +261,17 @@ def same_endpoint(dialled: str, named: str) -> bool:
         return True
     named_scheme, _, named_rest = named.partition("://")
     return named_scheme == "tcp" and named_rest.rpartition(":")[2] == port
+
+
+def zmq_context(endpoint: str) -> zmq.Context:
+    """A ZeroMQ context whose sockets may bind or dial ``endpoint`` (and the workers' endpoints
+    beside it, on its host). One to an IPv6 address in brackets (``tcp://[::1]:PORT``) needs
+    ZeroMQ's IPV6 option, off by default, and gets it; no other does: with it, a name such as
+    ``localhost`` might resolve to ``::1`` for the agent and to 127.0.0.1 for a client."""
+    ctx = zmq.Context()
+    if endpoint.startswith("tcp://["):
+        ctx.set(zmq.IPV6, 1)
+    return ctx
 
 
 def _local_host(host: str) -> bool:

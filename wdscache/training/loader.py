@@ -577,9 +577,14 @@ class CachedMultiLoader:
         self._direct_off = why
 
     def _connection(self, timeout: float) -> AgentConnection:
-        """A connection to the agent, which must prove it holds our cache directory's token."""
+        """A connection to the agent, which must prove it holds our cache directory's token: at the
+        endpoint given, else wherever the cache directory's agent listens when it connects."""
         return AgentConnection(
-            self.endpoint, timeout=timeout, hint=start_hint(self.cache_dir), cache_dir=self.cache_dir, token=self._token
+            None if self._own_endpoint else self.endpoint,
+            timeout=timeout,
+            hint=start_hint(self.cache_dir),
+            cache_dir=self.cache_dir,
+            token=self._token,
         )
 
     def _probe(self) -> tuple[Sequence[str], list[Any], str]:

@@ -651,7 +651,11 @@ class _Session:
             else None
         )
         self.conn = AgentConnection(
-            ds.endpoint, timeout=ds.timeout, hint=start_hint(ds.cache_dir), cache_dir=ds.cache_dir, token=ds._token
+            None if ds._private else ds.endpoint,  # (no endpoint given: wherever the directory's agent listens)
+            timeout=ds.timeout,
+            hint=start_hint(ds.cache_dir),
+            cache_dir=ds.cache_dir,
+            token=ds._token,
         )
         self.name = f"{ds.dataset_name}/{self.pid}/{uuid.uuid4().hex[:8]}"
         self.requests = Requests(self.name)
