@@ -95,6 +95,7 @@ from ..shared.errors import (
     ShardIndexError,
     WdsCacheError,
     failed_shard,
+    worker_fault,
 )
 from ..shared.layout import file_identity
 from ..shared.messages import Requests, WorkerRequest
@@ -903,6 +904,8 @@ class _Session:
         if not header.get("ok"):
             if header.get("kind") == "corrupt":
                 raise shard_error(url, header)
+            if header.get("kind") == "fault":
+                raise worker_fault(self.ds.endpoint, header)
             raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
         if header.get("count") != n:
             raise ShardError(url, f"{header.get('count')} samples, but the shard index says {n}")
@@ -913,6 +916,8 @@ class _Session:
             if not header.get("ok"):
                 if header.get("kind") == "corrupt":
                     raise shard_error(url, header)
+                if header.get("kind") == "fault":
+                    raise worker_fault(self.ds.endpoint, header)
                 raise ProtocolError(f"a worker could not read {url}: {header.get('error')}")
             _add_rows(table, layouts, header, frames, count, url)
         return table
