@@ -613,13 +613,32 @@ def test_shard_view_close_with_exported_buffer(tmp_path: Path) -> None:
     exported.release()
 
 
+def mapped_here(path: Path) -> int:
+    """How many mappings of ``path`` this process holds."""
+    return Path("/proc/self/maps").read_text().count(f" {path}\n")
+
+
 def test_shard_view_closes_mapping_when_no_payload_is_alive(tmp_path: Path) -> None:
     path = make_shard(tmp_path / "s.tar", synth_samples(0, 2))
     shard = open_shard(path, url="u")
     assert len(list(shard.iter_samples(copy=True))) == 2
-    mapping = shard._data
+    assert mapped_here(path) == 1
     shard.close()
-    assert mapping.closed
+    assert mapped_here(path) == 0
+
+
+def test_a_mapped_shard_holds_no_file_descriptor_and_is_unmapped_with_its_last_payload(tmp_path: Path) -> None:
+    """A worker keeps mappings alive while frames cut from them wait to be sent: each must not
+    cost an open file, or a worker with slow consumers runs out of them."""
+    path = make_shard(tmp_path / "s.tar", synth_samples(0, 3))
+    fds = set(os.listdir("/proc/self/fd"))
+    shard = open_shard(path, url="u")
+    kept = shard.sample(1)["jpg"]
+    assert set(os.listdir("/proc/self/fd")) - fds == set() and mapped_here(path) == 1
+    shard.close()
+    assert mapped_here(path) == 1 and kept.tobytes() == wds_read(path)[1]["jpg"]
+    del kept
+    assert mapped_here(path) == 0
 
 
 def test_damage_is_found_when_a_shard_is_opened(tmp_path: Path) -> None:

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
-from ..shared.errors import ProtocolError, WdsCacheError
+from ..shared.errors import ProtocolError, WdsCacheError, out_of_files
 from ..shared.index import IndexWriteError, ShardRecord, ShardState
 from ..shared.layout import CacheLayout, write_atomic, write_fault
 from ..shared.logs import get_logger
@@ -488,6 +488,11 @@ class Agent:
                 self.socket.reply(ident, rid, ok=False, retry=True, error=f"{exc}; try again shortly")
                 self._index_full(exc)
             except Exception as exc:  # one bad message must never take the agent down
+                fault = out_of_files(exc)
+                if fault is not None:  # ours, not a shard's: the consumer must not skip one for it
+                    log.error("%s", fault)
+                    self.socket.reply(ident, rid, ok=False, fault=True, error=fault)
+                    continue
                 log.exception("error handling a message")
                 self.socket.reply(ident, rid, ok=False, error=f"internal error: {type(exc).__name__}")
         self._send_answers()

@@ -17,7 +17,6 @@ thread.
 
 from __future__ import annotations
 
-import mmap
 import os
 from collections.abc import Iterator
 from itertools import islice
@@ -27,7 +26,7 @@ from ..shared.errors import ShardError
 from ..shared.layout import file_identity
 from ..shared.samples import SampleSpan, group_samples
 from ..shared.tarwalk import BLOCK, GZIP_MAGIC, HEAD_BYTES, FileSpan, tar_problem, walk
-from .shardview import ShardView
+from .shardview import FileMap, ShardView, map_file
 
 # Samples a look walks past the one it needs: a download well under way is taken in a step
 # at a time, so the first reads of it wait for a short walk, not for all its headers so far.
@@ -145,14 +144,14 @@ class GrowingShard:
         file cut short in place while mapped would fault (SIGBUS) wherever its mapping is read."""
         if self._map is None or len(self._map.data) < end:
             try:
-                data = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+                mapped: FileMap | None = map_file(self._fd)
             except ValueError:  # an empty file cannot be mapped
-                data = None
-            if data is None or len(data) < end:
-                if data is not None:
-                    data.close()
+                mapped = None
+            if mapped is None or len(mapped.data) < end:
+                if mapped is not None:
+                    mapped.data.release()
                 raise NotYet(f"{self.url}: {end} bytes are not in the file any more")
-            self._map = ShardView(data, url=self.url, samples=(), identity=file_identity(os.fstat(self._fd)))
+            self._map = ShardView(mapped, url=self.url, samples=(), identity=file_identity(os.fstat(self._fd)))
         return self._map
 
     def close(self) -> None:

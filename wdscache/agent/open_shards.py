@@ -13,7 +13,8 @@ A worker reads a URL's cache file in one of three ways:
   of samples at a time: the agent names such shards (its hints: each shard it publishes, and
   each cached shard as readers come to want it), and the worker walks them while no request
   waits. A read of one takes the walk over, so a first read waits for a step of a walk, never
-  for a whole walk of another shard.
+  for a whole walk of another shard. At most :data:`WALKS` walks are under way (each holds its
+  file open); a read of another such shard walks it whole as it opens it.
 
 Guarantees:
 
@@ -51,7 +52,7 @@ from .shardview import open_shard
 
 log = get_logger(__name__)
 
-__all__ = ["INDEX_AHEAD", "OPEN_SHARDS", "SWEEP_EVERY", "OpenShards"]
+__all__ = ["INDEX_AHEAD", "OPEN_SHARDS", "SWEEP_EVERY", "WALKS", "OpenShards"]
 
 OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RSS until dropped
 # Samples whose place a worker remembers after their shard's view is closed (about 100 bytes
@@ -59,6 +60,9 @@ OPEN_SHARDS = 8  # shard views a worker keeps open: mapped pages count in its RS
 # warm 110 KB samples.
 INDEX_SAMPLES = 250_000
 INDEX_AHEAD = 64  # shards hinted that a worker may have still to walk ahead of their reads
+# Published shards a worker walks a step at a time at once, each with its file open: past
+# these, a read of a shard whose samples are not known opens it whole (its walk done at once).
+WALKS = OPEN_SHARDS
 SWEEP_EVERY = 0.05  # seconds between looks for evicted files a worker still holds open
 # A walked table larger than this is not passed on (the agent takes messages up to 1 MiB):
 # about 7,000 samples of three fields; each worker walks a bigger shard itself.
@@ -104,7 +108,9 @@ class OpenShards:
             if not growing.current():  # published or abandoned: give its descriptor back
                 self.growing.pop(url).close()
         for url, walker in list(self.walking.items()):
-            if not walker.current():  # evicted or replaced while walked ahead
+            # Evicted or replaced while walked ahead, or no longer to be walked ahead (pushed out
+            # of to_index): a later read opens it whole, or walks it afresh.
+            if not walker.current() or url not in self.to_index:
                 self.walking.pop(url).close()
         for url, (identity, _) in list(self.views.items()):
             try:
@@ -287,6 +293,8 @@ class OpenShards:
             return None
         walker = self.walking.get(url)
         if walker is None:
+            if len(self.walking) >= WALKS:
+                return None  # opened whole instead: a read may name hundreds of such shards
             walker = self.walking[url] = GrowingShard(path, url=url, published=True)
         if not self.to_index or self.to_index[0] != url:
             if url in self.to_index:

@@ -11,13 +11,21 @@ not through the mapping, so a shard's payload pages are mapped in only when
 read.  Payloads are memoryviews into the read-only mapping: nobody can write
 through them, and closing a view never invalidates one still alive.  A view is
 not locked: it belongs to one thread.
+
+A mapping holds no file descriptor (:func:`map_file`): a worker's mappings stay alive while
+frames cut from them wait in ZeroMQ for slow consumers, and a read may name hundreds of small
+shards at once, so a descriptor per mapping (what Python's ``mmap`` keeps, a ``dup()`` of the
+file's) would make a worker's open files grow with its consumers and the shards they read.
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..shared.errors import ShardError
@@ -30,6 +38,56 @@ if TYPE_CHECKING:
     from .sampletable import SampleTables
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_munmap = _libc.munmap
+_munmap.restype = ctypes.c_int
+_munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_madvise = _libc.madvise
+_madvise.restype = ctypes.c_int
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+@dataclass(frozen=True)
+class FileMap:
+    """A file mapped whole, read-only and shared (:func:`map_file`): its bytes ``data``, mapped
+    at ``address``. The mapping lasts while any memoryview of it is alive (``data``, a slice of
+    it, a frame ZeroMQ still sends), and is unmapped when the last one goes."""
+
+    data: memoryview
+    address: int
+
+    def drop_pages(self, start: int, end: int) -> None:
+        """Bytes ``[start, end)`` leave our RSS (read again, they come back from the page cache)."""
+        first = start - start % mmap.PAGESIZE
+        end = min(end, len(self.data))
+        if end > first:
+            _madvise(self.address + first, end - first, mmap.MADV_DONTNEED)
+
+
+def map_file(fd: int) -> FileMap:
+    """The file open as ``fd``, mapped whole, read-only and shared, holding no descriptor: the
+    caller may close ``fd`` at once. (Python's ``mmap`` keeps a ``dup()`` of the file's
+    descriptor for the mapping's life; its ``trackfd=False`` comes only with Python 3.13.)
+
+    ValueError for an empty file, which cannot be mapped; OSError if the kernel refuses."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        raise ValueError("cannot map an empty file")
+    address = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map the file: {os.strerror(err)}")
+    pages = (ctypes.c_char * size).from_address(address)
+    # Every memoryview of the mapping, slices too, holds ``pages``: unmapped once the last is freed.
+    # Not at exit: a frame ZeroMQ's thread still sends would read unmapped memory.
+    weakref.finalize(pages, _munmap, address, size).atexit = False
+    return FileMap(memoryview(pages).cast("B").toreadonly(), address)
+
+
 class ShardView:
     """A cached shard's tar, mapped read-only, and its samples.
 
@@ -40,12 +98,11 @@ class ShardView:
     """
 
     def __init__(
-        self, data: mmap.mmap, *, url: str, samples: Sequence[SampleSpan], identity: tuple[int, ...] = ()
+        self, mapped: FileMap, *, url: str, samples: Sequence[SampleSpan], identity: tuple[int, ...] = ()
     ) -> None:
         self.url = url
         self.identity = identity  # of the file opened (file_identity), when opened from one
-        self._data: mmap.mmap | None = data
-        self._view: memoryview | None = memoryview(data).toreadonly()
+        self._map: FileMap | None = mapped
         self._samples = samples
 
     def __enter__(self) -> ShardView:
@@ -57,14 +114,14 @@ class ShardView:
     @property
     def closed(self) -> bool:
         """True once :meth:`close` has been called."""
-        return self._view is None
+        return self._map is None
 
     @property
     def data(self) -> memoryview:
         """The whole uncompressed tar, read-only: the offsets of :attr:`samples` index into it."""
-        if self._view is None:
+        if self._map is None:
             raise ValueError("shard view is closed")
-        return self._view
+        return self._map.data
 
     @property
     def samples(self) -> Sequence[SampleSpan]:
@@ -86,22 +143,18 @@ class ShardView:
         Safe while payloads there are still in use: the mapping is shared and
         read-only, so a page touched again is read back from the page cache.
         """
-        if self._data is not None and end > start:
-            first = start - start % mmap.PAGESIZE
-            self._data.madvise(mmap.MADV_DONTNEED, first, min(end, len(self._data)) - first)
+        if self._map is not None and end > start:
+            self._map.drop_pages(start, end)
 
     def close(self) -> None:
-        """Give back the shard's memory; idempotent."""
-        view, self._view = self._view, None
-        if view is None:
+        """Give back the shard's memory (unmapped at once unless payloads of it are alive); idempotent."""
+        mapped, self._map = self._map, None
+        if mapped is None:
             return
         try:
-            view.release()
-            if self._data is not None:
-                self._data.close()
+            mapped.data.release()
         except BufferError:
             pass  # buffers handed out are still alive: the memory stays until they go
-        self._data = None
 
     def _build(self, span: SampleSpan, copy: bool) -> Sample:
         view = self.data
@@ -127,7 +180,7 @@ def open_shard(
         samples: Sequence[SampleSpan] | None = tables.get(url, identity) if tables is not None else None
         tabled = samples is not None
         try:
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            mapped = map_file(f.fileno())
         except ValueError:  # an empty file cannot be mapped
             raise ShardError(url, "empty file, not a tar archive", offset=0) from None
         try:
@@ -138,9 +191,9 @@ def open_shard(
             if samples is None and growing is not None:
                 samples = growing.complete(f.fileno(), url)
             if samples is None:
-                samples = [span for span, _ in group_samples(walk(FileSpan(f.fileno(), 0, len(mapped)), url), url)]
+                samples = [span for span, _ in group_samples(walk(FileSpan(f.fileno(), 0, len(mapped.data)), url), url)]
         except BaseException:
-            mapped.close()
+            mapped.data.release()
             raise
     if tables is not None and not tabled:
         samples = tables.put(url, identity, samples) or samples  # kept packed, unless too many

@@ -13,6 +13,9 @@ Guarantees:
   given back in reverse order, the lock last, and what it made in the directory (lock file,
   token, index, folders; the directory itself) is removed (:meth:`CacheLayout.undo_start`).
 - Every file and socket the agent makes from here on is private to its user (umask 077).
+- The soft limit on open files is raised to the hard one before the workers start (they inherit
+  it), and a limit lower than the work may need (:func:`open_files_wanted`) is warned about, naming
+  it and how to raise it: an agent or a worker out of files fails reads for every consumer.
 - The start-up window's sizes are asked of their sources for at most the time an answer may take
   to begin (``Settings.answer_timeout``: the connect timeout, 10 s, and ``--read-timeout``), and
   no longer once the agent is told to stop: a size not known by then is unknown, as one a server
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import resource
 import threading
 import time
 from collections import deque
@@ -57,6 +61,11 @@ from .shard_download import Fetched, Gone, Unknown
 
 log = get_logger(__name__)
 
+# Open files an agent's processes need whatever the consumers: its workers' shards, downloads
+# in flight, sockets of its own, logs, the index. Each consumer (each DataLoader worker of each
+# rank) adds a connection to the agent and one to every worker: CONSUMERS of them are allowed for.
+OWN_FILES = 256
+CONSUMERS = 512
 PROBE_THREADS = 16  # the start-up window's sizes asked of their sources at once
 LOOK_EVERY = 0.25  # seconds between looks at the stop flag while sizes are asked
 # Seconds a start waits for an agent still running on the directory whose lock file was removed
@@ -114,6 +123,35 @@ class Taken:
     metrics: MetricsServer | None
 
 
+def open_files_wanted(cfg: AgentConfig) -> int:
+    """Open files the agent's busiest process may need: a connection and a file for each part of
+    each download (as many again for shards readers wait for), and CONSUMERS consumers' connections."""
+    return OWN_FILES + 2 * 2 * cfg.download_workers * cfg.download_parts + CONSUMERS
+
+
+def raise_open_files(cfg: AgentConfig) -> int:
+    """Raise the soft limit on open files (``ulimit -n``) to the hard one, for this process and the
+    workers it starts; warn if even that is below :func:`open_files_wanted`. The limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as exc:  # a hard limit the kernel caps lower (macOS's unlimited)
+            log.debug("the open files limit stays %d: %s", soft, exc)
+    wanted = open_files_wanted(cfg)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        log.warning(
+            "the limit on open files is %d (ulimit -n; hard limit %s): the agent or a sample worker may run "
+            "out of them with many consumers or downloads, and fail their reads; raise ulimit -n, or "
+            "LimitNOFILE= in a systemd unit, to %d or more",
+            soft,
+            "unlimited" if hard == resource.RLIM_INFINITY else hard,
+            wanted,
+        )
+    return soft
+
+
 def take_cache_dir(
     cfg: AgentConfig,
     layout: CacheLayout,
@@ -130,7 +168,8 @@ def take_cache_dir(
     once the lock is held. Whatever fails (a bad line of the list too) undoes what this start did
     there (agent.json removed), the lock released last. Once ``stop`` is set, a list still being
     read is not waited for (:class:`StoppedStarting`), nor sizes still asked of sources (the start
-    ends soon, for the agent to stop)."""
+    ends soon, for the agent to stop). The limit on open files is raised first (:func:`raise_open_files`)."""
+    raise_open_files(cfg)
     made = layout.prepare()
     root = os.stat(layout.root)
     os.umask(0o077)  # every file and socket we create is private to this user

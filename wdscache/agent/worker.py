@@ -49,8 +49,9 @@ from its partial file (:class:`~wdscache.agent.growing.GrowingShard`), only its 
 samples and never beyond the bytes written, so a reader need not wait for the
 whole shard. ``scan`` with ``while_downloading`` then answers the samples complete so far
 with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
-"corrupt" | "pending" | "protocol", "error": ...}``; "pending" means the sample is
-not in the partial file now (its download started over): ask again shortly.
+"corrupt" | "pending" | "protocol" | "fault", "error": ...}``; "pending" means the sample is
+not in the partial file now (its download started over): ask again shortly; "fault" is the
+agent's own (out of open files: :func:`~wdscache.shared.errors.out_of_files`), never the shard's.
 
 A worker that finds a published shard corrupt (a bad tar header) reports it to the agent
 (``corrupt_copy``) with the identity of the file it read, and the agent downloads that copy
@@ -90,7 +91,7 @@ from typing import Any
 
 import zmq
 
-from ..shared.errors import ConfigError, ProtocolError, ShardError
+from ..shared.errors import ConfigError, ProtocolError, ShardError, out_of_files
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger, log_uncaught
 from ..shared.logs import setup as setup_logs
@@ -337,6 +338,11 @@ class _Worker:
         except ProtocolError as exc:
             self._reply(ident, _error(rid, "protocol", str(exc)), proved=proved)
         except Exception as exc:  # one bad request must never take the worker down
+            fault = out_of_files(exc)
+            if fault is not None:  # ours, not the shard's: the consumer must not skip it for this
+                log.error("worker %d: %s", self.spec.index, fault)
+                self._reply(ident, _error(rid, "fault", fault), proved=proved)
+                return
             log.exception("worker %d: error serving a request", self.spec.index)
             self._reply(ident, _error(rid, "protocol", f"internal error: {type(exc).__name__}"), proved=proved)
 

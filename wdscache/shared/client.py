@@ -45,7 +45,15 @@ from typing import Any
 
 import zmq
 
-from .errors import AgentUnavailableError, ConfigError, FetchError, NotTrustedError, ProtocolError, failed_shard
+from .errors import (
+    AgentUnavailableError,
+    ConfigError,
+    FetchError,
+    NotTrustedError,
+    ProtocolError,
+    WdsCacheError,
+    failed_shard,
+)
 from .layout import CacheLayout
 from .messages import Requests
 from .protocol import (
@@ -265,13 +273,16 @@ class AgentConnection:
 
         A reply marked ``retry`` (the agent could not write its index for a moment, or has no
         room yet for a job's own list) is asked again until the timeout; the last such reply is
-        returned then.
+        returned then. One marked ``fault`` (the agent failed for a fault of its own: out of open
+        files) raises WdsCacheError, whatever the request: no shard is to blame.
         """
         wait = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + wait
         try:
             while True:
                 reply = self._exchange(header, deadline)
+                if reply.get("fault") is True:
+                    raise WdsCacheError(f"the agent at {self.endpoint} cannot serve: {reply.get('error')}")
                 left = deadline - time.monotonic()
                 if not reply.get("retry") or left <= 0:
                     return reply

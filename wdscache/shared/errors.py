@@ -27,9 +27,11 @@ a context of a single value is a keyword (``NoCacheError(cache_dir=...)``); and 
 
 from __future__ import annotations
 
+import errno
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .redact import redact_urls
@@ -217,3 +219,20 @@ def failed_shard(url: str, reply: dict[str, Any], *, permanent: bool = False) ->
     if reply.get("corrupt") is True:
         return ShardError(url, error)
     return FetchError(url, error, permanent=permanent)
+
+
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)  # this process's limit on open files, or the system's
+
+
+def out_of_files(exc: BaseException) -> str | None:
+    """What to say of ``exc`` when it is the agent's fault, not a shard's: out of open files (its
+    limit, or the system's). None for any other error."""
+    if not isinstance(exc, OSError) or exc.errno not in OUT_OF_FILES:
+        return None
+    return f"too many open files ({os.strerror(exc.errno or 0)}): raise ulimit -n / LimitNOFILE for the agent"
+
+
+def worker_fault(endpoint: str, reply: Mapping[str, Any]) -> WdsCacheError:
+    """The error of a worker's answer of kind ``fault`` (a fault of the agent's, such as
+    :func:`out_of_files`): raised at once, whatever ``on_error``, as no shard is to blame."""
+    return WdsCacheError(f"a sample worker of the agent at {endpoint} cannot serve: {reply.get('error')}")

@@ -41,6 +41,7 @@ class AuthMessage(TypedDict):
 class AuthReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     run: str
     endpoint: str
     proof: str
@@ -70,6 +71,7 @@ class HelloMessage(_HelloRequired, total=False):
 class HelloReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     need_urls: bool
     workers: list[str]
     prefetch: int
@@ -94,6 +96,7 @@ class PutUrlsMessage(_PutUrlsRequired, total=False):
 class PutUrlsReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
 
 
 class _GetUrlsRequired(TypedDict):
@@ -109,6 +112,7 @@ class GetUrlsMessage(_GetUrlsRequired, total=False):
 class GetUrlsReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     list_id: str
     urls: list[str]
 
@@ -131,6 +135,7 @@ class OpenMessage(_OpenRequired, total=False):
 class OpenReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     need_hello: bool
     cached: bool
     while_downloading: bool
@@ -151,6 +156,7 @@ class StatusMessage(TypedDict):
 class StatusReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     state: str
     written: int
     total: int
@@ -168,6 +174,7 @@ class ReleaseMessage(TypedDict):
 class ReleaseReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
 
 
 class _ReportRequired(TypedDict):
@@ -190,6 +197,7 @@ class ReportMessage(_ReportRequired, total=False):
 class ReportReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     need_hello: bool
 
 
@@ -210,6 +218,7 @@ class PingMessage(_PingRequired, total=False):
 class PingReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     need_hello: bool
     known: bool
 
@@ -231,6 +240,7 @@ class ByeMessage(_ByeRequired, total=False):
 class ByeReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
 
 
 class CountsMessage(TypedDict):
@@ -241,6 +251,7 @@ class CountsMessage(TypedDict):
 class CountsReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     counts: list[Any]
 
 
@@ -253,6 +264,7 @@ class CorruptMessage(TypedDict):
 class CorruptReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
 
 
 class _StatsRequired(TypedDict):
@@ -266,6 +278,7 @@ class StatsMessage(_StatsRequired, total=False):
 class StatsReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     stats: dict[str, Any]
 
 
@@ -281,6 +294,7 @@ class EvictMessage(_EvictRequired, total=False):
 class EvictReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     evicted: list[str]
     bytes: int
     refused: list[Any]
@@ -298,6 +312,7 @@ class ClearMessage(_ClearRequired, total=False):
 class ClearReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     evicted: list[str]
     bytes: int
     refused: list[Any]
@@ -317,6 +332,7 @@ class PrefetchMessage(_PrefetchRequired, total=False):
 class PrefetchReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     asked: int
 
 
@@ -328,6 +344,7 @@ class PrefetchStatusMessage(TypedDict):
 class PrefetchStatusReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     total: int
     cached: int
     failed: int
@@ -348,6 +365,7 @@ class PrefetchEndMessage(TypedDict):
 class PrefetchEndReply(TypedDict, total=False):
     ok: bool
     error: str
+    fault: bool
     ended: bool
 
 
@@ -493,8 +511,8 @@ class ScannedReply(_ScannedRequired, total=False):
 
 
 #: Why a worker could not answer: no proof of the token, no such shard, not in the download so
-#: far (ask again shortly), a damaged shard, a bad request.
-WorkerErrorKind = Literal["refused", "missing", "pending", "corrupt", "protocol"]
+#: far (ask again shortly), a damaged shard, a bad request, a fault of the agent's own (out of open files).
+WorkerErrorKind = Literal["refused", "missing", "pending", "corrupt", "protocol", "fault"]
 
 
 class _WorkerErrorRequired(TypedDict):

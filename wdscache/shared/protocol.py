@@ -375,7 +375,10 @@ class Message:
     about: str = ""
 
 
-_ERROR = {"ok": "bool", "error": "str?"}
+# An agent's reply: ``fault`` when it failed for a fault of its own (out of open files), not the
+# request's nor a shard's. A worker's says so by its kind (_WORKER_ERROR).
+_ERROR = {"ok": "bool", "error": "str?", "fault": "bool?"}
+_WORKER_REPLY = {"ok": "bool", "error": "str?"}
 # A reader that said hello marks its opens, pings and reports (said_hello); the agent refuses
 # them with need_hello once it dropped the reader (silent past --reader-timeout), so that the
 # reader says hello again rather than go on unknown, as a plain client.
@@ -691,7 +694,7 @@ MESSAGES: tuple[Message, ...] = (
         "worker",
         {"urls": "list[str]", "direct": "bool?", "places": "bool?"},
         {
-            **_ERROR,
+            **_WORKER_REPLY,
             "proof": "str",
             "keys": "list[str]",
             "layouts": "list",
@@ -708,7 +711,7 @@ MESSAGES: tuple[Message, ...] = (
         "consumer",
         "worker",
         {"url": "str", "while_downloading": "bool?"},
-        {**_ERROR, "proof": "str", "count": "int", "final": "bool", **_WORKER_ERROR},
+        {**_WORKER_REPLY, "proof": "str", "count": "int", "final": "bool", **_WORKER_ERROR},
         about="a shard's sample count (so far, for a download); the reply's op is 'scanned' (or 'error')",
     ),
 )

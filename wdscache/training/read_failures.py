@@ -1,14 +1,15 @@
 """What an epoch stream does when a read fails, in the training process.
 
-A worker's answer to a read may be a failure (``kind``: refused, missing, pending, corrupt, or
-a shard that cannot be read), a direct read of the cache files may fail, a request may get no
+A worker's answer to a read may be a failure (``kind``: refused, missing, pending, corrupt, a
+fault of the agent's own, or a shard that cannot be read), a direct read of the cache files may fail, a request may get no
 answer in time, and ``on_error``'s handler may say stop. :class:`ReadFailures` moves each read
 concerned on by the transitions of :mod:`wdscache.training.reads` (the read table stays the one
 record of each read's state), keeps the pin counts as the reads hold them, and says when the
 epoch ends. With ``on_error="raise"`` a shard's failure ends the epoch at the shard's first
 sample not handed out and raises, naming the shard, once every sample before it is handed out
 (a read that holds some of them and items of the shard is cut and asked again for them: see
-:meth:`ReadFailures.stop_at`); a worker refusing the consumer raises at once, whatever ``on_error``.
+:meth:`ReadFailures.stop_at`); a worker refusing the consumer, or failing for a fault of the
+agent's (out of open files), raises at once, whatever ``on_error``: no shard is blamed for it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..shared.errors import NotTrustedError, ShardError
+from ..shared.errors import NotTrustedError, ShardError, worker_fault
 from ..shared.logs import get_logger
 from .direct import StaleFile
 from .epoch_shards import StopEpoch, judge, shard_error
@@ -52,6 +53,8 @@ class ReadFailures:
             raise NotTrustedError(
                 f"a worker of the agent at {stream.settings.endpoint} refused this consumer: {header.get('error')}"
             )
+        if kind == "fault":  # the agent's (out of open files, say): never a shard's, never skipped
+            raise worker_fault(stream.settings.endpoint, header)
         if kind == "missing":
             # Evicted behind our back (the agent restarted and lost our pins, say): pin again,
             # which needs the agent, so not here (we may be inside a request to it): see recover.

@@ -38,7 +38,7 @@ from operator import itemgetter, length_hint
 from typing import Any, cast
 
 from ..shared.client import BYE_TIMEOUT, AgentConnection
-from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError
+from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError, worker_fault
 from ..shared.logs import get_logger
 from ..shared.messages import END_ERROR_MAX, Requests, WorkerRequest
 from ..shared.mixture import MixSpec
@@ -499,6 +499,8 @@ class EpochStream:
             while self.call_replies[rid] is None and time.monotonic() < again and self.workers is links:
                 self._receive()
             reply = self.call_replies.pop(rid)
+            if reply is not None and reply.get("kind") == "fault":  # the agent's, not the shard's
+                raise worker_fault(self.settings.endpoint, reply)
             if reply is not None:
                 return reply
             if self.workers is not links:
