@@ -94,10 +94,11 @@ def _unstarted(cache: str) -> None:
 
 def _reporters_left() -> int:
     """The report threads still running once the garbage is collected (a reporter sees its stream
-    gone at its next report, a second at most)."""
-    gc.collect()
+    gone at its next report, a second at most). Collected again while we wait, as the interpreter
+    would: a reporter still connecting holds its loader (and so its stream) until it has connected."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and _reporters():
+        gc.collect()
         time.sleep(0.05)
     return len(_reporters())
 
