@@ -24,12 +24,14 @@ import pytest
 from scripts.shard_maker import make_shard, synth_samples, write_url_list
 from tests.helpers.agents import run_wdscache
 from tests.helpers.net import free_port_range
-from tests.helpers.procs import alive, children_of, cmdline, rss_kib, worker_pids
+from tests.helpers.procs import alive, children_of, cmdline, kill_left, rss_kib, worker_pids
 from tests.helpers.streaming import delivered, reference
 from tests.helpers.waits import stop_process, wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardError, WdsCacheError
 from wdscache.agent.worker import REPORT_EVERY
 from wdscache.shared.layout import CacheLayout
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LOADER_TIMEOUT = 20.0
 PROC_DEADLINE = 60.0
@@ -432,6 +434,30 @@ def test_a_map_worker_that_dies_ends_the_epoch_with_an_error_naming_map(tmp_path
     monkeypatch.setattr(loader_module, "MAP_TIMEOUT", 2.0)
     with pytest.raises(TimeoutError, match=r"^map=<function _dies .*> gave no result for an item within 2 s: .*died"):
         list(loader(cache, "dies", shuffle=False, map=_dies, workers=1))
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_of_a_loader_with_map_workers_shows_one_traceback(tmp_path, dataset, start_agent):
+    # A terminal's Ctrl-C reaches the whole process group: the map pool's processes included.
+    data = dataset(2, samples=20, payload=300)
+    cache = tmp_path / "cache"
+    start_agent(cache, data.list_file)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.map_interrupted_job", str(cache)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert job.stdout is not None
+        assert job.stdout.readline() == "reading\n", job.stderr.read() if job.stderr else ""
+        os.killpg(job.pid, signal.SIGINT)
+        _, err = job.communicate(timeout=30)
+    finally:
+        kill_left([job])
+    assert job.returncode != 0 and err.count("Traceback") == 1 and err.rstrip().endswith("KeyboardInterrupt"), err
 
 
 def test_tuning_knobs_are_one_record_and_keywords_still_work(tmp_path):

@@ -61,6 +61,7 @@ import functools
 import inspect
 import os
 import pickle
+import signal
 import sys
 import uuid
 from collections import Counter, deque
@@ -748,7 +749,11 @@ def _mapped(items: Iterator[Any], fn: Callable[[Any], Any], workers: int) -> Ite
         return
     import multiprocessing
 
-    pool = multiprocessing.get_context(_start_method()).Pool(workers)
+    # Its processes ignore SIGINT: a Ctrl-C at a terminal reaches the whole process group, and the
+    # training process's KeyboardInterrupt ends the pool (below); each one's own would be noise.
+    pool = multiprocessing.get_context(_start_method()).Pool(
+        workers, initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)
+    )
     try:
         ahead: deque[Any] = deque()
         for item in items:
