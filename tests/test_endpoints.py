@@ -92,27 +92,10 @@ def test_a_consumer_at_another_endpoint_is_told_where_the_agent_listens(dataset,
 def test_an_agent_on_an_ipv6_loopback_address_serves(dataset, start_agent, tmp_path):
     # It exited 2: "cannot listen on tcp://[::1]:PORT for a sample worker (No such device)".
     ds = dataset(2)
-    endpoint = f"tcp://[::1]:{_free_ipv6_ports(2)}"
+    endpoint = f"tcp://[::1]:{free_port_range(2, ('127.0.0.1', '::1'))}"
     agent = start_agent(tmp_path / "cache", ds.list_file, "--endpoint", endpoint)
     assert agent.stats()["agent"]["endpoint"] == endpoint
     _assert_consumers_find(agent, ds)
-
-
-def _free_ipv6_ports(n: int) -> int:
-    """A port P with P..P+n-1 free on ::1 now (and on 127.0.0.1: free_port_range's pick)."""
-    for _ in range(50):
-        base = free_port_range(n)
-        socks = [socket.socket(socket.AF_INET6) for _ in range(n)]
-        try:
-            for i, s in enumerate(socks):
-                s.bind(("::1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    pytest.fail(f"found no {n} consecutive free ports on ::1", pytrace=False)
 
 
 @pytest.mark.slow
