@@ -13,8 +13,10 @@ import subprocess
 import pytest
 
 from scripts.console import wdscache_exe
+from tests.helpers.procs import kill_left
 from wdscache import NotTrustedError
 from wdscache.shared.client import ShardClient
+from wdscache.shared.index import Index, ShardRecord, ShardState
 from wdscache.shared.layout import CacheLayout
 
 
@@ -102,3 +104,27 @@ def test_a_wrong_token_or_another_caches_endpoint_is_named_in_the_not_trusted_er
         "cache's agent, or another user's process may listen there; check the token, the endpoint and who "
         "runs the agent on it"
     )
+
+
+def test_a_json_document_cut_by_its_reader_going_away_exits_as_one_killed_by_sigpipe(tmp_path):
+    # One large write into a pipe whose reader leaves midway is taken in part, and Python's stdout
+    # counted it done: the document cut, exit 0.
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    index = Index(CacheLayout.of(cache).index_dir)
+    try:
+        with index._db.transact():
+            for i in range(1500):
+                index.put(ShardRecord(f"http://127.0.0.1:9/d/shard-{i:06d}.tar", ShardState.CACHED, size=1000))
+    finally:
+        index.close()
+    ls = subprocess.Popen(
+        [wdscache_exe(), "ls", "--cache-dir", cache, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert ls.stdout is not None and ls.stdout.read(100).startswith(b"[")
+        ls.stdout.close()  # (a reader that took what it wanted: head -c 100)
+        _, err = ls.communicate(timeout=30)
+    finally:
+        kill_left([ls])
+    assert (ls.returncode, err) == (141, b"")

@@ -41,7 +41,26 @@ def _echo(text: str = "", **kwargs: Any) -> None:
 
 def _echo_json(obj: object) -> None:
     """Print ``obj`` as JSON, every string in it (keys too) with its URLs redacted."""
-    click.echo(json.dumps(redacted(obj), indent=2))
+    _write_out(json.dumps(redacted(obj), indent=2))
+
+
+def _write_out(text: str) -> None:
+    """``text`` (a JSON document, in one piece) and a newline on standard output, written whole: a
+    pipe whose reader goes away in the middle of one large write takes part of it, which Python's
+    stdout counts as done (the output cut, exit 0); written on, the rest meets the broken pipe
+    (see :class:`_Main`). (Lines written one by one meet it as they are flushed.)"""
+    out = sys.stdout
+    if out is None:  # (no standard output at all: nothing is shown, as click does)
+        return
+    try:
+        fd = out.fileno()
+    except (OSError, ValueError):  # not a file (a test runner's capture)
+        click.echo(text)
+        return
+    out.flush()
+    data = memoryview((text + "\n").encode(out.encoding or "utf-8", errors="backslashreplace"))
+    while data:
+        data = data[os.write(fd, data) :]
 
 
 def _fail(exc: WdsCacheError, log_format: str = DEFAULT_FORMAT) -> NoReturn:
