@@ -21,8 +21,10 @@ file's) would make a worker's open files grow with its consumers and the shards 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -77,14 +79,20 @@ def map_file(fd: int) -> FileMap:
     size = os.fstat(fd).st_size
     if size == 0:
         raise ValueError("cannot map an empty file")
+    if size > sys.maxsize:  # (a 32-bit process: c_size_t would map a cut length)
+        raise OSError(errno.EFBIG, f"cannot map a file of {size} bytes in this process")
     address = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if address is None or address == _MAP_FAILED:
         err = ctypes.get_errno()
         raise OSError(err, f"cannot map the file: {os.strerror(err)}")
-    pages = (ctypes.c_char * size).from_address(address)
-    # Every memoryview of the mapping, slices too, holds ``pages``: unmapped once the last is freed.
-    # Not at exit: a frame ZeroMQ's thread still sends would read unmapped memory.
-    weakref.finalize(pages, _munmap, address, size).atexit = False
+    try:
+        pages = (ctypes.c_char * size).from_address(address)
+        # Every memoryview of the mapping, slices too, holds ``pages``: unmapped once the last is
+        # freed. Not at exit: a frame ZeroMQ's thread still sends would read unmapped memory.
+        weakref.finalize(pages, _munmap, address, size).atexit = False
+    except BaseException:  # (nothing will unmap it else)
+        _munmap(address, size)
+        raise
     return FileMap(memoryview(pages).cast("B").toreadonly(), address)
 
 
