@@ -902,7 +902,7 @@ def _live_view(s: dict) -> str:
     from datetime import datetime
 
     from .shared.stats import latest_ended, silent_workers
-    from .shared.verdict import disk_short, verdicts
+    from .shared.verdict import disk_short, files_short, verdicts
 
     used, limit = s["bytes_used"], s.get("bytes_limit")
     agent = s.get("agent") or {}
@@ -939,6 +939,9 @@ def _live_view(s: dict) -> str:
     short = disk_short(s)
     if short:
         lines.append(f"disk       {short}")
+    files = files_short(s)
+    if files:
+        lines.append(f"files      {files}")
     judged = verdicts(s)
     for job, ranks in sorted(s.get("jobs", {}).items()):
         rate = sum(r.get("rate", 0) for r in ranks.values())

@@ -571,6 +571,7 @@ def _live_stats(agent: Agent) -> dict[str, Any]:
         "retrying": agent.downloads.retrying(waited),
         "need_bytes": agent.readers.need(agent.opens.held)[0],
         "disk": agent.downloads.disk(),
+        "out_of_files": agent.downloads.out_of_files(),
     }
     state = {"bytes_limit": cache.limit, "shards": by_state, "agent": agent_view}
     readers = agent.readers.view(lambda job: starved_by(state, job) or "latency")

@@ -28,6 +28,12 @@ Guarantees (threads):
   ``DISK_FULL_PAUSE`` after the last refusal; while paused, or while a shard a reader waits for
   waits for space below ``--min-free``, stats say the disk is short (:meth:`Downloads.disk`),
   with the file system's free bytes and the refusal.
+- A download that finds no file to spare (EMFILE, ENFILE: for a connection, its partial file, a
+  part's file) meets the agent's fault, never its shard's: the shard is never failed nor recorded
+  failed for it. Its thread waits, keeping its slot and its partial file, and tries it again
+  (from where its partial file ends) after a backoff (``FILES_BACKOFF``: 0.5 s, doubled each time
+  in a row, at most 5 s: files come free as connections close, or once the limit is raised). Stats and a waiting reader's status say so (:meth:`Downloads.out_of_files`,
+  :meth:`Downloads.progress`), and the log, at most once every ``FILES_LOG_EVERY``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
-from ..shared.errors import FetchError
+from ..shared.errors import FetchError, out_of_files
 from ..shared.index import ShardRecord, ShardState
 from ..shared.logs import event, get_logger
 from ..shared.shard_index import ShardInfo, file_facts
@@ -62,7 +68,7 @@ from .events import (
 )
 from .fetch import Fetcher
 from .grants import NO_HOLD, Grants, NoRoom, PrefetchHold
-from .shard_download import Budget, Cancelled, DiskFull, Download, Fetched, Progress
+from .shard_download import Backoff, Budget, Cancelled, DiskFull, Download, Fetched, Progress
 from .shards import Shards
 from .validators import common_validator, etag_md5
 
@@ -74,6 +80,9 @@ DISK_FULL_PAUSE = 2.0  # after ENOSPC, no new download starts for this long
 # come, go and say hello; each flicker must not cost a download).
 CANCEL_AFTER = 3.0
 JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
+# A download out of open files is tried again after this long, doubled each time in a row, at most the max.
+FILES_BACKOFF = Backoff(0, 0.5, 5.0)
+FILES_LOG_EVERY = 60.0  # downloads out of open files are logged (as warnings) at most this often
 
 
 class DiskShort(enum.Enum):
@@ -157,6 +166,7 @@ class Downloads:
         self._gave_way: set[str] = set()
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
+        self._files_logged: float | None = None  # time.monotonic() of the last warning of files run out
         self._finished_bytes = 0  # bytes fetched by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
 
@@ -197,7 +207,8 @@ class Downloads:
 
     def progress(self, url: str) -> dict[str, Any]:
         """Bytes written so far and the size, of a download of ``url`` ({} if none), and
-        while its attempts fail, the last one's failure (``failing``)."""
+        while its attempts fail, the last one's failure (``failing``); while it waits for open
+        files, the agent's fault that holds it (``agent_fault``)."""
         d = self._download(url)
         if d is None or d.verify:
             return {}
@@ -205,6 +216,8 @@ class Downloads:
         got: dict[str, Any] = {"written": d.progress.written + d.progress.expanded, "total": d.progress.total}
         if d.progress.failing:
             got["failing"] = d.progress.failing
+        if d.progress.fault:
+            got["agent_fault"] = d.progress.fault
         return got
 
     def space_wait(self, url: str) -> str | None:
@@ -225,6 +238,10 @@ class Downloads:
     def disk(self) -> dict[str, Any]:
         """The cache's file system as stats show it (:meth:`DiskRoom.view`)."""
         return self._disk.view()
+
+    def out_of_files(self) -> str | None:
+        """While some download waits for open files (the agent ran out of them), what that error says."""
+        return next((s.download.progress.fault for s in self._shards.slots() if s.download.progress.fault), None)
 
     def retrying(self, waited_for: Mapping[str, Collection[str]]) -> list[dict[str, Any]]:
         """The downloads whose last attempt failed, retried after a backoff: each with that failure,
@@ -516,9 +533,7 @@ class Downloads:
         try:
             if d.verify:
                 return self._revalidate(d)
-            if d.cancel.is_set():
-                raise Cancelled(d.url)
-            return Downloaded(d, self._fetcher.fetch(d))
+            return Downloaded(d, self._fetch(d))
         except Cancelled:
             return DownloadCancelled(d)
         except DiskFull as exc:
@@ -528,6 +543,50 @@ class Downloads:
         except Exception as exc:  # a bug must not kill the thread and hang the agent
             log.exception("unexpected error downloading %s", d.url)
             return DownloadFailed(d, FetchError(d.url, f"internal error: {exc!r}"))
+
+    def _fetch(self, d: Download) -> Fetched:
+        """Fetch ``d``; while the agent is out of open files, wait and try again, from where the
+        partial file ends (see the module). Its ``progress.fault`` says so until it ends."""
+        short = 0  # times in a row it found no file to spare
+        while True:
+            if d.cancel.is_set():
+                raise Cancelled(d.url)
+            try:
+                fetched = self._fetcher.fetch(d)
+            except (Cancelled, DiskFull):
+                raise
+            except Exception as exc:
+                fault = out_of_files(exc)
+                if fault is None:
+                    raise
+                short += 1
+                d.progress.fault = fault
+                self._out_of_files(d, fault, FILES_BACKOFF.delay(min(short, 16)))  # (at the max long before 16)
+                continue
+            d.progress.fault = None
+            return fetched
+
+    def _out_of_files(self, d: Download, fault: str, delay: float) -> None:
+        """In ``d``'s thread: say that it found no file to spare (a warning at most every
+        ``FILES_LOG_EVERY``), and wait ``delay`` (Cancelled if cancelled meanwhile)."""
+        now = time.monotonic()
+        warn = self._files_logged is None or now - self._files_logged >= FILES_LOG_EVERY
+        if warn:  # (threads may both warn at once: no harm)
+            self._files_logged = now
+        event(
+            log,
+            "out_of_files",
+            "%s: %s; trying it again in %.1fs",
+            d.url,
+            fault,
+            delay,
+            level=logging.WARNING if warn else logging.DEBUG,
+            url=d.url,
+            delay_s=round(delay, 1),
+            error=fault,
+        )
+        if d.cancel.wait(delay):
+            raise Cancelled(d.url)
 
     def _revalidate(self, d: Download) -> Revalidated:
         """Ask the source of the cached ``d.url`` what it holds now. When that has no validator in

@@ -70,7 +70,7 @@ import requests
 import urllib3
 
 from ..shared.config import AgentConfig, default, parse_size
-from ..shared.errors import FetchError
+from ..shared.errors import FetchError, out_of_files
 from ..shared.logs import event, get_logger
 from ..shared.tarwalk import GZIP_MAGIC, cut_problem, file_problem
 from .parted import PartedFetch
@@ -231,6 +231,10 @@ class Fetcher:
             except FetchError:  # final (a FetchError is an OSError too: not one to retry)
                 raise
             except RETRIED as exc:
+                if out_of_files(
+                    exc
+                ):  # the agent's fault, not the source's: its download ends (wdscache.agent.downloads)
+                    raise
                 cause = cause_of(exc)
                 detail = f"{type(exc).__name__}: {short(exc)}"
                 reason, delay = (f"{cause} ({detail})" if cause else detail), None

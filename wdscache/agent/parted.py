@@ -21,7 +21,7 @@ import requests
 import urllib3
 
 from ..shared.config import format_size
-from ..shared.errors import FetchError
+from ..shared.errors import FetchError, out_of_files
 from ..shared.logs import get_logger
 from ..shared.tarwalk import HEAD_BYTES
 from .parts import ByteRange, Plan, Stopped, append_side, remove_side_files, side_files
@@ -225,6 +225,8 @@ class PartedFetch:
                 urllib3.exceptions.HTTPError,
                 OSError,
             ) as exc:
+                if out_of_files(exc):  # the agent's fault: the download stops, its parts with it, and waits for files
+                    raise
                 reason, delay = f"{type(exc).__name__}: {short(exc)}", None
             if part.have > before:
                 failures = 0

@@ -64,6 +64,9 @@ class Progress:
     # A validator the source refused for a part of its own version: parts from it would never end.
     refused: str | None = None
     failing: str | None = None  # the last attempt's failure, while the retries go on (for a reader's status)
+    # While the download waits for open files (the agent ran out of them: its fault, not the
+    # shard's), what that error says (wdscache.agent.downloads).
+    fault: str | None = None
     unended: int | None = None  # the length of a body that came without one, nor its tar's end (see fetch)
 
 

@@ -226,10 +226,24 @@ OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)  # this process's limit on open file
 
 def out_of_files(exc: BaseException) -> str | None:
     """What to say of ``exc`` when it is the agent's fault, not a shard's: out of open files (its
-    limit, or the system's). None for any other error."""
-    if not isinstance(exc, OSError) or exc.errno not in OUT_OF_FILES:
-        return None
-    return f"too many open files ({os.strerror(exc.errno or 0)}): raise ulimit -n / LimitNOFILE for the agent"
+    limit, or the system's). None for any other error.
+
+    The error may be wrapped: a socket a connection could not make is an OSError inside urllib3's
+    and requests' errors (as their cause, ``reason`` or argument), so the chain is looked through."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in OUT_OF_FILES:
+            return f"too many open files ({os.strerror(e.errno or 0)}): raise ulimit -n / LimitNOFILE for the agent"
+        context = None if e.__suppress_context__ else e.__context__
+        todo.extend(
+            x for x in (e.__cause__, context, getattr(e, "reason", None), *e.args) if isinstance(x, BaseException)
+        )
+    return None
 
 
 def worker_fault(endpoint: str, reply: Mapping[str, Any]) -> WdsCacheError:

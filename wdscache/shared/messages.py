@@ -163,6 +163,7 @@ class StatusReply(TypedDict, total=False):
     reason: str
     corrupt: bool
     failing: str
+    agent_fault: str
 
 
 class ReleaseMessage(TypedDict):

@@ -500,9 +500,11 @@ MESSAGES: tuple[Message, ...] = (
             "reason": "str?",
             "corrupt": "bool?",
             "failing": "str?",
+            "agent_fault": "str?",
         },
         about="where a shard stands: cached, downloading, queued (and why), failed, unknown; "
-        "failing: the last attempt's failure while its download retries",
+        "failing: the last attempt's failure while its download retries; agent_fault: a fault of the "
+        "agent's own that keeps downloads from going on (out of open files), not the shard's",
     ),
     Message("release", "consumer", "agent", {"reader": "str", "urls": "list[str]"}, _ERROR, about="unpin shards"),
     Message(

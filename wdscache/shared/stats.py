@@ -32,6 +32,9 @@ The object (also ``wdscache stats --json``)::
                       (--min-free), short: null | "full" (it refused a write: no download starts
                       until it has room) | "min_free" (a shard a reader waits for waits for space:
                       less than --min-free is free), error (the write refused, or why it waits)},
+                      out_of_files: null | the error, while downloads wait for open files (a download
+                      found none to spare: the agent's fault, never the shard's, which is tried again
+                      after a backoff),
                       retrying: [{url, error, demanded, jobs}] (downloads whose last attempt failed,
                       retried after a backoff: that attempt's failure, whether a reader waits for the
                       shard, and the jobs whose readers do), demanded (shards readers wait for),
@@ -94,7 +97,7 @@ from .layout import CacheLayout
 from .messages import Requests
 from .protocol import process_identity
 from .redact import redacted, shown_names
-from .verdict import SILENT_AFTER, STARVED, disk_short, ended_verdict, job_verdict
+from .verdict import SILENT_AFTER, STARVED, disk_short, ended_verdict, files_short, job_verdict
 
 STATES = ("cached", "downloading", "queued", "failed")
 ANSWER_TIMEOUT = 5.0  # seconds a running agent gets to answer stats before it is shown as not answering
@@ -387,6 +390,9 @@ def format_stats(s: dict[str, Any]) -> str:
     short = disk_short(s)
     if short:
         lines.append(f"disk       {short}")
+    files = files_short(s)
+    if files:
+        lines.append(f"files      {files}")
     for job, ranks in sorted(s.get("jobs", {}).items()):
         lines.append(f"job {job}: {job_verdict(s, ranks, job).text}")  # the cause, and what to do
         for rank, r in sorted(ranks.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0):

@@ -102,6 +102,13 @@ def disk_short(stats: dict[str, Any]) -> str | None:
     )
 
 
+def files_short(stats: dict[str, Any]) -> str | None:
+    """That the agent is out of open files, as a sentence that says what to do (``agent.out_of_files``),
+    while downloads wait for them; None while they do not, or without an agent that says."""
+    fault = (stats.get("agent") or {}).get("out_of_files")
+    return f"the agent is out of open files, downloads wait: {fault}" if fault else None
+
+
 def _queued_waits(stats: dict[str, Any], job: str | None) -> int:
     """How many of the shards readers (of ``job``) wait for wait for a download slot; from an agent
     that does not say (an older one), every queued shard is taken for one."""

@@ -6,7 +6,8 @@ we wait for grew (the agent's ``written``), or the user handed control back betw
 samples. Every wait of the stream checks the clock (:meth:`ProgressClock.check_stall`) or
 is cut to what is left of it (:meth:`ProgressClock.left`); past the timeout the error
 names the reason the agent gives for the shard waited for, or that its workers did not
-answer.
+answer; a wait the agent says is its own fault (out of open files: the status's ``agent_fault``)
+is a WdsCacheError naming it, not the shard's FetchError, so that no ``on_error`` skips the shard.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..shared.client import AgentConnection
-from ..shared.errors import AgentUnavailableError, FetchError
+from ..shared.errors import AgentUnavailableError, FetchError, WdsCacheError
 from ..shared.messages import Requests
 
 WORKERS_SILENT = "its workers did not answer"  # the hint of a stall while the agent itself answers
@@ -63,6 +64,11 @@ class ProgressClock:
         url = self.urls[shard]
         if status is None:
             status = self.conn.request(self.requests.status(url), timeout=min(2.0, timeout))
+        if status.get("agent_fault"):
+            raise WdsCacheError(
+                f"no progress for {timeout:g}s on {url}: the agent at {self.endpoint} cannot download it: "
+                f"{status['agent_fault']}"
+            )
         raise FetchError(url, f"no progress for {timeout:g}s: {why_not_there(status)}")
 
 

@@ -1,0 +1,120 @@
+"""Downloads out of open files: the agent's fault, never a shard's. A real agent (started through
+the CLI) downloads from the loopback server; once a consumer reads, the agent's own limit on open
+files (not its workers') is lowered to what it holds, so that no download can open a socket or
+its partial file; later it is raised again.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tests.helpers.streaming import reference
+from wdscache import CachedMultiLoader, FetchError, ShardClient, Tuning, WdsCacheError
+
+SHARDS, SAMPLES = 24, 4
+
+
+def lowest_free_fd(pid: int) -> int:
+    held = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+    return next(n for n in range(len(held) + 1) if n not in held)
+
+
+def starve(pid: int) -> tuple[int, int]:
+    """Let ``pid`` open no more files; the limits it had."""
+    was = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    free = lowest_free_fd(pid)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (free, was[1]))
+    return was
+
+
+def watch_until(client: ShardClient, seen: dict[str, Any], deadline: float) -> None:
+    """Stats (over ``client``'s connection, made before the agent ran out) until they say the
+    agent is out of open files or some shard failed, kept in ``seen``."""
+    while time.monotonic() < deadline:
+        s = client.stats(timeout=5)
+        if s["agent"].get("out_of_files") or s["shards"].get("failed"):
+            seen["stats"] = s
+            return
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_an_agent_out_of_files_fails_no_shard_and_the_epoch_completes(tmp_path, dataset, start_agent):
+    """Downloads that could not open a file were failed attempts of their shard's: after the
+    retries the shard FAILED (in the index too, so later epochs skipped it), and a consumer with
+    on_error="skip" dropped its samples. Now the downloads wait, the stats say why, and once the
+    limit is raised again the epoch is whole."""
+    data = dataset(SHARDS, samples=SAMPLES, payload=200)
+    agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "2", "--retries", "1")
+    seen: dict[str, Any] = {}
+    got: list[tuple[str, str]] = []
+    with ShardClient(agent.cache_dir, timeout=10) as client:
+        client.stats()  # connected now: a connection made while the agent is out of files would wait
+        raised = threading.Event()
+        with CachedMultiLoader(
+            cache_dir=agent.cache_dir, shuffle=False, on_error="skip", timeout=60, tuning=Tuning(request_size=2)
+        ) as loader:
+            for sample in loader:
+                got.append((sample["__url__"], sample["__key__"]))
+                if len(got) == 4 and not raised.is_set():
+                    was = starve(agent.pid)
+
+                    def relieve(was: tuple[int, int] = was) -> None:
+                        try:
+                            watch_until(client, seen, time.monotonic() + 30)
+                        finally:
+                            resource.prlimit(agent.pid, resource.RLIMIT_NOFILE, was)
+                            raised.set()
+
+                    threading.Thread(target=relieve, daemon=True).start()
+        assert raised.wait(30)
+        final = client.stats(timeout=10)
+    assert "stats" in seen, "the agent never said it was out of open files"
+    fault = seen["stats"]["agent"]["out_of_files"]
+    assert fault and "too many open files" in fault and "ulimit -n" in fault, seen["stats"]["agent"]
+    assert not seen["stats"]["shards"].get("failed"), seen["stats"]["failed"]
+    # No shard skipped: every sample of every shard, once.
+    assert len(got) == SHARDS * SAMPLES and set(got) == set(reference(data.paths, data.urls))
+    assert final["shards"].get("failed", 0) == 0 and not final["failed"], final["failed"]
+    assert final["shards"]["cached"] == SHARDS
+    assert final["agent"]["out_of_files"] is None
+    text = agent.stderr_text()
+    assert "too many open files" in text and "skipping" not in text, agent.stderr_tail()
+
+
+@pytest.mark.slow
+def test_a_reader_waiting_past_its_timeout_on_an_agent_out_of_files_hears_the_agents_fault(
+    tmp_path, dataset, start_agent
+):
+    """A shard whose download waits for open files past the reader's timeout is no shard's
+    failure: the loader raises a WdsCacheError that names the agent's fault (not a FetchError
+    that would blame the shard), and the shard is not failed."""
+    data = dataset(SHARDS, samples=SAMPLES, payload=200)
+    agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "2", "--retries", "1")
+    got = []
+    was = None
+    try:
+        with (
+            CachedMultiLoader(
+                cache_dir=agent.cache_dir, shuffle=False, on_error="skip", timeout=3, tuning=Tuning(request_size=2)
+            ) as loader,
+            pytest.raises(WdsCacheError) as raised,
+        ):
+            for sample in loader:
+                got.append(sample["__key__"])
+                if len(got) == 4 and was is None:
+                    was = starve(agent.pid)
+    finally:
+        if was is not None:
+            resource.prlimit(agent.pid, resource.RLIMIT_NOFILE, was)
+    assert not isinstance(raised.value, FetchError), raised.value
+    assert "too many open files" in str(raised.value) and "ulimit -n" in str(raised.value), raised.value
+    assert "the agent at" in str(raised.value), raised.value
+    s = agent.stats()
+    assert s["shards"].get("failed", 0) == 0 and not s["failed"], s["failed"]
