@@ -231,9 +231,7 @@ class Fetcher:
             except FetchError:  # final (a FetchError is an OSError too: not one to retry)
                 raise
             except RETRIED as exc:
-                if out_of_files(
-                    exc
-                ):  # the agent's fault, not the source's: its download ends (wdscache.agent.downloads)
+                if out_of_files(exc):  # the agent's fault, not the source's: see wdscache.agent.downloads
                     raise
                 cause = cause_of(exc)
                 detail = f"{type(exc).__name__}: {short(exc)}"
