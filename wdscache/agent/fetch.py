@@ -70,7 +70,7 @@ import requests
 import urllib3
 
 from ..shared.config import AgentConfig, default, parse_size
-from ..shared.errors import FetchError, out_of_files
+from ..shared.errors import FetchError, out_of_files, wrapped_errors
 from ..shared.logs import event, get_logger
 from ..shared.tarwalk import GZIP_MAGIC, cut_problem, file_problem
 from .parted import PartedFetch
@@ -390,14 +390,8 @@ class Fetcher:
 def cause_of(exc: BaseException) -> str | None:
     """What made a request fail, in a few words (None: nothing more telling than the error):
     the first known cause in the chain of errors ``exc`` wraps (requests wraps urllib3's, which
-    wraps the socket's)."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop(0)
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
+    wraps the socket's: :func:`~wdscache.shared.errors.wrapped_errors`)."""
+    for e in wrapped_errors(exc):
         if isinstance(e, ConnectionRefusedError) or "Connection refused" in str(e):
             return CONNECTION_REFUSED
         if (
@@ -415,9 +409,6 @@ def cause_of(exc: BaseException) -> str | None:
             return "connection reset"
         if isinstance(e, (TimeoutError, socket.timeout, requests.Timeout, urllib3.exceptions.TimeoutError)):
             return "timed out"
-        todo.extend(
-            x for x in (e.__cause__, e.__context__, getattr(e, "reason", None), *e.args) if isinstance(x, BaseException)
-        )
     return None
 
 

@@ -31,7 +31,7 @@ import errno
 import functools
 import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .redact import redact_urls
@@ -229,7 +229,17 @@ def out_of_files(exc: BaseException) -> str | None:
     limit, or the system's). None for any other error.
 
     The error may be wrapped: a socket a connection could not make is an OSError inside urllib3's
-    and requests' errors (as their cause, ``reason`` or argument), so the chain is looked through."""
+    and requests' errors, so the chain is looked through (:func:`wrapped_errors`)."""
+    for e in wrapped_errors(exc):
+        if isinstance(e, OSError) and e.errno in OUT_OF_FILES:
+            return f"too many open files ({os.strerror(e.errno or 0)}): raise ulimit -n / LimitNOFILE for the agent"
+    return None
+
+
+def wrapped_errors(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the errors it wraps, each once, nearest first: its cause, context, ``reason``
+    (urllib3's) and arguments that are errors (requests wraps urllib3's errors, which wrap the
+    socket's)."""
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -237,13 +247,10 @@ def out_of_files(exc: BaseException) -> str | None:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in OUT_OF_FILES:
-            return f"too many open files ({os.strerror(e.errno or 0)}): raise ulimit -n / LimitNOFILE for the agent"
-        context = None if e.__suppress_context__ else e.__context__
+        yield e
         todo.extend(
-            x for x in (e.__cause__, context, getattr(e, "reason", None), *e.args) if isinstance(x, BaseException)
+            x for x in (e.__cause__, e.__context__, getattr(e, "reason", None), *e.args) if isinstance(x, BaseException)
         )
-    return None
 
 
 def worker_fault(endpoint: str, reply: Mapping[str, Any]) -> WdsCacheError:
