@@ -110,19 +110,42 @@ def _identity(path: Path) -> tuple[int, int] | None:
     return (st.st_dev, st.st_ino)
 
 
+class HeldFiles:
+    """The cache directory and the files in it that the agent holds open (its lock file, the
+    index's database), as opened: :meth:`lost` tells when a path no longer leads to them."""
+
+    def __init__(self, layout: CacheLayout, lock: AgentLock | None) -> None:
+        """Call once the index is open."""
+        self.layout, self._lock = layout, lock
+        self._root = _identity(layout.root)
+        self._index_db = _identity(layout.index_db)
+
+    def lost(self) -> NoCacheError | None:
+        """Why the cache directory is no longer the agent's, None while it is: the directory
+        removed or replaced, or (the directory staying) its lock file or the index's database no
+        longer the file at its path (a cleaner of old files removed them: another agent could
+        lock a new lock file there, and write a new index)."""
+        root = str(self.layout.root)
+        if _identity(self.layout.root) != self._root:
+            return NoCacheError(cache_dir=root, removed=True)
+        files = []
+        if self._lock is not None and not self._lock.holds():
+            files.append(self.layout.lock_path.name)
+        if _identity(self.layout.index_db) != self._index_db:
+            files.append(f"{self.layout.index_dir.name}/{INDEX_DB}")
+        return NoCacheError(cache_dir=root, removed=True, files=files) if files else None
+
+
 class ShardCache:
     def __init__(self, layout: CacheLayout, *, limit: int, min_free: int, lock: AgentLock | None = None) -> None:
         """Open the cache of ``layout``; ``lock``: the directory's lock, held by this process (an
         agent's), which :meth:`flush` finds still at its path."""
         self.layout = layout
         self.limit, self.min_free = limit, min_free
-        self._lock = lock
         for folder in (layout.shards_dir, layout.partial_dir, layout.tables_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
-        root = os.stat(layout.root)
-        self._root = (root.st_dev, root.st_ino)  # the directory opened (see flush)
         self.index, self.rebuilt = recovery.open_index(layout)
-        self._index_file = _identity(self.layout.index_db)  # the database opened (see flush)
+        self._held = HeldFiles(layout, lock)  # (see flush)
         for rec in self.index:
             recovery.rename_former(layout, rec.url)
         self.inflight: dict[str, Download] = {}  # url -> download holding a reservation
@@ -166,31 +189,9 @@ class ShardCache:
             raise
         return st.f_bavail * st.f_frsize
 
-    @property
-    def opened_dir(self) -> bool:
-        """Whether the cache directory's path still leads to the directory opened."""
-        try:
-            root = os.stat(self.layout.root)
-        except OSError as exc:
-            if exc.errno in _GONE:
-                return False
-            raise
-        return (root.st_dev, root.st_ino) == self._root
-
     def lost(self) -> NoCacheError | None:
-        """Why the cache directory is no longer the agent's, None while it is: the directory
-        removed or replaced, or (the directory staying) its lock file or the index's database,
-        each of which the agent holds open, no longer the file at its path (a cleaner of old files
-        removed them: another agent could lock a new lock file there, and write a new index)."""
-        root = str(self.layout.root)
-        if not self.opened_dir:
-            return NoCacheError(cache_dir=root, removed=True)
-        files = []
-        if self._lock is not None and not self._lock.holds():
-            files.append(self.layout.lock_path.name)
-        if _identity(self.layout.index_db) != self._index_file:
-            files.append(f"{self.layout.index_dir.name}/{INDEX_DB}")
-        return NoCacheError(cache_dir=root, removed=True, files=files) if files else None
+        """Why the cache directory is no longer the agent's (:meth:`HeldFiles.lost`), None while it is."""
+        return self._held.lost()
 
     def flush(self) -> None:
         """Write the index's counters and read times, once the cache directory and the files the

@@ -139,6 +139,58 @@ class DiskRoom:
         }
 
 
+class FilesShort:
+    """Downloads' waits while the agent is out of open files (see the module): each in its
+    download's thread; the warnings, at most one every ``FILES_LOG_EVERY``, shared."""
+
+    def __init__(self) -> None:
+        self._logged: float | None = None  # time.monotonic() of the last warning
+
+    def fetch(self, fetcher: Fetcher, d: Download) -> Fetched:
+        """Fetch ``d``; while the agent is out of open files, wait and try again, from where the
+        partial file ends. Its ``progress.fault`` says so until it ends."""
+        short = 0  # times in a row it found no file to spare
+        while True:
+            if d.cancel.is_set():
+                raise Cancelled(d.url)
+            try:
+                fetched = fetcher.fetch(d)
+            except (Cancelled, DiskFull):
+                raise
+            except Exception as exc:
+                fault = out_of_files(exc)
+                if fault is None:
+                    raise
+                short += 1
+                d.progress.fault = fault
+                self._wait(d, fault, FILES_BACKOFF.delay(min(short, 16)))  # (at the max long before 16)
+                continue
+            d.progress.fault = None
+            return fetched
+
+    def _wait(self, d: Download, fault: str, delay: float) -> None:
+        """Say that ``d`` found no file to spare (a warning at most every ``FILES_LOG_EVERY``), and
+        wait ``delay`` (Cancelled if cancelled meanwhile)."""
+        now = time.monotonic()
+        warn = self._logged is None or now - self._logged >= FILES_LOG_EVERY
+        if warn:  # (threads may both warn at once: no harm)
+            self._logged = now
+        event(
+            log,
+            "out_of_files",
+            "%s: %s; trying it again in %.1fs",
+            d.url,
+            fault,
+            delay,
+            level=logging.WARNING if warn else logging.DEBUG,
+            url=d.url,
+            delay_s=round(delay, 1),
+            error=fault,
+        )
+        if d.cancel.wait(delay):
+            raise Cancelled(d.url)
+
+
 class Downloads:
     """Download tasks and threads, preemption and their ends; budget grants through :class:`Grants`."""
 
@@ -166,7 +218,7 @@ class Downloads:
         self._gave_way: set[str] = set()
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
-        self._files_logged: float | None = None  # time.monotonic() of the last warning of files run out
+        self._files = FilesShort()
         self._finished_bytes = 0  # bytes fetched by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
 
@@ -533,7 +585,7 @@ class Downloads:
         try:
             if d.verify:
                 return self._revalidate(d)
-            return Downloaded(d, self._fetch(d))
+            return Downloaded(d, self._files.fetch(self._fetcher, d))
         except Cancelled:
             return DownloadCancelled(d)
         except DiskFull as exc:
@@ -543,50 +595,6 @@ class Downloads:
         except Exception as exc:  # a bug must not kill the thread and hang the agent
             log.exception("unexpected error downloading %s", d.url)
             return DownloadFailed(d, FetchError(d.url, f"internal error: {exc!r}"))
-
-    def _fetch(self, d: Download) -> Fetched:
-        """Fetch ``d``; while the agent is out of open files, wait and try again, from where the
-        partial file ends (see the module). Its ``progress.fault`` says so until it ends."""
-        short = 0  # times in a row it found no file to spare
-        while True:
-            if d.cancel.is_set():
-                raise Cancelled(d.url)
-            try:
-                fetched = self._fetcher.fetch(d)
-            except (Cancelled, DiskFull):
-                raise
-            except Exception as exc:
-                fault = out_of_files(exc)
-                if fault is None:
-                    raise
-                short += 1
-                d.progress.fault = fault
-                self._out_of_files(d, fault, FILES_BACKOFF.delay(min(short, 16)))  # (at the max long before 16)
-                continue
-            d.progress.fault = None
-            return fetched
-
-    def _out_of_files(self, d: Download, fault: str, delay: float) -> None:
-        """In ``d``'s thread: say that it found no file to spare (a warning at most every
-        ``FILES_LOG_EVERY``), and wait ``delay`` (Cancelled if cancelled meanwhile)."""
-        now = time.monotonic()
-        warn = self._files_logged is None or now - self._files_logged >= FILES_LOG_EVERY
-        if warn:  # (threads may both warn at once: no harm)
-            self._files_logged = now
-        event(
-            log,
-            "out_of_files",
-            "%s: %s; trying it again in %.1fs",
-            d.url,
-            fault,
-            delay,
-            level=logging.WARNING if warn else logging.DEBUG,
-            url=d.url,
-            delay_s=round(delay, 1),
-            error=fault,
-        )
-        if d.cancel.wait(delay):
-            raise Cancelled(d.url)
 
     def _revalidate(self, d: Download) -> Revalidated:
         """Ask the source of the cached ``d.url`` what it holds now. When that has no validator in
