@@ -406,6 +406,7 @@ class AgentConnection:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         if self._token is None and self._cache_dir is not None:  # before connecting: see _wait_agent
             self._token = self._wait_agent(self.timeout if timeout is None else timeout)
+        self._socket()  # (opened anew, after close() say, it holds no key: the run proves itself again)
         while self.key is None:
             sock = self._socket()
             if self._token is None:  # we would take anyone's answers, and the agent refuses us anyway
