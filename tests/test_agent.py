@@ -28,7 +28,7 @@ import pytest
 
 from scripts.shard_maker import find_gnu_tar, make_dataset, write_url_list
 from tests.helpers.agents import FIRST_PART, AgentProc, Dataset
-from tests.helpers.procs import worker_pids
+from tests.helpers.procs import stat_fields, worker_pids
 from tests.helpers.waits import tail, wait_for
 from wdscache import FetchError, ShardClient
 from wdscache.agent.cache_commands import evict
@@ -1064,6 +1064,24 @@ def test_an_agent_started_where_the_running_agents_lock_file_was_removed_waits_f
     assert first.proc.wait(30) == 1, first.stderr_tail()
     assert "the cache directory's files were removed under it" in first.stderr_text(), first.stderr_tail()
     assert second.wait_up()["agent"]["pid"] == second.pid
+
+
+def test_an_agent_killed_but_not_yet_reaped_does_not_hold_up_a_new_agent_on_its_directory(
+    shard_server, dataset, start_agent, tmp_path
+):
+    """An agent SIGKILLed that its parent has not reaped (a supervisor that has not waited for it
+    yet, a loader that started a private agent) is a zombie: its pid and start time are still to
+    be seen, but its lock and files went with it. A new agent on the directory starts at once:
+    it neither waits for the dead one to stop nor refuses to start as if it still ran."""
+    ds = dataset(2, samples=3, payload=100)
+    cache = tmp_path / "cache"
+    first = start_agent(cache, ds.list_file)
+    os.kill(first.pid, signal.SIGKILL)  # (not first.proc.send_signal, whose poll might reap it)
+    wait_for(lambda: (stat_fields(first.pid) or ["gone"])[0] == "Z", 10, "the killed agent never became a zombie")
+    second = start_agent(cache, ds.list_file, wait=False)
+    assert second.wait_up()["agent"]["pid"] == second.pid
+    assert "still runs though its lock file was removed" not in second.stderr_text(), second.stderr_tail()
+    assert (stat_fields(first.pid) or ["gone"])[0] == "Z"  # (the dead agent was a zombie all along)
 
 
 def test_a_shard_client_used_again_after_close_lets_go_at_its_next_close(shard_server, dataset, start_agent, tmp_path):

@@ -23,6 +23,7 @@ import pytest
 
 from scripts.shard_maker import make_shard, synth_samples
 from tests.helpers.agents import kill_agent
+from tests.helpers.net import free_port_range
 from tests.helpers.procs import children_of, worker_pids
 from tests.helpers.streaming import Consumer, assert_epoch_exact, consumer_log, reference, samples_of, wait_exit
 from tests.helpers.waits import wait_for
@@ -87,9 +88,12 @@ def test_a_loader_started_before_its_agent_waits_for_it_and_reads_the_epoch_exac
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("moved", [False, True], ids=["same-endpoint", "another-endpoint"])
 def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(
-    shard_server, dataset, start_agent, consumers, tmp_path
+    shard_server, dataset, start_agent, consumers, tmp_path, moved
 ):
+    # another-endpoint: the loader, given only the cache directory, follows the agent to the TCP
+    # port it restarts on (it stayed on the directory's socket, and failed at its timeout).
     ds = dataset(8, samples=40, payload=1000)  # 320 samples
     ref = reference(ds.paths, ds.urls)
     cache = tmp_path / "cache"
@@ -100,7 +104,8 @@ def test_loader_goes_on_exactly_across_a_sigkilled_and_restarted_agent(
     wait_samples(c, 40)
     kill_agent(agent)
     t0 = time.monotonic()
-    again = start_agent(cache, ds.list_file, *args)
+    elsewhere = ("--endpoint", f"tcp://127.0.0.1:{free_port_range(3)}") if moved else ()
+    again = start_agent(cache, ds.list_file, *args, *elsewhere)
     lines = c.wait(DEADLINE)
     print(f"consumer finished {time.monotonic() - t0:.1f}s after the restart")
     assert_epoch_exact(lines, ref)

@@ -10,6 +10,7 @@ import io
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from tests.helpers.agents import AgentProc
 from tests.helpers.net import free_port_range
 from tests.helpers.streaming import delivered, reference
 from wdscache import AgentUnavailableError, CachedMultiLoader, ShardClient, ShardListDataset
+from wdscache.shared.client import RUN_CHECK
 from wdscache.shared.layout import CacheLayout
 
 TIMEOUT = 10.0  # seconds a consumer waits for the agent (on the code before: its whole wait, then an error)
@@ -86,6 +88,49 @@ def test_a_consumer_at_another_endpoint_is_told_where_the_agent_listens(dataset,
     says = str(raised.value)
     assert f"no wdscache agent answered at {endpoint} within 1s; the agent (pid {agent.pid}) on " in says
     assert "runs there but did not answer: it may be busy" in says and "start one" not in says
+
+
+@pytest.mark.slow
+def test_a_client_given_only_the_cache_dir_follows_its_agent_restarted_on_another_endpoint(
+    dataset, start_agent, tmp_path
+):
+    # It stayed on the endpoint it found first: every request went unanswered for its whole
+    # timeout, and the error said "give endpoint=... or neither" to a client that gave neither.
+    ds = dataset(3)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--endpoint", f"tcp://127.0.0.1:{free_port_range(2)}")
+    client = ShardClient(cache, timeout=TIMEOUT)
+    try:
+        assert client.open(ds.urls[0]).read_bytes() == ds.paths[0].read_bytes()
+        agent.stop(signal.SIGINT)
+        moved = f"tcp://127.0.0.1:{free_port_range(2)}"
+        agent = start_agent(cache, ds.list_file, "--endpoint", moved)
+        # A request too short to look where the agent went (a look every RUN_CHECK) is told where...
+        with pytest.raises(AgentUnavailableError) as raised:
+            client.stats(timeout=RUN_CHECK / 2)
+        says = str(raised.value)
+        assert f"the agent (pid {agent.pid}) on {cache} listens on {moved} now" in says
+        assert "give endpoint=" not in says
+        # ...and the next goes there, once the client has pinned its shard again on the new agent.
+        stats = client.stats(timeout=TIMEOUT)
+        assert (stats["agent"]["pid"], stats["agent"]["pinned"]) == (agent.pid, 1)
+        # A request sent to the endpoint the agent left follows it within a look or two, not at its
+        # timeout: a short one, and an open (which waits patiently, probing) of a client holding none.
+        other = ShardClient(cache, timeout=TIMEOUT)
+        try:
+            assert other.stats()["agent"]["pid"] == agent.pid
+            agent.stop(signal.SIGINT)
+            agent = start_agent(cache, ds.list_file, "--endpoint", f"tcp://127.0.0.1:{free_port_range(2)}")
+            began = time.monotonic()
+            assert other.open(ds.urls[1]).read_bytes() == ds.paths[1].read_bytes()
+            assert client.stats(timeout=TIMEOUT)["agent"]["pid"] == agent.pid
+            assert time.monotonic() - began < TIMEOUT / 2
+            assert agent.stats()["agent"]["pinned"] == 2  # (the client's shard pinned again)
+        finally:
+            other.close()
+    finally:
+        client.close()
+    assert agent.stats()["agent"]["pinned"] == 0
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ from ..shared.config import AgentConfig, format_size, parse_size
 from ..shared.errors import AgentRunningError, ConfigError
 from ..shared.layout import CacheLayout
 from ..shared.logs import get_logger
-from ..shared.protocol import process_identity
+from ..shared.protocol import still_runs
 from ..shared.urls import UrlList
 from .cache import INDEX_HEADROOM, ShardCache
 from .control import ControlSocket
@@ -222,7 +222,9 @@ def _await_unlocked_agent(layout: CacheLayout, stop: threading.Event) -> None:
         return
     deadline = time.monotonic() + UNLOCKED_GRACE
     said = False
-    while process_identity(state["pid"]) == state["process"]:  # that very process, not a pid reused
+    # That very process, not its pid reused; not a zombie either (killed, its parent has not
+    # reaped it yet: its lock and files are gone with it, and it writes nothing more).
+    while still_runs(state["process"]):
         if time.monotonic() >= deadline:
             raise AgentRunningError(str(layout.root), state["pid"])
         if not said:

@@ -201,8 +201,10 @@ class AgentConnection:
     request the agent must prove it holds it; every request then carries the key.
 
     ``endpoint`` None: the agent of ``cache_dir``, wherever it listens (its ``--endpoint``, which
-    agent.json names), looked up each time the socket opens (after a fork too), and while the
-    first request waits for an agent to start.
+    agent.json names), looked up each time the socket opens (after a fork too), while the
+    first request waits for an agent to start, and every :data:`RUN_CHECK` seconds while a request
+    waits for its answer: an agent that restarted on another endpoint is followed there (see
+    :meth:`_agent_moved`).
     """
 
     def __init__(
@@ -296,13 +298,36 @@ class AgentConnection:
         for an agent that is gone or stopped (that request, its run checks or probes) goes with
         it, so that requests in a row to an agent that is away do not fill a queue (see
         :func:`send_now`), and an agent that comes back is not sent requests their senders gave
-        up on. The key stays: it is the run's, not the socket's."""
+        up on. The key stays: it is the run's, not the socket's. An agent followed that now runs
+        on another endpoint gets a new connection instead (:meth:`_move`)."""
         if not self.connected:
+            return
+        if self._agent_moved():
+            self._move()
             return
         assert self._ctx is not None and self._sock is not None
         old, self._sock = self._sock, connect_dealer(self._ctx, self.endpoint)
         self._sockets[:] = [self._sock]
         old.close(0)
+
+    def _agent_moved(self) -> bool:
+        """Following the cache directory's agent (no endpoint given), whether an agent runs there
+        now (it holds the directory's lock) on another endpoint than ours: it restarted with
+        another ``--endpoint``, and ours has nobody, or someone else, behind it. While none runs
+        (it is restarting) we stay: it may come back where it was."""
+        if not self._follow or self._cache_dir is None:
+            return False
+        layout = CacheLayout.of(self._cache_dir)
+        return layout.running_agent() is not None and layout.agent_endpoint() != self.endpoint
+
+    def _move(self) -> dict[str, Any]:
+        """Drop the connection to an agent that moved (:meth:`_agent_moved`): the next request opens
+        a new one where it listens now (a new context too: :func:`zmq_context` depends on the
+        endpoint), and its run proves itself there (a new run: :attr:`on_new_run`, as after any
+        restart). Returns what a request that waited on the old one is answered: refused for the
+        run's key, which :meth:`_refused` takes for the new run it is."""
+        self.close()
+        return {"ok": False, "need_token": True, "moved": True, "error": "the agent restarted on another endpoint"}
 
     def _exchange(self, header: Mapping[str, Any], deadline: float) -> dict[str, Any]:
         greeted = False  # said hello again since the request first went
@@ -340,11 +365,14 @@ class AgentConnection:
             left = deadline - now
             if left <= 0:
                 raise AgentUnavailableError(self.endpoint, wait, self._why_silent())
-            if keyed and self._run and now >= check_at:
+            if now >= check_at:
                 check_at = now + RUN_CHECK
-                check = next(self._ids)
-                checks.add(check)
-                send_now(sock, pack({**Requests.auth(secrets.token_hex(16)), "id": check}))
+                if self._agent_moved():
+                    return {**self._move(), "id": rid}  # (the request went with the run before)
+                if keyed and self._run:
+                    check = next(self._ids)
+                    checks.add(check)
+                    send_now(sock, pack({**Requests.auth(secrets.token_hex(16)), "id": check}))
             if not sock.poll(int(min(left, max(0.0, check_at - now)) * 1000) + 1):
                 continue
             reply = _received(sock)
@@ -375,10 +403,12 @@ class AgentConnection:
 
     def _proved(self, timeout: float | None) -> zmq.Socket:
         """The socket, once the agent behind it has proved it holds the token (asked once per run)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         if self._token is None and self._cache_dir is not None:  # before connecting: see _wait_agent
             self._token = self._wait_agent(self.timeout if timeout is None else timeout)
-        sock = self._socket()
-        if self.key is None:
+        self._socket()  # (opened anew, after close() say, it holds no key: the run proves itself again)
+        while self.key is None:
+            sock = self._socket()
             if self._token is None:  # we would take anyone's answers, and the agent refuses us anyway
                 raise NotTrustedError(
                     f"no token for the agent at {self.endpoint}: give the cache directory (its token file is "
@@ -386,7 +416,9 @@ class AgentConnection:
                 )
             nonce, rid = secrets.token_hex(16), next(self._ids)
             send_now(sock, pack({**Requests.auth(nonce), "id": rid}))  # no key: not proved yet
-            reply = self._reply(sock, rid, timeout, keyed=False)
+            reply = self._reply(sock, rid, max(0.0, deadline - time.monotonic()), keyed=False)
+            if reply.get("moved"):
+                continue  # to where the agent listens now: it proves itself there
             said = reply.get("protocol")  # first: an agent of another protocol proves itself otherwise
             if said != PROTOCOL:
                 raise ProtocolError(
@@ -411,7 +443,7 @@ class AgentConnection:
             self._replies = Proofs(agent_key(self._token, run))
             if previous and previous != run and self.on_new_run is not None:
                 self.on_new_run()
-        return sock
+        return self._socket()  # (a new one if the agent moved again while on_new_run asked it)
 
     def _genuine(self, reply: dict[str, Any], rid: int) -> dict[str, Any]:
         """``reply`` to our keyed request ``rid``, if the agent we proved sent it: it carries that
@@ -477,6 +509,8 @@ class AgentConnection:
         agent, named = f"the agent (pid {running['pid']}) on {layout.root}", running["endpoint"]
         if named == self.endpoint:
             return f"{agent} runs there but did not answer: it may be busy (see 'wdscache stats'); try again"
+        if self._follow:  # (it moved as we waited: the next request goes there, see _renew_socket)
+            return f"{agent} listens on {named} now (it restarted there): try again"
         return (
             f"{agent} listens on {named}, not on {self.endpoint}: give endpoint={named!r} (or set "
             "WDSCACHE_ENDPOINT to it), or neither, to reach the cache directory's agent wherever it listens"
@@ -554,9 +588,9 @@ class AgentConnection:
         # and a restarted agent answers the next); the wait ends once none is answered for ``liveness``.
         probes: set[int] = set()
         unanswered_since: float | None = None  # the first probe sent since the last answer
-        probe_sent = time.monotonic()
+        probe_sent = move_checked = time.monotonic()
         while True:
-            if sock.poll(int(min(every, liveness) * 1000 / 4) + 1):
+            if sock.poll(int(min(every, liveness, RUN_CHECK) * 1000 / 4) + 1):
                 reply = _received(sock)
                 if reply is None:
                     continue
@@ -572,6 +606,10 @@ class AgentConnection:
                         on_probe(reply)
                 continue
             now = time.monotonic()
+            if now - move_checked > RUN_CHECK:
+                move_checked = now
+                if self._agent_moved():
+                    return {**self._move(), "id": rid}  # (the request went with the run before)
             if unanswered_since is not None and now - unanswered_since > liveness:
                 raise AgentUnavailableError(self.endpoint, liveness, self._why_silent())
             if now - probe_sent > every:

@@ -113,6 +113,28 @@ def pages(urls: Sequence[str], start: int = 0) -> Iterator[tuple[int, list[str]]
         i = j
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command's name (state first, start time 20th); None
+    for a process that is gone, or where /proc does not tell."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _identity(pid: int, fields: list[str] | None) -> list[Any] | None:
+    """``[pid, start time, boot id, pid namespace]`` from ``fields`` (:func:`_stat`'s of ``pid``)."""
+    if fields is None:
+        return None
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return [pid, int(fields[19]), boot, namespace]
+
+
 def process_identity(pid: int | None = None) -> list[Any] | None:
     """``[pid, start time, boot id, pid namespace]`` of process ``pid`` (default: this one) as
     this process sees them; None where /proc does not tell (not Linux, no such process).
@@ -122,13 +144,19 @@ def process_identity(pid: int | None = None) -> list[Any] | None:
     another pid namespace, and a pid reused since another start time.
     """
     pid = os.getpid() if pid is None else pid
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-        namespace = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return None
-    return [pid, int(stat[stat.rindex(")") + 2 :].split()[19]), boot, namespace]
+    return _identity(pid, _stat(pid))
+
+
+def still_runs(identity: Sequence[Any] | None) -> bool:
+    """Whether the process ``identity`` names (:func:`process_identity`'s) still runs here: that very
+    process (not its pid reused), and not a zombie. A zombie has ended (SIGKILLed, say) but keeps
+    its pid and start time until its parent reaps it, which a parent that never waits for it (a
+    supervisor, a loader that started a private agent) may not do for long; it holds no lock, no
+    socket, no file, and does nothing more."""
+    if identity is None or not identity or type(identity[0]) is not int:
+        return False
+    fields = _stat(identity[0])
+    return fields is not None and fields[0] not in ("Z", "X") and _identity(identity[0], fields) == list(identity)
 
 
 def launch_id() -> str | None:

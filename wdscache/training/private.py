@@ -40,6 +40,7 @@ from typing import Any
 from ..shared.errors import ConfigError, WdsCacheError
 from ..shared.layout import CacheLayout, write_atomic
 from ..shared.logs import get_logger
+from ..shared.protocol import process_identity, still_runs
 from ..shared.stats import ask_agent
 from ..shared.urls import format_url_list
 
@@ -93,7 +94,7 @@ class PrivateAgent:
     def __init__(self, users_fd: int, pid: int, proc: subprocess.Popen[bytes] | None) -> None:
         self.pid = pid  # the agent's
         self.proc = proc  # when this loader started it
-        self._started = _stat(pid)[19:20]  # its start time: a pid reused later is another process
+        self._process = process_identity(pid)  # a pid reused later is another process
         # Closing the descriptor drops our shared lock; also when this object is garbage, or at exit.
         self._release = weakref.finalize(self, os.close, users_fd)
 
@@ -132,24 +133,13 @@ class PrivateAgent:
         next use): not once it is a zombie, which it is while its threads end, before it can be reaped."""
         if self.proc is not None and self.proc.poll() is not None:
             return False
-        fields = _stat(self.pid)
-        return bool(fields) and fields[0] not in ("Z", "X") and fields[19:20] == self._started
+        return still_runs(self._process)
 
     def release(self) -> None:
         """Stop using the agent; it stops by itself once no other loader uses it."""
         self._release()
         if self.proc is not None:
             self.proc.poll()  # reap it if it has already exited
-
-
-def _stat(pid: int) -> list[str]:
-    """The fields of /proc/PID/stat after the command's name (state first, start time 20th); none
-    for a process that is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return []
-    return text[text.rindex(")") + 2 :].split()
 
 
 def _lock(path: Path, how: int, deadline: float, busy: str) -> int:
