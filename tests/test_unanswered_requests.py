@@ -107,20 +107,28 @@ def _pinned_and_open(cache: Path, url: str) -> None:
     wait_for(lambda: path in files_held("self", cache)[0], 20, f"{path} never opened")
 
 
+def _two_cached_shards(
+    dataset: Callable[..., Any], start_agent: Callable[..., Any], cache: Path, timeout: float
+) -> tuple[Any, list[str], ShardListDataset]:
+    """An agent on ``cache`` with two shards of 4 samples cached, their URLs, and a dataset over them."""
+    urls, _, list_file = dataset(2, samples=4, payload=300)
+    agent = start_agent(cache, list_file)
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the shards were not cached")
+    ds = ShardListDataset(
+        [{"url": u, "nsamples": 4} for u in urls], cache_dir=cache, transformations=[], timeout=timeout
+    )
+    return agent, urls, ds
+
+
 @pytest.mark.slow  # waits out its timeout, the agent started first: about 8 s
 def test_a_random_access_read_whose_worker_and_agent_stop_ends_within_its_timeout(
     dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:
     # Each turn of the wait for the worker counted 0.25 s, and its ping waited up to 1 s more for
     # the stopped agent: with timeout=4 it raised after 21 s.
-    urls, _, list_file = dataset(2, samples=4, payload=300)
     cache = tmp_path / "cache"
-    agent = start_agent(cache, list_file)
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the shards were not cached")
+    agent, urls, ds = _two_cached_shards(dataset, start_agent, cache, RA_TIMEOUT)
     workers = worker_pids(agent.pid)
-    ds = ShardListDataset(
-        [{"url": u, "nsamples": 4} for u in urls], cache_dir=cache, transformations=[], timeout=RA_TIMEOUT
-    )
     stopped = [*workers]
     try:
         for pid in workers:
@@ -148,12 +156,9 @@ def test_a_shard_a_worker_cannot_read_is_a_fetch_error_naming_it(
     dataset: Callable[..., Any], start_agent: Callable[..., Any], tmp_path: Path
 ) -> None:
     # It was a ProtocolError: neither an OSError nor naming the shard in its url.
-    urls, _, list_file = dataset(2, samples=4, payload=300)
     cache = tmp_path / "cache"
-    agent = start_agent(cache, list_file)
-    agent.wait_stats(lambda s: s["shards"]["cached"] == 2, 20, "the shards were not cached")
+    agent, urls, ds = _two_cached_shards(dataset, start_agent, cache, 20)
     workers = worker_pids(agent.pid)
-    ds = ShardListDataset([{"url": u, "nsamples": 4} for u in urls], cache_dir=cache, transformations=[], timeout=20)
     try:
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)
