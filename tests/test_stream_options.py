@@ -454,7 +454,13 @@ def test_a_ctrl_c_of_a_loader_with_map_workers_shows_one_traceback(tmp_path, dat
         assert job.stdout is not None
         assert job.stdout.readline() == "reading\n", job.stderr.read() if job.stderr else ""
         os.killpg(job.pid, signal.SIGINT)
-        _, err = job.communicate(timeout=30)
+        try:
+            _, err = job.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.kill(job.pid, signal.SIGUSR1)  # (its threads' stacks, to stderr)
+            time.sleep(1)
+            job.kill()
+            pytest.fail(f"still running 60 s after SIGINT:\n{job.communicate()[1]}")
     finally:
         kill_left([job])
     assert job.returncode != 0 and err.count("Traceback") == 1 and err.rstrip().endswith("KeyboardInterrupt"), err

@@ -2,29 +2,39 @@
 
     python -m tests.helpers.map_interrupted_job CACHE_DIR
 
-Prints ``reading`` once its first sample came, then reads on (slowly) until SIGINT.
+Prints ``reading`` once both map workers have given a result (both started: past their
+initializer), then reads on (slowly) until SIGINT. SIGUSR1 dumps every thread's stack to stderr.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
 import sys
 import time
 from typing import Any
 
 from wdscache import CachedMultiLoader
 
+WORKERS = 2
 
-def slow(sample: dict[str, Any]) -> str:
+
+def slow(sample: dict[str, Any]) -> int:
     time.sleep(0.05)
-    return str(sample["__key__"])
+    return os.getpid()
 
 
 def main(cache: str) -> None:
-    loader = CachedMultiLoader(cache_dir=cache, shuffle=False, map=slow, workers=2, timeout=30)
-    for epoch in range(1000):
-        for i, _ in enumerate(loader):
-            if epoch == 0 and i == 0:
-                print("reading", flush=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    loader = CachedMultiLoader(cache_dir=cache, shuffle=False, map=slow, workers=WORKERS, timeout=30)
+    pids: set[int] = set()
+    for _ in range(1000):
+        for pid in loader:
+            if len(pids) < WORKERS:
+                pids.add(pid)
+                if len(pids) == WORKERS:
+                    print("reading", flush=True)
 
 
 if __name__ == "__main__":
