@@ -102,7 +102,7 @@ def test_a_reader_waiting_past_its_timeout_on_an_agent_out_of_files_hears_the_ag
     try:
         with (
             CachedMultiLoader(
-                cache_dir=agent.cache_dir, shuffle=False, on_error="skip", timeout=3, tuning=Tuning(request_size=2)
+                cache_dir=agent.cache_dir, shuffle=False, on_error="skip", timeout=8, tuning=Tuning(request_size=2)
             ) as loader,
             pytest.raises(WdsCacheError) as raised,
         ):

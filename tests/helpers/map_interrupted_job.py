@@ -26,6 +26,9 @@ def slow(sample: dict[str, Any]) -> int:
 
 
 def main(cache: str) -> None:
+    # As at a terminal: a process started in the background by a shell without job control (a CI
+    # script's `cmd &`) begins with SIGINT ignored, and Python then raises no KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     loader = CachedMultiLoader(cache_dir=cache, shuffle=False, map=slow, workers=WORKERS, timeout=30)
     pids: set[int] = set()
