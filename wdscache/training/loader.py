@@ -580,13 +580,8 @@ class CachedMultiLoader:
     def _connection(self, timeout: float) -> AgentConnection:
         """A connection to the agent, which must prove it holds our cache directory's token: at the
         endpoint given, else wherever the cache directory's agent listens when it connects."""
-        return AgentConnection(
-            None if self._own_endpoint else self.endpoint,
-            timeout=timeout,
-            hint=start_hint(self.cache_dir),
-            cache_dir=self.cache_dir,
-            token=self._token,
-        )
+        endpoint, hint = None if self._own_endpoint else self.endpoint, start_hint(self.cache_dir)
+        return AgentConnection(endpoint, timeout=timeout, hint=hint, cache_dir=self.cache_dir, token=self._token)
 
     def _probe(self) -> tuple[Sequence[str], list[Any], str]:
         """The list this loader reads, the agent's count of each shard and the list's fingerprint,
