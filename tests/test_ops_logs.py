@@ -25,7 +25,8 @@ ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?[+-]\d\d:\d\d$")
 
 
 def _events(text: str) -> list[dict]:
-    lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+    # Only whole lines: read as the agent writes, the log may end in part of one.
+    lines = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
     for line in lines:
         assert ISO.match(line["time"]), line
         assert {"level", "logger", "message"} <= set(line), line
