@@ -1,7 +1,8 @@
 """Downloads out of open files: the agent's fault, never a shard's. A real agent (started through
 the CLI) downloads from the loopback server; once a consumer reads, the agent's own limit on open
-files (not its workers') is lowered to what it holds, so that no download can open a socket or
-its partial file; later it is raised again.
+files (not its workers') is lowered to leave fewer free than it keeps for connections, so that no
+download starts; later it is raised again. (Lowered to none free, the next connection a client
+made would abort the agent: ZeroMQ's ipc listener cannot accept it.)
 """
 
 from __future__ import annotations
@@ -16,20 +17,21 @@ import pytest
 
 from tests.helpers.streaming import reference
 from wdscache import CachedMultiLoader, FetchError, ShardClient, Tuning, WdsCacheError
+from wdscache.agent.downloads import FILES_RESERVE
 
 SHARDS, SAMPLES = 24, 4
-
-
-def lowest_free_fd(pid: int) -> int:
-    held = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
-    return next(n for n in range(len(held) + 1) if n not in held)
+CONNECTIONS = 30  # made one after another while the agent is starved
+SPARE = 4  # files left free to the starved agent: fewer than it keeps for connections
 
 
 def starve(pid: int) -> tuple[int, int]:
-    """Let ``pid`` open no more files; the limits it had."""
+    """Lower ``pid``'s limit on open files to leave SPARE free (fewer than the agent keeps for
+    connections: no download starts); the limits it had."""
     was = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-    free = lowest_free_fd(pid)
-    resource.prlimit(pid, resource.RLIMIT_NOFILE, (free, was[1]))
+    held = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")]
+    limit = next(n for n in range(len(held), was[0]) if n - sum(fd < n for fd in held) == SPARE)
+    assert SPARE < min(FILES_RESERVE, limit // 4), (limit, len(held))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, was[1]))
     return was
 
 
@@ -55,7 +57,7 @@ def test_an_agent_out_of_files_fails_no_shard_and_the_epoch_completes(tmp_path, 
     seen: dict[str, Any] = {}
     got: list[tuple[str, str]] = []
     with ShardClient(agent.cache_dir, timeout=10) as client:
-        client.stats()  # connected now: a connection made while the agent is out of files would wait
+        client.stats()  # connected now, the files it takes in the agent held before it is starved
         raised = threading.Event()
         with CachedMultiLoader(
             cache_dir=agent.cache_dir, shuffle=False, on_error="skip", timeout=60, tuning=Tuning(request_size=2)
@@ -94,7 +96,8 @@ def test_a_reader_waiting_past_its_timeout_on_an_agent_out_of_files_hears_the_ag
 ):
     """A shard whose download waits for open files past the reader's timeout is no shard's
     failure: the loader raises a WdsCacheError that names the agent's fault (not a FetchError
-    that would blame the shard), and the shard is not failed."""
+    that would blame the shard), and the shard is not failed. Meanwhile the agent keeps files
+    for connections: a client connecting then is answered (with no file left, ZeroMQ would abort it)."""
     data = dataset(SHARDS, samples=SAMPLES, payload=200)
     agent = start_agent(tmp_path / "cache", data.list_file, "--no-shuffle", "--prefetch", "2", "--retries", "1")
     got = []
@@ -110,11 +113,17 @@ def test_a_reader_waiting_past_its_timeout_on_an_agent_out_of_files_hears_the_ag
                 got.append(sample["__key__"])
                 if len(got) == 4 and was is None:
                     was = starve(agent.pid)
+        # Clients that connect now find the agent there, still short of files: its downloads,
+        # tried again meanwhile, leave it the files a connection takes.
+        for _ in range(CONNECTIONS):
+            with ShardClient(agent.cache_dir, timeout=10) as late:
+                starved = late.stats()
+            assert starved["agent"]["out_of_files"], starved["agent"]
     finally:
         if was is not None:
             resource.prlimit(agent.pid, resource.RLIMIT_NOFILE, was)
-    assert not isinstance(raised.value, FetchError), raised.value
-    assert "too many open files" in str(raised.value) and "ulimit -n" in str(raised.value), raised.value
-    assert "the agent at" in str(raised.value), raised.value
+    assert not isinstance(raised.value, FetchError), (raised.value, agent.stderr_tail())
+    assert "too many open files" in str(raised.value), (raised.value, agent.stderr_tail())
+    assert "ulimit -n" in str(raised.value) and "the agent at" in str(raised.value), raised.value
     s = agent.stats()
     assert s["shards"].get("failed", 0) == 0 and not s["failed"], s["failed"]

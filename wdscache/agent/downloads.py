@@ -34,13 +34,21 @@ Guarantees (threads):
   (from where its partial file ends) after a backoff (``FILES_BACKOFF``: 0.5 s, doubled each time
   in a row, at most 5 s: files come free as connections close, or once the limit is raised). Stats and a waiting reader's status say so (:meth:`Downloads.out_of_files`,
   :meth:`Downloads.progress`), and the log, at most once every ``FILES_LOG_EVERY``.
+- The agent's last open files are kept for connections: a download attempt does not start while
+  fewer than ``FILES_RESERVE`` (at most a quarter of the limit) are free, and waits as one out of
+  files does. ZeroMQ aborts the whole process when it cannot accept a connection on an ``ipc://``
+  endpoint for want of a file (libzmq 4.3's ``ipc_listener``), so downloads must not use them up;
+  connections alone, or a limit lowered from outside, still can.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import logging
+import os
 import queue
+import resource
 import threading
 import time
 from collections import deque
@@ -83,6 +91,7 @@ JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
 # A download out of open files is tried again after this long, doubled each time in a row, at most the max.
 FILES_BACKOFF = Backoff(0, 0.5, 5.0)
 FILES_LOG_EVERY = 60.0  # downloads out of open files are logged (as warnings) at most this often
+FILES_RESERVE = 64  # open files kept for connections (at most a quarter of the limit): see the module
 
 
 class DiskShort(enum.Enum):
@@ -139,6 +148,30 @@ class DiskRoom:
         }
 
 
+def files_free() -> tuple[int, int] | None:
+    """Files this process may still open, and its limit on them (``ulimit -n``); None when no limit
+    is set or /proc does not tell (not Linux)."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        held = os.listdir("/proc/self/fd")  # (counts the one it reads through: one too many, no harm)
+    except OSError as exc:
+        return (0, limit) if exc.errno in (errno.EMFILE, errno.ENFILE) else None
+    return limit - sum(1 for fd in held if int(fd) < limit), limit
+
+
+def keep_files_reserve() -> None:
+    """Raise EMFILE when fewer than the reserve of open files kept for connections are free (see the module)."""
+    free = files_free()
+    if free is None:
+        return
+    left, limit = free
+    reserve = min(FILES_RESERVE, limit // 4)
+    if left < reserve:
+        raise OSError(errno.EMFILE, f"{left} of {limit} open files free: the last {reserve} are kept for connections")
+
+
 class FilesShort:
     """Downloads' waits while the agent is out of open files (see the module): each in its
     download's thread; the warnings, at most one every ``FILES_LOG_EVERY``, shared."""
@@ -154,6 +187,7 @@ class FilesShort:
             if d.cancel.is_set():
                 raise Cancelled(d.url)
             try:
+                keep_files_reserve()
                 fetched = fetcher.fetch(d)
             except (Cancelled, DiskFull):
                 raise
