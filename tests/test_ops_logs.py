@@ -14,7 +14,7 @@ import re
 import pytest
 import webdataset as wds
 
-from tests.helpers.waits import wait_for
+from tests.helpers.waits import json_lines, wait_for
 from wdscache import CachedMultiLoader, ShardClient
 from wdscache.agent.churn_log import LOUD, WINDOW, Churn, ChurnLog
 from wdscache.shared.client import AgentConnection
@@ -25,8 +25,7 @@ ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?[+-]\d\d:\d\d$")
 
 
 def _events(text: str) -> list[dict]:
-    # Only whole lines: read as the agent writes, the log may end in part of one.
-    lines = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+    lines = json_lines(text)
     for line in lines:
         assert ISO.match(line["time"]), line
         assert {"level", "logger", "message"} <= set(line), line

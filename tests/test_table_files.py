@@ -5,7 +5,6 @@ and go with their shards."""
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.streaming import reference
-from tests.helpers.waits import wait_for
+from tests.helpers.waits import json_lines, wait_for
 from wdscache import CachedMultiLoader
 from wdscache.agent.sampletable import TABLE_MAGIC, PackedSamples, read_table_file, table_file
 from wdscache.shared.layout import CacheLayout, file_identity
@@ -128,7 +127,7 @@ def test_a_restarted_agent_reads_the_tables_it_kept_and_walks_only_those_not_who
     )
     assert all(w["requests"] == 0 for w in s["agent"]["workers"]), s["agent"]["workers"]
     # Every line of the log one JSON record, the sample workers' too (their stderr is the agent's).
-    records = [json.loads(line) for line in again.stderr_text().splitlines()]
+    records = json_lines(again.stderr_text())
     damaged_table = [r for r in records if r["message"].startswith("worker") and "sample table kept" in r["message"]]
     assert damaged_table and "digest does not match" in damaged_table[0]["message"], again.stderr_tail()
     assert damaged_table[0]["level"] == "WARNING" and damaged_table[0]["logger"] == "wdscache.agent.open_shards"

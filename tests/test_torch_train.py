@@ -6,7 +6,6 @@ with the same number of steps on both ranks while there were two."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -21,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.procs import alive, children_of
-from tests.helpers.waits import wait_for
+from tests.helpers.waits import json_lines, wait_for
 
 pytest.importorskip("torch", reason="torch is not installed (scripts/test.sh installs it)")
 pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is not installed (scripts/test.sh installs it)")
@@ -33,7 +32,7 @@ SHARDS, PER_SHARD = 6, 10  # 60 samples: 30 per rank, no padding
 
 def _steps(log: Path) -> list[dict[str, Any]]:
     try:
-        return [json.loads(line) for line in log.read_text().splitlines() if line]
+        return json_lines(log.read_text())
     except FileNotFoundError:
         return []
 

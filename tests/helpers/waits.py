@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -18,6 +19,12 @@ TAIL_LINES = 40
 
 def tail(text: str, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
+
+
+def json_lines(text: str) -> list[Any]:
+    """The JSON records of a log written one a line, read as it is written: only its whole lines
+    (it may end in part of one)."""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def wait_for(
