@@ -1,5 +1,6 @@
 """Corrupt copies: a corrupt cached copy is found by reads, fetched once more, then failed;
-``on_error="skip"`` skips only the corrupt shard, and the ranks keep equal counts."""
+``on_error="skip"`` skips only the corrupt shard, and the ranks keep equal counts. A copy the
+agent's worker cannot open is a FetchError instead, and no corrupt copy."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from webdataset.handlers import reraise_exception
 
 from tests.helpers.streaming import reference, samples_of
 from tests.helpers.waits import wait_for
-from wdscache import CachedMultiLoader, FetchError, ShardClient, ShardError
+from wdscache import CachedMultiLoader, FetchError, ShardClient, ShardError, WdsCacheError, WebDataset
 from wdscache.shared.layout import CacheLayout
 
 
@@ -261,3 +263,58 @@ def test_skip_raises_on_a_rank_whose_every_sample_lies_in_failed_shards(
     with caplog.at_level(logging.WARNING, logger="wdscache"):
         assert list(rest) == []  # 40 holes, and nothing read since the checkpoint to repeat
     assert "rest of epoch 0 since its checkpoint lies in shards that failed" in caplog.text, caplog.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reader", ["loader", "webdataset"])
+@pytest.mark.parametrize("damage", ["not-a-file", "not-a-file-counted", "corrupt"])
+def test_a_copy_the_worker_cannot_open_is_a_fetch_error_and_a_corrupt_one_a_shard_error(
+    shard_server, dataset, start_agent, tmp_path, reader, damage
+):
+    """One rule for a worker's failed answer, as random access has it: a copy found damaged
+    blames the shard (ShardError), one the worker cannot open or read does not (FetchError,
+    and the agent is not told of a corrupt copy); raised, and given to ``on_error``, alike."""
+    ds = dataset(3, samples=20, payload=3000)
+    victim = ds.urls[1]
+    if damage == "corrupt":
+        clobber_header(ds.paths[1], keep_mtime=True)  # at its source: the copy fetched again is damaged too
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "the 3 shards were not cached")
+    if damage == "not-a-file-counted":  # every count known: reads of samples meet it, not a walk
+        assert len(list(loader(cache, job="first"))) == 60
+    if damage != "corrupt":
+        # A directory in place of the cache file: the worker fails to open it, and no bytes are
+        # damaged (a file mode would not do: the tests may run as root, whom none keeps out).
+        copy = CacheLayout.of(cache).shard_path(victim)
+        copy.unlink()
+        copy.mkdir()
+
+    def samples(job: str, on_error) -> list[dict]:
+        if reader == "loader":
+            return list(loader(cache, job=job, shuffle=False, on_error=on_error))
+        given = reraise_exception if on_error == "raise" else on_error  # (webdataset's default)
+        return list(WebDataset(ds.urls, cache_dir=cache, shardshuffle=False, timeout=20, handler=given))
+
+    expected = ShardError if damage == "corrupt" else FetchError
+    with pytest.raises(WdsCacheError) as info:
+        samples("raise", "raise")
+    assert type(info.value) is expected, repr(info.value)
+    if damage == "not-a-file":
+        assert info.value.url == victim, info.value
+    if damage != "corrupt":  # (a read of several shards that fails as a whole names its first)
+        assert info.value.url in ds.urls[:2], info.value
+        assert "a sample worker of the agent could not read its cache file" in str(info.value), info.value
+    seen: list[BaseException] = []
+
+    def handler(exc: BaseException) -> bool:
+        seen.append(exc)
+        return False  # the epoch ends there, without raising
+
+    samples("handler", handler)
+    assert [type(e) for e in seen] == [expected], seen
+    s = agent.stats()
+    if damage == "corrupt":
+        assert [c["url"] for c in s["agent"]["corrupt"]] == [victim], s["agent"]["corrupt"]
+    else:
+        assert s["corrupt"] == 0 and s["agent"]["corrupt"] == [] and s["failed"] == [], s

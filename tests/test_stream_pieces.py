@@ -612,10 +612,15 @@ def test_a_failed_shard_raises_or_is_skipped_and_let_go() -> None:
         list(epoch_shards(agent, [failed, failed]).arrivals(0))
     assert stop.value.shard == 0 and isinstance(stop.value.error, ShardError), stop.value
     assert stop.value.error.url == URLS[0] and "bad header" in str(stop.value.error)
-    shards = epoch_shards(agent, [{"ok": False, "kind": "failed", "error": "gone"}], on_error="skip")
+    # A cache file the worker cannot read (no damage found): skipped and let go, and the agent is
+    # told of no corrupt copy, as it is of the damaged one above.
+    assert ("corrupt", URLS[0]) in agent.ops()
+    shards = epoch_shards(
+        agent, [{"ok": False, "kind": "protocol", "error": "internal error: OSError"}], on_error="skip"
+    )
     assert list(shards.arrivals(3)) == [0]
     assert shards.skipped == {3} and shards.sample_counts[3] == 0 and 3 not in shards.pins.opened
-    assert agent.ops()[-2:] == [("corrupt", URLS[3]), ("release", URLS[3])]
+    assert agent.ops()[-1] == ("release", URLS[3]) and ("corrupt", URLS[3]) not in agent.ops()
 
 
 def test_a_damaged_copy_is_read_again_once_from_a_new_copy() -> None:

@@ -3,6 +3,7 @@ the reason the agent gives; a shard a consumer waits for never queues behind pre
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -10,6 +11,7 @@ import time
 import pytest
 import zmq
 
+from tests.helpers.streaming import wait_exit
 from tests.helpers.waits import wait_for
 from wdscache import CachedMultiLoader, FetchError, ShardClient
 from wdscache.shared.client import AgentConnection
@@ -60,6 +62,43 @@ def test_a_killed_agent_ends_a_consumer_within_its_timeout(shard_server, dataset
         )
     assert rc != 0
     assert "no wdscache agent answered" in c.log.read_text(), c.log.read_text()[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_an_agent_stopped_while_a_consumer_waits_ends_it_naming_its_timeout(
+    shard_server, dataset, start_agent, consumers, tmp_path, sig
+):
+    ds = dataset(1, samples=20, payload=2000)
+    release = threading.Event()  # (set at the end: the stalled response ends with the test)
+    shard_server.fail(ds.paths[0].name, "stall", seconds=120, until=release, times=3)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "1")
+    try:
+        c = consumers(cache, "waiter", "--job", "waiter", "--timeout", "6")
+        waiting = agent.wait_stats(
+            lambda s: (s["agent"] or {}).get("demanded_by_job", {}).get("waiter", 0) == 1,
+            20,
+            "the consumer never waited for the stalled shard",
+        )
+        assert waiting["shards"]["cached"] == 0, waiting["shards"]
+        # Some of its timeout gone before the agent stops: the request then unanswered waits only
+        # what is left of it, a figure the error must not name in place of the timeout.
+        since = time.monotonic()
+        wait_for(lambda: time.monotonic() - since >= 2, 5, "a clock that does not move")
+        agent.stop(sig)
+        rc = wait_exit(c.proc, 6 + 10, "a consumer whose agent stopped")
+    finally:
+        release.set()
+    text = c.log.read_text(errors="replace")
+    last = text.strip().splitlines()[-1]
+    assert rc != 0 and last.startswith("wdscache.AgentUnavailableError: "), text[-3000:]
+    assert "within 6s;" in last and "the loader's timeout=6 " in last, last
+    assert re.findall(r"\b\d+(?:\.\d+)?s\b", last) == ["6s"], last  # no other figure of seconds
+    assert "died or restarted" in last and "a longer timeout=" in last, last
+    # The cache directory, in how to start an agent there, or (SIGTERM: an agent stops within
+    # seconds, abandoning its downloads) the agent still stopping there.
+    assert f"at ipc://{cache}/agent.sock " in last and f" {cache} " in last, last
 
 
 @pytest.mark.slow

@@ -21,7 +21,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from ..shared.client import AgentConnection
-from ..shared.errors import AgentUnavailableError, FetchError, ShardError, WdsCacheError, failed_shard
+from ..shared.errors import (
+    AgentUnavailableError,
+    FetchError,
+    ShardError,
+    WdsCacheError,
+    failed_shard,
+    worker_fault,
+)
 from ..shared.logs import get_logger
 from ..shared.messages import Requests, WorkerRequest
 from ..shared.mixture import MixSpec
@@ -176,7 +183,7 @@ class EpochShards:
                 self.open(shard, again=True, while_downloading=True)
                 continue
             if not reply.get("ok"):
-                error: WdsCacheError = shard_error(url, reply)
+                error = unread_error(url, reply, self.clock.endpoint)
                 break
             count = int(reply["count"])
             if count > known:
@@ -257,8 +264,8 @@ class EpochShards:
                 if shard in self.skipped:
                     return 0
                 continue
-            exc = shard_error(url, reply)
-            if reply.get("kind") != "corrupt" or shard in self.renewed:
+            exc = unread_error(url, reply, self.clock.endpoint)
+            if not isinstance(exc, ShardError) or shard in self.renewed:
                 self.failed(shard, exc)
                 return 0
             # A corrupt copy: the agent fetches it once more; corrupt again, the shard fails.
@@ -467,8 +474,24 @@ def changed_error(url: str, planned: int, count: int) -> ShardError:
     )
 
 
+def unread_error(url: str, reply: dict[str, Any], endpoint: str) -> WdsCacheError:
+    """The error of a worker's failed answer about ``url``, for an epoch stream as for random
+    access, so that ``on_error`` and the user see one class for one failure: a ShardError when
+    the shard itself is bad (``corrupt``), the agent's own fault (``fault``: out of open files)
+    as such, else a FetchError, as for any shard its source cannot give us (its cache file
+    cannot be opened or read: that blames neither the shard's bytes nor its copy, which the
+    agent is not told is corrupt)."""
+    if reply.get("kind") == "corrupt":
+        return shard_error(url, reply)
+    if reply.get("kind") == "fault":
+        return worker_fault(endpoint, reply)
+    return FetchError(
+        url, f"a sample worker of the agent could not read its cache file ({reply.get('error')}); see the agent's log"
+    )
+
+
 def shard_error(url: str, reply: dict[str, Any]) -> ShardError:
-    """The error a worker's failed answer about ``url`` names."""
+    """The error a worker's answer that ``url``'s copy is corrupt names."""
     offset = reply.get("offset")
     return ShardError(
         url, str(reply.get("reason") or reply.get("error")), offset=offset if isinstance(offset, int) else None

@@ -98,7 +98,6 @@ from ..shared.errors import (
     ShardIndexError,
     WdsCacheError,
     failed_shard,
-    worker_fault,
 )
 from ..shared.layout import file_identity
 from ..shared.messages import Requests, WorkerRequest
@@ -106,7 +105,7 @@ from ..shared.protocol import pack_numbers, pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_entries
 from ..shared.urls import index_list, normalize_url
 from .direct import pread_whole
-from .epoch_shards import shard_error
+from .epoch_shards import unread_error
 from .loader import _env_places
 from .pins import STATUS_EVERY
 from .private import PrivateAgent, check_cache_dir
@@ -932,7 +931,7 @@ class _Session:
         worker = shard % len(self.links)
         header, _ = self._ask(worker, Requests.scan(url))
         if not header.get("ok"):
-            raise _unread(url, header, self.ds.endpoint)
+            raise unread_error(url, header, self.ds.endpoint)
         if header.get("count") != n:
             raise ShardError(url, f"{header.get('count')} samples, but the shard index says {n}")
         for first in range(0, n, TABLE_ITEMS):
@@ -940,7 +939,7 @@ class _Session:
             items = pack_numbers([x for j in range(first, first + count) for x in (0, j)])
             header, frames = self._ask(worker, Requests.read([url], places=True), items)
             if not header.get("ok"):
-                raise _unread(url, header, self.ds.endpoint)
+                raise unread_error(url, header, self.ds.endpoint)
             _add_rows(table, layouts, header, frames, count, url)
         return table
 
@@ -1003,19 +1002,6 @@ def _bye_at_exit(session_ref: weakref.ReferenceType[_Session]) -> None:
         _exit_deadline = time.monotonic() + EXIT_BYE_TIMEOUT
     session.conn.on_new_run = None  # a restarted agent knows nothing of us: no hello again at exit
     session.close(timeout=max(0.0, _exit_deadline - time.monotonic()))
-
-
-def _unread(url: str, reply: dict[str, Any], endpoint: str) -> WdsCacheError:
-    """The error of a worker's failed answer about ``url``: a ShardError when the shard itself is
-    bad (``corrupt``), the agent's own fault (``fault``: out of open files) as such, else a
-    FetchError, as for any shard its source cannot give us."""
-    if reply.get("kind") == "corrupt":
-        return shard_error(url, reply)
-    if reply.get("kind") == "fault":
-        return worker_fault(endpoint, reply)
-    return FetchError(
-        url, f"a sample worker of the agent could not read its cache file ({reply.get('error')}); see the agent's log"
-    )
 
 
 def _close_files(pinned: OrderedDict[int, _Open]) -> None:

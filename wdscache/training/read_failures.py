@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..shared.errors import NotTrustedError, ShardError, worker_fault
 from ..shared.logs import get_logger
 from .direct import StaleFile
-from .epoch_shards import StopEpoch, judge, shard_error
+from .epoch_shards import StopEpoch, judge, unread_error
 from .pins import STATUS_EVERY
 from .reads import Read, ReadState
 
@@ -73,14 +73,14 @@ class ReadFailures:
         read_shards = {urls[sid[0]]: sid[0] for _, sid in read.sent_items()}
         shard = read_shards.get(str(header.get("url")))
         if shard is None:  # not one shard's fault (a bad request, a worker's bug): the whole read
-            exc = shard_error(urls[read.sent_items()[0][1][0]], header)
+            exc = unread_error(urls[read.sent_items()[0][1][0]], header, stream.settings.endpoint)
             with failing(read):
                 judge(stream.settings.on_error, exc)
             log.warning("skipping %d samples: %s", len(items) - len(read.got), exc)
             reads.answer(read, *read.whole([], []))  # the samples of its earlier parts stay
             return
-        exc = shard_error(urls[shard], header)
-        if kind == "corrupt" and stream.shards.found_corrupt(shard, exc):
+        exc = unread_error(urls[shard], header, stream.settings.endpoint)
+        if isinstance(exc, ShardError) and stream.shards.found_corrupt(shard, exc):
             # The read goes again once the shard is opened again, from a new copy (recover).
             reads.reopen(read)
             return

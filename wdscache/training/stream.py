@@ -288,22 +288,33 @@ class EpochStream:
             yield from self._pipeline()
         except AgentUnavailableError as exc:
             self.broken = True
-            self.end_error = told(exc)
             if exc.hint == WORKERS_SILENT:  # the agent answered: not gone
+                self.end_error = told(exc)
                 raise
-            # It served this epoch, then went silent: it died, or restarted and is not back.
-            raise AgentUnavailableError(
-                exc.endpoint,
-                exc.timeout,
-                "the agent that served this epoch died or restarted and no run of it answered again in time "
-                f"(a restarted agent is taken up where the epoch stands); {exc.hint}".rstrip("; "),
-            ) from None
+            gone = self._agent_gone(exc)
+            self.end_error = told(gone)
+            raise gone from None
         except WdsCacheError as exc:
             self.broken = True  # the agent may be gone: do not wait for it again on the way out
             self.end_error = told(exc)
             raise
         finally:
             self.close()
+
+    def _agent_gone(self, exc: AgentUnavailableError) -> AgentUnavailableError:
+        """The error of an agent that served this epoch, then went silent (it died, or restarted
+        and is not back), from ``exc`` of the request that went unanswered. That request waited
+        what was left of the wait's ``timeout`` (or less: a status asked within it), a figure that
+        tells the user nothing: named is the loader's ``timeout``, which a wait without progress
+        lasts, and what to do."""
+        timeout = self.settings.timeout
+        return AgentUnavailableError(
+            exc.endpoint,
+            timeout,
+            f"the agent that served this epoch died or restarted, and no run of it answered again within the "
+            f"loader's timeout={timeout:g} (an agent started again within it is taken up where the epoch stands; "
+            f"a longer timeout= waits longer for it); {exc.hint}".rstrip("; "),
+        )
 
     @property
     def delivered(self) -> int:
