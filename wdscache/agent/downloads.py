@@ -34,15 +34,20 @@ Guarantees (threads):
   (from where its partial file ends) after a backoff (``FILES_BACKOFF``: 0.5 s, doubled each time
   in a row, at most 5 s: files come free as connections close, or once the limit is raised). Stats and a waiting reader's status say so (:meth:`Downloads.out_of_files`,
   :meth:`Downloads.progress`), and the log, at most once every ``FILES_LOG_EVERY``.
-- The agent's last open files are kept for connections: a download attempt does not start while
-  fewer than ``FILES_RESERVE`` (at most a quarter of the limit) are free, and waits as one out of
-  files does. ZeroMQ aborts the whole process when it cannot accept a connection on an ``ipc://``
-  endpoint for want of a file (libzmq 4.3's ``ipc_listener``), so downloads must not use them up;
-  connections alone, or a limit lowered from outside, still can.
+- The agent's last open files are kept for connections (``FILES_RESERVE``, at most a quarter of
+  the limit): ZeroMQ ends the whole process when it cannot accept a connection on an ``ipc://``
+  endpoint for want of a file (libzmq 4.3's ``ipc_listener`` aborts), so downloads must not use
+  them up. A download attempt claims the files it may open (:func:`files_per_download`) before it
+  starts, and starts only if the files free less those claimed by the attempts under way and its
+  own leave the reserve (:class:`FileClaims`); else it waits as one out of files does, its stats
+  and log saying the files are held back (:class:`FilesHeldBack`), not that a file could not be
+  opened. Its claim is let go when it ends. Connections alone (more consumers than the limit
+  allows), or a limit lowered from outside, can still use up the reserve.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import logging
@@ -52,7 +57,7 @@ import resource
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
@@ -161,46 +166,93 @@ def files_free() -> tuple[int, int] | None:
     return limit - sum(1 for fd in held if int(fd) < limit), limit
 
 
-def keep_files_reserve() -> None:
-    """Raise EMFILE when fewer than the reserve of open files kept for connections are free (see the module)."""
-    free = files_free()
-    if free is None:
-        return
-    left, limit = free
-    reserve = min(FILES_RESERVE, limit // 4)
-    if left < reserve:
-        raise OSError(errno.EMFILE, f"{left} of {limit} open files free: the last {reserve} are kept for connections")
+def files_reserve(limit: int) -> int:
+    """The open files kept for connections under a limit of ``limit`` (see the module)."""
+    return min(FILES_RESERVE, limit // 4)
+
+
+def files_per_download(parts: int) -> int:
+    """The most open files one download attempt of up to ``parts`` parts holds at once: a connection
+    and a file for each part (the first part's is the partial file, the others' their side files),
+    and one more (a side file is appended to the partial file through a second descriptor)."""
+    return 1 + 2 * parts
+
+
+class FilesHeldBack(Exception):
+    """A download attempt was not started: the files it may open would eat into those kept for
+    connections (see the module). The message says how many are free, and what to do."""
+
+
+class FileClaims:
+    """The open files download attempts under way may open (their claims), and the test each
+    attempt passes before it starts (:meth:`claim`); thread-safe.
+
+    A claim counts an attempt's files whether it has opened them yet or not: those it holds are
+    counted in the files not free too, which errs on the side of connections (fewer downloads at
+    once when files are short, never fewer files than the reserve)."""
+
+    def __init__(self, need: int) -> None:
+        self.need = need  # files one attempt may open (files_per_download)
+        self._lock = threading.Lock()
+        self._claimed = 0  # files claimed by the attempts under way
+
+    @contextlib.contextmanager
+    def claim(self) -> Iterator[None]:
+        """Claim ``need`` files for an attempt while it runs (the ``with`` block); FilesHeldBack if
+        the files free, less those claimed and these, would leave fewer than the reserve."""
+        with self._lock:  # (the free files are counted under it too: two claims never see the same files)
+            free = files_free()
+            if free is not None:
+                left, limit = free
+                reserve = files_reserve(limit)
+                if left - self._claimed - self.need < reserve:
+                    raise FilesHeldBack(
+                        f"{left} of {limit} open files free, downloads under way claim {self._claimed} and the "
+                        f"next one {self.need}: the last {reserve} are kept for connections; "
+                        "raise ulimit -n / LimitNOFILE for the agent"
+                    )
+            self._claimed += self.need
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._claimed -= self.need
 
 
 class FilesShort:
-    """Downloads' waits while the agent is out of open files (see the module): each in its
-    download's thread; the warnings, at most one every ``FILES_LOG_EVERY``, shared."""
+    """Downloads' waits while the agent is short of open files (see the module): each in its
+    download's thread; the warnings, at most one every ``FILES_LOG_EVERY``, shared. Each attempt
+    claims its files (``claims``) while it runs."""
 
-    def __init__(self) -> None:
+    def __init__(self, claims: FileClaims) -> None:
+        self._claims = claims
         self._logged: float | None = None  # time.monotonic() of the last warning
 
     def fetch(self, fetcher: Fetcher, d: Download) -> Fetched:
-        """Fetch ``d``; while the agent is out of open files, wait and try again, from where the
-        partial file ends. Its ``progress.fault`` says so until it ends."""
+        """Fetch ``d``; while the agent is short of open files (it ran out, or the files it may open
+        are held back), wait and try again, from where the partial file ends. Its
+        ``progress.fault`` says so until it ends."""
         short = 0  # times in a row it found no file to spare
         while True:
             if d.cancel.is_set():
                 raise Cancelled(d.url)
             try:
-                keep_files_reserve()
-                fetched = fetcher.fetch(d)
+                with self._claims.claim():
+                    fetched = fetcher.fetch(d)
             except (Cancelled, DiskFull):
                 raise
+            except FilesHeldBack as exc:
+                fault = str(exc)
             except Exception as exc:
-                fault = out_of_files(exc)
-                if fault is None:
+                if (out := out_of_files(exc)) is None:
                     raise
-                short += 1
-                d.progress.fault = fault
-                self._wait(d, fault, FILES_BACKOFF.delay(min(short, 16)))  # (at the max long before 16)
-                continue
-            d.progress.fault = None
-            return fetched
+                fault = out
+            else:
+                d.progress.fault = None
+                return fetched
+            short += 1
+            d.progress.fault = fault
+            self._wait(d, fault, FILES_BACKOFF.delay(min(short, 16)))  # (at the max long before 16)
 
     def _wait(self, d: Download, fault: str, delay: float) -> None:
         """Say that ``d`` found no file to spare (a warning at most every ``FILES_LOG_EVERY``), and
@@ -252,7 +304,7 @@ class Downloads:
         self._gave_way: set[str] = set()
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
-        self._files = FilesShort()
+        self._files = FilesShort(FileClaims(files_per_download(config.download_parts)))
         self._finished_bytes = 0  # bytes fetched by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
 

@@ -15,7 +15,9 @@ Guarantees:
 - Every file and socket the agent makes from here on is private to its user (umask 077).
 - The soft limit on open files is raised to the hard one before the workers start (they inherit
   it), and a limit lower than the work may need (:func:`open_files_wanted`) is warned about, naming
-  it and how to raise it: an agent or a worker out of files fails reads for every consumer.
+  it and how to raise it: downloads leave the last files to connections
+  (:mod:`wdscache.agent.downloads`), but a process with no file for a connection made to its
+  ``ipc://`` endpoint is ended by ZeroMQ, and too many consumers can take them all.
 - The start-up window's sizes are asked of their sources for at most the time an answer may take
   to begin (``Settings.answer_timeout``: the connect timeout, 10 s, and ``--read-timeout``), and
   no longer once the agent is told to stop: a size not known by then is unknown, as one a server
@@ -51,6 +53,7 @@ from ..shared.protocol import still_runs
 from ..shared.urls import UrlList
 from .cache import INDEX_HEADROOM, ShardCache
 from .control import ControlSocket
+from .downloads import files_per_download
 from .events import Mailbox
 from .fetch import Fetcher
 from .lock import AgentLock
@@ -124,9 +127,10 @@ class Taken:
 
 
 def open_files_wanted(cfg: AgentConfig) -> int:
-    """Open files the agent's busiest process may need: a connection and a file for each part of
-    each download (as many again for shards readers wait for), and CONSUMERS consumers' connections."""
-    return OWN_FILES + 2 * 2 * cfg.download_workers * cfg.download_parts + CONSUMERS
+    """Open files the agent's busiest process may need: those of each download (its partial file,
+    a connection and a file for each part; as many downloads again for shards readers wait for),
+    and CONSUMERS consumers' connections."""
+    return OWN_FILES + 2 * cfg.download_workers * files_per_download(cfg.download_parts) + CONSUMERS
 
 
 def raise_open_files(cfg: AgentConfig) -> int:
@@ -142,11 +146,14 @@ def raise_open_files(cfg: AgentConfig) -> int:
     wanted = open_files_wanted(cfg)
     if soft != resource.RLIM_INFINITY and soft < wanted:
         log.warning(
-            "the limit on open files is %d (ulimit -n; hard limit %s): the agent or a sample worker may run "
-            "out of them with many consumers or downloads, and fail their reads; raise ulimit -n, or "
-            "LimitNOFILE= in a systemd unit, to %d or more",
+            "the limit on open files is %d (ulimit -n; hard limit %s), below what %d consumers and these "
+            "downloads may take: downloads wait rather than take the last files, kept for connections, but a "
+            "process (the agent, or a sample worker) left with no file for a consumer's connection is ended "
+            "by ZeroMQ and restarted (the agent by its supervisor); raise ulimit -n, or LimitNOFILE= in a "
+            "systemd unit, to %d or more",
             soft,
             "unlimited" if hard == resource.RLIM_INFINITY else hard,
+            CONSUMERS,
             wanted,
         )
     return soft

@@ -33,8 +33,8 @@ The object (also ``wdscache stats --json``)::
                       until it has room) | "min_free" (a shard a reader waits for waits for space:
                       less than --min-free is free), error (the write refused, or why it waits)},
                       out_of_files: null | the error, while downloads wait for open files (a download
-                      found none to spare: the agent's fault, never the shard's, which is tried again
-                      after a backoff),
+                      found none to spare, or its files would eat into those kept for connections:
+                      the agent's fault, never the shard's, which is tried again after a backoff),
                       retrying: [{url, error, demanded, jobs}] (downloads whose last attempt failed,
                       retried after a backoff: that attempt's failure, whether a reader waits for the
                       shard, and the jobs whose readers do), demanded (shards readers wait for),

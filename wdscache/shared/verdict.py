@@ -103,10 +103,11 @@ def disk_short(stats: dict[str, Any]) -> str | None:
 
 
 def files_short(stats: dict[str, Any]) -> str | None:
-    """That the agent is out of open files, as a sentence that says what to do (``agent.out_of_files``),
-    while downloads wait for them; None while they do not, or without an agent that says."""
+    """That the agent is short of open files (it ran out, or downloads leave the last ones to
+    connections), as a sentence that says what to do (``agent.out_of_files``), while downloads wait
+    for them; None while they do not, or without an agent that says."""
     fault = (stats.get("agent") or {}).get("out_of_files")
-    return f"the agent is out of open files, downloads wait: {fault}" if fault else None
+    return f"the agent is short of open files, downloads wait: {fault}" if fault else None
 
 
 def _queued_waits(stats: dict[str, Any], job: str | None) -> int:
