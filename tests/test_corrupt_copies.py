@@ -300,10 +300,8 @@ def test_a_copy_the_worker_cannot_open_is_a_fetch_error_and_a_corrupt_one_a_shar
     with pytest.raises(WdsCacheError) as info:
         samples("raise", "raise")
     assert type(info.value) is expected, repr(info.value)
-    if damage == "not-a-file":
-        assert info.value.url == victim, info.value
-    if damage != "corrupt":  # (a read of several shards that fails as a whole names its first)
-        assert info.value.url in ds.urls[:2], info.value
+    assert info.value.url == victim, info.value  # a read of several shards blames the one that failed
+    if damage != "corrupt":
         assert "a sample worker of the agent could not read its cache file" in str(info.value), info.value
     seen: list[BaseException] = []
 
@@ -318,3 +316,40 @@ def test_a_copy_the_worker_cannot_open_is_a_fetch_error_and_a_corrupt_one_a_shar
         assert [c["url"] for c in s["agent"]["corrupt"]] == [victim], s["agent"]["corrupt"]
     else:
         assert s["corrupt"] == 0 and s["agent"]["corrupt"] == [] and s["failed"] == [], s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_read_of_several_shards_blames_only_the_one_its_worker_cannot_open(
+    shard_server, dataset, start_agent, tmp_path, caplog, shuffle
+):
+    """A read spanning three shards whose middle one's cache file the worker cannot open (a
+    directory in its place) fails that shard alone: the worker's reply names it, so
+    ``on_error="skip"`` keeps the other two shards' samples of the read, and "raise" hands out
+    every sample before it and names it. (The reply named no shard: the whole read was dropped,
+    and its first shard blamed.)"""
+    ds = dataset(3, samples=20, payload=3000)
+    victim = ds.urls[1]
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, ds.list_file, "--prefetch", "3", "--cache-size", "10M")
+    agent.wait_stats(lambda s: s["shards"]["cached"] == 3, 20, "the 3 shards were not cached")
+    first = [s["__key__"] for s in loader(cache, job="first", shuffle=False)]  # every count known
+    assert len(first) == 60
+    copy = CacheLayout.of(cache).shard_path(victim)
+    copy.unlink()
+    copy.mkdir()
+    ref = reference(ds.paths, ds.urls)
+
+    with caplog.at_level(logging.WARNING, logger="wdscache"):
+        got = list(loader(cache, job="skip", shuffle=shuffle, on_error="skip"))
+    assert sorted((s["__url__"], s["__key__"]) for s in got) == sorted(k for k in ref if k[0] != victim)
+    skipped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
+    assert len(skipped) == 1 and skipped[0].startswith(f"skipping {victim}: "), skipped
+
+    handed: list[str] = []
+    with pytest.raises(FetchError) as info:
+        for s in loader(cache, job="raise", shuffle=False):
+            handed.append(s["__key__"])
+    assert info.value.url == victim, info.value
+    assert handed == first[:20]  # shard 0's, every one, in order
+    assert agent.stats()["failed"] == [], agent.stats()["failed"]

@@ -52,6 +52,9 @@ with ``final`` false. Errors come back as ``{"ok": false, "kind": "missing" |
 "corrupt" | "pending" | "protocol" | "fault", "error": ...}``; "pending" means the sample is
 not in the partial file now (its download started over): ask again shortly; "fault" is the
 agent's own (out of open files: :func:`~wdscache.shared.errors.out_of_files`), never the shard's.
+One that failed opening or reading a shard (a "corrupt" one, or any error of no kind of its own:
+its cache file is a directory, say) names it, ``"url": u``, so that a consumer blames that shard
+alone, not the other shards of the read.
 
 A worker that finds a published shard corrupt (a bad tar header) reports it to the agent
 (``corrupt_copy``) with the identity of the file it read, and the agent downloads that copy
@@ -135,6 +138,9 @@ MERGE_GAP = 2048
 # block, not one holding the other ranks' blocks too, which it would copy in vain
 # (docs/benchmarks.md measures the difference).
 DIRECT_GAP = PREAD_BYTES
+# Failures a reply says by their kind (missing, pending, corrupt, protocol); anything else raised
+# opening or reading a shard is a ShardFailure, which names it.
+SAID_BY_KIND = (FileNotFoundError, NotYet, ShardError, ProtocolError)
 REFUSED = (
     "refused: this worker serves only consumers that hold the agent's token "
     "(CACHE_DIR/token, readable by the cache directory's owner only); use CachedMultiLoader as that user"
@@ -149,6 +155,15 @@ class WorkerSpec:
     control: str  # the agent's endpoint, for reports
     parent: int
     log_format: str  # the agent's (AgentConfig.log_format): one format for every line of its log
+
+
+class ShardFailure(Exception):
+    """Opening or reading shard ``url`` for a request raised ``cause``, an error of no kind a reply
+    says by itself (:data:`SAID_BY_KIND`): the reply names the shard."""
+
+    def __init__(self, url: str, cause: Exception) -> None:
+        super().__init__(url, cause)
+        self.url, self.cause = url, cause
 
 
 def _die_with_parent(parent: int) -> None:
@@ -337,36 +352,56 @@ class _Worker:
             self._reply(ident, reply, proved=proved)
         except ProtocolError as exc:
             self._reply(ident, _error(rid, "protocol", str(exc)), proved=proved)
+        except ShardFailure as failure:
+            reply = self._unexpected(rid, failure.cause, failure.url)
+            reply["url"] = failure.url  # that shard's fault alone, not the read's other shards'
+            self._reply(ident, reply, proved=proved)
         except Exception as exc:  # one bad request must never take the worker down
-            fault = out_of_files(exc)
-            if fault is not None:  # ours, not the shard's: the consumer must not skip it for this
-                log.error("worker %d: %s", self.spec.index, fault)
-                self._reply(ident, _error(rid, "fault", fault), proved=proved)
-                return
-            log.exception("worker %d: error serving a request", self.spec.index)
-            self._reply(ident, _error(rid, "protocol", f"internal error: {type(exc).__name__}"), proved=proved)
+            self._reply(ident, self._unexpected(rid, exc), proved=proved)
+
+    def _unexpected(self, rid: Any, exc: Exception, url: str | None = None) -> WorkerErrorReply:
+        """The reply to request ``rid`` that raised ``exc`` (in opening or reading shard ``url``,
+        if given), logged: a fault of the agent's (out of open files), else an internal error."""
+        fault = out_of_files(exc)
+        if fault is not None:  # ours, not the shard's: the consumer must not skip it for this
+            log.error("worker %d: %s", self.spec.index, fault)
+            return _error(rid, "fault", fault)
+        if url is None:
+            log.error("worker %d: error serving a request", self.spec.index, exc_info=exc)
+        else:
+            log.error("worker %d: error reading %s", self.spec.index, url, exc_info=exc)
+        return _error(rid, "protocol", f"internal error: {type(exc).__name__}")
 
     def _scan(self, ident: bytes, rid: Any, url: str, partial: bool) -> None:
+        try:
+            count, final = self._count(url, partial)
+        except SAID_BY_KIND:
+            raise
+        except Exception as exc:
+            raise ShardFailure(url, exc) from exc
+        self._reply(ident, _scanned(rid, count, final))
+
+    def _count(self, url: str, partial: bool) -> tuple[int, bool]:
+        """``url``'s samples known (so far, with ``partial``, while it downloads or is walked),
+        and whether that is all of them."""
         try:
             walker = self.shards.unwalked(url) if partial else None
             if walker is not None:  # asked while downloading, and just published: the walk so far
                 before = len(walker.samples)
                 self.shards.walk(url, walker, before)
                 if len(walker.samples) > before:
-                    self._reply(ident, _scanned(rid, len(walker.samples), False))
-                    return
+                    return len(walker.samples), False
                 # Walked but for the last sample: the view below takes the walk over.
             view = self.shards.view(url)
-            count, final = len(view.samples), True
-            self._send_report(self.reports.counted(url, count, view.identity))
+            self._send_report(self.reports.counted(url, len(view.samples), view.identity))
+            return len(view.samples), True
         except FileNotFoundError:
             if not partial:
                 raise
             try:
-                count, final = len(self.shards.downloading(url, refresh=True).samples), False
+                return len(self.shards.downloading(url, refresh=True).samples), False
             except FileNotFoundError:
-                count, final = 0, False  # not started yet, just published, or failed: ask again
-        self._reply(ident, _scanned(rid, count, final))
+                return 0, False  # not started yet, just published, or failed: ask again
 
     def _read(self, ident: bytes, header: dict[str, Any], frames: list[Any]) -> None:
         urls = field(header, "urls", list)
@@ -396,7 +431,12 @@ class _Worker:
         # go as a view's do (zero-copy, or file ranges of a published file), never copied.
         growing_maps: list[ShardView | None] = [None] * len(urls)
         for k, url in enumerate(urls):  # once per shard, not per sample
-            view = self.shards.readable(url)
+            try:
+                view = self.shards.readable(url)
+            except SAID_BY_KIND:
+                raise
+            except Exception as exc:  # its cache file a directory, say: this shard's failure, not the read's
+                raise ShardFailure(url, exc) from exc
             if isinstance(view, GrowingShard):
                 ranged = view.published and (direct or places)  # a download's file is not the consumer's to read
                 shards.append((view, None, None, 0, DIRECT_GAP if ranged else MERGE_GAP))
@@ -470,12 +510,17 @@ class _Worker:
             for k, j in zip(shard_of[a:b], index_of[a:b]):  # sample by sample
                 view, samples, placer, count, gap = shards[k]
                 if placer is None:  # a download under way, or a walk of a published shard
-                    if j >= len(view.samples):
-                        self.shards.walk(urls[k], view, j)
-                    if j >= len(view.samples):
-                        raise NotYet(f"{urls[k]} has no complete sample {j} yet")
-                    key, names, place = placed(view.samples, j)
-                    mapped = view.mapped(place[-2] + place[-1])
+                    try:
+                        if j >= len(view.samples):
+                            self.shards.walk(urls[k], view, j)
+                        if j >= len(view.samples):
+                            raise NotYet(f"{urls[k]} has no complete sample {j} yet")
+                        key, names, place = placed(view.samples, j)
+                        mapped = view.mapped(place[-2] + place[-1])
+                    except SAID_BY_KIND:
+                        raise
+                    except Exception as exc:  # (a try costs nothing unless it raises)
+                        raise ShardFailure(urls[k], exc) from exc
                     if mapped is not growing_maps[k]:  # a new mapping: no run of the old one grows into it
                         if view.published and growing_maps[k] is not None:
                             # The walk followed a new file at that path: one reply names one file a shard.

@@ -512,7 +512,9 @@ class ScannedReply(_ScannedRequired, total=False):
 
 
 #: Why a worker could not answer: no proof of the token, no such shard, not in the download so
-#: far (ask again shortly), a damaged shard, a bad request, a fault of the agent's own (out of open files).
+#: far (ask again shortly), a damaged shard, a bad request or an error of the worker's (its
+#: reply's ``url`` set: in opening or reading that shard's cache file), a fault of the agent's own
+#: (out of open files).
 WorkerErrorKind = Literal["refused", "missing", "pending", "corrupt", "protocol", "fault"]
 
 
@@ -525,7 +527,8 @@ class _WorkerErrorRequired(TypedDict):
 
 
 class WorkerErrorReply(_WorkerErrorRequired, total=False):
-    """A worker's answer to ``read`` or ``scan`` that failed; a ``corrupt`` one says where."""
+    """A worker's answer to ``read`` or ``scan`` that failed; ``url``: the shard it failed opening or
+    reading (a read of several shards fails for that one alone); a ``corrupt`` one says where and why."""
 
     reason: str
     offset: int

@@ -412,7 +412,8 @@ _WORKER_REPLY = {"ok": "bool", "error": "str?"}
 # reader says hello again rather than go on unknown, as a plain client.
 _GREETED = {"said_hello": "bool?"}
 _FORGOTTEN = {"need_hello": "bool?"}
-# What a worker's error reply adds: its kind, and for a corrupt shard where reading failed.
+# What a worker's error reply adds: its kind; the shard it failed opening or reading (url), so
+# that a read of several shards blames that one alone; for a corrupt one, where and why.
 _WORKER_ERROR = {"kind": "str?", "reason": "str?", "offset": "int?", "url": "str?"}
 
 #: Every message: the code is checked against this table (tests/test_protocol.py).

@@ -397,7 +397,11 @@ class EpochShards:
         """``shard`` cannot be read: end the epoch there (:class:`StopEpoch`, carrying ``exc``
         with ``on_error="raise"``), or (``on_error="skip"``) skip the shard: its samples not yet
         read become holes, dropped or filled with repeats by the stream (:mod:`.holes`).
-        ``corrupt=False``: a ShardError that is no fault of the copy (the agent is not told of it)."""
+        ``corrupt=False``: a ShardError that is no fault of the copy (the agent is not told of it).
+        A shard skipped already (reads of it in flight together fail one after another) is let
+        be: ``on_error`` hears of each shard once."""
+        if shard in self.skipped:
+            return
         self.pins.close_file(shard)
         if corrupt and isinstance(exc, ShardError):  # a failed download is already in the agent's stats
             self.report_corrupt(shard, str(exc))
