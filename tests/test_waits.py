@@ -102,6 +102,52 @@ def test_an_agent_stopped_while_a_consumer_waits_ends_it_naming_its_timeout(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_an_agent_stopped_while_a_mixture_is_counted_ends_it_naming_its_timeout(
+    shard_server, dataset, start_agent, tmp_path, sig
+):
+    # A mixture counts the shards the agent has no count of before its epoch (a stream of their
+    # own): an agent that stops then is reported as in the epoch, with the loader's timeout.
+    a = dataset(1, samples=10, payload=200, prefix="a", list_name="a.txt")
+    b = dataset(1, samples=10, payload=200, prefix="b", list_name="b.txt")
+    release = threading.Event()  # (set at the end: the stalled response ends with the test)
+    shard_server.fail(b.paths[0].name, "stall", seconds=120, until=release, times=3)
+    cache = tmp_path / "cache"
+    agent = start_agent(cache, a.list_file, "--prefetch", "1")
+    loader = CachedMultiLoader(
+        cache_dir=cache, job="mixer", mix={str(a.list_file): 1, str(b.list_file): 1}, epoch_samples=10, timeout=6
+    )
+    ended: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            list(loader)
+        except BaseException as exc:  # (what the test asserts on)
+            ended.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        agent.wait_stats(
+            lambda s: (s["agent"] or {}).get("demanded_by_job", {}).get("mixer", 0) == 1,
+            20,
+            "the counting pass never waited for the stalled shard",
+        )
+        since = time.monotonic()  # some of the timeout gone: the unanswered request waits the rest
+        wait_for(lambda: time.monotonic() - since >= 2, 5, "a clock that does not move")
+        agent.stop(sig)
+        reader.join(6 + 10)
+    finally:
+        release.set()
+    assert not reader.is_alive() and len(ended) == 1, ended
+    last = str(ended[0])
+    assert type(ended[0]).__name__ == "AgentUnavailableError", repr(ended[0])
+    assert "within 6s;" in last and "the loader's timeout=6 " in last, last
+    assert re.findall(r"\b\d+(?:\.\d+)?s\b", last) == ["6s"], last  # no other figure of seconds
+    assert "died or restarted" in last and "a longer timeout=" in last, last
+
+
+@pytest.mark.slow
 def test_a_consumer_that_waits_for_cache_space_gives_up_after_timeout_saying_so(
     shard_server, dataset, start_agent, tmp_path
 ):

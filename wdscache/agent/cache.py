@@ -143,6 +143,7 @@ class ShardCache:
         self.layout = layout
         self.limit, self.min_free = limit, min_free
         for folder in (layout.shards_dir, layout.partial_dir, layout.tables_dir):
+            recovery.clear_way(layout, folder, folder=True)
             folder.mkdir(mode=0o700, exist_ok=True)
         self.index, self.rebuilt = recovery.open_index(layout)
         self._held = HeldFiles(layout, lock)  # (see flush)
@@ -214,7 +215,11 @@ class ShardCache:
     # -- downloads --------------------------------------------------------
 
     def begin(self, d: Download) -> None:
-        """Record that ``d`` starts (index first, then the partial file may be created)."""
+        """Record that ``d`` starts (index first, then the partial file may be created); what
+        lies where its file goes and is none (a directory made there) is moved aside, so that it
+        can be published (:func:`~wdscache.agent.recovery.clear_way`)."""
+        if recovery.clear_way(self.layout, d.final.parent, folder=True):
+            recovery.clear_way(self.layout, d.final)
         old = self.index.get(d.url)
         self.put(ShardRecord(d.url, ShardState.DOWNLOADING, size=old.size if old else 0, etag=d.progress.etag))
         # A partial kept for this resume is counted through the reservation from now on: held

@@ -25,6 +25,12 @@ Guarantees:
   :func:`~wdscache.shared.layout.former_shard_names`) are renamed to today's: each rename is
   atomic, so after a crash every file is under one of its two names and the next open
   renames the rest; the index, keyed by URL, is not changed.
+- An entry where the cache keeps a file of its own (a shard's, a partial's) that is no regular
+  file, or one where it keeps a folder that is no directory (an operator's mistake, a restore
+  gone wrong: a directory, a symbolic link, a named pipe) is no copy of anything: it is moved
+  aside (:func:`clear_way`, ``aside/<time>/<its path in the cache>``), never read, deleted or
+  followed, with a warning naming it; its shard is downloaded again. A download clears its way
+  the same, for one made while the agent runs.
 - Sample table files (``tables/``) stay only for a kept shard whose record counts one of
   that size; every other one (its shard gone, a crash between a record and its file, a temp
   file) is removed, and a record that counts a table file no longer there counts none.
@@ -35,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sqlite3
+import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -64,8 +71,17 @@ def recover(cache: ShardCache) -> dict[str, int]:
     resumable: dict[str, str] = {}  # partial file name -> url
     done = {"kept": 0, "forgotten": 0, "adopted": 0, "partials_removed": 0, "evictions_finished": 0}
     tables: set[str] = set()  # table file names a kept record counts
+    folders: dict[Path, bool] = {}  # fan folder -> whether it is clear (each looked at once)
     for rec in index:
         path = layout.shard_path(rec.url)
+        if path.parent not in folders:
+            folders[path.parent] = clear_way(layout, path.parent, folder=True)
+        # A directory, a link or a pipe where a file belongs is no copy, and never opened (a pipe blocks).
+        ways = (path, layout.partial_path(rec.url)) if rec.state is ShardState.DOWNLOADING else (path,)
+        if not (folders[path.parent] and all([clear_way(layout, way) for way in ways])):
+            index.delete(rec.url)  # (what could not be moved stays in the way, said; the shard starts over)
+            done["forgotten"] += 1
+            continue
         if rec.state is ShardState.CACHED:
             size = size_or_none(path)
             if size == rec.size and not _gzipped(path):
@@ -116,11 +132,13 @@ def recover(cache: ShardCache) -> dict[str, int]:
     # A parted download's side files go with their partial file (wdscache.agent.parts).
     for entry in os.scandir(layout.partial_dir):
         url = resumable.get(owner_name(entry.name))
-        if url is None:
+        if not entry.is_file(follow_symlinks=False):
+            clear_way(layout, Path(entry.path))
+        elif url is None:
             os.unlink(entry.path)
             done["partials_removed"] += 1
         else:
-            cache.kept[url] = cache.kept.get(url, 0) + entry.stat().st_size
+            cache.kept[url] = cache.kept.get(url, 0) + entry.stat(follow_symlinks=False).st_size
     done["partials_kept"] = len(cache.kept)
     done["tables_removed"] = _sweep_tables(layout, tables)
     return done
@@ -149,6 +167,8 @@ def adopt(cache: ShardCache, urls: Iterable[str]) -> int:
             continue
         rename_former(cache.layout, url)
         path = cache.layout.shard_path(url)
+        if not (clear_way(cache.layout, path.parent, folder=True) and clear_way(cache.layout, path)):
+            continue
         size = size_or_none(path)
         if size is not None and _head_ok(path):
             cache.set_cached(url, size, None)
@@ -216,12 +236,70 @@ def rename_former(layout: CacheLayout, url: str) -> None:
         return
 
 
-def size_or_none(path: Path) -> int | None:
-    """``path``'s size, or None if there is no such file."""
+def clear_way(layout: CacheLayout, path: Path, *, folder: bool = False) -> bool:
+    """Make way for a regular file of the cache's own at ``path`` in ``layout``'s directory (a
+    folder with ``folder``): move aside what lies there when it is something else, to
+    ``aside/<time>/<its path in the cache>``, never deleted (a directory may hold anything).
+    False when it is still in the way (it could not be moved: said).
+
+    Only the entry itself is looked at (``lstat``): a link where a file belongs is in the way
+    whatever it points to, since the cache's own files are never links; it is moved, not
+    followed. A folder may be a link to a directory (one put on another disk)."""
     try:
-        return path.stat().st_size
-    except FileNotFoundError:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # (a folder above not one: cleared on its own)
+        return True
+    if stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode):
+        return True
+    if folder and stat.S_ISLNK(mode) and os.path.isdir(path):
+        return True
+    kind = next((k for test, k in _KINDS if test(mode)), "something else")
+    rel = path.relative_to(layout.root)
+    aside = layout.root / "aside" / str(int(time.time())) / rel
+    while os.path.lexists(aside):  # (a rename would replace a file, or an empty directory)
+        aside = aside.with_name(aside.name + "~")
+    try:
+        aside.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.rename(path, aside)
+    except OSError as exc:
+        log.error(
+            "found %s at %s, where the cache keeps its own %s, and cannot move it aside (%s): remove it",
+            kind,
+            path,
+            "folder" if folder else "file",
+            exc,
+        )
+        return False
+    log.warning(
+        "found %s at %s, where the cache keeps its own %s: moved it to %s (not read, not deleted: look at it, "
+        "then remove it)",
+        kind,
+        rel,
+        "folder" if folder else "file",
+        aside,
+    )
+    return True
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a file"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
+
+
+def size_or_none(path: Path) -> int | None:
+    """The size of the regular file at ``path``, or None if there is none (nothing there, or
+    something else: a directory, a link, a pipe)."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
 
 
 def _gzipped(path: Path) -> bool:

@@ -16,6 +16,9 @@
       token                     0600: the secret a client must hold to talk to the agent and its
                                 workers (see wdscache.shared.protocol); made once, kept across restarts
       agent.sock                the agent's private IPC socket (moved to /tmp when the path is too long)
+      aside/<time>/...          what was found where the cache keeps its own files and is none (a directory
+                                where a shard's file belongs, say), under its path in the cache: moved here
+                                as found, never read or deleted (wdscache.agent.recovery.clear_way)
 
 A cache directory that cannot be written (a file system mounted read-only, say) is refused by
 every command that changes it, with :meth:`CacheLayout.check_writable`'s one-line error;

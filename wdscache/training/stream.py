@@ -276,8 +276,10 @@ class EpochStream:
             self.end_error = told(stop.error)
             raise stop.error from None
         except WdsCacheError as exc:
-            self.end_error = told(exc)
-            raise
+            ended = self._ending(exc)
+            if ended is exc:
+                raise
+            raise ended from None
         finally:
             self.close()
         return dict(self.shards.sample_counts)
@@ -286,20 +288,23 @@ class EpochStream:
         """The rank's samples in order, an iterator over a list per read (see :meth:`_pipeline`)."""
         try:
             yield from self._pipeline()
-        except AgentUnavailableError as exc:
-            self.broken = True
-            if exc.hint == WORKERS_SILENT:  # the agent answered: not gone
-                self.end_error = told(exc)
-                raise
-            gone = self._agent_gone(exc)
-            self.end_error = told(gone)
-            raise gone from None
         except WdsCacheError as exc:
-            self.broken = True  # the agent may be gone: do not wait for it again on the way out
-            self.end_error = told(exc)
-            raise
+            ended = self._ending(exc)
+            if ended is exc:
+                raise
+            raise ended from None
         finally:
             self.close()
+
+    def _ending(self, exc: WdsCacheError) -> WdsCacheError:
+        """The error that ends the epoch for ``exc`` (told in our bye): an agent gone silent is
+        :meth:`_agent_gone`'s; any other is ``exc`` itself. The epoch is broken either way: the
+        agent may be gone, and is not waited for again on the way out."""
+        self.broken = True
+        if isinstance(exc, AgentUnavailableError) and exc.hint != WORKERS_SILENT:  # (WORKERS_SILENT: it answered)
+            exc = self._agent_gone(exc)
+        self.end_error = told(exc)
+        return exc
 
     def _agent_gone(self, exc: AgentUnavailableError) -> AgentUnavailableError:
         """The error of an agent that served this epoch, then went silent (it died, or restarted
