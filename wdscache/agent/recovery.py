@@ -76,14 +76,17 @@ def recover(cache: ShardCache) -> dict[str, int]:
         path = layout.shard_path(rec.url)
         if path.parent not in folders:
             folders[path.parent] = clear_way(layout, path.parent, folder=True)
-        # A directory, a link or a pipe where a file belongs is no copy, and never opened (a pipe blocks).
-        ways = (path, layout.partial_path(rec.url)) if rec.state is ShardState.DOWNLOADING else (path,)
+        # A directory, a link or a pipe where a file belongs is no copy, and never opened (a pipe
+        # blocks). One lstat a cached shard, as before: a regular file there is in no one's way.
+        size = size_or_none(path)
+        ways = [path] if size is None else []
+        if rec.state is ShardState.DOWNLOADING:
+            ways.append(layout.partial_path(rec.url))
         if not (folders[path.parent] and all([clear_way(layout, way) for way in ways])):
             index.delete(rec.url)  # (what could not be moved stays in the way, said; the shard starts over)
             done["forgotten"] += 1
             continue
         if rec.state is ShardState.CACHED:
-            size = size_or_none(path)
             if size == rec.size and not _gzipped(path):
                 done["kept"] += 1
                 if rec.table_size:
@@ -106,7 +109,6 @@ def recover(cache: ShardCache) -> dict[str, int]:
             index.delete(rec.url)
             done["evictions_finished"] += 1
         elif rec.state is ShardState.DOWNLOADING:
-            size = size_or_none(path)
             if size is not None and (rec.size in (0, size)) and _head_ok(path):
                 # Renamed into place, then killed before the index said so. A gzip'd source's
                 # file is still there (removed once the index says so): its size is the source's,
