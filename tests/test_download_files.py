@@ -21,7 +21,7 @@ import pytest
 from tests.helpers.agents import wdscache_exe
 from tests.helpers.streaming import reference
 from wdscache import CachedMultiLoader, FetchError, ShardClient, Tuning, WdsCacheError
-from wdscache.agent.downloads import FILES_RESERVE, files_reserve
+from wdscache.agent.downloads import files_reserve
 
 SHARDS, SAMPLES = 24, 4
 CONNECTIONS = 30  # made one after another while the agent is starved
@@ -39,7 +39,7 @@ def starve(pid: int) -> tuple[int, int]:
     was = resource.prlimit(pid, resource.RLIMIT_NOFILE)
     held = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")]
     limit = next(n for n in range(len(held), was[0]) if n - sum(fd < n for fd in held) == SPARE)
-    assert SPARE < min(FILES_RESERVE, limit // 4), (limit, len(held))
+    assert SPARE < files_reserve(limit), (limit, len(held))
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, was[1]))
     return was
 

@@ -49,11 +49,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import errno
 import logging
-import os
 import queue
-import resource
 import threading
 import time
 from collections import deque
@@ -61,7 +58,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..shared.config import AgentConfig, format_size
-from ..shared.errors import FetchError, out_of_files
+from ..shared.errors import FetchError, files_free, out_of_files
 from ..shared.index import ShardRecord, ShardState
 from ..shared.logs import event, get_logger
 from ..shared.shard_index import ShardInfo, file_facts
@@ -151,19 +148,6 @@ class DiskRoom:
             "short": None if short is None else short.value,
             "error": error,
         }
-
-
-def files_free() -> tuple[int, int] | None:
-    """Files this process may still open, and its limit on them (``ulimit -n``); None when no limit
-    is set or /proc does not tell (not Linux)."""
-    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if limit == resource.RLIM_INFINITY:
-        return None
-    try:
-        held = os.listdir("/proc/self/fd")  # (counts the one it reads through: one too many, no harm)
-    except OSError as exc:
-        return (0, limit) if exc.errno in (errno.EMFILE, errno.ENFILE) else None
-    return limit - sum(1 for fd in held if int(fd) < limit), limit
 
 
 def files_reserve(limit: int) -> int:

@@ -15,7 +15,10 @@ on, the shards it holds (downloaded again if the new run lost one); one it canno
 
 A client's socket belongs to the process that created it: after a fork the
 child opens its own. A client dropped without ``close()`` closes its socket when it is
-collected (see :func:`zmq_closer`).
+collected (see :func:`zmq_closer`). The sockets a process makes to the agent and its workers
+(clients', loaders') share one ZeroMQ context, the process's (:func:`connect_dealer`); one made
+where too few open files are free for it is a :class:`~wdscache.shared.errors.WdsCacheError`
+that names the process's limit, never an abort of the process by ZeroMQ.
 
 A client made before its agent has started waits (up to its timeout) for the agent's token
 and socket, and connects only then: its first request goes as soon as the agent listens.
@@ -40,6 +43,7 @@ import uuid
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,8 @@ from .errors import (
     ProtocolError,
     WdsCacheError,
     failed_shard,
+    files_free,
+    out_of_files,
 )
 from .layout import CacheLayout
 from .messages import Requests
@@ -69,7 +75,6 @@ from .protocol import (
     speaks,
     unpack,
     worker_key,
-    zmq_context,
 )
 
 RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
@@ -88,6 +93,13 @@ AGENT_POLL = 0.01  # seconds between looks for the token and socket of an agent 
 # interval doubling up to the default while the endpoint stays away.
 RECONNECT_FIRST_MS = 10
 RECONNECT_MOST_MS = 100
+# Open files a socket of connect_dealer takes: its mailbox and its connection's descriptor; and
+# the first socket of a process's context starts the context's reaper and I/O thread, each with a
+# mailbox and an epoll descriptor (and the context's own mailbox, made with it): 7 in all, as
+# measured with libzmq 4.3. ZeroMQ aborts the process when the start cannot make an epoll
+# descriptor, and a connection that cannot make its descriptor is tried again silently, for ever.
+SOCKET_FILES = 2
+CONTEXT_FILES = 5
 
 
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:
@@ -129,14 +141,73 @@ def _ping_while_held(client: weakref.ref[ShardClient], conn: AgentConnection, st
         conn.close()
 
 
-def connect_dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
-    """A DEALER socket of ``ctx`` connected to ``endpoint``, bound yet or not (see RECONNECT_FIRST_MS)."""
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_FIRST_MS)
-    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MOST_MS)
-    sock.connect(endpoint)
+@dataclass
+class ProcessContext:
+    """The ZeroMQ context of the process ``pid`` (never used in another: a forked child makes its
+    own), and whether a socket of it started it (its reaper and I/O thread run)."""
+
+    pid: int
+    ctx: zmq.Context
+    started: bool = False
+
+
+_context: ProcessContext | None = None
+_context_lock = threading.Lock()
+
+
+def _context_lock_anew() -> None:
+    # A fork while another thread held the lock would leave it held for ever in the child.
+    global _context_lock
+    _context_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_context_lock_anew)
+
+
+def connect_dealer(endpoint: str) -> zmq.Socket:
+    """A DEALER socket of this process's context connected to ``endpoint``, bound yet or not (see
+    RECONNECT_FIRST_MS). The context is made at the first call in a process and lives as long;
+    its sockets are closed by their owners (:func:`zmq_closer`). A WdsCacheError when too few
+    open files are free for the socket (:data:`SOCKET_FILES`, and :data:`CONTEXT_FILES` at the
+    process's first), checked before ZeroMQ could abort the process for want of them."""
+    global _context
+    need = SOCKET_FILES + CONTEXT_FILES
+    try:
+        with _context_lock:
+            if _context is None or _context.pid != os.getpid():
+                _context = ProcessContext(os.getpid(), zmq.Context())
+            need = SOCKET_FILES if _context.started else need
+            _check_files(endpoint, need)
+            sock = _context.ctx.socket(zmq.DEALER)
+            _context.started = True
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_FIRST_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MOST_MS)
+        if endpoint.startswith("tcp://["):  # an IPv6 address: see wdscache.shared.protocol.zmq_context
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint)
+    except zmq.ZMQError as exc:
+        if out_of_files(exc) is None:
+            raise
+        raise _short_of_files(endpoint, need) from exc
     return sock
+
+
+def _check_files(endpoint: str, need: int) -> None:
+    free = files_free()
+    if free is not None and free[0] < need:
+        raise _short_of_files(endpoint, need, free)
+
+
+def _short_of_files(endpoint: str, need: int, free: tuple[int, int] | None = None) -> WdsCacheError:
+    """The error of a connection to ``endpoint`` this process cannot make for want of open files."""
+    free = free or files_free()
+    had = f"{free[0]} of its {free[1]} open files free" if free is not None else "no open file free"
+    return WdsCacheError(
+        f"this process has {had}, too few to connect to {endpoint} (a connection takes up to {need}): raise its "
+        "limit in the shell that starts it (ulimit -n: a training job's, or its launcher's), or hold fewer files "
+        "open (a DataLoader with fewer workers)"
+    )
 
 
 def send_now(sock: zmq.Socket, frames: Sequence[bytes | memoryview]) -> None:
@@ -150,20 +221,18 @@ def send_now(sock: zmq.Socket, frames: Sequence[bytes | memoryview]) -> None:
         pass
 
 
-def _close_zmq(pid: int, ctx: zmq.Context, sockets: list[zmq.Socket]) -> None:
+def _close_zmq(pid: int, sockets: list[zmq.Socket]) -> None:
     if os.getpid() != pid:
         return  # a forked child's copies: they are its parent's
     for sock in sockets:
         sock.close(0)
-    ctx.term()
 
 
-def zmq_closer(owner: object, ctx: zmq.Context, sockets: list[zmq.Socket]) -> weakref.finalize:
-    """Closes ``sockets`` (the list as it is then) and terminates ``ctx`` once called, or once
-    ``owner`` is collected, in the process that called this only. Left to ZeroMQ, a context
-    collected in a reference cycle may see its sockets' Python objects cleared first, and its
-    ``__del__`` then waits forever in ``term()`` for sockets nobody closed."""
-    closer = weakref.finalize(owner, _close_zmq, os.getpid(), ctx, sockets)
+def zmq_closer(owner: object, sockets: list[zmq.Socket]) -> weakref.finalize:
+    """Closes ``sockets`` (the list as it is then, of :func:`connect_dealer`) once called, or once
+    ``owner`` is collected, in the process that called this only: each socket's descriptors go
+    at once (its linger is 0), not whenever the collector reaches its Python object."""
+    closer = weakref.finalize(owner, _close_zmq, os.getpid(), sockets)
     closer.atexit = False  # at exit a daemon thread may still use them: the process's end closes them
     return closer
 
@@ -233,7 +302,6 @@ class AgentConnection:
         self.on_forgotten: Callable[[], None] | None = None
         self._ids = itertools.count(1)
         self._pid = -1
-        self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._sockets: list[zmq.Socket] = []  # [_sock], as the closer closes it (see _renew_socket)
         self._closer: weakref.finalize | None = None
@@ -241,17 +309,11 @@ class AgentConnection:
     def __getstate__(self) -> dict[str, Any]:
         # A copy (in another process, say) connects and proves the agent anew at its first request;
         # the callbacks belong to the owner, which sets them again on its copy.
-        kept = {
-            k: v
-            for k, v in self.__dict__.items()
-            if k not in ("_ids", "_replies", "_ctx", "_sock", "_sockets", "_closer")
-        }
+        kept = {k: v for k, v in self.__dict__.items() if k not in ("_ids", "_replies", "_sock", "_sockets", "_closer")}
         return {**kept, "key": None, "_pid": -1, "on_new_run": None, "on_forgotten": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(
-            state, _ids=itertools.count(1), _replies=None, _ctx=None, _sock=None, _sockets=[], _closer=None
-        )
+        self.__dict__.update(state, _ids=itertools.count(1), _replies=None, _sock=None, _sockets=[], _closer=None)
 
     def _socket(self) -> zmq.Socket:
         # Closed already when collected in a cycle whose other objects' finalizers still use us:
@@ -262,10 +324,9 @@ class AgentConnection:
             self.key = None
             self._find_agent()
             # Created in the process that uses it; a forked child must not touch its parent's.
-            self._ctx = zmq_context(self.endpoint)
-            self._sock = connect_dealer(self._ctx, self.endpoint)
+            self._sock = connect_dealer(self.endpoint)
             self._sockets = [self._sock]
-            self._closer = zmq_closer(self, self._ctx, self._sockets)
+            self._closer = zmq_closer(self, self._sockets)
             self._pid = os.getpid()
         assert self._sock is not None
         return self._sock
@@ -305,8 +366,8 @@ class AgentConnection:
         if self._agent_moved():
             self._move()
             return
-        assert self._ctx is not None and self._sock is not None
-        old, self._sock = self._sock, connect_dealer(self._ctx, self.endpoint)
+        assert self._sock is not None
+        old, self._sock = self._sock, connect_dealer(self.endpoint)
         self._sockets[:] = [self._sock]
         old.close(0)
 
@@ -322,8 +383,7 @@ class AgentConnection:
 
     def _move(self) -> dict[str, Any]:
         """Drop the connection to an agent that moved (:meth:`_agent_moved`): the next request opens
-        a new one where it listens now (a new context too: :func:`zmq_context` depends on the
-        endpoint), and its run proves itself there (a new run: :attr:`on_new_run`, as after any
+        a new one where it listens now, and its run proves itself there (a new run: :attr:`on_new_run`, as after any
         restart). Returns what a request that waited on the old one is answered: refused for the
         run's key, which :meth:`_refused` takes for the new run it is."""
         self.close()
@@ -622,7 +682,7 @@ class AgentConnection:
     def close(self) -> None:
         if self._closer is not None:
             self._closer()  # closes nothing in a forked child: the socket is its parent's
-        self._sock = self._ctx = self._closer = None
+        self._sock = self._closer = None
         self._sockets = []
         self._pid = -1
 

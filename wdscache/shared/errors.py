@@ -31,8 +31,11 @@ import errno
 import functools
 import inspect
 import os
+import resource
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
+
+import zmq
 
 from .redact import redact_urls
 
@@ -224,14 +227,28 @@ def failed_shard(url: str, reply: dict[str, Any], *, permanent: bool = False) ->
 OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)  # this process's limit on open files, or the system's
 
 
+def files_free() -> tuple[int, int] | None:
+    """Files this process may still open, and its limit on them (``ulimit -n``); None when no limit
+    is set or /proc does not tell (not Linux)."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit == resource.RLIM_INFINITY:
+        return None
+    try:
+        held = os.listdir("/proc/self/fd")  # (counts the one it reads through: one too many, no harm)
+    except OSError as exc:
+        return (0, limit) if exc.errno in OUT_OF_FILES else None
+    return limit - sum(1 for fd in held if int(fd) < limit), limit
+
+
 def out_of_files(exc: BaseException) -> str | None:
     """What to say of ``exc`` when it is the agent's fault, not a shard's: out of open files (its
     limit, or the system's). None for any other error.
 
     The error may be wrapped: a socket a connection could not make is an OSError inside urllib3's
-    and requests' errors, so the chain is looked through (:func:`wrapped_errors`)."""
+    and requests' errors, so the chain is looked through (:func:`wrapped_errors`). A ZeroMQ
+    socket that could not have its descriptors is a ZMQError of the same errno."""
     for e in wrapped_errors(exc):
-        if isinstance(e, OSError) and e.errno in OUT_OF_FILES:
+        if isinstance(e, OSError | zmq.ZMQError) and e.errno in OUT_OF_FILES:
             return f"too many open files ({os.strerror(e.errno or 0)}): raise ulimit -n / LimitNOFILE for the agent"
     return None
 

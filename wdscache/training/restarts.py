@@ -96,8 +96,8 @@ class AgentRuns:
         stream = self.stream
         old, conn, endpoint = stream.workers, stream.conn, stream.settings.endpoint
         endpoints = hello["workers"]
+        old.close()  # (first: its sockets' files free for the new links)
         stream.workers = WorkerLinks(endpoints, [conn.worker_key(i) or "" for i in range(len(endpoints))], ids=old.ids)
-        old.close()
         if not stream.workers:
             raise WdsCacheError(f"the agent at {endpoint} restarted with no workers")
         self.run = conn.run

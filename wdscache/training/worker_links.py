@@ -25,7 +25,7 @@ from ..shared.client import connect_dealer, send_now, zmq_closer
 from ..shared.errors import ProtocolError
 from ..shared.logs import get_logger
 from ..shared.messages import WorkerRequest
-from ..shared.protocol import Proofs, pack, same_secret, unpack, zmq_context
+from ..shared.protocol import Proofs, pack, same_secret, unpack
 
 log = get_logger(__name__)
 
@@ -38,11 +38,9 @@ class WorkerLinks:
         restarted), so that no id repeats within the stream."""
         self.endpoints = list(endpoints)
         self.proofs = [Proofs(key) for key in keys]
-        # (the workers listen on one host: beside the agent's socket, or on the ports after its own)
-        self.ctx = zmq_context(self.endpoints[0] if self.endpoints else "")
         self.sockets: list[zmq.Socket] = []
-        self._closer = zmq_closer(self, self.ctx, self.sockets)  # closes those in the list when called
-        self.sockets.extend(connect_dealer(self.ctx, ep) for ep in self.endpoints)
+        self._closer = zmq_closer(self, self.sockets)  # closes those in the list when called
+        self.sockets.extend(connect_dealer(ep) for ep in self.endpoints)
         self.poller = zmq.Poller()
         for sock in self.sockets:
             self.poller.register(sock, zmq.POLLIN)
