@@ -72,6 +72,20 @@ class ProgressClock:
         raise FetchError(url, f"no progress for {timeout:g}s: {why_not_there(status)}")
 
 
+def agent_gone(exc: AgentUnavailableError, timeout: float) -> AgentUnavailableError:
+    """The error of an agent that served an epoch, then went silent (it died, or restarted and is
+    not back), from ``exc`` of the request that went unanswered. That request waited what was left
+    of the wait (or less: a status asked within it), a figure that tells the user nothing: named is
+    the loader's ``timeout``, which a wait without progress lasts, and what to do."""
+    return AgentUnavailableError(
+        exc.endpoint,
+        timeout,
+        f"the agent that served this epoch died or restarted, and no run of it answered again within the "
+        f"loader's timeout={timeout:g} (an agent started again within it is taken up where the epoch stands; "
+        f"a longer timeout= waits longer for it); {exc.hint}".rstrip("; "),
+    )
+
+
 def why_not_there(status: dict[str, Any]) -> str:
     """Why a shard is not there yet, from the agent's status of it."""
     state = status.get("state")

@@ -50,7 +50,7 @@ from .epoch_shards import EpochShards, OnError, StopEpoch
 from .holes import HoleMode, Holes
 from .look_back import LookBack
 from .pins import Pins
-from .progress import WORKERS_SILENT, ProgressClock, Waited
+from .progress import WORKERS_SILENT, ProgressClock, Waited, agent_gone
 from .read_batches import SHARE_ENDED, ReadBatcher
 from .read_failures import ReadFailures
 from .reads import Item, ReadState, ReadTable
@@ -298,28 +298,13 @@ class EpochStream:
 
     def _ending(self, exc: WdsCacheError) -> WdsCacheError:
         """The error that ends the epoch for ``exc`` (told in our bye): an agent gone silent is
-        :meth:`_agent_gone`'s; any other is ``exc`` itself. The epoch is broken either way: the
-        agent may be gone, and is not waited for again on the way out."""
+        :func:`~.progress.agent_gone`'s; any other is ``exc`` itself. The epoch is broken either
+        way: the agent may be gone, and is not waited for again on the way out."""
         self.broken = True
         if isinstance(exc, AgentUnavailableError) and exc.hint != WORKERS_SILENT:  # (WORKERS_SILENT: it answered)
-            exc = self._agent_gone(exc)
+            exc = agent_gone(exc, self.settings.timeout)
         self.end_error = told(exc)
         return exc
-
-    def _agent_gone(self, exc: AgentUnavailableError) -> AgentUnavailableError:
-        """The error of an agent that served this epoch, then went silent (it died, or restarted
-        and is not back), from ``exc`` of the request that went unanswered. That request waited
-        what was left of the wait's ``timeout`` (or less: a status asked within it), a figure that
-        tells the user nothing: named is the loader's ``timeout``, which a wait without progress
-        lasts, and what to do."""
-        timeout = self.settings.timeout
-        return AgentUnavailableError(
-            exc.endpoint,
-            timeout,
-            f"the agent that served this epoch died or restarted, and no run of it answered again within the "
-            f"loader's timeout={timeout:g} (an agent started again within it is taken up where the epoch stands; "
-            f"a longer timeout= waits longer for it); {exc.hint}".rstrip("; "),
-        )
 
     @property
     def delivered(self) -> int:
