@@ -59,6 +59,7 @@ from .errors import (
     failed_shard,
     files_free,
     out_of_files,
+    short_of_files,
 )
 from .layout import CacheLayout
 from .messages import Requests
@@ -201,13 +202,7 @@ def _check_files(endpoint: str, need: int) -> None:
 
 def _short_of_files(endpoint: str, need: int, free: tuple[int, int] | None = None) -> WdsCacheError:
     """The error of a connection to ``endpoint`` this process cannot make for want of open files."""
-    free = free or files_free()
-    had = f"{free[0]} of its {free[1]} open files free" if free is not None else "no open file free"
-    return WdsCacheError(
-        f"this process has {had}, too few to connect to {endpoint} (a connection takes up to {need}): raise its "
-        "limit in the shell that starts it (ulimit -n: a training job's, or its launcher's), or hold fewer files "
-        "open (a DataLoader with fewer workers)"
-    )
+    return short_of_files(f"to connect to {endpoint} (a connection takes up to {need})", free)
 
 
 def send_now(sock: zmq.Socket, frames: Sequence[bytes | memoryview]) -> None:

@@ -240,6 +240,17 @@ def files_free() -> tuple[int, int] | None:
     return limit - sum(1 for fd in held if int(fd) < limit), limit
 
 
+def short_of_files(doing: str, free: tuple[int, int] | None = None) -> WdsCacheError:
+    """The error of what this process cannot do for want of open files (``doing``: "to read X"),
+    ``free`` the files it has free (:func:`files_free`; looked at when not given)."""
+    free = free or files_free()
+    had = f"{free[0]} of its {free[1]} open files free" if free is not None else "no open file free"
+    return WdsCacheError(
+        f"this process has {had}, too few {doing}: raise its limit in the shell that starts it (ulimit -n: a "
+        "training job's, or its launcher's), or hold fewer files open (a DataLoader with fewer workers)"
+    )
+
+
 def out_of_files(exc: BaseException) -> str | None:
     """What to say of ``exc`` when it is the agent's fault, not a shard's: out of open files (its
     limit, or the system's). None for any other error.

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import OUT_OF_FILES, ConfigError, short_of_files
 from .redact import redact_urls
 
 
@@ -340,6 +340,8 @@ class CacheLayout:
         except FileNotFoundError:
             return None
         except OSError as exc:
+            if exc.errno in OUT_OF_FILES:  # the process's limit: not a token of another user's
+                raise short_of_files(f"to read the agent's token {self.token_path}") from None
             raise ConfigError(
                 f"cannot read the agent's token {self.token_path}: {exc.strerror}; "
                 "run as the user who owns the cache directory"
