@@ -17,6 +17,9 @@ from scripts.console import wdscache_exe
 from tests.helpers.procs import worker_pids
 from tests.helpers.waits import STOP_TIMEOUT, TAIL_LINES, stop_process, tail, wait_for
 from wdscache.shared.config import default, parse_size
+from wdscache.shared.errors import WdsCacheError
+from wdscache.shared.redact import redacted
+from wdscache.shared.stats import ANSWER_TIMEOUT, collect
 
 START_TIMEOUT = 20.0  # seconds an agent gets to answer stats after it was started
 CLI_TIMEOUT = 30.0
@@ -44,6 +47,14 @@ def run_wdscache(
             f"{' '.join(cmd)} did not finish within {timeout:g}s; stderr tail:\n{tail(_text(exc.stderr))}",
             pytrace=False,
         )
+
+
+def stats_json(cache_dir: Path, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
+    """What ``wdscache stats --cache-dir DIR --json`` prints, parsed: the command's own collection
+    and redaction, asked from this process. Tests poll stats thousands of times, and an interpreter
+    started for each poll (about 0.2 s of CPU) would take a core from the agents they wait on; the
+    command itself is tested where its output is the point (tests/test_ops_stats.py)."""
+    return json.loads(json.dumps(redacted(collect(cache_dir, timeout=timeout))))
 
 
 def _text(data: str | bytes | None) -> str:
@@ -97,19 +108,19 @@ class AgentProc:
         self.killed = self.killed or killed
         return rc
 
-    def stats(self, timeout: float = 10.0) -> dict[str, Any]:
-        """``wdscache stats --cache-dir DIR --json``, parsed; fails the test if it does not answer."""
-        r = run_wdscache("stats", "--cache-dir", self.cache_dir, "--json", timeout=timeout)
-        if r.returncode != 0:
-            pytest.fail(
-                f"wdscache stats exited {r.returncode}: {r.stderr.strip()}\n{self.stderr_tail()}",
-                pytrace=False,
-            )
-        return json.loads(r.stdout)
+    def stats(self, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
+        """What ``wdscache stats --cache-dir DIR --json`` prints (:func:`stats_json`); fails the test if
+        there is none."""
+        try:
+            return stats_json(self.cache_dir, timeout)
+        except WdsCacheError as exc:
+            pytest.fail(f"wdscache stats: {exc}\n{self.stderr_tail()}", pytrace=False)
 
-    def try_stats(self, timeout: float = 10.0) -> dict[str, Any] | None:
-        r = run_wdscache("stats", "--cache-dir", self.cache_dir, "--json", timeout=timeout)
-        return json.loads(r.stdout) if r.returncode == 0 else None
+    def try_stats(self, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any] | None:
+        try:
+            return stats_json(self.cache_dir, timeout)
+        except WdsCacheError:
+            return None
 
     def wait_up(self, timeout: float = START_TIMEOUT) -> dict[str, Any]:
         """Wait until the agent answers stats itself; fail at once if it exits."""
