@@ -148,3 +148,44 @@ def test_a_directory_and_a_pipe_where_shards_of_a_lost_index_would_be_adopted_ar
     assert moved_aside(again, layout, paths[0], "a directory").is_dir()
     assert stat.S_ISFIFO(os.lstat(moved_aside(again, layout, paths[1], "a named pipe")).st_mode)
     assert again.stop() == 0, again.stderr_tail()
+
+
+def test_clear_on_an_unreadable_index_removes_the_shard_files_and_moves_aside_what_else_lies_there(
+    shard_server, dataset, start_agent, run_cli, tmp_path
+):
+    ds = dataset(3, samples=2, payload=1000)
+    cache = tmp_path / "cache"
+    cached_run(start_agent, ds, cache)
+    layout = CacheLayout.of(cache)
+    paths = [layout.shard_path(url) for url in ds.urls]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "keep.txt").write_bytes(b"outside the cache")
+    planted = {
+        paths[0].parent / "restored": "a directory",  # holding an operator's file
+        paths[1].parent / "link-to-a-file": "a symbolic link",
+        paths[1].parent / "link-to-a-folder": "a symbolic link",
+        layout.shards_dir / "notes": "a file",  # where a fan folder belongs
+    }
+    (paths[0].parent / "restored").mkdir()
+    (paths[0].parent / "restored" / "mine.txt").write_bytes(b"an operator's file")
+    (paths[1].parent / "link-to-a-file").symlink_to(outside / "keep.txt")
+    (paths[1].parent / "link-to-a-folder").symlink_to(outside)
+    (layout.shards_dir / "notes").write_bytes(b"an operator's notes")
+    layout.index_db.write_bytes(b"not a database")
+
+    r = run_cli("clear", "--cache-dir", cache)
+
+    assert r.returncode == 0, r.stderr
+    assert f"evicted {len(ds.urls)} shard(s)" in r.stdout, r.stdout
+    assert not any(p.exists() for p in paths)
+    assert (outside / "keep.txt").read_bytes() == b"outside the cache"  # never followed
+    for path, kind in planted.items():
+        rel = path.relative_to(layout.root)
+        said = [line for line in r.stderr.splitlines() if f"found {kind} at {rel}," in line]
+        assert len(said) == 1, r.stderr
+        aside = Path(said[0].split(": moved it to ", 1)[1].split(" (", 1)[0])
+        assert aside.relative_to(layout.root / "aside").parts[1:] == rel.parts and not path.exists()
+    aside_dir = next((layout.root / "aside").iterdir())
+    restored = aside_dir / (paths[0].parent / "restored" / "mine.txt").relative_to(layout.root)
+    assert restored.read_bytes() == b"an operator's file"

@@ -54,6 +54,7 @@ from ..shared.tarwalk import walk
 from ..shared.urls import format_url_list
 from .cache import ShardCache
 from .lock import AgentLock
+from .recovery import fanned_files
 from .upkeep import evict_shards
 
 log = get_logger(__name__)
@@ -233,11 +234,12 @@ def clear(cache_dir: str | os.PathLike[str], *, force: bool = False) -> dict[str
 
 
 def _remove_unnamed(layout: CacheLayout) -> dict[str, Any]:
-    """Remove every shard and sample table file (an index that names none of them): the result of
-    :func:`evict_shards`, with the shard files' paths for URLs (their tables' bytes freed too)."""
+    """Remove every shard and sample table file (an index that names none of them), and move aside
+    whatever else lies where they belong (:func:`~wdscache.agent.recovery.fanned_files`): the result
+    of :func:`evict_shards`, with the shard files' paths for URLs (their tables' bytes freed too)."""
     removed, freed = [], 0
     for folder in (layout.shards_dir, layout.tables_dir):
-        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        for path in list(fanned_files(layout, folder)):
             freed += path.stat().st_size
             path.unlink()
             if folder == layout.shards_dir:

@@ -43,7 +43,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -159,6 +159,20 @@ def _sweep_tables(layout: CacheLayout, keep: set[str]) -> int:
                 os.unlink(entry.path)
                 removed += 1
     return removed
+
+
+def fanned_files(layout: CacheLayout, folder: Path) -> Iterator[Path]:
+    """The regular files in the fan folders of ``folder`` (``shards/`` or ``tables/``): where the
+    cache keeps its own files. Whatever else lies there is moved aside (:func:`clear_way`), never
+    walked into nor deleted: a directory under them may hold anyone's files."""
+    for fan in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not (clear_way(layout, Path(fan.path), folder=True) and os.path.isdir(fan.path)):  # (moved aside)
+            continue
+        for entry in sorted(os.scandir(fan.path), key=lambda e: e.name):
+            if entry.is_file(follow_symlinks=False):
+                yield Path(entry.path)
+            else:
+                clear_way(layout, Path(entry.path))
 
 
 def adopt(cache: ShardCache, urls: Iterable[str]) -> int:
