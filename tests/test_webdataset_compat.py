@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import random
 import shutil
 import time
 import warnings
@@ -319,6 +320,59 @@ def test_pipe_shards_run_in_this_process_as_webdataset_runs_them(served: Any, tm
     # The agent runs only the commands of its own list: a loader refuses them, saying what runs them.
     with pytest.raises(wdscache.ConfigError, match="wdscache.WebDataset reads pipe: shards in this process"):
         wdscache.CachedMultiLoader(whole, cache_dir=cache)
+
+
+def test_pipe_shards_take_webdatasets_resampled_select_files_and_rename_files(dataset: Callable[..., Any]) -> None:
+    # webdataset's own pipeline reads pipe: shards, so its keywords apply: resampled=True was
+    # refused as "takes shards the agent caches", select_files= and rename_files= as "the agent
+    # serves whole samples". (No agent: pipe: shards never reach it.)
+    data = dataset(2, samples=4, payload=300)
+    cmds = [f"pipe:cat {p}" for p in data.paths]
+    # One shard, so that webdataset's unseeded draws of shards all draw it: the two must agree.
+    for keywords in ({"resampled": True}, {"mode": "resampled"}):
+        ours = _samples(wdscache.WebDataset(cmds[:1], shardshuffle=False, **keywords).with_epoch(10))
+        theirs = _samples(wds.WebDataset(cmds[:1], shardshuffle=False, **keywords).with_epoch(10))
+        assert ours == theirs and len(ours) == 10, keywords
+        assert [s["__key__"] for s in ours] == [s["__key__"] for s in ours[:4]] * 2 + [s["__key__"] for s in ours[:2]]
+    drawn = _samples(wdscache.WebDataset(cmds, resampled=True, shardshuffle=False).with_epoch(50))
+    keys = {s["__key__"] for s in _samples(wds.WebDataset(cmds, shardshuffle=False))}
+    assert len(drawn) == 50 and {s["__key__"] for s in drawn} <= keys
+    chosen = {"select_files": lambda name: ".cls" not in name, "rename_files": lambda name: name + ".x"}
+    for keywords in ({"select_files": chosen["select_files"]}, {"rename_files": chosen["rename_files"]}, chosen):
+        ours = _samples(wdscache.WebDataset(cmds, shardshuffle=False, **keywords))
+        theirs = _samples(wds.WebDataset(cmds, shardshuffle=False, **keywords))
+        assert ours == theirs and len(ours) == 8, keywords
+        fields = {k for s in ours for k in s if not k.startswith("__")}
+        assert any(k.startswith("cls") for k in fields) is ("select_files" not in keywords), fields
+        assert all(k.endswith(".x") is ("rename_files" in keywords) for k in fields), fields
+
+
+def test_a_shuffle_given_webdatasets_keywords_after_the_source_is_webdatasets_and_says_so(served: Any) -> None:
+    # .shuffle(n, seed=/initial=/rng=) right after the source became webdataset's shuffle stage
+    # in silence, where the docs promise the loader's seeded buffer (an exact resume).
+    data, cache = served
+    for given in (lambda: {"seed": 1}, lambda: {"initial": 2, "seed": 1}, lambda: {"rng": random.Random(1)}):
+        keywords = given()  # (each dataset its own generator)
+        with pytest.warns(UserWarning) as caught:
+            ours = wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False).shuffle(5, **keywords)
+        assert len(caught) == 1, [str(w.message) for w in caught]
+        named = ", ".join(f"{k}=" for k in sorted(keywords))
+        assert str(caught[0].message) == (
+            f"wdscache.WebDataset.shuffle(5, {named}...) is webdataset's shuffle stage, not the loader's "
+            "seeded buffer: a checkpoint counts the samples it holds as delivered, its order is random "
+            "unless seed= or rng= fixes it, and shards are shuffled by shardshuffle= alone; .shuffle(n) "
+            "without keywords is the loader's"
+        )
+        assert caught[0].filename == __file__  # the line that called shuffle()
+        theirs = _samples(wds.WebDataset(data.urls, shardshuffle=False).shuffle(5, **given()))
+        assert _samples(ours) == theirs and len(theirs) == 12, keywords
+    # Without keywords it is the loader's, and later in the pipeline webdataset's: nothing to say.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False).shuffle(5)
+        later = wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False).map(dict).shuffle(5, seed=1)
+        assert len(plain.pipeline) == 1 and plain.loader.shuffle_buffer == 5 and len(later.pipeline) == 3
+        assert sorted(s["__key__"] for s in plain) == sorted(s["__key__"] for s in later)
 
 
 def test_a_cache_dir_that_does_not_exist_is_refused_at_once_naming_it(served: Any, tmp_path: Path) -> None:
