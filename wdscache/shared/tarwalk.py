@@ -150,7 +150,7 @@ def packing_of(head: bytes) -> Packing | None:
 def unread_packing(packing: Packing) -> str:
     """Why a shard compressed as ``packing`` (bzip2, xz or zstd) is not read, and what to do."""
     return (
-        f"a {packing.value}-compressed shard: wdscache reads plain tar and gzip'd tar; decompress it "
+        f"a shard compressed with {packing.value}: wdscache reads plain tar and gzip'd tar; decompress it "
         f"({packing.value} -d) or recompress it with gzip"
     )
 
