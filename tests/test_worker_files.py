@@ -242,6 +242,12 @@ def test_a_worker_restarted_while_a_reader_waits_holds_its_walks_ahead_too(
     wait_for(lambda: tables.table_path(unheld).exists(), 20, "the shard walked once the wait ended")
 
 
+# The workers' hold of walks ahead lasts a second, renewed by the agent's loop every quarter of it:
+# on a machine loaded enough to leave the agent unscheduled for longer, a walk may come first
+# (speculative work done early, nothing wrong), and the test then sets the scene again.
+HOLD_TRIES = 3
+
+
 def test_a_published_shard_read_before_it_is_walked_is_served_from_its_file_not_copied(
     tmp_path, shard_server, dataset, start_agent
 ):
@@ -249,11 +255,18 @@ def test_a_published_shard_read_before_it_is_walked_is_served_from_its_file_not_
     waits for another shard) is served as a walked one is: a consumer that sees the cache
     reads its payloads from the file itself, the worker copies none of them (a worker once
     copied up to a read's 32 samples, 320 MB of 10 MB samples, into its own memory)."""
-    with published_while_a_reader_waits(tmp_path, shard_server, dataset, start_agent, 20_000) as (agent, data):
-        unheld = data.urls[0]
-        layout = CacheLayout.of(agent.cache_dir)
-        header, frames = read_from_worker(agent.cache_dir, [unheld], [(0, j) for j in range(20)], direct=True)
-        assert not layout.table_path(unheld).exists(), "walked before the read: the test shows nothing"
+    for attempt in range(HOLD_TRIES):
+        where = tmp_path / f"try{attempt}"
+        where.mkdir()
+        with published_while_a_reader_waits(where, shard_server, dataset, start_agent, 20_000) as (agent, data):
+            unheld = data.urls[0]
+            layout = CacheLayout.of(agent.cache_dir)
+            header, frames = read_from_worker(agent.cache_dir, [unheld], [(0, j) for j in range(20)], direct=True)
+            walked_first = layout.table_path(unheld).exists()
+        if not walked_first:
+            break
+    else:
+        pytest.fail(f"walked before the read in {HOLD_TRIES} tries: the test shows nothing", pytrace=False)
     assert header.get("ok") and len(header["keys"]) == 20, header
     assert sum(len(f) for f in frames) < 20 * 20_000 // 10, "the worker sent payloads it copied"
     cache_file = layout.shard_path(unheld).read_bytes()
