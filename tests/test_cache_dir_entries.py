@@ -165,13 +165,16 @@ def test_clear_on_an_unreadable_index_removes_the_shard_files_and_moves_aside_wh
         paths[0].parent / "restored": "a directory",  # holding an operator's file
         paths[1].parent / "link-to-a-file": "a symbolic link",
         paths[1].parent / "link-to-a-folder": "a symbolic link",
-        layout.shards_dir / "notes": "a file",  # where a fan folder belongs
+        layout.shards_dir / fan_free(paths): "a file",  # where a fan folder belongs
     }
     (paths[0].parent / "restored").mkdir()
     (paths[0].parent / "restored" / "mine.txt").write_bytes(b"an operator's file")
     (paths[1].parent / "link-to-a-file").symlink_to(outside / "keep.txt")
     (paths[1].parent / "link-to-a-folder").symlink_to(outside)
-    (layout.shards_dir / "notes").write_bytes(b"an operator's notes")
+    (layout.shards_dir / fan_free(paths)).write_bytes(b"an operator's notes")
+    backup = layout.shards_dir / "my-backup"  # named as no folder of the cache's: left as it is
+    backup.mkdir()
+    (backup / "precious.tar").write_bytes(b"an operator's backup")
     layout.index_db.write_bytes(b"not a database")
 
     r = run_cli("clear", "--cache-dir", cache)
@@ -189,3 +192,10 @@ def test_clear_on_an_unreadable_index_removes_the_shard_files_and_moves_aside_wh
     aside_dir = next((layout.root / "aside").iterdir())
     restored = aside_dir / (paths[0].parent / "restored" / "mine.txt").relative_to(layout.root)
     assert restored.read_bytes() == b"an operator's file"
+    assert (backup / "precious.tar").read_bytes() == b"an operator's backup" and "my-backup" not in r.stderr
+
+
+def fan_free(paths: list[Path]) -> str:
+    """A fan folder's name that none of ``paths`` lies in."""
+    taken = {p.parent.name for p in paths}
+    return next(name for name in (f"{i:02x}" for i in range(256)) if name not in taken)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
+import io
+import os
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,32 @@ def test_a_brace_pattern_without_a_scheme_is_a_local_pattern(tmp_path: Path, mon
 
 def test_a_tar_path_is_one_shard(tmp_path: Path) -> None:
     assert resolve_urls(str(tmp_path / "a.tar")) == (f"file://{tmp_path}/a.tar",)
+
+
+def test_a_list_read_from_a_pipe_is_read_whole() -> None:
+    # bash's <(...) hands a list as /dev/fd/N: what is read of it to tell a shard is gone for the list.
+    urls = [f"http://h/shard-{i:04d}.tar" for i in range(200)]
+    r, w = os.pipe()
+    try:
+        os.write(w, "".join(f"{u}\n" for u in urls).encode())  # (7 KB: within a pipe's buffer)
+        os.close(w)
+        assert resolve_urls(f"/dev/fd/{r}") == tuple(urls)
+    finally:
+        os.close(r)
+
+
+def test_a_gzipd_tar_of_any_name_is_a_shard_and_a_gzipd_list_is_named_so(tmp_path: Path) -> None:
+    shard = tmp_path / "s.data"
+    with tarfile.open(shard, "w:gz") as tar:
+        member = tarfile.TarInfo("k.txt")
+        member.size = 3
+        tar.addfile(member, io.BytesIO(b"abc"))
+    assert resolve_urls(str(shard)) == (f"file://{shard}",)
+    listed = tmp_path / "urls.txt.gz"
+    listed.write_bytes(gzip.compress(b"http://h/a.tar\nhttp://h/b.tar\n"))
+    with pytest.raises(ConfigError) as info:
+        resolve_urls(str(listed))
+    assert str(info.value) == f"URL list {listed} is gzip'd: URL lists are read as text; decompress it (gzip -d)"
 
 
 def test_list_items_are_expanded_too() -> None:

@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..shared.index import DAMAGED, Index, IndexWriteError, ShardState
-from ..shared.layout import CacheLayout
+from ..shared.layout import CacheLayout, is_fan
 from ..shared.logs import get_logger
 from ..shared.tarwalk import GZIP_MAGIC, file_problem
 from .parts import owner_name
@@ -163,9 +163,12 @@ def _sweep_tables(layout: CacheLayout, keep: set[str]) -> int:
 
 def fanned_files(layout: CacheLayout, folder: Path) -> Iterator[Path]:
     """The regular files in the fan folders of ``folder`` (``shards/`` or ``tables/``): where the
-    cache keeps its own files. Whatever else lies there is moved aside (:func:`clear_way`), never
-    walked into nor deleted: a directory under them may hold anyone's files."""
+    cache keeps its own files. Whatever else lies in a fan folder, or is where one belongs, is moved
+    aside (:func:`clear_way`), never walked into nor deleted: a directory may hold anyone's files;
+    an entry of ``folder`` that no fan folder is named as is left as it is."""
     for fan in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not is_fan(fan.name):  # (no folder of ours is named so: anyone's, left as it is)
+            continue
         if not (clear_way(layout, Path(fan.path), folder=True) and os.path.isdir(fan.path)):  # (moved aside)
             continue
         for entry in sorted(os.scandir(fan.path), key=lambda e: e.name):

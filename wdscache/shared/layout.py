@@ -123,6 +123,14 @@ def _fanned(name: str) -> Path:
     return Path(name[:2]) / name
 
 
+_FAN = re.compile(r"[0-9a-f]{2}")
+
+
+def is_fan(name: str) -> bool:
+    """Whether ``name`` is one of :func:`_fanned`'s subfolders: two hex digits (of a hash)."""
+    return _FAN.fullmatch(name) is not None
+
+
 @functools.lru_cache(maxsize=NAMES_KEPT)
 def shard_name(url: str) -> str:
     """The cache file name of ``url``: unique per URL, readable, filesystem-safe, and free of

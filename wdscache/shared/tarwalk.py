@@ -147,6 +147,23 @@ def packing_of(head: bytes) -> Packing | None:
     return None
 
 
+SNIFF = 64 << 10  # the first bytes of a file that :func:`shard_packing` looks at
+
+
+def shard_packing(head: bytes) -> Packing | None:
+    """What ``head``, a file's first bytes (:data:`SNIFF` of them, or all it has), says the file is
+    as a shard (:func:`packing_of`), a gzip stream only when what it decompresses to begins as a
+    tar: a gzip'd text file (a URL list) is no shard."""
+    packing = packing_of(head[:BLOCK])
+    if packing is not Packing.GZIP:
+        return packing
+    try:
+        inner = zlib.decompressobj(wbits=31).decompress(head, BLOCK)
+    except zlib.error:
+        return None
+    return Packing.GZIP if packing_of(inner) is Packing.TAR else None
+
+
 def unread_packing(packing: Packing) -> str:
     """Why a shard compressed as ``packing`` (bzip2, xz or zstd) is not read, and what to do."""
     return (

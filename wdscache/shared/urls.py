@@ -31,6 +31,7 @@ import itertools
 import operator
 import os
 import re
+import stat
 import threading
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -42,7 +43,7 @@ from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.redact import redact_urls
 from wdscache.shared.s3 import SHARD_SUFFIXES, is_prefix, literal_entry, named_object
 from wdscache.shared.shard_index import ShardFacts, ShardInfo, looks_like_index, quick_shard_index, read_shard_index
-from wdscache.shared.tarwalk import BLOCK, packing_of
+from wdscache.shared.tarwalk import GZIP_MAGIC, SNIFF, shard_packing
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -1031,12 +1032,14 @@ def list_of_bytes(
     data: bytes, *, path: str, allow_pipe: bool = False, limit: int = DEFAULT_LIMIT, lister: Lister | None = None
 ) -> UrlList:
     """:func:`read_url_list` of the bytes ``data`` read from the file ``path``."""
-    packing = packing_of(data[:BLOCK])
+    packing = shard_packing(data[:SNIFF])
     if packing is not None:  # its bytes read as lines would be a dump of binary in the error
         raise ConfigError(
             f"URL list {path} looks like a shard (a {packing.value} file), not a URL list (a text file of "
             "URLs, one a line)"
         )
+    if data.startswith(GZIP_MAGIC):
+        raise ConfigError(f"URL list {path} is gzip'd: URL lists are read as text; decompress it (gzip -d)")
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
     base_dir = os.path.dirname(_abs_path(os.path.join(os.getcwd(), path)))  # (its "..": as it was opened)
@@ -1075,13 +1078,18 @@ def _text_of(data: bytes, path: str) -> str:
 def names_shard(path: str) -> bool:
     """Whether the local path ``path``, given alone (a loader's ``urls=``), names one shard rather
     than a URL list: a name that ends like a tar (``.tar``, ``.tar.gz``, ``.tgz``, in any case), or
-    a file whose first bytes are a shard's, whatever its name (:func:`~wdscache.shared.tarwalk.packing_of`:
-    webdataset reads ``s.TAR`` or ``s.shard`` as a tar too). A path that cannot be read names no shard."""
+    a regular file whose first bytes are a shard's, whatever its name
+    (:func:`~wdscache.shared.tarwalk.shard_packing`: webdataset reads ``s.TAR`` or ``s.shard`` as
+    a tar too). A path that cannot be read names no shard."""
     if path.lower().endswith(SHARD_SUFFIXES):
         return True
     try:
+        # Only a regular file is looked into: what is read from a pipe (bash's <(...)) is gone
+        # for the list it carries.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return False
         with open(path, "rb") as f:
-            return packing_of(f.read(BLOCK)) is not None
+            return shard_packing(f.read(SNIFF)) is not None
     except OSError:
         return False
 
