@@ -147,12 +147,15 @@ def build(
     )
 
 
+# The agent's counts by job of the shards readers wait for (see verdict's starved_by).
+_BY_JOB = ("demanded_by_job", "demanded_queued_by_job", "demanded_room_by_job", "demanded_silent_by_job")
+
+
 def _job_names(agent: dict[str, Any] | None, *tables: dict[str, Any] | None) -> list[str]:
     """Every job name in the stats: keys of ``tables`` (``jobs``...) and the agent's fields."""
     names = [job for table in tables for job in table or {}]
     if agent is not None:
-        names += agent.get("demanded_by_job", {})
-        names += agent.get("demanded_queued_by_job", {})
+        names += (job for table in _BY_JOB if table in agent for job in agent[table])
         names += (job for r in agent.get("retrying", []) for job in r.get("jobs", ()))
     return names
 
@@ -163,9 +166,9 @@ def _named(table: dict[str, Any] | None, shown: dict[str, str]) -> dict[str, Any
 
 
 def _agent_named(agent: dict[str, Any], shown: dict[str, str]) -> dict[str, Any]:
-    """The ``agent`` field with the jobs it names (demanded_by_job, retrying[].jobs) as shown."""
+    """The ``agent`` field with the jobs it names (its ``*_by_job`` counts, retrying[].jobs) as shown."""
     out = dict(agent)
-    for table in ("demanded_by_job", "demanded_queued_by_job"):
+    for table in _BY_JOB:
         if table in agent:
             out[table] = _named(agent[table], shown)
     if "retrying" in agent:
@@ -291,7 +294,7 @@ def jobs_view(
     DataLoader workers, each a consumer) make one: their counts, rates and waits added up, the
     share of time they wait averaged, ``readers`` of them. A live rank whose latest report is
     older than :data:`~wdscache.shared.verdict.SILENT_AFTER` is ``silent_s``: rate and wait 0."""
-    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended", "_mono")
+    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "world", "seen", "ended", "_mono")
     jobs: dict[str, dict[str, Any]] = {}
     for c in consumers.values():
         view = {k: c[k] for k in keep if k in c}
@@ -310,7 +313,7 @@ def jobs_view(
 
 
 _ADDED = ("samples", "bytes", "rate", "wait_s", "position")  # of a rank's readers together
-_LATEST = ("epoch", "seen", "ended", "_mono")
+_LATEST = ("epoch", "world", "seen", "ended", "_mono")
 
 
 def _together(rank: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
