@@ -22,7 +22,7 @@ The object (also ``wdscache stats --json``)::
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
                       indexed (shards), walked / adopted / loaded (shards whose table the worker
                       walked itself / took from another worker / read from the cache's table
-                      files), silent_s (no report for that long, over SILENT_AFTER: stuck or
+                      files), quiet_s (no report for over 2 s), silent_s (no report for that long, over SILENT_AFTER: stuck or
                       stopped, and counted busy 1.0)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
@@ -40,7 +40,10 @@ The object (also ``wdscache stats --json``)::
                       shard, and the jobs whose readers do), demanded (shards readers wait for),
                       demanded_by_job ({job: how many of them its readers wait for}),
                       demanded_queued and demanded_queued_by_job (of those, the ones whose download
-                      has not started: they wait for a download slot), need_bytes
+                      has not started: they wait for a download slot), demanded_room and
+                      demanded_room_by_job (the ones the budget holds up: waiting for room in it, or
+                      held before and downloaded again), demanded_silent and demanded_silent_by_job
+                      (the ones whose source sent no byte for 3 s), need_bytes
                       (bytes the readers hold at once)};
                       {pid, uptime_s, endpoint, answering: false} when it runs (holds the directory's
                       lock) but gave no reply within ANSWER_TIMEOUT (busy, or stuck): the other fields
@@ -58,7 +61,8 @@ The object (also ``wdscache stats --json``)::
                       from each rank's latest exit), with their totals over every consumer of the
                       rank that left (its epochs and DataLoader workers: samples, bytes, wait_s
                       summed; epochs: how many distinct epoch numbers; epoch and position: the
-                      latest's), ``ended`` (an ISO 8601 date), and ``end_error`` when a bye said
+                      latest's, and world), ``ended`` (an ISO 8601 date), ``gone`` (the latest consumer's process
+                      ended without a bye: killed or crashed mid-epoch), and ``end_error`` when a bye said
                       an error of wdscache's raised to the script ended an epoch (the first,
                       redacted); a job run again under the
                       same name (a rank of it saying hello from another run of the script,
