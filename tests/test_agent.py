@@ -338,6 +338,24 @@ def test_bad_url_list_line_is_refused_with_its_line_number(
     assert shard_server.requests == []
 
 
+def test_a_shard_given_as_the_url_list_is_named_a_shard_not_dumped(shard_server, dataset, run_cli, tmp_path):
+    # Its bytes were read as lines: the error quoted a line of NULs and tar header fields.
+    ds = dataset(1)
+    cache = tmp_path / "cache"
+    misnamed = tmp_path / "shard.txt"
+    misnamed.write_bytes(ds.paths[0].read_bytes())
+    for shard in (ds.paths[0], misnamed):
+        said = f"URL list {shard} looks like a shard (a tar file), not a URL list (a text file of URLs, one a line)"
+        for args in (
+            ("agent", "--cache-dir", cache, "--urls", shard),
+            ("prefetch", "--cache-dir", cache, "--urls", shard),
+        ):
+            r = run_cli(*args, timeout=20)
+            assert r.returncode == 2 and said in r.stderr and "\\x00" not in r.stderr, (args, r.stderr)
+    assert not cache.exists(), f"the cache dir was created: {list(cache.rglob('*'))}"
+    assert shard_server.requests == []
+
+
 @pytest.mark.parametrize(
     "option, value, says",
     [

@@ -4,7 +4,8 @@ files (not its workers') is lowered to leave fewer free than it keeps for connec
 download starts; later it is raised again. (Lowered to none free, the next connection a client
 made would abort the agent: ZeroMQ's ipc listener cannot accept it.) Downloads in many parts at
 once, from a bandwidth-capped server, leave the agent's last files to connections, its free files
-sampled through /proc meanwhile.
+sampled through /proc meanwhile. An agent started under a low limit downloads in fewer parts;
+one left too few files for even one part says its limit is too low.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 import pytest
 
 from tests.helpers.agents import wdscache_exe
-from tests.helpers.streaming import reference
+from tests.helpers.streaming import assert_epoch_exact, reference
 from wdscache import CachedMultiLoader, FetchError, ShardClient, Tuning, WdsCacheError
-from wdscache.agent.downloads import files_reserve
+from wdscache.agent.downloads import files_per_download, files_reserve
 
 SHARDS, SAMPLES = 24, 4
 CONNECTIONS = 30  # made one after another while the agent is starved
@@ -31,6 +32,11 @@ HELD_BACK = "are kept for connections"  # what the agent says of downloads it ho
 # of 8 parts open (a connection and a file each); the reserve of a quarter of its limit kept.
 PARTED_SHARDS, PARTED_FREE = 16, 112
 MARGIN = 4  # files the agent may open besides downloads (its index, a log) while they run
+# An agent started under a low limit, read by RANKS consumers: their connections, its own files and
+# those kept for connections leave room for downloads of fewer parts than --download-parts only.
+LOW_LIMIT, RANKS, LOW_SHARDS = 52, 3, 12
+ONE_PART = files_per_download(1)
+TOO_LOW = "too low for even one download"  # what the agent says when not even one part fits
 
 
 def starve(pid: int) -> tuple[int, int]:
@@ -40,6 +46,18 @@ def starve(pid: int) -> tuple[int, int]:
     held = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")]
     limit = next(n for n in range(len(held), was[0]) if n - sum(fd < n for fd in held) == SPARE)
     assert SPARE < files_reserve(limit), (limit, len(held))
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, was[1]))
+    return was
+
+
+def starve_all(pid: int) -> tuple[int, int]:
+    """Lower ``pid``'s limit on open files to leave fewer free, beside those it keeps for
+    connections, than a download of one part needs; the limits it had."""
+    was = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    held = [int(fd) for fd in os.listdir(f"/proc/{pid}/fd")]
+    limit = next(
+        n for n in range(len(held), was[0]) if n - sum(fd < n for fd in held) - files_reserve(n) == ONE_PART - 1
+    )
     resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, was[1]))
     return was
 
@@ -225,3 +243,72 @@ def test_downloads_in_many_parts_at_once_leave_the_last_files_to_connections(
     held_back = {f for f in faults if f is not None}
     assert held_back and all(HELD_BACK in f and "ulimit -n" in f for f in held_back), held_back
     assert "Too many open files" not in agent.stderr_text(), agent.stderr_tail()
+
+
+@pytest.mark.slow
+def test_an_agent_under_a_low_limit_downloads_in_fewer_parts_and_the_epoch_completes(
+    tmp_path, shard_server, dataset, start_agent, consumers
+):
+    """An agent started under a low ``ulimit -n`` (60 in the review that found it) with 3 consumers
+    stalled for good: each download
+    claimed the files of all its parts (9 for 4) or waited, the files free less the 15 kept for
+    connections left fewer (its download threads' idle connections among the files held), no
+    download ran to end and let files go, every rank read 0 samples. Now a download starts with
+    as many parts as the files free leave room for, idle download threads close their
+    connections, and the epoch is whole; the agent never goes below the files it keeps."""
+    data = dataset(LOW_SHARDS, samples=4, payload=100_000)  # ~400 KB shards: parts of 64K
+    shard_server.rate = 500_000  # bytes/s per connection: downloads overlap the consumers' reads
+    agent = start_agent(
+        tmp_path / "cache",
+        data.list_file,
+        "--download-part-size",
+        "64K",
+        exe=["prlimit", f"--nofile={LOW_LIMIT}:{LOW_LIMIT}", wdscache_exe()],
+    )
+    assert resource.prlimit(agent.pid, resource.RLIMIT_NOFILE) == (LOW_LIMIT, LOW_LIMIT)
+    watch = FreeFiles(agent.pid, LOW_LIMIT)
+    try:
+        ranks = [
+            consumers(agent.cache_dir, f"rank{r}", "--rank", str(r), "--world-size", str(RANKS), "--timeout", "60")
+            for r in range(RANKS)
+        ]
+        lines = [line for c in ranks for line in c.wait(120)]
+    finally:
+        least = watch.stop()
+    assert_epoch_exact(lines, reference(data.paths, data.urls))
+    final = agent.stats()
+    assert final["shards"]["cached"] == LOW_SHARDS and not final["failed"], final["failed"]
+    assert least >= files_reserve(LOW_LIMIT) - MARGIN, (least, agent.stderr_tail())
+    assert "Too many open files" not in agent.stderr_text(), agent.stderr_tail()
+
+
+@pytest.mark.slow
+def test_an_agent_with_too_few_files_for_one_download_says_its_limit_is_too_low(
+    tmp_path, dataset, start_agent, consumers
+):
+    """Not even one part's files free beside those kept for connections, with no download under
+    way to let any go: the agent waits, and its stats and log say the limit is too low for even
+    one download (not that the source is slow). Raised, the epoch completes. (Files from disk:
+    no connection to the source that an idle download thread closes to free a file.)"""
+    data = dataset(SHARDS, samples=SAMPLES, payload=200)
+    urls = [path.as_uri() for path in data.paths]
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "urls.txt").write_text("\n".join(urls) + "\n")
+    agent = start_agent(tmp_path / "cache", tmp_path / "files" / "urls.txt", "--no-shuffle", "--prefetch", "2")
+    agent.wait_stats(lambda s: not s["shards"].get("downloading"), 30, "the downloads at start ended")
+    with ShardClient(agent.cache_dir, timeout=10) as client:
+        client.stats()  # connected now, the files it takes in the agent held before it is starved
+        was = starve_all(agent.pid)
+        try:
+            reader = consumers(agent.cache_dir, "reader", "--no-shuffle", "--timeout", "60")
+            deadline = time.monotonic() + 30
+            fault = None
+            while fault is None and time.monotonic() < deadline and reader.proc.poll() is None:
+                fault = client.stats(timeout=5)["agent"]["out_of_files"]
+                time.sleep(0.1)
+        finally:
+            resource.prlimit(agent.pid, resource.RLIMIT_NOFILE, was)
+        lines = reader.wait(60)
+    assert fault is not None and TOO_LOW in fault and "ulimit -n" in fault, fault
+    assert_epoch_exact(lines, reference(data.paths, urls))
+    assert TOO_LOW in agent.stderr_text(), agent.stderr_tail()

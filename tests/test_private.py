@@ -235,3 +235,41 @@ def test_a_loader_with_urls_waits_for_a_running_agent_that_is_slow_to_answer(
         going_on.join()
     assert sorted((s["__url__"], s["__key__"]) for s in reading) == sorted(reference(data.paths, data.urls))
     assert _state(cache)["pid"] == agent.pid and not (cache / "private-agent.log").exists()
+
+
+@pytest.mark.slow
+def test_a_folder_of_webdatasets_download_cache_is_taken_with_a_warning_naming_it(
+    tmp_path, dataset, private_agents, caplog
+):
+    # webdataset's WebDataset(cache_dir=) is its download cache; given to wdscache as is, a private
+    # agent took the folder in silence (made it 0700) and left webdataset's files in it, unseen.
+    wds = pytest.importorskip("webdataset", reason="webdataset is not installed (the package's wds extra)")
+    import wdscache
+
+    data = dataset(2, samples=4, payload=500)
+    cache = tmp_path / "wds-cache"
+    cache.mkdir()
+    theirs = [dict(s) for s in wds.WebDataset(data.urls, shardshuffle=False, cache_dir=cache)]
+    left = {p.name: p.read_bytes() for p in cache.iterdir()}
+    assert sorted(left) == sorted(p.name for p in data.paths), left.keys()  # webdataset's copies of the shards
+    caplog.set_level("WARNING", logger="wdscache")
+    with wdscache.WebDataset(data.urls, shardshuffle=False, cache_dir=cache) as ds:
+        ours = [dict(s) for s in ds]
+        private_agents.append(_state(cache)["pid"])
+    assert ours == [{k: v for k, v in s.items() if k != "__local_path__"} for s in theirs] and len(ours) == 8
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("wdscache") and r.levelname == "WARNING"]
+    assert warned == [
+        f"cache_dir {cache} is no wdscache cache yet but holds files ({', '.join(sorted(left))}): a private "
+        "agent makes its cache there beside them (the folder made private, mode 0700) and leaves them as they "
+        "are, unread and outside its budget; webdataset's download cache (its WebDataset(cache_dir=)) is not "
+        "wdscache's: give wdscache a folder of its own"
+    ], warned
+    assert {n: (cache / n).read_bytes() for n in left} == left and cache.stat().st_mode & 0o777 == 0o700
+    # A cache now: the next dataset on it says nothing, and nor does one on a folder of its own.
+    caplog.clear()
+    with wdscache.WebDataset(data.urls, shardshuffle=False, cache_dir=cache) as ds:
+        assert len([s for s in ds]) == 8
+    with wdscache.WebDataset(data.urls[:1], shardshuffle=False, cache_dir=tmp_path / "fresh") as ds:
+        assert len([s for s in ds]) == 4
+        private_agents.append(_state(tmp_path / "fresh")["pid"])
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records

@@ -10,6 +10,8 @@ threshold (``SILENT_AFTER``), as a validation loop does.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,11 +23,12 @@ import pytest
 from scripts.shard_maker import make_dataset, write_url_list
 from scripts.shard_server import ShardServer
 from tests.helpers.agents import run_wdscache
-from tests.helpers.procs import run_json_job
+from tests.helpers.procs import kill_left, run_json_job
 from tests.helpers.waits import wait_for
 from wdscache import ShardListDataset
 from wdscache.shared.verdict import SILENT_AFTER
 
+ROOT = Path(__file__).resolve().parents[1]
 SHARDS, PER_SHARD = 3, 10
 READ_FOR = SILENT_AFTER + 2.0  # seconds of reads before stats are asked: past the silence threshold
 
@@ -130,3 +133,56 @@ def test_readers_that_never_close_are_counted_whole_as_their_processes_exit(
     totals = agent.stats()["rank_totals"]["random-access/main"]["0"]
     assert read["samples"] == SHARDS * PER_SHARD, read
     assert (totals["samples"], totals["bytes"]) == (read["samples"], read["bytes"]), totals
+
+
+@pytest.mark.slow
+def test_a_dataset_dropped_without_close_says_its_bye_as_it_is_collected(
+    shard_server: ShardServer, start_agent: Callable[..., Any], tmp_path: Path
+) -> None:
+    # An evaluation dataset built and dropped (wids needs no close()), in a process that runs on:
+    # once collected, the agent lets go of its pins and counts its samples at once, not after
+    # --reader-timeout of silence, which would count only those of its pings (none, for a
+    # session younger than a ping's second).
+    paths = make_dataset(shard_server.root, SHARDS, PER_SHARD, payload=2000)
+    urls = [shard_server.url(p.name) for p in paths]
+    index = tmp_path / "index.json"
+    index.write_text(json.dumps({"wids_version": 1, "shardlist": [{"url": u, "nsamples": PER_SHARD} for u in urls]}))
+    cache, out = tmp_path / "cache", tmp_path / "read.json"
+    agent = start_agent(cache, write_url_list(tmp_path / "lists" / "urls.txt", urls), "--reader-timeout", "60")
+    reads = 2 * PER_SHARD
+    job = [
+        sys.executable,
+        "-m",
+        "tests.helpers.dropped_random_access_job",
+        str(index),
+        str(cache),
+        str(reads),
+        str(out),
+    ]
+    proc = subprocess.Popen(job, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(
+            lambda: out.exists() or proc.poll() is not None, 60, "the consumer read nothing, nor dropped its dataset"
+        )
+        assert proc.poll() is None, proc.communicate()
+        read = json.loads(out.read_text())
+        assert read["samples"] == reads, read
+        name = f"random-access/{read['dataset']}"
+
+        def let_go_and_counted(stats: dict[str, Any]) -> bool:
+            ended = stats["ended_jobs"].get(name, {}).get("0", {})
+            totals = stats["rank_totals"].get(name, {}).get("0", {})
+            return (
+                name not in stats["jobs"]
+                and stats["agent"]["pinned"] == 0
+                and (ended.get("samples"), ended.get("bytes")) == (reads, read["bytes"])
+                and (totals.get("samples"), totals.get("bytes")) == (reads, read["bytes"])
+            )
+
+        # Far below the reader timeout (60 s), with the consumer still running.
+        agent.wait_stats(let_go_and_counted, 10, "the dropped dataset's reader let go, its samples counted")
+        assert proc.poll() is None, proc.communicate()
+        assert f"said bye; releasing its shards (job {name!r}, rank 0, {reads} samples)" in agent.stderr_text()
+    finally:
+        kill_left([proc])
+        proc.communicate()

@@ -5,8 +5,13 @@ their cause, handler= functions, ``with``, pickling, local paths' ``__url__``, p
 from __future__ import annotations
 
 import copy
+import gzip
+import io
 import pickle
+import random
 import shutil
+import struct
+import tarfile
 import time
 import warnings
 from collections.abc import Callable
@@ -195,6 +200,108 @@ def test_a_local_shard_whose_name_holds_spaces_is_read_as_webdataset_reads_it(
         assert ours == theirs and len(ours) == 4, urls
 
 
+def _v7_tar(members: dict[str, bytes]) -> bytes:
+    """A tar as Unix v7 wrote it (no ustar magic: only its headers' checksums say it is a tar),
+    which tarfile reads and does not write."""
+    out = bytearray()
+    for name, data in members.items():
+        header = bytearray(
+            struct.pack(
+                "100s8s8s8s12s12s8sc",
+                name.encode(),
+                b"0000644\0",
+                b"0\0",
+                b"0\0",
+                b"%011o\0" % len(data),
+                b"0\0",
+                b" " * 8,
+                b"0",
+            )
+        )
+        header += bytes(512 - len(header))
+        header[148:156] = b"%06o\0 " % sum(header)
+        out += header + data + bytes(-len(data) % 512)
+    return bytes(out + bytes(1024))
+
+
+def test_a_local_shard_of_any_name_is_read_as_webdataset_reads_it(served: Any, tmp_path: Path) -> None:
+    # webdataset reads any local path as a tar; a name that did not end in .tar, .tar.gz or .tgz
+    # (in lower case) was read as a URL list, and failed with a dump of the tar's bytes.
+    data, cache = served
+    folder = tmp_path / "named"
+    folder.mkdir()
+    plain = data.paths[0].read_bytes()
+    v7 = {"a.cls": b"1", "a.txt": b"one", "b.cls": b"2", "b.txt": b"two"}
+    bodies = {"s.TAR": plain, "s.shard": plain, "s.Tar.Gz": gzip.compress(plain), "v7": _v7_tar(v7)}
+    for name, body in bodies.items():
+        path = folder / name
+        path.write_bytes(body)
+        theirs = _samples(wds.WebDataset(str(path), shardshuffle=False))
+        assert len(theirs) == (2 if name == "v7" else 4), name
+        ours = _samples(wdscache.WebDataset(str(path), cache_dir=cache, shardshuffle=False))
+        assert ours == theirs, name
+        with wdscache.CachedMultiLoader(path, cache_dir=cache, shuffle=False) as loader:  # a path object
+            assert [s["__key__"] for s in loader] == [s["__key__"] for s in theirs], name
+
+
+def test_a_binary_file_that_is_no_shard_is_named_not_dumped(served: Any, tmp_path: Path) -> None:
+    data, cache = served
+    png = tmp_path / "cat.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 4)
+    with pytest.raises(wdscache.ConfigError) as info:
+        wdscache.WebDataset(str(png), cache_dir=cache, shardshuffle=False)
+    assert str(info.value) == (
+        f"URL list {png} looks like a binary file, not a URL list (a UTF-8 text file of URLs, one a line)"
+    )
+
+
+def _zstd_frame(data: bytes) -> bytes:
+    """``data`` as one zstd frame of one raw (stored) block, as ``zstd`` writes data it cannot shrink:
+    the standard library has no zstd writer."""
+    assert len(data) < 1 << 17  # one block's most
+    return b"\x28\xb5\x2f\xfd\xa0" + struct.pack("<I", len(data)) + ((len(data) << 3) | 1).to_bytes(3, "little") + data
+
+
+@pytest.mark.parametrize("packing", ["bz2", "xz", "zst"])
+def test_a_shard_compressed_otherwise_than_gzip_fails_naming_its_compression(
+    served: Any, shard_server: Any, tmp_path: Path, packing: str
+) -> None:
+    # webdataset reads .tar.bz2 and .tar.xz (tarfile streams them); a cached shard is read by its
+    # members' offsets, so wdscache reads plain and gzip'd tars only, and says so.
+    data, cache = served
+    plain = data.paths[0].read_bytes()
+    name = f"s.tar.{packing}"
+    if packing == "zst":
+        body = _zstd_frame(plain)
+    else:
+        out = io.BytesIO()
+        with tarfile.open(data.paths[0]) as src, tarfile.open(fileobj=out, mode=f"w:{packing}") as dst:
+            for member in src:
+                dst.addfile(member, src.extractfile(member))
+        body = out.getvalue()
+    (shard_server.root / name).write_bytes(body)
+    local = tmp_path / name
+    local.write_bytes(body)
+    if packing != "zst":
+        assert _samples(wds.WebDataset(str(local), shardshuffle=False)) == [
+            {**s, "__url__": str(local), "__local_path__": str(local)}
+            for s in wds.WebDataset(str(data.paths[0]), shardshuffle=False)
+        ]
+    tool = {"bz2": "bzip2", "xz": "xz", "zst": "zstd"}[packing]
+    why = (
+        f"a shard compressed with {tool}: wdscache reads plain tar and gzip'd tar; decompress it ({tool} -d) "
+        "or recompress it with gzip"
+    )
+    t0 = time.monotonic()
+    for urls, url in ((shard_server.url(name), shard_server.url(name)), (str(local), f"file://{local}")):
+        exc = _raised(lambda urls=urls: wdscache.WebDataset(urls, cache_dir=cache, shardshuffle=False))
+        # (read while it downloads, its first header's walk may say it first, as a ShardError)
+        assert (isinstance(exc, wdscache.FetchError) and str(exc) == f"cannot fetch {url}: {why}") or (
+            isinstance(exc, wdscache.ShardError) and str(exc) == f"bad shard {url} at byte 0: {why}"
+        ), repr(exc)
+    assert time.monotonic() - t0 < FAST  # final: never retried
+
+
 def test_patterns_joined_by_double_colons_are_read_as_webdataset_splits_them(
     served: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -319,6 +426,59 @@ def test_pipe_shards_run_in_this_process_as_webdataset_runs_them(served: Any, tm
     # The agent runs only the commands of its own list: a loader refuses them, saying what runs them.
     with pytest.raises(wdscache.ConfigError, match="wdscache.WebDataset reads pipe: shards in this process"):
         wdscache.CachedMultiLoader(whole, cache_dir=cache)
+
+
+def test_pipe_shards_take_webdatasets_resampled_select_files_and_rename_files(dataset: Callable[..., Any]) -> None:
+    # webdataset's own pipeline reads pipe: shards, so its keywords apply: resampled=True was
+    # refused as "takes shards the agent caches", select_files= and rename_files= as "the agent
+    # serves whole samples". (No agent: pipe: shards never reach it.)
+    data = dataset(2, samples=4, payload=300)
+    cmds = [f"pipe:cat {p}" for p in data.paths]
+    # One shard, so that webdataset's unseeded draws of shards all draw it: the two must agree.
+    for keywords in ({"resampled": True}, {"mode": "resampled"}):
+        ours = _samples(wdscache.WebDataset(cmds[:1], shardshuffle=False, **keywords).with_epoch(10))
+        theirs = _samples(wds.WebDataset(cmds[:1], shardshuffle=False, **keywords).with_epoch(10))
+        assert ours == theirs and len(ours) == 10, keywords
+        assert [s["__key__"] for s in ours] == [s["__key__"] for s in ours[:4]] * 2 + [s["__key__"] for s in ours[:2]]
+    drawn = _samples(wdscache.WebDataset(cmds, resampled=True, shardshuffle=False).with_epoch(50))
+    keys = {s["__key__"] for s in _samples(wds.WebDataset(cmds, shardshuffle=False))}
+    assert len(drawn) == 50 and {s["__key__"] for s in drawn} <= keys
+    chosen = {"select_files": lambda name: ".cls" not in name, "rename_files": lambda name: name + ".x"}
+    for keywords in ({"select_files": chosen["select_files"]}, {"rename_files": chosen["rename_files"]}, chosen):
+        ours = _samples(wdscache.WebDataset(cmds, shardshuffle=False, **keywords))
+        theirs = _samples(wds.WebDataset(cmds, shardshuffle=False, **keywords))
+        assert ours == theirs and len(ours) == 8, keywords
+        fields = {k for s in ours for k in s if not k.startswith("__")}
+        assert any(k.startswith("cls") for k in fields) is ("select_files" not in keywords), fields
+        assert all(k.endswith(".x") is ("rename_files" in keywords) for k in fields), fields
+
+
+def test_a_shuffle_given_webdatasets_keywords_after_the_source_is_webdatasets_and_says_so(served: Any) -> None:
+    # .shuffle(n, seed=/initial=/rng=) right after the source became webdataset's shuffle stage
+    # in silence, where the docs promise the loader's seeded buffer (an exact resume).
+    data, cache = served
+    for given in (lambda: {"seed": 1}, lambda: {"initial": 2, "seed": 1}, lambda: {"rng": random.Random(1)}):
+        keywords = given()  # (each dataset its own generator)
+        with pytest.warns(UserWarning) as caught:
+            ours = wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False).shuffle(5, **keywords)
+        assert len(caught) == 1, [str(w.message) for w in caught]
+        named = ", ".join(f"{k}=" for k in sorted(keywords))
+        assert str(caught[0].message) == (
+            f"wdscache.WebDataset.shuffle(5, {named}...) is webdataset's shuffle stage, not the loader's "
+            "seeded buffer: a checkpoint counts the samples it holds as delivered, its order is random "
+            "unless seed= or rng= fixes it, and shards are shuffled by shardshuffle= alone; .shuffle(n) "
+            "without keywords is the loader's"
+        )
+        assert caught[0].filename == __file__  # the line that called shuffle()
+        theirs = _samples(wds.WebDataset(data.urls, shardshuffle=False).shuffle(5, **given()))
+        assert _samples(ours) == theirs and len(theirs) == 12, keywords
+    # Without keywords it is the loader's, and later in the pipeline webdataset's: nothing to say.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False).shuffle(5)
+        later = wdscache.WebDataset(data.urls, cache_dir=cache, shardshuffle=False).map(dict).shuffle(5, seed=1)
+        assert len(plain.pipeline) == 1 and plain.loader.shuffle_buffer == 5 and len(later.pipeline) == 3
+        assert sorted(s["__key__"] for s in plain) == sorted(s["__key__"] for s in later)
 
 
 def test_a_cache_dir_that_does_not_exist_is_refused_at_once_naming_it(served: Any, tmp_path: Path) -> None:

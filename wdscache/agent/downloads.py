@@ -38,11 +38,16 @@ Guarantees (threads):
   the limit): ZeroMQ ends the whole process when it cannot accept a connection on an ``ipc://``
   endpoint for want of a file (libzmq 4.3's ``ipc_listener`` aborts), so downloads must not use
   them up. A download attempt claims the files it may open (:func:`files_per_download`) before it
-  starts, and starts only if the files free less those claimed by the attempts under way and its
-  own leave the reserve (:class:`FileClaims`); else it waits as one out of files does, its stats
-  and log saying the files are held back (:class:`FilesHeldBack`), not that a file could not be
-  opened. Its claim is let go when it ends. Connections alone (more consumers than the limit
-  allows), or a limit lowered from outside, can still use up the reserve.
+  starts (:class:`FileClaims`): of ``--download-parts`` parts, or of as many as the files free,
+  less those claimed by the attempts under way, leave room for beside the reserve (down to one
+  part, 3 files: its ``progress.parts``), so that
+  a download never waits for files a download of fewer parts would find. Only when not even one
+  part fits does it wait as one out of files does, its stats and log saying the files are held
+  back (:class:`FilesHeldBack`), not that a file could not be opened; with no download under way,
+  that the limit is too low for even one download. Its claim is let go when it ends. A download
+  thread holds no kept connection while it waits for files, nor, while files are short, while it
+  waits for a task. Connections alone (more consumers than the limit allows), or a limit lowered
+  from outside, can still use up the reserve.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ JOIN_TIMEOUT = 5.0  # seconds the download threads get to end at shutdown
 FILES_BACKOFF = Backoff(0, 0.5, 5.0)
 FILES_LOG_EVERY = 60.0  # downloads out of open files are logged (as warnings) at most this often
 FILES_RESERVE = 64  # open files kept for connections (at most a quarter of the limit): see the module
+IDLE_CHECK = 1.0  # how often an idle download thread looks whether files are short (then closes its connections)
 
 
 class DiskShort(enum.Enum):
@@ -175,32 +181,57 @@ class FileClaims:
     counted in the files not free too, which errs on the side of connections (fewer downloads at
     once when files are short, never fewer files than the reserve)."""
 
-    def __init__(self, need: int) -> None:
-        self.need = need  # files one attempt may open (files_per_download)
+    def __init__(self, parts: int) -> None:
+        self.parts = parts  # --download-parts: the most one attempt fetches at once
         self._lock = threading.Lock()
         self._claimed = 0  # files claimed by the attempts under way
 
     @contextlib.contextmanager
-    def claim(self) -> Iterator[None]:
-        """Claim ``need`` files for an attempt while it runs (the ``with`` block); FilesHeldBack if
-        the files free, less those claimed and these, would leave fewer than the reserve."""
+    def claim(self) -> Iterator[int]:
+        """Claim the files of an attempt of as many parts (up to ``parts``) as the files free,
+        less those claimed, leave room for beside the reserve, while it runs (the ``with`` block,
+        which gets that number of parts); FilesHeldBack if not even one part fits."""
+        parts = self.parts
         with self._lock:  # (the free files are counted under it too: two claims never see the same files)
             free = files_free()
             if free is not None:
                 left, limit = free
                 reserve = files_reserve(limit)
-                if left - self._claimed - self.need < reserve:
-                    raise FilesHeldBack(
-                        f"{left} of {limit} open files free, downloads under way claim {self._claimed} and the "
-                        f"next one {self.need}: the last {reserve} are kept for connections; "
-                        "raise ulimit -n / LimitNOFILE for the agent"
-                    )
-            self._claimed += self.need
+                parts = min(self.parts, (left - self._claimed - reserve - 1) // 2)  # files_per_download inverted
+                if parts < 1:
+                    raise FilesHeldBack(self._held_back(left, limit, reserve))
+            need = files_per_download(parts)
+            self._claimed += need
         try:
-            yield
+            yield parts
         finally:
             with self._lock:
-                self._claimed -= self.need
+                self._claimed -= need
+
+    def tight(self) -> bool:
+        """Whether the files free, less those claimed, leave no room for an attempt of ``parts``
+        parts beside the reserve: an idle download thread's kept connections are worth closing."""
+        free = files_free()
+        if free is None:
+            return False
+        left, limit = free
+        with self._lock:
+            return left - self._claimed - files_per_download(self.parts) < files_reserve(limit)
+
+    def _held_back(self, left: int, limit: int, reserve: int) -> str:
+        """Why an attempt cannot start (``left`` of ``limit`` files free, ``reserve`` kept)."""
+        one = files_per_download(1)
+        if not self._claimed:  # no download under way will end and let its files go
+            return (
+                f"{left} of {limit} open files free: the last {reserve} are kept for connections, and a "
+                f"download needs {one} at least (one part): the limit is too low for even one download beside "
+                "what the agent holds; raise ulimit -n / LimitNOFILE for the agent"
+            )
+        return (
+            f"{left} of {limit} open files free, downloads under way claim {self._claimed} and the next one "
+            f"{one} at least (one part): the last {reserve} are kept for connections; "
+            "raise ulimit -n / LimitNOFILE for the agent"
+        )
 
 
 class FilesShort:
@@ -209,19 +240,29 @@ class FilesShort:
     claims its files (``claims``) while it runs."""
 
     def __init__(self, claims: FileClaims) -> None:
-        self._claims = claims
+        self.claims = claims
         self._logged: float | None = None  # time.monotonic() of the last warning
 
     def fetch(self, fetcher: Fetcher, d: Download) -> Fetched:
-        """Fetch ``d``; while the agent is short of open files (it ran out, or the files it may open
-        are held back), wait and try again, from where the partial file ends. Its
-        ``progress.fault`` says so until it ends."""
+        """Fetch ``d`` in as many parts at once as the files free leave room for; while the agent is
+        short of open files (it ran out, or not even one part's files are free beside the reserve),
+        wait and try again, from where the partial file ends. Its ``progress.fault`` says so until
+        it ends."""
         short = 0  # times in a row it found no file to spare
         while True:
             if d.cancel.is_set():
                 raise Cancelled(d.url)
             try:
-                with self._claims.claim():
+                with self.claims.claim() as parts:
+                    if parts < self.claims.parts:
+                        log.info(
+                            "%s: downloading in %d part(s) at once, not %d: the open files free leave room for "
+                            "no more beside those kept for connections",
+                            d.url,
+                            parts,
+                            self.claims.parts,
+                        )
+                    d.progress.parts = parts
                     fetched = fetcher.fetch(d)
             except (Cancelled, DiskFull):
                 raise
@@ -236,6 +277,7 @@ class FilesShort:
                 return fetched
             short += 1
             d.progress.fault = fault
+            fetcher.close_thread()  # its kept connection is a file held while it waits
             self._wait(d, fault, FILES_BACKOFF.delay(min(short, 16)))  # (at the max long before 16)
 
     def _wait(self, d: Download, fault: str, delay: float) -> None:
@@ -288,7 +330,7 @@ class Downloads:
         self._gave_way: set[str] = set()
         # Shards this cache held during this run (cached at start or downloaded): one more is a re-download.
         self._had: set[str] = {r.url for r in cache.index if r.state is ShardState.CACHED}
-        self._files = FilesShort(FileClaims(files_per_download(config.download_parts)))
+        self._files = FilesShort(FileClaims(config.download_parts))
         self._finished_bytes = 0  # bytes fetched by downloads that ended, for the rate
         self._rate_samples: deque[tuple[float, int]] = deque()
 
@@ -643,9 +685,16 @@ class Downloads:
         return True
 
     def _thread(self) -> None:
-        """A download thread: runs tasks until it takes None."""
+        """A download thread: runs tasks until it takes None. While it waits for one and the agent
+        is short of open files (:meth:`FileClaims.tight`), it closes the connections it keeps: a
+        file each, which a download, or a connection to the agent, may need."""
         while True:
-            d = self._tasks.get()  # (no timeout: stop() puts one None for each thread, after its tasks cancelled)
+            try:  # (stop() puts one None for each thread, after its tasks cancelled)
+                d = self._tasks.get(timeout=IDLE_CHECK)
+            except queue.Empty:
+                if self._files.claims.tight():
+                    self._fetcher.close_thread()
+                continue
             if d is None:
                 break
             self._mailbox.post(self._run(d))

@@ -58,8 +58,9 @@ OpenRange = Callable[[Download, int, int, int], AbstractContextManager[Iterator[
 
 
 class PartedFetch:
-    """The parts of one fetcher's downloads: ``parts`` connections a shard, ``part_size`` each,
-    retried as ``backoff`` says; ``close_thread`` ends what a part's thread holds."""
+    """The parts of one fetcher's downloads: ``parts`` connections a shard (fewer when its attempt
+    could claim the open files of fewer: ``progress.parts``), ``part_size`` each, retried as
+    ``backoff`` says; ``close_thread`` ends what a part's thread holds."""
 
     def __init__(
         self, parts: int, part_size: int, backoff: Backoff, read_timeout: float, close_thread: Callable[[], None]
@@ -121,7 +122,7 @@ class PartedFetch:
                 daemon=True,
                 name=f"{threading.current_thread().name}-part{i}",
             )
-            for i in range(1, min(self.parts, plan.pending + 1))
+            for i in range(1, min(self.parts, d.progress.parts or self.parts, plan.pending + 1))
         ]
         for t in helpers:
             t.start()

@@ -67,6 +67,9 @@ class Progress:
     # While the download waits for open files (the agent ran out of them: its fault, not the
     # shard's), what that error says (wdscache.agent.downloads).
     fault: str | None = None
+    # The most parts the attempt under way fetches at once: the open files it could claim
+    # (wdscache.agent.downloads); None: --download-parts.
+    parts: int | None = None
     unended: int | None = None  # the length of a body that came without one, nor its tar's end (see fetch)
 
 

@@ -82,6 +82,10 @@ RETRY_PAUSE = 0.1  # seconds between asking again after a reply marked "retry"
 BYE_TIMEOUT = 2.0  # seconds a goodbye waits for the agent's answer (it lets our pins go either way, in time)
 # Seconds a consumer (a loader, a random-access dataset) waits with no progress by default.
 CONSUMER_TIMEOUT = 60.0
+# Seconds the process's ZeroMQ context keeps trying to send a message told without waiting for an
+# answer (:meth:`AgentConnection.tell_and_close`) once its socket is closed: the agent's end
+# takes it at once; one that is gone never will.
+TELL_LINGER = 0.5
 KEEPALIVE = 1.0  # seconds between a ShardClient's pings while it holds pins (a reader timeout is longer)
 # Seconds a request waits for its reply before asking (an "auth", which any run answers
 # with its run id) whether the agent restarted meanwhile: then the request was lost with
@@ -103,7 +107,7 @@ SOCKET_FILES = 2
 CONTEXT_FILES = 5
 
 
-def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+def weakly(method: Callable[[], None]) -> Callable[[], None]:
     """``method`` called only while its object lives: held by the object's own parts, it
     keeps the object from being collected as soon as it is dropped."""
     ref = weakref.WeakMethod(method)
@@ -674,6 +678,24 @@ class AgentConnection:
                     unanswered_since = now
                 send_now(sock, pack({**probe, "id": probe_id, "key": self.key}))
 
+    def tell_and_close(self, header: Mapping[str, Any]) -> None:
+        """Send ``header`` without waiting for its answer, then close: for a finalizer (a
+        ``ShardListDataset`` session collected unclosed), which must neither block nor raise, in
+        whatever thread the collector runs it. It goes only on this process's socket, to the run
+        the agent proved (nothing is asked first: never connected, the agent holds nothing of
+        ours); the socket closes with a linger of :data:`TELL_LINGER`, so that the process's
+        ZeroMQ context sends it after the close, as its owner goes on."""
+        sock = self._sock
+        if sock is not None and self.connected and self.key is not None:
+            self._sockets.remove(sock)  # closed here, with a linger; the closer's close drops what is queued
+            try:
+                send_now(sock, pack({**header, "id": next(self._ids), "key": self.key}))
+            except zmq.ZMQError:
+                pass  # (its context is ending with the process: nothing more can go, nor be waited for)
+            finally:
+                sock.close(linger=int(TELL_LINGER * 1000))
+        self.close()
+
     def close(self) -> None:
         if self._closer is not None:
             self._closer()  # closes nothing in a forked child: the socket is its parent's
@@ -708,7 +730,7 @@ class ShardClient:
             cache_dir=cache_dir,
             token=token,
         )
-        self._conn.on_new_run = _weakly(self._pin_again)  # (a bound method would make a cycle: see _keep_alive)
+        self._conn.on_new_run = weakly(self._pin_again)  # (a bound method would make a cycle: see _keep_alive)
         self._requests = Requests(self.name)
         self._held: Counter[str] = Counter()  # url -> our pins on it (opens not yet released)
         self._endpoint, self._cache_dir, self._token = endpoint, cache_dir, token
@@ -832,7 +854,7 @@ class ShardClient:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._renew()
-        self._conn.on_new_run = _weakly(self._pin_again)
+        self._conn.on_new_run = weakly(self._pin_again)
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -36,7 +36,7 @@ from .errors import FetchError
 from .redact import redact_urls
 
 EXTRA = "s3:// sources need boto3: pip install boto3 (the package's s3 extra)"
-# What a prefix stands for: the shards under it, by the names webdataset reads as tars.
+# What a prefix stands for: the shards under it, by the names webdataset reads as tars (in any case).
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 # Throttling and server trouble: tried again with backoff. Any other error code is final.
 TRANSIENT_CODES = frozenset(
@@ -134,7 +134,7 @@ def listed_by(url: str) -> Callable[[str], bool]:
     if _GLOB.search(key):
         pattern = glob_regex(key)
         return lambda k: pattern.fullmatch(k) is not None
-    return lambda k: k.startswith(key) and k.endswith(SHARD_SUFFIXES)
+    return lambda k: k.startswith(key) and k.lower().endswith(SHARD_SUFFIXES)
 
 
 def glob_regex(pattern: str) -> re.Pattern[str]:

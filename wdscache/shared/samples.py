@@ -8,29 +8,66 @@ sees the same keys and fields whether it reads through wdscache or not:
   names without an extension (:func:`split_name` gives None).
 - The key is the name up to the first dot of its basename, the extension the
   rest, lower-cased (WebDataset's default ``lcase=True``).
-- Consecutive members with the same key form one sample; an extension repeated
-  within a sample (or one named ``__key__`` or ``__url__``) is a
-  :class:`~wdscache.shared.errors.ShardError`, as WebDataset reports it.
+- Consecutive members with the same key form one sample.  A member whose
+  extension the sample holds already (``a.jpg`` then ``a.JPG``, or ``a.txt``
+  twice), or one named ``__key__`` or ``__url__``, is skipped: the sample keeps
+  its first member, as WebDataset keeps it with a handler that goes on
+  (``warn_and_continue``); its default handler raises.  A repeat is a property
+  of the data, which no download can change, so it is not damage: the first one
+  met in a shard is logged (:func:`skipped_member`) once per process.  A sample
+  left with no field at all (its only members named ``__key__`` or ``__url__``)
+  is no sample: WebDataset would yield its bare ``__key__`` and ``__url__``.
 
 Trusts the members the header walk (:mod:`wdscache.shared.tarwalk`) gives, which has
 checked every header; names may hold any bytes (newlines, non-UTF-8) and are
-matched as WebDataset's patterns match them.  Holds no state: safe in any thread.
+matched as WebDataset's patterns match them.  Safe in any thread: its one state, the
+shards whose skipped member was logged, is kept under a lock.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ShardError
-from .tarwalk import BLOCK, Buffer, walk
+from .logs import get_logger
+from .tarwalk import Buffer, walk
+
+log = get_logger(__name__)
 
 Sample = dict[str, Any]  # "__key__" and "__url__" -> str, extension -> payload
 
 # A member with one of these extensions would overwrite the sample's metadata;
-# WebDataset reports it as a duplicate.
+# WebDataset sees a duplicate, and skips the member as it skips a repeat.
 _RESERVED_EXTS = frozenset(("__key__", "__url__"))
+
+# Shards whose skipped member this process logged: a shard is walked again (a download read
+# as it grows, a walk resumed, a worker that opens it anew), and one line a shard says enough.
+_WARNED_MAX = 4096
+_warned: OrderedDict[str, None] = OrderedDict()
+_warned_lock = threading.Lock()  # (``wdscache index`` walks shards in several threads)
+
+
+def skipped_member(url: str, key: str, name: str) -> None:
+    """Log the member ``name`` of sample ``key`` of ``url`` as skipped (its field repeated):
+    a warning for the first one of a shard in this process (of the latest :data:`_WARNED_MAX`
+    shards), nothing for the rest."""
+    with _warned_lock:
+        if url in _warned:
+            _warned.move_to_end(url)
+            return
+        _warned[url] = None
+        if len(_warned) > _WARNED_MAX:
+            _warned.popitem(last=False)
+    log.warning(
+        "%s: sample %r: member %r skipped, its field is the sample's already (the first member kept, as "
+        "webdataset keeps it with a handler that goes on); later repeats in this shard are skipped unsaid",
+        url,
+        key,
+        name,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +124,8 @@ def scan(buf: Buffer, *, url: str) -> list[SampleSpan]:
     Reads headers only: payloads are located, never copied, and nothing is
     allocated from a declared size.  ``buf`` is any bytes-like object with byte
     items (an mmap of a shard, or decompressed bytes); ``url`` names the shard
-    in errors.  Raises :class:`ShardError` for a damaged or unreadable shard.
+    in errors and in the warning of a skipped member (:func:`skipped_member`).  Raises
+    :class:`~wdscache.shared.errors.ShardError` for a damaged or unreadable shard.
     """
     return [span for span, _ in group_samples(walk(buf, url), url)]
 
@@ -96,7 +134,9 @@ def group_samples(
     files: Iterator[tuple[str, int, int, int]], url: str, base: int = 0
 ) -> Iterator[tuple[SampleSpan, int]]:
     """The samples of a :func:`~wdscache.shared.tarwalk.walk`'s regular ``files``, each with the
-    header offset of its first member; offsets shifted by ``base``."""
+    header offset of its first member; offsets shifted by ``base``. A member whose field its
+    sample holds already is left out (:func:`skipped_member` logs it); a sample left with no
+    field is none."""
     key: str | None = None
     fields: list[tuple[str, int, int]] = []
     seen: set[str] = set()
@@ -113,16 +153,13 @@ def group_samples(
                 continue
             member_key, ext = split[0], split[1].lower()
         if member_key != key:
-            if key is not None:
+            if fields and key is not None:
                 yield SampleSpan(key, tuple(fields)), first_at
             key, fields, seen, first_at = member_key, [], set(), base + at
         if ext in seen or ext in _RESERVED_EXTS:
-            raise ShardError(
-                url,
-                f"member {name!r}: extension {ext!r} repeated in sample {key!r}",
-                offset=base + offset - BLOCK,
-            )
+            skipped_member(url, member_key, name)
+            continue
         seen.add(ext)
         fields.append((ext, base + offset, size))
-    if key is not None:
+    if fields and key is not None:
         yield SampleSpan(key, tuple(fields)), first_at

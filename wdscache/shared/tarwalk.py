@@ -21,6 +21,10 @@ cached shard that is damaged should be noticed, not silently shortened.
 
 :func:`tar_problem` and :func:`file_problem` tell whether a download is a tar
 (or a gzip'd one) before it is published; they read at most ``HEAD_BYTES``.
+:func:`packing_of` tells a shard by its first bytes, whatever its name: a tar, or a tar
+compressed with gzip (read here) or with bzip2, xz or zstd (named, not read: a cached shard is
+read by its members' offsets, which only a plain tar has, and only gzip is decompressed on
+download).
 Nothing here holds state between calls: safe in any thread.
 """
 
@@ -28,10 +32,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, TypeAlias
 
 from .errors import ShardError
@@ -39,6 +45,28 @@ from .errors import ShardError
 BLOCK = 512
 GZIP_MAGIC = b"\x1f\x8b"
 HEAD_BYTES = 64 << 10  # what the tar checks read of a file's start
+_USTAR_MAGIC = (b"ustar\0", b"ustar ")  # at byte 257 of a POSIX (or GNU, "ustar  \0") tar header
+_USTAR_AT = 257
+
+
+class Packing(Enum):
+    """What a shard's first bytes say it is: a tar, or a tar compressed by one of these."""
+
+    TAR = "tar"
+    GZIP = "gzip"
+    BZIP2 = "bzip2"
+    XZ = "xz"
+    ZSTD = "zstd"
+
+
+READ_PACKINGS = frozenset((Packing.TAR, Packing.GZIP))  # what a shard may be here
+# The compressions webdataset reads (Python's tarfile streams them) and wdscache does not, by magic.
+# bzip2's is "BZh", the block size ("1".."9"), then a block's magic or the stream's end.
+_UNREAD = (
+    (re.compile(rb"BZh[1-9](?:1AY&SY|\x17rE8P\x90)"), Packing.BZIP2),
+    (re.compile(re.escape(b"\xfd7zXZ\x00")), Packing.XZ),
+    (re.compile(re.escape(b"\x28\xb5\x2f\xfd")), Packing.ZSTD),
+)
 
 # What a walk reads: bytes in memory, a mapping, or a file read with pread (FileSpan, below).
 Buffer: TypeAlias = "bytes | bytearray | memoryview | mmap.mmap | FileSpan"
@@ -105,13 +133,38 @@ def header_ok(block: bytes) -> bool:
     return _checksum_matches(block, stored)
 
 
+def packing_of(head: bytes) -> Packing | None:
+    """What ``head``, a file's first bytes (512 of them, or all it has), says the file is: a tar
+    (the ustar magic at byte 257, or a first header whose checksum matches, as an old v7 tar's),
+    a gzip stream, or a bzip2, xz or zstd one; None for anything else (a text file, say)."""
+    if head.startswith(GZIP_MAGIC):
+        return Packing.GZIP
+    for magic, packing in _UNREAD:
+        if magic.match(head):
+            return packing
+    if head[_USTAR_AT : _USTAR_AT + 6].startswith(_USTAR_MAGIC) or header_ok(head):
+        return Packing.TAR
+    return None
+
+
+def unread_packing(packing: Packing) -> str:
+    """Why a shard compressed as ``packing`` (bzip2, xz or zstd) is not read, and what to do."""
+    return (
+        f"a shard compressed with {packing.value}: wdscache reads plain tar and gzip'd tar; decompress it "
+        f"({packing.value} -d) or recompress it with gzip"
+    )
+
+
 def tar_problem(head: bytes) -> str | None:
     """Why ``head`` (the first bytes of a file, ideally 64 KiB) is not a tar or gzip'd tar.
 
     Returns None when it looks right. Used before a download is published, so that
     an HTML error page served with status 200 never enters the cache.
     """
-    if head.startswith(GZIP_MAGIC):
+    packing = packing_of(head)
+    if packing is not None and packing not in READ_PACKINGS:
+        return unread_packing(packing)
+    if packing is Packing.GZIP:
         try:
             inner = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, BLOCK)
         except zlib.error as exc:

@@ -40,8 +40,9 @@ from urllib.parse import urlsplit
 
 from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.redact import redact_urls
-from wdscache.shared.s3 import is_prefix, literal_entry, named_object
+from wdscache.shared.s3 import SHARD_SUFFIXES, is_prefix, literal_entry, named_object
 from wdscache.shared.shard_index import ShardFacts, ShardInfo, looks_like_index, quick_shard_index, read_shard_index
+from wdscache.shared.tarwalk import BLOCK, packing_of
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -55,6 +56,7 @@ __all__ = [
     "index_list",
     "list_id",
     "list_of_bytes",
+    "names_shard",
     "normalize_url",
     "parse_url_list",
     "read_list_bytes",
@@ -1029,6 +1031,12 @@ def list_of_bytes(
     data: bytes, *, path: str, allow_pipe: bool = False, limit: int = DEFAULT_LIMIT, lister: Lister | None = None
 ) -> UrlList:
     """:func:`read_url_list` of the bytes ``data`` read from the file ``path``."""
+    packing = packing_of(data[:BLOCK])
+    if packing is not None:  # its bytes read as lines would be a dump of binary in the error
+        raise ConfigError(
+            f"URL list {path} looks like a shard (a {packing.value} file), not a URL list (a text file of "
+            "URLs, one a line)"
+        )
     if data.startswith(codecs.BOM_UTF8):
         data = data[len(codecs.BOM_UTF8) :]
     base_dir = os.path.dirname(_abs_path(os.path.join(os.getcwd(), path)))  # (its "..": as it was opened)
@@ -1043,18 +1051,39 @@ def list_of_bytes(
     return _index_list(*taken, path=path, base_dir=base_dir, allow_pipe=allow_pipe, limit=limit, lister=lister)
 
 
+_SNIFFED = 8000  # the bytes looked at for a NUL, as git tells a binary file
+
+
 def _text_of(data: bytes, path: str) -> str:
     """The text of the list file ``path``'s bytes ``data``; UrlListError naming the line of a byte
     that is not UTF-8."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
+        if b"\0" in data[:_SNIFFED]:  # no text holds a NUL: its "line" would be a dump of binary
+            raise ConfigError(
+                f"URL list {path} looks like a binary file, not a URL list (a UTF-8 text file of URLs, one a line)"
+            ) from None
         lineno = data.count(b"\n", 0, exc.start) + 1
         start = data.rfind(b"\n", 0, exc.start) + 1
         end = data.find(b"\n", exc.start)
         line = data[start : end if end >= 0 else len(data)].decode("utf-8", "replace").strip()
         reason = f"not valid UTF-8 (bad byte at offset {exc.start}); save the list as UTF-8"
         raise UrlListError(path, lineno, line, reason) from None
+
+
+def names_shard(path: str) -> bool:
+    """Whether the local path ``path``, given alone (a loader's ``urls=``), names one shard rather
+    than a URL list: a name that ends like a tar (``.tar``, ``.tar.gz``, ``.tgz``, in any case), or
+    a file whose first bytes are a shard's, whatever its name (:func:`~wdscache.shared.tarwalk.packing_of`:
+    webdataset reads ``s.TAR`` or ``s.shard`` as a tar too). A path that cannot be read names no shard."""
+    if path.lower().endswith(SHARD_SUFFIXES):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return packing_of(f.read(BLOCK)) is not None
+    except OSError:
+        return False
 
 
 def list_id(urls: Iterable[str], shards: Iterable[ShardInfo] | None = None) -> str:

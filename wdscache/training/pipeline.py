@@ -12,7 +12,9 @@ Differences, all where webdataset's behaviour depends on chance:
 
 - ``shardshuffle`` and a ``.shuffle(n)`` right after the source are the loader's seeded
   shuffle (shards, and a buffer of ``n`` samples): every rank gets an exact, equal share
-  and a checkpoint resumes exactly. A ``.shuffle`` later in the pipeline is webdataset's.
+  and a checkpoint resumes exactly. A ``.shuffle`` later in the pipeline, or one given
+  webdataset's ``initial=``, ``rng=`` or ``seed=``, is webdataset's (with a warning right
+  after the source).
 - ``resampled=True`` draws shards with replacement, seeded per epoch (``set_epoch`` gives
   another draw): the one-source mixture with replacement (:mod:`wdscache.shared.mixture`),
   its epoch ``epoch_samples=`` samples of the job, or ``with_epoch(n)`` for each DataLoader
@@ -34,8 +36,9 @@ Differences, all where webdataset's behaviour depends on chance:
 ``pipe:`` URLs are shell commands, which the agent runs only from its own list: given here,
 they run in this process, as webdataset runs them. Such a dataset is webdataset's own
 pipeline over those shards (its shard list, splitters, shuffle, opener, tar reader and
-grouper), uncached: its samples are webdataset's, it has no checkpoint (``state_dict``) and
-no ``len()``, and the loader's keywords (``rank``, ``timeout``, ...) do not apply.
+grouper, with webdataset's keywords: ``resampled``, ``select_files``, ...), uncached: its
+samples are webdataset's, it has no checkpoint (``state_dict``) and no ``len()``, and the
+loader's keywords (``rank``, ``timeout``, ...) do not apply.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
@@ -121,7 +125,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
     effect in webdataset 1.0.2 either), ``detshuffle`` (the loader's shuffles are seeded),
     ``cache_size`` and ``url_to_name`` (webdataset's own cache's: the agent's ``--cache-size``
     and names decide); ``select_files`` and ``rename_files`` are refused (the agent serves
-    whole samples). Other keywords go to :class:`~.loader.CachedMultiLoader` (``rank``,
+    whole samples) but for ``pipe:`` shards, which webdataset reads. Other keywords go to :class:`~.loader.CachedMultiLoader` (``rank``,
     ``world_size``, ``job``, ``timeout``, ...).
     """
 
@@ -148,14 +152,7 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         **loader_kwargs: Any,
     ) -> None:
         super().__init__()
-        del repeat, verbose, detshuffle, cache_size, url_to_name  # see the docstring: nothing to do here
-        for name, chooser in (("select_files", select_files), ("rename_files", rename_files)):
-            if chooser is not None:
-                raise ValueError(
-                    f"wdscache.WebDataset({name}=...): the agent serves whole samples, so tar members are "
-                    "not chosen or renamed as they are read; drop or rename fields in a stage after the "
-                    "source instead (.map_dict, .rename, .map)"
-                )
+        del repeat, verbose, cache_size, url_to_name  # see the docstring: nothing to do here
         if mode not in (None, "resampled"):
             raise ValueError(f"wdscache.WebDataset(mode={mode!r}): the one mode is 'resampled', as in webdataset")
         resampled = resampled or mode == "resampled"
@@ -166,23 +163,30 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
                 "as webdataset's (reraise_exception, warn_and_continue, ignore_and_stop, ...)"
             )
         if isinstance(given, (str, Sequence)) and pipe_urls(given):
-            if resampled:
-                raise ValueError(
-                    "wdscache.WebDataset(resampled=True) takes shards the agent caches, not pipe: "
-                    "commands (webdataset reads those in this process)"
-                )
             self.loader = None
             self._piped(
                 given,
-                shardshuffle=shardshuffle,
-                seed=seed,
                 handler=handler,
                 empty_check=empty_check,
+                unused=loader_kwargs,
+                # webdataset's own keywords: its pipeline takes them as it does
+                shardshuffle=shardshuffle,
+                seed=seed,
+                resampled=resampled,
+                detshuffle=detshuffle,
                 nodesplitter=nodesplitter,
                 workersplitter=workersplitter,
-                unused=loader_kwargs,
+                select_files=select_files,
+                rename_files=rename_files,
             )
             return
+        for name, chooser in (("select_files", select_files), ("rename_files", rename_files)):
+            if chooser is not None:
+                raise ValueError(
+                    f"wdscache.WebDataset({name}=...): the agent serves whole samples, so tar members are "
+                    "not chosen or renamed as they are read; drop or rename fields in a stage after the "
+                    "source instead (.map_dict, .rename, .map), or read pipe: shards, which webdataset reads"
+                )
         # The loader splits by rank and by DataLoader worker itself: webdataset's splitters
         # (nodesplitter=, workersplitter=) have nothing to split and are ignored.
         del nodesplitter, workersplitter
@@ -213,15 +217,13 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
         self,
         urls: str | Sequence[str],
         *,
-        shardshuffle: bool | int | None,
-        seed: int | None,
         handler: Callable[[BaseException], bool],
         empty_check: bool,
-        nodesplitter: Any,
-        workersplitter: Any,
         unused: dict[str, Any],
+        **webdatasets: Any,
     ) -> None:
-        """``pipe:`` shards: webdataset's own pipeline over them, in this process (see the module).
+        """``pipe:`` shards: webdataset's own pipeline over them, in this process (see the module),
+        made with ``webdatasets``, its keywords given (a splitter left ``None`` is its default).
         A string goes to webdataset whole: it splits it at ``::`` and expands its braces."""
         items = split_patterns(urls) if isinstance(urls, str) else list(urls)
         others = [u for u in items if not (isinstance(u, str) and u.startswith(PIPE))]
@@ -236,26 +238,36 @@ class WebDataset(wds.DataPipeline, wds.FluidInterface):
                 "pipe: shards: webdataset reads them in this process, uncached (split them with "
                 "nodesplitter= and workersplitter=, as in webdataset)"
             )
-        splitters = {"nodesplitter": nodesplitter, "workersplitter": workersplitter}
+        splitters = ("nodesplitter", "workersplitter")
         reader = wds.WebDataset(
             urls if isinstance(urls, str) else items,
             handler=handler,
-            shardshuffle=shardshuffle,
-            seed=seed,
-            empty_check=False,
-            **{k: v for k, v in splitters.items() if v is not None},
+            empty_check=False,  # (the check is this dataset's, in _iteration)
+            **{k: v for k, v in webdatasets.items() if not (k in splitters and v is None)},
         )
         self.pipeline = reader.pipeline
         self.empty_check = empty_check
 
     def shuffle(self, size: int, **kw: Any) -> WebDataset:
         """Right after the source, the loader's seeded buffer of ``size`` samples (shards
-        shuffled too); later in the pipeline, webdataset's ``shuffle`` stage."""
-        if self.loader is not None and len(self.pipeline) == 1 and not kw and size > 1:
+        shuffled too); later in the pipeline, or with webdataset's keywords (``initial``, ``rng``,
+        ``seed``), webdataset's ``shuffle`` stage, right after the source with a ``UserWarning``:
+        the loader's buffer, which checkpoints replay, has its own fixed start and seeded generator."""
+        source = self.loader if len(self.pipeline) == 1 and size > 1 else None
+        if source is not None and kw:
+            warnings.warn(
+                f"wdscache.WebDataset.shuffle({size}, {', '.join(f'{k}=' for k in sorted(kw))}...) is "
+                "webdataset's shuffle stage, not the loader's seeded buffer: a checkpoint counts the "
+                "samples it holds as delivered, its order is random unless seed= or rng= fixes it, and "
+                "shards are shuffled by shardshuffle= alone; .shuffle(n) without keywords is the loader's",
+                UserWarning,
+                stacklevel=2,
+            )
+        if source is not None and not kw:
             result = self.compose()
-            result.loader = loader = copy.copy(self.loader)  # compose() shares the stages: this one changes
+            result.loader = loader = copy.copy(source)  # compose() shares the stages: this one changes
             loader.shuffle, loader.shuffle_buffer = True, size
-            if self.loader._private_agent is not None:
+            if source._private_agent is not None:
                 loader._ensure_agent()  # a copy holds no use of it (see __getstate__): its own, as the original's
             result.pipeline = [_Source(loader, endless=self._endless_source)]
             return result

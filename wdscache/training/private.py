@@ -106,6 +106,7 @@ class PrivateAgent:
         state = _serving(layout)
         if state is not None and not state.get("private_users"):
             return None
+        _warn_of_foreign_files(layout)
         layout.prepare()  # ours and private before anything is written into it
         deadline = time.monotonic() + timeout
         start_fd = _lock(
@@ -140,6 +141,30 @@ class PrivateAgent:
         self._release()
         if self.proc is not None:
             self.proc.poll()  # reap it if it has already exited
+
+
+def _warn_of_foreign_files(layout: CacheLayout) -> None:
+    """Warn, naming the folder, when a cache directory no agent has used yet holds files: say,
+    webdataset's own download cache (its ``WebDataset(cache_dir=)``), given again as wdscache's.
+    The agent takes the folder as it is (private, mode 0700) and leaves what it did not write
+    at its top as it is, neither read, counted nor deleted: unseen, outside its budget."""
+    root = layout.root
+    if os.path.lexists(layout.index_dir) or os.path.lexists(layout.token_path):
+        return  # a cache already: what else it holds is the agent's to judge
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return  # not there yet (the agent makes it), or unreadable (prepare() says why)
+    if names:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        log.warning(
+            "cache_dir %s is no wdscache cache yet but holds files (%s): a private agent makes its cache "
+            "there beside them (the folder made private, mode 0700) and leaves them as they are, unread "
+            "and outside its budget; webdataset's download cache (its WebDataset(cache_dir=)) is not "
+            "wdscache's: give wdscache a folder of its own",
+            root,
+            shown,
+        )
 
 
 def _lock(path: Path, how: int, deadline: float, busy: str) -> int:

@@ -32,7 +32,9 @@ Guarantees:
   worker's table), so the agent keeps its pins; the ping carries its samples, bytes, rate and
   time waiting to pin shards so far, as a stream's report does, so the agent's stats show it
   reading, as rank 0 of job ``random-access/<dataset name>``, and count its samples. Its bye
-  carries its totals: at ``close()``, or, never closed (a DataLoader worker's), as its process
+  carries its totals: at ``close()``; dropped unclosed (wids needs no close()), as it is
+  collected, sent without waiting for an answer (a finalizer must not block), so that the agent
+  lets go of its pins at once; or, never closed (a DataLoader worker's), as its process
   exits normally (within ``EXIT_BYE_TIMEOUT`` for all its sessions; not one of a daemon thread
   still running then). One that reads nothing
   keeps up to ``lru_size`` shards pinned, until the agent drops it: after ``--reader-timeout``,
@@ -88,7 +90,7 @@ from io import BytesIO
 from typing import Any, NamedTuple
 from urllib.parse import urlparse, urlunparse
 
-from ..shared.client import BYE_TIMEOUT, CONSUMER_TIMEOUT, AgentConnection, resolve_endpoint, start_hint
+from ..shared.client import BYE_TIMEOUT, CONSUMER_TIMEOUT, AgentConnection, resolve_endpoint, start_hint, weakly
 from ..shared.errors import (
     AgentUnavailableError,
     ConfigError,
@@ -100,7 +102,7 @@ from ..shared.errors import (
     failed_shard,
 )
 from ..shared.layout import file_identity
-from ..shared.messages import Requests, WorkerRequest
+from ..shared.messages import ByeMessage, Requests, WorkerRequest
 from ..shared.protocol import pack_numbers, pages, process_identity
 from ..shared.shard_index import ShardInfo, parse_shard_entries
 from ..shared.urls import index_list, normalize_url
@@ -630,6 +632,23 @@ class _Table:
         return len(self.keys)
 
 
+@dataclass(slots=True)
+class _Totals:
+    """A session's figures for the agent's stats, as its reads count them: the samples read, their
+    payload bytes, and the seconds its reads waited to pin a shard (a download, room, the shard's
+    table). A record of their own, so that the finalizer of a session dropped unclosed holds
+    them, not the session."""
+
+    samples: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+
+    def bye(self, requests: Requests) -> ByeMessage:
+        """The session's bye, with these totals (whichever way it goes: :meth:`_Session.close`, at
+        its process's exit, or as it is collected)."""
+        return requests.bye(samples=self.samples, bytes=self.bytes, wait_s=round(self.wait_s, 3))
+
+
 class _Open(NamedTuple):
     """A shard this process holds pinned, its cache file open (a tuple: unpacked per sample)."""
 
@@ -660,10 +679,6 @@ class _Session:
         self.name = f"{ds.dataset_name}/{self.pid}/{uuid.uuid4().hex[:8]}"
         self.requests = Requests(self.name)
         self.pinned: OrderedDict[int, _Open] = OrderedDict()  # shard position -> its pin, least recent first
-        # A dataset dropped without close() (wids needs none) closes its files when collected;
-        # the connection and the worker links close their sockets so too, and the agent drops
-        # the pins of a silent reader.
-        weakref.finalize(self, _close_files, self.pinned).atexit = False
         self.tables: OrderedDict[int, _Table] = OrderedDict()
         self.table_samples = 0
         self.last = -1  # the shard read last (at the end of the LRU order already)
@@ -672,18 +687,23 @@ class _Session:
         self.hello: dict[str, Any] = {}
         self.contact = 0.0  # when we last said hello or pinged (see _still_known)
         # For the agent's stats, carried by our pings (we have no report thread) and our bye:
-        # the samples this session read, their payload bytes, the seconds its reads waited to
-        # pin a shard (a download, room, the shard's table); and when we last pinged and our
-        # samples then (our rate is of the samples since).
-        self.samples = self.bytes = 0
-        self.wait_s = 0.0
+        # our totals; and when we last pinged and our samples then (our rate is of the samples since).
+        self.totals = _Totals()
         self.pinged_at, self.pinged_samples = time.monotonic(), 0
         try:
             self._say_hello()
         except BaseException:
             self.conn.close()
             raise
-        self.conn.on_new_run = self._agent_restarted
+        # (Weakly: the finalizer below holds our connection, which must not hold us.)
+        self.conn.on_new_run = weakly(self._agent_restarted)
+        # A dataset dropped without close() (wids needs none: an evaluation set built and dropped
+        # every few minutes) says its bye as it is collected, so that the agent lets go of its
+        # pins and counts its samples at once, not after --reader-timeout of silence.
+        self._dropped = weakref.finalize(
+            self, _bye_dropped, self.pid, self.pinned, self.conn, self.requests, self.totals
+        )
+        self._dropped.atexit = False  # at exit, _bye_at_exit says it (or a daemon thread reads on)
         self.thread = threading.current_thread()  # the one that uses our sockets (see _bye_at_exit)
         # One never closed (a DataLoader worker's: torch calls no close() there) says its bye as
         # its process exits normally: multiprocessing runs these finalizers as its children end,
@@ -760,10 +780,13 @@ class _Session:
         read of another shard finds out). The ping carries our figures, as a stream's report
         does: the agent shows us reading, not silent, and counts our samples."""
         now = self.contact = time.monotonic()
-        samples, since = self.samples, now - self.pinged_at
+        totals = self.totals
+        samples, since = totals.samples, now - self.pinged_at
         rate = (samples - self.pinged_samples) / since if since > 0 else 0.0
         self.pinged_at, self.pinged_samples = now, samples
-        ping = self.requests.ping(samples=samples, bytes=self.bytes, rate=round(rate, 1), wait_s=round(self.wait_s, 3))
+        ping = self.requests.ping(
+            samples=samples, bytes=totals.bytes, rate=round(rate, 1), wait_s=round(totals.wait_s, 3)
+        )
         try:
             return self.conn.request(ping, timeout=timeout).get("known") is not False
         except AgentUnavailableError:
@@ -781,7 +804,7 @@ class _Session:
             try:
                 held = self._pin(shard)
             finally:
-                self.wait_s += time.monotonic() - started
+                self.totals.wait_s += time.monotonic() - started
         elif shard != self.last:
             self.pinned.move_to_end(shard)
         self.last = shard
@@ -808,8 +831,9 @@ class _Session:
                     sample[name] = BytesIO(data[a:b])
                     payload += b - a
                 sample["__key__"] = table.keys[inner]
-                self.samples += 1
-                self.bytes += payload
+                totals = self.totals
+                totals.samples += 1
+                totals.bytes += payload
                 return sample
         else:  # a read per field: each byte copied once
             for name in table.names[inner]:
@@ -822,8 +846,9 @@ class _Session:
                 payload += b - a
             else:
                 sample["__key__"] = table.keys[inner]
-                self.samples += 1
-                self.bytes += payload
+                totals = self.totals
+                totals.samples += 1
+                totals.bytes += payload
                 return sample
         # Cut short behind the agent's back: never served; open it (and walk its table) again.
         self._let_go(shard)
@@ -970,10 +995,10 @@ class _Session:
         """Say bye, with our totals (waiting ``timeout`` at most for the agent), and close our
         files and sockets."""
         self._at_exit.cancel()
+        self._dropped.detach()  # (said here: not again as we are collected)
         _close_files(self.pinned)
         try:
-            bye = self.requests.bye(samples=self.samples, bytes=self.bytes, wait_s=round(self.wait_s, 3))
-            self.conn.request(bye, timeout=timeout)
+            self.conn.request(self.totals.bye(self.requests), timeout=timeout)
         except WdsCacheError:
             pass
         finally:
@@ -1002,6 +1027,18 @@ def _bye_at_exit(session_ref: weakref.ReferenceType[_Session]) -> None:
         _exit_deadline = time.monotonic() + EXIT_BYE_TIMEOUT
     session.conn.on_new_run = None  # a restarted agent knows nothing of us: no hello again at exit
     session.close(timeout=max(0.0, _exit_deadline - time.monotonic()))
+
+
+def _bye_dropped(
+    pid: int, pinned: OrderedDict[int, _Open], conn: AgentConnection, requests: Requests, totals: _Totals
+) -> None:
+    """A session dropped without ``close()``, collected: its files close; in the process that made
+    it (of ``pid``: a forked child's copy holds its parent's pins, see :meth:`_Session.forget`),
+    its bye goes, with its ``totals``, not waited for (the collector may run this in any thread, at
+    any allocation: it must neither block nor raise), and its connection closes."""
+    _close_files(pinned)
+    if os.getpid() == pid:
+        conn.tell_and_close(totals.bye(requests))
 
 
 def _close_files(pinned: OrderedDict[int, _Open]) -> None:

@@ -3,10 +3,10 @@
 - a string with a scheme (``http://``, ``s3://``, ``file://``), a ``pipe:`` command or a brace
   pattern is a URL pattern, expanded as one line of a list would be:
   ``"http://h/shard-{000..099}.tar"``;
-- a string naming a tar file (``.tar``, ``.tar.gz``, ``.tgz``) is that one local shard, as
-  webdataset takes it;
-- any other string, or a path object that names no tar file, is a list file (or a shard
-  index, wids JSON);
+- a string or path object naming a tar file is that one local shard, as webdataset takes it: a
+  name ending in ``.tar``, ``.tar.gz`` or ``.tgz`` (in any case), or a file whose first bytes
+  are a shard's, whatever its name (:func:`~wdscache.shared.urls.names_shard`);
+- any other string or path object is a list file (or a shard index, wids JSON);
 - a list's items are expanded like the lines of a list file; any other iterable of strings
   (a generator, ``map(...)``) is read once, as a list (:func:`taken_once`); an empty one is refused;
 - a string of patterns joined by ``::`` is those patterns, in order, as webdataset splits it
@@ -31,8 +31,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..shared.errors import ConfigError, UrlListError
 from ..shared.redact import redact_urls
-from ..shared.s3 import SHARD_SUFFIXES, Listing
-from ..shared.urls import UrlList, expand_braces, normalize_url, parse_url_list, read_url_list, repeated_urls
+from ..shared.s3 import Listing
+from ..shared.urls import (
+    UrlList,
+    expand_braces,
+    names_shard,
+    normalize_url,
+    parse_url_list,
+    read_url_list,
+    repeated_urls,
+)
 
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _BRACKETED_OR_JOIN = re.compile(r"\[[^\]]*\]|::")  # an IPv6 host's brackets (kept whole), or a "::"
@@ -69,12 +77,12 @@ def read_urls_arg(urls: UrlsArg) -> UrlList:
     """The list that ``urls=`` stands for, with a shard index's facts when it names one."""
     if isinstance(urls, os.PathLike):
         path = os.fspath(urls)
-        return _items([path], single=True) if path.endswith(SHARD_SUFFIXES) else _list_file(path)
+        return _items([path], single=True) if names_shard(path) else _list_file(path)
     if isinstance(urls, str):
         parts = split_patterns(urls) if "::" in urls else [urls]
         if len(parts) > 1:
             return _items(parts, single=False)
-        if _SCHEME.match(urls) or urls.startswith(PIPE) or "{" in urls or urls.endswith(SHARD_SUFFIXES):
+        if _SCHEME.match(urls) or urls.startswith(PIPE) or "{" in urls or names_shard(urls):
             return _items([urls], single=True)
         return _list_file(urls)
     if isinstance(urls, bytes):
@@ -124,7 +132,7 @@ def given_names(urls: UrlsArg) -> dict[str, str]:
                 for name in expand_braces(item):
                     names.setdefault(normalize_url(name, os.getcwd()), name)
             continue
-        if len(items) == 1 and isinstance(urls, str) and not ("{" in item or item.endswith(SHARD_SUFFIXES)):
+        if len(items) == 1 and isinstance(urls, str) and not ("{" in item or names_shard(item)):
             continue  # a list file
         for name in expand_braces(item):
             if ":" in name.split("/", 1)[0] and name[:5].lower() != "file:":
