@@ -31,11 +31,12 @@ this one's):
 - ``workers``: the sample workers are busy more than :data:`WORKERS_BUSY` of the time, or one
   has not reported for :data:`SUSPECT_AFTER` seconds (they report every second: stuck on a
   request, or stopped);
-- ``latency``: none of these, over two reports of the rank in a row: the consumer's own reads
-  (receiving and decoding samples) are slow, as on a machine whose cores are all busy. A slow
-  transform is no wait: it shows as a low rate. A rank that waited over one report only (a
-  worker that stopped a moment ago, or one that just came back) is told as waiting, cause not
-  known yet (kind None).
+- ``latency``: none of these: the consumer's own reads (receiving and decoding samples) are slow,
+  as on a machine whose cores are all busy. A slow transform is no wait: it shows as a low rate.
+  A rank's wait is of its last report (about a second), the causes of the moment: for about a
+  report after its wait's cause went (a shard it waited for came, a stopped worker went on), or
+  before that cause shows (a worker stopped less than :data:`SUSPECT_AFTER` ago), a waiting
+  rank is told this.
 
 A rank whose process ended mid-epoch (no bye: killed, crashed) while its job's other ranks read on
 is named after the verdict, as gone (``ended_jobs``' ``gone``), and so is one that stopped
