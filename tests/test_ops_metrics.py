@@ -86,7 +86,17 @@ def test_metrics_endpoint_and_stats_prometheus_give_the_agents_numbers(tmp_path,
         assert metrics[("wdscache_worker_samples_total", (("worker", "0"),))] == 0
         assert {k[1] for k in metrics if k[0] == "wdscache_job_starved"} == {
             (("job", "train"), ("reason", r))
-            for r in ("budget", "disk", "failing_source", "downloads", "slow_source", "workers", "latency")
+            for r in (
+                "budget",
+                "disk",
+                "files",
+                "failing_source",
+                "silent_source",
+                "downloads",
+                "slow_source",
+                "workers",
+                "latency",
+            )
         }
     assert set(got) == set(printed)
     assert agent.stop() == 0

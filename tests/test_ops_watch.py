@@ -96,8 +96,12 @@ def test_each_verdict_names_its_cause_and_what_to_do():
     )
     assert line(waiting=0.5, need=2048, demanded=1, disk=full).startswith("starved by the budget")
     assert line(waiting=0.5, busy=0.9, disk=full).startswith("starved by workers")  # it waits for no shard
-    # Prefetches queued while the shard waited for downloads: more downloads would share its link.
-    assert line(waiting=0.5, demanded=1, queued=3, demanded_queued=0) == slow
+    # Prefetches queued for a slot while the shards waited for download: more slots fetch ahead.
+    assert line(waiting=0.5, demanded=1, queued=3, demanded_queued=0) == (
+        "starved by a slow source: the shards waited for are downloading, 3 other download(s) wait for a slot, "
+        "downloads get 3.0K/s in all: raise --download-workers (or --download-parts) to fetch more at once, "
+        "or check the source"
+    )
     assert line(waiting=0.5, busy=0.9) == "starved by workers: raise --workers, if the machine has idle cores"
     assert line(waiting=0.5).startswith("waiting for data, but not for downloads, workers or the budget")
     # A job that ended stays with its totals; a live job of that name wins.

@@ -71,7 +71,7 @@ from ..shared.protocol import CONTROL_OPS, GREETED_OPS, READER_OPS, WORKER_OPS, 
 from ..shared.protocol import field as get_field
 from ..shared.stats import build
 from ..shared.urls import UrlList, Urls
-from ..shared.verdict import job_counts, starved_by
+from ..shared.verdict import starved_by
 from .cache import INDEX_HEADROOM, ShardCache
 from .control import ControlSocket, Reply, Request
 from .downloads import Downloads
@@ -97,6 +97,7 @@ from .shard_download import BadShard
 from .shards import Shards
 from .startup import StartStep, StoppedStarting, in_thread, take_cache_dir
 from .upkeep import Upkeep
+from .waits_view import SourceSilence, waits
 from .worker_reports import WorkerReports
 
 log = get_logger(__name__)
@@ -243,6 +244,7 @@ class Agent:
             cfg, self.cache, shards, self.fetcher, self.mailbox, expected=self.readers.shard_info
         )
         self.opens = Opens(cfg, self.cache, shards, self.readers, self.downloads)
+        self.silence = SourceSilence(shards)  # which downloads' sources send nothing, for stats
         self.workers = WorkerReports(self.pool, self.socket)
         self.prefetches = Prefetches(self.cache, self.downloads)
         self.cache.watcher = self.prefetches
@@ -376,6 +378,7 @@ class Agent:
 
     def _periodic(self) -> None:
         self.downloads.sample_rate()
+        self.silence.sample()
         now = time.monotonic()
         if self._metrics is not None and now - self._last_metrics >= METRICS_EVERY:
             self._last_metrics = now
@@ -567,7 +570,7 @@ def _live_stats(agent: Agent) -> dict[str, Any]:
     waited = agent.opens.shards.waited_for_by(agent.readers.job_of)
     agent_view = {
         "workers": agent.workers.view(),
-        **_waits(waited, agent.downloads),
+        **waits(waited, agent.opens.shards, index, agent.silence.sends_nothing()),
         "retrying": agent.downloads.retrying(waited),
         "need_bytes": agent.readers.need(agent.opens.held)[0],
         "disk": agent.downloads.disk(),
@@ -654,19 +657,6 @@ class _PrivateUse:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-
-def _waits(waited: dict[str, set[str]], downloads: Downloads) -> dict[str, Any]:
-    """The shards readers wait for (``waited``: url -> the jobs whose readers do), as stats' agent
-    view counts them: in all and by job, and those whose download has not started (waiting for a
-    download slot)."""
-    unstarted = {url: jobs for url, jobs in waited.items() if url not in downloads}
-    return {
-        "demanded": len(waited),
-        "demanded_by_job": job_counts(waited),
-        "demanded_queued": len(unstarted),
-        "demanded_queued_by_job": job_counts(unstarted),
-    }
 
 
 def _shard_counts(cache: ShardCache, downloads: Downloads, prefetches: Prefetches, wanted: list[str]) -> dict[str, int]:

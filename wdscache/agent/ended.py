@@ -73,7 +73,8 @@ class EndedConsumers:
             rank["_epochs"].add(consumer["epoch"])
         rank["_consumers"] += 1
         rank["_launch"] = consumer.get("_launch") or rank.get("_launch")  # the script's run (see joined)
-        rank.update({k: consumer[k] for k in ("epoch", "position") if consumer.get(k) is not None})
+        rank.update({k: consumer[k] for k in ("epoch", "position", "world") if consumer.get(k) is not None})
+        rank["gone"] = bool(consumer.get("gone"))  # the latest consumer's process ended mid-epoch (no bye)
         # The error a bye said ended its epoch: the first stays (the job's end is what it was).
         if consumer.get("end_error") is not None and rank.get("end_error") is None:
             rank["end_error"] = consumer["end_error"]
@@ -151,8 +152,9 @@ class EndedConsumers:
 
     def view(self) -> dict[str, dict[str, Any]]:
         """``ended_jobs`` of the stats: {job: {rank: {samples, bytes, wait_s (over its consumers that
-        left), epochs (how many they read), epoch and position (the latest's), ended, end_error
-        (the first error a bye said ended an epoch), ...}}}."""
+        left), epochs (how many they read), epoch, position and world (the latest's), ended, gone
+        (the latest's process ended without a bye: mid-epoch), end_error (the first error a bye said
+        ended an epoch), ...}}}."""
         jobs: dict[str, dict[str, Any]] = {}
         for (job, rank), kept in self.ranks.items():
             view = {k: v for k, v in kept.items() if not k.startswith("_")}

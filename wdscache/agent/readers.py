@@ -66,6 +66,7 @@ from .unnamed_partials import UnnamedPartials
 log = get_logger(__name__)
 
 STARTUP_READER = "(start-up plan)"
+_PROCESS_ENDED = ": its process ended"  # why a reader whose process ended goes, in the log
 HELLO_MAX = (1 << 31) - 1  # the most a hello's world size, epoch or shuffle buffer may be (torch's ranks are int32)
 REPORT_FIELDS = ("samples", "bytes", "rate", "wait_s", "epoch", "position")
 MAX_WATCHED = 512  # consumer processes watched at once (one descriptor each); others are timed out
@@ -394,7 +395,7 @@ class Readers:
             if epoch is not None:
                 self._ranks.join(name, Reading(job, loader, epoch, rank, world, Listed(key, len(self._list(key)), own)))
             # Stamped: its first report's share of time spent waiting counts from here.
-            record.consumer = with_fraction(None, {"job": job, "rank": rank}, "wait_s", "waiting")
+            record.consumer = with_fraction(None, {"job": job, "rank": rank, "world": world}, "wait_s", "waiting")
             record.buffer = hello.buffer
             if back is not None:
                 record.counted = dict(back.counted)  # its reports go on from there: nothing counted twice
@@ -483,7 +484,7 @@ class Readers:
     def _record(self, record: ReaderRecord, figures: dict[str, float]) -> None:
         """A report's ``figures`` as the stats of the reader's consumer, and counted in its rank's totals."""
         known = record.consumer or {}
-        report = {"job": known.get("job"), "rank": known.get("rank"), **figures}
+        report = {"job": known.get("job"), "rank": known.get("rank"), "world": known.get("world"), **figures}
         if known.get("job") is not None:  # (not a probe's, nor a plain client's: they said no job)
             self._totals.add((str(known["job"]), str(known.get("rank"))), record.counted, figures)
         record.consumer = with_fraction(known, report, "wait_s", "waiting")
@@ -512,13 +513,15 @@ class Readers:
         dropped = (
             Dropped(record.counted, None if record.own_list else record.plan.list_id) if silent is not None else None
         )
-        self._ended.left(name, {**consumer, "_launch": record.launch}, dropped)
+        # Its process ended without a bye: killed or crashed mid-epoch (stats name it while its job reads on).
+        gone = why == _PROCESS_ENDED
+        self._ended.left(name, {**consumer, "_launch": record.launch, "gone": gone}, dropped)
 
     def expire(self) -> None:
         """Drop readers whose process ended or that went silent; free the lists nobody reads, and
         the kept partials no list names."""
         for name in self._processes.ended():
-            self.drop(name, why=": its process ended")
+            self.drop(name, why=_PROCESS_ENDED)
         now = time.monotonic()
         for name, record in list(self._readers.items()):
             quiet = now - record.plan.last_seen

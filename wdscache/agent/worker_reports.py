@@ -35,7 +35,7 @@ from ..shared.protocol import check as check_message
 from ..shared.protocol import field as get_field
 from ..shared.protocol import numbers, pack
 from ..shared.stats import public, silent_for, with_fraction
-from ..shared.verdict import SILENT_AFTER
+from ..shared.verdict import SILENT_AFTER, SUSPECT_AFTER
 from .control import ControlSocket
 from .pool import WorkerPool
 from .worker import HOLD_MAX
@@ -146,11 +146,14 @@ class WorkerReports:
 
     def view(self) -> list[dict[str, Any]]:
         """Each worker's last report, for stats (a worker that never reported: its number only); one
-        silent for SILENT_AFTER (stuck on a request, or stopped) is ``silent_s`` and counted busy."""
+        silent for SUSPECT_AFTER is ``quiet_s`` (two reports missed: the verdict names it while a
+        rank waits); for SILENT_AFTER (stuck on a request, or stopped), ``silent_s`` and counted busy."""
         now, out = time.monotonic(), []
         for i in range(len(self._pool.endpoints)):
             report = self._stats.get(i, {"index": i})
             view, silent = public(report), silent_for(report, now)
+            if silent > SUSPECT_AFTER:
+                view["quiet_s"] = round(silent, 1)
             if silent > SILENT_AFTER:
                 view.update(busy=1.0, silent_s=round(silent, 1))
             out.append(view)

@@ -32,6 +32,8 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
     wdscache_disk_short                       1 while downloads wait for that file system: full (it
                                               refused a write), or a shard readers wait for waits for
                                               space with less than --min-free free; else 0
+    wdscache_files_short                      1 while downloads wait for open files (the agent's limit,
+                                              ulimit -n, is too low for them), else 0
     wdscache_pinned_shards                    shards being read
     wdscache_consumers                        consumers connected
     wdscache_worker_busy_seconds_total{worker}, wdscache_worker_samples_total{worker},
@@ -47,8 +49,10 @@ The metrics (counters end in ``_total``; sizes are bytes, times seconds)::
                                               process stopped or hung: then its rate and waiting are 0),
                                               0 while it reports
     wdscache_job_starved{job,reason}          1 for a live job that is starved, by its reason
-                                              (budget, disk, failing_source, downloads,
-                                              slow_source, workers, latency), else 0
+                                              (budget, disk, files, failing_source, silent_source,
+                                              downloads, slow_source, workers, latency), else 0
+    wdscache_job_ranks_gone{job}              ranks of a live job whose process ended mid-epoch (no
+                                              bye: killed, crashed), none of their consumers live
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .redact import redact_urls
-from .verdict import KINDS, verdicts
+from .verdict import KINDS, gone_ranks, verdicts
 
 EXTRA = "pip install prometheus_client (the package's metrics extra)"
 
@@ -137,6 +141,11 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
             "1 while downloads wait for the cache's file system (full, or below --min-free)",
             1 if disk.get("short") else 0,
         )
+    yield gauge(
+        "files_short",
+        "1 while downloads wait for open files (the agent's ulimit -n is too low for them), else 0",
+        1 if agent.get("out_of_files") else 0,
+    )
     yield gauge("pinned_shards", "Shards being read", agent.get("pinned", 0))
     yield gauge("consumers", "Consumers connected", agent.get("consumers", 0))
     yield counter("worker_restarts", "Sample workers restarted", agent.get("worker_restarts", 0))
@@ -181,11 +190,18 @@ def families(s: dict[str, Any]) -> Iterator[Any]:
     starved = GaugeMetricFamily(
         "wdscache_job_starved", "1 if the job is starved, by its reason", labels=["job", "reason"]
     )
+    gone = GaugeMetricFamily(
+        "wdscache_job_ranks_gone",
+        "Ranks of a live job whose process ended mid-epoch (killed, crashed), none of their consumers live",
+        labels=["job"],
+    )
     for job, v in sorted(verdicts(s).items()):
         if job in s.get("jobs", {}):
             for kind in KINDS:
                 starved.add_metric([redact_urls(job), kind], 1 if v.kind == kind else 0)
+            gone.add_metric([redact_urls(job)], len(gone_ranks(s, job, s["jobs"][job])))
     yield starved
+    yield gone
 
 
 def exposition(s: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ The object (also ``wdscache stats --json``)::
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
                       indexed (shards), walked / adopted / loaded (shards whose table the worker
                       walked itself / took from another worker / read from the cache's table
-                      files), silent_s (no report for that long, over SILENT_AFTER: stuck or
+                      files), quiet_s (no report for over 2 s), silent_s (no report for that long, over SILENT_AFTER: stuck or
                       stopped, and counted busy 1.0)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
@@ -40,7 +40,10 @@ The object (also ``wdscache stats --json``)::
                       shard, and the jobs whose readers do), demanded (shards readers wait for),
                       demanded_by_job ({job: how many of them its readers wait for}),
                       demanded_queued and demanded_queued_by_job (of those, the ones whose download
-                      has not started: they wait for a download slot), need_bytes
+                      has not started: they wait for a download slot), demanded_room and
+                      demanded_room_by_job (the ones the budget holds up: waiting for room in it, or
+                      held before and downloaded again), demanded_silent and demanded_silent_by_job
+                      (the ones whose source sent no byte for 3 s), need_bytes
                       (bytes the readers hold at once)};
                       {pid, uptime_s, endpoint, answering: false} when it runs (holds the directory's
                       lock) but gave no reply within ANSWER_TIMEOUT (busy, or stuck): the other fields
@@ -58,7 +61,8 @@ The object (also ``wdscache stats --json``)::
                       from each rank's latest exit), with their totals over every consumer of the
                       rank that left (its epochs and DataLoader workers: samples, bytes, wait_s
                       summed; epochs: how many distinct epoch numbers; epoch and position: the
-                      latest's), ``ended`` (an ISO 8601 date), and ``end_error`` when a bye said
+                      latest's, and world), ``ended`` (an ISO 8601 date), ``gone`` (the latest consumer's process
+                      ended without a bye: killed or crashed mid-epoch), and ``end_error`` when a bye said
                       an error of wdscache's raised to the script ended an epoch (the first,
                       redacted); a job run again under the
                       same name (a rank of it saying hello from another run of the script,
@@ -147,12 +151,15 @@ def build(
     )
 
 
+# The agent's counts by job of the shards readers wait for (see verdict's starved_by).
+_BY_JOB = ("demanded_by_job", "demanded_queued_by_job", "demanded_room_by_job", "demanded_silent_by_job")
+
+
 def _job_names(agent: dict[str, Any] | None, *tables: dict[str, Any] | None) -> list[str]:
     """Every job name in the stats: keys of ``tables`` (``jobs``...) and the agent's fields."""
     names = [job for table in tables for job in table or {}]
     if agent is not None:
-        names += agent.get("demanded_by_job", {})
-        names += agent.get("demanded_queued_by_job", {})
+        names += (job for table in _BY_JOB if table in agent for job in agent[table])
         names += (job for r in agent.get("retrying", []) for job in r.get("jobs", ()))
     return names
 
@@ -163,9 +170,9 @@ def _named(table: dict[str, Any] | None, shown: dict[str, str]) -> dict[str, Any
 
 
 def _agent_named(agent: dict[str, Any], shown: dict[str, str]) -> dict[str, Any]:
-    """The ``agent`` field with the jobs it names (demanded_by_job, retrying[].jobs) as shown."""
+    """The ``agent`` field with the jobs it names (its ``*_by_job`` counts, retrying[].jobs) as shown."""
     out = dict(agent)
-    for table in ("demanded_by_job", "demanded_queued_by_job"):
+    for table in _BY_JOB:
         if table in agent:
             out[table] = _named(agent[table], shown)
     if "retrying" in agent:
@@ -291,7 +298,7 @@ def jobs_view(
     DataLoader workers, each a consumer) make one: their counts, rates and waits added up, the
     share of time they wait averaged, ``readers`` of them. A live rank whose latest report is
     older than :data:`~wdscache.shared.verdict.SILENT_AFTER` is ``silent_s``: rate and wait 0."""
-    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "seen", "ended", "_mono")
+    keep = ("samples", "bytes", "rate", "wait_s", "waiting", "epoch", "position", "world", "seen", "ended", "_mono")
     jobs: dict[str, dict[str, Any]] = {}
     for c in consumers.values():
         view = {k: c[k] for k in keep if k in c}
@@ -310,7 +317,7 @@ def jobs_view(
 
 
 _ADDED = ("samples", "bytes", "rate", "wait_s", "position")  # of a rank's readers together
-_LATEST = ("epoch", "seen", "ended", "_mono")
+_LATEST = ("epoch", "world", "seen", "ended", "_mono")
 
 
 def _together(rank: dict[str, Any], one: dict[str, Any]) -> dict[str, Any]:
