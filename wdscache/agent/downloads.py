@@ -280,6 +280,13 @@ class FilesShort:
             fetcher.close_thread()  # its kept connection is a file held while it waits
             self._wait(d, fault, FILES_BACKOFF.delay(min(short, 16)))  # (at the max long before 16)
 
+    def idle(self, fetcher: Fetcher) -> None:
+        """A download thread found no task for ``IDLE_CHECK``: while the agent is short of open
+        files (:meth:`FileClaims.tight`), it closes the connections ``fetcher`` keeps for it, a file
+        each, which a download, or a connection to the agent, may need."""
+        if self.claims.tight():
+            fetcher.close_thread()
+
     def _wait(self, d: Download, fault: str, delay: float) -> None:
         """Say that ``d`` found no file to spare (a warning at most every ``FILES_LOG_EVERY``), and
         wait ``delay`` (Cancelled if cancelled meanwhile)."""
@@ -319,7 +326,6 @@ class Downloads:
         self._config, self._cache, self._fetcher, self._mailbox = config, cache, fetcher, mailbox
         self._shards = shards  # each download in flight is in its shard's record
         self._expected = expected  # what a shard index says of a URL: each download is checked against it
-        self._layout = cache.layout
         self._tasks: queue.SimpleQueue[Download | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._grants = Grants(cache)  # budget asked for and not granted yet
@@ -361,13 +367,9 @@ class Downloads:
         d = self._download(url)
         # A gzip'd shard is read once decompressed: a reader of its partial file would hold
         # its pins while the tar still needs room.
-        return (
-            d is not None
-            and not d.verify
-            and not d.progress.gzipped
-            and d.progress.total is not None
-            and d.budget.reserved >= d.progress.total
-        )
+        if d is None or d.verify or d.progress.gzipped or d.progress.total is None:
+            return False
+        return d.budget.reserved >= d.progress.total
 
     def progress(self, url: str) -> dict[str, Any]:
         """Bytes written so far and the size, of a download of ``url`` ({} if none), and
@@ -517,8 +519,8 @@ class Downloads:
         rec = self._cache.index.get(url)
         d = Download(
             url,
-            partial=self._layout.partial_path(url),
-            final=self._layout.shard_path(url),
+            partial=self._cache.layout.partial_path(url),
+            final=self._cache.layout.shard_path(url),
             budget=Budget(self.reserve),
             progress=Progress(etag=rec.etag if rec else None),
             demanded=demanded,
@@ -540,8 +542,8 @@ class Downloads:
         rec, info = self._cache.index.get(url), self._expected(url)
         d = Download(
             url,
-            partial=self._layout.partial_path(url),
-            final=self._layout.shard_path(url),
+            partial=self._cache.layout.partial_path(url),
+            final=self._cache.layout.shard_path(url),
             budget=Budget(self.reserve),
             # The version the copy holds, and whether its bytes may prove it (see _revalidate).
             progress=Progress(
@@ -613,7 +615,6 @@ class Downloads:
         if again:
             index.incr("redownloads")
             index.incr("bytes_redownloaded", fetched.size)
-        if again:
             event(
                 log,
                 "redownloaded",
@@ -685,15 +686,12 @@ class Downloads:
         return True
 
     def _thread(self) -> None:
-        """A download thread: runs tasks until it takes None. While it waits for one and the agent
-        is short of open files (:meth:`FileClaims.tight`), it closes the connections it keeps: a
-        file each, which a download, or a connection to the agent, may need."""
+        """A download thread: runs tasks until it takes None (idle, see :meth:`FilesShort.idle`)."""
         while True:
             try:  # (stop() puts one None for each thread, after its tasks cancelled)
                 d = self._tasks.get(timeout=IDLE_CHECK)
             except queue.Empty:
-                if self._files.claims.tight():
-                    self._fetcher.close_thread()
+                self._files.idle(self._fetcher)
                 continue
             if d is None:
                 break

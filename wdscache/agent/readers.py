@@ -185,6 +185,11 @@ class ReaderRecord:
     launch: str | None = None  # the run of the training script it is part of (its hello's launch)
     random_access: bool = False  # a ShardListDataset's session: no thread lets go of its pins while it is idle
 
+    def dropped(self, silent: Silence | None) -> Dropped | None:
+        """What a reader dropped as ``silent`` comes back to (its totals; its list, but its own,
+        which it sends again); None for one that left."""
+        return None if silent is None else Dropped(self.counted, None if self.own_list else self.plan.list_id)
+
 
 class Readers:
     """The readers, their jobs and lists, and what they want next."""
@@ -509,13 +514,10 @@ class Readers:
         _log_gone(name, why, consumer, silent)
         if consumer is None:  # a plain client
             return
-        # Kept for stats a while (ended_jobs), with its totals; one dropped as silent may come back.
-        dropped = (
-            Dropped(record.counted, None if record.own_list else record.plan.list_id) if silent is not None else None
-        )
-        # Its process ended without a bye: killed or crashed mid-epoch (stats name it while its job reads on).
+        # Kept for stats a while (ended_jobs), with its totals; one dropped as silent may come back;
+        # one whose process ended without a bye (killed, crashed mid-epoch) is named while its job reads on.
         gone = why == _PROCESS_ENDED
-        self._ended.left(name, {**consumer, "_launch": record.launch, "gone": gone}, dropped)
+        self._ended.left(name, {**consumer, "_launch": record.launch, "gone": gone}, record.dropped(silent))
 
     def expire(self) -> None:
         """Drop readers whose process ended or that went silent; free the lists nobody reads, and
