@@ -22,8 +22,8 @@ The object (also ``wdscache stats --json``)::
                       workers: [{index, busy_s, busy (fraction, recent), requests, samples, bytes,
                       indexed (shards), walked / adopted / loaded (shards whose table the worker
                       walked itself / took from another worker / read from the cache's table
-                      files), quiet_s (no report for over 2 s), silent_s (no report for that long, over SILENT_AFTER: stuck or
-                      stopped, and counted busy 1.0)}],
+                      files), quiet_s (no report for over 2 s), silent_s (no report for that
+                      long, over SILENT_AFTER: stuck or stopped, and counted busy 1.0)}],
                       worker_restarts, corrupt: [{url, error}], urls (its list's length),
                       pinned (shards being read), job_lists (URL lists held besides its own),
                       waiting_for_space: [{url, reason}] (downloads the budget or --min-free holds up,
@@ -61,8 +61,9 @@ The object (also ``wdscache stats --json``)::
                       from each rank's latest exit), with their totals over every consumer of the
                       rank that left (its epochs and DataLoader workers: samples, bytes, wait_s
                       summed; epochs: how many distinct epoch numbers; epoch and position: the
-                      latest's, and world), ``ended`` (an ISO 8601 date), ``gone`` (the latest consumer's process
-                      ended without a bye: killed or crashed mid-epoch), and ``end_error`` when a bye said
+                      latest's, and world), ``ended`` (an ISO 8601 date), ``gone`` (the latest
+                      consumer's process ended without a bye: killed or crashed mid-epoch), and
+                      ``end_error`` when a bye said
                       an error of wdscache's raised to the script ended an epoch (the first,
                       redacted); a job run again under the
                       same name (a rank of it saying hello from another run of the script,

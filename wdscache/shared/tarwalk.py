@@ -147,21 +147,12 @@ def packing_of(head: bytes) -> Packing | None:
     return None
 
 
-SNIFF = 64 << 10  # the first bytes of a file that :func:`shard_packing` looks at
-
-
 def shard_packing(head: bytes) -> Packing | None:
-    """What ``head``, a file's first bytes (:data:`SNIFF` of them, or all it has), says the file is
-    as a shard (:func:`packing_of`), a gzip stream only when what it decompresses to begins as a
-    tar: a gzip'd text file (a URL list) is no shard."""
+    """What ``head``, a file's first bytes (``HEAD_BYTES`` of them, or all it has), says the file
+    is as a shard (:func:`packing_of`), a gzip stream only when :func:`tar_problem` finds a tar in
+    it: a gzip'd text file (a URL list) is no shard."""
     packing = packing_of(head[:BLOCK])
-    if packing is not Packing.GZIP:
-        return packing
-    try:
-        inner = zlib.decompressobj(wbits=31).decompress(head, BLOCK)
-    except zlib.error:
-        return None
-    return Packing.GZIP if packing_of(inner) is Packing.TAR else None
+    return None if packing is Packing.GZIP and tar_problem(head) is not None else packing
 
 
 def unread_packing(packing: Packing) -> str:

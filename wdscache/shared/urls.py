@@ -43,7 +43,7 @@ from wdscache.shared.errors import ConfigError, ShardIndexError, UrlListError
 from wdscache.shared.redact import redact_urls
 from wdscache.shared.s3 import SHARD_SUFFIXES, is_prefix, literal_entry, named_object
 from wdscache.shared.shard_index import ShardFacts, ShardInfo, looks_like_index, quick_shard_index, read_shard_index
-from wdscache.shared.tarwalk import GZIP_MAGIC, SNIFF, shard_packing
+from wdscache.shared.tarwalk import GZIP_MAGIC, HEAD_BYTES, shard_packing
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -1032,7 +1032,7 @@ def list_of_bytes(
     data: bytes, *, path: str, allow_pipe: bool = False, limit: int = DEFAULT_LIMIT, lister: Lister | None = None
 ) -> UrlList:
     """:func:`read_url_list` of the bytes ``data`` read from the file ``path``."""
-    packing = shard_packing(data[:SNIFF])
+    packing = shard_packing(data[:HEAD_BYTES])
     if packing is not None:  # its bytes read as lines would be a dump of binary in the error
         raise ConfigError(
             f"URL list {path} looks like a shard (a {packing.value} file), not a URL list (a text file of "
@@ -1089,7 +1089,7 @@ def names_shard(path: str) -> bool:
         if not stat.S_ISREG(os.stat(path).st_mode):
             return False
         with open(path, "rb") as f:
-            return shard_packing(f.read(SNIFF)) is not None
+            return shard_packing(f.read(HEAD_BYTES)) is not None
     except OSError:
         return False
 
