@@ -237,10 +237,12 @@ def test_restart_downloads_nothing_already_cached(shard_server, dataset, start_a
 
     before = len(shard_server.requests)
     second = start_agent(cache, ds.list_file, *args)
-    # Answered after a turn of its loop that scheduled downloads: one it started would be
-    # downloading or queued now, or have reached the server.
-    s = second.stats()
-    assert s["shards"]["cached"] == 5 and s["shards"]["downloading"] == s["shards"]["queued"] == 0, s
+    # Once its start-up plan settled (its first answers may count the plan's shards queued while
+    # it takes them up), nothing downloads and nothing waits; the server says none was fetched.
+    s = second.wait_stats(
+        lambda s: s["shards"]["downloading"] == s["shards"]["queued"] == 0, 15, "the start-up plan settled"
+    )
+    assert s["shards"]["cached"] == 5, s
     assert new_requests(shard_server, before) == [], f"the restarted agent downloaded again\n{second.stderr_tail()}"
     hits, misses = s["hits"], s["misses"]
     with ShardClient(cache, timeout=10) as client:
