@@ -487,8 +487,9 @@ class Agent:
                     self._handle(ident, header)
             except ProtocolError as exc:
                 self.socket.reply(ident, rid, ok=False, error=str(exc))
-            except IndexWriteError as exc:
-                self.socket.reply(ident, rid, ok=False, retry=True, error=f"{exc}; try again shortly")
+            except IndexWriteError as exc:  # (out of the try: a stop it makes is not one bad message's)
+                if header["op"] != "walked":  # (a worker's table: nobody waits for an answer)
+                    self.socket.reply(ident, rid, ok=False, retry=True, error=f"{exc}; try again shortly")
                 self._index_full(exc)
             except Exception as exc:  # one bad message must never take the agent down
                 fault = out_of_files(exc)
@@ -502,11 +503,9 @@ class Agent:
 
     def _keep_table(self, header: dict[str, Any], frames: list[Any]) -> None:
         """A walked table (checked by ``pass_on``) kept on disk for agents started later, if the
-        cache has room for it; the workers check it again when they read it."""
-        try:
-            self.cache.tables.store(header["url"], header["identity"], header["layouts"], [bytes(f) for f in frames])
-        except IndexWriteError as exc:
-            self._index_full(exc)
+        cache has room for it; the workers check it again when they read it. IndexWriteError if its
+        record cannot be written (see ``_serve``)."""
+        self.cache.tables.store(header["url"], header["identity"], header["layouts"], [bytes(f) for f in frames])
 
     def _send_answers(self) -> None:
         """Send the replies to held requests that became answerable (waiters whose shard came)."""
